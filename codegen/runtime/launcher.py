@@ -1,0 +1,104 @@
+"""The body of a compiled ``launch.py``: parse its flags, set up the mesh, check or train.
+
+Errors a user can act on (wrong world size, missing files) print one line on stderr and
+exit 2; a failed parity check exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from codegen.runtime.parity import check_parity, make_optimizer
+from codegen.runtime.program import Program, load_program
+from planner.errors import PlannerError
+from planner.model_spec import extract_loss
+
+
+def main(folder: Path, argv: list[str]) -> int:
+    """Run ``launch.py`` in ``folder`` with command-line ``argv``; returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="launch.py",
+        description="Run a compiled soap-planner program under torchrun.",
+    )
+    parser.add_argument("--check", action="store_true", help="one step sharded vs one device; exit 1 on mismatch")
+    parser.add_argument("--steps", type=int, default=0, help="train N steps on synthetic data and print step times")
+    parser.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance of --check (default 1e-5)")
+    parser.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance of --check (default 1e-4)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default=None, help="default: the plan's optimizer")
+    options = parser.parse_args(argv)
+    if not options.check and options.steps <= 0:
+        parser.error("say what to run: --check, --steps N, or both")
+
+    try:
+        program = load_program(folder)
+        mesh = program.build_mesh()
+        optimizer = options.optimizer or program.plan.optimizer
+        status = 0
+        if options.check:
+            result = check_parity(program, mesh, options.atol, options.rtol, options.lr, optimizer)
+            _say(result.message(options.atol, options.rtol))
+            status = 0 if result.ok else 1
+        if options.steps > 0:
+            train_synthetic(program, mesh, options.steps, options.lr, optimizer)
+        return status
+    except PlannerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train_synthetic(program: Program, mesh, steps: int, lr: float, optimizer_name: str) -> list[float]:
+    """Train ``steps`` steps on random batches shaped like the example batch; print each step's time."""
+    model, args, kwargs = program.build_model()
+    module = program.parallelize(model, mesh)
+    optimizer = make_optimizer(optimizer_name, module.parameters(), lr)
+    times = []
+    for step in range(steps):
+        torch.manual_seed(1000 + step)  # the same global batch on every rank
+        batch_args, batch_kwargs = program.shard_batch(_random_like(args), _random_like(kwargs), mesh)
+        _synchronize()
+        start = time.perf_counter()
+        loss = extract_loss(module(*batch_args, **batch_kwargs))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _synchronize()
+        times.append(time.perf_counter() - start)
+        _say(f"step {step + 1}/{steps}: {times[-1] * 1e3:.2f} ms  loss {loss.item():.4f}")
+    steady = times[1:] or times
+    _say(f"mean step time: {sum(steady) / len(steady) * 1e3:.2f} ms over {len(steady)} steps (first step excluded)")
+    return times
+
+
+def _random_like(tree):
+    """A batch with the structure of ``tree``: floats ~ N(0, 1), integers in the example's range."""
+    if isinstance(tree, torch.Tensor):
+        if tree.is_floating_point():
+            return torch.randn_like(tree)
+        high = int(tree.max().item()) + 1 if tree.numel() else 1
+        return torch.randint_like(tree, 0, max(high, 1))
+    if isinstance(tree, dict):
+        return {key: _random_like(value) for key, value in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_random_like(value) for value in tree)
+    return tree
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+def _say(text: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(text, flush=True)

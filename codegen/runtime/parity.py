@@ -1,0 +1,161 @@
+"""``launch.py --check``: one training step sharded against the same step on one device.
+
+Every rank builds the model and the global batch from the plan's spec with the same seed,
+runs the reference step (forward, loss, backward, optimizer) on the whole batch on its own,
+then the sharded step through ``model_spmd``, and compares outputs, the loss, every
+gradient and every updated parameter. Dropout is switched off in both: its random masks
+cannot match between a sharded and an unsharded run.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
+
+from codegen.runtime.program import Program
+from planner.model_spec import extract_loss
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """How far one sharded tensor is from its single-device value."""
+
+    name: str
+    max_abs_err: float
+    violation: float  # max of |a-b| / (atol + rtol*|b|); above 1 fails
+
+    @property
+    def ok(self) -> bool:
+        return self.violation <= 1.0
+
+
+@dataclass(frozen=True)
+class ParityResult:
+    """Outcome of a parity check over every compared tensor on every rank."""
+
+    compared: int
+    max_abs_err: float
+    worst: TensorDiff
+
+    @property
+    def ok(self) -> bool:
+        return self.worst.ok
+
+    def message(self, atol: float, rtol: float) -> str:
+        if self.ok:
+            return f"parity ok: max_abs_err={self.max_abs_err:.3e} ({self.compared} tensors compared, atol={atol}, rtol={rtol})"
+        return (
+            f"parity FAILED: worst tensor {self.worst.name}: max_abs_err={self.worst.max_abs_err:.3e} "
+            f"({self.worst.violation:.1f}x the tolerance atol={atol}, rtol={rtol})"
+        )
+
+
+def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    """The optimizer of the step: ``adamw`` (the plan's default) or ``sgd``."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    raise ValueError(f"unknown optimizer '{name}' (adamw or sgd)")
+
+
+def check_parity(
+    program: Program, mesh: DeviceMesh, atol: float = 1e-5, rtol: float = 1e-4, lr: float = 1e-3, optimizer: str = "adamw"
+) -> ParityResult:
+    """Run one sharded step and one single-device step and compare them (see module doc)."""
+    model, args, kwargs = program.build_model()
+    _disable_dropout(model)
+    reference = copy.deepcopy(model)
+
+    # Single device: the whole global batch on this rank alone.
+    ref_optimizer = make_optimizer(optimizer, reference.parameters(), lr)
+    ref_output = reference(*args, **kwargs)
+    ref_loss = extract_loss(ref_output)
+    ref_loss.backward()
+    ref_grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters() if p.grad is not None}
+    ref_optimizer.step()
+
+    # Sharded: this rank's module on this rank's slice of the batch.
+    local_module = program.parallelize(model, mesh)
+    local_args, local_kwargs = program.shard_batch(args, kwargs, mesh)
+    local_optimizer = make_optimizer(optimizer, local_module.parameters(), lr)
+    output = local_module(*local_args, **local_kwargs)
+    loss = extract_loss(output)
+    loss.backward()
+    grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+    local_optimizer.step()
+
+    diffs = [_compare("loss", _global_mean(loss.detach()), ref_loss.detach(), atol, rtol)]
+    diffs += _compare_outputs(output, ref_output, mesh, program.plan.batch_size, atol, rtol)
+    missing = sorted(set(ref_grads) ^ set(grads))
+    if missing:
+        diffs.append(TensorDiff(f"gradient presence of {missing[0]}", float("inf"), float("inf")))
+    diffs += [_compare(f"grad of {n}", grads[n], ref_grads[n], atol, rtol) for n in sorted(set(grads) & set(ref_grads))]
+    ref_params = dict(reference.named_parameters())
+    diffs += [
+        _compare(f"updated {name}", _full(p.detach()), ref_params[name].detach(), atol, rtol)
+        for name, p in model.named_parameters()
+    ]
+    return _across_ranks(diffs)
+
+
+def _compare_outputs(output, ref_output, mesh: DeviceMesh, global_batch: int, atol: float, rtol: float) -> list[TensorDiff]:
+    """Compare every tensor of the output; batch-sharded ones against their slice of the reference."""
+    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+    ref_leaves = [t for t in tree_leaves(ref_output) if isinstance(t, torch.Tensor)]
+    if len(leaves) != len(ref_leaves):
+        return [TensorDiff("output structure", float("inf"), float("inf"))]
+    rank, size = mesh.get_local_rank("dp"), mesh.size(mesh.mesh_dim_names.index("dp"))
+    diffs = []
+    for index, (local, ref) in enumerate(zip(leaves, ref_leaves)):
+        local, ref = _full(local.detach()), ref.detach()
+        if local.dim() == 0:
+            local = _global_mean(local)
+        elif ref.dim() > 0 and ref.shape[0] == global_batch and local.shape[0] == global_batch // size:
+            ref = ref.chunk(size, dim=0)[rank]
+        diffs.append(_compare(f"output[{index}]", local, ref, atol, rtol))
+    return diffs
+
+
+def _compare(name: str, actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> TensorDiff:
+    if actual.shape != expected.shape:
+        return TensorDiff(f"{name} (shape {tuple(actual.shape)} vs {tuple(expected.shape)})", float("inf"), float("inf"))
+    actual, expected = actual.double(), expected.double()
+    error = (actual - expected).abs()
+    if error.numel() == 0:
+        return TensorDiff(name, 0.0, 0.0)
+    return TensorDiff(name, error.max().item(), (error / (atol + rtol * expected.abs())).max().item())
+
+
+def _across_ranks(diffs: list[TensorDiff]) -> ParityResult:
+    worst = max(diffs, key=lambda d: d.violation)
+    local = (len(diffs), max(d.max_abs_err for d in diffs), worst)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return ParityResult(
+        compared=sum(item[0] for item in gathered),
+        max_abs_err=max(item[1] for item in gathered),
+        worst=max((item[2] for item in gathered), key=lambda d: d.violation),
+    )
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _global_mean(value: torch.Tensor) -> torch.Tensor:
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / dist.get_world_size()
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0

@@ -1,0 +1,96 @@
+"""A compiled program folder, loaded: its plan, its ``model_spmd`` module, and helpers to
+build the mesh and the model on this rank. This is the Python path for a user's own loop:
+
+    from codegen.runtime import load_program
+    program = load_program("out")                     # inside a torchrun process
+    mesh = program.build_mesh()                       # initialises torch.distributed if needed
+    model, args, kwargs = program.build_model()       # same seed, same weights on every rank
+    module = program.parallelize(model, mesh)
+    local_args, local_kwargs = program.shard_batch(args, kwargs, mesh)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from planner.errors import LaunchError, PlanningError
+from planner.plans import Plan, load_plan
+
+# Every rank builds the model from its spec with this seed, so weights (and the example
+# batch) are identical everywhere without a broadcast. It matches planner.api.BUILD_SEED.
+BUILD_SEED = 0
+
+
+@dataclass
+class Program:
+    """A loaded compiled program (see the module docstring)."""
+
+    folder: Path
+    plan: Plan
+    module: ModuleType
+
+    def device(self) -> torch.device:
+        """This rank's device: ``cuda:<local rank>`` when CUDA is available, else CPU."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+
+    def build_mesh(self) -> DeviceMesh:
+        """Initialise torch.distributed (NCCL on CUDA, gloo on CPU) and the plan's mesh."""
+        check_world_size(self.plan)
+        device = self.device()
+        if not dist.is_initialized():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return init_device_mesh(device.type, self.plan.mesh.shape, mesh_dim_names=self.plan.mesh.names)
+
+    def build_model(self, seed: int = BUILD_SEED) -> tuple[torch.nn.Module, tuple, dict]:
+        """The full model and one global example batch, built from the plan's spec with ``seed``."""
+        if self.plan.model is None:
+            raise PlanningError("this plan has no model spec; build the model yourself and call parallelize()")
+        torch.manual_seed(seed)
+        return self.plan.model.build(self.device())
+
+    def parallelize(self, model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+        """This rank's module (``model_spmd.parallelize``)."""
+        return self.module.parallelize(model, mesh)
+
+    def shard_batch(self, args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
+        """This rank's slice of a global batch (``model_spmd.shard_batch``)."""
+        return self.module.shard_batch(args, kwargs, mesh)
+
+
+def load_program(folder: str | Path) -> Program:
+    """Load a folder written by ``planner.compile`` (``plan.json`` + ``model_spmd.py``)."""
+    folder = Path(folder)
+    source = folder / "model_spmd.py"
+    if not source.is_file():
+        raise LaunchError(f"'{folder}' has no model_spmd.py; compile a plan into it with `planner compile PLAN -o {folder}`")
+    plan = load_plan(folder / "plan.json")
+    spec = importlib.util.spec_from_file_location(f"model_spmd_{abs(hash(str(folder.resolve())))}", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return Program(folder=folder, plan=plan, module=module)
+
+
+def check_world_size(plan: Plan) -> None:
+    """Fail with one line when torchrun's world size differs from the plan's."""
+    if "WORLD_SIZE" not in os.environ:
+        raise LaunchError(
+            f"this program must be started by torchrun: torchrun --nproc_per_node {plan.world_size} launch.py --check"
+        )
+    world = int(os.environ["WORLD_SIZE"])
+    if world != plan.world_size:
+        raise LaunchError(
+            f"the plan was compiled for {plan.world_size} ranks (mesh {plan.mesh}) but torchrun started {world}; "
+            f"run torchrun --nproc_per_node {plan.world_size}, or re-plan for {world} devices"
+        )

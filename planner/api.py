@@ -1,0 +1,119 @@
+"""The public API: ``plan``, ``compile``, ``load_plan``.
+
+This module (with ``planner.cli``) is the only part of ``planner`` that imports the layers
+below it (``search``, ``cost_model``, ``codegen``); the vocabulary modules import none of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from planner.cluster import Cluster
+from planner.errors import PlanningError, SpecError
+from planner.model_spec import ModelSpec
+from planner.plans import Plan, load_plan
+from planner.trace import trace
+
+__all__ = ["plan", "compile", "load_plan"]
+
+# Seed used whenever the planner builds a model from its spec, so every rank of a compiled
+# program and the single-device reference start from the same weights.
+BUILD_SEED = 0
+
+
+def plan(
+    model: torch.nn.Module | ModelSpec | str,
+    cluster: Cluster | str,
+    example_inputs: tuple | dict | None = None,
+    *,
+    spec: ModelSpec | str | None = None,
+    dp_flavour: str | None = None,
+) -> Plan:
+    """Find how to train ``model`` on ``cluster``.
+
+    Args:
+        model: an ``nn.Module`` (with ``example_inputs``), or a model spec such as
+            ``"examples/gpt.py:build"`` or ``"hf:gpt2"`` (built on the meta device: no
+            weights are allocated).
+        cluster: a ``Cluster``, a preset string (``"dgx-a100-80g:4"``, ``"cpu:1x4"``) or a
+            cluster file path.
+        example_inputs: one step's global batch for a module: a tuple of positional
+            inputs, or a dict of keyword inputs. Dim 0 of each tensor is the batch.
+        spec: for a module, the spec it can be rebuilt from inside torchrun; without one
+            the plan can be reported and simulated but not compiled.
+        dp_flavour: force ``"ddp"`` or ``"fsdp"``; by default the fastest that fits.
+
+    Returns:
+        The chosen ``Plan``; ``plan.report()`` explains it.
+
+    Raises:
+        PlannerError: a subclass naming the problem (trace, cluster, spec, planning).
+    """
+    from search.data_parallel import plan_data_parallel
+
+    if isinstance(cluster, str):
+        cluster = Cluster.parse(cluster)
+    if isinstance(model, (str, ModelSpec)):
+        spec = ModelSpec(model, {}) if isinstance(model, str) else model
+        spec = spec.resolved()
+        torch.manual_seed(BUILD_SEED)
+        model, args, kwargs = spec.build("meta")
+    else:
+        if not isinstance(model, torch.nn.Module):
+            raise SpecError(f"plan() takes an nn.Module or a model spec string, got {type(model).__name__}")
+        if example_inputs is None:
+            raise SpecError("plan() needs example_inputs (one global batch) when given an nn.Module")
+        args, kwargs = _split_inputs(example_inputs)
+        if isinstance(spec, str):
+            spec = ModelSpec(spec, {})
+        spec = spec.resolved() if spec is not None else None
+    graph = trace(model, args, kwargs)
+    return plan_data_parallel(
+        graph,
+        cluster,
+        spec,
+        model_name=type(model).__name__,
+        dp_flavour=dp_flavour,
+        warnings=tuple(_model_warnings(model)),
+    )
+
+
+def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb users expect
+    """Write the per-rank program of ``plan`` to ``out_dir``.
+
+    Writes ``model_spmd.py`` (the readable per-rank module), ``plan.json`` and
+    ``launch.py`` (run it with ``torchrun --nproc_per_node N out/launch.py --check``).
+
+    Returns:
+        The output folder.
+    """
+    from codegen.emit import write_program
+
+    if plan.model is None:
+        raise PlanningError(
+            "this plan has no model spec, so torchrun cannot rebuild the model; plan from a spec "
+            "(planner.plan('file.py:build', ...)) or pass spec= to planner.plan"
+        )
+    return write_program(plan, Path(out_dir))
+
+
+def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def _model_warnings(model: torch.nn.Module) -> list[str]:
+    notes = []
+    batch_norms = [name for name, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if batch_norms:
+        notes.append(
+            f"{len(batch_norms)} BatchNorm layer(s) (first: '{batch_norms[0]}') compute statistics per rank "
+            f"under data parallelism, so training differs from one device; use SyncBatchNorm or GroupNorm"
+        )
+    return notes

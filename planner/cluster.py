@@ -1,0 +1,531 @@
+"""The cluster model: nodes of devices joined by two classes of links.
+
+A ``Cluster`` is a tuple of ``NodeSpec`` (one per node, so nodes may differ), a per-device
+share of the inter-node network, and a collective backend. Ranks are node-major: node 0
+holds ranks ``0 .. d0-1``, node 1 the next ``d1``, and so on.
+
+Units everywhere: FLOP/s (dense), bytes, bytes/s per direction per device, seconds.
+
+Clusters come from three edges, all validated by the dataclasses' ``__post_init__``:
+  * presets (``planner/presets.py``), e.g. ``Cluster.preset("dgx-h100", nodes=2)``;
+  * the CLI string ``PRESET``, ``PRESET:NODES``, ``PRESET:NODESxDEVICES`` or a file path;
+  * TOML/JSON files with ``name``, ``backend``, ``[inter_node]`` and ``[[nodes]]`` groups
+    (``count``, ``devices``, optional ``preset``, ``[nodes.device]``, ``[nodes.intra_node]``).
+
+Vocabulary layer: imports only the standard library, ``planner.errors`` and the pure-data
+``planner.presets`` (which imports nothing); never torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import difflib
+import itertools
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from planner.errors import ClusterError
+from planner.presets import PRESETS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+DTYPE_KEYS = ("float32", "tf32", "bfloat16", "float16", "float8")
+BACKENDS = ("nccl", "gloo")
+_DTYPE_ALIASES = {
+    "float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
+    "fp16": "float16", "fp8": "float8", "float8_e4m3fn": "float8", "float8_e5m2": "float8",
+    "float8_e4m3fnuz": "float8", "float8_e5m2fnuz": "float8",
+}
+_SHORT_DTYPE = {"float32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "float16": "fp16",
+                "float8": "fp8"}
+_HEADLINE = ("bfloat16", "float16", "float32")  # in order of preference on ties
+_CLI_FORMS = "PRESET, PRESET:NODES, PRESET:NODESxDEVICES (e.g. cpu:1x4) or a .toml/.json file"
+_CLI_RE = re.compile(r"([A-Za-z0-9._-]+)(?::(\d+)(?:[xX](\d+))?)?")
+
+
+# ---- validation helpers (shared by __post_init__ and the file parser) ----
+
+def _positive_float(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ClusterError(f"{where} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _positive_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ClusterError(f"{where} must be a positive integer, got {value!r}")
+    return value
+
+
+def _name(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.strip() or not value.isprintable():
+        raise ClusterError(f"{where} must be a non-empty printable string, got {value!r}")
+    return value
+
+
+def _instance(value: Any, kind: type, where: str) -> None:
+    if not isinstance(value, kind):
+        raise ClusterError(f"{where} must be a {kind.__name__}, got {type(value).__name__}")
+
+
+def _unknown_key(key: Any, allowed: tuple[str, ...], where: str) -> ClusterError:
+    close = difflib.get_close_matches(str(key), allowed, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"expected one of {', '.join(allowed)}"
+    return ClusterError(f"unknown key {where + '.' if where else ''}{key}; {hint}")
+
+
+class _FlopsTable(Mapping):
+    """Read-only, hashable dtype -> FLOP/s table, so a DeviceSpec can key a cache."""
+
+    def __init__(self, items: Mapping[str, float]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> float:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+
+# ---- the model ----
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or CPU worker process): peak dense FLOP/s per dtype, memory, bandwidth."""
+
+    name: str
+    peak_flops: Mapping[str, float]
+    memory_bytes: int
+    memory_bandwidth: float
+
+    def __post_init__(self) -> None:
+        _name(self.name, "DeviceSpec.name")
+        _instance(self.peak_flops, Mapping, "DeviceSpec.peak_flops")
+        if not self.peak_flops:
+            raise ClusterError("DeviceSpec.peak_flops is empty; add at least float32 = <FLOP/s>")
+        for key in self.peak_flops:
+            if key not in DTYPE_KEYS:
+                raise _unknown_key(key, DTYPE_KEYS, "DeviceSpec.peak_flops")
+        flops = {key: _positive_float(self.peak_flops[key], f"DeviceSpec.peak_flops.{key}")
+                 for key in DTYPE_KEYS if key in self.peak_flops}  # canonical order
+        object.__setattr__(self, "peak_flops", _FlopsTable(flops))
+        _positive_int(self.memory_bytes, "DeviceSpec.memory_bytes")
+        object.__setattr__(self, "memory_bandwidth",
+                           _positive_float(self.memory_bandwidth, "DeviceSpec.memory_bandwidth"))
+
+    def flops_for(self, dtype: Any) -> float:
+        """Peak dense FLOP/s for a dtype.
+
+        Args:
+            dtype: a torch-style name ("float32", "bfloat16", "torch.float16", "bf16", ...) or a
+                torch.dtype; names without an entry (e.g. bf16 on a V100, or int64) fall back to
+                float32.
+        Returns:
+            FLOP/s. Raises ClusterError when neither the dtype nor float32 has an entry.
+        """
+        key = str(dtype).removeprefix("torch.").lower()
+        key = _DTYPE_ALIASES.get(key, key)
+        for candidate in (key, "float32"):
+            if candidate in self.peak_flops:
+                return self.peak_flops[candidate]
+        raise ClusterError(f"device {self.name!r} has no peak_flops for {key!r} nor float32; "
+                           f"add float32 = <FLOP/s> to its peak_flops")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link class: bandwidth in bytes/s per direction per device, latency in seconds."""
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bandwidth", _positive_float(self.bandwidth, "LinkSpec.bandwidth"))
+        object.__setattr__(self, "latency", _positive_float(self.latency, "LinkSpec.latency"))
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node: ``devices`` identical devices joined by ``intra_link``."""
+
+    device: DeviceSpec
+    devices: int
+    intra_link: LinkSpec
+
+    def __post_init__(self) -> None:
+        _instance(self.device, DeviceSpec, "NodeSpec.device")
+        _positive_int(self.devices, "NodeSpec.devices")
+        _instance(self.intra_link, LinkSpec, "NodeSpec.intra_link")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes (possibly different), the per-device inter-node link share, and the backend."""
+
+    name: str
+    nodes: tuple[NodeSpec, ...]
+    inter_link: LinkSpec
+    backend: str
+
+    def __post_init__(self) -> None:
+        _name(self.name, "Cluster.name")
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        if not self.nodes:
+            raise ClusterError("Cluster.nodes is empty; give at least one NodeSpec")
+        for index, node in enumerate(self.nodes):
+            _instance(node, NodeSpec, f"Cluster.nodes[{index}]")
+        _instance(self.inter_link, LinkSpec, "Cluster.inter_link")
+        if self.backend not in BACKENDS:
+            raise ClusterError(f"Cluster.backend must be \"nccl\" (GPUs) or \"gloo\" (CPU), "
+                               f"got {self.backend!r}")
+        # First rank of each node, for node_of's binary search.
+        object.__setattr__(self, "_node_starts", tuple(itertools.accumulate(
+            (node.devices for node in self.nodes[:-1]), initial=0)))
+
+    @property
+    def world_size(self) -> int:
+        """Total number of devices (ranks)."""
+        return sum(node.devices for node in self.nodes)
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes."""
+        return len(self.nodes)
+
+    @property
+    def devices_per_node(self) -> int:
+        """Devices in every node; ClusterError when nodes hold different counts."""
+        counts = sorted({node.devices for node in self.nodes})
+        if len(counts) > 1:
+            raise ClusterError(f"cluster {self.name!r} has nodes with {counts} devices; "
+                               f"read nodes[i].devices instead of devices_per_node")
+        return counts[0]
+
+    @property
+    def is_homogeneous(self) -> bool:
+        """True when every node is identical (device, device count and intra-node link)."""
+        return all(node == self.nodes[0] for node in self.nodes)
+
+    @property
+    def min_device_memory(self) -> int:
+        """Smallest device memory in the cluster, in bytes."""
+        return min(node.device.memory_bytes for node in self.nodes)
+
+    def node_of(self, rank: int) -> int:
+        """Index of the node that holds ``rank`` (ranks are node-major)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ClusterError(f"rank {rank!r} is outside cluster {self.name!r}; "
+                               f"ranks are 0..{self.world_size - 1}")
+        return bisect.bisect_right(self._node_starts, rank) - 1  # type: ignore[attr-defined]
+
+    def device_of(self, rank: int) -> DeviceSpec:
+        """The DeviceSpec of ``rank``."""
+        return self.nodes[self.node_of(rank)].device
+
+    def describe(self) -> str:
+        """One line for reports, e.g. ``dgx-a100-80g: 2 nodes x 8 A100-SXM4-80GB (...)``."""
+        groups = []
+        for node, count in _group_nodes(self.nodes):
+            dev = node.device
+            # Headline training dtype: the fastest of bf16/fp16/fp32, preferring bf16 on ties.
+            best = max((k for k in _HEADLINE if k in dev.peak_flops), key=dev.peak_flops.get,
+                       default=next(iter(dev.peak_flops)))
+            nodes = f"{count} node{'s' if count > 1 else ''}"
+            groups.append(f"{nodes} x {node.devices} {dev.name} ({_si(dev.memory_bytes, 'B')}, "
+                          f"{_si(dev.peak_flops[best], 'FLOP/s')} {_SHORT_DTYPE[best]}, "
+                          f"intra-node {_si(node.intra_link.bandwidth, 'B/s')})")
+        inter = (f"; inter-node {_si(self.inter_link.bandwidth, 'B/s')} per device"
+                 if self.num_nodes > 1 else "")
+        return f"{self.name}: {' + '.join(groups)}{inter}; {self.backend}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict in the cluster-file layout; ``from_dict`` rebuilds an equal Cluster."""
+        def link(spec: LinkSpec) -> dict[str, float]:
+            return {"bandwidth": spec.bandwidth, "latency": spec.latency}
+        groups = [{"count": count, "devices": node.devices,
+                   "device": {"name": node.device.name,
+                              "memory_bytes": node.device.memory_bytes,
+                              "memory_bandwidth": node.device.memory_bandwidth,
+                              "peak_flops": dict(node.device.peak_flops)},
+                   "intra_node": link(node.intra_link)}
+                  for node, count in _group_nodes(self.nodes)]
+        return {"name": self.name, "backend": self.backend,
+                "inter_node": link(self.inter_link), "nodes": groups}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str | None = None) -> Cluster:
+        """Build and validate a Cluster from the file layout.
+
+        Args:
+            data: the parsed TOML/JSON table.
+            source: prefix for error messages (e.g. ``cluster file x.toml``).
+        Returns:
+            The Cluster; ClusterError names the offending field on bad data.
+        """
+        try:
+            return _cluster_from_table(data)
+        except ClusterError as err:
+            raise ClusterError(f"{source}: {err}" if source else str(err)) from None
+
+    @classmethod
+    def preset(cls, name: str, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:
+        """A built-in cluster (see ``preset_names()``) with optional node/device counts."""
+        data = _preset_data(name)
+        per_node = data["devices_per_node"] if devices_per_node is None else devices_per_node
+        node = NodeSpec(_parse_device(data["device"], "device"),
+                        _positive_int(per_node, f"preset {name!r} devices_per_node"),
+                        _parse_link(data["intra_node"], "intra_node"))
+        count = _positive_int(nodes, f"preset {name!r} nodes")
+        return cls(name=name.lower(), nodes=(node,) * count,
+                   inter_link=_parse_link(data["inter_node"], "inter_node"),
+                   backend=data["backend"])
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Cluster:
+        """Read a cluster from a ``.toml`` or ``.json`` file (missing ``name``: the file stem)."""
+        path = Path(path)
+        source = f"cluster file {path}"
+        suffix = _file_suffix(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ClusterError(f"{source} not found; check the path, or use a preset "
+                               f"({', '.join(preset_names())})") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ClusterError(f"{source} cannot be read ({err}); pass a UTF-8 text file") from None
+        try:
+            data = tomllib.loads(text) if suffix == ".toml" else json.loads(text)
+        except tomllib.TOMLDecodeError as err:  # its message ends "(at line L, column C)"
+            raise ClusterError(f"{source} is not valid TOML: {err}; fix the syntax") from None
+        except json.JSONDecodeError as err:
+            raise ClusterError(f"{source} is not valid JSON: {err.msg} (at line {err.lineno}, "
+                               f"column {err.colno}); fix the syntax") from None
+        if isinstance(data, dict):
+            data.setdefault("name", path.stem)
+        return cls.from_dict(data, source=source)
+
+    @classmethod
+    def parse(cls, text: str | os.PathLike[str]) -> Cluster:
+        """Parse the CLI form: ``PRESET``, ``PRESET:NODES``, ``PRESET:NODESxDEVICES`` or a path."""
+        text = os.fspath(text).strip()
+        if text.lower().endswith((".toml", ".json")):
+            return cls.load(text)
+        match = _CLI_RE.fullmatch(text)
+        if match and match[1].lower() not in PRESETS and os.path.isfile(text):
+            return cls.load(text)  # an existing file with another suffix: say which suffixes
+        if match is None or "/" in text or os.sep in text:
+            raise ClusterError(f"cannot read cluster {text!r}; use {_CLI_FORMS}")
+        name, nodes, devices = match.groups()
+        if 0 in [int(count) for count in (nodes, devices) if count is not None]:
+            raise ClusterError(f"cluster {text!r} asks for zero nodes or devices; counts must be "
+                               f">= 1 in {_CLI_FORMS}")
+        return cls.preset(name, nodes=int(nodes or 1),
+                          devices_per_node=int(devices) if devices else None)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the cluster as TOML or JSON, chosen by the suffix; ``load`` reads it back equal."""
+        path = Path(path)
+        data = self.to_dict()
+        if _file_suffix(path) == ".json":
+            text = json.dumps(data, indent=2) + "\n"
+        else:
+            text = ("# soap-planner cluster file. Units: FLOP/s, bytes, bytes/s per direction "
+                    "per device, seconds.\n" + "\n".join(_toml_lines(data, "")) + "\n")
+        try:
+            path.write_text(text, encoding="utf-8")
+        except OSError as err:
+            raise ClusterError(f"cannot write cluster file {path} ({err}); check the directory "
+                               f"exists and is writable") from None
+
+
+def preset_names() -> list[str]:
+    """Names of the built-in presets, in the order ``planner presets`` shows them."""
+    return list(PRESETS)
+
+
+def preset_table() -> list[tuple[str, str]]:
+    """(name, one-line description) per preset, for the ``planner presets`` command."""
+    return [(name, f"{data['description']} [default 1x{data['devices_per_node']}, "
+                   f"{data['backend']}]") for name, data in PRESETS.items()]
+
+
+# ---- file layout -> model: checks structure; the dataclasses check values ----
+
+def _build(kind: type, where: str, **fields: Any) -> Any:
+    """``kind(**fields)``, with ``Kind.field`` in its error message renamed to the file path."""
+    try:
+        return kind(**fields)
+    except ClusterError as err:
+        raise ClusterError(str(err).replace(f"{kind.__name__}.", where + "." if where else "", 1)
+                           ) from None
+
+
+def _preset_data(name: Any, where: str = "") -> dict[str, Any]:
+    key = name.lower() if isinstance(name, str) else None
+    if key not in PRESETS:
+        raise ClusterError(f"{where + ': ' if where else ''}unknown cluster preset {name!r}; "
+                           f"choose one of {', '.join(preset_names())}")
+    return PRESETS[key]
+
+
+def _table(value: Any, where: str, allowed: tuple[str, ...]) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ClusterError(f"{where or 'cluster'} must be a table, got {value!r}")
+    for key in value:
+        if key not in allowed:
+            raise _unknown_key(key, allowed, where)
+    return value
+
+
+def _require(table: Mapping[str, Any], key: str, where: str, what: str) -> Any:
+    if table.get(key) is None:
+        raise ClusterError(f"{where + '.' if where else ''}{key} is missing; add {what}")
+    return table[key]
+
+
+def _merged(base: Mapping[str, Any] | None, override: Any, where: str) -> Any:
+    """A preset's table with the user's keys laid over it (peak_flops merged per dtype)."""
+    if override is None or base is None:
+        return override if override is not None else base
+    if not isinstance(override, Mapping):
+        raise ClusterError(f"{where} must be a table, got {override!r}")
+    merged = dict(base)
+    for key, value in override.items():
+        both = isinstance(value, Mapping) and isinstance(merged.get(key), Mapping)
+        merged[key] = {**merged[key], **value} if both else value
+    return merged
+
+
+def _parse_link(raw: Any, where: str) -> LinkSpec:
+    table = _table(raw, where, ("bandwidth", "latency"))
+    return _build(LinkSpec, where, bandwidth=_require(table, "bandwidth", where, "bytes/s"),
+                  latency=_require(table, "latency", where, "seconds"))
+
+
+def _parse_device(raw: Any, where: str) -> DeviceSpec:
+    table = _table(raw, where, ("name", "peak_flops", "memory_bytes", "memory_bandwidth"))
+    memory = _require(table, "memory_bytes", where, "bytes")
+    if isinstance(memory, float) and memory.is_integer():
+        memory = int(memory)  # files may write 80e9, a TOML float, for a byte count
+    flops = _table(_require(table, "peak_flops", where, "a [nodes.device.peak_flops] table"),
+                   f"{where}.peak_flops", DTYPE_KEYS)
+    return _build(DeviceSpec, where, name=_require(table, "name", where, "the device name"),
+                  peak_flops=flops, memory_bytes=memory,
+                  memory_bandwidth=_require(table, "memory_bandwidth", where, "bytes/s"))
+
+
+def _cluster_from_table(data: Any) -> Cluster:
+    top = _table(data, "", ("name", "backend", "inter_node", "nodes"))
+    groups = top.get("nodes")
+    if not isinstance(groups, list) or not groups:
+        raise ClusterError("nodes must be a non-empty list of [[nodes]] tables; add one with "
+                           "devices = N and a preset or a [nodes.device] table")
+    nodes: list[NodeSpec] = []
+    presets: list[dict[str, Any]] = []
+    for index, raw in enumerate(groups):
+        where = f"nodes[{index}]"
+        group = _table(raw, where, ("count", "devices", "preset", "device", "intra_node"))
+        preset = _preset_data(group["preset"], f"{where}.preset") if "preset" in group else {}
+        presets += [preset] if preset else []
+        # A preset supplies device, intra_node and devices; the group's own keys override it.
+        fields = {"device": _merged(preset.get("device"), group.get("device"), f"{where}.device"),
+                  "devices": group.get("devices", preset.get("devices_per_node")),
+                  "intra_node": _merged(preset.get("intra_node"), group.get("intra_node"),
+                                        f"{where}.intra_node")}
+        for key, what in (("device", "a [nodes.device] table"), ("devices", "devices = N"),
+                          ("intra_node", "a [nodes.intra_node] table")):
+            _require(fields, key, where, f"{what} or a preset key ({', '.join(preset_names())})")
+        node = _build(NodeSpec, where, device=_parse_device(fields["device"], f"{where}.device"),
+                      devices=fields["devices"],
+                      intra_link=_parse_link(fields["intra_node"], f"{where}.intra_node"))
+        nodes += [node] * _positive_int(group.get("count", 1), f"{where}.count")
+    # backend and inter_node default to the named presets' values when all of those agree.
+    fields = {"name": top.get("name"),
+              "backend": top.get("backend", _agreed([p["backend"] for p in presets])),
+              "inter_node": _merged(_agreed([p["inter_node"] for p in presets]),
+                                    top.get("inter_node"), "inter_node")}
+    for key, what in (("name", "name = \"...\""),
+                      ("backend", "backend = \"nccl\" (GPUs) or \"gloo\" (CPU)"),
+                      ("inter_node", "an [inter_node] table with bandwidth and latency")):
+        _require(fields, key, "", what)
+    return _build(Cluster, "", name=fields["name"], nodes=tuple(nodes),
+                  inter_link=_parse_link(fields["inter_node"], "inter_node"),
+                  backend=fields["backend"])
+
+
+def _agreed(values: list[Any]) -> Any:
+    """The common value of a non-empty list whose items are all equal, else None."""
+    return values[0] if values and all(value == values[0] for value in values) else None
+
+
+# ---- small formatting helpers ----
+
+def _group_nodes(nodes: tuple[NodeSpec, ...]) -> list[tuple[NodeSpec, int]]:
+    """Runs of consecutive identical nodes, as (node, count)."""
+    runs: list[tuple[NodeSpec, int]] = []
+    for node in nodes:
+        if runs and runs[-1][0] == node:
+            runs[-1] = (node, runs[-1][1] + 1)
+        else:
+            runs.append((node, 1))
+    return runs
+
+
+def _si(value: float, unit: str) -> str:
+    """``312e12, 'FLOP/s'`` -> ``'312 TFLOP/s'`` (decimal prefixes, 3 significant digits)."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, "")):
+        if value >= scale:
+            break
+    scaled = value / scale
+    return f"{scaled:.0f} {prefix}{unit}" if scaled >= 100 else f"{scaled:.3g} {prefix}{unit}"
+
+
+def _file_suffix(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix not in (".toml", ".json"):
+        raise ClusterError(f"cluster file {path} must end in .toml or .json, got {suffix!r}")
+    return suffix
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # printable names: JSON escapes are TOML
+    if isinstance(value, float):
+        text = repr(value)
+        if "e" not in text and abs(value) >= 1e6:  # 2.039e+12 reads better than 2039000000000.0
+            text = next(t for p in range(17) if float(t := f"{value:.{p}e}") == value)
+        return text
+    return str(value)
+
+
+def _toml_lines(table: Mapping[str, Any], prefix: str) -> list[str]:
+    """TOML for our layout: scalars, then sub-tables, then arrays of tables."""
+    lines = [f"{key} = {_toml_value(value)}" for key, value in table.items()
+             if not isinstance(value, (dict, list))]
+    for key, value in table.items():
+        if isinstance(value, dict):
+            lines += ["", f"[{prefix}{key}]", *_toml_lines(value, f"{prefix}{key}.")]
+        elif isinstance(value, list):
+            for item in value:
+                lines += ["", f"[[{prefix}{key}]]", *_toml_lines(item, f"{prefix}{key}.")]
+    return lines

@@ -1,0 +1,169 @@
+"""The traced program: one node per ATen op of the forward pass.
+
+An ``OpGraph`` is what every later stage reads: search assigns a strategy to each node, the
+cost model prices it, codegen rewrites the ``torch.fx.GraphModule`` it keeps. Nodes are in
+topological order. Nothing here depends on torch beyond dtypes and the fx graph it holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+# Ops that only reinterpret or re-stride their input: they move no data of their own.
+VIEW_OPS = frozenset(
+    {
+        "aten.view.default",
+        "aten._unsafe_view.default",
+        "aten.reshape.default",
+        "aten.transpose.int",
+        "aten.t.default",
+        "aten.permute.default",
+        "aten.expand.default",
+        "aten.unsqueeze.default",
+        "aten.squeeze.dim",
+        "aten.squeeze.dims",
+        "aten.squeeze.default",
+        "aten.slice.Tensor",
+        "aten.select.int",
+        "aten.alias.default",
+        "aten.detach.default",
+        "aten.split.Tensor",
+        "aten.split_with_sizes.default",
+        "aten.unbind.int",
+        "aten.flatten.using_ints",
+        "aten.unflatten.int",
+        "aten.view_as.default",
+        "aten.expand_as.default",
+        "aten._assert_tensor_metadata.default",
+        "getitem",
+    }
+)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of one tensor of the traced program (global, unsharded)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        dims = ", ".join(str(d) for d in self.shape)
+        return f"{str(self.dtype).removeprefix('torch.')}[{dims}]"
+
+
+@dataclass
+class OpNode:
+    """One ATen op of the forward pass.
+
+    Attributes:
+        name: the fx node name (unique in the graph).
+        op: the op's qualified name, e.g. ``"aten.mm.default"``.
+        inputs: names of the graph nodes whose outputs this op reads (tensors only).
+        input_meta: shape and dtype of each tensor input, aligned with ``inputs``.
+        output_meta: shape and dtype of each tensor output.
+        params: qualified names of the parameters and buffers this op reads directly.
+        module: the innermost module path that issued the op (``""`` for the root).
+        flops: forward FLOPs counted by ``torch.utils.flop_counter``.
+        bytes_moved: bytes read plus written (0 for view-like ops, which move nothing).
+        block: ``(group, index)`` when the op belongs to repeated block ``index`` of a stack
+            of same-structured blocks (e.g. ``("model.layers", 3)``), else ``None``.
+    """
+
+    name: str
+    op: str
+    inputs: tuple[str, ...]
+    input_meta: tuple[TensorMeta, ...]
+    output_meta: tuple[TensorMeta, ...]
+    params: tuple[str, ...] = ()
+    module: str = ""
+    module_type: str = ""
+    flops: int = 0
+    bytes_moved: int = 0
+    block: tuple[str, int] | None = None
+
+    @property
+    def is_view(self) -> bool:
+        return self.op in VIEW_OPS
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """A user input of the traced program (not a parameter): its name and metadata.
+
+    ``batch_dim`` is 0 when dim 0 of this tensor is the global batch, else ``None``.
+    """
+
+    name: str
+    meta: TensorMeta | None
+    batch_dim: int | None
+
+
+@dataclass
+class OpGraph:
+    """The traced forward program of a model on one global batch.
+
+    Attributes:
+        nodes: the ops in topological order.
+        inputs: user inputs (tensors and constants), in the order the model takes them.
+        parameters: qualified name -> metadata of every parameter (trainable weights).
+        buffers: qualified name -> metadata of every buffer (non-trainable state).
+        batch_size: the global batch (dim 0 of the first tensor input).
+        blocks: repeated block groups, ``group -> number of blocks``.
+        tracer: ``"export"`` or ``"symbolic_trace"``, the front end that produced it.
+        graph_module: the ``torch.fx.GraphModule`` the nodes were read from.
+    """
+
+    nodes: list[OpNode]
+    inputs: list[GraphInput]
+    parameters: dict[str, TensorMeta]
+    buffers: dict[str, TensorMeta]
+    batch_size: int
+    blocks: dict[str, int] = field(default_factory=dict)
+    tracer: str = "export"
+    graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
+    _by_name: dict[str, OpNode] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._by_name = {node.name: node for node in self.nodes}
+
+    def __iter__(self) -> Iterator[OpNode]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def node(self, name: str) -> OpNode:
+        return self._by_name[name]
+
+    @property
+    def total_flops(self) -> int:
+        """Forward FLOPs of the whole program."""
+        return sum(node.flops for node in self.nodes)
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(meta.numel for meta in self.parameters.values())
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(meta.nbytes for meta in self.parameters.values())
+
+    def op_counts(self) -> dict[str, int]:
+        """How many nodes use each op, most frequent first."""
+        counts: dict[str, int] = {}
+        for node in self.nodes:
+            counts[node.op] = counts.get(node.op, 0) + 1
+        return dict(sorted(counts.items(), key=lambda item: -item[1]))

@@ -1,0 +1,720 @@
+"""Model specs: how to (re)build a model and one global batch of example inputs.
+
+A plan must be able to rebuild its model anywhere: on a laptop under ``torch.device("meta")``
+while planning, and inside every ``torchrun`` rank of the generated program. So a plan does
+not store the model, it stores a :class:`ModelSpec`, a small JSON-able value with two forms:
+
+``path/to/file.py[:factory]``
+    A Python file with a factory (default ``build``) taking plain keyword arguments and
+    returning ``(model, inputs)``: an ``nn.Module`` and a tuple/list of positional inputs or
+    a dict of keyword inputs (a ``(model, args, kwargs)`` triple is accepted too). The
+    inputs are one step's *global* batch, with the batch on dim 0 of every tensor.
+    ``examples/gpt.py`` is the model to copy from.
+
+``hf:<model_type>``
+    A HuggingFace ``transformers`` model built from its default config
+    (``AutoConfig.for_model``), never downloaded. Overrides set config fields, except
+    ``batch_size`` and ``seq_len`` (the shape of the random ``input_ids``) and
+    ``attn_implementation`` (default: ``"sdpa"`` when the model supports it, else
+    ``"eager"``).
+
+Overrides (``--set key=value`` on the CLI, see :func:`parse_overrides`) are keyword arguments
+of the factory, or config fields for ``hf:``. Every user mistake raises
+:class:`planner.errors.SpecError` with a one-line message naming the problem and the fix.
+
+This module imports nothing from ``planner`` but :mod:`planner.errors` (generated programs
+import it inside ``torchrun`` without the rest of the planner), and imports ``transformers``
+only when an ``hf:`` spec is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import hashlib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+import types
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from planner.errors import SpecError
+
+OverrideValue = Union[int, float, bool, str]
+
+HF_PREFIX = "hf:"
+DEFAULT_FACTORY = "build"
+# Shape of the random input_ids of an hf: spec when the user sets neither; small enough
+# that a CPU forward of a tiny config takes milliseconds, long enough to exercise attention.
+HF_DEFAULT_BATCH_SIZE = 2
+HF_DEFAULT_SEQ_LEN = 32
+# Offered when an hf: model type is unknown and nothing is spelled like it.
+_POPULAR_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "bert", "roberta", "t5", "gpt_neox")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from and how to build it: a JSON-able value.
+
+    Attributes:
+        source: ``"path/to/file.py:factory"`` (``":factory"`` optional, default ``build``)
+            or ``"hf:<model_type>"``.
+        overrides: keyword arguments of the factory (or config fields for ``hf:``), stored
+            as a plain dict of int/float/bool/str values.
+    """
+
+    source: str
+    overrides: Mapping[str, OverrideValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise SpecError(
+                f"model source must be 'path/to/file.py[:factory]' or 'hf:<model_type>', got {self.source!r}"
+            )
+        if not isinstance(self.overrides, Mapping):
+            raise SpecError(
+                f"model overrides must be a mapping of name to value, got {type(self.overrides).__name__}"
+            )
+        # Frozen, so the canonical plain-dict copy (JSON-able, detached from the caller's
+        # mapping) has to be written through object.__setattr__.
+        object.__setattr__(self, "overrides", _checked_overrides(self.overrides))
+        if self.is_hf:
+            if not self.model_type:
+                raise SpecError(
+                    f"model source {self.source!r} names no model type; "
+                    f"write it as 'hf:<model_type>', e.g. 'hf:gpt2'"
+                )
+        else:
+            path, _ = _split_file_source(self.source)
+            if not path.endswith(".py"):
+                raise SpecError(
+                    f"model source {self.source!r} is neither 'path/to/file.py[:factory]' nor 'hf:<model_type>'; "
+                    f""
+                    f"point it at a Python file, e.g. 'examples/gpt.py:build'"
+                )
+
+    def __hash__(self) -> int:
+        # The dataclass hash would hash the overrides dict and fail; hash its items instead.
+        return hash((self.source, tuple(sorted(self.overrides.items()))))
+
+    # ----------------------------------------------------------------- parts of the source
+
+    @property
+    def is_hf(self) -> bool:
+        """Whether this is an ``hf:<model_type>`` spec (else a file spec)."""
+        return self.source.startswith(HF_PREFIX)
+
+    @property
+    def model_type(self) -> str | None:
+        """The HuggingFace model type of an ``hf:`` spec, else None."""
+        return self.source[len(HF_PREFIX) :].strip() if self.is_hf else None
+
+    @property
+    def path(self) -> Path | None:
+        """The Python file of a file spec (as written, maybe relative), else None."""
+        return None if self.is_hf else Path(_split_file_source(self.source)[0])
+
+    @property
+    def factory(self) -> str | None:
+        """The factory name of a file spec (default ``build``), else None."""
+        return None if self.is_hf else _split_file_source(self.source)[1]
+
+    # ----------------------------------------------------------------------- build
+
+    def build(self, device: str | torch.device = "cpu") -> tuple[nn.Module, tuple, dict]:
+        """Build the model and one global batch of example inputs.
+
+        Everything is created under ``with torch.device(device)``, so ``device="meta"``
+        allocates no memory. Callers seed the RNG (``torch.manual_seed``) before calling:
+        weights and inputs come from the global generator.
+
+        Args:
+            device: where to create parameters, buffers and inputs.
+
+        Returns:
+            ``(model, args, kwargs)``: ``model(*args, **kwargs)`` runs one training step's
+            forward; :func:`extract_loss` turns its output into the loss.
+
+        Raises:
+            SpecError: the file, factory, overrides, model type or result is wrong.
+        """
+        try:
+            target = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise SpecError(
+                f"cannot build {self.describe()} on device {device!r}: {_one_line(exc)}; "
+                f"use a device such as 'cpu', 'meta' or 'cuda:0'"
+            ) from exc
+        if self.is_hf:
+            return _build_hf(self.model_type, dict(self.overrides), target)
+        return _build_file(self, target)
+
+    # ----------------------------------------------------------------- serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able form, ``{"source": ..., "overrides": {...}}``."""
+        return {"source": self.source, "overrides": dict(self.overrides)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
+        """Rebuild a spec from :meth:`to_dict`'s output.
+
+        Raises:
+            SpecError: ``data`` is not a mapping, lacks ``source`` or has unknown keys.
+        """
+        if not isinstance(data, Mapping):
+            raise SpecError(f"a model spec must be a JSON object, got {type(data).__name__}")
+        unknown = sorted(set(data) - {"source", "overrides"})
+        if unknown:
+            raise SpecError(
+                f"model spec has unknown keys {unknown}; it takes only 'source' and 'overrides'"
+            )
+        if "source" not in data:
+            raise SpecError("model spec has no 'source'; add e.g. \"source\": \"examples/gpt.py:build\"")
+        return cls(source=data["source"], overrides=data.get("overrides") or {})
+
+    def resolved(self, base_dir: str | os.PathLike | None = None) -> ModelSpec:
+        """This spec with its file made absolute, so a plan saved elsewhere still finds it.
+
+        Args:
+            base_dir: directory a relative path is relative to (default: the current one).
+
+        Returns:
+            A spec whose source is ``"/abs/path/file.py:factory"``; ``hf:`` specs unchanged.
+        """
+        if self.is_hf:
+            return self
+        path, factory = _split_file_source(self.source)
+        base = Path(base_dir) if base_dir is not None else Path.cwd()
+        absolute = (base / Path(path).expanduser()).resolve()
+        return ModelSpec(source=f"{absolute}:{factory}", overrides=dict(self.overrides))
+
+    def describe(self) -> str:
+        """A short human-readable form, e.g. ``"examples/gpt.py:build (n_layer=4)"``."""
+        head = self.source if self.is_hf else "{}:{}".format(*_split_file_source(self.source))
+        if not self.overrides:
+            return head
+        settings = ", ".join(f"{key}={value}" for key, value in self.overrides.items())
+        return f"{head} ({settings})"
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, OverrideValue]:
+    """Parse ``key=value`` strings (the CLI's ``--set``) into typed overrides.
+
+    Values become int (``4``), float (``0.1``, ``1e-3``), bool (``true``/``false``, any
+    case) or else stay str (``name=x``). A key given twice keeps its last value, as
+    command-line options usually do.
+
+    Args:
+        items: strings such as ``["n_layer=4", "lr=0.1", "tie=true", "name=x"]``.
+
+    Returns:
+        ``{"n_layer": 4, "lr": 0.1, "tie": True, "name": "x"}``.
+
+    Raises:
+        SpecError: an item has no ``=``, an empty key or value, or a key that is not a
+            Python identifier.
+    """
+    overrides: dict[str, OverrideValue] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key, text = key.strip(), text.strip()
+        if not sep:
+            raise SpecError(f"override {item!r} has no '='; write it as key=value, e.g. n_layer=4")
+        if not key.isidentifier():
+            raise SpecError(
+                f"override {item!r} has key {key!r}, which is not a Python identifier; "
+                f"write it as key=value, e.g. n_layer=4"
+            )
+        if not text:
+            raise SpecError(f"override {item!r} has an empty value; write it as {key}=<value>")
+        overrides[key] = _parse_value(text)
+    return overrides
+
+
+def _parse_value(text: str) -> OverrideValue:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    # Only things that look like numbers become floats: float() would also accept "nan",
+    # "inf" and "infinity", which are more likely names than numbers here.
+    if re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", text):
+        return float(text)
+    return text
+
+
+def _checked_overrides(overrides: Mapping[str, Any]) -> dict[str, OverrideValue]:
+    checked: dict[str, OverrideValue] = {}
+    for key, value in overrides.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise SpecError(f"override name {key!r} is not a Python identifier; use names such as n_layer")
+        if not isinstance(value, (bool, int, float, str)):
+            raise SpecError(
+                f"override {key}={value!r} is a {type(value).__name__}; "
+                f"overrides must be int, float, bool or str"
+            )
+        checked[key] = value
+    return checked
+
+
+# --------------------------------------------------------------------------- file specs
+
+
+def _split_file_source(source: str) -> tuple[str, str]:
+    """Split ``"path.py:factory"`` into path and factory (default ``build``).
+
+    Only a trailing ``:identifier`` is a factory, so a Windows drive (``C:\\m.py``) stays
+    part of the path.
+    """
+    path, sep, factory = source.rpartition(":")
+    if sep and path and factory.isidentifier():
+        return path, factory
+    return source, DEFAULT_FACTORY
+
+
+# Loaded model files by (absolute path, mtime, size): building the same spec twice reuses
+# the module (its classes stay identical), while an edited file is loaded again.
+_MODULE_CACHE: dict[tuple[str, int, int], types.ModuleType] = {}
+
+
+def _build_file(spec: ModelSpec, device: torch.device) -> tuple[nn.Module, tuple, dict]:
+    path = Path(spec.path).expanduser()
+    where = f"{spec.path}:{spec.factory}"
+    if not path.is_file():
+        raise SpecError(
+            f"model file {str(spec.path)!r} does not exist (relative to {os.getcwd()}); "
+            f"pass the path of a Python file, e.g. examples/gpt.py"
+        )
+    path = path.resolve()
+    # The directory stays on sys.path while the factory runs too: factories may import
+    # sibling modules lazily.
+    with _on_sys_path(path.parent):
+        module = _load_module(path)
+        factory = getattr(module, spec.factory, None)
+        if factory is None:
+            raise SpecError(
+                f"{spec.path} has no factory {spec.factory!r}; it defines {_callables_of(module)}; "
+                f"name one as 'file.py:<factory>'"
+            )
+        if not callable(factory):
+            raise SpecError(
+                f"{where} is a {type(factory).__name__}, not a function; point the spec at a factory function"
+            )
+        _check_accepts(factory, spec.overrides, where)
+        with torch.device(device):
+            try:
+                result = factory(**spec.overrides)
+            except SpecError:
+                raise
+            except Exception as exc:
+                raise SpecError(
+                    f"building {where} with {_settings(spec.overrides)} failed: {_one_line(exc)} "
+                    f"(fix the factory or the overrides)"
+                ) from exc
+    model, args, kwargs = _normalise_result(result, where)
+    _check_device(model, args, kwargs, device, where)
+    return model, args, kwargs
+
+
+@contextlib.contextmanager
+def _on_sys_path(directory: Path) -> Iterator[None]:
+    entry = str(directory)
+    added = entry not in sys.path
+    if added:
+        sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        if added and entry in sys.path:
+            sys.path.remove(entry)
+
+
+def _load_module(path: Path) -> types.ModuleType:
+    stat = path.stat()
+    key = (str(path), stat.st_mtime_ns, stat.st_size)
+    if key in _MODULE_CACHE:
+        return _MODULE_CACHE[key]
+    # A name unique per file (two files named model.py must not collide) and stable per
+    # file, so reloading an edited file replaces its old module.
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    stem = re.sub(r"\W", "_", path.stem)
+    name = f"_soap_model_{stem}_{digest}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise SpecError(f"cannot load {path} as a Python module; give the model file a .py name")
+    module = importlib.util.module_from_spec(module_spec)
+    # Registered before running it: dataclasses and pickling look classes up by module
+    # name, and inspect.getsource (readable generated code) finds the file through it.
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        sys.modules.pop(name, None)
+        raise SpecError(f"cannot load model file {path}: {_one_line(exc)}; fix the file") from exc
+    _MODULE_CACHE[key] = module
+    return module
+
+
+def _callables_of(module: types.ModuleType) -> str:
+    names = [
+        name
+        for name, value in vars(module).items()
+        if callable(value)
+        and not name.startswith("_")
+        and getattr(value, "__module__", None) == module.__name__
+    ]
+    return ", ".join(names) if names else "no public functions or classes"
+
+
+def _check_accepts(factory: Any, overrides: Mapping[str, OverrideValue], where: str) -> None:
+    """Reject overrides the factory cannot take, naming them, before calling it.
+
+    Checking the signature first tells an unknown override apart from a TypeError raised
+    by a bug inside the factory.
+    """
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return  # builtins and some C callables have no signature: let the call decide
+    parameters = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    named = [
+        name
+        for name, p in parameters.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+    if not takes_any:
+        for key in overrides:
+            if key not in named:
+                raise SpecError(
+                    f"{where} takes no override {key!r}{_did_you_mean(key, named)}; "
+                    f"it takes {', '.join(named) or 'none'}"
+                )
+    try:
+        signature.bind(**overrides)
+    except TypeError as exc:
+        raise SpecError(
+            f"{where} cannot be called with {_settings(overrides)}: {exc}; "
+            f"give its required arguments as overrides or defaults"
+        ) from exc
+
+
+def _normalise_result(result: Any, where: str) -> tuple[nn.Module, tuple, dict]:
+    expected = "(nn.Module, tuple | list | dict)"
+    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
+        raise SpecError(
+            f"{where} returned {_kind(result)}; a factory must return {expected}, e.g. `return model, (x, y)`"
+        )
+    model = result[0]
+    if not isinstance(model, nn.Module):
+        raise SpecError(
+            f"{where} returned {_kind(model)} as the model; "
+            f"return an nn.Module first, as {expected}"
+        )
+    if len(result) == 3:
+        args, kwargs = result[1], result[2]
+        if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
+            raise SpecError(
+                f"{where} returned ({_kind(model)}, {_kind(args)}, {_kind(kwargs)}); "
+                f"a triple must be (nn.Module, tuple, dict)"
+            )
+    elif isinstance(result[1], dict):
+        args, kwargs = (), result[1]
+    elif isinstance(result[1], (tuple, list)):
+        args, kwargs = result[1], {}
+    else:
+        raise SpecError(
+            f"{where} returned {_kind(result[1])} as the inputs; "
+            f"return them as a tuple, e.g. `return model, (x,)`"
+        )
+    bad_keys = [key for key in kwargs if not isinstance(key, str)]
+    if bad_keys:
+        raise SpecError(
+            f"{where} returned keyword inputs with non-string keys {bad_keys!r}; "
+            f"use argument names"
+        )
+    return model, tuple(args), dict(kwargs)
+
+
+def _check_device(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, where: str) -> None:
+    """Check that the factory honoured ``torch.device(device)``.
+
+    A tensor created with an explicit ``device="cpu"`` would allocate real memory while
+    planning on meta, and land on the wrong device inside torchrun.
+    """
+    named: list[tuple[str, Any]] = [*model.named_parameters(), *model.named_buffers()]
+    named += [(f"input {index}", value) for index, value in enumerate(args)]
+    named += [(f"input {key!r}", value) for key, value in kwargs.items()]
+    for name, value in named:
+        if isinstance(value, torch.Tensor) and value.device.type != device.type:
+            raise SpecError(
+                f"{where} created {name} on {value.device} while building on {device}; create tensors "
+                f"with factory functions and no explicit device= so they follow torch.device(...)"
+            )
+
+
+# --------------------------------------------------------------------------- hf specs
+
+
+def _build_hf(
+    model_type: str, overrides: dict[str, OverrideValue], device: torch.device
+) -> tuple[nn.Module, tuple, dict]:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise SpecError(
+            f"hf:{model_type} needs the transformers package; pip install 'soap-planner[hf]'"
+        ) from exc
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        known = list(CONFIG_MAPPING_NAMES)
+        close = difflib.get_close_matches(model_type, known, n=5)
+        hint = f"did you mean {', '.join(close)}?" if close else "known types include"
+        examples = close or [name for name in _POPULAR_HF_TYPES if name in CONFIG_MAPPING_NAMES]
+        if not close:
+            hint = f"{hint} {', '.join(examples)}"
+        raise SpecError(
+            f"unknown HuggingFace model type {model_type!r}; {hint} "
+            f"(all {len(known)} are keys of transformers' CONFIG_MAPPING_NAMES)"
+        )
+    where = f"hf:{model_type}"
+    batch_size = _positive_int(overrides.pop("batch_size", HF_DEFAULT_BATCH_SIZE), "batch_size", where)
+    seq_len = _positive_int(overrides.pop("seq_len", HF_DEFAULT_SEQ_LEN), "seq_len", where)
+    attn_implementation = overrides.pop("attn_implementation", None)
+
+    with _quiet_transformers(transformers):
+        config = _hf_config(transformers, model_type, overrides, where)
+        # Training never reuses past keys/values; a cache only costs memory and graph nodes.
+        config.use_cache = False
+        auto_class = _hf_auto_class(transformers, config, where)
+        model = _hf_model(auto_class, config, attn_implementation, device, where)
+    model.train()  # a training planner: dropout and friends as in training
+
+    vocab_size = _hf_vocab_size(config, where)
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(max_positions, int) and seq_len > max_positions:
+        raise SpecError(
+            f"{where}: seq_len={seq_len} exceeds the model's max_position_embeddings={max_positions}; "
+            f"lower seq_len or raise max_position_embeddings"
+        )
+    with torch.device(device):
+        input_ids = torch.randint(0, vocab_size, (batch_size, seq_len))
+    kwargs: dict[str, torch.Tensor] = {"input_ids": input_ids}
+    if auto_class is not transformers.AutoModel:
+        # Labels equal to the inputs give the LM heads a loss (causal heads shift them
+        # internally). A copy, not the same tensor, so tracing sees two distinct inputs.
+        kwargs["labels"] = input_ids.clone()
+    return model, (), kwargs
+
+
+def _hf_config(transformers: Any, model_type: str, overrides: dict[str, OverrideValue], where: str) -> Any:
+    try:
+        default = transformers.AutoConfig.for_model(model_type)
+    except Exception as exc:
+        raise SpecError(f"{where}: transformers cannot create its default config: {_one_line(exc)}") from exc
+    # Configs swallow unknown keyword arguments silently, so a typo (n_layers for n_layer)
+    # would build the default-size model; check names against the default config.
+    for key in overrides:
+        if not hasattr(default, key):
+            fields = sorted(set(default.to_dict()) | set(getattr(default, "attribute_map", {})))
+            raise SpecError(
+                f"{where} has no config field {key!r}{_did_you_mean(key, fields)}; "
+                f"check the name"
+            )
+    try:
+        return transformers.AutoConfig.for_model(model_type, **overrides)
+    except Exception as exc:
+        raise SpecError(f"{where}: invalid config override ({_settings(overrides)}): {_one_line(exc)}") from exc
+
+
+def _hf_auto_class(transformers: Any, config: Any, where: str) -> Any:
+    """The Auto class to build with: causal LM, else masked LM, else the base model.
+
+    Encoders such as BERT are in both LM mappings (their causal head is a decoder variant
+    that warns when used without ``is_decoder``); for them the masked LM, their usual
+    training objective, comes first.
+    """
+    from transformers.models.auto import modeling_auto
+
+    model_type = config.model_type
+    causal = model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    masked = model_type in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    if causal and masked:
+        return transformers.AutoModelForMaskedLM
+    if causal:
+        return transformers.AutoModelForCausalLM
+    if masked:
+        return transformers.AutoModelForMaskedLM
+    if model_type in modeling_auto.MODEL_MAPPING_NAMES:
+        return transformers.AutoModel
+    raise SpecError(
+        f"{where} has no causal-LM, masked-LM or base AutoModel class; hf: specs need one of them, "
+        f"use a file spec with your own factory instead"
+    )
+
+
+def _hf_model(
+    auto_class: Any, config: Any, attn_implementation: Any, device: torch.device, where: str
+) -> nn.Module:
+    # SDPA is the attention the planner has rules and costs for; models that lack it raise
+    # ValueError and are built with the eager implementation instead.
+    choices = [attn_implementation] if attn_implementation is not None else ["sdpa", "eager"]
+    failure: Exception | None = None
+    for choice in choices:
+        try:
+            with torch.device(device):
+                return auto_class.from_config(config, attn_implementation=choice)
+        except ValueError as exc:
+            failure = exc
+        except Exception as exc:
+            failure = exc
+            break  # not an attention problem: a different implementation will not help
+    # Every model has the eager implementation, so when it fails too the config is at fault.
+    chosen = f" with attn_implementation={attn_implementation!r}" if attn_implementation is not None else ""
+    raise SpecError(
+        f"{where}: {auto_class.__name__}.from_config failed{chosen}: {_one_line(failure)}; "
+        f"check the config overrides"
+    ) from failure
+
+
+def _hf_vocab_size(config: Any, where: str) -> int:
+    vocab_size = getattr(config, "vocab_size", None)
+    if not isinstance(vocab_size, int) and hasattr(config, "get_text_config"):
+        vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise SpecError(
+            f"{where} has no vocab_size to draw input_ids from; hf: specs support text models, "
+            f"use a file spec for others"
+        )
+    return vocab_size
+
+
+@contextlib.contextmanager
+def _quiet_transformers(transformers: Any) -> Iterator[None]:
+    # Tiny configs trip warnings that are noise here (e.g. GPT-2's bos_token_id 50256 lies
+    # outside a 128-token vocabulary); errors still show.
+    logging = transformers.utils.logging
+    previous = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(previous)
+
+
+def _positive_int(value: Any, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"{where}: {name} must be a positive integer, got {value!r}; e.g. --set {name}=8")
+    return value
+
+
+# --------------------------------------------------------------------------- loss
+
+
+def extract_loss(output: Any) -> torch.Tensor:
+    """The training loss in a model's output.
+
+    Tried in order:
+
+    1. a 0-dim floating tensor is the loss itself;
+    2. a dict or object (e.g. a HuggingFace ``ModelOutput``) with a non-None ``loss``;
+    3. a tuple/list whose first element is a 0-dim floating tensor;
+    4. otherwise a *surrogate*: the mean of the first floating tensor found, depth first
+       (e.g. a base model's ``last_hidden_state``). It is not a real training objective but
+       it has the same forward and backward graph shape, which is all planning and parity
+       checks need.
+
+    Args:
+        output: whatever ``model(*args, **kwargs)`` returned.
+
+    Returns:
+        A 0-dim tensor to call ``backward()`` on.
+
+    Raises:
+        SpecError: the output holds no floating tensor at all.
+    """
+    if _is_scalar_float(output):
+        return output
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss if loss.dim() == 0 else loss.mean()
+    if isinstance(output, (tuple, list)) and output and _is_scalar_float(output[0]):
+        return output[0]
+    tensor = _first_floating_tensor(output, depth=0)
+    if tensor is None:
+        raise SpecError(
+            f"the model returned {_kind(output)} with no floating tensor to use as a loss; "
+            f"make forward return the loss (a 0-dim tensor) or an output with .loss"
+        )
+    return tensor.mean()
+
+
+def _is_scalar_float(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
+
+
+def _first_floating_tensor(value: Any, depth: int) -> torch.Tensor | None:
+    if depth > 8:  # outputs are shallow; this only guards against self-referencing objects
+        return None
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    if isinstance(value, Mapping):
+        children: Iterable[Any] = value.values()
+    elif isinstance(value, (tuple, list)):
+        children = value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        children = (getattr(value, f.name) for f in dataclasses.fields(value))
+    else:
+        return None
+    for child in children:
+        found = _first_floating_tensor(child, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+# --------------------------------------------------------------------------- messages
+
+
+def _one_line(exc: BaseException | None) -> str:
+    if exc is None:
+        return "unknown error"
+    # Multi-line messages (e.g. huggingface_hub's validation errors put the cause on the
+    # second line) are joined, and long ones cut, so the CLI still prints one line.
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _did_you_mean(key: str, names: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(names), n=3)
+    return f" (did you mean {' or '.join(repr(name) for name in close)}?)" if close else ""
+
+
+def _settings(overrides: Mapping[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in overrides.items()) or "no overrides"
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(type(item).__name__ for item in value[:4])
+        return f"a {type(value).__name__} ({inner}{', ...' if len(value) > 4 else ''})"
+    return f"a {type(value).__name__}"

@@ -1,0 +1,127 @@
+"""Built-in cluster presets: public spec numbers, each with its source.
+
+Pure data in the cluster-file layout (see ``planner.cluster``), so presets and user files go
+through one parser. Units: FLOP/s (dense, no structured sparsity), bytes, bytes/s per
+direction per device, seconds. This module imports nothing.
+
+Memory sizes use the datasheet's decimal gigabytes (80 GB = 80e9 bytes). The physical HBM is
+a little larger (an A100-80GB reports 81920 MiB = 85.9e9 bytes in nvidia-smi); the difference
+is a deliberate margin for the CUDA context and allocator fragmentation.
+
+Latencies are not on any datasheet: they are typical NCCL small-message latencies per hop,
+estimates to be replaced by measured ones (``python -m planner profile``, a later feature).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Shared link estimates (seconds): typical NCCL small-message latency per hop, estimates.
+_NVLINK_LATENCY = 3e-6  # s, NVLink/NVSwitch hop, estimate
+_INFINIBAND_LATENCY = 8e-6  # s, GPUDirect RDMA over InfiniBand, estimate
+_TCP_LATENCY = 30e-6  # s, NCCL socket transport over datacenter Ethernet (no EFA), estimate
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "dgx-a100-80g": {
+        "description": "NVIDIA DGX A100: 8 x A100-SXM4-80GB, NVLink 3/NVSwitch, 8 x HDR InfiniBand",
+        "backend": "nccl",
+        "devices_per_node": 8,  # DGX A100 user guide: 8 GPUs per system
+        "device": {
+            "name": "A100-SXM4-80GB",
+            "peak_flops": {  # FLOP/s dense (NVIDIA A100 datasheet; sparse figures are 2x)
+                "float32": 19.5e12,
+                "tf32": 156e12,
+                "bfloat16": 312e12,
+                "float16": 312e12,
+            },
+            "memory_bytes": 80_000_000_000,  # bytes, "80GB HBM2e" (A100 datasheet), decimal GB
+            "memory_bandwidth": 2.039e12,  # bytes/s, 2,039 GB/s HBM2e, SXM 80GB (A100 datasheet)
+        },
+        "intra_node": {
+            # bytes/s per direction per GPU, NVLink 3: 600 GB/s total bidirectional per GPU
+            # through NVSwitch (NVIDIA A100 datasheet)
+            "bandwidth": 300e9,
+            "latency": _NVLINK_LATENCY,
+        },
+        "inter_node": {
+            # bytes/s per direction per GPU: 8 x 200 Gb/s HDR InfiniBand ConnectX-6 per node,
+            # one per GPU (DGX A100 user guide) -> 200e9 / 8 bits = 25e9 B/s
+            "bandwidth": 25e9,
+            "latency": _INFINIBAND_LATENCY,
+        },
+    },
+    "dgx-h100": {
+        "description": "NVIDIA DGX H100: 8 x H100-SXM5-80GB, NVLink 4/NVSwitch, 8 x NDR InfiniBand",
+        "backend": "nccl",
+        "devices_per_node": 8,  # DGX H100 user guide: 8 GPUs per system
+        "device": {
+            "name": "H100-SXM5-80GB",
+            "peak_flops": {  # FLOP/s dense (NVIDIA H100 datasheet lists sparse = 2x these)
+                "float32": 67e12,
+                "tf32": 494.7e12,
+                "bfloat16": 989.4e12,
+                "float16": 989.4e12,
+                "float8": 1978.9e12,
+            },
+            "memory_bytes": 80_000_000_000,  # bytes, "80GB HBM3" (H100 SXM datasheet), decimal GB
+            "memory_bandwidth": 3.35e12,  # bytes/s, 3.35 TB/s HBM3 (H100 SXM datasheet)
+        },
+        "intra_node": {
+            # bytes/s per direction per GPU, NVLink 4: 900 GB/s total bidirectional per GPU
+            # through NVSwitch (NVIDIA H100 datasheet)
+            "bandwidth": 450e9,
+            "latency": _NVLINK_LATENCY,
+        },
+        "inter_node": {
+            # bytes/s per direction per GPU: 8 x 400 Gb/s NDR InfiniBand ConnectX-7 per node,
+            # one per GPU (DGX H100 user guide) -> 400e9 / 8 bits = 50e9 B/s
+            "bandwidth": 50e9,
+            "latency": _INFINIBAND_LATENCY,
+        },
+    },
+    "p3.16xlarge": {
+        "description": "AWS p3.16xlarge: 8 x V100-SXM2-16GB, NVLink 2 cube mesh, 25 Gb/s Ethernet",
+        "backend": "nccl",
+        "devices_per_node": 8,  # AWS EC2 P3 instance page: 8 GPUs
+        "device": {
+            "name": "V100-SXM2-16GB",
+            "peak_flops": {  # FLOP/s (NVIDIA V100 datasheet, SXM2); no tf32, no bf16
+                "float32": 15.7e12,
+                "float16": 125e12,  # tensor-core mixed precision ("Tensor Performance")
+            },
+            "memory_bytes": 16_000_000_000,  # bytes, 16 GB HBM2 (V100 datasheet), decimal GB
+            "memory_bandwidth": 900e9,  # bytes/s, 900 GB/s HBM2 (V100 datasheet)
+        },
+        "intra_node": {
+            # bytes/s per direction per GPU, NVLink 2: 6 links x 25 GB/s per direction
+            # (300 GB/s total bidirectional, V100 datasheet). The hybrid cube mesh joins each GPU
+            # to only 4 of the 7 others, so this per-GPU aggregate is an upper bound that rings
+            # over the mesh reach but arbitrary pairs do not.
+            "bandwidth": 150e9,
+            "latency": _NVLINK_LATENCY,
+        },
+        "inter_node": {
+            # bytes/s per direction per GPU: "25 Gigabit" network per instance (AWS EC2 P3
+            # page) shared by 8 GPUs -> 25e9 / 8 bits / 8 GPUs = 390.625e6 B/s
+            "bandwidth": 25e9 / 8 / 8,
+            "latency": _TCP_LATENCY,
+        },
+    },
+    "cpu": {
+        "description": "worker processes on one host over gloo (placeholder numbers)",
+        "backend": "gloo",
+        "devices_per_node": 2,  # processes per host; "cpu:1x4" gives 4
+        # Rough placeholders for one laptop-class core per process, not measurements: replace
+        # them with a measured profile (``python -m planner profile``, a later feature).
+        "device": {
+            "name": "cpu-process",
+            "peak_flops": {"float32": 50e9, "bfloat16": 50e9},  # FLOP/s, placeholder
+            "memory_bytes": 8 * 2**30,  # bytes, 8 GiB, placeholder
+            "memory_bandwidth": 10e9,  # bytes/s, placeholder
+        },
+        "intra_node": {"bandwidth": 2e9, "latency": 50e-6},  # gloo over loopback, placeholder
+        # Only used with "cpu:NODESx..." for several hosts: 10 Gb/s Ethernet shared by the
+        # host's processes, placeholder.
+        "inter_node": {"bandwidth": 1e9, "latency": 100e-6},
+    },
+}

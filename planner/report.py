@@ -1,0 +1,180 @@
+"""The strategy report: what was chosen, where the memory goes, and why it won.
+
+Rendered with rich tables into plain text, so it reads the same in a terminal, a log and a
+test. It reads only the ``Plan``: no tracing or search happens here.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+
+from planner.strategy import NodeStrategy
+
+if TYPE_CHECKING:
+    from planner.plans import Plan
+
+_FLAVOUR_TEXT = {
+    "ddp": "DDP: weights replicated, gradients all-reduced (bucketed, overlapped with backward)",
+    "zero1": "ZeRO-1: optimizer states sharded over dp",
+    "zero2": "ZeRO-2: optimizer states and gradients sharded over dp",
+    "fsdp": "FSDP (ZeRO-3): weights, gradients and optimizer states sharded over dp; "
+    "weights all-gathered per unit, gradients reduce-scattered",
+}
+
+
+def render_report(plan: "Plan", width: int = 110) -> str:
+    """The plan as readable text (see ``Plan.report``)."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, force_terminal=False, color_system=None, highlight=False)
+    summary = plan.summary
+    source = plan.model.describe() if plan.model else summary.name
+    console.print(f"soap-planner plan for {source}")
+    blocks = ", ".join(f"{group} x{count}" for group, count in summary.blocks.items()) or "none"
+    console.print(
+        f"  model     {summary.name}: {_count(summary.parameters)} parameters ({_bytes(summary.parameter_bytes)}), "
+        f"{_flops(summary.forward_flops)} forward per step, {summary.ops} ops traced by {summary.tracer}; "
+        f"repeated blocks: {blocks}"
+    )
+    console.print(f"  cluster   {plan.cluster.describe()}")
+    console.print(f"  mesh      {plan.mesh}  ({plan.world_size} ranks)")
+    console.print(f"  strategy  {_FLAVOUR_TEXT[plan.dp_flavour]}")
+    local = plan.batch_size // plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else plan.batch_size
+    console.print(f"  batch     global {plan.batch_size}, {local} per data-parallel rank")
+    if plan.fsdp_units:
+        console.print(f"  FSDP units {_collapse_units(plan.fsdp_units)} + root")
+    console.print(
+        f"  recompute {plan.recompute}; pipeline {'none' if plan.pipeline is None else plan.pipeline}; "
+        f"precision {plan.precision}; optimizer {plan.optimizer}"
+    )
+    console.print(_strategy_table(plan))
+    console.print(_memory_table(plan))
+    console.print(_time_table(plan))
+    if plan.runners_up:
+        console.print(_alternatives_table(plan))
+    for warning in plan.warnings:
+        console.print(f"warning: {warning}")
+    return buffer.getvalue()
+
+
+def _strategy_table(plan: "Plan") -> Table:
+    table = Table(title="Strategy by module (placements per mesh axis: S(d) shard dim d, R replicate, P partial)")
+    for column in ("module", "ops", "share of FLOPs", "parameters", "main op: inputs -> outputs"):
+        table.add_column(column, justify="right" if column in ("ops", "share of FLOPs") else "left")
+    total = sum(s.cost.compute_s for s in plan.strategies) or 1.0
+    for module, members in _group_by_module(plan.strategies).items():
+        main = max(members, key=lambda s: (s.cost.compute_s, len(s.params)))
+        params = sorted({placement for s in members for placement in _param_text(s)})
+        table.add_row(
+            module or "<root>",
+            str(len(members)),
+            f"{sum(s.cost.compute_s for s in members) / total:.1%}",
+            ", ".join(params) or "-",
+            f"{main.op.removeprefix('aten.')}: {main.describe()}",
+        )
+    return table
+
+
+def _group_by_module(strategies: tuple[NodeStrategy, ...]) -> "OrderedDict[str, list[NodeStrategy]]":
+    """Group ops by module path, folding repeated blocks (``blocks.0``..``blocks.3`` -> ``blocks.*``)."""
+    groups: OrderedDict[str, list[NodeStrategy]] = OrderedDict()
+    for strategy in strategies:
+        key = re.sub(r"\.\d+(?=\.|$)", ".*", strategy.module)
+        key = ".".join(key.split(".")[:4])
+        groups.setdefault(key, []).append(strategy)
+    return groups
+
+
+def _param_text(strategy: NodeStrategy) -> list[str]:
+    from planner.strategy import placements_str
+
+    return [f"{name.rsplit('.', 1)[-1]} {placements_str(p)}" for name, p in strategy.params.items()]
+
+
+def _memory_table(plan: "Plan") -> Table:
+    memory = plan.estimate.memory
+    capacity = plan.estimate.device_memory_bytes
+    table = Table(title=f"Memory per device ({plan.estimate.method} estimate)")
+    table.add_column("kind")
+    table.add_column("bytes", justify="right")
+    table.add_column("share", justify="right")
+    rows = [
+        ("weights (+buffers)", memory.weights),
+        ("gradients", memory.gradients),
+        ("optimizer states", memory.optimizer_states),
+        ("activations", memory.activations),
+        ("communication buffers", memory.communication_buffers),
+    ]
+    for name, value in rows:
+        table.add_row(name, _bytes(value), f"{value / max(1, memory.total):.0%}")
+    table.add_row("total", _bytes(memory.total), f"{memory.total / capacity:.1%} of {_bytes(capacity)}")
+    verdict = "fits" if plan.estimate.fits else f"DOES NOT FIT: {_bytes(memory.total - capacity)} missing"
+    table.add_row("verdict", verdict, "")
+    return table
+
+
+def _time_table(plan: "Plan") -> Table:
+    estimate = plan.estimate
+    table = Table(title=f"Time per step ({estimate.method} estimate)")
+    table.add_column("part")
+    table.add_column("time", justify="right")
+    table.add_row("compute (forward + backward + optimizer)", _seconds(estimate.compute_s))
+    table.add_row("exposed communication", _seconds(estimate.communication_s))
+    table.add_row("step", _seconds(estimate.step_time_s))
+    if estimate.step_time_s > 0:
+        table.add_row("throughput", f"{plan.batch_size / estimate.step_time_s:,.1f} samples/s")
+    return table
+
+
+def _alternatives_table(plan: "Plan") -> Table:
+    table = Table(title="Why this plan: the runners-up")
+    for column in ("plan", "step time", "memory/device", "fits", "against the chosen plan"):
+        table.add_column(column)
+    table.add_row(
+        f"{plan.name} (chosen)", _seconds(plan.estimate.step_time_s), _bytes(plan.estimate.memory.total), "yes", ""
+    )
+    for alt in plan.runners_up:
+        table.add_row(alt.name, _seconds(alt.step_time_s), _bytes(alt.memory_bytes), "yes" if alt.fits else "no", alt.note)
+    return table
+
+
+def _collapse_units(units: tuple[str, ...]) -> str:
+    groups: OrderedDict[str, list[str]] = OrderedDict()
+    for unit in units:
+        group, _, index = unit.rpartition(".")
+        groups.setdefault(group, []).append(index)
+    return ", ".join(f"{group}.[{ids[0]}..{ids[-1]}]" if len(ids) > 1 else f"{group}.{ids[0]}" for group, ids in groups.items())
+
+
+def _bytes(value: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _seconds(value: float) -> str:
+    if value >= 1:
+        return f"{value:.3f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.3f} ms"
+    return f"{value * 1e6:.1f} µs"
+
+
+def _count(value: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return str(value)
+
+
+def _flops(value: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if value >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} FLOP"

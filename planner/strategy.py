@@ -1,0 +1,247 @@
+"""Strategy vocabulary: meshes, placements, per-node strategies and their cost parts.
+
+Placements are PyTorch DTensor's own ``Shard``, ``Replicate`` and ``Partial`` (frozen,
+hashable, printed ``S(0)``, ``R``, ``P``). A tensor's sharding is a tuple with one placement
+per mesh axis, DTensor's convention. Everything validates itself at construction; JSON
+conversion lives at the edges (``to_dict``/``from_dict``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from planner.errors import PlanFileError
+
+Placements = tuple[Placement, ...]
+
+DP_FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")
+RECOMPUTE_MODES = ("none", "selective", "full")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+_SHARD = re.compile(r"^S\((\d+)\)$")
+_PARTIAL = re.compile(r"^P(?:\((sum|avg|max|min)\))?$")
+
+
+def placement_to_str(placement: Placement) -> str:
+    """``Shard(1)`` -> ``"S(1)"``, ``Replicate()`` -> ``"R"``, ``Partial()`` -> ``"P"``."""
+    if isinstance(placement, Shard):
+        return f"S({placement.dim})"
+    if isinstance(placement, Replicate):
+        return "R"
+    if isinstance(placement, Partial):
+        return "P" if placement.reduce_op == "sum" else f"P({placement.reduce_op})"
+    raise ValueError(f"unsupported placement {placement!r}")
+
+
+def placement_from_str(text: str) -> Placement:
+    """Inverse of ``placement_to_str``; raises ``ValueError`` on anything else."""
+    if text == "R":
+        return Replicate()
+    if match := _SHARD.match(text):
+        return Shard(int(match[1]))
+    if match := _PARTIAL.match(text):
+        return Partial(match[1] or "sum")
+    raise ValueError(f"'{text}' is not a placement (expected S(<dim>), R, P or P(<op>))")
+
+
+def placements_str(placements: Placements) -> str:
+    """``(Shard(0), Replicate())`` -> ``"(S(0), R)"``."""
+    return "(" + ", ".join(placement_to_str(p) for p in placements) + ")"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Named mesh axes over the cluster's ranks, outermost first.
+
+    The innermost (last) axis maps to devices inside a node, so axes that talk most go last.
+    ``Mesh((("dp", 16), ("tp", 8)))`` has 128 ranks; rank ``r`` has coordinate
+    ``(r // 8, r % 8)``.
+    """
+
+    axes: tuple[tuple[str, int], ...]
+
+    def __post_init__(self) -> None:
+        names = [name for name, _ in self.axes]
+        if not self.axes:
+            raise ValueError("a mesh needs at least one axis, e.g. (('dp', 2),)")
+        if len(set(names)) != len(names):
+            raise ValueError(f"mesh axis names must be unique, got {names}")
+        for name, size in self.axes:
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh axis '{name}' must have a positive integer size, got {size!r}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(size for _, size in self.axes)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def axis_size(self, name: str) -> int:
+        return dict(self.axes)[name]
+
+    def __str__(self) -> str:
+        return " x ".join(f"{name}={size}" for name, size in self.axes)
+
+
+@dataclass(frozen=True)
+class SummaLayout:
+    """A 2D (``d == 1``), 2.5D or 3D (``d == q``) SUMMA matmul on a ``q x q x d`` sub-mesh."""
+
+    q: int
+    d: int = 1
+
+    def __post_init__(self) -> None:
+        if self.q < 1 or not 1 <= self.d <= self.q:
+            raise ValueError(f"SUMMA layout needs q >= 1 and 1 <= d <= q, got q={self.q}, d={self.d}")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Placement of an MoE layer: which device group holds which experts, and how tokens move."""
+
+    expert_groups: tuple[tuple[int, ...], ...]
+    mode: str = "expert_parallel"
+    capacity_factor: float = 1.25
+
+    def __post_init__(self) -> None:
+        if self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be positive, got {self.capacity_factor}")
+
+
+@dataclass(frozen=True)
+class CostParts:
+    """Predicted cost of one decision, split so a report can explain it (seconds, bytes)."""
+
+    compute_s: float = 0.0
+    communication_s: float = 0.0
+    resharding_s: float = 0.0
+    memory_bytes: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.communication_s + self.resharding_s
+
+
+@dataclass(frozen=True)
+class NodeStrategy:
+    """How one op of the graph runs on the mesh.
+
+    Attributes:
+        node: the OpGraph node name.
+        op: the op (``"aten.mm.default"``), kept so a plan explains itself without the graph.
+        module: module path that issued the op.
+        inputs: placements of each tensor input (one placement per mesh axis).
+        outputs: placements of each tensor output.
+        params: placements of each parameter the op reads, by qualified name.
+        layout: a non-sharding layout (SUMMA, experts), if any.
+        stage: pipeline stage that runs the op.
+        cost: predicted cost parts of this choice.
+    """
+
+    node: str
+    op: str
+    module: str
+    inputs: tuple[Placements, ...]
+    outputs: tuple[Placements, ...]
+    params: Mapping[str, Placements] = field(default_factory=dict)
+    layout: SummaLayout | ExpertLayout | None = None
+    stage: int = 0
+    cost: CostParts = CostParts()
+
+    def describe(self) -> str:
+        """``(S(0), R) -> (S(0))``-style summary of inputs and outputs."""
+        ins = ", ".join(placements_str(p) for p in self.inputs)
+        outs = ", ".join(placements_str(p) for p in self.outputs)
+        return f"{ins} -> {outs}"
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism: stages over the ``pp`` mesh axis and the schedule that runs them."""
+
+    stages: int
+    schedule: str = "1f1b"
+    micro_batches: int = 1
+    virtual_stages: int = 1
+
+    def __post_init__(self) -> None:
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline schedule must be one of {PIPELINE_SCHEDULES}, got '{self.schedule}'")
+        if self.stages < 1 or self.micro_batches < 1 or self.virtual_stages < 1:
+            raise ValueError("pipeline stages, micro_batches and virtual_stages must be >= 1")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Predicted bytes per device, by kind."""
+
+    weights: int = 0
+    gradients: int = 0
+    optimizer_states: int = 0
+    activations: int = 0
+    communication_buffers: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer_states + self.activations + self.communication_buffers
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted step time and memory of a plan (an analytic estimate, or the simulator's).
+
+    Attributes:
+        step_time_s: one training step (forward, backward, optimizer).
+        compute_s: compute time on the busiest device.
+        communication_s: communication time not hidden behind compute.
+        memory: bytes per device by kind, on the fullest device.
+        device_memory_bytes: capacity of the smallest device.
+        method: how it was computed (``"analytic"`` or ``"simulator"``).
+    """
+
+    step_time_s: float
+    compute_s: float
+    communication_s: float
+    memory: MemoryBreakdown
+    device_memory_bytes: int
+    method: str = "analytic"
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.device_memory_bytes
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A runner-up plan, summarised for the report."""
+
+    name: str
+    step_time_s: float
+    memory_bytes: int
+    fits: bool
+    note: str = ""
+
+
+def placements_to_json(placements: Sequence[Placement]) -> list[str]:
+    return [placement_to_str(p) for p in placements]
+
+
+def placements_from_json(items: Any, where: str) -> Placements:
+    if not isinstance(items, list):
+        raise PlanFileError(f"{where} must be a list of placements like [\"S(0)\", \"R\"], got {items!r}")
+    try:
+        return tuple(placement_from_str(str(item)) for item in items)
+    except ValueError as error:
+        raise PlanFileError(f"{where}: {error}") from None

@@ -1,0 +1,438 @@
+"""Front end: turn a model and one global batch into an ``OpGraph``.
+
+``torch.export.export(..., strict=False)`` gives an ATen-level fx graph with FakeTensor
+metadata on every node and works on current HuggingFace models. When export cannot take a
+model, ``torch.fx.symbolic_trace`` plus shape propagation on meta tensors is the fallback
+(its nodes are torch-level: modules, functions and methods rather than ATen ops). A model
+neither can trace gets a ``TraceError`` naming the innermost module that was running when
+tracing failed, and what to do.
+
+Tracing never allocates weights when the model lives on the meta device: FLOPs are counted
+by running each op on meta tensors under ``torch.utils.flop_counter.FlopCounterMode``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+import re
+import sys
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.fx
+from torch.utils.flop_counter import FlopCounterMode
+
+from planner.errors import TraceError
+from planner.graph import VIEW_OPS, GraphInput, OpGraph, OpNode, TensorMeta
+
+__all__ = ["trace"]
+
+# Composite ops that FlopCounterMode only sees after they decompose on meta tensors; ops
+# outside this set and the flop registry are not run for counting (they do no matmul work).
+_COMPOSITE_MATMUL_OPS = frozenset(
+    {
+        "aten.linear.default",
+        "aten.matmul.default",
+        "aten.einsum.default",
+        "aten.bilinear.default",
+        "aten.scaled_dot_product_attention.default",
+        "aten.conv1d.default",
+        "aten.conv2d.default",
+        "aten.conv3d.default",
+        "aten.conv_transpose1d.input",
+        "aten.conv_transpose2d.input",
+        "aten.conv_transpose3d.input",
+    }
+)
+_BLOCK_PATH = re.compile(r"^(?P<group>.+?)\.(?P<index>\d+)(?:\.|$)")
+
+
+def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None) -> OpGraph:
+    """Trace ``model(*args, **kwargs)`` (one global batch) into an ``OpGraph``.
+
+    Args:
+        model: the model, typically built under ``torch.device("meta")``.
+        args: positional example inputs; dim 0 of tensor inputs is the global batch.
+        kwargs: keyword example inputs.
+
+    Returns:
+        The forward program with shapes, dtypes, parameters, module paths, FLOPs, bytes
+        and repeated blocks.
+
+    Raises:
+        TraceError: when neither ``torch.export`` nor ``torch.fx.symbolic_trace`` can trace
+            the model; the message names the module that failed and the fix.
+    """
+    kwargs = dict(kwargs or {})
+    was_training = model.training
+    model.train()  # plan the training program: dropout and friends must appear
+    try:
+        with _ModuleTracker(model) as tracker:
+            try:
+                return _trace_with_export(model, args, kwargs)
+            except Exception as export_error:  # noqa: BLE001 - any failure triggers the fallback
+                export_failure = (tracker.failed_module(), export_error)
+        try:
+            return _trace_with_symbolic_trace(model, args, kwargs)
+        except Exception as fx_error:  # noqa: BLE001
+            raise _trace_error(model, export_failure, fx_error) from export_failure[1]
+    finally:
+        model.train(was_training)
+
+
+# --------------------------------------------------------------------------- export path
+
+
+def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
+    with warnings.catch_warnings(), _stderr_silenced():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(model, tuple(args), kwargs, strict=False)
+    signature = program.graph_signature
+    graph_module = program.graph_module
+    placeholder_to_state = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
+    placeholder_to_state.update(getattr(signature, "inputs_to_lifted_tensor_constants", {}))
+    placeholders = {node.name: node for node in graph_module.graph.nodes if node.op == "placeholder"}
+
+    parameters = {
+        fqn: _meta_of(placeholders[name].meta.get("val"))
+        for name, fqn in signature.inputs_to_parameters.items()
+    }
+    buffers = {
+        fqn: _meta_of(placeholders[name].meta.get("val"))
+        for name, fqn in signature.inputs_to_buffers.items()
+    }
+    user_inputs = [(name, placeholders[name].meta.get("val")) for name in signature.user_inputs]
+    graph_inputs, batch_size = _graph_inputs(user_inputs)
+
+    flop_cache: dict[tuple, int] = {}
+    nodes = []
+    for fx_node in graph_module.graph.nodes:
+        if fx_node.op != "call_function":
+            continue
+        input_nodes = [arg for arg in _flat_nodes(fx_node) if _metas_of(arg.meta.get("val"))]
+        module, module_type = _innermost_module(fx_node)
+        op = _op_name(fx_node.target)
+        output_meta = _metas_of(fx_node.meta.get("val"))
+        input_meta = tuple(_input_meta(fx_node, arg) for arg in input_nodes)
+        nodes.append(
+            OpNode(
+                name=fx_node.name,
+                op=op,
+                inputs=tuple(arg.name for arg in input_nodes),
+                input_meta=input_meta,
+                output_meta=output_meta,
+                params=tuple(
+                    placeholder_to_state[arg.name] for arg in input_nodes if arg.name in placeholder_to_state
+                ),
+                module=module,
+                module_type=module_type,
+                flops=_count_flops(fx_node, op, flop_cache),
+                bytes_moved=_bytes_moved(op, input_meta, output_meta),
+            )
+        )
+    graph = OpGraph(
+        nodes=nodes,
+        inputs=graph_inputs,
+        parameters=parameters,
+        buffers=buffers,
+        batch_size=batch_size,
+        tracer="export",
+        graph_module=graph_module,
+    )
+    _mark_repeated_blocks(graph)
+    return graph
+
+
+@contextlib.contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """Silence file descriptor 2: export prints the whole graph there when it fails, and
+    our TraceError already says what went wrong in one line."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _input_meta(fx_node: torch.fx.Node, source: torch.fx.Node) -> TensorMeta:
+    """Metadata of the tensor ``fx_node`` reads from ``source`` (one element of a list output
+    for ``getitem``, e.g. after ``split``)."""
+    metas = _metas_of(source.meta.get("val"))
+    if fx_node.target is operator.getitem and isinstance(fx_node.args[1], int) and fx_node.args[1] < len(metas):
+        return metas[fx_node.args[1]]
+    return metas[0]
+
+
+def _op_name(target: Any) -> str:
+    if target is operator.getitem:
+        return "getitem"
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)  # "aten.mm.default"
+    return getattr(target, "__name__", str(target))
+
+
+def _innermost_module(fx_node: torch.fx.Node) -> tuple[str, str]:
+    stack = fx_node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "", ""
+    path, module_type = list(stack.values())[-1]
+    module_type = module_type if isinstance(module_type, str) else getattr(module_type, "__qualname__", "")
+    return _clean_module_path(path), module_type.rsplit(".", 1)[-1]
+
+
+def _clean_module_path(path: str) -> str:
+    # Strict-mode stacks spell paths as "L['self'].layers[0]"; normalise to "layers.0".
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return path.removeprefix("self.").strip(".")
+
+
+def _count_flops(fx_node: torch.fx.Node, op: str, cache: dict[tuple, int]) -> int:
+    """Forward FLOPs of one ATen node, counted by running it on meta tensors."""
+    target = fx_node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return 0
+    from torch.utils.flop_counter import flop_registry
+
+    if target.overloadpacket not in flop_registry and op not in _COMPOSITE_MATMUL_OPS:
+        return 0
+    args, kwargs = torch.fx.node.map_arg((fx_node.args, fx_node.kwargs), _meta_tensor_for)
+    key = (op, _shape_signature(args), _shape_signature(kwargs))
+    if key not in cache:
+        counter = FlopCounterMode(display=False)
+        try:
+            with counter:
+                target(*args, **kwargs)
+            cache[key] = counter.get_total_flops()
+        except Exception:  # noqa: BLE001 - an op meta cannot run costs what we cannot count
+            cache[key] = 0
+    return cache[key]
+
+
+def _meta_tensor_for(node: torch.fx.Node) -> Any:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return value
+
+
+def _shape_signature(tree: Any) -> tuple:
+    leaves = torch.utils._pytree.tree_leaves(tree)
+    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
+
+
+# ------------------------------------------------------------------- symbolic_trace path
+
+
+def _trace_with_symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
+    graph_module = torch.fx.symbolic_trace(model)
+    placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
+    inputs = list(args) + [kwargs[node.target] for node in placeholders[len(args):] if node.target in kwargs]
+    device = next((p.device for p in model.parameters()), torch.device("meta"))
+    recorder = _ShapeAndFlopRecorder(graph_module)
+    with torch.device(device):
+        recorder.run(*inputs)
+
+    parameters = {name: _meta_of(p) for name, p in model.named_parameters()}
+    buffers = {name: _meta_of(b) for name, b in model.named_buffers()}
+    user_inputs = [(node.target, value) for node, value in zip(placeholders, inputs)]
+    graph_inputs, batch_size = _graph_inputs(user_inputs)
+    modules = dict(model.named_modules())
+
+    nodes = []
+    for fx_node in graph_module.graph.nodes:
+        if fx_node.op in ("placeholder", "output"):
+            continue
+        output_meta = _metas_of(recorder.values.get(fx_node.name))
+        input_nodes = [arg for arg in _flat_nodes(fx_node) if _metas_of(recorder.values.get(arg.name))]
+        input_meta = tuple(_metas_of(recorder.values.get(arg.name))[0] for arg in input_nodes)
+        params: tuple[str, ...] = ()
+        module = ""
+        module_type = ""
+        if fx_node.op == "call_module":
+            op = f"module:{type(modules[fx_node.target]).__name__}"
+            module, module_type = fx_node.target, type(modules[fx_node.target]).__name__
+            params = tuple(f"{fx_node.target}.{name}" for name, _ in modules[fx_node.target].named_parameters())
+        elif fx_node.op == "get_attr":
+            op, params = "get_attr", (fx_node.target,)
+        elif fx_node.op == "call_method":
+            op = f"method:{fx_node.target}"
+        else:
+            op = f"function:{getattr(fx_node.target, '__name__', fx_node.target)}"
+        nodes.append(
+            OpNode(
+                name=fx_node.name,
+                op=op,
+                inputs=tuple(arg.name for arg in input_nodes),
+                input_meta=input_meta,
+                output_meta=output_meta,
+                params=params,
+                module=module,
+                module_type=module_type,
+                flops=recorder.flops.get(fx_node.name, 0),
+                bytes_moved=_bytes_moved(op, input_meta, output_meta),
+            )
+        )
+    graph = OpGraph(
+        nodes=nodes,
+        inputs=graph_inputs,
+        parameters=parameters,
+        buffers=buffers,
+        batch_size=batch_size,
+        tracer="symbolic_trace",
+        graph_module=graph_module,
+    )
+    _mark_repeated_blocks(graph)
+    return graph
+
+
+class _ShapeAndFlopRecorder(torch.fx.Interpreter):
+    """Runs a symbolically traced module, recording each node's value and FLOPs."""
+
+    def __init__(self, module: torch.fx.GraphModule):
+        super().__init__(module)
+        self.values: dict[str, Any] = {}
+        self.flops: dict[str, int] = {}
+
+    def run_node(self, node: torch.fx.Node) -> Any:
+        counter = FlopCounterMode(display=False)
+        with counter:
+            value = super().run_node(node)
+        self.values[node.name] = value
+        self.flops[node.name] = counter.get_total_flops()
+        return value
+
+
+# ------------------------------------------------------------------------------ shared
+
+
+def _graph_inputs(user_inputs: list[tuple[str, Any]]) -> tuple[list[GraphInput], int]:
+    """User inputs with their batch dimension; the batch is dim 0 of the first tensor input."""
+    tensors = [value for _, value in user_inputs if isinstance(value, torch.Tensor) and value.dim() > 0]
+    if not tensors:
+        raise TraceError(
+            "the example inputs contain no tensor with a batch dimension; pass at least one "
+            "tensor whose dim 0 is the global batch"
+        )
+    batch_size = int(tensors[0].shape[0])
+    graph_inputs = []
+    for name, value in user_inputs:
+        meta = _meta_of(value)
+        batch_dim = 0 if meta is not None and meta.shape and meta.shape[0] == batch_size else None
+        graph_inputs.append(GraphInput(name=name, meta=meta, batch_dim=batch_dim))
+    return graph_inputs, batch_size
+
+
+def _flat_nodes(fx_node: torch.fx.Node) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((fx_node.args, fx_node.kwargs), found.append)
+    return list(dict.fromkeys(found))  # unique, in order
+
+
+def _meta_of(value: Any) -> TensorMeta | None:
+    if isinstance(value, torch.Tensor):
+        return TensorMeta(tuple(int(d) for d in value.shape), value.dtype)
+    return None
+
+
+def _metas_of(value: Any) -> tuple[TensorMeta, ...]:
+    leaves = torch.utils._pytree.tree_leaves(value)
+    return tuple(meta for meta in (_meta_of(leaf) for leaf in leaves) if meta is not None)
+
+
+def _bytes_moved(op: str, inputs: tuple[TensorMeta, ...], outputs: tuple[TensorMeta, ...]) -> int:
+    if op in VIEW_OPS or op.startswith("method:view") or op == "get_attr":
+        return 0
+    return sum(meta.nbytes for meta in inputs) + sum(meta.nbytes for meta in outputs)
+
+
+def _mark_repeated_blocks(graph: OpGraph) -> None:
+    """Mark nodes of stacks of same-structured blocks, e.g. ``layers.0`` .. ``layers.31``.
+
+    A group is marked only when it has at least two blocks and every block issues the same
+    op sequence on the same shapes, so search may solve one block and reuse it.
+    """
+    members: dict[str, dict[int, list[OpNode]]] = {}
+    for node in graph.nodes:
+        match = _BLOCK_PATH.match(node.module)
+        if match:
+            members.setdefault(match["group"], {}).setdefault(int(match["index"]), []).append(node)
+    for group, blocks in members.items():
+        if len(blocks) < 2:
+            continue
+        signatures = {
+            tuple((n.op, n.module.split(f"{group}.{index}", 1)[1], n.input_meta, n.output_meta) for n in nodes)
+            for index, nodes in blocks.items()
+        }
+        if len(signatures) != 1:
+            continue
+        for index, nodes in blocks.items():
+            for node in nodes:
+                node.block = (group, index)
+        graph.blocks[group] = len(blocks)
+
+
+# ------------------------------------------------------------------------- diagnostics
+
+
+class _ModuleTracker:
+    """Keeps the stack of modules whose forward is running, to name the one that failed."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._model = model
+        self._stack: list[tuple[str, str]] = []
+        self._deepest_at_failure: tuple[str, str] | None = None
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "_ModuleTracker":
+        for name, module in self._model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._push(name, module)))
+            self._handles.append(module.register_forward_hook(self._pop))
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _push(self, name: str, module: torch.nn.Module):
+        def hook(*_: Any) -> None:
+            self._stack.append((name or "<root>", type(module).__name__))
+            self._deepest_at_failure = self._stack[-1]
+
+        return hook
+
+    def _pop(self, *_: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    def failed_module(self) -> tuple[str, str] | None:
+        """The innermost module still running when tracing raised, if any."""
+        return self._stack[-1] if self._stack else None
+
+
+def _trace_error(
+    model: torch.nn.Module, export_failure: tuple[tuple[str, str] | None, BaseException], fx_error: BaseException
+) -> TraceError:
+    where, export_error = export_failure
+    location = f"in module '{where[0]}' ({where[1]})" if where else f"in {type(model).__name__}.forward"
+    return TraceError(
+        f"cannot trace {type(model).__name__}: torch.export failed {location} with "
+        f"{type(export_error).__name__}: {_first_line(export_error)}; the torch.fx.symbolic_trace "
+        f"fallback failed with {type(fx_error).__name__}: {_first_line(fx_error)}. Fix: make that "
+        f"forward traceable (no Python branching on tensor values: use torch.where or torch.cond; "
+        f"no .item()/.tolist()), and check the example inputs match the model's signature"
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    line = text[0] if text else ""
+    return line if len(line) <= 200 else line[:197] + "..."
