@@ -1,0 +1,136 @@
+"""Command line: ``planner plan``, ``planner compile``, ``planner presets``.
+
+Every error caused by the input is one line on stderr and exit status 2; an unexpected
+failure inside soap-planner is one line too (exit 3), with the traceback under ``--debug``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import traceback
+from typing import Iterator, Sequence
+
+from planner.errors import PlannerError
+
+EXIT_USAGE = 2
+EXIT_INTERNAL = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="planner",
+        description="Find, explain and compile the fastest way to train a PyTorch model on a cluster.",
+        epilog="example: planner plan examples/gpt.py --cluster cpu:1x2 -o plan.json && "
+        "planner compile plan.json -o out && torchrun --nproc_per_node 2 out/launch.py --check",
+    )
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of unexpected errors")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    plan = commands.add_parser(
+        "plan",
+        help="plan a model for a cluster and print the report",
+        description="Trace SPEC on meta tensors, choose a strategy for CLUSTER, print the report.",
+    )
+    plan.add_argument("spec", metavar="SPEC", help="path/to/model.py[:factory] (factory defaults to build) or hf:<model_type>")
+    plan.add_argument(
+        "--cluster",
+        default="cpu",
+        metavar="CLUSTER",
+        help="PRESET, PRESET:NODES, PRESET:NODESxDEVICES (e.g. cpu:1x4, dgx-a100-80g:2) or a .toml/.json "
+        "file (default: cpu, one host with 2 processes); see `planner presets`",
+    )
+    plan.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a factory argument or hf config field; repeatable (ints, floats, true/false parsed)",
+    )
+    plan.add_argument("--dp", choices=("ddp", "fsdp"), default=None, help="force the data-parallel flavour")
+    plan.add_argument("-o", "--output", metavar="PLAN_JSON", help="save the plan as JSON (input of `planner compile`)")
+
+    compile_ = commands.add_parser(
+        "compile",
+        help="write the per-rank program of a plan",
+        description="Write model_spmd.py, plan.json and launch.py for torchrun.",
+    )
+    compile_.add_argument("plan", metavar="PLAN_JSON", help="a plan saved by `planner plan -o`")
+    compile_.add_argument("-o", "--output", required=True, metavar="DIR", help="output folder (created if missing)")
+
+    commands.add_parser("presets", help="list the cluster presets", description="List the built-in cluster presets.")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``planner`` and ``python -m planner``; returns the exit status."""
+    options = build_parser().parse_args(argv)
+    try:
+        return _run(options)
+    except PlannerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - the last line of defence against tracebacks
+        if options.debug:
+            traceback.print_exc()
+        print(
+            f"internal error: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} "
+            f"(a bug in soap-planner: please report it; --debug shows the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+def _run(options: argparse.Namespace) -> int:
+    if options.command == "presets":
+        from planner.cluster import preset_table
+
+        width = max(len(name) for name, _ in preset_table())
+        for name, description in preset_table():
+            print(f"{name:<{width}}  {description}")
+        return 0
+    if options.command == "plan":
+        return _plan(options)
+    if options.command == "compile":
+        from planner.api import compile as compile_plan
+        from planner.plans import load_plan
+
+        plan = load_plan(options.plan)
+        out = compile_plan(plan, options.output)
+        print(f"wrote {out}/model_spmd.py, {out}/plan.json, {out}/launch.py")
+        print(f"run: torchrun --nproc_per_node {plan.world_size} {out}/launch.py --check")
+        return 0
+    raise AssertionError(f"unhandled command {options.command}")
+
+
+def _plan(options: argparse.Namespace) -> int:
+    from planner.api import plan as make_plan
+    from planner.cluster import Cluster
+    from planner.model_spec import ModelSpec, parse_overrides
+
+    cluster = Cluster.parse(options.cluster)
+    spec = ModelSpec(options.spec, parse_overrides(options.overrides))
+    with _status(f"planning {spec.describe()} for {cluster.name} ({cluster.world_size} devices)"):
+        plan = make_plan(spec, cluster, dp_flavour=options.dp)
+    print(plan.report())
+    if options.output:
+        plan.save(options.output)
+        print(f"saved plan to {options.output}; next: planner compile {options.output} -o out")
+    return 0
+
+
+@contextlib.contextmanager
+def _status(text: str) -> Iterator[None]:
+    """A spinner on stderr while tracing and searching, only when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(text):
+        yield
