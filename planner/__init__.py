@@ -17,8 +17,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
+    "baselines": "planner.baselines",
     "plan": "planner.api",
     "compile": "planner.api",
+    "simulate": "planner.api",
+    "SimResult": "planner.strategy",
     "load_plan": "planner.plans",
     "Plan": "planner.plans",
     "Cluster": "planner.cluster",
@@ -37,7 +40,8 @@ __all__ = sorted(_LAZY)
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        module = importlib.import_module(_LAZY[name])
+        return module if module.__name__ == f"planner.{name}" else getattr(module, name)
     raise AttributeError(f"module 'planner' has no attribute '{name}'")
 
 

@@ -15,9 +15,10 @@ from planner.cluster import Cluster
 from planner.errors import PlanningError, SpecError
 from planner.model_spec import ModelSpec
 from planner.plans import Plan, load_plan
+from planner.strategy import SimResult
 from planner.trace import trace
 
-__all__ = ["plan", "compile", "load_plan"]
+__all__ = ["plan", "simulate", "compile", "load_plan"]
 
 # Seed used whenever the planner builds a model from its spec, so every rank of a compiled
 # program and the single-device reference start from the same weights.
@@ -54,6 +55,28 @@ def plan(
     """
     from search.data_parallel import plan_data_parallel
 
+    graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
+    return plan_data_parallel(graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=graph_warnings(graph))
+
+
+def simulate(plan: Plan) -> SimResult:
+    """Simulate one training step of ``plan`` (see ``cost_model.simulator``).
+
+    A plan made in this process reuses its traced graph; a plan loaded from JSON re-traces
+    its model spec on meta tensors first.
+    """
+    from cost_model.simulator import simulate_plan
+
+    graph = plan.graph
+    if graph is None:
+        if plan.model is None:
+            raise PlanningError("this plan has no model spec, so its model cannot be traced again to simulate it")
+        graph, _, _, _ = prepare_model(plan.model, plan.cluster, None, None)
+    return simulate_plan(plan, graph)
+
+
+def prepare_model(model, cluster, example_inputs=None, spec=None):
+    """Trace a module or spec on meta tensors: returns ``(graph, spec, model name, cluster)``."""
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
     if isinstance(model, (str, ModelSpec)):
@@ -63,22 +86,20 @@ def plan(
         model, args, kwargs = spec.build("meta")
     else:
         if not isinstance(model, torch.nn.Module):
-            raise SpecError(f"plan() takes an nn.Module or a model spec string, got {type(model).__name__}")
+            raise SpecError(f"expected an nn.Module or a model spec string, got {type(model).__name__}")
         if example_inputs is None:
-            raise SpecError("plan() needs example_inputs (one global batch) when given an nn.Module")
+            raise SpecError("example_inputs (one global batch) are needed when planning an nn.Module")
         args, kwargs = _split_inputs(example_inputs)
         if isinstance(spec, str):
             spec = ModelSpec(spec, {})
         spec = spec.resolved() if spec is not None else None
     graph = trace(model, args, kwargs)
-    return plan_data_parallel(
-        graph,
-        cluster,
-        spec,
-        model_name=type(model).__name__,
-        dp_flavour=dp_flavour,
-        warnings=tuple(_model_warnings(model)),
-    )
+    graph.warnings = _model_warnings(model)
+    return graph, spec, type(model).__name__, cluster
+
+
+def graph_warnings(graph) -> tuple[str, ...]:
+    return tuple(getattr(graph, "warnings", ()))
 
 
 def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb users expect

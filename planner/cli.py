@@ -1,4 +1,4 @@
-"""Command line: ``planner plan``, ``planner compile``, ``planner presets``.
+"""Command line: ``planner plan``, ``planner compile``, ``planner presets``, ``planner profile``.
 
 Every error caused by the input is one line on stderr and exit status 2; an unexpected
 failure inside soap-planner is one line too (exit 3), with the traceback under ``--debug``.
@@ -60,7 +60,31 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("plan", metavar="PLAN_JSON", help="a plan saved by `planner plan -o`")
     compile_.add_argument("-o", "--output", required=True, metavar="DIR", help="output folder (created if missing)")
 
+    simulate = commands.add_parser(
+        "simulate",
+        help="simulate a saved plan: step time, MFU, memory, exposed communication",
+        description="Re-trace the plan's model on meta tensors and simulate one training step.",
+    )
+    simulate.add_argument("plan", metavar="PLAN_JSON", help="a plan saved by `planner plan -o`")
+    simulate.add_argument("--trace", metavar="TRACE_JSON", help="write the timeline as a Chrome trace (open in ui.perfetto.dev)")
+
     commands.add_parser("presets", help="list the cluster presets", description="List the built-in cluster presets.")
+
+    profile = commands.add_parser(
+        "profile",
+        help="measure this machine and write a cluster file",
+        description="Measure matmul throughput per dtype, memory bandwidth, per-op overhead and all-reduce "
+        "latency/bandwidth on this machine with N worker processes (as torchrun --nproc_per_node N), and "
+        "write a cluster file whose numbers the planner uses (see cost_model/profile.py).",
+    )
+    profile.add_argument("--nproc", type=int, default=2, metavar="N", help="worker processes on this host (default 2)")
+    profile.add_argument("--quick", action="store_true", help="fewer sizes and repetitions: faster, noisier")
+    profile.add_argument(
+        "--device", choices=("cpu", "cuda"), default=None, help="what to profile (default: cuda when available)"
+    )
+    profile.add_argument(
+        "-o", "--output", required=True, metavar="CLUSTER_FILE", help="where to write it (.toml or .json)"
+    )
     return parser
 
 
@@ -96,6 +120,10 @@ def _run(options: argparse.Namespace) -> int:
         return 0
     if options.command == "plan":
         return _plan(options)
+    if options.command == "simulate":
+        return _simulate(options)
+    if options.command == "profile":
+        return _profile(options)
     if options.command == "compile":
         from planner.api import compile as compile_plan
         from planner.plans import load_plan
@@ -121,6 +149,50 @@ def _plan(options: argparse.Namespace) -> int:
     if options.output:
         plan.save(options.output)
         print(f"saved plan to {options.output}; next: planner compile {options.output} -o out")
+    return 0
+
+
+def _profile(options: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from planner.errors import ClusterError
+
+    output = Path(options.output)
+    # Check the destination before spending up to a minute measuring.
+    if output.suffix.lower() not in (".toml", ".json"):
+        raise ClusterError(f"cluster file {output} must end in .toml or .json, got {output.suffix!r}")
+    folder = output.parent
+    problem = ("it is a folder" if output.is_dir() else
+               None if folder.is_dir() and os.access(folder, os.W_OK) else f"{folder} is not a writable folder")
+    if problem:
+        raise ClusterError(f"cannot write cluster file {output} ({problem}); choose a path in a writable folder")
+
+    from cost_model.profile import measure_machine
+
+    profile = measure_machine(options.nproc, options.device, options.quick)
+    profile.cluster.save(output, comment=profile.notes())
+    rows = profile.table()
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    print(f"wrote {output}; next: planner plan examples/gpt.py --cluster {output}")
+    return 0
+
+
+def _simulate(options: argparse.Namespace) -> int:
+    import dataclasses
+
+    from planner.api import simulate
+    from planner.plans import load_plan
+
+    plan = load_plan(options.plan)
+    with _status(f"simulating {plan.name}"):
+        result = simulate(plan)
+    print(dataclasses.replace(plan, estimate=result).report())
+    if options.trace:
+        result.to_chrome_trace(options.trace)
+        print(f"wrote the timeline to {options.trace} (open it in https://ui.perfetto.dev)")
     return 0
 
 

@@ -12,6 +12,23 @@ Clusters come from three edges, all validated by the dataclasses' ``__post_init_
   * TOML/JSON files with ``name``, ``backend``, ``[inter_node]`` and ``[[nodes]]`` groups
     (``count``, ``devices``, optional ``preset``, ``[nodes.device]``, ``[nodes.intra_node]``).
 
+Calibration. A device may carry measured efficiencies (``python -m planner profile`` writes
+them; ``cost_model/profile.py`` defines how each is measured), all optional, each falling back
+to the documented default in ``cost_model/defaults.py`` when absent:
+  * ``matmul_efficiency``: achieved fraction of ``peak_flops`` for large matmuls, in (0, 1];
+  * ``memory_efficiency``: achieved fraction of ``memory_bandwidth`` for streaming ops, in (0, 1];
+  * ``kernel_overhead_s``: fixed cost per op (dispatch and launch), seconds, >= 0.
+They are flat fields of ``DeviceSpec``; in files they live in their own table, so measured
+numbers stand apart from datasheet ones::
+
+    [nodes.device.calibration]
+    matmul_efficiency = 0.93
+    memory_efficiency = 0.71
+    kernel_overhead_s = 2.2e-06
+
+(``"calibration": {...}`` inside ``"device"`` in JSON; keys left out mean "use the default").
+Measured collective α and β need no new field: they are a ``LinkSpec``'s latency and bandwidth.
+
 Vocabulary layer: imports only the standard library, ``planner.errors`` and the pure-data
 ``planner.presets`` (which imports nothing); never torch.
 """
@@ -49,6 +66,7 @@ _DTYPE_ALIASES = {
 _SHORT_DTYPE = {"float32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "float16": "fp16",
                 "float8": "fp8"}
 _HEADLINE = ("bfloat16", "float16", "float32")  # in order of preference on ties
+CALIBRATION_KEYS = ("matmul_efficiency", "memory_efficiency", "kernel_overhead_s")
 _CLI_FORMS = "PRESET, PRESET:NODES, PRESET:NODESxDEVICES (e.g. cpu:1x4) or a .toml/.json file"
 _CLI_RE = re.compile(r"([A-Za-z0-9._-]+)(?::(\d+)(?:[xX](\d+))?)?")
 
@@ -66,6 +84,26 @@ def _positive_int(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ClusterError(f"{where} must be a positive integer, got {value!r}")
     return value
+
+
+def _efficiency(value: Any, where: str) -> float | None:
+    """A calibration fraction: None (use the default) or a number in (0, 1]."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not 0 < value <= 1:
+        raise ClusterError(f"{where} must be a fraction in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _overhead(value: Any, where: str) -> float | None:
+    """A calibration time: None (use the default) or a finite number of seconds >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        raise ClusterError(f"{where} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 def _name(value: Any, where: str) -> str:
@@ -111,12 +149,19 @@ class _FlopsTable(Mapping):
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One accelerator (or CPU worker process): peak dense FLOP/s per dtype, memory, bandwidth."""
+    """One accelerator (or CPU worker process): peak dense FLOP/s per dtype, memory, bandwidth.
+
+    The three calibration fields are None unless measured (see the module docstring); the cost
+    model then uses ``cost_model.defaults``.
+    """
 
     name: str
     peak_flops: Mapping[str, float]
     memory_bytes: int
     memory_bandwidth: float
+    matmul_efficiency: float | None = None  # fraction of peak_flops, large matmuls
+    memory_efficiency: float | None = None  # fraction of memory_bandwidth, streaming ops
+    kernel_overhead_s: float | None = None  # seconds per op, dispatch + launch
 
     def __post_init__(self) -> None:
         _name(self.name, "DeviceSpec.name")
@@ -132,6 +177,16 @@ class DeviceSpec:
         _positive_int(self.memory_bytes, "DeviceSpec.memory_bytes")
         object.__setattr__(self, "memory_bandwidth",
                            _positive_float(self.memory_bandwidth, "DeviceSpec.memory_bandwidth"))
+        for key in ("matmul_efficiency", "memory_efficiency"):
+            object.__setattr__(self, key, _efficiency(getattr(self, key), f"DeviceSpec.{key}"))
+        object.__setattr__(self, "kernel_overhead_s",
+                           _overhead(self.kernel_overhead_s, "DeviceSpec.kernel_overhead_s"))
+
+    @property
+    def calibration(self) -> dict[str, float]:
+        """The measured calibration fields that are set, in file order (empty: none measured)."""
+        values = {key: getattr(self, key) for key in CALIBRATION_KEYS}
+        return {key: value for key, value in values.items() if value is not None}
 
     def flops_for(self, dtype: Any) -> float:
         """Peak dense FLOP/s for a dtype.
@@ -251,10 +306,11 @@ class Cluster:
             best = max((k for k in _HEADLINE if k in dev.peak_flops), key=dev.peak_flops.get,
                        default=next(iter(dev.peak_flops)))
             nodes = f"{count} node{'s' if count > 1 else ''}"
-            groups.append(f"{nodes} x {node.devices} {dev.name} ({_si(dev.memory_bytes, 'B')}, "
-                          f"{_si(dev.peak_flops[best], 'FLOP/s')} {_SHORT_DTYPE[best]}, "
-                          f"intra-node {_si(node.intra_link.bandwidth, 'B/s')})")
-        inter = (f"; inter-node {_si(self.inter_link.bandwidth, 'B/s')} per device"
+            groups.append(f"{nodes} x {node.devices} {dev.name} "
+                          f"({format_si(dev.memory_bytes, 'B')}, "
+                          f"{format_si(dev.peak_flops[best], 'FLOP/s')} {_SHORT_DTYPE[best]}, "
+                          f"intra-node {format_si(node.intra_link.bandwidth, 'B/s')})")
+        inter = (f"; inter-node {format_si(self.inter_link.bandwidth, 'B/s')} per device"
                  if self.num_nodes > 1 else "")
         return f"{self.name}: {' + '.join(groups)}{inter}; {self.backend}"
 
@@ -262,11 +318,14 @@ class Cluster:
         """JSON-able dict in the cluster-file layout; ``from_dict`` rebuilds an equal Cluster."""
         def link(spec: LinkSpec) -> dict[str, float]:
             return {"bandwidth": spec.bandwidth, "latency": spec.latency}
-        groups = [{"count": count, "devices": node.devices,
-                   "device": {"name": node.device.name,
-                              "memory_bytes": node.device.memory_bytes,
-                              "memory_bandwidth": node.device.memory_bandwidth,
-                              "peak_flops": dict(node.device.peak_flops)},
+        def device(spec: DeviceSpec) -> dict[str, Any]:
+            table = {"name": spec.name, "memory_bytes": spec.memory_bytes,
+                     "memory_bandwidth": spec.memory_bandwidth,
+                     "peak_flops": dict(spec.peak_flops)}
+            if spec.calibration:  # TOML has no null: unmeasured fields are left out
+                table["calibration"] = spec.calibration
+            return table
+        groups = [{"count": count, "devices": node.devices, "device": device(node.device),
                    "intra_node": link(node.intra_link)}
                   for node, count in _group_nodes(self.nodes)]
         return {"name": self.name, "backend": self.backend,
@@ -342,15 +401,22 @@ class Cluster:
         return cls.preset(name, nodes=int(nodes or 1),
                           devices_per_node=int(devices) if devices else None)
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the cluster as TOML or JSON, chosen by the suffix; ``load`` reads it back equal."""
+    def save(self, path: str | os.PathLike[str], *, comment: str | None = None) -> None:
+        """Write the cluster as TOML or JSON, chosen by the suffix; ``load`` reads it back equal.
+
+        Args:
+            path: a ``.toml`` or ``.json`` file.
+            comment: lines written as ``#`` comments under the TOML header (e.g. how a profile
+                was measured); JSON has no comments, so a JSON file leaves it out.
+        """
         path = Path(path)
         data = self.to_dict()
         if _file_suffix(path) == ".json":
             text = json.dumps(data, indent=2) + "\n"
         else:
+            notes = "".join(f"# {line}".rstrip() + "\n" for line in (comment or "").splitlines())
             text = ("# soap-planner cluster file. Units: FLOP/s, bytes, bytes/s per direction "
-                    "per device, seconds.\n" + "\n".join(_toml_lines(data, "")) + "\n")
+                    "per device, seconds.\n" + notes + "\n".join(_toml_lines(data, "")) + "\n")
         try:
             path.write_text(text, encoding="utf-8")
         except OSError as err:
@@ -423,15 +489,21 @@ def _parse_link(raw: Any, where: str) -> LinkSpec:
 
 
 def _parse_device(raw: Any, where: str) -> DeviceSpec:
-    table = _table(raw, where, ("name", "peak_flops", "memory_bytes", "memory_bandwidth"))
+    table = _table(raw, where, ("name", "peak_flops", "memory_bytes", "memory_bandwidth",
+                                "calibration"))
     memory = _require(table, "memory_bytes", where, "bytes")
     if isinstance(memory, float) and memory.is_integer():
         memory = int(memory)  # files may write 80e9, a TOML float, for a byte count
     flops = _table(_require(table, "peak_flops", where, "a [nodes.device.peak_flops] table"),
                    f"{where}.peak_flops", DTYPE_KEYS)
+    calibration = _table(table.get("calibration", {}), f"{where}.calibration", CALIBRATION_KEYS)
+    # Checked here too, so that an error names the file's path (….calibration.key).
+    for key, check in zip(CALIBRATION_KEYS, (_efficiency, _efficiency, _overhead)):
+        check(calibration.get(key), f"{where}.calibration.{key}")
     return _build(DeviceSpec, where, name=_require(table, "name", where, "the device name"),
                   peak_flops=flops, memory_bytes=memory,
-                  memory_bandwidth=_require(table, "memory_bandwidth", where, "bytes/s"))
+                  memory_bandwidth=_require(table, "memory_bandwidth", where, "bytes/s"),
+                  **{key: calibration.get(key) for key in CALIBRATION_KEYS})
 
 
 def _cluster_from_table(data: Any) -> Cluster:
@@ -491,7 +563,7 @@ def _group_nodes(nodes: tuple[NodeSpec, ...]) -> list[tuple[NodeSpec, int]]:
     return runs
 
 
-def _si(value: float, unit: str) -> str:
+def format_si(value: float, unit: str) -> str:
     """``312e12, 'FLOP/s'`` -> ``'312 TFLOP/s'`` (decimal prefixes, 3 significant digits)."""
     for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, "")):
         if value >= scale:

@@ -75,6 +75,8 @@ class OpNode:
         input_meta: shape and dtype of each tensor input, aligned with ``inputs``.
         output_meta: shape and dtype of each tensor output.
         params: qualified names of the parameters and buffers this op reads directly.
+        param_inputs: the names in ``inputs`` that carry them, aligned with ``params``.
+        attrs: the op's positional arguments with tensors replaced by ``None`` (dims, sizes).
         module: the innermost module path that issued the op (``""`` for the root).
         flops: forward FLOPs counted by ``torch.utils.flop_counter``.
         bytes_moved: bytes read plus written (0 for view-like ops, which move nothing).
@@ -88,6 +90,8 @@ class OpNode:
     input_meta: tuple[TensorMeta, ...]
     output_meta: tuple[TensorMeta, ...]
     params: tuple[str, ...] = ()
+    param_inputs: tuple[str, ...] = ()
+    attrs: tuple = ()
     module: str = ""
     module_type: str = ""
     flops: int = 0
@@ -123,6 +127,7 @@ class OpGraph:
         batch_size: the global batch (dim 0 of the first tensor input).
         blocks: repeated block groups, ``group -> number of blocks``.
         tracer: ``"export"`` or ``"symbolic_trace"``, the front end that produced it.
+        warnings: things noticed while tracing that a user should know (shown in reports).
         graph_module: the ``torch.fx.GraphModule`` the nodes were read from.
     """
 
@@ -133,6 +138,7 @@ class OpGraph:
     batch_size: int
     blocks: dict[str, int] = field(default_factory=dict)
     tracer: str = "export"
+    warnings: list[str] = field(default_factory=list)
     graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
     _by_name: dict[str, OpNode] = field(default_factory=dict, init=False, repr=False)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from planner.cluster import Cluster
+from planner.graph import OpGraph
 from planner.errors import ClusterError, PlanFileError, SpecError
 from planner.model_spec import ModelSpec
 from planner.strategy import (
@@ -19,18 +20,18 @@ from planner.strategy import (
     RECOMPUTE_MODES,
     Alternative,
     CostParts,
-    Estimate,
-    MemoryBreakdown,
     Mesh,
     NodeStrategy,
+    MemoryBreakdown,
     PipelineConfig,
+    SimResult,
     Placements,
     placements_from_json,
     placements_to_json,
 )
 
 PLAN_FORMAT = "soap-planner-plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 T = TypeVar("T")
 
@@ -46,6 +47,7 @@ class ModelSummary:
     ops: int
     tracer: str
     blocks: dict[str, int] = field(default_factory=dict)
+    tokens_per_sample: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class Plan:
         summary: a summary of the traced model, for the report.
         runners_up: the next best plans, for the report.
         warnings: things the planner noticed that the user should know.
+        graph: the traced model, kept in memory for simulation (not saved; a loaded plan
+            re-traces its model spec on meta tensors when it needs it).
     """
 
     model: ModelSpec | None
@@ -79,7 +83,7 @@ class Plan:
     batch_size: int
     inputs: dict[str, Placements | None]
     strategies: tuple[NodeStrategy, ...]
-    estimate: Estimate
+    estimate: SimResult
     summary: ModelSummary
     recompute: str = "none"
     pipeline: PipelineConfig | None = None
@@ -88,6 +92,7 @@ class Plan:
     optimizer: str = "adamw"
     runners_up: tuple[Alternative, ...] = ()
     warnings: tuple[str, ...] = ()
+    graph: OpGraph | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.dp_flavour not in DP_FLAVOURS:
@@ -135,7 +140,7 @@ class Plan:
             "inputs": {name: placements_to_json(p) if p is not None else None for name, p in self.inputs.items()},
             "fsdp_units": list(self.fsdp_units),
             "summary": vars(self.summary),
-            "estimate": {**_public_fields(self.estimate, exclude="memory"), "memory": vars(self.estimate.memory)},
+            "estimate": self.estimate.to_dict(),
             "runners_up": [vars(alt) for alt in self.runners_up],
             "warnings": list(self.warnings),
             "strategies": [_strategy_to_dict(s) for s in self.strategies],
@@ -157,17 +162,7 @@ class Plan:
         model = reader.convert("model", lambda d: None if d is None else ModelSpec.from_dict(d), SpecError, ValueError)
         cluster = reader.convert("cluster", Cluster.from_dict, ClusterError)
         mesh = reader.convert("mesh", lambda axes: Mesh(tuple((str(n), s) for n, s in axes)), ValueError, TypeError)
-        estimate_reader = reader.child("estimate")
-        memory_reader = estimate_reader.child("memory")
-        memory = MemoryBreakdown(**{name: memory_reader.get(name, int) for name in MemoryBreakdown.__dataclass_fields__})
-        estimate = Estimate(
-            step_time_s=estimate_reader.get("step_time_s", float),
-            compute_s=estimate_reader.get("compute_s", float),
-            communication_s=estimate_reader.get("communication_s", float),
-            memory=memory,
-            device_memory_bytes=estimate_reader.get("device_memory_bytes", int),
-            method=estimate_reader.get("method", str),
-        )
+        estimate = _estimate_from(reader.child("estimate"))
         summary = reader.convert("summary", lambda d: ModelSummary(**d), TypeError)
         inputs = {
             name: None if value is None else placements_from_json(value, f"{source}: field 'inputs.{name}'")
@@ -258,8 +253,29 @@ class _Reader:
             raise PlanFileError(f"{self.source}: field '{self._field(key)}' is invalid: {error}") from None
 
 
-def _public_fields(obj: Any, exclude: str) -> dict[str, Any]:
-    return {name: getattr(obj, name) for name in obj.__dataclass_fields__ if name != exclude}
+def _estimate_from(reader: _Reader) -> SimResult:
+    """The saved ``SimResult``: every number checked and named, memory breakdowns in full."""
+
+    def memory(memory_reader: _Reader) -> MemoryBreakdown:
+        return MemoryBreakdown(**{name: memory_reader.get(name, int) for name in MemoryBreakdown.__dataclass_fields__})
+
+    stages = reader.get("stage_memory", list)
+    return SimResult(
+        step_time_s=reader.get("step_time_s", float),
+        compute_s=reader.get("compute_s", float),
+        communication_s=reader.get("communication_s", float),
+        memory=memory(reader.child("memory")),
+        device_memory_bytes=reader.get("device_memory_bytes", int),
+        method=reader.get("method", str),
+        stage_memory=tuple(memory(_Reader(item, reader.source, f"{reader.prefix}.stage_memory[{i}]")) for i, item in enumerate(stages)),
+        samples_per_s=reader.get("samples_per_s", float),
+        tokens_per_s=reader.get("tokens_per_s", float),
+        model_flops=reader.get("model_flops", float),
+        tflops_per_device=reader.get("tflops_per_device", float),
+        mfu=reader.get("mfu", float),
+        bytes_per_axis={str(k): float(v) for k, v in reader.get("bytes_per_axis", dict).items()},
+        bubble_fraction=reader.get("bubble_fraction", float),
+    )
 
 
 def _pipeline_to_dict(pipeline: PipelineConfig | None) -> dict | None:

@@ -9,7 +9,7 @@ a little larger (an A100-80GB reports 81920 MiB = 85.9e9 bytes in nvidia-smi); t
 is a deliberate margin for the CUDA context and allocator fragmentation.
 
 Latencies are not on any datasheet: they are typical NCCL small-message latencies per hop,
-estimates to be replaced by measured ones (``python -m planner profile``, a later feature).
+estimates to be replaced by measured ones (``python -m planner profile -o cluster.toml``).
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "backend": "gloo",
         "devices_per_node": 2,  # processes per host; "cpu:1x4" gives 4
         # Rough placeholders for one laptop-class core per process, not measurements: replace
-        # them with a measured profile (``python -m planner profile``, a later feature).
+        # them with a profile of the machine (``python -m planner profile --nproc N -o
+        # cluster.toml``, then ``--cluster cluster.toml``).
         "device": {
             "name": "cpu-process",
             "peak_flops": {"float32": 50e9, "bfloat16": 50e9},  # FLOP/s, placeholder

@@ -99,7 +99,7 @@ def _param_text(strategy: NodeStrategy) -> list[str]:
 def _memory_table(plan: "Plan") -> Table:
     memory = plan.estimate.memory
     capacity = plan.estimate.device_memory_bytes
-    table = Table(title=f"Memory per device ({plan.estimate.method} estimate)")
+    table = Table(title=f"Memory per device, fullest device ({plan.estimate.method})")
     table.add_column("kind")
     table.add_column("bytes", justify="right")
     table.add_column("share", justify="right")
@@ -115,19 +115,29 @@ def _memory_table(plan: "Plan") -> Table:
     table.add_row("total", _bytes(memory.total), f"{memory.total / capacity:.1%} of {_bytes(capacity)}")
     verdict = "fits" if plan.estimate.fits else f"DOES NOT FIT: {_bytes(memory.total - capacity)} missing"
     table.add_row("verdict", verdict, "")
+    if len(plan.estimate.stage_memory) > 1:
+        for stage, stage_memory in enumerate(plan.estimate.stage_memory):
+            table.add_row(f"pipeline stage {stage}", _bytes(stage_memory.total), f"{stage_memory.total / capacity:.1%}")
     return table
 
 
 def _time_table(plan: "Plan") -> Table:
     estimate = plan.estimate
-    table = Table(title=f"Time per step ({estimate.method} estimate)")
+    table = Table(title=f"Time per step ({estimate.method})")
     table.add_column("part")
-    table.add_column("time", justify="right")
-    table.add_row("compute (forward + backward + optimizer)", _seconds(estimate.compute_s))
-    table.add_row("exposed communication", _seconds(estimate.communication_s))
-    table.add_row("step", _seconds(estimate.step_time_s))
+    table.add_column("value", justify="right")
+    table.add_row("step time", _seconds(estimate.step_time_s))
+    table.add_row("compute on the busiest device (forward + backward + optimizer)", _seconds(estimate.compute_s))
+    table.add_row("exposed communication (step minus the same step with free collectives)", _seconds(estimate.communication_s))
+    if plan.pipeline is not None:
+        table.add_row("pipeline bubble (idle share of compute)", f"{estimate.bubble_fraction:.1%}")
     if estimate.step_time_s > 0:
-        table.add_row("throughput", f"{plan.batch_size / estimate.step_time_s:,.1f} samples/s")
+        table.add_row("throughput", f"{estimate.samples_per_s:,.1f} samples/s" + (
+            f", {estimate.tokens_per_s:,.0f} tokens/s" if estimate.tokens_per_s else ""))
+    if estimate.model_flops:
+        table.add_row("model FLOPs per device (Megatron-LM count)", f"{estimate.tflops_per_device:,.2f} TFLOP/s, MFU {estimate.mfu:.1%}")
+    for axis, sent in sorted(estimate.bytes_per_axis.items()):
+        table.add_row(f"bytes sent per device on '{axis}'", _bytes(sent))
     return table
 
 

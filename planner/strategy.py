@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
@@ -198,17 +198,39 @@ class MemoryBreakdown:
         return self.weights + self.gradients + self.optimizer_states + self.activations + self.communication_buffers
 
 
+class TimelineEvent(NamedTuple):
+    """One task of a simulated step, for the Chrome/Perfetto trace (a tuple: cheap in bulk)."""
+
+    device: str
+    stream: str
+    name: str
+    start_s: float
+    duration_s: float
+
+
 @dataclass(frozen=True)
-class Estimate:
-    """Predicted step time and memory of a plan (an analytic estimate, or the simulator's).
+class SimResult:
+    """Predicted behaviour of one training step of a plan.
 
     Attributes:
-        step_time_s: one training step (forward, backward, optimizer).
-        compute_s: compute time on the busiest device.
-        communication_s: communication time not hidden behind compute.
-        memory: bytes per device by kind, on the fullest device.
+        step_time_s: one training step (forward, backward, optimizer) on the slowest device.
+        compute_s: busy time of the busiest device's compute stream (collectives excluded).
+        communication_s: exposed communication: how much longer the step is than the same
+            schedule with every collective free.
+        memory: bytes by kind on the fullest device.
         device_memory_bytes: capacity of the smallest device.
-        method: how it was computed (``"analytic"`` or ``"simulator"``).
+        method: ``"simulator"`` or ``"analytic"``.
+        stage_memory: bytes by kind on a device of each pipeline stage.
+        samples_per_s, tokens_per_s: throughput (tokens: samples x sequence length, 0 if
+            the inputs have no sequence).
+        model_flops: FLOPs of one step as Megatron-LM counts them for MFU: forward and
+            backward matmuls (3x the forward's), attention scores and logits included,
+            recomputation excluded.
+        tflops_per_device: model_flops / step time / devices, in TFLOP/s.
+        mfu: tflops_per_device over the device's dense peak for the plan's precision.
+        bytes_per_axis: bytes each device sends per step, by mesh axis (and ``"pp"``).
+        bubble_fraction: idle share of the compute stream in the pipeline schedule.
+        timeline: the simulated tasks (not saved in plans); see ``to_chrome_trace``.
     """
 
     step_time_s: float
@@ -216,11 +238,70 @@ class Estimate:
     communication_s: float
     memory: MemoryBreakdown
     device_memory_bytes: int
-    method: str = "analytic"
+    method: str = "simulator"
+    stage_memory: tuple[MemoryBreakdown, ...] = ()
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    model_flops: float = 0.0
+    tflops_per_device: float = 0.0
+    mfu: float = 0.0
+    bytes_per_axis: Mapping[str, float] = field(default_factory=dict)
+    bubble_fraction: float = 0.0
+    timeline: tuple[TimelineEvent, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def fits(self) -> bool:
         return self.memory.total <= self.device_memory_bytes
+
+    def to_chrome_trace(self, path: str) -> None:
+        """Write the timeline as a Chrome trace (opens in Perfetto / chrome://tracing):
+        one process per device, one thread per stream, times in microseconds."""
+        import json
+
+        devices = sorted({event.device for event in self.timeline})
+        streams = sorted({(event.device, event.stream) for event in self.timeline})
+        pid = {device: index for index, device in enumerate(devices)}
+        tid = {key: index for index, key in enumerate(streams)}
+        events: list[dict[str, Any]] = []
+        for device in devices:
+            events.append({"ph": "M", "name": "process_name", "pid": pid[device], "args": {"name": device}})
+        for device, stream in streams:
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": pid[device], "tid": tid[(device, stream)], "args": {"name": stream}}
+            )
+        for event in self.timeline:
+            events.append(
+                {
+                    "ph": "X",
+                    "name": event.name,
+                    "cat": event.stream,
+                    "pid": pid[event.device],
+                    "tid": tid[(event.device, event.stream)],
+                    "ts": event.start_s * 1e6,
+                    "dur": event.duration_s * 1e6,
+                }
+            )
+        with open(path, "w") as handle:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, handle)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (the timeline is not included)."""
+        return {
+            "step_time_s": self.step_time_s,
+            "compute_s": self.compute_s,
+            "communication_s": self.communication_s,
+            "memory": vars(self.memory),
+            "device_memory_bytes": self.device_memory_bytes,
+            "method": self.method,
+            "stage_memory": [vars(m) for m in self.stage_memory],
+            "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "model_flops": self.model_flops,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            "bytes_per_axis": dict(self.bytes_per_axis),
+            "bubble_fraction": self.bubble_fraction,
+        }
 
 
 @dataclass(frozen=True)

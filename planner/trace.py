@@ -92,18 +92,17 @@ def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpG
         program = torch.export.export(model, tuple(args), kwargs, strict=False)
     signature = program.graph_signature
     graph_module = program.graph_module
-    placeholder_to_state = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
+    # Tied weights (an embedding shared with the head) appear once per alias in the
+    # signature; name each by its first alias so it is counted and sharded once.
+    canonical = _canonical_names(model)
+    to_parameter = {name: canonical.get(fqn, fqn) for name, fqn in signature.inputs_to_parameters.items()}
+    to_buffer = {name: canonical.get(fqn, fqn) for name, fqn in signature.inputs_to_buffers.items()}
+    placeholder_to_state = {**to_parameter, **to_buffer}
     placeholder_to_state.update(getattr(signature, "inputs_to_lifted_tensor_constants", {}))
     placeholders = {node.name: node for node in graph_module.graph.nodes if node.op == "placeholder"}
 
-    parameters = {
-        fqn: _meta_of(placeholders[name].meta.get("val"))
-        for name, fqn in signature.inputs_to_parameters.items()
-    }
-    buffers = {
-        fqn: _meta_of(placeholders[name].meta.get("val"))
-        for name, fqn in signature.inputs_to_buffers.items()
-    }
+    parameters = {fqn: _meta_of(placeholders[name].meta.get("val")) for name, fqn in to_parameter.items()}
+    buffers = {fqn: _meta_of(placeholders[name].meta.get("val")) for name, fqn in to_buffer.items()}
     user_inputs = [(name, placeholders[name].meta.get("val")) for name in signature.user_inputs]
     graph_inputs, batch_size = _graph_inputs(user_inputs)
 
@@ -124,9 +123,9 @@ def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpG
                 inputs=tuple(arg.name for arg in input_nodes),
                 input_meta=input_meta,
                 output_meta=output_meta,
-                params=tuple(
-                    placeholder_to_state[arg.name] for arg in input_nodes if arg.name in placeholder_to_state
-                ),
+                params=tuple(placeholder_to_state[arg.name] for arg in input_nodes if arg.name in placeholder_to_state),
+                param_inputs=tuple(arg.name for arg in input_nodes if arg.name in placeholder_to_state),
+                attrs=_attrs_of(fx_node),
                 module=module,
                 module_type=module_type,
                 flops=_count_flops(fx_node, op, flop_cache),
@@ -162,6 +161,11 @@ def _stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
+def _attrs_of(fx_node: torch.fx.Node) -> tuple:
+    """Positional arguments with every node (tensor) replaced by ``None``."""
+    return tuple(torch.fx.node.map_arg(tuple(fx_node.args), lambda _: None))
+
+
 def _input_meta(fx_node: torch.fx.Node, source: torch.fx.Node) -> TensorMeta:
     """Metadata of the tensor ``fx_node`` reads from ``source`` (one element of a list output
     for ``getitem``, e.g. after ``split``)."""
@@ -169,6 +173,15 @@ def _input_meta(fx_node: torch.fx.Node, source: torch.fx.Node) -> TensorMeta:
     if fx_node.target is operator.getitem and isinstance(fx_node.args[1], int) and fx_node.args[1] < len(metas):
         return metas[fx_node.args[1]]
     return metas[0]
+
+
+def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
+    """Every parameter/buffer alias -> the first name under which the tensor appears."""
+    first: dict[int, str] = {}
+    canonical: dict[str, str] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        canonical[name] = first.setdefault(id(tensor), name)
+    return canonical
 
 
 def _op_name(target: Any) -> str:

@@ -1,27 +1,22 @@
 """Data-parallel plans: the whole model on every device, the batch split over a ``dp`` axis.
 
-Two flavours are built and compared: DDP (weights replicated, gradients all-reduced) and
+Two flavours are built and simulated: DDP (weights replicated, gradients all-reduced) and
 FSDP (weights, gradients and optimizer states sharded, ZeRO-3). The fastest flavour that
 fits in memory wins; the other is kept as the runner-up with the reason it lost.
-
-Placements of each op are derived by following the batch through the graph: a tensor
-computed from a batch-sharded tensor is sharded on the dimension that carries the batch,
-a scalar reduced from one (the loss) is ``Partial("avg")``, everything else (weights and
-what is computed from weights alone) is replicated.
 """
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+import dataclasses
 
-from cost_model.analytic import data_parallel_estimate
+from cost_model.simulator import simulated
 from planner.cluster import Cluster
 from planner.errors import PlanningError
-from planner.graph import OpGraph, TensorMeta
+from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
 from planner.plans import ModelSummary, Plan
-from planner.strategy import Alternative, CostParts, Estimate, Mesh, NodeStrategy, Placements
+from planner.strategy import Alternative, MemoryBreakdown, Mesh, SimResult
+from search.layouts import data_parallel_layout
 
 DATA_PARALLEL_FLAVOURS = ("ddp", "fsdp")
 
@@ -33,6 +28,7 @@ def plan_data_parallel(
     model_name: str,
     dp_flavour: str | None = None,
     warnings: tuple[str, ...] = (),
+    precision: str = "fp32",
 ) -> Plan:
     """The best data-parallel plan of ``graph`` on all of ``cluster``'s devices.
 
@@ -43,15 +39,41 @@ def plan_data_parallel(
         model_name: shown in the report.
         dp_flavour: force ``"ddp"`` or ``"fsdp"``; ``None`` picks the fastest that fits.
         warnings: notes gathered while tracing, carried into the plan.
+        precision: ``fp32``, or mixed ``bf16``/``fp16`` (simulated; codegen runs fp32).
 
     Raises:
         PlanningError: the batch does not split over the devices, or no flavour fits.
     """
-    dp = cluster.world_size
     if dp_flavour is not None and dp_flavour not in DATA_PARALLEL_FLAVOURS:
         raise PlanningError(
             f"data-parallel flavour '{dp_flavour}' is not available; choose one of {', '.join(DATA_PARALLEL_FLAVOURS)}"
         )
+    candidates = [dp_flavour] if dp_flavour else list(DATA_PARALLEL_FLAVOURS)
+    plans = {
+        flavour: data_parallel_plan(graph, cluster, spec, model_name, flavour, warnings, precision)
+        for flavour in DATA_PARALLEL_FLAVOURS
+    }
+    fitting = [flavour for flavour in candidates if plans[flavour].estimate.fits]
+    if not fitting:
+        raise does_not_fit(cluster, {flavour: plans[flavour].estimate for flavour in candidates})
+    chosen = min(fitting, key=lambda flavour: plans[flavour].estimate.step_time_s)
+    runners_up = tuple(
+        alternative(plans[flavour], plans[chosen]) for flavour in DATA_PARALLEL_FLAVOURS if flavour != chosen
+    )
+    return dataclasses.replace(plans[chosen], runners_up=runners_up)
+
+
+def data_parallel_plan(
+    graph: OpGraph,
+    cluster: Cluster,
+    spec: ModelSpec | None,
+    model_name: str,
+    flavour: str,
+    warnings: tuple[str, ...] = (),
+    precision: str = "fp32",
+) -> Plan:
+    """A simulated data-parallel plan of one flavour (``ddp``, ``zero1``, ``zero2``, ``fsdp``)."""
+    dp = cluster.world_size
     if graph.batch_size % dp:
         multiple = -(-graph.batch_size // dp) * dp
         raise PlanningError(
@@ -59,53 +81,40 @@ def plan_data_parallel(
             f"use a global batch that is a multiple of {dp} (e.g. --set batch_size={multiple}) or fewer devices"
         )
     mesh = Mesh((("dp", dp),))
-    units = fsdp_units(graph)
-    unit_bytes = list(unit_parameter_bytes(graph, units).values())[::-1]  # root first
-    estimates = {
-        flavour: data_parallel_estimate(graph, cluster, flavour, unit_bytes=unit_bytes)
-        for flavour in DATA_PARALLEL_FLAVOURS
-    }
-    candidates = [dp_flavour] if dp_flavour else list(DATA_PARALLEL_FLAVOURS)
-    fitting = [flavour for flavour in candidates if estimates[flavour].fits]
-    if not fitting:
-        raise _does_not_fit(graph, cluster, {f: estimates[f] for f in candidates})
-    chosen = min(fitting, key=lambda flavour: estimates[flavour].step_time_s)
-    runners_up = tuple(
-        Alternative(
-            name=f"{flavour} ({mesh})",
-            step_time_s=estimates[flavour].step_time_s,
-            memory_bytes=estimates[flavour].memory.total,
-            fits=estimates[flavour].fits,
-            note=_why_not(flavour, estimates[flavour], estimates[chosen]),
-        )
-        for flavour in DATA_PARALLEL_FLAVOURS
-        if flavour != chosen
-    )
-    input_placements = {
-        graph_input.name: ((Shard(0),) if graph_input.batch_dim == 0 else (Replicate(),)) if graph_input.meta else None
-        for graph_input in graph.inputs
-    }
-    return Plan(
+    strategies, inputs = data_parallel_layout(graph, mesh)
+    plan = Plan(
         model=spec,
         cluster=cluster,
         mesh=mesh,
-        dp_flavour=chosen,
+        dp_flavour=flavour,
         batch_size=graph.batch_size,
-        inputs=input_placements,
-        strategies=batch_sharded_strategies(graph, estimates[chosen]),
-        estimate=estimates[chosen],
-        summary=ModelSummary(
-            name=model_name,
-            parameters=graph.parameter_count,
-            parameter_bytes=graph.parameter_bytes,
-            forward_flops=graph.total_flops,
-            ops=len(graph),
-            tracer=graph.tracer,
-            blocks=dict(graph.blocks),
-        ),
-        fsdp_units=units if chosen == "fsdp" else (),
-        runners_up=runners_up,
+        inputs=inputs,
+        strategies=strategies,
+        estimate=_PENDING,
+        summary=model_summary(graph, model_name),
+        fsdp_units=fsdp_units(graph) if flavour == "fsdp" else (),
+        precision=precision,
         warnings=warnings,
+        graph=graph,
+    )
+    return simulated(plan, graph)
+
+
+def model_summary(graph: OpGraph, model_name: str) -> ModelSummary:
+    """What the report says about the model; tokens per sample from the first integer input."""
+    tokens = next(
+        (i.meta.shape[1] for i in graph.inputs if i.meta and not i.meta.dtype.is_floating_point and len(i.meta.shape) >= 2),
+        0,
+    )
+    return ModelSummary(
+        name=model_name,
+        parameters=graph.parameter_count,
+        parameter_bytes=graph.parameter_bytes,
+        forward_flops=graph.total_flops,
+        ops=len(graph),
+        tracer=graph.tracer,
+        blocks=dict(graph.blocks),
+        tokens_per_sample=tokens,
     )
 
 
@@ -114,83 +123,35 @@ def fsdp_units(graph: OpGraph) -> tuple[str, ...]:
     return tuple(f"{group}.{index}" for group, count in graph.blocks.items() for index in range(count))
 
 
-def unit_parameter_bytes(graph: OpGraph, units: tuple[str, ...]) -> dict[str, int]:
-    """Parameter bytes of each FSDP unit; ``""`` is the root unit (parameters in no block)."""
-    sizes = {unit: 0 for unit in units}
-    sizes[""] = 0
-    for name, meta in graph.parameters.items():
-        owner = next((unit for unit in units if name.startswith(unit + ".")), "")
-        sizes[owner] += meta.nbytes
-    return sizes
-
-
-def batch_sharded_strategies(graph: OpGraph, estimate: Estimate) -> tuple[NodeStrategy, ...]:
-    """Per-op placements on a 1-D ``dp`` mesh when the batch is split over it."""
-    placement_of: dict[str, Placement] = {
-        graph_input.name: Shard(0) if graph_input.batch_dim == 0 else Replicate()
-        for graph_input in graph.inputs
-        if graph_input.meta
-    }
-    compute_share = estimate.compute_s / max(1, graph.total_flops)
-    strategies = []
-    for node in graph.nodes:
-        inputs = tuple(placement_of.get(name, Replicate()) for name in node.inputs)
-        batch_input = next(
-            ((meta, p) for meta, p in zip(node.input_meta, inputs) if isinstance(p, Shard)), None
-        )
-        outputs = tuple(_output_placement(batch_input, out) for out in node.output_meta)
-        if outputs:
-            placement_of[node.name] = outputs[0]
-        strategies.append(
-            NodeStrategy(
-                node=node.name,
-                op=node.op,
-                module=node.module,
-                inputs=tuple((p,) for p in inputs),
-                outputs=tuple((p,) for p in outputs),
-                params={name: (Replicate(),) for name in node.params},
-                cost=CostParts(compute_s=node.flops * compute_share),
-            )
-        )
-    return tuple(strategies)
-
-
-def _output_placement(batch_input: tuple[TensorMeta, Placement] | None, output: TensorMeta) -> Placement:
-    if batch_input is None:
-        return Replicate()
-    meta, placement = batch_input
-    if not output.shape:
-        return Partial("avg")  # a reduction over the batch, e.g. the mean loss
-    batch = meta.shape[placement.dim]
-    if placement.dim < len(output.shape) and output.shape[placement.dim] == batch:
-        return Shard(placement.dim)
-    for dim, size in enumerate(output.shape):
-        if size % batch == 0:
-            return Shard(dim)  # the batch was moved or folded into this dimension
-    return Partial("avg")
-
-
-def _why_not(flavour: str, estimate: Estimate, best: Estimate) -> str:
+def alternative(plan: Plan, best: Plan) -> Alternative:
+    """``plan`` summarised as a runner-up of ``best``, with the reason it lost."""
+    estimate, chosen = plan.estimate, best.estimate
     if not estimate.fits:
-        return f"does not fit: needs {_gib(estimate.memory.total)} of {_gib(estimate.device_memory_bytes)} per device"
-    slower = estimate.step_time_s / best.step_time_s - 1 if best.step_time_s else 0.0
-    reason = "more communication" if estimate.communication_s > best.communication_s else "more compute"
-    return f"{slower:+.0%} step time ({reason})"
+        note = f"does not fit: needs {_gib(estimate.memory.total)} of {_gib(estimate.device_memory_bytes)} per device"
+    else:
+        slower = estimate.step_time_s / chosen.step_time_s - 1 if chosen.step_time_s else 0.0
+        reason = "more exposed communication" if estimate.communication_s > chosen.communication_s else "more compute"
+        note = f"{slower:+.1%} step time ({reason})"
+    return Alternative(name=plan.name, step_time_s=estimate.step_time_s, memory_bytes=estimate.memory.total, fits=estimate.fits, note=note)
 
 
-def _does_not_fit(graph: OpGraph, cluster: Cluster, estimates: dict[str, Estimate]) -> PlanningError:
+def does_not_fit(cluster: Cluster, estimates: dict[str, SimResult]) -> PlanningError:
+    """The error for a model no candidate fits: how much one device needs, how many it takes."""
     best_flavour, best = min(estimates.items(), key=lambda item: item[1].memory.total)
-    per_device = best.memory.total
     capacity = cluster.min_device_memory
-    # Weights, gradients and optimizer states shard with FSDP; activations split with the batch.
-    sharded = best.memory.weights + best.memory.gradients + best.memory.optimizer_states + best.memory.activations
-    needed_devices = -(-sharded * cluster.world_size // max(1, capacity - best.memory.communication_buffers))
+    shardable = best.memory.weights + best.memory.gradients + best.memory.optimizer_states + best.memory.activations
+    room = max(1, capacity - best.memory.communication_buffers)
+    needed_devices = -(-shardable * cluster.world_size // room)
     return PlanningError(
-        f"the model does not fit with data parallelism: the smallest plan ({best_flavour}) needs "
-        f"{_gib(per_device)} per device but a device has {_gib(capacity)}; it would take about "
-        f"{needed_devices} devices with FSDP, or a smaller model or batch"
+        f"the model does not fit: the smallest plan ({best_flavour}) needs {_gib(best.memory.total)} per device "
+        f"but a device has {_gib(capacity)}; it would take about {needed_devices} devices with FSDP, "
+        f"or a smaller model or batch"
     )
 
 
-def _gib(num_bytes: int) -> str:
+def _gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.2f} GiB"
+
+
+# Placeholder estimate of a plan under construction (the simulator needs the plan first).
+_PENDING = SimResult(step_time_s=0.0, compute_s=0.0, communication_s=0.0, memory=MemoryBreakdown(), device_memory_bytes=0)

@@ -1,0 +1,601 @@
+"""Calibration: measure the machine we run on and describe it as a ``Cluster`` (as in Daydream).
+
+``python -m planner profile --nproc N -o cluster.toml`` starts N worker processes on this
+host, exactly as ``torchrun --nproc_per_node N`` would, and measures, on every rank at the same
+time (so ranks contend for cores, caches and memory as they do in training):
+
+  compute   ``torch.mm`` of square n×n matrices, several n, per dtype (float32 always; on
+            CUDA also tf32, bfloat16, float16; on CPU also bfloat16 and float16, whose larger
+            shapes are skipped once one call would take longer than ``slow_op_s``);
+  memory    streaming ops on tensors larger than the caches: ``torch.add(a, b, out=c)`` moves
+            3 × size bytes, ``c.copy_(a)`` moves 2 × size bytes;
+  overhead  ``torch.add`` on 1-element tensors, which does no work but dispatch (and launch);
+  network   ``dist.all_reduce`` of float32 tensors of 4 B .. 64 MiB over the process backend
+            (gloo on CPU; nccl when every rank has a GPU of its own).
+
+Timing. Every point is warmed up once; then one timed call sets how many calls make one timed
+repetition (about ``target_s`` of work); the point's time is the median over ``reps``
+repetitions of the per-call time, and of the ranks the slowest (a synchronous step waits for
+it). All ranks start each repetition together after a barrier. CPU: ``time.perf_counter``;
+CUDA: CUDA events on the current stream. On CPU each rank runs with
+``threads = max(1, cores // nproc)`` intra-op threads, cores being the CPUs this process may
+use (``os.sched_getaffinity``, else ``os.cpu_count()``); the file's comment records it.
+(torchrun sets OMP_NUM_THREADS=1 per process when nproc > 1; give the training processes the
+same thread count as the profile, or the numbers do not apply.)
+
+How each number of the cluster file is derived (``t`` is a point's time in seconds):
+
+  kernel_overhead_s  = t(tiny add).
+  achieved(d, n)     = 2n³ / (t − kernel_overhead_s), for dtype d and size n, so that the
+                       simulator's ``flops / rate + kernel_overhead_s`` gives back ``t``.
+  peak_flops[d]      = max over n of achieved(d, n): the best rate seen, not a datasheet peak.
+  matmul_efficiency  = median over n of achieved(r, n) / peak_flops[r], for the reference
+                       dtype r: the one measured at the most sizes, ties broken by the higher
+                       peak (float32 on a CPU, bfloat16 on a recent GPU). The simulator's
+                       ``peak × efficiency`` then equals r's typical (median-size) matmul rate.
+                       One efficiency serves every dtype, so for the others it is approximate.
+  streamed(op, s)    = bytes(op, s) / (t − kernel_overhead_s).
+  memory_bandwidth   = max over (op, s) of streamed(op, s).
+  memory_efficiency  = median over (op, s) of streamed(op, s) / memory_bandwidth.
+  α, β (latency, bandwidth of the intra-node link) = the least-squares fit of the ring model
+                       t(S) = 2(n−1)·α + 2(n−1)/n · S/β  (n = nproc, S = bytes all-reduced;
+                       ``cost_model.collectives.ring_all_reduce_time``) to the all-reduce
+                       times, each residual divided by its t: the times span four orders of
+                       magnitude and an unweighted fit would ignore α. A non-positive α or
+                       1/β (noise) is replaced by the smallest message's time / (2(n−1)), resp.
+                       the largest message's bandwidth term alone (see ``fit_alpha_beta``).
+  inter_link         = the intra-node link: one host has no inter-node network, so this is a
+                       stand-in that lets "profile:2" style clusters load; edit it for a real
+                       multi-host cluster.
+  memory_bytes       = CPU: physical RAM (or the cgroup limit, if lower) / nproc;
+                       CUDA: the GPU's memory / the ranks sharing it.
+
+Layering: imports torch, numpy and ``planner.cluster``/``planner.errors``; imported by the CLI
+only when ``planner profile`` runs (torch is slow to import).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+
+from planner.cluster import Cluster, DeviceSpec, LinkSpec, NodeSpec, format_si
+from planner.errors import PlannerError
+
+# Seconds the workers may take in all, before they are stopped and the profile fails.
+PROFILE_TIMEOUT_S = 600.0
+# Seconds a rank waits for the others in the rendezvous and in each collective.
+_COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+# Most calls in one timed repetition (a tiny op at ~1 µs reaches target_s long before).
+_MAX_CALLS = 2000
+_TINY_CALLS = 200  # calls per repetition of the 1-element op: long enough for perf_counter
+
+
+class ProfileError(PlannerError):
+    """The machine could not be profiled (bad arguments, or the worker processes failed)."""
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """What to measure and how long to spend on each point."""
+
+    matmul_sizes: tuple[int, ...]  # n of the n×n @ n×n matmuls, ascending
+    matmul_dtypes: tuple[str, ...]  # DTYPE_KEYS names; "tf32" is float32 with TF32 allowed
+    stream_numels: tuple[int, ...]  # float32 elements per tensor of the streaming ops
+    allreduce_bytes: tuple[int, ...]  # bytes per all-reduce, ascending
+    target_s: float  # seconds of work in one timed repetition
+    reps: int  # timed repetitions per point (median taken)
+    slow_op_s: float  # skip a dtype's next size when one call would take longer (seconds)
+
+    @classmethod
+    def for_device(cls, kind: str, quick: bool) -> ProfileSettings:
+        """Defaults for ``kind`` ("cpu" or "cuda"); ``quick`` trades accuracy for ~3× speed."""
+        # Streaming tensors: three of >= 16 MiB per rank on CPU (48 MiB, more than the L3 share
+        # of a rank on common servers), >= 64 MiB on GPU (more than an H100's 50 MB L2), so
+        # that memory, not cache, is measured. All-reduce sizes: 4 B .. 64 MiB, every 16×.
+        allreduce = (2**2, 2**10, 2**18, 2**24) if quick else tuple(2**k for k in range(2, 27, 4))
+        if kind == "cuda":
+            return cls(matmul_sizes=(1024, 2048, 4096) if quick else (1024, 2048, 4096, 8192),
+                       matmul_dtypes=("float32", "tf32", "bfloat16", "float16"),
+                       stream_numels=(2**24, 2**26) if quick else (2**24, 2**26, 2**28),
+                       allreduce_bytes=allreduce, target_s=0.01 if quick else 0.05,
+                       reps=3 if quick else 7, slow_op_s=0.05 if quick else 0.25)
+        return cls(matmul_sizes=(256, 512, 1024) if quick else (256, 512, 1024, 2048),
+                   matmul_dtypes=("float32", "bfloat16", "float16"),
+                   stream_numels=(2**22, 2**23) if quick else (2**22, 2**23, 2**24),
+                   allreduce_bytes=allreduce, target_s=0.01 if quick else 0.05,
+                   reps=3 if quick else 7, slow_op_s=0.1 if quick else 0.5)
+
+
+@dataclass(frozen=True)
+class MatmulSample:
+    """One matmul point: n×n @ n×n in ``dtype`` took ``seconds`` per call."""
+
+    dtype: str
+    size: int
+    seconds: float
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.size**3
+
+
+@dataclass(frozen=True)
+class StreamSample:
+    """One streaming point: ``op`` on float32 tensors of ``numel`` elements moved ``bytes``."""
+
+    op: str
+    numel: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """Everything measured, and the Cluster derived from it (see the module docstring)."""
+
+    cluster: Cluster
+    kind: str  # "cpu" or "cuda"
+    nproc: int
+    threads: int | None  # intra-op threads per process on CPU; None on CUDA
+    overhead_s: float
+    matmuls: tuple[MatmulSample, ...]
+    streams: tuple[StreamSample, ...]
+    allreduce: tuple[tuple[int, float], ...]  # (bytes, seconds)
+    quick: bool
+    wall_s: float
+
+    @property
+    def device(self) -> DeviceSpec:
+        return self.cluster.nodes[0].device
+
+    @property
+    def link(self) -> LinkSpec:
+        return self.cluster.nodes[0].intra_link
+
+    def table(self) -> list[tuple[str, str]]:
+        """(quantity, value) rows for the CLI: what was measured, in readable units."""
+        device, link = self.device, self.link
+        rows = [("device", f"{device.name} x {self.nproc} ({self.cluster.backend})")]
+        for dtype, flops in device.peak_flops.items():
+            sizes = [s.size for s in self.matmuls if s.dtype == dtype]
+            rows.append((f"peak {dtype}", f"{format_si(flops, 'FLOP/s')} "
+                                          f"(best of n = {', '.join(map(str, sizes))})"))
+        rows += [("matmul efficiency", f"{device.matmul_efficiency:.3f}"),
+                 ("memory bandwidth", format_si(device.memory_bandwidth, "B/s")),
+                 ("memory efficiency", f"{device.memory_efficiency:.3f}"),
+                 ("kernel overhead", f"{device.kernel_overhead_s * 1e6:.2f} µs"),
+                 ("memory per process" if self.kind == "cpu" else "memory per device",
+                  format_si(device.memory_bytes, "B")),
+                 ("all-reduce α (latency)", f"{link.latency * 1e6:.1f} µs"),
+                 ("all-reduce β (bandwidth)", format_si(link.bandwidth, "B/s")),
+                 ("profiling time", f"{self.wall_s:.1f} s")]
+        return rows
+
+    def notes(self) -> str:
+        """How the profile was taken, for the comment at the top of the cluster file."""
+        threads = (f"{self.threads} intra-op thread{'s' if self.threads != 1 else ''} per "
+                   f"process (torch.set_num_threads; cores // nproc)" if self.threads else
+                   "one GPU per process" if self.cluster.backend == "nccl" else
+                   "processes sharing GPUs, collectives on CPU tensors")
+        when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        rates = [f"  {dtype}: " + ", ".join(
+            f"n={s.size} {format_si(s.flops / s.seconds, 'FLOP/s')}"
+            for s in self.matmuls if s.dtype == dtype) for dtype in self.device.peak_flops]
+        return "\n".join([
+            f"Measured by `planner profile --nproc {self.nproc}{' --quick' if self.quick else ''}`"
+            f" on {_host_label()}, {when}, torch {torch.__version__}:",
+            f"{self.nproc} {self.kind.upper()} processes over {self.cluster.backend}, {threads}.",
+            "Matmul rates (n×n @ n×n, slowest rank):", *rates,
+            "peak_flops = best rate per dtype; calibration = measured efficiencies and per-op "
+            "overhead;",
+            "intra_node = all-reduce α/β fit; inter_node is a stand-in (= intra_node): one host "
+            "has no inter-node network.",
+        ])
+
+
+# ---- the entry points ----
+
+def profile_machine(nproc: int = 2, device: str | None = None, quick: bool = False) -> Cluster:
+    """Measure this machine and return it as a one-node Cluster (see the module docstring).
+
+    Args:
+        nproc: worker processes (ranks) on this host, as ``torchrun --nproc_per_node``; >= 2,
+            since collectives need two ranks.
+        device: "cpu" or "cuda"; None picks CUDA when available.
+        quick: fewer sizes and repetitions (on a 2-core CPU: ~5-10 s against ~20-30 s, of
+            which ~4 s start the processes).
+    Returns:
+        ``Cluster(name="profiled-<hostname>")`` with measured peak FLOP/s, bandwidth,
+        calibration and links. Raises ProfileError when it cannot measure.
+
+    The workers are started with the "spawn" method, which imports the caller's main module
+    again: a script that calls this needs the usual ``if __name__ == "__main__":`` guard.
+    """
+    return measure_machine(nproc, device, quick).cluster
+
+
+def measure_machine(nproc: int = 2, device: str | None = None, quick: bool = False,
+                    log: Callable[[str], None] | None = None) -> MachineProfile:
+    """``profile_machine`` with the raw measurements kept (for the CLI's table and file notes).
+
+    Args:
+        nproc, device, quick: as ``profile_machine``.
+        log: receives one progress line per step; default: printed to stderr.
+    Returns:
+        The MachineProfile; ``.cluster`` is what ``profile_machine`` returns.
+    """
+    log = log or _print_stderr
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
+        raise ProfileError(f"nproc must be an integer >= 2 (collectives need two ranks), "
+                           f"got {nproc!r}; pass --nproc 2 or more")
+    kind = _device_kind(device)
+    gpus = torch.cuda.device_count() if kind == "cuda" else 0
+    backend = "nccl" if kind == "cuda" and nproc <= gpus else "gloo"
+    cores = _usable_cores()
+    threads = max(1, cores // nproc) if kind == "cpu" else None
+    settings = ProfileSettings.for_device(kind, quick)
+    how = f"{threads} thread{'s' if threads != 1 else ''} each" if threads else f"{gpus} GPUs"
+    log(f"profiling {nproc} {kind} processes over {backend} ({how}; {cores} cores)"
+        f"{', quick' if quick else ''}")
+    start = time.perf_counter()
+    raw = _run_workers(nproc, kind, backend, threads, settings)
+    wall = time.perf_counter() - start
+
+    overhead = raw["overhead_s"]
+    matmuls = tuple(MatmulSample(*row) for row in raw["matmul"])
+    streams = tuple(StreamSample(*row) for row in raw["stream"])
+    allreduce = tuple((int(size), float(seconds)) for size, seconds in raw["allreduce"])
+    peak_flops, matmul_efficiency = matmul_calibration(matmuls, overhead)
+    bandwidth, memory_efficiency = stream_calibration(streams, overhead)
+    alpha, beta = fit_alpha_beta([s for s, _ in allreduce], [t for _, t in allreduce], nproc)
+    if kind == "cpu":
+        name = f"cpu-process ({threads} thread{'s' if threads != 1 else ''})"
+        memory = _host_memory_bytes() // nproc
+    else:
+        name = raw["device_name"]
+        memory = raw["device_memory"] // math.ceil(nproc / gpus)  # ranks sharing one GPU
+    spec = DeviceSpec(name=name, peak_flops=peak_flops, memory_bytes=memory,
+                      memory_bandwidth=bandwidth, matmul_efficiency=matmul_efficiency,
+                      memory_efficiency=memory_efficiency, kernel_overhead_s=overhead)
+    link = LinkSpec(bandwidth=beta, latency=alpha)
+    cluster = Cluster(name=f"profiled-{_host_label()}", nodes=(NodeSpec(spec, nproc, link),),
+                      inter_link=link, backend=backend)
+    log(f"done in {wall:.1f} s")
+    return MachineProfile(cluster=cluster, kind=kind, nproc=nproc, threads=threads,
+                          overhead_s=overhead, matmuls=matmuls, streams=streams,
+                          allreduce=allreduce, quick=quick, wall_s=wall)
+
+
+# ---- from measurements to cluster numbers (pure; the formulas of the module docstring) ----
+
+def matmul_calibration(samples: Sequence[MatmulSample], overhead_s: float
+                       ) -> tuple[dict[str, float], float]:
+    """peak_flops per dtype and matmul_efficiency, as defined in the module docstring."""
+    if not samples:
+        raise ProfileError("no matmul could be timed on this device; check that torch.mm "
+                           "works for float32 here")
+    rates: dict[str, list[float]] = {}
+    for sample in samples:
+        rates.setdefault(sample.dtype, []).append(sample.flops / _net(sample.seconds, overhead_s))
+    peaks = {dtype: max(values) for dtype, values in rates.items()}
+    reference = max(rates, key=lambda dtype: (len(rates[dtype]), peaks[dtype]))
+    efficiency = statistics.median(rate / peaks[reference] for rate in rates[reference])
+    return peaks, efficiency
+
+
+def stream_calibration(samples: Sequence[StreamSample], overhead_s: float) -> tuple[float, float]:
+    """(memory_bandwidth, memory_efficiency), as defined in the module docstring."""
+    if not samples:
+        raise ProfileError("no streaming op could be timed on this device")
+    rates = [sample.bytes / _net(sample.seconds, overhead_s) for sample in samples]
+    best = max(rates)
+    return best, statistics.median(rate / best for rate in rates)
+
+
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], nproc: int
+                   ) -> tuple[float, float]:
+    """Fit the ring all-reduce model t = 2(n−1)·α + 2(n−1)/n · S/β to measured times.
+
+    Least squares on the relative error (each row divided by its t), with unknowns α and 1/β.
+
+    Args:
+        sizes: bytes all-reduced per call (at least two distinct sizes).
+        times: seconds per call, same order.
+        nproc: ranks taking part (n), >= 2.
+    Returns:
+        (α seconds, β bytes/s), both positive: a non-positive α becomes the smallest message's
+        time / (2(n−1)); a non-positive 1/β becomes the largest message's bandwidth
+        2(n−1)/n · S / (t − 2(n−1)·α) (or / t when α eats all of t).
+    """
+    sizes_arr = np.asarray(sizes, dtype=np.float64)
+    times_arr = np.asarray(times, dtype=np.float64)
+    if sizes_arr.shape != times_arr.shape or len(set(sizes_arr.tolist())) < 2 or nproc < 2:
+        raise ProfileError(f"need all-reduce times of at least two sizes on >= 2 ranks to fit "
+                           f"α and β, got sizes {list(sizes)} on {nproc} ranks")
+    if not np.all(np.isfinite(times_arr)) or np.any(times_arr <= 0):
+        raise ProfileError(f"all-reduce times must be positive and finite, got {list(times)}")
+    hops = 2.0 * (nproc - 1)
+    design = np.column_stack([np.full_like(sizes_arr, hops), hops / nproc * sizes_arr])
+    weights = 1.0 / times_arr
+    (alpha, inverse_beta), *_ = np.linalg.lstsq(design * weights[:, None], times_arr * weights,
+                                                rcond=None)
+    if not alpha > 0:
+        alpha = float(times_arr[np.argmin(sizes_arr)]) / hops
+    if not inverse_beta > 0:
+        largest = int(np.argmax(sizes_arr))
+        wire = times_arr[largest] - hops * alpha
+        wire = wire if wire > 0 else times_arr[largest]
+        inverse_beta = wire / (hops / nproc * sizes_arr[largest])
+    return float(alpha), float(1.0 / inverse_beta)
+
+
+def _net(seconds: float, overhead_s: float) -> float:
+    """A call's time less the per-op overhead, never below half of it (noise guard)."""
+    return max(seconds - overhead_s, seconds / 2)
+
+
+# ---- the workers: every rank measures the same points at the same time ----
+
+def _run_workers(nproc: int, kind: str, backend: str, threads: int | None,
+                 settings: ProfileSettings) -> dict:
+    """Spawn ``nproc`` ranks, return rank 0's raw measurements; ProfileError when they fail."""
+    context = torch_mp.get_context("spawn")
+    results = context.SimpleQueue()
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    try:
+        workers = torch_mp.start_processes(
+            _worker, args=(nproc, kind, backend, threads, settings, init_method, results),
+            nprocs=nproc, join=False, start_method="spawn")
+    except OSError as err:
+        raise ProfileError(f"cannot start {nproc} worker processes ({err})") from None
+    deadline = time.monotonic() + PROFILE_TIMEOUT_S
+    try:
+        while not workers.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise ProfileError(f"profiling did not finish within {PROFILE_TIMEOUT_S:.0f} s; "
+                                   f"try --quick or fewer processes (--nproc)")
+    except (torch_mp.ProcessRaisedException, torch_mp.ProcessExitedException) as err:
+        last = [line for line in str(err).strip().splitlines() if line.strip()][-1:]
+        raise ProfileError(f"a profiling process failed (rank {err.error_index}): "
+                           f"{last[0].strip() if last else err}; rerun with fewer processes "
+                           f"or --device cpu") from None
+    finally:
+        for process in workers.processes:  # only ours, and only if still running
+            if process.is_alive():
+                process.terminate()
+    if results.empty():
+        raise ProfileError("the profiling processes exited without a result")
+    return results.get()
+
+
+def _worker(rank: int, nproc: int, kind: str, backend: str, threads: int | None,
+            settings: ProfileSettings, init_method: str, results) -> None:
+    """One rank: join the group, measure every point with the others, rank 0 reports."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback only
+    device = torch.device("cpu")
+    if kind == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=nproc,
+                            timeout=_COLLECTIVE_TIMEOUT)
+    try:
+        # Control messages (barriers, the slowest rank's time) go over gloo on CPU tensors.
+        control = dist.new_group(backend="gloo") if backend == "nccl" else None
+        comm_device = device if backend == "nccl" else torch.device("cpu")
+        bench = _Bench(device, control, settings, log=_print_stderr if rank == 0 else None)
+        raw = bench.run(comm_device)
+        if kind == "cuda":
+            raw["device_name"] = torch.cuda.get_device_name(device)
+            raw["device_memory"] = torch.cuda.get_device_properties(device).total_memory
+        if rank == 0:
+            results.put(raw)
+    finally:
+        dist.destroy_process_group()
+
+
+class _Bench:
+    """The measurements of one rank; every method is called on every rank in the same order."""
+
+    def __init__(self, device: torch.device, control, settings: ProfileSettings,
+                 log: Callable[[str], None] | None) -> None:
+        self.device = device
+        self.control = control
+        self.settings = settings
+        self.log = log or (lambda line: None)
+
+    def run(self, comm_device: torch.device) -> dict:
+        overhead = self.kernel_overhead()
+        return {"overhead_s": overhead, "matmul": self.matmuls(), "stream": self.streams(),
+                "allreduce": self.allreduce(comm_device)}
+
+    def kernel_overhead(self) -> float:
+        a, b, out = (torch.ones(1, device=self.device) for _ in range(3))
+        seconds = self.point(lambda: torch.add(a, b, out=out), self.device, calls=_TINY_CALLS)
+        self.log(f"kernel overhead (1-element add): {seconds * 1e6:.2f} µs")
+        return seconds
+
+    def matmuls(self) -> list[tuple[str, int, float]]:
+        rows = []
+        sizes = self.settings.matmul_sizes
+        for dtype in self.settings.matmul_dtypes:
+            torch_dtype = torch.float32 if dtype == "tf32" else getattr(torch, dtype)
+            precision = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision("high" if dtype == "tf32" else "highest")
+            try:
+                for index, size in enumerate(sizes):
+                    a, b, out = self.tensors(3, (size, size), torch_dtype)
+                    if a is None:
+                        self.log(f"matmul {dtype}: not supported here, skipped")
+                        break
+                    seconds = self.point(lambda: torch.mm(a, b, out=out), self.device)
+                    rows.append((dtype, size, seconds))
+                    self.log(f"matmul {dtype} {size}x{size}x{size}: "
+                             f"{format_si(2 * size**3 / seconds, 'FLOP/s')}")
+                    following = sizes[index + 1] if index + 1 < len(sizes) else None
+                    if following and seconds * (following / size) ** 3 > self.settings.slow_op_s:
+                        self.log(f"matmul {dtype}: larger sizes skipped (one call would take "
+                                 f"~{seconds * (following / size) ** 3:.1f} s)")
+                        break
+            finally:
+                torch.set_float32_matmul_precision(precision)
+        return rows
+
+    def streams(self) -> list[tuple[str, int, int, float]]:
+        rows = []
+        for numel in self.settings.stream_numels:
+            a, b, out = self.tensors(3, (numel,), torch.float32)
+            for op, moved, fn in (("add", 3 * 4 * numel, lambda: torch.add(a, b, out=out)),
+                                  ("copy", 2 * 4 * numel, lambda: out.copy_(a))):
+                seconds = self.point(fn, self.device)
+                rows.append((op, numel, moved, seconds))
+                self.log(f"{op} of {format_si(4 * numel, 'B')} tensors: "
+                         f"{format_si(moved / seconds, 'B/s')}")
+            del a, b, out
+        return rows
+
+    def allreduce(self, comm_device: torch.device) -> list[tuple[int, float]]:
+        rows = []
+        for size in self.settings.allreduce_bytes:
+            # Zeros: repeated sums stay 0 (ones would overflow to inf in long loops).
+            tensor = torch.zeros(max(1, size // 4), dtype=torch.float32, device=comm_device)
+            seconds = self.point(lambda: dist.all_reduce(tensor), comm_device)
+            rows.append((size, seconds))
+            self.log(f"all_reduce {format_si(size, 'B')}: {seconds * 1e6:.1f} µs")
+        return rows
+
+    def tensors(self, count: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple:
+        """``count`` random tensors, or Nones (on every rank) when the dtype cannot matmul here."""
+        try:
+            tensors = tuple(torch.randn(shape, device=self.device).to(dtype) for _ in range(count))
+            if len(shape) == 2:
+                torch.mm(tensors[0][:2, :2], tensors[1][:2, :2])
+            supported = 1.0
+        except (RuntimeError, TypeError, NotImplementedError):
+            supported = 0.0
+        if self.all_ranks_min(supported) < 1:
+            return (None,) * count
+        return tensors
+
+    def point(self, fn: Callable[[], object], device: torch.device, calls: int | None = None
+              ) -> float:
+        """Seconds per call of ``fn``: median over repetitions, slowest rank (module docstring)."""
+        fn()  # warm-up: allocation, kernel selection, first-touch of pages
+        if calls is None:
+            self.barrier()
+            once = self.all_ranks_max(_elapsed(fn, 1, device))
+            calls = max(1, min(_MAX_CALLS, math.ceil(self.settings.target_s / max(once, 1e-9))))
+        samples = []
+        for _ in range(self.settings.reps):
+            self.barrier()
+            samples.append(_elapsed(fn, calls, device) / calls)
+        return self.all_ranks_max(statistics.median(samples))
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.control)
+
+    def all_ranks_max(self, value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.control)
+        return float(tensor.item())
+
+    def all_ranks_min(self, value: float) -> float:
+        return -self.all_ranks_max(-value)
+
+
+def _elapsed(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """Seconds for ``calls`` calls of ``fn`` (CUDA: events on the current stream)."""
+    if device.type == "cuda":
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(calls):
+            fn()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / 1e3  # elapsed_time is in milliseconds
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return time.perf_counter() - begin
+
+
+# ---- the host ----
+
+def _device_kind(device: str | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = str(device).lower().split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise ProfileError(f"device must be \"cpu\" or \"cuda\", got {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ProfileError("device \"cuda\" asked for, but torch sees no CUDA GPU here; "
+                           "profile the CPU instead (leave the device out)")
+    return kind
+
+
+def _usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def _host_memory_bytes() -> int:
+    """Physical RAM in bytes, or the cgroup (v2 or v1) memory limit when that is lower."""
+    total = 0
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024  # the file says kB, meaning KiB
+                    break
+    except (OSError, ValueError):
+        pass
+    if not total and hasattr(os, "sysconf"):
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (OSError, ValueError):
+            total = 0
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit_file, encoding="ascii") as handle:
+                text = handle.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < (total or float("inf")):
+            total = int(text)
+    if not total:
+        raise ProfileError("cannot read this machine's memory size (/proc/meminfo, sysconf)")
+    return total
+
+
+def _host_label() -> str:
+    """The host name, reduced to printable characters for the cluster's name."""
+    label = "".join(ch for ch in socket.gethostname() if ch.isprintable() and not ch.isspace())
+    return label or "localhost"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _print_stderr(line: str) -> None:
+    print(f"profile: {line}", file=sys.stderr, flush=True)

@@ -1,0 +1,570 @@
+"""Execution simulator: predict the step time, memory and timeline of any plan.
+
+How a plan becomes a simulated step (FlexFlow's simulator, Daydream's task graph):
+
+1. **Node costs.** For every op, its share of work on one device is ``1 / (ranks splitting
+   it x micro-batches)`` (an axis splits an op when the op's output is ``Shard`` or
+   ``Partial`` on it); forward/backward times come from the roofline in
+   ``cost_model.compute``. Each input edge whose producer placement differs from what the op
+   reads costs a collective (``cost_model.resharding``) on that axis's process group,
+   counted once per (tensor, target placement); a replicated activation read by an op with
+   sharded weights (Megatron's column-parallel input) gets a backward all-reduce.
+   Tensor-parallel collectives sit on the critical path: they run on the compute stream.
+2. **Segments.** Ops are grouped into segments: each repeated block, plus what comes before
+   the first block and after the last. A segment lives on one pipeline (virtual) stage.
+3. **Task graph.** Per pipeline stage one representative device (all devices of a stage are
+   symmetric under SPMD, so each is simulated once) with three streams: ``compute``,
+   ``collective`` (data-parallel gradient all-reduce/reduce-scatter and FSDP all-gathers,
+   overlapped with compute) and ``p2p`` (activations and gradients between stages). The
+   pipeline schedule (GPipe, 1F1B, interleaved) fixes the compute order; the micro-batch
+   whose backward ends the step is split per segment so each segment's gradient sync can
+   start as soon as its backward is done (DDP buckets). FSDP gathers each segment's weights
+   one segment ahead (prefetch) before its forward and backward and reduce-scatters its
+   gradients after.
+4. **Schedule and results.** ``cost_model.scheduler`` places every task; exposed
+   communication is the step time minus the step time of the same schedule with every
+   collective free. Memory is weights, gradients and optimizer states after sharding (ZeRO
+   stages), the peak of activations held by in-flight micro-batches in the schedule, and
+   communication buffers.
+
+Delta simulation (for MCMC): ``Simulator.replace(node, strategy)`` re-costs only that node
+and its consumers, then re-runs the schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace as dataclass_replace
+
+from torch.distributed.tensor import Replicate, Shard
+
+from cost_model import defaults
+from cost_model.collectives import collective_time
+from cost_model.compute import PRECISIONS, check_precision, op_times, optimizer_step_time
+from cost_model.resharding import backward_collective, forward_collective
+from cost_model.scheduler import TaskGraph
+from cost_model.schedules import schedule as pipeline_schedule
+from planner.graph import OpGraph, OpNode
+from planner.strategy import CostParts, MemoryBreakdown, NodeStrategy, SimResult, TimelineEvent
+
+# bytes per parameter by precision: (weights, gradients, optimizer states). Mixed
+# precision keeps fp16/bf16 weights and gradients and fp32 master weights plus Adam's two
+# moments: 2 + 2 + 12 bytes (ZeRO, Rajbhandari et al. SC'20, section 3.1, K = 12).
+_PARAM_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
+_SENT_FRACTION = {  # bytes a rank sends per byte of collective size, ring algorithms, n ranks
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "send_recv": lambda n: 1.0,
+}
+
+
+@dataclass
+class NodeCost:
+    """One op's cost on one device for one micro-batch."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    forward_comm_s: float = 0.0
+    backward_comm_s: float = 0.0
+    saved_bytes: float = 0.0
+    axis_bytes: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Segment:
+    """Consecutive ops on one virtual stage: a repeated block, or the ops around the blocks."""
+
+    name: str
+    stage: int
+    nodes: list[str] = field(default_factory=list)
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    forward_comm_s: float = 0.0
+    backward_comm_s: float = 0.0
+    saved_bytes: float = 0.0
+    input_bytes: float = 0.0
+    score_bytes: float = 0.0
+    score_forward_s: float = 0.0
+    params: dict[str, float] = field(default_factory=dict)  # name -> local bytes per element-size 1
+    dp_synced: set[str] = field(default_factory=set)
+    axis_bytes: dict[str, float] = field(default_factory=dict)
+
+
+class Simulator:
+    """Simulates one plan; keeps node costs so a one-node change re-simulates fast."""
+
+    def __init__(self, plan, graph: OpGraph):
+        check_precision(plan.precision)
+        self.plan = plan
+        self.graph = graph
+        self.mesh = plan.mesh
+        self.cluster = plan.cluster
+        self.strategies: dict[str, NodeStrategy] = {s.node: s for s in plan.strategies}
+        pipeline = plan.pipeline
+        self.pp = self.mesh.axis_size("pp") if "pp" in self.mesh.names else 1
+        self.chunks = pipeline.virtual_stages if pipeline else 1
+        self.micro_batches = pipeline.micro_batches if pipeline else 1
+        self.schedule_name = pipeline.schedule if pipeline else "gpipe"
+        self.dp = self.mesh.axis_size("dp") if "dp" in self.mesh.names else 1
+        self.device = min(
+            (self.cluster.device_of(r) for r in range(self.cluster.world_size)),
+            key=lambda d: d.flops_for(PRECISIONS[plan.precision][0]),
+        )
+        self.activation_scale = PRECISIONS[plan.precision][1] / 4
+        self.nodes = {node.name: node for node in graph.nodes}
+        self.consumers: dict[str, list[str]] = {}
+        for node in graph.nodes:
+            for name in node.inputs:
+                self.consumers.setdefault(name, []).append(node.name)
+        self._groups = {axis: self._axis_group(axis) for axis in self.mesh.names}
+        self._cache: dict[tuple, NodeCost] = {}
+        self._comm_cache: dict[tuple, float] = {}
+        self._first_use: dict[tuple, str] = {}
+        self._index_first_uses()
+        self.costs: dict[str, NodeCost] = {node.name: self._node_cost(node) for node in graph.nodes}
+
+    # ------------------------------------------------------------------ public
+
+    def run(self, trace: bool = True) -> SimResult:
+        """Simulate one step of the plan with the current strategies."""
+        segments = self._segments()
+        tasks, per_device = self._task_graph(segments)
+        step = tasks.run()
+        timeline = tuple(
+            [TimelineEvent(t.stream[0], t.stream[1], t.name, t.start, t.finish - t.start) for t in tasks.tasks]
+        ) if trace else ()
+        busy = {device: tasks.busy((device, "compute"), ("compute", "optimizer")) for device in per_device}
+        no_comm = tasks.run(scale={"comm": 0.0, "tp_comm": 0.0, "p2p": 0.0})
+        critical = max(busy, key=busy.get)
+        stage_memory = tuple(self._stage_memory(segments, stage, per_device[f"stage {stage}"]) for stage in range(self.pp))
+        peak = max(stage_memory, key=lambda m: m.total)
+        samples = self.plan.batch_size / step if step else 0.0
+        model_flops = 3.0 * self.graph.total_flops
+        tflops = model_flops / step / self.cluster.world_size / 1e12 if step else 0.0
+        peak_flops = self.device.flops_for(PRECISIONS[self.plan.precision][0])
+        return SimResult(
+            step_time_s=step,
+            compute_s=busy[critical],
+            communication_s=max(0.0, step - no_comm),
+            memory=peak,
+            device_memory_bytes=self.cluster.min_device_memory,
+            method="simulator",
+            stage_memory=stage_memory,
+            samples_per_s=samples,
+            tokens_per_s=samples * self.plan.summary.tokens_per_sample,
+            model_flops=model_flops,
+            tflops_per_device=tflops,
+            mfu=tflops * 1e12 / peak_flops if peak_flops else 0.0,
+            bytes_per_axis=self._bytes_per_axis(segments),
+            bubble_fraction=max(0.0, 1 - busy[critical] / no_comm) if no_comm else 0.0,
+            timeline=timeline,
+        )
+
+    def annotated_strategies(self) -> tuple[NodeStrategy, ...]:
+        """The plan's strategies with each node's simulated cost parts for one step
+        (all micro-batches), so reports can say where the time goes."""
+        steps = self.micro_batches
+        annotated = []
+        for node in self.graph.nodes:
+            cost = self.costs[node.name]
+            annotated.append(dataclass_replace(
+                self.strategies[node.name],
+                cost=CostParts(
+                    compute_s=(cost.forward_s + cost.backward_s) * steps,
+                    communication_s=(cost.forward_comm_s + cost.backward_comm_s) * steps,
+                    memory_bytes=int(cost.saved_bytes * steps),
+                ),
+            ))
+        return tuple(annotated)
+
+    def replace(self, node_name: str, strategy: NodeStrategy) -> SimResult:
+        """Delta simulation: change one node's strategy, re-cost it and its consumers, re-run."""
+        self.strategies[node_name] = strategy
+        self._index_first_uses()
+        for name in [node_name] + self.consumers.get(node_name, []):
+            self.costs[name] = self._node_cost(self.nodes[name])
+        return self.run(trace=False)
+
+    # ----------------------------------------------------------- node costs
+
+    def _axis_group(self, axis: str) -> tuple[list[int], int, int]:
+        """Ranks of the first group along ``axis``, how many such groups run at once, size."""
+        names, shape = self.mesh.names, self.mesh.shape
+        index = names.index(axis)
+        stride = math.prod(shape[index + 1:])
+        size = shape[index]
+        ranks = [k * stride for k in range(size)]
+        concurrent = self.mesh.size // size // (self.pp if axis != "pp" else 1)
+        return ranks, max(1, concurrent), size
+
+    def _collective(self, kind: str, size_bytes: float, axis: str) -> float:
+        key = (kind, size_bytes, axis)
+        if key not in self._comm_cache:
+            ranks, concurrent, _ = self._groups[axis]
+            self._comm_cache[key] = collective_time(kind, size_bytes, self.cluster, ranks, concurrent)
+        return self._comm_cache[key]
+
+    def _index_first_uses(self) -> None:
+        """The first consumer of each (tensor, placement) pays its resharding; later ones reuse it."""
+        self._first_use = {}
+        for node in self.graph.nodes:
+            strategy = self.strategies[node.name]
+            for position, name in enumerate(node.inputs):
+                key = (name, strategy.inputs[position] if position < len(strategy.inputs) else None)
+                self._first_use.setdefault(key, node.name)
+
+    def _node_cost(self, node: OpNode) -> NodeCost:
+        strategy = self.strategies[node.name]
+        edges = []
+        for position, name in enumerate(node.inputs):
+            producer = self.strategies.get(name)
+            wanted = strategy.inputs[position] if position < len(strategy.inputs) else None
+            if producer is None or not producer.outputs or wanted is None:
+                continue
+            if self._first_use.get((name, wanted)) != node.name:
+                continue
+            edges.append((position, producer.outputs[0], wanted))
+        key = (
+            node.op, node.input_meta, node.output_meta, node.flops, node.bytes_moved, node.params and len(node.params),
+            strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges),
+        )
+        if key not in self._cache:
+            self._cache[key] = self._compute_node_cost(node, strategy, edges)
+        return self._cache[key]
+
+    def _split_factor(self, placements) -> int:
+        return math.prod(
+            size for (axis, size), p in zip(self.mesh.axes, placements) if axis != "pp" and not isinstance(p, Replicate)
+        )
+
+    def _compute_node_cost(self, node: OpNode, strategy: NodeStrategy, edges) -> NodeCost:
+        cost = NodeCost()
+        out = strategy.outputs[0] if strategy.outputs else tuple(Replicate() for _ in self.mesh.names)
+        work = 1.0 / (self._split_factor(out) * self.micro_batches)
+        cost.forward_s, cost.backward_s = op_times(node, work, self.device, self.plan.precision)
+        if not node.is_view:
+            cost.saved_bytes = sum(
+                meta.nbytes * self.activation_scale / self._split_factor(placements) / self.micro_batches
+                for meta, placements in zip(node.output_meta, strategy.outputs)
+                if meta.dtype.is_floating_point
+            )
+        for position, src, dst in edges:
+            meta = node.input_meta[position]
+            has_grad = meta.dtype.is_floating_point
+            for index, (axis, size) in enumerate(self.mesh.axes):
+                if axis == "pp" or src[index] == dst[index]:
+                    continue
+                others = math.prod(
+                    s for j, (a, s) in enumerate(self.mesh.axes) if j != index and a != "pp" and isinstance(dst[j], Shard)
+                )
+                full = meta.nbytes * self.activation_scale / others / self.micro_batches
+                for kind, backward in (
+                    (forward_collective(src[index], dst[index]), False),
+                    (backward_collective(src[index], dst[index]) if has_grad else None, True),
+                ):
+                    if kind is None:
+                        continue
+                    size_bytes = full / size if kind == "all_to_all" else full
+                    seconds = self._collective(kind, size_bytes, axis)
+                    if backward:
+                        cost.backward_comm_s += seconds
+                    else:
+                        cost.forward_comm_s += seconds
+                    cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + size_bytes * _SENT_FRACTION[kind](size)
+        self._add_input_gradient_reduction(node, strategy, cost)
+        return cost
+
+    def _add_input_gradient_reduction(self, node: OpNode, strategy: NodeStrategy, cost: NodeCost) -> None:
+        """Megatron's 'f': a replicated activation read by weights split on an axis gets a
+        partial gradient there, summed by an all-reduce in backward."""
+        params = set(node.param_inputs)
+        for index, (axis, size) in enumerate(self.mesh.axes):
+            if axis in ("pp", "dp") or size == 1:
+                continue
+            if not any(isinstance(p[index], Shard) for p in strategy.params.values()):
+                continue
+            for position, name in enumerate(node.inputs):
+                meta = node.input_meta[position]
+                wanted = strategy.inputs[position]
+                if name in params or not meta.dtype.is_floating_point or not isinstance(wanted[index], Replicate):
+                    continue
+                if self._first_use.get((name, wanted)) != node.name:
+                    continue
+                others = math.prod(
+                    s for j, (a, s) in enumerate(self.mesh.axes) if j != index and a != "pp" and isinstance(wanted[j], Shard)
+                )
+                full = meta.nbytes * self.activation_scale / others / self.micro_batches
+                cost.backward_comm_s += self._collective("all_reduce", full, axis)
+                cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + full * _SENT_FRACTION["all_reduce"](size)
+
+    # ------------------------------------------------------------- segments
+
+    def _segments(self) -> list[Segment]:
+        segments: dict[tuple, Segment] = {}
+        seen_block = False
+        sequence = self.plan.summary.tokens_per_sample
+        dp_index = self.mesh.names.index("dp") if "dp" in self.mesh.names else None
+        for node in self.graph.nodes:
+            strategy = self.strategies[node.name]
+            if node.block is not None:
+                seen_block = True
+                key = ("block",) + node.block
+                label = f"{node.block[0]}.{node.block[1]}"
+            else:
+                key = ("tail",) if seen_block else ("head",)
+                label = "after blocks" if seen_block else "before blocks"
+            segment = segments.get(key)
+            if segment is None:
+                segment = segments[key] = Segment(name=label, stage=strategy.stage)
+            cost = self.costs[node.name]
+            segment.nodes.append(node.name)
+            segment.forward_s += cost.forward_s
+            segment.backward_s += cost.backward_s
+            segment.forward_comm_s += cost.forward_comm_s
+            segment.backward_comm_s += cost.backward_comm_s
+            segment.saved_bytes += cost.saved_bytes
+            for axis, sent in cost.axis_bytes.items():
+                segment.axis_bytes[axis] = segment.axis_bytes.get(axis, 0.0) + sent
+            if sequence and node.output_meta and len(node.output_meta[0].shape) >= 2 and node.output_meta[0].shape[-2:] == (sequence, sequence):
+                segment.score_bytes += cost.saved_bytes  # attention scores: dropped by selective recompute
+                segment.score_forward_s += cost.forward_s
+            for name, placements in strategy.params.items():
+                meta = self.graph.parameters.get(name)
+                if meta is None:
+                    continue
+                shards = math.prod(size for (axis, size), p in zip(self.mesh.axes, placements) if isinstance(p, Shard))
+                segment.params[name] = meta.numel / shards
+                if dp_index is not None and isinstance(placements[dp_index], Replicate) and strategy.outputs and not isinstance(strategy.outputs[0][dp_index], Replicate):
+                    segment.dp_synced.add(name)
+        for segment in segments.values():
+            members = set(segment.nodes)
+            for name in segment.nodes:
+                node = self.nodes[name]
+                for position, source in enumerate(node.inputs):
+                    if source in self.nodes and source not in members and node.input_meta[position].dtype.is_floating_point:
+                        segment.input_bytes += self.costs[source].saved_bytes / max(1, len(node.output_meta))
+        return list(segments.values())
+
+    # ----------------------------------------------------------- task graph
+
+    def _task_graph(self, segments: list[Segment]) -> tuple[TaskGraph, dict[str, list[Segment]]]:
+        graph = TaskGraph()
+        stages_total = self.pp * self.chunks
+        chunk_segments: dict[int, list[Segment]] = {vs: [] for vs in range(stages_total)}
+        for segment in segments:
+            chunk_segments[min(segment.stage, stages_total - 1)].append(segment)
+        recompute = self.plan.recompute
+        fsdp = self.plan.dp_flavour == "fsdp" and self.dp > 1
+        forward_done: dict[tuple[int, int], int] = {}
+        backward_done: dict[tuple[int, int], int] = {}
+        per_device: dict[str, list[Segment]] = {}
+        boundary = {vs: self._boundary_bytes(chunk_segments, vs) for vs in range(stages_total - 1)}
+        orders = {
+            stage: pipeline_schedule(self.schedule_name, stage, self.pp, self.micro_batches, self.chunks)
+            for stage in range(self.pp)
+        }
+        positions = {stage: 0 for stage in range(self.pp)}
+        sync_after: dict[str, list[int]] = {}
+        # Walk the devices round-robin so a task's cross-stage dependencies exist when it is added.
+        while any(positions[s] < len(orders[s]) for s in orders):
+            progressed = False
+            for stage, order in orders.items():
+                device = f"stage {stage}"
+                per_device.setdefault(device, [s for vs, segs in chunk_segments.items() if vs % self.pp == stage for s in segs])
+                while positions[stage] < len(order):
+                    kind, mb, chunk = order[positions[stage]]
+                    vs = chunk * self.pp + stage
+                    if kind == "F":
+                        upstream = forward_done.get((mb, vs - 1)) if vs > 0 else None
+                        if vs > 0 and upstream is None:
+                            break
+                        deps = [self._p2p(graph, vs - 1, upstream, boundary[vs - 1], f"send act mb{mb}")] if vs > 0 else []
+                        forward_done[(mb, vs)] = self._forward(graph, device, chunk_segments[vs], mb, deps, fsdp)
+                    else:
+                        if vs < stages_total - 1:
+                            downstream = backward_done.get((mb, vs + 1))
+                            if downstream is None:
+                                break
+                            deps = [self._p2p(graph, vs + 1, downstream, boundary[vs], f"send grad mb{mb}")]
+                        else:
+                            deps = []
+                        deps.append(forward_done[(mb, vs)])
+                        split = fsdp or mb == self.micro_batches - 1  # per-segment tasks feed gradient syncs
+                        backward_done[(mb, vs)] = self._backward(
+                            graph, device, chunk_segments[vs], mb, deps, recompute, fsdp, split, sync_after
+                        )
+                    positions[stage] += 1
+                    progressed = True
+            if not progressed:
+                raise RuntimeError("pipeline schedule deadlocked: a stage waits for work no stage can do")
+        for stage in range(self.pp):
+            device = f"stage {stage}"
+            state_bytes = self._optimizer_state_bytes(per_device[device])
+            step = graph.add("optimizer step", (device, "compute"), optimizer_step_time(state_bytes, self.device),
+                             deps=sync_after.get(device, []), kind="optimizer")
+            if self.plan.dp_flavour in ("zero1", "zero2") and self.dp > 1:
+                gathered = sum(sum(s.params.values()) for s in per_device[device]) * _PARAM_BYTES[self.plan.precision][0]
+                graph.add("all-gather updated weights", (device, "collective"), self._collective("all_gather", gathered, "dp"), deps=[step], kind="comm")
+        return graph, per_device
+
+    def _p2p(self, graph: TaskGraph, vs: int, after: int, size_bytes: float, name: str) -> int:
+        # Activations and gradients travel on separate streams (as NCCL's send/recv on
+        # separate communicators), so one never waits behind the other.
+        device = f"stage {vs % self.pp}"
+        stream = "p2p act" if name.startswith("send act") else "p2p grad"
+        stride = self.mesh.size // self.pp
+        src, dst = (vs % self.pp) * stride, ((vs + 1) % self.pp) * stride
+        key = ("send_recv", size_bytes, src, dst)
+        if key not in self._comm_cache:
+            self._comm_cache[key] = collective_time("send_recv", size_bytes, self.cluster, [src, dst]) if src != dst else 0.0
+        seconds = self._comm_cache[key]
+        return graph.add(name, (device, stream), seconds, deps=[after], kind="p2p")
+
+    def _forward(self, graph: TaskGraph, device: str, segments: list[Segment], mb: int, deps: list[int], fsdp: bool) -> int:
+        last = None
+        for position, segment in enumerate(segments):
+            segment_deps = list(deps) if last is None else [last]
+            if fsdp:
+                prefetch_after = [] if position < 2 else [last]
+                segment_deps.append(self._fsdp_gather(graph, device, segment, prefetch_after, f"all-gather {segment.name}"))
+            compute = graph.add(f"F{mb} {segment.name}", (device, "compute"), segment.forward_s, deps=segment_deps)
+            last = graph.add(f"F{mb} {segment.name} tp-comm", (device, "compute"), segment.forward_comm_s, deps=[compute], kind="tp_comm") if segment.forward_comm_s else compute
+        return last if last is not None else graph.add(f"F{mb} (empty)", (device, "compute"), 0.0, deps=deps)
+
+    def _backward(self, graph, device, segments, mb, deps, recompute, fsdp, split, sync_after) -> int:
+        last = None
+        if not split:  # one task for the whole chunk: nothing needs per-segment timing
+            duration = sum(self._backward_time(s, recompute) for s in segments)
+            comm = sum(s.backward_comm_s for s in segments)
+            compute = graph.add(f"B{mb}", (device, "compute"), duration, deps=deps)
+            return graph.add(f"B{mb} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
+        for segment in reversed(segments):
+            segment_deps = list(deps) if last is None else [last]
+            if fsdp:
+                segment_deps.append(self._fsdp_gather(graph, device, segment, [] if last is None else [last], f"all-gather {segment.name} (bwd)"))
+            compute = graph.add(f"B{mb} {segment.name}", (device, "compute"), self._backward_time(segment, recompute), deps=segment_deps)
+            last = graph.add(f"B{mb} {segment.name} tp-comm", (device, "compute"), segment.backward_comm_s, deps=[compute], kind="tp_comm") if segment.backward_comm_s else compute
+            sync = self._gradient_sync(graph, device, segment, last, mb)
+            if sync is not None:
+                sync_after.setdefault(device, []).append(sync)
+        return last
+
+    def _backward_time(self, segment: Segment, recompute: str) -> float:
+        if recompute == "full":
+            return segment.backward_s + segment.forward_s
+        if recompute == "selective":
+            return segment.backward_s + segment.score_forward_s
+        return segment.backward_s
+
+    def _fsdp_gather(self, graph, device, segment, deps, name) -> int:
+        size = sum(segment.params.values()) * _PARAM_BYTES[self.plan.precision][0]
+        return graph.add(name, (device, "collective"), self._collective("all_gather", size, "dp"), deps=deps, kind="comm")
+
+    def _gradient_sync(self, graph, device, segment: Segment, after: int, mb: int) -> int | None:
+        """Data-parallel gradient reduction of one segment, once its last backward is done."""
+        if self.dp == 1 or mb != self._last_micro_batch():
+            return None
+        size = sum(segment.params[name] for name in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
+        if size == 0:
+            return None
+        kind = "reduce_scatter" if self.plan.dp_flavour in ("zero2", "fsdp") else "all_reduce"
+        return graph.add(f"{kind.replace('_', '-')} grads {segment.name}", (device, "collective"), self._collective(kind, size, "dp"), deps=[after], kind="comm")
+
+    def _last_micro_batch(self) -> int:
+        return self.micro_batches - 1
+
+    def _boundary_bytes(self, chunk_segments: dict[int, list[Segment]], vs: int) -> float:
+        """Activation bytes a micro-batch carries from virtual stage ``vs`` to ``vs + 1``."""
+        following = chunk_segments.get(vs + 1, [])
+        return following[0].input_bytes if following else 0.0
+
+    # ---------------------------------------------------------------- memory
+
+    def _optimizer_state_bytes(self, segments: list[Segment]) -> float:
+        weights, grads, states = _PARAM_BYTES[self.plan.precision]
+        elements = sum(sum(s.params.values()) for s in segments)
+        shard = self.dp if self.plan.dp_flavour in ("zero1", "zero2", "fsdp") else 1
+        return elements * (weights + grads + states) / shard
+
+    def _stage_memory(self, all_segments: list[Segment], stage: int, segments: list[Segment]) -> MemoryBreakdown:
+        weight_b, grad_b, state_b = _PARAM_BYTES[self.plan.precision]
+        params: dict[str, float] = {}
+        for segment in segments:
+            params.update(segment.params)
+        elements = sum(params.values())
+        flavour, dp = self.plan.dp_flavour, self.dp
+        weights = elements * weight_b / (dp if flavour == "fsdp" else 1)
+        grads = elements * grad_b / (dp if flavour in ("zero2", "fsdp") else 1)
+        states = elements * state_b / (dp if flavour in ("zero1", "zero2", "fsdp") else 1)
+        buffers_state = sum(meta.nbytes for meta in self.graph.buffers.values()) if stage == 0 else 0
+        activations = self._peak_activations(stage, segments)
+        if flavour == "fsdp" and dp > 1:
+            largest = max((sum(s.params.values()) for s in segments), default=0.0)
+            comm = 2 * largest * weight_b
+        elif dp > 1:
+            comm = min(defaults.DDP_BUCKET_BYTES, elements * grad_b)
+        else:
+            comm = 0.0
+        if self.pp > 1:
+            comm += 2 * max((s.input_bytes for s in segments), default=0.0)
+        return MemoryBreakdown(
+            weights=int(weights + buffers_state),
+            gradients=int(grads),
+            optimizer_states=int(states),
+            activations=int(activations),
+            communication_buffers=int(comm),
+        )
+
+    def _peak_activations(self, stage: int, segments: list[Segment]) -> float:
+        """Peak bytes held for backward by the micro-batches in flight on this device."""
+        recompute = self.plan.recompute
+        chunk_bytes: dict[int, float] = {}
+        transient = 0.0
+        for segment in segments:
+            chunk = segment.stage // self.pp
+            if recompute == "full":
+                kept = segment.input_bytes
+                transient = max(transient, segment.saved_bytes)
+            elif recompute == "selective":
+                kept = segment.saved_bytes - segment.score_bytes
+                transient = max(transient, segment.score_bytes)
+            else:
+                kept = segment.saved_bytes
+            chunk_bytes[chunk] = chunk_bytes.get(chunk, 0.0) + kept
+        held = peak = 0.0
+        for kind, _, chunk in pipeline_schedule(self.schedule_name, stage, self.pp, self.micro_batches, self.chunks):
+            held += chunk_bytes.get(chunk, 0.0) if kind == "F" else -chunk_bytes.get(chunk, 0.0)
+            peak = max(peak, held)
+        return peak + transient
+
+    def _bytes_per_axis(self, segments: list[Segment]) -> dict[str, float]:
+        """Bytes a device of the busiest stage sends per step, by mesh axis."""
+        totals: dict[str, float] = {}
+        by_stage: dict[int, dict[str, float]] = {}
+        for segment in segments:
+            stage_totals = by_stage.setdefault(segment.stage % self.pp, {})
+            for axis, sent in segment.axis_bytes.items():
+                stage_totals[axis] = stage_totals.get(axis, 0.0) + sent * self.micro_batches
+            if self.dp > 1 and segment.dp_synced:
+                grads = sum(segment.params[n] for n in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
+                factor = 3 * (self.dp - 1) / self.dp if self.plan.dp_flavour == "fsdp" else 2 * (self.dp - 1) / self.dp
+                stage_totals["dp"] = stage_totals.get("dp", 0.0) + grads * factor
+            if self.pp > 1:
+                stage_totals["pp"] = stage_totals.get("pp", 0.0) + 2 * segment.input_bytes * self.micro_batches
+        for stage_totals in by_stage.values():
+            for axis, sent in stage_totals.items():
+                totals[axis] = max(totals.get(axis, 0.0), sent)
+        return totals
+
+
+def simulate_plan(plan, graph: OpGraph) -> SimResult:
+    """Simulate ``plan`` (whose strategies were built for ``graph``)."""
+    return Simulator(plan, graph).run()
+
+
+def simulated(plan, graph: OpGraph):
+    """``plan`` with its estimate and per-node cost parts from a simulation of it."""
+    simulator = Simulator(plan, graph)
+    return dataclass_replace(plan, estimate=simulator.run(), strategies=simulator.annotated_strategies())

@@ -1,0 +1,69 @@
+"""Baseline plans, so any published or hand-written configuration can be simulated.
+
+    >>> from planner import baselines
+    >>> plan = baselines.megatron("examples/gpt.py", "dgx-a100-80g:128", tp=8, pp=8,
+    ...                           micro_batch=1, schedule="1f1b", recompute="full")
+    >>> plan.estimate.step_time_s, plan.estimate.mfu
+
+``ddp`` and ``fsdp`` default to fp32 (what compiled programs run); ``megatron`` to bf16
+mixed precision (what Megatron-LM runs). Every baseline is simulated on construction.
+"""
+
+from __future__ import annotations
+
+from planner.api import prepare_model
+from planner.cluster import Cluster
+from planner.plans import Plan
+
+
+def ddp(model, cluster: Cluster | str, example_inputs=None, *, spec=None, precision: str = "fp32") -> Plan:
+    """Data parallelism with DDP over every device."""
+    return _data_parallel("ddp", model, cluster, example_inputs, spec, precision)
+
+
+def fsdp(model, cluster: Cluster | str, example_inputs=None, *, spec=None, precision: str = "fp32") -> Plan:
+    """Fully sharded data parallelism (ZeRO-3, one unit per repeated block) over every device."""
+    return _data_parallel("fsdp", model, cluster, example_inputs, spec, precision)
+
+
+def zero(model, cluster: Cluster | str, example_inputs=None, *, stage: int = 1, spec=None, precision: str = "fp32") -> Plan:
+    """ZeRO stage 1 (optimizer states sharded) or 2 (also gradients) over every device."""
+    if stage not in (1, 2):
+        from planner.errors import PlanningError
+
+        raise PlanningError(f"ZeRO stage must be 1 or 2 here (stage 3 is fsdp()), got {stage}")
+    return _data_parallel(f"zero{stage}", model, cluster, example_inputs, spec, precision)
+
+
+def megatron(
+    model,
+    cluster: Cluster | str,
+    example_inputs=None,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int | None = None,
+    micro_batch: int = 1,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    recompute: str | None = None,
+    sequence_parallel: bool = False,
+    precision: str = "bf16",
+    spec=None,
+) -> Plan:
+    """Megatron-LM's layout: column/row-parallel blocks on ``tp``, layers split evenly over
+    ``pp`` stages, the batch over ``dp`` (see ``search.megatron.megatron_plan``)."""
+    from search.megatron import megatron_plan
+
+    graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
+    return megatron_plan(
+        graph, cluster, spec, name, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, schedule=schedule,
+        virtual_stages=virtual_stages, recompute=recompute, sequence_parallel=sequence_parallel, precision=precision,
+    )
+
+
+def _data_parallel(flavour: str, model, cluster, example_inputs, spec, precision: str) -> Plan:
+    from search.data_parallel import data_parallel_plan
+
+    graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
+    return data_parallel_plan(graph, cluster, spec, name, flavour, precision=precision)

@@ -1,0 +1,185 @@
+"""Whole-model layouts built from per-axis propagation: data parallel and Megatron-LM.
+
+A layout fixes the placements of the graph inputs and parameters on each mesh axis; the
+placements of every op follow by propagation (``search.propagation``), one axis at a time,
+and are combined into ``NodeStrategy`` tuples (one placement per mesh axis). The pipeline
+axis ``pp`` shards nothing: it assigns ops to stages.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from planner.errors import PlanningError
+from planner.graph import OpGraph, OpNode, TensorMeta
+from planner.strategy import Mesh, NodeStrategy, Placements
+from search.propagation import AxisPlacements, propagate
+
+R = Replicate()
+_SCALAR = TensorMeta((), torch.float32)
+_MATMULS_WITH_WEIGHT = ("aten.linear.", "aten.addmm.", "aten.mm.", "aten.matmul.")
+
+
+def batch_input_placements(graph: OpGraph) -> dict[str, Placement]:
+    """Every tensor input whose dim 0 is the batch is ``Shard(0)``; the rest are replicated."""
+    return {i.name: Shard(0) if i.batch_dim == 0 else R for i in graph.inputs if i.meta}
+
+
+def combine(
+    graph: OpGraph, mesh: Mesh, per_axis: dict[str, dict[str, AxisPlacements]], stage_of: dict[str, int] | None = None
+) -> tuple[tuple[NodeStrategy, ...], dict[str, Placements | None]]:
+    """Per-axis placements -> one ``NodeStrategy`` per node, and the inputs' placements."""
+    stage_of = stage_of or {}
+
+    strategies = []
+    for node in graph.nodes:
+        by_axis = {axis: per_axis[axis][node.name] for axis in per_axis}
+        inputs = tuple(
+            tuple(by_axis[a].inputs[i] if a in by_axis else R for a in mesh.names) for i in range(len(node.inputs))
+        )
+        outputs = tuple(
+            tuple(by_axis[a].outputs[i] if a in by_axis else R for a in mesh.names) for i in range(len(node.output_meta))
+        )
+        params = {
+            name: tuple(by_axis[a].params.get(name, R) if a in by_axis else R for a in mesh.names) for name in node.params
+        }
+        strategies.append(
+            NodeStrategy(
+                node=node.name,
+                op=node.op,
+                module=node.module,
+                inputs=inputs,
+                outputs=outputs,
+                params=params,
+                stage=stage_of.get(node.name, 0),
+            )
+        )
+    inputs = {
+        i.name: tuple(_input_placement(per_axis, a, i.name, graph) for a in mesh.names) if i.meta else None
+        for i in graph.inputs
+    }
+    return tuple(strategies), inputs
+
+
+def _input_placement(per_axis, axis: str, name: str, graph: OpGraph) -> Placement:
+    # The placement an input is fed in: what its first consumer on this axis reads it as.
+    for node in graph.nodes:
+        if name in node.inputs and axis in per_axis:
+            return per_axis[axis][node.name].inputs[node.inputs.index(name)]
+    return R
+
+
+def data_parallel_layout(graph: OpGraph, mesh: Mesh) -> tuple[tuple[NodeStrategy, ...], dict[str, Placements | None]]:
+    """The batch split over ``dp``, every parameter replicated (DDP/ZeRO/FSDP keep that view)."""
+    per_axis = {"dp": propagate(graph, batch_input_placements(graph), {})} if "dp" in mesh.names else {}
+    return combine(graph, mesh, per_axis)
+
+
+def megatron_layout(
+    graph: OpGraph, mesh: Mesh, sequence_parallel: bool = False, virtual_stages: int = 1
+) -> tuple[tuple[NodeStrategy, ...], dict[str, Placements | None]]:
+    """Megatron-LM's layout on a ``(pp, dp, tp)`` mesh (Shoeybi et al. 2019; Narayanan et al. 2021).
+
+    On ``tp``: each block's first matmuls after a replicated input are column parallel
+    (weights split on output features), the matmul that consumes split features is row
+    parallel (weights split on input features, partial sums all-reduced), attention runs
+    on split heads; the embedding is vocabulary parallel and the head column parallel.
+    Column/row is decided by data flow, so it works for any decoder or encoder whose blocks
+    follow the norm -> projections -> attention -> projection -> MLP pattern
+    (``examples/gpt.py``, ``hf:gpt2``, ``hf:llama``, ``hf:bert``). With
+    ``sequence_parallel`` the residual stream between blocks is split on the sequence: the
+    all-reduces become reduce-scatters plus all-gathers (Korthikanti et al. 2022).
+    On ``pp``: the repeated blocks are split evenly over ``pp * virtual_stages`` stages.
+    On ``dp``: the batch, as data parallelism.
+
+    Raises:
+        PlanningError: no repeated blocks, or sizes that ``tp``/``pp`` do not divide.
+    """
+    per_axis: dict[str, dict[str, AxisPlacements]] = {}
+    if "dp" in mesh.names:
+        per_axis["dp"] = propagate(graph, batch_input_placements(graph), {})
+    tp = mesh.axis_size("tp") if "tp" in mesh.names else 1
+    if tp > 1:
+        overrides = _sequence_parallel_overrides(graph) if sequence_parallel else {}
+        per_axis["tp"] = propagate(
+            graph, {i.name: R for i in graph.inputs if i.meta}, choose_params=_megatron_params(graph, tp), overrides=overrides
+        )
+        _check_divisible(graph, per_axis["tp"], tp)
+    pp = mesh.axis_size("pp") if "pp" in mesh.names else 1
+    stage_of = even_stages(graph, pp * virtual_stages) if pp > 1 else {}
+    return combine(graph, mesh, per_axis, stage_of)
+
+
+def _megatron_params(graph: OpGraph, tp: int):
+    """Choose tp placements of a node's weights from the placement of its activation input."""
+    tables = [n.params[0] for n in graph.nodes if n.op.startswith("aten.embedding.") and n.params]
+    word_embedding = max(tables, key=lambda name: graph.parameters[name].shape[0], default=None)
+
+    def choose(node: OpNode, activations: tuple[Placement, ...]) -> dict[str, Placement]:
+        matrices = [name for name in node.params if len(graph.parameters.get(name, _SCALAR).shape) == 2]
+        if not matrices:
+            return {}
+        weight_name = matrices[0]
+        weight = graph.parameters[weight_name]
+        if node.op.startswith("aten.embedding."):
+            # Only the word embedding is vocabulary parallel; position/type tables stay whole.
+            return {weight_name: Shard(0)} if weight_name == word_embedding and weight.shape[0] % tp == 0 else {}
+        if not node.op.startswith(_MATMULS_WITH_WEIGHT):
+            return {}
+        act_index = 1 if node.op.startswith("aten.addmm.") else 0
+        act = activations[act_index] if act_index < len(activations) else R
+        act_rank = len(node.input_meta[act_index].shape)
+        out_dim = 0 if node.op.startswith("aten.linear.") else 1
+        if isinstance(act, Shard) and act.dim % act_rank == act_rank - 1:
+            return {weight_name: Shard(1 - out_dim)}  # row parallel
+        if weight.shape[out_dim] % tp == 0:
+            return {weight_name: Shard(out_dim)}  # column parallel
+        return {}
+
+    return choose
+
+
+def _sequence_parallel_overrides(graph: OpGraph) -> dict[str, Placement]:
+    """The residual stream enters the first block split on the sequence (dim 1)."""
+    first_block = next((n for n in graph.nodes if n.block is not None), None)
+    if first_block is None:
+        return {}
+    stream = first_block.inputs[0] if first_block.inputs else None
+    return {stream: Shard(1)} if stream and stream in {n.name for n in graph.nodes} else {}
+
+
+def _check_divisible(graph: OpGraph, placements: dict[str, AxisPlacements], size: int) -> None:
+    for node in graph.nodes:
+        for meta, placement in zip(node.output_meta, placements[node.name].outputs):
+            if isinstance(placement, Shard) and meta.shape and meta.shape[placement.dim % len(meta.shape)] % size:
+                raise PlanningError(
+                    f"tensor parallelism of degree {size} splits dim {placement.dim} of {node.name} "
+                    f"({node.module or 'root'}, shape {meta.shape}) unevenly; choose tp dividing the heads "
+                    f"and hidden sizes"
+                )
+
+
+def even_stages(graph: OpGraph, stages: int) -> dict[str, int]:
+    """Assign nodes to ``stages`` pipeline (virtual) stages: blocks split evenly, ops before
+    the first block on stage 0, ops after the last block on the last stage."""
+    blocks = [(group, index) for group, count in graph.blocks.items() for index in range(count)]
+    if not blocks:
+        raise PlanningError("pipeline parallelism needs repeated blocks (layers) to split, and this model has none")
+    if len(blocks) % stages:
+        raise PlanningError(
+            f"{len(blocks)} layers do not split evenly over {stages} pipeline stages; "
+            f"choose pp (x virtual stages) dividing {len(blocks)}"
+        )
+    per_stage = len(blocks) // stages
+    stage_of_block = {block: position // per_stage for position, block in enumerate(blocks)}
+    stage_of: dict[str, int] = {}
+    seen_block = False
+    for node in graph.nodes:
+        if node.block is not None:
+            seen_block = True
+            stage_of[node.name] = stage_of_block[node.block]
+        else:
+            stage_of[node.name] = stages - 1 if seen_block else 0
+    return stage_of

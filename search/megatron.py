@@ -1,0 +1,102 @@
+"""Megatron-LM plans: tensor, pipeline and data parallelism as Megatron lays them out.
+
+The layout (column/row-parallel matmuls, vocabulary-parallel embedding, sequence
+parallelism, even pipeline split) is ``search.layouts.megatron_layout``; this module checks
+the configuration, builds the mesh ``(pp, dp, tp)`` with ``tp`` innermost (inside a node)
+and simulates the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cost_model.simulator import simulated
+from planner.cluster import Cluster
+from planner.errors import PlanningError
+from planner.graph import OpGraph
+from planner.model_spec import ModelSpec
+from planner.plans import Plan
+from planner.strategy import PIPELINE_SCHEDULES, RECOMPUTE_MODES, Mesh, PipelineConfig
+from search.data_parallel import _PENDING, model_summary
+from search.layouts import megatron_layout
+
+
+def megatron_plan(
+    graph: OpGraph,
+    cluster: Cluster,
+    spec: ModelSpec | None,
+    model_name: str,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int | None = None,
+    micro_batch: int = 1,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    recompute: str | None = None,
+    sequence_parallel: bool = False,
+    precision: str = "bf16",
+    dp_flavour: str = "ddp",
+) -> Plan:
+    """A simulated Megatron-LM plan (see the module docstring).
+
+    Args:
+        tp, pp, dp: degrees of tensor, pipeline and data parallelism; ``dp`` defaults to
+            the devices left over, and ``tp * pp * dp`` must equal the device count.
+        micro_batch: samples per micro-batch per data-parallel rank; the number of
+            micro-batches is ``batch / (dp * micro_batch)``.
+        schedule: ``"1f1b"``, ``"interleaved"`` (with ``virtual_stages`` > 1) or ``"gpipe"``.
+        recompute: ``None``/``"none"``, ``"selective"`` or ``"full"``.
+        precision: ``"bf16"`` (Megatron's usual mixed precision), ``"fp16"`` or ``"fp32"``.
+
+    Raises:
+        PlanningError: the degrees do not match the cluster or the model, or the batch does
+            not split into micro-batches.
+    """
+    world = cluster.world_size
+    recompute = recompute or "none"
+    if recompute not in RECOMPUTE_MODES:
+        raise PlanningError(f"recompute must be None, 'selective' or 'full', got '{recompute}'")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise PlanningError(f"schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got '{schedule}'")
+    if dp is None:
+        if world % (tp * pp):
+            raise PlanningError(f"tp={tp} x pp={pp} does not divide the {world} devices; choose degrees whose product divides it")
+        dp = world // (tp * pp)
+    if tp * pp * dp != world:
+        raise PlanningError(f"tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} but the cluster has {world} devices")
+    if graph.batch_size % (dp * micro_batch):
+        raise PlanningError(
+            f"the global batch {graph.batch_size} does not split into micro-batches of {micro_batch} over dp={dp}; "
+            f"use a batch that is a multiple of {dp * micro_batch}"
+        )
+    micro_batches = graph.batch_size // (dp * micro_batch)
+    if schedule == "interleaved" and (virtual_stages < 2 or micro_batches % pp):
+        raise PlanningError(
+            f"the interleaved schedule needs virtual_stages >= 2 and micro-batches ({micro_batches}) divisible by pp={pp}"
+        )
+    warnings = []
+    if cluster.is_homogeneous and tp > cluster.devices_per_node:
+        warnings.append(f"tp={tp} spans nodes ({cluster.devices_per_node} devices each): its all-reduces cross the network")
+    axes = tuple((name, size) for name, size in (("pp", pp), ("dp", dp), ("tp", tp)) if size > 1) or (("dp", 1),)
+    mesh = Mesh(axes)
+    chunks = virtual_stages if schedule == "interleaved" else 1
+    strategies, inputs = megatron_layout(graph, mesh, sequence_parallel=sequence_parallel, virtual_stages=chunks)
+    plan = Plan(
+        model=spec,
+        cluster=cluster,
+        mesh=mesh,
+        dp_flavour=dp_flavour,
+        batch_size=graph.batch_size,
+        inputs=inputs,
+        strategies=strategies,
+        estimate=_PENDING,
+        summary=model_summary(graph, model_name),
+        recompute=recompute,
+        pipeline=PipelineConfig(stages=pp, schedule=schedule, micro_batches=micro_batches, virtual_stages=chunks)
+        if pp > 1 else None,
+        precision=precision,
+        warnings=tuple(warnings),
+        graph=graph,
+    )
+    return simulated(plan, graph)

@@ -1,0 +1,215 @@
+"""Tests of the command line (planner/cli.py): in-process through ``main`` (fast), plus one
+``python -m planner`` subprocess for the module entry point.
+
+Every user error must be exit status 2 and exactly one line on stderr starting ``error:``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.cli import EXIT_USAGE, main
+from planner.cluster import preset_names
+from planner.plans import PLAN_VERSION, load_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = str(ROOT / "examples" / "mlp.py")
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory) -> Path:
+    """A plan of examples/mlp.py on cpu:1x2, written by the CLI itself."""
+    path = tmp_path_factory.mktemp("plan") / "p.json"
+    assert main(["plan", MLP, "--cluster", "cpu:1x2", "-o", str(path)]) == 0
+    return path
+
+
+def assert_user_error(capsys, argv: list[str], *fragments: str) -> str:
+    """Run ``main(argv)``; expect exit 2 and one ``error:`` line containing ``fragments``."""
+    status = main(argv)
+    out, err = capsys.readouterr()
+    assert status == EXIT_USAGE == 2, err
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0]
+    return lines[0]
+
+
+# ----------------------------------------------------------------------- commands
+
+
+def test_presets_lists_every_preset(capsys):
+    assert main(["presets"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines] == preset_names()
+    assert len(lines) == 4
+    assert {"dgx-a100-80g", "dgx-h100", "p3.16xlarge", "cpu"} == set(preset_names())
+
+
+def test_plan_prints_report_and_writes_file(capsys, tmp_path):
+    path = tmp_path / "p.json"
+    assert main(["plan", MLP, "--cluster", "cpu:1x2", "-o", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    for expected in (
+        "soap-planner plan for",
+        "cluster   cpu: 1 node x 2 cpu-process",
+        "mesh      dp=2  (2 ranks)",
+        "batch     global 16, 8 per data-parallel rank",
+        "Memory per device",
+        "optimizer states",
+        "verdict",
+        "Time per step",
+        "exposed communication",
+        "Why this plan: the runners-up",
+        f"saved plan to {path}",
+    ):
+        assert expected in out, expected
+    plan = load_plan(path)
+    assert plan.world_size == 2 and plan.batch_size == 16
+    assert plan.model.source == f"{MLP}:build"
+
+
+def test_plan_overrides_and_forced_flavour(capsys, tmp_path):
+    path = tmp_path / "p.json"
+    argv = ["plan", MLP, "--cluster", "cpu:1x4", "--set", "batch_size=8", "--set", "hidden=16", "--dp", "fsdp"]
+    assert main([*argv, "-o", str(path)]) == 0
+    out, _ = capsys.readouterr()
+    assert "mesh      dp=4" in out and "FSDP (ZeRO-3)" in out
+    plan = load_plan(path)
+    assert plan.dp_flavour == "fsdp"
+    assert dict(plan.model.overrides) == {"batch_size": 8, "hidden": 16}
+
+
+def test_compile_writes_three_files(capsys, plan_file, tmp_path):
+    out_dir = tmp_path / "out"
+    assert main(["compile", str(plan_file), "-o", str(out_dir)]) == 0
+    out, _ = capsys.readouterr()
+    assert sorted(p.name for p in out_dir.iterdir()) == ["launch.py", "model_spmd.py", "plan.json"]
+    assert load_plan(out_dir / "plan.json") == load_plan(plan_file)
+    for name in ("launch.py", "model_spmd.py"):
+        compile(  # the emitted programs are valid Python
+            (out_dir / name).read_text(), name, "exec"
+        )
+    assert f"torchrun --nproc_per_node 2 {out_dir}/launch.py --check" in out
+
+
+@pytest.mark.parametrize("command", [[], ["plan"], ["compile"], ["presets"]])
+def test_help_exits_zero(capsys, command):
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--help"])
+    assert info.value.code == 0
+    assert "usage: planner" in capsys.readouterr().out
+
+
+# -------------------------------------------------------------------- user errors
+
+
+def test_unknown_preset(capsys):
+    line = assert_user_error(capsys, ["plan", MLP, "--cluster", "nosuch"], "unknown cluster preset 'nosuch'")
+    for name in preset_names():
+        assert name in line
+
+
+def test_malformed_cluster_string(capsys):
+    assert_user_error(capsys, ["plan", MLP, "--cluster", "cpu:1x"], "cannot read cluster 'cpu:1x'", "PRESET:NODESxDEVICES")
+
+
+def test_missing_cluster_file(capsys, tmp_path):
+    missing = tmp_path / "missing.toml"
+    assert_user_error(capsys, ["plan", MLP, "--cluster", str(missing)], f"cluster file {missing} not found")
+
+
+def test_malformed_cluster_file(capsys, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\nnodes = [\n')
+    assert_user_error(capsys, ["plan", MLP, "--cluster", str(bad)], "is not valid TOML")
+
+
+def test_invalid_cluster_file(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"name": "x", "backend": "gloo", "nodes": [{"preset": "cpu", "devices": 0}]}))
+    assert_user_error(capsys, ["plan", MLP, "--cluster", str(bad)], "nodes[0].devices must be a positive integer")
+
+
+def test_missing_spec_file(capsys, tmp_path):
+    missing = tmp_path / "nothing.py"
+    assert_user_error(capsys, ["plan", str(missing), "--cluster", "cpu:1x2"], "model file", "does not exist")
+
+
+def test_missing_factory(capsys):
+    assert_user_error(capsys, ["plan", f"{MLP}:nofactory", "--cluster", "cpu:1x2"], "has no factory 'nofactory'", "build")
+
+
+def test_unknown_override(capsys):
+    assert_user_error(capsys, ["plan", MLP, "--cluster", "cpu:1x2", "--set", "hiden=8"], "'hiden'", "did you mean 'hidden'")
+
+
+@pytest.mark.parametrize(
+    "item, fragment",
+    [("batch_size", "has no '='"), ("=3", "not a Python identifier"), ("batch_size=", "empty value")],
+)
+def test_bad_set_syntax(capsys, item, fragment):
+    assert_user_error(capsys, ["plan", MLP, "--cluster", "cpu:1x2", "--set", item], fragment)
+
+
+def test_batch_not_divisible_by_dp(capsys):
+    assert_user_error(
+        capsys,
+        ["plan", MLP, "--set", "batch_size=6", "--cluster", "cpu:1x4"],
+        "global batch of 6 is not divisible by the data-parallel degree 4",
+        "--set batch_size=8",
+    )
+
+
+def test_compile_missing_plan(capsys, tmp_path):
+    assert_user_error(capsys, ["compile", str(tmp_path / "none.json"), "-o", str(tmp_path / "out")], "does not exist")
+
+
+def test_compile_corrupt_plan(capsys, tmp_path):
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text('{"format": "soap-planner-plan", "version": ')
+    assert_user_error(capsys, ["compile", str(corrupt), "-o", str(tmp_path / "out")], "is not valid JSON")
+    assert not (tmp_path / "out").exists()
+
+
+def test_compile_wrong_version(capsys, plan_file, tmp_path):
+    data = json.loads(plan_file.read_text())
+    data["version"] = PLAN_VERSION + 41
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    assert_user_error(
+        capsys, ["compile", str(old), "-o", str(tmp_path / "out")], f"field 'version' is {PLAN_VERSION + 41}"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------- module entry
+
+
+def test_python_dash_m_planner(tmp_path):
+    """``python -m planner`` runs ``main`` and passes its exit status to the shell."""
+    result = subprocess.run(
+        [sys.executable, "-m", "planner", "plan", MLP, "--cluster", "cpu:1x"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "error: cannot read cluster 'cpu:1x'; use PRESET, PRESET:NODES, PRESET:NODESxDEVICES "
+        "(e.g. cpu:1x4) or a .toml/.json file"
+    ]

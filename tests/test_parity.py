@@ -1,0 +1,248 @@
+"""Distributed parity: every compiled program trains exactly like one device.
+
+For each example model (MLP, GPT, CNN, a tiny HuggingFace GPT-2) and each data-parallel
+flavour (DDP, FSDP) at world sizes 2 and 4, the compiled program's sharded step (outputs,
+loss, every gradient, every updated parameter) must equal the same step on one device
+(``codegen.runtime.parity.check_parity``, the comparison behind ``launch.py --check``).
+
+Starting gloo processes costs seconds on 2 cores, so each world size compiles its programs
+first and checks them all in ONE torchrun launch of ``tests/dist_check_many.py``; the
+parametrized tests then read that launch's ``RESULT`` line of their own program, so a failure
+names the model, flavour and world size. A negative control (a DDP program whose gradients are
+never averaged) proves the check can fail, and the CLI path is run exactly as a user types it:
+``planner plan``, ``planner compile``, ``torchrun out/launch.py --check --steps 2``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import planner
+from planner.model_spec import ModelSpec
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[1]
+DIST_CHECK_MANY = Path(__file__).resolve().with_name("dist_check_many.py")
+
+WORLD_SIZES = (2, 4)
+FLAVOURS = ("ddp", "fsdp")
+# Every global batch divides by 4 so each world size gets whole, equal per-rank slices.
+HF_GPT2_TINY = {
+    "n_layer": 2,
+    "n_embd": 64,
+    "n_head": 4,
+    "vocab_size": 128,
+    "n_positions": 64,
+    "batch_size": 4,
+    "seq_len": 16,
+}
+MODELS = {
+    "mlp": ("examples/mlp.py", {"batch_size": 8}),
+    "gpt": ("examples/gpt.py", {"batch_size": 8}),
+    "cnn": ("examples/cnn.py", {"batch_size": 8}),
+    "gpt2": ("hf:gpt2", HF_GPT2_TINY),
+}
+CASES = [(model, flavour) for model in MODELS for flavour in FLAVOURS]
+
+# Seconds. One launch here takes ~7-25 s (2 cores); the limits only stop a hung collective.
+LAUNCH_TIMEOUT = 300
+CLI_TIMEOUT = 120
+
+# Appended to a compiled DDP program: the later definition wins, so each rank trains the bare
+# model on its slice of the batch and its gradients are never averaged over "dp".
+WITHOUT_DDP = '''
+
+def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """Negative control: the bare model, no DistributedDataParallel around it."""
+    return model
+'''
+FAILED_ON_A_TENSOR = re.compile(r"parity FAILED: worst tensor (grad of|updated) net\.\d+\.(weight|bias)")
+
+
+# --------------------------------------------------------------------------------- helpers
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A finished command: its exit status and output."""
+
+    command: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def describe(self) -> str:
+        """The command and its output, for an assertion message."""
+        return (
+            f"$ {' '.join(self.command)}\nexit status {self.returncode}\n"
+            f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr[-6000:]}"
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _run(command: list[str], cwd: Path, timeout: float) -> Launch:
+    """Run ``command`` in its own process group; on timeout kill the whole group (torchrun's
+    workers too, which would otherwise wait forever in a collective) and fail with its output."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"  # what torchrun would pick, without its warning
+    # torchrun reads its --master-port from PET_MASTER_PORT: a free port instead of 29500, so
+    # concurrent test runs do not collide, while the command stays as a user types it.
+    env["PET_MASTER_PORT"] = str(_free_port())
+    process = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        launch = Launch(command, process.returncode, stdout, stderr)
+        pytest.fail(f"timed out after {timeout} s:\n{launch.describe()}")
+    return Launch(command, process.returncode, stdout, stderr)
+
+
+def _torchrun(nproc: int) -> list[str]:
+    """``torchrun --nproc_per_node N``: the console script next to this Python if installed."""
+    script = Path(sys.executable).with_name("torchrun")
+    launcher = [str(script)] if script.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+    return [*launcher, "--nproc_per_node", str(nproc)]
+
+
+def _compile(source: str, overrides: dict, world: int, flavour: str, folder: Path) -> Path:
+    spec = ModelSpec(source if source.startswith("hf:") else str(REPO / source), overrides)
+    plan = planner.plan(spec, f"cpu:1x{world}", dp_flavour=flavour)
+    planner.compile(plan, folder)
+    return folder
+
+
+def _remove_gradient_averaging(folder: Path) -> Path:
+    source = folder / "model_spmd.py"
+    text = source.read_text()
+    assert "DistributedDataParallel(" in text, f"{source} is not a DDP program:\n{text}"
+    source.write_text(text + WITHOUT_DDP)
+    return folder
+
+
+# ------------------------------------------------------- every model x flavour x world size
+
+
+@dataclass(frozen=True)
+class WorldRun:
+    """One torchrun launch of dist_check_many.py over every program of one world size."""
+
+    world: int
+    folders: dict[tuple[str, str], Path]  # (model, flavour) -> compiled program
+    broken: Path  # the negative control: DDP without gradient averaging
+    launch: Launch
+
+    def result(self, folder: Path) -> str:
+        """The RESULT line of ``folder`` without its prefix: ``ok ...`` or ``FAILED ...``."""
+        prefix = f"RESULT {folder} "
+        lines = [line[len(prefix) :] for line in self.launch.stdout.splitlines() if line.startswith(prefix)]
+        assert len(lines) == 1, f"expected one RESULT line for {folder}, got {len(lines)}:\n{self.launch.describe()}"
+        return lines[0]
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda world: f"world{world}")
+def world_run(request, tmp_path_factory) -> WorldRun:
+    world = request.param
+    root = tmp_path_factory.mktemp(f"world{world}")
+    folders = {
+        (model, flavour): _compile(*MODELS[model], world, flavour, root / f"{model}_{flavour}")
+        for model, flavour in CASES
+    }
+    broken = _remove_gradient_averaging(_compile(*MODELS["mlp"], world, "ddp", root / "mlp_ddp_unaveraged"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(DIST_CHECK_MANY)]
+    launch = _run([*command, *map(str, folders.values()), str(broken)], cwd=root, timeout=LAUNCH_TIMEOUT)
+    assert launch.returncode == 0, f"dist_check_many.py failed at world size {world}:\n{launch.describe()}"
+    return WorldRun(world, folders, broken, launch)
+
+
+@pytest.mark.parametrize(("model", "flavour"), CASES, ids=[f"{model}-{flavour}" for model, flavour in CASES])
+def test_sharded_step_equals_single_device(world_run: WorldRun, model: str, flavour: str) -> None:
+    result = world_run.result(world_run.folders[model, flavour])
+    assert result.startswith("ok parity ok: "), f"{model} {flavour} at world size {world_run.world}: {result}"
+
+
+def test_every_program_reports_a_result(world_run: WorldRun) -> None:
+    results = [line for line in world_run.launch.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == len(world_run.folders) + 1, world_run.launch.describe()
+
+
+def test_unaveraged_gradients_are_reported(world_run: WorldRun) -> None:
+    result = world_run.result(world_run.broken)
+    assert result.startswith("FAILED ") and FAILED_ON_A_TENSOR.search(result), result
+
+
+# ------------------------------------------------------------------ launch.py, as a user runs it
+
+
+def test_check_fails_when_gradients_are_not_averaged(tmp_path: Path) -> None:
+    _remove_gradient_averaging(_compile(*MODELS["mlp"], 2, "ddp", tmp_path / "out"))
+    launch = _run([*_torchrun(2), "out/launch.py", "--check"], cwd=tmp_path, timeout=CLI_TIMEOUT)
+    assert launch.returncode == 1, launch.describe()
+    assert FAILED_ON_A_TENSOR.search(launch.stdout), launch.describe()
+
+
+@pytest.fixture(scope="module")
+def gpt_cli_program(tmp_path_factory) -> Path:
+    """``planner plan examples/gpt.py --cluster cpu:1x2 -o p.json`` then ``planner compile p.json -o out``,
+    typed in the repository (plan) and in a fresh folder (compile); returns that folder."""
+    work = tmp_path_factory.mktemp("cli_gpt")
+    plan = _run(
+        [sys.executable, "-m", "planner", "plan", "examples/gpt.py", "--cluster", "cpu:1x2", "-o", str(work / "p.json")],
+        cwd=REPO,
+        timeout=CLI_TIMEOUT,
+    )
+    assert plan.returncode == 0 and re.search(r"mesh +dp=2 ", plan.stdout), plan.describe()
+    compiled = _run([sys.executable, "-m", "planner", "compile", "p.json", "-o", "out"], cwd=work, timeout=CLI_TIMEOUT)
+    assert compiled.returncode == 0, compiled.describe()
+    assert {"launch.py", "model_spmd.py", "plan.json"} <= {path.name for path in (work / "out").iterdir()}
+    return work
+
+
+def test_cli_check_and_steps(gpt_cli_program: Path) -> None:
+    launch = _run([*_torchrun(2), "out/launch.py", "--check", "--steps", "2"], cwd=gpt_cli_program, timeout=CLI_TIMEOUT)
+    assert launch.returncode == 0, launch.describe()
+    assert "parity ok: max_abs_err=" in launch.stdout, launch.describe()
+    for step in (1, 2):
+        assert re.search(rf"^step {step}/2: \d+\.\d+ ms  loss \d", launch.stdout, re.MULTILINE), launch.describe()
+    assert "mean step time: " in launch.stdout, launch.describe()
+
+
+def test_cli_wrong_world_size_is_one_line_error(gpt_cli_program: Path) -> None:
+    launch = _run([*_torchrun(4), "out/launch.py", "--check"], cwd=gpt_cli_program, timeout=CLI_TIMEOUT)
+    assert launch.returncode != 0, launch.describe()
+    errors = [line for line in launch.stderr.splitlines() if line.startswith("error: ")]
+    assert errors, launch.describe()
+    assert all("compiled for 2 ranks" in line and "--nproc_per_node 2" in line for line in errors), launch.describe()
+    assert "raise LaunchError" not in launch.stderr, launch.describe()  # no traceback of ours
+
+
+def test_cli_hf_gpt2_check(tmp_path: Path) -> None:
+    settings = [argument for key, value in HF_GPT2_TINY.items() for argument in ("--set", f"{key}={value}")]
+    plan = _run(
+        [sys.executable, "-m", "planner", "plan", "hf:gpt2", "--cluster", "cpu:1x2", *settings, "-o", "p.json"],
+        cwd=tmp_path,
+        timeout=CLI_TIMEOUT,
+    )
+    assert plan.returncode == 0, plan.describe()
+    compiled = _run([sys.executable, "-m", "planner", "compile", "p.json", "-o", "out"], cwd=tmp_path, timeout=CLI_TIMEOUT)
+    assert compiled.returncode == 0, compiled.describe()
+    launch = _run([*_torchrun(2), "out/launch.py", "--check"], cwd=tmp_path, timeout=CLI_TIMEOUT)
+    assert launch.returncode == 0 and "parity ok: max_abs_err=" in launch.stdout, launch.describe()

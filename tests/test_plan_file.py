@@ -1,0 +1,152 @@
+"""Tests of the plan file (planner/plans.py): versioned JSON, validated on load, never pickle."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+
+import planner
+from planner.errors import PlanFileError, PlannerError
+from planner.plans import PLAN_FORMAT, PLAN_VERSION, Plan, load_plan
+
+GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
+
+
+@pytest.fixture(scope="module")
+def gpt_plan() -> Plan:
+    return planner.plan(GPT, "cpu:1x2")
+
+
+@pytest.fixture
+def plan_dict(gpt_plan) -> dict:
+    return json.loads(json.dumps(gpt_plan.to_dict()))  # a deep, JSON-only copy
+
+
+def write(tmp_path: Path, data, name: str = "plan.json") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def test_round_trip(gpt_plan, tmp_path, monkeypatch):
+    # Saving and loading never goes through pickle.
+    def no_pickle(*args, **kwargs):
+        raise AssertionError("plan files must not use pickle")
+
+    for name in ("dump", "dumps", "load", "loads"):
+        monkeypatch.setattr(pickle, name, no_pickle)
+    path = tmp_path / "plan.json"
+    gpt_plan.save(path)
+    loaded = load_plan(path)
+    assert loaded == gpt_plan
+    assert loaded.report() == gpt_plan.report()
+
+    text = path.read_text()
+    data = json.loads(text)  # plain JSON text
+    assert data["format"] == PLAN_FORMAT and data["version"] == PLAN_VERSION
+    assert data["mesh"] == [["dp", 2]]
+    assert data["inputs"] == {"idx": ["S(0)"], "targets": ["S(0)"]}
+    assert data["model"]["source"] == f"{GPT}:build"
+
+
+def test_loaded_plan_keeps_placements(gpt_plan, tmp_path):
+    gpt_plan.save(tmp_path / "plan.json")
+    loaded = load_plan(tmp_path / "plan.json")
+    loss = loaded.strategies[-1]
+    assert loss.op == "aten.cross_entropy_loss.default"
+    assert loss.describe() == "(S(0)), (S(0)) -> (P(avg))"
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(PlanFileError, match=r"plan file '.*nothing\.json' does not exist"):
+        load_plan(tmp_path / "nothing.json")
+
+
+def test_not_json(tmp_path):
+    path = write(tmp_path, "{ this is not json")
+    with pytest.raises(PlanFileError, match="is not valid JSON"):
+        load_plan(path)
+
+
+def test_pickle_is_rejected(gpt_plan, tmp_path):
+    path = tmp_path / "plan.pkl"
+    path.write_bytes(pickle.dumps(gpt_plan.to_dict()))
+    with pytest.raises(PlanFileError, match="not valid JSON"):
+        load_plan(path)
+
+
+def test_top_level_not_an_object(tmp_path):
+    with pytest.raises(PlanFileError, match="top level must be a JSON object"):
+        load_plan(write(tmp_path, [1, 2]))
+
+
+def test_wrong_format(plan_dict, tmp_path):
+    plan_dict["format"] = "something-else"
+    with pytest.raises(PlanFileError, match="field 'format' is 'something-else'"):
+        load_plan(write(tmp_path, plan_dict))
+
+
+def test_wrong_version(plan_dict, tmp_path):
+    plan_dict["version"] = PLAN_VERSION + 1
+    with pytest.raises(PlanFileError) as info:
+        load_plan(write(tmp_path, plan_dict))
+    assert f"field 'version' is {PLAN_VERSION + 1}" in str(info.value)
+    assert f"reads version {PLAN_VERSION}" in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["mesh", "cluster", "strategies", "dp_flavour", "estimate", "batch_size"])
+def test_missing_field(plan_dict, tmp_path, field):
+    del plan_dict[field]
+    with pytest.raises(PlanFileError, match=f"field '{field}' is missing"):
+        load_plan(write(tmp_path, plan_dict))
+
+
+def test_missing_nested_field(plan_dict, tmp_path):
+    del plan_dict["estimate"]["memory"]["weights"]
+    with pytest.raises(PlanFileError, match=r"field 'estimate\.memory\.weights' is missing"):
+        load_plan(write(tmp_path, plan_dict))
+
+
+def test_wrong_type(plan_dict, tmp_path):
+    plan_dict["batch_size"] = "eight"
+    with pytest.raises(PlanFileError, match="field 'batch_size' must be int, got str"):
+        load_plan(write(tmp_path, plan_dict))
+
+
+def test_bad_placement_in_strategies(plan_dict, tmp_path):
+    plan_dict["strategies"][3]["inputs"][0] = ["X(0)"]
+    with pytest.raises(PlanFileError) as info:
+        load_plan(write(tmp_path, plan_dict))
+    assert "field 'strategies[3].inputs'" in str(info.value)
+    assert "'X(0)' is not a placement" in str(info.value)
+
+
+def test_bad_placement_in_inputs(plan_dict, tmp_path):
+    plan_dict["inputs"]["idx"] = "S(0)"  # a string, not a list of placements
+    with pytest.raises(PlanFileError, match=r"field 'inputs\.idx' must be a list of placements"):
+        load_plan(write(tmp_path, plan_dict))
+
+
+def test_mesh_size_must_match_cluster(plan_dict, tmp_path):
+    plan_dict["mesh"] = [["dp", 4]]  # the cluster (cpu:1x2) has 2 devices
+    with pytest.raises(PlanFileError, match="mesh dp=4 has 4 ranks but the cluster has 2 devices"):
+        load_plan(write(tmp_path, plan_dict))
+
+
+def test_invalid_cluster(plan_dict, tmp_path):
+    plan_dict["cluster"]["backend"] = "mpi"
+    with pytest.raises(PlanFileError, match="field 'cluster' is invalid"):
+        load_plan(write(tmp_path, plan_dict))
+
+
+def test_invalid_dp_flavour(plan_dict, tmp_path):
+    plan_dict["dp_flavour"] = "zero9"
+    with pytest.raises(PlanFileError, match="dp_flavour must be one of"):
+        load_plan(write(tmp_path, plan_dict))
+
+
+def test_plan_file_errors_are_planner_errors():
+    assert issubclass(PlanFileError, PlannerError)
