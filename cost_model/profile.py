@@ -26,8 +26,10 @@ same thread count as the profile, or the numbers do not apply.)
 How each number of the cluster file is derived (``t`` is a point's time in seconds):
 
   kernel_overhead_s  = t(tiny add).
-  achieved(d, n)     = 2n³ / (t − kernel_overhead_s), for dtype d and size n, so that the
-                       simulator's ``flops / rate + kernel_overhead_s`` gives back ``t``.
+  achieved(d, n)     = 3·2n³ / (t − kernel_overhead_s), for dtype d and size n, where t times
+                       the three matmul layouts of a linear layer's training step (x @ W.T,
+                       g @ W, g.T @ x), so the rate is what training matmuls reach, transposed
+                       operands included.
   peak_flops[d]      = max over n of achieved(d, n): the best rate seen, not a datasheet peak.
   matmul_efficiency  = median over n of achieved(r, n) / peak_flops[r], for the reference
                        dtype r: the one measured at the most sizes, ties broken by the higher
@@ -121,7 +123,8 @@ class ProfileSettings:
 
 @dataclass(frozen=True)
 class MatmulSample:
-    """One matmul point: n×n @ n×n in ``dtype`` took ``seconds`` per call."""
+    """One matmul point: the three n×n @ n×n layouts of a linear layer's training step
+    (``a @ b.T``, ``a @ b``, ``a.T @ b``) in ``dtype`` took ``seconds`` together."""
 
     dtype: str
     size: int
@@ -129,7 +132,7 @@ class MatmulSample:
 
     @property
     def flops(self) -> float:
-        return 2.0 * self.size**3
+        return 3 * 2.0 * self.size**3
 
 
 @dataclass(frozen=True)
@@ -443,12 +446,19 @@ class _Bench:
                     if a is None:
                         self.log(f"matmul {dtype}: not supported here, skipped")
                         break
-                    seconds = self.point(lambda: torch.mm(a, b, out=out), self.device)
+                    # The three layouts of a linear layer's training step: forward x @ W.T,
+                    # input gradient g @ W, weight gradient g.T @ x. Transposed operands run
+                    # far slower than contiguous ones on some BLAS (2x on this CPU's), and the
+                    # simulator prices every training matmul with one rate.
+                    seconds = self.point(
+                        lambda: (torch.mm(a, b.t(), out=out), torch.mm(a, b, out=out), torch.mm(a.t(), b, out=out)),
+                        self.device,
+                    )
                     rows.append((dtype, size, seconds))
                     self.log(f"matmul {dtype} {size}x{size}x{size}: "
-                             f"{format_si(2 * size**3 / seconds, 'FLOP/s')}")
+                             f"{format_si(6 * size**3 / seconds, 'FLOP/s')}")
                     following = sizes[index + 1] if index + 1 < len(sizes) else None
-                    if following and seconds * (following / size) ** 3 > self.settings.slow_op_s:
+                    if following and seconds / 3 * (following / size) ** 3 > self.settings.slow_op_s:
                         self.log(f"matmul {dtype}: larger sizes skipped (one call would take "
                                  f"~{seconds * (following / size) ** 3:.1f} s)")
                         break

@@ -137,11 +137,12 @@ def _run(options: argparse.Namespace) -> int:
 
 
 def _plan(options: argparse.Namespace) -> int:
-    from planner.api import plan as make_plan
     from planner.cluster import Cluster
+
+    cluster = Cluster.parse(options.cluster)  # before torch loads, so a typo is reported at once
+    from planner.api import plan as make_plan
     from planner.model_spec import ModelSpec, parse_overrides
 
-    cluster = Cluster.parse(options.cluster)
     spec = ModelSpec(options.spec, parse_overrides(options.overrides))
     with _status(f"planning {spec.describe()} for {cluster.name} ({cluster.world_size} devices)"):
         plan = make_plan(spec, cluster, dp_flavour=options.dp)

@@ -55,7 +55,7 @@ def plan_data_parallel(
     }
     fitting = [flavour for flavour in candidates if plans[flavour].estimate.fits]
     if not fitting:
-        raise does_not_fit(cluster, {flavour: plans[flavour].estimate for flavour in candidates})
+        raise does_not_fit(cluster, {flavour: plans[flavour].estimate for flavour in DATA_PARALLEL_FLAVOURS})
     chosen = min(fitting, key=lambda flavour: plans[flavour].estimate.step_time_s)
     runners_up = tuple(
         alternative(plans[flavour], plans[chosen]) for flavour in DATA_PARALLEL_FLAVOURS if flavour != chosen
@@ -127,7 +127,7 @@ def alternative(plan: Plan, best: Plan) -> Alternative:
     """``plan`` summarised as a runner-up of ``best``, with the reason it lost."""
     estimate, chosen = plan.estimate, best.estimate
     if not estimate.fits:
-        note = f"does not fit: needs {_gib(estimate.memory.total)} of {_gib(estimate.device_memory_bytes)} per device"
+        note = f"does not fit: needs {_size(estimate.memory.total)} of {_size(estimate.device_memory_bytes)} per device"
     else:
         slower = estimate.step_time_s / chosen.step_time_s - 1 if chosen.step_time_s else 0.0
         reason = "more exposed communication" if estimate.communication_s > chosen.communication_s else "more compute"
@@ -136,21 +136,36 @@ def alternative(plan: Plan, best: Plan) -> Alternative:
 
 
 def does_not_fit(cluster: Cluster, estimates: dict[str, SimResult]) -> PlanningError:
-    """The error for a model no candidate fits: how much one device needs, how many it takes."""
+    """The error for a model no candidate fits: how much one device needs, how many it takes.
+
+    The device count scales what FSDP shards (weights, gradients, optimizer states) and what
+    the batch splits (activations) to the cluster's capacity; FSDP's unsharded unit buffers
+    do not shrink with more devices, so when they alone overflow a device no count helps.
+    """
     best_flavour, best = min(estimates.items(), key=lambda item: item[1].memory.total)
     capacity = cluster.min_device_memory
-    shardable = best.memory.weights + best.memory.gradients + best.memory.optimizer_states + best.memory.activations
-    room = max(1, capacity - best.memory.communication_buffers)
+    need = f"the smallest plan ({best_flavour}) needs {_size(best.memory.total)} per device but a device has {_size(capacity)}"
+    fsdp = estimates.get("fsdp", best)
+    room = capacity - fsdp.memory.communication_buffers
+    if room <= 0:
+        return PlanningError(
+            f"the model does not fit with data parallelism: {need}, and one layer's unsharded weights "
+            f"({_size(fsdp.memory.communication_buffers)} for FSDP's gathered units) exceed a device whatever the "
+            f"device count; layers this large need tensor or pipeline parallelism"
+        )
+    shardable = fsdp.memory.weights + fsdp.memory.gradients + fsdp.memory.optimizer_states + fsdp.memory.activations
     needed_devices = -(-shardable * cluster.world_size // room)
     return PlanningError(
-        f"the model does not fit: the smallest plan ({best_flavour}) needs {_gib(best.memory.total)} per device "
-        f"but a device has {_gib(capacity)}; it would take about {needed_devices} devices with FSDP, "
+        f"the model does not fit: {need}; with FSDP it would take about {needed_devices} devices, "
         f"or a smaller model or batch"
     )
 
 
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB"
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes:.0f} B"
 
 
 # Placeholder estimate of a plan under construction (the simulator needs the plan first).

@@ -58,6 +58,12 @@ class Program:
         if self.plan.model is None:
             raise PlanningError("this plan has no model spec; build the model yourself and call parallelize()")
         torch.manual_seed(seed)
+        if self.plan.model.source.startswith("hf:"):
+            # transformers prints config notices from every rank at the first forward
+            # (e.g. about loss_type); they say nothing about the parallel program.
+            import transformers
+
+            transformers.logging.set_verbosity_error()
         return self.plan.model.build(self.device())
 
     def parallelize(self, model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
