@@ -28,6 +28,8 @@ BACKWARD_TO_FORWARD = 2.0
 ADAM_STATES_PER_PARAM = 2
 ADAM_BYTES_ACCESSED_PER_PARAM_BYTE = 7
 
-# DDP all-reduces gradients in buckets of this size (torch DDP's default bucket_cap_mb=25);
-# the last bucket cannot overlap with backward.
+# DDP all-reduces gradients in buckets of this size (torch DDP's default bucket_cap_mb=25),
+# the first (last layers' gradients) smaller so communication starts early
+# (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB); the last bucket cannot overlap.
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024

@@ -92,6 +92,32 @@ class Segment:
     axis_bytes: dict[str, float] = field(default_factory=dict)
 
 
+class _Bucket:
+    """DDP's gradient buckets, filled in backward order: 1 MiB for the first bucket, then
+    25 MiB (torch DDP's ``_DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb``). A bucket's
+    all-reduce starts when the segment that fills it finishes its backward (segments are
+    the simulator's granularity). FSDP reduce-scatters each unit (segment) on its own."""
+
+    def __init__(self) -> None:
+        self.cap = defaults.DDP_FIRST_BUCKET_BYTES
+        self.pending = 0.0
+
+    def fill(self, size: float, per_unit: bool, flush: bool) -> list[float]:
+        """Bucket sizes ready to reduce after adding ``size`` bytes of gradients."""
+        if per_unit:
+            return [size] if size else []
+        ready = []
+        self.pending += size
+        while self.pending >= self.cap:
+            ready.append(self.cap)
+            self.pending -= self.cap
+            self.cap = defaults.DDP_BUCKET_BYTES
+        if flush and self.pending > 0:
+            ready.append(self.pending)
+            self.pending = 0.0
+        return ready
+
+
 class Simulator:
     """Simulates one plan; keeps node costs so a one-node change re-simulates fast."""
 
@@ -182,8 +208,12 @@ class Simulator:
     def replace(self, node_name: str, strategy: NodeStrategy) -> SimResult:
         """Delta simulation: change one node's strategy, re-cost it and its consumers, re-run."""
         self.strategies[node_name] = strategy
+        before = self._first_use
         self._index_first_uses()
-        for name in [node_name] + self.consumers.get(node_name, []):
+        # Readers that start or stop paying a shared resharding must be re-costed too.
+        moved = {before.get(key) for key in set(before) | set(self._first_use) if before.get(key) != self._first_use.get(key)}
+        moved |= {self._first_use.get(key) for key in set(before) | set(self._first_use) if before.get(key) != self._first_use.get(key)}
+        for name in {node_name, *self.consumers.get(node_name, []), *(m for m in moved if m)}:
             self.costs[name] = self._node_cost(self.nodes[name])
         return self.run(trace=False)
 
@@ -250,31 +280,38 @@ class Simulator:
                 for meta, placements in zip(node.output_meta, strategy.outputs)
                 if meta.dtype.is_floating_point
             )
+        if strategy.produced is not None:
+            # The op's own output resharded into its planned placement (an override).
+            for meta, made, planned in zip(node.output_meta, strategy.produced, strategy.outputs):
+                self._charge_edge(cost, meta, made, planned)
         for position, src, dst in edges:
-            meta = node.input_meta[position]
-            has_grad = meta.dtype.is_floating_point
-            for index, (axis, size) in enumerate(self.mesh.axes):
-                if axis == "pp" or src[index] == dst[index]:
-                    continue
-                others = math.prod(
-                    s for j, (a, s) in enumerate(self.mesh.axes) if j != index and a != "pp" and isinstance(dst[j], Shard)
-                )
-                full = meta.nbytes * self.activation_scale / others / self.micro_batches
-                for kind, backward in (
-                    (forward_collective(src[index], dst[index]), False),
-                    (backward_collective(src[index], dst[index]) if has_grad else None, True),
-                ):
-                    if kind is None:
-                        continue
-                    size_bytes = full / size if kind == "all_to_all" else full
-                    seconds = self._collective(kind, size_bytes, axis)
-                    if backward:
-                        cost.backward_comm_s += seconds
-                    else:
-                        cost.forward_comm_s += seconds
-                    cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + size_bytes * _SENT_FRACTION[kind](size)
+            self._charge_edge(cost, node.input_meta[position], src, dst)
         self._add_input_gradient_reduction(node, strategy, cost)
         return cost
+
+    def _charge_edge(self, cost: NodeCost, meta, src, dst) -> None:
+        """Forward collective and backward dual of one placement change, per mesh axis."""
+        has_grad = meta.dtype.is_floating_point
+        for index, (axis, size) in enumerate(self.mesh.axes):
+            if axis == "pp" or src[index] == dst[index]:
+                continue
+            others = math.prod(
+                s for j, (a, s) in enumerate(self.mesh.axes) if j != index and a != "pp" and isinstance(dst[j], Shard)
+            )
+            full = meta.nbytes * self.activation_scale / others / self.micro_batches
+            for kind, backward in (
+                (forward_collective(src[index], dst[index]), False),
+                (backward_collective(src[index], dst[index]) if has_grad else None, True),
+            ):
+                if kind is None:
+                    continue
+                size_bytes = full / size if kind == "all_to_all" else full
+                seconds = self._collective(kind, size_bytes, axis)
+                if backward:
+                    cost.backward_comm_s += seconds
+                else:
+                    cost.forward_comm_s += seconds
+                cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + size_bytes * _SENT_FRACTION[kind](size)
 
     def _add_input_gradient_reduction(self, node: OpNode, strategy: NodeStrategy, cost: NodeCost) -> None:
         """Megatron's 'f': a replicated activation read by weights split on an axis gets a
@@ -292,12 +329,40 @@ class Simulator:
                     continue
                 if self._first_use.get((name, wanted)) != node.name:
                     continue
+                producer = self.strategies.get(name)
+                gathered_here = producer is not None and producer.outputs and isinstance(producer.outputs[0][index], Shard)
+                if gathered_here or self._gathered_upstream(name, index):
+                    continue  # the gather's backward reduce-scatter already sums this gradient
                 others = math.prod(
                     s for j, (a, s) in enumerate(self.mesh.axes) if j != index and a != "pp" and isinstance(wanted[j], Shard)
                 )
                 full = meta.nbytes * self.activation_scale / others / self.micro_batches
                 cost.backward_comm_s += self._collective("all_reduce", full, axis)
                 cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + full * _SENT_FRACTION["all_reduce"](size)
+
+    def _gathered_upstream(self, name: str, axis_index: int, hops: int = 8) -> bool:
+        """Whether tensor ``name`` was all-gathered on this axis, directly or through views
+        (as under sequence parallelism): its partial gradient is then reduce-scattered by the
+        gather's backward and needs no all-reduce of its own."""
+        for _ in range(hops):
+            producer = self.strategies.get(name)
+            node = self.nodes.get(name)
+            if producer is None or node is None or not producer.outputs:
+                return False
+            if producer.produced is not None and isinstance(producer.produced[0][axis_index], Shard):
+                return True
+            gathered = [
+                position for position, source in enumerate(node.inputs)
+                if source in self.strategies and self.strategies[source].outputs
+                and isinstance(self.strategies[source].outputs[0][axis_index], Shard)
+                and isinstance(producer.inputs[position][axis_index], Replicate)
+            ]
+            if gathered:
+                return True
+            if not node.is_view or not node.inputs:
+                return False
+            name = node.inputs[0]
+        return False
 
     # ------------------------------------------------------------- segments
 
@@ -336,7 +401,9 @@ class Simulator:
                     continue
                 shards = math.prod(size for (axis, size), p in zip(self.mesh.axes, placements) if isinstance(p, Shard))
                 segment.params[name] = meta.numel / shards
-                if dp_index is not None and isinstance(placements[dp_index], Replicate) and strategy.outputs and not isinstance(strategy.outputs[0][dp_index], Replicate):
+                # The loss depends on every rank's own samples, so the gradient of every
+                # weight replicated over dp is a partial sum there, whatever its op's output.
+                if dp_index is not None and isinstance(placements[dp_index], Replicate):
                     segment.dp_synced.add(name)
         for segment in segments.values():
             members = set(segment.nodes)
@@ -440,17 +507,20 @@ class Simulator:
             comm = sum(s.backward_comm_s for s in segments)
             compute = graph.add(f"B{mb}", (device, "compute"), duration, deps=deps)
             return graph.add(f"B{mb} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
-        for segment in reversed(segments):
+        bucket = _Bucket()
+        for position, segment in enumerate(reversed(segments)):
             segment_deps = list(deps) if last is None else [last]
             if fsdp:
                 segment_deps.append(self._fsdp_gather(graph, device, segment, [] if last is None else [last], f"all-gather {segment.name} (bwd)"))
             compute = graph.add(f"B{mb} {segment.name}", (device, "compute"), self._backward_time(segment, recompute), deps=segment_deps)
             last = graph.add(f"B{mb} {segment.name} tp-comm", (device, "compute"), segment.backward_comm_s, deps=[compute], kind="tp_comm") if segment.backward_comm_s else compute
-            sync = self._gradient_sync(graph, device, segment, last, mb)
-            if sync is not None:
-                sync_after.setdefault(device, []).append(sync)
+            if self.dp == 1 or mb != self.micro_batches - 1:
+                continue
+            grads = sum(segment.params[name] for name in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
+            final = position == len(segments) - 1
+            for size in bucket.fill(grads, per_unit=fsdp, flush=final):
+                sync_after.setdefault(device, []).append(self._gradient_sync(graph, device, segment.name, size, last))
         return last
-
     def _backward_time(self, segment: Segment, recompute: str) -> float:
         if recompute == "full":
             return segment.backward_s + segment.forward_s
@@ -462,18 +532,13 @@ class Simulator:
         size = sum(segment.params.values()) * _PARAM_BYTES[self.plan.precision][0]
         return graph.add(name, (device, "collective"), self._collective("all_gather", size, "dp"), deps=deps, kind="comm")
 
-    def _gradient_sync(self, graph, device, segment: Segment, after: int, mb: int) -> int | None:
-        """Data-parallel gradient reduction of one segment, once its last backward is done."""
-        if self.dp == 1 or mb != self._last_micro_batch():
-            return None
-        size = sum(segment.params[name] for name in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
-        if size == 0:
-            return None
+    def _gradient_sync(self, graph, device, name: str, size: float, after: int) -> int:
+        """Data-parallel reduction of one bucket of gradients, once its backward is done."""
         kind = "reduce_scatter" if self.plan.dp_flavour in ("zero2", "fsdp") else "all_reduce"
-        return graph.add(f"{kind.replace('_', '-')} grads {segment.name}", (device, "collective"), self._collective(kind, size, "dp"), deps=[after], kind="comm")
-
-    def _last_micro_batch(self) -> int:
-        return self.micro_batches - 1
+        return graph.add(
+            f"{kind.replace('_', '-')} grads ({name})", (device, "collective"), self._collective(kind, size, "dp"),
+            deps=[after], kind="comm",
+        )
 
     def _boundary_bytes(self, chunk_segments: dict[int, list[Segment]], vs: int) -> float:
         """Activation bytes a micro-batch carries from virtual stage ``vs`` to ``vs + 1``."""

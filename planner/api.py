@@ -32,6 +32,7 @@ def plan(
     *,
     spec: ModelSpec | str | None = None,
     dp_flavour: str | None = None,
+    precision: str = "fp32",
 ) -> Plan:
     """Find how to train ``model`` on ``cluster``.
 
@@ -46,6 +47,8 @@ def plan(
         spec: for a module, the spec it can be rebuilt from inside torchrun; without one
             the plan can be reported and simulated but not compiled.
         dp_flavour: force ``"ddp"`` or ``"fsdp"``; by default the fastest that fits.
+        precision: ``"fp32"``, or mixed ``"bf16"``/``"fp16"`` (fp32 master weights), as
+            simulated; compiled programs run fp32 today.
 
     Returns:
         The chosen ``Plan``; ``plan.report()`` explains it.
@@ -56,7 +59,11 @@ def plan(
     from search.data_parallel import plan_data_parallel
 
     graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
-    return plan_data_parallel(graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=graph_warnings(graph))
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise PlanningError(f"precision must be fp32, bf16 or fp16, got '{precision}'")
+    return plan_data_parallel(
+        graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=graph_warnings(graph), precision=precision
+    )
 
 
 def simulate(plan: Plan) -> SimResult:
@@ -117,6 +124,11 @@ def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb u
         raise PlanningError(
             "this plan has no model spec, so torchrun cannot rebuild the model; plan from a spec "
             "(planner.plan('file.py:build', ...)) or pass spec= to planner.plan"
+        )
+    if plan.precision != "fp32":
+        raise PlanningError(
+            f"this plan simulates {plan.precision} mixed precision, but compiled programs run fp32 for now; "
+            f"plan with --precision fp32 to compile it"
         )
     return write_program(plan, Path(out_dir))
 

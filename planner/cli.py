@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a factory argument or hf config field; repeatable (ints, floats, true/false parsed)",
     )
     plan.add_argument("--dp", choices=("ddp", "fsdp"), default=None, help="force the data-parallel flavour")
+    plan.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="training precision to simulate (bf16/fp16: mixed precision with fp32 master weights); "
+        "compiled programs run fp32 today",
+    )
     plan.add_argument("-o", "--output", metavar="PLAN_JSON", help="save the plan as JSON (input of `planner compile`)")
 
     compile_ = commands.add_parser(
@@ -145,7 +152,7 @@ def _plan(options: argparse.Namespace) -> int:
 
     spec = ModelSpec(options.spec, parse_overrides(options.overrides))
     with _status(f"planning {spec.describe()} for {cluster.name} ({cluster.world_size} devices)"):
-        plan = make_plan(spec, cluster, dp_flavour=options.dp)
+        plan = make_plan(spec, cluster, dp_flavour=options.dp, precision=options.precision)
     print(plan.report())
     if options.output:
         plan.save(options.output)

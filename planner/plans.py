@@ -298,6 +298,7 @@ def _strategy_to_dict(strategy: NodeStrategy) -> dict[str, Any]:
         "params": {name: placements_to_json(p) for name, p in strategy.params.items()},
         "stage": strategy.stage,
         "cost": vars(strategy.cost),
+        "produced": None if strategy.produced is None else [placements_to_json(p) for p in strategy.produced],
     }
 
 
@@ -312,4 +313,7 @@ def _strategy_from_dict(reader: _Reader) -> NodeStrategy:
         params={n: placements_from_json(p, f"{where}.params'") for n, p in reader.get("params", dict).items()},
         stage=reader.get("stage", int),
         cost=reader.convert("cost", lambda d: CostParts(**d), TypeError),
+        produced=None if reader.data.get("produced") is None else tuple(
+            placements_from_json(p, f"{where}.produced'") for p in reader.get("produced", list)
+        ),
     )

@@ -54,6 +54,7 @@ def render_report(plan: "Plan", width: int = 110) -> str:
     )
     console.print(_strategy_table(plan))
     console.print(_memory_table(plan))
+    console.print(_memory_verdict(plan))
     console.print(_time_table(plan))
     if plan.runners_up:
         console.print(_alternatives_table(plan))
@@ -113,12 +114,23 @@ def _memory_table(plan: "Plan") -> Table:
     for name, value in rows:
         table.add_row(name, _bytes(value), f"{value / max(1, memory.total):.0%}")
     table.add_row("total", _bytes(memory.total), f"{memory.total / capacity:.1%} of {_bytes(capacity)}")
-    verdict = "fits" if plan.estimate.fits else f"DOES NOT FIT: {_bytes(memory.total - capacity)} missing"
-    table.add_row("verdict", verdict, "")
     if len(plan.estimate.stage_memory) > 1:
         for stage, stage_memory in enumerate(plan.estimate.stage_memory):
             table.add_row(f"pipeline stage {stage}", _bytes(stage_memory.total), f"{stage_memory.total / capacity:.1%}")
     return table
+
+
+def _memory_verdict(plan: "Plan") -> str:
+    memory, capacity = plan.estimate.memory, plan.estimate.device_memory_bytes
+    if plan.estimate.fits:
+        return f"memory: fits ({_bytes(capacity - memory.total)} to spare on the fullest device)"
+    stages = plan.estimate.stage_memory
+    if len(stages) > 1:
+        over = ", ".join(str(i) for i, m in enumerate(stages) if m.total > capacity)
+        where = f"on the devices of pipeline stage(s) {over}"
+    else:
+        where = "on every device"
+    return f"memory: DOES NOT FIT: {_bytes(memory.total - capacity)} missing {where}"
 
 
 def _time_table(plan: "Plan") -> Table:

@@ -148,6 +148,8 @@ class NodeStrategy:
         layout: a non-sharding layout (SUMMA, experts), if any.
         stage: pipeline stage that runs the op.
         cost: predicted cost parts of this choice.
+        produced: when set, what the op computes before its output is resharded into
+            ``outputs`` (e.g. partial sums reduce-scattered into a sequence shard).
     """
 
     node: str
@@ -159,6 +161,7 @@ class NodeStrategy:
     layout: SummaLayout | ExpertLayout | None = None
     stage: int = 0
     cost: CostParts = CostParts()
+    produced: tuple[Placements, ...] | None = None
 
     def describe(self) -> str:
         """``(S(0), R) -> (S(0))``-style summary of inputs and outputs."""

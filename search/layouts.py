@@ -45,9 +45,18 @@ def combine(
         params = {
             name: tuple(by_axis[a].params.get(name, R) if a in by_axis else R for a in mesh.names) for name in node.params
         }
+        produced = None
+        if any(by_axis[a].produced is not None for a in by_axis):
+            produced = tuple(
+                tuple(
+                    (by_axis[a].produced or by_axis[a].outputs)[i] if a in by_axis else R for a in mesh.names
+                )
+                for i in range(len(node.output_meta))
+            )
         strategies.append(
             NodeStrategy(
                 node=node.name,
+                produced=produced,
                 op=node.op,
                 module=node.module,
                 inputs=inputs,
@@ -142,12 +151,15 @@ def _megatron_params(graph: OpGraph, tp: int):
 
 
 def _sequence_parallel_overrides(graph: OpGraph) -> dict[str, Placement]:
-    """The residual stream enters the first block split on the sequence (dim 1)."""
+    """Split the residual stream on the sequence (dim 1) from where it starts: the first op
+    whose output has the shape of the first block's input (the word embedding), so its
+    partial sums are reduce-scattered rather than all-reduced, as in Megatron-LM."""
     first_block = next((n for n in graph.nodes if n.block is not None), None)
-    if first_block is None:
+    if first_block is None or not first_block.input_meta:
         return {}
-    stream = first_block.inputs[0] if first_block.inputs else None
-    return {stream: Shard(1)} if stream and stream in {n.name for n in graph.nodes} else {}
+    stream = first_block.input_meta[0]
+    start = next((n for n in graph.nodes if n.output_meta and n.output_meta[0] == stream), None)
+    return {start.name: Shard(1)} if start is not None else {}
 
 
 def _check_divisible(graph: OpGraph, placements: dict[str, AxisPlacements], size: int) -> None:

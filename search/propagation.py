@@ -61,6 +61,7 @@ class AxisPlacements:
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement, ...]
     params: dict[str, Placement]
+    produced: tuple[Placement, ...] | None = None  # what the op makes before an override reshards it
 
 
 def propagate(
@@ -78,8 +79,9 @@ def propagate(
         choose_params: decides the placements of a node's parameters from its incoming
             placements, when first met (Megatron: column or row parallel by data flow).
         overrides: node name -> output placement imposed on that node (e.g. the residual
-            stream sharded on the sequence under sequence parallelism); partial inputs of
-            that node are then reduce-scattered into it.
+            stream sharded on the sequence under sequence parallelism); the op's own output
+            is kept as ``produced`` and resharded into the override (e.g. partial sums
+            reduce-scattered).
 
     Returns:
         node name -> its input, output and parameter placements on this axis.
@@ -100,12 +102,13 @@ def propagate(
             for name, activation in zip(node.inputs, activations)
         )
         wanted, outputs = op_rule(node, incoming)
+        produced = None
         if node.name in overrides:
-            forced = overrides[node.name]
-            wanted = tuple(forced if isinstance(p, Partial) else p for p in wanted)
-            outputs = tuple(forced for _ in outputs)
+            forced = tuple(overrides[node.name] for _ in outputs)
+            if forced != outputs:
+                produced, outputs = outputs, forced
         params = {param_of_input[name]: p for name, p in zip(node.inputs, wanted) if name in param_of_input}
-        result[node.name] = AxisPlacements(inputs=wanted, outputs=outputs, params=params)
+        result[node.name] = AxisPlacements(inputs=wanted, outputs=outputs, params=params, produced=produced)
         if outputs:
             placement_of[node.name] = outputs[0]
     return result

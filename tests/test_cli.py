@@ -69,7 +69,7 @@ def test_plan_prints_report_and_writes_file(capsys, tmp_path):
         "batch     global 16, 8 per data-parallel rank",
         "Memory per device",
         "optimizer states",
-        "verdict",
+        "memory: fits",
         "Time per step",
         "exposed communication",
         "Why this plan: the runners-up",
@@ -213,3 +213,34 @@ def test_python_dash_m_planner(tmp_path):
         "error: cannot read cluster 'cpu:1x'; use PRESET, PRESET:NODES, PRESET:NODESxDEVICES "
         "(e.g. cpu:1x4) or a .toml/.json file"
     ]
+
+
+def test_mixed_precision_is_simulated_but_not_compiled(capsys, tmp_path):
+    out = tmp_path / "bf16.json"
+    assert main(["plan", "examples/mlp.py", "--cluster", "cpu:1x2", "--precision", "bf16", "-o", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "precision bf16" in report
+    assert load_plan(out).precision == "bf16"
+    assert_user_error(capsys, ["compile", str(out), "-o", str(tmp_path / "prog")], "bf16 mixed precision", "--precision fp32")
+
+
+def test_simulate_prints_report_and_writes_trace(capsys, plan_file, tmp_path):
+    trace = tmp_path / "trace.json"
+    assert main(["simulate", str(plan_file), "--trace", str(trace)]) == 0
+    report = capsys.readouterr().out
+    assert "Time per step (simulator)" in report and "MFU" in report
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(event["ph"] == "X" and event["name"].startswith("F0") for event in events)
+
+
+def test_report_names_the_stage_that_does_not_fit():
+    import dataclasses
+
+    from planner import baselines
+    from planner.cluster import Cluster
+
+    cluster = Cluster.preset("cpu", 1, 2)
+    plan = baselines.megatron("examples/gpt.py", cluster, pp=2, micro_batch=2, precision="fp32")
+    tiny = dataclasses.replace(plan.estimate, device_memory_bytes=1000)
+    report = dataclasses.replace(plan, estimate=tiny).report()
+    assert "DOES NOT FIT" in report and "pipeline stage(s) 0, 1" in report
