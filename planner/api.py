@@ -6,10 +6,13 @@ below it (``search``, ``cost_model``, ``codegen``); the vocabulary modules impor
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
 
 from planner.cluster import Cluster
 from planner.errors import PlanningError, SpecError
@@ -33,6 +36,10 @@ def plan(
     spec: ModelSpec | str | None = None,
     dp_flavour: str | None = None,
     precision: str = "fp32",
+    search: str = "auto",
+    time_budget_s: float = 60.0,
+    seed: int = 0,
+    progress: bool = True,
 ) -> Plan:
     """Find how to train ``model`` on ``cluster``.
 
@@ -49,6 +56,13 @@ def plan(
         dp_flavour: force ``"ddp"`` or ``"fsdp"``; by default the fastest that fits.
         precision: ``"fp32"``, or mixed ``"bf16"``/``"fp16"`` (fp32 master weights), as
             simulated; compiled programs run fp32 today.
+        search: ``"auto"`` (CP-SAT per mesh, then MCMC refinement), ``"ilp"`` (CP-SAT),
+            ``"mcmc"`` (Metropolis-Hastings over the simulator), or ``"dp"`` (data
+            parallelism only: DDP or FSDP). ``dp_flavour`` implies ``"dp"``.
+        time_budget_s: wall-clock budget of the search; the best plan found so far is
+            returned when it runs out.
+        seed: seed of the MCMC search (deterministic for a seed and iteration count).
+        progress: show a progress bar on stderr (a terminal only) for searches over a second.
 
     Returns:
         The chosen ``Plan``; ``plan.report()`` explains it.
@@ -58,12 +72,23 @@ def plan(
     """
     from search.data_parallel import plan_data_parallel
 
-    graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
     if precision not in ("fp32", "bf16", "fp16"):
         raise PlanningError(f"precision must be fp32, bf16 or fp16, got '{precision}'")
-    return plan_data_parallel(
-        graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=graph_warnings(graph), precision=precision
-    )
+    with _progress_bar(enabled=progress) as on_progress:
+        if on_progress:
+            on_progress("tracing the model on meta tensors", 0.0)
+        graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
+        if search == "dp" or dp_flavour is not None:
+            return plan_data_parallel(
+                graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=graph_warnings(graph),
+                precision=precision,
+            )
+        from search.auto import search_plan
+
+        return search_plan(
+            graph, cluster, spec, name, search=search, time_budget_s=time_budget_s, seed=seed,
+            warnings=graph_warnings(graph), precision=precision, on_progress=on_progress,
+        )
 
 
 def simulate(plan: Plan) -> SimResult:
@@ -131,6 +156,21 @@ def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb u
             f"plan with --precision fp32 to compile it"
         )
     return write_program(plan, Path(out_dir))
+
+
+@contextlib.contextmanager
+def _progress_bar(enabled: bool):
+    """A transient rich progress bar on stderr (terminals only) for tracing and search."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), transient=True, console=Console(stderr=True)
+    ) as bar:
+        task = bar.add_task("planning", total=1.0)
+        yield lambda what, fraction: bar.update(task, description=what, completed=fraction)
 
 
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:

@@ -49,7 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a factory argument or hf config field; repeatable (ints, floats, true/false parsed)",
     )
-    plan.add_argument("--dp", choices=("ddp", "fsdp"), default=None, help="force the data-parallel flavour")
+    plan.add_argument(
+        "--search",
+        choices=("auto", "ilp", "mcmc", "dp"),
+        default="auto",
+        help="auto: CP-SAT per mesh then MCMC refinement (default); ilp: CP-SAT only; mcmc: simulator-scored "
+        "Metropolis-Hastings; dp: data parallelism only (DDP or FSDP)",
+    )
+    plan.add_argument("--time-budget", type=float, default=60.0, metavar="SECONDS", help="search budget (default 60)")
+    plan.add_argument("--seed", type=int, default=0, help="seed of the MCMC search (default 0)")
+    plan.add_argument("--dp", choices=("ddp", "fsdp"), default=None, help="force data parallelism with this flavour")
     plan.add_argument(
         "--precision",
         choices=("fp32", "bf16", "fp16"),
@@ -151,8 +160,10 @@ def _plan(options: argparse.Namespace) -> int:
     from planner.model_spec import ModelSpec, parse_overrides
 
     spec = ModelSpec(options.spec, parse_overrides(options.overrides))
-    with _status(f"planning {spec.describe()} for {cluster.name} ({cluster.world_size} devices)"):
-        plan = make_plan(spec, cluster, dp_flavour=options.dp, precision=options.precision)
+    plan = make_plan(
+        spec, cluster, dp_flavour=options.dp, precision=options.precision, search=options.search,
+        time_budget_s=options.time_budget, seed=options.seed, progress=True,
+    )
     print(plan.report())
     if options.output:
         plan.save(options.output)

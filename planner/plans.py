@@ -72,6 +72,9 @@ class Plan:
         summary: a summary of the traced model, for the report.
         runners_up: the next best plans, for the report.
         warnings: things the planner noticed that the user should know.
+        search_summary: how the strategy was found (searches, meshes, optimality, time).
+        label: the strategy family for names and reports (``"soap"`` for searched plans,
+            ``"megatron"``); empty for data-parallel plans, named by their flavour.
         graph: the traced model, kept in memory for simulation (not saved; a loaded plan
             re-traces its model spec on meta tensors when it needs it).
     """
@@ -92,6 +95,8 @@ class Plan:
     optimizer: str = "adamw"
     runners_up: tuple[Alternative, ...] = ()
     warnings: tuple[str, ...] = ()
+    search_summary: str = ""
+    label: str = ""
     graph: OpGraph | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -110,8 +115,8 @@ class Plan:
 
     @property
     def name(self) -> str:
-        """Short name of the strategy, e.g. ``"fsdp (dp=4)"``."""
-        return f"{self.dp_flavour} ({self.mesh})"
+        """Short name of the strategy, e.g. ``"fsdp (dp=4)"`` or ``"soap (dp=2 x tp=4)"``."""
+        return f"{self.label or self.dp_flavour} ({self.mesh})"
 
     def report(self) -> str:
         """A readable text report: cluster, mesh, strategy per layer, memory and time."""
@@ -143,6 +148,8 @@ class Plan:
             "estimate": self.estimate.to_dict(),
             "runners_up": [vars(alt) for alt in self.runners_up],
             "warnings": list(self.warnings),
+            "search_summary": self.search_summary,
+            "label": self.label,
             "strategies": [_strategy_to_dict(s) for s in self.strategies],
         }
 
@@ -190,6 +197,8 @@ class Plan:
                 optimizer=reader.get("optimizer", str),
                 runners_up=tuple(reader.convert("runners_up", lambda d: [Alternative(**a) for a in d], TypeError)),
                 warnings=tuple(reader.get("warnings", list)),
+                search_summary=reader.get("search_summary", str),
+                label=reader.get("label", str),
             )
         except ValueError as error:
             raise PlanFileError(f"{source}: {error}") from None

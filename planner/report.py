@@ -43,11 +43,13 @@ def render_report(plan: "Plan", width: int = 110) -> str:
     )
     console.print(f"  cluster   {plan.cluster.describe()}")
     console.print(f"  mesh      {plan.mesh}  ({plan.world_size} ranks)")
-    console.print(f"  strategy  {_FLAVOUR_TEXT[plan.dp_flavour]}")
+    console.print(f"  strategy  {_strategy_text(plan)}")
     local = plan.batch_size // plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else plan.batch_size
     console.print(f"  batch     global {plan.batch_size}, {local} per data-parallel rank")
     if plan.fsdp_units:
         console.print(f"  FSDP units {_collapse_units(plan.fsdp_units)} + root")
+    if plan.search_summary:
+        console.print(f"  search    {plan.search_summary}")
     console.print(
         f"  recompute {plan.recompute}; pipeline {'none' if plan.pipeline is None else plan.pipeline}; "
         f"precision {plan.precision}; optimizer {plan.optimizer}"
@@ -63,10 +65,21 @@ def render_report(plan: "Plan", width: int = 110) -> str:
     return buffer.getvalue()
 
 
+def _strategy_text(plan: "Plan") -> str:
+    if plan.label == "soap":
+        return (
+            "SOAP: each op's sharding over the mesh chosen by the search (table below); weights replicated "
+            "on dp have their gradients all-reduced over dp"
+        )
+    if plan.label == "megatron":
+        return "Megatron-LM: column/row-parallel blocks on tp, layers split over pp, batch over dp"
+    return _FLAVOUR_TEXT[plan.dp_flavour]
+
+
 def _strategy_table(plan: "Plan") -> Table:
     table = Table(title="Strategy by module (placements per mesh axis: S(d) shard dim d, R replicate, P partial)")
-    for column in ("module", "ops", "share of FLOPs", "parameters", "main op: inputs -> outputs"):
-        table.add_column(column, justify="right" if column in ("ops", "share of FLOPs") else "left")
+    for column in ("module", "ops", "share of compute", "parameters", "main op: inputs -> outputs"):
+        table.add_column(column, justify="right" if column in ("ops", "share of compute") else "left")
     total = sum(s.cost.compute_s for s in plan.strategies) or 1.0
     for module, members in _group_by_module(plan.strategies).items():
         main = max(members, key=lambda s: (s.cost.compute_s, len(s.params)))

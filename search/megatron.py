@@ -97,6 +97,7 @@ def megatron_plan(
         if pp > 1 else None,
         precision=precision,
         warnings=tuple(warnings),
+        label="megatron",
         graph=graph,
     )
     return simulated(plan, graph)

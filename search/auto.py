@@ -1,0 +1,266 @@
+"""The outer search: meshes, per-op sharding (CP-SAT and/or MCMC), data-parallel flavour.
+
+For every mesh shape that respects the topology (``dp x tp`` with the tensor-parallel axis
+inside a node, innermost), the per-op strategies are chosen by CP-SAT (``search.ilp``) and/or
+MCMC over the simulator (``search.mcmc``); on a 1-D ``dp`` mesh the data-parallel plans
+(DDP, FSDP) compete too. Every result is simulated; the fastest plan that fits in memory
+wins, and the others, with the DDP, FSDP and Megatron baselines, are kept as runners-up so
+the report can say why the winner won.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+from cost_model.simulator import simulated
+from planner.cluster import Cluster
+from planner.errors import PlanningError
+from planner.graph import OpGraph
+from planner.model_spec import ModelSpec
+from planner.plans import Plan
+from torch.distributed.tensor import Replicate
+
+from planner.strategy import Mesh, NodeStrategy
+from search.blocks import block_representatives
+from search.cost_tables import build_cost_tables
+from search.data_parallel import _PENDING, alternative, data_parallel_plan, does_not_fit, model_summary
+from search.ilp import solve
+from search.layouts import batch_input_placements, combine
+from search.mcmc import mcmc
+
+SEARCHES = ("auto", "ilp", "mcmc")
+
+
+def candidate_meshes(cluster: Cluster, batch_size: int) -> list[Mesh]:
+    """``dp x tp`` meshes: tp divides the devices of a node (tensor parallelism stays on the
+    fast links), dp divides the batch."""
+    world = cluster.world_size
+    per_node = cluster.devices_per_node if cluster.is_homogeneous else min(n.devices for n in cluster.nodes)
+    meshes = []
+    for tp in range(1, per_node + 1):
+        if per_node % tp or world % tp:
+            continue
+        dp = world // tp
+        if batch_size % dp:
+            continue
+        axes = tuple((name, size) for name, size in (("dp", dp), ("tp", tp)) if size > 1) or (("dp", 1),)
+        meshes.append(Mesh(axes))
+    return meshes
+
+
+def node_strategies(graph: OpGraph, mesh: Mesh, only: set[str] | None = None) -> dict[str, list[NodeStrategy]]:
+    """Candidate strategies on ``mesh`` from the rule registry (all-replicate first), for
+    every node or for the nodes in ``only``. On the ``dp`` axis weights stay replicated:
+    sharding them there is what the FSDP/ZeRO flavours do; weights split on ``tp``."""
+    from search.rules import candidates
+
+    dp = mesh.names.index("dp") if "dp" in mesh.names else None
+    strategies: dict[str, list[NodeStrategy]] = {}
+    for node in graph.nodes:
+        if only is not None and node.name not in only:
+            continue
+        options = []
+        for per_axis in candidates(node, mesh):
+            inputs = tuple(tuple(c.inputs[i] for c in per_axis) for i in range(len(node.inputs)))
+            outputs = tuple(tuple(c.outputs[i] for c in per_axis) for i in range(len(node.output_meta)))
+            params = {
+                param: inputs[node.inputs.index(source)]
+                for param, source in zip(node.params, node.param_inputs)
+            }
+            if dp is not None and any(not isinstance(p[dp], Replicate) for p in params.values()):
+                continue  # weights are sharded over dp only by the FSDP/ZeRO flavours
+            options.append(NodeStrategy(node=node.name, op=node.op, module=node.module, inputs=inputs, outputs=outputs, params=params))
+        strategies[node.name] = options
+    return strategies
+
+
+def search_plan(
+    graph: OpGraph,
+    cluster: Cluster,
+    spec: ModelSpec | None,
+    model_name: str,
+    *,
+    search: str = "auto",
+    time_budget_s: float = 60.0,
+    seed: int = 0,
+    warnings: tuple[str, ...] = (),
+    precision: str = "fp32",
+    on_progress: Callable[[str, float], None] | None = None,
+) -> Plan:
+    """The fastest plan that fits, over meshes, per-op shardings and data-parallel flavours.
+
+    Args:
+        search: ``"ilp"`` (CP-SAT), ``"mcmc"`` (simulator-scored), or ``"auto"`` (CP-SAT,
+            then MCMC refinement with what is left of the budget).
+        time_budget_s: wall-clock budget of the whole search; the best plan found so far is
+            returned when it runs out.
+        on_progress: called with (what is being searched, fraction of the budget used).
+
+    Raises:
+        PlanningError: nothing fits on any mesh (the message says how much memory the
+            smallest plan needs per device and how many devices it would take).
+    """
+    if search not in SEARCHES:
+        raise PlanningError(f"search must be one of {', '.join(SEARCHES)}, got '{search}'")
+    started = time.perf_counter()
+    meshes = candidate_meshes(cluster, graph.batch_size)
+    if not meshes:
+        raise PlanningError(
+            f"the global batch of {graph.batch_size} does not split over any data-parallel degree of the "
+            f"{cluster.world_size} devices; use a batch that is a multiple of {cluster.world_size}"
+        )
+    plans: list[Plan] = []
+    notes: list[str] = []
+    for position, mesh in enumerate(meshes):
+        left = time_budget_s - (time.perf_counter() - started)
+        budget = max(0.5, left / (len(meshes) - position))
+        if on_progress:
+            on_progress(f"searching mesh {mesh} ({position + 1}/{len(meshes)})", 1 - left / time_budget_s)
+        if mesh.names == ("dp",):
+            plans += [data_parallel_plan(graph, cluster, spec, model_name, f, warnings, precision) for f in ("ddp", "fsdp")]
+        try:
+            plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes)
+        except PlanningError as error:
+            notes.append(f"mesh {mesh}: {error}")
+    plans += _pipeline_plans(graph, cluster, spec, model_name, precision)
+    if not plans:
+        raise PlanningError(f"no plan could be built for this model on this cluster: {'; '.join(notes)}")
+    fitting = [plan for plan in plans if plan.estimate.fits]
+    if not fitting:
+        raise does_not_fit(cluster, {_key(plan): plan.estimate for plan in plans})
+    best = min(fitting, key=lambda plan: plan.estimate.step_time_s)
+    others = sorted((p for p in plans if p is not best), key=lambda p: p.estimate.step_time_s)
+    labelled = [(p.name, p) for p in others]
+    labelled += [(f"baseline {p.name}", p) for p in _baselines(graph, cluster, spec, model_name, precision, {p.name for p in plans})]
+    elapsed = time.perf_counter() - started
+    if on_progress:
+        on_progress("done", 1.0)
+    summary = f"{search} search over {len(meshes)} mesh(es) in {elapsed:.1f} s; " + "; ".join(notes)
+    return dataclasses.replace(
+        best,
+        runners_up=tuple(dataclasses.replace(alternative(p, best), name=label) for label, p in labelled[:8]),
+        warnings=tuple(best.warnings) + ((summary.rstrip("; "),) if notes else ()),
+        search_summary=summary.rstrip("; "),
+    )
+
+
+def _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes) -> list[Plan]:
+    representative = block_representatives(graph)
+    strategies_of = node_strategies(graph, mesh, only=set(representative.values()))
+    seed_strategies, inputs = combine(graph, mesh, {"dp": _dp_axis(graph)} if "dp" in mesh.names else {})
+    skeleton = Plan(
+        model=spec, cluster=cluster, mesh=mesh, dp_flavour="ddp", batch_size=graph.batch_size, inputs=inputs,
+        strategies=seed_strategies, estimate=_PENDING, summary=model_summary(graph, model_name),
+        precision=precision, warnings=warnings, graph=graph,
+    )
+    tables = build_cost_tables(skeleton, graph, strategies_of, representative)
+    choice, how = None, ""
+    if search in ("auto", "ilp"):
+        limit = budget * (0.7 if search == "auto" else 1.0)
+        hint = _hint(graph, mesh, tables)
+        try:
+            result = solve(tables, memory_bytes=cluster.min_device_memory, time_limit_s=limit, hint=hint)
+        except PlanningError:
+            # Nothing fits without recomputation: find the fastest sharding, then let the
+            # full-recompute variant below (judged by the simulator) make it fit.
+            result = solve(tables, memory_bytes=None, time_limit_s=limit, hint=hint)
+            how = "no sharding fits without recomputation; "
+        choice = result.choice
+        how += f"CP-SAT {'optimal' if result.optimal else f'gap {result.gap:.1%}'} in {result.seconds:.1f} s"
+    if search in ("auto", "mcmc"):
+        refine = mcmc(skeleton, tables, start=choice, seed=seed, time_budget_s=budget * (0.3 if search == "auto" else 1.0))
+        choice = refine.choice
+        how += f"{'; ' if how else ''}MCMC {refine.iterations} proposals"
+    notes.append(f"mesh {mesh}: {how}")
+    strategies = tuple(tables.candidates[node.name][choice[node.name]].strategy for node in graph.nodes)
+    plan = dataclasses.replace(skeleton, strategies=strategies, inputs=_input_placements(graph, mesh, strategies), label="soap")
+    return [simulated(plan, graph), simulated(dataclasses.replace(plan, recompute="full"), graph)]
+
+
+def _hint(graph: OpGraph, mesh: Mesh, tables) -> dict[str, int]:
+    """A starting solution for CP-SAT: the Megatron layout when the mesh has tp, else data
+    parallelism, mapped onto each node's candidates (all-replicate where it has no match)."""
+    from search.layouts import megatron_layout
+
+    try:
+        layout, _ = megatron_layout(graph, mesh) if "tp" in mesh.names else combine(graph, mesh, {"dp": _dp_axis(graph)})
+    except PlanningError:
+        return {}
+    wanted = {s.node: (s.inputs, s.outputs, tuple(s.params.values())) for s in layout}
+    hint = {}
+    for name, options in tables.candidates.items():
+        key = wanted.get(name)
+        hint[name] = next(
+            (i for i, c in enumerate(options) if (c.strategy.inputs, c.strategy.outputs, tuple(c.strategy.params.values())) == key),
+            0,
+        )
+    return hint
+
+
+def _key(plan: Plan) -> str:
+    return f"{plan.name}{', recompute ' + plan.recompute if plan.recompute != 'none' else ''}"
+
+
+def _pipeline_plans(graph, cluster, spec, model_name, precision) -> list[Plan]:
+    """Megatron pipeline plans (tp = devices per node, 1F1B, full recomputation) for models
+    too large for one stage: the search does not place pipeline stages itself yet."""
+    from search.megatron import megatron_plan
+
+    layers = sum(graph.blocks.values())
+    if not cluster.is_homogeneous or layers < 2 or cluster.num_nodes < 2:
+        return []
+    tp = cluster.devices_per_node
+    plans = []
+    for pp in (2, 4, 8, 16, 32, 64):
+        if layers % pp or cluster.world_size % (tp * pp) or pp > layers:
+            continue
+        try:
+            plans.append(megatron_plan(graph, cluster, spec, model_name, tp=tp, pp=pp, micro_batch=1, recompute="full", precision=precision))
+        except PlanningError:
+            continue
+        if plans[-1].estimate.fits:
+            break  # deeper pipelines add bubble; the first that fits is the one to beat
+    return plans
+
+
+def _dp_axis(graph: OpGraph):
+    from search.propagation import propagate
+
+    return propagate(graph, batch_input_placements(graph), {})
+
+
+def _input_placements(graph: OpGraph, mesh: Mesh, strategies) -> dict:
+    """Each graph input is fed the way its first reader takes it (each rank slices locally)."""
+    by_node = {s.node: s for s in strategies}
+    placements = {}
+    for graph_input in graph.inputs:
+        if graph_input.meta is None:
+            placements[graph_input.name] = None
+            continue
+        reader = next((n for n in graph.nodes if graph_input.name in n.inputs), None)
+        if reader is None:
+            placements[graph_input.name] = tuple(Replicate() for _ in mesh.names)
+        else:
+            placements[graph_input.name] = by_node[reader.name].inputs[reader.inputs.index(graph_input.name)]
+    return placements
+
+
+def _baselines(graph, cluster, spec, model_name, precision, exclude: set[str]) -> list[Plan]:
+    """DDP, FSDP and Megatron (tp = devices per node) for the comparison, when they build."""
+    from search.megatron import megatron_plan
+
+    built = []
+    attempts = [lambda f=f: data_parallel_plan(graph, cluster, spec, model_name, f, (), precision) for f in ("ddp", "fsdp")]
+    if cluster.is_homogeneous and cluster.devices_per_node > 1:
+        tp = cluster.devices_per_node
+        attempts.append(lambda: megatron_plan(graph, cluster, spec, model_name, tp=tp, precision=precision))
+    for attempt in attempts:
+        try:
+            plan = attempt()
+        except PlanningError:
+            continue
+        if plan.name not in exclude:
+            built.append(plan)
+    return built

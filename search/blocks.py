@@ -1,0 +1,43 @@
+"""Repeated blocks: which node of block 0 stands for each node of the other blocks.
+
+Blocks of one stack have the same ops on the same shapes (``planner.trace`` marks them only
+then), so node k of every block can share the candidates, costs and decision of node k of
+block 0: the search enumerates, prices and solves one block, whatever the depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from planner.graph import OpGraph
+from planner.strategy import NodeStrategy
+
+
+def block_representatives(graph: OpGraph) -> dict[str, str]:
+    """Every node -> the node that decides for it (itself, or its twin in block 0 of the
+    first stack of repeated blocks)."""
+    representative = {node.name: node.name for node in graph.nodes}
+    group = next(iter(graph.blocks), None)
+    if group is None or graph.blocks[group] < 2:
+        return representative
+    members: dict[int, list[str]] = {}
+    for node in graph.nodes:
+        if node.block is not None and node.block[0] == group:
+            members.setdefault(node.block[1], []).append(node.name)
+    first = members[0]
+    for names in members.values():
+        for position, name in enumerate(names):
+            representative[name] = first[position]
+    return representative
+
+
+def clone_strategy(strategy: NodeStrategy, graph: OpGraph, name: str) -> NodeStrategy:
+    """``strategy`` of a block-0 node, made for its twin ``name`` (own module and parameters)."""
+    source, target = graph.node(strategy.node), graph.node(name)
+    renamed = dict(zip(source.params, target.params))
+    return dataclasses.replace(
+        strategy,
+        node=name,
+        module=target.module,
+        params={renamed.get(param, param): placements for param, placements in strategy.params.items()},
+    )

@@ -1,0 +1,236 @@
+"""Exact intra-op sharding search with CP-SAT (OR-tools).
+
+The model (Alpa's and autoparallel's intra-op formulation, with memory as a constraint and
+repeated blocks solved once):
+
+Data. Nodes n with candidates c (``search.cost_tables``): time t[n,c] (compute plus its own
+communication), memory m[n,c] (sharded parameters with their gradients and optimizer
+states, saved activations). Edges (u -> v at input i): resharding time r[e,p,q] from the
+producer's output placement p to the placement q the consumer reads. Blocks: when the graph
+has L > 1 identical blocks, only the first is modelled and its terms weigh L (edges from
+one block into the next weigh L - 1), so every block gets the same strategy and depth
+costs nothing.
+
+Variables.
+    x[n,c]    in {0,1}   node n runs candidate c                   (add_choice_variables)
+    y[e,p,q]  in {0,1}   edge e turns placement p into q           (add_resharding_constraints)
+    z[u,a]    in {0,1}   u's output gradient is all-reduced on axis a (add_gradient_reduction_constraints)
+
+Constraints.
+    one_strategy[n]:     sum_c x[n,c] = 1                          (add_choice_variables)
+    reshard[e,p,q]:      y[e,p,q] >= out[u,p] + in[v,i,q] - 1      (add_resharding_constraints)
+                         where out[u,p] = sum of x[u,c] with output p, in[v,i,q] likewise
+    reduce[u,a,v,c,p]:   z[u,a] >= x[v,c] + out[u,p] - 1           (add_gradient_reduction_constraints)
+                         for every reader candidate (v,c) whose weights split on axis a while
+                         it reads u replicated there, and producer output p replicated on a
+    memory:              sum w[n] * m[n,c] * x[n,c] <= device memory (add_memory_constraint)
+
+Objective (add_objective): minimise sum w[n] t[n,c] x[n,c] + sum w[e] r[e,p,q] y[e,p,q]
++ sum w[u] R[u,a] z[u,a], in integer nanoseconds. The solve has a time limit; the result
+says whether it is optimal and reports the optimality gap.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+from torch.distributed.tensor import Replicate
+
+from planner.errors import PlanningError
+from planner.graph import OpGraph
+from search.blocks import block_representatives
+from search.cost_tables import CostTables
+
+SCALE = 1e9  # seconds -> integer nanoseconds for CP-SAT
+
+
+@dataclass(frozen=True)
+class IlpResult:
+    """The chosen candidate per node and how good the solve was."""
+
+    choice: dict[str, int]
+    objective_s: float
+    bound_s: float
+    optimal: bool
+    seconds: float
+
+    @property
+    def gap(self) -> float:
+        """Relative optimality gap (0 when proven optimal)."""
+        return 0.0 if self.optimal or not self.objective_s else max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+
+
+@dataclass
+class _Reduced:
+    """Which nodes are modelled and with what weight (repeated blocks solved once)."""
+
+    nodes: list[str]
+    weight: dict[str, int]
+    representative: dict[str, str]  # every node -> the modelled node whose choice it takes
+    edges: list[tuple[str, str, int, int]]  # (producer, consumer, position, weight), modelled names
+
+
+def solve(
+    tables: CostTables,
+    memory_bytes: float | None,
+    time_limit_s: float = 30.0,
+    workers: int = 2,
+    hint: dict[str, int] | None = None,
+) -> IlpResult:
+    """Choose one candidate per node minimising the objective within the memory budget.
+
+    ``hint`` (node -> candidate index) is a known solution CP-SAT starts from, e.g. the
+    Megatron layout; a good one shrinks the gap reached within the time limit.
+
+    Raises:
+        PlanningError: no assignment fits in memory, or the solver found nothing in time.
+    """
+    started = time.perf_counter()
+    reduced = reduce_repeated_blocks(tables.graph, tables)
+    model = cp_model.CpModel()
+    x = add_choice_variables(model, tables, reduced)
+    resharding_terms = add_resharding_constraints(model, tables, reduced, x)
+    reduction_terms = add_gradient_reduction_constraints(model, tables, reduced, x)
+    if memory_bytes is not None:
+        add_memory_constraint(model, tables, reduced, x, memory_bytes)
+    add_objective(model, tables, reduced, x, resharding_terms + reduction_terms)
+    for name, index in (hint or {}).items():
+        if name in x and index < len(x[name]):
+            for position, var in enumerate(x[name]):
+                model.add_hint(var, position == index)
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.1, time_limit_s)
+    solver.parameters.num_workers = workers
+    status = solver.solve(model)
+    if status == cp_model.INFEASIBLE:
+        raise PlanningError("no sharding of this model fits in device memory on this mesh")
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise PlanningError(f"CP-SAT found no sharding within {time_limit_s:.0f} s; raise the time budget")
+    choice = {}
+    for name in tables.candidates:
+        modelled = reduced.representative[name]
+        choice[name] = next(c for c, var in enumerate(x[modelled]) if solver.value(var))
+    return IlpResult(
+        choice=_expand_blocks(choice, reduced),
+        objective_s=solver.objective_value / SCALE,
+        bound_s=solver.best_objective_bound / SCALE,
+        optimal=status == cp_model.OPTIMAL,
+        seconds=time.perf_counter() - started,
+    )
+
+
+# ----------------------------------------------------------------- model builders
+
+
+def add_choice_variables(model: cp_model.CpModel, tables: CostTables, reduced: _Reduced) -> dict[str, list]:
+    """x[n,c] and one_strategy[n]: exactly one candidate per modelled node."""
+    x = {}
+    for name in reduced.nodes:
+        x[name] = [model.new_bool_var(f"x[{name},{c}]") for c in range(len(tables.candidates[name]))]
+        model.add_exactly_one(x[name]).with_name(f"one_strategy[{name}]")
+    return x
+
+
+def _indicator(x_node: list, candidates, pick) -> dict:
+    """placement -> the candidates of a node having it (their sum is the indicator)."""
+    groups: dict = {}
+    for index, candidate in enumerate(candidates):
+        groups.setdefault(pick(candidate), []).append(x_node[index])
+    return groups
+
+
+def add_resharding_constraints(model, tables: CostTables, reduced: _Reduced, x) -> list:
+    """y[e,p,q] >= out[u,p] + in[v,i,q] - 1 for every placement pair that costs something."""
+    terms = []
+    for producer, consumer, position, weight in reduced.edges:
+        outs = _indicator(x[producer], tables.candidates[producer], lambda c: c.output)
+        ins = _indicator(x[consumer], tables.candidates[consumer], lambda c: c.inputs[position])
+        for src, src_vars in outs.items():
+            if src is None:
+                continue
+            for dst, dst_vars in ins.items():
+                seconds = tables.edge_cost(producer, consumer, position, src, dst)
+                if seconds <= 0:
+                    continue
+                y = model.new_bool_var(f"y[{producer}->{consumer}.{position},{src}->{dst}]")
+                model.add(y >= sum(src_vars) + sum(dst_vars) - 1).with_name(
+                    f"reshard[{producer}->{consumer}.{position},{src}->{dst}]"
+                )
+                terms.append((round(seconds * SCALE * weight), y))
+    return terms
+
+
+def add_gradient_reduction_constraints(model, tables: CostTables, reduced: _Reduced, x) -> list:
+    """z[u,a] >= x[v,c] + out[u,p] - 1: a replicated activation read by split weights."""
+    z: dict[tuple[str, int], object] = {}
+    for producer, consumer, position, weight in reduced.edges:
+        outs = _indicator(x[producer], tables.candidates[producer], lambda c: c.output)
+        for index, candidate in enumerate(tables.candidates[consumer]):
+            for where, axis in candidate.gradient_reductions:
+                if where != position:
+                    continue
+                key = (producer, axis)
+                if key not in z:
+                    z[key] = model.new_bool_var(f"z[{producer},{axis}]")
+                for src, src_vars in outs.items():
+                    if src is not None and isinstance(src[axis], Replicate):
+                        model.add(z[key] >= x[consumer][index] + sum(src_vars) - 1).with_name(
+                            f"reduce[{producer},{axis},{consumer},{index},{src}]"
+                        )
+    return [
+        (round(tables.reduction_cost(producer, axis) * SCALE * reduced.weight[producer]), var)
+        for (producer, axis), var in z.items()
+    ]
+
+
+def add_memory_constraint(model, tables: CostTables, reduced: _Reduced, x, memory_bytes: float) -> None:
+    """Per-device memory of the chosen candidates fits the device (kilobytes, rounded up)."""
+    terms = []
+    for name in reduced.nodes:
+        for index, candidate in enumerate(tables.candidates[name]):
+            kilobytes = -(-int(candidate.memory_bytes * reduced.weight[name]) // 1024)
+            if kilobytes:
+                terms.append(kilobytes * x[name][index])
+    model.add(sum(terms) <= int(memory_bytes // 1024)).with_name("memory")
+
+
+def add_objective(model, tables: CostTables, reduced: _Reduced, x, extra_terms: list) -> None:
+    """Minimise node times + resharding + gradient reductions (integer nanoseconds)."""
+    terms = []
+    for name in reduced.nodes:
+        for index, candidate in enumerate(tables.candidates[name]):
+            cost = round((candidate.compute_s + candidate.communication_s) * SCALE * reduced.weight[name])
+            if cost:
+                terms.append(cost * x[name][index])
+    terms += [coefficient * var for coefficient, var in extra_terms if coefficient]
+    model.minimize(sum(terms))
+
+
+# ------------------------------------------------------------------- repeated blocks
+
+
+def reduce_repeated_blocks(graph: OpGraph, tables: CostTables) -> _Reduced:
+    """Model only block 0 of the first stack of repeated blocks, weighted by the block count.
+
+    Node k of block b maps to node k of block 0 (``search.blocks``). Edges inside a block
+    weigh L; an edge from block b-1 into block b becomes an edge from block 0 into block 0
+    weighing L-1; edges between the rest and the blocks keep their weight per block they touch.
+    """
+    representative = block_representatives(graph)
+    weight = {name: 0 for name in representative}
+    for name, modelled in representative.items():
+        weight[modelled] += 1
+    nodes = [node.name for node in graph.nodes if representative[node.name] == node.name]
+    edge_weight: dict[tuple[str, str, int], int] = {}
+    for producer, consumer, position in tables.edges:
+        key = (representative[producer], representative[consumer], position)
+        edge_weight[key] = edge_weight.get(key, 0) + 1
+    edges = [(producer, consumer, position, w) for (producer, consumer, position), w in edge_weight.items()]
+    return _Reduced(nodes=nodes, weight=weight, representative=representative, edges=edges)
+
+
+def _expand_blocks(choice: dict[str, int], reduced: _Reduced) -> dict[str, int]:
+    return {name: choice[reduced.representative[name]] for name in choice}

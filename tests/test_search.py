@@ -1,0 +1,214 @@
+"""Search: golden plans where the answer is known, and optimality against enumeration.
+
+Golden plans (as autoparallel's and Alpa's tests): a small model with a large batch gets
+data parallelism; layers too large for one device with a small batch get Megatron-style
+tensor parallelism inside the node; a memory-tight model gets its weights sharded. CP-SAT
+must find the exhaustive optimum of its own objective on graphs small enough to enumerate,
+and MCMC must come within 2% of the simulator's exhaustive optimum at its default budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from cost_model.simulator import Simulator
+from planner.api import prepare_model
+from planner.cluster import Cluster
+from planner.errors import PlanningError
+from planner.model_spec import ModelSpec
+from planner.strategy import Mesh
+from planner.trace import trace
+from search.auto import node_strategies, search_plan
+from search.cost_tables import build_cost_tables
+from search.data_parallel import _PENDING, model_summary
+from search.ilp import solve
+from search.layouts import data_parallel_layout
+from search.mcmc import mcmc, score
+from planner.plans import Plan
+
+
+def _skeleton(graph, cluster, mesh):
+    strategies, inputs = data_parallel_layout(graph, mesh) if "dp" in mesh.names else (None, None)
+    if strategies is None:
+        from search.layouts import combine
+
+        strategies, inputs = combine(graph, mesh, {})
+    return Plan(
+        model=None, cluster=cluster, mesh=mesh, dp_flavour="ddp", batch_size=graph.batch_size, inputs=inputs,
+        strategies=strategies, estimate=_PENDING, summary=model_summary(graph, "M"), graph=graph,
+    )
+
+
+def _tables(graph, cluster, mesh):
+    return build_cost_tables(_skeleton(graph, cluster, mesh), graph, node_strategies(graph, mesh))
+
+
+class TwoLayers(nn.Module):
+    """Linear -> ReLU -> Linear -> mean: small enough to enumerate on a 1-axis mesh."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width, bias=False)
+        self.down = nn.Linear(2 * width, width, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))).pow(2).mean()
+
+
+@pytest.fixture(scope="module")
+def two_layers():
+    with torch.device("meta"):
+        model, x = TwoLayers(), torch.randn(8, 64)
+    return trace(model, (x,))
+
+
+# ------------------------------------------------------------------------- optimality
+
+
+@pytest.mark.parametrize("axis", ["dp", "tp"])
+def test_cp_sat_finds_the_exhaustive_optimum(two_layers, axis):
+    cluster = Cluster.preset("cpu", 1, 2)
+    tables = _tables(two_layers, cluster, Mesh(((axis, 2),)))
+    sizes = {name: len(options) for name, options in tables.candidates.items()}
+    assert math.prod(sizes.values()) <= 200_000, sizes  # small enough to enumerate
+    names = list(sizes)
+    best = min(
+        tables.objective(dict(zip(names, combo))) for combo in itertools.product(*(range(sizes[n]) for n in names))
+    )
+    result = solve(tables, memory_bytes=None, time_limit_s=20)
+    assert result.optimal and result.gap == 0
+    # CP-SAT works in integer nanoseconds: one rounding per term at most.
+    assert result.objective_s == pytest.approx(best, abs=1e-9 * (len(names) + len(tables.edges) + 2))
+    assert tables.objective(result.choice) == pytest.approx(best, abs=1e-8)
+
+
+def test_cp_sat_respects_the_memory_constraint(two_layers):
+    cluster = Cluster.preset("cpu", 1, 2)
+    tables = _tables(two_layers, cluster, Mesh((("tp", 2),)))
+    sizes = {name: len(options) for name, options in tables.candidates.items()}
+    names = list(sizes)
+    assignments = [dict(zip(names, combo)) for combo in itertools.product(*(range(sizes[n]) for n in names))]
+    unconstrained = min(assignments, key=tables.objective)
+    # A budget just below the unconstrained optimum's memory forces a leaner assignment.
+    budget = tables.memory(unconstrained) - 1024
+    feasible = [a for a in assignments if math.ceil(tables.memory(a) / 1024) * 1024 <= budget]
+    if not feasible:
+        pytest.fail("the test graph should have leaner assignments than its fastest one")
+    best = min(feasible, key=tables.objective)
+    result = solve(tables, memory_bytes=budget, time_limit_s=20)
+    assert tables.memory(result.choice) <= budget + 1024 * len(names)  # kilobyte rounding per term
+    assert tables.objective(result.choice) == pytest.approx(tables.objective(best), rel=1e-6)
+
+
+def test_cp_sat_reports_no_fit(two_layers):
+    tables = _tables(two_layers, Cluster.preset("cpu", 1, 2), Mesh((("tp", 2),)))
+    with pytest.raises(PlanningError, match="fits in device memory"):
+        solve(tables, memory_bytes=1024, time_limit_s=5)
+
+
+def test_mcmc_within_two_percent_of_the_exhaustive_simulated_optimum(two_layers):
+    cluster = Cluster.preset("cpu", 1, 2)
+    mesh = Mesh((("tp", 2),))
+    skeleton = _skeleton(two_layers, cluster, mesh)
+    tables = build_cost_tables(skeleton, two_layers, node_strategies(two_layers, mesh))
+    sizes = {name: len(options) for name, options in tables.candidates.items()}
+    names = list(sizes)
+    assert math.prod(sizes.values()) <= 5_000, sizes
+    simulator = Simulator(skeleton, two_layers)
+    best = math.inf
+    for combo in itertools.product(*(range(sizes[n]) for n in names)):
+        strategies = tuple(tables.candidates[n][c].strategy for n, c in zip(names, combo))
+        simulator = Simulator(dataclasses.replace(skeleton, strategies=strategies), two_layers)
+        best = min(best, score(simulator.run(trace=False)))
+    found = mcmc(skeleton, tables, seed=0)  # default budget
+    assert found.cost <= 1.02 * best
+
+
+def test_mcmc_is_deterministic_for_a_seed(two_layers):
+    cluster = Cluster.preset("cpu", 1, 2)
+    mesh = Mesh((("tp", 2),))
+    skeleton = _skeleton(two_layers, cluster, mesh)
+    tables = build_cost_tables(skeleton, two_layers, node_strategies(two_layers, mesh))
+    first = mcmc(skeleton, tables, seed=7, iterations=200)
+    second = mcmc(skeleton, tables, seed=7, iterations=200)
+    assert first.choice == second.choice and first.cost == second.cost
+    assert first.iterations == 200
+
+
+# ------------------------------------------------------------------------ golden plans
+
+
+def _gpt(cluster: str, **overrides):
+    spec = ModelSpec("examples/gpt.py", overrides)
+    return prepare_model(spec, cluster)
+
+
+def test_small_model_large_batch_gets_data_parallelism():
+    graph, spec, name, cluster = prepare_model(
+        ModelSpec("examples/mlp.py", {"batch_size": 8192, "hidden": 128, "layers": 3}), "dgx-a100-80g:1"
+    )
+    plan = search_plan(graph, cluster, spec, name, search="ilp", time_budget_s=20)
+    assert plan.mesh.names == ("dp",) and plan.mesh.axis_size("dp") == 8
+    for strategy in plan.strategies:
+        for placements in strategy.params.values():
+            assert all(isinstance(p, Replicate) for p in placements)  # weights replicated
+    assert all(p == (Shard(0),) for p in plan.inputs.values() if p is not None)  # the batch split
+
+
+def test_huge_layers_small_batch_get_tensor_parallelism_inside_a_node():
+    graph, spec, name, cluster = _gpt("dgx-a100-80g:1", n_layer=2, n_embd=8192, n_head=64, vocab_size=1024, seq_len=512, batch_size=8)
+    plan = search_plan(graph, cluster, spec, name, search="ilp", time_budget_s=30, precision="bf16")
+    assert "tp" in plan.mesh.names and plan.mesh.axis_size("tp") >= 2
+    tp = plan.mesh.names.index("tp")
+    placements = {s.module.rsplit(".", 1)[-1]: s.params for s in plan.strategies if s.module.startswith("blocks.0") and s.params}
+    # Megatron: the first projection of attention and MLP splits its output features
+    # (weight dim 0 of nn.Linear), the second its input features (weight dim 1).
+    assert placements["c_attn"]["blocks.0.attn.c_attn.weight"][tp] == Shard(0)
+    assert placements["c_fc"]["blocks.0.mlp.c_fc.weight"][tp] == Shard(0)
+    assert placements["c_proj"][next(iter(placements["c_proj"]))][tp] == Shard(1)
+
+
+def test_memory_tight_model_gets_sharded_weights():
+    from search.data_parallel import data_parallel_plan
+
+    graph, spec, name, cluster = _gpt("cpu:1x4", n_layer=4, n_embd=512, n_head=8, vocab_size=8192, seq_len=64, batch_size=8)
+    ddp = data_parallel_plan(graph, cluster, spec, name, "ddp").estimate.memory.total
+    fsdp = data_parallel_plan(graph, cluster, spec, name, "fsdp").estimate.memory.total
+    assert fsdp < ddp
+    capacity = (fsdp + ddp) // 2  # DDP cannot fit; sharding the weights can
+    tight = dataclasses.replace(
+        cluster, nodes=tuple(dataclasses.replace(n, device=dataclasses.replace(n.device, memory_bytes=capacity)) for n in cluster.nodes)
+    )
+    plan = search_plan(graph, tight, spec, name, search="ilp", time_budget_s=20)
+    assert plan.estimate.fits
+    sharded = any(
+        any(isinstance(p, Shard) for p in placements) for s in plan.strategies for placements in s.params.values()
+    )
+    assert plan.dp_flavour == "fsdp" or sharded
+    assert any(alt.name == "ddp (dp=4)" and not alt.fits for alt in plan.runners_up)
+
+
+def test_model_that_cannot_fit_anywhere():
+    graph, spec, name, cluster = _gpt("cpu:1x2", n_layer=2, n_embd=256, n_head=4, vocab_size=1024, seq_len=64)
+    tiny = dataclasses.replace(
+        cluster, nodes=tuple(dataclasses.replace(n, device=dataclasses.replace(n.device, memory_bytes=10_000)) for n in cluster.nodes)
+    )
+    with pytest.raises(PlanningError, match="does not fit"):
+        search_plan(graph, tiny, spec, name, search="ilp", time_budget_s=10)
+
+
+def test_search_keeps_runners_up_and_baselines():
+    graph, spec, name, cluster = _gpt("cpu:1x4", batch_size=8)
+    plan = search_plan(graph, cluster, spec, name, search="auto", time_budget_s=6)
+    assert plan.search_summary.startswith("auto search over")
+    names = [alt.name for alt in plan.runners_up]
+    assert len(names) >= 2
+    assert all(alt.step_time_s >= plan.estimate.step_time_s or not alt.fits for alt in plan.runners_up)
+    assert any(name.startswith("baseline") for name in names) or {"ddp (dp=4)", "fsdp (dp=4)"} & set(names)
