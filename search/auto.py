@@ -61,16 +61,19 @@ def node_strategies(graph: OpGraph, mesh: Mesh, only: set[str] | None = None) ->
     for node in graph.nodes:
         if only is not None and node.name not in only:
             continue
+        weight_positions = [node.inputs.index(source) for source in node.param_inputs]
+
+        def weights_whole_on_dp(per_axis, positions=weight_positions) -> bool:
+            return dp is None or all(isinstance(per_axis[dp].inputs[i], Replicate) for i in positions)
+
         options = []
-        for per_axis in candidates(node, mesh):
+        for per_axis in candidates(node, mesh, keep=weights_whole_on_dp):
             inputs = tuple(tuple(c.inputs[i] for c in per_axis) for i in range(len(node.inputs)))
             outputs = tuple(tuple(c.outputs[i] for c in per_axis) for i in range(len(node.output_meta)))
             params = {
                 param: inputs[node.inputs.index(source)]
                 for param, source in zip(node.params, node.param_inputs)
             }
-            if dp is not None and any(not isinstance(p[dp], Replicate) for p in params.values()):
-                continue  # weights are sharded over dp only by the FSDP/ZeRO flavours
             options.append(NodeStrategy(node=node.name, op=node.op, module=node.module, inputs=inputs, outputs=outputs, params=params))
         strategies[node.name] = options
     return strategies

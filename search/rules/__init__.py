@@ -81,9 +81,10 @@ def candidates(
     per_axis = [axis_candidates(node, size) for size in sizes]
     if math.prod(len(options) for options in per_axis) > _MAX_COMBINATIONS:
         # Many axes: keep each axis's all-replicate candidate and its work-splitting ones first.
-        keep = max(2, int(_MAX_COMBINATIONS ** (1 / len(per_axis))))
+        per_axis_kept = max(2, int(_MAX_COMBINATIONS ** (1 / len(per_axis))))
         per_axis = [
-            options[:1] + sorted(options[1:], key=lambda c: not c.shards_work)[: keep - 1] for options in per_axis
+            options[:1] + sorted(options[1:], key=lambda c: not c.shards_work)[: per_axis_kept - 1]
+            for options in per_axis
         ]
     first = tuple(options[0] for options in per_axis)
     scored = []
