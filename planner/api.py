@@ -150,6 +150,11 @@ def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb u
             "this plan has no model spec, so torchrun cannot rebuild the model; plan from a spec "
             "(planner.plan('file.py:build', ...)) or pass spec= to planner.plan"
         )
+    if plan.pipeline is not None:
+        raise PlanningError(
+            f"{plan.name} has {plan.pipeline.stages} pipeline stages: pipeline plans can be simulated "
+            f"(planner simulate) but not compiled yet; plan with --search ilp or --search dp for a compilable plan"
+        )
     if plan.precision != "fp32":
         raise PlanningError(
             f"this plan simulates {plan.precision} mixed precision, but compiled programs run fp32 for now; "

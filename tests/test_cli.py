@@ -244,3 +244,12 @@ def test_report_names_the_stage_that_does_not_fit():
     tiny = dataclasses.replace(plan.estimate, device_memory_bytes=1000)
     report = dataclasses.replace(plan, estimate=tiny).report()
     assert "DOES NOT FIT" in report and "pipeline stage(s) 0, 1" in report
+
+
+def test_pipeline_plans_are_simulated_but_not_compiled(capsys, tmp_path):
+    from planner import baselines
+
+    plan = baselines.megatron("examples/gpt.py", "cpu:1x2", pp=2, micro_batch=2, precision="fp32")
+    path = tmp_path / "pp.json"
+    plan.save(path)
+    assert_user_error(capsys, ["compile", str(path), "-o", str(tmp_path / "prog")], "2 pipeline stages", "not compiled yet")
