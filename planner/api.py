@@ -37,7 +37,7 @@ def plan(
     dp_flavour: str | None = None,
     precision: str = "fp32",
     search: str = "auto",
-    time_budget_s: float = 60.0,
+    time_budget_s: float = 30.0,
     seed: int = 0,
     progress: bool = True,
 ) -> Plan:

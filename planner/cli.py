@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: CP-SAT per mesh then MCMC refinement (default); ilp: CP-SAT only; mcmc: simulator-scored "
         "Metropolis-Hastings; dp: data parallelism only (DDP or FSDP)",
     )
-    plan.add_argument("--time-budget", type=float, default=60.0, metavar="SECONDS", help="search budget (default 60)")
+    plan.add_argument(
+        "--time-budget", type=float, default=30.0, metavar="SECONDS",
+        help="search budget in seconds (default 30); the best plan found so far is returned when it runs out",
+    )
     plan.add_argument("--seed", type=int, default=0, help="seed of the MCMC search (default 0)")
     plan.add_argument("--dp", choices=("ddp", "fsdp"), default=None, help="force data parallelism with this flavour")
     plan.add_argument(

@@ -25,10 +25,11 @@ from torch.distributed.tensor import Replicate
 from planner.strategy import Mesh, NodeStrategy
 from search.blocks import block_representatives
 from search.cost_tables import build_cost_tables
-from search.data_parallel import _PENDING, alternative, data_parallel_plan, does_not_fit, model_summary
+from search.data_parallel import alternative, data_parallel_plan, does_not_fit
 from search.ilp import solve
 from search.layouts import batch_input_placements, combine
 from search.mcmc import mcmc
+from search.plan_builder import unsimulated_plan
 
 SEARCHES = ("auto", "ilp", "mcmc")
 
@@ -86,7 +87,7 @@ def search_plan(
     model_name: str,
     *,
     search: str = "auto",
-    time_budget_s: float = 60.0,
+    time_budget_s: float = 30.0,
     seed: int = 0,
     warnings: tuple[str, ...] = (),
     precision: str = "fp32",
@@ -153,11 +154,7 @@ def _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed,
     representative = block_representatives(graph)
     strategies_of = node_strategies(graph, mesh, only=set(representative.values()))
     seed_strategies, inputs = combine(graph, mesh, {"dp": _dp_axis(graph)} if "dp" in mesh.names else {})
-    skeleton = Plan(
-        model=spec, cluster=cluster, mesh=mesh, dp_flavour="ddp", batch_size=graph.batch_size, inputs=inputs,
-        strategies=seed_strategies, estimate=_PENDING, summary=model_summary(graph, model_name),
-        precision=precision, warnings=warnings, graph=graph,
-    )
+    skeleton = unsimulated_plan(graph, cluster, spec, model_name, mesh, seed_strategies, inputs, precision=precision, warnings=warnings)
     tables = build_cost_tables(skeleton, graph, strategies_of, representative)
     choice, how = None, ""
     if search in ("auto", "ilp"):
@@ -173,7 +170,10 @@ def _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed,
         choice = result.choice
         how += f"CP-SAT {'optimal' if result.optimal else f'gap {result.gap:.1%}'} in {result.seconds:.1f} s"
     if search in ("auto", "mcmc"):
-        refine = mcmc(skeleton, tables, start=choice, seed=seed, time_budget_s=budget * (0.3 if search == "auto" else 1.0))
+        refine = mcmc(
+            skeleton, tables, start=choice, seed=seed, time_budget_s=budget * (0.3 if search == "auto" else 1.0),
+            patience=500 if search == "auto" else None,  # refining a CP-SAT solution: a short walk
+        )
         choice = refine.choice
         how += f"{'; ' if how else ''}MCMC {refine.iterations} proposals"
     notes.append(f"mesh {mesh}: {how}")

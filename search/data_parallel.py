@@ -14,9 +14,10 @@ from planner.cluster import Cluster
 from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
-from planner.plans import ModelSummary, Plan
-from planner.strategy import Alternative, MemoryBreakdown, Mesh, SimResult
+from planner.plans import Plan
+from planner.strategy import Alternative, Mesh, SimResult
 from search.layouts import data_parallel_layout
+from search.plan_builder import unsimulated_plan
 
 DATA_PARALLEL_FLAVOURS = ("ddp", "fsdp")
 
@@ -82,40 +83,14 @@ def data_parallel_plan(
         )
     mesh = Mesh((("dp", dp),))
     strategies, inputs = data_parallel_layout(graph, mesh)
-    plan = Plan(
-        model=spec,
-        cluster=cluster,
-        mesh=mesh,
+    plan = unsimulated_plan(
+        graph, cluster, spec, model_name, mesh, strategies, inputs,
         dp_flavour=flavour,
-        batch_size=graph.batch_size,
-        inputs=inputs,
-        strategies=strategies,
-        estimate=_PENDING,
-        summary=model_summary(graph, model_name),
         fsdp_units=fsdp_units(graph) if flavour == "fsdp" else (),
         precision=precision,
         warnings=warnings,
-        graph=graph,
     )
     return simulated(plan, graph)
-
-
-def model_summary(graph: OpGraph, model_name: str) -> ModelSummary:
-    """What the report says about the model; tokens per sample from the first integer input."""
-    tokens = next(
-        (i.meta.shape[1] for i in graph.inputs if i.meta and not i.meta.dtype.is_floating_point and len(i.meta.shape) >= 2),
-        0,
-    )
-    return ModelSummary(
-        name=model_name,
-        parameters=graph.parameter_count,
-        parameter_bytes=graph.parameter_bytes,
-        forward_flops=graph.total_flops,
-        ops=len(graph),
-        tracer=graph.tracer,
-        blocks=dict(graph.blocks),
-        tokens_per_sample=tokens,
-    )
 
 
 def fsdp_units(graph: OpGraph) -> tuple[str, ...]:
@@ -166,7 +141,3 @@ def _size(num_bytes: float) -> str:
         if num_bytes >= scale:
             return f"{num_bytes / scale:.2f} {unit}"
     return f"{num_bytes:.0f} B"
-
-
-# Placeholder estimate of a plan under construction (the simulator needs the plan first).
-_PENDING = SimResult(step_time_s=0.0, compute_s=0.0, communication_s=0.0, memory=MemoryBreakdown(), device_memory_bytes=0)

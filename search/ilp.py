@@ -13,13 +13,15 @@ costs nothing.
 
 Variables.
     x[n,c]    in {0,1}   node n runs candidate c                   (add_choice_variables)
-    y[e,p,q]  in {0,1}   edge e turns placement p into q           (add_resharding_constraints)
+    y[e,p,q]  in {0,1}   edge e carries producer output p to consumer input q (add_resharding_constraints)
     z[u,a]    in {0,1}   u's output gradient is all-reduced on axis a (add_gradient_reduction_constraints)
 
 Constraints.
     one_strategy[n]:     sum_c x[n,c] = 1                          (add_choice_variables)
-    reshard[e,p,q]:      y[e,p,q] >= out[u,p] + in[v,i,q] - 1      (add_resharding_constraints)
+    reshard_out[e,p]:    sum_q y[e,p,q] = out[u,p]                 (add_resharding_constraints)
+    reshard_in[e,q]:     sum_p y[e,p,q] = in[v,i,q]
                          where out[u,p] = sum of x[u,c] with output p, in[v,i,q] likewise
+                         (the marginal form: y is the joint choice, a tight relaxation)
     reduce[u,a,v,c,p]:   z[u,a] >= x[v,c] + out[u,p] - 1           (add_gradient_reduction_constraints)
                          for every reader candidate (v,c) whose weights split on axis a while
                          it reads u replicated there, and producer output p replicated on a
@@ -143,23 +145,33 @@ def _indicator(x_node: list, candidates, pick) -> dict:
 
 
 def add_resharding_constraints(model, tables: CostTables, reduced: _Reduced, x) -> list:
-    """y[e,p,q] >= out[u,p] + in[v,i,q] - 1 for every placement pair that costs something."""
+    """y[e,p,q]: the joint choice of producer output p and consumer input q on edge e.
+
+    The marginal (transportation) form, tighter than y >= out + in - 1: every pair gets a
+    variable, free pairs included, and they add up to the choices on each side,
+        sum_q y[e,p,q] = out[u,p]     (reshard_out[e,p])
+        sum_p y[e,p,q] = in[v,i,q]    (reshard_in[e,q])
+    so y is exactly the product of the two choices and the LP relaxation stays close to
+    the integer optimum. Only pairs with a cost enter the objective.
+    """
     terms = []
     for producer, consumer, position, weight in reduced.edges:
         outs = _indicator(x[producer], tables.candidates[producer], lambda c: c.output)
         ins = _indicator(x[consumer], tables.candidates[consumer], lambda c: c.inputs[position])
+        if None in outs:
+            continue  # the producer has no tensor output on this edge
+        edge = f"{producer}->{consumer}.{position}"
+        pairs = {
+            (src, dst): model.new_bool_var(f"y[{edge},{src}->{dst}]") for src in outs for dst in ins
+        }
         for src, src_vars in outs.items():
-            if src is None:
-                continue
-            for dst, dst_vars in ins.items():
-                seconds = tables.edge_cost(producer, consumer, position, src, dst)
-                if seconds <= 0:
-                    continue
-                y = model.new_bool_var(f"y[{producer}->{consumer}.{position},{src}->{dst}]")
-                model.add(y >= sum(src_vars) + sum(dst_vars) - 1).with_name(
-                    f"reshard[{producer}->{consumer}.{position},{src}->{dst}]"
-                )
-                terms.append((round(seconds * SCALE * weight), y))
+            model.add(sum(pairs[src, dst] for dst in ins) == sum(src_vars)).with_name(f"reshard_out[{edge},{src}]")
+        for dst, dst_vars in ins.items():
+            model.add(sum(pairs[src, dst] for src in outs) == sum(dst_vars)).with_name(f"reshard_in[{edge},{dst}]")
+        for (src, dst), var in pairs.items():
+            seconds = tables.edge_cost(producer, consumer, position, src, dst)
+            if seconds > 0:
+                terms.append((round(seconds * SCALE * weight), var))
     return terms
 
 

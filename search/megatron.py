@@ -8,7 +8,6 @@ and simulates the plan.
 
 from __future__ import annotations
 
-import dataclasses
 
 from cost_model.simulator import simulated
 from planner.cluster import Cluster
@@ -17,8 +16,8 @@ from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
 from planner.strategy import PIPELINE_SCHEDULES, RECOMPUTE_MODES, Mesh, PipelineConfig
-from search.data_parallel import _PENDING, model_summary
 from search.layouts import megatron_layout
+from search.plan_builder import unsimulated_plan
 
 
 def megatron_plan(
@@ -82,22 +81,10 @@ def megatron_plan(
     mesh = Mesh(axes)
     chunks = virtual_stages if schedule == "interleaved" else 1
     strategies, inputs = megatron_layout(graph, mesh, sequence_parallel=sequence_parallel, virtual_stages=chunks)
-    plan = Plan(
-        model=spec,
-        cluster=cluster,
-        mesh=mesh,
-        dp_flavour=dp_flavour,
-        batch_size=graph.batch_size,
-        inputs=inputs,
-        strategies=strategies,
-        estimate=_PENDING,
-        summary=model_summary(graph, model_name),
-        recompute=recompute,
-        pipeline=PipelineConfig(stages=pp, schedule=schedule, micro_batches=micro_batches, virtual_stages=chunks)
-        if pp > 1 else None,
-        precision=precision,
-        warnings=tuple(warnings),
-        label="megatron",
-        graph=graph,
+    pipeline = PipelineConfig(stages=pp, schedule=schedule, micro_batches=micro_batches, virtual_stages=chunks) if pp > 1 else None
+    plan = unsimulated_plan(
+        graph, cluster, spec, model_name, mesh, strategies, inputs,
+        dp_flavour=dp_flavour, recompute=recompute, pipeline=pipeline, precision=precision,
+        warnings=tuple(warnings), label="megatron",
     )
     return simulated(plan, graph)

@@ -59,7 +59,7 @@ def test_presets_lists_every_preset(capsys):
 
 def test_plan_prints_report_and_writes_file(capsys, tmp_path):
     path = tmp_path / "p.json"
-    assert main(["plan", MLP, "--cluster", "cpu:1x2", "-o", str(path)]) == 0
+    assert main(["plan", MLP, "--cluster", "cpu:1x2", "--search", "dp", "-o", str(path)]) == 0
     out, err = capsys.readouterr()
     assert "Traceback" not in err
     for expected in (
@@ -79,6 +79,16 @@ def test_plan_prints_report_and_writes_file(capsys, tmp_path):
     plan = load_plan(path)
     assert plan.world_size == 2 and plan.batch_size == 16
     assert plan.model.source == f"{MLP}:build"
+
+
+def test_default_search_explains_itself(capsys, tmp_path):
+    path = tmp_path / "searched.json"
+    assert main(["plan", MLP, "--cluster", "cpu:1x2", "--time-budget", "5", "-o", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "search    auto search over 2 mesh(es)" in out and "CP-SAT" in out
+    plan = load_plan(path)
+    assert plan.search_summary.startswith("auto search") and plan.estimate.fits
+    assert len(plan.runners_up) >= 2
 
 
 def test_plan_overrides_and_forced_flavour(capsys, tmp_path):
@@ -167,7 +177,7 @@ def test_bad_set_syntax(capsys, item, fragment):
 def test_batch_not_divisible_by_dp(capsys):
     assert_user_error(
         capsys,
-        ["plan", MLP, "--set", "batch_size=6", "--cluster", "cpu:1x4"],
+        ["plan", MLP, "--set", "batch_size=6", "--cluster", "cpu:1x4", "--search", "dp"],
         "global batch of 6 is not divisible by the data-parallel degree 4",
         "--set batch_size=8",
     )

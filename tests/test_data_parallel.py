@@ -49,7 +49,7 @@ def gpt():
 
 
 def test_small_model_on_two_processes_is_data_parallel():
-    plan = planner.plan(str(EXAMPLES / "mlp.py"), "cpu:1x2")
+    plan = planner.plan(str(EXAMPLES / "mlp.py"), "cpu:1x2", search="dp")
     assert plan.mesh.axes == (("dp", 2),) and plan.world_size == 2
     assert plan.inputs == {"inputs": S0, "targets": S0}
     assert plan.batch_size == 16

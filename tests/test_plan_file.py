@@ -17,7 +17,7 @@ GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
 
 @pytest.fixture(scope="module")
 def gpt_plan() -> Plan:
-    return planner.plan(GPT, "cpu:1x2")
+    return planner.plan(GPT, "cpu:1x2", search="dp")
 
 
 @pytest.fixture
@@ -150,3 +150,17 @@ def test_invalid_dp_flavour(plan_dict, tmp_path):
 
 def test_plan_file_errors_are_planner_errors():
     assert issubclass(PlanFileError, PlannerError)
+
+
+def test_searched_and_pipeline_plans_round_trip(tmp_path):
+    # A searched plan (tensor-parallel placements, label, search summary) and a pipelined
+    # Megatron plan (stages, schedule, sequence-parallel 'produced' placements) survive JSON.
+    from planner import baselines
+
+    searched = planner.plan(GPT, "cpu:1x2", search="ilp", time_budget_s=10)
+    pipelined = baselines.megatron(GPT, "cpu:1x4", tp=2, pp=2, micro_batch=2, sequence_parallel=True, precision="fp32")
+    assert any(s.produced is not None for s in pipelined.strategies)
+    for plan in (searched, pipelined):
+        path = tmp_path / "plan.json"
+        plan.save(path)
+        assert load_plan(path) == plan

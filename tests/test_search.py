@@ -27,23 +27,15 @@ from planner.strategy import Mesh
 from planner.trace import trace
 from search.auto import node_strategies, search_plan
 from search.cost_tables import build_cost_tables
-from search.data_parallel import _PENDING, model_summary
 from search.ilp import solve
-from search.layouts import data_parallel_layout
+from search.layouts import combine, data_parallel_layout
+from search.plan_builder import unsimulated_plan
 from search.mcmc import mcmc, score
-from planner.plans import Plan
 
 
 def _skeleton(graph, cluster, mesh):
-    strategies, inputs = data_parallel_layout(graph, mesh) if "dp" in mesh.names else (None, None)
-    if strategies is None:
-        from search.layouts import combine
-
-        strategies, inputs = combine(graph, mesh, {})
-    return Plan(
-        model=None, cluster=cluster, mesh=mesh, dp_flavour="ddp", batch_size=graph.batch_size, inputs=inputs,
-        strategies=strategies, estimate=_PENDING, summary=model_summary(graph, "M"), graph=graph,
-    )
+    strategies, inputs = data_parallel_layout(graph, mesh) if "dp" in mesh.names else combine(graph, mesh, {})
+    return unsimulated_plan(graph, cluster, None, "M", mesh, strategies, inputs)
 
 
 def _tables(graph, cluster, mesh):
