@@ -27,9 +27,21 @@ def write_program(plan: Plan, out_dir: Path) -> Path:
 
 
 def render_model_spmd(plan: Plan) -> str:
-    """Source of ``model_spmd.py`` for a data-parallel plan."""
-    if plan.mesh.names != (_DP_AXIS,) or plan.pipeline is not None:
-        raise NotImplementedError(f"codegen for mesh {plan.mesh} arrives with the SOAP search; this plan needs dp only")
+    """Source of ``model_spmd.py``.
+
+    A data-parallel plan (a ``dp`` mesh, every parameter replicated) becomes a DDP or FSDP2
+    module. Any other plan on a ``dp``/``tp`` mesh is generated from the traced graph, op by
+    op on DTensors (``codegen.spmd_emit``).
+    """
+    if not _is_data_parallel(plan):
+        from codegen.spmd_emit import render_graph_program, supports
+
+        if supports(plan):
+            return render_graph_program(plan)
+        raise NotImplementedError(
+            f"codegen for mesh {plan.mesh}{' with a pipeline' if plan.pipeline else ''} is not written yet; "
+            f"meshes with axes among dp and tp (no pipeline) are"
+        )
     dp = plan.mesh.axis_size(_DP_AXIS)
     header = _header(plan)
     if plan.dp_flavour == "ddp":
@@ -39,6 +51,18 @@ def render_model_spmd(plan: Plan) -> str:
     else:
         raise NotImplementedError(f"codegen for dp flavour '{plan.dp_flavour}' is not written yet (ddp and fsdp are)")
     return header + body + _shard_batch_source(plan, dp)
+
+
+def _is_data_parallel(plan: Plan) -> bool:
+    """A data-parallel plan (label empty: named by its flavour) on a ``dp``-only mesh, no
+    pipeline, every parameter replicated (DDP/ZeRO/FSDP's view). A searched plan on a ``dp``
+    mesh may replicate some inputs or activations, which DDP's batch split would not honour;
+    it goes through the graph path."""
+    if plan.mesh.names != (_DP_AXIS,) or plan.pipeline is not None or getattr(plan, "label", ""):
+        return False
+    return all(
+        placements_str(placements) == "(R)" for strategy in plan.strategies for placements in strategy.params.values()
+    )
 
 
 def render_launch(plan: Plan) -> str:

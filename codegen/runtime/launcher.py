@@ -48,6 +48,9 @@ def main(folder: Path, argv: list[str]) -> int:
             status = 0 if result.ok else 1
         if options.steps > 0:
             train_synthetic(program, mesh, options.steps, options.lr, optimizer)
+        # Every rank is done communicating before any tears gloo down: without this, a rank
+        # that leaves first sometimes makes another abort at exit after a successful run.
+        dist.barrier()
         return status
     except PlannerError as error:
         if os.environ.get("RANK", "0") == "0":  # every rank fails the same way; say it once

@@ -1,0 +1,166 @@
+"""Run a generated graph program once at compile time, on meta tensors, to see what DTensor does.
+
+The plan says where each value is split; DTensor's own sharding rules decide what an op
+actually produces from the placements it is given, and they sometimes differ (a ``split``
+of a split dimension gathers it first; a ``cross_entropy`` gathers the classes). To say so in
+the program, and to redistribute explicitly (with a comment) wherever a value does not arrive
+as the plan says its consumer reads it, codegen runs the program once in this process: rank
+0 of a fake process group of the plan's world size (collectives do nothing), every tensor on
+the meta device (no memory, no arithmetic), and reads each value's placements when
+``forward`` returns. Backward runs too. An op that DTensor cannot run forward or backward on
+its placements raises here, and is named (anomaly mode ties a backward step to its line).
+
+Nothing here is needed at run time; when the fake process group is unavailable (a process
+group already exists, or torch moved its testing helpers) codegen writes the program from
+the plan alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+import traceback
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from planner.model_spec import extract_loss
+from planner.plans import Plan
+
+_FILENAME = "<model_spmd dry run>"
+
+
+@dataclass
+class Observation:
+    """What one run of ``forward`` showed.
+
+    Attributes:
+        placements: Python name -> placements of each DTensor local of ``forward`` when it
+            returned (``None`` for a plain tensor).
+        failed_at: the Python name assigned on the line where ``forward`` raised, if it did.
+        error: the exception's one-line message, if it raised.
+    """
+
+    placements: dict[str, Any] = field(default_factory=dict)
+    failed_at: str | None = None
+    error: str | None = None
+
+
+def available(plan: Plan) -> bool:
+    """Whether a dry run can happen in this process."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return False
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def observe(plan: Plan, source: str) -> Observation:
+    """Run ``source`` (a ``model_spmd.py``) forward and backward once as rank 0 of a fake
+    group on meta tensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    module = _load(source)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    try:
+        mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.names)
+        torch.manual_seed(0)
+        if plan.model.is_hf:
+            import transformers
+
+            transformers.logging.set_verbosity_error()
+        model, args, kwargs = plan.model.build("meta")
+        spmd = module.parallelize(model, mesh)
+        spmd.device = torch.device("meta")
+        local_args, local_kwargs = module.shard_batch(args, kwargs, mesh)
+        observation = Observation()
+        forward_code = type(spmd).forward.__code__
+
+        def profile(frame, event, arg):  # noqa: ARG001 - sys.setprofile's signature
+            if event == "return" and frame.f_code is forward_code:
+                for name, value in frame.f_locals.items():
+                    if isinstance(value, DTensor):
+                        observation.placements[name] = tuple(value.placements)
+                    elif isinstance(value, torch.Tensor):
+                        observation.placements[name] = None
+                    elif isinstance(value, (list, tuple)) and value and all(isinstance(v, DTensor) for v in value):
+                        observation.placements[name] = tuple(tuple(v.placements) for v in value)
+
+        previous = sys.getprofile()
+        sys.setprofile(profile)
+        # Anomaly mode records where in forward each backward step comes from, so a backward
+        # that DTensor cannot run names its op. (Warnings: DTensor says its random ops lack
+        # CPU support; dropout has no data here.)
+        try:
+            with warnings.catch_warnings(), torch.autograd.set_detect_anomaly(True, check_nan=False):
+                warnings.simplefilter("ignore")
+                output = spmd(*local_args, **local_kwargs)
+        except Exception as error:  # noqa: BLE001 - reported to codegen, which decides
+            observation.error = _one_line(error)
+            observation.failed_at = _failing_name(error, forward_code)
+            return observation
+        finally:
+            sys.setprofile(previous)
+        try:
+            with warnings.catch_warnings(record=True) as caught, torch.autograd.set_detect_anomaly(True, check_nan=False):
+                warnings.simplefilter("always")
+                extract_loss(output).backward()
+        except Exception as error:  # noqa: BLE001
+            observation.error = f"in backward: {_one_line(error)}"
+            observation.failed_at = _forward_name_of(caught, module)
+        return observation
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
+def _forward_name_of(caught: list, module: types.ModuleType) -> str | None:
+    """The name assigned on the forward line whose backward failed, from anomaly mode's
+    warning ("Traceback of forward call that caused the error")."""
+    lines = module.__dict__["__dry_run_lines__"]
+    for warning in reversed(caught):
+        found = re.findall(rf'File "{re.escape(_FILENAME)}", line (\d+)', str(warning.message))
+        if found:
+            line = lines[int(found[-1]) - 1] if 0 < int(found[-1]) <= len(lines) else ""
+            match = re.match(r"\s*(\w+) = ", line)
+            return match[1] if match else None
+    return None
+
+
+def _load(source: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_loader("model_spmd_dry_run", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__dict__["__dry_run_lines__"] = source.splitlines()
+    exec(compile(source, _FILENAME, "exec"), module.__dict__)  # noqa: S102 - our own generated code
+    return module
+
+
+def _failing_name(error: BaseException, forward_code: types.CodeType) -> str | None:
+    """The name assigned on the line of ``forward`` that raised."""
+    for frame, lineno in traceback.walk_tb(error.__traceback__):
+        if frame.f_code is forward_code:
+            line = frame.f_code.co_filename and _line_of(frame, lineno)
+            match = re.match(r"\s*(\w+) = ", line or "")
+            return match[1] if match else None
+    return None
+
+
+def _line_of(frame, lineno: int) -> str | None:
+    source = frame.f_globals.get("__dry_run_lines__")
+    if source is None:
+        return None
+    return source[lineno - 1] if 0 < lineno <= len(source) else None

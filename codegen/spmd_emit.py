@@ -1,0 +1,965 @@
+"""Write ``model_spmd.py`` for any plan on a ``dp``/``tp`` mesh, from the traced graph.
+
+The program replays the model's exported ATen graph, one line per op, on DTensors
+(``torch.distributed.tensor``): parameters are placed as the plan says, inputs become
+DTensors holding this rank's slice of the batch, and wherever the plan says an op reads a
+value differently from how its producer left it, ``_to`` redistributes it with the
+collective named in a comment (all-gather, all-reduce, reduce-scatter, all-to-all). DTensor's
+own sharding rules run each op, so the result equals one device whatever the placements;
+the plan decides where the communication happens. ``codegen.runtime.spmd`` holds the
+helpers the program calls.
+
+Details of the exported graph handled here:
+
+- names come from the graph (``linear_2``, ``p_blocks_0_mlp_c_fc_weight``), which export takes
+  from the model's modules; each module's ops sit under a comment naming it;
+- values DTensor never touches (positions and masks built from ``arange``) stay plain tensors,
+  the same on every rank, and become replicated DTensors where they meet DTensors;
+- factory ops traced on the meta device run on this rank's device; export's
+  ``_assert_tensor_metadata`` checks (which name the meta device) are dropped;
+- higher-order ops (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``, e.g. rotary
+  embeddings) are inlined under the grad/autocast mode they record;
+- dropout reads its module's ``p`` at run time, so ``module.p = 0`` switches it off as in the model;
+- an op DTensor has no sharding rule for runs as its ATen decomposition, or on replicated
+  inputs, with a comment saying so; attention runs the math kernel on CPU (DTensor has no
+  rule for the CPU flash kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+from torch.distributed.tensor import Partial, Replicate
+from torch.utils._pytree import TreeSpec, tree_flatten
+
+from codegen import spmd_notes as notes
+from planner import __version__
+from planner.errors import PlanningError
+from planner.graph import OpGraph
+from planner.plans import Plan
+from planner.strategy import NodeStrategy, Placements, placements_str
+
+SUPPORTED_AXES = ("dp", "tp")
+_DRY_RUNS = 5  # rounds of compile-time dry run at most
+# Seed every rank builds the model with (planner.api.BUILD_SEED, codegen.runtime.program.BUILD_SEED).
+BUILD_SEED = 0
+
+_DROPOUTS = ("aten.dropout.", "aten.native_dropout.", "aten.feature_dropout.", "aten.alpha_dropout.", "aten.feature_alpha_dropout.")
+_ATTENTION = "aten.scaled_dot_product_attention."
+_DROPPED = ("aten._assert_tensor_metadata.", "aten._assert_scalar.", "aten.sym_constrain_range")
+_GRAD_HOP = "wrap_with_set_grad_enabled"
+_AUTOCAST_HOP = "wrap_with_autocast"
+_RESERVED = {"self", "aten", "torch", "_to", "params", "operator", "DTensor", "Replicate", "Shard", "Partial"}
+
+
+@dataclass
+class _Value:
+    """A value of the generated forward: its Python name and what it holds.
+
+    ``kind`` is ``"dt"`` (a DTensor), ``"plain"`` (a tensor computed locally, the same on
+    every rank), ``"seq_dt"``/``"seq_plain"`` (a list of them, from a multi-output op) or
+    ``"other"``. ``placements`` are the planned ones of a DTensor (per element for a list).
+    """
+
+    expr: str
+    kind: str
+    placements: Any = None
+    param: str | None = None  # qualified name, for parameters
+
+
+@dataclass
+class _ModelFacts:
+    """What codegen reads from the model built on meta: output structure, dropout owners."""
+
+    class_name: str
+    out_spec: TreeSpec
+    dropout_modules: dict[str, str] = field(default_factory=dict)
+
+
+def supports(plan: Plan) -> bool:
+    """Whether this emitter compiles ``plan``: a ``dp``/``tp`` mesh, no pipeline."""
+    return plan.pipeline is None and set(plan.mesh.names) <= set(SUPPORTED_AXES)
+
+
+def render_graph_program(plan: Plan) -> str:
+    """Source of ``model_spmd.py`` for ``plan`` (see the module docstring).
+
+    Raises:
+        NotImplementedError: the mesh has axes other than ``dp``/``tp``, a pipeline, or the
+            graph holds something this emitter cannot write (named in the message).
+        PlanningError: the plan has no model spec, or its strategies do not match the model.
+    """
+    if not supports(plan):
+        raise NotImplementedError(
+            f"graph codegen handles meshes with axes among {SUPPORTED_AXES} and no pipeline; this plan has mesh {plan.mesh}"
+            f"{' and a pipeline' if plan.pipeline else ''}"
+        )
+    if plan.model is None:
+        raise PlanningError("this plan has no model spec, so its model cannot be traced to generate the program")
+    model, args, kwargs = _build_meta_model(plan)
+    graph = plan.graph if plan.graph is not None and plan.graph.graph_module is not None else _trace(model, args, kwargs)
+    facts = _model_facts(model, args, kwargs, graph)
+
+    def write(observed: dict[str, Any] | None = None, forced: dict[str, str] | None = None, warning: str = "") -> str:
+        return _Emitter(plan, graph, facts, observed, forced, warning).render()
+
+    source = write()
+    from codegen import dry_run
+
+    if not dry_run.available(plan):
+        return source
+    # Run the program once on meta tensors (a fake process group), then write it again from
+    # what DTensor actually produced, so redistributions and comments say what happens.
+    # Redistributing where a value arrives otherwise than its consumer reads it changes what
+    # later ops produce: repeat until nothing changes (2-3 rounds in practice).
+    observed: dict[str, Any] = {}
+    forced: dict[str, str] = {}
+    for _ in range(_DRY_RUNS):
+        try:
+            observation = dry_run.observe(plan, source)
+        except Exception as error:  # noqa: BLE001 - the dry run only refines comments
+            reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+            return write(observed, forced, f"the compile-time dry run could not run ({reason}); comments may show the plan's placements where DTensor's differ")
+        if observation.error:
+            if observation.failed_at is None or observation.failed_at in forced:
+                return write(observed, forced, f"a compile-time dry run of this program failed: {observation.error}")
+            forced[observation.failed_at] = observation.error
+        elif observation.placements == observed:
+            return source
+        else:
+            observed = observation.placements
+        source = write(observed, forced)
+    return source
+
+
+# ------------------------------------------------------------------------------ the model
+
+
+def _build_meta_model(plan: Plan) -> tuple[torch.nn.Module, tuple, dict]:
+    torch.manual_seed(BUILD_SEED)
+    if plan.model.is_hf:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    return plan.model.build("meta")
+
+
+def _trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
+    from planner.trace import trace
+
+    return trace(model, args, kwargs)
+
+
+def _model_facts(model: torch.nn.Module, args: tuple, kwargs: dict, graph: OpGraph) -> _ModelFacts:
+    """The output structure (from a forward on fake tensors: cheap, no data-dependent
+    branches) and, for each dropout op of the graph, the ``nn.Dropout`` it belongs to."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    was_training = model.training
+    model.train()
+    try:
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            output = model(*args, **kwargs)
+    finally:
+        model.train(was_training)
+    _, out_spec = tree_flatten(output)
+    return _ModelFacts(type(model).__name__, out_spec, _dropout_owners(model, graph))
+
+
+def _dropout_owners(model: torch.nn.Module, graph: OpGraph) -> dict[str, str]:
+    """Dropout node -> path of the ``nn.Dropout`` module whose ``p`` it reads. An attention
+    op with a dropout probability reads a dropout module of its own module with that ``p``
+    (``attn_dropout`` in GPT-2), preferring names that say attention."""
+    modules = dict(model.named_modules())
+    owners: dict[str, str] = {}
+    for fx_node in graph.graph_module.graph.nodes:
+        if fx_node.op != "call_function":
+            continue
+        op = str(fx_node.target)
+        stack = list((fx_node.meta.get("nn_module_stack") or {}).values())
+        path = _clean_path(stack[-1][0]) if stack else ""
+        if op.startswith(_DROPOUTS) and isinstance(modules.get(path), torch.nn.modules.dropout._DropoutNd):
+            owners[fx_node.name] = path
+        elif op.startswith(_ATTENTION) and path in modules:
+            traced = _attention_dropout(fx_node)
+            if traced:
+                candidates = [
+                    f"{path}.{name}" if path else name
+                    for name, module in modules[path].named_modules()
+                    if isinstance(module, torch.nn.modules.dropout._DropoutNd) and math.isclose(module.p, traced)
+                ]
+                candidates.sort(key=lambda name: 0 if re.search(r"attn|attention", name.rsplit(".", 1)[-1]) else 1)
+                if candidates:
+                    owners[fx_node.name] = candidates[0]
+    return owners
+
+
+def _clean_path(path: str) -> str:
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return path.removeprefix("self.").strip(".")
+
+
+def _attention_dropout(fx_node: torch.fx.Node) -> float:
+    if "dropout_p" in fx_node.kwargs:
+        return float(fx_node.kwargs["dropout_p"])
+    return float(fx_node.args[4]) if len(fx_node.args) > 4 else 0.0
+
+
+# ------------------------------------------------------------------------ DTensor coverage
+
+
+def dtensor_support(op: torch._ops.OpOverload) -> str:
+    """How DTensor runs ``op``: ``"rule"`` (a sharding rule), ``"composite"`` (it
+    decomposes into other ops before DTensor sees it), ``"decomposition"`` (no rule, but
+    ``torch._decomp`` has a decomposition we can call) or ``"none"``."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        registered = (
+            op in propagator.op_strategy_funcs
+            or op in propagator.op_to_rules
+            or op in (getattr(propagator, "op_single_dim_strategy_funcs", None) or {})
+        )
+    except AttributeError:  # a private API moved: assume a rule, DTensor will say otherwise
+        return "rule"
+    if registered:
+        return "rule"
+    if op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
+        return "composite"
+    from torch._decomp import decomposition_table
+
+    return "decomposition" if op in decomposition_table else "none"
+
+
+# ------------------------------------------------------------------------------ emitter
+
+
+class _Emitter:
+    """Writes one program. ``observed`` (Python name -> placements, from a dry run of an
+    earlier version of the program) replaces the plan's output placements where DTensor
+    produced others; ``forced`` names ops to run on whole inputs (DTensor failed on them)."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        graph: OpGraph,
+        facts: _ModelFacts,
+        observed: dict[str, Any] | None = None,
+        forced: dict[str, str] | None = None,
+        warning: str = "",
+    ):
+        self.plan, self.graph, self.facts = plan, graph, facts
+        self.warning = warning
+        self.observed = observed or {}
+        self.forced = dict(forced or {})
+        self.axes, self.sizes = plan.mesh.names, plan.mesh.shape
+        self.strategies = {s.node: s for s in plan.strategies}
+        self._check_strategies()
+        self.constants: dict[Placements, str] = {}
+        self.values: dict[str, _Value] = {}
+        self.used_names: set[str] = set(_RESERVED)
+        self.param_of_placeholder: dict[str, str] = {}
+        for node in graph.nodes:
+            self.param_of_placeholder.update(zip(node.param_inputs, node.params))
+        self.param_placements = self._parameter_placements()
+        self.fallbacks: list[str] = []  # ops run through _decomposed/_replicated, for the header
+        self.dropped = 0
+        self.module = None
+        self._renames: dict[str, str] = {}  # inner names of an inlined subgraph -> unique names
+        self.resharded: dict[tuple[str, Placements], str] = {}  # (value, placements) -> name of its redistributed copy
+        self.node_of_name: dict[str, str] = {}  # Python name of an op's result -> fx node
+        self._operand_placements: list[tuple[str, Any]] = []
+
+    # ---------------------------------------------------------------- checks and tables
+
+    def _check_strategies(self) -> None:
+        missing = [node.name for node in self.graph.nodes if node.name not in self.strategies]
+        if missing:
+            raise PlanningError(
+                f"the plan has no strategy for {len(missing)} op(s) of the traced model (first: '{missing[0]}'); "
+                f"the plan was made for another version of the model or of the tracer: plan it again"
+            )
+        ndim = len(self.axes)
+        for strategy in self.plan.strategies:
+            for placements in (*strategy.inputs, *strategy.outputs, *strategy.params.values()):
+                if len(placements) != ndim:
+                    raise PlanningError(
+                        f"node '{strategy.node}' has placements {placements_str(placements)} but the mesh {self.plan.mesh} "
+                        f"has {ndim} axes; each tensor needs one placement per mesh axis"
+                    )
+
+    def _parameter_placements(self) -> dict[str, Placements]:
+        """Qualified parameter name -> how each rank holds it: the placements of its first
+        reader (a later reader that wants another layout redistributes it)."""
+        placements: dict[str, Placements] = {}
+        for node in self.graph.nodes:
+            strategy = self.strategies[node.name]
+            for name in node.params:
+                if name in self.graph.parameters and name in strategy.params:
+                    placements.setdefault(name, _whole(strategy.params[name]))
+        replicate = tuple(Replicate() for _ in self.axes)
+        for name in self.graph.parameters:
+            placements.setdefault(name, replicate)
+        return placements
+
+    def constant(self, placements: Placements) -> str:
+        placements = tuple(placements)
+        if placements not in self.constants:
+            self.constants[placements] = notes.constant_name(placements, self.axes)
+        return self.constants[placements]
+
+    def fresh(self, name: str) -> str:
+        base = name if name.isidentifier() and name not in self.used_names else f"{name}_"
+        candidate, index = base, 1
+        while candidate in self.used_names or not candidate.isidentifier():
+            candidate, index = f"{base}{index}", index + 1
+        self.used_names.add(candidate)
+        return candidate
+
+    # ------------------------------------------------------------------------- render
+
+    def render(self) -> str:
+        gm = self.graph.graph_module
+        for fx_node in gm.graph.nodes:
+            self.used_names.add(fx_node.name)
+        inputs = [i for i in self.graph.inputs]
+        input_lines = self._input_lines(gm)
+        param_lines = self._parameter_lines(gm)
+        body = self._emit_nodes(list(gm.graph.nodes), gm, indent=2)
+        return "\n".join(
+            [
+                self._header(),
+                self._imports(),
+                self._tables(),
+                self._class(inputs, input_lines, param_lines, body),
+                self._functions(),
+            ]
+        )
+
+    def _header(self) -> str:
+        plan = self.plan
+        source = plan.model.describe() if plan.model else plan.summary.name
+        sharded = {name: p for name, p in self.param_placements.items() if not all(isinstance(x, Replicate) for x in p)}
+        lines = [
+            f'"""Per-rank program: {plan.name} for {source}.',
+            "",
+            f"Generated by soap-planner {__version__} from plan.json; it is plain PyTorch, review it freely.",
+            f"Mesh: {plan.mesh} over {plan.world_size} ranks ({plan.cluster.name}); global batch {plan.batch_size}.",
+            f"Strategy: {len(sharded)} of {len(self.param_placements)} parameters split over the mesh, the rest replicated",
+            "(PARAMETERS below); inputs as INPUTS. Placements are written one per mesh axis "
+            f"({', '.join(self.axes)}):",
+            "S(d) = split on dim d, R = whole on every rank, P = partial sums to be added up.",
+            "",
+            "forward() replays the model's traced ATen graph, one line per op, on DTensors: each",
+            "op runs through DTensor's sharding rules on this rank's shards (shapes are global, as",
+            "traced; comments give this rank's part), and _to(x, placements) redistributes x where",
+            "the plan says the op reads it differently, with the collective named above the line.",
+            "Tensors computed locally (positions, masks) are the same on every rank.",
+        ]
+        if self.observed:
+            lines += [
+                "",
+                "Placements in comments are those DTensor produced in a dry run at compile time (rank 0,",
+                "meta tensors); a comment marks each op whose result DTensor lays out otherwise than the plan.",
+            ]
+        if self.warning:
+            lines += ["", f"WARNING: {self.warning}"]
+        if self.fallbacks:
+            ops = ", ".join(sorted(set(self.fallbacks)))
+            lines += ["", f"DTensor has no sharding rule for: {ops}; see the comments at those ops."]
+        lines += [
+            "",
+            "Use it in your own training loop:",
+            "",
+            "    from codegen.runtime import load_program",
+            '    program = load_program("<this folder>")',
+            "    mesh = program.build_mesh()",
+            "    module = program.parallelize(model, mesh)           # model built identically on every rank",
+            "    args, kwargs = program.shard_batch(args, kwargs, mesh)",
+            "    loss = module(*args, **kwargs)                      # parameters are DTensors: .full_tensor() gathers one",
+            '"""',
+            "",
+        ]
+        return "\n".join(lines)
+
+    def _imports(self) -> str:
+        lines = [
+            "from __future__ import annotations",
+            "",
+            "import torch",
+            "from torch.distributed.device_mesh import DeviceMesh",
+            "from torch.distributed.tensor import Partial, Replicate, Shard",
+            "",
+            "from codegen.runtime.spmd import SpmdModule, shard_inputs",
+        ]
+        for module, name in sorted(self._output_imports()):
+            lines.append(f"from {module} import {name}")
+        lines += ["", "aten = torch.ops.aten", f"MESH_AXES = {tuple(self.plan.mesh.axes)!r}", f"GLOBAL_BATCH = {self.plan.batch_size}", ""]
+        return "\n".join(lines)
+
+    def _tables(self) -> str:
+        sections = ["", "# How each rank holds each parameter (qualified name -> placements).", "PARAMETERS = {"]
+        for name, placements in self.param_placements.items():
+            meta = self.graph.parameters[name]
+            note = notes.value_note(meta.shape, placements, self.axes, self.sizes)
+            sections.append(f"    {name!r}: {self.constant(placements)},  # {note}")
+        sections += ["}", "", "# The inputs of one step: how each rank holds them (None: not a tensor, passed unchanged).", "INPUTS = {"]
+        for graph_input in self.graph.inputs:
+            if graph_input.meta is None:
+                sections.append(f"    {graph_input.name!r}: None,")
+                continue
+            placements = self._input_placements(graph_input.name)
+            note = notes.value_note(graph_input.meta.shape, placements, self.axes, self.sizes)
+            sections.append(f"    {graph_input.name!r}: {self.constant(placements)},  # {note}")
+        sections += ["}", "", "# Dropout op -> the nn.Dropout whose p it reads at run time.", "DROPOUT_MODULES = {"]
+        for node, path in self.facts.dropout_modules.items():
+            sections.append(f"    {node!r}: {path!r},")
+        sections += ["}", ""]
+        # Every placements constant is known now (the body was written first).
+        lines = [f"# Placements, one per mesh axis ({', '.join(self.axes)})."]
+        for placements, name in sorted(self.constants.items(), key=lambda item: item[1]):
+            lines.append(f"{name} = ({', '.join(_placement_source(p) for p in placements)},)")
+        return "\n".join(lines + sections)
+
+    def _input_placements(self, name: str) -> Placements:
+        placements = self.plan.inputs.get(name)
+        return _whole(placements) if placements is not None else tuple(Replicate() for _ in self.axes)
+
+    def _class(self, inputs, input_lines: list[str], param_lines: list[str], body: list[str]) -> str:
+        class_name = re.sub(r"\W", "", self.facts.class_name) + "Spmd"
+        signature = ", ".join(["self", *(i.name for i in inputs)])
+        lines = [
+            "",
+            f"class {class_name}(SpmdModule):",
+            f'    """{self.facts.class_name} on this rank: parameters are DTensors placed as PARAMETERS says."""',
+            "",
+            f"    def forward({signature}):",
+            "        _to, params = self._to, self.params",
+            "        # Inputs: this rank's slice of the global batch (shard_batch), as DTensors.",
+            *input_lines,
+            "        # Parameters (DTensors; qualified names in PARAMETERS).",
+            *param_lines,
+            *body,
+            "",
+        ]
+        return "\n".join(lines)
+
+    def _functions(self) -> str:
+        class_name = re.sub(r"\W", "", self.facts.class_name) + "Spmd"
+        return f'''
+def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """This rank's module: ``model``'s parameters become DTensors placed as PARAMETERS says
+    (each rank keeps its shard of the weights it built; no communication), and forward runs
+    the plan. Gradients end in their parameter's placements (partial sums are reduced)."""
+    return {class_name}(model, mesh, PARAMETERS, DROPOUT_MODULES)
+
+
+def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
+    """This rank's part of one global batch, as INPUTS says (every rank holds the whole
+    batch; each keeps its slice, no communication)."""
+    return shard_inputs(args, kwargs, mesh, INPUTS)
+'''
+
+    # ------------------------------------------------------------- inputs and parameters
+
+    def _input_lines(self, gm: torch.fx.GraphModule) -> list[str]:
+        lines = []
+        user_inputs = {i.name: i for i in self.graph.inputs}
+        for fx_node in gm.graph.nodes:
+            if fx_node.op != "placeholder" or fx_node.name not in user_inputs:
+                continue
+            graph_input = user_inputs[fx_node.name]
+            if graph_input.meta is None:
+                self.values[fx_node.name] = _Value(fx_node.name, "other")
+                continue
+            placements = self._input_placements(fx_node.name)
+            note = notes.value_note(graph_input.meta.shape, placements, self.axes, self.sizes)
+            shape = tuple(graph_input.meta.shape)
+            lines.append(f"        {fx_node.name} = self.input({fx_node.name}, {self.constant(placements)}, {shape!r})  # {note}")
+            self.values[fx_node.name] = _Value(fx_node.name, "dt", placements)
+        return lines
+
+    def _parameter_lines(self, gm: torch.fx.GraphModule) -> list[str]:
+        lines = []
+        user_inputs = {i.name for i in self.graph.inputs}
+        for fx_node in gm.graph.nodes:
+            if fx_node.op != "placeholder" or fx_node.name in user_inputs:
+                continue
+            if not fx_node.users:
+                continue  # a buffer the program never reads (e.g. rotary's original_inv_freq)
+            name = self.param_of_placeholder.get(fx_node.name)
+            if name in self.graph.parameters:
+                placements = self.param_placements[name]
+                note = notes.value_note(self.graph.parameters[name].shape, placements, self.axes, self.sizes)
+                lines.append(f"        {fx_node.name} = params[{name!r}]  # {note}")
+                self.values[fx_node.name] = _Value(fx_node.name, "dt", placements, param=name)
+            elif name in self.graph.buffers:
+                meta = self.graph.buffers[name]
+                lines.append(f"        {fx_node.name} = self.model.get_buffer({name!r})  # buffer {notes.shape_text(meta.shape)}, the same on every rank")
+                self.values[fx_node.name] = _Value(fx_node.name, "plain")
+            else:
+                raise NotImplementedError(
+                    f"graph input '{fx_node.name}' is neither a user input, a parameter nor a buffer (a tensor constant "
+                    f"captured by export); graph codegen cannot rebuild it on each rank yet: make it a buffer of the model"
+                )
+        return lines
+
+    # ---------------------------------------------------------------------------- body
+
+    def _emit_nodes(self, fx_nodes: Sequence[torch.fx.Node], gm: torch.fx.GraphModule, indent: int, inner: bool = False) -> list[str]:
+        lines: list[str] = []
+        for fx_node in fx_nodes:
+            if fx_node.op in ("placeholder", "get_attr"):
+                continue
+            if fx_node.op == "output":
+                if not inner:
+                    lines += self._return(fx_node, indent)
+                continue
+            if fx_node.op != "call_function":
+                raise NotImplementedError(f"graph codegen cannot write fx node '{fx_node.name}' ({fx_node.op})")
+            if not inner:
+                lines += self._module_header(fx_node, indent)
+            target = fx_node.target
+            if target is operator.getitem:
+                lines += self._getitem(fx_node, indent)
+            elif isinstance(target, torch._ops.HigherOrderOperator):
+                lines += self._higher_order(fx_node, gm, indent)
+            elif isinstance(target, torch._ops.OpOverload):
+                if str(target).startswith(_DROPPED):
+                    self.dropped += 1
+                    continue
+                lines += self._op(fx_node, indent, inner)
+            else:
+                raise NotImplementedError(
+                    f"graph codegen cannot write '{fx_node.name}' ({getattr(target, '__name__', target)}): not an ATen op"
+                )
+        return lines
+
+    def _module_header(self, fx_node: torch.fx.Node, indent: int) -> list[str]:
+        stack = list((fx_node.meta.get("nn_module_stack") or {}).values())
+        module, kind = (stack[-1][0], stack[-1][1]) if stack else ("", "")
+        module = _clean_path(module)
+        if str(fx_node.target).startswith(_DROPPED) or module == self.module:
+            return []
+        self.module = module
+        kind = kind if isinstance(kind, str) else getattr(kind, "__qualname__", "")
+        kind = kind.rsplit(".", 1)[-1]
+        title = f"{module} ({kind})" if module else f"{self.facts.class_name} (top level)"
+        return ["", " " * (4 * indent) + f"# ---- {title}"]
+
+    def _getitem(self, fx_node: torch.fx.Node, indent: int) -> list[str]:
+        source, index = fx_node.args
+        value = self.values[source.name]
+        name = self._renames.get(fx_node.name, fx_node.name)
+        kind = {"seq_dt": "dt", "seq_plain": "plain"}.get(value.kind, "other")
+        placements = None
+        if kind == "dt":
+            strategy = self.strategies.get(fx_node.name)
+            if self.observed.get(name) is not None:
+                placements = self.observed[name]  # what DTensor gave (noted at the op that made it)
+            elif isinstance(value.placements, list) and index < len(value.placements) and value.placements[index] is not None:
+                placements = value.placements[index]
+            elif strategy is not None and strategy.outputs:
+                placements = strategy.outputs[0]
+        self.values[fx_node.name] = _Value(name, kind, placements)
+        self.node_of_name[name] = fx_node.name
+        note = self._note(fx_node, placements if kind == "dt" else None)
+        return [" " * (4 * indent) + f"{name} = {value.expr}[{index}]" + (f"  # {note}" if note else "")]
+
+    def _higher_order(self, fx_node: torch.fx.Node, gm: torch.fx.GraphModule, indent: int) -> list[str]:
+        name = getattr(fx_node.target, "__name__", str(fx_node.target))
+        pad = " " * (4 * indent)
+        if name == _GRAD_HOP:
+            enabled, submodule_node, *operands = fx_node.args
+            header = f"with torch.set_grad_enabled({enabled!r}):  # as the model does here ({'with' if enabled else 'no'} autograd)"
+        elif name == _AUTOCAST_HOP:
+            device_type, dtype, enabled, cache, submodule_node, *operands = fx_node.args
+            header = f"with torch.autocast(self.device.type, dtype={_literal(dtype)}, enabled={enabled!r}, cache_enabled={cache!r}):  # the model's autocast region"
+        else:
+            raise NotImplementedError(
+                f"graph codegen cannot write higher-order op '{name}' (node '{fx_node.name}'); it inlines "
+                f"{_GRAD_HOP} and {_AUTOCAST_HOP}"
+            )
+        submodule = getattr(gm, submodule_node.target)
+        inner_nodes = list(submodule.graph.nodes)
+        placeholders = [n for n in inner_nodes if n.op == "placeholder"]
+        # The subgraph's names are its own: give it its own scope, and unique Python names.
+        outer_values, outer_renames = self.values, self._renames
+        self.values = dict(outer_values)
+        for placeholder, operand in zip(placeholders, operands):
+            self.values[placeholder.name] = outer_values[operand.name] if isinstance(operand, torch.fx.Node) else _Value(_literal(operand), "other")
+        self._renames = {inner.name: self.fresh(inner.name) for inner in inner_nodes if inner.op == "call_function"}
+        try:
+            body = self._emit_nodes(inner_nodes, submodule, indent + 1, inner=True)
+            output = next(n for n in inner_nodes if n.op == "output")
+            results = [self.values[item.name] for item in output.args[0]]
+        finally:
+            self.values, self._renames = outer_values, outer_renames
+        kinds = {v.kind for v in results}
+        tuple_name = fx_node.name
+        kind = "seq_dt" if "dt" in kinds else "seq_plain"
+        self.values[fx_node.name] = _Value(tuple_name, kind, [v.placements for v in results])
+        lines = [pad + header, *body]
+        lines.append(pad + f"{tuple_name} = ({', '.join(v.expr for v in results)},)")
+        return lines
+
+    def _op(self, fx_node: torch.fx.Node, indent: int, inner: bool) -> list[str]:
+        pad = " " * (4 * indent)
+        op = str(fx_node.target)
+        strategy = None if inner else self.strategies.get(fx_node.name)
+        opnode = None if inner else self.graph.node(fx_node.name)
+        name = self._renames.get(fx_node.name, fx_node.name)
+        arg_nodes: list[torch.fx.Node] = []
+        torch.fx.node.map_arg((fx_node.args, fx_node.kwargs), arg_nodes.append)
+        on_dtensors = any(self.values[a.name].kind in ("dt", "seq_dt") for a in arg_nodes)
+
+        comments: list[str] = []
+        args, kwargs = self._op_arguments(fx_node, op)
+        if on_dtensors and op.startswith(_DROPOUTS) and strategy is not None and strategy.inputs:
+            strategy = _dropout_without_partials(strategy, self._read_as(fx_node), comments)
+
+        def render(value: Any) -> str:
+            if isinstance(value, torch.fx.Node):
+                return self._operand(value, on_dtensors, strategy, opnode, fx_node, comments)
+            if isinstance(value, _Code):
+                return value.text
+            if isinstance(value, list):
+                return "[" + ", ".join(render(v) for v in value) + "]"
+            if isinstance(value, tuple):
+                return "(" + ", ".join(render(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+            return _literal(value)
+
+        self._operand_placements: list[tuple[str, Any]] = []
+        rendered = [render(a) for a in args] + [f"{key}={render(v)}" for key, v in kwargs.items()]
+        callee = _callee(fx_node.target)
+        support = dtensor_support(fx_node.target) if on_dtensors else "plain"
+        if on_dtensors and name in self.forced:
+            error = self.forced[name]
+            where = "its backward" if error.startswith("in backward") else "it"
+            kind = error.removeprefix("in backward: ").split(":", 1)[0]
+            comments.append(
+                f"# DTensor cannot run {notes.short_op(op)} on these placements ({where} failed in the compile-time dry run "
+                f"with {kind}): run it on inputs gathered whole"
+            )
+            self.fallbacks.append(notes.short_op(op))
+            call = f"self._replicated({callee}, {', '.join(rendered)})"
+        elif on_dtensors and op.startswith(_ATTENTION):
+            comments.append("# self.attention: the math kernel on CPU (DTensor has no rule for CPU flash attention), the fused ones on CUDA")
+            call = f"self.attention({callee}, {', '.join(rendered)})"
+        elif support in ("decomposition", "none"):
+            helper = "self._decomposed" if support == "decomposition" else "self._replicated"
+            how = "its ATen decomposition on the shards" if support == "decomposition" else "on inputs gathered whole (Replicate)"
+            comments.append(f"# DTensor has no sharding rule for {notes.short_op(op)}: run {how}")
+            self.fallbacks.append(notes.short_op(op))
+            call = f"{helper}({callee}, {', '.join(rendered)})"
+        else:
+            call = f"{callee}({', '.join(rendered)})"
+        if on_dtensors and op.startswith("aten.embedding.") and _splits_rows(strategy):
+            comments.append("# vocabulary-parallel lookup: tokens outside this rank's rows give zeros, so the result is partial sums")
+            call = f"self.unmasked({call})"
+
+        val = fx_node.meta.get("val")
+        multi = isinstance(val, (list, tuple))
+        kind = ("seq_dt" if multi else "dt") if on_dtensors else ("seq_plain" if multi else "plain")
+        if val is None or (not isinstance(val, torch.Tensor) and not multi):
+            kind = "other"
+        # The op's own result: ``produced`` when the plan reshards it into ``outputs`` (its
+        # consumers then redistribute it as they read it, e.g. a reduce-scatter).
+        planned = self._planned_output(strategy, multi, produced=True) if on_dtensors else None
+        placements = planned
+        actual = self.observed.get(name) if on_dtensors else None
+        if actual is not None and kind in ("dt", "seq_dt"):
+            placements = list(actual) if multi else actual
+            reference = planned[0] if (multi and planned) else planned
+            seen = actual[0] if multi else actual
+            if reference is not None and seen is not None and not _same(seen, reference) and name not in self.forced:
+                comments.append(self._divergence(op, seen, reference))
+        note = self._note(fx_node, placements if on_dtensors else None) if kind in ("dt", "plain") else ""
+        if multi and on_dtensors and placements and placements[0] is not None:
+            note = f"{len(val)} pieces, each {notes.describe(placements[0], self.axes)}"
+
+        lines = [pad + text for text in comments]
+        statement = f"{name} = {call}" + (f"  # {note}" if note else "")
+        lines.append(pad + statement)
+        self.values[fx_node.name] = _Value(name, kind, placements)
+        self.node_of_name[name] = fx_node.name
+        return lines
+
+    def _read_as(self, fx_node: torch.fx.Node) -> Placements | None:
+        """How the first consumer with a plan reads ``fx_node``'s result."""
+        for user in fx_node.users:
+            if user.name in self.strategies:
+                wanted = _planned_input(self.strategies[user.name], self.graph.node(user.name), fx_node.name)
+                if wanted is not None:
+                    return wanted
+        return None
+
+    def _divergence(self, op: str, actual: Placements, planned: Placements) -> str:
+        """A comment where DTensor's rule lays an op's result out otherwise than the plan."""
+        actions = []
+        for axis, seen, wanted in zip(self.axes, actual, planned):
+            if _same((seen,), (wanted,)) or not isinstance(seen, Replicate):
+                continue
+            for operand, given in self._operand_placements:
+                if given is not None and isinstance(given[self.axes.index(axis)], Partial):
+                    actions.append(f"all-reduces {operand} over {axis}")
+                    break
+                if given is not None and not isinstance(given[self.axes.index(axis)], (Replicate, Partial)):
+                    actions.append(f"all-gathers {operand} over {axis}")
+                    break
+        inside = f": it {', '.join(actions)} inside the op" if actions else ""
+        if actions and notes.short_op(op) in ("split", "split_with_sizes", "chunk"):
+            inside += (
+                " (the plan keeps each piece split, as Megatron-LM lays a fused weight out per rank; "
+                "a weight split on whole rows holds whole pieces instead)"
+            )
+        return (
+            f"# DTensor's {notes.short_op(op)} gives {notes.describe(actual, self.axes)} where the plan has "
+            f"{notes.describe(planned, self.axes)}{inside}"
+        )
+
+    def _op_arguments(self, fx_node: torch.fx.Node, op: str) -> tuple[list, dict]:
+        """The op's arguments, with dropout probabilities read from their modules at run time."""
+        args, kwargs = list(fx_node.args), dict(fx_node.kwargs)
+        if op.startswith(_DROPOUTS) and len(args) >= 2:
+            args[1] = _Code(f"self.dropout_p({fx_node.name!r}, {_literal(args[1])})")
+            if len(args) >= 3 and isinstance(args[2], bool):
+                args[2] = _Code("self.training")
+        elif op.startswith(_ATTENTION) and _attention_dropout(fx_node):
+            code = _Code(f"self.dropout_p({fx_node.name!r}, {_literal(_attention_dropout(fx_node))}) if self.training else 0.0")
+            if "dropout_p" in kwargs:
+                kwargs["dropout_p"] = code
+            else:
+                args[4] = code
+        return args, kwargs
+
+    def _operand(
+        self,
+        arg: torch.fx.Node,
+        on_dtensors: bool,
+        strategy: NodeStrategy | None,
+        opnode,
+        consumer: torch.fx.Node,
+        comments: list[str],
+    ) -> str:
+        """How op ``consumer`` reads value ``arg``: as is, or redistributed by ``_to`` on a line
+        of its own (with a comment naming the collective). A value redistributed once is reused
+        by every later consumer that reads it the same way: one collective, not one per reader."""
+        value = self.values[arg.name]
+        if not on_dtensors or value.kind not in ("dt", "plain"):
+            return value.expr
+        wanted = _planned_input(strategy, opnode, arg.name)
+        if value.kind == "plain":
+            wanted = _whole(wanted or tuple(Replicate() for _ in self.axes))
+            source = None
+        elif wanted is not None and value.placements is not None:
+            from codegen.runtime.spmd import keep_whole
+
+            wanted = keep_whole(value.placements, wanted)  # no whole -> partial conversion (DTensor refuses it)
+        if value.kind == "plain":
+            pass
+        elif wanted is None or value.placements is None or _same_all(value.placements, wanted):
+            self._operand_placements.append((value.expr, value.placements))
+            return value.expr
+        else:
+            source = value.placements
+        self._operand_placements.append((value.expr, tuple(wanted)))
+        key = (value.expr, tuple(wanted))
+        if key in self.resharded:
+            return self.resharded[key]
+        constant = self.constant(wanted)
+        name = self.fresh(f"{value.expr}_{constant.lower()}")
+        module = strategy.module if strategy else ""
+        why = notes.reshard_note(value.expr, source, wanted, consumer.name, str(consumer.target), module, self.axes)
+        if value.param:
+            why = f"{why} (parameter {value.param} is held as {placements_str(value.placements)})"
+        comments.append(f"# {why}")
+        comments.append(f"{name} = _to({value.expr}, {constant})  # {self._note(arg, wanted)}")
+        self.resharded[key] = name
+        return name
+
+    def _planned_output(self, strategy: NodeStrategy | None, multi: bool, produced: bool) -> Any:
+        if strategy is None or not strategy.outputs:
+            return None
+        outputs = strategy.produced if (produced and strategy.produced) else strategy.outputs
+        return list(outputs) if multi else outputs[0]
+
+    def _note(self, fx_node: torch.fx.Node, placements: Placements | None) -> str:
+        val = fx_node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return ""
+        shape = tuple(int(d) for d in val.shape)
+        text = notes.value_note(shape, placements, self.axes, self.sizes)
+        dtype = str(val.dtype).removeprefix("torch.")
+        return text if dtype == "float32" else f"{text} ({dtype})"
+
+    # --------------------------------------------------------------------------- output
+
+    def _return(self, fx_node: torch.fx.Node, indent: int) -> list[str]:
+        pad = " " * (4 * indent)
+        leaves = list(fx_node.args[0]) if isinstance(fx_node.args[0], (list, tuple)) else [fx_node.args[0]]
+        spec = self.facts.out_spec
+        if spec.num_leaves != len(leaves):
+            raise NotImplementedError(
+                f"the model's output has {spec.num_leaves} tensors but the traced graph returns {len(leaves)}; "
+                f"graph codegen cannot rebuild the output structure"
+            )
+        exprs = []
+        for leaf in leaves:
+            if not isinstance(leaf, torch.fx.Node):
+                exprs.append(_literal(leaf))
+                continue
+            value = self.values[leaf.name]
+            val = leaf.meta.get("val")
+            is_loss = isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point()
+            exprs.append(f"self.loss({value.expr})" if is_loss and value.kind == "dt" else value.expr)
+        lines = ["", pad + "# The model's output; a scalar (the loss) as the full value on every rank, the rest as DTensors."]
+        lines.append(pad + f"return {_structure(spec, iter(exprs))}")
+        return lines
+
+    def _output_imports(self) -> set[tuple[str, str]]:
+        found: set[tuple[str, str]] = set()
+
+        def visit(spec: TreeSpec) -> None:
+            if spec.is_leaf() or spec.type in (tuple, list, dict, type(None)):
+                pass
+            else:
+                found.add((spec.type.__module__, spec.type.__qualname__))
+            for child in _children(spec):
+                visit(child)
+
+        visit(self.facts.out_spec)
+        return found
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+@dataclass(frozen=True)
+class _Code:
+    """An argument written as given (e.g. ``self.training``)."""
+
+    text: str
+
+
+def _structure(spec: TreeSpec, leaves) -> str:
+    """Python source rebuilding the output structure ``spec`` from leaf expressions."""
+    if spec.is_leaf():
+        return next(leaves)
+    children = [_structure(child, leaves) for child in _children(spec)]
+    kind = spec.type
+    if kind is tuple:
+        return "(" + ", ".join(children) + ("," if len(children) == 1 else "") + ")"
+    if kind is list:
+        return "[" + ", ".join(children) + "]"
+    if kind is type(None):
+        return "None"
+    if kind is dict:
+        return "{" + ", ".join(f"{key!r}: {child}" for key, child in zip(spec.context, children)) + "}"
+    if "<locals>" in kind.__qualname__ or "." in kind.__qualname__:
+        raise NotImplementedError(f"graph codegen cannot import the model's output type {kind.__module__}.{kind.__qualname__}")
+    if isinstance(spec.context, (list, tuple)) and all(isinstance(k, str) for k in spec.context) and issubclass(kind, dict):
+        return f"{kind.__qualname__}(" + ", ".join(f"{key}={child}" for key, child in zip(spec.context, children)) + ")"
+    if issubclass(kind, tuple):  # a namedtuple
+        return f"{kind.__qualname__}(" + ", ".join(children) + ")"
+    raise NotImplementedError(f"graph codegen cannot rebuild an output of type {kind.__qualname__}")
+
+
+def _dropout_without_partials(strategy: NodeStrategy, read_as: Placements | None, comments: list[str]) -> NodeStrategy:
+    """Dropout of partial sums: the plan keeps them partial (one mask shared by every rank's
+    summand would be right), but DTensor cannot draw random numbers for partial values. On
+    those axes the sums are resharded first into the layout the dropout's consumer reads
+    (a reduce-scatter under sequence parallelism), or summed whole (an all-reduce)."""
+    wanted = strategy.inputs[0]
+    if not any(isinstance(p, Partial) for p in wanted):
+        return strategy
+    target = tuple(
+        (r if read_as is not None and not isinstance(r, Partial) else Replicate()) if isinstance(p, Partial) else p
+        for p, r in zip(wanted, read_as or wanted)
+    )
+    comments.append("# dropout draws its mask on summed values: DTensor cannot draw one for partial sums")
+    return dataclasses.replace(
+        strategy,
+        inputs=(target, *strategy.inputs[1:]),
+        outputs=(target, *strategy.outputs[1:]),
+        produced=None,
+    )
+
+
+def _splits_rows(strategy: NodeStrategy | None) -> bool:
+    """Whether an embedding's table (its first input) is split on rows (the vocabulary)."""
+    if strategy is None or not strategy.inputs:
+        return False
+    return any(getattr(p, "dim", None) == 0 and not isinstance(p, (Partial, Replicate)) for p in strategy.inputs[0])
+
+
+def _planned_input(strategy: NodeStrategy | None, opnode, name: str) -> Placements | None:
+    if strategy is None or opnode is None or name not in opnode.inputs:
+        return None
+    index = opnode.inputs.index(name)
+    return tuple(strategy.inputs[index]) if index < len(strategy.inputs) else None
+
+
+def _whole(placements: Placements) -> Placements:
+    """Parameters and inputs are whole values, never partial sums: ``P`` is held as ``R``."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+def _same(a, b) -> bool:
+    from codegen.runtime.spmd import same_placements
+
+    return same_placements(a, b)
+
+
+def _same_all(a, b) -> bool:
+    return _same(a, b)
+
+
+def _callee(target: torch._ops.OpOverload) -> str:
+    namespace, name, overload = str(target).split(".")
+    return f"aten.{name}.{overload}" if namespace == "aten" else f"torch.ops.{namespace}.{name}.{overload}"
+
+
+def _placement_source(placement) -> str:
+    from torch.distributed.tensor import Shard
+
+    if isinstance(placement, Shard):
+        return f"Shard({placement.dim})"
+    if isinstance(placement, Partial):
+        return "Partial()" if placement.reduce_op == "sum" else f"Partial({placement.reduce_op!r})"
+    return "Replicate()"
+
+
+def _literal(value: Any) -> str:
+    """Python source of a non-tensor argument of an op."""
+    if isinstance(value, _Code):
+        return value.text
+    if isinstance(value, torch.device):
+        return "self.device"  # traced on meta: run on this rank's device
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+        return str(value)
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return repr(value)
+    if isinstance(value, float):
+        if math.isinf(value):
+            return 'float("inf")' if value > 0 else 'float("-inf")'
+        if math.isnan(value):
+            return 'float("nan")'
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_literal(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    raise NotImplementedError(f"graph codegen cannot write the argument {value!r} ({type(value).__name__})")
+
+
+def _children(spec: TreeSpec) -> list[TreeSpec]:
+    return list(spec.children()) if hasattr(spec, "children") else list(spec.children_specs)
