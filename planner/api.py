@@ -155,6 +155,12 @@ def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb u
             f"{plan.name} has {plan.pipeline.stages} pipeline stages: pipeline plans can be simulated "
             f"(planner simulate) but not compiled yet; plan with --search ilp or --search dp for a compilable plan"
         )
+    if plan.recompute != "none":
+        raise PlanningError(
+            f"this plan recomputes activations ({plan.recompute}), which is simulated but not compiled yet "
+            f"(the program would run without it and need more memory than planned); re-plan on more devices "
+            f"or with a smaller batch for a plan without recomputation"
+        )
     if plan.precision != "fp32":
         raise PlanningError(
             f"this plan simulates {plan.precision} mixed precision, but compiled programs run fp32 for now; "

@@ -263,3 +263,14 @@ def test_pipeline_plans_are_simulated_but_not_compiled(capsys, tmp_path):
     path = tmp_path / "pp.json"
     plan.save(path)
     assert_user_error(capsys, ["compile", str(path), "-o", str(tmp_path / "prog")], "2 pipeline stages", "not compiled yet")
+
+
+def test_recomputing_plans_are_simulated_but_not_compiled(capsys, tmp_path):
+    import dataclasses
+
+    from planner import baselines
+
+    plan = dataclasses.replace(baselines.ddp("examples/mlp.py", "cpu:1x2"), recompute="full")
+    path = tmp_path / "recompute.json"
+    plan.save(path)
+    assert_user_error(capsys, ["compile", str(path), "-o", str(tmp_path / "prog")], "recomputes activations", "not compiled yet")
