@@ -3,7 +3,9 @@
 ``model_spmd.py`` is meant to be read: it names the model's own modules, says on each
 collective why it is there, and gives shapes global -> local. It defines two functions the
 runtime (and a user's own training loop) calls: ``parallelize(model, mesh)`` and
-``shard_batch(args, kwargs, mesh)``.
+``shard_batch(args, kwargs, mesh)``. A data-parallel plan becomes a DDP or FSDP2 module
+(below); any other plan on a ``dp``/``tp`` mesh replays the traced graph on DTensors
+(``codegen.spmd_emit``).
 """
 
 from __future__ import annotations

@@ -31,15 +31,26 @@ import dataclasses
 import math
 import operator
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate
-from torch.utils._pytree import TreeSpec, tree_flatten
+from torch.utils._pytree import TreeSpec
 
 from codegen import spmd_notes as notes
+from codegen.graph_facts import (
+    ATTENTION,
+    DROPOUTS,
+    ModelFacts,
+    attention_dropout,
+    build_meta_model,
+    clean_path,
+    dtensor_support,
+    model_facts,
+    trace_model,
+)
 from planner import __version__
 from planner.errors import PlanningError
 from planner.graph import OpGraph
@@ -48,11 +59,7 @@ from planner.strategy import NodeStrategy, Placements, placements_str
 
 SUPPORTED_AXES = ("dp", "tp")
 _DRY_RUNS = 5  # rounds of compile-time dry run at most
-# Seed every rank builds the model with (planner.api.BUILD_SEED, codegen.runtime.program.BUILD_SEED).
-BUILD_SEED = 0
 
-_DROPOUTS = ("aten.dropout.", "aten.native_dropout.", "aten.feature_dropout.", "aten.alpha_dropout.", "aten.feature_alpha_dropout.")
-_ATTENTION = "aten.scaled_dot_product_attention."
 _DROPPED = ("aten._assert_tensor_metadata.", "aten._assert_scalar.", "aten.sym_constrain_range")
 _GRAD_HOP = "wrap_with_set_grad_enabled"
 _AUTOCAST_HOP = "wrap_with_autocast"
@@ -72,15 +79,7 @@ class _Value:
     kind: str
     placements: Any = None
     param: str | None = None  # qualified name, for parameters
-
-
-@dataclass
-class _ModelFacts:
-    """What codegen reads from the model built on meta: output structure, dropout owners."""
-
-    class_name: str
-    out_spec: TreeSpec
-    dropout_modules: dict[str, str] = field(default_factory=dict)
+    elements: list["_Value"] | None = None  # the values of a tuple built here (an inlined subgraph's results)
 
 
 def supports(plan: Plan) -> bool:
@@ -103,9 +102,9 @@ def render_graph_program(plan: Plan) -> str:
         )
     if plan.model is None:
         raise PlanningError("this plan has no model spec, so its model cannot be traced to generate the program")
-    model, args, kwargs = _build_meta_model(plan)
-    graph = plan.graph if plan.graph is not None and plan.graph.graph_module is not None else _trace(model, args, kwargs)
-    facts = _model_facts(model, args, kwargs, graph)
+    model, args, kwargs = build_meta_model(plan)
+    graph = plan.graph if plan.graph is not None and plan.graph.graph_module is not None else trace_model(model, args, kwargs)
+    facts = model_facts(model, args, kwargs, graph)
 
     def write(observed: dict[str, Any] | None = None, forced: dict[str, str] | None = None, warning: str = "") -> str:
         return _Emitter(plan, graph, facts, observed, forced, warning).render()
@@ -126,7 +125,8 @@ def render_graph_program(plan: Plan) -> str:
             observation = dry_run.observe(plan, source)
         except Exception as error:  # noqa: BLE001 - the dry run only refines comments
             reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
-            return write(observed, forced, f"the compile-time dry run could not run ({reason}); comments may show the plan's placements where DTensor's differ")
+            warning = f"the compile-time dry run could not run ({reason}); comments give the plan's placements"
+            return write(observed, forced, warning)
         if observation.error:
             if observation.failed_at is None or observation.failed_at in forced:
                 return write(observed, forced, f"a compile-time dry run of this program failed: {observation.error}")
@@ -137,107 +137,6 @@ def render_graph_program(plan: Plan) -> str:
             observed = observation.placements
         source = write(observed, forced)
     return source
-
-
-# ------------------------------------------------------------------------------ the model
-
-
-def _build_meta_model(plan: Plan) -> tuple[torch.nn.Module, tuple, dict]:
-    torch.manual_seed(BUILD_SEED)
-    if plan.model.is_hf:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-    return plan.model.build("meta")
-
-
-def _trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
-    from planner.trace import trace
-
-    return trace(model, args, kwargs)
-
-
-def _model_facts(model: torch.nn.Module, args: tuple, kwargs: dict, graph: OpGraph) -> _ModelFacts:
-    """The output structure (from a forward on fake tensors: cheap, no data-dependent
-    branches) and, for each dropout op of the graph, the ``nn.Dropout`` it belongs to."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    was_training = model.training
-    model.train()
-    try:
-        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
-            output = model(*args, **kwargs)
-    finally:
-        model.train(was_training)
-    _, out_spec = tree_flatten(output)
-    return _ModelFacts(type(model).__name__, out_spec, _dropout_owners(model, graph))
-
-
-def _dropout_owners(model: torch.nn.Module, graph: OpGraph) -> dict[str, str]:
-    """Dropout node -> path of the ``nn.Dropout`` module whose ``p`` it reads. An attention
-    op with a dropout probability reads a dropout module of its own module with that ``p``
-    (``attn_dropout`` in GPT-2), preferring names that say attention."""
-    modules = dict(model.named_modules())
-    owners: dict[str, str] = {}
-    for fx_node in graph.graph_module.graph.nodes:
-        if fx_node.op != "call_function":
-            continue
-        op = str(fx_node.target)
-        stack = list((fx_node.meta.get("nn_module_stack") or {}).values())
-        path = _clean_path(stack[-1][0]) if stack else ""
-        if op.startswith(_DROPOUTS) and isinstance(modules.get(path), torch.nn.modules.dropout._DropoutNd):
-            owners[fx_node.name] = path
-        elif op.startswith(_ATTENTION) and path in modules:
-            traced = _attention_dropout(fx_node)
-            if traced:
-                candidates = [
-                    f"{path}.{name}" if path else name
-                    for name, module in modules[path].named_modules()
-                    if isinstance(module, torch.nn.modules.dropout._DropoutNd) and math.isclose(module.p, traced)
-                ]
-                candidates.sort(key=lambda name: 0 if re.search(r"attn|attention", name.rsplit(".", 1)[-1]) else 1)
-                if candidates:
-                    owners[fx_node.name] = candidates[0]
-    return owners
-
-
-def _clean_path(path: str) -> str:
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    return path.removeprefix("self.").strip(".")
-
-
-def _attention_dropout(fx_node: torch.fx.Node) -> float:
-    if "dropout_p" in fx_node.kwargs:
-        return float(fx_node.kwargs["dropout_p"])
-    return float(fx_node.args[4]) if len(fx_node.args) > 4 else 0.0
-
-
-# ------------------------------------------------------------------------ DTensor coverage
-
-
-def dtensor_support(op: torch._ops.OpOverload) -> str:
-    """How DTensor runs ``op``: ``"rule"`` (a sharding rule), ``"composite"`` (it
-    decomposes into other ops before DTensor sees it), ``"decomposition"`` (no rule, but
-    ``torch._decomp`` has a decomposition we can call) or ``"none"``."""
-    from torch.distributed.tensor import DTensor
-
-    try:
-        propagator = DTensor._op_dispatcher.sharding_propagator
-        registered = (
-            op in propagator.op_strategy_funcs
-            or op in propagator.op_to_rules
-            or op in (getattr(propagator, "op_single_dim_strategy_funcs", None) or {})
-        )
-    except AttributeError:  # a private API moved: assume a rule, DTensor will say otherwise
-        return "rule"
-    if registered:
-        return "rule"
-    if op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
-        return "composite"
-    from torch._decomp import decomposition_table
-
-    return "decomposition" if op in decomposition_table else "none"
 
 
 # ------------------------------------------------------------------------------ emitter
@@ -252,7 +151,7 @@ class _Emitter:
         self,
         plan: Plan,
         graph: OpGraph,
-        facts: _ModelFacts,
+        facts: ModelFacts,
         observed: dict[str, Any] | None = None,
         forced: dict[str, str] | None = None,
         warning: str = "",
@@ -271,12 +170,10 @@ class _Emitter:
         for node in graph.nodes:
             self.param_of_placeholder.update(zip(node.param_inputs, node.params))
         self.param_placements = self._parameter_placements()
-        self.fallbacks: list[str] = []  # ops run through _decomposed/_replicated, for the header
-        self.dropped = 0
+        self.fallbacks: set[str] = set()  # "op (how)" for ops run around DTensor's rules, for the header
         self.module = None
         self._renames: dict[str, str] = {}  # inner names of an inlined subgraph -> unique names
         self.resharded: dict[tuple[str, Placements], str] = {}  # (value, placements) -> name of its redistributed copy
-        self.node_of_name: dict[str, str] = {}  # Python name of an op's result -> fx node
         self._operand_placements: list[tuple[str, Any]] = []
 
     # ---------------------------------------------------------------- checks and tables
@@ -374,8 +271,8 @@ class _Emitter:
         if self.warning:
             lines += ["", f"WARNING: {self.warning}"]
         if self.fallbacks:
-            ops = ", ".join(sorted(set(self.fallbacks)))
-            lines += ["", f"DTensor has no sharding rule for: {ops}; see the comments at those ops."]
+            ops = ", ".join(sorted(self.fallbacks))
+            lines += ["", f"Run around DTensor's sharding rules: {ops}; see the comments at those ops."]
         lines += [
             "",
             "Use it in your own training loop:",
@@ -403,7 +300,13 @@ class _Emitter:
         ]
         for module, name in sorted(self._output_imports()):
             lines.append(f"from {module} import {name}")
-        lines += ["", "aten = torch.ops.aten", f"MESH_AXES = {tuple(self.plan.mesh.axes)!r}", f"GLOBAL_BATCH = {self.plan.batch_size}", ""]
+        lines += [
+            "",
+            "aten = torch.ops.aten",
+            f"MESH_AXES = {tuple(self.plan.mesh.axes)!r}",
+            f"GLOBAL_BATCH = {self.plan.batch_size}",
+            "",
+        ]
         return "\n".join(lines)
 
     def _tables(self) -> str:
@@ -412,7 +315,8 @@ class _Emitter:
             meta = self.graph.parameters[name]
             note = notes.value_note(meta.shape, placements, self.axes, self.sizes)
             sections.append(f"    {name!r}: {self.constant(placements)},  # {note}")
-        sections += ["}", "", "# The inputs of one step: how each rank holds them (None: not a tensor, passed unchanged).", "INPUTS = {"]
+        sections += ["}", "", "# The inputs of one step: how each rank holds them (None: not a tensor, passed unchanged)."]
+        sections.append("INPUTS = {")
         for graph_input in self.graph.inputs:
             if graph_input.meta is None:
                 sections.append(f"    {graph_input.name!r}: None,")
@@ -504,7 +408,8 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
                 self.values[fx_node.name] = _Value(fx_node.name, "dt", placements, param=name)
             elif name in self.graph.buffers:
                 meta = self.graph.buffers[name]
-                lines.append(f"        {fx_node.name} = self.model.get_buffer({name!r})  # buffer {notes.shape_text(meta.shape)}, the same on every rank")
+                note = f"buffer {notes.shape_text(meta.shape)}, the same on every rank"
+                lines.append(f"        {fx_node.name} = self.model.get_buffer({name!r})  # {note}")
                 self.values[fx_node.name] = _Value(fx_node.name, "plain")
             else:
                 raise NotImplementedError(
@@ -535,8 +440,7 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
                 lines += self._higher_order(fx_node, gm, indent)
             elif isinstance(target, torch._ops.OpOverload):
                 if str(target).startswith(_DROPPED):
-                    self.dropped += 1
-                    continue
+                    continue  # export's checks that a tensor is on the meta device
                 lines += self._op(fx_node, indent, inner)
             else:
                 raise NotImplementedError(
@@ -547,7 +451,7 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
     def _module_header(self, fx_node: torch.fx.Node, indent: int) -> list[str]:
         stack = list((fx_node.meta.get("nn_module_stack") or {}).values())
         module, kind = (stack[-1][0], stack[-1][1]) if stack else ("", "")
-        module = _clean_path(module)
+        module = clean_path(module)
         if str(fx_node.target).startswith(_DROPPED) or module == self.module:
             return []
         self.module = module
@@ -561,6 +465,8 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
         value = self.values[source.name]
         name = self._renames.get(fx_node.name, fx_node.name)
         kind = {"seq_dt": "dt", "seq_plain": "plain"}.get(value.kind, "other")
+        if value.elements is not None and index < len(value.elements):
+            kind = value.elements[index].kind
         placements = None
         if kind == "dt":
             strategy = self.strategies.get(fx_node.name)
@@ -571,7 +477,6 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
             elif strategy is not None and strategy.outputs:
                 placements = strategy.outputs[0]
         self.values[fx_node.name] = _Value(name, kind, placements)
-        self.node_of_name[name] = fx_node.name
         note = self._note(fx_node, placements if kind == "dt" else None)
         return [" " * (4 * indent) + f"{name} = {value.expr}[{index}]" + (f"  # {note}" if note else "")]
 
@@ -583,7 +488,10 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
             header = f"with torch.set_grad_enabled({enabled!r}):  # as the model does here ({'with' if enabled else 'no'} autograd)"
         elif name == _AUTOCAST_HOP:
             device_type, dtype, enabled, cache, submodule_node, *operands = fx_node.args
-            header = f"with torch.autocast(self.device.type, dtype={_literal(dtype)}, enabled={enabled!r}, cache_enabled={cache!r}):  # the model's autocast region"
+            header = (
+                f"with torch.autocast(self.device.type, dtype={_literal(dtype)}, enabled={enabled!r}, "
+                f"cache_enabled={cache!r}):  # the model's autocast region"
+            )
         else:
             raise NotImplementedError(
                 f"graph codegen cannot write higher-order op '{name}' (node '{fx_node.name}'); it inlines "
@@ -596,7 +504,10 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
         outer_values, outer_renames = self.values, self._renames
         self.values = dict(outer_values)
         for placeholder, operand in zip(placeholders, operands):
-            self.values[placeholder.name] = outer_values[operand.name] if isinstance(operand, torch.fx.Node) else _Value(_literal(operand), "other")
+            if isinstance(operand, torch.fx.Node):
+                self.values[placeholder.name] = outer_values[operand.name]
+            else:
+                self.values[placeholder.name] = _Value(_literal(operand), "other")
         self._renames = {inner.name: self.fresh(inner.name) for inner in inner_nodes if inner.op == "call_function"}
         try:
             body = self._emit_nodes(inner_nodes, submodule, indent + 1, inner=True)
@@ -607,7 +518,7 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
         kinds = {v.kind for v in results}
         tuple_name = fx_node.name
         kind = "seq_dt" if "dt" in kinds else "seq_plain"
-        self.values[fx_node.name] = _Value(tuple_name, kind, [v.placements for v in results])
+        self.values[fx_node.name] = _Value(tuple_name, kind, [v.placements for v in results], elements=results)
         lines = [pad + header, *body]
         lines.append(pad + f"{tuple_name} = ({', '.join(v.expr for v in results)},)")
         return lines
@@ -624,7 +535,7 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
 
         comments: list[str] = []
         args, kwargs = self._op_arguments(fx_node, op)
-        if on_dtensors and op.startswith(_DROPOUTS) and strategy is not None and strategy.inputs:
+        if on_dtensors and op.startswith(DROPOUTS) and strategy is not None and strategy.inputs:
             strategy = _dropout_without_partials(strategy, self._read_as(fx_node), comments)
 
         def render(value: Any) -> str:
@@ -650,16 +561,16 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
                 f"# DTensor cannot run {notes.short_op(op)} on these placements ({where} failed in the compile-time dry run "
                 f"with {kind}): run it on inputs gathered whole"
             )
-            self.fallbacks.append(notes.short_op(op))
+            self.fallbacks.add(f"{notes.short_op(op)} (on whole inputs)")
             call = f"self._replicated({callee}, {', '.join(rendered)})"
-        elif on_dtensors and op.startswith(_ATTENTION):
-            comments.append("# self.attention: the math kernel on CPU (DTensor has no rule for CPU flash attention), the fused ones on CUDA")
+        elif on_dtensors and op.startswith(ATTENTION):
+            comments.append("# self.attention: the math kernel on CPU (DTensor has no rule for CPU flash attention), fused on CUDA")
             call = f"self.attention({callee}, {', '.join(rendered)})"
         elif support in ("decomposition", "none"):
             helper = "self._decomposed" if support == "decomposition" else "self._replicated"
             how = "its ATen decomposition on the shards" if support == "decomposition" else "on inputs gathered whole (Replicate)"
             comments.append(f"# DTensor has no sharding rule for {notes.short_op(op)}: run {how}")
-            self.fallbacks.append(notes.short_op(op))
+            self.fallbacks.add(f"{notes.short_op(op)} ({'its decomposition' if support == 'decomposition' else 'on whole inputs'})")
             call = f"{helper}({callee}, {', '.join(rendered)})"
         else:
             call = f"{callee}({', '.join(rendered)})"
@@ -691,7 +602,6 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
         statement = f"{name} = {call}" + (f"  # {note}" if note else "")
         lines.append(pad + statement)
         self.values[fx_node.name] = _Value(name, kind, placements)
-        self.node_of_name[name] = fx_node.name
         return lines
 
     def _read_as(self, fx_node: torch.fx.Node) -> Placements | None:
@@ -730,12 +640,12 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
     def _op_arguments(self, fx_node: torch.fx.Node, op: str) -> tuple[list, dict]:
         """The op's arguments, with dropout probabilities read from their modules at run time."""
         args, kwargs = list(fx_node.args), dict(fx_node.kwargs)
-        if op.startswith(_DROPOUTS) and len(args) >= 2:
+        if op.startswith(DROPOUTS) and len(args) >= 2:
             args[1] = _Code(f"self.dropout_p({fx_node.name!r}, {_literal(args[1])})")
             if len(args) >= 3 and isinstance(args[2], bool):
                 args[2] = _Code("self.training")
-        elif op.startswith(_ATTENTION) and _attention_dropout(fx_node):
-            code = _Code(f"self.dropout_p({fx_node.name!r}, {_literal(_attention_dropout(fx_node))}) if self.training else 0.0")
+        elif op.startswith(ATTENTION) and attention_dropout(fx_node):
+            code = _Code(f"self.dropout_p({fx_node.name!r}, {_literal(attention_dropout(fx_node))}) if self.training else 0.0")
             if "dropout_p" in kwargs:
                 kwargs["dropout_p"] = code
             else:
@@ -767,7 +677,7 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
             wanted = keep_whole(value.placements, wanted)  # no whole -> partial conversion (DTensor refuses it)
         if value.kind == "plain":
             pass
-        elif wanted is None or value.placements is None or _same_all(value.placements, wanted):
+        elif wanted is None or value.placements is None or _same(value.placements, wanted):
             self._operand_placements.append((value.expr, value.placements))
             return value.expr
         else:
@@ -810,8 +720,9 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
         spec = self.facts.out_spec
         if spec.num_leaves != len(leaves):
             raise NotImplementedError(
-                f"the model's output has {spec.num_leaves} tensors but the traced graph returns {len(leaves)}; "
-                f"graph codegen cannot rebuild the output structure"
+                f"the model's output has {spec.num_leaves} tensors but the traced graph returns {len(leaves)} (export "
+                f"also returns buffers the forward updates, e.g. BatchNorm statistics); graph codegen cannot write "
+                f"such a program yet: use a data-parallel plan or a model without buffer updates"
             )
         exprs = []
         for leaf in leaves:
@@ -918,10 +829,6 @@ def _same(a, b) -> bool:
     from codegen.runtime.spmd import same_placements
 
     return same_placements(a, b)
-
-
-def _same_all(a, b) -> bool:
-    return _same(a, b)
 
 
 def _callee(target: torch._ops.OpOverload) -> str:

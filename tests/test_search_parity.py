@@ -21,7 +21,7 @@ from test_parity import LAUNCH_TIMEOUT, REPO, _run
 
 pytestmark = pytest.mark.distributed
 
-SPMD_CHECK_MANY = Path(__file__).resolve().with_name("spmd_check_many.py")
+SPMD_CHECK_MANY = Path(__file__).resolve().with_name("dist_check_many.py")
 EXAMPLES = REPO / "examples"
 SEARCHED = {
     "cnn": ModelSpec(str(EXAMPLES / "cnn.py"), {"batch_size": 8}),
@@ -33,7 +33,7 @@ SEARCHED = {
 def _launch(world: int, folders: list[Path], cwd: Path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(SPMD_CHECK_MANY)]
     launch = _run([*command, *map(str, folders)], cwd=cwd, timeout=LAUNCH_TIMEOUT)
-    assert launch.returncode == 0, f"spmd_check_many.py failed at world size {world}:\n{launch.describe()}"
+    assert launch.returncode == 0, f"dist_check_many.py failed at world size {world}:\n{launch.describe()}"
     return launch
 
 

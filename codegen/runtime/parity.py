@@ -112,7 +112,9 @@ def check_parity(
     return _across_ranks(diffs)
 
 
-def _optimizer_step(optimizer: str, lr: float, initial: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _optimizer_step(
+    optimizer: str, lr: float, initial: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """The parameters after one single-device ``optimizer`` step from ``initial`` with ``grads``."""
     params = {name: torch.nn.Parameter(value.clone()) for name, value in initial.items()}
     for name, grad in grads.items():

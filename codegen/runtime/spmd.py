@@ -19,14 +19,13 @@ Two things DTensor does not do for us are done here:
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_map
 
@@ -79,7 +78,8 @@ class SpmdModule(nn.Module):
         super().__init__()
         self.model = model
         self.mesh = mesh
-        self.device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+        cuda = mesh.device_type == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(mesh.device_type)
         self._dropout_modules = dict(dropout_modules or {})
         self.params = distribute_parameters(model, mesh, parameters)
         self.train(model.training)

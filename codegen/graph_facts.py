@@ -1,0 +1,132 @@
+"""What graph codegen reads from the model and from DTensor, besides the plan.
+
+- the model built on meta: the output structure of its forward (run on fake tensors, which
+  skips data-dependent branches and allocates nothing), and which ``nn.Dropout`` each dropout
+  op of the traced graph belongs to (so the program reads ``p`` from it at run time);
+- DTensor's coverage of an ATen op: a sharding rule, a composite that decomposes before
+  DTensor sees it, a ``torch._decomp`` decomposition we can call, or nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch.utils._pytree import TreeSpec, tree_flatten
+
+from planner.graph import OpGraph
+from planner.plans import Plan
+
+# Seed every rank builds the model with (planner.api.BUILD_SEED, codegen.runtime.program.BUILD_SEED).
+BUILD_SEED = 0
+DROPOUTS = ("aten.dropout.", "aten.native_dropout.", "aten.feature_dropout.", "aten.alpha_dropout.", "aten.feature_alpha_dropout.")
+ATTENTION = "aten.scaled_dot_product_attention."
+
+
+@dataclass
+class ModelFacts:
+    """What codegen reads from the model built on meta: output structure, dropout owners."""
+
+    class_name: str
+    out_spec: TreeSpec
+    dropout_modules: dict[str, str] = field(default_factory=dict)
+
+
+def build_meta_model(plan: Plan) -> tuple[torch.nn.Module, tuple, dict]:
+    torch.manual_seed(BUILD_SEED)
+    if plan.model.is_hf:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    return plan.model.build("meta")
+
+
+def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
+    from planner.trace import trace
+
+    return trace(model, args, kwargs)
+
+
+def model_facts(model: torch.nn.Module, args: tuple, kwargs: dict, graph: OpGraph) -> ModelFacts:
+    """The output structure (from a forward on fake tensors: cheap, no data-dependent
+    branches) and, for each dropout op of the graph, the ``nn.Dropout`` it belongs to."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    was_training = model.training
+    model.train()
+    try:
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            output = model(*args, **kwargs)
+    finally:
+        model.train(was_training)
+    _, out_spec = tree_flatten(output)
+    return ModelFacts(type(model).__name__, out_spec, _dropout_owners(model, graph))
+
+
+def _dropout_owners(model: torch.nn.Module, graph: OpGraph) -> dict[str, str]:
+    """Dropout node -> path of the ``nn.Dropout`` module whose ``p`` it reads. An attention
+    op with a dropout probability reads a dropout module of its own module with that ``p``
+    (``attn_dropout`` in GPT-2), preferring names that say attention."""
+    modules = dict(model.named_modules())
+    owners: dict[str, str] = {}
+    for fx_node in graph.graph_module.graph.nodes:
+        if fx_node.op != "call_function":
+            continue
+        op = str(fx_node.target)
+        stack = list((fx_node.meta.get("nn_module_stack") or {}).values())
+        path = clean_path(stack[-1][0]) if stack else ""
+        if op.startswith(DROPOUTS) and isinstance(modules.get(path), torch.nn.modules.dropout._DropoutNd):
+            owners[fx_node.name] = path
+        elif op.startswith(ATTENTION) and path in modules:
+            traced = attention_dropout(fx_node)
+            if traced:
+                candidates = [
+                    f"{path}.{name}" if path else name
+                    for name, module in modules[path].named_modules()
+                    if isinstance(module, torch.nn.modules.dropout._DropoutNd) and math.isclose(module.p, traced)
+                ]
+                candidates.sort(key=lambda name: 0 if re.search(r"attn|attention", name.rsplit(".", 1)[-1]) else 1)
+                if candidates:
+                    owners[fx_node.name] = candidates[0]
+    return owners
+
+
+def clean_path(path: str) -> str:
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return path.removeprefix("self.").strip(".")
+
+
+def attention_dropout(fx_node: torch.fx.Node) -> float:
+    if "dropout_p" in fx_node.kwargs:
+        return float(fx_node.kwargs["dropout_p"])
+    return float(fx_node.args[4]) if len(fx_node.args) > 4 else 0.0
+
+
+
+
+def dtensor_support(op: torch._ops.OpOverload) -> str:
+    """How DTensor runs ``op``: ``"rule"`` (a sharding rule), ``"composite"`` (it
+    decomposes into other ops before DTensor sees it), ``"decomposition"`` (no rule, but
+    ``torch._decomp`` has a decomposition we can call) or ``"none"``."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        registered = (
+            op in propagator.op_strategy_funcs
+            or op in propagator.op_to_rules
+            or op in (getattr(propagator, "op_single_dim_strategy_funcs", None) or {})
+        )
+    except AttributeError:  # a private API moved: assume a rule, DTensor will say otherwise
+        return "rule"
+    if registered:
+        return "rule"
+    if op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
+        return "composite"
+    from torch._decomp import decomposition_table
+
+    return "decomposition" if op in decomposition_table else "none"
