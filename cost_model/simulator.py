@@ -72,12 +72,23 @@ class NodeCost:
     axis_bytes: dict[str, float] = field(default_factory=dict)
 
 
+# Ops whose backward needs none of their tensor inputs, and ops whose backward reads their
+# own output (PyTorch's derivatives.yaml): what decides which activations autograd keeps.
+_BACKWARD_READS_NO_INPUT = (
+    "aten.add.Tensor", "aten.sub.Tensor", "aten.dropout.", "aten.native_dropout.", "aten.clone.", "aten.contiguous.",
+    "aten.alias.", "aten._to_copy.", "aten.neg.",
+)
+_BACKWARD_READS_OUTPUT = ("aten.relu.", "aten._softmax.", "aten.softmax.", "aten.tanh.", "aten.sigmoid.", "aten.exp.")
+_DROPOUT = ("aten.dropout.", "aten.native_dropout.")
+
+
 @dataclass
 class Segment:
     """Consecutive ops on one virtual stage: a repeated block, or the ops around the blocks."""
 
     name: str
     stage: int
+    block: bool = False  # a repeated block: the unit activation recomputation checkpoints
     nodes: list[str] = field(default_factory=list)
     forward_s: float = 0.0
     backward_s: float = 0.0
@@ -144,6 +155,7 @@ class Simulator:
         for node in graph.nodes:
             for name in node.inputs:
                 self.consumers.setdefault(name, []).append(node.name)
+        self._kept: dict[str, bool] = {}
         self._groups = {axis: self._axis_group(axis) for axis in self.mesh.names}
         self._cache: dict[tuple, NodeCost] = {}
         self._comm_cache: dict[tuple, float] = {}
@@ -258,28 +270,65 @@ class Simulator:
             edges.append((position, producer.outputs[0], wanted))
         key = (
             node.op, node.input_meta, node.output_meta, node.flops, node.bytes_moved, node.params and len(node.params),
-            strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges),
+            self._kept_for_backward(node.name), strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges),
         )
         if key not in self._cache:
             self._cache[key] = self._compute_node_cost(node, strategy, edges)
         return self._cache[key]
 
-    def _split_factor(self, placements) -> int:
+    def _kept_for_backward(self, name: str) -> bool:
+        """Whether autograd keeps the output of ``name`` until backward: unless every reader
+        (through views) is an op whose backward needs none of its inputs (additions pass the
+        gradient through, copies too, dropout keeps only its mask, relu and softmax keep their
+        output instead). An op with no reader (the loss) or whose own backward reads its
+        output (relu, softmax) keeps it."""
+        if name not in self._kept:
+            node = self.nodes.get(name)
+            readers = self.consumers.get(name, [])
+            if node is not None and (not readers or node.op.startswith(_BACKWARD_READS_OUTPUT)):
+                self._kept[name] = True
+            else:
+                self._kept[name] = any(
+                    self._kept_for_backward(r)
+                    if self.nodes[r].is_view
+                    else not self.nodes[r].op.startswith(_BACKWARD_READS_NO_INPUT + _BACKWARD_READS_OUTPUT)
+                    for r in readers
+                )
+        return self._kept[name]
+
+    def _shard_factor(self, placements) -> int:
+        """Ranks a tensor is split over: a Partial tensor is whole-size on every rank."""
         return math.prod(
-            size for (axis, size), p in zip(self.mesh.axes, placements) if axis != "pp" and not isinstance(p, Replicate)
+            size for (axis, size), p in zip(self.mesh.axes, placements) if axis != "pp" and isinstance(p, Shard)
+        )
+
+    def _work_split(self, strategy: NodeStrategy) -> int:
+        """Ranks an op's work is divided over: the axes on which some operand is split. An
+        axis where the op only reads or makes partial sums (all operands whole-size) leaves
+        every rank the whole computation (the rule registry's ``shards_work``)."""
+        tensors = (*strategy.inputs, *strategy.outputs)
+        return math.prod(
+            size
+            for index, (axis, size) in enumerate(self.mesh.axes)
+            if axis != "pp" and any(isinstance(p[index], Shard) for p in tensors)
         )
 
     def _compute_node_cost(self, node: OpNode, strategy: NodeStrategy, edges) -> NodeCost:
         cost = NodeCost()
-        out = strategy.outputs[0] if strategy.outputs else tuple(Replicate() for _ in self.mesh.names)
-        work = 1.0 / (self._split_factor(out) * self.micro_batches)
+        work = 1.0 / (self._work_split(strategy) * self.micro_batches)
         cost.forward_s, cost.backward_s = op_times(node, work, self.device, self.plan.precision)
         if not node.is_view:
+            # An op's output is what its readers keep for backward (most ops save their input).
+            kept = self._kept_for_backward(node.name)
             cost.saved_bytes = sum(
-                meta.nbytes * self.activation_scale / self._split_factor(placements) / self.micro_batches
+                meta.nbytes * (self.activation_scale if kept else 0.0) / self._shard_factor(placements) / self.micro_batches
                 for meta, placements in zip(node.output_meta, strategy.outputs)
                 if meta.dtype.is_floating_point
             )
+            dropout_p = next((a for a in node.attrs if isinstance(a, float)), 0.0) if node.op.startswith(_DROPOUT) else 0.0
+            if dropout_p > 0 and node.output_meta:  # its boolean mask, a byte per element
+                meta, placements = node.output_meta[0], strategy.outputs[0]
+                cost.saved_bytes += meta.numel / self._shard_factor(placements) / self.micro_batches
         if strategy.produced is not None:
             # The op's own output resharded into its planned placement (an override).
             for meta, made, planned in zip(node.output_meta, strategy.produced, strategy.outputs):
@@ -382,7 +431,7 @@ class Simulator:
                 label = "after blocks" if seen_block else "before blocks"
             segment = segments.get(key)
             if segment is None:
-                segment = segments[key] = Segment(name=label, stage=strategy.stage)
+                segment = segments[key] = Segment(name=label, stage=strategy.stage, block=node.block is not None)
             cost = self.costs[node.name]
             segment.nodes.append(node.name)
             segment.forward_s += cost.forward_s
@@ -504,7 +553,7 @@ class Simulator:
         last = None
         if not split:  # one task for the whole chunk: nothing needs per-segment timing
             duration = sum(self._backward_time(s, recompute) for s in segments)
-            comm = sum(s.backward_comm_s for s in segments)
+            comm = sum(self._backward_comm(s, recompute) for s in segments)
             compute = graph.add(f"B{mb}", (device, "compute"), duration, deps=deps)
             return graph.add(f"B{mb} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
         bucket = _Bucket()
@@ -513,7 +562,8 @@ class Simulator:
             if fsdp:
                 segment_deps.append(self._fsdp_gather(graph, device, segment, [] if last is None else [last], f"all-gather {segment.name} (bwd)"))
             compute = graph.add(f"B{mb} {segment.name}", (device, "compute"), self._backward_time(segment, recompute), deps=segment_deps)
-            last = graph.add(f"B{mb} {segment.name} tp-comm", (device, "compute"), segment.backward_comm_s, deps=[compute], kind="tp_comm") if segment.backward_comm_s else compute
+            comm = self._backward_comm(segment, recompute)
+            last = graph.add(f"B{mb} {segment.name} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
             if self.dp == 1 or mb != self.micro_batches - 1:
                 continue
             grads = sum(segment.params[name] for name in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
@@ -521,7 +571,17 @@ class Simulator:
             for size in bucket.fill(grads, per_unit=fsdp, flush=final):
                 sync_after.setdefault(device, []).append(self._gradient_sync(graph, device, segment.name, size, last))
         return last
+
+    def _backward_comm(self, segment: Segment, recompute: str) -> float:
+        """Tensor-parallel communication of a segment's backward; a fully recomputed block
+        runs its forward collectives again."""
+        if segment.block and recompute == "full":
+            return segment.backward_comm_s + segment.forward_comm_s
+        return segment.backward_comm_s
+
     def _backward_time(self, segment: Segment, recompute: str) -> float:
+        if not segment.block:
+            return segment.backward_s  # only repeated blocks are checkpointed (as compiled)
         if recompute == "full":
             return segment.backward_s + segment.forward_s
         if recompute == "selective":
@@ -589,7 +649,9 @@ class Simulator:
         transient = 0.0
         for segment in segments:
             chunk = segment.stage // self.pp
-            if recompute == "full":
+            if not segment.block:
+                kept = segment.saved_bytes  # ops around the blocks keep their activations
+            elif recompute == "full":
                 kept = segment.input_bytes
                 transient = max(transient, segment.saved_bytes)
             elif recompute == "selective":
