@@ -24,7 +24,7 @@ import traceback
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -164,3 +164,40 @@ def _line_of(frame, lineno: int) -> str | None:
     if source is None:
         return None
     return source[lineno - 1] if 0 < lineno <= len(source) else None
+
+
+ROUNDS = 5  # rounds of dry run at most (2-3 in practice)
+
+
+def refine(
+    plan: Plan,
+    probe: Callable[[dict[str, Any], dict[str, str]], str],
+    write: Callable[[dict[str, Any], dict[str, str], str], str],
+) -> str:
+    """A program written again from what DTensor produced in dry runs of it.
+
+    ``probe(observed, forced)`` gives the source to dry-run (a version whose forward locals
+    the dry run can read), ``write(observed, forced, warning)`` the final program.
+    Redistributing where a value arrives otherwise than its consumer reads it changes what
+    later ops produce, so this repeats until nothing changes; an op DTensor fails on is
+    ``forced`` to run on whole inputs. Without a fake process group it writes the program
+    from the plan's placements alone."""
+    observed: dict[str, Any] = {}
+    forced: dict[str, str] = {}
+    if not available(plan):
+        return write(observed, forced, "")
+    for _ in range(ROUNDS):
+        try:
+            observation = observe(plan, probe(observed, forced))
+        except Exception as error:  # noqa: BLE001 - the dry run only refines comments
+            reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+            return write(observed, forced, f"the compile-time dry run could not run ({reason}); comments give the plan's placements")
+        if observation.error:
+            if observation.failed_at is None or observation.failed_at in forced:
+                return write(observed, forced, f"a compile-time dry run of this program failed: {observation.error}")
+            forced[observation.failed_at] = observation.error
+        elif observation.placements == observed:
+            break
+        else:
+            observed = observation.placements
+    return write(observed, forced, "")

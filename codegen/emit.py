@@ -3,9 +3,13 @@
 ``model_spmd.py`` is meant to be read: it names the model's own modules, says on each
 collective why it is there, and gives shapes global -> local. It defines two functions the
 runtime (and a user's own training loop) calls: ``parallelize(model, mesh)`` and
-``shard_batch(args, kwargs, mesh)``. A data-parallel plan becomes a DDP or FSDP2 module
-(below); any other plan on a ``dp``/``tp`` mesh replays the traced graph on DTensors
-(``codegen.spmd_emit``).
+``shard_batch(args, kwargs, mesh)``, and, when the plan's optimizer is not the plain one,
+a third, ``make_optimizer(module, mesh, optimizer_class, **kwargs)`` (ZeRO-1 defines it;
+``codegen.runtime.Program.make_optimizer`` uses it when present). A data-parallel plan
+becomes (below): DDP (``ddp``); DDP plus ``ZeroRedundancyOptimizer`` over ``dp``
+(``zero1``); FSDP2 units that keep their gathered weights from forward to backward
+(``zero2``, FSDP1's SHARD_GRAD_OP); FSDP2 units (``fsdp``). Any other plan on a
+``dp``/``tp`` mesh replays the traced graph on DTensors (``codegen.spmd_emit``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from planner import __version__
+from planner.errors import PlanningError
 from planner.plans import Plan
 from planner.strategy import placements_str
 
@@ -31,10 +36,16 @@ def write_program(plan: Plan, out_dir: Path) -> Path:
 def render_model_spmd(plan: Plan) -> str:
     """Source of ``model_spmd.py``.
 
-    A data-parallel plan (a ``dp`` mesh, every parameter replicated) becomes a DDP or FSDP2
-    module. Any other plan on a ``dp``/``tp`` mesh is generated from the traced graph, op by
-    op on DTensors (``codegen.spmd_emit``).
+    A data-parallel plan (a ``dp`` mesh, every parameter replicated) becomes, by flavour, a
+    DDP module (``ddp``), a DDP module with a ``ZeroRedundancyOptimizer`` from
+    ``make_optimizer`` (``zero1``), or FSDP2 units with (``fsdp``) or without (``zero2``)
+    resharding after forward. Any other plan on a ``dp``/``tp`` mesh is generated from the
+    traced graph, op by op on DTensors (``codegen.spmd_emit``).
     """
+    if plan.pipeline is not None:  # one stage module per pipeline stage (codegen.pipeline_emit)
+        from codegen.pipeline_emit import render_pipeline_program
+
+        return render_pipeline_program(plan)
     if not _is_data_parallel(plan):
         from codegen.spmd_emit import render_graph_program, supports
 
@@ -48,11 +59,59 @@ def render_model_spmd(plan: Plan) -> str:
     header = _header(plan)
     if plan.dp_flavour == "ddp":
         body = _ddp_body(plan, dp)
+    elif plan.dp_flavour == "zero1":
+        body = _zero1_body(plan, dp)
+    elif plan.dp_flavour == "zero2":
+        body = _zero2_body(plan, dp)
     elif plan.dp_flavour == "fsdp":
         body = _fsdp_body(plan, dp)
     else:
-        raise NotImplementedError(f"codegen for dp flavour '{plan.dp_flavour}' is not written yet (ddp and fsdp are)")
-    return header + body + _shard_batch_source(plan, dp)
+        raise NotImplementedError(f"codegen for dp flavour '{plan.dp_flavour}' is not written yet")
+    return header + _recompute_table(plan) + body + _shard_batch_source(plan, dp)
+
+
+def _recompute_table(plan: Plan) -> str:
+    """The blocks a recomputing plan checkpoints, and the helper that does it."""
+    if plan.recompute == "none":
+        return ""
+    if plan.recompute != "full":
+        raise NotImplementedError(f"codegen recomputes whole blocks (recompute='full'), not '{plan.recompute}'")
+    blocks = recomputed_blocks(plan)
+    rows = "".join(f"    {path!r},\n" for path in blocks)
+    return (
+        "from codegen.runtime.recompute import recompute_in_backward\n\n"
+        "# Activation recomputation: these blocks keep only their inputs for backward and run\n"
+        "# their forward again when backward reaches them (less memory, one more forward each).\n"
+        f"RECOMPUTED_BLOCKS = (\n{rows})\n\n"
+    )
+
+
+def _recompute_lines(plan: Plan) -> str:
+    """Lines of ``parallelize`` that checkpoint the blocks, before DDP/FSDP2 wrap the model
+    (so their hooks stay outside the recomputed forward)."""
+    if plan.recompute == "none":
+        return ""
+    return (
+        "    for path in RECOMPUTED_BLOCKS:  # before wrapping: the wrapper's hooks stay outside\n"
+        "        recompute_in_backward(model.get_submodule(path))\n"
+    )
+
+
+def recomputed_blocks(plan: Plan) -> tuple[str, ...]:
+    """Module paths of the repeated blocks (what ``recompute='full'`` checkpoints), from the
+    plan's traced graph, or by tracing its model on meta tensors."""
+    graph = plan.graph
+    if graph is None:
+        from codegen.graph_facts import build_meta_model, trace_model
+
+        graph = trace_model(*build_meta_model(plan))
+    blocks = tuple(f"{group}.{index}" for group, count in graph.blocks.items() for index in range(count))
+    if not blocks:
+        raise PlanningError(
+            "this plan recomputes activations, but the model has no repeated blocks to checkpoint; plan it again "
+            "(recomputation only applies to repeated blocks)"
+        )
+    return blocks
 
 
 def _is_data_parallel(plan: Plan) -> bool:
@@ -80,10 +139,10 @@ Generated by soap-planner {__version__}. Needs the soap-planner package installe
 import sys
 from pathlib import Path
 
-from codegen.runtime.launcher import main
+from codegen.runtime.launcher import exit_now, main
 
 if __name__ == "__main__":
-    sys.exit(main(Path(__file__).resolve().parent, sys.argv[1:]))
+    exit_now(main(Path(__file__).resolve().parent, sys.argv[1:]))
 '''
 
 
@@ -99,7 +158,10 @@ Use it in your own training loop:
     program = load_program("{'<this folder>'}")
     mesh = program.build_mesh()
     module = program.parallelize(model, mesh)           # model built identically on every rank
+    optimizer = program.make_optimizer(module, mesh, torch.optim.AdamW, lr=1e-3)
     args, kwargs = program.shard_batch(args, kwargs, mesh)
+
+{_optimizer_note(plan)}
 """
 
 from __future__ import annotations
@@ -113,17 +175,31 @@ GLOBAL_BATCH = {plan.batch_size}
 '''
 
 
-def _ddp_body(plan: Plan, dp: int) -> str:
+def _optimizer_note(plan: Plan) -> str:
+    """The header's line on ``program.make_optimizer``: what builds this program's optimizer."""
+    if plan.dp_flavour == "zero1":
+        return (
+            "program.make_optimizer builds the optimizer through make_optimizer below, which shards\n"
+            'its states over "dp" (ZeRO-1); call make_optimizer(module, mesh, optimizer_class, **kwargs)\n'
+            "directly in a loop of your own."
+        )
+    return (
+        "program.make_optimizer builds optimizer_class(module.parameters(), **kwargs); a program that\n"
+        "needs its own optimizer (ZeRO-1) defines make_optimizer(module, mesh, optimizer_class, **kwargs)."
+    )
+
+
+def _ddp_body(plan: Plan, dp: int, step: str = "every rank then takes the same optimizer step") -> str:
     return f'''from torch.nn.parallel import DistributedDataParallel
 
 
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     """This rank's module: the whole model, replicated over the {dp} ranks of "dp"."""
     dp_mesh = mesh["dp"]
-    device_ids = [torch.cuda.current_device()] if dp_mesh.device_type == "cuda" else None
+{_recompute_lines(plan)}    device_ids = [torch.cuda.current_device()] if dp_mesh.device_type == "cuda" else None
     # Weights stay replicated. During backward DDP averages the gradients over "dp" with
     # bucketed all-reduces (25 MiB buckets, all-reduce of {_bytes(plan.summary.parameter_bytes)} in total)
-    # that overlap with the rest of backward; every rank then takes the same optimizer step.
+    # that overlap with the rest of backward; {step}.
     return DistributedDataParallel(
         model,
         device_ids=device_ids,
@@ -142,6 +218,7 @@ def _fsdp_body(plan: Plan, dp: int) -> str:
         "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
         f'    """This rank\'s module: every parameter sharded on dim 0 over the {dp} ranks of "dp" (FSDP2)."""',
         '    dp_mesh = mesh["dp"]',
+        *_recompute_lines(plan).splitlines(),
         f"    # Each unit keeps 1/{dp} of its weights, gradients and optimizer states on this rank.",
         '    # Before a unit\'s forward, and again before its backward, it all-gathers its weights over',
         '    # "dp" (the next unit\'s gather is prefetched); after its backward it reduce-scatters its',
@@ -153,6 +230,54 @@ def _fsdp_body(plan: Plan, dp: int) -> str:
     lines.append("    fully_shard(model, mesh=dp_mesh)")
     lines.append("    return model")
     return "\n".join(lines) + "\n\n"
+
+
+def _zero1_body(plan: Plan, dp: int) -> str:
+    step = "then make_optimizer's\n    # optimizer (below) steps this rank's share of the parameters (ZeRO-1)"
+    return "from torch.distributed.optim import ZeroRedundancyOptimizer\n" + _ddp_body(plan, dp, step) + f'''
+def make_optimizer(module: torch.nn.Module, mesh: DeviceMesh, optimizer_class: type, **kwargs) -> torch.optim.Optimizer:
+    """optimizer_class(**kwargs) over module's parameters, its states sharded over the {dp}
+    ranks of "dp" (ZeRO-1)."""
+    # ZeroRedundancyOptimizer gives each rank of "dp" about 1/{dp} of the parameters (whole
+    # tensors, balanced by size). A rank keeps optimizer states only for its own share
+    # (AdamW: {_bytes(2 * plan.summary.parameter_bytes)} for the whole model, about 1/{dp} of that per rank) and
+    # runs optimizer_class's step on its share only, with the gradients DDP averaged; it then
+    # broadcasts its updated parameters over "dp", so every replica holds the same weights
+    # again. Each parameter gets exactly optimizer_class's update.
+    return ZeroRedundancyOptimizer(
+        module.parameters(),
+        optimizer_class=optimizer_class,
+        process_group=mesh["dp"].get_group(),
+        **kwargs,
+    )
+
+'''
+
+
+def _zero2_body(plan: Plan, dp: int) -> str:
+    units = "".join(
+        f'    fully_shard(model.get_submodule("{unit}"), mesh=dp_mesh, reshard_after_forward=False)\n'
+        for unit in plan.fsdp_units
+    )
+    return f'''from torch.distributed.fsdp import fully_shard
+
+
+def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """This rank's module: ZeRO-2 with FSDP2 units, weights sharded on dim 0 over the {dp} ranks
+    of "dp" between steps and gathered once per step (FSDP1's SHARD_GRAD_OP)."""
+    dp_mesh = mesh["dp"]
+{_recompute_lines(plan)}    # Each unit keeps 1/{dp} of its gradients and optimizer states on this rank, and between
+    # steps 1/{dp} of its weights. Before a unit's forward it all-gathers its weights over "dp"
+    # (the next unit's gather is prefetched) and, with reshard_after_forward=False, keeps them
+    # gathered until its backward is done: no second all-gather in backward, at the cost of
+    # holding the whole model's weights ({_bytes(plan.summary.parameter_bytes)}) during the step, as DDP does. After its
+    # backward it reduce-scatters its gradients over "dp" (averaged) and frees the gathered
+    # weights; the optimizer then updates this rank's shard only.
+{units}    # The root unit: every parameter outside the units above (embeddings, head, norms).
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+    return model
+
+'''
 
 
 def _shard_batch_source(plan: Plan, dp: int) -> str:

@@ -40,6 +40,7 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.utils._pytree import TreeSpec
 
 from codegen import spmd_notes as notes
+from codegen.spmd_recompute import checkpointed_body
 from codegen.graph_facts import (
     ATTENTION,
     DROPOUTS,
@@ -58,7 +59,6 @@ from planner.plans import Plan
 from planner.strategy import NodeStrategy, Placements, placements_str
 
 SUPPORTED_AXES = ("dp", "tp")
-_DRY_RUNS = 5  # rounds of compile-time dry run at most
 
 _DROPPED = ("aten._assert_tensor_metadata.", "aten._assert_scalar.", "aten.sym_constrain_range")
 _GRAD_HOP = "wrap_with_set_grad_enabled"
@@ -106,37 +106,20 @@ def render_graph_program(plan: Plan) -> str:
     graph = plan.graph if plan.graph is not None and plan.graph.graph_module is not None else trace_model(model, args, kwargs)
     facts = model_facts(model, args, kwargs, graph)
 
-    def write(observed: dict[str, Any] | None = None, forced: dict[str, str] | None = None, warning: str = "") -> str:
-        return _Emitter(plan, graph, facts, observed, forced, warning).render()
+    recomputed = plan.recompute == "full"
 
-    source = write()
+    def write(
+        observed: dict[str, Any] | None = None, forced: dict[str, str] | None = None, warning: str = "", final: bool = True
+    ) -> str:
+        # The dry run reads the forward's own locals, so it runs a version without the
+        # recomputed blocks' nested functions; checkpointing changes no placement.
+        return _Emitter(plan, graph, facts, observed, forced, warning, recompute=recomputed and final).render()
+
     from codegen import dry_run
 
-    if not dry_run.available(plan):
-        return source
     # Run the program once on meta tensors (a fake process group), then write it again from
     # what DTensor actually produced, so redistributions and comments say what happens.
-    # Redistributing where a value arrives otherwise than its consumer reads it changes what
-    # later ops produce: repeat until nothing changes (2-3 rounds in practice).
-    observed: dict[str, Any] = {}
-    forced: dict[str, str] = {}
-    for _ in range(_DRY_RUNS):
-        try:
-            observation = dry_run.observe(plan, source)
-        except Exception as error:  # noqa: BLE001 - the dry run only refines comments
-            reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
-            warning = f"the compile-time dry run could not run ({reason}); comments give the plan's placements"
-            return write(observed, forced, warning)
-        if observation.error:
-            if observation.failed_at is None or observation.failed_at in forced:
-                return write(observed, forced, f"a compile-time dry run of this program failed: {observation.error}")
-            forced[observation.failed_at] = observation.error
-        elif observation.placements == observed:
-            return source
-        else:
-            observed = observation.placements
-        source = write(observed, forced)
-    return source
+    return dry_run.refine(plan, lambda observed, forced: write(observed, forced, final=False), write)
 
 
 # ------------------------------------------------------------------------------ emitter
@@ -155,8 +138,10 @@ class _Emitter:
         observed: dict[str, Any] | None = None,
         forced: dict[str, str] | None = None,
         warning: str = "",
+        recompute: bool = False,
     ):
         self.plan, self.graph, self.facts = plan, graph, facts
+        self.recompute = recompute
         self.warning = warning
         self.observed = observed or {}
         self.forced = dict(forced or {})
@@ -231,7 +216,10 @@ class _Emitter:
         inputs = [i for i in self.graph.inputs]
         input_lines = self._input_lines(gm)
         param_lines = self._parameter_lines(gm)
-        body = self._emit_nodes(list(gm.graph.nodes), gm, indent=2)
+        if self.recompute:
+            body = checkpointed_body(self, gm)
+        else:
+            body = self._emit_nodes(list(gm.graph.nodes), gm, indent=2)
         return "\n".join(
             [
                 self._header(),
@@ -295,6 +283,7 @@ class _Emitter:
             "import torch",
             "from torch.distributed.device_mesh import DeviceMesh",
             "from torch.distributed.tensor import Partial, Replicate, Shard",
+            *(["from torch.utils.checkpoint import checkpoint"] if self.recompute else []),
             "",
             "from codegen.runtime.spmd import SpmdModule, shard_inputs",
         ]

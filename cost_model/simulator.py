@@ -76,7 +76,7 @@ class NodeCost:
 # own output (PyTorch's derivatives.yaml): what decides which activations autograd keeps.
 _BACKWARD_READS_NO_INPUT = (
     "aten.add.Tensor", "aten.sub.Tensor", "aten.dropout.", "aten.native_dropout.", "aten.clone.", "aten.contiguous.",
-    "aten.alias.", "aten._to_copy.", "aten.neg.",
+    "aten.alias.", "aten._to_copy.", "aten.neg.", "aten.sum.", "aten.mean.",
 )
 _BACKWARD_READS_OUTPUT = ("aten.relu.", "aten._softmax.", "aten.softmax.", "aten.tanh.", "aten.sigmoid.", "aten.exp.")
 _DROPOUT = ("aten.dropout.", "aten.native_dropout.")
@@ -95,7 +95,8 @@ class Segment:
     forward_comm_s: float = 0.0
     backward_comm_s: float = 0.0
     saved_bytes: float = 0.0
-    input_bytes: float = 0.0
+    input_bytes: float = 0.0  # floating-point values it reads from other segments
+    checkpoint_bytes: float = 0.0  # those of them made in other blocks: what recomputation keeps
     score_bytes: float = 0.0
     score_forward_s: float = 0.0
     params: dict[str, float] = field(default_factory=dict)  # name -> local bytes per element-size 1
@@ -279,8 +280,8 @@ class Simulator:
     def _kept_for_backward(self, name: str) -> bool:
         """Whether autograd keeps the output of ``name`` until backward: unless every reader
         (through views) is an op whose backward needs none of its inputs (additions pass the
-        gradient through, copies too, dropout keeps only its mask, relu and softmax keep their
-        output instead). An op with no reader (the loss) or whose own backward reads its
+        gradient through, copies and sums too, dropout keeps only its mask, relu and softmax
+        keep their output instead). An op with no reader (the loss) or whose own backward reads its
         output (relu, softmax) keeps it."""
         if name not in self._kept:
             node = self.nodes.get(name)
@@ -454,14 +455,33 @@ class Simulator:
                 # weight replicated over dp is a partial sum there, whatever its op's output.
                 if dp_index is not None and isinstance(placements[dp_index], Replicate):
                     segment.dp_synced.add(name)
+        in_block = {name for segment in segments.values() if segment.block for name in segment.nodes}
         for segment in segments.values():
             members = set(segment.nodes)
-            for name in segment.nodes:
-                node = self.nodes[name]
-                for position, source in enumerate(node.inputs):
-                    if source in self.nodes and source not in members and node.input_meta[position].dtype.is_floating_point:
-                        segment.input_bytes += self.costs[source].saved_bytes / max(1, len(node.output_meta))
+            sources = {
+                source
+                for name in segment.nodes
+                for position, source in enumerate(self.nodes[name].inputs)
+                if source in self.nodes and source not in members and self.nodes[name].input_meta[position].dtype.is_floating_point
+            }
+            for source in sources:
+                size = self._local_output_bytes(source)
+                segment.input_bytes += size
+                if source in in_block:
+                    # Made inside another block, which recomputation does not keep: this
+                    # block's checkpoint holds it. (Values made around the blocks are kept
+                    # by their own segment already.)
+                    segment.checkpoint_bytes += size
         return list(segments.values())
+
+    def _local_output_bytes(self, name: str) -> float:
+        """Bytes of one micro-batch of ``name``'s floating-point outputs on one device."""
+        node, strategy = self.nodes[name], self.strategies[name]
+        return sum(
+            meta.nbytes * self.activation_scale / self._shard_factor(placements) / self.micro_batches
+            for meta, placements in zip(node.output_meta, strategy.outputs)
+            if meta.dtype.is_floating_point
+        )
 
     # ----------------------------------------------------------- task graph
 
@@ -652,7 +672,7 @@ class Simulator:
             if not segment.block:
                 kept = segment.saved_bytes  # ops around the blocks keep their activations
             elif recompute == "full":
-                kept = segment.input_bytes
+                kept = segment.checkpoint_bytes
                 transient = max(transient, segment.saved_bytes)
             elif recompute == "selective":
                 kept = segment.saved_bytes - segment.score_bytes
@@ -676,7 +696,9 @@ class Simulator:
                 stage_totals[axis] = stage_totals.get(axis, 0.0) + sent * self.micro_batches
             if self.dp > 1 and segment.dp_synced:
                 grads = sum(segment.params[n] for n in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
-                factor = 3 * (self.dp - 1) / self.dp if self.plan.dp_flavour == "fsdp" else 2 * (self.dp - 1) / self.dp
+                # fsdp: all-gather twice + reduce-scatter; zero1: all-reduce + all-gather of the
+                # updated weights; ddp: all-reduce; zero2: reduce-scatter + all-gather.
+                factor = (3 if self.plan.dp_flavour in ("fsdp", "zero1") else 2) * (self.dp - 1) / self.dp
                 stage_totals["dp"] = stage_totals.get("dp", 0.0) + grads * factor
             if self.pp > 1:
                 stage_totals["pp"] = stage_totals.get("pp", 0.0) + 2 * segment.input_bytes * self.micro_batches

@@ -53,12 +53,14 @@ def plan(
             inputs, or a dict of keyword inputs. Dim 0 of each tensor is the batch.
         spec: for a module, the spec it can be rebuilt from inside torchrun; without one
             the plan can be reported and simulated but not compiled.
-        dp_flavour: force ``"ddp"`` or ``"fsdp"``; by default the fastest that fits.
+        dp_flavour: force a data-parallel flavour: ``"ddp"``, ``"zero1"`` (optimizer states
+            sharded), ``"zero2"`` (and gradients) or ``"fsdp"`` (and weights); by default the
+            fastest that fits.
         precision: ``"fp32"``, or mixed ``"bf16"``/``"fp16"`` (fp32 master weights), as
             simulated; compiled programs run fp32 today.
         search: ``"auto"`` (CP-SAT per mesh, then MCMC refinement), ``"ilp"`` (CP-SAT),
             ``"mcmc"`` (Metropolis-Hastings over the simulator), or ``"dp"`` (data
-            parallelism only: DDP or FSDP). ``dp_flavour`` implies ``"dp"``.
+            parallelism only: DDP, ZeRO-1, ZeRO-2 or FSDP). ``dp_flavour`` implies ``"dp"``.
         time_budget_s: wall-clock budget of the search; the best plan found so far is
             returned when it runs out.
         seed: seed of the MCMC search (deterministic for a seed and iteration count).
@@ -151,15 +153,15 @@ def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb u
             "(planner.plan('file.py:build', ...)) or pass spec= to planner.plan"
         )
     if plan.pipeline is not None:
-        raise PlanningError(
-            f"{plan.name} has {plan.pipeline.stages} pipeline stages: pipeline plans can be simulated "
-            f"(planner simulate) but not compiled yet; plan with --search ilp or --search dp for a compilable plan"
-        )
-    if plan.recompute != "none":
+        from codegen.pipeline_emit import unsupported
+
+        reason = unsupported(plan)
+        if reason:
+            raise PlanningError(f"{plan.name} cannot be compiled: {reason} (planner simulate still prices it)")
+    if plan.recompute not in ("none", "full"):
         raise PlanningError(
             f"this plan recomputes activations ({plan.recompute}), which is simulated but not compiled yet "
-            f"(the program would run without it and need more memory than planned); re-plan on more devices "
-            f"or with a smaller batch for a plan without recomputation"
+            f"(compiled programs recompute whole blocks); plan again, or use recompute='full'"
         )
     if plan.precision != "fp32":
         raise PlanningError(

@@ -54,14 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "ilp", "mcmc", "dp"),
         default="auto",
         help="auto: CP-SAT per mesh then MCMC refinement (default); ilp: CP-SAT only; mcmc: simulator-scored "
-        "Metropolis-Hastings; dp: data parallelism only (DDP or FSDP)",
+        "Metropolis-Hastings; dp: data parallelism only (DDP, ZeRO-1, ZeRO-2 or FSDP)",
     )
     plan.add_argument(
         "--time-budget", type=float, default=30.0, metavar="SECONDS",
         help="search budget in seconds (default 30); the best plan found so far is returned when it runs out",
     )
     plan.add_argument("--seed", type=int, default=0, help="seed of the MCMC search (default 0)")
-    plan.add_argument("--dp", choices=("ddp", "fsdp"), default=None, help="force data parallelism with this flavour")
+    plan.add_argument(
+        "--dp", choices=("ddp", "zero1", "zero2", "fsdp"), default=None,
+        help="force data parallelism with this flavour: ddp (all replicated), zero1 (optimizer states sharded), "
+        "zero2 (and gradients), fsdp (and weights)",
+    )
     plan.add_argument(
         "--precision",
         choices=("fp32", "bf16", "fp16"),

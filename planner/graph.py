@@ -154,6 +154,9 @@ class OpGraph:
     def node(self, name: str) -> OpNode:
         return self._by_name[name]
 
+    def has_node(self, name: str) -> bool:
+        return name in self._by_name
+
     @property
     def total_flops(self) -> int:
         """Forward FLOPs of the whole program."""

@@ -3,9 +3,9 @@
 For every mesh shape that respects the topology (``dp x tp`` with the tensor-parallel axis
 inside a node, innermost), the per-op strategies are chosen by CP-SAT (``search.ilp``) and/or
 MCMC over the simulator (``search.mcmc``); on a 1-D ``dp`` mesh the data-parallel plans
-(DDP, FSDP) compete too. Every result is simulated; the fastest plan that fits in memory
-wins, and the others, with the DDP, FSDP and Megatron baselines, are kept as runners-up so
-the report can say why the winner won.
+(DDP, ZeRO-1, ZeRO-2, FSDP) compete too. Every result is simulated; the fastest plan that
+fits in memory wins, and the others, with the data-parallel and Megatron baselines, are kept
+as runners-up so the report can say why the winner won.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.distributed.tensor import Replicate
 from planner.strategy import Mesh, NodeStrategy
 from search.blocks import block_representatives
 from search.cost_tables import build_cost_tables
-from search.data_parallel import alternative, data_parallel_plan, does_not_fit
+from search.data_parallel import DATA_PARALLEL_FLAVOURS, alternative, data_parallel_plan, does_not_fit
 from search.ilp import solve
 from search.layouts import batch_input_placements, combine
 from search.mcmc import mcmc
@@ -123,7 +123,8 @@ def search_plan(
         if on_progress:
             on_progress(f"searching mesh {mesh} ({position + 1}/{len(meshes)})", 1 - left / time_budget_s)
         if mesh.names == ("dp",):
-            plans += [data_parallel_plan(graph, cluster, spec, model_name, f, warnings, precision) for f in ("ddp", "fsdp")]
+            flavours = [data_parallel_plan(graph, cluster, spec, model_name, f, warnings, precision) for f in DATA_PARALLEL_FLAVOURS]
+            plans += flavours + _recomputing(flavours, graph)
         try:
             plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes)
         except PlanningError as error:
@@ -136,7 +137,7 @@ def search_plan(
         raise does_not_fit(cluster, {_key(plan): plan.estimate for plan in plans})
     best = min(fitting, key=lambda plan: plan.estimate.step_time_s)
     others = sorted((p for p in plans if p is not best), key=lambda p: p.estimate.step_time_s)
-    labelled = [(p.name, p) for p in others]
+    labelled = [(_key(p), p) for p in others]
     labelled += [(f"baseline {p.name}", p) for p in _baselines(graph, cluster, spec, model_name, precision, {p.name for p in plans})]
     elapsed = time.perf_counter() - started
     if on_progress:
@@ -179,7 +180,16 @@ def _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed,
     notes.append(f"mesh {mesh}: {how}")
     strategies = tuple(tables.candidates[node.name][choice[node.name]].strategy for node in graph.nodes)
     plan = dataclasses.replace(skeleton, strategies=strategies, inputs=_input_placements(graph, mesh, strategies), label="soap")
-    return [simulated(plan, graph), simulated(dataclasses.replace(plan, recompute="full"), graph)]
+    plan = simulated(plan, graph)
+    return [plan, *_recomputing([plan], graph)]
+
+
+def _recomputing(plans: list[Plan], graph: OpGraph) -> list[Plan]:
+    """Each plan again with its repeated blocks recomputed in backward (none for a model
+    without repeated blocks: recomputation checkpoints blocks)."""
+    if not graph.blocks:
+        return []
+    return [simulated(dataclasses.replace(plan, recompute="full"), graph) for plan in plans]
 
 
 def _hint(graph: OpGraph, mesh: Mesh, tables) -> dict[str, int]:
@@ -251,11 +261,16 @@ def _input_placements(graph: OpGraph, mesh: Mesh, strategies) -> dict:
 
 
 def _baselines(graph, cluster, spec, model_name, precision, exclude: set[str]) -> list[Plan]:
-    """DDP, FSDP and Megatron (tp = devices per node) for the comparison, when they build."""
+    """The data-parallel flavours and Megatron (tp = devices per node) for the comparison,
+    when they build and are not among the searched plans already."""
     from search.megatron import megatron_plan
 
     built = []
-    attempts = [lambda f=f: data_parallel_plan(graph, cluster, spec, model_name, f, (), precision) for f in ("ddp", "fsdp")]
+    attempts = [
+        lambda f=f: data_parallel_plan(graph, cluster, spec, model_name, f, (), precision)
+        for f in DATA_PARALLEL_FLAVOURS
+        if f"{f} ({Mesh((('dp', cluster.world_size),))})" not in exclude  # simulated above already
+    ]
     if cluster.is_homogeneous and cluster.devices_per_node > 1:
         tp = cluster.devices_per_node
         attempts.append(lambda: megatron_plan(graph, cluster, spec, model_name, tp=tp, precision=precision))

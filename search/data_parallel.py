@@ -1,8 +1,17 @@
 """Data-parallel plans: the whole model on every device, the batch split over a ``dp`` axis.
 
-Two flavours are built and simulated: DDP (weights replicated, gradients all-reduced) and
-FSDP (weights, gradients and optimizer states sharded, ZeRO-3). The fastest flavour that
-fits in memory wins; the other is kept as the runner-up with the reason it lost.
+Four flavours are built and simulated, from the most memory per device to the least:
+
+- DDP: weights, gradients and optimizer states replicated; gradients all-reduced.
+- ZeRO-1: gradients all-reduced as DDP, optimizer states sharded over ``dp`` (each rank
+  updates its share of the parameters and the updated weights are gathered back).
+- ZeRO-2: gradients reduce-scattered and optimizer states sharded; weights whole during the
+  step (gathered once in forward and kept until backward ends).
+- FSDP (ZeRO-3): weights, gradients and optimizer states sharded; weights gathered per unit
+  in forward and again in backward.
+
+The fastest flavour that fits in memory wins; the others are kept as runners-up with the
+reason each lost.
 """
 
 from __future__ import annotations
@@ -19,7 +28,10 @@ from planner.strategy import Alternative, Mesh, SimResult
 from search.layouts import data_parallel_layout
 from search.plan_builder import unsimulated_plan
 
-DATA_PARALLEL_FLAVOURS = ("ddp", "fsdp")
+DATA_PARALLEL_FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")
+# Flavours compiled as FSDP2 units (``fully_shard`` per repeated block plus the root): ZeRO-2
+# is FSDP2 that keeps the gathered weights from forward to backward.
+FSDP_UNIT_FLAVOURS = ("zero2", "fsdp")
 
 
 def plan_data_parallel(
@@ -38,7 +50,8 @@ def plan_data_parallel(
         cluster: the cluster; every device is one data-parallel rank.
         spec: how to rebuild the model inside torchrun (``None``: the plan cannot be compiled).
         model_name: shown in the report.
-        dp_flavour: force ``"ddp"`` or ``"fsdp"``; ``None`` picks the fastest that fits.
+        dp_flavour: force one of ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"fsdp"``; ``None`` picks
+            the fastest that fits.
         warnings: notes gathered while tracing, carried into the plan.
         precision: ``fp32``, or mixed ``bf16``/``fp16`` (simulated; codegen runs fp32).
 
@@ -86,7 +99,7 @@ def data_parallel_plan(
     plan = unsimulated_plan(
         graph, cluster, spec, model_name, mesh, strategies, inputs,
         dp_flavour=flavour,
-        fsdp_units=fsdp_units(graph) if flavour == "fsdp" else (),
+        fsdp_units=fsdp_units(graph) if flavour in FSDP_UNIT_FLAVOURS else (),
         precision=precision,
         warnings=warnings,
     )

@@ -30,6 +30,7 @@ import traceback
 import torch.distributed as dist
 
 from codegen.runtime import load_program
+from codegen.runtime.launcher import exit_now
 from codegen.runtime.parity import check_parity
 
 
@@ -70,4 +71,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

@@ -102,6 +102,25 @@ def test_plan_overrides_and_forced_flavour(capsys, tmp_path):
     assert dict(plan.model.overrides) == {"batch_size": 8, "hidden": 16}
 
 
+@pytest.mark.parametrize(
+    ("flavour", "report_text", "program_text"),
+    [
+        ("zero1", "ZeRO-1: optimizer states sharded over dp", "ZeroRedundancyOptimizer("),
+        ("zero2", "ZeRO-2: optimizer states and gradients sharded over dp", "reshard_after_forward=False)"),
+    ],
+)
+def test_plan_and_compile_forced_zero_flavour(capsys, tmp_path, flavour, report_text, program_text):
+    path = tmp_path / "p.json"
+    assert main(["plan", MLP, "--cluster", "cpu:1x2", "--dp", flavour, "-o", str(path)]) == 0
+    out, _ = capsys.readouterr()
+    assert report_text in out
+    assert load_plan(path).dp_flavour == flavour
+    assert main(["compile", str(path), "-o", str(tmp_path / "out")]) == 0
+    source = (tmp_path / "out" / "model_spmd.py").read_text()
+    assert program_text in source
+    compile(source, "model_spmd.py", "exec")
+
+
 def test_compile_writes_three_files(capsys, plan_file, tmp_path):
     out_dir = tmp_path / "out"
     assert main(["compile", str(plan_file), "-o", str(out_dir)]) == 0
@@ -256,21 +275,28 @@ def test_report_names_the_stage_that_does_not_fit():
     assert "DOES NOT FIT" in report and "pipeline stage(s) 0, 1" in report
 
 
-def test_pipeline_plans_are_simulated_but_not_compiled(capsys, tmp_path):
+def test_interleaved_pipeline_plans_are_simulated_but_not_compiled(capsys, tmp_path):
+    # GPipe and 1F1B pipeline plans compile (tests/test_pipeline_parity.py); interleaved ones do not yet.
     from planner import baselines
+    from planner.model_spec import ModelSpec
 
-    plan = baselines.megatron("examples/gpt.py", "cpu:1x2", pp=2, micro_batch=2, precision="fp32")
+    spec = ModelSpec("examples/gpt.py", {"n_layer": 4})
+    plan = baselines.megatron(spec, "cpu:1x2", pp=2, micro_batch=2, schedule="interleaved", virtual_stages=2, precision="fp32")
     path = tmp_path / "pp.json"
     plan.save(path)
-    assert_user_error(capsys, ["compile", str(path), "-o", str(tmp_path / "prog")], "2 pipeline stages", "not compiled yet")
+    assert_user_error(capsys, ["compile", str(path), "-o", str(tmp_path / "prog")], "interleaved", "not compiled yet")
 
 
-def test_recomputing_plans_are_simulated_but_not_compiled(capsys, tmp_path):
+def test_recomputation_compiles_only_for_repeated_blocks(capsys, tmp_path):
     import dataclasses
 
     from planner import baselines
 
+    # Selective recomputation (attention scores only) is simulated, not compiled.
+    plan = dataclasses.replace(baselines.ddp("examples/gpt.py", "cpu:1x2"), recompute="selective")
+    plan.save(tmp_path / "selective.json")
+    assert_user_error(capsys, ["compile", str(tmp_path / "selective.json"), "-o", str(tmp_path / "p1")], "recomputes activations (selective)", "not compiled yet")
+    # Full recomputation checkpoints repeated blocks: the MLP has none.
     plan = dataclasses.replace(baselines.ddp("examples/mlp.py", "cpu:1x2"), recompute="full")
-    path = tmp_path / "recompute.json"
-    plan.save(path)
-    assert_user_error(capsys, ["compile", str(path), "-o", str(tmp_path / "prog")], "recomputes activations", "not compiled yet")
+    plan.save(tmp_path / "mlp.json")
+    assert_user_error(capsys, ["compile", str(tmp_path / "mlp.json"), "-o", str(tmp_path / "p2")], "no repeated blocks")

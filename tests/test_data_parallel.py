@@ -53,10 +53,14 @@ def test_small_model_on_two_processes_is_data_parallel():
     assert plan.mesh.axes == (("dp", 2),) and plan.world_size == 2
     assert plan.inputs == {"inputs": S0, "targets": S0}
     assert plan.batch_size == 16
-    # Plenty of memory and a tiny model: replicated weights (DDP) beat FSDP's gathers.
-    assert plan.dp_flavour == "ddp"
-    assert [alt.name for alt in plan.runners_up] == ["fsdp (dp=2)"]
-    assert plan.runners_up[0].fits and plan.runners_up[0].step_time_s > plan.estimate.step_time_s
+    # Plenty of memory and a tiny model: no flavour is short of memory, so the step time
+    # decides. ZeRO-2's reduce-scatter of the gradients plus all-gather of the updated weights
+    # move the same bytes as DDP's all-reduce, and each rank steps the optimizer on half the
+    # parameters: it beats DDP by half an optimizer step. ZeRO-1 adds the gather to DDP's
+    # all-reduce; FSDP gathers the weights in forward and again in backward.
+    assert plan.dp_flavour == "zero2"
+    assert [alt.name for alt in plan.runners_up] == ["ddp (dp=2)", "zero1 (dp=2)", "fsdp (dp=2)"]
+    assert all(alt.fits and alt.step_time_s > plan.estimate.step_time_s for alt in plan.runners_up)
 
 
 def test_batch_sharded_placements(gpt):
@@ -138,21 +142,52 @@ def test_ddp_step_time_by_hand():
 # ----------------------------------------------------------------- memory-tight
 
 
+def _memory_by_flavour(graph, cluster, spec) -> dict[str, int]:
+    return {f: data_parallel_plan(graph, cluster, spec, "GPT", f).estimate.memory.total for f in DATA_PARALLEL_FLAVOURS}
+
+
 def test_memory_tight_chooses_fsdp(gpt):
     spec, graph = gpt
     cluster = Cluster.preset("cpu", 1, 2)
-    ddp = data_parallel_plan(graph, cluster, spec, "GPT", "ddp").estimate.memory.total
-    fsdp = data_parallel_plan(graph, cluster, spec, "GPT", "fsdp").estimate.memory.total
-    assert fsdp < ddp
-    tight = with_device_memory(cluster, (ddp + fsdp) // 2)  # FSDP fits, DDP does not
+    memory = _memory_by_flavour(graph, cluster, spec)
+    # Each flavour shards one more part of the training state than the one before it.
+    assert memory["ddp"] > memory["zero1"] > memory["zero2"] > memory["fsdp"]
+    tight = with_device_memory(cluster, (memory["zero2"] + memory["fsdp"]) // 2)  # only FSDP fits
     plan = plan_data_parallel(graph, tight, spec, "GPT")
     assert plan.dp_flavour == "fsdp"
-    assert plan.estimate.fits and plan.estimate.memory.total == fsdp
+    assert plan.estimate.fits and plan.estimate.memory.total == memory["fsdp"]
     assert plan.fsdp_units == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
-    (runner_up,) = plan.runners_up
-    assert runner_up.name == "ddp (dp=2)"
-    assert not runner_up.fits and runner_up.memory_bytes == ddp
-    assert runner_up.note.startswith("does not fit")
+    assert [alt.name for alt in plan.runners_up] == ["ddp (dp=2)", "zero1 (dp=2)", "zero2 (dp=2)"]
+    for runner_up, flavour in zip(plan.runners_up, ("ddp", "zero1", "zero2")):
+        assert not runner_up.fits and runner_up.memory_bytes == memory[flavour]
+        assert runner_up.note.startswith("does not fit")
+
+
+def test_memory_tight_for_ddp_chooses_zero(gpt):
+    # Between ZeRO-1's and DDP's needs: all but DDP fit, and ZeRO-2 is the fastest of them
+    # (the same gradient bytes on the wire as DDP, half the optimizer step, no second gather
+    # of the weights in backward as FSDP).
+    spec, graph = gpt
+    cluster = Cluster.preset("cpu", 1, 2)
+    memory = _memory_by_flavour(graph, cluster, spec)
+    plan = plan_data_parallel(graph, with_device_memory(cluster, (memory["ddp"] + memory["zero1"]) // 2), spec, "GPT")
+    assert plan.dp_flavour == "zero2"
+    assert plan.fsdp_units == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")  # compiled as FSDP2 units
+    by_name = {alt.name: alt for alt in plan.runners_up}
+    assert not by_name["ddp (dp=2)"].fits
+    assert by_name["zero1 (dp=2)"].fits and by_name["fsdp (dp=2)"].fits
+    assert all(alt.step_time_s > plan.estimate.step_time_s for alt in plan.runners_up if alt.fits)
+
+
+@pytest.mark.parametrize("flavour", ["zero1", "zero2"])
+def test_forced_zero_flavour(gpt, flavour):
+    spec, graph = gpt
+    cluster = Cluster.preset("cpu", 1, 2)
+    plan = plan_data_parallel(graph, cluster, spec, "GPT", dp_flavour=flavour)
+    assert plan.dp_flavour == flavour and plan.name == f"{flavour} ({plan.mesh})"
+    assert plan.fsdp_units == (("blocks.0", "blocks.1", "blocks.2", "blocks.3") if flavour == "zero2" else ())
+    assert all(p == R for s in plan.strategies for p in s.params.values())  # weights whole in every op
+    assert planner.plan(spec, cluster, dp_flavour=flavour).dp_flavour == flavour
 
 
 def test_forced_ddp_is_respected(gpt):
@@ -160,7 +195,7 @@ def test_forced_ddp_is_respected(gpt):
     cluster = Cluster.preset("cpu", 1, 2)
     plan = plan_data_parallel(graph, cluster, spec, "GPT", dp_flavour="ddp")
     assert plan.dp_flavour == "ddp" and plan.fsdp_units == ()
-    assert [alt.name for alt in plan.runners_up] == ["fsdp (dp=2)"]
+    assert [alt.name for alt in plan.runners_up] == ["zero1 (dp=2)", "zero2 (dp=2)", "fsdp (dp=2)"]
     assert planner.plan(spec, cluster, dp_flavour="ddp").dp_flavour == "ddp"
 
 
@@ -206,10 +241,10 @@ def test_layers_larger_than_a_device():
 # ------------------------------------------------------------------- bad requests
 
 
-@pytest.mark.parametrize("flavour", ["zero3", "DDP", "zero1"])
+@pytest.mark.parametrize("flavour", ["zero3", "DDP", "zero"])
 def test_invalid_flavour(gpt, flavour):
     spec, graph = gpt
-    with pytest.raises(PlanningError, match=f"flavour '{flavour}' is not available; choose one of ddp, fsdp"):
+    with pytest.raises(PlanningError, match=f"flavour '{flavour}' is not available; choose one of ddp, zero1, zero2, fsdp"):
         plan_data_parallel(graph, Cluster.preset("cpu", 1, 2), spec, "GPT", dp_flavour=flavour)
 
 

@@ -1,20 +1,26 @@
 """Distributed parity: every compiled program trains exactly like one device.
 
 For each example model (MLP, GPT, CNN, a tiny HuggingFace GPT-2) and each data-parallel
-flavour (DDP, FSDP) at world sizes 2 and 4, the compiled program's sharded step (outputs,
-loss, every gradient, every updated parameter) must equal the same step on one device
-(``codegen.runtime.parity.check_parity``, the comparison behind ``launch.py --check``).
+flavour (DDP, ZeRO-1, ZeRO-2, FSDP) at world sizes 2 and 4, the compiled program's sharded
+step (outputs, loss, every gradient, every updated parameter) must equal the same step on one
+device (``codegen.runtime.parity.check_parity``, the comparison behind ``launch.py --check``).
+ZeRO-1's step goes through the program's ``make_optimizer`` hook (a ZeroRedundancyOptimizer).
+GPT with DDP and GPT-2 with FSDP also run with every block recomputed in backward
+(``codegen.runtime.recompute``).
 
 Starting gloo processes costs seconds on 2 cores, so each world size compiles its programs
 first and checks them all in ONE torchrun launch of ``tests/dist_check_many.py``; the
 parametrized tests then read that launch's ``RESULT`` line of their own program, so a failure
-names the model, flavour and world size. A negative control (a DDP program whose gradients are
-never averaged) proves the check can fail, and the CLI path is run exactly as a user types it:
+names the model, flavour and world size. Negative controls (a DDP program whose gradients are
+never averaged; a ZeRO-1 program whose ranks step their own share of the parameters and never
+share the result) prove the check can fail and that it steps through the program's optimizer
+hook, and the CLI path is run exactly as a user types it:
 ``planner plan``, ``planner compile``, ``torchrun out/launch.py --check --steps 2``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -35,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 DIST_CHECK_MANY = Path(__file__).resolve().with_name("dist_check_many.py")
 
 WORLD_SIZES = (2, 4)
-FLAVOURS = ("ddp", "fsdp")
+FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")
 # Every global batch divides by 4 so each world size gets whole, equal per-rank slices.
 HF_GPT2_TINY = {
     "n_layer": 2,
@@ -52,7 +58,8 @@ MODELS = {
     "cnn": ("examples/cnn.py", {"batch_size": 8}),
     "gpt2": ("hf:gpt2", HF_GPT2_TINY),
 }
-CASES = [(model, flavour) for model in MODELS for flavour in FLAVOURS]
+# "+recompute": the flavour's plan with every repeated block recomputed in backward.
+CASES = [(model, flavour) for model in MODELS for flavour in FLAVOURS] + [("gpt", "ddp+recompute"), ("gpt2", "fsdp+recompute")]
 
 # Seconds. One launch here takes ~7-25 s (2 cores); the limits only stop a hung collective.
 LAUNCH_TIMEOUT = 300
@@ -65,6 +72,17 @@ WITHOUT_DDP = '''
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     """Negative control: the bare model, no DistributedDataParallel around it."""
     return model
+'''
+# Appended to a compiled ZeRO-1 program: each rank keeps the states of its share of the
+# parameters and updates that share only, but never broadcasts it (what ZeroRedundancyOptimizer
+# adds), so the replicas drift apart after the step. Only a check that builds its optimizer
+# through the program's make_optimizer can see it.
+WITHOUT_BROADCAST = '''
+
+def make_optimizer(module, mesh, optimizer_class, **kwargs):
+    """Negative control: states sharded over "dp", updated parameters never broadcast."""
+    rank, size = mesh.get_local_rank("dp"), mesh.size()
+    return optimizer_class(list(module.parameters())[rank::size], **kwargs)
 '''
 FAILED_ON_A_TENSOR = re.compile(r"parity FAILED: worst tensor (grad of|updated) net\.\d+\.(weight|bias)")
 
@@ -125,8 +143,18 @@ def _torchrun(nproc: int) -> list[str]:
 
 def _compile(source: str, overrides: dict, world: int, flavour: str, folder: Path) -> Path:
     spec = ModelSpec(source if source.startswith("hf:") else str(REPO / source), overrides)
-    plan = planner.plan(spec, f"cpu:1x{world}", dp_flavour=flavour)
+    plan = planner.plan(spec, f"cpu:1x{world}", dp_flavour=flavour.removesuffix("+recompute"))
+    if flavour.endswith("+recompute"):
+        plan = dataclasses.replace(plan, recompute="full")
     planner.compile(plan, folder)
+    return folder
+
+
+def _remove_parameter_broadcast(folder: Path) -> Path:
+    source = folder / "model_spmd.py"
+    text = source.read_text()
+    assert "ZeroRedundancyOptimizer(" in text and "def make_optimizer(" in text, f"{source} is not a ZeRO-1 program:\n{text}"
+    source.write_text(text + WITHOUT_BROADCAST)
     return folder
 
 
@@ -148,6 +176,7 @@ class WorldRun:
     world: int
     folders: dict[tuple[str, str], Path]  # (model, flavour) -> compiled program
     broken: Path  # the negative control: DDP without gradient averaging
+    unbroadcast: Path  # the negative control: ZeRO-1 without the broadcast of updated parameters
     launch: Launch
 
     def result(self, folder: Path) -> str:
@@ -167,10 +196,12 @@ def world_run(request, tmp_path_factory) -> WorldRun:
         for model, flavour in CASES
     }
     broken = _remove_gradient_averaging(_compile(*MODELS["mlp"], world, "ddp", root / "mlp_ddp_unaveraged"))
+    unbroadcast = _remove_parameter_broadcast(_compile(*MODELS["mlp"], world, "zero1", root / "mlp_zero1_unbroadcast"))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(DIST_CHECK_MANY)]
-    launch = _run([*command, *map(str, folders.values()), str(broken)], cwd=root, timeout=LAUNCH_TIMEOUT)
+    controls = [str(broken), str(unbroadcast)]
+    launch = _run([*command, *map(str, folders.values()), *controls], cwd=root, timeout=LAUNCH_TIMEOUT)
     assert launch.returncode == 0, f"dist_check_many.py failed at world size {world}:\n{launch.describe()}"
-    return WorldRun(world, folders, broken, launch)
+    return WorldRun(world, folders, broken, unbroadcast, launch)
 
 
 @pytest.mark.parametrize(("model", "flavour"), CASES, ids=[f"{model}-{flavour}" for model, flavour in CASES])
@@ -181,12 +212,34 @@ def test_sharded_step_equals_single_device(world_run: WorldRun, model: str, flav
 
 def test_every_program_reports_a_result(world_run: WorldRun) -> None:
     results = [line for line in world_run.launch.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(results) == len(world_run.folders) + 1, world_run.launch.describe()
+    assert len(results) == len(world_run.folders) + 2, world_run.launch.describe()
 
 
 def test_unaveraged_gradients_are_reported(world_run: WorldRun) -> None:
     result = world_run.result(world_run.broken)
     assert result.startswith("FAILED ") and FAILED_ON_A_TENSOR.search(result), result
+
+
+def test_zero1_step_goes_through_the_program_optimizer(world_run: WorldRun) -> None:
+    # Gradients are right (DDP averages them); only the updated parameters a rank does not
+    # own are stale, and only the program's own make_optimizer could have made them so.
+    result = world_run.result(world_run.unbroadcast)
+    assert result.startswith("FAILED ") and re.search(r"worst tensor updated net\.\d+\.(weight|bias)", result), result
+
+
+def test_compiled_data_parallel_flavours(world_run: WorldRun) -> None:
+    """What each flavour compiles to: ZeRO-1 is DDP plus a ZeroRedundancyOptimizer over "dp";
+    ZeRO-2 is FSDP2 units that keep their gathered weights from forward to backward."""
+    source = {flavour: (world_run.folders["gpt", flavour] / "model_spmd.py").read_text() for flavour in FLAVOURS}
+    assert "DistributedDataParallel(" in source["zero1"] and "def make_optimizer(" in source["zero1"]
+    assert 'ZeroRedundancyOptimizer(\n        module.parameters(),' in source["zero1"]
+    assert 'process_group=mesh["dp"].get_group()' in source["zero1"]
+    assert "def make_optimizer(" not in source["ddp"] + source["zero2"] + source["fsdp"]
+    units = ('fully_shard(model.get_submodule("blocks.0"), mesh=dp_mesh, reshard_after_forward=False)',
+             'fully_shard(model.get_submodule("blocks.1"), mesh=dp_mesh, reshard_after_forward=False)',
+             "fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)")
+    assert all(line in source["zero2"] for line in units), source["zero2"]
+    assert "reshard_after_forward" not in source["fsdp"]
 
 
 # ------------------------------------------------------------------ launch.py, as a user runs it

@@ -2,7 +2,8 @@
 
 Golden plans (as autoparallel's and Alpa's tests): a small model with a large batch gets
 data parallelism; layers too large for one device with a small batch get Megatron-style
-tensor parallelism inside the node; a memory-tight model gets its weights sharded. CP-SAT
+tensor parallelism inside the node; a memory-tight model gets its weights sharded; a model
+whose optimizer states alone keep DDP out of memory gets ZeRO, not FSDP. CP-SAT
 must find the exhaustive optimum of its own objective on graphs small enough to enumerate,
 and MCMC must come within 2% of the simulator's exhaustive optimum at its default budget.
 """
@@ -183,8 +184,63 @@ def test_memory_tight_model_gets_sharded_weights():
     sharded = any(
         any(isinstance(p, Shard) for p in placements) for s in plan.strategies for placements in s.params.values()
     )
-    assert plan.dp_flavour == "fsdp" or sharded
+    assert plan.dp_flavour in ("zero1", "zero2", "fsdp") or sharded
     assert any(alt.name == "ddp (dp=4)" and not alt.fits for alt in plan.runners_up)
+
+
+class Blocks(nn.Module):
+    """``depth`` blocks of Linear(width, width) + ReLU, then the mean square: FSDP units by block."""
+
+    def __init__(self, width: int = 128, depth: int = 8):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x.pow(2).mean()
+
+
+def test_memory_between_zero_and_ddp_gets_zero2():
+    # Blocks(128, 8) on a (256, 128) batch, cpu:1x2 (dp = 2), fp32 AdamW.
+    # P = 8 * (128 * 128 + 128) = 132,096 parameters; weights W = 4 P = 528,384 B, gradients
+    # G = 528,384 B, AdamW states S = 8 P = 1,056,768 B. Per device, besides activations (the
+    # same for every flavour: 128 rows per rank):
+    #   DDP:    W + G + S     + bucket (min(25 MiB, G) = G)          = 2,641,920 B
+    #   ZeRO-1: W + G + S / 2 + bucket                               = 2,113,536 B
+    #   ZeRO-2: W + G / 2 + S / 2 + bucket                           = 1,849,344 B
+    #   FSDP:   (W + G + S) / 2 + two gathered blocks (2 * 66,048)   = 1,188,864 B
+    # Activations, as autograd keeps them: each ReLU's (128, 128) fp32 output (65,536 B; the
+    # next linear and the square read it) x 8 + the 4 B loss = 524,292 B (a linear's output is
+    # read only by ReLU, which keeps its own output instead). A 3,000,000 B device leaves
+    # 2,475,708 B beside them: DDP needs 166,212 B more, every ZeRO/FSDP flavour fits.
+    # Speed: ZeRO-2 reduce-scatters the gradients and all-gathers the updated weights, the
+    # bytes of DDP's all-reduce, and steps AdamW on half the parameters; ZeRO-1 all-reduces and
+    # then gathers (1.5x the bytes); FSDP gathers each block in forward and again in backward
+    # (1.5x too), which this small batch cannot hide. Tensor parallelism (tp = 2) moves
+    # activations of the whole 256-row batch per block instead: ZeRO-2 is the fastest that fits
+    # (by 3-4% over ZeRO-1, ~20% over tp = 2 and FSDP, as simulated).
+    with torch.device("meta"):
+        model, x = Blocks(), torch.randn(256, 128)
+    graph = trace(model, (x,))
+    cluster = Cluster.preset("cpu", 1, 2)
+    tight = dataclasses.replace(
+        cluster, nodes=tuple(dataclasses.replace(n, device=dataclasses.replace(n.device, memory_bytes=3_000_000)) for n in cluster.nodes)
+    )
+    plan = search_plan(graph, tight, None, "Blocks", search="ilp", time_budget_s=20)
+    assert plan.name == "zero2 (dp=2)" and plan.estimate.fits
+    assert plan.fsdp_units == tuple(f"blocks.{i}" for i in range(8))
+    memory = plan.estimate.memory
+    assert (memory.weights, memory.gradients, memory.optimizer_states) == (528_384, 264_192, 528_384)
+    assert memory.communication_buffers == 528_384 and memory.activations == 524_292
+    assert memory.total == 1_849_344 + 524_292
+    by_name = {alt.name: alt for alt in plan.runners_up}
+    assert not by_name["ddp (dp=2)"].fits and by_name["ddp (dp=2)"].memory_bytes == 2_641_920 + 524_292
+    assert by_name["zero1 (dp=2)"].memory_bytes == 2_113_536 + 524_292
+    assert by_name["fsdp (dp=2)"].memory_bytes == 1_188_864 + 524_292
+    for name in ("zero1 (dp=2)", "fsdp (dp=2)", "soap (tp=2)"):
+        assert by_name[name].fits and by_name[name].step_time_s > plan.estimate.step_time_s, by_name[name]
+    assert all(alt.step_time_s > plan.estimate.step_time_s for alt in plan.runners_up if alt.fits)
 
 
 def test_model_that_cannot_fit_anywhere():

@@ -1,8 +1,9 @@
 """Plans the search picks, compiled and checked against one device; and a 2 x 4 mesh.
 
 ``test_spmd_parity.py`` forces each rule family; here the planner chooses: the default
-search's plan for cnn, hf:gpt2 and mlp (whatever family it picks: DDP/FSDP or a SOAP
-plan), all checked in one world-2 launch, and Megatron on a dp=2 x tp=4 mesh at world
+search's plan for cnn, hf:gpt2 and mlp (whatever family it picks: a data-parallel flavour
+or a SOAP plan), all checked in one world-2 launch; the issue's small llama and GPT searched
+on 4 devices, in one world-4 launch; and Megatron on a dp=2 x tp=4 mesh at world
 size 8, so every mesh shape of the issue (2, 2x2, 2x4) runs for real.
 """
 
@@ -56,6 +57,32 @@ def searched(tmp_path_factory):
 def test_searched_plan_matches_one_device(searched, name):
     plans, folders, launch = searched
     assert plans[name].search_summary.startswith("auto search")
+    assert _result(launch, folders[name]).startswith("ok"), f"{name} ({plans[name].name}): {_result(launch, folders[name])}"
+
+
+# The issue's done-when model (a small llama with grouped-query attention) and GPT, searched
+# on 4 devices: the plans the planner picks there (SOAP on a 2x2 or 1x4 mesh, or a
+# data-parallel flavour) must train like one device.
+SEARCHED_WORLD4 = {
+    "llama": ModelSpec("hf:llama", {
+        "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    }),
+    "gpt": ModelSpec(str(EXAMPLES / "gpt.py"), {"batch_size": 8}),
+}
+
+
+@pytest.fixture(scope="module")
+def searched_world4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("searched4")
+    plans = {name: planner.plan(spec, "cpu:1x4", time_budget_s=10, progress=False) for name, spec in SEARCHED_WORLD4.items()}
+    folders = {name: planner.compile(plan, root / name) for name, plan in plans.items()}
+    return plans, folders, _launch(4, list(folders.values()), root)
+
+
+@pytest.mark.parametrize("name", sorted(SEARCHED_WORLD4))
+def test_searched_plan_on_four_devices_matches_one_device(searched_world4, name):
+    plans, folders, launch = searched_world4
     assert _result(launch, folders[name]).startswith("ok"), f"{name} ({plans[name].name}): {_result(launch, folders[name])}"
 
 

@@ -15,6 +15,8 @@ the same step on one device (``codegen.runtime.parity.check_parity``, behind
 - a batch family: GPT-2's batch split over both ``dp`` and ``tp`` (``(S(0), S(0))``), every
   weight replicated, so gradients are partial sums over the whole mesh, reduced by the
   program's gradient hooks;
+- recomputation: Megatron plans (GPT at world 2, Llama with SP at world 4) whose blocks are
+  recomputed in backward (``torch.utils.checkpoint`` around each block's replay);
 - a random family: GPT (world 2) and the MLP (world 4) with every input, output and parameter
   of every op placed at random (``S(d)``, ``R``, ``P`` per axis), the strongest form of "any
   plan": DTensor must redistribute wherever placements disagree, and where its rules cannot
@@ -68,7 +70,11 @@ MODELS = {
 }
 WORLD_SIZES = (2, 4)  # mesh tp=2, and dp=2 x tp=2
 MEGATRON = ("megatron", "megatron-sp")  # sequence_parallel off, on
-EXTRA = {2: [("mlp", "partial"), ("gpt", "random")], 4: [("gpt2", "batch"), ("mlp", "random")]}
+# "+recompute": the family's plan with every block recomputed in backward (checkpointed).
+EXTRA = {
+    2: [("mlp", "partial"), ("gpt", "random"), ("gpt", "megatron+recompute")],
+    4: [("gpt2", "batch"), ("mlp", "random"), ("llama", "megatron-sp+recompute")],
+}
 # Placements of the "random" family. With this seed DTensor cannot run the backward of one of
 # GPT's views on its placements: the compile-time dry run finds it and the program runs that
 # view on whole inputs (test_dtensor_failures_run_on_whole_inputs).
@@ -93,6 +99,8 @@ def _graph(model: str, world: int):
 
 def make_plan(model: str, family: str, world: int) -> planner.Plan:
     """The plan of one case: Megatron-LM's layout, or a family built by per-axis propagation."""
+    if family.endswith("+recompute"):
+        return dataclasses.replace(make_plan(model, family.removesuffix("+recompute"), world), recompute="full")
     graph, spec, name, cluster = _graph(model, world)
     plan = megatron_plan(graph, cluster, spec, name, tp=2, sequence_parallel=family == "megatron-sp", precision="fp32")
     if family.startswith("megatron"):

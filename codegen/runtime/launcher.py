@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from codegen.runtime.parity import check_parity, make_optimizer
+from codegen.runtime.parity import check_parity, optimizer_class
 from codegen.runtime.program import Program, load_program
 from planner.errors import PlannerError
 from planner.model_spec import extract_loss
@@ -61,19 +61,45 @@ def main(folder: Path, argv: list[str]) -> int:
             dist.destroy_process_group()
 
 
+def exit_now(status: int) -> None:
+    """Leave the process with ``status``. After a success, once output is flushed, skip the
+    interpreter's teardown: after the process group is destroyed, gloo's and autograd's
+    native threads can still be joinable while C++ statics are destroyed, which now and then
+    aborts a rank ("terminate called without an active exception") after a run that
+    succeeded. A failure exits normally: a rank that left at once could get the others
+    killed by torchrun before rank 0 has printed the error."""
+    if status != 0:
+        sys.exit(status)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def train_synthetic(program: Program, mesh, steps: int, lr: float, optimizer_name: str) -> list[float]:
     """Train ``steps`` steps on random batches shaped like the example batch; print each step's time."""
     model, args, kwargs = program.build_model()
     module = program.parallelize(model, mesh)
-    optimizer = make_optimizer(optimizer_name, module.parameters(), lr)
+    if program.is_pipeline:
+        pipeline = program.module.make_pipeline(module, mesh)
+
+        def forward_backward(batch_args, batch_kwargs):  # every micro-batch, through the schedule
+            return pipeline.step(batch_args, batch_kwargs)
+
+    else:
+
+        def forward_backward(batch_args, batch_kwargs):
+            loss = extract_loss(module(*batch_args, **batch_kwargs))
+            loss.backward()
+            return loss
+
+    optimizer = program.make_optimizer(module, mesh, optimizer_class(optimizer_name), lr=lr)  # the program's hook, if any
     times = []
     for step in range(steps):
         torch.manual_seed(1000 + step)  # the same global batch on every rank
         batch_args, batch_kwargs = program.shard_batch(_random_like(args), _random_like(kwargs), mesh)
         _synchronize()
         start = time.perf_counter()
-        loss = extract_loss(module(*batch_args, **batch_kwargs))
-        loss.backward()
+        loss = forward_backward(batch_args, batch_kwargs)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _synchronize()

@@ -64,19 +64,30 @@ class ParityResult:
         )
 
 
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The optimizer class of the step: ``adamw`` (the plan's default) or ``sgd``."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer '{name}' (adamw or sgd)")
+    return OPTIMIZERS[name]
+
+
 def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
-    """The optimizer of the step: ``adamw`` (the plan's default) or ``sgd``."""
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    raise ValueError(f"unknown optimizer '{name}' (adamw or sgd)")
+    """The single-device optimizer of the step over ``params``: ``adamw`` or ``sgd``."""
+    return optimizer_class(name)(params, lr=lr)
 
 
 def check_parity(
     program: Program, mesh: DeviceMesh, atol: float = 1e-5, rtol: float = 1e-4, lr: float = 1e-3, optimizer: str = "adamw"
 ) -> ParityResult:
-    """Run one sharded step and one single-device step and compare them (see module doc)."""
+    """Run one sharded step and one single-device step and compare them (see module doc).
+    A pipeline program runs its step through its schedule (``codegen.runtime.pipeline_parity``)."""
+    if program.is_pipeline:
+        from codegen.runtime.pipeline_parity import check_pipeline_parity
+
+        return check_pipeline_parity(program, mesh, atol, rtol, lr, optimizer)
     model, args, kwargs = program.build_model()
     _disable_dropout(model)
     reference = copy.deepcopy(model)
@@ -91,7 +102,8 @@ def check_parity(
     # Sharded: this rank's module on this rank's slice of the batch.
     local_module = program.parallelize(model, mesh)
     local_args, local_kwargs = program.shard_batch(args, kwargs, mesh)
-    local_optimizer = make_optimizer(optimizer, local_module.parameters(), lr)
+    # Through the program's optimizer hook when it has one (ZeRO-1: a ZeroRedundancyOptimizer).
+    local_optimizer = program.make_optimizer(local_module, mesh, optimizer_class(optimizer), lr=lr)
     output = local_module(*local_args, **local_kwargs)
     loss = extract_loss(output)
     loss.backward()

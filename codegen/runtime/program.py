@@ -6,6 +6,7 @@ build the mesh and the model on this rank. This is the Python path for a user's 
     mesh = program.build_mesh()                       # initialises torch.distributed if needed
     model, args, kwargs = program.build_model()       # same seed, same weights on every rank
     module = program.parallelize(model, mesh)
+    optimizer = program.make_optimizer(module, mesh, torch.optim.AdamW, lr=1e-3)
     local_args, local_kwargs = program.shard_batch(args, kwargs, mesh)
 """
 
@@ -31,7 +32,21 @@ BUILD_SEED = 0
 
 @dataclass
 class Program:
-    """A loaded compiled program (see the module docstring)."""
+    """A loaded compiled program (see the module docstring).
+
+    ``model_spmd.py`` must define ``parallelize(model, mesh)`` and ``shard_batch(args,
+    kwargs, mesh)``. It may define the optimizer hook
+
+        make_optimizer(module, mesh, optimizer_class, **kwargs) -> torch.optim.Optimizer
+
+    where ``module`` is what ``parallelize`` returned, ``optimizer_class`` a
+    ``torch.optim.Optimizer`` subclass (``torch.optim.AdamW``) and ``kwargs`` its
+    hyper-parameters (``lr=...``): the optimizer of the step, equivalent, parameter by
+    parameter, to ``optimizer_class(module.parameters(), **kwargs)``. ZeRO-1 programs define
+    it to return a ``ZeroRedundancyOptimizer`` over ``dp`` (states sharded, updated weights
+    broadcast). ``Program.make_optimizer`` calls the hook when it is defined and builds the
+    plain optimizer otherwise; ``launch.py --check``/``--steps`` build theirs through it.
+    """
 
     folder: Path
     plan: Plan
@@ -69,6 +84,23 @@ class Program:
     def parallelize(self, model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
         """This rank's module (``model_spmd.parallelize``)."""
         return self.module.parallelize(model, mesh)
+
+    def make_optimizer(
+        self, module: torch.nn.Module, mesh: DeviceMesh, optimizer_class: type[torch.optim.Optimizer], **kwargs
+    ) -> torch.optim.Optimizer:
+        """The optimizer of ``module`` (from ``parallelize``): ``model_spmd.make_optimizer``
+        when the program defines it, else ``optimizer_class(module.parameters(), **kwargs)``."""
+        hook = getattr(self.module, "make_optimizer", None)
+        if hook is None:
+            return optimizer_class(module.parameters(), **kwargs)
+        return hook(module, mesh, optimizer_class, **kwargs)
+
+    @property
+    def is_pipeline(self) -> bool:
+        """Whether this is a pipeline program: ``parallelize`` returns this rank's stage, and
+        ``model_spmd.make_pipeline(stage, mesh).step(args, kwargs)`` runs a step's forward and
+        backward through the schedule (``codegen.runtime.pipeline``)."""
+        return self.plan.pipeline is not None
 
     def shard_batch(self, args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
         """This rank's slice of a global batch (``model_spmd.shard_batch``)."""

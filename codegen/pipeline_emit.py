@@ -1,0 +1,645 @@
+"""Write ``model_spmd.py`` for a pipeline plan: one stage module per pipeline stage.
+
+A pipeline plan (``plan.pipeline``, a mesh ``pp`` [x ``dp``] [x ``tp``]) gives every op of the
+traced graph a stage (``NodeStrategy.stage``) and placements on the other axes. The program
+replays the graph as the graph program does (``codegen.spmd_emit``: one line per ATen op,
+on DTensors, ``_to`` where the plan redistributes), cut into stages:
+
+- the graph is traced again at the size of one micro-batch (``batch / micro_batches``, over
+  all of ``dp``), so the shapes written in the program (views, reshapes) are a micro-batch's;
+- each stage becomes a class whose ``forward`` runs that stage's ops on DTensors over the
+  stage mesh (the plan's mesh without ``pp``; a one-rank ``dp`` axis when ``pp`` is the only
+  axis), and reads only that stage's parameters;
+- what a stage sends on is read from the written code (as ``codegen.spmd_recompute`` reads a
+  block's outputs): the DTensor values it or an earlier stage assigned that a later stage
+  reads, graph inputs included (labels a last stage needs travel through the stages before
+  it). They cross as local tensors (``send``: ``_to`` the boundary placements, then
+  ``to_local``; ``receive``: ``DTensor.from_local`` with the same placements); values computed
+  locally (positions, masks) are computed again where they are read instead of sent;
+- the last stage returns the model's loss, which the schedule back-propagates;
+- with ``recompute="full"`` each repeated block inside a stage runs under
+  ``torch.utils.checkpoint`` (as in graph programs, ``codegen.spmd_recompute``);
+- parameters read by several stages (tied embeddings) are held by each; the runtime sums
+  their gradients over those stages.
+
+``codegen.runtime.pipeline`` runs it: ``PipelineStage`` with static shapes from the
+STAGE_INPUTS / STAGE_OUTPUTS tables, and ``ScheduleGPipe`` or ``Schedule1F1B``.
+
+Not compiled (``unsupported`` names why, one line): interleaved schedules (virtual stages),
+selective recomputation, meshes whose first axis is not ``pp`` or with axes
+other than ``dp``/``tp``, and models whose traced graph returns no scalar loss.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+import textwrap
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.tensor import Replicate
+
+from codegen import spmd_notes as notes
+from codegen.graph_facts import build_meta_model, clean_path, model_facts, trace_model
+from codegen.spmd_emit import SUPPORTED_AXES, _Emitter, _whole
+from codegen.spmd_recompute import assigned_in_order, block_runs, checkpoint_blocks, names_in
+from planner import __version__
+from planner.errors import PlanningError
+from planner.graph import OpGraph
+from planner.plans import Plan
+from planner.strategy import Mesh
+
+PP_AXIS = "pp"
+SCHEDULES = ("gpipe", "1f1b")
+_PAD = " " * 8
+
+
+def unsupported(plan: Plan) -> str | None:
+    """Why this path cannot compile ``plan`` (one line), or ``None`` when it can."""
+    pipeline = plan.pipeline
+    if pipeline is None:
+        return "the plan has no pipeline"
+    names = plan.mesh.names
+    if not names or names[0] != PP_AXIS:
+        return f"pipeline programs need '{PP_AXIS}' as the mesh's first axis; this mesh is {plan.mesh}"
+    if not set(names[1:]) <= set(SUPPORTED_AXES):
+        return f"pipeline programs run stages on axes among {SUPPORTED_AXES} besides pp; this mesh is {plan.mesh}"
+    if pipeline.schedule not in SCHEDULES or pipeline.virtual_stages != 1:
+        return (
+            f"the {pipeline.schedule} schedule with {pipeline.virtual_stages} virtual stages is simulated but not compiled "
+            f"yet; gpipe and 1f1b (one stage per rank) are"
+        )
+    if plan.recompute not in ("none", "full"):
+        return (
+            "pipeline plans that recompute activations selectively are simulated but not compiled yet; "
+            "pipeline plans without recomputation or with full recomputation are"
+        )
+    dp = plan.mesh.axis_size("dp") if "dp" in names else 1
+    if plan.batch_size % (pipeline.micro_batches * dp):
+        return f"the batch {plan.batch_size} does not split into {pipeline.micro_batches} micro-batches on each of dp={dp} ranks"
+    return None
+
+
+def supports(plan: Plan) -> bool:
+    """Whether this emitter compiles ``plan`` (see ``unsupported``)."""
+    return unsupported(plan) is None
+
+
+class _StagePlan:
+    """``plan`` as one stage sees it: the mesh without ``pp``, placements without their ``pp``
+    entry, no pipeline. Everything else is the plan's."""
+
+    def __init__(self, plan: Plan, strategies=None):
+        self._plan = plan
+        index = plan.mesh.names.index(PP_AXIS)
+        axes = tuple(axis for axis in plan.mesh.axes if axis[0] != PP_AXIS)
+        self.padded = not axes
+        self.mesh = Mesh(axes or (("dp", 1),))
+
+        def drop(placements):
+            if placements is None:
+                return None
+            kept = tuple(p for i, p in enumerate(placements) if i != index)
+            return kept or (Replicate(),)
+
+        self.strategies = tuple(
+            dataclasses.replace(
+                s,
+                inputs=tuple(drop(p) for p in s.inputs),
+                outputs=tuple(drop(p) for p in s.outputs),
+                params={name: drop(p) for name, p in s.params.items()},
+                produced=tuple(drop(p) for p in s.produced) if s.produced else None,
+            )
+            for s in (plan.strategies if strategies is None else strategies)
+        )
+        self.inputs = {name: drop(p) for name, p in plan.inputs.items()}
+        self.pipeline = None
+        self.recompute = "none"
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._plan, name)
+
+
+def render_pipeline_program(plan: Plan) -> str:
+    """Source of ``model_spmd.py`` for a pipeline plan (see the module docstring).
+
+    Raises:
+        NotImplementedError: the plan is one this path does not compile (named in the message).
+        PlanningError: the plan has no model spec, or its strategies do not match the model.
+    """
+    reason = unsupported(plan)
+    if reason:
+        raise NotImplementedError(reason)
+    if plan.model is None:
+        raise PlanningError("this plan has no model spec, so its model cannot be traced to generate the program")
+    model, args, kwargs = build_meta_model(plan)
+    micro = plan.batch_size // plan.pipeline.micro_batches
+
+    def cut(value):
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == plan.batch_size:
+            return value[:micro]
+        return value
+
+    micro_args = tuple(cut(v) for v in args)
+    micro_kwargs = {k: cut(v) for k, v in kwargs.items()}
+    graph = trace_model(model, micro_args, micro_kwargs)
+    facts = model_facts(model, micro_args, micro_kwargs, graph)
+    stage_plan = _StagePlan(plan, _micro_strategies(plan, graph, micro))
+
+    def write(observed=None, forced=None, warning=""):
+        return _PipelineWriter(plan, stage_plan, graph, facts, observed, forced, warning).render()
+
+    from codegen import dry_run
+
+    # As for graph programs: run the stages' ops once on meta tensors (one micro-batch, the
+    # stage mesh, a fake process group) and write the program again from what DTensor produced.
+    return dry_run.refine(
+        stage_plan, lambda observed, forced: _flat_source(stage_plan, graph, facts, observed, forced, micro), write
+    )
+
+
+def _micro_strategies(plan: Plan, graph: OpGraph, micro: int) -> tuple:
+    """The plan's strategies for the graph traced at one micro-batch. Usually it has the same
+    ops under the same names; traced at a micro-batch of one sample, export may drop ops that
+    do nothing there (an ``expand`` or ``contiguous`` over the batch), which renames the ops of
+    that kind after them. The two op sequences are aligned, and each op of the micro-batch
+    graph takes the strategy of the op it matches."""
+    if [n.name for n in graph.nodes] == [s.node for s in plan.strategies]:
+        return plan.strategies
+    import difflib
+
+    planned = list(plan.strategies)
+    matcher = difflib.SequenceMatcher(a=[s.op for s in planned], b=[n.op for n in graph.nodes], autojunk=False)
+    strategies: list = [None] * len(graph.nodes)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            for i, j in zip(range(i1, i2), range(j1, j2)):
+                strategies[j] = dataclasses.replace(planned[i], node=graph.nodes[j].name)
+        elif tag != "delete":
+            op = graph.nodes[j1].op
+            raise NotImplementedError(
+                f"traced at one micro-batch ({micro} samples) the model has ops the plan has not (e.g. {op} "
+                f"'{graph.nodes[j1].name}'); plan with larger micro-batches"
+            )
+    return tuple(strategies)
+
+
+def _flat_source(stage_plan: _StagePlan, graph: OpGraph, facts, observed, forced, micro: int) -> str:
+    """The graph program of one micro-batch on the stage mesh, all stages in one forward: what
+    the dry run runs (its ``shard_batch`` keeps the first micro-batch of the example batch)."""
+    source = _Emitter(stage_plan, graph, facts, observed, forced, "").render()
+    return source + textwrap.dedent(
+        f'''
+
+        _whole_batch = shard_batch
+
+
+        def shard_batch(args, kwargs, mesh):
+            def cut(value):
+                return value[:{micro}] if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == GLOBAL_BATCH else value
+
+            return _whole_batch(tuple(cut(v) for v in args), {{k: cut(v) for k, v in kwargs.items()}}, mesh)
+        '''
+    )
+
+
+@dataclasses.dataclass
+class _Boundary:
+    """A value crossing into a stage: its name, micro-batch shape, dtype and placements."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    placements: tuple
+
+
+class _PipelineWriter:
+    """Writes one pipeline program from an ``_Emitter`` over the stage plan."""
+
+    def __init__(self, plan: Plan, stage_plan: _StagePlan, graph: OpGraph, facts, observed, forced, warning: str):
+        self.plan, self.stage_plan, self.graph, self.facts = plan, stage_plan, graph, facts
+        self.emitter = _Emitter(stage_plan, graph, facts, observed, forced, warning)
+        self.stages = plan.pipeline.stages
+        self.axes, self.sizes = stage_plan.mesh.names, stage_plan.mesh.shape
+        self.recompute = plan.recompute == "full"
+
+    # ------------------------------------------------------------------------- analysis
+
+    def _stage_nodes(self, gm: torch.fx.GraphModule) -> list[list[torch.fx.Node]]:
+        """The graph's ops cut by stage; nodes without a strategy (getitem, export's checks)
+        go with the op they follow. Stages must come in order."""
+        strategies = {s.node: s for s in self.stage_plan.strategies}
+        runs: list[list[torch.fx.Node]] = [[] for _ in range(self.stages)]
+        current = 0
+        for fx_node in gm.graph.nodes:
+            if fx_node.op != "call_function":
+                continue
+            if fx_node.name in strategies:
+                stage = strategies[fx_node.name].stage
+                if stage < current:
+                    raise NotImplementedError(
+                        f"op '{fx_node.name}' runs on pipeline stage {stage} after an op of stage {current}; pipeline "
+                        f"codegen needs each stage's ops to follow the previous stage's"
+                    )
+                if stage >= self.stages:
+                    raise PlanningError(f"op '{fx_node.name}' is planned on stage {stage} of a {self.stages}-stage pipeline")
+                current = stage
+            runs[current].append(fx_node)
+        return runs
+
+    def _loss_leaf(self, gm: torch.fx.GraphModule) -> torch.fx.Node:
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        leaves = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+        for leaf in leaves:
+            val = leaf.meta.get("val") if isinstance(leaf, torch.fx.Node) else None
+            if isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point():
+                return leaf
+        raise NotImplementedError(
+            "the model returns no scalar loss in its traced graph; pipeline programs back-propagate the model's own loss"
+        )
+
+    # ------------------------------------------------------------------------- render
+
+    def render(self) -> str:
+        em = self.emitter
+        gm = self.graph.graph_module
+        for fx_node in gm.graph.nodes:
+            em.used_names.add(fx_node.name)
+        inputs = [i for i in self.graph.inputs]
+        if any(i.meta is None for i in inputs):
+            raise NotImplementedError("pipeline codegen needs every model input to be a tensor (the schedule splits them)")
+        input_names = [i.name for i in inputs]
+        input_lines = _lines_by_name(em._input_lines(gm))
+        param_lines = _lines_by_name(em._parameter_lines(gm))
+        param_of_line = {name: em.param_of_placeholder.get(name) for name in param_lines}
+
+        runs = self._stage_nodes(gm)
+        written: list[list[tuple[Any, list[str]]]] = []
+        for nodes in runs:
+            em.resharded = {}  # each stage redistributes what it reads itself
+            em.module = None
+            written.append(self._emit_runs(nodes, gm))
+        loss = em.values[self._loss_leaf(gm).name]
+        loss_line = _PAD + (f"return self.loss({loss.expr})" if loss.kind == "dt" else f"return {loss.expr}")
+        bodies = self._checkpointed(written, loss_line)
+
+        value_of = {v.expr: (fx_name, v) for fx_name, v in em.values.items()}
+        kind_of = {expr: v.kind for expr, (_, v) in value_of.items()}
+        defined: dict[str, int] = {name: -1 for name in input_names}
+        order: dict[str, int] = {name: i for i, name in enumerate(input_names)}
+        for stage, body in enumerate(bodies):
+            for name in assigned_in_order(body):
+                defined.setdefault(name, stage)
+                order.setdefault(name, len(order))
+
+        # What each stage reads from elsewhere: parameters (its own lines), values computed
+        # locally (computed again here), and DTensors or inputs (received).
+        extra: list[list[str]] = [[] for _ in range(self.stages)]
+        received: list[list[str]] = [[] for _ in range(self.stages)]
+        params: list[list[str]] = [[] for _ in range(self.stages)]
+        for stage in range(self.stages):
+            tail = [loss_line] if stage == self.stages - 1 else []
+            while True:
+                lines = extra[stage] + bodies[stage] + tail
+                needed = (names_in(lines, ast.Load) - names_in(lines, ast.Store)) & (set(defined) | set(param_lines))
+                later = sorted(n for n in needed if defined.get(n, -1) > stage)
+                if later:
+                    raise NotImplementedError(f"stage {stage} reads {later[0]}, which a later stage computes")
+                local = [n for n in needed if n in defined and defined[n] >= 0 and kind_of.get(n) != "dt"]
+                if not local:
+                    break
+                extra[stage] = self._recomputed(gm, local, value_of, stage) + extra[stage]
+            params[stage] = [n for n in param_lines if n in needed]
+            received[stage] = sorted((n for n in needed if n in defined and n not in param_lines), key=order.get)
+            if stage == 0:
+                received[stage] = list(input_names)
+        # Boundary k -> k+1: every value a later stage receives that exists by stage k.
+        boundaries: list[list[str]] = []
+        for k in range(self.stages - 1):
+            names = {n for s in range(k + 1, self.stages) for n in received[s] if defined[n] <= k}
+            boundaries.append(sorted(names, key=order.get))
+        info = {name: self._boundary(name, value_of) for b in boundaries for name in b}
+        info.update({name: self._boundary(name, value_of) for name in input_names})
+
+        classes = []
+        class_names = []
+        stage_params: list[list[str]] = []
+        base = re.sub(r"\W", "", self.facts.class_name)
+        for stage in range(self.stages):
+            class_name = f"{base}Stage{stage}"
+            class_names.append(class_name)
+            owned = list(dict.fromkeys(param_of_line[n] for n in params[stage] if param_of_line[n] in self.graph.parameters))
+            stage_params.append(owned)
+            incoming = input_names if stage == 0 else boundaries[stage - 1]
+            outgoing = boundaries[stage] if stage < self.stages - 1 else None
+            classes.append(
+                self._class(
+                    stage, class_name, runs[stage], incoming, outgoing, info,
+                    [input_lines[n] for n in input_names] if stage == 0 else None,
+                    [param_lines[n] for n in params[stage]], extra[stage], bodies[stage], loss_line, owned,
+                )
+            )
+        shared: dict[tuple[int, ...], list[str]] = {}
+        for name in dict.fromkeys(n for owned in stage_params for n in owned):
+            holders = tuple(s for s, owned in enumerate(stage_params) if name in owned)
+            if len(holders) > 1:
+                shared.setdefault(holders, []).append(name)
+        stage_inputs = [[info[n] for n in (input_names if s == 0 else boundaries[s - 1])] for s in range(self.stages)]
+        loss_shape = tuple(self._loss_leaf(gm).meta["val"].shape)
+        stage_outputs = [[info[n] for n in boundaries[s]] for s in range(self.stages - 1)]
+        io = self._io_tables(stage_inputs, stage_outputs, loss.expr, loss_shape)
+        tables = em._tables()
+        return "\n".join(
+            [
+                self._header(stage_params, boundaries, info, shared),
+                self._imports(),
+                tables,
+                io,
+                *classes,
+                self._functions(class_names, stage_params, shared, input_names),
+            ]
+        )
+
+    def _emit_runs(self, nodes: list[torch.fx.Node], gm: torch.fx.GraphModule) -> list[tuple[Any, list[str]]]:
+        """A stage's lines, as runs of one repeated block (or none) when blocks are
+        recomputed (each block run indented one more level, to become a nested function)."""
+        if not self.recompute:
+            return [(None, self.emitter._emit_nodes(nodes, gm, indent=2))]
+        runs = block_runs(self.graph, nodes)
+        return [(block, self.emitter._emit_nodes(run, gm, indent=2 + (block is not None))) for block, run in runs]
+
+    def _checkpointed(self, written: list[list[tuple[Any, list[str]]]], loss_line: str) -> list[list[str]]:
+        """Each stage's body; with recomputation, every repeated block becomes a nested function
+        run under ``checkpoint`` (as ``codegen.spmd_recompute`` writes it for graph programs):
+        backward keeps only what the block reads from outside and runs it again, collectives
+        included. A block returns what any other part of the program reads."""
+        # Names are unique across the whole program, so each stage's blocks are checked and
+        # wrapped against everything the other stages and the loss line read too.
+        loaded = [set().union(*(names_in(lines, ast.Load) for _, lines in runs)) for runs in written]
+        bodies = []
+        for stage, runs in enumerate(written):
+            elsewhere = names_in([loss_line], ast.Load).union(*(loaded[i] for i in range(len(written)) if i != stage))
+            bodies.append(checkpoint_blocks(runs, also_read=elsewhere))
+        return bodies
+
+    def _recomputed(self, gm, names: list[str], value_of, stage: int) -> list[str]:
+        """Lines computing again, in stage ``stage``, values an earlier stage computed locally
+        (the same on every rank: positions, masks), with what they need."""
+        wanted: set[str] = set()
+        by_name = {n.name: n for n in gm.graph.nodes}
+        stack = [value_of[n][0] for n in names]
+        while stack:
+            fx_name = stack.pop()
+            if fx_name in wanted or by_name[fx_name].op != "call_function":
+                continue
+            wanted.add(fx_name)
+            for arg in by_name[fx_name].all_input_nodes:
+                stack.append(arg.name)
+        nodes = [n for n in gm.graph.nodes if n.name in wanted]
+        self.emitter.module = None
+        lines = self.emitter._emit_nodes(nodes, gm, indent=2)
+        return [_PAD + f"# computed again on stage {stage} (the same on every rank; cheaper than sending it)", *lines]
+
+    def _boundary(self, name: str, value_of) -> _Boundary:
+        em = self.emitter
+        graph_input = next((i for i in self.graph.inputs if i.name == name), None)
+        if graph_input is not None:
+            return _Boundary(name, tuple(graph_input.meta.shape), graph_input.meta.dtype, tuple(em._input_placements(name)))
+        fx_name, value = value_of[name]
+        if value.kind != "dt":
+            raise NotImplementedError(f"pipeline codegen cannot send '{name}' ({value.kind}) between stages")
+        node = next(n for n in self.graph.graph_module.graph.nodes if n.name == fx_name)
+        meta = node.meta.get("val")
+        placements = value.placements if value.placements is not None else tuple(Replicate() for _ in self.axes)
+        return _Boundary(name, tuple(int(d) for d in meta.shape), meta.dtype, tuple(_whole(placements)))
+
+    # ------------------------------------------------------------------------- sections
+
+    def _header(self, stage_params, boundaries, info, shared) -> str:
+        plan = self.plan
+        pipeline = plan.pipeline
+        source = plan.model.describe() if plan.model else plan.summary.name
+        dp = plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else 1
+        micro = plan.batch_size // pipeline.micro_batches
+        if self.stage_plan.padded:
+            stage_mesh = "a one-rank dp axis (pp is the only axis: each rank holds its stage whole)"
+        else:
+            stage_mesh = " x ".join(f"{n}={size}" for n, size in zip(self.axes, self.sizes))
+        schedule = "ScheduleGPipe" if pipeline.schedule == "gpipe" else "Schedule1F1B"
+        per_rank = f", {micro // dp} per rank of dp" if dp > 1 else ""
+        lines = [
+            f'"""Per-rank program: {plan.name} for {source}.',
+            "",
+            f"Generated by soap-planner {__version__} from plan.json; it is plain PyTorch, review it freely.",
+            f"Mesh: {plan.mesh} over {plan.world_size} ranks ({plan.cluster.name}); global batch {plan.batch_size}.",
+            f"Pipeline: {pipeline.stages} stages over pp, schedule {pipeline.schedule} (torch.distributed.pipelining.{schedule}),",
+            f"{pipeline.micro_batches} micro-batches of {micro} samples per step{per_rank}. The ranks at pp coordinate s run stage s.",
+            f"Inside a stage, ops run on DTensors over the stage mesh: {stage_mesh}.",
+            f"PARAMETERS and INPUTS give placements, one per axis of the stage mesh ({', '.join(self.axes)}):",
+            "S(d) = split on dim d, R = whole on every rank, P = partial sums to be added up.",
+            *(["Every repeated block is recomputed in backward (activation checkpointing)."] if self.recompute else []),
+            "",
+        ]
+        for stage, owned in enumerate(stage_params):
+            lines.append(f"Stage {stage} holds {_modules(owned)} ({len(owned)} parameters).")
+        lines.append("")
+        for k, names in enumerate(boundaries):
+            lines.append(f"Stage {k} -> stage {k + 1} (send/recv over pp, one micro-batch; gradients come back the same way):")
+            for name in names:
+                b = info[name]
+                lines.append(f"    {name}: {notes.value_note(b.shape, b.placements, self.axes, self.sizes)}{_dtype(b.dtype)}")
+        lines += [
+            "",
+            f"Stage {self.stages - 1} returns the model's loss of each micro-batch; the schedule back-propagates it and",
+            f"divides the summed gradients by {pipeline.micro_batches}, so the step equals one device's on the whole batch.",
+        ]
+        for holders, names in shared.items():
+            lines.append(
+                f"Held by stages {', '.join(map(str, holders))} (tied): {', '.join(names)}; their gradients are all-reduced "
+                f"over those stages after backward."
+            )
+        lines += [
+            "",
+            "Inside each stage, forward() replays the model's traced ATen graph, one line per op, on",
+            "DTensors (shapes are one micro-batch's, global over the stage mesh; comments give this",
+            "rank's part), and _to(x, placements) redistributes x with the collective named above it.",
+        ]
+        if self.emitter.warning:
+            lines += ["", f"WARNING: {self.emitter.warning}"]
+        if self.emitter.fallbacks:
+            lines += ["", f"Run around DTensor's sharding rules: {', '.join(sorted(self.emitter.fallbacks))}."]
+        lines += [
+            "",
+            "Use it in your own training loop:",
+            "",
+            "    from codegen.runtime import load_program",
+            '    program = load_program("<this folder>")',
+            "    mesh = program.build_mesh()",
+            "    stage = program.parallelize(model, mesh)             # this rank's stage; model built alike everywhere",
+            "    pipeline = program.module.make_pipeline(stage, mesh) # make_pipeline below: the schedule",
+            "    optimizer = program.make_optimizer(stage, mesh, torch.optim.AdamW, lr=1e-3)",
+            "    args, kwargs = program.shard_batch(args, kwargs, mesh)",
+            "    loss = pipeline.step(args, kwargs)                   # forward + backward; the loss on every rank",
+            "    optimizer.step()",
+            '"""',
+            "",
+        ]
+        return "\n".join(lines)
+
+    def _imports(self) -> str:
+        pipeline = self.plan.pipeline
+        return "\n".join(
+            [
+                "from __future__ import annotations",
+                "",
+                "import torch",
+                "from torch.distributed.device_mesh import DeviceMesh",
+                "from torch.distributed.tensor import Partial, Replicate, Shard",
+                *(["from torch.utils.checkpoint import checkpoint"] if self.recompute else []),
+                "",
+                "from codegen.runtime.pipeline import PipelineRunner, PipelineStageModule, build_stage, stage_mesh",
+                "from codegen.runtime.spmd import shard_inputs",
+                "",
+                "aten = torch.ops.aten",
+                f"MESH_AXES = {tuple(self.plan.mesh.axes)!r}",
+                f"STAGE_AXES = {tuple(self.stage_plan.mesh.axes)!r}  # the mesh inside a stage",
+                f"GLOBAL_BATCH = {self.plan.batch_size}",
+                f"MICRO_BATCHES = {pipeline.micro_batches}",
+                f"SCHEDULE = {pipeline.schedule!r}",
+                "",
+            ]
+        )
+
+    def _io_tables(self, stage_inputs, stage_outputs, loss_name: str, loss_shape) -> str:
+        em = self.emitter
+
+        def entry(b: _Boundary) -> str:
+            return f"({b.name!r}, {b.shape!r}, {b.dtype}, {em.constant(b.placements)})"
+
+        lines = [
+            "",
+            "# What each stage receives and sends for one micro-batch: (name, shape over the stage mesh,",
+            "# dtype, placements). Stage 0 receives the model's inputs; the last stage sends the loss.",
+            "STAGE_INPUTS = (",
+        ]
+        for stage, entries in enumerate(stage_inputs):
+            lines.append(f"    ({''.join(entry(b) + ', ' for b in entries)}),  # stage {stage}")
+        lines += [")", "STAGE_OUTPUTS = ("]
+        for stage, entries in enumerate(stage_outputs):
+            lines.append(f"    ({''.join(entry(b) + ', ' for b in entries)}),  # stage {stage}")
+        lines.append(f"    (({loss_name!r}, {tuple(loss_shape)!r}, torch.float32, None),),  # stage {len(stage_outputs)}: the loss")
+        lines += [")", ""]
+        return "\n".join(lines)
+
+    def _class(self, stage, class_name, nodes, incoming, outgoing, info, input_lines, param_lines, extra, body, loss_line, owned) -> str:
+        em = self.emitter
+        signature = ", ".join(["self", *incoming])
+        lines = [
+            "",
+            "",
+            f"class {class_name}(PipelineStageModule):",
+            f'    """Stage {stage} of {self.stages}: {_modules(owned)}."""',
+            "",
+            f"    def forward({signature}):",
+            "        _to, params = self._to, self.params",
+        ]
+        if input_lines is not None:
+            lines.append("        # Inputs: this rank's part of one micro-batch, as DTensors.")
+            lines += input_lines
+        else:
+            lines.append(f"        # From stage {stage - 1}: this rank's local parts, as DTensors again.")
+            for name in incoming:
+                b = info[name]
+                note = notes.value_note(b.shape, b.placements, self.axes, self.sizes)
+                lines.append(f"        {name} = self.receive({name}, {em.constant(b.placements)}, {b.shape!r})  # {note}")
+        if param_lines:
+            lines.append("        # This stage's parameters (DTensors; qualified names in PARAMETERS).")
+            lines += param_lines
+        lines += extra
+        lines += body
+        lines.append("")
+        if outgoing is None:
+            lines.append(_PAD + "# The model's loss of this micro-batch (the full value on every rank of the stage).")
+            lines.append(loss_line)
+        else:
+            lines.append(_PAD + f"# To stage {stage + 1}: local parts, laid out as STAGE_OUTPUTS[{stage}] says.")
+            sends = [f"self.send({name}, {em.constant(info[name].placements)})" for name in outgoing]
+            lines.append(_PAD + "return (" + ", ".join(sends) + ("," if len(sends) == 1 else "") + ")")
+        return "\n".join(lines)
+
+    def _functions(self, class_names, stage_params, shared, input_names) -> str:
+        def names(stage: int, owned: list[str]) -> str:
+            if not owned:
+                return f"    (),  # stage {stage}"
+            text = textwrap.fill(
+                ", ".join(map(repr, owned)) + ",", width=110, initial_indent=" " * 8, subsequent_indent=" " * 8,
+                break_long_words=False, break_on_hyphens=False,
+            )
+            return f"    (  # stage {stage}\n{text}\n    ),"
+
+        params = "\n".join(names(s, owned) for s, owned in enumerate(stage_params))
+        shared_text = "{" + ", ".join(f"{holders!r}: {tuple(names)!r}" for holders, names in shared.items()) + "}"
+        return f'''
+
+STAGES = ({", ".join(class_names)}{"," if len(class_names) == 1 else ""})  # stage s runs on the ranks at pp coordinate s
+# The parameters each stage holds (qualified names), and those several stages hold (tied).
+STAGE_PARAMETERS = (
+{params}
+)
+SHARED_PARAMETERS = {shared_text}
+INPUT_NAMES = {tuple(input_names)!r}
+
+
+def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> PipelineStageModule:
+    """This rank's stage (its pp coordinate): the stage's parameters become DTensors over the
+    stage mesh, placed as PARAMETERS says (each rank keeps its shard; no communication)."""
+    return build_stage(STAGES, model, mesh, PARAMETERS, STAGE_PARAMETERS, DROPOUT_MODULES)
+
+
+def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
+    """This rank's part of one global batch over the stage mesh, as INPUTS says (every rank
+    holds the whole batch; no communication). The schedule cuts it into MICRO_BATCHES."""
+    return shard_inputs(args, kwargs, stage_mesh(mesh), INPUTS)
+
+
+def make_pipeline(module: PipelineStageModule, mesh: DeviceMesh) -> PipelineRunner:
+    """The {self.plan.pipeline.schedule} schedule over this rank's stage: pipeline.step(args, kwargs) runs one
+    step's forward and backward over MICRO_BATCHES micro-batches and returns the loss."""
+    return PipelineRunner(module, mesh, SCHEDULE, MICRO_BATCHES, STAGE_INPUTS, STAGE_OUTPUTS, INPUT_NAMES, SHARED_PARAMETERS)
+'''
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _lines_by_name(lines: list[str]) -> dict[str, str]:
+    found = {}
+    for line in lines:
+        match = re.match(r"\s*(\w+) = ", line)
+        if match:
+            found[match[1]] = line
+    return found
+
+
+def _modules(params: list[str]) -> str:
+    """The modules that own ``params``, at the depth of a layer: ``tok_emb, blocks.0, ...``."""
+    found: list[str] = []
+    for name in params:
+        parts = clean_path(name).split(".")[:-1]
+        cut = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        path = ".".join(parts[: cut + 1] if cut is not None else parts[:2]) or "(top level)"
+        if path not in found:
+            found.append(path)
+    return ", ".join(found) if found else "no parameters"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    text = str(dtype).removeprefix("torch.")
+    return "" if text == "float32" else f" ({text})"

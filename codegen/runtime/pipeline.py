@@ -1,0 +1,302 @@
+"""What a pipeline program imports: stage modules, the stage mesh, and one training step
+through a ``torch.distributed.pipelining`` schedule.
+
+A pipeline program (``codegen.pipeline_emit``) cuts the model's traced graph into the plan's
+stages. Stage ``s`` runs on the ranks whose ``pp`` coordinate is ``s``; inside a stage, every
+op runs on DTensors over the stage mesh (the plan's other axes, ``dp`` and/or ``tp``), exactly
+as in a graph program (``codegen.runtime.spmd``). Values cross stages as this rank's local
+tensors: the sending stage lays a value out as the boundary says and sends its local part
+(``send``), the receiving stage wraps it again with the same placements (``receive``); the
+gradients travel back the same way. Torch's ``PipelineStage`` moves them (point-to-point over
+the ``pp`` group of ranks that share a dp/tp coordinate) and ``ScheduleGPipe`` /
+``Schedule1F1B`` order the micro-batches.
+
+The model's own loss is what the schedule back-propagates: the last stage returns it (the
+full value on every rank of the stage) and the schedule's ``loss_fn`` returns it unchanged.
+Each micro-batch's loss is a mean over its samples, and the schedule divides the summed
+gradients by the number of micro-batches, so the step equals one device's step on the whole
+batch (equal micro-batches; a mean-reduced loss).
+
+Parameters read by more than one stage (tied embeddings: the token embedding on the first
+stage, the output head on the last) are held by each of those stages; after backward their
+gradients are summed over those stages, so every copy takes the same optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from codegen.runtime.spmd import Placements, SpmdModule, _keep_placements, _replicate_partials
+
+PP_AXIS = "pp"
+_STAGE_MESHES: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
+
+__all__ = ["PipelineStageModule", "PipelineRunner", "build_stage", "stage_mesh", "stage_index"]
+
+
+def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh a stage's DTensors live on: ``mesh`` without its ``pp`` axis (the ranks of
+    this rank's stage that share its pipeline position). A mesh with ``pp`` alone gets a
+    one-rank ``dp`` axis, so stages still run on DTensors (each rank whole). Built once per
+    mesh (all ranks call this alike: it may create process groups)."""
+    cached = _STAGE_MESHES.get(id(mesh))
+    if cached is not None and cached[0] is mesh:
+        return cached[1]
+    names = tuple(mesh.mesh_dim_names or ())
+    if PP_AXIS not in names:
+        raise ValueError(f"a pipeline program needs a '{PP_AXIS}' mesh axis; this mesh has {names}")
+    others = tuple(name for name in names if name != PP_AXIS)
+    if not others:
+        size = mesh.size(names.index(PP_AXIS))
+        sub = init_device_mesh(mesh.device_type, (size, 1), mesh_dim_names=(PP_AXIS, "dp"))["dp"]
+    else:
+        sub = mesh[others[0]] if len(others) == 1 else mesh[others]
+    _STAGE_MESHES[id(mesh)] = (mesh, sub)
+    return sub
+
+
+def stage_index(mesh: DeviceMesh) -> int:
+    """This rank's pipeline stage: its coordinate on ``pp``."""
+    return mesh.get_local_rank(PP_AXIS)
+
+
+class PipelineStageModule(SpmdModule):
+    """One pipeline stage of a graph program on this rank: the weights this stage reads, as
+    DTensors over the stage mesh, and the helpers its generated ``forward`` calls.
+
+    Unlike ``SpmdModule`` it registers only its own stage's parameters (so ``parameters()``
+    and the optimizer cover them alone); the model is kept, unregistered, for buffers and
+    dropout probabilities, with the other stages' weights freed (meta tensors).
+
+    Args:
+        model: the whole model, built identically on every rank.
+        mesh: the stage mesh (``stage_mesh``).
+        parameters: qualified name -> planned placements over the stage mesh.
+        owned: the qualified names of the parameters this stage reads.
+        dropout_modules: dropout op -> path of its ``nn.Dropout``.
+        index, num_stages: this stage's position in the pipeline.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        parameters: Mapping[str, Placements],
+        owned: Sequence[str],
+        dropout_modules: Mapping[str, str] | None = None,
+        index: int = 0,
+        num_stages: int = 1,
+    ) -> None:
+        nn.Module.__init__(self)
+        object.__setattr__(self, "model", model)  # not a submodule: only this stage's weights are
+        self.mesh = mesh
+        self.index, self.num_stages = index, num_stages
+        cuda = mesh.device_type == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(mesh.device_type)
+        self._dropout_modules = dict(dropout_modules or {})
+        self.owned = tuple(owned)
+        self.params = _distribute_owned(model, mesh, parameters, self.owned)
+        for name, param in self.params.items():
+            self.register_parameter(name.replace(".", "__"), param)
+        self.train(model.training)
+
+    def named_model_parameters(self):
+        """(qualified name in the model, DTensor parameter) for each parameter of this stage."""
+        return list(self.params.items())
+
+    # ------------------------------------------------------------------ generated-code API
+
+    def send(self, value: Any, placements: Placements) -> Any:
+        """A value leaving this stage: laid out as the boundary says (a collective if it is
+        not already), then this rank's local part. Its gradient comes back as a local tensor
+        with the same placements."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = self._to(value, placements)
+        if isinstance(value, DTensor):
+            return value.to_local()
+        return value
+
+    def receive(self, value: Any, placements: Placements, traced_shape: Sequence[int] | None = None) -> Any:
+        """A value arriving from the previous stage (this rank's local part), as a DTensor with
+        the boundary's placements; the same as ``input``."""
+        return self.input(value, placements, traced_shape)
+
+
+def _distribute_owned(
+    model: nn.Module, mesh: DeviceMesh, parameters: Mapping[str, Placements], owned: Sequence[str]
+) -> dict[str, nn.Parameter]:
+    """Replace the parameters named in ``owned`` by DTensor parameters placed as
+    ``parameters`` says (each rank keeps its shard of the weight it built; no communication),
+    keeping tied weights tied; the others (other stages' weights) become meta tensors, so a
+    rank holds only its stage's weights. Returns qualified name -> parameter."""
+    replicate = tuple(Replicate() for _ in range(mesh.ndim))
+    wanted = {id(model.get_parameter(name)): _replicate_partials(parameters.get(name, replicate)) for name in owned}
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is None or id(param) not in wanted:
+                continue
+            if id(param) not in replaced:
+                shard = distribute_tensor(param.detach(), mesh, wanted[id(param)], src_data_rank=None)
+                new = nn.Parameter(shard, requires_grad=param.requires_grad)
+                if new.requires_grad:
+                    new.register_hook(_keep_placements(new))
+                replaced[id(param)] = new
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) in replaced:
+                module._parameters[key] = replaced[id(param)]
+            elif not isinstance(param, DTensor):
+                # Another stage's weight: this rank never reads it, so it keeps only its
+                # shape (on the meta device) and frees the memory.
+                module._parameters[key] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
+    return {name: model.get_parameter(name) for name in owned}
+
+
+def build_stage(
+    stages: Sequence[type],
+    model: nn.Module,
+    mesh: DeviceMesh,
+    parameters: Mapping[str, Placements],
+    stage_parameters: Sequence[Sequence[str]],
+    dropout_modules: Mapping[str, str] | None = None,
+) -> PipelineStageModule:
+    """This rank's stage module: the class of its ``pp`` coordinate, over the stage mesh."""
+    index = stage_index(mesh)
+    cls = stages[index]
+    return cls(model, stage_mesh(mesh), parameters, stage_parameters[index], dropout_modules, index, len(stages))
+
+
+# ------------------------------------------------------------------------------ the step
+
+
+class PipelineRunner:
+    """Runs one training step of a pipeline program through a ``torch.distributed.pipelining``
+    schedule, on every rank alike.
+
+    Args:
+        module: this rank's stage module (``parallelize``).
+        mesh: the plan's whole mesh (with ``pp``).
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        micro_batches: micro-batches per step (of this rank's slice of the batch).
+        stage_inputs, stage_outputs: per stage, ``(name, traced shape of one micro-batch,
+            dtype, placements)`` of each value it receives / sends (placements over the stage
+            mesh; ``None``: a plain tensor, e.g. the loss). They give ``PipelineStage`` its
+            static metadata, so it never runs a stage on made-up inputs to infer shapes.
+        input_names: the model's inputs in the order of stage 0's ``forward``.
+        shared: groups of stages that hold the same parameters, with those parameters' names.
+    """
+
+    def __init__(
+        self,
+        module: PipelineStageModule,
+        mesh: DeviceMesh,
+        schedule: str,
+        micro_batches: int,
+        stage_inputs: Sequence[Sequence[tuple]],
+        stage_outputs: Sequence[Sequence[tuple]],
+        input_names: Sequence[str],
+        shared: Mapping[tuple[int, ...], Sequence[str]] | None = None,
+    ) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.module, self.mesh = module, mesh
+        self.micro_batches = micro_batches
+        self.input_names = tuple(input_names)
+        self.index, self.num_stages = module.index, module.num_stages
+        self.pp_group = mesh[PP_AXIS].get_group() if mesh.ndim > 1 else mesh.get_group()
+        sub = module.mesh
+        first = self.index == 0
+        inputs = tuple(_example(sub, entry, module.device, grad=not first) for entry in stage_inputs[self.index])
+        outputs = tuple(_example(sub, entry, module.device, grad=True) for entry in stage_outputs[self.index])
+        self.stage = PipelineStage(
+            module, self.index, self.num_stages, module.device, input_args=inputs, output_args=outputs, group=self.pp_group
+        )
+        kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+        if schedule not in kinds:
+            raise ValueError(f"pipeline schedule '{schedule}' is not compiled (gpipe or 1f1b)")
+        # The last stage returns the model's loss of one micro-batch: the loss to back-propagate.
+        self.schedule = kinds[schedule](self.stage, micro_batches, loss_fn=_the_loss, scale_grads=True)
+        self._shared = _shared_groups(mesh, shared or {}, self.index)
+
+    def step(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """Forward and backward of one step on this rank's slice of the batch (from
+        ``shard_batch``); gradients are left in the stage's parameters (averaged over the
+        micro-batches; tied weights summed over the stages that hold them). Returns the step's
+        loss (the mean of the micro-batches' losses) on every rank."""
+        losses: list[torch.Tensor] = []
+        last = self.index == self.num_stages - 1
+        target = torch.zeros(self.micro_batches, device=self.module.device) if last else None
+        if self.index == 0:
+            positional = _positional(args, kwargs, self.input_names)
+            self.schedule.step(*positional, target=target, losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(target=target, losses=losses, return_outputs=False)
+        self._sum_shared_gradients()
+        loss = torch.stack([value.detach().reshape(()) for value in losses]).mean() if last else torch.zeros((), device=self.module.device)
+        # The last stage's loss to every rank of this pipeline (the other stages have none).
+        dist.broadcast(loss, group=self.pp_group, group_src=self.num_stages - 1)
+        return loss
+
+    def _sum_shared_gradients(self) -> None:
+        for group, names in self._shared:
+            for name in names:
+                param = self.module.params[name]
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                dist.all_reduce(grad, group=group)
+
+
+def _the_loss(output: torch.Tensor, target: Any) -> torch.Tensor:  # noqa: ARG001 - the schedule's loss_fn signature
+    """The schedule's loss: the last stage's output is the model's own loss already."""
+    return output
+
+
+def _example(mesh: DeviceMesh, entry: tuple, device: torch.device, grad: bool) -> torch.Tensor:
+    """An empty tensor with the local shape and dtype of one boundary value (static metadata)."""
+    _, shape, dtype, placements = entry
+    shape = torch.Size(shape)
+    if placements is not None:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, _ = compute_local_shape_and_global_offset(shape, mesh, _replicate_partials(placements))
+    value = torch.empty(tuple(shape), dtype=dtype, device=device)
+    return value.requires_grad_(grad and dtype.is_floating_point)
+
+
+def _positional(args: tuple, kwargs: dict, names: Sequence[str]) -> tuple:
+    """The model's inputs in the order of stage 0's forward: positional ones first, then
+    keyword ones by name."""
+    values = list(args) + [kwargs[name] for name in names[len(args) :] if name in kwargs]
+    if len(values) != len(names):
+        missing = [name for name in names[len(args) :] if name not in kwargs]
+        raise ValueError(f"the pipeline's first stage needs the inputs {list(names)}; missing {missing}")
+    return tuple(values)
+
+
+def _shared_groups(mesh: DeviceMesh, shared: Mapping[tuple[int, ...], Sequence[str]], index: int) -> list:
+    """For each group of stages that hold the same parameters: the process group of the ranks
+    of those stages that share this rank's dp/tp coordinate (created on every rank alike)."""
+    groups = []
+    if not shared:
+        return groups
+    ranks = mesh.mesh.reshape(mesh.size(0), -1) if mesh.ndim > 1 else mesh.mesh.reshape(-1, 1)
+    me = dist.get_rank()
+    for stages, names in sorted(shared.items()):
+        stages = tuple(sorted(stages))
+        for column in range(ranks.shape[1]):
+            members = [int(ranks[s, column]) for s in stages]
+            group = dist.new_group(members)
+            if me in members and index in stages:
+                groups.append((group, tuple(names)))
+    return groups

@@ -1,0 +1,117 @@
+"""Activation recomputation in graph programs: each repeated block becomes a nested function
+run under ``torch.utils.checkpoint.checkpoint``.
+
+The plan's ``recompute="full"`` means what the simulator prices: every repeated block
+(a transformer layer) keeps only the values it reads from outside for backward, and runs
+its forward again (collectives included) when backward reaches it; the ops around the
+blocks (embeddings, head, loss) keep their activations.
+
+The forward's lines are written first, block by block; which names a block must hand to
+the rest of the forward is read from the written code itself (names it assigns that later
+lines read), so whatever the emitter wrote inside a block (redistributed copies, inlined
+autocast regions) is handled alike. The nested function reads everything else from the
+enclosing forward (parameters, earlier values): non-reentrant checkpointing keeps those
+alive, so they need not be passed as arguments. ``codegen.pipeline_emit`` uses the same
+pieces inside each pipeline stage.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from typing import TYPE_CHECKING, Sequence
+
+import torch.fx
+
+from planner.errors import PlanningError
+from planner.graph import OpGraph
+
+if TYPE_CHECKING:
+    from codegen.spmd_emit import _Emitter
+
+Block = tuple[str, int]
+_INDENT = 2  # the forward's body
+_PAD = " " * (4 * _INDENT)
+
+
+def checkpointed_body(emitter: "_Emitter", gm: torch.fx.GraphModule) -> list[str]:
+    """The forward's body lines with every repeated block checkpointed."""
+    runs = block_runs(emitter.graph, gm.graph.nodes)
+    if all(block is None for block, _ in runs):
+        raise PlanningError(
+            "this plan recomputes activations, but the model has no repeated blocks to checkpoint; plan it again "
+            "(recomputation only applies to repeated blocks)"
+        )
+    written = [(block, emitter._emit_nodes(nodes, gm, indent=_INDENT + (block is not None))) for block, nodes in runs]
+    return checkpoint_blocks(written)
+
+
+def block_runs(graph: OpGraph, nodes: Sequence[torch.fx.Node]) -> list[tuple[Block | None, list[torch.fx.Node]]]:
+    """``nodes`` cut into consecutive runs of one repeated block (or of none). Nodes the op
+    graph does not list (getitem, export's checks) go with the run they follow; the output
+    always ends the forward outside any block."""
+    runs: list[tuple[Block | None, list[torch.fx.Node]]] = []
+    current: Block | None = None
+    for fx_node in nodes:
+        if fx_node.op == "output":
+            current = None
+        elif fx_node.op == "call_function" and graph.has_node(fx_node.name):
+            current = graph.node(fx_node.name).block
+        if not runs or runs[-1][0] != current:
+            runs.append((current, []))
+        runs[-1][1].append(fx_node)
+    return runs
+
+
+def checkpoint_blocks(written: list[tuple[Block | None, list[str]]], also_read: set[str] = frozenset()) -> list[str]:
+    """Written runs joined into one body, each block run (written one level deeper) wrapped
+    in a checkpointed nested function that returns what the other runs (or ``also_read``
+    lines) read of it."""
+    stored = [names_in(lines, ast.Store) for _, lines in written]
+    loaded = [names_in(lines, ast.Load) for _, lines in written]
+    body: list[str] = []
+    for position, (block, lines) in enumerate(written):
+        if block is None:
+            body += lines
+            continue
+        clash = stored[position] & set().union(*(stored[i] for i in range(len(written)) if i != position))
+        if clash:
+            raise NotImplementedError(
+                f"cannot checkpoint block {block[0]}.{block[1]}: the names {sorted(clash)[:3]} are assigned inside it and "
+                f"elsewhere in the forward; plan without recomputation"
+            )
+        outside = set(also_read).union(*(loaded[i] for i in range(len(written)) if i != position))
+        outputs = [name for name in assigned_in_order(lines) if name in outside]
+        body += checkpointed_block(block, lines, outputs)
+    return body
+
+
+def checkpointed_block(block: Block, lines: list[str], outputs: list[str]) -> list[str]:
+    """``lines`` (one level deeper than the forward's body) as a nested function run under
+    ``checkpoint``, assigning ``outputs`` in the enclosing forward."""
+    function = "_" + f"{block[0]}_{block[1]}".replace(".", "_")
+    returned = ", ".join(outputs) + ("," if len(outputs) == 1 else "")
+    return [
+        "",
+        _PAD + f"# ==== {block[0]}.{block[1]}: recomputed in backward (activation checkpointing). Backward keeps",
+        _PAD + "# only what the block reads from outside it and runs this function again, collectives",
+        _PAD + "# included, when it reaches the block: less activation memory for one more forward.",
+        _PAD + f"def {function}():",
+        *lines,
+        _PAD + f"    return ({returned})",
+        "",
+        _PAD + f"({returned}) = checkpoint({function}, use_reentrant=False)",
+    ]
+
+
+def names_in(lines: list[str], context: type) -> set[str]:
+    """Names the code in ``lines`` assigns (``ast.Store``) or reads (``ast.Load``)."""
+    tree = ast.parse(textwrap.dedent("\n".join(lines)) or "pass")
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, context)}
+
+
+def assigned_in_order(lines: list[str]) -> list[str]:
+    """Names assigned in ``lines``, in the order they are first assigned."""
+    tree = ast.parse(textwrap.dedent("\n".join(lines)) or "pass")
+    stores = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+    return list(dict.fromkeys(n.id for n in sorted(stores, key=lambda n: (n.lineno, n.col_offset))))

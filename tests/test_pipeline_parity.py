@@ -1,0 +1,196 @@
+"""Distributed parity of pipeline programs (``codegen.pipeline_emit``), real gloo processes.
+
+Megatron-LM pipeline plans (``search.megatron.megatron_plan`` with ``pp``) compile to a
+program with one stage module per pipeline stage, run by ``torch.distributed.pipelining``
+(``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B``). One pipeline step (all
+micro-batches forward and backward, then AdamW) must equal one device's step: the loss, the
+gradient of every parameter each stage holds and every updated parameter
+(``codegen.runtime.pipeline_parity``, behind ``launch.py --check``).
+
+- world 2: GPT (``examples/gpt.py``) on ``pp=2`` with 1F1B and with GPipe; HF GPT-2 (tied
+  embeddings: the token embedding on stage 0 and the output head on stage 1) with the plan
+  the search proposes on two nodes (``pp=2``, 1F1B, micro-batches of one sample, every
+  layer recomputed in backward);
+- world 4: GPT with the searched plan on ``cpu:2x2`` (``pp=2 x tp=2``: Megatron tensor
+  parallelism inside each stage, recomputation), GPT on ``pp=2 x tp=2`` with
+  sequence parallelism (the value crossing the stages is split on the sequence over tp), GPT
+  on ``pp=2 x dp=2``, HF GPT-2 on ``pp=2 x tp=2`` with GPipe, and a 4-layer tied GPT on
+  ``pp=4`` (middle stages that receive and send; the labels travel through three
+  boundaries; a tied weight on stages 0 and 3).
+
+As in ``test_spmd_parity.py``, each world size compiles its programs first and checks them
+all in ONE torchrun launch of ``tests/dist_check_many.py``. Two negative controls must fail:
+a program whose last stage drops the gradient of the activation it receives (stage 0 then
+learns nothing), and a tied GPT-2 program whose stages do not sum the tied weight's gradients.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import planner
+from planner.api import prepare_model
+from planner.errors import PlanningError
+from planner.model_spec import ModelSpec
+from search.megatron import megatron_plan
+from test_parity import DIST_CHECK_MANY, HF_GPT2_TINY, LAUNCH_TIMEOUT, REPO, Launch, _run
+
+pytestmark = pytest.mark.distributed
+
+MODELS = {
+    "gpt": ("examples/gpt.py", {"batch_size": 8}),
+    "gpt2": ("hf:gpt2", HF_GPT2_TINY),
+    "gpt4tied": ("examples/gpt.py", {"batch_size": 8, "n_layer": 4, "tie_weights": True}),
+}
+SEARCHED = "searched"  # the pipeline plan the search itself proposes (search.auto._pipeline_plans)
+# (model, case) -> megatron_plan keyword arguments, or SEARCHED. micro_batch=2: micro-batches of 2 samples
+# per dp rank (4 micro-batches for GPT's batch of 8 on pp=2).
+CASES = {
+    2: {
+        ("gpt", "pp2-1f1b"): dict(pp=2, schedule="1f1b"),
+        ("gpt", "pp2-gpipe"): dict(pp=2, schedule="gpipe"),
+        ("gpt2", "searched"): SEARCHED,
+    },
+    4: {
+        ("gpt", "searched"): SEARCHED,
+        ("gpt", "pp2xtp2-sp-1f1b"): dict(pp=2, tp=2, schedule="1f1b", sequence_parallel=True),
+        ("gpt", "pp2xdp2-gpipe"): dict(pp=2, dp=2, schedule="gpipe"),
+        ("gpt2", "pp2xtp2-gpipe"): dict(pp=2, tp=2, schedule="gpipe"),
+        ("gpt4tied", "pp4-1f1b"): dict(pp=4, schedule="1f1b"),
+    },
+}
+ALL_CASES = [(world, model, case) for world, cases in CASES.items() for model, case in cases]
+
+
+def make_plan(model: str, world: int, **options) -> planner.Plan:
+    source, overrides = MODELS[model]
+    spec = ModelSpec(source if source.startswith("hf:") else str(REPO / source), overrides)
+    if options.get("searched"):
+        # The search's own pipeline plans: two nodes, tp = devices per node, 1F1B, micro-batches
+        # of one sample, every block recomputed in backward.
+        from search.auto import _pipeline_plans
+
+        graph, spec, name, cluster = prepare_model(spec, f"cpu:2x{world // 2}")
+        return _pipeline_plans(graph, cluster, spec, name, "fp32")[0]
+    graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
+    options.setdefault("micro_batch", 2)
+    return megatron_plan(graph, cluster, spec, name, precision="fp32", **options)
+
+
+# ------------------------------------------------------------------------ negative controls
+
+
+def drop_boundary_gradient(folder: Path) -> Path:
+    """The last stage receives its float activation as ``x * 0 + x.detach()``: the same value,
+    but the gradient sent back to the previous stage is zeros."""
+    source = folder / "model_spmd.py"
+    text = source.read_text()
+    pattern = re.compile(r"^(\s+)(\w+) = self\.receive\(\2, (\w+), (\([^)]*\))\)(.*)$", re.MULTILINE)
+    floats = [m for m in pattern.finditer(text) if not m[2].startswith(("targets", "labels", "idx", "input_ids"))]
+    assert floats, f"{source} receives no activation"
+    match = floats[-1]
+    name = match[2]
+    replaced = f"{match[1]}{name} = self.receive({name} * 0 + {name}.detach(), {match[3]}, {match[4]}){match[5]}"
+    source.write_text(text[: match.start()] + replaced + text[match.end() :])
+    return folder
+
+
+def untie_gradients(folder: Path) -> Path:
+    """Stages that hold the same (tied) weight no longer sum its gradients."""
+    source = folder / "model_spmd.py"
+    text = source.read_text()
+    assert re.search(r"^SHARED_PARAMETERS = \{\(0, 1\): ", text, re.MULTILINE), f"{source} shares no parameter"
+    source.write_text(re.sub(r"^SHARED_PARAMETERS = .*$", "SHARED_PARAMETERS = {}", text, flags=re.MULTILINE))
+    return folder
+
+
+# ------------------------------------------------------------------------- one launch per world
+
+
+@dataclass(frozen=True)
+class WorldRun:
+    """One torchrun launch of dist_check_many.py over every pipeline program of one world size."""
+
+    world: int
+    folders: dict[tuple[str, str], Path]
+    broken: dict[str, Path]
+    launch: Launch
+
+    def result(self, folder: Path) -> str:
+        prefix = f"RESULT {folder} "
+        lines = [line[len(prefix) :] for line in self.launch.stdout.splitlines() if line.startswith(prefix)]
+        assert len(lines) == 1, f"expected one RESULT line for {folder}, got {len(lines)}:\n{self.launch.describe()}"
+        return lines[0]
+
+
+def _world_run(world: int, root: Path) -> WorldRun:
+    folders = {
+        (model, case): planner.compile(
+            make_plan(model, world, **({"searched": True} if options == SEARCHED else options)), root / f"{model}_{case}"
+        )
+        for (model, case), options in CASES[world].items()
+    }
+    broken = {}
+    if world == 2:
+        broken["dropped boundary gradient"] = drop_boundary_gradient(
+            planner.compile(make_plan("gpt", 2, pp=2), root / "gpt_dropped_boundary_gradient")
+        )
+        broken["untied gradients"] = untie_gradients(planner.compile(make_plan("gpt2", 2, pp=2), root / "gpt2_untied"))
+    programs = [*folders.values(), *broken.values()]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(DIST_CHECK_MANY)]
+    launch = _run([*command, *map(str, programs)], cwd=root, timeout=LAUNCH_TIMEOUT)
+    assert launch.returncode == 0, f"dist_check_many.py failed at world size {world}:\n{launch.describe()}"
+    return WorldRun(world, folders, broken, launch)
+
+
+@pytest.fixture(scope="module")
+def world2_run(tmp_path_factory) -> WorldRun:
+    return _world_run(2, tmp_path_factory.mktemp("pipeline_world2"))
+
+
+@pytest.fixture(scope="module")
+def world4_run(tmp_path_factory) -> WorldRun:
+    return _world_run(4, tmp_path_factory.mktemp("pipeline_world4"))
+
+
+@pytest.mark.parametrize(("world", "model", "case"), ALL_CASES, ids=[f"world{w}-{m}-{c}" for w, m, c in ALL_CASES])
+def test_pipeline_step_equals_single_device(request, world: int, model: str, case: str) -> None:
+    run: WorldRun = request.getfixturevalue(f"world{world}_run")
+    result = run.result(run.folders[model, case])
+    assert result.startswith("ok parity ok: "), f"{model} {case} at world size {world}: {result}"
+
+
+@pytest.mark.parametrize("control", ["dropped boundary gradient", "untied gradients"])
+def test_broken_pipeline_is_reported(world2_run: WorldRun, control: str) -> None:
+    result = world2_run.result(world2_run.broken[control])
+    assert result.startswith("FAILED parity FAILED: worst tensor "), f"{control}: {result}"
+
+
+# --------------------------------------------------------------------- the generated code itself
+
+
+def test_program_says_what_crosses_each_boundary(world2_run: WorldRun, world4_run: WorldRun) -> None:
+    """The header names each stage's modules and each boundary's values with their shapes;
+    labels the last stage needs cross as int64; the tied embedding is held by both stages."""
+    gpt = (world2_run.folders["gpt", "pp2-1f1b"] / "model_spmd.py").read_text()
+    assert "Stage 0 holds wte, wpe, blocks.0 " in gpt and "Stage 1 holds blocks.1, ln_f, lm_head " in gpt
+    assert "    targets: (2, 32): R on dp (int64)" in gpt and "    add_2: (2, 32, 64): R on dp" in gpt
+    assert "class GPTStage0(PipelineStageModule):" in gpt and "SCHEDULE = '1f1b'" in gpt
+    gpt2 = (world2_run.folders["gpt2", "searched"] / "model_spmd.py").read_text()
+    assert "SHARED_PARAMETERS = {(0, 1): ('transformer.wte.weight',)}" in gpt2
+    assert gpt2.count("checkpoint(_transformer_h_") == 2  # the searched plan recomputes both layers
+    sp = (world4_run.folders["gpt", "pp2xtp2-sp-1f1b"] / "model_spmd.py").read_text()
+    assert "(2, 32, 64) -> (2, 16, 64) per rank: S(1) on tp" in sp  # the sequence split crosses as is
+
+
+def test_interleaved_schedule_is_refused_in_one_line() -> None:
+    plan = make_plan("gpt4tied", 2, pp=2, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(PlanningError) as error:
+        planner.compile(plan, "unused")
+    message = str(error.value)
+    assert "\n" not in message and "interleaved" in message and "gpipe and 1f1b" in message
