@@ -67,7 +67,7 @@ def render_model_spmd(plan: Plan) -> str:
         body = _fsdp_body(plan, dp)
     else:
         raise NotImplementedError(f"codegen for dp flavour '{plan.dp_flavour}' is not written yet")
-    return header + _recompute_table(plan) + body + _shard_batch_source(plan, dp)
+    return header + _recompute_table(plan) + _precision_import(plan) + body + _shard_batch_source(plan, dp)
 
 
 def _recompute_table(plan: Plan) -> str:
@@ -87,13 +87,29 @@ def _recompute_table(plan: Plan) -> str:
 
 
 def _recompute_lines(plan: Plan) -> str:
-    """Lines of ``parallelize`` that checkpoint the blocks, before DDP/FSDP2 wrap the model
-    (so their hooks stay outside the recomputed forward)."""
-    if plan.recompute == "none":
-        return ""
+    """Lines of ``parallelize`` that checkpoint the blocks and set mixed precision, before
+    DDP/FSDP2 wrap the model (so their hooks stay outside the recomputed forward)."""
+    lines = ""
+    if plan.recompute != "none":
+        lines += (
+            "    for path in RECOMPUTED_BLOCKS:  # before wrapping: the wrapper's hooks stay outside\n"
+            "        recompute_in_backward(model.get_submodule(path))\n"
+        )
+    if plan.precision != "fp32":
+        lines += autocast_lines(plan, "model", "dp_mesh.device_type")
+    return lines
+
+
+def _precision_import(plan: Plan) -> str:
+    return "from codegen.runtime.precision import run_in_autocast\n\n" if plan.precision != "fp32" else ""
+
+
+def autocast_lines(plan: Plan, module: str, device_type: str) -> str:
+    """Lines that run ``module``'s forward in the plan's mixed precision (bf16 autocast)."""
     return (
-        "    for path in RECOMPUTED_BLOCKS:  # before wrapping: the wrapper's hooks stay outside\n"
-        "        recompute_in_backward(model.get_submodule(path))\n"
+        f"    # Mixed precision ({plan.precision}): forward under torch.autocast, matmuls in {plan.precision}; weights,\n"
+        "    # gradients and optimizer states stay fp32.\n"
+        f"    run_in_autocast({module}, {device_type}, torch.bfloat16)\n"
     )
 
 

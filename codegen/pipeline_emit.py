@@ -194,7 +194,7 @@ def _micro_strategies(plan: Plan, graph: OpGraph, micro: int) -> tuple:
 def _flat_source(stage_plan: _StagePlan, graph: OpGraph, facts, observed, forced, micro: int) -> str:
     """The graph program of one micro-batch on the stage mesh, all stages in one forward: what
     the dry run runs (its ``shard_batch`` keeps the first micro-batch of the example batch)."""
-    source = _Emitter(stage_plan, graph, facts, observed, forced, "").render()
+    source = _Emitter(stage_plan, graph, facts, observed, forced, "", local_replicated=False).render()
     return source + textwrap.dedent(
         f'''
 
@@ -225,7 +225,8 @@ class _PipelineWriter:
 
     def __init__(self, plan: Plan, stage_plan: _StagePlan, graph: OpGraph, facts, observed, forced, warning: str):
         self.plan, self.stage_plan, self.graph, self.facts = plan, stage_plan, graph, facts
-        self.emitter = _Emitter(stage_plan, graph, facts, observed, forced, warning)
+        # Every value stays a DTensor: what crosses a stage boundary is read from DTensor values.
+        self.emitter = _Emitter(stage_plan, graph, facts, observed, forced, warning, local_replicated=False)
         self.stages = plan.pipeline.stages
         self.axes, self.sizes = stage_plan.mesh.names, stage_plan.mesh.shape
         self.recompute = plan.recompute == "full"
@@ -505,6 +506,7 @@ class _PipelineWriter:
                 *(["from torch.utils.checkpoint import checkpoint"] if self.recompute else []),
                 "",
                 "from codegen.runtime.pipeline import PipelineRunner, PipelineStageModule, build_stage, stage_mesh",
+                *(["from codegen.runtime.precision import run_in_autocast"] if self.plan.precision != "fp32" else []),
                 "from codegen.runtime.spmd import shard_inputs",
                 "",
                 "aten = torch.ops.aten",
@@ -574,6 +576,13 @@ class _PipelineWriter:
             lines.append(_PAD + "return (" + ", ".join(sends) + ("," if len(sends) == 1 else "") + ")")
         return "\n".join(lines)
 
+    def _precision_lines(self) -> str:
+        if self.plan.precision == "fp32":
+            return ""
+        from codegen.emit import autocast_lines
+
+        return autocast_lines(self.plan, "module", "mesh.device_type")
+
     def _functions(self, class_names, stage_params, shared, input_names) -> str:
         def names(stage: int, owned: list[str]) -> str:
             if not owned:
@@ -600,7 +609,8 @@ INPUT_NAMES = {tuple(input_names)!r}
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> PipelineStageModule:
     """This rank's stage (its pp coordinate): the stage's parameters become DTensors over the
     stage mesh, placed as PARAMETERS says (each rank keeps its shard; no communication)."""
-    return build_stage(STAGES, model, mesh, PARAMETERS, STAGE_PARAMETERS, DROPOUT_MODULES)
+    module = build_stage(STAGES, model, mesh, PARAMETERS, STAGE_PARAMETERS, DROPOUT_MODULES)
+{self._precision_lines()}    return module
 
 
 def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:

@@ -79,6 +79,7 @@ class _Value:
     kind: str
     placements: Any = None
     param: str | None = None  # qualified name, for parameters
+    exact: bool = False  # placements known for certain (inputs, parameters), not only planned
     elements: list["_Value"] | None = None  # the values of a tuple built here (an inlined subgraph's results)
 
 
@@ -139,9 +140,14 @@ class _Emitter:
         forced: dict[str, str] | None = None,
         warning: str = "",
         recompute: bool = False,
+        local_replicated: bool = True,
     ):
         self.plan, self.graph, self.facts = plan, graph, facts
         self.recompute = recompute
+        self.local_replicated = local_replicated
+        self.localized: dict[str, str] = {}  # DTensor value -> name of its local tensor
+        self.params_read_locally: set[str] = set()
+        self.params_read_as_dtensors: set[str] = set()
         self.warning = warning
         self.observed = observed or {}
         self.forced = dict(forced or {})
@@ -285,6 +291,7 @@ class _Emitter:
             "from torch.distributed.tensor import Partial, Replicate, Shard",
             *(["from torch.utils.checkpoint import checkpoint"] if self.recompute else []),
             "",
+            *(["from codegen.runtime.precision import run_in_autocast"] if self.plan.precision != "fp32" else []),
             "from codegen.runtime.spmd import SpmdModule, shard_inputs",
         ]
         for module, name in sorted(self._output_imports()):
@@ -304,7 +311,15 @@ class _Emitter:
             meta = self.graph.parameters[name]
             note = notes.value_note(meta.shape, placements, self.axes, self.sizes)
             sections.append(f"    {name!r}: {self.constant(placements)},  # {note}")
-        sections += ["}", "", "# The inputs of one step: how each rank holds them (None: not a tensor, passed unchanged)."]
+        sections += ["}", ""]
+        local = self.local_parameters()
+        sections += [
+            "# Parameters read only where everything is whole on every rank: kept as plain tensors",
+            "# (no DTensor dispatch in forward, backward or the optimizer; their gradients are the",
+            "# same on every rank).",
+            "LOCAL_PARAMETERS = (" + "".join(f"\n    {name!r}," for name in local) + ("\n)" if local else ")"),
+        ]
+        sections += ["", "# The inputs of one step: how each rank holds them (None: not a tensor, passed unchanged)."]
         sections.append("INPUTS = {")
         for graph_input in self.graph.inputs:
             if graph_input.meta is None:
@@ -346,6 +361,13 @@ class _Emitter:
         ]
         return "\n".join(lines)
 
+    def _precision_lines(self) -> str:
+        if self.plan.precision == "fp32":
+            return ""
+        from codegen.emit import autocast_lines
+
+        return autocast_lines(self.plan, "module", "mesh.device_type")
+
     def _functions(self) -> str:
         class_name = re.sub(r"\W", "", self.facts.class_name) + "Spmd"
         return f'''
@@ -353,7 +375,8 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     """This rank's module: ``model``'s parameters become DTensors placed as PARAMETERS says
     (each rank keeps its shard of the weights it built; no communication), and forward runs
     the plan. Gradients end in their parameter's placements (partial sums are reduced)."""
-    return {class_name}(model, mesh, PARAMETERS, DROPOUT_MODULES)
+    module = {class_name}(model, mesh, PARAMETERS, DROPOUT_MODULES, LOCAL_PARAMETERS)
+{self._precision_lines()}    return module
 
 
 def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
@@ -378,7 +401,7 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
             note = notes.value_note(graph_input.meta.shape, placements, self.axes, self.sizes)
             shape = tuple(graph_input.meta.shape)
             lines.append(f"        {fx_node.name} = self.input({fx_node.name}, {self.constant(placements)}, {shape!r})  # {note}")
-            self.values[fx_node.name] = _Value(fx_node.name, "dt", placements)
+            self.values[fx_node.name] = _Value(fx_node.name, "dt", placements, exact=True)
         return lines
 
     def _parameter_lines(self, gm: torch.fx.GraphModule) -> list[str]:
@@ -521,6 +544,8 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
         arg_nodes: list[torch.fx.Node] = []
         torch.fx.node.map_arg((fx_node.args, fx_node.kwargs), arg_nodes.append)
         on_dtensors = any(self.values[a.name].kind in ("dt", "seq_dt") for a in arg_nodes)
+        local = on_dtensors and self._runs_locally(op, name, arg_nodes, strategy, opnode)
+        on_dtensors = on_dtensors and not local
 
         comments: list[str] = []
         args, kwargs = self._op_arguments(fx_node, op)
@@ -529,6 +554,8 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
 
         def render(value: Any) -> str:
             if isinstance(value, torch.fx.Node):
+                if local and self.values[value.name].kind == "dt":
+                    return self._local(self.values[value.name], comments)
                 return self._operand(value, on_dtensors, strategy, opnode, fx_node, comments)
             if isinstance(value, _Code):
                 return value.text
@@ -593,6 +620,49 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
         self.values[fx_node.name] = _Value(name, kind, placements)
         return lines
 
+    def _runs_locally(self, op: str, name: str, arg_nodes: list[torch.fx.Node], strategy, opnode) -> bool:
+        """Whether an op on DTensors runs on this rank's local tensors instead: everything it
+        reads, as held and as the plan reads it, and everything it makes is whole on every
+        mesh axis, so each rank computes the same full result; plain PyTorch does that without
+        DTensor's per-op dispatch (and with the fast kernels DTensor has no rule for, e.g.
+        CPU flash attention)."""
+        if not self.local_replicated or strategy is None or name in self.forced:
+            return False
+        for arg in arg_nodes:
+            value = self.values[arg.name]
+            if value.kind == "seq_dt":
+                return False
+            if value.kind != "dt":
+                continue
+            # Placements the plan gives an op's result are what DTensor makes only once a dry
+            # run has seen it do so.
+            known = value.exact or value.param is not None or value.expr in self.observed
+            wanted = _planned_input(strategy, opnode, arg.name)
+            if not known or not _all_replicate(value.placements) or (wanted is not None and not _all_replicate(wanted)):
+                return False
+        outputs = strategy.produced or strategy.outputs
+        return bool(outputs) and all(_all_replicate(p) for p in outputs)
+
+    def _local(self, value: _Value, comments: list[str]) -> str:
+        """The local tensor of a replicated DTensor (the whole value; no communication). Its
+        gradient comes back as a replicated DTensor's, reduced first if it is partial."""
+        if value.expr not in self.localized:
+            name = self.fresh(f"{value.expr}_local")
+            if value.param:
+                # A weight read only by such ops stays a plain tensor (LOCAL_PARAMETERS).
+                self.params_read_locally.add(value.param)
+                comments.append(f"{name} = self.local({value.expr})  # whole on every rank: plain PyTorch")
+            else:
+                comments.append(f"{name} = {value.expr}.to_local()  # whole on every rank: runs as plain PyTorch from here")
+            self.localized[value.expr] = name
+        return self.localized[value.expr]
+
+    def local_parameters(self) -> list[str]:
+        """Parameters every reader of which runs on local tensors: they stay plain tensors
+        (the same on every rank, their gradients too), so no DTensor dispatch touches them,
+        in the optimizer neither."""
+        return [name for name in self.param_placements if name in self.params_read_locally - self.params_read_as_dtensors]
+
     def _read_as(self, fx_node: torch.fx.Node) -> Placements | None:
         """How the first consumer with a plan reads ``fx_node``'s result."""
         for user in fx_node.users:
@@ -654,6 +724,8 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
         of its own (with a comment naming the collective). A value redistributed once is reused
         by every later consumer that reads it the same way: one collective, not one per reader."""
         value = self.values[arg.name]
+        if value.param:
+            self.params_read_as_dtensors.add(value.param)
         if not on_dtensors or value.kind not in ("dt", "plain"):
             return value.expr
         wanted = _planned_input(strategy, opnode, arg.name)
@@ -807,6 +879,10 @@ def _planned_input(strategy: NodeStrategy | None, opnode, name: str) -> Placemen
         return None
     index = opnode.inputs.index(name)
     return tuple(strategy.inputs[index]) if index < len(strategy.inputs) else None
+
+
+def _all_replicate(placements: Placements | None) -> bool:
+    return placements is not None and all(isinstance(p, Replicate) for p in placements)
 
 
 def _whole(placements: Placements) -> Placements:

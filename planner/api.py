@@ -56,8 +56,9 @@ def plan(
         dp_flavour: force a data-parallel flavour: ``"ddp"``, ``"zero1"`` (optimizer states
             sharded), ``"zero2"`` (and gradients) or ``"fsdp"`` (and weights); by default the
             fastest that fits.
-        precision: ``"fp32"``, or mixed ``"bf16"``/``"fp16"`` (fp32 master weights), as
-            simulated; compiled programs run fp32 today.
+        precision: ``"fp32"``, or mixed ``"bf16"``/``"fp16"`` (fp32 master weights); bf16
+            plans compile to programs that run forward under bf16 autocast, fp16 plans
+            (which need loss scaling) are simulated only.
         search: ``"auto"`` (CP-SAT per mesh, then MCMC refinement), ``"ilp"`` (CP-SAT),
             ``"mcmc"`` (Metropolis-Hastings over the simulator), or ``"dp"`` (data
             parallelism only: DDP, ZeRO-1, ZeRO-2 or FSDP). ``dp_flavour`` implies ``"dp"``.
@@ -163,10 +164,10 @@ def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb u
             f"this plan recomputes activations ({plan.recompute}), which is simulated but not compiled yet "
             f"(compiled programs recompute whole blocks); plan again, or use recompute='full'"
         )
-    if plan.precision != "fp32":
+    if plan.precision not in ("fp32", "bf16"):
         raise PlanningError(
-            f"this plan simulates {plan.precision} mixed precision, but compiled programs run fp32 for now; "
-            f"plan with --precision fp32 to compile it"
+            f"this plan simulates {plan.precision} mixed precision, which needs loss scaling and is not compiled; "
+            f"plan with --precision bf16 (or fp32) to compile it"
         )
     return write_program(plan, Path(out_dir))
 

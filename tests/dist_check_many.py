@@ -32,13 +32,18 @@ import torch.distributed as dist
 from codegen.runtime import load_program
 from codegen.runtime.launcher import exit_now
 from codegen.runtime.parity import check_parity
+from codegen.runtime.precision import parity_tolerances
 
 
-def check_folder(folder: str, atol: float, rtol: float, lr: float) -> tuple[bool, str]:
-    """Parity-check the program in ``folder``; returns (ok, one-line message)."""
+def check_folder(folder: str, atol: float | None, rtol: float | None, lr: float) -> tuple[bool, str]:
+    """Parity-check the program in ``folder`` (tolerances: launch.py's defaults for its
+    plan's precision unless given); returns (ok, one-line message)."""
     try:
         program = load_program(folder)
         mesh = program.build_mesh()
+        default_atol, default_rtol = parity_tolerances(program.plan.precision)
+        atol = default_atol if atol is None else atol
+        rtol = default_rtol if rtol is None else rtol
         result = check_parity(program, mesh, atol, rtol, lr, program.plan.optimizer)
         return result.ok, result.message(atol, rtol)
     except Exception as error:  # noqa: BLE001 - reported as this folder's FAILED line
@@ -51,8 +56,8 @@ def check_folder(folder: str, atol: float, rtol: float, lr: float) -> tuple[bool
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", help="compiled program folders (planner compile -o FOLDER)")
-    parser.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5, as launch.py)")
-    parser.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4, as launch.py)")
+    parser.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: as launch.py)")
+    parser.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: as launch.py)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of the step (default 1e-3)")
     options = parser.parse_args(argv)
     try:

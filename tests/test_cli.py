@@ -244,13 +244,19 @@ def test_python_dash_m_planner(tmp_path):
     ]
 
 
-def test_mixed_precision_is_simulated_but_not_compiled(capsys, tmp_path):
+def test_bf16_compiles_under_autocast_and_fp16_is_refused(capsys, tmp_path):
     out = tmp_path / "bf16.json"
     assert main(["plan", "examples/mlp.py", "--cluster", "cpu:1x2", "--precision", "bf16", "-o", str(out)]) == 0
     report = capsys.readouterr().out
     assert "precision bf16" in report
     assert load_plan(out).precision == "bf16"
-    assert_user_error(capsys, ["compile", str(out), "-o", str(tmp_path / "prog")], "bf16 mixed precision", "--precision fp32")
+    assert main(["compile", str(out), "-o", str(tmp_path / "prog")]) == 0
+    capsys.readouterr()
+    assert "torch.bfloat16)" in (tmp_path / "prog" / "model_spmd.py").read_text()  # run_in_autocast(..., torch.bfloat16)
+    fp16 = tmp_path / "fp16.json"
+    assert main(["plan", "examples/mlp.py", "--cluster", "cpu:1x2", "--precision", "fp16", "-o", str(fp16)]) == 0
+    capsys.readouterr()
+    assert_user_error(capsys, ["compile", str(fp16), "-o", str(tmp_path / "p16")], "fp16 mixed precision", "loss scaling", "--precision bf16")
 
 
 def test_simulate_prints_report_and_writes_trace(capsys, plan_file, tmp_path):

@@ -6,7 +6,7 @@ step (outputs, loss, every gradient, every updated parameter) must equal the sam
 device (``codegen.runtime.parity.check_parity``, the comparison behind ``launch.py --check``).
 ZeRO-1's step goes through the program's ``make_optimizer`` hook (a ZeroRedundancyOptimizer).
 GPT with DDP and GPT-2 with FSDP also run with every block recomputed in backward
-(``codegen.runtime.recompute``).
+(``codegen.runtime.recompute``), and GPT-2 with ZeRO-2 in bf16 mixed precision.
 
 Starting gloo processes costs seconds on 2 cores, so each world size compiles its programs
 first and checks them all in ONE torchrun launch of ``tests/dist_check_many.py``; the
@@ -59,7 +59,10 @@ MODELS = {
     "gpt2": ("hf:gpt2", HF_GPT2_TINY),
 }
 # "+recompute": the flavour's plan with every repeated block recomputed in backward.
-CASES = [(model, flavour) for model in MODELS for flavour in FLAVOURS] + [("gpt", "ddp+recompute"), ("gpt2", "fsdp+recompute")]
+# "+bf16": bf16 mixed precision (forward under autocast).
+CASES = [(model, flavour) for model in MODELS for flavour in FLAVOURS] + [
+    ("gpt", "ddp+recompute"), ("gpt2", "fsdp+recompute"), ("gpt2", "zero2+bf16"),
+]
 
 # Seconds. One launch here takes ~7-25 s (2 cores); the limits only stop a hung collective.
 LAUNCH_TIMEOUT = 300
@@ -143,8 +146,9 @@ def _torchrun(nproc: int) -> list[str]:
 
 def _compile(source: str, overrides: dict, world: int, flavour: str, folder: Path) -> Path:
     spec = ModelSpec(source if source.startswith("hf:") else str(REPO / source), overrides)
-    plan = planner.plan(spec, f"cpu:1x{world}", dp_flavour=flavour.removesuffix("+recompute"))
-    if flavour.endswith("+recompute"):
+    base, _, variant = flavour.partition("+")
+    plan = planner.plan(spec, f"cpu:1x{world}", dp_flavour=base, precision="bf16" if variant == "bf16" else "fp32")
+    if variant == "recompute":
         plan = dataclasses.replace(plan, recompute="full")
     planner.compile(plan, folder)
     return folder
@@ -240,6 +244,9 @@ def test_compiled_data_parallel_flavours(world_run: WorldRun) -> None:
              "fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)")
     assert all(line in source["zero2"] for line in units), source["zero2"]
     assert "reshard_after_forward" not in source["fsdp"]
+    bf16 = (world_run.folders["gpt2", "zero2+bf16"] / "model_spmd.py").read_text()
+    assert "run_in_autocast(model, dp_mesh.device_type, torch.bfloat16)" in bf16
+    assert "run_in_autocast" not in source["zero2"]
 
 
 # ------------------------------------------------------------------ launch.py, as a user runs it

@@ -7,7 +7,8 @@ micro-batches forward and backward, then AdamW) must equal one device's step: th
 gradient of every parameter each stage holds and every updated parameter
 (``codegen.runtime.pipeline_parity``, behind ``launch.py --check``).
 
-- world 2: GPT (``examples/gpt.py``) on ``pp=2`` with 1F1B and with GPipe; HF GPT-2 (tied
+- world 2: GPT (``examples/gpt.py``) on ``pp=2`` with 1F1B and with GPipe, and with 1F1B in
+  bf16 mixed precision (stages under autocast, fp32 across boundaries); HF GPT-2 (tied
   embeddings: the token embedding on stage 0 and the output head on stage 1) with the plan
   the search proposes on two nodes (``pp=2``, 1F1B, micro-batches of one sample, every
   layer recomputed in backward);
@@ -54,6 +55,7 @@ CASES = {
     2: {
         ("gpt", "pp2-1f1b"): dict(pp=2, schedule="1f1b"),
         ("gpt", "pp2-gpipe"): dict(pp=2, schedule="gpipe"),
+        ("gpt", "pp2-1f1b-bf16"): dict(pp=2, schedule="1f1b", precision="bf16"),  # under bf16 autocast
         ("gpt2", "searched"): SEARCHED,
     },
     4: {
@@ -67,7 +69,7 @@ CASES = {
 ALL_CASES = [(world, model, case) for world, cases in CASES.items() for model, case in cases]
 
 
-def make_plan(model: str, world: int, **options) -> planner.Plan:
+def make_plan(model: str, world: int, precision: str = "fp32", **options) -> planner.Plan:
     source, overrides = MODELS[model]
     spec = ModelSpec(source if source.startswith("hf:") else str(REPO / source), overrides)
     if options.get("searched"):
@@ -76,10 +78,10 @@ def make_plan(model: str, world: int, **options) -> planner.Plan:
         from search.auto import _pipeline_plans
 
         graph, spec, name, cluster = prepare_model(spec, f"cpu:2x{world // 2}")
-        return _pipeline_plans(graph, cluster, spec, name, "fp32")[0]
+        return _pipeline_plans(graph, cluster, spec, name, precision)[0]
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
     options.setdefault("micro_batch", 2)
-    return megatron_plan(graph, cluster, spec, name, precision="fp32", **options)
+    return megatron_plan(graph, cluster, spec, name, precision=precision, **options)
 
 
 # ------------------------------------------------------------------------ negative controls

@@ -17,6 +17,7 @@ the same step on one device (``codegen.runtime.parity.check_parity``, behind
   program's gradient hooks;
 - recomputation: Megatron plans (GPT at world 2, Llama with SP at world 4) whose blocks are
   recomputed in backward (``torch.utils.checkpoint`` around each block's replay);
+- bf16 mixed precision: Llama with Megatron SP at world 2 under bf16 autocast;
 - a random family: GPT (world 2) and the MLP (world 4) with every input, output and parameter
   of every op placed at random (``S(d)``, ``R``, ``P`` per axis), the strongest form of "any
   plan": DTensor must redistribute wherever placements disagree, and where its rules cannot
@@ -72,7 +73,7 @@ WORLD_SIZES = (2, 4)  # mesh tp=2, and dp=2 x tp=2
 MEGATRON = ("megatron", "megatron-sp")  # sequence_parallel off, on
 # "+recompute": the family's plan with every block recomputed in backward (checkpointed).
 EXTRA = {
-    2: [("mlp", "partial"), ("gpt", "random"), ("gpt", "megatron+recompute")],
+    2: [("mlp", "partial"), ("gpt", "random"), ("gpt", "megatron+recompute"), ("llama", "megatron-sp+bf16")],
     4: [("gpt2", "batch"), ("mlp", "random"), ("llama", "megatron-sp+recompute")],
 }
 # Placements of the "random" family. With this seed DTensor cannot run the backward of one of
@@ -101,6 +102,8 @@ def make_plan(model: str, family: str, world: int) -> planner.Plan:
     """The plan of one case: Megatron-LM's layout, or a family built by per-axis propagation."""
     if family.endswith("+recompute"):
         return dataclasses.replace(make_plan(model, family.removesuffix("+recompute"), world), recompute="full")
+    if family.endswith("+bf16"):  # bf16 mixed precision: forward under autocast, looser --check tolerances
+        return dataclasses.replace(make_plan(model, family.removesuffix("+bf16"), world), precision="bf16")
     graph, spec, name, cluster = _graph(model, world)
     plan = megatron_plan(graph, cluster, spec, name, tp=2, sequence_parallel=family == "megatron-sp", precision="fp32")
     if family.startswith("megatron"):

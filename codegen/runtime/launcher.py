@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from codegen.runtime.parity import check_parity, optimizer_class
+from codegen.runtime.precision import parity_tolerances
 from codegen.runtime.program import Program, load_program
 from planner.errors import PlannerError
 from planner.model_spec import extract_loss
@@ -29,8 +30,8 @@ def main(folder: Path, argv: list[str]) -> int:
     )
     parser.add_argument("--check", action="store_true", help="one step sharded vs one device; exit 1 on mismatch")
     parser.add_argument("--steps", type=int, default=0, help="train N steps on synthetic data and print step times")
-    parser.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance of --check (default 1e-5)")
-    parser.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance of --check (default 1e-4)")
+    parser.add_argument("--atol", type=float, default=None, help="absolute tolerance of --check (default 1e-5; bf16 plans 1e-2)")
+    parser.add_argument("--rtol", type=float, default=None, help="relative tolerance of --check (default 1e-4; bf16 plans 1e-2)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default=None, help="default: the plan's optimizer")
     options = parser.parse_args(argv)
@@ -43,8 +44,11 @@ def main(folder: Path, argv: list[str]) -> int:
         optimizer = options.optimizer or program.plan.optimizer
         status = 0
         if options.check:
-            result = check_parity(program, mesh, options.atol, options.rtol, options.lr, optimizer)
-            _say(result.message(options.atol, options.rtol))
+            atol, rtol = parity_tolerances(program.plan.precision)
+            atol = atol if options.atol is None else options.atol
+            rtol = rtol if options.rtol is None else options.rtol
+            result = check_parity(program, mesh, atol, rtol, options.lr, optimizer)
+            _say(result.message(atol, rtol))
             status = 0 if result.ok else 1
         if options.steps > 0:
             train_synthetic(program, mesh, options.steps, options.lr, optimizer)

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
+from codegen.runtime.precision import AUTOCAST_DTYPES, run_in_autocast
 from codegen.runtime.program import Program
 from planner.model_spec import extract_loss
 
@@ -79,6 +80,16 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return optimizer_class(name)(params, lr=lr)
 
 
+def single_device_reference(program: Program, model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """A copy of ``model`` that runs the step on one device, in the plan's precision (a bf16
+    plan's forward under the same autocast as its program)."""
+    reference = copy.deepcopy(model)
+    dtype = AUTOCAST_DTYPES.get(program.plan.precision)
+    if dtype is not None:
+        run_in_autocast(reference, mesh.device_type, dtype)
+    return reference
+
+
 def check_parity(
     program: Program, mesh: DeviceMesh, atol: float = 1e-5, rtol: float = 1e-4, lr: float = 1e-3, optimizer: str = "adamw"
 ) -> ParityResult:
@@ -90,7 +101,7 @@ def check_parity(
         return check_pipeline_parity(program, mesh, atol, rtol, lr, optimizer)
     model, args, kwargs = program.build_model()
     _disable_dropout(model)
-    reference = copy.deepcopy(model)
+    reference = single_device_reference(program, model, mesh)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     # Single device: the whole global batch on this rank alone.

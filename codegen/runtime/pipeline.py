@@ -120,7 +120,11 @@ class PipelineStageModule(SpmdModule):
             return value
         value = self._to(value, placements)
         if isinstance(value, DTensor):
-            return value.to_local()
+            value = value.to_local()
+        if value.dtype in (torch.bfloat16, torch.float16):
+            # Made under mixed-precision autocast: it crosses as the fp32 the stage tables
+            # declare (lossless; the next op casts it back as autocast says).
+            value = value.float()
         return value
 
     def receive(self, value: Any, placements: Placements, traced_shape: Sequence[int] | None = None) -> Any:

@@ -17,8 +17,6 @@ micro-batches forward and backward) and one optimizer step. Compared, on every r
 
 from __future__ import annotations
 
-import copy
-
 from torch.distributed.device_mesh import DeviceMesh
 
 from codegen.runtime.parity import (
@@ -30,6 +28,7 @@ from codegen.runtime.parity import (
     _full,
     _optimizer_step,
     optimizer_class,
+    single_device_reference,
 )
 from codegen.runtime.program import Program
 from planner.model_spec import extract_loss
@@ -41,7 +40,7 @@ def check_pipeline_parity(
     """One pipeline step against one device (see the module docstring)."""
     model, args, kwargs = program.build_model()
     _disable_dropout(model)
-    reference = copy.deepcopy(model)
+    reference = single_device_reference(program, model, mesh)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     ref_loss = extract_loss(reference(*args, **kwargs))

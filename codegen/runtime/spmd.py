@@ -74,6 +74,7 @@ class SpmdModule(nn.Module):
         mesh: DeviceMesh,
         parameters: Mapping[str, Placements],
         dropout_modules: Mapping[str, str] | None = None,
+        local_parameters: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.model = model
@@ -81,10 +82,15 @@ class SpmdModule(nn.Module):
         cuda = mesh.device_type == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(mesh.device_type)
         self._dropout_modules = dict(dropout_modules or {})
-        self.params = distribute_parameters(model, mesh, parameters)
+        self.params = distribute_parameters(model, mesh, parameters, keep_local=local_parameters)
         self.train(model.training)
 
     # ------------------------------------------------------------------ generated-code API
+
+    @staticmethod
+    def local(value: Any) -> Any:
+        """The local tensor of a replicated DTensor (the whole value); a plain tensor as is."""
+        return value.to_local() if isinstance(value, DTensor) else value
 
     def input(self, value: Any, placements: Placements, traced_shape: Sequence[int] | None = None) -> Any:
         """A user input: this rank's local slice (from ``shard_batch``) as a DTensor. Its global
@@ -248,11 +254,14 @@ def redistribute(value: DTensor, placements: Sequence[Placement]) -> DTensor:
         return value.redistribute(value.device_mesh, placements)
 
 
-def distribute_parameters(model: nn.Module, mesh: DeviceMesh, parameters: Mapping[str, Placements]) -> dict[str, nn.Parameter]:
+def distribute_parameters(
+    model: nn.Module, mesh: DeviceMesh, parameters: Mapping[str, Placements], keep_local: Sequence[str] = ()
+) -> dict[str, nn.Parameter]:
     """Replace every parameter of ``model`` named in ``parameters`` by a DTensor parameter
     with those placements (each rank keeps its own shard of the whole weight it built; no
     communication), keeping tied weights tied. Parameters the graph does not read are
-    replicated. Returns qualified name -> DTensor parameter.
+    replicated; those named in ``keep_local`` stay plain tensors. Returns qualified name ->
+    parameter.
 
     A gradient hook keeps each gradient in its parameter's placements: a replicated weight
     used on batch-split activations gets partial sums over ``dp``, all-reduced here before
@@ -264,10 +273,14 @@ def distribute_parameters(model: nn.Module, mesh: DeviceMesh, parameters: Mappin
     for name, placements in parameters.items():
         param = model.get_parameter(name)
         placement_of[id(param)] = _replicate_partials(placements)
+    # Weights only ever read whole, by ops that run on local tensors, stay plain: unless
+    # another name of the same (tied) weight is read as a DTensor.
+    local = {id(model.get_parameter(name)) for name in keep_local}
+    local -= {id(model.get_parameter(name)) for name in parameters if name not in keep_local}
     replaced: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for key, param in list(module._parameters.items()):
-            if param is None or isinstance(param, DTensor):
+            if param is None or isinstance(param, DTensor) or id(param) in local:
                 continue
             if id(param) not in replaced:
                 shard = distribute_tensor(param.detach(), mesh, placement_of[id(param)], src_data_rank=None)
