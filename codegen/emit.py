@@ -46,7 +46,7 @@ def render_model_spmd(plan: Plan) -> str:
         from codegen.pipeline_emit import render_pipeline_program
 
         return render_pipeline_program(plan)
-    if not _is_data_parallel(plan):
+    if not is_data_parallel(plan):
         from codegen.spmd_emit import render_graph_program, supports
 
         if supports(plan):
@@ -130,7 +130,7 @@ def recomputed_blocks(plan: Plan) -> tuple[str, ...]:
     return blocks
 
 
-def _is_data_parallel(plan: Plan) -> bool:
+def is_data_parallel(plan: Plan) -> bool:
     """A data-parallel plan (label empty: named by its flavour) on a ``dp``-only mesh, no
     pipeline, every parameter replicated (DDP/ZeRO/FSDP's view). A searched plan on a ``dp``
     mesh may replicate some inputs or activations, which DDP's batch split would not honour;

@@ -159,6 +159,15 @@ def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb u
         reason = unsupported(plan)
         if reason:
             raise PlanningError(f"{plan.name} cannot be compiled: {reason} (planner simulate still prices it)")
+    from codegen.emit import is_data_parallel
+
+    dp = plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else 1
+    if not is_data_parallel(plan) and plan.dp_flavour != "ddp" and dp > 1:
+        raise PlanningError(
+            f"{plan.name} shards weights over dp ({plan.dp_flavour}) beside other parallelism; compiled programs of "
+            f"such meshes keep weights whole over dp (DDP-style), so it is not compiled yet; use dp_flavour 'ddp' on "
+            f"this mesh (as the search's plans do), or a data-parallel-only plan"
+        )
     if plan.recompute not in ("none", "full"):
         raise PlanningError(
             f"this plan recomputes activations ({plan.recompute}), which is simulated but not compiled yet "
