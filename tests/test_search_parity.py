@@ -75,7 +75,8 @@ SEARCHED_WORLD4 = {
 @pytest.fixture(scope="module")
 def searched_world4(tmp_path_factory):
     root = tmp_path_factory.mktemp("searched4")
-    plans = {name: planner.plan(spec, "cpu:1x4", time_budget_s=10, progress=False) for name, spec in SEARCHED_WORLD4.items()}
+    # The default budget (30 s), as the done-when command plans.
+    plans = {name: planner.plan(spec, "cpu:1x4", progress=False) for name, spec in SEARCHED_WORLD4.items()}
     folders = {name: planner.compile(plan, root / name) for name, plan in plans.items()}
     return plans, folders, _launch(4, list(folders.values()), root)
 

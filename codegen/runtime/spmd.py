@@ -123,7 +123,8 @@ class SpmdModule(nn.Module):
         placements = keep_whole(value.placements, placements)
         if same_placements(value.placements, placements):
             return value
-        return redistribute(as_partial_sums(value), placements)
+        value = as_partial_sums(value)
+        return redistribute(value, keep_whole(value.placements, placements))
 
     def dropout_p(self, node: str, traced_p: float) -> float:
         """The probability of dropout op ``node``: its module's ``p`` now (0 after
@@ -236,10 +237,19 @@ class _AverageAsSum(torch.autograd.Function):
 
 
 def keep_whole(source: Sequence[Placement], target: Sequence[Placement]) -> Placements:
-    """``target``, except that a value that is not partial sums stays as it is where ``target``
-    asks for partial sums: DTensor does not turn whole values into partial sums on request
-    (it does so itself inside an op that adds them to partial sums)."""
-    return tuple(s if isinstance(t, Partial) and not isinstance(s, Partial) else t for s, t in zip(source, target))
+    """``target``, except where it asks for partial values: DTensor does not make partial
+    values on request (only its ops do, inside). There a partial value stays as it is
+    (whatever its reduce op: a reader of partial values takes sums or averages alike), a
+    whole value stays whole, and a split value is gathered whole."""
+
+    def settle(held: Placement, wanted: Placement) -> Placement:
+        if not isinstance(wanted, Partial):
+            return wanted
+        if isinstance(held, (Partial, Replicate)):
+            return held
+        return Replicate()
+
+    return tuple(settle(s, t) for s, t in zip(source, target))
 
 
 def redistribute(value: DTensor, placements: Sequence[Placement]) -> DTensor:
