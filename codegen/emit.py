@@ -67,7 +67,8 @@ def render_model_spmd(plan: Plan) -> str:
         body = _fsdp_body(plan, dp)
     else:
         raise NotImplementedError(f"codegen for dp flavour '{plan.dp_flavour}' is not written yet")
-    return header + _recompute_table(plan) + _precision_import(plan) + body + _shard_batch_source(plan, dp)
+    imports = "".join(line + "\n\n" for line in precision_imports(plan))
+    return header + _recompute_table(plan) + imports + body + _shard_batch_source(plan, dp)
 
 
 def _recompute_table(plan: Plan) -> str:
@@ -95,17 +96,19 @@ def _recompute_lines(plan: Plan) -> str:
             "    for path in RECOMPUTED_BLOCKS:  # before wrapping: the wrapper's hooks stay outside\n"
             "        recompute_in_backward(model.get_submodule(path))\n"
         )
-    if plan.precision != "fp32":
-        lines += autocast_lines(plan, "model", "dp_mesh.device_type")
-    return lines
+    return lines + autocast_lines(plan, "model", "dp_mesh.device_type")
 
 
-def _precision_import(plan: Plan) -> str:
-    return "from codegen.runtime.precision import run_in_autocast\n\n" if plan.precision != "fp32" else ""
+def precision_imports(plan: Plan) -> list[str]:
+    """The import lines ``autocast_lines`` needs (none for an fp32 plan)."""
+    return ["from codegen.runtime.precision import run_in_autocast"] if plan.precision != "fp32" else []
 
 
 def autocast_lines(plan: Plan, module: str, device_type: str) -> str:
-    """Lines that run ``module``'s forward in the plan's mixed precision (bf16 autocast)."""
+    """Lines that run ``module``'s forward in the plan's mixed precision (bf16 autocast);
+    none for an fp32 plan."""
+    if plan.precision == "fp32":
+        return ""
     return (
         f"    # Mixed precision ({plan.precision}): forward under torch.autocast, matmuls in {plan.precision}; weights,\n"
         "    # gradients and optimizer states stay fp32.\n"
@@ -121,7 +124,7 @@ def recomputed_blocks(plan: Plan) -> tuple[str, ...]:
         from codegen.graph_facts import build_meta_model, trace_model
 
         graph = trace_model(*build_meta_model(plan))
-    blocks = tuple(f"{group}.{index}" for group, count in graph.blocks.items() for index in range(count))
+    blocks = graph.block_paths()
     if not blocks:
         raise PlanningError(
             "this plan recomputes activations, but the model has no repeated blocks to checkpoint; plan it again "

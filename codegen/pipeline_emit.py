@@ -43,6 +43,7 @@ import torch.fx
 from torch.distributed.tensor import Replicate
 
 from codegen import spmd_notes as notes
+from codegen.emit import autocast_lines, precision_imports
 from codegen.graph_facts import build_meta_model, clean_path, model_facts, trace_model
 from codegen.spmd_emit import SUPPORTED_AXES, _Emitter, _whole
 from codegen.spmd_recompute import assigned_in_order, block_runs, checkpoint_blocks, names_in
@@ -506,7 +507,7 @@ class _PipelineWriter:
                 *(["from torch.utils.checkpoint import checkpoint"] if self.recompute else []),
                 "",
                 "from codegen.runtime.pipeline import PipelineRunner, PipelineStageModule, build_stage, stage_mesh",
-                *(["from codegen.runtime.precision import run_in_autocast"] if self.plan.precision != "fp32" else []),
+                *precision_imports(self.plan),
                 "from codegen.runtime.spmd import shard_inputs",
                 "",
                 "aten = torch.ops.aten",
@@ -576,13 +577,6 @@ class _PipelineWriter:
             lines.append(_PAD + "return (" + ", ".join(sends) + ("," if len(sends) == 1 else "") + ")")
         return "\n".join(lines)
 
-    def _precision_lines(self) -> str:
-        if self.plan.precision == "fp32":
-            return ""
-        from codegen.emit import autocast_lines
-
-        return autocast_lines(self.plan, "module", "mesh.device_type")
-
     def _functions(self, class_names, stage_params, shared, input_names) -> str:
         def names(stage: int, owned: list[str]) -> str:
             if not owned:
@@ -610,7 +604,7 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> PipelineStageModule
     """This rank's stage (its pp coordinate): the stage's parameters become DTensors over the
     stage mesh, placed as PARAMETERS says (each rank keeps its shard; no communication)."""
     module = build_stage(STAGES, model, mesh, PARAMETERS, STAGE_PARAMETERS, DROPOUT_MODULES)
-{self._precision_lines()}    return module
+{autocast_lines(self.plan, "module", "mesh.device_type")}    return module
 
 
 def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:

@@ -40,6 +40,7 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.utils._pytree import TreeSpec
 
 from codegen import spmd_notes as notes
+from codegen.emit import autocast_lines, precision_imports
 from codegen.spmd_recompute import checkpointed_body
 from codegen.graph_facts import (
     ATTENTION,
@@ -291,7 +292,7 @@ class _Emitter:
             "from torch.distributed.tensor import Partial, Replicate, Shard",
             *(["from torch.utils.checkpoint import checkpoint"] if self.recompute else []),
             "",
-            *(["from codegen.runtime.precision import run_in_autocast"] if self.plan.precision != "fp32" else []),
+            *precision_imports(self.plan),
             "from codegen.runtime.spmd import SpmdModule, shard_inputs",
         ]
         for module, name in sorted(self._output_imports()):
@@ -361,13 +362,6 @@ class _Emitter:
         ]
         return "\n".join(lines)
 
-    def _precision_lines(self) -> str:
-        if self.plan.precision == "fp32":
-            return ""
-        from codegen.emit import autocast_lines
-
-        return autocast_lines(self.plan, "module", "mesh.device_type")
-
     def _functions(self) -> str:
         class_name = re.sub(r"\W", "", self.facts.class_name) + "Spmd"
         return f'''
@@ -376,7 +370,7 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     (each rank keeps its shard of the weights it built; no communication), and forward runs
     the plan. Gradients end in their parameter's placements (partial sums are reduced)."""
     module = {class_name}(model, mesh, PARAMETERS, DROPOUT_MODULES, LOCAL_PARAMETERS)
-{self._precision_lines()}    return module
+{autocast_lines(self.plan, "module", "mesh.device_type")}    return module
 
 
 def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
@@ -544,7 +538,7 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
         arg_nodes: list[torch.fx.Node] = []
         torch.fx.node.map_arg((fx_node.args, fx_node.kwargs), arg_nodes.append)
         on_dtensors = any(self.values[a.name].kind in ("dt", "seq_dt") for a in arg_nodes)
-        local = on_dtensors and self._runs_locally(op, name, arg_nodes, strategy, opnode)
+        local = on_dtensors and self._runs_locally(name, arg_nodes, strategy, opnode)
         on_dtensors = on_dtensors and not local
 
         comments: list[str] = []
@@ -620,7 +614,7 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
         self.values[fx_node.name] = _Value(name, kind, placements)
         return lines
 
-    def _runs_locally(self, op: str, name: str, arg_nodes: list[torch.fx.Node], strategy, opnode) -> bool:
+    def _runs_locally(self, name: str, arg_nodes: list[torch.fx.Node], strategy, opnode) -> bool:
         """Whether an op on DTensors runs on this rank's local tensors instead: everything it
         reads, as held and as the plan reads it, and everything it makes is whole on every
         mesh axis, so each rank computes the same full result; plain PyTorch does that without

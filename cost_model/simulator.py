@@ -320,12 +320,7 @@ class Simulator:
         cost.forward_s, cost.backward_s = op_times(node, work, self.device, self.plan.precision)
         if not node.is_view:
             # An op's output is what its readers keep for backward (most ops save their input).
-            kept = self._kept_for_backward(node.name)
-            cost.saved_bytes = sum(
-                meta.nbytes * (self.activation_scale if kept else 0.0) / self._shard_factor(placements) / self.micro_batches
-                for meta, placements in zip(node.output_meta, strategy.outputs)
-                if meta.dtype.is_floating_point
-            )
+            cost.saved_bytes = self._output_bytes(node, strategy) if self._kept_for_backward(node.name) else 0.0
             dropout_p = next((a for a in node.attrs if isinstance(a, float)), 0.0) if node.op.startswith(_DROPOUT) else 0.0
             if dropout_p > 0 and node.output_meta:  # its boolean mask, a byte per element
                 meta, placements = node.output_meta[0], strategy.outputs[0]
@@ -465,7 +460,7 @@ class Simulator:
                 if source in self.nodes and source not in members and self.nodes[name].input_meta[position].dtype.is_floating_point
             }
             for source in sources:
-                size = self._local_output_bytes(source)
+                size = self._output_bytes(self.nodes[source], self.strategies[source])
                 segment.input_bytes += size
                 if source in in_block:
                     # Made inside another block, which recomputation does not keep: this
@@ -474,9 +469,8 @@ class Simulator:
                     segment.checkpoint_bytes += size
         return list(segments.values())
 
-    def _local_output_bytes(self, name: str) -> float:
-        """Bytes of one micro-batch of ``name``'s floating-point outputs on one device."""
-        node, strategy = self.nodes[name], self.strategies[name]
+    def _output_bytes(self, node: OpNode, strategy: NodeStrategy) -> float:
+        """Bytes of one micro-batch of ``node``'s floating-point outputs on one device."""
         return sum(
             meta.nbytes * self.activation_scale / self._shard_factor(placements) / self.micro_batches
             for meta, placements in zip(node.output_meta, strategy.outputs)

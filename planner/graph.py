@@ -157,6 +157,10 @@ class OpGraph:
     def has_node(self, name: str) -> bool:
         return name in self._by_name
 
+    def block_paths(self) -> tuple[str, ...]:
+        """Module paths of the repeated blocks, in order (``("blocks.0", "blocks.1", ...)``)."""
+        return tuple(f"{group}.{index}" for group, count in self.blocks.items() for index in range(count))
+
     @property
     def total_flops(self) -> int:
         """Forward FLOPs of the whole program."""

@@ -108,7 +108,7 @@ def data_parallel_plan(
 
 def fsdp_units(graph: OpGraph) -> tuple[str, ...]:
     """Module paths wrapped as separate FSDP units: each repeated block (the root holds the rest)."""
-    return tuple(f"{group}.{index}" for group, count in graph.blocks.items() for index in range(count))
+    return graph.block_paths()
 
 
 def alternative(plan: Plan, best: Plan) -> Alternative:

@@ -41,9 +41,7 @@ def check_folder(folder: str, atol: float | None, rtol: float | None, lr: float)
     try:
         program = load_program(folder)
         mesh = program.build_mesh()
-        default_atol, default_rtol = parity_tolerances(program.plan.precision)
-        atol = default_atol if atol is None else atol
-        rtol = default_rtol if rtol is None else rtol
+        atol, rtol = parity_tolerances(program.plan.precision, atol, rtol)
         result = check_parity(program, mesh, atol, rtol, lr, program.plan.optimizer)
         return result.ok, result.message(atol, rtol)
     except Exception as error:  # noqa: BLE001 - reported as this folder's FAILED line

@@ -137,6 +137,23 @@ def _run(command: list[str], cwd: Path, timeout: float) -> Launch:
     return Launch(command, process.returncode, stdout, stderr)
 
 
+def check_many(world: int, programs: list[Path], cwd: Path) -> Launch:
+    """Check every compiled program in ``programs`` in ONE torchrun launch of
+    ``dist_check_many.py`` at ``world`` processes; the launch itself must succeed."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(DIST_CHECK_MANY)]
+    launch = _run([*command, *map(str, programs)], cwd=cwd, timeout=LAUNCH_TIMEOUT)
+    assert launch.returncode == 0, f"dist_check_many.py failed at world size {world}:\n{launch.describe()}"
+    return launch
+
+
+def result_of(launch: Launch, folder: Path) -> str:
+    """The RESULT line of ``folder`` in ``launch`` without its prefix: ``ok ...`` or ``FAILED ...``."""
+    prefix = f"RESULT {folder} "
+    lines = [line[len(prefix) :] for line in launch.stdout.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, f"expected one RESULT line for {folder}, got {len(lines)}:\n{launch.describe()}"
+    return lines[0]
+
+
 def _torchrun(nproc: int) -> list[str]:
     """``torchrun --nproc_per_node N``: the console script next to this Python if installed."""
     script = Path(sys.executable).with_name("torchrun")
@@ -185,10 +202,7 @@ class WorldRun:
 
     def result(self, folder: Path) -> str:
         """The RESULT line of ``folder`` without its prefix: ``ok ...`` or ``FAILED ...``."""
-        prefix = f"RESULT {folder} "
-        lines = [line[len(prefix) :] for line in self.launch.stdout.splitlines() if line.startswith(prefix)]
-        assert len(lines) == 1, f"expected one RESULT line for {folder}, got {len(lines)}:\n{self.launch.describe()}"
-        return lines[0]
+        return result_of(self.launch, folder)
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda world: f"world{world}")
@@ -201,10 +215,7 @@ def world_run(request, tmp_path_factory) -> WorldRun:
     }
     broken = _remove_gradient_averaging(_compile(*MODELS["mlp"], world, "ddp", root / "mlp_ddp_unaveraged"))
     unbroadcast = _remove_parameter_broadcast(_compile(*MODELS["mlp"], world, "zero1", root / "mlp_zero1_unbroadcast"))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(DIST_CHECK_MANY)]
-    controls = [str(broken), str(unbroadcast)]
-    launch = _run([*command, *map(str, folders.values()), *controls], cwd=root, timeout=LAUNCH_TIMEOUT)
-    assert launch.returncode == 0, f"dist_check_many.py failed at world size {world}:\n{launch.describe()}"
+    launch = check_many(world, [*folders.values(), broken, unbroadcast], root)
     return WorldRun(world, folders, broken, unbroadcast, launch)
 
 

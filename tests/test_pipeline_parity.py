@@ -28,7 +28,6 @@ learns nothing), and a tied GPT-2 program whose stages do not sum the tied weigh
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from planner.api import prepare_model
 from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from search.megatron import megatron_plan
-from test_parity import DIST_CHECK_MANY, HF_GPT2_TINY, LAUNCH_TIMEOUT, REPO, Launch, _run
+from test_parity import HF_GPT2_TINY, REPO, Launch, check_many, result_of
 
 pytestmark = pytest.mark.distributed
 
@@ -124,10 +123,7 @@ class WorldRun:
     launch: Launch
 
     def result(self, folder: Path) -> str:
-        prefix = f"RESULT {folder} "
-        lines = [line[len(prefix) :] for line in self.launch.stdout.splitlines() if line.startswith(prefix)]
-        assert len(lines) == 1, f"expected one RESULT line for {folder}, got {len(lines)}:\n{self.launch.describe()}"
-        return lines[0]
+        return result_of(self.launch, folder)
 
 
 def _world_run(world: int, root: Path) -> WorldRun:
@@ -144,9 +140,7 @@ def _world_run(world: int, root: Path) -> WorldRun:
         )
         broken["untied gradients"] = untie_gradients(planner.compile(make_plan("gpt2", 2, pp=2), root / "gpt2_untied"))
     programs = [*folders.values(), *broken.values()]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(DIST_CHECK_MANY)]
-    launch = _run([*command, *map(str, programs)], cwd=root, timeout=LAUNCH_TIMEOUT)
-    assert launch.returncode == 0, f"dist_check_many.py failed at world size {world}:\n{launch.describe()}"
+    launch = check_many(world, programs, root)
     return WorldRun(world, folders, broken, launch)
 
 

@@ -9,20 +9,16 @@ size 8, so every mesh shape of the issue (2, 2x2, 2x4) runs for real.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 import planner
 from search.megatron import megatron_plan
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
-from test_parity import LAUNCH_TIMEOUT, REPO, _run
+from test_parity import REPO, check_many, result_of
 
 pytestmark = pytest.mark.distributed
 
-SPMD_CHECK_MANY = Path(__file__).resolve().with_name("dist_check_many.py")
 EXAMPLES = REPO / "examples"
 SEARCHED = {
     "cnn": ModelSpec(str(EXAMPLES / "cnn.py"), {"batch_size": 8}),
@@ -31,33 +27,19 @@ SEARCHED = {
 }
 
 
-def _launch(world: int, folders: list[Path], cwd: Path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(SPMD_CHECK_MANY)]
-    launch = _run([*command, *map(str, folders)], cwd=cwd, timeout=LAUNCH_TIMEOUT)
-    assert launch.returncode == 0, f"dist_check_many.py failed at world size {world}:\n{launch.describe()}"
-    return launch
-
-
-def _result(launch, folder: Path) -> str:
-    prefix = f"RESULT {folder} "
-    lines = [line[len(prefix):] for line in launch.stdout.splitlines() if line.startswith(prefix)]
-    assert len(lines) == 1, f"expected one RESULT line for {folder}:\n{launch.describe()}"
-    return lines[0]
-
-
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     root = tmp_path_factory.mktemp("searched")
     plans = {name: planner.plan(spec, "cpu:1x2", time_budget_s=8, progress=False) for name, spec in SEARCHED.items()}
     folders = {name: planner.compile(plan, root / name) for name, plan in plans.items()}
-    return plans, folders, _launch(2, list(folders.values()), root)
+    return plans, folders, check_many(2, list(folders.values()), root)
 
 
 @pytest.mark.parametrize("name", sorted(SEARCHED))
 def test_searched_plan_matches_one_device(searched, name):
     plans, folders, launch = searched
     assert plans[name].search_summary.startswith("auto search")
-    assert _result(launch, folders[name]).startswith("ok"), f"{name} ({plans[name].name}): {_result(launch, folders[name])}"
+    assert result_of(launch, folders[name]).startswith("ok"), f"{name} ({plans[name].name}): {result_of(launch, folders[name])}"
 
 
 # The issue's done-when model (a small llama with grouped-query attention) and GPT, searched
@@ -78,13 +60,13 @@ def searched_world4(tmp_path_factory):
     # The default budget (30 s), as the issue's done-when command plans.
     plans = {name: planner.plan(spec, "cpu:1x4", progress=False) for name, spec in SEARCHED_WORLD4.items()}
     folders = {name: planner.compile(plan, root / name) for name, plan in plans.items()}
-    return plans, folders, _launch(4, list(folders.values()), root)
+    return plans, folders, check_many(4, list(folders.values()), root)
 
 
 @pytest.mark.parametrize("name", sorted(SEARCHED_WORLD4))
 def test_searched_plan_on_four_devices_matches_one_device(searched_world4, name):
     plans, folders, launch = searched_world4
-    assert _result(launch, folders[name]).startswith("ok"), f"{name} ({plans[name].name}): {_result(launch, folders[name])}"
+    assert result_of(launch, folders[name]).startswith("ok"), f"{name} ({plans[name].name}): {result_of(launch, folders[name])}"
 
 
 def test_megatron_on_a_two_by_four_mesh(tmp_path):
@@ -92,5 +74,5 @@ def test_megatron_on_a_two_by_four_mesh(tmp_path):
     plan = megatron_plan(graph, cluster, spec, name, tp=4, dp=2, precision="fp32")
     assert plan.mesh.axes == (("dp", 2), ("tp", 4))
     folder = planner.compile(plan, tmp_path / "gpt_2x4")
-    launch = _launch(8, [folder], tmp_path)
-    assert _result(launch, folder).startswith("ok"), launch.describe()
+    launch = check_many(8, [folder], tmp_path)
+    assert result_of(launch, folder).startswith("ok"), launch.describe()

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +47,7 @@ from planner.model_spec import ModelSpec
 from search.layouts import batch_input_placements, combine
 from search.megatron import megatron_plan
 from search.propagation import propagate
-from test_parity import DIST_CHECK_MANY, HF_GPT2_TINY, LAUNCH_TIMEOUT, REPO, Launch, _run
+from test_parity import HF_GPT2_TINY, REPO, Launch, check_many, result_of
 
 pytestmark = pytest.mark.distributed
 
@@ -177,10 +176,7 @@ class WorldRun:
     launch: Launch
 
     def result(self, folder: Path) -> str:
-        prefix = f"RESULT {folder} "
-        lines = [line[len(prefix) :] for line in self.launch.stdout.splitlines() if line.startswith(prefix)]
-        assert len(lines) == 1, f"expected one RESULT line for {folder}, got {len(lines)}:\n{self.launch.describe()}"
-        return lines[0]
+        return result_of(self.launch, folder)
 
 
 def _world_run(world: int, root: Path) -> WorldRun:
@@ -192,9 +188,7 @@ def _world_run(world: int, root: Path) -> WorldRun:
     if world == 2:
         broken = skip_first_all_reduce(planner.compile(make_plan("mlp", "megatron", world), root / "mlp_skipped_all_reduce"))
     programs = [*folders.values(), *([broken] if broken else [])]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(DIST_CHECK_MANY)]
-    launch = _run([*command, *map(str, programs)], cwd=root, timeout=LAUNCH_TIMEOUT)
-    assert launch.returncode == 0, f"dist_check_many.py failed at world size {world}:\n{launch.describe()}"
+    launch = check_many(world, programs, root)
     return WorldRun(world, folders, broken, launch)
 
 

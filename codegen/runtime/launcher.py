@@ -44,9 +44,7 @@ def main(folder: Path, argv: list[str]) -> int:
         optimizer = options.optimizer or program.plan.optimizer
         status = 0
         if options.check:
-            atol, rtol = parity_tolerances(program.plan.precision)
-            atol = atol if options.atol is None else options.atol
-            rtol = rtol if options.rtol is None else options.rtol
+            atol, rtol = parity_tolerances(program.plan.precision, options.atol, options.rtol)
             result = check_parity(program, mesh, atol, rtol, options.lr, optimizer)
             _say(result.message(atol, rtol))
             status = 0 if result.ok else 1

@@ -37,6 +37,7 @@ def run_in_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> 
     return module
 
 
-def parity_tolerances(precision: str) -> tuple[float, float]:
-    """Default (atol, rtol) of ``launch.py --check`` for a plan's precision."""
-    return TOLERANCES.get(precision, TOLERANCES["fp32"])
+def parity_tolerances(precision: str, atol: float | None = None, rtol: float | None = None) -> tuple[float, float]:
+    """(atol, rtol) of ``launch.py --check``: those given, else the defaults of the plan's precision."""
+    default_atol, default_rtol = TOLERANCES.get(precision, TOLERANCES["fp32"])
+    return (default_atol if atol is None else atol, default_rtol if rtol is None else rtol)
