@@ -7,7 +7,10 @@ below it (``search``, ``cost_model``, ``codegen``); the vocabulary modules impor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +38,10 @@ def plan(
     *,
     spec: ModelSpec | str | None = None,
     dp_flavour: str | None = None,
-    precision: str = "fp32",
+    precision: str = "auto",
     search: str = "auto",
-    time_budget_s: float = 30.0,
+    effort: float = 1.0,
+    time_budget_s: float | None = 600.0,
     seed: int = 0,
     progress: bool = True,
 ) -> Plan:
@@ -58,13 +62,19 @@ def plan(
             fastest that fits.
         precision: ``"fp32"``, or mixed ``"bf16"``/``"fp16"`` (fp32 master weights); bf16
             plans compile to programs that run forward under bf16 autocast, fp16 plans
-            (which need loss scaling) are simulated only.
+            (which need loss scaling) are simulated only. ``"auto"`` (the default) is bf16
+            on a GPU cluster whose devices have bf16 tensor cores (A100, H100), else fp32.
         search: ``"auto"`` (CP-SAT per mesh, then MCMC refinement), ``"ilp"`` (CP-SAT),
             ``"mcmc"`` (Metropolis-Hastings over the simulator), or ``"dp"`` (data
             parallelism only: DDP, ZeRO-1, ZeRO-2 or FSDP). ``dp_flavour`` implies ``"dp"``.
-        time_budget_s: wall-clock budget of the search; the best plan found so far is
-            returned when it runs out.
-        seed: seed of the MCMC search (deterministic for a seed and iteration count).
+        effort: how much work the search does (1 is the default; 0.25 is quick, 4
+            thorough). Budgets count work (CP-SAT's deterministic time, MCMC proposals),
+            not seconds, so the same model, cluster, seed and effort give the same plan on
+            any machine.
+        time_budget_s: a wall-clock safety cap on the whole call, tracing included
+            (``None``: no cap). It does not decide the plan unless it cuts the search
+            short, and then the plan's warnings say so.
+        seed: seed of the MCMC search.
         progress: show a progress bar on stderr (a terminal only) for searches over a second.
 
     Returns:
@@ -73,25 +83,58 @@ def plan(
     Raises:
         PlannerError: a subclass naming the problem (trace, cluster, spec, planning).
     """
+    from search.budget import SearchBudget
     from search.data_parallel import plan_data_parallel
 
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise PlanningError(f"precision must be fp32, bf16 or fp16, got '{precision}'")
+    if precision not in PRECISIONS:
+        raise PlanningError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if isinstance(effort, bool) or not isinstance(effort, (int, float)) or not math.isfinite(effort) or effort <= 0:
+        raise PlanningError(f"effort must be a positive number (1 is the default search), got {effort!r}")
+    if time_budget_s is not None and (
+        isinstance(time_budget_s, bool) or not isinstance(time_budget_s, (int, float))
+        or not math.isfinite(time_budget_s) or time_budget_s <= 0
+    ):
+        raise PlanningError(f"time_budget_s must be a positive number of seconds or None, got {time_budget_s!r}")
+    budget = SearchBudget(effort=effort, wall_clock_cap_s=time_budget_s)
     with _progress_bar(enabled=progress) as on_progress:
+        tracing = None
         if on_progress:
             on_progress("tracing the model on meta tensors", 0.0)
-        graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
+            tracing = lambda what, fraction: on_progress(what, TRACE_SHARE * fraction)  # noqa: E731
+        graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec, on_progress=tracing)
+        traced_s = time.perf_counter() - budget.started
+        precision = default_precision(cluster) if precision == "auto" else precision
         if search == "dp" or dp_flavour is not None:
-            return plan_data_parallel(
+            chosen = plan_data_parallel(
                 graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=graph_warnings(graph),
                 precision=precision,
             )
-        from search.auto import search_plan
+        else:
+            from search.auto import search_plan
 
-        return search_plan(
-            graph, cluster, spec, name, search=search, time_budget_s=time_budget_s, seed=seed,
-            warnings=graph_warnings(graph), precision=precision, on_progress=on_progress,
-        )
+            searching = None
+            if on_progress:
+                searching = lambda what, fraction: on_progress(what, TRACE_SHARE + (1 - TRACE_SHARE) * fraction)  # noqa: E731
+            chosen = search_plan(
+                graph, cluster, spec, name, search=search, budget=budget, seed=seed,
+                warnings=graph_warnings(graph), precision=precision, on_progress=searching,
+            )
+    total_s = time.perf_counter() - budget.started
+    return dataclasses.replace(chosen, timings={"trace_s": traced_s, "search_s": total_s - traced_s, "total_s": total_s})
+
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+# The progress bar's share of a plan() call that tracing takes (the search takes the rest).
+TRACE_SHARE = 0.15
+
+
+def default_precision(cluster: Cluster) -> str:
+    """What ``precision="auto"`` means on ``cluster``: bf16 mixed precision on GPUs that have
+    bf16 tensor cores (how such clusters train), else fp32 (CPU processes, V100s)."""
+    devices = {cluster.device_of(rank).name: cluster.device_of(rank) for rank in range(cluster.world_size)}
+    if cluster.backend == "nccl" and all("bfloat16" in device.peak_flops for device in devices.values()):
+        return "bf16"
+    return "fp32"
 
 
 def simulate(plan: Plan) -> SimResult:
@@ -110,8 +153,9 @@ def simulate(plan: Plan) -> SimResult:
     return simulate_plan(plan, graph)
 
 
-def prepare_model(model, cluster, example_inputs=None, spec=None):
-    """Trace a module or spec on meta tensors: returns ``(graph, spec, model name, cluster)``."""
+def prepare_model(model, cluster, example_inputs=None, spec=None, on_progress=None):
+    """Trace a module or spec on meta tensors: returns ``(graph, spec, model name, cluster)``.
+    ``on_progress(what, fraction)`` follows the tracing (see ``planner.trace.trace``)."""
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
     if isinstance(model, (str, ModelSpec)):
@@ -128,8 +172,8 @@ def prepare_model(model, cluster, example_inputs=None, spec=None):
         if isinstance(spec, str):
             spec = ModelSpec(spec, {})
         spec = spec.resolved() if spec is not None else None
-    graph = trace(model, args, kwargs)
-    graph.warnings = _model_warnings(model)
+    graph = trace(model, args, kwargs, on_progress=on_progress)
+    graph.warnings = _model_warnings(model) + _unknown_op_warnings(graph)
     return graph, spec, type(model).__name__, cluster
 
 
@@ -148,8 +192,16 @@ def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb u
     """
     from codegen.emit import write_program
 
+    blocker = compile_blocker(plan)
+    if blocker:
+        raise PlanningError(blocker)
+    return write_program(plan, Path(out_dir))
+
+
+def compile_blocker(plan: Plan) -> str | None:
+    """Why ``compile`` would refuse ``plan`` (one line naming the fix), or None when it compiles."""
     if plan.model is None:
-        raise PlanningError(
+        return (
             "this plan has no model spec, so torchrun cannot rebuild the model; plan from a spec "
             "(planner.plan('file.py:build', ...)) or pass spec= to planner.plan"
         )
@@ -158,27 +210,27 @@ def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb u
 
         reason = unsupported(plan)
         if reason:
-            raise PlanningError(f"{plan.name} cannot be compiled: {reason} (planner simulate still prices it)")
+            return f"{plan.name} cannot be compiled: {reason} (planner simulate still prices it)"
     from codegen.emit import is_data_parallel
 
     dp = plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else 1
     if not is_data_parallel(plan) and plan.dp_flavour != "ddp" and dp > 1:
-        raise PlanningError(
+        return (
             f"{plan.name} shards weights over dp ({plan.dp_flavour}) beside other parallelism; compiled programs of "
             f"such meshes keep weights whole over dp (DDP-style), so it is not compiled yet; use dp_flavour 'ddp' on "
             f"this mesh (as the search's plans do), or a data-parallel-only plan"
         )
     if plan.recompute not in ("none", "full"):
-        raise PlanningError(
+        return (
             f"this plan recomputes activations ({plan.recompute}), which is simulated but not compiled yet "
             f"(compiled programs recompute whole blocks); plan again, or use recompute='full'"
         )
     if plan.precision not in ("fp32", "bf16"):
-        raise PlanningError(
+        return (
             f"this plan simulates {plan.precision} mixed precision, which needs loss scaling and is not compiled; "
             f"plan with --precision bf16 (or fp32) to compile it"
         )
-    return write_program(plan, Path(out_dir))
+    return None
 
 
 @contextlib.contextmanager
@@ -202,6 +254,20 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), {}
     return (example_inputs,), {}
+
+
+def _unknown_op_warnings(graph) -> list[str]:
+    """One warning naming the ops that have no sharding rule (they run whole on every rank)."""
+    from search.rules import unknown_ops
+
+    unknown = unknown_ops(graph)
+    if not unknown:
+        return []
+    listed = ", ".join(f"{op.removeprefix('aten.')} ({count} node{'s' if count > 1 else ''})" for op, count in unknown.items())
+    return [
+        f"{sum(unknown.values())} op(s) have no sharding rule, so plans other than data parallelism run them "
+        f"whole on every rank: {listed}; rules live in search/rules/"
+    ]
 
 
 def _model_warnings(model: torch.nn.Module) -> list[str]:

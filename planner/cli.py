@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shlex
 import sys
 import traceback
 from typing import Iterator, Sequence
@@ -57,8 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
         "Metropolis-Hastings; dp: data parallelism only (DDP, ZeRO-1, ZeRO-2 or FSDP)",
     )
     plan.add_argument(
-        "--time-budget", type=float, default=30.0, metavar="SECONDS",
-        help="search budget in seconds (default 30); the best plan found so far is returned when it runs out",
+        "--effort", type=float, default=1.0, metavar="X",
+        help="how much work the search does (default 1; 0.25 quick, 4 thorough); budgets count work, not "
+        "seconds, so the same model, cluster, seed and effort give the same plan on any machine",
+    )
+    plan.add_argument(
+        "--time-budget", type=float, default=600.0, metavar="SECONDS",
+        help="wall-clock safety cap of the whole run, tracing included (default 600); it only decides the plan "
+        "if it cuts the search short, and the report then says so",
     )
     plan.add_argument("--seed", type=int, default=0, help="seed of the MCMC search (default 0)")
     plan.add_argument(
@@ -68,10 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--precision",
-        choices=("fp32", "bf16", "fp16"),
-        default="fp32",
-        help="training precision to simulate (bf16/fp16: mixed precision with fp32 master weights); "
-        "compiled programs run fp32 today",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        default="auto",
+        help="training precision (default auto: bf16 on GPUs with bf16 tensor cores, else fp32; bf16/fp16: mixed precision with fp32 master weights); bf16 plans compile to "
+        "programs that run forward under bf16 autocast, fp16 plans (which need loss scaling) are simulated only",
     )
     plan.add_argument("-o", "--output", metavar="PLAN_JSON", help="save the plan as JSON (input of `planner compile`)")
 
@@ -154,7 +161,7 @@ def _run(options: argparse.Namespace) -> int:
         plan = load_plan(options.plan)
         out = compile_plan(plan, options.output)
         print(f"wrote {out}/model_spmd.py, {out}/plan.json, {out}/launch.py")
-        print(f"run: torchrun --nproc_per_node {plan.world_size} {out}/launch.py --check")
+        print(f"next: {_command('torchrun', '--nproc_per_node', plan.world_size, f'{out}/launch.py', '--check')}")
         return 0
     raise AssertionError(f"unhandled command {options.command}")
 
@@ -169,13 +176,43 @@ def _plan(options: argparse.Namespace) -> int:
     spec = ModelSpec(options.spec, parse_overrides(options.overrides))
     plan = make_plan(
         spec, cluster, dp_flavour=options.dp, precision=options.precision, search=options.search,
-        time_budget_s=options.time_budget, seed=options.seed, progress=True,
+        effort=options.effort, time_budget_s=options.time_budget, seed=options.seed, progress=True,
     )
     print(plan.report())
     if options.output:
         plan.save(options.output)
-        print(f"saved plan to {options.output}; next: planner compile {options.output} -o out")
+        print(f"saved the plan to {options.output}")
+    for line in _next_steps(plan, options):
+        print(line)
     return 0
+
+
+def _next_steps(plan, options: argparse.Namespace) -> list[str]:
+    """The commands that come next, shell-quoted so they can be pasted as they are."""
+    from planner.api import compile_blocker
+
+    blocker = compile_blocker(plan)
+    if blocker:
+        return [f"not compiled: {blocker}"]
+    steps = []
+    saved = options.output
+    if not saved:
+        saved = "plan.json"
+        settings = [part for item in options.overrides for part in ("--set", item)]
+        for flag, value, default in (
+            ("--dp", options.dp, None), ("--search", options.search, "auto"), ("--precision", options.precision, "auto"),
+            ("--effort", options.effort, 1.0), ("--seed", options.seed, 0),
+        ):
+            if value != default:
+                settings += [flag, f"{value:g}" if isinstance(value, float) else value]
+        steps.append(_command("python", "-m", "planner", "plan", options.spec, "--cluster", options.cluster, *settings, "-o", saved))
+    steps.append(_command("python", "-m", "planner", "compile", saved, "-o", "out"))
+    steps.append(_command("torchrun", "--nproc_per_node", plan.world_size, "out/launch.py", "--check"))
+    return ["next:", *(f"  {step}" for step in steps)]
+
+
+def _command(*parts) -> str:
+    return shlex.join(str(part) for part in parts)
 
 
 def _profile(options: argparse.Namespace) -> int:

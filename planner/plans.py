@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 from planner.cluster import Cluster
 from planner.graph import OpGraph
@@ -72,7 +72,10 @@ class Plan:
         summary: a summary of the traced model, for the report.
         runners_up: the next best plans, for the report.
         warnings: things the planner noticed that the user should know.
-        search_summary: how the strategy was found (searches, meshes, optimality, time).
+        search_summary: how the strategy was found (searches, meshes, optimality); the
+            same for the same inputs on any machine.
+        timings: wall-clock seconds the planning took (``trace_s``, ``search_s``,
+            ``total_s``): the only fields that differ between two runs of the same plan.
         label: the strategy family for names and reports (``"soap"`` for searched plans,
             ``"megatron"``); empty for data-parallel plans, named by their flavour.
         graph: the traced model, kept in memory for simulation (not saved; a loaded plan
@@ -97,6 +100,7 @@ class Plan:
     warnings: tuple[str, ...] = ()
     search_summary: str = ""
     label: str = ""
+    timings: Mapping[str, float] = field(default_factory=dict)
     graph: OpGraph | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -150,6 +154,7 @@ class Plan:
             "warnings": list(self.warnings),
             "search_summary": self.search_summary,
             "label": self.label,
+            "timings": dict(self.timings),
             "strategies": [_strategy_to_dict(s) for s in self.strategies],
         }
 
@@ -199,6 +204,7 @@ class Plan:
                 warnings=tuple(reader.get("warnings", list)),
                 search_summary=reader.get("search_summary", str),
                 label=reader.get("label", str),
+                timings=_timings_from(reader),
             )
         except ValueError as error:
             raise PlanFileError(f"{source}: {error}") from None
@@ -260,6 +266,17 @@ class _Reader:
             return build(self.data[key])
         except errors as error:
             raise PlanFileError(f"{self.source}: field '{self._field(key)}' is invalid: {error}") from None
+
+
+def _timings_from(reader: _Reader) -> dict[str, float]:
+    """The optional ``timings`` field: seconds by phase (absent in older files)."""
+    if "timings" not in reader.data:
+        return {}
+    timings = reader.get("timings", dict)
+    for key, value in timings.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PlanFileError(f"{reader.source}: field 'timings.{key}' must be a number of seconds, got {value!r}")
+    return {str(key): float(value) for key, value in timings.items()}
 
 
 def _estimate_from(reader: _Reader) -> SimResult:

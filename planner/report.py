@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import re
+import textwrap
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -15,9 +16,14 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.strategy import NodeStrategy
+from planner.units import format_bytes, format_count, format_flops, format_seconds
+from planner.verdict import findings, plan_label, verdict
 
 if TYPE_CHECKING:
     from planner.plans import Plan
+
+# Columns of the report: it must read well in a 100-column terminal.
+REPORT_WIDTH = 100
 
 _FLAVOUR_TEXT = {
     "ddp": "DDP: weights replicated, gradients all-reduced (bucketed, overlapped with backward)",
@@ -28,41 +34,68 @@ _FLAVOUR_TEXT = {
 }
 
 
-def render_report(plan: "Plan", width: int = 110) -> str:
-    """The plan as readable text (see ``Plan.report``)."""
+def render_report(plan: "Plan", width: int = REPORT_WIDTH) -> str:
+    """The plan as readable text (see ``Plan.report``): a verdict paragraph first (what was
+    chosen, why, at what cost), then what looks wrong and the warnings, then the details."""
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, force_terminal=False, color_system=None, highlight=False)
     summary = plan.summary
     source = plan.model.describe() if plan.model else summary.name
-    console.print(f"soap-planner plan for {source}")
+    console.print(_paragraph(f"soap-planner plan for {source}: {summary.name}, {format_count(summary.parameters)} "
+                             f"parameters, on {plan.cluster.name} ({plan.world_size} devices)", width))
+    console.print()
+    console.print(_paragraph(verdict(plan), width))
+    notes = [f"note: {finding}" for finding in findings(plan)] + [f"warning: {warning}" for warning in plan.warnings]
+    if notes:
+        console.print()
+        for note in notes:
+            console.print(_paragraph(note, width, indent="  "))
+    console.print()
     blocks = ", ".join(f"{group} x{count}" for group, count in summary.blocks.items()) or "none"
-    console.print(
-        f"  model     {summary.name}: {_count(summary.parameters)} parameters ({_bytes(summary.parameter_bytes)}), "
-        f"{_flops(summary.forward_flops)} forward per step, {summary.ops} ops traced by {summary.tracer}; "
-        f"repeated blocks: {blocks}"
-    )
-    console.print(f"  cluster   {plan.cluster.describe()}")
-    console.print(f"  mesh      {plan.mesh}  ({plan.world_size} ranks)")
-    console.print(f"  strategy  {_strategy_text(plan)}")
+    details = [
+        ("model", f"{summary.name}: {format_count(summary.parameters)} parameters ({format_bytes(summary.parameter_bytes)}), "
+         f"{format_flops(summary.forward_flops)} forward per step, {summary.ops} ops traced by {summary.tracer}; "
+         f"repeated blocks: {blocks}"),
+        ("cluster", plan.cluster.describe()),
+        ("mesh", f"{plan.mesh}  ({plan.world_size} ranks)"),
+        ("strategy", _strategy_text(plan)),
+    ]
     local = plan.batch_size // plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else plan.batch_size
-    console.print(f"  batch     global {plan.batch_size}, {local} per data-parallel rank")
+    details.append(("batch", f"global {plan.batch_size}, {local} per data-parallel rank"))
     if plan.fsdp_units:
-        console.print(f"  FSDP units {_collapse_units(plan.fsdp_units)} + root")
+        details.append(("FSDP units", f"{_collapse_units(plan.fsdp_units)} + root"))
     if plan.search_summary:
-        console.print(f"  search    {plan.search_summary}")
-    console.print(
-        f"  recompute {plan.recompute}; pipeline {'none' if plan.pipeline is None else plan.pipeline}; "
-        f"precision {plan.precision}; optimizer {plan.optimizer}"
-    )
+        details.append(("search", plan.search_summary))
+    details.append((
+        "recompute",
+        f"{plan.recompute}; pipeline {'none' if plan.pipeline is None else _pipeline_text(plan)}; "
+        f"precision {plan.precision}; optimizer {plan.optimizer}",
+    ))
+    if plan.timings:
+        details.append(("planned in", ", ".join(f"{key.removesuffix('_s')} {value:.1f} s" for key, value in plan.timings.items())))
+    for label, text in details:
+        console.print(_paragraph(f"{label:<9} {text}", width, indent="  ", hanging=" " * 12))
     console.print(_strategy_table(plan))
     console.print(_memory_table(plan))
     console.print(_memory_verdict(plan))
     console.print(_time_table(plan))
     if plan.runners_up:
         console.print(_alternatives_table(plan))
-    for warning in plan.warnings:
-        console.print(f"warning: {warning}")
     return buffer.getvalue()
+
+
+def _paragraph(text: str, width: int, indent: str = "", hanging: str | None = None) -> str:
+    """``text`` wrapped to ``width`` columns, continuation lines indented (``hanging``)."""
+    return textwrap.fill(
+        text, width=width, initial_indent=indent, subsequent_indent=indent if hanging is None else hanging,
+        break_on_hyphens=False, break_long_words=False,
+    )
+
+
+def _pipeline_text(plan: "Plan") -> str:
+    pipeline = plan.pipeline
+    virtual = f", {pipeline.virtual_stages} virtual stages each" if pipeline.virtual_stages > 1 else ""
+    return f"{pipeline.stages} stages, {pipeline.schedule}, {pipeline.micro_batches} micro-batches{virtual}"
 
 
 def _strategy_text(plan: "Plan") -> str:
@@ -125,25 +158,25 @@ def _memory_table(plan: "Plan") -> Table:
         ("communication buffers", memory.communication_buffers),
     ]
     for name, value in rows:
-        table.add_row(name, _bytes(value), f"{value / max(1, memory.total):.0%}")
-    table.add_row("total", _bytes(memory.total), f"{memory.total / capacity:.1%} of {_bytes(capacity)}")
+        table.add_row(name, format_bytes(value), f"{value / max(1, memory.total):.0%}")
+    table.add_row("total", format_bytes(memory.total), f"{memory.total / capacity:.1%} of {format_bytes(capacity)}")
     if len(plan.estimate.stage_memory) > 1:
         for stage, stage_memory in enumerate(plan.estimate.stage_memory):
-            table.add_row(f"pipeline stage {stage}", _bytes(stage_memory.total), f"{stage_memory.total / capacity:.1%}")
+            table.add_row(f"pipeline stage {stage}", format_bytes(stage_memory.total), f"{stage_memory.total / capacity:.1%}")
     return table
 
 
 def _memory_verdict(plan: "Plan") -> str:
     memory, capacity = plan.estimate.memory, plan.estimate.device_memory_bytes
     if plan.estimate.fits:
-        return f"memory: fits ({_bytes(capacity - memory.total)} to spare on the fullest device)"
+        return f"memory: fits ({format_bytes(capacity - memory.total)} to spare on the fullest device)"
     stages = plan.estimate.stage_memory
     if len(stages) > 1:
         over = ", ".join(str(i) for i, m in enumerate(stages) if m.total > capacity)
         where = f"on the devices of pipeline stage(s) {over}"
     else:
         where = "on every device"
-    return f"memory: DOES NOT FIT: {_bytes(memory.total - capacity)} missing {where}"
+    return f"memory: DOES NOT FIT: {format_bytes(memory.total - capacity)} missing {where}"
 
 
 def _time_table(plan: "Plan") -> Table:
@@ -151,9 +184,9 @@ def _time_table(plan: "Plan") -> Table:
     table = Table(title=f"Time per step ({estimate.method})")
     table.add_column("part")
     table.add_column("value", justify="right")
-    table.add_row("step time", _seconds(estimate.step_time_s))
-    table.add_row("compute on the busiest device (forward + backward + optimizer)", _seconds(estimate.compute_s))
-    table.add_row("exposed communication (step minus the same step with free collectives)", _seconds(estimate.communication_s))
+    table.add_row("step time", format_seconds(estimate.step_time_s))
+    table.add_row("compute on the busiest device (forward + backward + optimizer)", format_seconds(estimate.compute_s))
+    table.add_row("exposed communication (step minus the same step with free collectives)", format_seconds(estimate.communication_s))
     if plan.pipeline is not None:
         table.add_row("pipeline bubble (idle share of compute)", f"{estimate.bubble_fraction:.1%}")
     if estimate.step_time_s > 0:
@@ -162,7 +195,7 @@ def _time_table(plan: "Plan") -> Table:
     if estimate.model_flops:
         table.add_row("model FLOPs per device (Megatron-LM count)", f"{estimate.tflops_per_device:,.2f} TFLOP/s, MFU {estimate.mfu:.1%}")
     for axis, sent in sorted(estimate.bytes_per_axis.items()):
-        table.add_row(f"bytes sent per device on '{axis}'", _bytes(sent))
+        table.add_row(f"bytes sent per device on '{axis}'", format_bytes(sent))
     return table
 
 
@@ -171,10 +204,11 @@ def _alternatives_table(plan: "Plan") -> Table:
     for column in ("plan", "step time", "memory/device", "fits", "against the chosen plan"):
         table.add_column(column)
     table.add_row(
-        f"{plan.name} (chosen)", _seconds(plan.estimate.step_time_s), _bytes(plan.estimate.memory.total), "yes", ""
+        f"{plan_label(plan)} (chosen)", format_seconds(plan.estimate.step_time_s), format_bytes(plan.estimate.memory.total),
+        "yes" if plan.estimate.fits else "no", "",
     )
     for alt in plan.runners_up:
-        table.add_row(alt.name, _seconds(alt.step_time_s), _bytes(alt.memory_bytes), "yes" if alt.fits else "no", alt.note)
+        table.add_row(alt.name, format_seconds(alt.step_time_s), format_bytes(alt.memory_bytes), "yes" if alt.fits else "no", alt.note)
     return table
 
 
@@ -184,32 +218,3 @@ def _collapse_units(units: tuple[str, ...]) -> str:
         group, _, index = unit.rpartition(".")
         groups.setdefault(group, []).append(index)
     return ", ".join(f"{group}.[{ids[0]}..{ids[-1]}]" if len(ids) > 1 else f"{group}.{ids[0]}" for group, ids in groups.items())
-
-
-def _bytes(value: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f} {unit}"
-    return f"{value:.0f} B"
-
-
-def _seconds(value: float) -> str:
-    if value >= 1:
-        return f"{value:.3f} s"
-    if value >= 1e-3:
-        return f"{value * 1e3:.3f} ms"
-    return f"{value * 1e6:.1f} µs"
-
-
-def _count(value: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if value >= scale:
-            return f"{value / scale:.2f}{unit}"
-    return str(value)
-
-
-def _flops(value: float) -> str:
-    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
-        if value >= scale:
-            return f"{value / scale:.2f} {unit}"
-    return f"{value:.0f} FLOP"

@@ -19,7 +19,7 @@ import os
 import re
 import sys
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
@@ -50,13 +50,17 @@ _COMPOSITE_MATMUL_OPS = frozenset(
 _BLOCK_PATH = re.compile(r"^(?P<group>.+?)\.(?P<index>\d+)(?:\.|$)")
 
 
-def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None) -> OpGraph:
+def trace(
+    model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, on_progress: Callable[[str, float], None] | None = None
+) -> OpGraph:
     """Trace ``model(*args, **kwargs)`` (one global batch) into an ``OpGraph``.
 
     Args:
         model: the model, typically built under ``torch.device("meta")``.
         args: positional example inputs; dim 0 of tensor inputs is the global batch.
         kwargs: keyword example inputs.
+        on_progress: called with (the module being traced, fraction of the model's modules
+            entered so far) as tracing goes, for progress bars on deep models.
 
     Returns:
         The forward program with shapes, dtypes, parameters, module paths, FLOPs, bytes
@@ -70,7 +74,7 @@ def trace(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None) 
     was_training = model.training
     model.train()  # plan the training program: dropout and friends must appear
     try:
-        with _ModuleTracker(model) as tracker:
+        with _ModuleTracker(model, on_progress) as tracker:
             try:
                 return _trace_with_export(model, args, kwargs)
             except Exception as export_error:  # noqa: BLE001 - any failure triggers the fallback
@@ -399,8 +403,11 @@ def _mark_repeated_blocks(graph: OpGraph) -> None:
 class _ModuleTracker:
     """Keeps the stack of modules whose forward is running, to name the one that failed."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, on_progress: Callable[[str, float], None] | None = None):
         self._model = model
+        self._on_progress = on_progress
+        self._total = sum(1 for _ in model.modules())
+        self._entered = 0
         self._stack: list[tuple[str, str]] = []
         self._deepest_at_failure: tuple[str, str] | None = None
         self._handles: list[Any] = []
@@ -419,6 +426,9 @@ class _ModuleTracker:
         def hook(*_: Any) -> None:
             self._stack.append((name or "<root>", type(module).__name__))
             self._deepest_at_failure = self._stack[-1]
+            if self._on_progress is not None and self._entered < self._total:
+                self._entered += 1
+                self._on_progress(f"tracing {name or type(module).__name__}", self._entered / self._total)
 
         return hook
 

@@ -11,7 +11,6 @@ as runners-up so the report can say why the winner won.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Callable
 
 from cost_model.simulator import simulated
@@ -24,6 +23,7 @@ from torch.distributed.tensor import Replicate
 
 from planner.strategy import Mesh, NodeStrategy
 from search.blocks import block_representatives
+from search.budget import SearchBudget
 from search.cost_tables import build_cost_tables
 from search.data_parallel import DATA_PARALLEL_FLAVOURS, alternative, data_parallel_plan, does_not_fit
 from search.ilp import solve
@@ -87,7 +87,7 @@ def search_plan(
     model_name: str,
     *,
     search: str = "auto",
-    time_budget_s: float = 30.0,
+    budget: SearchBudget | None = None,
     seed: int = 0,
     warnings: tuple[str, ...] = (),
     precision: str = "fp32",
@@ -97,10 +97,11 @@ def search_plan(
 
     Args:
         search: ``"ilp"`` (CP-SAT), ``"mcmc"`` (simulator-scored), or ``"auto"`` (CP-SAT,
-            then MCMC refinement with what is left of the budget).
-        time_budget_s: wall-clock budget of the whole search; the best plan found so far is
-            returned when it runs out.
-        on_progress: called with (what is being searched, fraction of the budget used).
+            then a short MCMC refinement).
+        budget: the work each mesh may take and the wall-clock safety cap
+            (``search.budget``); the default is effort 1. The same graph, cluster, seed
+            and effort give the same plan on any machine unless the cap acts.
+        on_progress: called with (what is being searched, fraction of the meshes done).
 
     Raises:
         PlanningError: nothing fits on any mesh (the message says how much memory the
@@ -108,7 +109,7 @@ def search_plan(
     """
     if search not in SEARCHES:
         raise PlanningError(f"search must be one of {', '.join(SEARCHES)}, got '{search}'")
-    started = time.perf_counter()
+    budget = budget or SearchBudget()
     meshes = candidate_meshes(cluster, graph.batch_size)
     if not meshes:
         raise PlanningError(
@@ -118,70 +119,101 @@ def search_plan(
     plans: list[Plan] = []
     notes: list[str] = []
     for position, mesh in enumerate(meshes):
-        left = time_budget_s - (time.perf_counter() - started)
-        budget = max(0.5, left / (len(meshes) - position))
         if on_progress:
-            on_progress(f"searching mesh {mesh} ({position + 1}/{len(meshes)})", 1 - left / time_budget_s)
+            on_progress(f"searching mesh {mesh} ({position + 1}/{len(meshes)})", position / len(meshes))
         if mesh.names == ("dp",):
             flavours = [data_parallel_plan(graph, cluster, spec, model_name, f, warnings, precision) for f in DATA_PARALLEL_FLAVOURS]
             plans += flavours + _recomputing(flavours, graph)
-        try:
-            plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes)
-        except PlanningError as error:
-            notes.append(f"mesh {mesh}: {error}")
+        plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes)
     plans += _pipeline_plans(graph, cluster, spec, model_name, precision)
-    if not plans:
-        raise PlanningError(f"no plan could be built for this model on this cluster: {'; '.join(notes)}")
     fitting = [plan for plan in plans if plan.estimate.fits]
     if not fitting:
         raise does_not_fit(cluster, {_key(plan): plan.estimate for plan in plans})
     best = min(fitting, key=lambda plan: plan.estimate.step_time_s)
-    others = sorted((p for p in plans if p is not best), key=lambda p: p.estimate.step_time_s)
-    labelled = [(_key(p), p) for p in others]
-    labelled += [(f"baseline {p.name}", p) for p in _baselines(graph, cluster, spec, model_name, precision, {p.name for p in plans})]
-    elapsed = time.perf_counter() - started
+    baselines = _baselines(graph, cluster, spec, model_name, precision, {p.name for p in plans})
     if on_progress:
         on_progress("done", 1.0)
-    summary = f"{search} search over {len(meshes)} mesh(es) in {elapsed:.1f} s; " + "; ".join(notes)
+    summary = f"{search} search (effort {budget.effort:g}) over {len(meshes)} mesh(es): " + "; ".join(notes)
+    cut = budget.cut_warning()
     return dataclasses.replace(
         best,
-        runners_up=tuple(dataclasses.replace(alternative(p, best), name=label) for label, p in labelled[:8]),
-        warnings=tuple(best.warnings) + ((summary.rstrip("; "),) if notes else ()),
-        search_summary=summary.rstrip("; "),
+        runners_up=_runners_up(best, plans, baselines),
+        warnings=tuple(best.warnings) + ((cut,) if cut else ()),
+        search_summary=summary,
     )
 
 
-def _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes) -> list[Plan]:
+RUNNERS_UP = 8
+
+
+def _runners_up(best: Plan, plans: list[Plan], baselines: list[Plan]) -> tuple:
+    """The next best plans, always with the best data-parallel plan and the Megatron
+    baseline (when it applies) among them, so the report compares the choice with both."""
+    others = sorted((p for p in plans if p is not best), key=lambda p: p.estimate.step_time_s)
+    labelled = [(_key(p), p) for p in others[:RUNNERS_UP]]
+    data_parallel = [p for p in plans if not p.label and p.mesh.names == ("dp",)]
+    if data_parallel and best not in data_parallel:
+        best_dp = min(data_parallel, key=lambda p: (not p.estimate.fits, p.estimate.step_time_s))
+        if all(p is not best_dp for _, p in labelled):
+            labelled.append((_key(best_dp), best_dp))
+    labelled += [(f"baseline {p.name}", p) for p in baselines if p.label == "megatron"]
+    labelled += [(f"baseline {p.name}", p) for p in baselines if p.label != "megatron"][: max(0, RUNNERS_UP - len(labelled))]
+    return tuple(dataclasses.replace(alternative(p, best), name=label) for label, p in labelled)
+
+
+def _searched_plan(graph, cluster, spec, model_name, mesh, search, budget: SearchBudget, seed, warnings, precision, notes) -> list[Plan]:
+    """The searched plan of one mesh (and its recomputing variant). CP-SAT starts from a
+    layout built directly (Megatron's with tp, data parallelism without) and falls back to it,
+    so every mesh gets a plan; the simulator then says whether it fits."""
     representative = block_representatives(graph)
     strategies_of = node_strategies(graph, mesh, only=set(representative.values()))
     seed_strategies, inputs = combine(graph, mesh, {"dp": _dp_axis(graph)} if "dp" in mesh.names else {})
     skeleton = unsimulated_plan(graph, cluster, spec, model_name, mesh, seed_strategies, inputs, precision=precision, warnings=warnings)
     tables = build_cost_tables(skeleton, graph, strategies_of, representative)
-    choice, how = None, ""
+    hint = _hint(graph, mesh, tables)
+    choice, how = dict(hint), []
     if search in ("auto", "ilp"):
-        limit = budget * (0.7 if search == "auto" else 1.0)
-        hint = _hint(graph, mesh, tables)
-        try:
-            result = solve(tables, memory_bytes=cluster.min_device_memory, time_limit_s=limit, hint=hint)
-        except PlanningError:
-            # Nothing fits without recomputation: find the fastest sharding, then let the
-            # full-recompute variant below (judged by the simulator) make it fit.
-            result = solve(tables, memory_bytes=None, time_limit_s=limit, hint=hint)
-            how = "no sharding fits without recomputation; "
+        result = _solve_fitting(tables, cluster, hint, budget)
+        if result is None:
+            how.append("no sharding fits without recomputation")
+            result = solve(tables, memory_bytes=None, work=budget.ilp_work(), wall_clock_cap_s=budget.seconds_left(), hint=hint)
+        if result.cut_by_wall_clock:
+            budget.note_cut(f"CP-SAT on mesh {mesh}")
         choice = result.choice
-        how += f"CP-SAT {'optimal' if result.optimal else f'gap {result.gap:.1%}'} in {result.seconds:.1f} s"
+        if result.from_hint:
+            how.append("CP-SAT found nothing better than the layout it started from")
+        else:
+            how.append(f"CP-SAT {'optimal' if result.optimal else f'gap {result.gap:.1%}'}")
     if search in ("auto", "mcmc"):
         refine = mcmc(
-            skeleton, tables, start=choice, seed=seed, time_budget_s=budget * (0.3 if search == "auto" else 1.0),
+            skeleton, tables, start=choice, seed=seed, iterations=budget.mcmc_proposals(len(graph.nodes)),
+            wall_clock_cap_s=budget.seconds_left(),
             patience=500 if search == "auto" else None,  # refining a CP-SAT solution: a short walk
         )
+        if refine.cut_by_wall_clock:
+            budget.note_cut(f"MCMC on mesh {mesh}")
         choice = refine.choice
-        how += f"{'; ' if how else ''}MCMC {refine.iterations} proposals"
-    notes.append(f"mesh {mesh}: {how}")
+        how.append(f"MCMC {refine.iterations} proposals")
+    notes.append(f"mesh {mesh}: {', '.join(how)}")
     strategies = tuple(tables.candidates[node.name][choice[node.name]].strategy for node in graph.nodes)
     plan = dataclasses.replace(skeleton, strategies=strategies, inputs=_input_placements(graph, mesh, strategies), label="soap")
     plan = simulated(plan, graph)
     return [plan, *_recomputing([plan], graph)]
+
+
+def _solve_fitting(tables, cluster: Cluster, hint, budget: SearchBudget):
+    """CP-SAT with the memory constraint, or None when no sharding fits without recomputation."""
+    # Memory is a sum of independent per-node choices: when even the smallest candidate of
+    # every node overflows the device, no solve is needed to know nothing fits.
+    if sum(min(c.memory_bytes for c in options) for options in tables.candidates.values()) > cluster.min_device_memory:
+        return None
+    try:
+        return solve(
+            tables, memory_bytes=cluster.min_device_memory, work=budget.ilp_work(),
+            wall_clock_cap_s=budget.seconds_left(), hint=hint,
+        )
+    except PlanningError:
+        return None
 
 
 def _recomputing(plans: list[Plan], graph: OpGraph) -> list[Plan]:

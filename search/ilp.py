@@ -28,8 +28,10 @@ Constraints.
     memory:              sum w[n] * m[n,c] * x[n,c] <= device memory (add_memory_constraint)
 
 Objective (add_objective): minimise sum w[n] t[n,c] x[n,c] + sum w[e] r[e,p,q] y[e,p,q]
-+ sum w[u] R[u,a] z[u,a], in integer nanoseconds. The solve has a time limit; the result
-says whether it is optimal and reports the optimality gap.
++ sum w[u] R[u,a] z[u,a], in integer nanoseconds. The solve is deterministic: one worker,
+a budget of CP-SAT's deterministic time (work, not seconds), and a complete hint (x from a
+layout built directly, y and z as it implies); the result says whether it is optimal and
+reports the optimality gap.
 """
 
 from __future__ import annotations
@@ -50,13 +52,22 @@ SCALE = 1e9  # seconds -> integer nanoseconds for CP-SAT
 
 @dataclass(frozen=True)
 class IlpResult:
-    """The chosen candidate per node and how good the solve was."""
+    """The chosen candidate per node and how good the solve was.
+
+    ``work`` is CP-SAT's deterministic time spent (its unit is close to a second of one
+    core's work, and it does not depend on how busy the machine is); ``cut_by_wall_clock``
+    says that the wall-clock safety cap, not the work budget, ended the solve, so the result
+    may differ on another machine; ``from_hint`` that the hint (a layout built directly)
+    was kept because CP-SAT found nothing better within its budget."""
 
     choice: dict[str, int]
     objective_s: float
     bound_s: float
     optimal: bool
     seconds: float
+    work: float = 0.0
+    cut_by_wall_clock: bool = False
+    from_hint: bool = False
 
     @property
     def gap(self) -> float:
@@ -74,54 +85,119 @@ class _Reduced:
     edges: list[tuple[str, str, int, int]]  # (producer, consumer, position, weight), modelled names
 
 
+@dataclass
+class _Auxiliary:
+    """The y and z variables, kept so a hint on x can be completed into a whole solution."""
+
+    pairs: dict[tuple[str, str, int], dict[tuple, object]]  # edge -> (src, dst) -> y
+    reductions: dict[tuple[str, int], list[tuple[str, int, tuple]]]  # (u, a) -> triggers (v, c, p)
+    z: dict[tuple[str, int], object]
+
+
 def solve(
     tables: CostTables,
     memory_bytes: float | None,
-    time_limit_s: float = 30.0,
-    workers: int = 2,
+    work: float = 10.0,
+    wall_clock_cap_s: float | None = None,
     hint: dict[str, int] | None = None,
 ) -> IlpResult:
     """Choose one candidate per node minimising the objective within the memory budget.
 
+    The solve is deterministic: one CP-SAT worker, stopped by ``work`` units of CP-SAT's
+    deterministic time, so the same tables give the same answer on a fast, a slow or a busy
+    machine. ``wall_clock_cap_s`` is a safety cap only; when it ends the solve first the
+    result says so (``cut_by_wall_clock``).
+
     ``hint`` (node -> candidate index) is a known solution CP-SAT starts from, e.g. the
-    Megatron layout; a good one shrinks the gap reached within the time limit.
+    Megatron layout; it is completed into values for every variable, and when CP-SAT finds
+    nothing better within its budget the hint itself is returned (``from_hint``).
 
     Raises:
-        PlanningError: no assignment fits in memory, or the solver found nothing in time.
+        PlanningError: no assignment fits in memory, or the solver found nothing in time
+            (and there is no hint to fall back on).
     """
     started = time.perf_counter()
     reduced = reduce_repeated_blocks(tables.graph, tables)
     model = cp_model.CpModel()
     x = add_choice_variables(model, tables, reduced)
-    resharding_terms = add_resharding_constraints(model, tables, reduced, x)
-    reduction_terms = add_gradient_reduction_constraints(model, tables, reduced, x)
+    resharding_terms, pairs = add_resharding_constraints(model, tables, reduced, x)
+    reduction_terms, reductions, z = add_gradient_reduction_constraints(model, tables, reduced, x)
     if memory_bytes is not None:
         add_memory_constraint(model, tables, reduced, x, memory_bytes)
     add_objective(model, tables, reduced, x, resharding_terms + reduction_terms)
-    for name, index in (hint or {}).items():
-        if name in x and index < len(x[name]):
-            for position, var in enumerate(x[name]):
-                model.add_hint(var, position == index)
+    full_hint = _complete_choice(hint or {}, tables, reduced)
+    if full_hint is not None:
+        _add_hint(model, tables, reduced, x, _Auxiliary(pairs, reductions, z), full_hint)
 
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.1, time_limit_s)
-    solver.parameters.num_workers = workers
+    # One worker: CP-SAT's multi-threaded search depends on thread timing; a single worker
+    # stopped by deterministic time does not.
+    solver.parameters.num_workers = 1
+    solver.parameters.max_deterministic_time = max(0.01, work)
+    # Presolve spends a whole budget on these models (tens of thousands of pair variables)
+    # before searching at all; searching the model as built finds and proves far more.
+    solver.parameters.cp_model_presolve = False
+    if wall_clock_cap_s is not None:
+        solver.parameters.max_time_in_seconds = max(0.01, wall_clock_cap_s)
     status = solver.solve(model)
+    seconds = time.perf_counter() - started
+    cut = (
+        wall_clock_cap_s is not None
+        and status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+        and solver.deterministic_time < 0.99 * work
+    )
     if status == cp_model.INFEASIBLE:
         raise PlanningError("no sharding of this model fits in device memory on this mesh")
+    hint_fits = full_hint is not None and (
+        memory_bytes is None or tables.memory(_expand_blocks(full_hint, reduced)) <= memory_bytes
+    )
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise PlanningError(f"CP-SAT found no sharding within {time_limit_s:.0f} s; raise the time budget")
-    choice = {}
-    for name in tables.candidates:
-        modelled = reduced.representative[name]
-        choice[name] = next(c for c, var in enumerate(x[modelled]) if solver.value(var))
-    return IlpResult(
-        choice=_expand_blocks(choice, reduced),
+        if not hint_fits:
+            raise PlanningError(f"CP-SAT found no sharding within its budget ({work:g} units of work); raise --effort")
+        choice = _expand_blocks(full_hint, reduced)
+        return IlpResult(choice, tables.objective(choice), 0.0, False, seconds, solver.deterministic_time, cut, True)
+    modelled = {name: next(c for c, var in enumerate(x[name]) if solver.value(var)) for name in reduced.nodes}
+    choice = _expand_blocks(modelled, reduced)
+    result = IlpResult(
+        choice=choice,
         objective_s=solver.objective_value / SCALE,
         bound_s=solver.best_objective_bound / SCALE,
         optimal=status == cp_model.OPTIMAL,
-        seconds=time.perf_counter() - started,
+        seconds=seconds,
+        work=solver.deterministic_time,
+        cut_by_wall_clock=cut,
     )
+    if hint_fits and not result.optimal:
+        # CP-SAT may wander off a good hint; never return worse than the layout it was given.
+        hinted = _expand_blocks(full_hint, reduced)
+        hinted_s = tables.objective(hinted)
+        if hinted_s < tables.objective(choice) - 1e-12:
+            return IlpResult(hinted, hinted_s, result.bound_s, False, seconds, result.work, cut, True)
+    return result
+
+
+def _complete_choice(hint: dict[str, int], tables: CostTables, reduced: _Reduced) -> dict[str, int]:
+    """The hint for every modelled node (the all-replicate candidate where it says nothing)."""
+    return {
+        name: hint.get(name, 0) if hint.get(name, 0) < len(tables.candidates[name]) else 0 for name in reduced.nodes
+    }
+
+
+def _add_hint(model, tables: CostTables, reduced: _Reduced, x, auxiliary: _Auxiliary, choice: dict[str, int]) -> None:
+    """Hint every variable: x from ``choice``, y and z as that choice implies them, so CP-SAT
+    starts from a complete solution instead of having to repair a partial one."""
+    for name, index in choice.items():
+        for position, var in enumerate(x[name]):
+            model.add_hint(var, position == index)
+    for (producer, consumer, position), pairs in auxiliary.pairs.items():
+        src = tables.candidates[producer][choice[producer]].output
+        dst = tables.candidates[consumer][choice[consumer]].inputs[position]
+        for (p, q), var in pairs.items():
+            model.add_hint(var, p == src and q == dst)
+    for key, var in auxiliary.z.items():
+        producer, _ = key
+        src = tables.candidates[producer][choice[producer]].output
+        model.add_hint(var, any(choice[v] == c and p == src for v, c, p in auxiliary.reductions[key]))
 
 
 # ----------------------------------------------------------------- model builders
@@ -144,8 +220,9 @@ def _indicator(x_node: list, candidates, pick) -> dict:
     return groups
 
 
-def add_resharding_constraints(model, tables: CostTables, reduced: _Reduced, x) -> list:
+def add_resharding_constraints(model, tables: CostTables, reduced: _Reduced, x) -> tuple[list, dict]:
     """y[e,p,q]: the joint choice of producer output p and consumer input q on edge e.
+    Returns the objective terms and the y variables of each edge.
 
     The marginal (transportation) form, tighter than y >= out + in - 1: every pair gets a
     variable, free pairs included, and they add up to the choices on each side,
@@ -155,6 +232,7 @@ def add_resharding_constraints(model, tables: CostTables, reduced: _Reduced, x) 
     the integer optimum. Only pairs with a cost enter the objective.
     """
     terms = []
+    variables: dict[tuple[str, str, int], dict[tuple, object]] = {}
     for producer, consumer, position, weight in reduced.edges:
         outs = _indicator(x[producer], tables.candidates[producer], lambda c: c.output)
         ins = _indicator(x[consumer], tables.candidates[consumer], lambda c: c.inputs[position])
@@ -164,6 +242,7 @@ def add_resharding_constraints(model, tables: CostTables, reduced: _Reduced, x) 
         pairs = {
             (src, dst): model.new_bool_var(f"y[{edge},{src}->{dst}]") for src in outs for dst in ins
         }
+        variables[producer, consumer, position] = pairs
         for src, src_vars in outs.items():
             model.add(sum(pairs[src, dst] for dst in ins) == sum(src_vars)).with_name(f"reshard_out[{edge},{src}]")
         for dst, dst_vars in ins.items():
@@ -172,12 +251,15 @@ def add_resharding_constraints(model, tables: CostTables, reduced: _Reduced, x) 
             seconds = tables.edge_cost(producer, consumer, position, src, dst)
             if seconds > 0:
                 terms.append((round(seconds * SCALE * weight), var))
-    return terms
+    return terms, variables
 
 
-def add_gradient_reduction_constraints(model, tables: CostTables, reduced: _Reduced, x) -> list:
-    """z[u,a] >= x[v,c] + out[u,p] - 1: a replicated activation read by split weights."""
+def add_gradient_reduction_constraints(model, tables: CostTables, reduced: _Reduced, x) -> tuple[list, dict, dict]:
+    """z[u,a] >= x[v,c] + out[u,p] - 1: a replicated activation read by split weights.
+    Returns the objective terms, what triggers each z (reader candidate and producer
+    output), and the z variables."""
     z: dict[tuple[str, int], object] = {}
+    triggers: dict[tuple[str, int], list[tuple[str, int, tuple]]] = {}
     for producer, consumer, position, weight in reduced.edges:
         outs = _indicator(x[producer], tables.candidates[producer], lambda c: c.output)
         for index, candidate in enumerate(tables.candidates[consumer]):
@@ -189,13 +271,15 @@ def add_gradient_reduction_constraints(model, tables: CostTables, reduced: _Redu
                     z[key] = model.new_bool_var(f"z[{producer},{axis}]")
                 for src, src_vars in outs.items():
                     if src is not None and isinstance(src[axis], Replicate):
+                        triggers.setdefault(key, []).append((consumer, index, src))
                         model.add(z[key] >= x[consumer][index] + sum(src_vars) - 1).with_name(
                             f"reduce[{producer},{axis},{consumer},{index},{src}]"
                         )
-    return [
+    terms = [
         (round(tables.reduction_cost(producer, axis) * SCALE * reduced.weight[producer]), var)
         for (producer, axis), var in z.items()
     ]
+    return terms, triggers, z
 
 
 def add_memory_constraint(model, tables: CostTables, reduced: _Reduced, x, memory_bytes: float) -> None:
@@ -245,4 +329,5 @@ def reduce_repeated_blocks(graph: OpGraph, tables: CostTables) -> _Reduced:
 
 
 def _expand_blocks(choice: dict[str, int], reduced: _Reduced) -> dict[str, int]:
-    return {name: choice[reduced.representative[name]] for name in choice}
+    """A choice for every node, from one for the modelled nodes (or for every node)."""
+    return {name: choice[modelled] for name, modelled in reduced.representative.items()}

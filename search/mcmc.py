@@ -10,9 +10,10 @@ min(1, exp(-(cost' - cost) / T)), where cost is the simulated step time, multipl
 (1 + 10 x the fraction of device memory exceeded) for plans that do not fit, and T anneals
 geometrically from ``temperature`` to a hundredth of it (times the starting cost) over the
 patience window, restarting whenever a new best is found. A rejected move is undone. The best
-assignment seen is kept, so the search is anytime; it stops at the time budget, at an
-iteration count, or when ``patience`` proposals in a row bring no new best. A seed makes it
-deterministic for a given iteration count.
+assignment seen is kept, so the search is anytime; it stops after a number of proposals, or
+when ``patience`` proposals in a row bring no new best. Budgets count proposals, not seconds,
+so a seed gives the same walk and the same answer on any machine; a wall-clock cap is a
+safety net only, and the result says when it cut the walk short.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class McmcResult:
     iterations: int
     accepted: int
     seconds: float
+    cut_by_wall_clock: bool = False
 
 
 def score(result: SimResult) -> float:
@@ -52,8 +54,8 @@ def mcmc(
     tables: CostTables,
     start: dict[str, int] | None = None,
     seed: int = 0,
-    iterations: int | None = None,
-    time_budget_s: float = 10.0,
+    iterations: int = 2000,
+    wall_clock_cap_s: float | None = None,
     temperature: float = 0.2,
     patience: int | None = None,
     on_step=None,
@@ -63,8 +65,9 @@ def mcmc(
     Args:
         plan: a plan on the target mesh; its strategies are replaced as the search moves.
         tables: the candidates of every node.
-        iterations: stop after this many proposals (deterministic for a seed); otherwise
-            stop when ``time_budget_s`` is spent.
+        iterations: stop after this many proposals (the budget; deterministic for a seed).
+        wall_clock_cap_s: a safety cap in seconds; if it stops the walk first, the result
+            says so (``cut_by_wall_clock``) and may differ on another machine.
         patience: also stop after this many proposals without a new best (default: 50 per
             node that can move, at least 2,000), so small models do not use the whole budget.
         on_step: called with the iteration number after each proposal (progress bars).
@@ -82,10 +85,10 @@ def mcmc(
     accepted = steps = since_best = 0
     patience = patience if patience is not None else max(2000, 50 * len(movable))
     neighbours = _neighbours(tables)
-    while movable and since_best < patience:
-        if iterations is not None and steps >= iterations:
-            break
-        if iterations is None and time.perf_counter() - started >= time_budget_s:
+    cut = False
+    while movable and since_best < patience and steps < iterations:
+        if wall_clock_cap_s is not None and time.perf_counter() - started >= wall_clock_cap_s:
+            cut = True
             break
         steps += 1
         name = rng.choice(movable)
@@ -116,7 +119,7 @@ def mcmc(
             on_step(steps)
     return McmcResult(
         choice=best_choice, result=best_result, cost=best, iterations=steps, accepted=accepted,
-        seconds=time.perf_counter() - started,
+        seconds=time.perf_counter() - started, cut_by_wall_clock=cut,
     )
 
 

@@ -29,7 +29,7 @@ R = Replicate()
 
 _ELEMENTWISE = (
     "aten.add.", "aten.sub.", "aten.mul.", "aten.div.", "aten.neg.", "aten.pow.", "aten.rsqrt.", "aten.sqrt.",
-    "aten.exp.", "aten.log.", "aten.tanh.", "aten.sigmoid.", "aten.relu.", "aten.gelu.", "aten.silu.",
+    "aten.exp.", "aten.log.", "aten.reciprocal.", "aten.tanh.", "aten.sigmoid.", "aten.relu.", "aten.gelu.", "aten.silu.",
     "aten.dropout.", "aten.to.", "aten._to_copy.", "aten.type_as.", "aten.where.", "aten.masked_fill.",
     "aten.clamp.", "aten.abs.", "aten.erf.", "aten.cos.", "aten.sin.", "aten.maximum.", "aten.minimum.",
     "aten.eq.", "aten.ne.", "aten.lt.", "aten.le.", "aten.gt.", "aten.ge.", "aten.__and__.", "aten.__or__.",
@@ -142,6 +142,8 @@ def op_rule(node: OpNode, incoming: tuple[Placement, ...]) -> tuple[tuple[Placem
         return _batchwise_rule(node, incoming)
     if op.startswith(_ELEMENTWISE):
         return _elementwise_rule(node, incoming)
+    if op.startswith("aten.stack."):
+        return _stack_rule(node, incoming)
     return _gather_all(node, incoming)  # unknown op: replicated inputs, replicated work
 
 
@@ -269,6 +271,19 @@ def _elementwise_rule(node: OpNode, incoming):
         aligned = sharded.dim - (out_rank - len(meta.shape))
         wanted.append(R if aligned < 0 or meta.shape[aligned] == 1 else Shard(aligned))
     return tuple(wanted), tuple(sharded for _ in node.output_meta)
+
+
+def _stack_rule(node: OpNode, incoming):
+    """Pieces of one shape split alike stack into a tensor split on the same dim (shifted
+    past the new one when it comes after it)."""
+    shapes = {meta.shape for meta in node.input_meta}
+    sharded = next((p for p in incoming if isinstance(p, Shard)), None)
+    if sharded is None or len(shapes) != 1:
+        return _partial_elementwise(node, incoming)
+    rank = len(node.output_meta[0].shape)
+    new_dim = _norm_dim(node.attrs[1] if len(node.attrs) > 1 else 0, rank)
+    dim = sharded.dim % (rank - 1)
+    return tuple(Shard(dim) for _ in incoming), (Shard(dim + (dim >= new_dim)),)
 
 
 def _partial_elementwise(node: OpNode, incoming):

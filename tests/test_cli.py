@@ -73,7 +73,9 @@ def test_plan_prints_report_and_writes_file(capsys, tmp_path):
         "Time per step",
         "exposed communication",
         "Why this plan: the runners-up",
-        f"saved plan to {path}",
+        f"saved the plan to {path}",
+        f"python -m planner compile {path} -o out",
+        "torchrun --nproc_per_node 2 out/launch.py --check",
     ):
         assert expected in out, expected
     plan = load_plan(path)
@@ -85,7 +87,7 @@ def test_default_search_explains_itself(capsys, tmp_path):
     path = tmp_path / "searched.json"
     assert main(["plan", MLP, "--cluster", "cpu:1x2", "--time-budget", "5", "-o", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "search    auto search over 2 mesh(es)" in out and "CP-SAT" in out
+    assert "search    auto search (effort 1) over 2 mesh(es)" in out and "CP-SAT" in out
     plan = load_plan(path)
     assert plan.search_summary.startswith("auto search") and plan.estimate.fits
     assert len(plan.runners_up) >= 2

@@ -162,7 +162,7 @@ def test_forced_plan_objective_equals_the_hand_computed_cost():
     hand = fc1_fwd + fc1_bwd + fc2_fwd + fc2_bwd + grad_all_reduce + all_gather + reduce_scatter + sum_fwd + sum_bwd
     # fc1 27.165824 + fc2 5.145728 + f 23.2768 + gather/scatter 21.6384 + sum 2.98328 = 80.210032 us
 
-    result = solve(tables, memory_bytes=None, time_limit_s=10)
+    result = solve(tables, memory_bytes=None, work=10)
     assert result.optimal and result.choice == {"linear": 0, "linear_1": 0, "sum_1": 0}
     assert tables.objective(result.choice) == pytest.approx(hand, rel=1e-9)
     # Terms: 3 node choices + 1 costed edge pair + 1 gradient reduction, each rounded to 1 ns.
@@ -213,7 +213,7 @@ def test_cp_sat_picks_the_hand_computed_optimum(batch):
     # gather and scatter cost 23.28 us (replicated is best); at batch 512 it saves 100.66 us
     # for 46.21 us (column-parallel is best).
 
-    result = solve(tables, memory_bytes=None, time_limit_s=10)
+    result = solve(tables, memory_bytes=None, work=10)
     assert result.optimal and result.choice == {"linear": best, "sum_1": 0}
     # Terms: 2 node choices + at most 1 costed edge pair, each rounded to 1 ns.
     assert result.objective_s == pytest.approx(hand[best], abs=3 * NS_PER_TERM)
@@ -241,7 +241,7 @@ def test_an_op_reading_a_partial_input_does_its_whole_work():
     assert tables.candidates["linear"][0].communication_s == 0
     sum_bytes = 64 * 128 * F32 + F32  # the whole local partial tensor is read on each rank
     loss = sum_bytes / (HBM * MEMORY_EFF) + OVERHEAD + 2 * sum_bytes / (HBM * MEMORY_EFF) + OVERHEAD
-    result = solve(tables, memory_bytes=None, time_limit_s=10)
+    result = solve(tables, memory_bytes=None, work=10)
     assert result.optimal
     assert tables.candidates["sum_1"][0].compute_s == pytest.approx(loss, rel=1e-9)
     assert result.objective_s == pytest.approx(linear + loss, abs=2 * NS_PER_TERM)

@@ -107,3 +107,35 @@ def cat_rule(node: OpNode, axis_size: int) -> list[AxisCandidate]:
     if all(is_float(meta) for meta in node.input_meta):
         found += [AxisCandidate(tuple(f for _ in node.input_meta), (f,)) for f in (SUM, AVG)]
     return found
+
+
+@register_rule("aten.stack.default")
+def stack_rule(node: OpNode, axis_size: int) -> list[AxisCandidate]:
+    """Split any dim of the inputs (it moves past the new dim when it comes after it);
+    partial pieces stack to partials."""
+    out = node.output_meta[0]
+    rank = len(out.shape)
+    new_dim = norm_dim(attr(node, 1, 0), rank)
+    if any(meta.shape != node.input_meta[0].shape for meta in node.input_meta):
+        return []
+    found = [
+        AxisCandidate(tuple(Shard(dim) for _ in node.input_meta), (Shard(dim + (dim >= new_dim)),))
+        for dim in shardable_dims(node.input_meta[0].shape, axis_size)
+    ]
+    if all(is_float(meta) for meta in node.input_meta):
+        found += [AxisCandidate(tuple(f for _ in node.input_meta), (f,)) for f in (SUM, AVG)]
+    return found
+
+
+@register_rule("aten.outer.default")
+def outer_rule(node: OpNode, axis_size: int) -> list[AxisCandidate]:
+    """``a (n) x b (m) -> (n, m)``: split ``a`` to split rows, ``b`` to split columns; a
+    partial factor against a whole one gives partial products."""
+    found = []
+    if node.input_meta[0].shape[0] >= axis_size:
+        found.append(AxisCandidate((Shard(0), R), (Shard(0),)))
+    if node.input_meta[1].shape[0] >= axis_size:
+        found.append(AxisCandidate((R, Shard(0)), (Shard(1),)))
+    if all(is_float(meta) for meta in node.input_meta):
+        found += [AxisCandidate((f, R), (f,)) for f in (SUM, AVG)] + [AxisCandidate((R, f), (f,)) for f in (SUM, AVG)]
+    return found

@@ -15,7 +15,6 @@ sees a standard layout). ``search.rules.check.check_rule`` verifies that by brut
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -77,7 +76,6 @@ Rule = Callable[[OpNode, int], list[AxisCandidate]]
 
 _RULES: dict[str, Rule] = {}
 _FALLBACKS: list[tuple[int, Callable[[str], bool], Rule]] = []
-_WARNED: set[str] = set()
 
 
 def register_rule(*ops: str) -> Callable[[Rule], Rule]:
@@ -126,21 +124,15 @@ def registered_ops() -> tuple[str, ...]:
 def axis_candidates(node: OpNode, axis_size: int) -> list[AxisCandidate]:
     """Candidates of ``node`` on one mesh axis of ``axis_size`` ranks, all-replicate first.
 
-    An op with no rule gets only the all-replicate candidate and a warning naming it (once
-    per op per process): planning never stops on an unknown op.
+    An op with no rule gets only the all-replicate candidate: planning never stops on an
+    unknown op. ``unknown_ops(graph)`` lists them; ``planner.plan`` puts them in the plan's
+    warnings, so a user sees them in the report (not as Python warnings on stderr).
     """
     if axis_size < 1:
         raise ValueError(f"axis_size must be a positive number of ranks, got {axis_size}")
     first = replicated(node)
     rule = rule_for(node.op)
     if rule is None:
-        if node.op not in _WARNED:
-            _WARNED.add(node.op)
-            warnings.warn(
-                f"no sharding rule for op '{node.op}' (node '{node.name}'); it runs replicated "
-                f"(all-replicate strategy). Register one with @register_rule('{node.op}') in search/rules/",
-                stacklevel=2,
-            )
         return [first]
     if axis_size == 1:
         return [first]
