@@ -149,7 +149,13 @@ RUNNERS_UP = 8
 def _runners_up(best: Plan, plans: list[Plan], baselines: list[Plan]) -> tuple:
     """The next best plans, always with the best data-parallel plan and the Megatron
     baseline (when it applies) among them, so the report compares the choice with both."""
-    others = sorted((p for p in plans if p is not best), key=lambda p: p.estimate.step_time_s)
+    fitting_names = {p.name for p in plans if p.recompute == "none" and p.estimate.fits}
+    # A recomputing variant is worth a row only when the plan without recomputation does not
+    # fit; otherwise it is the same plan, slower.
+    others = sorted(
+        (p for p in plans if p is not best and not (p.recompute != "none" and p.name in fitting_names)),
+        key=lambda p: p.estimate.step_time_s,
+    )
     labelled = [(_key(p), p) for p in others[:RUNNERS_UP]]
     data_parallel = [p for p in plans if not p.label and p.mesh.names == ("dp",)]
     if data_parallel and best not in data_parallel:
@@ -293,19 +299,14 @@ def _input_placements(graph: OpGraph, mesh: Mesh, strategies) -> dict:
 
 
 def _baselines(graph, cluster, spec, model_name, precision, exclude: set[str]) -> list[Plan]:
-    """The data-parallel flavours and Megatron (tp = devices per node) for the comparison,
-    when they build and are not among the searched plans already."""
-    from search.megatron import megatron_plan
-
+    """The data-parallel flavours and Megatron for the comparison, when they build and are
+    not among the searched plans already."""
     built = []
     attempts = [
         lambda f=f: data_parallel_plan(graph, cluster, spec, model_name, f, (), precision)
         for f in DATA_PARALLEL_FLAVOURS
         if f"{f} ({Mesh((('dp', cluster.world_size),))})" not in exclude  # simulated above already
     ]
-    if cluster.is_homogeneous and cluster.devices_per_node > 1:
-        tp = cluster.devices_per_node
-        attempts.append(lambda: megatron_plan(graph, cluster, spec, model_name, tp=tp, precision=precision))
     for attempt in attempts:
         try:
             plan = attempt()
@@ -313,4 +314,24 @@ def _baselines(graph, cluster, spec, model_name, precision, exclude: set[str]) -
             continue
         if plan.name not in exclude:
             built.append(plan)
+    megatron = _megatron_baseline(graph, cluster, spec, model_name, precision)
+    if megatron is not None and megatron.name not in exclude:
+        built.append(megatron)
     return built
+
+
+def _megatron_baseline(graph, cluster, spec, model_name, precision) -> Plan | None:
+    """Megatron-LM on the widest tensor-parallel degree inside a node that the model's
+    heads and widths split over (tp = devices per node, halved until it builds), or None
+    when Megatron's layout does not apply to the model."""
+    from search.megatron import megatron_plan
+
+    if not cluster.is_homogeneous:
+        return None
+    tp = cluster.devices_per_node
+    while tp > 1:
+        try:
+            return megatron_plan(graph, cluster, spec, model_name, tp=tp, precision=precision)
+        except PlanningError:
+            tp //= 2
+    return None

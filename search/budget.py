@@ -21,11 +21,11 @@ import math
 import time
 from dataclasses import dataclass, field
 
-# Units of CP-SAT deterministic time per mesh at effort 1 (about 3 s of one core each).
-ILP_WORK_PER_MESH = 3.0
+# Units of CP-SAT deterministic time per mesh at effort 1 (about 2 s of one core).
+ILP_WORK_PER_MESH = 2.0
 # MCMC work per mesh at effort 1, in nodes simulated (delta simulations re-run the graph).
-MCMC_NODE_SIMULATIONS = 60_000
-MCMC_MIN_PROPOSALS, MCMC_MAX_PROPOSALS = 20, 600
+MCMC_NODE_SIMULATIONS = 30_000
+MCMC_MIN_PROPOSALS, MCMC_MAX_PROPOSALS = 20, 300
 # Safety cap of the whole plan() call (tracing included) when the caller gives none.
 DEFAULT_WALL_CLOCK_CAP_S = 600.0
 

@@ -30,7 +30,7 @@ SEARCHED = {
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     root = tmp_path_factory.mktemp("searched")
-    plans = {name: planner.plan(spec, "cpu:1x2", time_budget_s=8, progress=False) for name, spec in SEARCHED.items()}
+    plans = {name: planner.plan(spec, "cpu:1x2", progress=False) for name, spec in SEARCHED.items()}
     folders = {name: planner.compile(plan, root / name) for name, plan in plans.items()}
     return plans, folders, check_many(2, list(folders.values()), root)
 
@@ -51,13 +51,15 @@ SEARCHED_WORLD4 = {
         "num_key_value_heads": 4,
     }),
     "gpt": ModelSpec(str(EXAMPLES / "gpt.py"), {"batch_size": 8}),
+    # The quick start's model (examples/llama.py: RoPE through stack, grouped-query attention), tiny.
+    "llama-example": ModelSpec(str(EXAMPLES / "llama.py"), {"size": "tiny"}),
 }
 
 
 @pytest.fixture(scope="module")
 def searched_world4(tmp_path_factory):
     root = tmp_path_factory.mktemp("searched4")
-    # The default budget (30 s), as the done-when command plans.
+    # The default effort, as the done-when command plans.
     plans = {name: planner.plan(spec, "cpu:1x4", progress=False) for name, spec in SEARCHED_WORLD4.items()}
     folders = {name: planner.compile(plan, root / name) for name, plan in plans.items()}
     return plans, folders, check_many(4, list(folders.values()), root)

@@ -1,0 +1,129 @@
+"""The strategy report as a user reads it: a verdict first, what looks wrong, the warnings,
+then the details; every line within a 100-column terminal.
+
+Plans are built directly (``search.plan_builder`` + the simulator) where the report's
+statement depends on the plan's shape, so each test controls what the report must say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from torch.distributed.tensor import Replicate
+
+import planner
+from cost_model.simulator import simulated
+from planner import baselines
+from planner.api import prepare_model
+from planner.model_spec import ModelSpec
+from planner.report import REPORT_WIDTH
+from planner.strategy import Mesh
+from planner.verdict import findings
+from search.auto import node_strategies
+from search.plan_builder import unsimulated_plan
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+GPT = str(EXAMPLES / "gpt.py")
+
+
+def _replicated_plan(cluster: str, mesh: Mesh, **overrides):
+    """A plan of the tiny GPT on ``mesh`` in which every op runs whole on every rank."""
+    graph, spec, name, cluster = prepare_model(ModelSpec(GPT, overrides), cluster)
+    strategies = tuple(node_strategies(graph, mesh)[node.name][0] for node in graph.nodes)  # all-replicate first
+    inputs = {i.name: (None if i.meta is None else tuple(Replicate() for _ in mesh.names)) for i in graph.inputs}
+    return simulated(unsimulated_plan(graph, cluster, spec, name, mesh, strategies, inputs, label="soap"), graph)
+
+
+@pytest.fixture(scope="module")
+def megatron_gpt3():
+    """A GPT-3 1.3B-class Megatron plan on two DGX A100 nodes (built, not searched)."""
+    spec = ModelSpec(GPT, {"n_layer": 24, "n_embd": 2048, "n_head": 16, "vocab_size": 50304, "seq_len": 2048, "batch_size": 32})
+    return baselines.megatron(spec, "dgx-a100-80g:2", tp=8, precision="bf16")
+
+
+def test_the_report_opens_with_a_verdict_paragraph(megatron_gpt3):
+    report = megatron_gpt3.report()
+    paragraphs = report.split("\n\n")
+    assert paragraphs[0].startswith("soap-planner plan for ")
+    verdict = paragraphs[1].replace("\n", " ")
+    assert verdict.startswith("Chosen: Megatron-LM tensor parallelism on 16 GPUs (dp=2 x tp=8)")
+    assert "bf16 mixed precision" in verdict
+    estimate = megatron_gpt3.estimate
+    assert f"MFU {estimate.mfu:.1%}" in verdict and "per step" in verdict and "to spare" in verdict
+    # The details follow the verdict, not the other way round.
+    assert report.index("Chosen:") < report.index("  mesh      ") < report.index("Memory per device")
+
+
+def test_every_line_fits_a_100_column_terminal(megatron_gpt3):
+    assert REPORT_WIDTH == 100
+    for plan in (megatron_gpt3, _replicated_plan("dgx-a100-80g:2", Mesh((("dp", 2), ("tp", 8))))):
+        lines = plan.report().splitlines()
+        assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+
+
+def test_an_axis_on_which_every_op_is_replicated_is_flagged():
+    plan = _replicated_plan("dgx-a100-80g:2", Mesh((("dp", 2), ("tp", 8))))
+    notes = findings(plan)
+    assert any("every op is replicated on mesh axis 'tp'" in note and "7 of every 8 devices" in note for note in notes)
+    assert any("every op is replicated on mesh axis 'dp'" in note for note in notes)  # the inputs are whole there too
+    assert "note: every op is replicated on mesh axis 'tp'" in plan.report().replace("\n  ", " ")
+
+
+def test_a_plan_that_splits_every_axis_is_not_flagged(megatron_gpt3):
+    assert not any("replicated on mesh axis" in note for note in findings(megatron_gpt3))
+
+
+def test_a_data_parallel_plan_is_not_flagged_for_its_replicated_weights():
+    plan = planner.plan(GPT, "cpu:1x2", search="dp", progress=False)
+    assert plan.label == "" and not any("replicated on mesh axis" in note for note in findings(plan))
+
+
+def test_a_model_far_too_small_for_its_cluster_is_flagged(megatron_gpt3):
+    tiny = _replicated_plan("dgx-a100-80g:2", Mesh((("dp", 2), ("tp", 8))))
+    assert tiny.estimate.mfu < 0.02
+    assert any(note.startswith("the model is far too small for this cluster") for note in findings(tiny))
+    # A 1.3B model on the same cluster keeps its 16 GPUs busy.
+    assert megatron_gpt3.estimate.mfu > 0.2
+    assert not any("far too small" in note for note in findings(megatron_gpt3))
+
+
+def test_search_runners_up_include_the_best_data_parallel_plan_and_the_megatron_baseline():
+    # The tiny Llama on 4 processes: Megatron's layout applies (its heads split over tp=2).
+    plan = planner.plan(ModelSpec(str(EXAMPLES / "llama.py"), {"size": "tiny"}), "cpu:1x4", effort=0.25, progress=False)
+    names = [alt.name for alt in plan.runners_up]
+    assert any(name.startswith("baseline megatron") for name in names), names
+    if plan.label:  # a searched plan won: the data-parallel flavours are still compared
+        assert any(name.split(" ")[0] in ("ddp", "zero1", "zero2", "fsdp") for name in names), names
+    assert "Megatron-LM baseline" in plan.report().replace("\n", " ")
+
+
+def test_unknown_ops_are_plan_warnings_shown_once_in_the_report(tmp_path):
+    # torch.cummax has no sharding rule: the plan says so, as a warning in the report.
+    source = tmp_path / "cummax.py"
+    source.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.linear = torch.nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        return torch.cummax(self.linear(x), dim=1).values.mean()\n"
+        "def build():\n"
+        "    return M(), (torch.randn(4, 8),)\n"
+    )
+    plan = planner.plan(str(source), "cpu:1x2", search="dp", progress=False)
+    warned = [w for w in plan.warnings if "no sharding rule" in w]
+    assert len(warned) == 1 and "cummax.default (1 node)" in warned[0]
+    assert plan.report().count("no sharding rule") == 1
+    assert not any("search" in w and "mesh" in w for w in plan.warnings)  # the search summary is not a warning
+
+
+def test_the_chosen_row_names_its_recomputation():
+    graph, spec, name, cluster = prepare_model(ModelSpec(GPT, {}), "cpu:1x2")
+    plan = planner.plan(ModelSpec(GPT, {}), "cpu:1x2", search="dp", progress=False)
+    recomputing = simulated(dataclasses.replace(plan, recompute="full"), graph)
+    rows = recomputing.report().split("Why this plan: the runners-up")[1]
+    first_row = rows.splitlines()[4]  # title, top rule, header, rule, then the chosen plan
+    assert f"│ {plan.name}, recompute full " in first_row, rows
