@@ -7,6 +7,8 @@ below it (``search``, ``cost_model``, ``codegen``); the vocabulary modules impor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,11 +16,15 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from planner import arguments
 from planner.cluster import Cluster
-from planner.errors import PlanningError, SpecError
+from planner.errors import ArgumentError, ClusterError, PlanningError, SpecError
+from planner.fingerprint import example_batch_size
 from planner.model_spec import ModelSpec
-from planner.plans import Plan, load_plan
-from planner.strategy import SimResult
+from planner.outputs import check_program_folder
+from planner.plan_checks import check_model_matches, check_plan_against_graph, check_plan_against_inputs
+from planner.plans import PRECISIONS, Plan, load_plan
+from planner.strategy import DP_FLAVOURS, SimResult
 from planner.trace import trace
 
 __all__ = ["plan", "simulate", "compile", "load_plan"]
@@ -26,6 +32,7 @@ __all__ = ["plan", "simulate", "compile", "load_plan"]
 # Seed used whenever the planner builds a model from its spec, so every rank of a compiled
 # program and the single-device reference start from the same weights.
 BUILD_SEED = 0
+SEARCHES = ("auto", "ilp", "mcmc", "dp")
 
 
 def plan(
@@ -62,21 +69,32 @@ def plan(
         search: ``"auto"`` (CP-SAT per mesh, then MCMC refinement), ``"ilp"`` (CP-SAT),
             ``"mcmc"`` (Metropolis-Hastings over the simulator), or ``"dp"`` (data
             parallelism only: DDP, ZeRO-1, ZeRO-2 or FSDP). ``dp_flavour`` implies ``"dp"``.
-        time_budget_s: wall-clock budget of the search; the best plan found so far is
-            returned when it runs out.
-        seed: seed of the MCMC search (deterministic for a seed and iteration count).
+        time_budget_s: wall-clock budget of the search, a positive finite number of seconds;
+            the best plan found so far is returned when it runs out.
+        seed: seed of the MCMC search, an int >= 0 (deterministic for a seed and iteration
+            count).
         progress: show a progress bar on stderr (a terminal only) for searches over a second.
 
     Returns:
         The chosen ``Plan``; ``plan.report()`` explains it.
 
     Raises:
-        PlannerError: a subclass naming the problem (trace, cluster, spec, planning).
+        PlannerError: a subclass naming the problem (argument, trace, cluster, spec,
+            planning), raised before any tracing when an argument is wrong.
     """
     from search.data_parallel import plan_data_parallel
 
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise PlanningError(f"precision must be fp32, bf16 or fp16, got '{precision}'")
+    precision = arguments.one_of(precision, PRECISIONS, "precision")
+    search = arguments.one_of(search, SEARCHES, "search")
+    dp_flavour = arguments.one_of(dp_flavour, DP_FLAVOURS, "dp_flavour", optional=True)
+    if dp_flavour is not None and search not in ("auto", "dp"):
+        raise ArgumentError(
+            f"dp_flavour={dp_flavour!r} forces a data-parallel plan, which search={search!r} does not make; "
+            f"drop one of them (dp_flavour implies search='dp')"
+        )
+    time_budget_s = arguments.positive_finite(time_budget_s, "time_budget_s", "seconds")
+    seed = arguments.integer_at_least(seed, "seed", 0)
+    arguments.boolean(progress, "progress")
     with _progress_bar(enabled=progress) as on_progress:
         if on_progress:
             on_progress("tracing the model on meta tensors", 0.0)
@@ -94,40 +112,90 @@ def plan(
         )
 
 
-def simulate(plan: Plan) -> SimResult:
+def simulate(plan: Plan | str | os.PathLike) -> SimResult:
     """Simulate one training step of ``plan`` (see ``cost_model.simulator``).
 
-    A plan made in this process reuses its traced graph; a plan loaded from JSON re-traces
-    its model spec on meta tensors first.
+    Args:
+        plan: a ``Plan``, or the path of a plan saved by ``Plan.save`` / ``planner plan -o``.
+
+    A plan made in this process reuses its traced graph; a plan loaded from JSON rebuilds
+    its model from its spec on meta tensors, checks that it is still the planned model
+    (``planner.plan_checks``), and traces it.
+
+    Raises:
+        PlannerError: the plan file is bad, its spec now builds another model, or its
+            strategies do not fit the traced model (the message names the field).
     """
     from cost_model.simulator import simulate_plan
 
+    plan = _plan_argument(plan, "simulate")
     graph = plan.graph
     if graph is None:
         if plan.model is None:
             raise PlanningError("this plan has no model spec, so its model cannot be traced again to simulate it")
-        graph, _, _, _ = prepare_model(plan.model, plan.cluster, None, None)
+        graph = trace(*build_planned_model(plan))
+    check_plan_against_graph(plan, graph)
     return simulate_plan(plan, graph)
 
 
+def build_planned_model(plan: Plan) -> tuple[torch.nn.Module, tuple, dict]:
+    """Build ``plan``'s model on meta tensors from its spec (with the seed every rank uses)
+    and check it is the model that was planned.
+
+    Raises:
+        PlanFileError: the spec now builds a different model (``check_model_matches``).
+        SpecError: the spec cannot be built (model file gone, bad overrides).
+    """
+    torch.manual_seed(BUILD_SEED)
+    model, args, kwargs = plan.model.build("meta")
+    check_model_matches(plan, model, args, kwargs)
+    return model, args, kwargs
+
+
 def prepare_model(model, cluster, example_inputs=None, spec=None):
-    """Trace a module or spec on meta tensors: returns ``(graph, spec, model name, cluster)``."""
-    if isinstance(cluster, str):
-        cluster = Cluster.parse(cluster)
+    """Trace a module or spec on meta tensors: returns ``(graph, spec, model name, cluster)``.
+
+    Raises:
+        PlannerError: a wrong argument type, a spec that cannot be built, a model with
+            nothing to train, or a model that cannot be traced.
+    """
+    cluster = _cluster_argument(cluster)
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if isinstance(model, (str, ModelSpec)):
+        if example_inputs is not None or spec is not None:
+            raise ArgumentError(
+                f"{'example_inputs' if example_inputs is not None else 'spec'} is only for a model passed as an "
+                f"nn.Module; a spec such as {str(model)!r} builds its own model and example batch, drop it"
+            )
         spec = ModelSpec(model, {}) if isinstance(model, str) else model
         spec = spec.resolved()
         torch.manual_seed(BUILD_SEED)
         model, args, kwargs = spec.build("meta")
     else:
         if not isinstance(model, torch.nn.Module):
-            raise SpecError(f"expected an nn.Module or a model spec string, got {type(model).__name__}")
+            raise SpecError(
+                f"expected an nn.Module, a model spec string ('file.py:build', 'hf:gpt2') or a ModelSpec, "
+                f"got {type(model).__name__}"
+            )
         if example_inputs is None:
             raise SpecError("example_inputs (one global batch) are needed when planning an nn.Module")
         args, kwargs = _split_inputs(example_inputs)
+        if isinstance(spec, os.PathLike):
+            spec = os.fspath(spec)
         if isinstance(spec, str):
             spec = ModelSpec(spec, {})
+        if spec is not None and not isinstance(spec, ModelSpec):
+            raise ArgumentError(
+                f"spec must be a model spec string ('file.py:build') or a ModelSpec, got {type(spec).__name__}"
+            )
         spec = spec.resolved() if spec is not None else None
+    _check_trainable(model)
+    if example_batch_size(args, kwargs) == 0:
+        raise PlanningError(
+            "the example batch is empty (dim 0 of the first tensor input is 0); give one global batch of at least "
+            "one sample per device, e.g. --set batch_size=8"
+        )
     graph = trace(model, args, kwargs)
     graph.warnings = _model_warnings(model)
     return graph, spec, type(model).__name__, cluster
@@ -137,17 +205,32 @@ def graph_warnings(graph) -> tuple[str, ...]:
     return tuple(getattr(graph, "warnings", ()))
 
 
-def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb users expect
+def compile(plan: Plan | str | os.PathLike, out_dir: str | os.PathLike, *, force: bool = False) -> Path:  # noqa: A001
     """Write the per-rank program of ``plan`` to ``out_dir``.
 
     Writes ``model_spmd.py`` (the readable per-rank module), ``plan.json`` and
-    ``launch.py`` (run it with ``torchrun --nproc_per_node N out/launch.py --check``).
+    ``launch.py`` (run it with ``torchrun --nproc_per_node N out/launch.py --check``), all
+    at once: they are staged in a temporary folder and moved into ``out_dir`` only when
+    every one was written (``planner.outputs``).
+
+    Args:
+        plan: a ``Plan``, or the path of a plan saved by ``Plan.save`` / ``planner plan -o``.
+        out_dir: the program folder, created if missing. A folder that ``compile`` wrote
+            before is replaced; a non-empty folder it did not write is refused.
+        force: write the program's files into a non-empty folder ``compile`` did not
+            write (its other files are kept).
 
     Returns:
         The output folder.
-    """
-    from codegen.emit import write_program
 
+    Raises:
+        PlannerError: a bad argument or output folder (checked before any work), a plan
+            that cannot be compiled, or a plan that does not fit the model its spec builds.
+    """
+    from codegen.emit import is_data_parallel, write_program
+
+    plan = _plan_argument(plan, "compile")
+    out_dir = check_program_folder(out_dir, force=arguments.boolean(force, "force"))
     if plan.model is None:
         raise PlanningError(
             "this plan has no model spec, so torchrun cannot rebuild the model; plan from a spec "
@@ -159,8 +242,6 @@ def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb u
         reason = unsupported(plan)
         if reason:
             raise PlanningError(f"{plan.name} cannot be compiled: {reason} (planner simulate still prices it)")
-    from codegen.emit import is_data_parallel
-
     dp = plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else 1
     if not is_data_parallel(plan) and plan.dp_flavour != "ddp" and dp > 1:
         raise PlanningError(
@@ -178,7 +259,15 @@ def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb u
             f"this plan simulates {plan.precision} mixed precision, which needs loss scaling and is not compiled; "
             f"plan with --precision bf16 (or fp32) to compile it"
         )
-    return write_program(plan, Path(out_dir))
+    model, args, kwargs = build_planned_model(plan)
+    check_plan_against_inputs(plan, args, kwargs)
+    if plan.graph is not None or not is_data_parallel(plan) or plan.recompute != "none":
+        # The program is generated from the traced graph (or its repeated blocks): trace it
+        # once here, check every strategy against it, and let codegen reuse it.
+        graph = plan.graph if plan.graph is not None else trace(model, args, kwargs)
+        check_plan_against_graph(plan, graph)
+        plan = dataclasses.replace(plan, graph=graph)
+    return write_program(plan, out_dir, force=force)
 
 
 @contextlib.contextmanager
@@ -194,6 +283,40 @@ def _progress_bar(enabled: bool):
     ) as bar:
         task = bar.add_task("planning", total=1.0)
         yield lambda what, fraction: bar.update(task, description=what, completed=fraction)
+
+
+def _plan_argument(plan: Any, verb: str) -> Plan:
+    """A ``Plan``, or one loaded from the path of a saved plan."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return load_plan(plan)
+    raise ArgumentError(
+        f"{verb} takes a Plan or the path of a saved plan (str or pathlib.Path), got {type(plan).__name__}"
+    )
+
+
+def _cluster_argument(cluster: Any) -> Cluster:
+    """A ``Cluster``, or one parsed from a preset string or cluster file path."""
+    if isinstance(cluster, Cluster):
+        return cluster
+    if isinstance(cluster, (str, os.PathLike)):
+        return Cluster.parse(cluster)
+    raise ClusterError(
+        f"cluster must be a Cluster, a preset such as 'cpu:1x2' or 'dgx-a100-80g:2', or the path of a cluster "
+        f"file, got {type(cluster).__name__}"
+    )
+
+
+def _check_trainable(model: torch.nn.Module) -> None:
+    """A training planner needs something to train."""
+    parameters = list(model.parameters())
+    if not any(parameter.requires_grad for parameter in parameters):
+        has = f"its {len(parameters)} parameter(s) all have requires_grad=False" if parameters else "it has none"
+        raise PlanningError(
+            f"the model has no parameters to train ({type(model).__name__}: {has}); soap-planner plans training, "
+            f"so give the model at least one trainable parameter"
+        )
 
 
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
