@@ -191,7 +191,14 @@ def prepare_model(model, cluster, example_inputs=None, spec=None):
             )
         spec = spec.resolved() if spec is not None else None
     _check_trainable(model)
-    if example_batch_size(args, kwargs) == 0:
+    batch = example_batch_size(args, kwargs)
+    if batch is None:
+        shown = ", ".join(type(value).__name__ for value in (*args, *kwargs.values())) or "nothing"
+        raise SpecError(
+            f"the example inputs ({shown}) hold no tensor with a batch dimension; pass one global batch: a tuple or "
+            f"dict of tensors whose dim 0 is the batch, e.g. example_inputs=(x, y)"
+        )
+    if batch == 0:
         raise PlanningError(
             "the example batch is empty (dim 0 of the first tensor input is 0); give one global batch of at least "
             "one sample per device, e.g. --set batch_size=8"

@@ -396,7 +396,7 @@ class Cluster:
         if text.lower().endswith((".toml", ".json")):
             return cls.load(text)
         match = _CLI_RE.fullmatch(text)
-        if match and match[1].lower() not in PRESETS and os.path.isfile(text):
+        if (match is None or match[1].lower() not in PRESETS) and os.path.isfile(text):
             return cls.load(text)  # an existing file with another suffix: say which suffixes
         if match is None or "/" in text or os.sep in text:
             raise ClusterError(f"cannot read cluster {text!r}; use {_CLI_FORMS}")

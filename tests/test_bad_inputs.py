@@ -205,6 +205,8 @@ CLI_ROWS = [
      ["the model has no parameters to train", "Softmax", "it has none"]),
     ("frozen parameters", lambda c: ["plan", c.write("frozen.py", FROZEN), "--cluster", "cpu:1x2"],
      ["no parameters to train", "requires_grad=False"]),
+    ("unknown hf model type", lambda c: ["plan", "hf:gpt3000"], ["unknown HuggingFace model type 'gpt3000'"]),
+    ("cluster file suffix", lambda c: ["plan", MLP, "--cluster", c.write("lab.yaml", "name: lab\n")], ["must end in .toml or .json"]),
     ("empty batch", lambda c: ["plan", MLP, "--set", "batch_size=0"], ["the example batch is empty", "batch_size=8"]),
     ("override of wrong type", lambda c: ["plan", MLP, "--set", "batch_size=many"], ["building", "batch_size='many'"]),
 ]
@@ -256,6 +258,9 @@ API_ROWS = [
     ("simulate a corrupt path", lambda c: planner.simulate(c.write("bad.json", "{")), PlanFileError, ["is not valid JSON"]),
     ("cluster parse of int", lambda c: Cluster.parse(42), ClusterError, ["cannot read cluster 42"]),
     ("model spec of int", lambda c: ModelSpec(42), SpecError, ["model source must be"]),
+    ("spec with a spec", lambda c: planner.plan(MLP, "cpu:1x2", spec=MLP), ArgumentError, ["spec is only for a model passed as"]),
+    ("inputs without a tensor", lambda c: planner.plan(nn.Linear(4, 2), "cpu:1x2", 42), SpecError,
+     ["the example inputs (int) hold no tensor with a batch dimension"]),
 ]
 
 
@@ -328,6 +333,13 @@ PLAN_ROWS = [
     ("cluster in plan", _compile(lambda d: d["cluster"].update(backend="mpi")), ["field 'cluster' is invalid"]),
     ("not an object", lambda c: ["simulate", c.write("list.json", "[1]")], ["top level must be a JSON object"]),
     ("a folder", lambda c: ["simulate", str(c.scratch)], ["is a folder", "pass the plan's JSON file"]),
+    ("strategies not a list", _compile(_set(strategies={})), ["field 'strategies' must be list, got dict"]),
+    ("input the model does not take", _simulate(lambda d: d.update(inputs={"x": ["S(0)"], "targets": ["S(0)"]})),
+     ["places input 'x'", "inputs are inputs, targets"]),
+    ("no model spec", _compile(_set(model=None)), ["no model spec", "torchrun cannot rebuild the model"]),
+    ("model source empty", _compile(lambda d: d["model"].update(source="")), ["field 'model' is invalid", "model source must be"]),
+    ("model file gone", _simulate(lambda d: d["model"].update(source="/nonexistent/model.py:build")),
+     ["model file '/nonexistent/model.py' does not exist"]),
     ("estimate not a number", _compile(lambda d: d["estimate"].update(step_time_s=math.nan)),
      ["field 'estimate.step_time_s' must be a finite number >= 0, got nan"]),
     ("negative memory", _compile(lambda d: d["estimate"]["memory"].update(weights=-1)), ["'estimate.memory.weights'", "got -1"]),
