@@ -220,17 +220,13 @@ def test_command_line_flags(capsys, ctx, name, argv, fragments):
 # ---------------------------------------------------------------------- API arguments
 
 
-def _module_and_batch() -> tuple[nn.Module, tuple]:
-    return nn.Linear(4, 2), (torch.randn(8, 4),)
-
-
 API_ROWS = [
     ("cluster of wrong type", lambda c: planner.plan(MLP, 42), ClusterError, ["cluster must be a Cluster", "got int"]),
     ("model of wrong type", lambda c: planner.plan(42, "cpu"), SpecError, ["expected an nn.Module", "got int"]),
     ("module without inputs", lambda c: planner.plan(nn.Linear(4, 2), "cpu:1x2"), SpecError, ["example_inputs"]),
     ("inputs with a spec", lambda c: planner.plan(MLP, "cpu:1x2", (torch.randn(8, 4),)), ArgumentError,
      ["example_inputs is only for a model passed as an nn.Module"]),
-    ("spec of wrong type", lambda c: planner.plan(*_module_and_batch()[:1], "cpu:1x2", _module_and_batch()[1], spec=3),
+    ("spec of wrong type", lambda c: planner.plan(nn.Linear(4, 2), "cpu:1x2", (torch.randn(8, 4),), spec=3),
      ArgumentError, ["spec must be", "got int"]),
     ("precision", lambda c: planner.plan(MLP, "cpu:1x2", precision="fp64"), ArgumentError,
      ["precision must be one of 'fp32', 'bf16', 'fp16'", "'fp64'"]),
@@ -426,6 +422,12 @@ def _user_file(c: Context, name: str, text: str = "my notes\n") -> str:
     return c.write(name, text)
 
 
+def _folder(c: Context, name: str) -> str:
+    folder = c.fresh(name)
+    folder.mkdir()
+    return str(folder)
+
+
 def _user_folder(c: Context) -> str:
     folder = c.fresh("mine")
     folder.mkdir()
@@ -450,8 +452,7 @@ OUTPUT_ROWS = [
      ["is a file, not a folder"]),
     ("profile -o a user's file", lambda c: ["profile", "-o", _user_file(c, "lab.toml", 'name = "mine"\n')],
      ["refusing to overwrite", "lab.toml", "not a cluster file written by soap-planner", "--force"]),
-    ("profile -o a folder", lambda c: ["profile", "-o", str(Path(c.scratch, "dir.toml").mkdir() or c.scratch / "dir.toml")],
-     ["is a folder"]),
+    ("profile -o a folder", lambda c: ["profile", "-o", _folder(c, "dir.toml")], ["dir.toml is a folder"]),
     ("profile -o missing folder", lambda c: ["profile", "-o", str(c.fresh("gone") / "c.json")], ["gone does not exist"]),
     ("simulate --trace missing folder", lambda c: ["simulate", c.plan_file(), "--trace", str(c.fresh("gone") / "t.json")],
      ["gone does not exist"]),
@@ -503,6 +504,17 @@ def _with(name: str, text: str) -> Callable[[Context], Path]:
     return folder
 
 
+def _edited_plan(mutate: Callable[[dict], None]) -> Callable[[Context], Path]:
+    def folder(c: Context) -> Path:
+        program = c.program()
+        data = json.loads((program / "plan.json").read_text())
+        mutate(data)
+        (program / "plan.json").write_text(json.dumps(data))
+        return program
+
+    return folder
+
+
 def _model_file_gone(c: Context) -> Path:
     model_file = c.model_copy()
     program = planner.compile(planner.plan(str(model_file), "cpu:1x2", search="dp", progress=False), c.out())
@@ -537,6 +549,10 @@ LAUNCH_ROWS = [
     ("model_spmd.py broken", _with("model_spmd.py", "def parallelize(:\n"), ["--check"],
      ["model_spmd.py fails to import (line 1): SyntaxError"]),
     ("model_spmd.py incomplete", _with("model_spmd.py", "x = 1\n"), ["--check"], ["defines no parallelize()"]),
+    ("plan.json batch edited", _edited_plan(_set(batch_size=8)), ["--check"],
+     ["disagree (batch: plan.json 8, model_spmd.py 16)", "compile the plan again"]),
+    ("plan.json mesh edited", _edited_plan(_set(mesh=[["tp", 2]])), ["--check"],
+     ["disagree (mesh: plan.json (('tp', 2),), model_spmd.py (('dp', 2),))"]),
     ("model file gone", _model_file_gone, ["--check"], ["model file", "mlp_copy.py", "does not exist"]),
     ("model file edited", _model_file_edited, ["--check"], ["now builds a different model than the one planned", "re-plan"]),
 ]

@@ -148,7 +148,22 @@ def load_program(folder: str | Path) -> Program:
     for function in ("parallelize", "shard_batch"):
         if not callable(getattr(module, function, None)):
             raise LaunchError(f"{source} defines no {function}(); compile the plan again with `planner compile`")
+    _check_program_matches_plan(module, plan, folder)
     return Program(folder=folder, plan=plan, module=module)
+
+
+def _check_program_matches_plan(module: ModuleType, plan: Plan, folder: Path) -> None:
+    """A generated ``model_spmd.py`` records the mesh and batch it was compiled for; a
+    plan.json edited after compiling would otherwise drive it with another mesh or batch."""
+    compiled = {"mesh": getattr(module, "MESH_AXES", None), "batch": getattr(module, "GLOBAL_BATCH", None)}
+    planned = {"mesh": tuple(plan.mesh.axes), "batch": plan.batch_size}
+    differ = [key for key, value in compiled.items() if value is not None and value != planned[key]]
+    if differ:
+        shown = "; ".join(f"{key}: plan.json {planned[key]!r}, model_spmd.py {compiled[key]!r}" for key in differ)
+        raise LaunchError(
+            f"plan.json and model_spmd.py in '{folder}' disagree ({shown}): one was edited after compiling; "
+            f"compile the plan again with `planner compile PLAN -o {folder}`"
+        )
 
 
 def _failing_line(error: BaseException, filename: str) -> int | None:
