@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 import planner
-from codegen.runtime import launcher
+from codegen.runtime import launcher, load_program
+from planner import baselines
 from planner.cluster import Cluster
-from planner.errors import ArgumentError, ClusterError, OutputError, PlanFileError, SpecError
+from planner.errors import ArgumentError, ClusterError, LaunchError, OutputError, PlanFileError, SpecError
 from planner.model_spec import ModelSpec
 from planner.plans import load_plan
 from user_errors import assert_api_error, assert_one_error_line, assert_user_error
@@ -254,6 +255,13 @@ API_ROWS = [
     ("simulate a corrupt path", lambda c: planner.simulate(c.write("bad.json", "{")), PlanFileError, ["is not valid JSON"]),
     ("cluster parse of int", lambda c: Cluster.parse(42), ClusterError, ["cannot read cluster 42"]),
     ("model spec of int", lambda c: ModelSpec(42), SpecError, ["model source must be"]),
+    ("megatron tp of wrong type", lambda c: baselines.megatron(MLP, "cpu:1x2", tp="2"), ArgumentError,
+     ["tp must be an integer >= 1, got '2'"]),
+    ("megatron micro-batch zero", lambda c: baselines.megatron(MLP, "cpu:1x2", micro_batch=0), ArgumentError, ["micro_batch"]),
+    ("megatron sequence_parallel text", lambda c: baselines.megatron(MLP, "cpu:1x2", sequence_parallel="yes"), ArgumentError,
+     ["sequence_parallel must be True or False"]),
+    ("ddp precision", lambda c: baselines.ddp(MLP, "cpu:1x2", precision="fp64"), ArgumentError, ["precision", "'fp64'"]),
+    ("load_program of int", lambda c: load_program(123), LaunchError, ["load_program takes the path", "got int"]),
     ("spec with a spec", lambda c: planner.plan(MLP, "cpu:1x2", spec=MLP), ArgumentError, ["spec is only for a model passed as"]),
     ("inputs without a tensor", lambda c: planner.plan(nn.Linear(4, 2), "cpu:1x2", 42), SpecError,
      ["the example inputs (int) hold no tensor with a batch dimension"]),

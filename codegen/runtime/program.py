@@ -128,7 +128,14 @@ class Program:
 
 
 def load_program(folder: str | Path) -> Program:
-    """Load a folder written by ``planner.compile`` (``plan.json`` + ``model_spmd.py``)."""
+    """Load a folder written by ``planner.compile`` (``plan.json`` + ``model_spmd.py``).
+
+    Raises:
+        LaunchError: the folder lacks its files, ``model_spmd.py`` does not import, or it
+            disagrees with ``plan.json``. PlanFileError: ``plan.json`` is invalid.
+    """
+    if not isinstance(folder, (str, os.PathLike)):
+        raise LaunchError(f"load_program takes the path of a compiled program folder, got {type(folder).__name__}")
     folder = Path(folder)
     for name in ("model_spmd.py", "plan.json"):
         if not (folder / name).is_file():
