@@ -203,6 +203,7 @@ def prepare_model(model, cluster, example_inputs=None, spec=None):
             "the example batch is empty (dim 0 of the first tensor input is 0); give one global batch of at least "
             "one sample per device, e.g. --set batch_size=8"
         )
+    _check_no_empty_inputs(args, kwargs)
     graph = trace(model, args, kwargs)
     graph.warnings = _model_warnings(model)
     return graph, spec, type(model).__name__, cluster
@@ -318,12 +319,29 @@ def _cluster_argument(cluster: Any) -> Cluster:
 def _check_trainable(model: torch.nn.Module) -> None:
     """A training planner needs something to train."""
     parameters = list(model.parameters())
-    if not any(parameter.requires_grad for parameter in parameters):
-        has = f"its {len(parameters)} parameter(s) all have requires_grad=False" if parameters else "it has none"
+    if not any(parameter.requires_grad and parameter.numel() > 0 for parameter in parameters):
+        has = (
+            "it has none" if not parameters
+            else f"its {len(parameters)} parameter(s) all have requires_grad=False or no elements"
+        )
         raise PlanningError(
             f"the model has no parameters to train ({type(model).__name__}: {has}); soap-planner plans training, "
             f"so give the model at least one trainable parameter"
         )
+
+
+def _check_no_empty_inputs(args: tuple, kwargs: dict) -> None:
+    """An example input with a dimension of size 0 (e.g. ``--set seq_len=0``) would plan a
+    step that computes nothing."""
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    for kind, tree in (("positional input", tuple(args)), ("keyword input", dict(kwargs))):
+        for path, value in tree_flatten_with_path(tree)[0]:
+            if isinstance(value, torch.Tensor) and value.numel() == 0:
+                raise PlanningError(
+                    f"example {kind} {keystr(path)} is empty (shape {tuple(value.shape)}); every input of the "
+                    f"example batch needs at least one element per dimension, e.g. a positive seq_len"
+                )
 
 
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:

@@ -206,6 +206,8 @@ CLI_ROWS = [
      ["the model has no parameters to train", "Softmax", "it has none"]),
     ("frozen parameters", lambda c: ["plan", c.write("frozen.py", FROZEN), "--cluster", "cpu:1x2"],
      ["no parameters to train", "requires_grad=False"]),
+    ("empty sequence", lambda c: ["plan", str(ROOT / "examples" / "gpt.py"), "--set", "seq_len=0"],
+     ["example positional input [0] is empty (shape (8, 0))", "seq_len"]),
     ("unknown hf model type", lambda c: ["plan", "hf:gpt3000"], ["unknown HuggingFace model type 'gpt3000'"]),
     ("cluster file suffix", lambda c: ["plan", MLP, "--cluster", c.write("lab.yaml", "name: lab\n")], ["must end in .toml or .json"]),
     ("empty batch", lambda c: ["plan", MLP, "--set", "batch_size=0"], ["the example batch is empty", "batch_size=8"]),
