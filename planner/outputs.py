@@ -204,7 +204,9 @@ def _our_files(target: Path, entries: set[str]) -> set[str] | None:
             marker = json.loads((target / PROGRAM_MARKER).read_text())
         except (OSError, ValueError):
             return None
-        files = marker.get("files") if isinstance(marker, dict) else None
+        if not isinstance(marker, dict):
+            return None
+        files = marker.get("files")
         if marker.get("generator") == "soap-planner" and isinstance(files, list):
             return {name for name in files if isinstance(name, str)}
         return None

@@ -147,6 +147,17 @@ def test_a_program_folder_from_before_the_marker_is_ours(ddp_plan, fsdp_plan, tm
     assert load_plan(out / "plan.json").dp_flavour == "fsdp"
 
 
+@pytest.mark.parametrize("marker", ["[1]", "{not json", '{"generator": "someone else", "files": ["launch.py"]}'])
+def test_a_marker_soap_planner_did_not_write_does_not_make_a_folder_ours(ddp_plan, tmp_path, marker):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / PROGRAM_MARKER).write_text(marker)
+    (folder / "launch.py").write_text("print('my launcher')\n")
+    with pytest.raises(OutputError, match="not written by `planner compile`"):
+        planner.compile(ddp_plan, folder)
+    assert (folder / "launch.py").read_text() == "print('my launcher')\n"
+
+
 def test_compile_into_an_empty_or_nested_new_folder(ddp_plan, tmp_path):
     (tmp_path / "empty").mkdir()
     planner.compile(ddp_plan, tmp_path / "empty")
