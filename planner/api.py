@@ -23,7 +23,7 @@ from planner.fingerprint import example_batch_size
 from planner.model_spec import ModelSpec
 from planner.outputs import check_program_folder
 from planner.plan_checks import check_model_matches, check_plan_against_graph, check_plan_against_inputs
-from planner.plans import PRECISIONS, Plan, load_plan
+from planner.plans import PLAN_PRECISIONS, Plan, load_plan
 from planner.strategy import DP_FLAVOURS, SimResult
 from planner.trace import trace
 
@@ -84,7 +84,7 @@ def plan(
     """
     from search.data_parallel import plan_data_parallel
 
-    precision = arguments.one_of(precision, PRECISIONS, "precision")
+    precision = arguments.one_of(precision, PLAN_PRECISIONS, "precision")
     search = arguments.one_of(search, SEARCHES, "search")
     dp_flavour = arguments.one_of(dp_flavour, DP_FLAVOURS, "dp_flavour", optional=True)
     if dp_flavour is not None and search not in ("auto", "dp"):

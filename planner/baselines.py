@@ -14,7 +14,7 @@ from __future__ import annotations
 from planner import arguments
 from planner.api import prepare_model
 from planner.cluster import Cluster
-from planner.plans import PRECISIONS, Plan
+from planner.plans import PLAN_PRECISIONS, Plan
 from planner.strategy import PIPELINE_SCHEDULES
 
 
@@ -62,7 +62,7 @@ def megatron(
     if dp is not None:
         arguments.integer_at_least(dp, "dp", 1)
     arguments.one_of(schedule, PIPELINE_SCHEDULES, "schedule")
-    arguments.one_of(precision, PRECISIONS, "precision")
+    arguments.one_of(precision, PLAN_PRECISIONS, "precision")
     arguments.boolean(sequence_parallel, "sequence_parallel")
     graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
     return megatron_plan(
@@ -74,6 +74,6 @@ def megatron(
 def _data_parallel(flavour: str, model, cluster, example_inputs, spec, precision: str) -> Plan:
     from search.data_parallel import data_parallel_plan
 
-    arguments.one_of(precision, PRECISIONS, "precision")
+    arguments.one_of(precision, PLAN_PRECISIONS, "precision")
     graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
     return data_parallel_plan(graph, cluster, spec, name, flavour, precision=precision)

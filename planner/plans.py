@@ -39,7 +39,8 @@ from planner.strategy import (
 PLAN_FORMAT = "soap-planner-plan"
 # Version 3 added model_fingerprint (planner/fingerprint.py).
 PLAN_VERSION = 3
-PRECISIONS = ("fp32", "bf16", "fp16")
+# Precisions a plan is made in (the API also takes "auto", resolved before planning).
+PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
 # Mesh axes plans are made of: data, tensor and pipeline parallelism.
 MESH_AXES = ("dp", "tp", "pp")
@@ -121,8 +122,8 @@ class Plan:
             raise ValueError(f"dp_flavour must be one of {DP_FLAVOURS}, got '{self.dp_flavour}'")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got '{self.recompute}'")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision not in PLAN_PRECISIONS:
+            raise ValueError(f"precision must be one of {PLAN_PRECISIONS}, got {self.precision!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
