@@ -232,7 +232,7 @@ API_ROWS = [
     ("spec of wrong type", lambda c: planner.plan(nn.Linear(4, 2), "cpu:1x2", (torch.randn(8, 4),), spec=3),
      ArgumentError, ["spec must be", "got int"]),
     ("precision", lambda c: planner.plan(MLP, "cpu:1x2", precision="fp64"), ArgumentError,
-     ["precision must be one of 'fp32', 'bf16', 'fp16'", "'fp64'"]),
+     ["precision must be one of", "'fp32'", "'fp64'"]),
     ("precision of wrong type", lambda c: planner.plan(MLP, "cpu:1x2", precision=16), ArgumentError, ["precision", "16"]),
     ("search", lambda c: planner.plan(MLP, "cpu:1x2", search="greedy"), ArgumentError, ["search must be one of", "'greedy'"]),
     ("dp flavour", lambda c: planner.plan(MLP, "cpu:1x2", dp_flavour="zero3"), ArgumentError, ["dp_flavour", "'zero3'"]),
