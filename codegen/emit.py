@@ -18,18 +18,29 @@ from pathlib import Path
 
 from planner import __version__
 from planner.errors import PlanningError
+from planner.outputs import program_folder
 from planner.plans import Plan
 from planner.strategy import placements_str
 
 _DP_AXIS = "dp"
 
 
-def write_program(plan: Plan, out_dir: Path) -> Path:
-    """Write the three files of ``plan``'s program into ``out_dir`` (created if needed)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plan.save(out_dir / "plan.json")
-    (out_dir / "model_spmd.py").write_text(render_model_spmd(plan))
-    (out_dir / "launch.py").write_text(render_launch(plan))
+def write_program(plan: Plan, out_dir: Path, *, force: bool = False) -> Path:
+    """Write the three files of ``plan``'s program into ``out_dir`` (created if needed).
+
+    The files are written into a temporary folder beside ``out_dir`` and moved into place
+    only when all of them were written (``planner.outputs.program_folder``): a failure
+    leaves ``out_dir`` as it was. A non-empty folder that ``planner compile`` did not write is
+    refused unless ``force`` (then the program's files are written into it, the user's
+    other files kept); a folder it wrote before is replaced.
+
+    Raises:
+        OutputError: ``out_dir`` is a file, not writable, or a user's non-empty folder.
+    """
+    with program_folder(out_dir, force=force, version=__version__) as staging:
+        plan.save(staging / "plan.json")
+        (staging / "model_spmd.py").write_text(render_model_spmd(plan))
+        (staging / "launch.py").write_text(render_launch(plan))
     return out_dir
 
 

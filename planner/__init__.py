@@ -33,6 +33,8 @@ _LAZY = {
     "PlanFileError": "planner.errors",
     "PlanningError": "planner.errors",
     "LaunchError": "planner.errors",
+    "ArgumentError": "planner.errors",
+    "OutputError": "planner.errors",
 }
 
 __all__ = sorted(_LAZY)

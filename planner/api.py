@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,11 +17,15 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from planner import arguments
 from planner.cluster import Cluster
-from planner.errors import PlanningError, SpecError
+from planner.errors import ArgumentError, ClusterError, PlanningError, SpecError
+from planner.fingerprint import example_batch_size
 from planner.model_spec import ModelSpec
+from planner.outputs import check_program_folder
+from planner.plan_checks import check_model_matches, check_plan_against_graph, check_plan_against_inputs
 from planner.plans import Plan, load_plan
-from planner.strategy import SimResult
+from planner.strategy import DP_FLAVOURS, SimResult
 from planner.trace import trace
 
 __all__ = ["plan", "simulate", "compile", "load_plan"]
@@ -29,6 +33,7 @@ __all__ = ["plan", "simulate", "compile", "load_plan"]
 # Seed used whenever the planner builds a model from its spec, so every rank of a compiled
 # program and the single-device reference start from the same weights.
 BUILD_SEED = 0
+SEARCHES = ("auto", "ilp", "mcmc", "dp")
 
 
 def plan(
@@ -67,34 +72,39 @@ def plan(
         search: ``"auto"`` (CP-SAT per mesh, then MCMC refinement), ``"ilp"`` (CP-SAT),
             ``"mcmc"`` (Metropolis-Hastings over the simulator), or ``"dp"`` (data
             parallelism only: DDP, ZeRO-1, ZeRO-2 or FSDP). ``dp_flavour`` implies ``"dp"``.
-        effort: how much work the search does (1 is the default; 0.25 is quick, 4
-            thorough). Budgets count work (CP-SAT's deterministic time, MCMC proposals),
-            not seconds, so the same model, cluster, seed and effort give the same plan on
-            any machine.
-        time_budget_s: a wall-clock safety cap on the whole call, tracing included
-            (``None``: no cap). It does not decide the plan unless it cuts the search
-            short, and then the plan's warnings say so.
-        seed: seed of the MCMC search.
+        effort: how much work the search does, a positive number (1 is the default; 0.25
+            is quick, 4 thorough). Budgets count work (CP-SAT's deterministic time, MCMC
+            proposals), not seconds, so the same model, cluster, seed and effort give the
+            same plan on any machine.
+        time_budget_s: a wall-clock safety cap on the whole call, tracing included, a
+            positive finite number of seconds (``None``: no cap). It does not decide the
+            plan unless it cuts the search short, and then the plan's warnings say so.
+        seed: seed of the MCMC search, an int >= 0.
         progress: show a progress bar on stderr (a terminal only) for searches over a second.
 
     Returns:
         The chosen ``Plan``; ``plan.report()`` explains it.
 
     Raises:
-        PlannerError: a subclass naming the problem (trace, cluster, spec, planning).
+        PlannerError: a subclass naming the problem (argument, trace, cluster, spec,
+            planning), raised before any tracing when an argument is wrong.
     """
     from search.budget import SearchBudget
     from search.data_parallel import plan_data_parallel
 
-    if precision not in PRECISIONS:
-        raise PlanningError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if isinstance(effort, bool) or not isinstance(effort, (int, float)) or not math.isfinite(effort) or effort <= 0:
-        raise PlanningError(f"effort must be a positive number (1 is the default search), got {effort!r}")
-    if time_budget_s is not None and (
-        isinstance(time_budget_s, bool) or not isinstance(time_budget_s, (int, float))
-        or not math.isfinite(time_budget_s) or time_budget_s <= 0
-    ):
-        raise PlanningError(f"time_budget_s must be a positive number of seconds or None, got {time_budget_s!r}")
+    precision = arguments.one_of(precision, PRECISIONS, "precision")
+    search = arguments.one_of(search, SEARCHES, "search")
+    dp_flavour = arguments.one_of(dp_flavour, DP_FLAVOURS, "dp_flavour", optional=True)
+    if dp_flavour is not None and search not in ("auto", "dp"):
+        raise ArgumentError(
+            f"dp_flavour={dp_flavour!r} forces a data-parallel plan, which search={search!r} does not make; "
+            f"drop one of them (dp_flavour implies search='dp')"
+        )
+    effort = arguments.positive_finite(effort, "effort")
+    if time_budget_s is not None:
+        time_budget_s = arguments.positive_finite(time_budget_s, "time_budget_s", "seconds")
+    seed = arguments.integer_at_least(seed, "seed", 0)
+    arguments.boolean(progress, "progress")
     budget = SearchBudget(effort=effort, wall_clock_cap_s=time_budget_s)
     with _progress_bar(enabled=progress) as on_progress:
         tracing = None
@@ -137,41 +147,99 @@ def default_precision(cluster: Cluster) -> str:
     return "fp32"
 
 
-def simulate(plan: Plan) -> SimResult:
+def simulate(plan: Plan | str | os.PathLike) -> SimResult:
     """Simulate one training step of ``plan`` (see ``cost_model.simulator``).
 
-    A plan made in this process reuses its traced graph; a plan loaded from JSON re-traces
-    its model spec on meta tensors first.
+    Args:
+        plan: a ``Plan``, or the path of a plan saved by ``Plan.save`` / ``planner plan -o``.
+
+    A plan made in this process reuses its traced graph; a plan loaded from JSON rebuilds
+    its model from its spec on meta tensors, checks that it is still the planned model
+    (``planner.plan_checks``), and traces it.
+
+    Raises:
+        PlannerError: the plan file is bad, its spec now builds another model, or its
+            strategies do not fit the traced model (the message names the field).
     """
     from cost_model.simulator import simulate_plan
 
+    plan = _plan_argument(plan, "simulate")
     graph = plan.graph
     if graph is None:
         if plan.model is None:
             raise PlanningError("this plan has no model spec, so its model cannot be traced again to simulate it")
-        graph, _, _, _ = prepare_model(plan.model, plan.cluster, None, None)
+        graph = trace(*build_planned_model(plan))
+    check_plan_against_graph(plan, graph)
     return simulate_plan(plan, graph)
+
+
+def build_planned_model(plan: Plan) -> tuple[torch.nn.Module, tuple, dict]:
+    """Build ``plan``'s model on meta tensors from its spec (with the seed every rank uses)
+    and check it is the model that was planned.
+
+    Raises:
+        PlanFileError: the spec now builds a different model (``check_model_matches``).
+        SpecError: the spec cannot be built (model file gone, bad overrides).
+    """
+    torch.manual_seed(BUILD_SEED)
+    model, args, kwargs = plan.model.build("meta")
+    check_model_matches(plan, model, args, kwargs)
+    return model, args, kwargs
 
 
 def prepare_model(model, cluster, example_inputs=None, spec=None, on_progress=None):
     """Trace a module or spec on meta tensors: returns ``(graph, spec, model name, cluster)``.
-    ``on_progress(what, fraction)`` follows the tracing (see ``planner.trace.trace``)."""
-    if isinstance(cluster, str):
-        cluster = Cluster.parse(cluster)
+    ``on_progress(what, fraction)`` follows the tracing (see ``planner.trace.trace``).
+
+    Raises:
+        PlannerError: a wrong argument type, a spec that cannot be built, a model with
+            nothing to train, or a model that cannot be traced.
+    """
+    cluster = _cluster_argument(cluster)
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if isinstance(model, (str, ModelSpec)):
+        if example_inputs is not None or spec is not None:
+            raise ArgumentError(
+                f"{'example_inputs' if example_inputs is not None else 'spec'} is only for a model passed as an "
+                f"nn.Module; a spec such as {str(model)!r} builds its own model and example batch, drop it"
+            )
         spec = ModelSpec(model, {}) if isinstance(model, str) else model
         spec = spec.resolved()
         torch.manual_seed(BUILD_SEED)
         model, args, kwargs = spec.build("meta")
     else:
         if not isinstance(model, torch.nn.Module):
-            raise SpecError(f"expected an nn.Module or a model spec string, got {type(model).__name__}")
+            raise SpecError(
+                f"expected an nn.Module, a model spec string ('file.py:build', 'hf:gpt2') or a ModelSpec, "
+                f"got {type(model).__name__}"
+            )
         if example_inputs is None:
             raise SpecError("example_inputs (one global batch) are needed when planning an nn.Module")
         args, kwargs = _split_inputs(example_inputs)
+        if isinstance(spec, os.PathLike):
+            spec = os.fspath(spec)
         if isinstance(spec, str):
             spec = ModelSpec(spec, {})
+        if spec is not None and not isinstance(spec, ModelSpec):
+            raise ArgumentError(
+                f"spec must be a model spec string ('file.py:build') or a ModelSpec, got {type(spec).__name__}"
+            )
         spec = spec.resolved() if spec is not None else None
+    _check_trainable(model)
+    batch = example_batch_size(args, kwargs)
+    if batch is None:
+        shown = ", ".join(type(value).__name__ for value in (*args, *kwargs.values())) or "nothing"
+        raise SpecError(
+            f"the example inputs ({shown}) hold no tensor with a batch dimension; pass one global batch: a tuple or "
+            f"dict of tensors whose dim 0 is the batch, e.g. example_inputs=(x, y)"
+        )
+    if batch == 0:
+        raise PlanningError(
+            "the example batch is empty (dim 0 of the first tensor input is 0); give one global batch of at least "
+            "one sample per device, e.g. --set batch_size=8"
+        )
+    _check_no_empty_inputs(args, kwargs)
     graph = trace(model, args, kwargs, on_progress=on_progress)
     graph.warnings = _model_warnings(model) + _unknown_op_warnings(graph)
     return graph, spec, type(model).__name__, cluster
@@ -181,21 +249,44 @@ def graph_warnings(graph) -> tuple[str, ...]:
     return tuple(getattr(graph, "warnings", ()))
 
 
-def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb users expect
+def compile(plan: Plan | str | os.PathLike, out_dir: str | os.PathLike, *, force: bool = False) -> Path:  # noqa: A001
     """Write the per-rank program of ``plan`` to ``out_dir``.
 
     Writes ``model_spmd.py`` (the readable per-rank module), ``plan.json`` and
-    ``launch.py`` (run it with ``torchrun --nproc_per_node N out/launch.py --check``).
+    ``launch.py`` (run it with ``torchrun --nproc_per_node N out/launch.py --check``), all
+    at once: they are staged in a temporary folder and moved into ``out_dir`` only when
+    every one was written (``planner.outputs``).
+
+    Args:
+        plan: a ``Plan``, or the path of a plan saved by ``Plan.save`` / ``planner plan -o``.
+        out_dir: the program folder, created if missing. A folder that ``compile`` wrote
+            before is replaced; a non-empty folder it did not write is refused.
+        force: write the program's files into a non-empty folder ``compile`` did not
+            write (its other files are kept).
 
     Returns:
         The output folder.
-    """
-    from codegen.emit import write_program
 
+    Raises:
+        PlannerError: a bad argument or output folder (checked before any work), a plan
+            that cannot be compiled, or a plan that does not fit the model its spec builds.
+    """
+    from codegen.emit import is_data_parallel, write_program
+
+    plan = _plan_argument(plan, "compile")
+    out_dir = check_program_folder(out_dir, force=arguments.boolean(force, "force"))
     blocker = compile_blocker(plan)
     if blocker:
         raise PlanningError(blocker)
-    return write_program(plan, Path(out_dir))
+    model, args, kwargs = build_planned_model(plan)
+    check_plan_against_inputs(plan, args, kwargs)
+    if plan.graph is not None or not is_data_parallel(plan) or plan.recompute != "none":
+        # The program is generated from the traced graph (or its repeated blocks): trace it
+        # once here, check every strategy against it, and let codegen reuse it.
+        graph = plan.graph if plan.graph is not None else trace(model, args, kwargs)
+        check_plan_against_graph(plan, graph)
+        plan = dataclasses.replace(plan, graph=graph)
+    return write_program(plan, out_dir, force=force)
 
 
 def compile_blocker(plan: Plan) -> str | None:
@@ -246,6 +337,57 @@ def _progress_bar(enabled: bool):
     ) as bar:
         task = bar.add_task("planning", total=1.0)
         yield lambda what, fraction: bar.update(task, description=what, completed=fraction)
+
+
+def _plan_argument(plan: Any, verb: str) -> Plan:
+    """A ``Plan``, or one loaded from the path of a saved plan."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return load_plan(plan)
+    raise ArgumentError(
+        f"{verb} takes a Plan or the path of a saved plan (str or pathlib.Path), got {type(plan).__name__}"
+    )
+
+
+def _cluster_argument(cluster: Any) -> Cluster:
+    """A ``Cluster``, or one parsed from a preset string or cluster file path."""
+    if isinstance(cluster, Cluster):
+        return cluster
+    if isinstance(cluster, (str, os.PathLike)):
+        return Cluster.parse(cluster)
+    raise ClusterError(
+        f"cluster must be a Cluster, a preset such as 'cpu:1x2' or 'dgx-a100-80g:2', or the path of a cluster "
+        f"file, got {type(cluster).__name__}"
+    )
+
+
+def _check_trainable(model: torch.nn.Module) -> None:
+    """A training planner needs something to train."""
+    parameters = list(model.parameters())
+    if not any(parameter.requires_grad and parameter.numel() > 0 for parameter in parameters):
+        has = (
+            "it has none" if not parameters
+            else f"its {len(parameters)} parameter(s) all have requires_grad=False or no elements"
+        )
+        raise PlanningError(
+            f"the model has no parameters to train ({type(model).__name__}: {has}); soap-planner plans training, "
+            f"so give the model at least one trainable parameter"
+        )
+
+
+def _check_no_empty_inputs(args: tuple, kwargs: dict) -> None:
+    """An example input with a dimension of size 0 (e.g. ``--set seq_len=0``) would plan a
+    step that computes nothing."""
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    for kind, tree in (("positional input", tuple(args)), ("keyword input", dict(kwargs))):
+        for path, value in tree_flatten_with_path(tree)[0]:
+            if isinstance(value, torch.Tensor) and value.numel() == 0:
+                raise PlanningError(
+                    f"example {kind} {keystr(path)} is empty (shape {tuple(value.shape)}); every input of the "
+                    f"example batch needs at least one element per dimension, e.g. a positive seq_len"
+                )
 
 
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:

@@ -11,9 +11,11 @@ mixed precision (what Megatron-LM runs). Every baseline is simulated on construc
 
 from __future__ import annotations
 
+from planner import arguments
 from planner.api import prepare_model
 from planner.cluster import Cluster
-from planner.plans import Plan
+from planner.plans import PLAN_PRECISIONS, Plan
+from planner.strategy import PIPELINE_SCHEDULES
 
 
 def ddp(model, cluster: Cluster | str, example_inputs=None, *, spec=None, precision: str = "fp32") -> Plan:
@@ -28,10 +30,10 @@ def fsdp(model, cluster: Cluster | str, example_inputs=None, *, spec=None, preci
 
 def zero(model, cluster: Cluster | str, example_inputs=None, *, stage: int = 1, spec=None, precision: str = "fp32") -> Plan:
     """ZeRO stage 1 (optimizer states sharded) or 2 (also gradients) over every device."""
-    if stage not in (1, 2):
+    if isinstance(stage, bool) or stage not in (1, 2):
         from planner.errors import PlanningError
 
-        raise PlanningError(f"ZeRO stage must be 1 or 2 here (stage 3 is fsdp()), got {stage}")
+        raise PlanningError(f"ZeRO stage must be 1 or 2 here (stage 3 is fsdp()), got {stage!r}")
     return _data_parallel(f"zero{stage}", model, cluster, example_inputs, spec, precision)
 
 
@@ -55,6 +57,13 @@ def megatron(
     ``pp`` stages, the batch over ``dp`` (see ``search.megatron.megatron_plan``)."""
     from search.megatron import megatron_plan
 
+    for argument, value in (("tp", tp), ("pp", pp), ("micro_batch", micro_batch), ("virtual_stages", virtual_stages)):
+        arguments.integer_at_least(value, argument, 1)
+    if dp is not None:
+        arguments.integer_at_least(dp, "dp", 1)
+    arguments.one_of(schedule, PIPELINE_SCHEDULES, "schedule")
+    arguments.one_of(precision, PLAN_PRECISIONS, "precision")
+    arguments.boolean(sequence_parallel, "sequence_parallel")
     graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
     return megatron_plan(
         graph, cluster, spec, name, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, schedule=schedule,
@@ -65,5 +74,6 @@ def megatron(
 def _data_parallel(flavour: str, model, cluster, example_inputs, spec, precision: str) -> Plan:
     from search.data_parallel import data_parallel_plan
 
+    arguments.one_of(precision, PLAN_PRECISIONS, "precision")
     graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
     return data_parallel_plan(graph, cluster, spec, name, flavour, precision=precision)

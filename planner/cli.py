@@ -1,7 +1,9 @@
 """Command line: ``planner plan``, ``planner compile``, ``planner presets``, ``planner profile``.
 
-Every error caused by the input is one line on stderr and exit status 2; an unexpected
-failure inside soap-planner is one line too (exit 3), with the traceback under ``--debug``.
+Every error caused by the input (flags included) is one line on stderr, ``error: ...``, and
+exit status 2; an unexpected failure inside soap-planner is one line too (exit 3), with the
+traceback under ``--debug``. Flags and output paths are checked before any tracing, search
+or measurement starts, so a typo costs nothing.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ import sys
 import traceback
 from typing import Iterator, Sequence
 
-from planner.errors import PlannerError
+from planner.arguments import OneLineParser, flag_type, integer_at_least, positive_finite
+from planner.errors import ArgumentError, PlannerError
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="planner",
         description="Find, explain and compile the fastest way to train a PyTorch model on a cluster.",
         epilog="example: planner plan examples/gpt.py --cluster cpu:1x2 -o plan.json && "
@@ -58,20 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
         "Metropolis-Hastings; dp: data parallelism only (DDP, ZeRO-1, ZeRO-2 or FSDP)",
     )
     plan.add_argument(
-        "--effort", type=float, default=1.0, metavar="X",
+        "--effort", default=1.0, metavar="X", type=flag_type(float, positive_finite, "a positive finite number"),
         help="how much work the search does (default 1; 0.25 quick, 4 thorough); budgets count work, not "
         "seconds, so the same model, cluster, seed and effort give the same plan on any machine",
     )
     plan.add_argument(
-        "--time-budget", type=float, default=600.0, metavar="SECONDS",
+        "--time-budget", default=600.0, metavar="SECONDS",
+        type=flag_type(float, positive_finite, "a positive finite number of seconds"),
         help="wall-clock safety cap of the whole run, tracing included (default 600); it only decides the plan "
         "if it cuts the search short, and the report then says so",
     )
-    plan.add_argument("--seed", type=int, default=0, help="seed of the MCMC search (default 0)")
+    plan.add_argument(
+        "--seed", default=0, type=flag_type(int, lambda value, name: integer_at_least(value, name, 0), "an integer >= 0"),
+        help="seed of the MCMC search, an integer >= 0 (default 0)",
+    )
     plan.add_argument(
         "--dp", choices=("ddp", "zero1", "zero2", "fsdp"), default=None,
         help="force data parallelism with this flavour: ddp (all replicated), zero1 (optimizer states sharded), "
-        "zero2 (and gradients), fsdp (and weights)",
+        "zero2 (and gradients), fsdp (and weights); implies --search dp (another --search is an error)",
     )
     plan.add_argument(
         "--precision",
@@ -80,7 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="training precision (default auto: bf16 on GPUs with bf16 tensor cores, else fp32; bf16/fp16: mixed precision with fp32 master weights); bf16 plans compile to "
         "programs that run forward under bf16 autocast, fp16 plans (which need loss scaling) are simulated only",
     )
-    plan.add_argument("-o", "--output", metavar="PLAN_JSON", help="save the plan as JSON (input of `planner compile`)")
+    plan.add_argument(
+        "-o", "--output", metavar="PLAN_JSON",
+        help="save the plan as JSON (input of `planner compile`); an existing file is replaced only if it is a plan",
+    )
+    plan.add_argument("--force", action="store_true", help="let -o overwrite a file that is not a plan")
 
     compile_ = commands.add_parser(
         "compile",
@@ -88,7 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write model_spmd.py, plan.json and launch.py for torchrun.",
     )
     compile_.add_argument("plan", metavar="PLAN_JSON", help="a plan saved by `planner plan -o`")
-    compile_.add_argument("-o", "--output", required=True, metavar="DIR", help="output folder (created if missing)")
+    compile_.add_argument(
+        "-o", "--output", required=True, metavar="DIR",
+        help="output folder (created if missing); a folder compile wrote before is replaced, another non-empty "
+        "folder is refused",
+    )
+    compile_.add_argument(
+        "--force", action="store_true",
+        help="write into a non-empty folder compile did not write (its other files are kept)",
+    )
 
     simulate = commands.add_parser(
         "simulate",
@@ -97,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("plan", metavar="PLAN_JSON", help="a plan saved by `planner plan -o`")
     simulate.add_argument("--trace", metavar="TRACE_JSON", help="write the timeline as a Chrome trace (open in ui.perfetto.dev)")
+    simulate.add_argument("--force", action="store_true", help="let --trace overwrite a file that is not a Chrome trace")
 
     commands.add_parser("presets", help="list the cluster presets", description="List the built-in cluster presets.")
 
@@ -107,21 +127,28 @@ def build_parser() -> argparse.ArgumentParser:
         "latency/bandwidth on this machine with N worker processes (as torchrun --nproc_per_node N), and "
         "write a cluster file whose numbers the planner uses (see cost_model/profile.py).",
     )
-    profile.add_argument("--nproc", type=int, default=2, metavar="N", help="worker processes on this host (default 2)")
+    profile.add_argument(
+        "--nproc", default=2, metavar="N",
+        type=flag_type(int, lambda value, name: integer_at_least(value, name, 2), "an integer >= 2"),
+        help="worker processes on this host, >= 2 (collectives need two; default 2)",
+    )
     profile.add_argument("--quick", action="store_true", help="fewer sizes and repetitions: faster, noisier")
     profile.add_argument(
         "--device", choices=("cpu", "cuda"), default=None, help="what to profile (default: cuda when available)"
     )
     profile.add_argument(
-        "-o", "--output", required=True, metavar="CLUSTER_FILE", help="where to write it (.toml or .json)"
+        "-o", "--output", required=True, metavar="CLUSTER_FILE",
+        help="where to write it (.toml or .json); an existing file is replaced only if soap-planner wrote it",
     )
+    profile.add_argument("--force", action="store_true", help="let -o overwrite a file soap-planner did not write")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``planner`` and ``python -m planner``; returns the exit status."""
-    options = build_parser().parse_args(argv)
+    options = argparse.Namespace(debug=False)
     try:
+        options = build_parser().parse_args(argv)
         return _run(options)
     except PlannerError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -155,11 +182,14 @@ def _run(options: argparse.Namespace) -> int:
     if options.command == "profile":
         return _profile(options)
     if options.command == "compile":
+        from planner.outputs import check_program_folder
+
+        check_program_folder(options.output, force=options.force)  # before torch loads
         from planner.api import compile as compile_plan
         from planner.plans import load_plan
 
         plan = load_plan(options.plan)
-        out = compile_plan(plan, options.output)
+        out = compile_plan(plan, options.output, force=options.force)
         print(f"wrote {out}/model_spmd.py, {out}/plan.json, {out}/launch.py")
         print(f"next: {_command('torchrun', '--nproc_per_node', plan.world_size, f'{out}/launch.py', '--check')}")
         return 0
@@ -168,8 +198,19 @@ def _run(options: argparse.Namespace) -> int:
 
 def _plan(options: argparse.Namespace) -> int:
     from planner.cluster import Cluster
+    from planner.outputs import check_output_file
 
-    cluster = Cluster.parse(options.cluster)  # before torch loads, so a typo is reported at once
+    if options.dp is not None and options.search not in ("auto", "dp"):
+        raise ArgumentError(
+            f"--dp {options.dp} forces a data-parallel plan, which --search {options.search} does not make; "
+            f"drop --search (--dp implies --search dp) or drop --dp"
+        )
+    # Before the model is traced and searched, so a typo or a bad path is reported at once.
+    cluster = Cluster.parse(options.cluster)  # before torch even loads
+    if options.output is not None:
+        from planner.plans import is_plan_file
+
+        check_output_file(options.output, what="soap-planner plan", is_ours=is_plan_file, force=options.force)
     from planner.api import plan as make_plan
     from planner.model_spec import ModelSpec, parse_overrides
 
@@ -179,8 +220,8 @@ def _plan(options: argparse.Namespace) -> int:
         effort=options.effort, time_budget_s=options.time_budget, seed=options.seed, progress=True,
     )
     print(plan.report())
-    if options.output:
-        plan.save(options.output)
+    if options.output is not None:
+        plan.save(options.output, force=options.force)
         print(f"saved the plan to {options.output}")
     for line in _next_steps(plan, options):
         print(line)
@@ -216,25 +257,22 @@ def _command(*parts) -> str:
 
 
 def _profile(options: argparse.Namespace) -> int:
-    import os
     from pathlib import Path
 
+    from planner.cluster import is_cluster_file_we_wrote
     from planner.errors import ClusterError
+    from planner.outputs import check_output_file
 
     output = Path(options.output)
     # Check the destination before spending up to a minute measuring.
     if output.suffix.lower() not in (".toml", ".json"):
         raise ClusterError(f"cluster file {output} must end in .toml or .json, got {output.suffix!r}")
-    folder = output.parent
-    problem = ("it is a folder" if output.is_dir() else
-               None if folder.is_dir() and os.access(folder, os.W_OK) else f"{folder} is not a writable folder")
-    if problem:
-        raise ClusterError(f"cannot write cluster file {output} ({problem}); choose a path in a writable folder")
+    check_output_file(output, what="cluster file", is_ours=is_cluster_file_we_wrote, force=options.force)
 
     from cost_model.profile import measure_machine
 
     profile = measure_machine(options.nproc, options.device, options.quick)
-    profile.cluster.save(output, comment=profile.notes())
+    profile.cluster.save(output, comment=profile.notes(), force=options.force)
     rows = profile.table()
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
@@ -246,6 +284,12 @@ def _profile(options: argparse.Namespace) -> int:
 def _simulate(options: argparse.Namespace) -> int:
     import dataclasses
 
+    from planner.outputs import check_output_file
+
+    if options.trace is not None:
+        from planner.strategy import is_chrome_trace
+
+        check_output_file(options.trace, what="Chrome trace", is_ours=is_chrome_trace, force=options.force)
     from planner.api import simulate
     from planner.plans import load_plan
 
@@ -253,8 +297,8 @@ def _simulate(options: argparse.Namespace) -> int:
     with _status(f"simulating {plan.name}"):
         result = simulate(plan)
     print(dataclasses.replace(plan, estimate=result).report())
-    if options.trace:
-        result.to_chrome_trace(options.trace)
+    if options.trace is not None:
+        result.to_chrome_trace(options.trace, force=options.force)
         print(f"wrote the timeline to {options.trace} (open it in https://ui.perfetto.dev)")
     return 0
 

@@ -29,8 +29,8 @@ numbers stand apart from datasheet ones::
 (``"calibration": {...}`` inside ``"device"`` in JSON; keys left out mean "use the default").
 Measured collective α and β need no new field: they are a ``LinkSpec``'s latency and bandwidth.
 
-Vocabulary layer: imports only the standard library, ``planner.errors`` and the pure-data
-``planner.presets`` (which imports nothing); never torch.
+Vocabulary layer: imports only the standard library, ``planner.errors``, ``planner.outputs``
+(atomic writes) and the pure-data ``planner.presets`` (which imports nothing); never torch.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import ClusterError
+from planner.outputs import check_output_file, write_text_atomically
 from planner.presets import PRESETS
 
 if sys.version_info >= (3, 11):
@@ -67,6 +68,9 @@ _SHORT_DTYPE = {"float32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "float16"
                 "float8": "fp8"}
 _HEADLINE = ("bfloat16", "float16", "float32")  # in order of preference on ties
 CALIBRATION_KEYS = ("matmul_efficiency", "memory_efficiency", "kernel_overhead_s")
+# First line of every cluster file soap-planner writes (planner profile, Cluster.save).
+CLUSTER_FILE_HEADER = ("soap-planner cluster file. Units: FLOP/s, bytes, bytes/s per direction "
+                       "per device, seconds.")
 _CLI_FORMS = "PRESET, PRESET:NODES, PRESET:NODESxDEVICES (e.g. cpu:1x4) or a .toml/.json file"
 _CLI_RE = re.compile(r"([A-Za-z0-9._-]+)(?::(\d+)(?:[xX](\d+))?)?")
 
@@ -386,11 +390,13 @@ class Cluster:
     @classmethod
     def parse(cls, text: str | os.PathLike[str]) -> Cluster:
         """Parse the CLI form: ``PRESET``, ``PRESET:NODES``, ``PRESET:NODESxDEVICES`` or a path."""
+        if not isinstance(text, (str, os.PathLike)):
+            raise ClusterError(f"cannot read cluster {text!r}: expected a string or path; use {_CLI_FORMS}")
         text = os.fspath(text).strip()
         if text.lower().endswith((".toml", ".json")):
             return cls.load(text)
         match = _CLI_RE.fullmatch(text)
-        if match and match[1].lower() not in PRESETS and os.path.isfile(text):
+        if (match is None or match[1].lower() not in PRESETS) and os.path.isfile(text):
             return cls.load(text)  # an existing file with another suffix: say which suffixes
         if match is None or "/" in text or os.sep in text:
             raise ClusterError(f"cannot read cluster {text!r}; use {_CLI_FORMS}")
@@ -401,27 +407,53 @@ class Cluster:
         return cls.preset(name, nodes=int(nodes or 1),
                           devices_per_node=int(devices) if devices else None)
 
-    def save(self, path: str | os.PathLike[str], *, comment: str | None = None) -> None:
+    def save(self, path: str | os.PathLike[str], *, comment: str | None = None,
+             force: bool = False) -> None:
         """Write the cluster as TOML or JSON, chosen by the suffix; ``load`` reads it back equal.
+
+        Both forms start with the ``CLUSTER_FILE_HEADER`` (a TOML comment, JSON's ``comment``
+        key), which tells a cluster file soap-planner wrote apart from a user's: only those
+        are overwritten unless ``force``. The file is written atomically.
 
         Args:
             path: a ``.toml`` or ``.json`` file.
             comment: lines written as ``#`` comments under the TOML header (e.g. how a profile
                 was measured); JSON has no comments, so a JSON file leaves it out.
+            force: overwrite a file that is not a cluster file written by soap-planner.
+
+        Raises:
+            ClusterError: the suffix is not .toml/.json. OutputError: the folder is missing
+                or not writable, ``path`` is a folder, or it holds a user's file.
         """
         path = Path(path)
         data = self.to_dict()
         if _file_suffix(path) == ".json":
-            text = json.dumps(data, indent=2) + "\n"
+            text = json.dumps({"comment": CLUSTER_FILE_HEADER, **data}, indent=2) + "\n"
         else:
             notes = "".join(f"# {line}".rstrip() + "\n" for line in (comment or "").splitlines())
-            text = ("# soap-planner cluster file. Units: FLOP/s, bytes, bytes/s per direction "
-                    "per device, seconds.\n" + notes + "\n".join(_toml_lines(data, "")) + "\n")
+            text = (f"# {CLUSTER_FILE_HEADER}\n" + notes + "\n".join(_toml_lines(data, "")) + "\n")
+        path = check_output_file(path, what="cluster file", is_ours=is_cluster_file_we_wrote, force=force)
         try:
-            path.write_text(text, encoding="utf-8")
+            write_text_atomically(path, text)
         except OSError as err:
             raise ClusterError(f"cannot write cluster file {path} ({err}); check the directory "
                                f"exists and is writable") from None
+
+
+def is_cluster_file_we_wrote(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a cluster file written by ``Cluster.save`` (``planner profile``):
+    it starts with ``CLUSTER_FILE_HEADER``."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    if text.startswith(f"# {CLUSTER_FILE_HEADER}"):
+        return True
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("comment") == CLUSTER_FILE_HEADER
 
 
 def preset_names() -> list[str]:
@@ -507,7 +539,9 @@ def _parse_device(raw: Any, where: str) -> DeviceSpec:
 
 
 def _cluster_from_table(data: Any) -> Cluster:
-    top = _table(data, "", ("name", "backend", "inter_node", "nodes"))
+    top = _table(data, "", ("name", "backend", "inter_node", "nodes", "comment"))
+    if not isinstance(top.get("comment", ""), str):
+        raise ClusterError(f"comment must be a string, got {top['comment']!r}")
     groups = top.get("nodes")
     if not isinstance(groups, list) or not groups:
         raise ClusterError("nodes must be a non-empty list of [[nodes]] tables; add one with "

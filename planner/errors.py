@@ -34,3 +34,13 @@ class PlanningError(PlannerError):
 
 class LaunchError(PlannerError):
     """A compiled program was launched in a way that does not match its plan."""
+
+
+class ArgumentError(PlannerError):
+    """An argument of the API or the command line has the wrong type, is out of range, or
+    conflicts with another argument."""
+
+
+class OutputError(PlannerError):
+    """An output path cannot be written (missing folder, a folder where a file is expected),
+    or holds files soap-planner did not write (overwritten only with ``--force``)."""

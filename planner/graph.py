@@ -129,6 +129,8 @@ class OpGraph:
         tracer: ``"export"`` or ``"symbolic_trace"``, the front end that produced it.
         warnings: things noticed while tracing that a user should know (shown in reports).
         graph_module: the ``torch.fx.GraphModule`` the nodes were read from.
+        model_fingerprint: ``planner.fingerprint.model_fingerprint`` of the traced model and
+            inputs (set by the tracer; plans store it).
     """
 
     nodes: list[OpNode]
@@ -140,6 +142,7 @@ class OpGraph:
     tracer: str = "export"
     warnings: list[str] = field(default_factory=list)
     graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
+    model_fingerprint: str = ""
     _by_name: dict[str, OpNode] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:

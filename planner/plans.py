@@ -7,6 +7,9 @@ file of another version or a bad field raises ``PlanFileError`` naming the field
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
@@ -14,6 +17,8 @@ from typing import Any, Callable, Mapping, TypeVar
 from planner.cluster import Cluster
 from planner.graph import OpGraph
 from planner.errors import ClusterError, PlanFileError, SpecError
+from planner.fingerprint import FINGERPRINT_LENGTH
+from planner.outputs import check_output_file, write_text_atomically
 from planner.model_spec import ModelSpec
 from planner.strategy import (
     DP_FLAVOURS,
@@ -27,11 +32,18 @@ from planner.strategy import (
     SimResult,
     Placements,
     placements_from_json,
+    placements_str,
     placements_to_json,
 )
 
 PLAN_FORMAT = "soap-planner-plan"
-PLAN_VERSION = 2
+# Version 3 added model_fingerprint (planner/fingerprint.py).
+PLAN_VERSION = 3
+# Precisions a plan is made in (the API also takes "auto", resolved before planning).
+PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "sgd")
+# Mesh axes plans are made of: data, tensor and pipeline parallelism.
+MESH_AXES = ("dp", "tp", "pp")
 
 T = TypeVar("T")
 
@@ -78,6 +90,9 @@ class Plan:
             ``total_s``): the only fields that differ between two runs of the same plan.
         label: the strategy family for names and reports (``"soap"`` for searched plans,
             ``"megatron"``); empty for data-parallel plans, named by their flavour.
+        model_fingerprint: the structural fingerprint of the planned model and its example
+            batch (``planner.fingerprint``); taken from ``graph`` when left empty.
+            ``compile``, ``simulate`` and ``launch.py`` compare it with what the spec builds.
         graph: the traced model, kept in memory for simulation (not saved; a loaded plan
             re-traces its model spec on meta tensors when it needs it).
     """
@@ -101,13 +116,38 @@ class Plan:
     search_summary: str = ""
     label: str = ""
     timings: Mapping[str, float] = field(default_factory=dict)
+    model_fingerprint: str = ""
     graph: OpGraph | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not self.model_fingerprint and self.graph is not None:
+            object.__setattr__(self, "model_fingerprint", self.graph.model_fingerprint)
         if self.dp_flavour not in DP_FLAVOURS:
             raise ValueError(f"dp_flavour must be one of {DP_FLAVOURS}, got '{self.dp_flavour}'")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got '{self.recompute}'")
+        if self.precision not in PLAN_PRECISIONS:
+            raise ValueError(f"precision must be one of {PLAN_PRECISIONS}, got {self.precision!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size (the global batch) must be a positive integer, got {self.batch_size!r}")
+        if (self.pipeline is not None) != ("pp" in self.mesh.names):
+            raise ValueError(
+                f"a pipeline needs a 'pp' mesh axis and a 'pp' axis needs a pipeline; the mesh is {self.mesh} and "
+                f"the pipeline {'is missing' if self.pipeline is None else 'is set'}"
+            )
+        if self.pipeline is not None and self.pipeline.stages != self.mesh.axis_size("pp"):
+            raise ValueError(
+                f"the pipeline has {self.pipeline.stages} stages but the mesh axis pp has {self.mesh.axis_size('pp')} ranks"
+            )
+        stages = self.pipeline.stages * self.pipeline.virtual_stages if self.pipeline is not None else 1
+        for strategy in self.strategies:
+            if not 0 <= strategy.stage < stages:
+                raise ValueError(
+                    f"op '{strategy.node}' runs on pipeline stage {strategy.stage} but the plan has {stages} stage(s) "
+                    f"(0..{stages - 1})"
+                )
         if self.mesh.size != self.cluster.world_size:
             raise ValueError(
                 f"mesh {self.mesh} has {self.mesh.size} ranks but the cluster has {self.cluster.world_size} devices"
@@ -128,9 +168,20 @@ class Plan:
 
         return render_report(self)
 
-    def save(self, path: str | Path) -> None:
-        """Write the plan as versioned JSON."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+    def save(self, path: str | Path, *, force: bool = False) -> None:
+        """Write the plan as versioned JSON, atomically (a reader never sees half a file).
+
+        Args:
+            path: where to write it; its folder must exist.
+            force: overwrite a file at ``path`` that is not a soap-planner plan (by default
+                only a plan file is replaced, so a user's own file is never lost).
+
+        Raises:
+            OutputError: the folder is missing or not writable, ``path`` is a folder, or it
+                holds a file that is not a plan and ``force`` is not set.
+        """
+        path = check_output_file(path, what="soap-planner plan", is_ours=is_plan_file, force=force)
+        write_text_atomically(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``PLAN_FORMAT`` version ``PLAN_VERSION``)."""
@@ -155,6 +206,7 @@ class Plan:
             "search_summary": self.search_summary,
             "label": self.label,
             "timings": dict(self.timings),
+            "model_fingerprint": self.model_fingerprint,
             "strategies": [_strategy_to_dict(s) for s in self.strategies],
         }
 
@@ -173,7 +225,12 @@ class Plan:
             )
         model = reader.convert("model", lambda d: None if d is None else ModelSpec.from_dict(d), SpecError, ValueError)
         cluster = reader.convert("cluster", Cluster.from_dict, ClusterError)
-        mesh = reader.convert("mesh", lambda axes: Mesh(tuple((str(n), s) for n, s in axes)), ValueError, TypeError)
+        mesh = reader.convert("mesh", _mesh_from_json, ValueError, TypeError)
+        if mesh.size != cluster.world_size:
+            raise PlanFileError(
+                f"{source}: mesh {mesh} has {mesh.size} ranks but the cluster has {cluster.world_size} devices; "
+                f"the mesh must cover every device once"
+            )
         estimate = _estimate_from(reader.child("estimate"))
         summary = reader.convert("summary", lambda d: ModelSummary(**d), TypeError)
         inputs = {
@@ -184,6 +241,13 @@ class Plan:
             _strategy_from_dict(_Reader(item, source, f"strategies[{index}]"))
             for index, item in enumerate(reader.get("strategies", list))
         )
+        _check_placement_counts(mesh, inputs, strategies, source)
+        fingerprint = reader.get("model_fingerprint", str)
+        if fingerprint and not re.fullmatch(f"[0-9a-f]{{{FINGERPRINT_LENGTH}}}", fingerprint):
+            raise PlanFileError(
+                f"{source}: field 'model_fingerprint' must be {FINGERPRINT_LENGTH} hex digits (a sha256), "
+                f"got {fingerprint[:80]!r}; re-plan to regenerate the plan"
+            )
         try:
             return cls(
                 model=model,
@@ -197,14 +261,15 @@ class Plan:
                 summary=summary,
                 recompute=reader.get("recompute", str),
                 pipeline=reader.convert("pipeline", _pipeline_from_dict, TypeError, ValueError),
-                fsdp_units=tuple(reader.get("fsdp_units", list)),
+                fsdp_units=tuple(reader.strings("fsdp_units")),
                 precision=reader.get("precision", str),
                 optimizer=reader.get("optimizer", str),
                 runners_up=tuple(reader.convert("runners_up", lambda d: [Alternative(**a) for a in d], TypeError)),
-                warnings=tuple(reader.get("warnings", list)),
+                warnings=tuple(reader.strings("warnings")),
                 search_summary=reader.get("search_summary", str),
                 label=reader.get("label", str),
                 timings=_timings_from(reader),
+                model_fingerprint=fingerprint,
             )
         except ValueError as error:
             raise PlanFileError(f"{source}: {error}") from None
@@ -214,10 +279,17 @@ def load_plan(path: str | Path) -> Plan:
     """Read a plan written by ``Plan.save``.
 
     Raises:
-        PlanFileError: the file is missing, is not JSON, is of another version, or a field
-            is invalid (the message names it).
+        PlanFileError: ``path`` is not a path, the file is missing, is not JSON, is of
+            another version, or a field is invalid (the message names it).
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise PlanFileError(
+            f"load_plan takes the path of a plan file (str or pathlib.Path), got {type(path).__name__}; "
+            f"e.g. load_plan('plan.json')"
+        )
     path = Path(path)
+    if path.is_dir():
+        raise PlanFileError(f"plan file '{path}' is a folder; pass the plan's JSON file, e.g. {path / 'plan.json'}")
     if not path.is_file():
         raise PlanFileError(f"plan file '{path}' does not exist; create one with `planner plan SPEC -o {path}`")
     try:
@@ -252,7 +324,18 @@ class _Reader:
             raise PlanFileError(
                 f"{self.source}: field '{self._field(key)}' must be {kind.__name__}, got {type(value).__name__}"
             )
+        if kind in (int, float) and not (math.isfinite(value) and value >= 0):  # counts, bytes, seconds, rates
+            raise PlanFileError(f"{self.source}: field '{self._field(key)}' must be a finite number >= 0, got {value!r}")
         return value
+
+    def strings(self, key: str) -> list[str]:
+        values = self.get(key, list)
+        for index, value in enumerate(values):
+            if not isinstance(value, str):
+                raise PlanFileError(
+                    f"{self.source}: field '{self._field(key)}[{index}]' must be str, got {type(value).__name__}"
+                )
+        return values
 
     def child(self, key: str) -> "_Reader":
         if key not in self.data:
@@ -277,6 +360,53 @@ def _timings_from(reader: _Reader) -> dict[str, float]:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise PlanFileError(f"{reader.source}: field 'timings.{key}' must be a number of seconds, got {value!r}")
     return {str(key): float(value) for key, value in timings.items()}
+
+
+def is_plan_file(path: Path) -> bool:
+    """Whether ``path`` holds a soap-planner plan (of any version): the files ``plan -o``
+    may overwrite without ``--force``."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == PLAN_FORMAT
+
+
+def _mesh_from_json(axes: Any) -> Mesh:
+    """``[["dp", 2], ["tp", 4]]`` -> ``Mesh``; ``ValueError`` names the bad axis."""
+    if not isinstance(axes, list) or not axes:
+        raise ValueError(f'expected a non-empty list of [name, size] pairs such as [["dp", 2]], got {axes!r}')
+    pairs = []
+    for axis in axes:
+        if not isinstance(axis, list) or len(axis) != 2:
+            raise ValueError(f"each axis must be a [name, size] pair, got {axis!r}")
+        name, size = axis
+        if name not in MESH_AXES:
+            raise ValueError(f"axis name {name!r} is not one of {', '.join(MESH_AXES)}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"axis {name!r} must have a positive integer size, got {size!r}")
+        pairs.append((name, size))
+    return Mesh(tuple(pairs))
+
+
+def _check_placement_counts(
+    mesh: Mesh, inputs: dict[str, Placements | None], strategies: tuple[NodeStrategy, ...], source: str
+) -> None:
+    """Every tensor has one placement per mesh axis (DTensor's convention)."""
+    axes = len(mesh.axes)
+    fields: list[tuple[str, Placements]] = [(f"inputs.{name}", p) for name, p in inputs.items() if p is not None]
+    for index, strategy in enumerate(strategies):
+        where = f"strategies[{index}]"
+        fields += [(f"{where}.inputs[{i}]", p) for i, p in enumerate(strategy.inputs)]
+        fields += [(f"{where}.outputs[{i}]", p) for i, p in enumerate(strategy.outputs)]
+        fields += [(f"{where}.params.{name}", p) for name, p in strategy.params.items()]
+        fields += [(f"{where}.produced[{i}]", p) for i, p in enumerate(strategy.produced or ())]
+    for where, placements in fields:
+        if len(placements) != axes:
+            raise PlanFileError(
+                f"{source}: field '{where}' has {len(placements)} placement(s) {placements_str(placements)} but the "
+                f"mesh {mesh} has {axes} axis/axes; give one placement per mesh axis"
+            )
 
 
 def _estimate_from(reader: _Reader) -> SimResult:

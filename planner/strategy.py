@@ -256,11 +256,15 @@ class SimResult:
     def fits(self) -> bool:
         return self.memory.total <= self.device_memory_bytes
 
-    def to_chrome_trace(self, path: str) -> None:
+    def to_chrome_trace(self, path: str, *, force: bool = False) -> None:
         """Write the timeline as a Chrome trace (opens in Perfetto / chrome://tracing):
-        one process per device, one thread per stream, times in microseconds."""
+        one process per device, one thread per stream, times in microseconds. An existing
+        file is replaced only when it is a trace soap-planner wrote, unless ``force``."""
         import json
 
+        from planner.outputs import check_output_file, write_text_atomically
+
+        path = check_output_file(path, what="Chrome trace", is_ours=is_chrome_trace, force=force)
         devices = sorted({event.device for event in self.timeline})
         streams = sorted({(event.device, event.stream) for event in self.timeline})
         pid = {device: index for index, device in enumerate(devices)}
@@ -284,8 +288,8 @@ class SimResult:
                     "dur": event.duration_s * 1e6,
                 }
             )
-        with open(path, "w") as handle:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, handle)
+        trace = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"generator": TRACE_GENERATOR}}
+        write_text_atomically(path, json.dumps(trace))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (the timeline is not included)."""
@@ -320,6 +324,23 @@ class Alternative:
 
 def placements_to_json(placements: Sequence[Placement]) -> list[str]:
     return [placement_to_str(p) for p in placements]
+
+
+TRACE_GENERATOR = "soap-planner simulate"
+
+
+def is_chrome_trace(path: Any) -> bool:
+    """Whether ``path`` holds a Chrome trace written by ``SimResult.to_chrome_trace``."""
+    import json
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("otherData"), dict) and (
+        data["otherData"].get("generator") == TRACE_GENERATOR
+    )
 
 
 def placements_from_json(items: Any, where: str) -> Placements:

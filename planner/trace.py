@@ -25,6 +25,7 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from planner.fingerprint import model_fingerprint
 from planner.errors import TraceError
 from planner.graph import VIEW_OPS, GraphInput, OpGraph, OpNode, TensorMeta
 
@@ -71,6 +72,13 @@ def trace(
             the model; the message names the module that failed and the fix.
     """
     kwargs = dict(kwargs or {})
+    graph = _trace(model, args, kwargs, on_progress)
+    # Stored in plans, so compile/simulate/launch can tell when the spec builds another model.
+    graph.model_fingerprint = model_fingerprint(model, args, kwargs)
+    return graph
+
+
+def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, on_progress) -> OpGraph:
     was_training = model.training
     model.train()  # plan the training program: dropout and friends must appear
     try:

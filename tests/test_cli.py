@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli import EXIT_USAGE, main
+from planner.cli import main
 from planner.cluster import preset_names
 from planner.plans import PLAN_VERSION, load_plan
+from user_errors import assert_user_error
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "examples" / "mlp.py")
@@ -27,21 +28,6 @@ def plan_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("plan") / "p.json"
     assert main(["plan", MLP, "--cluster", "cpu:1x2", "-o", str(path)]) == 0
     return path
-
-
-def assert_user_error(capsys, argv: list[str], *fragments: str) -> str:
-    """Run ``main(argv)``; expect exit 2 and one ``error:`` line containing ``fragments``."""
-    status = main(argv)
-    out, err = capsys.readouterr()
-    assert status == EXIT_USAGE == 2, err
-    assert out == ""
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error: ")
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in lines[0]
-    return lines[0]
 
 
 # ----------------------------------------------------------------------- commands
@@ -127,7 +113,7 @@ def test_compile_writes_three_files(capsys, plan_file, tmp_path):
     out_dir = tmp_path / "out"
     assert main(["compile", str(plan_file), "-o", str(out_dir)]) == 0
     out, _ = capsys.readouterr()
-    assert sorted(p.name for p in out_dir.iterdir()) == ["launch.py", "model_spmd.py", "plan.json"]
+    assert sorted(p.name for p in out_dir.iterdir()) == [".soap-planner-program", "launch.py", "model_spmd.py", "plan.json"]
     assert load_plan(out_dir / "plan.json") == load_plan(plan_file)
     for name in ("launch.py", "model_spmd.py"):
         compile(  # the emitted programs are valid Python

@@ -228,7 +228,7 @@ def test_cli_profile(tmp_path, monkeypatch, capsys):
 def test_cli_profile_errors_before_measuring(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(profile_module, "measure_machine",
                         lambda *args: pytest.fail("measured despite a bad output path"))
-    for output, match in [(tmp_path / "missing" / "c.toml", "is not a writable folder"),
+    for output, match in [(tmp_path / "missing" / "c.toml", "missing does not exist"),
                           (tmp_path / "c.yaml", "must end in .toml or .json"),
                           (tmp_path, "must end in .toml or .json")]:
         assert main(["profile", "-o", str(output)]) == 2
@@ -239,4 +239,4 @@ def test_cli_profile_errors_before_measuring(tmp_path, monkeypatch, capsys):
 
 def test_cli_profile_bad_nproc(tmp_path, capsys):
     assert main(["profile", "--nproc", "1", "-o", str(tmp_path / "c.toml")]) == 2
-    assert "nproc must be an integer >= 2" in capsys.readouterr().err
+    assert "argument --nproc: must be an integer >= 2, got '1'" in capsys.readouterr().err

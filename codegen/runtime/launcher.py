@@ -1,7 +1,9 @@
 """The body of a compiled ``launch.py``: parse its flags, set up the mesh, check or train.
 
-Errors a user can act on (wrong world size, missing files) print one line on stderr and
-exit 2; a failed parity check exits 1.
+Errors a user can act on (a bad flag, a missing or corrupt plan.json, a model file that is
+gone or now builds another model, the wrong world size) are found before the process group
+starts; rank 0 prints them as one line on stderr and every rank exits 2, with no traceback.
+A failed parity check exits 1.
 """
 
 from __future__ import annotations
@@ -17,29 +19,42 @@ import torch.distributed as dist
 
 from codegen.runtime.parity import check_parity, optimizer_class
 from codegen.runtime.precision import parity_tolerances
-from codegen.runtime.program import Program, load_program
-from planner.errors import PlannerError
+from codegen.runtime.program import Program, check_world_size, load_program
+from planner.arguments import OneLineParser, flag_type, integer_at_least, non_negative_finite, positive_finite
+from planner.errors import LaunchError, PlannerError
 from planner.model_spec import extract_loss
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``launch.py``; a bad value raises ``ArgumentError`` (one line)."""
+    tolerance = flag_type(float, non_negative_finite, "a finite number >= 0")
+    parser = OneLineParser(prog="launch.py", description="Run a compiled soap-planner program under torchrun.")
+    parser.add_argument("--check", action="store_true", help="one step sharded vs one device; exit 1 on mismatch")
+    parser.add_argument(
+        "--steps", default=0, type=flag_type(int, lambda value, name: integer_at_least(value, name, 0), "an integer >= 0"),
+        help="train N steps on synthetic data and print step times",
+    )
+    parser.add_argument("--atol", type=tolerance, default=None, help="absolute tolerance of --check (default 1e-5; bf16 plans 1e-2)")
+    parser.add_argument("--rtol", type=tolerance, default=None, help="relative tolerance of --check (default 1e-4; bf16 plans 1e-2)")
+    parser.add_argument(
+        "--lr", default=1e-3, type=flag_type(float, positive_finite, "a positive finite number"),
+        help="learning rate (default 1e-3)",
+    )
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default=None, help="default: the plan's optimizer")
+    return parser
 
 
 def main(folder: Path, argv: list[str]) -> int:
     """Run ``launch.py`` in ``folder`` with command-line ``argv``; returns the exit code."""
-    parser = argparse.ArgumentParser(
-        prog="launch.py",
-        description="Run a compiled soap-planner program under torchrun.",
-    )
-    parser.add_argument("--check", action="store_true", help="one step sharded vs one device; exit 1 on mismatch")
-    parser.add_argument("--steps", type=int, default=0, help="train N steps on synthetic data and print step times")
-    parser.add_argument("--atol", type=float, default=None, help="absolute tolerance of --check (default 1e-5; bf16 plans 1e-2)")
-    parser.add_argument("--rtol", type=float, default=None, help="relative tolerance of --check (default 1e-4; bf16 plans 1e-2)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default=None, help="default: the plan's optimizer")
-    options = parser.parse_args(argv)
-    if not options.check and options.steps <= 0:
-        parser.error("say what to run: --check, --steps N, or both")
-
     try:
+        # Everything a user can get wrong is checked before the process group starts: a
+        # rank that failed later would leave the others waiting in a collective.
+        options = build_parser().parse_args(argv)
+        if not options.check and options.steps == 0:
+            raise LaunchError("say what to run: --check, --steps N, or both; see launch.py --help")
         program = load_program(folder)
+        check_world_size(program.plan)
+        program.check_model()
         mesh = program.build_mesh()
         optimizer = options.optimizer or program.plan.optimizer
         status = 0

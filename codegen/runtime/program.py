@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from planner.errors import LaunchError, PlanningError
+from planner.plan_checks import check_model_matches
 from planner.plans import Plan, load_plan
 
 # Every rank builds the model from its spec with this seed, so weights (and the example
@@ -69,7 +70,26 @@ class Program:
         return init_device_mesh(device.type, self.plan.mesh.shape, mesh_dim_names=self.plan.mesh.names)
 
     def build_model(self, seed: int = BUILD_SEED) -> tuple[torch.nn.Module, tuple, dict]:
-        """The full model and one global example batch, built from the plan's spec with ``seed``."""
+        """The full model and one global example batch, built from the plan's spec with ``seed``.
+
+        Raises:
+            PlanFileError: the spec now builds a different model than the one planned.
+        """
+        model, args, kwargs = self._build(self.device(), seed)
+        check_model_matches(self.plan, model, args, kwargs)
+        return model, args, kwargs
+
+    def check_model(self) -> None:
+        """Build the model on meta tensors (no memory, milliseconds) and check that the spec
+        still builds the planned model; ``launch.py`` calls it before the process group starts.
+
+        Raises:
+            SpecError: the model file is gone or fails to build. PlanFileError: it now
+                builds a different model than the one planned.
+        """
+        check_model_matches(self.plan, *self._build(torch.device("meta"), BUILD_SEED))
+
+    def _build(self, device: torch.device, seed: int) -> tuple[torch.nn.Module, tuple, dict]:
         if self.plan.model is None:
             raise PlanningError("this plan has no model spec; build the model yourself and call parallelize()")
         torch.manual_seed(seed)
@@ -79,7 +99,7 @@ class Program:
             import transformers
 
             transformers.logging.set_verbosity_error()
-        return self.plan.model.build(self.device())
+        return self.plan.model.build(device)
 
     def parallelize(self, model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
         """This rank's module (``model_spmd.parallelize``)."""
@@ -108,16 +128,57 @@ class Program:
 
 
 def load_program(folder: str | Path) -> Program:
-    """Load a folder written by ``planner.compile`` (``plan.json`` + ``model_spmd.py``)."""
+    """Load a folder written by ``planner.compile`` (``plan.json`` + ``model_spmd.py``).
+
+    Raises:
+        LaunchError: the folder lacks its files, ``model_spmd.py`` does not import, or it
+            disagrees with ``plan.json``. PlanFileError: ``plan.json`` is invalid.
+    """
+    if not isinstance(folder, (str, os.PathLike)):
+        raise LaunchError(f"load_program takes the path of a compiled program folder, got {type(folder).__name__}")
     folder = Path(folder)
-    source = folder / "model_spmd.py"
-    if not source.is_file():
-        raise LaunchError(f"'{folder}' has no model_spmd.py; compile a plan into it with `planner compile PLAN -o {folder}`")
+    for name in ("model_spmd.py", "plan.json"):
+        if not (folder / name).is_file():
+            raise LaunchError(f"'{folder}' has no {name}; compile a plan into it with `planner compile PLAN -o {folder}`")
     plan = load_plan(folder / "plan.json")
+    source = folder / "model_spmd.py"
     spec = importlib.util.spec_from_file_location(f"model_spmd_{abs(hash(str(folder.resolve())))}", source)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - an edited or truncated program: one line, not a traceback per rank
+        line = getattr(error, "lineno", None) or _failing_line(error, str(source))
+        raise LaunchError(
+            f"{source} fails to import{f' (line {line})' if line else ''}: {type(error).__name__}: "
+            f"{' '.join(str(error).split())[:300]}; fix it, or compile the plan again with `planner compile`"
+        ) from error
+    for function in ("parallelize", "shard_batch"):
+        if not callable(getattr(module, function, None)):
+            raise LaunchError(f"{source} defines no {function}(); compile the plan again with `planner compile`")
+    _check_program_matches_plan(module, plan, folder)
     return Program(folder=folder, plan=plan, module=module)
+
+
+def _check_program_matches_plan(module: ModuleType, plan: Plan, folder: Path) -> None:
+    """A generated ``model_spmd.py`` records the mesh and batch it was compiled for; a
+    plan.json edited after compiling would otherwise drive it with another mesh or batch."""
+    compiled = {"mesh": getattr(module, "MESH_AXES", None), "batch": getattr(module, "GLOBAL_BATCH", None)}
+    planned = {"mesh": tuple(plan.mesh.axes), "batch": plan.batch_size}
+    differ = [key for key, value in compiled.items() if value is not None and value != planned[key]]
+    if differ:
+        shown = "; ".join(f"{key}: plan.json {planned[key]!r}, model_spmd.py {compiled[key]!r}" for key in differ)
+        raise LaunchError(
+            f"plan.json and model_spmd.py in '{folder}' disagree ({shown}): one was edited after compiling; "
+            f"compile the plan again with `planner compile PLAN -o {folder}`"
+        )
+
+
+def _failing_line(error: BaseException, filename: str) -> int | None:
+    """The line of ``filename`` where ``error`` was raised, if it was raised there."""
+    import traceback
+
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if frame.filename == filename]
+    return frames[-1].lineno if frames else None
 
 
 def check_world_size(plan: Plan) -> None:

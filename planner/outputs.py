@@ -1,0 +1,261 @@
+"""Where output goes: checked before any work starts, written atomically, a user's files kept.
+
+Two kinds of output:
+
+* **A file** written whole: a plan (``plan -o``), a cluster file (``profile -o``), a
+  timeline (``simulate --trace``). ``check_output_file`` runs before the search or the
+  measurement starts: the folder exists and is writable, the path is not a folder, and a
+  file already there was written by soap-planner (the caller says how to recognise one)
+  unless ``force``. ``write_text_atomically`` then writes a temporary file beside it and
+  renames it into place, so a reader never sees half a file.
+* **A program folder** (``compile -o``): ``program_folder`` stages the new program in a
+  fresh temporary folder beside the target and moves it into place only when every file was
+  written. A marker file (``PROGRAM_MARKER``, listing the files it wrote) tells soap-planner's
+  own output apart from a user's folder:
+
+  ====================================  ============================================
+  the target folder                     what happens
+  ====================================  ============================================
+  missing or empty                      the staged folder is renamed into place
+  our output, nothing else in it        old folder moved aside, new one moved in, old
+                                        one removed (a failure puts the old one back)
+  our output plus a user's files        our files are replaced one by one; the user's
+                                        files stay
+  a user's folder, not empty            refused, unless ``force``: then our files are
+                                        written into it and the user's other files stay
+  a file                                refused
+  ====================================  ============================================
+
+Vocabulary layer: standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+from planner.errors import OutputError
+
+PROGRAM_MARKER = ".soap-planner-program"
+# Python's bytecode cache of a program's modules, written when the program runs: ours too.
+_REGENERATED = frozenset({"__pycache__"})
+# Files of a program folder written before the marker existed (soap-planner <= 0.1.0 main).
+_LEGACY_PROGRAM_FILES = frozenset({"launch.py", "model_spmd.py", "plan.json"})
+
+
+def as_path(value: object, what: str) -> Path:
+    """``value`` as a ``Path``; ``OutputError`` unless it is a str or ``os.PathLike``."""
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise OutputError(f"{what} must be a path (str or pathlib.Path), got {value!r}")
+    return Path(value)
+
+
+# ------------------------------------------------------------------------------ files
+
+
+def check_output_file(
+    path: str | os.PathLike, *, what: str, is_ours: Callable[[Path], bool], force: bool = False, flag: str = "--force"
+) -> Path:
+    """Check, before any work, that ``path`` can be written.
+
+    Args:
+        path: the file to write.
+        what: what the file is, for messages (``"soap-planner plan"``).
+        is_ours: whether an existing file at ``path`` was written by soap-planner (then it
+            may be replaced).
+        force: replace any existing file.
+        flag: how the user says ``force`` (``--force`` on the command line).
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        OutputError: the folder is missing or not writable, ``path`` is a folder or not a
+            regular file, or it holds a file that is not ours and ``force`` is not set.
+    """
+    path = as_path(path, f"the output path of the {what}")
+    if path.is_dir():
+        raise OutputError(f"output {path} is a folder; give a file path, e.g. {path / path.name}.json")
+    folder = path.parent
+    if not folder.is_dir():
+        problem = "is not a folder" if folder.exists() else "does not exist"
+        raise OutputError(f"cannot write {path}: folder {folder} {problem}; create it first or choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write {path}: folder {folder} is not writable; choose another path")
+    if path.exists() or path.is_symlink():
+        if not path.is_file():
+            raise OutputError(f"cannot write {path}: it exists and is not a regular file; choose another path")
+        if not force and not is_ours(path):
+            raise OutputError(
+                f"refusing to overwrite {path}: it is not a {what} written by soap-planner; choose another path, "
+                f"or pass {flag} to overwrite it"
+            )
+        if not os.access(path, os.W_OK):
+            raise OutputError(f"cannot write {path}: the file is read-only; choose another path")
+    return path
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename:
+    the old file (if any) stays whole until the new one is complete."""
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        os.chmod(temporary, _new_file_mode(path))
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def _new_file_mode(path: Path) -> int:
+    """The mode ``open(path, "w")`` would give: the old file's, else 0o666 less the umask
+    (``mkstemp`` creates files 0o600)."""
+    with contextlib.suppress(OSError):
+        return path.stat().st_mode & 0o777
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    umask = os.umask(0)  # the only way to read it is to set it: put it back at once
+    os.umask(umask)
+    return umask
+
+
+# ------------------------------------------------------------------ program folders
+
+
+def check_program_folder(target: str | os.PathLike, *, force: bool = False) -> Path:
+    """Check, before compiling, that a program can be written to folder ``target``.
+
+    Raises:
+        OutputError: ``target`` is a file, its nearest existing parent is not a writable
+            folder, or it is a non-empty folder soap-planner did not write and ``force`` is
+            not set.
+    """
+    target = as_path(target, "the output folder")
+    _state(target, force)
+    return target
+
+
+@contextlib.contextmanager
+def program_folder(target: Path, *, force: bool = False, version: str = "") -> Iterator[Path]:
+    """Stage a program: yields an empty temporary folder to write the files into; when the
+    block ends without an exception the files are moved into ``target`` (see the module
+    docstring); on an exception nothing in ``target`` changes. No temporary folder is left
+    behind either way.
+
+    Raises:
+        OutputError: as ``check_program_folder``, checked again before anything moves.
+    """
+    _state(target, force)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".soap-tmp", dir=_existing_ancestor(target)))
+    try:
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it 0o700; a folder from mkdir would not be
+        yield staging
+        files = sorted(entry.name for entry in staging.iterdir())
+        marker = {"generator": "soap-planner", "version": version, "files": files}
+        (staging / PROGRAM_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+        _publish(staging, target, force)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _state(target: Path, force: bool) -> str:
+    """``"missing"``, ``"empty"``, ``"ours"`` (our output only), ``"mixed"`` (our output and
+    other files) or ``"user"`` (non-empty, not ours, ``force`` given); ``OutputError`` for
+    anything that must not be written."""
+    if target.exists() and not target.is_dir():
+        raise OutputError(f"output folder {target} is a file; choose a folder path (it is created if missing)")
+    parent = _existing_ancestor(target)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write the program to {target}: folder {parent} is not writable; choose another path")
+    if not target.exists():
+        return "missing"
+    entries = {entry.name for entry in target.iterdir()}
+    if not entries:
+        return "empty"
+    listed = _our_files(target, entries)
+    if listed is not None:
+        return "ours" if entries - listed - {PROGRAM_MARKER} - _REGENERATED == set() else "mixed"
+    if not force:
+        shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
+        raise OutputError(
+            f"output folder {target} is not empty ({shown}) and was not written by `planner compile`; "
+            f"choose a new or empty folder, or pass --force (force=True) to write the program's files into it "
+            f"(your other files are kept)"
+        )
+    return "user"
+
+
+def _our_files(target: Path, entries: set[str]) -> set[str] | None:
+    """The files soap-planner wrote into ``target`` (from its marker, or a program folder
+    from before the marker existed), or None when it is not our output."""
+    if PROGRAM_MARKER in entries:
+        try:
+            marker = json.loads((target / PROGRAM_MARKER).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(marker, dict):
+            return None
+        files = marker.get("files")
+        if marker.get("generator") == "soap-planner" and isinstance(files, list):
+            return {name for name in files if isinstance(name, str)}
+        return None
+    if _LEGACY_PROGRAM_FILES <= entries:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            if "Generated by soap-planner" in (target / "launch.py").read_text():
+                return set(_LEGACY_PROGRAM_FILES)
+    return None
+
+
+def _publish(staging: Path, target: Path, force: bool) -> None:
+    state = _state(target, force)  # again: the folder may have changed while we compiled
+    if state in ("missing", "empty"):
+        if state == "empty":
+            target.rmdir()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(staging, target)
+    elif state == "ours":
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".soap-old", dir=target.parent))
+        old.rmdir()  # only the unique name is needed: rename the old program there
+        os.rename(target, old)
+        try:
+            os.rename(staging, target)
+        except BaseException:
+            os.rename(old, target)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:  # "mixed" or "user" (forced): replace our files one by one, keep everything else
+        listed = _our_files(target, {entry.name for entry in target.iterdir()}) or set()
+        marker = json.loads((staging / PROGRAM_MARKER).read_text())
+        marker["files"] = sorted(listed | set(marker["files"]))
+        (staging / PROGRAM_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+        entries = sorted(staging.iterdir(), key=lambda path: path.name == PROGRAM_MARKER)  # marker last
+        for entry in entries:  # every clash first, so that nothing is half written
+            destination = target / entry.name
+            if destination.is_dir() and not destination.is_symlink():
+                raise OutputError(
+                    f"cannot write {destination}: it is a folder in {target}; move it away or choose another folder"
+                )
+        for entry in entries:
+            os.replace(entry, target / entry.name)
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """The nearest folder at or above ``path``'s parent that exists (where staging happens,
+    on the same filesystem as the target, so the final rename is atomic)."""
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(f"cannot write the program to {path}: {parent} is a file, not a folder; choose another path")
+    return parent
