@@ -16,7 +16,7 @@ from rich.console import Console
 
 from planner.cluster import Cluster
 from planner.errors import PlanningError, SpecError
-from planner.model_spec import ModelSpec
+from planner.model_spec import ModelSpec, announce_import
 from planner.plans import Plan, load_plan
 from planner.strategy import SimResult
 from planner.trace import trace
@@ -81,16 +81,16 @@ def plan(
         if on_progress:
             on_progress("tracing the model on meta tensors", 0.0)
         graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
+        warnings = graph_warnings(graph)
         if search == "dp" or dp_flavour is not None:
             return plan_data_parallel(
-                graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=graph_warnings(graph),
-                precision=precision,
+                graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=warnings, precision=precision,
             )
         from search.auto import search_plan
 
         return search_plan(
             graph, cluster, spec, name, search=search, time_budget_s=time_budget_s, seed=seed,
-            warnings=graph_warnings(graph), precision=precision, on_progress=on_progress,
+            warnings=warnings, precision=precision, on_progress=on_progress,
         )
 
 
@@ -106,6 +106,7 @@ def simulate(plan: Plan) -> SimResult:
     if graph is None:
         if plan.model is None:
             raise PlanningError("this plan has no model spec, so its model cannot be traced again to simulate it")
+        announce_import(plan.model, "model.source of the plan being simulated")
         graph, _, _, _ = prepare_model(plan.model, plan.cluster, None, None)
     return simulate_plan(plan, graph)
 
@@ -142,17 +143,22 @@ def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb u
 
     Writes ``model_spmd.py`` (the readable per-rank module), ``plan.json`` and
     ``launch.py`` (run it with ``torchrun --nproc_per_node N out/launch.py --check``).
+    Compiling builds the model from the plan's spec, so it imports the model file the plan
+    names: its absolute path is printed on stderr first. Every name in the plan is checked
+    against that model, and plan text enters the program only as data (``codegen.source_text``).
 
     Returns:
         The output folder.
     """
     from codegen.emit import write_program
+    from codegen.plan_checks import check_fields
 
     if plan.model is None:
         raise PlanningError(
             "this plan has no model spec, so torchrun cannot rebuild the model; plan from a spec "
             "(planner.plan('file.py:build', ...)) or pass spec= to planner.plan"
         )
+    check_fields(plan)  # axes, precision, optimizer, numbers: named before any message below quotes them
     if plan.pipeline is not None:
         from codegen.pipeline_emit import unsupported
 
@@ -178,6 +184,7 @@ def compile(plan: Plan, out_dir: str | Path) -> Path:  # noqa: A001 - the verb u
             f"this plan simulates {plan.precision} mixed precision, which needs loss scaling and is not compiled; "
             f"plan with --precision bf16 (or fp32) to compile it"
         )
+    announce_import(plan.model, "model.source of the plan being compiled")
     return write_program(plan, Path(out_dir))
 
 

@@ -6,6 +6,7 @@ file of another version or a bad field raises ``PlanFileError`` naming the field
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any, Callable, TypeVar
 
 from planner.cluster import Cluster
 from planner.graph import OpGraph
-from planner.errors import ClusterError, PlanFileError, SpecError
+from planner.errors import ClusterError, PlanFileError, SpecError, one_line
 from planner.model_spec import ModelSpec
 from planner.strategy import (
     DP_FLAVOURS,
@@ -115,8 +116,9 @@ class Plan:
 
     @property
     def name(self) -> str:
-        """Short name of the strategy, e.g. ``"fsdp (dp=4)"`` or ``"soap (dp=2 x tp=4)"``."""
-        return f"{self.label or self.dp_flavour} ({self.mesh})"
+        """Short name of the strategy, e.g. ``"fsdp (dp=4)"`` or ``"soap (dp=2 x tp=4)"``; one
+        line, whatever a plan file's label holds."""
+        return one_line(f"{self.label or self.dp_flavour} ({self.mesh})")
 
     def report(self) -> str:
         """A readable text report: cluster, mesh, strategy per layer, memory and time."""
@@ -201,11 +203,12 @@ class Plan:
                 label=reader.get("label", str),
             )
         except ValueError as error:
-            raise PlanFileError(f"{source}: {error}") from None
+            raise PlanFileError(f"{source}: {one_line(error)}") from None
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read a plan written by ``Plan.save``.
+    """Read a plan written by ``Plan.save``. A relative ``model.source`` (a plan written by
+    hand) is taken relative to the plan file's folder.
 
     Raises:
         PlanFileError: the file is missing, is not JSON, is of another version, or a field
@@ -218,7 +221,12 @@ def load_plan(path: str | Path) -> Plan:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise PlanFileError(f"plan file '{path}' is not valid JSON ({error}); regenerate it with `planner plan`") from None
-    return Plan.from_dict(data, source=f"plan file '{path}'")
+    plan = Plan.from_dict(data, source=f"plan file '{path}'")
+    if plan.model is not None and not plan.model.is_hf:
+        # A relative model.source is relative to the plan file's folder, never to wherever
+        # the user happens to run from (Plan.save writes absolute paths).
+        plan = dataclasses.replace(plan, model=plan.model.resolved(path.resolve().parent))
+    return plan
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -259,7 +267,7 @@ class _Reader:
         try:
             return build(self.data[key])
         except errors as error:
-            raise PlanFileError(f"{self.source}: field '{self._field(key)}' is invalid: {error}") from None
+            raise PlanFileError(f"{self.source}: field '{self._field(key)}' is invalid: {one_line(error)}") from None
 
 
 def _estimate_from(reader: _Reader) -> SimResult:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from planner.errors import LaunchError, PlanningError
+from planner.model_spec import announce_import
 from planner.plans import Plan, load_plan
 
 # Every rank builds the model from its spec with this seed, so weights (and the example
@@ -51,6 +52,7 @@ class Program:
     folder: Path
     plan: Plan
     module: ModuleType
+    _announced: bool = False
 
     def device(self) -> torch.device:
         """This rank's device: ``cuda:<local rank>`` when CUDA is available, else CPU."""
@@ -72,6 +74,9 @@ class Program:
         """The full model and one global example batch, built from the plan's spec with ``seed``."""
         if self.plan.model is None:
             raise PlanningError("this plan has no model spec; build the model yourself and call parallelize()")
+        if not self._announced and os.environ.get("RANK", "0") == "0":  # said once, by rank 0
+            announce_import(self.plan.model, f"model.source of {(self.folder / 'plan.json').resolve()}")
+        self._announced = True
         torch.manual_seed(seed)
         if self.plan.model.source.startswith("hf:"):
             # transformers prints config notices from every rank at the first forward
