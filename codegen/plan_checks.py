@@ -11,6 +11,12 @@ plan field (``codegen.source_text`` then decides how the name is written):
 - each strategy's ``node`` is an op of the traced graph and its ``params`` are what that op
   reads;
 - the numbers the program writes (batch, micro-batches, stages, parameter bytes) are ints.
+
+And one check of meaning: a graph or pipeline program replays the traced ATen graph, so it
+cannot run a backward the model defines itself (a custom ``torch.autograd.Function``, a
+backward hook); the tracer records those (``OpGraph.opaque_backward``) and such a plan is
+refused here, naming the module and the Function (data-parallel programs run the model's own
+modules, so their backward runs as written).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 from codegen.source_text import one_line
 from planner.errors import PlanFileError, PlanningError
 from planner.graph import OpGraph
+from planner.opaque_backward import describe
 from planner.plans import Plan
 
 KNOWN_AXES = ("dp", "tp", "pp")
@@ -40,6 +47,7 @@ def checked_plan(plan: Plan, graph_program: bool) -> Plan:
     Raises:
         PlanFileError: a field names something the model does not have (the message names
             the field).
+        PlanningError: a graph program of a model whose backward it cannot reproduce.
     """
     from codegen.graph_facts import build_meta_model, trace_model
 
@@ -47,6 +55,8 @@ def checked_plan(plan: Plan, graph_program: bool) -> Plan:
     model, args, kwargs = build_meta_model(plan)
     graph = plan.graph if plan.graph is not None and plan.graph.graph_module is not None else trace_model(model, args, kwargs)
     check_names(plan, model, graph)
+    if graph_program:
+        check_backward_replayable(plan, graph)
     return dataclasses.replace(plan, graph=graph)
 
 
@@ -119,6 +129,18 @@ def check_names(plan: Plan, model: torch.nn.Module, graph: OpGraph) -> None:
                     f"plan field 'strategies[{index}].params' names {_shown(name)}, which op '{strategy.node}' of the "
                     f"traced model does not read; re-plan"
                 )
+
+
+def check_backward_replayable(plan: Plan, graph: OpGraph) -> None:
+    """Refuse a graph or pipeline program of a model with a backward of its own (see the
+    module docstring)."""
+    found = list(getattr(graph, "opaque_backward", ()) or ())
+    if found:
+        raise PlanningError(
+            f"{plan.name} cannot be compiled: {describe(found)}, whose backward a graph program cannot reproduce (it "
+            f"replays the traced ATen ops, so gradients would be wrong); plan it with --search dp: data-parallel "
+            f"programs run the model as written"
+        )
 
 
 def _shown(value: object) -> str:

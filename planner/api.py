@@ -17,6 +17,7 @@ from rich.console import Console
 from planner.cluster import Cluster
 from planner.errors import PlanningError, SpecError
 from planner.model_spec import ModelSpec, announce_import
+from planner.opaque_backward import describe as describe_opaque_backward
 from planner.plans import Plan, load_plan
 from planner.strategy import SimResult
 from planner.trace import trace
@@ -62,6 +63,9 @@ def plan(
         search: ``"auto"`` (CP-SAT per mesh, then MCMC refinement), ``"ilp"`` (CP-SAT),
             ``"mcmc"`` (Metropolis-Hastings over the simulator), or ``"dp"`` (data
             parallelism only: DDP, ZeRO-1, ZeRO-2 or FSDP). ``dp_flavour`` implies ``"dp"``.
+            A model whose backward is its own (a custom ``torch.autograd.Function``, a
+            backward hook: ``OpGraph.opaque_backward``) is always planned with ``"dp"``, and
+            the plan's warnings say which module and why.
         time_budget_s: wall-clock budget of the search; the best plan found so far is
             returned when it runs out.
         seed: seed of the MCMC search (deterministic for a seed and iteration count).
@@ -82,6 +86,14 @@ def plan(
             on_progress("tracing the model on meta tensors", 0.0)
         graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
         warnings = graph_warnings(graph)
+        if search != "dp" and dp_flavour is None and graph.opaque_backward:
+            # Only programs that run the model's own modules keep a backward the model defines.
+            warnings += (
+                f"{describe_opaque_backward(graph.opaque_backward)}, whose backward is not the autograd of its "
+                f"forward: tensor- and pipeline-parallel programs replay the traced ops and would lose it, so this "
+                f"model is planned with data parallelism only (DDP, ZeRO and FSDP run the model as written)",
+            )
+            search = "dp"
         if search == "dp" or dp_flavour is not None:
             return plan_data_parallel(
                 graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=warnings, precision=precision,
