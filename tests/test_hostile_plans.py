@@ -50,6 +50,7 @@ from planner import baselines
 from planner.cli import main
 from planner.errors import PlannerError
 from codegen.runtime import load_program
+from codegen.source_text import comment, derived_identifier, identifier, literal, number, with_comment
 from test_parity import REPO, check_many, result_of
 
 NOTED_GPT = REPO / "tests" / "models" / "noted_gpt.py"
@@ -517,3 +518,40 @@ def test_control_live_payloads_run_when_pasted_raw(payload, tmp_path, monkeypatc
     assert marker_files(tmp_path), f"{payload} ran nowhere"
     for marker in marker_files(tmp_path):
         marker.unlink()
+
+
+# ------------------------------------------------------------------------------- the rules
+
+
+@pytest.mark.parametrize("payload", list(PAYLOADS))
+def test_a_comment_is_one_inert_line_whatever_it_holds(payload):
+    text = PAYLOADS[payload]("rule")
+    line = comment(text)
+    assert "\n" not in line and line.isprintable()
+    tokens = [t for t in tokenize.generate_tokens(io.StringIO(line + "\n").readline) if t.type == tokenize.COMMENT]
+    assert [t.string for t in tokens] == [line]
+    assert not breakouts(with_comment("x = 1", text) + "\n")
+    assert ast.literal_eval(literal(text)) == text  # a literal is the same text back
+
+
+@pytest.mark.parametrize("name", ["class", "None", "a b", "1x", "x-y", "", 3, "x\ny", "é\u2028"])
+def test_identifier_refuses_what_is_not_a_python_name(name):
+    with pytest.raises(PlannerError, match="not a Python identifier"):
+        identifier(name, "a test name")
+
+
+@pytest.mark.parametrize(
+    "text, expected", [("blocks.0", "_blocks_0"), ("model.layers", "_model_layers"), ('"""\n', "_value"), ("a-b.3", "_a_b_3")]
+)
+def test_derived_identifiers_are_always_names(text, expected):
+    assert derived_identifier(text) == expected
+    assert derived_identifier("3D", prefix="", fallback="Model") == "_3D"
+
+
+def test_numbers_and_literals_take_plain_values_only():
+    assert number(8, "batch_size") == "8"
+    for value in ("8", True, None):
+        with pytest.raises(PlannerError, match="plan field 'batch_size' must be a number"):
+            number(value, "batch_size")
+    with pytest.raises(TypeError):
+        literal(object())

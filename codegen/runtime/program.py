@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -52,7 +52,7 @@ class Program:
     folder: Path
     plan: Plan
     module: ModuleType
-    _announced: bool = False
+    _announced: bool = field(default=False, init=False, repr=False)  # the model file was named (rank 0)
 
     def device(self) -> torch.device:
         """This rank's device: ``cuda:<local rank>`` when CUDA is available, else CPU."""
