@@ -274,7 +274,7 @@ class _PipelineWriter:
         em = self.emitter
         gm = self.graph.graph_module
         for fx_node in gm.graph.nodes:
-            em.used_names.add(fx_node.name)
+            em.used_names.add(identifier(fx_node.name, "a traced graph node"))  # every value is named after one
         inputs = [i for i in self.graph.inputs]
         if any(i.meta is None for i in inputs):
             raise NotImplementedError("pipeline codegen needs every model input to be a tensor (the schedule splits them)")

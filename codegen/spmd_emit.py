@@ -220,7 +220,7 @@ class _Emitter:
     def render(self) -> str:
         gm = self.graph.graph_module
         for fx_node in gm.graph.nodes:
-            self.used_names.add(fx_node.name)
+            self.used_names.add(identifier(fx_node.name, "a traced graph node"))  # every value is named after one
         inputs = [i for i in self.graph.inputs]
         input_lines = self._input_lines(gm)
         param_lines = self._parameter_lines(gm)
