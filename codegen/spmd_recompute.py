@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch.fx
 
+from codegen.source_text import comment, derived_identifier
 from planner.errors import PlanningError
 from planner.graph import OpGraph
 
@@ -89,11 +90,11 @@ def checkpoint_blocks(written: list[tuple[Block | None, list[str]]], also_read: 
 def checkpointed_block(block: Block, lines: list[str], outputs: list[str]) -> list[str]:
     """``lines`` (one level deeper than the forward's body) as a nested function run under
     ``checkpoint``, assigning ``outputs`` in the enclosing forward."""
-    function = "_" + f"{block[0]}_{block[1]}".replace(".", "_")
+    function = derived_identifier(f"{block[0]}_{block[1]}", prefix="_", fallback="block")
     returned = ", ".join(outputs) + ("," if len(outputs) == 1 else "")
     return [
         "",
-        _PAD + f"# ==== {block[0]}.{block[1]}: recomputed in backward (activation checkpointing). Backward keeps",
+        _PAD + comment(f"==== {block[0]}.{block[1]}: recomputed in backward (activation checkpointing). Backward keeps"),
         _PAD + "# only what the block reads from outside it and runs this function again, collectives",
         _PAD + "# included, when it reaches the block: less activation memory for one more forward.",
         _PAD + f"def {function}():",

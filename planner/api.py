@@ -21,7 +21,8 @@ from planner import arguments
 from planner.cluster import Cluster
 from planner.errors import ArgumentError, ClusterError, PlanningError, SpecError
 from planner.fingerprint import example_batch_size
-from planner.model_spec import ModelSpec
+from planner.model_spec import ModelSpec, announce_import
+from planner.opaque_backward import describe as describe_opaque_backward
 from planner.outputs import check_program_folder
 from planner.plan_checks import check_model_matches, check_plan_against_graph, check_plan_against_inputs
 from planner.plans import Plan, load_plan
@@ -72,6 +73,9 @@ def plan(
         search: ``"auto"`` (CP-SAT per mesh, then MCMC refinement), ``"ilp"`` (CP-SAT),
             ``"mcmc"`` (Metropolis-Hastings over the simulator), or ``"dp"`` (data
             parallelism only: DDP, ZeRO-1, ZeRO-2 or FSDP). ``dp_flavour`` implies ``"dp"``.
+            A model whose backward is its own (a custom ``torch.autograd.Function``, a
+            backward hook: ``OpGraph.opaque_backward``) is always planned with ``"dp"``, and
+            the plan's warnings say which module and why.
         effort: how much work the search does, a positive number (1 is the default; 0.25
             is quick, 4 thorough). Budgets count work (CP-SAT's deterministic time, MCMC
             proposals), not seconds, so the same model, cluster, seed and effort give the
@@ -114,9 +118,18 @@ def plan(
         graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec, on_progress=tracing)
         traced_s = time.perf_counter() - budget.started
         precision = default_precision(cluster) if precision == "auto" else precision
+        warnings = graph_warnings(graph)
+        if search != "dp" and dp_flavour is None and graph.opaque_backward:
+            # Only programs that run the model's own modules keep a backward the model defines.
+            warnings += (
+                f"{describe_opaque_backward(graph.opaque_backward)}, whose backward is not the autograd of its "
+                f"forward: tensor- and pipeline-parallel programs replay the traced ops and would lose it, so this "
+                f"model is planned with data parallelism only (DDP, ZeRO and FSDP run the model as written)",
+            )
+            search = "dp"
         if search == "dp" or dp_flavour is not None:
             chosen = plan_data_parallel(
-                graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=graph_warnings(graph),
+                graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=warnings,
                 precision=precision,
             )
         else:
@@ -127,7 +140,7 @@ def plan(
                 searching = lambda what, fraction: on_progress(what, TRACE_SHARE + (1 - TRACE_SHARE) * fraction)  # noqa: E731
             chosen = search_plan(
                 graph, cluster, spec, name, search=search, budget=budget, seed=seed,
-                warnings=graph_warnings(graph), precision=precision, on_progress=searching,
+                warnings=warnings, precision=precision, on_progress=searching,
             )
     total_s = time.perf_counter() - budget.started
     return dataclasses.replace(chosen, timings={"trace_s": traced_s, "search_s": total_s - traced_s, "total_s": total_s})
@@ -168,6 +181,7 @@ def simulate(plan: Plan | str | os.PathLike) -> SimResult:
     if graph is None:
         if plan.model is None:
             raise PlanningError("this plan has no model spec, so its model cannot be traced again to simulate it")
+        announce_import(plan.model, "model.source of the plan being simulated")
         graph = trace(*build_planned_model(plan))
     check_plan_against_graph(plan, graph)
     return simulate_plan(plan, graph)
@@ -255,7 +269,10 @@ def compile(plan: Plan | str | os.PathLike, out_dir: str | os.PathLike, *, force
     Writes ``model_spmd.py`` (the readable per-rank module), ``plan.json`` and
     ``launch.py`` (run it with ``torchrun --nproc_per_node N out/launch.py --check``), all
     at once: they are staged in a temporary folder and moved into ``out_dir`` only when
-    every one was written (``planner.outputs``).
+    every one was written (``planner.outputs``). Compiling builds the model from the plan's
+    spec, so it imports the model file the plan names: its absolute path is printed on
+    stderr first. Every name in the plan is checked against that model, and plan text
+    enters the program only as data (``codegen.source_text``).
 
     Args:
         plan: a ``Plan``, or the path of a plan saved by ``Plan.save`` / ``planner plan -o``.
@@ -271,22 +288,24 @@ def compile(plan: Plan | str | os.PathLike, out_dir: str | os.PathLike, *, force
         PlannerError: a bad argument or output folder (checked before any work), a plan
             that cannot be compiled, or a plan that does not fit the model its spec builds.
     """
-    from codegen.emit import is_data_parallel, write_program
+    from codegen.emit import write_program
+    from codegen.plan_checks import check_fields
 
     plan = _plan_argument(plan, "compile")
     out_dir = check_program_folder(out_dir, force=arguments.boolean(force, "force"))
+    if plan.model is not None:
+        check_fields(plan)  # axes, precision, optimizer, numbers: named before any message below quotes them
     blocker = compile_blocker(plan)
     if blocker:
         raise PlanningError(blocker)
+    announce_import(plan.model, "model.source of the plan being compiled")
     model, args, kwargs = build_planned_model(plan)
     check_plan_against_inputs(plan, args, kwargs)
-    if plan.graph is not None or not is_data_parallel(plan) or plan.recompute != "none":
-        # The program is generated from the traced graph (or its repeated blocks): trace it
-        # once here, check every strategy against it, and let codegen reuse it.
-        graph = plan.graph if plan.graph is not None else trace(model, args, kwargs)
-        check_plan_against_graph(plan, graph)
-        plan = dataclasses.replace(plan, graph=graph)
-    return write_program(plan, out_dir, force=force)
+    # Trace once here, check every strategy against the graph, and let codegen reuse it
+    # (its name checks, graph and pipeline programs, recomputed blocks all read it).
+    graph = plan.graph if plan.graph is not None and plan.graph.graph_module is not None else trace(model, args, kwargs)
+    check_plan_against_graph(plan, graph)
+    return write_program(dataclasses.replace(plan, graph=graph), out_dir, force=force)
 
 
 def compile_blocker(plan: Plan) -> str | None:

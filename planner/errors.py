@@ -7,6 +7,8 @@ exits non-zero, so each message names the problem and the fix in one sentence.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class PlannerError(Exception):
     """Base class of errors caused by the user's input; the message is one line."""
@@ -44,3 +46,18 @@ class ArgumentError(PlannerError):
 class OutputError(PlannerError):
     """An output path cannot be written (missing folder, a folder where a file is expected),
     or holds files soap-planner did not write (overwritten only with ``--force``)."""
+def one_line(text: Any) -> str:
+    """``text`` as one printable line, for messages and generated comments: printable
+    characters as they are, backslashes doubled, everything else (newline, carriage return,
+    form feed, NUL, ``\\x85``, ``\\u2028``, control and bidirectional-override characters) as
+    its ``repr()`` escape. Plan files are shared, so a name quoted from one cannot add a
+    line to a message or end a comment in generated code."""
+    return "".join(_escaped(character) for character in str(text))
+
+
+def _escaped(character: str) -> str:
+    if character == "\\":
+        return "\\\\"
+    if character.isprintable():
+        return character
+    return repr(character)[1:-1]  # "\\n", "\\x0c", "\\u2028"...

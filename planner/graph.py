@@ -128,6 +128,10 @@ class OpGraph:
         blocks: repeated block groups, ``group -> number of blocks``.
         tracer: ``"export"`` or ``"symbolic_trace"``, the front end that produced it.
         warnings: things noticed while tracing that a user should know (shown in reports).
+        opaque_backward: ``(module path, what)`` for each part of the model whose backward is
+            not the autograd of its traced ops (a custom autograd Function, a backward hook;
+            ``planner.opaque_backward``): only programs that run the model's own modules
+            (data parallelism) train it right.
         graph_module: the ``torch.fx.GraphModule`` the nodes were read from.
         model_fingerprint: ``planner.fingerprint.model_fingerprint`` of the traced model and
             inputs (set by the tracer; plans store it).
@@ -141,6 +145,7 @@ class OpGraph:
     blocks: dict[str, int] = field(default_factory=dict)
     tracer: str = "export"
     warnings: list[str] = field(default_factory=list)
+    opaque_backward: list[tuple[str, str]] = field(default_factory=list)
     graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
     model_fingerprint: str = ""
     _by_name: dict[str, OpNode] = field(default_factory=dict, init=False, repr=False)

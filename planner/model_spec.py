@@ -47,7 +47,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from planner.errors import SpecError
+from planner.errors import SpecError, one_line
 
 OverrideValue = Union[int, float, bool, str]
 
@@ -80,6 +80,8 @@ class ModelSpec:
             raise SpecError(
                 f"model source must be 'path/to/file.py[:factory]' or 'hf:<model_type>', got {self.source!r}"
             )
+        if "\x00" in self.source:  # no file name holds one; the OS refuses it with a ValueError
+            raise SpecError(f"model source {self.source!r} contains a NUL character; point it at a Python file")
         if not isinstance(self.overrides, Mapping):
             raise SpecError(
                 f"model overrides must be a mapping of name to value, got {type(self.overrides).__name__}"
@@ -205,6 +207,16 @@ class ModelSpec:
             return head
         settings = ", ".join(f"{key}={value}" for key, value in self.overrides.items())
         return f"{head} ({settings})"
+
+
+def announce_import(spec: ModelSpec | None, why: str) -> None:
+    """Say on stderr which model file is about to be imported, and why (``compile``,
+    ``simulate`` and every compiled program import the file a plan names: running a plan
+    someone else wrote runs that file, so the user sees its absolute path first). ``hf:``
+    specs import no file of the plan's and say nothing."""
+    if spec is None or spec.is_hf:
+        return
+    print(one_line(f"importing model file {Path(spec.path).expanduser().resolve()} ({why})"), file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- overrides

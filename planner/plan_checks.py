@@ -23,7 +23,7 @@ from typing import Iterable
 import torch
 from torch.distributed.tensor import Shard
 
-from planner.errors import PlanFileError
+from planner.errors import PlanFileError, one_line
 from planner.fingerprint import describe_model, example_batch_size, model_fingerprint
 from planner.graph import OpGraph, TensorMeta
 from planner.plans import Plan
@@ -88,7 +88,7 @@ def check_plan_against_graph(plan: Plan, graph: OpGraph) -> None:
     for name, placements in plan.inputs.items():
         if name not in graph_inputs:
             raise PlanFileError(
-                f"the plan places input '{name}' but the traced model's inputs are "
+                f"field 'inputs' places input {_shown(name)} but the traced model's inputs are "
                 f"{', '.join(graph_inputs) or 'none'}; {_REPLAN}"
             )
         meta = graph_inputs[name].meta
@@ -98,13 +98,13 @@ def check_plan_against_graph(plan: Plan, graph: OpGraph) -> None:
     for index, strategy in enumerate(plan.strategies):
         if strategy.node in by_node:
             raise PlanFileError(
-                f"field 'strategies[{index}]' is a second strategy for op '{strategy.node}' "
+                f"field 'strategies[{index}].node' is a second strategy for op {_shown(strategy.node)} "
                 f"(the first is strategies[{by_node[strategy.node]}]); {_REPLAN}"
             )
         if not graph.has_node(strategy.node):
             raise PlanFileError(
-                f"field 'strategies[{index}]' is for op '{strategy.node}', which the traced model does not have; "
-                f"the plan was made for another version of the model or of the tracer: {_REPLAN}"
+                f"field 'strategies[{index}].node' names op {_shown(strategy.node)}, which the traced model does not "
+                f"have; the plan was made for another version of the model or of the tracer: {_REPLAN}"
             )
         by_node[strategy.node] = index
     missing = [node.name for node in graph.nodes if node.name not in by_node]
@@ -119,7 +119,7 @@ def check_plan_against_graph(plan: Plan, graph: OpGraph) -> None:
         where = f"strategies[{index}]"
         if strategy.op != node.op:
             raise PlanFileError(
-                f"field '{where}.op' is {strategy.op} but the traced op '{node.name}' is {node.op}; {_REPLAN}"
+                f"field '{where}.op' is {_shown(strategy.op)} but the traced op '{node.name}' is {node.op}; {_REPLAN}"
             )
         _check_tensors(f"{where}.inputs", strategy.inputs, node.input_meta, node.name, "input")
         _check_tensors(f"{where}.outputs", strategy.outputs, node.output_meta, node.name, "output")
@@ -128,10 +128,15 @@ def check_plan_against_graph(plan: Plan, graph: OpGraph) -> None:
         for name, placements in strategy.params.items():
             if name not in tensors:
                 raise PlanFileError(
-                    f"field '{where}.params' places '{name}', which is not a parameter or buffer of the traced model; "
-                    f"{_REPLAN}"
+                    f"field '{where}.params' places {_shown(name)}, which is not a parameter or buffer of the traced "
+                    f"model; {_REPLAN}"
                 )
             _check_shards(f"{where}.params.{name}", placements, len(tensors[name].shape), f"parameter '{name}' {tensors[name]}")
+
+
+def _shown(text: object) -> str:
+    """Untrusted plan text quoted on one line (plan files are shared)."""
+    return f"'{one_line(text)}'"
 
 
 def _check_tensors(where: str, placements: Iterable[Placements], metas: tuple[TensorMeta, ...], node: str, kind: str) -> None:

@@ -6,6 +6,7 @@ file of another version or a bad field raises ``PlanFileError`` naming the field
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,7 +17,7 @@ from typing import Any, Callable, Mapping, TypeVar
 
 from planner.cluster import Cluster
 from planner.graph import OpGraph
-from planner.errors import ClusterError, PlanFileError, SpecError
+from planner.errors import ClusterError, PlanFileError, SpecError, one_line
 from planner.fingerprint import FINGERPRINT_LENGTH
 from planner.outputs import check_output_file, write_text_atomically
 from planner.model_spec import ModelSpec
@@ -123,13 +124,13 @@ class Plan:
         if not self.model_fingerprint and self.graph is not None:
             object.__setattr__(self, "model_fingerprint", self.graph.model_fingerprint)
         if self.dp_flavour not in DP_FLAVOURS:
-            raise ValueError(f"dp_flavour must be one of {DP_FLAVOURS}, got '{self.dp_flavour}'")
+            raise ValueError(f"field 'dp_flavour' must be one of {DP_FLAVOURS}, got '{one_line(self.dp_flavour)}'")
         if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got '{self.recompute}'")
+            raise ValueError(f"field 'recompute' must be one of {RECOMPUTE_MODES}, got '{one_line(self.recompute)}'")
         if self.precision not in PLAN_PRECISIONS:
-            raise ValueError(f"precision must be one of {PLAN_PRECISIONS}, got {self.precision!r}")
+            raise ValueError(f"field 'precision' must be one of {PLAN_PRECISIONS}, got '{one_line(self.precision)}'")
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+            raise ValueError(f"field 'optimizer' must be one of {OPTIMIZERS}, got '{one_line(self.optimizer)}'")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size (the global batch) must be a positive integer, got {self.batch_size!r}")
         if (self.pipeline is not None) != ("pp" in self.mesh.names):
@@ -159,8 +160,9 @@ class Plan:
 
     @property
     def name(self) -> str:
-        """Short name of the strategy, e.g. ``"fsdp (dp=4)"`` or ``"soap (dp=2 x tp=4)"``."""
-        return f"{self.label or self.dp_flavour} ({self.mesh})"
+        """Short name of the strategy, e.g. ``"fsdp (dp=4)"`` or ``"soap (dp=2 x tp=4)"``; one
+        line, whatever a plan file's label holds."""
+        return one_line(f"{self.label or self.dp_flavour} ({self.mesh})")
 
     def report(self) -> str:
         """A readable text report: cluster, mesh, strategy per layer, memory and time."""
@@ -272,11 +274,12 @@ class Plan:
                 model_fingerprint=fingerprint,
             )
         except ValueError as error:
-            raise PlanFileError(f"{source}: {error}") from None
+            raise PlanFileError(f"{source}: {one_line(error)}") from None
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read a plan written by ``Plan.save``.
+    """Read a plan written by ``Plan.save``. A relative ``model.source`` (a plan written by
+    hand) is taken relative to the plan file's folder.
 
     Raises:
         PlanFileError: ``path`` is not a path, the file is missing, is not JSON, is of
@@ -296,7 +299,12 @@ def load_plan(path: str | Path) -> Plan:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise PlanFileError(f"plan file '{path}' is not valid JSON ({error}); regenerate it with `planner plan`") from None
-    return Plan.from_dict(data, source=f"plan file '{path}'")
+    plan = Plan.from_dict(data, source=f"plan file '{path}'")
+    if plan.model is not None and not plan.model.is_hf:
+        # A relative model.source is relative to the plan file's folder, never to wherever
+        # the user happens to run from (Plan.save writes absolute paths).
+        plan = dataclasses.replace(plan, model=plan.model.resolved(path.resolve().parent))
+    return plan
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -348,7 +356,7 @@ class _Reader:
         try:
             return build(self.data[key])
         except errors as error:
-            raise PlanFileError(f"{self.source}: field '{self._field(key)}' is invalid: {error}") from None
+            raise PlanFileError(f"{self.source}: field '{self._field(key)}' is invalid: {one_line(error)}") from None
 
 
 def _timings_from(reader: _Reader) -> dict[str, float]:
@@ -377,14 +385,14 @@ def _mesh_from_json(axes: Any) -> Mesh:
     if not isinstance(axes, list) or not axes:
         raise ValueError(f'expected a non-empty list of [name, size] pairs such as [["dp", 2]], got {axes!r}')
     pairs = []
-    for axis in axes:
+    for index, axis in enumerate(axes):
         if not isinstance(axis, list) or len(axis) != 2:
-            raise ValueError(f"each axis must be a [name, size] pair, got {axis!r}")
+            raise ValueError(f"'mesh[{index}]' must be a [name, size] pair, got {axis!r}")
         name, size = axis
         if name not in MESH_AXES:
-            raise ValueError(f"axis name {name!r} is not one of {', '.join(MESH_AXES)}")
+            raise ValueError(f"'mesh[{index}]' names axis {name!r}, not one of {', '.join(MESH_AXES)}")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"axis {name!r} must have a positive integer size, got {size!r}")
+            raise ValueError(f"'mesh[{index}]' axis {name!r} must have a positive integer size, got {size!r}")
         pairs.append((name, size))
     return Mesh(tuple(pairs))
 

@@ -16,7 +16,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from planner.errors import PlanFileError
+from planner.errors import PlanFileError, one_line
 
 Placements = tuple[Placement, ...]
 
@@ -345,8 +345,8 @@ def is_chrome_trace(path: Any) -> bool:
 
 def placements_from_json(items: Any, where: str) -> Placements:
     if not isinstance(items, list):
-        raise PlanFileError(f"{where} must be a list of placements like [\"S(0)\", \"R\"], got {items!r}")
+        raise PlanFileError(f"{where} must be a list of placements like [\"S(0)\", \"R\"], got {one_line(repr(items))}")
     try:
         return tuple(placement_from_str(str(item)) for item in items)
     except ValueError as error:
-        raise PlanFileError(f"{where}: {error}") from None
+        raise PlanFileError(f"{where}: {one_line(error)}") from None

@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from planner.fingerprint import model_fingerprint
 from planner.errors import TraceError
 from planner.graph import VIEW_OPS, GraphInput, OpGraph, OpNode, TensorMeta
+from planner.opaque_backward import watch_backward
 
 __all__ = ["trace"]
 
@@ -82,17 +83,26 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, on_progress) -> Op
     was_training = model.training
     model.train()  # plan the training program: dropout and friends must appear
     try:
-        with _ModuleTracker(model, on_progress) as tracker:
-            try:
-                return _trace_with_export(model, args, kwargs)
-            except Exception as export_error:  # noqa: BLE001 - any failure triggers the fallback
-                export_failure = (tracker.failed_module(), export_error)
-        try:
-            return _trace_with_symbolic_trace(model, args, kwargs)
-        except Exception as fx_error:  # noqa: BLE001
-            raise _trace_error(model, export_failure, fx_error) from export_failure[1]
+        # Custom autograd Functions and backward hooks are recorded while tracing: the graph
+        # keeps their forward's ops only (planner.opaque_backward).
+        with _ModuleTracker(model, on_progress) as tracker, watch_backward(model, tracker.current_path) as opaque:
+            graph = _trace_either(model, args, kwargs, tracker)
+        graph.opaque_backward = list(opaque.found)
+        return graph
     finally:
         model.train(was_training)
+
+
+def _trace_either(model: torch.nn.Module, args: tuple, kwargs: dict, tracker: "_ModuleTracker") -> OpGraph:
+    """``torch.export``, else ``torch.fx.symbolic_trace``, else a ``TraceError``."""
+    try:
+        return _trace_with_export(model, args, kwargs)
+    except Exception as export_error:  # noqa: BLE001 - any failure triggers the fallback
+        export_failure = (tracker.failed_module(), export_error)
+    try:
+        return _trace_with_symbolic_trace(model, args, kwargs)
+    except Exception as fx_error:  # noqa: BLE001
+        raise _trace_error(model, export_failure, fx_error) from export_failure[1]
 
 
 # --------------------------------------------------------------------------- export path
@@ -443,6 +453,11 @@ class _ModuleTracker:
     def _pop(self, *_: Any) -> None:
         if self._stack:
             self._stack.pop()
+
+    def current_path(self) -> str:
+        """The path of the innermost module running now (``""``: the model itself, or none)."""
+        path = self._stack[-1][0] if self._stack else ""
+        return "" if path == "<root>" else path
 
     def failed_module(self) -> tuple[str, str] | None:
         """The innermost module still running when tracing raised, if any."""

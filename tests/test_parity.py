@@ -250,8 +250,8 @@ def test_compiled_data_parallel_flavours(world_run: WorldRun) -> None:
     assert 'ZeroRedundancyOptimizer(\n        module.parameters(),' in source["zero1"]
     assert 'process_group=mesh["dp"].get_group()' in source["zero1"]
     assert "def make_optimizer(" not in source["ddp"] + source["zero2"] + source["fsdp"]
-    units = ('fully_shard(model.get_submodule("blocks.0"), mesh=dp_mesh, reshard_after_forward=False)',
-             'fully_shard(model.get_submodule("blocks.1"), mesh=dp_mesh, reshard_after_forward=False)',
+    units = ("fully_shard(model.get_submodule('blocks.0'), mesh=dp_mesh, reshard_after_forward=False)",  # repr()'d paths
+             "fully_shard(model.get_submodule('blocks.1'), mesh=dp_mesh, reshard_after_forward=False)",
              "fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)")
     assert all(line in source["zero2"] for line in units), source["zero2"]
     assert "reshard_after_forward" not in source["fsdp"]

@@ -144,7 +144,7 @@ def test_invalid_cluster(plan_dict, tmp_path):
 
 def test_invalid_dp_flavour(plan_dict, tmp_path):
     plan_dict["dp_flavour"] = "zero9"
-    with pytest.raises(PlanFileError, match="dp_flavour must be one of"):
+    with pytest.raises(PlanFileError, match="field 'dp_flavour' must be one of"):
         load_plan(write(tmp_path, plan_dict))
 
 

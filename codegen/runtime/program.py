@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from planner.errors import LaunchError, PlanningError
 from planner.plan_checks import check_model_matches
+from planner.model_spec import announce_import
 from planner.plans import Plan, load_plan
 
 # Every rank builds the model from its spec with this seed, so weights (and the example
@@ -52,6 +53,7 @@ class Program:
     folder: Path
     plan: Plan
     module: ModuleType
+    _announced: bool = field(default=False, init=False, repr=False)  # the model file was named (rank 0)
 
     def device(self) -> torch.device:
         """This rank's device: ``cuda:<local rank>`` when CUDA is available, else CPU."""
@@ -92,6 +94,9 @@ class Program:
     def _build(self, device: torch.device, seed: int) -> tuple[torch.nn.Module, tuple, dict]:
         if self.plan.model is None:
             raise PlanningError("this plan has no model spec; build the model yourself and call parallelize()")
+        if not self._announced and os.environ.get("RANK", "0") == "0":  # said once, by rank 0
+            announce_import(self.plan.model, f"model.source of {(self.folder / 'plan.json').resolve()}")
+        self._announced = True
         torch.manual_seed(seed)
         if self.plan.model.source.startswith("hf:"):
             # transformers prints config notices from every rank at the first forward

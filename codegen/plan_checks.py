@@ -1,0 +1,149 @@
+"""What ``compile`` checks of a plan against the model its spec builds, before writing code.
+
+A plan file is data someone else may have written. Every name in it that the generated
+program uses must name something real, or the program is refused with one line naming the
+plan field (``codegen.source_text`` then decides how the name is written):
+
+- mesh axis names are among the axes programs know (``dp``, ``tp``, ``pp``);
+- ``fsdp_units`` are modules of the model built from the spec (``named_modules``);
+- ``inputs`` names the traced model's user inputs, in its order (``shard_batch`` maps
+  positional arguments to them);
+- each strategy's ``node`` is an op of the traced graph and its ``params`` are what that op
+  reads;
+- the numbers the program writes (batch, micro-batches, stages, parameter bytes) are ints.
+
+And one check of meaning: a graph or pipeline program replays the traced ATen graph, so it
+cannot run a backward the model defines itself (a custom ``torch.autograd.Function``, a
+backward hook); the tracer records those (``OpGraph.opaque_backward``) and such a plan is
+refused here, naming the module and the Function (data-parallel programs run the model's own
+modules, so their backward runs as written).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from codegen.source_text import one_line
+from planner.errors import PlanFileError, PlanningError
+from planner.graph import OpGraph
+from planner.opaque_backward import describe
+from planner.plans import Plan
+
+KNOWN_AXES = ("dp", "tp", "pp")
+PRECISIONS = ("fp32", "bf16", "fp16")  # what plans simulate; compile refuses fp16 with its own message
+
+
+def checked_plan(plan: Plan, graph_program: bool) -> Plan:
+    """``plan`` with its traced graph attached, once every name in it is checked against the
+    model built from its spec (on the meta device) and that model's traced graph.
+
+    Args:
+        plan: a plan with a model spec.
+        graph_program: whether the program replays the traced graph (graph and pipeline
+            programs) rather than running the model's modules (data-parallel programs).
+
+    Raises:
+        PlanFileError: a field names something the model does not have (the message names
+            the field).
+        PlanningError: a graph program of a model whose backward it cannot reproduce.
+    """
+    from codegen.graph_facts import build_meta_model, trace_model
+
+    check_fields(plan)
+    model, args, kwargs = build_meta_model(plan)
+    graph = plan.graph if plan.graph is not None and plan.graph.graph_module is not None else trace_model(model, args, kwargs)
+    check_names(plan, model, graph)
+    if graph_program:
+        check_backward_replayable(plan, graph)
+    return dataclasses.replace(plan, graph=graph)
+
+
+def check_fields(plan: Plan) -> None:
+    """What can be checked from the plan alone: mesh axes, the precision and optimizer a
+    program runs, and the numbers it writes. ``planner.compile`` runs this first, so a bad
+    field is named before any other message quotes it."""
+    from codegen.runtime.parity import OPTIMIZERS
+
+    for index, name in enumerate(plan.mesh.names):
+        if name not in KNOWN_AXES:
+            raise PlanFileError(
+                f"plan field 'mesh[{index}]' names axis {_shown(name)}; compiled programs know the axes "
+                f"{', '.join(KNOWN_AXES)}: re-plan"
+            )
+    for field, value, known in (("precision", plan.precision, PRECISIONS), ("optimizer", plan.optimizer, tuple(OPTIMIZERS))):
+        if value not in known:
+            raise PlanFileError(f"plan field '{field}' is {_shown(value)}, not one of {', '.join(known)}; re-plan")
+    numbers = {"batch_size": plan.batch_size, "summary.parameter_bytes": plan.summary.parameter_bytes}
+    if plan.pipeline is not None:
+        for key in ("stages", "micro_batches", "virtual_stages"):
+            numbers[f"pipeline.{key}"] = getattr(plan.pipeline, key)
+    for field, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PlanFileError(f"plan field '{field}' must be an integer, got {type(value).__name__} {_shown(value)}; re-plan")
+
+
+def check_names(plan: Plan, model: torch.nn.Module, graph: OpGraph) -> None:
+    """Every module path, input name and parameter name of ``plan`` against ``model`` (built
+    from the spec) and ``graph`` (traced from it)."""
+    modules = dict(model.named_modules())
+    for index, unit in enumerate(plan.fsdp_units):
+        if not isinstance(unit, str) or not unit or unit not in modules:
+            raise PlanFileError(
+                f"plan field 'fsdp_units[{index}]' ({_shown(unit)}) is not a module of the model built from the spec "
+                f"(the root is always a unit of its own); re-plan"
+            )
+    expected = [graph_input.name for graph_input in graph.inputs]
+    for name in plan.inputs:
+        if name not in expected:
+            raise PlanFileError(
+                f"plan field 'inputs' names {_shown(name)}, which is not an input of the model traced from the spec "
+                f"(its inputs: {', '.join(expected)}); re-plan"
+            )
+    if list(plan.inputs) != expected:
+        raise PlanFileError(
+            f"plan field 'inputs' lists {', '.join(map(_shown, plan.inputs))} but the model traced from the spec takes "
+            f"{', '.join(expected)}, in that order; re-plan"
+        )
+    if plan.recompute != "none":
+        for path in graph.block_paths():  # what a recomputing program checkpoints, by path
+            if path not in modules:
+                raise PlanningError(f"repeated block '{one_line(path)}' of the traced model is not a module of the model")
+    for index, strategy in enumerate(plan.strategies):
+        if not graph.has_node(strategy.node):
+            raise PlanFileError(
+                f"plan field 'strategies[{index}].node' ({_shown(strategy.node)}) is not an op of the model traced from "
+                f"the spec; re-plan"
+            )
+        traced = graph.node(strategy.node)
+        if strategy.op != traced.op:
+            raise PlanFileError(
+                f"plan field 'strategies[{index}].op' ({_shown(strategy.op)}) is not what op '{strategy.node}' of the "
+                f"model traced from the spec runs ({traced.op}); re-plan"
+            )
+        reads = set(traced.params)
+        for name in strategy.params:
+            if name not in reads:
+                raise PlanFileError(
+                    f"plan field 'strategies[{index}].params' names {_shown(name)}, which op '{strategy.node}' of the "
+                    f"traced model does not read; re-plan"
+                )
+
+
+def check_backward_replayable(plan: Plan, graph: OpGraph) -> None:
+    """Refuse a graph or pipeline program of a model with a backward of its own (see the
+    module docstring)."""
+    found = list(getattr(graph, "opaque_backward", ()) or ())
+    if found:
+        raise PlanningError(
+            f"{plan.name} cannot be compiled: {describe(found)}, whose backward a graph program cannot reproduce (it "
+            f"replays the traced ATen ops, so gradients would be wrong); plan it with --search dp: data-parallel "
+            f"programs run the model as written"
+        )
+
+
+def _shown(value: object) -> str:
+    """A plan value for an error message: its repr, one line, at most 80 characters."""
+    text = one_line(repr(value))
+    return text if len(text) <= 80 else text[:77] + "..."
