@@ -4,7 +4,8 @@
     python benchmarks/planning_time.py --layers 96     # just GPT-3 175B
 
 GPT-3 shapes (hidden 12288, 96 heads, sequence 2048, vocabulary 51200, global batch 1536)
-on 128 DGX A100 nodes (1024 GPUs), bf16 mixed precision, ``search="ilp"`` with a 30 s budget. Repeated blocks
+on 128 DGX A100 nodes (1024 GPUs), bf16 mixed precision, ``search="ilp"`` at effort 1 (a deterministic
+budget of work; see search/budget.py). Repeated blocks
 are solved once, so the search time should barely grow with depth; tracing grows linearly.
 Target for 96 layers: under 60 s on a 2-core machine.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
 from search.auto import search_plan
+from search.budget import SearchBudget
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -26,7 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="*", default=[12, 24, 48, 96])
     parser.add_argument("--search", default="ilp", choices=("ilp", "auto", "mcmc"))
-    parser.add_argument("--budget", type=float, default=30.0, help="search budget in seconds")
+    parser.add_argument("--effort", type=float, default=1.0, help="search effort (work, not seconds; default 1)")
     options = parser.parse_args()
     print(f"{'layers':>6} {'params':>8} {'trace':>7} {'search+sim':>11} {'total':>7}  plan, predicted step")
     for layers in options.layers:
@@ -37,7 +39,9 @@ def main() -> None:
         start = time.perf_counter()
         graph, spec, name, cluster = prepare_model(spec, "dgx-a100-80g:128")
         traced = time.perf_counter()
-        plan = search_plan(graph, cluster, spec, name, search=options.search, time_budget_s=options.budget, precision="bf16")
+        plan = search_plan(
+            graph, cluster, spec, name, search=options.search, budget=SearchBudget(effort=options.effort), precision="bf16"
+        )
         done = time.perf_counter()
         print(
             f"{layers:>6} {graph.parameter_count / 1e9:>7.1f}B {traced - start:>6.1f}s {done - traced:>10.1f}s "

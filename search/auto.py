@@ -187,7 +187,8 @@ def _searched_plan(graph, cluster, spec, model_name, mesh, search, budget: Searc
             budget.note_cut(f"CP-SAT on mesh {mesh}")
         choice = result.choice
         if result.from_hint:
-            how.append("CP-SAT found nothing better than the layout it started from")
+            gap = "" if result.bound_s <= 0 else f", gap {result.gap:.1%}"
+            how.append(f"CP-SAT found nothing better than the layout it started from{gap}")
         else:
             how.append(f"CP-SAT {'optimal' if result.optimal else f'gap {result.gap:.1%}'}")
     if search in ("auto", "mcmc"):

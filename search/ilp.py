@@ -171,7 +171,7 @@ def solve(
         # CP-SAT may wander off a good hint; never return worse than the layout it was given.
         hinted = _expand_blocks(full_hint, reduced)
         hinted_s = tables.objective(hinted)
-        if hinted_s < tables.objective(choice) - 1e-12:
+        if hinted == choice or hinted_s < tables.objective(choice) - 1e-12:
             return IlpResult(hinted, hinted_s, result.bound_s, False, seconds, result.work, cut, True)
     return result
 

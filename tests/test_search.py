@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
+import planner
 from cost_model.simulator import Simulator
 from planner.api import prepare_model
 from planner.cluster import Cluster
@@ -27,6 +28,7 @@ from planner.model_spec import ModelSpec
 from planner.strategy import Mesh
 from planner.trace import trace
 from search.auto import node_strategies, search_plan
+from search.budget import SearchBudget
 from search.cost_tables import build_cost_tables
 from search.ilp import solve
 from search.layouts import combine, data_parallel_layout
@@ -260,3 +262,37 @@ def test_search_keeps_runners_up_and_baselines():
     assert len(names) >= 2
     assert all(alt.step_time_s >= plan.estimate.step_time_s or not alt.fits for alt in plan.runners_up)
     assert any(name.startswith("baseline") for name in names) or {"ddp (dp=4)", "fsdp (dp=4)"} & set(names)
+
+
+# ------------------------------------------------------------- deterministic budgets
+
+
+def test_the_same_search_gives_the_same_plan_twice():
+    graph, spec, name, cluster = _gpt("cpu:1x4", batch_size=8)
+    first = search_plan(graph, cluster, spec, name, search="auto", budget=SearchBudget(effort=0.25))
+    second = search_plan(graph, cluster, spec, name, search="auto", budget=SearchBudget(effort=0.25))
+    assert first.to_dict() == second.to_dict()
+    assert "effort 0.25" in first.search_summary and " s;" not in first.search_summary  # no seconds in it
+
+
+def test_a_mesh_whose_solve_finds_nothing_keeps_the_layout_it_started_from():
+    # So little CP-SAT work that it cannot even load the model: every mesh still gets a plan,
+    # the layout built directly (Megatron's with tp, data parallelism without).
+    graph, spec, name, cluster = _gpt("cpu:1x4", batch_size=8)
+    plan = search_plan(graph, cluster, spec, name, search="ilp", budget=SearchBudget(effort=1e-6))
+    assert plan.estimate.fits
+    assert plan.search_summary.count("CP-SAT found nothing better than the layout it started from") >= 2
+
+
+def test_the_wall_clock_cap_says_when_it_cut_the_search_short():
+    plan = planner.plan(ModelSpec("examples/gpt.py", {"batch_size": 8}), "cpu:1x4", time_budget_s=0.01, progress=False)
+    assert plan.estimate.fits  # the cap never leaves a user without a plan
+    cut = [w for w in plan.warnings if "wall-clock cap of 0.01 s stopped the search" in w]
+    assert len(cut) == 1 and "another machine may find a different plan" in cut[0], plan.warnings
+    assert "wall-clock cap" in plan.report()
+
+
+def test_no_cap_warning_when_the_work_budget_ends_the_search():
+    plan = planner.plan(ModelSpec("examples/gpt.py", {"batch_size": 8}), "cpu:1x4", effort=0.25, progress=False)
+    assert not any("wall-clock cap" in w for w in plan.warnings)
+    assert set(plan.timings) == {"trace_s", "search_s", "total_s"}
