@@ -82,7 +82,7 @@ def _input_placement(per_axis, axis: str, name: str, graph: OpGraph) -> Placemen
 
 def data_parallel_layout(graph: OpGraph, mesh: Mesh) -> tuple[tuple[NodeStrategy, ...], dict[str, Placements | None]]:
     """The batch split over ``dp``, every parameter replicated (DDP/ZeRO/FSDP keep that view)."""
-    per_axis = {"dp": propagate(graph, batch_input_placements(graph), {})} if "dp" in mesh.names else {}
+    per_axis = {"dp": propagate(graph, batch_input_placements(graph), {}, batch_local=True)} if "dp" in mesh.names else {}
     return combine(graph, mesh, per_axis)
 
 

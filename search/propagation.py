@@ -70,6 +70,7 @@ def propagate(
     param_placements: dict[str, Placement] | None = None,
     choose_params: ParamChooser | None = None,
     overrides: dict[str, Placement] | None = None,
+    batch_local: bool = False,
 ) -> dict[str, AxisPlacements]:
     """Placements on one mesh axis of every node of ``graph``.
 
@@ -82,6 +83,9 @@ def propagate(
             stream sharded on the sequence under sequence parallelism); the op's own output
             is kept as ``produced`` and resharded into the override (e.g. partial sums
             reduce-scattered).
+        batch_local: the axis is plain data parallelism (DDP, ZeRO, FSDP run the model's
+            own modules on each rank's slice of the batch): an op without a rule keeps the
+            batch split instead of gathering it, as those programs do.
 
     Returns:
         node name -> its input, output and parameter placements on this axis.
@@ -102,6 +106,8 @@ def propagate(
             for name, activation in zip(node.inputs, activations)
         )
         wanted, outputs = op_rule(node, incoming)
+        if batch_local and (wanted, outputs) == _gather_all(node, incoming) and incoming != wanted:
+            wanted, outputs = _batch_local(node, incoming, wanted, outputs)
         produced = None
         if node.name in overrides:
             forced = tuple(overrides[node.name] for _ in outputs)
@@ -148,6 +154,20 @@ def op_rule(node: OpNode, incoming: tuple[Placement, ...]) -> tuple[tuple[Placem
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _batch_local(node: OpNode, incoming, wanted, outputs):
+    """An op the rules would gather, run on each rank's slice of the batch instead: inputs
+    split on dim 0 stay so, and outputs whose dim 0 is that batch slice are split too."""
+    batch = next(
+        (meta.shape[0] for meta, p in zip(node.input_meta, incoming) if isinstance(p, Shard) and p.dim == 0 and meta.shape),
+        None,
+    )
+    if batch is None or any(isinstance(p, Shard) and p.dim != 0 for p in incoming):
+        return wanted, outputs
+    kept = tuple(p if isinstance(p, Shard) else R for p in incoming)
+    split = tuple(Shard(0) if meta.shape and meta.shape[0] == batch else R for meta in node.output_meta)
+    return kept, split
 
 
 def _gather_all(node: OpNode, incoming):

@@ -252,3 +252,28 @@ def test_batch_not_divisible(gpt):
     spec, graph = gpt  # batch 8
     with pytest.raises(PlanningError, match=r"global batch of 8 is not divisible by the data-parallel degree 3"):
         plan_data_parallel(graph, Cluster.preset("cpu", 1, 3), spec, "GPT")
+
+
+class _Cummax(nn.Module):
+    """A linear layer, then torch.cummax along the features: an op with no sharding rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return torch.cummax(self.linear(x), dim=1).values.mean()
+
+
+def test_an_op_without_a_rule_keeps_the_batch_split_under_data_parallelism():
+    # DDP/ZeRO/FSDP run the model's own modules on each rank's slice of the batch, so an op
+    # the rules do not know still works on that slice: it must not be priced as a gather of
+    # the whole batch on every rank.
+    with torch.device("meta"):
+        model, x = _Cummax(), torch.randn(512, 64)
+    graph = trace(model, (x,))
+    plan = data_parallel_plan(graph, Cluster.preset("cpu", 1, 2), None, "Cummax", "ddp")
+    cummax = next(s for s in plan.strategies if s.op == "aten.cummax.default")
+    assert cummax.inputs == ((Shard(0),),) and cummax.outputs == ((Shard(0),), (Shard(0),))
+    mean = next(s for s in plan.strategies if s.op.startswith("aten.mean"))
+    assert mean.inputs == ((Shard(0),),)  # the loss is still averaged over the split batch
