@@ -29,6 +29,7 @@ from search.data_parallel import DATA_PARALLEL_FLAVOURS, alternative, data_paral
 from search.ilp import solve
 from search.layouts import batch_input_placements, combine
 from search.mcmc import mcmc
+from search.megatron import megatron_baseline
 from search.plan_builder import unsimulated_plan
 
 SEARCHES = ("auto", "ilp", "mcmc")
@@ -315,24 +316,8 @@ def _baselines(graph, cluster, spec, model_name, precision, exclude: set[str]) -
             continue
         if plan.name not in exclude:
             built.append(plan)
-    megatron = _megatron_baseline(graph, cluster, spec, model_name, precision)
+    megatron = megatron_baseline(graph, cluster, spec, model_name, precision)
     if megatron is not None and megatron.name not in exclude:
         built.append(megatron)
     return built
 
-
-def _megatron_baseline(graph, cluster, spec, model_name, precision) -> Plan | None:
-    """Megatron-LM on the widest tensor-parallel degree inside a node that the model's
-    heads and widths split over (tp = devices per node, halved until it builds), or None
-    when Megatron's layout does not apply to the model."""
-    from search.megatron import megatron_plan
-
-    if not cluster.is_homogeneous:
-        return None
-    tp = cluster.devices_per_node
-    while tp > 1:
-        try:
-            return megatron_plan(graph, cluster, spec, model_name, tp=tp, precision=precision)
-        except PlanningError:
-            tp //= 2
-    return None

@@ -58,6 +58,8 @@ def plan_data_parallel(
     Raises:
         PlanningError: the batch does not split over the devices, or no flavour fits.
     """
+    from search.megatron import megatron_baseline
+
     if dp_flavour is not None and dp_flavour not in DATA_PARALLEL_FLAVOURS:
         raise PlanningError(
             f"data-parallel flavour '{dp_flavour}' is not available; choose one of {', '.join(DATA_PARALLEL_FLAVOURS)}"
@@ -74,6 +76,9 @@ def plan_data_parallel(
     runners_up = tuple(
         alternative(plans[flavour], plans[chosen]) for flavour in DATA_PARALLEL_FLAVOURS if flavour != chosen
     )
+    megatron = megatron_baseline(graph, cluster, spec, model_name, precision)
+    if megatron is not None:  # what tensor parallelism would give, for the comparison
+        runners_up += (dataclasses.replace(alternative(megatron, plans[chosen]), name=f"baseline {megatron.name}"),)
     return dataclasses.replace(plans[chosen], runners_up=runners_up)
 
 

@@ -88,3 +88,18 @@ def megatron_plan(
         warnings=tuple(warnings), label="megatron",
     )
     return simulated(plan, graph)
+
+
+def megatron_baseline(graph, cluster, spec, model_name, precision) -> Plan | None:
+    """Megatron-LM on the widest tensor-parallel degree inside a node that the model's
+    heads and widths split over (tp = devices per node, halved until it builds), or None
+    when Megatron's layout does not apply to the model."""
+    if not cluster.is_homogeneous:
+        return None
+    tp = cluster.devices_per_node
+    while tp > 1:
+        try:
+            return megatron_plan(graph, cluster, spec, model_name, tp=tp, precision=precision)
+        except PlanningError:
+            tp //= 2
+    return None

@@ -59,7 +59,7 @@ def test_small_model_on_two_processes_is_data_parallel():
     # parameters: it beats DDP by half an optimizer step. ZeRO-1 adds the gather to DDP's
     # all-reduce; FSDP gathers the weights in forward and again in backward.
     assert plan.dp_flavour == "zero2"
-    assert [alt.name for alt in plan.runners_up] == ["ddp (dp=2)", "zero1 (dp=2)", "fsdp (dp=2)"]
+    assert [alt.name for alt in plan.runners_up] == ["ddp (dp=2)", "zero1 (dp=2)", "fsdp (dp=2)", "baseline megatron (tp=2)"]
     assert all(alt.fits and alt.step_time_s > plan.estimate.step_time_s for alt in plan.runners_up)
 
 
@@ -157,7 +157,7 @@ def test_memory_tight_chooses_fsdp(gpt):
     assert plan.dp_flavour == "fsdp"
     assert plan.estimate.fits and plan.estimate.memory.total == memory["fsdp"]
     assert plan.fsdp_units == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
-    assert [alt.name for alt in plan.runners_up] == ["ddp (dp=2)", "zero1 (dp=2)", "zero2 (dp=2)"]
+    assert [alt.name for alt in plan.runners_up] == ["ddp (dp=2)", "zero1 (dp=2)", "zero2 (dp=2)", "baseline megatron (tp=2)"]
     for runner_up, flavour in zip(plan.runners_up, ("ddp", "zero1", "zero2")):
         assert not runner_up.fits and runner_up.memory_bytes == memory[flavour]
         assert runner_up.note.startswith("does not fit")
@@ -195,7 +195,7 @@ def test_forced_ddp_is_respected(gpt):
     cluster = Cluster.preset("cpu", 1, 2)
     plan = plan_data_parallel(graph, cluster, spec, "GPT", dp_flavour="ddp")
     assert plan.dp_flavour == "ddp" and plan.fsdp_units == ()
-    assert [alt.name for alt in plan.runners_up] == ["zero1 (dp=2)", "zero2 (dp=2)", "fsdp (dp=2)"]
+    assert [alt.name for alt in plan.runners_up] == ["zero1 (dp=2)", "zero2 (dp=2)", "fsdp (dp=2)", "baseline megatron (tp=2)"]
     assert planner.plan(spec, cluster, dp_flavour="ddp").dp_flavour == "ddp"
 
 
