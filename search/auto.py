@@ -139,7 +139,9 @@ def search_plan(
     return dataclasses.replace(
         best,
         runners_up=_runners_up(best, plans, baselines),
-        warnings=tuple(best.warnings) + ((cut,) if cut else ()),
+        # Every plan carries the model's warnings, but baselines built elsewhere (Megatron
+        # pipelines) carry only their own: keep both, once each.
+        warnings=tuple(dict.fromkeys((*warnings, *best.warnings, *((cut,) if cut else ())))),
         search_summary=summary,
     )
 
