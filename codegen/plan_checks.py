@@ -29,6 +29,7 @@ from codegen.source_text import one_line
 from planner.errors import PlanFileError, PlanningError
 from planner.graph import OpGraph
 from planner.opaque_backward import describe
+from planner.plan_checks import check_plan_against_graph
 from planner.plans import Plan
 
 KNOWN_AXES = ("dp", "tp", "pp")
@@ -110,25 +111,8 @@ def check_names(plan: Plan, model: torch.nn.Module, graph: OpGraph) -> None:
         for path in graph.block_paths():  # what a recomputing program checkpoints, by path
             if path not in modules:
                 raise PlanningError(f"repeated block '{one_line(path)}' of the traced model is not a module of the model")
-    for index, strategy in enumerate(plan.strategies):
-        if not graph.has_node(strategy.node):
-            raise PlanFileError(
-                f"plan field 'strategies[{index}].node' ({_shown(strategy.node)}) is not an op of the model traced from "
-                f"the spec; re-plan"
-            )
-        traced = graph.node(strategy.node)
-        if strategy.op != traced.op:
-            raise PlanFileError(
-                f"plan field 'strategies[{index}].op' ({_shown(strategy.op)}) is not what op '{strategy.node}' of the "
-                f"model traced from the spec runs ({traced.op}); re-plan"
-            )
-        reads = set(traced.params)
-        for name in strategy.params:
-            if name not in reads:
-                raise PlanFileError(
-                    f"plan field 'strategies[{index}].params' names {_shown(name)}, which op '{strategy.node}' of the "
-                    f"traced model does not read; re-plan"
-                )
+    # Ops, their names and the parameters they read: the same checks compile runs first.
+    check_plan_against_graph(plan, graph)
 
 
 def check_backward_replayable(plan: Plan, graph: OpGraph) -> None:
