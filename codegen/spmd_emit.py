@@ -417,6 +417,11 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
                 note = f"buffer {notes.shape_text(meta.shape)}, the same on every rank"
                 lines.append(f"        {fx_node.name} = self.model.get_buffer({name!r})  # {note}")
                 self.values[fx_node.name] = _Value(fx_node.name, "plain")
+            elif fx_node.name in self.graph.constants:
+                value = self.graph.constants[fx_node.name]
+                note = f"a constant the forward makes, {notes.shape_text(tuple(value.shape))}, the same on every rank"
+                lines.append(f"        {fx_node.name} = {tensor_literal(value, fx_node.name)}  # {note}")
+                self.values[fx_node.name] = _Value(fx_node.name, "plain")
             else:
                 raise NotImplementedError(
                     f"graph input '{fx_node.name}' is neither a user input, a parameter nor a buffer (a tensor constant "
@@ -925,6 +930,41 @@ def _literal(value: Any) -> str:
         inner = ", ".join(_literal(v) for v in value)
         return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
     raise NotImplementedError(f"graph codegen cannot write the argument {value!r} ({type(value).__name__})")
+
+
+# Elements of a tensor constant written into the program as a literal at most; bigger ones
+# belong in the model as buffers (they are then loaded, not written out).
+MAX_CONSTANT_ELEMENTS = 4096
+
+
+def tensor_literal(value: torch.Tensor, name: str) -> str:
+    """Python source that rebuilds ``value`` (a tensor constant of the traced forward) on this
+    rank's device: its elements written with ``repr`` (via ``_literal``), never as code.
+
+    Raises:
+        PlanningError: the constant is too big to write out, or of a dtype that has no
+            Python literal (e.g. complex).
+    """
+    if value.numel() > MAX_CONSTANT_ELEMENTS:
+        raise PlanningError(
+            f"the model's forward makes a tensor constant '{name}' of {value.numel()} elements (e.g. torch.tensor(...)); "
+            f"compiled programs write constants of at most {MAX_CONSTANT_ELEMENTS}: register it as a buffer instead"
+        )
+    if value.is_complex() or value.dtype not in _LITERAL_DTYPES:
+        raise PlanningError(
+            f"the model's forward makes a tensor constant '{name}' of dtype {value.dtype}, which compiled programs "
+            f"cannot write out; register it as a buffer instead"
+        )
+    elements = value.detach().cpu().tolist()
+    return f"torch.tensor({_literal(elements)}, dtype={value.dtype}, device=self.device)"
+
+
+_LITERAL_DTYPES = frozenset(
+    {
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+        torch.int8, torch.uint8, torch.bool,
+    }
+)
 
 
 def _children(spec: TreeSpec) -> list[TreeSpec]:

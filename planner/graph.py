@@ -129,6 +129,8 @@ class OpGraph:
         tracer: ``"export"`` or ``"symbolic_trace"``, the front end that produced it.
         warnings: things noticed while tracing that a user should know (shown in reports).
         graph_module: the ``torch.fx.GraphModule`` the nodes were read from.
+        constants: placeholder name -> value of each tensor the forward makes from Python
+            data (export's lifted tensor constants, e.g. ``torch.tensor([...])``), on the CPU.
     """
 
     nodes: list[OpNode]
@@ -140,6 +142,7 @@ class OpGraph:
     tracer: str = "export"
     warnings: list[str] = field(default_factory=list)
     graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
+    constants: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _by_name: dict[str, OpNode] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
