@@ -42,6 +42,7 @@ from torch.utils._pytree import TreeSpec
 from codegen import spmd_notes as notes
 from codegen.emit import autocast_lines, precision_imports
 from codegen.spmd_recompute import checkpointed_body
+from codegen.dry_run import WRONG_LOCAL_SHAPE
 from codegen.graph_facts import (
     ATTENTION,
     DROPOUTS,
@@ -121,7 +122,9 @@ def render_graph_program(plan: Plan) -> str:
 
     # Run the program once on meta tensors (a fake process group), then write it again from
     # what DTensor actually produced, so redistributions and comments say what happens.
-    return dry_run.refine(plan, lambda observed, forced: write(observed, forced, final=False), write)
+    return dry_run.refine(
+        plan, lambda observed, forced: write(observed, forced, final=False), write, dry_run.traced_shapes(graph.graph_module)
+    )
 
 
 # ------------------------------------------------------------------------------ emitter
@@ -572,10 +575,16 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
             error = self.forced[name]
             where = "its backward" if error.startswith("in backward") else "it"
             kind = error.removeprefix("in backward: ").split(":", 1)[0]
-            comments.append(
-                f"# DTensor cannot run {notes.short_op(op)} on these placements ({where} failed in the compile-time dry run "
-                f"with {kind}): run it on inputs gathered whole"
-            )
+            if error.startswith(WRONG_LOCAL_SHAPE):
+                comments.append(
+                    f"# DTensor runs {notes.short_op(op)} on these placements but gets it wrong: in the compile-time dry run "
+                    f"its {error.removeprefix(WRONG_LOCAL_SHAPE + ': ')}; run it on inputs gathered whole"
+                )
+            else:
+                comments.append(
+                    f"# DTensor cannot run {notes.short_op(op)} on these placements ({where} failed in the compile-time "
+                    f"dry run with {kind}): run it on inputs gathered whole"
+                )
             self.fallbacks.add(f"{notes.short_op(op)} (on whole inputs)")
             call = f"self._replicated({callee}, {', '.join(rendered)})"
         elif on_dtensors and op.startswith(ATTENTION):

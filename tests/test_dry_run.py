@@ -1,14 +1,68 @@
-"""What graph codegen writes besides ops: tensor constants, through ``repr`` only."""
+"""The compile-time dry run (codegen/dry_run.py) and what graph codegen writes from it.
+
+The dry run runs a generated program once as rank 0 of a fake process group on meta
+tensors. Besides ops DTensor cannot run, it must catch ops DTensor runs *wrongly*: a
+convolution whose weight is split over ``tp`` comes out of DTensor's convolution handler as a
+slice of the channels that DTensor calls whole. The program then runs that op on whole
+inputs, and says why. (``tests/test_zoo.py`` runs this program and checks it against one
+device.) Also here: tensor constants written into the program through ``repr`` only.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
+import planner
 from codegen.spmd_emit import MAX_CONSTANT_ELEMENTS, tensor_literal
+from planner.api import prepare_model
 from planner.errors import PlanningError
+from planner.model_spec import ModelSpec
+from planner.strategy import Mesh
+from search.auto import node_strategies
+from search.plan_builder import unsimulated_plan
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+R = Replicate()
+
+
+def conv_weights_split_plan(world: int = 2) -> planner.Plan:
+    """examples/cnn.py on ``tp``, every op replicated but the convolutions, whose weights
+    (and biases) are split on output channels: right by arithmetic, wrong on DTensor (the
+    rules no longer offer it; a plan file could still say it)."""
+    graph, spec, name, cluster = prepare_model(ModelSpec(str(EXAMPLES / "cnn.py"), {"batch_size": 8}), f"cpu:1x{world}")
+    mesh = Mesh((("tp", world),))
+    options = node_strategies(graph, mesh)
+    strategies = []
+    for node in graph.nodes:
+        strategy = options[node.name][0]  # all-replicate
+        if node.op.startswith("aten.conv"):
+            split = (R,), (Shard(0),), (Shard(0),)
+            strategy = dataclasses.replace(
+                strategy, inputs=split, outputs=((Shard(1),),), params=dict(zip(node.params, split[1:]))
+            )
+        strategies.append(strategy)
+    strategies = tuple(strategies)
+    inputs = {i.name: (R,) if i.meta else None for i in graph.inputs}
+    return unsimulated_plan(graph, cluster, spec, name, mesh, strategies, inputs)
+
+
+def test_a_convolution_dtensor_gets_wrong_runs_on_whole_inputs(tmp_path):
+    folder = planner.compile(conv_weights_split_plan(), tmp_path / "cnn_conv_split")
+    source = (folder / "model_spmd.py").read_text()
+    convolutions = [line for line in source.splitlines() if "aten.conv2d.default" in line and " = " in line]
+    assert len(convolutions) == 3
+    assert all("self._replicated(aten.conv2d.default," in line for line in convolutions), convolutions
+    assert source.count("# DTensor runs conv2d on these placements but gets it wrong:") == 3
+    # The first convolution: 16 output channels, split over 2 ranks, labelled whole.
+    assert "its result on rank 0 is (8, 8, 16, 16) where (R) of the traced (8, 16, 16, 16) promise (8, 16, 16, 16)" in source
+    assert "WARNING" not in source  # the dry run ran to the end
+
 
 # ---------------------------------------------------------------- tensor constants
 
