@@ -262,17 +262,26 @@ def _inputs(task: str, config: Any, batch_size: int, shape: dict[str, Any], wher
 
 
 def _image_inputs(config: Any, batch_size: int, shape: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
-    size = shape.get("image_size", getattr(config, "image_size", HF_DEFAULT_IMAGE_SIZE))
+    size = shape.get("image_size", _vision_field(config, "image_size", HF_DEFAULT_IMAGE_SIZE))
     if isinstance(size, (list, tuple)) and len(size) == 2:
         height, width = (_positive_int(side, "image_size", where) for side in size)
     else:
         height = width = _positive_int(size, "image_size", where)
-    channels = _positive_int(getattr(config, "num_channels", 3), "num_channels", where)
+    channels = _positive_int(_vision_field(config, "num_channels", 3), "num_channels", where)
     num_labels = _positive_int(getattr(config, "num_labels", 2), "num_labels", where)
     return {
         "pixel_values": torch.randn(batch_size, channels, height, width),
         "labels": torch.randint(0, num_labels, (batch_size,)),
     }
+
+
+def _vision_field(config: Any, name: str, default: Any) -> Any:
+    """A field of the config, or of its vision sub-config (CLIP, SigLIP), or ``default``."""
+    for holder in (config, getattr(config, "vision_config", None)):
+        value = getattr(holder, name, None) if holder is not None else None
+        if value is not None:
+            return value
+    return default
 
 
 def _check_positions(config: Any, name: str, length: int, where: str) -> None:

@@ -452,10 +452,13 @@ def test_hf_nested_config_keys_set_sub_config_fields():
         "text_config.hidden_size": 48, "text_config.num_hidden_layers": 1, "text_config.vocab_size": 64,
         "text_config.intermediate_size": 64, "text_config.num_attention_heads": 2,
         "vision_config.hidden_size": 32, "vision_config.num_hidden_layers": 1, "vision_config.num_attention_heads": 2,
+        "vision_config.image_size": 32, "vision_config.patch_size": 8,
     }
-    model, _, _ = ModelSpec("hf:clip", overrides).build("meta")
+    model, _, kwargs = ModelSpec("hf:clip", overrides).build("meta")
     assert model.config.text_config.hidden_size == 48 and model.config.text_config.num_hidden_layers == 1
     assert model.config.vision_config.hidden_size == 32
+    # CLIP is an image classifier here; its image size comes from the vision sub-config.
+    assert type(model).__name__ == "CLIPForImageClassification" and kwargs["pixel_values"].shape == (2, 3, 32, 32)
     assert model.config.text_config.max_position_embeddings == 77  # the sub-config's default for the rest
     with pytest.raises(SpecError, match=r"no config field 'text_config.hiden_size'.*'hidden_size'"):
         ModelSpec("hf:clip", {"text_config.hiden_size": 48}).build("meta")
