@@ -332,7 +332,13 @@ class _Emitter:
             placements = self._input_placements(graph_input.name)
             note = notes.value_note(graph_input.meta.shape, placements, self.axes, self.sizes)
             sections.append(f"    {graph_input.name!r}: {self.constant(placements)},  # {note}")
-        sections += ["}", "", "# Dropout op -> the nn.Dropout whose p it reads at run time.", "DROPOUT_MODULES = {"]
+        sections += [
+            "}",
+            "",
+            "# Dropout op -> where it reads its probability at run time: an nn.Dropout (its p), or",
+            "# (module, attribute) for a float attribute of the module that issued it.",
+            "DROPOUT_MODULES = {",
+        ]
         for node, path in self.facts.dropout_modules.items():
             sections.append(f"    {node!r}: {path!r},")
         sections += ["}", ""]

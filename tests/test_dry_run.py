@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -31,17 +32,18 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 R = Replicate()
 
 
-def conv_weights_split_plan(world: int = 2) -> planner.Plan:
-    """examples/cnn.py on ``tp``, every op replicated but the convolutions, whose weights
-    (and biases) are split on output channels: right by arithmetic, wrong on DTensor (the
-    rules no longer offer it; a plan file could still say it)."""
-    graph, spec, name, cluster = prepare_model(ModelSpec(str(EXAMPLES / "cnn.py"), {"batch_size": 8}), f"cpu:1x{world}")
+def tp_plan(spec: ModelSpec, world: int = 2, split_convolutions: bool = False) -> planner.Plan:
+    """``spec`` on a ``tp`` mesh of ``world`` ranks, every op replicated (a graph program);
+    with ``split_convolutions`` the convolutions' weights (and biases) are split on output
+    channels: right by arithmetic, wrong on DTensor (the rules no longer offer it; a plan
+    file could still say it)."""
+    graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
     mesh = Mesh((("tp", world),))
     options = node_strategies(graph, mesh)
     strategies = []
     for node in graph.nodes:
         strategy = options[node.name][0]  # all-replicate
-        if node.op.startswith("aten.conv"):
+        if split_convolutions and node.op.startswith("aten.conv"):
             split = (R,), (Shard(0),), (Shard(0),)
             strategy = dataclasses.replace(
                 strategy, inputs=split, outputs=((Shard(1),),), params=dict(zip(node.params, split[1:]))
@@ -50,6 +52,11 @@ def conv_weights_split_plan(world: int = 2) -> planner.Plan:
     strategies = tuple(strategies)
     inputs = {i.name: (R,) if i.meta else None for i in graph.inputs}
     return unsimulated_plan(graph, cluster, spec, name, mesh, strategies, inputs)
+
+
+def conv_weights_split_plan(world: int = 2) -> planner.Plan:
+    """examples/cnn.py on ``tp`` with its convolution weights split (see ``tp_plan``)."""
+    return tp_plan(ModelSpec(str(EXAMPLES / "cnn.py"), {"batch_size": 8}), world, split_convolutions=True)
 
 
 def test_a_convolution_dtensor_gets_wrong_runs_on_whole_inputs(tmp_path):
@@ -62,6 +69,19 @@ def test_a_convolution_dtensor_gets_wrong_runs_on_whole_inputs(tmp_path):
     # The first convolution: 16 output channels, split over 2 ranks, labelled whole.
     assert "its result on rank 0 is (8, 8, 16, 16) where (R) of the traced (8, 16, 16, 16) promise (8, 16, 16, 16)" in source
     assert "WARNING" not in source  # the dry run ran to the end
+
+
+def test_functional_dropout_reads_its_float_attribute_at_run_time(tmp_path):
+    """F.dropout(x, self.p, ...) and dropout_p=self.attention_dropout: the program reads the
+    attributes live, so --check switching them off holds when backward recomputes a block."""
+    spec = ModelSpec(str(Path(__file__).resolve().with_name("zoo_models.py")) + ":functional_dropout", {})
+    source = (planner.compile(tp_plan(spec), tmp_path / "dropout") / "model_spmd.py").read_text()
+    table = source[source.index("DROPOUT_MODULES = {") : source.index("}", source.index("DROPOUT_MODULES = {"))]
+    assert sorted(re.findall(r"'(\w+)': (.+),", table)) == [
+        ("dropout", "('', 'p')"),
+        ("dropout_1", "'dropout'"),  # the nn.Dropout module
+        ("scaled_dot_product_attention", "('', 'attention_dropout')"),
+    ], table
 
 
 # ---------------------------------------------------------------- tensor constants

@@ -9,14 +9,22 @@ reference and the sharded run switched off alike) is checked by the zoo's parity
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointError, checkpoint
 
-from codegen.runtime.randomness import NoDropout, RandomnessReport, switch_off_dropout_modules
+from codegen.runtime.randomness import (
+    NoDropout,
+    RandomnessReport,
+    switch_off_dropout_attributes,
+    switch_off_dropout_modules,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zoo_models  # noqa: E402 - the zoo's models live beside the tests
@@ -81,6 +89,35 @@ def test_a_model_with_every_kind_of_dropout_runs_deterministically():
         "--check: switched off randomness: 1 nn.Dropout module, 1 functional dropout call, "
         "attention dropout_p in 1 SDPA call"
     )
+
+
+def test_probability_attributes_are_found_and_switched_off_for_recomputation():
+    """The mode is not active when backward recomputes a checkpointed block; the float
+    attributes the reference run found are set to 0 so the recomputation draws nothing."""
+    torch.manual_seed(0)
+    model, (ids, labels) = zoo_models.functional_dropout()
+    report = switch_off_dropout_modules(model)
+    reference = copy.deepcopy(model)
+    no_dropout = NoDropout(report)
+    with no_dropout:
+        reference(ids, labels).backward()
+    assert no_dropout.attributes_in(reference) == [("", "attention_dropout"), ("", "p")]
+    switch_off_dropout_attributes(model, no_dropout.attributes_in(reference), report)
+    assert model.p == 0.0 and model.attention_dropout == 0.0
+    with NoDropout(counting=False):
+        checkpoint(model, ids, labels, use_reentrant=False).backward()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, msg=name)
+    assert report.line().endswith("attention dropout_p in 1 SDPA call, 2 float dropout attributes set to 0")
+
+
+def test_without_the_attributes_recomputation_would_draw_new_masks():
+    """Why the attributes matter: under the mode alone, backward's recomputation runs dropout
+    (here attention takes another path with dropout on, and checkpoint notices)."""
+    torch.manual_seed(0)
+    model, (ids, labels) = zoo_models.functional_dropout()
+    with NoDropout(), pytest.raises(CheckpointError, match="different metadata"):
+        checkpoint(model, ids, labels, use_reentrant=False).backward()
 
 
 class DropPath(nn.Module):

@@ -82,7 +82,7 @@ class FunctionalDropout(nn.Module):
         self.out = nn.Linear(width, width)
         self.head = nn.Linear(width, vocab)
         self.p = p  # a float attribute, read by F.dropout: no module owns it
-        self.attention_p = p
+        self.attention_dropout = p  # read by attention as dropout_p, as HuggingFace's attention does
         self.dropout = nn.Dropout(p)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,7 @@ class FunctionalDropout(nn.Module):
         batch, seq, width = h.shape
         q, k, v = self.qkv(h).view(batch, seq, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
         attended = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.attention_p if self.training else 0.0, is_causal=True
+            q, k, v, dropout_p=self.attention_dropout if self.training else 0.0, is_causal=True
         )
         attended = attended.transpose(1, 2).reshape(batch, seq, width)
         h = h + F.dropout(self.out(attended), self.p, self.training)

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from codegen.runtime.precision import AUTOCAST_DTYPES, run_in_autocast
 from codegen.runtime.program import Program
-from codegen.runtime.randomness import NoDropout, switch_off_dropout_modules
+from codegen.runtime.randomness import NoDropout, switch_off_dropout_attributes, switch_off_dropout_modules
 from planner.model_spec import extract_loss
 
 
@@ -109,10 +109,14 @@ def check_parity(
 
     # Single device: the whole global batch on this rank alone. Backward too runs without
     # dropout: recomputed blocks replay their forward there.
-    with NoDropout(randomness):
+    no_dropout = NoDropout(randomness)
+    with no_dropout:
         ref_output = reference(*args, **kwargs)
         ref_loss = extract_loss(ref_output)
         ref_loss.backward()
+    # The float attributes functional dropout read its probability from, off at the source:
+    # the sharded step reads 0 in forward and when backward recomputes a block alike.
+    switch_off_dropout_attributes(model, no_dropout.attributes_in(reference), randomness)
     ref_grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters() if p.grad is not None}
 
     # Sharded: this rank's module on this rank's slice of the batch.

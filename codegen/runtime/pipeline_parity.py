@@ -30,7 +30,7 @@ from codegen.runtime.parity import (
     single_device_reference,
 )
 from codegen.runtime.program import Program
-from codegen.runtime.randomness import NoDropout, switch_off_dropout_modules
+from codegen.runtime.randomness import NoDropout, switch_off_dropout_attributes, switch_off_dropout_modules
 from planner.model_spec import extract_loss
 
 
@@ -43,9 +43,11 @@ def check_pipeline_parity(
     reference = single_device_reference(program, model, mesh)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
 
-    with NoDropout(randomness):
+    no_dropout = NoDropout(randomness)
+    with no_dropout:
         ref_loss = extract_loss(reference(*args, **kwargs))
         ref_loss.backward()
+    switch_off_dropout_attributes(model, no_dropout.attributes_in(reference), randomness)  # see parity.check_parity
     ref_grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters() if p.grad is not None}
 
     stage = program.parallelize(model, mesh)

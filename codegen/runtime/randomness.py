@@ -11,18 +11,24 @@ hides in three places, and each is switched off here:
   (HuggingFace's seq2seq models), and the ATen dropout ops a graph program calls;
 - attention's ``dropout_p`` (``F.scaled_dot_product_attention``, and the ATen op).
 
-The last two are calls, not modules: :class:`NoDropout`, a ``TorchFunctionMode``, rewrites
+The last two are calls, not modules. :class:`NoDropout`, a ``TorchFunctionMode``, rewrites
 them while it is active (dropout runs with ``training=False``, i.e. as the identity;
-attention with ``dropout_p=0``), on plain tensors and on DTensors alike, so the reference
-run and the sharded run (eager model, DDP/FSDP, or a generated graph program) are switched
-off the same way. Random ops that are not dropout (``torch.rand`` in a forward) cannot be
-switched off without changing the model; they are counted and named, so a failed check
-says why.
+attention with ``dropout_p=0``), on plain tensors and on DTensors alike, and while the
+reference step runs it finds the float attribute each probability came from (the module
+calling it holds it: ``self.dropout``, ``module.attention_dropout``). Those attributes are
+then set to 0 in the model the sharded step runs, and graph programs read them at run time
+(``DROPOUT_MODULES``), so no rewriting is left to do there. That matters: a mode is not
+active when backward recomputes a checkpointed block, so a rewritten forward and its
+recomputation would differ. Random ops that are not dropout (``torch.rand`` in a forward)
+cannot be switched off without changing the model; they are counted and named, so a failed
+check says why.
 """
 
 from __future__ import annotations
 
+import math
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +37,13 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["NoDropout", "RandomnessReport", "switch_off_dropout_modules"]
+__all__ = ["NoDropout", "RandomnessReport", "switch_off_dropout_attributes", "switch_off_dropout_modules"]
+
+# Frames above a dropout call searched for the module whose attribute holds its probability
+# (HuggingFace: the attention module -> sdpa_attention_forward(module, ...) -> the call).
+_FRAMES_SEARCHED = 8
+_DROPOUT_ATTRIBUTE = re.compile(r"drop|^p$")
+_ATTENTION_NAME = re.compile(r"attn|attention")
 
 # Stochastic depth: a module of such a class name drops whole samples with the probability
 # held in one of these float attributes.
@@ -83,6 +95,7 @@ class RandomnessReport:
 
     dropout_modules: int = 0
     drop_path_modules: int = 0
+    dropout_attributes: int = 0
     functional_dropout_calls: int = 0
     attention_dropout_calls: int = 0
     other_random_calls: Counter = field(default_factory=Counter)
@@ -101,6 +114,9 @@ class RandomnessReport:
         if self.attention_dropout_calls:
             n = self.attention_dropout_calls
             parts.append(f"attention dropout_p in {n} SDPA call{'s' * (n != 1)}")
+        if self.dropout_attributes:
+            n = self.dropout_attributes
+            parts.append(f"{n} float dropout attribute{'s' * (n != 1)} set to 0")
         line = f"--check: switched off randomness: {', '.join(parts)}" if parts else "--check: no dropout found to switch off"
         if self.other_random_calls:
             named = ", ".join(f"{name} x{count}" for name, count in sorted(self.other_random_calls.items()))
@@ -133,42 +149,87 @@ class NoDropout(TorchFunctionMode):
 
     Args:
         report: where calls that had randomness on are counted (when ``counting``).
-        counting: count into ``report`` (the reference run counts; the sharded run, which
-            makes the same calls again, does not).
+        counting: count into ``report`` and find the attributes the probabilities came from
+            (the reference run does; the sharded run, which makes the same calls, does not).
     """
 
     def __init__(self, report: RandomnessReport | None = None, counting: bool = True) -> None:
         super().__init__()
         self.report = report if report is not None else RandomnessReport()
         self.counting = counting
+        self._attributes: dict[tuple[int, str], torch.nn.Module] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - TorchFunctionMode's API
         kwargs = dict(kwargs or {})
         if func in _DROPOUT_FUNCTIONS:
             position, keyword = _DROPOUT_FUNCTIONS[func]
-            args, kwargs, was = _replace(args, kwargs, position, keyword, False, default=True)
-            if was and self.counting and _probability(args, kwargs) > 0:
-                self.report.functional_dropout_calls += 1
+            p = _probability(args, kwargs)
+            if p > 0 and _argument(args, kwargs, position, keyword, True):
+                args, kwargs = _replace(args, kwargs, position, keyword, False)
+                if self.counting:
+                    self.report.functional_dropout_calls += 1
+                    self._find_attribute(p, attention=False)
         elif func in _ATTENTION_FUNCTIONS:
             position, keyword = _ATTENTION_FUNCTIONS[func]
-            args, kwargs, was = _replace(args, kwargs, position, keyword, 0.0, default=0.0)
-            if was and self.counting:
-                self.report.attention_dropout_calls += 1
+            p = _argument(args, kwargs, position, keyword, 0.0)
+            if isinstance(p, (int, float)) and p > 0:
+                args, kwargs = _replace(args, kwargs, position, keyword, 0.0)
+                if self.counting:
+                    self.report.attention_dropout_calls += 1
+                    self._find_attribute(p, attention=True)
         elif self.counting and _random_name(func) is not None:
             self.report.other_random_calls[_random_name(func)] += 1
         return func(*args, **kwargs)
 
+    def _find_attribute(self, p: float, attention: bool) -> None:
+        """Remember the float attribute ``p`` was read from: one of a module found as ``self``
+        or ``module`` in the frames that led to this call, whose name says dropout (or is
+        ``p``); for attention, names that say attention first, for other dropout the others."""
+        frame = sys._getframe(2)
+        for _ in range(_FRAMES_SEARCHED):
+            if frame is None:
+                return
+            for local in ("self", "module"):
+                module = frame.f_locals.get(local)
+                if not isinstance(module, torch.nn.Module):
+                    continue
+                names = [
+                    name
+                    for name, held in vars(module).items()
+                    if isinstance(held, float) and math.isclose(held, p) and _DROPOUT_ATTRIBUTE.search(name)
+                ]
+                if names:
+                    name = min(names, key=lambda name: (bool(_ATTENTION_NAME.search(name)) != attention, name))
+                    self._attributes[(id(module), name)] = module
+                    return
+            frame = frame.f_back
 
-def _replace(args: tuple, kwargs: dict, position: int, keyword: str, value: Any, default: Any) -> tuple[tuple, dict, Any]:
-    """``args``/``kwargs`` with the argument at ``position`` (or ``keyword``) set to ``value``;
-    also returns what it was (``default`` when not given)."""
+    def attributes_in(self, model: torch.nn.Module) -> list[tuple[str, str]]:
+        """``(module path, attribute)`` of every probability attribute found, for the modules
+        of ``model`` (the reference run's model)."""
+        paths = {id(module): path for path, module in model.named_modules()}
+        return sorted((paths[key[0]], key[1]) for key in self._attributes if key[0] in paths)
+
+
+def switch_off_dropout_attributes(model: torch.nn.Module, attributes: list[tuple[str, str]], report: RandomnessReport) -> None:
+    """Set each ``(module path, attribute)`` of ``model`` to 0.0 (the probabilities
+    ``NoDropout`` found), counting them into ``report``."""
+    for path, name in attributes:
+        module = model.get_submodule(path)
+        if isinstance(getattr(module, name, None), float) and getattr(module, name) > 0:
+            setattr(module, name, 0.0)
+            report.dropout_attributes += 1
+
+
+def _argument(args: tuple, kwargs: dict, position: int, keyword: str, default: Any) -> Any:
+    return args[position] if len(args) > position else kwargs.get(keyword, default)
+
+
+def _replace(args: tuple, kwargs: dict, position: int, keyword: str, value: Any) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` with the argument at ``position`` (or ``keyword``) set to ``value``."""
     if len(args) > position:
-        was = args[position]
-        args = (*args[:position], value, *args[position + 1 :])
-    else:
-        was = kwargs.get(keyword, default)
-        kwargs[keyword] = value
-    return args, kwargs, was
+        return (*args[:position], value, *args[position + 1 :]), kwargs
+    return args, {**kwargs, keyword: value}
 
 
 def _probability(args: tuple, kwargs: dict) -> float:
