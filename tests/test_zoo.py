@@ -44,7 +44,11 @@ import planner
 from planner.api import prepare_model
 from planner.errors import PlannerError
 from planner.model_spec import ModelSpec
+from planner.strategy import Mesh
+from search.layouts import batch_input_placements, combine
 from search.megatron import megatron_plan
+from search.plan_builder import unsimulated_plan
+from search.propagation import propagate
 from test_dry_run import conv_weights_split_plan
 from test_parity import Launch, check_many, result_of
 
@@ -105,6 +109,9 @@ MEMBERS: dict[str, tuple[str, dict, int]] = {
     "zoo_resnet": (f"{ZOO_MODELS}:resnet", {}, 4),
 }
 HAND_MADE = "cnn_conv_weights_split"  # world 2, from tests/test_dry_run.py
+# The multi-output model with its batch split over tp (world 2), a graph program whatever the
+# search picks: max.dim and min.dim give both outputs split, the ops without a rule run whole.
+BATCH_SPLIT = "multi_output_batch_split"
 # Megatron-LM's layout on dp=2 x tp=2 (world 4) for some members: weights split over tp for
 # sure (the search, on these tiny models, often keeps every op whole on tp).
 MEGATRON = ("mistral", "falcon", "opt", "t5", "bart", "vit")
@@ -148,6 +155,8 @@ def _run_zoo(world: int, root: Path) -> ZooRun:
     if world == 2:
         plans[HAND_MADE] = conv_weights_split_plan(world)
         folders[HAND_MADE] = planner.compile(plans[HAND_MADE], root / HAND_MADE)
+        plans[BATCH_SPLIT] = batch_split_plan(ModelSpec(*MEMBERS["multi_output"][:2]), world)
+        folders[BATCH_SPLIT] = planner.compile(plans[BATCH_SPLIT], root / BATCH_SPLIT)
         resnet, overrides, _ = MEMBERS["zoo_resnet"]
         for name, flavour in {**BATCH_NORM_FLAVOURS, UNSYNCHRONISED: "ddp"}.items():
             plans[name] = planner.plan(ModelSpec(resnet, overrides), "cpu:1x2", dp_flavour=flavour, progress=False)
@@ -157,6 +166,14 @@ def _run_zoo(world: int, root: Path) -> ZooRun:
         assert SYNCHRONISE_LINE in source, source
         program.write_text(source.replace(SYNCHRONISE_LINE, ""))
     return ZooRun(world, plans, refused, folders, check_many(world, list(folders.values()), root))
+
+
+def batch_split_plan(spec: ModelSpec, world: int) -> planner.Plan:
+    """``spec`` with its batch split over a ``tp`` mesh of ``world`` ranks (a graph program)."""
+    graph, spec, model_name, cluster = prepare_model(spec, f"cpu:1x{world}")
+    mesh = Mesh((("tp", world),))
+    strategies, inputs = combine(graph, mesh, {"tp": propagate(graph, batch_input_placements(graph), {})})
+    return unsimulated_plan(graph, cluster, spec, model_name, mesh, strategies, inputs, label="soap")
 
 
 def members(world: int) -> list[str]:
@@ -205,6 +222,13 @@ def test_batch_norm_left_per_rank_is_caught(zoo2):
     """Without the synchronisation each rank normalises its half of the batch alone."""
     result = zoo2.result(UNSYNCHRONISED)
     assert result.startswith("FAILED parity FAILED: worst tensor "), result
+
+
+def test_multi_output_ops_with_split_outputs_train_like_one_device(zoo2):
+    source = (zoo2.folders[BATCH_SPLIT] / "model_spmd.py").read_text()
+    # max.dim's indices stay split like its values (one placement per output).
+    assert re.search(r"= max_1\[1\]  # \(8, 1\) -> \(4, 1\) per rank: S\(0\) on tp \(int64\)", source), source
+    assert zoo2.result(BATCH_SPLIT).startswith("ok parity ok: "), zoo2.result(BATCH_SPLIT)
 
 
 RANDOMNESS = {
