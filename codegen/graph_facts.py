@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -58,8 +59,11 @@ def model_facts(model: torch.nn.Module, args: tuple, kwargs: dict, graph: OpGrap
 
     was_training = model.training
     model.train()
+    # Tensors the forward makes without a device (torch.tensor([...])) follow the model's
+    # parameters onto the meta device, as they would follow them onto a GPU at run time.
+    on_meta = any(p.is_meta for p in model.parameters())
     try:
-        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True), torch.device("meta") if on_meta else nullcontext():
             output = model(*args, **kwargs)
     finally:
         model.train(was_training)

@@ -111,6 +111,34 @@ def test_tensor_constants_are_written_as_literals(value):
     )
 
 
+CPU_VECTOR_MODEL = """
+import torch
+from torch import nn
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return (self.linear(x) * torch.tensor([1.0, -1.0, 2.0, 0.5])).pow(2).mean()
+
+
+def build(batch_size=8):
+    return Scaled(), (torch.randn(batch_size, 4),)
+"""
+
+
+def test_a_constant_made_without_a_device_compiles(tmp_path):
+    """torch.tensor([...]) without a device is a CPU tensor that meta inputs cannot meet: the
+    tracer and codegen's look at the model's output both have to cope."""
+    (tmp_path / "scaled.py").write_text(CPU_VECTOR_MODEL)
+    folder = planner.compile(tp_plan(ModelSpec(str(tmp_path / "scaled.py"), {})), tmp_path / "out")
+    source = (folder / "model_spmd.py").read_text()
+    assert "= torch.tensor([1.0, -1.0, 2.0, 0.5], dtype=torch.float32, device=self.device)" in source
+
+
 def test_big_or_odd_constants_are_refused_with_one_line():
     with pytest.raises(PlanningError, match="register it as a buffer"):
         tensor_literal(torch.zeros(MAX_CONSTANT_ELEMENTS + 1), "c_big")
