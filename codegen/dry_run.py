@@ -10,6 +10,13 @@ the meta device (no memory, no arithmetic), and reads each value's placements wh
 ``forward`` returns. Backward runs too. An op that DTensor cannot run forward or backward on
 its placements raises here, and is named (anomaly mode ties a backward step to its line).
 
+DTensor can also run an op and be wrong without raising: its convolution, for one, computes
+from the input's placements alone and ignores a sharded weight, so the local result is a
+slice its placements do not describe. So every op's local result is checked against what its
+placements promise: the global shape from the trace, split as the placements say (rank 0's
+piece). The first op that breaks that promise is named like an op that raised, and runs on
+whole inputs from then on.
+
 Nothing here is needed at run time; when the fake process group is unavailable (a process
 group already exists, or torch moved its testing helpers) codegen writes the program from
 the plan alone.
@@ -24,7 +31,7 @@ import traceback
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -32,6 +39,8 @@ from planner.model_spec import extract_loss
 from planner.plans import Plan
 
 _FILENAME = "<model_spmd dry run>"
+# How a forced op's reason starts when DTensor ran it but its local result broke the promise.
+WRONG_LOCAL_SHAPE = "wrong local shape"
 
 
 @dataclass
@@ -48,6 +57,8 @@ class Observation:
     placements: dict[str, Any] = field(default_factory=dict)
     failed_at: str | None = None
     error: str | None = None
+    mismatch: str | None = None  # the first op whose local result breaks its placements' promise
+    mismatch_note: str = ""  # how (local shape against the promised one)
 
 
 def available(plan: Plan) -> bool:
@@ -63,9 +74,21 @@ def available(plan: Plan) -> bool:
     return True
 
 
-def observe(plan: Plan, source: str) -> Observation:
+def traced_shapes(graph_module: torch.fx.GraphModule) -> dict[str, tuple[int, ...]]:
+    """Global shape of every tensor an op of ``graph_module`` makes, by node name (the Python
+    name of its result in a generated forward), in program order."""
+    shapes = {}
+    for node in graph_module.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "call_function" and isinstance(value, torch.Tensor):
+            shapes[node.name] = tuple(int(d) for d in value.shape)
+    return shapes
+
+
+def observe(plan: Plan, source: str, expected: Mapping[str, tuple[int, ...]] | None = None) -> Observation:
     """Run ``source`` (a ``model_spmd.py``) forward and backward once as rank 0 of a fake
-    group on meta tensors."""
+    group on meta tensors; ``expected`` (``traced_shapes``) are the global shapes each op's
+    local result is checked against (``Observation.mismatch``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -89,6 +112,7 @@ def observe(plan: Plan, source: str) -> Observation:
 
         def profile(frame, event, arg):  # noqa: ARG001 - sys.setprofile's signature
             if event == "return" and frame.f_code is forward_code:
+                _note_mismatch(observation, frame.f_locals, expected or {}, mesh)
                 for name, value in frame.f_locals.items():
                     if isinstance(value, DTensor):
                         observation.placements[name] = tuple(value.placements)
@@ -109,6 +133,8 @@ def observe(plan: Plan, source: str) -> Observation:
         except Exception as error:  # noqa: BLE001 - reported to codegen, which decides
             observation.error = _one_line(error)
             observation.failed_at = _failing_name(error, forward_code)
+            # An op that came out wrong earlier is the cause more often than the op that raised.
+            _note_mismatch(observation, _forward_locals(error, forward_code), expected or {}, mesh)
             return observation
         finally:
             sys.setprofile(previous)
@@ -122,6 +148,40 @@ def observe(plan: Plan, source: str) -> Observation:
         return observation
     finally:
         dist.destroy_process_group()
+
+
+def _note_mismatch(observation: Observation, local_values: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], mesh) -> None:
+    """Record the first op (in program order) whose local result is not the piece of its
+    traced shape that its placements give rank 0."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if observation.mismatch is not None:
+        return
+    for name, shape in expected.items():
+        value = local_values.get(name)
+        if not isinstance(value, DTensor):
+            continue
+        local = tuple(value.to_local().shape)
+        promised = tuple(compute_local_shape_and_global_offset(torch.Size(shape), mesh, value.placements)[0])
+        if local != promised:
+            observation.mismatch = name
+            observation.mismatch_note = (
+                f"{WRONG_LOCAL_SHAPE}: result on rank 0 is {local} where {_placements_text(value.placements)} "
+                f"of the traced {shape} promise {promised}"
+            )
+            return
+
+
+def _placements_text(placements) -> str:
+    return "(" + ", ".join(str(p) for p in placements) + ")"
+
+
+def _forward_locals(error: BaseException, forward_code: types.CodeType) -> Mapping[str, Any]:
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        if frame.f_code is forward_code:
+            return frame.f_locals
+    return {}
 
 
 def _one_line(error: BaseException) -> str:
@@ -173,25 +233,33 @@ def refine(
     plan: Plan,
     probe: Callable[[dict[str, Any], dict[str, str]], str],
     write: Callable[[dict[str, Any], dict[str, str], str], str],
+    expected: Mapping[str, tuple[int, ...]] | None = None,
 ) -> str:
     """A program written again from what DTensor produced in dry runs of it.
 
     ``probe(observed, forced)`` gives the source to dry-run (a version whose forward locals
-    the dry run can read), ``write(observed, forced, warning)`` the final program.
+    the dry run can read), ``write(observed, forced, warning)`` the final program, and
+    ``expected`` (``traced_shapes``) the global shape of each op's result.
     Redistributing where a value arrives otherwise than its consumer reads it changes what
-    later ops produce, so this repeats until nothing changes; an op DTensor fails on is
-    ``forced`` to run on whole inputs. Without a fake process group it writes the program
+    later ops produce, so this repeats until nothing changes; an op DTensor fails on, or
+    whose local result breaks its placements' promise, is ``forced`` to run on whole inputs
+    (each such op buys one more round). Without a fake process group it writes the program
     from the plan's placements alone."""
     observed: dict[str, Any] = {}
     forced: dict[str, str] = {}
     if not available(plan):
         return write(observed, forced, "")
-    for _ in range(ROUNDS):
+    rounds = 0
+    while rounds < ROUNDS + len(forced):
+        rounds += 1
         try:
-            observation = observe(plan, probe(observed, forced))
+            observation = observe(plan, probe(observed, forced), expected)
         except Exception as error:  # noqa: BLE001 - the dry run only refines comments
             reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
             return write(observed, forced, f"the compile-time dry run could not run ({reason}); comments give the plan's placements")
+        if observation.mismatch is not None and observation.mismatch not in forced:
+            forced[observation.mismatch] = observation.mismatch_note
+            continue
         if observation.error:
             if observation.failed_at is None or observation.failed_at in forced:
                 return write(observed, forced, f"a compile-time dry run of this program failed: {observation.error}")

@@ -86,7 +86,8 @@ def render_model_spmd(plan: Plan) -> str:
         body = _fsdp_body(plan, dp)
     else:
         raise NotImplementedError(f"codegen for dp flavour '{plan.dp_flavour}' is not written yet")
-    imports = "".join(line + "\n\n" for line in precision_imports(plan))
+    batch_norm = ["from codegen.runtime.batch_norm import synchronise_batch_norm"] if has_batch_norm(plan) else []
+    imports = "".join(line + "\n\n" for line in precision_imports(plan) + batch_norm)
     return header + _recompute_table(plan) + imports + body + _shard_batch_source(plan, dp)
 
 
@@ -107,15 +108,27 @@ def _recompute_table(plan: Plan) -> str:
 
 
 def _recompute_lines(plan: Plan) -> str:
-    """Lines of ``parallelize`` that checkpoint the blocks and set mixed precision, before
-    DDP/FSDP2 wrap the model (so their hooks stay outside the recomputed forward)."""
+    """Lines of ``parallelize`` that synchronise batch norm, checkpoint the blocks and set
+    mixed precision, before DDP/FSDP2 wrap the model (so their hooks stay outside the
+    recomputed forward)."""
     lines = ""
+    if has_batch_norm(plan):
+        lines += (
+            "    # Batch norm normalises with the statistics of the whole global batch (every rank of \"dp\"),\n"
+            "    # as on one device: two all-reduces of per-channel sums per layer in forward and backward.\n"
+            "    synchronise_batch_norm(model, dp_mesh.get_group())\n"
+        )
     if plan.recompute != "none":
         lines += (
             "    for path in RECOMPUTED_BLOCKS:  # before wrapping: the wrapper's hooks stay outside\n"
             "        recompute_in_backward(model.get_submodule(path))\n"
         )
     return lines + autocast_lines(plan, "model", "dp_mesh.device_type")
+
+
+def has_batch_norm(plan: Plan) -> bool:
+    """Whether the plan's model normalises with batch statistics (a BatchNorm layer)."""
+    return any("batch_norm" in strategy.op for strategy in plan.strategies)
 
 
 def precision_imports(plan: Plan) -> list[str]:

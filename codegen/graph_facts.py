@@ -1,8 +1,9 @@
 """What graph codegen reads from the model and from DTensor, besides the plan.
 
 - the model built on meta: the output structure of its forward (run on fake tensors, which
-  skips data-dependent branches and allocates nothing), and which ``nn.Dropout`` each dropout
-  op of the traced graph belongs to (so the program reads ``p`` from it at run time);
+  skips data-dependent branches and allocates nothing), and where each dropout op of the
+  traced graph finds its probability (an ``nn.Dropout``'s ``p``, or a float attribute of the
+  module that issued it), so the program reads it at run time;
 - DTensor's coverage of an ATen op: a sharding rule, a composite that decomposes before
   DTensor sees it, a ``torch._decomp`` decomposition we can call, or nothing.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +34,7 @@ class ModelFacts:
 
     class_name: str
     out_spec: TreeSpec
-    dropout_modules: dict[str, str] = field(default_factory=dict)
+    dropout_modules: dict[str, str | tuple[str, str]] = field(default_factory=dict)
 
 
 def build_meta_model(plan: Plan) -> tuple[torch.nn.Module, tuple, dict]:
@@ -57,8 +59,11 @@ def model_facts(model: torch.nn.Module, args: tuple, kwargs: dict, graph: OpGrap
 
     was_training = model.training
     model.train()
+    # Tensors the forward makes without a device (torch.tensor([...])) follow the model's
+    # parameters onto the meta device, as they would follow them onto a GPU at run time.
+    on_meta = any(p.is_meta for p in model.parameters())
     try:
-        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True), torch.device("meta") if on_meta else nullcontext():
             output = model(*args, **kwargs)
     finally:
         model.train(was_training)
@@ -66,32 +71,66 @@ def model_facts(model: torch.nn.Module, args: tuple, kwargs: dict, graph: OpGrap
     return ModelFacts(type(model).__name__, out_spec, _dropout_owners(model, graph))
 
 
-def _dropout_owners(model: torch.nn.Module, graph: OpGraph) -> dict[str, str]:
-    """Dropout node -> path of the ``nn.Dropout`` module whose ``p`` it reads. An attention
-    op with a dropout probability reads a dropout module of its own module with that ``p``
-    (``attn_dropout`` in GPT-2), preferring names that say attention."""
+def _dropout_owners(model: torch.nn.Module, graph: OpGraph) -> dict[str, str | tuple[str, str]]:
+    """Dropout node -> where its probability lives, so the program reads it at run time:
+    the path of an ``nn.Dropout`` (its ``p``), or ``(module path, attribute)`` for a float
+    attribute of the module that issued it (``F.dropout(x, self.dropout, self.training)``;
+    ``dropout_p=self.attention_dropout``). An attention op with a dropout probability reads
+    a dropout module of its own module with that ``p`` (``attn_dropout`` in GPT-2) or such an
+    attribute, preferring names that say attention."""
     modules = dict(model.named_modules())
-    owners: dict[str, str] = {}
+    owners: dict[str, str | tuple[str, str]] = {}
     for fx_node in graph.graph_module.graph.nodes:
         if fx_node.op != "call_function":
             continue
         op = str(fx_node.target)
-        stack = list((fx_node.meta.get("nn_module_stack") or {}).values())
-        path = clean_path(stack[-1][0]) if stack else ""
-        if op.startswith(DROPOUTS) and isinstance(modules.get(path), torch.nn.modules.dropout._DropoutNd):
-            owners[fx_node.name] = path
+        stack = [clean_path(entry[0]) for entry in (fx_node.meta.get("nn_module_stack") or {}).values()]
+        path = stack[-1] if stack else ""
+        if op.startswith(DROPOUTS):
+            if isinstance(modules.get(path), torch.nn.modules.dropout._DropoutNd):
+                owners[fx_node.name] = path
+            elif isinstance(fx_node.args[1] if len(fx_node.args) > 1 else None, float) and fx_node.args[1] > 0:
+                attribute = _float_attribute(modules, stack, fx_node.args[1], attention=False)
+                if attribute:
+                    owners[fx_node.name] = attribute
         elif op.startswith(ATTENTION) and path in modules:
             traced = attention_dropout(fx_node)
             if traced:
-                candidates = [
-                    f"{path}.{name}" if path else name
+                candidates: list[tuple[bool, int, str | tuple[str, str]]] = [
+                    (not _ATTENTION_NAME.search(name.rsplit(".", 1)[-1]), 0, f"{path}.{name}" if path else name)
                     for name, module in modules[path].named_modules()
                     if isinstance(module, torch.nn.modules.dropout._DropoutNd) and math.isclose(module.p, traced)
                 ]
-                candidates.sort(key=lambda name: 0 if re.search(r"attn|attention", name.rsplit(".", 1)[-1]) else 1)
-                if candidates:
-                    owners[fx_node.name] = candidates[0]
+                attribute = _float_attribute(modules, stack, traced, attention=True)
+                if attribute:
+                    candidates.append((not _ATTENTION_NAME.search(attribute[1]), 1, attribute))
+                if candidates:  # attention's own first, a module before an attribute
+                    owners[fx_node.name] = min(candidates, key=lambda c: c[:2])[2]
     return owners
+
+
+_ATTENTION_NAME = re.compile(r"attn|attention")
+
+
+def _float_attribute(
+    modules: dict[str, torch.nn.Module], stack: list[str], value: float, attention: bool
+) -> tuple[str, str] | None:
+    """The float attribute equal to ``value`` whose name says dropout (or is ``p``), of the
+    innermost module on ``stack`` that has one: ``(module path, attribute)``; for attention,
+    names that say attention first, for other dropout the others first."""
+    for path in reversed(stack):
+        module = modules.get(path)
+        if module is None:
+            continue
+        names = [
+            name
+            for name, held in vars(module).items()
+            if isinstance(held, float) and math.isclose(held, value) and re.search(r"drop|^p$", name)
+        ]
+        names.sort(key=lambda name: (bool(_ATTENTION_NAME.search(name)) != attention, name))
+        if names:
+            return path, names[0]
+    return None
 
 
 def clean_path(path: str) -> str:

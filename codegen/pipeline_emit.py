@@ -163,7 +163,10 @@ def render_pipeline_program(plan: Plan) -> str:
     # As for graph programs: run the stages' ops once on meta tensors (one micro-batch, the
     # stage mesh, a fake process group) and write the program again from what DTensor produced.
     return dry_run.refine(
-        stage_plan, lambda observed, forced: _flat_source(stage_plan, graph, facts, observed, forced, micro), write
+        stage_plan,
+        lambda observed, forced: _flat_source(stage_plan, graph, facts, observed, forced, micro),
+        write,
+        dry_run.traced_shapes(graph.graph_module),
     )
 
 

@@ -43,6 +43,7 @@ from codegen import spmd_notes as notes
 from codegen.emit import about_plan, autocast_lines, precision_imports
 from codegen.source_text import comment, derived_identifier, identifier, number, with_comment
 from codegen.spmd_recompute import checkpointed_body
+from codegen.dry_run import WRONG_LOCAL_SHAPE
 from codegen.graph_facts import (
     ATTENTION,
     DROPOUTS,
@@ -122,7 +123,9 @@ def render_graph_program(plan: Plan) -> str:
 
     # Run the program once on meta tensors (a fake process group), then write it again from
     # what DTensor actually produced, so redistributions and comments say what happens.
-    return dry_run.refine(plan, lambda observed, forced: write(observed, forced, final=False), write)
+    return dry_run.refine(
+        plan, lambda observed, forced: write(observed, forced, final=False), write, dry_run.traced_shapes(graph.graph_module)
+    )
 
 
 # ------------------------------------------------------------------------------ emitter
@@ -337,7 +340,13 @@ class _Emitter:
             placements = self._input_placements(graph_input.name)
             note = notes.value_note(graph_input.meta.shape, placements, self.axes, self.sizes)
             sections.append(with_comment(f"    {graph_input.name!r}: {self.constant(placements)},", note))
-        sections += ["}", "", "# Dropout op -> the nn.Dropout whose p it reads at run time.", "DROPOUT_MODULES = {"]
+        sections += [
+            "}",
+            "",
+            "# Dropout op -> where it reads its probability at run time: an nn.Dropout (its p), or",
+            "# (module, attribute) for a float attribute of the module that issued it.",
+            "DROPOUT_MODULES = {",
+        ]
         for node, path in self.facts.dropout_modules.items():
             sections.append(f"    {node!r}: {path!r},")
         sections += ["}", ""]
@@ -432,6 +441,11 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
                 note = f"buffer {notes.shape_text(meta.shape)}, the same on every rank"
                 placeholder = identifier(fx_node.name, "a traced graph buffer")
                 lines.append(with_comment(f"        {placeholder} = self.model.get_buffer({name!r})", note))
+                self.values[fx_node.name] = _Value(fx_node.name, "plain")
+            elif fx_node.name in self.graph.constants:
+                value = self.graph.constants[fx_node.name]
+                note = f"a constant the forward makes, {notes.shape_text(tuple(value.shape))}, the same on every rank"
+                lines.append(f"        {fx_node.name} = {tensor_literal(value, fx_node.name)}  # {note}")
                 self.values[fx_node.name] = _Value(fx_node.name, "plain")
             else:
                 raise NotImplementedError(
@@ -583,12 +597,20 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
             error = self.forced[name]
             where = "its backward" if error.startswith("in backward") else "it"
             kind = error.removeprefix("in backward: ").split(":", 1)[0]
-            comments.append(
-                comment(
-                    f"DTensor cannot run {notes.short_op(op)} on these placements ({where} failed in the compile-time dry "
-                    f"run with {kind}): run it on inputs gathered whole"
+            if error.startswith(WRONG_LOCAL_SHAPE):
+                comments.append(
+                    comment(
+                        f"DTensor runs {notes.short_op(op)} on these placements but gets it wrong: in the compile-time "
+                        f"dry run its {error.removeprefix(WRONG_LOCAL_SHAPE + ': ')}; run it on inputs gathered whole"
+                    )
                 )
-            )
+            else:
+                comments.append(
+                    comment(
+                        f"DTensor cannot run {notes.short_op(op)} on these placements ({where} failed in the compile-time "
+                        f"dry run with {kind}): run it on inputs gathered whole"
+                    )
+                )
             self.fallbacks.add(f"{notes.short_op(op)} (on whole inputs)")
             call = f"self._replicated({callee}, {', '.join(rendered)})"
         elif on_dtensors and op.startswith(ATTENTION):
@@ -950,6 +972,41 @@ def _literal(value: Any) -> str:
 def _dotted(name: str, field: str) -> str:
     """A dotted module name (``transformers.modeling_outputs``), each part an identifier."""
     return ".".join(identifier(part, field) for part in str(name).split("."))
+
+
+# Elements of a tensor constant written into the program as a literal at most; bigger ones
+# belong in the model as buffers (they are then loaded, not written out).
+MAX_CONSTANT_ELEMENTS = 4096
+
+
+def tensor_literal(value: torch.Tensor, name: str) -> str:
+    """Python source that rebuilds ``value`` (a tensor constant of the traced forward) on this
+    rank's device: its elements written with ``repr`` (via ``_literal``), never as code.
+
+    Raises:
+        PlanningError: the constant is too big to write out, or of a dtype that has no
+            Python literal (e.g. complex).
+    """
+    if value.numel() > MAX_CONSTANT_ELEMENTS:
+        raise PlanningError(
+            f"the model's forward makes a tensor constant '{name}' of {value.numel()} elements (e.g. torch.tensor(...)); "
+            f"compiled programs write constants of at most {MAX_CONSTANT_ELEMENTS}: register it as a buffer instead"
+        )
+    if value.is_complex() or value.dtype not in _LITERAL_DTYPES:
+        raise PlanningError(
+            f"the model's forward makes a tensor constant '{name}' of dtype {value.dtype}, which compiled programs "
+            f"cannot write out; register it as a buffer instead"
+        )
+    elements = value.detach().cpu().tolist()
+    return f"torch.tensor({_literal(elements)}, dtype={value.dtype}, device=self.device)"
+
+
+_LITERAL_DTYPES = frozenset(
+    {
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+        torch.int8, torch.uint8, torch.bool,
+    }
+)
 
 
 def _children(spec: TreeSpec) -> list[TreeSpec]:

@@ -135,6 +135,8 @@ class OpGraph:
         graph_module: the ``torch.fx.GraphModule`` the nodes were read from.
         model_fingerprint: ``planner.fingerprint.model_fingerprint`` of the traced model and
             inputs (set by the tracer; plans store it).
+        constants: placeholder name -> value of each tensor the forward makes from Python
+            data (export's lifted tensor constants, e.g. ``torch.tensor([...])``), on the CPU.
     """
 
     nodes: list[OpNode]
@@ -148,6 +150,7 @@ class OpGraph:
     opaque_backward: list[tuple[str, str]] = field(default_factory=list)
     graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
     model_fingerprint: str = ""
+    constants: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _by_name: dict[str, OpNode] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:

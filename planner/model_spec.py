@@ -13,28 +13,28 @@ not store the model, it stores a :class:`ModelSpec`, a small JSON-able value wit
 
 ``hf:<model_type>``
     A HuggingFace ``transformers`` model built from its default config
-    (``AutoConfig.for_model``), never downloaded. Overrides set config fields, except
-    ``batch_size`` and ``seq_len`` (the shape of the random ``input_ids``) and
-    ``attn_implementation`` (default: ``"sdpa"`` when the model supports it, else
-    ``"eager"``).
+    (``AutoConfig.for_model``), never downloaded: a seq2seq, causal/masked LM or image
+    classifier with a batch and labels to match (:mod:`planner.hf_models`). Overrides set
+    config fields (``text_config.hidden_size=64`` a sub-config's), except the batch's shape
+    (``batch_size``, ``seq_len``, ``target_len``, ``image_size``) and ``attn_implementation``.
 
 Overrides (``--set key=value`` on the CLI, see :func:`parse_overrides`) are keyword arguments
 of the factory, or config fields for ``hf:``. Every user mistake raises
 :class:`planner.errors.SpecError` with a one-line message naming the problem and the fix.
 
-This module imports nothing from ``planner`` but :mod:`planner.errors` (generated programs
-import it inside ``torchrun`` without the rest of the planner), and imports ``transformers``
-only when an ``hf:`` spec is built.
+This module imports nothing from ``planner`` but :mod:`planner.errors` and
+:mod:`planner.messages` (generated programs import it inside ``torchrun`` without the rest of
+the planner), and imports ``transformers`` only when an ``hf:`` spec is built.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import hashlib
 import importlib.util
 import inspect
+import json
 import os
 import re
 import sys
@@ -48,17 +48,14 @@ import torch
 from torch import nn
 
 from planner.errors import SpecError, one_line
+from planner.messages import did_you_mean, exception_line, settings_text
 
-OverrideValue = Union[int, float, bool, str]
+OverrideScalar = Union[int, float, bool, str]
+# A value, or a list of values (a tuple once checked, e.g. a vision config's depths).
+OverrideValue = Union[OverrideScalar, tuple[OverrideScalar, ...]]
 
 HF_PREFIX = "hf:"
 DEFAULT_FACTORY = "build"
-# Shape of the random input_ids of an hf: spec when the user sets neither; small enough
-# that a CPU forward of a tiny config takes milliseconds, long enough to exercise attention.
-HF_DEFAULT_BATCH_SIZE = 2
-HF_DEFAULT_SEQ_LEN = 32
-# Offered when an hf: model type is unknown and nothing is spelled like it.
-_POPULAR_HF_TYPES = ("gpt2", "llama", "mistral", "qwen2", "bert", "roberta", "t5", "gpt_neox")
 
 
 @dataclass(frozen=True)
@@ -153,11 +150,13 @@ class ModelSpec:
             target = torch.device(device)
         except (RuntimeError, TypeError) as exc:
             raise SpecError(
-                f"cannot build {self.describe()} on device {device!r}: {_one_line(exc)}; "
+                f"cannot build {self.describe()} on device {device!r}: {exception_line(exc)}; "
                 f"use a device such as 'cpu', 'meta' or 'cuda:0'"
             ) from exc
         if self.is_hf:
-            return _build_hf(self.model_type, dict(self.overrides), target)
+            from planner.hf_models import build_hf  # imports transformers: only for hf: specs
+
+            return build_hf(self.model_type, dict(self.overrides), target)
         return _build_file(self, target)
 
     # ----------------------------------------------------------------- serialisation
@@ -226,7 +225,9 @@ def parse_overrides(items: Iterable[str]) -> dict[str, OverrideValue]:
     """Parse ``key=value`` strings (the CLI's ``--set``) into typed overrides.
 
     Values become int (``4``), float (``0.1``, ``1e-3``), bool (``true``/``false``, any
-    case) or else stay str (``name=x``). A key given twice keeps its last value, as
+    case), a tuple of those (``[1, 1]``, JSON list syntax) or else stay str (``name=x``).
+    A key is a Python identifier, or several joined by dots (``text_config.hidden_size``:
+    a field of an ``hf:`` config's sub-config). A key given twice keeps its last value, as
     command-line options usually do.
 
     Args:
@@ -236,8 +237,9 @@ def parse_overrides(items: Iterable[str]) -> dict[str, OverrideValue]:
         ``{"n_layer": 4, "lr": 0.1, "tie": True, "name": "x"}``.
 
     Raises:
-        SpecError: an item has no ``=``, an empty key or value, or a key that is not a
-            Python identifier.
+        SpecError: an item has no ``=``, an empty key or value, a key that is not a
+            (dotted) Python identifier, or a list that is not a JSON list of numbers,
+            booleans and strings.
     """
     overrides: dict[str, OverrideValue] = {}
     for item in items:
@@ -245,18 +247,34 @@ def parse_overrides(items: Iterable[str]) -> dict[str, OverrideValue]:
         key, text = key.strip(), text.strip()
         if not sep:
             raise SpecError(f"override {item!r} has no '='; write it as key=value, e.g. n_layer=4")
-        if not key.isidentifier():
+        if not is_override_key(key):
             raise SpecError(
-                f"override {item!r} has key {key!r}, which is not a Python identifier; "
-                f"write it as key=value, e.g. n_layer=4"
+                f"override {item!r} has key {key!r}, which is not a Python identifier (or dotted ones, "
+                f"e.g. text_config.hidden_size); write it as key=value, e.g. n_layer=4"
             )
         if not text:
             raise SpecError(f"override {item!r} has an empty value; write it as {key}=<value>")
-        overrides[key] = _parse_value(text)
+        overrides[key] = _parse_value(text, key)
     return overrides
 
 
-def _parse_value(text: str) -> OverrideValue:
+def is_override_key(key: Any) -> bool:
+    """Whether ``key`` names an override: an identifier, or identifiers joined by dots."""
+    return isinstance(key, str) and all(part.isidentifier() for part in key.split("."))
+
+
+def _parse_value(text: str, key: str = "key") -> OverrideValue:
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError:
+            items = None
+        if not isinstance(items, list) or not all(_is_scalar(item) for item in items):
+            raise SpecError(
+                f"override {key}={text} is not a list of numbers, booleans and strings; "
+                f'write it in JSON, e.g. {key}=[1,1] or {key}=["a","b"]'
+            )
+        return tuple(items)
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
@@ -271,15 +289,24 @@ def _parse_value(text: str) -> OverrideValue:
     return text
 
 
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, (bool, int, float, str))
+
+
 def _checked_overrides(overrides: Mapping[str, Any]) -> dict[str, OverrideValue]:
     checked: dict[str, OverrideValue] = {}
     for key, value in overrides.items():
-        if not isinstance(key, str) or not key.isidentifier():
-            raise SpecError(f"override name {key!r} is not a Python identifier; use names such as n_layer")
-        if not isinstance(value, (bool, int, float, str)):
+        if not is_override_key(key):
+            raise SpecError(
+                f"override name {key!r} is not a Python identifier (or dotted ones); "
+                f"use names such as n_layer or text_config.hidden_size"
+            )
+        if isinstance(value, (list, tuple)) and all(_is_scalar(item) for item in value):
+            value = tuple(value)  # hashable, and the same whether it came from JSON or Python
+        elif not _is_scalar(value):
             raise SpecError(
                 f"override {key}={value!r} is a {type(value).__name__}; "
-                f"overrides must be int, float, bool or str"
+                f"overrides must be int, float, bool, str or a list of those"
             )
         checked[key] = value
     return checked
@@ -336,7 +363,7 @@ def _build_file(spec: ModelSpec, device: torch.device) -> tuple[nn.Module, tuple
                 raise
             except Exception as exc:
                 raise SpecError(
-                    f"building {where} with {_settings(spec.overrides)} failed: {_one_line(exc)} "
+                    f"building {where} with {settings_text(spec.overrides)} failed: {exception_line(exc)} "
                     f"(fix the factory or the overrides)"
                 ) from exc
     model, args, kwargs = _normalise_result(result, where)
@@ -378,7 +405,7 @@ def _load_module(path: Path) -> types.ModuleType:
         module_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:
         sys.modules.pop(name, None)
-        raise SpecError(f"cannot load model file {path}: {_one_line(exc)}; fix the file") from exc
+        raise SpecError(f"cannot load model file {path}: {exception_line(exc)}; fix the file") from exc
     _MODULE_CACHE[key] = module
     return module
 
@@ -415,14 +442,14 @@ def _check_accepts(factory: Any, overrides: Mapping[str, OverrideValue], where: 
         for key in overrides:
             if key not in named:
                 raise SpecError(
-                    f"{where} takes no override {key!r}{_did_you_mean(key, named)}; "
+                    f"{where} takes no override {key!r}{did_you_mean(key, named)}; "
                     f"it takes {', '.join(named) or 'none'}"
                 )
     try:
         signature.bind(**overrides)
     except TypeError as exc:
         raise SpecError(
-            f"{where} cannot be called with {_settings(overrides)}: {exc}; "
+            f"{where} cannot be called with {settings_text(overrides)}: {exc}; "
             f"give its required arguments as overrides or defaults"
         ) from exc
 
@@ -479,162 +506,6 @@ def _check_device(model: nn.Module, args: tuple, kwargs: dict, device: torch.dev
                 f"{where} created {name} on {value.device} while building on {device}; create tensors "
                 f"with factory functions and no explicit device= so they follow torch.device(...)"
             )
-
-
-# --------------------------------------------------------------------------- hf specs
-
-
-def _build_hf(
-    model_type: str, overrides: dict[str, OverrideValue], device: torch.device
-) -> tuple[nn.Module, tuple, dict]:
-    try:
-        import transformers
-    except ImportError as exc:
-        raise SpecError(
-            f"hf:{model_type} needs the transformers package; pip install 'soap-planner[hf]'"
-        ) from exc
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if model_type not in CONFIG_MAPPING_NAMES:
-        known = list(CONFIG_MAPPING_NAMES)
-        close = difflib.get_close_matches(model_type, known, n=5)
-        hint = f"did you mean {', '.join(close)}?" if close else "known types include"
-        examples = close or [name for name in _POPULAR_HF_TYPES if name in CONFIG_MAPPING_NAMES]
-        if not close:
-            hint = f"{hint} {', '.join(examples)}"
-        raise SpecError(
-            f"unknown HuggingFace model type {model_type!r}; {hint} "
-            f"(all {len(known)} are keys of transformers' CONFIG_MAPPING_NAMES)"
-        )
-    where = f"hf:{model_type}"
-    batch_size = _positive_int(overrides.pop("batch_size", HF_DEFAULT_BATCH_SIZE), "batch_size", where)
-    seq_len = _positive_int(overrides.pop("seq_len", HF_DEFAULT_SEQ_LEN), "seq_len", where)
-    attn_implementation = overrides.pop("attn_implementation", None)
-
-    with _quiet_transformers(transformers):
-        config = _hf_config(transformers, model_type, overrides, where)
-        # Training never reuses past keys/values; a cache only costs memory and graph nodes.
-        config.use_cache = False
-        auto_class = _hf_auto_class(transformers, config, where)
-        model = _hf_model(auto_class, config, attn_implementation, device, where)
-    model.train()  # a training planner: dropout and friends as in training
-
-    vocab_size = _hf_vocab_size(config, where)
-    max_positions = getattr(config, "max_position_embeddings", None)
-    if isinstance(max_positions, int) and seq_len > max_positions:
-        raise SpecError(
-            f"{where}: seq_len={seq_len} exceeds the model's max_position_embeddings={max_positions}; "
-            f"lower seq_len or raise max_position_embeddings"
-        )
-    with torch.device(device):
-        input_ids = torch.randint(0, vocab_size, (batch_size, seq_len))
-    kwargs: dict[str, torch.Tensor] = {"input_ids": input_ids}
-    if auto_class is not transformers.AutoModel:
-        # Labels equal to the inputs give the LM heads a loss (causal heads shift them
-        # internally). A copy, not the same tensor, so tracing sees two distinct inputs.
-        kwargs["labels"] = input_ids.clone()
-    return model, (), kwargs
-
-
-def _hf_config(transformers: Any, model_type: str, overrides: dict[str, OverrideValue], where: str) -> Any:
-    try:
-        default = transformers.AutoConfig.for_model(model_type)
-    except Exception as exc:
-        raise SpecError(f"{where}: transformers cannot create its default config: {_one_line(exc)}") from exc
-    # Configs swallow unknown keyword arguments silently, so a typo (n_layers for n_layer)
-    # would build the default-size model; check names against the default config.
-    for key in overrides:
-        if not hasattr(default, key):
-            fields = sorted(set(default.to_dict()) | set(getattr(default, "attribute_map", {})))
-            raise SpecError(
-                f"{where} has no config field {key!r}{_did_you_mean(key, fields)}; "
-                f"check the name"
-            )
-    try:
-        return transformers.AutoConfig.for_model(model_type, **overrides)
-    except Exception as exc:
-        raise SpecError(f"{where}: invalid config override ({_settings(overrides)}): {_one_line(exc)}") from exc
-
-
-def _hf_auto_class(transformers: Any, config: Any, where: str) -> Any:
-    """The Auto class to build with: causal LM, else masked LM, else the base model.
-
-    Encoders such as BERT are in both LM mappings (their causal head is a decoder variant
-    that warns when used without ``is_decoder``); for them the masked LM, their usual
-    training objective, comes first.
-    """
-    from transformers.models.auto import modeling_auto
-
-    model_type = config.model_type
-    causal = model_type in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    masked = model_type in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
-    if causal and masked:
-        return transformers.AutoModelForMaskedLM
-    if causal:
-        return transformers.AutoModelForCausalLM
-    if masked:
-        return transformers.AutoModelForMaskedLM
-    if model_type in modeling_auto.MODEL_MAPPING_NAMES:
-        return transformers.AutoModel
-    raise SpecError(
-        f"{where} has no causal-LM, masked-LM or base AutoModel class; hf: specs need one of them, "
-        f"use a file spec with your own factory instead"
-    )
-
-
-def _hf_model(
-    auto_class: Any, config: Any, attn_implementation: Any, device: torch.device, where: str
-) -> nn.Module:
-    # SDPA is the attention the planner has rules and costs for; models that lack it raise
-    # ValueError and are built with the eager implementation instead.
-    choices = [attn_implementation] if attn_implementation is not None else ["sdpa", "eager"]
-    failure: Exception | None = None
-    for choice in choices:
-        try:
-            with torch.device(device):
-                return auto_class.from_config(config, attn_implementation=choice)
-        except ValueError as exc:
-            failure = exc
-        except Exception as exc:
-            failure = exc
-            break  # not an attention problem: a different implementation will not help
-    # Every model has the eager implementation, so when it fails too the config is at fault.
-    chosen = f" with attn_implementation={attn_implementation!r}" if attn_implementation is not None else ""
-    raise SpecError(
-        f"{where}: {auto_class.__name__}.from_config failed{chosen}: {_one_line(failure)}; "
-        f"check the config overrides"
-    ) from failure
-
-
-def _hf_vocab_size(config: Any, where: str) -> int:
-    vocab_size = getattr(config, "vocab_size", None)
-    if not isinstance(vocab_size, int) and hasattr(config, "get_text_config"):
-        vocab_size = getattr(config.get_text_config(), "vocab_size", None)
-    if not isinstance(vocab_size, int) or vocab_size < 1:
-        raise SpecError(
-            f"{where} has no vocab_size to draw input_ids from; hf: specs support text models, "
-            f"use a file spec for others"
-        )
-    return vocab_size
-
-
-@contextlib.contextmanager
-def _quiet_transformers(transformers: Any) -> Iterator[None]:
-    # Tiny configs trip warnings that are noise here (e.g. GPT-2's bos_token_id 50256 lies
-    # outside a 128-token vocabulary); errors still show.
-    logging = transformers.utils.logging
-    previous = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(previous)
-
-
-def _positive_int(value: Any, name: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(f"{where}: {name} must be a positive integer, got {value!r}; e.g. --set {name}=8")
-    return value
 
 
 # --------------------------------------------------------------------------- loss
@@ -703,26 +574,6 @@ def _first_floating_tensor(value: Any, depth: int) -> torch.Tensor | None:
 
 
 # --------------------------------------------------------------------------- messages
-
-
-def _one_line(exc: BaseException | None) -> str:
-    if exc is None:
-        return "unknown error"
-    # Multi-line messages (e.g. huggingface_hub's validation errors put the cause on the
-    # second line) are joined, and long ones cut, so the CLI still prints one line.
-    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-    if len(text) > 300:
-        text = text[:297] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _did_you_mean(key: str, names: Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(names), n=3)
-    return f" (did you mean {' or '.join(repr(name) for name in close)}?)" if close else ""
-
-
-def _settings(overrides: Mapping[str, Any]) -> str:
-    return ", ".join(f"{key}={value!r}" for key, value in overrides.items()) or "no overrides"
 
 
 def _kind(value: Any) -> str:

@@ -126,11 +126,13 @@ def check_plan_against_graph(plan: Plan, graph: OpGraph) -> None:
         if strategy.produced is not None:
             _check_tensors(f"{where}.produced", strategy.produced, node.output_meta, node.name, "output")
         for name, placements in strategy.params.items():
-            if name not in tensors or name not in node.params:
+            if name not in node.params:
                 raise PlanFileError(
                     f"field '{where}.params' places {_shown(name)}, which op '{node.name}' of the traced model does not "
                     f"read; {_REPLAN}"
                 )
+            if name not in tensors:
+                continue  # a tensor constant the forward makes (graph.constants): whole on every rank
             _check_shards(f"{where}.params.{name}", placements, len(tensors[name].shape), f"parameter '{name}' {tensors[name]}")
 
 

@@ -109,9 +109,7 @@ def _trace_either(model: torch.nn.Module, args: tuple, kwargs: dict, tracker: "_
 
 
 def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
-    with warnings.catch_warnings(), _stderr_silenced():
-        warnings.simplefilter("ignore")
-        program = torch.export.export(model, tuple(args), kwargs, strict=False)
+    program = _export(model, args, kwargs)
     signature = program.graph_signature
     graph_module = program.graph_module
     # Tied weights (an embedding shared with the head) appear once per alias in the
@@ -162,9 +160,87 @@ def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpG
         batch_size=batch_size,
         tracer="export",
         graph_module=graph_module,
+        constants=_lifted_constants(program),
     )
     _mark_repeated_blocks(graph)
     return graph
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """``torch.export`` (non-strict) of one forward; on fake CPU tensors where meta ones lose data.
+
+    Tensors a forward makes from Python data (``torch.tensor([...])``, ``x[..., [-2]]``)
+    become *lifted tensor constants* of the exported program. Made on the meta device (the
+    model's), they hold no values, and made on the CPU without a device they cannot meet
+    the meta inputs at all. Exporting again with the parameters and inputs as fake tensors
+    that claim the CPU (no memory either) keeps every constant's values and lets CPU
+    constants mix with the inputs, as they do when the model runs on a CPU.
+    """
+    try:
+        program = _quiet_export(model, args, kwargs)
+    except Exception as meta_error:  # noqa: BLE001 - retried on fake CPU tensors, else re-raised
+        if not _on_meta(model, args, kwargs) or "device" not in str(meta_error):
+            raise
+        try:
+            return _export_on_fake_cpu(model, args, kwargs)
+        except Exception:  # noqa: BLE001 - the first error says more
+            raise meta_error from None
+    if _on_meta(model, args, kwargs) and any(
+        isinstance(value, torch.Tensor) and value.device.type == "meta" for value in program.constants.values()
+    ):
+        return _export_on_fake_cpu(model, args, kwargs)
+    return program
+
+
+def _quiet_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    with warnings.catch_warnings(), _stderr_silenced():
+        warnings.simplefilter("ignore")
+        return torch.export.export(model, tuple(args), kwargs, strict=False)
+
+
+def _on_meta(model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    tensors = [*model.parameters(), *model.buffers(), *torch.utils._pytree.tree_leaves((args, kwargs))]
+    return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
+
+
+def _export_on_fake_cpu(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """Export with every meta parameter, buffer and input swapped for a fake tensor on the CPU
+    (the model's own tensors are put back afterwards)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def on_fake_cpu(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.device.type != "meta":
+            return value
+        shell = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        return FakeTensor(mode, shell, torch.device("cpu"))
+
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for module in model.modules():
+            for table, is_parameter in ((module._parameters, True), (module._buffers, False)):
+                for name, value in list(table.items()):
+                    if value is None or value.device.type != "meta":
+                        continue
+                    swapped.append((table, name, value))
+                    fake = on_fake_cpu(value)
+                    table[name] = torch.nn.Parameter(fake, requires_grad=value.requires_grad) if is_parameter else fake
+        fake_args, fake_kwargs = torch.utils._pytree.tree_map(on_fake_cpu, (tuple(args), dict(kwargs)))
+        return _quiet_export(model, fake_args, fake_kwargs)
+    finally:
+        for table, name, value in reversed(swapped):
+            table[name] = value
+
+
+def _lifted_constants(program: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """Placeholder name -> value of each lifted tensor constant that holds data (a CPU copy)."""
+    constants = {}
+    for placeholder, target in program.graph_signature.inputs_to_lifted_tensor_constants.items():
+        value = program.constants.get(target)
+        if isinstance(value, torch.Tensor) and type(value) is torch.Tensor and value.device.type != "meta":
+            constants[placeholder] = value.detach().to("cpu").clone()
+    return constants
 
 
 @contextlib.contextmanager

@@ -174,6 +174,11 @@ def _gather_all(node: OpNode, incoming):
     return tuple(R for _ in incoming), tuple(R for _ in node.output_meta)
 
 
+def _each(node: OpNode, placement: Placement) -> tuple[Placement, ...]:
+    """``placement`` for every output of ``node`` (``max.dim`` gives values and indices)."""
+    return tuple(placement for _ in node.output_meta)
+
+
 def _first_sharded(node: OpNode, incoming) -> tuple[TensorMeta, Shard] | None:
     for meta, placement in zip(node.input_meta, incoming):
         if isinstance(placement, Shard) and meta.shape:
@@ -429,7 +434,7 @@ def _reduction_rule(node: OpNode, incoming):
     out = node.output_meta[0]
     dims_attr = node.attrs[1] if len(node.attrs) > 1 else None
     if node.op.startswith("aten.cumsum."):
-        return _gather_all(node, incoming) if _norm_dim(dims_attr, rank) == dim else (incoming, (Shard(dim),))
+        return _gather_all(node, incoming) if _norm_dim(dims_attr, rank) == dim else (incoming, _each(node, Shard(dim)))
     if dims_attr is None or (isinstance(dims_attr, (list, tuple)) and not dims_attr):
         reduced = list(range(rank))  # a full reduction
     else:
@@ -437,9 +442,9 @@ def _reduction_rule(node: OpNode, incoming):
         reduced = sorted({_norm_dim(d, rank) for d in given})
     if dim not in reduced:
         keepdim = len(out.shape) == rank
-        return incoming, (Shard(dim if keepdim else dim - sum(d < dim for d in reduced)),)
+        return incoming, _each(node, Shard(dim if keepdim else dim - sum(d < dim for d in reduced)))
     if node.op.startswith(("aten.mean.", "aten.sum.")):
-        return incoming, (Partial("avg" if node.op.startswith("aten.mean.") else "sum"),)
+        return incoming, _each(node, Partial("avg" if node.op.startswith("aten.mean.") else "sum"))
     return _gather_all(node, incoming)
 
 

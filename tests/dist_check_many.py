@@ -10,8 +10,8 @@ initialised by the first one and reused by the others) and runs ``launch.py --ch
 comparison: one sharded training step against the same step on one device. Rank 0 prints
 one line per folder, in order::
 
-    RESULT <folder> ok parity ok: max_abs_err=...
-    RESULT <folder> FAILED parity FAILED: worst tensor ...
+    RESULT <folder> ok parity ok: max_abs_err=... | --check: switched off randomness: ...
+    RESULT <folder> FAILED parity FAILED: worst tensor ... | --check: ...
     RESULT <folder> FAILED error: LaunchError: ...
 
 and the script exits 0 once every folder has a line: the pytest side parses the lines, so one
@@ -43,7 +43,7 @@ def check_folder(folder: str, atol: float | None, rtol: float | None, lr: float)
         mesh = program.build_mesh()
         atol, rtol = parity_tolerances(program.plan.precision, atol, rtol)
         result = check_parity(program, mesh, atol, rtol, lr, program.plan.optimizer)
-        return result.ok, result.message(atol, rtol)
+        return result.ok, f"{result.message(atol, rtol)} | {result.randomness}"
     except Exception as error:  # noqa: BLE001 - reported as this folder's FAILED line
         last = traceback.extract_tb(error.__traceback__)[-1]
         where = f" (at {last.filename}:{last.lineno})" if last else ""

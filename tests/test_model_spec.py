@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -129,9 +130,21 @@ def test_parse_overrides_types():
     assert parse_overrides([]) == {}
 
 
+def test_parse_overrides_nested_keys_and_lists():
+    parsed = parse_overrides(["text_config.hidden_size=64", "depths=[1, 2]", 'names=["a","b"]', "empty=[]"])
+    assert parsed == {"text_config.hidden_size": 64, "depths": (1, 2), "names": ("a", "b"), "empty": ()}
+    spec = ModelSpec("hf:gpt2", {"depths": [1, 2], "text_config.hidden_size": 64})
+    assert spec.overrides["depths"] == (1, 2)  # lists become tuples: hashable, the same from JSON or Python
+    assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert hash(ModelSpec.from_dict(spec.to_dict())) == hash(spec)
+
+
 @pytest.mark.parametrize(
     "item, message",
-    [("n_layer", "no '='"), ("=4", "identifier"), ("a-b=1", "identifier"), ("n=", "empty value")],
+    [
+        ("n_layer", "no '='"), ("=4", "identifier"), ("a-b=1", "identifier"), ("n=", "empty value"),
+        ("a.=1", "identifier"), (".b=1", "identifier"), ("depths=[1,", "JSON"), ("depths=[[1]]", "JSON"),
+    ],
 )
 def test_parse_overrides_rejects_malformed(item, message):
     with pytest.raises(SpecError, match=message):
@@ -169,7 +182,9 @@ def test_overrides_are_copied_into_a_plain_dict():
     [
         ({"overrides": {}}, "no 'source'"),
         ({"source": "examples/gpt.py", "extra": 1}, "unknown keys"),
-        ({"source": "examples/gpt.py", "overrides": {"n": [1]}}, "int, float, bool or str"),
+        ({"source": "examples/gpt.py", "overrides": {"n": {"a": 1}}}, "int, float, bool, str or a list"),
+        ({"source": "examples/gpt.py", "overrides": {"n": [[1]]}}, "int, float, bool, str or a list"),
+        ({"source": "examples/gpt.py", "overrides": {"a..b": 1}}, "identifier"),
         ({"source": "examples/gpt.py", "overrides": {"not a name": 1}}, "identifier"),
         ({"source": "model.txt"}, "neither"),
         ({"source": "hf:"}, "no model type"),
@@ -386,6 +401,81 @@ def test_hf_errors():
         ModelSpec("hf:gpt2", {"seq_len": 0}).build("meta")
     with pytest.raises(SpecError, match="max_position_embeddings"):
         ModelSpec("hf:gpt2", {**TINY_HF["gpt2"], "seq_len": 65}).build("meta")
+
+
+TINY_SEQ2SEQ = {
+    "t5": {"num_layers": 1, "num_decoder_layers": 1, "d_model": 32, "d_ff": 64, "num_heads": 2, "d_kv": 16,
+           "vocab_size": 64},
+    "bart": {"encoder_layers": 1, "decoder_layers": 1, "d_model": 32, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
+             "encoder_attention_heads": 2, "decoder_attention_heads": 2, "max_position_embeddings": 32, "vocab_size": 64},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_SEQ2SEQ))
+def test_hf_seq2seq_models_get_decoder_inputs_and_labels(model_type):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    spec = ModelSpec(f"hf:{model_type}", {**TINY_SEQ2SEQ[model_type], "batch_size": 3, "seq_len": 8, "target_len": 5})
+    model, args, kwargs = spec.build("cpu")
+    assert type(model).__name__.endswith(("ForConditionalGeneration",))
+    assert args == () and set(kwargs) == {"input_ids", "decoder_input_ids", "labels"}
+    assert kwargs["input_ids"].shape == (3, 8) and kwargs["labels"].shape == (3, 5)
+    # Teacher forcing: the decoder reads the labels shifted right behind its start token.
+    assert torch.equal(kwargs["decoder_input_ids"][:, 1:], kwargs["labels"][:, :-1])
+    loss = extract_loss(model(**kwargs))
+    assert loss.dim() == 0 and torch.isfinite(loss) and loss.grad_fn is not None
+
+
+TINY_VISION = {
+    "vit": {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+            "image_size": 16, "patch_size": 8, "num_labels": 5, "num_channels": 1},
+    "resnet": {"depths": [1, 1], "hidden_sizes": [8, 16], "embedding_size": 8, "num_labels": 5, "image_size": 16},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_VISION))
+def test_hf_image_classifiers_get_pixels_and_class_labels(model_type):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, args, kwargs = ModelSpec(f"hf:{model_type}", {**TINY_VISION[model_type], "batch_size": 4}).build("cpu")
+    assert type(model).__name__.endswith("ForImageClassification")
+    channels = 1 if model_type == "vit" else 3  # from the config (ResNet's default: 3)
+    assert set(kwargs) == {"pixel_values", "labels"} and kwargs["pixel_values"].shape == (4, channels, 16, 16)
+    assert kwargs["labels"].shape == (4,) and int(kwargs["labels"].max()) < 5
+    loss = extract_loss(model(**kwargs))
+    assert loss.dim() == 0 and loss.grad_fn is not None
+
+
+def test_hf_nested_config_keys_set_sub_config_fields():
+    pytest.importorskip("transformers")
+    overrides = {
+        "text_config.hidden_size": 48, "text_config.num_hidden_layers": 1, "text_config.vocab_size": 64,
+        "text_config.intermediate_size": 64, "text_config.num_attention_heads": 2,
+        "vision_config.hidden_size": 32, "vision_config.num_hidden_layers": 1, "vision_config.num_attention_heads": 2,
+        "vision_config.image_size": 32, "vision_config.patch_size": 8,
+    }
+    model, _, kwargs = ModelSpec("hf:clip", overrides).build("meta")
+    assert model.config.text_config.hidden_size == 48 and model.config.text_config.num_hidden_layers == 1
+    assert model.config.vision_config.hidden_size == 32
+    # CLIP is an image classifier here; its image size comes from the vision sub-config.
+    assert type(model).__name__ == "CLIPForImageClassification" and kwargs["pixel_values"].shape == (2, 3, 32, 32)
+    assert model.config.text_config.max_position_embeddings == 77  # the sub-config's default for the rest
+    with pytest.raises(SpecError, match=r"no config field 'text_config.hiden_size'.*'hidden_size'"):
+        ModelSpec("hf:clip", {"text_config.hiden_size": 48}).build("meta")
+    with pytest.raises(SpecError, match=r"no config field 'txt_config'"):
+        ModelSpec("hf:clip", {"txt_config.hidden_size": 48}).build("meta")
+    with pytest.raises(SpecError, match=r"'n_layer' is not a sub-config"):
+        ModelSpec("hf:gpt2", {"n_layer.x": 1}).build("meta")
+
+
+def test_hf_batch_shape_keys_belong_to_their_task():
+    pytest.importorskip("transformers")
+    with pytest.raises(SpecError, match="image model: seq_len does not apply"):
+        ModelSpec("hf:vit", {**TINY_VISION["vit"], "seq_len": 8}).build("meta")
+    with pytest.raises(SpecError, match="not an encoder-decoder model: target_len"):
+        ModelSpec("hf:gpt2", {**TINY_HF["gpt2"], "target_len": 8}).build("meta")
+    with pytest.raises(SpecError, match="no config field 'image_size'"):
+        ModelSpec("hf:gpt2", {**TINY_HF["gpt2"], "image_size": 8}).build("meta")
 
 
 def test_hf_without_transformers(monkeypatch):

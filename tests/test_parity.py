@@ -317,3 +317,5 @@ def test_cli_hf_gpt2_check(tmp_path: Path) -> None:
     assert compiled.returncode == 0, compiled.describe()
     launch = _run([*_torchrun(2), "out/launch.py", "--check"], cwd=tmp_path, timeout=CLI_TIMEOUT)
     assert launch.returncode == 0 and "parity ok: max_abs_err=" in launch.stdout, launch.describe()
+    # GPT-2's dropout modules, switched off for the check, and said so before the verdict.
+    assert re.search(r"^--check: switched off randomness: \d+ nn\.Dropout modules$", launch.stdout, re.MULTILINE), launch.describe()

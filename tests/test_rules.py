@@ -386,3 +386,102 @@ def test_check_rule_scales_big_nodes_down():
     node = _node("aten.linear.default", [(4096, 1024), (3000, 1024), (3000,)], [(4096, 3000)])
     assert check_rule(node, _c([R, S0, S0], [S1]), 3) is None
     assert check_rule(node, _c([S1, S1, R], [P]), 3) is not None
+
+
+# ------------------------------------------------- what DTensor runs: convolution
+#
+# A candidate can be right by arithmetic and still be wrong in a program: DTensor runs a
+# convolution through a handler of its own that reads the input's placements only (a split
+# weight comes out as a slice DTensor labels whole). So the convolution rule is also checked
+# by running DTensor on every candidate it offers, on simulated ranks (LocalTensorMode: every
+# rank's piece in this one process, a fake process group), forward and backward.
+
+CONVOLUTIONS = {
+    "conv2d with bias": ("aten.conv2d.default", [(4, 3, 6, 6), (6, 3, 3, 3), (6,)], (4, 6, 6, 6), ([1, 1], [1, 1])),
+    "conv1d without bias": ("aten.conv1d.default", [(4, 4, 7), (8, 4, 3)], (4, 8, 7), ([1], [1])),
+    "strided conv2d": ("aten.conv2d.default", [(8, 2, 8, 8), (4, 2, 2, 2), (4,)], (8, 4, 4, 4), ([2, 2], [0, 0])),
+}
+
+
+@pytest.fixture(scope="module")
+def simulated_ranks():
+    """A fake process group of 4 ranks (no communication) for LocalTensorMode."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized(), "a process group is already up in this test process"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield 4
+    dist.destroy_process_group()
+
+
+def _dtensor_problem(op: str, shapes, stride_padding, candidate: AxisCandidate, axis_size: int) -> str | None:
+    """Run ``op`` on DTensors placed as ``candidate`` (on the first axis of a 4-rank mesh
+    whose first axis has ``axis_size`` ranks) and compare the result and every gradient
+    with the op on whole tensors; the problem, or None."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    function = getattr(torch.ops.aten, op.split(".")[1]).default
+    generator = torch.Generator().manual_seed(0)
+    whole = [torch.randn(shape, generator=generator) for shape in shapes]
+    leaves = [t.clone().requires_grad_() for t in whole]
+    expected = function(*leaves, *([None] if len(leaves) == 2 else []), *stride_padding)
+    expected.square().sum().backward()
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", (axis_size, 4 // axis_size) if axis_size < 4 else (4,))
+        rest = (Replicate(),) * (mesh.ndim - 1)
+
+        def place(tensor: torch.Tensor, placement) -> DTensor:
+            placements = (placement, *rest)
+            if isinstance(placement, Partial):
+                piece = tensor / axis_size if placement.reduce_op == "sum" else tensor
+                return DTensor.from_local(piece, mesh, placements, run_check=False)
+            return distribute_tensor(tensor, mesh, placements)
+
+        operands = [place(t, p).detach().requires_grad_() for t, p in zip(whole, candidate.inputs)]
+        try:
+            result = function(*operands, *([None] if len(operands) == 2 else []), *stride_padding)
+            full = result.full_tensor()
+            full.square().sum().backward()
+        except Exception as error:  # noqa: BLE001 - what DTensor raised is the finding
+            return f"DTensor raised {type(error).__name__}: {str(error)[:120]}"
+        if full.shape != expected.shape:
+            return f"the result has shape {tuple(full.shape)}, not {tuple(expected.shape)} (DTensor says {tuple(result.placements)})"
+        if not torch.allclose(full, expected, atol=1e-4):
+            return f"the result is wrong (DTensor says {tuple(result.placements)})"
+        for index, (operand, leaf) in enumerate(zip(operands, leaves)):
+            gradient = operand.grad.full_tensor()
+            if gradient.shape != leaf.grad.shape or not torch.allclose(gradient, leaf.grad, atol=1e-3):
+                return f"the gradient of input {index} is wrong"
+    return None
+
+
+@pytest.mark.parametrize("case", sorted(CONVOLUTIONS))
+@pytest.mark.parametrize("axis_size", (2, 4))
+def test_dtensor_runs_every_convolution_candidate(simulated_ranks, case, axis_size):
+    op, shapes, out, stride_padding = CONVOLUTIONS[case]
+    node = _node(op, shapes, [out], [None] * len(shapes) + list(stride_padding))
+    offered = axis_candidates(node, axis_size)[1:]
+    assert offered, f"{case}: no split offered (the batch split at least)"
+    problems = [f"{c}: {p}" for c in offered if (p := _dtensor_problem(op, shapes, stride_padding, c, axis_size))]
+    assert not problems, f"{case} on {axis_size} ranks:\n  " + "\n  ".join(problems)
+
+
+# Right by arithmetic (check_rule accepts them) but wrong on DTensor: never offered.
+CONVOLUTION_WRONG_ON_DTENSOR = {
+    "output channels split": _c([R, S0, S0], [S1]),
+    "input channels split": _c([S1, S1, P], [P]),
+    "partial input": _c([P, R, P], [P]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONVOLUTION_WRONG_ON_DTENSOR))
+def test_convolution_splits_dtensor_gets_wrong_are_not_offered(simulated_ranks, case):
+    op, shapes, out, stride_padding = CONVOLUTIONS["conv2d with bias"]
+    node = _node(op, shapes, [out], [None] * len(shapes) + list(stride_padding))
+    candidate = CONVOLUTION_WRONG_ON_DTENSOR[case]
+    assert check_rule(node, candidate, 2) is None, f"{case} is right by arithmetic"
+    assert _dtensor_problem(op, shapes, stride_padding, candidate, 2) is not None, f"DTensor now runs {case}: offer it again"
+    assert candidate not in axis_candidates(node, 2)

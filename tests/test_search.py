@@ -264,6 +264,23 @@ def test_search_keeps_runners_up_and_baselines():
     assert any(name.startswith("baseline") for name in names) or {"ddp (dp=4)", "fsdp (dp=4)"} & set(names)
 
 
+def test_ops_with_two_outputs_get_a_placement_for_each():
+    """``max.dim`` (values and indices) over a batch-split input: search.propagation gave it
+    one output placement, and combining the axes raised an IndexError."""
+    from pathlib import Path
+
+    from search.layouts import batch_input_placements
+    from search.propagation import propagate
+
+    spec = ModelSpec(f"{Path(__file__).resolve().with_name('zoo_models.py')}:multi_output", {})
+    graph, _, _, _ = prepare_model(spec, "cpu:1x4")
+    per_axis = propagate(graph, batch_input_placements(graph), {})
+    maximum = next(n for n in graph.nodes if n.op == "aten.max.dim")
+    assert per_axis[maximum.name].outputs == (Shard(0), Shard(0))
+    strategies, _ = data_parallel_layout(graph, Mesh((("dp", 4),)))
+    assert all(len(s.outputs) == len(graph.node(s.node).output_meta) for s in strategies)
+
+
 # ------------------------------------------------------------- deterministic budgets
 
 

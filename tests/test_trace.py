@@ -336,3 +336,50 @@ def test_llama_7b_traces_on_meta():
     assert graph.parameter_count == sum(p.numel() for p in model.parameters())
     assert graph.blocks == {"model.layers": 32}
     assert all(p.is_meta for p in model.parameters())
+
+
+# ------------------------------------------------------------- tensors made in forward
+
+ZOO = Path(__file__).resolve().with_name("zoo_models.py")
+
+
+def test_tensor_constants_made_in_forward_keep_their_values():
+    """export lifts tensors a forward makes from Python data out of the graph; made on the
+    meta device they hold no values, so the tracer exports again on fake CPU tensors to keep
+    them (codegen writes them into the program)."""
+    model, args, kwargs = ModelSpec(f"{ZOO}:tensor_constants").build("meta")
+    graph = trace(model, args, kwargs)
+    values = sorted((value.tolist() for value in graph.constants.values()), key=str)
+    assert values == [0.5, [0, 2, 4, 6, 8, 10, 12, 14], [1.0, -2.0, 0.25, 3.0]], values
+    readers = [n for n in graph.nodes if set(n.inputs) & set(graph.constants)]
+    assert len(readers) == 3
+    assert all(p.is_meta for p in model.parameters())  # the model's own tensors are put back
+
+
+class CpuVectorInForward(nn.Module):
+    """``torch.tensor([...])`` without a device: a CPU vector that a meta input cannot meet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return (self.linear(x) * torch.tensor([1.0, -1.0])).sum()
+
+
+def test_a_cpu_constant_in_forward_traces_on_meta():
+    model = meta_model(CpuVectorInForward)
+    with torch.device("meta"):
+        x = torch.randn(4, 2)
+    graph = trace(model, (x,))
+    assert graph.tracer == "export"
+    assert [value.tolist() for value in graph.constants.values()] == [[1.0, -1.0]]
+
+
+def test_multi_output_ops_have_one_meta_per_output():
+    model, args, kwargs = ModelSpec(f"{ZOO}:multi_output").build("meta")
+    graph = trace(model, args, kwargs)
+    outputs = {n.op: len(n.output_meta) for n in graph.nodes}
+    for op in ("aten.max.dim", "aten.min.dim", "aten.topk.default", "aten.sort.default", "aten.var_mean.dim",
+               "aten.aminmax.default"):
+        assert outputs.get(op) == 2, (op, outputs)

@@ -61,6 +61,8 @@ def main(folder: Path, argv: list[str]) -> int:
         if options.check:
             atol, rtol = parity_tolerances(program.plan.precision, options.atol, options.rtol)
             result = check_parity(program, mesh, atol, rtol, options.lr, optimizer)
+            if result.randomness:
+                _say(result.randomness)
             _say(result.message(atol, rtol))
             status = 0 if result.ok else 1
         if options.steps > 0:

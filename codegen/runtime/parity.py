@@ -3,8 +3,9 @@
 Every rank builds the model and the global batch from the plan's spec with the same seed,
 runs the reference step (forward, loss, backward, optimizer) on the whole batch on its own,
 then the sharded step through ``model_spmd``, and compares outputs, the loss, every
-gradient and every updated parameter. Dropout is switched off in both: its random masks
-cannot match between a sharded and an unsharded run.
+gradient and every updated parameter. Dropout is switched off in both (modules, functional
+calls and attention's ``dropout_p``: ``codegen.runtime.randomness``): its random masks cannot
+match between a sharded and an unsharded run; the result says what was switched off.
 
 Updated parameters are compared with the single-device optimizer step applied to the
 sharded run's own (gathered) gradients, which were compared with the reference just
@@ -28,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from codegen.runtime.precision import AUTOCAST_DTYPES, run_in_autocast
 from codegen.runtime.program import Program
+from codegen.runtime.randomness import NoDropout, switch_off_dropout_attributes, switch_off_dropout_modules
 from planner.model_spec import extract_loss
 
 
@@ -51,6 +53,7 @@ class ParityResult:
     compared: int
     max_abs_err: float
     worst: TensorDiff
+    randomness: str = ""  # what was switched off (RandomnessReport.line), printed before the verdict
 
     @property
     def ok(self) -> bool:
@@ -100,14 +103,20 @@ def check_parity(
 
         return check_pipeline_parity(program, mesh, atol, rtol, lr, optimizer)
     model, args, kwargs = program.build_model()
-    _disable_dropout(model)
+    randomness = switch_off_dropout_modules(model)
     reference = single_device_reference(program, model, mesh)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
 
-    # Single device: the whole global batch on this rank alone.
-    ref_output = reference(*args, **kwargs)
-    ref_loss = extract_loss(ref_output)
-    ref_loss.backward()
+    # Single device: the whole global batch on this rank alone. Backward too runs without
+    # dropout: recomputed blocks replay their forward there.
+    no_dropout = NoDropout(randomness)
+    with no_dropout:
+        ref_output = reference(*args, **kwargs)
+        ref_loss = extract_loss(ref_output)
+        ref_loss.backward()
+    # The float attributes functional dropout read its probability from, off at the source:
+    # the sharded step reads 0 in forward and when backward recomputes a block alike.
+    switch_off_dropout_attributes(model, no_dropout.attributes_in(reference), randomness)
     ref_grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters() if p.grad is not None}
 
     # Sharded: this rank's module on this rank's slice of the batch.
@@ -115,9 +124,10 @@ def check_parity(
     local_args, local_kwargs = program.shard_batch(args, kwargs, mesh)
     # Through the program's optimizer hook when it has one (ZeRO-1: a ZeroRedundancyOptimizer).
     local_optimizer = program.make_optimizer(local_module, mesh, optimizer_class(optimizer), lr=lr)
-    output = local_module(*local_args, **local_kwargs)
-    loss = extract_loss(output)
-    loss.backward()
+    with NoDropout(counting=False):
+        output = local_module(*local_args, **local_kwargs)
+        loss = extract_loss(output)
+        loss.backward()
     grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
     local_optimizer.step()
 
@@ -132,7 +142,7 @@ def check_parity(
         _compare(f"updated {name}", _full(p.detach()), expected[name], atol, rtol)
         for name, p in model.named_parameters()
     ]
-    return _across_ranks(diffs)
+    return _across_ranks(diffs, randomness.line())
 
 
 def _optimizer_step(
@@ -178,7 +188,7 @@ def _compare(name: str, actual: torch.Tensor, expected: torch.Tensor, atol: floa
     return TensorDiff(name, error.max().item(), (error / (atol + rtol * expected.abs())).max().item())
 
 
-def _across_ranks(diffs: list[TensorDiff]) -> ParityResult:
+def _across_ranks(diffs: list[TensorDiff], randomness: str = "") -> ParityResult:
     worst = max(diffs, key=lambda d: d.violation)
     local = (len(diffs), max(d.max_abs_err for d in diffs), worst)
     gathered: list = [None] * dist.get_world_size()
@@ -187,6 +197,7 @@ def _across_ranks(diffs: list[TensorDiff]) -> ParityResult:
         compared=sum(item[0] for item in gathered),
         max_abs_err=max(item[1] for item in gathered),
         worst=max((item[2] for item in gathered), key=lambda d: d.violation),
+        randomness=randomness,
     )
 
 
@@ -199,8 +210,3 @@ def _global_mean(value: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value / dist.get_world_size()
 
-
-def _disable_dropout(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-            module.p = 0.0

@@ -79,7 +79,7 @@ class PipelineStageModule(SpmdModule):
         mesh: the stage mesh (``stage_mesh``).
         parameters: qualified name -> planned placements over the stage mesh.
         owned: the qualified names of the parameters this stage reads.
-        dropout_modules: dropout op -> path of its ``nn.Dropout``.
+        dropout_modules: dropout op -> its ``nn.Dropout`` path, or ``(module path, attribute)``.
         index, num_stages: this stage's position in the pipeline.
     """
 
@@ -89,7 +89,7 @@ class PipelineStageModule(SpmdModule):
         mesh: DeviceMesh,
         parameters: Mapping[str, Placements],
         owned: Sequence[str],
-        dropout_modules: Mapping[str, str] | None = None,
+        dropout_modules: Mapping[str, str | tuple[str, str]] | None = None,
         index: int = 0,
         num_stages: int = 1,
     ) -> None:
@@ -172,7 +172,7 @@ def build_stage(
     mesh: DeviceMesh,
     parameters: Mapping[str, Placements],
     stage_parameters: Sequence[Sequence[str]],
-    dropout_modules: Mapping[str, str] | None = None,
+    dropout_modules: Mapping[str, str | tuple[str, str]] | None = None,
 ) -> PipelineStageModule:
     """This rank's stage module: the class of its ``pp`` coordinate, over the stage mesh."""
     index = stage_index(mesh)

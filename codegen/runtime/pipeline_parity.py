@@ -24,13 +24,13 @@ from codegen.runtime.parity import (
     TensorDiff,
     _across_ranks,
     _compare,
-    _disable_dropout,
     _full,
     _optimizer_step,
     optimizer_class,
     single_device_reference,
 )
 from codegen.runtime.program import Program
+from codegen.runtime.randomness import NoDropout, switch_off_dropout_attributes, switch_off_dropout_modules
 from planner.model_spec import extract_loss
 
 
@@ -39,19 +39,23 @@ def check_pipeline_parity(
 ) -> ParityResult:
     """One pipeline step against one device (see the module docstring)."""
     model, args, kwargs = program.build_model()
-    _disable_dropout(model)
+    randomness = switch_off_dropout_modules(model)
     reference = single_device_reference(program, model, mesh)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
 
-    ref_loss = extract_loss(reference(*args, **kwargs))
-    ref_loss.backward()
+    no_dropout = NoDropout(randomness)
+    with no_dropout:
+        ref_loss = extract_loss(reference(*args, **kwargs))
+        ref_loss.backward()
+    switch_off_dropout_attributes(model, no_dropout.attributes_in(reference), randomness)  # see parity.check_parity
     ref_grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters() if p.grad is not None}
 
     stage = program.parallelize(model, mesh)
     pipeline = program.module.make_pipeline(stage, mesh)
     local_args, local_kwargs = program.shard_batch(args, kwargs, mesh)
     local_optimizer = program.make_optimizer(stage, mesh, optimizer_class(optimizer), lr=lr)
-    loss = pipeline.step(local_args, local_kwargs)
+    with NoDropout(counting=False):
+        loss = pipeline.step(local_args, local_kwargs)
     owned = dict(stage.named_model_parameters())
     grads = {name: _full(p.grad) for name, p in owned.items() if p.grad is not None}
     local_optimizer.step()
@@ -70,4 +74,4 @@ def check_pipeline_parity(
         _compare(f"updated {name} (stage {stage.index})", _full(p.detach()), expected[name], atol, rtol)
         for name, p in owned.items()
     ]
-    return _across_ranks(diffs)
+    return _across_ranks(diffs, randomness.line())

@@ -65,7 +65,8 @@ class SpmdModule(nn.Module):
         mesh: the device mesh of the plan.
         parameters: qualified name -> planned placements of every parameter the graph reads.
         dropout_modules: dropout op (node name) -> path of the ``nn.Dropout`` whose ``p`` it
-            reads at run time (so ``module.p = 0`` or ``eval()`` switch it off as in the model).
+            reads at run time (so ``module.p = 0`` or ``eval()`` switch it off as in the model),
+            or ``(module path, attribute)`` of the float attribute it reads.
     """
 
     def __init__(
@@ -73,7 +74,7 @@ class SpmdModule(nn.Module):
         model: nn.Module,
         mesh: DeviceMesh,
         parameters: Mapping[str, Placements],
-        dropout_modules: Mapping[str, str] | None = None,
+        dropout_modules: Mapping[str, str | tuple[str, str]] | None = None,
         local_parameters: Sequence[str] = (),
     ) -> None:
         super().__init__()
@@ -127,12 +128,14 @@ class SpmdModule(nn.Module):
         return redistribute(value, keep_whole(value.placements, placements))
 
     def dropout_p(self, node: str, traced_p: float) -> float:
-        """The probability of dropout op ``node``: its module's ``p`` now (0 after
-        ``module.p = 0``), or the traced value when no module owns it."""
-        path = self._dropout_modules.get(node)
-        if path is None:
+        """The probability of dropout op ``node`` now: its ``nn.Dropout``'s ``p`` (0 after
+        ``module.p = 0``), or the float attribute it was read from (``(path, attribute)``),
+        or the traced value when neither is known."""
+        owner = self._dropout_modules.get(node)
+        if owner is None:
             return traced_p
-        return float(self.model.get_submodule(path).p)
+        path, attribute = (owner, "p") if isinstance(owner, str) else owner
+        return float(getattr(self.model.get_submodule(path), attribute))
 
     def attention(self, op: Callable, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs) -> Any:
         """Scaled dot-product attention on DTensors. DTensor shards CUDA's flash and
