@@ -272,9 +272,44 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
         device_ids=device_ids,
         process_group=dp_mesh.get_group(),
         gradient_as_bucket_view=True,  # gradients live in the buckets: no second copy
-    )
+{_unused_parameters_lines(plan)}    )
 
 '''
+
+
+def unused_parameters(plan: Plan) -> list[str]:
+    """Parameters of the traced model whose ops do not lead to the model's output (e.g. a
+    pooler that a classification head computes and drops), so backward never gives them a
+    gradient; in the model's order, empty without a traced graph."""
+    graph = plan.graph
+    if graph is None or graph.graph_module is None:
+        return []
+    output = next(node for node in graph.graph_module.graph.nodes if node.op == "output")
+    reached, stack = set(), [output]
+    while stack:
+        node = stack.pop()
+        for source in node.all_input_nodes:
+            if source.name not in reached:
+                reached.add(source.name)
+                stack.append(source)
+    read = {param for node in graph.nodes if node.name in reached for param in node.params}
+    return [name for name in graph.parameters if name not in read]
+
+
+def _unused_parameters_lines(plan: Plan) -> str:
+    """DDP's argument for parameters forward never reads: without it their bucket is never
+    all-reduced, and the gradients in it (also those of parameters that are used) stay
+    this rank's own, silently (found on CLIP's image classifier, whose pooler is unused)."""
+    unused = unused_parameters(plan)
+    if not unused:
+        return ""
+    shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+    lines = (
+        comment(f"{len(unused)} parameter(s) with no path to the output ({shown}) get no gradient: without this DDP"),
+        comment("never all-reduces their bucket, and every gradient in it stays this rank's own"),
+        "find_unused_parameters=True,",
+    )
+    return "".join(f"        {line}\n" for line in lines)
 
 
 def _fsdp_body(plan: Plan, dp: int) -> str:

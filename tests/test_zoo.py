@@ -26,9 +26,13 @@ models bring:
   (the programs synchronise its statistics over ``dp``), and a DDP program with that taken
   out must fail the check.
 
+- CLIP's image classifier under DDP (forced): its pooler's output does not reach the loss, so
+  those parameters get no gradient, and the program must tell DDP to look for them (without
+  it, the gradients in their bucket are never averaged).
+
 All programs of one world size are checked in ONE torchrun launch (``check_many``). The
-search runs on a small wall-clock budget each (``ZOO_BUDGET_S``); on a loaded machine it may
-find another plan than on a quiet one, which must pass all the same.
+search runs at a small effort each (``ZOO_EFFORT``: work, not seconds, so the plans are the
+same on a loaded machine as on a quiet one).
 """
 
 from __future__ import annotations
@@ -55,8 +59,8 @@ from test_parity import Launch, check_many, result_of
 pytestmark = pytest.mark.distributed
 
 ZOO_MODELS = Path(__file__).resolve().with_name("zoo_models.py")
-# Seconds of search per member: tiny models need little, and the zoo has many members.
-ZOO_BUDGET_S = 3.0
+# Search effort per member: tiny models need little, and the zoo has many members.
+ZOO_EFFORT = 0.25
 
 _TEXT = {"vocab_size": 128, "seq_len": 16}  # the hf default batch (2) unless a member sets one
 _DECODER = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, **_TEXT}
@@ -119,6 +123,8 @@ MEGATRON = ("mistral", "falcon", "opt", "t5", "bart", "vit")
 BATCH_NORM_FLAVOURS = {"zoo_resnet_ddp": "ddp", "zoo_resnet_fsdp": "fsdp"}
 # The negative control: the DDP program with its batch-norm synchronisation taken out.
 UNSYNCHRONISED = "zoo_resnet_ddp_unsynchronised"
+# CLIP's image classifier forced to DDP (world 4): parameters without a gradient.
+CLIP_DDP = "clip_ddp"
 SYNCHRONISE_LINE = "    synchronise_batch_norm(model, dp_mesh.get_group())\n"
 
 
@@ -142,11 +148,14 @@ def _run_zoo(world: int, root: Path) -> ZooRun:
     for name in members(world):
         source, overrides, _ = MEMBERS[name]
         try:
-            plans[name] = planner.plan(ModelSpec(source, overrides), f"cpu:1x{world}", time_budget_s=ZOO_BUDGET_S, progress=False)
+            plans[name] = planner.plan(ModelSpec(source, overrides), f"cpu:1x{world}", effort=ZOO_EFFORT, progress=False)
             folders[name] = planner.compile(plans[name], root / name)
         except PlannerError as error:  # a refusal, one line (checked below)
             refused[name] = str(error)
     if world == 4:
+        source, overrides, _ = MEMBERS["clip"]
+        plans[CLIP_DDP] = planner.plan(ModelSpec(source, overrides), "cpu:1x4", dp_flavour="ddp", progress=False)
+        folders[CLIP_DDP] = planner.compile(plans[CLIP_DDP], root / CLIP_DDP)
         for name in MEGATRON:
             source, overrides, _ = MEMBERS[name]
             graph, spec, model_name, cluster = prepare_model(ModelSpec(source, {"batch_size": 4, **overrides}), "cpu:1x4")
@@ -269,3 +278,9 @@ def test_megatron_layouts_split_weights_and_train_like_one_device(zoo4, name):
 def test_falcon_writes_its_index_constants_into_the_program(zoo4):
     source = (zoo4.folders["falcon"] / "model_spmd.py").read_text()
     assert len(re.findall(r"c_\w*lifted_tensor_\d+ = torch\.tensor\(\[-?\d+\], dtype=torch\.int64", source)) == 4, source
+
+
+def test_ddp_finds_the_parameters_that_get_no_gradient(zoo4):
+    source = (zoo4.folders[CLIP_DDP] / "model_spmd.py").read_text()
+    assert "find_unused_parameters=True," in source and "vision_model.post_layernorm.weight" in source, source
+    assert zoo4.result(CLIP_DDP).startswith("ok parity ok: "), zoo4.result(CLIP_DDP)
