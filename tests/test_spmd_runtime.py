@@ -25,3 +25,43 @@ from codegen.runtime.spmd import keep_whole
 )
 def test_keep_whole_never_asks_dtensor_for_partial_values(held, wanted, expected):
     assert keep_whole(held, wanted) == expected
+
+
+@pytest.fixture
+def rank1_of_2():
+    """A one-dimensional ``tp=2`` mesh as rank 1 of a fake process group (collectives move no
+    data; shapes and strides are what a real rank 1 gets)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_uneven_all_to_all_leaves_a_contiguous_local_piece(rank1_of_2):
+    # Found by benchmarks/fuzz_parity.py (case 2): an embedding split on its features is read
+    # by a linear split on 5 tokens, 3 + 2. DTensor's all-to-all leaves rank 1 a (4, 2, 10)
+    # slice of a padded (4, 3, 10) buffer, which linear's local view cannot flatten; rank 1
+    # failed alone and rank 0 aborted in the next collective.
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from codegen.runtime.spmd import redistribute
+
+    mesh = rank1_of_2
+    local = torch.randn(4, 5, 5, requires_grad=True)
+    features = DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=torch.Size((4, 5, 10)), stride=(50, 10, 1))
+    assert not features.redistribute(mesh, [Shard(1)]).to_local().is_contiguous()  # DTensor's own result
+    tokens = redistribute(features, [Shard(1)])
+    assert tokens.placements == (Shard(1),) and tokens.shape == (4, 5, 10) and tokens.to_local().shape == (4, 2, 10)
+    assert tokens.to_local().is_contiguous()
+    weight = distribute_tensor(torch.randn(10, 10, requires_grad=True), mesh, [Replicate()])
+    out = torch.ops.aten.linear.default(tokens, weight)
+    # Backward redistributes the gradient the other way (S(2) -> S(1)), with the same
+    # all-to-all; linear's backward views that gradient too.
+    redistribute(out, [Shard(2)]).to_local().sum().backward()
+    assert local.grad is not None and local.grad.shape == (4, 5, 5)
