@@ -80,34 +80,22 @@ _CONVS = ("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "
 
 @register_rule(*_CONVS)
 def convolution_rule(node: OpNode, axis_size: int) -> list[AxisCandidate]:
-    """``conv(x (N, C, *spatial), W (O, C/groups, *kernel), b (O,))``: samples split
-    (weights whole); output channels split (W rows and b split); input channels split in x
-    and W (partial sums, bias partial); linear in x, in W and in b together. Channel splits
-    only without groups; the spatial dims never (a window crosses the cut)."""
+    """``conv(x (N, C, *spatial), W (O, C/groups, *kernel), b (O,))``: samples split,
+    weights whole.
+
+    Only what DTensor's convolution runs as promised: its rule gives the output the input's
+    placements and runs the op on the local pieces whatever the weight's placements, so a
+    split weight (output or input channels split, though the arithmetic would allow them)
+    gives a wrong result that claims to be whole; and it sums a partial input before the op,
+    so partial candidates would be priced without the all-reduce they run. The spatial dims
+    are never split (a window crosses the cut)."""
     metas = node.input_meta
     if len(metas) < 2:
         return []
     x, weight = metas[:2]
-    has_bias = len(metas) > 2
-    transposed = node.op == "aten.convolution.default" and bool(attr(node, 6, False))
-    groups = attr(node, 8 if node.op == "aten.convolution.default" else 6, 1)
-    batched = len(x.shape) == len(weight.shape)
-    channel = 1 if batched else 0
-    bias = lambda placement: (placement,) if has_bias else ()  # noqa: E731 - tiny local helper
-    found = []
-    if batched and x.shape[0] >= axis_size and x.shape[0] > 1:
-        found.append(AxisCandidate((Shard(0), R) + bias(R), (Shard(0),)))
-    if groups == 1 and not transposed:
-        if weight.shape[0] >= axis_size and weight.shape[0] > 1:
-            found.append(AxisCandidate((R, Shard(0)) + bias(Shard(0)), (Shard(channel),)))
-        if x.shape[channel] >= axis_size and x.shape[channel] > 1:
-            found.append(AxisCandidate((Shard(channel), Shard(1)) + bias(SUM), (SUM,)))
-    for flavour in (SUM, AVG):
-        biases = [flavour, R] if flavour == AVG and has_bias else [flavour]  # a whole bias shifts an average alike
-        for bias_placement in biases:
-            found.append(AxisCandidate((flavour, R) + bias(bias_placement), (flavour,)))
-            found.append(AxisCandidate((R, flavour) + bias(bias_placement), (flavour,)))
-    return found
+    if len(x.shape) == len(weight.shape) and x.shape[0] >= axis_size and x.shape[0] > 1:  # batched
+        return [AxisCandidate((Shard(0),) + tuple(R for _ in metas[1:]), (Shard(0),))]
+    return []
 
 
 _POOL = re.compile(r"^aten\.(_?adaptive_)?(max|avg)_pool(\d)d(_with_indices)?\.default$")
