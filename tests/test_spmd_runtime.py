@@ -65,3 +65,33 @@ def test_uneven_all_to_all_leaves_a_contiguous_local_piece(rank1_of_2):
     # all-to-all; linear's backward views that gradient too.
     redistribute(out, [Shard(2)]).to_local().sum().backward()
     assert local.grad is not None and local.grad.shape == (4, 5, 5)
+
+
+def test_programs_checked_in_one_process_share_their_mesh(monkeypatch):
+    # Found by benchmarks/fuzz_parity.py (case 139 after case 113 in one dist_check_many
+    # launch): a second init_device_mesh of the same shape equals the first (same ranks,
+    # shape, names) but has new process groups, and DTensor's caches, keyed by that equality,
+    # handed some ranks values on the first mesh: they gathered in its groups, the others in
+    # the second's, and the launch hung. Program.build_mesh builds each mesh once per process.
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from codegen.runtime.program import Program
+    from planner.api import prepare_model
+    from planner.model_spec import ModelSpec
+    from search.megatron import megatron_plan
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    graph, spec, name, cluster = prepare_model(ModelSpec(str(examples / "mlp.py"), {}), "cpu:1x4")
+    plan = megatron_plan(graph, cluster, spec, name, tp=2)
+    assert plan.mesh.names == ("dp", "tp")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=4)
+    try:
+        first = Program(Path("first"), plan, None).build_mesh()
+        second = Program(Path("second"), plan, None).build_mesh()
+        assert all(second.get_group(axis) is first.get_group(axis) for axis in ("dp", "tp"))
+    finally:
+        dist.destroy_process_group()
