@@ -95,3 +95,32 @@ def test_programs_checked_in_one_process_share_their_mesh(monkeypatch):
         assert all(second.get_group(axis) is first.get_group(axis) for axis in ("dp", "tp"))
     finally:
         dist.destroy_process_group()
+
+
+def test_gradients_of_redistributed_views_flow_back_through_the_view():
+    # Found by benchmarks/fuzz_parity.py (case 111 of the second generator): attention's
+    # (4, 4, 20) -> (4, 4, 4, 5) view, transposed, then split over 4 ranks on its 5 columns
+    # (rank 3 holds none). The gradient came back with global strides that differ between
+    # ranks and match no layout, so the view's backward (a reshape, which DTensor turns into
+    # a view when the strides allow it) failed on rank 3 while the others went on. Values
+    # redistributed by the program carry contiguous strides on every rank.
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from codegen.runtime.spmd import redistribute
+
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        leaf = torch.randn(4, 4, 20, requires_grad=True)
+        whole = DTensor.from_local(leaf, mesh, [Replicate()], run_check=False)
+        heads = torch.ops.aten.transpose.int(torch.ops.aten.view.default(whole, [4, 4, 4, 5]), 1, 2)
+        columns = redistribute(heads, [Shard(3)])
+        assert columns.to_local().shape == (4, 4, 4, 0) and columns.stride() == (80, 20, 5, 1)
+        columns.to_local().sum().backward()
+        assert leaf.grad is not None and leaf.grad.shape == (4, 4, 20)
+    finally:
+        dist.destroy_process_group()

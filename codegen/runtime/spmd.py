@@ -282,11 +282,23 @@ def contiguous_local(value: DTensor) -> DTensor:
     # d(local)/d(value) keeps the value's placements; a partial value's gradient is whole.
     grad_placements = [Replicate() if isinstance(p, Partial) else p for p in value.placements]
     local = value.to_local(grad_placements=grad_placements)
-    if local.is_contiguous():
+    contiguous = _contiguous_strides(value.shape)
+    if local.is_contiguous() and tuple(value.stride()) == contiguous:
         return value
+    # The global strides too: DTensor decides between a view and a copy (reshape) from them,
+    # and after a gather they can differ between ranks (a rank with an empty piece computes
+    # others), so ranks would disagree on the decision.
     return DTensor.from_local(
-        local.contiguous(), value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        local.contiguous(), value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=contiguous
     )
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def distribute_parameters(
