@@ -46,8 +46,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--chunk", type=int, default=40, help="programs per torchrun launch (default 40)")
     parser.add_argument("--stall", type=float, default=180, help="seconds a launch may go without a result before it is stopped (default 180)")
     options = parser.parse_args(argv)
-    if options.cases < 1 or options.seed < 0 or (options.case is not None and options.case < 0) or options.chunk < 1:
-        parser.error("--cases and --chunk must be >= 1; --seed and --case >= 0")
+    if options.cases < 1 or options.chunk < 1 or options.seed < 0 or (options.case or 0) < 0 or not options.stall > 0:
+        parser.error("--cases and --chunk must be >= 1, --seed and --case >= 0, --stall > 0")
     numbers = [options.case] if options.case is not None else list(range(options.seed, options.seed + options.cases))
 
     started = time.perf_counter()
@@ -69,7 +69,8 @@ def main(argv: list[str]) -> int:
     for item in refused:
         print(f"refused {item.describe()}\n    {item.refusal}")
     if options.case is not None and compiled and compiled[0].folder:
-        print(f"result: {results[compiled[0].folder]}")
+        kept = f" (program in {compiled[0].folder})" if options.keep else " (--keep DIR keeps the program)"
+        print(f"result: {results[compiled[0].folder]}{kept}")
     elapsed = time.perf_counter() - started
     print(f"compile {compile_s:.0f} s, parity launches {elapsed - compile_s:.0f} s, total {elapsed:.0f} s")
     print(f"fuzz parity: {len(numbers)} cases, {len(mismatches)} mismatches, {len(refused)} refused at compile")

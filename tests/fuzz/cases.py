@@ -57,7 +57,7 @@ class Case:
         return ModelSpec(f"{RANDOM_MODEL}:build", {"seed": self.seed})
 
     def __str__(self) -> str:
-        return f"case {self.number} on {self.mesh}"
+        return f"case {self.number} (model seed {self.seed}) on {self.mesh}"
 
 
 def case(number: int) -> Case:

@@ -13,9 +13,10 @@ rules cover, on an activation of shape ``(batch, tokens, hidden)``:
   over an image (its pixels become the tokens);
 - body steps: linear, layer norm, RMS norm, softmax, scaled-dot-product attention (fused or
   written as matmuls), elementwise activations, residual adds, gates, bmm token mixing,
-  reductions over the hidden or the token dim, views (transpose/permute/split/cat/reshape),
-  conv1d and conv2d over the tokens;
-- heads: per-token or per-sample cross-entropy, mean-squared error.
+  reductions over the hidden dim, the token dim or every dim, views (transpose, permute,
+  split/cat, reshape), conv1d and conv2d over the tokens;
+- heads: per-token cross-entropy (sometimes through the embedding table: tied weights),
+  per-sample cross-entropy, mean-squared error.
 
 Every loss is a mean over the batch, so averaged data-parallel gradients are exact. Sizes
 are tiny (hidden 8-32, a few tokens, batch 4 or 8) and often uneven (hidden 10 or 18, 5
@@ -40,7 +41,7 @@ BATCHES = (4, 8)
 BODY_STEPS = (
     "linear", "layer_norm", "rms_norm", "softmax", "attention", "manual_attention", "activation",
     "residual", "gate", "token_mix", "reduce_hidden", "reduce_tokens", "max_hidden", "transpose",
-    "permute", "split_cat", "reshape", "conv1d", "conv2d",
+    "permute", "split_cat", "reshape", "conv1d", "conv2d", "center",
 )
 STEMS = ("embedding", "linear", "conv1d", "conv2d")
 HEADS = ("token_classes", "sample_classes", "regression")
@@ -105,6 +106,9 @@ def recipe(seed: int) -> Recipe:
         hidden = step.settings.get("out", hidden)
     head = rng.choice(HEADS)
     head_settings = {"classes": rng.choice((3, 5, 8))} if head != "regression" else {"outputs": rng.choice((1, 4, 6))}
+    if head == "token_classes" and stem_kind == "embedding" and hidden == stem.settings["out"] and rng.random() < 0.5:
+        # A language model's tied weights: the head reads the embedding table (vocab classes).
+        head_settings = {"classes": stem.settings["vocab"], "tied": True}
     return Recipe(seed, batch, tokens, stem, tuple(body), Step(head, {"hidden": hidden, **head_settings}))
 
 
@@ -127,7 +131,7 @@ def _body_step(rng: random.Random, kind: str, hidden: int, tokens: int) -> Step:
         return Step(kind, {"use_bmm": rng.random() < 0.5})
     if kind in ("reduce_hidden", "reduce_tokens"):
         return Step(kind, {"how": rng.choice(("sum", "mean"))})
-    if kind == "max_hidden":
+    if kind in ("max_hidden", "center"):
         return Step(kind)
     if kind == "transpose":
         return Step(kind, {"contiguous": rng.random() < 0.5})
@@ -220,6 +224,8 @@ class Body(nn.Module):
             return x + reduced / 2
         if kind == "max_hidden":
             return x - x.amax(dim=-1, keepdim=True)
+        if kind == "center":  # a reduction over every dim, broadcast back
+            return x - x.mean()
         if kind == "transpose":  # there and back, with an op in between so the views stay
             flipped = x.transpose(1, 2)
             flipped = flipped.contiguous() * 2 if s["contiguous"] else flipped * 2
@@ -269,6 +275,8 @@ class RandomModel(nn.Module):
         head = plan.head.settings
         self.head_kind = plan.head.kind
         self.head = nn.Linear(head["hidden"], head.get("classes", head.get("outputs")))
+        if head.get("tied"):
+            self.head.weight = self.stem.op.weight
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.stem(inputs)
