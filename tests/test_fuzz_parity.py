@@ -33,9 +33,10 @@ from cases import Compiled, case, compile_case  # noqa: E402
 from parity_launch import check_programs  # noqa: E402
 from random_model import recipe  # noqa: E402
 
-# Cases 40..71: 16 per world size, and (test_the_sample_covers_every_op_family) every op
-# family the generator draws; the first window of 32 cases that covers them all.
-SAMPLE = range(40, 72)
+# Cases 380..411: 16 per world size, and (test_the_sample_covers_every_op_family) every op
+# family the generator draws, tied weights and every mesh; the first window of 32 cases
+# that covers them all.
+SAMPLE = range(380, 412)
 # Distinct ATen ops of the traced sample that stand for each family the rules cover.
 FAMILIES = {
     "linear": {"aten.linear.default"},
@@ -137,6 +138,7 @@ def test_the_sample_covers_every_op_family() -> None:
         seen |= {node.op for node in graph.nodes}
     missing = {family: sorted(ops) for family, ops in FAMILIES.items() if not ops & seen}
     assert not missing, f"the sample {SAMPLE} traces no op of {missing}"
+    assert any(recipe(number).head.settings.get("tied") for number in SAMPLE), "no model of the sample ties weights"
     meshes = {str(case(number).mesh) for number in SAMPLE}
     assert meshes == {"dp=2", "tp=2", "dp=4", "tp=4", "dp=2 x tp=2"}, meshes
 
