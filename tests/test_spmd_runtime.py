@@ -124,3 +124,27 @@ def test_gradients_of_redistributed_views_flow_back_through_the_view():
         assert leaf.grad is not None and leaf.grad.shape == (4, 4, 20)
     finally:
         dist.destroy_process_group()
+
+
+def test_every_rank_records_the_same_autograd_steps_for_a_redistribution(rank1_of_2):
+    # Found by benchmarks/fuzz_parity.py (case 483): the ranks whose piece was not
+    # contiguous got an extra from_local step, whose backward redistributes the gradient (a
+    # collective), and the ranks whose piece was contiguous skipped it: the launch hung.
+    # contiguous_local records the same steps whatever this rank's piece looks like.
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from codegen.runtime.spmd import contiguous_local
+
+    mesh = rank1_of_2
+    whole = DTensor.from_local(torch.randn(8, 3, requires_grad=True), mesh, [Replicate()], run_check=False)
+    pieces = {
+        "contiguous piece": torch.ops.aten.mul.Tensor(whole.redistribute(mesh, [Shard(0)]), 2),
+        "transposed piece": torch.ops.aten.transpose.int(whole.redistribute(mesh, [Shard(1)]), 0, 1),
+    }
+    recorded = {}
+    for name, value in pieces.items():
+        result = contiguous_local(value)
+        assert result.to_local().is_contiguous() and result.shape == value.shape, name
+        recorded[name] = result.grad_fn is not value.grad_fn  # a step of its own
+    assert recorded == {"contiguous piece": True, "transposed piece": True}, recorded

@@ -279,18 +279,17 @@ def contiguous_local(value: DTensor) -> DTensor:
     flattens it with one) then fails on those ranks only, and the others wait in the next
     collective. A contiguous copy takes every view the whole value takes. ``redistribute``
     returns such values, and hands their producers such gradients."""
-    # d(local)/d(value) keeps the value's placements; a partial value's gradient is whole.
+    # Every rank takes this path, whether its own piece is contiguous or not: the backward of
+    # from_local redistributes the gradient into the value's placements, a collective that
+    # every rank must run alike. d(local)/d(value) keeps the value's placements; a partial
+    # value's gradient is whole.
     grad_placements = [Replicate() if isinstance(p, Partial) else p for p in value.placements]
-    local = value.to_local(grad_placements=grad_placements)
-    contiguous = _contiguous_strides(value.shape)
-    if local.is_contiguous() and tuple(value.stride()) == contiguous:
-        return value
+    local = value.to_local(grad_placements=grad_placements).contiguous()
     # The global strides too: DTensor decides between a view and a copy (reshape) from them,
     # and after a gather they can differ between ranks (a rank with an empty piece computes
     # others), so ranks would disagree on the decision.
-    return DTensor.from_local(
-        local.contiguous(), value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=contiguous
-    )
+    contiguous = _contiguous_strides(value.shape)
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=contiguous)
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
