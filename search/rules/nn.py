@@ -80,21 +80,22 @@ _CONVS = ("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "
 
 @register_rule(*_CONVS)
 def convolution_rule(node: OpNode, axis_size: int) -> list[AxisCandidate]:
-    """``conv(x (N, C, *spatial), W (O, C/groups, *kernel), b (O,))``: samples split,
-    weights whole.
-
-    Only what DTensor's convolution runs as promised: its rule gives the output the input's
-    placements and runs the op on the local pieces whatever the weight's placements, so a
-    split weight (output or input channels split, though the arithmetic would allow them)
-    gives a wrong result that claims to be whole; and it sums a partial input before the op,
-    so partial candidates would be priced without the all-reduce they run. The spatial dims
-    are never split (a window crosses the cut)."""
+    """``conv(x (N, C, *spatial), W (O, C/groups, *kernel), b (O,))``: samples split, weights
+    whole. Nothing else, although more is right by arithmetic: DTensor runs a convolution
+    through a handler of its own that computes from the input's placements alone and calls
+    the local op on the local pieces as they are. A split weight (output or input channels)
+    or partial sums in x or W come out as a slice or a partial value that DTensor labels
+    otherwise (the compile-time dry run sees the local shape break its promise), so the
+    program would be wrong; and a spatial split needs the halo exchange DTensor does only for
+    the width under conditions. (Checked by running DTensor: tests/test_rules.py.)"""
     metas = node.input_meta
     if len(metas) < 2:
         return []
     x, weight = metas[:2]
-    if len(x.shape) == len(weight.shape) and x.shape[0] >= axis_size and x.shape[0] > 1:  # batched
-        return [AxisCandidate((Shard(0),) + tuple(R for _ in metas[1:]), (Shard(0),))]
+    has_bias = len(metas) > 2
+    batched = len(x.shape) == len(weight.shape)
+    if batched and x.shape[0] >= axis_size and x.shape[0] > 1:
+        return [AxisCandidate((Shard(0), R) + ((R,) if has_bias else ()), (Shard(0),))]
     return []
 
 
