@@ -30,7 +30,7 @@ from search.ilp import solve
 from search.layouts import batch_input_placements, combine
 from search.mcmc import mcmc
 from search.megatron import megatron_baseline
-from search.plan_builder import unsimulated_plan
+from search.plan_builder import input_placements, unsimulated_plan
 
 SEARCHES = ("auto", "ilp", "mcmc")
 
@@ -206,7 +206,7 @@ def _searched_plan(graph, cluster, spec, model_name, mesh, search, budget: Searc
         how.append(f"MCMC {refine.iterations} proposals")
     notes.append(f"mesh {mesh}: {', '.join(how)}")
     strategies = tuple(tables.candidates[node.name][choice[node.name]].strategy for node in graph.nodes)
-    plan = dataclasses.replace(skeleton, strategies=strategies, inputs=_input_placements(graph, mesh, strategies), label="soap")
+    plan = dataclasses.replace(skeleton, strategies=strategies, inputs=input_placements(graph, mesh, strategies), label="soap")
     plan = simulated(plan, graph)
     return [plan, *_recomputing([plan], graph)]
 
@@ -284,22 +284,6 @@ def _dp_axis(graph: OpGraph):
     from search.propagation import propagate
 
     return propagate(graph, batch_input_placements(graph), {})
-
-
-def _input_placements(graph: OpGraph, mesh: Mesh, strategies) -> dict:
-    """Each graph input is fed the way its first reader takes it (each rank slices locally)."""
-    by_node = {s.node: s for s in strategies}
-    placements = {}
-    for graph_input in graph.inputs:
-        if graph_input.meta is None:
-            placements[graph_input.name] = None
-            continue
-        reader = next((n for n in graph.nodes if graph_input.name in n.inputs), None)
-        if reader is None:
-            placements[graph_input.name] = tuple(Replicate() for _ in mesh.names)
-        else:
-            placements[graph_input.name] = by_node[reader.name].inputs[reader.inputs.index(graph_input.name)]
-    return placements
 
 
 def _baselines(graph, cluster, spec, model_name, precision, exclude: set[str]) -> list[Plan]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.distributed.tensor import Replicate
+
 from planner.cluster import Cluster
 from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
@@ -63,3 +65,19 @@ def unsimulated_plan(
         graph=graph,
         **settings,
     )
+
+
+def input_placements(graph: OpGraph, mesh: Mesh, strategies: tuple[NodeStrategy, ...]) -> dict[str, Placements | None]:
+    """Each graph input is fed the way its first reader takes it (each rank slices locally)."""
+    by_node = {s.node: s for s in strategies}
+    placements = {}
+    for graph_input in graph.inputs:
+        if graph_input.meta is None:
+            placements[graph_input.name] = None
+            continue
+        reader = next((n for n in graph.nodes if graph_input.name in n.inputs), None)
+        if reader is None:
+            placements[graph_input.name] = tuple(Replicate() for _ in mesh.names)
+        else:
+            placements[graph_input.name] = by_node[reader.name].inputs[reader.inputs.index(graph_input.name)]
+    return placements

@@ -75,10 +75,12 @@ EXTRA = {
     2: [("mlp", "partial"), ("gpt", "random"), ("gpt", "megatron+recompute"), ("llama", "megatron-sp+bf16")],
     4: [("gpt2", "batch"), ("mlp", "random"), ("llama", "megatron-sp+recompute")],
 }
-# Placements of the "random" family. With this seed DTensor cannot run the backward of one of
-# GPT's views on its placements: the compile-time dry run finds it and the program runs that
-# view on whole inputs (test_dtensor_failures_run_on_whole_inputs).
-RANDOM_SEED = 4
+# Placements of the "random" family. With this seed DTensor cannot run one of GPT's views on
+# the placements a compile-time dry run gives it (a (8, 32, 64) -> (8, 32, 4, 16) view of a
+# split value): the dry run finds it and the program runs that view on whole inputs
+# (test_dtensor_failures_run_on_whole_inputs). (Seed 4's view, whose backward DTensor failed
+# on, runs since graph programs keep redistributed values contiguous.)
+RANDOM_SEED = 2
 
 
 def cases(world: int) -> list[tuple[str, str]]:

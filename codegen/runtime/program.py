@@ -31,6 +31,14 @@ from planner.plans import Plan, load_plan
 # batch) are identical everywhere without a broadcast. It matches planner.api.BUILD_SEED.
 BUILD_SEED = 0
 
+# The meshes built in this process, by (default process group, device type, shape, names).
+# A DeviceMesh equals another of the same ranks, shape and names whatever its process groups,
+# and DTensor caches sharding decisions (which hold their mesh) under that equality: after a
+# second mesh of the same shape, the ranks whose cache held a decision of the first ran its
+# collectives in the first mesh's groups and the other ranks in the second's, and both waited
+# for ever (two programs checked in one process). So each mesh is built once per process.
+_MESHES: dict[tuple, DeviceMesh] = {}
+
 
 @dataclass
 class Program:
@@ -62,14 +70,18 @@ class Program:
         return torch.device("cpu")
 
     def build_mesh(self) -> DeviceMesh:
-        """Initialise torch.distributed (NCCL on CUDA, gloo on CPU) and the plan's mesh."""
+        """Initialise torch.distributed (NCCL on CUDA, gloo on CPU) and the plan's mesh; a
+        mesh of the same shape built earlier in this process is reused (see ``_MESHES``)."""
         check_world_size(self.plan)
         device = self.device()
         if not dist.is_initialized():
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return init_device_mesh(device.type, self.plan.mesh.shape, mesh_dim_names=self.plan.mesh.names)
+        key = (dist.group.WORLD, device.type, tuple(self.plan.mesh.shape), tuple(self.plan.mesh.names))
+        if key not in _MESHES:
+            _MESHES[key] = init_device_mesh(device.type, self.plan.mesh.shape, mesh_dim_names=self.plan.mesh.names)
+        return _MESHES[key]
 
     def build_model(self, seed: int = BUILD_SEED) -> tuple[torch.nn.Module, tuple, dict]:
         """The full model and one global example batch, built from the plan's spec with ``seed``.

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map
 
 Placements = tuple[Placement, ...]
 
-__all__ = ["SpmdModule", "as_partial_sums", "keep_whole", "shard_inputs", "same_placements"]
+__all__ = ["SpmdModule", "as_partial_sums", "contiguous_local", "keep_whole", "shard_inputs", "same_placements"]
 
 
 def same_placements(left: Sequence[Placement], right: Sequence[Placement]) -> bool:
@@ -259,12 +259,48 @@ def redistribute(value: DTensor, placements: Sequence[Placement]) -> DTensor:
     """``value.redistribute`` to ``placements``, through ``Replicate`` on the axes where
     DTensor cannot go directly (e.g. ``Shard`` -> ``Partial``)."""
     placements = tuple(placements)
+    if value.grad_fn is not None:  # an activation (a hook on a parameter would stay for good)
+        value.register_hook(_contiguous_gradient)
     try:
-        return value.redistribute(value.device_mesh, placements)
+        return contiguous_local(value.redistribute(value.device_mesh, placements))
     except (RuntimeError, NotImplementedError, AssertionError, ValueError):
         whole = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
         value = value.redistribute(value.device_mesh, whole)
-        return value.redistribute(value.device_mesh, placements)
+        return contiguous_local(value.redistribute(value.device_mesh, placements))
+
+
+def _contiguous_gradient(grad: Any) -> Any:
+    """The gradient of a redistributed value, contiguous on this rank: backward redistributes
+    gradients the other way, with the same uneven all-to-all (see ``contiguous_local``)."""
+    return contiguous_local(grad) if isinstance(grad, DTensor) else grad
+
+
+def contiguous_local(value: DTensor) -> DTensor:
+    """``value`` with a contiguous local tensor on this rank. DTensor's all-to-all of an
+    uneven split (``S(2)`` -> ``S(1)`` of 5 rows over 2 ranks) leaves the ranks with the short
+    piece a slice of a padded buffer; a local ``view`` of it (``linear`` on a 3-D input
+    flattens it with one) then fails on those ranks only, and the others wait in the next
+    collective. A contiguous copy takes every view the whole value takes. ``redistribute``
+    returns such values, and hands their producers such gradients."""
+    # Every rank takes this path, whether its own piece is contiguous or not: the backward of
+    # from_local redistributes the gradient into the value's placements, a collective that
+    # every rank must run alike. d(local)/d(value) keeps the value's placements; a partial
+    # value's gradient is whole.
+    grad_placements = [Replicate() if isinstance(p, Partial) else p for p in value.placements]
+    local = value.to_local(grad_placements=grad_placements).contiguous()
+    # The global strides too: DTensor decides between a view and a copy (reshape) from them,
+    # and after a gather they can differ between ranks (a rank with an empty piece computes
+    # others), so ranks would disagree on the decision.
+    contiguous = _contiguous_strides(value.shape)
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=contiguous)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def distribute_parameters(

@@ -1,8 +1,11 @@
 """Reductions and losses: ops that fold dims away.
 
 A dim that is not reduced may stay split. A split reduced dim leaves each rank a piece of
-the result that combines across ranks: ``sum`` -> ``Partial()``, ``amax`` -> ``Partial("max")``,
-``mean`` -> ``Partial("avg")``. The average of per-rank means is the mean only when every
+the result that combines across ranks: ``sum`` -> ``Partial()``, ``mean`` -> ``Partial("avg")``.
+(``amax`` -> ``Partial("max")`` is right too, but not offered: DTensor's backward of a
+max-partial value hands the gradient to every rank's local maximum, and fails outright when
+it arrives as partial sums, "Redistribution from one partial type (P(sum)) to another
+(P(max)) is unsupported"; so the reduced dim is gathered first.) The average of per-rank means is the mean only when every
 rank holds the same number of elements, so ``mean`` over a split dim needs the axis to
 divide it; ``search.propagation`` offers ``Partial("avg")`` for any size (wrong for uneven
 splits: 8 rows over 3 ranks average 3, 3 and 2 rows with equal weights).
@@ -18,13 +21,12 @@ number of ``ignore_index`` targets on every rank.
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Shard
 
 from planner.graph import OpNode
 from search.rules.common import AVG, SUM, R, aligned_shard, attr, divides, is_float, norm_dim, shardable_dims
 from search.rules.registry import AxisCandidate, register_rule
 
-MAX, MIN = Partial("max"), Partial("min")
 _REDUCTION_NONE, _REDUCTION_MEAN, _REDUCTION_SUM = 0, 1, 2
 
 
@@ -42,10 +44,12 @@ _COMBINE = {
     "aten.sum.dim_IntList": SUM,
     "aten.mean.default": AVG,
     "aten.mean.dim": AVG,
-    "aten.amax.default": MAX,
-    "aten.max.default": MAX,
-    "aten.amin.default": MIN,
-    "aten.min.default": MIN,
+    # Max/min partials (MAX, MIN) are right forward, but DTensor cannot run their backward
+    # (module docstring): the reduced dim is gathered first.
+    "aten.amax.default": None,
+    "aten.max.default": None,
+    "aten.amin.default": None,
+    "aten.min.default": None,
     "aten.max.dim": None,  # the indices of a per-rank maximum are not the global indices
     "aten.min.dim": None,
 }
