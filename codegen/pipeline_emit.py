@@ -46,7 +46,8 @@ from codegen import spmd_notes as notes
 from codegen.emit import about_plan, autocast_lines, precision_imports
 from codegen.source_text import comment, identifier, number, with_comment
 from codegen.graph_facts import build_meta_model, clean_path, model_facts, trace_model
-from codegen.spmd_emit import SUPPORTED_AXES, _Emitter, _whole
+from codegen.spmd_emit import SUPPORTED_AXES, GraphEmitter
+from codegen.spmd_placements import whole
 from codegen.spmd_recompute import assigned_in_order, block_runs, checkpoint_blocks, names_in
 from planner import __version__
 from planner.errors import PlanningError
@@ -199,7 +200,7 @@ def _micro_strategies(plan: Plan, graph: OpGraph, micro: int) -> tuple:
 def _flat_source(stage_plan: _StagePlan, graph: OpGraph, facts, observed, forced, micro: int) -> str:
     """The graph program of one micro-batch on the stage mesh, all stages in one forward: what
     the dry run runs (its ``shard_batch`` keeps the first micro-batch of the example batch)."""
-    source = _Emitter(stage_plan, graph, facts, observed, forced, "", local_replicated=False).render()
+    source = GraphEmitter(stage_plan, graph, facts, observed, forced, "", local_replicated=False).render()
     return source + textwrap.dedent(
         f'''
 
@@ -226,12 +227,12 @@ class _Boundary:
 
 
 class _PipelineWriter:
-    """Writes one pipeline program from an ``_Emitter`` over the stage plan."""
+    """Writes one pipeline program from an ``GraphEmitter`` over the stage plan."""
 
     def __init__(self, plan: Plan, stage_plan: _StagePlan, graph: OpGraph, facts, observed, forced, warning: str):
         self.plan, self.stage_plan, self.graph, self.facts = plan, stage_plan, graph, facts
         # Every value stays a DTensor: what crosses a stage boundary is read from DTensor values.
-        self.emitter = _Emitter(stage_plan, graph, facts, observed, forced, warning, local_replicated=False)
+        self.emitter = GraphEmitter(stage_plan, graph, facts, observed, forced, warning, local_replicated=False)
         self.stages = plan.pipeline.stages
         self.axes, self.sizes = stage_plan.mesh.names, stage_plan.mesh.shape
         self.recompute = plan.recompute == "full"
@@ -423,7 +424,7 @@ class _PipelineWriter:
         node = next(n for n in self.graph.graph_module.graph.nodes if n.name == fx_name)
         meta = node.meta.get("val")
         placements = value.placements if value.placements is not None else tuple(Replicate() for _ in self.axes)
-        return _Boundary(name, tuple(int(d) for d in meta.shape), meta.dtype, tuple(_whole(placements)))
+        return _Boundary(name, tuple(int(d) for d in meta.shape), meta.dtype, tuple(whole(placements)))
 
     # ------------------------------------------------------------------------- sections
 

@@ -28,14 +28,14 @@ from planner.errors import PlanningError
 from planner.graph import OpGraph
 
 if TYPE_CHECKING:
-    from codegen.spmd_emit import _Emitter
+    from codegen.spmd_emit import GraphEmitter
 
 Block = tuple[str, int]
 _INDENT = 2  # the forward's body
 _PAD = " " * (4 * _INDENT)
 
 
-def checkpointed_body(emitter: "_Emitter", gm: torch.fx.GraphModule) -> list[str]:
+def checkpointed_body(emitter: "GraphEmitter", gm: torch.fx.GraphModule) -> list[str]:
     """The forward's body lines with every repeated block checkpointed."""
     runs = block_runs(emitter.graph, gm.graph.nodes)
     if all(block is None for block, _ in runs):

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import planner
-from codegen.spmd_emit import MAX_CONSTANT_ELEMENTS, tensor_literal
+from codegen.spmd_literals import MAX_CONSTANT_ELEMENTS, tensor_literal
 from planner.api import prepare_model
 from planner.errors import PlanningError
 from planner.model_spec import ModelSpec

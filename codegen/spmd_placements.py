@@ -1,0 +1,80 @@
+"""The placements a graph program works with: what each value of ``forward`` holds, and the
+small rules codegen applies to the plan's placements (parameters and inputs are whole
+values, dropout cannot draw on partial sums, ...)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.tensor import Partial, Replicate
+
+from planner.strategy import NodeStrategy, Placements
+
+
+@dataclass
+class Value:
+    """A value of the generated forward: its Python name and what it holds.
+
+    ``kind`` is ``"dt"`` (a DTensor), ``"plain"`` (a tensor computed locally, the same on
+    every rank), ``"seq_dt"``/``"seq_plain"`` (a list of them, from a multi-output op) or
+    ``"other"``. ``placements`` are the planned ones of a DTensor (per element for a list).
+    """
+
+    expr: str
+    kind: str
+    placements: Any = None
+    param: str | None = None  # qualified name, for parameters
+    exact: bool = False  # placements known for certain (inputs, parameters), not only planned
+    elements: list["Value"] | None = None  # the values of a tuple built here (an inlined subgraph's results)
+
+
+def dropout_without_partials(strategy: NodeStrategy, read_as: Placements | None, comments: list[str]) -> NodeStrategy:
+    """Dropout of partial sums: the plan keeps them partial (one mask shared by every rank's
+    summand would be right), but DTensor cannot draw random numbers for partial values. On
+    those axes the sums are resharded first into the layout the dropout's consumer reads
+    (a reduce-scatter under sequence parallelism), or summed whole (an all-reduce)."""
+    wanted = strategy.inputs[0]
+    if not any(isinstance(p, Partial) for p in wanted):
+        return strategy
+    target = tuple(
+        (r if read_as is not None and not isinstance(r, Partial) else Replicate()) if isinstance(p, Partial) else p
+        for p, r in zip(wanted, read_as or wanted)
+    )
+    comments.append("# dropout draws its mask on summed values: DTensor cannot draw one for partial sums")
+    return dataclasses.replace(
+        strategy,
+        inputs=(target, *strategy.inputs[1:]),
+        outputs=(target, *strategy.outputs[1:]),
+        produced=None,
+    )
+
+
+def splits_rows(strategy: NodeStrategy | None) -> bool:
+    """Whether an embedding's table (its first input) is split on rows (the vocabulary)."""
+    if strategy is None or not strategy.inputs:
+        return False
+    return any(getattr(p, "dim", None) == 0 and not isinstance(p, (Partial, Replicate)) for p in strategy.inputs[0])
+
+
+def planned_input(strategy: NodeStrategy | None, opnode, name: str) -> Placements | None:
+    if strategy is None or opnode is None or name not in opnode.inputs:
+        return None
+    index = opnode.inputs.index(name)
+    return tuple(strategy.inputs[index]) if index < len(strategy.inputs) else None
+
+
+def all_replicate(placements: Placements | None) -> bool:
+    return placements is not None and all(isinstance(p, Replicate) for p in placements)
+
+
+def whole(placements: Placements) -> Placements:
+    """Parameters and inputs are whole values, never partial sums: ``P`` is held as ``R``."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+def same(a, b) -> bool:
+    from codegen.runtime.spmd import same_placements
+
+    return same_placements(a, b)
