@@ -153,12 +153,7 @@ def _default_config(transformers: Any, model_type: str, where: str) -> Any:
 
 def _hf_config(transformers: Any, model_type: str, default: Any, overrides: dict[str, Any], where: str) -> Any:
     """The config with ``overrides``; dotted keys rebuild the sub-config they name."""
-    flat = {key: value for key, value in overrides.items() if "." not in key}
-    nested: dict[str, dict[str, Any]] = {}
-    for key, value in overrides.items():
-        if "." in key:
-            head, rest = key.split(".", 1)
-            nested.setdefault(head, {})[rest] = value
+    flat, nested = _split_dotted(overrides)
     # Configs swallow unknown keyword arguments silently, so a typo (n_layers for n_layer)
     # would build the default-size model; check names against the default config.
     for key in [*flat, *nested]:
@@ -169,6 +164,18 @@ def _hf_config(transformers: Any, model_type: str, default: Any, overrides: dict
         return transformers.AutoConfig.for_model(model_type, **flat)
     except Exception as exc:
         raise SpecError(f"{where}: invalid config override ({settings_text(overrides)}): {exception_line(exc)}") from exc
+
+
+def _split_dotted(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """``{"a": 1, "b.c": 2, "b.d.e": 3}`` -> ``({"a": 1}, {"b": {"c": 2, "d.e": 3}})``: the
+    fields of this config, and the overrides of each sub-config by its name."""
+    flat = {key: value for key, value in overrides.items() if "." not in key}
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        if "." in key:
+            head, rest = key.split(".", 1)
+            nested.setdefault(head, {})[rest] = value
+    return flat, nested
 
 
 def _check_field(config: Any, key: str, where: str, full_key: str) -> None:
@@ -186,12 +193,7 @@ def _sub_config(default: Any, fields: dict[str, Any], where: str, prefix: str) -
             f"{where.split(' ')[0]}: '{prefix}' is not a sub-config (its value is of type {type(default).__name__}), so "
             f"'{prefix}.<field>' cannot be set; set '{prefix}' itself"
         )
-    flat = {key: value for key, value in fields.items() if "." not in key}
-    nested: dict[str, dict[str, Any]] = {}
-    for key, value in fields.items():
-        if "." in key:
-            head, rest = key.split(".", 1)
-            nested.setdefault(head, {})[rest] = value
+    flat, nested = _split_dotted(fields)
     for key in [*flat, *nested]:
         _check_field(default, key, where.split(" ")[0], f"{prefix}.{key}")
     for head, inner in nested.items():
