@@ -42,6 +42,7 @@ from codegen.spmd_placements import (
     Value,
     all_replicate,
     dropout_without_partials,
+    held_over_dp,
     planned_input,
     same,
     splits_rows,
@@ -190,7 +191,12 @@ class GraphEmitter(ProgramSections):
         replicate = tuple(Replicate() for _ in self.axes)
         for name in self.graph.parameters:
             placements.setdefault(name, replicate)
-        return placements
+        # ZeRO-2/FSDP: held split over dp between uses; each reader gathers it (held_over_dp).
+        flavour = self.plan.dp_flavour
+        return {
+            name: held_over_dp(held, self.graph.parameters[name].shape, self.axes, self.sizes, flavour)
+            for name, held in placements.items()
+        }
 
     def constant(self, placements: Placements) -> str:
         placements = tuple(placements)

@@ -78,3 +78,41 @@ def same(a, b) -> bool:
     from codegen.runtime.spmd import same_placements
 
     return same_placements(a, b)
+
+
+# Data-parallel flavours that keep weights (and so their gradients and optimizer states)
+# split over ``dp`` between uses, composed with the other axes of a graph program.
+SHARDED_OVER_DP = ("zero2", "fsdp")
+
+
+def held_over_dp(placements: Placements, shape, axes, sizes, dp_flavour: str) -> Placements:
+    """How a graph program holds a parameter between uses under ``dp_flavour``.
+
+    DDP keeps it as its readers want it (whole over ``dp``). ZeRO-2 and FSDP split it over
+    ``dp`` too, on the first dimension no other axis splits that is at least ``dp`` long
+    (so DTensor never nests two splits of one dimension, whose gathers need strided layouts):
+    each rank then holds, steps and keeps optimizer states for 1/dp of it, every reader
+    gathers it over ``dp`` first (an all-gather), and that gather's backward reduce-scatters
+    the gradient's partial sums over ``dp``. A parameter with no such dimension (a bias
+    already split by ``tp``) stays whole over ``dp``."""
+    if dp_flavour not in SHARDED_OVER_DP or "dp" not in axes:
+        return placements
+    dp_index = axes.index("dp")
+    if sizes[dp_index] == 1 or not isinstance(placements[dp_index], Replicate):
+        return placements
+    taken = {p.dim for p in placements if hasattr(p, "dim") and not isinstance(p, (Replicate, Partial))}
+    for dim, length in enumerate(shape):
+        local = length // max(1, _ranks_splitting(placements, sizes, dim))
+        if dim not in taken and local >= sizes[dp_index]:
+            from torch.distributed.tensor import Shard
+
+            return tuple(Shard(dim) if i == dp_index else p for i, p in enumerate(placements))
+    return placements
+
+
+def _ranks_splitting(placements: Placements, sizes, dim: int) -> int:
+    ranks = 1
+    for placement, size in zip(placements, sizes):
+        if getattr(placement, "dim", None) == dim and not isinstance(placement, (Replicate, Partial)):
+            ranks *= size
+    return ranks

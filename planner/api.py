@@ -308,6 +308,24 @@ def compile(plan: Plan | str | os.PathLike, out_dir: str | os.PathLike, *, force
     return write_program(dataclasses.replace(plan, graph=graph), out_dir, force=force)
 
 
+def composed_flavour_blocker(plan: Plan) -> str | None:
+    """Why a plan with ``dp`` beside other axes cannot compile its data-parallel flavour, or
+    None. Such programs hold weights split over ``dp`` between uses (ZeRO-2, FSDP) and gather
+    them where they are read; FSDP frees them again after forward only where backward
+    re-runs the forward (recomputed blocks), so FSDP needs ``recompute='full'`` there."""
+    if plan.dp_flavour == "zero1":
+        return (
+            "ZeRO-1 beside tensor or pipeline parallelism is not compiled (zero2 shards gradients too, for no more "
+            "communication); plan with dp_flavour zero2, fsdp or ddp on this mesh"
+        )
+    if plan.dp_flavour == "fsdp" and plan.recompute != "full":
+        return (
+            "FSDP beside tensor or pipeline parallelism frees gathered weights after forward only in recomputed "
+            "blocks, so it compiles with recompute 'full'; plan with recompute full, or use dp_flavour zero2"
+        )
+    return None
+
+
 def compile_blocker(plan: Plan) -> str | None:
     """Why ``compile`` would refuse ``plan`` (one line naming the fix), or None when it compiles."""
     if plan.model is None:
@@ -324,12 +342,10 @@ def compile_blocker(plan: Plan) -> str | None:
     from codegen.emit import is_data_parallel
 
     dp = plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else 1
-    if not is_data_parallel(plan) and plan.dp_flavour != "ddp" and dp > 1:
-        return (
-            f"{plan.name} shards weights over dp ({plan.dp_flavour}) beside other parallelism; compiled programs of "
-            f"such meshes keep weights whole over dp (DDP-style), so it is not compiled yet; use dp_flavour 'ddp' on "
-            f"this mesh (as the search's plans do), or a data-parallel-only plan"
-        )
+    if not is_data_parallel(plan) and dp > 1:
+        reason = composed_flavour_blocker(plan)
+        if reason:
+            return f"{plan.name} cannot be compiled: {reason}"
     if plan.recompute not in ("none", "full"):
         return (
             f"this plan recomputes activations ({plan.recompute}), which is simulated but not compiled yet "

@@ -15,7 +15,7 @@ from planner import arguments
 from planner.api import prepare_model
 from planner.cluster import Cluster
 from planner.plans import PLAN_PRECISIONS, Plan
-from planner.strategy import PIPELINE_SCHEDULES
+from planner.strategy import DP_FLAVOURS, PIPELINE_SCHEDULES
 
 
 def ddp(model, cluster: Cluster | str, example_inputs=None, *, spec=None, precision: str = "fp32") -> Plan:
@@ -51,10 +51,13 @@ def megatron(
     recompute: str | None = None,
     sequence_parallel: bool = False,
     precision: str = "bf16",
+    dp_flavour: str = "ddp",
     spec=None,
 ) -> Plan:
     """Megatron-LM's layout: column/row-parallel blocks on ``tp``, layers split evenly over
-    ``pp`` stages, the batch over ``dp`` (see ``search.megatron.megatron_plan``)."""
+    ``pp`` stages, the batch over ``dp`` (see ``search.megatron.megatron_plan``).
+    ``dp_flavour`` says how the ``dp`` axis keeps weights: ``"ddp"`` (whole), ``"zero1"``
+    (Megatron's distributed optimizer), ``"zero2"`` or ``"fsdp"``."""
     from search.megatron import megatron_plan
 
     for argument, value in (("tp", tp), ("pp", pp), ("micro_batch", micro_batch), ("virtual_stages", virtual_stages)):
@@ -63,11 +66,13 @@ def megatron(
         arguments.integer_at_least(dp, "dp", 1)
     arguments.one_of(schedule, PIPELINE_SCHEDULES, "schedule")
     arguments.one_of(precision, PLAN_PRECISIONS, "precision")
+    arguments.one_of(dp_flavour, DP_FLAVOURS, "dp_flavour")
     arguments.boolean(sequence_parallel, "sequence_parallel")
     graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
     return megatron_plan(
         graph, cluster, spec, name, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, schedule=schedule,
         virtual_stages=virtual_stages, recompute=recompute, sequence_parallel=sequence_parallel, precision=precision,
+        dp_flavour=dp_flavour,
     )
 
 

@@ -160,9 +160,11 @@ class Plan:
 
     @property
     def name(self) -> str:
-        """Short name of the strategy, e.g. ``"fsdp (dp=4)"`` or ``"soap (dp=2 x tp=4)"``; one
+        """Short name of the strategy, e.g. ``"fsdp (dp=4)"``, ``"soap (dp=2 x tp=4)"`` or,
+        with weights split over ``dp`` beside other axes, ``"soap (dp=2 x tp=4, fsdp)"``; one
         line, whatever a plan file's label holds."""
-        return one_line(f"{self.label or self.dp_flavour} ({self.mesh})")
+        flavour = f", {self.dp_flavour}" if self.label and self.dp_flavour != "ddp" else ""
+        return one_line(f"{self.label or self.dp_flavour} ({self.mesh}{flavour})")
 
     def report(self) -> str:
         """A readable text report: cluster, mesh, strategy per layer, memory and time."""

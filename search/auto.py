@@ -127,11 +127,12 @@ def search_plan(
             plans += flavours + _recomputing(flavours, graph)
         plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes)
     plans += _pipeline_plans(graph, cluster, spec, model_name, precision)
-    fitting = [plan for plan in plans if plan.estimate.fits]
+    baselines = _baselines(graph, cluster, spec, model_name, precision, {p.name for p in plans})
+    # The baselines compete too: a search that cannot beat Megatron's layout returns it.
+    fitting = [plan for plan in (*plans, *baselines) if plan.estimate.fits]
     if not fitting:
         raise does_not_fit(cluster, {_key(plan): plan.estimate for plan in plans})
     best = min(fitting, key=lambda plan: plan.estimate.step_time_s)
-    baselines = _baselines(graph, cluster, spec, model_name, precision, {p.name for p in plans})
     if on_progress:
         on_progress("done", 1.0)
     summary = f"{search} search (effort {budget.effort:g}) over {len(meshes)} mesh(es): " + "; ".join(notes)
@@ -165,6 +166,7 @@ def _runners_up(best: Plan, plans: list[Plan], baselines: list[Plan]) -> tuple:
         best_dp = min(data_parallel, key=lambda p: (not p.estimate.fits, p.estimate.step_time_s))
         if all(p is not best_dp for _, p in labelled):
             labelled.append((_key(best_dp), best_dp))
+    baselines = [p for p in baselines if p is not best]
     labelled += [(f"baseline {p.name}", p) for p in baselines if p.label == "megatron"]
     labelled += [(f"baseline {p.name}", p) for p in baselines if p.label != "megatron"][: max(0, RUNNERS_UP - len(labelled))]
     return tuple(dataclasses.replace(alternative(p, best), name=label) for label, p in labelled)
@@ -204,11 +206,39 @@ def _searched_plan(graph, cluster, spec, model_name, mesh, search, budget: Searc
             budget.note_cut(f"MCMC on mesh {mesh}")
         choice = refine.choice
         how.append(f"MCMC {refine.iterations} proposals")
+    def plan_of(chosen: dict[str, int]) -> Plan:
+        strategies = tuple(tables.candidates[node.name][chosen[node.name]].strategy for node in graph.nodes)
+        laid_out = dataclasses.replace(skeleton, strategies=strategies, inputs=input_placements(graph, mesh, strategies), label="soap")
+        return simulated(laid_out, graph)
+
+    plan = plan_of(choice)
+    if hint and choice != hint:
+        # CP-SAT's objective is a sum of per-op costs; the simulator overlaps and schedules.
+        # Where they disagree, the layout the search started from may simulate faster: keep it.
+        start = plan_of(hint)
+        if (not start.estimate.fits, start.estimate.step_time_s) < (not plan.estimate.fits, plan.estimate.step_time_s):
+            plan = start
+            how.append("the starting layout simulates faster: kept")
     notes.append(f"mesh {mesh}: {', '.join(how)}")
-    strategies = tuple(tables.candidates[node.name][choice[node.name]].strategy for node in graph.nodes)
-    plan = dataclasses.replace(skeleton, strategies=strategies, inputs=input_placements(graph, mesh, strategies), label="soap")
-    plan = simulated(plan, graph)
-    return [plan, *_recomputing([plan], graph)]
+    return [plan, *_recomputing([plan], graph), *composed_flavours(plan, graph)]
+
+
+def composed_flavours(plan: Plan, graph: OpGraph) -> list[Plan]:
+    """``plan`` (DDP on its ``dp`` axis beside other axes) again with weights split over
+    ``dp``: ZeRO-2 (gathered where read, kept until backward), with and without recomputed
+    blocks, and FSDP (gathered again in backward: compiled inside recomputed blocks, so only
+    with recomputation). ZeRO-1 is left out: ZeRO-2 holds less for no more communication.
+    None on a mesh with ``dp`` alone (the data-parallel flavours cover it) or without ``dp``."""
+    names = plan.mesh.names
+    if "dp" not in names or len(names) == 1 or plan.mesh.axis_size("dp") == 1:
+        return []
+    variants = [dataclasses.replace(plan, dp_flavour="zero2")]
+    if graph.blocks:
+        variants += [
+            dataclasses.replace(plan, dp_flavour="zero2", recompute="full"),
+            dataclasses.replace(plan, dp_flavour="fsdp", recompute="full"),
+        ]
+    return [simulated(variant, graph) for variant in variants]
 
 
 def _solve_fitting(tables, cluster: Cluster, hint, budget: SearchBudget):
@@ -304,6 +334,6 @@ def _baselines(graph, cluster, spec, model_name, precision, exclude: set[str]) -
             built.append(plan)
     megatron = megatron_baseline(graph, cluster, spec, model_name, precision)
     if megatron is not None and megatron.name not in exclude:
-        built.append(megatron)
+        built += [megatron, *composed_flavours(megatron, graph)]
     return built
 

@@ -232,14 +232,15 @@ def test_python_dash_m_planner(tmp_path):
     ]
 
 
-def test_tensor_parallel_plan_sharding_weights_over_dp_is_refused(capsys, tmp_path):
-    import dataclasses
-
+def test_tensor_parallel_plan_with_fsdp_but_no_recomputation_is_refused(capsys, tmp_path):
     from planner import baselines
 
-    plan = dataclasses.replace(baselines.megatron("examples/gpt.py", "cpu:1x4", tp=2), dp_flavour="fsdp")
+    plan = baselines.megatron("examples/gpt.py", "cpu:1x4", tp=2, dp_flavour="fsdp")
     plan.save(tmp_path / "fsdp_tp.json")
-    assert_user_error(capsys, ["compile", str(tmp_path / "fsdp_tp.json"), "-o", str(tmp_path / "p")], "shards weights over dp (fsdp)", "dp_flavour 'ddp'")
+    assert_user_error(
+        capsys, ["compile", str(tmp_path / "fsdp_tp.json"), "-o", str(tmp_path / "p")],
+        "FSDP beside tensor or pipeline parallelism", "recompute full", "dp_flavour zero2",
+    )
 
 
 def test_bf16_compiles_under_autocast_and_fp16_is_refused(capsys, tmp_path):

@@ -1,0 +1,232 @@
+"""ZeRO-2 and FSDP on the ``dp`` axis composed with tensor and pipeline parallelism.
+
+Graph and pipeline programs hold every parameter as a DTensor over the whole mesh. Under
+``zero2``/``fsdp`` a parameter is also split over ``dp`` between uses
+(``codegen.spmd_placements.held_over_dp``): each reader gathers it over ``dp`` (an
+all-gather in forward), whose backward reduce-scatters the gradient's partial sums, so each
+rank keeps 1/dp of the weights, gradients and AdamW states. Inside a recomputed block the
+gather runs again in backward and the gathered weight is not kept: FSDP. Without
+recomputation the gathered weights are kept until backward: ZeRO-2's memory.
+
+Here: the held placements worked out by hand, the bytes each rank really holds and saves (a
+fake process group on real CPU tensors), what compile refuses, what the search offers, and
+parity with one device at worlds 4 and 8 (FSDP x TP, ZeRO-2 x TP, FSDP x PP, ZeRO-2 x PP,
+FSDP x TP x PP, ZeRO-2 x TP x PP, and the plans the search picks on two nodes), each world in
+one torchrun launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import planner
+from codegen.spmd_placements import held_over_dp
+from planner.api import compile_blocker, prepare_model
+from planner.errors import PlanningError
+from planner.model_spec import ModelSpec
+from search.auto import composed_flavours, search_plan
+from search.megatron import megatron_plan
+from test_parity import REPO, check_many, result_of
+
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+GPT = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8})
+GPT4 = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer": 4})
+LLAMA = ModelSpec("hf:llama", {
+    "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512,
+    "num_attention_heads": 8, "num_key_value_heads": 4,
+})
+
+
+# ------------------------------------------------------------------- held placements by hand
+
+
+@pytest.mark.parametrize(
+    ("planned", "shape", "flavour", "held"),
+    [
+        ((R, S0), (192, 64), "zero2", (S1, S0)),  # column-parallel weight: dp takes the other dim
+        ((R, S1), (64, 256), "fsdp", (S0, S1)),  # row-parallel weight
+        ((R, R), (64,), "fsdp", (S0, R)),  # a norm's weight, whole on tp
+        ((R, S0), (192,), "zero2", (R, S0)),  # a tp-split bias has no dimension left: whole on dp
+        ((R, R), (1, 64), "zero2", (S1, R)),  # dim 0 shorter than dp: the next one
+        ((R, S0), (192, 64), "ddp", (R, S0)),  # DDP keeps weights as their readers want them
+    ],
+)
+def test_weights_are_held_split_over_dp_on_a_dimension_no_other_axis_splits(planned, shape, flavour, held):
+    assert held_over_dp(planned, shape, ("dp", "tp"), (2, 2), flavour) == held
+
+
+def test_a_mesh_without_a_real_dp_axis_holds_weights_as_planned():
+    assert held_over_dp((R, S0), (192, 64), ("pp", "tp"), (2, 2), "fsdp") == (R, S0)
+    assert held_over_dp((R, S0), (192, 64), ("dp", "tp"), (1, 2), "fsdp") == (R, S0)
+
+
+# ------------------------------------------------------------- what each rank holds and saves
+
+
+@pytest.fixture(scope="module")
+def gpt_world4():
+    return prepare_model(GPT, "cpu:1x4")
+
+
+def _held_and_saved(plan) -> tuple[int, int]:
+    """Run the graph program of ``plan`` forward as rank 0 of a fake process group (no
+    communication; real CPU tensors): the parameter elements this rank holds, and the bytes
+    of the storages autograd keeps for backward outside checkpointed regions that are not
+    the parameters' own (gathered weights, activations)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from codegen import dry_run
+    from codegen.spmd_emit import render_graph_program
+
+    module = dry_run._load(render_graph_program(plan))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    try:
+        mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.names)
+        model, args, kwargs = plan.model.build("cpu")
+        spmd = module.parallelize(model, mesh)
+        locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in spmd.parameters()]
+        held = sum(t.numel() for t in locals_)
+        storages = {t.untyped_storage().data_ptr() for t in locals_}
+        saved = 0
+
+        def pack(tensor):
+            nonlocal saved
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            storage = local.untyped_storage()
+            if storage.data_ptr() not in storages:
+                storages.add(storage.data_ptr())  # each storage once
+                saved += storage.nbytes()
+            return tensor
+
+        local_args, local_kwargs = module.shard_batch(args, kwargs, mesh)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            spmd(*local_args, **local_kwargs)
+        return held, saved
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero2_and_fsdp_hold_half_the_weights_and_fsdp_keeps_no_gathered_block_weight(gpt_world4):
+    graph, spec, name, cluster = gpt_world4
+    base = megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32")  # dp=2 x tp=2
+    held = {}
+    for flavour, recompute in (("ddp", "none"), ("zero2", "none"), ("ddp", "full"), ("fsdp", "full")):
+        held[flavour, recompute] = _held_and_saved(dataclasses.replace(base, dp_flavour=flavour, recompute=recompute))
+    # Every weight matrix is split over dp too; only 1-D tensors split on tp stay whole there.
+    assert held["zero2", "none"][0] < 0.52 * held["ddp", "none"][0]
+    assert held["fsdp", "full"][0] == held["zero2", "none"][0]
+    # The blocks' weight matrices, as each tp rank reads them (fp32): what ZeRO-2 keeps gathered.
+    block_weights = sum(
+        meta.numel // 2 * 4 for param, meta in graph.parameters.items() if param.startswith("blocks.") and len(meta.shape) == 2
+    )
+    assert held["zero2", "none"][1] - held["ddp", "none"][1] >= block_weights
+    # FSDP re-gathers them in backward: only the weights around the blocks stay gathered.
+    assert held["fsdp", "full"][1] - held["ddp", "full"][1] < block_weights / 4
+
+
+# ------------------------------------------------------------------- compile and the search
+
+
+def test_compile_refuses_zero1_and_fsdp_without_recomputation_beside_tp_in_one_line(gpt_world4):
+    graph, spec, name, cluster = gpt_world4
+    base = megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32")
+    for plan, words in (
+        (dataclasses.replace(base, dp_flavour="zero1"), "zero2"),
+        (dataclasses.replace(base, dp_flavour="fsdp"), "recompute full"),
+    ):
+        blocker = compile_blocker(plan)
+        assert blocker and "\n" not in blocker and words in blocker
+        with pytest.raises(PlanningError, match=words):
+            planner.compile(plan, "unused")
+    assert compile_blocker(dataclasses.replace(base, dp_flavour="zero2")) is None
+    assert compile_blocker(dataclasses.replace(base, dp_flavour="fsdp", recompute="full")) is None
+
+
+def test_composed_flavours_shard_gradients_and_states_over_dp(gpt_world4):
+    graph, spec, name, cluster = gpt_world4
+    base = megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32")
+    variants = {(p.dp_flavour, p.recompute): p for p in composed_flavours(base, graph)}
+    assert set(variants) == {("zero2", "none"), ("zero2", "full"), ("fsdp", "full")}
+    ddp, zero2, fsdp = base.estimate.memory, variants["zero2", "none"].estimate.memory, variants["fsdp", "full"].estimate.memory
+    assert zero2.weights == ddp.weights
+    assert zero2.gradients == pytest.approx(ddp.gradients / 2, abs=1)
+    assert zero2.optimizer_states == pytest.approx(ddp.optimizer_states / 2, abs=1)
+    assert fsdp.weights < ddp.weights and fsdp.gradients == zero2.gradients
+    assert variants["zero2", "none"].name == "megatron (dp=2 x tp=2, zero2)"
+    assert composed_flavours(megatron_plan(graph, cluster, spec, name, tp=4, precision="fp32"), graph) == []
+
+
+def test_search_weighs_composed_flavours_and_the_megatron_baseline(gpt_world4):
+    graph, spec, name, cluster = gpt_world4
+    plan = search_plan(graph, cluster, spec, name, search="ilp")
+    names = [alt.name for alt in plan.runners_up] + [plan.name]
+    assert any(", zero2)" in n for n in names) and any(", fsdp)" in n for n in names), names
+    # The Megatron baseline competes: whatever is chosen is no slower than it, when it fits.
+    megatron = [alt for alt in plan.runners_up if alt.name.startswith("baseline megatron") and alt.fits]
+    assert all(plan.estimate.step_time_s <= alt.step_time_s for alt in megatron)
+
+
+# ------------------------------------------------------------------------------- parity
+
+CASES = {
+    4: {
+        "gpt-zero2-dp2xtp2": (GPT, dict(tp=2, dp_flavour="zero2")),
+        "gpt-fsdp-dp2xtp2-recompute": (GPT, dict(tp=2, dp_flavour="fsdp", recompute="full")),
+        "gpt-zero2-pp2xdp2": (GPT, dict(pp=2, dp_flavour="zero2", micro_batch=2)),
+        "gpt-fsdp-pp2xdp2-recompute": (GPT, dict(pp=2, dp_flavour="fsdp", recompute="full", micro_batch=2)),
+        "llama-fsdp-dp2xtp2-sp-recompute": (LLAMA, dict(tp=2, dp_flavour="fsdp", recompute="full", sequence_parallel=True)),
+        "gpt-searched-2x2": (GPT, "searched"),
+        "llama-searched-2x2": (LLAMA, "searched"),
+    },
+    8: {
+        "gpt-fsdp-pp2xdp2xtp2-recompute": (GPT4, dict(pp=2, tp=2, dp_flavour="fsdp", recompute="full", micro_batch=2)),
+        "gpt-zero2-pp2xdp2xtp2": (GPT4, dict(pp=2, tp=2, dp_flavour="zero2", micro_batch=2)),
+        "llama-searched-2x4": (LLAMA, "searched"),
+    },
+}
+ALL = [(world, case) for world, cases in CASES.items() for case in cases]
+
+
+def _plan(world: int, spec: ModelSpec, options) -> planner.Plan:
+    if options == "searched":
+        return planner.plan(spec, f"cpu:2x{world // 2}")
+    graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
+    return megatron_plan(graph, cluster, spec, name, precision="fp32", **options)
+
+
+def _world(world: int, root: Path):
+    folders = {case: planner.compile(_plan(world, spec, options), root / case) for case, (spec, options) in CASES[world].items()}
+    return folders, check_many(world, list(folders.values()), root)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return _world(4, tmp_path_factory.mktemp("composed_world4"))
+
+
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory):
+    return _world(8, tmp_path_factory.mktemp("composed_world8"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("world", "case"), ALL, ids=[f"world{w}-{c}" for w, c in ALL])
+def test_composed_step_equals_single_device(request, world: int, case: str) -> None:
+    folders, launch = request.getfixturevalue(f"world{world}")
+    result = result_of(launch, folders[case])
+    assert result.startswith("ok parity ok: "), f"{case} at world size {world}: {result}"
+
+
+@pytest.mark.distributed
+def test_program_says_weights_are_gathered_over_dp(world4) -> None:
+    folders, _ = world4
+    source = (folders["gpt-zero2-dp2xtp2"] / "model_spmd.py").read_text()
+    assert "'blocks.0.attn.c_attn.weight': DP_S1_TP_S0," in source
+    assert "all-gather over dp" in source
