@@ -104,7 +104,7 @@ def _strategy_text(plan: "Plan") -> str:
             "SOAP: each op's sharding over the mesh chosen by the search (table below); weights replicated "
             "on dp have their gradients all-reduced over dp"
         )
-    if plan.label == "megatron":
+    if plan.label.startswith("megatron"):
         return "Megatron-LM: column/row-parallel blocks on tp, layers split over pp, batch over dp"
     return _FLAVOUR_TEXT[plan.dp_flavour]
 

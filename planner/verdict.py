@@ -41,7 +41,7 @@ def plan_label(plan: "Plan") -> str:
 def strategy_words(plan: "Plan") -> str:
     """The strategy in a phrase: ``ZeRO-2 data parallelism (...) on all 16 GPUs (dp=16)``."""
     devices = _devices(plan)
-    if plan.label == "megatron":
+    if plan.label.startswith("megatron"):
         text = f"Megatron-LM tensor parallelism on {devices} ({plan.mesh})"
     elif plan.label == "soap":
         split = sum(
@@ -53,6 +53,9 @@ def strategy_words(plan: "Plan") -> str:
         )
     else:
         text = f"{_FLAVOUR_WORDS[plan.dp_flavour]} on all {devices} ({plan.mesh})"
+    if plan.label and plan.dp_flavour != "ddp" and "dp" in plan.mesh.names and plan.mesh.axis_size("dp") > 1:
+        others = " and ".join(name for name in plan.mesh.names if name != "dp")
+        text += f"; {_FLAVOUR_WORDS[plan.dp_flavour].split(' (')[0]} on the dp axis, composed with {others}"
     if plan.pipeline is not None:
         text += f", {plan.pipeline.stages} pipeline stages ({plan.pipeline.schedule}, {plan.pipeline.micro_batches} micro-batches)"
     if plan.recompute == "full":
@@ -105,13 +108,14 @@ def _why(plan: "Plan") -> str:
         nearest = min(fitting, key=lambda alt: alt.step_time_s)
         slower = nearest.step_time_s / plan.estimate.step_time_s - 1 if plan.estimate.step_time_s else 0.0
         reasons.append(f"the next plan that fits, {nearest.name}, is {slower:.1%} slower")
-    for alt in alternatives:
-        if alt.name.startswith("baseline megatron"):
-            if not alt.fits:
-                reasons.append(f"the Megatron-LM baseline ({alt.name.removeprefix('baseline ')}) does not fit")
-            else:
-                slower = alt.step_time_s / plan.estimate.step_time_s - 1 if plan.estimate.step_time_s else 0.0
-                reasons.append(f"the Megatron-LM baseline ({alt.name.removeprefix('baseline ')}) is {slower:.1%} slower")
+    megatron = [alt for alt in alternatives if alt.name.startswith("baseline megatron")]
+    fitting_megatron = [alt for alt in megatron if alt.fits]
+    if fitting_megatron:
+        best = min(fitting_megatron, key=lambda alt: alt.step_time_s)
+        slower = best.step_time_s / plan.estimate.step_time_s - 1 if plan.estimate.step_time_s else 0.0
+        reasons.append(f"the best Megatron-LM baseline ({best.name.removeprefix('baseline ')}) is {slower:.1%} slower")
+    elif megatron:
+        reasons.append(f"the Megatron-LM baseline ({megatron[0].name.removeprefix('baseline ')}) does not fit")
     return "; ".join(reasons)
 
 

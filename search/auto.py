@@ -167,8 +167,13 @@ def _runners_up(best: Plan, plans: list[Plan], baselines: list[Plan]) -> tuple:
         if all(p is not best_dp for _, p in labelled):
             labelled.append((_key(best_dp), best_dp))
     baselines = [p for p in baselines if p is not best]
-    labelled += [(f"baseline {p.name}", p) for p in baselines if p.label == "megatron"]
-    labelled += [(f"baseline {p.name}", p) for p in baselines if p.label != "megatron"][: max(0, RUNNERS_UP - len(labelled))]
+    # The fastest Megatron-LM baseline that fits (or the one nearest to fitting), then the
+    # data-parallel baselines while rows are left.
+    megatron = [p for p in baselines if p.label.startswith("megatron")]
+    if megatron:
+        shown = min(megatron, key=lambda p: (not p.estimate.fits, p.estimate.step_time_s if p.estimate.fits else p.estimate.memory.total))
+        labelled.append((f"baseline {_key(shown)}", shown))
+    labelled += [(f"baseline {_key(p)}", p) for p in baselines if not p.label.startswith("megatron")][: max(0, RUNNERS_UP - len(labelled))]
     return tuple(dataclasses.replace(alternative(p, best), name=label) for label, p in labelled)
 
 
@@ -332,8 +337,9 @@ def _baselines(graph, cluster, spec, model_name, precision, exclude: set[str]) -
             continue
         if plan.name not in exclude:
             built.append(plan)
-    megatron = megatron_baseline(graph, cluster, spec, model_name, precision)
-    if megatron is not None and megatron.name not in exclude:
-        built += [megatron, *composed_flavours(megatron, graph)]
+    for sequence_parallel in (False, True):
+        megatron = megatron_baseline(graph, cluster, spec, model_name, precision, sequence_parallel=sequence_parallel)
+        if megatron is not None and megatron.name not in exclude:
+            built += [megatron, *_recomputing([megatron], graph), *composed_flavours(megatron, graph)]
     return built
 

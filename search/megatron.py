@@ -85,21 +85,22 @@ def megatron_plan(
     plan = unsimulated_plan(
         graph, cluster, spec, model_name, mesh, strategies, inputs,
         dp_flavour=dp_flavour, recompute=recompute, pipeline=pipeline, precision=precision,
-        warnings=tuple(warnings), label="megatron",
+        # Sequence parallelism changes what each rank holds and sends: named apart.
+        warnings=tuple(warnings), label="megatron-sp" if sequence_parallel else "megatron",
     )
     return simulated(plan, graph)
 
 
-def megatron_baseline(graph, cluster, spec, model_name, precision) -> Plan | None:
+def megatron_baseline(graph, cluster, spec, model_name, precision, sequence_parallel: bool = False) -> Plan | None:
     """Megatron-LM on the widest tensor-parallel degree inside a node that the model's
-    heads and widths split over (tp = devices per node, halved until it builds), or None
-    when Megatron's layout does not apply to the model."""
+    heads and widths split over (tp = devices per node, halved until it builds), with or
+    without sequence parallelism, or None when Megatron's layout does not apply."""
     if not cluster.is_homogeneous:
         return None
     tp = cluster.devices_per_node
     while tp > 1:
         try:
-            return megatron_plan(graph, cluster, spec, model_name, tp=tp, precision=precision)
+            return megatron_plan(graph, cluster, spec, model_name, tp=tp, precision=precision, sequence_parallel=sequence_parallel)
         except PlanningError:
             tp //= 2
     return None

@@ -29,6 +29,7 @@ from codegen.spmd_placements import held_over_dp
 from planner.api import compile_blocker, prepare_model
 from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
+from planner.verdict import strategy_words
 from search.auto import composed_flavours, search_plan
 from search.megatron import megatron_plan
 from test_parity import REPO, check_many, result_of
@@ -160,6 +161,7 @@ def test_composed_flavours_shard_gradients_and_states_over_dp(gpt_world4):
     assert zero2.optimizer_states == pytest.approx(ddp.optimizer_states / 2, abs=1)
     assert fsdp.weights < ddp.weights and fsdp.gradients == zero2.gradients
     assert variants["zero2", "none"].name == "megatron (dp=2 x tp=2, zero2)"
+    assert "ZeRO-2 data parallelism on the dp axis, composed with tp" in strategy_words(variants["zero2", "none"])
     assert composed_flavours(megatron_plan(graph, cluster, spec, name, tp=4, precision="fp32"), graph) == []
 
 
