@@ -18,7 +18,8 @@ on DTensors, ``_to`` where the plan redistributes), cut into stages:
   locally (positions, masks) are computed again where they are read instead of sent;
 - the last stage returns the model's loss, which the schedule back-propagates;
 - with ``recompute="full"`` each repeated block inside a stage runs under
-  ``torch.utils.checkpoint`` (as in graph programs, ``codegen.spmd_recompute``);
+  ``torch.utils.checkpoint`` (as in graph programs, ``codegen.spmd_recompute``); with
+  ``"selective"`` each block's attention core does (``codegen.attention_core``);
 - parameters read by several stages (tied embeddings) are held by each; the runtime sums
   their gradients over those stages.
 
@@ -48,7 +49,8 @@ from codegen.source_text import comment, identifier, number, with_comment
 from codegen.graph_facts import build_meta_model, clean_path, model_facts, trace_model
 from codegen.spmd_emit import SUPPORTED_AXES, GraphEmitter
 from codegen.spmd_placements import whole
-from codegen.spmd_recompute import assigned_in_order, block_runs, checkpoint_blocks, names_in
+from codegen.attention_core import NO_CORE_COMMENT, attention_cores
+from codegen.spmd_recompute import assigned_in_order, block_runs, checkpoint_blocks, core_runs, names_in
 from planner import __version__
 from planner.errors import PlanningError
 from planner.graph import OpGraph
@@ -75,11 +77,8 @@ def unsupported(plan: Plan) -> str | None:
             f"the {pipeline.schedule} schedule with {pipeline.virtual_stages} virtual stages is simulated but not compiled "
             f"yet; gpipe and 1f1b (one stage per rank) are"
         )
-    if plan.recompute not in ("none", "full"):
-        return (
-            "pipeline plans that recompute activations selectively are simulated but not compiled yet; "
-            "pipeline plans without recomputation or with full recomputation are"
-        )
+    if plan.recompute not in ("none", "full", "selective"):
+        return f"pipeline programs recompute none, full blocks or selectively, not {plan.recompute!r}"
     dp = plan.mesh.axis_size("dp") if "dp" in names else 1
     if plan.batch_size % (pipeline.micro_batches * dp):
         return f"the batch {plan.batch_size} does not split into {pipeline.micro_batches} micro-batches on each of dp={dp} ranks"
@@ -235,7 +234,8 @@ class _PipelineWriter:
         self.emitter = GraphEmitter(stage_plan, graph, facts, observed, forced, warning, local_replicated=False)
         self.stages = plan.pipeline.stages
         self.axes, self.sizes = stage_plan.mesh.names, stage_plan.mesh.shape
-        self.recompute = plan.recompute == "full"
+        self.recompute = plan.recompute  # "none", "full" (whole blocks) or "selective" (attention cores)
+        self.cores = attention_cores(graph, plan.summary.tokens_per_sample) if self.recompute == "selective" else []
 
     # ------------------------------------------------------------------------- analysis
 
@@ -376,9 +376,9 @@ class _PipelineWriter:
     def _emit_runs(self, nodes: list[torch.fx.Node], gm: torch.fx.GraphModule) -> list[tuple[Any, list[str]]]:
         """A stage's lines, as runs of one repeated block (or none) when blocks are
         recomputed (each block run indented one more level, to become a nested function)."""
-        if not self.recompute:
+        if self.recompute == "none" or (self.recompute == "selective" and not self.cores):
             return [(None, self.emitter._emit_nodes(nodes, gm, indent=2))]
-        runs = block_runs(self.graph, nodes)
+        runs = block_runs(self.graph, nodes) if self.recompute == "full" else core_runs(self.cores, nodes)
         return [(block, self.emitter._emit_nodes(run, gm, indent=2 + (block is not None))) for block, run in runs]
 
     def _checkpointed(self, written: list[list[tuple[Any, list[str]]]], loss_line: str) -> list[list[str]]:
@@ -476,7 +476,7 @@ class _PipelineWriter:
             f"Pipeline: {pipeline.stages} stages over pp, schedule {pipeline.schedule} (torch.distributed.pipelining.{schedule}),",
             f"{pipeline.micro_batches} micro-batches of {micro} samples per step{per_rank}.",
             f"Stage mesh: {stage_mesh}.",
-            *(["Every repeated block is recomputed in backward (activation checkpointing)."] if self.recompute else []),
+            *self._recompute_note(),
             "",
         ]
         for stage, owned in enumerate(stage_params):
@@ -503,6 +503,16 @@ class _PipelineWriter:
             lines += ["", f"Run around DTensor's sharding rules: {', '.join(sorted(self.emitter.fallbacks))}."]
         return lines
 
+    def _recompute_note(self) -> list[str]:
+        """The header's line on activation recomputation."""
+        if self.recompute == "full":
+            return ["Every repeated block is recomputed in backward (activation checkpointing)."]
+        if self.recompute == "selective" and self.cores:
+            return ["Each block's attention core is recomputed in backward (selective recomputation)."]
+        if self.recompute == "selective":
+            return [line.removeprefix("# ") for line in NO_CORE_COMMENT]
+        return []
+
     def _imports(self) -> str:
         pipeline = self.plan.pipeline
         return "\n".join(
@@ -512,7 +522,7 @@ class _PipelineWriter:
                 "import torch",
                 "from torch.distributed.device_mesh import DeviceMesh",
                 "from torch.distributed.tensor import Partial, Replicate, Shard",
-                *(["from torch.utils.checkpoint import checkpoint"] if self.recompute else []),
+                *(["from torch.utils.checkpoint import checkpoint"] if self.recompute != "none" else []),
                 "",
                 "from codegen.runtime.pipeline import PipelineRunner, PipelineStageModule, build_stage, stage_mesh",
                 *precision_imports(self.plan),

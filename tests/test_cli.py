@@ -296,10 +296,10 @@ def test_recomputation_compiles_only_for_repeated_blocks(capsys, tmp_path):
 
     from planner import baselines
 
-    # Selective recomputation (attention scores only) is simulated, not compiled.
-    plan = dataclasses.replace(baselines.ddp("examples/gpt.py", "cpu:1x2"), recompute="selective")
+    # Selective recomputation (attention cores only) needs repeated blocks too.
+    plan = dataclasses.replace(baselines.ddp("examples/mlp.py", "cpu:1x2"), recompute="selective")
     plan.save(tmp_path / "selective.json")
-    assert_user_error(capsys, ["compile", str(tmp_path / "selective.json"), "-o", str(tmp_path / "p1")], "recomputes activations (selective)", "not compiled yet")
+    assert_user_error(capsys, ["compile", str(tmp_path / "selective.json"), "-o", str(tmp_path / "p1")], "no repeated blocks")
     # Full recomputation checkpoints repeated blocks: the MLP has none.
     plan = dataclasses.replace(baselines.ddp("examples/mlp.py", "cpu:1x2"), recompute="full")
     plan.save(tmp_path / "mlp.json")
