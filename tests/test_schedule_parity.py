@@ -1,7 +1,9 @@
 """Distributed parity of the recomputation modes and pipeline shapes the simulator prices
 beyond the basic ones: selective recomputation (``codegen.attention_core``) in graph, pipeline
-and data-parallel programs, pipelines whose stages hold different numbers of blocks, and the
-interleaved 1F1B schedule (virtual stages). Real gloo processes; one step (all micro-batches
+and data-parallel programs, pipelines whose stages hold different numbers of blocks (1+3 and
+3+1 blocks of a 4-layer GPT), and the interleaved 1F1B schedule (2 virtual stages per rank,
+``ScheduleInterleaved1F1B``; ``codegen.pipeline_schedules``) on pp=2, pp=2 x tp=2 and
+pp=2 x dp=2. Real gloo processes; one step (all micro-batches
 forward and backward, then AdamW) equals one device's step: loss, gradients and updated
 parameters (``codegen.runtime.parity`` / ``pipeline_parity``, behind ``launch.py --check``).
 
@@ -40,6 +42,7 @@ CASES = {
     2: {
         "uneven-pp2-1f1b-1+3": (FOUR_LAYERS, dict(pp=2), (1, 3)),
         "uneven-pp2-gpipe-3+1-selective": ({**FOUR_LAYERS, **EAGER}, dict(pp=2, schedule="gpipe", recompute="selective"), (3, 1)),
+        "interleaved-pp2-v2": (FOUR_LAYERS, dict(pp=2, schedule="interleaved", virtual_stages=2), None),
     },
     4: {
         "selective-tp2xdp2": (EAGER, dict(tp=2, recompute="selective"), None),
@@ -47,6 +50,10 @@ CASES = {
         "selective-ddp": (EAGER, dict(recompute="selective", dp_flavour="ddp"), None),
         "selective-fsdp-sdpa": ({"batch_size": 8}, dict(recompute="selective", dp_flavour="fsdp"), None),
         "uneven-pp2xtp2-1f1b-1+3-full": (FOUR_LAYERS, dict(pp=2, tp=2, recompute="full"), (1, 3)),
+        "interleaved-pp2xtp2-v2": (FOUR_LAYERS, dict(pp=2, tp=2, schedule="interleaved", virtual_stages=2), None),
+        "interleaved-pp2xdp2-v2-selective": (
+            {**FOUR_LAYERS, **EAGER}, dict(pp=2, dp=2, schedule="interleaved", virtual_stages=2, recompute="selective"), None
+        ),
     },
 }
 ALL_CASES = [(world, case) for world, cases in CASES.items() for case in cases]
@@ -141,5 +148,9 @@ def test_programs_say_what_they_recompute_and_where_stages_cut(world2_run, world
     assert selective.count("checkpoint(_blocks_") == 2
     ddp = (folders4["selective-ddp"] / "model_spmd.py").read_text()
     assert "    'blocks.0.attn.core',\n    'blocks.1.attn.core',\n" in ddp and "recompute_in_backward(model.get_submodule(path))" in ddp
+    interleaved = (folders2["interleaved-pp2-v2"] / "model_spmd.py").read_text()
+    assert "ScheduleInterleaved1F1B" in interleaved and "rank p holds stages p, p + 2)" in interleaved
+    assert "Stage 1 holds blocks.1 " in interleaved and "Stage 3 holds blocks.3, ln_f, lm_head " in interleaved
+    assert re.search(r"^STAGES = \(GPTStage0, GPTStage1, GPTStage2, GPTStage3\)  # stage s runs on the ranks at pp coordinate s % 2", interleaved, re.MULTILINE)
     fused = (folders4["selective-fsdp-sdpa"] / "model_spmd.py").read_text()
     assert "RECOMPUTED_BLOCKS = ()" in fused and "attention is one fused op, e.g. scaled_dot_product_attention" in fused
