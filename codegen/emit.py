@@ -92,7 +92,8 @@ def render_model_spmd(plan: Plan) -> str:
 
 
 def _recompute_table(plan: Plan) -> str:
-    """The blocks a recomputing plan checkpoints, and the helper that does it."""
+    """The modules a recomputing plan checkpoints (whole blocks for ``"full"``, attention
+    cores for ``"selective"``, ``codegen.attention_core``), and the helper that does it."""
     if plan.recompute == "none":
         return ""
     if plan.recompute == "selective":  # each block's attention core, when it is a module of its own

@@ -23,12 +23,18 @@ on DTensors, ``_to`` where the plan redistributes), cut into stages:
 - parameters read by several stages (tied embeddings) are held by each; the runtime sums
   their gradients over those stages.
 
-``codegen.runtime.pipeline`` runs it: ``PipelineStage`` with static shapes from the
-STAGE_INPUTS / STAGE_OUTPUTS tables, and ``ScheduleGPipe`` or ``Schedule1F1B``.
+- stages may hold different numbers of blocks: each op runs on the stage its strategy names;
+- under the interleaved schedule there are ``pp x virtual_stages`` stage modules, stage ``s``
+  on the ranks at pp coordinate ``s % pp`` (``codegen.pipeline_schedules``).
 
-Not compiled (``unsupported`` names why, one line): interleaved schedules (virtual stages),
-selective recomputation, meshes whose first axis is not ``pp`` or with axes
-other than ``dp``/``tp``, and models whose traced graph returns no scalar loss.
+``codegen.runtime.pipeline`` runs it: ``PipelineStage`` with static shapes from the
+STAGE_INPUTS / STAGE_OUTPUTS tables, and ``ScheduleGPipe``, ``Schedule1F1B`` or
+``ScheduleInterleaved1F1B``. ``codegen.pipeline_stage_plan`` holds the plan as a stage sees it.
+
+Not compiled (``unsupported`` names why, one line): meshes whose first axis is not ``pp`` or
+with axes other than ``dp``/``tp``, virtual stages under a schedule other than interleaved,
+stages whose ops do not follow each other in graph order, and models whose traced graph
+returns no scalar loss.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from codegen import spmd_notes as notes
 from codegen.emit import about_plan, autocast_lines, precision_imports
 from codegen.source_text import comment, identifier, number, with_comment
 from codegen.graph_facts import build_meta_model, clean_path, model_facts, trace_model
+from codegen.pipeline_stage_plan import StagePlan, flat_source, micro_strategies
 from codegen.pipeline_schedules import schedule_lines, schedule_problem, stage_count, stages_comment
 from codegen.spmd_emit import SUPPORTED_AXES, GraphEmitter
 from codegen.spmd_placements import whole
@@ -56,7 +63,6 @@ from planner import __version__
 from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.plans import Plan
-from planner.strategy import Mesh
 
 PP_AXIS = "pp"
 _PAD = " " * 8
@@ -88,45 +94,6 @@ def supports(plan: Plan) -> bool:
     return unsupported(plan) is None
 
 
-class _StagePlan:
-    """``plan`` as one stage sees it: the mesh without ``pp``, placements without their ``pp``
-    entry, no pipeline. Everything else is the plan's."""
-
-    def __init__(self, plan: Plan, strategies=None):
-        self._plan = plan
-        index = plan.mesh.names.index(PP_AXIS)
-        axes = tuple(axis for axis in plan.mesh.axes if axis[0] != PP_AXIS)
-        self.padded = not axes
-        self.mesh = Mesh(axes or (("dp", 1),))
-
-        def drop(placements):
-            if placements is None:
-                return None
-            kept = tuple(p for i, p in enumerate(placements) if i != index)
-            return kept or (Replicate(),)
-
-        self.strategies = tuple(
-            dataclasses.replace(
-                s,
-                inputs=tuple(drop(p) for p in s.inputs),
-                outputs=tuple(drop(p) for p in s.outputs),
-                params={name: drop(p) for name, p in s.params.items()},
-                produced=tuple(drop(p) for p in s.produced) if s.produced else None,
-            )
-            for s in (plan.strategies if strategies is None else strategies)
-        )
-        self.inputs = {name: drop(p) for name, p in plan.inputs.items()}
-        self.pipeline = None
-        self.recompute = "none"
-
-    @property
-    def world_size(self) -> int:
-        return self.mesh.size
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._plan, name)
-
-
 def render_pipeline_program(plan: Plan) -> str:
     """Source of ``model_spmd.py`` for a pipeline plan (see the module docstring).
 
@@ -151,7 +118,7 @@ def render_pipeline_program(plan: Plan) -> str:
     micro_kwargs = {k: cut(v) for k, v in kwargs.items()}
     graph = trace_model(model, micro_args, micro_kwargs)
     facts = model_facts(model, micro_args, micro_kwargs, graph)
-    stage_plan = _StagePlan(plan, _micro_strategies(plan, graph, micro))
+    stage_plan = StagePlan(plan, micro_strategies(plan, graph, micro))
 
     def write(observed=None, forced=None, warning=""):
         return _PipelineWriter(plan, stage_plan, graph, facts, observed, forced, warning).render()
@@ -162,54 +129,9 @@ def render_pipeline_program(plan: Plan) -> str:
     # stage mesh, a fake process group) and write the program again from what DTensor produced.
     return dry_run.refine(
         stage_plan,
-        lambda observed, forced: _flat_source(stage_plan, graph, facts, observed, forced, micro),
+        lambda observed, forced: flat_source(stage_plan, graph, facts, observed, forced, micro),
         write,
         dry_run.traced_shapes(graph.graph_module),
-    )
-
-
-def _micro_strategies(plan: Plan, graph: OpGraph, micro: int) -> tuple:
-    """The plan's strategies for the graph traced at one micro-batch. Usually it has the same
-    ops under the same names; traced at a micro-batch of one sample, export may drop ops that
-    do nothing there (an ``expand`` or ``contiguous`` over the batch), which renames the ops of
-    that kind after them. The two op sequences are aligned, and each op of the micro-batch
-    graph takes the strategy of the op it matches."""
-    if [n.name for n in graph.nodes] == [s.node for s in plan.strategies]:
-        return plan.strategies
-    import difflib
-
-    planned = list(plan.strategies)
-    matcher = difflib.SequenceMatcher(a=[s.op for s in planned], b=[n.op for n in graph.nodes], autojunk=False)
-    strategies: list = [None] * len(graph.nodes)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            for i, j in zip(range(i1, i2), range(j1, j2)):
-                strategies[j] = dataclasses.replace(planned[i], node=graph.nodes[j].name)
-        elif tag != "delete":
-            op = graph.nodes[j1].op
-            raise NotImplementedError(
-                f"traced at one micro-batch ({micro} samples) the model has ops the plan has not (e.g. {op} "
-                f"'{graph.nodes[j1].name}'); plan with larger micro-batches"
-            )
-    return tuple(strategies)
-
-
-def _flat_source(stage_plan: _StagePlan, graph: OpGraph, facts, observed, forced, micro: int) -> str:
-    """The graph program of one micro-batch on the stage mesh, all stages in one forward: what
-    the dry run runs (its ``shard_batch`` keeps the first micro-batch of the example batch)."""
-    source = GraphEmitter(stage_plan, graph, facts, observed, forced, "", local_replicated=False).render()
-    return source + textwrap.dedent(
-        f'''
-
-        _whole_batch = shard_batch
-
-
-        def shard_batch(args, kwargs, mesh):
-            def cut(value):
-                return value[:{micro}] if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == GLOBAL_BATCH else value
-
-            return _whole_batch(tuple(cut(v) for v in args), {{k: cut(v) for k, v in kwargs.items()}}, mesh)
-        '''
     )
 
 
@@ -226,7 +148,7 @@ class _Boundary:
 class _PipelineWriter:
     """Writes one pipeline program from an ``GraphEmitter`` over the stage plan."""
 
-    def __init__(self, plan: Plan, stage_plan: _StagePlan, graph: OpGraph, facts, observed, forced, warning: str):
+    def __init__(self, plan: Plan, stage_plan: StagePlan, graph: OpGraph, facts, observed, forced, warning: str):
         self.plan, self.stage_plan, self.graph, self.facts = plan, stage_plan, graph, facts
         # Every value stays a DTensor: what crosses a stage boundary is read from DTensor values.
         self.emitter = GraphEmitter(stage_plan, graph, facts, observed, forced, warning, local_replicated=False)

@@ -5,7 +5,9 @@ only its inputs for backward and runs its forward again there. The simulator pri
 that (ops around the blocks keep their activations); the two codegen paths compile it
 (``codegen.runtime.recompute`` for DDP/ZeRO/FSDP programs, a checkpointed nested function per
 block in graph programs). Parity of recomputed programs is in ``test_parity.py`` and
-``test_spmd_parity.py``; here, that the memory really goes away.
+``test_spmd_parity.py``; here, that the memory really goes away. ``recompute="selective"``
+checkpoints each block's attention core only (``codegen.attention_core``); its parity is in
+``test_schedule_parity.py``.
 """
 
 from __future__ import annotations
