@@ -92,11 +92,16 @@ def render_model_spmd(plan: Plan) -> str:
 
 
 def _recompute_table(plan: Plan) -> str:
-    """The blocks a recomputing plan checkpoints, and the helper that does it."""
+    """The modules a recomputing plan checkpoints (whole blocks for ``"full"``, attention
+    cores for ``"selective"``, ``codegen.attention_core``), and the helper that does it."""
     if plan.recompute == "none":
         return ""
+    if plan.recompute == "selective":  # each block's attention core, when it is a module of its own
+        from codegen.attention_core import selective_table
+
+        return selective_table(plan)
     if plan.recompute != "full":
-        raise NotImplementedError(f"codegen recomputes whole blocks (recompute='full'), not '{plan.recompute}'")
+        raise NotImplementedError(f"codegen recomputes whole blocks or attention cores, not '{plan.recompute}'")
     blocks = recomputed_blocks(plan)
     rows = "".join(f"    {path!r},\n" for path in blocks)
     return (

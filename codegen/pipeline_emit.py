@@ -18,16 +18,23 @@ on DTensors, ``_to`` where the plan redistributes), cut into stages:
   locally (positions, masks) are computed again where they are read instead of sent;
 - the last stage returns the model's loss, which the schedule back-propagates;
 - with ``recompute="full"`` each repeated block inside a stage runs under
-  ``torch.utils.checkpoint`` (as in graph programs, ``codegen.spmd_recompute``);
+  ``torch.utils.checkpoint`` (as in graph programs, ``codegen.spmd_recompute``); with
+  ``"selective"`` each block's attention core does (``codegen.attention_core``);
 - parameters read by several stages (tied embeddings) are held by each; the runtime sums
   their gradients over those stages.
 
-``codegen.runtime.pipeline`` runs it: ``PipelineStage`` with static shapes from the
-STAGE_INPUTS / STAGE_OUTPUTS tables, and ``ScheduleGPipe`` or ``Schedule1F1B``.
+- stages may hold different numbers of blocks: each op runs on the stage its strategy names;
+- under the interleaved schedule there are ``pp x virtual_stages`` stage modules, stage ``s``
+  on the ranks at pp coordinate ``s % pp`` (``codegen.pipeline_schedules``).
 
-Not compiled (``unsupported`` names why, one line): interleaved schedules (virtual stages),
-selective recomputation, meshes whose first axis is not ``pp`` or with axes
-other than ``dp``/``tp``, and models whose traced graph returns no scalar loss.
+``codegen.runtime.pipeline`` runs it: ``PipelineStage`` with static shapes from the
+STAGE_INPUTS / STAGE_OUTPUTS tables, and ``ScheduleGPipe``, ``Schedule1F1B`` or
+``ScheduleInterleaved1F1B``. ``codegen.pipeline_stage_plan`` holds the plan as a stage sees it.
+
+Not compiled (``unsupported`` names why, one line): meshes whose first axis is not ``pp`` or
+with axes other than ``dp``/``tp``, virtual stages under a schedule other than interleaved,
+stages whose ops do not follow each other in graph order, and models whose traced graph
+returns no scalar loss.
 """
 
 from __future__ import annotations
@@ -46,17 +53,18 @@ from codegen import spmd_notes as notes
 from codegen.emit import about_plan, autocast_lines, precision_imports
 from codegen.source_text import comment, identifier, number, with_comment
 from codegen.graph_facts import build_meta_model, clean_path, model_facts, trace_model
+from codegen.pipeline_stage_plan import StagePlan, flat_source, micro_strategies
+from codegen.pipeline_schedules import schedule_lines, schedule_problem, stage_count, stages_comment
 from codegen.spmd_emit import SUPPORTED_AXES, GraphEmitter
 from codegen.spmd_placements import whole
-from codegen.spmd_recompute import assigned_in_order, block_runs, checkpoint_blocks, names_in
+from codegen.attention_core import NO_CORE_COMMENT, attention_cores
+from codegen.spmd_recompute import assigned_in_order, block_runs, checkpoint_blocks, core_runs, names_in
 from planner import __version__
 from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.plans import Plan
-from planner.strategy import Mesh
 
 PP_AXIS = "pp"
-SCHEDULES = ("gpipe", "1f1b")
 _PAD = " " * 8
 
 
@@ -70,16 +78,11 @@ def unsupported(plan: Plan) -> str | None:
         return f"pipeline programs need '{PP_AXIS}' as the mesh's first axis; this mesh is {plan.mesh}"
     if not set(names[1:]) <= set(SUPPORTED_AXES):
         return f"pipeline programs run stages on axes among {SUPPORTED_AXES} besides pp; this mesh is {plan.mesh}"
-    if pipeline.schedule not in SCHEDULES or pipeline.virtual_stages != 1:
-        return (
-            f"the {pipeline.schedule} schedule with {pipeline.virtual_stages} virtual stages is simulated but not compiled "
-            f"yet; gpipe and 1f1b (one stage per rank) are"
-        )
-    if plan.recompute not in ("none", "full"):
-        return (
-            "pipeline plans that recompute activations selectively are simulated but not compiled yet; "
-            "pipeline plans without recomputation or with full recomputation are"
-        )
+    problem = schedule_problem(pipeline)
+    if problem:
+        return problem
+    if plan.recompute not in ("none", "full", "selective"):
+        return f"pipeline programs recompute none, full blocks or selectively, not {plan.recompute!r}"
     dp = plan.mesh.axis_size("dp") if "dp" in names else 1
     if plan.batch_size % (pipeline.micro_batches * dp):
         return f"the batch {plan.batch_size} does not split into {pipeline.micro_batches} micro-batches on each of dp={dp} ranks"
@@ -89,45 +92,6 @@ def unsupported(plan: Plan) -> str | None:
 def supports(plan: Plan) -> bool:
     """Whether this emitter compiles ``plan`` (see ``unsupported``)."""
     return unsupported(plan) is None
-
-
-class _StagePlan:
-    """``plan`` as one stage sees it: the mesh without ``pp``, placements without their ``pp``
-    entry, no pipeline. Everything else is the plan's."""
-
-    def __init__(self, plan: Plan, strategies=None):
-        self._plan = plan
-        index = plan.mesh.names.index(PP_AXIS)
-        axes = tuple(axis for axis in plan.mesh.axes if axis[0] != PP_AXIS)
-        self.padded = not axes
-        self.mesh = Mesh(axes or (("dp", 1),))
-
-        def drop(placements):
-            if placements is None:
-                return None
-            kept = tuple(p for i, p in enumerate(placements) if i != index)
-            return kept or (Replicate(),)
-
-        self.strategies = tuple(
-            dataclasses.replace(
-                s,
-                inputs=tuple(drop(p) for p in s.inputs),
-                outputs=tuple(drop(p) for p in s.outputs),
-                params={name: drop(p) for name, p in s.params.items()},
-                produced=tuple(drop(p) for p in s.produced) if s.produced else None,
-            )
-            for s in (plan.strategies if strategies is None else strategies)
-        )
-        self.inputs = {name: drop(p) for name, p in plan.inputs.items()}
-        self.pipeline = None
-        self.recompute = "none"
-
-    @property
-    def world_size(self) -> int:
-        return self.mesh.size
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._plan, name)
 
 
 def render_pipeline_program(plan: Plan) -> str:
@@ -154,7 +118,7 @@ def render_pipeline_program(plan: Plan) -> str:
     micro_kwargs = {k: cut(v) for k, v in kwargs.items()}
     graph = trace_model(model, micro_args, micro_kwargs)
     facts = model_facts(model, micro_args, micro_kwargs, graph)
-    stage_plan = _StagePlan(plan, _micro_strategies(plan, graph, micro))
+    stage_plan = StagePlan(plan, micro_strategies(plan, graph, micro))
 
     def write(observed=None, forced=None, warning=""):
         return _PipelineWriter(plan, stage_plan, graph, facts, observed, forced, warning).render()
@@ -165,54 +129,9 @@ def render_pipeline_program(plan: Plan) -> str:
     # stage mesh, a fake process group) and write the program again from what DTensor produced.
     return dry_run.refine(
         stage_plan,
-        lambda observed, forced: _flat_source(stage_plan, graph, facts, observed, forced, micro),
+        lambda observed, forced: flat_source(stage_plan, graph, facts, observed, forced, micro),
         write,
         dry_run.traced_shapes(graph.graph_module),
-    )
-
-
-def _micro_strategies(plan: Plan, graph: OpGraph, micro: int) -> tuple:
-    """The plan's strategies for the graph traced at one micro-batch. Usually it has the same
-    ops under the same names; traced at a micro-batch of one sample, export may drop ops that
-    do nothing there (an ``expand`` or ``contiguous`` over the batch), which renames the ops of
-    that kind after them. The two op sequences are aligned, and each op of the micro-batch
-    graph takes the strategy of the op it matches."""
-    if [n.name for n in graph.nodes] == [s.node for s in plan.strategies]:
-        return plan.strategies
-    import difflib
-
-    planned = list(plan.strategies)
-    matcher = difflib.SequenceMatcher(a=[s.op for s in planned], b=[n.op for n in graph.nodes], autojunk=False)
-    strategies: list = [None] * len(graph.nodes)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            for i, j in zip(range(i1, i2), range(j1, j2)):
-                strategies[j] = dataclasses.replace(planned[i], node=graph.nodes[j].name)
-        elif tag != "delete":
-            op = graph.nodes[j1].op
-            raise NotImplementedError(
-                f"traced at one micro-batch ({micro} samples) the model has ops the plan has not (e.g. {op} "
-                f"'{graph.nodes[j1].name}'); plan with larger micro-batches"
-            )
-    return tuple(strategies)
-
-
-def _flat_source(stage_plan: _StagePlan, graph: OpGraph, facts, observed, forced, micro: int) -> str:
-    """The graph program of one micro-batch on the stage mesh, all stages in one forward: what
-    the dry run runs (its ``shard_batch`` keeps the first micro-batch of the example batch)."""
-    source = GraphEmitter(stage_plan, graph, facts, observed, forced, "", local_replicated=False).render()
-    return source + textwrap.dedent(
-        f'''
-
-        _whole_batch = shard_batch
-
-
-        def shard_batch(args, kwargs, mesh):
-            def cut(value):
-                return value[:{micro}] if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == GLOBAL_BATCH else value
-
-            return _whole_batch(tuple(cut(v) for v in args), {{k: cut(v) for k, v in kwargs.items()}}, mesh)
-        '''
     )
 
 
@@ -229,13 +148,14 @@ class _Boundary:
 class _PipelineWriter:
     """Writes one pipeline program from an ``GraphEmitter`` over the stage plan."""
 
-    def __init__(self, plan: Plan, stage_plan: _StagePlan, graph: OpGraph, facts, observed, forced, warning: str):
+    def __init__(self, plan: Plan, stage_plan: StagePlan, graph: OpGraph, facts, observed, forced, warning: str):
         self.plan, self.stage_plan, self.graph, self.facts = plan, stage_plan, graph, facts
         # Every value stays a DTensor: what crosses a stage boundary is read from DTensor values.
         self.emitter = GraphEmitter(stage_plan, graph, facts, observed, forced, warning, local_replicated=False)
-        self.stages = plan.pipeline.stages
+        self.stages = stage_count(plan.pipeline)  # stage modules: pp x virtual stages (interleaved)
         self.axes, self.sizes = stage_plan.mesh.names, stage_plan.mesh.shape
-        self.recompute = plan.recompute == "full"
+        self.recompute = plan.recompute  # "none", "full" (whole blocks) or "selective" (attention cores)
+        self.cores = attention_cores(graph, plan.summary.tokens_per_sample) if self.recompute == "selective" else []
 
     # ------------------------------------------------------------------------- analysis
 
@@ -376,9 +296,9 @@ class _PipelineWriter:
     def _emit_runs(self, nodes: list[torch.fx.Node], gm: torch.fx.GraphModule) -> list[tuple[Any, list[str]]]:
         """A stage's lines, as runs of one repeated block (or none) when blocks are
         recomputed (each block run indented one more level, to become a nested function)."""
-        if not self.recompute:
+        if self.recompute == "none" or (self.recompute == "selective" and not self.cores):
             return [(None, self.emitter._emit_nodes(nodes, gm, indent=2))]
-        runs = block_runs(self.graph, nodes)
+        runs = block_runs(self.graph, nodes) if self.recompute == "full" else core_runs(self.cores, nodes)
         return [(block, self.emitter._emit_nodes(run, gm, indent=2 + (block is not None))) for block, run in runs]
 
     def _checkpointed(self, written: list[list[tuple[Any, list[str]]]], loss_line: str) -> list[list[str]]:
@@ -435,7 +355,8 @@ class _PipelineWriter:
             '"""Per-rank program of a pipeline plan (which plan, model, stages and schedule: the comments below).',
             "",
             f"Generated by soap-planner {__version__} from plan.json; it is plain PyTorch, review it freely.",
-            "The ranks at pp coordinate s run stage s. Inside each stage, forward() replays the model's",
+            "The ranks at pp coordinate p run stage p (under the interleaved schedule, every stage s with",
+            "s % pp == p). Inside each stage, forward() replays the model's",
             "traced ATen graph, one line per op, on DTensors over the stage mesh (shapes are one",
             "micro-batch's, global over the stage mesh; comments give this rank's part), and",
             "_to(x, placements) redistributes x with the collective named above it. PARAMETERS and",
@@ -462,21 +383,15 @@ class _PipelineWriter:
 
     def _description(self, stage_params, boundaries, info, shared) -> list[str]:
         """The header's account of this pipeline: stages, schedule, what crosses each boundary."""
-        plan = self.plan
-        pipeline = plan.pipeline
-        dp = plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else 1
-        micro = plan.batch_size // pipeline.micro_batches
+        pipeline = self.plan.pipeline
         if self.stage_plan.padded:
             stage_mesh = "a one-rank dp axis (pp is the only axis: each rank holds its stage whole)"
         else:
             stage_mesh = " x ".join(f"{n}={size}" for n, size in zip(self.axes, self.sizes))
-        schedule = "ScheduleGPipe" if pipeline.schedule == "gpipe" else "Schedule1F1B"
-        per_rank = f", {micro // dp} per rank of dp" if dp > 1 else ""
         lines = [
-            f"Pipeline: {pipeline.stages} stages over pp, schedule {pipeline.schedule} (torch.distributed.pipelining.{schedule}),",
-            f"{pipeline.micro_batches} micro-batches of {micro} samples per step{per_rank}.",
+            *schedule_lines(self.plan),
             f"Stage mesh: {stage_mesh}.",
-            *(["Every repeated block is recomputed in backward (activation checkpointing)."] if self.recompute else []),
+            *self._recompute_note(),
             "",
         ]
         for stage, owned in enumerate(stage_params):
@@ -503,6 +418,21 @@ class _PipelineWriter:
             lines += ["", f"Run around DTensor's sharding rules: {', '.join(sorted(self.emitter.fallbacks))}."]
         return lines
 
+    def _autocast(self) -> str:
+        """Lines of ``parallelize`` running each stage of this rank under bf16 autocast."""
+        lines = autocast_lines(self.plan, "stage", "mesh.device_type")
+        return "    for stage in module.local_stages:\n" + textwrap.indent(lines, "    ") if lines else ""
+
+    def _recompute_note(self) -> list[str]:
+        """The header's line on activation recomputation."""
+        if self.recompute == "full":
+            return ["Every repeated block is recomputed in backward (activation checkpointing)."]
+        if self.recompute == "selective" and self.cores:
+            return ["Each block's attention core is recomputed in backward (selective recomputation)."]
+        if self.recompute == "selective":
+            return [line.removeprefix("# ") for line in NO_CORE_COMMENT]
+        return []
+
     def _imports(self) -> str:
         pipeline = self.plan.pipeline
         return "\n".join(
@@ -512,9 +442,9 @@ class _PipelineWriter:
                 "import torch",
                 "from torch.distributed.device_mesh import DeviceMesh",
                 "from torch.distributed.tensor import Partial, Replicate, Shard",
-                *(["from torch.utils.checkpoint import checkpoint"] if self.recompute else []),
+                *(["from torch.utils.checkpoint import checkpoint"] if self.recompute != "none" else []),
                 "",
-                "from codegen.runtime.pipeline import PipelineRunner, PipelineStageModule, build_stage, stage_mesh",
+                "from codegen.runtime.pipeline import PipelineRunner, PipelineStageModule, VirtualStages, build_stage, stage_mesh",
                 *precision_imports(self.plan),
                 "from codegen.runtime.spmd import shard_inputs",
                 "",
@@ -597,7 +527,7 @@ class _PipelineWriter:
         shared_text = "{" + ", ".join(f"{holders!r}: {tuple(names)!r}" for holders, names in shared.items()) + "}"
         return f'''
 
-STAGES = ({", ".join(class_names)}{"," if len(class_names) == 1 else ""})  # stage s runs on the ranks at pp coordinate s
+STAGES = ({", ".join(class_names)}{"," if len(class_names) == 1 else ""})  # {stages_comment(self.plan.pipeline)}
 # The parameters each stage holds (qualified names), and those several stages hold (tied).
 STAGE_PARAMETERS = (
 {params}
@@ -606,11 +536,12 @@ SHARED_PARAMETERS = {shared_text}
 INPUT_NAMES = {tuple(input_names)!r}
 
 
-def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> PipelineStageModule:
-    """This rank's stage (its pp coordinate): the stage's parameters become DTensors over the
-    stage mesh, placed as PARAMETERS says (each rank keeps its shard; no communication)."""
+def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> PipelineStageModule | VirtualStages:
+    """This rank's stage (its pp coordinate; several under the interleaved schedule, in
+    VirtualStages): the stage's parameters become DTensors over the stage mesh, placed as
+    PARAMETERS says (each rank keeps its shard; no communication)."""
     module = build_stage(STAGES, model, mesh, PARAMETERS, STAGE_PARAMETERS, DROPOUT_MODULES)
-{autocast_lines(self.plan, "module", "mesh.device_type")}    return module
+{self._autocast()}    return module
 
 
 def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
@@ -619,7 +550,7 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
     return shard_inputs(args, kwargs, stage_mesh(mesh), INPUTS)
 
 
-def make_pipeline(module: PipelineStageModule, mesh: DeviceMesh) -> PipelineRunner:
+def make_pipeline(module: PipelineStageModule | VirtualStages, mesh: DeviceMesh) -> PipelineRunner:
     """The SCHEDULE over this rank's stage: pipeline.step(args, kwargs) runs one step's
     forward and backward over MICRO_BATCHES micro-batches and returns the loss."""
     return PipelineRunner(module, mesh, SCHEDULE, MICRO_BATCHES, STAGE_INPUTS, STAGE_OUTPUTS, INPUT_NAMES, SHARED_PARAMETERS)

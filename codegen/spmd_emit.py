@@ -48,7 +48,8 @@ from codegen.spmd_placements import (
     splits_rows,
     whole,
 )
-from codegen.spmd_recompute import checkpointed_body
+from codegen.attention_core import attention_cores
+from codegen.spmd_recompute import checkpointed_body, selective_body
 from codegen.spmd_sections import ProgramSections
 from codegen.dry_run import WRONG_LOCAL_SHAPE
 from codegen.graph_facts import (
@@ -99,14 +100,12 @@ def render_graph_program(plan: Plan) -> str:
     graph = plan.graph if plan.graph is not None and plan.graph.graph_module is not None else trace_model(model, args, kwargs)
     facts = model_facts(model, args, kwargs, graph)
 
-    recomputed = plan.recompute == "full"
-
     def write(
         observed: dict[str, Any] | None = None, forced: dict[str, str] | None = None, warning: str = "", final: bool = True
     ) -> str:
         # The dry run reads the forward's own locals, so it runs a version without the
         # recomputed blocks' nested functions; checkpointing changes no placement.
-        return GraphEmitter(plan, graph, facts, observed, forced, warning, recompute=recomputed and final).render()
+        return GraphEmitter(plan, graph, facts, observed, forced, warning, recompute=plan.recompute if final else "none").render()
 
     from codegen import dry_run
 
@@ -133,7 +132,7 @@ class GraphEmitter(ProgramSections):
         observed: dict[str, Any] | None = None,
         forced: dict[str, str] | None = None,
         warning: str = "",
-        recompute: bool = False,
+        recompute: str = "none",
         local_replicated: bool = True,
     ):
         self.plan, self.graph, self.facts = plan, graph, facts
@@ -221,8 +220,10 @@ class GraphEmitter(ProgramSections):
         inputs = [i for i in self.graph.inputs]
         input_lines = self._input_lines(gm)
         param_lines = self._parameter_lines(gm)
-        if self.recompute:
+        if self.recompute == "full":
             body = checkpointed_body(self, gm)
+        elif self.recompute == "selective":  # each block's attention core (codegen.attention_core)
+            body = selective_body(self, gm, attention_cores(self.graph, self.plan.summary.tokens_per_sample))
         else:
             body = self._emit_nodes(list(gm.graph.nodes), gm, indent=2)
         return "\n".join(

@@ -1,5 +1,6 @@
-"""Activation recomputation in graph programs: each repeated block becomes a nested function
-run under ``torch.utils.checkpoint.checkpoint``.
+"""Activation recomputation in graph programs: each repeated block (``recompute="full"``), or
+each block's attention core (``"selective"``), becomes a nested function run under
+``torch.utils.checkpoint.checkpoint``.
 
 The plan's ``recompute="full"`` means what the simulator prices: every repeated block
 (a transformer layer) keeps only the values it reads from outside for backward, and runs
@@ -13,6 +14,10 @@ autocast regions) is handled alike. The nested function reads everything else fr
 enclosing forward (parameters, earlier values): non-reentrant checkpointing keeps those
 alive, so they need not be passed as arguments. ``codegen.pipeline_emit`` uses the same
 pieces inside each pipeline stage.
+
+``recompute="selective"`` (``codegen.attention_core``) checkpoints only the attention core of
+each block, from the scores matmul to the scores x V matmul: backward keeps everything else
+and runs the core again, dropping its (seq, seq) tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch.fx
 
+from codegen.attention_core import NO_CORE_COMMENT, AttentionCore
 from codegen.source_text import comment, derived_identifier
 from planner.errors import PlanningError
 from planner.graph import OpGraph
@@ -30,7 +36,7 @@ from planner.graph import OpGraph
 if TYPE_CHECKING:
     from codegen.spmd_emit import GraphEmitter
 
-Block = tuple[str, int]
+Block = tuple[str, int]  # a repeated block; (group, index, "attention") labels its attention core
 _INDENT = 2  # the forward's body
 _PAD = " " * (4 * _INDENT)
 
@@ -45,6 +51,41 @@ def checkpointed_body(emitter: "GraphEmitter", gm: torch.fx.GraphModule) -> list
         )
     written = [(block, emitter._emit_nodes(nodes, gm, indent=_INDENT + (block is not None))) for block, nodes in runs]
     return checkpoint_blocks(written)
+
+
+def selective_body(emitter: "GraphEmitter", gm: torch.fx.GraphModule, cores: list[AttentionCore]) -> list[str]:
+    """The forward's body lines with every attention core checkpointed (``recompute="selective"``);
+    with no core (fused attention), the plain body after a comment saying why."""
+    if not emitter.graph.blocks:
+        raise PlanningError(
+            "this plan recomputes activations, but the model has no repeated blocks to checkpoint; plan it again "
+            "(recomputation only applies to repeated blocks)"
+        )
+    runs = core_runs(cores, gm.graph.nodes)
+    written = [(label, emitter._emit_nodes(nodes, gm, indent=_INDENT + (label is not None))) for label, nodes in runs]
+    if not cores:
+        return [_PAD + line for line in NO_CORE_COMMENT] + written[0][1]
+    return checkpoint_blocks(written)
+
+
+
+def core_runs(cores: list[AttentionCore], nodes: Sequence[torch.fx.Node]) -> list[tuple[Block | None, list[torch.fx.Node]]]:
+    """``nodes`` cut into runs: each attention core (labelled ``AttentionCore.label``), from its
+    first op to its last, and the runs between them (``None``)."""
+    first = {core.nodes[0]: core for core in cores}
+    runs: list[tuple[Block | None, list[torch.fx.Node]]] = []
+    current, remaining = None, set()
+    for fx_node in nodes:
+        if fx_node.name in first:
+            current = first[fx_node.name]
+            remaining = set(current.nodes)
+            runs.append((current.label, []))
+        elif (current is not None and not remaining) or not runs:
+            current = None
+            runs.append((None, []))
+        remaining.discard(fx_node.name)
+        runs[-1][1].append(fx_node)
+    return runs
 
 
 def block_runs(graph: OpGraph, nodes: Sequence[torch.fx.Node]) -> list[tuple[Block | None, list[torch.fx.Node]]]:
@@ -78,7 +119,7 @@ def checkpoint_blocks(written: list[tuple[Block | None, list[str]]], also_read: 
         clash = stored[position] & set().union(*(stored[i] for i in range(len(written)) if i != position))
         if clash:
             raise NotImplementedError(
-                f"cannot checkpoint block {block[0]}.{block[1]}: the names {sorted(clash)[:3]} are assigned inside it and "
+                f"cannot checkpoint {_what(block)}: the names {sorted(clash)[:3]} are assigned inside it and "
                 f"elsewhere in the forward; plan without recomputation"
             )
         outside = set(also_read).union(*(loaded[i] for i in range(len(written)) if i != position))
@@ -90,19 +131,35 @@ def checkpoint_blocks(written: list[tuple[Block | None, list[str]]], also_read: 
 def checkpointed_block(block: Block, lines: list[str], outputs: list[str]) -> list[str]:
     """``lines`` (one level deeper than the forward's body) as a nested function run under
     ``checkpoint``, assigning ``outputs`` in the enclosing forward."""
-    function = derived_identifier(f"{block[0]}_{block[1]}", prefix="_", fallback="block")
+    core = len(block) > 2
+    function = derived_identifier(f"{block[0]}_{block[1]}" + ("_attention" if core else ""), prefix="_", fallback="block")
     returned = ", ".join(outputs) + ("," if len(outputs) == 1 else "")
+    if core:
+        why = [
+            _PAD + comment(f"---- {_what(block)}: recomputed in backward (selective recomputation). Backward keeps"),
+            _PAD + "# the block's other activations but not the (seq, seq) scores and probabilities made here;",
+            _PAD + "# it runs this function again when it reaches them: less memory for a little more compute.",
+        ]
+    else:
+        why = [
+            _PAD + comment(f"==== {_what(block)}: recomputed in backward (activation checkpointing). Backward keeps"),
+            _PAD + "# only what the block reads from outside it and runs this function again, collectives",
+            _PAD + "# included, when it reaches the block: less activation memory for one more forward.",
+        ]
     return [
         "",
-        _PAD + comment(f"==== {block[0]}.{block[1]}: recomputed in backward (activation checkpointing). Backward keeps"),
-        _PAD + "# only what the block reads from outside it and runs this function again, collectives",
-        _PAD + "# included, when it reaches the block: less activation memory for one more forward.",
+        *why,
         _PAD + f"def {function}():",
         *lines,
         _PAD + f"    return ({returned})",
         "",
         _PAD + f"({returned}) = checkpoint({function}, use_reentrant=False)",
     ]
+
+
+def _what(block: Block) -> str:
+    """``blocks.0`` or ``the attention core of blocks.0``, for comments and messages."""
+    return f"the attention core of {block[0]}.{block[1]}" if len(block) > 2 else f"block {block[0]}.{block[1]}"
 
 
 def names_in(lines: list[str], context: type) -> set[str]:

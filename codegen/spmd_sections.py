@@ -79,7 +79,7 @@ class ProgramSections:
             "import torch",
             "from torch.distributed.device_mesh import DeviceMesh",
             "from torch.distributed.tensor import Partial, Replicate, Shard",
-            *(["from torch.utils.checkpoint import checkpoint"] if self.recompute else []),
+            *(["from torch.utils.checkpoint import checkpoint"] if self.recompute != "none" else []),
             "",
             *precision_imports(self.plan),
             "from codegen.runtime.spmd import SpmdModule, shard_inputs",

@@ -1,7 +1,8 @@
 """A GPT-2 style decoder-only language model (in the manner of nanoGPT).
 
 Token and position embeddings, ``n_layer`` pre-LayerNorm blocks (causal self-attention with
-``F.scaled_dot_product_attention(is_causal=True)``, then a GELU MLP), a final LayerNorm and
+``F.scaled_dot_product_attention(is_causal=True)``, or with ``attention="eager"`` an explicit
+``AttentionCore`` module, then a GELU MLP), a final LayerNorm and
 a language-model head. The blocks live in the ``nn.ModuleList`` ``blocks`` so the planner sees
 ``n_layer`` repeats of one structure.
 
@@ -27,23 +28,47 @@ functions that follow the ambient ``torch.device(...)``, so building under
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with a fused QKV projection (GPT-2's ``c_attn``)."""
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(hd) + causal mask) v with attention dropout, written out: the
+    (T, T) scores and probabilities exist as tensors. It is Megatron-LM's "core attention",
+    the part that selective recomputation recomputes in backward instead of keeping; being
+    its own module lets data-parallel programs checkpoint it alone."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.attn_dropout = nn.Dropout(dropout)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seq, head_dim = q.size(-2), q.size(-1)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(head_dim))  # (B, nh, T, T)
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        probs = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)  # (B, nh, T, T)
+        return self.attn_dropout(probs) @ v  # (B, nh, T, hd)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with a fused QKV projection (GPT-2's ``c_attn``);
+    ``attention`` is ``"sdpa"`` (one fused op) or ``"eager"`` (``AttentionCore``)."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float, attention: str = "sdpa") -> None:
         super().__init__()
         if n_embd % n_head != 0:
             raise ValueError(
                 f"n_embd={n_embd} is not divisible by n_head={n_head}; pick n_embd as a multiple of n_head"
             )
+        if attention not in ("sdpa", "eager"):
+            raise ValueError(f"attention={attention!r} is not an implementation of this GPT; pick 'sdpa' or 'eager'")
         self.n_head = n_head
         self.dropout = dropout
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.core = AttentionCore(dropout) if attention == "eager" else None
         self.c_proj = nn.Linear(n_embd, n_embd)
         self.resid_dropout = nn.Dropout(dropout)
 
@@ -54,9 +79,12 @@ class CausalSelfAttention(nn.Module):
         q = q.view(batch, seq, self.n_head, head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(batch, seq, self.n_head, head_dim).transpose(1, 2)  # (B, nh, T, hd)
         v = v.view(batch, seq, self.n_head, head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )  # (B, nh, T, hd)
+        if self.core is not None:
+            y = self.core(q, k, v)  # (B, nh, T, hd)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )  # (B, nh, T, hd)
         y = y.transpose(1, 2).contiguous().view(batch, seq, width)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -78,10 +106,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+    def __init__(self, n_embd: int, n_head: int, dropout: float, attention: str = "sdpa") -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, attention)
         self.ln_2 = nn.LayerNorm(n_embd)
         self.mlp = MLP(n_embd, dropout)
 
@@ -102,12 +130,13 @@ class GPT(nn.Module):
         n_embd: int,
         dropout: float,
         tie_weights: bool,
+        attention: str = "sdpa",
     ) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(seq_len, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, attention) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.apply(self._init_weights)
@@ -145,6 +174,7 @@ def build(
     n_embd: int = 64,
     dropout: float = 0.0,
     tie_weights: bool = False,
+    attention: str = "sdpa",
 ) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """Build the GPT and one global batch of random token ids.
 
@@ -157,12 +187,15 @@ def build(
         n_embd: model width.
         dropout: dropout probability (0 keeps runs deterministic, e.g. for parity checks).
         tie_weights: share the token embedding with the LM head, as GPT-2 does.
+        attention: ``"sdpa"`` (``F.scaled_dot_product_attention``, one fused op that keeps
+            no (T, T) tensor) or ``"eager"`` (``AttentionCore``: scores and probabilities
+            as (T, T) tensors, which selective recomputation drops).
 
     Returns:
         ``(model, (idx, targets))``, both int64 of shape (batch_size, seq_len) with values
         in [0, vocab_size); ``model(idx, targets)`` is the loss.
     """
-    model = GPT(vocab_size, seq_len, n_layer, n_head, n_embd, dropout, tie_weights)
+    model = GPT(vocab_size, seq_len, n_layer, n_head, n_embd, dropout, tie_weights, attention)
     idx = torch.randint(0, vocab_size, (batch_size, seq_len))
     targets = torch.randint(0, vocab_size, (batch_size, seq_len))
     return model, (idx, targets)

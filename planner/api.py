@@ -346,10 +346,10 @@ def compile_blocker(plan: Plan) -> str | None:
         reason = composed_flavour_blocker(plan)
         if reason:
             return f"{plan.name} cannot be compiled: {reason}"
-    if plan.recompute not in ("none", "full"):
+    if plan.recompute not in ("none", "full", "selective"):
         return (
-            f"this plan recomputes activations ({plan.recompute}), which is simulated but not compiled yet "
-            f"(compiled programs recompute whole blocks); plan again, or use recompute='full'"
+            f"this plan recomputes activations ({plan.recompute}), which is not compiled (compiled programs recompute "
+            f"whole blocks or attention cores); plan again, or use recompute='full' or 'selective'"
         )
     if plan.precision not in ("fp32", "bf16"):
         return (

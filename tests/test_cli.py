@@ -280,8 +280,8 @@ def test_report_names_the_stage_that_does_not_fit():
     assert "DOES NOT FIT" in report and "pipeline stage(s) 0, 1" in report
 
 
-def test_interleaved_pipeline_plans_are_simulated_but_not_compiled(capsys, tmp_path):
-    # GPipe and 1F1B pipeline plans compile (tests/test_pipeline_parity.py); interleaved ones do not yet.
+def test_interleaved_pipeline_plans_compile_and_fp16_ones_do_not(capsys, tmp_path):
+    # Interleaved 1F1B plans compile (parity: tests/test_schedule_parity.py); fp16 needs loss scaling, which is not compiled.
     from planner import baselines
     from planner.model_spec import ModelSpec
 
@@ -289,7 +289,11 @@ def test_interleaved_pipeline_plans_are_simulated_but_not_compiled(capsys, tmp_p
     plan = baselines.megatron(spec, "cpu:1x2", pp=2, micro_batch=2, schedule="interleaved", virtual_stages=2, precision="fp32")
     path = tmp_path / "pp.json"
     plan.save(path)
-    assert_user_error(capsys, ["compile", str(path), "-o", str(tmp_path / "prog")], "interleaved", "not compiled yet")
+    assert main(["compile", str(path), "-o", str(tmp_path / "prog")]) == 0
+    assert "ScheduleInterleaved1F1B" in (tmp_path / "prog" / "model_spmd.py").read_text()
+    plan = baselines.megatron(spec, "cpu:1x2", pp=2, micro_batch=2, schedule="interleaved", virtual_stages=2, precision="fp16")
+    plan.save(path)
+    assert_user_error(capsys, ["compile", str(path), "-o", str(tmp_path / "fp16")], "fp16", "not compiled")
 
 
 def test_recomputation_compiles_only_for_repeated_blocks(capsys, tmp_path):
@@ -297,10 +301,10 @@ def test_recomputation_compiles_only_for_repeated_blocks(capsys, tmp_path):
 
     from planner import baselines
 
-    # Selective recomputation (attention scores only) is simulated, not compiled.
-    plan = dataclasses.replace(baselines.ddp("examples/gpt.py", "cpu:1x2"), recompute="selective")
+    # Selective recomputation (attention cores only) needs repeated blocks too.
+    plan = dataclasses.replace(baselines.ddp("examples/mlp.py", "cpu:1x2"), recompute="selective")
     plan.save(tmp_path / "selective.json")
-    assert_user_error(capsys, ["compile", str(tmp_path / "selective.json"), "-o", str(tmp_path / "p1")], "recomputes activations (selective)", "not compiled yet")
+    assert_user_error(capsys, ["compile", str(tmp_path / "selective.json"), "-o", str(tmp_path / "p1")], "no repeated blocks")
     # Full recomputation checkpoints repeated blocks: the MLP has none.
     plan = dataclasses.replace(baselines.ddp("examples/mlp.py", "cpu:1x2"), recompute="full")
     plan.save(tmp_path / "mlp.json")

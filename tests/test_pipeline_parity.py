@@ -184,9 +184,13 @@ def test_program_says_what_crosses_each_boundary(world2_run: WorldRun, world4_ru
     assert "(2, 32, 64) -> (2, 16, 64) per rank: S(1) on tp" in sp  # the sequence split crosses as is
 
 
-def test_interleaved_schedule_is_refused_in_one_line() -> None:
-    plan = make_plan("gpt4tied", 2, pp=2, schedule="interleaved", virtual_stages=2)
+def test_unknown_virtual_stages_are_refused_in_one_line() -> None:
+    """1F1B with virtual stages is not a schedule torch runs (the interleaved one is)."""
+    import dataclasses
+
+    plan = make_plan("gpt4tied", 2, pp=2, schedule="1f1b")
+    plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, virtual_stages=2))
     with pytest.raises(PlanningError) as error:
         planner.compile(plan, "unused")
     message = str(error.value)
-    assert "\n" not in message and "interleaved" in message and "gpipe and 1f1b" in message
+    assert "\n" not in message and "virtual stages" in message and "interleaved schedule" in message

@@ -5,7 +5,9 @@ only its inputs for backward and runs its forward again there. The simulator pri
 that (ops around the blocks keep their activations); the two codegen paths compile it
 (``codegen.runtime.recompute`` for DDP/ZeRO/FSDP programs, a checkpointed nested function per
 block in graph programs). Parity of recomputed programs is in ``test_parity.py`` and
-``test_spmd_parity.py``; here, that the memory really goes away.
+``test_spmd_parity.py``; here, that the memory really goes away. ``recompute="selective"``
+checkpoints each block's attention core only (``codegen.attention_core``); its parity is in
+``test_schedule_parity.py``.
 """
 
 from __future__ import annotations
@@ -123,3 +125,92 @@ def test_graph_program_checkpoints_every_block(gpt):
     assert "checkpoint(" not in render_graph_program(plan)
     plain, checkpointed = _graph_program_saved_bytes(plan), _graph_program_saved_bytes(recomputed)
     assert checkpointed < plain / 2, (checkpointed, plain)
+
+
+# ------------------------------------------------------------------ selective recomputation
+
+
+@pytest.fixture(scope="module")
+def gpt_by_attention():
+    """GPT with its attention core written out (``attention="eager"``: (seq, seq) scores) and
+    with one fused SDPA op (the default)."""
+    return {
+        attention: prepare_model(ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "attention": attention}), "cpu:1x2")
+        for attention in ("eager", "sdpa")
+    }
+
+
+def test_attention_cores_are_found_from_scores_to_scores_times_v(gpt_by_attention):
+    from codegen.attention_core import attention_cores, core_module
+
+    graph = gpt_by_attention["eager"][0]
+    cores = attention_cores(graph, 32)
+    assert [core.block for core in cores] == [("blocks", 0), ("blocks", 1)]
+    ops = [graph.node(name).op.split(".")[1] for name in cores[0].nodes]
+    assert ops[0] == "matmul" and ops[-1] == "matmul" and "softmax" in ops and "dropout" in ops
+    assert "linear" not in ops and "transpose" not in ops  # the projections and head split are kept
+    assert [core_module(graph, core) for core in cores] == ["blocks.0.attn.core", "blocks.1.attn.core"]
+    assert attention_cores(gpt_by_attention["sdpa"][0], 32) == []  # one fused op: no core
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_selective_recompute_drops_the_scores_in_graph_programs_and_in_the_simulator(gpt_by_attention, attention):
+    """Compiled with tp=2: selective saves fewer bytes for backward than none by at least every
+    block's softmax output (B, heads/tp, S, S) fp32, and more than full. With fused SDPA there
+    is nothing to drop: the program and the simulator both keep exactly what none keeps."""
+    from codegen.spmd_emit import render_graph_program
+
+    graph, spec, name, cluster = gpt_by_attention[attention]
+    plan = megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32")
+    plans = {mode: dataclasses.replace(plan, recompute=mode) for mode in ("none", "selective", "full")}
+    saved = {mode: _graph_program_saved_bytes(p) for mode, p in plans.items()}
+    simulated = {mode: Simulator(p, graph).run().memory.activations for mode, p in plans.items()}
+    scores = [segment.score_bytes for segment in Simulator(plan, graph)._segments() if segment.block]
+    source = render_graph_program(plans["selective"])
+    if attention == "eager":
+        softmax_bytes = 8 * (4 // 2) * 32 * 32 * 4
+        assert saved["none"] - saved["selective"] >= 2 * softmax_bytes, saved
+        assert saved["full"] < saved["selective"], saved
+        assert all(s >= softmax_bytes for s in scores) and simulated["full"] < simulated["selective"] < simulated["none"]
+        assert source.count("checkpoint(_blocks_") == 2 and "def _blocks_0_attention():" in source
+    else:
+        assert saved["selective"] == saved["none"] and simulated["selective"] == simulated["none"] and scores == [0.0, 0.0]
+        assert "checkpoint(_blocks_" not in source and "attention is one fused op, e.g. scaled_dot_product_attention" in source
+
+
+def test_selective_recompute_in_data_parallel_programs_checkpoints_the_core_module(gpt_by_attention):
+    """A DDP program checkpoints each AttentionCore module (no weights inside), which saves
+    fewer bytes for backward; with fused SDPA its table is empty and says why."""
+    from codegen.attention_core import selective_table
+
+    graph, spec, name, cluster = gpt_by_attention["eager"]
+    plan = dataclasses.replace(megatron_plan(graph, cluster, spec, name, precision="fp32"), recompute="selective")
+    table = selective_table(plan)
+    assert "RECOMPUTED_BLOCKS = (\n    'blocks.0.attn.core',\n    'blocks.1.attn.core',\n)" in table
+    torch.manual_seed(0)
+    model, args, _ = spec.build("cpu")
+    plain_saved, plain_loss = _saved_bytes(lambda: model(*args))
+    selective = copy.deepcopy(model)
+    for path in ("blocks.0.attn.core", "blocks.1.attn.core"):
+        recompute_in_backward(selective.get_submodule(path))
+    selective_saved, selective_loss = _saved_bytes(lambda: selective(*args))
+    assert torch.equal(plain_loss, selective_loss)
+    assert plain_saved - selective_saved >= 2 * 8 * 4 * 32 * 32 * 4  # at least each block's softmax output
+    graph, spec, name, cluster = gpt_by_attention["sdpa"]
+    fused = selective_table(dataclasses.replace(megatron_plan(graph, cluster, spec, name, precision="fp32"), recompute="selective"))
+    assert "RECOMPUTED_BLOCKS = ()" in fused and "attention is one fused op, e.g. scaled_dot_product_attention" in fused
+
+
+def test_selective_recompute_of_an_inline_core_is_refused_in_data_parallel_programs():
+    """HF GPT-2's eager attention computes its core inside GPT2Attention, next to the
+    projections: no module holds it alone, so a DDP program refuses it in one line."""
+    pytest.importorskip("transformers")
+    from codegen.attention_core import selective_table
+    from test_parity import HF_GPT2_TINY
+
+    spec = ModelSpec("hf:gpt2", {**HF_GPT2_TINY, "seq_len": 32, "attn_implementation": "eager"})
+    graph, spec, name, cluster = prepare_model(spec, "cpu:1x2")
+    plan = dataclasses.replace(megatron_plan(graph, cluster, spec, name, precision="fp32"), recompute="selective")
+    with pytest.raises(NotImplementedError) as error:
+        selective_table(plan)
+    assert "transformer.h.0" in str(error.value) and "\n" not in str(error.value)

@@ -37,7 +37,7 @@ from codegen.runtime.spmd import Placements, SpmdModule, _keep_placements, _repl
 PP_AXIS = "pp"
 _STAGE_MESHES: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
 
-__all__ = ["PipelineStageModule", "PipelineRunner", "build_stage", "stage_mesh", "stage_index"]
+__all__ = ["PipelineStageModule", "PipelineRunner", "VirtualStages", "build_stage", "stage_mesh", "stage_index"]
 
 
 def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -92,6 +92,7 @@ class PipelineStageModule(SpmdModule):
         dropout_modules: Mapping[str, str | tuple[str, str]] | None = None,
         index: int = 0,
         num_stages: int = 1,
+        distributed: Mapping[str, nn.Parameter] | None = None,
     ) -> None:
         nn.Module.__init__(self)
         object.__setattr__(self, "model", model)  # not a submodule: only this stage's weights are
@@ -101,7 +102,10 @@ class PipelineStageModule(SpmdModule):
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(mesh.device_type)
         self._dropout_modules = dict(dropout_modules or {})
         self.owned = tuple(owned)
-        self.params = _distribute_owned(model, mesh, parameters, self.owned)
+        if distributed is None:
+            self.params = _distribute_owned(model, mesh, parameters, self.owned)
+        else:  # one of several stages of this rank (interleaved): its weights were placed once for all
+            self.params = {name: distributed[name] for name in self.owned}
         for name, param in self.params.items():
             self.register_parameter(name.replace(".", "__"), param)
         self.train(model.training)
@@ -109,6 +113,11 @@ class PipelineStageModule(SpmdModule):
     def named_model_parameters(self):
         """(qualified name in the model, DTensor parameter) for each parameter of this stage."""
         return list(self.params.items())
+
+    @property
+    def local_stages(self) -> tuple["PipelineStageModule", ...]:
+        """The stages this rank runs: itself (``VirtualStages`` holds several)."""
+        return (self,)
 
     # ------------------------------------------------------------------ generated-code API
 
@@ -166,6 +175,31 @@ def _distribute_owned(
     return {name: model.get_parameter(name) for name in owned}
 
 
+class VirtualStages(nn.Module):
+    """The stages one rank runs in an interleaved pipeline (virtual stage ``v`` runs on the
+    ranks at pp coordinate ``v % pp``): its stage modules, in order, as one module whose
+    ``parameters()`` are theirs (a weight two of them read is one parameter)."""
+
+    def __init__(self, stages: Sequence[PipelineStageModule], index: int) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.index = index  # the rank's pp coordinate (its first virtual stage)
+        self.num_stages = stages[0].num_stages
+        self.device, self.mesh = stages[0].device, stages[0].mesh
+
+    @property
+    def local_stages(self) -> tuple[PipelineStageModule, ...]:
+        return tuple(self.stages)
+
+    @property
+    def params(self) -> dict[str, nn.Parameter]:
+        return {name: param for stage in self.stages for name, param in stage.params.items()}
+
+    def named_model_parameters(self):
+        """(qualified name in the model, DTensor parameter) for each parameter of this rank's stages."""
+        return list(self.params.items())
+
+
 def build_stage(
     stages: Sequence[type],
     model: nn.Module,
@@ -173,11 +207,25 @@ def build_stage(
     parameters: Mapping[str, Placements],
     stage_parameters: Sequence[Sequence[str]],
     dropout_modules: Mapping[str, str | tuple[str, str]] | None = None,
-) -> PipelineStageModule:
-    """This rank's stage module: the class of its ``pp`` coordinate, over the stage mesh."""
+) -> PipelineStageModule | VirtualStages:
+    """This rank's stage module over the stage mesh: the class of its ``pp`` coordinate, or,
+    when there are more stage classes than ranks on ``pp`` (interleaved: ``len(stages) = pp x
+    virtual stages``), every class ``v`` with ``v % pp`` equal to it, in ``VirtualStages``."""
     index = stage_index(mesh)
-    cls = stages[index]
-    return cls(model, stage_mesh(mesh), parameters, stage_parameters[index], dropout_modules, index, len(stages))
+    pp = mesh.size(mesh.mesh_dim_names.index(PP_AXIS))
+    if len(stages) == pp:
+        cls = stages[index]
+        return cls(model, stage_mesh(mesh), parameters, stage_parameters[index], dropout_modules, index, len(stages))
+    if len(stages) % pp:
+        raise ValueError(f"{len(stages)} pipeline stages do not spread evenly over pp={pp} ranks")
+    mine = range(index, len(stages), pp)
+    owned = tuple(dict.fromkeys(name for v in mine for name in stage_parameters[v]))
+    sub = stage_mesh(mesh)
+    distributed = _distribute_owned(model, sub, parameters, owned)  # once: the stages share the model
+    modules = [
+        stages[v](model, sub, parameters, stage_parameters[v], dropout_modules, v, len(stages), distributed) for v in mine
+    ]
+    return VirtualStages(modules, index)
 
 
 # ------------------------------------------------------------------------------ the step
@@ -202,7 +250,7 @@ class PipelineRunner:
 
     def __init__(
         self,
-        module: PipelineStageModule,
+        module: PipelineStageModule | VirtualStages,
         mesh: DeviceMesh,
         schedule: str,
         micro_batches: int,
@@ -211,44 +259,55 @@ class PipelineRunner:
         input_names: Sequence[str],
         shared: Mapping[tuple[int, ...], Sequence[str]] | None = None,
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.module, self.mesh = module, mesh
         self.micro_batches = micro_batches
         self.input_names = tuple(input_names)
-        self.index, self.num_stages = module.index, module.num_stages
+        self.num_stages = module.num_stages
         self.pp_group = mesh[PP_AXIS].get_group() if mesh.ndim > 1 else mesh.get_group()
-        sub = module.mesh
-        first = self.index == 0
-        inputs = tuple(_example(sub, entry, module.device, grad=not first) for entry in stage_inputs[self.index])
-        outputs = tuple(_example(sub, entry, module.device, grad=True) for entry in stage_outputs[self.index])
-        self.stage = PipelineStage(
-            module, self.index, self.num_stages, module.device, input_args=inputs, output_args=outputs, group=self.pp_group
-        )
+        pp = dist.get_world_size(self.pp_group)
+        # This rank runs virtual stages index, index + pp, ...: the first stage on pp rank 0,
+        # the last (the loss) on pp rank pp - 1.
+        self.first, self.last = module.index == 0, module.index == pp - 1
+        self.last_rank = pp - 1
+        self.stages = []
+        for local in module.local_stages:
+            inputs = tuple(_example(local.mesh, e, local.device, grad=local.index != 0) for e in stage_inputs[local.index])
+            outputs = tuple(_example(local.mesh, e, local.device, grad=True) for e in stage_outputs[local.index])
+            self.stages.append(
+                PipelineStage(
+                    local, local.index, self.num_stages, local.device, input_args=inputs, output_args=outputs, group=self.pp_group
+                )
+            )
         kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-        if schedule not in kinds:
-            raise ValueError(f"pipeline schedule '{schedule}' is not compiled (gpipe or 1f1b)")
         # The last stage returns the model's loss of one micro-batch: the loss to back-propagate.
-        self.schedule = kinds[schedule](self.stage, micro_batches, loss_fn=_the_loss, scale_grads=True)
-        self._shared = _shared_groups(mesh, shared or {}, self.index)
+        if schedule == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(self.stages, micro_batches, loss_fn=_the_loss, scale_grads=True)
+        elif schedule in kinds and len(self.stages) == 1:
+            self.schedule = kinds[schedule](self.stages[0], micro_batches, loss_fn=_the_loss, scale_grads=True)
+        else:
+            raise ValueError(f"pipeline schedule '{schedule}' with {len(self.stages)} stages per rank is not compiled")
+        self.stage = self.stages[0]
+        self._shared = _shared_groups(mesh, shared or {}, module.index)
 
     def step(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """Forward and backward of one step on this rank's slice of the batch (from
-        ``shard_batch``); gradients are left in the stage's parameters (averaged over the
+        ``shard_batch``); gradients are left in the stages' parameters (averaged over the
         micro-batches; tied weights summed over the stages that hold them). Returns the step's
         loss (the mean of the micro-batches' losses) on every rank."""
         losses: list[torch.Tensor] = []
-        last = self.index == self.num_stages - 1
-        target = torch.zeros(self.micro_batches, device=self.module.device) if last else None
-        if self.index == 0:
+        device = self.module.device
+        target = torch.zeros(self.micro_batches, device=device) if self.last else None
+        if self.first:
             positional = _positional(args, kwargs, self.input_names)
             self.schedule.step(*positional, target=target, losses=losses, return_outputs=False)
         else:
             self.schedule.step(target=target, losses=losses, return_outputs=False)
         self._sum_shared_gradients()
-        loss = torch.stack([value.detach().reshape(()) for value in losses]).mean() if last else torch.zeros((), device=self.module.device)
+        loss = torch.stack([value.detach().reshape(()) for value in losses]).mean() if self.last else torch.zeros((), device=device)
         # The last stage's loss to every rank of this pipeline (the other stages have none).
-        dist.broadcast(loss, group=self.pp_group, group_src=self.num_stages - 1)
+        dist.broadcast(loss, group=self.pp_group, group_src=self.last_rank)
         return loss
 
     def _sum_shared_gradients(self) -> None:
@@ -290,17 +349,22 @@ def _positional(args: tuple, kwargs: dict, names: Sequence[str]) -> tuple:
 
 def _shared_groups(mesh: DeviceMesh, shared: Mapping[tuple[int, ...], Sequence[str]], index: int) -> list:
     """For each group of stages that hold the same parameters: the process group of the ranks
-    of those stages that share this rank's dp/tp coordinate (created on every rank alike)."""
+    that run those stages (pp coordinate ``stage % pp``) and share this rank's dp/tp
+    coordinate, when it spans more than one rank (created on every rank alike). Stages of one
+    rank share one parameter, whose gradient sums theirs already."""
     groups = []
     if not shared:
         return groups
     ranks = mesh.mesh.reshape(mesh.size(0), -1) if mesh.ndim > 1 else mesh.mesh.reshape(-1, 1)
+    pp = ranks.shape[0]
     me = dist.get_rank()
     for stages, names in sorted(shared.items()):
-        stages = tuple(sorted(stages))
+        holders = tuple(sorted({s % pp for s in stages}))
+        if len(holders) < 2:
+            continue
         for column in range(ranks.shape[1]):
-            members = [int(ranks[s, column]) for s in stages]
+            members = [int(ranks[p, column]) for p in holders]
             group = dist.new_group(members)
-            if me in members and index in stages:
+            if me in members and index in holders:
                 groups.append((group, tuple(names)))
     return groups

@@ -4,7 +4,8 @@ A plan with ``recompute="full"`` keeps, for each repeated block, only the block'
 backward and runs the block's forward again when backward reaches it. Generated programs
 call ``recompute_in_backward`` on every block before wrapping the model in DDP or FSDP2, so
 the wrappers' hooks (FSDP2's all-gathers, DDP's bucket hooks) stay outside the recomputed
-region and parameter names do not change.
+region and parameter names do not change. With ``recompute="selective"`` the modules are
+the blocks' attention cores instead (``codegen.attention_core``).
 """
 
 from __future__ import annotations

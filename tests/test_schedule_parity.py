@@ -1,0 +1,156 @@
+"""Distributed parity of the recomputation modes and pipeline shapes the simulator prices
+beyond the basic ones: selective recomputation (``codegen.attention_core``) in graph, pipeline
+and data-parallel programs, pipelines whose stages hold different numbers of blocks (1+3 and
+3+1 blocks of a 4-layer GPT), and the interleaved 1F1B schedule (2 virtual stages per rank,
+``ScheduleInterleaved1F1B``; ``codegen.pipeline_schedules``) on pp=2, pp=2 x tp=2 and
+pp=2 x dp=2. Real gloo processes; one step (all micro-batches
+forward and backward, then AdamW) equals one device's step: loss, gradients and updated
+parameters (``codegen.runtime.parity`` / ``pipeline_parity``, behind ``launch.py --check``).
+
+GPT (``examples/gpt.py``) with ``attention="eager"`` has an explicit attention core (its
+(seq, seq) scores are what selective recomputation drops); with the default fused SDPA it has
+none, and selective compiles as no recomputation (``tests/test_recompute.py`` checks the
+memory side of both).
+
+As in ``test_pipeline_parity.py``, each world size compiles its programs first and checks
+them all in ONE torchrun launch of ``tests/dist_check_many.py``. The negative control must
+fail: a selective program whose attention core hands its output on detached (the
+projections before it then get no gradient through attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+import planner
+from planner.api import prepare_model
+from planner.model_spec import ModelSpec
+from search.megatron import megatron_plan
+from test_parity import REPO, check_many, result_of
+
+pytestmark = pytest.mark.distributed
+
+GPT = str(REPO / "examples/gpt.py")
+EAGER = {"batch_size": 8, "attention": "eager"}
+FOUR_LAYERS = {"batch_size": 8, "n_layer": 4}
+# (world, case) -> (model overrides, megatron_plan keyword arguments, blocks per stage or None, dp flavour program)
+CASES = {
+    2: {
+        "uneven-pp2-1f1b-1+3": (FOUR_LAYERS, dict(pp=2), (1, 3)),
+        "uneven-pp2-gpipe-3+1-selective": ({**FOUR_LAYERS, **EAGER}, dict(pp=2, schedule="gpipe", recompute="selective"), (3, 1)),
+        "interleaved-pp2-v2": (FOUR_LAYERS, dict(pp=2, schedule="interleaved", virtual_stages=2), None),
+    },
+    4: {
+        "selective-tp2xdp2": (EAGER, dict(tp=2, recompute="selective"), None),
+        "selective-pp2xtp2-1f1b": (EAGER, dict(pp=2, tp=2, recompute="selective"), None),
+        "selective-ddp": (EAGER, dict(recompute="selective", dp_flavour="ddp"), None),
+        "selective-fsdp-sdpa": ({"batch_size": 8}, dict(recompute="selective", dp_flavour="fsdp"), None),
+        "uneven-pp2xtp2-1f1b-1+3-full": (FOUR_LAYERS, dict(pp=2, tp=2, recompute="full"), (1, 3)),
+        "interleaved-pp2xtp2-v2": (FOUR_LAYERS, dict(pp=2, tp=2, schedule="interleaved", virtual_stages=2), None),
+        "interleaved-pp2xdp2-v2-selective": (
+            {**FOUR_LAYERS, **EAGER}, dict(pp=2, dp=2, schedule="interleaved", virtual_stages=2, recompute="selective"), None
+        ),
+    },
+}
+ALL_CASES = [(world, case) for world, cases in CASES.items() for case in cases]
+
+
+def restage(plan: planner.Plan, graph, blocks_per_stage: tuple[int, ...]) -> planner.Plan:
+    """``plan`` with its ops moved so stage ``s`` holds ``blocks_per_stage[s]`` blocks (the ops
+    before the first block on the first stage, those after the last on the last)."""
+    first_block = [sum(blocks_per_stage[:s]) for s in range(len(blocks_per_stage))]
+    nodes = {node.name: node for node in graph.nodes}
+    strategies, seen_block = [], False
+    for strategy in plan.strategies:
+        block = nodes[strategy.node].block
+        if block is not None:
+            seen_block = True
+            stage = max(s for s, first in enumerate(first_block) if block[1] >= first)
+        else:
+            stage = len(blocks_per_stage) - 1 if seen_block else 0
+        strategies.append(dataclasses.replace(strategy, stage=stage))
+    return dataclasses.replace(plan, strategies=tuple(strategies))
+
+
+def make_plan(world: int, overrides: dict, options: dict, blocks_per_stage=None) -> planner.Plan:
+    spec = ModelSpec(GPT, overrides)
+    options = dict(options)
+    flavour = options.pop("dp_flavour", None)
+    if flavour is not None:  # a data-parallel program (DDP/ZeRO/FSDP around the model)
+        plan = planner.plan(spec, f"cpu:1x{world}", dp_flavour=flavour, precision="fp32")
+        return dataclasses.replace(plan, recompute=options.get("recompute", "none"))
+    graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
+    options.setdefault("micro_batch", 2 if options.get("pp", 1) > 1 else 1)
+    plan = megatron_plan(graph, cluster, spec, name, precision="fp32", **options)
+    return restage(plan, graph, blocks_per_stage) if blocks_per_stage else plan
+
+
+def detach_attention_output(folder: Path) -> Path:
+    """Negative control: the first checkpointed attention core's output goes on detached."""
+    source = folder / "model_spmd.py"
+    text = source.read_text()
+    match = re.search(r"^(\s+)\((\w+),\) = checkpoint\(_blocks_0_attention, use_reentrant=False\)$", text, re.MULTILINE)
+    assert match, f"{source} checkpoints no attention core"
+    detached = f"{match[0]}\n{match[1]}{match[2]} = {match[2]}.detach()"
+    source.write_text(text[: match.start()] + detached + text[match.end() :])
+    return folder
+
+
+def _world_run(world: int, root: Path):
+    folders = {
+        case: planner.compile(make_plan(world, overrides, options, stages), root / case)
+        for case, (overrides, options, stages) in CASES[world].items()
+    }
+    broken = {}
+    if world == 4:
+        overrides, options, _ = CASES[4]["selective-tp2xdp2"]
+        broken["detached attention"] = detach_attention_output(
+            planner.compile(make_plan(world, overrides, options), root / "broken_detached_attention")
+        )
+    launch = check_many(world, [*folders.values(), *broken.values()], root)
+    return folders, broken, launch
+
+
+@pytest.fixture(scope="module")
+def world2_run(tmp_path_factory):
+    return _world_run(2, tmp_path_factory.mktemp("schedules_world2"))
+
+
+@pytest.fixture(scope="module")
+def world4_run(tmp_path_factory):
+    return _world_run(4, tmp_path_factory.mktemp("schedules_world4"))
+
+
+@pytest.mark.parametrize(("world", "case"), ALL_CASES, ids=[f"world{w}-{c}" for w, c in ALL_CASES])
+def test_step_equals_single_device(request, world: int, case: str) -> None:
+    folders, _, launch = request.getfixturevalue(f"world{world}_run")
+    result = result_of(launch, folders[case])
+    assert result.startswith("ok parity ok: "), f"{case} at world size {world}: {result}"
+
+
+def test_detached_attention_core_is_reported(world4_run) -> None:
+    _, broken, launch = world4_run
+    result = result_of(launch, broken["detached attention"])
+    assert result.startswith("FAILED parity FAILED: worst tensor "), result
+
+
+def test_programs_say_what_they_recompute_and_where_stages_cut(world2_run, world4_run) -> None:
+    folders2, _, _ = world2_run
+    folders4, _, _ = world4_run
+    uneven = (folders2["uneven-pp2-1f1b-1+3"] / "model_spmd.py").read_text()
+    assert "Stage 0 holds wte, wpe, blocks.0 " in uneven and "Stage 1 holds blocks.1, blocks.2, blocks.3, ln_f, lm_head " in uneven
+    selective = (folders4["selective-pp2xtp2-1f1b"] / "model_spmd.py").read_text()
+    assert "attention core is recomputed in backward (selective recomputation)" in selective
+    assert selective.count("checkpoint(_blocks_") == 2
+    ddp = (folders4["selective-ddp"] / "model_spmd.py").read_text()
+    assert "    'blocks.0.attn.core',\n    'blocks.1.attn.core',\n" in ddp and "recompute_in_backward(model.get_submodule(path))" in ddp
+    interleaved = (folders2["interleaved-pp2-v2"] / "model_spmd.py").read_text()
+    assert "ScheduleInterleaved1F1B" in interleaved and "rank p holds stages p, p + 2)" in interleaved
+    assert "Stage 1 holds blocks.1 " in interleaved and "Stage 3 holds blocks.3, ln_f, lm_head " in interleaved
+    assert re.search(r"^STAGES = \(GPTStage0, GPTStage1, GPTStage2, GPTStage3\)  # stage s runs on the ranks at pp coordinate s % 2", interleaved, re.MULTILINE)
+    fused = (folders4["selective-fsdp-sdpa"] / "model_spmd.py").read_text()
+    assert "RECOMPUTED_BLOCKS = ()" in fused and "attention is one fused op, e.g. scaled_dot_product_attention" in fused
