@@ -237,13 +237,10 @@ def composed_flavours(plan: Plan, graph: OpGraph) -> list[Plan]:
     names = plan.mesh.names
     if "dp" not in names or len(names) == 1 or plan.mesh.axis_size("dp") == 1:
         return []
-    variants = [dataclasses.replace(plan, dp_flavour="zero2")]
-    if graph.blocks:
-        variants += [
-            dataclasses.replace(plan, dp_flavour="zero2", recompute="full"),
-            dataclasses.replace(plan, dp_flavour="fsdp", recompute="full"),
-        ]
-    return [simulated(variant, graph) for variant in variants]
+    zero2 = simulated(dataclasses.replace(plan, dp_flavour="zero2"), graph)
+    if not graph.blocks:
+        return [zero2]
+    return [zero2, *_recomputing([zero2], graph), simulated(dataclasses.replace(plan, dp_flavour="fsdp", recompute="full"), graph)]
 
 
 def _solve_fitting(tables, cluster: Cluster, hint, budget: SearchBudget):
@@ -263,10 +260,21 @@ def _solve_fitting(tables, cluster: Cluster, hint, budget: SearchBudget):
 
 def _recomputing(plans: list[Plan], graph: OpGraph) -> list[Plan]:
     """Each plan again with its repeated blocks recomputed in backward (none for a model
-    without repeated blocks: recomputation checkpoints blocks)."""
+    without repeated blocks: recomputation checkpoints blocks), and, for graph programs,
+    with only the blocks' attention cores recomputed (Megatron-LM's selective
+    recomputation) where that keeps fewer activations. Data-parallel programs checkpoint a
+    core only when it is a module of its own, which the graph does not say: they get full
+    recomputation alone."""
     if not graph.blocks:
         return []
-    return [simulated(dataclasses.replace(plan, recompute="full"), graph) for plan in plans]
+    variants = []
+    for plan in plans:
+        variants.append(simulated(dataclasses.replace(plan, recompute="full"), graph))
+        if plan.label and plan.recompute == "none":
+            selective = simulated(dataclasses.replace(plan, recompute="selective"), graph)
+            if selective.estimate.memory.activations < plan.estimate.memory.activations:
+                variants.append(selective)
+    return variants
 
 
 def _hint(graph: OpGraph, mesh: Mesh, tables) -> dict[str, int]:
