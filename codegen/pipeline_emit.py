@@ -56,6 +56,7 @@ from codegen.graph_facts import build_meta_model, clean_path, model_facts, trace
 from codegen.pipeline_stage_plan import StagePlan, flat_source, micro_strategies
 from codegen.pipeline_schedules import schedule_lines, schedule_problem, stage_count, stages_comment
 from codegen.spmd_emit import SUPPORTED_AXES, GraphEmitter
+from codegen.spmd_sections import SHARDED_STATES_IMPORT, sharded_states_function, shards_optimizer_states
 from codegen.spmd_placements import whole
 from codegen.attention_core import NO_CORE_COMMENT, attention_cores
 from codegen.spmd_recompute import assigned_in_order, block_runs, checkpoint_blocks, core_runs, names_in
@@ -446,6 +447,7 @@ class _PipelineWriter:
                 "",
                 "from codegen.runtime.pipeline import PipelineRunner, PipelineStageModule, VirtualStages, build_stage, stage_mesh",
                 *precision_imports(self.plan),
+                *([SHARDED_STATES_IMPORT] if shards_optimizer_states(self.plan) else []),
                 "from codegen.runtime.spmd import shard_inputs",
                 "",
                 "aten = torch.ops.aten",
@@ -554,7 +556,7 @@ def make_pipeline(module: PipelineStageModule | VirtualStages, mesh: DeviceMesh)
     """The SCHEDULE over this rank's stage: pipeline.step(args, kwargs) runs one step's
     forward and backward over MICRO_BATCHES micro-batches and returns the loss."""
     return PipelineRunner(module, mesh, SCHEDULE, MICRO_BATCHES, STAGE_INPUTS, STAGE_OUTPUTS, INPUT_NAMES, SHARED_PARAMETERS)
-'''
+''' + sharded_states_function(self.plan)
 
 
 # ------------------------------------------------------------------------------ helpers

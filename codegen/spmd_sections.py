@@ -82,6 +82,7 @@ class ProgramSections:
             *(["from torch.utils.checkpoint import checkpoint"] if self.recompute != "none" else []),
             "",
             *precision_imports(self.plan),
+            *([SHARDED_STATES_IMPORT] if shards_optimizer_states(self.plan) else []),
             "from codegen.runtime.spmd import SpmdModule, shard_inputs",
         ]
         for module, name in sorted(self._output_imports()):
@@ -173,7 +174,7 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
     """This rank's part of one global batch, as INPUTS says (every rank holds the whole
     batch; each keeps its slice, no communication)."""
     return shard_inputs(args, kwargs, mesh, INPUTS)
-'''
+''' + sharded_states_function(self.plan)
 
     def _output_imports(self) -> set[tuple[str, str]]:
         found: set[tuple[str, str]] = set()
@@ -188,3 +189,28 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
 
         visit(self.facts.out_spec)
         return found
+
+
+def shards_optimizer_states(plan) -> bool:
+    """Whether a graph or pipeline program of ``plan`` splits its optimizer states over
+    ``dp`` itself (ZeRO-1 beside other axes: ``codegen.runtime.sharded_states``)."""
+    mesh = plan.mesh
+    return plan.dp_flavour == "zero1" and "dp" in mesh.names and mesh.axis_size("dp") > 1
+
+
+SHARDED_STATES_IMPORT = "from codegen.runtime.sharded_states import ShardedStatesOptimizer"
+
+
+def sharded_states_function(plan) -> str:
+    """``make_optimizer`` of a ZeRO-1 graph or pipeline program ("" for other flavours)."""
+    if not shards_optimizer_states(plan):
+        return ""
+    return '''
+
+def make_optimizer(module: torch.nn.Module, mesh: DeviceMesh, optimizer_class, **kwargs):
+    """ZeRO-1 over "dp" (Megatron-LM's distributed optimizer): weights and their gradients
+    stay whole over dp (gradients all-reduced in backward); each rank steps 1/dp of every
+    weight, so the optimizer states take 1/dp of the memory, then the updated pieces are
+    all-gathered over dp."""
+    return ShardedStatesOptimizer(module.parameters(), mesh, "dp", optimizer_class, **kwargs)
+'''

@@ -310,13 +310,15 @@ def compile(plan: Plan | str | os.PathLike, out_dir: str | os.PathLike, *, force
 
 def composed_flavour_blocker(plan: Plan) -> str | None:
     """Why a plan with ``dp`` beside other axes cannot compile its data-parallel flavour, or
-    None. Such programs hold weights split over ``dp`` between uses (ZeRO-2, FSDP) and gather
-    them where they are read; FSDP frees them again after forward only where backward
+    None. ZeRO-1 steps each rank's 1/dp of the weights (``codegen.runtime.sharded_states``).
+    ZeRO-2 and FSDP hold weights split over ``dp`` between uses and gather them where they
+    are read: every micro-batch gathers its own copy, which autograd keeps until backward, so
+    ZeRO-2 does not compose with pipelines; FSDP frees them after forward only where backward
     re-runs the forward (recomputed blocks), so FSDP needs ``recompute='full'`` there."""
-    if plan.dp_flavour == "zero1":
+    if plan.dp_flavour == "zero2" and plan.pipeline is not None:
         return (
-            "ZeRO-1 beside tensor or pipeline parallelism is not compiled (zero2 shards gradients too, for no more "
-            "communication); plan with dp_flavour zero2, fsdp or ddp on this mesh"
+            "ZeRO-2 beside pipeline parallelism would keep a gathered copy of the stage's weights for every "
+            "micro-batch in flight; plan with dp_flavour zero1, or fsdp with recompute full"
         )
     if plan.dp_flavour == "fsdp" and plan.recompute != "full":
         return (

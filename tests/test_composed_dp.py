@@ -1,4 +1,4 @@
-"""ZeRO-2 and FSDP on the ``dp`` axis composed with tensor and pipeline parallelism.
+"""ZeRO-1, ZeRO-2 and FSDP on the ``dp`` axis composed with tensor and pipeline parallelism.
 
 Graph and pipeline programs hold every parameter as a DTensor over the whole mesh. Under
 ``zero2``/``fsdp`` a parameter is also split over ``dp`` between uses
@@ -6,13 +6,17 @@ Graph and pipeline programs hold every parameter as a DTensor over the whole mes
 all-gather in forward), whose backward reduce-scatters the gradient's partial sums, so each
 rank keeps 1/dp of the weights, gradients and AdamW states. Inside a recomputed block the
 gather runs again in backward and the gathered weight is not kept: FSDP. Without
-recomputation the gathered weights are kept until backward: ZeRO-2's memory.
+recomputation the gathered weights are kept until backward: ZeRO-2's memory (so ZeRO-2 does
+not compose with pipelines, whose micro-batches in flight would each keep a copy). ZeRO-1
+keeps weights and gradients whole over ``dp`` and steps each rank's 1/dp of every weight
+(``codegen.runtime.sharded_states``), then all-gathers the updated pieces.
 
 Here: the held placements worked out by hand, the bytes each rank really holds and saves (a
 fake process group on real CPU tensors), what compile refuses, what the search offers, and
-parity with one device at worlds 4 and 8 (FSDP x TP, ZeRO-2 x TP, FSDP x PP, ZeRO-2 x PP,
-FSDP x TP x PP, ZeRO-2 x TP x PP, and the plans the search picks on two nodes), each world in
-one torchrun launch.
+parity with one device at worlds 4 and 8 (FSDP x TP, ZeRO-2 x TP, ZeRO-1 x TP, FSDP x PP,
+ZeRO-1 x PP, FSDP x TP x PP, ZeRO-1 x TP x PP, and the plans the search picks on two nodes),
+each world in one torchrun launch, with a ZeRO-1 program that never shares its updated
+pieces as a negative control.
 """
 
 from __future__ import annotations
@@ -132,21 +136,47 @@ def test_zero2_and_fsdp_hold_half_the_weights_and_fsdp_keeps_no_gathered_block_w
     assert held["fsdp", "full"][1] - held["ddp", "full"][1] < block_weights / 4
 
 
+def test_zero1_keeps_optimizer_states_for_its_piece_only():
+    """AdamW's moments of a (6, 4) and a (5,) weight over dp = 2 (rank 1 of a fake group):
+    rows 3..5 of the first (12 of 24 elements), all of the second (5 does not split)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from codegen.runtime.sharded_states import ShardedStatesOptimizer
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        matrix, vector = torch.nn.Parameter(torch.zeros(6, 4)), torch.nn.Parameter(torch.zeros(5))
+        optimizer = ShardedStatesOptimizer([matrix, vector], mesh, "dp", torch.optim.AdamW, lr=0.1)
+        matrix.grad, vector.grad = torch.ones(6, 4), torch.ones(5)
+        optimizer.step()
+        moments = sorted(state["exp_avg"].numel() for state in optimizer.state.values())
+        assert moments == [5, 12]
+        assert (matrix[3:] != 0).all() and (vector != 0).all()  # its piece stepped in place
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------- compile and the search
 
 
-def test_compile_refuses_zero1_and_fsdp_without_recomputation_beside_tp_in_one_line(gpt_world4):
+def test_compile_refuses_fsdp_without_recomputation_and_zero2_with_pipelines_in_one_line(gpt_world4):
     graph, spec, name, cluster = gpt_world4
     base = megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32")
+    pipelined = megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=2, precision="fp32")
     for plan, words in (
-        (dataclasses.replace(base, dp_flavour="zero1"), "zero2"),
         (dataclasses.replace(base, dp_flavour="fsdp"), "recompute full"),
+        (dataclasses.replace(pipelined, dp_flavour="zero2"), "micro-batch in flight"),
     ):
         blocker = compile_blocker(plan)
         assert blocker and "\n" not in blocker and words in blocker
         with pytest.raises(PlanningError, match=words):
             planner.compile(plan, "unused")
     assert compile_blocker(dataclasses.replace(base, dp_flavour="zero2")) is None
+    assert compile_blocker(dataclasses.replace(base, dp_flavour="zero1")) is None
+    assert compile_blocker(dataclasses.replace(pipelined, dp_flavour="zero1")) is None
     assert compile_blocker(dataclasses.replace(base, dp_flavour="fsdp", recompute="full")) is None
 
 
@@ -181,7 +211,8 @@ CASES = {
     4: {
         "gpt-zero2-dp2xtp2": (GPT, dict(tp=2, dp_flavour="zero2")),
         "gpt-fsdp-dp2xtp2-recompute": (GPT, dict(tp=2, dp_flavour="fsdp", recompute="full")),
-        "gpt-zero2-pp2xdp2": (GPT, dict(pp=2, dp_flavour="zero2", micro_batch=2)),
+        "gpt-zero1-dp2xtp2": (GPT, dict(tp=2, dp_flavour="zero1")),
+        "gpt-zero1-pp2xdp2": (GPT, dict(pp=2, dp_flavour="zero1", micro_batch=2)),
         "gpt-fsdp-pp2xdp2-recompute": (GPT, dict(pp=2, dp_flavour="fsdp", recompute="full", micro_batch=2)),
         "llama-fsdp-dp2xtp2-sp-recompute": (LLAMA, dict(tp=2, dp_flavour="fsdp", recompute="full", sequence_parallel=True)),
         "gpt-searched-2x2": (GPT, "searched"),
@@ -189,7 +220,7 @@ CASES = {
     },
     8: {
         "gpt-fsdp-pp2xdp2xtp2-recompute": (GPT4, dict(pp=2, tp=2, dp_flavour="fsdp", recompute="full", micro_batch=2)),
-        "gpt-zero2-pp2xdp2xtp2": (GPT4, dict(pp=2, tp=2, dp_flavour="zero2", micro_batch=2)),
+        "gpt-zero1-pp2xdp2xtp2": (GPT4, dict(pp=2, tp=2, dp_flavour="zero1", micro_batch=2)),
         "llama-searched-2x4": (LLAMA, "searched"),
     },
 }
@@ -203,8 +234,27 @@ def _plan(world: int, spec: ModelSpec, options) -> planner.Plan:
     return megatron_plan(graph, cluster, spec, name, precision="fp32", **options)
 
 
+def _never_share_updated_pieces(folder: Path) -> Path:
+    """Negative control: a ZeRO-1 program whose ranks never all-gather their updated pieces."""
+    source = folder / "model_spmd.py"
+    text = source.read_text()
+    call = '    return ShardedStatesOptimizer(module.parameters(), mesh, "dp", optimizer_class, **kwargs)'
+    assert call in text, f"{source} builds no ShardedStatesOptimizer"
+    broken = (
+        '    optimizer = ShardedStatesOptimizer(module.parameters(), mesh, "dp", optimizer_class, **kwargs)\n'
+        "    for piece in optimizer.pieces:\n"
+        "        piece.gather = lambda group, ranks: None\n"
+        "    return optimizer"
+    )
+    source.write_text(text.replace(call, broken))
+    return folder
+
+
 def _world(world: int, root: Path):
     folders = {case: planner.compile(_plan(world, spec, options), root / case) for case, (spec, options) in CASES[world].items()}
+    if world == 4:
+        plan = _plan(4, GPT, dict(tp=2, dp_flavour="zero1"))
+        folders["unshared-zero1"] = _never_share_updated_pieces(planner.compile(plan, root / "unshared-zero1"))
     return folders, check_many(world, list(folders.values()), root)
 
 
@@ -224,6 +274,13 @@ def test_composed_step_equals_single_device(request, world: int, case: str) -> N
     folders, launch = request.getfixturevalue(f"world{world}")
     result = result_of(launch, folders[case])
     assert result.startswith("ok parity ok: "), f"{case} at world size {world}: {result}"
+
+
+@pytest.mark.distributed
+def test_zero1_that_never_shares_its_updated_pieces_fails_parity(world4) -> None:
+    folders, launch = world4
+    result = result_of(launch, folders["unshared-zero1"])
+    assert result.startswith("FAILED parity FAILED: worst tensor "), result
 
 
 @pytest.mark.distributed
