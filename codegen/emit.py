@@ -231,6 +231,8 @@ Use it in your own training loop:
     module = program.parallelize(model, mesh)           # model built identically on every rank
     optimizer = program.make_optimizer(module, mesh, torch.optim.AdamW, lr=1e-3)
     args, kwargs = program.shard_batch(args, kwargs, mesh)
+    loss, output = program.forward_backward(module, args, kwargs)  # ACCUMULATION_STEPS micro-batches
+    optimizer.step()
 
 {_optimizer_note(plan)}
 """
@@ -243,8 +245,21 @@ from torch.distributed.device_mesh import DeviceMesh
 
 MESH_AXES = {tuple(plan.mesh.axes)!r}
 GLOBAL_BATCH = {number(plan.batch_size, "batch_size")}
-
+{_accumulation_line(plan)}
 '''
+
+
+def _accumulation_line(plan: Plan) -> str:
+    """The constant saying how many micro-batches a step accumulates gradients over."""
+    steps = number(plan.accumulation_steps, "accumulation_steps")
+    why = (
+        "each rank's part of the batch runs forward and backward in this many\n"
+        "# micro-batches, one after another (one micro-batch's activations at a time; DDP reduces\n"
+        "# gradients after the last)"
+        if plan.accumulation_steps > 1
+        else "none (each rank's part of the batch runs forward and backward at once)"
+    )
+    return f"# Gradient accumulation: {why}.\nACCUMULATION_STEPS = {steps}\n"
 
 
 def _optimizer_note(plan: Plan) -> str:

@@ -143,8 +143,10 @@ class Simulator:
         pipeline = plan.pipeline
         self.pp = self.mesh.axis_size("pp") if "pp" in self.mesh.names else 1
         self.chunks = pipeline.virtual_stages if pipeline else 1
-        self.micro_batches = pipeline.micro_batches if pipeline else 1
-        self.schedule_name = pipeline.schedule if pipeline else "gpipe"
+        # Gradient accumulation without a pipeline is a one-stage 1F1B: each micro-batch's
+        # forward then its backward, one micro-batch's activations held at a time.
+        self.micro_batches = pipeline.micro_batches if pipeline else plan.accumulation_steps
+        self.schedule_name = pipeline.schedule if pipeline else "1f1b"
         self.dp = self.mesh.axis_size("dp") if "dp" in self.mesh.names else 1
         self.device = min(
             (self.cluster.device_of(r) for r in range(self.cluster.world_size)),
@@ -487,6 +489,9 @@ class Simulator:
             chunk_segments[min(segment.stage, stages_total - 1)].append(segment)
         recompute = self.plan.recompute
         fsdp = self.plan.dp_flavour == "fsdp" and self.dp > 1
+        # Accumulating without a pipeline, FSDP2 (FSDP, ZeRO-2) reduce-scatters each
+        # micro-batch's gradients (keeping them sharded); DDP syncs once, after the last.
+        sync_every = self.plan.pipeline is None and self.plan.dp_flavour in ("zero2", "fsdp") and self.dp > 1
         forward_done: dict[tuple[int, int], int] = {}
         backward_done: dict[tuple[int, int], int] = {}
         per_device: dict[str, list[Segment]] = {}
@@ -521,9 +526,10 @@ class Simulator:
                         else:
                             deps = []
                         deps.append(forward_done[(mb, vs)])
-                        split = fsdp or mb == self.micro_batches - 1  # per-segment tasks feed gradient syncs
+                        sync = sync_every or mb == self.micro_batches - 1
+                        split = fsdp or sync  # per-segment tasks feed gradient syncs
                         backward_done[(mb, vs)] = self._backward(
-                            graph, device, chunk_segments[vs], mb, deps, recompute, fsdp, split, sync_after
+                            graph, device, chunk_segments[vs], mb, deps, recompute, fsdp, split, sync_after, sync
                         )
                     positions[stage] += 1
                     progressed = True
@@ -563,7 +569,7 @@ class Simulator:
             last = graph.add(f"F{mb} {segment.name} tp-comm", (device, "compute"), segment.forward_comm_s, deps=[compute], kind="tp_comm") if segment.forward_comm_s else compute
         return last if last is not None else graph.add(f"F{mb} (empty)", (device, "compute"), 0.0, deps=deps)
 
-    def _backward(self, graph, device, segments, mb, deps, recompute, fsdp, split, sync_after) -> int:
+    def _backward(self, graph, device, segments, mb, deps, recompute, fsdp, split, sync_after, sync) -> int:
         last = None
         if not split:  # one task for the whole chunk: nothing needs per-segment timing
             duration = sum(self._backward_time(s, recompute) for s in segments)
@@ -578,7 +584,7 @@ class Simulator:
             compute = graph.add(f"B{mb} {segment.name}", (device, "compute"), self._backward_time(segment, recompute), deps=segment_deps)
             comm = self._backward_comm(segment, recompute)
             last = graph.add(f"B{mb} {segment.name} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
-            if self.dp == 1 or mb != self.micro_batches - 1:
+            if self.dp == 1 or not sync:
                 continue
             grads = sum(segment.params[name] for name in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
             final = position == len(segments) - 1
@@ -691,8 +697,13 @@ class Simulator:
             if self.dp > 1 and segment.dp_synced:
                 grads = sum(segment.params[n] for n in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
                 # fsdp: all-gather twice + reduce-scatter; zero1: all-reduce + all-gather of the
-                # updated weights; ddp: all-reduce; zero2: reduce-scatter + all-gather.
-                factor = (3 if self.plan.dp_flavour in ("fsdp", "zero1") else 2) * (self.dp - 1) / self.dp
+                # updated weights; ddp: all-reduce; zero2: reduce-scatter + all-gather. Gradient
+                # accumulation (no pipeline) repeats FSDP's gathers and FSDP2's reduce-scatters
+                # for every micro-batch.
+                flavour = self.plan.dp_flavour
+                repeats = self.micro_batches if self.plan.pipeline is None else 1
+                units = {"fsdp": 3 * repeats, "zero1": 3, "zero2": repeats + 1, "ddp": 2}[flavour]
+                factor = units * (self.dp - 1) / self.dp
                 stage_totals["dp"] = stage_totals.get("dp", 0.0) + grads * factor
             if self.pp > 1:
                 stage_totals["pp"] = stage_totals.get("pp", 0.0) + 2 * segment.input_bytes * self.micro_batches

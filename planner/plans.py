@@ -39,7 +39,7 @@ from planner.strategy import (
 
 PLAN_FORMAT = "soap-planner-plan"
 # Version 3 added model_fingerprint (planner/fingerprint.py).
-PLAN_VERSION = 3
+PLAN_VERSION = 4  # 4: accumulation_steps
 # Precisions a plan is made in (the API also takes "auto", resolved before planning).
 PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
@@ -79,6 +79,11 @@ class Plan:
         estimate: predicted step time and memory.
         recompute: activation recomputation: ``none``, ``selective`` or ``full``.
         pipeline: pipeline stages and schedule, or ``None``.
+        accumulation_steps: without a pipeline, the micro-batches each rank's part of the
+            batch is cut into, each run forward and backward in turn with their gradients
+            summed before the one data-parallel reduction and optimizer step (gradient
+            accumulation: the activations of one micro-batch at a time). 1 for none; a
+            pipeline has its own micro-batches.
         fsdp_units: module paths sharded as separate FSDP units (the root is always one).
         precision: ``fp32`` (mixed precision comes with the simulator).
         optimizer: the optimizer the step uses (``adamw``).
@@ -109,6 +114,7 @@ class Plan:
     summary: ModelSummary
     recompute: str = "none"
     pipeline: PipelineConfig | None = None
+    accumulation_steps: int = 1
     fsdp_units: tuple[str, ...] = ()
     precision: str = "fp32"
     optimizer: str = "adamw"
@@ -133,6 +139,20 @@ class Plan:
             raise ValueError(f"field 'optimizer' must be one of {OPTIMIZERS}, got '{one_line(self.optimizer)}'")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size (the global batch) must be a positive integer, got {self.batch_size!r}")
+        steps = self.accumulation_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"field 'accumulation_steps' must be a positive integer, got {steps!r}")
+        if steps > 1 and self.pipeline is not None:
+            raise ValueError(
+                f"field 'accumulation_steps' is {steps} but the plan has a pipeline, whose micro-batches accumulate "
+                f"gradients already; set it to 1 and use pipeline.micro_batches"
+            )
+        dp = self.mesh.axis_size("dp") if "dp" in self.mesh.names else 1
+        if self.batch_size % (dp * steps):
+            raise ValueError(
+                f"the global batch {self.batch_size} does not split into {steps} micro-batches on each of the dp={dp} "
+                f"ranks; choose accumulation_steps so that dp x accumulation_steps divides the batch"
+            )
         if (self.pipeline is not None) != ("pp" in self.mesh.names):
             raise ValueError(
                 f"a pipeline needs a 'pp' mesh axis and a 'pp' axis needs a pipeline; the mesh is {self.mesh} and "
@@ -160,11 +180,13 @@ class Plan:
 
     @property
     def name(self) -> str:
-        """Short name of the strategy, e.g. ``"fsdp (dp=4)"``, ``"soap (dp=2 x tp=4)"`` or,
-        with weights split over ``dp`` beside other axes, ``"soap (dp=2 x tp=4, fsdp)"``; one
-        line, whatever a plan file's label holds."""
+        """Short name of the strategy, e.g. ``"fsdp (dp=4)"``, ``"soap (dp=2 x tp=4)"``, with
+        weights split over ``dp`` beside other axes ``"soap (dp=2 x tp=4, fsdp)"``, with
+        gradient accumulation ``"zero2 (dp=16, 4 micro-batches)"``; one line, whatever a plan
+        file's label holds."""
         flavour = f", {self.dp_flavour}" if self.label and self.dp_flavour != "ddp" else ""
-        return one_line(f"{self.label or self.dp_flavour} ({self.mesh}{flavour})")
+        steps = f", {self.accumulation_steps} micro-batches" if self.accumulation_steps > 1 else ""
+        return one_line(f"{self.label or self.dp_flavour} ({self.mesh}{flavour}{steps})")
 
     def report(self) -> str:
         """A readable text report: cluster, mesh, strategy per layer, memory and time."""
@@ -198,6 +220,7 @@ class Plan:
             "dp_flavour": self.dp_flavour,
             "recompute": self.recompute,
             "pipeline": _pipeline_to_dict(self.pipeline),
+            "accumulation_steps": self.accumulation_steps,
             "precision": self.precision,
             "optimizer": self.optimizer,
             "batch_size": self.batch_size,
@@ -265,6 +288,7 @@ class Plan:
                 summary=summary,
                 recompute=reader.get("recompute", str),
                 pipeline=reader.convert("pipeline", _pipeline_from_dict, TypeError, ValueError),
+                accumulation_steps=reader.get("accumulation_steps", int),
                 fsdp_units=tuple(reader.strings("fsdp_units")),
                 precision=reader.get("precision", str),
                 optimizer=reader.get("optimizer", str),

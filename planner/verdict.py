@@ -58,6 +58,8 @@ def strategy_words(plan: "Plan") -> str:
         text += f"; {_FLAVOUR_WORDS[plan.dp_flavour].split(' (')[0]} on the dp axis, composed with {others}"
     if plan.pipeline is not None:
         text += f", {plan.pipeline.stages} pipeline stages ({plan.pipeline.schedule}, {plan.pipeline.micro_batches} micro-batches)"
+    if plan.accumulation_steps > 1:
+        text += f", gradients accumulated over {plan.accumulation_steps} micro-batches"
     if plan.recompute == "full":
         text += ", every repeated block recomputed in backward"
     elif plan.recompute == "selective":

@@ -25,7 +25,7 @@ from planner.strategy import Mesh, NodeStrategy
 from search.blocks import block_representatives
 from search.budget import SearchBudget
 from search.cost_tables import build_cost_tables
-from search.data_parallel import DATA_PARALLEL_FLAVOURS, alternative, data_parallel_plan, does_not_fit
+from search.data_parallel import DATA_PARALLEL_FLAVOURS, accumulating, alternative, data_parallel_plan, does_not_fit
 from search.ilp import solve
 from search.layouts import batch_input_placements, combine
 from search.mcmc import mcmc
@@ -124,7 +124,10 @@ def search_plan(
             on_progress(f"searching mesh {mesh} ({position + 1}/{len(meshes)})", position / len(meshes))
         if mesh.names == ("dp",):
             flavours = [data_parallel_plan(graph, cluster, spec, model_name, f, warnings, precision) for f in DATA_PARALLEL_FLAVOURS]
-            plans += flavours + _recomputing(flavours, graph)
+            recomputing = _recomputing(flavours, graph)
+            # Gradient accumulation: what does not fit at once may fit one micro-batch at a time.
+            accumulated = [variant for plan in flavours + recomputing if (variant := accumulating(plan, graph))]
+            plans += flavours + recomputing + accumulated
         plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes)
     plans += _pipeline_plans(graph, cluster, spec, model_name, precision)
     baselines = _baselines(graph, cluster, spec, model_name, precision, {p.name for p in plans})

@@ -69,6 +69,8 @@ def plan_data_parallel(
         flavour: data_parallel_plan(graph, cluster, spec, model_name, flavour, warnings, precision)
         for flavour in DATA_PARALLEL_FLAVOURS
     }
+    for flavour in candidates:  # too many activations at once: the same plan in micro-batches
+        plans[flavour] = accumulating(plans[flavour], graph) or plans[flavour]
     fitting = [flavour for flavour in candidates if plans[flavour].estimate.fits]
     if not fitting:
         raise does_not_fit(cluster, {flavour: plans[flavour].estimate for flavour in DATA_PARALLEL_FLAVOURS})
@@ -109,6 +111,25 @@ def data_parallel_plan(
         warnings=warnings,
     )
     return simulated(plan, graph)
+
+
+def accumulating(plan: Plan, graph: OpGraph) -> Plan | None:
+    """``plan`` with gradient accumulation over the fewest micro-batches (2, 4, 8, ... of
+    each rank's samples) that make it fit, or None when it fits already, cannot be cut, or
+    does not fit even one sample at a time. Fewer micro-batches keep each matmul larger and
+    the data-parallel reduction as rare; only activations shrink with more."""
+    if plan.estimate.fits or plan.pipeline is not None:
+        return None
+    dp = plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else 1
+    local = plan.batch_size // dp
+    steps = 2
+    while steps <= local:
+        if local % steps == 0:
+            variant = simulated(dataclasses.replace(plan, accumulation_steps=steps), graph)
+            if variant.estimate.fits:
+                return variant
+        steps *= 2
+    return None
 
 
 def fsdp_units(graph: OpGraph) -> tuple[str, ...]:

@@ -22,7 +22,6 @@ from codegen.runtime.precision import parity_tolerances
 from codegen.runtime.program import Program, check_world_size, load_program
 from planner.arguments import OneLineParser, flag_type, integer_at_least, non_negative_finite, positive_finite
 from planner.errors import LaunchError, PlannerError
-from planner.model_spec import extract_loss
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,10 +105,8 @@ def train_synthetic(program: Program, mesh, steps: int, lr: float, optimizer_nam
 
     else:
 
-        def forward_backward(batch_args, batch_kwargs):
-            loss = extract_loss(module(*batch_args, **batch_kwargs))
-            loss.backward()
-            return loss
+        def forward_backward(batch_args, batch_kwargs):  # in the plan's micro-batches, if it accumulates
+            return program.forward_backward(module, batch_args, batch_kwargs)[0]
 
     optimizer = program.make_optimizer(module, mesh, optimizer_class(optimizer_name), lr=lr)  # the program's hook, if any
     times = []

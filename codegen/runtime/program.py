@@ -132,6 +132,16 @@ class Program:
             return optimizer_class(module.parameters(), **kwargs)
         return hook(module, mesh, optimizer_class, **kwargs)
 
+    def forward_backward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, object]:
+        """One step's forward and backward on this rank's part of the batch (from
+        ``shard_batch``), in the plan's ``accumulation_steps`` micro-batches
+        (``codegen.runtime.accumulation``): the loss, and the output when not accumulated."""
+        from codegen.runtime.accumulation import forward_backward
+
+        mesh = self.plan.mesh
+        dp = mesh.axis_size("dp") if "dp" in mesh.names else 1
+        return forward_backward(module, args, kwargs, self.plan.accumulation_steps, self.plan.batch_size // dp)
+
     @property
     def is_pipeline(self) -> bool:
         """Whether this is a pipeline program: ``parallelize`` returns this rank's stage, and

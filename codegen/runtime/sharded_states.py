@@ -53,7 +53,7 @@ class _Piece:
             return
         mine = self.piece.movedim(self.dim, 0).contiguous()
         gathered = torch.empty((ranks * mine.shape[0], *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
-        dist.all_gather_into_tensor(gathered, mine, group=group)  # rank r's piece at rows r * length...
+        dist.all_gather_single(gathered, mine, group=group)  # rank r's piece at rows r * length...
         self.local.copy_(gathered.movedim(0, self.dim))
 
 

@@ -1,0 +1,67 @@
+"""Gradient accumulation: one training step's forward and backward over micro-batches.
+
+A plan with ``accumulation_steps = k`` (and no pipeline) cuts each rank's part of the batch
+into k micro-batches along the batch dimension and runs forward and backward on each in
+turn, so only one micro-batch's activations are alive at a time. Each micro-batch's loss is
+divided by k before its backward: for a loss that averages over the samples (cross-entropy,
+MSE), the summed gradients then equal those of the whole batch, as on one device.
+
+DDP (and ZeRO-1, which is DDP plus a sharded optimizer) skips its gradient all-reduce for
+all but the last micro-batch (``no_sync``), so gradients are reduced once per step. FSDP2
+(FSDP, ZeRO-2) reduce-scatters every micro-batch's gradients into the sharded gradient,
+keeping no unsharded gradient between micro-batches; the simulator prices both so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from planner.errors import LaunchError
+from planner.model_spec import extract_loss
+
+__all__ = ["forward_backward", "micro_batches"]
+
+
+def micro_batches(args: tuple, kwargs: dict, steps: int, batch: int) -> list[tuple[tuple, dict]]:
+    """``steps`` micro-batches of a rank's ``batch`` samples: every tensor whose first
+    dimension is ``batch`` is cut into equal consecutive parts; anything else (a mask shared
+    by the samples, a flag) is passed whole to each."""
+    if batch % steps:
+        raise LaunchError(f"this rank's {batch} samples do not split into {steps} micro-batches; re-plan")
+    size = batch // steps
+
+    def part(value: Any, index: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+            return value[index * size : (index + 1) * size]
+        return value
+
+    return [
+        (tuple(part(value, index) for value in args), {key: part(value, index) for key, value in kwargs.items()})
+        for index in range(steps)
+    ]
+
+
+def forward_backward(module: torch.nn.Module, args: tuple, kwargs: dict, steps: int, batch: int) -> tuple[torch.Tensor, Any]:
+    """One step's forward and backward of ``module`` on a rank's part of the batch
+    (``batch`` samples) in ``steps`` micro-batches (see the module docstring). Returns the
+    loss of the whole part (the mean of the micro-batches' losses) and the module's output
+    when it ran in one piece (``None`` when accumulated: there is no single output)."""
+    if steps == 1:
+        output = module(*args, **kwargs)
+        loss = extract_loss(output)
+        loss.backward()
+        return loss, output
+    parts = micro_batches(args, kwargs, steps, batch)
+    losses = []
+    for index, (part_args, part_kwargs) in enumerate(parts):
+        last = index == len(parts) - 1
+        # DDP reduces gradients after the last micro-batch only; FSDP2 has no no_sync.
+        quiet = module.no_sync() if hasattr(module, "no_sync") and not last else contextlib.nullcontext()
+        with quiet:
+            loss = extract_loss(module(*part_args, **part_kwargs))
+            (loss / steps).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean(), None
