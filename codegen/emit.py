@@ -230,9 +230,8 @@ Use it in your own training loop:
     mesh = program.build_mesh()
     module = program.parallelize(model, mesh)           # model built identically on every rank
     optimizer = program.make_optimizer(module, mesh, torch.optim.AdamW, lr=1e-3)
-    args, kwargs = program.shard_batch(args, kwargs, mesh)
-    loss, output = program.forward_backward(module, args, kwargs)  # ACCUMULATION_STEPS micro-batches
-    optimizer.step()
+    loss, output = program.forward_backward(module, args, kwargs, mesh)  # global batch in, sharded here,
+    optimizer.step()                                                   # in ACCUMULATION_STEPS micro-batches
 
 {_optimizer_note(plan)}
 """

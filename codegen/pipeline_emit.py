@@ -53,6 +53,7 @@ from codegen import spmd_notes as notes
 from codegen.emit import about_plan, autocast_lines, precision_imports
 from codegen.source_text import comment, identifier, number, with_comment
 from codegen.graph_facts import build_meta_model, clean_path, model_facts, trace_model
+from codegen.micro_batch_source import first_samples
 from codegen.pipeline_stage_plan import StagePlan, flat_source, micro_strategies
 from codegen.pipeline_schedules import schedule_lines, schedule_problem, stage_count, stages_comment
 from codegen.spmd_emit import SUPPORTED_AXES, GraphEmitter
@@ -109,14 +110,7 @@ def render_pipeline_program(plan: Plan) -> str:
         raise PlanningError("this plan has no model spec, so its model cannot be traced to generate the program")
     model, args, kwargs = build_meta_model(plan)
     micro = plan.batch_size // plan.pipeline.micro_batches
-
-    def cut(value):
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == plan.batch_size:
-            return value[:micro]
-        return value
-
-    micro_args = tuple(cut(v) for v in args)
-    micro_kwargs = {k: cut(v) for k, v in kwargs.items()}
+    micro_args, micro_kwargs = first_samples(args, kwargs, plan.batch_size, micro)
     graph = trace_model(model, micro_args, micro_kwargs)
     facts = model_facts(model, micro_args, micro_kwargs, graph)
     stage_plan = StagePlan(plan, micro_strategies(plan, graph, micro))

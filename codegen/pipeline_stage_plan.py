@@ -5,11 +5,11 @@ flat program the dry run checks (all stages in one forward)."""
 from __future__ import annotations
 
 import dataclasses
-import textwrap
 from typing import Any
 
 from torch.distributed.tensor import Replicate
 
+from codegen.micro_batch_source import first_micro_batch_only
 from codegen.spmd_emit import GraphEmitter
 from planner.graph import OpGraph
 from planner.plans import Plan
@@ -87,16 +87,4 @@ def flat_source(stage_plan: StagePlan, graph: OpGraph, facts, observed, forced, 
     """The graph program of one micro-batch on the stage mesh, all stages in one forward: what
     the dry run runs (its ``shard_batch`` keeps the first micro-batch of the example batch)."""
     source = GraphEmitter(stage_plan, graph, facts, observed, forced, "", local_replicated=False).render()
-    return source + textwrap.dedent(
-        f'''
-
-        _whole_batch = shard_batch
-
-
-        def shard_batch(args, kwargs, mesh):
-            def cut(value):
-                return value[:{micro}] if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == GLOBAL_BATCH else value
-
-            return _whole_batch(tuple(cut(v) for v in args), {{k: cut(v) for k, v in kwargs.items()}}, mesh)
-        '''
-    )
+    return source + first_micro_batch_only(micro)

@@ -27,6 +27,7 @@ Details of the exported graph handled here:
 
 from __future__ import annotations
 
+import dataclasses
 import keyword
 import operator
 from typing import Any, Sequence
@@ -36,6 +37,7 @@ import torch.fx
 from torch.distributed.tensor import Partial, Replicate
 
 from codegen import spmd_notes as notes
+from codegen.micro_batch_source import first_micro_batch_only, first_samples
 from codegen.source_text import comment, identifier, with_comment
 from codegen.spmd_literals import Code, callee_source, literal_argument, structure, tensor_literal
 from codegen.spmd_placements import (
@@ -97,15 +99,28 @@ def render_graph_program(plan: Plan) -> str:
     if plan.model is None:
         raise PlanningError("this plan has no model spec, so its model cannot be traced to generate the program")
     model, args, kwargs = build_meta_model(plan)
-    graph = plan.graph if plan.graph is not None and plan.graph.graph_module is not None else trace_model(model, args, kwargs)
+    steps = plan.accumulation_steps
+    if steps > 1:
+        # Gradient accumulation: the program runs one micro-batch at a time, so it is written
+        # from the graph traced at one (the shapes its views and reshapes name).
+        from codegen.pipeline_stage_plan import micro_strategies
+
+        micro = plan.batch_size // steps
+        args, kwargs = first_samples(args, kwargs, plan.batch_size, micro)
+        graph = trace_model(model, args, kwargs)
+        plan = dataclasses.replace(plan, strategies=micro_strategies(plan, graph, micro), graph=graph)
+    else:
+        graph = plan.graph if plan.graph is not None and plan.graph.graph_module is not None else trace_model(model, args, kwargs)
     facts = model_facts(model, args, kwargs, graph)
 
     def write(
         observed: dict[str, Any] | None = None, forced: dict[str, str] | None = None, warning: str = "", final: bool = True
     ) -> str:
         # The dry run reads the forward's own locals, so it runs a version without the
-        # recomputed blocks' nested functions; checkpointing changes no placement.
-        return GraphEmitter(plan, graph, facts, observed, forced, warning, recompute=plan.recompute if final else "none").render()
+        # recomputed blocks' nested functions; checkpointing changes no placement. It runs
+        # one micro-batch of the example batch when the plan accumulates gradients.
+        source = GraphEmitter(plan, graph, facts, observed, forced, warning, recompute=plan.recompute if final else "none").render()
+        return source if final or steps == 1 else source + first_micro_batch_only(micro)
 
     from codegen import dry_run
 

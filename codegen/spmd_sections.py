@@ -50,8 +50,10 @@ class ProgramSections:
             '    program = load_program("<this folder>")',
             "    mesh = program.build_mesh()",
             "    module = program.parallelize(model, mesh)           # model built identically on every rank",
-            "    args, kwargs = program.shard_batch(args, kwargs, mesh)",
-            "    loss = module(*args, **kwargs)                      # parameters are DTensors: .full_tensor() gathers one",
+            "    optimizer = program.make_optimizer(module, mesh, torch.optim.AdamW, lr=1e-3)",
+            "    loss, output = program.forward_backward(module, args, kwargs, mesh)  # the global batch, sharded here"
+            + (f" in {self.plan.accumulation_steps} micro-batches" if self.plan.accumulation_steps > 1 else ""),
+            "    optimizer.step()                                    # parameters are DTensors: .full_tensor() gathers one",
             '"""',
             "",
             about_plan(self.plan) + self._strategy_comments(),

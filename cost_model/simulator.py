@@ -489,9 +489,7 @@ class Simulator:
             chunk_segments[min(segment.stage, stages_total - 1)].append(segment)
         recompute = self.plan.recompute
         fsdp = self.plan.dp_flavour == "fsdp" and self.dp > 1
-        # Accumulating without a pipeline, FSDP2 (FSDP, ZeRO-2) reduce-scatters each
-        # micro-batch's gradients (keeping them sharded); DDP syncs once, after the last.
-        sync_every = self.plan.pipeline is None and self.plan.dp_flavour in ("zero2", "fsdp") and self.dp > 1
+        sync_every = self._syncs_every_micro_batch()
         forward_done: dict[tuple[int, int], int] = {}
         backward_done: dict[tuple[int, int], int] = {}
         per_device: dict[str, list[Segment]] = {}
@@ -544,6 +542,15 @@ class Simulator:
                 gathered = sum(sum(s.params.values()) for s in per_device[device]) * _PARAM_BYTES[self.plan.precision][0]
                 graph.add("all-gather updated weights", (device, "collective"), self._collective("all_gather", gathered, "dp"), deps=[step], kind="comm")
         return graph, per_device
+
+    def _syncs_every_micro_batch(self) -> bool:
+        """Whether gradients are reduced over ``dp`` after every micro-batch of an
+        accumulating step (no pipeline): FSDP2 (FSDP, ZeRO-2) reduce-scatters each one into
+        its sharded gradients, and graph programs (a label: searched or Megatron layouts)
+        reduce in each parameter's gradient hook; DDP syncs once, after the last."""
+        if self.plan.pipeline is not None or self.dp == 1:
+            return False
+        return self.plan.dp_flavour in ("zero2", "fsdp") or bool(self.plan.label)
 
     def _p2p(self, graph: TaskGraph, vs: int, after: int, size_bytes: float, name: str) -> int:
         # Activations and gradients travel on separate streams (as NCCL's send/recv on
@@ -701,8 +708,9 @@ class Simulator:
                 # accumulation (no pipeline) repeats FSDP's gathers and FSDP2's reduce-scatters
                 # for every micro-batch.
                 flavour = self.plan.dp_flavour
-                repeats = self.micro_batches if self.plan.pipeline is None else 1
-                units = {"fsdp": 3 * repeats, "zero1": 3, "zero2": repeats + 1, "ddp": 2}[flavour]
+                gathers = self.micro_batches if self.plan.pipeline is None else 1  # FSDP's, per micro-batch
+                reductions = self.micro_batches if self._syncs_every_micro_batch() else 1
+                units = {"fsdp": 2 * gathers + reductions, "zero1": 2 * reductions + 1, "zero2": reductions + 1, "ddp": 2 * reductions}[flavour]
                 factor = units * (self.dp - 1) / self.dp
                 stage_totals["dp"] = stage_totals.get("dp", 0.0) + grads * factor
             if self.pp > 1:

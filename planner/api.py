@@ -344,11 +344,6 @@ def compile_blocker(plan: Plan) -> str | None:
     from codegen.emit import is_data_parallel
 
     dp = plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else 1
-    if plan.accumulation_steps > 1 and not is_data_parallel(plan):
-        return (
-            f"{plan.name} accumulates gradients over {plan.accumulation_steps} micro-batches, which compiles for "
-            f"data-parallel plans (DDP, ZeRO, FSDP) only so far; plan it again, or use a pipeline's micro-batches"
-        )
     if not is_data_parallel(plan) and dp > 1:
         reason = composed_flavour_blocker(plan)
         if reason:

@@ -124,13 +124,13 @@ def search_plan(
             on_progress(f"searching mesh {mesh} ({position + 1}/{len(meshes)})", position / len(meshes))
         if mesh.names == ("dp",):
             flavours = [data_parallel_plan(graph, cluster, spec, model_name, f, warnings, precision) for f in DATA_PARALLEL_FLAVOURS]
-            recomputing = _recomputing(flavours, graph)
-            # Gradient accumulation: what does not fit at once may fit one micro-batch at a time.
-            accumulated = [variant for plan in flavours + recomputing if (variant := accumulating(plan, graph))]
-            plans += flavours + recomputing + accumulated
+            plans += flavours + _recomputing(flavours, graph)
         plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes)
+    # Gradient accumulation: what does not fit at once may fit one micro-batch at a time.
+    plans += [variant for plan in plans if (variant := accumulating(plan, graph))]
     plans += _pipeline_plans(graph, cluster, spec, model_name, precision)
     baselines = _baselines(graph, cluster, spec, model_name, precision, {p.name for p in plans})
+    baselines += [variant for plan in baselines if (variant := accumulating(plan, graph))]
     # The baselines compete too: a search that cannot beat Megatron's layout returns it.
     fitting = [plan for plan in (*plans, *baselines) if plan.estimate.fits]
     if not fitting:

@@ -5,7 +5,8 @@ forward and backward on each in turn (``codegen.runtime.accumulation``): one mic
 activations at a time. The simulator runs it as a one-stage 1F1B schedule, DDP's all-reduce
 once after the last micro-batch, FSDP2's reduce-scatter after each. Here: what the
 simulator charges, what compile refuses, the batch split, and parity with one device for
-every data-parallel flavour at world 2, in one torchrun launch.
+every data-parallel flavour and a graph program (Megatron's tp=2 layout) at world 2, in one
+torchrun launch (ZeRO-2 and ZeRO-1 beside tp accumulate in ``test_composed_dp.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 import planner
 from codegen.runtime.accumulation import micro_batches
-from planner.api import compile_blocker, prepare_model
+from planner.api import prepare_model
 from planner.model_spec import ModelSpec
 from search.data_parallel import data_parallel_plan
 from search.megatron import megatron_plan
@@ -69,9 +70,10 @@ def test_bad_accumulation_is_refused_in_one_line(gpt_world2):
         with pytest.raises(ValueError, match=words) as error:
             dataclasses.replace(plan, accumulation_steps=steps)
         assert "\n" not in str(error.value)
-    megatron = megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32")
-    blocker = compile_blocker(dataclasses.replace(megatron, accumulation_steps=2))
-    assert blocker and "data-parallel plans" in blocker and "\n" not in blocker
+    pipelined = megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=2, precision="fp32")
+    with pytest.raises(ValueError, match="pipeline.micro_batches") as error:
+        dataclasses.replace(pipelined, accumulation_steps=2)  # a pipeline accumulates with its own micro-batches
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.distributed
@@ -83,6 +85,9 @@ def test_accumulated_step_equals_single_device(gpt_world2, tmp_path):
         folders[flavour] = planner.compile(plan, tmp_path / flavour)
     recomputed = dataclasses.replace(data_parallel_plan(graph, cluster, spec, name, "ddp"), accumulation_steps=4, recompute="full")
     folders["ddp-4-recompute"] = planner.compile(recomputed, tmp_path / "ddp-4-recompute")
+    # A graph program (Megatron's layout on tp=2), written from the graph traced at one micro-batch.
+    megatron = dataclasses.replace(megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32"), accumulation_steps=2)
+    folders["megatron-tp2"] = planner.compile(megatron, tmp_path / "megatron-tp2")
     launch = check_many(2, list(folders.values()), tmp_path)
     for case, folder in folders.items():
         result = result_of(launch, folder)

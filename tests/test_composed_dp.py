@@ -212,6 +212,8 @@ CASES = {
         "gpt-zero2-dp2xtp2": (GPT, dict(tp=2, dp_flavour="zero2")),
         "gpt-fsdp-dp2xtp2-recompute": (GPT, dict(tp=2, dp_flavour="fsdp", recompute="full")),
         "gpt-zero1-dp2xtp2": (GPT, dict(tp=2, dp_flavour="zero1")),
+        "gpt-zero2-dp2xtp2-accumulate2": (GPT, dict(tp=2, dp_flavour="zero2"), 2),
+        "gpt-zero1-dp2xtp2-accumulate4": (GPT, dict(tp=2, dp_flavour="zero1"), 4),
         "gpt-zero1-pp2xdp2": (GPT, dict(pp=2, dp_flavour="zero1", micro_batch=2)),
         "gpt-fsdp-pp2xdp2-recompute": (GPT, dict(pp=2, dp_flavour="fsdp", recompute="full", micro_batch=2)),
         "llama-fsdp-dp2xtp2-sp-recompute": (LLAMA, dict(tp=2, dp_flavour="fsdp", recompute="full", sequence_parallel=True)),
@@ -227,11 +229,12 @@ CASES = {
 ALL = [(world, case) for world, cases in CASES.items() for case in cases]
 
 
-def _plan(world: int, spec: ModelSpec, options) -> planner.Plan:
+def _plan(world: int, spec: ModelSpec, options, accumulation_steps: int = 1) -> planner.Plan:
     if options == "searched":
         return planner.plan(spec, f"cpu:2x{world // 2}")
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
-    return megatron_plan(graph, cluster, spec, name, precision="fp32", **options)
+    plan = megatron_plan(graph, cluster, spec, name, precision="fp32", **options)
+    return dataclasses.replace(plan, accumulation_steps=accumulation_steps)
 
 
 def _never_share_updated_pieces(folder: Path) -> Path:
@@ -251,7 +254,7 @@ def _never_share_updated_pieces(folder: Path) -> Path:
 
 
 def _world(world: int, root: Path):
-    folders = {case: planner.compile(_plan(world, spec, options), root / case) for case, (spec, options) in CASES[world].items()}
+    folders = {case: planner.compile(_plan(world, *how), root / case) for case, how in CASES[world].items()}
     if world == 4:
         plan = _plan(4, GPT, dict(tp=2, dp_flavour="zero1"))
         folders["unshared-zero1"] = _never_share_updated_pieces(planner.compile(plan, root / "unshared-zero1"))

@@ -1,8 +1,9 @@
 """Gradient accumulation: one training step's forward and backward over micro-batches.
 
-A plan with ``accumulation_steps = k`` (and no pipeline) cuts each rank's part of the batch
-into k micro-batches along the batch dimension and runs forward and backward on each in
-turn, so only one micro-batch's activations are alive at a time. Each micro-batch's loss is
+A plan with ``accumulation_steps = k`` (and no pipeline) cuts the global batch into k
+micro-batches of consecutive samples, gives each rank its part of each (the program's
+``shard_batch``) and runs forward and backward on them in turn, so only one micro-batch's
+activations are alive at a time. Each micro-batch's loss is
 divided by k before its backward: for a loss that averages over the samples (cross-entropy,
 MSE), the summed gradients then equal those of the whole batch, as on one device.
 
@@ -15,7 +16,7 @@ keeping no unsharded gradient between micro-batches; the simulator prices both s
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -26,11 +27,11 @@ __all__ = ["forward_backward", "micro_batches"]
 
 
 def micro_batches(args: tuple, kwargs: dict, steps: int, batch: int) -> list[tuple[tuple, dict]]:
-    """``steps`` micro-batches of a rank's ``batch`` samples: every tensor whose first
-    dimension is ``batch`` is cut into equal consecutive parts; anything else (a mask shared
-    by the samples, a flag) is passed whole to each."""
+    """``steps`` micro-batches of a batch of ``batch`` samples: every tensor whose first
+    dimension is ``batch`` is cut into equal consecutive parts (as pipelines cut theirs);
+    anything else (a mask shared by the samples, a flag) is passed whole to each."""
     if batch % steps:
-        raise LaunchError(f"this rank's {batch} samples do not split into {steps} micro-batches; re-plan")
+        raise LaunchError(f"a batch of {batch} samples does not split into {steps} micro-batches; re-plan")
     size = batch // steps
 
     def part(value: Any, index: int) -> Any:
@@ -44,13 +45,17 @@ def micro_batches(args: tuple, kwargs: dict, steps: int, batch: int) -> list[tup
     ]
 
 
-def forward_backward(module: torch.nn.Module, args: tuple, kwargs: dict, steps: int, batch: int) -> tuple[torch.Tensor, Any]:
-    """One step's forward and backward of ``module`` on a rank's part of the batch
-    (``batch`` samples) in ``steps`` micro-batches (see the module docstring). Returns the
-    loss of the whole part (the mean of the micro-batches' losses) and the module's output
+def forward_backward(
+    module: torch.nn.Module, args: tuple, kwargs: dict, steps: int, batch: int, shard: Callable[[tuple, dict], tuple[tuple, dict]]
+) -> tuple[torch.Tensor, Any]:
+    """One step's forward and backward of ``module`` on a global batch of ``batch`` samples
+    in ``steps`` micro-batches (see the module docstring): each micro-batch is cut from the
+    global batch, then ``shard`` (the program's ``shard_batch``) gives this rank its part.
+    Returns this rank's loss (the mean of the micro-batches' losses) and the module's output
     when it ran in one piece (``None`` when accumulated: there is no single output)."""
     if steps == 1:
-        output = module(*args, **kwargs)
+        local_args, local_kwargs = shard(args, kwargs)
+        output = module(*local_args, **local_kwargs)
         loss = extract_loss(output)
         loss.backward()
         return loss, output
@@ -58,10 +63,11 @@ def forward_backward(module: torch.nn.Module, args: tuple, kwargs: dict, steps: 
     losses = []
     for index, (part_args, part_kwargs) in enumerate(parts):
         last = index == len(parts) - 1
+        local_args, local_kwargs = shard(part_args, part_kwargs)
         # DDP reduces gradients after the last micro-batch only; FSDP2 has no no_sync.
         quiet = module.no_sync() if hasattr(module, "no_sync") and not last else contextlib.nullcontext()
         with quiet:
-            loss = extract_loss(module(*part_args, **part_kwargs))
+            loss = extract_loss(module(*local_args, **local_kwargs))
             (loss / steps).backward()
         losses.append(loss.detach())
     return torch.stack(losses).mean(), None

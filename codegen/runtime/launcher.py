@@ -101,18 +101,19 @@ def train_synthetic(program: Program, mesh, steps: int, lr: float, optimizer_nam
         pipeline = program.module.make_pipeline(module, mesh)
 
         def forward_backward(batch_args, batch_kwargs):  # every micro-batch, through the schedule
-            return pipeline.step(batch_args, batch_kwargs)
+            local_args, local_kwargs = program.shard_batch(batch_args, batch_kwargs, mesh)
+            return pipeline.step(local_args, local_kwargs)
 
     else:
 
         def forward_backward(batch_args, batch_kwargs):  # in the plan's micro-batches, if it accumulates
-            return program.forward_backward(module, batch_args, batch_kwargs)[0]
+            return program.forward_backward(module, batch_args, batch_kwargs, mesh)[0]
 
     optimizer = program.make_optimizer(module, mesh, optimizer_class(optimizer_name), lr=lr)  # the program's hook, if any
     times = []
     for step in range(steps):
         torch.manual_seed(1000 + step)  # the same global batch on every rank
-        batch_args, batch_kwargs = program.shard_batch(_random_like(args), _random_like(kwargs), mesh)
+        batch_args, batch_kwargs = _random_like(args), _random_like(kwargs)  # global; sharded in forward_backward
         _synchronize()
         start = time.perf_counter()
         loss = forward_backward(batch_args, batch_kwargs)

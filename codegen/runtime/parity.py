@@ -121,12 +121,11 @@ def check_parity(
 
     # Sharded: this rank's module on this rank's slice of the batch.
     local_module = program.parallelize(model, mesh)
-    local_args, local_kwargs = program.shard_batch(args, kwargs, mesh)
     # Through the program's optimizer hook when it has one (ZeRO-1: a ZeroRedundancyOptimizer).
     local_optimizer = program.make_optimizer(local_module, mesh, optimizer_class(optimizer), lr=lr)
     with NoDropout(counting=False):
         # In the plan's micro-batches when it accumulates gradients (no single output then).
-        loss, output = program.forward_backward(local_module, local_args, local_kwargs)
+        loss, output = program.forward_backward(local_module, args, kwargs, mesh)
     grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
     local_optimizer.step()
 

@@ -132,15 +132,19 @@ class Program:
             return optimizer_class(module.parameters(), **kwargs)
         return hook(module, mesh, optimizer_class, **kwargs)
 
-    def forward_backward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, object]:
-        """One step's forward and backward on this rank's part of the batch (from
-        ``shard_batch``), in the plan's ``accumulation_steps`` micro-batches
-        (``codegen.runtime.accumulation``): the loss, and the output when not accumulated."""
+    def forward_backward(
+        self, module: torch.nn.Module, args: tuple, kwargs: dict, mesh: DeviceMesh
+    ) -> tuple[torch.Tensor, object]:
+        """One step's forward and backward on a GLOBAL batch (every rank passes the same),
+        in the plan's ``accumulation_steps`` micro-batches, each sharded by ``shard_batch``
+        (``codegen.runtime.accumulation``): this rank's loss, and the module's output when
+        the step ran in one piece (``None`` when it accumulated)."""
         from codegen.runtime.accumulation import forward_backward
 
-        mesh = self.plan.mesh
-        dp = mesh.axis_size("dp") if "dp" in mesh.names else 1
-        return forward_backward(module, args, kwargs, self.plan.accumulation_steps, self.plan.batch_size // dp)
+        def shard(part_args: tuple, part_kwargs: dict) -> tuple[tuple, dict]:
+            return self.shard_batch(part_args, part_kwargs, mesh)
+
+        return forward_backward(module, args, kwargs, self.plan.accumulation_steps, self.plan.batch_size, shard)
 
     @property
     def is_pipeline(self) -> bool:
