@@ -14,8 +14,9 @@ from __future__ import annotations
 from planner import arguments
 from planner.api import prepare_model
 from planner.cluster import Cluster
+from planner.errors import ArgumentError
 from planner.plans import PLAN_PRECISIONS, Plan
-from planner.strategy import PIPELINE_SCHEDULES
+from planner.strategy import DP_FLAVOURS, PIPELINE_SCHEDULES
 
 
 def ddp(model, cluster: Cluster | str, example_inputs=None, *, spec=None, precision: str = "fp32") -> Plan:
@@ -51,10 +52,15 @@ def megatron(
     recompute: str | None = None,
     sequence_parallel: bool = False,
     precision: str = "bf16",
+    dp_flavour: str = "ddp",
+    layers_per_stage=None,
     spec=None,
 ) -> Plan:
-    """Megatron-LM's layout: column/row-parallel blocks on ``tp``, layers split evenly over
-    ``pp`` stages, the batch over ``dp`` (see ``search.megatron.megatron_plan``)."""
+    """Megatron-LM's layout: column/row-parallel blocks on ``tp``, layers split over ``pp``
+    stages (evenly, or ``layers_per_stage`` blocks on each (virtual) stage, e.g.
+    ``(3, 4, 4, 3)``), the batch over ``dp`` with ``dp_flavour`` (``"ddp"``, or Megatron's
+    distributed optimizer ``"zero1"``, ``"zero2"``, ``"fsdp"``); see
+    ``search.megatron.megatron_plan``."""
     from search.megatron import megatron_plan
 
     for argument, value in (("tp", tp), ("pp", pp), ("micro_batch", micro_batch), ("virtual_stages", virtual_stages)):
@@ -64,10 +70,17 @@ def megatron(
     arguments.one_of(schedule, PIPELINE_SCHEDULES, "schedule")
     arguments.one_of(precision, PLAN_PRECISIONS, "precision")
     arguments.boolean(sequence_parallel, "sequence_parallel")
+    arguments.one_of(dp_flavour, DP_FLAVOURS, "dp_flavour")
+    if layers_per_stage is not None and not (
+        isinstance(layers_per_stage, (list, tuple))
+        and all(isinstance(c, int) and not isinstance(c, bool) for c in layers_per_stage)
+    ):
+        raise ArgumentError(f"layers_per_stage must be a list of integers (blocks per stage), got {layers_per_stage!r}")
     graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
     return megatron_plan(
         graph, cluster, spec, name, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, schedule=schedule,
         virtual_stages=virtual_stages, recompute=recompute, sequence_parallel=sequence_parallel, precision=precision,
+        dp_flavour=dp_flavour, layers_per_stage=None if layers_per_stage is None else tuple(layers_per_stage),
     )
 
 

@@ -160,9 +160,17 @@ class Plan:
 
     @property
     def name(self) -> str:
-        """Short name of the strategy, e.g. ``"fsdp (dp=4)"`` or ``"soap (dp=2 x tp=4)"``; one
-        line, whatever a plan file's label holds."""
-        return one_line(f"{self.label or self.dp_flavour} ({self.mesh})")
+        """Short name of the strategy, e.g. ``"fsdp (dp=4)"``, ``"soap (dp=2 x tp=4)"`` or
+        ``"megatron (pp=4 x dp=2 x tp=8; 1f1b, 16 micro-batches; zero1)"``; one line,
+        whatever a plan file's label holds."""
+        details = [str(self.mesh)]
+        if self.pipeline is not None:
+            pipeline = self.pipeline
+            interleaving = f" x{pipeline.virtual_stages}" if pipeline.schedule == "interleaved" else ""
+            details.append(f"{pipeline.schedule}{interleaving}, {pipeline.micro_batches} micro-batches")
+        if self.label and self.dp_flavour != "ddp" and "dp" in self.mesh.names:
+            details.append(self.dp_flavour)  # a labelled plan's dp flavour is not in its label
+        return one_line(f"{self.label or self.dp_flavour} ({'; '.join(details)})")
 
     def report(self) -> str:
         """A readable text report: cluster, mesh, strategy per layer, memory and time."""

@@ -30,6 +30,7 @@ from search.ilp import solve
 from search.layouts import batch_input_placements, combine
 from search.mcmc import mcmc
 from search.megatron import megatron_baseline
+from search.pipeline_search import pipeline_plans
 from search.plan_builder import input_placements, unsimulated_plan
 
 SEARCHES = ("auto", "ilp", "mcmc")
@@ -126,7 +127,7 @@ def search_plan(
             flavours = [data_parallel_plan(graph, cluster, spec, model_name, f, warnings, precision) for f in DATA_PARALLEL_FLAVOURS]
             plans += flavours + _recomputing(flavours, graph)
         plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes)
-    plans += _pipeline_plans(graph, cluster, spec, model_name, precision)
+    plans += _pipeline_plans(graph, cluster, spec, model_name, precision, budget)
     fitting = [plan for plan in plans if plan.estimate.fits]
     if not fitting:
         raise does_not_fit(cluster, {_key(plan): plan.estimate for plan in plans})
@@ -258,26 +259,13 @@ def _key(plan: Plan) -> str:
     return f"{plan.name}{', recompute ' + plan.recompute if plan.recompute != 'none' else ''}"
 
 
-def _pipeline_plans(graph, cluster, spec, model_name, precision) -> list[Plan]:
-    """Megatron pipeline plans (tp = devices per node, 1F1B, full recomputation) for models
-    too large for one stage: the search does not place pipeline stages itself yet."""
-    from search.megatron import megatron_plan
-
-    layers = sum(graph.blocks.values())
-    if not cluster.is_homogeneous or layers < 2 or cluster.num_nodes < 2:
+def _pipeline_plans(graph, cluster, spec, model_name, precision, budget: SearchBudget) -> list[Plan]:
+    """The best plans of the pipeline grid (``search.pipeline_search``: pp x dp x tp meshes,
+    micro-batches, schedules, dp flavours, recomputation, stages sliced by dynamic
+    programming) on clusters of several nodes, simulated; they compete with the others."""
+    if cluster.num_nodes < 2:
         return []
-    tp = cluster.devices_per_node
-    plans = []
-    for pp in (2, 4, 8, 16, 32, 64):
-        if layers % pp or cluster.world_size % (tp * pp) or pp > layers:
-            continue
-        try:
-            plans.append(megatron_plan(graph, cluster, spec, model_name, tp=tp, pp=pp, micro_batch=1, recompute="full", precision=precision))
-        except PlanningError:
-            continue
-        if plans[-1].estimate.fits:
-            break  # deeper pipelines add bubble; the first that fits is the one to beat
-    return plans
+    return pipeline_plans(graph, cluster, spec, model_name, precision, budget)
 
 
 def _dp_axis(graph: OpGraph):
