@@ -26,15 +26,16 @@ split of every pipeline depth is priced from that one simulation:
   ``m x busiest device + (pp - 1) x slowest virtual stage``; plus the point-to-point
   transfers of the fill and drain, the optimizer step, and the data-parallel communication
   that backward does not hide (DDP's gradient all-reduce beyond the last backward, ZeRO-1's
-  weight all-gather, FSDP's per-micro-batch gathers when they outrun compute).
+  weight all-gather, FSDP's gathers, counted in full inside a pipeline where the simulated
+  schedules hide little of them).
 
 Search (``pipeline_plans``). Configurations are visited in increasing order of a lower bound
-on their step time (the work per device with a perfect split and no bubble). One is skipped
-when its memory lower bound overflows the device, or when a configuration of the same mesh,
-schedule and micro-batches that shards and recomputes no more already fits (it is dominated:
-no faster, no smaller need). The walk stops when the bound passes the k-th best estimate.
-The k best (``SearchBudget.pipeline_candidates``) are simulated in full and compete with
-every other plan. Every count depends only on the inputs, never on the clock.
+on their step time (the schedule's compute with every stage as slow as the average one). One
+is skipped when its memory lower bound overflows the device, or when the same configuration
+with less recomputation already fits (dominated: recomputing only adds time). The walk stops
+when the bound passes the k-th best estimate. The k best (``SearchBudget.pipeline_candidates``)
+are simulated in full and compete with every other plan. Every count depends only on the
+inputs, never on the clock.
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ from search.budget import SearchBudget
 from search.layouts import megatron_layout, uneven_stages
 from search.plan_builder import unsimulated_plan
 
-FLAVOUR_ORDER = ("ddp", "zero1", "zero2", "fsdp")  # each shards more and communicates more
 RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes more
 
 
@@ -266,14 +266,17 @@ class PipelineGrid:
         # A max-heap of the kept estimates by (time, visiting order): on a tie the one
         # visited later leaves first, and the visiting order is fixed by the inputs.
         kept: list[tuple[float, int, Estimate]] = []
-        fitting: dict[tuple, list[tuple[int, int]]] = {}
+        fitting: dict[tuple, list[int]] = {}
         for order, (bound, config) in enumerate(bounded):
             if len(kept) >= count and bound > -kept[0][0]:
                 break
-            group = (config.tp, config.pp, config.micro_batch, config.schedule, config.virtual_stages)
-            rank = (FLAVOUR_ORDER.index(config.flavour), RECOMPUTE_ORDER.index(config.recompute))
-            if any(f <= rank[0] and r <= rank[1] for f, r in fitting.get(group, ())):
-                continue  # dominated: a variant sharding and recomputing no more fits already
+            # Recomputation only adds time: once a configuration fits, the same one
+            # recomputing more is dominated. (Flavours are not ordered so: ZeRO-1's sharded
+            # optimizer step can beat DDP's despite its extra all-gather.)
+            group = (config.tp, config.pp, config.micro_batch, config.schedule, config.virtual_stages, config.flavour)
+            rank = RECOMPUTE_ORDER.index(config.recompute)
+            if any(fitted <= rank for fitted in fitting.get(group, ())):
+                continue
             if self._memory_lower_bound(config) > self.capacity:
                 continue
             estimate = self.estimate(config)
@@ -324,18 +327,18 @@ class PipelineGrid:
             # device first, then against an equal share if some device overflows.
             for share in (1, config.virtual_stages) if config.virtual_stages > 1 else (1,):
                 slicing = slice_stages(costs, stages, capacity / share, in_flight)
-                if slicing is not None and self._device_memory(costs, slicing, config, in_flight) <= self.capacity:
+                if slicing is not None and self._device_memory(costs, slicing, config) <= self.capacity:
                     break
                 slicing = None
         else:
             slicing = self._even_slicing(config, costs, stages)
-            if slicing is not None and self._device_memory(costs, slicing, config, in_flight) > self.capacity:
+            if slicing is not None and self._device_memory(costs, slicing, config) > self.capacity:
                 slicing = None
         if slicing is None:
             return None
         layers = self._layers_per_stage(config, slicing)
         return Estimate(
-            self._step_time(config, costs, slicing), config, layers, self._device_memory(costs, slicing, config, in_flight)
+            self._step_time(config, costs, slicing), config, layers, self._device_memory(costs, slicing, config)
         )
 
     def _segment_costs(self, config: Configuration) -> list[SegmentCost]:
@@ -380,18 +383,29 @@ class PipelineGrid:
             fixed += 2 * max(p.input_bytes for p in profiles)
         return fixed
 
-    def _device_memory(self, costs, slicing: Slicing, config: Configuration, in_flight) -> float:
-        """Bytes on the fullest device: its virtual stages' segments, their activations in
-        flight, and the fixed buffers."""
-        per_device: dict[int, float] = {}
-        transient: dict[int, float] = {}
-        for stage, members in enumerate(_stage_members(costs, slicing)):
-            device = stage % config.pp
-            per_device[device] = per_device.get(device, 0.0) + stage_memory(members, in_flight[stage]) - max(
-                (c.transient_bytes for c in members), default=0.0
-            )
-            transient[device] = max(transient.get(device, 0.0), max((c.transient_bytes for c in members), default=0.0))
-        return max(per_device[d] + transient[d] for d in per_device) + self._fixed_bytes(config)
+    def _device_memory(self, costs, slicing: Slicing, config: Configuration) -> float:
+        """Bytes on the fullest device: its virtual stages' weights, gradients and states,
+        the peak of the activations its schedule holds (walked as the simulator walks it),
+        what recomputation briefly holds, and the fixed buffers."""
+        pp, chunks = config.pp, config.virtual_stages
+        members = _stage_members(costs, slicing)
+        fullest = 0.0
+        for device in range(pp):
+            mine = [members[chunk * pp + device] for chunk in range(chunks)]
+            static = sum(c.static_bytes for stage in mine for c in stage)
+            transient = max((c.transient_bytes for stage in mine for c in stage), default=0.0)
+            kept = [sum(c.activation_bytes for c in stage) for stage in mine]
+            if pp == 1:
+                peak = kept[0]
+            elif config.schedule == "1f1b":
+                peak = min(pp - device, config.micro_batches) * kept[0]  # the warm-up's forwards
+            else:
+                held = peak = 0.0
+                for kind, _, chunk in pipeline_schedule(config.schedule, device, pp, config.micro_batches, chunks):
+                    held += kept[chunk] if kind == "F" else -kept[chunk]
+                    peak = max(peak, held)
+            fullest = max(fullest, static + peak + transient)
+        return fullest + self._fixed_bytes(config)
 
     def _even_slicing(self, config: Configuration, costs: list[SegmentCost], stages: int) -> Slicing | None:
         """Megatron's split: the blocks evenly, the ops around them with the end stages."""

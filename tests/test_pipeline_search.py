@@ -156,6 +156,20 @@ def test_heavy_head_gets_fewer_blocks_and_that_is_faster(heavy_head):
     assert grid.plan(estimate, spec, name).estimate == uneven.estimate
     # The cost model prices what the simulator says to within a few percent.
     assert estimate.step_s == pytest.approx(uneven.estimate.step_time_s, rel=0.05)
+    assert estimate.memory_bytes == pytest.approx(uneven.estimate.memory.total, rel=0.05)
+
+
+def test_interleaved_estimates_follow_the_simulator(heavy_head):
+    graph, spec, name, cluster = heavy_head
+    grid = PipelineGrid(graph, cluster, "bf16", PipelineSpace())
+    for flavour, recompute in (("zero1", "none"), ("ddp", "full")):
+        config = Configuration(tp=1, pp=2, dp=2, micro_batch=1, micro_batches=16, schedule="interleaved",
+                               virtual_stages=2, flavour=flavour, recompute=recompute)
+        estimate = grid.estimate(config)
+        plan = grid.plan(estimate, spec, name)
+        assert plan.pipeline.virtual_stages == 2 and sum(estimate.layers_per_stage) == 8
+        assert estimate.step_s == pytest.approx(plan.estimate.step_time_s, rel=0.1)
+        assert estimate.memory_bytes == pytest.approx(plan.estimate.memory.total, rel=0.05)
 
 
 def test_grid_plans_fit_when_the_fastest_configuration_does_not(heavy_head):
