@@ -127,7 +127,7 @@ def search_plan(
             flavours = [data_parallel_plan(graph, cluster, spec, model_name, f, warnings, precision) for f in DATA_PARALLEL_FLAVOURS]
             plans += flavours + _recomputing(flavours, graph)
         plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes)
-    plans += _pipeline_plans(graph, cluster, spec, model_name, precision, budget)
+    plans += _pipeline_plans(graph, cluster, spec, model_name, precision, budget, plans)
     fitting = [plan for plan in plans if plan.estimate.fits]
     if not fitting:
         raise does_not_fit(cluster, {_key(plan): plan.estimate for plan in plans})
@@ -259,11 +259,14 @@ def _key(plan: Plan) -> str:
     return f"{plan.name}{', recompute ' + plan.recompute if plan.recompute != 'none' else ''}"
 
 
-def _pipeline_plans(graph, cluster, spec, model_name, precision, budget: SearchBudget) -> list[Plan]:
+def _pipeline_plans(graph, cluster, spec, model_name, precision, budget: SearchBudget, others: list[Plan]) -> list[Plan]:
     """The best plans of the pipeline grid (``search.pipeline_search``: pp x dp x tp meshes,
     micro-batches, schedules, dp flavours, recomputation, stages sliced by dynamic
-    programming) on clusters of several nodes, simulated; they compete with the others."""
-    if cluster.num_nodes < 2:
+    programming), simulated; they compete with ``others``. On one node the grid is searched
+    only when no other plan fits without recomputation: there tensor and data parallelism
+    on the node's links usually win, and single-node plans keep their compiled layouts
+    until pipelines compile with every dp flavour and schedule."""
+    if cluster.num_nodes < 2 and any(p.estimate.fits and p.recompute == "none" for p in others):
         return []
     return pipeline_plans(graph, cluster, spec, model_name, precision, budget)
 

@@ -249,3 +249,21 @@ def test_megatron_layers_per_stage_validation(layers, error, message):
     with pytest.raises(error, match=message):
         baselines.megatron(gpt_spec(), "dgx-a100-80g:2x2" if pp == 2 else "dgx-a100-80g:1x3", pp=pp,
                            micro_batch=1, layers_per_stage=layers)
+
+
+# --------------------------------------------------------------- in the outer search
+
+
+def test_search_prices_pipelines_on_one_node_only_when_memory_forces_recomputation(heavy_head):
+    from search.auto import search_plan
+
+    graph, spec, name, _ = heavy_head
+    roomy = Cluster.parse("dgx-a100-80g:1x4")
+    plan = search_plan(graph, roomy, spec, name, search="ilp", budget=SearchBudget(effort=0.25), precision="bf16")
+    assert plan.pipeline is None and not any("micro-batches" in alt.name for alt in plan.runners_up)
+    # Squeeze memory until the roomy winner needs recomputation: the grid's pipelines compete.
+    tight = with_device_memory(roomy, int(plan.estimate.memory.total * 0.6))
+    squeezed = search_plan(graph, tight, spec, name, search="ilp", budget=SearchBudget(effort=0.25), precision="bf16")
+    assert squeezed.estimate.fits
+    names = [squeezed.name, *(alt.name for alt in squeezed.runners_up)]
+    assert any("micro-batches" in entry for entry in names)
