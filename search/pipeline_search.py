@@ -400,10 +400,10 @@ class PipelineGrid:
             elif config.schedule == "1f1b":
                 peak = min(pp - device, config.micro_batches) * kept[0]  # the warm-up's forwards
             else:
-                held = peak = 0.0
-                for kind, _, chunk in pipeline_schedule(config.schedule, device, pp, config.micro_batches, chunks):
-                    held += kept[chunk] if kind == "F" else -kept[chunk]
-                    peak = max(peak, held)
+                peak = max(
+                    sum(count * size for count, size in zip(counts, kept))
+                    for counts in _held(config.schedule, pp, config.micro_batches, chunks)[device]
+                )
             fullest = max(fullest, static + peak + transient)
         return fullest + self._fixed_bytes(config)
 
@@ -570,6 +570,23 @@ def _stage_indices(slicing: Slicing) -> list[range]:
 
 def _stage_members(costs: Sequence, slicing: Slicing) -> list[list]:
     return [[costs[i] for i in indices] for indices in _stage_indices(slicing)]
+
+
+@lru_cache(maxsize=256)
+def _held(schedule: str, pp: int, micro_batches: int, chunks: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """For each device, the micro-batches of each chunk in flight at each local peak of its
+    schedule (after the last forward before a backward): the device's activation peak is
+    the largest of their sums weighted by each chunk's bytes."""
+    per_device = []
+    for device in range(pp):
+        held, peaks = [0] * chunks, set()
+        order = pipeline_schedule(schedule, device, pp, micro_batches, chunks)
+        for position, (kind, _, chunk) in enumerate(order):
+            held[chunk] += 1 if kind == "F" else -1
+            if kind == "F" and (position + 1 == len(order) or order[position + 1][0] == "B"):
+                peaks.add(tuple(held))
+        per_device.append(tuple(sorted(peaks)))
+    return tuple(per_device)
 
 
 @lru_cache(maxsize=256)
