@@ -42,7 +42,11 @@ def strategy_words(plan: "Plan") -> str:
     """The strategy in a phrase: ``ZeRO-2 data parallelism (...) on all 16 GPUs (dp=16)``."""
     devices = _devices(plan)
     if plan.label == "megatron":
-        text = f"Megatron-LM tensor parallelism on {devices} ({plan.mesh})"
+        names = plan.mesh.names
+        kind = "tensor" if "tp" in names else "pipeline" if "pp" in names else "data"
+        text = f"Megatron-LM {kind} parallelism on {devices} ({plan.mesh})"
+        if plan.dp_flavour != "ddp" and "dp" in names:
+            text += f", {_FLAVOUR_WORDS[plan.dp_flavour].split(' (')[0]} on dp"
     elif plan.label == "soap":
         split = sum(
             1 for placements in _parameter_placements(plan).values() if not all(isinstance(p, Replicate) for p in placements)

@@ -142,3 +142,13 @@ def test_a_pipeline_plan_shows_its_stages_bubble_and_axes():
     assert "blocks.0-2 + " in rows[0] and "| blocks.5-6" in rows[0]
     assert "blocks.3-4 | blocks.7 + " in rows[1] and "lm_head" in rows[1]
     assert "'dp' (2 ranks) runs ZeRO-1" in report.replace("\n  ", " ")
+
+
+def test_the_verdict_names_a_pipeline_without_tensor_parallelism_and_its_flavour():
+    spec = ModelSpec(GPT, {"n_layer": 4, "batch_size": 16})
+    plan = baselines.megatron(spec, "dgx-a100-80g:2x2", pp=2, micro_batch=2, dp_flavour="zero1")
+    verdict = plan.report().split("\n\n")[1].replace("\n", " ")
+    assert verdict.startswith(
+        "Chosen: Megatron-LM pipeline parallelism on 4 GPUs (pp=2 x dp=2), ZeRO-1 data parallelism on dp, "
+        "2 pipeline stages (1f1b, 4 micro-batches)"
+    )
