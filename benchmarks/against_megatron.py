@@ -15,9 +15,9 @@ Columns, each simulated (step time and MFU):
 (a) the published configuration (``planner.baselines.megatron``'s plan). Table 1 gives no
     micro-batch size or schedule: we use micro-batches of 1 sample, 1F1B and full
     recomputation, as the paper's runs recompute activations;
-(b) the best of a grid of Megatron-LM configurations: tp, pp (even stages), micro-batch
-    1/2/4/8, 1F1B or interleaved (2 or 4 virtual stages), recomputation none/selective/full,
-    DDP or Megatron's distributed optimizer (ZeRO-1). The grid is ranked by the pipeline
+(b) the best of a grid of Megatron-LM configurations: tp (with or without sequence
+    parallelism), pp (even stages), micro-batch 1/2/4/8, 1F1B or interleaved (2 or 4 virtual
+    stages), recomputation none/selective/full, DDP or Megatron's distributed optimizer (ZeRO-1). The grid is ranked by the pipeline
     cost model (``search.pipeline_search``) and its ``GRID_SIMULATIONS`` best are simulated;
 (c) the searched plan: ``search.auto.search_plan`` at the default budget.
 
@@ -125,6 +125,8 @@ def describe(plan) -> str:
         parts.append(plan.dp_flavour)
     if plan.recompute != "none":
         parts.append({"full": "rc-full", "selective": "rc-sel"}[plan.recompute])
+    if plan.label == "megatron" and any(s.produced is not None for s in plan.strategies):
+        parts.append("sp")
     return " ".join(parts)
 
 

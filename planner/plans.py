@@ -170,6 +170,8 @@ class Plan:
             details.append(f"{pipeline.schedule}{interleaving}, {pipeline.micro_batches} micro-batches")
         if self.label and self.dp_flavour != "ddp" and "dp" in self.mesh.names:
             details.append(self.dp_flavour)  # a labelled plan's dp flavour is not in its label
+        if self.label == "megatron" and any(s.produced is not None for s in self.strategies):
+            details.append("sequence parallel")  # Megatron's layout reshards only for it
         return one_line(f"{self.label or self.dp_flavour} ({'; '.join(details)})")
 
     def report(self) -> str:

@@ -5,11 +5,11 @@ node (Megatron-LM's layout on tp, ``search.layouts.megatron_layout``), ``pp`` an
 ``world / tp`` up to the number of blocks, ``dp`` the rest (dividing the batch); 1, 2, 4 or 8
 samples per micro-batch per dp rank; 1F1B, and interleaved 1F1B with 2 or 4 virtual stages
 per device when the micro-batches are a multiple of pp; DDP, ZeRO-1 or FSDP on dp;
-recomputation none, selective or full.
+recomputation none, selective or full; with tp, sequence parallelism or not.
 
-Costs. One simulation per (tp, micro-batch size) gives every segment's time and memory per
-micro-batch (``Simulator.segment_profiles``; a segment is the ops before the first block,
-one block, or the ops after the last block). A segment costs the same on any stage, so every
+Costs. One simulation per (tp, sequence parallelism, micro-batch size) gives every
+segment's time and memory per micro-batch (``Simulator.segment_profiles``; a segment is the
+ops before the first block, one block, or the ops after the last block). A segment costs the same on any stage, so every
 split of every pipeline depth is priced from that one simulation:
 
 - Stage slicing (``slice_stages``), dynamic programming over the segments in order::
@@ -76,6 +76,7 @@ class PipelineSpace:
     virtual_stages: tuple[int, ...] = (2, 4)
     flavours: tuple[str, ...] = ("ddp", "zero1", "fsdp")
     recompute: tuple[str, ...] = RECOMPUTE_ORDER
+    sequence_parallel: tuple[bool, ...] = (False, True)
     uneven: bool = True
 
 
@@ -169,6 +170,7 @@ class Configuration:
     virtual_stages: int
     flavour: str
     recompute: str
+    sequence_parallel: bool = False  # tp > 1 only: the residual stream split on the sequence
 
     @property
     def mesh(self) -> Mesh:
@@ -229,9 +231,13 @@ class PipelineGrid:
             return []
         world, per_node = cluster.world_size, cluster.devices_per_node
         found = []
-        for tp in _divisors(per_node):
-            if world % tp or self._layout(tp, ("tp",) if tp > 1 else ()) is None:
-                continue
+        layouts = [
+            (tp, split)
+            for tp in _divisors(per_node)
+            for split in (space.sequence_parallel if tp > 1 else (False,))
+            if world % tp == 0 and self._layout(tp, split, ("tp",) if tp > 1 else ()) is not None
+        ]
+        for tp, split in layouts:
             for pp in _divisors(world // tp):
                 dp = world // (tp * pp)
                 if pp > self.blocks or batch % dp:
@@ -251,7 +257,9 @@ class PipelineGrid:
                             continue
                         for flavour in space.flavours if dp > 1 else ("ddp",):
                             for recompute in space.recompute:
-                                found.append(Configuration(tp, pp, dp, size, micro_batches, schedule, chunks, flavour, recompute))
+                                found.append(Configuration(
+                                    tp, pp, dp, size, micro_batches, schedule, chunks, flavour, recompute, split
+                                ))
         return found
 
     def best(self, count: int) -> list[Estimate]:
@@ -273,7 +281,7 @@ class PipelineGrid:
             # Recomputation only adds time: once a configuration fits, the same one
             # recomputing more is dominated. (Flavours are not ordered so: ZeRO-1's sharded
             # optimizer step can beat DDP's despite its extra all-gather.)
-            group = (config.tp, config.pp, config.micro_batch, config.schedule, config.virtual_stages, config.flavour)
+            group = dataclasses.replace(config, recompute="")
             rank = RECOMPUTE_ORDER.index(config.recompute)
             if any(fitted <= rank for fitted in fitting.get(group, ())):
                 continue
@@ -294,7 +302,7 @@ class PipelineGrid:
         """The estimated configuration as a simulated Megatron-layout plan."""
         config = estimate.config
         mesh = config.mesh
-        strategies, inputs = self._layout(config.tp, mesh.names)
+        strategies, inputs = self._layout(config.tp, config.sequence_parallel, mesh.names)
         pipeline = None
         if config.pp > 1:
             stages = config.pp * config.virtual_stages
@@ -485,33 +493,36 @@ class PipelineGrid:
 
     # ------------------------------------------------------------------ caches
 
-    def _layout(self, tp: int, names: tuple[str, ...]):
+    def _layout(self, tp: int, sequence_parallel: bool, names: tuple[str, ...]):
         """Megatron's placements for a mesh with these axis names (sizes other than tp do
         not change them), every op on stage 0 (``plan`` restages them); None when the
-        model does not split over tp. Built once per tp on every axis; a mesh with fewer
-        axes takes their columns (each axis is propagated on its own)."""
+        model does not split over tp. Built once per (tp, sequence parallelism) on every
+        axis; a mesh with fewer axes takes their columns (each axis is propagated alone)."""
         full = ("pp", "dp", "tp") if tp > 1 else ("pp", "dp")
-        if (tp, full) not in self._layouts:
+        if (tp, sequence_parallel, full) not in self._layouts:
             sizes = {"pp": 2, "dp": 2, "tp": tp}
             try:
                 strategies, inputs = megatron_layout(
-                    self.graph, Mesh(tuple((name, sizes[name]) for name in full)), layers_per_stage=(self.blocks, 0)
+                    self.graph, Mesh(tuple((name, sizes[name]) for name in full)),
+                    sequence_parallel=sequence_parallel, layers_per_stage=(self.blocks, 0),
                 )
-                self._layouts[(tp, full)] = (tuple(dataclasses.replace(s, stage=0) for s in strategies), inputs)
+                built = (tuple(dataclasses.replace(s, stage=0) for s in strategies), inputs)
             except PlanningError:
-                self._layouts[(tp, full)] = None
-        if (tp, names) not in self._layouts:
-            base = self._layouts[(tp, full)]
-            self._layouts[(tp, names)] = None if base is None else _columns(base, [full.index(n) for n in names])
-        return self._layouts[(tp, names)]
+                built = None
+            self._layouts[(tp, sequence_parallel, full)] = built
+        key = (tp, sequence_parallel, names)
+        if key not in self._layouts:
+            base = self._layouts[(tp, sequence_parallel, full)]
+            self._layouts[key] = None if base is None else _columns(base, [full.index(n) for n in names])
+        return self._layouts[key]
 
     def _profile(self, config: Configuration) -> list[SegmentProfile] | None:
         """Segment costs per micro-batch of ``config.micro_batch`` samples on its tp, from one
         simulation shared by every configuration with the same tp, axes and micro-batch."""
         mesh = config.mesh
-        key = (config.tp, mesh.names, config.micro_batch)
+        key = (config.tp, config.sequence_parallel, mesh.names, config.micro_batch)
         if key not in self._profiles:
-            layout = self._layout(config.tp, mesh.names)
+            layout = self._layout(config.tp, config.sequence_parallel, mesh.names)
             if layout is None:
                 self._profiles[key] = None
                 return None

@@ -209,8 +209,23 @@ def test_grid_options_follow_the_space(heavy_head):
         assert c.micro_batch * c.micro_batches * c.dp == graph.batch_size
         if c.schedule == "interleaved":
             assert c.micro_batches % c.pp == 0 and c.pp * c.virtual_stages <= 8
+    assert {c.sequence_parallel for c in configs if c.tp == 1} == {False}
+    assert {c.sequence_parallel for c in configs if c.tp == 2} == {False, True}
     even = PipelineGrid(graph, cluster, "bf16", PipelineSpace(uneven=False, flavours=("ddp",))).configurations()
     assert all(8 % (c.pp * c.virtual_stages) == 0 and c.flavour == "ddp" for c in even)
+
+
+def test_sequence_parallel_configurations_build_sequence_parallel_plans(heavy_head):
+    graph, spec, name, cluster = heavy_head
+    grid = PipelineGrid(graph, cluster, "bf16", PipelineSpace())
+    plans = {}
+    for split in (False, True):
+        config = Configuration(tp=2, pp=2, dp=1, micro_batch=1, micro_batches=32, schedule="1f1b", virtual_stages=1,
+                               flavour="ddp", recompute="none", sequence_parallel=split)
+        plans[split] = grid.plan(grid.estimate(config), spec, name)
+    assert plans[True].name == plans[False].name[:-1] + "; sequence parallel)"
+    # The residual stream split over tp: fewer activation bytes kept for backward.
+    assert plans[True].estimate.memory.activations < plans[False].estimate.memory.activations
 
 
 def test_pipeline_plan_names_tell_configurations_apart(heavy_head):
