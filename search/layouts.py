@@ -8,6 +8,7 @@ axis ``pp`` shards nothing: it assigns ops to stages.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -72,6 +73,28 @@ def combine(
         for i in graph.inputs
     }
     return tuple(strategies), inputs
+
+
+def restrict_axes(
+    strategies: tuple[NodeStrategy, ...], inputs: dict[str, Placements | None], keep: Sequence[int]
+) -> tuple[tuple[NodeStrategy, ...], dict[str, Placements | None]]:
+    """A layout (``combine``'s result) on the mesh axes at positions ``keep`` only: what
+    ``combine`` gives on that smaller mesh, since every axis is propagated on its own."""
+
+    def pick(placements: Placements) -> Placements:
+        return tuple(placements[k] for k in keep)
+
+    narrowed = tuple(
+        dataclasses.replace(
+            s,
+            inputs=tuple(pick(p) for p in s.inputs),
+            outputs=tuple(pick(p) for p in s.outputs),
+            params={name: pick(p) for name, p in s.params.items()},
+            produced=None if s.produced is None else tuple(pick(p) for p in s.produced),
+        )
+        for s in strategies
+    )
+    return narrowed, {name: None if p is None else pick(p) for name, p in inputs.items()}
 
 
 def _input_placement(per_axis, axis: str, name: str, graph: OpGraph) -> Placement:

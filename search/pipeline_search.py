@@ -60,7 +60,7 @@ from planner.model_spec import ModelSpec
 from planner.plans import Plan
 from planner.strategy import Mesh, PipelineConfig
 from search.budget import SearchBudget
-from search.layouts import megatron_layout, uneven_stages
+from search.layouts import megatron_layout, restrict_axes, uneven_stages
 from search.plan_builder import unsimulated_plan
 
 RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes more
@@ -513,7 +513,7 @@ class PipelineGrid:
         key = (tp, sequence_parallel, names)
         if key not in self._layouts:
             base = self._layouts[(tp, sequence_parallel, full)]
-            self._layouts[key] = None if base is None else _columns(base, [full.index(n) for n in names])
+            self._layouts[key] = None if base is None else restrict_axes(*base, [full.index(n) for n in names])
         return self._layouts[key]
 
     def _profile(self, config: Configuration) -> list[SegmentProfile] | None:
@@ -545,26 +545,6 @@ class PipelineGrid:
         if key not in self._collectives:
             self._collectives[key] = collective_time(kind, size, self.cluster, list(ranks), concurrent) if size else 0.0
         return self._collectives[key]
-
-
-def _columns(layout, keep: list[int]):
-    """A layout's placements restricted to the mesh axes at positions ``keep``."""
-    strategies, inputs = layout
-
-    def pick(placements):
-        return tuple(placements[k] for k in keep)
-
-    narrowed = tuple(
-        dataclasses.replace(
-            s,
-            inputs=tuple(pick(p) for p in s.inputs),
-            outputs=tuple(pick(p) for p in s.outputs),
-            params={name: pick(p) for name, p in s.params.items()},
-            produced=None if s.produced is None else tuple(pick(p) for p in s.produced),
-        )
-        for s in strategies
-    )
-    return narrowed, {name: None if p is None else pick(p) for name, p in inputs.items()}
 
 
 def _divisors(number: int) -> list[int]:

@@ -282,3 +282,16 @@ def test_search_prices_pipelines_on_one_node_only_when_memory_forces_recomputati
     assert squeezed.estimate.fits
     names = [squeezed.name, *(alt.name for alt in squeezed.runners_up)]
     assert any("micro-batches" in entry for entry in names)
+
+
+def test_a_layout_restricted_to_some_axes_is_the_layout_of_the_smaller_mesh(heavy_head):
+    from planner.strategy import Mesh
+    from search.layouts import megatron_layout, restrict_axes
+
+    graph = heavy_head[0]
+    full = megatron_layout(graph, Mesh((("pp", 2), ("dp", 2), ("tp", 2))), sequence_parallel=True,
+                           layers_per_stage=(8, 0))
+    strategies, inputs = restrict_axes(*full, [1, 2])
+    direct, direct_inputs = megatron_layout(graph, Mesh((("dp", 2), ("tp", 2))), sequence_parallel=True)
+    assert inputs == direct_inputs
+    assert [dataclasses.replace(s, stage=0) for s in strategies] == list(direct)
