@@ -16,9 +16,11 @@ Columns, each simulated (step time and MFU):
     micro-batch size or schedule: we use micro-batches of 1 sample, 1F1B and full
     recomputation, as the paper's runs recompute activations;
 (b) the best of a grid of Megatron-LM configurations: tp (with or without sequence
-    parallelism), pp (even stages), micro-batch 1/2/4/8, 1F1B or interleaved (2 or 4 virtual
-    stages), recomputation none/selective/full, DDP or Megatron's distributed optimizer (ZeRO-1). The grid is ranked by the pipeline
-    cost model (``search.pipeline_search``) and its ``GRID_SIMULATIONS`` best are simulated;
+    parallelism), pp (even stages; when the layers do not divide, the first and last stages
+    a layer short: ``search.layouts.nearly_even_layers``), micro-batches of 1/2/4/8, 1F1B or
+    interleaved (2 or 4 virtual stages), recomputation none/selective/full, DDP or Megatron's
+    distributed optimizer (ZeRO-1). The grid is ranked by the pipeline cost model
+    (``search.pipeline_search``) and its ``GRID_SIMULATIONS`` best are simulated;
 (c) the searched plan: ``search.auto.search_plan`` at the default budget.
 
 The published configurations are only plans to compare against: no simulator constant is
@@ -37,6 +39,7 @@ from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from search.auto import search_plan
 from search.budget import SearchBudget
+from search.layouts import nearly_even_layers
 from search.megatron import megatron_plan
 from search.pipeline_search import PipelineGrid, PipelineSpace
 
@@ -69,15 +72,6 @@ def gpt(name, heads, hidden, layers, tp, pp, gpus, batch) -> Row:
 LLAMA_405B_LAYERS = 126
 
 
-def _layers_per_stage(layers: int, stages: int) -> list[int]:
-    """An almost even split that gives the end stages (embedding, head) the shorter share."""
-    base, extra = divmod(layers, stages)
-    counts = [base] * stages
-    for position in ([*range(1, stages - 1), 0, stages - 1])[:extra]:
-        counts[position] += 1
-    return counts
-
-
 ROWS = [
     gpt("1.7B", 24, 2304, 24, 1, 1, 32, 512),
     gpt("3.6B", 32, 3072, 30, 2, 1, 64, 512),
@@ -100,14 +94,15 @@ ROWS = [
         "dgx-h100:32", {"tp": 8, "sequence_parallel": True, "dp_flavour": "fsdp", "recompute": "full"}, "titan t4"),
     # torchtitan table 5: 512 GPUs, FSDP 8 x TP 8 x PP 8, local batch 32 (global 256), full
     # checkpointing, interleaved 1F1B (its faster row; 2 stages per rank, micro-batch 1). 126
-    # layers do not split into 16 stages evenly: the end stages take 7, the others 8.
+    # layers do not split into 16 stages evenly: the end stages take 7, the others 8
+    # (what Megatron-Core's --decoder-first/last-pipeline-num-layers would give).
     Row("Llama-405B", "llama.py",
         {"size": "8b", "n_layer": LLAMA_405B_LAYERS, "dim": 16384, "n_heads": 128, "n_kv_heads": 8, "ffn_dim": 53248,
          "batch_size": 256, "seq_len": 8192},
         "dgx-h100:64",
         {"tp": 8, "sequence_parallel": True, "pp": 8, "micro_batch": 1, "schedule": "interleaved", "virtual_stages": 2,
          "dp_flavour": "fsdp",
-         "recompute": "full", "layers_per_stage": tuple(_layers_per_stage(LLAMA_405B_LAYERS, 16))},
+         "recompute": "full", "layers_per_stage": nearly_even_layers(LLAMA_405B_LAYERS, 16)},
         "titan t5"),
 ]
 
@@ -116,8 +111,8 @@ def describe(plan) -> str:
     """``tp8 pp8 dp16 1f1b m96 full`` and the like: the knobs of a plan, short."""
     mesh = dict(plan.mesh.axes)
     parts = [f"{axis}{mesh[axis]}" for axis in ("tp", "pp", "dp") if mesh.get(axis, 1) > 1]
-    if plan.label != "megatron":
-        parts.insert(0, plan.label or "dp")
+    if plan.label and plan.label != "megatron":
+        parts.insert(0, plan.label)
     if plan.pipeline is not None:
         schedule = "int" + str(plan.pipeline.virtual_stages) if plan.pipeline.schedule == "interleaved" else "1f1b"
         parts.append(f"{schedule} m{plan.pipeline.micro_batches}")

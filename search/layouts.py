@@ -222,6 +222,17 @@ def even_stages(graph: OpGraph, stages: int) -> dict[str, int]:
     return uneven_stages(graph, (blocks // stages,) * stages)
 
 
+def nearly_even_layers(blocks: int, stages: int) -> tuple[int, ...]:
+    """``blocks`` over ``stages`` as evenly as they go; when they do not divide, the first and
+    last stages (which also hold the embedding and the head) are the ones left a block
+    short, as Megatron-Core's ``--decoder-first/last-pipeline-num-layers`` allow."""
+    base, extra = divmod(blocks, stages)
+    counts = [base] * stages
+    for position in [*range(1, stages - 1), 0, stages - 1][:extra]:
+        counts[position] += 1
+    return tuple(counts)
+
+
 def uneven_stages(graph: OpGraph, layers_per_stage: Sequence[int], stages: int | None = None) -> dict[str, int]:
     """Assign nodes to pipeline (virtual) stages holding ``layers_per_stage[s]`` consecutive
     blocks each: ops before the first block on stage 0, ops after the last block on the last

@@ -60,7 +60,7 @@ from planner.model_spec import ModelSpec
 from planner.plans import Plan
 from planner.strategy import Mesh, PipelineConfig
 from search.budget import SearchBudget
-from search.layouts import megatron_layout, restrict_axes, uneven_stages
+from search.layouts import megatron_layout, nearly_even_layers, restrict_axes, uneven_stages
 from search.plan_builder import unsimulated_plan
 
 RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes more
@@ -69,8 +69,8 @@ RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes 
 @dataclass(frozen=True)
 class PipelineSpace:
     """The options the grid combines (see the module docstring). ``uneven`` lets stage
-    slicing give stages different block counts; without it the blocks split evenly (as
-    Megatron-LM does), and only depths that divide them are tried."""
+    slicing give stages different block counts; without it the blocks split as Megatron-LM
+    splits them (``search.layouts.nearly_even_layers``)."""
 
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     virtual_stages: tuple[int, ...] = (2, 4)
@@ -253,8 +253,6 @@ class PipelineGrid:
                             if micro_batches % pp == 0 and pp * v <= self.blocks
                         ]
                     for schedule, chunks in schedules:
-                        if not space.uneven and self.blocks % (pp * chunks):
-                            continue
                         for flavour in space.flavours if dp > 1 else ("ddp",):
                             for recompute in space.recompute:
                                 found.append(Configuration(
@@ -415,13 +413,12 @@ class PipelineGrid:
             fullest = max(fullest, static + peak + transient)
         return fullest + self._fixed_bytes(config)
 
-    def _even_slicing(self, config: Configuration, costs: list[SegmentCost], stages: int) -> Slicing | None:
-        """Megatron's split: the blocks evenly, the ops around them with the end stages."""
-        if self.blocks % stages:
-            return None
+    def _even_slicing(self, config: Configuration, costs: list[SegmentCost], stages: int) -> Slicing:
+        """Megatron's split (``nearly_even_layers``), the ops around the blocks with the end
+        stages."""
         flags = [p.block for p in self._profile(config)]
         head = flags.index(True) if True in flags else 0
-        per_stage = [self.blocks // stages] * stages
+        per_stage = list(nearly_even_layers(self.blocks, stages))
         per_stage[0] += head
         per_stage[-1] += len(flags) - self.blocks - head
         members = _stage_members(costs, Slicing(tuple(per_stage), 0.0))
