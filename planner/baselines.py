@@ -58,8 +58,8 @@ def megatron(
 ) -> Plan:
     """Megatron-LM's layout: column/row-parallel blocks on ``tp``, layers split over ``pp``
     stages (evenly, or ``layers_per_stage`` blocks on each (virtual) stage, e.g.
-    ``(3, 4, 4, 3)``), the batch over ``dp`` with ``dp_flavour`` (``"ddp"``, or Megatron's
-    distributed optimizer ``"zero1"``, ``"zero2"``, ``"fsdp"``); see
+    ``(3, 4, 4, 3)``), the batch over ``dp`` with ``dp_flavour`` (``"ddp"``, ``"zero1"`` as
+    Megatron's distributed optimizer, ``"zero2"`` or ``"fsdp"``); see
     ``search.megatron.megatron_plan``."""
     from search.megatron import megatron_plan
 

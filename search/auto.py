@@ -263,9 +263,9 @@ def _pipeline_plans(graph, cluster, spec, model_name, precision, budget: SearchB
     """The best plans of the pipeline grid (``search.pipeline_search``: pp x dp x tp meshes,
     micro-batches, schedules, dp flavours, recomputation, stages sliced by dynamic
     programming), simulated; they compete with ``others``. On one node the grid is searched
-    only when no other plan fits without recomputation: there tensor and data parallelism
-    on the node's links usually win, and single-node plans keep their compiled layouts
-    until pipelines compile with every dp flavour and schedule."""
+    only when no other plan fits without recomputation: small single-node models keep the
+    plans (and compiled programs) they had while pipelines compile for only some dp
+    flavours and schedules (``codegen.pipeline_emit.unsupported``)."""
     if cluster.num_nodes < 2 and any(p.estimate.fits and p.recompute == "none" for p in others):
         return []
     return pipeline_plans(graph, cluster, spec, model_name, precision, budget)
