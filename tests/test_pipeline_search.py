@@ -304,3 +304,20 @@ def test_nearly_even_layers_leave_the_end_stages_short():
     assert nearly_even_layers(126, 16) == (7,) + (8,) * 14 + (7,)
     assert nearly_even_layers(10, 4) == (2, 3, 3, 2)
     assert nearly_even_layers(7, 2) == (4, 3)  # two stages: the first end takes the extra block
+
+
+def test_slicing_is_never_slower_than_megatrons_split(heavy_head):
+    graph, _, _, cluster = heavy_head
+    free = PipelineGrid(graph, cluster, "bf16", PipelineSpace())
+    megatron = PipelineGrid(graph, cluster, "bf16", PipelineSpace(uneven=False))
+    compared = 0
+    for config in free.configurations():
+        if config.pp == 1 or config.recompute != "none":
+            continue
+        ours, theirs = free.estimate(config), megatron.estimate(config)
+        if theirs is not None:
+            assert ours is not None and ours.step_s <= theirs.step_s * (1 + 1e-12)
+            compared += 1
+            if ours.step_s < theirs.step_s * (1 - 1e-9):
+                assert ours.layers_per_stage != theirs.layers_per_stage
+    assert compared > 20
