@@ -145,7 +145,8 @@ def _pipeline_table(plan: "Plan") -> Table:
         chunks = [by_stage.get(v, []) for v in range(rank, pipeline.stages * pipeline.virtual_stages, pipeline.stages)]
         busy = sum(s.cost.compute_s + s.cost.communication_s for chunk in chunks for s in chunk)
         memory = estimate.stage_memory[rank].total if rank < len(estimate.stage_memory) else 0
-        table.add_row(str(rank), " | ".join(_stage_contents(chunk) for chunk in chunks), format_seconds(busy), format_bytes(memory))
+        holds = " | ".join(_stage_contents(chunk) for chunk in chunks)
+        table.add_row(str(rank), holds, format_seconds(busy), format_bytes(memory))
     return table
 
 
@@ -200,7 +201,7 @@ def _axes_text(plan: "Plan") -> str:
             parts.append(f"'dp' ({size} ranks) runs {_FLAVOUR_TEXT[plan.dp_flavour].split(':')[0]}")
         else:
             parts.append(f"'{axis}' ({size} ranks) runs {roles.get(axis, axis)}")
-    return "axes: " + "; ".join(parts) + ". Stage time: forward + backward of every micro-batch, recomputation excluded."
+    return f"axes: {'; '.join(parts)}. Stage time: forward + backward of every micro-batch, recomputation excluded."
 
 
 def _group_by_module(strategies: tuple[NodeStrategy, ...]) -> "OrderedDict[str, list[NodeStrategy]]":

@@ -343,7 +343,8 @@ class PipelineGrid:
             memory = self._device_memory(costs, slicing, config)
             if memory > self.capacity:
                 continue
-            estimate = Estimate(self._step_time(config, costs, slicing), config, self._layers_per_stage(config, slicing), memory)
+            seconds = self._step_time(config, costs, slicing)
+            estimate = Estimate(seconds, config, self._layers_per_stage(config, slicing), memory)
             if best is None or estimate.step_s < best.step_s:
                 best = estimate
         return best
@@ -442,7 +443,8 @@ class PipelineGrid:
             compute = sum(stage_times) + (m - 1) * max(stage_times)
         if pp > 1:
             boundary = max(p.input_bytes for p in self._profile(config))
-            compute += 2 * (len(stage_times) - 1) * self._collective("send_recv", boundary, (0, self.cluster.world_size // pp), 1)
+            hop = self._collective("send_recv", boundary, (0, self.cluster.world_size // pp), 1)
+            compute += 2 * (len(stage_times) - 1) * hop  # activations forward, gradients back
         profiles = self._profile(config)
         weights, grads, states = bytes_per_parameter(self.precision)
         dp, flavour = config.dp, config.flavour
@@ -460,7 +462,8 @@ class PipelineGrid:
             if dp > 1 and flavour == "fsdp":
                 # Each segment's gradients are reduce-scattered after its last backward:
                 # the first segment's is left when the backward ends.
-                after += self._dp_collective("reduce_scatter", members[0].synced_elements * grads, config) if members else 0.0
+                first = members[0].synced_elements * grads if members else 0.0
+                after += self._dp_collective("reduce_scatter", first, config)
             elif dp > 1:
                 # Gradients are reduced bucket by bucket during the last backward, which
                 # hides about its backward share (two thirds of a micro-batch's time).
