@@ -45,7 +45,7 @@ from cost_model.resharding import backward_collective, forward_collective
 from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
 from planner.graph import OpGraph, OpNode
-from planner.strategy import CostParts, MemoryBreakdown, NodeStrategy, SimResult, TimelineEvent
+from planner.strategy import RECOMPUTE_MODES, CostParts, MemoryBreakdown, NodeStrategy, SimResult, TimelineEvent
 
 # bytes per parameter by precision: (weights, gradients, optimizer states). Mixed
 # precision keeps fp16/bf16 weights and gradients and fp32 master weights plus Adam's two
@@ -102,6 +102,35 @@ class Segment:
     params: dict[str, float] = field(default_factory=dict)  # name -> local bytes per element-size 1
     dp_synced: set[str] = field(default_factory=set)
     axis_bytes: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SegmentProfile:
+    """One segment's costs for one micro-batch on one device (``Simulator.segment_profiles``).
+
+    ``time_s``, ``kept_bytes`` and ``transient_bytes`` are keyed by recomputation mode
+    (``"none"``, ``"selective"``, ``"full"``): forward + backward seconds with the
+    tensor-parallel collectives on the critical path; bytes kept for backward per
+    micro-batch in flight; bytes alive only while the segment recomputes.
+    ``param_elements`` are the local parameter elements (``synced_elements`` those whose
+    gradients are reduced over ``dp``); ``input_bytes`` what it reads from earlier segments.
+    """
+
+    name: str
+    block: bool
+    time_s: dict[str, float]
+    kept_bytes: dict[str, float]
+    transient_bytes: dict[str, float]
+    param_elements: float
+    synced_elements: float
+    input_bytes: float
+
+
+def bytes_per_parameter(precision: str) -> tuple[int, int, int]:
+    """Bytes per parameter element of (weights, gradients, optimizer states) before any
+    sharding, for mixed-precision Adam at ``precision``."""
+    check_precision(precision)
+    return _PARAM_BYTES[precision]
 
 
 class _Bucket:
@@ -202,6 +231,29 @@ class Simulator:
             bubble_fraction=max(0.0, 1 - busy[critical] / no_comm) if no_comm else 0.0,
             timeline=timeline,
         )
+
+    def segment_profiles(self) -> list[SegmentProfile]:
+        """Per-segment costs of one micro-batch on one device, in graph order, for every
+        recomputation mode: what pipeline stage slicing needs, from this one simulation
+        (segment costs do not depend on which stage a segment is on)."""
+        profiles = []
+        for segment in self._segments():
+            by_mode = {mode: self._activation_bytes(segment, mode) for mode in RECOMPUTE_MODES}
+            profiles.append(SegmentProfile(
+                name=segment.name,
+                block=segment.block,
+                time_s={
+                    mode: segment.forward_s + segment.forward_comm_s + self._backward_time(segment, mode)
+                    + self._backward_comm(segment, mode)
+                    for mode in RECOMPUTE_MODES
+                },
+                kept_bytes={mode: kept for mode, (kept, _) in by_mode.items()},
+                transient_bytes={mode: transient for mode, (_, transient) in by_mode.items()},
+                param_elements=sum(segment.params.values()),
+                synced_elements=sum(segment.params[name] for name in segment.dp_synced),
+                input_bytes=segment.input_bytes,
+            ))
+        return profiles
 
     def annotated_strategies(self) -> tuple[NodeStrategy, ...]:
         """The plan's strategies with each node's simulated cost parts for one step
@@ -669,6 +721,17 @@ class Simulator:
             communication_buffers=int(comm),
         )
 
+    @staticmethod
+    def _activation_bytes(segment: Segment, recompute: str) -> tuple[float, float]:
+        """(bytes a micro-batch keeps for backward, bytes alive only while it recomputes)."""
+        if not segment.block:
+            return segment.saved_bytes, 0.0  # ops around the blocks keep their activations
+        if recompute == "full":
+            return segment.checkpoint_bytes, segment.saved_bytes
+        if recompute == "selective":
+            return segment.saved_bytes - segment.score_bytes, segment.score_bytes
+        return segment.saved_bytes, 0.0
+
     def _peak_activations(self, stage: int, segments: list[Segment]) -> float:
         """Peak bytes held for backward by the micro-batches in flight on this device."""
         recompute = self.plan.recompute
@@ -676,16 +739,8 @@ class Simulator:
         transient = 0.0
         for segment in segments:
             chunk = segment.stage // self.pp
-            if not segment.block:
-                kept = segment.saved_bytes  # ops around the blocks keep their activations
-            elif recompute == "full":
-                kept = segment.checkpoint_bytes
-                transient = max(transient, segment.saved_bytes)
-            elif recompute == "selective":
-                kept = segment.saved_bytes - segment.score_bytes
-                transient = max(transient, segment.score_bytes)
-            else:
-                kept = segment.saved_bytes
+            kept, recomputed = self._activation_bytes(segment, recompute)
+            transient = max(transient, recomputed)
             chunk_bytes[chunk] = chunk_bytes.get(chunk, 0.0) + kept
         held = peak = 0.0
         for kind, _, chunk in pipeline_schedule(self.schedule_name, stage, self.pp, self.micro_batches, self.chunks):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from planner import arguments
 from planner.api import prepare_model
 from planner.cluster import Cluster
+from planner.errors import ArgumentError
 from planner.plans import PLAN_PRECISIONS, Plan
 from planner.strategy import DP_FLAVOURS, PIPELINE_SCHEDULES
 
@@ -52,12 +53,14 @@ def megatron(
     sequence_parallel: bool = False,
     precision: str = "bf16",
     dp_flavour: str = "ddp",
+    layers_per_stage=None,
     spec=None,
 ) -> Plan:
-    """Megatron-LM's layout: column/row-parallel blocks on ``tp``, layers split evenly over
-    ``pp`` stages, the batch over ``dp`` (see ``search.megatron.megatron_plan``).
-    ``dp_flavour`` says how the ``dp`` axis keeps weights: ``"ddp"`` (whole), ``"zero1"``
-    (Megatron's distributed optimizer), ``"zero2"`` or ``"fsdp"``."""
+    """Megatron-LM's layout: column/row-parallel blocks on ``tp``, layers split over ``pp``
+    stages (evenly, or ``layers_per_stage`` blocks on each (virtual) stage, e.g.
+    ``(3, 4, 4, 3)``), the batch over ``dp`` with ``dp_flavour`` (``"ddp"``, ``"zero1"`` as
+    Megatron's distributed optimizer, ``"zero2"`` or ``"fsdp"``); see
+    ``search.megatron.megatron_plan``."""
     from search.megatron import megatron_plan
 
     for argument, value in (("tp", tp), ("pp", pp), ("micro_batch", micro_batch), ("virtual_stages", virtual_stages)):
@@ -66,13 +69,18 @@ def megatron(
         arguments.integer_at_least(dp, "dp", 1)
     arguments.one_of(schedule, PIPELINE_SCHEDULES, "schedule")
     arguments.one_of(precision, PLAN_PRECISIONS, "precision")
-    arguments.one_of(dp_flavour, DP_FLAVOURS, "dp_flavour")
     arguments.boolean(sequence_parallel, "sequence_parallel")
+    arguments.one_of(dp_flavour, DP_FLAVOURS, "dp_flavour")
+    if layers_per_stage is not None and not (
+        isinstance(layers_per_stage, (list, tuple))
+        and all(isinstance(c, int) and not isinstance(c, bool) for c in layers_per_stage)
+    ):
+        raise ArgumentError(f"layers_per_stage must be a list of integers (blocks per stage), got {layers_per_stage!r}")
     graph, spec, name, cluster = prepare_model(model, cluster, example_inputs, spec)
     return megatron_plan(
         graph, cluster, spec, name, tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, schedule=schedule,
         virtual_stages=virtual_stages, recompute=recompute, sequence_parallel=sequence_parallel, precision=precision,
-        dp_flavour=dp_flavour,
+        dp_flavour=dp_flavour, layers_per_stage=None if layers_per_stage is None else tuple(layers_per_stage),
     )
 
 

@@ -264,7 +264,9 @@ class Cluster:
     @property
     def world_size(self) -> int:
         """Total number of devices (ranks)."""
-        return sum(node.devices for node in self.nodes)
+        # From the node starts made at construction: planning asks this once per rank of
+        # every group it prices, so summing 128 nodes each time adds up.
+        return self._node_starts[-1] + self.nodes[-1].devices  # type: ignore[attr-defined]
 
     @property
     def num_nodes(self) -> int:

@@ -180,13 +180,22 @@ class Plan:
 
     @property
     def name(self) -> str:
-        """Short name of the strategy, e.g. ``"fsdp (dp=4)"``, ``"soap (dp=2 x tp=4)"``, with
-        weights split over ``dp`` beside other axes ``"soap (dp=2 x tp=4, fsdp)"``, with
-        gradient accumulation ``"zero2 (dp=16, 4 micro-batches)"``; one line, whatever a plan
-        file's label holds."""
-        flavour = f", {self.dp_flavour}" if self.label and self.dp_flavour != "ddp" else ""
-        steps = f", {self.accumulation_steps} micro-batches" if self.accumulation_steps > 1 else ""
-        return one_line(f"{self.label or self.dp_flavour} ({self.mesh}{flavour}{steps})")
+        """Short name of the strategy, e.g. ``"fsdp (dp=4)"``, ``"soap (dp=2 x tp=4)"``,
+        ``"megatron (pp=4 x dp=2 x tp=8; 1f1b, 16 micro-batches; zero1)"`` or, with gradient
+        accumulation, ``"zero2 (dp=16; 2 micro-batches)"``; one line, whatever a plan file's
+        label holds."""
+        details = [str(self.mesh)]
+        if self.pipeline is not None:
+            pipeline = self.pipeline
+            interleaving = f" x{pipeline.virtual_stages}" if pipeline.schedule == "interleaved" else ""
+            details.append(f"{pipeline.schedule}{interleaving}, {pipeline.micro_batches} micro-batches")
+        if self.accumulation_steps > 1:
+            details.append(f"{self.accumulation_steps} micro-batches")
+        if self.label and self.dp_flavour != "ddp" and "dp" in self.mesh.names:
+            details.append(self.dp_flavour)  # a labelled plan's dp flavour is not in its label
+        if self.label == "megatron" and any(s.produced is not None for s in self.strategies):
+            details.append("sequence parallel")  # Megatron's layout reshards only for it
+        return one_line(f"{self.label or self.dp_flavour} ({'; '.join(details)})")
 
     def report(self) -> str:
         """A readable text report: cluster, mesh, strategy per layer, memory and time."""

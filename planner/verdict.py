@@ -41,8 +41,10 @@ def plan_label(plan: "Plan") -> str:
 def strategy_words(plan: "Plan") -> str:
     """The strategy in a phrase: ``ZeRO-2 data parallelism (...) on all 16 GPUs (dp=16)``."""
     devices = _devices(plan)
-    if plan.label.startswith("megatron"):
-        text = f"Megatron-LM tensor parallelism on {devices} ({plan.mesh})"
+    if plan.label == "megatron":
+        names = plan.mesh.names
+        kind = "tensor" if "tp" in names else "pipeline" if "pp" in names else "data"
+        text = f"Megatron-LM {kind} parallelism on {devices} ({plan.mesh})"
     elif plan.label == "soap":
         split = sum(
             1 for placements in _parameter_placements(plan).values() if not all(isinstance(p, Replicate) for p in placements)

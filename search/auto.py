@@ -30,6 +30,7 @@ from search.ilp import solve
 from search.layouts import batch_input_placements, combine
 from search.mcmc import mcmc
 from search.megatron import megatron_baseline
+from search.pipeline_search import pipeline_plans
 from search.plan_builder import input_placements, unsimulated_plan
 
 SEARCHES = ("auto", "ilp", "mcmc")
@@ -126,9 +127,9 @@ def search_plan(
             flavours = [data_parallel_plan(graph, cluster, spec, model_name, f, warnings, precision) for f in DATA_PARALLEL_FLAVOURS]
             plans += flavours + _recomputing(flavours, graph)
         plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes)
+    plans += _pipeline_plans(graph, cluster, spec, model_name, precision, budget, plans)
     # Gradient accumulation: what does not fit at once may fit one micro-batch at a time.
     plans += [variant for plan in plans if (variant := accumulating(plan, graph))]
-    plans += _pipeline_plans(graph, cluster, spec, model_name, precision)
     baselines = _baselines(graph, cluster, spec, model_name, precision, {p.name for p in plans})
     baselines += [variant for plan in baselines if (variant := accumulating(plan, graph))]
     # The baselines compete too: a search that cannot beat Megatron's layout returns it.
@@ -172,11 +173,11 @@ def _runners_up(best: Plan, plans: list[Plan], baselines: list[Plan]) -> tuple:
     baselines = [p for p in baselines if p is not best]
     # The fastest Megatron-LM baseline that fits (or the one nearest to fitting), then the
     # data-parallel baselines while rows are left.
-    megatron = [p for p in baselines if p.label.startswith("megatron")]
+    megatron = [p for p in baselines if p.label == "megatron"]
     if megatron:
         shown = min(megatron, key=lambda p: (not p.estimate.fits, p.estimate.step_time_s if p.estimate.fits else p.estimate.memory.total))
         labelled.append((f"baseline {_key(shown)}", shown))
-    labelled += [(f"baseline {_key(p)}", p) for p in baselines if not p.label.startswith("megatron")][: max(0, RUNNERS_UP - len(labelled))]
+    labelled += [(f"baseline {_key(p)}", p) for p in baselines if not p.label == "megatron"][: max(0, RUNNERS_UP - len(labelled))]
     return tuple(dataclasses.replace(alternative(p, best), name=label) for label, p in labelled)
 
 
@@ -304,26 +305,16 @@ def _key(plan: Plan) -> str:
     return f"{plan.name}{', recompute ' + plan.recompute if plan.recompute != 'none' else ''}"
 
 
-def _pipeline_plans(graph, cluster, spec, model_name, precision) -> list[Plan]:
-    """Megatron pipeline plans (tp = devices per node, 1F1B, full recomputation) for models
-    too large for one stage: the search does not place pipeline stages itself yet."""
-    from search.megatron import megatron_plan
-
-    layers = sum(graph.blocks.values())
-    if not cluster.is_homogeneous or layers < 2 or cluster.num_nodes < 2:
+def _pipeline_plans(graph, cluster, spec, model_name, precision, budget: SearchBudget, others: list[Plan]) -> list[Plan]:
+    """The best plans of the pipeline grid (``search.pipeline_search``: pp x dp x tp meshes,
+    micro-batches, schedules, dp flavours, recomputation, stages sliced by dynamic
+    programming), simulated; they compete with ``others``. On one node the grid is searched
+    only when no other plan fits without recomputation: small single-node models keep the
+    plans (and compiled programs) they had while pipelines compile for only some dp
+    flavours and schedules (``codegen.pipeline_emit.unsupported``)."""
+    if cluster.num_nodes < 2 and any(p.estimate.fits and p.recompute == "none" for p in others):
         return []
-    tp = cluster.devices_per_node
-    plans = []
-    for pp in (2, 4, 8, 16, 32, 64):
-        if layers % pp or cluster.world_size % (tp * pp) or pp > layers:
-            continue
-        try:
-            plans.append(megatron_plan(graph, cluster, spec, model_name, tp=tp, pp=pp, micro_batch=1, recompute="full", precision=precision))
-        except PlanningError:
-            continue
-        if plans[-1].estimate.fits:
-            break  # deeper pipelines add bubble; the first that fits is the one to beat
-    return plans
+    return pipeline_plans(graph, cluster, spec, model_name, precision, budget)
 
 
 def _dp_axis(graph: OpGraph):

@@ -8,7 +8,10 @@ one and a busy one, so every budget counts work, never seconds:
 - MCMC gets ``MCMC_NODE_SIMULATIONS x effort / graph nodes`` proposals per mesh (a delta
   simulation costs about one pass over the graph), between ``MCMC_MIN_PROPOSALS`` and
   ``MCMC_MAX_PROPOSALS`` (``mcmc_proposals``);
-- the meshes, flavours and layouts tried are a fixed list for the cluster and batch.
+- the meshes, flavours and layouts tried are a fixed list for the cluster and batch;
+- the pipeline grid (``search.pipeline_search``) ranks its configurations by a cost model
+  built from one simulation per (tp, micro-batch size), then simulates the best
+  ``PIPELINE_SIMULATIONS x effort`` of them in full (``pipeline_candidates``).
 
 The wall clock is only a safety cap (``--time-budget``): when it ends a solve or a walk
 before its work budget is spent, ``cut_short`` records where, and the plan's report says
@@ -26,6 +29,8 @@ ILP_WORK_PER_MESH = 2.0
 # MCMC work per mesh at effort 1, in nodes simulated (delta simulations re-run the graph).
 MCMC_NODE_SIMULATIONS = 30_000
 MCMC_MIN_PROPOSALS, MCMC_MAX_PROPOSALS = 20, 300
+# Pipeline configurations simulated in full at effort 1 (one costs about 0.3 s at 96 layers).
+PIPELINE_SIMULATIONS = 4
 # Safety cap of the whole plan() call (tracing included) when the caller gives none.
 DEFAULT_WALL_CLOCK_CAP_S = 600.0
 
@@ -60,6 +65,10 @@ class SearchBudget:
         re-simulates more."""
         proposals = round(MCMC_NODE_SIMULATIONS * self.effort / max(1, graph_nodes))
         return max(MCMC_MIN_PROPOSALS, min(round(MCMC_MAX_PROPOSALS * self.effort), proposals))
+
+    def pipeline_candidates(self) -> int:
+        """How many of the pipeline grid's best-ranked configurations to simulate in full."""
+        return max(1, round(PIPELINE_SIMULATIONS * self.effort))
 
     def seconds_left(self) -> float | None:
         """Wall-clock seconds before the cap, or None without one (never below 0.01)."""

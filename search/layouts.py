@@ -8,6 +8,9 @@ axis ``pp`` shards nothing: it assigns ops to stages.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
@@ -72,6 +75,28 @@ def combine(
     return tuple(strategies), inputs
 
 
+def restrict_axes(
+    strategies: tuple[NodeStrategy, ...], inputs: dict[str, Placements | None], keep: Sequence[int]
+) -> tuple[tuple[NodeStrategy, ...], dict[str, Placements | None]]:
+    """A layout (``combine``'s result) on the mesh axes at positions ``keep`` only: what
+    ``combine`` gives on that smaller mesh, since every axis is propagated on its own."""
+
+    def pick(placements: Placements) -> Placements:
+        return tuple(placements[k] for k in keep)
+
+    narrowed = tuple(
+        dataclasses.replace(
+            s,
+            inputs=tuple(pick(p) for p in s.inputs),
+            outputs=tuple(pick(p) for p in s.outputs),
+            params={name: pick(p) for name, p in s.params.items()},
+            produced=None if s.produced is None else tuple(pick(p) for p in s.produced),
+        )
+        for s in strategies
+    )
+    return narrowed, {name: None if p is None else pick(p) for name, p in inputs.items()}
+
+
 def _input_placement(per_axis, axis: str, name: str, graph: OpGraph) -> Placement:
     # The placement an input is fed in: what its first consumer on this axis reads it as.
     for node in graph.nodes:
@@ -87,7 +112,11 @@ def data_parallel_layout(graph: OpGraph, mesh: Mesh) -> tuple[tuple[NodeStrategy
 
 
 def megatron_layout(
-    graph: OpGraph, mesh: Mesh, sequence_parallel: bool = False, virtual_stages: int = 1
+    graph: OpGraph,
+    mesh: Mesh,
+    sequence_parallel: bool = False,
+    virtual_stages: int = 1,
+    layers_per_stage: Sequence[int] | None = None,
 ) -> tuple[tuple[NodeStrategy, ...], dict[str, Placements | None]]:
     """Megatron-LM's layout on a ``(pp, dp, tp)`` mesh (Shoeybi et al. 2019; Narayanan et al. 2021).
 
@@ -100,7 +129,8 @@ def megatron_layout(
     (``examples/gpt.py``, ``hf:gpt2``, ``hf:llama``, ``hf:bert``). With
     ``sequence_parallel`` the residual stream between blocks is split on the sequence: the
     all-reduces become reduce-scatters plus all-gathers (Korthikanti et al. 2022).
-    On ``pp``: the repeated blocks are split evenly over ``pp * virtual_stages`` stages.
+    On ``pp``: the repeated blocks are split evenly over ``pp * virtual_stages`` stages, or
+    as ``layers_per_stage`` says (one count per virtual stage, ``uneven_stages``).
     On ``dp``: the batch, as data parallelism.
 
     Raises:
@@ -117,7 +147,12 @@ def megatron_layout(
         )
         _check_divisible(graph, per_axis["tp"], tp)
     pp = mesh.axis_size("pp") if "pp" in mesh.names else 1
-    stage_of = even_stages(graph, pp * virtual_stages) if pp > 1 else {}
+    stage_of = {}
+    if pp > 1:
+        if layers_per_stage is None:
+            stage_of = even_stages(graph, pp * virtual_stages)
+        else:
+            stage_of = uneven_stages(graph, layers_per_stage, stages=pp * virtual_stages)
     return combine(graph, mesh, per_axis, stage_of)
 
 
@@ -176,16 +211,50 @@ def _check_divisible(graph: OpGraph, placements: dict[str, AxisPlacements], size
 def even_stages(graph: OpGraph, stages: int) -> dict[str, int]:
     """Assign nodes to ``stages`` pipeline (virtual) stages: blocks split evenly, ops before
     the first block on stage 0, ops after the last block on the last stage."""
+    blocks = sum(graph.blocks.values())
+    if not blocks:
+        raise PlanningError("pipeline parallelism needs repeated blocks (layers) to split, and this model has none")
+    if blocks % stages:
+        raise PlanningError(
+            f"{blocks} layers do not split evenly over {stages} pipeline stages; "
+            f"choose pp (x virtual stages) dividing {blocks}"
+        )
+    return uneven_stages(graph, (blocks // stages,) * stages)
+
+
+def nearly_even_layers(blocks: int, stages: int) -> tuple[int, ...]:
+    """``blocks`` over ``stages`` as evenly as they go; when they do not divide, the first and
+    last stages (which also hold the embedding and the head) are the ones left a block
+    short, as Megatron-Core's ``--decoder-first/last-pipeline-num-layers`` allow."""
+    base, extra = divmod(blocks, stages)
+    counts = [base] * stages
+    for position in [*range(1, stages - 1), 0, stages - 1][:extra]:
+        counts[position] += 1
+    return tuple(counts)
+
+
+def uneven_stages(graph: OpGraph, layers_per_stage: Sequence[int], stages: int | None = None) -> dict[str, int]:
+    """Assign nodes to pipeline (virtual) stages holding ``layers_per_stage[s]`` consecutive
+    blocks each: ops before the first block on stage 0, ops after the last block on the last
+    stage. The first and last stages may hold no block (only the embedding or the head);
+    every other stage holds at least one. ``stages``, when given, is how many (virtual)
+    stages the pipeline has: one count each.
+
+    Raises:
+        PlanningError: the model has no blocks, or the counts are not one per stage adding
+            up to its blocks.
+    """
     blocks = [(group, index) for group, count in graph.blocks.items() for index in range(count)]
     if not blocks:
         raise PlanningError("pipeline parallelism needs repeated blocks (layers) to split, and this model has none")
-    if len(blocks) % stages:
-        raise PlanningError(
-            f"{len(blocks)} layers do not split evenly over {stages} pipeline stages; "
-            f"choose pp (x virtual stages) dividing {len(blocks)}"
-        )
-    per_stage = len(blocks) // stages
-    stage_of_block = {block: position // per_stage for position, block in enumerate(blocks)}
+    check_layers_per_stage(layers_per_stage, len(blocks), stages)
+    stage_of_block = {}
+    position = 0
+    for stage, count in enumerate(layers_per_stage):
+        for block in blocks[position:position + count]:
+            stage_of_block[block] = stage
+        position += count
+    last = len(layers_per_stage) - 1
     stage_of: dict[str, int] = {}
     seen_block = False
     for node in graph.nodes:
@@ -193,5 +262,32 @@ def even_stages(graph: OpGraph, stages: int) -> dict[str, int]:
             seen_block = True
             stage_of[node.name] = stage_of_block[node.block]
         else:
-            stage_of[node.name] = stages - 1 if seen_block else 0
+            stage_of[node.name] = last if seen_block else 0
     return stage_of
+
+
+def check_layers_per_stage(layers_per_stage: Sequence[int], blocks: int, stages: int | None = None) -> None:
+    """Raise a one-line ``PlanningError`` unless ``layers_per_stage`` is a list of block
+    counts (``stages`` of them when given), at least one for every stage but the first and
+    last, adding up to ``blocks``."""
+    counts = tuple(layers_per_stage) if isinstance(layers_per_stage, (list, tuple)) else None
+    if counts is None or not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+        raise PlanningError(
+            f"layers_per_stage must be a non-empty list of block counts (integers >= 0), got {layers_per_stage!r}"
+        )
+    if stages is not None and len(counts) != stages:
+        raise PlanningError(
+            f"layers_per_stage {list(counts)} has {len(counts)} entries but the pipeline has {stages} (virtual) stages; "
+            f"give one count per stage"
+        )
+    if sum(counts) != blocks:
+        raise PlanningError(
+            f"layers_per_stage {list(counts)} holds {sum(counts)} layers but the model has {blocks}; "
+            f"give counts that add up to {blocks}"
+        )
+    empty_inside = [stage for stage, count in enumerate(counts) if count == 0 and 0 < stage < len(counts) - 1]
+    if empty_inside:
+        raise PlanningError(
+            f"layers_per_stage {list(counts)} leaves stage(s) {', '.join(map(str, empty_inside))} without a layer; "
+            f"only the first and last stages may hold none (they hold the embedding and the head)"
+        )

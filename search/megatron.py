@@ -8,6 +8,7 @@ and simulates the plan.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 
 from cost_model.simulator import simulated
 from planner.cluster import Cluster
@@ -16,7 +17,7 @@ from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
 from planner.strategy import PIPELINE_SCHEDULES, RECOMPUTE_MODES, Mesh, PipelineConfig
-from search.layouts import megatron_layout
+from search.layouts import check_layers_per_stage, megatron_layout
 from search.plan_builder import unsimulated_plan
 
 
@@ -36,6 +37,7 @@ def megatron_plan(
     sequence_parallel: bool = False,
     precision: str = "bf16",
     dp_flavour: str = "ddp",
+    layers_per_stage: Sequence[int] | None = None,
 ) -> Plan:
     """A simulated Megatron-LM plan (see the module docstring).
 
@@ -47,6 +49,9 @@ def megatron_plan(
         schedule: ``"1f1b"``, ``"interleaved"`` (with ``virtual_stages`` > 1) or ``"gpipe"``.
         recompute: ``None``/``"none"``, ``"selective"`` or ``"full"``.
         precision: ``"bf16"`` (Megatron's usual mixed precision), ``"fp16"`` or ``"fp32"``.
+        dp_flavour: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"`` on the ``dp`` axis.
+        layers_per_stage: blocks on each (virtual) stage in order, e.g. ``(3, 4, 4, 3)``
+            (``search.layouts.uneven_stages``); the default splits them evenly.
 
     Raises:
         PlanningError: the degrees do not match the cluster or the model, or the batch does
@@ -74,19 +79,22 @@ def megatron_plan(
         raise PlanningError(
             f"the interleaved schedule needs virtual_stages >= 2 and micro-batches ({micro_batches}) divisible by pp={pp}"
         )
+    chunks = virtual_stages if schedule == "interleaved" else 1
+    if layers_per_stage is not None:
+        check_layers_per_stage(layers_per_stage, sum(graph.blocks.values()), pp * chunks)
     warnings = []
     if cluster.is_homogeneous and tp > cluster.devices_per_node:
         warnings.append(f"tp={tp} spans nodes ({cluster.devices_per_node} devices each): its all-reduces cross the network")
     axes = tuple((name, size) for name, size in (("pp", pp), ("dp", dp), ("tp", tp)) if size > 1) or (("dp", 1),)
     mesh = Mesh(axes)
-    chunks = virtual_stages if schedule == "interleaved" else 1
-    strategies, inputs = megatron_layout(graph, mesh, sequence_parallel=sequence_parallel, virtual_stages=chunks)
+    strategies, inputs = megatron_layout(
+        graph, mesh, sequence_parallel=sequence_parallel, virtual_stages=chunks, layers_per_stage=layers_per_stage
+    )
     pipeline = PipelineConfig(stages=pp, schedule=schedule, micro_batches=micro_batches, virtual_stages=chunks) if pp > 1 else None
     plan = unsimulated_plan(
         graph, cluster, spec, model_name, mesh, strategies, inputs,
         dp_flavour=dp_flavour, recompute=recompute, pipeline=pipeline, precision=precision,
-        # Sequence parallelism changes what each rank holds and sends: named apart.
-        warnings=tuple(warnings), label="megatron-sp" if sequence_parallel else "megatron",
+        warnings=tuple(warnings), label="megatron",
     )
     return simulated(plan, graph)
 

@@ -127,3 +127,28 @@ def test_the_chosen_row_names_its_recomputation():
     rows = recomputing.report().split("Why this plan: the runners-up")[1]
     first_row = rows.splitlines()[4]  # title, top rule, header, rule, then the chosen plan
     assert f"│ {plan.name}, recompute full " in first_row, rows
+
+
+def test_a_pipeline_plan_shows_its_stages_bubble_and_axes():
+    spec = ModelSpec(GPT, {"n_layer": 8, "n_embd": 512, "n_head": 8, "vocab_size": 32768, "seq_len": 256, "batch_size": 32})
+    plan = baselines.megatron(spec, "dgx-a100-80g:2x2", pp=2, micro_batch=2, schedule="interleaved", virtual_stages=2,
+                              dp_flavour="zero1", layers_per_stage=[3, 2, 2, 1])
+    report = plan.report()
+    assert max(len(line) for line in report.splitlines()) <= REPORT_WIDTH
+    assert "Pipeline: 2 stages, interleaved, 2 virtual stages per rank, 8 micro-batches, bubble" in report
+    assert f"bubble {plan.estimate.bubble_fraction:.1%}" in report
+    rows = [line for line in report.splitlines() if "blocks." in line and "|" in line]
+    # Rank 0 holds virtual stages 0 and 2, rank 1 stages 1 and 3 (with the head).
+    assert "blocks.0-2 + " in rows[0] and "| blocks.5-6" in rows[0]
+    assert "blocks.3-4 | blocks.7 + " in rows[1] and "lm_head" in rows[1]
+    assert "'dp' (2 ranks) runs ZeRO-1" in report.replace("\n  ", " ")
+
+
+def test_the_verdict_names_a_pipeline_without_tensor_parallelism_and_its_flavour():
+    spec = ModelSpec(GPT, {"n_layer": 4, "batch_size": 16})
+    plan = baselines.megatron(spec, "dgx-a100-80g:2x2", pp=2, micro_batch=2, dp_flavour="zero1")
+    verdict = plan.report().split("\n\n")[1].replace("\n", " ")
+    assert verdict.startswith(
+        "Chosen: Megatron-LM pipeline parallelism on 4 GPUs (pp=2 x dp=2), ZeRO-1 data parallelism on dp, "
+        "2 pipeline stages (1f1b, 4 micro-batches)"
+    )

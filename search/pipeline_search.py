@@ -1,0 +1,601 @@
+"""Pipeline plans: the (pp x dp x tp) grid, with stages sliced by dynamic programming.
+
+The grid (``PipelineSpace``): meshes ``pp x dp x tp`` with ``tp`` dividing the devices of a
+node (Megatron-LM's layout on tp, ``search.layouts.megatron_layout``), ``pp`` any divisor of
+``world / tp`` up to the number of blocks, ``dp`` the rest (dividing the batch); 1, 2, 4 or 8
+samples per micro-batch per dp rank; 1F1B, and interleaved 1F1B with 2 or 4 virtual stages
+per device when the micro-batches are a multiple of pp; DDP, ZeRO-1 or FSDP on dp;
+recomputation none, selective or full; with tp, sequence parallelism or not.
+
+Costs. One simulation per (tp, sequence parallelism, micro-batch size) gives every
+segment's time and memory per micro-batch (``Simulator.segment_profiles``; a segment is the
+ops before the first block, one block, or the ops after the last block). A segment costs the same on any stage, so every
+split of every pipeline depth is priced from that one simulation:
+
+- Stage slicing (``slice_stages``), dynamic programming over the segments in order::
+
+      best[s][j] = min over i < j of max(best[s-1][i], time(i..j)),  if memory_s(i..j) <= capacity
+      best[0][0] = 0;  answer best[S][n], cuts recovered from the argmins
+
+  ``time(i..j)`` is the forward + backward seconds per micro-batch of segments i..j-1 (tensor
+  parallel collectives included); ``memory_s`` their weights, gradients and optimizer states
+  under the dp flavour, plus the activations of the micro-batches stage s holds in flight
+  under the schedule, plus what recomputation briefly holds. It minimises the slowest stage,
+  so the stages holding the embedding and the head get fewer blocks when those are heavy.
+- Step time (``_estimate``): 1F1B runs ``sum(stage times) + (m - 1) x slowest``; interleaved
+  ``m x busiest device + (pp - 1) x slowest virtual stage``; plus the point-to-point
+  transfers of the fill and drain, the optimizer step, and the data-parallel communication
+  that backward does not hide (DDP's gradient all-reduce beyond the last backward, ZeRO-1's
+  weight all-gather, FSDP's gathers, counted in full inside a pipeline where the simulated
+  schedules hide little of them).
+
+Search (``pipeline_plans``). Configurations are visited in increasing order of a lower bound
+on their step time (the schedule's compute with every stage as slow as the average one). One
+is skipped when its memory lower bound overflows the device, or when the same configuration
+with less recomputation already fits (dominated: recomputing only adds time). The walk stops
+when the bound passes the k-th best estimate. The k best (``SearchBudget.pipeline_candidates``)
+are simulated in full and compete with every other plan. Every count depends only on the
+inputs, never on the clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from cost_model import defaults
+from cost_model.collectives import collective_time
+from cost_model.compute import optimizer_step_time
+from cost_model.schedules import schedule as pipeline_schedule
+from cost_model.simulator import SegmentProfile, Simulator, bytes_per_parameter, simulated
+from planner.cluster import Cluster
+from planner.errors import PlanningError
+from planner.graph import OpGraph
+from planner.model_spec import ModelSpec
+from planner.plans import Plan
+from planner.strategy import Mesh, PipelineConfig
+from search.budget import SearchBudget
+from search.layouts import megatron_layout, nearly_even_layers, restrict_axes, uneven_stages
+from search.plan_builder import unsimulated_plan
+
+RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes more
+
+
+@dataclass(frozen=True)
+class PipelineSpace:
+    """The options the grid combines (see the module docstring). ``uneven`` lets stage
+    slicing give stages different block counts; without it the blocks split as Megatron-LM
+    splits them (``search.layouts.nearly_even_layers``)."""
+
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    virtual_stages: tuple[int, ...] = (2, 4)
+    flavours: tuple[str, ...] = ("ddp", "zero1", "fsdp")
+    recompute: tuple[str, ...] = RECOMPUTE_ORDER
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    uneven: bool = True
+
+
+@dataclass(frozen=True)
+class SegmentCost:
+    """A segment's cost for stage slicing: seconds per micro-batch; bytes it holds whatever
+    the schedule (weights, gradients, optimizer states); bytes it keeps per micro-batch in
+    flight; bytes alive only while it runs (recomputation)."""
+
+    time_s: float
+    static_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    transient_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class Slicing:
+    """How many consecutive segments each stage holds, and the slowest stage's seconds per
+    micro-batch."""
+
+    segments_per_stage: tuple[int, ...]
+    slowest_s: float
+
+
+def stage_memory(costs: Sequence[SegmentCost], in_flight: int) -> float:
+    """Bytes a stage holding ``costs`` needs with ``in_flight`` micro-batches in flight."""
+    return (
+        sum(c.static_bytes for c in costs)
+        + in_flight * sum(c.activation_bytes for c in costs)
+        + max((c.transient_bytes for c in costs), default=0.0)
+    )
+
+
+def slice_stages(
+    costs: Sequence[SegmentCost], stages: int, capacity: float, in_flight: Sequence[int]
+) -> Slicing | None:
+    """Split ``costs`` (segments in model order) into ``stages`` consecutive non-empty stages
+    minimising the slowest stage's time, every stage ``s`` fitting in ``capacity`` bytes with
+    ``in_flight[s]`` micro-batches in flight; None when no split fits (see the module
+    docstring for the recurrence). Ties go to the split whose later stages are shorter.
+
+    Each stage of the recurrence is one vectorised step over every (start i, end j) pair, so
+    slicing 130 segments into 64 stages takes milliseconds.
+    """
+    n = len(costs)
+    if stages < 1 or stages > n or len(in_flight) != stages:
+        return None
+    time_sum = np.concatenate(([0.0], np.cumsum([c.time_s for c in costs])))
+    static_sum = np.concatenate(([0.0], np.cumsum([c.static_bytes for c in costs])))
+    activation_sum = np.concatenate(([0.0], np.cumsum([c.activation_bytes for c in costs])))
+    # (i, j): a stage holding segments i..j-1, for 0 <= i < j <= n.
+    starts, ends = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    span = ends > starts
+    seconds = np.where(span, time_sum[None, :] - time_sum[:, None], np.inf)
+    static = static_sum[None, :] - static_sum[:, None]
+    activations = activation_sum[None, :] - activation_sum[:, None]
+    transient = np.zeros((n + 1, n + 1))
+    transients = np.array([c.transient_bytes for c in costs])
+    for i in range(n):  # the largest transient of segments i..j-1
+        transient[i, i + 1:] = np.maximum.accumulate(transients[i:])
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    starts_of = []
+    for s in range(stages):
+        fits = span & (static + in_flight[s] * activations + transient <= capacity)
+        candidates = np.where(fits, np.maximum(best[:, None], seconds), np.inf)
+        # argmin over the reversed starts: on a tie the latest start, the shortest stage.
+        latest = n - np.argmin(candidates[::-1, :], axis=0)
+        best = candidates[latest, np.arange(n + 1)]
+        starts_of.append(latest)
+    if not np.isfinite(best[n]):
+        return None
+    counts, end = [], n
+    for s in range(stages - 1, -1, -1):
+        begin = int(starts_of[s][end])
+        counts.append(end - begin)
+        end = begin
+    return Slicing(tuple(reversed(counts)), float(best[n]))
+
+
+@dataclass(frozen=True, order=True)
+class Configuration:
+    """One point of the grid: degrees, micro-batching, schedule, dp flavour, recomputation."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int  # samples per micro-batch per dp rank
+    micro_batches: int
+    schedule: str  # "1f1b" (also used for pp = 1) or "interleaved"
+    virtual_stages: int
+    flavour: str
+    recompute: str
+    sequence_parallel: bool = False  # tp > 1 only: the residual stream split on the sequence
+
+    @property
+    def mesh(self) -> Mesh:
+        axes = tuple((name, size) for name, size in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)) if size > 1)
+        return Mesh(axes or (("dp", 1),))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A configuration priced by the stage-slicing cost model."""
+
+    step_s: float
+    config: Configuration
+    layers_per_stage: tuple[int, ...] = field(compare=False)
+    memory_bytes: float = field(compare=False)
+
+
+def pipeline_plans(
+    graph: OpGraph,
+    cluster: Cluster,
+    spec: ModelSpec | None,
+    model_name: str,
+    precision: str,
+    budget: SearchBudget | None = None,
+    space: PipelineSpace | None = None,
+) -> list[Plan]:
+    """The best configurations of the grid, simulated (label ``"megatron"``), fastest
+    estimate first; empty when the grid does not apply (no repeated blocks, heterogeneous
+    nodes, a model Megatron's layout cannot split) or nothing in it fits."""
+    budget = budget or SearchBudget()
+    grid = PipelineGrid(graph, cluster, precision, space or PipelineSpace())
+    plans = []
+    for estimate in grid.best(budget.pipeline_candidates()):
+        plans.append(grid.plan(estimate, spec, model_name))
+    return plans
+
+
+class PipelineGrid:
+    """The grid of one model on one cluster, with the per-(tp, micro-batch) segment costs
+    it prices configurations from."""
+
+    def __init__(self, graph: OpGraph, cluster: Cluster, precision: str, space: PipelineSpace):
+        self.graph, self.cluster, self.precision, self.space = graph, cluster, precision, space
+        self.blocks = sum(graph.blocks.values())
+        self.device = cluster.device_of(0)
+        self.capacity = cluster.min_device_memory
+        self._layouts: dict[tuple, tuple | None] = {}
+        self._profiles: dict[tuple, list[SegmentProfile]] = {}
+        self._collectives: dict[tuple, float] = {}
+        self.priced = 0  # configurations priced by stage slicing (for reports and tests)
+
+    # ------------------------------------------------------------------ grid
+
+    def configurations(self) -> list[Configuration]:
+        """Every configuration of the space on this cluster and batch, in a fixed order."""
+        cluster, batch, space = self.cluster, self.graph.batch_size, self.space
+        if not self.blocks or not cluster.is_homogeneous:
+            return []
+        world, per_node = cluster.world_size, cluster.devices_per_node
+        found = []
+        layouts = [
+            (tp, split)
+            for tp in _divisors(per_node)
+            for split in (space.sequence_parallel if tp > 1 else (False,))
+            if world % tp == 0 and self._layout(tp, split, ("tp",) if tp > 1 else ()) is not None
+        ]
+        for tp, split in layouts:
+            for pp in _divisors(world // tp):
+                dp = world // (tp * pp)
+                if pp > self.blocks or batch % dp:
+                    continue
+                local = batch // dp
+                sizes = [local] if pp == 1 else [size for size in space.micro_batch_sizes if local % size == 0]
+                for size in sizes:
+                    micro_batches = local // size
+                    schedules = [("1f1b", 1)]
+                    if pp > 1:
+                        schedules += [
+                            ("interleaved", v) for v in space.virtual_stages
+                            if micro_batches % pp == 0 and pp * v <= self.blocks
+                        ]
+                    for schedule, chunks in schedules:
+                        for flavour in space.flavours if dp > 1 else ("ddp",):
+                            for recompute in space.recompute:
+                                if flavour == "fsdp" and recompute != "full":
+                                    # Compiled FSDP beside other axes frees gathered weights only
+                                    # in recomputed blocks (planner.api.composed_flavour_blocker).
+                                    continue
+                                found.append(Configuration(
+                                    tp, pp, dp, size, micro_batches, schedule, chunks, flavour, recompute, split
+                                ))
+        return found
+
+    def best(self, count: int) -> list[Estimate]:
+        """The ``count`` configurations with the fastest estimates that fit, fastest first
+        (branch and bound over the lower bounds; see the module docstring)."""
+        bounded = []
+        for config in self.configurations():
+            bound = self._time_lower_bound(config)
+            if bound is not None:
+                bounded.append((bound, config))
+        bounded.sort()
+        # A max-heap of the kept estimates by (time, visiting order): on a tie the one
+        # visited later leaves first, and the visiting order is fixed by the inputs.
+        kept: list[tuple[float, int, Estimate]] = []
+        fitting: dict[tuple, list[int]] = {}
+        for order, (bound, config) in enumerate(bounded):
+            if len(kept) >= count and bound > -kept[0][0]:
+                break
+            # Recomputation only adds time: once a configuration fits, the same one
+            # recomputing more is dominated. (Flavours are not ordered so: ZeRO-1's sharded
+            # optimizer step can beat DDP's despite its extra all-gather.)
+            group = dataclasses.replace(config, recompute="")
+            rank = RECOMPUTE_ORDER.index(config.recompute)
+            if any(fitted <= rank for fitted in fitting.get(group, ())):
+                continue
+            if self._memory_lower_bound(config) > self.capacity:
+                continue
+            estimate = self.estimate(config)
+            if estimate is None:
+                continue
+            fitting.setdefault(group, []).append(rank)
+            heapq.heappush(kept, (-estimate.step_s, -order, estimate))
+            if len(kept) > count:
+                heapq.heappop(kept)
+        return sorted((item[2] for item in kept), key=lambda e: (e.step_s, e.config))
+
+    # ----------------------------------------------------------------- plans
+
+    def plan(self, estimate: Estimate, spec: ModelSpec | None, model_name: str) -> Plan:
+        """The estimated configuration as a simulated Megatron-layout plan."""
+        config = estimate.config
+        mesh = config.mesh
+        strategies, inputs = self._layout(config.tp, config.sequence_parallel, mesh.names)
+        pipeline = None
+        if config.pp > 1:
+            stages = config.pp * config.virtual_stages
+            stage_of = uneven_stages(self.graph, estimate.layers_per_stage, stages=stages)
+            strategies = tuple(dataclasses.replace(s, stage=stage_of[s.node]) for s in strategies)
+            pipeline = PipelineConfig(
+                stages=config.pp, schedule=config.schedule, micro_batches=config.micro_batches,
+                virtual_stages=config.virtual_stages,
+            )
+        plan = unsimulated_plan(
+            self.graph, self.cluster, spec, model_name, mesh, strategies, inputs,
+            dp_flavour=config.flavour, recompute=config.recompute, pipeline=pipeline, precision=self.precision,
+            label="megatron",
+        )
+        return simulated(plan, self.graph)
+
+    # ------------------------------------------------------------- estimates
+
+    def estimate(self, config: Configuration) -> Estimate | None:
+        """The configuration's step time and memory with its stages sliced by
+        ``slice_stages`` (or Megatron's split, whichever is faster; only Megatron's without
+        ``space.uneven``), or None when no slicing fits in memory."""
+        self.priced += 1
+        costs = self._segment_costs(config)
+        stages = config.pp * config.virtual_stages
+        in_flight = _in_flight(config.schedule, config.pp, config.micro_batches, config.virtual_stages)
+        capacity = self.capacity - self._fixed_bytes(config)
+        slicings = [self._even_slicing(config, costs, stages)]
+        if self.space.uneven:
+            # Interleaved: a device holds several virtual stages; slice against the whole
+            # device, and against an equal share in case some device overflows. The
+            # recurrence balances virtual stages, not devices, so Megatron's split stays a
+            # candidate: on interleaved schedules it can balance the devices better.
+            for share in (1, config.virtual_stages) if config.virtual_stages > 1 else (1,):
+                slicings.append(slice_stages(costs, stages, capacity / share, in_flight))
+        best = None
+        for slicing in slicings:
+            if slicing is None:
+                continue
+            memory = self._device_memory(costs, slicing, config)
+            if memory > self.capacity:
+                continue
+            seconds = self._step_time(config, costs, slicing)
+            estimate = Estimate(seconds, config, self._layers_per_stage(config, slicing), memory)
+            if best is None or estimate.step_s < best.step_s:
+                best = estimate
+        return best
+
+    def _segment_costs(self, config: Configuration) -> list[SegmentCost]:
+        weights, grads, states = bytes_per_parameter(self.precision)
+        dp, flavour = config.dp, config.flavour
+        per_element = (
+            weights / (dp if flavour == "fsdp" else 1)
+            + grads / (dp if flavour in ("zero2", "fsdp") else 1)
+            + states / (dp if flavour in ("zero1", "zero2", "fsdp") else 1)
+        )
+        gathered = flavour == "fsdp" and dp > 1
+        costs = []
+        for profile in self._profile(config):
+            seconds = profile.time_s[config.recompute]
+            if gathered:
+                # FSDP gathers a segment's weights before its forward and again before its
+                # backward (for every micro-batch), one segment ahead. The simulated
+                # schedules hide little of them (GPT 76B, tp=4, dp=256: 13.2 s simulated
+                # against 10.5 s with the gathers hidden), so they are counted in full: an
+                # upper bound, which simulation of the finalists corrects.
+                seconds += 2 * self._dp_collective("all_gather", profile.param_elements * weights, config)
+            costs.append(SegmentCost(
+                time_s=seconds,
+                static_bytes=profile.param_elements * per_element,
+                activation_bytes=profile.kept_bytes[config.recompute],
+                transient_bytes=profile.transient_bytes[config.recompute],
+            ))
+        return costs
+
+    def _fixed_bytes(self, config: Configuration) -> float:
+        """Communication buffers and buffers (as the simulator counts them), bounded from
+        above so that the slicing's capacity is safe for every stage."""
+        profiles = self._profile(config)
+        weights, grads, _ = bytes_per_parameter(self.precision)
+        fixed = float(sum(meta.nbytes for meta in self.graph.buffers.values()))
+        if config.dp > 1 and config.flavour == "fsdp":
+            fixed += 2 * max(p.param_elements for p in profiles) * weights
+        elif config.dp > 1:
+            fixed += min(defaults.DDP_BUCKET_BYTES, sum(p.param_elements for p in profiles) * grads)
+        if config.pp > 1:
+            fixed += 2 * max(p.input_bytes for p in profiles)
+        return fixed
+
+    def _device_memory(self, costs, slicing: Slicing, config: Configuration) -> float:
+        """Bytes on the fullest device: its virtual stages' weights, gradients and states,
+        the peak of the activations its schedule holds (walked as the simulator walks it),
+        what recomputation briefly holds, and the fixed buffers."""
+        pp, chunks = config.pp, config.virtual_stages
+        members = _stage_members(costs, slicing)
+        fullest = 0.0
+        for device in range(pp):
+            mine = [members[chunk * pp + device] for chunk in range(chunks)]
+            static = sum(c.static_bytes for stage in mine for c in stage)
+            transient = max((c.transient_bytes for stage in mine for c in stage), default=0.0)
+            kept = [sum(c.activation_bytes for c in stage) for stage in mine]
+            if pp == 1:
+                peak = kept[0]
+            elif config.schedule == "1f1b":
+                peak = min(pp - device, config.micro_batches) * kept[0]  # the warm-up's forwards
+            else:
+                peak = max(
+                    sum(count * size for count, size in zip(counts, kept))
+                    for counts in _held(config.schedule, pp, config.micro_batches, chunks)[device]
+                )
+            fullest = max(fullest, static + peak + transient)
+        return fullest + self._fixed_bytes(config)
+
+    def _even_slicing(self, config: Configuration, costs: list[SegmentCost], stages: int) -> Slicing:
+        """Megatron's split (``nearly_even_layers``), the ops around the blocks with the end
+        stages."""
+        flags = [p.block for p in self._profile(config)]
+        head = flags.index(True) if True in flags else 0
+        per_stage = list(nearly_even_layers(self.blocks, stages))
+        per_stage[0] += head
+        per_stage[-1] += len(flags) - self.blocks - head
+        members = _stage_members(costs, Slicing(tuple(per_stage), 0.0))
+        return Slicing(tuple(per_stage), max(sum(c.time_s for c in m) for m in members))
+
+    def _layers_per_stage(self, config: Configuration, slicing: Slicing) -> tuple[int, ...]:
+        profiles = self._profile(config)
+        layers, position = [], 0
+        for count in slicing.segments_per_stage:
+            layers.append(sum(1 for p in profiles[position:position + count] if p.block))
+            position += count
+        return tuple(layers)
+
+    def _step_time(self, config: Configuration, costs: list[SegmentCost], slicing: Slicing) -> float:
+        pp, m = config.pp, config.micro_batches
+        stage_times = [sum(c.time_s for c in members) for members in _stage_members(costs, slicing)]
+        device_times = [sum(stage_times[d::pp]) for d in range(pp)]
+        if config.schedule == "interleaved":
+            compute = m * max(device_times) + (pp - 1) * max(stage_times)
+        else:
+            compute = sum(stage_times) + (m - 1) * max(stage_times)
+        if pp > 1:
+            boundary = max(p.input_bytes for p in self._profile(config))
+            hop = self._collective("send_recv", boundary, (0, self.cluster.world_size // pp), 1)
+            compute += 2 * (len(stage_times) - 1) * hop  # activations forward, gradients back
+        profiles = self._profile(config)
+        weights, grads, states = bytes_per_parameter(self.precision)
+        dp, flavour = config.dp, config.flavour
+        shard = dp if flavour in ("zero1", "zero2", "fsdp") else 1
+        tail = 0.0
+        for device in range(pp):
+            members = [
+                profiles[i]
+                for stage, indices in enumerate(_stage_indices(slicing))
+                if stage % pp == device
+                for i in indices
+            ]
+            elements = sum(p.param_elements for p in members)
+            after = optimizer_step_time(elements * (weights + grads + states) / shard, self.device)
+            if dp > 1 and flavour == "fsdp":
+                # Each segment's gradients are reduce-scattered after its last backward:
+                # the first segment's is left when the backward ends.
+                first = members[0].synced_elements * grads if members else 0.0
+                after += self._dp_collective("reduce_scatter", first, config)
+            elif dp > 1:
+                # Gradients are reduced bucket by bucket during the last backward, which
+                # hides about its backward share (two thirds of a micro-batch's time).
+                reduce = self._dp_collective("all_reduce", sum(p.synced_elements for p in members) * grads, config)
+                after += max(0.0, reduce - device_times[device] * 2 / 3)
+                if flavour == "zero1":
+                    after += self._dp_collective("all_gather", elements * weights, config)
+            tail = max(tail, after)
+        return compute + tail
+
+    def _time_lower_bound(self, config: Configuration) -> float | None:
+        """The schedule's compute with every stage as slow as the average one: below any
+        estimate (the slowest stage is at least the average)."""
+        profiles = self._profile(config)
+        if profiles is None or len(profiles) < config.pp * config.virtual_stages:
+            return None
+        per_device = sum(p.time_s[config.recompute] for p in profiles) / config.pp
+        fill = (config.pp - 1) / config.virtual_stages
+        return per_device * (config.micro_batches + fill)
+
+    def _memory_lower_bound(self, config: Configuration) -> float:
+        """The average device's bytes (one micro-batch in flight): below the fullest's."""
+        costs = self._segment_costs(config)
+        return (
+            sum(c.static_bytes for c in costs) + sum(c.activation_bytes for c in costs)
+        ) / config.pp
+
+    # ------------------------------------------------------------------ caches
+
+    def _layout(self, tp: int, sequence_parallel: bool, names: tuple[str, ...]):
+        """Megatron's placements for a mesh with these axis names (sizes other than tp do
+        not change them), every op on stage 0 (``plan`` restages them); None when the
+        model does not split over tp. Built once per (tp, sequence parallelism) on every
+        axis; a mesh with fewer axes takes their columns (each axis is propagated alone)."""
+        full = ("pp", "dp", "tp") if tp > 1 else ("pp", "dp")
+        if (tp, sequence_parallel, full) not in self._layouts:
+            sizes = {"pp": 2, "dp": 2, "tp": tp}
+            try:
+                strategies, inputs = megatron_layout(
+                    self.graph, Mesh(tuple((name, sizes[name]) for name in full)),
+                    sequence_parallel=sequence_parallel, layers_per_stage=(self.blocks, 0),
+                )
+                built = (tuple(dataclasses.replace(s, stage=0) for s in strategies), inputs)
+            except PlanningError:
+                built = None
+            self._layouts[(tp, sequence_parallel, full)] = built
+        key = (tp, sequence_parallel, names)
+        if key not in self._layouts:
+            base = self._layouts[(tp, sequence_parallel, full)]
+            self._layouts[key] = None if base is None else restrict_axes(*base, [full.index(n) for n in names])
+        return self._layouts[key]
+
+    def _profile(self, config: Configuration) -> list[SegmentProfile] | None:
+        """Segment costs per micro-batch of ``config.micro_batch`` samples on its tp, from one
+        simulation shared by every configuration with the same tp, axes and micro-batch."""
+        mesh = config.mesh
+        key = (config.tp, config.sequence_parallel, mesh.names, config.micro_batch)
+        if key not in self._profiles:
+            layout = self._layout(config.tp, config.sequence_parallel, mesh.names)
+            if layout is None:
+                self._profiles[key] = None
+                return None
+            strategies, inputs = layout
+            pipeline = PipelineConfig(stages=config.pp, micro_batches=config.micro_batches) if config.pp > 1 else None
+            probe = unsimulated_plan(
+                self.graph, self.cluster, None, "probe", mesh, strategies, inputs,
+                pipeline=pipeline, precision=self.precision,
+            )
+            self._profiles[key] = Simulator(probe, self.graph).segment_profiles()
+        return self._profiles[key]
+
+    def _dp_collective(self, kind: str, size: float, config: Configuration) -> float:
+        """A collective over one dp group of ``config``'s mesh (dp is outside tp: stride tp),
+        while the other tp groups of its stage run theirs."""
+        return self._collective(kind, size, tuple(k * config.tp for k in range(config.dp)), config.tp)
+
+    def _collective(self, kind: str, size: float, ranks: tuple[int, ...], concurrent: int) -> float:
+        key = (kind, size, ranks, concurrent)
+        if key not in self._collectives:
+            self._collectives[key] = collective_time(kind, size, self.cluster, list(ranks), concurrent) if size else 0.0
+        return self._collectives[key]
+
+
+def _divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
+
+
+def _stage_indices(slicing: Slicing) -> list[range]:
+    ranges, start = [], 0
+    for count in slicing.segments_per_stage:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def _stage_members(costs: Sequence, slicing: Slicing) -> list[list]:
+    return [[costs[i] for i in indices] for indices in _stage_indices(slicing)]
+
+
+@lru_cache(maxsize=256)
+def _held(schedule: str, pp: int, micro_batches: int, chunks: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """For each device, the micro-batches of each chunk in flight at each local peak of its
+    schedule (after the last forward before a backward): the device's activation peak is
+    the largest of their sums weighted by each chunk's bytes."""
+    per_device = []
+    for device in range(pp):
+        held, peaks = [0] * chunks, set()
+        order = pipeline_schedule(schedule, device, pp, micro_batches, chunks)
+        for position, (kind, _, chunk) in enumerate(order):
+            held[chunk] += 1 if kind == "F" else -1
+            if kind == "F" and (position + 1 == len(order) or order[position + 1][0] == "B"):
+                peaks.add(tuple(held))
+        per_device.append(tuple(sorted(peaks)))
+    return tuple(per_device)
+
+
+@lru_cache(maxsize=256)
+def _in_flight(schedule: str, pp: int, micro_batches: int, chunks: int) -> tuple[int, ...]:
+    """Micro-batches each virtual stage holds at most at once (stage ``c * pp + d`` is chunk
+    ``c`` of device ``d``): ``pp - d`` under 1F1B, counted from the schedule when
+    interleaved (an upper bound on what the device holds at its peak)."""
+    if pp == 1:
+        return (1,)
+    held = [0] * (pp * chunks)
+    for device in range(pp):
+        current = [0] * chunks
+        for kind, _, chunk in pipeline_schedule(schedule, device, pp, micro_batches, chunks):
+            current[chunk] += 1 if kind == "F" else -1
+            stage = chunk * pp + device
+            held[stage] = max(held[stage], current[chunk])
+    return tuple(held)
