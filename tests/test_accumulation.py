@@ -60,7 +60,7 @@ def test_accumulation_holds_one_micro_batch_and_reduces_once(gpt_world2):
     fsdp = data_parallel_plan(graph, cluster, spec, name, "fsdp")
     fsdp4 = simulated(dataclasses.replace(fsdp, accumulation_steps=4), graph)
     assert fsdp4.estimate.bytes_per_axis["dp"] == pytest.approx(4 * fsdp.estimate.bytes_per_axis["dp"])
-    assert accumulated.name == "ddp (dp=2, 4 micro-batches)"
+    assert accumulated.name == "ddp (dp=2; 4 micro-batches)"
 
 
 def test_bad_accumulation_is_refused_in_one_line(gpt_world2):

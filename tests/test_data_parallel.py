@@ -156,7 +156,7 @@ def test_memory_tight_accumulates_gradients_rather_than_gather_weights(gpt):
     plan = plan_data_parallel(graph, tight, spec, "GPT")
     # ZeRO-2 over two micro-batches of two samples each: one micro-batch's activations at a
     # time, faster than FSDP, which gathers every block's weights twice a step.
-    assert plan.name == "zero2 (dp=2, 2 micro-batches)" and plan.accumulation_steps == 2 and plan.estimate.fits
+    assert plan.name == "zero2 (dp=2; 2 micro-batches)" and plan.accumulation_steps == 2 and plan.estimate.fits
     at_once = data_parallel_plan(graph, cluster, spec, "GPT", "zero2").estimate.memory
     assert plan.estimate.memory.activations == pytest.approx(at_once.activations / 2, rel=0.02)
     assert plan.fsdp_units == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
@@ -178,7 +178,7 @@ def test_memory_tight_for_ddp_chooses_zero(gpt):
     assert plan.dp_flavour == "zero2"
     assert plan.fsdp_units == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")  # compiled as FSDP2 units
     by_name = {alt.name: alt for alt in plan.runners_up}
-    assert by_name["ddp (dp=2, 2 micro-batches)"].fits
+    assert by_name["ddp (dp=2; 2 micro-batches)"].fits
     assert by_name["zero1 (dp=2)"].fits and by_name["fsdp (dp=2)"].fits
     assert all(alt.step_time_s > plan.estimate.step_time_s for alt in plan.runners_up if alt.fits)
 
