@@ -36,7 +36,7 @@ Before CP-SAT sees it, the model is made smaller without changing its optimum:
   sources), whose candidates all hold the same memory and take no part in z, are taken out
   and their cost folded into a merged edge or a neighbour's candidates (``search.ilp_reduce``);
 - on each edge, producer placements with equal cost rows, and consumer placements with equal
-  cost columns, share one index of y (``_equal_cost_groups``).
+  cost columns, share one index of y (``Edge.groups``).
 
 The solve is deterministic: one worker, a budget of CP-SAT's deterministic time (work, not
 seconds), and a complete hint: the better of the layout built directly and the LP
@@ -141,9 +141,11 @@ def solve(
     add_objective(model, data, x, resharding_terms + reduction_terms)
     full_hint = _complete_choice(hint or {}, tables, reduced)
     cap_kb = None if memory_bytes is None else int(memory_bytes // 1024)
-    objective = Objective(data, {n: [c.output for c in tables.candidates[n]] for n in data.nodes}, _triggers(tables, reduced, reductions), cap_kb)
-    lp_seconds = None if wall_clock_cap_s is None else wall_clock_cap_s - (time.perf_counter() - started)
-    start, relaxation_ns, lp_cut = _starting_solution(model, x, objective, {name: full_hint[name] for name in data.nodes}, lp_seconds)
+    outputs = {name: [c.output for c in tables.candidates[name]] for name in data.nodes}
+    objective = Objective(data, outputs, _triggers(tables, reduced, reductions), cap_kb)
+    start, relaxation_ns, lp_cut = _starting_solution(
+        model, x, objective, {name: full_hint[name] for name in data.nodes}, _seconds_left(wall_clock_cap_s, started)
+    )
     _add_hint(model, tables, data, x, _Auxiliary(pairs, reductions, z), start)
 
     solver = cp_model.CpSolver()
@@ -159,7 +161,7 @@ def solve(
     # optimum is proven in 0.06 units of work without it, 1.8 with it.
     solver.parameters.cp_model_probing_level = 0
     if wall_clock_cap_s is not None:
-        solver.parameters.max_time_in_seconds = max(0.01, wall_clock_cap_s)
+        solver.parameters.max_time_in_seconds = _seconds_left(wall_clock_cap_s, started)
     status = solver.solve(model)
     seconds = time.perf_counter() - started
     cut = lp_cut or (
@@ -194,6 +196,11 @@ def solve(
         from_hint=choice == hinted and not status == cp_model.OPTIMAL,
         variables=len(model.proto.variables),
     )
+
+
+def _seconds_left(cap_s: float | None, started: float) -> float | None:
+    """What is left of the wall-clock safety cap (never below 0.01 s), or None without one."""
+    return None if cap_s is None else max(0.01, cap_s - (time.perf_counter() - started))
 
 
 def _complete_choice(hint: dict[str, int], tables: CostTables, reduced: _Reduced) -> dict[str, int]:
@@ -262,6 +269,8 @@ def build_data(tables: CostTables, reduced: _Reduced) -> IlpData:
         costs[name] = [round((c.compute_s + c.communication_s) * SCALE * weight) for c in tables.candidates[name]]
         memory_kb[name] = [-(-int(c.memory_bytes * weight) // 1024) for c in tables.candidates[name]]
     edges, pinned = [], set()
+    # Placements as small integers: hashing DTensor placements dominates the reductions.
+    number: dict = {}
     for producer, consumer, position, weight in reduced.edges:
         if any(where == position for c in tables.candidates[consumer] for where, _ in c.gradient_reductions):
             pinned |= {producer, consumer}  # z variables read these choices
@@ -270,10 +279,12 @@ def build_data(tables: CostTables, reduced: _Reduced) -> IlpData:
             continue  # the producer has no tensor output on this edge
         dst = [c.inputs[position] for c in tables.candidates[consumer]]
         cost = {
-            (p, q): round(tables.edge_cost(producer, consumer, position, p, q) * SCALE * weight)
+            (number.setdefault(p, len(number)), number.setdefault(q, len(number))):
+                round(tables.edge_cost(producer, consumer, position, p, q) * SCALE * weight)
             for p in dict.fromkeys(src)
             for q in dict.fromkeys(dst)
         }
+        src, dst = [number[p] for p in src], [number[q] for q in dst]
         if producer == consumer:
             for index in range(len(src)):
                 costs[producer][index] += cost[src[index], dst[index]]
@@ -314,7 +325,7 @@ def add_resharding_constraints(model, data: IlpData, x) -> tuple[list, dict]:
     terms = []
     variables: list[tuple[Edge, dict, dict, dict[tuple, object]]] = []
     for edge in data.edges:
-        src_group, dst_group = _equal_cost_groups(edge)
+        src_group, dst_group = edge.groups()
         outs = _indicator(x[edge.producer], [src_group[p] for p in edge.src])
         ins = _indicator(x[edge.consumer], [dst_group[q] for q in edge.dst])
         pairs = {(src, dst): model.new_bool_var(f"y[{edge.name},{src}->{dst}]") for src in outs for dst in ins}
@@ -326,20 +337,6 @@ def add_resharding_constraints(model, data: IlpData, x) -> tuple[list, dict]:
         cost = {(src_group[p], dst_group[q]): value for (p, q), value in edge.cost.items()}
         terms += [(cost[pair], var) for pair, var in pairs.items() if cost[pair]]
     return terms, variables
-
-
-def _equal_cost_groups(edge: Edge) -> tuple[dict, dict]:
-    """Placements that cost the same against every placement on the other side share one
-    index: producer outputs with equal cost rows, consumer inputs with equal cost columns.
-    The cost is constant on each (row group, column group), so pairing the groups instead
-    of the placements is the same model with fewer y variables."""
-    sources, targets = list(dict.fromkeys(edge.src)), list(dict.fromkeys(edge.dst))
-    rows = {p: tuple(edge.cost[p, q] for q in targets) for p in sources}
-    columns = {q: tuple(edge.cost[p, q] for p in sources) for q in targets}
-    row_index, column_index = {}, {}
-    src_group = {p: row_index.setdefault(rows[p], len(row_index)) for p in sources}
-    dst_group = {q: column_index.setdefault(columns[q], len(column_index)) for q in targets}
-    return src_group, dst_group
 
 
 def add_gradient_reduction_constraints(model, tables: CostTables, reduced: _Reduced, x) -> tuple[list, dict, dict]:

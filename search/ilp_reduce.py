@@ -28,13 +28,15 @@ coefficients CP-SAT would have had, so the reduced objective equals the original
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 
 @dataclass
 class Edge:
     """Resharding between two modelled nodes: ``src[c]`` is the placement producer
-    candidate c outputs, ``dst[k]`` the placement consumer candidate k reads, and
+    candidate c outputs, ``dst[k]`` the placement consumer candidate k reads (any hashable
+    key: ``search.ilp`` numbers the placements, which hash slowly), and
     ``cost[src, dst]`` the weighted nanoseconds of that pair (every pair present)."""
 
     producer: str
@@ -46,6 +48,25 @@ class Edge:
 
     def pair_cost(self, producer_choice: int, consumer_choice: int) -> int:
         return self.cost[self.src[producer_choice], self.dst[consumer_choice]]
+
+    def groups(self) -> tuple[dict, dict]:
+        """Placements that cost the same against every placement on the other side share one
+        index: producer outputs with equal cost rows, consumer inputs with equal cost
+        columns. The cost is constant on each (row group, column group), so pairing the
+        groups instead of the placements is the same model with fewer y variables."""
+        sources, targets = list(dict.fromkeys(self.src)), list(dict.fromkeys(self.dst))
+        rows = {p: tuple(self.cost[p, q] for q in targets) for p in sources}
+        columns = {q: tuple(self.cost[p, q] for p in sources) for q in targets}
+        row_index: dict[tuple, int] = {}
+        column_index: dict[tuple, int] = {}
+        src_group = {p: row_index.setdefault(rows[p], len(row_index)) for p in sources}
+        dst_group = {q: column_index.setdefault(columns[q], len(column_index)) for q in targets}
+        return src_group, dst_group
+
+    def size(self) -> int:
+        """The y variables this edge needs (row groups x column groups)."""
+        src_group, dst_group = self.groups()
+        return len(set(src_group.values())) * len(set(dst_group.values()))
 
 
 @dataclass
@@ -87,39 +108,65 @@ class IlpData:
 
 def reduce_model(data: IlpData) -> IlpData:
     """Apply the leaf, source, series and isolated reductions until none applies (in place;
-    returns ``data``). Deterministic: nodes are visited in their order in ``data.costs``."""
-    data.edges = [edge for edge in data.edges if any(edge.cost.values())]
-    changed = True
-    while changed:
-        changed = False
-        incoming: dict[str, list[Edge]] = {name: [] for name in data.costs}
-        outgoing: dict[str, list[Edge]] = {name: [] for name in data.costs}
-        for edge in data.edges:
-            outgoing[edge.producer].append(edge)
-            incoming[edge.consumer].append(edge)
-        for name in list(data.costs):
-            if not _removable(data, name, incoming[name], outgoing[name]):
-                continue
-            ins, outs = incoming[name], outgoing[name]
-            if ins and ins[0].producer == name:
-                continue  # a self-loop (a block reading its own previous copy)
-            _remove(data, name, ins[0] if ins else None, outs[0] if outs else None)
-            changed = True
-            break  # the neighbour lists changed: recount
+    returns ``data``). Deterministic: nodes are visited in their order in ``data.costs``,
+    then the neighbours of each removed node again. A series reduction is refused when the
+    merged edge would need more y variables than the two edges and the node it replaces
+    (a node with one candidate between two nodes with many)."""
+    edges = {id(edge): edge for edge in data.edges if any(edge.cost.values())}
+    incoming: dict[str, list[Edge]] = {name: [] for name in data.costs}
+    outgoing: dict[str, list[Edge]] = {name: [] for name in data.costs}
+    for edge in edges.values():
+        outgoing[edge.producer].append(edge)
+        incoming[edge.consumer].append(edge)
+    queue = deque(data.costs)
+    while queue:
+        name = queue.popleft()
+        ins, outs = incoming.get(name), outgoing.get(name)
+        if name not in data.costs or name in data.pinned or len(ins) > 1 or len(outs) > 1:
+            continue
+        if len(set(data.memory_kb[name])) > 1:
+            continue  # the memory constraint tells its candidates apart
+        before = ins[0] if ins else None
+        after = outs[0] if outs else None
+        merged = _series(data.costs[name], before, after) if before and after else None
+        if merged is not None and merged.producer != merged.consumer and merged.size() > before.size() + after.size() + len(data.costs[name]):
+            continue
+        _remove(data, name, before, after, merged)
+        for old in (before, after):
+            if old is not None:
+                edges.pop(id(old))
+                outgoing[old.producer] = [e for e in outgoing[old.producer] if e is not old]
+                incoming[old.consumer] = [e for e in incoming[old.consumer] if e is not old]
+        if merged is not None and merged.producer != merged.consumer and any(merged.cost.values()):
+            edges[id(merged)] = merged
+            outgoing[merged.producer].append(merged)
+            incoming[merged.consumer].append(merged)
+        del incoming[name], outgoing[name]
+        queue.extend(old.producer if old is before else old.consumer for old in (before, after) if old is not None)
+    data.edges = list(edges.values())
     return data
 
 
-def _removable(data: IlpData, name: str, ins: list[Edge], outs: list[Edge]) -> bool:
-    if name in data.pinned or len(ins) > 1 or len(outs) > 1:
-        return False
-    return len(set(data.memory_kb[name])) == 1
+def _series(costs: list[int], incoming: Edge, outgoing: Edge) -> Edge:
+    """The edge u -> w that stands for u -> v -> w with v at its cheapest for each pair."""
+    through: dict[tuple, int] = {}
+    for k, node in enumerate(costs):  # each distinct (reads, writes) pair once, at its cheapest
+        key = (incoming.dst[k], outgoing.src[k])
+        through[key] = min(through.get(key, node), node)
+    cost = {
+        (p, q): min(node + incoming.cost[p, reads] + outgoing.cost[writes, q] for (reads, writes), node in through.items())
+        for p in dict.fromkeys(incoming.src)
+        for q in dict.fromkeys(outgoing.dst)
+    }
+    return Edge(incoming.producer, outgoing.consumer, f"{incoming.name}~{outgoing.name}", incoming.src, outgoing.dst, cost)
 
 
-def _remove(data: IlpData, name: str, incoming: Edge | None, outgoing: Edge | None) -> None:
+def _remove(data: IlpData, name: str, incoming: Edge | None, outgoing: Edge | None, merged: Edge | None) -> None:
+    """Take ``name`` out: fold its cost into a neighbour, the objective's constant, or (in
+    series) ``merged``, which the caller puts in the model."""
     costs = data.costs.pop(name)
     data.offset_kb += data.memory_kb.pop(name)[0]
     data.removed.append(_Removal(name, costs, incoming, outgoing))
-    data.edges = [edge for edge in data.edges if edge is not incoming and edge is not outgoing]
     choices = range(len(costs))
     if incoming is None and outgoing is None:
         data.offset_ns += min(costs)
@@ -133,26 +180,10 @@ def _remove(data: IlpData, name: str, incoming: Edge | None, outgoing: Edge | No
         consumer = data.costs[outgoing.consumer]
         for c in range(len(consumer)):
             consumer[c] += best[outgoing.dst[c]]
-    else:  # in series: one edge from its producer to its consumer
-        through = {}
-        for k in choices:  # each distinct (reads, outputs) pair once, at its cheapest
-            key = (incoming.dst[k], outgoing.src[k])
-            through[key] = min(through.get(key, costs[k]), costs[k])
-        cost = {
-            (p, q): min(
-                node + incoming.cost[p, reads] + outgoing.cost[writes, q] for (reads, writes), node in through.items()
-            )
-            for p in set(incoming.src)
-            for q in set(outgoing.dst)
-        }
-        if incoming.producer == outgoing.consumer:  # u -> v -> u: a cost of u's own choice
-            producer = data.costs[incoming.producer]
-            for c in range(len(producer)):
-                producer[c] += cost[incoming.src[c], outgoing.dst[c]]
-        elif any(cost.values()):
-            data.edges.append(
-                Edge(incoming.producer, outgoing.consumer, f"{incoming.name}~{outgoing.name}", incoming.src, outgoing.dst, cost)
-            )
+    elif merged.producer == merged.consumer:  # u -> v -> u: a cost of u's own choice
+        producer = data.costs[merged.producer]
+        for c in range(len(producer)):
+            producer[c] += merged.cost[merged.src[c], merged.dst[c]]
 
 
 def expand(data: IlpData, choice: dict[str, int]) -> dict[str, int]:
