@@ -1,10 +1,12 @@
 """A starting solution for CP-SAT: the LP relaxation rounded, then improved node by node.
 
 The intra-op model's relaxation is nearly tight (the transportation form of the resharding
-pairs): its optimum is within a few percent of the integer one and mostly integral, so
-rounding it gives CP-SAT a far better starting solution than a layout built by hand, and
-CP-SAT's own search then has only to close the last gap. GLOP is deterministic (a simplex
-method, one thread, no time limit), so the hint it gives does not depend on the machine.
+pairs, aggregated gradient-reduction rows): on the tiny Llama its optimum is 0.004% below
+the integer one on dp=2 x tp=2 and 1.2% below on a 3-axis mesh, and mostly integral, so
+rounding it gives CP-SAT a far better starting solution than a layout built by hand (there,
+the optimum itself), and CP-SAT's own search has only to close the last gap. GLOP is
+deterministic (a simplex method, one thread, run to its optimum; only the wall-clock safety
+cap can stop it), so the hint it gives does not depend on the machine.
 The rounded solution (each node's largest x) is then improved by iterated conditional
 modes: each node in turn takes its cheapest candidate given its neighbours' choices, within
 the memory budget, until no node changes (``improve``).
