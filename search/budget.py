@@ -5,6 +5,8 @@ one and a busy one, so every budget counts work, never seconds:
 
 - CP-SAT gets ``ILP_WORK_PER_MESH x effort`` units of its deterministic time per mesh (a
   count of solver operations, scaled so that one unit is close to one second of one core);
+  the LP relaxation that gives it its start (``search.ilp_start``) runs to its optimum, a
+  deterministic simplex outside that count;
 - MCMC gets ``MCMC_NODE_SIMULATIONS x effort / graph nodes`` proposals per mesh (a delta
   simulation costs about one pass over the graph), between ``MCMC_MIN_PROPOSALS`` and
   ``MCMC_MAX_PROPOSALS`` (``mcmc_proposals``);

@@ -22,16 +22,26 @@ Constraints.
     reshard_in[e,q]:     sum_p y[e,p,q] = in[v,i,q]
                          where out[u,p] = sum of x[u,c] with output p, in[v,i,q] likewise
                          (the marginal form: y is the joint choice, a tight relaxation)
-    reduce[u,a,v,c,p]:   z[u,a] >= x[v,c] + out[u,p] - 1           (add_gradient_reduction_constraints)
-                         for every reader candidate (v,c) whose weights split on axis a while
-                         it reads u replicated there, and producer output p replicated on a
+    reduce[u,a,v]:       z[u,a] >= sum_c x[v,c] + sum_p out[u,p] - 1 (add_gradient_reduction_constraints)
+                         per reader v, over its candidates c whose weights split on axis a
+                         while they read u replicated there, and over u's outputs p
+                         replicated on a (aggregated: far tighter than one row per (c, p))
     memory:              sum w[n] * m[n,c] * x[n,c] <= device memory (add_memory_constraint)
 
 Objective (add_objective): minimise sum w[n] t[n,c] x[n,c] + sum w[e] r[e,p,q] y[e,p,q]
-+ sum w[u] R[u,a] z[u,a], in integer nanoseconds. The solve is deterministic: one worker,
-a budget of CP-SAT's deterministic time (work, not seconds), and a complete hint (x from a
-layout built directly, y and z as it implies); the result says whether it is optimal and
-reports the optimality gap.
++ sum w[u] R[u,a] z[u,a], in integer nanoseconds.
+
+Before CP-SAT sees it, the model is made smaller without changing its optimum:
+- views, casts and elementwise ops between one producer and one consumer (and leaves and
+  sources), whose candidates all hold the same memory and take no part in z, are taken out
+  and their cost folded into a merged edge or a neighbour's candidates (``search.ilp_reduce``);
+- on each edge, producer placements with equal cost rows, and consumer placements with equal
+  cost columns, share one index of y (``Edge.groups``).
+
+The solve is deterministic: one worker, a budget of CP-SAT's deterministic time (work, not
+seconds), and a complete hint: the better of the layout built directly and the LP
+relaxation (GLOP) rounded, each improved node by node (``search.ilp_start``). The LP
+optimum is also a lower bound; the result says whether it is optimal and reports the gap.
 """
 
 from __future__ import annotations
@@ -46,6 +56,8 @@ from planner.errors import PlanningError
 from planner.graph import OpGraph
 from search.blocks import block_representatives
 from search.cost_tables import CostTables
+from search.ilp_reduce import Edge, IlpData, expand, reduce_model
+from search.ilp_start import Objective, Trigger, improve, rounded, solve_relaxation
 
 SCALE = 1e9  # seconds -> integer nanoseconds for CP-SAT
 
@@ -58,7 +70,7 @@ class IlpResult:
     core's work, and it does not depend on how busy the machine is); ``cut_by_wall_clock``
     says that the wall-clock safety cap, not the work budget, ended the solve, so the result
     may differ on another machine; ``from_hint`` that the hint (a layout built directly)
-    was kept because CP-SAT found nothing better within its budget."""
+    was kept because nothing better was found within the budget."""
 
     choice: dict[str, int]
     objective_s: float
@@ -68,6 +80,7 @@ class IlpResult:
     work: float = 0.0
     cut_by_wall_clock: bool = False
     from_hint: bool = False
+    variables: int = 0  # CP-SAT variables after the exact reductions (search.ilp_reduce)
 
     @property
     def gap(self) -> float:
@@ -89,7 +102,7 @@ class _Reduced:
 class _Auxiliary:
     """The y and z variables, kept so a hint on x can be completed into a whole solution."""
 
-    pairs: dict[tuple[str, str, int], dict[tuple, object]]  # edge -> (src, dst) -> y
+    pairs: list[tuple[Edge, dict, dict, dict[tuple, object]]]  # edge, its groups, (src, dst) -> y
     reductions: dict[tuple[str, int], list[tuple[str, int, tuple]]]  # (u, a) -> triggers (v, c, p)
     z: dict[tuple[str, int], object]
 
@@ -108,9 +121,9 @@ def solve(
     machine. ``wall_clock_cap_s`` is a safety cap only; when it ends the solve first the
     result says so (``cut_by_wall_clock``).
 
-    ``hint`` (node -> candidate index) is a known solution CP-SAT starts from, e.g. the
-    Megatron layout; it is completed into values for every variable, and when CP-SAT finds
-    nothing better within its budget the hint itself is returned (``from_hint``).
+    ``hint`` (node -> candidate index) is a known solution, e.g. the Megatron layout; CP-SAT
+    starts from the better of it and the rounded LP relaxation, so the answer is never worse
+    than the hint, and it is the hint itself (``from_hint``) when nothing better was found.
 
     Raises:
         PlanningError: no assignment fits in memory, or the solver found nothing in time
@@ -118,16 +131,22 @@ def solve(
     """
     started = time.perf_counter()
     reduced = reduce_repeated_blocks(tables.graph, tables)
+    data = reduce_model(build_data(tables, reduced))
     model = cp_model.CpModel()
-    x = add_choice_variables(model, tables, reduced)
-    resharding_terms, pairs = add_resharding_constraints(model, tables, reduced, x)
+    x = add_choice_variables(model, tables, data)
+    resharding_terms, pairs = add_resharding_constraints(model, data, x)
     reduction_terms, reductions, z = add_gradient_reduction_constraints(model, tables, reduced, x)
     if memory_bytes is not None:
-        add_memory_constraint(model, tables, reduced, x, memory_bytes)
-    add_objective(model, tables, reduced, x, resharding_terms + reduction_terms)
+        add_memory_constraint(model, data, x, memory_bytes)
+    add_objective(model, data, x, resharding_terms + reduction_terms)
     full_hint = _complete_choice(hint or {}, tables, reduced)
-    if full_hint is not None:
-        _add_hint(model, tables, reduced, x, _Auxiliary(pairs, reductions, z), full_hint)
+    cap_kb = None if memory_bytes is None else int(memory_bytes // 1024)
+    outputs = {name: [c.output for c in tables.candidates[name]] for name in data.nodes}
+    objective = Objective(data, outputs, _triggers(tables, reduced, reductions), cap_kb)
+    start, relaxation_ns, lp_cut = _starting_solution(
+        model, x, objective, {name: full_hint[name] for name in data.nodes}, _seconds_left(wall_clock_cap_s, started)
+    )
+    _add_hint(model, tables, data, x, _Auxiliary(pairs, reductions, z), start)
 
     solver = cp_model.CpSolver()
     # One worker: CP-SAT's multi-threaded search depends on thread timing; a single worker
@@ -137,43 +156,51 @@ def solve(
     # Presolve spends a whole budget on these models (tens of thousands of pair variables)
     # before searching at all; searching the model as built finds and proves far more.
     solver.parameters.cp_model_presolve = False
+    # Probing spends half of a default budget on these models before the search starts and
+    # proves nothing the LP relaxation does not: on the tiny Llama's dp=2 x tp=2 mesh the
+    # optimum is proven in 0.06 units of work without it, 1.8 with it.
+    solver.parameters.cp_model_probing_level = 0
     if wall_clock_cap_s is not None:
-        solver.parameters.max_time_in_seconds = max(0.01, wall_clock_cap_s)
+        solver.parameters.max_time_in_seconds = _seconds_left(wall_clock_cap_s, started)
     status = solver.solve(model)
     seconds = time.perf_counter() - started
-    cut = (
+    cut = lp_cut or (
         wall_clock_cap_s is not None
         and status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
         and solver.deterministic_time < 0.99 * work
     )
     if status == cp_model.INFEASIBLE:
         raise PlanningError("no sharding of this model fits in device memory on this mesh")
-    hint_fits = full_hint is not None and (
-        memory_bytes is None or tables.memory(_expand_blocks(full_hint, reduced)) <= memory_bytes
-    )
+    hinted = _expand_blocks(full_hint, reduced)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if not hint_fits:
+        # Stopped before CP-SAT loaded its hint: the starting solution is the answer.
+        if not objective.fits(start):
             raise PlanningError(f"CP-SAT found no sharding within its budget ({work:g} units of work); raise --effort")
-        choice = _expand_blocks(full_hint, reduced)
-        return IlpResult(choice, tables.objective(choice), 0.0, False, seconds, solver.deterministic_time, cut, True)
-    modelled = {name: next(c for c, var in enumerate(x[name]) if solver.value(var)) for name in reduced.nodes}
-    choice = _expand_blocks(modelled, reduced)
-    result = IlpResult(
+        choice = _expand_blocks(expand(data, start), reduced)
+        return IlpResult(
+            choice, tables.objective(choice), relaxation_ns / SCALE, False, seconds, solver.deterministic_time, cut,
+            from_hint=choice == hinted, variables=len(model.proto.variables),
+        )
+    modelled = {name: next(c for c, var in enumerate(x[name]) if solver.value(var)) for name in data.nodes}
+    choice = _expand_blocks(expand(data, modelled), reduced)
+    return IlpResult(
         choice=choice,
         objective_s=solver.objective_value / SCALE,
-        bound_s=solver.best_objective_bound / SCALE,
+        bound_s=max(solver.best_objective_bound, relaxation_ns) / SCALE,
         optimal=status == cp_model.OPTIMAL,
         seconds=seconds,
         work=solver.deterministic_time,
         cut_by_wall_clock=cut,
+        # CP-SAT returns a solution at least as good as its complete hint, which is at least
+        # as good as the layout it was given: equal to it means nothing better was found.
+        from_hint=choice == hinted and not status == cp_model.OPTIMAL,
+        variables=len(model.proto.variables),
     )
-    if hint_fits and not result.optimal:
-        # CP-SAT may wander off a good hint; never return worse than the layout it was given.
-        hinted = _expand_blocks(full_hint, reduced)
-        hinted_s = tables.objective(hinted)
-        if hinted == choice or hinted_s < tables.objective(choice) - 1e-12:
-            return IlpResult(hinted, hinted_s, result.bound_s, False, seconds, result.work, cut, True)
-    return result
+
+
+def _seconds_left(cap_s: float | None, started: float) -> float | None:
+    """What is left of the wall-clock safety cap (never below 0.01 s), or None without one."""
+    return None if cap_s is None else max(0.01, cap_s - (time.perf_counter() - started))
 
 
 def _complete_choice(hint: dict[str, int], tables: CostTables, reduced: _Reduced) -> dict[str, int]:
@@ -183,15 +210,44 @@ def _complete_choice(hint: dict[str, int], tables: CostTables, reduced: _Reduced
     }
 
 
-def _add_hint(model, tables: CostTables, reduced: _Reduced, x, auxiliary: _Auxiliary, choice: dict[str, int]) -> None:
+def _triggers(tables: CostTables, reduced: _Reduced, reductions: dict) -> list[Trigger]:
+    """The gradient reductions as the starting-solution search evaluates them."""
+    triggers = []
+    for (producer, axis), readers in reductions.items():
+        cost = round(tables.reduction_cost(producer, axis) * SCALE * reduced.weight[producer])
+        triggers.append(Trigger(producer, cost, [(v, c) for v, c, _ in readers], {p for _, _, p in readers}))
+    return triggers
+
+
+def _starting_solution(
+    model, x, objective: Objective, hint: dict[str, int], seconds: float | None
+) -> tuple[dict[str, int], float, bool]:
+    """The best of the hint and the rounded LP relaxation, each improved node by node
+    (``search.ilp_start``; the hint as it is when neither fits in memory), the LP optimum
+    in nanoseconds (a lower bound on the objective; 0 when GLOP found none), and whether
+    the wall-clock cap stopped GLOP."""
+    starts, bound = [hint], 0.0
+    began = time.perf_counter()
+    relaxation = solve_relaxation(model, seconds)
+    cut = relaxation is None and seconds is not None and time.perf_counter() - began >= 0.99 * seconds
+    if relaxation is not None:
+        # Less GLOP's tolerances (1e-6 relative, far above its primal and dual ones).
+        bound = relaxation[0] - 1e-6 * abs(relaxation[0])
+        starts.append(rounded(relaxation[1], x))
+    improved = [improve(objective, start) for start in starts]
+    fitting = [start for start in improved if objective.fits(start)]
+    return (min(fitting, key=objective.total) if fitting else hint), bound, cut
+
+
+def _add_hint(model, tables: CostTables, data: IlpData, x, auxiliary: _Auxiliary, choice: dict[str, int]) -> None:
     """Hint every variable: x from ``choice``, y and z as that choice implies them, so CP-SAT
     starts from a complete solution instead of having to repair a partial one."""
-    for name, index in choice.items():
+    for name in data.nodes:
         for position, var in enumerate(x[name]):
-            model.add_hint(var, position == index)
-    for (producer, consumer, position), pairs in auxiliary.pairs.items():
-        src = tables.candidates[producer][choice[producer]].output
-        dst = tables.candidates[consumer][choice[consumer]].inputs[position]
+            model.add_hint(var, position == choice[name])
+    for edge, src_group, dst_group, pairs in auxiliary.pairs:
+        src = src_group[edge.src[choice[edge.producer]]]
+        dst = dst_group[edge.dst[choice[edge.consumer]]]
         for (p, q), var in pairs.items():
             model.add_hint(var, p == src and q == dst)
     for key, var in auxiliary.z.items():
@@ -203,24 +259,58 @@ def _add_hint(model, tables: CostTables, reduced: _Reduced, x, auxiliary: _Auxil
 # ----------------------------------------------------------------- model builders
 
 
-def add_choice_variables(model: cp_model.CpModel, tables: CostTables, reduced: _Reduced) -> dict[str, list]:
-    """x[n,c] and one_strategy[n]: exactly one candidate per modelled node."""
-    x = {}
+def build_data(tables: CostTables, reduced: _Reduced) -> IlpData:
+    """The model's coefficients: weighted integer nanoseconds per candidate and per
+    resharding pair, weighted kilobytes per candidate. An edge from a node into its own
+    twin of the next block is a cost of that node's choice alone (both take the same)."""
+    costs, memory_kb = {}, {}
     for name in reduced.nodes:
+        weight = reduced.weight[name]
+        costs[name] = [round((c.compute_s + c.communication_s) * SCALE * weight) for c in tables.candidates[name]]
+        memory_kb[name] = [-(-int(c.memory_bytes * weight) // 1024) for c in tables.candidates[name]]
+    edges, pinned = [], set()
+    # Placements as small integers: hashing DTensor placements dominates the reductions.
+    number: dict = {}
+    for producer, consumer, position, weight in reduced.edges:
+        if any(where == position for c in tables.candidates[consumer] for where, _ in c.gradient_reductions):
+            pinned |= {producer, consumer}  # z variables read these choices
+        src = [c.output for c in tables.candidates[producer]]
+        if None in src:
+            continue  # the producer has no tensor output on this edge
+        dst = [c.inputs[position] for c in tables.candidates[consumer]]
+        cost = {
+            (number.setdefault(p, len(number)), number.setdefault(q, len(number))):
+                round(tables.edge_cost(producer, consumer, position, p, q) * SCALE * weight)
+            for p in dict.fromkeys(src)
+            for q in dict.fromkeys(dst)
+        }
+        src, dst = [number[p] for p in src], [number[q] for q in dst]
+        if producer == consumer:
+            for index in range(len(src)):
+                costs[producer][index] += cost[src[index], dst[index]]
+        else:
+            edges.append(Edge(producer, consumer, f"{producer}->{consumer}.{position}", src, dst, cost))
+    return IlpData(costs, memory_kb, edges, pinned)
+
+
+def add_choice_variables(model: cp_model.CpModel, tables: CostTables, data: IlpData) -> dict[str, list]:
+    """x[n,c] and one_strategy[n]: exactly one candidate per node left in the model."""
+    x = {}
+    for name in data.nodes:
         x[name] = [model.new_bool_var(f"x[{name},{c}]") for c in range(len(tables.candidates[name]))]
         model.add_exactly_one(x[name]).with_name(f"one_strategy[{name}]")
     return x
 
 
-def _indicator(x_node: list, candidates, pick) -> dict:
+def _indicator(x_node: list, keys: list) -> dict:
     """placement -> the candidates of a node having it (their sum is the indicator)."""
     groups: dict = {}
-    for index, candidate in enumerate(candidates):
-        groups.setdefault(pick(candidate), []).append(x_node[index])
+    for var, key in zip(x_node, keys):
+        groups.setdefault(key, []).append(var)
     return groups
 
 
-def add_resharding_constraints(model, tables: CostTables, reduced: _Reduced, x) -> tuple[list, dict]:
+def add_resharding_constraints(model, data: IlpData, x) -> tuple[list, dict]:
     """y[e,p,q]: the joint choice of producer output p and consumer input q on edge e.
     Returns the objective terms and the y variables of each edge.
 
@@ -229,52 +319,57 @@ def add_resharding_constraints(model, tables: CostTables, reduced: _Reduced, x) 
         sum_q y[e,p,q] = out[u,p]     (reshard_out[e,p])
         sum_p y[e,p,q] = in[v,i,q]    (reshard_in[e,q])
     so y is exactly the product of the two choices and the LP relaxation stays close to
-    the integer optimum. Only pairs with a cost enter the objective.
+    the integer optimum. Only pairs with a cost enter the objective. Edges merged through a
+    removed node (``search.ilp_reduce``) are built the same way, with their merged costs.
     """
     terms = []
-    variables: dict[tuple[str, str, int], dict[tuple, object]] = {}
-    for producer, consumer, position, weight in reduced.edges:
-        outs = _indicator(x[producer], tables.candidates[producer], lambda c: c.output)
-        ins = _indicator(x[consumer], tables.candidates[consumer], lambda c: c.inputs[position])
-        if None in outs:
-            continue  # the producer has no tensor output on this edge
-        edge = f"{producer}->{consumer}.{position}"
-        pairs = {
-            (src, dst): model.new_bool_var(f"y[{edge},{src}->{dst}]") for src in outs for dst in ins
-        }
-        variables[producer, consumer, position] = pairs
+    variables: list[tuple[Edge, dict, dict, dict[tuple, object]]] = []
+    for edge in data.edges:
+        src_group, dst_group = edge.groups()
+        outs = _indicator(x[edge.producer], [src_group[p] for p in edge.src])
+        ins = _indicator(x[edge.consumer], [dst_group[q] for q in edge.dst])
+        pairs = {(src, dst): model.new_bool_var(f"y[{edge.name},{src}->{dst}]") for src in outs for dst in ins}
+        variables.append((edge, src_group, dst_group, pairs))
         for src, src_vars in outs.items():
-            model.add(sum(pairs[src, dst] for dst in ins) == sum(src_vars)).with_name(f"reshard_out[{edge},{src}]")
+            model.add(sum(pairs[src, dst] for dst in ins) == sum(src_vars)).with_name(f"reshard_out[{edge.name},{src}]")
         for dst, dst_vars in ins.items():
-            model.add(sum(pairs[src, dst] for src in outs) == sum(dst_vars)).with_name(f"reshard_in[{edge},{dst}]")
-        for (src, dst), var in pairs.items():
-            seconds = tables.edge_cost(producer, consumer, position, src, dst)
-            if seconds > 0:
-                terms.append((round(seconds * SCALE * weight), var))
+            model.add(sum(pairs[src, dst] for src in outs) == sum(dst_vars)).with_name(f"reshard_in[{edge.name},{dst}]")
+        cost = {(src_group[p], dst_group[q]): value for (p, q), value in edge.cost.items()}
+        terms += [(cost[pair], var) for pair, var in pairs.items() if cost[pair]]
     return terms, variables
 
 
 def add_gradient_reduction_constraints(model, tables: CostTables, reduced: _Reduced, x) -> tuple[list, dict, dict]:
-    """z[u,a] >= x[v,c] + out[u,p] - 1: a replicated activation read by split weights.
-    Returns the objective terms, what triggers each z (reader candidate and producer
-    output), and the z variables."""
+    """z[u,a] >= sum_c x[v,c] + sum_p out[u,p] - 1: a replicated activation read by split
+    weights, one constraint per reader v, summed over the reader's candidates c that split
+    their weights on a while reading u replicated there and over u's outputs p replicated
+    on a (both sums are 0 or 1: the aggregated form is tighter than one constraint per
+    (c, p) pair and has the same integer solutions). Returns the objective terms, what
+    triggers each z (reader candidate and producer output), and the z variables."""
     z: dict[tuple[str, int], object] = {}
     triggers: dict[tuple[str, int], list[tuple[str, int, tuple]]] = {}
     for producer, consumer, position, weight in reduced.edges:
-        outs = _indicator(x[producer], tables.candidates[producer], lambda c: c.output)
+        readers: dict[int, list[int]] = {}
         for index, candidate in enumerate(tables.candidates[consumer]):
             for where, axis in candidate.gradient_reductions:
-                if where != position:
-                    continue
-                key = (producer, axis)
-                if key not in z:
-                    z[key] = model.new_bool_var(f"z[{producer},{axis}]")
-                for src, src_vars in outs.items():
-                    if src is not None and isinstance(src[axis], Replicate):
-                        triggers.setdefault(key, []).append((consumer, index, src))
-                        model.add(z[key] >= x[consumer][index] + sum(src_vars) - 1).with_name(
-                            f"reduce[{producer},{axis},{consumer},{index},{src}]"
-                        )
+                if where == position:
+                    readers.setdefault(axis, []).append(index)
+        for axis, indices in readers.items():
+            replicated = [
+                (index, candidate.output)
+                for index, candidate in enumerate(tables.candidates[producer])
+                if candidate.output is not None and isinstance(candidate.output[axis], Replicate)
+            ]
+            key = (producer, axis)
+            if key not in z:
+                z[key] = model.new_bool_var(f"z[{producer},{axis}]")
+            if not replicated:
+                continue
+            outputs = list(dict.fromkeys(src for _, src in replicated))
+            triggers.setdefault(key, []).extend((consumer, index, src) for index in indices for src in outputs)
+            model.add(
+                z[key] >= sum(x[consumer][i] for i in indices) + sum(x[producer][i] for i, _ in replicated) - 1
+            ).with_name(f"reduce[{producer},{axis},{consumer}.{position}]")
     terms = [
         (round(tables.reduction_cost(producer, axis) * SCALE * reduced.weight[producer]), var)
         for (producer, axis), var in z.items()
@@ -282,27 +377,19 @@ def add_gradient_reduction_constraints(model, tables: CostTables, reduced: _Redu
     return terms, triggers, z
 
 
-def add_memory_constraint(model, tables: CostTables, reduced: _Reduced, x, memory_bytes: float) -> None:
-    """Per-device memory of the chosen candidates fits the device (kilobytes, rounded up)."""
-    terms = []
-    for name in reduced.nodes:
-        for index, candidate in enumerate(tables.candidates[name]):
-            kilobytes = -(-int(candidate.memory_bytes * reduced.weight[name]) // 1024)
-            if kilobytes:
-                terms.append(kilobytes * x[name][index])
-    model.add(sum(terms) <= int(memory_bytes // 1024)).with_name("memory")
+def add_memory_constraint(model, data: IlpData, x, memory_bytes: float) -> None:
+    """Per-device memory of the chosen candidates fits the device (kilobytes, rounded up;
+    nodes taken out of the model hold the same whatever they chose: ``offset_kb``)."""
+    terms = [kb * x[name][index] for name in data.nodes for index, kb in enumerate(data.memory_kb[name]) if kb]
+    model.add(sum(terms) <= int(memory_bytes // 1024) - data.offset_kb).with_name("memory")
 
 
-def add_objective(model, tables: CostTables, reduced: _Reduced, x, extra_terms: list) -> None:
-    """Minimise node times + resharding + gradient reductions (integer nanoseconds)."""
-    terms = []
-    for name in reduced.nodes:
-        for index, candidate in enumerate(tables.candidates[name]):
-            cost = round((candidate.compute_s + candidate.communication_s) * SCALE * reduced.weight[name])
-            if cost:
-                terms.append(cost * x[name][index])
+def add_objective(model, data: IlpData, x, extra_terms: list) -> None:
+    """Minimise node times + resharding + gradient reductions (integer nanoseconds), plus
+    the fixed cost of the nodes taken out of the model."""
+    terms = [cost * x[name][index] for name in data.nodes for index, cost in enumerate(data.costs[name]) if cost]
     terms += [coefficient * var for coefficient, var in extra_terms if coefficient]
-    model.minimize(sum(terms))
+    model.minimize(sum(terms) + data.offset_ns)
 
 
 # ------------------------------------------------------------------- repeated blocks
