@@ -148,7 +148,7 @@ class Plan:
                 f"gradients already; set it to 1 and use pipeline.micro_batches"
             )
         dp = self.mesh.axis_size("dp") if "dp" in self.mesh.names else 1
-        if self.batch_size % (dp * steps):
+        if steps > 1 and self.batch_size % (dp * steps):
             raise ValueError(
                 f"the global batch {self.batch_size} does not split into {steps} micro-batches on each of the dp={dp} "
                 f"ranks; choose accumulation_steps so that dp x accumulation_steps divides the batch"

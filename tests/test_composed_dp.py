@@ -36,6 +36,7 @@ from planner.model_spec import ModelSpec
 from planner.verdict import strategy_words
 from search.auto import composed_flavours, search_plan
 from search.megatron import megatron_plan
+from fake_group import graph_program_on_rank0
 from test_parity import REPO, check_many, result_of
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
@@ -83,19 +84,7 @@ def _held_and_saved(plan) -> tuple[int, int]:
     communication; real CPU tensors): the parameter elements this rank holds, and the bytes
     of the storages autograd keeps for backward outside checkpointed regions that are not
     the parameters' own (gathered weights, activations)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from codegen import dry_run
-    from codegen.spmd_emit import render_graph_program
-
-    module = dry_run._load(render_graph_program(plan))
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
-    try:
-        mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.names)
-        model, args, kwargs = plan.model.build("cpu")
-        spmd = module.parallelize(model, mesh)
+    with graph_program_on_rank0(plan, "cpu") as (spmd, local_args, local_kwargs):
         locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in spmd.parameters()]
         held = sum(t.numel() for t in locals_)
         storages = {t.untyped_storage().data_ptr() for t in locals_}
@@ -110,12 +99,9 @@ def _held_and_saved(plan) -> tuple[int, int]:
                 saved += storage.nbytes()
             return tensor
 
-        local_args, local_kwargs = module.shard_batch(args, kwargs, mesh)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             spmd(*local_args, **local_kwargs)
         return held, saved
-    finally:
-        dist.destroy_process_group()
 
 
 def test_zero2_and_fsdp_hold_half_the_weights_and_fsdp_keeps_no_gathered_block_weight(gpt_world4):

@@ -24,6 +24,7 @@ from cost_model.simulator import Simulator
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
 from search.megatron import megatron_plan
+from fake_group import graph_program_on_rank0
 from test_parity import REPO
 
 
@@ -89,25 +90,9 @@ def test_recompute_in_backward_keeps_gradients_and_drops_activations():
 def _graph_program_saved_bytes(plan) -> int:
     """Run the compiled graph program of ``plan`` forward as rank 0 of a fake process group
     on meta tensors; the bytes it saves for backward outside checkpointed regions."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from codegen import dry_run
-    from codegen.spmd_emit import render_graph_program
-
-    module = dry_run._load(render_graph_program(plan))
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
-    try:
-        mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.names)
-        model, args, kwargs = plan.model.build("meta")
-        spmd = module.parallelize(model, mesh)
-        spmd.device = torch.device("meta")
-        local_args, local_kwargs = module.shard_batch(args, kwargs, mesh)
+    with graph_program_on_rank0(plan) as (spmd, local_args, local_kwargs):
         saved, _ = _saved_bytes(lambda: spmd(*local_args, **local_kwargs))
         return saved
-    finally:
-        dist.destroy_process_group()
 
 
 def test_graph_program_checkpoints_every_block(gpt):
