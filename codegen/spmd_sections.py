@@ -52,7 +52,7 @@ class ProgramSections:
             "    module = program.parallelize(model, mesh)           # model built identically on every rank",
             "    optimizer = program.make_optimizer(module, mesh, torch.optim.AdamW, lr=1e-3)",
             "    loss, output = program.forward_backward(module, args, kwargs, mesh)  # the global batch, sharded here"
-            + (f" in {self.plan.accumulation_steps} micro-batches" if self.plan.accumulation_steps > 1 else ""),
+            + (f" in {number(self.plan.accumulation_steps, 'accumulation_steps')} micro-batches" if self.plan.accumulation_steps > 1 else ""),
             "    optimizer.step()                                    # parameters are DTensors: .full_tensor() gathers one",
             '"""',
             "",
