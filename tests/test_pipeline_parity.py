@@ -10,10 +10,9 @@ gradient of every parameter each stage holds and every updated parameter
 - world 2: GPT (``examples/gpt.py``) on ``pp=2`` with 1F1B and with GPipe, and with 1F1B in
   bf16 mixed precision (stages under autocast, fp32 across boundaries); HF GPT-2 (tied
   embeddings: the token embedding on stage 0 and the output head on stage 1) with the plan
-  the search proposes on two nodes (``pp=2``, 1F1B, micro-batches of one sample, every
-  layer recomputed in backward);
-- world 4: GPT with the searched plan on ``cpu:2x2`` (``pp=2 x tp=2``: Megatron tensor
-  parallelism inside each stage, recomputation), GPT on ``pp=2 x tp=2`` with
+  the search's pipeline grid finds fastest on two nodes (``pp=2``, 1F1B, two micro-batches);
+- world 4: GPT with the grid's fastest pipeline plan on ``cpu:2x2`` (``pp=2 x dp=2``, ZeRO-1
+  over dp), GPT on ``pp=2 x tp=2`` with
   sequence parallelism (the value crossing the stages is split on the sequence over tp), GPT
   on ``pp=2 x dp=2``, HF GPT-2 on ``pp=2 x tp=2`` with GPipe, and a 4-layer tied GPT on
   ``pp=4`` (middle stages that receive and send; the labels travel through three
@@ -27,6 +26,7 @@ learns nothing), and a tied GPT-2 program whose stages do not sum the tied weigh
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +47,7 @@ MODELS = {
     "gpt2": ("hf:gpt2", HF_GPT2_TINY),
     "gpt4tied": ("examples/gpt.py", {"batch_size": 8, "n_layer": 4, "tie_weights": True}),
 }
-SEARCHED = "searched"  # the pipeline plan the search itself proposes (search.auto._pipeline_plans)
+SEARCHED = "searched"  # the pipeline plan the search itself proposes (search.pipeline_search.pipeline_plans)
 # (model, case) -> megatron_plan keyword arguments, or SEARCHED. micro_batch=2: micro-batches of 2 samples
 # per dp rank (4 micro-batches for GPT's batch of 8 on pp=2).
 CASES = {
@@ -72,12 +72,14 @@ def make_plan(model: str, world: int, precision: str = "fp32", **options) -> pla
     source, overrides = MODELS[model]
     spec = ModelSpec(source if source.startswith("hf:") else str(REPO / source), overrides)
     if options.get("searched"):
-        # The search's own pipeline plans: two nodes, tp = devices per node, 1F1B, micro-batches
-        # of one sample, every block recomputed in backward.
-        from search.auto import _pipeline_plans
+        # The fastest pipeline plan of the search's pipeline grid on two nodes
+        # (search.pipeline_search: stages, schedule, micro-batches, dp flavour, recomputation).
+        from search.budget import SearchBudget
+        from search.pipeline_search import pipeline_plans
 
         graph, spec, name, cluster = prepare_model(spec, f"cpu:2x{world // 2}")
-        return _pipeline_plans(graph, cluster, spec, name, precision)[0]
+        plans = pipeline_plans(graph, cluster, spec, name, precision, SearchBudget(effort=16))
+        return next(plan for plan in plans if plan.pipeline is not None)
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
     options.setdefault("micro_batch", 2)
     return megatron_plan(graph, cluster, spec, name, precision=precision, **options)
@@ -179,7 +181,8 @@ def test_program_says_what_crosses_each_boundary(world2_run: WorldRun, world4_ru
     assert "class GPTStage0(PipelineStageModule):" in gpt and "SCHEDULE = '1f1b'" in gpt
     gpt2 = (world2_run.folders["gpt2", "searched"] / "model_spmd.py").read_text()
     assert "SHARED_PARAMETERS = {(0, 1): ('transformer.wte.weight',)}" in gpt2
-    assert gpt2.count("checkpoint(_transformer_h_") == 2  # the searched plan recomputes both layers
+    recomputed = json.loads((world2_run.folders["gpt2", "searched"] / "plan.json").read_text())["recompute"] == "full"
+    assert gpt2.count("checkpoint(_transformer_h_") == (2 if recomputed else 0)  # both layers, when the plan recomputes
     sp = (world4_run.folders["gpt", "pp2xtp2-sp-1f1b"] / "model_spmd.py").read_text()
     assert "(2, 32, 64) -> (2, 16, 64) per rank: S(1) on tp" in sp  # the sequence split crosses as is
 
