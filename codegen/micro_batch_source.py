@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import textwrap
 
-import torch
+from codegen.runtime.accumulation import micro_batches
 
 
 def first_samples(args: tuple, kwargs: dict, batch: int, samples: int) -> tuple[tuple, dict]:
-    """The example batch cut to its first ``samples`` samples (tensors whose first dimension
-    is the batch), as a micro-batch of it is."""
-
-    def cut(value):
-        return value[:samples] if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch else value
-
-    return tuple(cut(v) for v in args), {k: cut(v) for k, v in kwargs.items()}
+    """The example batch cut to its first ``samples`` samples: the first of the micro-batches
+    the compiled program cuts a batch into (``codegen.runtime.accumulation.micro_batches``)."""
+    return micro_batches(args, kwargs, batch // samples, batch)[0]
 
 
 def first_micro_batch_only(micro: int) -> str:

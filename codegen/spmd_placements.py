@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from planner.strategy import NodeStrategy, Placements
 
@@ -104,8 +104,6 @@ def held_over_dp(placements: Placements, shape, axes, sizes, dp_flavour: str) ->
     for dim, length in enumerate(shape):
         local = length // max(1, _ranks_splitting(placements, sizes, dim))
         if dim not in taken and local >= sizes[dp_index]:
-            from torch.distributed.tensor import Shard
-
             return tuple(Shard(dim) if i == dp_index else p for i, p in enumerate(placements))
     return placements
 
