@@ -12,7 +12,7 @@ segment's time and memory per micro-batch (``Simulator.segment_profiles``; a seg
 ops before the first block, one block, or the ops after the last block). A segment costs the same on any stage, so every
 split of every pipeline depth is priced from that one simulation:
 
-- Stage slicing (``slice_stages``), dynamic programming over the segments in order::
+- Stage slicing (``search.stage_slicing.slice_stages``), dynamic programming over the segments in order::
 
       best[s][j] = min over i < j of max(best[s-1][i], time(i..j)),  if memory_s(i..j) <= capacity
       best[0][0] = 0;  answer best[S][n], cuts recovered from the argmins
@@ -42,16 +42,12 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 
-import numpy as np
 
 from cost_model import defaults
 from cost_model.collectives import collective_time
 from cost_model.compute import optimizer_step_time
-from cost_model.schedules import schedule as pipeline_schedule
 from cost_model.simulator import SegmentProfile, Simulator, bytes_per_parameter, simulated
 from planner.cluster import Cluster
 from planner.errors import PlanningError
@@ -62,6 +58,15 @@ from planner.strategy import Mesh, PipelineConfig
 from search.budget import SearchBudget
 from search.layouts import megatron_layout, nearly_even_layers, restrict_axes, uneven_stages
 from search.plan_builder import unsimulated_plan
+from search.stage_slicing import (
+    SegmentCost,
+    Slicing,
+    held_at_peaks,
+    in_flight_per_stage,
+    slice_stages,
+    stage_indices,
+    stage_members,
+)
 
 RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes more
 
@@ -78,83 +83,6 @@ class PipelineSpace:
     recompute: tuple[str, ...] = RECOMPUTE_ORDER
     sequence_parallel: tuple[bool, ...] = (False, True)
     uneven: bool = True
-
-
-@dataclass(frozen=True)
-class SegmentCost:
-    """A segment's cost for stage slicing: seconds per micro-batch; bytes it holds whatever
-    the schedule (weights, gradients, optimizer states); bytes it keeps per micro-batch in
-    flight; bytes alive only while it runs (recomputation)."""
-
-    time_s: float
-    static_bytes: float = 0.0
-    activation_bytes: float = 0.0
-    transient_bytes: float = 0.0
-
-
-@dataclass(frozen=True)
-class Slicing:
-    """How many consecutive segments each stage holds, and the slowest stage's seconds per
-    micro-batch."""
-
-    segments_per_stage: tuple[int, ...]
-    slowest_s: float
-
-
-def stage_memory(costs: Sequence[SegmentCost], in_flight: int) -> float:
-    """Bytes a stage holding ``costs`` needs with ``in_flight`` micro-batches in flight."""
-    return (
-        sum(c.static_bytes for c in costs)
-        + in_flight * sum(c.activation_bytes for c in costs)
-        + max((c.transient_bytes for c in costs), default=0.0)
-    )
-
-
-def slice_stages(
-    costs: Sequence[SegmentCost], stages: int, capacity: float, in_flight: Sequence[int]
-) -> Slicing | None:
-    """Split ``costs`` (segments in model order) into ``stages`` consecutive non-empty stages
-    minimising the slowest stage's time, every stage ``s`` fitting in ``capacity`` bytes with
-    ``in_flight[s]`` micro-batches in flight; None when no split fits (see the module
-    docstring for the recurrence). Ties go to the split whose later stages are shorter.
-
-    Each stage of the recurrence is one vectorised step over every (start i, end j) pair, so
-    slicing 130 segments into 64 stages takes milliseconds.
-    """
-    n = len(costs)
-    if stages < 1 or stages > n or len(in_flight) != stages:
-        return None
-    time_sum = np.concatenate(([0.0], np.cumsum([c.time_s for c in costs])))
-    static_sum = np.concatenate(([0.0], np.cumsum([c.static_bytes for c in costs])))
-    activation_sum = np.concatenate(([0.0], np.cumsum([c.activation_bytes for c in costs])))
-    # (i, j): a stage holding segments i..j-1, for 0 <= i < j <= n.
-    starts, ends = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
-    span = ends > starts
-    seconds = np.where(span, time_sum[None, :] - time_sum[:, None], np.inf)
-    static = static_sum[None, :] - static_sum[:, None]
-    activations = activation_sum[None, :] - activation_sum[:, None]
-    transient = np.zeros((n + 1, n + 1))
-    transients = np.array([c.transient_bytes for c in costs])
-    for i in range(n):  # the largest transient of segments i..j-1
-        transient[i, i + 1:] = np.maximum.accumulate(transients[i:])
-    best = np.full(n + 1, np.inf)
-    best[0] = 0.0
-    starts_of = []
-    for s in range(stages):
-        fits = span & (static + in_flight[s] * activations + transient <= capacity)
-        candidates = np.where(fits, np.maximum(best[:, None], seconds), np.inf)
-        # argmin over the reversed starts: on a tie the latest start, the shortest stage.
-        latest = n - np.argmin(candidates[::-1, :], axis=0)
-        best = candidates[latest, np.arange(n + 1)]
-        starts_of.append(latest)
-    if not np.isfinite(best[n]):
-        return None
-    counts, end = [], n
-    for s in range(stages - 1, -1, -1):
-        begin = int(starts_of[s][end])
-        counts.append(end - begin)
-        end = begin
-    return Slicing(tuple(reversed(counts)), float(best[n]))
 
 
 @dataclass(frozen=True, order=True)
@@ -330,7 +258,7 @@ class PipelineGrid:
         self.priced += 1
         costs = self._segment_costs(config)
         stages = config.pp * config.virtual_stages
-        in_flight = _in_flight(config.schedule, config.pp, config.micro_batches, config.virtual_stages)
+        in_flight = in_flight_per_stage(config.schedule, config.pp, config.micro_batches, config.virtual_stages)
         capacity = self.capacity - self._fixed_bytes(config)
         slicings = [self._even_slicing(config, costs, stages)]
         if self.space.uneven:
@@ -399,7 +327,7 @@ class PipelineGrid:
         the peak of the activations its schedule holds (walked as the simulator walks it),
         what recomputation briefly holds, and the fixed buffers."""
         pp, chunks = config.pp, config.virtual_stages
-        members = _stage_members(costs, slicing)
+        members = stage_members(costs, slicing)
         fullest = 0.0
         for device in range(pp):
             mine = [members[chunk * pp + device] for chunk in range(chunks)]
@@ -413,7 +341,7 @@ class PipelineGrid:
             else:
                 peak = max(
                     sum(count * size for count, size in zip(counts, kept))
-                    for counts in _held(config.schedule, pp, config.micro_batches, chunks)[device]
+                    for counts in held_at_peaks(config.schedule, pp, config.micro_batches, chunks)[device]
                 )
             fullest = max(fullest, static + peak + transient)
         return fullest + self._fixed_bytes(config)
@@ -426,7 +354,7 @@ class PipelineGrid:
         per_stage = list(nearly_even_layers(self.blocks, stages))
         per_stage[0] += head
         per_stage[-1] += len(flags) - self.blocks - head
-        members = _stage_members(costs, Slicing(tuple(per_stage), 0.0))
+        members = stage_members(costs, Slicing(tuple(per_stage), 0.0))
         return Slicing(tuple(per_stage), max(sum(c.time_s for c in m) for m in members))
 
     def _layers_per_stage(self, config: Configuration, slicing: Slicing) -> tuple[int, ...]:
@@ -439,7 +367,7 @@ class PipelineGrid:
 
     def _step_time(self, config: Configuration, costs: list[SegmentCost], slicing: Slicing) -> float:
         pp, m = config.pp, config.micro_batches
-        stage_times = [sum(c.time_s for c in members) for members in _stage_members(costs, slicing)]
+        stage_times = [sum(c.time_s for c in members) for members in stage_members(costs, slicing)]
         device_times = [sum(stage_times[d::pp]) for d in range(pp)]
         if config.schedule == "interleaved":
             compute = m * max(device_times) + (pp - 1) * max(stage_times)
@@ -457,7 +385,7 @@ class PipelineGrid:
         for device in range(pp):
             members = [
                 profiles[i]
-                for stage, indices in enumerate(_stage_indices(slicing))
+                for stage, indices in enumerate(stage_indices(slicing))
                 if stage % pp == device
                 for i in indices
             ]
@@ -553,49 +481,3 @@ class PipelineGrid:
 
 def _divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
-
-
-def _stage_indices(slicing: Slicing) -> list[range]:
-    ranges, start = [], 0
-    for count in slicing.segments_per_stage:
-        ranges.append(range(start, start + count))
-        start += count
-    return ranges
-
-
-def _stage_members(costs: Sequence, slicing: Slicing) -> list[list]:
-    return [[costs[i] for i in indices] for indices in _stage_indices(slicing)]
-
-
-@lru_cache(maxsize=256)
-def _held(schedule: str, pp: int, micro_batches: int, chunks: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """For each device, the micro-batches of each chunk in flight at each local peak of its
-    schedule (after the last forward before a backward): the device's activation peak is
-    the largest of their sums weighted by each chunk's bytes."""
-    per_device = []
-    for device in range(pp):
-        held, peaks = [0] * chunks, set()
-        order = pipeline_schedule(schedule, device, pp, micro_batches, chunks)
-        for position, (kind, _, chunk) in enumerate(order):
-            held[chunk] += 1 if kind == "F" else -1
-            if kind == "F" and (position + 1 == len(order) or order[position + 1][0] == "B"):
-                peaks.add(tuple(held))
-        per_device.append(tuple(sorted(peaks)))
-    return tuple(per_device)
-
-
-@lru_cache(maxsize=256)
-def _in_flight(schedule: str, pp: int, micro_batches: int, chunks: int) -> tuple[int, ...]:
-    """Micro-batches each virtual stage holds at most at once (stage ``c * pp + d`` is chunk
-    ``c`` of device ``d``): ``pp - d`` under 1F1B, counted from the schedule when
-    interleaved (an upper bound on what the device holds at its peak)."""
-    if pp == 1:
-        return (1,)
-    held = [0] * (pp * chunks)
-    for device in range(pp):
-        current = [0] * chunks
-        for kind, _, chunk in pipeline_schedule(schedule, device, pp, micro_batches, chunks):
-            current[chunk] += 1 if kind == "F" else -1
-            stage = chunk * pp + device
-            held[stage] = max(held[stage], current[chunk])
-    return tuple(held)

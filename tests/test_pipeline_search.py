@@ -22,15 +22,8 @@ from planner.errors import ArgumentError, PlanningError
 from planner.model_spec import ModelSpec
 from search.budget import SearchBudget
 from search.megatron import megatron_plan
-from search.pipeline_search import (
-    Configuration,
-    PipelineGrid,
-    PipelineSpace,
-    SegmentCost,
-    pipeline_plans,
-    slice_stages,
-    stage_memory,
-)
+from search.pipeline_search import Configuration, PipelineGrid, PipelineSpace, pipeline_plans
+from search.stage_slicing import SegmentCost, slice_stages, stage_memory
 
 GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
 

@@ -1,0 +1,145 @@
+"""Stage slicing: consecutive segments cut into pipeline stages by dynamic programming, and
+what a pipeline schedule keeps in flight on each stage.
+
+The recurrence (``slice_stages``) over the segments in model order::
+
+    best[s][j] = min over i < j of max(best[s-1][i], time(i..j)),  if memory_s(i..j) <= capacity
+    best[0][0] = 0;  answer best[S][n], cuts recovered from the argmins
+
+``search.pipeline_search`` prices every configuration of its grid with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from cost_model.schedules import schedule as pipeline_schedule
+
+
+@dataclass(frozen=True)
+class SegmentCost:
+    """A segment's cost for stage slicing: seconds per micro-batch; bytes it holds whatever
+    the schedule (weights, gradients, optimizer states); bytes it keeps per micro-batch in
+    flight; bytes alive only while it runs (recomputation)."""
+
+    time_s: float
+    static_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    transient_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class Slicing:
+    """How many consecutive segments each stage holds, and the slowest stage's seconds per
+    micro-batch."""
+
+    segments_per_stage: tuple[int, ...]
+    slowest_s: float
+
+
+def stage_memory(costs: Sequence[SegmentCost], in_flight: int) -> float:
+    """Bytes a stage holding ``costs`` needs with ``in_flight`` micro-batches in flight."""
+    return (
+        sum(c.static_bytes for c in costs)
+        + in_flight * sum(c.activation_bytes for c in costs)
+        + max((c.transient_bytes for c in costs), default=0.0)
+    )
+
+
+def slice_stages(
+    costs: Sequence[SegmentCost], stages: int, capacity: float, in_flight: Sequence[int]
+) -> Slicing | None:
+    """Split ``costs`` (segments in model order) into ``stages`` consecutive non-empty stages
+    minimising the slowest stage's time, every stage ``s`` fitting in ``capacity`` bytes with
+    ``in_flight[s]`` micro-batches in flight; None when no split fits (see the module
+    docstring for the recurrence). Ties go to the split whose later stages are shorter.
+
+    Each stage of the recurrence is one vectorised step over every (start i, end j) pair, so
+    slicing 130 segments into 64 stages takes milliseconds.
+    """
+    n = len(costs)
+    if stages < 1 or stages > n or len(in_flight) != stages:
+        return None
+    time_sum = np.concatenate(([0.0], np.cumsum([c.time_s for c in costs])))
+    static_sum = np.concatenate(([0.0], np.cumsum([c.static_bytes for c in costs])))
+    activation_sum = np.concatenate(([0.0], np.cumsum([c.activation_bytes for c in costs])))
+    # (i, j): a stage holding segments i..j-1, for 0 <= i < j <= n.
+    starts, ends = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    span = ends > starts
+    seconds = np.where(span, time_sum[None, :] - time_sum[:, None], np.inf)
+    static = static_sum[None, :] - static_sum[:, None]
+    activations = activation_sum[None, :] - activation_sum[:, None]
+    transient = np.zeros((n + 1, n + 1))
+    transients = np.array([c.transient_bytes for c in costs])
+    for i in range(n):  # the largest transient of segments i..j-1
+        transient[i, i + 1:] = np.maximum.accumulate(transients[i:])
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    starts_of = []
+    for s in range(stages):
+        fits = span & (static + in_flight[s] * activations + transient <= capacity)
+        candidates = np.where(fits, np.maximum(best[:, None], seconds), np.inf)
+        # argmin over the reversed starts: on a tie the latest start, the shortest stage.
+        latest = n - np.argmin(candidates[::-1, :], axis=0)
+        best = candidates[latest, np.arange(n + 1)]
+        starts_of.append(latest)
+    if not np.isfinite(best[n]):
+        return None
+    counts, end = [], n
+    for s in range(stages - 1, -1, -1):
+        begin = int(starts_of[s][end])
+        counts.append(end - begin)
+        end = begin
+    return Slicing(tuple(reversed(counts)), float(best[n]))
+
+
+def stage_indices(slicing: Slicing) -> list[range]:
+    """The segment indices of each stage, in stage order."""
+    ranges, start = [], 0
+    for count in slicing.segments_per_stage:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def stage_members(costs: Sequence, slicing: Slicing) -> list[list]:
+    """The items of ``costs`` (one per segment) each stage holds, in stage order."""
+    return [[costs[i] for i in indices] for indices in stage_indices(slicing)]
+
+
+@lru_cache(maxsize=256)
+def held_at_peaks(schedule: str, pp: int, micro_batches: int, chunks: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """For each device, the micro-batches of each chunk in flight at each local peak of its
+    schedule (after the last forward before a backward): the device's activation peak is
+    the largest of their sums weighted by each chunk's bytes."""
+    per_device = []
+    for device in range(pp):
+        held, peaks = [0] * chunks, set()
+        order = pipeline_schedule(schedule, device, pp, micro_batches, chunks)
+        for position, (kind, _, chunk) in enumerate(order):
+            held[chunk] += 1 if kind == "F" else -1
+            if kind == "F" and (position + 1 == len(order) or order[position + 1][0] == "B"):
+                peaks.add(tuple(held))
+        per_device.append(tuple(sorted(peaks)))
+    return tuple(per_device)
+
+
+@lru_cache(maxsize=256)
+def in_flight_per_stage(schedule: str, pp: int, micro_batches: int, chunks: int) -> tuple[int, ...]:
+    """Micro-batches each virtual stage holds at most at once (stage ``c * pp + d`` is chunk
+    ``c`` of device ``d``): ``pp - d`` under 1F1B, counted from the schedule when
+    interleaved (an upper bound on what the device holds at its peak)."""
+    if pp == 1:
+        return (1,)
+    held = [0] * (pp * chunks)
+    for device in range(pp):
+        current = [0] * chunks
+        for kind, _, chunk in pipeline_schedule(schedule, device, pp, micro_batches, chunks):
+            current[chunk] += 1 if kind == "F" else -1
+            stage = chunk * pp + device
+            held[stage] = max(held[stage], current[chunk])
+    return tuple(held)
