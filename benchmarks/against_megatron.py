@@ -45,7 +45,7 @@ from search.pipeline_search import PipelineGrid, PipelineSpace
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GRID_SIMULATIONS = 6
-MEGATRON_GRID = PipelineSpace(flavours=("ddp", "zero1"), uneven=False)
+MEGATRON_GRID = PipelineSpace(flavours=("ddp", "zero1"), uneven=False, per_stage_recompute=False)
 
 
 @dataclass(frozen=True)

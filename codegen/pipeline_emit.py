@@ -19,7 +19,8 @@ on DTensors, ``_to`` where the plan redistributes), cut into stages:
 - the last stage returns the model's loss, which the schedule back-propagates;
 - with ``recompute="full"`` each repeated block inside a stage runs under
   ``torch.utils.checkpoint`` (as in graph programs, ``codegen.spmd_recompute``); with
-  ``"selective"`` each block's attention core does (``codegen.attention_core``);
+  ``"selective"`` each block's attention core does (``codegen.attention_core``); a stage
+  whose plan gives it a mode of its own (``PipelineConfig.stage_recompute``) follows that;
 - parameters read by several stages (tied embeddings) are held by each; the runtime sums
   their gradients over those stages.
 
@@ -149,8 +150,10 @@ class _PipelineWriter:
         self.emitter = GraphEmitter(stage_plan, graph, facts, observed, forced, warning, local_replicated=False)
         self.stages = stage_count(plan.pipeline)  # stage modules: pp x virtual stages (interleaved)
         self.axes, self.sizes = stage_plan.mesh.names, stage_plan.mesh.shape
-        self.recompute = plan.recompute  # "none", "full" (whole blocks) or "selective" (attention cores)
-        self.cores = attention_cores(graph, plan.summary.tokens_per_sample) if self.recompute == "selective" else []
+        # Per stage module: "none", "full" (whole blocks) or "selective" (attention cores).
+        self.recompute = [plan.recompute_at(stage) for stage in range(self.stages)]
+        selective = "selective" in self.recompute
+        self.cores = attention_cores(graph, plan.summary.tokens_per_sample) if selective else []
 
     # ------------------------------------------------------------------------- analysis
 
@@ -204,10 +207,10 @@ class _PipelineWriter:
 
         runs = self._stage_nodes(gm)
         written: list[list[tuple[Any, list[str]]]] = []
-        for nodes in runs:
+        for stage, nodes in enumerate(runs):
             em.resharded = {}  # each stage redistributes what it reads itself
             em.module = None
-            written.append(self._emit_runs(nodes, gm))
+            written.append(self._emit_runs(nodes, gm, self.recompute[stage]))
         loss = em.values[self._loss_leaf(gm).name]
         loss_line = _PAD + (f"return self.loss({loss.expr})" if loss.kind == "dt" else f"return {loss.expr}")
         bodies = self._checkpointed(written, loss_line)
@@ -288,12 +291,12 @@ class _PipelineWriter:
             ]
         )
 
-    def _emit_runs(self, nodes: list[torch.fx.Node], gm: torch.fx.GraphModule) -> list[tuple[Any, list[str]]]:
-        """A stage's lines, as runs of one repeated block (or none) when blocks are
-        recomputed (each block run indented one more level, to become a nested function)."""
-        if self.recompute == "none" or (self.recompute == "selective" and not self.cores):
+    def _emit_runs(self, nodes: list[torch.fx.Node], gm: torch.fx.GraphModule, recompute: str) -> list[tuple[Any, list[str]]]:
+        """A stage's lines, as runs of one repeated block (or none) when the stage recomputes
+        (``recompute``: each block run indented one more level, to become a nested function)."""
+        if recompute == "none" or (recompute == "selective" and not self.cores):
             return [(None, self.emitter._emit_nodes(nodes, gm, indent=2))]
-        runs = block_runs(self.graph, nodes) if self.recompute == "full" else core_runs(self.cores, nodes)
+        runs = block_runs(self.graph, nodes) if recompute == "full" else core_runs(self.cores, nodes)
         return [(block, self.emitter._emit_nodes(run, gm, indent=2 + (block is not None))) for block, run in runs]
 
     def _checkpointed(self, written: list[list[tuple[Any, list[str]]]], loss_line: str) -> list[list[str]]:
@@ -419,12 +422,27 @@ class _PipelineWriter:
         return "    for stage in module.local_stages:\n" + textwrap.indent(lines, "    ") if lines else ""
 
     def _recompute_note(self) -> list[str]:
-        """The header's line on activation recomputation."""
-        if self.recompute == "full":
+        """The header's lines on activation recomputation (per stage when stages differ)."""
+        modes = set(self.recompute)
+        if len(modes) > 1:
+            # Stages holding more micro-batches in flight (the first ones, under 1F1B) need
+            # to recompute where later ones need not: the planner chose each stage's mode.
+            words = {
+                "full": "every repeated block recomputed in backward (activation checkpointing)",
+                "selective": "each block's attention core recomputed in backward (selective recomputation)",
+                "none": "no recomputation",
+            }
+            lines = ["Recomputation differs by stage (the planner chose each stage's to fit its memory):"]
+            lines += [f"    stage {stage}: {words[mode]}" for stage, mode in enumerate(self.recompute)]
+            if "selective" in modes and not self.cores:
+                lines += [line.removeprefix("# ") for line in NO_CORE_COMMENT]
+            return lines
+        mode = self.recompute[0]
+        if mode == "full":
             return ["Every repeated block is recomputed in backward (activation checkpointing)."]
-        if self.recompute == "selective" and self.cores:
+        if mode == "selective" and self.cores:
             return ["Each block's attention core is recomputed in backward (selective recomputation)."]
-        if self.recompute == "selective":
+        if mode == "selective":
             return [line.removeprefix("# ") for line in NO_CORE_COMMENT]
         return []
 
@@ -437,7 +455,7 @@ class _PipelineWriter:
                 "import torch",
                 "from torch.distributed.device_mesh import DeviceMesh",
                 "from torch.distributed.tensor import Partial, Replicate, Shard",
-                *(["from torch.utils.checkpoint import checkpoint"] if self.recompute != "none" else []),
+                *(["from torch.utils.checkpoint import checkpoint"] if set(self.recompute) != {"none"} else []),
                 "",
                 "from codegen.runtime.pipeline import PipelineRunner, PipelineStageModule, VirtualStages, build_stage, stage_mesh",
                 *precision_imports(self.plan),

@@ -539,7 +539,6 @@ class Simulator:
         chunk_segments: dict[int, list[Segment]] = {vs: [] for vs in range(stages_total)}
         for segment in segments:
             chunk_segments[min(segment.stage, stages_total - 1)].append(segment)
-        recompute = self.plan.recompute
         fsdp = self.plan.dp_flavour == "fsdp" and self.dp > 1
         sync_every = self._syncs_every_micro_batch()
         forward_done: dict[tuple[int, int], int] = {}
@@ -579,7 +578,8 @@ class Simulator:
                         sync = sync_every or mb == self.micro_batches - 1
                         split = fsdp or sync  # per-segment tasks feed gradient syncs
                         backward_done[(mb, vs)] = self._backward(
-                            graph, device, chunk_segments[vs], mb, deps, recompute, fsdp, split, sync_after, sync
+                            graph, device, chunk_segments[vs], mb, deps, self.plan.recompute_at(vs), fsdp, split,
+                            sync_after, sync,
                         )
                     positions[stage] += 1
                     progressed = True
@@ -734,12 +734,11 @@ class Simulator:
 
     def _peak_activations(self, stage: int, segments: list[Segment]) -> float:
         """Peak bytes held for backward by the micro-batches in flight on this device."""
-        recompute = self.plan.recompute
         chunk_bytes: dict[int, float] = {}
         transient = 0.0
         for segment in segments:
             chunk = segment.stage // self.pp
-            kept, recomputed = self._activation_bytes(segment, recompute)
+            kept, recomputed = self._activation_bytes(segment, self.plan.recompute_at(segment.stage))
             transient = max(transient, recomputed)
             chunk_bytes[chunk] = chunk_bytes.get(chunk, 0.0) + kept
         held = peak = 0.0

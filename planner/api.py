@@ -320,7 +320,8 @@ def composed_flavour_blocker(plan: Plan) -> str | None:
             "ZeRO-2 beside pipeline parallelism would keep a gathered copy of the stage's weights for every "
             "micro-batch in flight; plan with dp_flavour zero1, or fsdp with recompute full"
         )
-    if plan.dp_flavour == "fsdp" and plan.recompute != "full":
+    stages = plan.pipeline.stages * plan.pipeline.virtual_stages if plan.pipeline is not None else 1
+    if plan.dp_flavour == "fsdp" and any(plan.recompute_at(stage) != "full" for stage in range(stages)):
         return (
             "FSDP beside tensor or pipeline parallelism frees gathered weights after forward only in recomputed "
             "blocks, so it compiles with recompute 'full'; plan with recompute full, or use dp_flavour zero2"

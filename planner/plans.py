@@ -39,7 +39,7 @@ from planner.strategy import (
 
 PLAN_FORMAT = "soap-planner-plan"
 # Version 3 added model_fingerprint (planner/fingerprint.py).
-PLAN_VERSION = 4  # 4: accumulation_steps
+PLAN_VERSION = 5  # 4: accumulation_steps; 5: pipeline.stage_recompute
 # Precisions a plan is made in (the API also takes "auto", resolved before planning).
 PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
@@ -77,7 +77,9 @@ class Plan:
         inputs: placements of each user input by name (``None`` for non-tensor inputs).
         strategies: one ``NodeStrategy`` per traced op, in graph order.
         estimate: predicted step time and memory.
-        recompute: activation recomputation: ``none``, ``selective`` or ``full``.
+        recompute: activation recomputation: ``none``, ``selective`` or ``full``. A pipeline
+            may give its stages modes of their own (``PipelineConfig.stage_recompute``);
+            then ``recompute`` is the heaviest of them (``recompute_at`` gives a stage's).
         pipeline: pipeline stages and schedule, or ``None``.
         accumulation_steps: without a pipeline, the micro-batches each rank's part of the
             batch is cut into, each run forward and backward in turn with their gradients
@@ -163,6 +165,13 @@ class Plan:
                 f"the pipeline has {self.pipeline.stages} stages but the mesh axis pp has {self.mesh.axis_size('pp')} ranks"
             )
         stages = self.pipeline.stages * self.pipeline.virtual_stages if self.pipeline is not None else 1
+        per_stage = self.pipeline.stage_recompute if self.pipeline is not None else ()
+        if per_stage and self.recompute != max(per_stage, key=RECOMPUTE_MODES.index):
+            raise ValueError(
+                f"field 'recompute' is '{self.recompute}' but the heaviest of the pipeline's stage_recompute "
+                f"{list(per_stage)} is '{max(per_stage, key=RECOMPUTE_MODES.index)}'; the plan's mode is the heaviest "
+                f"any stage uses"
+            )
         for strategy in self.strategies:
             if not 0 <= strategy.stage < stages:
                 raise ValueError(
@@ -177,6 +186,12 @@ class Plan:
     @property
     def world_size(self) -> int:
         return self.mesh.size
+
+    def recompute_at(self, stage: int) -> str:
+        """The recomputation mode of pipeline stage module ``stage`` (``NodeStrategy.stage``):
+        its own when the pipeline gives stages modes of their own, else the plan's."""
+        per_stage = self.pipeline.stage_recompute if self.pipeline is not None else ()
+        return per_stage[stage] if per_stage else self.recompute
 
     @property
     def name(self) -> str:
@@ -478,11 +493,20 @@ def _estimate_from(reader: _Reader) -> SimResult:
 
 
 def _pipeline_to_dict(pipeline: PipelineConfig | None) -> dict | None:
-    return vars(pipeline) if pipeline else None
+    if pipeline is None:
+        return None
+    return {**vars(pipeline), "stage_recompute": list(pipeline.stage_recompute)}
 
 
 def _pipeline_from_dict(data: Any) -> PipelineConfig | None:
-    return None if data is None else PipelineConfig(**data)
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise TypeError(f"expected an object, got {type(data).__name__}")
+    modes = data.get("stage_recompute", [])
+    if not isinstance(modes, list):
+        raise TypeError(f"stage_recompute must be a list of modes, got {type(modes).__name__}")
+    return PipelineConfig(**{**data, "stage_recompute": tuple(modes)})
 
 
 def _strategy_to_dict(strategy: NodeStrategy) -> dict[str, Any]:

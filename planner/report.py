@@ -68,7 +68,7 @@ def render_report(plan: "Plan", width: int = REPORT_WIDTH) -> str:
         details.append(("search", plan.search_summary))
     details.append((
         "recompute",
-        f"{plan.recompute}; pipeline {'none' if plan.pipeline is None else _pipeline_text(plan)}; "
+        f"{_recompute_text(plan)}; pipeline {'none' if plan.pipeline is None else _pipeline_text(plan)}; "
         f"precision {plan.precision}; optimizer {plan.optimizer}",
     ))
     if plan.timings:
@@ -94,6 +94,14 @@ def _paragraph(text: str, width: int, indent: str = "", hanging: str | None = No
         text, width=width, initial_indent=indent, subsequent_indent=indent if hanging is None else hanging,
         break_on_hyphens=False, break_long_words=False,
     )
+
+
+def _recompute_text(plan: "Plan") -> str:
+    """``full``, or ``per stage: full, full, selective, none`` when the stages differ."""
+    per_stage = plan.pipeline.stage_recompute if plan.pipeline is not None else ()
+    if per_stage and len(set(per_stage)) > 1:
+        return "per stage: " + ", ".join(per_stage)
+    return plan.recompute
 
 
 def _pipeline_text(plan: "Plan") -> str:
@@ -136,7 +144,7 @@ def _pipeline_table(plan: "Plan") -> Table:
     simulated busy time per step and its memory."""
     pipeline, estimate = plan.pipeline, plan.estimate
     table = Table(title=f"Pipeline stages ({estimate.method})")
-    for column in ("rank", "holds (virtual stages in order)", "compute + tp comm", "memory"):
+    for column in ("rank", "holds (virtual stages in order)", "recompute", "compute + tp comm", "memory"):
         table.add_column(column, justify="right" if column in ("rank", "compute + tp comm", "memory") else "left")
     by_stage: dict[int, list[NodeStrategy]] = {}
     for strategy in plan.strategies:
@@ -146,7 +154,9 @@ def _pipeline_table(plan: "Plan") -> Table:
         busy = sum(s.cost.compute_s + s.cost.communication_s for chunk in chunks for s in chunk)
         memory = estimate.stage_memory[rank].total if rank < len(estimate.stage_memory) else 0
         holds = " | ".join(_stage_contents(chunk) for chunk in chunks)
-        table.add_row(str(rank), holds, format_seconds(busy), format_bytes(memory))
+        stages = range(rank, pipeline.stages * pipeline.virtual_stages, pipeline.stages)
+        recompute = " | ".join(plan.recompute_at(stage) for stage in stages)
+        table.add_row(str(rank), holds, recompute, format_seconds(busy), format_bytes(memory))
     return table
 
 

@@ -172,18 +172,34 @@ class NodeStrategy:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """Pipeline parallelism: stages over the ``pp`` mesh axis and the schedule that runs them."""
+    """Pipeline parallelism: stages over the ``pp`` mesh axis and the schedule that runs them.
+
+    ``stage_recompute`` gives each stage module (``stages x virtual_stages`` of them, in the
+    numbering of ``NodeStrategy.stage``) its own recomputation mode; empty when every stage
+    recomputes as the plan's ``recompute`` says. Early stages of a 1F1B pipeline hold more
+    micro-batches in flight than late ones, so they may need to recompute where later
+    stages need not.
+    """
 
     stages: int
     schedule: str = "1f1b"
     micro_batches: int = 1
     virtual_stages: int = 1
+    stage_recompute: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pipeline schedule must be one of {PIPELINE_SCHEDULES}, got '{self.schedule}'")
         if self.stages < 1 or self.micro_batches < 1 or self.virtual_stages < 1:
             raise ValueError("pipeline stages, micro_batches and virtual_stages must be >= 1")
+        modes = self.stage_recompute
+        if not isinstance(modes, tuple) or any(mode not in RECOMPUTE_MODES for mode in modes):
+            raise ValueError(f"pipeline stage_recompute must list modes among {RECOMPUTE_MODES}, got {modes!r}")
+        if modes and len(modes) != self.stages * self.virtual_stages:
+            raise ValueError(
+                f"pipeline stage_recompute has {len(modes)} modes but there are {self.stages * self.virtual_stages} "
+                f"stage modules (stages x virtual_stages); give one mode per stage module"
+            )
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ node (Megatron-LM's layout on tp, ``search.layouts.megatron_layout``), ``pp`` an
 ``world / tp`` up to the number of blocks, ``dp`` the rest (dividing the batch); 1, 2, 4 or 8
 samples per micro-batch per dp rank; 1F1B, and interleaved 1F1B with 2 or 4 virtual stages
 per device when the micro-batches are a multiple of pp; DDP, ZeRO-1 or FSDP on dp;
-recomputation none, selective or full; with tp, sequence parallelism or not.
+recomputation none, selective or full on every stage, or chosen per stage (``PER_STAGE``);
+with tp, sequence parallelism or not.
 
 Costs. One simulation per (tp, sequence parallelism, micro-batch size) gives every
 segment's time and memory per micro-batch (``Simulator.segment_profiles``; a segment is the
@@ -22,6 +23,9 @@ split of every pipeline depth is priced from that one simulation:
   under the dp flavour, plus the activations of the micro-batches stage s holds in flight
   under the schedule, plus what recomputation briefly holds. It minimises the slowest stage,
   so the stages holding the embedding and the head get fewer blocks when those are heavy.
+  Under ``PER_STAGE`` every (i, j) also takes the fastest recomputation mode that fits it
+  there: a 1F1B pipeline's first stage holds ``pp`` micro-batches in flight and its last
+  one, so the first stages may recompute fully while the last recompute nothing.
 - Step time (``_estimate``): 1F1B runs ``sum(stage times) + (m - 1) x slowest``; interleaved
   ``m x busiest device + (pp - 1) x slowest virtual stage``; plus the point-to-point
   transfers of the fill and drain, the optimizer step, and the data-parallel communication
@@ -66,21 +70,29 @@ from search.stage_slicing import (
     slice_stages,
     stage_indices,
     stage_members,
+    stage_memory,
 )
 
 RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes more
+# A configuration whose stages each choose their own mode (``Slicing.modes``).
+PER_STAGE = "per-stage"
+# Visiting order for dominance: once a mode fits, the modes after it only add time (per
+# stage chooses among all three, so it is never slower than a uniform mode that fits).
+_DOMINANCE = {"none": 0, PER_STAGE: 1, "selective": 2, "full": 3}
 
 
 @dataclass(frozen=True)
 class PipelineSpace:
     """The options the grid combines (see the module docstring). ``uneven`` lets stage
     slicing give stages different block counts; without it the blocks split as Megatron-LM
-    splits them (``search.layouts.nearly_even_layers``)."""
+    splits them (``search.layouts.nearly_even_layers``). ``per_stage_recompute`` adds, for
+    every pipeline, the configuration whose stages each recompute as little as fits them."""
 
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     virtual_stages: tuple[int, ...] = (2, 4)
     flavours: tuple[str, ...] = ("ddp", "zero1", "fsdp")
     recompute: tuple[str, ...] = RECOMPUTE_ORDER
+    per_stage_recompute: bool = True
     sequence_parallel: tuple[bool, ...] = (False, True)
     uneven: bool = True
 
@@ -97,7 +109,7 @@ class Configuration:
     schedule: str  # "1f1b" (also used for pp = 1) or "interleaved"
     virtual_stages: int
     flavour: str
-    recompute: str
+    recompute: str  # a mode of RECOMPUTE_ORDER, or PER_STAGE
     sequence_parallel: bool = False  # tp > 1 only: the residual stream split on the sequence
 
     @property
@@ -114,6 +126,7 @@ class Estimate:
     config: Configuration
     layers_per_stage: tuple[int, ...] = field(compare=False)
     memory_bytes: float = field(compare=False)
+    stage_recompute: tuple[str, ...] = field(default=(), compare=False)  # PER_STAGE: each stage's mode
 
 
 def pipeline_plans(
@@ -182,7 +195,8 @@ class PipelineGrid:
                         ]
                     for schedule, chunks in schedules:
                         for flavour in space.flavours if dp > 1 else ("ddp",):
-                            for recompute in space.recompute:
+                            per_stage = (PER_STAGE,) if space.per_stage_recompute and pp > 1 else ()
+                            for recompute in (*space.recompute, *per_stage):
                                 if flavour == "fsdp" and recompute != "full":
                                     # Compiled FSDP beside other axes frees gathered weights only
                                     # in recomputed blocks (planner.api.composed_flavour_blocker).
@@ -212,7 +226,7 @@ class PipelineGrid:
             # recomputing more is dominated. (Flavours are not ordered so: ZeRO-1's sharded
             # optimizer step can beat DDP's despite its extra all-gather.)
             group = dataclasses.replace(config, recompute="")
-            rank = RECOMPUTE_ORDER.index(config.recompute)
+            rank = _DOMINANCE[config.recompute]
             if any(fitted <= rank for fitted in fitting.get(group, ())):
                 continue
             if self._memory_lower_bound(config) > self.capacity:
@@ -234,17 +248,22 @@ class PipelineGrid:
         mesh = config.mesh
         strategies, inputs = self._layout(config.tp, config.sequence_parallel, mesh.names)
         pipeline = None
+        recompute, per_stage = config.recompute, estimate.stage_recompute
+        if per_stage:
+            # The plan's mode is the heaviest any stage uses; stages that differ are listed.
+            recompute = max(per_stage, key=RECOMPUTE_ORDER.index)
+            per_stage = per_stage if len(set(per_stage)) > 1 else ()
         if config.pp > 1:
             stages = config.pp * config.virtual_stages
             stage_of = uneven_stages(self.graph, estimate.layers_per_stage, stages=stages)
             strategies = tuple(dataclasses.replace(s, stage=stage_of[s.node]) for s in strategies)
             pipeline = PipelineConfig(
                 stages=config.pp, schedule=config.schedule, micro_batches=config.micro_batches,
-                virtual_stages=config.virtual_stages,
+                virtual_stages=config.virtual_stages, stage_recompute=per_stage,
             )
         plan = unsimulated_plan(
             self.graph, self.cluster, spec, model_name, mesh, strategies, inputs,
-            dp_flavour=config.flavour, recompute=config.recompute, pipeline=pipeline, precision=self.precision,
+            dp_flavour=config.flavour, recompute=recompute, pipeline=pipeline, precision=self.precision,
             label="megatron",
         )
         return simulated(plan, self.graph)
@@ -254,34 +273,39 @@ class PipelineGrid:
     def estimate(self, config: Configuration) -> Estimate | None:
         """The configuration's step time and memory with its stages sliced by
         ``slice_stages`` (or Megatron's split, whichever is faster; only Megatron's without
-        ``space.uneven``), or None when no slicing fits in memory."""
+        ``space.uneven``), or None when no slicing fits in memory. Under ``PER_STAGE`` each
+        stage also takes the least recomputation that fits it (``Estimate.stage_recompute``)."""
         self.priced += 1
-        costs = self._segment_costs(config)
+        modes = RECOMPUTE_ORDER if config.recompute == PER_STAGE else (config.recompute,)
+        by_mode = {mode: self._segment_costs(config, mode) for mode in modes}
+        to_slice = by_mode if config.recompute == PER_STAGE else by_mode[config.recompute]
         stages = config.pp * config.virtual_stages
         in_flight = in_flight_per_stage(config.schedule, config.pp, config.micro_batches, config.virtual_stages)
         capacity = self.capacity - self._fixed_bytes(config)
-        slicings = [self._even_slicing(config, costs, stages)]
+        slicings = [self._even_slicing(config, by_mode, stages, capacity, in_flight)]
         if self.space.uneven:
             # Interleaved: a device holds several virtual stages; slice against the whole
             # device, and against an equal share in case some device overflows. The
             # recurrence balances virtual stages, not devices, so Megatron's split stays a
             # candidate: on interleaved schedules it can balance the devices better.
             for share in (1, config.virtual_stages) if config.virtual_stages > 1 else (1,):
-                slicings.append(slice_stages(costs, stages, capacity / share, in_flight))
+                slicings.append(slice_stages(to_slice, stages, capacity / share, in_flight))
         best = None
         for slicing in slicings:
             if slicing is None:
                 continue
+            costs = _costs_as_sliced(by_mode, slicing)
             memory = self._device_memory(costs, slicing, config)
             if memory > self.capacity:
                 continue
             seconds = self._step_time(config, costs, slicing)
-            estimate = Estimate(seconds, config, self._layers_per_stage(config, slicing), memory)
+            estimate = Estimate(seconds, config, self._layers_per_stage(config, slicing), memory, slicing.modes)
             if best is None or estimate.step_s < best.step_s:
                 best = estimate
         return best
 
-    def _segment_costs(self, config: Configuration) -> list[SegmentCost]:
+    def _segment_costs(self, config: Configuration, recompute: str) -> list[SegmentCost]:
+        """Each segment's cost under ``config`` when it recomputes as ``recompute`` says."""
         weights, grads, states = bytes_per_parameter(self.precision)
         dp, flavour = config.dp, config.flavour
         per_element = (
@@ -292,7 +316,7 @@ class PipelineGrid:
         gathered = flavour == "fsdp" and dp > 1
         costs = []
         for profile in self._profile(config):
-            seconds = profile.time_s[config.recompute]
+            seconds = profile.time_s[recompute]
             if gathered:
                 # FSDP gathers a segment's weights before its forward and again before its
                 # backward (for every micro-batch), one segment ahead. The simulated
@@ -303,8 +327,8 @@ class PipelineGrid:
             costs.append(SegmentCost(
                 time_s=seconds,
                 static_bytes=profile.param_elements * per_element,
-                activation_bytes=profile.kept_bytes[config.recompute],
-                transient_bytes=profile.transient_bytes[config.recompute],
+                activation_bytes=profile.kept_bytes[recompute],
+                transient_bytes=profile.transient_bytes[recompute],
             ))
         return costs
 
@@ -346,16 +370,35 @@ class PipelineGrid:
             fullest = max(fullest, static + peak + transient)
         return fullest + self._fixed_bytes(config)
 
-    def _even_slicing(self, config: Configuration, costs: list[SegmentCost], stages: int) -> Slicing:
+    def _even_slicing(self, config: Configuration, by_mode: dict[str, list[SegmentCost]], stages: int,
+                      capacity: float, in_flight: tuple[int, ...]) -> Slicing:
         """Megatron's split (``nearly_even_layers``), the ops around the blocks with the end
-        stages."""
+        stages; with several modes (``PER_STAGE``), each stage takes the fastest that fits it
+        (the heaviest when none does, which the device check then refuses)."""
         flags = [p.block for p in self._profile(config)]
         head = flags.index(True) if True in flags else 0
         per_stage = list(nearly_even_layers(self.blocks, stages))
         per_stage[0] += head
         per_stage[-1] += len(flags) - self.blocks - head
-        members = stage_members(costs, Slicing(tuple(per_stage), 0.0))
-        return Slicing(tuple(per_stage), max(sum(c.time_s for c in m) for m in members))
+        counts = tuple(per_stage)
+        if len(by_mode) == 1:
+            (costs,) = by_mode.values()
+            members = stage_members(costs, Slicing(counts, 0.0))
+            return Slicing(counts, max(sum(c.time_s for c in m) for m in members))
+        modes, slowest = [], 0.0
+        members_by_mode = {mode: stage_members(costs, Slicing(counts, 0.0)) for mode, costs in by_mode.items()}
+        for stage in range(stages):
+            fitting = [
+                (sum(c.time_s for c in members[stage]), position, mode)
+                for position, (mode, members) in enumerate(members_by_mode.items())
+                if stage_memory(members[stage], in_flight[stage]) <= capacity
+            ]
+            seconds, _, mode = min(fitting) if fitting else (
+                sum(c.time_s for c in members_by_mode[RECOMPUTE_ORDER[-1]][stage]), 0, RECOMPUTE_ORDER[-1]
+            )
+            modes.append(mode)
+            slowest = max(slowest, seconds)
+        return Slicing(counts, slowest, tuple(modes))
 
     def _layers_per_stage(self, config: Configuration, slicing: Slicing) -> tuple[int, ...]:
         profiles = self._profile(config)
@@ -412,16 +455,19 @@ class PipelineGrid:
         profiles = self._profile(config)
         if profiles is None or len(profiles) < config.pp * config.virtual_stages:
             return None
-        per_device = sum(p.time_s[config.recompute] for p in profiles) / config.pp
+        least = "none" if config.recompute == PER_STAGE else config.recompute  # per stage may recompute nothing
+        per_device = sum(p.time_s[least] for p in profiles) / config.pp
         fill = (config.pp - 1) / config.virtual_stages
         return per_device * (config.micro_batches + fill)
 
     def _memory_lower_bound(self, config: Configuration) -> float:
-        """The average device's bytes (one micro-batch in flight): below the fullest's."""
-        costs = self._segment_costs(config)
-        return (
-            sum(c.static_bytes for c in costs) + sum(c.activation_bytes for c in costs)
-        ) / config.pp
+        """The average device's bytes (one micro-batch in flight, the least any mode it may
+        use keeps): below the fullest's."""
+        modes = RECOMPUTE_ORDER if config.recompute == PER_STAGE else (config.recompute,)
+        by_mode = [self._segment_costs(config, mode) for mode in modes]
+        static = sum(c.static_bytes for c in by_mode[0])
+        kept = sum(min(costs[i].activation_bytes for costs in by_mode) for i in range(len(by_mode[0])))
+        return (static + kept) / config.pp
 
     # ------------------------------------------------------------------ caches
 
@@ -481,3 +527,15 @@ class PipelineGrid:
 
 def _divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
+
+
+def _costs_as_sliced(by_mode: dict[str, list[SegmentCost]], slicing: Slicing) -> list[SegmentCost]:
+    """Each segment's cost under the mode its stage recomputes with (``slicing.modes``), or
+    under the one mode there is."""
+    if not slicing.modes:
+        (costs,) = by_mode.values()
+        return costs
+    mixed = []
+    for mode, indices in zip(slicing.modes, stage_indices(slicing)):
+        mixed += [by_mode[mode][i] for i in indices]
+    return mixed

@@ -11,7 +11,7 @@ The recurrence (``slice_stages``) over the segments in model order::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -34,11 +34,13 @@ class SegmentCost:
 
 @dataclass(frozen=True)
 class Slicing:
-    """How many consecutive segments each stage holds, and the slowest stage's seconds per
-    micro-batch."""
+    """How many consecutive segments each stage holds, the slowest stage's seconds per
+    micro-batch, and, when stages choose their recomputation (``slice_stages`` given costs
+    per mode), each stage's mode."""
 
     segments_per_stage: tuple[int, ...]
     slowest_s: float
+    modes: tuple[str, ...] = ()
 
 
 def stage_memory(costs: Sequence[SegmentCost], in_flight: int) -> float:
@@ -50,51 +52,81 @@ def stage_memory(costs: Sequence[SegmentCost], in_flight: int) -> float:
     )
 
 
+class _SpanCosts:
+    """Every stage a list of segment costs can form, as (start i, end j) matrices: seconds,
+    bytes held whatever the schedule, bytes kept per micro-batch, largest transient."""
+
+    def __init__(self, costs: Sequence[SegmentCost]):
+        n = len(costs)
+        time_sum = np.concatenate(([0.0], np.cumsum([c.time_s for c in costs])))
+        static_sum = np.concatenate(([0.0], np.cumsum([c.static_bytes for c in costs])))
+        activation_sum = np.concatenate(([0.0], np.cumsum([c.activation_bytes for c in costs])))
+        # (i, j): a stage holding segments i..j-1, for 0 <= i < j <= n.
+        starts, ends = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+        self.span = ends > starts
+        self.seconds = np.where(self.span, time_sum[None, :] - time_sum[:, None], np.inf)
+        self.static = static_sum[None, :] - static_sum[:, None]
+        self.activations = activation_sum[None, :] - activation_sum[:, None]
+        self.transient = np.zeros((n + 1, n + 1))
+        transients = np.array([c.transient_bytes for c in costs])
+        for i in range(n):  # the largest transient of segments i..j-1
+            self.transient[i, i + 1:] = np.maximum.accumulate(transients[i:])
+
+    def seconds_if_fits(self, in_flight: int, capacity: float) -> np.ndarray:
+        """Each span's seconds where it fits with ``in_flight`` micro-batches, else inf."""
+        fits = self.span & (self.static + in_flight * self.activations + self.transient <= capacity)
+        return np.where(fits, self.seconds, np.inf)
+
+
 def slice_stages(
-    costs: Sequence[SegmentCost], stages: int, capacity: float, in_flight: Sequence[int]
+    costs: Sequence[SegmentCost] | Mapping[str, Sequence[SegmentCost]],
+    stages: int,
+    capacity: float,
+    in_flight: Sequence[int],
 ) -> Slicing | None:
-    """Split ``costs`` (segments in model order) into ``stages`` consecutive non-empty stages
+    """Split the segments (in model order) into ``stages`` consecutive non-empty stages
     minimising the slowest stage's time, every stage ``s`` fitting in ``capacity`` bytes with
-    ``in_flight[s]`` micro-batches in flight; None when no split fits (see the module
-    docstring for the recurrence). Ties go to the split whose later stages are shorter.
+    ``in_flight[s]`` micro-batches in flight; None when no split fits (the recurrence is in
+    the module docstring). Ties go to the split whose later stages are shorter.
+
+    ``costs`` is one list of segment costs, or a list per recomputation mode (``{"none":
+    [...], "full": [...]}``, in the order ties should prefer): then each stage also chooses
+    its mode, the fastest that fits it (``Slicing.modes``). A 1F1B pipeline's first stage
+    holds ``pp`` micro-batches in flight and its last one, so the first stages may need to
+    recompute where the last need not.
 
     Each stage of the recurrence is one vectorised step over every (start i, end j) pair, so
     slicing 130 segments into 64 stages takes milliseconds.
     """
-    n = len(costs)
-    if stages < 1 or stages > n or len(in_flight) != stages:
+    by_mode = dict(costs) if isinstance(costs, Mapping) else {"": costs}
+    n = len(next(iter(by_mode.values())))
+    if stages < 1 or stages > n or len(in_flight) != stages or any(len(c) != n for c in by_mode.values()):
         return None
-    time_sum = np.concatenate(([0.0], np.cumsum([c.time_s for c in costs])))
-    static_sum = np.concatenate(([0.0], np.cumsum([c.static_bytes for c in costs])))
-    activation_sum = np.concatenate(([0.0], np.cumsum([c.activation_bytes for c in costs])))
-    # (i, j): a stage holding segments i..j-1, for 0 <= i < j <= n.
-    starts, ends = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
-    span = ends > starts
-    seconds = np.where(span, time_sum[None, :] - time_sum[:, None], np.inf)
-    static = static_sum[None, :] - static_sum[:, None]
-    activations = activation_sum[None, :] - activation_sum[:, None]
-    transient = np.zeros((n + 1, n + 1))
-    transients = np.array([c.transient_bytes for c in costs])
-    for i in range(n):  # the largest transient of segments i..j-1
-        transient[i, i + 1:] = np.maximum.accumulate(transients[i:])
+    spans = [_SpanCosts(c) for c in by_mode.values()]
     best = np.full(n + 1, np.inf)
     best[0] = 0.0
-    starts_of = []
+    starts_of, mode_of = [], []
     for s in range(stages):
-        fits = span & (static + in_flight[s] * activations + transient <= capacity)
-        candidates = np.where(fits, np.maximum(best[:, None], seconds), np.inf)
+        per_mode = np.stack([span.seconds_if_fits(in_flight[s], capacity) for span in spans])
+        chosen = np.argmin(per_mode, axis=0)  # the first (preferred) mode on a tie
+        seconds = np.take_along_axis(per_mode, chosen[None], axis=0)[0]
+        candidates = np.maximum(best[:, None], seconds)
         # argmin over the reversed starts: on a tie the latest start, the shortest stage.
         latest = n - np.argmin(candidates[::-1, :], axis=0)
         best = candidates[latest, np.arange(n + 1)]
         starts_of.append(latest)
+        mode_of.append(chosen)
     if not np.isfinite(best[n]):
         return None
-    counts, end = [], n
+    names = list(by_mode)
+    counts, modes, end = [], [], n
     for s in range(stages - 1, -1, -1):
         begin = int(starts_of[s][end])
         counts.append(end - begin)
+        modes.append(names[int(mode_of[s][begin, end])])
         end = begin
-    return Slicing(tuple(reversed(counts)), float(best[n]))
+    chose = isinstance(costs, Mapping)
+    return Slicing(tuple(reversed(counts)), float(best[n]), tuple(reversed(modes)) if chose else ())
 
 
 def stage_indices(slicing: Slicing) -> list[range]:

@@ -22,7 +22,7 @@ from planner.errors import ArgumentError, PlanningError
 from planner.model_spec import ModelSpec
 from search.budget import SearchBudget
 from search.megatron import megatron_plan
-from search.pipeline_search import Configuration, PipelineGrid, PipelineSpace, pipeline_plans
+from search.pipeline_search import PER_STAGE, Configuration, PipelineGrid, PipelineSpace, pipeline_plans
 from search.stage_slicing import SegmentCost, slice_stages, stage_memory
 
 GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
@@ -95,6 +95,68 @@ def test_slicing_respects_memory_of_the_stages_holding_more_micro_batches():
     assert free.segments_per_stage == (4, 4)
     assert tight.segments_per_stage == (3, 5)
     assert slice_stages(costs, 2, capacity=3.0, in_flight=[4, 1]) is None
+
+
+def exhaustive_with_modes(by_mode, stages, capacity, in_flight):
+    """The slowest stage of the best split when each stage also picks its mode, trying
+    every set of cuts and the fastest fitting mode of each stage; None if none fits."""
+    n = len(next(iter(by_mode.values())))
+    best = None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        slowest = 0.0
+        for s in range(stages):
+            fitting = [
+                sum(c.time_s for c in costs[bounds[s]:bounds[s + 1]])
+                for costs in by_mode.values()
+                if stage_memory(costs[bounds[s]:bounds[s + 1]], in_flight[s]) <= capacity
+            ]
+            if not fitting:
+                break
+            slowest = max(slowest, min(fitting))
+        else:
+            best = slowest if best is None else min(best, slowest)
+    return best
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(segment, segment), min_size=1, max_size=7), st.data())
+def test_slicing_with_modes_matches_exhaustive_enumeration(pairs, data):
+    # Two modes per segment: "none" as drawn, "full" the other draw made cheaper to keep.
+    by_mode = {"none": [a for a, _ in pairs], "full": [dataclasses.replace(b, static_bytes=a.static_bytes) for a, b in pairs]}
+    stages = data.draw(st.integers(1, len(pairs)))
+    in_flight = data.draw(st.lists(st.integers(1, 4), min_size=stages, max_size=stages))
+    capacity = data.draw(st.sampled_from([4.0, 8.0, 16.0, 1e9]))
+    slicing = slice_stages(by_mode, stages, capacity, in_flight)
+    expected = exhaustive_with_modes(by_mode, stages, capacity, in_flight)
+    if expected is None:
+        assert slicing is None
+        return
+    assert slicing.slowest_s == pytest.approx(expected)
+    assert len(slicing.modes) == stages
+    start = 0
+    for s, (count, mode) in enumerate(zip(slicing.segments_per_stage, slicing.modes)):
+        members = by_mode[mode][start:start + count]
+        assert sum(c.time_s for c in members) <= slicing.slowest_s + 1e-9
+        assert stage_memory(members, in_flight[s]) <= capacity
+        start += count
+
+
+def test_first_stage_recomputes_where_the_last_need_not():
+    # Worked by hand. Four equal segments on two 1F1B stages (stage 0 holds 2 micro-batches
+    # in flight, stage 1 one), capacity 25 bytes. Without recomputation a segment takes 1 s
+    # and keeps 10 bytes; recomputed, 1.5 s, keeps 2 bytes and briefly holds 8.
+    #   2 + 2 with none everywhere: stage 0 needs 2 x 20 = 40 > 25, no.
+    #   stage 0 full: 2 x 4 + 8 = 16 fits, 3 s; stage 1 none: 20 fits, 2 s -> slowest 3 s.
+    #   1 + 3: stage 0 none (20 fits, 1 s); stage 1 needs full (6 + 8 = 14), 4.5 s -> 4.5 s.
+    #   3 + 1: stage 0 full (2 x 6 + 8 = 20), 4.5 s -> 4.5 s.
+    none = [SegmentCost(1.0, activation_bytes=10.0)] * 4
+    full = [SegmentCost(1.5, activation_bytes=2.0, transient_bytes=8.0)] * 4
+    slicing = slice_stages({"none": none, "full": full}, 2, capacity=25.0, in_flight=[2, 1])
+    assert slicing.segments_per_stage == (2, 2) and slicing.modes == ("full", "none")
+    assert slicing.slowest_s == pytest.approx(3.0)
+    assert slice_stages(none, 2, capacity=25.0, in_flight=[2, 1]) is None  # no uniform "none" split fits
+    assert slice_stages(full, 2, capacity=25.0, in_flight=[2, 1]).slowest_s == pytest.approx(3.0)
 
 
 # ------------------------------------------------------------ the grid on a model
@@ -314,3 +376,29 @@ def test_slicing_is_never_slower_than_megatrons_split(heavy_head):
             if ours.step_s < theirs.step_s * (1 - 1e-9):
                 assert ours.layers_per_stage != theirs.layers_per_stage
     assert compared > 20
+
+
+def test_per_stage_recomputation_beats_recomputing_every_stage():
+    """Between the memory that full recomputation needs and what none needs, the grid gives
+    the first 1F1B stage (two micro-batches in flight) full recomputation and the last none;
+    the simulator agrees it fits and is faster than recomputing everywhere."""
+    graph, spec, name, cluster = prepare_model(gpt_spec(seq_len=1024), "dgx-a100-80g:2x2")
+    config = Configuration(tp=1, pp=2, dp=2, micro_batch=4, micro_batches=4, schedule="1f1b", virtual_stages=1,
+                           flavour="ddp", recompute="none")
+    roomy = PipelineGrid(graph, cluster, "bf16", PipelineSpace())
+    needs = {mode: roomy.estimate(dataclasses.replace(config, recompute=mode)).memory_bytes for mode in ("none", "full")}
+    tight = with_device_memory(cluster, int(needs["full"] + 0.3 * (needs["none"] - needs["full"])))
+    grid = PipelineGrid(graph, tight, "bf16", PipelineSpace())
+    assert grid.estimate(config) is None
+    full = grid.estimate(dataclasses.replace(config, recompute="full"))
+    mixed = grid.estimate(dataclasses.replace(config, recompute=PER_STAGE))
+    assert mixed.stage_recompute == ("full", "none") and mixed.step_s < full.step_s
+    mixed_plan, full_plan = grid.plan(mixed, spec, name), grid.plan(full, spec, name)
+    assert mixed_plan.recompute == "full" and mixed_plan.pipeline.stage_recompute == ("full", "none")
+    assert mixed_plan.estimate.fits and mixed_plan.estimate.step_time_s < full_plan.estimate.step_time_s
+    assert mixed.step_s == pytest.approx(mixed_plan.estimate.step_time_s, rel=0.05)
+    # Stage 1 keeps every activation of its micro-batch: more than it would recomputing.
+    assert mixed_plan.estimate.stage_memory[1].activations > full_plan.estimate.stage_memory[1].activations
+    assert "per stage: full, none" in mixed_plan.report()
+    # The Megatron-only space has no per-stage configurations.
+    assert all(c.recompute != PER_STAGE for c in PipelineGrid(graph, tight, "bf16", PipelineSpace(per_stage_recompute=False)).configurations())

@@ -164,3 +164,28 @@ def test_searched_and_pipeline_plans_round_trip(tmp_path):
         path = tmp_path / "plan.json"
         plan.save(path)
         assert load_plan(path) == plan
+
+
+def test_stage_recompute_round_trips_and_is_checked(tmp_path):
+    # Each pipeline stage's own recomputation survives JSON; a plan file whose modes are
+    # unknown, miscounted or lighter than the plan's says is refused with the field named.
+    import dataclasses
+
+    from planner import baselines
+
+    plan = baselines.megatron(GPT, "cpu:1x2", pp=2, micro_batch=2, recompute="full", precision="fp32")
+    mixed = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, stage_recompute=("full", "none")))
+    assert [mixed.recompute_at(stage) for stage in (0, 1)] == ["full", "none"]
+    path = tmp_path / "plan.json"
+    mixed.save(path)
+    assert load_plan(path) == mixed
+    data = json.loads(path.read_text())
+    for modes, message in (
+        (["full", "sometimes"], "stage_recompute must list modes among"),
+        (["full"], "stage_recompute has 1 modes but there are 2 stage modules"),
+        ("full", "stage_recompute must be a list of modes"),
+        (["selective", "none"], "field 'recompute' is 'full' but the heaviest of the pipeline's stage_recompute"),
+    ):
+        data["pipeline"]["stage_recompute"] = modes
+        with pytest.raises(PlanFileError, match=message):
+            load_plan(write(tmp_path, data))

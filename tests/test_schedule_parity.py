@@ -43,6 +43,7 @@ CASES = {
         "uneven-pp2-1f1b-1+3": (FOUR_LAYERS, dict(pp=2), (1, 3)),
         "uneven-pp2-gpipe-3+1-selective": ({**FOUR_LAYERS, **EAGER}, dict(pp=2, schedule="gpipe", recompute="selective"), (3, 1)),
         "interleaved-pp2-v2": (FOUR_LAYERS, dict(pp=2, schedule="interleaved", virtual_stages=2), None),
+        "per-stage-pp2-1f1b-full+none": (FOUR_LAYERS, dict(pp=2), None),
     },
     4: {
         "selective-tp2xdp2": (EAGER, dict(tp=2, recompute="selective"), None),
@@ -54,7 +55,16 @@ CASES = {
         "interleaved-pp2xdp2-v2-selective": (
             {**FOUR_LAYERS, **EAGER}, dict(pp=2, dp=2, schedule="interleaved", virtual_stages=2, recompute="selective"), None
         ),
+        "per-stage-interleaved-pp2xtp2-v2": (
+            {**FOUR_LAYERS, **EAGER}, dict(pp=2, tp=2, schedule="interleaved", virtual_stages=2), None
+        ),
     },
+}
+# Cases whose stages recompute differently (PipelineConfig.stage_recompute, chosen per stage
+# by the pipeline grid when the first stages hold more micro-batches than fit).
+STAGE_RECOMPUTE = {
+    "per-stage-pp2-1f1b-full+none": ("full", "none"),
+    "per-stage-interleaved-pp2xtp2-v2": ("full", "selective", "none", "selective"),
 }
 ALL_CASES = [(world, case) for world, cases in CASES.items() for case in cases]
 
@@ -76,7 +86,14 @@ def restage(plan: planner.Plan, graph, blocks_per_stage: tuple[int, ...]) -> pla
     return dataclasses.replace(plan, strategies=tuple(strategies))
 
 
-def make_plan(world: int, overrides: dict, options: dict, blocks_per_stage=None) -> planner.Plan:
+def with_stage_recompute(plan: planner.Plan, modes: tuple[str, ...]) -> planner.Plan:
+    """``plan`` with each pipeline stage module recomputing as ``modes`` says."""
+    heaviest = max(modes, key=("none", "selective", "full").index)
+    pipeline = dataclasses.replace(plan.pipeline, stage_recompute=modes)
+    return dataclasses.replace(plan, pipeline=pipeline, recompute=heaviest)
+
+
+def make_plan(world: int, overrides: dict, options: dict, blocks_per_stage=None, case: str = "") -> planner.Plan:
     spec = ModelSpec(GPT, overrides)
     options = dict(options)
     flavour = options.pop("dp_flavour", None)
@@ -86,6 +103,8 @@ def make_plan(world: int, overrides: dict, options: dict, blocks_per_stage=None)
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
     options.setdefault("micro_batch", 2 if options.get("pp", 1) > 1 else 1)
     plan = megatron_plan(graph, cluster, spec, name, precision="fp32", **options)
+    if case in STAGE_RECOMPUTE:
+        plan = with_stage_recompute(plan, STAGE_RECOMPUTE[case])
     return restage(plan, graph, blocks_per_stage) if blocks_per_stage else plan
 
 
@@ -102,7 +121,7 @@ def detach_attention_output(folder: Path) -> Path:
 
 def _world_run(world: int, root: Path):
     folders = {
-        case: planner.compile(make_plan(world, overrides, options, stages), root / case)
+        case: planner.compile(make_plan(world, overrides, options, stages, case), root / case)
         for case, (overrides, options, stages) in CASES[world].items()
     }
     broken = {}
@@ -154,3 +173,18 @@ def test_programs_say_what_they_recompute_and_where_stages_cut(world2_run, world
     assert re.search(r"^STAGES = \(GPTStage0, GPTStage1, GPTStage2, GPTStage3\)  # stage s runs on the ranks at pp coordinate s % 2", interleaved, re.MULTILINE)
     fused = (folders4["selective-fsdp-sdpa"] / "model_spmd.py").read_text()
     assert "RECOMPUTED_BLOCKS = ()" in fused and "attention is one fused op, e.g. scaled_dot_product_attention" in fused
+
+
+def test_stages_recompute_as_their_modes_say(world2_run, world4_run) -> None:
+    """Only the stages whose mode says so checkpoint, and the header lists each stage's mode."""
+    folders2, _, _ = world2_run
+    folders4, _, _ = world4_run
+    two = (folders2["per-stage-pp2-1f1b-full+none"] / "model_spmd.py").read_text()
+    assert "    stage 0: every repeated block recomputed in backward" in two and "    stage 1: no recomputation" in two
+    stage0, stage1 = two.split("class GPTStage1")[0].split("class GPTStage0")[1], two.split("class GPTStage1")[1]
+    assert stage0.count("= checkpoint(_blocks_") == 2 and "checkpoint(" not in stage1.split("\nSTAGES = ")[0]
+    four = (folders4["per-stage-interleaved-pp2xtp2-v2"] / "model_spmd.py").read_text()
+    classes = re.split(r"^class GPTStage\d", four, flags=re.MULTILINE)[1:]
+    calls = [c.split("\nSTAGES = ")[0].count("= checkpoint(") for c in classes]
+    assert calls == [1, 1, 0, 1], calls  # full (block 0), selective (block 1's core), none, selective
+    assert "checkpoint(_blocks_1_attention" in classes[1] and "checkpoint(_blocks_3_attention" in classes[3]

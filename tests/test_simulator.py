@@ -470,3 +470,32 @@ def test_interleaved_needs_micro_batches_multiple_of_stages():
     assert interleaved(1, 4, 6, 1) == one_f_one_b(1, 4, 6)  # one chunk is plain 1F1B
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         schedule("zigzag", 0, 2, 2)
+
+
+def test_each_stage_recomputes_as_its_own_mode_says(gpt8):
+    """``PipelineConfig.stage_recompute``: a stage's backward and activations follow its own
+    mode. With stage 0 recomputing fully and stage 1 not at all, stage 0 runs exactly the
+    backward (and keeps exactly the activations) of the all-full plan's stage 0, and stage 1
+    those of the no-recomputation plan's stage 1."""
+    graph, spec, name = gpt8
+    cluster = toy_cluster(2)
+    plans = {}
+    for modes in (("none", "none"), ("full", "full"), ("full", "none")):
+        heaviest = "full" if "full" in modes else "none"
+        plan = megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=4, recompute=heaviest)
+        pipeline = dataclasses.replace(plan.pipeline, stage_recompute=modes if len(set(modes)) > 1 else ())
+        plans[modes] = Simulator(dataclasses.replace(plan, pipeline=pipeline), graph).run()
+
+    def backward_s(result, stage: int) -> float:
+        return sum(
+            e.duration_s for e in result.timeline
+            if e.device == f"stage {stage}" and e.stream == "compute" and e.name.startswith("B")
+        )
+
+    mixed, full, none = plans["full", "none"], plans["full", "full"], plans["none", "none"]
+    assert backward_s(full, 0) > backward_s(none, 0)  # recomputing adds the blocks' forward
+    assert backward_s(mixed, 0) == pytest.approx(backward_s(full, 0), rel=1e-12)
+    assert backward_s(mixed, 1) == pytest.approx(backward_s(none, 1), rel=1e-12)
+    assert mixed.stage_memory[0].activations == full.stage_memory[0].activations
+    assert mixed.stage_memory[1].activations == none.stage_memory[1].activations
+    assert full.step_time_s > mixed.step_time_s > none.step_time_s
