@@ -152,3 +152,10 @@ def test_the_verdict_names_a_pipeline_without_tensor_parallelism_and_its_flavour
         "Chosen: Megatron-LM pipeline parallelism on 4 GPUs (pp=2 x dp=2), ZeRO-1 data parallelism on dp, "
         "2 pipeline stages (1f1b, 4 micro-batches)"
     )
+
+
+def test_a_composed_plan_says_which_axis_runs_fsdp_and_which_tensor_parallelism():
+    spec = ModelSpec(GPT, {"n_layer": 4, "batch_size": 16})
+    plan = baselines.megatron(spec, "dgx-a100-80g:2x4", pp=2, tp=2, micro_batch=2, dp_flavour="fsdp", recompute="full")
+    report = " ".join(plan.report().split())
+    assert "'pp' (2 ranks) runs pipeline stages; 'dp' (2 ranks) runs FSDP (ZeRO-3); 'tp' (2 ranks) runs tensor" in report
