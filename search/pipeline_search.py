@@ -251,7 +251,12 @@ class PipelineGrid:
         recompute, per_stage = config.recompute, estimate.stage_recompute
         if per_stage:
             # The plan's mode is the heaviest any stage uses; stages that differ are listed.
+            # A stage without blocks recomputes nothing whatever its mode (only blocks are
+            # checkpointed), so it takes the plan's mode rather than look different.
             recompute = max(per_stage, key=RECOMPUTE_ORDER.index)
+            per_stage = tuple(
+                mode if blocks else recompute for mode, blocks in zip(per_stage, estimate.layers_per_stage)
+            )
             per_stage = per_stage if len(set(per_stage)) > 1 else ()
         if config.pp > 1:
             stages = config.pp * config.virtual_stages
