@@ -108,6 +108,49 @@ class SummaLayout:
 
 
 @dataclass(frozen=True)
+class ExpertPlacement:
+    """Which devices hold each expert of one MoE layer, and what share of the expert's tokens
+    each copy takes: ``replicas[e]`` lists ``(device, share)`` with shares summing to 1
+    (devices numbered within the expert-parallel group). An expert with several copies (a
+    hot expert given redundant replicas) has its tokens split among them by those shares and
+    its gradients summed over them. ``method`` names how it was found, for reports."""
+
+    devices: int
+    replicas: tuple[tuple[tuple[int, float], ...], ...]
+    method: str = ""
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ValueError(f"an expert placement needs at least one device, got {self.devices}")
+        for expert, copies in enumerate(self.replicas):
+            if not copies:
+                raise ValueError(f"expert {expert} has no device")
+            if any(not 0 <= device < self.devices or share < 0 for device, share in copies):
+                raise ValueError(f"expert {expert}: devices must be in 0..{self.devices - 1} and shares >= 0")
+            if len({device for device, _ in copies}) != len(copies):
+                raise ValueError(f"expert {expert} has two copies on one device")
+            if abs(sum(share for _, share in copies) - 1.0) > 1e-6:
+                raise ValueError(f"expert {expert}: the shares of its copies sum to {sum(s for _, s in copies):.6g}, not 1")
+
+    @property
+    def experts(self) -> int:
+        return len(self.replicas)
+
+    def experts_on(self, device: int) -> tuple[int, ...]:
+        """The experts with a copy on ``device``."""
+        return tuple(e for e, copies in enumerate(self.replicas) if any(d == device for d, _ in copies))
+
+    def device_loads(self, expert_loads: Sequence[float]) -> list[float]:
+        """Tokens (or any load) each device processes when expert ``e`` receives
+        ``expert_loads[e]``, split among its copies by their shares."""
+        loads = [0.0] * self.devices
+        for expert, copies in enumerate(self.replicas):
+            for device, share in copies:
+                loads[device] += expert_loads[expert] * share
+        return loads
+
+
+@dataclass(frozen=True)
 class ExpertLayout:
     """Placement of an MoE layer: which device group holds which experts, and how tokens move."""
 

@@ -1,0 +1,201 @@
+"""Costs of one Mixture-of-Experts layer under each way of running it.
+
+A layer routes each of its ``tokens`` to ``top_k`` of ``experts`` feed-forward networks
+(``matmuls`` matmuls of ``hidden x ffn`` each: 3 for SwiGLU, 2 for a GELU MLP). The modes
+(Tutel's three, Megatron-Core's dispatchers):
+
+- ``expert_parallel``: the experts split over the ``devices`` of a group (``ExpertPlacement``:
+  which device holds which expert, hot experts possibly copied); each device starts with
+  ``tokens / devices`` tokens, sends each routed copy to a device holding its expert
+  (all-to-all, "dispatch"), runs its experts on what it received, and sends the results back
+  (all-to-all, "combine"). Backward runs the same two all-to-alls in reverse. The step
+  waits for the busiest device: expert compute is priced on the most loaded device's tokens,
+  and the all-to-all on the most any device sends or receives.
+- ``data_parallel``: every device holds every expert and keeps its own tokens: no all-to-all,
+  the load is even by construction, but every device holds all expert weights and their
+  gradients are reduced over the group as every other data-parallel gradient is.
+- ``expert_sliced``: every expert's FFN sliced ``devices`` ways on its hidden (ffn) dimension;
+  every device sees every token (all-gather of the tokens before, reduce-scatter of the
+  outputs after) and computes its slice of every expert: perfectly balanced whatever the
+  routing, at the price of moving every token to every device.
+
+With a capacity factor ``c`` each expert takes at most ``c x tokens x top_k / experts`` copies
+(the rest are dropped: they skip the expert and keep their residual), and its buffer is
+padded to that capacity, so compute and dispatch bytes follow the capacity, not the load.
+Dropless (``capacity_factor=None``) computes exactly the routed copies and sizes buffers by
+the busiest device.
+
+All-to-all algorithms: ``flat`` (every device to every device at once) or ``hierarchical``
+(Tutel's two-level: gather inside the node, exchange across nodes, scatter inside the node:
+fewer, larger inter-node messages), priced by ``cost_model.collectives.algorithm_times``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cost_model import defaults
+from cost_model.collectives import algorithm_times, collective_time, group_shape
+from cost_model.compute import roofline_time
+from planner.cluster import Cluster
+from planner.strategy import ExpertPlacement
+
+MOE_MODES = ("expert_parallel", "data_parallel", "expert_sliced")
+ALL_TO_ALL_ALGORITHMS = ("flat", "hierarchical")
+# (dtype key of DeviceSpec.peak_flops, bytes per element) of the activations and weights.
+_PRECISION = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2)}
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One MoE layer's shape for one step (or micro-batch) on one group of devices."""
+
+    tokens: int  # tokens entering the layer over the whole group
+    hidden: int
+    ffn: int  # each expert's hidden size
+    experts: int
+    top_k: int
+    matmuls: int = 3  # matmuls per expert: 3 for SwiGLU, 2 for a GELU MLP
+
+    @property
+    def expert_parameters(self) -> int:
+        """Parameter elements of one expert."""
+        return self.matmuls * self.hidden * self.ffn
+
+    def flops_per_copy(self) -> float:
+        """Forward FLOPs of one routed token copy through its expert."""
+        return 2.0 * self.expert_parameters
+
+
+@dataclass(frozen=True)
+class MoECost:
+    """One layer's predicted cost on the busiest device (seconds, bytes): forward and
+    backward compute, the all-to-all (or gather/scatter) time of forward and of backward,
+    the copies the busiest device computes, the share of copies dropped by the capacity, the
+    busiest device's load over the mean, and its bytes of expert weights and dispatch buffers."""
+
+    mode: str
+    forward_compute_s: float
+    backward_compute_s: float
+    forward_comm_s: float
+    backward_comm_s: float
+    busiest_copies: float
+    dropped_fraction: float
+    max_over_mean: float
+    weight_bytes: float
+    buffer_bytes: float
+
+    @property
+    def total_s(self) -> float:
+        """Forward + backward, communication not overlapped with compute (the dispatch must
+        arrive before the experts run, and the combine waits for them)."""
+        return self.forward_compute_s + self.backward_compute_s + self.forward_comm_s + self.backward_comm_s
+
+
+def moe_layer_cost(
+    layer: MoELayer,
+    mode: str,
+    cluster: Cluster,
+    ranks: Sequence[int],
+    token_share: Sequence[float] | None = None,
+    placement: ExpertPlacement | None = None,
+    capacity_factor: float | None = None,
+    algorithm: str = "flat",
+    precision: str = "bf16",
+) -> MoECost:
+    """The cost of ``layer`` run in ``mode`` on the devices ``ranks`` (see the module docstring).
+
+    Args:
+        token_share: each expert's share of the routed copies (uniform when None).
+        placement: expert parallel only: which device holds which expert (round-robin when None).
+        capacity_factor: copies an expert takes at most, as a multiple of the even share;
+            None for dropless.
+        algorithm: expert parallel only: ``flat`` or ``hierarchical`` all-to-all.
+        precision: the activations' and weights' precision.
+    """
+    if mode not in MOE_MODES:
+        raise ValueError(f"MoE mode must be one of {MOE_MODES}, got {mode!r}")
+    if algorithm not in ALL_TO_ALL_ALGORITHMS:
+        raise ValueError(f"all-to-all algorithm must be one of {ALL_TO_ALL_ALGORITHMS}, got {algorithm!r}")
+    devices = len(ranks)
+    share = list(token_share) if token_share is not None else [1.0 / layer.experts] * layer.experts
+    if len(share) != layer.experts:
+        raise ValueError(f"token_share has {len(share)} entries for {layer.experts} experts")
+    dtype, element = _PRECISION[precision]
+    device = cluster.device_of(ranks[0])
+    copies = layer.tokens * layer.top_k
+    expert_copies = [s * copies for s in share]
+    if capacity_factor is not None:
+        capacity = capacity_factor * copies / layer.experts
+        kept = [min(c, capacity) for c in expert_copies]
+        computed = [capacity] * layer.experts  # buffers padded to capacity
+    else:
+        kept = expert_copies
+        computed = expert_copies
+    dropped = 1.0 - sum(kept) / copies if copies and capacity_factor is not None else 0.0
+
+    if mode == "data_parallel":
+        # Each device routes its own tokens to its own copies of the experts.
+        local = [c / devices for c in computed]
+        busiest = sum(local)
+        return _cost(layer, mode, device, dtype, element, busiest, 0.0, 0.0, dropped, 1.0,
+                     layer.experts * layer.expert_parameters * element, busiest * layer.hidden * element)
+    if mode == "expert_sliced":
+        # Every device computes 1/devices of every expert on every token copy.
+        busiest = sum(computed) / devices
+        tokens_bytes = layer.tokens * layer.hidden * element  # the whole group's tokens, once
+        gather = collective_time("all_gather", tokens_bytes, cluster, list(ranks))
+        scatter = collective_time("reduce_scatter", tokens_bytes, cluster, list(ranks))
+        # Backward: gradients of the outputs all-gathered, of the inputs reduce-scattered.
+        return _cost(layer, mode, device, dtype, element, busiest, gather + scatter, gather + scatter, dropped, 1.0,
+                     layer.experts * layer.expert_parameters * element / devices,
+                     sum(computed) * layer.hidden * element)
+
+    placement = placement or _round_robin(layer.experts, devices)
+    if placement.devices != devices or placement.experts != layer.experts:
+        raise ValueError(
+            f"the placement is for {placement.experts} experts on {placement.devices} devices, "
+            f"the layer has {layer.experts} experts on {devices}"
+        )
+    loads = placement.device_loads(computed)
+    busiest = max(loads)
+    mean = sum(loads) / devices
+    # Each device sends its tokens' routed copies (kept ones; padding is not sent) and receives
+    # what its experts take; the busiest side of the exchange bounds it.
+    sent = sum(kept) / devices * layer.hidden * element
+    received = max(placement.device_loads(kept)) * layer.hidden * element
+    exchange = max(sent, received)
+    one = _all_to_all(exchange, cluster, ranks, algorithm)
+    weights = max(len(placement.experts_on(d)) for d in range(devices)) * layer.expert_parameters * element
+    return _cost(layer, mode, device, dtype, element, busiest, 2 * one, 2 * one, dropped,
+                 busiest / mean if mean else 1.0, weights, busiest * layer.hidden * element)
+
+
+def _cost(layer, mode, device, dtype, element, busiest, forward_comm, backward_comm, dropped, imbalance,
+          weight_bytes, buffer_bytes) -> MoECost:
+    flops = busiest * layer.flops_per_copy()
+    # Weights read once, activations in and out of each matmul.
+    moved = layer.expert_parameters * element + busiest * (layer.hidden + layer.ffn) * element * layer.matmuls
+    forward = roofline_time(flops, moved, device, dtype) if busiest else 0.0
+    backward = (
+        roofline_time(defaults.BACKWARD_TO_FORWARD * flops, defaults.BACKWARD_TO_FORWARD * moved, device, dtype)
+        if busiest else 0.0
+    )
+    return MoECost(mode, forward, backward, forward_comm, backward_comm, busiest, dropped, imbalance,
+                   weight_bytes, buffer_bytes)
+
+
+def _all_to_all(size_bytes: float, cluster: Cluster, ranks: Sequence[int], algorithm: str) -> float:
+    """One all-to-all in which each device sends ``size_bytes`` in all, by ``algorithm``
+    (hierarchical falls back to flat where the group has no two levels)."""
+    if not size_bytes or len(ranks) == 1:
+        return 0.0
+    times = algorithm_times("all_to_all", size_bytes, group_shape(cluster, list(ranks)))
+    if algorithm == "hierarchical" and "hierarchical" in times:
+        return times["hierarchical"]
+    return times["pairwise"]
+
+
+def _round_robin(experts: int, devices: int) -> ExpertPlacement:
+    return ExpertPlacement(devices, tuple(((e % devices, 1.0),) for e in range(experts)), "round-robin")

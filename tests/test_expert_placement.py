@@ -1,0 +1,120 @@
+"""Expert placement (``search.expert_placement``): EPLB's replication and packing worked by
+hand, our LP shares and swaps never worse than EPLB, round-robin as the baseline."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.errors import PlanningError
+from planner.routing import zipf_layer
+from planner.strategy import ExpertPlacement
+from search.expert_placement import (
+    balanced,
+    balanced_packing,
+    best_shares,
+    eplb,
+    load_balance,
+    replica_counts,
+    round_robin,
+)
+
+
+def test_replicas_go_to_the_largest_load_per_copy():
+    # [6, 3, 1] with 5 slots: one each, then 6/1 is largest (-> 2 copies), then 3.0 vs 3.0:
+    # the lower index wins (-> expert 0 has 3).
+    assert replica_counts([6, 3, 1], 5) == [3, 1, 1]
+    assert replica_counts([1, 1], 2) == [1, 1]
+    with pytest.raises(PlanningError, match="cannot hold 3 experts"):
+        replica_counts([1, 1, 1], 2)
+
+
+def test_balanced_packing_heaviest_first_into_the_lightest_pack_with_room():
+    # 5 -> p0, 4 -> p1, 3 -> p2, 3 -> p2 (lightest), 2 -> p1, 1 -> p0: every pack weighs 6.
+    assert balanced_packing([5, 4, 3, 3, 2, 1], 3) == [[0, 5], [1, 4], [2, 3]]
+    with pytest.raises(PlanningError, match="do not split evenly"):
+        balanced_packing([1, 2, 3], 2)
+
+
+def test_eplb_worked_by_hand():
+    # Loads [6, 3, 1, 2], 2 devices x 3 slots: copies [3, 1, 1, 1] (expert 0's copies weigh 2
+    # each). Packing: expert 1 (3) -> d0; e0 (2) -> d1; e0 -> d1; e0 -> d0; e3 (2) -> d1;
+    # e2 (1) -> d0. Device 1 holds two copies of expert 0: one copy with both shares.
+    placement = eplb([6, 3, 1, 2], devices=2, slots_per_device=3)
+    assert placement.replicas[0] == ((0, pytest.approx(1 / 3)), (1, pytest.approx(2 / 3)))
+    assert placement.replicas[1:] == (((0, 1.0),), ((0, 1.0),), ((1, 1.0),))
+    assert placement.device_loads([6, 3, 1, 2]) == pytest.approx([6, 6])
+    assert placement.method == "EPLB (global)"
+
+
+def test_eplb_hierarchical_keeps_each_group_on_one_node():
+    loads = [8, 1, 1, 1, 4, 4, 1, 1]  # 4 groups of 2 experts: group loads 9, 2, 8, 2
+    placement = eplb(loads, devices=4, slots_per_device=3, devices_per_node=2, groups=4)
+    assert placement.method == "EPLB (hierarchical)"
+    node_of = {e: {d // 2 for d, _ in copies} for e, copies in enumerate(placement.replicas)}
+    for group in range(4):
+        assert len(node_of[2 * group] | node_of[2 * group + 1]) == 1
+    # Group loads 9, 2, 8, 2 packed two per node: 9 -> node 0, 8 -> node 1, 2 (group 1) -> node 1
+    # (lighter), 2 (group 3) -> node 0.
+    assert node_of[0] == node_of[6] == {0} and node_of[4] == node_of[2] == {1}
+
+
+def test_shares_from_the_lp_balance_a_hot_expert_exactly():
+    # Expert 0 (load 5) on both devices, expert 1 (load 1) on device 1: device loads 5a and
+    # 5(1 - a) + 1 are equal at a = 0.6, both 3 (EPLB's equal thirds give 3.33 and 2.67).
+    placement = best_shares([5, 1], [[0, 1], [1]], devices=2, method="test")
+    assert placement.replicas[0] == ((0, pytest.approx(0.6)), (1, pytest.approx(0.4)))
+    assert placement.device_loads([5, 1]) == pytest.approx([3, 3])
+    assert max(eplb([5, 1], 2, 2).device_loads([5, 1])) == pytest.approx(10 / 3)
+    assert max(balanced([5, 1], 2, 2).device_loads([5, 1])) == pytest.approx(3)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 20), min_size=4, max_size=8), st.sampled_from([1, 2]))
+def test_ours_is_never_worse_than_eplb(loads, extra_slots):
+    loads = [float(v) + 0.5 for v in loads]
+    devices = 2 if len(loads) % 2 == 0 else 1
+    slots = len(loads) // devices + extra_slots
+    ours, theirs = balanced(loads, devices, slots), eplb(loads, devices, slots)
+    assert max(ours.device_loads(loads)) <= max(theirs.device_loads(loads)) + 1e-9
+    # The busiest device is at least the mean and at least any single expert's share of it.
+    assert max(ours.device_loads(loads)) >= sum(loads) / devices - 1e-9
+
+
+def test_lp_shares_reach_the_best_split_over_the_holders_found_by_enumeration():
+    # For fixed holders the LP's busiest load is the least any shares give: compare with a
+    # grid over the shares of the two copied experts.
+    loads, holders = [7.0, 4.0, 2.0, 1.0], [[0, 1], [1, 2], [2], [0]]
+    placement = best_shares(loads, holders, 3, "test")
+    best = min(
+        max(7 * a + 1, 7 * (1 - a) + 4 * b, 4 * (1 - b) + 2)
+        for a, b in itertools.product([i / 200 for i in range(201)], repeat=2)
+    )
+    assert max(placement.device_loads(loads)) == pytest.approx(best, abs=0.05)
+
+
+def test_sixty_four_zipf_experts_on_sixty_four_devices():
+    """Round-robin's busiest device carries the hottest expert whole; EPLB's copies spread
+    it; ours evens the copies' shares out further."""
+    loads = list(zipf_layer(64, 1.2).token_share)
+    rr = load_balance(round_robin(64, 64), loads)[1]
+    theirs = load_balance(eplb(loads, 64, 2, devices_per_node=8), loads)[1]
+    ours = load_balance(balanced(loads, 64, 2, devices_per_node=8), loads)[1]
+    assert rr == pytest.approx(64 * loads[0])  # the hottest expert alone on a device
+    assert ours <= theirs < rr and ours < 1.1
+
+
+def test_placements_are_checked():
+    with pytest.raises(ValueError, match="sum to"):
+        ExpertPlacement(2, (((0, 0.5),),))
+    with pytest.raises(ValueError, match="two copies on one device"):
+        ExpertPlacement(2, (((0, 0.5), (0, 0.5)),))
+    with pytest.raises(ValueError, match="devices must be in 0..1"):
+        ExpertPlacement(2, (((2, 1.0),),))
+    with pytest.raises(PlanningError, match="divide evenly"):
+        round_robin(6, 4)
+    with pytest.raises(PlanningError, match="at least 2 slots"):
+        eplb([1.0] * 6, devices=4, slots_per_device=1)

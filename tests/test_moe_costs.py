@@ -1,0 +1,113 @@
+"""Costs of one MoE layer (``cost_model.moe``) against values worked out by hand.
+
+The device is made for arithmetic: 1 TFLOP/s at full efficiency, memory traffic free, no
+kernel overhead; links of 1 GB/s with (next to) no latency. Then a kernel costs FLOPs / 1e12 s and an
+all-to-all in which each of n devices sends S bytes costs (n - 1) / n x S / 1e9 s.
+
+The layer: 1024 tokens, hidden 256, expert FFN 512, 4 experts, top-2, 2 matmuls per expert
+(a GELU MLP): one routed copy costs 2 x 2 x 256 x 512 = 524,288 FLOPs forward; 2048 copies.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cost_model.moe import MoELayer, moe_layer_cost
+from planner.cluster import Cluster, DeviceSpec, LinkSpec, NodeSpec
+from planner.strategy import ExpertPlacement
+from search.expert_placement import eplb
+
+DEVICE = DeviceSpec(
+    name="arith", peak_flops={"float32": 1e12}, memory_bytes=10**12, memory_bandwidth=1e30,
+    matmul_efficiency=1.0, memory_efficiency=1.0, kernel_overhead_s=0.0,
+)
+LINK = LinkSpec(bandwidth=1e9, latency=1e-15)  # latency must be positive; this one is negligible
+LAYER = MoELayer(tokens=1024, hidden=256, ffn=512, experts=4, top_k=2, matmuls=2)
+COPY_FLOPS = 524_288
+SKEWED = [0.4, 0.3, 0.2, 0.1]
+
+
+def cluster(nodes: int = 1, per_node: int = 4) -> Cluster:
+    return Cluster(name="arith", nodes=tuple(NodeSpec(DEVICE, per_node, LINK) for _ in range(nodes)),
+                   inter_link=LINK, backend="gloo")
+
+
+def cost(mode: str, **options):
+    return moe_layer_cost(LAYER, mode, cluster(), range(4), precision="fp32", **options)
+
+
+def test_expert_parallel_waits_for_the_busiest_device():
+    # Round-robin, skewed routing: expert 0 takes 0.4 x 2048 = 819.2 copies on device 0.
+    result = cost("expert_parallel", token_share=SKEWED)
+    assert result.busiest_copies == pytest.approx(819.2)
+    assert result.forward_compute_s == pytest.approx(819.2 * COPY_FLOPS / 1e12)
+    assert result.backward_compute_s == pytest.approx(2 * 819.2 * COPY_FLOPS / 1e12)
+    assert result.max_over_mean == pytest.approx(819.2 / 512)
+    # Each device sends 512 copies x 256 x 4 bytes = 524,288 B; device 0 receives 819.2 x
+    # 1024 B = 838,860.8 B, which bounds the exchange: 3/4 x 838,860.8 / 1e9 per all-to-all,
+    # two in forward (dispatch, combine) and two in backward.
+    one = 0.75 * 838_860.8 / 1e9
+    assert result.forward_comm_s == pytest.approx(2 * one) and result.backward_comm_s == pytest.approx(2 * one)
+    assert result.weight_bytes == 2 * 256 * 512 * 4  # one expert per device
+    assert result.dropped_fraction == 0.0
+
+
+def test_capacity_drops_the_overflow_and_pads_every_expert():
+    # Capacity 1.0 x 2048 / 4 = 512 copies per expert: experts 0 and 1 drop 307.2 and 102.4
+    # of their 819.2 and 614.4 (0.2 of all copies); every buffer is padded to 512.
+    result = cost("expert_parallel", token_share=SKEWED, capacity_factor=1.0)
+    assert result.dropped_fraction == pytest.approx(0.2)
+    assert result.busiest_copies == pytest.approx(512)
+    assert result.max_over_mean == pytest.approx(1.0)
+    # Device 0 receives its 512 kept copies, as much as each device sends.
+    assert result.forward_comm_s == pytest.approx(2 * 0.75 * 512 * 1024 / 1e9)
+
+
+def test_data_parallel_moves_no_tokens_and_holds_every_expert():
+    result = cost("data_parallel", token_share=SKEWED)
+    assert result.busiest_copies == pytest.approx(512)  # its own 256 tokens x top-2
+    assert result.forward_comm_s == 0.0 and result.backward_comm_s == 0.0
+    assert result.weight_bytes == 4 * 2 * 256 * 512 * 4
+
+
+def test_expert_sliced_balances_any_routing_by_moving_every_token():
+    result = cost("expert_sliced", token_share=SKEWED)
+    assert result.busiest_copies == pytest.approx(512)  # a quarter of every copy's FLOPs
+    assert result.forward_compute_s == pytest.approx(512 * COPY_FLOPS / 1e12)
+    # All-gather of the 1024 x 256 x 4 B tokens and reduce-scatter of the outputs: each a
+    # ring of 3/4 x 1 MiB / 1e9.
+    ring = 0.75 * 1024 * 256 * 4 / 1e9
+    assert result.forward_comm_s == pytest.approx(2 * ring)
+    assert result.weight_bytes == 4 * 2 * 256 * 512 * 4 / 4
+
+
+def test_a_copied_hot_expert_shares_its_load():
+    # EPLB with 2 slots per device gives the hot experts copies; the busiest device then
+    # computes what the placement loads it with, less than round-robin's 819.2 copies.
+    placement = eplb(SKEWED, devices=4, slots_per_device=2)
+    result = cost("expert_parallel", token_share=SKEWED, placement=placement)
+    assert result.busiest_copies == pytest.approx(max(placement.device_loads([s * 2048 for s in SKEWED])))
+    assert result.busiest_copies < 819.2
+
+
+def test_hierarchical_all_to_all_is_priced_across_nodes():
+    two_nodes = cluster(nodes=2, per_node=2)
+    flat = moe_layer_cost(LAYER, "expert_parallel", two_nodes, range(4), precision="fp32")
+    hierarchical = moe_layer_cost(LAYER, "expert_parallel", two_nodes, range(4), precision="fp32", algorithm="hierarchical")
+    assert flat.forward_compute_s == hierarchical.forward_compute_s
+    # Uniform routing: each device sends and receives S = 512 copies x 1 KiB. Flat, 2 nodes
+    # of 2: a quarter of S stays on the node's link, half crosses the network, at once:
+    # max(1/4, 1/2) x S / 1e9. Two-level: the node's half exchanged inside it, then across:
+    # 1/2 x S / 1e9 + 1/2 x S / 1e9. Here flat is cheaper (the network is no slower than NVLink).
+    size = 512 * 1024
+    assert flat.forward_comm_s == pytest.approx(2 * 0.5 * size / 1e9)
+    assert hierarchical.forward_comm_s == pytest.approx(2 * size / 1e9)
+
+
+def test_bad_arguments_name_the_problem():
+    with pytest.raises(ValueError, match="MoE mode must be one of"):
+        cost("tensor")
+    with pytest.raises(ValueError, match="token_share has 3 entries for 4 experts"):
+        cost("expert_parallel", token_share=[0.5, 0.25, 0.25])
+    with pytest.raises(ValueError, match="placement is for 4 experts on 2 devices"):
+        cost("expert_parallel", placement=ExpertPlacement(2, tuple(((e % 2, 1.0),) for e in range(4))))
