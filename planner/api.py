@@ -128,6 +128,7 @@ def plan(
             )
             search = "dp"
         if search == "dp" or dp_flavour is not None:
+            _refuse_slices_of_a_coupled_batch(graph, "--dp / search='dp'" if dp_flavour or search == "dp" else "")
             chosen = plan_data_parallel(
                 graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=warnings,
                 precision=precision,
@@ -144,6 +145,23 @@ def plan(
             )
     total_s = time.perf_counter() - budget.started
     return dataclasses.replace(chosen, timings={"trace_s": traced_s, "search_s": total_s - traced_s, "total_s": total_s})
+
+
+def _refuse_slices_of_a_coupled_batch(graph, asked: str) -> None:
+    """Data-parallel wrappers run the model on each rank's slice of the batch: refuse them,
+    in one line, for a model whose samples mix (``search.batch_coupling``)."""
+    from search.batch_coupling import batch_coupled_ops
+
+    coupled = batch_coupled_ops(graph)
+    if not coupled:
+        return
+    modules = ", ".join(dict.fromkeys(op.module or "the model's top level" for op in coupled))
+    why = "its backward is the model's own, which only data parallelism keeps, but " if graph.opaque_backward else ""
+    raise PlanningError(
+        f"{why}the model mixes the samples of its batch in {modules}, so data parallelism (each rank running the "
+        f"model on its slice of the batch) would compute a different step; plan it without {asked or 'data parallelism'} "
+        f"(the search then keeps to programs over the whole batch)"
+    )
 
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")

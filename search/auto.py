@@ -22,6 +22,7 @@ from planner.plans import Plan
 from torch.distributed.tensor import Replicate
 
 from planner.strategy import Mesh, NodeStrategy
+from search.batch_coupling import batch_coupled_ops, coupling_warning
 from search.blocks import block_representatives
 from search.budget import SearchBudget
 from search.cost_tables import build_cost_tables
@@ -120,18 +121,25 @@ def search_plan(
         )
     plans: list[Plan] = []
     notes: list[str] = []
+    # A model whose samples mix (an MoE router's token counts) runs only as a program over
+    # the whole batch: slices of it (DP wrappers, micro-batches) would compute another step.
+    coupled = batch_coupled_ops(graph)
+    if coupled:
+        warnings = (*warnings, coupling_warning(coupled))
     for position, mesh in enumerate(meshes):
         if on_progress:
             on_progress(f"searching mesh {mesh} ({position + 1}/{len(meshes)})", position / len(meshes))
-        if mesh.names == ("dp",):
+        if mesh.names == ("dp",) and not coupled:
             flavours = [data_parallel_plan(graph, cluster, spec, model_name, f, warnings, precision) for f in DATA_PARALLEL_FLAVOURS]
             plans += flavours + _recomputing(flavours, graph)
         plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes)
-    plans += _pipeline_plans(graph, cluster, spec, model_name, precision, budget, plans)
-    # Gradient accumulation: what does not fit at once may fit one micro-batch at a time.
-    plans += [variant for plan in plans if (variant := accumulating(plan, graph))]
-    baselines = _baselines(graph, cluster, spec, model_name, precision, {p.name for p in plans})
-    baselines += [variant for plan in baselines if (variant := accumulating(plan, graph))]
+    if not coupled:
+        plans += _pipeline_plans(graph, cluster, spec, model_name, precision, budget, plans)
+        # Gradient accumulation: what does not fit at once may fit one micro-batch at a time.
+        plans += [variant for plan in plans if (variant := accumulating(plan, graph))]
+    baselines = _baselines(graph, cluster, spec, model_name, precision, {p.name for p in plans}, whole_batch_only=bool(coupled))
+    if not coupled:
+        baselines += [variant for plan in baselines if (variant := accumulating(plan, graph))]
     # The baselines compete too: a search that cannot beat Megatron's layout returns it.
     fitting = [plan for plan in (*plans, *baselines) if plan.estimate.fits]
     if not fitting:
@@ -323,14 +331,16 @@ def _dp_axis(graph: OpGraph):
     return propagate(graph, batch_input_placements(graph), {})
 
 
-def _baselines(graph, cluster, spec, model_name, precision, exclude: set[str]) -> list[Plan]:
+def _baselines(graph, cluster, spec, model_name, precision, exclude: set[str], whole_batch_only: bool = False) -> list[Plan]:
     """The data-parallel flavours and Megatron for the comparison, when they build and are
-    not among the searched plans already."""
+    not among the searched plans already; with ``whole_batch_only`` (a model whose samples
+    mix) only programs over the whole batch: no data-parallel wrappers, no pipelines."""
     built = []
     attempts = [
         lambda f=f: data_parallel_plan(graph, cluster, spec, model_name, f, (), precision)
         for f in DATA_PARALLEL_FLAVOURS
         if f"{f} ({Mesh((('dp', cluster.world_size),))})" not in exclude  # simulated above already
+        and not whole_batch_only
     ]
     for attempt in attempts:
         try:
@@ -341,7 +351,7 @@ def _baselines(graph, cluster, spec, model_name, precision, exclude: set[str]) -
             built.append(plan)
     for sequence_parallel in (False, True):
         megatron = megatron_baseline(graph, cluster, spec, model_name, precision, sequence_parallel=sequence_parallel)
-        if megatron is not None and megatron.name not in exclude:
+        if megatron is not None and megatron.name not in exclude and not (whole_batch_only and megatron.pipeline):
             built += [megatron, *_recomputing([megatron], graph), *composed_flavours(megatron, graph)]
     return built
 

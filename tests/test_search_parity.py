@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 import planner
+from search.data_parallel import data_parallel_plan
 from search.megatron import megatron_plan
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
@@ -53,6 +54,9 @@ SEARCHED_WORLD4 = {
     "gpt": ModelSpec(str(EXAMPLES / "gpt.py"), {"batch_size": 8}),
     # The quick start's model (examples/llama.py: RoPE through stack, grouped-query attention), tiny.
     "llama-example": ModelSpec(str(EXAMPLES / "llama.py"), {"size": "tiny"}),
+    # Top-2 MoE with a capacity and a balance loss: its samples mix (search.batch_coupling), so
+    # the search keeps to programs over the whole batch.
+    "moe": ModelSpec(str(EXAMPLES / "moe.py"), {}),
 }
 
 
@@ -62,6 +66,11 @@ def searched_world4(tmp_path_factory):
     # The default effort, as the done-when command plans.
     plans = {name: planner.plan(spec, "cpu:1x4", progress=False) for name, spec in SEARCHED_WORLD4.items()}
     folders = {name: planner.compile(plan, root / name) for name, plan in plans.items()}
+    # Control: the MoE model under DDP (each rank routing its own slice, with its own capacity
+    # and balance loss), which the planner refuses to plan: built directly, it must fail.
+    graph, spec, name, cluster = prepare_model(SEARCHED_WORLD4["moe"], "cpu:1x4")
+    ddp = data_parallel_plan(graph, cluster, spec, name, "ddp")
+    folders["moe-ddp-control"] = planner.compile(ddp, root / "moe-ddp-control")
     return plans, folders, check_many(4, list(folders.values()), root)
 
 
@@ -69,6 +78,16 @@ def searched_world4(tmp_path_factory):
 def test_searched_plan_on_four_devices_matches_one_device(searched_world4, name):
     plans, folders, launch = searched_world4
     assert result_of(launch, folders[name]).startswith("ok"), f"{name} ({plans[name].name}): {result_of(launch, folders[name])}"
+
+
+def test_a_model_whose_samples_mix_is_planned_over_the_whole_batch(searched_world4):
+    plans, folders, launch = searched_world4
+    moe = plans["moe"]
+    assert moe.label and moe.pipeline is None and moe.accumulation_steps == 1, moe.name
+    assert any("mixes the samples of its batch in blocks.0.moe, blocks.1.moe" in w for w in moe.warnings)
+    assert all(not alt.name.startswith(("ddp", "zero", "fsdp", "baseline ddp")) for alt in moe.runners_up)
+    # Why: the same model run by DDP on slices of the batch trains differently.
+    assert result_of(launch, folders["moe-ddp-control"]).startswith("FAILED parity FAILED")
 
 
 def test_megatron_on_a_two_by_four_mesh(tmp_path):
