@@ -402,8 +402,8 @@ class _PipelineWriter:
                 lines.append(f"    {name}: {notes.value_note(b.shape, b.placements, self.axes, self.sizes)}{_dtype(b.dtype)}")
         lines += [
             "",
-            f"Stage {self.stages - 1} returns the model's loss of each micro-batch; the schedule back-propagates it and",
-            f"divides the summed gradients by {pipeline.micro_batches}, so the step equals one device's on the whole batch.",
+            f"Stage {self.stages - 1} returns the model's loss of each micro-batch; the schedule back-propagates it, the runner",
+            f"divides each summed gradient by {pipeline.micro_batches} once, so the step equals one device's on the whole batch.",
         ]
         for holders, names in shared.items():
             lines.append(

@@ -17,6 +17,15 @@ parity with one device at worlds 4 and 8 (FSDP x TP, ZeRO-2 x TP, ZeRO-1 x TP, F
 ZeRO-1 x PP, FSDP x TP x PP, ZeRO-1 x TP x PP, and the plans the search picks on two nodes),
 each world in one torchrun launch, with a ZeRO-1 program that never shares its updated
 pieces as a negative control.
+
+At world 8 one program takes every axis and schedule option at once: ZeRO-1 on
+``pp=2 x dp=2 x tp=2`` under the interleaved 1F1B schedule (2 virtual stages per rank) in bf16
+mixed precision (both sides under the same autocast; bf16's tolerances), on a model whose
+weights are tied across virtual stages (``tests/models/shared_norm_gpt.py``: its embedding
+on stages 0 and 3, one LayerNorm on all 4; ``test_schedule_parity.py`` checks it in fp32 at
+world 2). The searched plans (GPT and the small llama on ``cpu:2x2`` and ``cpu:2x4``) are
+checked whatever the search picks; the test prints the picks (``pytest -s``) and names them
+when it fails.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from test_parity import REPO, check_many, result_of
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 GPT = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8})
 GPT4 = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer": 4})
+SHARED_NORM_GPT = ModelSpec(str(REPO / "tests/models/shared_norm_gpt.py"), {"batch_size": 8, "n_layer": 4})
 LLAMA = ModelSpec("hf:llama", {
     "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512,
     "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -209,7 +219,12 @@ CASES = {
     8: {
         "gpt-fsdp-pp2xdp2xtp2-recompute": (GPT4, dict(pp=2, tp=2, dp_flavour="fsdp", recompute="full", micro_batch=2)),
         "gpt-zero1-pp2xdp2xtp2": (GPT4, dict(pp=2, tp=2, dp_flavour="zero1", micro_batch=2)),
+        "tied-zero1-interleaved-pp2xdp2xtp2-v2-bf16": (
+            SHARED_NORM_GPT,
+            dict(pp=2, tp=2, dp_flavour="zero1", schedule="interleaved", virtual_stages=2, micro_batch=2, precision="bf16"),
+        ),
         "llama-searched-2x4": (LLAMA, "searched"),
+        "gpt-searched-2x4": (GPT, "searched"),
     },
 }
 ALL = [(world, case) for world, cases in CASES.items() for case in cases]
@@ -219,7 +234,8 @@ def _plan(world: int, spec: ModelSpec, options, accumulation_steps: int = 1) -> 
     if options == "searched":
         return planner.plan(spec, f"cpu:2x{world // 2}")
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
-    plan = megatron_plan(graph, cluster, spec, name, precision="fp32", **options)
+    options = {"precision": "fp32", **options}
+    plan = megatron_plan(graph, cluster, spec, name, **options)
     return dataclasses.replace(plan, accumulation_steps=accumulation_steps)
 
 
@@ -240,11 +256,15 @@ def _never_share_updated_pieces(folder: Path) -> Path:
 
 
 def _world(world: int, root: Path):
-    folders = {case: planner.compile(_plan(world, *how), root / case) for case, how in CASES[world].items()}
+    plans = {case: _plan(world, *how) for case, how in CASES[world].items()}
+    folders = {case: planner.compile(plan, root / case) for case, plan in plans.items()}
+    for case, plan in plans.items():
+        if CASES[world][case][1] == "searched":
+            print(f"the search picked for {case}: {plan.name} ({plan.precision}, {plan.recompute} recomputation)")
     if world == 4:
         plan = _plan(4, GPT, dict(tp=2, dp_flavour="zero1"))
         folders["unshared-zero1"] = _never_share_updated_pieces(planner.compile(plan, root / "unshared-zero1"))
-    return folders, check_many(world, list(folders.values()), root)
+    return plans, folders, check_many(world, list(folders.values()), root)
 
 
 @pytest.fixture(scope="module")
@@ -260,21 +280,33 @@ def world8(tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize(("world", "case"), ALL, ids=[f"world{w}-{c}" for w, c in ALL])
 def test_composed_step_equals_single_device(request, world: int, case: str) -> None:
-    folders, launch = request.getfixturevalue(f"world{world}")
+    plans, folders, launch = request.getfixturevalue(f"world{world}")
     result = result_of(launch, folders[case])
-    assert result.startswith("ok parity ok: "), f"{case} at world size {world}: {result}"
+    assert result.startswith("ok parity ok: "), f"{case} ({plans[case].name}) at world size {world}: {result}"
 
 
 @pytest.mark.distributed
 def test_zero1_that_never_shares_its_updated_pieces_fails_parity(world4) -> None:
-    folders, launch = world4
+    _, folders, launch = world4
     result = result_of(launch, folders["unshared-zero1"])
     assert result.startswith("FAILED parity FAILED: worst tensor "), result
 
 
 @pytest.mark.distributed
 def test_program_says_weights_are_gathered_over_dp(world4) -> None:
-    folders, _ = world4
+    _, folders, _ = world4
     source = (folders["gpt-zero2-dp2xtp2"] / "model_spmd.py").read_text()
     assert "'blocks.0.attn.c_attn.weight': DP_S1_TP_S0," in source
     assert "all-gather over dp" in source
+
+
+@pytest.mark.distributed
+def test_the_every_axis_program_is_what_its_case_names(world8) -> None:
+    plans, folders, _ = world8
+    case = "tied-zero1-interleaved-pp2xdp2xtp2-v2-bf16"
+    plan = plans[case]
+    assert plan.mesh.axes == (("pp", 2), ("dp", 2), ("tp", 2))
+    assert (plan.dp_flavour, plan.precision, plan.pipeline.schedule, plan.pipeline.virtual_stages) == ("zero1", "bf16", "interleaved", 2)
+    source = (folders[case] / "model_spmd.py").read_text()
+    assert "ScheduleInterleaved1F1B" in source and "ShardedStatesOptimizer(" in source and "autocast" in source
+    assert "SHARED_PARAMETERS = {(0, 1, 2, 3): ('blocks.0.ln_1.weight', 'blocks.0.ln_1.bias'), (0, 3): ('wte.weight',)}" in source

@@ -3,7 +3,7 @@ beyond the basic ones: selective recomputation (``codegen.attention_core``) in g
 and data-parallel programs, pipelines whose stages hold different numbers of blocks (1+3 and
 3+1 blocks of a 4-layer GPT), and the interleaved 1F1B schedule (2 virtual stages per rank,
 ``ScheduleInterleaved1F1B``; ``codegen.pipeline_schedules``) on pp=2, pp=2 x tp=2 and
-pp=2 x dp=2. Real gloo processes; one step (all micro-batches
+pp=2 x dp=2, also with weights tied across virtual stages (below). Real gloo processes; one step (all micro-batches
 forward and backward, then AdamW) equals one device's step: loss, gradients and updated
 parameters (``codegen.runtime.parity`` / ``pipeline_parity``, behind ``launch.py --check``).
 
@@ -12,10 +12,19 @@ GPT (``examples/gpt.py``) with ``attention="eager"`` has an explicit attention c
 none, and selective compiles as no recomputation (``tests/test_recompute.py`` checks the
 memory side of both).
 
+Tied weights under the interleaved schedule (``tests/models/shared_norm_gpt.py``, fp32 so a
+gradient off by a fraction of itself shows): the token embedding is the output head (stages 0
+and 3: pp ranks 0 and 1) and all blocks share one LayerNorm (all 4 stages: stages 0 and 2 on
+rank 0, 1 and 3 on rank 1). Torch's schedules divide each stage's gradients by the number of
+micro-batches when that stage's backward ends, which divided a weight that two stages of one
+rank share twice (the norm's gradient was off by 2.5e-3); ``codegen.runtime.pipeline`` divides
+each parameter once. ``test_composed_dp.py`` runs this model interleaved on pp x dp x tp.
+
 As in ``test_pipeline_parity.py``, each world size compiles its programs first and checks
-them all in ONE torchrun launch of ``tests/dist_check_many.py``. The negative control must
+them all in ONE torchrun launch of ``tests/dist_check_many.py``. The negative controls must
 fail: a selective program whose attention core hands its output on detached (the
-projections before it then get no gradient through attention).
+projections before it then get no gradient through attention), and the tied program with its
+stages no longer summing the shared weights' gradients.
 """
 
 from __future__ import annotations
@@ -35,15 +44,17 @@ from test_parity import REPO, check_many, result_of
 pytestmark = pytest.mark.distributed
 
 GPT = str(REPO / "examples/gpt.py")
+SHARED_NORM_GPT = ModelSpec(str(REPO / "tests/models/shared_norm_gpt.py"), {"batch_size": 8, "n_layer": 4})
 EAGER = {"batch_size": 8, "attention": "eager"}
 FOUR_LAYERS = {"batch_size": 8, "n_layer": 4}
-# (world, case) -> (model overrides, megatron_plan keyword arguments, blocks per stage or None, dp flavour program)
+# (world, case) -> (GPT's overrides or another model, megatron_plan keyword arguments, blocks per stage or None)
 CASES = {
     2: {
         "uneven-pp2-1f1b-1+3": (FOUR_LAYERS, dict(pp=2), (1, 3)),
         "uneven-pp2-gpipe-3+1-selective": ({**FOUR_LAYERS, **EAGER}, dict(pp=2, schedule="gpipe", recompute="selective"), (3, 1)),
         "interleaved-pp2-v2": (FOUR_LAYERS, dict(pp=2, schedule="interleaved", virtual_stages=2), None),
         "per-stage-pp2-1f1b-full+none": (FOUR_LAYERS, dict(pp=2), None),
+        "tied-interleaved-pp2-v2": (SHARED_NORM_GPT, dict(pp=2, schedule="interleaved", virtual_stages=2), None),
     },
     4: {
         "selective-tp2xdp2": (EAGER, dict(tp=2, recompute="selective"), None),
@@ -93,8 +104,8 @@ def with_stage_recompute(plan: planner.Plan, modes: tuple[str, ...]) -> planner.
     return dataclasses.replace(plan, pipeline=pipeline, recompute=heaviest)
 
 
-def make_plan(world: int, overrides: dict, options: dict, blocks_per_stage=None, case: str = "") -> planner.Plan:
-    spec = ModelSpec(GPT, overrides)
+def make_plan(world: int, model: dict | ModelSpec, options: dict, blocks_per_stage=None, case: str = "") -> planner.Plan:
+    spec = model if isinstance(model, ModelSpec) else ModelSpec(GPT, model)
     options = dict(options)
     flavour = options.pop("dp_flavour", None)
     if flavour is not None:  # a data-parallel program (DDP/ZeRO/FSDP around the model)
@@ -119,12 +130,26 @@ def detach_attention_output(folder: Path) -> Path:
     return folder
 
 
+def stop_summing_shared_gradients(folder: Path) -> Path:
+    """Negative control: the stages that hold a tied weight keep their own gradients."""
+    source = folder / "model_spmd.py"
+    text = source.read_text()
+    assert re.search(r"^SHARED_PARAMETERS = \{\(0, 1, 2, 3\): ", text, re.MULTILINE), f"{source} shares nothing over 4 stages"
+    source.write_text(re.sub(r"^SHARED_PARAMETERS = .*$", "SHARED_PARAMETERS = {}", text, flags=re.MULTILINE))
+    return folder
+
+
 def _world_run(world: int, root: Path):
     folders = {
         case: planner.compile(make_plan(world, overrides, options, stages, case), root / case)
         for case, (overrides, options, stages) in CASES[world].items()
     }
     broken = {}
+    if world == 2:
+        model, options, _ = CASES[2]["tied-interleaved-pp2-v2"]
+        broken["unsummed tied gradients"] = stop_summing_shared_gradients(
+            planner.compile(make_plan(world, model, options), root / "broken_unsummed_tied")
+        )
     if world == 4:
         overrides, options, _ = CASES[4]["selective-tp2xdp2"]
         broken["detached attention"] = detach_attention_output(
@@ -151,10 +176,11 @@ def test_step_equals_single_device(request, world: int, case: str) -> None:
     assert result.startswith("ok parity ok: "), f"{case} at world size {world}: {result}"
 
 
-def test_detached_attention_core_is_reported(world4_run) -> None:
-    _, broken, launch = world4_run
-    result = result_of(launch, broken["detached attention"])
-    assert result.startswith("FAILED parity FAILED: worst tensor "), result
+@pytest.mark.parametrize(("world", "control"), [(4, "detached attention"), (2, "unsummed tied gradients")])
+def test_broken_program_is_reported(request, world: int, control: str) -> None:
+    _, broken, launch = request.getfixturevalue(f"world{world}_run")
+    result = result_of(launch, broken[control])
+    assert result.startswith("FAILED parity FAILED: worst tensor "), f"{control}: {result}"
 
 
 def test_programs_say_what_they_recompute_and_where_stages_cut(world2_run, world4_run) -> None:
@@ -171,6 +197,9 @@ def test_programs_say_what_they_recompute_and_where_stages_cut(world2_run, world
     assert "ScheduleInterleaved1F1B" in interleaved and "rank p holds stages p, p + 2)" in interleaved
     assert "Stage 1 holds blocks.1 " in interleaved and "Stage 3 holds blocks.3, ln_f, lm_head " in interleaved
     assert re.search(r"^STAGES = \(GPTStage0, GPTStage1, GPTStage2, GPTStage3\)  # stage s runs on the ranks at pp coordinate s % 2", interleaved, re.MULTILINE)
+    tied = (folders2["tied-interleaved-pp2-v2"] / "model_spmd.py").read_text()
+    shared = re.search(r"^SHARED_PARAMETERS = (.*)$", tied, re.MULTILINE)[1]
+    assert shared == "{(0, 1, 2, 3): ('blocks.0.ln_1.weight', 'blocks.0.ln_1.bias'), (0, 3): ('wte.weight',)}"
     fused = (folders4["selective-fsdp-sdpa"] / "model_spmd.py").read_text()
     assert "RECOMPUTED_BLOCKS = ()" in fused and "attention is one fused op, e.g. scaled_dot_product_attention" in fused
 

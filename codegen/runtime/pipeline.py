@@ -13,8 +13,9 @@ the ``pp`` group of ranks that share a dp/tp coordinate) and ``ScheduleGPipe`` /
 
 The model's own loss is what the schedule back-propagates: the last stage returns it (the
 full value on every rank of the stage) and the schedule's ``loss_fn`` returns it unchanged.
-Each micro-batch's loss is a mean over its samples, and the schedule divides the summed
-gradients by the number of micro-batches, so the step equals one device's step on the whole
+Each micro-batch's loss is a mean over its samples, and the summed gradients are divided by
+the number of micro-batches once the whole backward is done (each parameter once, even one
+that two virtual stages of a rank share), so the step equals one device's step on the whole
 batch (equal micro-batches; a mean-reduced loss).
 
 Parameters read by more than one stage (tied embeddings: the token embedding on the first
@@ -282,10 +283,14 @@ class PipelineRunner:
             )
         kinds = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
         # The last stage returns the model's loss of one micro-batch: the loss to back-propagate.
+        # scale_grads=False: torch divides each stage's parameters' gradients by the number of
+        # micro-batches when that stage's last backward ends, so a weight two virtual stages of
+        # this rank share (tied) would be divided twice, once before the other stage has added
+        # its part; ``step`` divides every parameter once, after the whole backward.
         if schedule == "interleaved":
-            self.schedule = ScheduleInterleaved1F1B(self.stages, micro_batches, loss_fn=_the_loss, scale_grads=True)
+            self.schedule = ScheduleInterleaved1F1B(self.stages, micro_batches, loss_fn=_the_loss, scale_grads=False)
         elif schedule in kinds and len(self.stages) == 1:
-            self.schedule = kinds[schedule](self.stages[0], micro_batches, loss_fn=_the_loss, scale_grads=True)
+            self.schedule = kinds[schedule](self.stages[0], micro_batches, loss_fn=_the_loss, scale_grads=False)
         else:
             raise ValueError(f"pipeline schedule '{schedule}' with {len(self.stages)} stages per rank is not compiled")
         self.stage = self.stages[0]
@@ -304,11 +309,23 @@ class PipelineRunner:
             self.schedule.step(*positional, target=target, losses=losses, return_outputs=False)
         else:
             self.schedule.step(target=target, losses=losses, return_outputs=False)
+        self._average_over_micro_batches()
         self._sum_shared_gradients()
         loss = torch.stack([value.detach().reshape(()) for value in losses]).mean() if self.last else torch.zeros((), device=device)
         # The last stage's loss to every rank of this pipeline (the other stages have none).
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_rank)
         return loss
+
+    def _average_over_micro_batches(self) -> None:
+        """Each micro-batch's loss is a mean over its samples, so the summed gradients divided
+        by the number of micro-batches are the whole batch's; each parameter once, however
+        many of this rank's stages read it (``params`` holds a shared one once)."""
+        if self.micro_batches == 1:
+            return
+        unique = {id(param): param for param in self.module.params.values()}
+        for param in unique.values():
+            if param.grad is not None:
+                param.grad.div_(self.micro_batches)
 
     def _sum_shared_gradients(self) -> None:
         for group, names in self._shared:
