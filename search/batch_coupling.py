@@ -11,9 +11,11 @@ every op on the whole (distributed) batch, gathering where an op needs it.
 
 ``batch_coupled_ops`` finds those ops by following the batch split through the graph as
 a data-parallel program runs it (``search.propagation.propagate`` with ``batch_local``: an
-op with no rule runs on each rank's slice): an op that needs the whole batch (a gather of a
-batch-split tensor, or the full value of a partial batch mean or sum) where linear algebra
-cannot make do with slices is where the samples mix. Adding or scaling an average by a value
+op with no rule runs on each rank's slice): an op whose rule needs the whole batch (a gather
+of a batch-split tensor, or the full value of a partial batch mean or sum) where linear
+algebra cannot make do with slices is where the samples mix. Ops the rules do not know
+(``topk``, ``one_hot``) cannot be judged; they count as per-sample, as data-parallel
+programs run them, and the graph's warnings name them. Adding or scaling an average by a value
 every rank holds alike stays exact (the mean of x_i + c is the mean of x_i, plus c), so the
 loss terms that make up a training loss do not count. Batch norm is not listed: data-parallel
 programs synchronise its statistics (``codegen.runtime.batch_norm``).
@@ -27,7 +29,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from planner.graph import OpGraph
 from search.layouts import batch_input_placements
-from search.propagation import propagate
+from search.propagation import has_rule, op_rule, propagate
 
 # Ops that stay exact on an average or sum when every other operand is the same on all ranks.
 _LINEAR_IN_ONE_OPERAND = ("aten.add.", "aten.sub.", "aten.mul.", "aten.div.", "aten.neg.", "aten.to.", "aten._to_copy.")
@@ -53,16 +55,18 @@ def batch_coupled_ops(graph: OpGraph) -> list[CoupledOp]:
     produced: dict[str, object] = {}
     coupled = []
     for node in graph.nodes:
-        rule = placements[node.name]
-        have = [produced.get(name, Replicate()) for name in node.inputs]
-        needs_whole = [
-            isinstance(had, (Shard, Partial)) and isinstance(wanted, Replicate)
-            for had, wanted in zip(have, rule.inputs)
-        ]
-        if any(needs_whole) and not node.op.startswith(_SYNCHRONISED) and not _exact_on_slices(node.op, have):
+        have = tuple(produced.get(name, Replicate()) for name in node.inputs)
+        # What the op's rule needs, before the batch-local fallback lets an op the rules do
+        # not know run on each slice (data-parallel programs run it so; we cannot tell).
+        wanted, _ = op_rule(node, have)
+        needs_whole = any(
+            isinstance(had, (Shard, Partial)) and isinstance(want, Replicate) for had, want in zip(have, wanted)
+        )
+        if needs_whole and has_rule(node) and not node.op.startswith(_SYNCHRONISED) and not _exact_on_slices(node.op, have):
             coupled.append(CoupledOp(node.name, node.op, node.module))
-        if rule.outputs:
-            produced[node.name] = rule.outputs[0]
+        outputs = placements[node.name].outputs
+        if outputs:
+            produced[node.name] = outputs[0]
     return coupled
 
 

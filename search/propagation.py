@@ -120,6 +120,17 @@ def propagate(
     return result
 
 
+def has_rule(node: OpNode) -> bool:
+    """Whether ``op_rule`` knows the op's family (an unknown op is run on whole inputs)."""
+    op = node.op
+    return (
+        op == "getitem" or node.is_view
+        or op.startswith((*_SPLITS, *_SAME_LAYOUT, "aten.flatten.", "aten.unflatten.", *_LINEARS,
+                          "aten.scaled_dot_product_attention", "aten.embedding.", *_NORMS, *_SOFTMAXES, *_LOSSES,
+                          *_REDUCTIONS, *_BATCHWISE, *_ELEMENTWISE, "aten.stack."))
+    )
+
+
 def op_rule(node: OpNode, incoming: tuple[Placement, ...]) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:
     """(the placements the op takes its inputs in, the placements of its outputs)."""
     outs = node.output_meta
@@ -364,6 +375,10 @@ def _matmul_rule(node: OpNode, incoming):
         return tuple(wanted), (Shard(act_dim),)
     if act_dim is not None and act_dim == act_last - 1 and isinstance(weight_p, Replicate):
         return tuple(wanted), (Shard(out_rank - 2),)  # rows of the left operand
+    if act_dim is not None and act_dim < act_last and isinstance(weight_p, Replicate) and weight_rank == 2:
+        # (B, T, C) @ (C, D) with the right operand whole (a weight transposed by hand, as
+        # Falcon writes its projections): every row of the left operand stands alone.
+        return tuple(wanted), (Shard(act_dim + out_rank - len(activation.shape)),)
     if act_dim == act_last:
         wanted[weight_index] = Shard(weight_rank - 2)
         return tuple(wanted), (Partial(),)
