@@ -1,0 +1,95 @@
+"""torchrun worker for ``tests/test_moe_runtime.py``: ``codegen.runtime.moe`` against
+``examples/moe.py``'s MoE layer on one device, for several placements and capacities, in one
+launch. Rank 0 prints ``RESULT <case> ok <max error>`` or ``RESULT <case> FAILED <why>``."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from codegen.runtime.moe import ExpertParallelMoE, sum_copied_expert_gradients
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("moe_example", REPO / "examples" / "moe.py")
+moe_example = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(moe_example)
+
+BATCH, SEQ, WIDTH, FFN, EXPERTS, TOP_K, COEF = 8, 6, 16, 24, 8, 2, 0.5
+
+
+def placements(world: int) -> dict[str, list]:
+    round_robin = [[(e % world, 1.0)] for e in range(EXPERTS)]
+    # Experts 0 and 1 copied: expert 0 on ranks 0 and 1 (0.7 / 0.3 of its slots), expert 1
+    # on the last two ranks (halves); the others round-robin.
+    copied = [[(0, 0.7), (1, 0.3)], [(world - 2, 0.5), (world - 1, 0.5)]]
+    copied += [[(e % world, 1.0)] for e in range(2, EXPERTS)]
+    return {"round-robin": round_robin, "copied": copied}
+
+
+def run_case(name: str, placement, capacity_factor: float, sum_copies: bool = True) -> str:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = moe_example.MoE(WIDTH, EXPERTS, TOP_K, capacity_factor, FFN)
+    for param in reference.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    # A skewed router: expert 0 gets most first choices, so capacities bind.
+    with torch.no_grad():
+        reference.router.weight[0] += 0.8
+    x = torch.randn(BATCH, SEQ, WIDTH)
+    probe = torch.randn(BATCH, SEQ, WIDTH)
+    out, balance = reference(x)
+    loss = (out * probe).sum() / (BATCH * SEQ) + COEF * balance
+    loss.backward()
+
+    layer = ExpertParallelMoE(reference.router.weight, reference.experts.w_in, reference.experts.w_out, placement,
+                              TOP_K, capacity_factor, BATCH * SEQ)
+    local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    mine, their_balance = layer(x[local])
+    # Per-rank losses sum to the single device's: the balance term split evenly.
+    local_loss = (mine * probe[local]).sum() / (BATCH * SEQ) + COEF * their_balance / world
+    local_loss.backward()
+    if sum_copies:
+        sum_copied_expert_gradients(layer)
+    router_grad = layer.router.grad.clone()
+    dist.all_reduce(router_grad)  # the router is data parallel: gradients summed over ranks
+    total_loss = local_loss.detach().clone()
+    dist.all_reduce(total_loss)
+
+    errors = {
+        "output": (mine - out[local]).abs().max(),
+        "balance": (their_balance - balance).abs(),
+        "loss": (total_loss - loss).abs(),
+        "router grad": (router_grad - reference.router.weight.grad).abs().max(),
+        "expert in grad": (layer.w_in.grad - reference.experts.w_in.grad[layer.local_experts]).abs().max(),
+        "expert out grad": (layer.w_out.grad - reference.experts.w_out.grad[layer.local_experts]).abs().max(),
+    }
+    worst = torch.stack([e.detach().reshape(()) for e in errors.values()])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    kind, value = max(zip(errors, worst.tolist()), key=lambda item: item[1])
+    dropped = torch.tensor(float(layer.last_dropped))
+    dist.all_reduce(dropped)
+    share = dropped.item() / (BATCH * SEQ * TOP_K)
+    return f"{'ok' if value < 1e-5 else 'FAILED'} worst {kind} {value:.3e} dropped {share:.3f}"
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    cases = []
+    for placement_name, placement in placements(world).items():
+        for capacity in (1.25, 0.5, 0.0):
+            cases.append((f"{placement_name} capacity {capacity}", placement, capacity, True))
+    cases.append(("copied capacity 1.25, copies not summed (control)", placements(world)["copied"], 1.25, False))
+    for name, placement, capacity, sum_copies in cases:
+        result = run_case(name, placement, capacity, sum_copies)
+        if dist.get_rank() == 0:
+            print(f"RESULT {name}: {result}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Expert parallelism at run time (``codegen.runtime.moe``) against ``examples/moe.py``'s MoE
+layer on one device: the same routing, the same drops, the same balance loss; outputs,
+loss, and the gradients of the router and of every expert equal, at worlds 2 and 4, with
+round-robin experts and with two experts copied on two ranks each (unequal shares), at
+capacity factors 1.25 and 0.5 (drops) and dropless. One launch per world
+(``tests/moe_parity_worker.py``). The control skips summing the copies' gradients and must
+fail."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from test_parity import REPO
+
+pytestmark = pytest.mark.distributed
+CASES = [f"{placement} capacity {capacity}" for placement in ("round-robin", "copied") for capacity in (1.25, 0.5, 0.0)]
+CONTROL = "copied capacity 1.25, copies not summed (control)"
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def results(request):
+    world = request.param
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(REPO / "tests/moe_parity_worker.py")],
+        capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
+    )
+    found = dict(re.findall(r"^RESULT (.+?): (.*)$", run.stdout, re.MULTILINE))
+    assert run.returncode == 0 and len(found) == len(CASES) + 1, run.stdout[-2000:] + run.stderr[-3000:]
+    return found
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_expert_parallel_step_equals_one_device(results, case):
+    assert results[case].startswith("ok worst"), f"{case}: {results[case]}"
+
+
+def test_capacity_drops_choices_and_dropless_does_not(results):
+    dropped = {case: float(results[case].rsplit(" ", 1)[1]) for case in CASES}
+    assert dropped["round-robin capacity 0.5"] > 0.1 and dropped["copied capacity 0.5"] > 0.1
+    assert dropped["round-robin capacity 0.0"] == 0.0 and dropped["copied capacity 0.0"] == 0.0
+
+
+def test_copies_must_have_their_gradients_summed(results):
+    assert results[CONTROL].startswith("FAILED worst expert"), results[CONTROL]
