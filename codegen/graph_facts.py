@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -63,12 +63,31 @@ def model_facts(model: torch.nn.Module, args: tuple, kwargs: dict, graph: OpGrap
     # parameters onto the meta device, as they would follow them onto a GPU at run time.
     on_meta = any(p.is_meta for p in model.parameters())
     try:
-        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True), torch.device("meta") if on_meta else nullcontext():
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True), torch.device("meta") if on_meta else nullcontext(), \
+                _static_shape_experts(model):
             output = model(*args, **kwargs)
     finally:
         model.train(was_training)
     _, out_spec = tree_flatten(output)
     return ModelFacts(type(model).__name__, out_spec, _dropout_owners(model, graph))
+
+
+@contextmanager
+def _static_shape_experts(model: torch.nn.Module):
+    """HuggingFace MoE experts pick their kernel at run time: on meta tensors outside
+    ``torch.export`` they take ``grouped_mm``, whose meta kernel takes bf16 only. Only the
+    output's structure is wanted here, which every kernel gives alike: run them as batched
+    matmuls (static shapes, any dtype) for this forward."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_experts_implementation")}
+    saved = {key: config._experts_implementation for key, config in configs.items()}
+    try:
+        for config in configs.values():
+            if config._experts_implementation in (None, "grouped_mm"):
+                config._experts_implementation = "batched_mm"
+        yield
+    finally:
+        for key, config in configs.items():
+            config._experts_implementation = saved[key]
 
 
 def _dropout_owners(model: torch.nn.Module, graph: OpGraph) -> dict[str, str | tuple[str, str]]:

@@ -46,6 +46,7 @@ def test_searched_plan_matches_one_device(searched, name):
 # The issue's done-when model (a small llama with grouped-query attention) and GPT, searched
 # on 4 devices: the plans the planner picks there (SOAP on a 2x2 or 1x4 mesh, or a
 # data-parallel flavour) must train like one device.
+HF_MOE = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}
 SEARCHED_WORLD4 = {
     "llama": ModelSpec("hf:llama", {
         "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
@@ -57,6 +58,13 @@ SEARCHED_WORLD4 = {
     # Top-2 MoE with a capacity and a balance loss: its samples mix (search.batch_coupling), so
     # the search keeps to programs over the whole batch.
     "moe": ModelSpec(str(EXAMPLES / "moe.py"), {}),
+    # HuggingFace MoE decoders (transformers' fused experts): their compile-time forward on
+    # meta tensors must not take grouped_mm, whose meta kernel takes bf16 only.
+    "mixtral": ModelSpec("hf:mixtral", {**HF_MOE, "intermediate_size": 128, "num_local_experts": 4}),
+    "qwen2_moe": ModelSpec("hf:qwen2_moe", {
+        **HF_MOE, "intermediate_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+        "num_experts": 4, "num_experts_per_tok": 2,
+    }),
 }
 
 
