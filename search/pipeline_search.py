@@ -58,6 +58,7 @@ from planner.strategy import Mesh, PipelineConfig
 from search.budget import SearchBudget
 from search.layouts import megatron_layout, nearly_even_layers, restrict_axes, uneven_stages
 from search.plan_builder import unsimulated_plan
+from search.stage_layouts import StageLayout, representative_mesh, same_placements, search_stage_layout
 from search.stage_slicing import (
     SegmentCost,
     Slicing,
@@ -75,7 +76,8 @@ RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes 
 class PipelineSpace:
     """The options the grid combines (see the module docstring). ``uneven`` lets stage
     slicing give stages different block counts; without it the blocks split as Megatron-LM
-    splits them (``search.layouts.nearly_even_layers``)."""
+    splits them (``search.layouts.nearly_even_layers``). ``layouts``: Megatron-LM's, and the
+    per-op placements CP-SAT finds on the stage mesh (``search.stage_layouts``)."""
 
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     virtual_stages: tuple[int, ...] = (2, 4)
@@ -83,6 +85,7 @@ class PipelineSpace:
     recompute: tuple[str, ...] = RECOMPUTE_ORDER
     sequence_parallel: tuple[bool, ...] = (False, True)
     uneven: bool = True
+    layouts: tuple[str, ...] = ("megatron", "soap")
 
 
 @dataclass(frozen=True, order=True)
@@ -99,6 +102,7 @@ class Configuration:
     flavour: str
     recompute: str
     sequence_parallel: bool = False  # tp > 1 only: the residual stream split on the sequence
+    layout: str = "megatron"  # or "soap": placements searched on the stage mesh (search.stage_layouts)
 
     @property
     def mesh(self) -> Mesh:
@@ -129,7 +133,7 @@ def pipeline_plans(
     estimate first; empty when the grid does not apply (no repeated blocks, heterogeneous
     nodes, a model Megatron's layout cannot split) or nothing in it fits."""
     budget = budget or SearchBudget()
-    grid = PipelineGrid(graph, cluster, precision, space or PipelineSpace())
+    grid = PipelineGrid(graph, cluster, precision, space or PipelineSpace(), budget)
     plans = []
     for estimate in grid.best(budget.pipeline_candidates()):
         plans.append(grid.plan(estimate, spec, model_name))
@@ -140,12 +144,16 @@ class PipelineGrid:
     """The grid of one model on one cluster, with the per-(tp, micro-batch) segment costs
     it prices configurations from."""
 
-    def __init__(self, graph: OpGraph, cluster: Cluster, precision: str, space: PipelineSpace):
+    def __init__(
+        self, graph: OpGraph, cluster: Cluster, precision: str, space: PipelineSpace, budget: SearchBudget | None = None
+    ):
         self.graph, self.cluster, self.precision, self.space = graph, cluster, precision, space
+        self.budget = budget or SearchBudget()
         self.blocks = sum(graph.blocks.values())
         self.device = cluster.device_of(0)
         self.capacity = cluster.min_device_memory
         self._layouts: dict[tuple, tuple | None] = {}
+        self._searched: dict[int, StageLayout | None] = {}  # tp -> CP-SAT's layout (search.stage_layouts)
         self._profiles: dict[tuple, list[SegmentProfile]] = {}
         self._collectives: dict[tuple, float] = {}
         self.priced = 0  # configurations priced by stage slicing (for reports and tests)
@@ -160,16 +168,21 @@ class PipelineGrid:
         world, per_node = cluster.world_size, cluster.devices_per_node
         found = []
         layouts = [
-            (tp, split)
+            (tp, split, "megatron")
             for tp in _divisors(per_node)
             for split in (space.sequence_parallel if tp > 1 else (False,))
-            if world % tp == 0 and self._layout(tp, split, ("tp",) if tp > 1 else ()) is not None
+            if "megatron" in space.layouts and world % tp == 0 and self._layout(tp, split, ("tp",) if tp > 1 else ()) is not None
         ]
-        for tp, split in layouts:
+        if "soap" in space.layouts:
+            layouts += [(tp, False, "soap") for tp in _divisors(per_node) if world % tp == 0]
+        for tp, split, layout in layouts:
             for pp in _divisors(world // tp):
                 dp = world // (tp * pp)
                 if pp > self.blocks or batch % dp:
                     continue
+                names = tuple(name for name, size in (("pp", pp), ("dp", dp), ("tp", tp)) if size > 1) or ("dp",)
+                if layout == "soap" and not self._soap_differs(tp, names):
+                    continue  # no layout searched for these axes, or Megatron's again: priced already
                 local = batch // dp
                 sizes = [local] if pp == 1 else [size for size in space.micro_batch_sizes if local % size == 0]
                 for size in sizes:
@@ -188,7 +201,7 @@ class PipelineGrid:
                                     # in recomputed blocks (planner.api.composed_flavour_blocker).
                                     continue
                                 found.append(Configuration(
-                                    tp, pp, dp, size, micro_batches, schedule, chunks, flavour, recompute, split
+                                    tp, pp, dp, size, micro_batches, schedule, chunks, flavour, recompute, split, layout
                                 ))
         return found
 
@@ -205,6 +218,7 @@ class PipelineGrid:
         # visited later leaves first, and the visiting order is fixed by the inputs.
         kept: list[tuple[float, int, Estimate]] = []
         fitting: dict[tuple, list[int]] = {}
+        twins: dict[Configuration, Estimate] = {}  # configuration without its layout -> kept estimate
         for order, (bound, config) in enumerate(bounded):
             if len(kept) >= count and bound > -kept[0][0]:
                 break
@@ -221,6 +235,16 @@ class PipelineGrid:
             if estimate is None:
                 continue
             fitting.setdefault(group, []).append(rank)
+            # A configuration priced with both layouts keeps the faster one only, so the
+            # two do not take two of the ``count`` simulations.
+            twin = dataclasses.replace(config, layout="")
+            other = twins.get(twin)
+            if other is not None:
+                if other.step_s <= estimate.step_s:
+                    continue
+                kept = [item for item in kept if item[2] is not other]
+                heapq.heapify(kept)
+            twins[twin] = estimate
             heapq.heappush(kept, (-estimate.step_s, -order, estimate))
             if len(kept) > count:
                 heapq.heappop(kept)
@@ -229,10 +253,11 @@ class PipelineGrid:
     # ----------------------------------------------------------------- plans
 
     def plan(self, estimate: Estimate, spec: ModelSpec | None, model_name: str) -> Plan:
-        """The estimated configuration as a simulated Megatron-layout plan."""
+        """The estimated configuration as a simulated plan, with the layout it was priced
+        with (label ``"megatron"`` or ``"soap"``)."""
         config = estimate.config
         mesh = config.mesh
-        strategies, inputs = self._layout(config.tp, config.sequence_parallel, mesh.names)
+        strategies, inputs = self._layout(config.tp, config.sequence_parallel, mesh.names, config.layout)
         pipeline = None
         if config.pp > 1:
             stages = config.pp * config.virtual_stages
@@ -245,7 +270,7 @@ class PipelineGrid:
         plan = unsimulated_plan(
             self.graph, self.cluster, spec, model_name, mesh, strategies, inputs,
             dp_flavour=config.flavour, recompute=config.recompute, pipeline=pipeline, precision=self.precision,
-            label="megatron",
+            label=config.layout,
         )
         return simulated(plan, self.graph)
 
@@ -425,11 +450,14 @@ class PipelineGrid:
 
     # ------------------------------------------------------------------ caches
 
-    def _layout(self, tp: int, sequence_parallel: bool, names: tuple[str, ...]):
+    def _layout(self, tp: int, sequence_parallel: bool, names: tuple[str, ...], layout: str = "megatron"):
         """Megatron's placements for a mesh with these axis names (sizes other than tp do
         not change them), every op on stage 0 (``plan`` restages them); None when the
         model does not split over tp. Built once per (tp, sequence parallelism) on every
-        axis; a mesh with fewer axes takes their columns (each axis is propagated alone)."""
+        axis; a mesh with fewer axes takes their columns (each axis is propagated alone).
+        With ``layout="soap"``, CP-SAT's placements instead (``_soap_layout``)."""
+        if layout == "soap":
+            return self._soap_layout(tp, names)
         full = ("pp", "dp", "tp") if tp > 1 else ("pp", "dp")
         if (tp, sequence_parallel, full) not in self._layouts:
             sizes = {"pp": 2, "dp": 2, "tp": tp}
@@ -450,11 +478,12 @@ class PipelineGrid:
 
     def _profile(self, config: Configuration) -> list[SegmentProfile] | None:
         """Segment costs per micro-batch of ``config.micro_batch`` samples on its tp, from one
-        simulation shared by every configuration with the same tp, axes and micro-batch."""
+        simulation shared by every configuration with the same tp, axes, micro-batch and
+        layout."""
         mesh = config.mesh
-        key = (config.tp, config.sequence_parallel, mesh.names, config.micro_batch)
+        key = (config.tp, config.sequence_parallel, mesh.names, config.micro_batch, config.layout)
         if key not in self._profiles:
-            layout = self._layout(config.tp, config.sequence_parallel, mesh.names)
+            layout = self._layout(config.tp, config.sequence_parallel, mesh.names, config.layout)
             if layout is None:
                 self._profiles[key] = None
                 return None
@@ -466,6 +495,39 @@ class PipelineGrid:
             )
             self._profiles[key] = Simulator(probe, self.graph).segment_profiles()
         return self._profiles[key]
+
+    def _soap_layout(self, tp: int, names: tuple[str, ...]):
+        """CP-SAT's placements (``search.stage_layouts``) for a mesh with these axis names:
+        searched once per tp on ``representative_mesh``, its columns for a mesh with fewer
+        axes; None when that mesh lacks one of ``names`` or no pipeline mesh exists."""
+        key = ("soap", tp, names)
+        if key not in self._layouts:
+            searched = self._searched_layout(tp)
+            built = None
+            if searched is not None and set(names) <= set(searched.mesh.names):
+                built = restrict_axes(searched.strategies, searched.inputs, [searched.mesh.names.index(n) for n in names])
+            self._layouts[key] = built
+        return self._layouts[key]
+
+    def _searched_layout(self, tp: int) -> StageLayout | None:
+        """The CP-SAT solve of tp's representative pipeline mesh, started from Megatron's
+        layout there; None when there is no such mesh or Megatron's layout does not build
+        (the solve needs it as its hint)."""
+        if tp not in self._searched:
+            mesh = representative_mesh(self.cluster.world_size, tp, self.blocks, self.graph.batch_size)
+            start = None if mesh is None else self._layout(tp, False, mesh.names)
+            self._searched[tp] = None if start is None else search_stage_layout(
+                self.graph, self.cluster, mesh, start, self.precision, self.budget.ilp_work(), self.budget.seconds_left()
+            )
+            if self._searched[tp] is not None and self._searched[tp].result.cut_by_wall_clock:
+                self.budget.note_cut(f"CP-SAT on pipeline mesh {mesh}")
+        return self._searched[tp]
+
+    def _soap_differs(self, tp: int, names: tuple[str, ...]) -> bool:
+        """Whether a searched layout exists for these axes and differs from Megatron's."""
+        searched = self._soap_layout(tp, names)
+        megatron = self._layout(tp, False, names)
+        return searched is not None and (megatron is None or not same_placements(searched[0], megatron[0]))
 
     def _dp_collective(self, kind: str, size: float, config: Configuration) -> float:
         """A collective over one dp group of ``config``'s mesh (dp is outside tp: stride tp),

@@ -1,0 +1,164 @@
+"""Per-op placements for pipeline stages found by the SOAP search (CP-SAT).
+
+The pipeline grid (``search.pipeline_search``) prices every configuration with Megatron-LM's
+tensor-parallel layout; this module gives it a second layout per tensor-parallel degree:
+the one CP-SAT (``search.ilp``) finds on the pipeline mesh itself.
+
+How the stage mesh is searched. The mesh is ``pp x dp x tp`` (axes of size 1 left out).
+``pp`` shards nothing: it only says which devices run an op, so every op is whole on it
+(``Replicate`` in the ``pp`` column). The candidates are therefore the rule registry's
+candidates on the stage mesh (``dp x tp``, ``search.auto.node_strategies``), each with a
+``Replicate`` column inserted for ``pp``; the costs are taken on the whole ``pp x dp x tp``
+mesh (``search.cost_tables``, which knows that ``pp`` carries no gradient all-reduce), so
+dp and tp groups have the ranks and links they have in the pipeline. Repeated blocks share
+one decision (``search.blocks``): depth adds no variables, and every block gets the same
+placements, so a block costs the same on any stage, which stage slicing relies on.
+
+CP-SAT starts from Megatron's layout (the grid's own), so its answer is never worse than
+Megatron's under the search's objective; the grid then prices both and keeps the faster.
+
+One solve per tensor-parallel degree (``representative_mesh``): on the pipeline mesh with
+the smallest ``pp`` above one (the most data parallelism). Meshes of the grid with fewer
+axes take that layout's columns (``search.layouts.restrict_axes``): a candidate is a
+per-axis combination, so dropping an axis leaves a valid candidate on the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Replicate
+
+from planner.cluster import Cluster
+from planner.graph import OpGraph
+from planner.strategy import Mesh, NodeStrategy, PipelineConfig, Placements
+from search.blocks import block_representatives
+from search.cost_tables import build_cost_tables
+from search.ilp import IlpResult, solve
+from search.plan_builder import input_placements, unsimulated_plan
+
+PP_AXIS = "pp"
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """A searched layout on ``mesh``: one strategy per node (all on stage 0; the grid
+    restages them), the graph inputs' placements, and how the solve went."""
+
+    mesh: Mesh
+    strategies: tuple[NodeStrategy, ...]
+    inputs: dict[str, Placements | None]
+    result: IlpResult
+
+    def describe(self) -> str:
+        """One line for notes: the mesh and CP-SAT's optimality."""
+        quality = "optimal" if self.result.optimal else f"gap {self.result.gap:.2%}"
+        return f"SOAP stage layout on {self.mesh}: CP-SAT {quality}, {self.result.work:.2f} units of work"
+
+
+def representative_mesh(world: int, tp: int, blocks: int, batch_size: int) -> Mesh | None:
+    """The pipeline mesh the layout of tensor-parallel degree ``tp`` is searched on:
+    ``pp`` the smallest divisor above one of ``world / tp`` (at most ``blocks``, leaving a
+    ``dp`` that divides the batch), ``dp`` the rest. None when no pipeline fits."""
+    if world % tp:
+        return None
+    rest = world // tp
+    for pp in range(2, min(rest, blocks) + 1):
+        if rest % pp == 0 and batch_size % (rest // pp) == 0:
+            axes = tuple((name, size) for name, size in ((PP_AXIS, pp), ("dp", rest // pp), ("tp", tp)) if size > 1)
+            return Mesh(axes)
+    return None
+
+
+def with_whole_axis(strategy: NodeStrategy, position: int) -> NodeStrategy:
+    """``strategy`` with a ``Replicate`` column inserted at mesh axis ``position`` (an axis
+    on which the op runs whole, as ``pp`` does)."""
+
+    def widen(placements: Placements) -> Placements:
+        return (*placements[:position], Replicate(), *placements[position:])
+
+    return dataclasses.replace(
+        strategy,
+        inputs=tuple(widen(p) for p in strategy.inputs),
+        outputs=tuple(widen(p) for p in strategy.outputs),
+        params={name: widen(p) for name, p in strategy.params.items()},
+        produced=None if strategy.produced is None else tuple(widen(p) for p in strategy.produced),
+    )
+
+
+def search_stage_layout(
+    graph: OpGraph,
+    cluster: Cluster,
+    mesh: Mesh,
+    start: tuple[tuple[NodeStrategy, ...], dict[str, Placements | None]],
+    precision: str,
+    work: float,
+    wall_clock_cap_s: float | None = None,
+) -> StageLayout:
+    """CP-SAT's per-op placements on the pipeline mesh ``mesh`` (``pp`` first), every op
+    whole on ``pp`` (see the module docstring).
+
+    Args:
+        start: a layout on ``mesh`` (Megatron's): CP-SAT's hint and the simulator's seed.
+        work: CP-SAT's budget in units of deterministic time (``SearchBudget.ilp_work``).
+
+    No memory constraint: stages hold a share of the model that the solve does not know;
+    the grid checks memory per configuration and keeps Megatron's layout where this one
+    does not fit.
+    """
+    # search.auto imports the pipeline grid, which imports this module: import at call time.
+    from search.auto import node_strategies
+
+    names = mesh.names
+    pp_position = names.index(PP_AXIS) if PP_AXIS in names else None
+    stage_mesh = mesh if pp_position is None else Mesh(tuple(axis for axis in mesh.axes if axis[0] != PP_AXIS))
+    representative = block_representatives(graph)
+    if stage_mesh.axes:
+        options = node_strategies(graph, stage_mesh, only=set(representative.values()))
+        if pp_position is not None:
+            options = {name: [with_whole_axis(s, pp_position) for s in found] for name, found in options.items()}
+    else:  # pp alone: one candidate per op, every placement replicated
+        options = {
+            node.name: [s for s in start[0] if s.node == node.name]
+            for node in graph.nodes if representative[node.name] == node.name
+        }
+    # Megatron's layout among the candidates: the rule registry's differ from it on some
+    # ops (a row-parallel bias replicated rather than partial), and without it CP-SAT would
+    # start from, and be measured against, a worse layout than the one the grid already has.
+    for strategy in start[0]:
+        found = options.get(strategy.node)
+        if found is not None and not any(_same(strategy, option) for option in found):
+            found.append(dataclasses.replace(strategy, stage=0))
+    # One micro-batch: per-op costs of the local batch (the grid prices micro-batching).
+    pipeline = None if pp_position is None else PipelineConfig(stages=mesh.axis_size(PP_AXIS), micro_batches=1)
+    skeleton = unsimulated_plan(
+        graph, cluster, None, "probe", mesh, start[0], start[1], precision=precision, pipeline=pipeline
+    )
+    tables = build_cost_tables(skeleton, graph, options, representative)
+    result = solve(tables, memory_bytes=None, work=work, wall_clock_cap_s=wall_clock_cap_s, hint=_hint(tables, start[0]))
+    strategies = tuple(
+        dataclasses.replace(tables.candidates[node.name][result.choice[node.name]].strategy, stage=0)
+        for node in graph.nodes
+    )
+    return StageLayout(mesh, strategies, input_placements(graph, mesh, strategies), result)
+
+
+def same_placements(first: tuple[NodeStrategy, ...], second: tuple[NodeStrategy, ...]) -> bool:
+    """Whether two layouts place every op's inputs, outputs and parameters alike."""
+    return len(first) == len(second) and all(_same(a, b) for a, b in zip(first, second))
+
+
+def _same(first: NodeStrategy, second: NodeStrategy) -> bool:
+    return (first.inputs, first.outputs, dict(first.params), first.produced) == (
+        second.inputs, second.outputs, dict(second.params), second.produced
+    )
+
+
+def _hint(tables, layout: tuple[NodeStrategy, ...]) -> dict[str, int]:
+    """``layout`` as candidate indices (all-replicate, index 0, where a node has no match)."""
+    wanted = {s.node: s for s in layout}
+    hint = {}
+    for name, options in tables.candidates.items():
+        hint[name] = next((i for i, c in enumerate(options) if _same(c.strategy, wanted[name])), 0)
+    return hint
