@@ -1,7 +1,8 @@
 """Pipeline plans: the (pp x dp x tp) grid, with stages sliced by dynamic programming.
 
 The grid (``PipelineSpace``): meshes ``pp x dp x tp`` with ``tp`` dividing the devices of a
-node (Megatron-LM's layout on tp, ``search.layouts.megatron_layout``), ``pp`` any divisor of
+node (Megatron-LM's layout on tp, ``search.layouts.megatron_layout``, or the per-op
+placements CP-SAT finds on the stage mesh, ``search.stage_layouts``), ``pp`` any divisor of
 ``world / tp`` up to the number of blocks, ``dp`` the rest (dividing the batch); 1, 2, 4 or 8
 samples per micro-batch per dp rank; 1F1B, and interleaved 1F1B with 2 or 4 virtual stages
 per device when the micro-batches are a multiple of pp; DDP, ZeRO-1 or FSDP on dp;
@@ -76,8 +77,11 @@ RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes 
 class PipelineSpace:
     """The options the grid combines (see the module docstring). ``uneven`` lets stage
     slicing give stages different block counts; without it the blocks split as Megatron-LM
-    splits them (``search.layouts.nearly_even_layers``). ``layouts``: Megatron-LM's, and the
-    per-op placements CP-SAT finds on the stage mesh (``search.stage_layouts``)."""
+    splits them (``search.layouts.nearly_even_layers``). ``searched_layout``: where the
+    per-op placements CP-SAT finds on the stage mesh (``search.stage_layouts``) compete with
+    Megatron-LM's: ``"finalists"`` for the configurations the walk keeps (each keeps the
+    faster of its two layouts), ``"every"`` in the walk itself (every configuration priced
+    with both), ``"off"`` never."""
 
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     virtual_stages: tuple[int, ...] = (2, 4)
@@ -85,7 +89,7 @@ class PipelineSpace:
     recompute: tuple[str, ...] = RECOMPUTE_ORDER
     sequence_parallel: tuple[bool, ...] = (False, True)
     uneven: bool = True
-    layouts: tuple[str, ...] = ("megatron", "soap")
+    searched_layout: str = "finalists"
 
 
 @dataclass(frozen=True, order=True)
@@ -129,13 +133,19 @@ def pipeline_plans(
     budget: SearchBudget | None = None,
     space: PipelineSpace | None = None,
 ) -> list[Plan]:
-    """The best configurations of the grid, simulated (label ``"megatron"``), fastest
-    estimate first; empty when the grid does not apply (no repeated blocks, heterogeneous
+    """The best configurations of the grid, each with the faster of its layouts
+    (``PipelineGrid.with_searched_layout``), simulated (label ``"megatron"`` or ``"soap"``),
+    fastest estimate first; empty when the grid does not apply (no repeated blocks, heterogeneous
     nodes, a model Megatron's layout cannot split) or nothing in it fits."""
     budget = budget or SearchBudget()
     grid = PipelineGrid(graph, cluster, precision, space or PipelineSpace(), budget)
     plans = []
+    chosen: list[Estimate] = []
     for estimate in grid.best(budget.pipeline_candidates()):
+        searched = grid.with_searched_layout(estimate)
+        # Two finalists differing only in sequence parallelism share one searched twin.
+        chosen.append(estimate if any(searched.config == other.config for other in chosen) else searched)
+    for estimate in chosen:
         plans.append(grid.plan(estimate, spec, model_name))
     return plans
 
@@ -171,9 +181,9 @@ class PipelineGrid:
             (tp, split, "megatron")
             for tp in _divisors(per_node)
             for split in (space.sequence_parallel if tp > 1 else (False,))
-            if "megatron" in space.layouts and world % tp == 0 and self._layout(tp, split, ("tp",) if tp > 1 else ()) is not None
+            if world % tp == 0 and self._layout(tp, split, ("tp",) if tp > 1 else ()) is not None
         ]
-        if "soap" in space.layouts:
+        if space.searched_layout == "every":
             layouts += [(tp, False, "soap") for tp in _divisors(per_node) if world % tp == 0]
         for tp, split, layout in layouts:
             for pp in _divisors(world // tp):
@@ -251,6 +261,19 @@ class PipelineGrid:
         return sorted((item[2] for item in kept), key=lambda e: (e.step_s, e.config))
 
     # ----------------------------------------------------------------- plans
+
+    def with_searched_layout(self, estimate: Estimate) -> Estimate:
+        """``estimate``, or its configuration priced with CP-SAT's layout when that
+        estimates faster (``space.searched_layout`` not ``"off"``; see ``_soap_layout``).
+        The searched layout has no sequence-parallel switch: it splits what it finds worth
+        splitting, so a sequence-parallel configuration's twin is the one without."""
+        config = estimate.config
+        if self.space.searched_layout == "off" or config.layout == "soap":
+            return estimate
+        if not self._soap_differs(config.tp, config.mesh.names):
+            return estimate
+        searched = self.estimate(dataclasses.replace(config, layout="soap", sequence_parallel=False))
+        return searched if searched is not None and searched.step_s < estimate.step_s else estimate
 
     def plan(self, estimate: Estimate, spec: ModelSpec | None, model_name: str) -> Plan:
         """The estimated configuration as a simulated plan, with the layout it was priced
@@ -499,7 +522,14 @@ class PipelineGrid:
     def _soap_layout(self, tp: int, names: tuple[str, ...]):
         """CP-SAT's placements (``search.stage_layouts``) for a mesh with these axis names:
         searched once per tp on ``representative_mesh``, its columns for a mesh with fewer
-        axes; None when that mesh lacks one of ``names`` or no pipeline mesh exists."""
+        axes; None when that mesh lacks one of ``names`` or no pipeline mesh exists.
+
+        None also without pipeline or without tp: a mesh without ``pp`` is the one the
+        per-op search of ``search.auto`` solves at its own sizes, and on a stage without
+        ``tp`` (weights whole on ``dp``) the search can only choose which activation dim
+        ``dp`` splits, the work data parallelism splits already."""
+        if tp == 1 or "pp" not in names:
+            return None
         key = ("soap", tp, names)
         if key not in self._layouts:
             searched = self._searched_layout(tp)
