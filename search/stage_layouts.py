@@ -112,17 +112,13 @@ def search_stage_layout(
 
     names = mesh.names
     pp_position = names.index(PP_AXIS) if PP_AXIS in names else None
-    stage_mesh = mesh if pp_position is None else Mesh(tuple(axis for axis in mesh.axes if axis[0] != PP_AXIS))
+    stage_axes = tuple(axis for axis in mesh.axes if axis[0] != PP_AXIS)
+    if not stage_axes:
+        raise ValueError(f"a stage mesh needs an axis besides '{PP_AXIS}', got {mesh}")
     representative = block_representatives(graph)
-    if stage_mesh.axes:
-        options = node_strategies(graph, stage_mesh, only=set(representative.values()))
-        if pp_position is not None:
-            options = {name: [with_whole_axis(s, pp_position) for s in found] for name, found in options.items()}
-    else:  # pp alone: one candidate per op, every placement replicated
-        options = {
-            node.name: [s for s in start[0] if s.node == node.name]
-            for node in graph.nodes if representative[node.name] == node.name
-        }
+    options = node_strategies(graph, Mesh(stage_axes), only=set(representative.values()))
+    if pp_position is not None:
+        options = {name: [with_whole_axis(s, pp_position) for s in found] for name, found in options.items()}
     # Megatron's layout among the candidates: the rule registry's differ from it on some
     # ops (a row-parallel bias replicated rather than partial), and without it CP-SAT would
     # start from, and be measured against, a worse layout than the one the grid already has.
@@ -130,6 +126,7 @@ def search_stage_layout(
         found = options.get(strategy.node)
         if found is not None and not any(_same(strategy, option) for option in found):
             found.append(dataclasses.replace(strategy, stage=0))
+    _feed_inputs_as(graph, options, start[1])
     # One micro-batch: per-op costs of the local batch (the grid prices micro-batching).
     pipeline = None if pp_position is None else PipelineConfig(stages=mesh.axis_size(PP_AXIS), micro_batches=1)
     skeleton = unsimulated_plan(
@@ -142,6 +139,22 @@ def search_stage_layout(
         for node in graph.nodes
     )
     return StageLayout(mesh, strategies, input_placements(graph, mesh, strategies), result)
+
+
+def _feed_inputs_as(graph: OpGraph, options: dict[str, list[NodeStrategy]], fed: dict[str, Placements | None]) -> None:
+    """Keep only the candidates of each graph input's first reader that read it as ``fed``
+    (the start layout's input placements), since the first reader decides how an input is
+    fed (``search.plan_builder.input_placements``). A pipeline's schedule cuts every rank's
+    local inputs into micro-batches along dim 0: with labels whole on dp and tokens split
+    on dp, micro-batch k of the labels is not the labels of micro-batch k of the tokens
+    (GPT on pp=2 x dp=2 x tp=2 trained on the wrong labels). Fed alike, they stay paired."""
+    for graph_input in graph.inputs:
+        wanted = fed.get(graph_input.name)
+        reader = next((node for node in graph.nodes if graph_input.name in node.inputs), None)
+        if wanted is None or reader is None or reader.name not in options:
+            continue
+        position = reader.inputs.index(graph_input.name)
+        options[reader.name] = [s for s in options[reader.name] if s.inputs[position] == wanted]
 
 
 def same_placements(first: tuple[NodeStrategy, ...], second: tuple[NodeStrategy, ...]) -> bool:
