@@ -44,17 +44,22 @@ PP_AXIS = "pp"
 @dataclass(frozen=True)
 class StageLayout:
     """A searched layout on ``mesh``: one strategy per node (all on stage 0; the grid
-    restages them), the graph inputs' placements, and how the solve went."""
+    restages them), the graph inputs' placements, how the solve went, and the search's
+    objective (seconds) of the layout it started from."""
 
     mesh: Mesh
     strategies: tuple[NodeStrategy, ...]
     inputs: dict[str, Placements | None]
     result: IlpResult
+    start_objective_s: float
 
     def describe(self) -> str:
         """One line for notes: the mesh and CP-SAT's optimality."""
         quality = "optimal" if self.result.optimal else f"gap {self.result.gap:.2%}"
-        return f"SOAP stage layout on {self.mesh}: CP-SAT {quality}, {self.result.work:.2f} units of work"
+        return (
+            f"SOAP stage layout on {self.mesh}: CP-SAT {quality} in {self.result.work:.2f} units of work, "
+            f"objective {self.result.objective_s * 1e3:.3f} ms against {self.start_objective_s * 1e3:.3f} ms for Megatron's"
+        )
 
 
 def representative_mesh(world: int, tp: int, blocks: int, batch_size: int) -> Mesh | None:
@@ -133,12 +138,13 @@ def search_stage_layout(
         graph, cluster, None, "probe", mesh, start[0], start[1], precision=precision, pipeline=pipeline
     )
     tables = build_cost_tables(skeleton, graph, options, representative)
-    result = solve(tables, memory_bytes=None, work=work, wall_clock_cap_s=wall_clock_cap_s, hint=_hint(tables, start[0]))
+    hint = _hint(tables, start[0])
+    result = solve(tables, memory_bytes=None, work=work, wall_clock_cap_s=wall_clock_cap_s, hint=hint)
     strategies = tuple(
         dataclasses.replace(tables.candidates[node.name][result.choice[node.name]].strategy, stage=0)
         for node in graph.nodes
     )
-    return StageLayout(mesh, strategies, input_placements(graph, mesh, strategies), result)
+    return StageLayout(mesh, strategies, input_placements(graph, mesh, strategies), result, tables.objective(hint))
 
 
 def _feed_inputs_as(graph: OpGraph, options: dict[str, list[NodeStrategy]], fed: dict[str, Placements | None]) -> None:
