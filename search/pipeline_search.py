@@ -546,9 +546,12 @@ class PipelineGrid:
         if tp not in self._searched:
             mesh = representative_mesh(self.cluster.world_size, tp, self.blocks, self.graph.batch_size)
             start = None if mesh is None else self._layout(tp, False, mesh.names)
-            self._searched[tp] = None if start is None else search_stage_layout(
-                self.graph, self.cluster, mesh, start, self.precision, self.budget.ilp_work(), self.budget.seconds_left()
-            )
+            try:
+                self._searched[tp] = None if start is None else search_stage_layout(
+                    self.graph, self.cluster, mesh, start, self.precision, self.budget.ilp_work(), self.budget.seconds_left()
+                )
+            except PlanningError:  # CP-SAT found nothing within its budget: Megatron's stays
+                self._searched[tp] = None
             if self._searched[tp] is not None and self._searched[tp].result.cut_by_wall_clock:
                 self.budget.note_cut(f"CP-SAT on pipeline mesh {mesh}")
         return self._searched[tp]
