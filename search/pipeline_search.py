@@ -59,7 +59,7 @@ from planner.strategy import Mesh, PipelineConfig
 from search.budget import SearchBudget
 from search.layouts import megatron_layout, nearly_even_layers, restrict_axes, uneven_stages
 from search.plan_builder import unsimulated_plan
-from search.stage_layouts import StageLayout, representative_mesh, same_placements, search_stage_layout
+from search.stage_layouts import SearchedLayouts
 from search.stage_slicing import (
     SegmentCost,
     Slicing,
@@ -163,7 +163,9 @@ class PipelineGrid:
         self.device = cluster.device_of(0)
         self.capacity = cluster.min_device_memory
         self._layouts: dict[tuple, tuple | None] = {}
-        self._searched: dict[int, StageLayout | None] = {}  # tp -> CP-SAT's layout (search.stage_layouts)
+        self._searched = SearchedLayouts(
+            graph, cluster, precision, self.budget, megatron=lambda tp, names: self._layout(tp, False, names)
+        )
         self._profiles: dict[tuple, list[SegmentProfile]] = {}
         self._collectives: dict[tuple, float] = {}
         self.priced = 0  # configurations priced by stage slicing (for reports and tests)
@@ -191,7 +193,7 @@ class PipelineGrid:
                 if pp > self.blocks or batch % dp:
                     continue
                 names = tuple(name for name, size in (("pp", pp), ("dp", dp), ("tp", tp)) if size > 1) or ("dp",)
-                if layout == "soap" and not self._soap_differs(tp, names):
+                if layout == "soap" and not self._searched.differs(tp, names):
                     continue  # no layout searched for these axes, or Megatron's again: priced already
                 local = batch // dp
                 sizes = [local] if pp == 1 else [size for size in space.micro_batch_sizes if local % size == 0]
@@ -264,13 +266,13 @@ class PipelineGrid:
 
     def with_searched_layout(self, estimate: Estimate) -> Estimate:
         """``estimate``, or its configuration priced with CP-SAT's layout when that
-        estimates faster (``space.searched_layout`` not ``"off"``; see ``_soap_layout``).
+        estimates faster (``space.searched_layout`` not ``"off"``; ``search.stage_layouts``).
         The searched layout has no sequence-parallel switch: it splits what it finds worth
         splitting, so a sequence-parallel configuration's twin is the one without."""
         config = estimate.config
         if self.space.searched_layout == "off" or config.layout == "soap":
             return estimate
-        if not self._soap_differs(config.tp, config.mesh.names):
+        if not self._searched.differs(config.tp, config.mesh.names):
             return estimate
         searched = self.estimate(dataclasses.replace(config, layout="soap", sequence_parallel=False))
         return searched if searched is not None and searched.step_s < estimate.step_s else estimate
@@ -478,9 +480,9 @@ class PipelineGrid:
         not change them), every op on stage 0 (``plan`` restages them); None when the
         model does not split over tp. Built once per (tp, sequence parallelism) on every
         axis; a mesh with fewer axes takes their columns (each axis is propagated alone).
-        With ``layout="soap"``, CP-SAT's placements instead (``_soap_layout``)."""
+        With ``layout="soap"``, CP-SAT's placements instead (``SearchedLayouts.layout``)."""
         if layout == "soap":
-            return self._soap_layout(tp, names)
+            return self._searched.layout(tp, names)
         full = ("pp", "dp", "tp") if tp > 1 else ("pp", "dp")
         if (tp, sequence_parallel, full) not in self._layouts:
             sizes = {"pp": 2, "dp": 2, "tp": tp}
@@ -518,49 +520,6 @@ class PipelineGrid:
             )
             self._profiles[key] = Simulator(probe, self.graph).segment_profiles()
         return self._profiles[key]
-
-    def _soap_layout(self, tp: int, names: tuple[str, ...]):
-        """CP-SAT's placements (``search.stage_layouts``) for a mesh with these axis names:
-        searched once per tp on ``representative_mesh``, its columns for a mesh with fewer
-        axes; None when that mesh lacks one of ``names`` or no pipeline mesh exists.
-
-        None also without pipeline or without tp: a mesh without ``pp`` is the one the
-        per-op search of ``search.auto`` solves at its own sizes, and on a stage without
-        ``tp`` (weights whole on ``dp``) the search can only choose which activation dim
-        ``dp`` splits, the work data parallelism splits already."""
-        if tp == 1 or "pp" not in names:
-            return None
-        key = ("soap", tp, names)
-        if key not in self._layouts:
-            searched = self._searched_layout(tp)
-            built = None
-            if searched is not None and set(names) <= set(searched.mesh.names):
-                built = restrict_axes(searched.strategies, searched.inputs, [searched.mesh.names.index(n) for n in names])
-            self._layouts[key] = built
-        return self._layouts[key]
-
-    def _searched_layout(self, tp: int) -> StageLayout | None:
-        """The CP-SAT solve of tp's representative pipeline mesh, started from Megatron's
-        layout there; None when there is no such mesh or Megatron's layout does not build
-        (the solve needs it as its hint)."""
-        if tp not in self._searched:
-            mesh = representative_mesh(self.cluster.world_size, tp, self.blocks, self.graph.batch_size)
-            start = None if mesh is None else self._layout(tp, False, mesh.names)
-            try:
-                self._searched[tp] = None if start is None else search_stage_layout(
-                    self.graph, self.cluster, mesh, start, self.precision, self.budget.ilp_work(), self.budget.seconds_left()
-                )
-            except PlanningError:  # CP-SAT found nothing within its budget: Megatron's stays
-                self._searched[tp] = None
-            if self._searched[tp] is not None and self._searched[tp].result.cut_by_wall_clock:
-                self.budget.note_cut(f"CP-SAT on pipeline mesh {mesh}")
-        return self._searched[tp]
-
-    def _soap_differs(self, tp: int, names: tuple[str, ...]) -> bool:
-        """Whether a searched layout exists for these axes and differs from Megatron's."""
-        searched = self._soap_layout(tp, names)
-        megatron = self._layout(tp, False, names)
-        return searched is not None and (megatron is None or not same_placements(searched[0], megatron[0]))
 
     def _dp_collective(self, kind: str, size: float, config: Configuration) -> float:
         """A collective over one dp group of ``config``'s mesh (dp is outside tp: stride tp),

@@ -26,19 +26,24 @@ per-axis combination, so dropping an axis leaves a valid candidate on the others
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Replicate
 
 from planner.cluster import Cluster
+from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.strategy import Mesh, NodeStrategy, PipelineConfig, Placements
 from search.blocks import block_representatives
+from search.budget import SearchBudget
 from search.cost_tables import build_cost_tables
 from search.ilp import IlpResult, solve
+from search.layouts import restrict_axes
 from search.plan_builder import input_placements, unsimulated_plan
 
 PP_AXIS = "pp"
+Layout = tuple[tuple[NodeStrategy, ...], dict[str, Placements | None]]  # strategies, input placements
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,69 @@ class StageLayout:
             f"SOAP stage layout on {self.mesh}: CP-SAT {quality} in {self.result.work:.2f} units of work, "
             f"objective {self.result.objective_s * 1e3:.3f} ms against {self.start_objective_s * 1e3:.3f} ms for Megatron's"
         )
+
+
+class SearchedLayouts:
+    """CP-SAT's stage layouts of one model on one cluster, for the pipeline grid: solved
+    once per tp on ``representative_mesh`` (started from Megatron's layout there), a mesh
+    with fewer axes taking that layout's columns.
+
+    Args:
+        megatron: (tp, axis names) -> Megatron's layout on such a mesh, or None.
+    """
+
+    def __init__(
+        self, graph: OpGraph, cluster: Cluster, precision: str, budget: SearchBudget,
+        megatron: Callable[[int, tuple[str, ...]], Layout | None],
+    ) -> None:
+        self.graph, self.cluster, self.precision, self.budget = graph, cluster, precision, budget
+        self.megatron = megatron
+        self.blocks = sum(graph.blocks.values())
+        self.solved: dict[int, StageLayout | None] = {}  # tp -> the solve of its representative mesh
+        self._restricted: dict[tuple[int, tuple[str, ...]], Layout | None] = {}
+
+    def layout(self, tp: int, names: tuple[str, ...]) -> Layout | None:
+        """The searched layout on a mesh with these axis names; None when there is none.
+
+        None without pipeline or without tp: a mesh without ``pp`` is the one the per-op
+        search of ``search.auto`` solves at its own sizes, and on a stage without ``tp``
+        (weights whole on ``dp``) the search can only choose which activation dim ``dp``
+        splits, the work data parallelism splits already. None also when the representative
+        mesh lacks one of ``names``, or no pipeline fits."""
+        if tp == 1 or PP_AXIS not in names:
+            return None
+        key = (tp, names)
+        if key not in self._restricted:
+            searched = self.solve(tp)
+            built = None
+            if searched is not None and set(names) <= set(searched.mesh.names):
+                built = restrict_axes(searched.strategies, searched.inputs, [searched.mesh.names.index(n) for n in names])
+            self._restricted[key] = built
+        return self._restricted[key]
+
+    def differs(self, tp: int, names: tuple[str, ...]) -> bool:
+        """Whether a searched layout exists for these axes and differs from Megatron's
+        (where it does not, pricing it again would only repeat Megatron's estimate)."""
+        searched = self.layout(tp, names)
+        megatron = self.megatron(tp, names)
+        return searched is not None and (megatron is None or not same_placements(searched[0], megatron[0]))
+
+    def solve(self, tp: int) -> StageLayout | None:
+        """The solve of tp's representative mesh (once); None when there is no such mesh,
+        Megatron's layout does not build there (it is the solve's start), or CP-SAT found
+        nothing within its budget."""
+        if tp not in self.solved:
+            mesh = representative_mesh(self.cluster.world_size, tp, self.blocks, self.graph.batch_size)
+            start = None if mesh is None else self.megatron(tp, mesh.names)
+            try:
+                self.solved[tp] = None if start is None else search_stage_layout(
+                    self.graph, self.cluster, mesh, start, self.precision, self.budget.ilp_work(), self.budget.seconds_left()
+                )
+            except PlanningError:
+                self.solved[tp] = None
+            if self.solved[tp] is not None and self.solved[tp].result.cut_by_wall_clock:
+                self.budget.note_cut(f"CP-SAT on pipeline mesh {mesh}")
+        return self.solved[tp]
 
 
 def representative_mesh(world: int, tp: int, blocks: int, batch_size: int) -> Mesh | None:
