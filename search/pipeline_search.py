@@ -145,7 +145,7 @@ def pipeline_plans(
         searched = grid.with_searched_layout(estimate)
         # Two finalists differing only in sequence parallelism share one searched twin.
         chosen.append(estimate if any(searched.config == other.config for other in chosen) else searched)
-    for estimate in chosen:
+    for estimate in sorted(chosen, key=lambda e: (e.step_s, e.config)):
         plans.append(grid.plan(estimate, spec, model_name))
     return plans
 
