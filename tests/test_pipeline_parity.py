@@ -16,9 +16,9 @@ gradient of every parameter each stage holds and every updated parameter
   sequence parallelism (the value crossing the stages is split on the sequence over tp), GPT
   on ``pp=2 x dp=2``, HF GPT-2 on ``pp=2 x tp=2`` with GPipe, and a 4-layer tied GPT on
   ``pp=4`` (middle stages that receive and send; the labels travel through three
-  boundaries; a tied weight on stages 0 and 3); GPT and a tiny Llama on ``pp=2 x tp=2``
-  with the per-op placements CP-SAT searched on the stage mesh (``search.stage_layouts``),
-  which differ from Megatron's.
+  boundaries; a tied weight on stages 0 and 3);
+- world 8: GPT and a tiny Llama on ``pp=2 x dp=2 x tp=2`` with the per-op placements CP-SAT
+  searched on the stage mesh (``search.stage_layouts``), which differ from Megatron's.
 
 As in ``test_spmd_parity.py``, each world size compiles its programs first and checks them
 all in ONE torchrun launch of ``tests/dist_check_many.py``. Two negative controls must fail:
@@ -51,7 +51,7 @@ MODELS = {
     "gpt4tied": ("examples/gpt.py", {"batch_size": 8, "n_layer": 4, "tie_weights": True}),
     "llama": ("hf:llama", {
         "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_key_value_heads": 2, "batch_size": 8,
     }),
 }
 SEARCHED = "searched"  # the pipeline plan the search itself proposes (search.pipeline_search.pipeline_plans)
@@ -70,8 +70,10 @@ CASES = {
         ("gpt", "pp2xdp2-gpipe"): dict(pp=2, dp=2, schedule="gpipe"),
         ("gpt2", "pp2xtp2-gpipe"): dict(pp=2, tp=2, schedule="gpipe"),
         ("gpt4tied", "pp4-1f1b"): dict(pp=4, schedule="1f1b"),
-        ("gpt", "soap-pp2xtp2"): dict(searched_layout=(2, 1, 2)),
-        ("llama", "soap-pp2xtp2"): dict(searched_layout=(2, 1, 2)),
+    },
+    8: {  # (pp, dp, tp) of the searched layout's mesh
+        ("gpt", "soap-pp2xdp2xtp2"): dict(searched_layout=(2, 2, 2)),
+        ("llama", "soap-pp2xdp2xtp2"): dict(searched_layout=(2, 2, 2)),
     },
 }
 ALL_CASES = [(world, model, case) for world, cases in CASES.items() for model, case in cases]
@@ -185,6 +187,11 @@ def world2_run(tmp_path_factory) -> WorldRun:
 @pytest.fixture(scope="module")
 def world4_run(tmp_path_factory) -> WorldRun:
     return _world_run(4, tmp_path_factory.mktemp("pipeline_world4"))
+
+
+@pytest.fixture(scope="module")
+def world8_run(tmp_path_factory) -> WorldRun:
+    return _world_run(8, tmp_path_factory.mktemp("pipeline_world8"))
 
 
 @pytest.mark.parametrize(("world", "model", "case"), ALL_CASES, ids=[f"world{w}-{m}-{c}" for w, m, c in ALL_CASES])
