@@ -13,7 +13,9 @@ one and a busy one, so every budget counts work, never seconds:
 - the meshes, flavours and layouts tried are a fixed list for the cluster and batch;
 - the pipeline grid (``search.pipeline_search``) ranks its configurations by a cost model
   built from one simulation per (tp, micro-batch size), then simulates the best
-  ``PIPELINE_SIMULATIONS x effort`` of them in full (``pipeline_candidates``).
+  ``PIPELINE_SIMULATIONS x effort`` of them in full (``pipeline_candidates``); before
+  that, each tensor-parallel degree among them gets one CP-SAT solve of its stage mesh
+  (``search.stage_layouts``) with the same work as a mesh (``ilp_work``).
 
 The wall clock is only a safety cap (``--time-budget``): when it ends a solve or a walk
 before its work budget is spent, ``cut_short`` records where, and the plan's report says

@@ -1,7 +1,8 @@
 """Pipeline plans: the (pp x dp x tp) grid, with stages sliced by dynamic programming.
 
 The grid (``PipelineSpace``): meshes ``pp x dp x tp`` with ``tp`` dividing the devices of a
-node (Megatron-LM's layout on tp, ``search.layouts.megatron_layout``), ``pp`` any divisor of
+node (Megatron-LM's layout on tp, ``search.layouts.megatron_layout``, or the per-op
+placements CP-SAT finds on the stage mesh, ``search.stage_layouts``), ``pp`` any divisor of
 ``world / tp`` up to the number of blocks, ``dp`` the rest (dividing the batch); 1, 2, 4 or 8
 samples per micro-batch per dp rank; 1F1B, and interleaved 1F1B with 2 or 4 virtual stages
 per device when the micro-batches are a multiple of pp; DDP, ZeRO-1 or FSDP on dp;
@@ -62,6 +63,7 @@ from planner.strategy import Mesh, PipelineConfig
 from search.budget import SearchBudget
 from search.layouts import megatron_layout, nearly_even_layers, restrict_axes, uneven_stages
 from search.plan_builder import unsimulated_plan
+from search.stage_layouts import SearchedLayouts
 from search.stage_slicing import (
     SegmentCost,
     Slicing,
@@ -86,7 +88,11 @@ class PipelineSpace:
     """The options the grid combines (see the module docstring). ``uneven`` lets stage
     slicing give stages different block counts; without it the blocks split as Megatron-LM
     splits them (``search.layouts.nearly_even_layers``). ``per_stage_recompute`` adds, for
-    every pipeline, the configuration whose stages each recompute as little as fits them."""
+    every pipeline, the configuration whose stages each recompute as little as fits them.
+    ``searched_layout``: where the per-op placements CP-SAT finds on the stage mesh
+    (``search.stage_layouts``) compete with Megatron-LM's: ``"finalists"`` for the
+    configurations the walk keeps (each keeps the faster of its two layouts), ``"every"`` in
+    the walk itself (every configuration priced with both), ``"off"`` never."""
 
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     virtual_stages: tuple[int, ...] = (2, 4)
@@ -95,6 +101,7 @@ class PipelineSpace:
     per_stage_recompute: bool = True
     sequence_parallel: tuple[bool, ...] = (False, True)
     uneven: bool = True
+    searched_layout: str = "finalists"
 
 
 @dataclass(frozen=True, order=True)
@@ -111,6 +118,7 @@ class Configuration:
     flavour: str
     recompute: str  # a mode of RECOMPUTE_ORDER, or PER_STAGE
     sequence_parallel: bool = False  # tp > 1 only: the residual stream split on the sequence
+    layout: str = "megatron"  # or "soap": placements searched on the stage mesh (search.stage_layouts)
 
     @property
     def mesh(self) -> Mesh:
@@ -138,13 +146,19 @@ def pipeline_plans(
     budget: SearchBudget | None = None,
     space: PipelineSpace | None = None,
 ) -> list[Plan]:
-    """The best configurations of the grid, simulated (label ``"megatron"``), fastest
-    estimate first; empty when the grid does not apply (no repeated blocks, heterogeneous
+    """The best configurations of the grid, each with the faster of its layouts
+    (``PipelineGrid.with_searched_layout``), simulated (label ``"megatron"`` or ``"soap"``),
+    fastest estimate first; empty when the grid does not apply (no repeated blocks, heterogeneous
     nodes, a model Megatron's layout cannot split) or nothing in it fits."""
     budget = budget or SearchBudget()
-    grid = PipelineGrid(graph, cluster, precision, space or PipelineSpace())
+    grid = PipelineGrid(graph, cluster, precision, space or PipelineSpace(), budget)
     plans = []
+    chosen: list[Estimate] = []
     for estimate in grid.best(budget.pipeline_candidates()):
+        searched = grid.with_searched_layout(estimate)
+        # Two finalists differing only in sequence parallelism share one searched twin.
+        chosen.append(estimate if any(searched.config == other.config for other in chosen) else searched)
+    for estimate in sorted(chosen, key=lambda e: (e.step_s, e.config)):
         plans.append(grid.plan(estimate, spec, model_name))
     return plans
 
@@ -153,12 +167,18 @@ class PipelineGrid:
     """The grid of one model on one cluster, with the per-(tp, micro-batch) segment costs
     it prices configurations from."""
 
-    def __init__(self, graph: OpGraph, cluster: Cluster, precision: str, space: PipelineSpace):
+    def __init__(
+        self, graph: OpGraph, cluster: Cluster, precision: str, space: PipelineSpace, budget: SearchBudget | None = None
+    ):
         self.graph, self.cluster, self.precision, self.space = graph, cluster, precision, space
+        self.budget = budget or SearchBudget()
         self.blocks = sum(graph.blocks.values())
         self.device = cluster.device_of(0)
         self.capacity = cluster.min_device_memory
         self._layouts: dict[tuple, tuple | None] = {}
+        self._searched = SearchedLayouts(
+            graph, cluster, precision, self.budget, megatron=lambda tp, names: self._layout(tp, False, names)
+        )
         self._profiles: dict[tuple, list[SegmentProfile]] = {}
         self._collectives: dict[tuple, float] = {}
         self.priced = 0  # configurations priced by stage slicing (for reports and tests)
@@ -173,16 +193,21 @@ class PipelineGrid:
         world, per_node = cluster.world_size, cluster.devices_per_node
         found = []
         layouts = [
-            (tp, split)
+            (tp, split, "megatron")
             for tp in _divisors(per_node)
             for split in (space.sequence_parallel if tp > 1 else (False,))
             if world % tp == 0 and self._layout(tp, split, ("tp",) if tp > 1 else ()) is not None
         ]
-        for tp, split in layouts:
+        if space.searched_layout == "every":
+            layouts += [(tp, False, "soap") for tp in _divisors(per_node) if world % tp == 0]
+        for tp, split, layout in layouts:
             for pp in _divisors(world // tp):
                 dp = world // (tp * pp)
                 if pp > self.blocks or batch % dp:
                     continue
+                names = tuple(name for name, size in (("pp", pp), ("dp", dp), ("tp", tp)) if size > 1) or ("dp",)
+                if layout == "soap" and not self._searched.differs(tp, names):
+                    continue  # no layout searched for these axes, or Megatron's again: priced already
                 local = batch // dp
                 sizes = [local] if pp == 1 else [size for size in space.micro_batch_sizes if local % size == 0]
                 for size in sizes:
@@ -202,7 +227,7 @@ class PipelineGrid:
                                     # in recomputed blocks (planner.api.composed_flavour_blocker).
                                     continue
                                 found.append(Configuration(
-                                    tp, pp, dp, size, micro_batches, schedule, chunks, flavour, recompute, split
+                                    tp, pp, dp, size, micro_batches, schedule, chunks, flavour, recompute, split, layout
                                 ))
         return found
 
@@ -219,6 +244,7 @@ class PipelineGrid:
         # visited later leaves first, and the visiting order is fixed by the inputs.
         kept: list[tuple[float, int, Estimate]] = []
         fitting: dict[tuple, list[int]] = {}
+        twins: dict[Configuration, Estimate] = {}  # configuration without its layout -> kept estimate
         for order, (bound, config) in enumerate(bounded):
             if len(kept) >= count and bound > -kept[0][0]:
                 break
@@ -235,6 +261,16 @@ class PipelineGrid:
             if estimate is None:
                 continue
             fitting.setdefault(group, []).append(rank)
+            # A configuration priced with both layouts keeps the faster one only, so the
+            # two do not take two of the ``count`` simulations.
+            twin = dataclasses.replace(config, layout="")
+            other = twins.get(twin)
+            if other is not None:
+                if other.step_s <= estimate.step_s:
+                    continue
+                kept = [item for item in kept if item[2] is not other]
+                heapq.heapify(kept)
+            twins[twin] = estimate
             heapq.heappush(kept, (-estimate.step_s, -order, estimate))
             if len(kept) > count:
                 heapq.heappop(kept)
@@ -242,11 +278,25 @@ class PipelineGrid:
 
     # ----------------------------------------------------------------- plans
 
+    def with_searched_layout(self, estimate: Estimate) -> Estimate:
+        """``estimate``, or its configuration priced with CP-SAT's layout when that
+        estimates faster (``space.searched_layout`` not ``"off"``; ``search.stage_layouts``).
+        The searched layout has no sequence-parallel switch: it splits what it finds worth
+        splitting, so a sequence-parallel configuration's twin is the one without."""
+        config = estimate.config
+        if self.space.searched_layout == "off" or config.layout == "soap":
+            return estimate
+        if not self._searched.differs(config.tp, config.mesh.names):
+            return estimate
+        searched = self.estimate(dataclasses.replace(config, layout="soap", sequence_parallel=False))
+        return searched if searched is not None and searched.step_s < estimate.step_s else estimate
+
     def plan(self, estimate: Estimate, spec: ModelSpec | None, model_name: str) -> Plan:
-        """The estimated configuration as a simulated Megatron-layout plan."""
+        """The estimated configuration as a simulated plan, with the layout it was priced
+        with (label ``"megatron"`` or ``"soap"``)."""
         config = estimate.config
         mesh = config.mesh
-        strategies, inputs = self._layout(config.tp, config.sequence_parallel, mesh.names)
+        strategies, inputs = self._layout(config.tp, config.sequence_parallel, mesh.names, config.layout)
         pipeline = None
         recompute, per_stage = config.recompute, estimate.stage_recompute
         if per_stage:
@@ -269,7 +319,7 @@ class PipelineGrid:
         plan = unsimulated_plan(
             self.graph, self.cluster, spec, model_name, mesh, strategies, inputs,
             dp_flavour=config.flavour, recompute=recompute, pipeline=pipeline, precision=self.precision,
-            label="megatron",
+            label=config.layout,
         )
         return simulated(plan, self.graph)
 
@@ -476,11 +526,14 @@ class PipelineGrid:
 
     # ------------------------------------------------------------------ caches
 
-    def _layout(self, tp: int, sequence_parallel: bool, names: tuple[str, ...]):
+    def _layout(self, tp: int, sequence_parallel: bool, names: tuple[str, ...], layout: str = "megatron"):
         """Megatron's placements for a mesh with these axis names (sizes other than tp do
         not change them), every op on stage 0 (``plan`` restages them); None when the
         model does not split over tp. Built once per (tp, sequence parallelism) on every
-        axis; a mesh with fewer axes takes their columns (each axis is propagated alone)."""
+        axis; a mesh with fewer axes takes their columns (each axis is propagated alone).
+        With ``layout="soap"``, CP-SAT's placements instead (``SearchedLayouts.layout``)."""
+        if layout == "soap":
+            return self._searched.layout(tp, names)
         full = ("pp", "dp", "tp") if tp > 1 else ("pp", "dp")
         if (tp, sequence_parallel, full) not in self._layouts:
             sizes = {"pp": 2, "dp": 2, "tp": tp}
@@ -501,11 +554,12 @@ class PipelineGrid:
 
     def _profile(self, config: Configuration) -> list[SegmentProfile] | None:
         """Segment costs per micro-batch of ``config.micro_batch`` samples on its tp, from one
-        simulation shared by every configuration with the same tp, axes and micro-batch."""
+        simulation shared by every configuration with the same tp, axes, micro-batch and
+        layout."""
         mesh = config.mesh
-        key = (config.tp, config.sequence_parallel, mesh.names, config.micro_batch)
+        key = (config.tp, config.sequence_parallel, mesh.names, config.micro_batch, config.layout)
         if key not in self._profiles:
-            layout = self._layout(config.tp, config.sequence_parallel, mesh.names)
+            layout = self._layout(config.tp, config.sequence_parallel, mesh.names, config.layout)
             if layout is None:
                 self._profiles[key] = None
                 return None

@@ -16,7 +16,9 @@ gradient of every parameter each stage holds and every updated parameter
   sequence parallelism (the value crossing the stages is split on the sequence over tp), GPT
   on ``pp=2 x dp=2``, HF GPT-2 on ``pp=2 x tp=2`` with GPipe, and a 4-layer tied GPT on
   ``pp=4`` (middle stages that receive and send; the labels travel through three
-  boundaries; a tied weight on stages 0 and 3).
+  boundaries; a tied weight on stages 0 and 3);
+- world 8: GPT and a tiny Llama on ``pp=2 x dp=2 x tp=2`` with the per-op placements CP-SAT
+  searched on the stage mesh (``search.stage_layouts``), which differ from Megatron's.
 
 As in ``test_spmd_parity.py``, each world size compiles its programs first and checks them
 all in ONE torchrun launch of ``tests/dist_check_many.py``. Two negative controls must fail:
@@ -26,6 +28,7 @@ learns nothing), and a tied GPT-2 program whose stages do not sum the tied weigh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -46,6 +49,10 @@ MODELS = {
     "gpt": ("examples/gpt.py", {"batch_size": 8}),
     "gpt2": ("hf:gpt2", HF_GPT2_TINY),
     "gpt4tied": ("examples/gpt.py", {"batch_size": 8, "n_layer": 4, "tie_weights": True}),
+    "llama": ("hf:llama", {
+        "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "batch_size": 8,
+    }),
 }
 SEARCHED = "searched"  # the pipeline plan the search itself proposes (search.pipeline_search.pipeline_plans)
 # (model, case) -> megatron_plan keyword arguments, or SEARCHED. micro_batch=2: micro-batches of 2 samples
@@ -64,6 +71,10 @@ CASES = {
         ("gpt2", "pp2xtp2-gpipe"): dict(pp=2, tp=2, schedule="gpipe"),
         ("gpt4tied", "pp4-1f1b"): dict(pp=4, schedule="1f1b"),
     },
+    8: {  # (pp, dp, tp) of the searched layout's mesh
+        ("gpt", "soap-pp2xdp2xtp2"): dict(searched_layout=(2, 2, 2)),
+        ("llama", "soap-pp2xdp2xtp2"): dict(searched_layout=(2, 2, 2)),
+    },
 }
 ALL_CASES = [(world, model, case) for world, cases in CASES.items() for model, case in cases]
 
@@ -80,9 +91,31 @@ def make_plan(model: str, world: int, precision: str = "fp32", **options) -> pla
         graph, spec, name, cluster = prepare_model(spec, f"cpu:2x{world // 2}")
         plans = pipeline_plans(graph, cluster, spec, name, precision, SearchBudget(effort=16))
         return next(plan for plan in plans if plan.pipeline is not None)
+    if options.get("searched_layout"):
+        return searched_layout_plan(spec, world, *options["searched_layout"])
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
     options.setdefault("micro_batch", 2)
     return megatron_plan(graph, cluster, spec, name, precision=precision, **options)
+
+
+def searched_layout_plan(spec: ModelSpec, world: int, pp: int, dp: int, tp: int) -> planner.Plan:
+    """The pipeline grid's plan on ``pp x dp x tp`` (1F1B, two micro-batches, DDP) with the
+    layout CP-SAT searched on the stage mesh, which must differ from Megatron's."""
+    from search.pipeline_search import PipelineGrid, PipelineSpace
+    from search.stage_layouts import same_placements
+
+    graph, spec, name, cluster = prepare_model(spec, f"cpu:2x{world // 2}")
+    space = PipelineSpace(searched_layout="every", flavours=("ddp",), recompute=("none",), virtual_stages=())
+    grid = PipelineGrid(graph, cluster, "fp32", space)
+    config = next(
+        c for c in grid.configurations()
+        if (c.pp, c.dp, c.tp, c.layout, c.schedule, c.micro_batches) == (pp, dp, tp, "soap", "1f1b", 2)
+    )
+    estimate = grid.estimate(config)
+    plan = grid.plan(estimate, spec, name)
+    megatron = grid.plan(dataclasses.replace(estimate, config=dataclasses.replace(config, layout="megatron")), spec, name)
+    assert plan.label == "soap" and not same_placements(plan.strategies, megatron.strategies)
+    return plan
 
 
 # ------------------------------------------------------------------------ negative controls
@@ -156,6 +189,11 @@ def world4_run(tmp_path_factory) -> WorldRun:
     return _world_run(4, tmp_path_factory.mktemp("pipeline_world4"))
 
 
+@pytest.fixture(scope="module")
+def world8_run(tmp_path_factory) -> WorldRun:
+    return _world_run(8, tmp_path_factory.mktemp("pipeline_world8"))
+
+
 @pytest.mark.parametrize(("world", "model", "case"), ALL_CASES, ids=[f"world{w}-{m}-{c}" for w, m, c in ALL_CASES])
 def test_pipeline_step_equals_single_device(request, world: int, model: str, case: str) -> None:
     run: WorldRun = request.getfixturevalue(f"world{world}_run")
@@ -189,8 +227,6 @@ def test_program_says_what_crosses_each_boundary(world2_run: WorldRun, world4_ru
 
 def test_unknown_virtual_stages_are_refused_in_one_line() -> None:
     """1F1B with virtual stages is not a schedule torch runs (the interleaved one is)."""
-    import dataclasses
-
     plan = make_plan("gpt4tied", 2, pp=2, schedule="1f1b")
     plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, virtual_stages=2))
     with pytest.raises(PlanningError) as error:
