@@ -126,7 +126,10 @@ def search_plan(
         if mesh.names == ("dp",):
             flavours = [data_parallel_plan(graph, cluster, spec, model_name, f, warnings, precision) for f in DATA_PARALLEL_FLAVOURS]
             plans += flavours + _recomputing(flavours, graph)
-        plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes)
+        # Each mesh gets an equal part of the wall clock the meshes before it left (the work
+        # budgets are per mesh already): one slow mesh cannot leave the next with nothing.
+        share = budget.share(len(meshes) - position)
+        plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, share, seed, warnings, precision, notes)
     plans += _pipeline_plans(graph, cluster, spec, model_name, precision, budget, plans)
     # Gradient accumulation: what does not fit at once may fit one micro-batch at a time.
     plans += [variant for plan in plans if (variant := accumulating(plan, graph))]
