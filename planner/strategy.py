@@ -313,13 +313,18 @@ class SimResult:
 
 @dataclass(frozen=True)
 class Alternative:
-    """A runner-up plan, summarised for the report."""
+    """A runner-up plan, summarised for the report: its name, predicted step time, memory
+    on the fullest device, whether it fits, why it lost to the chosen plan (``note``), its
+    MFU, and its family (``planner.verdict.plan_family``: data parallel, Megatron grid,
+    searched without pipeline)."""
 
     name: str
     step_time_s: float
     memory_bytes: int
     fits: bool
     note: str = ""
+    mfu: float = 0.0
+    family: str = ""
 
 
 def placements_to_json(placements: Sequence[Placement]) -> list[str]:
