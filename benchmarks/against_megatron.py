@@ -207,7 +207,7 @@ def hand_written_configurations(blocks: int, world: int, per_node: int, batch: i
                     continue
                 stages = pp * chunks
                 layers = None if blocks % stages == 0 else list(nearly_even_layers(blocks, stages))
-                for flavour in HAND_FLAVOURS:
+                for flavour in HAND_FLAVOURS if dp > 1 else HAND_FLAVOURS[:1]:  # one dp rank: no flavour to pick
                     for recompute in HAND_RECOMPUTE:
                         found.append({
                             "tp": tp, "pp": pp, "micro_batch": micro_batch, "schedule": schedule,
