@@ -17,7 +17,7 @@ from rich.table import Table
 
 from planner.strategy import NodeStrategy
 from planner.units import format_bytes, format_count, format_flops, format_seconds
-from planner.verdict import findings, plan_label, verdict
+from planner.verdict import findings, plan_family, plan_label, verdict
 
 if TYPE_CHECKING:
     from planner.plans import Plan
@@ -287,16 +287,42 @@ def _time_table(plan: "Plan") -> Table:
 
 
 def _alternatives_table(plan: "Plan") -> Table:
-    table = Table(title="Why this plan: the runners-up")
-    for column in ("plan", "step time", "memory/device", "fits", "against the chosen plan"):
-        table.add_column(column)
+    """The chosen plan and its runners-up: family (the best of each family starred), step
+    time, MFU, memory on the fullest device, whether it fits and why it lost."""
+    table = Table(title="Why this plan: the runners-up (*: the best plan of its family)")
+    for column in ("plan", "family", "step time", "MFU", "memory", "fits", "against the chosen plan"):
+        numeric = column in ("step time", "MFU", "memory")
+        table.add_column(column, justify="right" if numeric else "left", no_wrap=numeric)
+    chosen_family = plan_family(plan)
+    leaders = _family_leaders(plan.runners_up, chosen_family)
+    estimate = plan.estimate
     table.add_row(
-        f"{plan_label(plan)} (chosen)", format_seconds(plan.estimate.step_time_s), format_bytes(plan.estimate.memory.total),
-        "yes" if plan.estimate.fits else "no", "",
+        f"{plan_label(plan)} (chosen)", f"{chosen_family} *", format_seconds(estimate.step_time_s),
+        f"{estimate.mfu:.1%}", format_bytes(estimate.memory.total), "yes" if estimate.fits else "no", "",
     )
-    for alt in plan.runners_up:
-        table.add_row(alt.name, format_seconds(alt.step_time_s), format_bytes(alt.memory_bytes), "yes" if alt.fits else "no", alt.note)
+    for position, alt in enumerate(plan.runners_up):
+        family = f"{alt.family} *" if leaders.get(alt.family) == position else alt.family
+        table.add_row(
+            alt.name, family or "-", format_seconds(alt.step_time_s), f"{alt.mfu:.1%}", format_bytes(alt.memory_bytes),
+            "yes" if alt.fits else "no", alt.note,
+        )
     return table
+
+
+def _family_leaders(alternatives, chosen_family: str) -> dict[str, int]:
+    """Family -> position of its best runner-up (fastest that fits, else least memory); the
+    chosen plan leads its own family. The search always lists each family's best
+    (``search.runners_up``), so the best listed is the family's best."""
+    leaders: dict[str, int] = {}
+    for position, alt in enumerate(alternatives):
+        if not alt.family or alt.family == chosen_family:
+            continue
+        key = (not alt.fits, alt.step_time_s if alt.fits else alt.memory_bytes)
+        current = leaders.get(alt.family)
+        if current is None or key < (not alternatives[current].fits, alternatives[current].step_time_s
+                                     if alternatives[current].fits else alternatives[current].memory_bytes):
+            leaders[alt.family] = position
+    return leaders
 
 
 def _collapse_units(units: tuple[str, ...]) -> str:

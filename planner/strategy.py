@@ -372,13 +372,31 @@ class SimResult:
 
 @dataclass(frozen=True)
 class Alternative:
-    """A runner-up plan, summarised for the report."""
+    """A runner-up plan, summarised for the report: its name, predicted step time, memory
+    on the fullest device, whether it fits, why it lost to the chosen plan (``note``), its
+    MFU, and its family (``planner.verdict.plan_family``: data parallel, Megatron grid,
+    searched without pipeline)."""
 
     name: str
     step_time_s: float
     memory_bytes: int
     fits: bool
     note: str = ""
+    mfu: float = 0.0
+    family: str = ""
+
+    def __post_init__(self) -> None:
+        # A plan file's runners-up are rendered into the report: wrong types must be refused
+        # on load (as a TypeError the plan reader names), not crash the report later.
+        for field_name in ("name", "note", "family"):
+            if not isinstance(getattr(self, field_name), str):
+                raise TypeError(f"runner-up field '{field_name}' must be a string, got {getattr(self, field_name)!r}")
+        for field_name in ("step_time_s", "memory_bytes", "mfu"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"runner-up field '{field_name}' must be a number, got {value!r}")
+        if not isinstance(self.fits, bool):
+            raise TypeError(f"runner-up field 'fits' must be true or false, got {self.fits!r}")
 
 
 def placements_to_json(placements: Sequence[Placement]) -> list[str]:

@@ -38,6 +38,21 @@ def plan_label(plan: "Plan") -> str:
     return f"{plan.name}{', recompute ' + plan.recompute if plan.recompute != 'none' else ''}"
 
 
+FAMILIES = ("data parallel", "Megatron grid", "searched, no pipeline", "searched pipeline")
+
+
+def plan_family(plan: "Plan") -> str:
+    """The family of plans ``plan`` belongs to, one of ``FAMILIES``: pure data parallelism
+    (DDP, ZeRO, FSDP: no label), Megatron-LM's layouts (the pipeline grid's pp x dp x tp
+    configurations and the Megatron baseline), or per-op shardings found by the search,
+    without or with pipeline stages."""
+    if plan.label == "megatron":
+        return "Megatron grid"
+    if plan.label:
+        return "searched, no pipeline" if plan.pipeline is None else "searched pipeline"
+    return "data parallel"
+
+
 def strategy_words(plan: "Plan") -> str:
     """The strategy in a phrase: ``ZeRO-2 data parallelism (...) on all 16 GPUs (dp=16)``."""
     devices = _devices(plan)

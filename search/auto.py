@@ -26,13 +26,14 @@ from search.batch_coupling import batch_coupled_ops, coupling_warning
 from search.blocks import block_representatives
 from search.budget import SearchBudget
 from search.cost_tables import build_cost_tables
-from search.data_parallel import DATA_PARALLEL_FLAVOURS, accumulating, alternative, data_parallel_plan, does_not_fit
+from search.data_parallel import DATA_PARALLEL_FLAVOURS, accumulating, data_parallel_plan, does_not_fit
 from search.ilp import solve
 from search.layouts import batch_input_placements, combine
 from search.mcmc import mcmc
 from search.megatron import megatron_baseline
 from search.pipeline_search import pipeline_plans
 from search.plan_builder import input_placements, unsimulated_plan
+from search.runners_up import runners_up
 
 SEARCHES = ("auto", "ilp", "mcmc")
 
@@ -132,7 +133,10 @@ def search_plan(
         if mesh.names == ("dp",) and not coupled:
             flavours = [data_parallel_plan(graph, cluster, spec, model_name, f, warnings, precision) for f in DATA_PARALLEL_FLAVOURS]
             plans += flavours + _recomputing(flavours, graph)
-        plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, budget, seed, warnings, precision, notes)
+        # Each mesh gets an equal part of the wall clock the meshes before it left (the work
+        # budgets are per mesh already): one slow mesh cannot leave the next with nothing.
+        share = budget.share(len(meshes) - position)
+        plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, share, seed, warnings, precision, notes)
     if not coupled:
         plans += _pipeline_plans(graph, cluster, spec, model_name, precision, budget, plans)
         # Gradient accumulation: what does not fit at once may fit one micro-batch at a time.
@@ -151,42 +155,12 @@ def search_plan(
     cut = budget.cut_warning()
     return dataclasses.replace(
         best,
-        runners_up=_runners_up(best, plans, baselines),
+        runners_up=runners_up(best, plans, baselines),
         # Every plan carries the model's warnings, but baselines built elsewhere (Megatron
         # pipelines) carry only their own: keep both, once each.
         warnings=tuple(dict.fromkeys((*warnings, *best.warnings, *((cut,) if cut else ())))),
         search_summary=summary,
     )
-
-
-RUNNERS_UP = 8
-
-
-def _runners_up(best: Plan, plans: list[Plan], baselines: list[Plan]) -> tuple:
-    """The next best plans, always with the best data-parallel plan and the Megatron
-    baseline (when it applies) among them, so the report compares the choice with both."""
-    fitting_names = {p.name for p in plans if p.recompute == "none" and p.estimate.fits}
-    # A recomputing variant is worth a row only when the plan without recomputation does not
-    # fit; otherwise it is the same plan, slower.
-    others = sorted(
-        (p for p in plans if p is not best and not (p.recompute != "none" and p.name in fitting_names)),
-        key=lambda p: p.estimate.step_time_s,
-    )
-    labelled = [(_key(p), p) for p in others[:RUNNERS_UP]]
-    data_parallel = [p for p in plans if not p.label and p.mesh.names == ("dp",)]
-    if data_parallel and best not in data_parallel:
-        best_dp = min(data_parallel, key=lambda p: (not p.estimate.fits, p.estimate.step_time_s))
-        if all(p is not best_dp for _, p in labelled):
-            labelled.append((_key(best_dp), best_dp))
-    baselines = [p for p in baselines if p is not best]
-    # The fastest Megatron-LM baseline that fits (or the one nearest to fitting), then the
-    # data-parallel baselines while rows are left.
-    megatron = [p for p in baselines if p.label == "megatron"]
-    if megatron:
-        shown = min(megatron, key=lambda p: (not p.estimate.fits, p.estimate.step_time_s if p.estimate.fits else p.estimate.memory.total))
-        labelled.append((f"baseline {_key(shown)}", shown))
-    labelled += [(f"baseline {_key(p)}", p) for p in baselines if not p.label == "megatron"][: max(0, RUNNERS_UP - len(labelled))]
-    return tuple(dataclasses.replace(alternative(p, best), name=label) for label, p in labelled)
 
 
 def _searched_plan(graph, cluster, spec, model_name, mesh, search, budget: SearchBudget, seed, warnings, precision, notes) -> list[Plan]:

@@ -19,11 +19,13 @@ one and a busy one, so every budget counts work, never seconds:
 
 The wall clock is only a safety cap (``--time-budget``): when it ends a solve or a walk
 before its work budget is spent, ``cut_short`` records where, and the plan's report says
-the answer may differ on another machine.
+the answer may differ on another machine. The meshes share it (``share``): each gets an equal
+part of what the meshes before it left, so a slow first mesh cannot leave a later one 0 s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -79,6 +81,18 @@ class SearchBudget:
         if self.wall_clock_cap_s is None:
             return None
         return max(0.01, self.wall_clock_cap_s - (time.perf_counter() - self.started))
+
+    def share(self, parts: int) -> "SearchBudget":
+        """The budget of the next of ``parts`` searches still to run (the meshes left): the
+        same work budgets, and a wall-clock cap of an equal part of the seconds left, from
+        now. Cuts it notes are noted here too."""
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise ValueError(f"parts must be a positive integer, got {parts!r}")
+        left = self.seconds_left()
+        return dataclasses.replace(
+            self, wall_clock_cap_s=None if left is None else left / parts, started=time.perf_counter(),
+            cut_short=self.cut_short,
+        )
 
     def note_cut(self, what: str) -> None:
         """Record that the cap stopped ``what`` before its work budget was spent."""

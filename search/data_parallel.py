@@ -25,6 +25,7 @@ from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
 from planner.strategy import Alternative, Mesh, SimResult
+from planner.verdict import plan_family
 from search.layouts import data_parallel_layout
 from search.plan_builder import unsimulated_plan
 
@@ -146,7 +147,10 @@ def alternative(plan: Plan, best: Plan) -> Alternative:
         slower = estimate.step_time_s / chosen.step_time_s - 1 if chosen.step_time_s else 0.0
         reason = "more exposed communication" if estimate.communication_s > chosen.communication_s else "more compute"
         note = f"{slower:+.1%} step time ({reason})"
-    return Alternative(name=plan.name, step_time_s=estimate.step_time_s, memory_bytes=estimate.memory.total, fits=estimate.fits, note=note)
+    return Alternative(
+        name=plan.name, step_time_s=estimate.step_time_s, memory_bytes=estimate.memory.total, fits=estimate.fits, note=note,
+        mfu=estimate.mfu, family=plan_family(plan),
+    )
 
 
 def does_not_fit(cluster: Cluster, estimates: dict[str, SimResult]) -> PlanningError:

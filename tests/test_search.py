@@ -27,7 +27,7 @@ from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from planner.strategy import Mesh
 from planner.trace import trace
-from search.auto import node_strategies, search_plan
+from search.auto import candidate_meshes, node_strategies, search_plan
 from search.budget import SearchBudget
 from search.cost_tables import build_cost_tables
 from search.ilp import solve
@@ -357,3 +357,101 @@ def test_no_cap_warning_when_the_work_budget_ends_the_search():
     plan = planner.plan(ModelSpec("examples/gpt.py", {"batch_size": 8}), "cpu:1x4", effort=0.25, progress=False)
     assert not any("wall-clock cap" in w for w in plan.warnings)
     assert set(plan.timings) == {"trace_s", "search_s", "total_s"}
+
+
+class _FakeClock:
+    """``time`` for ``search.budget`` whose clock moves only when a test advances it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _record_mesh_work(monkeypatch, clock: _FakeClock):
+    """Wrap the ILP and MCMC entry points of ``search.auto``: record, per mesh being searched,
+    the work and wall-clock cap each solve and walk was given, and let each spend its whole
+    cap on the fake clock (the worst case: every solve is cut by the clock)."""
+    import search.auto as auto
+
+    given: dict[str, list[tuple[str, float, float | None]]] = {}
+    current = []
+    real_solve, real_mcmc = auto.solve, auto.mcmc
+
+    def solve(tables, memory_bytes, work=10.0, wall_clock_cap_s=None, hint=None):
+        given.setdefault(current[-1], []).append(("ilp", work, wall_clock_cap_s))
+        result = real_solve(tables, memory_bytes, work=work, hint=hint)
+        clock.now += wall_clock_cap_s or 0.0
+        return result
+
+    def walk(plan, tables, *, iterations, wall_clock_cap_s=None, **options):
+        given.setdefault(current[-1], []).append(("mcmc", iterations, wall_clock_cap_s))
+        result = real_mcmc(plan, tables, iterations=iterations, **options)
+        clock.now += wall_clock_cap_s or 0.0
+        return result
+
+    monkeypatch.setattr(auto, "solve", solve)
+    monkeypatch.setattr(auto, "mcmc", walk)
+
+    def on_progress(what: str, fraction: float) -> None:
+        if what.startswith("searching mesh "):
+            current.append(what.removeprefix("searching mesh ").split(" (")[0])
+
+    return given, on_progress
+
+
+def test_every_mesh_gets_an_equal_part_of_the_wall_clock_the_meshes_before_it_left(monkeypatch):
+    # Every solve spends all the seconds it is given. Before the clock was shared, the first
+    # mesh's CP-SAT got the whole cap and the meshes after it were searched for 0.01 s.
+    import search.budget
+
+    clock = _FakeClock()
+    monkeypatch.setattr(search.budget, "time", clock)
+    graph, spec, name, cluster = _gpt("cpu:1x4", batch_size=8)
+    meshes = [str(mesh) for mesh in candidate_meshes(cluster, graph.batch_size)]
+    assert len(meshes) == 3
+    given, on_progress = _record_mesh_work(monkeypatch, clock)
+    budget = SearchBudget(wall_clock_cap_s=90.0, started=0.0)
+    search_plan(graph, cluster, spec, name, search="auto", budget=budget, on_progress=on_progress)
+    assert list(given) == meshes
+    left = 90.0
+    for position, mesh in enumerate(meshes):
+        first_cap = given[mesh][0][2]
+        # An equal part of what is left: 30 s for the first mesh, and about as much for the
+        # others (the first mesh's MCMC had 0.01 s, the floor of what is left).
+        assert first_cap == pytest.approx(left / (len(meshes) - position)), given
+        assert first_cap > 29.9
+        left -= sum(cap for _, _, cap in given[mesh])
+    assert budget.cut_short == []  # the fake solves report no cut; the real ones would
+
+
+def test_no_candidate_mesh_gets_zero_work_even_at_a_tiny_effort(monkeypatch):
+    import search.auto as auto
+
+    graph, spec, name, cluster = _gpt("cpu:1x4", batch_size=8)
+    meshes = [str(mesh) for mesh in auto.candidate_meshes(cluster, graph.batch_size)]
+    given, on_progress = _record_mesh_work(monkeypatch, _FakeClock())
+    search_plan(graph, cluster, spec, name, search="auto", budget=SearchBudget(effort=0.01), on_progress=on_progress)
+    assert list(given) == meshes
+    for mesh in meshes:
+        kinds = {kind: work for kind, work, _ in given[mesh]}
+        assert set(kinds) == {"ilp", "mcmc"}, given[mesh]
+        assert kinds["ilp"] == pytest.approx(0.02) and kinds["mcmc"] >= 1, given[mesh]
+
+
+def test_a_share_of_the_budget_keeps_the_work_and_splits_the_clock(monkeypatch):
+    import search.budget
+
+    clock = _FakeClock()
+    monkeypatch.setattr(search.budget, "time", clock)
+    budget = SearchBudget(effort=2.0, wall_clock_cap_s=10.0, started=0.0)
+    clock.now = 4.0
+    share = budget.share(3)
+    assert share.wall_clock_cap_s == pytest.approx(2.0) and share.seconds_left() == pytest.approx(2.0)
+    assert share.ilp_work() == budget.ilp_work() and share.mcmc_proposals(100) == budget.mcmc_proposals(100)
+    share.note_cut("CP-SAT on mesh dp=4")
+    assert budget.cut_short == ["CP-SAT on mesh dp=4"] and "10 s" in budget.cut_warning()
+    assert SearchBudget(wall_clock_cap_s=None).share(2).wall_clock_cap_s is None
+    with pytest.raises(ValueError, match="parts must be a positive integer"):
+        budget.share(0)
