@@ -32,7 +32,6 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as functional
 import torch.nn.functional as F
 
 __all__ = ["ExpertParallelMoE", "sum_copied_expert_gradients"]
@@ -149,8 +148,24 @@ class ExpertParallelMoE(torch.nn.Module):
 
 def _all_to_all(rows: torch.Tensor, receive_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:
     """Rows to the ranks (uneven counts), with autograd: backward sends the gradients back."""
-    out = functional.all_to_all_single_autograd(rows, receive_sizes, send_sizes, group or dist.group.WORLD)
-    return functional.wait_tensor(out)
+    return _AllToAll.apply(rows, receive_sizes, send_sizes, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows with uneven splits; backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, receive_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:
+        ctx.receive_sizes, ctx.send_sizes, ctx.group = receive_sizes, send_sizes, group
+        received = rows.new_empty(sum(receive_sizes), *rows.shape[1:])
+        dist.all_to_all_single(received, rows.contiguous(), receive_sizes, send_sizes, group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = grad.new_empty(sum(ctx.send_sizes), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send_sizes, ctx.receive_sizes, group=ctx.group)
+        return back, None, None, None
 
 
 class _SumOverGroup(torch.autograd.Function):
