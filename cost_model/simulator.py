@@ -27,8 +27,9 @@ How a plan becomes a simulated step (FlexFlow's simulator, Daydream's task graph
    stages), the peak of activations held by in-flight micro-batches in the schedule, and
    communication buffers.
 
-Delta simulation (for MCMC): ``Simulator.replace(node, strategy)`` re-costs only that node
-and its consumers, then re-runs the schedule.
+Delta simulation (for MCMC): ``Simulator.replace(node, strategy)`` re-costs only that node,
+its consumers and the readers whose shared resharding moves, then re-runs the schedule
+(``Simulator.assign`` re-costs without re-running, for moves of several nodes).
 """
 
 from __future__ import annotations
@@ -143,18 +144,24 @@ class _Bucket:
         self.cap = defaults.DDP_FIRST_BUCKET_BYTES
         self.pending = 0.0
 
-    def fill(self, size: float, per_unit: bool, flush: bool) -> list[float]:
-        """Bucket sizes ready to reduce after adding ``size`` bytes of gradients."""
+    def fill(self, size: float, per_unit: bool, flush: bool) -> list[tuple[float, int]]:
+        """Buckets ready to reduce after adding ``size`` bytes of gradients, as (bucket
+        bytes, how many such buckets): a segment of a large model fills thousands of equal
+        buckets at once, which are counted rather than listed."""
         if per_unit:
-            return [size] if size else []
+            return [(size, 1)] if size else []
         ready = []
         self.pending += size
-        while self.pending >= self.cap:
-            ready.append(self.cap)
+        if self.pending >= self.cap and self.cap != defaults.DDP_BUCKET_BYTES:
+            ready.append((self.cap, 1))
             self.pending -= self.cap
             self.cap = defaults.DDP_BUCKET_BYTES
+        if self.pending >= self.cap:
+            full = int(self.pending // self.cap)
+            ready.append((self.cap, full))
+            self.pending -= full * self.cap
         if flush and self.pending > 0:
-            ready.append(self.pending)
+            ready.append((self.pending, 1))
             self.pending = 0.0
         return ready
 
@@ -274,15 +281,46 @@ class Simulator:
 
     def replace(self, node_name: str, strategy: NodeStrategy) -> SimResult:
         """Delta simulation: change one node's strategy, re-cost it and its consumers, re-run."""
+        self.assign(node_name, strategy)
+        return self.run(trace=False)
+
+    def assign(self, node_name: str, strategy: NodeStrategy) -> None:
+        """Change one node's strategy and re-cost what it affects, without re-running the
+        schedule: a move of several nodes (or its undo) runs once, after its last change."""
+        old = self.strategies[node_name]
         self.strategies[node_name] = strategy
-        before = self._first_use
-        self._index_first_uses()
-        # Readers that start or stop paying a shared resharding must be re-costed too.
-        moved = {before.get(key) for key in set(before) | set(self._first_use) if before.get(key) != self._first_use.get(key)}
-        moved |= {self._first_use.get(key) for key in set(before) | set(self._first_use) if before.get(key) != self._first_use.get(key)}
+        node = self.nodes[node_name]
+        # Only the (tensor, placement) keys this node reads, before or after, can change
+        # their first reader; readers that start or stop paying a shared resharding are
+        # re-costed too.
+        keys = {self._read_key(node, old, position) for position in range(len(node.inputs))}
+        keys |= {self._read_key(node, strategy, position) for position in range(len(node.inputs))}
+        moved = set()
+        for key in keys:
+            before = self._first_use.get(key)
+            after = self._first_reader(key)
+            if after is None:
+                self._first_use.pop(key, None)
+            else:
+                self._first_use[key] = after
+            if before != after:
+                moved |= {before, after}
         for name in {node_name, *self.consumers.get(node_name, []), *(m for m in moved if m)}:
             self.costs[name] = self._node_cost(self.nodes[name])
-        return self.run(trace=False)
+
+    @staticmethod
+    def _read_key(node: OpNode, strategy: NodeStrategy, position: int) -> tuple:
+        """The (tensor, placement) ``node`` reads at input ``position`` under ``strategy``."""
+        return (node.inputs[position], strategy.inputs[position] if position < len(strategy.inputs) else None)
+
+    def _first_reader(self, key: tuple) -> str | None:
+        """The first node, in graph order, that reads ``key``'s tensor in ``key``'s placement."""
+        name = key[0]
+        for reader in self.consumers.get(name, ()):
+            node, strategy = self.nodes[reader], self.strategies[reader]
+            if any(source == name and self._read_key(node, strategy, position) == key for position, source in enumerate(node.inputs)):
+                return reader
+        return None
 
     # ----------------------------------------------------------- node costs
 
@@ -647,8 +685,11 @@ class Simulator:
                 continue
             grads = sum(segment.params[name] for name in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
             final = position == len(segments) - 1
-            for size in bucket.fill(grads, per_unit=fsdp, flush=final):
-                sync_after.setdefault(device, []).append(self._gradient_sync(graph, device, segment.name, size, last))
+            ready = bucket.fill(grads, per_unit=fsdp, flush=final)
+            if ready:
+                # The buckets a segment fills are all ready when its backward ends and run one
+                # after another on the collective stream: one task of their summed time.
+                sync_after.setdefault(device, []).append(self._gradient_sync(graph, device, segment.name, ready, last))
         return last
 
     def _backward_comm(self, segment: Segment, recompute: str) -> float:
@@ -671,13 +712,14 @@ class Simulator:
         size = sum(segment.params.values()) * _PARAM_BYTES[self.plan.precision][0]
         return graph.add(name, (device, "collective"), self._collective("all_gather", size, "dp"), deps=deps, kind="comm")
 
-    def _gradient_sync(self, graph, device, name: str, size: float, after: int) -> int:
-        """Data-parallel reduction of one bucket of gradients, once its backward is done."""
+    def _gradient_sync(self, graph, device, name: str, buckets: list[tuple[float, int]], after: int) -> int:
+        """Data-parallel reduction of the gradient buckets (bytes, count) one segment's
+        backward filled, once that backward is done: each bucket is its own collective."""
         kind = "reduce_scatter" if self.plan.dp_flavour in ("zero2", "fsdp") else "all_reduce"
-        return graph.add(
-            f"{kind.replace('_', '-')} grads ({name})", (device, "collective"), self._collective(kind, size, "dp"),
-            deps=[after], kind="comm",
-        )
+        seconds = sum(count * self._collective(kind, size, "dp") for size, count in buckets)
+        count = sum(count for _, count in buckets)
+        label = f"{kind.replace('_', '-')} grads ({name}{f', {count} buckets' if count > 1 else ''})"
+        return graph.add(label, (device, "collective"), seconds, deps=[after], kind="comm")
 
     def _boundary_bytes(self, chunk_segments: dict[int, list[Segment]], vs: int) -> float:
         """Activation bytes a micro-batch carries from virtual stage ``vs`` to ``vs + 1``."""

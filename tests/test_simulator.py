@@ -374,6 +374,29 @@ def test_delta_simulation_moves_a_shared_resharding():
     assert delta.step_time_s == pytest.approx(fresh.step_time_s)
 
 
+def test_assigned_moves_run_once_and_their_undo_restores_every_cost():
+    # A move of several nodes is assigned node by node and run once (as MCMC does): the same
+    # node costs (fc1, now the first reader of (h, R), pays the all-gather; fc2 reuses it) and
+    # estimate as a fresh simulation of the moved plan. Assigning the old strategies back
+    # restores every node cost.
+    graph, _, name, cluster = prepare_model(SharedInput(), "dgx-a100-80g:1x2", (torch.randn(32, 64),))
+    plan = data_parallel_plan(graph, cluster, None, name, "ddp")
+    fc1, fc2 = (next(s for s in plan.strategies if s.module == module) for module in ("fc1", "fc2"))
+    sim = Simulator(plan, graph)
+    before, costs_before = sim.run(), dict(sim.costs)
+    moved = {fc2.node: _gather_activation_input(fc2), fc1.node: _gather_activation_input(fc1)}
+    for node, strategy in moved.items():
+        sim.assign(node, strategy)
+    fresh = Simulator(_with(plan, moved), graph)
+    assert sim.costs == fresh.costs
+    assert sim.run().step_time_s == pytest.approx(fresh.run().step_time_s)
+    assert sim.run().step_time_s > before.step_time_s  # fc1 now pays an all-gather of h
+    for node in moved:
+        sim.assign(node, next(s for s in plan.strategies if s.node == node))
+    assert sim.costs == costs_before
+    assert sim.run().step_time_s == before.step_time_s
+
+
 # ------------------------------------------------------------ 6. chrome trace
 
 
