@@ -166,6 +166,53 @@ class _Bucket:
         return ready
 
 
+@dataclass
+class _Costed:
+    """What a ``Simulator`` derives from a plan's strategies before scheduling anything."""
+
+    keep: tuple  # the strategies, graph and cluster the key's identities belong to
+    nodes: dict[str, OpNode]
+    consumers: dict[str, list[str]]
+    kept: dict[str, bool]
+    cache: dict[tuple, NodeCost]
+    first_use: dict[tuple, str]
+    costs: dict[str, NodeCost]
+    segments: list[Segment]
+
+
+class _RecentlyCosted:
+    """The node costs and segments of the last few plans simulated, by ``_costing_key``.
+    A search simulates each layout again with every recomputation mode and dp flavour,
+    which change neither (a few entries suffice: those variants are built in a row)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: dict[tuple, _Costed] = {}
+
+    def get(self, key: tuple) -> _Costed | None:
+        return self.entries.get(key)
+
+    def put(self, key: tuple, costed: _Costed) -> None:
+        self.entries[key] = costed
+        while len(self.entries) > self.size:
+            del self.entries[next(iter(self.entries))]
+
+
+_COSTED = _RecentlyCosted(size=8)
+
+
+def _costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
+    """What node costs and segments depend on: the graph, cluster, mesh, precision and
+    micro-batch count, and each node's placements, parameters and stage. Placements are
+    compared by identity (a variant made with ``dataclasses.replace`` shares them; hashing
+    thousands of placements by value costs more than costing the nodes); the entry keeps
+    those objects alive, so an identity cannot be reused by another object."""
+    return (
+        id(graph), id(plan.cluster), plan.mesh, plan.precision, micro_batches,
+        tuple((s.node, id(s.inputs), id(s.outputs), id(s.params), id(s.produced), s.stage) for s in plan.strategies),
+    )
+
+
 class Simulator:
     """Simulates one plan; keeps node costs so a one-node change re-simulates fast."""
 
@@ -189,24 +236,41 @@ class Simulator:
             key=lambda d: d.flops_for(PRECISIONS[plan.precision][0]),
         )
         self.activation_scale = PRECISIONS[plan.precision][1] / 4
+        self._groups = {axis: self._axis_group(axis) for axis in self.mesh.names}
+        self._comm_cache: dict[tuple, float] = {}
+        self._segment_list: list[Segment] | None = None  # until a strategy changes
+        key = _costing_key(plan, graph, self.micro_batches)
+        costed = _COSTED.get(key)
+        if costed is not None:
+            # A plan that differs from one simulated before only in what node costs do not
+            # read (recomputation, dp flavour): its node costs and segments are the same.
+            self.nodes, self.consumers, self._kept = costed.nodes, costed.consumers, costed.kept
+            self._cache, self._first_use, self.costs = dict(costed.cache), dict(costed.first_use), dict(costed.costs)
+            self._segment_list = costed.segments
+            return
         self.nodes = {node.name: node for node in graph.nodes}
         self.consumers: dict[str, list[str]] = {}
         for node in graph.nodes:
             for name in node.inputs:
                 self.consumers.setdefault(name, []).append(node.name)
         self._kept: dict[str, bool] = {}
-        self._groups = {axis: self._axis_group(axis) for axis in self.mesh.names}
         self._cache: dict[tuple, NodeCost] = {}
-        self._comm_cache: dict[tuple, float] = {}
         self._first_use: dict[tuple, str] = {}
         self._index_first_uses()
         self.costs: dict[str, NodeCost] = {node.name: self._node_cost(node) for node in graph.nodes}
+        self._segment_list = self._segments()
+        _COSTED.put(key, _Costed(
+            keep=(plan.strategies, graph, self.cluster), nodes=self.nodes, consumers=self.consumers, kept=self._kept,
+            cache=dict(self._cache), first_use=dict(self._first_use), costs=dict(self.costs), segments=self._segment_list,
+        ))
 
     # ------------------------------------------------------------------ public
 
     def run(self, trace: bool = True) -> SimResult:
         """Simulate one step of the plan with the current strategies."""
-        segments = self._segments()
+        if self._segment_list is None:
+            self._segment_list = self._segments()
+        segments = self._segment_list
         tasks, per_device = self._task_graph(segments)
         step = tasks.run()
         timeline = tuple(
@@ -244,7 +308,9 @@ class Simulator:
         recomputation mode: what pipeline stage slicing needs, from this one simulation
         (segment costs do not depend on which stage a segment is on)."""
         profiles = []
-        for segment in self._segments():
+        if self._segment_list is None:
+            self._segment_list = self._segments()
+        for segment in self._segment_list:
             by_mode = {mode: self._activation_bytes(segment, mode) for mode in RECOMPUTE_MODES}
             profiles.append(SegmentProfile(
                 name=segment.name,
@@ -266,17 +332,17 @@ class Simulator:
         """The plan's strategies with each node's simulated cost parts for one step
         (all micro-batches), so reports can say where the time goes."""
         steps = self.micro_batches
+        parts: dict[int, CostParts] = {}  # twins of repeated blocks share their NodeCost
         annotated = []
         for node in self.graph.nodes:
             cost = self.costs[node.name]
-            annotated.append(dataclass_replace(
-                self.strategies[node.name],
-                cost=CostParts(
+            if id(cost) not in parts:
+                parts[id(cost)] = CostParts(
                     compute_s=(cost.forward_s + cost.backward_s) * steps,
                     communication_s=(cost.forward_comm_s + cost.backward_comm_s) * steps,
                     memory_bytes=int(cost.saved_bytes * steps),
-                ),
-            ))
+                )
+            annotated.append(self.strategies[node.name].replaced(cost=parts[id(cost)]))
         return tuple(annotated)
 
     def replace(self, node_name: str, strategy: NodeStrategy) -> SimResult:
@@ -289,6 +355,7 @@ class Simulator:
         schedule: a move of several nodes (or its undo) runs once, after its last change."""
         old = self.strategies[node_name]
         self.strategies[node_name] = strategy
+        self._segment_list = None
         node = self.nodes[node_name]
         # Only the (tensor, placement) keys this node reads, before or after, can change
         # their first reader; readers that start or stop paying a shared resharding are

@@ -7,8 +7,6 @@ block 0: the search enumerates, prices and solves one block, whatever the depth.
 
 from __future__ import annotations
 
-import dataclasses
-
 from planner.graph import OpGraph
 from planner.strategy import NodeStrategy
 
@@ -35,8 +33,7 @@ def clone_strategy(strategy: NodeStrategy, graph: OpGraph, name: str) -> NodeStr
     """``strategy`` of a block-0 node, made for its twin ``name`` (own module and parameters)."""
     source, target = graph.node(strategy.node), graph.node(name)
     renamed = dict(zip(source.params, target.params))
-    return dataclasses.replace(
-        strategy,
+    return strategy.replaced(
         node=name,
         module=target.module,
         params={renamed.get(param, param): placements for param, placements in strategy.params.items()},

@@ -22,7 +22,6 @@ scheduling:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -132,7 +131,11 @@ def build_cost_tables(
             tables.candidates[node.name] = [_cost(simulator, node, s) for s in strategies_of[node.name]]
         else:
             tables.candidates[node.name] = [
-                dataclasses.replace(c, strategy=clone_strategy(c.strategy, graph, node.name)) for c in tables.candidates[twin]
+                Candidate(
+                    strategy=clone_strategy(c.strategy, graph, node.name), compute_s=c.compute_s,
+                    communication_s=c.communication_s, memory_bytes=c.memory_bytes, gradient_reductions=c.gradient_reductions,
+                )
+                for c in tables.candidates[twin]
             ]
         for position, source in enumerate(node.inputs):
             if source in names:

@@ -493,3 +493,16 @@ def test_interleaved_needs_micro_batches_multiple_of_stages():
     assert interleaved(1, 4, 6, 1) == one_f_one_b(1, 4, 6)  # one chunk is plain 1F1B
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         schedule("zigzag", 0, 2, 2)
+
+
+def test_a_strategy_replaced_equals_dataclasses_replace(gpt8):
+    # NodeStrategy.replaced copies fields instead of calling __init__ (the search copies
+    # hundreds of thousands); it must give what dataclasses.replace gives, and refuse a typo.
+    graph, spec, name = gpt8
+    strategy = megatron_plan(graph, fast_links_cluster(2), spec, name, tp=2).strategies[5]
+    for changes in ({"stage": 3}, {"node": "other", "module": "blocks.9"}, {"cost": dataclasses.replace(strategy.cost, compute_s=1.5)}):
+        fast, slow = strategy.replaced(**changes), dataclasses.replace(strategy, **changes)
+        assert fast == slow and type(fast) is type(slow) and fast is not strategy
+    assert strategy.stage == 0  # the original is untouched
+    with pytest.raises(TypeError, match="stagee"):
+        strategy.replaced(stagee=1)
