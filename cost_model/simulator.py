@@ -755,7 +755,7 @@ class Simulator:
             ready = bucket.fill(grads, per_unit=fsdp, flush=final)
             if ready:
                 # The buckets a segment fills are all ready when its backward ends and run one
-                # after another on the collective stream: one task of their summed time.
+                # after another on the collective stream: one task of all of them.
                 sync_after.setdefault(device, []).append(self._gradient_sync(graph, device, segment.name, ready, last))
         return last
 
@@ -783,10 +783,10 @@ class Simulator:
         """Data-parallel reduction of the gradient buckets (bytes, count) one segment's
         backward filled, once that backward is done: each bucket is its own collective."""
         kind = "reduce_scatter" if self.plan.dp_flavour in ("zero2", "fsdp") else "all_reduce"
-        seconds = sum(count * self._collective(kind, size, "dp") for size, count in buckets)
+        pieces = [(self._collective(kind, size, "dp"), count) for size, count in buckets]
         count = sum(count for _, count in buckets)
         label = f"{kind.replace('_', '-')} grads ({name}{f', {count} buckets' if count > 1 else ''})"
-        return graph.add(label, (device, "collective"), seconds, deps=[after], kind="comm")
+        return graph.add_pieces(label, (device, "collective"), pieces, deps=[after], kind="comm")
 
     def _boundary_bytes(self, chunk_segments: dict[int, list[Segment]], vs: int) -> float:
         """Activation bytes a micro-batch carries from virtual stage ``vs`` to ``vs + 1``."""

@@ -506,3 +506,29 @@ def test_a_strategy_replaced_equals_dataclasses_replace(gpt8):
     assert strategy.stage == 0  # the original is untouched
     with pytest.raises(TypeError, match="stagee"):
         strategy.replaced(stagee=1)
+
+
+@pytest.mark.parametrize("scale", [None, {"comm": 0.0}, {"comm": 0.5}])
+def test_scheduler_pieces_end_where_their_tasks_would(scale):
+    # Thousands of equal gradient buckets become one task of pieces: it must finish exactly
+    # (to the last bit) where the tasks added one by one finish, after a busy stream and a
+    # dependency that ends later, and scale as they do.
+    pieces = [(1e-3 / 3, 1), (0.1 / 7, 1000), (2e-5, 1)]
+
+    def graph(as_pieces: bool) -> TaskGraph:
+        tasks = TaskGraph()
+        compute = tasks.add("backward", ("d", "compute"), 0.3)
+        tasks.add("earlier sync", ("d", "collective"), 0.1, kind="comm")
+        if as_pieces:
+            tasks.add_pieces("buckets", ("d", "collective"), pieces, deps=[compute], kind="comm")
+        else:
+            for seconds, count in pieces:
+                for _ in range(count):
+                    tasks.add("bucket", ("d", "collective"), seconds, deps=[compute], kind="comm")
+        tasks.add("after", ("d", "collective"), 0.01, kind="comm")
+        return tasks
+
+    merged, one_by_one = graph(True), graph(False)
+    assert merged.run(scale) == one_by_one.run(scale)
+    assert len(merged.tasks) == 4 and merged.tasks[2].duration == pytest.approx(1e-3 / 3 + 100 / 7 + 2e-5)
+    assert merged.tasks[2].start == 0.3 and merged.tasks[2].finish == one_by_one.tasks[-2].finish
