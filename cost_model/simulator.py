@@ -45,6 +45,7 @@ from cost_model.compute import PRECISIONS, check_precision, op_times, optimizer_
 from cost_model.resharding import backward_collective, forward_collective
 from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
+from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, graph_facts
 from planner.graph import OpGraph, OpNode
 from planner.strategy import RECOMPUTE_MODES, CostParts, MemoryBreakdown, NodeStrategy, SimResult, TimelineEvent
 
@@ -166,53 +167,6 @@ class _Bucket:
         return ready
 
 
-@dataclass
-class _Costed:
-    """What a ``Simulator`` derives from a plan's strategies before scheduling anything."""
-
-    keep: tuple  # the strategies, graph and cluster the key's identities belong to
-    nodes: dict[str, OpNode]
-    consumers: dict[str, list[str]]
-    kept: dict[str, bool]
-    cache: dict[tuple, NodeCost]
-    first_use: dict[tuple, str]
-    costs: dict[str, NodeCost]
-    segments: list[Segment]
-
-
-class _RecentlyCosted:
-    """The node costs and segments of the last few plans simulated, by ``_costing_key``.
-    A search simulates each layout again with every recomputation mode and dp flavour,
-    which change neither (a few entries suffice: those variants are built in a row)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.entries: dict[tuple, _Costed] = {}
-
-    def get(self, key: tuple) -> _Costed | None:
-        return self.entries.get(key)
-
-    def put(self, key: tuple, costed: _Costed) -> None:
-        self.entries[key] = costed
-        while len(self.entries) > self.size:
-            del self.entries[next(iter(self.entries))]
-
-
-_COSTED = _RecentlyCosted(size=8)
-
-
-def _costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
-    """What node costs and segments depend on: the graph, cluster, mesh, precision and
-    micro-batch count, and each node's placements, parameters and stage. Placements are
-    compared by identity (a variant made with ``dataclasses.replace`` shares them; hashing
-    thousands of placements by value costs more than costing the nodes); the entry keeps
-    those objects alive, so an identity cannot be reused by another object."""
-    return (
-        id(graph), id(plan.cluster), plan.mesh, plan.precision, micro_batches,
-        tuple((s.node, id(s.inputs), id(s.outputs), id(s.params), id(s.produced), s.stage) for s in plan.strategies),
-    )
-
-
 class Simulator:
     """Simulates one plan; keeps node costs so a one-node change re-simulates fast."""
 
@@ -239,29 +193,24 @@ class Simulator:
         self._groups = {axis: self._axis_group(axis) for axis in self.mesh.names}
         self._comm_cache: dict[tuple, float] = {}
         self._segment_list: list[Segment] | None = None  # until a strategy changes
-        key = _costing_key(plan, graph, self.micro_batches)
-        costed = _COSTED.get(key)
+        facts = graph_facts(graph)
+        self.nodes, self.consumers, self._kept, self._signature = facts.nodes, facts.consumers, facts.kept, facts.signature
+        key = costing_key(plan, graph, self.micro_batches)
+        costed = RECENTLY_COSTED.get(key)
         if costed is not None:
             # A plan that differs from one simulated before only in what node costs do not
             # read (recomputation, dp flavour): its node costs and segments are the same.
-            self.nodes, self.consumers, self._kept = costed.nodes, costed.consumers, costed.kept
             self._cache, self._first_use, self.costs = dict(costed.cache), dict(costed.first_use), dict(costed.costs)
             self._segment_list = costed.segments
             return
-        self.nodes = {node.name: node for node in graph.nodes}
-        self.consumers: dict[str, list[str]] = {}
-        for node in graph.nodes:
-            for name in node.inputs:
-                self.consumers.setdefault(name, []).append(node.name)
-        self._kept: dict[str, bool] = {}
         self._cache: dict[tuple, NodeCost] = {}
         self._first_use: dict[tuple, str] = {}
         self._index_first_uses()
         self.costs: dict[str, NodeCost] = {node.name: self._node_cost(node) for node in graph.nodes}
         self._segment_list = self._segments()
-        _COSTED.put(key, _Costed(
-            keep=(plan.strategies, graph, self.cluster), nodes=self.nodes, consumers=self.consumers, kept=self._kept,
-            cache=dict(self._cache), first_use=dict(self._first_use), costs=dict(self.costs), segments=self._segment_list,
+        RECENTLY_COSTED.put(key, Costed(
+            keep=(plan.strategies, graph, facts, self.cluster), cache=dict(self._cache), first_use=dict(self._first_use),
+            costs=dict(self.costs), segments=self._segment_list,
         ))
 
     # ------------------------------------------------------------------ public
@@ -429,8 +378,8 @@ class Simulator:
                 continue
             edges.append((position, producer.outputs[0], wanted))
         key = (
-            node.op, node.input_meta, node.output_meta, node.flops, node.bytes_moved, node.params and len(node.params),
-            self._kept_for_backward(node.name), strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges),
+            self._signature[node.name], self._kept_for_backward(node.name),
+            strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges),
         )
         if key not in self._cache:
             self._cache[key] = self._compute_node_cost(node, strategy, edges)

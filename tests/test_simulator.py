@@ -532,3 +532,23 @@ def test_scheduler_pieces_end_where_their_tasks_would(scale):
     assert merged.run(scale) == one_by_one.run(scale)
     assert len(merged.tasks) == 4 and merged.tasks[2].duration == pytest.approx(1e-3 / 3 + 100 / 7 + 2e-5)
     assert merged.tasks[2].start == 0.3 and merged.tasks[2].finish == one_by_one.tasks[-2].finish
+
+
+def test_reused_node_costs_give_what_costing_afresh_gives(gpt8):
+    # A variant of a plan that differs in recomputation or dp flavour takes the node costs
+    # and segments of the plan simulated before it (cost_model.simulation_cache): its
+    # estimate and annotated strategies must equal those of a simulation from nothing.
+    from cost_model.simulation_cache import RECENTLY_COSTED, costing_key
+    from cost_model.simulator import simulated
+
+    graph, spec, name = gpt8
+    plan = megatron_plan(graph, fast_links_cluster(8), spec, name, tp=2, pp=2, micro_batch=2, recompute="none")  # dp = 2
+    for changes in ({"recompute": "full"}, {"dp_flavour": "zero1"}, {"recompute": "full", "dp_flavour": "zero1"}):
+        variant = dataclasses.replace(plan, **changes)
+        assert costing_key(variant, graph, plan.pipeline.micro_batches) in RECENTLY_COSTED.entries
+        reused = simulated(variant, graph)
+        RECENTLY_COSTED.entries.clear()
+        fresh = simulated(variant, graph)
+        assert reused.estimate == fresh.estimate and reused.strategies == fresh.strategies
+        assert reused.estimate != plan.estimate  # the variant does change the step or memory
+        simulated(plan, graph)  # costed again, for the next variant
