@@ -26,6 +26,9 @@ class Task:
     kind: str = "compute"  # compute | comm | p2p | optimizer
     start: float = 0.0
     finish: float = 0.0
+    # Set for a run of back-to-back pieces, (seconds, count): it ends exactly where that many
+    # tasks of its own would, each added to the clock in turn. ``duration`` is their sum.
+    pieces: tuple[tuple[float, int], ...] | None = None
 
 
 class TaskGraph:
@@ -40,6 +43,15 @@ class TaskGraph:
         task_id = len(self.tasks)
         self.tasks.append(Task(name, stream, max(0.0, duration), [d for d in deps if d is not None], kind))
         self._streams.setdefault(stream, []).append(task_id)
+        return task_id
+
+    def add_pieces(self, name: str, stream: tuple[str, str], pieces: list[tuple[float, int]], deps=(), kind: str = "compute") -> int:
+        """Append ``count`` back-to-back tasks of ``seconds`` for each (seconds, count) of
+        ``pieces``, all with the same ``deps``, as one task: the same finish time as adding
+        them one by one, without thousands of tasks (a large model's gradient buckets)."""
+        pieces = tuple((max(0.0, seconds), count) for seconds, count in pieces if count > 0)
+        task_id = self.add(name, stream, sum(seconds * count for seconds, count in pieces), deps, kind)
+        self.tasks[task_id].pieces = pieces
         return task_id
 
     def run(self, scale: dict[str, float] | None = None) -> float:
@@ -70,7 +82,16 @@ class TaskGraph:
                     if tasks[dep].finish > start:
                         start = tasks[dep].finish
                 task.start = start
-                task.finish = start + task.duration * scale.get(task.kind, 1.0)
+                factor = scale.get(task.kind, 1.0)
+                if task.pieces is None:
+                    task.finish = start + task.duration * factor
+                else:
+                    finish = start
+                    for seconds, count in task.pieces:
+                        seconds *= factor
+                        for _ in range(count):
+                            finish += seconds
+                    task.finish = finish
                 stream_free[stream] = task.finish
                 if task.finish > makespan:
                     makespan = task.finish

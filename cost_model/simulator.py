@@ -27,8 +27,9 @@ How a plan becomes a simulated step (FlexFlow's simulator, Daydream's task graph
    stages), the peak of activations held by in-flight micro-batches in the schedule, and
    communication buffers.
 
-Delta simulation (for MCMC): ``Simulator.replace(node, strategy)`` re-costs only that node
-and its consumers, then re-runs the schedule.
+Delta simulation (for MCMC): ``Simulator.replace(node, strategy)`` re-costs only that node,
+its consumers and the readers whose shared resharding moves, then re-runs the schedule
+(``Simulator.assign`` re-costs without re-running, for moves of several nodes).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from cost_model.compute import PRECISIONS, check_precision, op_times, optimizer_
 from cost_model.resharding import backward_collective, forward_collective
 from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
+from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, graph_facts
 from planner.graph import OpGraph, OpNode
 from planner.strategy import RECOMPUTE_MODES, CostParts, MemoryBreakdown, NodeStrategy, SimResult, TimelineEvent
 
@@ -143,18 +145,24 @@ class _Bucket:
         self.cap = defaults.DDP_FIRST_BUCKET_BYTES
         self.pending = 0.0
 
-    def fill(self, size: float, per_unit: bool, flush: bool) -> list[float]:
-        """Bucket sizes ready to reduce after adding ``size`` bytes of gradients."""
+    def fill(self, size: float, per_unit: bool, flush: bool) -> list[tuple[float, int]]:
+        """Buckets ready to reduce after adding ``size`` bytes of gradients, as (bucket
+        bytes, how many such buckets): a segment of a large model fills thousands of equal
+        buckets at once, which are counted rather than listed."""
         if per_unit:
-            return [size] if size else []
+            return [(size, 1)] if size else []
         ready = []
         self.pending += size
-        while self.pending >= self.cap:
-            ready.append(self.cap)
+        if self.pending >= self.cap and self.cap != defaults.DDP_BUCKET_BYTES:
+            ready.append((self.cap, 1))
             self.pending -= self.cap
             self.cap = defaults.DDP_BUCKET_BYTES
+        if self.pending >= self.cap:
+            full = int(self.pending // self.cap)
+            ready.append((self.cap, full))
+            self.pending -= full * self.cap
         if flush and self.pending > 0:
-            ready.append(self.pending)
+            ready.append((self.pending, 1))
             self.pending = 0.0
         return ready
 
@@ -182,24 +190,36 @@ class Simulator:
             key=lambda d: d.flops_for(PRECISIONS[plan.precision][0]),
         )
         self.activation_scale = PRECISIONS[plan.precision][1] / 4
-        self.nodes = {node.name: node for node in graph.nodes}
-        self.consumers: dict[str, list[str]] = {}
-        for node in graph.nodes:
-            for name in node.inputs:
-                self.consumers.setdefault(name, []).append(node.name)
-        self._kept: dict[str, bool] = {}
         self._groups = {axis: self._axis_group(axis) for axis in self.mesh.names}
-        self._cache: dict[tuple, NodeCost] = {}
         self._comm_cache: dict[tuple, float] = {}
+        self._segment_list: list[Segment] | None = None  # until a strategy changes
+        facts = graph_facts(graph)
+        self.nodes, self.consumers, self._kept, self._signature = facts.nodes, facts.consumers, facts.kept, facts.signature
+        key = costing_key(plan, graph, self.micro_batches)
+        costed = RECENTLY_COSTED.get(key)
+        if costed is not None:
+            # A plan that differs from one simulated before only in what node costs do not
+            # read (recomputation, dp flavour): its node costs and segments are the same.
+            self._cache, self._first_use, self.costs = dict(costed.cache), dict(costed.first_use), dict(costed.costs)
+            self._segment_list = costed.segments
+            return
+        self._cache: dict[tuple, NodeCost] = {}
         self._first_use: dict[tuple, str] = {}
         self._index_first_uses()
         self.costs: dict[str, NodeCost] = {node.name: self._node_cost(node) for node in graph.nodes}
+        self._segment_list = self._segments()
+        RECENTLY_COSTED.put(key, Costed(
+            keep=(plan.strategies, graph, facts, self.cluster), cache=dict(self._cache), first_use=dict(self._first_use),
+            costs=dict(self.costs), segments=self._segment_list,
+        ))
 
     # ------------------------------------------------------------------ public
 
     def run(self, trace: bool = True) -> SimResult:
         """Simulate one step of the plan with the current strategies."""
-        segments = self._segments()
+        if self._segment_list is None:
+            self._segment_list = self._segments()
+        segments = self._segment_list
         tasks, per_device = self._task_graph(segments)
         step = tasks.run()
         timeline = tuple(
@@ -237,7 +257,9 @@ class Simulator:
         recomputation mode: what pipeline stage slicing needs, from this one simulation
         (segment costs do not depend on which stage a segment is on)."""
         profiles = []
-        for segment in self._segments():
+        if self._segment_list is None:
+            self._segment_list = self._segments()
+        for segment in self._segment_list:
             by_mode = {mode: self._activation_bytes(segment, mode) for mode in RECOMPUTE_MODES}
             profiles.append(SegmentProfile(
                 name=segment.name,
@@ -259,30 +281,62 @@ class Simulator:
         """The plan's strategies with each node's simulated cost parts for one step
         (all micro-batches), so reports can say where the time goes."""
         steps = self.micro_batches
+        parts: dict[int, CostParts] = {}  # twins of repeated blocks share their NodeCost
         annotated = []
         for node in self.graph.nodes:
             cost = self.costs[node.name]
-            annotated.append(dataclass_replace(
-                self.strategies[node.name],
-                cost=CostParts(
+            if id(cost) not in parts:
+                parts[id(cost)] = CostParts(
                     compute_s=(cost.forward_s + cost.backward_s) * steps,
                     communication_s=(cost.forward_comm_s + cost.backward_comm_s) * steps,
                     memory_bytes=int(cost.saved_bytes * steps),
-                ),
-            ))
+                )
+            annotated.append(self.strategies[node.name].replaced(cost=parts[id(cost)]))
         return tuple(annotated)
 
     def replace(self, node_name: str, strategy: NodeStrategy) -> SimResult:
         """Delta simulation: change one node's strategy, re-cost it and its consumers, re-run."""
+        self.assign(node_name, strategy)
+        return self.run(trace=False)
+
+    def assign(self, node_name: str, strategy: NodeStrategy) -> None:
+        """Change one node's strategy and re-cost what it affects, without re-running the
+        schedule: a move of several nodes (or its undo) runs once, after its last change."""
+        old = self.strategies[node_name]
         self.strategies[node_name] = strategy
-        before = self._first_use
-        self._index_first_uses()
-        # Readers that start or stop paying a shared resharding must be re-costed too.
-        moved = {before.get(key) for key in set(before) | set(self._first_use) if before.get(key) != self._first_use.get(key)}
-        moved |= {self._first_use.get(key) for key in set(before) | set(self._first_use) if before.get(key) != self._first_use.get(key)}
+        self._segment_list = None
+        node = self.nodes[node_name]
+        # Only the (tensor, placement) keys this node reads, before or after, can change
+        # their first reader; readers that start or stop paying a shared resharding are
+        # re-costed too.
+        keys = {self._read_key(node, old, position) for position in range(len(node.inputs))}
+        keys |= {self._read_key(node, strategy, position) for position in range(len(node.inputs))}
+        moved = set()
+        for key in keys:
+            before = self._first_use.get(key)
+            after = self._first_reader(key)
+            if after is None:
+                self._first_use.pop(key, None)
+            else:
+                self._first_use[key] = after
+            if before != after:
+                moved |= {before, after}
         for name in {node_name, *self.consumers.get(node_name, []), *(m for m in moved if m)}:
             self.costs[name] = self._node_cost(self.nodes[name])
-        return self.run(trace=False)
+
+    @staticmethod
+    def _read_key(node: OpNode, strategy: NodeStrategy, position: int) -> tuple:
+        """The (tensor, placement) ``node`` reads at input ``position`` under ``strategy``."""
+        return (node.inputs[position], strategy.inputs[position] if position < len(strategy.inputs) else None)
+
+    def _first_reader(self, key: tuple) -> str | None:
+        """The first node, in graph order, that reads ``key``'s tensor in ``key``'s placement."""
+        name = key[0]
+        for reader in self.consumers.get(name, ()):
+            node, strategy = self.nodes[reader], self.strategies[reader]
+            if any(source == name and self._read_key(node, strategy, position) == key for position, source in enumerate(node.inputs)):
+                return reader
+        return None
 
     # ----------------------------------------------------------- node costs
 
@@ -324,8 +378,8 @@ class Simulator:
                 continue
             edges.append((position, producer.outputs[0], wanted))
         key = (
-            node.op, node.input_meta, node.output_meta, node.flops, node.bytes_moved, node.params and len(node.params),
-            self._kept_for_backward(node.name), strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges),
+            self._signature[node.name], self._kept_for_backward(node.name),
+            strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges),
         )
         if key not in self._cache:
             self._cache[key] = self._compute_node_cost(node, strategy, edges)
@@ -647,8 +701,11 @@ class Simulator:
                 continue
             grads = sum(segment.params[name] for name in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
             final = position == len(segments) - 1
-            for size in bucket.fill(grads, per_unit=fsdp, flush=final):
-                sync_after.setdefault(device, []).append(self._gradient_sync(graph, device, segment.name, size, last))
+            ready = bucket.fill(grads, per_unit=fsdp, flush=final)
+            if ready:
+                # The buckets a segment fills are all ready when its backward ends and run one
+                # after another on the collective stream: one task of all of them.
+                sync_after.setdefault(device, []).append(self._gradient_sync(graph, device, segment.name, ready, last))
         return last
 
     def _backward_comm(self, segment: Segment, recompute: str) -> float:
@@ -671,13 +728,14 @@ class Simulator:
         size = sum(segment.params.values()) * _PARAM_BYTES[self.plan.precision][0]
         return graph.add(name, (device, "collective"), self._collective("all_gather", size, "dp"), deps=deps, kind="comm")
 
-    def _gradient_sync(self, graph, device, name: str, size: float, after: int) -> int:
-        """Data-parallel reduction of one bucket of gradients, once its backward is done."""
+    def _gradient_sync(self, graph, device, name: str, buckets: list[tuple[float, int]], after: int) -> int:
+        """Data-parallel reduction of the gradient buckets (bytes, count) one segment's
+        backward filled, once that backward is done: each bucket is its own collective."""
         kind = "reduce_scatter" if self.plan.dp_flavour in ("zero2", "fsdp") else "all_reduce"
-        return graph.add(
-            f"{kind.replace('_', '-')} grads ({name})", (device, "collective"), self._collective(kind, size, "dp"),
-            deps=[after], kind="comm",
-        )
+        pieces = [(self._collective(kind, size, "dp"), count) for size, count in buckets]
+        count = sum(count for _, count in buckets)
+        label = f"{kind.replace('_', '-')} grads ({name}{f', {count} buckets' if count > 1 else ''})"
+        return graph.add_pieces(label, (device, "collective"), pieces, deps=[after], kind="comm")
 
     def _boundary_bytes(self, chunk_segments: dict[int, list[Segment]], vs: int) -> float:
         """Activation bytes a micro-batch carries from virtual stage ``vs`` to ``vs + 1``."""

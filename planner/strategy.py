@@ -206,6 +206,19 @@ class NodeStrategy:
     cost: CostParts = CostParts()
     produced: tuple[Placements, ...] | None = None
 
+    def replaced(self, **changes) -> "NodeStrategy":
+        """``dataclasses.replace(self, **changes)``, several times faster: a strategy has
+        nothing to validate, so its fields are copied rather than passed through
+        ``__init__`` (searches copy hundreds of thousands: clones for repeated blocks,
+        cost annotations of every simulated plan)."""
+        unknown = set(changes) - set(self.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"NodeStrategy has no field(s) {', '.join(sorted(unknown))}")
+        copy = object.__new__(NodeStrategy)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.update(changes)
+        return copy
+
     def describe(self) -> str:
         """``(S(0), R) -> (S(0))``-style summary of inputs and outputs."""
         ins = ", ".join(placements_str(p) for p in self.inputs)

@@ -33,14 +33,8 @@ def clone_strategy(strategy: NodeStrategy, graph: OpGraph, name: str) -> NodeStr
     """``strategy`` of a block-0 node, made for its twin ``name`` (own module and parameters)."""
     source, target = graph.node(strategy.node), graph.node(name)
     renamed = dict(zip(source.params, target.params))
-    # Not dataclasses.replace, which runs __init__ again: every candidate of every twin is
-    # cloned (about 70,000 at GPT-3's depth on a tp=8 mesh), and the clones were a third of
-    # the cost tables' time. NodeStrategy has no __post_init__ to skip.
-    clone = object.__new__(NodeStrategy)
-    clone.__dict__.update(
-        strategy.__dict__,
+    return strategy.replaced(
         node=name,
         module=target.module,
         params={renamed.get(param, param): placements for param, placements in strategy.params.items()},
     )
-    return clone

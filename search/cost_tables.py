@@ -131,20 +131,16 @@ def build_cost_tables(
             tables.candidates[node.name] = [_cost(simulator, node, s) for s in strategies_of[node.name]]
         else:
             tables.candidates[node.name] = [
-                _with_strategy(c, clone_strategy(c.strategy, graph, node.name)) for c in tables.candidates[twin]
+                Candidate(
+                    strategy=clone_strategy(c.strategy, graph, node.name), compute_s=c.compute_s,
+                    communication_s=c.communication_s, memory_bytes=c.memory_bytes, gradient_reductions=c.gradient_reductions,
+                )
+                for c in tables.candidates[twin]
             ]
         for position, source in enumerate(node.inputs):
             if source in names:
                 tables.edges.append((source, node.name, position))
     return tables
-
-
-def _with_strategy(candidate: Candidate, strategy: NodeStrategy) -> Candidate:
-    """``candidate`` for a twin node; not ``dataclasses.replace``, for speed (see
-    ``search.blocks.clone_strategy``)."""
-    clone = object.__new__(Candidate)
-    clone.__dict__.update(candidate.__dict__, strategy=strategy)
-    return clone
 
 
 def _cost(simulator: Simulator, node: OpNode, strategy: NodeStrategy) -> Candidate:

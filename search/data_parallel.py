@@ -121,6 +121,11 @@ def accumulating(plan: Plan, graph: OpGraph) -> Plan | None:
     the data-parallel reduction as rare; only activations shrink with more."""
     if plan.estimate.fits or plan.pipeline is not None:
         return None
+    memory = plan.estimate.memory
+    if memory.total - memory.activations > plan.estimate.device_memory_bytes:
+        # Micro-batches shrink only the activations: weights, gradients, optimizer states
+        # and communication buffers alone overflow the device, so no count can fit.
+        return None
     dp = plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else 1
     local = plan.batch_size // dp
     steps = 2

@@ -101,7 +101,8 @@ def mcmc(
                 moves[other] = trial[other] = _cheapest(tables, other, trial, neighbours)
         undo = {node: choice[node] for node in moves}
         for node, index in moves.items():
-            result = simulator.replace(node, tables.candidates[node][index].strategy)
+            simulator.assign(node, tables.candidates[node][index].strategy)
+        result = simulator.run(trace=False)
         proposed = score(result)
         heat = scale * 0.01 ** min(1.0, since_best / patience)
         if proposed <= current or rng.random() < math.exp(-(proposed - current) / heat):
@@ -112,8 +113,8 @@ def mcmc(
                 best_choice, best_result, best = dict(choice), result, proposed
                 since_best = -1
         else:
-            for node, index in undo.items():
-                simulator.replace(node, tables.candidates[node][index].strategy)
+            for node, index in undo.items():  # back to the current assignment: no run needed
+                simulator.assign(node, tables.candidates[node][index].strategy)
         since_best += 1
         if on_step is not None:
             on_step(steps)

@@ -63,6 +63,36 @@ def test_accumulation_holds_one_micro_batch_and_reduces_once(gpt_world2):
     assert accumulated.name == "ddp (dp=2; 4 micro-batches)"
 
 
+def _with_device_memory(cluster, memory_bytes):
+    nodes = tuple(dataclasses.replace(n, device=dataclasses.replace(n.device, memory_bytes=memory_bytes)) for n in cluster.nodes)
+    return dataclasses.replace(cluster, nodes=nodes)
+
+
+@pytest.mark.parametrize("flavour", ["ddp", "zero1", "zero2", "fsdp"])
+def test_accumulating_stops_when_what_micro_batches_cannot_shrink_overflows(gpt_world2, flavour, monkeypatch):
+    # Micro-batches shrink the activations only: every other part of a device's memory is the
+    # same at any count, so when those parts alone overflow, no count is simulated at all.
+    # Just above them, accumulation is tried and found.
+    from cost_model.simulator import simulated
+    from search import data_parallel
+    from search.data_parallel import accumulating
+
+    graph, spec, name, cluster = gpt_world2
+    whole = data_parallel_plan(graph, cluster, spec, name, flavour).estimate.memory
+    for steps in (2, 4):
+        memory = simulated(dataclasses.replace(data_parallel_plan(graph, cluster, spec, name, flavour), accumulation_steps=steps), graph).estimate.memory
+        assert memory.total - memory.activations == whole.total - whole.activations
+    static = whole.total - whole.activations
+    tight = data_parallel_plan(graph, _with_device_memory(cluster, static - 1), spec, name, flavour)
+    roomy = data_parallel_plan(graph, _with_device_memory(cluster, static + whole.activations // 2), spec, name, flavour)
+    simulations = []
+    monkeypatch.setattr(data_parallel, "simulated", lambda *a: simulations.append(a) or simulated(*a))
+    assert accumulating(tight, graph) is None
+    assert simulations == []
+    found = accumulating(roomy, graph)
+    assert found is not None and found.estimate.fits and found.accumulation_steps == 2
+
+
 def test_bad_accumulation_is_refused_in_one_line(gpt_world2):
     graph, spec, name, cluster = gpt_world2
     plan = data_parallel_plan(graph, cluster, spec, name, "ddp")

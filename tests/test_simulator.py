@@ -374,6 +374,29 @@ def test_delta_simulation_moves_a_shared_resharding():
     assert delta.step_time_s == pytest.approx(fresh.step_time_s)
 
 
+def test_assigned_moves_run_once_and_their_undo_restores_every_cost():
+    # A move of several nodes is assigned node by node and run once (as MCMC does): the same
+    # node costs (fc1, now the first reader of (h, R), pays the all-gather; fc2 reuses it) and
+    # estimate as a fresh simulation of the moved plan. Assigning the old strategies back
+    # restores every node cost.
+    graph, _, name, cluster = prepare_model(SharedInput(), "dgx-a100-80g:1x2", (torch.randn(32, 64),))
+    plan = data_parallel_plan(graph, cluster, None, name, "ddp")
+    fc1, fc2 = (next(s for s in plan.strategies if s.module == module) for module in ("fc1", "fc2"))
+    sim = Simulator(plan, graph)
+    before, costs_before = sim.run(), dict(sim.costs)
+    moved = {fc2.node: _gather_activation_input(fc2), fc1.node: _gather_activation_input(fc1)}
+    for node, strategy in moved.items():
+        sim.assign(node, strategy)
+    fresh = Simulator(_with(plan, moved), graph)
+    assert sim.costs == fresh.costs
+    assert sim.run().step_time_s == pytest.approx(fresh.run().step_time_s)
+    assert sim.run().step_time_s > before.step_time_s  # fc1 now pays an all-gather of h
+    for node in moved:
+        sim.assign(node, next(s for s in plan.strategies if s.node == node))
+    assert sim.costs == costs_before
+    assert sim.run().step_time_s == before.step_time_s
+
+
 # ------------------------------------------------------------ 6. chrome trace
 
 
@@ -499,3 +522,62 @@ def test_each_stage_recomputes_as_its_own_mode_says(gpt8):
     assert mixed.stage_memory[0].activations == full.stage_memory[0].activations
     assert mixed.stage_memory[1].activations == none.stage_memory[1].activations
     assert full.step_time_s > mixed.step_time_s > none.step_time_s
+
+
+def test_a_strategy_replaced_equals_dataclasses_replace(gpt8):
+    # NodeStrategy.replaced copies fields instead of calling __init__ (the search copies
+    # hundreds of thousands); it must give what dataclasses.replace gives, and refuse a typo.
+    graph, spec, name = gpt8
+    strategy = megatron_plan(graph, fast_links_cluster(2), spec, name, tp=2).strategies[5]
+    for changes in ({"stage": 3}, {"node": "other", "module": "blocks.9"}, {"cost": dataclasses.replace(strategy.cost, compute_s=1.5)}):
+        fast, slow = strategy.replaced(**changes), dataclasses.replace(strategy, **changes)
+        assert fast == slow and type(fast) is type(slow) and fast is not strategy
+    assert strategy.stage == 0  # the original is untouched
+    with pytest.raises(TypeError, match="stagee"):
+        strategy.replaced(stagee=1)
+
+
+@pytest.mark.parametrize("scale", [None, {"comm": 0.0}, {"comm": 0.5}])
+def test_scheduler_pieces_end_where_their_tasks_would(scale):
+    # Thousands of equal gradient buckets become one task of pieces: it must finish exactly
+    # (to the last bit) where the tasks added one by one finish, after a busy stream and a
+    # dependency that ends later, and scale as they do.
+    pieces = [(1e-3 / 3, 1), (0.1 / 7, 1000), (2e-5, 1)]
+
+    def graph(as_pieces: bool) -> TaskGraph:
+        tasks = TaskGraph()
+        compute = tasks.add("backward", ("d", "compute"), 0.3)
+        tasks.add("earlier sync", ("d", "collective"), 0.1, kind="comm")
+        if as_pieces:
+            tasks.add_pieces("buckets", ("d", "collective"), pieces, deps=[compute], kind="comm")
+        else:
+            for seconds, count in pieces:
+                for _ in range(count):
+                    tasks.add("bucket", ("d", "collective"), seconds, deps=[compute], kind="comm")
+        tasks.add("after", ("d", "collective"), 0.01, kind="comm")
+        return tasks
+
+    merged, one_by_one = graph(True), graph(False)
+    assert merged.run(scale) == one_by_one.run(scale)
+    assert len(merged.tasks) == 4 and merged.tasks[2].duration == pytest.approx(1e-3 / 3 + 100 / 7 + 2e-5)
+    assert merged.tasks[2].start == 0.3 and merged.tasks[2].finish == one_by_one.tasks[-2].finish
+
+
+def test_reused_node_costs_give_what_costing_afresh_gives(gpt8):
+    # A variant of a plan that differs in recomputation or dp flavour takes the node costs
+    # and segments of the plan simulated before it (cost_model.simulation_cache): its
+    # estimate and annotated strategies must equal those of a simulation from nothing.
+    from cost_model.simulation_cache import RECENTLY_COSTED, costing_key
+    from cost_model.simulator import simulated
+
+    graph, spec, name = gpt8
+    plan = megatron_plan(graph, fast_links_cluster(8), spec, name, tp=2, pp=2, micro_batch=2, recompute="none")  # dp = 2
+    for changes in ({"recompute": "full"}, {"dp_flavour": "zero1"}, {"recompute": "full", "dp_flavour": "zero1"}):
+        variant = dataclasses.replace(plan, **changes)
+        assert costing_key(variant, graph, plan.pipeline.micro_batches) in RECENTLY_COSTED.entries
+        reused = simulated(variant, graph)
+        RECENTLY_COSTED.entries.clear()
+        fresh = simulated(variant, graph)
+        assert reused.estimate == fresh.estimate and reused.strategies == fresh.strategies
+        assert reused.estimate != plan.estimate  # the variant does change the step or memory
+        simulated(plan, graph)  # costed again, for the next variant

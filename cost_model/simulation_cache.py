@@ -1,0 +1,104 @@
+"""What simulators share: per-graph facts, and the node costs of plans simulated lately.
+
+A search simulates thousands of nodes for every plan, and many plans in a row differ only in
+what node costs do not read (recomputation, the dp flavour): ``Simulator`` takes their node
+costs and segments from ``RECENTLY_COSTED`` rather than costing every node again, and the
+facts that depend on the graph alone from ``graph_facts``. Both give exactly what computing
+afresh gives; they only skip the work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from planner.graph import OpGraph, OpNode
+
+if TYPE_CHECKING:
+    from cost_model.simulator import NodeCost, Segment
+
+
+@dataclass
+class Costed:
+    """What a ``Simulator`` derives from a plan's strategies before scheduling anything."""
+
+    keep: tuple  # the strategies, graph, its facts and the cluster the key's identities belong to
+    cache: dict[tuple, NodeCost]
+    first_use: dict[tuple, str]
+    costs: dict[str, NodeCost]
+    segments: list[Segment]
+
+
+@dataclass
+class GraphFacts:
+    """What simulators of one graph share whatever the plan: nodes by name, the readers of
+    every tensor, whether autograd keeps each output (filled as asked), and each node's
+    signature: equal for nodes whose op, shapes, FLOPs, bytes and parameter count are equal
+    (their costs under equal placements are equal)."""
+
+    graph: OpGraph
+    node_list: tuple[OpNode, ...]  # the graph's nodes when these facts were taken
+    nodes: dict[str, OpNode]
+    consumers: dict[str, list[str]]
+    kept: dict[str, bool]
+    signature: dict[str, int]
+
+
+_FACTS: dict[int, GraphFacts] = {}
+
+
+def graph_facts(graph: OpGraph) -> GraphFacts:
+    """The facts of ``graph``, taken once while its node list stays the same."""
+    facts = _FACTS.get(id(graph))
+    if facts is not None and facts.graph is graph and facts.node_list == tuple(graph.nodes):
+        return facts
+    consumers: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        for name in node.inputs:
+            consumers.setdefault(name, []).append(node.name)
+    signatures: dict[tuple, int] = {}
+    signature = {
+        node.name: signatures.setdefault(
+            (node.op, node.input_meta, node.output_meta, node.flops, node.bytes_moved, node.params and len(node.params)),
+            len(signatures),
+        )
+        for node in graph.nodes
+    }
+    facts = GraphFacts(graph, tuple(graph.nodes), {node.name: node for node in graph.nodes}, consumers, {}, signature)
+    _FACTS[id(graph)] = facts
+    while len(_FACTS) > 4:  # the graph entry keeps its id from being reused while it stays
+        del _FACTS[next(iter(_FACTS))]
+    return facts
+
+
+class RecentlyCosted:
+    """The node costs and segments of the last few plans simulated, by ``costing_key``.
+    A search simulates each layout again with every recomputation mode and dp flavour,
+    which change neither (a few entries suffice: those variants are built in a row)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: dict[tuple, Costed] = {}
+
+    def get(self, key: tuple) -> Costed | None:
+        return self.entries.get(key)
+
+    def put(self, key: tuple, costed: Costed) -> None:
+        self.entries[key] = costed
+        while len(self.entries) > self.size:
+            del self.entries[next(iter(self.entries))]
+
+
+RECENTLY_COSTED = RecentlyCosted(size=8)
+
+
+def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
+    """What node costs and segments depend on: the graph, cluster, mesh, precision and
+    micro-batch count, and each node's placements, parameters and stage. Placements are
+    compared by identity (a variant made with ``dataclasses.replace`` shares them; hashing
+    thousands of placements by value costs more than costing the nodes); the entry keeps
+    those objects alive, so an identity cannot be reused by another object."""
+    return (
+        id(graph), id(graph_facts(graph)), id(plan.cluster), plan.mesh, plan.precision, micro_batches,
+        tuple((s.node, id(s.inputs), id(s.outputs), id(s.params), id(s.produced), s.stage) for s in plan.strategies),
+    )
