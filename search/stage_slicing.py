@@ -77,6 +77,11 @@ class _SpanCosts:
         fits = self.span & (self.static + in_flight * self.activations + self.transient <= capacity)
         return np.where(fits, self.seconds, np.inf)
 
+    def seconds_at(self, start: int, end: int, in_flight: int, capacity: float) -> float:
+        """``seconds_if_fits`` of the one span ``start..end``."""
+        needed = self.static[start, end] + in_flight * self.activations[start, end] + self.transient[start, end]
+        return float(self.seconds[start, end]) if needed <= capacity else np.inf
+
 
 def slice_stages(
     costs: Sequence[SegmentCost] | Mapping[str, Sequence[SegmentCost]],
@@ -105,17 +110,16 @@ def slice_stages(
     spans = [_SpanCosts(c) for c in by_mode.values()]
     best = np.full(n + 1, np.inf)
     best[0] = 0.0
-    starts_of, mode_of = [], []
+    starts_of = []
     for s in range(stages):
-        per_mode = np.stack([span.seconds_if_fits(in_flight[s], capacity) for span in spans])
-        chosen = np.argmin(per_mode, axis=0)  # the first (preferred) mode on a tie
-        seconds = np.take_along_axis(per_mode, chosen[None], axis=0)[0]
+        seconds = spans[0].seconds_if_fits(in_flight[s], capacity)
+        for span in spans[1:]:  # each span's fastest mode that fits
+            np.minimum(seconds, span.seconds_if_fits(in_flight[s], capacity), out=seconds)
         candidates = np.maximum(best[:, None], seconds)
         # argmin over the reversed starts: on a tie the latest start, the shortest stage.
         latest = n - np.argmin(candidates[::-1, :], axis=0)
         best = candidates[latest, np.arange(n + 1)]
         starts_of.append(latest)
-        mode_of.append(chosen)
     if not np.isfinite(best[n]):
         return None
     names = list(by_mode)
@@ -123,7 +127,9 @@ def slice_stages(
     for s in range(stages - 1, -1, -1):
         begin = int(starts_of[s][end])
         counts.append(end - begin)
-        modes.append(names[int(mode_of[s][begin, end])])
+        # The stage's mode: its fastest that fits (the first listed on a tie).
+        times = [span.seconds_at(begin, end, in_flight[s], capacity) for span in spans]
+        modes.append(names[times.index(min(times))])
         end = begin
     chose = isinstance(costs, Mapping)
     return Slicing(tuple(reversed(counts)), float(best[n]), tuple(reversed(modes)) if chose else ())
