@@ -152,7 +152,7 @@ def moe_layer_cost(
                      layer.experts * layer.expert_parameters * element / devices,
                      sum(computed) * layer.hidden * element)
 
-    placement = placement or _round_robin(layer.experts, devices)
+    placement = placement or ExpertPlacement.round_robin(layer.experts, devices)
     if placement.devices != devices or placement.experts != layer.experts:
         raise ValueError(
             f"the placement is for {placement.experts} experts on {placement.devices} devices, "
@@ -195,7 +195,3 @@ def _all_to_all(size_bytes: float, cluster: Cluster, ranks: Sequence[int], algor
     if algorithm == "hierarchical" and "hierarchical" in times:
         return times["hierarchical"]
     return times["pairwise"]
-
-
-def _round_robin(experts: int, devices: int) -> ExpertPlacement:
-    return ExpertPlacement(devices, tuple(((e % devices, 1.0),) for e in range(experts)), "round-robin")

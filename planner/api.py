@@ -128,7 +128,7 @@ def plan(
             )
             search = "dp"
         if search == "dp" or dp_flavour is not None:
-            _refuse_slices_of_a_coupled_batch(graph, "--dp / search='dp'" if dp_flavour or search == "dp" else "")
+            _refuse_slices_of_a_coupled_batch(graph)
             chosen = plan_data_parallel(
                 graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=warnings,
                 precision=precision,
@@ -147,19 +147,19 @@ def plan(
     return dataclasses.replace(chosen, timings={"trace_s": traced_s, "search_s": total_s - traced_s, "total_s": total_s})
 
 
-def _refuse_slices_of_a_coupled_batch(graph, asked: str) -> None:
+def _refuse_slices_of_a_coupled_batch(graph) -> None:
     """Data-parallel wrappers run the model on each rank's slice of the batch: refuse them,
     in one line, for a model whose samples mix (``search.batch_coupling``)."""
-    from search.batch_coupling import batch_coupled_ops
+    from search.batch_coupling import batch_coupled_ops, coupled_modules
 
     coupled = batch_coupled_ops(graph)
     if not coupled:
         return
-    modules = ", ".join(dict.fromkeys(op.module or "the model's top level" for op in coupled))
+    modules = ", ".join(coupled_modules(coupled))
     why = "its backward is the model's own, which only data parallelism keeps, but " if graph.opaque_backward else ""
     raise PlanningError(
         f"{why}the model mixes the samples of its batch in {modules}, so data parallelism (each rank running the "
-        f"model on its slice of the batch) would compute a different step; plan it without {asked or 'data parallelism'} "
+        f"model on its slice of the batch) would compute a different step; plan it without --dp / search='dp' "
         f"(the search then keeps to programs over the whole batch)"
     )
 

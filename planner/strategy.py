@@ -132,6 +132,11 @@ class ExpertPlacement:
             if abs(sum(share for _, share in copies) - 1.0) > 1e-6:
                 raise ValueError(f"expert {expert}: the shares of its copies sum to {sum(s for _, s in copies):.6g}, not 1")
 
+    @classmethod
+    def round_robin(cls, experts: int, devices: int) -> "ExpertPlacement":
+        """Expert ``e`` whole on device ``e % devices``, one copy each."""
+        return cls(devices, tuple(((e % devices, 1.0),) for e in range(experts)), "round-robin")
+
     @property
     def experts(self) -> int:
         return len(self.replicas)

@@ -70,10 +70,15 @@ def batch_coupled_ops(graph: OpGraph) -> list[CoupledOp]:
     return coupled
 
 
+def coupled_modules(coupled: list[CoupledOp]) -> list[str]:
+    """The modules where the samples mix, each once, in graph order."""
+    return list(dict.fromkeys(op.module or "the model's top level" for op in coupled))
+
+
 def coupling_warning(coupled: list[CoupledOp]) -> str:
     """The one-line warning a plan carries for a model whose samples mix, naming the
     modules where they do."""
-    modules = list(dict.fromkeys(op.module or "the model's top level" for op in coupled))
+    modules = coupled_modules(coupled)
     shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
     return (
         f"the model mixes the samples of its batch in {shown}, so a step on slices of the batch would differ "

@@ -44,7 +44,7 @@ def round_robin(experts: int, devices: int) -> ExpertPlacement:
             f"round-robin placement needs the experts to divide evenly over the devices, got {experts} experts on "
             f"{devices} devices"
         )
-    return ExpertPlacement(devices, tuple(((e % devices, 1.0),) for e in range(experts)), "round-robin")
+    return ExpertPlacement.round_robin(experts, devices)
 
 
 def replica_counts(loads: Sequence[float], slots: int) -> list[int]:
