@@ -272,6 +272,10 @@ FIELDS = [
     Field("precision", _set("precision"), _always, "'precision'"),
     Field("optimizer", _set("optimizer"), _always, "'optimizer'"),
     Field("pipeline.schedule", _set("pipeline", "schedule"), _always, "field 'pipeline'", kinds=("pp",)),
+    Field(
+        "pipeline.stage_recompute[0]", lambda plan, payload, _: plan["pipeline"].__setitem__("stage_recompute", [payload]),
+        _always, "field 'pipeline'", kinds=("pp",),
+    ),
     Field("summary.parameter_bytes (a number given text)", _set("summary", "parameter_bytes"), _always, "'summary.parameter_bytes'"),
 ]
 
