@@ -26,6 +26,8 @@ from planner.strategy import (
     RECOMPUTE_MODES,
     Alternative,
     CostParts,
+    ExpertLayout,
+    ExpertPlacement,
     Mesh,
     NodeStrategy,
     MemoryBreakdown,
@@ -39,7 +41,7 @@ from planner.strategy import (
 
 PLAN_FORMAT = "soap-planner-plan"
 # Version 3 added model_fingerprint (planner/fingerprint.py).
-PLAN_VERSION = 5  # 4: accumulation_steps; 5: pipeline.stage_recompute
+PLAN_VERSION = 6  # 4: accumulation_steps; 5: pipeline.stage_recompute; 6: expert_layouts
 # Precisions a plan is made in (the API also takes "auto", resolved before planning).
 PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
@@ -87,6 +89,9 @@ class Plan:
             accumulation: the activations of one micro-batch at a time). 1 for none; a
             pipeline has its own micro-batches.
         fsdp_units: module paths sharded as separate FSDP units (the root is always one).
+        expert_layouts: how each MoE layer runs (``ExpertLayout``: mode, placement of its
+            experts, capacity factor, all-to-all), by module path; empty for a dense model
+            or a plan that runs MoE layers as traced ops.
         precision: ``fp32`` (mixed precision comes with the simulator).
         optimizer: the optimizer the step uses (``adamw``).
         summary: a summary of the traced model, for the report.
@@ -118,6 +123,7 @@ class Plan:
     pipeline: PipelineConfig | None = None
     accumulation_steps: int = 1
     fsdp_units: tuple[str, ...] = ()
+    expert_layouts: tuple[ExpertLayout, ...] = ()
     precision: str = "fp32"
     optimizer: str = "adamw"
     runners_up: tuple[Alternative, ...] = ()
@@ -182,6 +188,7 @@ class Plan:
             raise ValueError(
                 f"mesh {self.mesh} has {self.mesh.size} ranks but the cluster has {self.cluster.world_size} devices"
             )
+        _check_expert_layouts(self.expert_layouts, self.mesh)
 
     @property
     def world_size(self) -> int:
@@ -250,6 +257,7 @@ class Plan:
             "batch_size": self.batch_size,
             "inputs": {name: placements_to_json(p) if p is not None else None for name, p in self.inputs.items()},
             "fsdp_units": list(self.fsdp_units),
+            "expert_layouts": [expert_layout_to_dict(layout) for layout in self.expert_layouts],
             "summary": vars(self.summary),
             "estimate": self.estimate.to_dict(),
             "runners_up": [vars(alt) for alt in self.runners_up],
@@ -314,6 +322,10 @@ class Plan:
                 pipeline=reader.convert("pipeline", _pipeline_from_dict, TypeError, ValueError),
                 accumulation_steps=reader.get("accumulation_steps", int),
                 fsdp_units=tuple(reader.strings("fsdp_units")),
+                expert_layouts=tuple(
+                    expert_layout_from_dict(_Reader(item, source, f"expert_layouts[{index}]"))
+                    for index, item in enumerate(reader.get("expert_layouts", list))
+                ),
                 precision=reader.get("precision", str),
                 optimizer=reader.get("optimizer", str),
                 runners_up=tuple(reader.convert("runners_up", lambda d: [Alternative(**a) for a in d], TypeError)),
@@ -399,6 +411,13 @@ class _Reader:
         if key not in self.data:
             raise PlanFileError(f"{self.source}: field '{self._field(key)}' is missing")
         return _Reader(self.data[key], self.source, self._field(key))
+
+    def convert_value(self, build: Callable[[], T], *errors: type[Exception]) -> T:
+        """``build()``, its errors named as this object's (the whole entry is invalid)."""
+        try:
+            return build()
+        except errors as error:
+            raise PlanFileError(f"{self.source}: field '{self.prefix}' is invalid: {one_line(error)}") from None
 
     def convert(self, key: str, build: Callable[[Any], T], *errors: type[Exception]) -> T:
         if key not in self.data:
@@ -489,6 +508,84 @@ def _estimate_from(reader: _Reader) -> SimResult:
         mfu=reader.get("mfu", float),
         bytes_per_axis={str(k): float(v) for k, v in reader.get("bytes_per_axis", dict).items()},
         bubble_fraction=reader.get("bubble_fraction", float),
+    )
+
+
+def _check_expert_layouts(layouts: tuple[ExpertLayout, ...], mesh: Mesh) -> None:
+    """Each MoE layer once, on an axis of the mesh, its placement over that axis's ranks."""
+    seen = set()
+    for layout in layouts:
+        where = f"expert layout of '{one_line(layout.module)[:80]}'"
+        if layout.module in seen:
+            raise ValueError(f"{where} is given twice; give each MoE layer one layout")
+        seen.add(layout.module)
+        if layout.axis not in mesh.names:
+            raise ValueError(f"{where} runs over axis '{one_line(layout.axis)[:20]}', which mesh {mesh} does not have")
+        if layout.placement is not None and layout.placement.devices != mesh.axis_size(layout.axis):
+            raise ValueError(
+                f"{where} places experts on {layout.placement.devices} devices but axis {layout.axis} has "
+                f"{mesh.axis_size(layout.axis)} ranks"
+            )
+
+
+def expert_layout_to_dict(layout: ExpertLayout) -> dict[str, Any]:
+    """The JSON form of one MoE layer's layout (inside a plan's ``expert_layouts``)."""
+    placement = layout.placement
+    return {
+        "module": layout.module,
+        "mode": layout.mode,
+        "experts": layout.experts,
+        "top_k": layout.top_k,
+        "capacity_factor": layout.capacity_factor,
+        "axis": layout.axis,
+        "all_to_all": layout.all_to_all,
+        "placement": None if placement is None else {
+            "devices": placement.devices,
+            "replicas": [[[device, share] for device, share in copies] for copies in placement.replicas],
+            "method": placement.method,
+        },
+        "routing": layout.routing,
+        "expert_loads": list(layout.expert_loads),
+        "cost": vars(layout.cost),
+    }
+
+
+def expert_layout_from_dict(reader: "_Reader") -> ExpertLayout:
+    """Validate and rebuild one ``expert_layouts`` entry; ``PlanFileError`` names the field."""
+    placement = None
+    if reader.data.get("placement") is not None:
+        child = reader.child("placement")
+        replicas = []
+        for expert, copies in enumerate(child.get("replicas", list)):
+            if not isinstance(copies, list) or not all(
+                isinstance(c, list) and len(c) == 2 and type(c[0]) is int and type(c[1]) in (int, float) for c in copies
+            ):
+                raise PlanFileError(
+                    f"{reader.source}: field '{child.prefix}.replicas[{expert}]' must be a list of [device, share] pairs"
+                )
+            replicas.append(tuple((device, float(share)) for device, share in copies))
+        placement = child.convert_value(
+            lambda: ExpertPlacement(child.get("devices", int), tuple(replicas), one_line(child.get("method", str))[:80]),
+            ValueError, TypeError,
+        )
+    loads = reader.get("expert_loads", list)
+    if not all(type(load) in (int, float) for load in loads):
+        raise PlanFileError(f"{reader.source}: field '{reader.prefix}.expert_loads' must be a list of numbers")
+    return reader.convert_value(
+        lambda: ExpertLayout(
+            module=reader.get("module", str),
+            mode=reader.get("mode", str),
+            experts=reader.get("experts", int),
+            top_k=reader.get("top_k", int),
+            capacity_factor=reader.get("capacity_factor", float),
+            axis=reader.get("axis", str),
+            all_to_all=reader.get("all_to_all", str),
+            placement=placement,
+            routing=reader.get("routing", str),
+            expert_loads=tuple(float(load) for load in loads),
+            cost=reader.convert("cost", lambda d: CostParts(**d), TypeError),
+        ),
+        ValueError, TypeError,
     )
 
 

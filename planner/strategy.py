@@ -155,17 +155,65 @@ class ExpertPlacement:
         return loads
 
 
+EXPERT_MODES = ("expert_parallel", "data_parallel", "expert_sliced")
+ALL_TO_ALL_ALGORITHMS = ("flat", "hierarchical")
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
-    """Placement of an MoE layer: which device group holds which experts, and how tokens move."""
+    """How one MoE layer runs (Tutel's three modes; DESIGN.md, "Mixture-of-Experts").
 
-    expert_groups: tuple[tuple[int, ...], ...]
-    mode: str = "expert_parallel"
-    capacity_factor: float = 1.25
+    ``mode``:
+      - ``expert_parallel``: the experts are split over the ranks of mesh axis ``axis`` by
+        ``placement`` (a hot expert may have copies); each token travels to a device holding
+        its expert and back with two all-to-alls (``all_to_all``: ``flat``, or
+        ``hierarchical``: inside a node, then across nodes).
+      - ``data_parallel``: every rank holds every expert and runs its own tokens; the expert
+        gradients are averaged over ``axis`` like any replicated weight.
+      - ``expert_sliced``: every expert's FFN is sliced over ``axis`` (its hidden width);
+        tokens are gathered, each rank computes its slice for all of them, and the partial
+        outputs are reduce-scattered back.
+
+    ``capacity_factor`` is the layer's own (0: dropless). ``expert_loads`` is each expert's
+    share of the routed choices the layer was planned with (summing to 1), from ``routing``
+    (``"uniform"``, ``"zipf:1.2"`` or ``"file:<name>"``; one line, report text only).
+    ``cost`` is the simulated forward + backward of the layer per step.
+    """
+
+    module: str
+    mode: str
+    experts: int
+    top_k: int
+    capacity_factor: float
+    axis: str = "dp"
+    all_to_all: str = "flat"
+    placement: ExpertPlacement | None = None
+    routing: str = "uniform"
+    expert_loads: tuple[float, ...] = ()
+    cost: CostParts = field(default_factory=lambda: CostParts())
 
     def __post_init__(self) -> None:
-        if self.capacity_factor <= 0:
-            raise ValueError(f"capacity_factor must be positive, got {self.capacity_factor}")
+        if self.mode not in EXPERT_MODES:
+            raise ValueError(f"expert mode must be one of {EXPERT_MODES}, got {str(self.mode)[:80]!r}")
+        if self.all_to_all not in ALL_TO_ALL_ALGORITHMS:
+            raise ValueError(f"all_to_all must be one of {ALL_TO_ALL_ALGORITHMS}, got {str(self.all_to_all)[:80]!r}")
+        if self.experts < 1 or not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"an MoE layer needs experts >= 1 and 1 <= top_k <= experts, got {self.experts}, {self.top_k}")
+        if not (self.capacity_factor >= 0 and math.isfinite(self.capacity_factor)):
+            raise ValueError(f"capacity_factor must be >= 0 (0: dropless), got {self.capacity_factor}")
+        if (self.placement is not None) != (self.mode == "expert_parallel"):
+            raise ValueError(f"an expert_parallel layer needs a placement and other modes none (mode {self.mode})")
+        if self.placement is not None and self.placement.experts != self.experts:
+            raise ValueError(f"the placement covers {self.placement.experts} experts but the layer has {self.experts}")
+        if self.expert_loads:
+            if len(self.expert_loads) != self.experts:
+                raise ValueError(f"expert_loads has {len(self.expert_loads)} entries but the layer has {self.experts} experts")
+            if any(not (load >= 0 and math.isfinite(load)) for load in self.expert_loads):
+                raise ValueError("expert_loads must be finite shares >= 0")
+            if abs(sum(self.expert_loads) - 1.0) > 1e-6:
+                raise ValueError(f"expert_loads must sum to 1, got {sum(self.expert_loads):.6g}")
+        if "\n" in self.routing or "\r" in self.routing or len(self.routing) > 200:
+            raise ValueError("routing must be one line of at most 200 characters")
 
 
 @dataclass(frozen=True)

@@ -204,3 +204,37 @@ def test_runners_up_keep_their_family_and_mfu_and_refuse_wrong_types(gpt_plan, p
     for alt in older["runners_up"]:
         del alt["mfu"], alt["family"]
     assert [alt.family for alt in load_plan(write(tmp_path, older)).runners_up] == [""] * len(older["runners_up"])
+
+
+def test_expert_layouts_round_trip_and_are_checked(gpt_plan, tmp_path):
+    # An MoE layer's mode, placement (a hot expert copied on two devices), loads and cost
+    # survive JSON; a layout whose placement does not fit the mesh, names an unknown mode, or
+    # whose loads do not sum to 1 is refused with the field named.
+    import dataclasses
+
+    from planner.strategy import CostParts, ExpertLayout, ExpertPlacement
+
+    placement = ExpertPlacement(2, (((0, 1.0),), ((0, 0.5), (1, 0.5)), ((1, 1.0),), ((1, 1.0),)), "balanced")
+    layout = ExpertLayout(
+        "transformer.h.1.moe", "expert_parallel", experts=4, top_k=2, capacity_factor=1.25, placement=placement,
+        routing="zipf:1.2", expert_loads=(0.1, 0.5, 0.3, 0.1), cost=CostParts(compute_s=1e-3, communication_s=2e-3),
+    )
+    plan = dataclasses.replace(gpt_plan, expert_layouts=(layout,))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert load_plan(path) == plan
+    data = json.loads(path.read_text())
+    for change, message in (
+        (lambda e: e["placement"].__setitem__("devices", 4), "places experts on 4 devices but axis dp has 2 ranks"),
+        (lambda e: e["placement"]["replicas"].__setitem__(1, [[0, 0.5], [1, 0.4]]), "shares of its copies sum to 0.9"),
+        (lambda e: e["placement"]["replicas"].__setitem__(1, [["0", 1.0]]), r"replicas\[1\]' must be a list of"),
+        (lambda e: e.__setitem__("mode", "everywhere"), "expert mode must be one of"),
+        (lambda e: e.__setitem__("expert_loads", [0.5, 0.5, 0.5, 0.5]), "expert_loads must sum to 1"),
+        (lambda e: e.__setitem__("axis", "tp"), "runs over axis 'tp', which mesh"),
+        (lambda e: e.__setitem__("routing", "a\nb"), "routing must be one line"),
+        (lambda e: e.__setitem__("placement", None), "needs a placement"),
+    ):
+        broken = json.loads(json.dumps(data))
+        change(broken["expert_layouts"][0])
+        with pytest.raises(PlanFileError, match=message):
+            load_plan(write(tmp_path, broken))
