@@ -1,0 +1,83 @@
+"""Which modules of a model are Mixture-of-Experts layers, and their shape.
+
+The planner decides how each MoE layer runs (``ExpertLayout``); the cost model needs its
+shape (experts, top-k, capacity factor, widths) and the compiler needs to know which of its
+parameters are the router and which the stacked expert weights. ``find_moe_blocks`` reads
+both off the model (on meta tensors or real ones) by the layer's structure, so a model
+written by someone else with the same structure is recognised too.
+
+Recognised today: ``examples/moe.py``'s ``MoE`` (and any module with its attributes: a
+``router`` ``nn.Linear`` without bias, ``experts.w_in`` (E, C, F) and ``experts.w_out``
+(E, F, C) GELU experts, ``top_k``, ``capacity_factor``). HuggingFace MoE blocks still run as
+traced ops (their routing is part of the graph program).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MoEBlock:
+    """One MoE layer of a model: its module path and shape, and its parameters' names
+    (relative to the module) by role."""
+
+    module: str
+    experts: int
+    top_k: int
+    capacity_factor: float  # 0: dropless
+    hidden: int  # the width tokens enter and leave with
+    ffn: int  # each expert's hidden width
+    matmuls: int  # matmuls per expert (2: a GELU MLP, 3: SwiGLU)
+    router: str  # the router's weight, (experts, hidden)
+    expert_weights: tuple[str, ...]  # stacked expert weights, experts first
+    kind: str  # which structure it was recognised as, for messages
+
+    @property
+    def expert_parameters(self) -> int:
+        """Parameters of all the experts together."""
+        return self.experts * self.matmuls * self.hidden * self.ffn
+
+
+def find_moe_blocks(model: torch.nn.Module) -> tuple[MoEBlock, ...]:
+    """The MoE layers of ``model`` in module order (see the module docstring); an MoE layer
+    inside another is not looked for."""
+    found: list[MoEBlock] = []
+    for path, module in model.named_modules():
+        if any(path.startswith(block.module + ".") for block in found):
+            continue
+        block = _gelu_moe(path, module)
+        if block is not None:
+            found.append(block)
+    return tuple(found)
+
+
+def _gelu_moe(path: str, module: torch.nn.Module) -> MoEBlock | None:
+    """``examples/moe.py``'s ``MoE`` by structure (see the module docstring)."""
+    router = getattr(module, "router", None)
+    experts = getattr(module, "experts", None)
+    w_in, w_out = getattr(experts, "w_in", None), getattr(experts, "w_out", None)
+    top_k, capacity_factor = getattr(module, "top_k", None), getattr(module, "capacity_factor", None)
+    if not (isinstance(router, torch.nn.Linear) and router.bias is None):
+        return None
+    if not (isinstance(w_in, torch.nn.Parameter) and isinstance(w_out, torch.nn.Parameter)):
+        return None
+    if w_in.dim() != 3 or w_out.dim() != 3 or not isinstance(top_k, int) or not isinstance(capacity_factor, (int, float)):
+        return None
+    count, hidden, ffn = w_in.shape
+    if tuple(w_out.shape) != (count, ffn, hidden) or tuple(router.weight.shape) != (count, hidden):
+        return None
+    return MoEBlock(
+        module=path,
+        experts=count,
+        top_k=top_k,
+        capacity_factor=float(capacity_factor),
+        hidden=hidden,
+        ffn=ffn,
+        matmuls=2,
+        router="router.weight",
+        expert_weights=("experts.w_in", "experts.w_out"),
+        kind="top-k GELU experts (examples/moe.py's MoE)",
+    )

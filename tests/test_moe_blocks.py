@@ -1,0 +1,32 @@
+"""Tests of planner/moe_blocks.py: which modules are MoE layers, and their shape."""
+
+from __future__ import annotations
+
+import torch
+
+from examples.gpt import build as build_gpt
+from examples.moe import build as build_moe
+from planner.moe_blocks import find_moe_blocks
+
+
+def test_every_other_block_of_the_moe_gpt_is_found_with_its_shape():
+    with torch.device("meta"):
+        model, _ = build_moe(n_layer=4, moe_every=2, n_expert=8, top_k=2, capacity_factor=0, n_embd=32, ffn=48)
+    blocks = find_moe_blocks(model)
+    assert [block.module for block in blocks] == ["blocks.1.moe", "blocks.3.moe"]
+    block = blocks[0]
+    assert (block.experts, block.top_k, block.capacity_factor, block.hidden, block.ffn) == (8, 2, 0.0, 32, 48)
+    assert block.expert_parameters == model.get_submodule("blocks.1.moe.experts").w_in.numel() * 2
+    for name in (block.router, *block.expert_weights):
+        model.get_parameter(f"{block.module}.{name}")  # the names resolve
+
+
+def test_a_dense_model_or_a_look_alike_is_not_an_moe_layer():
+    assert find_moe_blocks(build_gpt()[0]) == ()
+    look_alike = torch.nn.Module()
+    look_alike.router = torch.nn.Linear(8, 4)  # a bias: not a router of ours
+    look_alike.experts = torch.nn.Module()
+    look_alike.experts.w_in = torch.nn.Parameter(torch.zeros(4, 8, 16))
+    look_alike.experts.w_out = torch.nn.Parameter(torch.zeros(4, 16, 8))
+    look_alike.top_k, look_alike.capacity_factor = 2, 1.0
+    assert find_moe_blocks(look_alike) == ()
