@@ -6,10 +6,15 @@ parameters are the router and which the stacked expert weights. ``find_moe_block
 both off the model (on meta tensors or real ones) by the layer's structure, so a model
 written by someone else with the same structure is recognised too.
 
-Recognised today: ``examples/moe.py``'s ``MoE`` (and any module with its attributes: a
-``router`` ``nn.Linear`` without bias, ``experts.w_in`` (E, C, F) and ``experts.w_out``
-(E, F, C) GELU experts, ``top_k``, ``capacity_factor``). HuggingFace MoE blocks still run as
-traced ops (their routing is part of the graph program).
+Recognised today:
+
+- ``examples/moe.py``'s ``MoE`` (and any module with its attributes: a ``router``
+  ``nn.Linear`` without bias, ``experts.w_in`` (E, C, F) and ``experts.w_out`` (E, F, C) GELU
+  experts, ``top_k``, ``capacity_factor``);
+- HuggingFace's sparse MoE blocks of transformers 5 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+  DeepSeek-V3, ...): a ``gate`` router (``weight`` (E, C), ``top_k``) and a stacked-experts
+  module ``experts`` (``gate_up_proj`` (E, 2F, C), ``down_proj`` (E, C, F): SwiGLU, no
+  bias), dropless. Shared experts, where a block has them, are dense parts of the block.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ def find_moe_blocks(model: torch.nn.Module) -> tuple[MoEBlock, ...]:
     for path, module in model.named_modules():
         if any(path.startswith(block.module + ".") for block in found):
             continue
-        block = _gelu_moe(path, module)
+        block = _gelu_moe(path, module) or _hf_stacked_experts(path, module)
         if block is not None:
             found.append(block)
     return tuple(found)
@@ -80,4 +85,34 @@ def _gelu_moe(path: str, module: torch.nn.Module) -> MoEBlock | None:
         router="router.weight",
         expert_weights=("experts.w_in", "experts.w_out"),
         kind="top-k GELU experts (examples/moe.py's MoE)",
+    )
+
+
+def _hf_stacked_experts(path: str, module: torch.nn.Module) -> MoEBlock | None:
+    """A HuggingFace sparse MoE block with stacked SwiGLU experts (see the module docstring)."""
+    gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
+    router, top_k = getattr(gate, "weight", None), getattr(gate, "top_k", None)
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not all(isinstance(p, torch.nn.Parameter) for p in (router, gate_up, down)) or not isinstance(top_k, int):
+        return None
+    layout = {name: getattr(experts, name, None) for name in ("is_concatenated", "has_gate", "is_transposed", "has_bias")}
+    if layout != {"is_concatenated": True, "has_gate": True, "is_transposed": False, "has_bias": False}:
+        return None  # another storage of the weights than the one the runtime reads
+    if router.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        return None
+    count, hidden = router.shape
+    ffn = down.shape[2]
+    if tuple(gate_up.shape) != (count, 2 * ffn, hidden) or tuple(down.shape) != (count, hidden, ffn):
+        return None
+    return MoEBlock(
+        module=path,
+        experts=count,
+        top_k=min(top_k, count),
+        capacity_factor=0.0,
+        hidden=hidden,
+        ffn=ffn,
+        matmuls=3,
+        router="gate.weight",
+        expert_weights=("experts.gate_up_proj", "experts.down_proj"),
+        kind=f"HuggingFace stacked SwiGLU experts ({type(module).__name__}, dropless)",
     )
