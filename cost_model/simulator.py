@@ -42,12 +42,15 @@ from torch.distributed.tensor import Replicate, Shard
 from cost_model import defaults
 from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS, check_precision, op_times, optimizer_step_time
+from cost_model.moe_layers import LaidOutLayer, laid_out_layers
 from cost_model.resharding import backward_collective, forward_collective
 from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
 from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, graph_facts
 from planner.graph import OpGraph, OpNode
-from planner.strategy import RECOMPUTE_MODES, CostParts, MemoryBreakdown, NodeStrategy, SimResult, TimelineEvent
+from planner.strategy import (
+    RECOMPUTE_MODES, CostParts, ExpertLayout, MemoryBreakdown, NodeStrategy, SimResult, TimelineEvent,
+)
 
 # bytes per parameter by precision: (weights, gradients, optimizer states). Mixed
 # precision keeps fp16/bf16 weights and gradients and fp32 master weights plus Adam's two
@@ -193,6 +196,9 @@ class Simulator:
         self._groups = {axis: self._axis_group(axis) for axis in self.mesh.names}
         self._comm_cache: dict[tuple, float] = {}
         self._segment_list: list[Segment] | None = None  # until a strategy changes
+        # MoE layers with a layout are priced by it (cost_model.moe_layers), not by placements.
+        self.moe_layers: dict[str, LaidOutLayer] = laid_out_layers(plan, graph, self.micro_batches)
+        self._moe_layer_of = {name: layer for layer in self.moe_layers.values() for name in layer.nodes}
         facts = graph_facts(graph)
         self.nodes, self.consumers, self._kept, self._signature = facts.nodes, facts.consumers, facts.kept, facts.signature
         key = costing_key(plan, graph, self.micro_batches)
@@ -294,6 +300,22 @@ class Simulator:
             annotated.append(self.strategies[node.name].replaced(cost=parts[id(cost)]))
         return tuple(annotated)
 
+    def annotated_expert_layouts(self) -> tuple[ExpertLayout, ...]:
+        """The plan's expert layouts with each layer's simulated cost parts for one step:
+        expert compute, its collectives (and copied experts' gradient sums), and the bytes
+        of expert weights and dispatch buffers on the fullest device."""
+        steps = self.micro_batches
+        annotated = []
+        for layout in self.plan.expert_layouts:
+            layer = self.moe_layers[layout.module]
+            cost = layer.cost
+            annotated.append(dataclass_replace(layout, cost=CostParts(
+                compute_s=(cost.forward_compute_s + cost.backward_compute_s) * steps,
+                communication_s=cost.communication_s * steps + layer.replica_sync_s,
+                memory_bytes=int(cost.weight_bytes + layer.buffer_bytes),
+            )))
+        return tuple(annotated)
+
     def replace(self, node_name: str, strategy: NodeStrategy) -> SimResult:
         """Delta simulation: change one node's strategy, re-cost it and its consumers, re-run."""
         self.assign(node_name, strategy)
@@ -367,9 +389,14 @@ class Simulator:
                 self._first_use.setdefault(key, node.name)
 
     def _node_cost(self, node: OpNode) -> NodeCost:
+        layer = self._moe_layer_of.get(node.name)
+        if layer is not None:
+            return self._moe_node_cost(node, layer)
         strategy = self.strategies[node.name]
         edges = []
         for position, name in enumerate(node.inputs):
+            if name in self._moe_layer_of:
+                continue  # an MoE layer hands its tokens back split as the batch is
             producer = self.strategies.get(name)
             wanted = strategy.inputs[position] if position < len(strategy.inputs) else None
             if producer is None or not producer.outputs or wanted is None:
@@ -384,6 +411,29 @@ class Simulator:
         if key not in self._cache:
             self._cache[key] = self._compute_node_cost(node, strategy, edges)
         return self._cache[key]
+
+    def _moe_node_cost(self, node: OpNode, layer: LaidOutLayer) -> NodeCost:
+        """An op of an MoE layer run by its layout (``cost_model.moe_layers``): the layer's
+        expert cost on its anchor op, nothing on the other expert ops, and the routing ops'
+        traced work split over the ranks (each routes its own tokens)."""
+        cost = NodeCost()
+        if node.name in layer.expert_nodes:
+            if node.name == layer.anchor:
+                moe = layer.cost
+                cost.forward_s, cost.backward_s = moe.forward_compute_s, moe.backward_compute_s
+                cost.forward_comm_s = moe.forward_comm_s
+                cost.backward_comm_s = moe.backward_comm_s + layer.replica_sync_s / self.micro_batches
+                cost.saved_bytes = layer.activation_bytes
+                if moe.sent_bytes:
+                    cost.axis_bytes[layer.layout.axis] = moe.sent_bytes
+            return cost
+        split = self.mesh.axis_size(layer.layout.axis) * self.micro_batches
+        cost.forward_s, cost.backward_s = op_times(node, 1.0 / split, self.device, self.plan.precision)
+        if not node.is_view and self._kept_for_backward(node.name):
+            cost.saved_bytes = sum(
+                meta.nbytes * self.activation_scale / split for meta in node.output_meta if meta.dtype.is_floating_point
+            )
+        return cost
 
     def _kept_for_backward(self, name: str) -> bool:
         """Whether autograd keeps the output of ``name`` until backward: unless every reader
@@ -548,9 +598,16 @@ class Simulator:
             if sequence and node.output_meta and len(node.output_meta[0].shape) >= 2 and node.output_meta[0].shape[-2:] == (sequence, sequence):
                 segment.score_bytes += cost.saved_bytes  # attention scores: dropped by selective recompute
                 segment.score_forward_s += cost.forward_s
+            layer = self._moe_layer_of.get(node.name)
             for name, placements in strategy.params.items():
                 meta = self.graph.parameters.get(name)
                 if meta is None:
+                    continue
+                if layer is not None and name in layer.expert_weights:
+                    # The layout says which experts (or which slice of each) a device holds.
+                    segment.params[name] = meta.numel * layer.param_fraction
+                    if layer.gradients_synced and dp_index is not None:
+                        segment.dp_synced.add(name)
                     continue
                 shards = math.prod(size for (axis, size), p in zip(self.mesh.axes, placements) if isinstance(p, Shard))
                 segment.params[name] = meta.numel / shards
@@ -771,6 +828,8 @@ class Simulator:
             comm = 0.0
         if self.pp > 1:
             comm += 2 * max((s.input_bytes for s in segments), default=0.0)
+        # One MoE layer dispatches at a time: the largest of their buffers.
+        comm += max((layer.buffer_bytes for layer in self.moe_layers.values()), default=0.0)
         return MemoryBreakdown(
             weights=int(weights + buffers_state),
             gradients=int(grads),
@@ -841,4 +900,7 @@ def simulate_plan(plan, graph: OpGraph) -> SimResult:
 def simulated(plan, graph: OpGraph):
     """``plan`` with its estimate and per-node cost parts from a simulation of it."""
     simulator = Simulator(plan, graph)
-    return dataclass_replace(plan, estimate=simulator.run(), strategies=simulator.annotated_strategies())
+    return dataclass_replace(
+        plan, estimate=simulator.run(), strategies=simulator.annotated_strategies(),
+        expert_layouts=simulator.annotated_expert_layouts(),
+    )
