@@ -12,16 +12,24 @@ chosen from its routing statistics among:
   than the experts need as well (room for copies of hot experts); each with a ``flat``
   all-to-all, and a ``hierarchical`` one when the devices span nodes.
 
-On a ``dp`` mesh the layers do not interact: each layer's time is its own expert compute,
-collectives and gradient reduction (``layer_score``), and the step's MoE time is their sum,
-so the per-layer minimum is the minimum of the sum. Memory is a property of the whole plan:
-the plan is simulated, and while it does not fit, layers move to smaller layouts, the
-cheapest time per byte saved first.
+On a ``dp`` mesh each layer's time is nearly its own: expert compute, collectives and
+gradient reduction (``layer_score``), and the step's MoE time about their sum, so the search
+starts from each layer's fastest layout. Two things are properties of the whole plan and
+are settled by simulating it: memory (while the plan does not fit, layers move to smaller
+layouts, the least time per byte saved first), and overlap (DDP reduces the gradients of
+replicated experts while backward goes on, which a per-layer sum cannot see). Layers of
+one shape with the same loads form a class and get one layout. When the classes' candidates
+combine into at most ``ENUMERATION_LIMIT`` plans, every combination is simulated and the
+fastest that fits wins (exact over class-wide choices); otherwise coordinate descent tries
+every candidate of each class in turn, keeping a change when the simulated plan fits and is
+faster, for at most ``REFINE_SWEEPS`` sweeps. Either way the work is a fixed number of
+simulations, the same on any machine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +51,8 @@ from search.layouts import data_parallel_layout
 from search.plan_builder import unsimulated_plan
 
 MOE_LABEL = "moe"
+REFINE_SWEEPS = 2  # sweeps over the classes of identical layers, each candidate simulated
+ENUMERATION_LIMIT = 128  # combinations of class layouts simulated exhaustively, at most
 
 
 @dataclass(frozen=True)
@@ -212,8 +222,47 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
         if not moved:
             break  # nothing smaller left: the caller sees a plan that does not fit
         plan = build(choice)
+    plan = _refine(scored, choice, build, plan)
     fixed = [build(picks) for picks in _fixed_modes(scored)]
     return plan, [other for other in fixed if other.expert_layouts != plan.expert_layouts]
+
+
+def _refine(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], build, plan: Plan) -> Plan:
+    """Coordinate descent over the classes of identical layers by simulation (see the
+    module docstring): ``choice`` is updated in place; returns the best plan found."""
+    classes: dict[tuple, list[str]] = {}
+    for module, options in scored.items():
+        key = tuple((dataclasses.replace(o.layout, module=""), o.time_s, o.memory_bytes) for o in options)
+        classes.setdefault(key, []).append(module)
+
+    def rank(candidate: Plan) -> tuple[bool, float]:
+        return not candidate.estimate.fits, candidate.estimate.step_time_s
+
+    groups = list(classes.values())
+    if math.prod(len(scored[modules[0]]) for modules in groups) <= ENUMERATION_LIMIT:
+        for indices in itertools.product(*(range(len(scored[modules[0]])) for modules in groups)):
+            trial = {module: index for modules, index in zip(groups, indices) for module in modules}
+            if trial == choice:
+                continue
+            candidate = build(trial)
+            if rank(candidate) < (rank(plan)[0], rank(plan)[1] * (1 - 1e-12)):
+                choice.update(trial)
+                plan = candidate
+        return plan
+    for _ in range(REFINE_SWEEPS):
+        improved = False
+        for modules in classes.values():
+            for index in range(len(scored[modules[0]])):
+                if all(choice[module] == index for module in modules):
+                    continue
+                trial = {**choice, **{module: index for module in modules}}
+                candidate = build(trial)
+                if rank(candidate) < (rank(plan)[0], rank(plan)[1] * (1 - 1e-12)):
+                    choice.update(trial)
+                    plan, improved = candidate, True
+        if not improved:
+            break
+    return plan
 
 
 def _shrink(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], overflow: float) -> bool:
