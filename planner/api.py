@@ -367,6 +367,13 @@ def compile_blocker(plan: Plan) -> str | None:
             "this plan has no model spec, so torchrun cannot rebuild the model; plan from a spec "
             "(planner.plan('file.py:build', ...)) or pass spec= to planner.plan"
         )
+    if plan.expert_layouts and (plan.dp_flavour != "ddp" or plan.pipeline is not None or plan.mesh.names != ("dp",)):
+        return (
+            f"{plan.name} cannot be compiled: its MoE layers run by layout beside "
+            f"{'a pipeline' if plan.pipeline is not None else plan.dp_flavour + ' on mesh ' + str(plan.mesh)}, which is "
+            f"simulated only (compiled MoE programs run the dense part with DDP on a dp mesh); plan again, or use "
+            f"dp_flavour ddp"
+        )
     if plan.pipeline is not None:
         from codegen.pipeline_emit import unsupported
 

@@ -132,12 +132,7 @@ def search_plan(
     coupled = batch_coupled_ops(graph)
     moe_family = _moe_family_allowed(graph, cluster, coupled)
     if coupled:
-        warnings = (*warnings, coupling_warning(coupled))
-        if moe_family:
-            warnings = (*warnings, (
-                "the samples mix only inside the MoE layers, whose runtime routes the whole batch as one device "
-                "does: data parallelism with the MoE layers run by their layouts was planned too"
-            ))
+        warnings = (*warnings, coupling_warning(coupled, moe_layouts=moe_family))
     if moe_family:
         if on_progress:
             on_progress("choosing the MoE layers' layouts", 0.0)

@@ -146,3 +146,17 @@ def test_a_layout_for_a_layer_the_model_lacks_is_named(model):
     wrong = dataclasses.replace(base, expert_layouts=(ExpertLayout("blocks.7.moe", "data_parallel", 4, 2, 1.25),))
     with pytest.raises(ValueError, match="'blocks.7.moe', which is not an MoE layer"):
         Simulator(wrong, graph)
+
+
+def test_an_moe_plan_beside_another_dp_flavour_is_simulated_only(model):
+    import dataclasses
+
+    from planner.api import compile_blocker
+
+    graph, _ = model
+    plan = plan_with(model, "data_parallel")
+    assert compile_blocker(plan) is None or "MoE" not in compile_blocker(plan)
+    zero2 = simulated(dataclasses.replace(plan, dp_flavour="zero2"), graph)
+    message = compile_blocker(zero2)
+    assert message and "\n" not in message
+    assert "MoE layers run by layout beside zero2" in message and "simulated only" in message
