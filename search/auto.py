@@ -137,7 +137,7 @@ def search_plan(
         if on_progress:
             on_progress("choosing the MoE layers' layouts", 0.0)
         searched, fixed = search_moe_plan(graph, cluster, spec, model_name, routing, warnings, precision)
-        plans += [searched, *fixed, *([] if searched.estimate.fits else _recomputing([searched], graph))]
+        plans += [searched, *fixed]
     for position, mesh in enumerate(meshes):
         if on_progress:
             on_progress(f"searching mesh {mesh} ({position + 1}/{len(meshes)})", position / len(meshes))

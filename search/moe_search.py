@@ -95,8 +95,9 @@ def layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, clu
 def expert_placements(block: MoEBlock, loads: tuple[float, ...], cluster: Cluster, tokens: int,
                       precision: str) -> list[ExpertPlacement]:
     """Round-robin (when the experts divide over the devices), EPLB and ours with the fewest
-    slots per device that hold every expert, and with one slot more (copies of hot experts);
-    identical placements once. Ours minimises the layer's simulated time with a flat all-to-all."""
+    slots per device that hold every expert, and with one slot more (copies of hot experts),
+    from the routed shares and, with a capacity, from the padded work too; identical
+    placements once. Ours minimises the layer's simulated time with a flat all-to-all."""
     world = cluster.world_size
     per_node = cluster.devices_per_node if cluster.is_homogeneous else None
     placements = []
@@ -109,9 +110,13 @@ def expert_placements(block: MoEBlock, loads: tuple[float, ...], cluster: Cluste
                               placement=placement, expert_loads=loads)
         return price_layout(block, layout, tokens, cluster, precision).total_s
 
+    # With a capacity every expert computes a buffer padded to the capacity, whatever its
+    # share: placing by the padded work (even) competes with placing by the routed shares.
+    sources = [loads] + ([tuple(1.0 / block.experts for _ in loads)] if block.capacity_factor else [])
     for slots in (fewest, fewest + 1):
-        placements.append(eplb(loads, world, slots, per_node))
-        placements.append(balanced(loads, world, slots, cost=layer_time, devices_per_node=per_node))
+        for work in sources:
+            placements.append(eplb(work, world, slots, per_node))
+            placements.append(balanced(work, world, slots, cost=layer_time, devices_per_node=per_node))
     unique: dict[tuple, ExpertPlacement] = {}
     for placement in placements:
         unique.setdefault(placement.replicas, placement)
@@ -198,7 +203,8 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
                     precision: str = "fp32") -> tuple[Plan, list[Plan]]:
     """The searched ``moe`` plan (see the module docstring) and the plans that run every
     layer in one fixed way (data parallel; expert-sliced; expert parallel, round-robin, flat
-    all-to-all), which compete with it and explain it.
+    all-to-all), which compete with it and explain it. When no plan fits, the search runs
+    again with every repeated block recomputed in backward, and keeps that plan if it fits.
 
     Raises:
         PlanningError: the model has no MoE layer, or the batch does not split over the devices.
@@ -208,8 +214,23 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
     routing = routing or RoutingStats()
     base = moe_base_plan(graph, cluster, spec, model_name, warnings, precision)  # before any scoring: batch checked
     scored = choose_layouts(graph, cluster, routing, precision)
-    choice = {module: 0 for module in scored}
+    plan, build = _search_with(graph, cluster, spec, model_name, scored, warnings, precision, base)
+    if not plan.estimate.fits and graph.blocks:
+        # Nothing fits holding every block's activations: the same search with the blocks
+        # recomputed in backward (the layouts that fit then may differ).
+        recomputed, build_recomputed = _search_with(
+            graph, cluster, spec, model_name, scored, warnings, precision, dataclasses.replace(base, recompute="full"),
+        )
+        if recomputed.estimate.fits:
+            plan, build = recomputed, build_recomputed
+    fixed = [build(picks) for picks in _fixed_modes(scored)]
+    return plan, [other for other in fixed if other.expert_layouts != plan.expert_layouts]
 
+
+def _search_with(graph, cluster, spec, model_name, scored, warnings, precision, base: Plan):
+    """The best plan over ``scored``'s layouts with ``base``'s dense part and recomputation
+    (see the module docstring), and the function that builds a plan from a choice."""
+    choice = {module: 0 for module in scored}
 
     def build(picks: Mapping[str, int]) -> Plan:
         return moe_plan(graph, cluster, spec, model_name, {m: scored[m][i].layout for m, i in picks.items()},
@@ -222,9 +243,7 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
         if not moved:
             break  # nothing smaller left: the caller sees a plan that does not fit
         plan = build(choice)
-    plan = _refine(scored, choice, build, plan)
-    fixed = [build(picks) for picks in _fixed_modes(scored)]
-    return plan, [other for other in fixed if other.expert_layouts != plan.expert_layouts]
+    return _refine(scored, choice, build, plan), build
 
 
 def _refine(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], build, plan: Plan) -> Plan:
@@ -289,12 +308,18 @@ def _shrink(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], ov
 
 
 def _fixed_modes(scored: Mapping[str, list[ScoredLayout]]) -> list[dict[str, int]]:
-    """Choices running every layer one way, where every layer has that candidate."""
+    """Choices running every layer one way, where every layer has that candidate: data
+    parallel, expert-sliced, expert parallel with a flat all-to-all and round-robin placement
+    (EPLB's when the experts do not divide over the devices)."""
+    def expert_parallel(method: str):
+        return lambda layout: (layout.mode == "expert_parallel" and layout.all_to_all == "flat"
+                               and layout.placement.method.startswith(method))
+
+    round_robin_exists = all(any(expert_parallel("round-robin")(o.layout) for o in options) for options in scored.values())
     wanted = [
         lambda layout: layout.mode == "data_parallel",
         lambda layout: layout.mode == "expert_sliced",
-        lambda layout: layout.mode == "expert_parallel" and layout.all_to_all == "flat"
-        and layout.placement.method == "round-robin",
+        expert_parallel("round-robin" if round_robin_exists else "EPLB"),
     ]
     choices = []
     for matches in wanted:
