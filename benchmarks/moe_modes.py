@@ -14,7 +14,8 @@ replicated, experts sliced, expert parallel with a flat all-to-all and round-rob
 or EPLB's when the 8 experts do not divide over the GPUs) and for the searched plan (each
 layer's mode, placement and all-to-all chosen from the routing statistics): the simulated
 step, whether it fits in 80 GB, memory on the fullest GPU, and the exposed communication.
-The dense part is DDP over every GPU in all of them. Every plan is shown without and with its
+The dense part is data parallel over every GPU (DDP, ZeRO-2 or FSDP: the
+search picks one, and the fixed modes use the same). Every plan is shown without and with its
 blocks recomputed in backward; the search recomputes only when nothing fits otherwise. The
 searched plan must be no slower than the best fixed mode that fits.
 """
@@ -30,7 +31,6 @@ from cost_model.simulator import simulated
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
 from planner.routing import read_routing_option, routing_for_layers
-from planner.strategy import expert_modes_summary
 from search.moe_search import search_moe_plan
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -60,8 +60,8 @@ def main() -> None:
           f"bf16, routing {routing.source}")
     print(f"traced in {traced:.1f} s, MoE layouts searched in {planned:.1f} s")
     print(f"{'plan':<70} {'step':>9} {'fits':>5} {'memory':>10} {'exposed comm':>13}")
-    rows = [(f"fixed: {expert_modes_summary(plan.expert_layouts)}", plan) for plan in fixed]
-    rows.append((f"searched: {expert_modes_summary(searched.expert_layouts)}", searched))
+    rows = [(f"fixed: {plan.name}", plan) for plan in fixed]
+    rows.append((f"searched: {searched.name}", searched))
     fitting_fixed = []
     for label, plan in rows:
         for recompute in ("none", "full"):
@@ -71,7 +71,7 @@ def main() -> None:
                 fitting_fixed.append(variant.estimate.step_time_s)
     if len(fixed) < 3:
         print("(a fixed mode whose layouts are the searched plan's is not repeated)")
-    print(f"chosen by the search: {searched.name}, recompute {searched.recompute}")
+    print(f"chosen by the search: {searched.name}, recompute {searched.recompute} (fixed modes use its dp flavour)")
     if fitting_fixed and searched.estimate.fits:
         print(f"searched / best fitting fixed mode: {searched.estimate.step_time_s / min(fitting_fixed):.3f}")
 

@@ -107,6 +107,13 @@ class Segment:
     params: dict[str, float] = field(default_factory=dict)  # name -> local bytes per element-size 1
     dp_synced: set[str] = field(default_factory=set)
     axis_bytes: dict[str, float] = field(default_factory=dict)
+    # Weights each rank holds its own of (experts split by an MoE layout): kept out of the
+    # dp flavour's sharding, gathering and gradient reduction.
+    per_rank: set[str] = field(default_factory=set)
+
+    def shardable_elements(self) -> float:
+        """Local parameter elements the dp flavour shards (all but ``per_rank`` ones)."""
+        return sum(count for name, count in self.params.items() if name not in self.per_rank)
 
 
 @dataclass(frozen=True)
@@ -606,8 +613,11 @@ class Simulator:
                 if layer is not None and name in layer.expert_weights:
                     # The layout says which experts (or which slice of each) a device holds.
                     segment.params[name] = meta.numel * layer.param_fraction
-                    if layer.gradients_synced and dp_index is not None:
-                        segment.dp_synced.add(name)
+                    if layer.gradients_synced:
+                        if dp_index is not None:
+                            segment.dp_synced.add(name)
+                    else:
+                        segment.per_rank.add(name)
                     continue
                 shards = math.prod(size for (axis, size), p in zip(self.mesh.axes, placements) if isinstance(p, Shard))
                 segment.params[name] = meta.numel / shards
@@ -702,7 +712,7 @@ class Simulator:
             step = graph.add("optimizer step", (device, "compute"), optimizer_step_time(state_bytes, self.device),
                              deps=sync_after.get(device, []), kind="optimizer")
             if self.plan.dp_flavour in ("zero1", "zero2") and self.dp > 1:
-                gathered = sum(sum(s.params.values()) for s in per_device[device]) * _PARAM_BYTES[self.plan.precision][0]
+                gathered = sum(s.shardable_elements() for s in per_device[device]) * _PARAM_BYTES[self.plan.precision][0]
                 graph.add("all-gather updated weights", (device, "collective"), self._collective("all_gather", gathered, "dp"), deps=[step], kind="comm")
         return graph, per_device
 
@@ -782,7 +792,7 @@ class Simulator:
         return segment.backward_s
 
     def _fsdp_gather(self, graph, device, segment, deps, name) -> int:
-        size = sum(segment.params.values()) * _PARAM_BYTES[self.plan.precision][0]
+        size = segment.shardable_elements() * _PARAM_BYTES[self.plan.precision][0]
         return graph.add(name, (device, "collective"), self._collective("all_gather", size, "dp"), deps=deps, kind="comm")
 
     def _gradient_sync(self, graph, device, name: str, buckets: list[tuple[float, int]], after: int) -> int:
@@ -804,23 +814,28 @@ class Simulator:
     def _optimizer_state_bytes(self, segments: list[Segment]) -> float:
         weights, grads, states = _PARAM_BYTES[self.plan.precision]
         elements = sum(sum(s.params.values()) for s in segments)
+        shardable = sum(s.shardable_elements() for s in segments)
         shard = self.dp if self.plan.dp_flavour in ("zero1", "zero2", "fsdp") else 1
-        return elements * (weights + grads + states) / shard
+        return (shardable / shard + elements - shardable) * (weights + grads + states)
 
     def _stage_memory(self, all_segments: list[Segment], stage: int, segments: list[Segment]) -> MemoryBreakdown:
         weight_b, grad_b, state_b = _PARAM_BYTES[self.plan.precision]
         params: dict[str, float] = {}
+        per_rank: set[str] = set()
         for segment in segments:
             params.update(segment.params)
+            per_rank |= segment.per_rank
         elements = sum(params.values())
+        own = sum(count for name, count in params.items() if name in per_rank)  # never sharded over dp
+        shared = elements - own
         flavour, dp = self.plan.dp_flavour, self.dp
-        weights = elements * weight_b / (dp if flavour == "fsdp" else 1)
-        grads = elements * grad_b / (dp if flavour in ("zero2", "fsdp") else 1)
-        states = elements * state_b / (dp if flavour in ("zero1", "zero2", "fsdp") else 1)
+        weights = shared * weight_b / (dp if flavour == "fsdp" else 1) + own * weight_b
+        grads = shared * grad_b / (dp if flavour in ("zero2", "fsdp") else 1) + own * grad_b
+        states = shared * state_b / (dp if flavour in ("zero1", "zero2", "fsdp") else 1) + own * state_b
         buffers_state = sum(meta.nbytes for meta in self.graph.buffers.values()) if stage == 0 else 0
         activations = self._peak_activations(stage, segments)
         if flavour == "fsdp" and dp > 1:
-            largest = max((sum(s.params.values()) for s in segments), default=0.0)
+            largest = max((s.shardable_elements() for s in segments), default=0.0)
             comm = 2 * largest * weight_b
         elif dp > 1:
             comm = min(defaults.DDP_BUCKET_BYTES, elements * grad_b)

@@ -1,7 +1,7 @@
 """How each Mixture-of-Experts layer runs: the ``moe`` plan family.
 
-The plan: every device a data-parallel rank (mesh ``dp=world``, DDP for the dense ops, as
-``search.data_parallel`` lays them out), and each MoE layer with its own ``ExpertLayout``
+The plan: every device a data-parallel rank (mesh ``dp=world``; the dense ops laid out as
+``search.data_parallel`` lays them out, in DDP, ZeRO-2 or FSDP: ``DENSE_FLAVOURS``), and each MoE layer with its own ``ExpertLayout``
 chosen from its routing statistics among:
 
 - ``data_parallel``: every device holds every expert and runs its own tokens;
@@ -47,12 +47,17 @@ from planner.plans import Plan
 from planner.routing import RoutingStats
 from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
 from search.expert_placement import balanced, eplb
+from search.data_parallel import FSDP_UNIT_FLAVOURS, fsdp_units
 from search.layouts import data_parallel_layout
 from search.plan_builder import unsimulated_plan
 
 MOE_LABEL = "moe"
 REFINE_SWEEPS = 2  # sweeps over the classes of identical layers, each candidate simulated
 ENUMERATION_LIMIT = 128  # combinations of class layouts simulated exhaustively, at most
+# How the dense part around the MoE layers may be data parallel: the flavours compiled MoE
+# programs wrap it in (DDP, or FSDP2 units with or without resharding after forward); the
+# experts a rank holds alone stay out of them.
+DENSE_FLAVOURS = ("ddp", "zero2", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -203,8 +208,9 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
                     precision: str = "fp32") -> tuple[Plan, list[Plan]]:
     """The searched ``moe`` plan (see the module docstring) and the plans that run every
     layer in one fixed way (data parallel; expert-sliced; expert parallel, round-robin, flat
-    all-to-all), which compete with it and explain it. When no plan fits, the search runs
-    again with every repeated block recomputed in backward, and keeps that plan if it fits.
+    all-to-all), which compete with it and explain it. The dense part is tried with each
+    of ``DENSE_FLAVOURS`` (the fixed plans take the winner's); when no plan fits, the search
+    runs again with every repeated block recomputed in backward.
 
     Raises:
         PlanningError: the model has no MoE layer, or the batch does not split over the devices.
@@ -214,15 +220,21 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
     routing = routing or RoutingStats()
     base = moe_base_plan(graph, cluster, spec, model_name, warnings, precision)  # before any scoring: batch checked
     scored = choose_layouts(graph, cluster, routing, precision)
-    plan, build = _search_with(graph, cluster, spec, model_name, scored, warnings, precision, base)
-    if not plan.estimate.fits and graph.blocks:
-        # Nothing fits holding every block's activations: the same search with the blocks
-        # recomputed in backward (the layouts that fit then may differ).
-        recomputed, build_recomputed = _search_with(
-            graph, cluster, spec, model_name, scored, warnings, precision, dataclasses.replace(base, recompute="full"),
-        )
-        if recomputed.estimate.fits:
-            plan, build = recomputed, build_recomputed
+    flavours = DENSE_FLAVOURS if cluster.world_size > 1 else ("ddp",)
+    best = None
+    # Blocks recomputed in backward only when nothing fits holding their activations.
+    for recompute in ("none", "full") if graph.blocks else ("none",):
+        for flavour in flavours:
+            dense = dataclasses.replace(
+                base, dp_flavour=flavour, recompute=recompute,
+                fsdp_units=fsdp_units(graph) if flavour in FSDP_UNIT_FLAVOURS else (),
+            )
+            found = _search_with(graph, cluster, spec, model_name, scored, warnings, precision, dense)
+            if best is None or _rank(found[0]) < _rank(best[0]):
+                best = found
+        if best[0].estimate.fits:
+            break
+    plan, build = best
     fixed = [build(picks) for picks in _fixed_modes(scored)]
     return plan, [other for other in fixed if other.expert_layouts != plan.expert_layouts]
 
@@ -254,9 +266,7 @@ def _refine(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], bu
         key = tuple((dataclasses.replace(o.layout, module=""), o.time_s, o.memory_bytes) for o in options)
         classes.setdefault(key, []).append(module)
 
-    def rank(candidate: Plan) -> tuple[bool, float]:
-        return not candidate.estimate.fits, candidate.estimate.step_time_s
-
+    rank = _rank
     groups = list(classes.values())
     if math.prod(len(scored[modules[0]]) for modules in groups) <= ENUMERATION_LIMIT:
         for indices in itertools.product(*(range(len(scored[modules[0]])) for modules in groups)):
@@ -282,6 +292,11 @@ def _refine(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], bu
         if not improved:
             break
     return plan
+
+
+def _rank(plan: Plan) -> tuple[bool, float]:
+    """Plans that fit first, then the faster."""
+    return not plan.estimate.fits, plan.estimate.step_time_s
 
 
 def _shrink(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], overflow: float) -> bool:

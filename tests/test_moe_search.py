@@ -18,7 +18,7 @@ from planner.model_spec import ModelSpec
 from planner.plans import load_plan
 from planner.routing import LayerRouting, RoutingStats, synthetic, zipf_layer
 from search import moe_search
-from search.moe_search import choose_layouts, layer_score, search_moe_plan
+from search.moe_search import DENSE_FLAVOURS, choose_layouts, layer_score, moe_base_plan, search_moe_plan
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 DEVICE = DeviceSpec(
@@ -40,14 +40,19 @@ SKEWED = RoutingStats({"blocks.0.moe": LayerRouting((0.55, 0.25, 0.15, 0.05), 2)
 
 
 def enumerate_plans(graph, cluster, spec, name, routing):
-    """Every combination of the layers' candidate layouts, simulated."""
+    """Every combination of the layers' candidate layouts with every dense flavour, simulated."""
     scored = choose_layouts(graph, cluster, routing, "fp32")
     searched, _ = search_moe_plan(graph, cluster, spec, name, routing)
+    assert searched.recompute == "none"
+    base = moe_base_plan(graph, cluster, spec, name)
     modules = list(scored)
     plans = []
-    for combination in itertools.product(*(scored[m] for m in modules)):
-        layouts = tuple(option.layout for option in combination)
-        plans.append(simulated(dataclasses.replace(searched, expert_layouts=layouts), graph))
+    for flavour in DENSE_FLAVOURS:
+        dense = dataclasses.replace(base, dp_flavour=flavour,
+                                    fsdp_units=graph.block_paths() if flavour in ("zero2", "fsdp") else ())
+        for combination in itertools.product(*(scored[m] for m in modules)):
+            layouts = tuple(option.layout for option in combination)
+            plans.append(simulated(dataclasses.replace(dense, expert_layouts=layouts), graph))
     return searched, plans, scored
 
 
@@ -60,7 +65,7 @@ def test_the_search_matches_enumeration_of_every_layout_combination(monkeypatch,
     modes = {(o.layout.mode, o.layout.all_to_all) for o in scored["blocks.0.moe"]}
     assert modes == {("data_parallel", "flat"), ("expert_sliced", "flat"), ("expert_parallel", "flat"),
                      ("expert_parallel", "hierarchical")}
-    assert len(plans) == len(scored["blocks.0.moe"]) * len(scored["blocks.1.moe"]) >= 16
+    assert len(plans) == 3 * len(scored["blocks.0.moe"]) * len(scored["blocks.1.moe"]) >= 48
     best = min(plan.estimate.step_time_s for plan in plans)
     assert searched.estimate.step_time_s == pytest.approx(best, rel=1e-9)
     # The layers got different statistics, and each layout records what it was planned with.
@@ -79,7 +84,7 @@ def test_when_the_fastest_layouts_do_not_fit_the_search_matches_the_best_that_fi
     graph, spec, name, _ = prepare_model(TIGHT, two_nodes())
     routing = RoutingStats({"blocks.0.moe": zipf_layer(8, 1.0, 2)}, "test statistics")
     unbounded, plans, _ = enumerate_plans(graph, two_nodes(), spec, name, routing)
-    assert [layout.mode for layout in unbounded.expert_layouts] == ["data_parallel", "data_parallel"]
+    assert "data_parallel" in [layout.mode for layout in unbounded.expert_layouts]
     # A device just too small for the fastest combination.
     memory = int(unbounded.estimate.memory.total) - 1
     fitting = [plan for plan in plans if plan.estimate.memory.total <= memory]
@@ -121,7 +126,7 @@ def test_skewed_routing_across_nodes_picks_expert_parallel_with_our_balanced_pla
 
 def test_plan_chooses_moe_layouts_and_the_plan_file_keeps_them(tmp_path):
     plan = planner.plan(str(EXAMPLES / "moe.py"), "cpu:1x4", routing="zipf:1.2", progress=False)
-    assert plan.label == "moe" and plan.mesh.axes == (("dp", 4),) and plan.dp_flavour == "ddp"
+    assert plan.label == "moe" and plan.mesh.axes == (("dp", 4),) and plan.dp_flavour in DENSE_FLAVOURS
     assert [layout.module for layout in plan.expert_layouts] == ["blocks.0.moe", "blocks.1.moe"]
     assert all(layout.routing == "zipf with exponent 1.2 (synthetic)" for layout in plan.expert_layouts)
     assert plan.expert_layouts[0].cost.compute_s > 0
