@@ -25,6 +25,7 @@ search scores a candidate layout with.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from cost_model.collectives import collective_time
@@ -32,7 +33,7 @@ from cost_model.moe import MoECost, MoELayer, element_bytes, expert_activation_b
 from planner.cluster import Cluster
 from planner.graph import OpGraph
 from planner.moe_blocks import MoEBlock
-from planner.strategy import ExpertLayout
+from planner.strategy import CostParts, ExpertLayout
 
 
 @dataclass(frozen=True)
@@ -177,3 +178,19 @@ def laid_out_layers(plan, graph: OpGraph, micro_batches: int) -> dict[str, LaidO
             buffer_bytes=buffers,
         )
     return layers
+
+
+def annotated_layouts(layouts, layers: dict[str, LaidOutLayer], micro_batches: int) -> tuple[ExpertLayout, ...]:
+    """``layouts`` with each layer's simulated cost parts for one step (all micro-batches):
+    expert compute, its collectives (and copied experts' gradient sums), and the bytes of
+    expert weights and dispatch buffers on the fullest device, for the report."""
+    annotated = []
+    for layout in layouts:
+        layer = layers[layout.module]
+        cost = layer.cost
+        annotated.append(dataclasses.replace(layout, cost=CostParts(
+            compute_s=(cost.forward_compute_s + cost.backward_compute_s) * micro_batches,
+            communication_s=cost.communication_s * micro_batches + layer.replica_sync_s,
+            memory_bytes=int(cost.weight_bytes + layer.buffer_bytes),
+        )))
+    return tuple(annotated)

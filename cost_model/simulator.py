@@ -42,7 +42,7 @@ from torch.distributed.tensor import Replicate, Shard
 from cost_model import defaults
 from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS, check_precision, op_times, optimizer_step_time
-from cost_model.moe_layers import LaidOutLayer, laid_out_layers
+from cost_model.moe_layers import LaidOutLayer, annotated_layouts, laid_out_layers
 from cost_model.resharding import backward_collective, forward_collective
 from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
@@ -308,20 +308,8 @@ class Simulator:
         return tuple(annotated)
 
     def annotated_expert_layouts(self) -> tuple[ExpertLayout, ...]:
-        """The plan's expert layouts with each layer's simulated cost parts for one step:
-        expert compute, its collectives (and copied experts' gradient sums), and the bytes
-        of expert weights and dispatch buffers on the fullest device."""
-        steps = self.micro_batches
-        annotated = []
-        for layout in self.plan.expert_layouts:
-            layer = self.moe_layers[layout.module]
-            cost = layer.cost
-            annotated.append(dataclass_replace(layout, cost=CostParts(
-                compute_s=(cost.forward_compute_s + cost.backward_compute_s) * steps,
-                communication_s=cost.communication_s * steps + layer.replica_sync_s,
-                memory_bytes=int(cost.weight_bytes + layer.buffer_bytes),
-            )))
-        return tuple(annotated)
+        """The plan's expert layouts with each layer's simulated cost parts for one step."""
+        return annotated_layouts(self.plan.expert_layouts, self.moe_layers, self.micro_batches)
 
     def replace(self, node_name: str, strategy: NodeStrategy) -> SimResult:
         """Delta simulation: change one node's strategy, re-cost it and its consumers, re-run."""

@@ -130,7 +130,7 @@ def search_plan(
     # A model whose samples mix (an MoE router's token counts) runs only as a program over
     # the whole batch: slices of it (DP wrappers, micro-batches) would compute another step.
     coupled = batch_coupled_ops(graph)
-    moe_family = _moe_family_allowed(graph, cluster, coupled)
+    moe_family = moe_family_allowed(graph, cluster, coupled)
     if coupled:
         warnings = (*warnings, coupling_warning(coupled, moe_layouts=moe_family))
     if moe_family:
@@ -294,7 +294,7 @@ def _hint(graph: OpGraph, mesh: Mesh, tables) -> dict[str, int]:
     return hint
 
 
-def _moe_family_allowed(graph: OpGraph, cluster: Cluster, coupled) -> bool:
+def moe_family_allowed(graph: OpGraph, cluster: Cluster, coupled) -> bool:
     """Whether the ``moe`` family (data parallelism, MoE layers by layout) may plan
     ``graph``: it has MoE layers, the batch splits over every device, and every op at which
     the samples mix lies inside an MoE layer (whose runtime reproduces the whole batch's routing)."""

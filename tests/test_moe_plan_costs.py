@@ -160,3 +160,19 @@ def test_an_moe_plan_beside_zero1_is_simulated_only(model):
     message = compile_blocker(zero1)
     assert message and "\n" not in message
     assert "MoE layers run by layout beside zero1 on mesh dp=4" in message and "simulated only" in message
+
+
+def test_experts_a_rank_holds_alone_are_not_sharded_by_fsdp(model):
+    import dataclasses
+
+    graph, _ = model
+    # Device 1 holds experts 0 (a copy) and 1: half of each layer's 65,536 expert weights,
+    # its own, which FSDP does not shard; replicated experts are sharded 4 ways like the rest.
+    placement = ExpertPlacement(4, (((0, 0.5), (1, 0.5)), ((1, 1.0),), ((2, 1.0),), ((3, 1.0),)))
+    fsdp = {"dp_flavour": "fsdp", "fsdp_units": graph.block_paths()}
+    parallel = simulated(dataclasses.replace(plan_with(model, "expert_parallel", placement), **fsdp), graph).estimate
+    replicated = simulated(dataclasses.replace(plan_with(model, "data_parallel"), **fsdp), graph).estimate
+    more = 2 * (0.5 * EXPERT_WEIGHTS - EXPERT_WEIGHTS / 4)
+    assert parallel.memory.weights - replicated.memory.weights == pytest.approx(more * 4, abs=2)
+    assert parallel.memory.gradients - replicated.memory.gradients == pytest.approx(more * 4, abs=2)
+    assert parallel.memory.optimizer_states - replicated.memory.optimizer_states == pytest.approx(more * 8, abs=2)

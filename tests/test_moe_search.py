@@ -134,3 +134,24 @@ def test_plan_chooses_moe_layouts_and_the_plan_file_keeps_them(tmp_path):
     loaded = load_plan(tmp_path / "p.json")
     assert loaded.expert_layouts == plan.expert_layouts
     assert planner.simulate(loaded).step_time_s == pytest.approx(plan.estimate.step_time_s)
+
+
+def test_the_family_is_allowed_only_where_the_samples_mix_inside_moe_layers():
+    from search.auto import moe_family_allowed
+    from search.batch_coupling import CoupledOp, batch_coupled_ops
+
+    graph, _, _, cluster = prepare_model(SMALL, "cpu:1x4")
+    coupled = batch_coupled_ops(graph)
+    assert coupled and moe_family_allowed(graph, cluster, coupled)
+    outside = next(node for node in graph.nodes if not node.module.startswith("blocks.0.moe")
+                   and not node.module.startswith("blocks.1.moe"))
+    assert not moe_family_allowed(graph, cluster, [*coupled, CoupledOp(outside.name, outside.op, outside.module)])
+    assert not moe_family_allowed(graph, Cluster.parse("cpu:1x3"), coupled)  # batch 8 does not split 3 ways
+    dense, _, _, _ = prepare_model(ModelSpec(str(EXAMPLES / "gpt.py"), {}), "cpu:1x4")
+    assert dense.moe_blocks == () and not moe_family_allowed(dense, cluster, [])
+
+
+def test_routing_for_a_dense_model_is_a_warning_not_a_plan_change():
+    plan = planner.plan(str(EXAMPLES / "mlp.py"), "cpu:1x2", routing="zipf:1.2", progress=False)
+    assert not plan.expert_layouts
+    assert any("routing statistics were given but the model has no Mixture-of-Experts layer" in w for w in plan.warnings)
