@@ -39,10 +39,8 @@ from cost_model import defaults
 from cost_model.collectives import algorithm_times, collective_time, group_shape
 from cost_model.compute import roofline_time
 from planner.cluster import Cluster
-from planner.strategy import ExpertPlacement
+from planner.strategy import ALL_TO_ALL_ALGORITHMS, EXPERT_MODES, ExpertPlacement
 
-MOE_MODES = ("expert_parallel", "data_parallel", "expert_sliced")
-ALL_TO_ALL_ALGORITHMS = ("flat", "hierarchical")
 # (dtype key of DeviceSpec.peak_flops, bytes per element) of the activations and weights.
 _PRECISION = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2), "fp16": ("float16", 2)}
 
@@ -73,7 +71,8 @@ class MoECost:
     """One layer's predicted cost on the busiest device (seconds, bytes): forward and
     backward compute, the all-to-all (or gather/scatter) time of forward and of backward,
     the copies the busiest device computes, the share of copies dropped by the capacity, the
-    busiest device's load over the mean, and its bytes of expert weights and dispatch buffers."""
+    busiest device's load over the mean, its bytes of expert weights and dispatch buffers, and
+    the bytes it sends over the group in forward and backward together (``sent_bytes``)."""
 
     mode: str
     forward_compute_s: float
@@ -85,6 +84,11 @@ class MoECost:
     max_over_mean: float
     weight_bytes: float
     buffer_bytes: float
+    sent_bytes: float = 0.0
+
+    @property
+    def communication_s(self) -> float:
+        return self.forward_comm_s + self.backward_comm_s
 
     @property
     def total_s(self) -> float:
@@ -114,8 +118,8 @@ def moe_layer_cost(
         algorithm: expert parallel only: ``flat`` or ``hierarchical`` all-to-all.
         precision: the activations' and weights' precision.
     """
-    if mode not in MOE_MODES:
-        raise ValueError(f"MoE mode must be one of {MOE_MODES}, got {mode!r}")
+    if mode not in EXPERT_MODES:
+        raise ValueError(f"MoE mode must be one of {EXPERT_MODES}, got {mode!r}")
     if algorithm not in ALL_TO_ALL_ALGORITHMS:
         raise ValueError(f"all-to-all algorithm must be one of {ALL_TO_ALL_ALGORITHMS}, got {algorithm!r}")
     devices = len(ranks)
@@ -148,9 +152,11 @@ def moe_layer_cost(
         gather = collective_time("all_gather", tokens_bytes, cluster, list(ranks))
         scatter = collective_time("reduce_scatter", tokens_bytes, cluster, list(ranks))
         # Backward: gradients of the outputs all-gathered, of the inputs reduce-scattered.
+        # A ring all-gather and reduce-scatter each send (n - 1) / n of the tokens, twice a pass.
+        sent = 4 * tokens_bytes * (devices - 1) / devices
         return _cost(layer, mode, device, dtype, element, busiest, gather + scatter, gather + scatter, dropped, 1.0,
                      layer.experts * layer.expert_parameters * element / devices,
-                     sum(computed) * layer.hidden * element)
+                     sum(computed) * layer.hidden * element, sent)
 
     placement = placement or ExpertPlacement.round_robin(layer.experts, devices)
     if placement.devices != devices or placement.experts != layer.experts:
@@ -168,12 +174,27 @@ def moe_layer_cost(
     exchange = max(sent, received)
     one = _all_to_all(exchange, cluster, ranks, algorithm)
     weights = max(len(placement.experts_on(d)) for d in range(devices)) * layer.expert_parameters * element
+    # Four all-to-alls a pass (dispatch and combine, forward and backward); the share a device
+    # keeps for itself does not travel.
+    moved = 4 * exchange * (devices - 1) / devices
     return _cost(layer, mode, device, dtype, element, busiest, 2 * one, 2 * one, dropped,
-                 busiest / mean if mean else 1.0, weights, busiest * layer.hidden * element)
+                 busiest / mean if mean else 1.0, weights, busiest * layer.hidden * element, moved)
+
+
+def expert_activation_bytes(layer: MoELayer, copies: float, element: int) -> float:
+    """Bytes the experts keep for backward when a device computes ``copies`` token copies:
+    each matmul's input (the tokens, then the FFN's hidden activations: one tensor before
+    and one after the activation function for a GELU MLP, two more for SwiGLU's gate)."""
+    return copies * element * (layer.hidden + 2 * (layer.matmuls - 1) * layer.ffn)
+
+
+def element_bytes(precision: str) -> int:
+    """Bytes per element of activations and weights at ``precision`` (fp32, bf16, fp16)."""
+    return _PRECISION[precision][1]
 
 
 def _cost(layer, mode, device, dtype, element, busiest, forward_comm, backward_comm, dropped, imbalance,
-          weight_bytes, buffer_bytes) -> MoECost:
+          weight_bytes, buffer_bytes, sent_bytes=0.0) -> MoECost:
     flops = busiest * layer.flops_per_copy()
     # Weights read once, activations in and out of each matmul.
     moved = layer.expert_parameters * element + busiest * (layer.hidden + layer.ffn) * element * layer.matmuls
@@ -183,7 +204,7 @@ def _cost(layer, mode, device, dtype, element, busiest, forward_comm, backward_c
         if busiest else 0.0
     )
     return MoECost(mode, forward, backward, forward_comm, backward_comm, busiest, dropped, imbalance,
-                   weight_bytes, buffer_bytes)
+                   weight_bytes, buffer_bytes, sent_bytes)
 
 
 def _all_to_all(size_bytes: float, cluster: Cluster, ranks: Sequence[int], algorithm: str) -> float:

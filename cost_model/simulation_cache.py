@@ -94,11 +94,18 @@ RECENTLY_COSTED = RecentlyCosted(size=8)
 
 def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
     """What node costs and segments depend on: the graph, cluster, mesh, precision and
-    micro-batch count, and each node's placements, parameters and stage. Placements are
+    micro-batch count, each node's placements, parameters and stage, and the MoE layers'
+    layouts. Placements are
     compared by identity (a variant made with ``dataclasses.replace`` shares them; hashing
     thousands of placements by value costs more than costing the nodes); the entry keeps
     those objects alive, so an identity cannot be reused by another object."""
     return (
         id(graph), id(graph_facts(graph)), id(plan.cluster), plan.mesh, plan.precision, micro_batches,
         tuple((s.node, id(s.inputs), id(s.outputs), id(s.params), id(s.produced), s.stage) for s in plan.strategies),
+        # MoE layers are priced by their layouts (their cost annotation aside).
+        tuple(
+            (layout.module, layout.mode, layout.capacity_factor, layout.axis, layout.all_to_all, layout.placement,
+             layout.expert_loads)
+            for layout in getattr(plan, "expert_layouts", ())
+        ),
     )

@@ -42,12 +42,15 @@ from torch.distributed.tensor import Replicate, Shard
 from cost_model import defaults
 from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS, check_precision, op_times, optimizer_step_time
+from cost_model.moe_layers import LaidOutLayer, annotated_layouts, laid_out_layers
 from cost_model.resharding import backward_collective, forward_collective
 from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
 from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, graph_facts
 from planner.graph import OpGraph, OpNode
-from planner.strategy import RECOMPUTE_MODES, CostParts, MemoryBreakdown, NodeStrategy, SimResult, TimelineEvent
+from planner.strategy import (
+    RECOMPUTE_MODES, CostParts, ExpertLayout, MemoryBreakdown, NodeStrategy, SimResult, TimelineEvent,
+)
 
 # bytes per parameter by precision: (weights, gradients, optimizer states). Mixed
 # precision keeps fp16/bf16 weights and gradients and fp32 master weights plus Adam's two
@@ -104,6 +107,13 @@ class Segment:
     params: dict[str, float] = field(default_factory=dict)  # name -> local bytes per element-size 1
     dp_synced: set[str] = field(default_factory=set)
     axis_bytes: dict[str, float] = field(default_factory=dict)
+    # Weights each rank holds its own of (experts split by an MoE layout): kept out of the
+    # dp flavour's sharding, gathering and gradient reduction.
+    per_rank: set[str] = field(default_factory=set)
+
+    def shardable_elements(self) -> float:
+        """Local parameter elements the dp flavour shards (all but ``per_rank`` ones)."""
+        return sum(count for name, count in self.params.items() if name not in self.per_rank)
 
 
 @dataclass(frozen=True)
@@ -193,6 +203,9 @@ class Simulator:
         self._groups = {axis: self._axis_group(axis) for axis in self.mesh.names}
         self._comm_cache: dict[tuple, float] = {}
         self._segment_list: list[Segment] | None = None  # until a strategy changes
+        # MoE layers with a layout are priced by it (cost_model.moe_layers), not by placements.
+        self.moe_layers: dict[str, LaidOutLayer] = laid_out_layers(plan, graph, self.micro_batches)
+        self._moe_layer_of = {name: layer for layer in self.moe_layers.values() for name in layer.nodes}
         facts = graph_facts(graph)
         self.nodes, self.consumers, self._kept, self._signature = facts.nodes, facts.consumers, facts.kept, facts.signature
         key = costing_key(plan, graph, self.micro_batches)
@@ -294,6 +307,10 @@ class Simulator:
             annotated.append(self.strategies[node.name].replaced(cost=parts[id(cost)]))
         return tuple(annotated)
 
+    def annotated_expert_layouts(self) -> tuple[ExpertLayout, ...]:
+        """The plan's expert layouts with each layer's simulated cost parts for one step."""
+        return annotated_layouts(self.plan.expert_layouts, self.moe_layers, self.micro_batches)
+
     def replace(self, node_name: str, strategy: NodeStrategy) -> SimResult:
         """Delta simulation: change one node's strategy, re-cost it and its consumers, re-run."""
         self.assign(node_name, strategy)
@@ -367,9 +384,14 @@ class Simulator:
                 self._first_use.setdefault(key, node.name)
 
     def _node_cost(self, node: OpNode) -> NodeCost:
+        layer = self._moe_layer_of.get(node.name)
+        if layer is not None:
+            return self._moe_node_cost(node, layer)
         strategy = self.strategies[node.name]
         edges = []
         for position, name in enumerate(node.inputs):
+            if name in self._moe_layer_of:
+                continue  # an MoE layer hands its tokens back split as the batch is
             producer = self.strategies.get(name)
             wanted = strategy.inputs[position] if position < len(strategy.inputs) else None
             if producer is None or not producer.outputs or wanted is None:
@@ -384,6 +406,29 @@ class Simulator:
         if key not in self._cache:
             self._cache[key] = self._compute_node_cost(node, strategy, edges)
         return self._cache[key]
+
+    def _moe_node_cost(self, node: OpNode, layer: LaidOutLayer) -> NodeCost:
+        """An op of an MoE layer run by its layout (``cost_model.moe_layers``): the layer's
+        expert cost on its anchor op, nothing on the other expert ops, and the routing ops'
+        traced work split over the ranks (each routes its own tokens)."""
+        cost = NodeCost()
+        if node.name in layer.expert_nodes:
+            if node.name == layer.anchor:
+                moe = layer.cost
+                cost.forward_s, cost.backward_s = moe.forward_compute_s, moe.backward_compute_s
+                cost.forward_comm_s = moe.forward_comm_s
+                cost.backward_comm_s = moe.backward_comm_s + layer.replica_sync_s / self.micro_batches
+                cost.saved_bytes = layer.activation_bytes
+                if moe.sent_bytes:
+                    cost.axis_bytes[layer.layout.axis] = moe.sent_bytes
+            return cost
+        split = self.mesh.axis_size(layer.layout.axis) * self.micro_batches
+        cost.forward_s, cost.backward_s = op_times(node, 1.0 / split, self.device, self.plan.precision)
+        if not node.is_view and self._kept_for_backward(node.name):
+            cost.saved_bytes = sum(
+                meta.nbytes * self.activation_scale / split for meta in node.output_meta if meta.dtype.is_floating_point
+            )
+        return cost
 
     def _kept_for_backward(self, name: str) -> bool:
         """Whether autograd keeps the output of ``name`` until backward: unless every reader
@@ -548,9 +593,19 @@ class Simulator:
             if sequence and node.output_meta and len(node.output_meta[0].shape) >= 2 and node.output_meta[0].shape[-2:] == (sequence, sequence):
                 segment.score_bytes += cost.saved_bytes  # attention scores: dropped by selective recompute
                 segment.score_forward_s += cost.forward_s
+            layer = self._moe_layer_of.get(node.name)
             for name, placements in strategy.params.items():
                 meta = self.graph.parameters.get(name)
                 if meta is None:
+                    continue
+                if layer is not None and name in layer.expert_weights:
+                    # The layout says which experts (or which slice of each) a device holds.
+                    segment.params[name] = meta.numel * layer.param_fraction
+                    if layer.gradients_synced:
+                        if dp_index is not None:
+                            segment.dp_synced.add(name)
+                    else:
+                        segment.per_rank.add(name)
                     continue
                 shards = math.prod(size for (axis, size), p in zip(self.mesh.axes, placements) if isinstance(p, Shard))
                 segment.params[name] = meta.numel / shards
@@ -645,7 +700,7 @@ class Simulator:
             step = graph.add("optimizer step", (device, "compute"), optimizer_step_time(state_bytes, self.device),
                              deps=sync_after.get(device, []), kind="optimizer")
             if self.plan.dp_flavour in ("zero1", "zero2") and self.dp > 1:
-                gathered = sum(sum(s.params.values()) for s in per_device[device]) * _PARAM_BYTES[self.plan.precision][0]
+                gathered = sum(s.shardable_elements() for s in per_device[device]) * _PARAM_BYTES[self.plan.precision][0]
                 graph.add("all-gather updated weights", (device, "collective"), self._collective("all_gather", gathered, "dp"), deps=[step], kind="comm")
         return graph, per_device
 
@@ -725,7 +780,7 @@ class Simulator:
         return segment.backward_s
 
     def _fsdp_gather(self, graph, device, segment, deps, name) -> int:
-        size = sum(segment.params.values()) * _PARAM_BYTES[self.plan.precision][0]
+        size = segment.shardable_elements() * _PARAM_BYTES[self.plan.precision][0]
         return graph.add(name, (device, "collective"), self._collective("all_gather", size, "dp"), deps=deps, kind="comm")
 
     def _gradient_sync(self, graph, device, name: str, buckets: list[tuple[float, int]], after: int) -> int:
@@ -747,23 +802,28 @@ class Simulator:
     def _optimizer_state_bytes(self, segments: list[Segment]) -> float:
         weights, grads, states = _PARAM_BYTES[self.plan.precision]
         elements = sum(sum(s.params.values()) for s in segments)
+        shardable = sum(s.shardable_elements() for s in segments)
         shard = self.dp if self.plan.dp_flavour in ("zero1", "zero2", "fsdp") else 1
-        return elements * (weights + grads + states) / shard
+        return (shardable / shard + elements - shardable) * (weights + grads + states)
 
     def _stage_memory(self, all_segments: list[Segment], stage: int, segments: list[Segment]) -> MemoryBreakdown:
         weight_b, grad_b, state_b = _PARAM_BYTES[self.plan.precision]
         params: dict[str, float] = {}
+        per_rank: set[str] = set()
         for segment in segments:
             params.update(segment.params)
+            per_rank |= segment.per_rank
         elements = sum(params.values())
+        own = sum(count for name, count in params.items() if name in per_rank)  # never sharded over dp
+        shared = elements - own
         flavour, dp = self.plan.dp_flavour, self.dp
-        weights = elements * weight_b / (dp if flavour == "fsdp" else 1)
-        grads = elements * grad_b / (dp if flavour in ("zero2", "fsdp") else 1)
-        states = elements * state_b / (dp if flavour in ("zero1", "zero2", "fsdp") else 1)
+        weights = shared * weight_b / (dp if flavour == "fsdp" else 1) + own * weight_b
+        grads = shared * grad_b / (dp if flavour in ("zero2", "fsdp") else 1) + own * grad_b
+        states = shared * state_b / (dp if flavour in ("zero1", "zero2", "fsdp") else 1) + own * state_b
         buffers_state = sum(meta.nbytes for meta in self.graph.buffers.values()) if stage == 0 else 0
         activations = self._peak_activations(stage, segments)
         if flavour == "fsdp" and dp > 1:
-            largest = max((sum(s.params.values()) for s in segments), default=0.0)
+            largest = max((s.shardable_elements() for s in segments), default=0.0)
             comm = 2 * largest * weight_b
         elif dp > 1:
             comm = min(defaults.DDP_BUCKET_BYTES, elements * grad_b)
@@ -771,6 +831,8 @@ class Simulator:
             comm = 0.0
         if self.pp > 1:
             comm += 2 * max((s.input_bytes for s in segments), default=0.0)
+        # One MoE layer dispatches at a time: the largest of their buffers.
+        comm += max((layer.buffer_bytes for layer in self.moe_layers.values()), default=0.0)
         return MemoryBreakdown(
             weights=int(weights + buffers_state),
             gradients=int(grads),
@@ -841,4 +903,7 @@ def simulate_plan(plan, graph: OpGraph) -> SimResult:
 def simulated(plan, graph: OpGraph):
     """``plan`` with its estimate and per-node cost parts from a simulation of it."""
     simulator = Simulator(plan, graph)
-    return dataclass_replace(plan, estimate=simulator.run(), strategies=simulator.annotated_strategies())
+    return dataclass_replace(
+        plan, estimate=simulator.run(), strategies=simulator.annotated_strategies(),
+        expert_layouts=simulator.annotated_expert_layouts(),
+    )

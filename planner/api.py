@@ -26,6 +26,7 @@ from planner.opaque_backward import describe as describe_opaque_backward
 from planner.outputs import check_program_folder
 from planner.plan_checks import check_model_matches, check_plan_against_graph, check_plan_against_inputs
 from planner.plans import Plan, load_plan
+from planner.routing import read_routing_option, routing_for_layers
 from planner.strategy import DP_FLAVOURS, SimResult
 from planner.trace import trace
 
@@ -50,6 +51,7 @@ def plan(
     time_budget_s: float | None = 600.0,
     seed: int = 0,
     progress: bool = True,
+    routing: Any = None,
 ) -> Plan:
     """Find how to train ``model`` on ``cluster``.
 
@@ -85,6 +87,12 @@ def plan(
             plan unless it cuts the search short, and then the plan's warnings say so.
         seed: seed of the MCMC search, an int >= 0.
         progress: show a progress bar on stderr (a terminal only) for searches over a second.
+        routing: routing statistics of the model's Mixture-of-Experts layers, from which
+            each layer's layout (expert parallel, data parallel, expert-sliced; placement;
+            all-to-all) is chosen: None (uniform), ``"uniform"``, ``"zipf:ALPHA"`` (a few
+            hot experts, e.g. ``"zipf:1.2"``), the path of a statistics file
+            (``planner.routing``; layers it does not cover are uniform) or a
+            ``RoutingStats``. The plan records the source and each layer's loads.
 
     Returns:
         The chosen ``Plan``; ``plan.report()`` explains it.
@@ -109,6 +117,7 @@ def plan(
         time_budget_s = arguments.positive_finite(time_budget_s, "time_budget_s", "seconds")
     seed = arguments.integer_at_least(seed, "seed", 0)
     arguments.boolean(progress, "progress")
+    routing_option = read_routing_option(routing)
     budget = SearchBudget(effort=effort, wall_clock_cap_s=time_budget_s)
     with _progress_bar(enabled=progress) as on_progress:
         tracing = None
@@ -119,6 +128,10 @@ def plan(
         traced_s = time.perf_counter() - budget.started
         precision = default_precision(cluster) if precision == "auto" else precision
         warnings = graph_warnings(graph)
+        routing_stats = routing_for_layers(routing_option, {b.module: (b.experts, b.top_k) for b in graph.moe_blocks})
+        if routing is not None and not graph.moe_blocks:
+            warnings += ("routing statistics were given but the model has no Mixture-of-Experts layer this planner "
+                         "recognises (planner.moe_blocks): they were not used",)
         if search != "dp" and dp_flavour is None and graph.opaque_backward:
             # Only programs that run the model's own modules keep a backward the model defines.
             warnings += (
@@ -141,7 +154,7 @@ def plan(
                 searching = lambda what, fraction: on_progress(what, TRACE_SHARE + (1 - TRACE_SHARE) * fraction)  # noqa: E731
             chosen = search_plan(
                 graph, cluster, spec, name, search=search, budget=budget, seed=seed,
-                warnings=warnings, precision=precision, on_progress=searching,
+                warnings=warnings, precision=precision, on_progress=searching, routing=routing_stats,
             )
     total_s = time.perf_counter() - budget.started
     return dataclasses.replace(chosen, timings={"trace_s": traced_s, "search_s": total_s - traced_s, "total_s": total_s})
@@ -353,6 +366,13 @@ def compile_blocker(plan: Plan) -> str | None:
         return (
             "this plan has no model spec, so torchrun cannot rebuild the model; plan from a spec "
             "(planner.plan('file.py:build', ...)) or pass spec= to planner.plan"
+        )
+    if plan.expert_layouts and (plan.dp_flavour == "zero1" or plan.pipeline is not None or plan.mesh.names != ("dp",)):
+        beside = "a pipeline" if plan.pipeline is not None else f"{plan.dp_flavour} on mesh {plan.mesh}"
+        return (
+            f"{plan.name} cannot be compiled: its MoE layers run by layout beside {beside}, which is simulated only "
+            f"(compiled MoE programs wrap the rest of the model in DDP, ZeRO-2 or FSDP on a dp mesh); plan again, "
+            f"or use dp_flavour ddp, zero2 or fsdp"
         )
     if plan.pipeline is not None:
         from codegen.pipeline_emit import unsupported

@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         "programs that run forward under bf16 autocast, fp16 plans (which need loss scaling) are simulated only",
     )
     plan.add_argument(
+        "--routing", default=None, metavar="ROUTING",
+        help="routing statistics of the MoE layers, from which each layer's layout is chosen: uniform, zipf:ALPHA "
+        "(a few hot experts, e.g. zipf:1.2) or a routing statistics JSON file (planner/routing.py; layers it does "
+        "not cover are uniform); default: uniform",
+    )
+    plan.add_argument(
         "-o", "--output", metavar="PLAN_JSON",
         help="save the plan as JSON (input of `planner compile`); an existing file is replaced only if it is a plan",
     )
@@ -207,6 +213,9 @@ def _plan(options: argparse.Namespace) -> int:
         )
     # Before the model is traced and searched, so a typo or a bad path is reported at once.
     cluster = Cluster.parse(options.cluster)  # before torch even loads
+    from planner.routing import read_routing_option
+
+    routing = read_routing_option(options.routing)
     if options.output is not None:
         from planner.plans import is_plan_file
 
@@ -217,7 +226,7 @@ def _plan(options: argparse.Namespace) -> int:
     spec = ModelSpec(options.spec, parse_overrides(options.overrides))
     plan = make_plan(
         spec, cluster, dp_flavour=options.dp, precision=options.precision, search=options.search,
-        effort=options.effort, time_budget_s=options.time_budget, seed=options.seed, progress=True,
+        effort=options.effort, time_budget_s=options.time_budget, seed=options.seed, progress=True, routing=routing,
     )
     print(plan.report())
     if options.output is not None:
@@ -242,7 +251,7 @@ def _next_steps(plan, options: argparse.Namespace) -> list[str]:
         settings = [part for item in options.overrides for part in ("--set", item)]
         for flag, value, default in (
             ("--dp", options.dp, None), ("--search", options.search, "auto"), ("--precision", options.precision, "auto"),
-            ("--effort", options.effort, 1.0), ("--seed", options.seed, 0),
+            ("--effort", options.effort, 1.0), ("--seed", options.seed, 0), ("--routing", options.routing, None),
         ):
             if value != default:
                 settings += [flag, f"{value:g}" if isinstance(value, float) else value]

@@ -137,6 +137,9 @@ class OpGraph:
             inputs (set by the tracer; plans store it).
         constants: placeholder name -> value of each tensor the forward makes from Python
             data (export's lifted tensor constants, e.g. ``torch.tensor([...])``), on the CPU.
+        moe_blocks: the model's Mixture-of-Experts layers (``planner.moe_blocks.MoEBlock``),
+            in module order; the ops of a layer are those whose ``module`` is the layer's
+            path or lies under it (``moe_nodes``).
     """
 
     nodes: list[OpNode]
@@ -151,6 +154,7 @@ class OpGraph:
     graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
     model_fingerprint: str = ""
     constants: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    moe_blocks: tuple = ()
     _by_name: dict[str, OpNode] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -171,6 +175,11 @@ class OpGraph:
     def block_paths(self) -> tuple[str, ...]:
         """Module paths of the repeated blocks, in order (``("blocks.0", "blocks.1", ...)``)."""
         return tuple(f"{group}.{index}" for group, count in self.blocks.items() for index in range(count))
+
+    def moe_nodes(self, module: str) -> list[OpNode]:
+        """The ops of the MoE layer at module path ``module`` (its own and its submodules')."""
+        prefix = module + "."
+        return [node for node in self.nodes if node.module == module or node.module.startswith(prefix)]
 
     @property
     def total_flops(self) -> int:

@@ -28,6 +28,7 @@ from planner.strategy import (
     CostParts,
     ExpertLayout,
     ExpertPlacement,
+    expert_modes_summary,
     Mesh,
     NodeStrategy,
     MemoryBreakdown,
@@ -217,6 +218,8 @@ class Plan:
             details.append(self.dp_flavour)  # a labelled plan's dp flavour is not in its label
         if self.label == "megatron" and any(s.produced is not None for s in self.strategies):
             details.append("sequence parallel")  # Megatron's layout reshards only for it
+        if self.expert_layouts:
+            details.append(expert_modes_summary(self.expert_layouts))
         return one_line(f"{self.label or self.dp_flavour} ({'; '.join(details)})")
 
     def report(self) -> str:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from planner.moe_report import moe_notes, moe_table
 from planner.strategy import NodeStrategy
 from planner.units import format_bytes, format_count, format_flops, format_seconds
 from planner.verdict import findings, plan_family, plan_label, verdict
@@ -76,6 +77,10 @@ def render_report(plan: "Plan", width: int = REPORT_WIDTH) -> str:
     for label, text in details:
         console.print(_paragraph(f"{label:<9} {text}", width, indent="  ", hanging=" " * 12))
     console.print(_strategy_table(plan))
+    if plan.expert_layouts:
+        console.print(moe_table(plan))
+        for line in moe_notes(plan):
+            console.print(_paragraph(line, width, indent="  ", hanging="    "))
     if plan.pipeline is not None:
         console.print(_paragraph(_pipeline_summary(plan), width, indent="  "))
         console.print(_pipeline_table(plan))
@@ -118,6 +123,11 @@ def _strategy_text(plan: "Plan") -> str:
         )
     if plan.label == "megatron":
         return "Megatron-LM: column/row-parallel blocks on tp, layers split over pp, batch over dp"
+    if plan.expert_layouts:
+        return (
+            f"{_FLAVOUR_TEXT[plan.dp_flavour]}; each Mixture-of-Experts layer runs by its own layout (table below): "
+            f"its experts replicated, sliced, or spread over the devices with tokens moved by all-to-all"
+        )
     return _FLAVOUR_TEXT[plan.dp_flavour]
 
 

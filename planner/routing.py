@@ -238,3 +238,54 @@ def layer_loads(shares: Sequence[float], tokens: float, top_k: int) -> list[floa
     """Token copies each expert receives when ``tokens`` tokens are routed to ``top_k``
     experts each with these shares."""
     return [share * tokens * top_k for share in shares]
+
+
+def read_routing_option(value: Any) -> "RoutingStats | str | None":
+    """Check a ``routing`` argument (``--routing``) before any tracing: None (uniform), a
+    synthetic kind (``uniform``, ``zipf:ALPHA``; returned as text, applied once the layers
+    are known), ``RoutingStats``, or the path of a statistics file (read and checked now).
+
+    Raises:
+        RoutingError: anything else, a bad synthetic kind, or a bad or missing file (one line).
+    """
+    if value is None or isinstance(value, RoutingStats):
+        return value
+    if not isinstance(value, (str, Path)):
+        raise RoutingError(
+            f"routing must be 'uniform', 'zipf:ALPHA' or the path of a routing statistics file, got {type(value).__name__}"
+        )
+    text = str(value).strip()
+    if text == "uniform" or text.startswith("zipf:"):
+        synthetic(text, {})  # checks the kind; the layers come after tracing
+        return text
+    if not Path(text).is_file():
+        raise RoutingError(
+            f"routing {one_line(text)[:120]!r} is neither 'uniform', 'zipf:ALPHA' (e.g. zipf:1.2) nor an existing "
+            f"routing statistics file"
+        )
+    return load_routing(text)
+
+
+def routing_for_layers(option: "RoutingStats | str | None", layers: Mapping[str, tuple[int, int]]) -> RoutingStats:
+    """The statistics the planner uses for a model's MoE ``layers`` (module path ->
+    (experts, top_k)) from a checked option (``read_routing_option``): uniform for None,
+    the synthetic kind on every layer, or the file's (layers it does not cover are uniform).
+
+    Raises:
+        RoutingError: the statistics name a layer the model does not have, or give a layer
+            another number of experts.
+    """
+    if option is None:
+        return RoutingStats()
+    if isinstance(option, str):
+        return synthetic(option, layers)
+    unknown = [name for name in option.layers if name not in layers]
+    if unknown:
+        known = ", ".join(list(layers)[:4]) or "none"
+        raise RoutingError(
+            f"routing statistics give layer {one_line(unknown[0])[:80]!r}, which is not an MoE layer of this model "
+            f"(its MoE layers: {known}{', ...' if len(layers) > 4 else ''})"
+        )
+    for name, (experts, top_k) in layers.items():
+        option.layer(name, experts, top_k)
+    return option

@@ -216,6 +216,23 @@ class ExpertLayout:
             raise ValueError("routing must be one line of at most 200 characters")
 
 
+EXPERT_MODE_WORDS = {"expert_parallel": "expert parallel", "data_parallel": "experts replicated",
+                     "expert_sliced": "experts sliced"}
+
+
+def expert_modes_summary(layouts: tuple[ExpertLayout, ...]) -> str:
+    """How a plan's MoE layers run, in a few words: ``expert parallel (balanced, flat)``
+    when every layer runs one way, else the count of layers per mode."""
+    ways = {(layout.mode, layout.placement.method if layout.placement else "", layout.all_to_all
+             if layout.mode == "expert_parallel" else "") for layout in layouts}
+    if len(ways) == 1:
+        mode, method, algorithm = next(iter(ways))
+        details = ", ".join(part for part in (method, algorithm) if part)
+        return one_line(EXPERT_MODE_WORDS[mode] + (f" ({details})" if details else ""))[:120]
+    counts = {mode: sum(1 for layout in layouts if layout.mode == mode) for mode in EXPERT_MODE_WORDS}
+    return ", ".join(f"{count} {EXPERT_MODE_WORDS[mode]}" for mode, count in counts.items() if count)
+
+
 @dataclass(frozen=True)
 class CostParts:
     """Predicted cost of one decision, split so a report can explain it (seconds, bytes)."""

@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from planner.fingerprint import model_fingerprint
 from planner.errors import TraceError
 from planner.graph import VIEW_OPS, GraphInput, OpGraph, OpNode, TensorMeta
+from planner.moe_blocks import find_moe_blocks
 from planner.opaque_backward import watch_backward
 
 __all__ = ["trace"]
@@ -76,6 +77,8 @@ def trace(
     graph = _trace(model, args, kwargs, on_progress)
     # Stored in plans, so compile/simulate/launch can tell when the spec builds another model.
     graph.model_fingerprint = model_fingerprint(model, args, kwargs)
+    # The cost model prices these layers by their layout, the search chooses it.
+    graph.moe_blocks = find_moe_blocks(model)
     return graph
 
 

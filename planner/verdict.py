@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.tensor import Replicate
 
+from planner.strategy import expert_modes_summary
 from planner.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ def plan_label(plan: "Plan") -> str:
     return f"{plan.name}{', recompute ' + plan.recompute if plan.recompute != 'none' else ''}"
 
 
-FAMILIES = ("data parallel", "Megatron grid", "searched, no pipeline", "searched pipeline")
+FAMILIES = ("data parallel", "Megatron grid", "searched, no pipeline", "searched pipeline", "MoE layouts")
 
 
 def plan_family(plan: "Plan") -> str:
@@ -48,6 +49,8 @@ def plan_family(plan: "Plan") -> str:
     without or with pipeline stages."""
     if plan.label == "megatron":
         return "Megatron grid"
+    if plan.expert_layouts:
+        return "MoE layouts"
     if plan.label:
         return "searched, no pipeline" if plan.pipeline is None else "searched pipeline"
     return "data parallel"
@@ -67,6 +70,11 @@ def strategy_words(plan: "Plan") -> str:
         text = (
             f"per-op sharding chosen by the search on {devices} ({plan.mesh}), "
             f"{split} of {len(_parameter_placements(plan))} weights split"
+        )
+    elif plan.expert_layouts:
+        text = (
+            f"{_FLAVOUR_WORDS[plan.dp_flavour]} on all {devices} ({plan.mesh}), the {len(plan.expert_layouts)} "
+            f"MoE layer(s) by layout: {expert_modes_summary(plan.expert_layouts)}"
         )
     else:
         text = f"{_FLAVOUR_WORDS[plan.dp_flavour]} on all {devices} ({plan.mesh})"

@@ -19,6 +19,7 @@ from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
+from planner.routing import RoutingStats
 from torch.distributed.tensor import Replicate
 
 from planner.strategy import Mesh, NodeStrategy
@@ -30,6 +31,7 @@ from search.data_parallel import DATA_PARALLEL_FLAVOURS, accumulating, data_para
 from search.ilp import solve
 from search.layouts import batch_input_placements, combine
 from search.mcmc import mcmc
+from search.moe_search import search_moe_plan
 from search.megatron import megatron_baseline
 from search.pipeline_search import pipeline_plans
 from search.plan_builder import input_placements, unsimulated_plan
@@ -96,6 +98,7 @@ def search_plan(
     warnings: tuple[str, ...] = (),
     precision: str = "fp32",
     on_progress: Callable[[str, float], None] | None = None,
+    routing: RoutingStats | None = None,
 ) -> Plan:
     """The fastest plan that fits, over meshes, per-op shardings and data-parallel flavours.
 
@@ -106,6 +109,8 @@ def search_plan(
             (``search.budget``); the default is effort 1. The same graph, cluster, seed
             and effort give the same plan on any machine unless the cap acts.
         on_progress: called with (what is being searched, fraction of the meshes done).
+        routing: routing statistics of the MoE layers (uniform when None), from which the
+            ``moe`` family (``search.moe_search``) chooses each layer's layout.
 
     Raises:
         PlanningError: nothing fits on any mesh (the message says how much memory the
@@ -125,8 +130,14 @@ def search_plan(
     # A model whose samples mix (an MoE router's token counts) runs only as a program over
     # the whole batch: slices of it (DP wrappers, micro-batches) would compute another step.
     coupled = batch_coupled_ops(graph)
+    moe_family = moe_family_allowed(graph, cluster, coupled)
     if coupled:
-        warnings = (*warnings, coupling_warning(coupled))
+        warnings = (*warnings, coupling_warning(coupled, moe_layouts=moe_family))
+    if moe_family:
+        if on_progress:
+            on_progress("choosing the MoE layers' layouts", 0.0)
+        searched, fixed = search_moe_plan(graph, cluster, spec, model_name, routing, warnings, precision)
+        plans += [searched, *fixed]
     for position, mesh in enumerate(meshes):
         if on_progress:
             on_progress(f"searching mesh {mesh} ({position + 1}/{len(meshes)})", position / len(meshes))
@@ -281,6 +292,16 @@ def _hint(graph: OpGraph, mesh: Mesh, tables) -> dict[str, int]:
             0,
         )
     return hint
+
+
+def moe_family_allowed(graph: OpGraph, cluster: Cluster, coupled) -> bool:
+    """Whether the ``moe`` family (data parallelism, MoE layers by layout) may plan
+    ``graph``: it has MoE layers, the batch splits over every device, and every op at which
+    the samples mix lies inside an MoE layer (whose runtime reproduces the whole batch's routing)."""
+    if not graph.moe_blocks or graph.batch_size % cluster.world_size:
+        return False
+    inside = {node.name for block in graph.moe_blocks for node in graph.moe_nodes(block.module)}
+    return all(op.node in inside for op in coupled)
 
 
 def _key(plan: Plan) -> str:

@@ -75,11 +75,19 @@ def coupled_modules(coupled: list[CoupledOp]) -> list[str]:
     return list(dict.fromkeys(op.module or "the model's top level" for op in coupled))
 
 
-def coupling_warning(coupled: list[CoupledOp]) -> str:
+def coupling_warning(coupled: list[CoupledOp], moe_layouts: bool = False) -> str:
     """The one-line warning a plan carries for a model whose samples mix, naming the
-    modules where they do."""
+    modules where they do; with ``moe_layouts``, they all lie in MoE layers, which plans
+    that run each MoE layer by its layout may still split the batch around."""
     modules = coupled_modules(coupled)
     shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+    if moe_layouts:
+        return (
+            f"the model mixes the samples of its batch in {shown}, so a step on slices of the batch would differ "
+            f"from the step on the whole batch: no gradient accumulation or pipeline micro-batches were planned, "
+            f"and data parallelism only with the MoE layers run by their layouts, whose runtime routes the whole "
+            f"batch as one device does"
+        )
     return (
         f"the model mixes the samples of its batch in {shown}, so a step on slices of the batch would differ "
         f"from the step on the whole batch: only programs over the whole batch were planned (no DDP/ZeRO/FSDP "

@@ -309,3 +309,47 @@ def test_recomputation_compiles_only_for_repeated_blocks(capsys, tmp_path):
     plan = dataclasses.replace(baselines.ddp("examples/mlp.py", "cpu:1x2"), recompute="full")
     plan.save(tmp_path / "mlp.json")
     assert_user_error(capsys, ["compile", str(tmp_path / "mlp.json"), "-o", str(tmp_path / "p2")], "no repeated blocks")
+
+
+# ----------------------------------------------------------------------- --routing
+
+MOE = str(ROOT / "examples" / "moe.py")
+
+
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        ("zipf:x", "unknown synthetic routing 'zipf:x'"),
+        ("zipf:-1", "unknown synthetic routing 'zipf:-1'"),
+        ("nosuch.json", "is neither 'uniform', 'zipf:ALPHA'"),
+    ],
+)
+def test_bad_routing_is_one_line(capsys, value, fragment):
+    assert_user_error(capsys, ["plan", MOE, "--cluster", "cpu:1x4", "--routing", value], fragment)
+
+
+def test_routing_file_for_layers_the_model_lacks_is_one_line(capsys, tmp_path):
+    path = tmp_path / "routing.json"
+    layer = {"experts": 4, "top_k": 2, "token_share": [0.4, 0.3, 0.2, 0.1]}
+    path.write_text(json.dumps({"format": "soap-planner-routing", "version": 1, "layers": {"blocks.9.moe": layer}}))
+    assert_user_error(capsys, ["plan", MOE, "--cluster", "cpu:1x4", "--routing", str(path)],
+                      "'blocks.9.moe', which is not an MoE layer of this model", "blocks.0.moe")
+    path.write_text(json.dumps({"format": "soap-planner-routing", "version": 1, "layers": {"blocks.0.moe": "x"}}))
+    assert_user_error(capsys, ["plan", MOE, "--cluster", "cpu:1x4", "--routing", str(path)], "layer 'blocks.0.moe'")
+
+
+def test_routing_file_is_recorded_in_the_plan(capsys, tmp_path):
+    path = tmp_path / "routing.json"
+    layer = {"experts": 4, "top_k": 2, "token_share": [0.7, 0.1, 0.1, 0.1]}
+    path.write_text(json.dumps({
+        "format": "soap-planner-routing", "version": 1, "source": "my logs", "layers": {"blocks.0.moe": layer},
+    }))
+    out_path = tmp_path / "p.json"
+    assert main(["plan", MOE, "--cluster", "cpu:1x4", "--routing", str(path), "-o", str(out_path)]) == 0
+    out, _ = capsys.readouterr()
+    plan = load_plan(out_path)
+    assert plan.label == "moe"
+    first, second = plan.expert_layouts
+    assert (first.routing, first.expert_loads) == ("my logs", (0.7, 0.1, 0.1, 0.1))
+    assert second.expert_loads == (0.25,) * 4 and second.routing.startswith("uniform")  # not in the file
+    assert "--routing" not in out.split("next:")[1]  # saved with -o: the next step compiles the file

@@ -1,0 +1,196 @@
+"""How a plan's Mixture-of-Experts layers enter the simulated step.
+
+A plan with ``expert_layouts`` runs each MoE layer its own way (``planner.strategy.
+ExpertLayout``); the traced ops of the layer (router, routing, dispatch, experts, combine)
+are not priced by their placements as other ops are. Instead:
+
+- the **experts** (the ops of the module that owns the stacked expert weights) are priced by
+  ``cost_model.moe.moe_layer_cost`` in the layout's mode, on the busiest device: forward and
+  backward compute, and the dispatch and combine all-to-alls (or the expert-sliced gather
+  and reduce-scatter), which sit on the critical path (the experts wait for their tokens);
+- the **routing** ops around them run on each rank's own tokens: their traced work split
+  over the ``dp`` ranks, no resharding (tokens move only by the layout's collectives), and
+  the layer hands its output back split as the batch is;
+- **memory** per device: expert weights, gradients and optimizer states of the experts the
+  device holds (expert parallel: its copies; data parallel: all; expert-sliced: 1/world of
+  each), the activations the experts keep for the busiest device's copies, and the dispatch
+  buffers (expert parallel: a send and a receive buffer; expert-sliced: the gathered tokens);
+- **gradients**: expert weights are all-reduced over ``dp`` with the other replicated
+  weights only in ``data_parallel`` mode; an expert-parallel expert with copies has its
+  copies' gradients summed among its holders (an all-reduce over them, in backward).
+
+``laid_out_layers`` gathers all of this for the simulator; ``price_layout`` is what the
+search scores a candidate layout with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from cost_model.collectives import collective_time
+from cost_model.moe import MoECost, MoELayer, element_bytes, expert_activation_bytes, moe_layer_cost
+from planner.cluster import Cluster
+from planner.graph import OpGraph
+from planner.moe_blocks import MoEBlock
+from planner.strategy import CostParts, ExpertLayout
+
+
+@dataclass(frozen=True)
+class LaidOutLayer:
+    """One MoE layer of a plan, priced for one micro-batch on the busiest device.
+
+    ``nodes`` are all the layer's ops, ``expert_nodes`` those of its experts; ``anchor`` (the
+    first expert op) carries the layer's expert cost in the simulation, the other expert ops
+    none. ``param_fraction`` is the share of each stacked expert weight a device holds;
+    ``gradients_synced`` whether those gradients are all-reduced over ``dp``."""
+
+    block: MoEBlock
+    layout: ExpertLayout
+    cost: MoECost
+    nodes: frozenset[str]
+    expert_nodes: frozenset[str]
+    anchor: str
+    expert_weights: tuple[str, ...]  # qualified names
+    param_fraction: float
+    gradients_synced: bool
+    replica_sync_s: float  # summing the gradients of copied experts, per step
+    activation_bytes: float
+    buffer_bytes: float
+
+
+def moe_layer_of(block: MoEBlock, tokens: int) -> MoELayer:
+    """The cost model's view of ``block`` when ``tokens`` tokens enter it."""
+    return MoELayer(tokens=tokens, hidden=block.hidden, ffn=block.ffn, experts=block.experts, top_k=block.top_k,
+                    matmuls=block.matmuls)
+
+
+def layer_tokens(graph: OpGraph, block: MoEBlock) -> int:
+    """Tokens entering ``block`` in one step: the rows its router reads (every dim of the
+    router's input but the last)."""
+    router = f"{block.module}.{block.router}"
+    for node in graph.moe_nodes(block.module):
+        if router in node.params:
+            position = node.inputs.index(node.param_inputs[node.params.index(router)])
+            activation = next(meta for i, meta in enumerate(node.input_meta) if i != position)
+            tokens = 1
+            for size in activation.shape[:-1]:
+                tokens *= size
+            return tokens
+    raise ValueError(f"MoE layer {block.module!r}: no traced op reads its router weight {router!r}")
+
+
+def expert_module(block: MoEBlock) -> str:
+    """The module path that owns the stacked expert weights (``blocks.0.moe.experts``)."""
+    owner = block.expert_weights[0].rpartition(".")[0]
+    return f"{block.module}.{owner}" if owner else block.module
+
+
+def price_layout(
+    block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Cluster, precision: str, micro_batches: int = 1,
+) -> MoECost:
+    """``moe_layer_cost`` of ``block`` run as ``layout`` says, over all of ``cluster``'s
+    devices, for one micro-batch of a step whose ``tokens`` tokens enter the layer."""
+    return moe_layer_cost(
+        moe_layer_of(block, tokens // micro_batches),
+        layout.mode,
+        cluster,
+        list(range(cluster.world_size)),
+        token_share=layout.expert_loads or None,
+        placement=layout.placement,
+        capacity_factor=layout.capacity_factor or None,
+        algorithm=layout.all_to_all,
+        precision=precision,
+    )
+
+
+def replica_sync_time(block: MoEBlock, layout: ExpertLayout, cluster: Cluster, precision: str) -> float:
+    """Seconds the busiest device spends summing the gradients of its experts that have
+    copies elsewhere (expert parallel only): one all-reduce of the expert's gradient over
+    the devices holding it, for each such expert, one after another."""
+    if layout.placement is None:
+        return 0.0
+    gradient = block.matmuls * block.hidden * block.ffn * element_bytes(precision)
+    per_device = [0.0] * layout.placement.devices
+    for copies in layout.placement.replicas:
+        if len(copies) < 2:
+            continue
+        seconds = collective_time("all_reduce", gradient, cluster, [device for device, _ in copies])
+        for device, _ in copies:
+            per_device[device] += seconds
+    return max(per_device)
+
+
+def param_share(layout: ExpertLayout, world: int) -> tuple[float, bool]:
+    """(share of each stacked expert weight a device holds, whether its gradient is
+    all-reduced over ``dp``) under ``layout``; expert parallel counts the fullest device."""
+    if layout.mode == "data_parallel":
+        return 1.0, True
+    if layout.mode == "expert_sliced":
+        return 1.0 / world, False
+    placement = layout.placement
+    fullest = max(len(placement.experts_on(device)) for device in range(placement.devices))
+    return fullest / layout.experts, False
+
+
+def laid_out_layers(plan, graph: OpGraph, micro_batches: int) -> dict[str, LaidOutLayer]:
+    """The plan's MoE layers by module path, priced (see the module docstring).
+
+    Raises:
+        ValueError: a layout names a module that is not an MoE layer of ``graph``, or whose
+            experts or top-k differ from the traced layer's.
+    """
+    if not plan.expert_layouts:
+        return {}
+    blocks = {block.module: block for block in graph.moe_blocks}
+    world = plan.mesh.size
+    layers = {}
+    for layout in plan.expert_layouts:
+        block = blocks.get(layout.module)
+        if block is None:
+            raise ValueError(f"expert layout for {layout.module!r}, which is not an MoE layer of the traced model")
+        if (block.experts, block.top_k) != (layout.experts, layout.top_k):
+            raise ValueError(
+                f"expert layout for {layout.module!r} has {layout.experts} experts, top-{layout.top_k}; the model's "
+                f"layer has {block.experts}, top-{block.top_k}"
+            )
+        nodes = graph.moe_nodes(block.module)
+        owner = expert_module(block)
+        experts = [node.name for node in nodes if node.module == owner or node.module.startswith(owner + ".")]
+        if not experts:
+            raise ValueError(f"MoE layer {block.module!r}: no traced op of its experts ({owner!r})")
+        cost = price_layout(block, layout, layer_tokens(graph, block), plan.cluster, plan.precision, micro_batches)
+        fraction, synced = param_share(layout, world)
+        element = element_bytes(plan.precision)
+        buffers = {"expert_parallel": 2 * cost.buffer_bytes, "expert_sliced": cost.buffer_bytes}.get(layout.mode, 0.0)
+        layers[block.module] = LaidOutLayer(
+            block=block,
+            layout=layout,
+            cost=cost,
+            nodes=frozenset(node.name for node in nodes),
+            expert_nodes=frozenset(experts),
+            anchor=experts[0],
+            expert_weights=tuple(f"{block.module}.{name}" for name in block.expert_weights),
+            param_fraction=fraction,
+            gradients_synced=synced,
+            replica_sync_s=replica_sync_time(block, layout, plan.cluster, plan.precision),
+            activation_bytes=expert_activation_bytes(moe_layer_of(block, 0), cost.busiest_copies, element),
+            buffer_bytes=buffers,
+        )
+    return layers
+
+
+def annotated_layouts(layouts, layers: dict[str, LaidOutLayer], micro_batches: int) -> tuple[ExpertLayout, ...]:
+    """``layouts`` with each layer's simulated cost parts for one step (all micro-batches):
+    expert compute, its collectives (and copied experts' gradient sums), and the bytes of
+    expert weights and dispatch buffers on the fullest device, for the report."""
+    annotated = []
+    for layout in layouts:
+        layer = layers[layout.module]
+        cost = layer.cost
+        annotated.append(dataclasses.replace(layout, cost=CostParts(
+            compute_s=(cost.forward_compute_s + cost.backward_compute_s) * micro_batches,
+            communication_s=cost.communication_s * micro_batches + layer.replica_sync_s,
+            memory_bytes=int(cost.weight_bytes + layer.buffer_bytes),
+        )))
+    return tuple(annotated)

@@ -1,0 +1,349 @@
+"""How each Mixture-of-Experts layer runs: the ``moe`` plan family.
+
+The plan: every device a data-parallel rank (mesh ``dp=world``; the dense ops laid out as
+``search.data_parallel`` lays them out, in DDP, ZeRO-2 or FSDP: ``DENSE_FLAVOURS``), and each MoE layer with its own ``ExpertLayout``
+chosen from its routing statistics among:
+
+- ``data_parallel``: every device holds every expert and runs its own tokens;
+- ``expert_sliced``: every expert's FFN sliced over the devices (when they divide it);
+- ``expert_parallel``: experts spread over the devices, tokens moved by all-to-all, with
+  the placements of ``search.expert_placement`` from the layer's loads: round-robin (when
+  the experts divide evenly), EPLB's and ours (``balanced``), with one slot per device more
+  than the experts need as well (room for copies of hot experts); each with a ``flat``
+  all-to-all, and a ``hierarchical`` one when the devices span nodes.
+
+On a ``dp`` mesh each layer's time is nearly its own: expert compute, collectives and
+gradient reduction (``layer_score``), and the step's MoE time about their sum, so the search
+starts from each layer's fastest layout. Two things are properties of the whole plan and
+are settled by simulating it: memory (while the plan does not fit, layers move to smaller
+layouts, the least time per byte saved first), and overlap (DDP reduces the gradients of
+replicated experts while backward goes on, which a per-layer sum cannot see). Layers of
+one shape with the same loads form a class and get one layout. When the classes' candidates
+combine into at most ``ENUMERATION_LIMIT`` plans, every combination is simulated and the
+fastest that fits wins (exact over class-wide choices); otherwise coordinate descent tries
+every candidate of each class in turn, keeping a change when the simulated plan fits and is
+faster, for at most ``REFINE_SWEEPS`` sweeps. Either way the work is a fixed number of
+simulations, the same on any machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cost_model.collectives import collective_time
+from cost_model.moe import element_bytes
+from cost_model.moe_layers import layer_tokens, param_share, price_layout, replica_sync_time
+from cost_model.simulator import bytes_per_parameter, simulated
+from planner.cluster import Cluster
+from planner.errors import PlanningError
+from planner.graph import OpGraph
+from planner.model_spec import ModelSpec
+from planner.moe_blocks import MoEBlock
+from planner.plans import Plan
+from planner.routing import RoutingStats
+from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
+from search.expert_placement import balanced, eplb
+from search.data_parallel import FSDP_UNIT_FLAVOURS, fsdp_units
+from search.layouts import data_parallel_layout
+from search.plan_builder import unsimulated_plan
+
+MOE_LABEL = "moe"
+REFINE_SWEEPS = 2  # sweeps over the classes of identical layers, each candidate simulated
+ENUMERATION_LIMIT = 128  # combinations of class layouts simulated exhaustively, at most
+# How the dense part around the MoE layers may be data parallel: the flavours compiled MoE
+# programs wrap it in (DDP, or FSDP2 units with or without resharding after forward); the
+# experts a rank holds alone stay out of them.
+DENSE_FLAVOURS = ("ddp", "zero2", "fsdp")
+
+
+@dataclass(frozen=True)
+class ScoredLayout:
+    """A candidate layout of one layer with its time per step (``layer_score``) and the
+    bytes it puts on the fullest device (expert states, kept activations, dispatch buffers)."""
+
+    layout: ExpertLayout
+    time_s: float
+    memory_bytes: float
+
+
+def routing_label(routing: RoutingStats, module: str) -> str:
+    """What a layout records as its routing source: the statistics' source, or ``uniform``
+    for a layer they do not cover."""
+    if module in routing.layers:
+        return routing.source
+    return "uniform" if not routing.layers else f"uniform (not in: {routing.source})"[:200]
+
+
+def layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, cluster: Cluster,
+                     tokens: int, precision: str) -> list[ExpertLayout]:
+    """Every layout the search considers for ``block`` on all of ``cluster``'s devices (see
+    the module docstring), in a fixed order."""
+    world = cluster.world_size
+    common = dict(module=block.module, experts=block.experts, top_k=block.top_k,
+                  capacity_factor=block.capacity_factor, axis="dp", routing=source, expert_loads=loads)
+    layouts = [ExpertLayout(mode="data_parallel", **common)]
+    if world == 1:
+        return layouts
+    if block.ffn % world == 0:
+        layouts.append(ExpertLayout(mode="expert_sliced", **common))
+    algorithms = ["flat"] + (["hierarchical"] if _spans_nodes(cluster) else [])
+    for placement in expert_placements(block, loads, cluster, tokens, precision):
+        for algorithm in algorithms:
+            layouts.append(ExpertLayout(mode="expert_parallel", all_to_all=algorithm, placement=placement, **common))
+    return layouts
+
+
+def expert_placements(block: MoEBlock, loads: tuple[float, ...], cluster: Cluster, tokens: int,
+                      precision: str) -> list[ExpertPlacement]:
+    """Round-robin (when the experts divide over the devices), EPLB and ours with the fewest
+    slots per device that hold every expert, and with one slot more (copies of hot experts),
+    from the routed shares and, with a capacity, from the padded work too; identical
+    placements once. Ours minimises the layer's simulated time with a flat all-to-all."""
+    world = cluster.world_size
+    per_node = cluster.devices_per_node if cluster.is_homogeneous else None
+    placements = []
+    if block.experts % world == 0:
+        placements.append(ExpertPlacement.round_robin(block.experts, world))
+    fewest = math.ceil(block.experts / world)
+
+    def layer_time(placement: ExpertPlacement) -> float:
+        layout = ExpertLayout(block.module, "expert_parallel", block.experts, block.top_k, block.capacity_factor,
+                              placement=placement, expert_loads=loads)
+        return price_layout(block, layout, tokens, cluster, precision).total_s
+
+    # With a capacity every expert computes a buffer padded to the capacity, whatever its
+    # share: placing by the padded work (even) competes with placing by the routed shares.
+    sources = [loads] + ([tuple(1.0 / block.experts for _ in loads)] if block.capacity_factor else [])
+    for slots in (fewest, fewest + 1):
+        for work in sources:
+            placements.append(eplb(work, world, slots, per_node))
+            placements.append(balanced(work, world, slots, cost=layer_time, devices_per_node=per_node))
+    unique: dict[tuple, ExpertPlacement] = {}
+    for placement in placements:
+        unique.setdefault(placement.replicas, placement)
+    return list(unique.values())
+
+
+def layer_score(block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Cluster, precision: str) -> ScoredLayout:
+    """One layer's time per step under ``layout`` (expert compute and collectives, copied
+    experts' gradient sums, and in ``data_parallel`` mode the all-reduce of the expert
+    gradients, counted whole: DDP overlaps it with backward only as far as backward lasts)
+    and its bytes on the fullest device."""
+    cost = price_layout(block, layout, tokens, cluster, precision)
+    world = cluster.world_size
+    fraction, synced = param_share(layout, world)
+    held = block.expert_parameters * fraction
+    gradient_sync = collective_time(
+        "all_reduce", held * bytes_per_parameter(precision)[1], cluster, list(range(world))
+    ) if synced and world > 1 else 0.0
+    time_s = cost.total_s + replica_sync_time(block, layout, cluster, precision) + gradient_sync
+    element = element_bytes(precision)
+    activations = cost.busiest_copies * element * (block.hidden + 2 * (block.matmuls - 1) * block.ffn)
+    buffers = {"expert_parallel": 2 * cost.buffer_bytes, "expert_sliced": cost.buffer_bytes}.get(layout.mode, 0.0)
+    memory = held * sum(bytes_per_parameter(precision)) + activations + buffers
+    return ScoredLayout(layout, time_s, memory)
+
+
+def choose_layouts(
+    graph: OpGraph, cluster: Cluster, routing: RoutingStats, precision: str,
+) -> dict[str, list[ScoredLayout]]:
+    """Each MoE layer's candidates scored, fastest first (ties: fewer bytes, then the
+    candidate order); layers of equal shape and loads share one scoring."""
+    scored: dict[str, list[ScoredLayout]] = {}
+    shared: dict[tuple, list[ScoredLayout]] = {}
+    for block in graph.moe_blocks:
+        statistics = routing.layer(block.module, block.experts, block.top_k)
+        loads = tuple(statistics.token_share)
+        source = routing_label(routing, block.module)
+        tokens = layer_tokens(graph, block)
+        key = (block.experts, block.top_k, block.capacity_factor, block.hidden, block.ffn, block.matmuls, tokens,
+               loads, source)
+        if key not in shared:
+            options = [layer_score(block, layout, tokens, cluster, precision)
+                       for layout in layer_candidates(block, loads, source, cluster, tokens, precision)]
+            order = sorted(range(len(options)), key=lambda i: (options[i].time_s, options[i].memory_bytes, i))
+            shared[key] = [options[i] for i in order]
+        scored[block.module] = [
+            dataclasses.replace(option, layout=dataclasses.replace(option.layout, module=block.module))
+            for option in shared[key]
+        ]
+    return scored
+
+
+def moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str,
+             layouts: Mapping[str, ExpertLayout], warnings: tuple[str, ...] = (), precision: str = "fp32",
+             base: Plan | None = None) -> Plan:
+    """The simulated ``moe`` plan with ``layouts`` (one per MoE layer of ``graph``): DDP
+    over all devices for the dense ops (``base``, from ``moe_base_plan``, when given)."""
+    base = base or moe_base_plan(graph, cluster, spec, model_name, warnings, precision)
+    return simulated(dataclasses.replace(base, expert_layouts=tuple(layouts[b.module] for b in graph.moe_blocks)), graph)
+
+
+def moe_base_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str,
+                  warnings: tuple[str, ...] = (), precision: str = "fp32") -> Plan:
+    """The ``moe`` plan's dense part, not simulated and without layouts: the strategies of
+    ``search.data_parallel``'s DDP plan on ``dp=world``.
+
+    Raises:
+        PlanningError: the batch does not split over the devices.
+    """
+    world = cluster.world_size
+    if graph.batch_size % world:
+        raise PlanningError(
+            f"the global batch of {graph.batch_size} is not divisible by the {world} devices; use a global batch "
+            f"that is a multiple of {world}"
+        )
+    mesh = Mesh((("dp", world),))
+    strategies, inputs = data_parallel_layout(graph, mesh)
+    return unsimulated_plan(graph, cluster, spec, model_name, mesh, strategies, inputs, dp_flavour="ddp",
+                            precision=precision, warnings=warnings, label=MOE_LABEL)
+
+
+def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str,
+                    routing: RoutingStats | None = None, warnings: tuple[str, ...] = (),
+                    precision: str = "fp32") -> tuple[Plan, list[Plan]]:
+    """The searched ``moe`` plan (see the module docstring) and the plans that run every
+    layer in one fixed way (data parallel; expert-sliced; expert parallel, round-robin, flat
+    all-to-all), which compete with it and explain it. The dense part is tried with each
+    of ``DENSE_FLAVOURS`` (the fixed plans take the winner's); when no plan fits, the search
+    runs again with every repeated block recomputed in backward.
+
+    Raises:
+        PlanningError: the model has no MoE layer, or the batch does not split over the devices.
+    """
+    if not graph.moe_blocks:
+        raise PlanningError("the model has no Mixture-of-Experts layer this planner recognises (planner.moe_blocks)")
+    routing = routing or RoutingStats()
+    base = moe_base_plan(graph, cluster, spec, model_name, warnings, precision)  # before any scoring: batch checked
+    scored = choose_layouts(graph, cluster, routing, precision)
+    flavours = DENSE_FLAVOURS if cluster.world_size > 1 else ("ddp",)
+    best = None
+    # Blocks recomputed in backward only when nothing fits holding their activations.
+    for recompute in ("none", "full") if graph.blocks else ("none",):
+        for flavour in flavours:
+            dense = dataclasses.replace(
+                base, dp_flavour=flavour, recompute=recompute,
+                fsdp_units=fsdp_units(graph) if flavour in FSDP_UNIT_FLAVOURS else (),
+            )
+            found = _search_with(graph, cluster, spec, model_name, scored, warnings, precision, dense)
+            if best is None or _rank(found[0]) < _rank(best[0]):
+                best = found
+        if best[0].estimate.fits:
+            break
+    plan, build = best
+    fixed = [build(picks) for picks in _fixed_modes(scored)]
+    return plan, [other for other in fixed if other.expert_layouts != plan.expert_layouts]
+
+
+def _search_with(graph, cluster, spec, model_name, scored, warnings, precision, base: Plan):
+    """The best plan over ``scored``'s layouts with ``base``'s dense part and recomputation
+    (see the module docstring), and the function that builds a plan from a choice."""
+    choice = {module: 0 for module in scored}
+
+    def build(picks: Mapping[str, int]) -> Plan:
+        return moe_plan(graph, cluster, spec, model_name, {m: scored[m][i].layout for m, i in picks.items()},
+                        warnings, precision, base)
+
+    plan = build(choice)
+    while not plan.estimate.fits:
+        overflow = plan.estimate.memory.total - plan.estimate.device_memory_bytes
+        moved = _shrink(scored, choice, overflow)
+        if not moved:
+            break  # nothing smaller left: the caller sees a plan that does not fit
+        plan = build(choice)
+    return _refine(scored, choice, build, plan), build
+
+
+def _refine(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], build, plan: Plan) -> Plan:
+    """Coordinate descent over the classes of identical layers by simulation (see the
+    module docstring): ``choice`` is updated in place; returns the best plan found."""
+    classes: dict[tuple, list[str]] = {}
+    for module, options in scored.items():
+        key = tuple((dataclasses.replace(o.layout, module=""), o.time_s, o.memory_bytes) for o in options)
+        classes.setdefault(key, []).append(module)
+
+    rank = _rank
+    groups = list(classes.values())
+    if math.prod(len(scored[modules[0]]) for modules in groups) <= ENUMERATION_LIMIT:
+        for indices in itertools.product(*(range(len(scored[modules[0]])) for modules in groups)):
+            trial = {module: index for modules, index in zip(groups, indices) for module in modules}
+            if trial == choice:
+                continue
+            candidate = build(trial)
+            if rank(candidate) < (rank(plan)[0], rank(plan)[1] * (1 - 1e-12)):
+                choice.update(trial)
+                plan = candidate
+        return plan
+    for _ in range(REFINE_SWEEPS):
+        improved = False
+        for modules in classes.values():
+            for index in range(len(scored[modules[0]])):
+                if all(choice[module] == index for module in modules):
+                    continue
+                trial = {**choice, **{module: index for module in modules}}
+                candidate = build(trial)
+                if rank(candidate) < (rank(plan)[0], rank(plan)[1] * (1 - 1e-12)):
+                    choice.update(trial)
+                    plan, improved = candidate, True
+        if not improved:
+            break
+    return plan
+
+
+def _rank(plan: Plan) -> tuple[bool, float]:
+    """Plans that fit first, then the faster."""
+    return not plan.estimate.fits, plan.estimate.step_time_s
+
+
+def _shrink(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], overflow: float) -> bool:
+    """Move layers to layouts with fewer bytes, the least time per byte saved first, until
+    the bytes saved cover ``overflow``; False when no layer has a smaller layout."""
+    saved = 0.0
+    moved = False
+    while saved < overflow:
+        best = None
+        for module, options in scored.items():
+            current = options[choice[module]]
+            for index, option in enumerate(options):
+                freed = current.memory_bytes - option.memory_bytes
+                if freed <= 0:
+                    continue
+                rate = (option.time_s - current.time_s) / freed
+                if best is None or rate < best[0]:
+                    best = (rate, module, index, freed)
+        if best is None:
+            return moved
+        _, module, index, freed = best
+        choice[module], saved, moved = index, saved + freed, True
+    return moved
+
+
+def _fixed_modes(scored: Mapping[str, list[ScoredLayout]]) -> list[dict[str, int]]:
+    """Choices running every layer one way, where every layer has that candidate: data
+    parallel, expert-sliced, expert parallel with a flat all-to-all and round-robin placement
+    (EPLB's when the experts do not divide over the devices)."""
+    def expert_parallel(method: str):
+        return lambda layout: (layout.mode == "expert_parallel" and layout.all_to_all == "flat"
+                               and layout.placement.method.startswith(method))
+
+    round_robin_exists = all(any(expert_parallel("round-robin")(o.layout) for o in options) for options in scored.values())
+    wanted = [
+        lambda layout: layout.mode == "data_parallel",
+        lambda layout: layout.mode == "expert_sliced",
+        expert_parallel("round-robin" if round_robin_exists else "EPLB"),
+    ]
+    choices = []
+    for matches in wanted:
+        picks = {module: next((i for i, o in enumerate(options) if matches(o.layout)), None)
+                 for module, options in scored.items()}
+        if all(index is not None for index in picks.values()):
+            choices.append(picks)
+    return choices
+
+
+def _spans_nodes(cluster: Cluster) -> bool:
+    return len(cluster.nodes) > 1

@@ -1,0 +1,178 @@
+"""A plan's MoE layers in the simulator (``cost_model.moe_layers``) against values worked out
+by hand.
+
+The cluster is made for arithmetic (as in tests/test_moe_costs.py): one node of 4 devices
+at 1 TFLOP/s, memory traffic free, no kernel overhead; links of 1 GB/s with next to no
+latency. The model: ``examples/moe.py`` with 2 MoE blocks, batch 8 x 32 tokens = 256 tokens
+per layer, width 64, 4 GELU experts of FFN 128 (2 matmuls: 2 x 64 x 128 = 16,384 weights
+each, 65,536 per layer), top-2, capacity factor 1.25: each expert takes at most
+1.25 x 512 / 4 = 160 of the 512 routed copies, and its buffer is padded to 160.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cost_model.simulator import Simulator, simulated
+from planner.api import prepare_model
+from planner.cluster import Cluster, DeviceSpec, LinkSpec, NodeSpec
+from planner.model_spec import ModelSpec
+from planner.strategy import ExpertLayout, ExpertPlacement
+from search.moe_search import moe_base_plan
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+DEVICE = DeviceSpec(
+    name="arith", peak_flops={"float32": 1e12}, memory_bytes=10**12, memory_bandwidth=1e30,
+    matmul_efficiency=1.0, memory_efficiency=1.0, kernel_overhead_s=0.0,
+)
+LINK = LinkSpec(bandwidth=1e9, latency=1e-15)
+CLUSTER = Cluster(name="arith", nodes=(NodeSpec(DEVICE, 4, LINK),), inter_link=LINK, backend="gloo")
+EXPERT_WEIGHTS = 65_536  # per layer: 4 experts x 2 x 64 x 128
+COPY_FLOPS = 2 * 2 * 64 * 128  # forward FLOPs of one routed copy through its expert
+
+
+@pytest.fixture(scope="module")
+def model():
+    graph, spec, name, _ = prepare_model(ModelSpec(str(EXAMPLES / "moe.py"), {}), CLUSTER)
+    return graph, moe_base_plan(graph, CLUSTER, spec, name)
+
+
+def layouts(mode: str, placement: ExpertPlacement | None = None, loads=()) -> tuple[ExpertLayout, ...]:
+    return tuple(
+        ExpertLayout(f"blocks.{i}.moe", mode, 4, 2, 1.25, placement=placement, expert_loads=loads) for i in range(2)
+    )
+
+
+def plan_with(model, mode, placement=None, loads=()):
+    graph, base = model
+    import dataclasses
+
+    return dataclasses.replace(base, expert_layouts=layouts(mode, placement, loads))
+
+
+def test_the_graph_knows_its_moe_layers_and_their_ops(model):
+    graph, _ = model
+    assert [block.module for block in graph.moe_blocks] == ["blocks.0.moe", "blocks.1.moe"]
+    ops = graph.moe_nodes("blocks.0.moe")
+    assert {node.module for node in ops} == {"blocks.0.moe", "blocks.0.moe.router", "blocks.0.moe.experts"}
+    assert not any(node.module.startswith("blocks.1") for node in ops)
+
+
+def test_expert_parallel_experts_are_priced_on_the_busiest_device(model):
+    graph, _ = model
+    simulator = Simulator(plan_with(model, "expert_parallel", ExpertPlacement.round_robin(4, 4)), graph)
+    layer = simulator.moe_layers["blocks.0.moe"]
+    anchor = simulator.costs[layer.anchor]
+    # Uniform routing: every device holds one expert padded to 160 copies.
+    assert anchor.forward_s == pytest.approx(160 * COPY_FLOPS / 1e12)
+    assert anchor.backward_s == pytest.approx(2 * 160 * COPY_FLOPS / 1e12)
+    # Each device sends its 128 copies (512 / 4) of 64 x 4 B and receives its expert's 128:
+    # 32,768 B; an all-to-all costs 3/4 x 32,768 / 1e9, dispatch and combine in each pass.
+    one = 0.75 * 32_768 / 1e9
+    assert anchor.forward_comm_s == pytest.approx(2 * one) and anchor.backward_comm_s == pytest.approx(2 * one)
+    assert anchor.axis_bytes["dp"] == pytest.approx(4 * 0.75 * 32_768)
+    # The other expert ops carry nothing; no routing op pays a resharding.
+    for name in layer.expert_nodes - {layer.anchor}:
+        assert simulator.costs[name].forward_s == 0 and simulator.costs[name].backward_s == 0
+    assert all(simulator.costs[name].forward_comm_s == 0 for name in layer.nodes - {layer.anchor})
+    # The router runs on each device's 64 tokens: 2 x 64 x 64 x 4 FLOPs.
+    router = next(n for n in graph.moe_nodes("blocks.0.moe") if "blocks.0.moe.router.weight" in n.params)
+    assert simulator.costs[router.name].forward_s == pytest.approx(2 * 64 * 64 * 4 / 1e12)
+
+
+def test_expert_states_follow_the_mode(model):
+    graph, _ = model
+    replicated = simulated(plan_with(model, "data_parallel"), graph).estimate
+    parallel = simulated(plan_with(model, "expert_parallel", ExpertPlacement.round_robin(4, 4)), graph).estimate
+    sliced = simulated(plan_with(model, "expert_sliced"), graph).estimate
+    # A device holds all 4 experts replicated, 1 of 4 expert parallel, 1/4 of each sliced:
+    # 3/4 of 65,536 weights fewer per layer, 2 layers; fp32 Adam: 4 B weights, 4 B
+    # gradients, 8 B optimizer states.
+    fewer = 2 * 0.75 * EXPERT_WEIGHTS
+    for smaller in (parallel, sliced):
+        assert replicated.memory.weights - smaller.memory.weights == pytest.approx(fewer * 4, abs=2)
+        assert replicated.memory.gradients - smaller.memory.gradients == pytest.approx(fewer * 4, abs=2)
+        assert replicated.memory.optimizer_states - smaller.memory.optimizer_states == pytest.approx(fewer * 8, abs=2)
+    # Expert parallel keeps a send and a receive buffer of the busiest device's 160 copies
+    # of 64 x 4 B; sliced keeps the gathered copies (4 x 160 of them). DDP's bucket (the
+    # whole gradient of a model this small) shrinks with the gradients a device holds.
+    bucket_shrinks = fewer * 4
+    assert parallel.memory.communication_buffers - replicated.memory.communication_buffers == pytest.approx(
+        2 * 160 * 64 * 4 - bucket_shrinks, abs=2
+    )
+    assert sliced.memory.communication_buffers - replicated.memory.communication_buffers == pytest.approx(
+        4 * 160 * 64 * 4 - bucket_shrinks, abs=2
+    )
+
+
+def test_expert_gradients_are_all_reduced_only_in_data_parallel_mode(model):
+    graph, _ = model
+    replicated = simulated(plan_with(model, "data_parallel"), graph).estimate.bytes_per_axis["dp"]
+    parallel = simulated(plan_with(model, "expert_parallel", ExpertPlacement.round_robin(4, 4)), graph)
+    # DDP's all-reduce sends 2 x 3/4 of the gradients; expert parallel drops the experts'
+    # (65,536 x 4 B per layer) and sends its four all-to-alls (3/4 x 32,768 B each) instead.
+    expected = replicated - 2 * (2 * 0.75 * EXPERT_WEIGHTS * 4) + 2 * (4 * 0.75 * 32_768)
+    assert parallel.estimate.bytes_per_axis["dp"] == pytest.approx(expected)
+    # The plan's layouts carry their cost for the report.
+    cost = parallel.expert_layouts[0].cost
+    assert cost.compute_s == pytest.approx(3 * 160 * COPY_FLOPS / 1e12)
+    assert cost.communication_s == pytest.approx(4 * 0.75 * 32_768 / 1e9)
+
+
+def test_copies_of_an_expert_sum_their_gradients_and_split_its_tokens(model):
+    graph, _ = model
+    # Expert 0 on devices 0 and 1 (half its tokens each), the others one device each.
+    placement = ExpertPlacement(4, (((0, 0.5), (1, 0.5)), ((1, 1.0),), ((2, 1.0),), ((3, 1.0),)))
+    simulator = Simulator(plan_with(model, "expert_parallel", placement), graph)
+    layer = simulator.moe_layers["blocks.0.moe"]
+    # Device 1 computes half of expert 0's 160 padded copies and all 160 of expert 1's.
+    assert layer.cost.busiest_copies == pytest.approx(240)
+    # The copies' gradients (2 x 64 x 128 x 4 B) summed by a ring all-reduce of 2 devices:
+    # 2 x 1/2 x 65,536 / 1e9.
+    assert layer.replica_sync_s == pytest.approx(65_536 / 1e9, rel=1e-6)
+    assert simulator.costs[layer.anchor].backward_comm_s == pytest.approx(
+        layer.cost.backward_comm_s + 65_536 / 1e9, rel=1e-6
+    )
+    # Device 1 holds two experts: half the layer's expert weights.
+    assert layer.param_fraction == 0.5
+
+
+def test_a_layout_for_a_layer_the_model_lacks_is_named(model):
+    graph, base = model
+    import dataclasses
+
+    wrong = dataclasses.replace(base, expert_layouts=(ExpertLayout("blocks.7.moe", "data_parallel", 4, 2, 1.25),))
+    with pytest.raises(ValueError, match="'blocks.7.moe', which is not an MoE layer"):
+        Simulator(wrong, graph)
+
+
+def test_an_moe_plan_beside_zero1_is_simulated_only(model):
+    import dataclasses
+
+    from planner.api import compile_blocker
+
+    graph, _ = model
+    plan = plan_with(model, "data_parallel")
+    assert compile_blocker(plan) is None or "MoE" not in compile_blocker(plan)
+    zero1 = simulated(dataclasses.replace(plan, dp_flavour="zero1"), graph)
+    message = compile_blocker(zero1)
+    assert message and "\n" not in message
+    assert "MoE layers run by layout beside zero1 on mesh dp=4" in message and "simulated only" in message
+
+
+def test_experts_a_rank_holds_alone_are_not_sharded_by_fsdp(model):
+    import dataclasses
+
+    graph, _ = model
+    # Device 1 holds experts 0 (a copy) and 1: half of each layer's 65,536 expert weights,
+    # its own, which FSDP does not shard; replicated experts are sharded 4 ways like the rest.
+    placement = ExpertPlacement(4, (((0, 0.5), (1, 0.5)), ((1, 1.0),), ((2, 1.0),), ((3, 1.0),)))
+    fsdp = {"dp_flavour": "fsdp", "fsdp_units": graph.block_paths()}
+    parallel = simulated(dataclasses.replace(plan_with(model, "expert_parallel", placement), **fsdp), graph).estimate
+    replicated = simulated(dataclasses.replace(plan_with(model, "data_parallel"), **fsdp), graph).estimate
+    more = 2 * (0.5 * EXPERT_WEIGHTS - EXPERT_WEIGHTS / 4)
+    assert parallel.memory.weights - replicated.memory.weights == pytest.approx(more * 4, abs=2)
+    assert parallel.memory.gradients - replicated.memory.gradients == pytest.approx(more * 4, abs=2)
+    assert parallel.memory.optimizer_states - replicated.memory.optimizer_states == pytest.approx(more * 8, abs=2)

@@ -1,0 +1,157 @@
+"""The ``moe`` plan family (``search/moe_search.py``): each MoE layer's mode, placement and
+all-to-all, against exhaustive enumeration of the layouts on a small case, and a golden case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+
+import planner
+from cost_model.simulator import simulated
+from planner.api import prepare_model
+from planner.cluster import Cluster, DeviceSpec, LinkSpec, NodeSpec
+from planner.model_spec import ModelSpec
+from planner.plans import load_plan
+from planner.routing import LayerRouting, RoutingStats, synthetic, zipf_layer
+from search import moe_search
+from search.moe_search import DENSE_FLAVOURS, choose_layouts, layer_score, moe_base_plan, search_moe_plan
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+DEVICE = DeviceSpec(
+    name="arith", peak_flops={"float32": 1e12}, memory_bytes=10**12, memory_bandwidth=1e30,
+    matmul_efficiency=1.0, memory_efficiency=1.0, kernel_overhead_s=1e-6,
+)
+FAST, SLOW = LinkSpec(bandwidth=1e10, latency=1e-6), LinkSpec(bandwidth=1e9, latency=1e-5)
+
+
+def two_nodes(memory_bytes: int = 10**12) -> Cluster:
+    device = dataclasses.replace(DEVICE, memory_bytes=memory_bytes)
+    return Cluster(name="arith", nodes=(NodeSpec(device, 2, FAST), NodeSpec(device, 2, FAST)), inter_link=SLOW,
+                   backend="gloo")
+
+
+SMALL = ModelSpec(str(EXAMPLES / "moe.py"), {"n_expert": 4, "capacity_factor": 0, "n_embd": 64, "ffn": 256})
+# Layer 0 skewed, layer 1 not in the statistics: uniform.
+SKEWED = RoutingStats({"blocks.0.moe": LayerRouting((0.55, 0.25, 0.15, 0.05), 2)}, "test statistics")
+
+
+def enumerate_plans(graph, cluster, spec, name, routing):
+    """Every combination of the layers' candidate layouts with every dense flavour, simulated."""
+    scored = choose_layouts(graph, cluster, routing, "fp32")
+    searched, _ = search_moe_plan(graph, cluster, spec, name, routing)
+    assert searched.recompute == "none"
+    base = moe_base_plan(graph, cluster, spec, name)
+    modules = list(scored)
+    plans = []
+    for flavour in DENSE_FLAVOURS:
+        dense = dataclasses.replace(base, dp_flavour=flavour,
+                                    fsdp_units=graph.block_paths() if flavour in ("zero2", "fsdp") else ())
+        for combination in itertools.product(*(scored[m] for m in modules)):
+            layouts = tuple(option.layout for option in combination)
+            plans.append(simulated(dataclasses.replace(dense, expert_layouts=layouts), graph))
+    return searched, plans, scored
+
+
+@pytest.mark.parametrize("limit", [moe_search.ENUMERATION_LIMIT, 1], ids=["enumerating classes", "coordinate descent"])
+def test_the_search_matches_enumeration_of_every_layout_combination(monkeypatch, limit):
+    monkeypatch.setattr(moe_search, "ENUMERATION_LIMIT", limit)
+    graph, spec, name, cluster = prepare_model(SMALL, two_nodes())
+    searched, plans, scored = enumerate_plans(graph, cluster, spec, name, SKEWED)
+    # Both nodes are used, so every placement comes with both all-to-alls.
+    modes = {(o.layout.mode, o.layout.all_to_all) for o in scored["blocks.0.moe"]}
+    assert modes == {("data_parallel", "flat"), ("expert_sliced", "flat"), ("expert_parallel", "flat"),
+                     ("expert_parallel", "hierarchical")}
+    assert len(plans) == 3 * len(scored["blocks.0.moe"]) * len(scored["blocks.1.moe"]) >= 48
+    best = min(plan.estimate.step_time_s for plan in plans)
+    assert searched.estimate.step_time_s == pytest.approx(best, rel=1e-9)
+    # The layers got different statistics, and each layout records what it was planned with.
+    first, second = searched.expert_layouts
+    assert first.expert_loads == (0.55, 0.25, 0.15, 0.05) and first.routing == "test statistics"
+    assert second.expert_loads == (0.25,) * 4 and second.routing.startswith("uniform (not in")
+
+
+# Many tokens, small experts: replicating the experts is fastest, and holds the most.
+TIGHT = ModelSpec(str(EXAMPLES / "moe.py"), {
+    "n_expert": 8, "capacity_factor": 0, "n_embd": 64, "ffn": 512, "batch_size": 64, "seq_len": 64,
+})
+
+
+def test_when_the_fastest_layouts_do_not_fit_the_search_matches_the_best_that_fits():
+    graph, spec, name, _ = prepare_model(TIGHT, two_nodes())
+    routing = RoutingStats({"blocks.0.moe": zipf_layer(8, 1.0, 2)}, "test statistics")
+    unbounded, plans, _ = enumerate_plans(graph, two_nodes(), spec, name, routing)
+    assert "data_parallel" in [layout.mode for layout in unbounded.expert_layouts]
+    # A device just too small for the fastest combination.
+    memory = int(unbounded.estimate.memory.total) - 1
+    fitting = [plan for plan in plans if plan.estimate.memory.total <= memory]
+    assert fitting and len(fitting) < len(plans)
+    searched, _ = search_moe_plan(graph, two_nodes(memory), spec, name, routing)
+    assert searched.estimate.fits
+    assert searched.estimate.step_time_s == pytest.approx(min(p.estimate.step_time_s for p in fitting), rel=1e-9)
+
+
+GOLDEN = ModelSpec(str(EXAMPLES / "moe.py"), dict(
+    n_expert=64, top_k=2, n_embd=1024, ffn=512, capacity_factor=0, seq_len=512, batch_size=32, n_layer=2, n_head=8,
+    vocab_size=1024,
+))
+
+
+def test_skewed_routing_across_nodes_picks_expert_parallel_with_our_balanced_placement():
+    graph, spec, name, cluster = prepare_model(GOLDEN, "dgx-a100-80g:4")
+    routing = synthetic("zipf:1.2", {b.module: (b.experts, b.top_k) for b in graph.moe_blocks})
+    searched, fixed = search_moe_plan(graph, cluster, spec, name, routing, precision="bf16")
+    block = graph.moe_blocks[0]
+    tokens = 32 * 512
+    for layout in searched.expert_layouts:
+        assert layout.mode == "expert_parallel" and layout.placement.method == "balanced"
+        assert layout.all_to_all == "hierarchical"  # 4 nodes: fewer, larger messages between them
+        assert layout.expert_loads == zipf_layer(64, 1.2, 2).token_share
+    chosen = layer_score(block, dataclasses.replace(searched.expert_layouts[0], cost=planner.strategy.CostParts()),
+                         tokens, cluster, "bf16").time_s
+    options = choose_layouts(graph, cluster, routing, "bf16")[block.module]
+    assert chosen == pytest.approx(min(option.time_s for option in options))
+    # Strictly better than round-robin's and EPLB's placements with the same all-to-all.
+    for method in ("round-robin", "EPLB (global)"):
+        rivals = [o.time_s for o in options if o.layout.placement is not None and o.layout.placement.method == method
+                  and o.layout.all_to_all == "hierarchical"]
+        assert rivals and chosen < min(rivals)
+    # And the whole plan is no slower than any fixed mode.
+    assert len(fixed) == 3
+    assert all(searched.estimate.step_time_s <= other.estimate.step_time_s for other in fixed)
+
+
+def test_plan_chooses_moe_layouts_and_the_plan_file_keeps_them(tmp_path):
+    plan = planner.plan(str(EXAMPLES / "moe.py"), "cpu:1x4", routing="zipf:1.2", progress=False)
+    assert plan.label == "moe" and plan.mesh.axes == (("dp", 4),) and plan.dp_flavour in DENSE_FLAVOURS
+    assert [layout.module for layout in plan.expert_layouts] == ["blocks.0.moe", "blocks.1.moe"]
+    assert all(layout.routing == "zipf with exponent 1.2 (synthetic)" for layout in plan.expert_layouts)
+    assert plan.expert_layouts[0].cost.compute_s > 0
+    plan.save(tmp_path / "p.json")
+    loaded = load_plan(tmp_path / "p.json")
+    assert loaded.expert_layouts == plan.expert_layouts
+    assert planner.simulate(loaded).step_time_s == pytest.approx(plan.estimate.step_time_s)
+
+
+def test_the_family_is_allowed_only_where_the_samples_mix_inside_moe_layers():
+    from search.auto import moe_family_allowed
+    from search.batch_coupling import CoupledOp, batch_coupled_ops
+
+    graph, _, _, cluster = prepare_model(SMALL, "cpu:1x4")
+    coupled = batch_coupled_ops(graph)
+    assert coupled and moe_family_allowed(graph, cluster, coupled)
+    outside = next(node for node in graph.nodes if not node.module.startswith("blocks.0.moe")
+                   and not node.module.startswith("blocks.1.moe"))
+    assert not moe_family_allowed(graph, cluster, [*coupled, CoupledOp(outside.name, outside.op, outside.module)])
+    assert not moe_family_allowed(graph, Cluster.parse("cpu:1x3"), coupled)  # batch 8 does not split 3 ways
+    dense, _, _, _ = prepare_model(ModelSpec(str(EXAMPLES / "gpt.py"), {}), "cpu:1x4")
+    assert dense.moe_blocks == () and not moe_family_allowed(dense, cluster, [])
+
+
+def test_routing_for_a_dense_model_is_a_warning_not_a_plan_change():
+    plan = planner.plan(str(EXAMPLES / "mlp.py"), "cpu:1x2", routing="zipf:1.2", progress=False)
+    assert not plan.expert_layouts
+    assert any("routing statistics were given but the model has no Mixture-of-Experts layer" in w for w in plan.warnings)
