@@ -1,6 +1,6 @@
-"""torchrun worker for ``tests/test_moe_runtime.py``: ``codegen.runtime.moe`` against
-``examples/moe.py``'s MoE layer on one device, for several placements and capacities, in one
-launch. Rank 0 prints ``RESULT <case> ok <max error>`` or ``RESULT <case> FAILED <why>``."""
+"""torchrun worker for ``tests/test_moe_runtime.py``: ``codegen.runtime.moe`` and
+``codegen.runtime.moe_modes`` against ``examples/moe.py``'s MoE layer on one device, for each
+mode, several placements and capacities, in one launch. Rank 0 prints ``RESULT <case> ok <max error>`` or ``RESULT <case> FAILED <why>``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from codegen.runtime.moe import ExpertParallelMoE, sum_copied_expert_gradients
+from codegen.runtime.moe_modes import DataParallelMoE, ExpertSlicedMoE
 
 REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("moe_example", REPO / "examples" / "moe.py")
@@ -30,7 +31,20 @@ def placements(world: int) -> dict[str, list]:
     return {"round-robin": round_robin, "copied": copied}
 
 
-def run_case(name: str, placement, capacity_factor: float, sum_copies: bool = True) -> str:
+def build_layer(mode: str, reference, placement, capacity_factor: float, averaged: bool):
+    """The layer under test, built from the reference layer's weights."""
+    weights = (reference.router.weight, reference.experts.w_in, reference.experts.w_out)
+    if mode == "expert_parallel":
+        return ExpertParallelMoE(*weights, placement, TOP_K, capacity_factor, rank_losses_averaged=averaged)
+    if mode == "data_parallel":
+        return DataParallelMoE(*weights, TOP_K, capacity_factor)
+    return ExpertSlicedMoE(*weights, TOP_K, capacity_factor, rank_losses_averaged=averaged)
+
+
+def run_case(mode: str, placement, capacity_factor: float, sum_copies: bool = True, averaged: bool = False) -> str:
+    """One layer step against the reference. ``averaged``: each rank's loss is the mean over
+    its own tokens (world x its share of the sum), as in data-parallel training; else the
+    ranks' losses sum to the single device's."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = moe_example.MoE(WIDTH, EXPERTS, TOP_K, capacity_factor, FFN)
@@ -45,27 +59,31 @@ def run_case(name: str, placement, capacity_factor: float, sum_copies: bool = Tr
     loss = (out * probe).sum() / (BATCH * SEQ) + COEF * balance
     loss.backward()
 
-    layer = ExpertParallelMoE(reference.router.weight, reference.experts.w_in, reference.experts.w_out, placement,
-                              TOP_K, capacity_factor, BATCH * SEQ)
+    layer = build_layer(mode, reference, placement, capacity_factor, averaged)
     local = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     mine, their_balance = layer(x[local])
     # Per-rank losses sum to the single device's: the balance term split evenly.
     local_loss = (mine * probe[local]).sum() / (BATCH * SEQ) + COEF * their_balance / world
-    local_loss.backward()
-    if sum_copies:
+    (local_loss * world if averaged else local_loss).backward()
+    if sum_copies and mode == "expert_parallel" and not averaged:
         sum_copied_expert_gradients(layer)
-    router_grad = layer.router.grad.clone()
-    dist.all_reduce(router_grad)  # the router is data parallel: gradients summed over ranks
+    full = layer.full_parameters()
+    replicated = ["router.weight"] + (["experts.w_in", "experts.w_out"] if mode == "data_parallel" else [])
+    grads = {name: grad.clone() for name, (_, grad) in full.items()}
+    for name in replicated:  # data parallel: gradients summed (averaged, for averaged losses) over ranks
+        dist.all_reduce(grads[name])
+        if averaged:
+            grads[name] /= world
     total_loss = local_loss.detach().clone()
     dist.all_reduce(total_loss)
 
+    reference_grads = dict(reference.named_parameters())
     errors = {
         "output": (mine - out[local]).abs().max(),
         "balance": (their_balance - balance).abs(),
         "loss": (total_loss - loss).abs(),
-        "router grad": (router_grad - reference.router.weight.grad).abs().max(),
-        "expert in grad": (layer.w_in.grad - reference.experts.w_in.grad[layer.local_experts]).abs().max(),
-        "expert out grad": (layer.w_out.grad - reference.experts.w_out.grad[layer.local_experts]).abs().max(),
+        **{f"{name} grad": (grads[name] - reference_grads[name].grad).abs().max() for name in grads},
+        **{f"{name} value": (value - reference_grads[name].detach()).abs().max() for name, (value, _) in full.items()},
     }
     worst = torch.stack([e.detach().reshape(()) for e in errors.values()])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -82,10 +100,15 @@ def main() -> None:
     cases = []
     for placement_name, placement in placements(world).items():
         for capacity in (1.25, 0.5, 0.0):
-            cases.append((f"{placement_name} capacity {capacity}", placement, capacity, True))
-    cases.append(("copied capacity 1.25, copies not summed (control)", placements(world)["copied"], 1.25, False))
-    for name, placement, capacity, sum_copies in cases:
-        result = run_case(name, placement, capacity, sum_copies)
+            cases.append((f"{placement_name} capacity {capacity}", "expert_parallel", placement, capacity, True, False))
+    cases.append(("copied capacity 1.25, averaged rank losses", "expert_parallel", placements(world)["copied"], 1.25, True, True))
+    for mode in ("data_parallel", "expert_sliced"):
+        for capacity in (1.25, 0.5, 0.0):
+            cases.append((f"{mode} capacity {capacity}", mode, None, capacity, True, False))
+    cases.append(("expert_sliced capacity 0.5, averaged rank losses", "expert_sliced", None, 0.5, True, True))
+    cases.append(("copied capacity 1.25, copies not summed (control)", "expert_parallel", placements(world)["copied"], 1.25, False, False))
+    for name, mode, placement, capacity, sum_copies, averaged in cases:
+        result = run_case(mode, placement, capacity, sum_copies, averaged)
         if dist.get_rank() == 0:
             print(f"RESULT {name}: {result}", flush=True)
     dist.destroy_process_group()

@@ -1,8 +1,11 @@
-"""Expert parallelism at run time (``codegen.runtime.moe``) against ``examples/moe.py``'s MoE
-layer on one device: the same routing, the same drops, the same balance loss; outputs,
-loss, and the gradients of the router and of every expert equal, at worlds 2 and 4, with
-round-robin experts and with two experts copied on two ranks each (unequal shares), at
-capacity factors 1.25 and 0.5 (drops) and dropless. One launch per world
+"""MoE layers at run time (``codegen.runtime.moe``, ``codegen.runtime.moe_modes``) against
+``examples/moe.py``'s MoE layer on one device: the same routing, the same drops, the same
+balance loss; outputs, loss, and the gradients of the router and of every expert (gathered by
+each layer's ``full_parameters``) equal, at worlds 2 and 4, in each mode: expert parallel
+with round-robin experts and with two experts copied on two ranks each (unequal shares),
+data parallel, and expert-sliced; at capacity factors 1.25 and 0.5 (drops) and dropless;
+and with each rank's loss a mean over its own tokens (``rank_losses_averaged``: expert
+gradients scaled and copies summed in backward). One launch per world
 (``tests/moe_parity_worker.py``). The control skips summing the copies' gradients and must
 fail."""
 
@@ -18,7 +21,10 @@ import pytest
 from test_parity import REPO
 
 pytestmark = pytest.mark.distributed
-CASES = [f"{placement} capacity {capacity}" for placement in ("round-robin", "copied") for capacity in (1.25, 0.5, 0.0)]
+CAPACITIES = (1.25, 0.5, 0.0)
+CASES = [f"{layout} capacity {capacity}" for layout in ("round-robin", "copied", "data_parallel", "expert_sliced")
+         for capacity in CAPACITIES]
+CASES += ["copied capacity 1.25, averaged rank losses", "expert_sliced capacity 0.5, averaged rank losses"]
 CONTROL = "copied capacity 1.25, copies not summed (control)"
 
 
@@ -42,8 +48,8 @@ def test_expert_parallel_step_equals_one_device(results, case):
 
 def test_capacity_drops_choices_and_dropless_does_not(results):
     dropped = {case: float(results[case].rsplit(" ", 1)[1]) for case in CASES}
-    assert dropped["round-robin capacity 0.5"] > 0.1 and dropped["copied capacity 0.5"] > 0.1
-    assert dropped["round-robin capacity 0.0"] == 0.0 and dropped["copied capacity 0.0"] == 0.0
+    for layout in ("round-robin", "copied", "data_parallel", "expert_sliced"):
+        assert dropped[f"{layout} capacity 0.5"] > 0.1 and dropped[f"{layout} capacity 0.0"] == 0.0
 
 
 def test_copies_must_have_their_gradients_summed(results):
