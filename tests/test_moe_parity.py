@@ -1,0 +1,193 @@
+"""Compiled MoE programs train exactly like one device (``codegen.moe_emit``).
+
+For ``examples/moe.py`` (4 experts, top-2, every block MoE) at world sizes 2 and 4, plans
+with expert layouts in every mode compile to a program whose ``launch.py --check`` step
+(outputs, loss, every gradient and every updated parameter, the experts gathered whole by
+each layer's ``full_parameters``) equals the single-device step: expert parallel with
+round-robin experts and with a skewed placement copying expert 0 on two ranks, data
+parallel, expert-sliced; capacity factor 0.5 (choices dropped: fewer slots than choices),
+1.25 and dropless; one in bf16 autocast. Each world size checks all its programs in ONE
+torchrun launch (``tests/dist_check_many.py``). A negative control (expert gradients left
+unscaled and copies unsummed) must fail on an expert gradient.
+
+Then the CLI path as a user types it, at world 4: ``planner compile p.json -o out`` of a
+hand-built expert-parallel plan saved to JSON, ``torchrun out/launch.py --check``; and at
+world 2 ``launch.py --steps 2 --record-routing routing.json``, whose file loads with
+``planner.routing.load_routing`` and whose shares and co-selections equal those counted on
+one device training the same two steps.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import planner
+from codegen.runtime.launcher import random_like
+from codegen.runtime.program import BUILD_SEED
+from moe_plans import moe_plan
+from planner.model_spec import ModelSpec
+from planner.routing import load_routing
+from test_parity import REPO, Launch, _run, _torchrun, check_many, result_of
+
+pytestmark = pytest.mark.distributed
+
+# (name, mode, placement, capacity factor, precision)
+CASES = [
+    ("ep_round_robin_drops", "expert_parallel", "round-robin", 0.5, "fp32"),
+    ("ep_round_robin_dropless", "expert_parallel", "round-robin", 0.0, "fp32"),
+    ("ep_skewed_copied", "expert_parallel", "skewed", 1.25, "fp32"),
+    ("ep_skewed_copied_drops", "expert_parallel", "skewed", 0.5, "fp32"),
+    ("ep_skewed_copied_bf16", "expert_parallel", "skewed", 1.25, "bf16"),
+    ("data_parallel_drops", "data_parallel", None, 0.5, "fp32"),
+    ("data_parallel_dropless", "data_parallel", None, 0.0, "fp32"),
+    ("expert_sliced_drops", "expert_sliced", None, 0.5, "fp32"),
+    ("expert_sliced_dropless", "expert_sliced", None, 0.0, "fp32"),
+]
+LAUNCH_TIMEOUT = 300
+
+
+@dataclass(frozen=True)
+class WorldRun:
+    world: int
+    folders: dict[str, Path]
+    unscaled: Path  # negative control
+    launch: Launch
+
+
+def _unscale_expert_gradients(folder: Path) -> Path:
+    """The control: expert gradients neither divided by the group size nor copies summed."""
+    source = folder / "model_spmd.py"
+    text = source.read_text()
+    assert "rank_losses_averaged=True" in text, text
+    source.write_text(text.replace("rank_losses_averaged=True", "rank_losses_averaged=False"))
+    return folder
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda world: f"world{world}")
+def world_run(request, tmp_path_factory) -> WorldRun:
+    world = request.param
+    root = tmp_path_factory.mktemp(f"moe_world{world}")
+    folders = {}
+    for name, mode, placement, capacity, precision in CASES:
+        plan = moe_plan(world, mode, placement, capacity, precision)
+        folders[name] = planner.compile(plan, root / name)
+    unscaled = _unscale_expert_gradients(planner.compile(moe_plan(world, "expert_parallel", "skewed"), root / "unscaled"))
+    launch = check_many(world, [*folders.values(), unscaled], root)
+    return WorldRun(world, folders, unscaled, launch)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_compiled_moe_step_equals_one_device(world_run: WorldRun, case: str) -> None:
+    result = result_of(world_run.launch, world_run.folders[case])
+    assert result.startswith("ok parity ok: "), f"{case} at world {world_run.world}: {result}"
+
+
+def test_unscaled_expert_gradients_are_reported(world_run: WorldRun) -> None:
+    result = result_of(world_run.launch, world_run.unscaled)
+    assert result.startswith("FAILED parity FAILED: worst tensor grad of blocks.") and ".moe.experts.w_" in result, result
+
+
+def test_programs_say_what_moves(world_run: WorldRun) -> None:
+    source = {name: (folder / "model_spmd.py").read_text() for name, folder in world_run.folders.items()}
+    skewed = source["ep_skewed_copied"]
+    # The placement is a literal of the plan's; the paths are repr()'d.
+    assert "EXPERT_PLACEMENT_0 = (((0, 0.6), (1, 0.4)), " in skewed
+    assert "replace_layer(model, 'blocks.0.moe', ExpertParallelMoE(" in skewed
+    assert "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, EXPERT_WEIGHTS_OUTSIDE_DDP)" in skewed
+    assert "replace_layer(model, 'blocks.1.moe', DataParallelMoE(" in source["data_parallel_drops"]
+    assert "EXPERT_WEIGHTS_OUTSIDE_DDP" not in source["data_parallel_drops"]  # replicated experts stay in DDP
+    assert "replace_layer(model, 'blocks.1.moe', ExpertSlicedMoE(" in source["expert_sliced_drops"]
+    assert "run_in_autocast(model, dp_mesh.device_type, torch.bfloat16)" in source["ep_skewed_copied_bf16"]
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 0.0])
+def test_capacity_cases_drop_and_dropless_does_not(capacity_factor):
+    """What the parity cases exercise: at factor 0.5 the experts have fewer slots in all than
+    the batch has choices (so some are dropped, whatever the routing); dropless has a slot
+    for every token in every expert."""
+    model, (idx, _) = _build(capacity_factor)
+    layer = model.blocks[0].moe
+    tokens = idx.numel()
+    if capacity_factor == 0:
+        assert layer.capacity(tokens) == tokens
+    else:
+        assert layer.capacity(tokens) * layer.n_expert < tokens * layer.top_k
+
+
+def _build(capacity_factor: float = 1.25):
+    spec = ModelSpec(str(REPO / "examples" / "moe.py"), {"n_expert": 4, "capacity_factor": capacity_factor})
+    torch.manual_seed(BUILD_SEED)
+    model, args, _ = spec.build("cpu")
+    return model, args
+
+
+# ------------------------------------------------------------------------- the CLI path
+
+
+def test_cli_compile_and_check_an_expert_parallel_plan(tmp_path):
+    plan_file = tmp_path / "p.json"
+    moe_plan(4, "expert_parallel", "skewed", 0.5).save(plan_file)
+    compiled = _run([sys.executable, "-m", "planner", "compile", str(plan_file), "-o", str(tmp_path / "out")], tmp_path, 120)
+    assert compiled.returncode == 0, compiled.describe()
+    check = _run([*_torchrun(4), str(tmp_path / "out" / "launch.py"), "--check"], tmp_path, LAUNCH_TIMEOUT)
+    assert check.returncode == 0 and "parity ok: " in check.stdout, check.describe()
+
+
+STEPS = 2
+
+
+def test_recorded_routing_matches_one_device(tmp_path):
+    folder = planner.compile(moe_plan(2, "expert_parallel", "skewed", 0.5), tmp_path / "out")
+    routing_file = tmp_path / "routing.json"
+    command = [*_torchrun(2), str(folder / "launch.py"), "--steps", str(STEPS), "--record-routing", str(routing_file)]
+    launch = _run(command, tmp_path, LAUNCH_TIMEOUT)
+    assert launch.returncode == 0 and "routing of 2 MoE layer(s) written to" in launch.stdout, launch.describe()
+    recorded = load_routing(routing_file)
+    assert recorded.source.startswith(f"recorded by launch.py --record-routing over {STEPS} training steps on 2 ranks")
+
+    expected = _one_device_routing(STEPS)
+    assert set(recorded.layers) == set(expected) == {"blocks.0.moe", "blocks.1.moe"}
+    for name, (counts, pairs) in expected.items():
+        layer = recorded.layers[name]
+        assert layer.top_k == 2
+        assert layer.token_share == pytest.approx(tuple(float(c) / float(counts.sum()) for c in counts), abs=1e-12)
+        assert layer.coselection == tuple(tuple(float(v) for v in row) for row in pairs)
+        assert max(layer.token_share) > 1 / 4  # not uniform: something was measured
+
+
+def _one_device_routing(steps: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """What ``launch.py --steps`` routes, counted on one device: the same model and random
+    batches, AdamW at lr 1e-3 on the whole batch, each MoE layer's choices (before drops)
+    counted from its input by the model's own router."""
+    model, args = _build(0.5)
+    found: dict[str, list[torch.Tensor]] = {}
+
+    def counter(name):
+        def hook(module, inputs):
+            tokens = inputs[0].reshape(-1, inputs[0].size(-1))
+            chosen = F.softmax(module.router(tokens).float(), dim=-1).topk(module.top_k, dim=-1).indices
+            per_token = F.one_hot(chosen, module.n_expert).sum(dim=1).double()  # (n, E)
+            pairs = per_token.t() @ per_token
+            counts, coselected = found.setdefault(name, [torch.zeros(module.n_expert, dtype=torch.float64),
+                                                         torch.zeros(module.n_expert, module.n_expert, dtype=torch.float64)])
+            counts += per_token.sum(dim=0)
+            coselected += pairs - torch.diag(torch.diagonal(pairs))
+        return hook
+
+    for name, module in model.named_modules():
+        if name in ("blocks.0.moe", "blocks.1.moe"):
+            module.register_forward_pre_hook(counter(name))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        torch.manual_seed(1000 + step)  # launch.py's batches
+        batch = random_like(args)
+        model(*batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {name: (c[0], c[1]) for name, c in found.items()}
