@@ -7,6 +7,11 @@ gradient and every updated parameter. Dropout is switched off in both (modules, 
 calls and attention's ``dropout_p``: ``codegen.runtime.randomness``): its random masks cannot
 match between a sharded and an unsharded run; the result says what was switched off.
 
+Parameters are compared under their names in the model built from the spec, whole
+(``full_parameters``): DTensors are gathered, and a module ``parallelize`` put in place of
+one of the model's holding its parameters in another form (an MoE layer's experts, a slice
+per rank) gathers them through its ``full_parameters()`` hook.
+
 Updated parameters are compared with the single-device optimizer step applied to the
 sharded run's own (gathered) gradients, which were compared with the reference just
 before: this checks the sharded optimizer step exactly, without amplifying rounding noise.
