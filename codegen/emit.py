@@ -182,8 +182,10 @@ def is_data_parallel(plan: Plan) -> bool:
     """A data-parallel plan (label empty: named by its flavour) on a ``dp``-only mesh, no
     pipeline, every parameter replicated (DDP/ZeRO/FSDP's view). A searched plan on a ``dp``
     mesh may replicate some inputs or activations, which DDP's batch split would not honour;
-    it goes through the graph path."""
-    if plan.mesh.names != (_DP_AXIS,) or plan.pipeline is not None or getattr(plan, "label", ""):
+    it goes through the graph path. An MoE plan of that shape (labelled, with expert layouts)
+    is data parallel around its MoE layers (``codegen.moe_emit``)."""
+    labelled = getattr(plan, "label", "") and not plan.expert_layouts
+    if plan.mesh.names != (_DP_AXIS,) or plan.pipeline is not None or labelled:
         return False
     return all(
         placements_str(placements) == "(R)" for strategy in plan.strategies for placements in strategy.params.values()

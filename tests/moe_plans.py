@@ -31,13 +31,13 @@ def skewed_placement(experts: int, world: int) -> ExpertPlacement:
 
 
 def moe_plan(world: int, mode: str, placement: str | None = None, capacity_factor: float = 1.25,
-             precision: str = "fp32", experts: int = EXPERTS) -> Plan:
-    """A DDP plan of ``examples/moe.py`` (``n_expert=experts``, the capacity factor given) on
+             precision: str = "fp32", experts: int = EXPERTS, flavour: str = "ddp") -> Plan:
+    """A data-parallel plan (``flavour``: ddp, fsdp, zero2) of ``examples/moe.py`` (``n_expert=experts``, the capacity factor given) on
     ``world`` CPU ranks, every MoE layer in ``mode``; ``placement``: ``round-robin`` or
     ``skewed`` (``skewed_placement``) for expert parallelism."""
     spec = ModelSpec(str(MOE_EXAMPLE), {"n_expert": experts, "capacity_factor": capacity_factor})
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
-    base = data_parallel_plan(graph, cluster, spec, name, "ddp", precision=precision)
+    base = data_parallel_plan(graph, cluster, spec, name, flavour, precision=precision)
     layouts = []
     for block in find_moe_blocks(spec.build("meta")[0]):
         chosen = None

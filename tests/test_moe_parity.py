@@ -6,7 +6,9 @@ with expert layouts in every mode compile to a program whose ``launch.py --check
 each layer's ``full_parameters``) equals the single-device step: expert parallel with
 round-robin experts and with a skewed placement copying expert 0 on two ranks, data
 parallel, expert-sliced; capacity factor 0.5 (choices dropped: fewer slots than choices),
-1.25 and dropless; one in bf16 autocast. Each world size checks all its programs in ONE
+1.25 and dropless; one in bf16 autocast; and with the rest of the model in FSDP2 units
+(``fsdp``, ``zero2``) rather than DDP, the per-rank expert weights left out of them. Each
+world size checks all its programs in ONE
 torchrun launch (``tests/dist_check_many.py``). A negative control (expert gradients left
 unscaled and copies unsummed) must fail on an expert gradient.
 
@@ -37,17 +39,21 @@ from test_parity import REPO, Launch, _run, _torchrun, check_many, result_of
 
 pytestmark = pytest.mark.distributed
 
-# (name, mode, placement, capacity factor, precision)
+# (name, mode, placement, capacity factor, precision, dp flavour of the rest of the model)
 CASES = [
-    ("ep_round_robin_drops", "expert_parallel", "round-robin", 0.5, "fp32"),
-    ("ep_round_robin_dropless", "expert_parallel", "round-robin", 0.0, "fp32"),
-    ("ep_skewed_copied", "expert_parallel", "skewed", 1.25, "fp32"),
-    ("ep_skewed_copied_drops", "expert_parallel", "skewed", 0.5, "fp32"),
-    ("ep_skewed_copied_bf16", "expert_parallel", "skewed", 1.25, "bf16"),
-    ("data_parallel_drops", "data_parallel", None, 0.5, "fp32"),
-    ("data_parallel_dropless", "data_parallel", None, 0.0, "fp32"),
-    ("expert_sliced_drops", "expert_sliced", None, 0.5, "fp32"),
-    ("expert_sliced_dropless", "expert_sliced", None, 0.0, "fp32"),
+    ("ep_round_robin_drops", "expert_parallel", "round-robin", 0.5, "fp32", "ddp"),
+    ("ep_round_robin_dropless", "expert_parallel", "round-robin", 0.0, "fp32", "ddp"),
+    ("ep_skewed_copied", "expert_parallel", "skewed", 1.25, "fp32", "ddp"),
+    ("ep_skewed_copied_drops", "expert_parallel", "skewed", 0.5, "fp32", "ddp"),
+    ("ep_skewed_copied_bf16", "expert_parallel", "skewed", 1.25, "bf16", "ddp"),
+    ("data_parallel_drops", "data_parallel", None, 0.5, "fp32", "ddp"),
+    ("data_parallel_dropless", "data_parallel", None, 0.0, "fp32", "ddp"),
+    ("expert_sliced_drops", "expert_sliced", None, 0.5, "fp32", "ddp"),
+    ("expert_sliced_dropless", "expert_sliced", None, 0.0, "fp32", "ddp"),
+    ("fsdp_ep_skewed_copied_drops", "expert_parallel", "skewed", 0.5, "fp32", "fsdp"),
+    ("fsdp_data_parallel", "data_parallel", None, 1.25, "fp32", "fsdp"),
+    ("fsdp_expert_sliced_dropless", "expert_sliced", None, 0.0, "fp32", "fsdp"),
+    ("zero2_ep_round_robin", "expert_parallel", "round-robin", 1.25, "fp32", "zero2"),
 ]
 LAUNCH_TIMEOUT = 300
 
@@ -74,8 +80,8 @@ def world_run(request, tmp_path_factory) -> WorldRun:
     world = request.param
     root = tmp_path_factory.mktemp(f"moe_world{world}")
     folders = {}
-    for name, mode, placement, capacity, precision in CASES:
-        plan = moe_plan(world, mode, placement, capacity, precision)
+    for name, mode, placement, capacity, precision, flavour in CASES:
+        plan = moe_plan(world, mode, placement, capacity, precision, flavour=flavour)
         folders[name] = planner.compile(plan, root / name)
     unscaled = _unscale_expert_gradients(planner.compile(moe_plan(world, "expert_parallel", "skewed"), root / "unscaled"))
     launch = check_many(world, [*folders.values(), unscaled], root)
@@ -104,6 +110,14 @@ def test_programs_say_what_moves(world_run: WorldRun) -> None:
     assert "EXPERT_WEIGHTS_OUTSIDE_DDP" not in source["data_parallel_drops"]  # replicated experts stay in DDP
     assert "replace_layer(model, 'blocks.1.moe', ExpertSlicedMoE(" in source["expert_sliced_drops"]
     assert "run_in_autocast(model, dp_mesh.device_type, torch.bfloat16)" in source["ep_skewed_copied_bf16"]
+    # FSDP2 around the rest, the per-rank expert weights left out of every unit.
+    fsdp = source["fsdp_ep_skewed_copied_drops"]
+    assert "fully_shard(model.get_submodule('blocks.0'), mesh=dp_mesh, ignored_params=expert_weights)" in fsdp
+    assert "EXPERT_WEIGHTS_OUTSIDE_FSDP = ('blocks.0.moe.w_in', 'blocks.0.moe.w_out', " in fsdp
+    assert "DistributedDataParallel" not in fsdp
+    assert "fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, ignored_params=expert_weights)" in (
+        source["zero2_ep_round_robin"]
+    )
 
 
 @pytest.mark.parametrize("capacity_factor", [0.5, 0.0])

@@ -173,8 +173,8 @@ def full_parameters(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tor
         if not any(name.startswith(owner + ".") for owner in owners):
             found[name] = (_full(param.detach()), None if param.grad is None else _full(param.grad))
     for path, module in owners.items():
-        for name, entry in module.full_parameters().items():
-            found[f"{path}.{name}" if path else name] = entry
+        for name, (value, grad) in module.full_parameters().items():  # FSDP2 may shard the replicated ones
+            found[f"{path}.{name}" if path else name] = (_full(value), None if grad is None else _full(grad))
     return found
 
 
