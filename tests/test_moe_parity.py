@@ -9,8 +9,10 @@ parallel, expert-sliced; capacity factor 0.5 (choices dropped: fewer slots than 
 1.25 and dropless; one in bf16 autocast; and with the rest of the model in FSDP2 units
 (``fsdp``, ``zero2``) rather than DDP, the per-rank expert weights left out of them. Each
 world size checks all its programs in ONE
-torchrun launch (``tests/dist_check_many.py``). A negative control (expert gradients left
-unscaled and copies unsummed) must fail on an expert gradient.
+torchrun launch (``tests/dist_check_many.py``). Negative controls must fail on an expert
+gradient: expert-parallel and expert-sliced layers whose gradients are not divided by the
+group size (nor copies summed), and a data-parallel layer whose replicated experts are kept
+out of DDP.
 
 Then the CLI path as a user types it, at world 4: ``planner compile p.json -o out`` of a
 hand-built expert-parallel plan saved to JSON, ``torchrun out/launch.py --check``; and at
@@ -21,6 +23,7 @@ one device training the same two steps.
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,17 +65,39 @@ LAUNCH_TIMEOUT = 300
 class WorldRun:
     world: int
     folders: dict[str, Path]
-    unscaled: Path  # negative control
+    controls: dict[str, Path]  # negative controls: each must fail
     launch: Launch
 
 
 def _unscale_expert_gradients(folder: Path) -> Path:
-    """The control: expert gradients neither divided by the group size nor copies summed."""
+    """A control: expert gradients neither divided by the group size nor copies summed."""
     source = folder / "model_spmd.py"
     text = source.read_text()
     assert "rank_losses_averaged=True" in text, text
     source.write_text(text.replace("rank_losses_averaged=True", "rank_losses_averaged=False"))
     return folder
+
+
+def _keep_replicated_experts_out_of_ddp(folder: Path) -> Path:
+    """A control: a data-parallel layer's (replicated) experts kept out of DDP, so their
+    gradients stay each rank's own."""
+    source = folder / "model_spmd.py"
+    text = source.read_text()
+    wrap = "    return DistributedDataParallel(\n"
+    assert wrap in text and "DataParallelMoE(" in text, text
+    ignore = "    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ('blocks.0.moe.w_in',))\n"
+    source.write_text(text.replace(wrap, ignore + wrap))
+    return folder
+
+
+# control -> (mode, placement, how it is broken, the tensor its failure must name: a pattern)
+CONTROLS = {
+    "ep_unscaled": ("expert_parallel", "skewed", _unscale_expert_gradients, r"grad of blocks\.[01]\.moe\.experts\.w_(in|out):"),
+    "sliced_unscaled": ("expert_sliced", None, _unscale_expert_gradients, r"grad of blocks\.[01]\.moe\.experts\.w_(in|out):"),
+    "dp_experts_unaveraged": (
+        "data_parallel", None, _keep_replicated_experts_out_of_ddp, r"grad of blocks\.0\.moe\.experts\.w_in:",
+    ),
+}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda world: f"world{world}")
@@ -83,9 +108,12 @@ def world_run(request, tmp_path_factory) -> WorldRun:
     for name, mode, placement, capacity, precision, flavour in CASES:
         plan = moe_plan(world, mode, placement, capacity, precision, flavour=flavour)
         folders[name] = planner.compile(plan, root / name)
-    unscaled = _unscale_expert_gradients(planner.compile(moe_plan(world, "expert_parallel", "skewed"), root / "unscaled"))
-    launch = check_many(world, [*folders.values(), unscaled], root)
-    return WorldRun(world, folders, unscaled, launch)
+    controls = {
+        name: breaking(planner.compile(moe_plan(world, mode, placement), root / name))
+        for name, (mode, placement, breaking, _) in CONTROLS.items()
+    }
+    launch = check_many(world, [*folders.values(), *controls.values()], root)
+    return WorldRun(world, folders, controls, launch)
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
@@ -94,9 +122,11 @@ def test_compiled_moe_step_equals_one_device(world_run: WorldRun, case: str) -> 
     assert result.startswith("ok parity ok: "), f"{case} at world {world_run.world}: {result}"
 
 
-def test_unscaled_expert_gradients_are_reported(world_run: WorldRun) -> None:
-    result = result_of(world_run.launch, world_run.unscaled)
-    assert result.startswith("FAILED parity FAILED: worst tensor grad of blocks.") and ".moe.experts.w_" in result, result
+@pytest.mark.parametrize("control", list(CONTROLS))
+def test_broken_expert_gradients_are_reported(world_run: WorldRun, control: str) -> None:
+    result = result_of(world_run.launch, world_run.controls[control])
+    assert result.startswith("FAILED parity FAILED: worst tensor "), result
+    assert re.search(CONTROLS[control][3], result), result
 
 
 def test_programs_say_what_moves(world_run: WorldRun) -> None:
