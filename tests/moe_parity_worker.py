@@ -28,7 +28,9 @@ def placements(world: int) -> dict[str, list]:
     # on the last two ranks (halves); the others round-robin.
     copied = [[(0, 0.7), (1, 0.3)], [(world - 2, 0.5), (world - 1, 0.5)]]
     copied += [[(e % world, 1.0)] for e in range(2, EXPERTS)]
-    return {"round-robin": round_robin, "copied": copied}
+    # Every expert on rank 0: the other ranks hold none and only send and receive tokens.
+    one_rank = [[(0, 1.0)] for _ in range(EXPERTS)]
+    return {"round-robin": round_robin, "copied": copied, "one rank": one_rank}
 
 
 def build_layer(mode: str, reference, placement, capacity_factor: float, averaged: bool):
@@ -98,9 +100,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     cases = []
-    for placement_name, placement in placements(world).items():
+    for placement_name in ("round-robin", "copied"):
+        placement = placements(world)[placement_name]
         for capacity in (1.25, 0.5, 0.0):
             cases.append((f"{placement_name} capacity {capacity}", "expert_parallel", placement, capacity, True, False))
+    cases.append(("one rank capacity 0.5, averaged rank losses", "expert_parallel", placements(world)["one rank"], 0.5, True, True))
     cases.append(("copied capacity 1.25, averaged rank losses", "expert_parallel", placements(world)["copied"], 1.25, True, True))
     for mode in ("data_parallel", "expert_sliced"):
         for capacity in (1.25, 0.5, 0.0):

@@ -6,7 +6,7 @@ with expert layouts in every mode compile to a program whose ``launch.py --check
 each layer's ``full_parameters``) equals the single-device step: expert parallel with
 round-robin experts and with a skewed placement copying expert 0 on two ranks, data
 parallel, expert-sliced; capacity factor 0.5 (choices dropped: fewer slots than choices),
-1.25 and dropless; one in bf16 autocast; and with the rest of the model in FSDP2 units
+1.25 and dropless; in bf16 autocast (one case per mode); and with the rest of the model in FSDP2 units
 (``fsdp``, ``zero2``) rather than DDP, the per-rank expert weights left out of them. Each
 world size checks all its programs in ONE
 torchrun launch (``tests/dist_check_many.py``). Negative controls must fail on an expert
@@ -53,6 +53,8 @@ CASES = [
     ("data_parallel_dropless", "data_parallel", None, 0.0, "fp32", "ddp"),
     ("expert_sliced_drops", "expert_sliced", None, 0.5, "fp32", "ddp"),
     ("expert_sliced_dropless", "expert_sliced", None, 0.0, "fp32", "ddp"),
+    ("expert_sliced_bf16", "expert_sliced", None, 1.25, "bf16", "ddp"),
+    ("data_parallel_bf16", "data_parallel", None, 1.25, "bf16", "ddp"),
     ("fsdp_ep_skewed_copied_drops", "expert_parallel", "skewed", 0.5, "fp32", "fsdp"),
     ("fsdp_data_parallel", "data_parallel", None, 1.25, "fp32", "fsdp"),
     ("fsdp_expert_sliced_dropless", "expert_sliced", None, 0.0, "fp32", "fsdp"),

@@ -5,7 +5,8 @@ each layer's ``full_parameters``) equal, at worlds 2 and 4, in each mode: expert
 with round-robin experts and with two experts copied on two ranks each (unequal shares),
 data parallel, and expert-sliced; at capacity factors 1.25 and 0.5 (drops) and dropless;
 and with each rank's loss a mean over its own tokens (``rank_losses_averaged``: expert
-gradients scaled and copies summed in backward). One launch per world
+gradients scaled and copies summed in backward), also with every expert on rank 0 (the
+other ranks hold none). One launch per world
 (``tests/moe_parity_worker.py``). The control skips summing the copies' gradients and must
 fail."""
 
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.distributed
 CAPACITIES = (1.25, 0.5, 0.0)
 CASES = [f"{layout} capacity {capacity}" for layout in ("round-robin", "copied", "data_parallel", "expert_sliced")
          for capacity in CAPACITIES]
-CASES += ["copied capacity 1.25, averaged rank losses", "expert_sliced capacity 0.5, averaged rank losses"]
+CASES += ["copied capacity 1.25, averaged rank losses", "expert_sliced capacity 0.5, averaged rank losses",
+          "one rank capacity 0.5, averaged rank losses"]
 CONTROL = "copied capacity 1.25, copies not summed (control)"
 
 
