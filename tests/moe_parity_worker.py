@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from codegen.runtime.moe import ExpertParallelMoE, sum_copied_expert_gradients
+from codegen.runtime.moe import ExpertParallelMoE, FlatExchange, sum_copied_expert_gradients
+from codegen.runtime.moe_exchange import TwoLevelExchange
 from codegen.runtime.moe_modes import DataParallelMoE, ExpertSlicedMoE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,8 +35,13 @@ def placements(world: int) -> dict[str, list]:
 
 
 def build_layer(mode: str, reference, placement, capacity_factor: float, averaged: bool):
-    """The layer under test, built from the reference layer's weights."""
+    """The layer under test, built from the reference layer's weights. ``expert_parallel
+    two-level``: rows move by the two-level all-to-all, with nodes of 2 ranks (of 1 at world 2)."""
     weights = (reference.router.weight, reference.experts.w_in, reference.experts.w_out)
+    if mode == "expert_parallel two-level":
+        exchange = TwoLevelExchange(None, ranks_per_node=max(1, dist.get_world_size() // 2))
+        return ExpertParallelMoE(*weights, placement, TOP_K, capacity_factor, rank_losses_averaged=averaged,
+                                 exchange=exchange)
     if mode == "expert_parallel":
         return ExpertParallelMoE(*weights, placement, TOP_K, capacity_factor, rank_losses_averaged=averaged)
     if mode == "data_parallel":
@@ -67,7 +73,7 @@ def run_case(mode: str, placement, capacity_factor: float, sum_copies: bool = Tr
     # Per-rank losses sum to the single device's: the balance term split evenly.
     local_loss = (mine * probe[local]).sum() / (BATCH * SEQ) + COEF * their_balance / world
     (local_loss * world if averaged else local_loss).backward()
-    if sum_copies and mode == "expert_parallel" and not averaged:
+    if sum_copies and mode.startswith("expert_parallel") and not averaged:
         sum_copied_expert_gradients(layer)
     full = layer.full_parameters()
     replicated = ["router.weight"] + (["experts.w_in", "experts.w_out"] if mode == "data_parallel" else [])
@@ -96,6 +102,29 @@ def run_case(mode: str, placement, capacity_factor: float, sum_copies: bool = Tr
     return f"{'ok' if value < 1e-5 else 'FAILED'} worst {kind} {value:.3e} dropped {share:.3f}"
 
 
+def two_level_matches_flat() -> str:
+    """The two-level all-to-all delivers exactly what the flat one does (same rows, same
+    order, same sizes), for uneven random sizes including empty ones, and its backward
+    returns each row's gradient to the row it came from."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(rank)
+    send_sizes = torch.randint(0, 4, (world,), generator=generator).tolist()
+    # Each row says where it comes from and where it goes: (source, destination, index).
+    rows = torch.tensor([[rank, d, i] for d in range(world) for i in range(send_sizes[d])], dtype=torch.float64)
+    rows = rows.reshape(-1, 3).requires_grad_()
+    flat, flat_sizes = FlatExchange()(rows, send_sizes)
+    two_level, two_level_sizes = TwoLevelExchange(None, ranks_per_node=max(1, world // 2))(rows, send_sizes)
+    (two_level * torch.arange(1, two_level.numel() + 1, dtype=torch.float64).view_as(two_level)).sum().backward()
+    grad_two_level = rows.grad.clone()
+    rows.grad = None
+    (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64).view_as(flat)).sum().backward()
+    same = torch.equal(flat, two_level) and flat_sizes == two_level_sizes and torch.equal(rows.grad, grad_two_level)
+    same = same and bool((flat[:, 1] == rank).all())  # every row reached its destination
+    verdict = torch.tensor(0.0 if same else 1.0)
+    dist.all_reduce(verdict)
+    return "ok same rows, order and gradients" if verdict.item() == 0 else "FAILED the two-level all-to-all differs"
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -104,6 +133,9 @@ def main() -> None:
         placement = placements(world)[placement_name]
         for capacity in (1.25, 0.5, 0.0):
             cases.append((f"{placement_name} capacity {capacity}", "expert_parallel", placement, capacity, True, False))
+    for placement_name in ("round-robin", "copied"):
+        cases.append((f"{placement_name} capacity 0.5, two-level all-to-all", "expert_parallel two-level",
+                      placements(world)[placement_name], 0.5, True, True))
     cases.append(("one rank capacity 0.5, averaged rank losses", "expert_parallel", placements(world)["one rank"], 0.5, True, True))
     cases.append(("copied capacity 1.25, averaged rank losses", "expert_parallel", placements(world)["copied"], 1.25, True, True))
     for mode in ("data_parallel", "expert_sliced"):
@@ -115,6 +147,9 @@ def main() -> None:
         result = run_case(mode, placement, capacity, sum_copies, averaged)
         if dist.get_rank() == 0:
             print(f"RESULT {name}: {result}", flush=True)
+    result = two_level_matches_flat()
+    if dist.get_rank() == 0:
+        print(f"RESULT two-level all-to-all equals flat: {result}", flush=True)
     dist.destroy_process_group()
 
 

@@ -6,7 +6,8 @@ with round-robin experts and with two experts copied on two ranks each (unequal 
 data parallel, and expert-sliced; at capacity factors 1.25 and 0.5 (drops) and dropless;
 and with each rank's loss a mean over its own tokens (``rank_losses_averaged``: expert
 gradients scaled and copies summed in backward), also with every expert on rank 0 (the
-other ranks hold none). One launch per world
+other ranks hold none), and with rows moved by the two-level all-to-all
+(``codegen.runtime.moe_exchange``: nodes of two ranks at world 4, of one at world 2). One launch per world
 (``tests/moe_parity_worker.py``). The control skips summing the copies' gradients and must
 fail."""
 
@@ -26,7 +27,8 @@ CAPACITIES = (1.25, 0.5, 0.0)
 CASES = [f"{layout} capacity {capacity}" for layout in ("round-robin", "copied", "data_parallel", "expert_sliced")
          for capacity in CAPACITIES]
 CASES += ["copied capacity 1.25, averaged rank losses", "expert_sliced capacity 0.5, averaged rank losses",
-          "one rank capacity 0.5, averaged rank losses"]
+          "one rank capacity 0.5, averaged rank losses",
+          "round-robin capacity 0.5, two-level all-to-all", "copied capacity 0.5, two-level all-to-all"]
 CONTROL = "copied capacity 1.25, copies not summed (control)"
 
 
@@ -39,7 +41,7 @@ def results(request):
         capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
     )
     found = dict(re.findall(r"^RESULT (.+?): (.*)$", run.stdout, re.MULTILINE))
-    assert run.returncode == 0 and len(found) == len(CASES) + 1, run.stdout[-2000:] + run.stderr[-3000:]
+    assert run.returncode == 0 and len(found) == len(CASES) + 2, run.stdout[-2000:] + run.stderr[-3000:]
     return found
 
 
@@ -56,3 +58,7 @@ def test_capacity_drops_choices_and_dropless_does_not(results):
 
 def test_copies_must_have_their_gradients_summed(results):
     assert results[CONTROL].startswith("FAILED worst expert"), results[CONTROL]
+
+
+def test_two_level_all_to_all_delivers_what_the_flat_one_does(results):
+    assert results["two-level all-to-all equals flat"].startswith("ok"), results["two-level all-to-all equals flat"]

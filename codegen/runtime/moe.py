@@ -47,8 +47,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 __all__ = [
-    "ExpertParallelMoE", "RoutedMoE", "Routing", "all_to_all_rows", "route", "scaled_gradient",
-    "sum_copied_expert_gradients",
+    "ExpertParallelMoE", "FlatExchange", "RoutedMoE", "Routing", "all_to_all_rows", "exchange_counts", "route",
+    "scaled_gradient", "sum_copied_expert_gradients",
 ]
 
 # The parameter names of examples/moe.py's MoE, relative to the layer: what full_parameters
@@ -180,11 +180,15 @@ class ExpertParallelMoE(RoutedMoE):
             training): divide the expert gradients by the group size and sum the copies of
             a copied expert in backward (see the module docstring).
         names: the router's and the two expert weights' names in the replaced module.
+        exchange: how rows move between the ranks of ``group`` (``FlatExchange``, the
+            default, or ``codegen.runtime.moe_exchange.TwoLevelExchange``).
     """
 
     def __init__(self, router_weight, expert_in, expert_out, placement, top_k: int, capacity_factor: float,
-                 group=None, *, rank_losses_averaged: bool = False, names: tuple[str, str, str] = DEFAULT_NAMES):
+                 group=None, *, rank_losses_averaged: bool = False, names: tuple[str, str, str] = DEFAULT_NAMES,
+                 exchange=None):
         super().__init__(router_weight, top_k, capacity_factor, group, names)
+        self.exchange = exchange if exchange is not None else FlatExchange(group)
         self.replicas = [tuple((int(d), float(s)) for d, s in copies) for copies in placement]
         if len(self.replicas) != self.experts:
             raise ValueError(f"the placement covers {len(self.replicas)} experts, the router {self.experts}")
@@ -214,17 +218,12 @@ class ExpertParallelMoE(RoutedMoE):
                 destination[mine & (slot >= first) & (slot < end)] = device
         order = torch.argsort(torch.where(kept, destination, self.world), stable=True)
         sending = order[: int(kept.sum())]
-        send_counts = torch.bincount(destination[sending], minlength=self.world)
-        receive_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(receive_counts, send_counts, group=self.group)
-        send_sizes, receive_sizes = send_counts.tolist(), receive_counts.tolist()
+        send_sizes = torch.bincount(destination[sending], minlength=self.world).tolist()
         source_rows = tokens.repeat(k, 1)[sending]  # (sent, C)
-        received = all_to_all_rows(source_rows, receive_sizes, send_sizes, self.group)
+        received, receive_sizes = self.exchange(source_rows, send_sizes)
         # Where each received row goes: its expert (local index) and slot, sent alongside.
         local_index = {expert: i for i, expert in enumerate(self.local_experts)}
-        addresses = torch.stack([choice_expert[sending], slot[sending]], dim=1)
-        received_addresses = addresses.new_empty(sum(receive_sizes), 2)
-        dist.all_to_all_single(received_addresses, addresses, receive_sizes, send_sizes, group=self.group)
+        received_addresses, _ = self.exchange(torch.stack([choice_expert[sending], slot[sending]], dim=1), send_sizes)
         to_local = torch.tensor([local_index.get(e, -1) for e in range(self.experts)], dtype=torch.long)
         row = to_local[received_addresses[:, 0]] * capacity + received_addresses[:, 1]
 
@@ -237,7 +236,7 @@ class ExpertParallelMoE(RoutedMoE):
 
         # 5. Results back to their tokens' ranks (the combine weights them with the gates).
         answered = output.index_select(0, row)
-        returned = all_to_all_rows(answered, send_sizes, receive_sizes, self.group)
+        returned, _ = self.exchange(answered, receive_sizes)  # arrives in the order it was sent
         return tokens.new_zeros(k * tokens.size(0), width).index_copy(0, sending, returned.to(tokens.dtype))
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,6 +281,27 @@ class ExpertParallelMoE(RoutedMoE):
             full[expert] = local[position] / len(self.replicas[expert])
         dist.all_reduce(full, group=self.group)
         return full
+
+
+class FlatExchange:
+    """How an expert-parallel layer moves rows: one all-to-all over ``group``. Called with
+    ``rows`` ordered by destination rank (``send_sizes[d]`` for rank ``d``), it returns the
+    rows received, ordered by source rank, and how many came from each (with autograd)."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def __call__(self, rows: torch.Tensor, send_sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
+        receive_sizes = exchange_counts(torch.tensor(send_sizes), self.group).tolist()
+        return all_to_all_rows(rows, receive_sizes, send_sizes, self.group), receive_sizes
+
+
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """Row ``d`` of ``counts`` (a number, or a row of numbers) to rank ``d`` of ``group``;
+    returns what each rank sent this one, by source."""
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)
+    return received
 
 
 def all_to_all_rows(rows: torch.Tensor, receive_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:
