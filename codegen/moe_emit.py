@@ -31,7 +31,7 @@ from codegen.emit import about_plan, autocast_lines, has_batch_norm, precision_i
 from codegen.plan_checks import checked_plan
 from codegen.source_text import comment, literal, number
 from planner import __version__
-from planner.errors import PlanningError
+from planner.errors import PlannerError, PlanningError
 from planner.moe_blocks import MoEBlock, find_moe_blocks
 from planner.plans import Plan
 from planner.strategy import ExpertLayout, placements_str
@@ -132,6 +132,8 @@ def _imports(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> s
     lines = []
     if "expert_parallel" in modes:
         lines.append("from codegen.runtime.moe import ExpertParallelMoE")
+    if _ranks_per_node(plan, layouts):
+        lines.append("from codegen.runtime.moe_exchange import TwoLevelExchange")
     others = [_RUNTIME_CLASSES[mode] for mode in ("data_parallel", "expert_sliced") if mode in modes]
     if others:
         lines.append(f"from codegen.runtime.moe_modes import {', '.join(others)}")
@@ -178,9 +180,17 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
         '    dp_mesh = mesh["dp"]',
         "    group = dp_mesh.get_group()",
     ]
+    per_node = _ranks_per_node(plan, layouts)
+    if per_node:
+        lines += [
+            f"    # The two-level all-to-all the plan chose: rows move inside each node of {per_node} ranks first, then",
+            f"    # across the {dp // per_node} nodes between ranks of the same local index (fewer, larger inter-node",
+            "    # messages than one flat all-to-all). Its node and cross-node groups are made once, here.",
+            f"    two_level = TwoLevelExchange(group, ranks_per_node={per_node})",
+        ]
     ignored = []
     for index, layout, block in layouts:
-        lines += [""] + [f"    {line}" for line in _layer_comment(index, layout, block, dp)]
+        lines += [""] + [f"    {line}" for line in _layer_comment(index, layout, block, dp, bool(per_node))]
         path = block.module  # checked against the model: a module path, written with repr()
         names = (block.router, *block.expert_weights)
         arguments = [
@@ -195,6 +205,8 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
             arguments.append("rank_losses_averaged=True")
             ignored += [f"{path}.w_in", f"{path}.w_out"]
         arguments.append(f"names={names!r}")
+        if layout.mode == "expert_parallel" and per_node and layout.all_to_all == "hierarchical":
+            arguments.append("exchange=two_level")
         lines.append(f"    layer = model.get_submodule({path!r})")
         lines.append(f"    replace_layer(model, {path!r}, {_RUNTIME_CLASSES[layout.mode]}(")
         lines += [f"        {argument}," for argument in arguments]
@@ -208,6 +220,21 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
     lines += autocast_lines(plan, "model", "dp_mesh.device_type").splitlines()
     lines += _ddp_lines(ignored) if plan.dp_flavour == "ddp" else _fsdp_lines(plan, dp, ignored)
     return "\n".join(lines) + "\n"
+
+
+def _ranks_per_node(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> int:
+    """Ranks per node of the two-level all-to-all when an expert-parallel layer plans one and
+    the cluster has several equal nodes covering "dp"; 0 when every exchange is flat (on one
+    node the two levels are one)."""
+    wanted = any(layout.mode == "expert_parallel" and layout.all_to_all == "hierarchical" for _, layout, _ in layouts)
+    if not wanted or plan.cluster.num_nodes < 2:
+        return 0
+    try:
+        per_node = plan.cluster.devices_per_node
+    except PlannerError:  # nodes of different sizes: no even two-level split
+        return 0
+    dp = plan.mesh.axis_size("dp")
+    return per_node if 1 <= per_node < dp and dp % per_node == 0 else 0
 
 
 def _ddp_lines(ignored: list[str]) -> list[str]:
@@ -267,7 +294,14 @@ def _fsdp_lines(plan: Plan, dp: int, ignored: list[str]) -> list[str]:
     return lines
 
 
-def _layer_comment(index: int, layout: ExpertLayout, block: MoEBlock, dp: int) -> list[str]:
+def _exchange_words(layout: ExpertLayout, two_level: bool) -> str:
+    """How the layer's all-to-all runs, for its comment."""
+    if layout.all_to_all != "hierarchical":
+        return "one flat all-to-all"
+    return "two-level: inside the node, then across nodes" if two_level else "planned two-level, flat on one node"
+
+
+def _layer_comment(index: int, layout: ExpertLayout, block: MoEBlock, dp: int, two_level: bool) -> list[str]:
     """Comment lines saying how one MoE layer runs: what moves and why."""
     capacity = "dropless (every expert takes every token)" if block.capacity_factor == 0 else (
         f"capacity factor {block.capacity_factor:g}"
@@ -277,7 +311,7 @@ def _layer_comment(index: int, layout: ExpertLayout, block: MoEBlock, dp: int) -
         body = [
             f"Each rank keeps the experts EXPERT_PLACEMENT_{index} gives it (a copied expert's slots are split among",
             "its copies by their shares). Each kept token choice travels to a rank holding its expert with one",
-            f"all-to-all over \"dp\" (uneven splits; {layout.all_to_all} algorithm planned, run as one flat all-to-all),",
+            f"all-to-all over \"dp\" (uneven splits; {_exchange_words(layout, two_level)}),",
             "the experts run as one batched matmul, and the outputs come back with a second all-to-all.",
             "Copies of an expert have their gradients summed over their holders in backward.",
         ]

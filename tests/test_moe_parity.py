@@ -7,7 +7,8 @@ each layer's ``full_parameters``) equals the single-device step: expert parallel
 round-robin experts and with a skewed placement copying expert 0 on two ranks, data
 parallel, expert-sliced; capacity factor 0.5 (choices dropped: fewer slots than choices),
 1.25 and dropless; in bf16 autocast (one case per mode); and with the rest of the model in FSDP2 units
-(``fsdp``, ``zero2``) rather than DDP, the per-rank expert weights left out of them. Each
+(``fsdp``, ``zero2``) rather than DDP, the per-rank expert weights left out of them; and
+with the two-level all-to-all on a cluster of two nodes. Each
 world size checks all its programs in ONE
 torchrun launch (``tests/dist_check_many.py``). Negative controls must fail on an expert
 gradient: expert-parallel and expert-sliced layers whose gradients are not divided by the
@@ -60,6 +61,8 @@ CASES = [
     ("fsdp_expert_sliced_dropless", "expert_sliced", None, 0.0, "fp32", "fsdp"),
     ("zero2_ep_round_robin", "expert_parallel", "round-robin", 1.25, "fp32", "zero2"),
 ]
+# Expert parallel with the two-level all-to-all on two nodes (of world / 2 ranks each).
+TWO_LEVEL = "ep_skewed_two_level_two_nodes"
 LAUNCH_TIMEOUT = 300
 
 
@@ -110,6 +113,8 @@ def world_run(request, tmp_path_factory) -> WorldRun:
     for name, mode, placement, capacity, precision, flavour in CASES:
         plan = moe_plan(world, mode, placement, capacity, precision, flavour=flavour)
         folders[name] = planner.compile(plan, root / name)
+    two_level = moe_plan(world, "expert_parallel", "skewed", 0.5, nodes=2, all_to_all="hierarchical")
+    folders[TWO_LEVEL] = planner.compile(two_level, root / TWO_LEVEL)
     controls = {
         name: breaking(planner.compile(moe_plan(world, mode, placement), root / name))
         for name, (mode, placement, breaking, _) in CONTROLS.items()
@@ -118,7 +123,7 @@ def world_run(request, tmp_path_factory) -> WorldRun:
     return WorldRun(world, folders, controls, launch)
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES])
+@pytest.mark.parametrize("case", [c[0] for c in CASES] + [TWO_LEVEL])
 def test_compiled_moe_step_equals_one_device(world_run: WorldRun, case: str) -> None:
     result = result_of(world_run.launch, world_run.folders[case])
     assert result.startswith("ok parity ok: "), f"{case} at world {world_run.world}: {result}"
@@ -142,6 +147,10 @@ def test_programs_say_what_moves(world_run: WorldRun) -> None:
     assert "EXPERT_WEIGHTS_OUTSIDE_DDP" not in source["data_parallel_drops"]  # replicated experts stay in DDP
     assert "replace_layer(model, 'blocks.1.moe', ExpertSlicedMoE(" in source["expert_sliced_drops"]
     assert "run_in_autocast(model, dp_mesh.device_type, torch.bfloat16)" in source["ep_skewed_copied_bf16"]
+    two_level = source[TWO_LEVEL]
+    assert f"two_level = TwoLevelExchange(group, ranks_per_node={world_run.world // 2})" in two_level
+    assert two_level.count("exchange=two_level,") == 2  # both layers
+    assert "exchange=" not in skewed  # flat: the default
     # FSDP2 around the rest, the per-rank expert weights left out of every unit.
     fsdp = source["fsdp_ep_skewed_copied_drops"]
     assert "fully_shard(model.get_submodule('blocks.0'), mesh=dp_mesh, ignored_params=expert_weights)" in fsdp
