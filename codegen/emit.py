@@ -52,7 +52,9 @@ def render_model_spmd(plan: Plan) -> str:
     DDP module (``ddp``), a DDP module with a ``ZeroRedundancyOptimizer`` from
     ``make_optimizer`` (``zero1``), or FSDP2 units with (``fsdp``) or without (``zero2``)
     resharding after forward. Any other plan on a ``dp``/``tp`` mesh is generated from the
-    traced graph, op by op on DTensors (``codegen.spmd_emit``).
+    traced graph, op by op on DTensors (``codegen.spmd_emit``). A plan with expert layouts
+    (MoE layers) becomes a data-parallel program whose MoE layers run in their planned mode
+    (``codegen.moe_emit``).
 
     Every name the plan gives is first checked against the model built from its spec
     (``codegen.plan_checks``), and plan text reaches the source only as ``repr()`` literals or
@@ -60,6 +62,10 @@ def render_model_spmd(plan: Plan) -> str:
     """
     from codegen.plan_checks import checked_plan
 
+    if plan.expert_layouts:  # MoE layers run by the expert runtime, the rest data parallel
+        from codegen.moe_emit import render_moe_program
+
+        return render_moe_program(plan)
     plan = checked_plan(plan, graph_program=not is_data_parallel(plan))
     if plan.pipeline is not None:  # one stage module per pipeline stage (codegen.pipeline_emit)
         from codegen.pipeline_emit import render_pipeline_program
@@ -88,7 +94,7 @@ def render_model_spmd(plan: Plan) -> str:
         raise NotImplementedError(f"codegen for dp flavour '{plan.dp_flavour}' is not written yet")
     batch_norm = ["from codegen.runtime.batch_norm import synchronise_batch_norm"] if has_batch_norm(plan) else []
     imports = "".join(line + "\n\n" for line in precision_imports(plan) + batch_norm)
-    return header + _recompute_table(plan) + imports + body + _shard_batch_source(plan, dp)
+    return header + _recompute_table(plan) + imports + body + shard_batch_source(plan, dp)
 
 
 def _recompute_table(plan: Plan) -> str:
@@ -176,8 +182,10 @@ def is_data_parallel(plan: Plan) -> bool:
     """A data-parallel plan (label empty: named by its flavour) on a ``dp``-only mesh, no
     pipeline, every parameter replicated (DDP/ZeRO/FSDP's view). A searched plan on a ``dp``
     mesh may replicate some inputs or activations, which DDP's batch split would not honour;
-    it goes through the graph path."""
-    if plan.mesh.names != (_DP_AXIS,) or plan.pipeline is not None or getattr(plan, "label", ""):
+    it goes through the graph path. An MoE plan of that shape (labelled, with expert layouts)
+    is data parallel around its MoE layers (``codegen.moe_emit``)."""
+    labelled = getattr(plan, "label", "") and not plan.expert_layouts
+    if plan.mesh.names != (_DP_AXIS,) or plan.pipeline is not None or labelled:
         return False
     return all(
         placements_str(placements) == "(R)" for strategy in plan.strategies for placements in strategy.params.values()
@@ -401,7 +409,9 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
 '''
 
 
-def _shard_batch_source(plan: Plan, dp: int) -> str:
+def shard_batch_source(plan: Plan, dp: int) -> str:
+    """``shard_batch`` of a data-parallel program: inputs placed ``S(0)`` over "dp" split by
+    rows, the others whole (with a comment line per input)."""
     comments = []
     for name, placements in plan.inputs.items():
         if placements is None:

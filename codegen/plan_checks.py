@@ -10,7 +10,10 @@ plan field (``codegen.source_text`` then decides how the name is written):
   positional arguments to them);
 - each strategy's ``node`` is an op of the traced graph and its ``params`` are what that op
   reads;
-- the numbers the program writes (batch, micro-batches, stages, parameter bytes) are ints.
+- the numbers the program writes (batch, micro-batches, stages, parameter bytes) are ints;
+- each of ``expert_layouts`` names an MoE layer of the model (``planner.moe_blocks``) with
+  its experts, top-k and capacity factor, every MoE layer has one, and the layer holds no
+  parameter besides its router and experts (the program replaces the whole module).
 
 And one check of meaning: a graph or pipeline program replays the traced ATen graph, so it
 cannot run a backward the model defines itself (a custom ``torch.autograd.Function``, a
@@ -28,6 +31,7 @@ import torch
 from codegen.source_text import one_line
 from planner.errors import PlanFileError, PlanningError
 from planner.graph import OpGraph
+from planner.moe_blocks import find_moe_blocks
 from planner.opaque_backward import describe
 from planner.plan_checks import check_plan_against_graph
 from planner.plans import Plan
@@ -56,6 +60,8 @@ def checked_plan(plan: Plan, graph_program: bool) -> Plan:
     model, args, kwargs = build_meta_model(plan)
     graph = plan.graph if plan.graph is not None and plan.graph.graph_module is not None else trace_model(model, args, kwargs)
     check_names(plan, model, graph)
+    if plan.expert_layouts:
+        check_expert_layouts(plan, model)
     if graph_program:
         check_backward_replayable(plan, graph)
     return dataclasses.replace(plan, graph=graph)
@@ -113,6 +119,49 @@ def check_names(plan: Plan, model: torch.nn.Module, graph: OpGraph) -> None:
                 raise PlanningError(f"repeated block '{one_line(path)}' of the traced model is not a module of the model")
     # Ops, their names and the parameters they read: the same checks compile runs first.
     check_plan_against_graph(plan, graph)
+
+
+def check_expert_layouts(plan: Plan, model: torch.nn.Module) -> None:
+    """Each expert layout against the MoE layers of ``model`` (see the module docstring)."""
+    blocks = {block.module: block for block in find_moe_blocks(model)}
+    known = ", ".join(blocks) or "none"
+    modules = dict(model.named_modules())
+    for index, layout in enumerate(plan.expert_layouts):
+        field = f"expert_layouts[{index}]"
+        block = blocks.get(layout.module)
+        if block is None:
+            raise PlanFileError(
+                f"plan field '{field}.module' ({_shown(layout.module)}) is not an MoE layer of the model built from the "
+                f"spec (its MoE layers: {known}); re-plan"
+            )
+        for name, planned, actual in (
+            ("experts", layout.experts, block.experts),
+            ("top_k", layout.top_k, block.top_k),
+            ("capacity_factor", layout.capacity_factor, block.capacity_factor),
+        ):
+            if planned != actual:
+                raise PlanFileError(
+                    f"plan field '{field}.{name}' is {_shown(planned)} but layer {block.module!r} of the model has "
+                    f"{actual}; re-plan for this model (or build the model with that {name})"
+                )
+        if layout.axis != "dp":
+            raise PlanFileError(
+                f"plan field '{field}.axis' is {_shown(layout.axis)}; compiled MoE layers run over the 'dp' axis; re-plan"
+            )
+        owned = {block.router, *block.expert_weights}
+        extra = [name for name, _ in modules[block.module].named_parameters() if name not in owned]
+        if extra:
+            raise PlanningError(
+                f"MoE layer {block.module!r} has parameters besides its router and experts ({', '.join(extra[:3])}), "
+                f"which the compiled layer would not run; plan it without expert layouts"
+            )
+    planned = {layout.module for layout in plan.expert_layouts}
+    missing = [module for module in blocks if module not in planned]
+    if missing:
+        raise PlanFileError(
+            f"plan field 'expert_layouts' has no layout for the model's MoE layer {missing[0]!r} (each MoE layer needs "
+            f"one: its routing couples the whole batch); re-plan"
+        )
 
 
 def check_backward_replayable(plan: Plan, graph: OpGraph) -> None:

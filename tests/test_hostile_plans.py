@@ -2,8 +2,8 @@
 
 A plan.json is shared between people, so ``compile`` must treat every string in it as data.
 This test starts from real plans of every program kind (DDP, ZeRO-1, ZeRO-2, FSDP; a
-Megatron tensor-parallel graph program, the same with every block recomputed, and a
-two-stage pipeline), puts payloads into every string field of the plan JSON, and compiles.
+Megatron tensor-parallel graph program, the same with every block recomputed, a
+two-stage pipeline, and an MoE plan with expert-parallel layouts), puts payloads into every string field of the plan JSON, and compiles.
 Each row of the table is one (field, payload) pair, and says what must happen:
 
 - ``refused``: ``planner compile`` exits 2 with one ``error:`` line naming the field (the
@@ -51,6 +51,7 @@ from planner.cli import main
 from planner.errors import PlannerError
 from codegen.runtime import load_program
 from codegen.source_text import comment, derived_identifier, identifier, literal, number, with_comment
+from moe_plans import moe_plan
 from test_parity import REPO, check_many, result_of
 
 NOTED_GPT = REPO / "tests" / "models" / "noted_gpt.py"
@@ -96,6 +97,9 @@ def printable(text: str) -> bool:
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
 GRAPH = ("tp", "tp_recompute", "pp")
 KINDS = DATA_PARALLEL + GRAPH
+# examples/moe.py with expert-parallel layouts: only the expert_layouts fields are tried on it.
+MOE = ("moe",)
+ALL_KINDS = KINDS + MOE
 WORLD = 2
 
 
@@ -109,6 +113,7 @@ def _base_plans() -> dict[str, planner.Plan]:
         "tp": baselines.megatron(spec, "cpu:1x2", tp=2, precision="fp32"),
         "tp_recompute": baselines.megatron(spec, "cpu:1x2", tp=2, recompute="full", precision="fp32"),
         "pp": baselines.megatron(spec, "cpu:2x1", pp=2, micro_batch=2, precision="fp32"),
+        "moe": moe_plan(WORLD, "expert_parallel", "skewed"),
     }
 
 
@@ -235,6 +240,14 @@ def _param_key(plan: dict, payload: str, _: Context) -> None:
     strategy["params"] = {payload if key == name else key: value for key, value in strategy["params"].items()}
 
 
+def _has_line_break(payload: str) -> bool:
+    return "\n" in payload or "\r" in payload
+
+
+def _replica_device(plan: dict, payload: str, _: Context) -> None:
+    plan["expert_layouts"][0]["placement"]["replicas"][0][0][0] = payload
+
+
 def _runner_up(plan: dict, payload: str, _: Context) -> None:
     plan["runners_up"] = [{"name": payload, "step_time_s": 1.0, "memory_bytes": 1, "fits": True, "note": payload}]
 
@@ -277,6 +290,21 @@ FIELDS = [
         _always, "field 'pipeline'", kinds=("pp",),
     ),
     Field("summary.parameter_bytes (a number given text)", _set("summary", "parameter_bytes"), _always, "'summary.parameter_bytes'"),
+    # Expert layouts of MoE layers: module paths are checked against the model's MoE layers
+    # (codegen.plan_checks), the rest against fixed sets; a routing source is one line of
+    # report text, never code; a placement's method is one line in a comment.
+    Field("expert_layouts[0].module", _set("expert_layouts", 0, "module"), _always, "'expert_layouts[0].module'", kinds=MOE),
+    Field("expert_layouts[1].module", _set("expert_layouts", 1, "module"), _always, "'expert_layouts[1].module'", kinds=MOE),
+    Field("expert_layouts[0].mode", _set("expert_layouts", 0, "mode"), _always, "'expert_layouts[0]'", kinds=MOE),
+    Field("expert_layouts[0].axis", _set("expert_layouts", 0, "axis"), _always, "runs over axis", kinds=MOE),
+    Field("expert_layouts[0].all_to_all", _set("expert_layouts", 0, "all_to_all"), _always, "'expert_layouts[0]'", kinds=MOE),
+    Field(
+        "expert_layouts[0].placement.replicas device", _replica_device, _always,
+        "'expert_layouts[0].placement.replicas[0]'", kinds=MOE,
+    ),
+    Field("expert_layouts[0].routing", _set("expert_layouts", 0, "routing"), _has_line_break, "'expert_layouts[0]'", kinds=MOE),
+    Field("expert_layouts[0].placement.method", _set("expert_layouts", 0, "placement", "method"), _never, kinds=MOE,
+          reaches_code=None),
 ]
 
 
@@ -484,7 +512,7 @@ def test_inert_payload_compiles_imports_and_passes_parity(row: Row, groups):
 def test_no_payload_ran_anywhere(groups, workdir):
     """After every compile, import and launch of this module: no marker file anywhere."""
     assert len(groups) >= len(PAYLOADS) * KINDS_PER_PAYLOAD
-    assert set(kind for kind, _ in groups) == set(KINDS)
+    assert set(kind for kind, _ in groups) == set(ALL_KINDS)
     assert not marker_files(workdir), marker_files(workdir)
 
 

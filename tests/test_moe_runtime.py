@@ -1,8 +1,13 @@
-"""Expert parallelism at run time (``codegen.runtime.moe``) against ``examples/moe.py``'s MoE
-layer on one device: the same routing, the same drops, the same balance loss; outputs,
-loss, and the gradients of the router and of every expert equal, at worlds 2 and 4, with
-round-robin experts and with two experts copied on two ranks each (unequal shares), at
-capacity factors 1.25 and 0.5 (drops) and dropless. One launch per world
+"""MoE layers at run time (``codegen.runtime.moe``, ``codegen.runtime.moe_modes``) against
+``examples/moe.py``'s MoE layer on one device: the same routing, the same drops, the same
+balance loss; outputs, loss, and the gradients of the router and of every expert (gathered by
+each layer's ``full_parameters``) equal, at worlds 2 and 4, in each mode: expert parallel
+with round-robin experts and with two experts copied on two ranks each (unequal shares),
+data parallel, and expert-sliced; at capacity factors 1.25 and 0.5 (drops) and dropless;
+and with each rank's loss a mean over its own tokens (``rank_losses_averaged``: expert
+gradients scaled and copies summed in backward), also with every expert on rank 0 (the
+other ranks hold none), and with rows moved by the two-level all-to-all
+(``codegen.runtime.moe_exchange``: nodes of two ranks at world 4, of one at world 2). One launch per world
 (``tests/moe_parity_worker.py``). The control skips summing the copies' gradients and must
 fail."""
 
@@ -18,7 +23,12 @@ import pytest
 from test_parity import REPO
 
 pytestmark = pytest.mark.distributed
-CASES = [f"{placement} capacity {capacity}" for placement in ("round-robin", "copied") for capacity in (1.25, 0.5, 0.0)]
+CAPACITIES = (1.25, 0.5, 0.0)
+CASES = [f"{layout} capacity {capacity}" for layout in ("round-robin", "copied", "data_parallel", "expert_sliced")
+         for capacity in CAPACITIES]
+CASES += ["copied capacity 1.25, averaged rank losses", "expert_sliced capacity 0.5, averaged rank losses",
+          "one rank capacity 0.5, averaged rank losses",
+          "round-robin capacity 0.5, two-level all-to-all", "copied capacity 0.5, two-level all-to-all"]
 CONTROL = "copied capacity 1.25, copies not summed (control)"
 
 
@@ -31,7 +41,7 @@ def results(request):
         capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
     )
     found = dict(re.findall(r"^RESULT (.+?): (.*)$", run.stdout, re.MULTILINE))
-    assert run.returncode == 0 and len(found) == len(CASES) + 1, run.stdout[-2000:] + run.stderr[-3000:]
+    assert run.returncode == 0 and len(found) == len(CASES) + 2, run.stdout[-2000:] + run.stderr[-3000:]
     return found
 
 
@@ -42,9 +52,13 @@ def test_expert_parallel_step_equals_one_device(results, case):
 
 def test_capacity_drops_choices_and_dropless_does_not(results):
     dropped = {case: float(results[case].rsplit(" ", 1)[1]) for case in CASES}
-    assert dropped["round-robin capacity 0.5"] > 0.1 and dropped["copied capacity 0.5"] > 0.1
-    assert dropped["round-robin capacity 0.0"] == 0.0 and dropped["copied capacity 0.0"] == 0.0
+    for layout in ("round-robin", "copied", "data_parallel", "expert_sliced"):
+        assert dropped[f"{layout} capacity 0.5"] > 0.1 and dropped[f"{layout} capacity 0.0"] == 0.0
 
 
 def test_copies_must_have_their_gradients_summed(results):
     assert results[CONTROL].startswith("FAILED worst expert"), results[CONTROL]
+
+
+def test_two_level_all_to_all_delivers_what_the_flat_one_does(results):
+    assert results["two-level all-to-all equals flat"].startswith("ok"), results["two-level all-to-all equals flat"]

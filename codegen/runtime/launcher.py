@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="learning rate (default 1e-3)",
     )
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default=None, help="default: the plan's optimizer")
+    parser.add_argument(
+        "--record-routing", metavar="FILE", default=None,
+        help="with --steps: write the MoE layers' routing over the steps as routing statistics (planner plan --routing FILE)",
+    )
     return parser
 
 
@@ -52,6 +56,8 @@ def main(folder: Path, argv: list[str]) -> int:
         if not options.check and options.steps == 0:
             raise LaunchError("say what to run: --check, --steps N, or both; see launch.py --help")
         program = load_program(folder)
+        if options.record_routing is not None:
+            check_routing_output(program, options.steps, options.record_routing)
         check_world_size(program.plan)
         program.check_model()
         mesh = program.build_mesh()
@@ -65,7 +71,7 @@ def main(folder: Path, argv: list[str]) -> int:
             _say(result.message(atol, rtol))
             status = 0 if result.ok else 1
         if options.steps > 0:
-            train_synthetic(program, mesh, options.steps, options.lr, optimizer)
+            train_synthetic(program, mesh, options.steps, options.lr, optimizer, options.record_routing)
         # Every rank is done communicating before any tears gloo down: without this, a rank
         # that leaves first sometimes makes another abort at exit after a successful run.
         dist.barrier()
@@ -93,8 +99,30 @@ def exit_now(status: int) -> None:
     os._exit(0)
 
 
-def train_synthetic(program: Program, mesh, steps: int, lr: float, optimizer_name: str) -> list[float]:
-    """Train ``steps`` steps on random batches shaped like the example batch; print each step's time."""
+def check_routing_output(program: Program, steps: int, path: str) -> None:
+    """Refuse ``--record-routing`` with one line when it cannot record anything: no training
+    steps, a plan whose MoE layers do not run through the expert runtime, or a file that
+    cannot be written."""
+    if steps == 0:
+        raise LaunchError("--record-routing records the routing of training steps; add --steps N")
+    if not program.plan.expert_layouts:
+        raise LaunchError(
+            "--record-routing needs a plan whose MoE layers have expert layouts (their routing is counted by the "
+            "expert runtime); this plan has none"
+        )
+    target = Path(path)
+    if target.is_dir():
+        raise LaunchError(f"--record-routing: '{target}' is a folder; give a file name such as routing.json")
+    if not target.resolve().parent.is_dir():
+        raise LaunchError(f"--record-routing: folder '{target.resolve().parent}' does not exist; create it first")
+
+
+def train_synthetic(
+    program: Program, mesh, steps: int, lr: float, optimizer_name: str, record_routing: str | None = None
+) -> list[float]:
+    """Train ``steps`` steps on random batches shaped like the example batch; print each
+    step's time. With ``record_routing``, write the MoE layers' routing over the steps there
+    (``codegen.runtime.routing_record``)."""
     model, args, kwargs = program.build_model()
     module = program.parallelize(model, mesh)
     if program.is_pipeline:
@@ -113,7 +141,7 @@ def train_synthetic(program: Program, mesh, steps: int, lr: float, optimizer_nam
     times = []
     for step in range(steps):
         torch.manual_seed(1000 + step)  # the same global batch on every rank
-        batch_args, batch_kwargs = _random_like(args), _random_like(kwargs)  # global; sharded in forward_backward
+        batch_args, batch_kwargs = random_like(args), random_like(kwargs)  # global; sharded in forward_backward
         _synchronize()
         start = time.perf_counter()
         loss = forward_backward(batch_args, batch_kwargs)
@@ -124,10 +152,15 @@ def train_synthetic(program: Program, mesh, steps: int, lr: float, optimizer_nam
         _say(f"step {step + 1}/{steps}: {times[-1] * 1e3:.2f} ms  loss {loss.item():.4f}")
     steady = times[1:] or times
     _say(f"mean step time: {sum(steady) / len(steady) * 1e3:.2f} ms over {len(steady)} steps (first step excluded)")
+    if record_routing is not None:
+        from codegen.runtime.routing_record import write_recorded_routing
+
+        stats = write_recorded_routing(model, steps, record_routing)
+        _say(f"routing of {len(stats.layers)} MoE layer(s) written to {record_routing} ({stats.source})")
     return times
 
 
-def _random_like(tree):
+def random_like(tree):
     """A batch with the structure of ``tree``: floats ~ N(0, 1), integers in the example's range."""
     if isinstance(tree, torch.Tensor):
         if tree.is_floating_point():
@@ -135,9 +168,9 @@ def _random_like(tree):
         high = int(tree.max().item()) + 1 if tree.numel() else 1
         return torch.randint_like(tree, 0, max(high, 1))
     if isinstance(tree, dict):
-        return {key: _random_like(value) for key, value in tree.items()}
+        return {key: random_like(value) for key, value in tree.items()}
     if isinstance(tree, (tuple, list)):
-        return type(tree)(_random_like(value) for value in tree)
+        return type(tree)(random_like(value) for value in tree)
     return tree
 
 

@@ -1,43 +1,172 @@
-"""Expert parallelism for an MoE layer: tokens travel to the devices holding their experts.
+"""Mixture-of-Experts layers over a process group: each rank routes its own tokens, and the
+layer computes what one device computes on all the group's tokens, exactly.
 
 The layer is ``examples/moe.py``'s ``MoE`` (router, top-k with weights summing to 1, a
 capacity per expert filled in GShard's priority order, GELU experts, combine, Switch's
-balance loss), run with its experts split over a process group and each rank holding a
-slice of the tokens. It computes what one device computes on all the tokens, exactly:
+balance loss). Every mode shares the routing (``route``) and the balance loss; they differ
+in where the experts run (``codegen.runtime.moe_modes`` has the data-parallel and
+expert-sliced modes, this file the expert-parallel one):
 
 1. Route (every rank, its own tokens): softmax of the router's logits, top-k.
 2. Slots. A choice's slot in its expert's buffer counts the choices of that expert before
    it in the global order: every token's first choice (tokens in global order, rank by
    rank), then every second choice, ... Each rank needs only the per-expert counts of the
-   other ranks' choices (one all-gather of a (ranks, k, experts) table), so the drops are
-   the single device's drops.
-3. Dispatch. Each kept choice goes to a device holding its expert (``ExpertPlacement``: a
-   hot expert may have copies; its slots are split among them by their shares, in slot
-   order) with one ``all_to_all_single`` (uneven splits, with autograd), its slot alongside.
+   other ranks' choices (one all-gather of a (ranks, k, experts) table), so the capacity
+   (from the group's token count) and the drops are the single device's.
+3. Dispatch (expert parallel). Each kept choice goes to a device holding its expert
+   (``ExpertPlacement``: a hot expert may have copies; its slots are split among them by
+   their shares, in slot order) with one ``all_to_all_single`` (uneven splits, with
+   autograd), its slot alongside.
 4. Experts. Each device fills a buffer (its experts x capacity x width, zeros elsewhere: the
    single device's padding) and runs its experts as one batched matmul.
 5. Combine. The outputs go back with a second all-to-all and are summed with the gates.
 6. Balance loss: the routed share and mean probability of each expert are summed over the
    group (all-reduce with autograd) before their product, as on one device.
 
-Gradients: an expert's weights get the gradient of the tokens it processed; a copied expert's
-copies are summed over their holders (``sum_copied_expert_gradients``). The router and every
-replicated weight outside the experts are data parallel: their gradients are summed (or
-averaged, with the loss) over the group as any data-parallel gradient.
+Gradients: an expert's weights get the gradient of the tokens it processed, from every
+rank. In data-parallel training each rank's loss is the mean over its own tokens and the
+step's loss is the mean of the ranks' losses, so with ``rank_losses_averaged`` the expert
+gradients are divided by the group size in backward, and a copied expert's copies are
+summed over their holders there too (without it: ``sum_copied_expert_gradients`` after
+backward, for a caller whose losses already sum to the step's). The router and every
+replicated weight outside the experts are data parallel: their gradients are averaged over
+the group as any data-parallel gradient (DDP does it in a compiled program).
+
+Each layer also counts its routed choices per expert (before drops) and how often two
+experts are chosen for one token, forward after forward (``routed_counts``,
+``coselected``): ``launch.py --record-routing`` writes them as routing statistics.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["ExpertParallelMoE", "sum_copied_expert_gradients"]
+__all__ = [
+    "ExpertParallelMoE", "FlatExchange", "RoutedMoE", "Routing", "all_to_all_rows", "exchange_counts", "route",
+    "scaled_gradient", "sum_copied_expert_gradients",
+]
+
+# The parameter names of examples/moe.py's MoE, relative to the layer: what full_parameters
+# reports unless the compiled program names them (codegen.moe_emit passes the block's own).
+DEFAULT_NAMES = ("router.weight", "experts.w_in", "experts.w_out")
 
 
-class ExpertParallelMoE(torch.nn.Module):
+@dataclass
+class Routing:
+    """One forward's routing of this rank's tokens, placed in the group's global order.
+    Choices are choice-major: every token's first choice, then every second choice, ..."""
+
+    probs: torch.Tensor  # (n, experts) router probabilities, fp32
+    gate: torch.Tensor  # (n, k) each choice's weight, the k summing to 1
+    expert: torch.Tensor  # (k*n,) each choice's expert
+    one_hot: torch.Tensor  # (k*n, experts)
+    slot: torch.Tensor  # (k*n,) the choice's slot in its expert's buffer, in the global order
+    kept: torch.Tensor  # (k*n,) bool: slot < capacity (the rest are dropped)
+    capacity: int  # slots per expert, from the group's token count (the single device's)
+    group_tokens: int  # tokens of the layer over the whole group
+
+
+def capacity_of(tokens: int, top_k: int, experts: int, capacity_factor: float) -> int:
+    """Slots per expert: the factor times an even share of the routed choices, or every
+    token when dropless (factor 0); ``examples/moe.py``'s ``MoE.capacity``."""
+    if capacity_factor == 0:
+        return tokens
+    return max(1, math.ceil(capacity_factor * tokens * top_k / experts))
+
+
+def route(tokens: torch.Tensor, router: torch.Tensor, top_k: int, capacity_factor: float, group=None) -> Routing:
+    """Route this rank's ``tokens`` (n, width) and place each choice in the group's global
+    priority order (steps 1 and 2 of the module docstring)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    count, experts = tokens.size(0), router.size(0)
+    probs = F.softmax(F.linear(tokens, router).float(), dim=-1)  # (n, E)
+    gate, chosen = probs.topk(top_k, dim=-1)
+    gate = (gate / gate.sum(dim=-1, keepdim=True)).to(tokens.dtype)
+    expert = chosen.t().reshape(-1)  # (k*n,) choice-major
+    one_hot = F.one_hot(expert, experts)  # (k*n, E)
+    by_choice = one_hot.view(top_k, count, experts)
+    per_choice = by_choice.sum(dim=1)  # (k, E) this rank's counts
+    table = [torch.zeros_like(per_choice) for _ in range(world)]
+    dist.all_gather(table, per_choice, group=group)
+    table = torch.stack(table)  # (ranks, k, E)
+    group_tokens = int(table[:, 0].sum())  # each token has exactly one first choice
+    capacity = capacity_of(group_tokens, top_k, experts, capacity_factor)
+    # Before choice j of this rank: all ranks' choices j' < j, and lower ranks' choice j.
+    totals = table.sum(dim=0)
+    earlier = totals.cumsum(dim=0) - totals + table[:rank].sum(dim=0)  # (k, E)
+    slot = ((by_choice.cumsum(dim=1) - 1 + earlier[:, None, :]) * by_choice).sum(dim=-1).reshape(-1)  # (k*n,)
+    return Routing(probs, gate, expert, one_hot, slot, slot < capacity, capacity, group_tokens)
+
+
+class RoutedMoE(torch.nn.Module):
+    """What every mode shares: the router (replicated), routing in the global order, the
+    combine and the balance loss; a mode implements ``run_experts`` (each kept choice's
+    expert output) and ``full_parameters``.
+
+    ``forward(x)`` returns the layer's output for this rank's tokens and the balance loss
+    of the whole group's tokens, as ``examples/moe.py``'s ``MoE`` does on one device.
+    """
+
+    def __init__(self, router_weight: torch.Tensor, top_k: int, capacity_factor: float, group=None,
+                 names: tuple[str, str, str] = DEFAULT_NAMES):
+        super().__init__()
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.experts, self.top_k, self.capacity_factor = router_weight.shape[0], top_k, capacity_factor
+        self.names = tuple(names)
+        self.router = torch.nn.Parameter(router_weight.detach().clone())
+        # Routing statistics, summed over forwards: this rank's choices per expert before
+        # drops, and how often each pair of experts was chosen for one token. Plain tensors,
+        # not buffers: DDP would overwrite buffers with rank 0's.
+        self.routed_counts = torch.zeros(self.experts, dtype=torch.float64)
+        self.coselected = torch.zeros(self.experts, self.experts, dtype=torch.float64)
+        self.last_dropped = 0
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq, width = x.shape
+        tokens = x.reshape(batch * seq, width)
+        count, k, experts = tokens.size(0), self.top_k, self.experts
+        routing = route(tokens, self.router, k, self.capacity_factor, self.group)
+        self._record(routing, count)
+
+        picked = self.run_experts(tokens, routing)  # (k*n, C): each choice's output, zeros if dropped
+        combined = (picked * routing.gate.t().reshape(-1, 1)).view(k, count, width).sum(dim=0)
+
+        # Switch's balance loss over the whole group's tokens.
+        sums = _SumOverGroup.apply(torch.cat([routing.one_hot.float().sum(dim=0), routing.probs.sum(dim=0)]), self.group)
+        share, mean_prob = sums[:experts] / (k * routing.group_tokens), sums[experts:] / routing.group_tokens
+        balance = experts * (share * mean_prob).sum()
+        return combined.view(batch, seq, width), balance
+
+    def run_experts(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Each choice's expert output (k*n, width), choice-major; zeros for dropped ones."""
+        raise NotImplementedError
+
+    def full_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Every parameter of the layer as one device holds it, by its name in the module
+        this layer replaced (``names``): (value, gradient or None). Collective: every rank
+        of the group calls it (``codegen.runtime.parity`` does, for ``launch.py --check``)."""
+        raise NotImplementedError
+
+    def _record(self, routing: Routing, count: int) -> None:
+        with torch.no_grad():
+            self.routed_counts += routing.one_hot.sum(dim=0).double()
+            per_token = routing.one_hot.view(self.top_k, count, self.experts).sum(dim=0).double()  # (n, E)
+            pairs = per_token.t() @ per_token
+            self.coselected += pairs - torch.diag(torch.diagonal(pairs))
+            self.last_dropped = int((~routing.kept).sum())
+
+    def _router_entry(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        grad = None if self.router.grad is None else self.router.grad.detach()
+        return self.router.detach(), grad
+
+
+class ExpertParallelMoE(RoutedMoE):
     """One MoE layer with its experts split over ``group`` by ``placement``.
 
     Args:
@@ -46,107 +175,136 @@ class ExpertParallelMoE(torch.nn.Module):
             weights; this rank keeps the experts the placement gives it.
         placement: ``replicas[e]`` lists (group rank, share) for expert e, shares summing to 1.
         top_k, capacity_factor: as in ``examples/moe.py`` (capacity factor 0: dropless).
-        tokens_in_group: tokens of the layer over the whole group (the capacity is the single
-            device's, computed from all of them).
+        group: the process group the experts are split over (default: the world).
+        rank_losses_averaged: the step's loss is the mean of the ranks' losses (data-parallel
+            training): divide the expert gradients by the group size and sum the copies of
+            a copied expert in backward (see the module docstring).
+        names: the router's and the two expert weights' names in the replaced module.
+        exchange: how rows move between the ranks of ``group`` (``FlatExchange``, the
+            default, or ``codegen.runtime.moe_exchange.TwoLevelExchange``).
     """
 
     def __init__(self, router_weight, expert_in, expert_out, placement, top_k: int, capacity_factor: float,
-                 tokens_in_group: int, group=None):
-        super().__init__()
-        self.group = group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.experts, self.top_k = router_weight.shape[0], top_k
+                 group=None, *, rank_losses_averaged: bool = False, names: tuple[str, str, str] = DEFAULT_NAMES,
+                 exchange=None):
+        super().__init__(router_weight, top_k, capacity_factor, group, names)
+        self.exchange = exchange if exchange is not None else FlatExchange(group)
         self.replicas = [tuple((int(d), float(s)) for d, s in copies) for copies in placement]
         if len(self.replicas) != self.experts:
             raise ValueError(f"the placement covers {len(self.replicas)} experts, the router {self.experts}")
-        if capacity_factor == 0:
-            self.capacity = tokens_in_group
-        else:
-            self.capacity = max(1, math.ceil(capacity_factor * tokens_in_group * top_k / self.experts))
+        self.rank_losses_averaged = rank_losses_averaged
         self.local_experts = [e for e, copies in enumerate(self.replicas) if any(d == self.rank for d, _ in copies)]
-        self.router = torch.nn.Parameter(router_weight.detach().clone())
         self.w_in = torch.nn.Parameter(expert_in.detach()[self.local_experts].clone())
         self.w_out = torch.nn.Parameter(expert_out.detach()[self.local_experts].clone())
-        self._slot_ranges = [self._ranges(copies) for copies in self.replicas]
 
-    def _ranges(self, copies):
+    def _slot_ranges(self, copies, capacity: int):
         """(device, first slot, end slot) of each copy: slots split by the shares, in order."""
         ranges, start = [], 0
         for position, (device, share) in enumerate(copies):
-            end = self.capacity if position == len(copies) - 1 else start + round(share * self.capacity)
+            end = capacity if position == len(copies) - 1 else start + round(share * capacity)
             ranges.append((device, start, end))
             start = end
         return ranges
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, seq, width = x.shape
-        tokens = x.reshape(batch * seq, width)
-        count, k, experts = tokens.size(0), self.top_k, self.experts
-        probs = F.softmax(F.linear(tokens, self.router).float(), dim=-1)  # (n, E)
-        gate, chosen = probs.topk(k, dim=-1)
-        gate = (gate / gate.sum(dim=-1, keepdim=True)).to(x.dtype)
-
-        # 2. Slots in the global priority order (choice-major, tokens rank by rank).
-        choice_expert = chosen.t().reshape(-1)  # (k*n,) choice-major
-        one_hot = F.one_hot(choice_expert, experts)  # (k*n, E)
-        per_choice = one_hot.view(k, count, experts).sum(dim=1)  # (k, E) this rank's counts
-        table = [torch.zeros_like(per_choice) for _ in range(self.world)]
-        dist.all_gather(table, per_choice, group=self.group)
-        table = torch.stack(table)  # (ranks, k, E)
-        # Before choice j of this rank: all ranks' choices j' < j, and lower ranks' choice j.
-        earlier = table.sum(dim=0).cumsum(dim=0) - table.sum(dim=0) + table[: self.rank].sum(dim=0)  # (k, E)
-        local_rank_in_expert = (one_hot.view(k, count, experts).cumsum(dim=1) - 1)  # (k, n, E)
-        slot_all = (local_rank_in_expert + earlier[:, None, :]) * one_hot.view(k, count, experts)
-        slot = slot_all.sum(dim=-1).reshape(-1)  # (k*n,)
-        kept = slot < self.capacity
-        # What this rank routed in its last forward: copies per expert and how many were dropped
-        # (for routing statistics and the report's load figures).
-        self.last_expert_counts = one_hot.sum(dim=0).detach()
-        self.last_dropped = int((~kept).sum())
+    def run_experts(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        k, width, capacity = self.top_k, tokens.size(1), routing.capacity
+        choice_expert, slot, kept = routing.expert, routing.slot, routing.kept
 
         # 3. Dispatch: each kept choice to the copy of its expert that holds its slot.
         destination = torch.full_like(slot, -1)
-        for expert, ranges in enumerate(self._slot_ranges):
+        for expert, copies in enumerate(self.replicas):
             mine = kept & (choice_expert == expert)
-            for device, first, end in ranges:
+            for device, first, end in self._slot_ranges(copies, capacity):
                 destination[mine & (slot >= first) & (slot < end)] = device
         order = torch.argsort(torch.where(kept, destination, self.world), stable=True)
         sending = order[: int(kept.sum())]
-        send_counts = torch.bincount(destination[sending], minlength=self.world)
-        receive_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(receive_counts, send_counts, group=self.group)
-        send_sizes, receive_sizes = send_counts.tolist(), receive_counts.tolist()
+        send_sizes = torch.bincount(destination[sending], minlength=self.world).tolist()
         source_rows = tokens.repeat(k, 1)[sending]  # (sent, C)
-        received = _all_to_all(source_rows, receive_sizes, send_sizes, self.group)
+        received, receive_sizes = self.exchange(source_rows, send_sizes)
         # Where each received row goes: its expert (local index) and slot, sent alongside.
         local_index = {expert: i for i, expert in enumerate(self.local_experts)}
-        addresses = torch.stack([choice_expert[sending], slot[sending]], dim=1)
-        received_addresses = addresses.new_empty(sum(receive_sizes), 2)
-        dist.all_to_all_single(received_addresses, addresses, receive_sizes, send_sizes, group=self.group)
-        to_local = torch.tensor([local_index.get(e, -1) for e in range(experts)], dtype=torch.long)
-        row = to_local[received_addresses[:, 0]] * self.capacity + received_addresses[:, 1]
+        received_addresses, _ = self.exchange(torch.stack([choice_expert[sending], slot[sending]], dim=1), send_sizes)
+        to_local = torch.tensor([local_index.get(e, -1) for e in range(self.experts)], dtype=torch.long)
+        row = to_local[received_addresses[:, 0]] * capacity + received_addresses[:, 1]
 
         # 4. This rank's experts on their buffers (zeros where no token landed).
         held = len(self.local_experts)
-        buffer = received.new_zeros(held * self.capacity, width).index_copy(0, row, received)
-        hidden = F.gelu(torch.bmm(buffer.view(held, self.capacity, width), self.w_in), approximate="tanh")
-        output = torch.bmm(hidden, self.w_out).reshape(held * self.capacity, width)
+        w_in, w_out = self._weights()
+        buffer = received.new_zeros(held * capacity, width).index_copy(0, row, received)
+        hidden = F.gelu(torch.bmm(buffer.view(held, capacity, width), w_in), approximate="tanh")
+        output = torch.bmm(hidden, w_out).reshape(held * capacity, width)
 
-        # 5. Results back to their tokens' ranks, then weighted by the gates.
+        # 5. Results back to their tokens' ranks (the combine weights them with the gates).
         answered = output.index_select(0, row)
-        returned = _all_to_all(answered, send_sizes, receive_sizes, self.group)
-        picked = tokens.new_zeros(k * count, width).index_copy(0, sending, returned)
-        combined = (picked * gate.t().reshape(-1, 1)).view(k, count, width).sum(dim=0)
+        returned, _ = self.exchange(answered, receive_sizes)  # arrives in the order it was sent
+        return tokens.new_zeros(k * tokens.size(0), width).index_copy(0, sending, returned.to(tokens.dtype))
 
-        # 6. Switch's balance loss over the whole group's tokens.
-        totals = _SumOverGroup.apply(torch.cat([one_hot.float().sum(dim=0), probs.sum(dim=0)]), self.group)
-        all_tokens = count * self.world
-        share, mean_prob = totals[:experts] / (k * all_tokens), totals[experts:] / all_tokens
-        balance = experts * (share * mean_prob).sum()
-        return combined.view(batch, seq, width), balance
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.rank_losses_averaged:
+            return self.w_in, self.w_out
+        return _ExpertGradient.apply(self.w_in, self), _ExpertGradient.apply(self.w_out, self)
+
+    def expert_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of one of this rank's expert weights as the step's loss needs it
+        (``rank_losses_averaged``): divided by the group size, copies summed over holders."""
+        return self._sum_copies(grad / self.world)
+
+    def _sum_copies(self, grad: torch.Tensor) -> torch.Tensor:
+        copied = [e for e, copies in enumerate(self.replicas) if len(copies) > 1]
+        if not copied:
+            return grad
+        full = grad.new_zeros(len(copied), *grad.shape[1:])
+        for position, expert in enumerate(copied):
+            if expert in self.local_experts:
+                full[position] = grad[self.local_experts.index(expert)]
+        dist.all_reduce(full, group=self.group)
+        grad = grad.clone()
+        for position, expert in enumerate(copied):
+            if expert in self.local_experts:
+                grad[self.local_experts.index(expert)] = full[position]
+        return grad
+
+    def full_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """See ``RoutedMoE.full_parameters``. A copied expert is reported as the mean of its
+        copies: equal copies give the expert itself, copies that drifted apart do not."""
+        router, in_name, out_name = self.names
+        found = {router: self._router_entry()}
+        for name, weight in ((in_name, self.w_in), (out_name, self.w_out)):
+            value = self._gather(weight.detach())
+            grad = None if weight.grad is None else self._gather(weight.grad.detach())
+            found[name] = (value, grad)
+        return found
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        full = local.new_zeros(self.experts, *local.shape[1:])
+        for position, expert in enumerate(self.local_experts):
+            full[expert] = local[position] / len(self.replicas[expert])
+        dist.all_reduce(full, group=self.group)
+        return full
 
 
-def _all_to_all(rows: torch.Tensor, receive_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:
+class FlatExchange:
+    """How an expert-parallel layer moves rows: one all-to-all over ``group``. Called with
+    ``rows`` ordered by destination rank (``send_sizes[d]`` for rank ``d``), it returns the
+    rows received, ordered by source rank, and how many came from each (with autograd)."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def __call__(self, rows: torch.Tensor, send_sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
+        receive_sizes = exchange_counts(torch.tensor(send_sizes), self.group).tolist()
+        return all_to_all_rows(rows, receive_sizes, send_sizes, self.group), receive_sizes
+
+
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """Row ``d`` of ``counts`` (a number, or a row of numbers) to rank ``d`` of ``group``;
+    returns what each rank sent this one, by source."""
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)
+    return received
+
+
+def all_to_all_rows(rows: torch.Tensor, receive_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:
     """Rows to the ranks (uneven counts), with autograd: backward sends the gradients back."""
     return _AllToAll.apply(rows, receive_sizes, send_sizes, group)
 
@@ -186,18 +344,40 @@ class _SumOverGroup(torch.autograd.Function):
         return summed, None
 
 
+class _ExpertGradient(torch.autograd.Function):
+    """Identity in forward; in backward, the layer's ``expert_gradient`` of the weight's
+    gradient (scaled for averaged rank losses, copies summed). Every rank reaches it at the
+    same point of backward, so its collective matches up across the group."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, layer) -> torch.Tensor:
+        ctx.layer = layer
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.layer.expert_gradient(grad), None
+
+
+def scaled_gradient(weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """``weight`` itself in forward; its gradient times ``scale`` in backward."""
+    return _ScaledGradient.apply(weight, scale)
+
+
+class _ScaledGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 def sum_copied_expert_gradients(layer: ExpertParallelMoE) -> None:
     """Sum the gradients of every copied expert over the ranks holding a copy (after
-    backward, before the optimizer step): each copy saw only its share of the tokens."""
-    copied = [e for e, copies in enumerate(layer.replicas) if len(copies) > 1]
-    if not copied:
-        return
+    backward, before the optimizer step), for a layer without ``rank_losses_averaged``:
+    each copy saw only its share of the tokens."""
     for weight in (layer.w_in, layer.w_out):
-        full = weight.new_zeros(len(copied), *weight.shape[1:])
-        for position, expert in enumerate(copied):
-            if expert in layer.local_experts:
-                full[position] = weight.grad[layer.local_experts.index(expert)]
-        dist.all_reduce(full, group=layer.group)
-        for position, expert in enumerate(copied):
-            if expert in layer.local_experts:
-                weight.grad[layer.local_experts.index(expert)] = full[position]
+        weight.grad = layer._sum_copies(weight.grad)

@@ -7,6 +7,11 @@ gradient and every updated parameter. Dropout is switched off in both (modules, 
 calls and attention's ``dropout_p``: ``codegen.runtime.randomness``): its random masks cannot
 match between a sharded and an unsharded run; the result says what was switched off.
 
+Parameters are compared under their names in the model built from the spec, whole
+(``full_parameters``): DTensors are gathered, and a module ``parallelize`` put in place of
+one of the model's holding its parameters in another form (an MoE layer's experts, a slice
+per rank) gathers them through its ``full_parameters()`` hook.
+
 Updated parameters are compared with the single-device optimizer step applied to the
 sharded run's own (gathered) gradients, which were compared with the reference just
 before: this checks the sharded optimizer step exactly, without amplifying rounding noise.
@@ -126,7 +131,7 @@ def check_parity(
     with NoDropout(counting=False):
         # In the plan's micro-batches when it accumulates gradients (no single output then).
         loss, output = program.forward_backward(local_module, args, kwargs, mesh)
-    grads = {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: grad for name, (_, grad) in full_parameters(model).items() if grad is not None}
     local_optimizer.step()
 
     diffs = [_compare("loss", _global_mean(loss.detach()), ref_loss.detach(), atol, rtol)]
@@ -138,10 +143,39 @@ def check_parity(
     diffs += [_compare(f"grad of {n}", grads[n], ref_grads[n], atol, rtol) for n in sorted(set(grads) & set(ref_grads))]
     expected = _optimizer_step(optimizer, lr, initial, grads)
     diffs += [
-        _compare(f"updated {name}", _full(p.detach()), expected[name], atol, rtol)
-        for name, p in model.named_parameters()
+        _compare(f"updated {name}", value, expected[name], atol, rtol) if name in expected
+        else TensorDiff(f"parameter {name} (not in the model built from the spec)", float("inf"), float("inf"))
+        for name, (value, _) in full_parameters(model).items()
     ]
     return _across_ranks(diffs, randomness.line())
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Every parameter of ``model`` (as ``parallelize`` left it) as one device holds it, by its
+    name in the model built from the spec: (value, gradient or None). Collective: every rank
+    calls it, in the same order.
+
+    DTensors are gathered whole. A submodule that ``parallelize`` put in place of one of the
+    model's modules, holding that module's parameters in another form (a slice of the experts
+    per rank, other names), defines the hook
+
+        full_parameters() -> {name relative to the replaced module: (value, gradient or None)}
+
+    which gathers them whole under their original names (the MoE runtime layers do, by their
+    placement: ``codegen.runtime.moe``); its own parameters are then not read directly.
+    """
+    owners = {}
+    for path, module in model.named_modules():
+        if callable(getattr(module, "full_parameters", None)) and not any(path.startswith(o + ".") for o in owners):
+            owners[path] = module
+    found = {}
+    for name, param in model.named_parameters():
+        if not any(name.startswith(owner + ".") for owner in owners):
+            found[name] = (_full(param.detach()), None if param.grad is None else _full(param.grad))
+    for path, module in owners.items():
+        for name, (value, grad) in module.full_parameters().items():  # FSDP2 may shard the replicated ones
+            found[f"{path}.{name}" if path else name] = (_full(value), None if grad is None else _full(grad))
+    return found
 
 
 def _optimizer_step(

@@ -1,0 +1,330 @@
+"""``model_spmd.py`` of a plan with expert layouts: MoE layers in their planned mode, the rest
+data parallel.
+
+``parallelize(model, mesh)`` replaces each MoE layer of the model (a module found by
+``planner.moe_blocks``) with the runtime layer of its ``ExpertLayout`` mode, built from the
+layer's own weights:
+
+- ``expert_parallel``: ``codegen.runtime.moe.ExpertParallelMoE``, the experts split over
+  "dp" by the plan's placement (a repr'd literal in the program), tokens moved to their
+  experts and back by two all-to-alls;
+- ``data_parallel``: ``codegen.runtime.moe_modes.DataParallelMoE``, every expert on every
+  rank, tokens stay;
+- ``expert_sliced``: ``codegen.runtime.moe_modes.ExpertSlicedMoE``, each expert's hidden
+  width sliced over "dp", tokens gathered and partial outputs reduce-scattered back.
+
+Every mode routes in the global order of the whole batch (one all-gather of per-expert
+counts), so capacity, drops and the balance loss are one device's. The rest of the model
+(and the router, and the experts of data-parallel layers) is data parallel by the plan's
+flavour: DDP (``ddp``) or FSDP2 units (``fsdp``; ``zero2`` keeps gathered weights from
+forward to backward). The expert weights that differ from rank to rank are kept out of DDP
+and of every FSDP2 unit: their gradients arrive complete through the all-to-all's backward, divided by
+the group size in the layer (each rank's loss is a mean over its own tokens).
+
+Module paths reach the source only as ``repr()`` of a path checked against the model
+(``codegen.plan_checks.check_expert_layouts``); other plan text only in comments.
+"""
+
+from __future__ import annotations
+
+from codegen.emit import about_plan, autocast_lines, has_batch_norm, precision_imports, shard_batch_source
+from codegen.plan_checks import checked_plan
+from codegen.source_text import comment, literal, number
+from planner import __version__
+from planner.errors import PlannerError, PlanningError
+from planner.moe_blocks import MoEBlock, find_moe_blocks
+from planner.plans import Plan
+from planner.strategy import ExpertLayout, placements_str
+
+# How the rest of the model is data parallel, by the plan's dp flavour: DDP (replicated),
+# FSDP2 units (``fsdp``: sharded, gathered for forward and again for backward) or FSDP2 units
+# that keep their gathered weights from forward to backward (``zero2``).
+_DENSE_WRAPPERS = ("ddp", "fsdp", "zero2")
+_RUNTIME_CLASSES = {
+    "expert_parallel": "ExpertParallelMoE",
+    "data_parallel": "DataParallelMoE",
+    "expert_sliced": "ExpertSlicedMoE",
+}
+
+
+def render_moe_program(plan: Plan) -> str:
+    """Source of ``model_spmd.py`` for ``plan`` (see the module docstring).
+
+    Raises:
+        PlanFileError: an expert layout does not match the model's MoE layers (the field named).
+        PlanningError: a plan shape this compiler does not write for MoE models yet.
+    """
+    _check_supported(plan)
+    plan = checked_plan(plan, graph_program=False)
+    from codegen.graph_facts import build_meta_model
+
+    blocks = {block.module: block for block in find_moe_blocks(build_meta_model(plan)[0])}
+    dp = plan.mesh.axis_size("dp")
+    layouts = [(index, layout, blocks[layout.module]) for index, layout in enumerate(plan.expert_layouts)]
+    return (
+        _header(plan, dp)
+        + _imports(plan, layouts)
+        + _constants(plan, layouts)
+        + _parallelize(plan, dp, layouts)
+        + shard_batch_source(plan, dp)
+    )
+
+
+def _check_supported(plan: Plan) -> None:
+    """MoE programs are data parallel (DDP) around the MoE layers, one step in one piece."""
+    if plan.mesh.names != ("dp",) or plan.pipeline is not None:
+        raise PlanningError(
+            f"compiled MoE programs run on a 'dp' mesh without a pipeline, not mesh {plan.mesh}; re-plan with the "
+            f"experts over 'dp'"
+        )
+    if plan.dp_flavour not in _DENSE_WRAPPERS:
+        raise PlanningError(
+            f"compiled MoE programs wrap the dense part in DDP or FSDP2; dp flavour {plan.dp_flavour!r} is not written "
+            f"for MoE layers yet (its optimizer would broadcast one rank's experts to all); plan with --dp ddp or fsdp"
+        )
+    if plan.accumulation_steps != 1:
+        raise PlanningError(
+            "an MoE plan cannot accumulate gradients over micro-batches: each expert's capacity is set by the whole "
+            "batch's routing, which micro-batches would change; re-plan without accumulation"
+        )
+    if plan.recompute != "none":
+        raise PlanningError("compiled MoE programs do not recompute activations yet; re-plan with --recompute none")
+    for strategy in plan.strategies:
+        for placements in strategy.params.values():
+            if placements_str(placements) != "(R)":
+                raise PlanningError(
+                    "compiled MoE programs keep every parameter outside the MoE layers replicated over 'dp' (DDP); "
+                    "this plan shards some; re-plan"
+                )
+
+
+def _header(plan: Plan, dp: int) -> str:
+    wrapper = "DDP" if plan.dp_flavour == "ddp" else f"FSDP2 units ({plan.dp_flavour})"
+    return f'''"""Per-rank program of a Mixture-of-Experts plan (which plan, model and cluster: the comments below).
+
+Generated by soap-planner {__version__} from plan.json; it is plain PyTorch, review it freely.
+parallelize() replaces each MoE layer with the runtime layer of its planned mode (below),
+built from the layer's own weights, and wraps the model in {wrapper} over the {dp} ranks of "dp".
+Every MoE layer routes in the order of the whole global batch (one all-gather of per-expert
+counts), so each expert's capacity, the dropped tokens and the balance loss are those of
+one device. Use it in your own training loop:
+
+    from codegen.runtime import load_program
+    program = load_program("<this folder>")
+    mesh = program.build_mesh()
+    module = program.parallelize(model, mesh)           # model built identically on every rank
+    optimizer = program.make_optimizer(module, mesh, torch.optim.AdamW, lr=1e-3)
+    loss, output = program.forward_backward(module, args, kwargs, mesh)  # global batch in, sharded here
+    optimizer.step()
+"""
+
+{about_plan(plan)}
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+{"from torch.nn.parallel import DistributedDataParallel" if plan.dp_flavour == "ddp" else "from torch.distributed.fsdp import fully_shard"}
+'''
+
+
+def _imports(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> str:
+    modes = {layout.mode for _, layout, _ in layouts}
+    lines = []
+    if "expert_parallel" in modes:
+        lines.append("from codegen.runtime.moe import ExpertParallelMoE")
+    if _ranks_per_node(plan, layouts):
+        lines.append("from codegen.runtime.moe_exchange import TwoLevelExchange")
+    others = [_RUNTIME_CLASSES[mode] for mode in ("data_parallel", "expert_sliced") if mode in modes]
+    if others:
+        lines.append(f"from codegen.runtime.moe_modes import {', '.join(others)}")
+    if has_batch_norm(plan):
+        lines.append("from codegen.runtime.batch_norm import synchronise_batch_norm")
+    lines += precision_imports(plan)
+    return "\n" + "\n".join(lines) + "\n\n"
+
+
+def _constants(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> str:
+    text = (
+        f"MESH_AXES = {tuple(plan.mesh.axes)!r}\n"
+        f"GLOBAL_BATCH = {number(plan.batch_size, 'batch_size')}\n"
+        "# Gradient accumulation: none (each expert's capacity is set by the whole batch's routing).\n"
+        "ACCUMULATION_STEPS = 1\n"
+    )
+    for index, layout, block in layouts:
+        if layout.placement is None:
+            continue
+        placement = layout.placement
+        text += "\n" + comment(
+            f"Placement of the experts of {block.module} over the ranks of \"dp\" (method: {placement.method or 'not given'}):"
+        ) + "\n"
+        text += comment("for each expert, the ranks holding a copy and the share of its slots each copy takes.") + "\n"
+        for device in range(placement.devices):
+            held = placement.experts_on(device)
+            text += comment(f"  rank {device}: experts {', '.join(map(str, held)) or 'none'}") + "\n"
+        replicas = tuple(tuple((int(d), float(s)) for d, s in copies) for copies in placement.replicas)
+        text += f"EXPERT_PLACEMENT_{index} = {literal(replicas)}\n"
+    return text + "\n\n"
+
+
+def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> str:
+    lines = [
+        "def replace_layer(model: torch.nn.Module, path: str, layer: torch.nn.Module) -> None:",
+        '    """Put ``layer`` where the module at ``path`` was."""',
+        '    parent, _, name = path.rpartition(".")',
+        "    setattr(model.get_submodule(parent), name, layer)",
+        "",
+        "",
+        "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
+        f'    """This rank\'s module: the MoE layers in their planned modes, the rest replicated over the {dp}',
+        '    ranks of "dp" (DDP)."""',
+        '    dp_mesh = mesh["dp"]',
+        "    group = dp_mesh.get_group()",
+    ]
+    per_node = _ranks_per_node(plan, layouts)
+    if per_node:
+        lines += [
+            f"    # The two-level all-to-all the plan chose: rows move inside each node of {per_node} ranks first, then",
+            f"    # across the {dp // per_node} nodes between ranks of the same local index (fewer, larger inter-node",
+            "    # messages than one flat all-to-all). Its node and cross-node groups are made once, here.",
+            f"    two_level = TwoLevelExchange(group, ranks_per_node={per_node})",
+        ]
+    ignored = []
+    for index, layout, block in layouts:
+        lines += [""] + [f"    {line}" for line in _layer_comment(index, layout, block, dp, bool(per_node))]
+        path = block.module  # checked against the model: a module path, written with repr()
+        names = (block.router, *block.expert_weights)
+        arguments = [
+            f"layer.get_parameter({block.router!r})",
+            f"layer.get_parameter({block.expert_weights[0]!r})",
+            f"layer.get_parameter({block.expert_weights[1]!r})",
+        ]
+        if layout.mode == "expert_parallel":
+            arguments.append(f"EXPERT_PLACEMENT_{index}")
+        arguments += [f"top_k={block.top_k!r}", f"capacity_factor={block.capacity_factor!r}", "group=group"]
+        if layout.mode != "data_parallel":
+            arguments.append("rank_losses_averaged=True")
+            ignored += [f"{path}.w_in", f"{path}.w_out"]
+        arguments.append(f"names={names!r}")
+        if layout.mode == "expert_parallel" and per_node and layout.all_to_all == "hierarchical":
+            arguments.append("exchange=two_level")
+        lines.append(f"    layer = model.get_submodule({path!r})")
+        lines.append(f"    replace_layer(model, {path!r}, {_RUNTIME_CLASSES[layout.mode]}(")
+        lines += [f"        {argument}," for argument in arguments]
+        lines.append("    ))")
+    lines.append("")
+    if has_batch_norm(plan):
+        lines += [
+            "    # Batch norm normalises with the statistics of the whole global batch (every rank of \"dp\").",
+            "    synchronise_batch_norm(model, dp_mesh.get_group())",
+        ]
+    lines += autocast_lines(plan, "model", "dp_mesh.device_type").splitlines()
+    lines += _ddp_lines(ignored) if plan.dp_flavour == "ddp" else _fsdp_lines(plan, dp, ignored)
+    return "\n".join(lines) + "\n"
+
+
+def _ranks_per_node(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> int:
+    """Ranks per node of the two-level all-to-all when an expert-parallel layer plans one and
+    the cluster has several equal nodes covering "dp"; 0 when every exchange is flat (on one
+    node the two levels are one)."""
+    wanted = any(layout.mode == "expert_parallel" and layout.all_to_all == "hierarchical" for _, layout, _ in layouts)
+    if not wanted or plan.cluster.num_nodes < 2:
+        return 0
+    try:
+        per_node = plan.cluster.devices_per_node
+    except PlannerError:  # nodes of different sizes: no even two-level split
+        return 0
+    dp = plan.mesh.axis_size("dp")
+    return per_node if 1 <= per_node < dp and dp % per_node == 0 else 0
+
+
+def _ddp_lines(ignored: list[str]) -> list[str]:
+    """The end of ``parallelize`` for a ``ddp`` plan: DDP around the model, per-rank expert
+    weights ignored."""
+    lines = []
+    if ignored:
+        lines += [
+            "    # Expert weights that differ from rank to rank (each rank's own experts or slices): DDP must",
+            "    # neither broadcast nor average them. Their gradients arrive whole from every rank's tokens",
+            "    # through the all-to-all's backward, divided by the group size in the layer.",
+            f"    EXPERT_WEIGHTS_OUTSIDE_DDP = {literal(tuple(ignored))}",
+            "    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, EXPERT_WEIGHTS_OUTSIDE_DDP)",
+        ]
+    return lines + [
+        "    device_ids = [torch.cuda.current_device()] if dp_mesh.device_type == \"cuda\" else None",
+        "    # Everything else (embeddings, attention, norms, head, every router, the experts of data-",
+        "    # parallel layers) stays replicated; during backward DDP averages its gradients over \"dp\"",
+        "    # with bucketed all-reduces that overlap with the rest of backward.",
+        "    return DistributedDataParallel(",
+        "        model,",
+        "        device_ids=device_ids,",
+        "        process_group=dp_mesh.get_group(),",
+        "        gradient_as_bucket_view=True,  # gradients live in the buckets: no second copy",
+        "    )",
+        "",
+    ]
+
+
+def _fsdp_lines(plan: Plan, dp: int, ignored: list[str]) -> list[str]:
+    """The end of ``parallelize`` for an ``fsdp`` or ``zero2`` plan: FSDP2 units, per-rank
+    expert weights left out of every unit."""
+    keep = ", reshard_after_forward=False" if plan.dp_flavour == "zero2" else ""
+    gathered = (
+        "and keeps them until its backward is done"
+        if keep else "and again before its backward"
+    )
+    lines = [
+        "    # Everything else (embeddings, attention, norms, head, every router, the experts of data-",
+        f"    # parallel layers) is sharded on dim 0 over the {dp} ranks of \"dp\": each unit keeps 1/{dp} of its",
+        "    # weights, gradients and optimizer states. A unit all-gathers its weights before its forward",
+        f"    # {gathered}, then reduce-scatters its gradients over \"dp\" (averaged).",
+        "    # Expert weights that differ from rank to rank (each rank's own experts or slices) stay whole",
+        "    # and unsynchronised: their gradients arrive whole from every rank's tokens through the",
+        "    # all-to-all's backward, divided by the group size in the layer.",
+        f"    EXPERT_WEIGHTS_OUTSIDE_FSDP = {literal(tuple(ignored))}",
+        "    expert_weights = {model.get_parameter(name) for name in EXPERT_WEIGHTS_OUTSIDE_FSDP}",
+    ]
+    for unit in plan.fsdp_units:  # module paths checked against the model (codegen.plan_checks)
+        lines.append(f"    fully_shard(model.get_submodule({unit!r}), mesh=dp_mesh{keep}, ignored_params=expert_weights)")
+    lines += [
+        "    # The root unit: every parameter outside the units above.",
+        f"    fully_shard(model, mesh=dp_mesh{keep}, ignored_params=expert_weights)",
+        "    return model",
+        "",
+    ]
+    return lines
+
+
+def _exchange_words(layout: ExpertLayout, two_level: bool) -> str:
+    """How the layer's all-to-all runs, for its comment."""
+    if layout.all_to_all != "hierarchical":
+        return "one flat all-to-all"
+    return "two-level: inside the node, then across nodes" if two_level else "planned two-level, flat on one node"
+
+
+def _layer_comment(index: int, layout: ExpertLayout, block: MoEBlock, dp: int, two_level: bool) -> list[str]:
+    """Comment lines saying how one MoE layer runs: what moves and why."""
+    capacity = "dropless (every expert takes every token)" if block.capacity_factor == 0 else (
+        f"capacity factor {block.capacity_factor:g}"
+    )
+    head = f"{block.module}: {block.experts} experts, top-{block.top_k}, {capacity}; {layout.mode.replace('_', ' ')} over \"dp\"."
+    if layout.mode == "expert_parallel":
+        body = [
+            f"Each rank keeps the experts EXPERT_PLACEMENT_{index} gives it (a copied expert's slots are split among",
+            "its copies by their shares). Each kept token choice travels to a rank holding its expert with one",
+            f"all-to-all over \"dp\" (uneven splits; {_exchange_words(layout, two_level)}),",
+            "the experts run as one batched matmul, and the outputs come back with a second all-to-all.",
+            "Copies of an expert have their gradients summed over their holders in backward.",
+        ]
+    elif layout.mode == "data_parallel":
+        body = [
+            "Every rank holds every expert and runs its own tokens' kept choices: no token moves.",
+            "The experts are replicated weights like the rest: DDP averages their gradients.",
+        ]
+    else:
+        body = [
+            f"Each rank keeps 1/{dp} of every expert's hidden width ({block.ffn} units in all). Every rank's kept",
+            "choices go to every rank (an all-to-all), each rank runs its slice of every expert on the whole",
+            "batch's buffer, and the partial outputs go back to their tokens' ranks, summed over the slices",
+            "(a reduce-scatter as an all-to-all).",
+        ]
+    return [comment(head)] + [comment(line) for line in body]

@@ -1,0 +1,53 @@
+"""Hand-built plans of ``examples/moe.py`` with expert layouts, for the compiler's tests.
+
+The search's own MoE plans come from elsewhere; these build exactly the shape it produces:
+a data-parallel DDP plan of the traced model (``search.data_parallel.data_parallel_plan``;
+``planner.plan(..., search="dp")`` refuses this model, whose batch the router couples),
+labelled ``moe``, with one ``ExpertLayout`` per MoE layer of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from planner.api import prepare_model
+from planner.model_spec import ModelSpec
+from planner.moe_blocks import find_moe_blocks
+from planner.plans import Plan
+from planner.strategy import ExpertLayout, ExpertPlacement
+from search.data_parallel import data_parallel_plan
+
+REPO = Path(__file__).resolve().parents[1]
+MOE_EXAMPLE = REPO / "examples" / "moe.py"
+EXPERTS = 4
+
+
+def skewed_placement(experts: int, world: int) -> ExpertPlacement:
+    """Expert 0 copied on ranks 0 and 1 (0.6 / 0.4 of its slots), expert e > 0 whole on rank
+    (e + 1) % world: at world 4 rank 1 holds only its copy of expert 0."""
+    copies = [((0, 0.6), (1, 0.4))] + [(((e + 1) % world, 1.0),) for e in range(1, experts)]
+    return ExpertPlacement(world, tuple(copies), "hand-made skew")
+
+
+def moe_plan(world: int, mode: str, placement: str | None = None, capacity_factor: float = 1.25,
+             precision: str = "fp32", experts: int = EXPERTS, flavour: str = "ddp", nodes: int = 1,
+             all_to_all: str = "flat") -> Plan:
+    """A data-parallel plan (``flavour``: ddp, fsdp, zero2) of ``examples/moe.py`` (``n_expert=experts``, the capacity factor given) on
+    ``world`` CPU ranks over ``nodes`` nodes, every MoE layer in ``mode``; ``placement``:
+    ``round-robin`` or ``skewed`` (``skewed_placement``) for expert parallelism, whose
+    all-to-all is ``all_to_all`` (``flat`` or ``hierarchical``)."""
+    spec = ModelSpec(str(MOE_EXAMPLE), {"n_expert": experts, "capacity_factor": capacity_factor})
+    graph, spec, name, cluster = prepare_model(spec, f"cpu:{nodes}x{world // nodes}")
+    base = data_parallel_plan(graph, cluster, spec, name, flavour, precision=precision)
+    layouts = []
+    for block in find_moe_blocks(spec.build("meta")[0]):
+        chosen = None
+        if mode == "expert_parallel":
+            chosen = ExpertPlacement.round_robin(experts, world) if placement == "round-robin" else skewed_placement(experts, world)
+        layouts.append(ExpertLayout(
+            module=block.module, mode=mode, experts=block.experts, top_k=block.top_k,
+            capacity_factor=block.capacity_factor, axis="dp", placement=chosen,
+            all_to_all=all_to_all if mode == "expert_parallel" else "flat",
+        ))
+    return dataclasses.replace(base, label="moe", expert_layouts=tuple(layouts))

@@ -1,0 +1,100 @@
+"""What ``compile`` refuses of a plan with expert layouts, and what ``launch.py
+--record-routing`` refuses, each with one line naming the field or flag (no process group,
+no torchrun: everything here is found before any rank starts)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import planner
+from codegen.runtime.launcher import main as launch_main
+from moe_plans import moe_plan
+from planner.cli import main as cli_main
+from planner.errors import PlanFileError, PlanningError
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return moe_plan(2, "data_parallel")
+
+
+def _with_layout(plan, index: int = 0, **changes):
+    layouts = list(plan.expert_layouts)
+    layouts[index] = dataclasses.replace(layouts[index], **changes)
+    return dataclasses.replace(plan, expert_layouts=tuple(layouts))
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "fix"),
+    [
+        ({"module": "blocks.0.attn"}, "'expert_layouts[0].module'", "its MoE layers: blocks.0.moe, blocks.1.moe"),
+        ({"module": "blocks.9.moe"}, "'expert_layouts[0].module'", "re-plan"),
+        ({"experts": 8}, "'expert_layouts[0].experts' is 8 but layer 'blocks.0.moe' of the model has 4", "re-plan"),
+        ({"top_k": 1}, "'expert_layouts[0].top_k' is 1 but layer 'blocks.0.moe' of the model has 2", "re-plan"),
+        ({"capacity_factor": 2.0}, "'expert_layouts[0].capacity_factor' is 2.0", "build the model with that"),
+    ],
+)
+def test_layout_that_does_not_match_the_model_is_refused(plan, tmp_path, changes, field, fix):
+    with pytest.raises(PlanFileError) as refused:
+        planner.compile(_with_layout(plan, **changes), tmp_path / "out")
+    message = str(refused.value)
+    assert field in message and fix in message and "\n" not in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_moe_layer_needs_a_layout(plan, tmp_path):
+    with pytest.raises(PlanFileError, match=r"plan field 'expert_layouts' has no layout for the model's MoE layer 'blocks.1.moe'"):
+        planner.compile(dataclasses.replace(plan, expert_layouts=plan.expert_layouts[:1]), tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"accumulation_steps": 2}, "cannot accumulate gradients over micro-batches"),
+        ({"recompute": "full"}, "do not recompute activations yet"),
+        ({"dp_flavour": "zero1"}, "dp flavour 'zero1' is not written for MoE layers yet"),
+    ],
+)
+def test_plan_shapes_not_written_for_moe_are_refused(plan, tmp_path, changes, expected):
+    with pytest.raises(PlanningError, match=expected):
+        planner.compile(dataclasses.replace(plan, **changes), tmp_path / "out")
+
+
+def test_cli_refuses_a_foreign_module_with_one_line(plan, tmp_path, capsys):
+    path = tmp_path / "p.json"
+    _with_layout(plan, module="lm_head").save(path)
+    status = cli_main(["compile", str(path), "-o", str(tmp_path / "out")])
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("importing model file")]
+    assert status == 2 and len(err) == 1 and err[0].startswith("error: plan field 'expert_layouts[0].module'"), err
+
+
+def test_expert_parallel_layout_compiles_with_its_placement(tmp_path):
+    ep = moe_plan(2, "expert_parallel", "round-robin")
+    source = (planner.compile(ep, tmp_path / "out") / "model_spmd.py").read_text()
+    assert "EXPERT_PLACEMENT_1 = (((0, 1.0),), ((1, 1.0),), ((0, 1.0),), ((1, 1.0),))" in source
+    assert "#   rank 1: experts 1, 3" in source
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--check", "--record-routing", "r.json"], "--record-routing records the routing of training steps; add --steps N"),
+        (["--steps", "1", "--record-routing", "."], "is a folder; give a file name"),
+        (["--steps", "1", "--record-routing", "no/such/folder/r.json"], "does not exist; create it first"),
+    ],
+)
+def test_record_routing_refusals(plan, tmp_path, monkeypatch, capsys, argv, expected):
+    folder = planner.compile(plan, tmp_path / "out")
+    monkeypatch.chdir(tmp_path)
+    assert launch_main(folder, argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("importing model file")]
+    assert len(err) == 1 and expected in err[0], err
+
+
+def test_record_routing_needs_expert_layouts(plan, tmp_path, monkeypatch, capsys):
+    dense = planner.compile(dataclasses.replace(plan, label="", expert_layouts=()), tmp_path / "dense")
+    monkeypatch.chdir(tmp_path)
+    assert launch_main(dense, ["--steps", "1", "--record-routing", "r.json"]) == 2
+    assert "needs a plan whose MoE layers have expert layouts" in capsys.readouterr().err

@@ -1,0 +1,248 @@
+"""Compiled MoE programs train exactly like one device (``codegen.moe_emit``).
+
+For ``examples/moe.py`` (4 experts, top-2, every block MoE) at world sizes 2 and 4, plans
+with expert layouts in every mode compile to a program whose ``launch.py --check`` step
+(outputs, loss, every gradient and every updated parameter, the experts gathered whole by
+each layer's ``full_parameters``) equals the single-device step: expert parallel with
+round-robin experts and with a skewed placement copying expert 0 on two ranks, data
+parallel, expert-sliced; capacity factor 0.5 (choices dropped: fewer slots than choices),
+1.25 and dropless; in bf16 autocast (one case per mode); and with the rest of the model in FSDP2 units
+(``fsdp``, ``zero2``) rather than DDP, the per-rank expert weights left out of them; and
+with the two-level all-to-all on a cluster of two nodes. Each
+world size checks all its programs in ONE
+torchrun launch (``tests/dist_check_many.py``). Negative controls must fail on an expert
+gradient: expert-parallel and expert-sliced layers whose gradients are not divided by the
+group size (nor copies summed), and a data-parallel layer whose replicated experts are kept
+out of DDP.
+
+Then the CLI path as a user types it, at world 4: ``planner compile p.json -o out`` of a
+hand-built expert-parallel plan saved to JSON, ``torchrun out/launch.py --check``; and at
+world 2 ``launch.py --steps 2 --record-routing routing.json``, whose file loads with
+``planner.routing.load_routing`` and whose shares and co-selections equal those counted on
+one device training the same two steps.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import planner
+from codegen.runtime.launcher import random_like
+from codegen.runtime.program import BUILD_SEED
+from moe_plans import moe_plan
+from planner.model_spec import ModelSpec
+from planner.routing import load_routing
+from test_parity import REPO, Launch, _run, _torchrun, check_many, result_of
+
+pytestmark = pytest.mark.distributed
+
+# (name, mode, placement, capacity factor, precision, dp flavour of the rest of the model)
+CASES = [
+    ("ep_round_robin_drops", "expert_parallel", "round-robin", 0.5, "fp32", "ddp"),
+    ("ep_round_robin_dropless", "expert_parallel", "round-robin", 0.0, "fp32", "ddp"),
+    ("ep_skewed_copied", "expert_parallel", "skewed", 1.25, "fp32", "ddp"),
+    ("ep_skewed_copied_drops", "expert_parallel", "skewed", 0.5, "fp32", "ddp"),
+    ("ep_skewed_copied_bf16", "expert_parallel", "skewed", 1.25, "bf16", "ddp"),
+    ("data_parallel_drops", "data_parallel", None, 0.5, "fp32", "ddp"),
+    ("data_parallel_dropless", "data_parallel", None, 0.0, "fp32", "ddp"),
+    ("expert_sliced_drops", "expert_sliced", None, 0.5, "fp32", "ddp"),
+    ("expert_sliced_dropless", "expert_sliced", None, 0.0, "fp32", "ddp"),
+    ("expert_sliced_bf16", "expert_sliced", None, 1.25, "bf16", "ddp"),
+    ("data_parallel_bf16", "data_parallel", None, 1.25, "bf16", "ddp"),
+    ("fsdp_ep_skewed_copied_drops", "expert_parallel", "skewed", 0.5, "fp32", "fsdp"),
+    ("fsdp_data_parallel", "data_parallel", None, 1.25, "fp32", "fsdp"),
+    ("fsdp_expert_sliced_dropless", "expert_sliced", None, 0.0, "fp32", "fsdp"),
+    ("zero2_ep_round_robin", "expert_parallel", "round-robin", 1.25, "fp32", "zero2"),
+]
+# Expert parallel with the two-level all-to-all on two nodes (of world / 2 ranks each).
+TWO_LEVEL = "ep_skewed_two_level_two_nodes"
+LAUNCH_TIMEOUT = 300
+
+
+@dataclass(frozen=True)
+class WorldRun:
+    world: int
+    folders: dict[str, Path]
+    controls: dict[str, Path]  # negative controls: each must fail
+    launch: Launch
+
+
+def _unscale_expert_gradients(folder: Path) -> Path:
+    """A control: expert gradients neither divided by the group size nor copies summed."""
+    source = folder / "model_spmd.py"
+    text = source.read_text()
+    assert "rank_losses_averaged=True" in text, text
+    source.write_text(text.replace("rank_losses_averaged=True", "rank_losses_averaged=False"))
+    return folder
+
+
+def _keep_replicated_experts_out_of_ddp(folder: Path) -> Path:
+    """A control: a data-parallel layer's (replicated) experts kept out of DDP, so their
+    gradients stay each rank's own."""
+    source = folder / "model_spmd.py"
+    text = source.read_text()
+    wrap = "    return DistributedDataParallel(\n"
+    assert wrap in text and "DataParallelMoE(" in text, text
+    ignore = "    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ('blocks.0.moe.w_in',))\n"
+    source.write_text(text.replace(wrap, ignore + wrap))
+    return folder
+
+
+# control -> (mode, placement, how it is broken, the tensor its failure must name: a pattern)
+CONTROLS = {
+    "ep_unscaled": ("expert_parallel", "skewed", _unscale_expert_gradients, r"grad of blocks\.[01]\.moe\.experts\.w_(in|out):"),
+    "sliced_unscaled": ("expert_sliced", None, _unscale_expert_gradients, r"grad of blocks\.[01]\.moe\.experts\.w_(in|out):"),
+    "dp_experts_unaveraged": (
+        "data_parallel", None, _keep_replicated_experts_out_of_ddp, r"grad of blocks\.0\.moe\.experts\.w_in:",
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda world: f"world{world}")
+def world_run(request, tmp_path_factory) -> WorldRun:
+    world = request.param
+    root = tmp_path_factory.mktemp(f"moe_world{world}")
+    folders = {}
+    for name, mode, placement, capacity, precision, flavour in CASES:
+        plan = moe_plan(world, mode, placement, capacity, precision, flavour=flavour)
+        folders[name] = planner.compile(plan, root / name)
+    two_level = moe_plan(world, "expert_parallel", "skewed", 0.5, nodes=2, all_to_all="hierarchical")
+    folders[TWO_LEVEL] = planner.compile(two_level, root / TWO_LEVEL)
+    controls = {
+        name: breaking(planner.compile(moe_plan(world, mode, placement), root / name))
+        for name, (mode, placement, breaking, _) in CONTROLS.items()
+    }
+    launch = check_many(world, [*folders.values(), *controls.values()], root)
+    return WorldRun(world, folders, controls, launch)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES] + [TWO_LEVEL])
+def test_compiled_moe_step_equals_one_device(world_run: WorldRun, case: str) -> None:
+    result = result_of(world_run.launch, world_run.folders[case])
+    assert result.startswith("ok parity ok: "), f"{case} at world {world_run.world}: {result}"
+
+
+@pytest.mark.parametrize("control", list(CONTROLS))
+def test_broken_expert_gradients_are_reported(world_run: WorldRun, control: str) -> None:
+    result = result_of(world_run.launch, world_run.controls[control])
+    assert result.startswith("FAILED parity FAILED: worst tensor "), result
+    assert re.search(CONTROLS[control][3], result), result
+
+
+def test_programs_say_what_moves(world_run: WorldRun) -> None:
+    source = {name: (folder / "model_spmd.py").read_text() for name, folder in world_run.folders.items()}
+    skewed = source["ep_skewed_copied"]
+    # The placement is a literal of the plan's; the paths are repr()'d.
+    assert "EXPERT_PLACEMENT_0 = (((0, 0.6), (1, 0.4)), " in skewed
+    assert "replace_layer(model, 'blocks.0.moe', ExpertParallelMoE(" in skewed
+    assert "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, EXPERT_WEIGHTS_OUTSIDE_DDP)" in skewed
+    assert "replace_layer(model, 'blocks.1.moe', DataParallelMoE(" in source["data_parallel_drops"]
+    assert "EXPERT_WEIGHTS_OUTSIDE_DDP" not in source["data_parallel_drops"]  # replicated experts stay in DDP
+    assert "replace_layer(model, 'blocks.1.moe', ExpertSlicedMoE(" in source["expert_sliced_drops"]
+    assert "run_in_autocast(model, dp_mesh.device_type, torch.bfloat16)" in source["ep_skewed_copied_bf16"]
+    two_level = source[TWO_LEVEL]
+    assert f"two_level = TwoLevelExchange(group, ranks_per_node={world_run.world // 2})" in two_level
+    assert two_level.count("exchange=two_level,") == 2  # both layers
+    assert "exchange=" not in skewed  # flat: the default
+    # FSDP2 around the rest, the per-rank expert weights left out of every unit.
+    fsdp = source["fsdp_ep_skewed_copied_drops"]
+    assert "fully_shard(model.get_submodule('blocks.0'), mesh=dp_mesh, ignored_params=expert_weights)" in fsdp
+    assert "EXPERT_WEIGHTS_OUTSIDE_FSDP = ('blocks.0.moe.w_in', 'blocks.0.moe.w_out', " in fsdp
+    assert "DistributedDataParallel" not in fsdp
+    assert "fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, ignored_params=expert_weights)" in (
+        source["zero2_ep_round_robin"]
+    )
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 0.0])
+def test_capacity_cases_drop_and_dropless_does_not(capacity_factor):
+    """What the parity cases exercise: at factor 0.5 the experts have fewer slots in all than
+    the batch has choices (so some are dropped, whatever the routing); dropless has a slot
+    for every token in every expert."""
+    model, (idx, _) = _build(capacity_factor)
+    layer = model.blocks[0].moe
+    tokens = idx.numel()
+    if capacity_factor == 0:
+        assert layer.capacity(tokens) == tokens
+    else:
+        assert layer.capacity(tokens) * layer.n_expert < tokens * layer.top_k
+
+
+def _build(capacity_factor: float = 1.25):
+    spec = ModelSpec(str(REPO / "examples" / "moe.py"), {"n_expert": 4, "capacity_factor": capacity_factor})
+    torch.manual_seed(BUILD_SEED)
+    model, args, _ = spec.build("cpu")
+    return model, args
+
+
+# ------------------------------------------------------------------------- the CLI path
+
+
+def test_cli_compile_and_check_an_expert_parallel_plan(tmp_path):
+    plan_file = tmp_path / "p.json"
+    moe_plan(4, "expert_parallel", "skewed", 0.5).save(plan_file)
+    compiled = _run([sys.executable, "-m", "planner", "compile", str(plan_file), "-o", str(tmp_path / "out")], tmp_path, 120)
+    assert compiled.returncode == 0, compiled.describe()
+    check = _run([*_torchrun(4), str(tmp_path / "out" / "launch.py"), "--check"], tmp_path, LAUNCH_TIMEOUT)
+    assert check.returncode == 0 and "parity ok: " in check.stdout, check.describe()
+
+
+STEPS = 2
+
+
+def test_recorded_routing_matches_one_device(tmp_path):
+    folder = planner.compile(moe_plan(2, "expert_parallel", "skewed", 0.5), tmp_path / "out")
+    routing_file = tmp_path / "routing.json"
+    command = [*_torchrun(2), str(folder / "launch.py"), "--steps", str(STEPS), "--record-routing", str(routing_file)]
+    launch = _run(command, tmp_path, LAUNCH_TIMEOUT)
+    assert launch.returncode == 0 and "routing of 2 MoE layer(s) written to" in launch.stdout, launch.describe()
+    recorded = load_routing(routing_file)
+    assert recorded.source.startswith(f"recorded by launch.py --record-routing over {STEPS} training steps on 2 ranks")
+
+    expected = _one_device_routing(STEPS)
+    assert set(recorded.layers) == set(expected) == {"blocks.0.moe", "blocks.1.moe"}
+    for name, (counts, pairs) in expected.items():
+        layer = recorded.layers[name]
+        assert layer.top_k == 2
+        assert layer.token_share == pytest.approx(tuple(float(c) / float(counts.sum()) for c in counts), abs=1e-12)
+        assert layer.coselection == tuple(tuple(float(v) for v in row) for row in pairs)
+        assert max(layer.token_share) > 1 / 4  # not uniform: something was measured
+
+
+def _one_device_routing(steps: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """What ``launch.py --steps`` routes, counted on one device: the same model and random
+    batches, AdamW at lr 1e-3 on the whole batch, each MoE layer's choices (before drops)
+    counted from its input by the model's own router."""
+    model, args = _build(0.5)
+    found: dict[str, list[torch.Tensor]] = {}
+
+    def counter(name):
+        def hook(module, inputs):
+            tokens = inputs[0].reshape(-1, inputs[0].size(-1))
+            chosen = F.softmax(module.router(tokens).float(), dim=-1).topk(module.top_k, dim=-1).indices
+            per_token = F.one_hot(chosen, module.n_expert).sum(dim=1).double()  # (n, E)
+            pairs = per_token.t() @ per_token
+            counts, coselected = found.setdefault(name, [torch.zeros(module.n_expert, dtype=torch.float64),
+                                                         torch.zeros(module.n_expert, module.n_expert, dtype=torch.float64)])
+            counts += per_token.sum(dim=0)
+            coselected += pairs - torch.diag(torch.diagonal(pairs))
+        return hook
+
+    for name, module in model.named_modules():
+        if name in ("blocks.0.moe", "blocks.1.moe"):
+            module.register_forward_pre_hook(counter(name))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        torch.manual_seed(1000 + step)  # launch.py's batches
+        batch = random_like(args)
+        model(*batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {name: (c[0], c[1]) for name, c in found.items()}
