@@ -67,17 +67,25 @@ def moe_layer_of(block: MoEBlock, tokens: int) -> MoELayer:
 
 def layer_tokens(graph: OpGraph, block: MoEBlock) -> int:
     """Tokens entering ``block`` in one step: the rows its router reads (every dim of the
-    router's input but the last)."""
-    router = f"{block.module}.{block.router}"
+    router's input but the last). The router weight may reach its matmul through ops that
+    only convert it (DeepSeek-V3 casts it to fp32 first): those are followed to the op that
+    multiplies it with the activations."""
+    weight_like = {f"{block.module}.{block.router}"}  # the router weight and its conversions
     for node in graph.moe_nodes(block.module):
-        if router in node.params:
-            position = node.inputs.index(node.param_inputs[node.params.index(router)])
-            activation = next(meta for i, meta in enumerate(node.input_meta) if i != position)
-            tokens = 1
-            for size in activation.shape[:-1]:
-                tokens *= size
-            return tokens
-    raise ValueError(f"MoE layer {block.module!r}: no traced op reads its router weight {router!r}")
+        carried = [i for i, name in enumerate(node.inputs) if name in weight_like]
+        carried += [node.inputs.index(node.param_inputs[node.params.index(p)]) for p in node.params if p in weight_like]
+        if not carried:
+            continue
+        others = [meta for i, meta in enumerate(node.input_meta) if i not in carried]
+        if not others:  # a conversion of the weight alone: its output carries the weight on
+            weight_like.add(node.name)
+            continue
+        tokens = 1
+        for size in others[0].shape[:-1]:
+            tokens *= size
+        return tokens
+    raise ValueError(f"MoE layer {block.module!r}: no traced op multiplies its router weight "
+                     f"{block.module}.{block.router!r} with the tokens")
 
 
 def expert_module(block: MoEBlock) -> str:
