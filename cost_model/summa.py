@@ -50,14 +50,15 @@ column fastest: grid coordinate (i, j, k) is ``ranks[k q^2 + i q + j]``. The gro
 For 3-D, (a, b, c) = (i, j, k). Permute ``ranks`` to place a group inside a node.
 
 Times come from ``cost_model.collectives.collective_time`` on the group's ranks (intra- versus
-inter-node links, sharing of the network by the ``devices / group size`` groups of one axis
-that communicate at the same moment) and ``cost_model.compute.roofline_time``. A reduction to
+inter-node links, sharing of a node's network by the groups of one axis that have members on
+it and communicate at the same moment) and ``cost_model.compute.roofline_time``. A reduction to
 one rank ("reduce") has no entry there; it is priced as a broadcast, its mirror image (a
 pipelined tree carrying the same bytes the other way).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -335,8 +336,11 @@ class _Pricer:
 
     def transfer(self, phase: str, kind: str, group: str, size_bytes: float, count: int = 1) -> Transfer:
         groups = self.grid.group_ranks(self.ranks, group)
-        # All groups of one kind communicate at the same moment and share the network.
+        # All groups of one kind communicate at the same moment; those with members on the
+        # same node share its network (at most: the most groups any one node takes part in).
+        touching = Counter(node for members in groups
+                           for node in {self.cluster.node_of(rank) for rank in members})
         model_kind = "broadcast" if kind == "reduce" else kind
-        seconds = max(collective_time(model_kind, size_bytes, self.cluster, members, len(groups))
+        seconds = max(collective_time(model_kind, size_bytes, self.cluster, members, max(touching.values()))
                       for members in groups)
         return Transfer(phase, kind, group, len(groups[0]), size_bytes, count, seconds)

@@ -169,3 +169,12 @@ def test_1d_times_are_one_unhidden_all_reduce():
 def test_bad_arguments_say_what_is_wrong(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_only_groups_on_the_same_node_share_its_network():
+    # 2.5-D q = 2, d = 2 on four nodes of 2: depth pairs (r, r + 4) are {0,4}, {1,5} on nodes
+    # 0 and 2 and {2,6}, {3,7} on nodes 1 and 3. Each node's 2-device network carries 2 of the
+    # 4 pairs, one member each: beta_e * 2 / max(2, 1 * 2) = beta_e, not beta_e / 2.
+    result = cost("2.5d", 2, 2, nodes=4, per_node=2)
+    depth = next(t for t in result.transfers if t.group == "depth")
+    assert depth.seconds == pytest.approx(K * N / 4 * E / BETA_E + 2 * ALPHA_E)
