@@ -178,3 +178,14 @@ def test_only_groups_on_the_same_node_share_its_network():
     result = cost("2.5d", 2, 2, nodes=4, per_node=2)
     depth = next(t for t in result.transfers if t.group == "depth")
     assert depth.seconds == pytest.approx(K * N / 4 * E / BETA_E + 2 * ALPHA_E)
+
+
+@pytest.mark.parametrize("family,q,d", [("1d", 64, 1), ("2d", 8, 1), ("2.5d", 4, 4), ("3d", 4, 4)])
+def test_gpt_layer_bytes_of_the_benchmark_match_its_closed_forms(family, q, d):
+    # benchmarks/summa_bytes.py sums the four matmuls of a GPT layer (3-D with alternating
+    # roles) on the 64-GPU preset; its closed forms are derived in its docstring.
+    from benchmarks.summa_bytes import closed_form_bytes, layer_cost
+    on = Cluster.preset("dgx-a100-80g", nodes=8)
+    hidden, tokens = 1024, 8192
+    assert layer_cost(family, q, d, hidden, tokens, on)["bytes"] == pytest.approx(
+        closed_form_bytes(family, q, d, hidden, tokens))
