@@ -160,6 +160,27 @@ class Grid:
         raise ValueError(f"group must be one of {', '.join(GROUPS)}, got {group!r}")
 
 
+def candidate_grids(devices: int) -> list[Grid]:
+    """Every block-layout grid on exactly ``devices`` devices: 2-D q x q, 2.5-D q x q x d with
+    1 < d <= q (deeper than q, the weight blocks would outweigh the activations' saving for any
+    sensible shape and ``planner.strategy.SummaLayout`` forbids it), and 3-D q x q x q; q >= 2.
+    Both 2.5-D and 3-D are listed when d = q: they are different algorithms on the same grid."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    grids = []
+    for q in range(2, int(devices ** 0.5) + 2):
+        if devices % (q * q):
+            continue
+        depth = devices // (q * q)
+        if depth == 1:
+            grids.append(Grid("2d", q))
+        elif depth <= q:
+            grids.append(Grid("2.5d", q, depth))
+            if depth == q:
+                grids.append(Grid("3d", q, q))
+    return grids
+
+
 @dataclass(frozen=True)
 class Transfer:
     """One kind of collective a matmul issues: ``count`` times ``kind`` of ``size_bytes`` (the

@@ -189,3 +189,16 @@ def test_gpt_layer_bytes_of_the_benchmark_match_its_closed_forms(family, q, d):
     hidden, tokens = 1024, 8192
     assert layer_cost(family, q, d, hidden, tokens, on)["bytes"] == pytest.approx(
         closed_form_bytes(family, q, d, hidden, tokens))
+
+
+def test_candidate_grids_factor_the_devices():
+    from cost_model.summa import candidate_grids
+    as_tuples = lambda devices: sorted((g.family, g.q, g.d) for g in candidate_grids(devices))  # noqa: E731
+    # 64 = 8 x 8 = 4 x 4 x 4 (2.5-D and 3-D); 2 x 2 x 16 has d > q.
+    assert as_tuples(64) == [("2d", 8, 1), ("2.5d", 4, 4), ("3d", 4, 4)]
+    assert as_tuples(8) == [("2.5d", 2, 2), ("3d", 2, 2)]
+    assert as_tuples(32) == [("2.5d", 4, 2)]  # 2 x 2 x 8 has d > q
+    assert as_tuples(4) == [("2d", 2, 1)]
+    assert as_tuples(6) == [] and as_tuples(1) == []
+    with pytest.raises(ValueError, match="positive integer"):
+        candidate_grids(0)
