@@ -109,7 +109,7 @@ class ThreeDAxes:
         if sorted(roles) != sorted(("row", "col", "depth")):
             raise ValueError(f"ThreeDAxes must use row, col and depth once each, got {roles}")
 
-    def swapped(self) -> "ThreeDAxes":
+    def swapped(self) -> ThreeDAxes:
         """The axes of the next matmul in a chain: it reads Y[a, b] split over c as its X."""
         return ThreeDAxes(self.scatter_output, self.gather_weight, self.gather_input)
 
@@ -300,7 +300,7 @@ def matmul_cost(shape: MatmulShape, grid: Grid, cluster: Cluster, ranks: Sequenc
 
     q, d = grid.q, grid.d
     if grid.family in ("2d", "2.5d"):
-        x_block, w_block, y_block = T * K / (d * q * q), K * N / (q * q), T * N / (d * q * q)
+        x_block, w_block = T * K / (d * q * q), K * N / (q * q)
         per_round = matmul_s(T / (d * q), K / q, N / q)
         x_bcast = pricer.transfer("forward", "broadcast", "row", x_block * element, q)
         w_bcast = pricer.transfer("forward", "broadcast", "col", w_block * element, q)

@@ -20,9 +20,20 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from codegen.runtime import summa
-from codegen.runtime.summa import (BlockMLP, SummaGroups, ThreeD, matmul_3d, split_input_3d, split_output_3d,
-                                   split_rows_2d, split_vector_2d, split_vector_3d, split_weight_2d,
-                                   split_weight_3d, summa_matmul)
+from codegen.runtime.summa import (
+    BlockMLP,
+    SummaGroups,
+    ThreeD,
+    matmul_3d,
+    split_input_3d,
+    split_output_3d,
+    split_rows_2d,
+    split_vector_2d,
+    split_vector_3d,
+    split_weight_2d,
+    split_weight_3d,
+    summa_matmul,
+)
 
 TOKENS, HIDDEN, FFN, TOLERANCE = 16, 8, 16, 1e-5
 
@@ -90,7 +101,7 @@ def mlp_case(family: str, grid: SummaGroups) -> str:
 
     block = BlockMLP(family, grid, *(params[name].detach() for name in names))
     if family == "3d":
-        split = lambda t: split_input_3d(t, grid)  # noqa: E731  (the MLP's input and output layout)
+        split = lambda t: split_input_3d(t, grid)  # the MLP's input and output layout
         roles = {"fc1": ThreeD(), "fc2": ThreeD().swapped()}
         split_param = {
             "norm_weight": lambda g: split_vector_3d(g, grid, block.norm_group),
@@ -101,7 +112,7 @@ def mlp_case(family: str, grid: SummaGroups) -> str:
             "fc2_bias": lambda g: split_vector_3d(g, grid, roles["fc2"].gather_input),
         }
     else:
-        split = lambda t: split_rows_2d(t, grid)  # noqa: E731
+        split = lambda t: split_rows_2d(t, grid)
         split_param = {name: (lambda g: split_weight_2d(g, grid)) if g_is_matrix
                        else (lambda g: split_vector_2d(g, grid))
                        for name, g_is_matrix in zip(names, (False, False, True, False, True, False))}

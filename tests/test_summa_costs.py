@@ -24,7 +24,13 @@ from __future__ import annotations
 
 import pytest
 
-from cost_model.summa import Grid, MatmulShape, ThreeDAxes, matmul_cost, pipelined_rounds
+from cost_model.summa import (
+    Grid,
+    MatmulShape,
+    ThreeDAxes,
+    matmul_cost,
+    pipelined_rounds,
+)
 from planner.cluster import Cluster, DeviceSpec, LinkSpec, NodeSpec
 
 PEAK = 100e12
@@ -193,7 +199,7 @@ def test_gpt_layer_bytes_of_the_benchmark_match_its_closed_forms(family, q, d):
 
 def test_candidate_grids_factor_the_devices():
     from cost_model.summa import candidate_grids
-    as_tuples = lambda devices: sorted((g.family, g.q, g.d) for g in candidate_grids(devices))  # noqa: E731
+    as_tuples = lambda devices: sorted((g.family, g.q, g.d) for g in candidate_grids(devices))
     # 64 = 8 x 8 = 4 x 4 x 4 (2.5-D and 3-D); 2 x 2 x 16 has d > q.
     assert as_tuples(64) == [("2.5d", 4, 4), ("2d", 8, 1), ("3d", 4, 4)]
     assert as_tuples(8) == [("2.5d", 2, 2), ("3d", 2, 2)]

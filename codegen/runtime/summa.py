@@ -40,9 +40,27 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["SummaGroups", "ThreeD", "summa_matmul", "matmul_3d", "all_reduce_gradient", "sum_over_group",
-           "replicated", "split_rows_2d", "split_weight_2d", "split_vector_2d", "split_input_3d",
-           "split_output_3d", "split_weight_3d", "split_vector_3d", "BlockMLP"]
+__all__ = [
+    "BlockMLP",
+    "SummaGroups",
+    "ThreeD",
+    "all_reduce_gradient",
+    "layer_norm_block",
+    "linear_2d",
+    "linear_3d",
+    "matmul_3d",
+    "replicated",
+    "split_input_3d",
+    "split_output_3d",
+    "split_rows_2d",
+    "split_vector_2d",
+    "split_vector_3d",
+    "split_weight_2d",
+    "split_weight_3d",
+    "sum_over_group",
+    "summa_matmul",
+    "vector_replicas",
+]
 
 
 @dataclass(frozen=True)
@@ -59,7 +77,7 @@ class SummaGroups:
     depth: ProcessGroup | None
 
     @classmethod
-    def from_mesh(cls, mesh: DeviceMesh, row_dim: str, col_dim: str, depth_dim: str | None = None) -> "SummaGroups":
+    def from_mesh(cls, mesh: DeviceMesh, row_dim: str, col_dim: str, depth_dim: str | None = None) -> SummaGroups:
         """The grid on ``mesh``: ``row_dim`` indexes the block row i, ``col_dim`` the block column j,
         ``depth_dim`` (optional) the depth slice k. The row group is the mesh's ``col_dim`` group
         (its members differ in j), the column group its ``row_dim`` group."""
@@ -226,7 +244,7 @@ class ThreeD:
     gather_weight: str = "col"
     scatter_output: str = "depth"
 
-    def swapped(self) -> "ThreeD":
+    def swapped(self) -> ThreeD:
         """The next matmul's roles: it reads Y[a, b] split over c as its X."""
         return ThreeD(self.scatter_output, self.gather_weight, self.gather_input)
 
@@ -326,7 +344,42 @@ def split_vector_3d(v: torch.Tensor, grid: SummaGroups, hidden_group: str) -> to
     return _chunk(v, grid.q, grid.coordinate(hidden_group), 0)
 
 
-# ---- a GPT MLP block in the block layout ----
+# ---- the other ops of a block, in the block layout ----
+
+def vector_replicas(grid: SummaGroups, hidden_group: str) -> tuple[ProcessGroup | None, ...]:
+    """The groups holding copies of a bias or norm chunk whose columns are split over
+    ``hidden_group``: the other two (the ranks with the same columns but other rows)."""
+    return tuple(grid.group(name) for name in ("row", "col", "depth") if name != hidden_group)
+
+
+def layer_norm_block(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, hidden_size: int,
+                     grid: SummaGroups, hidden_group: str, eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm over the full hidden size of an activation whose columns are split over
+    ``hidden_group``: each row's sum, then its squared deviations, are summed over that group
+    (all-reduces of one number per local row). ``weight`` and ``bias`` are this rank's chunks."""
+    group = grid.group(hidden_group)
+    mean = sum_over_group(x.sum(-1, keepdim=True), group) / hidden_size
+    centred = x - mean
+    variance = sum_over_group((centred * centred).sum(-1, keepdim=True), group) / hidden_size
+    replicas = vector_replicas(grid, hidden_group)
+    return centred * torch.rsqrt(variance + eps) * replicated(weight, replicas) + replicated(bias, replicas)
+
+
+def linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: SummaGroups) -> torch.Tensor:
+    """``x @ W + b`` by 2-D / 2.5-D SUMMA: x [T/(d q), K/q], weight block [K/q, N/q], bias chunk [N/q]."""
+    out = summa_matmul(x, weight, grid)
+    return out if bias is None else out + replicated(bias, vector_replicas(grid, "row"))
+
+
+def linear_3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: SummaGroups,
+              roles: ThreeD = ThreeD()) -> torch.Tensor:
+    """``x @ W + b`` by 3-D: x [T/q^2, K/q], weight shard [K/q^2, N/q], bias chunk [N/q] (the output's
+    columns are split over ``roles.gather_input``)."""
+    out = matmul_3d(x, weight, grid, roles)
+    return out if bias is None else out + replicated(bias, vector_replicas(grid, roles.gather_input))
+
+
+# ---- a GPT MLP block ----
 
 class BlockMLP(torch.nn.Module):
     """``x + fc2(gelu(fc1(layer_norm(x))))`` with every tensor in a block layout.
@@ -345,11 +398,11 @@ class BlockMLP(torch.nn.Module):
         self.family, self.grid, self.eps = family, grid, eps
         self.hidden = norm_weight.shape[0]
         if family == "2d":
-            # Columns split over the row group (j); rows over col (i) and depth (k).
+            # Every activation's columns are split over the row group (j), its rows over col
+            # (i) and depth (k).
             self.norm_group = "row"
-            split_vector = lambda v, _hidden_group: split_vector_2d(v, grid)  # noqa: E731
-            fc1_w, fc2_w = split_weight_2d(fc1_weight, grid), split_weight_2d(fc2_weight, grid)
             fc1_hidden = fc2_hidden = "row"
+            fc1_w, fc2_w = split_weight_2d(fc1_weight, grid), split_weight_2d(fc2_weight, grid)
         else:
             self.fc1_roles = ThreeD()
             self.fc2_roles = self.fc1_roles.swapped()
@@ -357,41 +410,27 @@ class BlockMLP(torch.nn.Module):
             # over its input group (b); fc2's output returns to the input's layout.
             self.norm_group = self.fc1_roles.scatter_output
             fc1_hidden, fc2_hidden = self.fc1_roles.gather_input, self.fc2_roles.gather_input
-            split_vector = lambda v, hidden_group: split_vector_3d(v, grid, hidden_group)  # noqa: E731
             fc1_w = split_weight_3d(fc1_weight, grid, self.fc1_roles)
             fc2_w = split_weight_3d(fc2_weight, grid, self.fc2_roles)
-        shard = lambda t: torch.nn.Parameter(t.detach().clone())  # noqa: E731
-        self.norm_weight = shard(split_vector(norm_weight, self.norm_group))
-        self.norm_bias = shard(split_vector(norm_bias, self.norm_group))
-        self.fc1_weight, self.fc2_weight = shard(fc1_w), shard(fc2_w)
-        self.fc1_bias = shard(split_vector(fc1_bias, fc1_hidden))
-        self.fc2_bias = shard(split_vector(fc2_bias, fc2_hidden))
-        # A vector chunk is held by every rank with the same columns, i.e. along the two groups
-        # other than the one splitting the columns (2-D: col and depth, the latter None if d = 1).
-        groups = ("row", "col", "depth")
-        self._replicas = {name: tuple(grid.group(g) for g in groups if g != hidden)
-                          for name, hidden in (("norm", self.norm_group), ("fc1", fc1_hidden), ("fc2", fc2_hidden))}
 
-    def layer_norm(self, x: torch.Tensor) -> torch.Tensor:
-        """LayerNorm over the full hidden size: the row sums and squared deviations of the local
-        columns are summed over the group that splits the columns."""
-        group = self.grid.group(self.norm_group)
-        mean = sum_over_group(x.sum(-1, keepdim=True), group) / self.hidden
-        centred = x - mean
-        variance = sum_over_group((centred * centred).sum(-1, keepdim=True), group) / self.hidden
-        normed = centred * torch.rsqrt(variance + self.eps)
-        weight = replicated(self.norm_weight, self._replicas["norm"])
-        return normed * weight + replicated(self.norm_bias, self._replicas["norm"])
+        def shard(tensor: torch.Tensor) -> torch.nn.Parameter:
+            return torch.nn.Parameter(tensor.detach().clone())
+
+        def chunk(vector: torch.Tensor, hidden_group: str) -> torch.nn.Parameter:
+            return shard(_chunk(vector, grid.q, grid.coordinate(hidden_group), 0))
+        self.norm_weight = chunk(norm_weight, self.norm_group)
+        self.norm_bias = chunk(norm_bias, self.norm_group)
+        self.fc1_weight, self.fc2_weight = shard(fc1_w), shard(fc2_w)
+        self.fc1_bias, self.fc2_bias = chunk(fc1_bias, fc1_hidden), chunk(fc2_bias, fc2_hidden)
 
     def linear(self, x: torch.Tensor, which: str) -> torch.Tensor:
-        """``x @ w + b`` in the block layout; the bias chunk's gradient summed over its replicas."""
         weight, bias = getattr(self, f"{which}_weight"), getattr(self, f"{which}_bias")
         if self.family == "2d":
-            out = summa_matmul(x, weight, self.grid)
-        else:
-            out = matmul_3d(x, weight, self.grid, getattr(self, f"{which}_roles"))
-        return out + replicated(bias, self._replicas[which])
+            return linear_2d(x, weight, bias, self.grid)
+        return linear_3d(x, weight, bias, self.grid, getattr(self, f"{which}_roles"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = F.gelu(self.linear(self.layer_norm(x), "fc1"))  # elementwise: local
+        normed = layer_norm_block(x, self.norm_weight, self.norm_bias, self.hidden, self.grid, self.norm_group,
+                                  self.eps)
+        hidden = F.gelu(self.linear(normed, "fc1"))  # elementwise: local
         return x + self.linear(hidden, "fc2")  # same layout as x: the residual add is local
