@@ -81,6 +81,10 @@ class SummaGroups:
         """The grid on ``mesh``: ``row_dim`` indexes the block row i, ``col_dim`` the block column j,
         ``depth_dim`` (optional) the depth slice k. The row group is the mesh's ``col_dim`` group
         (its members differ in j), the column group its ``row_dim`` group."""
+        names = mesh.mesh_dim_names or ()
+        for dim in (row_dim, col_dim, depth_dim):
+            if dim is not None and dim not in names:
+                raise ValueError(f"mesh has no dimension {dim!r}; its dimensions are {list(names)}")
         q = mesh.size(mesh.mesh_dim_names.index(row_dim))
         if mesh.size(mesh.mesh_dim_names.index(col_dim)) != q:
             raise ValueError(f"a SUMMA grid is square: mesh dims {row_dim!r} and {col_dim!r} differ in size")
