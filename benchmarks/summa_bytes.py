@@ -41,10 +41,11 @@ DGX nodes, on a uniform network, and in bytes alone):
     row inside a node (the activation broadcasts ride NVLink) and only the weight broadcasts
     cross nodes; [4,4,4] has three axes of 4 over nodes of 8, so two of them cross. The model
     then puts 2.5-D at 0.66x to 1.04x of 2-D, while on a uniform network (64 nodes of one
-    GPU, every link alike) it gives 1.07x to 1.86x, 1.46x to 1.52x in the activation-heavy
-    rows: close to the published 1.45x, which we read as measured on a network where the
-    2-D grid could not keep a whole axis on fast links (we have not checked the paper's
-    cluster; this is the model's explanation, not a quotation).
+    GPU, every link alike) it gives 1.07x to 1.86x as the tokens per device grow against the
+    width (1.46x at 4096 tokens per device and h = 12288, 1.52x at 1024 tokens and h = 4096),
+    bracketing the published 1.45x. We read the published figure as measured where the 2-D
+    grid could not keep a whole axis on fast links (we have not checked the paper's cluster:
+    this is the model's explanation, not a quotation).
   * Overlap and scope. Every SUMMA round's broadcast overlaps the previous round's matmul
     here, so when compute dominates both layouts tend to the compute time and the ratio to 1;
     and the published figure is the throughput of whole models (all layers, non-matmul ops,

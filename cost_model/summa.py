@@ -8,7 +8,8 @@ re-derive each figure by hand):
 
 1-D, ``p`` devices (Megatron-LM, Shoeybi et al. 2019)
   column: ``W[:, n-slice]`` per device ([K, N/p]); ``X`` replicated; ``Y`` column slices. Forward
-          needs no communication; backward all-reduces ``dX`` ([T, K], partial on every rank).
+          needs no communication; backward all-reduces ``dX`` ([T, K], partial on every rank),
+          overlapped with the weight-gradient matmul (computed after dX).
   row:    ``W[k-slice, :]`` per device ([K/p, N]); ``X`` column slices; ``Y`` partial sums,
           all-reduced in forward ([T, N]); backward needs none.
 
@@ -289,7 +290,10 @@ def matmul_cost(shape: MatmulShape, grid: Grid, cluster: Cluster, ranks: Sequenc
         if grid.family == "1d_column":
             compute = matmul_s(T, K, N / p)
             dx = pricer.transfer("backward", "all_reduce", "tp", T * K * element)
-            return MatmulCost(grid, compute, 2 * compute, compute, 2 * compute + dx.seconds,
+            # dX is computed first; its all-reduce runs while the weight gradient is computed
+            # (Megatron-LM's asynchronous tensor-parallel all-reduce).
+            backward = compute + max(compute, dx.seconds)
+            return MatmulCost(grid, compute, 2 * compute, compute, backward,
                               weight_bytes=K * N / p * element, activation_bytes=T * K * element,
                               buffer_bytes=T * K * element, transfers=(dx,))  # dX before its all-reduce
         compute = matmul_s(T, K / p, N)

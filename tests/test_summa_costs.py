@@ -153,14 +153,21 @@ def test_3d_times_gather_multiply_scatter():
     assert swapped.forward_s == pytest.approx(compute + inter(x) + intra(w) + intra(y))
 
 
-def test_1d_times_are_one_unhidden_all_reduce():
+def test_1d_times_all_reduce_y_in_forward_and_dx_beside_the_weight_gradient():
     # p = 4 inside one node: ring 2(3/4) S/beta_i + 6 alpha_i against tree 2 S/beta_i + 4 alpha_i.
     column = cost("1d_column", 4, nodes=1)
     size = T * K * E
     all_reduce = min(1.5 * size / BETA_I + 6 * ALPHA_I, 2 * size / BETA_I + 4 * ALPHA_I)
     compute = 2 * T * K * N / 4 / PEAK
     assert column.forward_s == pytest.approx(compute)
-    assert column.backward_s == pytest.approx(2 * compute + all_reduce)
+    # dX first, then dW while dX is all-reduced.
+    assert column.backward_s == pytest.approx(compute + max(compute, all_reduce))
+    assert all_reduce > compute  # this shape is communication-bound: the overlap is partial
+    row = cost("1d_row", 4, nodes=1)
+    out = T * N * E
+    y_all_reduce = min(1.5 * out / BETA_I + 6 * ALPHA_I, 2 * out / BETA_I + 4 * ALPHA_I)
+    assert row.forward_s == pytest.approx(compute + y_all_reduce)  # the next op needs Y whole
+    assert row.backward_s == pytest.approx(2 * compute)
 
 
 @pytest.mark.parametrize("make, message", [
