@@ -31,10 +31,10 @@ MODEL = {"n_layer": 4, "n_embd": 256, "n_head": 8, "vocab_size": 1024, "seq_len"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(program: Path, steps: int) -> float:
-    """Mean step time in seconds reported by ``launch.py --steps``."""
+def measure(program: Path, steps: int, nproc: int = 2) -> float:
+    """Mean step time in seconds reported by ``torchrun --nproc_per_node nproc launch.py --steps``."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nproc_per_node", "2", str(program / "launch.py"), "--steps", str(steps)]
+    command = [str(torchrun), "--nproc_per_node", str(nproc), str(program / "launch.py"), "--steps", str(steps)]
     output = subprocess.run(command, capture_output=True, text=True, timeout=600)
     match = re.search(r"mean step time: ([0-9.]+) ms", output.stdout)
     if output.returncode != 0 or not match:

@@ -148,6 +148,7 @@ class OpGraph:
     buffers: dict[str, TensorMeta]
     batch_size: int
     blocks: dict[str, int] = field(default_factory=dict)
+    block_start: dict[str, int] = field(default_factory=dict)
     tracer: str = "export"
     warnings: list[str] = field(default_factory=list)
     opaque_backward: list[tuple[str, str]] = field(default_factory=list)
@@ -172,9 +173,19 @@ class OpGraph:
     def has_node(self, name: str) -> bool:
         return name in self._by_name
 
+    def block_ids(self) -> tuple[tuple[str, int], ...]:
+        """The repeated blocks as ``OpNode.block`` names them, in order: (group, index), the
+        index counted from the group's first module (a run of same-structured blocks may
+        start after a few others: DeepSeek-V3's MoE layers after its 3 dense ones)."""
+        return tuple(
+            (group, index)
+            for group, count in self.blocks.items()
+            for index in range(self.block_start.get(group, 0), self.block_start.get(group, 0) + count)
+        )
+
     def block_paths(self) -> tuple[str, ...]:
         """Module paths of the repeated blocks, in order (``("blocks.0", "blocks.1", ...)``)."""
-        return tuple(f"{group}.{index}" for group, count in self.blocks.items() for index in range(count))
+        return tuple(f"{group}.{index}" for group, index in self.block_ids())
 
     def moe_nodes(self, module: str) -> list[OpNode]:
         """The ops of the MoE layer at module path ``module`` (its own and its submodules')."""

@@ -471,8 +471,10 @@ def _bytes_moved(op: str, inputs: tuple[TensorMeta, ...], outputs: tuple[TensorM
 def _mark_repeated_blocks(graph: OpGraph) -> None:
     """Mark nodes of stacks of same-structured blocks, e.g. ``layers.0`` .. ``layers.31``.
 
-    A group is marked only when it has at least two blocks and every block issues the same
-    op sequence on the same shapes, so search may solve one block and reuse it.
+    In each stack, the longest run of consecutive blocks that issue the same op sequence on
+    the same shapes is marked (at least two), so search may solve one block and reuse it.
+    The blocks outside the run (DeepSeek-V3's first 3 dense layers before 58 MoE ones) stay
+    ordinary ops, as the embedding is.
     """
     members: dict[str, dict[int, list[OpNode]]] = {}
     for node in graph.nodes:
@@ -482,16 +484,32 @@ def _mark_repeated_blocks(graph: OpGraph) -> None:
     for group, blocks in members.items():
         if len(blocks) < 2:
             continue
-        signatures = {
-            tuple((n.op, n.module.split(f"{group}.{index}", 1)[1], n.input_meta, n.output_meta) for n in nodes)
+        signature = {
+            index: tuple((n.op, n.module.split(f"{group}.{index}", 1)[1], n.input_meta, n.output_meta) for n in nodes)
             for index, nodes in blocks.items()
         }
-        if len(signatures) != 1:
+        run = _longest_run(sorted(blocks), signature)
+        if len(run) < 2:
             continue
-        for index, nodes in blocks.items():
-            for node in nodes:
+        for index in run:
+            for node in blocks[index]:
                 node.block = (group, index)
-        graph.blocks[group] = len(blocks)
+        graph.blocks[group] = len(run)
+        graph.block_start[group] = run[0]
+
+
+def _longest_run(indices: list[int], signature: dict[int, tuple]) -> list[int]:
+    """The longest run of consecutive indices with equal signatures (the first of equals)."""
+    best: list[int] = []
+    run: list[int] = []
+    for index in indices:
+        if run and index == run[-1] + 1 and signature[index] == signature[run[-1]]:
+            run.append(index)
+        else:
+            run = [index]
+        if len(run) > len(best):
+            best = list(run)
+    return best
 
 
 # ------------------------------------------------------------------------- diagnostics

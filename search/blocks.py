@@ -12,8 +12,8 @@ from planner.strategy import NodeStrategy
 
 
 def block_representatives(graph: OpGraph) -> dict[str, str]:
-    """Every node -> the node that decides for it (itself, or its twin in block 0 of the
-    first stack of repeated blocks)."""
+    """Every node -> the node that decides for it (itself, or its twin in the first block of
+    the first stack of repeated blocks)."""
     representative = {node.name: node.name for node in graph.nodes}
     group = next(iter(graph.blocks), None)
     if group is None or graph.blocks[group] < 2:
@@ -22,7 +22,7 @@ def block_representatives(graph: OpGraph) -> dict[str, str]:
     for node in graph.nodes:
         if node.block is not None and node.block[0] == group:
             members.setdefault(node.block[1], []).append(node.name)
-    first = members[0]
+    first = members[min(members)]
     for names in members.values():
         for position, name in enumerate(names):
             representative[name] = first[position]

@@ -244,7 +244,7 @@ def uneven_stages(graph: OpGraph, layers_per_stage: Sequence[int], stages: int |
         PlanningError: the model has no blocks, or the counts are not one per stage adding
             up to its blocks.
     """
-    blocks = [(group, index) for group, count in graph.blocks.items() for index in range(count)]
+    blocks = list(graph.block_ids())
     if not blocks:
         raise PlanningError("pipeline parallelism needs repeated blocks (layers) to split, and this model has none")
     check_layers_per_stage(layers_per_stage, len(blocks), stages)

@@ -383,3 +383,28 @@ def test_multi_output_ops_have_one_meta_per_output():
     for op in ("aten.max.dim", "aten.min.dim", "aten.topk.default", "aten.sort.default", "aten.var_mean.dim",
                "aten.aminmax.default"):
         assert outputs.get(op) == 2, (op, outputs)
+
+
+class _FirstLayersDense(nn.Module):
+    """Two wide layers, then four narrow ones of one structure: a stack whose blocks are
+    not all alike (as DeepSeek-V3's dense layers before its MoE ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)] + [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_the_longest_run_of_alike_blocks_is_marked_with_its_first_index():
+    # Layers 2..5 repeat; layers 0 and 1 repeat too but fewer: the run of 4 is the stack's
+    # repeated blocks, numbered from 2, and the first two layers stay ordinary ops.
+    graph = trace(_FirstLayersDense(), (torch.randn(4, 8),))
+    assert graph.blocks == {"layers": 4} and graph.block_start == {"layers": 2}
+    assert graph.block_paths() == ("layers.2", "layers.3", "layers.4", "layers.5")
+    marked = {node.block for node in graph.nodes if node.block is not None}
+    assert marked == {("layers", index) for index in range(2, 6)}
+    assert all(node.block is None for node in graph.nodes if node.module.startswith(("layers.0", "layers.1")))
