@@ -173,7 +173,7 @@ def moe_layer_cost(
     received = max(placement.device_loads(kept)) * layer.hidden * element
     exchange = max(sent, received)
     one = _all_to_all(exchange, cluster, ranks, algorithm)
-    weights = max(len(placement.experts_on(d)) for d in range(devices)) * layer.expert_parameters * element
+    weights = placement.most_experts_per_device * layer.expert_parameters * element
     # Four all-to-alls a pass (dispatch and combine, forward and backward); the share a device
     # keeps for itself does not travel.
     moved = 4 * exchange * (devices - 1) / devices

@@ -29,6 +29,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from cost_model.collectives import collective_time
+from cost_model.simulation_cache import graph_facts
 from cost_model.moe import MoECost, MoELayer, element_bytes, expert_activation_bytes, moe_layer_cost
 from planner.cluster import Cluster
 from planner.graph import OpGraph
@@ -137,8 +138,7 @@ def param_share(layout: ExpertLayout, world: int) -> tuple[float, bool]:
     if layout.mode == "expert_sliced":
         return 1.0 / world, False
     placement = layout.placement
-    fullest = max(len(placement.experts_on(device)) for device in range(placement.devices))
-    return fullest / layout.experts, False
+    return placement.most_experts_per_device / layout.experts, False
 
 
 def laid_out_layers(plan, graph: OpGraph, micro_batches: int) -> dict[str, LaidOutLayer]:
@@ -150,42 +150,52 @@ def laid_out_layers(plan, graph: OpGraph, micro_batches: int) -> dict[str, LaidO
     """
     if not plan.expert_layouts:
         return {}
-    blocks = {block.module: block for block in graph.moe_blocks}
-    world = plan.mesh.size
+    cache = graph_facts(graph).moe_layers
     layers = {}
     for layout in plan.expert_layouts:
-        block = blocks.get(layout.module)
-        if block is None:
-            raise ValueError(f"expert layout for {layout.module!r}, which is not an MoE layer of the traced model")
-        if (block.experts, block.top_k) != (layout.experts, layout.top_k):
-            raise ValueError(
-                f"expert layout for {layout.module!r} has {layout.experts} experts, top-{layout.top_k}; the model's "
-                f"layer has {block.experts}, top-{block.top_k}"
-            )
-        nodes = graph.moe_nodes(block.module)
-        owner = expert_module(block)
-        experts = [node.name for node in nodes if node.module == owner or node.module.startswith(owner + ".")]
-        if not experts:
-            raise ValueError(f"MoE layer {block.module!r}: no traced op of its experts ({owner!r})")
-        cost = price_layout(block, layout, layer_tokens(graph, block), plan.cluster, plan.precision, micro_batches)
-        fraction, synced = param_share(layout, world)
-        element = element_bytes(plan.precision)
-        buffers = {"expert_parallel": 2 * cost.buffer_bytes, "expert_sliced": cost.buffer_bytes}.get(layout.mode, 0.0)
-        layers[block.module] = LaidOutLayer(
-            block=block,
-            layout=layout,
-            cost=cost,
-            nodes=frozenset(node.name for node in nodes),
-            expert_nodes=frozenset(experts),
-            anchor=experts[0],
-            expert_weights=tuple(f"{block.module}.{name}" for name in block.expert_weights),
-            param_fraction=fraction,
-            gradients_synced=synced,
-            replica_sync_s=replica_sync_time(block, layout, plan.cluster, plan.precision),
-            activation_bytes=expert_activation_bytes(moe_layer_of(block, 0), cost.busiest_copies, element),
-            buffer_bytes=buffers,
-        )
+        # The layout without its cost annotation (a simulated plan's layouts carry one).
+        key = (dataclasses.replace(layout, cost=CostParts()), plan.cluster, plan.precision, plan.mesh.size, micro_batches)
+        if key not in cache:
+            cache[key] = _laid_out(layout, plan, graph, micro_batches)
+        layers[layout.module] = cache[key]
     return layers
+
+
+def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) -> LaidOutLayer:
+    """One layer of ``laid_out_layers``."""
+    blocks = {block.module: block for block in graph.moe_blocks}
+    world = plan.mesh.size
+    block = blocks.get(layout.module)
+    if block is None:
+        raise ValueError(f"expert layout for {layout.module!r}, which is not an MoE layer of the traced model")
+    if (block.experts, block.top_k) != (layout.experts, layout.top_k):
+        raise ValueError(
+            f"expert layout for {layout.module!r} has {layout.experts} experts, top-{layout.top_k}; the model's "
+            f"layer has {block.experts}, top-{block.top_k}"
+        )
+    nodes = graph.moe_nodes(block.module)
+    owner = expert_module(block)
+    experts = [node.name for node in nodes if node.module == owner or node.module.startswith(owner + ".")]
+    if not experts:
+        raise ValueError(f"MoE layer {block.module!r}: no traced op of its experts ({owner!r})")
+    cost = price_layout(block, layout, layer_tokens(graph, block), plan.cluster, plan.precision, micro_batches)
+    fraction, synced = param_share(layout, world)
+    element = element_bytes(plan.precision)
+    buffers = {"expert_parallel": 2 * cost.buffer_bytes, "expert_sliced": cost.buffer_bytes}.get(layout.mode, 0.0)
+    return LaidOutLayer(
+        block=block,
+        layout=layout,
+        cost=cost,
+        nodes=frozenset(node.name for node in nodes),
+        expert_nodes=frozenset(experts),
+        anchor=experts[0],
+        expert_weights=tuple(f"{block.module}.{name}" for name in block.expert_weights),
+        param_fraction=fraction,
+        gradients_synced=synced,
+        replica_sync_s=replica_sync_time(block, layout, plan.cluster, plan.precision),
+        activation_bytes=expert_activation_bytes(moe_layer_of(block, 0), cost.busiest_copies, element),
+        buffer_bytes=buffers,
+    )
 
 
 def annotated_layouts(layouts, layers: dict[str, LaidOutLayer], micro_batches: int) -> tuple[ExpertLayout, ...]:

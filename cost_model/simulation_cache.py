@@ -9,7 +9,7 @@ afresh gives; they only skip the work.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from planner.graph import OpGraph, OpNode
@@ -42,6 +42,10 @@ class GraphFacts:
     consumers: dict[str, list[str]]
     kept: dict[str, bool]
     signature: dict[str, int]
+    # MoE layers priced by layout (``cost_model.moe_layers``): one layer's pricing depends on
+    # its layout, the cluster, the precision and the micro-batches only, and a search prices
+    # the same layouts for many plans.
+    moe_layers: dict[tuple, object] = field(default_factory=dict)
 
 
 _FACTS: dict[int, GraphFacts] = {}

@@ -8,6 +8,7 @@ conversion lives at the edges (``to_dict``/``from_dict``).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -143,7 +144,21 @@ class ExpertPlacement:
 
     def experts_on(self, device: int) -> tuple[int, ...]:
         """The experts with a copy on ``device``."""
-        return tuple(e for e, copies in enumerate(self.replicas) if any(d == device for d, _ in copies))
+        return self._experts_by_device[device]
+
+    @property
+    def most_experts_per_device(self) -> int:
+        """Copies on the fullest device (what its expert weights are sized by)."""
+        return max(len(held) for held in self._experts_by_device)
+
+    @functools.cached_property
+    def _experts_by_device(self) -> tuple[tuple[int, ...], ...]:
+        # Computed once: searches ask for every device of every placement many times.
+        held: list[list[int]] = [[] for _ in range(self.devices)]
+        for expert, copies in enumerate(self.replicas):
+            for device, _ in copies:
+                held[device].append(expert)
+        return tuple(tuple(experts) for experts in held)
 
     def device_loads(self, expert_loads: Sequence[float]) -> list[float]:
         """Tokens (or any load) each device processes when expert ``e`` receives
