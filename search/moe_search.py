@@ -46,7 +46,7 @@ from planner.moe_blocks import MoEBlock
 from planner.plans import Plan
 from planner.routing import RoutingStats
 from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
-from search.expert_placement import balanced, eplb
+from search.expert_placement import SEARCH_EVALUATIONS_PER_EXPERT, balanced, eplb
 from search.data_parallel import FSDP_UNIT_FLAVOURS, fsdp_units
 from search.layouts import data_parallel_layout
 from search.plan_builder import unsimulated_plan
@@ -58,6 +58,9 @@ ENUMERATION_LIMIT = 128  # combinations of class layouts simulated exhaustively,
 # programs wrap it in (DDP, or FSDP2 units with or without resharding after forward); the
 # experts a rank holds alone stay out of them.
 DENSE_FLAVOURS = ("ddp", "zero2", "fsdp")
+# Placements our balanced placement may evaluate per call, at most (each solves a small LP):
+# what keeps a layer of 256 experts on 256 GPUs to seconds.
+PLACEMENT_EVALUATIONS = 256
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,8 @@ def expert_placements(block: MoEBlock, loads: tuple[float, ...], cluster: Cluste
     for slots in (fewest, fewest + 1):
         for work in sources:
             placements.append(eplb(work, world, slots, per_node))
-            placements.append(balanced(work, world, slots, cost=layer_time, devices_per_node=per_node))
+            placements.append(balanced(work, world, slots, cost=layer_time, devices_per_node=per_node,
+                                       evaluations=min(PLACEMENT_EVALUATIONS, SEARCH_EVALUATIONS_PER_EXPERT * block.experts)))
     unique: dict[tuple, ExpertPlacement] = {}
     for placement in placements:
         unique.setdefault(placement.replicas, placement)
