@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from cost_model.collectives import collective_time
 from cost_model.moe import element_bytes
-from cost_model.moe_layers import layer_tokens, param_share, price_layout, replica_sync_time
+from cost_model.moe_layers import layer_tokens, param_share, price_layout, replica_sync_time, routing_sync_time
 from cost_model.simulator import bytes_per_parameter, simulated
 from planner.cluster import Cluster
 from planner.errors import PlanningError
@@ -144,7 +144,8 @@ def layer_score(block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Clu
     gradient_sync = collective_time(
         "all_reduce", held * bytes_per_parameter(precision)[1], cluster, list(range(world))
     ) if synced and world > 1 else 0.0
-    time_s = cost.total_s + replica_sync_time(block, layout, cluster, precision) + gradient_sync
+    time_s = (cost.total_s + replica_sync_time(block, layout, cluster, precision) + routing_sync_time(block, cluster)
+              + gradient_sync)
     element = element_bytes(precision)
     activations = cost.busiest_copies * element * (block.hidden + 2 * (block.matmuls - 1) * block.ffn)
     buffers = {"expert_parallel": 2 * cost.buffer_bytes, "expert_sliced": cost.buffer_bytes}.get(layout.mode, 0.0)
