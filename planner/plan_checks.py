@@ -134,6 +134,27 @@ def check_plan_against_graph(plan: Plan, graph: OpGraph) -> None:
             if name not in tensors:
                 continue  # a tensor constant the forward makes (graph.constants): whole on every rank
             _check_shards(f"{where}.params.{name}", placements, len(tensors[name].shape), f"parameter '{name}' {tensors[name]}")
+    _check_expert_layouts(plan, graph)
+
+
+def _check_expert_layouts(plan: Plan, graph: OpGraph) -> None:
+    """Each expert layout names an MoE layer of the traced model with its expert count and
+    top-k (``OpGraph.moe_blocks``)."""
+    blocks = {block.module: block for block in graph.moe_blocks}
+    for index, layout in enumerate(plan.expert_layouts):
+        where = f"expert_layouts[{index}]"
+        block = blocks.get(layout.module)
+        if block is None:
+            known = ", ".join(list(blocks)[:4]) or "none"
+            raise PlanFileError(
+                f"field '{where}.module' names {_shown(layout.module)}, which is not an MoE layer of the traced model "
+                f"(its MoE layers: {known}); {_REPLAN}"
+            )
+        if (layout.experts, layout.top_k) != (block.experts, block.top_k):
+            raise PlanFileError(
+                f"field '{where}' gives layer {_shown(layout.module)} {layout.experts} experts, top-{layout.top_k}, but "
+                f"the traced layer has {block.experts}, top-{block.top_k}; {_REPLAN}"
+            )
 
 
 def _shown(text: object) -> str:

@@ -155,3 +155,17 @@ def test_routing_for_a_dense_model_is_a_warning_not_a_plan_change():
     plan = planner.plan(str(EXAMPLES / "mlp.py"), "cpu:1x2", routing="zipf:1.2", progress=False)
     assert not plan.expert_layouts
     assert any("routing statistics were given but the model has no Mixture-of-Experts layer" in w for w in plan.warnings)
+
+
+def test_simulating_a_plan_file_whose_layouts_do_not_match_the_model_is_one_line(tmp_path, capsys):
+    from user_errors import assert_user_error
+
+    plan = planner.plan(str(EXAMPLES / "moe.py"), "cpu:1x4", progress=False)
+    for change, fragment in (
+        ({"module": "blocks.7.moe"}, "names 'blocks.7.moe', which is not an MoE layer of the traced model"),
+        ({"experts": 8, "expert_loads": ()}, "gives layer 'blocks.0.moe' 8 experts, top-2, but the traced layer has 4"),
+    ):
+        layout = dataclasses.replace(plan.expert_layouts[0], placement=None, mode="data_parallel", **change)
+        bad = dataclasses.replace(plan, expert_layouts=(layout, *plan.expert_layouts[1:]))
+        bad.save(tmp_path / "bad.json", force=True)
+        assert_user_error(capsys, ["simulate", str(tmp_path / "bad.json")], fragment)
