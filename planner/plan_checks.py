@@ -147,14 +147,15 @@ def _check_expert_layouts(plan: Plan, graph: OpGraph) -> None:
         if block is None:
             known = ", ".join(list(blocks)[:4]) or "none"
             raise PlanFileError(
-                f"field '{where}.module' names {_shown(layout.module)}, which is not an MoE layer of the traced model "
-                f"(its MoE layers: {known}); {_REPLAN}"
+                f"plan field '{where}.module' ({_shown(layout.module)}) is not an MoE layer of the traced model (its MoE "
+                f"layers: {known}); {_REPLAN}"
             )
-        if (layout.experts, layout.top_k) != (block.experts, block.top_k):
-            raise PlanFileError(
-                f"field '{where}' gives layer {_shown(layout.module)} {layout.experts} experts, top-{layout.top_k}, but "
-                f"the traced layer has {block.experts}, top-{block.top_k}; {_REPLAN}"
-            )
+        for name, planned, actual in (("experts", layout.experts, block.experts), ("top_k", layout.top_k, block.top_k)):
+            if planned != actual:
+                raise PlanFileError(
+                    f"plan field '{where}.{name}' is {planned} but layer {block.module!r} of the model has {actual}; "
+                    f"{_REPLAN}"
+                )
 
 
 def _shown(text: object) -> str:

@@ -149,20 +149,6 @@ def test_a_layout_for_a_layer_the_model_lacks_is_named(model):
         Simulator(wrong, graph)
 
 
-def test_an_moe_plan_beside_zero1_is_simulated_only(model):
-    import dataclasses
-
-    from planner.api import compile_blocker
-
-    graph, _ = model
-    plan = plan_with(model, "data_parallel")
-    assert compile_blocker(plan) is None or "MoE" not in compile_blocker(plan)
-    zero1 = simulated(dataclasses.replace(plan, dp_flavour="zero1"), graph)
-    message = compile_blocker(zero1)
-    assert message and "\n" not in message
-    assert "MoE layers run by layout beside zero1 on mesh dp=4" in message and "simulated only" in message
-
-
 def test_experts_a_rank_holds_alone_are_not_sharded_by_fsdp(model):
     import dataclasses
 

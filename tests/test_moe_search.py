@@ -162,8 +162,8 @@ def test_simulating_a_plan_file_whose_layouts_do_not_match_the_model_is_one_line
 
     plan = planner.plan(str(EXAMPLES / "moe.py"), "cpu:1x4", progress=False)
     for change, fragment in (
-        ({"module": "blocks.7.moe"}, "names 'blocks.7.moe', which is not an MoE layer of the traced model"),
-        ({"experts": 8, "expert_loads": ()}, "gives layer 'blocks.0.moe' 8 experts, top-2, but the traced layer has 4"),
+        ({"module": "blocks.7.moe"}, "plan field 'expert_layouts[0].module' ('blocks.7.moe') is not an MoE layer"),
+        ({"experts": 8, "expert_loads": ()}, "plan field 'expert_layouts[0].experts' is 8 but layer 'blocks.0.moe' of"),
     ):
         layout = dataclasses.replace(plan.expert_layouts[0], placement=None, mode="data_parallel", **change)
         bad = dataclasses.replace(plan, expert_layouts=(layout, *plan.expert_layouts[1:]))
