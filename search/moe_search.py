@@ -73,6 +73,15 @@ class ScoredLayout:
     memory_bytes: float
 
 
+def runs_by_layout(block: MoEBlock) -> bool:
+    """Whether compiled programs can run ``block`` by an ``ExpertLayout``: the MoE runtime
+    (``codegen/runtime/moe.py``, ``moe_modes.py``) computes top-k routed GELU MLP experts
+    (2 matmuls, ``examples/moe.py``'s structure). Other recognised blocks (HuggingFace's
+    SwiGLU experts, 3 matmuls) are still priced by a layout when a plan gives one, but the
+    search does not propose layouts a program could not run."""
+    return block.matmuls == 2
+
+
 def routing_label(routing: RoutingStats, module: str) -> str:
     """What a layout records as its routing source: the statistics' source, or ``uniform``
     for a layer they do not cover."""

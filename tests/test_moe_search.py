@@ -147,6 +147,10 @@ def test_the_family_is_allowed_only_where_the_samples_mix_inside_moe_layers():
                    and not node.module.startswith("blocks.1.moe"))
     assert not moe_family_allowed(graph, cluster, [*coupled, CoupledOp(outside.name, outside.op, outside.module)])
     assert not moe_family_allowed(graph, Cluster.parse("cpu:1x3"), coupled)  # batch 8 does not split 3 ways
+    # SwiGLU experts (3 matmuls): priced by a layout if given one, never proposed (the
+    # compiled MoE runtime runs GELU experts).
+    swiglu = dataclasses.replace(graph, moe_blocks=tuple(dataclasses.replace(b, matmuls=3) for b in graph.moe_blocks))
+    assert not moe_family_allowed(swiglu, cluster, coupled)
     dense, _, _, _ = prepare_model(ModelSpec(str(EXAMPLES / "gpt.py"), {}), "cpu:1x4")
     assert dense.moe_blocks == () and not moe_family_allowed(dense, cluster, [])
 
