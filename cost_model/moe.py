@@ -15,9 +15,10 @@ A layer routes each of its ``tokens`` to ``top_k`` of ``experts`` feed-forward n
   the load is even by construction, but every device holds all expert weights and their
   gradients are reduced over the group as every other data-parallel gradient is.
 - ``expert_sliced``: every expert's FFN sliced ``devices`` ways on its hidden (ffn) dimension;
-  every device sees every token (all-gather of the tokens before, reduce-scatter of the
-  outputs after) and computes its slice of every expert: perfectly balanced whatever the
-  routing, at the price of moving every token to every device.
+  every device sees every kept token copy (all-gather of the copies before, reduce-scatter
+  of the outputs after, as the compiled program moves them) and computes its slice of every
+  expert: perfectly balanced whatever the routing, at the price of moving every copy to every
+  device.
 
 With a capacity factor ``c`` each expert takes at most ``c x tokens x top_k / experts`` copies
 (the rest are dropped: they skip the expert and keep their residual), and its buffer is
@@ -148,11 +149,13 @@ def moe_layer_cost(
     if mode == "expert_sliced":
         # Every device computes 1/devices of every expert on every token copy.
         busiest = sum(computed) / devices
-        tokens_bytes = layer.tokens * layer.hidden * element  # the whole group's tokens, once
+        # The group's kept token copies (codegen/runtime/moe_modes.py gathers each kept
+        # choice's row, so a token routed to k experts travels k times).
+        tokens_bytes = sum(kept) * layer.hidden * element
         gather = collective_time("all_gather", tokens_bytes, cluster, list(ranks))
         scatter = collective_time("reduce_scatter", tokens_bytes, cluster, list(ranks))
         # Backward: gradients of the outputs all-gathered, of the inputs reduce-scattered.
-        # A ring all-gather and reduce-scatter each send (n - 1) / n of the tokens, twice a pass.
+        # A ring all-gather and reduce-scatter each send (n - 1) / n of the copies, twice a pass.
         sent = 4 * tokens_bytes * (devices - 1) / devices
         return _cost(layer, mode, device, dtype, element, busiest, gather + scatter, gather + scatter, dropped, 1.0,
                      layer.experts * layer.expert_parameters * element / devices,

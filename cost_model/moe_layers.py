@@ -10,14 +10,17 @@ are not priced by their placements as other ops are. Instead:
   and reduce-scatter), which sit on the critical path (the experts wait for their tokens);
 - the **routing** ops around them run on each rank's own tokens: their traced work split
   over the ``dp`` ranks, no resharding (tokens move only by the layout's collectives), and
-  the layer hands its output back split as the batch is;
+  the layer hands its output back split as the batch is; one small all-gather of each
+  rank's counts of choices per expert (forward) puts the choices in the whole batch's order;
 - **memory** per device: expert weights, gradients and optimizer states of the experts the
   device holds (expert parallel: its copies; data parallel: all; expert-sliced: 1/world of
   each), the activations the experts keep for the busiest device's copies, and the dispatch
   buffers (expert parallel: a send and a receive buffer; expert-sliced: the gathered tokens);
 - **gradients**: expert weights are all-reduced over ``dp`` with the other replicated
-  weights only in ``data_parallel`` mode; an expert-parallel expert with copies has its
-  copies' gradients summed among its holders (an all-reduce over them, in backward).
+  weights only in ``data_parallel`` mode; the copies of expert-parallel experts have their
+  gradients summed (one all-reduce over the group of every copied expert, in backward).
+
+The collectives are the compiled program's (``codegen/runtime/moe.py``, ``moe_modes.py``).
 
 ``laid_out_layers`` gathers all of this for the simulator; ``price_layout`` is what the
 search scores a candidate layout with.
@@ -56,6 +59,7 @@ class LaidOutLayer:
     param_fraction: float
     gradients_synced: bool
     replica_sync_s: float  # summing the gradients of copied experts, per step
+    routing_sync_s: float  # the routing's all-gather of counts, per micro-batch, in forward
     activation_bytes: float
     buffer_bytes: float
 
@@ -114,20 +118,27 @@ def price_layout(
 
 
 def replica_sync_time(block: MoEBlock, layout: ExpertLayout, cluster: Cluster, precision: str) -> float:
-    """Seconds the busiest device spends summing the gradients of its experts that have
-    copies elsewhere (expert parallel only): one all-reduce of the expert's gradient over
-    the devices holding it, for each such expert, one after another."""
+    """Seconds summing the gradients of the experts that have copies (expert parallel
+    only), as the compiled program does (``codegen.runtime.moe``): one all-reduce over the
+    whole group of every copied expert's gradient, each rank adding its copies (zeros for
+    the experts it does not hold)."""
     if layout.placement is None:
         return 0.0
-    gradient = block.matmuls * block.hidden * block.ffn * element_bytes(precision)
-    per_device = [0.0] * layout.placement.devices
-    for copies in layout.placement.replicas:
-        if len(copies) < 2:
-            continue
-        seconds = collective_time("all_reduce", gradient, cluster, [device for device, _ in copies])
-        for device, _ in copies:
-            per_device[device] += seconds
-    return max(per_device)
+    copied = sum(1 for copies in layout.placement.replicas if len(copies) > 1)
+    if not copied:
+        return 0.0
+    gradients = copied * block.matmuls * block.hidden * block.ffn * element_bytes(precision)
+    return collective_time("all_reduce", gradients, cluster, list(range(layout.placement.devices)))
+
+
+def routing_sync_time(block: MoEBlock, cluster: Cluster) -> float:
+    """Seconds of the one collective every mode's routing makes in forward: an all-gather of
+    each rank's count of choices per (choice rank, expert), int64, so each rank places its
+    choices in the whole batch's order (``codegen.runtime.moe.route``)."""
+    world = cluster.world_size
+    if world == 1:
+        return 0.0
+    return collective_time("all_gather", world * block.top_k * block.experts * 8, cluster, list(range(world)))
 
 
 def param_share(layout: ExpertLayout, world: int) -> tuple[float, bool]:
@@ -193,6 +204,7 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
         param_fraction=fraction,
         gradients_synced=synced,
         replica_sync_s=replica_sync_time(block, layout, plan.cluster, plan.precision),
+        routing_sync_s=routing_sync_time(block, plan.cluster),
         activation_bytes=expert_activation_bytes(moe_layer_of(block, 0), cost.busiest_copies, element),
         buffer_bytes=buffers,
     )
@@ -208,7 +220,7 @@ def annotated_layouts(layouts, layers: dict[str, LaidOutLayer], micro_batches: i
         cost = layer.cost
         annotated.append(dataclasses.replace(layout, cost=CostParts(
             compute_s=(cost.forward_compute_s + cost.backward_compute_s) * micro_batches,
-            communication_s=cost.communication_s * micro_batches + layer.replica_sync_s,
+            communication_s=(cost.communication_s + layer.routing_sync_s) * micro_batches + layer.replica_sync_s,
             memory_bytes=int(cost.weight_bytes + layer.buffer_bytes),
         )))
     return tuple(annotated)

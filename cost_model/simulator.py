@@ -416,7 +416,7 @@ class Simulator:
             if node.name == layer.anchor:
                 moe = layer.cost
                 cost.forward_s, cost.backward_s = moe.forward_compute_s, moe.backward_compute_s
-                cost.forward_comm_s = moe.forward_comm_s
+                cost.forward_comm_s = moe.forward_comm_s + layer.routing_sync_s
                 cost.backward_comm_s = moe.backward_comm_s + layer.replica_sync_s / self.micro_batches
                 cost.saved_bytes = layer.activation_bytes
                 if moe.sent_bytes:

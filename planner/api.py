@@ -367,13 +367,6 @@ def compile_blocker(plan: Plan) -> str | None:
             "this plan has no model spec, so torchrun cannot rebuild the model; plan from a spec "
             "(planner.plan('file.py:build', ...)) or pass spec= to planner.plan"
         )
-    if plan.expert_layouts and (plan.dp_flavour == "zero1" or plan.pipeline is not None or plan.mesh.names != ("dp",)):
-        beside = "a pipeline" if plan.pipeline is not None else f"{plan.dp_flavour} on mesh {plan.mesh}"
-        return (
-            f"{plan.name} cannot be compiled: its MoE layers run by layout beside {beside}, which is simulated only "
-            f"(compiled MoE programs wrap the rest of the model in DDP, ZeRO-2 or FSDP on a dp mesh); plan again, "
-            f"or use dp_flavour ddp, zero2 or fsdp"
-        )
     if plan.pipeline is not None:
         from codegen.pipeline_emit import unsupported
 

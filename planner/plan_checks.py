@@ -134,6 +134,28 @@ def check_plan_against_graph(plan: Plan, graph: OpGraph) -> None:
             if name not in tensors:
                 continue  # a tensor constant the forward makes (graph.constants): whole on every rank
             _check_shards(f"{where}.params.{name}", placements, len(tensors[name].shape), f"parameter '{name}' {tensors[name]}")
+    _check_expert_layouts(plan, graph)
+
+
+def _check_expert_layouts(plan: Plan, graph: OpGraph) -> None:
+    """Each expert layout names an MoE layer of the traced model with its expert count and
+    top-k (``OpGraph.moe_blocks``)."""
+    blocks = {block.module: block for block in graph.moe_blocks}
+    for index, layout in enumerate(plan.expert_layouts):
+        where = f"expert_layouts[{index}]"
+        block = blocks.get(layout.module)
+        if block is None:
+            known = ", ".join(list(blocks)[:4]) or "none"
+            raise PlanFileError(
+                f"plan field '{where}.module' ({_shown(layout.module)}) is not an MoE layer of the traced model (its MoE "
+                f"layers: {known}); {_REPLAN}"
+            )
+        for name, planned, actual in (("experts", layout.experts, block.experts), ("top_k", layout.top_k, block.top_k)):
+            if planned != actual:
+                raise PlanFileError(
+                    f"plan field '{where}.{name}' is {planned} but layer {block.module!r} of the model has {actual}; "
+                    f"{_REPLAN}"
+                )
 
 
 def _shown(text: object) -> str:

@@ -78,7 +78,8 @@ def strategy_words(plan: "Plan") -> str:
         )
     else:
         text = f"{_FLAVOUR_WORDS[plan.dp_flavour]} on all {devices} ({plan.mesh})"
-    if plan.label and plan.dp_flavour != "ddp" and "dp" in plan.mesh.names and plan.mesh.axis_size("dp") > 1:
+    composed = plan.label and not plan.expert_layouts  # an MoE plan's flavour is named above
+    if composed and plan.dp_flavour != "ddp" and "dp" in plan.mesh.names and plan.mesh.axis_size("dp") > 1:
         text += f", {_FLAVOUR_WORDS[plan.dp_flavour].split(' (')[0]} on dp"  # composed with the other axes
     if plan.pipeline is not None:
         text += f", {plan.pipeline.stages} pipeline stages ({plan.pipeline.schedule}, {plan.pipeline.micro_batches} micro-batches)"

@@ -31,7 +31,7 @@ from search.data_parallel import DATA_PARALLEL_FLAVOURS, accumulating, data_para
 from search.ilp import solve
 from search.layouts import batch_input_placements, combine
 from search.mcmc import mcmc
-from search.moe_search import search_moe_plan
+from search.moe_search import runs_by_layout, search_moe_plan
 from search.megatron import megatron_baseline
 from search.pipeline_search import pipeline_plans
 from search.plan_builder import input_placements, unsimulated_plan
@@ -133,6 +133,10 @@ def search_plan(
     moe_family = moe_family_allowed(graph, cluster, coupled)
     if coupled:
         warnings = (*warnings, coupling_warning(coupled, moe_layouts=moe_family))
+    skipped = [block.module for block in graph.moe_blocks if not runs_by_layout(block)]
+    if skipped:
+        notes.append(f"MoE layers ({', '.join(skipped[:2])}{', ...' if len(skipped) > 2 else ''}) not planned by layout: "
+                     f"the compiled MoE runtime runs GELU experts only")
     if moe_family:
         if on_progress:
             on_progress("choosing the MoE layers' layouts", 0.0)
@@ -297,9 +301,12 @@ def _hint(graph: OpGraph, mesh: Mesh, tables) -> dict[str, int]:
 def moe_family_allowed(graph: OpGraph, cluster: Cluster, coupled) -> bool:
     """Whether the ``moe`` family (data parallelism, MoE layers by layout) may plan
     ``graph``: it has MoE layers, the batch splits over every device, and every op at which
-    the samples mix lies inside an MoE layer (whose runtime reproduces the whole batch's routing)."""
+    the samples mix lies inside an MoE layer (whose runtime reproduces the whole batch's routing),
+    and the MoE runtime can run every MoE layer (``runs_by_layout``)."""
     if not graph.moe_blocks or graph.batch_size % cluster.world_size:
         return False
+    if not all(runs_by_layout(block) for block in graph.moe_blocks):
+        return False  # compiled programs could not run the layouts (search.moe_search.runs_by_layout)
     inside = {node.name for block in graph.moe_blocks for node in graph.moe_nodes(block.module)}
     return all(op.node in inside for op in coupled)
 

@@ -118,17 +118,20 @@ def balanced(
     cost: Callable[[ExpertPlacement], float] | None = None,
     devices_per_node: int | None = None,
     groups: int | None = None,
+    evaluations: int | None = None,
 ) -> ExpertPlacement:
     """Our placement (see the module docstring): EPLB's copies with shares that minimise the
     busiest device's load, improved by swapping copies while ``cost`` falls (by default the
-    busiest device's load). Never worse under ``cost`` than EPLB's placement with those shares."""
+    busiest device's load), for at most ``evaluations`` placements (by default
+    ``SEARCH_EVALUATIONS_PER_EXPERT`` per expert). Never worse under ``cost`` than EPLB's
+    placement with those shares."""
     experts = len(loads)
     cost = cost or (lambda placement: max(placement.device_loads(loads)))
     start = eplb(loads, devices, slots_per_device, devices_per_node, groups)
     holders = [[d for d, _ in copies] for copies in start.replicas]
     best = best_shares(loads, holders, devices, "balanced")
     best_cost = cost(best)
-    evaluations = SEARCH_EVALUATIONS_PER_EXPERT * experts
+    evaluations = SEARCH_EVALUATIONS_PER_EXPERT * experts if evaluations is None else evaluations
     improved = True
     while improved and evaluations > 0:
         improved = False
@@ -153,27 +156,41 @@ def balanced(
 
 def best_shares(loads: Sequence[float], holders: Sequence[Sequence[int]], devices: int, method: str) -> ExpertPlacement:
     """The shares of each expert's copies (on devices ``holders[e]``) that minimise the
-    busiest device's load: a linear program (GLOP). An expert with one copy sends it all."""
+    busiest device's load: a linear program (GLOP). An expert with one copy sends it all, so
+    only experts with copies get variables (the others are constants of their device), and
+    without any copies no program is needed."""
+    fixed = [0.0] * devices  # load of the single-copy experts on each device
+    copied = []
+    for expert, devices_of in enumerate(holders):
+        if len(devices_of) == 1:
+            fixed[devices_of[0]] += loads[expert]
+        else:
+            copied.append(expert)
+    if not copied:
+        return ExpertPlacement(devices, tuple(((devices_of[0], 1.0),) for devices_of in holders), method)
     from ortools.linear_solver import pywraplp
 
     solver = pywraplp.Solver.CreateSolver("GLOP")
-    peak = solver.NumVar(0.0, solver.infinity(), "peak")
+    peak = solver.NumVar(max(fixed), solver.infinity(), "peak")
     shares = {}
-    for expert, devices_of in enumerate(holders):
-        variables = [solver.NumVar(0.0, 1.0, f"s_{expert}_{d}") for d in devices_of]
+    terms: list[list] = [[] for _ in range(devices)]
+    for expert in copied:
+        variables = [solver.NumVar(0.0, 1.0, f"s_{expert}_{d}") for d in holders[expert]]
         solver.Add(sum(variables) == 1.0)
         shares[expert] = variables
+        for device, variable in zip(holders[expert], variables):
+            terms[device].append(loads[expert] * variable)
     for device in range(devices):
-        terms = [
-            loads[e] * shares[e][i] for e, devices_of in enumerate(holders) for i, d in enumerate(devices_of) if d == device
-        ]
-        if terms:
-            solver.Add(sum(terms) <= peak)
+        if terms[device]:
+            solver.Add(sum(terms[device]) + fixed[device] <= peak)
     solver.Minimize(peak)
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
         raise RuntimeError("the share LP of an expert placement has no optimum; it always has one when loads are finite")
     replicas = []
     for expert, devices_of in enumerate(holders):
+        if expert not in shares:
+            replicas.append(((devices_of[0], 1.0),))
+            continue
         values = [max(0.0, v.solution_value()) for v in shares[expert]]
         total = sum(values) or 1.0
         replicas.append(tuple((d, value / total) for d, value in zip(devices_of, values)))

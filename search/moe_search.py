@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from cost_model.collectives import collective_time
 from cost_model.moe import element_bytes
-from cost_model.moe_layers import layer_tokens, param_share, price_layout, replica_sync_time
+from cost_model.moe_layers import layer_tokens, param_share, price_layout, replica_sync_time, routing_sync_time
 from cost_model.simulator import bytes_per_parameter, simulated
 from planner.cluster import Cluster
 from planner.errors import PlanningError
@@ -46,7 +46,7 @@ from planner.moe_blocks import MoEBlock
 from planner.plans import Plan
 from planner.routing import RoutingStats
 from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
-from search.expert_placement import balanced, eplb
+from search.expert_placement import SEARCH_EVALUATIONS_PER_EXPERT, balanced, eplb
 from search.data_parallel import FSDP_UNIT_FLAVOURS, fsdp_units
 from search.layouts import data_parallel_layout
 from search.plan_builder import unsimulated_plan
@@ -58,6 +58,9 @@ ENUMERATION_LIMIT = 128  # combinations of class layouts simulated exhaustively,
 # programs wrap it in (DDP, or FSDP2 units with or without resharding after forward); the
 # experts a rank holds alone stay out of them.
 DENSE_FLAVOURS = ("ddp", "zero2", "fsdp")
+# Placements our balanced placement may evaluate per call, at most (each solves a small LP):
+# what keeps a layer of 256 experts on 256 GPUs to seconds.
+PLACEMENT_EVALUATIONS = 256
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,15 @@ class ScoredLayout:
     layout: ExpertLayout
     time_s: float
     memory_bytes: float
+
+
+def runs_by_layout(block: MoEBlock) -> bool:
+    """Whether compiled programs can run ``block`` by an ``ExpertLayout``: the MoE runtime
+    (``codegen/runtime/moe.py``, ``moe_modes.py``) computes top-k routed GELU MLP experts
+    (2 matmuls, ``examples/moe.py``'s structure). Other recognised blocks (HuggingFace's
+    SwiGLU experts, 3 matmuls) are still priced by a layout when a plan gives one, but the
+    search does not propose layouts a program could not run."""
+    return block.matmuls == 2
 
 
 def routing_label(routing: RoutingStats, module: str) -> str:
@@ -121,7 +133,8 @@ def expert_placements(block: MoEBlock, loads: tuple[float, ...], cluster: Cluste
     for slots in (fewest, fewest + 1):
         for work in sources:
             placements.append(eplb(work, world, slots, per_node))
-            placements.append(balanced(work, world, slots, cost=layer_time, devices_per_node=per_node))
+            placements.append(balanced(work, world, slots, cost=layer_time, devices_per_node=per_node,
+                                       evaluations=min(PLACEMENT_EVALUATIONS, SEARCH_EVALUATIONS_PER_EXPERT * block.experts)))
     unique: dict[tuple, ExpertPlacement] = {}
     for placement in placements:
         unique.setdefault(placement.replicas, placement)
@@ -140,7 +153,8 @@ def layer_score(block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Clu
     gradient_sync = collective_time(
         "all_reduce", held * bytes_per_parameter(precision)[1], cluster, list(range(world))
     ) if synced and world > 1 else 0.0
-    time_s = cost.total_s + replica_sync_time(block, layout, cluster, precision) + gradient_sync
+    time_s = (cost.total_s + replica_sync_time(block, layout, cluster, precision) + routing_sync_time(block, cluster)
+              + gradient_sync)
     element = element_bytes(precision)
     activations = cost.busiest_copies * element * (block.hidden + 2 * (block.matmuls - 1) * block.ffn)
     buffers = {"expert_parallel": 2 * cost.buffer_bytes, "expert_sliced": cost.buffer_bytes}.get(layout.mode, 0.0)

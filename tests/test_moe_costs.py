@@ -74,9 +74,10 @@ def test_expert_sliced_balances_any_routing_by_moving_every_token():
     result = cost("expert_sliced", token_share=SKEWED)
     assert result.busiest_copies == pytest.approx(512)  # a quarter of every copy's FLOPs
     assert result.forward_compute_s == pytest.approx(512 * COPY_FLOPS / 1e12)
-    # All-gather of the 1024 x 256 x 4 B tokens and reduce-scatter of the outputs: each a
-    # ring of 3/4 x 1 MiB / 1e9.
-    ring = 0.75 * 1024 * 256 * 4 / 1e9
+    # All-gather of the 2048 kept copies x 256 x 4 B (each token once per chosen expert, as
+    # the compiled program sends them) and reduce-scatter of the outputs: each a ring of
+    # 3/4 x 2 MiB / 1e9.
+    ring = 0.75 * 2048 * 256 * 4 / 1e9
     assert result.forward_comm_s == pytest.approx(2 * ring)
     assert result.weight_bytes == 4 * 2 * 256 * 512 * 4 / 4
 

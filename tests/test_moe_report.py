@@ -64,3 +64,13 @@ def test_text_from_a_plan_file_cannot_add_lines_to_the_report():
     report = render_report(dataclasses.replace(hostile, runners_up=()))
     assert not any(line.startswith("FAKE LINE") for line in report.splitlines())
     assert moe_table(hostile).row_count == 1 and moe_notes(hostile)
+
+
+def test_the_verdict_names_the_dense_flavour_once_and_the_layer_modes():
+    graph, spec, name, cluster = prepare_model(SPEC, "cpu:1x4")
+    layouts = {block.module: ExpertLayout(block.module, "expert_sliced", 8, 2, 0.0) for block in graph.moe_blocks}
+    plan = dataclasses.replace(moe_plan(graph, cluster, spec, name, layouts), dp_flavour="zero2")
+    from planner.verdict import strategy_words
+
+    words = strategy_words(plan)
+    assert words.count("ZeRO-2") == 1 and "the 2 MoE layer(s) by layout: experts sliced" in words

@@ -147,6 +147,10 @@ def test_the_family_is_allowed_only_where_the_samples_mix_inside_moe_layers():
                    and not node.module.startswith("blocks.1.moe"))
     assert not moe_family_allowed(graph, cluster, [*coupled, CoupledOp(outside.name, outside.op, outside.module)])
     assert not moe_family_allowed(graph, Cluster.parse("cpu:1x3"), coupled)  # batch 8 does not split 3 ways
+    # SwiGLU experts (3 matmuls): priced by a layout if given one, never proposed (the
+    # compiled MoE runtime runs GELU experts).
+    swiglu = dataclasses.replace(graph, moe_blocks=tuple(dataclasses.replace(b, matmuls=3) for b in graph.moe_blocks))
+    assert not moe_family_allowed(swiglu, cluster, coupled)
     dense, _, _, _ = prepare_model(ModelSpec(str(EXAMPLES / "gpt.py"), {}), "cpu:1x4")
     assert dense.moe_blocks == () and not moe_family_allowed(dense, cluster, [])
 
@@ -155,3 +159,17 @@ def test_routing_for_a_dense_model_is_a_warning_not_a_plan_change():
     plan = planner.plan(str(EXAMPLES / "mlp.py"), "cpu:1x2", routing="zipf:1.2", progress=False)
     assert not plan.expert_layouts
     assert any("routing statistics were given but the model has no Mixture-of-Experts layer" in w for w in plan.warnings)
+
+
+def test_simulating_a_plan_file_whose_layouts_do_not_match_the_model_is_one_line(tmp_path, capsys):
+    from user_errors import assert_user_error
+
+    plan = planner.plan(str(EXAMPLES / "moe.py"), "cpu:1x4", progress=False)
+    for change, fragment in (
+        ({"module": "blocks.7.moe"}, "plan field 'expert_layouts[0].module' ('blocks.7.moe') is not an MoE layer"),
+        ({"experts": 8, "expert_loads": ()}, "plan field 'expert_layouts[0].experts' is 8 but layer 'blocks.0.moe' of"),
+    ):
+        layout = dataclasses.replace(plan.expert_layouts[0], placement=None, mode="data_parallel", **change)
+        bad = dataclasses.replace(plan, expert_layouts=(layout, *plan.expert_layouts[1:]))
+        bad.save(tmp_path / "bad.json", force=True)
+        assert_user_error(capsys, ["simulate", str(tmp_path / "bad.json")], fragment)
