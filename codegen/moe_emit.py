@@ -71,7 +71,7 @@ def render_moe_program(plan: Plan) -> str:
 
 
 def _check_supported(plan: Plan) -> None:
-    """MoE programs are data parallel (DDP) around the MoE layers, one step in one piece."""
+    """MoE programs are data parallel (DDP or FSDP2) around the MoE layers, one step in one piece."""
     if plan.mesh.names != ("dp",) or plan.pipeline is not None:
         raise PlanningError(
             f"compiled MoE programs run on a 'dp' mesh without a pipeline, not mesh {plan.mesh}; re-plan with the "
@@ -93,8 +93,8 @@ def _check_supported(plan: Plan) -> None:
         for placements in strategy.params.values():
             if placements_str(placements) != "(R)":
                 raise PlanningError(
-                    "compiled MoE programs keep every parameter outside the MoE layers replicated over 'dp' (DDP); "
-                    "this plan shards some; re-plan"
+                    "compiled MoE programs run every op outside the MoE layers data parallel over 'dp'; this plan "
+                    "shards some parameters another way; re-plan"
                 )
 
 
@@ -167,6 +167,7 @@ def _constants(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) ->
 
 
 def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> str:
+    rest = "replicated" if plan.dp_flavour == "ddp" else "sharded"
     lines = [
         "def replace_layer(model: torch.nn.Module, path: str, layer: torch.nn.Module) -> None:",
         '    """Put ``layer`` where the module at ``path`` was."""',
@@ -175,8 +176,8 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
         "",
         "",
         "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
-        f'    """This rank\'s module: the MoE layers in their planned modes, the rest replicated over the {dp}',
-        '    ranks of "dp" (DDP)."""',
+        f'    """This rank\'s module: the MoE layers in their planned modes, the rest {rest} over the {dp}',
+        f'    ranks of "dp" ({"DDP" if plan.dp_flavour == "ddp" else "FSDP2"})."""',
         '    dp_mesh = mesh["dp"]',
         "    group = dp_mesh.get_group()",
     ]
@@ -277,17 +278,22 @@ def _fsdp_lines(plan: Plan, dp: int, ignored: list[str]) -> list[str]:
         f"    # parallel layers) is sharded on dim 0 over the {dp} ranks of \"dp\": each unit keeps 1/{dp} of its",
         "    # weights, gradients and optimizer states. A unit all-gathers its weights before its forward",
         f"    # {gathered}, then reduce-scatters its gradients over \"dp\" (averaged).",
-        "    # Expert weights that differ from rank to rank (each rank's own experts or slices) stay whole",
-        "    # and unsynchronised: their gradients arrive whole from every rank's tokens through the",
-        "    # all-to-all's backward, divided by the group size in the layer.",
-        f"    EXPERT_WEIGHTS_OUTSIDE_FSDP = {literal(tuple(ignored))}",
-        "    expert_weights = {model.get_parameter(name) for name in EXPERT_WEIGHTS_OUTSIDE_FSDP}",
     ]
+    options = f"mesh=dp_mesh{keep}"
+    if ignored:
+        options += ", ignored_params=expert_weights"
+        lines += [
+            "    # Expert weights that differ from rank to rank (each rank's own experts or slices) stay whole",
+            "    # and unsynchronised: their gradients arrive whole from every rank's tokens through the",
+            "    # all-to-all's backward, divided by the group size in the layer.",
+            f"    EXPERT_WEIGHTS_OUTSIDE_FSDP = {literal(tuple(ignored))}",
+            "    expert_weights = {model.get_parameter(name) for name in EXPERT_WEIGHTS_OUTSIDE_FSDP}",
+        ]
     for unit in plan.fsdp_units:  # module paths checked against the model (codegen.plan_checks)
-        lines.append(f"    fully_shard(model.get_submodule({unit!r}), mesh=dp_mesh{keep}, ignored_params=expert_weights)")
+        lines.append(f"    fully_shard(model.get_submodule({unit!r}), {options})")
     lines += [
         "    # The root unit: every parameter outside the units above.",
-        f"    fully_shard(model, mesh=dp_mesh{keep}, ignored_params=expert_weights)",
+        f"    fully_shard(model, {options})",
         "    return model",
         "",
     ]

@@ -156,6 +156,7 @@ def test_programs_say_what_moves(world_run: WorldRun) -> None:
     assert "fully_shard(model.get_submodule('blocks.0'), mesh=dp_mesh, ignored_params=expert_weights)" in fsdp
     assert "EXPERT_WEIGHTS_OUTSIDE_FSDP = ('blocks.0.moe.w_in', 'blocks.0.moe.w_out', " in fsdp
     assert "DistributedDataParallel" not in fsdp
+    assert "fully_shard(model, mesh=dp_mesh)\n" in source["fsdp_data_parallel"]  # every expert weight sharded too
     assert "fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, ignored_params=expert_weights)" in (
         source["zero2_ep_round_robin"]
     )
