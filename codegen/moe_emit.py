@@ -27,7 +27,14 @@ Module paths reach the source only as ``repr()`` of a path checked against the m
 
 from __future__ import annotations
 
-from codegen.emit import about_plan, autocast_lines, has_batch_norm, precision_imports, shard_batch_source
+from codegen.emit import (
+    about_plan,
+    autocast_lines,
+    has_batch_norm,
+    precision_imports,
+    recomputed_blocks,
+    shard_batch_source,
+)
 from codegen.plan_checks import checked_plan
 from codegen.source_text import comment, literal, number
 from planner import __version__
@@ -87,8 +94,11 @@ def _check_supported(plan: Plan) -> None:
             "an MoE plan cannot accumulate gradients over micro-batches: each expert's capacity is set by the whole "
             "batch's routing, which micro-batches would change; re-plan without accumulation"
         )
-    if plan.recompute != "none":
-        raise PlanningError("compiled MoE programs do not recompute activations yet; re-plan with --recompute none")
+    if plan.recompute not in ("none", "full"):
+        raise PlanningError(
+            f"compiled MoE programs recompute whole blocks or nothing, not {plan.recompute!r}; re-plan with --recompute "
+            f"full or none"
+        )
     for strategy in plan.strategies:
         for placements in strategy.params.values():
             if placements_str(placements) != "(R)":
@@ -137,6 +147,8 @@ def _imports(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> s
     others = [_RUNTIME_CLASSES[mode] for mode in ("data_parallel", "expert_sliced") if mode in modes]
     if others:
         lines.append(f"from codegen.runtime.moe_modes import {', '.join(others)}")
+    if plan.recompute == "full":
+        lines.append("from codegen.runtime.moe import recompute_in_backward_counting_once")
     if has_batch_norm(plan):
         lines.append("from codegen.runtime.batch_norm import synchronise_batch_norm")
     lines += precision_imports(plan)
@@ -150,6 +162,14 @@ def _constants(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) ->
         "# Gradient accumulation: none (each expert's capacity is set by the whole batch's routing).\n"
         "ACCUMULATION_STEPS = 1\n"
     )
+    if plan.recompute == "full":
+        rows = "".join(f"    {path!r},\n" for path in recomputed_blocks(plan))  # the traced model's block paths
+        text += (
+            "\n# Activation recomputation: these blocks keep only their inputs for backward and run their\n"
+            "# forward again when backward reaches it (less memory, one more forward each; MoE layers route\n"
+            "# again, with the same result, and move their tokens again).\n"
+            f"RECOMPUTED_BLOCKS = (\n{rows})\n"
+        )
     for index, layout, block in layouts:
         if layout.placement is None:
             continue
@@ -213,6 +233,12 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
         lines += [f"        {argument}," for argument in arguments]
         lines.append("    ))")
     lines.append("")
+    if plan.recompute == "full":
+        lines += [
+            "    # After the MoE layers are in place, before wrapping: the wrapper's hooks stay outside.",
+            "    for path in RECOMPUTED_BLOCKS:",
+            "        recompute_in_backward_counting_once(model.get_submodule(path))",
+        ]
     if has_batch_norm(plan):
         lines += [
             "    # Batch norm normalises with the statistics of the whole global batch (every rank of \"dp\").",

@@ -8,7 +8,8 @@ round-robin experts and with a skewed placement copying expert 0 on two ranks, d
 parallel, expert-sliced; capacity factor 0.5 (choices dropped: fewer slots than choices),
 1.25 and dropless; in bf16 autocast (one case per mode); and with the rest of the model in FSDP2 units
 (``fsdp``, ``zero2``) rather than DDP, the per-rank expert weights left out of them; and
-with the two-level all-to-all on a cluster of two nodes. Each
+with the two-level all-to-all on a cluster of two nodes; and with every block recomputed in
+backward. Each
 world size checks all its programs in ONE
 torchrun launch (``tests/dist_check_many.py``). Negative controls must fail on an expert
 gradient: expert-parallel and expert-sliced layers whose gradients are not divided by the
@@ -17,7 +18,8 @@ out of DDP.
 
 Then the CLI path as a user types it, at world 4: ``planner compile p.json -o out`` of a
 hand-built expert-parallel plan saved to JSON, ``torchrun out/launch.py --check``; and at
-world 2 ``launch.py --steps 2 --record-routing routing.json``, whose file loads with
+world 2 ``launch.py --steps 2 --record-routing routing.json`` (blocks recomputed: routed
+again in backward, counted once), whose file loads with
 ``planner.routing.load_routing`` and whose shares and co-selections equal those counted on
 one device training the same two steps.
 """
@@ -63,6 +65,8 @@ CASES = [
 ]
 # Expert parallel with the two-level all-to-all on two nodes (of world / 2 ranks each).
 TWO_LEVEL = "ep_skewed_two_level_two_nodes"
+# Expert parallel with every block recomputed in backward (the MoE layers route and move again).
+RECOMPUTED = "ep_skewed_recompute_full"
 LAUNCH_TIMEOUT = 300
 
 
@@ -115,6 +119,8 @@ def world_run(request, tmp_path_factory) -> WorldRun:
         folders[name] = planner.compile(plan, root / name)
     two_level = moe_plan(world, "expert_parallel", "skewed", 0.5, nodes=2, all_to_all="hierarchical")
     folders[TWO_LEVEL] = planner.compile(two_level, root / TWO_LEVEL)
+    recomputing = moe_plan(world, "expert_parallel", "skewed", 0.5, recompute="full")
+    folders[RECOMPUTED] = planner.compile(recomputing, root / RECOMPUTED)
     controls = {
         name: breaking(planner.compile(moe_plan(world, mode, placement), root / name))
         for name, (mode, placement, breaking, _) in CONTROLS.items()
@@ -123,7 +129,7 @@ def world_run(request, tmp_path_factory) -> WorldRun:
     return WorldRun(world, folders, controls, launch)
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES] + [TWO_LEVEL])
+@pytest.mark.parametrize("case", [c[0] for c in CASES] + [TWO_LEVEL, RECOMPUTED])
 def test_compiled_moe_step_equals_one_device(world_run: WorldRun, case: str) -> None:
     result = result_of(world_run.launch, world_run.folders[case])
     assert result.startswith("ok parity ok: "), f"{case} at world {world_run.world}: {result}"
@@ -147,6 +153,8 @@ def test_programs_say_what_moves(world_run: WorldRun) -> None:
     assert "EXPERT_WEIGHTS_OUTSIDE_DDP" not in source["data_parallel_drops"]  # replicated experts stay in DDP
     assert "replace_layer(model, 'blocks.1.moe', ExpertSlicedMoE(" in source["expert_sliced_drops"]
     assert "run_in_autocast(model, dp_mesh.device_type, torch.bfloat16)" in source["ep_skewed_copied_bf16"]
+    assert "RECOMPUTED_BLOCKS = (\n    'blocks.0',\n    'blocks.1',\n)" in source[RECOMPUTED]
+    assert "        recompute_in_backward_counting_once(model.get_submodule(path))" in source[RECOMPUTED]
     two_level = source[TWO_LEVEL]
     assert f"two_level = TwoLevelExchange(group, ranks_per_node={world_run.world // 2})" in two_level
     assert two_level.count("exchange=two_level,") == 2  # both layers
@@ -199,7 +207,9 @@ STEPS = 2
 
 
 def test_recorded_routing_matches_one_device(tmp_path):
-    folder = planner.compile(moe_plan(2, "expert_parallel", "skewed", 0.5), tmp_path / "out")
+    # Blocks recomputed in backward: their MoE layers route again there, and must not count
+    # it again (the co-selection counts would double).
+    folder = planner.compile(moe_plan(2, "expert_parallel", "skewed", 0.5, recompute="full"), tmp_path / "out")
     routing_file = tmp_path / "routing.json"
     command = [*_torchrun(2), str(folder / "launch.py"), "--steps", str(STEPS), "--record-routing", str(routing_file)]
     launch = _run(command, tmp_path, LAUNCH_TIMEOUT)

@@ -39,16 +39,19 @@ experts are chosen for one token, forward after forward (``routed_counts``,
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "ExpertParallelMoE", "FlatExchange", "RoutedMoE", "Routing", "all_to_all_rows", "exchange_counts", "route",
-    "scaled_gradient", "sum_copied_expert_gradients",
+    "recompute_in_backward_counting_once", "scaled_gradient", "sum_copied_expert_gradients",
 ]
 
 # The parameter names of examples/moe.py's MoE, relative to the layer: what full_parameters
@@ -154,6 +157,8 @@ class RoutedMoE(torch.nn.Module):
         raise NotImplementedError
 
     def _record(self, routing: Routing, count: int) -> None:
+        if _recomputing:  # backward re-running a checkpointed block: counted in its forward already
+            return
         with torch.no_grad():
             self.routed_counts += routing.one_hot.sum(dim=0).double()
             per_token = routing.one_hot.view(self.top_k, count, self.experts).sum(dim=0).double()  # (n, E)
@@ -164,6 +169,39 @@ class RoutedMoE(torch.nn.Module):
     def _router_entry(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         grad = None if self.router.grad is None else self.router.grad.detach()
         return self.router.detach(), grad
+
+
+# How many checkpointed blocks backward is recomputing right now (see recompute_in_backward_counting_once).
+_recomputing = 0
+
+
+@contextlib.contextmanager
+def _recomputation():
+    global _recomputing
+    _recomputing += 1
+    try:
+        yield
+    finally:
+        _recomputing -= 1
+
+
+def recompute_in_backward_counting_once(module: torch.nn.Module) -> torch.nn.Module:
+    """Make ``module``'s forward run under non-reentrant activation checkpointing (backward
+    recomputes its activations, as ``codegen.runtime.recompute.recompute_in_backward`` does),
+    with the MoE layers inside it counting their routing only in forward, not again when
+    backward recomputes them. Returns ``module``. Every rank recomputes at the same point of
+    backward, so the layers' collectives match up."""
+    forward = module.forward
+
+    def contexts():
+        return contextlib.nullcontext(), _recomputation()
+
+    @functools.wraps(forward)
+    def checkpointed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    module.forward = checkpointed_forward
+    return module
 
 
 class ExpertParallelMoE(RoutedMoE):
