@@ -15,8 +15,8 @@ expert-sliced modes, this file the expert-parallel one):
    (from the group's token count) and the drops are the single device's.
 3. Dispatch (expert parallel). Each kept choice goes to a device holding its expert
    (``ExpertPlacement``: a hot expert may have copies; its slots are split among them by
-   their shares, in slot order) with one ``all_to_all_single`` (uneven splits, with
-   autograd), its slot alongside.
+   their shares, in slot order) with one all-to-all (uneven splits, with autograd; flat,
+   ``FlatExchange``, or two-level, ``codegen.runtime.moe_exchange``), its slot alongside.
 4. Experts. Each device fills a buffer (its experts x capacity x width, zeros elsewhere: the
    single device's padding) and runs its experts as one batched matmul.
 5. Combine. The outputs go back with a second all-to-all and are summed with the gates.
@@ -34,7 +34,9 @@ the group as any data-parallel gradient (DDP does it in a compiled program).
 
 Each layer also counts its routed choices per expert (before drops) and how often two
 experts are chosen for one token, forward after forward (``routed_counts``,
-``coselected``): ``launch.py --record-routing`` writes them as routing statistics.
+``coselected``): ``launch.py --record-routing`` writes them as routing statistics. A block
+checkpointed by ``recompute_in_backward_counting_once`` routes again in backward without
+counting again.
 """
 
 from __future__ import annotations
