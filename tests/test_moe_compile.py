@@ -54,7 +54,6 @@ def test_every_moe_layer_needs_a_layout(plan, tmp_path):
     [
         ({"accumulation_steps": 2}, "cannot accumulate gradients over micro-batches"),
         ({"recompute": "selective"}, "recompute whole blocks or nothing, not 'selective'"),
-        ({"dp_flavour": "zero1"}, "dp flavour 'zero1' is not written for MoE layers yet"),
     ],
 )
 def test_plan_shapes_not_written_for_moe_are_refused(plan, tmp_path, changes, expected):

@@ -53,7 +53,7 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "ExpertParallelMoE", "FlatExchange", "RoutedMoE", "Routing", "all_to_all_rows", "exchange_counts", "route",
-    "recompute_in_backward_counting_once", "scaled_gradient", "sum_copied_expert_gradients",
+    "rank_local_parameters", "recompute_in_backward_counting_once", "scaled_gradient", "sum_copied_expert_gradients",
 ]
 
 # The parameter names of examples/moe.py's MoE, relative to the layer: what full_parameters
@@ -158,6 +158,11 @@ class RoutedMoE(torch.nn.Module):
         of the group calls it (``codegen.runtime.parity`` does, for ``launch.py --check``)."""
         raise NotImplementedError
 
+    def rank_local_parameters(self) -> list[torch.nn.Parameter]:
+        """The layer's parameters that differ from rank to rank (its own experts or slices):
+        no data-parallel wrapper or optimizer may average, shard or broadcast them."""
+        return []
+
     def _record(self, routing: Routing, count: int) -> None:
         if _recomputing:  # backward re-running a checkpointed block: counted in its forward already
             return
@@ -171,6 +176,11 @@ class RoutedMoE(torch.nn.Module):
     def _router_entry(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         grad = None if self.router.grad is None else self.router.grad.detach()
         return self.router.detach(), grad
+
+
+def rank_local_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of every MoE layer in ``module`` that differ from rank to rank."""
+    return [param for layer in module.modules() if isinstance(layer, RoutedMoE) for param in layer.rank_local_parameters()]
 
 
 # How many checkpointed blocks backward is recomputing right now (see recompute_in_backward_counting_once).
@@ -236,6 +246,10 @@ class ExpertParallelMoE(RoutedMoE):
         self.local_experts = [e for e, copies in enumerate(self.replicas) if any(d == self.rank for d, _ in copies)]
         self.w_in = torch.nn.Parameter(expert_in.detach()[self.local_experts].clone())
         self.w_out = torch.nn.Parameter(expert_out.detach()[self.local_experts].clone())
+
+    def rank_local_parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's experts (see ``RoutedMoE.rank_local_parameters``)."""
+        return [self.w_in, self.w_out]
 
     def _slot_ranges(self, copies, capacity: int):
         """(device, first slot, end slot) of each copy: slots split by the shares, in order."""
