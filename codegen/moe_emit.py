@@ -16,9 +16,10 @@ layer's own weights:
 Every mode routes in the global order of the whole batch (one all-gather of per-expert
 counts), so capacity, drops and the balance loss are one device's. The rest of the model
 (and the router, and the experts of data-parallel layers) is data parallel by the plan's
-flavour: DDP (``ddp``) or FSDP2 units (``fsdp``; ``zero2`` keeps gathered weights from
-forward to backward). The expert weights that differ from rank to rank are kept out of DDP
-and of every FSDP2 unit: their gradients arrive complete through the all-to-all's backward, divided by
+flavour: DDP (``ddp``; ``zero1`` adds an optimizer splitting the replicated weights'
+states over "dp") or FSDP2 units (``fsdp``; ``zero2`` keeps gathered weights from forward to
+backward). The expert weights that differ from rank to rank are kept out of DDP, of every
+FSDP2 unit and of ZeRO-1's split (each rank steps its own whole): their gradients arrive complete through the all-to-all's backward, divided by
 the group size in the layer (each rank's loss is a mean over its own tokens).
 
 Module paths reach the source only as ``repr()`` of a path checked against the model
