@@ -32,11 +32,11 @@ def skewed_placement(experts: int, world: int) -> ExpertPlacement:
 
 def moe_plan(world: int, mode: str, placement: str | None = None, capacity_factor: float = 1.25,
              precision: str = "fp32", experts: int = EXPERTS, flavour: str = "ddp", nodes: int = 1,
-             all_to_all: str = "flat") -> Plan:
+             all_to_all: str = "flat", recompute: str = "none") -> Plan:
     """A data-parallel plan (``flavour``: ddp, fsdp, zero2) of ``examples/moe.py`` (``n_expert=experts``, the capacity factor given) on
     ``world`` CPU ranks over ``nodes`` nodes, every MoE layer in ``mode``; ``placement``:
     ``round-robin`` or ``skewed`` (``skewed_placement``) for expert parallelism, whose
-    all-to-all is ``all_to_all`` (``flat`` or ``hierarchical``)."""
+    all-to-all is ``all_to_all`` (``flat`` or ``hierarchical``); ``recompute``: the plan's."""
     spec = ModelSpec(str(MOE_EXAMPLE), {"n_expert": experts, "capacity_factor": capacity_factor})
     graph, spec, name, cluster = prepare_model(spec, f"cpu:{nodes}x{world // nodes}")
     base = data_parallel_plan(graph, cluster, spec, name, flavour, precision=precision)
@@ -50,4 +50,4 @@ def moe_plan(world: int, mode: str, placement: str | None = None, capacity_facto
             capacity_factor=block.capacity_factor, axis="dp", placement=chosen,
             all_to_all=all_to_all if mode == "expert_parallel" else "flat",
         ))
-    return dataclasses.replace(base, label="moe", expert_layouts=tuple(layouts))
+    return dataclasses.replace(base, label="moe", expert_layouts=tuple(layouts), recompute=recompute)

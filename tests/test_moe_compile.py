@@ -53,8 +53,7 @@ def test_every_moe_layer_needs_a_layout(plan, tmp_path):
     ("changes", "expected"),
     [
         ({"accumulation_steps": 2}, "cannot accumulate gradients over micro-batches"),
-        ({"recompute": "full"}, "do not recompute activations yet"),
-        ({"dp_flavour": "zero1"}, "dp flavour 'zero1' is not written for MoE layers yet"),
+        ({"recompute": "selective"}, "recompute whole blocks or nothing, not 'selective'"),
     ],
 )
 def test_plan_shapes_not_written_for_moe_are_refused(plan, tmp_path, changes, expected):

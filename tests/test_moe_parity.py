@@ -6,18 +6,20 @@ with expert layouts in every mode compile to a program whose ``launch.py --check
 each layer's ``full_parameters``) equals the single-device step: expert parallel with
 round-robin experts and with a skewed placement copying expert 0 on two ranks, data
 parallel, expert-sliced; capacity factor 0.5 (choices dropped: fewer slots than choices),
-1.25 and dropless; in bf16 autocast (one case per mode); and with the rest of the model in FSDP2 units
-(``fsdp``, ``zero2``) rather than DDP, the per-rank expert weights left out of them; and
-with the two-level all-to-all on a cluster of two nodes. Each
-world size checks all its programs in ONE
-torchrun launch (``tests/dist_check_many.py``). Negative controls must fail on an expert
-gradient: expert-parallel and expert-sliced layers whose gradients are not divided by the
-group size (nor copies summed), and a data-parallel layer whose replicated experts are kept
-out of DDP.
+1.25 and dropless; in bf16 autocast (one case per mode); with the rest of the model in FSDP2
+units (``fsdp``, ``zero2``) rather than DDP, the per-rank expert weights left out of them, or
+in DDP with ZeRO-1 optimizer states (each rank's experts stepped whole on it); with the
+two-level all-to-all on a cluster of two nodes; and with every block recomputed in backward.
+Each world size checks all its programs in ONE torchrun launch (``tests/dist_check_many.py``).
+Negative controls must fail, naming an expert weight: expert-parallel and expert-sliced
+layers whose gradients are not divided by the group size (nor copies summed), a
+data-parallel layer whose replicated experts are kept out of DDP, and a ZeRO-1 optimizer
+that splits the states of each rank's own experts as if they were replicated.
 
 Then the CLI path as a user types it, at world 4: ``planner compile p.json -o out`` of a
 hand-built expert-parallel plan saved to JSON, ``torchrun out/launch.py --check``; and at
-world 2 ``launch.py --steps 2 --record-routing routing.json``, whose file loads with
+world 2 ``launch.py --steps 2 --record-routing routing.json`` (blocks recomputed: routed
+again in backward, counted once), whose file loads with
 ``planner.routing.load_routing`` and whose shares and co-selections equal those counted on
 one device training the same two steps.
 """
@@ -60,9 +62,14 @@ CASES = [
     ("fsdp_data_parallel", "data_parallel", None, 1.25, "fp32", "fsdp"),
     ("fsdp_expert_sliced_dropless", "expert_sliced", None, 0.0, "fp32", "fsdp"),
     ("zero2_ep_round_robin", "expert_parallel", "round-robin", 1.25, "fp32", "zero2"),
+    ("zero1_ep_skewed_copied", "expert_parallel", "skewed", 0.5, "fp32", "zero1"),
+    ("zero1_expert_sliced", "expert_sliced", None, 1.25, "fp32", "zero1"),
+    ("zero1_data_parallel", "data_parallel", None, 0.0, "fp32", "zero1"),
 ]
 # Expert parallel with the two-level all-to-all on two nodes (of world / 2 ranks each).
 TWO_LEVEL = "ep_skewed_two_level_two_nodes"
+# Expert parallel with every block recomputed in backward (the MoE layers route and move again).
+RECOMPUTED = "ep_skewed_recompute_full"
 LAUNCH_TIMEOUT = 300
 
 
@@ -95,12 +102,25 @@ def _keep_replicated_experts_out_of_ddp(folder: Path) -> Path:
     return folder
 
 
-# control -> (mode, placement, how it is broken, the tensor its failure must name: a pattern)
+def _split_experts_states(folder: Path) -> Path:
+    """A control: a ZeRO-1 optimizer that treats each rank's own experts as replicated
+    weights, stepping a piece of them and gathering the other ranks' pieces over them."""
+    source = folder / "model_spmd.py"
+    text = source.read_text()
+    assert "rank_local=rank_local_parameters(module), " in text, text
+    source.write_text(text.replace("rank_local=rank_local_parameters(module), ", ""))
+    return folder
+
+
+EXPERT_WEIGHT = r"blocks\.[01]\.moe\.experts\.w_(in|out):"
+# control -> (mode, placement, dp flavour, how it is broken, the tensor its failure must name: a pattern)
 CONTROLS = {
-    "ep_unscaled": ("expert_parallel", "skewed", _unscale_expert_gradients, r"grad of blocks\.[01]\.moe\.experts\.w_(in|out):"),
-    "sliced_unscaled": ("expert_sliced", None, _unscale_expert_gradients, r"grad of blocks\.[01]\.moe\.experts\.w_(in|out):"),
+    "ep_unscaled": ("expert_parallel", "skewed", "ddp", _unscale_expert_gradients, rf"grad of {EXPERT_WEIGHT}"),
+    "sliced_unscaled": ("expert_sliced", None, "ddp", _unscale_expert_gradients, rf"grad of {EXPERT_WEIGHT}"),
+    # Round-robin: every rank holds as many experts, so the wrong gather runs (and overwrites).
+    "zero1_experts_split": ("expert_parallel", "round-robin", "zero1", _split_experts_states, rf"updated {EXPERT_WEIGHT}"),
     "dp_experts_unaveraged": (
-        "data_parallel", None, _keep_replicated_experts_out_of_ddp, r"grad of blocks\.0\.moe\.experts\.w_in:",
+        "data_parallel", None, "ddp", _keep_replicated_experts_out_of_ddp, r"grad of blocks\.0\.moe\.experts\.w_in:",
     ),
 }
 
@@ -115,15 +135,17 @@ def world_run(request, tmp_path_factory) -> WorldRun:
         folders[name] = planner.compile(plan, root / name)
     two_level = moe_plan(world, "expert_parallel", "skewed", 0.5, nodes=2, all_to_all="hierarchical")
     folders[TWO_LEVEL] = planner.compile(two_level, root / TWO_LEVEL)
+    recomputing = moe_plan(world, "expert_parallel", "skewed", 0.5, recompute="full")
+    folders[RECOMPUTED] = planner.compile(recomputing, root / RECOMPUTED)
     controls = {
-        name: breaking(planner.compile(moe_plan(world, mode, placement), root / name))
-        for name, (mode, placement, breaking, _) in CONTROLS.items()
+        name: breaking(planner.compile(moe_plan(world, mode, placement, flavour=flavour), root / name))
+        for name, (mode, placement, flavour, breaking, _) in CONTROLS.items()
     }
     launch = check_many(world, [*folders.values(), *controls.values()], root)
     return WorldRun(world, folders, controls, launch)
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES] + [TWO_LEVEL])
+@pytest.mark.parametrize("case", [c[0] for c in CASES] + [TWO_LEVEL, RECOMPUTED])
 def test_compiled_moe_step_equals_one_device(world_run: WorldRun, case: str) -> None:
     result = result_of(world_run.launch, world_run.folders[case])
     assert result.startswith("ok parity ok: "), f"{case} at world {world_run.world}: {result}"
@@ -133,7 +155,7 @@ def test_compiled_moe_step_equals_one_device(world_run: WorldRun, case: str) -> 
 def test_broken_expert_gradients_are_reported(world_run: WorldRun, control: str) -> None:
     result = result_of(world_run.launch, world_run.controls[control])
     assert result.startswith("FAILED parity FAILED: worst tensor "), result
-    assert re.search(CONTROLS[control][3], result), result
+    assert re.search(CONTROLS[control][4], result), result
 
 
 def test_programs_say_what_moves(world_run: WorldRun) -> None:
@@ -147,15 +169,22 @@ def test_programs_say_what_moves(world_run: WorldRun) -> None:
     assert "EXPERT_WEIGHTS_OUTSIDE_DDP" not in source["data_parallel_drops"]  # replicated experts stay in DDP
     assert "replace_layer(model, 'blocks.1.moe', ExpertSlicedMoE(" in source["expert_sliced_drops"]
     assert "run_in_autocast(model, dp_mesh.device_type, torch.bfloat16)" in source["ep_skewed_copied_bf16"]
+    assert "RECOMPUTED_BLOCKS = (\n    'blocks.0',\n    'blocks.1',\n)" in source[RECOMPUTED]
+    assert "        recompute_in_backward_counting_once(model.get_submodule(path))" in source[RECOMPUTED]
     two_level = source[TWO_LEVEL]
     assert f"two_level = TwoLevelExchange(group, ranks_per_node={world_run.world // 2})" in two_level
     assert two_level.count("exchange=two_level,") == 2  # both layers
     assert "exchange=" not in skewed  # flat: the default
+    # ZeRO-1: DDP, and an optimizer splitting the replicated weights' states, experts stepped whole.
+    zero1 = source["zero1_ep_skewed_copied"]
+    assert "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, EXPERT_WEIGHTS_OUTSIDE_DDP)" in zero1
+    assert "module.parameters(), mesh, \"dp\", optimizer_class, rank_local=rank_local_parameters(module), **kwargs" in zero1
     # FSDP2 around the rest, the per-rank expert weights left out of every unit.
     fsdp = source["fsdp_ep_skewed_copied_drops"]
     assert "fully_shard(model.get_submodule('blocks.0'), mesh=dp_mesh, ignored_params=expert_weights)" in fsdp
     assert "EXPERT_WEIGHTS_OUTSIDE_FSDP = ('blocks.0.moe.w_in', 'blocks.0.moe.w_out', " in fsdp
     assert "DistributedDataParallel" not in fsdp
+    assert "fully_shard(model, mesh=dp_mesh)\n" in source["fsdp_data_parallel"]  # every expert weight sharded too
     assert "fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, ignored_params=expert_weights)" in (
         source["zero2_ep_round_robin"]
     )
@@ -198,7 +227,9 @@ STEPS = 2
 
 
 def test_recorded_routing_matches_one_device(tmp_path):
-    folder = planner.compile(moe_plan(2, "expert_parallel", "skewed", 0.5), tmp_path / "out")
+    # Blocks recomputed in backward: their MoE layers route again there, and must not count
+    # it again (the co-selection counts would double).
+    folder = planner.compile(moe_plan(2, "expert_parallel", "skewed", 0.5, recompute="full"), tmp_path / "out")
     routing_file = tmp_path / "routing.json"
     command = [*_torchrun(2), str(folder / "launch.py"), "--steps", str(STEPS), "--record-routing", str(routing_file)]
     launch = _run(command, tmp_path, LAUNCH_TIMEOUT)

@@ -15,8 +15,8 @@ expert-sliced modes, this file the expert-parallel one):
    (from the group's token count) and the drops are the single device's.
 3. Dispatch (expert parallel). Each kept choice goes to a device holding its expert
    (``ExpertPlacement``: a hot expert may have copies; its slots are split among them by
-   their shares, in slot order) with one ``all_to_all_single`` (uneven splits, with
-   autograd), its slot alongside.
+   their shares, in slot order) with one all-to-all (uneven splits, with autograd; flat,
+   ``FlatExchange``, or two-level, ``codegen.runtime.moe_exchange``), its slot alongside.
 4. Experts. Each device fills a buffer (its experts x capacity x width, zeros elsewhere: the
    single device's padding) and runs its experts as one batched matmul.
 5. Combine. The outputs go back with a second all-to-all and are summed with the gates.
@@ -34,21 +34,26 @@ the group as any data-parallel gradient (DDP does it in a compiled program).
 
 Each layer also counts its routed choices per expert (before drops) and how often two
 experts are chosen for one token, forward after forward (``routed_counts``,
-``coselected``): ``launch.py --record-routing`` writes them as routing statistics.
+``coselected``): ``launch.py --record-routing`` writes them as routing statistics. A block
+checkpointed by ``recompute_in_backward_counting_once`` routes again in backward without
+counting again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "ExpertParallelMoE", "FlatExchange", "RoutedMoE", "Routing", "all_to_all_rows", "exchange_counts", "route",
-    "scaled_gradient", "sum_copied_expert_gradients",
+    "rank_local_parameters", "recompute_in_backward_counting_once", "scaled_gradient", "sum_copied_expert_gradients",
 ]
 
 # The parameter names of examples/moe.py's MoE, relative to the layer: what full_parameters
@@ -153,7 +158,14 @@ class RoutedMoE(torch.nn.Module):
         of the group calls it (``codegen.runtime.parity`` does, for ``launch.py --check``)."""
         raise NotImplementedError
 
+    def rank_local_parameters(self) -> list[torch.nn.Parameter]:
+        """The layer's parameters that differ from rank to rank (its own experts or slices):
+        no data-parallel wrapper or optimizer may average, shard or broadcast them."""
+        return []
+
     def _record(self, routing: Routing, count: int) -> None:
+        if _recomputing:  # backward re-running a checkpointed block: counted in its forward already
+            return
         with torch.no_grad():
             self.routed_counts += routing.one_hot.sum(dim=0).double()
             per_token = routing.one_hot.view(self.top_k, count, self.experts).sum(dim=0).double()  # (n, E)
@@ -164,6 +176,44 @@ class RoutedMoE(torch.nn.Module):
     def _router_entry(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         grad = None if self.router.grad is None else self.router.grad.detach()
         return self.router.detach(), grad
+
+
+def rank_local_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of every MoE layer in ``module`` that differ from rank to rank."""
+    return [param for layer in module.modules() if isinstance(layer, RoutedMoE) for param in layer.rank_local_parameters()]
+
+
+# How many checkpointed blocks backward is recomputing right now (see recompute_in_backward_counting_once).
+_recomputing = 0
+
+
+@contextlib.contextmanager
+def _recomputation():
+    global _recomputing
+    _recomputing += 1
+    try:
+        yield
+    finally:
+        _recomputing -= 1
+
+
+def recompute_in_backward_counting_once(module: torch.nn.Module) -> torch.nn.Module:
+    """Make ``module``'s forward run under non-reentrant activation checkpointing (backward
+    recomputes its activations, as ``codegen.runtime.recompute.recompute_in_backward`` does),
+    with the MoE layers inside it counting their routing only in forward, not again when
+    backward recomputes them. Returns ``module``. Every rank recomputes at the same point of
+    backward, so the layers' collectives match up."""
+    forward = module.forward
+
+    def contexts():
+        return contextlib.nullcontext(), _recomputation()
+
+    @functools.wraps(forward)
+    def checkpointed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    module.forward = checkpointed_forward
+    return module
 
 
 class ExpertParallelMoE(RoutedMoE):
@@ -196,6 +246,10 @@ class ExpertParallelMoE(RoutedMoE):
         self.local_experts = [e for e, copies in enumerate(self.replicas) if any(d == self.rank for d, _ in copies)]
         self.w_in = torch.nn.Parameter(expert_in.detach()[self.local_experts].clone())
         self.w_out = torch.nn.Parameter(expert_out.detach()[self.local_experts].clone())
+
+    def rank_local_parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's experts (see ``RoutedMoE.rank_local_parameters``)."""
+        return [self.w_in, self.w_out]
 
     def _slot_ranges(self, copies, capacity: int):
         """(device, first slot, end slot) of each copy: slots split by the shares, in order."""

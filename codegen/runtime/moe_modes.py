@@ -81,6 +81,10 @@ class ExpertSlicedMoE(RoutedMoE):
         self.w_in = torch.nn.Parameter(expert_in.detach()[:, :, start:end].clone())  # (E, C, ffn/ranks)
         self.w_out = torch.nn.Parameter(expert_out.detach()[:, start:end, :].clone())  # (E, ffn/ranks, C)
 
+    def rank_local_parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's slices of the experts (see ``RoutedMoE.rank_local_parameters``)."""
+        return [self.w_in, self.w_out]
+
     def run_experts(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         k, width, experts, capacity = self.top_k, tokens.size(1), self.experts, routing.capacity
         kept = routing.kept.nonzero().squeeze(-1)

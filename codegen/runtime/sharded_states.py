@@ -24,12 +24,14 @@ __all__ = ["ShardedStatesOptimizer"]
 
 
 class _Piece:
-    """One weight's local tensor and the part of it this rank steps."""
+    """One weight's local tensor and the part of it this rank steps (all of it when ``whole``)."""
 
-    def __init__(self, param: torch.Tensor, rank: int, ranks: int) -> None:
+    def __init__(self, param: torch.Tensor, rank: int, ranks: int, whole: bool = False) -> None:
         self.param = param
         self.local = _local(param).detach()  # shares the weight's storage
-        self.dim = next((d for d, size in enumerate(self.local.shape) if size % ranks == 0 and size >= ranks), None)
+        self.dim = None if whole else next(
+            (d for d, size in enumerate(self.local.shape) if size % ranks == 0 and size >= ranks), None
+        )
         if self.dim is None:
             self.piece = self.local
         else:
@@ -65,10 +67,14 @@ class ShardedStatesOptimizer:
         mesh: the program's device mesh.
         axis: the mesh axis the states are split over (``"dp"``).
         optimizer_class, kwargs: the inner optimizer (e.g. ``torch.optim.AdamW, lr=1e-3``).
+        rank_local: parameters among ``params`` that differ from rank to rank (an MoE
+            layer's own experts): each rank steps them whole, with their own gradients, and
+            nothing is gathered.
     """
 
     def __init__(
-        self, params: Iterable[torch.Tensor], mesh: DeviceMesh, axis: str, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+        self, params: Iterable[torch.Tensor], mesh: DeviceMesh, axis: str, optimizer_class: type[torch.optim.Optimizer],
+        rank_local: Iterable[torch.Tensor] = (), **kwargs: Any
     ) -> None:
         self.group = mesh.get_group(axis)
         self.rank, self.ranks = mesh.get_local_rank(axis), mesh.size(mesh.mesh_dim_names.index(axis))
@@ -76,7 +82,8 @@ class ShardedStatesOptimizer:
         for param in params:
             if param.requires_grad:
                 unique.setdefault(id(param), param)
-        self.pieces = [_Piece(param, self.rank, self.ranks) for param in unique.values()]
+        own = {id(param) for param in rank_local}
+        self.pieces = [_Piece(param, self.rank, self.ranks, id(param) in own) for param in unique.values()]
         self.inner = optimizer_class([piece.piece for piece in self.pieces], **kwargs)
 
     @property
