@@ -40,7 +40,7 @@ from codegen.plan_checks import checked_plan
 from codegen.source_text import comment, literal, number
 from planner import __version__
 from planner.errors import PlannerError, PlanningError
-from planner.moe_blocks import MoEBlock, find_moe_blocks
+from planner.moe_blocks import HF_STACKED_EXPERTS, MoEBlock, find_moe_blocks
 from planner.plans import Plan
 from planner.strategy import ExpertLayout, placements_str
 
@@ -140,13 +140,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 
 def _imports(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> str:
-    modes = {layout.mode for _, layout, _ in layouts}
     lines = []
-    if "expert_parallel" in modes:
+    routed = {layout.mode for _, layout, block in layouts if block.runtime != HF_STACKED_EXPERTS}
+    if any(layout.mode == "expert_parallel" and block.runtime == HF_STACKED_EXPERTS for _, layout, block in layouts):
+        lines.append("from codegen.runtime.expert_dispatch import ExpertParallelExperts")
+    if "expert_parallel" in routed:
         lines.append("from codegen.runtime.moe import ExpertParallelMoE")
     if _ranks_per_node(plan, layouts):
         lines.append("from codegen.runtime.moe_exchange import TwoLevelExchange")
-    others = [_RUNTIME_CLASSES[mode] for mode in ("data_parallel", "expert_sliced") if mode in modes]
+    others = [_RUNTIME_CLASSES[mode] for mode in ("data_parallel", "expert_sliced") if mode in routed]
     if others:
         lines.append(f"from codegen.runtime.moe_modes import {', '.join(others)}")
     if plan.recompute == "full":
@@ -216,6 +218,11 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
         ]
     ignored = []
     for index, layout, block in layouts:
+        if block.runtime == HF_STACKED_EXPERTS:
+            layer_lines, rank_local = _stacked_experts_lines(index, layout, block, dp)
+            lines += layer_lines
+            ignored += rank_local
+            continue
         lines += [""] + [f"    {line}" for line in _layer_comment(index, layout, block, dp, bool(per_node))]
         path = block.module  # checked against the model: a module path, written with repr()
         names = (block.router, *block.expert_weights)
@@ -277,6 +284,46 @@ def make_optimizer(module: torch.nn.Module, mesh: DeviceMesh, optimizer_class: t
         module.parameters(), mesh, "dp", optimizer_class, rank_local=rank_local_parameters(module), **kwargs
     )
 '''
+
+
+def _stacked_experts_lines(index: int, layout: ExpertLayout, block: MoEBlock, dp: int) -> tuple[list[str], list[str]]:
+    """Lines of ``parallelize`` for a HuggingFace MoE block (its own router kept, only its
+    stacked experts run by the layout), and the parameters that become rank-local."""
+    path = block.module  # checked against the model: a module path, written with repr()
+    owner = block.expert_weights[0].rpartition(".")[0]  # "experts"
+    head = comment(
+        f"{block.module}: {block.experts} SwiGLU experts, top-{block.top_k}, dropless; "
+        f"{layout.mode.replace('_', ' ')} over \"dp\". The block's router and shared experts run as the model wrote them."
+    )
+    if layout.mode == "data_parallel":
+        body = [
+            "Every rank holds every expert and runs its own tokens' choices: no token moves, nothing is replaced.",
+            "The experts are replicated weights like the rest: the wrapper averages their gradients.",
+        ]
+        return [""] + [f"    {line}" for line in [head, *map(comment, body)]], []
+    if layout.mode != "expert_parallel":
+        raise PlanningError(
+            f"compiled programs run HuggingFace MoE block {block.module!r} expert parallel or replicated, not "
+            f"{layout.mode.replace('_', ' ')}; re-plan"
+        )
+    body = [
+        f"Only the block's experts are replaced: each rank keeps those EXPERT_PLACEMENT_{index} gives it (a copied",
+        "expert's choices are split among its copies by their shares). Each token's choices travel to a rank holding",
+        "their expert with one flat all-to-all over \"dp\" (uneven splits), the experts run there, and the outputs come",
+        "back with a second all-to-all to be weighted by the router and summed. In backward each expert's gradient is",
+        "divided by the group size (each rank's loss is a mean over its own tokens) and copies are summed.",
+    ]
+    lines = [""] + [f"    {line}" for line in [head, *map(comment, body)]]
+    target = f"{path}.{owner}"
+    lines += [
+        f"    replace_layer(model, {target!r}, ExpertParallelExperts(",
+        f"        model.get_submodule({target!r}),",
+        f"        EXPERT_PLACEMENT_{index},",
+        f"        top_k={block.top_k!r},",
+        "        group=group,",
+        "    ))",
+    ]
+    return lines, [f"{path}.{name}" for name in block.expert_weights]
 
 
 def _ranks_per_node(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> int:

@@ -31,7 +31,7 @@ import torch
 from codegen.source_text import one_line
 from planner.errors import PlanFileError, PlanningError
 from planner.graph import OpGraph
-from planner.moe_blocks import find_moe_blocks
+from planner.moe_blocks import HF_STACKED_EXPERTS, find_moe_blocks
 from planner.opaque_backward import describe
 from planner.plan_checks import check_plan_against_graph
 from planner.plans import Plan
@@ -148,6 +148,8 @@ def check_expert_layouts(plan: Plan, model: torch.nn.Module) -> None:
             raise PlanFileError(
                 f"plan field '{field}.axis' is {_shown(layout.axis)}; compiled MoE layers run over the 'dp' axis; re-plan"
             )
+        if block.runtime == HF_STACKED_EXPERTS:
+            continue  # only its experts are replaced: its router and shared experts run as written
         owned = {block.router, *block.expert_weights}
         extra = [name for name, _ in modules[block.module].named_parameters() if name not in owned]
         if extra:

@@ -24,6 +24,13 @@ from dataclasses import dataclass
 import torch
 
 
+# How compiled programs run a recognised block by its layout (codegen.moe_emit): the whole
+# block replaced by a runtime layer that routes (examples/moe.py's structure), or only the
+# block's stacked experts replaced, its own router kept (HuggingFace's structure).
+ROUTED_GELU = "routed_gelu"
+HF_STACKED_EXPERTS = "hf_stacked_experts"
+
+
 @dataclass(frozen=True)
 class MoEBlock:
     """One MoE layer of a model: its module path and shape, and its parameters' names
@@ -39,6 +46,7 @@ class MoEBlock:
     router: str  # the router's weight, (experts, hidden)
     expert_weights: tuple[str, ...]  # stacked expert weights, experts first
     kind: str  # which structure it was recognised as, for messages
+    runtime: str = ROUTED_GELU  # how a compiled program runs it: ROUTED_GELU or HF_STACKED_EXPERTS
 
     @property
     def expert_parameters(self) -> int:
@@ -115,4 +123,5 @@ def _hf_stacked_experts(path: str, module: torch.nn.Module) -> MoEBlock | None:
         router="gate.weight",
         expert_weights=("experts.gate_up_proj", "experts.down_proj"),
         kind=f"HuggingFace stacked SwiGLU experts ({type(module).__name__}, dropless)",
+        runtime=HF_STACKED_EXPERTS,
     )

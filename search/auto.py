@@ -136,7 +136,7 @@ def search_plan(
     skipped = [block.module for block in graph.moe_blocks if not runs_by_layout(block)]
     if skipped:
         notes.append(f"MoE layers ({', '.join(skipped[:2])}{', ...' if len(skipped) > 2 else ''}) not planned by layout: "
-                     f"the compiled MoE runtime runs GELU experts only")
+                     f"the compiled MoE runtime does not run their structure")
     if moe_family:
         if on_progress:
             on_progress("choosing the MoE layers' layouts", 0.0)

@@ -42,10 +42,10 @@ from planner.cluster import Cluster
 from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
-from planner.moe_blocks import MoEBlock
+from planner.moe_blocks import HF_STACKED_EXPERTS, ROUTED_GELU, MoEBlock
 from planner.plans import Plan
 from planner.routing import RoutingStats
-from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
+from planner.strategy import EXPERT_MODES, ExpertLayout, ExpertPlacement, Mesh
 from search.expert_placement import SEARCH_EVALUATIONS_PER_EXPERT, balanced, eplb
 from search.data_parallel import FSDP_UNIT_FLAVOURS, fsdp_units
 from search.layouts import data_parallel_layout
@@ -74,12 +74,19 @@ class ScoredLayout:
 
 
 def runs_by_layout(block: MoEBlock) -> bool:
-    """Whether compiled programs can run ``block`` by an ``ExpertLayout``: the MoE runtime
-    (``codegen/runtime/moe.py``, ``moe_modes.py``) computes top-k routed GELU MLP experts
-    (2 matmuls, ``examples/moe.py``'s structure). Other recognised blocks (HuggingFace's
-    SwiGLU experts, 3 matmuls) are still priced by a layout when a plan gives one, but the
-    search does not propose layouts a program could not run."""
-    return block.matmuls == 2
+    """Whether compiled programs can run ``block`` by an ``ExpertLayout``: a routed GELU
+    layer (``examples/moe.py``'s structure) in every mode, HuggingFace's stacked SwiGLU
+    experts expert-parallel or replicated (``codegen.moe_emit``)."""
+    return block.runtime in (ROUTED_GELU, HF_STACKED_EXPERTS)
+
+
+def modes_compiled_for(block: MoEBlock) -> tuple[str, ...]:
+    """The layout modes a compiled program runs ``block`` in: HuggingFace's blocks keep
+    their own router and swap only the experts, which the expert-sliced mode would slice
+    inside the routing (not written)."""
+    if block.runtime == HF_STACKED_EXPERTS:
+        return ("data_parallel", "expert_parallel")
+    return EXPERT_MODES
 
 
 def routing_label(routing: RoutingStats, module: str) -> str:
@@ -100,9 +107,11 @@ def layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, clu
     layouts = [ExpertLayout(mode="data_parallel", **common)]
     if world == 1:
         return layouts
-    if block.ffn % world == 0:
+    if block.ffn % world == 0 and "expert_sliced" in modes_compiled_for(block):
         layouts.append(ExpertLayout(mode="expert_sliced", **common))
-    algorithms = ["flat"] + (["hierarchical"] if _spans_nodes(cluster) else [])
+    # Two-level all-to-alls are written for the routed GELU runtime (codegen.runtime.moe_exchange).
+    two_level = _spans_nodes(cluster) and block.runtime == ROUTED_GELU
+    algorithms = ["flat"] + (["hierarchical"] if two_level else [])
     for placement in expert_placements(block, loads, cluster, tokens, precision):
         for algorithm in algorithms:
             layouts.append(ExpertLayout(mode="expert_parallel", all_to_all=algorithm, placement=placement, **common))

@@ -51,3 +51,29 @@ def moe_plan(world: int, mode: str, placement: str | None = None, capacity_facto
             all_to_all=all_to_all if mode == "expert_parallel" else "flat",
         ))
     return dataclasses.replace(base, label="moe", expert_layouts=tuple(layouts), recompute=recompute)
+
+
+# Tiny HuggingFace MoE decoders (transformers' own blocks: router kept, stacked SwiGLU experts).
+HF_TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "vocab_size": 64, "batch_size": 8, "seq_len": 8}
+HF_MOE = {
+    "mixtral": {**HF_TINY, "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {**HF_TINY, "intermediate_size": 48, "moe_intermediate_size": 40, "shared_expert_intermediate_size": 24,
+                  "num_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+def hf_moe_plan(world: int, model_type: str, mode: str, placement: str | None = None, flavour: str = "ddp") -> Plan:
+    """As ``moe_plan``, for the tiny ``hf:<model_type>`` of ``HF_MOE`` (dropless, 4 experts)."""
+    spec = ModelSpec(f"hf:{model_type}", HF_MOE[model_type])
+    graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
+    base = data_parallel_plan(graph, cluster, spec, name, flavour)
+    layouts = []
+    for block in graph.moe_blocks:
+        chosen = None
+        if mode == "expert_parallel":
+            chosen = (ExpertPlacement.round_robin(block.experts, world) if placement == "round-robin"
+                      else skewed_placement(block.experts, world))
+        layouts.append(ExpertLayout(module=block.module, mode=mode, experts=block.experts, top_k=block.top_k,
+                                    capacity_factor=block.capacity_factor, axis="dp", placement=chosen))
+    return dataclasses.replace(base, label="moe", expert_layouts=tuple(layouts))

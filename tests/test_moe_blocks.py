@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from examples.gpt import build as build_gpt
 from examples.moe import build as build_moe
-from planner.moe_blocks import find_moe_blocks
+from planner.model_spec import ModelSpec
+from planner.moe_blocks import HF_STACKED_EXPERTS, find_moe_blocks
 
 
 def test_every_other_block_of_the_moe_gpt_is_found_with_its_shape():
@@ -30,3 +32,22 @@ def test_a_dense_model_or_a_look_alike_is_not_an_moe_layer():
     look_alike.experts.w_out = torch.nn.Parameter(torch.zeros(4, 16, 8))
     look_alike.top_k, look_alike.capacity_factor = 2, 1.0
     assert find_moe_blocks(look_alike) == ()
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"])
+def test_huggingface_moe_blocks_are_found_with_their_shape(model_type):
+    overrides = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                 "vocab_size": 64, "intermediate_size": 48}
+    experts_key = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}.get(model_type, "num_experts")
+    overrides |= {experts_key: 4, "num_experts_per_tok": 2}
+    if model_type not in ("mixtral", "olmoe"):  # their experts are intermediate_size wide
+        overrides["moe_intermediate_size"] = 40
+    if model_type == "deepseek_v3":
+        overrides |= {"first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
+    model, _, _ = ModelSpec(f"hf:{model_type}", overrides).build("meta")
+    blocks = find_moe_blocks(model)
+    ffn = 48 if model_type in ("mixtral", "olmoe") else 40
+    dense_first = 1 if model_type == "deepseek_v3" else 0
+    assert [b.module for b in blocks] == [f"model.layers.{i}.mlp" for i in range(dense_first, 2)]
+    assert all((b.experts, b.top_k, b.hidden, b.ffn, b.matmuls, b.capacity_factor) == (4, 2, 32, ffn, 3, 0.0) for b in blocks)
+    assert all(b.runtime == HF_STACKED_EXPERTS for b in blocks)

@@ -10,11 +10,15 @@ parallel, expert-sliced; capacity factor 0.5 (choices dropped: fewer slots than 
 units (``fsdp``, ``zero2``) rather than DDP, the per-rank expert weights left out of them, or
 in DDP with ZeRO-1 optimizer states (each rank's experts stepped whole on it); with the
 two-level all-to-all on a cluster of two nodes; and with every block recomputed in backward.
+Tiny HuggingFace Mixtral and Qwen2-MoE (their router and shared experts kept, only the
+stacked SwiGLU experts replaced, ``codegen.runtime.expert_dispatch``): expert parallel
+round-robin and with a copied expert (DDP, and FSDP2 around the rest), and replicated.
 Each world size checks all its programs in ONE torchrun launch (``tests/dist_check_many.py``).
 Negative controls must fail, naming an expert weight: expert-parallel and expert-sliced
 layers whose gradients are not divided by the group size (nor copies summed), a
 data-parallel layer whose replicated experts are kept out of DDP, and a ZeRO-1 optimizer
-that splits the states of each rank's own experts as if they were replicated.
+that splits the states of each rank's own experts as if they were replicated, and a
+HuggingFace expert-parallel program whose expert gradients stay sums over the ranks.
 
 Then the CLI path as a user types it, at world 4: ``planner compile p.json -o out`` of a
 hand-built expert-parallel plan saved to JSON, ``torchrun out/launch.py --check``; and at
@@ -38,7 +42,7 @@ import torch.nn.functional as F
 import planner
 from codegen.runtime.launcher import random_like
 from codegen.runtime.program import BUILD_SEED
-from moe_plans import moe_plan
+from moe_plans import hf_moe_plan, moe_plan
 from planner.model_spec import ModelSpec
 from planner.routing import load_routing
 from test_parity import REPO, Launch, _run, _torchrun, check_many, result_of
@@ -65,6 +69,15 @@ CASES = [
     ("zero1_ep_skewed_copied", "expert_parallel", "skewed", 0.5, "fp32", "zero1"),
     ("zero1_expert_sliced", "expert_sliced", None, 1.25, "fp32", "zero1"),
     ("zero1_data_parallel", "data_parallel", None, 0.0, "fp32", "zero1"),
+]
+# Tiny HuggingFace decoders (their own router kept, only the stacked experts replaced):
+# (name, model type, mode, placement, dp flavour of the rest of the model).
+HF_CASES = [
+    ("hf_mixtral_ep_round_robin", "mixtral", "expert_parallel", "round-robin", "ddp"),
+    ("hf_mixtral_ep_skewed_copied", "mixtral", "expert_parallel", "skewed", "ddp"),
+    ("hf_mixtral_fsdp_ep_skewed_copied", "mixtral", "expert_parallel", "skewed", "fsdp"),
+    ("hf_qwen2_moe_ep_skewed_copied", "qwen2_moe", "expert_parallel", "skewed", "ddp"),
+    ("hf_qwen2_moe_data_parallel", "qwen2_moe", "data_parallel", None, "ddp"),
 ]
 # Expert parallel with the two-level all-to-all on two nodes (of world / 2 ranks each).
 TWO_LEVEL = "ep_skewed_two_level_two_nodes"
@@ -125,6 +138,25 @@ CONTROLS = {
 }
 
 
+# A HuggingFace expert-parallel program whose expert gradients stay sums over the ranks.
+HF_CONTROL = "hf_experts_unscaled"
+
+
+def _unscale_hf_expert_gradients(folder: Path) -> Path:
+    source = folder / "model_spmd.py"
+    text = source.read_text()
+    assert "        group=group,\n    ))" in text
+    source.write_text(text.replace("        group=group,\n    ))", "        group=group,\n        rank_losses_averaged=False,\n    ))"))
+    return folder
+
+
+@pytest.mark.parametrize("control", [HF_CONTROL])
+def test_hf_expert_gradients_left_as_sums_fail(world_run, control: str) -> None:
+    result = result_of(world_run.launch, world_run.controls[control])
+    assert result.startswith("FAILED parity FAILED: worst tensor "), result
+    assert re.search(r"experts\.(gate_up_proj|down_proj)", result), result
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda world: f"world{world}")
 def world_run(request, tmp_path_factory) -> WorldRun:
     world = request.param
@@ -133,6 +165,8 @@ def world_run(request, tmp_path_factory) -> WorldRun:
     for name, mode, placement, capacity, precision, flavour in CASES:
         plan = moe_plan(world, mode, placement, capacity, precision, flavour=flavour)
         folders[name] = planner.compile(plan, root / name)
+    for name, model_type, mode, placement, flavour in HF_CASES:
+        folders[name] = planner.compile(hf_moe_plan(world, model_type, mode, placement, flavour), root / name)
     two_level = moe_plan(world, "expert_parallel", "skewed", 0.5, nodes=2, all_to_all="hierarchical")
     folders[TWO_LEVEL] = planner.compile(two_level, root / TWO_LEVEL)
     recomputing = moe_plan(world, "expert_parallel", "skewed", 0.5, recompute="full")
@@ -141,11 +175,13 @@ def world_run(request, tmp_path_factory) -> WorldRun:
         name: breaking(planner.compile(moe_plan(world, mode, placement, flavour=flavour), root / name))
         for name, (mode, placement, flavour, breaking, _) in CONTROLS.items()
     }
+    hf_unscaled = planner.compile(hf_moe_plan(world, "mixtral", "expert_parallel", "skewed"), root / HF_CONTROL)
+    controls[HF_CONTROL] = _unscale_hf_expert_gradients(hf_unscaled)
     launch = check_many(world, [*folders.values(), *controls.values()], root)
     return WorldRun(world, folders, controls, launch)
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES] + [TWO_LEVEL, RECOMPUTED])
+@pytest.mark.parametrize("case", [c[0] for c in CASES] + [c[0] for c in HF_CASES] + [TWO_LEVEL, RECOMPUTED])
 def test_compiled_moe_step_equals_one_device(world_run: WorldRun, case: str) -> None:
     result = result_of(world_run.launch, world_run.folders[case])
     assert result.startswith("ok parity ok: "), f"{case} at world {world_run.world}: {result}"

@@ -19,8 +19,8 @@ sum with the experts split over a process group:
 
 Gradients: an expert's weights get the gradient of every rank's tokens it processed: the sum
 over ranks of each rank's loss. A data-parallel program averages the other gradients over
-the ranks, so ``scale_expert_gradients`` divides the experts' by the group size and sums a
-copied expert's gradients over its copies, once per step after backward.
+the ranks, so in backward the experts' are divided by the group size and a copied expert's
+are summed over its copies (``codegen.runtime.moe.with_expert_gradient``).
 """
 
 from __future__ import annotations
@@ -28,31 +28,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExpertParallelExperts", "all_to_all_rows", "scale_expert_gradients"]
+from codegen.runtime.moe import all_to_all_rows, gather_experts, is_recomputing, sum_copies, with_expert_gradient
 
-
-def all_to_all_rows(rows: torch.Tensor, receive_sizes: list[int], send_sizes: list[int], group=None) -> torch.Tensor:
-    """Send ``rows`` to the ranks of ``group`` (``send_sizes[r]`` consecutive rows to rank r;
-    ``receive_sizes[r]`` come from rank r), with autograd: backward sends the gradients back
-    the same way reversed."""
-    return _AllToAllRows.apply(rows, receive_sizes, send_sizes, group)
-
-
-class _AllToAllRows(torch.autograd.Function):
-    """``all_to_all_single`` of rows with uneven splits; backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, receive_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:
-        ctx.receive_sizes, ctx.send_sizes, ctx.group = receive_sizes, send_sizes, group
-        received = rows.new_empty(sum(receive_sizes), *rows.shape[1:])
-        dist.all_to_all_single(received, rows.contiguous(), receive_sizes, send_sizes, group=group)
-        return received
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        back = grad.new_empty(sum(ctx.send_sizes), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), ctx.send_sizes, ctx.receive_sizes, group=ctx.group)
-        return back, None, None, None
+__all__ = ["ExpertParallelExperts"]
 
 
 class ExpertParallelExperts(torch.nn.Module):
@@ -63,9 +41,17 @@ class ExpertParallelExperts(torch.nn.Module):
         experts: the model's experts module (``gate_up_proj``, ``down_proj``, ``act_fn``);
             this rank keeps the experts the placement gives it.
         placement: ``placement[e]`` lists (group rank, share) for expert e, shares summing to 1.
+        top_k: experts per token (for routing statistics).
+        rank_losses_averaged: each rank's loss is a mean over its own tokens and the
+            program averages the other gradients over the group (a data-parallel program):
+            expert gradients are divided by the group size in backward.
     """
 
-    def __init__(self, experts: torch.nn.Module, placement, group=None) -> None:
+    # ``launch.py --record-routing`` names this module's counts by the MoE block holding it.
+    records_routing_of_parent = True
+
+    def __init__(self, experts: torch.nn.Module, placement, top_k: int, group=None, *,
+                 rank_losses_averaged: bool = True) -> None:
         super().__init__()
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -73,17 +59,20 @@ class ExpertParallelExperts(torch.nn.Module):
         self.experts = experts.gate_up_proj.shape[0]
         if len(self.replicas) != self.experts:
             raise ValueError(f"the placement covers {len(self.replicas)} experts, the model's layer {self.experts}")
+        self.top_k, self.rank_losses_averaged = top_k, rank_losses_averaged
         self.local_experts = [e for e, copies in enumerate(self.replicas) if any(d == self.rank for d, _ in copies)]
         self.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach()[self.local_experts].clone())
         self.down_proj = torch.nn.Parameter(experts.down_proj.detach()[self.local_experts].clone())
         self.act_fn = experts.act_fn
-        self.last_expert_counts = torch.zeros(self.experts, dtype=torch.long)
+        # Routing statistics, summed over forwards (plain tensors: DDP would overwrite buffers).
+        self.routed_counts = torch.zeros(self.experts, dtype=torch.float64)
+        self.coselected = torch.zeros(self.experts, self.experts, dtype=torch.float64)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        count, width = hidden.shape
+        count = hidden.size(0)
         chosen = top_k_index.reshape(-1)  # (n*k,) token-major: choice i is token i // k
         token = torch.arange(count, device=hidden.device).repeat_interleave(top_k_index.size(1))
-        self.last_expert_counts = torch.bincount(chosen, minlength=self.experts).detach()
+        self._record(top_k_index)
 
         # 1. Each choice's destination: a holder of its expert, copies by their shares.
         destination = self._destinations(chosen)
@@ -97,19 +86,34 @@ class ExpertParallelExperts(torch.nn.Module):
         dist.all_to_all_single(received_experts, chosen[order].contiguous(), receive_sizes, send_sizes, group=self.group)
 
         # 2. This rank's experts on the rows they received (SwiGLU, as the model's experts).
+        gate_up, down = self._weights()
         output = torch.zeros_like(received)
         for position, expert in enumerate(self.local_experts):
             rows = (received_experts == expert).nonzero().squeeze(-1)
             if rows.numel() == 0:
                 continue
-            gate, up = torch.nn.functional.linear(received[rows], self.gate_up_proj[position]).chunk(2, dim=-1)
-            result = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[position])
+            gate, up = torch.nn.functional.linear(received[rows], gate_up[position]).chunk(2, dim=-1)
+            result = torch.nn.functional.linear(self.act_fn(gate) * up, down[position])
             output = output.index_copy(0, rows, result.to(output.dtype))
+
+        # Every rank's backward must reach its expert weights, also when no token came here: the
+        # copies' gradient sum is a collective every rank joins.
+        output = output + 0 * (gate_up.flatten()[:1].sum() + down.flatten()[:1].sum())
 
         # 3. Back to the tokens' ranks, weighted by the router there, summed per token.
         returned = all_to_all_rows(output, send_sizes, receive_sizes, self.group)
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(hidden).index_add(0, token[order], (returned * weights).to(hidden.dtype))
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.rank_losses_averaged:
+            return self.gate_up_proj, self.down_proj
+        return with_expert_gradient(self.gate_up_proj, self), with_expert_gradient(self.down_proj, self)
+
+    def expert_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of this rank's expert weights as the step's mean loss needs it:
+        divided by the group size, copies summed over their holders."""
+        return sum_copies(grad / self.world, self.replicas, self.local_experts, self.group)
 
     def _destinations(self, chosen: torch.Tensor) -> torch.Tensor:
         """The rank each choice goes to: an expert's only holder, or for a copied expert its
@@ -127,42 +131,29 @@ class ExpertParallelExperts(torch.nn.Module):
                 destination[mine[start:end]] = device
         return destination
 
-    def full_weights(self, grads: bool) -> dict[str, torch.Tensor]:
-        """Every expert's weights (and, with ``grads``, their gradients; zero where backward
-        gave none) gathered from their first holders, in the model's stacked layout: what
-        one device holds. Every rank of the group must call it."""
-        gathered = {}
+    def rank_local_parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's own experts: no data-parallel wrapper or optimizer may average,
+        shard or broadcast them."""
+        return [self.gate_up_proj, self.down_proj]
+
+    def _record(self, top_k_index: torch.Tensor) -> None:
+        if is_recomputing():  # backward re-running a checkpointed block: counted in its forward
+            return
+        with torch.no_grad():
+            per_token = torch.zeros(top_k_index.size(0), self.experts, dtype=torch.float64)
+            per_token.scatter_(1, top_k_index.long(), 1.0)
+            self.routed_counts += per_token.sum(dim=0)
+            pairs = per_token.t() @ per_token
+            self.coselected += pairs - torch.diag(torch.diagonal(pairs))
+
+    def full_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Every expert's weights (and gradients) as one device stacks them, by the names of
+        the module this one replaced (``codegen.runtime.parity``). Collective over ``group``."""
+        found = {}
         for name in ("gate_up_proj", "down_proj"):
-            local = getattr(self, name)
-            parts = [("weight", local.detach())]
-            if grads:
-                parts.append(("grad", local.grad if local.grad is not None else torch.zeros_like(local)))
-            for kind, values in parts:
-                full = values.new_zeros(self.experts, *values.shape[1:])
-                for position, expert in enumerate(self.local_experts):
-                    if self.replicas[expert][0][0] == self.rank:
-                        full[expert] = values[position]
-                dist.all_reduce(full, group=self.group)
-                gathered[f"{name}.{kind}"] = full
-        return gathered
-
-
-def scale_expert_gradients(layer: ExpertParallelExperts) -> None:
-    """After backward, before the optimizer step: divide the experts' gradients by the group
-    size (each is a sum over every rank's loss; the step's loss is their mean) and sum a
-    copied expert's gradients over its copies (each copy saw only its share of the tokens)."""
-    copied = [e for e, copies in enumerate(layer.replicas) if len(copies) > 1]
-    for weight in (layer.gate_up_proj, layer.down_proj):
-        if weight.grad is None:  # no token reached this rank's experts: a zero gradient
-            weight.grad = torch.zeros_like(weight)
-        weight.grad.div_(layer.world)
-        if not copied:
-            continue
-        summed = weight.grad.new_zeros(len(copied), *weight.shape[1:])
-        for position, expert in enumerate(copied):
-            if expert in layer.local_experts:
-                summed[position] = weight.grad[layer.local_experts.index(expert)]
-        dist.all_reduce(summed, group=layer.group)
-        for position, expert in enumerate(copied):
-            if expert in layer.local_experts:
-                weight.grad[layer.local_experts.index(expert)] = summed[position]
+            weight = getattr(self, name)
+            value = gather_experts(weight.detach(), self.replicas, self.local_experts, self.group)
+            grad = None if weight.grad is None else gather_experts(weight.grad.detach(), self.replicas,
+                                                                   self.local_experts, self.group)
+            found[name] = (value, grad)
+        return found

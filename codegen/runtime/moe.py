@@ -52,8 +52,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
-    "ExpertParallelMoE", "FlatExchange", "RoutedMoE", "Routing", "all_to_all_rows", "exchange_counts", "route",
-    "rank_local_parameters", "recompute_in_backward_counting_once", "scaled_gradient", "sum_copied_expert_gradients",
+    "ExpertParallelMoE", "FlatExchange", "RoutedMoE", "Routing", "all_to_all_rows", "exchange_counts", "gather_experts",
+    "is_recomputing", "route", "rank_local_parameters", "recompute_in_backward_counting_once", "scaled_gradient", "sum_copied_expert_gradients",
+    "sum_copies", "with_expert_gradient",
 ]
 
 # The parameter names of examples/moe.py's MoE, relative to the layer: what full_parameters
@@ -180,11 +181,20 @@ class RoutedMoE(torch.nn.Module):
 
 def rank_local_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters of every MoE layer in ``module`` that differ from rank to rank."""
-    return [param for layer in module.modules() if isinstance(layer, RoutedMoE) for param in layer.rank_local_parameters()]
+    return [
+        param for layer in module.modules() if callable(getattr(layer, "rank_local_parameters", None))
+        for param in layer.rank_local_parameters()
+    ]
 
 
 # How many checkpointed blocks backward is recomputing right now (see recompute_in_backward_counting_once).
 _recomputing = 0
+
+
+def is_recomputing() -> bool:
+    """Whether backward is re-running a block checkpointed by
+    ``recompute_in_backward_counting_once`` (routing is counted in forward only)."""
+    return _recomputing > 0
 
 
 @contextlib.contextmanager
@@ -296,7 +306,7 @@ class ExpertParallelMoE(RoutedMoE):
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.rank_losses_averaged:
             return self.w_in, self.w_out
-        return _ExpertGradient.apply(self.w_in, self), _ExpertGradient.apply(self.w_out, self)
+        return with_expert_gradient(self.w_in, self), with_expert_gradient(self.w_out, self)
 
     def expert_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """The gradient of one of this rank's expert weights as the step's loss needs it
@@ -304,19 +314,7 @@ class ExpertParallelMoE(RoutedMoE):
         return self._sum_copies(grad / self.world)
 
     def _sum_copies(self, grad: torch.Tensor) -> torch.Tensor:
-        copied = [e for e, copies in enumerate(self.replicas) if len(copies) > 1]
-        if not copied:
-            return grad
-        full = grad.new_zeros(len(copied), *grad.shape[1:])
-        for position, expert in enumerate(copied):
-            if expert in self.local_experts:
-                full[position] = grad[self.local_experts.index(expert)]
-        dist.all_reduce(full, group=self.group)
-        grad = grad.clone()
-        for position, expert in enumerate(copied):
-            if expert in self.local_experts:
-                grad[self.local_experts.index(expert)] = full[position]
-        return grad
+        return sum_copies(grad, self.replicas, self.local_experts, self.group)
 
     def full_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """See ``RoutedMoE.full_parameters``. A copied expert is reported as the mean of its
@@ -330,11 +328,43 @@ class ExpertParallelMoE(RoutedMoE):
         return found
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
-        full = local.new_zeros(self.experts, *local.shape[1:])
-        for position, expert in enumerate(self.local_experts):
-            full[expert] = local[position] / len(self.replicas[expert])
-        dist.all_reduce(full, group=self.group)
-        return full
+        return gather_experts(local, self.replicas, self.local_experts, self.group)
+
+
+def sum_copies(grad: torch.Tensor, replicas, local_experts: list[int], group) -> torch.Tensor:
+    """``grad`` (this rank's experts' gradients, ``local_experts`` order) with each copied
+    expert's gradient summed over the ranks holding a copy (``replicas[e]``: (rank, share)
+    of each copy): each copy saw only its share of the tokens. A collective of ``group``."""
+    copied = [e for e, copies in enumerate(replicas) if len(copies) > 1]
+    if not copied:
+        return grad
+    full = grad.new_zeros(len(copied), *grad.shape[1:])
+    for position, expert in enumerate(copied):
+        if expert in local_experts:
+            full[position] = grad[local_experts.index(expert)]
+    dist.all_reduce(full, group=group)
+    grad = grad.clone()
+    for position, expert in enumerate(copied):
+        if expert in local_experts:
+            grad[local_experts.index(expert)] = full[position]
+    return grad
+
+
+def gather_experts(local: torch.Tensor, replicas, local_experts: list[int], group) -> torch.Tensor:
+    """Every expert's tensor whole (experts first, as one device stacks them) from this
+    rank's ``local`` ones: a copied expert as the mean of its copies (equal copies give the
+    expert itself). A collective of ``group``."""
+    full = local.new_zeros(len(replicas), *local.shape[1:])
+    for position, expert in enumerate(local_experts):
+        full[expert] = local[position] / len(replicas[expert])
+    dist.all_reduce(full, group=group)
+    return full
+
+
+def with_expert_gradient(weight: torch.Tensor, layer) -> torch.Tensor:
+    """``weight`` itself in forward; in backward its gradient becomes
+    ``layer.expert_gradient(grad)`` (scaled for averaged rank losses, copies summed)."""
+    return _ExpertGradient.apply(weight, layer)
 
 
 class FlatExchange:

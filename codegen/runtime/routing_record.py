@@ -22,8 +22,16 @@ from planner.routing import LayerRouting, RoutingStats
 
 
 def routed_layers(model: torch.nn.Module) -> dict[str, RoutedMoE]:
-    """The MoE runtime layers of ``model`` (as ``parallelize`` left it), by module path."""
-    return {path: module for path, module in model.named_modules() if isinstance(module, RoutedMoE)}
+    """The MoE runtime layers of ``model`` (as ``parallelize`` left it), by the module path of
+    their MoE layer: their own, or their parent's for a module that replaced only a block's
+    experts (``codegen.runtime.expert_dispatch``)."""
+    found = {}
+    for path, module in model.named_modules():
+        if isinstance(module, RoutedMoE):
+            found[path] = module
+        elif getattr(module, "records_routing_of_parent", False):
+            found[path.rpartition(".")[0]] = module
+    return found
 
 
 def recorded_routing(model: torch.nn.Module, steps: int) -> RoutingStats:
