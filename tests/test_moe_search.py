@@ -147,10 +147,9 @@ def test_the_family_is_allowed_only_where_the_samples_mix_inside_moe_layers():
                    and not node.module.startswith("blocks.1.moe"))
     assert not moe_family_allowed(graph, cluster, [*coupled, CoupledOp(outside.name, outside.op, outside.module)])
     assert not moe_family_allowed(graph, Cluster.parse("cpu:1x3"), coupled)  # batch 8 does not split 3 ways
-    # SwiGLU experts (3 matmuls): priced by a layout if given one, never proposed (the
-    # compiled MoE runtime runs GELU experts).
-    swiglu = dataclasses.replace(graph, moe_blocks=tuple(dataclasses.replace(b, matmuls=3) for b in graph.moe_blocks))
-    assert not moe_family_allowed(swiglu, cluster, coupled)
+    # A block no compiled runtime runs: priced by a layout if given one, never proposed.
+    unknown = dataclasses.replace(graph, moe_blocks=tuple(dataclasses.replace(b, runtime="other") for b in graph.moe_blocks))
+    assert not moe_family_allowed(unknown, cluster, coupled)
     dense, _, _, _ = prepare_model(ModelSpec(str(EXAMPLES / "gpt.py"), {}), "cpu:1x4")
     assert dense.moe_blocks == () and not moe_family_allowed(dense, cluster, [])
 
@@ -173,3 +172,22 @@ def test_simulating_a_plan_file_whose_layouts_do_not_match_the_model_is_one_line
         bad = dataclasses.replace(plan, expert_layouts=(layout, *plan.expert_layouts[1:]))
         bad.save(tmp_path / "bad.json", force=True)
         assert_user_error(capsys, ["simulate", str(tmp_path / "bad.json")], fragment)
+
+
+def test_huggingface_blocks_get_the_modes_their_programs_run():
+    # HF blocks keep their router; programs swap only their experts (expert parallel, flat
+    # all-to-all) or leave them replicated: the search proposes nothing else for them, even
+    # across nodes and when the FFN divides over the devices.
+    from planner.moe_blocks import HF_STACKED_EXPERTS
+    from search.moe_search import layer_candidates, modes_compiled_for
+
+    graph, _, _, _ = prepare_model(SMALL, "cpu:1x4")
+    block = dataclasses.replace(graph.moe_blocks[0], runtime=HF_STACKED_EXPERTS)
+    two_nodes = Cluster.parse("dgx-a100-80g:2")
+    loads = (1 / block.experts,) * block.experts
+    hf = layer_candidates(block, loads, "uniform", two_nodes, 1024, "bf16")
+    routed = layer_candidates(graph.moe_blocks[0], loads, "uniform", two_nodes, 1024, "bf16")
+    assert {layout.mode for layout in hf} == set(modes_compiled_for(block)) == {"data_parallel", "expert_parallel"}
+    assert {layout.all_to_all for layout in hf} == {"flat"}
+    assert {layout.mode for layout in routed} == {"data_parallel", "expert_sliced", "expert_parallel"}
+    assert "hierarchical" in {layout.all_to_all for layout in routed}
