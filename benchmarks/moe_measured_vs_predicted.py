@@ -8,7 +8,7 @@
    capacity factor 1.25, 16 sequences of 64 tokens) for that cluster with every MoE layer in
    one fixed mode (``search.moe_search``'s fixed plans: experts replicated, expert parallel,
    experts sliced) and as the search chooses (the dense part data parallel in the flavour
-   the search picks), and compiles each plan.
+   the search picks, or ``--flavour``), and compiles each plan.
 3. Runs each under ``torchrun --nproc_per_node 4 launch.py --steps N`` and reads the mean
    step time (first step excluded).
 4. Prints predicted against measured, the error, and whether the simulator orders the
@@ -21,14 +21,17 @@ that sharing too (it runs 4 processes), but the timings are noisy; read the rati
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 from pathlib import Path
 
 import planner
 from cost_model.profile import profile_machine
+from cost_model.simulator import simulated
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
+from search.data_parallel import FSDP_UNIT_FLAVOURS, fsdp_units
 from search.moe_search import search_moe_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,6 +47,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick-profile", action="store_true", help="a shorter, noisier profile")
     parser.add_argument("--steps", type=int, default=12, help="training steps per measurement")
+    parser.add_argument("--flavour", choices=("searched", "ddp", "fsdp", "zero2"), default="searched",
+                        help="how the dense part is data parallel (default: as the search chose)")
     options = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="soap-moe-measured-"))
     print(f"profiling this machine ({WORLD} processes)...", flush=True)
@@ -55,6 +60,9 @@ def main() -> None:
     print(f"{'plan':<58}{'predicted':>11}{'measured':>11}{'error':>8}")
     results = []
     for label, plan in [*(("fixed", p) for p in fixed), ("searched", searched)]:
+        if options.flavour != "searched" and plan.dp_flavour != options.flavour:
+            units = fsdp_units(graph) if options.flavour in FSDP_UNIT_FLAVOURS else ()
+            plan = simulated(dataclasses.replace(plan, dp_flavour=options.flavour, fsdp_units=units), graph)
         program = planner.compile(plan, work / f"{label}-{len(results)}")
         measured = measure(program, options.steps, nproc=WORLD)
         predicted = plan.estimate.step_time_s
