@@ -2,12 +2,16 @@
 
     python benchmarks/moe_modes.py                       # uniform routing, 16 dgx-a100-80g nodes
     python benchmarks/moe_modes.py --routing zipf:1.2 --nodes 8
+    python benchmarks/moe_modes.py --model hf                # HuggingFace's Mixtral-8x7B itself
 
 The model: ``examples/moe.py`` at Mixtral-8x7B's sizes (width 4096, 32 layers, 32 heads, 8
 experts, top-2, expert FFN 14336, vocabulary 32000, sequences of 4096, one sequence per GPU,
 capacity factor 1.25). Its experts are GELU MLPs, 2 matmuls each, not Mixtral's SwiGLU with
-3: expert weights and FLOPs are 2/3 of Mixtral's. Traced on meta tensors (nothing is
-allocated), planned in bf16 on ``dgx-a100-80g`` nodes.
+3: expert weights and FLOPs are 2/3 of Mixtral's. ``--model hf`` plans HuggingFace's own
+Mixtral-8x7B instead (``hf:mixtral``'s published configuration: SwiGLU experts, grouped-query
+attention, 46.7B parameters), whose blocks compiled programs run expert parallel or
+replicated (not sliced). Traced on meta tensors (nothing is allocated), planned in bf16 on
+``dgx-a100-80g`` nodes.
 
 For each mode run by every MoE layer (``search.moe_search``'s fixed plans: experts
 replicated, experts sliced, expert parallel with a flat all-to-all and round-robin placement,
@@ -45,9 +49,16 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=16, help="dgx-a100-80g nodes (default 16: 128 GPUs)")
     parser.add_argument("--routing", default="uniform", help="uniform, zipf:ALPHA or a routing statistics file")
     parser.add_argument("--layers", type=int, default=32, help="transformer layers (default 32, as Mixtral)")
+    parser.add_argument("--model", choices=("gelu", "hf"), default="gelu",
+                        help="examples/moe.py at Mixtral's sizes (default) or HuggingFace's Mixtral-8x7B")
     options = parser.parse_args()
     gpus = options.nodes * 8
-    spec = ModelSpec(str(EXAMPLES / "moe.py"), {**MIXTRAL_SIZED, "n_layer": options.layers, "batch_size": gpus})
+    if options.model == "hf":
+        spec = ModelSpec("hf:mixtral", {"num_hidden_layers": options.layers, "batch_size": gpus, "seq_len": 4096})
+        described = "HuggingFace Mixtral-8x7B (SwiGLU experts)"
+    else:
+        spec = ModelSpec(str(EXAMPLES / "moe.py"), {**MIXTRAL_SIZED, "n_layer": options.layers, "batch_size": gpus})
+        described = "Mixtral-8x7B-sized MoE GPT (GELU experts, 2 matmuls)"
     started = time.perf_counter()
     graph, spec, name, cluster = prepare_model(spec, f"dgx-a100-80g:{options.nodes}")
     traced = time.perf_counter() - started
@@ -55,7 +66,7 @@ def main() -> None:
                                  {b.module: (b.experts, b.top_k) for b in graph.moe_blocks})
     searched, fixed = search_moe_plan(graph, cluster, spec, name, routing, precision="bf16")
     planned = time.perf_counter() - started - traced
-    print(f"Mixtral-8x7B-sized MoE GPT (GELU experts, 2 matmuls), {graph.parameter_count / 1e9:.1f}B parameters, "
+    print(f"{described}, {graph.parameter_count / 1e9:.1f}B parameters, "
           f"{len(graph.moe_blocks)} MoE layers, on {cluster.name}: {gpus} GPUs, global batch {gpus} x 4096 tokens, "
           f"bf16, routing {routing.source}")
     print(f"traced in {traced:.1f} s, MoE layouts searched in {planned:.1f} s")
