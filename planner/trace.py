@@ -179,6 +179,15 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.E
     that claim the CPU (no memory either) keeps every constant's values and lets CPU
     constants mix with the inputs, as they do when the model runs on a CPU.
     """
+    if _on_meta(model, args, kwargs):
+        # Fake CPU tensors first: the meta export would have to be redone on them whenever the
+        # forward makes a tensor from Python data (most HuggingFace models do), and each
+        # export of a large model takes seconds (14 s for DeepSeek-V3). Where fake CPU
+        # tensors fail, the meta export below is tried.
+        try:
+            return _export_on_fake_cpu(model, args, kwargs)
+        except Exception:  # noqa: BLE001 - the meta export below decides (and reports its own error)
+            pass
     try:
         program = _quiet_export(model, args, kwargs)
     except Exception as meta_error:  # noqa: BLE001 - retried on fake CPU tensors, else re-raised
