@@ -229,6 +229,9 @@ def _export_on_fake_cpu(model: torch.nn.Module, args: tuple, kwargs: dict) -> to
         return FakeTensor(mode, shell, torch.device("cpu"))
 
     swapped: list[tuple[dict, str, torch.Tensor]] = []
+    # One fake per tensor: a weight tied between modules (an embedding and its head, one
+    # norm shared by blocks) stays one parameter of the exported program.
+    fakes: dict[int, torch.Tensor] = {}
     try:
         for module in model.modules():
             for table, is_parameter in ((module._parameters, True), (module._buffers, False)):
@@ -236,8 +239,10 @@ def _export_on_fake_cpu(model: torch.nn.Module, args: tuple, kwargs: dict) -> to
                     if value is None or value.device.type != "meta":
                         continue
                     swapped.append((table, name, value))
-                    fake = on_fake_cpu(value)
-                    table[name] = torch.nn.Parameter(fake, requires_grad=value.requires_grad) if is_parameter else fake
+                    if id(value) not in fakes:
+                        fake = on_fake_cpu(value)
+                        fakes[id(value)] = torch.nn.Parameter(fake, requires_grad=value.requires_grad) if is_parameter else fake
+                    table[name] = fakes[id(value)]
         fake_args, fake_kwargs = torch.utils._pytree.tree_map(on_fake_cpu, (tuple(args), dict(kwargs)))
         return _quiet_export(model, fake_args, fake_kwargs)
     finally:
