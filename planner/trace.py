@@ -175,33 +175,23 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.E
     Tensors a forward makes from Python data (``torch.tensor([...])``, ``x[..., [-2]]``)
     become *lifted tensor constants* of the exported program. Made on the meta device (the
     model's), they hold no values, and made on the CPU without a device they cannot meet
-    the meta inputs at all. Exporting again with the parameters and inputs as fake tensors
-    that claim the CPU (no memory either) keeps every constant's values and lets CPU
-    constants mix with the inputs, as they do when the model runs on a CPU.
+    the meta inputs at all. Exporting with the parameters and inputs as fake tensors that
+    claim the CPU (no memory either) keeps every constant's values and lets CPU constants
+    mix with the inputs, as they do when the model runs on a CPU; a model that fails there
+    is exported on meta.
     """
-    if _on_meta(model, args, kwargs):
-        # Fake CPU tensors first: the meta export would have to be redone on them whenever the
-        # forward makes a tensor from Python data (most HuggingFace models do), and each
-        # export of a large model takes seconds (14 s for DeepSeek-V3). Where fake CPU
-        # tensors fail, the meta export below is tried.
-        try:
-            return _export_on_fake_cpu(model, args, kwargs)
-        except Exception:  # noqa: BLE001 - the meta export below decides (and reports its own error)
-            pass
+    if not _on_meta(model, args, kwargs):
+        return _quiet_export(model, args, kwargs)
+    # Fake CPU tensors first: a meta export would have to be redone on them whenever the
+    # forward makes a tensor from Python data (most HuggingFace models do), and each export
+    # of a large model takes seconds (14 s for DeepSeek-V3).
     try:
-        program = _quiet_export(model, args, kwargs)
-    except Exception as meta_error:  # noqa: BLE001 - retried on fake CPU tensors, else re-raised
-        if not _on_meta(model, args, kwargs) or "device" not in str(meta_error):
-            raise
-        try:
-            return _export_on_fake_cpu(model, args, kwargs)
-        except Exception:  # noqa: BLE001 - the first error says more
-            raise meta_error from None
-    if _on_meta(model, args, kwargs) and any(
-        isinstance(value, torch.Tensor) and value.device.type == "meta" for value in program.constants.values()
-    ):
         return _export_on_fake_cpu(model, args, kwargs)
-    return program
+    except Exception as fake_error:  # noqa: BLE001 - the meta export decides, with its own error
+        program = _quiet_export(model, args, kwargs)
+        if any(isinstance(value, torch.Tensor) and value.device.type == "meta" for value in program.constants.values()):
+            raise fake_error from None  # the meta program's constants hold no values
+        return program
 
 
 def _quiet_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from codegen.runtime.moe import all_to_all_rows, gather_experts, is_recomputing, sum_copies, with_expert_gradient
+from codegen.runtime.moe import all_to_all_rows, count_choices, gather_experts, is_recomputing, sum_copies, with_expert_gradient
 
 __all__ = ["ExpertParallelExperts"]
 
@@ -141,10 +141,7 @@ class ExpertParallelExperts(torch.nn.Module):
             return
         with torch.no_grad():
             per_token = torch.zeros(top_k_index.size(0), self.experts, dtype=torch.float64)
-            per_token.scatter_(1, top_k_index.long(), 1.0)
-            self.routed_counts += per_token.sum(dim=0)
-            pairs = per_token.t() @ per_token
-            self.coselected += pairs - torch.diag(torch.diagonal(pairs))
+            count_choices(self, per_token.scatter_(1, top_k_index.long(), 1.0))
 
     def full_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """Every expert's weights (and gradients) as one device stacks them, by the names of

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
-    "ExpertParallelMoE", "FlatExchange", "RoutedMoE", "Routing", "all_to_all_rows", "exchange_counts", "gather_experts",
+    "ExpertParallelMoE", "FlatExchange", "count_choices", "RoutedMoE", "Routing", "all_to_all_rows", "exchange_counts", "gather_experts",
     "is_recomputing", "route", "rank_local_parameters", "recompute_in_backward_counting_once", "scaled_gradient", "sum_copied_expert_gradients",
     "sum_copies", "with_expert_gradient",
 ]
@@ -168,15 +168,21 @@ class RoutedMoE(torch.nn.Module):
         if _recomputing:  # backward re-running a checkpointed block: counted in its forward already
             return
         with torch.no_grad():
-            self.routed_counts += routing.one_hot.sum(dim=0).double()
-            per_token = routing.one_hot.view(self.top_k, count, self.experts).sum(dim=0).double()  # (n, E)
-            pairs = per_token.t() @ per_token
-            self.coselected += pairs - torch.diag(torch.diagonal(pairs))
+            count_choices(self, routing.one_hot.view(self.top_k, count, self.experts).sum(dim=0).double())
             self.last_dropped = int((~routing.kept).sum())
 
     def _router_entry(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         grad = None if self.router.grad is None else self.router.grad.detach()
         return self.router.detach(), grad
+
+
+def count_choices(layer, per_token: torch.Tensor) -> None:
+    """Add one forward's routing to ``layer.routed_counts`` (choices per expert) and
+    ``layer.coselected`` (pairs of experts chosen for one token) from ``per_token``, an
+    (n, E) table of each token's choices."""
+    layer.routed_counts += per_token.sum(dim=0)
+    pairs = per_token.t() @ per_token
+    layer.coselected += pairs - torch.diag(torch.diagonal(pairs))
 
 
 def rank_local_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
