@@ -34,6 +34,7 @@ from planner.strategy import (
     MemoryBreakdown,
     PipelineConfig,
     SimResult,
+    SummaLayout,
     Placements,
     placements_from_json,
     placements_str,
@@ -42,12 +43,12 @@ from planner.strategy import (
 
 PLAN_FORMAT = "soap-planner-plan"
 # Version 3 added model_fingerprint (planner/fingerprint.py).
-PLAN_VERSION = 6  # 4: accumulation_steps; 5: pipeline.stage_recompute; 6: expert_layouts
+PLAN_VERSION = 7  # 4: accumulation_steps; 5: pipeline.stage_recompute; 6: expert_layouts; 7: SUMMA layouts, row/col/dep axes
 # Precisions a plan is made in (the API also takes "auto", resolved before planning).
 PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
 # Mesh axes plans are made of: data, tensor and pipeline parallelism.
-MESH_AXES = ("dp", "tp", "pp")
+MESH_AXES = ("dp", "tp", "pp", "row", "col", "dep")
 
 T = TypeVar("T")
 
@@ -190,6 +191,7 @@ class Plan:
                 f"mesh {self.mesh} has {self.mesh.size} ranks but the cluster has {self.cluster.world_size} devices"
             )
         _check_expert_layouts(self.expert_layouts, self.mesh)
+        _check_summa_layouts(self.strategies, self.mesh)
 
     @property
     def world_size(self) -> int:
@@ -514,6 +516,24 @@ def _estimate_from(reader: _Reader) -> SimResult:
     )
 
 
+def _check_summa_layouts(strategies: tuple[NodeStrategy, ...], mesh: Mesh) -> None:
+    """Every SUMMA layout fits the mesh: ``row`` and ``col`` of size q, ``dep`` of size d
+    (absent for 2-D), ordered as ``SummaLayout`` says."""
+    for strategy in strategies:
+        layout = strategy.layout
+        if not isinstance(layout, SummaLayout):
+            continue
+        where = f"node '{one_line(strategy.node)[:80]}' has a {layout.describe()} layout"
+        wanted = {"row": layout.q, "col": layout.q, **({"dep": layout.d} if layout.family != "2d" else {})}
+        sizes = dict(mesh.axes)
+        if any(sizes.get(axis) != size for axis, size in wanted.items()):
+            raise ValueError(f"{where}, which needs mesh axes {wanted}, but the mesh is {mesh}")
+        order = [name for name in mesh.names if name in wanted]
+        expected = {"2d": ["row", "col"], "2.5d": ["dep", "row", "col"], "3d": ["row", "col", "dep"]}[layout.family]
+        if order != expected:
+            raise ValueError(f"{where}, which needs mesh axes in the order {' x '.join(expected)}, but the mesh is {mesh}")
+
+
 def _check_expert_layouts(layouts: tuple[ExpertLayout, ...], mesh: Mesh) -> None:
     """Each MoE layer once, on an axis of the mesh, its placement over that axis's ranks."""
     seen = set()
@@ -610,9 +630,10 @@ def _pipeline_from_dict(data: Any) -> PipelineConfig | None:
 
 
 def _strategy_to_dict(strategy: NodeStrategy) -> dict[str, Any]:
-    if strategy.layout is not None:
-        raise NotImplementedError("saving SUMMA and expert layouts comes with the search that emits them")
-    return {
+    if strategy.layout is not None and not isinstance(strategy.layout, SummaLayout):
+        # Expert layouts live in Plan.expert_layouts, one per MoE layer, not on nodes.
+        raise NotImplementedError("a node strategy saves a SUMMA layout only; expert layouts belong in Plan.expert_layouts")
+    saved = {
         "node": strategy.node,
         "op": strategy.op,
         "module": strategy.module,
@@ -623,6 +644,9 @@ def _strategy_to_dict(strategy: NodeStrategy) -> dict[str, Any]:
         "cost": vars(strategy.cost),
         "produced": None if strategy.produced is None else [placements_to_json(p) for p in strategy.produced],
     }
+    if strategy.layout is not None:
+        saved["layout"] = strategy.layout.to_dict()
+    return saved
 
 
 def _strategy_from_dict(reader: _Reader) -> NodeStrategy:
@@ -639,4 +663,6 @@ def _strategy_from_dict(reader: _Reader) -> NodeStrategy:
         produced=None if reader.data.get("produced") is None else tuple(
             placements_from_json(p, f"{where}.produced'") for p in reader.get("produced", list)
         ),
+        layout=None if reader.data.get("layout") is None else reader.convert(
+            "layout", SummaLayout.from_dict, ValueError, TypeError),
     )

@@ -238,3 +238,46 @@ def test_expert_layouts_round_trip_and_are_checked(gpt_plan, tmp_path):
         change(broken["expert_layouts"][0])
         with pytest.raises(PlanFileError, match=message):
             load_plan(write(tmp_path, broken))
+
+
+def _with_summa_node(data: dict, layout: dict, mesh: list) -> dict:
+    data["mesh"] = mesh
+    width = len(mesh)
+    for strategy in data["strategies"]:
+        strategy["inputs"] = [["R"] * width for _ in strategy["inputs"]]
+        strategy["outputs"] = [["R"] * width for _ in strategy["outputs"]]
+        strategy["params"] = {name: ["R"] * width for name in strategy["params"]}
+    data["inputs"] = {name: ["R"] * width for name in data["inputs"]}
+    data["strategies"][0]["layout"] = layout
+    data["dp_flavour"] = "ddp"
+    devices = 1
+    for _, size in mesh:
+        devices *= size
+    data["cluster"]["nodes"] = [{**data["cluster"]["nodes"][0], "devices": devices}]
+    return data
+
+
+def test_summa_layouts_round_trip_and_must_fit_the_mesh(plan_dict, tmp_path):
+    # A SUMMA layout is saved on its node and read back; its family sets the mesh it needs.
+    three_d = {"kind": "summa", "q": 2, "d": 2, "family": "3d", "swapped": True}
+    data = _with_summa_node(plan_dict, three_d, [["row", 2], ["col", 2], ["dep", 2]])
+    loaded = load_plan(write(tmp_path, data))
+    layout = loaded.strategies[0].layout
+    assert (layout.q, layout.d, layout.family, layout.swapped, layout.hidden_axis) == (2, 2, "3d", True, "row")
+    assert Plan.from_dict(json.loads(json.dumps(loaded.to_dict()))) == loaded
+
+    # The same layout on a 2.5-D mesh order (depth outermost) is refused, naming the order.
+    data = _with_summa_node(plan_dict, three_d, [["dep", 2], ["row", 2], ["col", 2]])
+    with pytest.raises(PlanFileError, match="order row x col x dep"):
+        load_plan(write(tmp_path, data, "order.json"))
+    # A 2.5-D depth larger than q, an unknown family, a missing axis: one line each.
+    for layout, mesh, message in (
+        ({"kind": "summa", "q": 2, "d": 4, "family": "2.5d"}, [["dep", 4], ["row", 2], ["col", 2]], "2 <= d <= q"),
+        ({"kind": "summa", "q": 2, "d": 1, "family": "4d"}, [["row", 2], ["col", 2]], "family must be one of"),
+        ({"kind": "summa", "q": 2, "d": 1, "family": "2d"}, [["dp", 2], ["tp", 2]], "needs mesh axes"),
+        ({"kind": "summa", "q": "2"}, [["row", 2], ["col", 2]], "must be integers"),
+    ):
+        data = _with_summa_node(json.loads(json.dumps(plan_dict)), layout, mesh)
+        with pytest.raises(PlanFileError, match=message) as error:
+            load_plan(write(tmp_path, data, "bad.json"))
+        assert "\n" not in str(error.value)
