@@ -123,8 +123,7 @@ def train_synthetic(
     """Train ``steps`` steps on random batches shaped like the example batch; print each
     step's time. With ``record_routing``, write the MoE layers' routing over the steps there
     (``codegen.runtime.routing_record``)."""
-    model, args, kwargs = program.build_model()
-    module = program.parallelize(model, mesh)
+    model, module, args, kwargs = program.build_module(mesh)  # this rank's shards only
     if program.is_pipeline:
         pipeline = program.module.make_pipeline(module, mesh)
 
