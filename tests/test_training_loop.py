@@ -13,7 +13,10 @@ import pytest
 import torch
 
 import planner
+from codegen.runtime.profiling import profile_split
 from codegen.runtime.training_loop import as_inputs, learning_rate_factor, load_data
+from cost_model.calibration import load_measured
+from planner.cli import main as cli_main
 from planner.errors import LaunchError
 from planner.model_spec import ModelSpec
 from tests.test_parity import _run, _torchrun
@@ -83,7 +86,8 @@ def _single_device_losses(data_file: Path) -> tuple[list[float], list[float], li
 def test_user_data_schedule_and_clipping_match_one_device(tmp_path: Path) -> None:
     """FSDP on 2 gloo ranks (gradients are DTensors sharded over dp, so clipping needs the
     global norm) trains the user's batches with warm-up + cosine and clipping: every step's
-    loss, gradient norm and learning rate equal the single-device loop's."""
+    loss, gradient norm and learning rate equal the single-device loop's. The same run's
+    ``--profile`` writes a measured.json that ``planner compare`` reads."""
     data_file = tmp_path / "data.py"
     data_file.write_text(DATA)
     plan = planner.plan(ModelSpec(str(REPO / "examples/gpt.py"), GPT), "cpu:1x2", dp_flavour="fsdp")
@@ -91,7 +95,7 @@ def test_user_data_schedule_and_clipping_match_one_device(tmp_path: Path) -> Non
     launch = _run(
         [*_torchrun(2), "out/launch.py", "--data", "data.py:batches", "--steps", str(STEPS), "--lr", str(LR),
          "--optimizer", "adamw", "--lr-schedule", "cosine", "--warmup-steps", str(WARMUP), "--min-lr-ratio",
-         str(MIN_RATIO), "--clip-grad-norm", str(CLIP), "--metrics", "metrics.jsonl"],
+         str(MIN_RATIO), "--clip-grad-norm", str(CLIP), "--metrics", "metrics.jsonl", "--profile", "measured.json"],
         cwd=tmp_path, timeout=240,
     )
     assert launch.returncode == 0, launch.describe()
@@ -104,6 +108,12 @@ def test_user_data_schedule_and_clipping_match_one_device(tmp_path: Path) -> Non
     assert [record["grad_norm"] for record in records] == pytest.approx(norms, rel=1e-4)
     assert [record["loss"] for record in records] == pytest.approx(losses, rel=1e-4, abs=1e-5)
     assert all(record["tokens_per_s"] > 0 and 0 < record["mfu"] for record in records)
+    measured = load_measured(tmp_path / "measured.json")
+    wait, _, active = profile_split(STEPS)
+    assert len(measured.step_times_s) == wait - 1  # the clean steps, the first left out
+    assert measured.ops["aten::mm"]["flops"] > 0 and measured.ops["aten::mm"]["time_s"] > 0
+    assert {"all_gather"} <= {item["kind"] for item in measured.collectives if item["bytes"] > 0}  # FSDP's gathers
+    assert cli_main(["compare", str(tmp_path / "out" / "plan.json"), str(tmp_path / "measured.json")]) == 0
 
 
 if __name__ == "__main__":
