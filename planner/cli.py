@@ -1,4 +1,5 @@
-"""Command line: ``planner plan``, ``planner compile``, ``planner presets``, ``planner profile``.
+"""Command line: ``planner plan``, ``planner compile``, ``planner presets``, ``planner profile``,
+``planner compare``, ``planner calibrate``.
 
 Every error caused by the input (flags included) is one line on stderr, ``error: ...``, and
 exit status 2; an unexpected failure inside soap-planner is one line too (exit 3), with the
@@ -147,7 +148,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write it (.toml or .json); an existing file is replaced only if soap-planner wrote it",
     )
     profile.add_argument("--force", action="store_true", help="let -o overwrite a file soap-planner did not write")
+    add_measurement_commands(commands)
     return parser
+
+
+def add_measurement_commands(commands) -> None:
+    """``planner compare`` and ``planner calibrate`` (``planner.compare``)."""
+    compare = commands.add_parser(
+        "compare",
+        help="show predicted against measured time per part, per collective and per step",
+        description="Simulate PLAN and set its step, compute by op class and collectives beside what "
+        "`launch.py --steps N --profile MEASURED` measured, with the error of each.",
+    )
+    compare.add_argument("plan", metavar="PLAN", help="a plan file (planner plan -o, or a compiled folder's plan.json)")
+    compare.add_argument("measured", metavar="MEASURED", help="measured.json from launch.py --profile")
+    compare.add_argument("--cluster", default=None, metavar="CLUSTER",
+                         help="simulate on this cluster instead of the plan's (e.g. a calibrated.toml)")
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="fit the cost model's efficiencies to measured runs and write a cluster file",
+        description="Fit the matmul and memory efficiencies, the per-kernel overhead and the link's latency and "
+        "bandwidth of CLUSTER so the simulated step times of the measured plans match their measurements "
+        "(see cost_model/calibration.py); write the calibrated cluster file.",
+    )
+    calibrate.add_argument("measured", metavar="MEASURED", nargs="+", help="measured.json files from launch.py --profile")
+    calibrate.add_argument("--cluster", required=True, metavar="CLUSTER",
+                           help="the cluster to calibrate: PRESET[:NODESxDEVICES] or a cluster file")
+    calibrate.add_argument("-o", "--output", required=True, metavar="CLUSTER_FILE", help="where to write it (.toml or .json)")
+    calibrate.add_argument("--force", action="store_true", help="let -o overwrite a file soap-planner did not write")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,6 +215,8 @@ def _run(options: argparse.Namespace) -> int:
         return _simulate(options)
     if options.command == "profile":
         return _profile(options)
+    if options.command in ("compare", "calibrate"):
+        return _compare(options) if options.command == "compare" else _calibrate(options)
     if options.command == "compile":
         from planner.outputs import check_program_folder
 
@@ -287,6 +317,37 @@ def _profile(options: argparse.Namespace) -> int:
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     print(f"wrote {output}; next: planner plan examples/gpt.py --cluster {output}")
+    return 0
+
+
+def _compare(options: argparse.Namespace) -> int:
+    from planner.cluster import Cluster
+    from planner.compare import compare, format_comparison, load_measured, plan_and_graph
+    from planner.plans import load_plan
+
+    cluster = Cluster.parse(options.cluster) if options.cluster else None
+    run = load_measured(options.measured)
+    plan = load_plan(options.plan)  # relative model sources resolved against the plan's folder
+    with _status(f"simulating {plan.name}"):
+        plan, graph = plan_and_graph(plan.to_dict(), options.plan, cluster)
+        parts = compare(plan, graph, run)
+    print(format_comparison(parts, run, plan.name))
+    return 0
+
+
+def _calibrate(options: argparse.Namespace) -> int:
+    from planner.cluster import Cluster
+    from planner.compare import calibrate, calibration_cases, check_cluster_output, format_fit, load_runs
+
+    cluster = Cluster.parse(options.cluster)
+    output = check_cluster_output(options.output, options.force)  # before any work
+    runs = load_runs(options.measured)
+    with _status(f"fitting {len(runs)} measured run(s)"):
+        cases = calibration_cases(runs)
+        calibrated, fit = calibrate(runs, cluster, cases)
+    calibrated.save(output, comment=f"calibrated by `planner calibrate` on {len(runs)} measured run(s)", force=options.force)
+    print(format_fit(fit, cases))
+    print(f"wrote {output}; next: planner plan MODEL --cluster {output}")
     return 0
 
 
