@@ -61,7 +61,8 @@ from codegen.spmd_emit import SUPPORTED_AXES, GraphEmitter
 from codegen.spmd_sections import SHARDED_STATES_IMPORT, sharded_states_function, shards_optimizer_states
 from codegen.spmd_placements import whole
 from codegen.attention_core import NO_CORE_COMMENT, attention_cores
-from codegen.spmd_recompute import assigned_in_order, block_runs, checkpoint_blocks, core_runs, names_in
+from codegen.block_fold import BlockFolder, emit_block_runs, forward_locals, placeholder_table
+from codegen.spmd_recompute import assigned_in_order, checkpoint_blocks, core_runs, names_in
 from planner import __version__
 from planner.errors import PlanningError
 from planner.graph import OpGraph
@@ -213,7 +214,7 @@ class _PipelineWriter:
             written.append(self._emit_runs(nodes, gm, self.recompute[stage]))
         loss = em.values[self._loss_leaf(gm).name]
         loss_line = _PAD + (f"return self.loss({loss.expr})" if loss.kind == "dt" else f"return {loss.expr}")
-        bodies = self._checkpointed(written, loss_line)
+        bodies = self._checkpointed(written, loss_line)  # written out; folded below, once stages are known
 
         value_of = {v.expr: (fx_name, v) for fx_name, v in em.values.items()}
         kind_of = {expr: v.kind for expr, (_, v) in value_of.items()}
@@ -229,6 +230,7 @@ class _PipelineWriter:
         extra: list[list[str]] = [[] for _ in range(self.stages)]
         received: list[list[str]] = [[] for _ in range(self.stages)]
         params: list[list[str]] = [[] for _ in range(self.stages)]
+        needed_params: list[list[str]] = [[] for _ in range(self.stages)]
         for stage in range(self.stages):
             tail = [loss_line] if stage == self.stages - 1 else []
             while True:
@@ -242,6 +244,7 @@ class _PipelineWriter:
                     break
                 extra[stage] = self._recomputed(gm, local, value_of, stage) + extra[stage]
             params[stage] = [n for n in param_lines if n in needed]
+            needed_params[stage] = list(params[stage])  # what the stage owns, block functions' reads included
             received[stage] = sorted((n for n in needed if n in defined and n not in param_lines), key=order.get)
             if stage == 0:
                 received[stage] = list(input_names)
@@ -253,13 +256,24 @@ class _PipelineWriter:
         info = {name: self._boundary(name, value_of) for b in boundaries for name in b}
         info.update({name: self._boundary(name, value_of) for name in input_names})
 
+        # Each repeated block written once (codegen.block_fold), shared by the stages.
+        placeholders, prelude = placeholder_table(em, list(param_lines.values()))
+        known = forward_locals([list(input_lines.values()), list(param_lines.values()), *(l for runs in written for _, l in runs)])
+        folder = BlockFolder(placeholders, prelude, known | set(input_names), em.used_names)
+        loaded = [set().union(*(names_in(lines, ast.Load) for _, lines in runs)) for runs in written]
+        elsewhere = [names_in([loss_line], ast.Load).union(*(loaded[i] for i in range(len(written)) if i != s)) for s in range(self.stages)]
+        bodies = self._checkpointed(folder.fold(written, elsewhere, self.recompute), loss_line)
+        for stage in range(self.stages):
+            read = names_in(extra[stage] + bodies[stage], ast.Load)
+            params[stage] = [n for n in params[stage] if n not in folder.moved or n in read]
+
         classes = []
         class_names = []
         stage_params: list[list[str]] = []
         for stage in range(self.stages):
             class_name = self.emitter.class_name(f"Stage{stage}")
             class_names.append(class_name)
-            owned = list(dict.fromkeys(param_of_line[n] for n in params[stage] if param_of_line[n] in self.graph.parameters))
+            owned = list(dict.fromkeys(param_of_line[n] for n in needed_params[stage] if param_of_line[n] in self.graph.parameters))
             stage_params.append(owned)
             incoming = input_names if stage == 0 else boundaries[stage - 1]
             outgoing = boundaries[stage] if stage < self.stages - 1 else None
@@ -287,6 +301,7 @@ class _PipelineWriter:
                 tables,
                 io,
                 *classes,
+                folder.source(),
                 self._functions(class_names, stage_params, shared, input_names),
             ]
         )
@@ -294,9 +309,11 @@ class _PipelineWriter:
     def _emit_runs(self, nodes: list[torch.fx.Node], gm: torch.fx.GraphModule, recompute: str) -> list[tuple[Any, list[str]]]:
         """A stage's lines, as runs of one repeated block (or none) when the stage recomputes
         (``recompute``: each block run indented one more level, to become a nested function)."""
-        if recompute == "none" or (recompute == "selective" and not self.cores):
+        if recompute == "selective" and not self.cores:
             return [(None, self.emitter._emit_nodes(nodes, gm, indent=2))]
-        runs = block_runs(self.graph, nodes) if recompute == "full" else core_runs(self.cores, nodes)
+        if recompute != "selective":
+            return emit_block_runs(self.emitter, nodes, gm, checkpointed=recompute == "full")
+        runs = core_runs(self.cores, nodes)
         return [(block, self.emitter._emit_nodes(run, gm, indent=2 + (block is not None))) for block, run in runs]
 
     def _checkpointed(self, written: list[list[tuple[Any, list[str]]]], loss_line: str) -> list[list[str]]:
@@ -310,7 +327,10 @@ class _PipelineWriter:
         bodies = []
         for stage, runs in enumerate(written):
             elsewhere = names_in([loss_line], ast.Load).union(*(loaded[i] for i in range(len(written)) if i != stage))
-            bodies.append(checkpoint_blocks(runs, also_read=elsewhere))
+            if self.recompute[stage] == "none":
+                bodies.append([line for _, lines in runs for line in lines])
+            else:
+                bodies.append(checkpoint_blocks(runs, also_read=elsewhere))
         return bodies
 
     def _recomputed(self, gm, names: list[str], value_of, stage: int) -> list[str]:

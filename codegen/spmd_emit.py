@@ -51,6 +51,7 @@ from codegen.spmd_placements import (
     whole,
 )
 from codegen.attention_core import attention_cores
+from codegen.block_fold import folded_body
 from codegen.spmd_recompute import checkpointed_body, selective_body
 from codegen.spmd_sections import ProgramSections
 from codegen.dry_run import WRONG_LOCAL_SHAPE
@@ -119,7 +120,9 @@ def render_graph_program(plan: Plan) -> str:
         # The dry run reads the forward's own locals, so it runs a version without the
         # recomputed blocks' nested functions; checkpointing changes no placement. It runs
         # one micro-batch of the example batch when the plan accumulates gradients.
-        source = GraphEmitter(plan, graph, facts, observed, forced, warning, recompute=plan.recompute if final else "none").render()
+        source = GraphEmitter(
+            plan, graph, facts, observed, forced, warning, recompute=plan.recompute if final else "none", fold=final
+        ).render()
         return source if final or steps == 1 else source + first_micro_batch_only(micro)
 
     from codegen import dry_run
@@ -149,9 +152,11 @@ class GraphEmitter(ProgramSections):
         warning: str = "",
         recompute: str = "none",
         local_replicated: bool = True,
+        fold: bool = False,
     ):
         self.plan, self.graph, self.facts = plan, graph, facts
         self.recompute = recompute
+        self.fold = fold  # each repeated block written once (codegen.block_fold)
         self.local_replicated = local_replicated
         self.localized: dict[str, str] = {}  # DTensor value -> name of its local tensor
         self.params_read_locally: set[str] = set()
@@ -235,18 +240,19 @@ class GraphEmitter(ProgramSections):
         inputs = [i for i in self.graph.inputs]
         input_lines = self._input_lines(gm)
         param_lines = self._parameter_lines(gm)
-        if self.recompute == "full":
-            body = checkpointed_body(self, gm)
-        elif self.recompute == "selective":  # each block's attention core (codegen.attention_core)
+        blocks = ""
+        if self.recompute == "selective":  # each block's attention core (codegen.attention_core)
             body = selective_body(self, gm, attention_cores(self.graph, self.plan.summary.tokens_per_sample))
+        elif not self.fold:
+            body = checkpointed_body(self, gm) if self.recompute == "full" else self._emit_nodes(list(gm.graph.nodes), gm, indent=2)
         else:
-            body = self._emit_nodes(list(gm.graph.nodes), gm, indent=2)
+            body, param_lines, blocks = folded_body(self, gm, [i.name for i in inputs], input_lines, param_lines)
         return "\n".join(
             [
                 self._header(),
                 self._imports(),
                 self._tables(),
-                self._class(inputs, input_lines, param_lines, body),
+                self._class(inputs, input_lines, param_lines, body) + blocks,
                 self._functions(),
             ]
         )
