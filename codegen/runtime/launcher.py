@@ -44,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--record-routing", metavar="FILE", default=None,
         help="with --steps: write the MoE layers' routing over the steps as routing statistics (planner plan --routing FILE)",
     )
+    parser.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="with --steps: save checkpoints (torch.distributed.checkpoint) under DIR")
+    parser.add_argument(
+        "--save-every", metavar="N", default=0,
+        type=flag_type(int, lambda value, name: integer_at_least(value, name, 1), "an integer >= 1"),
+        help="with --checkpoint-dir: save every N steps (and after the last step)",
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir (any plan's)")
+    parser.add_argument("--init-from", metavar="FILE", default=None, help="start from the weights of a state_dict file (planner export-checkpoint)")
     return parser
 
 
@@ -56,6 +64,7 @@ def main(folder: Path, argv: list[str]) -> int:
         if not options.check and options.steps == 0:
             raise LaunchError("say what to run: --check, --steps N, or both; see launch.py --help")
         program = load_program(folder)
+        check_checkpoint_options(options)
         if options.record_routing is not None:
             check_routing_output(program, options.steps, options.record_routing)
         check_world_size(program.plan)
@@ -71,7 +80,7 @@ def main(folder: Path, argv: list[str]) -> int:
             _say(result.message(atol, rtol))
             status = 0 if result.ok else 1
         if options.steps > 0:
-            train_synthetic(program, mesh, options.steps, options.lr, optimizer, options.record_routing)
+            train_synthetic(program, mesh, options.steps, options.lr, optimizer, options.record_routing, options)
         # Every rank is done communicating before any tears gloo down: without this, a rank
         # that leaves first sometimes makes another abort at exit after a successful run.
         dist.barrier()
@@ -117,12 +126,33 @@ def check_routing_output(program: Program, steps: int, path: str) -> None:
         raise LaunchError(f"--record-routing: folder '{target.resolve().parent}' does not exist; create it first")
 
 
+def check_checkpoint_options(options: argparse.Namespace) -> None:
+    """Refuse checkpoint flags that cannot work together, with one line, before the process group starts."""
+    from codegen.runtime.checkpoint import latest_checkpoint
+
+    directory = options.checkpoint_dir
+    if (options.save_every or options.resume) and directory is None:
+        raise LaunchError("--save-every and --resume need --checkpoint-dir DIR: the folder checkpoints are saved in")
+    if (directory or options.init_from) and options.steps == 0:
+        raise LaunchError("--checkpoint-dir and --init-from are for training; add --steps N")
+    if options.resume and options.init_from:
+        raise LaunchError("--resume continues a run (weights, optimizer, step); --init-from starts a new one from weights: pick one")
+    if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
+        raise LaunchError(f"--checkpoint-dir: '{directory}' is a file; give a folder")
+    if options.resume and latest_checkpoint(Path(directory)) is None:
+        raise LaunchError(f"--resume: no complete checkpoint in '{directory}'; run without --resume to start from step 0")
+    if options.init_from is not None and not Path(options.init_from).is_file():
+        raise LaunchError(f"--init-from: no file '{options.init_from}'; write one with `python -m planner export-checkpoint DIR -o FILE`")
+
+
 def train_synthetic(
-    program: Program, mesh, steps: int, lr: float, optimizer_name: str, record_routing: str | None = None
+    program: Program, mesh, steps: int, lr: float, optimizer_name: str, record_routing: str | None = None,
+    options: argparse.Namespace | None = None,
 ) -> list[float]:
     """Train ``steps`` steps on random batches shaped like the example batch; print each
-    step's time. With ``record_routing``, write the MoE layers' routing over the steps there
-    (``codegen.runtime.routing_record``)."""
+    step's time and the loss (the mean over every rank's). With ``record_routing``, write the
+    MoE layers' routing over the steps there (``codegen.runtime.routing_record``). ``options``
+    (the parsed flags) carry the checkpoint flags (``codegen.runtime.checkpoint``)."""
     model, module, args, kwargs = program.build_module(mesh)  # this rank's shards only
     if program.is_pipeline:
         pipeline = program.module.make_pipeline(module, mesh)
@@ -137,8 +167,9 @@ def train_synthetic(
             return program.forward_backward(module, batch_args, batch_kwargs, mesh)[0]
 
     optimizer = program.make_optimizer(module, mesh, optimizer_class(optimizer_name), lr=lr)  # the program's hook, if any
+    checkpointer, first_step = _start_checkpoints(program, options, model, module, optimizer)
     times = []
-    for step in range(steps):
+    for step in range(first_step, steps):
         torch.manual_seed(1000 + step)  # the same global batch on every rank
         batch_args, batch_kwargs = random_like(args), random_like(kwargs)  # global; sharded in forward_backward
         _synchronize()
@@ -148,7 +179,11 @@ def train_synthetic(
         optimizer.zero_grad(set_to_none=True)
         _synchronize()
         times.append(time.perf_counter() - start)
-        _say(f"step {step + 1}/{steps}: {times[-1] * 1e3:.2f} ms  loss {loss.item():.4f}")
+        _say(f"step {step + 1}/{steps}: {times[-1] * 1e3:.2f} ms  loss {_mean_over_ranks(loss):.6f}")
+        if checkpointer is not None and (step + 1 == steps or (options.save_every and (step + 1) % options.save_every == 0)):
+            _said_complete(checkpointer.save(step + 1))
+    if checkpointer is not None:
+        _said_complete(checkpointer.wait())
     steady = times[1:] or times
     _say(f"mean step time: {sum(steady) / len(steady) * 1e3:.2f} ms over {len(steady)} steps (first step excluded)")
     if record_routing is not None:
@@ -157,6 +192,37 @@ def train_synthetic(
         stats = write_recorded_routing(model, steps, record_routing)
         _say(f"routing of {len(stats.layers)} MoE layer(s) written to {record_routing} ({stats.source})")
     return times
+
+
+def _start_checkpoints(program: Program, options, model, module, optimizer):
+    """The run's ``Checkpointer`` (None without --checkpoint-dir) and its first step: the
+    checkpoint's with --resume, else 0 (after loading --init-from's weights, if given)."""
+    from codegen.runtime.checkpoint import Checkpointer, init_from
+
+    if options is not None and options.init_from is not None:
+        count = init_from(Path(options.init_from), model, module)
+        _say(f"initialised {count} tensors from {options.init_from}")
+    if options is None or options.checkpoint_dir is None:
+        return None, 0
+    checkpointer = Checkpointer(Path(options.checkpoint_dir), model, module, optimizer, program.plan.name)
+    if not options.resume:
+        return checkpointer, 0
+    step = checkpointer.resume(Path(options.checkpoint_dir))
+    _say(f"resumed from {options.checkpoint_dir} at step {step}")
+    return checkpointer, step
+
+
+def _said_complete(folder) -> None:
+    if folder is not None:
+        _say(f"checkpoint complete: {folder}")
+
+
+def _mean_over_ranks(loss: torch.Tensor) -> float:
+    """The step's loss: the mean of every rank's (data-parallel ranks each hold their
+    slice's; tensor- and pipeline-parallel ranks the same value)."""
+    value = loss.detach().float().reshape(()).clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
 
 
 def random_like(tree):
