@@ -149,6 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     profile.add_argument("--force", action="store_true", help="let -o overwrite a file soap-planner did not write")
     add_measurement_commands(commands)
+
+    export = commands.add_parser(
+        "export-checkpoint",
+        help="write a training checkpoint's weights as one plain state_dict file",
+        description="Gather the weights of a checkpoint saved by launch.py --checkpoint-dir (any plan, any world "
+        "size) into one state_dict that loads into the model built from the spec (torch.load(..., weights_only=True)).",
+    )
+    export.add_argument("checkpoint", metavar="DIR", help="a step-<N> checkpoint folder, or the --checkpoint-dir (its latest)")
+    export.add_argument("-o", "--output", required=True, metavar="FILE", help="the state_dict file to write (e.g. model.pt)")
+    export.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     return parser
 
 
@@ -217,6 +227,8 @@ def _run(options: argparse.Namespace) -> int:
         return _profile(options)
     if options.command in ("compare", "calibrate"):
         return _compare(options) if options.command == "compare" else _calibrate(options)
+    if options.command == "export-checkpoint":
+        return _export_checkpoint(options)
     if options.command == "compile":
         from planner.outputs import check_program_folder
 
@@ -230,6 +242,26 @@ def _run(options: argparse.Namespace) -> int:
         print(f"next: {_command('torchrun', '--nproc_per_node', plan.world_size, f'{out}/launch.py', '--check')}")
         return 0
     raise AssertionError(f"unhandled command {options.command}")
+
+
+def _export_checkpoint(options: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    output = Path(options.output)
+    if output.is_dir():
+        raise ArgumentError(f"-o {output} is a folder; give a file name such as model.pt")
+    if output.exists() and not options.force:
+        raise ArgumentError(f"-o {output} exists; pass --force to overwrite it")
+    if not output.resolve().parent.is_dir():
+        raise ArgumentError(f"-o {output}: folder '{output.resolve().parent}' does not exist; create it first")
+    if not Path(options.checkpoint).is_dir():
+        raise ArgumentError(f"no folder '{options.checkpoint}'; give a checkpoint folder written by launch.py --checkpoint-dir")
+    from codegen.runtime.checkpoint import export_checkpoint
+
+    step, count = export_checkpoint(Path(options.checkpoint), output)
+    print(f"wrote {count} tensors (the weights after step {step}) to {output}")
+    print(f"load them with model.load_state_dict(torch.load({str(output)!r}, weights_only=True))")
+    return 0
 
 
 def _plan(options: argparse.Namespace) -> int:

@@ -44,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --steps: write the MoE layers' routing over the steps as routing statistics (planner plan --routing FILE)",
     )
     add_training_flags(parser)
+    parser.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="with --steps: save checkpoints (torch.distributed.checkpoint) under DIR")
+    parser.add_argument(
+        "--save-every", metavar="N", default=0,
+        type=flag_type(int, lambda value, name: integer_at_least(value, name, 1), "an integer >= 1"),
+        help="with --checkpoint-dir: save every N steps (and after the last step)",
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir (any plan's)")
+    parser.add_argument("--init-from", metavar="FILE", default=None, help="start from the weights of a state_dict file (planner export-checkpoint)")
     return parser
 
 
@@ -81,6 +89,7 @@ def main(folder: Path, argv: list[str]) -> int:
         if options.clip_grad_norm is not None and program.plan.expert_layouts:
             raise LaunchError("--clip-grad-norm does not support plans with MoE expert layouts yet (their experts' "
                               "gradients live on different ranks); leave it out for this plan")
+        check_checkpoint_options(options)
         if options.record_routing is not None:
             check_routing_output(program, options.steps, options.record_routing)
         check_world_size(program.plan)
@@ -142,6 +151,25 @@ def check_routing_output(program: Program, steps: int, path: str) -> None:
         raise LaunchError(f"--record-routing: folder '{target.resolve().parent}' does not exist; create it first")
 
 
+def check_checkpoint_options(options: argparse.Namespace) -> None:
+    """Refuse checkpoint flags that cannot work together, with one line, before the process group starts."""
+    from codegen.runtime.checkpoint import latest_checkpoint
+
+    directory = options.checkpoint_dir
+    if (options.save_every or options.resume) and directory is None:
+        raise LaunchError("--save-every and --resume need --checkpoint-dir DIR: the folder checkpoints are saved in")
+    if (directory or options.init_from) and options.steps == 0 and options.data is None:
+        raise LaunchError("--checkpoint-dir and --init-from are for training; add --steps N (or --data)")
+    if options.resume and options.init_from:
+        raise LaunchError("--resume continues a run (weights, optimizer, step); --init-from starts a new one from weights: pick one")
+    if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
+        raise LaunchError(f"--checkpoint-dir: '{directory}' is a file; give a folder")
+    if options.resume and latest_checkpoint(Path(directory)) is None:
+        raise LaunchError(f"--resume: no complete checkpoint in '{directory}'; run without --resume to start from step 0")
+    if options.init_from is not None and not Path(options.init_from).is_file():
+        raise LaunchError(f"--init-from: no file '{options.init_from}'; write one with `python -m planner export-checkpoint DIR -o FILE`")
+
+
 def check_training_flags(options: argparse.Namespace) -> None:
     """One line for training flags that cannot work together, before anything starts."""
     if options.profile is not None:
@@ -164,6 +192,8 @@ def run_training(program: Program, mesh, options: argparse.Namespace, optimizer:
         steps=options.steps, lr=options.lr, optimizer=optimizer, schedule=options.lr_schedule,
         warmup_steps=options.warmup_steps, min_lr_ratio=options.min_lr_ratio, clip_grad_norm=options.clip_grad_norm,
         data=options.data, log_every=options.log_every, metrics=options.metrics, record_routing=options.record_routing,
+        checkpoint_dir=options.checkpoint_dir, save_every=options.save_every, resume=options.resume,
+        init_from=options.init_from,
     )
     if options.profile is None:
         train(program, mesh, loop)

@@ -61,6 +61,11 @@ class LoopOptions:
         log_every: print one line every N steps (the first and last are always printed).
         metrics: JSON-lines file of per-step figures written by rank 0 (None: none).
         record_routing: write the MoE layers' routing here (``routing_record``).
+        checkpoint_dir: save checkpoints under this folder (``codegen.runtime.checkpoint``).
+        save_every: save every N steps (0: only after the last step).
+        resume: continue from the latest complete checkpoint in ``checkpoint_dir``: its
+            weights, optimizer state, step, RNG state and data position.
+        init_from: start from the weights of a plain state_dict file.
     """
 
     steps: int = 0
@@ -74,6 +79,10 @@ class LoopOptions:
     log_every: int = 1
     metrics: str | None = None
     record_routing: str | None = None
+    checkpoint_dir: str | None = None
+    save_every: int = 0
+    resume: bool = False
+    init_from: str | None = None
 
 
 @dataclass
@@ -375,19 +384,24 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
         optimizer,
         lambda step: learning_rate_factor(step, options.schedule, options.warmup_steps, options.steps, options.min_lr_ratio),
     )
+    checkpointer, first_step = start_checkpoints(program, options, model, module, optimizer)
+    for _ in range(first_step):
+        schedule.step()  # the learning rate where the checkpointed run left it
     batches: Iterator[tuple[tuple, dict]]
     if options.data is not None:
         source = load_data(options.data, program.plan.batch_size)
         batches = (as_inputs(batch, args, kwargs) for batch in source)
     else:
         batches = synthetic_batches(args, kwargs)
+    for _ in range(first_step):  # the data position: the batches the checkpointed run consumed
+        next(batches, None)
     meter = StepMeter(program)
     device = program.device()
     metrics = open(options.metrics, "w") if options.metrics and dist.get_rank() == 0 else None  # noqa: SIM115
     progress = _progress_bar(options.steps)
     run = TrainingRun()
     try:
-        step = 0
+        step = first_step
         while options.steps == 0 or step < options.steps:
             batch = next(batches, None)
             if batch is None:
@@ -415,6 +429,8 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
             run.records.append(record)
             for hook in after_step or ():
                 hook(step, module, optimizer)
+            if checkpointer is not None and (step == options.steps or (options.save_every and step % options.save_every == 0)):
+                _said_complete(checkpointer.save(step))
             if profiler is not None:
                 profiler.step()
             if metrics is not None:
@@ -425,7 +441,11 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
                 _say(_step_line(record, options.steps, meter))
             if progress is not None:
                 progress.advance()
+        if checkpointer is not None and options.steps == 0 and run.records and not options.save_every:
+            _said_complete(checkpointer.save(step))  # the data ended: keep where it ended
     finally:
+        if checkpointer is not None:
+            _said_complete(checkpointer.wait())
         if metrics is not None:
             metrics.close()
         if progress is not None:
@@ -439,12 +459,35 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     return run
 
 
+def start_checkpoints(program: Program, options: LoopOptions, model, module, optimizer):
+    """The run's ``Checkpointer`` (None without a checkpoint folder) and its first step: the
+    checkpoint's with ``resume``, else 0 (after loading ``init_from``'s weights, if given)."""
+    from codegen.runtime.checkpoint import Checkpointer, init_from
+
+    if options.init_from is not None:
+        count = init_from(Path(options.init_from), model, module)
+        _say(f"initialised {count} tensors from {options.init_from}")
+    if options.checkpoint_dir is None:
+        return None, 0
+    checkpointer = Checkpointer(Path(options.checkpoint_dir), model, module, optimizer, program.plan.name)
+    if not options.resume:
+        return checkpointer, 0
+    step = checkpointer.resume(Path(options.checkpoint_dir))
+    _say(f"resumed from {options.checkpoint_dir} at step {step}")
+    return checkpointer, step
+
+
+def _said_complete(folder) -> None:
+    if folder is not None:
+        _say(f"checkpoint complete: {folder}")
+
+
 def _step_line(record: StepRecord, steps: int, meter: StepMeter) -> str:
     total = f"/{steps}" if steps else ""
     norm = f"  grad norm {record.grad_norm:.3f}" if record.grad_norm is not None else ""
     unit = "tokens/s" if meter.tokens_per_step else "samples/s"
     return (
-        f"step {record.step}{total}: {record.step_time_s * 1e3:.2f} ms  loss {record.loss:.4f}  lr {record.lr:.3g}{norm}  "
+        f"step {record.step}{total}: {record.step_time_s * 1e3:.2f} ms  loss {record.loss:.6f}  lr {record.lr:.3g}{norm}  "
         f"(predicted {meter.predicted_step_s * 1e3:.2f} ms)  {record.tokens_per_s:,.0f} {unit}  "
         f"{record.tflops_per_device:.3g} TFLOP/s/device  MFU {record.mfu:.1%} (predicted {meter.predicted_mfu:.1%})  "
         f"peak mem {_format_bytes(record.peak_memory_bytes)}"
