@@ -120,13 +120,17 @@ def test_fit_recovers_known_parameters() -> None:
              for flops, kernels in ((1e9, 10), (1e7, 2000), (3e8, 500))]
     start = {"matmul_efficiency": 0.7, "memory_efficiency": 0.5, "kernel_overhead_s": 5e-6, "link_latency_s": 1e-5,
              "link_bandwidth": 1e9}
-    fit = fit_calibration(cases, start, simulate=formula, parameters=("matmul_efficiency", "kernel_overhead_s"))
+    fit = fit_calibration(cases, start, simulate=formula, parameters=("matmul_efficiency", "kernel_overhead_s"), prior_weight=0)
     assert fit.values["matmul_efficiency"] == pytest.approx(0.25, rel=0.05)
     assert fit.values["kernel_overhead_s"] == pytest.approx(2e-5, rel=0.05)
     assert fit.loss_after < 1e-3 < fit.loss_before
     assert fit.values["link_bandwidth"] == start["link_bandwidth"]  # not asked for
-    again = fit_calibration(cases, start, simulate=formula, parameters=("matmul_efficiency", "kernel_overhead_s"))
+    again = fit_calibration(cases, start, simulate=formula, parameters=("matmul_efficiency", "kernel_overhead_s"), prior_weight=0)
     assert again == fit  # deterministic
+    # With the prior, a parameter the runs do not depend on stays where it started.
+    held = fit_calibration(cases, start, simulate=formula)
+    assert held.values["link_bandwidth"] == start["link_bandwidth"] and held.values["memory_efficiency"] == 0.5
+    assert held.values["matmul_efficiency"] == pytest.approx(0.25, rel=0.1)
 
 
 def test_cli_compare_and_calibrate(ddp_plan, tmp_path: Path, capsys) -> None:
