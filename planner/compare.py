@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cost_model.calibration import (
+    ALL_COLLECTIVES,
     PARAMETERS,
     CalibrationCase,
     CalibrationFit,
@@ -79,7 +80,11 @@ def compare(plan, graph, run: MeasuredRun) -> list[ComparedPart]:
     """Predicted and measured seconds per step of every part either side has, step first."""
     predicted = predicted_parts(plan, graph)
     measured = measured_parts(run)
-    names = ["step"] + sorted((set(predicted) | set(measured)) - {"step"}, key=lambda name: (not name.startswith("compute"), name))
+    def order(name: str) -> tuple:  # step, compute, all collectives, each kind, sync
+        rank = 0 if name == "step" else 1 if name.startswith("compute") else 2 if name == ALL_COLLECTIVES else 4 if name == "sync" else 3
+        return rank, name
+
+    names = sorted(set(predicted) | set(measured), key=order)
     return [ComparedPart(name, predicted.get(name, 0.0), measured.get(name, 0.0)) for name in names]
 
 

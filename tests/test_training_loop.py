@@ -62,6 +62,23 @@ def test_data_errors_are_one_line(tmp_path: Path) -> None:
         as_inputs(example[0], example, {})
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "3", "--profile", "m.json"], "--profile needs --steps 5 or more"),
+        (["--data", "data.py:batches", "--lr-schedule", "cosine"], "--lr-schedule cosine decays over --steps N"),
+        (["--steps", "2", "--metrics", "missing/metrics.jsonl"], "--metrics: folder"),
+        (["--steps", "2", "--clip-grad-norm", "-1"], "--clip-grad-norm"),
+    ],
+)
+def test_bad_training_flags_are_one_line_before_anything_starts(tmp_path: Path, capsys, flags, message) -> None:
+    from codegen.runtime.launcher import main
+
+    assert main(tmp_path, flags) == 2  # the folder holds no program: the flags were refused first
+    error = capsys.readouterr().err.strip()
+    assert message in error and "\n" not in error, error
+
+
 def _single_device_losses(data_file: Path) -> tuple[list[float], list[float], list[float]]:
     """The loop on one device with torch's own schedulers and clipping: losses, grad norms, lrs."""
     torch.manual_seed(0)  # codegen.runtime.program.BUILD_SEED

@@ -15,10 +15,12 @@ it can be compared and calibrated on without its program folder::
     {"format": "soap-planner-measured", "version": 1, "plan": {...plan.json...},
      "world_size": 2, "backend": "gloo", "device": "cpu",
      "step_times_s": [...], "step_time_s": <median>, "profiled_steps": 3,
-     "ops": {"aten::mm": {"count": 36, "time_s": 0.0123, "flops": 1.2e9}, ...},
+     "ops": {"aten::mm": {"count": 36, "time_s": 0.0123, "flops": 1.2e9}, ...,
+             "optimizer.step": {"count": 1, "time_s": 0.002, "flops": 0}},
      "collectives": [{"kind": "all_reduce", "bytes": 4096, "count": 2, "time_s": 0.0004}, ...]}
 
-(``count``, ``time_s`` and ``flops`` per step.)
+(``count``, ``time_s`` and ``flops`` per step; ``optimizer.step`` is the whole optimizer step,
+total time, whose ops are also among the ``aten::`` ones.)
 """
 
 from __future__ import annotations
@@ -84,6 +86,11 @@ def summarize(profiler, active: int) -> tuple[dict[str, dict[str, float]], list[
     and message bytes) from a finished profiler that recorded ``active`` steps."""
     ops: dict[str, dict[str, float]] = {}
     for event in profiler.key_averages():
+        if event.key.startswith("Optimizer.step#") and event.count:
+            # torch.optim's own annotation around step(): on CPU AdamW runs single-tensor
+            # ops (add_, mul_, lerp_) that cannot be told from the model's by name.
+            ops["optimizer.step"] = {"count": event.count / active, "time_s": event.cpu_time_total / 1e6 / active, "flops": 0.0}
+            continue
         if not event.key.startswith("aten::") or event.count == 0:
             continue
         self_us = event.self_cpu_time_total + getattr(event, "self_device_time_total", 0.0)
