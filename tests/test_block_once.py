@@ -6,18 +6,19 @@ with the layer's parameter prefix. One torchrun launch (world 2) checks, against
 
 - a 4-layer GPT under Megatron tensor parallelism: one function, four calls;
 - a 3-layer tiny HuggingFace Llama under Megatron with sequence parallelism and full
-  recomputation: its first layer reduce-scatters the embedding's partial sums itself, so it
-  is alike to no other and stays written out; layers 1 and 2 share a function, called under
-  ``checkpoint``;
-- a 5-layer GPT whose plan differs between layers: Megatron layout on blocks 0-1, the batch
-  split over ``tp`` (weights replicated) on blocks 2-4. Blocks 0-1 share one function, 3-4
-  another; block 2, which redistributes the Megatron layout it receives, is written out;
+  recomputation: its first layer reduce-scatters the embedding's partial sums, which the
+  program does before calling the block function, so all three layers share it, each called
+  under ``checkpoint``;
+- a 5-layer GPT whose plan differs between layers: Megatron layout on blocks 0-1, random
+  placements on block 2, the batch split over ``tp`` (weights replicated) on blocks 3-4.
+  Blocks 0-1 share one function, 3-4 another; block 2, alike to no other, is written out;
 - a 4-layer GPT in a two-stage pipeline: both stages call the one function.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from search.layouts import batch_input_placements, combine
 from search.megatron import megatron_plan
 from search.propagation import propagate
 from test_parity import REPO, check_many, result_of
+from test_spmd_parity import RANDOM_SEED, random_placements
 
 pytestmark = pytest.mark.distributed
 
@@ -45,15 +47,14 @@ def _gpt(layers: int):
 
 
 def mixed_plan() -> planner.Plan:
-    """GPT, 5 blocks: Megatron's placements on blocks 0-1 and everything else, the batch split
-    over tp on blocks 2-4 (every weight whole)."""
+    """GPT, 5 blocks: Megatron's placements on blocks 0-1 and outside the blocks, random ones
+    on block 2, the batch split over tp on blocks 3-4 (every weight whole)."""
     graph, spec, name, cluster = _gpt(5)
     plan = megatron_plan(graph, cluster, spec, name, tp=WORLD, precision="fp32")
     batch, _ = combine(graph, plan.mesh, {"tp": propagate(graph, batch_input_placements(graph), {})})
-    by_node = {s.node: s for s in batch}
-    strategies = tuple(
-        by_node[s.node] if (graph.node(s.node).block or ("", -1))[1] >= 2 else s for s in plan.strategies
-    )
+    drawn = random_placements(plan, graph, random.Random(RANDOM_SEED)).strategies
+    by_block = {2: {s.node: s for s in drawn}, 3: {s.node: s for s in batch}, 4: {s.node: s for s in batch}}
+    strategies = tuple(by_block.get((graph.node(s.node).block or ("", -1))[1], {}).get(s.node, s) for s in plan.strategies)
     return dataclasses.replace(plan, strategies=strategies)
 
 
@@ -107,12 +108,17 @@ def test_alike_blocks_share_one_function(compiled) -> None:
     assert stage0.count("blocks_block(self, ") == 2 and stage1.count("blocks_block(self, ") == 2
 
 
-def test_blocks_unlike_the_others_stay_written_out(compiled) -> None:
+def test_first_layer_redistributes_its_input_before_the_call(compiled) -> None:
     folders, _ = compiled
     llama = _source(folders["llama3-recompute"])
-    assert _calls(llama) == {"model_layers_block": ["model.layers.1.", "model.layers.2."]}
-    assert llama.count("= checkpoint(model_layers_block, self, ") == 2
-    assert "def _model_layers_0():" in llama and "p_model_layers_0_self_attn_q_proj_weight = params[" in llama
+    assert _calls(llama) == {"model_layers_block": ["model.layers.0.", "model.layers.1.", "model.layers.2."]}
+    assert llama.count("= checkpoint(model_layers_block, self, ") == 3 and "def _model_layers_" not in llama
+    before = llama.split("= checkpoint(model_layers_block, self, 'model.layers.0.'")[0]
+    assert re.search(r"# reduce-scatter over tp: .*\n\s+(\w+) = _to\(\w+, TP_S1\).*\n.*\s= checkpoint\(model_layers_block, self, 'model\.layers\.0\.', \1, ", llama), before[-2000:]
+
+
+def test_blocks_unlike_the_others_stay_written_out(compiled) -> None:
+    folders, _ = compiled
     mixed = _source(folders["gpt5-mixed"])
     assert _calls(mixed) == {"blocks_block_0": ["blocks.0.", "blocks.1."], "blocks_block_3": ["blocks.3.", "blocks.4."]}
     assert "p_blocks_2_attn_c_attn_weight = params['blocks.2.attn.c_attn.weight']" in mixed
