@@ -238,7 +238,7 @@ def _per_step(source: str, pattern: str) -> dict[str, int]:
     counts: dict[str, int] = {}
     for match in re.finditer(pattern, source, re.MULTILINE):
         inside = [f[1] for f in functions if f.start() <= match.start() < f.end()]
-        runs = len(re.findall(rf"\b{inside[0]}\(self, |checkpoint\({inside[0]}, ", source)) if inside else 1
+        runs = len(re.findall(rf"(?<!def ){inside[0]}\(self, |checkpoint\({inside[0]}, ", source)) if inside else 1
         key = " ".join(match.groups())
         counts[key] = counts.get(key, 0) + runs
     return counts
