@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import ast
 import io
+import itertools
 import keyword
+import re
 import textwrap
 import tokenize
 from dataclasses import dataclass, field
@@ -44,7 +46,9 @@ Run = tuple[Any, list[str]]  # (block or None, its lines), as the emitters write
 _PAD = " " * 8  # the forward's body
 _BODY = " " * 4  # a module-level function's body
 _SKIPPED = (tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER)
-_PROVIDED = ("_to", "params")  # the forward's own shorthands; the function sets them itself
+_PROVIDED = ("_to", "params")
+_REDISTRIBUTION = re.compile(r"^(?P<target>\w+) = _to\((?P<source>\w+), \w+\)(  #.*)?$")
+_MAX_MOVED = 4  # redistributions tried for moving out of a block (every subset of them is tried)  # the forward's own shorthands; the function sets them itself
 
 
 @dataclass
@@ -59,6 +63,7 @@ class _Written:
     free: list[str]  # values it reads from the rest of the forward, in canonical order
     strings: list[str]  # its per-layer strings (dropout op names), in canonical order
     outputs: set[int] = field(default_factory=set)  # canonical indices of ``stored`` read elsewhere
+    hoisted: list[str] = field(default_factory=list)  # redistributions moved before the call
 
     @property
     def prefix(self) -> str:
@@ -109,8 +114,19 @@ class BlockFolder:
         by_key: dict[tuple, list[_Written]] = {}
         for found in written.values():
             by_key.setdefault(found.key, []).append(found)
+        for place, found in list(written.items()):  # a block alike to others once it redistributes its inputs before
+            if len(by_key.get(found.key, ())) == 1:
+                joined = self._hoisting(found, set(by_key) - {found.key})
+                if joined is not None:
+                    joined.outputs = {i for i, name in enumerate(joined.stored) if name in found.stored and
+                                      found.stored.index(name) in found.outputs}
+                    del by_key[found.key]
+                    by_key[joined.key].append(joined)
+                    written[place] = joined
         function_of: dict[int, _Function] = {}
-        groups = [members for members in by_key.values() if len(members) > 1]
+        place_of = {id(found): place for place, found in written.items()}
+        groups = [sorted(members, key=lambda m: place_of[id(m)]) for members in by_key.values() if len(members) > 1]
+        groups.sort(key=lambda members: place_of[id(members[0])])
         for members in groups:
             function = self._function(members, several=sum(g[0].block[0] == members[0].block[0] for g in groups) > 1)
             self.functions.append(function)
@@ -119,12 +135,38 @@ class BlockFolder:
         folded: list[list[Run]] = []
         for s, runs in enumerate(stages):
             out: list[Run] = []
+            previous = None
             for r, (block, lines) in enumerate(runs):
                 found = written.get((s, r))
                 function = function_of.get(id(found)) if found is not None else None
-                out.append((block, lines) if function is None else (None, self._call(function, found, recompute[s] == "full")))
+                if function is None:
+                    out.append((block, lines))
+                elif previous is not None and previous is function and not found.hoisted:
+                    out[-1][1].extend(self._call(function, found, recompute[s] == "full"))
+                else:
+                    out.append((None, self._call(function, found, recompute[s] == "full", first=True)))
+                previous = function if function is None or lines else None
             folded.append(out)
         return folded
+
+    def _hoisting(self, found: _Written, keys: set[tuple]) -> _Written | None:
+        """``found`` with some of the redistributions of values it reads from outside
+        (``x_tp_s1 = _to(x, TP_S1)`` with their comments) moved before it, if that makes it
+        alike to other blocks (``keys``: their forms): the first layer of a stack often
+        receives its input in another layout than the others (e.g. the embedding's partial
+        sums), and redistributes it itself. ``None`` when no such form is found."""
+        movable = _movable_redistributions(found.lines, set(found.stored))
+        if not movable or len(movable) > _MAX_MOVED:
+            return None
+        for size in range(1, len(movable) + 1):
+            for chosen in itertools.combinations(movable, size):
+                taken = {row for rows in chosen for row in rows}
+                remaining = [line for row, line in enumerate(found.lines) if row not in taken]
+                candidate = self._read(found.block, remaining)
+                if candidate is not None and candidate.key in keys:
+                    candidate.hoisted = [_PAD + found.lines[row].strip() for row in sorted(taken)]
+                    return candidate
+        return None
 
     def _read(self, block: tuple[str, int], lines: list[str]) -> _Written | None:
         """The block's canonical form: its tokens, comments left out, with the names it
@@ -200,7 +242,7 @@ class BlockFolder:
                     self.moved.add(placeholder)
         return _Function(name, members, parameters)
 
-    def _call(self, function: _Function, member: _Written, checkpointed: bool) -> list[str]:
+    def _call(self, function: _Function, member: _Written, checkpointed: bool, first: bool = False) -> list[str]:
         outputs = sorted(set().union(*(m.outputs for m in function.members)))
         targets = ", ".join(member.stored[i] for i in outputs)
         arguments = ["self", repr(member.prefix), *member.free]
@@ -209,15 +251,17 @@ class BlockFolder:
         where = f"{member.block[0]}.{member.block[1]}"
         assign = f"{targets} = " if targets else ""
         if checkpointed:
-            head = [
-                _PAD + comment(f"==== {where}: {function.name} (below), recomputed in backward (activation checkpointing):"),
-                _PAD + "# backward keeps only what the block reads and runs it again, collectives included.",
-            ]
             call = f"{assign}checkpoint({function.name}, {', '.join(arguments)}, use_reentrant=False)"
         else:
-            head = [_PAD + comment(f"---- {where}: {function.name} (below) with this block's parameters")]
             call = f"{assign}{function.name}({', '.join(arguments)})"
-        return ["", *head, _PAD + call]
+        head = []
+        if first:
+            how = "recomputed in backward (activation checkpointing: backward keeps only what each block reads)" if checkpointed else ""
+            head += ["", _PAD + comment(f"---- {where} on: {function.name} (below the class) per block, with its parameters' prefix"
+                                        + (f"; {how}" if how else ""))]
+        if member.hoisted:
+            head += [_PAD + comment(f"{where} reads these laid out as {function.name} reads them:"), *member.hoisted]
+        return [*head, _PAD + call]
 
     def source(self) -> str:
         """The block functions, for the program's module level ("" when none)."""
@@ -252,7 +296,7 @@ class BlockFolder:
         strings = {text: f"op_names[{i}]" for i, text in enumerate(first.strings)}
         body = _rewrite(textwrap.indent(textwrap.dedent("\n".join(first.lines)), _BODY), renamed, strings)
         signature = ["self", "prefix: str", *first.free, *(["op_names: tuple[str, ...]"] if first.strings else [])]
-        where = ", ".join(f"{m.block[0]}.{m.block[1]}" for m in function.members)
+        where = _blocks_text([m.block for m in function.members])
         returned = ", ".join(first.stored[i] for i in outputs)
         return [
             comment(f"One repeated block, written once; called for {where}."),
@@ -266,6 +310,30 @@ class BlockFolder:
             *body.split("\n"),
             _BODY + f"return {returned}" if returned else _BODY + "return None",
         ]
+
+
+def _blocks_text(blocks: list[tuple[str, int]]) -> str:
+    """``blocks.0 to blocks.79 (80 blocks)``, or the blocks listed when not one unbroken run."""
+    group, first = blocks[0]
+    if all(b == (group, first + i) for i, b in enumerate(blocks)):
+        return f"{group}.{first} to {group}.{first + len(blocks) - 1} ({len(blocks)} blocks)"
+    return ", ".join(f"{g}.{i}" for g, i in blocks)
+
+
+def _movable_redistributions(lines: list[str], stored: set[str]) -> list[tuple[int, ...]]:
+    """Rows of ``lines`` (each with the comment rows just above it) that redistribute a value
+    the block reads from outside (``x_tp_r = _to(x, TP_R)``) at the block's own indentation."""
+    indent = min((len(line) - len(line.lstrip()) for line in lines if line.strip()), default=0)
+    found = []
+    for row, line in enumerate(lines):
+        match = _REDISTRIBUTION.match(line[indent:]) if len(line) - len(line.lstrip()) == indent else None
+        if match is None or match["source"] in stored:
+            continue
+        rows = [row]
+        while rows[0] > 0 and lines[rows[0] - 1].strip().startswith("#") and not lines[rows[0] - 1].strip().startswith("# ----"):
+            rows.insert(0, rows[0] - 1)
+        found.append(tuple(rows))
+    return found
 
 
 def _names(lines: list[str]) -> list[str]:
