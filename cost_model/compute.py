@@ -17,6 +17,8 @@ instead of the default efficiency. fp32 keeps the roofline.
 
 from __future__ import annotations
 
+import math
+
 from cost_model import defaults, gpu_kernels
 from planner.cluster import DeviceSpec
 from planner.graph import OpNode
@@ -69,7 +71,32 @@ def op_times(node: OpNode, work_fraction: float, device: DeviceSpec, precision: 
     return forward, backward
 
 
-def optimizer_step_time(state_bytes: float, device: DeviceSpec) -> float:
-    """AdamW step over ``state_bytes`` of (sharded) weights + gradients + states: memory-bound."""
+# Element accesses per parameter of one AdamW step, by implementation (fp32 param, grad and
+# both states). Fused (``torch.optim.AdamW(fused=True)``, Apex/Megatron FusedAdam): one pass
+# reading param, grad, exp_avg, exp_avg_sq and writing param and both states = 7
+# (``defaults.ADAM_BYTES_ACCESSED_PER_PARAM_BYTE``). Foreach (PyTorch's default on CUDA,
+# ``_multi_tensor_adam`` in torch/optim/adam.py, decoupled weight decay, not capturable): eight
+# multi-tensor kernels, each streaming its operands: param *= 1 - lr*wd (2), lerp_ exp_avg
+# toward grad (3), exp_avg_sq *= beta2 (2), addcmul_ grad^2 into it (3), sqrt into a new
+# tensor (2), div_ and add_ eps on it (2 + 2), addcdiv_ into param (4) = 20.
+ADAMW_ACCESSES = {"fused": defaults.ADAM_BYTES_ACCESSED_PER_PARAM_BYTE, "foreach": 20}
+# Kernels per step: foreach launches each of its 8 ops once per chunk of at most
+# ``MULTI_TENSOR_ELEMENTS`` elements (multi_tensor_apply: 320 blocks x 65,536-element chunks,
+# ATen/native/cuda/MultiTensorApply.cuh); fused launches one kernel per chunk.
+ADAMW_KERNELS_PER_CHUNK = {"fused": 1, "foreach": 8}
+MULTI_TENSOR_ELEMENTS = 320 * 65536
+
+
+def optimizer_step_time(state_bytes: float, device: DeviceSpec, implementation: str = "fused") -> float:
+    """AdamW step over ``state_bytes`` of (sharded) weights + gradients + states: memory-bound.
+
+    ``implementation`` is ``"fused"`` (one pass, 7 accesses per element) or ``"foreach"``
+    (PyTorch's default on CUDA: 20 accesses over 8 kernels; see ``ADAMW_ACCESSES``).
+    """
+    if implementation not in ADAMW_ACCESSES:
+        raise ValueError(f"implementation must be one of {', '.join(ADAMW_ACCESSES)}, got '{implementation}'")
     _, memory, overhead = efficiencies(device)
-    return state_bytes * defaults.ADAM_BYTES_ACCESSED_PER_PARAM_BYTE / 4 / (device.memory_bandwidth * memory) + overhead
+    elements = state_bytes / (defaults.ADAM_STATES_PER_PARAM * 4 + 4 + 4)  # fp32 param, grad, 2 states
+    accessed = state_bytes * ADAMW_ACCESSES[implementation] / 4
+    launches = ADAMW_KERNELS_PER_CHUNK[implementation] * max(1, math.ceil(elements / MULTI_TENSOR_ELEMENTS))
+    return accessed / (device.memory_bandwidth * memory) + launches * overhead
