@@ -39,6 +39,7 @@ from search.runners_up import runners_up
 from search.rules.summa import is_summa_mesh
 from search.summa_hint import summa_hint
 from search.summa_meshes import TP_LAYOUTS, summa_meshes
+from search.summa_savings import savings_text
 
 SEARCHES = ("auto", "ilp", "mcmc")
 
@@ -196,6 +197,7 @@ def search_plan(
     if on_progress:
         on_progress("done", 1.0)
     summary = f"{search} search (effort {budget.effort:g}) over {len(meshes)} mesh(es): " + "; ".join(notes)
+    summary += _with_savings(best, graph)
     cut = budget.cut_warning()
     return dataclasses.replace(
         best,
@@ -220,6 +222,7 @@ def _summa_only_plan(graph, cluster, spec, model_name, meshes, search, budget: S
         raise does_not_fit(cluster, {_key(plan): plan.estimate for plan in plans})
     best = min(fitting, key=lambda plan: plan.estimate.step_time_s)
     summary = f"{search} search (effort {budget.effort:g}) over {len(meshes)} SUMMA mesh(es) (--tp-layouts summa): " + "; ".join(notes)
+    summary += _with_savings(best, graph)
     cut = budget.cut_warning()
     return dataclasses.replace(
         best, runners_up=runners_up(best, plans, []),
@@ -278,6 +281,12 @@ def _searched_plan(graph, cluster, spec, model_name, mesh, search, budget: Searc
             how.append("the starting layout simulates faster: kept")
     notes.append(f"mesh {mesh}: {', '.join(how)}")
     return [plan, *_recomputing([plan], graph), *composed_flavours(plan, graph)]
+
+
+def _with_savings(plan: Plan, graph: OpGraph) -> str:
+    """The per-layer SUMMA vs 1-D comparison (``search.summa_savings``) as a last sentence."""
+    text = savings_text(plan, graph)
+    return f". {text}" if text else ""
 
 
 def composed_flavours(plan: Plan, graph: OpGraph) -> list[Plan]:

@@ -275,7 +275,13 @@ def test_tp_layouts_summa_plans_every_linear_in_a_summa_layout(summa_plan, tmp_p
     loaded = load_plan(path)
     assert [s.layout for s in loaded.strategies] == [s.layout for s in summa_plan.strategies]
     assert json.loads(path.read_text())["strategies"][0]["node"] == summa_plan.strategies[0].node
-    assert "SUMMA" in summa_plan.report()
+    report = summa_plan.report()
+    assert "Tensor-parallel layout by layer" in report
+    family = next(s.layout for s in linears).describe().replace(" (swapped)", "")
+    assert family in report
+    # what the SUMMA linears save (or lose) against 1-D on the same devices, per layer group
+    assert f"SUMMA linears against 1-D tensor parallelism on the same {summa_plan.world_size} devices" in summa_plan.search_summary
+    assert "blocks.*.mlp.c_fc (2x" in summa_plan.search_summary
 
 
 def test_tp_layouts_1d_has_no_summa_mesh_and_bad_values_are_refused():
