@@ -209,6 +209,23 @@ def search_plan(
     )
 
 
+def plan_on_mesh(graph: OpGraph, cluster: Cluster, mesh: Mesh, *, tp_layouts: str = "auto", search: str = "ilp",
+                 precision: str = "bf16", effort: float = 1.0, model_name: str = "model", spec: ModelSpec | None = None) -> Plan:
+    """The searched plan of one given mesh, simulated (for studies and benchmarks that
+    compare layouts on meshes the outer search might not pick, e.g. 1-D over 64 devices).
+
+    Args:
+        mesh: any mesh over the cluster's devices (SUMMA axes included).
+        tp_layouts: as in ``search_plan`` (``"summa"``: linears in SUMMA layouts only).
+        search: ``"ilp"``, ``"mcmc"`` or ``"auto"``.
+    """
+    if tp_layouts not in TP_LAYOUTS:
+        raise PlanningError(f"tp_layouts must be one of {', '.join(TP_LAYOUTS)}, got {str(tp_layouts)[:20]!r}")
+    plans = _searched_plan(graph, cluster, spec, model_name, mesh, search, SearchBudget(effort=effort), 0, (), precision, [],
+                           tp_layouts=tp_layouts)
+    return plans[0]
+
+
 def _summa_only_plan(graph, cluster, spec, model_name, meshes, search, budget: SearchBudget, seed, warnings, precision) -> Plan:
     """``tp_layouts="summa"``: the fastest fitting plan over the SUMMA meshes alone (the
     fastest of all when none fits, so the report can say by how much)."""
