@@ -9,7 +9,8 @@ model of ``benchmarks/summa_bytes.py``: the model is ``examples/gpt.py`` with on
 of 256 so the embedding and the head stay small beside the block), traced on meta tensors,
 and for each device count p and layout the search plans it on that one mesh
 (``search.auto.plan_on_mesh``: CP-SAT over the per-op candidates, linears restricted to the
-layout's family) and the simulator runs the step. The batch grows with p (weak scaling).
+layout's family; 1-D is Megatron-LM's layout on a ``tp`` axis of p) and the simulator runs
+the step. The batch grows with p (weak scaling).
 Clusters: DGX A100 nodes of 8 (NVLink inside, InfiniBand between); p < 8 uses one node of p.
 
 Printed per (p, layout): step time, tokens per second per device, bytes sent per device
@@ -33,7 +34,10 @@ from planner.api import prepare_model  # noqa: E402
 from planner.cluster import Cluster  # noqa: E402
 from planner.model_spec import ModelSpec  # noqa: E402
 from planner.strategy import Mesh  # noqa: E402
+from cost_model.simulator import simulated  # noqa: E402
 from search.auto import plan_on_mesh  # noqa: E402
+from search.layouts import megatron_layout  # noqa: E402
+from search.plan_builder import unsimulated_plan  # noqa: E402
 from search.summa_savings import layer_savings  # noqa: E402
 
 SEQ = 2048
@@ -82,8 +86,15 @@ def main() -> None:
         cluster = cluster_of(devices)
         graph, spec, name, cluster = prepare_model(spec, cluster)
         started = time.perf_counter()
-        plan = plan_on_mesh(graph, cluster, mesh_of(family, q, d), tp_layouts="1d" if family == "1d" else "summa",
-                            precision="bf16", effort=options.effort, model_name=name, spec=spec)
+        mesh = mesh_of(family, q, d)
+        if family == "1d":
+            # Megatron-LM's layout itself: a search on a lone tp axis may replicate the
+            # weights and split the batch instead (data parallelism under another name).
+            strategies, inputs = megatron_layout(graph, mesh)
+            plan = simulated(unsimulated_plan(graph, cluster, spec, name, mesh, strategies, inputs, precision="bf16"), graph)
+        else:
+            plan = plan_on_mesh(graph, cluster, mesh, tp_layouts="summa", precision="bf16", effort=options.effort,
+                                model_name=name, spec=spec)
         planned_s = time.perf_counter() - started
         estimate = plan.estimate
         sent = sum(estimate.bytes_per_axis.values())

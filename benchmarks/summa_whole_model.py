@@ -15,6 +15,9 @@ search are the very plans of the 1-D search, so when auto picks a SUMMA plan it 
   (1.56 GB/s per GPU, a tenth of HDR InfiniBand's per-GPU share): a layer's weights need
   more than 8-way splitting, and 1-D tensor parallelism beyond a node, data-parallel
   gradient syncs and FSDP gathers all pay the slow links.
+* ``nvl64``: the same width (4 layers, 16 sequences of 4096 tokens) on one NVLink domain of
+  64 A100s (an NVL-style node: every link alike, the DGX A100's NVLink numbers), where a
+  1-D split may take all 64 devices but all-reduces whole activations to do so.
 * ``narrow``: GPT-2 medium's width (hidden 1024, 16 heads, 24 layers, batch 64 of 1024
   tokens) on one DGX A100 node: 1-D and data parallelism inside NVLink are hard to beat,
   and auto keeps no SUMMA mesh (the model's matmuls are faster 1-D on the same devices).
@@ -36,6 +39,10 @@ SCENARIOS = {
         model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 2048, "vocab_size": 32000, "batch_size": 64},
         nodes=8, inter_node_bytes_per_s=100e9 / 8 / 8,  # 100 Gb/s Ethernet per node, shared by 8 GPUs
     ),
+    "nvl64": dict(
+        model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 4096, "vocab_size": 32000, "batch_size": 16},
+        nodes=1, devices_per_node=64, inter_node_bytes_per_s=None,
+    ),
     "narrow": dict(
         model={"n_layer": 24, "n_embd": 1024, "n_head": 16, "seq_len": 1024, "vocab_size": 50257, "batch_size": 64},
         nodes=1, inter_node_bytes_per_s=None,
@@ -43,8 +50,8 @@ SCENARIOS = {
 }
 
 
-def cluster_for(nodes: int, inter_node_bytes_per_s: float | None) -> Cluster:
-    cluster = Cluster.preset("dgx-a100-80g", nodes=nodes)
+def cluster_for(nodes: int, inter_node_bytes_per_s: float | None, devices_per_node: int | None = None) -> Cluster:
+    cluster = Cluster.preset("dgx-a100-80g", nodes=nodes, devices_per_node=devices_per_node)
     if inter_node_bytes_per_s is None:
         return cluster
     slow = LinkSpec(bandwidth=inter_node_bytes_per_s, latency=cluster.inter_link.latency)
@@ -69,7 +76,7 @@ def main() -> None:
     for name, scenario in SCENARIOS.items():
         if options.only and name != options.only:
             continue
-        cluster = cluster_for(scenario["nodes"], scenario["inter_node_bytes_per_s"])
+        cluster = cluster_for(scenario["nodes"], scenario["inter_node_bytes_per_s"], scenario.get("devices_per_node"))
         spec = ModelSpec("examples/gpt.py", scenario["model"])
         print(f"\n[{name}] gpt {scenario['model']} on {cluster.describe()}", flush=True)
         results = {}

@@ -292,3 +292,22 @@ def test_tp_layouts_1d_has_no_summa_mesh_and_bad_values_are_refused():
         planner.plan("examples/gpt.py", "cpu:1x4", tp_layouts="2d", progress=False)
     with pytest.raises(PlanningError, match="no 2-D/2.5-D/3-D tensor-parallel mesh"):
         planner.plan("examples/gpt.py", "cpu:1x2", tp_layouts="summa", progress=False)
+
+
+def test_auto_keeps_summa_meshes_only_where_they_can_matter():
+    """A tiny GPT on 8 CPU processes: 1-D beats every grid for its linears, so ``auto`` adds
+    no mesh (planning as before). Many tokens through narrow layers on one DGX node (65536
+    tokens of width 1024: 1-D all-reduces T h per matmul pair, 2.5-D [2,2,2] moves about
+    3 T h / 4 per matmul and its small weight blocks): the 2.5-D grid is kept."""
+    from search.summa_meshes import MAX_AUTO_MESHES, summa_meshes
+
+    tiny, *_ = prepare_model("examples/gpt.py", "cpu:1x8")
+    assert summa_meshes(tiny, Cluster.preset("cpu", 1, 8), "fp32", "auto") == []
+    assert len(summa_meshes(tiny, Cluster.preset("cpu", 1, 8), "fp32", "summa")) == 3
+    from planner.model_spec import ModelSpec
+    spec = ModelSpec("examples/gpt.py", {"n_layer": 1, "n_embd": 1024, "n_head": 16, "seq_len": 1024, "batch_size": 64})
+    dgx = Cluster.preset("dgx-a100-80g", 1)
+    narrow, *_ = prepare_model(spec, dgx)
+    kept = summa_meshes(narrow, dgx, "bf16", "auto")
+    assert MESH_25D in kept and len(kept) <= MAX_AUTO_MESHES
+    assert summa_meshes(narrow, dgx, "bf16", "1d") == []
