@@ -43,6 +43,7 @@ from cost_model import defaults
 from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS, check_precision, op_times, optimizer_step_time
 from cost_model.moe_layers import LaidOutLayer, annotated_layouts, laid_out_layers
+from cost_model.summa_node import add_summa_costs
 from cost_model.resharding import backward_collective, forward_collective
 from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
@@ -75,6 +76,9 @@ class NodeCost:
     backward_comm_s: float = 0.0
     saved_bytes: float = 0.0
     axis_bytes: dict[str, float] = field(default_factory=dict)
+    # Once per step, not per micro-batch: gradient all-reduces over non-dp axes (SUMMA
+    # meshes, cost_model.summa_node), overlapped with the rest of the backward as dp's are.
+    axis_sync_s: float = 0.0
 
 
 # Ops whose backward needs none of their tensor inputs, and ops whose backward reads their
@@ -107,6 +111,7 @@ class Segment:
     params: dict[str, float] = field(default_factory=dict)  # name -> local bytes per element-size 1
     dp_synced: set[str] = field(default_factory=set)
     axis_bytes: dict[str, float] = field(default_factory=dict)
+    axis_sync_s: float = 0.0  # NodeCost.axis_sync_s of its nodes
     # Weights each rank holds its own of (experts split by an MoE layout): kept out of the
     # dp flavour's sharding, gathering and gradient reduction.
     per_rank: set[str] = field(default_factory=set)
@@ -401,7 +406,7 @@ class Simulator:
             edges.append((position, producer.outputs[0], wanted))
         key = (
             self._signature[node.name], self._kept_for_backward(node.name),
-            strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges),
+            strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges), strategy.layout,
         )
         if key not in self._cache:
             self._cache[key] = self._compute_node_cost(node, strategy, edges)
@@ -485,6 +490,9 @@ class Simulator:
         for position, src, dst in edges:
             self._charge_edge(cost, node.input_meta[position], src, dst)
         self._add_input_gradient_reduction(node, strategy, cost)
+        # Meshes with SUMMA axes: SUMMA matmuls and block norms by their algorithms, and the
+        # gradient sync of weights replicated on a non-dp axis (cost_model.summa_node).
+        add_summa_costs(self, node, strategy, cost, _PARAM_BYTES[self.plan.precision][1])
         return cost
 
     def _charge_edge(self, cost: NodeCost, meta, src, dst) -> None:
@@ -588,6 +596,7 @@ class Simulator:
             segment.forward_comm_s += cost.forward_comm_s
             segment.backward_comm_s += cost.backward_comm_s
             segment.saved_bytes += cost.saved_bytes
+            segment.axis_sync_s += cost.axis_sync_s
             for axis, sent in cost.axis_bytes.items():
                 segment.axis_bytes[axis] = segment.axis_bytes.get(axis, 0.0) + sent
             if sequence and node.output_meta and len(node.output_meta[0].shape) >= 2 and node.output_meta[0].shape[-2:] == (sequence, sequence):
@@ -752,6 +761,9 @@ class Simulator:
             compute = graph.add(f"B{mb} {segment.name}", (device, "compute"), self._backward_time(segment, recompute), deps=segment_deps)
             comm = self._backward_comm(segment, recompute)
             last = graph.add(f"B{mb} {segment.name} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
+            if segment.axis_sync_s and sync and mb == self.micro_batches - 1:
+                sync_after.setdefault(device, []).append(graph.add(
+                    f"all-reduce grads off dp ({segment.name})", (device, "collective"), segment.axis_sync_s, deps=[last], kind="comm"))
             if self.dp == 1 or not sync:
                 continue
             grads = sum(segment.params[name] for name in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]

@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Metropolis-Hastings; dp: data parallelism only (DDP, ZeRO-1, ZeRO-2 or FSDP)",
     )
     plan.add_argument(
+        "--tp-layouts", choices=("auto", "summa", "1d"), default="auto", dest="tp_layouts",
+        help="tensor-parallel layouts of matmul-like ops: auto (1-D and 2-D/2.5-D/3-D SUMMA layouts compete, "
+        "default), summa (SUMMA layouts wherever the mesh allows them, on SUMMA meshes only), 1d (1-D splits only)",
+    )
+    plan.add_argument(
         "--effort", default=1.0, metavar="X", type=flag_type(float, positive_finite, "a positive finite number"),
         help="how much work the search does (default 1; 0.25 quick, 4 thorough); budgets count work, not "
         "seconds, so the same model, cluster, seed and effort give the same plan on any machine",
@@ -289,6 +294,7 @@ def _plan(options: argparse.Namespace) -> int:
     plan = make_plan(
         spec, cluster, dp_flavour=options.dp, precision=options.precision, search=options.search,
         effort=options.effort, time_budget_s=options.time_budget, seed=options.seed, progress=True, routing=routing,
+        tp_layouts=options.tp_layouts,
     )
     print(plan.report())
     if options.output is not None:
@@ -314,6 +320,7 @@ def _next_steps(plan, options: argparse.Namespace) -> list[str]:
         for flag, value, default in (
             ("--dp", options.dp, None), ("--search", options.search, "auto"), ("--precision", options.precision, "auto"),
             ("--effort", options.effort, 1.0), ("--seed", options.seed, 0), ("--routing", options.routing, None),
+            ("--tp-layouts", options.tp_layouts, "auto"),
         ):
             if value != default:
                 settings += [flag, f"{value:g}" if isinstance(value, float) else value]

@@ -1,0 +1,100 @@
+"""Whole models where 2.5-D/3-D tensor parallelism wins the search, and one where it does not.
+
+    python benchmarks/summa_whole_model.py            # both scenarios
+    python benchmarks/summa_whole_model.py --only wide
+
+Benchmark (c) of issue 10. Each scenario is planned twice with the full search (every mesh,
+per-op CP-SAT and MCMC, data-parallel flavours, pipelines, Megatron baselines; the same
+deterministic budgets): ``--tp-layouts 1d`` (the best 1-D plan there is) and ``--tp-layouts
+auto`` (the same candidates plus the SUMMA meshes that can matter). The 1-D plans of the auto
+search are the very plans of the 1-D search, so when auto picks a SUMMA plan it beats every
+1-D plan on the simulator, by the ratio printed.
+
+* ``wide``: a very wide GPT (hidden 16384, 128 heads, 4 layers, sequences of 2048, a global
+  batch of 64) on 8 DGX A100 nodes whose inter-node network is 100 Gb/s Ethernet per node
+  (1.56 GB/s per GPU, a tenth of HDR InfiniBand's per-GPU share): a layer's weights need
+  more than 8-way splitting, and 1-D tensor parallelism beyond a node, data-parallel
+  gradient syncs and FSDP gathers all pay the slow links.
+* ``nvl64``: the same width (4 layers, 16 sequences of 4096 tokens) on one NVLink domain of
+  64 A100s (an NVL-style node: every link alike, the DGX A100's NVLink numbers), where a
+  1-D split may take all 64 devices but all-reduces whole activations to do so.
+* ``narrow``: GPT-2 medium's width (hidden 1024, 16 heads, 24 layers, batch 64 of 1024
+  tokens) on one DGX A100 node: 1-D and data parallelism inside NVLink are hard to beat,
+  and auto keeps no SUMMA mesh (the model's matmuls are faster 1-D on the same devices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import planner
+from planner.cluster import Cluster, LinkSpec
+from planner.model_spec import ModelSpec
+from planner.strategy import SummaLayout
+
+SCENARIOS = {
+    "wide": dict(
+        model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 2048, "vocab_size": 32000, "batch_size": 64},
+        nodes=8, inter_node_bytes_per_s=100e9 / 8 / 8,  # 100 Gb/s Ethernet per node, shared by 8 GPUs
+    ),
+    "nvl64": dict(
+        model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 4096, "vocab_size": 32000, "batch_size": 16},
+        nodes=1, devices_per_node=64, inter_node_bytes_per_s=None,
+    ),
+    "narrow": dict(
+        model={"n_layer": 24, "n_embd": 1024, "n_head": 16, "seq_len": 1024, "vocab_size": 50257, "batch_size": 64},
+        nodes=1, inter_node_bytes_per_s=None,
+    ),
+}
+
+
+def cluster_for(nodes: int, inter_node_bytes_per_s: float | None, devices_per_node: int | None = None) -> Cluster:
+    cluster = Cluster.preset("dgx-a100-80g", nodes=nodes, devices_per_node=devices_per_node)
+    if inter_node_bytes_per_s is None:
+        return cluster
+    slow = LinkSpec(bandwidth=inter_node_bytes_per_s, latency=cluster.inter_link.latency)
+    return dataclasses.replace(cluster, name="dgx-a100-80g-ethernet", inter_link=slow)
+
+
+def families(plan) -> str:
+    """Which layout family the plan's linears run, with counts."""
+    counts: dict[str, int] = {}
+    for strategy in plan.strategies:
+        if strategy.op == "aten.linear.default":
+            key = strategy.layout.describe().replace(" (swapped)", "") if isinstance(strategy.layout, SummaLayout) else "1-D/other"
+            counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{key} x{count}" for key, count in counts.items()) or "no linears"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=tuple(SCENARIOS), default=None)
+    parser.add_argument("--effort", type=float, default=0.5, help="search effort (default 0.5)")
+    options = parser.parse_args()
+    for name, scenario in SCENARIOS.items():
+        if options.only and name != options.only:
+            continue
+        cluster = cluster_for(scenario["nodes"], scenario["inter_node_bytes_per_s"], scenario.get("devices_per_node"))
+        spec = ModelSpec("examples/gpt.py", scenario["model"])
+        print(f"\n[{name}] gpt {scenario['model']} on {cluster.describe()}", flush=True)
+        results = {}
+        for layouts in ("1d", "auto"):
+            started = time.perf_counter()
+            plan = planner.plan(spec, cluster, tp_layouts=layouts, effort=options.effort, progress=False)
+            results[layouts] = plan
+            print(f"  --tp-layouts {layouts:<4}: {plan.name}  step {plan.estimate.step_time_s * 1e3:.1f} ms, "
+                  f"memory {plan.estimate.memory.total / 2**30:.1f} GiB, fits {plan.estimate.fits}; linears: {families(plan)} "
+                  f"(planned in {time.perf_counter() - started:.0f} s)", flush=True)
+        one_d, auto = results["1d"].estimate.step_time_s, results["auto"].estimate.step_time_s
+        uses_summa = any(isinstance(s.layout, SummaLayout) for s in results["auto"].strategies)
+        verdict = (f"SUMMA plan beats the best 1-D plan by {one_d / auto:.2f}x" if uses_summa and auto < one_d
+                   else f"no SUMMA plan wins: auto keeps a 1-D plan ({one_d / auto:.2f}x of the 1-D search's)")
+        print(f"  => {verdict}")
+        if uses_summa:
+            print(f"     {results['auto'].search_summary.split('. SUMMA')[-1][:600]}")
+
+
+if __name__ == "__main__":
+    main()
