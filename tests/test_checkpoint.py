@@ -166,7 +166,7 @@ def test_resume_on_other_plans_export_and_init_from(programs, reference_losses, 
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=TIMEOUT,
     )
     assert cli.returncode == 0 and "after step 8" in cli.stdout, cli.stdout + cli.stderr
-    model, args, kwargs = GPT.build("cpu")
+    model, args, kwargs = load_program(programs["tp"]).build_model()  # the example batch launch.py draws from
     model.load_state_dict(torch.load(exported, weights_only=True))  # strict: every name, tied ones too
     from_single = tmp_path / "single.pt"
     subprocess.run(
@@ -174,8 +174,10 @@ def test_resume_on_other_plans_export_and_init_from(programs, reference_losses, 
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True, capture_output=True, timeout=TIMEOUT,
     )
     other = torch.load(from_single, weights_only=True)
+    # AdamW moves a weight whose gradient is near eps by ~lr whatever the gradient's last
+    # bits (see codegen/runtime/parity.py), so the weights agree to lr / 10, not to 1e-5.
     for name, value in torch.load(exported, weights_only=True).items():
-        torch.testing.assert_close(value, other[name], atol=1e-5, rtol=0)
+        torch.testing.assert_close(value, other[name], atol=1e-4, rtol=0)
 
     # A new tensor-parallel run from those weights: its first loss is the single device's.
     started = _losses(_ok(_torchrun(
