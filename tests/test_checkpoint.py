@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import planner
+from codegen.runtime.checkpoint import export_checkpoint
 from codegen.runtime.launcher import random_like
 from codegen.runtime.program import load_program
 from planner.api import prepare_model
@@ -43,7 +44,7 @@ GPT = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8})
 WIDE_MLP = ModelSpec(str(REPO / "examples/mlp.py"), {"batch_size": 8, "hidden": 4096, "layers": 5})
 WIDE_MLP_BYTES = 4 * (32 * 4096 + 4096 + 3 * (4096 * 4096 + 4096) + 4096 * 8 + 8)
 MEMORY_CAP = int(0.35 * WIDE_MLP_BYTES)  # per rank: the whole model is ~2.9x this
-KILL_STEPS = 40
+KILL_STEPS = 24
 STEP_LINE = re.compile(r"^step (\d+)/\d+: [\d.]+ ms  loss ([-\d.]+) ", re.M)
 TIMEOUT = 300
 
@@ -166,16 +167,15 @@ def test_resume_on_other_plans_export_and_init_from(programs, reference_losses, 
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=TIMEOUT,
     )
     assert cli.returncode == 0 and "after step 8" in cli.stdout, cli.stdout + cli.stderr
-    model, args, kwargs = GPT.build("cpu")
+    model, args, kwargs = load_program(programs["tp"]).build_model()  # the example batch launch.py draws from
     model.load_state_dict(torch.load(exported, weights_only=True))  # strict: every name, tied ones too
     from_single = tmp_path / "single.pt"
-    subprocess.run(
-        [sys.executable, "-m", "planner", "export-checkpoint", str(one_device / "step-00000008"), "-o", str(from_single)],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True, capture_output=True, timeout=TIMEOUT,
-    )
+    assert export_checkpoint(one_device / "step-00000008", from_single)[0] == 8
     other = torch.load(from_single, weights_only=True)
+    # AdamW moves a weight whose gradient is near eps by ~lr whatever the gradient's last
+    # bits (see codegen/runtime/parity.py), so the weights agree to lr / 10, not to 1e-5.
     for name, value in torch.load(exported, weights_only=True).items():
-        torch.testing.assert_close(value, other[name], atol=1e-5, rtol=0)
+        torch.testing.assert_close(value, other[name], atol=1e-4, rtol=0)
 
     # A new tensor-parallel run from those weights: its first loss is the single device's.
     started = _losses(_ok(_torchrun(
@@ -233,3 +233,36 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint(programs, reference_los
     assert sorted(after) == list(range(resumed_at + 1, KILL_STEPS + 1))
     for step, loss in {**before, **after}.items():
         assert loss == pytest.approx(reference_losses[step], abs=1e-5), step
+
+
+# ------------------------------------------------------------------ mistakes, one line each
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "2", "--save-every", "2"], "--save-every and --resume need --checkpoint-dir"),
+        (["--check", "--checkpoint-dir", "ck"], "add --steps N"),
+        (["--steps", "2", "--checkpoint-dir", "ck", "--resume", "--init-from", "m.pt"], "pick one"),
+        (["--steps", "2", "--checkpoint-dir", "empty", "--resume"], "no complete checkpoint in 'empty'"),
+        (["--steps", "2", "--init-from", "missing.pt"], "no file 'missing.pt'"),
+    ],
+)
+def test_checkpoint_flag_mistakes_are_one_line(tmp_path, monkeypatch, flags, message) -> None:
+    from codegen.runtime.launcher import build_parser, check_checkpoint_options
+    from planner.errors import LaunchError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        check_checkpoint_options(build_parser().parse_args(flags))
+
+
+def test_export_checkpoint_mistakes_are_one_line(tmp_path, capsys) -> None:
+    from planner.cli import main
+
+    (tmp_path / "not_a_checkpoint").mkdir()
+    assert main(["export-checkpoint", str(tmp_path / "nowhere"), "-o", str(tmp_path / "m.pt")]) == 2
+    assert main(["export-checkpoint", str(tmp_path / "not_a_checkpoint"), "-o", str(tmp_path / "m.pt")]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 2 and "no folder" in errors[0] and "is not a complete soap-planner checkpoint" in errors[1], errors

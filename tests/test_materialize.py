@@ -113,3 +113,23 @@ def test_a_parameter_the_model_does_not_hold_is_refused() -> None:
     stray = nn.Linear(2, 2, device="meta")
     with pytest.raises(ValueError, match="not a parameter of the model"):
         materialize(stray, model, torch.device("cpu"), init_rules(model))
+
+
+def test_huggingface_models_draw_from_their_initializer_range() -> None:
+    class Config:
+        initializer_range = 0.02
+
+    class Hf(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = Config()
+            self.wte = nn.Embedding(7, 4, padding_idx=0)
+            self.proj = nn.Linear(4, 4)
+            self.ln = nn.LayerNorm(4)
+
+    with parameters_on_meta():
+        rules = init_rules(Hf())
+    assert rules == {
+        "wte.weight": InitRule("normal", 0.0, 0.02, 0), "proj.weight": InitRule("normal", 0.0, 0.02),
+        "proj.bias": InitRule("constant", 0.0), "ln.weight": InitRule("constant", 1.0), "ln.bias": InitRule("constant", 0.0),
+    }

@@ -239,8 +239,14 @@ class Checkpointer:
                 f"{info.get('optimizer', '?')} by plan {info.get('plan', '?')!r}): resume with the same model and "
                 f"optimizer, or start a new run from its weights with --init-from"
             )
-        with torch.no_grad():
-            dcp.load(state, checkpoint_id=str(folder), process_group=self._group)
+        try:
+            with torch.no_grad():
+                dcp.load(state, checkpoint_id=str(folder), process_group=self._group)
+        except Exception as error:  # noqa: BLE001 - DCP wraps every rank's failure; say it in one line
+            raise LaunchError(
+                f"cannot load checkpoint '{folder}' into this program: {' '.join(str(error).split())[:300]}; resume "
+                f"with the model it was saved from (same shapes), or start a new run with --init-from"
+            ) from error
         if rng_key in state:
             torch.set_rng_state(state[rng_key])
         return int(state["train.step"])

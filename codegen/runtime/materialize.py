@@ -10,8 +10,11 @@ single-device reference of ``launch.py --check`` uses the same function):
   ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, ``nn.Embedding`` ``N(0, 1)`` (its ``padding_idx`` row
   0), norm layers' weights 1 and biases 0. A parameter of any other module is drawn as a
   Linear weight of the same fan-in when it has 2 or more dims, else 0 when its name ends in
-  ``bias`` and 1 otherwise. A model's own custom init (a HuggingFace ``_init_weights``, say)
-  is NOT reproduced: rank-local shards cannot run a module's init code on the whole tensor.
+  ``bias`` and 1 otherwise. A HuggingFace model (one whose ``config`` has
+  ``initializer_range``) gets what its ``_init_weights`` does in most architectures: every
+  parameter of 2 or more dims ``N(0, initializer_range)`` (an embedding's padding row 0),
+  biases 0, other 1-D parameters 1. Any other custom init of a model is NOT reproduced:
+  rank-local shards cannot run a module's init code on the whole tensor.
 - The values are drawn in fixed chunks of :data:`CHUNK_ELEMENTS` elements of the flattened
   tensor, each chunk from its own generator seeded by ``sha256(seed, name, chunk index)``;
   a shard draws only the chunks of the rows it covers (dim 0), a block of rows at a time,
@@ -121,9 +124,9 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
     return names
 
 
-def _owner_rules(model: nn.Module, device_shapes: dict[str, tuple[int, ...]]) -> dict[str, InitRule]:
+def _owner_rules(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str, InitRule]:
     rules = {}
-    for name, shape in device_shapes.items():
+    for name, shape in shapes.items():
         path, _, key = name.rpartition(".")
         owner = model.get_submodule(path) if path else model
         rules[name] = init_rule(owner, key, shape)
@@ -131,8 +134,21 @@ def _owner_rules(model: nn.Module, device_shapes: dict[str, tuple[int, ...]]) ->
 
 
 def init_rules(model: nn.Module) -> dict[str, InitRule]:
-    """Qualified name -> :class:`InitRule` of every (distinct) parameter of ``model``."""
-    return _owner_rules(model, {name: tuple(p.shape) for name, p in model.named_parameters()})
+    """Qualified name -> :class:`InitRule` of every (distinct) parameter of ``model``: the
+    owning module's PyTorch default, or a HuggingFace model's ``initializer_range`` normal."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    std = getattr(getattr(model, "config", None), "initializer_range", None)
+    if not isinstance(std, (int, float)) or isinstance(std, bool):
+        return _owner_rules(model, shapes)
+    rules = {}
+    for name, shape in shapes.items():
+        path, _, key = name.rpartition(".")
+        owner = model.get_submodule(path) if path else model
+        if len(shape) >= 2:
+            rules[name] = InitRule("normal", 0.0, float(std), getattr(owner, "padding_idx", None))
+        else:
+            rules[name] = InitRule("constant", 0.0 if key.endswith("bias") else 1.0)
+    return rules
 
 
 def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules: dict[str, InitRule], seed: int = 0) -> int:
