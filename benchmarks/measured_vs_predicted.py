@@ -1,14 +1,16 @@
 """Predicted against measured step time on this machine, before and after calibration,
 cross-validated.
 
-    python benchmarks/measured_vs_predicted.py [--steps 12] [--out DIR] [--fresh] [--pooled]
+    python benchmarks/measured_vs_predicted.py [--steps 12] [--repeats 2] [--out DIR] [--fresh] [--pooled]
 
 1. Plans examples/gpt.py (4 layers, hidden 128, seq 64, batch 16) as DDP, FSDP, ZeRO-1,
    tensor parallel (Megatron tp), pipeline (pp, 2 micro-batches) and DDP with full
    recomputation at 2 processes, and as DDP, FSDP, ZeRO-1, tp2 x dp2, tp4, pp2 x dp2 and
    DDP with full recomputation at 4, on the ``cpu`` preset; compiles each.
-2. Runs each under ``torchrun --nproc_per_node N launch.py --steps S --profile`` and keeps
-   its measured.json in ``--out`` (a later run with the same ``--out`` reuses them).
+2. Runs each under ``torchrun --nproc_per_node N launch.py --steps S --profile``, in
+   ``--repeats`` passes over all the plans, and keeps the measured.json files in ``--out`` (a
+   later run with the same ``--out`` reuses them); a plan's measured step time is the median
+   of the clean steps of all its passes.
 3. For each plan, calibrates the cost model (``planner calibrate``) on the OTHER plans of
    the same world size (leave one out) and predicts the plan with that cluster.
 4. Prints per plan: measured (median of the clean steps and their spread), predicted by the
@@ -64,10 +66,11 @@ def make_plans(spec: ModelSpec) -> dict[str, planner.Plan]:
     return plans
 
 
-def measure(plan: planner.Plan, folder: Path, steps: int) -> Path:
-    """Compile ``plan`` into ``folder`` and run it with ``--profile``; returns measured.json."""
-    planner.compile(plan, folder, force=True)
-    measured = folder / "measured.json"
+def measure(plan: planner.Plan, folder: Path, steps: int, measured: Path, compile_first: bool) -> Path:
+    """Run the program in ``folder`` (compiled from ``plan`` first if asked: compiling
+    replaces the folder) with ``--profile measured``; returns ``measured``."""
+    if compile_first:
+        planner.compile(plan, folder, force=True)
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--nproc_per_node", str(plan.world_size), str(folder / "launch.py"), "--steps", str(steps),
                "--log-every", str(steps), "--profile", str(measured)]
@@ -76,6 +79,14 @@ def measure(plan: planner.Plan, folder: Path, steps: int) -> Path:
     if output.returncode != 0 or not measured.is_file():
         raise SystemExit(f"{' '.join(command)} failed:\n{output.stdout[-3000:]}\n{output.stderr[-3000:]}")
     return measured
+
+
+def merged(paths: list[Path]):
+    """One run from the passes over a plan: the first pass's profile, every pass's clean
+    steps, their median as the step time."""
+    runs = [load_measured(path) for path in paths]
+    steps = tuple(step for run in runs for step in run.step_times_s)
+    return dataclasses.replace(runs[0], step_times_s=steps, step_time_s=statistics.median(steps))
 
 
 def spearman(left: list[float], right: list[float]) -> float:
@@ -113,20 +124,24 @@ def main() -> None:
     parser.add_argument("--out", default=None,
                         help="keep the programs and measured.json files here; plans measured there before are reused")
     parser.add_argument("--fresh", action="store_true", help="measure every plan again, even if --out holds it")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="passes over the plans (default 2); a plan's step time is the median over all its passes")
     parser.add_argument("--pooled", action="store_true", help="calibrate on every other plan, whatever its world size")
     options = parser.parse_args()
     work = Path(options.out or tempfile.mkdtemp(prefix="soap-measured-"))
     spec = ModelSpec(str(ROOT / "examples/gpt.py"), MODEL)
     print(f"model: examples/gpt.py {MODEL}; work folder {work}", flush=True)
-    files = {}
-    for name, plan in make_plans(spec).items():
-        folder = work / name.replace(" ", "_").replace("+", "plus")
-        if (folder / "measured.json").is_file() and not options.fresh:
-            files[name] = folder / "measured.json"  # measured by an earlier run into the same --out
-            continue
-        files[name] = measure(plan, folder, options.steps)
-        print(f"  measured {name}: {load_measured(files[name]).step_time_s * 1e3:.1f} ms", flush=True)
-    runs = {name: load_measured(path) for name, path in files.items()}
+    plans = make_plans(spec)
+    files: dict[str, list[Path]] = {name: [] for name in plans}
+    for repeat in range(options.repeats):  # passes over every plan, so a busy spell hits them all alike
+        for name, plan in plans.items():
+            folder = work / name.replace(" ", "_").replace("+", "plus")
+            target = folder / ("measured.json" if repeat == 0 else f"measured-{repeat + 1}.json")
+            if not target.is_file() or options.fresh:
+                measure(plan, folder, options.steps, target, compile_first=repeat == 0)
+                print(f"  measured {name} (pass {repeat + 1}): {load_measured(target).step_time_s * 1e3:.1f} ms", flush=True)
+            files[name].append(target)  # reused when an earlier run measured it into the same --out
+    runs = {name: merged(paths) for name, paths in files.items()}
     cases = {}
     for name, run in runs.items():
         plan, graph = plan_and_graph(run.plan_data, run.source)

@@ -311,7 +311,7 @@ def fit_calibration(
         prior = sum(math.log(candidate[name] / start[name]) ** 2 for name in parameters)
         return fit_loss(cases, candidate, simulate) + prior_weight * prior
 
-    before = best = loss(values)
+    best = loss(values)
     for span in _ROUNDS:
         for _ in range(_SWEEPS):
             start_of_sweep = best

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import planner
-from codegen.runtime.profiling import profile_split
+from codegen.runtime.profiling import collective_kind, profile_split
 from codegen.runtime.training_loop import as_inputs, learning_rate_factor, load_data
 from cost_model.calibration import load_measured
 from planner.cli import main as cli_main
@@ -45,6 +45,15 @@ def test_learning_rate_factor_by_hand() -> None:
     assert factors == pytest.approx([0.5, 1.0, *cosine])
     assert [learning_rate_factor(step, "linear", 0, 5, 0.0) for step in range(5)] == pytest.approx([1, 0.75, 0.5, 0.25, 0])
     assert learning_rate_factor(10, "cosine", 0, 0, 0.0) == 1.0  # until the data ends: no known total, no decay
+
+
+def test_profile_split_and_collective_names() -> None:
+    # 12 steps: a third (4) profiled, 1 warm-up, 7 clean (6 once the first is left out).
+    assert profile_split(12) == (7, 1, 4)
+    assert profile_split(5) == (3, 1, 1)
+    assert profile_split(30) == (24, 1, 5)  # at most 5 profiled
+    assert [collective_kind(name) for name in ("gloo:all_reduce", "nccl:_allgather_base", "gloo:send", "aten::mm")] == [
+        "all_reduce", "all_gather", "send_recv", None]
 
 
 def test_data_errors_are_one_line(tmp_path: Path) -> None:

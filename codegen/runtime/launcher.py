@@ -211,12 +211,6 @@ def run_training(program: Program, mesh, options: argparse.Namespace, optimizer:
          f"(compare: python -m planner compare {program.folder / 'plan.json'} {options.profile})")
 
 
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    dist.barrier()
-
-
 def _say(text: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(text, flush=True)

@@ -21,6 +21,7 @@ cluster's dense peak for the plan's precision, so measured and predicted MFU are
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -100,12 +101,12 @@ class StepRecord:
     grad_norm: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {key: value for key, value in self.__dict__.items()}
+        return dataclasses.asdict(self)
 
 
 @dataclass
 class TrainingRun:
-    """What ``train`` returns: every step's record and the hooks it ran."""
+    """What ``train`` returns: every step's record, in order."""
 
     records: list[StepRecord] = field(default_factory=list)
 
