@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,12 @@ def test_alike_blocks_share_one_function(compiled) -> None:
     gpt4 = _source(folders["gpt4"])
     assert _calls(gpt4) == {"blocks_block": ["blocks.0.", "blocks.1.", "blocks.2.", "blocks.3."]}
     assert gpt4.count("def blocks_block(") == 1 and "params['blocks.2.attn.c_attn.weight']" not in gpt4
+    # PARAMETERS writes the four blocks' placements once too (codegen.repeated_tables), and
+    # still names every parameter of the model with the plan's placements.
+    assert "for index in range(0, 4)" in gpt4 and "'blocks.2.attn.c_attn.weight'" not in gpt4
+    table = runpy.run_path(str(folders["gpt4"] / "model_spmd.py"))["PARAMETERS"]
+    assert set(table) == set(_gpt(4)[0].parameters) and len(table) == 2 + 4 * 12 + 3
+    assert str(table["blocks.3.mlp.c_fc.weight"]) == "(Shard(dim=0),)" and str(table["blocks.3.ln_1.weight"]) == "(Replicate(),)"
     pipeline = _source(folders["gpt4-pipeline"])
     assert _calls(pipeline) == {"blocks_block": ["blocks.0.", "blocks.1.", "blocks.2.", "blocks.3."]}
     stage0, stage1 = pipeline.split("class GPTStage1")[0], pipeline.split("class GPTStage1")[1].split("def blocks_block(")[0]
