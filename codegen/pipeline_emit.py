@@ -22,7 +22,9 @@ on DTensors, ``_to`` where the plan redistributes), cut into stages:
   ``"selective"`` each block's attention core does (``codegen.attention_core``); a stage
   whose plan gives it a mode of its own (``PipelineConfig.stage_recompute``) follows that;
 - parameters read by several stages (tied embeddings) are held by each; the runtime sums
-  their gradients over those stages.
+  their gradients over those stages;
+- each repeated block is written once, as a module-level function the stages call per layer
+  (``codegen.block_fold``; blocks under selective recomputation stay written out).
 
 - stages may hold different numbers of blocks: each op runs on the stage its strategy names;
 - under the interleaved schedule there are ``pp x virtual_stages`` stage modules, stage ``s``
@@ -292,8 +294,9 @@ class _PipelineWriter(PipelineSections):
         )
 
     def _emit_runs(self, nodes: list[torch.fx.Node], gm: torch.fx.GraphModule, recompute: str) -> list[tuple[Any, list[str]]]:
-        """A stage's lines, as runs of one repeated block (or none) when the stage recomputes
-        (``recompute``: each block run indented one more level, to become a nested function)."""
+        """A stage's lines, as runs of one repeated block (or none): the runs of blocks or,
+        under selective recomputation, of attention cores; with recomputation each such run
+        is indented one more level, to become a nested function where it stays written out."""
         if recompute == "selective" and not self.cores:
             return [(None, self.emitter._emit_nodes(nodes, gm, indent=2))]
         if recompute != "selective":

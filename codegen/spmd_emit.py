@@ -7,7 +7,8 @@ value differently from how its producer left it, ``_to`` redistributes it with t
 collective named in a comment (all-gather, all-reduce, reduce-scatter, all-to-all). DTensor's
 own sharding rules run each op, so the result equals one device whatever the placements;
 the plan decides where the communication happens. ``codegen.runtime.spmd`` holds the
-helpers the program calls.
+helpers the program calls. Each repeated block is written once, as a function called per
+layer (``codegen.block_fold``); the compile-time dry run reads a version written out.
 
 Details of the exported graph handled here:
 
@@ -114,8 +115,9 @@ def render_graph_program(plan: Plan) -> str:
     def write(
         observed: dict[str, Any] | None = None, forced: dict[str, str] | None = None, warning: str = "", final: bool = True
     ) -> str:
-        # The dry run reads the forward's own locals, so it runs a version without the
-        # recomputed blocks' nested functions; checkpointing changes no placement. It runs
+        # The dry run reads the forward's own locals, so it runs a version without the block
+        # functions and the recomputed blocks' nested functions (each block written out);
+        # checkpointing changes no placement. It runs
         # one micro-batch of the example batch when the plan accumulates gradients.
         source = GraphEmitter(
             plan, graph, facts, observed, forced, warning, recompute=plan.recompute if final else "none", fold=final

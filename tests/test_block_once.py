@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,12 @@ def test_alike_blocks_share_one_function(compiled) -> None:
     gpt4 = _source(folders["gpt4"])
     assert _calls(gpt4) == {"blocks_block": ["blocks.0.", "blocks.1.", "blocks.2.", "blocks.3."]}
     assert gpt4.count("def blocks_block(") == 1 and "params['blocks.2.attn.c_attn.weight']" not in gpt4
+    # PARAMETERS writes the four blocks' placements once too (codegen.repeated_tables), and
+    # still names every parameter of the model with the plan's placements.
+    assert "for index in range(0, 4)" in gpt4 and "'blocks.2.attn.c_attn.weight'" not in gpt4
+    table = runpy.run_path(str(folders["gpt4"] / "model_spmd.py"))["PARAMETERS"]
+    assert set(table) == set(_gpt(4)[0].parameters) and len(table) == 2 + 4 * 12 + 3
+    assert str(table["blocks.3.mlp.c_fc.weight"]) == "(Shard(dim=0),)" and str(table["blocks.3.ln_1.weight"]) == "(Replicate(),)"
     pipeline = _source(folders["gpt4-pipeline"])
     assert _calls(pipeline) == {"blocks_block": ["blocks.0.", "blocks.1.", "blocks.2.", "blocks.3."]}
     stage0, stage1 = pipeline.split("class GPTStage1")[0], pipeline.split("class GPTStage1")[1].split("def blocks_block(")[0]
@@ -122,3 +129,42 @@ def test_blocks_unlike_the_others_stay_written_out(compiled) -> None:
     mixed = _source(folders["gpt5-mixed"])
     assert _calls(mixed) == {"blocks_block_0": ["blocks.0.", "blocks.1."], "blocks_block_3": ["blocks.3.", "blocks.4."]}
     assert "p_blocks_2_attn_c_attn_weight = params['blocks.2.attn.c_attn.weight']" in mixed
+
+
+def test_blocks_fold_only_when_their_code_is_the_same_up_to_names() -> None:
+    """On hand-written forward lines (no processes): blocks 0-1 differ only in value and
+    parameter names and fold into one function; block 2 redistributes inside the block to
+    another placement and stays written out; block 3 takes the same code as 0-1 but reads
+    a parameter of another block, so it is not alike either."""
+    from codegen.block_fold import BlockFolder
+
+    pad = " " * 8
+
+    def block(index: int, source: str, target: str, weight: str, extra: str = "") -> list[str]:
+        return [pad + line for line in ([extra] if extra else []) + [
+            f"{target}_lin = aten.linear.default({source}, {weight})  # note",
+            f"{target} = aten.relu.default({target}_lin)",
+        ]]
+
+    runs = [
+        (None, [pad + "x = self.input(x, TP_R, (2, 4))"]),
+        (("blocks", 0), block(0, "x", "h0", "p_blocks_0_w")),
+        (("blocks", 1), block(1, "h0", "h1", "p_blocks_1_w")),
+        (("blocks", 2), [pad + "h1_tp_s0 = aten.relu.default(h1)"] + block(2, "h1_tp_s0", "h2", "p_blocks_2_w")),
+        (("blocks", 3), block(3, "h2", "h3", "p_blocks_0_w")),
+        (None, [pad + "return h3"]),
+    ]
+    placeholders = {f"p_blocks_{i}_w": ("param", f"blocks.{i}.w") for i in range(4)}
+    prelude = {name: f"{pad}{name} = params[{qualified!r}]  # (4, 4)" for name, (_, qualified) in placeholders.items()}
+    known = {"x", "h0", "h0_lin", "h1", "h1_lin", "h1_tp_s0", "h2", "h2_lin", "h3", "h3_lin", *placeholders}
+    folder = BlockFolder(placeholders, prelude, known, set())
+    folded = folder.fold([runs], [set()], ["none"])[0]
+    body = "\n".join(line for _, lines in folded for line in lines)
+    assert "h0 = blocks_block(self, 'blocks.0.', x)" in body and "h1 = blocks_block(self, 'blocks.1.', h0)" in body
+    assert "h2_lin = aten.linear.default(h1_tp_s0, p_blocks_2_w)" in body  # written out
+    assert "h3_lin = aten.linear.default(h2, p_blocks_0_w)" in body  # written out
+    source = folder.source()
+    assert "def blocks_block(self, prefix: str, x):" in source
+    assert "    p_w = params[prefix + 'w']  # (4, 4)" in source and "h0_lin = aten.linear.default(x, p_w)  # note" in source
+    assert source.rstrip().endswith("return h0")
+    assert folder.moved == {"p_blocks_0_w", "p_blocks_1_w"}
