@@ -54,8 +54,9 @@ TILES = ((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 64), (6
 # data reuse is tm*tn/(tm+tn) (section 2.3 of the guide: "larger tiles have more data reuse").
 # Efficiency rises with reuse as reuse / (reuse + TILE_REUSE_HALF), normalised to the largest
 # tile: 256x128 -> 1.0, 128x128 -> 0.92, 128x64 -> 0.79, 64x64 -> 0.69. TILE_REUSE_HALF is an
-# estimate chosen so that 64x64 tiles run at about 2/3 of the largest, as the guide's tile
-# comparison figure shows for a large GEMM (a read-off, not a fitted value).
+# ESTIMATE (not a measurement) chosen so that 64x64 tiles run at about 2/3 of the largest, the
+# size of the gap between tile sizes in the guide's section 2.3 comparison; it only decides
+# which tile wins for small or awkward shapes (the MAMF measurement fixes the large ones).
 TILE_REUSE_HALF = 32.0
 
 ATTENTION_OPS = (
@@ -124,9 +125,11 @@ GENERATIONS = {
     # published MAMF measurement: we assume the A100 PCIe's 82.2% (ml-engineering MAMF table,
     # below) - an assumption, to be replaced by a profile. K overhead: CUTLASS's Volta tensor-op
     # GEMM is 2 stages x K tile 32 = 64 (cutlass/gemm/device/default_gemm_configuration.h, Sm70).
-    # FlashAttention-2 does not run on Volta; eager/mem-efficient attention reaches far less:
-    # xformers' cutlass kernels ~ 40% forward, 30% backward of the fp16 peak on V100
-    # (estimate from xformers' V100 benchmark tables).
+    # FlashAttention-2 does not run on Volta (its README: Ampere or newer); PyTorch's SDPA falls
+    # back to the memory-efficient (xformers/CUTLASS) kernel. Its V100 throughput is not in the
+    # sources we have: 40% forward, 30% backward of the fp16 peak is an ESTIMATE (below
+    # FlashAttention-2 on A100, as FlashAttention-1 reached 25-40% there: FlashAttention-2
+    # paper, section 1), to be replaced by a profile.
     "V100": GpuGeneration("V100", 80, 0.822, (6912, 16384, 2048), 64, 0.40, 0.30),
     # A100-SXM4: 108 SMs (NVIDIA A100 Tensor Core GPU Architecture whitepaper, 2020, table 1).
     # MAMF 267.9 of 312 TFLOP/s = 85.9% at 6912x16384x2048, CUDA 12.1 (Stas Bekman,
