@@ -31,6 +31,13 @@ PUBLISHED = [
     ("all_reduce", "dgx-h100", 1, 8, 8 * GIB, 480.0, "GB/s", "NVIDIA/nccl-tests#212 (NVIDIA, NVLS)", True),
     ("all_reduce", "dgx-h100", 1, 8, 8 * GIB, 476.0, "GB/s", "NVIDIA/nccl-tests#290 (NVLS)", False),
     ("all_gather", "dgx-h100", 1, 8, 8 * GIB, 370.0, "GB/s", "NVIDIA/nccl-tests#212 (non-all-reduce)", True),
+    # NVIDIA/nccl#1455: NCCL_ALGO=NVLS -b 2G -e 4G on 2..8 H100s of one node: busbw ~370 GB/s
+    # at 2-4 GPUs (as ring), 420, 440, 460 GB/s at 5, 6, 7 GPUs.
+    ("all_reduce", "dgx-h100", 1, 2, 4 * GIB, 367.5, "GB/s", "NVIDIA/nccl#1455 (2 GPUs)", True),
+    ("all_reduce", "dgx-h100", 1, 4, 4 * GIB, 367.5, "GB/s", "NVIDIA/nccl#1455 (4 GPUs)", True),
+    ("all_reduce", "dgx-h100", 1, 5, 4 * GIB, 420.0, "GB/s", "NVIDIA/nccl#1455 (5 GPUs, NVLS)", False),
+    ("all_reduce", "dgx-h100", 1, 6, 4 * GIB, 440.0, "GB/s", "NVIDIA/nccl#1455 (6 GPUs, NVLS)", False),
+    ("all_reduce", "dgx-h100", 1, 7, 4 * GIB, 460.0, "GB/s", "NVIDIA/nccl#1455 (7 GPUs, NVLS)", False),
     ("all_reduce", "dgx-h100", 4, 32, 8 * GIB, 320.0, "GB/s", "NVIDIA/nccl#1221 (8x400G RoCE, >2 nodes)", False),
 ]
 

@@ -49,6 +49,10 @@ Algorithms (``nccl_algorithm_times`` keys are ``"algorithm/protocol"``):
         over the member's network share at the same time (the slower decides, as nccl-tests
         reads it: NVIDIA/nccl-tests#130).
 
+Overlap is not free: ``OVERLAP_COMPUTE_SLOWDOWN`` (per profile) is the fraction by which a
+compute kernel slows while a collective runs beside it; the simulator charges it for the time
+each compute task overlaps the data-parallel collectives (``TaskGraph.contend``).
+
 Not modelled: NVLSTree (NVLS inside nodes + tree across, H100 multi-node all-reduce), PAT,
 CollNet/SHARP in the network switches, the tree's size-dependent correction factors, and
 NCCL's channel count limits for small messages. ``benchmarks/nccl_fidelity.py`` prints the
@@ -78,6 +82,13 @@ _TREE_PROTOCOL_SHARE_ONE_NODE = {"LL": 1 / 3.8, "LL128": 7 / 9, "Simple": 1.0}
 _TREE_PROTOCOL_SHARE_NODES = {"LL": 1 / 3.8, "LL128": 120 / 128, "Simple": 1.0}
 _NVLS_MIN_RANKS = 5  # NVIDIA/nccl#1455: NVLS busbw equals ring's at 2-4 H100s, exceeds it at 5+
 
+# Compute kernels slow down while NCCL kernels run beside them (NCCL's channels each hold an
+# SM, and they share memory bandwidth): 18.9% on average, 40.0% at most, measured for GPT and
+# LLaMA training kernels on 4 A100s, H100s, MI250s and MI210s (Agrawal et al.,
+# "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+# Learning: Performance and Power Implications", arXiv:2507.03114, 2025, abstract).
+OVERLAP_COMPUTE_SLOWDOWN = 0.189
+
 
 @dataclass(frozen=True)
 class NcclProfile:
@@ -91,6 +102,8 @@ class NcclProfile:
         nvls_algbw: NVLink SHARP all-reduce algorithm bandwidth (S / time) inside a node of
             8, or None where the NVSwitch cannot reduce (A100).
         sources: where each figure was published.
+        overlap_slowdown: fraction by which a compute kernel slows while a collective runs
+            beside it (``OVERLAP_COMPUTE_SLOWDOWN``).
     """
 
     preset: str
@@ -98,6 +111,7 @@ class NcclProfile:
     nic_busbw: float
     nvls_algbw: float | None
     sources: str
+    overlap_slowdown: float = OVERLAP_COMPUTE_SLOWDOWN
 
 
 PROFILES: dict[str, NcclProfile] = {
