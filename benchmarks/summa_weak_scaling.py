@@ -59,7 +59,11 @@ def mesh_of(family: str, q: int, d: int) -> Mesh:
     return Mesh(axes)
 
 
-def cluster_of(devices: int) -> Cluster:
+def cluster_of(devices: int, uniform: bool = False) -> Cluster:
+    """DGX A100 nodes of 8 (one node of p below 8), or with ``uniform`` p single-GPU nodes on
+    HDR InfiniBand: every link alike, as on a fat-tree of one GPU per port."""
+    if uniform:
+        return Cluster.preset("dgx-a100-80g", nodes=devices, devices_per_node=1)
     return Cluster.preset("dgx-a100-80g", nodes=max(1, devices // 8), devices_per_node=min(8, devices))
 
 
@@ -68,12 +72,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=12288)
     parser.add_argument("--tokens-per-device", type=int, default=1024)
     parser.add_argument("--effort", type=float, default=0.25, help="search effort per mesh (default 0.25)")
+    parser.add_argument("--uniform", action="store_true", help="single-GPU nodes on InfiniBand: a uniform network")
     options = parser.parse_args()
     if options.hidden % 128 or options.tokens_per_device < 1 or options.effort <= 0:
         parser.error("--hidden must be a multiple of 128, --tokens-per-device and --effort positive")
     gb = 1e9
     print(f"one GPT layer, h={options.hidden}, {options.tokens_per_device} tokens per device, seq {SEQ}, bf16, "
-          f"DGX A100 nodes of 8; plans searched on each mesh, simulated")
+          f"{'single-A100 nodes on InfiniBand' if options.uniform else 'DGX A100 nodes of 8'}; plans searched on each mesh, "
+          f"simulated")
     print(f"{'p':>3} {'layout':<16} {'step ms':>8} {'tok/s/dev':>10} {'sim GB/dev':>11} {'matmul GB':>10} "
           f"{'closed form':>11} {'memory GB':>10} {'linears in layout':>18}")
     times = {}
@@ -83,7 +89,7 @@ def main() -> None:
             continue
         spec = ModelSpec("examples/gpt.py", {"n_layer": 1, "n_embd": options.hidden, "n_head": 128, "seq_len": SEQ,
                                              "vocab_size": 256, "batch_size": tokens // SEQ, "dropout": 0.0})
-        cluster = cluster_of(devices)
+        cluster = cluster_of(devices, options.uniform)
         graph, spec, name, cluster = prepare_model(spec, cluster)
         started = time.perf_counter()
         mesh = mesh_of(family, q, d)

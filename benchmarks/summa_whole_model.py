@@ -18,6 +18,14 @@ search are the very plans of the 1-D search, so when auto picks a SUMMA plan it 
 * ``nvl64``: the same width (4 layers, 16 sequences of 4096 tokens) on one NVLink domain of
   64 A100s (an NVL-style node: every link alike, the DGX A100's NVLink numbers), where a
   1-D split may take all 64 devices but all-reduces whole activations to do so.
+* ``nvl64-long``: the NVLink domain of 64 with narrower layers (hidden 8192) and longer
+  sequences (16 of 8192 tokens): many more tokens than the width, where 2.5-D and 3-D move
+  fewer bytes than 2-D.
+* ``one-gpu-nodes``: the wide model on 64 single-A100 nodes joined by HDR InfiniBand (25
+  GB/s each, a uniform network): no 1-D tensor parallelism at all (it stays inside a node),
+  so 1-D plans are data parallel, ZeRO, FSDP or pipelines.
+* ``small-nodes``: the same model on 16 nodes of 4 A100s (HDR InfiniBand between them): 1-D
+  tensor parallelism stops at 4 ways inside a node.
 * ``narrow``: GPT-2 medium's width (hidden 1024, 16 heads, 24 layers, batch 64 of 1024
   tokens) on one DGX A100 node: 1-D and data parallelism inside NVLink are hard to beat,
   and auto keeps no SUMMA mesh (the model's matmuls are faster 1-D on the same devices).
@@ -43,6 +51,18 @@ SCENARIOS = {
         model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 4096, "vocab_size": 32000, "batch_size": 16},
         nodes=1, devices_per_node=64, inter_node_bytes_per_s=None,
     ),
+    "nvl64-long": dict(
+        model={"n_layer": 4, "n_embd": 8192, "n_head": 64, "seq_len": 8192, "vocab_size": 32000, "batch_size": 16},
+        nodes=1, devices_per_node=64, inter_node_bytes_per_s=None,
+    ),
+    "one-gpu-nodes": dict(
+        model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 4096, "vocab_size": 32000, "batch_size": 64},
+        nodes=64, devices_per_node=1, inter_node_bytes_per_s=None,
+    ),
+    "small-nodes": dict(
+        model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 4096, "vocab_size": 32000, "batch_size": 16},
+        nodes=16, devices_per_node=4, inter_node_bytes_per_s=None,
+    ),
     "narrow": dict(
         model={"n_layer": 24, "n_embd": 1024, "n_head": 16, "seq_len": 1024, "vocab_size": 50257, "batch_size": 64},
         nodes=1, inter_node_bytes_per_s=None,
@@ -56,6 +76,16 @@ def cluster_for(nodes: int, inter_node_bytes_per_s: float | None, devices_per_no
         return cluster
     slow = LinkSpec(bandwidth=inter_node_bytes_per_s, latency=cluster.inter_link.latency)
     return dataclasses.replace(cluster, name="dgx-a100-80g-ethernet", inter_link=slow)
+
+
+def mesh_family(name: str) -> str | None:
+    """The SUMMA family of a plan name's mesh (``soap (dep=4 x row=4 x col=4)`` -> 2.5-D)."""
+    axes = [axis for axis in ("dep", "row", "col") if f"{axis}=" in name]
+    if "row" not in axes:
+        return None
+    if "dep" not in axes:
+        return "2-D"
+    return "2.5-D" if name.index("dep=") < name.index("row=") else "3-D"
 
 
 def families(plan) -> str:
@@ -92,6 +122,14 @@ def main() -> None:
         verdict = (f"SUMMA plan beats the best 1-D plan by {one_d / auto:.2f}x" if uses_summa and auto < one_d
                    else f"no SUMMA plan wins: auto keeps a 1-D plan ({one_d / auto:.2f}x of the 1-D search's)")
         print(f"  => {verdict}")
+        best_by_family: dict[str, object] = {}
+        for alternative in results["auto"].runners_up:
+            family = mesh_family(alternative.name)
+            if family and (family not in best_by_family or alternative.step_time_s < best_by_family[family].step_time_s):
+                best_by_family[family] = alternative
+        for family, alternative in sorted(best_by_family.items()):
+            print(f"     best {family} runner-up: {alternative.name}  {alternative.step_time_s * 1e3:.1f} ms "
+                  f"({alternative.step_time_s / one_d:.2f}x the best 1-D plan's time), fits {alternative.fits}")
         if uses_summa:
             print(f"     {results['auto'].search_summary.split('. SUMMA')[-1][:600]}")
 
