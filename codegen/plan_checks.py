@@ -4,7 +4,7 @@ A plan file is data someone else may have written. Every name in it that the gen
 program uses must name something real, or the program is refused with one line naming the
 plan field (``codegen.source_text`` then decides how the name is written):
 
-- mesh axis names are among the axes programs know (``dp``, ``tp``, ``pp``);
+- mesh axis names are among the axes programs know (``dp``, ``tp``, ``pp``, and SUMMA's ``row``, ``col``, ``dep``);
 - ``fsdp_units`` are modules of the model built from the spec (``named_modules``);
 - ``inputs`` names the traced model's user inputs, in its order (``shard_batch`` maps
   positional arguments to them);
@@ -36,7 +36,7 @@ from planner.opaque_backward import describe
 from planner.plan_checks import check_plan_against_graph
 from planner.plans import Plan
 
-KNOWN_AXES = ("dp", "tp", "pp")
+KNOWN_AXES = ("dp", "tp", "pp", "row", "col", "dep")
 PRECISIONS = ("fp32", "bf16", "fp16")  # what plans simulate; compile refuses fp16 with its own message
 
 

@@ -23,7 +23,9 @@ Details of the exported graph handled here:
 - dropout reads its module's ``p`` at run time, so ``module.p = 0`` switches it off as in the model;
 - an op DTensor has no sharding rule for runs as its ATen decomposition, or on replicated
   inputs, with a comment saying so; attention runs the math kernel on CPU (DTensor has no
-  rule for the CPU flash kernel).
+  rule for the CPU flash kernel), or the local shards when only batch and heads are split;
+- a node with a SUMMA layout (a linear or a block-layout layer norm) is one call into
+  ``codegen.runtime.summa_layouts``, written by ``codegen.summa_emit``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from codegen.spmd_placements import (
 )
 from codegen.attention_core import attention_cores
 from codegen.block_fold import folded_body
+from codegen import summa_emit
 from codegen.spmd_recompute import checkpointed_body, selective_body
 from codegen.spmd_sections import ProgramSections
 from codegen.spmd_structure import DROPPED_CHECKS, GraphStructure
@@ -78,8 +81,10 @@ _RESERVED = {"self", "aten", "torch", "_to", "params", "operator", "DTensor", "R
 
 
 def supports(plan: Plan) -> bool:
-    """Whether this emitter compiles ``plan``: a ``dp``/``tp`` mesh, no pipeline."""
-    return plan.pipeline is None and set(plan.mesh.names) <= set(SUPPORTED_AXES)
+    """Whether this emitter compiles ``plan``: a ``dp``/``tp`` mesh, or a SUMMA plan's
+    ``dp``/``row``/``col``/``dep`` mesh (``codegen.summa_emit``), no pipeline."""
+    axes = SUPPORTED_AXES + (summa_emit.SUMMA_AXES if summa_emit.uses_summa(plan) else ())
+    return plan.pipeline is None and set(plan.mesh.names) <= set(axes)
 
 
 def render_graph_program(plan: Plan) -> str:
@@ -110,6 +115,7 @@ def render_graph_program(plan: Plan) -> str:
         plan = dataclasses.replace(plan, strategies=micro_strategies(plan, graph, micro), graph=graph)
     else:
         graph = plan.graph if plan.graph is not None and plan.graph.graph_module is not None else trace_model(model, args, kwargs)
+    summa_emit.check_plan(plan, graph)
     facts = model_facts(model, args, kwargs, graph)
 
     def write(
@@ -343,8 +349,13 @@ class GraphEmitter(GraphStructure, ProgramSections):
             self.fallbacks.add(f"{notes.short_op(op)} (on whole inputs)")
             call = f"self._replicated({callee}, {', '.join(rendered)})"
         elif on_dtensors and op.startswith(ATTENTION):
-            comments.append("# self.attention: the math kernel on CPU (DTensor has no rule for CPU flash attention), fused on CUDA")
+            comments.append(
+                "# self.attention: fused on CUDA; on CPU the local shards when split only on batch and heads, "
+                "else the math kernel (DTensor has no rule for CPU flash attention)"
+            )
             call = f"self.attention({callee}, {', '.join(rendered)})"
+        elif on_dtensors and summa_emit.runs_summa(strategy):  # a SUMMA matmul or block-layout norm
+            call = summa_emit.node_call(strategy, fx_node, rendered, comments, self.axes, self.sizes)
         elif support in ("decomposition", "none"):
             helper = "self._decomposed" if support == "decomposition" else "self._replicated"
             how = "its ATen decomposition on the shards" if support == "decomposition" else "on inputs gathered whole (Replicate)"

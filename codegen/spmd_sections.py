@@ -10,6 +10,7 @@ from torch.distributed.tensor import Replicate
 from torch.utils._pytree import TreeSpec
 
 from codegen import spmd_notes as notes
+from codegen import summa_emit
 from codegen.emit import about_plan, autocast_lines, precision_imports
 from codegen.source_text import comment, derived_identifier, identifier, number, with_comment
 from codegen.repeated_tables import parameter_entries
@@ -87,6 +88,7 @@ class ProgramSections:
             *precision_imports(self.plan),
             *([SHARDED_STATES_IMPORT] if shards_optimizer_states(self.plan) else []),
             "from codegen.runtime.spmd import SpmdModule, shard_inputs",
+            *([summa_emit.RUNTIME_IMPORT] if summa_emit.uses_summa(self.plan) else []),
         ]
         for module, name in sorted(self._output_imports()):
             lines.append(f"from {dotted(module, 'the module of the model output type')} import {identifier(name, 'the model output type')}")

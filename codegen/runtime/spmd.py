@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_map
 
@@ -145,6 +145,11 @@ class SpmdModule(nn.Module):
         build that mask as a plain tensor, which cannot meet DTensors)."""
         if self.device.type == "cuda" or not isinstance(query, DTensor):
             return op(query, key, value, attn_mask, dropout_p, is_causal, **kwargs)
+        if split_by_batch_and_heads(query, key, value) and attn_mask is None and not dropout_p:
+            # Every (sample, head) attends alone: run the local shards with the fast kernel
+            # (DTensor's own propagation is also slow on meshes of three axes and more).
+            local = op(query.to_local(), key.to_local(), value.to_local(), None, 0.0, is_causal, **kwargs)
+            return DTensor.from_local(local, query.device_mesh, query.placements, run_check=False)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         if is_causal:
@@ -209,6 +214,17 @@ class SpmdModule(nn.Module):
         """A scalar result (the loss) as a plain tensor holding the full value on every rank:
         partial sums are all-reduced, and backward starts from the same gradient everywhere."""
         return as_partial_sums(value).full_tensor() if isinstance(value, DTensor) else value
+
+
+def split_by_batch_and_heads(query: Any, key: Any, value: Any) -> bool:
+    """Whether attention's q, k, v (B, heads, S, head_dim) are DTensors laid out alike and
+    split only on the batch and heads dims, so each rank's shards attend on their own."""
+    tensors = (query, key, value)
+    if not all(isinstance(t, DTensor) and t.dim() == 4 for t in tensors):
+        return False
+    if not all(same_placements(t.placements, query.placements) for t in tensors):
+        return False
+    return all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim % 4 in (0, 1)) for p in query.placements)
 
 
 def as_partial_sums(value: DTensor) -> DTensor:

@@ -1,0 +1,128 @@
+"""Compiled SUMMA programs train exactly like one device (``codegen.summa_emit``,
+``codegen.runtime.summa_layouts``, forced layouts from ``search.summa_layout``).
+
+Plans with every linear in a SUMMA layout compile to a program whose ``launch.py --check``
+step (outputs, loss, every gradient and every updated parameter) equals one device's: at
+world 4 a 2 x 2 grid (2-D SUMMA) for the two-block ``examples/gpt.py`` and tiny
+``hf:llama``; at world 8 a 2 x 2 x 2 grid as 2.5-D (q = 2, d = 2: one GPT block, tiny
+``hf:llama``) and as 3-D (q = 2: the two-block GPT, tiny ``hf:llama``), and one GPT block in
+2-D SUMMA under ``dp`` = 2 (the weights' gradients summed over ``dp`` too). Each world size checks all its programs in ONE
+torchrun launch (``tests/dist_check_many.py``). The controls are the 2-D and 2.5-D GPT
+programs with the gradients of replicated shards left unsummed (bias and norm chunks over
+the ranks holding other rows; 2.5-D's weights over ``dep``): their check must fail in a
+gradient. Without launches: the forced layout's placements (3-D alternates ``swapped`` so
+each block returns to its input's layout), the program's comments naming the collectives,
+and a plan whose SUMMA layout sits on an op the program cannot run refused in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+
+import planner
+from planner.errors import PlanningError
+from planner.model_spec import ModelSpec
+from planner.strategy import SummaLayout
+from summa_plans import GPT, GPT_BLOCK, GPT_SMALL, LLAMA_TINY, summa_plan
+from test_parity import check_many, result_of
+
+GPT_SPEC, BLOCK_SPEC, LLAMA_SPEC = ModelSpec(GPT, GPT_SMALL), ModelSpec(GPT, GPT_BLOCK), ModelSpec("hf:llama", LLAMA_TINY)
+# name -> (spec, family, dp); every case of one world size runs in one launch.
+CASES = {
+    4: {"gpt_2d": (GPT_SPEC, "2d", 1), "llama_2d": (LLAMA_SPEC, "2d", 1)},
+    8: {
+        "gpt_block_2.5d": (BLOCK_SPEC, "2.5d", 1), "llama_2.5d": (LLAMA_SPEC, "2.5d", 1),
+        "gpt_3d": (GPT_SPEC, "3d", 1), "llama_3d": (LLAMA_SPEC, "3d", 1),
+        "gpt_block_dp2_2d": (BLOCK_SPEC, "2d", 2),
+    },
+}
+# control name -> the case whose program it breaks.
+CONTROLS = {4: {"gpt_2d_replica_gradients_unsummed": "gpt_2d"},
+            8: {"gpt_block_2.5d_replica_gradients_unsummed": "gpt_block_2.5d"}}
+# Replaces the runtime's gradient marking: every replicated shard's local gradient is taken
+# as its whole gradient (no sum over the ranks that saw other rows).
+_UNSUMMED = (
+    "\nsumma_layouts._local_with_partial_gradient = lambda param, rows_split: param.to_local()"
+    "  # CONTROL: replica gradients not summed\n"
+)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def world_run(request, tmp_path_factory):
+    """Compile every program of one world size, break the controls, check all in one launch."""
+    world = request.param
+    root = tmp_path_factory.mktemp(f"summa{world}")
+    folders = {}
+    for name, (spec, family, dp) in CASES[world].items():
+        folders[name] = root / name
+        planner.compile(summa_plan(spec, family, dp=dp), folders[name])
+    for control, base in CONTROLS[world].items():
+        folders[control] = root / control
+        shutil.copytree(folders[base], folders[control])
+        program = folders[control] / "model_spmd.py"
+        text = program.read_text()
+        assert "summa_layouts._local_with_partial_gradient" not in text
+        program.write_text(text + _UNSUMMED)
+    launch = check_many(world, list(folders.values()), cwd=root)
+    return world, {name: result_of(launch, folder) for name, folder in folders.items()}, folders
+
+
+def test_summa_programs_train_like_one_device(world_run):
+    world, results, _ = world_run
+    failed = {name: results[name] for name in CASES[world] if not results[name].startswith("ok")}
+    assert not failed, failed
+
+
+def test_unsummed_replica_gradients_fail(world_run):
+    world, results, _ = world_run
+    for control in CONTROLS[world]:
+        verdict = results[control]
+        assert verdict.startswith("FAILED") and "grad" in verdict, f"{control}: {verdict}"
+
+
+def test_program_names_its_collectives(world_run):
+    world, _, folders = world_run
+    name = "gpt_2d" if world == 4 else "gpt_3d"
+    source = (folders[name] / "model_spmd.py").read_text()
+    assert "summa_layouts.summa_linear(" in source and "summa_layouts.block_layer_norm(" in source
+    if world == 4:
+        assert "broadcasts x's block l along 'col'" in source and "W's block l along 'row'" in source
+    else:
+        assert "all-gather W over 'dep'" in source and "reduce-scatter y over 'col'" in source
+        assert "swapped=True" in source and "reduce-scatter y over 'row'" in source
+
+
+@pytest.mark.parametrize("family", ["2.5d", "3d"])
+def test_forced_layout_returns_each_block_to_its_input_layout(family):
+    plan = summa_plan(BLOCK_SPEC, family)
+    axes = plan.mesh.names
+    linears = [s for s in plan.strategies if s.op.startswith("aten.linear.")]
+    assert linears and all(isinstance(s.layout, SummaLayout) and s.layout.family == family for s in linears)
+    rows = [axes.index(a) for a in (("dep", "row") if family == "2.5d" else ("row", "dep"))]
+    for strategy in linears:
+        x = strategy.inputs[0]
+        assert all(x[i] == Shard(0) for i in rows) or strategy.layout.swapped
+    if family == "3d":
+        # c_attn, attn.c_proj, c_fc, mlp.c_proj, lm_head: swapped alternates by data flow.
+        assert [s.layout.swapped for s in linears] == [False, True, False, True, False]
+        weight = linears[0].params["blocks.0.attn.c_attn.weight"]
+        assert weight == (Shard(0), Shard(1), Shard(1))  # row S(0) (N), col and dep S(1) (K)
+    else:
+        weight = linears[0].params["blocks.0.attn.c_attn.weight"]
+        assert weight == (Replicate(), Shard(1), Shard(0))  # dep R, row S(1) (K), col S(0) (N)
+
+
+def test_summa_layout_on_an_unsupported_op_is_refused(tmp_path: Path):
+    plan = summa_plan(BLOCK_SPEC, "2d")
+    layout = next(s.layout for s in plan.strategies if s.layout is not None)
+    strategies = tuple(
+        dataclasses.replace(s, layout=layout) if s.op.startswith("aten.gelu.") else s for s in plan.strategies
+    )
+    with pytest.raises(PlanningError, match=r"gelu.*SUMMA layouts on linears and layer norms only") as error:
+        planner.compile(dataclasses.replace(plan, strategies=strategies), tmp_path / "out")
+    assert "\n" not in str(error.value)
