@@ -3,8 +3,10 @@ train it, against the model's whole fp32 weights (per-shard initialisation,
 ``codegen/runtime/materialize.py``).
 
     python benchmarks/shard_init_memory.py --world 4 --hidden 4096 --layers 5 --steps 3
+    python benchmarks/shard_init_memory.py --world 4 --model gpt --hidden 1024 --layers 4 --steps 2
 
-Compiles ``examples/mlp.py`` (wide, so its weights dominate) as an FSDP plan on
+Compiles ``examples/mlp.py`` (wide, so its weights dominate; FSDP2 wraps it as one unit, so
+training gathers all of it) or ``examples/gpt.py`` (one FSDP2 unit per block) as an FSDP plan on
 ``cpu:1x<world>``, runs ``tests/init_ckpt_worker.py`` on it under torchrun (gloo, CPU) and
 prints, per rank, the parameter bytes it holds, how far its resident memory rose while
 building (after a warm-up build) and while training ``--steps`` AdamW steps.
@@ -30,12 +32,19 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     options = parser.parse_args()
 
     import planner
     from planner.model_spec import ModelSpec
 
-    spec = ModelSpec(str(REPO / "examples/mlp.py"), {"batch_size": 8, "hidden": options.hidden, "layers": options.layers})
+    if options.model == "mlp":
+        spec = ModelSpec(str(REPO / "examples/mlp.py"), {"batch_size": 8, "hidden": options.hidden, "layers": options.layers})
+    else:
+        spec = ModelSpec(
+            str(REPO / "examples/gpt.py"),
+            {"batch_size": 8, "seq_len": 16, "n_embd": options.hidden, "n_head": 8, "n_layer": options.layers, "vocab_size": 256},
+        )
     with tempfile.TemporaryDirectory() as scratch:
         folder = planner.compile(planner.plan(spec, f"cpu:1x{options.world}", dp_flavour="fsdp", precision="fp32"), Path(scratch) / "wide")
         whole = sum(p.numel() * 4 for p in spec.build("meta")[0].parameters())
