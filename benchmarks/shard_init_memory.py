@@ -52,15 +52,15 @@ def main() -> int:
         run = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(options.world),
              str(REPO / "tests/init_ckpt_worker.py"), f"steps={options.steps}:{folder}"],
-            env=env, capture_output=True, text=True,
+            env=env, capture_output=True, text=True, check=False,
         )
         if run.returncode != 0:
             print(run.stdout[-2000:] + run.stderr[-2000:])
             return 1
     mib = 1 << 20
     print(f"whole model: {whole / mib:.1f} MiB of fp32 weights, {options.world} FSDP ranks")
-    built = dict(re.findall(r"^RESULT \S+ rank=(\d+) (.*)$", run.stdout, re.M))
-    trained = dict(re.findall(r"^TRAINED \S+ rank=(\d+) peak_train_bytes=(\d+)$", run.stdout, re.M))
+    built = dict(re.findall(r"^RESULT \S+ rank=(\d+) (.*)$", run.stdout, re.MULTILINE))
+    trained = dict(re.findall(r"^TRAINED \S+ rank=(\d+) peak_train_bytes=(\d+)$", run.stdout, re.MULTILINE))
     for rank in sorted(built, key=int):
         fields = dict(re.findall(r"(\w+)=(\d+)", built[rank]))
         print(

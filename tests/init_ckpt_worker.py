@@ -32,9 +32,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from codegen.runtime.launcher import exit_now, train_synthetic  # noqa: E402
-from codegen.runtime.materialize import parameter_names  # noqa: E402
-from codegen.runtime.program import load_program  # noqa: E402
+from codegen.runtime.launcher import exit_now, train_synthetic
+from codegen.runtime.materialize import parameter_names
+from codegen.runtime.program import load_program
 
 
 def _status_kib(key: str) -> int:

@@ -37,7 +37,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # DTensor's shard maths
+from torch.distributed.tensor._utils import (
+    compute_local_shape_and_global_offset,  # DTensor's shard maths
+)
 
 from codegen.runtime.materialize import parameter_names
 from planner.errors import LaunchError
@@ -243,7 +245,7 @@ class Checkpointer:
         try:
             with torch.no_grad():
                 dcp.load(state, checkpoint_id=str(folder), process_group=self._group)
-        except Exception as error:  # noqa: BLE001 - DCP wraps every rank's failure; say it in one line
+        except Exception as error:  # DCP wraps every rank's failure (CheckpointException): say it in one line
             raise LaunchError(
                 f"cannot load checkpoint '{folder}' into this program: {' '.join(str(error).split())[:300]}; resume "
                 f"with the model it was saved from (same shapes), or start a new run with --init-from"
