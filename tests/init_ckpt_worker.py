@@ -9,7 +9,9 @@ the build at its highest (``VmHWM`` reset through ``/proc/self/clear_refs``), ``
 the bytes of the parameter shards it holds. With ``exact:``, every held shard is also
 compared (``torch.equal``) with the same slice of the whole model ``Program.build_model``
 gives (the single-device reference's weights): ``mismatched`` counts the unequal ones. With
-``steps=N:`` the folder then trains N steps through ``launch.py``'s loop (losses printed).
+``steps=N:`` the folder then trains N steps through ``launch.py``'s loop (losses printed),
+and a ``TRAINED <folder> rank=<r> peak_train_bytes=<b>`` line says how far the rank's
+resident memory rose while training (build, weights, gradients, AdamW states, gathers).
 
     torchrun --nproc_per_node N tests/init_ckpt_worker.py [exact:|steps=N:]FOLDER...
 
@@ -81,7 +83,12 @@ def check(folder: str, exact: bool, steps: int) -> None:
     del model, module, held
     gc.collect()
     if steps:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        before = _status_kib("VmRSS")
         train(program, mesh, LoopOptions(steps=steps, lr=1e-3, optimizer="adamw"))
+        trained = f"TRAINED {folder} rank={dist.get_rank()} peak_train_bytes={(_status_kib('VmHWM') - before) * 1024}\n"
+        os.write(sys.stdout.fileno(), trained.encode())
     dist.barrier()
 
 

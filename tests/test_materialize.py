@@ -12,7 +12,13 @@ import torch
 from torch import nn
 
 from codegen.runtime import materialize as mat
-from codegen.runtime.materialize import InitRule, draw_region, init_rule, init_rules, materialize
+from codegen.runtime.materialize import (
+    InitRule,
+    draw_region,
+    init_rule,
+    init_rules,
+    materialize,
+)
 from planner.model_spec import parameters_on_meta
 
 

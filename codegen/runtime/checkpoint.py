@@ -36,7 +36,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import (
+    compute_local_shape_and_global_offset,  # DTensor's shard maths
+)
 
 from codegen.runtime.materialize import parameter_names
 from planner.errors import LaunchError
@@ -242,7 +245,7 @@ class Checkpointer:
         try:
             with torch.no_grad():
                 dcp.load(state, checkpoint_id=str(folder), process_group=self._group)
-        except Exception as error:  # noqa: BLE001 - DCP wraps every rank's failure; say it in one line
+        except Exception as error:  # DCP wraps every rank's failure (CheckpointException): say it in one line
             raise LaunchError(
                 f"cannot load checkpoint '{folder}' into this program: {' '.join(str(error).split())[:300]}; resume "
                 f"with the model it was saved from (same shapes), or start a new run with --init-from"
@@ -313,9 +316,10 @@ def init_from(path: Path, model: nn.Module, module: nn.Module) -> int:
                     f"--init-from: '{path}' does not fit this model: {name} of shape {tuple(target.shape)} has {found}; "
                     f"export the checkpoint of a run of the same model"
                 )
-            if isinstance(target, DTensor):
-                shard = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
-                target.to_local().copy_(shard.to_local())
+            if isinstance(target, DTensor):  # this rank's block only: the other pages of the file stay unread
+                local_shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+                block = value[tuple(slice(start, start + size) for start, size in zip(offset, local_shape))]
+                target.to_local().copy_(block)
             else:
                 target.copy_(value)
             count += 1

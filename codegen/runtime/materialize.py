@@ -181,7 +181,9 @@ def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules
 def _materialize_parameter(param: nn.Parameter, name: str, device: torch.device, rule: InitRule, seed: int) -> int:
     shape = tuple(param.shape)
     if isinstance(param, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # DTensor's own shard maths
+        from torch.distributed.tensor._utils import (
+            compute_local_shape_and_global_offset,  # DTensor's own shard maths
+        )
 
         local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         local = torch.empty(tuple(local_shape), dtype=param.dtype, device=device)
