@@ -5,8 +5,9 @@ cross-validated.
 
 1. Plans examples/gpt.py (4 layers, hidden 128, seq 64, batch 16) as DDP, FSDP, ZeRO-1,
    tensor parallel (Megatron tp), pipeline (pp, 2 micro-batches) and DDP with full
-   recomputation at 2 processes, and as DDP, FSDP, ZeRO-1, tp2 x dp2, tp4, pp2 x dp2 and
-   DDP with full recomputation at 4, on the ``cpu`` preset; compiles each.
+   recomputation at 2 processes (9 plans: also ZeRO-2, FSDP and tp with recomputation), and
+   as DDP, FSDP, ZeRO-1, tp2 x dp2, tp4, pp2 x dp2 and DDP with full recomputation at 4 (7
+   plans), on the ``cpu`` preset; compiles each.
 2. Runs each under ``torchrun --nproc_per_node N launch.py --steps S --profile``, in
    ``--repeats`` passes over all the plans, and keeps the measured.json files in ``--out`` (a
    later run with the same ``--out`` reuses them); a plan's measured step time is the median
@@ -63,6 +64,11 @@ def make_plans(spec: ModelSpec) -> dict[str, planner.Plan]:
         plans[f"w{world} ddp+recompute"] = dataclasses.replace(ddp, recompute="full", estimate=planner.simulate(
             dataclasses.replace(ddp, recompute="full")))
     plans["w4 tp4"] = baselines.megatron(spec, "cpu:1x4", tp=4, precision="fp32")
+    plans["w2 zero2"] = planner.plan(spec, "cpu:1x2", dp_flavour="zero2", progress=False)
+    fsdp = plans["w2 fsdp"]
+    plans["w2 fsdp+recompute"] = dataclasses.replace(fsdp, recompute="full", estimate=planner.simulate(
+        dataclasses.replace(fsdp, recompute="full")))
+    plans["w2 tp2+recompute"] = baselines.megatron(spec, "cpu:1x2", tp=2, recompute="full", precision="fp32")
     return plans
 
 
@@ -173,8 +179,10 @@ def main() -> None:
     for world in ("w2", "w4"):
         chosen = [row for row in rows if row[0].startswith(world)]
         if len(chosen) > 2:
-            print(f"  within {world}: Spearman calibrated {spearman([r[4] for r in chosen], [r[1] for r in chosen]):.2f}, "
-                  f"preset {spearman([r[3] for r in chosen], [r[1] for r in chosen]):.2f}")
+            errors = [abs(r[4] / r[1] - 1) for r in chosen]
+            print(f"  within {world} ({len(chosen)} plans): calibrated median |error| {statistics.median(errors):.0%}, "
+                  f"Spearman {spearman([r[4] for r in chosen], [r[1] for r in chosen]):.2f}; "
+                  f"preset Spearman {spearman([r[3] for r in chosen], [r[1] for r in chosen]):.2f}")
 
 
 if __name__ == "__main__":
