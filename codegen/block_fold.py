@@ -17,8 +17,9 @@ its dropout ops, by which the runtime finds each one's module. A block alike to 
 plan that lays one layer out otherwise, a last layer of another structure) stays written out.
 
 Comparing the code, not the plan, keeps this exact: whatever the emitter wrote for one block
-(redistributions, fallbacks, inlined autocast regions, comments aside) is what runs for every
-block that calls the function. Blocks under ``recompute="full"`` are called through
+(redistributions, fallbacks, inlined autocast regions, the shapes and placements noted at
+the end of each line) is what runs, and what those notes say, for every block that calls the
+function. Blocks under ``recompute="full"`` are called through
 ``checkpoint`` (``codegen.spmd_recompute`` checkpoints the blocks left written out).
 """
 
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 Run = tuple[Any, list[str]]  # (block or None, its lines), as the emitters write them
 _PAD = " " * 8  # the forward's body
 _BODY = " " * 4  # a module-level function's body
-_SKIPPED = (tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER)
+_SKIPPED = (tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER)
 _PROVIDED = ("_to", "params")
 _REDISTRIBUTION = re.compile(r"^(?P<target>\w+) = _to\((?P<source>\w+), \w+\)(  #.*)?$")
 _MAX_MOVED = 4  # redistributions tried for moving out of a block (every subset of them is tried)  # the forward's own shorthands; the function sets them itself
@@ -213,6 +214,12 @@ class BlockFolder:
                 if isinstance(value, str) and value in assigned:
                     key.append(("str", strings.setdefault(text_, len(strings)), stored.setdefault(value, len(stored))))
                 else:
+                    key.append(text_)
+            elif kind == tokenize.COMMENT:
+                # An end-of-line note (shape and placements, no names) must match too, so the
+                # function's comments hold for every block that calls it; whole-line comments
+                # (module paths, names) are left out.
+                if not token.line.lstrip().startswith("#"):
                     key.append(text_)
             elif kind in (tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE):
                 key.append(kind)
