@@ -19,6 +19,17 @@ Published figures become a step time with the source's own definitions:
     (TFLOP/s x GPUs), with the formula its framework prints (see ``megatron_deepspeed_flops``
     and ``palm_model_flops``).
 
+What the simulator leaves out, and which way each bends these rows (all predicted faster):
+  * the kernel ceilings are matmul throughputs measured with CUDA 12.1 (ml-engineering's MAMF
+    table); MT-NLG (2021) and BLOOM (2022) ran on CUDA 11 with DeepSpeed's pipeline engine,
+    and llm-foundry's benchmark script defaults to the image
+    ``mosaicml/pytorch:1.13.1_cu117`` (CUDA 11.7, no Hopper-tuned GEMMs) - older kernels are
+    slower than the ceilings we use;
+  * collectives that overlap compute (FSDP's all-gathers and reduce-scatters in every row
+    here) take SMs and memory bandwidth from it; the simulator overlaps them for free (the
+    comm work, issue 13 item 2, models this);
+  * autocast's per-step weight casts and fp32 norms (MosaicML's ``amp_bf16``).
+
 Not used, kept aside as an independent check of the simulator: table 1 of Narayanan et al.
 (SC'21) and table 5 of Korthikanti et al. (2022).
 
