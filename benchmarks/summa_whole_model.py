@@ -1,81 +1,71 @@
-"""Whole models where 2.5-D/3-D tensor parallelism wins the search, and one where it does not.
+"""Whole models planned with and without SUMMA layouts: where a SUMMA plan wins, and where not.
 
-    python benchmarks/summa_whole_model.py            # both scenarios
-    python benchmarks/summa_whole_model.py --only wide
+    python benchmarks/summa_whole_model.py                  # every scenario (about 20 minutes)
+    python benchmarks/summa_whole_model.py --only nvl64
 
 Benchmark (c) of issue 10. Each scenario is planned twice with the full search (every mesh,
 per-op CP-SAT and MCMC, data-parallel flavours, pipelines, Megatron baselines; the same
 deterministic budgets): ``--tp-layouts 1d`` (the best 1-D plan there is) and ``--tp-layouts
 auto`` (the same candidates plus the SUMMA meshes that can matter). The 1-D plans of the auto
 search are the very plans of the 1-D search, so when auto picks a SUMMA plan it beats every
-1-D plan on the simulator, by the ratio printed.
+1-D plan on the simulator, by the ratio printed; the best runner-up of each SUMMA family
+says by how much the others lost.
 
-* ``wide``: a very wide GPT (hidden 16384, 128 heads, 4 layers, sequences of 2048, a global
-  batch of 64) on 8 DGX A100 nodes whose inter-node network is 100 Gb/s Ethernet per node
-  (1.56 GB/s per GPU, a tenth of HDR InfiniBand's per-GPU share): a layer's weights need
-  more than 8-way splitting, and 1-D tensor parallelism beyond a node, data-parallel
-  gradient syncs and FSDP gathers all pay the slow links.
-* ``nvl64``: the same width (4 layers, 16 sequences of 4096 tokens) on one NVLink domain of
-  64 A100s (an NVL-style node: every link alike, the DGX A100's NVLink numbers), where a
-  1-D split may take all 64 devices but all-reduces whole activations to do so.
-* ``nvl64-long``: the NVLink domain of 64 with narrower layers (hidden 8192) and longer
-  sequences (16 of 8192 tokens): many more tokens than the width, where 2.5-D and 3-D move
-  fewer bytes than 2-D.
-* ``one-gpu-nodes``: the wide model on 64 single-A100 nodes joined by HDR InfiniBand (25
-  GB/s each, a uniform network): no 1-D tensor parallelism at all (it stays inside a node),
-  so 1-D plans are data parallel, ZeRO, FSDP or pipelines.
-* ``small-nodes``: the same model on 16 nodes of 4 A100s (HDR InfiniBand between them): 1-D
-  tensor parallelism stops at 4 ways inside a node.
+* ``nvl64``: a very wide GPT (hidden 16384, 128 heads, 4 layers, 16 sequences of 4096
+  tokens) on one NVLink domain of 64 A100s (an NVL-style node: every link alike, the DGX
+  A100's NVLink numbers): a 1-D split may take all 64 devices but all-reduces whole
+  activations to do so, and data parallelism is limited by the 16 sequences.
+* ``nvl64-long``: the NVLink domain of 64 with narrower layers (hidden 8192) and 64
+  sequences of 8192 tokens: many more tokens than the width, where 2.5-D moves fewer bytes
+  than 2-D, but also room for data parallelism.
+* ``one-gpu-nodes``: the wide model (64 sequences of 4096) on 64 single-A100 nodes joined by
+  HDR InfiniBand (25 GB/s each, a uniform network): no 1-D tensor parallelism at all (it
+  stays inside a node), so 1-D plans are data parallel, ZeRO, FSDP or pipelines.
+* ``small-nodes``: the wide model (16 sequences of 4096) on 16 nodes of 4 A100s (HDR
+  InfiniBand between them): 1-D tensor parallelism stops at 4 ways inside a node.
 * ``narrow``: GPT-2 medium's width (hidden 1024, 16 heads, 24 layers, batch 64 of 1024
-  tokens) on one DGX A100 node: 1-D and data parallelism inside NVLink are hard to beat,
-  and auto keeps no SUMMA mesh (the model's matmuls are faster 1-D on the same devices).
+  tokens) on one DGX A100 node: ``auto`` also searches the 2.5-D [2,2,2] grid (its matmuls
+  alone beat 1-D: 65536 tokens against a width of 1024), but ZeRO-2 data parallelism inside
+  NVLink wins the step.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 import planner
-from planner.cluster import Cluster, LinkSpec
+from planner.cluster import Cluster
 from planner.model_spec import ModelSpec
 from planner.strategy import SummaLayout
 
 SCENARIOS = {
-    "wide": dict(
-        model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 2048, "vocab_size": 32000, "batch_size": 64},
-        nodes=8, inter_node_bytes_per_s=100e9 / 8 / 8,  # 100 Gb/s Ethernet per node, shared by 8 GPUs
-    ),
     "nvl64": dict(
         model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 4096, "vocab_size": 32000, "batch_size": 16},
-        nodes=1, devices_per_node=64, inter_node_bytes_per_s=None,
+        nodes=1, devices_per_node=64,
     ),
     "nvl64-long": dict(
-        model={"n_layer": 4, "n_embd": 8192, "n_head": 64, "seq_len": 8192, "vocab_size": 32000, "batch_size": 16},
-        nodes=1, devices_per_node=64, inter_node_bytes_per_s=None,
+        model={"n_layer": 4, "n_embd": 8192, "n_head": 64, "seq_len": 8192, "vocab_size": 32000, "batch_size": 64},
+        nodes=1, devices_per_node=64,
     ),
     "one-gpu-nodes": dict(
         model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 4096, "vocab_size": 32000, "batch_size": 64},
-        nodes=64, devices_per_node=1, inter_node_bytes_per_s=None,
+        nodes=64, devices_per_node=1,
     ),
     "small-nodes": dict(
         model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 4096, "vocab_size": 32000, "batch_size": 16},
-        nodes=16, devices_per_node=4, inter_node_bytes_per_s=None,
+        nodes=16, devices_per_node=4,
     ),
     "narrow": dict(
         model={"n_layer": 24, "n_embd": 1024, "n_head": 16, "seq_len": 1024, "vocab_size": 50257, "batch_size": 64},
-        nodes=1, inter_node_bytes_per_s=None,
+        nodes=1,
     ),
 }
 
 
-def cluster_for(nodes: int, inter_node_bytes_per_s: float | None, devices_per_node: int | None = None) -> Cluster:
-    cluster = Cluster.preset("dgx-a100-80g", nodes=nodes, devices_per_node=devices_per_node)
-    if inter_node_bytes_per_s is None:
-        return cluster
-    slow = LinkSpec(bandwidth=inter_node_bytes_per_s, latency=cluster.inter_link.latency)
-    return dataclasses.replace(cluster, name="dgx-a100-80g-ethernet", inter_link=slow)
+def cluster_for(nodes: int, devices_per_node: int | None = None) -> Cluster:
+    """DGX A100 nodes (NVLink inside, HDR InfiniBand between), ``devices_per_node`` each."""
+    return Cluster.preset("dgx-a100-80g", nodes=nodes, devices_per_node=devices_per_node)
 
 
 def mesh_family(name: str) -> str | None:
@@ -106,7 +96,7 @@ def main() -> None:
     for name, scenario in SCENARIOS.items():
         if options.only and name != options.only:
             continue
-        cluster = cluster_for(scenario["nodes"], scenario["inter_node_bytes_per_s"], scenario.get("devices_per_node"))
+        cluster = cluster_for(scenario["nodes"], scenario.get("devices_per_node"))
         spec = ModelSpec("examples/gpt.py", scenario["model"])
         print(f"\n[{name}] gpt {scenario['model']} on {cluster.describe()}", flush=True)
         results = {}
