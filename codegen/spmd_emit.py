@@ -125,6 +125,8 @@ def render_graph_program(plan: Plan) -> str:
         # The dry run reads the forward's own locals, so it runs a version without the
         # recomputed blocks' nested functions; checkpointing changes no placement. It runs
         # one micro-batch of the example batch when the plan accumulates gradients.
+        if final:
+            summa_emit.refuse_forced(plan, forced or {})  # a SUMMA op the dry run could not run
         source = GraphEmitter(plan, graph, facts, observed, forced, warning, recompute=plan.recompute if final else "none").render()
         return source if final or steps == 1 else source + first_micro_batch_only(micro)
 
