@@ -125,6 +125,8 @@ def render_graph_program(plan: Plan) -> str:
         # functions and the recomputed blocks' nested functions (each block written out);
         # checkpointing changes no placement. It runs
         # one micro-batch of the example batch when the plan accumulates gradients.
+        if final:
+            summa_emit.refuse_forced(plan, forced or {})  # a SUMMA op the dry run could not run
         source = GraphEmitter(
             plan, graph, facts, observed, forced, warning, recompute=plan.recompute if final else "none", fold=final
         ).render()

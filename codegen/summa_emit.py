@@ -15,12 +15,14 @@ import math
 from typing import Sequence
 
 import torch.fx
+from torch.distributed.tensor import Shard
 
+from codegen.runtime.summa_layouts import input_placements, weight_placements
 from codegen.source_text import comment
 from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.plans import Plan
-from planner.strategy import NodeStrategy, SummaLayout
+from planner.strategy import NodeStrategy, SummaLayout, placement_to_str, placements_str
 
 SUMMA_AXES = ("row", "col", "dep")
 RUNTIME_IMPORT = "from codegen.runtime import summa_layouts"
@@ -64,16 +66,54 @@ def check_plan(plan: Plan, graph: OpGraph) -> None:
             k_ways = layout.q * layout.q if layout.family == "3d" else layout.q
             if n % layout.q or k % k_ways:
                 raise PlanningError(f"{where}, but its weight ({n}, {k}) does not split into {layout.q} x {k_ways} blocks")
+            rank = len(node.input_meta[0].shape)
+            wanted_x = input_placements(plan.mesh.names, rank, layout.family, layout.swapped)
+            _check_placements("x", rank, strategy.inputs[0], wanted_x, plan, where)
+            wanted_w = weight_placements(plan.mesh.names, layout.family, layout.swapped)
+            _check_placements("W", 2, strategy.inputs[1], wanted_w, plan, where)
         elif node.op.startswith(_LAYER_NORM):
             normalized = node.attrs[1] if len(node.attrs) > 1 else None
             if not isinstance(normalized, (list, tuple)) or len(normalized) != 1 or normalized[0] % layout.q:
                 raise PlanningError(f"{where}, but a block-layout norm normalises one last dim that {layout.q} divides")
+            rank = len(node.input_meta[0].shape)
+            _check_placements("x", rank, strategy.inputs[0], {layout.hidden_axis: Shard(rank - 1)}, plan, where)
         else:
             raise PlanningError(f"{where}, but the program runs SUMMA layouts on linears and layer norms only")
         rows = node.input_meta[0].shape[0] if node.input_meta and node.input_meta[0].shape else 0
         ways = layout.q * layout.d * sizes.get("dp", 1)
         if rows % ways:
             raise PlanningError(f"{where}, but its input's leading dim {rows} does not split {ways} ways (dp x row x dep)")
+
+
+def refuse_forced(plan: Plan, forced: dict[str, str]) -> None:
+    """Refuse a plan whose SUMMA op failed in the compile-time dry run (``forced``: node ->
+    error), rather than run it silently on whole inputs.
+
+    Raises:
+        PlanningError: the first such node and its error.
+    """
+    for strategy in plan.strategies:
+        if runs_summa(strategy) and strategy.node in forced:
+            error = " ".join(str(forced[strategy.node]).split())[:200]
+            raise PlanningError(
+                f"node '{strategy.node[:80]}' has a {strategy.layout.describe()} layout the program cannot run: "
+                f"the compile-time dry run failed on it ({error})"
+            )
+
+
+def _check_placements(what: str, rank: int, held, wanted: dict, plan: Plan, where: str) -> None:
+    """The plan reads ``what`` (a tensor of ``rank`` dims) in the placements the runtime's
+    algorithm works on."""
+    rank_of = {axis: index for index, axis in enumerate(plan.mesh.names)}
+    for axis, placement in wanted.items():
+        given = held[rank_of[axis]]
+        same = given == placement or (isinstance(given, Shard) and isinstance(placement, Shard)
+                                       and given.dim % rank == placement.dim % rank)
+        if not same:
+            raise PlanningError(
+                f"{where}, but reads {what} as {placements_str(held)}: the runtime needs {placement_to_str(placement)} "
+                f"on '{axis}' (codegen/runtime/summa_layouts.py)"
+            )
 
 
 def node_call(strategy: NodeStrategy, fx_node: torch.fx.Node, rendered: Sequence[str], comments: list[str],
@@ -106,7 +146,8 @@ def node_call(strategy: NodeStrategy, fx_node: torch.fx.Node, rendered: Sequence
             f"{layout.describe()} matmul, roles b='{b}', c='{c}': all-gather W over 'dep' "
             f"([{k // (q * q)}, {n // q}] -> [{k // q}, {n // q}]) and x over '{b}' ([{rows}, {k // q}] -> "
             f"[{rows * q}, {k // q}]), multiply, reduce-scatter y over '{c}' ([{rows * q}, {n // q}] -> [{rows}, {n // q}]); "
-            f"y comes out with rows on '{c}' and 'dep', columns on '{b}' (the next matmul is swapped)"
+            f"y comes out with rows on '{c}' and 'dep', columns on '{b}' "
+            f"({'the layout before the previous matmul' if layout.swapped else 'a following matmul runs swapped'})"
         ))
         comments.append(comment(
             f"backward: all-gather dy over '{c}', reduce-scatter dx over '{b}' and dW over 'dep'"

@@ -18,6 +18,7 @@ and a plan whose SUMMA layout sits on an op the program cannot run refused in on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 from pathlib import Path
 
@@ -50,6 +51,12 @@ _UNSUMMED = (
     "\nsumma_layouts._local_with_partial_gradient = lambda param, rows_split: param.to_local()"
     "  # CONTROL: replica gradients not summed\n"
 )
+
+
+@functools.cache
+def block_plan(family: str):
+    """A forced-layout plan of one GPT block (traced once per family for the tests without launches)."""
+    return summa_plan(BLOCK_SPEC, family)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -99,7 +106,7 @@ def test_program_names_its_collectives(world_run):
 
 @pytest.mark.parametrize("family", ["2.5d", "3d"])
 def test_forced_layout_returns_each_block_to_its_input_layout(family):
-    plan = summa_plan(BLOCK_SPEC, family)
+    plan = block_plan(family)
     axes = plan.mesh.names
     linears = [s for s in plan.strategies if s.op.startswith("aten.linear.")]
     assert linears and all(isinstance(s.layout, SummaLayout) and s.layout.family == family for s in linears)
@@ -118,7 +125,7 @@ def test_forced_layout_returns_each_block_to_its_input_layout(family):
 
 
 def test_summa_layout_on_an_unsupported_op_is_refused(tmp_path: Path):
-    plan = summa_plan(BLOCK_SPEC, "2d")
+    plan = block_plan("2d")
     layout = next(s.layout for s in plan.strategies if s.layout is not None)
     strategies = tuple(
         dataclasses.replace(s, layout=layout) if s.op.startswith("aten.gelu.") else s for s in plan.strategies
@@ -126,3 +133,25 @@ def test_summa_layout_on_an_unsupported_op_is_refused(tmp_path: Path):
     with pytest.raises(PlanningError, match=r"gelu.*SUMMA layouts on linears and layer norms only") as error:
         planner.compile(dataclasses.replace(plan, strategies=strategies), tmp_path / "out")
     assert "\n" not in str(error.value)
+
+
+def test_summa_linear_read_in_other_placements_is_refused(tmp_path: Path):
+    plan = block_plan("2d")
+    first = next(s for s in plan.strategies if s.op.startswith("aten.linear."))
+    wrong = dataclasses.replace(first, inputs=((Shard(0), Replicate()), *first.inputs[1:]))  # hidden dim not split on col
+    strategies = tuple(wrong if s is first else s for s in plan.strategies)
+    with pytest.raises(PlanningError, match=r"reads x as \(S\(0\), R\): the runtime needs S\(2\) on 'col'") as error:
+        planner.compile(dataclasses.replace(plan, strategies=strategies), tmp_path / "out")
+    assert "\n" not in str(error.value)
+
+
+def test_summa_op_failing_the_dry_run_is_refused_not_run_whole():
+    # The dry run "forces" an op DTensor fails on to run on whole inputs; for a SUMMA node
+    # that would silently drop the algorithm, so compile refuses instead.
+    from codegen.summa_emit import refuse_forced
+
+    plan = block_plan("2d")
+    first = next(s.node for s in plan.strategies if s.op.startswith("aten.linear."))
+    refuse_forced(plan, {"gelu": "ValueError: not a SUMMA node"})  # other ops may fall back
+    with pytest.raises(PlanningError, match=rf"node '{first}' has a 2-D SUMMA q=2 layout .* dry run failed on it \(ValueError: bad\)"):
+        refuse_forced(plan, {first: "ValueError: bad"})

@@ -145,11 +145,19 @@ class SpmdModule(nn.Module):
         build that mask as a plain tensor, which cannot meet DTensors)."""
         if self.device.type == "cuda" or not isinstance(query, DTensor):
             return op(query, key, value, attn_mask, dropout_p, is_causal, **kwargs)
-        if split_by_batch_and_heads(query, key, value) and attn_mask is None and not dropout_p:
+        if split_by_batch_and_heads(query, key, value) and not dropout_p:
             # Every (sample, head) attends alone: run the local shards with the fast kernel
-            # (DTensor's own propagation is also slow on meshes of three axes and more).
-            local = op(query.to_local(), key.to_local(), value.to_local(), None, 0.0, is_causal, **kwargs)
-            return DTensor.from_local(local, query.device_mesh, query.placements, run_check=False)
+            # (DTensor's own propagation is also slow on meshes of three axes and more); a
+            # mask is cut like the query where it is not broadcast (a local slice).
+            mask = None if attn_mask is None else local_mask(attn_mask, query)
+            local = op(query.to_local(), key.to_local(), value.to_local(), mask, 0.0, is_causal, **kwargs)
+            # Laid out (B, S, heads, head_dim) in memory, as the fused kernels return it and as
+            # the traced graph assumes (it views ``out.transpose(1, 2)`` without a copy).
+            local = local.transpose(1, 2).contiguous().transpose(1, 2)
+            batch, heads, length, width = (*query.shape[:-1], value.shape[-1])
+            return DTensor.from_local(local, query.device_mesh, query.placements, run_check=False,
+                                      shape=torch.Size((batch, heads, length, width)),
+                                      stride=(length * heads * width, width, heads * width, 1))
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         if is_causal:
@@ -225,6 +233,20 @@ def split_by_batch_and_heads(query: Any, key: Any, value: Any) -> bool:
     if not all(same_placements(t.placements, query.placements) for t in tensors):
         return False
     return all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim % 4 in (0, 1)) for p in query.placements)
+
+
+def local_mask(mask: Any, query: DTensor) -> torch.Tensor:
+    """This rank's part of an attention mask (broadcastable to the scores (B, heads, S, S))
+    for ``query``'s shards: split where the query is, on dims the mask does not broadcast."""
+    mesh = query.device_mesh
+    if not isinstance(mask, DTensor):
+        mask = DTensor.from_local(mask, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    offset = 4 - mask.dim()
+    wanted = []
+    for placement in query.placements:
+        dim = placement.dim % 4 - offset if isinstance(placement, Shard) else -1
+        wanted.append(Shard(dim) if dim >= 0 and mask.shape[dim] > 1 else Replicate())
+    return mask.redistribute(mesh, wanted).to_local()
 
 
 def as_partial_sums(value: DTensor) -> DTensor:

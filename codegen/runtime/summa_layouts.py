@@ -37,7 +37,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from codegen.runtime.summa import SummaGroups, ThreeD, matmul_3d, sum_over_group, summa_matmul
 
-__all__ = ["block_layer_norm", "input_placements", "summa_linear"]
+__all__ = ["block_layer_norm", "in_layout", "input_placements", "summa_linear", "weight_placements"]
 
 SUMMA_AXES = ("row", "col", "dep")
 
@@ -50,7 +50,8 @@ def _index(mesh, axis: str) -> int:
 
 
 def _is_shard(placement: Placement, dim: int, rank: int) -> bool:
-    return isinstance(placement, Shard) and placement.dim % rank == dim % rank
+    """A plain (not strided) split of ``dim``: the contiguous chunks the algorithms assume."""
+    return type(placement) is Shard and placement.dim % rank == dim % rank
 
 
 def input_placements(axes: Sequence[str], rank: int, family: str, swapped: bool = False) -> dict[str, Placement]:
@@ -66,15 +67,43 @@ def input_placements(axes: Sequence[str], rank: int, family: str, swapped: bool 
     return {row_role: rows, "dep": rows, col_role: hidden}
 
 
-def _check_input(x: DTensor, family: str, swapped: bool) -> None:
-    names = x.device_mesh.mesh_dim_names or ()
-    for axis, wanted in input_placements(names, x.dim(), family, swapped).items():
-        held = x.placements[_index(x.device_mesh, axis)]
-        if not (isinstance(held, Shard) and _is_shard(held, wanted.dim, x.dim())):
-            raise ValueError(
-                f"a {family} SUMMA linear{' (swapped)' if swapped else ''} reads x as {wanted} on {axis!r}, "
-                f"but x is {held} there (placements {tuple(x.placements)})"
-            )
+def in_layout(tensor: DTensor, wanted: dict[str, Placement]) -> DTensor:
+    """``tensor`` with the ``wanted`` placements on those axes (others kept): as is when it
+    already has them, else redistributed. The plan reads a SUMMA op's operands in the block
+    layout and the program redistributes them there, but DTensor's own rule for the op
+    before may lay its result out otherwise (e.g. a view merging split heads gathers them):
+    then the operand moves here, as ``_to`` would move it."""
+    mesh = tensor.device_mesh
+    target = list(tensor.placements)
+    for axis, placement in wanted.items():
+        target[_index(mesh, axis)] = placement
+    if all(_same(held, want, tensor.dim()) for held, want in zip(tensor.placements, target)):
+        return tensor
+    return tensor.redistribute(mesh, target)
+
+
+def _vector_in_layout(vector: DTensor, hidden_axis: str) -> DTensor:
+    """A bias or norm weight as the block layout holds it: ``S(0)`` on ``hidden_axis``,
+    whole on every other axis."""
+    names = vector.device_mesh.mesh_dim_names or ()
+    return in_layout(vector, {axis: Shard(0) if axis == hidden_axis else Replicate() for axis in names})
+
+
+def _same(held: Placement, wanted: Placement, rank: int) -> bool:
+    if isinstance(wanted, Shard):
+        return _is_shard(held, wanted.dim, rank)
+    return type(held) is type(wanted) and held == wanted
+
+
+def weight_placements(axes: Sequence[str], family: str, swapped: bool = False) -> dict[str, Placement]:
+    """The placements of a SUMMA linear's weight (N, K) on the SUMMA axes among ``axes``."""
+    if family in ("2d", "2.5d"):
+        wanted = {"row": Shard(1), "col": Shard(0)}
+        if family == "2.5d":
+            wanted["dep"] = Replicate()
+        return wanted
+    row_role, col_role = ("col", "row") if swapped else ("row", "col")
+    return {col_role: Shard(1), "dep": Shard(1), row_role: Shard(0)}
 
 
 def _local_with_partial_gradient(param: DTensor, rows_split_on: Sequence[bool]) -> torch.Tensor:
@@ -97,7 +126,9 @@ def summa_linear(x: DTensor, weight: DTensor, bias: DTensor | None, family: str,
     in x's placements (2-D, 2.5-D) or with ``row`` and ``col`` exchanged (3-D)."""
     if family not in ("2d", "2.5d", "3d"):
         raise ValueError(f"SUMMA family must be 2d, 2.5d or 3d, got {family!r}")
-    _check_input(x, family, swapped)
+    names = x.device_mesh.mesh_dim_names or ()
+    x = in_layout(x, input_placements(names, x.dim(), family, swapped))
+    weight = in_layout(weight, weight_placements(names, family, swapped))
     mesh = x.device_mesh
     row, col = _index(mesh, "row"), _index(mesh, "col")
     rows_split = _rows_split(x)
@@ -122,6 +153,9 @@ def summa_linear(x: DTensor, weight: DTensor, bias: DTensor | None, family: str,
         y_rows = summa_matmul(x_rows, w_t, grid)
         out = list(x.placements)
     if bias is not None:
+        # y's columns are split over 'col' (2-D, 2.5-D) or over the 3-D op's b role.
+        hidden_out = "col" if family != "3d" or swapped else "row"
+        bias = _vector_in_layout(bias, hidden_out)
         out_rows_split = [isinstance(p, Shard) and p.dim % x.dim() != x.dim() - 1 for p in out]
         y_rows = y_rows + _local_with_partial_gradient(bias, out_rows_split)
     y_local = y_rows.reshape(*lead, y_rows.shape[-1])
@@ -136,9 +170,8 @@ def block_layer_norm(x: DTensor, normalized_shape: Sequence[int], weight: DTenso
     ``weight`` and ``bias`` are ``S(0)`` on it. y keeps x's placements."""
     if len(normalized_shape) != 1:
         raise ValueError(f"a block-layout norm normalises the last dim only, got normalized_shape={list(normalized_shape)}")
+    x = in_layout(x, {hidden_axis: Shard(x.dim() - 1)})
     mesh = x.device_mesh
-    if not _is_shard(x.placements[_index(mesh, hidden_axis)], -1, x.dim()):
-        raise ValueError(f"a block-layout norm over {hidden_axis!r} needs x's last dim split there; x is {tuple(x.placements)}")
     group = mesh.get_group(hidden_axis)
     hidden = normalized_shape[0]
     x_local = x.to_local()
@@ -148,9 +181,9 @@ def block_layer_norm(x: DTensor, normalized_shape: Sequence[int], weight: DTenso
     y = centred * torch.rsqrt(variance + eps)
     rows_split = _rows_split(x)
     if weight is not None:
-        y = y * _local_with_partial_gradient(weight, rows_split)
+        y = y * _local_with_partial_gradient(_vector_in_layout(weight, hidden_axis), rows_split)
     if bias is not None:
-        y = y + _local_with_partial_gradient(bias, rows_split)
+        y = y + _local_with_partial_gradient(_vector_in_layout(bias, hidden_axis), rows_split)
     return DTensor.from_local(y, mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
