@@ -14,6 +14,7 @@ import torch
 
 import planner
 from codegen.runtime.profiling import collective_kind, profile_split
+from codegen.runtime.program import load_program
 from codegen.runtime.training_loop import as_inputs, learning_rate_factor, load_data
 from cost_model.calibration import load_measured
 from planner.cli import main as cli_main
@@ -88,10 +89,10 @@ def test_bad_training_flags_are_one_line_before_anything_starts(tmp_path: Path, 
     assert message in error and "\n" not in error, error
 
 
-def _single_device_losses(data_file: Path) -> tuple[list[float], list[float], list[float]]:
-    """The loop on one device with torch's own schedulers and clipping: losses, grad norms, lrs."""
-    torch.manual_seed(0)  # codegen.runtime.program.BUILD_SEED
-    model, _, _ = ModelSpec(str(REPO / "examples/gpt.py"), GPT).build("cpu")
+def _single_device_losses(data_file: Path, program_folder: Path) -> tuple[list[float], list[float], list[float]]:
+    """The loop on one device with torch's own schedulers and clipping: losses, grad norms,
+    lrs; from the weights every build of the program starts from (initialised by name)."""
+    model, _, _ = load_program(program_folder).build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / WARMUP, end_factor=1.0, total_iters=WARMUP - 1)
     decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS - WARMUP - 1, eta_min=MIN_RATIO * LR)
@@ -127,7 +128,7 @@ def test_user_data_schedule_and_clipping_match_one_device(tmp_path: Path) -> Non
     assert launch.returncode == 0, launch.describe()
     assert "MFU" in launch.stdout and "predicted" in launch.stdout and "peak mem" in launch.stdout, launch.describe()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    losses, norms, lrs = _single_device_losses(data_file)
+    losses, norms, lrs = _single_device_losses(data_file, tmp_path / "out")
     assert len(records) == STEPS == len(losses)
     assert min(norms) > CLIP  # clipping acted on every step, so a wrong norm would change the losses
     assert [record["lr"] for record in records] == pytest.approx(lrs, rel=1e-9)
