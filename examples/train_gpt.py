@@ -9,7 +9,9 @@
    and cosine decay and gradient clipping; each step prints loss, step time, tokens/s,
    MFU and peak memory beside the planner's prediction; per-step figures go to
    OUT/metrics.jsonl.
-3. Checkpoints and exports the trained weights (the two steps marked ``CHECKPOINT`` below).
+3. Checkpoints every quarter of the run (``torch.distributed.checkpoint``, OUT/checkpoints)
+   and exports the last checkpoint's weights as one plain state_dict, OUT/model.pt, which
+   loads into the example GPT with ``torch.load(..., weights_only=True)``.
 
 The text is made here, deterministically, from a tiny grammar (a few thousand sentences), so
 every rank draws the same batches without a download. ``batches(batch_size)`` is the
@@ -96,15 +98,21 @@ def main() -> None:
         "--data", f"{Path(__file__).resolve()}:batches", "--steps", str(options.steps), "--lr", "3e-3",
         "--lr-schedule", "cosine", "--warmup-steps", str(max(1, options.steps // 20)), "--min-lr-ratio", "0.1",
         "--clip-grad-norm", "1.0", "--log-every", str(max(1, options.steps // 20)), "--metrics", str(out / "metrics.jsonl"),
-        # CHECKPOINT (wired by the lead once init-ckpt's launcher flags are merged):
-        # "--checkpoint-dir", str(out / "checkpoints"), "--save-every", str(max(1, options.steps // 4)),
+        "--checkpoint-dir", str(out / "checkpoints"), "--save-every", str(max(1, options.steps // 4)),
     ]
     run(train)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = records[0]["loss"], sum(record["loss"] for record in records[-10:]) / len(records[-10:])
     print(f"loss {first:.3f} at step 1 -> {last:.3f} (mean of the last 10 steps) over {len(records)} steps")
-    # CHECKPOINT (wired by the lead once init-ckpt's `planner export-checkpoint` is merged):
-    # run([python, "-m", "planner", "export-checkpoint", str(out / "checkpoints"), "-o", str(out / "model.pt")])
+    run([python, "-m", "planner", "export-checkpoint", str(out / "checkpoints"), "-o", str(out / "model.pt"), "--force"])
+    import torch  # only here: planning and training run in their own processes
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from examples.gpt import build
+
+    model = build(**MODEL)[0]
+    model.load_state_dict(torch.load(out / "model.pt", weights_only=True))  # strict: every weight, nothing else
+    print(f"{out / 'model.pt'} loads into the example GPT ({sum(p.numel() for p in model.parameters()):,} parameters)")
 
 
 if __name__ == "__main__":
