@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=flag_type(int, lambda value, name: integer_at_least(value, name, 1), "an integer >= 1"),
         help="with --checkpoint-dir: save every N steps (and after the last step)",
     )
+    parser.add_argument(
+        "--keep", metavar="N", default=0,
+        type=flag_type(int, lambda value, name: integer_at_least(value, name, 1), "an integer >= 1"),
+        help="with --checkpoint-dir: keep only the N newest complete checkpoints (default: all)",
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir (any plan's)")
     parser.add_argument("--init-from", metavar="FILE", default=None, help="start from the weights of a state_dict file (planner export-checkpoint)")
     return parser
@@ -131,8 +136,8 @@ def check_checkpoint_options(options: argparse.Namespace) -> None:
     from codegen.runtime.checkpoint import latest_checkpoint
 
     directory = options.checkpoint_dir
-    if (options.save_every or options.resume) and directory is None:
-        raise LaunchError("--save-every and --resume need --checkpoint-dir DIR: the folder checkpoints are saved in")
+    if (options.save_every or options.resume or options.keep) and directory is None:
+        raise LaunchError("--save-every, --keep and --resume need --checkpoint-dir DIR: the folder checkpoints are saved in")
     if (directory or options.init_from) and options.steps == 0:
         raise LaunchError("--checkpoint-dir and --init-from are for training; add --steps N")
     if options.resume and options.init_from:
@@ -204,7 +209,7 @@ def _start_checkpoints(program: Program, options, model, module, optimizer):
         _say(f"initialised {count} tensors from {options.init_from}")
     if options is None or options.checkpoint_dir is None:
         return None, 0
-    checkpointer = Checkpointer(Path(options.checkpoint_dir), model, module, optimizer, program.plan.name)
+    checkpointer = Checkpointer(Path(options.checkpoint_dir), model, module, optimizer, program.plan.name, options.keep)
     if not options.resume:
         return checkpointer, 0
     step = checkpointer.resume(Path(options.checkpoint_dir))
