@@ -272,7 +272,11 @@ def test_export_checkpoint_mistakes_are_one_line(tmp_path, capsys) -> None:
 
 
 def test_keep_deletes_older_checkpoints_and_abandoned_writes(tmp_path) -> None:
-    from codegen.runtime.checkpoint import INFO_FILE, latest_checkpoint, prune_checkpoints
+    from codegen.runtime.checkpoint import (
+        INFO_FILE,
+        latest_checkpoint,
+        prune_checkpoints,
+    )
 
     for step, complete in [(2, True), (4, False), (6, True), (8, True), (10, False)]:
         folder = tmp_path / f"step-{step:08d}"
