@@ -205,7 +205,7 @@ def _rank_process(parent: int, rank: int) -> int | None:
 
 def test_a_killed_rank_restarts_from_the_last_checkpoint(programs, reference_losses, tmp_path) -> None:
     saved = tmp_path / "ckpt"
-    arguments = [str(programs["tp"] / "launch.py"), "--steps", str(KILL_STEPS), "--checkpoint-dir", str(saved)]
+    arguments = [str(programs["tp"] / "launch.py"), "--steps", str(KILL_STEPS), "--checkpoint-dir", str(saved), "--keep", "2"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     run = subprocess.Popen(
@@ -233,6 +233,9 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint(programs, reference_los
     assert sorted(after) == list(range(resumed_at + 1, KILL_STEPS + 1))
     for step, loss in {**before, **after}.items():
         assert loss == pytest.approx(reference_losses[step], abs=1e-5), step
+    # --keep 2: the checkpoint it resumed from and the final one remain.
+    complete = sorted(folder.name for folder in saved.iterdir() if (folder / "soap-checkpoint.json").is_file())
+    assert complete == [f"step-{resumed_at:08d}", f"step-{KILL_STEPS:08d}"], complete
 
 
 # ------------------------------------------------------------------ mistakes, one line each
@@ -241,7 +244,7 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint(programs, reference_los
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--steps", "2", "--save-every", "2"], "--save-every and --resume need --checkpoint-dir"),
+        (["--steps", "2", "--save-every", "2"], "--save-every, --keep and --resume need --checkpoint-dir"),
         (["--check", "--checkpoint-dir", "ck"], "add --steps N"),
         (["--steps", "2", "--checkpoint-dir", "ck", "--resume", "--init-from", "m.pt"], "pick one"),
         (["--steps", "2", "--checkpoint-dir", "empty", "--resume"], "no complete checkpoint in 'empty'"),
@@ -266,3 +269,22 @@ def test_export_checkpoint_mistakes_are_one_line(tmp_path, capsys) -> None:
     assert main(["export-checkpoint", str(tmp_path / "not_a_checkpoint"), "-o", str(tmp_path / "m.pt")]) == 2
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 2 and "no folder" in errors[0] and "is not a complete soap-planner checkpoint" in errors[1], errors
+
+
+def test_keep_deletes_older_checkpoints_and_abandoned_writes(tmp_path) -> None:
+    from codegen.runtime.checkpoint import (
+        INFO_FILE,
+        latest_checkpoint,
+        prune_checkpoints,
+    )
+
+    for step, complete in [(2, True), (4, False), (6, True), (8, True), (10, False)]:
+        folder = tmp_path / f"step-{step:08d}"
+        folder.mkdir()
+        if complete:
+            (folder / INFO_FILE).write_text("{}")
+    deleted = prune_checkpoints(tmp_path, keep=2)
+    # step 4 died while saving and step 2 is beyond the 2 newest; step 10 may still be in flight.
+    assert sorted(p.name for p in deleted) == ["step-00000002", "step-00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000008", "step-00000010"]
+    assert latest_checkpoint(tmp_path).name == "step-00000008"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,25 @@ def latest_checkpoint(root: Path) -> Path | None:
         if (match := _STEP_FOLDER.search(folder.name)) and (folder / INFO_FILE).is_file()
     ]
     return max(found)[1] if found else None
+
+
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints under ``root`` (incomplete
+    folders older than the newest complete one go too: a run died while writing them).
+    Returns the folders deleted."""
+    steps = sorted(
+        (int(match.group(1)), folder)
+        for folder in Path(root).glob("step-*")
+        if (match := _STEP_FOLDER.search(folder.name)) and folder.is_dir()
+    )
+    complete = [step for step, folder in steps if (folder / INFO_FILE).is_file()]
+    if not complete:
+        return []
+    kept = set(complete[-keep:])
+    doomed = [folder for step, folder in steps if step not in kept and step < complete[-1]]
+    for folder in doomed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return doomed
 
 
 def read_info(folder: Path) -> dict:
@@ -149,6 +169,8 @@ class Checkpointer:
         module: this rank's module (what ``parallelize`` returned).
         optimizer: the step's optimizer (``Program.make_optimizer``).
         plan_name: recorded in ``soap-checkpoint.json``, for people.
+        keep: how many complete checkpoints to keep (older ones are deleted once a newer one
+            is complete); 0 keeps them all.
     """
 
     root: Path
@@ -156,6 +178,7 @@ class Checkpointer:
     module: nn.Module
     optimizer: torch.optim.Optimizer
     plan_name: str = ""
+    keep: int = 0
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -207,6 +230,8 @@ class Checkpointer:
                 "plan": self.plan_name, "optimizer": type(_inner(self.optimizer)).__name__, "aliases": aliases,
             }
             (folder / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
+            if self.keep:
+                prune_checkpoints(self.root, self.keep)
         dist.barrier(group=self._group)
         return folder
 

@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=flag_type(int, lambda value, name: integer_at_least(value, name, 1), "an integer >= 1"),
         help="with --checkpoint-dir: save every N steps (and after the last step)",
     )
+    parser.add_argument(
+        "--keep", metavar="N", default=0,
+        type=flag_type(int, lambda value, name: integer_at_least(value, name, 1), "an integer >= 1"),
+        help="with --checkpoint-dir: keep only the N newest complete checkpoints (default: all)",
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir (any plan's)")
     parser.add_argument("--init-from", metavar="FILE", default=None, help="start from the weights of a state_dict file (planner export-checkpoint)")
     return parser
@@ -156,8 +161,8 @@ def check_checkpoint_options(options: argparse.Namespace) -> None:
     from codegen.runtime.checkpoint import latest_checkpoint
 
     directory = options.checkpoint_dir
-    if (options.save_every or options.resume) and directory is None:
-        raise LaunchError("--save-every and --resume need --checkpoint-dir DIR: the folder checkpoints are saved in")
+    if (options.save_every or options.resume or options.keep) and directory is None:
+        raise LaunchError("--save-every, --keep and --resume need --checkpoint-dir DIR: the folder checkpoints are saved in")
     if (directory or options.init_from) and options.steps == 0 and options.data is None:
         raise LaunchError("--checkpoint-dir and --init-from are for training; add --steps N (or --data)")
     if options.resume and options.init_from:
@@ -192,7 +197,7 @@ def run_training(program: Program, mesh, options: argparse.Namespace, optimizer:
         steps=options.steps, lr=options.lr, optimizer=optimizer, schedule=options.lr_schedule,
         warmup_steps=options.warmup_steps, min_lr_ratio=options.min_lr_ratio, clip_grad_norm=options.clip_grad_norm,
         data=options.data, log_every=options.log_every, metrics=options.metrics, record_routing=options.record_routing,
-        checkpoint_dir=options.checkpoint_dir, save_every=options.save_every, resume=options.resume,
+        checkpoint_dir=options.checkpoint_dir, save_every=options.save_every, keep=options.keep, resume=options.resume,
         init_from=options.init_from,
     )
     if options.profile is None:

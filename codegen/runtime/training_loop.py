@@ -64,6 +64,7 @@ class LoopOptions:
         record_routing: write the MoE layers' routing here (``routing_record``).
         checkpoint_dir: save checkpoints under this folder (``codegen.runtime.checkpoint``).
         save_every: save every N steps (0: only after the last step).
+        keep: keep only the N newest complete checkpoints (0: all).
         resume: continue from the latest complete checkpoint in ``checkpoint_dir``: its
             weights, optimizer state, step, RNG state and data position.
         init_from: start from the weights of a plain state_dict file.
@@ -82,6 +83,7 @@ class LoopOptions:
     record_routing: str | None = None
     checkpoint_dir: str | None = None
     save_every: int = 0
+    keep: int = 0
     resume: bool = False
     init_from: str | None = None
 
@@ -470,7 +472,7 @@ def start_checkpoints(program: Program, options: LoopOptions, model, module, opt
         _say(f"initialised {count} tensors from {options.init_from}")
     if options.checkpoint_dir is None:
         return None, 0
-    checkpointer = Checkpointer(Path(options.checkpoint_dir), model, module, optimizer, program.plan.name)
+    checkpointer = Checkpointer(Path(options.checkpoint_dir), model, module, optimizer, program.plan.name, options.keep)
     if not options.resume:
         return checkpointer, 0
     step = checkpointer.resume(Path(options.checkpoint_dir))
