@@ -356,6 +356,12 @@ class GraphEmitter(GraphStructure, ProgramSections):
                 "else the math kernel (DTensor has no rule for CPU flash attention)"
             )
             call = f"self.attention({callee}, {', '.join(rendered)})"
+        elif on_dtensors and op == "aten.cross_entropy_loss.default" and _targets_split(strategy):
+            comments.append(
+                "# a mean over the targets of every rank: the sum of the losses and the count of targets that are not "
+                "ignore_index, each summed over ranks (ranks may hold different counts of ignored targets)"
+            )
+            call = f"self.token_mean_cross_entropy({callee}, {', '.join(rendered)})"
         elif on_dtensors and summa_emit.runs_summa(strategy):  # a SUMMA matmul or block-layout norm
             call = summa_emit.node_call(strategy, fx_node, rendered, comments, self.axes, self.sizes)
         elif support in ("decomposition", "none"):
@@ -548,3 +554,11 @@ class GraphEmitter(GraphStructure, ProgramSections):
         text = notes.value_note(shape, placements, self.axes, self.sizes)
         dtype = str(val.dtype).removeprefix("torch.")
         return text if dtype == "float32" else f"{text} ({dtype})"
+
+
+def _targets_split(strategy: NodeStrategy | None) -> bool:
+    """Whether a loss's targets (its second input) are split on some mesh axis."""
+    return (
+        strategy is not None and len(strategy.inputs) > 1
+        and any(not isinstance(p, (Replicate, Partial)) for p in strategy.inputs[1])
+    )

@@ -198,6 +198,21 @@ class SpmdModule(nn.Module):
         return self._replicated(op, *args, **kwargs)
 
     @staticmethod
+    def token_mean_cross_entropy(op: Callable, input: Any, target: Any, weight: Any = None, reduction: int = 1,
+                                 ignore_index: int = -100, label_smoothing: float = 0.0) -> Any:
+        """``cross_entropy(..., reduction="mean")`` on targets split over ranks, exactly: the
+        loss summed over this rank's targets and the count of its targets that are not
+        ``ignore_index``, each summed over the ranks, then divided. DTensor's own rule gives
+        the average of each rank's mean, which is the mean only when every rank holds as many
+        counted targets (Hugging Face's causal LMs ignore the last position of every
+        sequence, so a split of the flattened tokens gives ranks different counts)."""
+        if reduction != 1 or weight is not None:  # sums, and weighted means, are left to DTensor
+            return op(input, target, weight, reduction, ignore_index, label_smoothing)
+        total = op(input, target, None, 2, ignore_index, label_smoothing)  # 2: reduction "sum"
+        counted = (target != ignore_index).sum()
+        return total / counted
+
+    @staticmethod
     def unmasked(value: Any) -> Any:
         """A vocabulary-parallel embedding's result as plain partial sums. DTensor leaves it
         as masked partial sums (each rank looked its out-of-shard tokens up in row 0) that only
