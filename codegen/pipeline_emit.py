@@ -22,7 +22,9 @@ on DTensors, ``_to`` where the plan redistributes), cut into stages:
   ``"selective"`` each block's attention core does (``codegen.attention_core``); a stage
   whose plan gives it a mode of its own (``PipelineConfig.stage_recompute``) follows that;
 - parameters read by several stages (tied embeddings) are held by each; the runtime sums
-  their gradients over those stages.
+  their gradients over those stages;
+- each repeated block is written once, as a module-level function the stages call per layer
+  (``codegen.block_fold``; blocks under selective recomputation stay written out).
 
 - stages may hold different numbers of blocks: each op runs on the stage its strategy names;
 - under the interleaved schedule there are ``pp x virtual_stages`` stage modules, stage ``s``
@@ -41,28 +43,24 @@ returns no scalar loss.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import re
-import textwrap
 from typing import Any
 
 import torch
 import torch.fx
 from torch.distributed.tensor import Replicate
 
-from codegen import spmd_notes as notes
-from codegen.emit import about_plan, autocast_lines, precision_imports
-from codegen.source_text import comment, identifier, number, with_comment
-from codegen.graph_facts import build_meta_model, clean_path, model_facts, trace_model
+from codegen.source_text import identifier
+from codegen.graph_facts import build_meta_model, model_facts, trace_model
 from codegen.micro_batch_source import first_samples
 from codegen.pipeline_stage_plan import StagePlan, flat_source, micro_strategies
-from codegen.pipeline_schedules import schedule_lines, schedule_problem, stage_count, stages_comment
+from codegen.pipeline_schedules import schedule_problem, stage_count
 from codegen.spmd_emit import SUPPORTED_AXES, GraphEmitter
-from codegen.spmd_sections import SHARDED_STATES_IMPORT, sharded_states_function, shards_optimizer_states
 from codegen.spmd_placements import whole
-from codegen.attention_core import NO_CORE_COMMENT, attention_cores
-from codegen.spmd_recompute import assigned_in_order, block_runs, checkpoint_blocks, core_runs, names_in
-from planner import __version__
+from codegen.attention_core import attention_cores
+from codegen.pipeline_sections import Boundary, PipelineSections
+from codegen.block_fold import BlockFolder, emit_block_runs, forward_locals, placeholder_table
+from codegen.spmd_recompute import assigned_in_order, checkpoint_blocks, core_runs, names_in
 from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.plans import Plan
@@ -131,17 +129,7 @@ def render_pipeline_program(plan: Plan) -> str:
     )
 
 
-@dataclasses.dataclass
-class _Boundary:
-    """A value crossing into a stage: its name, micro-batch shape, dtype and placements."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    placements: tuple
-
-
-class _PipelineWriter:
+class _PipelineWriter(PipelineSections):
     """Writes one pipeline program from an ``GraphEmitter`` over the stage plan."""
 
     def __init__(self, plan: Plan, stage_plan: StagePlan, graph: OpGraph, facts, observed, forced, warning: str):
@@ -213,7 +201,7 @@ class _PipelineWriter:
             written.append(self._emit_runs(nodes, gm, self.recompute[stage]))
         loss = em.values[self._loss_leaf(gm).name]
         loss_line = _PAD + (f"return self.loss({loss.expr})" if loss.kind == "dt" else f"return {loss.expr}")
-        bodies = self._checkpointed(written, loss_line)
+        bodies = self._checkpointed(written, loss_line)  # written out; folded below, once stages are known
 
         value_of = {v.expr: (fx_name, v) for fx_name, v in em.values.items()}
         kind_of = {expr: v.kind for expr, (_, v) in value_of.items()}
@@ -229,6 +217,7 @@ class _PipelineWriter:
         extra: list[list[str]] = [[] for _ in range(self.stages)]
         received: list[list[str]] = [[] for _ in range(self.stages)]
         params: list[list[str]] = [[] for _ in range(self.stages)]
+        needed_params: list[list[str]] = [[] for _ in range(self.stages)]
         for stage in range(self.stages):
             tail = [loss_line] if stage == self.stages - 1 else []
             while True:
@@ -242,6 +231,7 @@ class _PipelineWriter:
                     break
                 extra[stage] = self._recomputed(gm, local, value_of, stage) + extra[stage]
             params[stage] = [n for n in param_lines if n in needed]
+            needed_params[stage] = list(params[stage])  # what the stage owns, block functions' reads included
             received[stage] = sorted((n for n in needed if n in defined and n not in param_lines), key=order.get)
             if stage == 0:
                 received[stage] = list(input_names)
@@ -253,13 +243,24 @@ class _PipelineWriter:
         info = {name: self._boundary(name, value_of) for b in boundaries for name in b}
         info.update({name: self._boundary(name, value_of) for name in input_names})
 
+        # Each repeated block written once (codegen.block_fold), shared by the stages.
+        placeholders, prelude = placeholder_table(em, list(param_lines.values()))
+        known = forward_locals([list(input_lines.values()), list(param_lines.values()), *(l for runs in written for _, l in runs)])
+        folder = BlockFolder(placeholders, prelude, known | set(input_names), em.used_names)
+        loaded = [set().union(*(names_in(lines, ast.Load) for _, lines in runs)) for runs in written]
+        elsewhere = [names_in([loss_line], ast.Load).union(*(loaded[i] for i in range(len(written)) if i != s)) for s in range(self.stages)]
+        bodies = self._checkpointed(folder.fold(written, elsewhere, self.recompute), loss_line)
+        for stage in range(self.stages):
+            read = names_in(extra[stage] + bodies[stage], ast.Load)
+            params[stage] = [n for n in params[stage] if n not in folder.moved or n in read]
+
         classes = []
         class_names = []
         stage_params: list[list[str]] = []
         for stage in range(self.stages):
             class_name = self.emitter.class_name(f"Stage{stage}")
             class_names.append(class_name)
-            owned = list(dict.fromkeys(param_of_line[n] for n in params[stage] if param_of_line[n] in self.graph.parameters))
+            owned = list(dict.fromkeys(param_of_line[n] for n in needed_params[stage] if param_of_line[n] in self.graph.parameters))
             stage_params.append(owned)
             incoming = input_names if stage == 0 else boundaries[stage - 1]
             outgoing = boundaries[stage] if stage < self.stages - 1 else None
@@ -287,16 +288,20 @@ class _PipelineWriter:
                 tables,
                 io,
                 *classes,
+                folder.source(),
                 self._functions(class_names, stage_params, shared, input_names),
             ]
         )
 
     def _emit_runs(self, nodes: list[torch.fx.Node], gm: torch.fx.GraphModule, recompute: str) -> list[tuple[Any, list[str]]]:
-        """A stage's lines, as runs of one repeated block (or none) when the stage recomputes
-        (``recompute``: each block run indented one more level, to become a nested function)."""
-        if recompute == "none" or (recompute == "selective" and not self.cores):
+        """A stage's lines, as runs of one repeated block (or none): the runs of blocks or,
+        under selective recomputation, of attention cores; with recomputation each such run
+        is indented one more level, to become a nested function where it stays written out."""
+        if recompute == "selective" and not self.cores:
             return [(None, self.emitter._emit_nodes(nodes, gm, indent=2))]
-        runs = block_runs(self.graph, nodes) if recompute == "full" else core_runs(self.cores, nodes)
+        if recompute != "selective":
+            return emit_block_runs(self.emitter, nodes, gm, checkpointed=recompute == "full")
+        runs = core_runs(self.cores, nodes)
         return [(block, self.emitter._emit_nodes(run, gm, indent=2 + (block is not None))) for block, run in runs]
 
     def _checkpointed(self, written: list[list[tuple[Any, list[str]]]], loss_line: str) -> list[list[str]]:
@@ -310,7 +315,10 @@ class _PipelineWriter:
         bodies = []
         for stage, runs in enumerate(written):
             elsewhere = names_in([loss_line], ast.Load).union(*(loaded[i] for i in range(len(written)) if i != stage))
-            bodies.append(checkpoint_blocks(runs, also_read=elsewhere))
+            if self.recompute[stage] == "none":
+                bodies.append([line for _, lines in runs for line in lines])
+            else:
+                bodies.append(checkpoint_blocks(runs, also_read=elsewhere))
         return bodies
 
     def _recomputed(self, gm, names: list[str], value_of, stage: int) -> list[str]:
@@ -331,260 +339,20 @@ class _PipelineWriter:
         lines = self.emitter._emit_nodes(nodes, gm, indent=2)
         return [_PAD + f"# computed again on stage {stage} (the same on every rank; cheaper than sending it)", *lines]
 
-    def _boundary(self, name: str, value_of) -> _Boundary:
+    def _boundary(self, name: str, value_of) -> Boundary:
         em = self.emitter
         graph_input = next((i for i in self.graph.inputs if i.name == name), None)
         if graph_input is not None:
-            return _Boundary(name, tuple(graph_input.meta.shape), graph_input.meta.dtype, tuple(em._input_placements(name)))
+            return Boundary(name, tuple(graph_input.meta.shape), graph_input.meta.dtype, tuple(em._input_placements(name)))
         fx_name, value = value_of[name]
         if value.kind != "dt":
             raise NotImplementedError(f"pipeline codegen cannot send '{name}' ({value.kind}) between stages")
         node = next(n for n in self.graph.graph_module.graph.nodes if n.name == fx_name)
         meta = node.meta.get("val")
         placements = value.placements if value.placements is not None else tuple(Replicate() for _ in self.axes)
-        return _Boundary(name, tuple(int(d) for d in meta.shape), meta.dtype, tuple(whole(placements)))
+        return Boundary(name, tuple(int(d) for d in meta.shape), meta.dtype, tuple(whole(placements)))
 
     # ------------------------------------------------------------------------- sections
-
-    def _header(self, stage_params, boundaries, info, shared) -> str:
-        # The docstring is fixed text; what comes from the plan, the spec or the trace (names,
-        # module paths) follows it as comments (codegen.source_text).
-        lines = [
-            '"""Per-rank program of a pipeline plan (which plan, model, stages and schedule: the comments below).',
-            "",
-            f"Generated by soap-planner {__version__} from plan.json; it is plain PyTorch, review it freely.",
-            "The ranks at pp coordinate p run stage p (under the interleaved schedule, every stage s with",
-            "s % pp == p). Inside each stage, forward() replays the model's",
-            "traced ATen graph, one line per op, on DTensors over the stage mesh (shapes are one",
-            "micro-batch's, global over the stage mesh; comments give this rank's part), and",
-            "_to(x, placements) redistributes x with the collective named above it. PARAMETERS and",
-            "INPUTS give placements, one per axis of the stage mesh (STAGE_AXES):",
-            "S(d) = split on dim d, R = whole on every rank, P = partial sums to be added up.",
-            "",
-            "Use it in your own training loop:",
-            "",
-            "    from codegen.runtime import load_program",
-            '    program = load_program("<this folder>")',
-            "    mesh = program.build_mesh()",
-            "    stage = program.parallelize(model, mesh)             # this rank's stage; model built alike everywhere",
-            "    pipeline = program.module.make_pipeline(stage, mesh) # make_pipeline below: the schedule",
-            "    optimizer = program.make_optimizer(stage, mesh, torch.optim.AdamW, lr=1e-3)",
-            "    args, kwargs = program.shard_batch(args, kwargs, mesh)",
-            "    loss = pipeline.step(args, kwargs)                   # forward + backward; the loss on every rank",
-            "    optimizer.step()",
-            '"""',
-            "",
-        ]
-        return "\n".join(lines) + "\n" + about_plan(self.plan) + "".join(
-            comment(line) + "\n" for line in self._description(stage_params, boundaries, info, shared)
-        )
-
-    def _description(self, stage_params, boundaries, info, shared) -> list[str]:
-        """The header's account of this pipeline: stages, schedule, what crosses each boundary."""
-        pipeline = self.plan.pipeline
-        if self.stage_plan.padded:
-            stage_mesh = "a one-rank dp axis (pp is the only axis: each rank holds its stage whole)"
-        else:
-            stage_mesh = " x ".join(f"{n}={size}" for n, size in zip(self.axes, self.sizes))
-        lines = [
-            *schedule_lines(self.plan),
-            f"Stage mesh: {stage_mesh}.",
-            *self._recompute_note(),
-            "",
-        ]
-        for stage, owned in enumerate(stage_params):
-            lines.append(f"Stage {stage} holds {_modules(owned)} ({len(owned)} parameters).")
-        lines.append("")
-        for k, names in enumerate(boundaries):
-            lines.append(f"Stage {k} -> stage {k + 1} (send/recv over pp, one micro-batch; gradients come back the same way):")
-            for name in names:
-                b = info[name]
-                lines.append(f"    {name}: {notes.value_note(b.shape, b.placements, self.axes, self.sizes)}{_dtype(b.dtype)}")
-        lines += [
-            "",
-            f"Stage {self.stages - 1} returns the model's loss of each micro-batch; the schedule back-propagates it, the runner",
-            f"divides each summed gradient by {pipeline.micro_batches} once, so the step equals one device's on the whole batch.",
-        ]
-        for holders, names in shared.items():
-            lines.append(
-                f"Held by stages {', '.join(map(str, holders))} (tied): {', '.join(names)}; their gradients are all-reduced "
-                f"over those stages after backward."
-            )
-        if self.emitter.warning:
-            lines += ["", f"WARNING: {self.emitter.warning}"]
-        if self.emitter.fallbacks:
-            lines += ["", f"Run around DTensor's sharding rules: {', '.join(sorted(self.emitter.fallbacks))}."]
-        return lines
-
-    def _autocast(self) -> str:
-        """Lines of ``parallelize`` running each stage of this rank under bf16 autocast."""
-        lines = autocast_lines(self.plan, "stage", "mesh.device_type")
-        return "    for stage in module.local_stages:\n" + textwrap.indent(lines, "    ") if lines else ""
-
-    def _recompute_note(self) -> list[str]:
-        """The header's lines on activation recomputation (per stage when stages differ)."""
-        modes = set(self.recompute)
-        if len(modes) > 1:
-            # Stages holding more micro-batches in flight (the first ones, under 1F1B) need
-            # to recompute where later ones need not: the planner chose each stage's mode.
-            words = {
-                "full": "every repeated block recomputed in backward (activation checkpointing)",
-                "selective": "each block's attention core recomputed in backward (selective recomputation)",
-                "none": "no recomputation",
-            }
-            lines = ["Recomputation differs by stage (the planner chose each stage's to fit its memory):"]
-            lines += [f"    stage {stage}: {words[mode]}" for stage, mode in enumerate(self.recompute)]
-            if "selective" in modes and not self.cores:
-                lines += [line.removeprefix("# ") for line in NO_CORE_COMMENT]
-            return lines
-        mode = self.recompute[0]
-        if mode == "full":
-            return ["Every repeated block is recomputed in backward (activation checkpointing)."]
-        if mode == "selective" and self.cores:
-            return ["Each block's attention core is recomputed in backward (selective recomputation)."]
-        if mode == "selective":
-            return [line.removeprefix("# ") for line in NO_CORE_COMMENT]
-        return []
-
-    def _imports(self) -> str:
-        pipeline = self.plan.pipeline
-        return "\n".join(
-            [
-                "from __future__ import annotations",
-                "",
-                "import torch",
-                "from torch.distributed.device_mesh import DeviceMesh",
-                "from torch.distributed.tensor import Partial, Replicate, Shard",
-                *(["from torch.utils.checkpoint import checkpoint"] if set(self.recompute) != {"none"} else []),
-                "",
-                "from codegen.runtime.pipeline import PipelineRunner, PipelineStageModule, VirtualStages, build_stage, stage_mesh",
-                *precision_imports(self.plan),
-                *([SHARDED_STATES_IMPORT] if shards_optimizer_states(self.plan) else []),
-                "from codegen.runtime.spmd import shard_inputs",
-                "",
-                "aten = torch.ops.aten",
-                f"MESH_AXES = {tuple(self.plan.mesh.axes)!r}",
-                f"STAGE_AXES = {tuple(self.stage_plan.mesh.axes)!r}  # the mesh inside a stage",
-                f"GLOBAL_BATCH = {number(self.plan.batch_size, 'batch_size')}",
-                f"MICRO_BATCHES = {number(pipeline.micro_batches, 'pipeline.micro_batches')}",
-                f"SCHEDULE = {pipeline.schedule!r}",
-                "",
-            ]
-        )
-
-    def _io_tables(self, stage_inputs, stage_outputs, loss_name: str, loss_shape) -> str:
-        em = self.emitter
-
-        def entry(b: _Boundary) -> str:
-            return f"({b.name!r}, {b.shape!r}, {b.dtype}, {em.constant(b.placements)})"
-
-        lines = [
-            "",
-            "# What each stage receives and sends for one micro-batch: (name, shape over the stage mesh,",
-            "# dtype, placements). Stage 0 receives the model's inputs; the last stage sends the loss.",
-            "STAGE_INPUTS = (",
-        ]
-        for stage, entries in enumerate(stage_inputs):
-            lines.append(f"    ({''.join(entry(b) + ', ' for b in entries)}),  # stage {stage}")
-        lines += [")", "STAGE_OUTPUTS = ("]
-        for stage, entries in enumerate(stage_outputs):
-            lines.append(f"    ({''.join(entry(b) + ', ' for b in entries)}),  # stage {stage}")
-        lines.append(f"    (({loss_name!r}, {tuple(loss_shape)!r}, torch.float32, None),),  # stage {len(stage_outputs)}: the loss")
-        lines += [")", ""]
-        return "\n".join(lines)
-
-    def _class(self, stage, class_name, nodes, incoming, outgoing, info, input_lines, param_lines, extra, body, loss_line, owned) -> str:
-        em = self.emitter
-        signature = ", ".join(["self", *(identifier(name, "a value sent between pipeline stages") for name in incoming)])
-        lines = [
-            "",
-            "",
-            comment(f"Stage {stage} of {self.stages}: {_modules(owned)}."),
-            f"class {class_name}(PipelineStageModule):",
-            f'    """Stage {stage} of the pipeline (its modules: the comment above)."""',
-            "",
-            f"    def forward({signature}):",
-            "        _to, params = self._to, self.params",
-        ]
-        if input_lines is not None:
-            lines.append("        # Inputs: this rank's part of one micro-batch, as DTensors.")
-            lines += input_lines
-        else:
-            lines.append(f"        # From stage {stage - 1}: this rank's local parts, as DTensors again.")
-            for name in incoming:
-                b = info[name]
-                note = notes.value_note(b.shape, b.placements, self.axes, self.sizes)
-                name = identifier(name, "a value sent between pipeline stages")
-                lines.append(with_comment(f"        {name} = self.receive({name}, {em.constant(b.placements)}, {b.shape!r})", note))
-        if param_lines:
-            lines.append("        # This stage's parameters (DTensors; qualified names in PARAMETERS).")
-            lines += param_lines
-        lines += extra
-        lines += body
-        lines.append("")
-        if outgoing is None:
-            lines.append(_PAD + "# The model's loss of this micro-batch (the full value on every rank of the stage).")
-            lines.append(loss_line)
-        else:
-            lines.append(_PAD + f"# To stage {stage + 1}: local parts, laid out as STAGE_OUTPUTS[{stage}] says.")
-            sends = [f"self.send({name}, {em.constant(info[name].placements)})" for name in outgoing]
-            lines.append(_PAD + "return (" + ", ".join(sends) + ("," if len(sends) == 1 else "") + ")")
-        return "\n".join(lines)
-
-    def _functions(self, class_names, stage_params, shared, input_names) -> str:
-        def names(stage: int, owned: list[str]) -> str:
-            if not owned:
-                return f"    (),  # stage {stage}"
-            return f"    (  # stage {stage}\n" + "\n".join(_packed([repr(name) + "," for name in owned], 110, 8)) + "\n    ),"
-
-        params = "\n".join(names(s, owned) for s, owned in enumerate(stage_params))
-        shared_text = "{" + ", ".join(f"{holders!r}: {tuple(names)!r}" for holders, names in shared.items()) + "}"
-        return f'''
-
-STAGES = ({", ".join(class_names)}{"," if len(class_names) == 1 else ""})  # {stages_comment(self.plan.pipeline)}
-# The parameters each stage holds (qualified names), and those several stages hold (tied).
-STAGE_PARAMETERS = (
-{params}
-)
-SHARED_PARAMETERS = {shared_text}
-INPUT_NAMES = {tuple(input_names)!r}
-
-
-def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> PipelineStageModule | VirtualStages:
-    """This rank's stage (its pp coordinate; several under the interleaved schedule, in
-    VirtualStages): the stage's parameters become DTensors over the stage mesh, placed as
-    PARAMETERS says (each rank keeps its shard; no communication)."""
-    module = build_stage(STAGES, model, mesh, PARAMETERS, STAGE_PARAMETERS, DROPOUT_MODULES)
-{self._autocast()}    return module
-
-
-def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
-    """This rank's part of one global batch over the stage mesh, as INPUTS says (every rank
-    holds the whole batch; no communication). The schedule cuts it into MICRO_BATCHES."""
-    return shard_inputs(args, kwargs, stage_mesh(mesh), INPUTS)
-
-
-def make_pipeline(module: PipelineStageModule | VirtualStages, mesh: DeviceMesh) -> PipelineRunner:
-    """The SCHEDULE over this rank's stage: pipeline.step(args, kwargs) runs one step's
-    forward and backward over MICRO_BATCHES micro-batches and returns the loss."""
-    return PipelineRunner(module, mesh, SCHEDULE, MICRO_BATCHES, STAGE_INPUTS, STAGE_OUTPUTS, INPUT_NAMES, SHARED_PARAMETERS)
-''' + sharded_states_function(self.plan)
-
-
-# ------------------------------------------------------------------------------ helpers
-
-
-def _packed(items: list[str], width: int, indent: int) -> list[str]:
-    """``items`` (source text, each kept whole) packed into lines of at most ``width``
-    characters; unlike ``textwrap``, never breaks inside an item (a string literal)."""
-    lines: list[str] = []
-    for item in items:
-        if lines and len(lines[-1]) + 1 + len(item) <= width:
-            lines[-1] += " " + item
-        else:
-            lines.append(" " * indent + item)
-    return lines
-
 
 def _lines_by_name(lines: list[str]) -> dict[str, str]:
     found = {}
@@ -593,20 +361,3 @@ def _lines_by_name(lines: list[str]) -> dict[str, str]:
         if match:
             found[match[1]] = line
     return found
-
-
-def _modules(params: list[str]) -> str:
-    """The modules that own ``params``, at the depth of a layer: ``tok_emb, blocks.0, ...``."""
-    found: list[str] = []
-    for name in params:
-        parts = clean_path(name).split(".")[:-1]
-        cut = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-        path = ".".join(parts[: cut + 1] if cut is not None else parts[:2]) or "(top level)"
-        if path not in found:
-            found.append(path)
-    return ", ".join(found) if found else "no parameters"
-
-
-def _dtype(dtype: torch.dtype) -> str:
-    text = str(dtype).removeprefix("torch.")
-    return "" if text == "float32" else f" ({text})"

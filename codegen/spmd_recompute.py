@@ -44,13 +44,18 @@ _PAD = " " * (4 * _INDENT)
 def checkpointed_body(emitter: "GraphEmitter", gm: torch.fx.GraphModule) -> list[str]:
     """The forward's body lines with every repeated block checkpointed."""
     runs = block_runs(emitter.graph, gm.graph.nodes)
+    require_blocks(runs)
+    written = [(block, emitter._emit_nodes(nodes, gm, indent=_INDENT + (block is not None))) for block, nodes in runs]
+    return checkpoint_blocks(written)
+
+
+def require_blocks(runs: Sequence[tuple[Block | None, object]]) -> None:
+    """Refuse full recomputation of a forward with no repeated block to checkpoint."""
     if all(block is None for block, _ in runs):
         raise PlanningError(
             "this plan recomputes activations, but the model has no repeated blocks to checkpoint; plan it again "
             "(recomputation only applies to repeated blocks)"
         )
-    written = [(block, emitter._emit_nodes(nodes, gm, indent=_INDENT + (block is not None))) for block, nodes in runs]
-    return checkpoint_blocks(written)
 
 
 def selective_body(emitter: "GraphEmitter", gm: torch.fx.GraphModule, cores: list[AttentionCore]) -> list[str]:

@@ -13,6 +13,7 @@ from codegen import spmd_notes as notes
 from codegen import summa_emit
 from codegen.emit import about_plan, autocast_lines, precision_imports
 from codegen.source_text import comment, derived_identifier, identifier, number, with_comment
+from codegen.repeated_tables import parameter_entries
 from codegen.spmd_literals import dotted, placement_source, spec_children
 from planner import __version__
 
@@ -102,10 +103,12 @@ class ProgramSections:
 
     def _tables(self) -> str:
         sections = ["", "# How each rank holds each parameter (qualified name -> placements).", "PARAMETERS = {"]
-        for name, placements in self.param_placements.items():
-            meta = self.graph.parameters[name]
-            note = notes.value_note(meta.shape, placements, self.axes, self.sizes)
-            sections.append(with_comment(f"    {name!r}: {self.constant(placements)},", note))
+        sections += parameter_entries(
+            self.param_placements,
+            self.graph,
+            self.constant,
+            lambda name, placements: notes.value_note(self.graph.parameters[name].shape, placements, self.axes, self.sizes),
+        )
         sections += ["}", ""]
         local = self.local_parameters()
         sections += [

@@ -82,6 +82,10 @@ node holds p members (n = k·p); hierarchical algorithms need an even group with
                         loses on bandwidth to the overlapped flat exchange)
   send_recv       direct  S/β_m + α_e with p = 1 (one member per node)
 
+GPU presets with published NCCL measurements (DGX A100, DGX H100) are priced by
+``cost_model.nccl`` instead (measured bus bandwidths, NCCL's algorithms, protocols and
+latencies); ``collective_time`` picks the model, ``algorithm_times`` is always the α–β one.
+
 Implemented in: ``group_shape`` (how ranks lie on the cluster), ``member_bandwidth`` (sharing),
 ``algorithm_times`` (every candidate above), ``collective_time`` (the cheapest).
 
@@ -96,6 +100,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cost_model.nccl import nccl_algorithm_times, nccl_profile
 from planner.cluster import Cluster, LinkSpec
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
@@ -208,7 +213,12 @@ def algorithm_times(kind: str, size_bytes: float, shape: GroupShape,
 
 def collective_time(kind: str, size_bytes: float, cluster: Cluster, ranks: Sequence[int],
                     concurrent_groups: int = 1) -> float:
-    """Seconds for one collective over ``ranks``: the cheapest algorithm of ``algorithm_times``.
+    """Seconds for one collective over ``ranks``: the cheapest algorithm.
+
+    On a GPU preset with published NCCL measurements (``cost_model.nccl.nccl_profile``) the
+    algorithms are NCCL's, priced from those measurements (``nccl_algorithm_times``); on any
+    other cluster (CPU/gloo, custom or calibrated files) they are this module's α–β
+    ``algorithm_times``.
 
     Args:
         kind: one of ``COLLECTIVES``.
@@ -235,8 +245,15 @@ def collective_time(kind: str, size_bytes: float, cluster: Cluster, ranks: Seque
             group_shape(cluster, ranks[:1])  # still reject a rank outside the cluster
             _check_size(size_bytes)
             return 0.0
-    return min(algorithm_times(kind, size_bytes,
-                               group_shape(cluster, ranks), concurrent_groups).values())
+    _check_size(size_bytes)
+    _check_concurrency(concurrent_groups)
+    shape = group_shape(cluster, ranks)
+    if kind == "send_recv" and shape.size > 2:
+        raise ValueError(f"send_recv is between two ranks [src, dst]; got a group of {shape.size}")
+    profile = nccl_profile(cluster)
+    if profile is not None:
+        return min(nccl_algorithm_times(kind, size_bytes, shape, profile, concurrent_groups).values())
+    return min(algorithm_times(kind, size_bytes, shape, concurrent_groups).values())
 
 
 # ---- the formulas ----

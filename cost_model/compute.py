@@ -7,11 +7,19 @@ one, else from the documented defaults in ``cost_model.defaults``. Backward cost
 forward for every op with a gradient: two matmuls (input and weight gradient) for
 matmul-like ops, about twice the bytes (gradient in, saved input in, gradient out) for
 elementwise and normalisation ops.
+
+On a GPU of known generation (V100, A100, H100, H200) without a calibration profile, matmul
+and attention ops are timed by the shape-aware kernel model of ``cost_model.gpu_kernels``
+(tiles and waves, FlashAttention) in 16-bit precisions (the measurements behind it are bf16),
+and 16-bit work of unknown shape uses that generation's measured best-shape matmul fraction
+instead of the default efficiency. fp32 keeps the roofline.
 """
 
 from __future__ import annotations
 
-from cost_model import defaults
+import math
+
+from cost_model import defaults, gpu_kernels
 from planner.cluster import DeviceSpec
 from planner.graph import OpNode
 
@@ -24,9 +32,11 @@ def check_precision(precision: str) -> None:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got '{precision}'")
 
 
-def efficiencies(device: DeviceSpec) -> tuple[float, float, float]:
-    """(matmul efficiency, memory efficiency, kernel overhead s): calibrated or default."""
-    matmul = getattr(device, "matmul_efficiency", None) or defaults.MATMUL_EFFICIENCY
+def efficiencies(device: DeviceSpec, dtype: str | None = None) -> tuple[float, float, float]:
+    """(matmul efficiency, memory efficiency, kernel overhead s): calibrated, else measured
+    for the GPU generation and 16-bit ``dtype`` (``gpu_kernels``), else default."""
+    matmul = (getattr(device, "matmul_efficiency", None) or gpu_kernels.large_matmul_efficiency(device, dtype)
+              or defaults.MATMUL_EFFICIENCY)
     memory = getattr(device, "memory_efficiency", None) or defaults.MEMORY_EFFICIENCY
     overhead = getattr(device, "kernel_overhead_s", None)
     return matmul, memory, defaults.KERNEL_OVERHEAD_S if overhead is None else overhead
@@ -34,7 +44,7 @@ def efficiencies(device: DeviceSpec) -> tuple[float, float, float]:
 
 def roofline_time(flops: float, num_bytes: float, device: DeviceSpec, dtype: str) -> float:
     """Seconds for one kernel doing ``flops`` and moving ``num_bytes`` on ``device``."""
-    matmul, memory, overhead = efficiencies(device)
+    matmul, memory, overhead = efficiencies(device, dtype)
     return max(flops / (device.flops_for(dtype) * matmul), num_bytes / (device.memory_bandwidth * memory)) + overhead
 
 
@@ -48,6 +58,9 @@ def op_times(node: OpNode, work_fraction: float, device: DeviceSpec, precision: 
         return 0.0, 0.0
     dtype, element_bytes = PRECISIONS[precision]
     traced_bytes = max((meta.dtype.itemsize for meta in node.output_meta if meta.dtype.is_floating_point), default=4)
+    shaped = gpu_kernels.kernel_op_times(node, work_fraction, device, dtype, element_bytes)
+    if shaped is not None:
+        return shaped
     flops = node.flops * work_fraction
     num_bytes = node.bytes_moved * work_fraction * min(1.0, element_bytes / traced_bytes)
     forward = roofline_time(flops, num_bytes, device, dtype)
@@ -58,7 +71,32 @@ def op_times(node: OpNode, work_fraction: float, device: DeviceSpec, precision: 
     return forward, backward
 
 
-def optimizer_step_time(state_bytes: float, device: DeviceSpec) -> float:
-    """AdamW step over ``state_bytes`` of (sharded) weights + gradients + states: memory-bound."""
+# Element accesses per parameter of one AdamW step, by implementation (fp32 param, grad and
+# both states). Fused (``torch.optim.AdamW(fused=True)``, Apex/Megatron FusedAdam): one pass
+# reading param, grad, exp_avg, exp_avg_sq and writing param and both states = 7
+# (``defaults.ADAM_BYTES_ACCESSED_PER_PARAM_BYTE``). Foreach (PyTorch's default on CUDA,
+# ``_multi_tensor_adam`` in torch/optim/adam.py, decoupled weight decay, not capturable): eight
+# multi-tensor kernels, each streaming its operands: param *= 1 - lr*wd (2), lerp_ exp_avg
+# toward grad (3), exp_avg_sq *= beta2 (2), addcmul_ grad^2 into it (3), sqrt into a new
+# tensor (2), div_ and add_ eps on it (2 + 2), addcdiv_ into param (4) = 20.
+ADAMW_ACCESSES = {"fused": defaults.ADAM_BYTES_ACCESSED_PER_PARAM_BYTE, "foreach": 20}
+# Kernels per step: foreach launches each of its 8 ops once per chunk of at most
+# ``MULTI_TENSOR_ELEMENTS`` elements (multi_tensor_apply: 320 blocks x 65,536-element chunks,
+# ATen/native/cuda/MultiTensorApply.cuh); fused launches one kernel per chunk.
+ADAMW_KERNELS_PER_CHUNK = {"fused": 1, "foreach": 8}
+MULTI_TENSOR_ELEMENTS = 320 * 65536
+
+
+def optimizer_step_time(state_bytes: float, device: DeviceSpec, implementation: str = "fused") -> float:
+    """AdamW step over ``state_bytes`` of (sharded) weights + gradients + states: memory-bound.
+
+    ``implementation`` is ``"fused"`` (one pass, 7 accesses per element) or ``"foreach"``
+    (PyTorch's default on CUDA: 20 accesses over 8 kernels; see ``ADAMW_ACCESSES``).
+    """
+    if implementation not in ADAMW_ACCESSES:
+        raise ValueError(f"implementation must be one of {', '.join(ADAMW_ACCESSES)}, got '{implementation}'")
     _, memory, overhead = efficiencies(device)
-    return state_bytes * defaults.ADAM_BYTES_ACCESSED_PER_PARAM_BYTE / 4 / (device.memory_bandwidth * memory) + overhead
+    elements = state_bytes / (defaults.ADAM_STATES_PER_PARAM * 4 + 4 + 4)  # fp32 param, grad, 2 states
+    accessed = state_bytes * ADAMW_ACCESSES[implementation] / 4
+    launches = ADAMW_KERNELS_PER_CHUNK[implementation] * max(1, math.ceil(elements / MULTI_TENSOR_ELEMENTS))
+    return accessed / (device.memory_bandwidth * memory) + launches * overhead

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Task:
     """One unit of work: ``duration`` seconds on ``stream`` after ``deps`` finish."""
 
@@ -29,6 +29,9 @@ class Task:
     # Set for a run of back-to-back pieces, (seconds, count): it ends exactly where that many
     # tasks of its own would, each added to the clock in turn. ``duration`` is their sum.
     pieces: tuple[tuple[float, int], ...] | None = None
+    # Seconds added because collectives ran beside it (``TaskGraph.contend``); scaled with
+    # the collectives' kind in ``run`` (no collectives, no contention).
+    contention: float = 0.0
 
 
 class TaskGraph:
@@ -37,9 +40,21 @@ class TaskGraph:
     def __init__(self) -> None:
         self.tasks: list[Task] = []
         self._streams: dict[tuple[str, str], list[int]] = {}
+        self._linked: tuple[list[list[int]], list[tuple[str, str]]] | None = None
+
+    def _links(self) -> tuple[list[list[int]], list[tuple[str, str]]]:
+        """(each task's dependents, each task's stream), kept between runs of the same graph."""
+        if self._linked is None:
+            dependents: list[list[int]] = [[] for _ in self.tasks]
+            for task_id, task in enumerate(self.tasks):
+                for dep in task.deps:
+                    dependents[dep].append(task_id)
+            self._linked = (dependents, [task.stream for task in self.tasks])
+        return self._linked
 
     def add(self, name: str, stream: tuple[str, str], duration: float, deps=(), kind: str = "compute") -> int:
         """Append a task to ``stream``; returns its id for use in later ``deps``."""
+        self._linked = None
         task_id = len(self.tasks)
         self.tasks.append(Task(name, stream, max(0.0, duration), [d for d in deps if d is not None], kind))
         self._streams.setdefault(stream, []).append(task_id)
@@ -60,19 +75,17 @@ class TaskGraph:
         scale = scale or {}
         tasks = self.tasks
         waiting = [len(task.deps) for task in tasks]
-        dependents: list[list[int]] = [[] for _ in tasks]
-        for task_id, task in enumerate(tasks):
-            for dep in task.deps:
-                dependents[dep].append(task_id)
-        stream_of = {task_id: stream for stream, order in self._streams.items() for task_id in order}
-        head = {stream: 0 for stream in self._streams}
-        stream_free = {stream: 0.0 for stream in self._streams}
-        ready = [stream for stream, order in self._streams.items() if waiting[order[0]] == 0]
+        dependents, stream_of = self._links()
+        streams = self._streams
+        head = {stream: 0 for stream in streams}
+        stream_free = {stream: 0.0 for stream in streams}
+        ready = [stream for stream, order in streams.items() if waiting[order[0]] == 0]
+        comm_scale = scale.get("comm", 1.0)
         scheduled = 0
         makespan = 0.0
         while ready:
             stream = ready.pop()
-            order = self._streams[stream]
+            order = streams[stream]
             position = head[stream]
             while position < len(order) and waiting[order[position]] == 0:
                 task_id = order[position]
@@ -85,6 +98,8 @@ class TaskGraph:
                 factor = scale.get(task.kind, 1.0)
                 if task.pieces is None:
                     task.finish = start + task.duration * factor
+                    if task.contention:
+                        task.finish += task.contention * comm_scale
                 else:
                     finish = start
                     for seconds, count in task.pieces:
@@ -100,7 +115,7 @@ class TaskGraph:
                 for dependent in dependents[task_id]:
                     waiting[dependent] -= 1
                     other = stream_of[dependent]
-                    if waiting[dependent] == 0 and other != stream and self._streams[other][head[other]] == dependent:
+                    if waiting[dependent] == 0 and other != stream and streams[other][head[other]] == dependent:
                         ready.append(other)
             head[stream] = position
         if scheduled != len(tasks):
@@ -110,4 +125,38 @@ class TaskGraph:
 
     def busy(self, stream: tuple[str, str], kinds: tuple[str, ...]) -> float:
         """Total duration of the tasks of ``kinds`` on ``stream`` (after ``run``)."""
-        return sum(t.finish - t.start for t in self.tasks if t.stream == stream and t.kind in kinds)
+        tasks = self.tasks
+        return sum(tasks[i].finish - tasks[i].start for i in self._streams.get(stream, ()) if tasks[i].kind in kinds)
+
+    def contend(self, slowdown: float, slowed: str = "compute", by: str = "comm") -> None:
+        """Slow every task of kind ``slowed`` by ``slowdown`` × the time it ran beside tasks of
+        kind ``by`` on the same device, in the schedule of the last ``run``: the compute
+        kernels lose the SMs the communication kernels occupy (overlap is not free). One
+        pass: the overlap is read from the schedule without contention, then the next
+        ``run`` adds the extra time (a fixed point is not sought)."""
+        if slowdown <= 0:
+            return
+        by_device: dict[str, tuple[list[Task], list[Task]]] = {}
+        for task in self.tasks:
+            task.contention = 0.0
+            if task.kind == slowed or task.kind == by:
+                pair = by_device.setdefault(task.stream[0], ([], []))
+                pair[0 if task.kind == slowed else 1].append(task)
+        for slowed_tasks, busy_tasks in by_device.values():
+            if not busy_tasks:
+                continue
+            busy_tasks.sort(key=lambda t: t.start)
+            slowed_tasks.sort(key=lambda t: t.start)
+            first = 0
+            for task in slowed_tasks:
+                # Intervals of ``busy_tasks`` on one stream do not overlap each other; skip
+                # those that ended before this task starts.
+                while first < len(busy_tasks) and busy_tasks[first].finish <= task.start:
+                    first += 1
+                overlap = 0.0
+                index = first
+                while index < len(busy_tasks) and busy_tasks[index].start < task.finish:
+                    other = busy_tasks[index]
+                    overlap += max(0.0, min(task.finish, other.finish) - max(task.start, other.start))
+                    index += 1
+                task.contention = slowdown * overlap

@@ -21,41 +21,52 @@ How a plan becomes a simulated step (FlexFlow's simulator, Daydream's task graph
    start as soon as its backward is done (DDP buckets). FSDP gathers each segment's weights
    one segment ahead (prefetch) before its forward and backward and reduce-scatters its
    gradients after.
-4. **Schedule and results.** ``cost_model.scheduler`` places every task; exposed
+4. **Schedule and results.** ``cost_model.scheduler`` places every task; on GPU presets a
+   compute task that ran beside data-parallel collectives is then slowed by the measured
+   contention (``cost_model.nccl.OVERLAP_COMPUTE_SLOWDOWN`` × the overlapped time) and the
+   schedule re-run once; exposed
    communication is the step time minus the step time of the same schedule with every
    collective free. Memory is weights, gradients and optimizer states after sharding (ZeRO
    stages), the peak of activations held by in-flight micro-batches in the schedule, and
    communication buffers.
 
 Delta simulation (for MCMC): ``Simulator.replace(node, strategy)`` re-costs only that node,
-its consumers and the readers whose shared resharding moves, then re-runs the schedule
-(``Simulator.assign`` re-costs without re-running, for moves of several nodes).
+its consumers and the readers whose shared resharding moves, rebuilds only the segments
+holding them, then re-runs the schedule (``Simulator.assign`` re-costs without re-running, for
+moves of several nodes).
+
+The parts live in their own modules: ``cost_model.segments`` (grouping node costs into
+segments), ``cost_model.recompute`` (Megatron-LM's recomputation modes),
+``cost_model.step_tasks`` (the step's task graph), ``cost_model.step_memory`` (memory and
+bytes per axis); ``Simulator`` combines them with the node costs defined here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 from dataclasses import dataclass, field, replace as dataclass_replace
 
 from torch.distributed.tensor import Replicate, Shard
 
-from cost_model import defaults
 from cost_model.collectives import collective_time
-from cost_model.compute import PRECISIONS, check_precision, op_times, optimizer_step_time
+from cost_model.compute import PRECISIONS, check_precision, op_times
 from cost_model.moe_layers import LaidOutLayer, annotated_layouts, laid_out_layers
+from cost_model.summa_node import add_summa_costs
+from cost_model.nccl import nccl_profile
+from cost_model.recompute import activation_bytes, backward_comm, backward_time
 from cost_model.resharding import backward_collective, forward_collective
-from cost_model.scheduler import TaskGraph
-from cost_model.schedules import schedule as pipeline_schedule
+from cost_model.segments import Segment, SegmentBuilder, SegmentProfile
 from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, graph_facts
+from cost_model.step_memory import _PARAM_BYTES, StepMemory, bytes_per_parameter
+from cost_model.step_tasks import StepTaskGraph
 from planner.graph import OpGraph, OpNode
-from planner.strategy import (
-    RECOMPUTE_MODES, CostParts, ExpertLayout, MemoryBreakdown, NodeStrategy, SimResult, TimelineEvent,
-)
+from planner.strategy import RECOMPUTE_MODES, CostParts, ExpertLayout, NodeStrategy, SimResult, TimelineEvent
 
-# bytes per parameter by precision: (weights, gradients, optimizer states). Mixed
-# precision keeps fp16/bf16 weights and gradients and fp32 master weights plus Adam's two
-# moments: 2 + 2 + 12 bytes (ZeRO, Rajbhandari et al. SC'20, section 3.1, K = 12).
-_PARAM_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
+__all__ = ["NodeCost", "Segment", "SegmentProfile", "Simulator", "bytes_per_parameter", "simulate_plan",
+           "simulated", "_PARAM_BYTES"]
+
 _SENT_FRACTION = {  # bytes a rank sends per byte of collective size, ring algorithms, n ranks
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
@@ -75,6 +86,9 @@ class NodeCost:
     backward_comm_s: float = 0.0
     saved_bytes: float = 0.0
     axis_bytes: dict[str, float] = field(default_factory=dict)
+    # Once per step, not per micro-batch: gradient all-reduces over non-dp axes (SUMMA
+    # meshes, cost_model.summa_node), overlapped with the rest of the backward as dp's are.
+    axis_sync_s: float = 0.0
 
 
 # Ops whose backward needs none of their tensor inputs, and ops whose backward reads their
@@ -87,100 +101,29 @@ _BACKWARD_READS_OUTPUT = ("aten.relu.", "aten._softmax.", "aten.softmax.", "aten
 _DROPOUT = ("aten.dropout.", "aten.native_dropout.")
 
 
-@dataclass
-class Segment:
-    """Consecutive ops on one virtual stage: a repeated block, or the ops around the blocks."""
-
-    name: str
-    stage: int
-    block: bool = False  # a repeated block: the unit activation recomputation checkpoints
-    nodes: list[str] = field(default_factory=list)
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    forward_comm_s: float = 0.0
-    backward_comm_s: float = 0.0
-    saved_bytes: float = 0.0
-    input_bytes: float = 0.0  # floating-point values it reads from other segments
-    checkpoint_bytes: float = 0.0  # those of them made in other blocks: what recomputation keeps
-    score_bytes: float = 0.0
-    score_forward_s: float = 0.0
-    params: dict[str, float] = field(default_factory=dict)  # name -> local bytes per element-size 1
-    dp_synced: set[str] = field(default_factory=set)
-    axis_bytes: dict[str, float] = field(default_factory=dict)
-    # Weights each rank holds its own of (experts split by an MoE layout): kept out of the
-    # dp flavour's sharding, gathering and gradient reduction.
-    per_rank: set[str] = field(default_factory=set)
-
-    def shardable_elements(self) -> float:
-        """Local parameter elements the dp flavour shards (all but ``per_rank`` ones)."""
-        return sum(count for name, count in self.params.items() if name not in self.per_rank)
+@contextlib.contextmanager
+def _collector_paused():
+    """Pause Python's cyclic garbage collector while a step is scheduled: building tens of
+    thousands of tasks triggers collections that scan every object alive (a traced model of
+    millions), which cost GPT-3 175B's simulation more than the scheduling itself. The
+    collector's state is restored after; reference counting still frees everything."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
-@dataclass(frozen=True)
-class SegmentProfile:
-    """One segment's costs for one micro-batch on one device (``Simulator.segment_profiles``).
-
-    ``time_s``, ``kept_bytes`` and ``transient_bytes`` are keyed by recomputation mode
-    (``"none"``, ``"selective"``, ``"full"``): forward + backward seconds with the
-    tensor-parallel collectives on the critical path; bytes kept for backward per
-    micro-batch in flight; bytes alive only while the segment recomputes.
-    ``param_elements`` are the local parameter elements (``synced_elements`` those whose
-    gradients are reduced over ``dp``); ``input_bytes`` what it reads from earlier segments.
-    """
-
-    name: str
-    block: bool
-    time_s: dict[str, float]
-    kept_bytes: dict[str, float]
-    transient_bytes: dict[str, float]
-    param_elements: float
-    synced_elements: float
-    input_bytes: float
-
-
-def bytes_per_parameter(precision: str) -> tuple[int, int, int]:
-    """Bytes per parameter element of (weights, gradients, optimizer states) before any
-    sharding, for mixed-precision Adam at ``precision``."""
-    check_precision(precision)
-    return _PARAM_BYTES[precision]
-
-
-class _Bucket:
-    """DDP's gradient buckets, filled in backward order: 1 MiB for the first bucket, then
-    25 MiB (torch DDP's ``_DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb``). A bucket's
-    all-reduce starts when the segment that fills it finishes its backward (segments are
-    the simulator's granularity). FSDP reduce-scatters each unit (segment) on its own."""
-
-    def __init__(self) -> None:
-        self.cap = defaults.DDP_FIRST_BUCKET_BYTES
-        self.pending = 0.0
-
-    def fill(self, size: float, per_unit: bool, flush: bool) -> list[tuple[float, int]]:
-        """Buckets ready to reduce after adding ``size`` bytes of gradients, as (bucket
-        bytes, how many such buckets): a segment of a large model fills thousands of equal
-        buckets at once, which are counted rather than listed."""
-        if per_unit:
-            return [(size, 1)] if size else []
-        ready = []
-        self.pending += size
-        if self.pending >= self.cap and self.cap != defaults.DDP_BUCKET_BYTES:
-            ready.append((self.cap, 1))
-            self.pending -= self.cap
-            self.cap = defaults.DDP_BUCKET_BYTES
-        if self.pending >= self.cap:
-            full = int(self.pending // self.cap)
-            ready.append((self.cap, full))
-            self.pending -= full * self.cap
-        if flush and self.pending > 0:
-            ready.append((self.pending, 1))
-            self.pending = 0.0
-        return ready
-
-
-class Simulator:
+class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
     """Simulates one plan; keeps node costs so a one-node change re-simulates fast."""
 
     def __init__(self, plan, graph: OpGraph):
+        with _collector_paused():
+            self._set_up(plan, graph)
+
+    def _set_up(self, plan, graph: OpGraph) -> None:
         check_precision(plan.precision)
         self.plan = plan
         self.graph = graph
@@ -202,6 +145,8 @@ class Simulator:
         self.activation_scale = PRECISIONS[plan.precision][1] / 4
         self._groups = {axis: self._axis_group(axis) for axis in self.mesh.names}
         self._comm_cache: dict[tuple, float] = {}
+        profile = nccl_profile(self.cluster)
+        self._overlap_slowdown = profile.overlap_slowdown if profile is not None else 0.0
         self._segment_list: list[Segment] | None = None  # until a strategy changes
         # MoE layers with a layout are priced by it (cost_model.moe_layers), not by placements.
         self.moe_layers: dict[str, LaidOutLayer] = laid_out_layers(plan, graph, self.micro_batches)
@@ -230,11 +175,19 @@ class Simulator:
 
     def run(self, trace: bool = True) -> SimResult:
         """Simulate one step of the plan with the current strategies."""
+        with _collector_paused():
+            return self._run(trace)
+
+    def _run(self, trace: bool) -> SimResult:
         if self._segment_list is None:
             self._segment_list = self._segments()
         segments = self._segment_list
         tasks, per_device = self._task_graph(segments)
         step = tasks.run()
+        if self._overlap_slowdown:
+            # Compute beside the data-parallel collectives runs slower (cost_model.nccl).
+            tasks.contend(self._overlap_slowdown)
+            step = tasks.run()
         timeline = tuple(
             [TimelineEvent(t.stream[0], t.stream[1], t.name, t.start, t.finish - t.start) for t in tasks.tasks]
         ) if trace else ()
@@ -273,13 +226,13 @@ class Simulator:
         if self._segment_list is None:
             self._segment_list = self._segments()
         for segment in self._segment_list:
-            by_mode = {mode: self._activation_bytes(segment, mode) for mode in RECOMPUTE_MODES}
+            by_mode = {mode: activation_bytes(segment, mode) for mode in RECOMPUTE_MODES}
             profiles.append(SegmentProfile(
                 name=segment.name,
                 block=segment.block,
                 time_s={
-                    mode: segment.forward_s + segment.forward_comm_s + self._backward_time(segment, mode)
-                    + self._backward_comm(segment, mode)
+                    mode: segment.forward_s + segment.forward_comm_s + backward_time(segment, mode)
+                    + backward_comm(segment, mode)
                     for mode in RECOMPUTE_MODES
                 },
                 kept_bytes={mode: kept for mode, (kept, _) in by_mode.items()},
@@ -321,7 +274,6 @@ class Simulator:
         schedule: a move of several nodes (or its undo) runs once, after its last change."""
         old = self.strategies[node_name]
         self.strategies[node_name] = strategy
-        self._segment_list = None
         node = self.nodes[node_name]
         # Only the (tensor, placement) keys this node reads, before or after, can change
         # their first reader; readers that start or stop paying a shared resharding are
@@ -338,8 +290,13 @@ class Simulator:
                 self._first_use[key] = after
             if before != after:
                 moved |= {before, after}
-        for name in {node_name, *self.consumers.get(node_name, []), *(m for m in moved if m)}:
+        recosted = {node_name, *self.consumers.get(node_name, []), *(m for m in moved if m)}
+        for name in recosted:
             self.costs[name] = self._node_cost(self.nodes[name])
+        if self._segment_list is not None:
+            # Only the segments holding a re-costed node, or reading the changed node's
+            # output, change: the rest are kept (the delta simulation's saving).
+            self._segment_list = self._refresh_segments(self._segment_list, recosted)
 
     @staticmethod
     def _read_key(node: OpNode, strategy: NodeStrategy, position: int) -> tuple:
@@ -401,7 +358,7 @@ class Simulator:
             edges.append((position, producer.outputs[0], wanted))
         key = (
             self._signature[node.name], self._kept_for_backward(node.name),
-            strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges),
+            strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges), strategy.layout,
         )
         if key not in self._cache:
             self._cache[key] = self._compute_node_cost(node, strategy, edges)
@@ -485,6 +442,9 @@ class Simulator:
         for position, src, dst in edges:
             self._charge_edge(cost, node.input_meta[position], src, dst)
         self._add_input_gradient_reduction(node, strategy, cost)
+        # Meshes with SUMMA axes: SUMMA matmuls and block norms by their algorithms, and the
+        # gradient sync of weights replicated on a non-dp axis (cost_model.summa_node).
+        add_summa_costs(self, node, strategy, cost, _PARAM_BYTES[self.plan.precision][1])
         return cost
 
     def _charge_edge(self, cost: NodeCost, meta, src, dst) -> None:
@@ -564,336 +524,6 @@ class Simulator:
 
     # ------------------------------------------------------------- segments
 
-    def _segments(self) -> list[Segment]:
-        segments: dict[tuple, Segment] = {}
-        seen_block = False
-        sequence = self.plan.summary.tokens_per_sample
-        dp_index = self.mesh.names.index("dp") if "dp" in self.mesh.names else None
-        for node in self.graph.nodes:
-            strategy = self.strategies[node.name]
-            if node.block is not None:
-                seen_block = True
-                key = ("block",) + node.block
-                label = f"{node.block[0]}.{node.block[1]}"
-            else:
-                key = ("tail",) if seen_block else ("head",)
-                label = "after blocks" if seen_block else "before blocks"
-            segment = segments.get(key)
-            if segment is None:
-                segment = segments[key] = Segment(name=label, stage=strategy.stage, block=node.block is not None)
-            cost = self.costs[node.name]
-            segment.nodes.append(node.name)
-            segment.forward_s += cost.forward_s
-            segment.backward_s += cost.backward_s
-            segment.forward_comm_s += cost.forward_comm_s
-            segment.backward_comm_s += cost.backward_comm_s
-            segment.saved_bytes += cost.saved_bytes
-            for axis, sent in cost.axis_bytes.items():
-                segment.axis_bytes[axis] = segment.axis_bytes.get(axis, 0.0) + sent
-            if sequence and node.output_meta and len(node.output_meta[0].shape) >= 2 and node.output_meta[0].shape[-2:] == (sequence, sequence):
-                segment.score_bytes += cost.saved_bytes  # attention scores: dropped by selective recompute
-                segment.score_forward_s += cost.forward_s
-            layer = self._moe_layer_of.get(node.name)
-            for name, placements in strategy.params.items():
-                meta = self.graph.parameters.get(name)
-                if meta is None:
-                    continue
-                if layer is not None and name in layer.expert_weights:
-                    # The layout says which experts (or which slice of each) a device holds.
-                    segment.params[name] = meta.numel * layer.param_fraction
-                    if layer.gradients_synced:
-                        if dp_index is not None:
-                            segment.dp_synced.add(name)
-                    else:
-                        segment.per_rank.add(name)
-                    continue
-                shards = math.prod(size for (axis, size), p in zip(self.mesh.axes, placements) if isinstance(p, Shard))
-                segment.params[name] = meta.numel / shards
-                # The loss depends on every rank's own samples, so the gradient of every
-                # weight replicated over dp is a partial sum there, whatever its op's output.
-                if dp_index is not None and isinstance(placements[dp_index], Replicate):
-                    segment.dp_synced.add(name)
-        in_block = {name for segment in segments.values() if segment.block for name in segment.nodes}
-        for segment in segments.values():
-            members = set(segment.nodes)
-            sources = {
-                source
-                for name in segment.nodes
-                for position, source in enumerate(self.nodes[name].inputs)
-                if source in self.nodes and source not in members and self.nodes[name].input_meta[position].dtype.is_floating_point
-            }
-            for source in sources:
-                size = self._output_bytes(self.nodes[source], self.strategies[source])
-                segment.input_bytes += size
-                if source in in_block:
-                    # Made inside another block, which recomputation does not keep: this
-                    # block's checkpoint holds it. (Values made around the blocks are kept
-                    # by their own segment already.)
-                    segment.checkpoint_bytes += size
-        return list(segments.values())
-
-    def _output_bytes(self, node: OpNode, strategy: NodeStrategy) -> float:
-        """Bytes of one micro-batch of ``node``'s floating-point outputs on one device."""
-        return sum(
-            meta.nbytes * self.activation_scale / self._shard_factor(placements) / self.micro_batches
-            for meta, placements in zip(node.output_meta, strategy.outputs)
-            if meta.dtype.is_floating_point
-        )
-
-    # ----------------------------------------------------------- task graph
-
-    def _task_graph(self, segments: list[Segment]) -> tuple[TaskGraph, dict[str, list[Segment]]]:
-        graph = TaskGraph()
-        stages_total = self.pp * self.chunks
-        chunk_segments: dict[int, list[Segment]] = {vs: [] for vs in range(stages_total)}
-        for segment in segments:
-            chunk_segments[min(segment.stage, stages_total - 1)].append(segment)
-        fsdp = self.plan.dp_flavour == "fsdp" and self.dp > 1
-        sync_every = self._syncs_every_micro_batch()
-        forward_done: dict[tuple[int, int], int] = {}
-        backward_done: dict[tuple[int, int], int] = {}
-        per_device: dict[str, list[Segment]] = {}
-        boundary = {vs: self._boundary_bytes(chunk_segments, vs) for vs in range(stages_total - 1)}
-        orders = {
-            stage: pipeline_schedule(self.schedule_name, stage, self.pp, self.micro_batches, self.chunks)
-            for stage in range(self.pp)
-        }
-        positions = {stage: 0 for stage in range(self.pp)}
-        sync_after: dict[str, list[int]] = {}
-        # Walk the devices round-robin so a task's cross-stage dependencies exist when it is added.
-        while any(positions[s] < len(orders[s]) for s in orders):
-            progressed = False
-            for stage, order in orders.items():
-                device = f"stage {stage}"
-                per_device.setdefault(device, [s for vs, segs in chunk_segments.items() if vs % self.pp == stage for s in segs])
-                while positions[stage] < len(order):
-                    kind, mb, chunk = order[positions[stage]]
-                    vs = chunk * self.pp + stage
-                    if kind == "F":
-                        upstream = forward_done.get((mb, vs - 1)) if vs > 0 else None
-                        if vs > 0 and upstream is None:
-                            break
-                        deps = [self._p2p(graph, vs - 1, upstream, boundary[vs - 1], f"send act mb{mb}")] if vs > 0 else []
-                        forward_done[(mb, vs)] = self._forward(graph, device, chunk_segments[vs], mb, deps, fsdp)
-                    else:
-                        if vs < stages_total - 1:
-                            downstream = backward_done.get((mb, vs + 1))
-                            if downstream is None:
-                                break
-                            deps = [self._p2p(graph, vs + 1, downstream, boundary[vs], f"send grad mb{mb}")]
-                        else:
-                            deps = []
-                        deps.append(forward_done[(mb, vs)])
-                        sync = sync_every or mb == self.micro_batches - 1
-                        split = fsdp or sync  # per-segment tasks feed gradient syncs
-                        backward_done[(mb, vs)] = self._backward(
-                            graph, device, chunk_segments[vs], mb, deps, self.plan.recompute_at(vs), fsdp, split,
-                            sync_after, sync,
-                        )
-                    positions[stage] += 1
-                    progressed = True
-            if not progressed:
-                raise RuntimeError("pipeline schedule deadlocked: a stage waits for work no stage can do")
-        for stage in range(self.pp):
-            device = f"stage {stage}"
-            state_bytes = self._optimizer_state_bytes(per_device[device])
-            step = graph.add("optimizer step", (device, "compute"), optimizer_step_time(state_bytes, self.device),
-                             deps=sync_after.get(device, []), kind="optimizer")
-            if self.plan.dp_flavour in ("zero1", "zero2") and self.dp > 1:
-                gathered = sum(s.shardable_elements() for s in per_device[device]) * _PARAM_BYTES[self.plan.precision][0]
-                graph.add("all-gather updated weights", (device, "collective"), self._collective("all_gather", gathered, "dp"), deps=[step], kind="comm")
-        return graph, per_device
-
-    def _syncs_every_micro_batch(self) -> bool:
-        """Whether gradients are reduced over ``dp`` after every micro-batch of an
-        accumulating step (no pipeline): FSDP2 (FSDP, ZeRO-2) reduce-scatters each one into
-        its sharded gradients, and graph programs (a label: searched or Megatron layouts)
-        reduce in each parameter's gradient hook; DDP syncs once, after the last."""
-        if self.plan.pipeline is not None or self.dp == 1:
-            return False
-        return self.plan.dp_flavour in ("zero2", "fsdp") or bool(self.plan.label)
-
-    def _p2p(self, graph: TaskGraph, vs: int, after: int, size_bytes: float, name: str) -> int:
-        # Activations and gradients travel on separate streams (as NCCL's send/recv on
-        # separate communicators), so one never waits behind the other.
-        device = f"stage {vs % self.pp}"
-        stream = "p2p act" if name.startswith("send act") else "p2p grad"
-        stride = self.mesh.size // self.pp
-        src, dst = (vs % self.pp) * stride, ((vs + 1) % self.pp) * stride
-        key = ("send_recv", size_bytes, src, dst)
-        if key not in self._comm_cache:
-            self._comm_cache[key] = collective_time("send_recv", size_bytes, self.cluster, [src, dst]) if src != dst else 0.0
-        seconds = self._comm_cache[key]
-        return graph.add(name, (device, stream), seconds, deps=[after], kind="p2p")
-
-    def _forward(self, graph: TaskGraph, device: str, segments: list[Segment], mb: int, deps: list[int], fsdp: bool) -> int:
-        last = None
-        for position, segment in enumerate(segments):
-            segment_deps = list(deps) if last is None else [last]
-            if fsdp:
-                prefetch_after = [] if position < 2 else [last]
-                segment_deps.append(self._fsdp_gather(graph, device, segment, prefetch_after, f"all-gather {segment.name}"))
-            compute = graph.add(f"F{mb} {segment.name}", (device, "compute"), segment.forward_s, deps=segment_deps)
-            last = graph.add(f"F{mb} {segment.name} tp-comm", (device, "compute"), segment.forward_comm_s, deps=[compute], kind="tp_comm") if segment.forward_comm_s else compute
-        return last if last is not None else graph.add(f"F{mb} (empty)", (device, "compute"), 0.0, deps=deps)
-
-    def _backward(self, graph, device, segments, mb, deps, recompute, fsdp, split, sync_after, sync) -> int:
-        last = None
-        if not split:  # one task for the whole chunk: nothing needs per-segment timing
-            duration = sum(self._backward_time(s, recompute) for s in segments)
-            comm = sum(self._backward_comm(s, recompute) for s in segments)
-            compute = graph.add(f"B{mb}", (device, "compute"), duration, deps=deps)
-            return graph.add(f"B{mb} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
-        bucket = _Bucket()
-        for position, segment in enumerate(reversed(segments)):
-            segment_deps = list(deps) if last is None else [last]
-            if fsdp:
-                segment_deps.append(self._fsdp_gather(graph, device, segment, [] if last is None else [last], f"all-gather {segment.name} (bwd)"))
-            compute = graph.add(f"B{mb} {segment.name}", (device, "compute"), self._backward_time(segment, recompute), deps=segment_deps)
-            comm = self._backward_comm(segment, recompute)
-            last = graph.add(f"B{mb} {segment.name} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
-            if self.dp == 1 or not sync:
-                continue
-            grads = sum(segment.params[name] for name in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
-            final = position == len(segments) - 1
-            ready = bucket.fill(grads, per_unit=fsdp, flush=final)
-            if ready:
-                # The buckets a segment fills are all ready when its backward ends and run one
-                # after another on the collective stream: one task of all of them.
-                sync_after.setdefault(device, []).append(self._gradient_sync(graph, device, segment.name, ready, last))
-        return last
-
-    def _backward_comm(self, segment: Segment, recompute: str) -> float:
-        """Tensor-parallel communication of a segment's backward; a fully recomputed block
-        runs its forward collectives again."""
-        if segment.block and recompute == "full":
-            return segment.backward_comm_s + segment.forward_comm_s
-        return segment.backward_comm_s
-
-    def _backward_time(self, segment: Segment, recompute: str) -> float:
-        if not segment.block:
-            return segment.backward_s  # only repeated blocks are checkpointed (as compiled)
-        if recompute == "full":
-            return segment.backward_s + segment.forward_s
-        if recompute == "selective":
-            return segment.backward_s + segment.score_forward_s
-        return segment.backward_s
-
-    def _fsdp_gather(self, graph, device, segment, deps, name) -> int:
-        size = segment.shardable_elements() * _PARAM_BYTES[self.plan.precision][0]
-        return graph.add(name, (device, "collective"), self._collective("all_gather", size, "dp"), deps=deps, kind="comm")
-
-    def _gradient_sync(self, graph, device, name: str, buckets: list[tuple[float, int]], after: int) -> int:
-        """Data-parallel reduction of the gradient buckets (bytes, count) one segment's
-        backward filled, once that backward is done: each bucket is its own collective."""
-        kind = "reduce_scatter" if self.plan.dp_flavour in ("zero2", "fsdp") else "all_reduce"
-        pieces = [(self._collective(kind, size, "dp"), count) for size, count in buckets]
-        count = sum(count for _, count in buckets)
-        label = f"{kind.replace('_', '-')} grads ({name}{f', {count} buckets' if count > 1 else ''})"
-        return graph.add_pieces(label, (device, "collective"), pieces, deps=[after], kind="comm")
-
-    def _boundary_bytes(self, chunk_segments: dict[int, list[Segment]], vs: int) -> float:
-        """Activation bytes a micro-batch carries from virtual stage ``vs`` to ``vs + 1``."""
-        following = chunk_segments.get(vs + 1, [])
-        return following[0].input_bytes if following else 0.0
-
-    # ---------------------------------------------------------------- memory
-
-    def _optimizer_state_bytes(self, segments: list[Segment]) -> float:
-        weights, grads, states = _PARAM_BYTES[self.plan.precision]
-        elements = sum(sum(s.params.values()) for s in segments)
-        shardable = sum(s.shardable_elements() for s in segments)
-        shard = self.dp if self.plan.dp_flavour in ("zero1", "zero2", "fsdp") else 1
-        return (shardable / shard + elements - shardable) * (weights + grads + states)
-
-    def _stage_memory(self, all_segments: list[Segment], stage: int, segments: list[Segment]) -> MemoryBreakdown:
-        weight_b, grad_b, state_b = _PARAM_BYTES[self.plan.precision]
-        params: dict[str, float] = {}
-        per_rank: set[str] = set()
-        for segment in segments:
-            params.update(segment.params)
-            per_rank |= segment.per_rank
-        elements = sum(params.values())
-        own = sum(count for name, count in params.items() if name in per_rank)  # never sharded over dp
-        shared = elements - own
-        flavour, dp = self.plan.dp_flavour, self.dp
-        weights = shared * weight_b / (dp if flavour == "fsdp" else 1) + own * weight_b
-        grads = shared * grad_b / (dp if flavour in ("zero2", "fsdp") else 1) + own * grad_b
-        states = shared * state_b / (dp if flavour in ("zero1", "zero2", "fsdp") else 1) + own * state_b
-        buffers_state = sum(meta.nbytes for meta in self.graph.buffers.values()) if stage == 0 else 0
-        activations = self._peak_activations(stage, segments)
-        if flavour == "fsdp" and dp > 1:
-            largest = max((s.shardable_elements() for s in segments), default=0.0)
-            comm = 2 * largest * weight_b
-        elif dp > 1:
-            comm = min(defaults.DDP_BUCKET_BYTES, elements * grad_b)
-        else:
-            comm = 0.0
-        if self.pp > 1:
-            comm += 2 * max((s.input_bytes for s in segments), default=0.0)
-        # One MoE layer dispatches at a time: the largest of their buffers.
-        comm += max((layer.buffer_bytes for layer in self.moe_layers.values()), default=0.0)
-        return MemoryBreakdown(
-            weights=int(weights + buffers_state),
-            gradients=int(grads),
-            optimizer_states=int(states),
-            activations=int(activations),
-            communication_buffers=int(comm),
-        )
-
-    @staticmethod
-    def _activation_bytes(segment: Segment, recompute: str) -> tuple[float, float]:
-        """(bytes a micro-batch keeps for backward, bytes alive only while it recomputes)."""
-        if not segment.block:
-            return segment.saved_bytes, 0.0  # ops around the blocks keep their activations
-        if recompute == "full":
-            return segment.checkpoint_bytes, segment.saved_bytes
-        if recompute == "selective":
-            return segment.saved_bytes - segment.score_bytes, segment.score_bytes
-        return segment.saved_bytes, 0.0
-
-    def _peak_activations(self, stage: int, segments: list[Segment]) -> float:
-        """Peak bytes held for backward by the micro-batches in flight on this device."""
-        chunk_bytes: dict[int, float] = {}
-        transient = 0.0
-        for segment in segments:
-            chunk = segment.stage // self.pp
-            kept, recomputed = self._activation_bytes(segment, self.plan.recompute_at(segment.stage))
-            transient = max(transient, recomputed)
-            chunk_bytes[chunk] = chunk_bytes.get(chunk, 0.0) + kept
-        held = peak = 0.0
-        for kind, _, chunk in pipeline_schedule(self.schedule_name, stage, self.pp, self.micro_batches, self.chunks):
-            held += chunk_bytes.get(chunk, 0.0) if kind == "F" else -chunk_bytes.get(chunk, 0.0)
-            peak = max(peak, held)
-        return peak + transient
-
-    def _bytes_per_axis(self, segments: list[Segment]) -> dict[str, float]:
-        """Bytes a device of the busiest stage sends per step, by mesh axis."""
-        totals: dict[str, float] = {}
-        by_stage: dict[int, dict[str, float]] = {}
-        for segment in segments:
-            stage_totals = by_stage.setdefault(segment.stage % self.pp, {})
-            for axis, sent in segment.axis_bytes.items():
-                stage_totals[axis] = stage_totals.get(axis, 0.0) + sent * self.micro_batches
-            if self.dp > 1 and segment.dp_synced:
-                grads = sum(segment.params[n] for n in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
-                # fsdp: all-gather twice + reduce-scatter; zero1: all-reduce + all-gather of the
-                # updated weights; ddp: all-reduce; zero2: reduce-scatter + all-gather. Gradient
-                # accumulation (no pipeline) repeats FSDP's gathers and FSDP2's reduce-scatters
-                # for every micro-batch.
-                flavour = self.plan.dp_flavour
-                gathers = self.micro_batches if self.plan.pipeline is None else 1  # FSDP's, per micro-batch
-                reductions = self.micro_batches if self._syncs_every_micro_batch() else 1
-                units = {"fsdp": 2 * gathers + reductions, "zero1": 2 * reductions + 1, "zero2": reductions + 1, "ddp": 2 * reductions}[flavour]
-                factor = units * (self.dp - 1) / self.dp
-                stage_totals["dp"] = stage_totals.get("dp", 0.0) + grads * factor
-            if self.pp > 1:
-                stage_totals["pp"] = stage_totals.get("pp", 0.0) + 2 * segment.input_bytes * self.micro_batches
-        for stage_totals in by_stage.values():
-            for axis, sent in stage_totals.items():
-                totals[axis] = max(totals.get(axis, 0.0), sent)
-        return totals
-
 
 def simulate_plan(plan, graph: OpGraph) -> SimResult:
     """Simulate ``plan`` (whose strategies were built for ``graph``)."""
@@ -907,3 +537,4 @@ def simulated(plan, graph: OpGraph):
         plan, estimate=simulator.run(), strategies=simulator.annotated_strategies(),
         expert_layouts=simulator.annotated_expert_layouts(),
     )
+

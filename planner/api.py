@@ -52,6 +52,7 @@ def plan(
     seed: int = 0,
     progress: bool = True,
     routing: Any = None,
+    tp_layouts: str = "auto",
 ) -> Plan:
     """Find how to train ``model`` on ``cluster``.
 
@@ -93,6 +94,10 @@ def plan(
             hot experts, e.g. ``"zipf:1.2"``), the path of a statistics file
             (``planner.routing``; layers it does not cover are uniform) or a
             ``RoutingStats``. The plan records the source and each layer's loads.
+        tp_layouts: the tensor-parallel layouts of matmul-like ops: ``"auto"`` (1-D and
+            2-D/2.5-D/3-D SUMMA layouts compete, SUMMA meshes only where they can matter),
+            ``"summa"`` (SUMMA layouts wherever the mesh allows them, SUMMA meshes only) or
+            ``"1d"`` (Megatron-style 1-D splits only); see ``search.summa_meshes``.
 
     Returns:
         The chosen ``Plan``; ``plan.report()`` explains it.
@@ -116,6 +121,12 @@ def plan(
     if time_budget_s is not None:
         time_budget_s = arguments.positive_finite(time_budget_s, "time_budget_s", "seconds")
     seed = arguments.integer_at_least(seed, "seed", 0)
+    tp_layouts = arguments.one_of(tp_layouts, ("auto", "summa", "1d"), "tp_layouts")
+    if tp_layouts == "summa" and (search == "dp" or dp_flavour is not None):
+        raise ArgumentError(
+            "tp_layouts='summa' asks for tensor-parallel layouts, which a data-parallel plan (search='dp' or a "
+            "dp_flavour) does not have; drop one of them"
+        )
     arguments.boolean(progress, "progress")
     routing_option = read_routing_option(routing)
     budget = SearchBudget(effort=effort, wall_clock_cap_s=time_budget_s)
@@ -155,6 +166,7 @@ def plan(
             chosen = search_plan(
                 graph, cluster, spec, name, search=search, budget=budget, seed=seed,
                 warnings=warnings, precision=precision, on_progress=searching, routing=routing_stats,
+                tp_layouts=tp_layouts,
             )
     total_s = time.perf_counter() - budget.started
     return dataclasses.replace(chosen, timings={"trace_s": traced_s, "search_s": total_s - traced_s, "total_s": total_s})

@@ -1,4 +1,5 @@
-"""Command line: ``planner plan``, ``planner compile``, ``planner presets``, ``planner profile``.
+"""Command line: ``planner plan``, ``planner compile``, ``planner presets``, ``planner profile``,
+``planner compare``, ``planner calibrate``.
 
 Every error caused by the input (flags included) is one line on stderr, ``error: ...``, and
 exit status 2; an unexpected failure inside soap-planner is one line too (exit 3), with the
@@ -59,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: CP-SAT per mesh then MCMC refinement (default); ilp: CP-SAT only; mcmc: simulator-scored "
         "Metropolis-Hastings; dp: data parallelism only (DDP, ZeRO-1, ZeRO-2 or FSDP)",
+    )
+    plan.add_argument(
+        "--tp-layouts", choices=("auto", "summa", "1d"), default="auto", dest="tp_layouts",
+        help="tensor-parallel layouts of matmul-like ops: auto (1-D and 2-D/2.5-D/3-D SUMMA layouts compete, "
+        "default), summa (SUMMA layouts wherever the mesh allows them, on SUMMA meshes only), 1d (1-D splits only)",
     )
     plan.add_argument(
         "--effort", default=1.0, metavar="X", type=flag_type(float, positive_finite, "a positive finite number"),
@@ -147,7 +153,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write it (.toml or .json); an existing file is replaced only if soap-planner wrote it",
     )
     profile.add_argument("--force", action="store_true", help="let -o overwrite a file soap-planner did not write")
+    add_measurement_commands(commands)
+
+    export = commands.add_parser(
+        "export-checkpoint",
+        help="write a training checkpoint's weights as one plain state_dict file",
+        description="Gather the weights of a checkpoint saved by launch.py --checkpoint-dir (any plan, any world "
+        "size) into one state_dict that loads into the model built from the spec (torch.load(..., weights_only=True)).",
+    )
+    export.add_argument("checkpoint", metavar="DIR", help="a step-<N> checkpoint folder, or the --checkpoint-dir (its latest)")
+    export.add_argument("-o", "--output", required=True, metavar="FILE", help="the state_dict file to write (e.g. model.pt)")
+    export.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     return parser
+
+
+def add_measurement_commands(commands) -> None:
+    """``planner compare`` and ``planner calibrate`` (``planner.compare``)."""
+    compare = commands.add_parser(
+        "compare",
+        help="show predicted against measured time per part, per collective and per step",
+        description="Simulate PLAN and set its step, compute by op class and collectives beside what "
+        "`launch.py --steps N --profile MEASURED` measured, with the error of each.",
+    )
+    compare.add_argument("plan", metavar="PLAN", help="a plan file (planner plan -o, or a compiled folder's plan.json)")
+    compare.add_argument("measured", metavar="MEASURED", help="measured.json from launch.py --profile")
+    compare.add_argument("--cluster", default=None, metavar="CLUSTER",
+                         help="simulate on this cluster instead of the plan's (e.g. a calibrated.toml)")
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="fit the cost model's efficiencies to measured runs and write a cluster file",
+        description="Fit the matmul and memory efficiencies, the per-kernel overhead and the link's latency and "
+        "bandwidth of CLUSTER so the simulated step times of the measured plans match their measurements "
+        "(see cost_model/calibration.py); write the calibrated cluster file.",
+    )
+    calibrate.add_argument("measured", metavar="MEASURED", nargs="+", help="measured.json files from launch.py --profile")
+    calibrate.add_argument("--cluster", required=True, metavar="CLUSTER",
+                           help="the cluster to calibrate: PRESET[:NODESxDEVICES] or a cluster file")
+    calibrate.add_argument("-o", "--output", required=True, metavar="CLUSTER_FILE", help="where to write it (.toml or .json)")
+    calibrate.add_argument("--force", action="store_true", help="let -o overwrite a file soap-planner did not write")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,6 +230,10 @@ def _run(options: argparse.Namespace) -> int:
         return _simulate(options)
     if options.command == "profile":
         return _profile(options)
+    if options.command in ("compare", "calibrate"):
+        return _compare(options) if options.command == "compare" else _calibrate(options)
+    if options.command == "export-checkpoint":
+        return _export_checkpoint(options)
     if options.command == "compile":
         from planner.outputs import check_program_folder
 
@@ -200,6 +247,26 @@ def _run(options: argparse.Namespace) -> int:
         print(f"next: {_command('torchrun', '--nproc_per_node', plan.world_size, f'{out}/launch.py', '--check')}")
         return 0
     raise AssertionError(f"unhandled command {options.command}")
+
+
+def _export_checkpoint(options: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    output = Path(options.output)
+    if output.is_dir():
+        raise ArgumentError(f"-o {output} is a folder; give a file name such as model.pt")
+    if output.exists() and not options.force:
+        raise ArgumentError(f"-o {output} exists; pass --force to overwrite it")
+    if not output.resolve().parent.is_dir():
+        raise ArgumentError(f"-o {output}: folder '{output.resolve().parent}' does not exist; create it first")
+    if not Path(options.checkpoint).is_dir():
+        raise ArgumentError(f"no folder '{options.checkpoint}'; give a checkpoint folder written by launch.py --checkpoint-dir")
+    from codegen.runtime.checkpoint import export_checkpoint
+
+    step, count = export_checkpoint(Path(options.checkpoint), output)
+    print(f"wrote {count} tensors (the weights after step {step}) to {output}")
+    print(f"load them with model.load_state_dict(torch.load({str(output)!r}, weights_only=True))")
+    return 0
 
 
 def _plan(options: argparse.Namespace) -> int:
@@ -227,6 +294,7 @@ def _plan(options: argparse.Namespace) -> int:
     plan = make_plan(
         spec, cluster, dp_flavour=options.dp, precision=options.precision, search=options.search,
         effort=options.effort, time_budget_s=options.time_budget, seed=options.seed, progress=True, routing=routing,
+        tp_layouts=options.tp_layouts,
     )
     print(plan.report())
     if options.output is not None:
@@ -252,6 +320,7 @@ def _next_steps(plan, options: argparse.Namespace) -> list[str]:
         for flag, value, default in (
             ("--dp", options.dp, None), ("--search", options.search, "auto"), ("--precision", options.precision, "auto"),
             ("--effort", options.effort, 1.0), ("--seed", options.seed, 0), ("--routing", options.routing, None),
+            ("--tp-layouts", options.tp_layouts, "auto"),
         ):
             if value != default:
                 settings += [flag, f"{value:g}" if isinstance(value, float) else value]
@@ -287,6 +356,37 @@ def _profile(options: argparse.Namespace) -> int:
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     print(f"wrote {output}; next: planner plan examples/gpt.py --cluster {output}")
+    return 0
+
+
+def _compare(options: argparse.Namespace) -> int:
+    from planner.cluster import Cluster
+    from planner.compare import compare, format_comparison, load_measured, plan_and_graph
+    from planner.plans import load_plan
+
+    cluster = Cluster.parse(options.cluster) if options.cluster else None
+    run = load_measured(options.measured)
+    plan = load_plan(options.plan)  # relative model sources resolved against the plan's folder
+    with _status(f"simulating {plan.name}"):
+        plan, graph = plan_and_graph(plan.to_dict(), options.plan, cluster)
+        parts = compare(plan, graph, run)
+    print(format_comparison(parts, run, plan.name))
+    return 0
+
+
+def _calibrate(options: argparse.Namespace) -> int:
+    from planner.cluster import Cluster
+    from planner.compare import calibrate, calibration_cases, check_cluster_output, format_fit, load_runs
+
+    cluster = Cluster.parse(options.cluster)
+    output = check_cluster_output(options.output, options.force)  # before any work
+    runs = load_runs(options.measured)
+    with _status(f"fitting {len(runs)} measured run(s)"):
+        cases = calibration_cases(runs)
+        calibrated, fit = calibrate(runs, cluster, cases)
+    calibrated.save(output, comment=f"calibrated by `planner calibrate` on {len(runs)} measured run(s)", force=options.force)
+    print(format_fit(fit, cases))
+    print(f"wrote {output}; next: planner plan MODEL --cluster {output}")
     return 0
 
 

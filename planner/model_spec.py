@@ -491,6 +491,34 @@ def _normalise_result(result: Any, where: str) -> tuple[nn.Module, tuple, dict]:
     return model, tuple(args), dict(kwargs)
 
 
+# True inside parameters_on_meta(): a parameter on meta is then expected, not a factory's mistake.
+_BUILDING_PARAMETERS_ON_META = False
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Within this block, every parameter a module registers is moved to the meta device
+    (buffers stay where they are built). Modules allocate a parameter with ``torch.empty``
+    before registering it; that memory is never written, so it costs no resident pages, and
+    their ``reset_parameters`` then runs on meta (no work). Generated programs build this way
+    and then materialise only their shards (``codegen.runtime.materialize``)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    global _BUILDING_PARAMETERS_ON_META
+    nn.Module.register_parameter = register_on_meta
+    _BUILDING_PARAMETERS_ON_META = True
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+        _BUILDING_PARAMETERS_ON_META = False
+
+
 def _check_device(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, where: str) -> None:
     """Check that the factory honoured ``torch.device(device)``.
 
@@ -501,6 +529,8 @@ def _check_device(model: nn.Module, args: tuple, kwargs: dict, device: torch.dev
     named += [(f"input {index}", value) for index, value in enumerate(args)]
     named += [(f"input {key!r}", value) for key, value in kwargs.items()]
     for name, value in named:
+        if _BUILDING_PARAMETERS_ON_META and isinstance(value, nn.Parameter) and value.device.type == "meta":
+            continue
         if isinstance(value, torch.Tensor) and value.device.type != device.type:
             raise SpecError(
                 f"{where} created {name} on {value.device} while building on {device}; create tensors "

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.moe_report import moe_notes, moe_table
+from planner.summa_report import has_summa_layouts, summa_table
 from planner.strategy import NodeStrategy
 from planner.units import format_bytes, format_count, format_flops, format_seconds
 from planner.verdict import findings, plan_family, plan_label, verdict
@@ -77,6 +78,8 @@ def render_report(plan: "Plan", width: int = REPORT_WIDTH) -> str:
     for label, text in details:
         console.print(_paragraph(f"{label:<9} {text}", width, indent="  ", hanging=" " * 12))
     console.print(_strategy_table(plan))
+    if has_summa_layouts(plan):
+        console.print(summa_table(plan))
     if plan.expert_layouts:
         console.print(moe_table(plan))
         for line in moe_notes(plan):

@@ -36,6 +36,10 @@ from search.megatron import megatron_baseline
 from search.pipeline_search import pipeline_plans
 from search.plan_builder import input_placements, unsimulated_plan
 from search.runners_up import runners_up
+from search.rules.summa import is_summa_mesh
+from search.summa_hint import summa_hint
+from search.summa_meshes import TP_LAYOUTS, summa_meshes
+from search.summa_savings import savings_text
 
 SEARCHES = ("auto", "ilp", "mcmc")
 
@@ -57,11 +61,16 @@ def candidate_meshes(cluster: Cluster, batch_size: int) -> list[Mesh]:
     return meshes
 
 
-def node_strategies(graph: OpGraph, mesh: Mesh, only: set[str] | None = None) -> dict[str, list[NodeStrategy]]:
+def node_strategies(graph: OpGraph, mesh: Mesh, only: set[str] | None = None,
+                    tp_layouts: str = "auto") -> dict[str, list[NodeStrategy]]:
     """Candidate strategies on ``mesh`` from the rule registry (all-replicate first), for
     every node or for the nodes in ``only``. On the ``dp`` axis weights stay replicated:
-    sharding them there is what the FSDP/ZeRO flavours do; weights split on ``tp``."""
+    sharding them there is what the FSDP/ZeRO flavours do; weights split on ``tp``.
+
+    On a mesh with SUMMA axes the block-layout strategies (``search.rules.summa``) are
+    added; with ``tp_layouts="summa"`` a linear that has SUMMA strategies gets only those."""
     from search.rules import candidates
+    from search.rules.summa import LINEAR_OPS, summa_candidates
 
     dp = mesh.names.index("dp") if "dp" in mesh.names else None
     strategies: dict[str, list[NodeStrategy]] = {}
@@ -82,6 +91,12 @@ def node_strategies(graph: OpGraph, mesh: Mesh, only: set[str] | None = None) ->
                 for param, source in zip(node.params, node.param_inputs)
             }
             options.append(NodeStrategy(node=node.name, op=node.op, module=node.module, inputs=inputs, outputs=outputs, params=params))
+        summa = summa_candidates(node, mesh)
+        if summa and tp_layouts == "summa" and node.op in LINEAR_OPS:
+            options = summa
+        else:
+            known = {(s.inputs, s.outputs) for s in options}
+            options += [s for s in summa if s.layout is not None or (s.inputs, s.outputs) not in known]
         strategies[node.name] = options
     return strategies
 
@@ -99,6 +114,7 @@ def search_plan(
     precision: str = "fp32",
     on_progress: Callable[[str, float], None] | None = None,
     routing: RoutingStats | None = None,
+    tp_layouts: str = "auto",
 ) -> Plan:
     """The fastest plan that fits, over meshes, per-op shardings and data-parallel flavours.
 
@@ -111,6 +127,9 @@ def search_plan(
         on_progress: called with (what is being searched, fraction of the meshes done).
         routing: routing statistics of the MoE layers (uniform when None), from which the
             ``moe`` family (``search.moe_search``) chooses each layer's layout.
+        tp_layouts: ``"auto"`` (SUMMA meshes beside the 1-D ones where they can matter),
+            ``"summa"`` (SUMMA meshes only, linears in SUMMA layouts; no baselines,
+            pipelines or data-parallel plans compete) or ``"1d"`` (``search.summa_meshes``).
 
     Raises:
         PlanningError: nothing fits on any mesh (the message says how much memory the
@@ -119,7 +138,18 @@ def search_plan(
     if search not in SEARCHES:
         raise PlanningError(f"search must be one of {', '.join(SEARCHES)}, got '{search}'")
     budget = budget or SearchBudget()
-    meshes = candidate_meshes(cluster, graph.batch_size)
+    if tp_layouts not in TP_LAYOUTS:
+        raise PlanningError(f"tp_layouts must be one of {', '.join(TP_LAYOUTS)}, got {str(tp_layouts)[:20]!r}")
+    summa = summa_meshes(graph, cluster, precision, tp_layouts)
+    if tp_layouts == "summa":
+        if not summa:
+            raise PlanningError(
+                f"no 2-D/2.5-D/3-D tensor-parallel mesh fits {cluster.world_size} devices and a batch of "
+                f"{graph.batch_size}: SUMMA needs q x q x d devices (q >= 2) with the batch divisible by the "
+                f"devices its rows split over; use --tp-layouts auto, or a device count such as 4, 8 or 16"
+            )
+        return _summa_only_plan(graph, cluster, spec, model_name, summa, search, budget, seed, warnings, precision)
+    meshes = candidate_meshes(cluster, graph.batch_size) + summa
     if not meshes:
         raise PlanningError(
             f"the global batch of {graph.batch_size} does not split over any data-parallel degree of the "
@@ -167,6 +197,7 @@ def search_plan(
     if on_progress:
         on_progress("done", 1.0)
     summary = f"{search} search (effort {budget.effort:g}) over {len(meshes)} mesh(es): " + "; ".join(notes)
+    summary += _with_savings(best, graph)
     cut = budget.cut_warning()
     return dataclasses.replace(
         best,
@@ -178,12 +209,52 @@ def search_plan(
     )
 
 
-def _searched_plan(graph, cluster, spec, model_name, mesh, search, budget: SearchBudget, seed, warnings, precision, notes) -> list[Plan]:
+def plan_on_mesh(graph: OpGraph, cluster: Cluster, mesh: Mesh, *, tp_layouts: str = "auto", search: str = "ilp",
+                 precision: str = "bf16", effort: float = 1.0, model_name: str = "model", spec: ModelSpec | None = None) -> Plan:
+    """The searched plan of one given mesh, simulated (for studies and benchmarks that
+    compare layouts on meshes the outer search might not pick, e.g. 1-D over 64 devices).
+
+    Args:
+        mesh: any mesh over the cluster's devices (SUMMA axes included).
+        tp_layouts: as in ``search_plan`` (``"summa"``: linears in SUMMA layouts only).
+        search: ``"ilp"``, ``"mcmc"`` or ``"auto"``.
+    """
+    if tp_layouts not in TP_LAYOUTS:
+        raise PlanningError(f"tp_layouts must be one of {', '.join(TP_LAYOUTS)}, got {str(tp_layouts)[:20]!r}")
+    plans = _searched_plan(graph, cluster, spec, model_name, mesh, search, SearchBudget(effort=effort), 0, (), precision, [],
+                           tp_layouts=tp_layouts)
+    return plans[0]
+
+
+def _summa_only_plan(graph, cluster, spec, model_name, meshes, search, budget: SearchBudget, seed, warnings, precision) -> Plan:
+    """``tp_layouts="summa"``: the fastest fitting plan over the SUMMA meshes alone (the
+    fastest of all when none fits, so the report can say by how much)."""
+    plans, notes = [], []
+    for position, mesh in enumerate(meshes):
+        share = budget.share(len(meshes) - position)
+        plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, share, seed, warnings, precision, notes,
+                                tp_layouts="summa")
+    fitting = [plan for plan in plans if plan.estimate.fits]
+    if not fitting:
+        raise does_not_fit(cluster, {_key(plan): plan.estimate for plan in plans})
+    best = min(fitting, key=lambda plan: plan.estimate.step_time_s)
+    summary = f"{search} search (effort {budget.effort:g}) over {len(meshes)} SUMMA mesh(es) (--tp-layouts summa): " + "; ".join(notes)
+    summary += _with_savings(best, graph)
+    cut = budget.cut_warning()
+    return dataclasses.replace(
+        best, runners_up=runners_up(best, plans, []),
+        warnings=tuple(dict.fromkeys((*warnings, *best.warnings, *((cut,) if cut else ())))), search_summary=summary,
+    )
+
+
+def _searched_plan(graph, cluster, spec, model_name, mesh, search, budget: SearchBudget, seed, warnings, precision, notes,
+                   tp_layouts: str = "auto") -> list[Plan]:
     """The searched plan of one mesh (and its recomputing variant). CP-SAT starts from a
-    layout built directly (Megatron's with tp, data parallelism without) and falls back to it,
-    so every mesh gets a plan; the simulator then says whether it fits."""
+    layout built directly (Megatron's with tp, data parallelism without, SUMMA's on a SUMMA
+    mesh) and falls back to it, so every mesh gets a plan; the simulator then says whether
+    it fits."""
     representative = block_representatives(graph)
-    strategies_of = node_strategies(graph, mesh, only=set(representative.values()))
+    strategies_of = node_strategies(graph, mesh, only=set(representative.values()), tp_layouts=tp_layouts)
     seed_strategies, inputs = combine(graph, mesh, {"dp": _dp_axis(graph)} if "dp" in mesh.names else {})
     skeleton = unsimulated_plan(graph, cluster, spec, model_name, mesh, seed_strategies, inputs, precision=precision, warnings=warnings)
     tables = build_cost_tables(skeleton, graph, strategies_of, representative)
@@ -227,6 +298,12 @@ def _searched_plan(graph, cluster, spec, model_name, mesh, search, budget: Searc
             how.append("the starting layout simulates faster: kept")
     notes.append(f"mesh {mesh}: {', '.join(how)}")
     return [plan, *_recomputing([plan], graph), *composed_flavours(plan, graph)]
+
+
+def _with_savings(plan: Plan, graph: OpGraph) -> str:
+    """The per-layer SUMMA vs 1-D comparison (``search.summa_savings``) as a last sentence."""
+    text = savings_text(plan, graph)
+    return f". {text}" if text else ""
 
 
 def composed_flavours(plan: Plan, graph: OpGraph) -> list[Plan]:
@@ -279,9 +356,13 @@ def _recomputing(plans: list[Plan], graph: OpGraph) -> list[Plan]:
 
 
 def _hint(graph: OpGraph, mesh: Mesh, tables) -> dict[str, int]:
-    """A starting solution for CP-SAT: the Megatron layout when the mesh has tp, else data
-    parallelism, mapped onto each node's candidates (all-replicate where it has no match)."""
+    """A starting solution for CP-SAT: the Megatron layout when the mesh has tp, the SUMMA
+    block layout on a SUMMA mesh (``search.summa_hint``), else data parallelism, mapped onto
+    each node's candidates (all-replicate where it has no match)."""
     from search.layouts import megatron_layout
+
+    if is_summa_mesh(mesh):
+        return summa_hint(graph, tables.candidates)
 
     try:
         layout, _ = megatron_layout(graph, mesh) if "tp" in mesh.names else combine(graph, mesh, {"dp": _dp_axis(graph)})

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor import Replicate, Shard
 
 from cost_model.simulator import _PARAM_BYTES, NodeCost, Simulator
+from cost_model.summa_node import has_summa_axes
 from planner.graph import OpGraph, OpNode
 from planner.strategy import NodeStrategy, Placements
 from search.blocks import clone_strategy
@@ -152,6 +153,7 @@ def _cost(simulator: Simulator, node: OpNode, strategy: NodeStrategy) -> Candida
     memory = cost.saved_bytes * simulator.micro_batches
     sync = 0.0
     out = strategy.outputs[0] if strategy.outputs else None
+    summa_mesh = has_summa_axes(mesh)
     for name, placements in strategy.params.items():
         meta = simulator.graph.parameters.get(name)
         if meta is None:
@@ -160,6 +162,8 @@ def _cost(simulator: Simulator, node: OpNode, strategy: NodeStrategy) -> Candida
         elements = meta.numel / shards
         memory += elements * (weight_b + grad_b + state_b)
         for index, (axis, size) in enumerate(mesh.axes):
+            if summa_mesh and axis != "dp":
+                continue  # the node's cost has it already (cost_model.summa_node)
             split_here = axis == "dp" or (out is not None and not isinstance(out[index], Replicate))
             if size > 1 and axis != "pp" and isinstance(placements[index], Replicate) and split_here:
                 sync += simulator._collective("all_reduce", elements * grad_b, axis)
@@ -175,7 +179,7 @@ def _cost(simulator: Simulator, node: OpNode, strategy: NodeStrategy) -> Candida
     return Candidate(
         strategy=strategy,
         compute_s=(cost.forward_s + cost.backward_s) * simulator.micro_batches,
-        communication_s=(cost.forward_comm_s + cost.backward_comm_s) * simulator.micro_batches + sync,
+        communication_s=(cost.forward_comm_s + cost.backward_comm_s) * simulator.micro_batches + sync + cost.axis_sync_s,
         memory_bytes=memory,
         gradient_reductions=tuple(reductions),
     )

@@ -1,10 +1,16 @@
-"""Collective costs (cost_model.collectives) against numbers worked out by hand.
+"""Collective costs of the α–β model (cost_model.collectives) against numbers worked out by hand.
 
 Links used (planner/presets.py): dgx-a100-80g intra 300e9 B/s, 3e-6 s; inter 25e9 B/s per
 device, 8e-6 s; 8 GPUs per node. dgx-h100 intra 450e9 B/s, 3e-6 s.
+
+The presets themselves are priced from NCCL measurements (cost_model.nccl, tests/test_nccl.py);
+the α–β model prices every other cluster, so these tests use ``alpha_beta(preset)``: the
+preset's hardware under another name, as a cluster file describing it would be.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -19,14 +25,19 @@ A100_INTRA = LinkSpec(300e9, 3e-6)
 A100_INTER = LinkSpec(25e9, 8e-6)
 
 
+def alpha_beta(name: str, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:
+    """The preset's hardware under a name without NCCL measurements: priced by the α–β model."""
+    return dataclasses.replace(Cluster.preset(name, nodes, devices_per_node), name=f"{name}-file")
+
+
 @pytest.fixture
 def dgx() -> Cluster:
-    return Cluster.preset("dgx-a100-80g")
+    return alpha_beta("dgx-a100-80g")
 
 
 @pytest.fixture
 def dgx2() -> Cluster:
-    return Cluster.preset("dgx-a100-80g", nodes=2)
+    return alpha_beta("dgx-a100-80g", nodes=2)
 
 
 def mixed() -> Cluster:
@@ -76,7 +87,7 @@ def test_ring_all_reduce_intra_node_dgx_a100_1gib(dgx):
 
 
 def test_tree_wins_small_messages_at_large_n_ring_wins_large():
-    big = Cluster.preset("dgx-a100-80g", devices_per_node=32)  # a hypothetical 32-GPU NVLink node
+    big = alpha_beta("dgx-a100-80g", devices_per_node=32)  # a hypothetical 32-GPU NVLink node
     ranks = range(32)
     small = algorithm_times("all_reduce", 1024, group_shape(big, ranks))
     # ring: 2·31/32 · 1024 / 3e11 + 62 · 3e-6 = 6.6e-9 + 186e-6 = 1.8600661e-4 s
@@ -94,7 +105,7 @@ def test_tree_wins_small_messages_at_large_n_ring_wins_large():
 
 @pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
 def test_all_gather_reduce_scatter_intra_node(kind):
-    h100 = Cluster.preset("dgx-h100")
+    h100 = alpha_beta("dgx-h100")
     size = 2**28  # 256 MiB, the full tensor
     # 7/8 · 2^28 / 450e9 + 7 · 3e-6 = 5.2195783e-4 + 21e-6 = 5.4295783e-4 s
     assert collective_time(kind, size, h100, range(8)) == pytest.approx(5.4295783e-4)
@@ -193,7 +204,7 @@ def test_uneven_group_has_no_two_level_algorithm(dgx2):
 
 
 def test_concurrent_groups_share_the_nic():
-    cluster = Cluster.preset("dgx-a100-80g", nodes=4)
+    cluster = alpha_beta("dgx-a100-80g", nodes=4)
     ranks = [0, 8, 16, 24]  # one data-parallel group of a tp=8 x dp=4 mesh: 1 member per node
     shape = group_shape(cluster, ranks)
     # 25e9 · 8 / max(8, 1 · c): c = 1 or 8 -> 25e9 (the NIC is not oversubscribed); c = 16 -> half

@@ -273,7 +273,7 @@ def test_recorded_routing_matches_one_device(tmp_path):
     recorded = load_routing(routing_file)
     assert recorded.source.startswith(f"recorded by launch.py --record-routing over {STEPS} training steps on 2 ranks")
 
-    expected = _one_device_routing(STEPS)
+    expected = _one_device_routing(STEPS, folder)
     assert set(recorded.layers) == set(expected) == {"blocks.0.moe", "blocks.1.moe"}
     for name, (counts, pairs) in expected.items():
         layer = recorded.layers[name]
@@ -283,11 +283,14 @@ def test_recorded_routing_matches_one_device(tmp_path):
         assert max(layer.token_share) > 1 / 4  # not uniform: something was measured
 
 
-def _one_device_routing(steps: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """What ``launch.py --steps`` routes, counted on one device: the same model and random
-    batches, AdamW at lr 1e-3 on the whole batch, each MoE layer's choices (before drops)
-    counted from its input by the model's own router."""
-    model, args = _build(0.5)
+def _one_device_routing(steps: int, folder) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """What ``launch.py --steps`` routes, counted on one device: the same model (the
+    program's own build, weights initialised by name) and random batches, AdamW at lr 1e-3
+    on the whole batch, each MoE layer's choices (before drops) counted from its input by
+    the model's own router."""
+    from codegen.runtime.program import load_program
+
+    model, args, _ = load_program(folder).build_model()
     found: dict[str, list[torch.Tensor]] = {}
 
     def counter(name):

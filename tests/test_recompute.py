@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -104,9 +105,9 @@ def test_graph_program_checkpoints_every_block(gpt):
     plan = megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32")
     recomputed = dataclasses.replace(plan, recompute="full")
     source = render_graph_program(recomputed)
-    blocks = [f"{group}_{index}" for group, count in graph.blocks.items() for index in range(count)]
-    for block in blocks:
-        assert f"checkpoint(_{block}, use_reentrant=False)" in source
+    blocks = [f"{group}.{index}." for group, count in graph.blocks.items() for index in range(count)]
+    for block in blocks:  # each block (both alike: one function written once) called under checkpoint
+        assert re.search(rf"= checkpoint\(blocks_block, self, {re.escape(repr(block))}, .*use_reentrant=False\)", source), source
     assert "checkpoint(" not in render_graph_program(plan)
     plain, checkpointed = _graph_program_saved_bytes(plan), _graph_program_saved_bytes(recomputed)
     assert checkpointed < plain / 2, (checkpointed, plain)

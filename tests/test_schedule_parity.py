@@ -211,7 +211,7 @@ def test_stages_recompute_as_their_modes_say(world2_run, world4_run) -> None:
     two = (folders2["per-stage-pp2-1f1b-full+none"] / "model_spmd.py").read_text()
     assert "    stage 0: every repeated block recomputed in backward" in two and "    stage 1: no recomputation" in two
     stage0, stage1 = two.split("class GPTStage1")[0].split("class GPTStage0")[1], two.split("class GPTStage1")[1]
-    assert stage0.count("= checkpoint(_blocks_") == 2 and "checkpoint(" not in stage1.split("\nSTAGES = ")[0]
+    assert stage0.count("= checkpoint(blocks_block, self, 'blocks.") == 2 and "checkpoint(" not in stage1.split("\nSTAGES = ")[0]
     four = (folders4["per-stage-interleaved-pp2xtp2-v2"] / "model_spmd.py").read_text()
     classes = re.split(r"^class GPTStage\d", four, flags=re.MULTILINE)[1:]
     calls = [c.split("\nSTAGES = ")[0].count("= checkpoint(") for c in classes]

@@ -231,21 +231,27 @@ def test_skipped_all_reduce_is_reported(world2_run: WorldRun) -> None:
 # --------------------------------------------------------------------- the generated code itself
 
 
+def _per_step(source: str, pattern: str) -> dict[str, int]:
+    """How many times each match of ``pattern`` (its groups joined) runs in one forward: a
+    match inside a block function (written once, ``codegen.block_fold``) runs once per call."""
+    functions = list(re.finditer(r"^def (\w+)\(self, prefix.*?\n.*?(?=^\S)", source, re.MULTILINE | re.DOTALL))
+    counts: dict[str, int] = {}
+    for match in re.finditer(pattern, source, re.MULTILINE):
+        inside = [f[1] for f in functions if f.start() <= match.start() < f.end()]
+        runs = len(re.findall(rf"(?<!def ){inside[0]}\(self, |checkpoint\({inside[0]}, ", source)) if inside else 1
+        key = " ".join(match.groups())
+        counts[key] = counts.get(key, 0) + runs
+    return counts
+
+
 def _collectives(source: str) -> dict[str, int]:
     """How many redistributions of each kind the program's comments announce, by axis."""
-    counts: dict[str, int] = {}
-    for match in re.finditer(r"^\s*# (all-reduce|reduce-scatter|all-gather|all-to-all) over (\w+)", source, re.MULTILINE):
-        key = f"{match[1]} {match[2]}"
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+    return _per_step(source, r"^\s*# (all-reduce|reduce-scatter|all-gather|all-to-all) over (\w+)")
 
 
 def _gathers_inside_ops(source: str) -> dict[str, int]:
     """Ops whose DTensor rule gathers an input the plan keeps split (noted in the program)."""
-    counts: dict[str, int] = {}
-    for op in re.findall(r"^\s*# DTensor's (\w+) gives .*: it all-gathers ", source, re.MULTILINE):
-        counts[op] = counts.get(op, 0) + 1
-    return counts
+    return _per_step(source, r"^\s*# DTensor's (\w+) gives .*: it all-gathers ")
 
 
 def test_megatron_program_places_megatron_collectives(world_run: WorldRun) -> None:
@@ -269,8 +275,11 @@ def test_program_is_readable(world_run: WorldRun) -> None:
     source = (world_run.folders["gpt", "megatron"] / "model_spmd.py").read_text()
     compile(source, "model_spmd.py", "exec")
     assert "# ---- blocks.0.mlp.c_fc (Linear)" in source
-    assert "p_blocks_0_mlp_c_fc_weight = params['blocks.0.mlp.c_fc.weight']" in source
-    line = r"linear_2 = aten\.linear\.default\(layer_norm_1\w*, p_blocks_0_mlp_c_fc_weight, p_blocks_0_mlp_c_fc_bias\)"
+    # Each block written once (both blocks are alike), called with its parameters' prefix.
+    assert source.count("def blocks_block(self, prefix: str, ") == 1
+    assert re.search(r"add_\d+ = blocks_block\(self, 'blocks\.1\.', add_\d+, \('dropout_3', 'dropout_4'\)\)", source)
+    assert "p_mlp_c_fc_weight = params[prefix + 'mlp.c_fc.weight']" in source
+    line = r"linear_2 = aten\.linear\.default\(layer_norm_1\w*, p_mlp_c_fc_weight, p_mlp_c_fc_bias\)"
     assert re.search(line + r"  # \(\d+, 32, 256\) -> \(\d+, 32, 128\) per rank", source), source
 
 

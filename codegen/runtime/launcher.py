@@ -11,15 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from codegen.runtime.parity import check_parity, optimizer_class
+from codegen.runtime.parity import check_parity
 from codegen.runtime.precision import parity_tolerances
 from codegen.runtime.program import Program, check_world_size, load_program
+from codegen.runtime.training_loop import SCHEDULES, LoopOptions, random_like, train  # noqa: F401 - random_like re-exported
 from planner.arguments import OneLineParser, flag_type, integer_at_least, non_negative_finite, positive_finite
 from planner.errors import LaunchError, PlannerError
 
@@ -44,7 +43,37 @@ def build_parser() -> argparse.ArgumentParser:
         "--record-routing", metavar="FILE", default=None,
         help="with --steps: write the MoE layers' routing over the steps as routing statistics (planner plan --routing FILE)",
     )
+    add_training_flags(parser)
+    parser.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="with --steps: save checkpoints (torch.distributed.checkpoint) under DIR")
+    parser.add_argument(
+        "--save-every", metavar="N", default=0,
+        type=flag_type(int, lambda value, name: integer_at_least(value, name, 1), "an integer >= 1"),
+        help="with --checkpoint-dir: save every N steps (and after the last step)",
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir (any plan's)")
+    parser.add_argument("--init-from", metavar="FILE", default=None, help="start from the weights of a state_dict file (planner export-checkpoint)")
     return parser
+
+
+def add_training_flags(parser: argparse.ArgumentParser) -> None:
+    """The training loop's flags (``codegen.runtime.training_loop``, ``profiling``)."""
+    count = flag_type(int, lambda value, name: integer_at_least(value, name, 0), "an integer >= 0")
+    parser.add_argument("--data", metavar="FILE.py:FUNCTION", default=None,
+                        help="train on FUNCTION(batch_size)'s global batches instead of synthetic ones; without --steps, "
+                        "until the data ends")
+    parser.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
+                        help="learning-rate decay after warm-up, to --min-lr-ratio x lr at the last step (default constant)")
+    parser.add_argument("--warmup-steps", type=count, default=0, help="linear warm-up steps (default 0)")
+    parser.add_argument("--min-lr-ratio", type=flag_type(float, non_negative_finite, "a finite number >= 0"), default=0.0,
+                        help="final learning rate of cosine/linear decay as a fraction of --lr (default 0)")
+    parser.add_argument("--clip-grad-norm", type=flag_type(float, positive_finite, "a positive finite number"), default=None,
+                        metavar="MAX", help="clip gradients to this global L2 norm")
+    parser.add_argument("--log-every", type=flag_type(int, lambda value, name: integer_at_least(value, name, 1), "an integer >= 1"),
+                        default=1, metavar="N", help="print every N-th step (default 1)")
+    parser.add_argument("--metrics", metavar="FILE", default=None, help="write each step's figures to FILE as JSON lines")
+    parser.add_argument("--profile", metavar="FILE", default=None,
+                        help="with --steps N (>= 5): profile the last steps with torch.profiler and write per-op, "
+                        "per-collective and step times to FILE (measured.json) for `planner compare` / `planner calibrate`")
 
 
 def main(folder: Path, argv: list[str]) -> int:
@@ -53,9 +82,14 @@ def main(folder: Path, argv: list[str]) -> int:
         # Everything a user can get wrong is checked before the process group starts: a
         # rank that failed later would leave the others waiting in a collective.
         options = build_parser().parse_args(argv)
-        if not options.check and options.steps == 0:
-            raise LaunchError("say what to run: --check, --steps N, or both; see launch.py --help")
+        if not options.check and options.steps == 0 and options.data is None:
+            raise LaunchError("say what to run: --check, --steps N, --data FILE.py:FUNCTION, or a mix; see launch.py --help")
+        check_training_flags(options)
         program = load_program(folder)
+        if options.clip_grad_norm is not None and program.plan.expert_layouts:
+            raise LaunchError("--clip-grad-norm does not support plans with MoE expert layouts yet (their experts' "
+                              "gradients live on different ranks); leave it out for this plan")
+        check_checkpoint_options(options)
         if options.record_routing is not None:
             check_routing_output(program, options.steps, options.record_routing)
         check_world_size(program.plan)
@@ -70,8 +104,8 @@ def main(folder: Path, argv: list[str]) -> int:
                 _say(result.randomness)
             _say(result.message(atol, rtol))
             status = 0 if result.ok else 1
-        if options.steps > 0:
-            train_synthetic(program, mesh, options.steps, options.lr, optimizer, options.record_routing)
+        if options.steps > 0 or options.data is not None:
+            run_training(program, mesh, options, optimizer)
         # Every rank is done communicating before any tears gloo down: without this, a rank
         # that leaves first sometimes makes another abort at exit after a successful run.
         dist.barrier()
@@ -117,67 +151,64 @@ def check_routing_output(program: Program, steps: int, path: str) -> None:
         raise LaunchError(f"--record-routing: folder '{target.resolve().parent}' does not exist; create it first")
 
 
-def train_synthetic(
-    program: Program, mesh, steps: int, lr: float, optimizer_name: str, record_routing: str | None = None
-) -> list[float]:
-    """Train ``steps`` steps on random batches shaped like the example batch; print each
-    step's time. With ``record_routing``, write the MoE layers' routing over the steps there
-    (``codegen.runtime.routing_record``)."""
-    model, args, kwargs = program.build_model()
-    module = program.parallelize(model, mesh)
-    if program.is_pipeline:
-        pipeline = program.module.make_pipeline(module, mesh)
+def check_checkpoint_options(options: argparse.Namespace) -> None:
+    """Refuse checkpoint flags that cannot work together, with one line, before the process group starts."""
+    from codegen.runtime.checkpoint import latest_checkpoint
 
-        def forward_backward(batch_args, batch_kwargs):  # every micro-batch, through the schedule
-            local_args, local_kwargs = program.shard_batch(batch_args, batch_kwargs, mesh)
-            return pipeline.step(local_args, local_kwargs)
-
-    else:
-
-        def forward_backward(batch_args, batch_kwargs):  # in the plan's micro-batches, if it accumulates
-            return program.forward_backward(module, batch_args, batch_kwargs, mesh)[0]
-
-    optimizer = program.make_optimizer(module, mesh, optimizer_class(optimizer_name), lr=lr)  # the program's hook, if any
-    times = []
-    for step in range(steps):
-        torch.manual_seed(1000 + step)  # the same global batch on every rank
-        batch_args, batch_kwargs = random_like(args), random_like(kwargs)  # global; sharded in forward_backward
-        _synchronize()
-        start = time.perf_counter()
-        loss = forward_backward(batch_args, batch_kwargs)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        _synchronize()
-        times.append(time.perf_counter() - start)
-        _say(f"step {step + 1}/{steps}: {times[-1] * 1e3:.2f} ms  loss {loss.item():.4f}")
-    steady = times[1:] or times
-    _say(f"mean step time: {sum(steady) / len(steady) * 1e3:.2f} ms over {len(steady)} steps (first step excluded)")
-    if record_routing is not None:
-        from codegen.runtime.routing_record import write_recorded_routing
-
-        stats = write_recorded_routing(model, steps, record_routing)
-        _say(f"routing of {len(stats.layers)} MoE layer(s) written to {record_routing} ({stats.source})")
-    return times
+    directory = options.checkpoint_dir
+    if (options.save_every or options.resume) and directory is None:
+        raise LaunchError("--save-every and --resume need --checkpoint-dir DIR: the folder checkpoints are saved in")
+    if (directory or options.init_from) and options.steps == 0 and options.data is None:
+        raise LaunchError("--checkpoint-dir and --init-from are for training; add --steps N (or --data)")
+    if options.resume and options.init_from:
+        raise LaunchError("--resume continues a run (weights, optimizer, step); --init-from starts a new one from weights: pick one")
+    if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
+        raise LaunchError(f"--checkpoint-dir: '{directory}' is a file; give a folder")
+    if options.resume and latest_checkpoint(Path(directory)) is None:
+        raise LaunchError(f"--resume: no complete checkpoint in '{directory}'; run without --resume to start from step 0")
+    if options.init_from is not None and not Path(options.init_from).is_file():
+        raise LaunchError(f"--init-from: no file '{options.init_from}'; write one with `python -m planner export-checkpoint DIR -o FILE`")
 
 
-def random_like(tree):
-    """A batch with the structure of ``tree``: floats ~ N(0, 1), integers in the example's range."""
-    if isinstance(tree, torch.Tensor):
-        if tree.is_floating_point():
-            return torch.randn_like(tree)
-        high = int(tree.max().item()) + 1 if tree.numel() else 1
-        return torch.randint_like(tree, 0, max(high, 1))
-    if isinstance(tree, dict):
-        return {key: random_like(value) for key, value in tree.items()}
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(random_like(value) for value in tree)
-    return tree
+def check_training_flags(options: argparse.Namespace) -> None:
+    """One line for training flags that cannot work together, before anything starts."""
+    if options.profile is not None:
+        from codegen.runtime.profiling import profile_split
+
+        profile_split(options.steps)  # LaunchError when --steps is too small
+        target = Path(options.profile)
+        if target.is_dir() or not target.resolve().parent.is_dir():
+            raise LaunchError(f"--profile: cannot write '{target}'; give a file in an existing folder, e.g. measured.json")
+    if options.metrics is not None and not Path(options.metrics).resolve().parent.is_dir():
+        raise LaunchError(f"--metrics: folder '{Path(options.metrics).resolve().parent}' does not exist; create it first")
+    if options.lr_schedule != "constant" and options.steps == 0:
+        raise LaunchError(f"--lr-schedule {options.lr_schedule} decays over --steps N; give --steps")
 
 
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    dist.barrier()
+def run_training(program: Program, mesh, options: argparse.Namespace, optimizer: str) -> None:
+    """Train as the flags say (``codegen.runtime.training_loop``); with ``--profile``, write
+    measured.json (``codegen.runtime.profiling``)."""
+    loop = LoopOptions(
+        steps=options.steps, lr=options.lr, optimizer=optimizer, schedule=options.lr_schedule,
+        warmup_steps=options.warmup_steps, min_lr_ratio=options.min_lr_ratio, clip_grad_norm=options.clip_grad_norm,
+        data=options.data, log_every=options.log_every, metrics=options.metrics, record_routing=options.record_routing,
+        checkpoint_dir=options.checkpoint_dir, save_every=options.save_every, resume=options.resume,
+        init_from=options.init_from,
+    )
+    if options.profile is None:
+        train(program, mesh, loop)
+        return
+    from codegen.runtime.profiling import profile_split, start_profiler, write_measured
+
+    wait, _, active = profile_split(options.steps)
+    profiler = start_profiler(options.steps)
+    try:
+        run = train(program, mesh, loop, profiler=profiler)
+    finally:
+        profiler.stop()
+    write_measured(options.profile, program.folder / "plan.json", run.step_times[:wait], profiler, active)
+    _say(f"measured per-op, per-collective and step times written to {options.profile} "
+         f"(compare: python -m planner compare {program.folder / 'plan.json'} {options.profile})")
 
 
 def _say(text: str) -> None:

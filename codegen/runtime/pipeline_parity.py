@@ -1,5 +1,5 @@
 """``launch.py --check`` for pipeline programs (``codegen.pipeline_emit``; ``--steps`` runs
-through ``codegen.runtime.launcher.train_synthetic``).
+through ``codegen.runtime.training_loop.train``).
 
 The check is ``codegen.runtime.parity``'s, through the schedule: every rank builds the model
 and the global batch with the same seed and runs the single-device step on its own; then

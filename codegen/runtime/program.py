@@ -4,8 +4,10 @@ build the mesh and the model on this rank. This is the Python path for a user's 
     from codegen.runtime import load_program
     program = load_program("out")                     # inside a torchrun process
     mesh = program.build_mesh()                       # initialises torch.distributed if needed
-    model, args, kwargs = program.build_model()       # same seed, same weights on every rank
+    model, args, kwargs = program.build_model()       # the whole model, initialised by parameter name
     module = program.parallelize(model, mesh)
+    # or, holding only this rank's shards (built on meta, shards materialised after parallelize):
+    model, module, args, kwargs = program.build_module(mesh)
     optimizer = program.make_optimizer(module, mesh, torch.optim.AdamW, lr=1e-3)
     local_args, local_kwargs = program.shard_batch(args, kwargs, mesh)
 """
@@ -22,9 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from codegen.runtime.materialize import init_rules, materialize
 from planner.errors import LaunchError, PlanningError
 from planner.plan_checks import check_model_matches
-from planner.model_spec import announce_import
+from planner.model_spec import announce_import, parameters_on_meta
 from planner.plans import Plan, load_plan
 
 # Every rank builds the model from its spec with this seed, so weights (and the example
@@ -84,14 +87,51 @@ class Program:
         return _MESHES[key]
 
     def build_model(self, seed: int = BUILD_SEED) -> tuple[torch.nn.Module, tuple, dict]:
-        """The full model and one global example batch, built from the plan's spec with ``seed``.
+        """The full model and one global example batch, built from the plan's spec with
+        ``seed``; every parameter initialised from its name (``codegen.runtime.materialize``),
+        so it equals the weights any sharded build of any plan starts from.
 
         Raises:
             PlanFileError: the spec now builds a different model than the one planned.
         """
-        model, args, kwargs = self._build(self.device(), seed)
+        model, args, kwargs = self._build(self.device(), seed, meta_parameters=True)
         check_model_matches(self.plan, model, args, kwargs)
+        materialize(model, model, self.device(), init_rules(model), seed)
         return model, args, kwargs
+
+    def build_module(self, mesh: DeviceMesh, seed: int = BUILD_SEED) -> tuple[torch.nn.Module, torch.nn.Module, tuple, dict]:
+        """This rank's module holding only its share of the weights: the model is built with
+        its parameters on meta, ``parallelize``d, and then only the shards this rank holds are
+        materialised, with the values :meth:`build_model` gives them (so every plan and world
+        size starts from the same weights). Programs whose ``parallelize`` needs real weights
+        (DDP and ZeRO-1, which keep whole replicas anyway, and MoE programs, which slice their
+        experts themselves) get the whole model first. Returns ``(model, module, args,
+        kwargs)``: the model as built (``parallelize`` changed it in place; its parameter names
+        are the checkpoint's), this rank's module and the global example batch."""
+        if not self.parallelizes_on_meta:
+            model, args, kwargs = self.build_model(seed)
+            return model, self.parallelize(model, mesh), args, kwargs
+        model, args, kwargs = self._build(self.device(), seed, meta_parameters=True)
+        check_model_matches(self.plan, model, args, kwargs)
+        rules = init_rules(model)
+        module = self.parallelize(model, mesh)
+        materialize(module, model, self.device(), rules, seed)
+        return model, module, args, kwargs
+
+    @property
+    def parallelizes_on_meta(self) -> bool:
+        """Whether ``parallelize`` takes a model whose parameters are on meta: FSDP2 flavours,
+        graph and pipeline programs (they distribute each weight with ``distribute_tensor``,
+        which on meta allocates nothing). DDP and ZeRO-1 broadcast real weights; MoE programs
+        slice their experts' weights themselves; SUMMA layers lay out their blocks themselves."""
+        from codegen.emit import is_data_parallel
+        from planner.strategy import ExpertLayout, SummaLayout
+
+        if self.plan.expert_layouts or any(isinstance(s.layout, (ExpertLayout, SummaLayout)) for s in self.plan.strategies):
+            return False
+        if is_data_parallel(self.plan):
+            return self.plan.dp_flavour in ("fsdp", "zero2")
+        return True
 
     def check_model(self) -> None:
         """Build the model on meta tensors (no memory, milliseconds) and check that the spec
@@ -103,7 +143,7 @@ class Program:
         """
         check_model_matches(self.plan, *self._build(torch.device("meta"), BUILD_SEED))
 
-    def _build(self, device: torch.device, seed: int) -> tuple[torch.nn.Module, tuple, dict]:
+    def _build(self, device: torch.device, seed: int, meta_parameters: bool = False) -> tuple[torch.nn.Module, tuple, dict]:
         if self.plan.model is None:
             raise PlanningError("this plan has no model spec; build the model yourself and call parallelize()")
         if not self._announced and os.environ.get("RANK", "0") == "0":  # said once, by rank 0
@@ -116,6 +156,9 @@ class Program:
             import transformers
 
             transformers.logging.set_verbosity_error()
+        if meta_parameters:
+            with parameters_on_meta():
+                return self.plan.model.build(device)
         return self.plan.model.build(device)
 
     def parallelize(self, model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:

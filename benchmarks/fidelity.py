@@ -1,0 +1,264 @@
+"""Simulator fidelity: predicted step time against published large-scale training runs.
+
+    python benchmarks/fidelity.py                 # every run (several minutes)
+    python benchmarks/fidelity.py --runs MPT-7B@8xA100 BLOOM-176B@384xA100
+    python benchmarks/fidelity.py --roofline      # the same runs with the roofline model
+
+Each run is simulated with the layout its source states - the mesh (tp x pp x dp), the
+pipeline schedule and micro-batches, recomputation, the data-parallel flavour (FSDP, ZeRO-1,
+DDP), gradient accumulation, bf16 - built by ``search.megatron.megatron_plan`` on the model
+traced once on meta tensors, on the cluster preset of its GPUs (or the network its source
+describes). Nothing is searched and nothing is fitted to these runs: they check the
+simulator's constants, which come from kernel- and link-level measurements
+(``cost_model/gpu_kernels.py``, ``planner/presets.py``).
+
+Published figures become a step time with the source's own definitions:
+  * tokens/s per GPU (MosaicML, torchtitan): step = global batch tokens / (tokens/s/GPU x GPUs);
+  * iteration time (MT-NLG): as published;
+  * TFLOP/s per GPU (BLOOM, Llama 3): step = the FLOPs the source counts per step /
+    (TFLOP/s x GPUs), with the formula its framework prints (see ``megatron_deepspeed_flops``
+    and ``palm_model_flops``).
+
+What the simulator leaves out, and which way each bends these rows (all predicted faster):
+  * the kernel ceilings are matmul throughputs measured with CUDA 12.1 (ml-engineering's MAMF
+    table); MT-NLG (2021) and BLOOM (2022) ran on CUDA 11 with DeepSpeed's pipeline engine,
+    and llm-foundry's benchmark script defaults to the image
+    ``mosaicml/pytorch:1.13.1_cu117`` (CUDA 11.7, no Hopper-tuned GEMMs) - older kernels are
+    slower than the ceilings we use;
+  * collectives that overlap compute (FSDP's all-gathers and reduce-scatters in every row
+    here) take SMs and memory bandwidth from it; the simulator overlaps them for free (the
+    comm work, issue 13 item 2, models this);
+  * autocast's per-step weight casts and fp32 norms (MosaicML's ``amp_bf16``).
+
+Not used, kept aside as an independent check of the simulator: table 1 of Narayanan et al.
+(SC'21) and table 5 of Korthikanti et al. (2022).
+
+Models: MPT (MosaicML) is GPT-like (LayerNorm, GELU MLP of 4x width, vocabulary 50,368,
+ALiBi in place of learned positions): ``examples/gpt.py`` with its widths. Runs from before
+FlashAttention (MT-NLG 2021, BLOOM 2022) use ``gpt.py``'s explicit attention (``eager``): the
+(s x s) scores exist as tensors, as in Megatron-LM's core attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.api import prepare_model
+from planner.cluster import Cluster, LinkSpec
+from planner.model_spec import ModelSpec
+from search.layouts import nearly_even_layers
+from search.megatron import megatron_plan
+from cost_model.simulator import simulated
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+MPT_VOCAB = 50368  # llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml: vocab_size 50368
+LLM_FOUNDRY = "llm-foundry scripts/train/benchmarking/README.md"
+TORCHTITAN_A100 = "torchtitan docs/performance.md (2024, 64 A100)"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One published run: the model, its GPUs and layout, and the figure it publishes.
+
+    Attributes:
+        name: short label.
+        example: model file under ``examples/``; ``overrides``: its keyword arguments
+            (widths, layers, batch = the global batch of one step, sequence).
+        cluster: a preset string ``PRESET:NODES`` or a ``Cluster``.
+        layout: ``megatron_plan`` keyword arguments (tp, pp, schedule, micro-batch, ...).
+        accumulation: gradient-accumulation steps (micro-batches without a pipeline).
+        published_step_s: the published figure as seconds per step (see the module docstring).
+        figure: the published figure as the source states it; ``source``: where.
+    """
+
+    name: str
+    example: str
+    overrides: dict
+    cluster: object
+    layout: dict
+    accumulation: int
+    published_step_s: float
+    figure: str
+    source: str
+
+    def describe(self, gpus: int) -> str:
+        parts = [f"tp{self.layout.get('tp', 1)}", f"pp{self.layout.get('pp', 1)}",
+                 f"dp{gpus // (self.layout.get('tp', 1) * self.layout.get('pp', 1))}"]
+        parts.append(self.layout.get("dp_flavour", "ddp"))
+        if self.layout.get("pp", 1) > 1:
+            schedule = self.layout.get("schedule", "1f1b")
+            parts.append(f"{schedule}{self.layout.get('virtual_stages', '') if schedule == 'interleaved' else ''}"
+                         f" mb{self.layout.get('micro_batch', 1)}")
+        if self.accumulation > 1:
+            parts.append(f"acc{self.accumulation}")
+        parts.append(f"rc-{self.layout.get('recompute', 'none')}")
+        return " ".join(parts)
+
+
+def tokens_step(batch: int, seq: int, tokens_per_gpu_s: float, gpus: int) -> float:
+    """Step seconds from a published tokens/s per GPU."""
+    return batch * seq / (tokens_per_gpu_s * gpus)
+
+
+def megatron_deepspeed_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool) -> float:
+    """FLOPs per step as Megatron-DeepSpeed prints its TFLOP/s (Narayanan et al. SC'21,
+    section 5.1's formula, 72 B s l h^2 (1 + s/6h + V/16lh), with 96 in place of 72 when
+    activations are recomputed: the "checkpoint_activations_factor" of its throughput log)."""
+    factor = 96 if recompute else 72
+    return factor * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def palm_model_flops(params: float, layers: int, hidden: int, seq: int, tokens: float) -> float:
+    """Model FLOPs per step for MFU (Chowdhery et al. 2022, PaLM, appendix B):
+    6 N + 12 L H Q T per token (H x Q = the model width, T the sequence)."""
+    return (6 * params + 12 * layers * hidden * seq) * tokens
+
+
+def _mpt(size: str, layers: int, width: int, heads: int, batch: int, seq: int) -> dict:
+    return {"n_layer": layers, "n_embd": width, "n_head": heads, "vocab_size": MPT_VOCAB, "seq_len": seq,
+            "batch_size": batch}
+
+
+def _llama(layers: int, dim: int, heads: int, kv_heads: int, ffn: int, vocab: int, batch: int, seq: int) -> dict:
+    return {"size": "8b", "n_layer": layers, "dim": dim, "n_heads": heads, "n_kv_heads": kv_heads, "ffn_dim": ffn,
+            "vocab_size": vocab, "batch_size": batch, "seq_len": seq}
+
+
+def bloom_cluster() -> Cluster:
+    """Jean Zay's A100 partition as BLOOM ran on it (Le Scao et al. 2022, "BLOOM", section
+    3.4.1): 48 nodes of 8 A100-80GB with NVLink, each node on 4 Omni-Path 100 Gb/s links:
+    400 Gb/s per node = 6.25e9 B/s per GPU (the DGX preset's NVLink and latency otherwise)."""
+    cluster = Cluster.preset("dgx-a100-80g", nodes=48)
+    return dataclasses.replace(cluster, inter_link=LinkSpec(4 * 100e9 / 8 / 8, cluster.inter_link.latency))
+
+
+LLAMA3_405B = dict(layers=126, dim=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)
+LLAMA3_70B = dict(layers=80, dim=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
+LLAMA2_70B = dict(layers=80, dim=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000)
+LLAMA2_13B = dict(layers=40, dim=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000)
+
+
+def runs() -> list[Run]:
+    """The published runs (each figure with its source)."""
+    found = []
+    # MosaicML llm-foundry benchmark tables (MPT, FSDP FULL_SHARD, bf16, seq 2048). A100 80GB
+    # nodes with 1600 Gb/s per node (= dgx-a100 preset); H100 nodes as the dgx-h100 preset.
+    for name, size, gpus, preset, mb, acc, ac, tokens in (
+        ("MPT-7B@8xA100", (32, 4096, 32), 8, "dgx-a100-80g", 6, 2, False, 4641),
+        ("MPT-13B@8xA100", (40, 5120, 40), 8, "dgx-a100-80g", 2, 3, False, 2262),
+        ("MPT-30B@8xA100", (48, 7168, 64), 8, "dgx-a100-80g", 3, 21, True, 916),
+        ("MPT-70B@64xA100", (80, 8192, 64), 64, "dgx-a100-80g", 8, 4, True, 410),
+        ("MPT-7B@8xH100", (32, 4096, 32), 8, "dgx-h100", 6, 1, False, 10643),
+        ("MPT-13B@64xH100", (40, 5120, 40), 64, "dgx-h100", 2, 1, False, 4800),
+        ("MPT-70B@64xH100", (80, 8192, 64), 64, "dgx-h100", 8, 4, True, 1039),
+    ):
+        batch = gpus * mb * acc
+        found.append(Run(
+            name, "gpt.py", _mpt(name, *size, batch=batch, seq=2048), f"{preset}:{gpus // 8}",
+            {"dp_flavour": "fsdp", "recompute": "full" if ac else "none"}, acc,
+            tokens_step(batch, 2048, tokens, gpus), f"{tokens} tok/s/GPU",
+            f"{LLM_FOUNDRY} ({'H100' if 'h100' in preset else 'A100 80GB'} table)",
+        ))
+    # torchtitan on 64 A100 80GB (docs/performance.md of mid-2024): FSDP2, local batch 1 or 2.
+    for name, shape, batch, seq, recompute, tokens in (
+        ("Llama3-70B@64xA100", LLAMA3_70B, 64, 8192, "full", 331),
+        ("Llama2-13B@64xA100", LLAMA2_13B, 128, 4096, "none", 2162),
+        ("Llama2-70B@64xA100", LLAMA2_70B, 128, 4096, "full", 353),
+    ):
+        found.append(Run(
+            name, "llama.py", _llama(**shape, batch=batch, seq=seq), "dgx-a100-80g:8",
+            {"dp_flavour": "fsdp", "recompute": recompute}, 1, tokens_step(batch, seq, tokens, 64),
+            f"{tokens} tok/s/GPU", TORCHTITAN_A100,
+        ))
+    # MT-NLG 530B (Smith et al. 2022, arXiv:2201.11990, section 2.4): 280 DGX A100 nodes, tp 8
+    # x pp 35, batch 1920 of 2048 tokens, 60.1 s per iteration (126 TFLOP/s per GPU). 105
+    # layers, width 20480, 128 heads; vocabulary 50,257 (GPT-2's BPE) padded to 51,200.
+    found.append(Run(
+        "MT-NLG-530B@2240xA100", "gpt.py",
+        {"n_layer": 105, "n_embd": 20480, "n_head": 128, "vocab_size": 51200, "seq_len": 2048, "batch_size": 1920,
+         "attention": "eager"},
+        "dgx-a100-80g:280",
+        {"tp": 8, "pp": 35, "micro_batch": 1, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1"}, 1,
+        60.1, "60.1 s/iteration", "Smith et al. 2022 (MT-NLG), section 2.4",
+    ))
+    # BLOOM-176B (Le Scao et al. 2022, section 3.4; bigscience-workshop's training README):
+    # 384 A100 80GB, tp 4 x pp 12 x dp 8, ZeRO-1, micro-batch 2, global batch 2048 of 2048
+    # tokens, full recomputation, "about 150 TFLOPs" per GPU as Megatron-DeepSpeed prints it.
+    # 70 layers, width 14336, 112 heads, vocabulary 250,880.
+    found.append(Run(
+        "BLOOM-176B@384xA100", "gpt.py",
+        {"n_layer": 70, "n_embd": 14336, "n_head": 112, "vocab_size": 250880, "seq_len": 2048, "batch_size": 2048,
+         "attention": "eager"},
+        bloom_cluster(),
+        {"tp": 4, "pp": 12, "micro_batch": 2, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
+         "layers_per_stage": tuple(nearly_even_layers(70, 12))}, 1,
+        megatron_deepspeed_flops(2048, 2048, 70, 14336, 250880, recompute=True) / (150e12 * 384),
+        "150 TFLOP/s/GPU", "BigScience BLOOM-176B model page (bigscience.notion.site); BLOOM paper 3.4",
+    ))
+    # Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models", table 4): 8,192 H100s,
+    # tp 8 x cp 1 x pp 16 x dp 64, sequence 8,192, batch 32 per dp rank (16M tokens), 430
+    # TFLOP/s per GPU (BF16 MFU 43%). The paper's schedule is interleaved with tuned
+    # micro-batches; we take interleaved 1F1B with 2 virtual stages and micro-batches of 1,
+    # and 126 layers split over 32 virtual stages with the end ones a layer short.
+    found.append(Run(
+        "Llama3-405B@8192xH100", "llama.py", _llama(**LLAMA3_405B, batch=2048, seq=8192), "dgx-h100:1024",
+        {"tp": 8, "pp": 16, "micro_batch": 1, "schedule": "interleaved", "virtual_stages": 2, "recompute": "none",
+         "sequence_parallel": True, "dp_flavour": "zero1", "layers_per_stage": tuple(nearly_even_layers(126, 32))}, 1,
+        palm_model_flops(405e9, 126, 16384, 8192, 2048 * 8192) / (430e12 * 8192),
+        "430 TFLOP/s/GPU", "Dubey et al. 2024 (Llama 3), table 4",
+    ))
+    return found
+
+
+def roofline_cluster(cluster: Cluster) -> Cluster:
+    """``cluster`` with its devices renamed to no known GPU generation, so the simulator uses
+    the roofline with the default efficiencies (the model before ``cost_model.gpu_kernels``)."""
+    nodes = tuple(dataclasses.replace(node, device=dataclasses.replace(node.device, name="roofline-device"))
+                  for node in cluster.nodes)
+    return dataclasses.replace(cluster, nodes=nodes)
+
+
+def simulate(run: Run, roofline: bool = False):
+    """The simulated plan of ``run``'s stated layout (with the roofline model if asked)."""
+    spec = ModelSpec(str(EXAMPLES / run.example), run.overrides).resolved()
+    cluster = Cluster.parse(run.cluster) if isinstance(run.cluster, str) else run.cluster
+    graph, spec, name, cluster = prepare_model(spec, roofline_cluster(cluster) if roofline else cluster)
+    plan = megatron_plan(graph, cluster, spec, name, precision="bf16", **run.layout)
+    if run.accumulation > 1:
+        plan = simulated(dataclasses.replace(plan, accumulation_steps=run.accumulation), graph)
+    return plan, cluster
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="*", help="run names (default: all)")
+    parser.add_argument("--roofline", action="store_true",
+                        help="price kernels with the roofline and default efficiencies instead (for comparison)")
+    options = parser.parse_args()
+    chosen = [run for run in runs() if not options.runs or run.name in options.runs]
+    print(f"{'run':<22} {'GPUs':>5}  {'layout':<38} {'batch':>5} {'seq':>5}  {'published':>18} "
+          f"{'step':>8} {'predicted':>9} {'error':>7}  source")
+    errors = []
+    for run in chosen:
+        started = time.perf_counter()
+        plan, cluster = simulate(run, options.roofline)
+        predicted = plan.estimate.step_time_s
+        error = predicted / run.published_step_s - 1
+        errors.append(abs(error))
+        fits = "" if plan.estimate.fits else " (OOM in the simulator)"
+        print(f"{run.name:<22} {cluster.world_size:>5}  {run.describe(cluster.world_size):<38} "
+              f"{run.overrides['batch_size']:>5} {run.overrides['seq_len']:>5}  {run.figure:>18} "
+              f"{run.published_step_s:>7.2f}s {predicted:>8.2f}s {error:>+7.1%}  {run.source}{fits} "
+              f"[{time.perf_counter() - started:.0f}s]", flush=True)
+    if errors:
+        print(f"\n{len(errors)} runs: median absolute error {statistics.median(errors):.1%}, "
+              f"largest {max(errors):.1%} (targets: median <= 10%, none above 20%)")
+
+
+if __name__ == "__main__":
+    main()

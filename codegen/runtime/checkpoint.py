@@ -1,0 +1,326 @@
+"""Checkpoints of a compiled program through ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint is a folder ``<root>/step-<N>`` that DCP writes (one file per rank and a
+``.metadata``) plus ``soap-checkpoint.json``, written by rank 0 once every rank has finished
+writing: a folder without it is incomplete (the run died while saving) and never resumed.
+
+What is saved, each under a name that does not depend on the plan, so that a checkpoint
+resumes onto any other plan (mesh, world size, data-parallel flavour, pipeline split) and
+DCP reshards every tensor to the placements the new program holds it in:
+
+- ``model.<name>``: every parameter this rank holds (a DTensor shard or a whole tensor),
+  under its qualified name in the model built from the spec (a tied weight under its first
+  name), and ``buffer.<name>``: the model's persistent buffers;
+- ``optim.<name>.<state>``: the optimizer's state of that parameter (AdamW's ``step``,
+  ``exp_avg``, ``exp_avg_sq``), laid out like the parameter;
+- ``train.step``: the number of steps taken, which is also the data position (the loop
+  draws step ``s``'s batch from seed ``1000 + s``); ``rng.rank<r>``: each rank's RNG state,
+  restored when the world size is unchanged.
+
+Saving is asynchronous (``dcp.async_save`` on a process group of its own, so its
+collectives never interleave with the step's): the state is first copied (a transient copy
+of the weights and optimizer state), then written while training continues; the next save,
+or the end of the run, waits for it and marks it complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import (
+    compute_local_shape_and_global_offset,  # DTensor's shard maths
+)
+
+from codegen.runtime.materialize import parameter_names
+from planner.errors import LaunchError
+
+INFO_FILE = "soap-checkpoint.json"
+FORMAT_VERSION = 1
+_STEP_FOLDER = re.compile(r"step-(\d+)$")
+
+
+def step_folder(root: Path, step: int) -> Path:
+    """The folder of the checkpoint taken after ``step`` steps."""
+    return Path(root) / f"step-{step:08d}"
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint (one with ``soap-checkpoint.json``) of most steps under ``root``."""
+    found = [
+        (int(match.group(1)), folder)
+        for folder in Path(root).glob("step-*")
+        if (match := _STEP_FOLDER.search(folder.name)) and (folder / INFO_FILE).is_file()
+    ]
+    return max(found)[1] if found else None
+
+
+def read_info(folder: Path) -> dict:
+    """The ``soap-checkpoint.json`` of a checkpoint folder.
+
+    Raises:
+        LaunchError: the folder is not a complete checkpoint.
+    """
+    path = Path(folder) / INFO_FILE
+    if not path.is_file():
+        raise LaunchError(
+            f"'{folder}' is not a complete soap-planner checkpoint (no {INFO_FILE}); "
+            f"give a step-<N> folder written by launch.py --checkpoint-dir, or the --checkpoint-dir itself"
+        )
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise LaunchError(f"{path} is unreadable ({error}); resume from an earlier step-<N> folder") from error
+
+
+def model_tensors(model: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.<name>`` -> every parameter of ``module`` (this rank's, as ``parallelize``
+    returned it), named as in ``model``; ``buffer.<name>`` -> the model's persistent buffers.
+
+    Raises:
+        LaunchError: ``module`` holds a parameter the model does not (an MoE program's
+            experts, rebuilt as per-rank slices): such programs cannot be checkpointed yet.
+    """
+    names = parameter_names(model)
+    tensors: dict[str, torch.Tensor] = {}
+    for param in module.parameters():
+        name = names.get(id(param))
+        if name is None:
+            raise LaunchError(
+                f"this program holds a parameter of shape {tuple(param.shape)} that the model built from the spec does "
+                f"not (MoE experts held as per-rank slices); checkpoints of such programs are not supported yet"
+            )
+        tensors[f"model.{name}"] = param
+    for name, buffer in model.named_buffers():
+        owner, _, key = name.rpartition(".")
+        holder = model.get_submodule(owner) if owner else model
+        if key not in holder._non_persistent_buffers_set and buffer.device.type != "meta":
+            tensors[f"buffer.{name}"] = buffer
+    return tensors
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds the states: ZeRO-1's local optimizer, else ``optimizer``."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, torch.Tensor]:
+    """``optim.<parameter name>.<state>`` -> each tensor of the optimizer's state."""
+    names = parameter_names(model)
+    tensors = {}
+    for param, state in _inner(optimizer).state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and id(param) in names:
+                tensors[f"optim.{names[id(param)]}.{key}"] = value
+    return tensors
+
+
+def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's (lazy) state tensors so a checkpoint can be loaded into them:
+    one step with zero gradients at learning rate 0, which changes no weight."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for param in group["params"]:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+
+
+@dataclass
+class Checkpointer:
+    """Saves and resumes one training run's checkpoints under ``root`` (see module doc).
+
+    Args:
+        root: the ``--checkpoint-dir`` folder (created on first save).
+        model: the model built from the spec (``parallelize`` changed it in place).
+        module: this rank's module (what ``parallelize`` returned).
+        optimizer: the step's optimizer (``Program.make_optimizer``).
+        plan_name: recorded in ``soap-checkpoint.json``, for people.
+    """
+
+    root: Path
+    model: nn.Module
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    plan_name: str = ""
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        # DCP's own collectives on a group of their own: an asynchronous save runs them in a
+        # thread while the step runs its collectives on the default group.
+        self._group = dist.new_group(backend="gloo")
+        self._pending: tuple[object, int, Path] | None = None
+
+    def _state(self, step: int) -> dict[str, torch.Tensor]:
+        state = {**model_tensors(self.model, self.module), **optimizer_tensors(self.optimizer, self.model)}
+        state["train.step"] = torch.tensor(step, dtype=torch.int64)
+        state[f"rng.rank{dist.get_rank()}"] = torch.get_rng_state()
+        return state
+
+    def save(self, step: int, asynchronous: bool = True) -> Path | None:
+        """Start writing the checkpoint of ``step``, after waiting for the previous one.
+        Returns the folder of the checkpoint this call completed (the previous one when
+        asynchronous, this one otherwise), or None."""
+        completed = self.wait()
+        folder = step_folder(self.root, step)
+        with torch.no_grad():  # a snapshot: training goes on changing the live tensors
+            snapshot = {key: value.detach().clone() for key, value in self._state(step).items()}
+        if asynchronous:
+            response = dcp.async_save(snapshot, checkpoint_id=str(folder), process_group=self._group)
+            self._pending = (getattr(response, "upload_completion", response), step, folder)
+        else:
+            dcp.save(snapshot, checkpoint_id=str(folder), process_group=self._group)
+            self._pending = (None, step, folder)
+            completed = self.wait()
+        return completed
+
+    def wait(self) -> Path | None:
+        """Finish the save in flight, if any, and mark it complete; returns its folder."""
+        if self._pending is None:
+            return None
+        future, step, folder = self._pending
+        self._pending = None
+        if future is not None:
+            future.result()
+        dist.barrier(group=self._group)  # every rank's files are written
+        if dist.get_rank() == 0:
+            aliases = {
+                name: first
+                for name, param in self.model.named_parameters(remove_duplicate=False)
+                if (first := parameter_names(self.model)[id(param)]) != name
+            }
+            info = {
+                "format": FORMAT_VERSION, "step": step, "world_size": dist.get_world_size(),
+                "plan": self.plan_name, "optimizer": type(_inner(self.optimizer)).__name__, "aliases": aliases,
+            }
+            (folder / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
+        dist.barrier(group=self._group)
+        return folder
+
+    def resume(self, source: Path) -> int:
+        """Load the checkpoint ``source`` (a ``step-<N>`` folder, or a root whose latest
+        complete one is taken) into this rank's weights and optimizer state, resharded to
+        this program's placements; returns the step it was taken at.
+
+        Raises:
+            LaunchError: no complete checkpoint there, or it lacks a tensor this run needs
+                (another model, or another optimizer).
+        """
+        folder = Path(source)
+        if not (folder / INFO_FILE).is_file():
+            latest = latest_checkpoint(folder)
+            if latest is None:
+                raise LaunchError(
+                    f"no complete checkpoint in '{folder}'; start without --resume, or point --checkpoint-dir at the "
+                    f"folder a previous run saved into"
+                )
+            folder = latest
+        info = read_info(folder)
+        prime_optimizer(self.optimizer)
+        state = {key: value.detach() for key, value in self._state(0).items()}
+        saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        rng_key = f"rng.rank{dist.get_rank()}"
+        if info.get("world_size") != dist.get_world_size() or rng_key not in saved:
+            state.pop(rng_key)  # another world size: each step reseeds; the old ranks' states do not map
+        missing = sorted(key for key in state if key not in saved)
+        if missing:
+            raise LaunchError(
+                f"checkpoint '{folder}' has no {missing[0]} ({len(missing)} tensor(s) missing; it was saved with "
+                f"{info.get('optimizer', '?')} by plan {info.get('plan', '?')!r}): resume with the same model and "
+                f"optimizer, or start a new run from its weights with --init-from"
+            )
+        try:
+            with torch.no_grad():
+                dcp.load(state, checkpoint_id=str(folder), process_group=self._group)
+        except Exception as error:  # DCP wraps every rank's failure (CheckpointException): say it in one line
+            raise LaunchError(
+                f"cannot load checkpoint '{folder}' into this program: {' '.join(str(error).split())[:300]}; resume "
+                f"with the model it was saved from (same shapes), or start a new run with --init-from"
+            ) from error
+        if rng_key in state:
+            torch.set_rng_state(state[rng_key])
+        return int(state["train.step"])
+
+
+def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
+    """Write the weights of checkpoint ``folder`` (a ``step-<N>`` folder or a root, whose
+    latest complete checkpoint is taken) as one plain ``state_dict`` file that
+    ``model.load_state_dict(torch.load(output, weights_only=True))`` loads into the model
+    built from the spec (tied weights under each of their names). Runs in one process, no
+    process group. Returns ``(step, number of entries)``.
+
+    Raises:
+        LaunchError: no complete checkpoint there.
+    """
+    folder = Path(folder)
+    if not (folder / INFO_FILE).is_file():
+        folder = latest_checkpoint(folder) or folder
+    info = read_info(folder)
+    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    state = {
+        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        for key, entry in metadata.items()
+        if key.startswith(("model.", "buffer.")) and hasattr(entry, "size")
+    }
+    with warnings.catch_warnings():  # DCP says it assumes one process: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    plain = {key.partition(".")[2]: value for key, value in state.items()}
+    for alias, first in info.get("aliases", {}).items():
+        plain[alias] = plain[first]
+    torch.save(plain, output)
+    return int(info["step"]), len(plain)
+
+
+def init_from(path: Path, model: nn.Module, module: nn.Module) -> int:
+    """Overwrite this rank's weights (and the model's buffers) with a plain ``state_dict``
+    file (``export-checkpoint``'s, or ``torch.save(model.state_dict())`` of the original
+    model): each rank keeps its own shard of every tensor. The file is memory-mapped, so a
+    rank reads only the parts it keeps. Returns the number of tensors set.
+
+    Raises:
+        LaunchError: the file is missing, not a weights-only state_dict, or lacks a tensor of
+            the model or has one of another shape.
+    """
+    try:
+        loaded = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except (OSError, RuntimeError, ValueError) as error:
+        raise LaunchError(
+            f"--init-from: cannot read '{path}' as a weights-only state_dict ({' '.join(str(error).split())[:200]}); "
+            f"give a file written by `planner export-checkpoint` or torch.save(model.state_dict())"
+        ) from error
+    if not isinstance(loaded, dict):
+        raise LaunchError(f"--init-from: '{path}' holds a {type(loaded).__name__}, not a state_dict (a dict of tensors)")
+    targets = model_tensors(model, module)
+    count = 0
+    with torch.no_grad():
+        for key, target in targets.items():
+            name = key.partition(".")[2]
+            value = loaded.get(name)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
+                found = "no such tensor" if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)}"
+                raise LaunchError(
+                    f"--init-from: '{path}' does not fit this model: {name} of shape {tuple(target.shape)} has {found}; "
+                    f"export the checkpoint of a run of the same model"
+                )
+            if isinstance(target, DTensor):  # this rank's block only: the other pages of the file stay unread
+                local_shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+                block = value[tuple(slice(start, start + size) for start, size in zip(offset, local_shape))]
+                target.to_local().copy_(block)
+            else:
+                target.copy_(value)
+            count += 1
+    return count

@@ -1,0 +1,210 @@
+"""Per-shard initialisation: build the model with its parameters on the meta device, then give
+each rank only the values of the parameter shards it holds.
+
+The initial value of every parameter is a function of its qualified name and shape only, so
+a run starts from the same weights whatever the plan, mesh or world size (and the
+single-device reference of ``launch.py --check`` uses the same function):
+
+- The distribution is PyTorch's default ``reset_parameters`` distribution of the module that
+  owns the parameter (:func:`init_rule`): ``nn.Linear``/``nn.Conv*`` weights and biases
+  ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, ``nn.Embedding`` ``N(0, 1)`` (its ``padding_idx`` row
+  0), norm layers' weights 1 and biases 0. A parameter of any other module is drawn as a
+  Linear weight of the same fan-in when it has 2 or more dims, else 0 when its name ends in
+  ``bias`` and 1 otherwise. A HuggingFace model (one whose ``config`` has
+  ``initializer_range``) gets what its ``_init_weights`` does in most architectures: every
+  parameter of 2 or more dims ``N(0, initializer_range)`` (an embedding's padding row 0),
+  biases 0, other 1-D parameters 1. Any other custom init of a model is NOT reproduced:
+  rank-local shards cannot run a module's init code on the whole tensor.
+- The values are drawn in fixed chunks of :data:`CHUNK_ELEMENTS` elements of the flattened
+  tensor, each chunk from its own generator seeded by ``sha256(seed, name, chunk index)``;
+  a shard draws only the chunks of the rows it covers (dim 0), a block of rows at a time,
+  and keeps its columns. So the value at an index never depends on who draws it, and a rank
+  holds at most its shards plus one block of :data:`CHUNK_ELEMENTS` elements.
+
+Buffers are not parameters: the model's constructor computes them (causal masks, rotary
+frequencies), so ``planner.model_spec.parameters_on_meta`` keeps them real while it sends parameters to meta.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+# Elements per independently seeded chunk of a flattened parameter (4 MiB of fp32): large
+# enough that seeding costs nothing, small enough to bound a rank's transient memory.
+CHUNK_ELEMENTS = 1 << 20
+
+
+@dataclass(frozen=True)
+class InitRule:
+    """How a parameter's initial values are distributed: ``kind`` is ``"uniform"`` (on
+    ``[low, high)``), ``"normal"`` (mean ``low``, standard deviation ``high``) or ``"constant"``
+    (every value ``low``). ``zero_row`` is a dim-0 index set to 0 (an embedding's padding row)."""
+
+    kind: str
+    low: float
+    high: float = 0.0
+    zero_row: int | None = None
+
+
+def init_rule(owner: nn.Module | None, key: str, shape: tuple[int, ...]) -> InitRule:
+    """The distribution of parameter ``key`` of module ``owner`` with full ``shape`` (see the
+    module docstring): PyTorch's default ``reset_parameters`` distribution for its type."""
+    if isinstance(owner, nn.Embedding):
+        return InitRule("normal", 0.0, 1.0, owner.padding_idx)
+    norms = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, getattr(nn, "RMSNorm", nn.LayerNorm))
+    if isinstance(owner, norms) or (len(shape) < 2 and not isinstance(owner, (nn.Linear, nn.modules.conv._ConvNd))):
+        return InitRule("constant", 0.0 if key.endswith("bias") else 1.0)
+    if isinstance(owner, (nn.Linear, nn.modules.conv._ConvNd)):
+        weight = owner.weight
+        fan_in = math.prod(weight.shape[1:])
+    else:
+        fan_in = math.prod(shape[1:])
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    return InitRule("uniform", -bound, bound)
+
+
+def _chunk_seed(seed: int, name: str, chunk: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}:{chunk}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _draw_flat(rule: InitRule, seed: int, name: str, numel: int, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of the flattened parameter ``name`` (``numel`` elements), fp32."""
+    if rule.kind == "constant":
+        return torch.full((stop - start,), rule.low)
+    pieces = []
+    for chunk in range(start // CHUNK_ELEMENTS, (stop - 1) // CHUNK_ELEMENTS + 1):
+        first = chunk * CHUNK_ELEMENTS
+        count = min(CHUNK_ELEMENTS, numel - first)
+        generator = torch.Generator().manual_seed(_chunk_seed(seed, name, chunk))
+        if rule.kind == "uniform":
+            values = torch.rand(count, generator=generator) * (rule.high - rule.low) + rule.low
+        else:
+            values = torch.randn(count, generator=generator) * rule.high + rule.low
+        pieces.append(values[max(start - first, 0) : min(stop - first, count)])
+    return torch.cat(pieces)
+
+
+def draw_region(
+    rule: InitRule, seed: int, name: str, shape: tuple[int, ...], offset: tuple[int, ...], local_shape: tuple[int, ...]
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """The initial values of the block of parameter ``name`` (full ``shape``) starting at
+    ``offset`` with ``local_shape``, in pieces of whole dim-0 rows of at most about
+    :data:`CHUNK_ELEMENTS` elements: yields ``(first local row, values)``."""
+    if len(shape) == 0:
+        yield 0, _draw_flat(rule, seed, name, 1, 0, 1).reshape(())
+        return
+    if math.prod(local_shape) == 0:
+        return
+    row = math.prod(shape[1:])
+    rows_per_block = max(1, CHUNK_ELEMENTS // max(row, 1))
+    inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:]))
+    numel = math.prod(shape)
+    for first in range(0, local_shape[0], rows_per_block):
+        last = min(first + rows_per_block, local_shape[0])
+        start, stop = (offset[0] + first) * row, (offset[0] + last) * row
+        block = _draw_flat(rule, seed, name, numel, start, stop).reshape(last - first, *shape[1:])
+        if rule.zero_row is not None and offset[0] + first <= rule.zero_row < offset[0] + last:
+            block[rule.zero_row - offset[0] - first].zero_()
+        yield first, block[(slice(None), *inner)]
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """id of each parameter of ``model`` -> its qualified name (a tied weight: its first name)."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    return names
+
+
+def _owner_rules(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str, InitRule]:
+    rules = {}
+    for name, shape in shapes.items():
+        path, _, key = name.rpartition(".")
+        owner = model.get_submodule(path) if path else model
+        rules[name] = init_rule(owner, key, shape)
+    return rules
+
+
+def init_rules(model: nn.Module) -> dict[str, InitRule]:
+    """Qualified name -> :class:`InitRule` of every (distinct) parameter of ``model``: the
+    owning module's PyTorch default, or a HuggingFace model's ``initializer_range`` normal."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    std = getattr(getattr(model, "config", None), "initializer_range", None)
+    if not isinstance(std, (int, float)) or isinstance(std, bool):
+        return _owner_rules(model, shapes)
+    rules = {}
+    for name, shape in shapes.items():
+        path, _, key = name.rpartition(".")
+        owner = model.get_submodule(path) if path else model
+        if len(shape) >= 2:
+            rules[name] = InitRule("normal", 0.0, float(std), getattr(owner, "padding_idx", None))
+        else:
+            rules[name] = InitRule("constant", 0.0 if key.endswith("bias") else 1.0)
+    return rules
+
+
+def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules: dict[str, InitRule], seed: int = 0) -> int:
+    """Give every meta parameter of ``module`` (what ``parallelize`` returned, or the model
+    itself) real storage on ``device`` holding its initial values: a DTensor parameter only
+    its local shard, a plain one the whole tensor. ``model`` is the model built from the spec
+    (``parallelize`` changed it in place, so its names are the parameters' names); ``rules``
+    come from :func:`init_rules` on the model as built. The parameter objects are kept (their
+    storage swapped in, hooks registered again), so optimizers, FSDP2 and tied weights that
+    hold them stay valid. Returns the number of bytes materialised on this rank.
+
+    Raises:
+        ValueError: a meta parameter of ``module`` that the model does not hold (a program
+            that rebuilt a weight in another form must be built from the whole model).
+    """
+    names = parameter_names(model)
+    done: set[int] = set()
+    total = 0
+    for param in module.parameters():
+        if id(param) in done or param.device.type != "meta":
+            continue
+        done.add(id(param))
+        name = names.get(id(param))
+        if name is None:
+            raise ValueError(f"a meta parameter of shape {tuple(param.shape)} is not a parameter of the model built from the spec")
+        total += _materialize_parameter(param, name, device, rules[name], seed)
+    return total
+
+
+def _materialize_parameter(param: nn.Parameter, name: str, device: torch.device, rule: InitRule, seed: int) -> int:
+    shape = tuple(param.shape)
+    if isinstance(param, DTensor):
+        from torch.distributed.tensor._utils import (
+            compute_local_shape_and_global_offset,  # DTensor's own shard maths
+        )
+
+        local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        local = torch.empty(tuple(local_shape), dtype=param.dtype, device=device)
+        value = DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    else:
+        local_shape, offset = shape, (0,) * len(shape)
+        local = value = torch.empty(shape, dtype=param.dtype, device=device)
+    with torch.no_grad():
+        for first, block in draw_region(rule, seed, name, shape, tuple(offset), tuple(local_shape)):
+            if local.dim() == 0:
+                local.copy_(block)
+            else:
+                local[first : first + block.shape[0]].copy_(block)
+    # Swap the storage into the existing object: everything holding the parameter (FSDP2,
+    # tied modules, the program's tables) sees it. Tensor hooks live on the swapped-out
+    # storage, so they are registered again.
+    hooks = list(param._backward_hooks.values()) if param._backward_hooks else []
+    torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+    param._backward_hooks = None
+    for hook in hooks:
+        param.register_hook(hook)
+    return local.numel() * local.element_size()

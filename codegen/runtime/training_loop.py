@@ -1,0 +1,537 @@
+"""The training loop of ``launch.py --steps N`` / ``--data module.py:function``.
+
+Each step: the next GLOBAL batch (every rank draws the same one; ``shard_batch`` gives each
+rank its slice, as for the example batch), forward and backward through the program,
+optional gradient clipping by the global norm, the optimizer step, the learning-rate
+schedule. Rank 0 prints per step the loss (the mean over data-parallel ranks), the step
+time, tokens/s, model TFLOP/s per device, MFU and peak memory beside the simulator's
+prediction for the plan, and writes the same figures as JSON lines with ``--metrics FILE``.
+On a terminal a progress bar (``rich``) follows the run.
+
+User data: ``--data path/to/data.py:function``. ``function(batch_size)`` is called once on
+every rank with the plan's global batch size and returns an iterable of global batches, each
+a tensor (the model's only positional input), a tuple of tensors (its positional inputs, as
+the model spec's example ``args``) or a dict (its keyword inputs). Every rank must yield the
+same batches (seed any randomness): the first batch is compared across ranks. Without
+``--steps`` the loop runs until the data ends.
+
+Model FLOPs and MFU use the plan's ``SimResult.model_flops`` (Megatron-LM's count) and the
+cluster's dense peak for the plan's precision, so measured and predicted MFU are comparable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from codegen.runtime.program import Program
+from planner.errors import LaunchError
+
+SCHEDULES = ("constant", "cosine", "linear")
+# The plan's precision -> the cluster's peak_flops key (the same mapping as cost_model.compute,
+# which codegen may not import).
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """What ``launch.py`` asked of the loop.
+
+    Attributes:
+        steps: optimizer steps to run; 0 with ``data`` means until the data ends.
+        lr: peak learning rate.
+        optimizer: ``adamw`` or ``sgd``.
+        schedule: ``constant``, ``cosine`` or ``linear`` decay after warm-up (``SCHEDULES``).
+        warmup_steps: steps of linear warm-up from lr/warmup_steps to lr.
+        min_lr_ratio: the schedule's final learning rate as a fraction of ``lr``.
+        clip_grad_norm: clip gradients to this global L2 norm (None: no clipping).
+        data: ``module.py:function`` of the user's batches (None: synthetic batches).
+        log_every: print one line every N steps (the first and last are always printed).
+        metrics: JSON-lines file of per-step figures written by rank 0 (None: none).
+        record_routing: write the MoE layers' routing here (``routing_record``).
+        checkpoint_dir: save checkpoints under this folder (``codegen.runtime.checkpoint``).
+        save_every: save every N steps (0: only after the last step).
+        resume: continue from the latest complete checkpoint in ``checkpoint_dir``: its
+            weights, optimizer state, step, RNG state and data position.
+        init_from: start from the weights of a plain state_dict file.
+    """
+
+    steps: int = 0
+    lr: float = 1e-3
+    optimizer: str = "adamw"
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    clip_grad_norm: float | None = None
+    data: str | None = None
+    log_every: int = 1
+    metrics: str | None = None
+    record_routing: str | None = None
+    checkpoint_dir: str | None = None
+    save_every: int = 0
+    resume: bool = False
+    init_from: str | None = None
+
+
+@dataclass
+class StepRecord:
+    """The measured figures of one step (what ``--metrics`` writes)."""
+
+    step: int
+    loss: float
+    lr: float
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    peak_memory_bytes: int
+    grad_norm: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TrainingRun:
+    """What ``train`` returns: every step's record, in order."""
+
+    records: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def step_times(self) -> list[float]:
+        return [record.step_time_s for record in self.records]
+
+
+def learning_rate_factor(step: int, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """The multiplier of the peak learning rate at optimizer step ``step`` (0-based): linear
+    warm-up over ``warmup_steps`` (step s gets (s + 1) / warmup_steps), then ``schedule``
+    from 1 down to ``min_lr_ratio`` at the last step (``constant`` stays at 1). With no
+    known total (``total_steps`` = 0: until the data ends) decay schedules hold at 1."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or total_steps <= 0:
+        return 1.0
+    decay_steps = max(1, total_steps - warmup_steps - 1)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    if schedule == "linear":
+        shape = 1.0 - progress
+    else:  # cosine (Loshchilov & Hutter, SGDR, ICLR 2017), without restarts
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+
+def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float, sum_group=None) -> float:
+    """Scale the gradients so their global L2 norm is at most ``max_norm`` (as
+    ``torch.nn.utils.clip_grad_norm_`` on one device); returns the norm before clipping.
+
+    A plain gradient is whole on this rank. A DTensor gradient sharded on one mesh axis adds
+    its local squared norm to that axis's sum, so one all-reduce per axis covers every such
+    gradient (rather than one per parameter); any other DTensor's norm is taken by DTensor.
+    ``sum_group``: the process group whose ranks hold DIFFERENT parameters (a pipeline's
+    stages), over which the squared norms are summed; None when every rank holds them all.
+    """
+    grads = [param.grad for param in parameters if param.grad is not None]
+    whole = torch.zeros((), dtype=torch.float64)
+    per_axis: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # (mesh id, axis) -> (group, local sum)
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            sharded = [axis for axis, placement in enumerate(grad.placements) if not placement.is_replicate()]
+            if len(sharded) == 1 and grad.placements[sharded[0]].is_shard():
+                key = (id(grad.device_mesh), sharded[0])
+                group, total = per_axis.get(key, (grad.device_mesh.get_group(sharded[0]), 0.0))
+                local = torch.linalg.vector_norm(grad.to_local(), 2).detach().to(torch.float64).cpu() ** 2
+                per_axis[key] = (group, total + local)
+                continue
+            norm = torch.linalg.vector_norm(grad, 2)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        else:
+            norm = torch.linalg.vector_norm(grad, 2)
+        whole = whole + norm.detach().to(torch.float64).cpu() ** 2
+    device = grads[0].device if grads else torch.device("cpu")
+    for group, local in per_axis.values():
+        local = torch.as_tensor(local, dtype=torch.float64).to(device)
+        dist.all_reduce(local, group=group)
+        whole = whole + local.cpu()
+    if sum_group is not None:
+        summed = whole.to(device)
+        dist.all_reduce(summed, group=sum_group)
+        whole = summed.cpu()
+    total = float(whole.sqrt())
+    coefficient = max_norm / (total + 1e-6)
+    if coefficient < 1.0:
+        for grad in grads:
+            grad.mul_(coefficient)
+    return total
+
+
+def load_data(reference: str, batch_size: int) -> Iterator[Any]:
+    """Import ``path/to/module.py:function`` and return ``iter(function(batch_size))``.
+
+    Raises:
+        LaunchError: the reference is malformed, the file or function is missing, or the
+            call fails or returns something that is not iterable.
+    """
+    path_text, _, name = reference.rpartition(":")
+    if not path_text or not name.isidentifier():
+        raise LaunchError(f"--data takes path/to/module.py:function, got {reference!r}; e.g. --data data.py:batches")
+    path = Path(path_text)
+    if not path.is_file():
+        raise LaunchError(f"--data: no file '{path}'; give the path of a Python file, e.g. --data data.py:batches")
+    spec = importlib.util.spec_from_file_location(f"soap_user_data_{abs(hash(str(path.resolve())))}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - the user's file: one line, not a traceback per rank
+        raise LaunchError(f"--data: {path} fails to import: {type(error).__name__}: {error}; fix the file") from error
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise LaunchError(f"--data: {path} defines no function {name}(); define {name}(batch_size) returning batches")
+    try:
+        batches = function(batch_size)
+        return iter(batches)
+    except TypeError as error:
+        raise LaunchError(
+            f"--data: {name}({batch_size}) failed ({error}); define {name}(batch_size) returning an iterable of global batches"
+        ) from error
+
+
+def as_inputs(batch: Any, example_args: tuple, example_kwargs: dict) -> tuple[tuple, dict]:
+    """A user batch as (args, kwargs), checked against the example batch the program was
+    compiled for (same structure, shapes and dtypes); LaunchError naming the difference."""
+    if isinstance(batch, torch.Tensor):
+        args, kwargs = (batch,), {}
+    elif isinstance(batch, dict):
+        args, kwargs = (), dict(batch)
+    elif isinstance(batch, (tuple, list)):
+        args, kwargs = tuple(batch), {}
+    else:
+        raise LaunchError(f"--data yielded a {type(batch).__name__}; yield a tensor, a tuple of tensors or a dict of them")
+    if len(args) != len(example_args) or set(kwargs) != set(example_kwargs):
+        raise LaunchError(
+            f"--data yielded {len(args)} positional input(s) and keywords {sorted(kwargs)}, but the model was planned "
+            f"with {len(example_args)} and {sorted(example_kwargs)}; yield batches shaped like the plan's example"
+        )
+    pairs = [(f"input {index}", got, want) for index, (got, want) in enumerate(zip(args, example_args))]
+    pairs += [(f"input '{key}'", kwargs[key], example_kwargs[key]) for key in example_kwargs]
+    for name, got, want in pairs:
+        if isinstance(want, torch.Tensor):
+            if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+                shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
+                raise LaunchError(
+                    f"--data: {name} is {shown}, but the plan was made for {tuple(want.shape)} {want.dtype} (the global "
+                    f"batch); yield global batches of that shape, or plan again for this batch"
+                )
+    # On the example's device, and contiguous: a user's slices (idx[:, 1:]) are views whose
+    # strides the traced program's reshapes cannot take.
+    device = next((value.device for value in [*example_args, *example_kwargs.values()] if isinstance(value, torch.Tensor)), None)
+
+    def placed(value: Any) -> Any:
+        return value.to(device).contiguous() if isinstance(value, torch.Tensor) else value
+
+    return tuple(placed(value) for value in args), {key: placed(value) for key, value in kwargs.items()}
+
+
+def random_like(tree):
+    """A batch with the structure of ``tree``: floats ~ N(0, 1), integers in the example's range."""
+    if isinstance(tree, torch.Tensor):
+        if tree.is_floating_point():
+            return torch.randn_like(tree)
+        high = int(tree.max().item()) + 1 if tree.numel() else 1
+        return torch.randint_like(tree, 0, max(high, 1))
+    if isinstance(tree, dict):
+        return {key: random_like(value) for key, value in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(random_like(value) for value in tree)
+    return tree
+
+
+def synthetic_batches(args: tuple, kwargs: dict) -> Iterator[tuple[tuple, dict]]:
+    """Random global batches shaped like the example, the same on every rank (seeded per step)."""
+    step = 0
+    while True:
+        torch.manual_seed(1000 + step)
+        yield random_like(args), random_like(kwargs)
+        step += 1
+
+
+def _checksum(args: tuple, kwargs: dict) -> float:
+    total = 0.0
+    for value in list(args) + [kwargs[key] for key in sorted(kwargs)]:
+        if isinstance(value, torch.Tensor):
+            total += float(value.double().sum()) + 0.5 * float((value.double() ** 2).sum())
+    return total
+
+
+def check_same_batch_everywhere(args: tuple, kwargs: dict) -> None:
+    """LaunchError (on every rank) unless every rank drew the same global batch."""
+    value = torch.tensor([_checksum(args, kwargs)], dtype=torch.float64)
+    low, high = value.clone(), value.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if low.item() != high.item():
+        raise LaunchError(
+            "--data gave the ranks different batches; every rank must yield the same global batches (seed your "
+            "shuffling with a fixed seed, not the rank): each rank takes its own slice"
+        )
+
+
+class StepMeter:
+    """Turns a measured step time into the figures the plan predicted (tokens/s, model
+    TFLOP/s per device, MFU), from the plan's ``SimResult`` and cluster."""
+
+    def __init__(self, program: Program) -> None:
+        plan = program.plan
+        estimate = plan.estimate
+        self.predicted_step_s = estimate.step_time_s
+        self.tokens_per_step = estimate.tokens_per_s * estimate.step_time_s if estimate.tokens_per_s else 0.0
+        self.samples_per_step = plan.batch_size
+        self.model_flops = estimate.model_flops
+        self.world = plan.world_size
+        device = plan.cluster.device_of(0)
+        self.peak_flops = device.flops_for(PRECISION_DTYPES.get(plan.precision, "float32"))
+        self.predicted_mfu = estimate.mfu
+
+    def throughput(self, step_time_s: float) -> tuple[float, float, float]:
+        """(tokens/s (samples/s when the inputs have no sequence), TFLOP/s per device, MFU)."""
+        per_step = self.tokens_per_step or self.samples_per_step
+        flops_per_device = self.model_flops / step_time_s / self.world
+        return per_step / step_time_s, flops_per_device / 1e12, flops_per_device / self.peak_flops
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: the CUDA caching allocator's peak on a GPU, else the
+    peak resident set size (Linux reports it in KiB)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _global_mean(value: torch.Tensor) -> float:
+    value = value.detach().reshape(()).to(torch.float64).clone()
+    dist.all_reduce(value)
+    return float(value) / dist.get_world_size()
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+def _say(text: str) -> None:
+    if dist.get_rank() == 0:
+        print(text, flush=True)
+
+
+def _format_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def build_step(program: Program, mesh) -> tuple[torch.nn.Module, Callable, Any, tuple, dict, Any]:
+    """This rank's module, its forward-backward on a global batch, the group over which
+    gradient norms are summed (a pipeline's stages; None otherwise), the example batch, and
+    the full model."""
+    model, module, args, kwargs = program.build_module(mesh)  # this rank's shards only
+    if program.is_pipeline:
+        pipeline = program.module.make_pipeline(module, mesh)
+
+        def forward_backward(batch_args, batch_kwargs):  # every micro-batch, through the schedule
+            local_args, local_kwargs = program.shard_batch(batch_args, batch_kwargs, mesh)
+            return pipeline.step(local_args, local_kwargs)
+
+        sum_group = pipeline.pp_group
+    else:
+
+        def forward_backward(batch_args, batch_kwargs):  # in the plan's micro-batches, if it accumulates
+            return program.forward_backward(module, batch_args, batch_kwargs, mesh)[0]
+
+        sum_group = None
+    return module, forward_backward, sum_group, args, kwargs, model
+
+
+StepHook = Callable[[int, torch.nn.Module, torch.optim.Optimizer], None]
+
+
+def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHook] | None = None,
+          profiler: Any = None) -> TrainingRun:
+    """Run the loop (see the module docstring); returns the per-step records.
+
+    ``after_step`` hooks run after each optimizer step with (step number from 1, module,
+    optimizer): the place for checkpointing. ``profiler``: a started ``torch.profiler``
+    session whose ``step()`` is called after each step (``codegen.runtime.profiling``).
+    """
+    from codegen.runtime.parity import optimizer_class
+
+    module, forward_backward, sum_group, args, kwargs, model = build_step(program, mesh)
+    optimizer = program.make_optimizer(module, mesh, optimizer_class(options.optimizer), lr=options.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: learning_rate_factor(step, options.schedule, options.warmup_steps, options.steps, options.min_lr_ratio),
+    )
+    checkpointer, first_step = start_checkpoints(program, options, model, module, optimizer)
+    for _ in range(first_step):
+        schedule.step()  # the learning rate where the checkpointed run left it
+    batches: Iterator[tuple[tuple, dict]]
+    if options.data is not None:
+        source = load_data(options.data, program.plan.batch_size)
+        batches = (as_inputs(batch, args, kwargs) for batch in source)
+    else:
+        batches = synthetic_batches(args, kwargs)
+    for _ in range(first_step):  # the data position: the batches the checkpointed run consumed
+        next(batches, None)
+    meter = StepMeter(program)
+    device = program.device()
+    metrics = open(options.metrics, "w") if options.metrics and dist.get_rank() == 0 else None  # noqa: SIM115
+    progress = _progress_bar(options.steps)
+    run = TrainingRun()
+    try:
+        step = first_step
+        while options.steps == 0 or step < options.steps:
+            batch = next(batches, None)
+            if batch is None:
+                if options.steps:
+                    _say(f"the data ended after {step} of {options.steps} steps")
+                break
+            batch_args, batch_kwargs = batch
+            if step == 0 and options.data is not None:
+                check_same_batch_everywhere(batch_args, batch_kwargs)
+            _synchronize()
+            start = time.perf_counter()
+            loss = forward_backward(batch_args, batch_kwargs)
+            norm = clip_gradients(module.parameters(), options.clip_grad_norm, sum_group) \
+                if options.clip_grad_norm is not None else None
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            schedule.step()
+            _synchronize()
+            elapsed = time.perf_counter() - start
+            step += 1
+            tokens, tflops, mfu = meter.throughput(elapsed)
+            record = StepRecord(step, _global_mean(loss), lr, elapsed, tokens, tflops, mfu,
+                                peak_memory_bytes(device), norm)
+            run.records.append(record)
+            for hook in after_step or ():
+                hook(step, module, optimizer)
+            if checkpointer is not None and (step == options.steps or (options.save_every and step % options.save_every == 0)):
+                _said_complete(checkpointer.save(step))
+            if profiler is not None:
+                profiler.step()
+            if metrics is not None:
+                metrics.write(json.dumps(record.to_json()) + "\n")
+                metrics.flush()
+            last = options.steps and step == options.steps
+            if step == 1 or last or step % options.log_every == 0:
+                _say(_step_line(record, options.steps, meter))
+            if progress is not None:
+                progress.advance()
+        if checkpointer is not None and options.steps == 0 and run.records and not options.save_every:
+            _said_complete(checkpointer.save(step))  # the data ended: keep where it ended
+    finally:
+        if checkpointer is not None:
+            _said_complete(checkpointer.wait())
+        if metrics is not None:
+            metrics.close()
+        if progress is not None:
+            progress.close()
+    _say(_summary(run, meter))
+    if options.record_routing is not None:
+        from codegen.runtime.routing_record import write_recorded_routing
+
+        stats = write_recorded_routing(model, len(run.records), options.record_routing)
+        _say(f"routing of {len(stats.layers)} MoE layer(s) written to {options.record_routing} ({stats.source})")
+    return run
+
+
+def start_checkpoints(program: Program, options: LoopOptions, model, module, optimizer):
+    """The run's ``Checkpointer`` (None without a checkpoint folder) and its first step: the
+    checkpoint's with ``resume``, else 0 (after loading ``init_from``'s weights, if given)."""
+    from codegen.runtime.checkpoint import Checkpointer, init_from
+
+    if options.init_from is not None:
+        count = init_from(Path(options.init_from), model, module)
+        _say(f"initialised {count} tensors from {options.init_from}")
+    if options.checkpoint_dir is None:
+        return None, 0
+    checkpointer = Checkpointer(Path(options.checkpoint_dir), model, module, optimizer, program.plan.name)
+    if not options.resume:
+        return checkpointer, 0
+    step = checkpointer.resume(Path(options.checkpoint_dir))
+    _say(f"resumed from {options.checkpoint_dir} at step {step}")
+    return checkpointer, step
+
+
+def _said_complete(folder) -> None:
+    if folder is not None:
+        _say(f"checkpoint complete: {folder}")
+
+
+def _step_line(record: StepRecord, steps: int, meter: StepMeter) -> str:
+    total = f"/{steps}" if steps else ""
+    norm = f"  grad norm {record.grad_norm:.3f}" if record.grad_norm is not None else ""
+    unit = "tokens/s" if meter.tokens_per_step else "samples/s"
+    return (
+        f"step {record.step}{total}: {record.step_time_s * 1e3:.2f} ms  loss {record.loss:.6f}  lr {record.lr:.3g}{norm}  "
+        f"(predicted {meter.predicted_step_s * 1e3:.2f} ms)  {record.tokens_per_s:,.0f} {unit}  "
+        f"{record.tflops_per_device:.3g} TFLOP/s/device  MFU {record.mfu:.1%} (predicted {meter.predicted_mfu:.1%})  "
+        f"peak mem {_format_bytes(record.peak_memory_bytes)}"
+    )
+
+
+def _summary(run: TrainingRun, meter: StepMeter) -> str:
+    """The mean step time after the first step (which includes one-off set-up) and the
+    median, beside the prediction; ratios say how far off the simulator was."""
+    if not run.records:
+        return "no steps ran"
+    steady = run.step_times[1:] or run.step_times
+    mean = sum(steady) / len(steady)
+    median = sorted(steady)[len(steady) // 2]
+    return (
+        f"mean step time: {mean * 1e3:.2f} ms over {len(steady)} steps (first step excluded); median "
+        f"{median * 1e3:.2f} ms; predicted {meter.predicted_step_s * 1e3:.2f} ms "
+        f"(measured/predicted {median / meter.predicted_step_s:.2f})"
+    )
+
+
+class _Progress:
+    """A rich progress bar on rank 0's terminal (nothing when stdout is not a terminal)."""
+
+    def __init__(self, total: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+        self._bar = Progress("training", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True)
+        self._task = self._bar.add_task("steps", total=total or None)
+        self._bar.start()
+
+    def advance(self) -> None:
+        self._bar.advance(self._task)
+
+    def close(self) -> None:
+        self._bar.stop()
+
+
+def _progress_bar(steps: int) -> _Progress | None:
+    if dist.get_rank() != 0 or not sys.stdout.isatty():
+        return None
+    return _Progress(steps)
+
+
+__all__ = ["LoopOptions", "StepRecord", "TrainingRun", "train", "learning_rate_factor", "clip_gradients",
+           "load_data", "as_inputs", "random_like", "SCHEDULES"]

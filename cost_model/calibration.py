@@ -1,0 +1,338 @@
+"""Closing the loop: measured runs (``launch.py --profile measured.json``) against the cost
+model, and the cost model's efficiencies fitted to them.
+
+Two pieces:
+
+* ``predicted_parts`` / ``measured_parts``: one step of a plan split the same way on both
+  sides: the step; compute by op class (``matmul``: matmul-like kernels; ``other``: every
+  other op; ``optimizer``: the optimizer step); communication by collective kind. Predicted
+  figures are rank 0's device (the simulator's node costs times the micro-batches, and the
+  simulated timeline's collective tasks); measured ones are rank 0's profile.
+
+* ``fit_calibration``: the parameters the cost model reads from a cluster file (a device's
+  ``matmul_efficiency``, ``memory_efficiency`` and ``kernel_overhead_s``; the intra-node
+  link's latency and bandwidth, i.e. the collectives' alpha and beta) chosen to minimise
+
+      sum over runs of  log(predicted step / measured step)^2
+
+  (log: a 2x miss counts the same either way, so plans of different sizes weigh alike).
+  The start is the cluster's own values, with the matmul efficiency measured directly from
+  the profiles (profiled FLOPs of matmul kernels over their time, over the peak). The search
+  is coordinate descent on a fixed geometric grid of multipliers, narrowed each round: it
+  counts simulations, never seconds, so the same files give the same cluster on any machine.
+
+Measured step times on a shared machine are noisy; the measured figure is the median of
+the run's clean steps (``codegen.runtime.profiling``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cost_model import defaults
+from cost_model.compute import PRECISIONS
+from planner.cluster import Cluster, LinkSpec, NodeSpec
+from planner.errors import PlanFileError
+
+MEASURED_FORMAT = "soap-planner-measured"
+MEASURED_VERSION = 1
+OP_CLASSES = ("matmul", "other", "optimizer")
+# Matmul-like kernels (measured ``aten::name`` and traced ``aten.name.overload`` share the name).
+MATMUL_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_convolution", "mkldnn_convolution",
+    "convolution_backward", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_attention_math", "einsum",
+})
+# The optimizer step's kernels: torch.optim's foreach implementations, and the single-tensor
+# ops of AdamW/SGD.
+OPTIMIZER_OPS_PREFIX = "_foreach_"
+# Names of the simulated collective tasks ("all-gather blocks.0") -> collective kind.
+_TASK_KINDS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
+               "all-to-all": "all_to_all", "broadcast": "broadcast", "send": "send_recv", "recv": "send_recv",
+               "p2p": "send_recv"}
+ALL_COLLECTIVES = "collectives: all"
+TP_COLLECTIVES = "tensor-parallel collectives"
+OPTIMIZER_STEP = "optimizer.step"  # the profile's whole optimizer step (codegen.runtime.profiling)
+PARAMETERS = ("matmul_efficiency", "memory_efficiency", "kernel_overhead_s", "link_latency_s", "link_bandwidth")
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """One ``measured.json``: the plan (as saved), its step times and rank 0's profile."""
+
+    source: str
+    plan_data: dict
+    world_size: int
+    step_time_s: float
+    step_times_s: tuple[float, ...]
+    ops: dict[str, dict[str, float]]
+    collectives: tuple[dict[str, Any], ...]
+
+    @property
+    def noise(self) -> float:
+        """Spread of the clean steps: (max - min) / median."""
+        return (max(self.step_times_s) - min(self.step_times_s)) / self.step_time_s if self.step_times_s else 0.0
+
+
+def load_measured(path: str | Path) -> MeasuredRun:
+    """Read a ``measured.json`` written by ``launch.py --profile``.
+
+    Raises:
+        PlanFileError: the file is missing, not JSON, of another format or version, or a
+            field is missing or of the wrong type (the message names it).
+    """
+    path = Path(path)
+    where = f"measured file '{path}'"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PlanFileError(f"{where} does not exist; write one with `torchrun ... launch.py --steps 10 --profile {path}`") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PlanFileError(f"{where} is not JSON ({error}); write it again with launch.py --profile") from None
+    if not isinstance(data, dict) or data.get("format") != MEASURED_FORMAT:
+        raise PlanFileError(f"{where} is not a soap-planner measured file (no \"format\": \"{MEASURED_FORMAT}\"); "
+                            f"write one with launch.py --profile")
+    if data.get("version") != MEASURED_VERSION:
+        raise PlanFileError(f"{where} is version {data.get('version')!r}; this soap-planner reads version "
+                            f"{MEASURED_VERSION}; measure again with this version's launch.py --profile")
+    try:
+        step_times = tuple(float(value) for value in data["step_times_s"])
+        run = MeasuredRun(
+            source=str(path), plan_data=dict(data["plan"]), world_size=int(data["world_size"]),
+            step_time_s=float(data["step_time_s"]), step_times_s=step_times,
+            ops={str(name): {key: float(value) for key, value in figures.items()} for name, figures in data["ops"].items()},
+            collectives=tuple(
+                {"kind": str(item["kind"]), "bytes": float(item["bytes"]), "count": float(item["count"]),
+                 "time_s": float(item["time_s"])}
+                for item in data["collectives"]
+            ),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise PlanFileError(f"{where} has a missing or invalid field ({type(error).__name__}: {error}); "
+                            f"write it again with launch.py --profile") from None
+    if not (run.step_time_s > 0 and math.isfinite(run.step_time_s)):
+        raise PlanFileError(f"{where}: step_time_s must be a positive number, got {run.step_time_s!r}")
+    return run
+
+
+def op_class(name: str) -> str:
+    """``matmul``, ``optimizer`` or ``other`` for an op name (``aten::mm`` or ``aten.mm.default``)."""
+    base = name.removeprefix("aten::").removeprefix("aten.").split(".")[0]
+    if base in MATMUL_OPS:
+        return "matmul"
+    if base.startswith(OPTIMIZER_OPS_PREFIX):
+        return "optimizer"
+    return "other"
+
+
+def measured_parts(run: MeasuredRun) -> dict[str, float]:
+    """Rank 0's measured seconds per step: ``step``, ``compute: <class>``, ``<collective kind>``
+    (collectives of whole tensors), and ``sync`` (0-byte collectives: barriers, scalars)."""
+    parts: dict[str, float] = defaultdict(float)
+    parts["step"] = run.step_time_s
+    for name, figures in run.ops.items():
+        if name != OPTIMIZER_STEP:
+            parts[f"compute: {op_class(name)}"] += figures["time_s"]
+    if OPTIMIZER_STEP in run.ops:
+        # The whole step as torch.optim annotates it; its single-tensor ops (CPU AdamW) were
+        # counted as "other" above, its foreach ops as "optimizer".
+        whole = run.ops[OPTIMIZER_STEP]["time_s"]
+        parts["compute: other"] = max(0.0, parts["compute: other"] - max(0.0, whole - parts["compute: optimizer"]))
+        parts["compute: optimizer"] = whole
+    for item in run.collectives:
+        if item["bytes"] > 0:
+            parts[item["kind"]] += item["time_s"]
+            parts[ALL_COLLECTIVES] += item["time_s"]
+        else:
+            parts["sync"] += item["time_s"]
+    return dict(parts)
+
+
+def measured_matmul_efficiency(run: MeasuredRun, peak_flops: float) -> float | None:
+    """Profiled FLOPs of matmul kernels over their self time, as a fraction of ``peak_flops``
+    (None when the profile holds no matmul FLOPs)."""
+    flops = sum(figures.get("flops", 0.0) for name, figures in run.ops.items() if op_class(name) == "matmul")
+    seconds = sum(figures["time_s"] for name, figures in run.ops.items() if op_class(name) == "matmul" and figures.get("flops"))
+    return flops / seconds / peak_flops if flops > 0 and seconds > 0 else None
+
+
+def predicted_parts(plan, graph) -> dict[str, float]:
+    """The simulator's seconds per step for ``plan``, split as ``measured_parts``: rank 0's
+    device (pipeline stage 0)."""
+    from cost_model.simulator import Simulator
+
+    simulator = Simulator(plan, graph)
+    result = simulator.run()
+    micro_batches = simulator.micro_batches
+    stages = {strategy.node: strategy.stage for strategy in plan.strategies}
+    parts: dict[str, float] = defaultdict(float)
+    parts["step"] = result.step_time_s
+    for node in graph.nodes:
+        if stages.get(node.name, 0) != 0:
+            continue
+        cost = simulator.costs[node.name]
+        parts[f"compute: {op_class(node.op)}"] += (cost.forward_s + cost.backward_s) * micro_batches
+    device = "stage 0"
+    for event in result.timeline:
+        if event.device != device:
+            continue
+        if event.name.startswith("optimizer"):
+            parts["compute: optimizer"] += event.duration_s
+        elif event.stream != "compute":
+            kind = _TASK_KINDS.get(event.name.split(" ")[0])
+            parts[kind or "other collectives"] += event.duration_s
+            parts[ALL_COLLECTIVES] += event.duration_s
+        elif event.name.endswith("tp-comm"):
+            # Tensor-parallel collectives sit on the critical path of the compute stream; the
+            # task does not say which kind, so they count in the total only.
+            parts[TP_COLLECTIVES] += event.duration_s
+            parts[ALL_COLLECTIVES] += event.duration_s
+    return dict(parts)
+
+
+# ---------------------------------------------------------------- the fit
+
+def calibration_values(cluster: Cluster) -> dict[str, float]:
+    """The parameters ``fit_calibration`` fits, as ``cluster`` (its first node) sets them now."""
+    node = cluster.nodes[0]
+    device = node.device
+    return {
+        "matmul_efficiency": device.matmul_efficiency or defaults.MATMUL_EFFICIENCY,
+        "memory_efficiency": device.memory_efficiency or defaults.MEMORY_EFFICIENCY,
+        "kernel_overhead_s": defaults.KERNEL_OVERHEAD_S if device.kernel_overhead_s is None else device.kernel_overhead_s,
+        "link_latency_s": node.intra_link.latency,
+        "link_bandwidth": node.intra_link.bandwidth,
+    }
+
+
+def with_calibration(cluster: Cluster, values: dict[str, float]) -> Cluster:
+    """``cluster`` with every device's calibration and every node's intra-node link set to
+    ``values`` (the names of ``PARAMETERS``)."""
+    nodes = tuple(
+        NodeSpec(
+            device=dataclasses.replace(
+                node.device, matmul_efficiency=values["matmul_efficiency"], memory_efficiency=values["memory_efficiency"],
+                kernel_overhead_s=values["kernel_overhead_s"],
+            ),
+            devices=node.devices,
+            intra_link=LinkSpec(bandwidth=values["link_bandwidth"], latency=values["link_latency_s"]),
+        )
+        for node in cluster.nodes
+    )
+    return dataclasses.replace(cluster, nodes=nodes)
+
+
+@dataclass(frozen=True)
+class CalibrationCase:
+    """One measured run ready to simulate: its plan, traced graph and measured step time."""
+
+    plan: Any
+    graph: Any
+    measured_step_s: float
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class CalibrationFit:
+    """The fitted parameters, the objective before and after, and the simulations it took."""
+
+    values: dict[str, float]
+    start: dict[str, float]
+    loss_before: float
+    loss_after: float
+    simulations: int
+
+
+def step_time_with(case: CalibrationCase, values: dict[str, float]) -> float:
+    """The simulated step time of ``case``'s plan on its own cluster calibrated with ``values``."""
+    from cost_model.simulator import Simulator
+
+    plan = dataclasses.replace(case.plan, cluster=with_calibration(case.plan.cluster, values))
+    return Simulator(plan, case.graph).run(trace=False).step_time_s
+
+
+def fit_loss(cases: Sequence[CalibrationCase], values: dict[str, float], simulate: Callable = step_time_with) -> float:
+    """Mean squared log ratio of predicted to measured step time over ``cases``."""
+    return sum(math.log(simulate(case, values) / case.measured_step_s) ** 2 for case in cases) / len(cases)
+
+
+# Bounds of each parameter (efficiencies are fractions of the datasheet peak).
+_BOUNDS = {"matmul_efficiency": (1e-3, 1.0), "memory_efficiency": (1e-3, 1.0), "kernel_overhead_s": (1e-7, 1e-2),
+           "link_latency_s": (1e-7, 1e-1), "link_bandwidth": (1e6, 1e13)}
+# The grid spans /x .. *x around the current value, narrowing; a span is swept again (up to
+# _SWEEPS times) while a sweep improves, so a start 1000x off (a placeholder preset on a busy
+# host) is reached in the wide rounds and refined in the narrow ones.
+_ROUNDS = (64.0, 8.0, 2.8, 1.7, 1.3, 1.1)
+_SWEEPS = 3
+_GRID_POINTS = 9
+
+
+# Weight of the pull towards the start, per parameter: prior_weight x log(value / start)^2.
+# With a few runs and five parameters, a parameter the runs cannot pin down would otherwise
+# wander to a bound (e.g. a bandwidth no collective is sensitive to); 1e-3 costs a 30x move
+# 0.012, small beside a 10% step-time miss (0.009 per run) on several runs.
+PRIOR_WEIGHT = 1e-3
+
+
+def fit_calibration(
+    cases: Sequence[CalibrationCase], start: dict[str, float], simulate: Callable = step_time_with,
+    parameters: Sequence[str] = PARAMETERS, prior_weight: float = PRIOR_WEIGHT,
+) -> CalibrationFit:
+    """Coordinate descent on ``fit_loss`` (see the module docstring) plus ``prior_weight`` x
+    the squared log distance of each parameter from ``start``.
+
+    Args:
+        cases: the measured runs.
+        start: a value for each of ``PARAMETERS``.
+        simulate: (case, values) -> predicted step seconds (the simulator; tests pass a formula).
+        parameters: which of ``PARAMETERS`` to fit (the others stay at ``start``).
+        prior_weight: see ``PRIOR_WEIGHT``; 0 for a plain least-squares fit.
+    Returns:
+        The fit (``loss_before``/``loss_after``: the step-time term alone); deterministic for
+        the same inputs.
+    """
+    if not cases:
+        raise PlanFileError("calibration needs at least one measured run; pass measured.json files")
+    values = dict(start)
+    count = 0
+
+    def loss(candidate: dict[str, float]) -> float:
+        nonlocal count
+        count += len(cases)
+        prior = sum(math.log(candidate[name] / start[name]) ** 2 for name in parameters)
+        return fit_loss(cases, candidate, simulate) + prior_weight * prior
+
+    best = loss(values)
+    for span in _ROUNDS:
+        for _ in range(_SWEEPS):
+            start_of_sweep = best
+            for name in parameters:
+                low, high = _BOUNDS[name]
+                centre = values[name]
+                for index in range(_GRID_POINTS):
+                    exponent = -1 + 2 * index / (_GRID_POINTS - 1)
+                    trial = min(high, max(low, centre * span ** exponent))
+                    if trial == values[name]:
+                        continue
+                    candidate = {**values, name: trial}
+                    score = loss(candidate)
+                    if score < best - 1e-12:
+                        best, values = score, candidate
+            if best >= start_of_sweep - 1e-12:
+                break
+    return CalibrationFit(values=values, start=dict(start), loss_before=fit_loss(cases, start, simulate),
+                          loss_after=fit_loss(cases, values, simulate), simulations=count + 2 * len(cases))
+
+
+def precision_dtype(plan) -> str:
+    """The peak-FLOPs key of ``plan``'s precision."""
+    return PRECISIONS[plan.precision][0]

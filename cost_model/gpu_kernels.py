@@ -1,0 +1,328 @@
+"""Shape-aware GPU kernel times: GEMMs by tiles and waves, attention as FlashAttention.
+
+The roofline of ``cost_model.compute`` charges every matmul one efficiency. On a GPU the
+achieved fraction of peak depends on the shape: cuBLAS splits the output into tiles, one
+thread block per tile, and runs them in waves over the streaming multiprocessors (SMs), so a
+GEMM pays for whole tiles (tile quantisation) and whole waves (wave quantisation); each tile
+also pays a fixed prologue/epilogue that short reductions (small K) cannot hide (NVIDIA,
+"Matrix Multiplication Background User's Guide", DU-09799-001, 2023, chapters 2.3 and 3:
+https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/).
+
+GEMM of (batch, M, N, K) on a device with ``S`` SMs, for each candidate tile ``(tm, tn)``:
+
+    tiles  = batch * ceil(M / tm) * ceil(N / tn)
+    waves  = ceil(tiles / S)
+    time   = waves * 2 * tm * tn * (K + K0) / (peak / S * ceiling * tile_efficiency(tm, tn))
+
+and the kernel takes the fastest tile (cuBLAS's heuristics pick among these shapes; the
+guide's section 2.3 lists them), never faster than its bytes at the memory bandwidth.
+``K0`` (the per-tile prologue and epilogue, as K iterations) is the pipeline depth of the
+CUTLASS kernels cuBLAS ships: stages x K-tile. ``ceiling`` is the Maximum Achievable Matmul
+FLOPS (MAMF) measured on each GPU, divided by the model's shape efficiency at the shape where
+it was measured, so the model reproduces the measurement there; since MAMF is the best of a
+search over shapes, no shape's efficiency may exceed it.
+
+Attention runs as FlashAttention-2 (PyTorch's ``scaled_dot_product_attention`` flash
+backend): forward 4·B·H·Sq·Sk·D FLOPs (halved when causal), backward 2.5x the forward
+(it recomputes Q·Kᵀ: five matmuls against two; Tri Dao,
+https://github.com/Dao-AILab/flash-attention/issues/1525), each at the fraction of peak the
+FlashAttention papers measure at long sequences, lowered for short sequences (the causal
+kernel computes whole diagonal blocks) and for thread blocks that do not fill the SMs.
+
+Elementwise and normalisation ops are memory-bound kernels (eager PyTorch: one kernel per
+ATen op, nothing fused), and every kernel pays the launch overhead of ``cost_model.defaults``.
+
+The model applies to bf16/fp16 work on GPUs of a known generation (``generation_of``: V100,
+A100, H100, H200 by device name) without a measured calibration; fp32, CPUs, unknown devices
+and devices with a calibration profile keep the roofline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cost_model import defaults
+from planner.cluster import DeviceSpec
+from planner.graph import OpNode
+
+# Output-tile shapes cuBLAS picks among (rows x columns of C per thread block), largest first
+# (Matrix Multiplication Background guide, section 2.3, "Typical Tile Dimensions In cuBLAS").
+TILES = ((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 64), (64, 128), (64, 64))
+
+# Tile efficiency: a tm x tn tile loads (tm + tn) * k elements to do tm * tn * k MACs, so its
+# data reuse is tm*tn/(tm+tn) (section 2.3 of the guide: "larger tiles have more data reuse").
+# Efficiency rises with reuse as reuse / (reuse + TILE_REUSE_HALF), normalised to the largest
+# tile: 256x128 -> 1.0, 128x128 -> 0.92, 128x64 -> 0.79, 64x64 -> 0.69. TILE_REUSE_HALF is an
+# ESTIMATE (not a measurement) chosen so that 64x64 tiles run at about 2/3 of the largest, the
+# size of the gap between tile sizes in the guide's section 2.3 comparison; it only decides
+# which tile wins for small or awkward shapes (the MAMF measurement fixes the large ones).
+TILE_REUSE_HALF = 32.0
+
+ATTENTION_OPS = (
+    "aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
+)
+# Index of ``is_causal`` in each attention op's positional arguments (ATen schemas).
+_CAUSAL_ARGUMENT = {
+    "aten.scaled_dot_product_attention": 5, "aten._scaled_dot_product_flash_attention": 4,
+    "aten._scaled_dot_product_efficient_attention": 6, "aten._scaled_dot_product_cudnn_attention": 6,
+}
+# The dtypes the measurements below are for (bf16 MAMF, FlashAttention in fp16/bf16); fp32
+# and others keep the roofline.
+SIXTEEN_BIT = ("bfloat16", "float16")
+MATMUL_OPS = ("aten.linear", "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul")
+
+# FlashAttention's thread blocks each take 128 query rows (FlashAttention-2 paper, Dao 2023,
+# arXiv:2307.08691, section 3.3: block sizes {64, 128} x {64, 128}; 128 for head dim 128).
+ATTENTION_BLOCK = 128
+# Sequence length at which attention reaches half its long-sequence efficiency before the
+# causal-diagonal effect: FlashAttention-2 paper, figure 4 (A100, head dim 128, not causal,
+# forward+backward): about 0.7 of its 16k-token throughput at 512 tokens -> 512/(512+s) =
+# 0.7 * 16384/(16384+s) gives s ~ 210.
+ATTENTION_SEQUENCE_HALF = 210.0
+# Head dimension effect, d / (d + 24) normalised to d = 128: head dim 64 runs at 0.86 of head
+# dim 128 (FlashAttention-2 paper, figures 4-5: ~150-170 vs ~190-200 TFLOP/s on A100).
+ATTENTION_HEAD_DIM_HALF = 24.0
+# Attention backward FLOPs over forward FLOPs: 5 matmuls against 2 (Tri Dao, flash-attention
+# issue #1525: "the backward pass of attn is 2.5 x fwd, since we recompute Q @ K.T").
+ATTENTION_BACKWARD_TO_FORWARD = 2.5
+
+
+@dataclass(frozen=True)
+class GpuGeneration:
+    """What the kernel model knows about one GPU generation (sources next to each preset).
+
+    Attributes:
+        name: "V100", "A100", "H100" or "H200".
+        sms: streaming multiprocessors.
+        mamf_fraction: measured best-shape matmul throughput over the dense 16-bit peak.
+        mamf_shape: (M, N, K) at which ``mamf_fraction`` was measured.
+        k_overhead: per-tile prologue/epilogue in K iterations (pipeline stages x K tile).
+        attention_forward: FlashAttention forward fraction of peak at long sequences, head dim 128.
+        attention_backward: the same for its backward.
+    """
+
+    name: str
+    sms: int
+    mamf_fraction: float
+    mamf_shape: tuple[int, int, int]
+    k_overhead: int
+    attention_forward: float
+    attention_backward: float
+
+    def matmul_efficiency(self, batch: float, m: float, n: float, k: float) -> float:
+        """Fraction of peak a (batch, m, n, k) GEMM reaches: the MAMF measurement scaled by the
+        model's shape efficiency relative to the measured shape, capped at the measurement
+        (MAMF is the best over a search of shapes, so no shape may beat it)."""
+        measured = shape_efficiency(1, *self.mamf_shape, self.sms, self.k_overhead)
+        relative = shape_efficiency(batch, m, n, k, self.sms, self.k_overhead) / measured
+        return self.mamf_fraction * min(1.0, relative)
+
+
+GENERATIONS = {
+    # V100-SXM2: 80 SMs (NVIDIA Tesla V100 GPU Architecture whitepaper, 2017, table 1). No
+    # published MAMF measurement: we assume the A100 PCIe's 82.2% (ml-engineering MAMF table,
+    # below) - an assumption, to be replaced by a profile. K overhead: CUTLASS's Volta tensor-op
+    # GEMM is 2 stages x K tile 32 = 64 (cutlass/gemm/device/default_gemm_configuration.h, Sm70).
+    # FlashAttention-2 does not run on Volta (its README: Ampere or newer); PyTorch's SDPA falls
+    # back to the memory-efficient (xformers/CUTLASS) kernel. Its V100 throughput is not in the
+    # sources we have: 40% forward, 30% backward of the fp16 peak is an ESTIMATE (below
+    # FlashAttention-2 on A100, as FlashAttention-1 reached 25-40% there: FlashAttention-2
+    # paper, section 1), to be replaced by a profile.
+    "V100": GpuGeneration("V100", 80, 0.822, (6912, 16384, 2048), 64, 0.40, 0.30),
+    # A100-SXM4: 108 SMs (NVIDIA A100 Tensor Core GPU Architecture whitepaper, 2020, table 1).
+    # MAMF 267.9 of 312 TFLOP/s = 85.9% at 6912x16384x2048, CUDA 12.1 (Stas Bekman,
+    # "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable
+    # Matmul FLOPS comparison table", https://github.com/stas00/ml-engineering). K overhead:
+    # CUTLASS's SM80 bf16 GEMM default, 3 stages x K tile 64 = 192. FlashAttention-2 on A100:
+    # forward up to 73% of peak (FlashAttention-2 paper, abstract and figure 4: "reaching
+    # 50-73% of the theoretical maximum FLOPs/s"); backward ~ 60% (figure 4's backward panel,
+    # ~ 185-190 TFLOP/s at head dim 128, 16k tokens).
+    "A100": GpuGeneration("A100", 108, 0.859, (6912, 16384, 2048), 192, 0.73, 0.60),
+    # H100-SXM5: 132 SMs (NVIDIA H100 Tensor Core GPU Architecture whitepaper, 2022, table 2).
+    # MAMF 792.1 of 989 TFLOP/s = 80.1% at 6144x17920x2816, CUDA 12.1 (same table). K
+    # overhead: CUTLASS's SM90 warp-specialised GEMM, 4 stages x K tile 64 = 256. PyTorch's
+    # flash backend is FlashAttention-2, which reaches ~ 35% of H100 peak forward and ~ 30%
+    # backward (FlashAttention-3 paper, Shah et al. 2024, arXiv:2407.08608, figures 5-6:
+    # FlashAttention-2 ~ 330-370 TFLOP/s forward, ~ 280-310 backward, head dim 128, 16k).
+    "H100": GpuGeneration("H100", 132, 0.801, (6144, 17920, 2816), 256, 0.35, 0.30),
+    # H200-SXM: the same GH100 die, 132 SMs (NVIDIA H200 datasheet); its matmul measurement is
+    # the GH200's (same die, HBM3e): 821.0 of 989 = 83.0% at 11264x19712x1536 (same table).
+    "H200": GpuGeneration("H200", 132, 0.830, (11264, 19712, 1536), 256, 0.35, 0.30),
+}
+
+
+def generation_of(device: DeviceSpec) -> GpuGeneration | None:
+    """The GPU generation named in ``device.name`` (e.g. "A100-SXM4-80GB" -> A100), or None
+    for CPUs, unknown devices and devices with a measured calibration (which keep the
+    roofline with their measured efficiencies)."""
+    if device.calibration:
+        return None
+    name = device.name.upper()
+    for key in ("H200", "H100", "A100", "V100"):
+        if key in name:
+            return GENERATIONS[key]
+    return None
+
+
+def tile_efficiency(rows: int, columns: int) -> float:
+    """Relative efficiency of a ``rows x columns`` output tile (1.0 for the largest)."""
+    def rising(reuse: float) -> float:
+        return reuse / (reuse + TILE_REUSE_HALF)
+    largest = max(TILES, key=lambda t: t[0] * t[1] / (t[0] + t[1]))
+    return rising(rows * columns / (rows + columns)) / rising(largest[0] * largest[1] / sum(largest))
+
+
+def _tile_cycles(batch: float, m: float, n: float, k: float, sms: int, k_overhead: int, tile) -> float:
+    """Work-units (tile MACs at full speed over one SM) the GEMM takes with ``tile``."""
+    rows, columns = tile
+    tiles = math.ceil(batch) * math.ceil(m / rows) * math.ceil(n / columns)
+    waves = math.ceil(tiles / sms)
+    return waves * rows * columns * (k + k_overhead) / tile_efficiency(rows, columns)
+
+
+def shape_efficiency(batch: float, m: float, n: float, k: float, sms: int, k_overhead: int) -> float:
+    """Fraction of the ceiling that a (batch, m, n, k) GEMM reaches: useful MACs over the
+    MACs-worth of time the best tile takes (tile, wave and K quantisation)."""
+    useful = batch * m * n * k
+    best = min(_tile_cycles(batch, m, n, k, sms, k_overhead, tile) for tile in TILES)
+    return useful / (best * sms)
+
+
+def matmul_time(batch: float, m: float, n: float, k: float, device: DeviceSpec, dtype: str,
+                element_bytes: int, generation: GpuGeneration) -> float:
+    """Seconds for ``batch`` GEMMs of (m x k) @ (k x n) on ``device`` (launch included)."""
+    if min(batch, m, n, k) <= 0:
+        return 0.0
+    flops = 2.0 * batch * m * n * k
+    efficiency = generation.matmul_efficiency(batch, m, n, k)
+    compute = flops / (device.flops_for(dtype) * efficiency)
+    moved = element_bytes * batch * (m * k + k * n + m * n)
+    memory = moved / (device.memory_bandwidth * defaults.MEMORY_EFFICIENCY)
+    return max(compute, memory) + defaults.KERNEL_OVERHEAD_S
+
+
+def attention_efficiency(batch_heads: float, q_len: float, kv_len: float, head_dim: int, causal: bool,
+                         generation: GpuGeneration) -> float:
+    """Fraction of the long-sequence FlashAttention throughput that this call reaches."""
+    sequence = kv_len / (kv_len + ATTENTION_SEQUENCE_HALF) * (16384 + ATTENTION_SEQUENCE_HALF) / 16384
+    head = head_dim / (head_dim + ATTENTION_HEAD_DIM_HALF) / (128 / (128 + ATTENTION_HEAD_DIM_HALF))
+    # Causal: of n x n key/query blocks the kernel computes the n(n+1)/2 on or below the
+    # diagonal, where n(n)/2 are useful.
+    blocks_per_row = max(1.0, q_len / ATTENTION_BLOCK)
+    diagonal = blocks_per_row / (blocks_per_row + 1) if causal else 1.0
+    thread_blocks = math.ceil(batch_heads) * math.ceil(q_len / ATTENTION_BLOCK)
+    waves = thread_blocks / (math.ceil(thread_blocks / generation.sms) * generation.sms)
+    return min(1.0, sequence) * min(1.0, head) * diagonal * waves
+
+
+def attention_times(batch_heads: float, q_len: float, kv_len: float, head_dim: int, causal: bool,
+                    device: DeviceSpec, dtype: str, generation: GpuGeneration) -> tuple[float, float]:
+    """(forward, backward) seconds of FlashAttention over ``batch_heads`` (batch x heads)."""
+    forward_flops = 4.0 * batch_heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
+    shape = attention_efficiency(batch_heads, q_len, kv_len, head_dim, causal, generation)
+    peak = device.flops_for(dtype)
+    forward = forward_flops / (peak * generation.attention_forward * shape) + defaults.KERNEL_OVERHEAD_S
+    backward = ATTENTION_BACKWARD_TO_FORWARD * forward_flops / (peak * generation.attention_backward * shape)
+    return forward, backward + defaults.KERNEL_OVERHEAD_S
+
+
+def _split(dims: list[float], fraction: float, order: list[int]) -> list[float]:
+    """Divide the work of ``dims`` by 1/``fraction``: the dims in ``order`` shrink in turn,
+    each down to 1 at most (data parallelism and micro-batches split samples first, tensor
+    parallelism the rest)."""
+    dims, left = list(dims), 1.0 / fraction
+    for index in order:
+        if left <= 1.0:
+            break
+        take = min(left, dims[index])
+        dims[index] /= take
+        left /= take
+    if left > 1.0:
+        dims[order[-1]] /= left
+    return dims
+
+
+def _matmul_shape(node: OpNode) -> tuple[list[int], list[int], int, int] | None:
+    """(batch dims, row dims, n, k) of a matmul-like op's forward GEMM(s), or None: ``batch``
+    independent GEMMs of (rows x k) @ (k x n), rows the product of the row dims."""
+    metas = [m.shape for m in node.input_meta]
+    op = node.op.rsplit(".", 1)[0]
+    if op == "aten.linear" and len(metas) >= 2 and len(metas[1]) == 2 and len(metas[0]) >= 1:
+        (n, k) = metas[1]
+        return [], list(metas[0][:-1]) or [1], n, k
+    if op == "aten.addmm" and len(metas) >= 3 and len(metas[1]) == 2 and len(metas[2]) == 2:
+        (m, k), (_, n) = metas[1], metas[2]
+        return [], [m], n, k
+    if op in ("aten.mm", "aten.matmul") and len(metas) >= 2 and len(metas[0]) >= 1 and len(metas[1]) == 2:
+        (k, n) = metas[1]
+        return [], list(metas[0][:-1]) or [1], n, k
+    if op in ("aten.bmm", "aten.matmul", "aten.baddbmm") and len(metas) >= 2:
+        a, b = metas[-2], metas[-1]
+        if len(a) >= 3 and len(b) >= 3:
+            return list(a[:-2]), [a[-2]], b[-1], a[-1]
+    return None
+
+
+def matmul_op_times(node: OpNode, fraction: float, device: DeviceSpec, dtype: str, element_bytes: int,
+                    generation: GpuGeneration) -> tuple[float, float] | None:
+    """(forward, backward) of a matmul-like op doing ``fraction`` of its traced work, or None
+    when its shape is not one the model reads.
+
+    The traced shape is the global one; the rank's share shrinks the batch dims first, then
+    the first row dim (samples: data parallelism and micro-batches split them), then the
+    weight's larger dim (tensor parallelism), then the other row dims. Backward is two GEMMs: the
+    input gradient (rows x n) @ (n x k) and the weight gradient (k x rows) @ (rows x n)."""
+    shape = _matmul_shape(node)
+    if shape is None:
+        return None
+    batch_dims, row_dims, n, k = shape
+    dims = [*batch_dims, *row_dims, n, k]
+    first_row = len(batch_dims)
+    weight_dim = len(dims) - 2 if n >= k else len(dims) - 1
+    split_order = [*range(first_row + 1), weight_dim, *range(first_row + 1, len(dims) - 2)]
+    dims = _split(dims, fraction, split_order)
+    batch = math.prod(dims[:len(batch_dims)])
+    rows = math.prod(dims[len(batch_dims):-2])
+    n, k = dims[-2], dims[-1]
+    forward = matmul_time(batch, rows, n, k, device, dtype, element_bytes, generation)
+    backward = (matmul_time(batch, rows, k, n, device, dtype, element_bytes, generation)
+                + matmul_time(batch, k, n, rows, device, dtype, element_bytes, generation))
+    return forward, backward
+
+
+def attention_op_times(node: OpNode, fraction: float, device: DeviceSpec, dtype: str,
+                       generation: GpuGeneration) -> tuple[float, float] | None:
+    """(forward, backward) of a fused attention op doing ``fraction`` of its traced work."""
+    op = node.op.rsplit(".", 1)[0]
+    if len(node.input_meta) < 3 or len(node.input_meta[0].shape) != 4:
+        return None
+    batch, heads, q_len, head_dim = node.input_meta[0].shape
+    kv_len = node.input_meta[1].shape[-2]
+    index = _CAUSAL_ARGUMENT.get(op)
+    causal = index is not None and len(node.attrs) > index and node.attrs[index] is True
+    batch, heads = _split([batch, heads], fraction, [0, 1])
+    return attention_times(batch * heads, q_len, kv_len, head_dim, causal, device, dtype, generation)
+
+
+def kernel_op_times(node: OpNode, fraction: float, device: DeviceSpec, dtype: str,
+                    element_bytes: int) -> tuple[float, float] | None:
+    """(forward, backward) seconds of a matmul or attention op by the shape-aware model, or
+    None when the device is not a known GPU generation or the op is neither (the caller then
+    uses the roofline, which for elementwise ops is the memory-bound kernel)."""
+    generation = generation_of(device)
+    if generation is None or dtype not in SIXTEEN_BIT:
+        return None
+    if node.op.startswith(ATTENTION_OPS):
+        return attention_op_times(node, fraction, device, dtype, generation)
+    if node.op.startswith(MATMUL_OPS):
+        return matmul_op_times(node, fraction, device, dtype, element_bytes, generation)
+    return None
+
+
+def large_matmul_efficiency(device: DeviceSpec, dtype: str | None) -> float | None:
+    """The measured best-shape fraction of peak for 16-bit matmul work whose shape is unknown
+    (roofline callers such as SUMMA and MoE experts) on a known GPU generation; None elsewhere."""
+    generation = generation_of(device)
+    return None if generation is None or dtype not in SIXTEEN_BIT else generation.mamf_fraction

@@ -1,0 +1,53 @@
+"""Activation recomputation as Megatron-LM defines it, per segment (a repeated block).
+
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (MLSys
+2023), section 4 and table 2; Megatron-LM ``--recompute-granularity``:
+
+  * ``full``: a transformer layer keeps only its input (the checkpoint) and runs its whole
+    forward again in backward, tensor-parallel collectives included (Megatron's
+    ``--recompute-method uniform`` with one layer per checkpoint: the layer's forward,
+    all-reduces and all, is recomputed).
+  * ``selective``: the layer keeps everything but the core-attention tensors that grow with
+    the square of the sequence (QKᵀ scores, softmax, its dropout mask, the attention over V:
+    the ``5as/t`` of table 2) and recomputes only those ops' forward; no collective is
+    recomputed (core attention runs on heads split over tensor parallelism).
+  * ``none``: nothing is recomputed.
+
+Ops around the blocks (embedding, final norm, head) are never checkpointed, as Megatron and
+the compiled programs do. ``Segment.score_bytes`` / ``score_forward_s`` mark the ops whose
+output is ``(…, s, s)``: the core attention that selective recomputation drops.
+"""
+
+from __future__ import annotations
+
+from cost_model.segments import Segment
+
+
+def backward_time(segment: Segment, recompute: str) -> float:
+    """Compute seconds of ``segment``'s backward for one micro-batch, recomputation included."""
+    if not segment.block:
+        return segment.backward_s
+    if recompute == "full":
+        return segment.backward_s + segment.forward_s
+    if recompute == "selective":
+        return segment.backward_s + segment.score_forward_s
+    return segment.backward_s
+
+
+def backward_comm(segment: Segment, recompute: str) -> float:
+    """Tensor-parallel seconds of ``segment``'s backward; a fully recomputed block runs its
+    forward collectives again."""
+    if segment.block and recompute == "full":
+        return segment.backward_comm_s + segment.forward_comm_s
+    return segment.backward_comm_s
+
+
+def activation_bytes(segment: Segment, recompute: str) -> tuple[float, float]:
+    """(bytes a micro-batch keeps for backward, bytes alive only while it recomputes)."""
+    if not segment.block:
+        return segment.saved_bytes, 0.0
+    if recompute == "full":
+        return segment.checkpoint_bytes, segment.saved_bytes
+    if recompute == "selective":
+        return segment.saved_bytes - segment.score_bytes, segment.score_bytes
+    return segment.saved_bytes, 0.0

@@ -1,0 +1,198 @@
+"""Segments: consecutive ops of one virtual stage summed into one unit of the task graph.
+
+A segment is a repeated block (the unit activation recomputation checkpoints, as Megatron-LM
+and the compiled programs checkpoint a transformer layer), or the ops before the first block
+or after the last. ``SegmentBuilder`` (a part of ``cost_model.simulator.Simulator``) sums its
+nodes' costs, parameters and input bytes. Which nodes form which segment depends on the graph
+alone (``segment_members``); a delta simulation rebuilds only the segments whose nodes or
+inputs it re-costed (``SegmentBuilder._refresh_segments``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from torch.distributed.tensor import Replicate, Shard
+
+from planner.graph import OpGraph, OpNode
+from planner.strategy import NodeStrategy
+
+
+@dataclass
+class Segment:
+    """Consecutive ops on one virtual stage: a repeated block, or the ops around the blocks."""
+
+    name: str
+    stage: int
+    block: bool = False  # a repeated block: the unit activation recomputation checkpoints
+    nodes: list[str] = field(default_factory=list)
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    forward_comm_s: float = 0.0
+    backward_comm_s: float = 0.0
+    saved_bytes: float = 0.0
+    input_bytes: float = 0.0  # floating-point values it reads from other segments
+    checkpoint_bytes: float = 0.0  # those of them made in other blocks: what recomputation keeps
+    score_bytes: float = 0.0
+    score_forward_s: float = 0.0
+    params: dict[str, float] = field(default_factory=dict)  # name -> local bytes per element-size 1
+    dp_synced: set[str] = field(default_factory=set)
+    axis_bytes: dict[str, float] = field(default_factory=dict)
+    axis_sync_s: float = 0.0  # NodeCost.axis_sync_s of its nodes
+    # Weights each rank holds its own of (experts split by an MoE layout): kept out of the
+    # dp flavour's sharding, gathering and gradient reduction.
+    per_rank: set[str] = field(default_factory=set)
+
+    def shardable_elements(self) -> float:
+        """Local parameter elements the dp flavour shards (all but ``per_rank`` ones)."""
+        return sum(count for name, count in self.params.items() if name not in self.per_rank)
+
+
+@dataclass(frozen=True)
+class SegmentProfile:
+    """One segment's costs for one micro-batch on one device (``Simulator.segment_profiles``).
+
+    ``time_s``, ``kept_bytes`` and ``transient_bytes`` are keyed by recomputation mode
+    (``"none"``, ``"selective"``, ``"full"``): forward + backward seconds with the
+    tensor-parallel collectives on the critical path; bytes kept for backward per
+    micro-batch in flight; bytes alive only while the segment recomputes.
+    ``param_elements`` are the local parameter elements (``synced_elements`` those whose
+    gradients are reduced over ``dp``); ``input_bytes`` what it reads from earlier segments.
+    """
+
+    name: str
+    block: bool
+    time_s: dict[str, float]
+    kept_bytes: dict[str, float]
+    transient_bytes: dict[str, float]
+    param_elements: float
+    synced_elements: float
+    input_bytes: float
+
+
+
+
+@dataclass(frozen=True)
+class SegmentMembers:
+    """Which nodes form each segment, in graph order; fixed by the graph."""
+
+    keys: tuple[tuple, ...]  # one per segment, in the order segments appear
+    labels: dict[tuple, str]
+    members: dict[tuple, tuple[str, ...]]
+    segment_of: dict[str, tuple]  # node name -> its segment's key
+    in_block: frozenset[str]  # nodes of repeated blocks
+
+
+def segment_members(graph: OpGraph) -> SegmentMembers:
+    """Group ``graph``'s nodes into segments: each repeated block, and before/after them."""
+    members: dict[tuple, list[str]] = {}
+    labels: dict[tuple, str] = {}
+    segment_of: dict[str, tuple] = {}
+    seen_block = False
+    for node in graph.nodes:
+        if node.block is not None:
+            seen_block = True
+            key = ("block",) + node.block
+            label = f"{node.block[0]}.{node.block[1]}"
+        else:
+            key = ("tail",) if seen_block else ("head",)
+            label = "after blocks" if seen_block else "before blocks"
+        labels.setdefault(key, label)
+        members.setdefault(key, []).append(node.name)
+        segment_of[node.name] = key
+    in_block = frozenset(name for key, names in members.items() if key[0] == "block" for name in names)
+    return SegmentMembers(tuple(members), labels, {key: tuple(names) for key, names in members.items()},
+                          segment_of, in_block)
+
+
+class SegmentBuilder:
+    """The segment part of ``Simulator``: uses its graph, strategies, node costs and mesh."""
+
+    def _segments(self) -> list[Segment]:
+        """Every segment, built afresh from the current node costs."""
+        layout = self._segment_layout()
+        return [self._build_segment(key, layout) for key in layout.keys]
+
+    def _segment_layout(self) -> SegmentMembers:
+        layout = getattr(self, "_layout", None)
+        if layout is None:
+            layout = self._layout = segment_members(self.graph)
+        return layout
+
+    def _refresh_segments(self, segments: list[Segment], changed: set[str]) -> list[Segment]:
+        """``segments`` with those that hold a node of ``changed`` or read one's output rebuilt
+        (a new list: the old one may be shared by a cache)."""
+        layout = self._segment_layout()
+        stale = {layout.segment_of[name] for name in changed}
+        for name in changed:
+            for reader in self.consumers.get(name, ()):
+                stale.add(layout.segment_of[reader])
+        return [self._build_segment(key, layout) if key in stale else segment
+                for key, segment in zip(layout.keys, segments)]
+
+    def _build_segment(self, key: tuple, layout: SegmentMembers) -> Segment:
+        sequence = self.plan.summary.tokens_per_sample
+        dp_index = self.mesh.names.index("dp") if "dp" in self.mesh.names else None
+        names = layout.members[key]
+        segment = Segment(name=layout.labels[key], stage=self.strategies[names[0]].stage, block=key[0] == "block")
+        for name in names:
+            node = self.nodes[name]
+            strategy = self.strategies[name]
+            cost = self.costs[name]
+            segment.nodes.append(name)
+            segment.forward_s += cost.forward_s
+            segment.backward_s += cost.backward_s
+            segment.forward_comm_s += cost.forward_comm_s
+            segment.backward_comm_s += cost.backward_comm_s
+            segment.saved_bytes += cost.saved_bytes
+            segment.axis_sync_s += cost.axis_sync_s
+            for axis, sent in cost.axis_bytes.items():
+                segment.axis_bytes[axis] = segment.axis_bytes.get(axis, 0.0) + sent
+            if sequence and node.output_meta and len(node.output_meta[0].shape) >= 2 and node.output_meta[0].shape[-2:] == (sequence, sequence):
+                segment.score_bytes += cost.saved_bytes  # attention scores: dropped by selective recompute
+                segment.score_forward_s += cost.forward_s
+            layer = self._moe_layer_of.get(name)
+            for param, placements in strategy.params.items():
+                meta = self.graph.parameters.get(param)
+                if meta is None:
+                    continue
+                if layer is not None and param in layer.expert_weights:
+                    # The layout says which experts (or which slice of each) a device holds.
+                    segment.params[param] = meta.numel * layer.param_fraction
+                    if layer.gradients_synced:
+                        if dp_index is not None:
+                            segment.dp_synced.add(param)
+                    else:
+                        segment.per_rank.add(param)
+                    continue
+                shards = math.prod(size for (axis, size), p in zip(self.mesh.axes, placements) if isinstance(p, Shard))
+                segment.params[param] = meta.numel / shards
+                # The loss depends on every rank's own samples, so the gradient of every
+                # weight replicated over dp is a partial sum there, whatever its op's output.
+                if dp_index is not None and isinstance(placements[dp_index], Replicate):
+                    segment.dp_synced.add(param)
+        members = set(names)
+        sources = {
+            source
+            for name in names
+            for position, source in enumerate(self.nodes[name].inputs)
+            if source in self.nodes and source not in members and self.nodes[name].input_meta[position].dtype.is_floating_point
+        }
+        for source in sorted(sources):
+            size = self._output_bytes(self.nodes[source], self.strategies[source])
+            segment.input_bytes += size
+            if source in layout.in_block:
+                # Made inside another block, which recomputation does not keep: this
+                # block's checkpoint holds it. (Values made around the blocks are kept
+                # by their own segment already.)
+                segment.checkpoint_bytes += size
+        return segment
+
+    def _output_bytes(self, node: OpNode, strategy: NodeStrategy) -> float:
+        """Bytes of one micro-batch of ``node``'s floating-point outputs on one device."""
+        return sum(
+            meta.nbytes * self.activation_scale / self._shard_factor(placements) / self.micro_batches
+            for meta, placements in zip(node.output_meta, strategy.outputs)
+            if meta.dtype.is_floating_point
+        )

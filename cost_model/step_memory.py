@@ -1,0 +1,116 @@
+"""Memory of one device in a step: weights, gradients and optimizer states after the dp
+flavour's sharding, activations held by the micro-batches in flight, communication buffers;
+and the bytes each mesh axis carries (a part of ``cost_model.simulator.Simulator``).
+"""
+
+from __future__ import annotations
+
+from cost_model import defaults
+from cost_model.compute import check_precision
+from cost_model.recompute import activation_bytes
+from cost_model.schedules import schedule as pipeline_schedule
+from cost_model.segments import Segment
+from planner.strategy import MemoryBreakdown
+
+# bytes per parameter by precision: (weights, gradients, optimizer states). Mixed
+# precision keeps fp16/bf16 weights and gradients and fp32 master weights plus Adam's two
+# moments: 2 + 2 + 12 bytes (ZeRO, Rajbhandari et al. SC'20, section 3.1, K = 12).
+PARAM_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
+_PARAM_BYTES = PARAM_BYTES
+
+
+def bytes_per_parameter(precision: str) -> tuple[int, int, int]:
+    """Bytes per parameter element of (weights, gradients, optimizer states) before any
+    sharding, for mixed-precision Adam at ``precision``."""
+    check_precision(precision)
+    return PARAM_BYTES[precision]
+
+
+class StepMemory:
+    """Memory and bytes per axis of a step (uses ``Simulator``'s plan, mesh and segments)."""
+
+    def _optimizer_state_bytes(self, segments: list[Segment]) -> float:
+        weights, grads, states = _PARAM_BYTES[self.plan.precision]
+        elements = sum(sum(s.params.values()) for s in segments)
+        shardable = sum(s.shardable_elements() for s in segments)
+        shard = self.dp if self.plan.dp_flavour in ("zero1", "zero2", "fsdp") else 1
+        return (shardable / shard + elements - shardable) * (weights + grads + states)
+
+    def _stage_memory(self, all_segments: list[Segment], stage: int, segments: list[Segment]) -> MemoryBreakdown:
+        weight_b, grad_b, state_b = _PARAM_BYTES[self.plan.precision]
+        params: dict[str, float] = {}
+        per_rank: set[str] = set()
+        for segment in segments:
+            params.update(segment.params)
+            per_rank |= segment.per_rank
+        elements = sum(params.values())
+        own = sum(count for name, count in params.items() if name in per_rank)  # never sharded over dp
+        shared = elements - own
+        flavour, dp = self.plan.dp_flavour, self.dp
+        weights = shared * weight_b / (dp if flavour == "fsdp" else 1) + own * weight_b
+        grads = shared * grad_b / (dp if flavour in ("zero2", "fsdp") else 1) + own * grad_b
+        states = shared * state_b / (dp if flavour in ("zero1", "zero2", "fsdp") else 1) + own * state_b
+        buffers_state = sum(meta.nbytes for meta in self.graph.buffers.values()) if stage == 0 else 0
+        activations = self._peak_activations(stage, segments)
+        if flavour == "fsdp" and dp > 1:
+            largest = max((s.shardable_elements() for s in segments), default=0.0)
+            comm = 2 * largest * weight_b
+        elif dp > 1:
+            comm = min(defaults.DDP_BUCKET_BYTES, elements * grad_b)
+        else:
+            comm = 0.0
+        if self.pp > 1:
+            comm += 2 * max((s.input_bytes for s in segments), default=0.0)
+        # One MoE layer dispatches at a time: the largest of their buffers.
+        comm += max((layer.buffer_bytes for layer in self.moe_layers.values()), default=0.0)
+        return MemoryBreakdown(
+            weights=int(weights + buffers_state),
+            gradients=int(grads),
+            optimizer_states=int(states),
+            activations=int(activations),
+            communication_buffers=int(comm),
+        )
+
+    def _peak_activations(self, stage: int, segments: list[Segment]) -> float:
+        """Peak bytes held for backward by the micro-batches in flight on this device."""
+        chunk_bytes: dict[int, float] = {}
+        transient = 0.0
+        for segment in segments:
+            chunk = segment.stage // self.pp
+            kept, recomputed = activation_bytes(segment, self.plan.recompute_at(segment.stage))
+            transient = max(transient, recomputed)
+            chunk_bytes[chunk] = chunk_bytes.get(chunk, 0.0) + kept
+        held = peak = 0.0
+        for kind, _, chunk in pipeline_schedule(self.schedule_name, stage, self.pp, self.micro_batches, self.chunks):
+            held += chunk_bytes.get(chunk, 0.0) if kind == "F" else -chunk_bytes.get(chunk, 0.0)
+            peak = max(peak, held)
+        return peak + transient
+
+    def _bytes_per_axis(self, segments: list[Segment]) -> dict[str, float]:
+        """Bytes a device of the busiest stage sends per step, by mesh axis."""
+        totals: dict[str, float] = {}
+        by_stage: dict[int, dict[str, float]] = {}
+        for segment in segments:
+            stage_totals = by_stage.setdefault(segment.stage % self.pp, {})
+            for axis, sent in segment.axis_bytes.items():
+                stage_totals[axis] = stage_totals.get(axis, 0.0) + sent * self.micro_batches
+            if self.dp > 1 and segment.dp_synced:
+                grads = sum(segment.params[n] for n in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
+                # fsdp: all-gather twice + reduce-scatter; zero1: all-reduce + all-gather of the
+                # updated weights; ddp: all-reduce; zero2: reduce-scatter + all-gather. Gradient
+                # accumulation (no pipeline) repeats FSDP's gathers and FSDP2's reduce-scatters
+                # for every micro-batch.
+                flavour = self.plan.dp_flavour
+                gathers = self.micro_batches if self.plan.pipeline is None else 1  # FSDP's, per micro-batch
+                reductions = self.micro_batches if self._syncs_every_micro_batch() else 1
+                units = {"fsdp": 2 * gathers + reductions, "zero1": 2 * reductions + 1, "zero2": reductions + 1, "ddp": 2 * reductions}[flavour]
+                factor = units * (self.dp - 1) / self.dp
+                stage_totals["dp"] = stage_totals.get("dp", 0.0) + grads * factor
+            if self.pp > 1:
+                stage_totals["pp"] = stage_totals.get("pp", 0.0) + 2 * segment.input_bytes * self.micro_batches
+        for stage_totals in by_stage.values():
+            for axis, sent in stage_totals.items():
+                totals[axis] = max(totals.get(axis, 0.0), sent)
+        return totals
+
+

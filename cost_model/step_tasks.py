@@ -1,0 +1,201 @@
+"""The task graph of one training step: the pipeline schedule's passes, point-to-point sends,
+data-parallel gradient reduction, FSDP gathers and the optimizer step (a part of
+``cost_model.simulator.Simulator``, which supplies the segments, mesh and collective costs).
+
+Per pipeline stage one representative device, with streams ``compute`` (passes, and the
+tensor-parallel collectives on the critical path), ``collective`` (data-parallel reduction
+and FSDP gathers, overlapped with compute) and ``p2p act`` / ``p2p grad`` (activations and
+gradients between stages). Interleaved schedules send at every virtual-stage boundary, so
+their extra communication (``chunks`` times the sends of 1F1B) is in the graph.
+"""
+
+from __future__ import annotations
+
+from cost_model import defaults
+from cost_model.collectives import collective_time
+from cost_model.compute import optimizer_step_time
+from cost_model.recompute import backward_comm, backward_time
+from cost_model.scheduler import TaskGraph
+from cost_model.schedules import schedule as pipeline_schedule
+from cost_model.segments import Segment
+from cost_model.step_memory import PARAM_BYTES as _PARAM_BYTES
+
+
+class GradientBuckets:
+    """DDP's gradient buckets, filled in backward order: 1 MiB for the first bucket, then
+    25 MiB (torch DDP's ``_DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb``). A bucket's
+    all-reduce starts when the segment that fills it finishes its backward (segments are
+    the simulator's granularity). FSDP reduce-scatters each unit (segment) on its own."""
+
+    def __init__(self) -> None:
+        self.cap = defaults.DDP_FIRST_BUCKET_BYTES
+        self.pending = 0.0
+
+    def fill(self, size: float, per_unit: bool, flush: bool) -> list[tuple[float, int]]:
+        """Buckets ready to reduce after adding ``size`` bytes of gradients, as (bucket
+        bytes, how many such buckets): a segment of a large model fills thousands of equal
+        buckets at once, which are counted rather than listed."""
+        if per_unit:
+            return [(size, 1)] if size else []
+        ready = []
+        self.pending += size
+        if self.pending >= self.cap and self.cap != defaults.DDP_BUCKET_BYTES:
+            ready.append((self.cap, 1))
+            self.pending -= self.cap
+            self.cap = defaults.DDP_BUCKET_BYTES
+        if self.pending >= self.cap:
+            full = int(self.pending // self.cap)
+            ready.append((self.cap, full))
+            self.pending -= full * self.cap
+        if flush and self.pending > 0:
+            ready.append((self.pending, 1))
+            self.pending = 0.0
+        return ready
+
+
+
+class StepTaskGraph:
+    """Builds the step's ``TaskGraph`` (uses ``Simulator``'s plan, mesh and segments)."""
+
+    def _task_graph(self, segments: list[Segment]) -> tuple[TaskGraph, dict[str, list[Segment]]]:
+        graph = TaskGraph()
+        stages_total = self.pp * self.chunks
+        chunk_segments: dict[int, list[Segment]] = {vs: [] for vs in range(stages_total)}
+        for segment in segments:
+            chunk_segments[min(segment.stage, stages_total - 1)].append(segment)
+        fsdp = self.plan.dp_flavour == "fsdp" and self.dp > 1
+        sync_every = self._syncs_every_micro_batch()
+        forward_done: dict[tuple[int, int], int] = {}
+        backward_done: dict[tuple[int, int], int] = {}
+        per_device: dict[str, list[Segment]] = {}
+        boundary = {vs: self._boundary_bytes(chunk_segments, vs) for vs in range(stages_total - 1)}
+        orders = {
+            stage: pipeline_schedule(self.schedule_name, stage, self.pp, self.micro_batches, self.chunks)
+            for stage in range(self.pp)
+        }
+        positions = {stage: 0 for stage in range(self.pp)}
+        sync_after: dict[str, list[int]] = {}
+        # Walk the devices round-robin so a task's cross-stage dependencies exist when it is added.
+        while any(positions[s] < len(orders[s]) for s in orders):
+            progressed = False
+            for stage, order in orders.items():
+                device = f"stage {stage}"
+                per_device.setdefault(device, [s for vs, segs in chunk_segments.items() if vs % self.pp == stage for s in segs])
+                while positions[stage] < len(order):
+                    kind, mb, chunk = order[positions[stage]]
+                    vs = chunk * self.pp + stage
+                    if kind == "F":
+                        upstream = forward_done.get((mb, vs - 1)) if vs > 0 else None
+                        if vs > 0 and upstream is None:
+                            break
+                        deps = [self._p2p(graph, vs - 1, upstream, boundary[vs - 1], f"send act mb{mb}")] if vs > 0 else []
+                        forward_done[(mb, vs)] = self._forward(graph, device, chunk_segments[vs], mb, deps, fsdp)
+                    else:
+                        if vs < stages_total - 1:
+                            downstream = backward_done.get((mb, vs + 1))
+                            if downstream is None:
+                                break
+                            deps = [self._p2p(graph, vs + 1, downstream, boundary[vs], f"send grad mb{mb}")]
+                        else:
+                            deps = []
+                        deps.append(forward_done[(mb, vs)])
+                        sync = sync_every or mb == self.micro_batches - 1
+                        split = fsdp or sync  # per-segment tasks feed gradient syncs
+                        backward_done[(mb, vs)] = self._backward(
+                            graph, device, chunk_segments[vs], mb, deps, self.plan.recompute_at(vs), fsdp, split,
+                            sync_after, sync,
+                        )
+                    positions[stage] += 1
+                    progressed = True
+            if not progressed:
+                raise RuntimeError("pipeline schedule deadlocked: a stage waits for work no stage can do")
+        for stage in range(self.pp):
+            device = f"stage {stage}"
+            state_bytes = self._optimizer_state_bytes(per_device[device])
+            step = graph.add("optimizer step", (device, "compute"), optimizer_step_time(state_bytes, self.device),
+                             deps=sync_after.get(device, []), kind="optimizer")
+            if self.plan.dp_flavour in ("zero1", "zero2") and self.dp > 1:
+                gathered = sum(s.shardable_elements() for s in per_device[device]) * _PARAM_BYTES[self.plan.precision][0]
+                graph.add("all-gather updated weights", (device, "collective"), self._collective("all_gather", gathered, "dp"), deps=[step], kind="comm")
+        return graph, per_device
+
+    def _syncs_every_micro_batch(self) -> bool:
+        """Whether gradients are reduced over ``dp`` after every micro-batch of an
+        accumulating step (no pipeline): FSDP2 (FSDP, ZeRO-2) reduce-scatters each one into
+        its sharded gradients, and graph programs (a label: searched or Megatron layouts)
+        reduce in each parameter's gradient hook; DDP syncs once, after the last."""
+        if self.plan.pipeline is not None or self.dp == 1:
+            return False
+        return self.plan.dp_flavour in ("zero2", "fsdp") or bool(self.plan.label)
+
+    def _p2p(self, graph: TaskGraph, vs: int, after: int, size_bytes: float, name: str) -> int:
+        # Activations and gradients travel on separate streams (as NCCL's send/recv on
+        # separate communicators), so one never waits behind the other.
+        device = f"stage {vs % self.pp}"
+        stream = "p2p act" if name.startswith("send act") else "p2p grad"
+        stride = self.mesh.size // self.pp
+        src, dst = (vs % self.pp) * stride, ((vs + 1) % self.pp) * stride
+        key = ("send_recv", size_bytes, src, dst)
+        if key not in self._comm_cache:
+            self._comm_cache[key] = collective_time("send_recv", size_bytes, self.cluster, [src, dst]) if src != dst else 0.0
+        seconds = self._comm_cache[key]
+        return graph.add(name, (device, stream), seconds, deps=[after], kind="p2p")
+
+    def _forward(self, graph: TaskGraph, device: str, segments: list[Segment], mb: int, deps: list[int], fsdp: bool) -> int:
+        last = None
+        for position, segment in enumerate(segments):
+            segment_deps = list(deps) if last is None else [last]
+            if fsdp:
+                prefetch_after = [] if position < 2 else [last]
+                segment_deps.append(self._fsdp_gather(graph, device, segment, prefetch_after, f"all-gather {segment.name}"))
+            compute = graph.add(f"F{mb} {segment.name}", (device, "compute"), segment.forward_s, deps=segment_deps)
+            last = graph.add(f"F{mb} {segment.name} tp-comm", (device, "compute"), segment.forward_comm_s, deps=[compute], kind="tp_comm") if segment.forward_comm_s else compute
+        return last if last is not None else graph.add(f"F{mb} (empty)", (device, "compute"), 0.0, deps=deps)
+
+    def _backward(self, graph, device, segments, mb, deps, recompute, fsdp, split, sync_after, sync) -> int:
+        last = None
+        if not split:  # one task for the whole chunk: nothing needs per-segment timing
+            duration = sum(backward_time(s, recompute) for s in segments)
+            comm = sum(backward_comm(s, recompute) for s in segments)
+            compute = graph.add(f"B{mb}", (device, "compute"), duration, deps=deps)
+            return graph.add(f"B{mb} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
+        bucket = GradientBuckets()
+        for position, segment in enumerate(reversed(segments)):
+            segment_deps = list(deps) if last is None else [last]
+            if fsdp:
+                segment_deps.append(self._fsdp_gather(graph, device, segment, [] if last is None else [last], f"all-gather {segment.name} (bwd)"))
+            compute = graph.add(f"B{mb} {segment.name}", (device, "compute"), backward_time(segment, recompute), deps=segment_deps)
+            comm = backward_comm(segment, recompute)
+            last = graph.add(f"B{mb} {segment.name} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
+            if segment.axis_sync_s and sync and mb == self.micro_batches - 1:
+                sync_after.setdefault(device, []).append(graph.add(
+                    f"all-reduce grads off dp ({segment.name})", (device, "collective"), segment.axis_sync_s, deps=[last], kind="comm"))
+            if self.dp == 1 or not sync:
+                continue
+            grads = sum(segment.params[name] for name in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
+            final = position == len(segments) - 1
+            ready = bucket.fill(grads, per_unit=fsdp, flush=final)
+            if ready:
+                # The buckets a segment fills are all ready when its backward ends and run one
+                # after another on the collective stream: one task of all of them.
+                sync_after.setdefault(device, []).append(self._gradient_sync(graph, device, segment.name, ready, last))
+        return last
+
+    def _fsdp_gather(self, graph, device, segment, deps, name) -> int:
+        size = segment.shardable_elements() * _PARAM_BYTES[self.plan.precision][0]
+        return graph.add(name, (device, "collective"), self._collective("all_gather", size, "dp"), deps=deps, kind="comm")
+
+    def _gradient_sync(self, graph, device, name: str, buckets: list[tuple[float, int]], after: int) -> int:
+        """Data-parallel reduction of the gradient buckets (bytes, count) one segment's
+        backward filled, once that backward is done: each bucket is its own collective."""
+        kind = "reduce_scatter" if self.plan.dp_flavour in ("zero2", "fsdp") else "all_reduce"
+        pieces = [(self._collective(kind, size, "dp"), count) for size, count in buckets]
+        count = sum(count for _, count in buckets)
+        label = f"{kind.replace('_', '-')} grads ({name}{f', {count} buckets' if count > 1 else ''})"
+        return graph.add_pieces(label, (device, "collective"), pieces, deps=[after], kind="comm")
+
+    def _boundary_bytes(self, chunk_segments: dict[int, list[Segment]], vs: int) -> float:
+        """Activation bytes a micro-batch carries from virtual stage ``vs`` to ``vs + 1``."""
+        following = chunk_segments.get(vs + 1, [])
+        return following[0].input_bytes if following else 0.0
+

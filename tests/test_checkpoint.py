@@ -1,0 +1,268 @@
+"""Per-shard initialisation and checkpoints of compiled programs, in real gloo processes.
+
+- Every rank holds only its shards, with the values the whole model built on one device has
+  (``torch.equal``): FSDP, tensor-parallel and pipeline programs on 2 ranks, dp x tp on 4.
+- A wide MLP whose fp32 weights are about 3x a per-rank cap builds under the cap on each of
+  4 FSDP ranks, and trains with the losses of one device.
+- Train 4 steps on FSDP (world 2), save; resume on a pipeline plan (world 2) and on one
+  device (world 1) for 4 more: the losses equal an uninterrupted single-device run of 8.
+- ``planner export-checkpoint`` writes a state_dict that loads (``weights_only=True``, strict)
+  into the model built from the spec; ``launch.py --init-from`` starts a tensor-parallel
+  program from it with the loss the single device computes from those weights.
+- A tensor-parallel run loses a rank to SIGKILL mid-run; restarted with ``--resume``, its
+  losses continue those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_parity import REPO, _free_port
+
+import planner
+from codegen.runtime.checkpoint import export_checkpoint
+from codegen.runtime.launcher import random_like
+from codegen.runtime.program import load_program
+from planner.api import prepare_model
+from planner.model_spec import ModelSpec, extract_loss
+from search.megatron import megatron_plan
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).resolve().with_name("init_ckpt_worker.py")
+GPT = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8})
+# About 201 MB of fp32 weights (three 4096 x 4096 layers): ~50 MB per rank on 4 FSDP ranks.
+WIDE_MLP = ModelSpec(str(REPO / "examples/mlp.py"), {"batch_size": 8, "hidden": 4096, "layers": 5})
+WIDE_MLP_BYTES = 4 * (32 * 4096 + 4096 + 3 * (4096 * 4096 + 4096) + 4096 * 8 + 8)
+MEMORY_CAP = int(0.35 * WIDE_MLP_BYTES)  # per rank: the whole model is ~2.9x this
+KILL_STEPS = 40  # long enough that the kill lands mid-run (it comes at about step 6)
+STEP_LINE = re.compile(r"^step (\d+)/\d+: [\d.]+ ms  loss ([-\d.]+) ", re.M)
+TIMEOUT = 300
+
+
+def _torchrun(world: int, *arguments: str, cwd: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+               "--master_port", str(_free_port()), *arguments]
+    # A fixed mmap threshold: glibc then returns every freed large block at once, so a
+    # rank's peak resident memory measures what the build holds (not reused freed heap).
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+
+
+def _losses(text: str) -> dict[int, float]:
+    return {int(step): float(loss) for step, loss in STEP_LINE.findall(text)}
+
+
+def _ok(run: subprocess.CompletedProcess) -> str:
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("programs")
+    folders = {}
+
+    def write(name: str, plan: planner.Plan) -> None:
+        folders[name] = planner.compile(plan, root / name)
+
+    write("one", planner.plan(GPT, "cpu:1x1", dp_flavour="ddp", precision="fp32"))
+    write("fsdp", planner.plan(GPT, "cpu:1x2", dp_flavour="fsdp", precision="fp32"))
+    graph, spec, name, cluster = prepare_model(GPT, "cpu:1x2")
+    write("tp", megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32"))
+    write("pp", megatron_plan(graph, cluster, spec, name, pp=2, schedule="1f1b", micro_batch=2, precision="fp32"))
+    graph, spec, name, cluster = prepare_model(GPT, "cpu:1x4")
+    write("dp_tp", megatron_plan(graph, cluster, spec, name, tp=2, sequence_parallel=True, precision="fp32"))
+    write("wide_fsdp", planner.plan(WIDE_MLP, "cpu:1x4", dp_flavour="fsdp", precision="fp32"))
+    return folders
+
+
+@pytest.fixture(scope="module")
+def reference_losses(programs, tmp_path_factory) -> dict[int, float]:
+    """One device, uninterrupted, through the same launch.py loop."""
+    run = _torchrun(1, str(programs["one"] / "launch.py"), "--steps", str(KILL_STEPS), cwd=tmp_path_factory.mktemp("one"))
+    losses = _losses(_ok(run))
+    assert sorted(losses) == list(range(1, KILL_STEPS + 1))
+    return losses
+
+
+def _results(text: str) -> dict[tuple[str, int], dict[str, int]]:
+    found = {}
+    for folder, rank, fields in re.findall(r"^RESULT (\S+) rank=(\d+) (.*)$", text, re.MULTILINE):
+        found[(Path(folder).name, int(rank))] = {key: int(value) for key, value in re.findall(r"(\w+)=(\d+)", fields)}
+    return found
+
+
+def test_each_rank_builds_only_its_shards_with_the_single_device_values(programs, tmp_path) -> None:
+    two = _results(_ok(_torchrun(2, str(WORKER), *(f"exact:{programs[n]}" for n in ("fsdp", "tp", "pp")), cwd=tmp_path)))
+    four = _torchrun(4, str(WORKER), f"exact:{programs['dp_tp']}", f"steps=3:{programs['wide_fsdp']}", cwd=tmp_path)
+    four_results = _results(_ok(four))
+    whole = sum(p.numel() * 4 for p in load_program(programs["one"]).build_model()[0].parameters())
+    for (name, rank), result in {**two, **four_results}.items():
+        if name == "wide_fsdp":
+            continue
+        assert result["compared"] > 0 and result["mismatched"] == 0, (name, rank, result)
+        if name in ("fsdp", "pp"):  # FSDP keeps 1/2 of every weight; a pipeline stage its own layers
+            assert result["held_bytes"] < 0.75 * whole, (name, rank, result)
+    assert sum(two[("fsdp", rank)]["held_bytes"] for rank in (0, 1)) == whole
+
+    # The wide MLP: each rank's build stays under the cap, a third of the whole model.
+    for rank in range(4):
+        result = four_results[("wide_fsdp", rank)]
+        assert result["held_bytes"] == pytest.approx(WIDE_MLP_BYTES / 4, rel=0.01)
+        assert 0.9 * result["held_bytes"] < result["peak_build_bytes"] < MEMORY_CAP, (rank, result, MEMORY_CAP)
+    # ... and trains as one device does (same init, same batches, AdamW at launch.py's lr).
+    program = load_program(programs["wide_fsdp"])
+    model, args, kwargs = program.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = _losses(four.stdout)
+    assert sorted(losses) == [1, 2, 3]
+    for step in range(3):
+        torch.manual_seed(1000 + step)
+        loss = extract_loss(model(*random_like(args), **random_like(kwargs)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert losses[step + 1] == pytest.approx(loss.item(), abs=2e-5)
+
+
+def test_resume_on_other_plans_export_and_init_from(programs, reference_losses, tmp_path) -> None:
+    saved = tmp_path / "fsdp_ckpt"
+    first = _losses(_ok(_torchrun(
+        2, str(programs["fsdp"] / "launch.py"), "--steps", "4", "--checkpoint-dir", str(saved), "--save-every", "2",
+        cwd=tmp_path,
+    )))
+    assert sorted(first) == [1, 2, 3, 4]
+    assert sorted(p.name for p in saved.iterdir()) == ["step-00000002", "step-00000004"]
+    one_device = tmp_path / "one_ckpt"
+    shutil.copytree(saved, one_device)
+
+    # Onto a pipeline (another flavour, a pipeline split) and onto one device (another world size).
+    pipeline = _ok(_torchrun(
+        2, str(programs["pp"] / "launch.py"), "--steps", "8", "--checkpoint-dir", str(saved), "--resume", cwd=tmp_path,
+    ))
+    single = _ok(_torchrun(
+        1, str(programs["one"] / "launch.py"), "--steps", "8", "--checkpoint-dir", str(one_device), "--resume",
+        cwd=tmp_path,
+    ))
+    assert "resumed from" in pipeline and "at step 4" in pipeline
+    for resumed in (_losses(pipeline), _losses(single)):
+        assert sorted(resumed) == [5, 6, 7, 8]
+        for step, loss in {**first, **resumed}.items():
+            assert loss == pytest.approx(reference_losses[step], abs=1e-5), step
+
+    # One plain state_dict of the weights after step 8, from the pipeline's checkpoint.
+    exported = tmp_path / "model.pt"
+    cli = subprocess.run(
+        [sys.executable, "-m", "planner", "export-checkpoint", str(saved), "-o", str(exported)],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=TIMEOUT, check=False,
+    )
+    assert cli.returncode == 0 and "after step 8" in cli.stdout, cli.stdout + cli.stderr
+    model, args, kwargs = load_program(programs["tp"]).build_model()  # the example batch launch.py draws from
+    model.load_state_dict(torch.load(exported, weights_only=True))  # strict: every name, tied ones too
+    from_single = tmp_path / "single.pt"
+    assert export_checkpoint(one_device / "step-00000008", from_single)[0] == 8
+    other = torch.load(from_single, weights_only=True)
+    # AdamW moves a weight whose gradient is near eps by ~lr whatever the gradient's last
+    # bits (see codegen/runtime/parity.py), so the weights agree to lr / 10, not to 1e-5.
+    for name, value in torch.load(exported, weights_only=True).items():
+        torch.testing.assert_close(value, other[name], atol=1e-4, rtol=0)
+
+    # A new tensor-parallel run from those weights: its first loss is the single device's.
+    started = _losses(_ok(_torchrun(
+        2, str(programs["tp"] / "launch.py"), "--steps", "1", "--init-from", str(exported), cwd=tmp_path,
+    )))
+    torch.manual_seed(1000)
+    with torch.no_grad():
+        expected = extract_loss(model(*random_like(args), **random_like(kwargs))).item()
+    assert started[1] == pytest.approx(expected, abs=1e-5)
+
+
+def _rank_process(parent: int, rank: int) -> int | None:
+    """The pid of the torchrun worker of ``rank`` under launcher process ``parent``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        parent_pid = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent_pid == parent and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def test_a_killed_rank_restarts_from_the_last_checkpoint(programs, reference_losses, tmp_path) -> None:
+    saved = tmp_path / "ckpt"
+    arguments = [str(programs["tp"] / "launch.py"), "--steps", str(KILL_STEPS), "--checkpoint-dir", str(saved)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen(
+        [*command, *arguments, "--save-every", "2"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True,
+    )
+    printed, killed = [], False
+    deadline = time.monotonic() + TIMEOUT
+    for line in run.stdout:
+        printed.append(line)
+        if "checkpoint complete" in line and "step-00000004" in line and not killed:
+            victim = _rank_process(run.pid, 1)
+            assert victim is not None, "no rank-1 worker found under torchrun"
+            os.kill(victim, signal.SIGKILL)
+            killed = True
+        assert time.monotonic() < deadline
+    assert run.wait(timeout=TIMEOUT) != 0 and killed, "".join(printed)[-2000:]
+    before = _losses("".join(printed))
+    assert 4 <= max(before) < KILL_STEPS, "".join(printed)[-2000:]  # it died mid-run
+
+    restarted = _ok(_torchrun(2, *arguments, "--resume", cwd=tmp_path))
+    resumed_at = int(re.search(r"at step (\d+)", restarted).group(1))
+    assert 4 <= resumed_at <= max(before)
+    after = _losses(restarted)
+    assert sorted(after) == list(range(resumed_at + 1, KILL_STEPS + 1))
+    for step, loss in {**before, **after}.items():
+        assert loss == pytest.approx(reference_losses[step], abs=1e-5), step
+
+
+# ------------------------------------------------------------------ mistakes, one line each
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "2", "--save-every", "2"], "--save-every and --resume need --checkpoint-dir"),
+        (["--check", "--checkpoint-dir", "ck"], "add --steps N"),
+        (["--steps", "2", "--checkpoint-dir", "ck", "--resume", "--init-from", "m.pt"], "pick one"),
+        (["--steps", "2", "--checkpoint-dir", "empty", "--resume"], "no complete checkpoint in 'empty'"),
+        (["--steps", "2", "--init-from", "missing.pt"], "no file 'missing.pt'"),
+    ],
+)
+def test_checkpoint_flag_mistakes_are_one_line(tmp_path, monkeypatch, flags, message) -> None:
+    from codegen.runtime.launcher import build_parser, check_checkpoint_options
+    from planner.errors import LaunchError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        check_checkpoint_options(build_parser().parse_args(flags))
+
+
+def test_export_checkpoint_mistakes_are_one_line(tmp_path, capsys) -> None:
+    from planner.cli import main
+
+    (tmp_path / "not_a_checkpoint").mkdir()
+    assert main(["export-checkpoint", str(tmp_path / "nowhere"), "-o", str(tmp_path / "m.pt")]) == 2
+    assert main(["export-checkpoint", str(tmp_path / "not_a_checkpoint"), "-o", str(tmp_path / "m.pt")]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 2 and "no folder" in errors[0] and "is not a complete soap-planner checkpoint" in errors[1], errors

@@ -1,0 +1,154 @@
+"""The shape-aware GPU kernel model (``cost_model.gpu_kernels``) against hand-worked cases.
+
+Each expected figure is worked out in the test from the model's definition (tiles, waves, K
+overhead, the MAMF measurement, FlashAttention's FLOPs and efficiencies) and the A100's
+datasheet numbers: 108 SMs, 312e12 bf16 FLOP/s, 2.039e12 B/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cost_model import defaults, gpu_kernels
+from cost_model.compute import op_times
+from cost_model.gpu_kernels import GENERATIONS, generation_of, matmul_time, shape_efficiency, tile_efficiency
+from planner.cluster import Cluster
+from planner.graph import OpNode, TensorMeta
+
+A100_DEVICE = Cluster.preset("dgx-a100-80g").device_of(0)
+A100 = GENERATIONS["A100"]
+BF16 = torch.bfloat16
+OVERHEAD = defaults.KERNEL_OVERHEAD_S
+
+
+def test_generation_from_device_name():
+    assert generation_of(A100_DEVICE) is A100
+    assert generation_of(Cluster.preset("dgx-h100").device_of(0)).name == "H100"
+    assert generation_of(Cluster.preset("p3.16xlarge").device_of(0)).name == "V100"
+    # CPUs and calibrated devices keep the roofline.
+    assert generation_of(Cluster.preset("cpu").device_of(0)) is None
+    assert generation_of(dataclasses.replace(A100_DEVICE, matmul_efficiency=0.7)) is None
+
+
+def test_tile_efficiency_follows_data_reuse():
+    # reuse = tm*tn/(tm+tn); efficiency = reuse/(reuse+32), relative to 256x128 (reuse 85.33).
+    largest = (256 * 128 / 384) / (256 * 128 / 384 + 32)  # 0.72727
+    assert tile_efficiency(256, 128) == pytest.approx(1.0)
+    assert tile_efficiency(128, 128) == pytest.approx((64 / 96) / largest)  # 0.9167
+    assert tile_efficiency(64, 64) == pytest.approx((32 / 64) / largest)  # 0.6875
+
+
+def test_mamf_shape_reproduces_the_measurement():
+    # 6912 x 16384 x 2048 on 108 SMs with 256x128 tiles: 27 x 128 = 3456 tiles = 32 full
+    # waves; each tile costs K + 192 = 2240 K-steps for 2048 useful: 2048 / 2240 = 0.9143.
+    assert shape_efficiency(1, 6912, 16384, 2048, 108, 192) == pytest.approx(2048 / 2240)
+    assert A100.matmul_efficiency(1, 6912, 16384, 2048) == pytest.approx(0.859)
+    # No shape beats the measured best: a longer K is capped at the measurement.
+    assert A100.matmul_efficiency(1, 6912, 16384, 8192) == pytest.approx(0.859)
+
+
+def test_wave_quantisation():
+    k = 4096
+    # 108 tiles of 256x128 fill the 108 SMs once: only the K overhead is lost.
+    one_wave = shape_efficiency(1, 256 * 108, 128, k, 108, 192)
+    assert one_wave == pytest.approx(k / (k + 192))  # 0.9552
+    # 109 rows of 256-row tiles: 256x128 tiles need 2 waves (109/216 useful). The fastest
+    # tile is 64x128: 436 x 1 = 436 tiles = 5 waves (of 540 slots) of tiles at efficiency
+    # (42.67/74.67)/0.72727 = 0.7857, against 128x128 (218 tiles, 3 waves, 0.9167) and 64x64
+    # (872 tiles, 9 waves, 0.6875): per SM 5 x 8192 / 0.7857 < 3 x 16384 / 0.9167 < 2 x 32768.
+    useful = 256 * 109 * 128 * k
+    two_waves_big = 2 * 108 * 256 * 128 * (k + 192)
+    five_waves_narrow = 5 * 108 * 64 * 128 * (k + 192) / tile_efficiency(64, 128)
+    assert tile_efficiency(64, 128) == pytest.approx((64 * 128 / 192) / (64 * 128 / 192 + 32) / 0.72727, rel=1e-4)
+    assert five_waves_narrow < two_waves_big
+    assert shape_efficiency(1, 256 * 109, 128, k, 108, 192) == pytest.approx(useful / five_waves_narrow)
+    assert useful / five_waves_narrow == pytest.approx(0.6060, rel=1e-3)  # one row past a wave costs 37%
+
+
+def test_compute_bound_matmul_time():
+    # MAMF shape, bf16: 2 x 6912 x 16384 x 2048 = 4.638e11 FLOPs at 0.859 x 312e12 = 1.7306 ms.
+    flops = 2 * 6912 * 16384 * 2048
+    expected = flops / (312e12 * 0.859) + OVERHEAD
+    assert matmul_time(1, 6912, 16384, 2048, A100_DEVICE, "bfloat16", 2, A100) == pytest.approx(expected)
+    assert expected == pytest.approx(1.7356e-3, rel=1e-3)
+
+
+def test_matrix_vector_product_is_memory_bound():
+    # One row times 8192 x 8192 in bf16: 2 x (8192 + 8192^2 + 8192) bytes = 134.25 MB at
+    # 0.8 x 2.039e12 B/s = 82.3 µs; its 1.3e8 FLOPs on one wave of 64x64 tiles take less.
+    moved = 2 * (8192 + 8192 * 8192 + 8192)
+    expected = moved / (2.039e12 * defaults.MEMORY_EFFICIENCY) + OVERHEAD
+    assert matmul_time(1, 1, 8192, 8192, A100_DEVICE, "bfloat16", 2, A100) == pytest.approx(expected)
+    assert expected == pytest.approx(87.3e-6, rel=1e-3)
+
+
+def attention_node(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> OpNode:
+    q = TensorMeta((batch, heads, seq, head_dim), BF16)
+    return OpNode(
+        name="sdpa", op="aten.scaled_dot_product_attention.default", inputs=("q", "k", "v"),
+        input_meta=(q, q, q), output_meta=(q,), attrs=(None, None, None, None, 0.0, causal),
+        flops=4 * batch * heads * seq * seq * head_dim, bytes_moved=4 * q.nbytes,
+    )
+
+
+def test_causal_flash_attention():
+    # B=1, H=32, S=4096, D=128, causal, on A100. Forward FLOPs 4 x 32 x 4096^2 x 128 / 2.
+    forward_flops = 4 * 32 * 4096**2 * 128 / 2  # 1.374e11
+    sequence = 4096 / (4096 + 210) * (16384 + 210) / 16384  # 0.96343
+    diagonal = 32 / 33  # 32 query blocks of 128: 32 x 33 / 2 blocks computed for 32 x 32 / 2
+    waves = 1024 / (10 * 108)  # 32 heads x 32 blocks = 1024 thread blocks over 10 waves
+    shape = sequence * diagonal * waves  # 0.88577
+    forward, backward = op_times(attention_node(1, 32, 4096, 128, True), 1.0, A100_DEVICE, "bf16")
+    assert forward == pytest.approx(forward_flops / (312e12 * 0.73 * shape) + OVERHEAD)
+    assert backward == pytest.approx(2.5 * forward_flops / (312e12 * 0.60 * shape) + OVERHEAD)
+    assert forward == pytest.approx(0.6862e-3, rel=1e-3)
+    # Without the mask the kernel does twice the FLOPs with no wasted diagonal blocks.
+    full, _ = op_times(attention_node(1, 32, 4096, 128, False), 1.0, A100_DEVICE, "bf16")
+    assert full == pytest.approx(2 * forward_flops / (312e12 * 0.73 * sequence * waves) + OVERHEAD)
+
+
+def test_split_attention_shrinks_batch_then_heads():
+    # 1/16 of (B=4, H=32): batch 4 -> 1, then heads 32 -> 8.
+    split = op_times(attention_node(4, 32, 2048, 128, True), 1 / 16, A100_DEVICE, "bf16")
+    assert split == pytest.approx(op_times(attention_node(1, 8, 2048, 128, True), 1.0, A100_DEVICE, "bf16"))
+
+
+def linear_node(batch: int, seq: int, width: int, out: int) -> OpNode:
+    x, w, y = TensorMeta((batch, seq, width), BF16), TensorMeta((out, width), BF16), TensorMeta((batch, seq, out), BF16)
+    return OpNode(name="fc", op="aten.linear.default", inputs=("x", "w"), input_meta=(x, w), output_meta=(y,),
+                  flops=2 * batch * seq * width * out, bytes_moved=x.nbytes + w.nbytes + y.nbytes)
+
+
+def test_linear_split_over_samples_then_weight():
+    # (8, 2048, 4096) x (16384, 4096)ᵀ at 1/16 of the work (dp 8 x tp 2): samples 8 -> 1, then
+    # the weight's larger dim 16384 -> 8192: a 2048 x 8192 x 4096 GEMM forward, and backward
+    # the input gradient (2048 x 4096, reducing 8192) and weight gradient (4096 x 8192,
+    # reducing 2048).
+    forward, backward = op_times(linear_node(8, 2048, 4096, 16384), 1 / 16, A100_DEVICE, "bf16")
+    assert forward == pytest.approx(matmul_time(1, 2048, 8192, 4096, A100_DEVICE, "bfloat16", 2, A100))
+    assert backward == pytest.approx(matmul_time(1, 2048, 4096, 8192, A100_DEVICE, "bfloat16", 2, A100)
+                                     + matmul_time(1, 4096, 8192, 2048, A100_DEVICE, "bfloat16", 2, A100))
+
+
+def test_large_layers_beat_the_old_flat_efficiency_and_small_ones_do_not():
+    big = A100.matmul_efficiency(1, 8192, 12288 * 4, 12288)  # a GPT-3 MLP GEMM
+    small = A100.matmul_efficiency(1, 128, 128, 128)
+    assert big > 0.8 > defaults.MATMUL_EFFICIENCY > small
+    # 128^3: four 64x64 tiles on 4 of 108 SMs, K 128 + 192, relative to the MAMF shape's 0.9143:
+    # 128^3 / (108 x 64 x 64 x 320 / 0.6875) x 0.859 / 0.9143.
+    assert small == pytest.approx(128**3 / (108 * 64 * 64 * 320 / 0.6875) * 0.859 / (2048 / 2240))
+
+
+def test_cpu_devices_keep_the_roofline():
+    cpu = Cluster.preset("cpu").device_of(0)
+    assert gpu_kernels.kernel_op_times(linear_node(2, 16, 32, 64), 1.0, cpu, "float32", 4) is None
+
+
+def test_fp32_keeps_the_roofline():
+    # The measurements behind the model are 16-bit: fp32 work is the roofline's.
+    node = linear_node(2, 16, 32, 64)
+    assert gpu_kernels.kernel_op_times(node, 1.0, A100_DEVICE, "float32", 4) is None
+    assert gpu_kernels.kernel_op_times(node, 1.0, A100_DEVICE, "bfloat16", 2) is not None
