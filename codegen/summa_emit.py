@@ -17,14 +17,13 @@ from typing import Sequence
 import torch.fx
 from torch.distributed.tensor import Shard
 
-from codegen.runtime.summa_layouts import input_placements, weight_placements
+from codegen.runtime.summa_layouts import SUMMA_AXES, input_placements, weight_placements
 from codegen.source_text import comment
 from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.plans import Plan
 from planner.strategy import NodeStrategy, SummaLayout, placement_to_str, placements_str
 
-SUMMA_AXES = ("row", "col", "dep")
 RUNTIME_IMPORT = "from codegen.runtime import summa_layouts"
 _LINEAR = "aten.linear."
 _LAYER_NORM = "aten.layer_norm."

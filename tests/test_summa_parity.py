@@ -6,13 +6,17 @@ step (outputs, loss, every gradient and every updated parameter) equals one devi
 world 4 a 2 x 2 grid (2-D SUMMA) for the two-block ``examples/gpt.py`` and tiny
 ``hf:llama``; at world 8 a 2 x 2 x 2 grid as 2.5-D (q = 2, d = 2: one GPT block, tiny
 ``hf:llama``) and as 3-D (q = 2: the two-block GPT, tiny ``hf:llama``), and one GPT block in
-2-D SUMMA under ``dp`` = 2 (the weights' gradients summed over ``dp`` too). Each world size checks all its programs in ONE
-torchrun launch (``tests/dist_check_many.py``). The controls are the 2-D and 2.5-D GPT
-programs with the gradients of replicated shards left unsummed (bias and norm chunks over
-the ranks holding other rows; 2.5-D's weights over ``dep``): their check must fail in a
-gradient. Without launches: the forced layout's placements (3-D alternates ``swapped`` so
-each block returns to its input's layout), the program's comments naming the collectives,
-and a plan whose SUMMA layout sits on an op the program cannot run refused in one line.
+2-D SUMMA under ``dp`` = 2 (the weights' gradients summed over ``dp`` too), also with FSDP2
+holding the weights split over ``dp`` and every block recomputed; and at world 8
+the plan the search picks for the two-block GPT with SUMMA forced on (``tp_layouts="summa"``).
+Each world size checks all its programs in ONE torchrun launch (``tests/dist_check_many.py``).
+The controls are the 2-D GPT and the 2.5-D GPT block with the gradients of replicated shards
+left unsummed (bias and norm chunks over the ranks holding other rows; 2.5-D's weights over
+``dep``): their check must fail in a gradient. Without launches: the forced layout's
+placements (3-D alternates ``swapped`` so each block returns to its input's layout), the
+program's comments naming the collectives, and plans refused in one line: a SUMMA layout on
+an op the program cannot run, a SUMMA linear read in other placements, a SUMMA op the
+compile-time dry run could not run.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ CASES = {
         "gpt_block_dp2_2d": (BLOCK_SPEC, "2d", 2),
     },
 }
+# Cases whose replicated weights are held split over dp (FSDP2), every block recomputed in
+# backward (the SUMMA collectives run again inside the checkpoint): name -> (spec, family, dp).
+FSDP_CASES = {4: {}, 8: {"gpt_dp2_2d_fsdp_recompute": (GPT_SPEC, "2d", 2)}}
+# Plans the search picks with SUMMA forced on (``tp_layouts="summa"``): name -> spec.
+SEARCHED = {4: {}, 8: {"gpt_searched_summa": GPT_SPEC}}
 # control name -> the case whose program it breaks.
 CONTROLS = {4: {"gpt_2d_replica_gradients_unsummed": "gpt_2d"},
             8: {"gpt_block_2.5d_replica_gradients_unsummed": "gpt_block_2.5d"}}
@@ -68,6 +77,14 @@ def world_run(request, tmp_path_factory):
     for name, (spec, family, dp) in CASES[world].items():
         folders[name] = root / name
         planner.compile(summa_plan(spec, family, dp=dp), folders[name])
+    for name, (spec, family, dp) in FSDP_CASES[world].items():
+        folders[name] = root / name
+        planner.compile(summa_plan(spec, family, dp=dp, flavour="fsdp", recompute="full"), folders[name])
+    for name, spec in SEARCHED[world].items():
+        plan = planner.plan(spec, f"cpu:1x{world}", tp_layouts="summa", effort=0.25, progress=False)
+        assert any(isinstance(s.layout, SummaLayout) for s in plan.strategies), f"{name}: no SUMMA layout in {plan.mesh}"
+        folders[name] = root / name
+        planner.compile(plan, folders[name])
     for control, base in CONTROLS[world].items():
         folders[control] = root / control
         shutil.copytree(folders[base], folders[control])
@@ -81,7 +98,7 @@ def world_run(request, tmp_path_factory):
 
 def test_summa_programs_train_like_one_device(world_run):
     world, results, _ = world_run
-    failed = {name: results[name] for name in CASES[world] if not results[name].startswith("ok")}
+    failed = {name: results[name] for name in [*CASES[world], *FSDP_CASES[world], *SEARCHED[world]] if not results[name].startswith("ok")}
     assert not failed, failed
 
 

@@ -62,9 +62,10 @@ def input_placements(axes: Sequence[str], rank: int, family: str, swapped: bool 
         wanted = {"row": rows, "col": hidden}
         if family == "2.5d":
             wanted["dep"] = rows
-        return wanted
-    row_role, col_role = ("col", "row") if swapped else ("row", "col")
-    return {row_role: rows, "dep": rows, col_role: hidden}
+    else:
+        row_role, col_role = ("col", "row") if swapped else ("row", "col")
+        wanted = {row_role: rows, "dep": rows, col_role: hidden}
+    return {axis: placement for axis, placement in wanted.items() if axis in axes}
 
 
 def in_layout(tensor: DTensor, wanted: dict[str, Placement]) -> DTensor:
@@ -101,9 +102,10 @@ def weight_placements(axes: Sequence[str], family: str, swapped: bool = False) -
         wanted = {"row": Shard(1), "col": Shard(0)}
         if family == "2.5d":
             wanted["dep"] = Replicate()
-        return wanted
-    row_role, col_role = ("col", "row") if swapped else ("row", "col")
-    return {col_role: Shard(1), "dep": Shard(1), row_role: Shard(0)}
+    else:
+        row_role, col_role = ("col", "row") if swapped else ("row", "col")
+        wanted = {col_role: Shard(1), "dep": Shard(1), row_role: Shard(0)}
+    return {axis: placement for axis, placement in wanted.items() if axis in axes}
 
 
 def _local_with_partial_gradient(param: DTensor, rows_split_on: Sequence[bool]) -> torch.Tensor:
