@@ -15,7 +15,7 @@ from codegen.attention_core import NO_CORE_COMMENT
 from codegen.emit import about_plan, autocast_lines, precision_imports
 from codegen.graph_facts import clean_path
 from codegen.pipeline_schedules import schedule_lines, stages_comment
-from codegen.source_text import comment, identifier, number, with_comment
+from codegen.source_text import comment, identifier, number, torch_imports, with_comment
 from codegen.spmd_sections import SHARDED_STATES_IMPORT, sharded_states_function, shards_optimizer_states
 from planner import __version__
 
@@ -139,13 +139,7 @@ class PipelineSections:
         pipeline = self.plan.pipeline
         return "\n".join(
             [
-                "from __future__ import annotations",
-                "",
-                "import torch",
-                "from torch.distributed.device_mesh import DeviceMesh",
-                "from torch.distributed.tensor import Partial, Replicate, Shard",
-                *(["from torch.utils.checkpoint import checkpoint"] if set(self.recompute) != {"none"} else []),
-                "",
+                *torch_imports(set(self.recompute) != {"none"}),
                 "from codegen.runtime.pipeline import PipelineRunner, PipelineStageModule, VirtualStages, build_stage, stage_mesh",
                 *precision_imports(self.plan),
                 *([SHARDED_STATES_IMPORT] if shards_optimizer_states(self.plan) else []),

@@ -99,3 +99,17 @@ def derived_identifier(text: Any, prefix: str = "_", fallback: str = "value") ->
     if not name.isidentifier() or keyword.iskeyword(name):
         name = f"_{name}"
     return identifier(name, "a derived name")
+
+
+def torch_imports(checkpointing: bool) -> list[str]:
+    """The opening import lines every generated program shares (``checkpoint`` only when some
+    block is recomputed)."""
+    return [
+        "from __future__ import annotations",
+        "",
+        "import torch",
+        "from torch.distributed.device_mesh import DeviceMesh",
+        "from torch.distributed.tensor import Partial, Replicate, Shard",
+        *(["from torch.utils.checkpoint import checkpoint"] if checkpointing else []),
+        "",
+    ]

@@ -12,7 +12,7 @@ from torch.utils._pytree import TreeSpec
 from codegen import spmd_notes as notes
 from codegen import summa_emit
 from codegen.emit import about_plan, autocast_lines, precision_imports
-from codegen.source_text import comment, derived_identifier, identifier, number, with_comment
+from codegen.source_text import comment, derived_identifier, identifier, number, torch_imports, with_comment
 from codegen.repeated_tables import parameter_entries
 from codegen.spmd_literals import dotted, placement_source, spec_children
 from planner import __version__
@@ -78,13 +78,7 @@ class ProgramSections:
 
     def _imports(self) -> str:
         lines = [
-            "from __future__ import annotations",
-            "",
-            "import torch",
-            "from torch.distributed.device_mesh import DeviceMesh",
-            "from torch.distributed.tensor import Partial, Replicate, Shard",
-            *(["from torch.utils.checkpoint import checkpoint"] if self.recompute != "none" else []),
-            "",
+            *torch_imports(self.recompute != "none"),
             *precision_imports(self.plan),
             *([SHARDED_STATES_IMPORT] if shards_optimizer_states(self.plan) else []),
             "from codegen.runtime.spmd import SpmdModule, shard_inputs",
