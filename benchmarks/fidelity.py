@@ -129,6 +129,14 @@ def _llama(layers: int, dim: int, heads: int, kv_heads: int, ffn: int, vocab: in
             "vocab_size": vocab, "batch_size": batch, "seq_len": seq}
 
 
+def with_attention_kernel(cluster: Cluster, kernel: str) -> Cluster:
+    """``cluster`` with every device running the fused attention kernel ``kernel``
+    (``planner.cluster.ATTENTION_KERNELS``)."""
+    nodes = tuple(dataclasses.replace(node, device=dataclasses.replace(node.device, attention_kernel=kernel))
+                  for node in cluster.nodes)
+    return dataclasses.replace(cluster, nodes=nodes)
+
+
 def bloom_cluster() -> Cluster:
     """Jean Zay's A100 partition as BLOOM ran on it (Le Scao et al. 2022, "BLOOM", section
     3.4.1): 48 nodes of 8 A100-80GB with NVLink, each node on 4 Omni-Path 100 Gb/s links:
@@ -148,6 +156,9 @@ def runs() -> list[Run]:
     found = []
     # MosaicML llm-foundry benchmark tables (MPT, FSDP FULL_SHARD, bf16, seq 2048). A100 80GB
     # nodes with 1600 Gb/s per node (= dgx-a100 preset); H100 nodes as the dgx-h100 preset.
+    # Attention: the Triton FlashAttention kernel (the benchmark script,
+    # scripts/train/benchmarking/submit_benchmarks.py, sets model.attn_impl from
+    # ``--attn_impl``, default 'triton').
     for name, size, gpus, preset, mb, acc, ac, tokens in (
         ("MPT-7B@8xA100", (32, 4096, 32), 8, "dgx-a100-80g", 6, 2, False, 4641),
         ("MPT-13B@8xA100", (40, 5120, 40), 8, "dgx-a100-80g", 2, 3, False, 2262),
@@ -159,7 +170,8 @@ def runs() -> list[Run]:
     ):
         batch = gpus * mb * acc
         found.append(Run(
-            name, "gpt.py", _mpt(name, *size, batch=batch, seq=2048), f"{preset}:{gpus // 8}",
+            name, "gpt.py", _mpt(name, *size, batch=batch, seq=2048),
+            with_attention_kernel(Cluster.preset(preset, nodes=gpus // 8), "flash-attention-triton"),
             {"dp_flavour": "fsdp", "recompute": "full" if ac else "none"}, acc,
             tokens_step(batch, 2048, tokens, gpus), f"{tokens} tok/s/GPU",
             f"{LLM_FOUNDRY} ({'H100' if 'h100' in preset else 'A100 80GB'} table)",
