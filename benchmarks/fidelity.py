@@ -94,6 +94,8 @@ class Run:
             schedule = self.layout.get("schedule", "1f1b")
             parts.append(f"{schedule}{self.layout.get('virtual_stages', '') if schedule == 'interleaved' else ''}"
                          f" mb{self.layout.get('micro_batch', 1)}")
+            if self.layout.get("blocking_p2p"):
+                parts.append("sync-p2p")
         if self.accumulation > 1:
             parts.append(f"acc{self.accumulation}")
         parts.append(f"rc-{self.layout.get('recompute', 'none')}")
@@ -187,6 +189,8 @@ def runs() -> list[Run]:
             {"dp_flavour": "fsdp", "recompute": recompute}, 1, tokens_step(batch, seq, tokens, 64),
             f"{tokens} tok/s/GPU", TORCHTITAN_A100,
         ))
+    # MT-NLG and BLOOM ran Megatron-DeepSpeed with DeepSpeed's pipeline engine, whose sends are
+    # synchronous (deepspeed/runtime/pipe/p2p.py: send() asserts async_op == False): blocking_p2p.
     # MT-NLG 530B (Smith et al. 2022, arXiv:2201.11990, section 2.4): 280 DGX A100 nodes, tp 8
     # x pp 35, batch 1920 of 2048 tokens, 60.1 s per iteration (126 TFLOP/s per GPU). 105
     # layers, width 20480, 128 heads; vocabulary 50,257 (GPT-2's BPE) padded to 51,200.
@@ -195,7 +199,8 @@ def runs() -> list[Run]:
         {"n_layer": 105, "n_embd": 20480, "n_head": 128, "vocab_size": 51200, "seq_len": 2048, "batch_size": 1920,
          "attention": "eager"},
         "dgx-a100-80g:280",
-        {"tp": 8, "pp": 35, "micro_batch": 1, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1"}, 1,
+        {"tp": 8, "pp": 35, "micro_batch": 1, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
+         "blocking_p2p": True}, 1,
         60.1, "60.1 s/iteration", "Smith et al. 2022 (MT-NLG), section 2.4",
     ))
     # BLOOM-176B (Le Scao et al. 2022, section 3.4; bigscience-workshop's training README):
@@ -208,7 +213,7 @@ def runs() -> list[Run]:
          "attention": "eager"},
         bloom_cluster(),
         {"tp": 4, "pp": 12, "micro_batch": 2, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
-         "layers_per_stage": tuple(nearly_even_layers(70, 12))}, 1,
+         "layers_per_stage": tuple(nearly_even_layers(70, 12)), "blocking_p2p": True}, 1,
         megatron_deepspeed_flops(2048, 2048, 70, 14336, 250880, recompute=True) / (150e12 * 384),
         "150 TFLOP/s/GPU", "BigScience BLOOM-176B model page (bigscience.notion.site); BLOOM paper 3.4",
     ))
