@@ -25,10 +25,17 @@ What the simulator leaves out, and which way each bends these rows (all predicte
     and llm-foundry's benchmark script defaults to the image
     ``mosaicml/pytorch:1.13.1_cu117`` (CUDA 11.7, no Hopper-tuned GEMMs) - older kernels are
     slower than the ceilings we use;
-  * collectives that overlap compute (FSDP's all-gathers and reduce-scatters in every row
-    here) take SMs and memory bandwidth from it; the simulator overlaps them for free (the
-    comm work, issue 13 item 2, models this);
-  * autocast's per-step weight casts and fp32 norms (MosaicML's ``amp_bf16``).
+  * FSDP's gradient reduce-scatter in fp32 (Composer's ``mixed_precision: DEFAULT``) where the
+    simulator reduces in bf16; autocast's per-step weight casts and fp32 norms (MosaicML's
+    ``amp_bf16``);
+  * a blocking send's wait for the receiver's matching receive (``blocking_p2p`` charges the
+    transfer only).
+
+Modelled from the runs' stated software: collectives overlapping compute slow it
+(``cost_model.nccl``'s contention); MPT rows run the Triton FlashAttention kernel
+(llm-foundry's benchmark default ``attn_impl: triton``; ``cost_model.gpu_kernels``'
+``ATTENTION_KERNEL_SLOWDOWN``); MT-NLG and BLOOM send pipeline activations synchronously
+(DeepSpeed's pipeline engine; ``PipelineConfig.blocking_p2p``).
 
 Not used, kept aside as an independent check of the simulator: table 1 of Narayanan et al.
 (SC'21) and table 5 of Korthikanti et al. (2022).
