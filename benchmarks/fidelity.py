@@ -25,10 +25,17 @@ What the simulator leaves out, and which way each bends these rows (all predicte
     and llm-foundry's benchmark script defaults to the image
     ``mosaicml/pytorch:1.13.1_cu117`` (CUDA 11.7, no Hopper-tuned GEMMs) - older kernels are
     slower than the ceilings we use;
-  * collectives that overlap compute (FSDP's all-gathers and reduce-scatters in every row
-    here) take SMs and memory bandwidth from it; the simulator overlaps them for free (the
-    comm work, issue 13 item 2, models this);
-  * autocast's per-step weight casts and fp32 norms (MosaicML's ``amp_bf16``).
+  * FSDP's gradient reduce-scatter in fp32 (Composer's ``mixed_precision: DEFAULT``) where the
+    simulator reduces in bf16; autocast's per-step weight casts and fp32 norms (MosaicML's
+    ``amp_bf16``);
+  * a blocking send's wait for the receiver's matching receive (``blocking_p2p`` charges the
+    transfer only).
+
+Modelled from the runs' stated software: collectives overlapping compute slow it
+(``cost_model.nccl``'s contention); MPT rows run the Triton FlashAttention kernel
+(llm-foundry's benchmark default ``attn_impl: triton``; ``cost_model.gpu_kernels``'
+``ATTENTION_KERNEL_SLOWDOWN``); MT-NLG and BLOOM send pipeline activations synchronously
+(DeepSpeed's pipeline engine; ``PipelineConfig.blocking_p2p``).
 
 Not used, kept aside as an independent check of the simulator: table 1 of Narayanan et al.
 (SC'21) and table 5 of Korthikanti et al. (2022).
@@ -94,6 +101,8 @@ class Run:
             schedule = self.layout.get("schedule", "1f1b")
             parts.append(f"{schedule}{self.layout.get('virtual_stages', '') if schedule == 'interleaved' else ''}"
                          f" mb{self.layout.get('micro_batch', 1)}")
+            if self.layout.get("blocking_p2p"):
+                parts.append("sync-p2p")
         if self.accumulation > 1:
             parts.append(f"acc{self.accumulation}")
         parts.append(f"rc-{self.layout.get('recompute', 'none')}")
@@ -129,6 +138,14 @@ def _llama(layers: int, dim: int, heads: int, kv_heads: int, ffn: int, vocab: in
             "vocab_size": vocab, "batch_size": batch, "seq_len": seq}
 
 
+def with_attention_kernel(cluster: Cluster, kernel: str) -> Cluster:
+    """``cluster`` with every device running the fused attention kernel ``kernel``
+    (``planner.cluster.ATTENTION_KERNELS``)."""
+    nodes = tuple(dataclasses.replace(node, device=dataclasses.replace(node.device, attention_kernel=kernel))
+                  for node in cluster.nodes)
+    return dataclasses.replace(cluster, nodes=nodes)
+
+
 def bloom_cluster() -> Cluster:
     """Jean Zay's A100 partition as BLOOM ran on it (Le Scao et al. 2022, "BLOOM", section
     3.4.1): 48 nodes of 8 A100-80GB with NVLink, each node on 4 Omni-Path 100 Gb/s links:
@@ -148,6 +165,9 @@ def runs() -> list[Run]:
     found = []
     # MosaicML llm-foundry benchmark tables (MPT, FSDP FULL_SHARD, bf16, seq 2048). A100 80GB
     # nodes with 1600 Gb/s per node (= dgx-a100 preset); H100 nodes as the dgx-h100 preset.
+    # Attention: the Triton FlashAttention kernel (the benchmark script,
+    # scripts/train/benchmarking/submit_benchmarks.py, sets model.attn_impl from
+    # ``--attn_impl``, default 'triton').
     for name, size, gpus, preset, mb, acc, ac, tokens in (
         ("MPT-7B@8xA100", (32, 4096, 32), 8, "dgx-a100-80g", 6, 2, False, 4641),
         ("MPT-13B@8xA100", (40, 5120, 40), 8, "dgx-a100-80g", 2, 3, False, 2262),
@@ -159,7 +179,8 @@ def runs() -> list[Run]:
     ):
         batch = gpus * mb * acc
         found.append(Run(
-            name, "gpt.py", _mpt(name, *size, batch=batch, seq=2048), f"{preset}:{gpus // 8}",
+            name, "gpt.py", _mpt(name, *size, batch=batch, seq=2048),
+            with_attention_kernel(Cluster.preset(preset, nodes=gpus // 8), "flash-attention-triton"),
             {"dp_flavour": "fsdp", "recompute": "full" if ac else "none"}, acc,
             tokens_step(batch, 2048, tokens, gpus), f"{tokens} tok/s/GPU",
             f"{LLM_FOUNDRY} ({'H100' if 'h100' in preset else 'A100 80GB'} table)",
@@ -175,6 +196,8 @@ def runs() -> list[Run]:
             {"dp_flavour": "fsdp", "recompute": recompute}, 1, tokens_step(batch, seq, tokens, 64),
             f"{tokens} tok/s/GPU", TORCHTITAN_A100,
         ))
+    # MT-NLG and BLOOM ran Megatron-DeepSpeed with DeepSpeed's pipeline engine, whose sends are
+    # synchronous (deepspeed/runtime/pipe/p2p.py: send() asserts async_op == False): blocking_p2p.
     # MT-NLG 530B (Smith et al. 2022, arXiv:2201.11990, section 2.4): 280 DGX A100 nodes, tp 8
     # x pp 35, batch 1920 of 2048 tokens, 60.1 s per iteration (126 TFLOP/s per GPU). 105
     # layers, width 20480, 128 heads; vocabulary 50,257 (GPT-2's BPE) padded to 51,200.
@@ -183,7 +206,8 @@ def runs() -> list[Run]:
         {"n_layer": 105, "n_embd": 20480, "n_head": 128, "vocab_size": 51200, "seq_len": 2048, "batch_size": 1920,
          "attention": "eager"},
         "dgx-a100-80g:280",
-        {"tp": 8, "pp": 35, "micro_batch": 1, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1"}, 1,
+        {"tp": 8, "pp": 35, "micro_batch": 1, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
+         "blocking_p2p": True}, 1,
         60.1, "60.1 s/iteration", "Smith et al. 2022 (MT-NLG), section 2.4",
     ))
     # BLOOM-176B (Le Scao et al. 2022, section 3.4; bigscience-workshop's training README):
@@ -196,7 +220,7 @@ def runs() -> list[Run]:
          "attention": "eager"},
         bloom_cluster(),
         {"tp": 4, "pp": 12, "micro_batch": 2, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
-         "layers_per_stage": tuple(nearly_even_layers(70, 12))}, 1,
+         "layers_per_stage": tuple(nearly_even_layers(70, 12)), "blocking_p2p": True}, 1,
         megatron_deepspeed_flops(2048, 2048, 70, 14336, 250880, recompute=True) / (150e12 * 384),
         "150 TFLOP/s/GPU", "BigScience BLOOM-176B model page (bigscience.notion.site); BLOOM paper 3.4",
     ))

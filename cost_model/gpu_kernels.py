@@ -23,7 +23,8 @@ it was measured, so the model reproduces the measurement there; since MAMF is th
 search over shapes, no shape's efficiency may exceed it.
 
 Attention runs as FlashAttention-2 (PyTorch's ``scaled_dot_product_attention`` flash
-backend): forward 4·B·H·Sq·Sk·D FLOPs (halved when causal), backward 2.5x the forward
+backend; a device whose ``attention_kernel`` is the Triton FlashAttention kernel runs slower,
+``ATTENTION_KERNEL_SLOWDOWN``): forward 4·B·H·Sq·Sk·D FLOPs (halved when causal), backward 2.5x the forward
 (it recomputes Q·Kᵀ: five matmuls against two; Tri Dao,
 https://github.com/Dao-AILab/flash-attention/issues/1525), each at the fraction of peak the
 FlashAttention papers measure at long sequences, lowered for short sequences (the causal
@@ -87,6 +88,13 @@ ATTENTION_HEAD_DIM_HALF = 24.0
 # Attention backward FLOPs over forward FLOPs: 5 matmuls against 2 (Tri Dao, flash-attention
 # issue #1525: "the backward pass of attn is 2.5 x fwd, since we recompute Q @ K.T").
 ATTENTION_BACKWARD_TO_FORWARD = 2.5
+# Time of each fused attention kernel (``planner.cluster.ATTENTION_KERNELS``, the device's
+# ``attention_kernel``) over FlashAttention-2's, (forward, backward). FlashAttention in Triton:
+# FlashAttention-2 paper (Dao 2023, arXiv:2307.08691), section 4.1, measured on A100 80GB:
+# "FlashAttention-2 is around 1.3-1.5x faster than FlashAttention in Triton in the forward pass
+# and around 2x faster in the backward pass" -> 1.4 (the middle of the range) and 2.0. The
+# paper measured A100 only; we ASSUME the same ratios on other GPUs.
+ATTENTION_KERNEL_SLOWDOWN = {"flash-attention-2": (1.0, 1.0), "flash-attention-triton": (1.4, 2.0)}
 
 
 @dataclass(frozen=True)
@@ -219,13 +227,17 @@ def attention_efficiency(batch_heads: float, q_len: float, kv_len: float, head_d
 
 def attention_times(batch_heads: float, q_len: float, kv_len: float, head_dim: int, causal: bool,
                     device: DeviceSpec, dtype: str, generation: GpuGeneration) -> tuple[float, float]:
-    """(forward, backward) seconds of FlashAttention over ``batch_heads`` (batch x heads)."""
+    """(forward, backward) seconds of fused attention over ``batch_heads`` (batch x heads):
+    FlashAttention-2, slowed by ``ATTENTION_KERNEL_SLOWDOWN`` for the device's
+    ``attention_kernel``."""
     forward_flops = 4.0 * batch_heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
     shape = attention_efficiency(batch_heads, q_len, kv_len, head_dim, causal, generation)
     peak = device.flops_for(dtype)
-    forward = forward_flops / (peak * generation.attention_forward * shape) + defaults.KERNEL_OVERHEAD_S
-    backward = ATTENTION_BACKWARD_TO_FORWARD * forward_flops / (peak * generation.attention_backward * shape)
-    return forward, backward + defaults.KERNEL_OVERHEAD_S
+    slow_forward, slow_backward = ATTENTION_KERNEL_SLOWDOWN[device.attention_kernel]
+    forward = slow_forward * forward_flops / (peak * generation.attention_forward * shape)
+    backward = slow_backward * ATTENTION_BACKWARD_TO_FORWARD * forward_flops / (
+        peak * generation.attention_backward * shape)
+    return forward + defaults.KERNEL_OVERHEAD_S, backward + defaults.KERNEL_OVERHEAD_S
 
 
 def _split(dims: list[float], fraction: float, order: list[int]) -> list[float]:

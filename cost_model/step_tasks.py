@@ -75,6 +75,10 @@ class StepTaskGraph:
         }
         positions = {stage: 0 for stage in range(self.pp)}
         sync_after: dict[str, list[int]] = {}
+        # Blocking sends (``PipelineConfig.blocking_p2p``) are added to the sender's compute
+        # stream right after the pass that produced them, keyed ("act"|"grad", mb, sender vs).
+        blocking = self.plan.pipeline is not None and self.plan.pipeline.blocking_p2p
+        sent: dict[tuple[str, int, int], int] = {}
         # Walk the devices round-robin so a task's cross-stage dependencies exist when it is added.
         while any(positions[s] < len(orders[s]) for s in orders):
             progressed = False
@@ -88,14 +92,23 @@ class StepTaskGraph:
                         upstream = forward_done.get((mb, vs - 1)) if vs > 0 else None
                         if vs > 0 and upstream is None:
                             break
-                        deps = [self._p2p(graph, vs - 1, upstream, boundary[vs - 1], f"send act mb{mb}")] if vs > 0 else []
+                        if vs == 0:
+                            deps = []
+                        elif blocking:  # sent from the upstream stage's compute stream already
+                            deps = [sent[("act", mb, vs - 1)]]
+                        else:
+                            deps = [self._p2p(graph, vs - 1, upstream, boundary[vs - 1], f"send act mb{mb}")]
                         forward_done[(mb, vs)] = self._forward(graph, device, chunk_segments[vs], mb, deps, fsdp)
+                        if blocking and vs < stages_total - 1:
+                            sent[("act", mb, vs)] = self._p2p(graph, vs, forward_done[(mb, vs)], boundary[vs],
+                                                              f"send act mb{mb}", blocking=True)
                     else:
                         if vs < stages_total - 1:
                             downstream = backward_done.get((mb, vs + 1))
                             if downstream is None:
                                 break
-                            deps = [self._p2p(graph, vs + 1, downstream, boundary[vs], f"send grad mb{mb}")]
+                            deps = [sent[("grad", mb, vs + 1)] if blocking else
+                                    self._p2p(graph, vs + 1, downstream, boundary[vs], f"send grad mb{mb}")]
                         else:
                             deps = []
                         deps.append(forward_done[(mb, vs)])
@@ -105,6 +118,9 @@ class StepTaskGraph:
                             graph, device, chunk_segments[vs], mb, deps, self.plan.recompute_at(vs), fsdp, split,
                             sync_after, sync,
                         )
+                        if blocking and vs > 0:
+                            sent[("grad", mb, vs)] = self._p2p(graph, vs, backward_done[(mb, vs)], boundary[vs - 1],
+                                                               f"send grad mb{mb}", blocking=True)
                     positions[stage] += 1
                     progressed = True
             if not progressed:
@@ -128,11 +144,12 @@ class StepTaskGraph:
             return False
         return self.plan.dp_flavour in ("zero2", "fsdp") or bool(self.plan.label)
 
-    def _p2p(self, graph: TaskGraph, vs: int, after: int, size_bytes: float, name: str) -> int:
-        # Activations and gradients travel on separate streams (as NCCL's send/recv on
-        # separate communicators), so one never waits behind the other.
+    def _p2p(self, graph: TaskGraph, vs: int, after: int, size_bytes: float, name: str, blocking: bool = False) -> int:
+        # A send from (virtual) stage ``vs``. Activations and gradients travel on separate
+        # streams (as NCCL's send/recv on separate communicators), so one never waits behind
+        # the other; a blocking send holds the sender's compute stream instead.
         device = f"stage {vs % self.pp}"
-        stream = "p2p act" if name.startswith("send act") else "p2p grad"
+        stream = "compute" if blocking else "p2p act" if name.startswith("send act") else "p2p grad"
         stride = self.mesh.size // self.pp
         src, dst = (vs % self.pp) * stride, ((vs + 1) % self.pp) * stride
         key = ("send_recv", size_bytes, src, dst)

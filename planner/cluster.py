@@ -29,6 +29,12 @@ numbers stand apart from datasheet ones::
 (``"calibration": {...}`` inside ``"device"`` in JSON; keys left out mean "use the default").
 Measured collective α and β need no new field: they are a ``LinkSpec``'s latency and bandwidth.
 
+Attention kernel. ``DeviceSpec.attention_kernel`` names the fused attention kernel the training
+software runs on a GPU (``ATTENTION_KERNELS``): ``"flash-attention-2"`` (PyTorch's SDPA flash
+backend, the default) or ``"flash-attention-triton"`` (the Triton FlashAttention kernel, e.g.
+llm-foundry's ``attn_impl: triton``); ``cost_model.gpu_kernels`` prices each. Files write it as
+``attention_kernel = "..."`` in ``[nodes.device]`` (left out: the default).
+
 Vocabulary layer: imports only the standard library, ``planner.errors``, ``planner.outputs``
 (atomic writes) and the pure-data ``planner.presets`` (which imports nothing); never torch.
 """
@@ -68,6 +74,8 @@ _SHORT_DTYPE = {"float32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "float16"
                 "float8": "fp8"}
 _HEADLINE = ("bfloat16", "float16", "float32")  # in order of preference on ties
 CALIBRATION_KEYS = ("matmul_efficiency", "memory_efficiency", "kernel_overhead_s")
+# Fused attention kernels a device's software may run (see the module docstring); first: default.
+ATTENTION_KERNELS = ("flash-attention-2", "flash-attention-triton")
 # First line of every cluster file soap-planner writes (planner profile, Cluster.save).
 CLUSTER_FILE_HEADER = ("soap-planner cluster file. Units: FLOP/s, bytes, bytes/s per direction "
                        "per device, seconds.")
@@ -166,9 +174,13 @@ class DeviceSpec:
     matmul_efficiency: float | None = None  # fraction of peak_flops, large matmuls
     memory_efficiency: float | None = None  # fraction of memory_bandwidth, streaming ops
     kernel_overhead_s: float | None = None  # seconds per op, dispatch + launch
+    attention_kernel: str = ATTENTION_KERNELS[0]  # fused attention kernel (ATTENTION_KERNELS)
 
     def __post_init__(self) -> None:
         _name(self.name, "DeviceSpec.name")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ClusterError(f"DeviceSpec.attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
+                               f"got {self.attention_kernel!r}")
         _instance(self.peak_flops, Mapping, "DeviceSpec.peak_flops")
         if not self.peak_flops:
             raise ClusterError("DeviceSpec.peak_flops is empty; add at least float32 = <FLOP/s>")
@@ -330,6 +342,8 @@ class Cluster:
                      "peak_flops": dict(spec.peak_flops)}
             if spec.calibration:  # TOML has no null: unmeasured fields are left out
                 table["calibration"] = spec.calibration
+            if spec.attention_kernel != ATTENTION_KERNELS[0]:
+                table["attention_kernel"] = spec.attention_kernel
             return table
         groups = [{"count": count, "devices": node.devices, "device": device(node.device),
                    "intra_node": link(node.intra_link)}
@@ -524,7 +538,7 @@ def _parse_link(raw: Any, where: str) -> LinkSpec:
 
 def _parse_device(raw: Any, where: str) -> DeviceSpec:
     table = _table(raw, where, ("name", "peak_flops", "memory_bytes", "memory_bandwidth",
-                                "calibration"))
+                                "calibration", "attention_kernel"))
     memory = _require(table, "memory_bytes", where, "bytes")
     if isinstance(memory, float) and memory.is_integer():
         memory = int(memory)  # files may write 80e9, a TOML float, for a byte count
@@ -537,6 +551,7 @@ def _parse_device(raw: Any, where: str) -> DeviceSpec:
     return _build(DeviceSpec, where, name=_require(table, "name", where, "the device name"),
                   peak_flops=flops, memory_bytes=memory,
                   memory_bandwidth=_require(table, "memory_bandwidth", where, "bytes/s"),
+                  attention_kernel=table.get("attention_kernel", ATTENTION_KERNELS[0]),
                   **{key: calibration.get(key) for key in CALIBRATION_KEYS})
 
 

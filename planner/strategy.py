@@ -396,6 +396,11 @@ class PipelineConfig:
     recomputes as the plan's ``recompute`` says. Early stages of a 1F1B pipeline hold more
     micro-batches in flight than late ones, so they may need to recompute where later
     stages need not.
+
+    ``blocking_p2p``: each stage's sends to its neighbours hold its compute stream until they
+    finish, as in DeepSpeed's pipeline engine (``deepspeed/runtime/pipe/p2p.py``: ``send``
+    asserts ``async_op == False``, so the next kernel waits for the send); False: sends run on
+    their own streams beside the compute (Megatron-LM's overlapped p2p).
     """
 
     stages: int
@@ -403,6 +408,7 @@ class PipelineConfig:
     micro_batches: int = 1
     virtual_stages: int = 1
     stage_recompute: tuple[str, ...] = ()
+    blocking_p2p: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in PIPELINE_SCHEDULES:

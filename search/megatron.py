@@ -38,6 +38,7 @@ def megatron_plan(
     precision: str = "bf16",
     dp_flavour: str = "ddp",
     layers_per_stage: Sequence[int] | None = None,
+    blocking_p2p: bool = False,
 ) -> Plan:
     """A simulated Megatron-LM plan (see the module docstring).
 
@@ -50,6 +51,8 @@ def megatron_plan(
         recompute: ``None``/``"none"``, ``"selective"`` or ``"full"``.
         precision: ``"bf16"`` (Megatron's usual mixed precision), ``"fp16"`` or ``"fp32"``.
         dp_flavour: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"`` on the ``dp`` axis.
+        blocking_p2p: pipeline sends hold the sender's compute stream (DeepSpeed's pipeline
+            engine, ``PipelineConfig.blocking_p2p``) instead of overlapping it.
         layers_per_stage: blocks on each (virtual) stage in order, e.g. ``(3, 4, 4, 3)``
             (``search.layouts.uneven_stages``); the default splits them evenly.
 
@@ -90,7 +93,8 @@ def megatron_plan(
     strategies, inputs = megatron_layout(
         graph, mesh, sequence_parallel=sequence_parallel, virtual_stages=chunks, layers_per_stage=layers_per_stage
     )
-    pipeline = PipelineConfig(stages=pp, schedule=schedule, micro_batches=micro_batches, virtual_stages=chunks) if pp > 1 else None
+    pipeline = PipelineConfig(stages=pp, schedule=schedule, micro_batches=micro_batches, virtual_stages=chunks,
+                              blocking_p2p=blocking_p2p) if pp > 1 else None
     plan = unsimulated_plan(
         graph, cluster, spec, model_name, mesh, strategies, inputs,
         dp_flavour=dp_flavour, recompute=recompute, pipeline=pipeline, precision=precision,

@@ -110,6 +110,33 @@ def test_causal_flash_attention():
     assert full == pytest.approx(2 * forward_flops / (312e12 * 0.73 * sequence * waves) + OVERHEAD)
 
 
+def test_triton_flash_attention_is_slower_by_the_published_ratios():
+    # The same causal call as above on a device running the Triton FlashAttention kernel:
+    # forward 1.4x and backward 2.0x FlashAttention-2's kernel time (FlashAttention-2 paper,
+    # section 4.1), the launch overhead unchanged.
+    node = attention_node(1, 32, 4096, 128, True)
+    triton = dataclasses.replace(A100_DEVICE, attention_kernel="flash-attention-triton")
+    flash2_forward, flash2_backward = op_times(node, 1.0, A100_DEVICE, "bf16")
+    forward, backward = op_times(node, 1.0, triton, "bf16")
+    assert forward - OVERHEAD == pytest.approx(1.4 * (flash2_forward - OVERHEAD))
+    assert backward - OVERHEAD == pytest.approx(2.0 * (flash2_backward - OVERHEAD))
+    assert forward == pytest.approx(1.4 * 0.6812e-3 + OVERHEAD, rel=1e-3)  # 0.6862 ms above less 5 µs
+
+
+def test_attention_kernel_is_checked_and_round_trips_through_cluster_files():
+    from planner.cluster import ATTENTION_KERNELS, ClusterError
+    assert set(gpu_kernels.ATTENTION_KERNEL_SLOWDOWN) == set(ATTENTION_KERNELS)
+    with pytest.raises(ClusterError, match="attention_kernel must be one of"):
+        dataclasses.replace(A100_DEVICE, attention_kernel="flash-attention-9")
+    cluster = Cluster.preset("dgx-a100-80g")
+    triton = dataclasses.replace(cluster, nodes=tuple(
+        dataclasses.replace(node, device=dataclasses.replace(node.device, attention_kernel="flash-attention-triton"))
+        for node in cluster.nodes))
+    assert "attention_kernel" not in cluster.to_dict()["nodes"][0]["device"]  # the default is left out
+    assert Cluster.from_dict(triton.to_dict()) == triton
+    assert Cluster.from_dict(cluster.to_dict()) == cluster
+
+
 def test_split_attention_shrinks_batch_then_heads():
     # 1/16 of (B=4, H=32): batch 4 -> 1, then heads 32 -> 8.
     split = op_times(attention_node(4, 32, 2048, 128, True), 1 / 16, A100_DEVICE, "bf16")

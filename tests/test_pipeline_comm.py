@@ -37,3 +37,38 @@ def test_every_virtual_stage_boundary_sends_each_micro_batch_both_ways():
     # over the 1e9 B/s link after 1 µs: 1e-6 + 8192 / 1e9 = 9.192e-6 s.
     for event in sends["1f1b"] + sends["interleaved"]:
         assert event.duration_s == pytest.approx(9.192e-6)
+
+
+def test_blocking_sends_hold_the_senders_compute_stream():
+    # DeepSpeed's pipeline engine sends synchronously (PipelineConfig.blocking_p2p): each send
+    # runs on the sender's compute stream right after the pass that produced it, so a stage's
+    # compute stream is busy for its passes plus its sends: stage 0 sends the 4 micro-batches'
+    # activations, stage 1 their 4 gradients, 9.192 µs each (as above).
+    cluster = Cluster(name="toy", nodes=(NodeSpec(DEVICE, 2, LINK),), inter_link=LINK, backend="gloo")
+    spec = ModelSpec(GPT, {"n_layer": 4, "n_embd": 64, "n_head": 4, "seq_len": 32, "vocab_size": 32, "batch_size": 8})
+    graph, spec, name, _ = prepare_model(spec, cluster)
+    results = {}
+    for blocking in (False, True):
+        plan = megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=2, blocking_p2p=blocking)
+        assert plan.pipeline.blocking_p2p is blocking
+        results[blocking] = Simulator(plan, graph).run()
+    def busy(result, device, sends_only=False):
+        return sum(e.duration_s for e in result.timeline if e.device == device and e.stream == "compute"
+                   and (not sends_only or e.name.startswith("send")))
+    blocked = results[True]
+    sends = [e for e in blocked.timeline if e.name.startswith(("send act", "send grad"))]
+    assert len(sends) == 8 and all(e.stream == "compute" for e in sends)
+    assert {e.device for e in sends if e.name.startswith("send act")} == {"stage 0"}
+    assert {e.device for e in sends if e.name.startswith("send grad")} == {"stage 1"}
+    for device in ("stage 0", "stage 1"):
+        assert busy(blocked, device, sends_only=True) == pytest.approx(4 * 9.192e-6)
+        assert busy(blocked, device) == pytest.approx(busy(results[False], device) + 4 * 9.192e-6)
+    # Every send still precedes the pass that needs it on the other stage.
+    for send in sends:
+        mb = send.name.split("mb")[1]
+        needs = "F" if send.name.startswith("send act") else "B"
+        other = "stage 1" if send.device == "stage 0" else "stage 0"
+        first = min(e.start_s for e in blocked.timeline if e.device == other and e.stream == "compute"
+                    and e.name.split(" ")[0] == f"{needs}{mb}")
+        assert first >= send.start_s + send.duration_s - 1e-12
+    assert blocked.step_time_s > results[False].step_time_s
