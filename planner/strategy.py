@@ -415,6 +415,8 @@ class PipelineConfig:
             raise ValueError(f"pipeline schedule must be one of {PIPELINE_SCHEDULES}, got '{self.schedule}'")
         if self.stages < 1 or self.micro_batches < 1 or self.virtual_stages < 1:
             raise ValueError("pipeline stages, micro_batches and virtual_stages must be >= 1")
+        if not isinstance(self.blocking_p2p, bool):
+            raise ValueError(f"pipeline blocking_p2p must be true or false, got {str(self.blocking_p2p)[:40]!r}")
         modes = self.stage_recompute
         if not isinstance(modes, tuple) or any(mode not in RECOMPUTE_MODES for mode in modes):
             raise ValueError(f"pipeline stage_recompute must list modes among {RECOMPUTE_MODES}, got {modes!r}")

@@ -289,6 +289,7 @@ FIELDS = [
         "pipeline.stage_recompute[0]", lambda plan, payload, _: plan["pipeline"].__setitem__("stage_recompute", [payload]),
         _always, "field 'pipeline'", kinds=("pp",),
     ),
+    Field("pipeline.blocking_p2p", _set("pipeline", "blocking_p2p"), _always, "field 'pipeline'", kinds=("pp",)),
     Field("summary.parameter_bytes (a number given text)", _set("summary", "parameter_bytes"), _always, "'summary.parameter_bytes'"),
     # Expert layouts of MoE layers: module paths are checked against the model's MoE layers
     # (codegen.plan_checks), the rest against fixed sets; a routing source is one line of
