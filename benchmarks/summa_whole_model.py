@@ -21,6 +21,18 @@ says by how much the others lost.
 * ``one-gpu-nodes``: the wide model (64 sequences of 4096) on 64 single-A100 nodes joined by
   HDR InfiniBand (25 GB/s each, a uniform network): no 1-D tensor parallelism at all (it
   stays inside a node), so 1-D plans are data parallel, ZeRO, FSDP or pipelines.
+* ``one-gpu-nodes-short``: the wide model (hidden 16384, 4 layers) on the same 64 single-A100
+  nodes (HDR InfiniBand, 25 GB/s per device, uniform) with a small step: 64 sequences of 256
+  tokens (16384 tokens, as many as the width). The 1-D plans' best is a pipeline (pp=4 x
+  dp=16) whose data-parallel replicas all-reduce a whole layer's weight gradients (3.2 G
+  parameters) over InfiniBand every step, whatever the tokens; 3-D [4,4,4] moves about
+  (TK + KN + TN)/16 elements per device per matmul instead (the search summary: per step,
+  the 4 layers' attention c_proj send 0.77 GiB per device and their MLP c_proj 2.4 GiB,
+  against 3.9 GiB each under 1-D over the 64 devices), and auto picks it: 563 ms against
+  872.7 ms (1.55x), 2-D [8,8] 756 ms. With 512-token
+  sequences the margin is small (3-D 967 ms against the pipeline's 1011 ms); with 8 layers
+  a pp=8 pipeline wins (1026 ms against 3-D's 1078 ms); with 1024-token sequences
+  (``one-gpu-nodes`` above has 4096) the pipeline wins too (1294 ms against 1776 ms).
 * ``small-nodes``: the wide model (16 sequences of 4096) on 16 nodes of 4 A100s (HDR
   InfiniBand between them): 1-D tensor parallelism stops at 4 ways inside a node.
 * ``narrow``: GPT-2 medium's width (hidden 1024, 16 heads, 24 layers, batch 64 of 1024
@@ -50,6 +62,10 @@ SCENARIOS = {
     ),
     "one-gpu-nodes": dict(
         model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 4096, "vocab_size": 32000, "batch_size": 64},
+        nodes=64, devices_per_node=1,
+    ),
+    "one-gpu-nodes-short": dict(
+        model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 256, "vocab_size": 32000, "batch_size": 64},
         nodes=64, devices_per_node=1,
     ),
     "small-nodes": dict(
