@@ -322,6 +322,15 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
         size = shape[index]
         ranks = [k * stride for k in range(size)]
         concurrent = self.mesh.size // size // (self.pp if axis != "pp" else 1)
+        # Groups share a node's network only where they have members on that node: at most as
+        # many as the groups of this axis that touch any one node (the axes inside this one may
+        # span nodes, e.g. a SUMMA grid on single-GPU nodes, where every node holds one rank of
+        # one group), as cost_model.summa's _Pricer counts them.
+        touching: dict[int, set[int]] = {}
+        for rank in range(min(self.mesh.size, self.cluster.world_size)):
+            group = rank - (rank // stride) % size * stride
+            touching.setdefault(self.cluster.node_of(rank), set()).add(group)
+        concurrent = min(concurrent, max((len(groups) for groups in touching.values()), default=1))
         return ranks, max(1, concurrent), size
 
     def _collective(self, kind: str, size_bytes: float, axis: str) -> float:

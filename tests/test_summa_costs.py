@@ -215,3 +215,31 @@ def test_candidate_grids_factor_the_devices():
     assert as_tuples(6) == [] and as_tuples(1) == []
     with pytest.raises(ValueError, match="positive integer"):
         candidate_grids(0)
+
+
+def test_simulator_shares_a_node_network_only_between_groups_on_that_node():
+    """The simulator's gradient all-reduce over a SUMMA grid's ``dep`` axis (2.5-D's weight
+    gradients): on single-GPU nodes each node holds one rank of one of the 16 depth groups, so
+    a group gets its devices' whole link: ring all-reduce of S over n = 4 ranks,
+    2(n-1)/n S / beta_e + 2(n-1) alpha_e. On nodes of 4 devices (``dep`` stride 16, so the
+    4 ranks of a node belong to 4 different depth groups) the 4 groups on a node share its
+    4 links: still one link each. It used to divide the link by all 16 groups."""
+    from planner.api import prepare_model
+    from planner.model_spec import ModelSpec
+    from planner.strategy import Mesh
+    from search.plan_builder import unsimulated_plan
+    from search.summa_layout import summa_layout
+    from cost_model.simulator import Simulator
+
+    config = {"n_layer": 1, "n_head": 4, "n_embd": 32, "vocab_size": 64, "seq_len": 8, "batch_size": 16}
+    mesh = Mesh((("dep", 4), ("row", 4), ("col", 4)))
+    size = 1e8
+    for per_node in (1, 4):
+        cluster = Cluster.preset("dgx-a100-80g", nodes=64 // per_node, devices_per_node=per_node)
+        graph, spec, name, _ = prepare_model(ModelSpec("examples/gpt.py", config), cluster)
+        strategies, inputs = summa_layout(graph, mesh, "2.5d")
+        simulator = Simulator(unsimulated_plan(graph, cluster, spec, name, mesh, strategies, inputs, label="t"), graph)
+        assert simulator._groups["dep"][1] == per_node
+        beta, alpha = cluster.inter_link.bandwidth, cluster.inter_link.latency
+        expected = 2 * 3 / 4 * size / beta + 2 * 3 * alpha
+        assert simulator._collective("all_reduce", size, "dep") == pytest.approx(expected, rel=1e-9)
