@@ -26,7 +26,7 @@ SUMMA linears (the verdict line says which the pick is).
   HDR InfiniBand (25 GB/s each, a uniform network): no 1-D tensor parallelism at all (it
   stays inside a node), so 1-D plans are data parallel, ZeRO, FSDP or pipelines. The 1-D
   search's best is a pipeline (pp=4 x dp=16, 3104.1 ms); ``auto`` picks plain shardings on
-  the ``dp=16 x row=2 x col=2`` mesh (2161.3 ms), no SUMMA linear.
+  the ``dp=16 x row=2 x col=2`` mesh (2247.3 ms), no SUMMA linear.
 * ``one-gpu-nodes-short``: the wide model (hidden 16384, 4 layers) on the same 64 single-A100
   nodes (HDR InfiniBand, 25 GB/s per device, uniform) with a small step: 64 sequences of 256
   tokens (16384 tokens, as many as the width). The 1-D search's best is a pipeline (pp=4 x
@@ -35,12 +35,14 @@ SUMMA linears (the verdict line says which the pick is).
   (TK + KN + TN)/16 elements per device per matmul instead: with every linear in it (``--tp-layouts
   summa``) the step takes 412.6 ms (2-D [8,8] 678.0 ms, 2.5-D [4,4,4] 988.5 ms: with T = K the
   depth-replicated weights cost 2.5-D more than its smaller activations save). But ``auto``
-  picks plain shardings on the ``row=8 x col=8`` mesh (365.3 ms, 2.39x the 1-D search's
-  plan): weight-stationary 2-axis tensor parallelism across nodes (e.g. c_attn's weight split
-  over both axes, its input all-gathered over one), which the 1-D search, whose ``tp`` stays
-  inside a node, never meets. So no SUMMA plan wins here either; before the simulator's fix of
-  node-network sharing (a SUMMA mesh's axis collectives were priced as if every group of the
-  axis shared each node's link), ``auto`` picked 3-D at 563.4 ms.
+  picks plain shardings on the ``row=8 x col=8`` mesh (370.6 ms, 2.35x the 1-D search's
+  plan): Megatron-style tensor parallelism over one axis with the batch split over the other,
+  the two axes swapping roles from one linear to the next, the weight gradients all-reduced
+  over the batch axis across nodes (237 ms a step, overlapped with the backward), which the
+  1-D search, whose ``tp`` stays inside a node, never meets. So no SUMMA plan wins here
+  either. (Before two fixes to the simulator, auto picked 3-D at 563.4 ms: a mesh axis's
+  collectives were priced as if every group of the axis shared each node's link, and a
+  reduce-scatter over two axes as if each ran on the tensor the other had already split.)
 * ``one-gpu-nodes-512``: the same model and 65536 tokens a step (512 sequences of 128) on 512
   single-A100 HDR nodes, where 3-D's q = 8 grid exists: with every linear in a SUMMA layout
   (``--tp-layouts summa``) 3-D [8,8,8] takes 291.9 ms, 2.5-D [16,16,2] 501.3 ms, 2-D
