@@ -9,7 +9,11 @@ deterministic budgets): ``--tp-layouts 1d`` (the best 1-D plan there is) and ``-
 auto`` (the same candidates plus the SUMMA meshes that can matter). The 1-D plans of the auto
 search are the very plans of the 1-D search, so when auto picks a SUMMA plan it beats every
 1-D plan on the simulator, by the ratio printed; the best runner-up of each SUMMA family
-says by how much the others lost.
+says by how much the others lost (runners-up are named by their mesh: a runner-up on a SUMMA
+mesh may run plain shardings there, not SUMMA linears). The 1-D search's ``tp`` axis stays
+inside a node; on a SUMMA mesh that spans nodes the search also tries plain (1-D-style)
+shardings over its axes, and on single-GPU nodes those beat both the 1-D search and the
+SUMMA linears (the verdict line says which the pick is).
 
 * ``nvl64``: a very wide GPT (hidden 16384, 128 heads, 4 layers, 16 sequences of 4096
   tokens) on one NVLink domain of 64 A100s (an NVL-style node: every link alike, the DGX
@@ -20,7 +24,31 @@ says by how much the others lost.
   than 2-D, but also room for data parallelism.
 * ``one-gpu-nodes``: the wide model (64 sequences of 4096) on 64 single-A100 nodes joined by
   HDR InfiniBand (25 GB/s each, a uniform network): no 1-D tensor parallelism at all (it
-  stays inside a node), so 1-D plans are data parallel, ZeRO, FSDP or pipelines.
+  stays inside a node), so 1-D plans are data parallel, ZeRO, FSDP or pipelines. The 1-D
+  search's best is a pipeline (pp=4 x dp=16, 3104.1 ms); ``auto`` picks plain shardings on
+  the ``dp=16 x row=2 x col=2`` mesh (2247.3 ms), no SUMMA linear.
+* ``one-gpu-nodes-short``: the wide model (hidden 16384, 4 layers) on the same 64 single-A100
+  nodes (HDR InfiniBand, 25 GB/s per device, uniform) with a small step: 64 sequences of 256
+  tokens (16384 tokens, as many as the width). The 1-D search's best is a pipeline (pp=4 x
+  dp=16, 872.7 ms) whose data-parallel replicas all-reduce a whole layer's weight gradients
+  (3.2 G parameters) over InfiniBand every step, whatever the tokens. 3-D [4,4,4] moves about
+  (TK + KN + TN)/16 elements per device per matmul instead: with every linear in it (``--tp-layouts
+  summa``) the step takes 412.6 ms (2-D [8,8] 678.0 ms, 2.5-D [4,4,4] 988.5 ms: with T = K the
+  depth-replicated weights cost 2.5-D more than its smaller activations save). But ``auto``
+  picks plain shardings on the ``row=8 x col=8`` mesh (370.6 ms, 2.35x the 1-D search's
+  plan): Megatron-style tensor parallelism over one axis with the batch split over the other,
+  the two axes swapping roles from one linear to the next, the weight gradients all-reduced
+  over the batch axis across nodes (237 ms a step, overlapped with the backward), which the
+  1-D search, whose ``tp`` stays inside a node, never meets. So no SUMMA plan wins here
+  either. (Before two fixes to the simulator, auto picked 3-D at 563.4 ms: a mesh axis's
+  collectives were priced as if every group of the axis shared each node's link, and a
+  reduce-scatter over two axes as if each ran on the tensor the other had already split.)
+* ``one-gpu-nodes-512``: the same model and 65536 tokens a step (512 sequences of 128) on 512
+  single-A100 HDR nodes, where 3-D's q = 8 grid exists: with every linear in a SUMMA layout
+  (``--tp-layouts summa``) 3-D [8,8,8] takes 291.9 ms, 2.5-D [16,16,2] 501.3 ms, 2-D
+  dp=2 x [16,16] 502.2 ms, against the 1-D search's pipeline (pp=4 x dp=128) at 819.0 ms; but
+  ``auto`` again picks plain shardings, on the ``row=8 x col=8 x dep=8`` mesh (249.6 ms).
+  Planning 512 devices takes about 10 s here.
 * ``small-nodes``: the wide model (16 sequences of 4096) on 16 nodes of 4 A100s (HDR
   InfiniBand between them): 1-D tensor parallelism stops at 4 ways inside a node.
 * ``narrow``: GPT-2 medium's width (hidden 1024, 16 heads, 24 layers, batch 64 of 1024
@@ -51,6 +79,14 @@ SCENARIOS = {
     "one-gpu-nodes": dict(
         model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 4096, "vocab_size": 32000, "batch_size": 64},
         nodes=64, devices_per_node=1,
+    ),
+    "one-gpu-nodes-short": dict(
+        model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 256, "vocab_size": 32000, "batch_size": 64},
+        nodes=64, devices_per_node=1,
+    ),
+    "one-gpu-nodes-512": dict(
+        model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 128, "vocab_size": 32000, "batch_size": 512},
+        nodes=512, devices_per_node=1,
     ),
     "small-nodes": dict(
         model={"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 4096, "vocab_size": 32000, "batch_size": 16},
@@ -108,8 +144,13 @@ def main() -> None:
                   f"memory {plan.estimate.memory.total / 2**30:.1f} GiB, fits {plan.estimate.fits}; linears: {families(plan)} "
                   f"(planned in {time.perf_counter() - started:.0f} s)", flush=True)
         one_d, auto = results["1d"].estimate.step_time_s, results["auto"].estimate.step_time_s
-        uses_summa = any(isinstance(s.layout, SummaLayout) for s in results["auto"].strategies)
-        verdict = (f"SUMMA plan beats the best 1-D plan by {one_d / auto:.2f}x" if uses_summa and auto < one_d
+        # A SUMMA plan runs linears in a SummaLayout (a norm's block layout alone is not one).
+        uses_summa = any(isinstance(s.layout, SummaLayout) for s in results["auto"].strategies
+                         if s.op == "aten.linear.default")
+        on_grid = mesh_family(results["auto"].name) is not None
+        verdict = (f"SUMMA plan beats the best 1-D-search plan by {one_d / auto:.2f}x" if uses_summa and auto < one_d
+                   else f"no SUMMA plan wins: auto picks plain shardings on a SUMMA mesh, {one_d / auto:.2f}x "
+                        f"faster than the 1-D search's plan" if on_grid and auto < one_d
                    else f"no SUMMA plan wins: auto keeps a 1-D plan ({one_d / auto:.2f}x of the 1-D search's)")
         print(f"  => {verdict}")
         best_by_family: dict[str, object] = {}

@@ -48,7 +48,7 @@ import gc
 import math
 from dataclasses import dataclass, field, replace as dataclass_replace
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS, check_precision, op_times
@@ -322,6 +322,15 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
         size = shape[index]
         ranks = [k * stride for k in range(size)]
         concurrent = self.mesh.size // size // (self.pp if axis != "pp" else 1)
+        # Groups share a node's network only where they have members on that node: at most as
+        # many as the groups of this axis that touch any one node (the axes inside this one may
+        # span nodes, e.g. a SUMMA grid on single-GPU nodes, where every node holds one rank of
+        # one group), as cost_model.summa's _Pricer counts them.
+        touching: dict[int, set[int]] = {}
+        for rank in range(min(self.mesh.size, self.cluster.world_size)):
+            group = rank - (rank // stride) % size * stride
+            touching.setdefault(self.cluster.node_of(rank), set()).add(group)
+        concurrent = min(concurrent, max((len(groups) for groups in touching.values()), default=1))
         return ranks, max(1, concurrent), size
 
     def _collective(self, kind: str, size_bytes: float, axis: str) -> float:
@@ -453,8 +462,14 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
         for index, (axis, size) in enumerate(self.mesh.axes):
             if axis == "pp" or src[index] == dst[index]:
                 continue
+            # The tensor this axis's collective moves: split by the other axes that hold it
+            # split by then. Reduce-scatters (Partial -> Shard) run one axis after another, in
+            # mesh order: the later ones see a tensor the earlier ones already split, but an
+            # earlier one still carries the whole partial tensor of the later axes.
             others = math.prod(
-                s for j, (a, s) in enumerate(self.mesh.axes) if j != index and a != "pp" and isinstance(dst[j], Shard)
+                s for j, (a, s) in enumerate(self.mesh.axes)
+                if j != index and a != "pp" and isinstance(dst[j], Shard)
+                and not (isinstance(src[j], Partial) and j > index)
             )
             full = meta.nbytes * self.activation_scale / others / self.micro_batches
             for kind, backward in (

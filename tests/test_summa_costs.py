@@ -215,3 +215,65 @@ def test_candidate_grids_factor_the_devices():
     assert as_tuples(6) == [] and as_tuples(1) == []
     with pytest.raises(ValueError, match="positive integer"):
         candidate_grids(0)
+
+
+def test_simulator_shares_a_node_network_only_between_groups_on_that_node():
+    """The simulator's gradient all-reduce over a SUMMA grid's ``dep`` axis (2.5-D's weight
+    gradients): on single-GPU nodes each node holds one rank of one of the 16 depth groups, so
+    a group gets its devices' whole link: ring all-reduce of S over n = 4 ranks,
+    2(n-1)/n S / beta_e + 2(n-1) alpha_e. On nodes of 4 devices (``dep`` stride 16, so the
+    4 ranks of a node belong to 4 different depth groups) the 4 groups on a node share its
+    4 links: still one link each. It used to divide the link by all 16 groups."""
+    from planner.api import prepare_model
+    from planner.model_spec import ModelSpec
+    from planner.strategy import Mesh
+    from search.plan_builder import unsimulated_plan
+    from search.summa_layout import summa_layout
+    from cost_model.simulator import Simulator
+
+    config = {"n_layer": 1, "n_head": 4, "n_embd": 32, "vocab_size": 64, "seq_len": 8, "batch_size": 16}
+    mesh = Mesh((("dep", 4), ("row", 4), ("col", 4)))
+    size = 1e8
+    for per_node in (1, 4):
+        cluster = Cluster.preset("dgx-a100-80g", nodes=64 // per_node, devices_per_node=per_node)
+        graph, spec, name, _ = prepare_model(ModelSpec("examples/gpt.py", config), cluster)
+        strategies, inputs = summa_layout(graph, mesh, "2.5d")
+        simulator = Simulator(unsimulated_plan(graph, cluster, spec, name, mesh, strategies, inputs, label="t"), graph)
+        assert simulator._groups["dep"][1] == per_node
+        beta, alpha = cluster.inter_link.bandwidth, cluster.inter_link.latency
+        expected = 2 * 3 / 4 * size / beta + 2 * 3 * alpha
+        assert simulator._collective("all_reduce", size, "dep") == pytest.approx(expected, rel=1e-9)
+
+
+def test_simulator_prices_a_two_axis_reduce_scatter_on_the_whole_partial_tensor_first():
+    """A [B, S, H] tensor partial over both axes of a row=8 x col=8 mesh on 64 single-GPU
+    nodes, read split (Shard(0), Shard(2)): the first reduce-scatter (row) runs on the whole
+    tensor X (every rank holds a full partial sum), the second (col) on the 1/8 it left:
+    7/8 X / beta_e + 7/8 (X / 8) / beta_e plus latencies, not twice 7/8 (X / 8) / beta_e (each
+    axis priced as if the other had already split the tensor)."""
+    import torch
+    from torch.distributed.tensor import Partial, Shard
+
+    from cost_model.simulator import NodeCost, Simulator
+    from planner.api import prepare_model
+    from planner.model_spec import ModelSpec
+    from planner.strategy import Mesh
+    from search.plan_builder import unsimulated_plan
+    from search.summa_layout import summa_layout
+
+    config = {"n_layer": 1, "n_head": 4, "n_embd": 64, "vocab_size": 64, "seq_len": 8, "batch_size": 64}
+    mesh = Mesh((("row", 8), ("col", 8)))
+    cluster = Cluster.preset("dgx-a100-80g", nodes=64, devices_per_node=1)
+    graph, spec, name, _ = prepare_model(ModelSpec("examples/gpt.py", config), cluster)
+    strategies, inputs = summa_layout(graph, mesh, "2d")
+    simulator = Simulator(unsimulated_plan(graph, cluster, spec, name, mesh, strategies, inputs, label="t"), graph)
+    meta = next(m for node in graph.nodes for m in node.input_meta
+                if m is not None and tuple(m.shape) == (64, 8, 64) and m.dtype.is_floating_point)
+    cost = NodeCost()
+    simulator._charge_edge(cost, meta, (Partial(), Partial()), (Shard(0), Shard(2)))
+    whole = meta.nbytes * simulator.activation_scale
+    first = simulator._collective("reduce_scatter", whole, "row")
+    second = simulator._collective("reduce_scatter", whole / 8, "col")
+    assert cost.forward_comm_s == pytest.approx(first + second, rel=1e-9)
+    # At least the bandwidth term of the first, whole-tensor ring reduce-scatter.
+    assert cost.forward_comm_s >= 7 / 8 * whole / cluster.inter_link.bandwidth
