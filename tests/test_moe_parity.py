@@ -128,7 +128,9 @@ def _split_experts_states(folder: Path) -> Path:
 EXPERT_WEIGHT = r"blocks\.[01]\.moe\.experts\.w_(in|out):"
 # control -> (mode, placement, dp flavour, how it is broken, the tensor its failure must name: a pattern)
 CONTROLS = {
-    "ep_unscaled": ("expert_parallel", "skewed", "ddp", _unscale_expert_gradients, rf"grad of {EXPERT_WEIGHT}"),
+    # Unscaled expert gradients are wrong gradients and, from them, wrong updates: which of
+    # the two is furthest past its tolerance depends on the initial weights.
+    "ep_unscaled": ("expert_parallel", "skewed", "ddp", _unscale_expert_gradients, rf"(grad of|updated) {EXPERT_WEIGHT}"),
     "sliced_unscaled": ("expert_sliced", None, "ddp", _unscale_expert_gradients, rf"grad of {EXPERT_WEIGHT}"),
     # Round-robin: every rank holds as many experts, so the wrong gather runs (and overwrites).
     "zero1_experts_split": ("expert_parallel", "round-robin", "zero1", _split_experts_states, rf"updated {EXPERT_WEIGHT}"),
