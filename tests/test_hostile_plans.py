@@ -280,6 +280,7 @@ FIELDS = [
     Field("strategies[0].node", _set("strategies", 0, "node"), _always, "'strategies[0].node'"),
     Field("strategies[0].op", _set("strategies", 0, "op"), _always, "'strategies[0].op'"),
     Field("strategies[*].params key", _param_key, _always, ".params'"),
+    Field("strategies[0].layout (a SUMMA layout given text)", _set("strategies", 0, "layout"), _always, "strategies[0].layout"),
     Field("dp_flavour", _set("dp_flavour"), _always, "dp_flavour"),
     Field("recompute", _set("recompute"), _always, "recompute"),
     Field("precision", _set("precision"), _always, "'precision'"),
