@@ -38,8 +38,12 @@ and W[c, b] split over a ([K/q^2, N/q] each):
   forward   all-gather X[a, c] over b; all-gather W[c, b] over a; multiply; reduce-scatter the
             partial Y[a, b] over c (rows), leaving [T/q^2, N/q] per rank.
   backward  all-gather dY[a, b] over c; all-gather X and W again (they were not kept);
-            dX[a, c] = sum_b dY[a, b] W[c, b]^T, reduce-scattered over b;
-            dW[c, b] = sum_a X[a, c]^T dY[a, b], reduce-scattered over a.
+            dX[a, c] = sum_b dY[a, b] W[c, b]^T, reduce-scattered over b while
+            dW[c, b] = sum_a X[a, c]^T dY[a, b] is computed; then dW reduce-scattered over a.
+  kept gathers (``keep_gathered``): the forward keeps its gathered X[a, c] and W[c, b] for
+            the backward, which then gathers dY only: two all-gathers fewer per matmul, for
+            saved blocks of 2-D's size (1/q^2, not 1/q^3) until the backward has used them,
+            as FSDP's ``reshard_after_forward=False`` trades memory for communication.
   Y comes out as "Y[a, b] split over c": the next matmul takes it as its X with the roles of
   b and c swapped (``ThreeDAxes``), so a chain of matmuls never re-lays out its activations.
 
@@ -229,6 +233,7 @@ class MatmulCost:
     activation_bytes: float
     buffer_bytes: float
     transfers: tuple[Transfer, ...] = field(default=())
+    kept_bytes: float = 0.0  # 3-D with kept gathers: saved beyond the shards (gathered X and W)
 
     def comm_s(self, phase: str) -> float:
         """Seconds of the phase's collectives, not overlapped."""
@@ -261,7 +266,7 @@ def pipelined_rounds(rounds: int, compute_s: float, prefetch_s: float, drain_s: 
 
 
 def matmul_cost(shape: MatmulShape, grid: Grid, cluster: Cluster, ranks: Sequence[int],
-                precision: str = "bf16", axes: ThreeDAxes = ThreeDAxes()) -> MatmulCost:
+                precision: str = "bf16", axes: ThreeDAxes = ThreeDAxes(), keep_gathered: bool = False) -> MatmulCost:
     """The cost of ``shape`` under ``grid`` on ``ranks`` of ``cluster`` (see the module docstring).
 
     Args:
@@ -271,7 +276,10 @@ def matmul_cost(shape: MatmulShape, grid: Grid, cluster: Cluster, ranks: Sequenc
         ranks: the grid's global ranks, depth slowest, column fastest.
         precision: activations' and weights' precision ("fp32", "bf16", "fp16").
         axes: 3-D only: which group gathers X, gathers W, scatters Y.
+        keep_gathered: 3-D only: the backward reuses the forward's gathered X and W.
     """
+    if keep_gathered and grid.family != "3d":
+        raise ValueError(f"only 3-D matmuls keep their gathered operands, not {grid.family}")
     check_precision(precision)
     dtype, element = PRECISIONS[precision]
     device = cluster.device_of(ranks[0]) if ranks else None
@@ -338,19 +346,24 @@ def matmul_cost(shape: MatmulShape, grid: Grid, cluster: Cluster, ranks: Sequenc
     forward_transfers = [pricer.transfer("forward", "all_gather", axes.gather_input, x_gathered * element),
                          pricer.transfer("forward", "all_gather", axes.gather_weight, w_gathered * element),
                          pricer.transfer("forward", "reduce_scatter", axes.scatter_output, y_partial * element)]
-    backward_transfers = [pricer.transfer("backward", "all_gather", axes.scatter_output, y_partial * element),
-                          pricer.transfer("backward", "all_gather", axes.gather_input, x_gathered * element),
-                          pricer.transfer("backward", "all_gather", axes.gather_weight, w_gathered * element),
-                          pricer.transfer("backward", "reduce_scatter", axes.gather_input, x_gathered * element),
-                          pricer.transfer("backward", "reduce_scatter", axes.gather_weight, w_gathered * element)]
+    gathers = [pricer.transfer("backward", "all_gather", axes.scatter_output, y_partial * element)]
+    if not keep_gathered:
+        gathers += [pricer.transfer("backward", "all_gather", axes.gather_input, x_gathered * element),
+                    pricer.transfer("backward", "all_gather", axes.gather_weight, w_gathered * element)]
+    dx_scatter = pricer.transfer("backward", "reduce_scatter", axes.gather_input, x_gathered * element)
+    dw_scatter = pricer.transfer("backward", "reduce_scatter", axes.gather_weight, w_gathered * element)
     # The gathers must land before the product and the scatter needs the product: no overlap
-    # inside one matmul.
+    # inside the forward. The backward computes dX first and reduce-scatters it while dW is
+    # computed; dW's reduce-scatter ends the op.
+    backward = sum(t.seconds for t in gathers) + compute + max(compute, dx_scatter.seconds) + dw_scatter.seconds
+    # Saved for backward: the shards of X (1/q^3), or, kept, the gathered X and W (1/q^2).
+    saved = (x_gathered + w_gathered) if keep_gathered else x_gathered / q
     return MatmulCost(grid, compute, 2 * compute,
-                      compute + sum(t.seconds for t in forward_transfers),
-                      2 * compute + sum(t.seconds for t in backward_transfers),
-                      weight_bytes=w_gathered / q * element, activation_bytes=x_gathered / q * element,
+                      compute + sum(t.seconds for t in forward_transfers), backward,
+                      weight_bytes=w_gathered / q * element, activation_bytes=saved * element,
                       buffer_bytes=(x_gathered + w_gathered + y_partial) * element,
-                      transfers=tuple(forward_transfers + backward_transfers))
+                      transfers=tuple(forward_transfers + gathers + [dx_scatter, dw_scatter]),
+                      kept_bytes=(saved - x_gathered / q) * element)
 
 
 class _Pricer:

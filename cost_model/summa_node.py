@@ -5,7 +5,8 @@ simulator calls ``add_summa_costs`` once per node, after its generic (per-axis) 
   (``cost_model.summa.matmul_cost``): the local matmuls are its compute; what of its
   broadcasts, reductions, all-gathers and reduce-scatters the rounds do not hide is its
   communication on the critical path. Its input and output edges are priced generically
-  (they are plain placement changes).
+  (they are plain placement changes). A 3-D layout that keeps its gathered operands adds them to
+  the bytes the node saves for the backward.
 * A norm with a ``SummaLayout`` splits its hidden dim over the layout's ``hidden_axis``: it
   all-reduces two statistics per row there in forward, and two sums per row in backward.
 * Every op on such a mesh pays the all-reduce of the gradients of its parameters over each
@@ -69,7 +70,23 @@ def summa_linear_cost(node, mesh, cluster, layout: SummaLayout, precision: str, 
     """``cost_model.summa.MatmulCost`` of a linear node under ``layout`` on ``mesh``."""
     grid = Grid(layout.family, layout.q, layout.d)
     return matmul_cost(linear_shape(node, mesh, micro_batches), grid, cluster, grid_ranks(mesh, layout),
-                       precision, THREE_D_AXES[layout.swapped])
+                       precision, THREE_D_AXES[layout.swapped], layout.keep_gathered)
+
+
+def summa_buffer_bytes(simulator) -> float:
+    """The largest transient buffer of the plan's SUMMA linears on one device (received
+    blocks, gathered operands, partial sums: ``MatmulCost.buffer_bytes``); one matmul runs
+    at a time, so the largest is the peak. 0 on meshes without SUMMA axes."""
+    if not has_summa_axes(simulator.mesh):
+        return 0.0
+    largest = 0.0
+    for strategy in simulator.plan.strategies:
+        if isinstance(strategy.layout, SummaLayout) and strategy.op in LINEAR_OPS:
+            node = simulator.graph.node(strategy.node)
+            matmul = summa_linear_cost(node, simulator.mesh, simulator.cluster, strategy.layout,
+                                       simulator.plan.precision, simulator.micro_batches)
+            largest = max(largest, matmul.buffer_bytes)
+    return largest
 
 
 def add_summa_costs(simulator, node, strategy, cost, gradient_bytes: int) -> None:
@@ -95,6 +112,7 @@ def _linear(simulator, node, layout: SummaLayout, cost) -> None:
     depth = [t for t in matmul.transfers if t.group == "depth" and t.kind == "all_reduce"]
     depth_s = sum(t.count * t.seconds for t in depth)
     cost.forward_s, cost.backward_s = matmul.forward_compute_s, matmul.backward_compute_s
+    cost.saved_bytes += matmul.kept_bytes  # 3-D with kept gathers: held until the backward
     cost.forward_comm_s += max(0.0, matmul.forward_s - matmul.forward_compute_s)
     cost.backward_comm_s += max(0.0, matmul.backward_s - depth_s - matmul.backward_compute_s)
     for transfer in matmul.transfers:

@@ -68,7 +68,8 @@ def node_strategies(graph: OpGraph, mesh: Mesh, only: set[str] | None = None,
     sharding them there is what the FSDP/ZeRO flavours do; weights split on ``tp``.
 
     On a mesh with SUMMA axes the block-layout strategies (``search.rules.summa``) are
-    added; with ``tp_layouts="summa"`` a linear that has SUMMA strategies gets only those."""
+    added; with ``tp_layouts="summa"`` a linear that has SUMMA strategies gets only those,
+    with ``tp_layouts="1d"`` no op gets a SUMMA layout (plain per-axis shardings only)."""
     from search.rules import candidates
     from search.rules.summa import LINEAR_OPS, summa_candidates
 
@@ -92,6 +93,8 @@ def node_strategies(graph: OpGraph, mesh: Mesh, only: set[str] | None = None,
             }
             options.append(NodeStrategy(node=node.name, op=node.op, module=node.module, inputs=inputs, outputs=outputs, params=params))
         summa = summa_candidates(node, mesh)
+        if tp_layouts == "1d":
+            summa = [s for s in summa if s.layout is None]
         if summa and tp_layouts == "summa" and node.op in LINEAR_OPS:
             options = summa
         else:

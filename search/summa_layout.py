@@ -29,17 +29,20 @@ ROWS_AXES = ("dp", "row", "dep")  # the axes that may split the batch (rows) of 
 
 
 def summa_layout(
-    graph: OpGraph, mesh: Mesh, family: str
+    graph: OpGraph, mesh: Mesh, family: str, keep_gathered: bool = False
 ) -> tuple[tuple[NodeStrategy, ...], dict[str, Placements | None]]:
     """Strategies and input placements of ``graph`` on ``mesh`` (axes ``row``, ``col`` and,
     for 2.5-D and 3-D, ``dep``; ``dp`` may sit outside) with every linear in the SUMMA
-    ``family`` (module docstring).
+    ``family`` (module docstring); 3-D linears keep their gathered operands for the
+    backward when ``keep_gathered``.
 
     Raises:
         PlanningError: the mesh does not fit the family, or no linear of the model can run
             as a SUMMA matmul on it.
     """
     layout = _family_layout(mesh, family)
+    if keep_gathered and family != "3d":
+        raise PlanningError(f"only 3-D linears keep their gathered operands, not {family}")
     axes = mesh.names
     sizes = dict(mesh.axes)
     unknown = [a for a in axes if a not in ("dp", "row", "col", "dep")]
@@ -69,7 +72,7 @@ def summa_layout(
     for node in graph.nodes:
         param_of_input.update(zip(node.param_inputs, node.params))
         incoming = [placement_of.get(name, tuple(R for _ in axes)) for name in node.inputs]
-        strategy = _summa_linear(graph, node, incoming, layout, axes, sizes, param_of_input)
+        strategy = _summa_linear(graph, node, incoming, layout, axes, sizes, param_of_input, keep_gathered)
         if strategy is None:
             strategy = _block_norm(graph, node, incoming, layout, axes, sizes, param_of_input)
         if strategy is not None:
@@ -143,7 +146,8 @@ def _matches(held: tuple[Placement, ...], wanted: tuple[Placement, ...], rank: i
     return all(norm(a) == norm(b) for a, b in zip(held, wanted) if isinstance(b, Shard))
 
 
-def _summa_linear(graph, node: OpNode, incoming, layout, axes, sizes, param_of_input) -> NodeStrategy | None:
+def _summa_linear(graph, node: OpNode, incoming, layout, axes, sizes, param_of_input,
+                  keep_gathered: bool = False) -> NodeStrategy | None:
     """A linear with a 2-D weight parameter whose sizes the grid divides, as a SUMMA matmul."""
     if not node.op.startswith("aten.linear.") or len(node.inputs) < 2 or node.inputs[1] not in param_of_input:
         return None
@@ -159,8 +163,9 @@ def _summa_linear(graph, node: OpNode, incoming, layout, axes, sizes, param_of_i
         return None
     rank = len(x_meta.shape)
     if layout.family == "3d":
-        swapped = SummaLayout(q, d, "3d", True)
-        layout = swapped if _matches(incoming[0], _x_placements(swapped, axes, rank), rank) else SummaLayout(q, d, "3d")
+        swapped = SummaLayout(q, d, "3d", True, keep_gathered)
+        layout = swapped if _matches(incoming[0], _x_placements(swapped, axes, rank), rank) \
+            else SummaLayout(q, d, "3d", False, keep_gathered)
     x = _x_placements(layout, axes, rank)
     weight = _weight_placements(layout, axes)
     hidden_out = SummaLayout(q, d, "3d", not layout.swapped).hidden_axis if layout.family == "3d" else "col"

@@ -63,10 +63,10 @@ def matmul_case(family: str, grid: SummaGroups) -> str:
     loss = (y * probe).sum()
     loss.backward()
 
-    if family == "3d":
+    if family.startswith("3d"):
         x_mine = split_input_3d(x.detach(), grid).requires_grad_()
         w_mine = split_weight_3d(w.detach(), grid).requires_grad_()
-        y_mine = matmul_3d(x_mine, w_mine, grid)
+        y_mine = matmul_3d(x_mine, w_mine, grid, keep_gathered=family == "3d kept")
         expected = {"output": split_output_3d(y.detach(), grid), "x grad": split_input_3d(x.grad, grid),
                     "w grad": split_weight_3d(w.grad, grid)}
         probe_mine = split_output_3d(probe, grid)
@@ -153,6 +153,7 @@ def main() -> None:
         grid = SummaGroups.from_mesh(mesh, "row", "col", "depth")
         cases = [("2.5d matmul", matmul_case, "2d"), ("2.5d mlp", mlp_case, "2d"),
                  ("3d matmul", matmul_case, "3d"), ("3d mlp", mlp_case, "3d"),
+                 ("3d matmul, gathers kept", matmul_case, "3d kept"),
                  ("2.5d mlp, replica gradients not summed (control)", without_replica_reduction(mlp_case), "2d"),
                  # The matmul's only replicated tensor is W over depth: the depth all-reduce.
                  ("2.5d matmul, depth all-reduce skipped (control)", without_replica_reduction(matmul_case), "2d")]

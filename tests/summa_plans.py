@@ -34,11 +34,12 @@ def family_mesh(family: str, q: int = 2, d: int = 2, dp: int = 1) -> Mesh:
 
 
 def summa_plan(spec: ModelSpec, family: str, q: int = 2, d: int = 2, dp: int = 1, flavour: str = "ddp",
-               recompute: str = "none") -> Plan:
+               recompute: str = "none", keep_gathered: bool = False) -> Plan:
     """A plan of ``spec`` with every linear in the SUMMA ``family`` (module docstring); with
-    ``dp`` > 1 the replicated parameters in the data-parallel ``flavour``."""
+    ``dp`` > 1 the replicated parameters in the data-parallel ``flavour``; 3-D linears keep
+    their gathered operands for the backward when ``keep_gathered``."""
     mesh = family_mesh(family, q, d, dp)
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{mesh.size}")
-    strategies, inputs = summa_layout(graph, mesh, family)
+    strategies, inputs = summa_layout(graph, mesh, family, keep_gathered)
     return unsimulated_plan(graph, cluster, spec, name, mesh, strategies, inputs, label=f"summa-{family}",
                             dp_flavour=flavour, recompute=recompute)

@@ -265,6 +265,11 @@ def test_summa_layouts_round_trip_and_must_fit_the_mesh(plan_dict, tmp_path):
     layout = loaded.strategies[0].layout
     assert (layout.q, layout.d, layout.family, layout.swapped, layout.hidden_axis) == (2, 2, "3d", True, "row")
     assert Plan.from_dict(json.loads(json.dumps(loaded.to_dict()))) == loaded
+    # keep_gathered is written only when set, and read back.
+    assert "keep_gathered" not in loaded.to_dict()["strategies"][0]["layout"]
+    data = _with_summa_node(plan_dict, {**three_d, "keep_gathered": True}, [["row", 2], ["col", 2], ["dep", 2]])
+    kept = load_plan(write(tmp_path, data, "kept.json"))
+    assert kept.strategies[0].layout.keep_gathered and kept.to_dict()["strategies"][0]["layout"]["keep_gathered"] is True
 
     # The same layout on a 2.5-D mesh order (depth outermost) is refused, naming the order.
     data = _with_summa_node(plan_dict, three_d, [["dep", 2], ["row", 2], ["col", 2]])
@@ -276,6 +281,9 @@ def test_summa_layouts_round_trip_and_must_fit_the_mesh(plan_dict, tmp_path):
         ({"kind": "summa", "q": 2, "d": 1, "family": "4d"}, [["row", 2], ["col", 2]], "family must be one of"),
         ({"kind": "summa", "q": 2, "d": 1, "family": "2d"}, [["dp", 2], ["tp", 2]], "needs mesh axes"),
         ({"kind": "summa", "q": "2"}, [["row", 2], ["col", 2]], "must be integers"),
+        ({"kind": "summa", "q": 2, "d": 1, "family": "2d", "keep_gathered": True}, [["row", 2], ["col", 2]],
+         "only 3d SUMMA layouts keep"),
+        ({**three_d, "keep_gathered": "yes"}, [["row", 2], ["col", 2], ["dep", 2]], "keep_gathered booleans"),
     ):
         data = _with_summa_node(json.loads(json.dumps(plan_dict)), layout, mesh)
         with pytest.raises(PlanFileError, match=message) as error:

@@ -14,6 +14,8 @@ all-reduce 2(n-1)/n S, all-gather and reduce-scatter (n-1)/n S):
         backward 2 (T K/d + K N) e / q + 2(d-1)/d K N e / q^2   (depth all-reduce of dW)
   3-D  forward  (q-1)/q (T K + K N + T N) e / q^2       (gather X, gather W, scatter Y)
        backward (q-1)/q (T N + 2 T K + 2 K N) e / q^2   (gather dY, X, W; scatter dX, dW)
+       kept gathers: backward (q-1)/q (T N + T K + K N) e / q^2 (gather dY; scatter dX, dW),
+                saving the gathered X [T/q, K/q] and W [K/q, N/q] instead of X's shard [T/q^2, K/q]
 
 The cluster of the timing tests: nodes of 4 devices, intra link (beta_i, alpha_i), inter link
 (beta_e, alpha_e), a device doing exactly ``PEAK`` FLOP/s on matmuls with no launch overhead
@@ -147,7 +149,17 @@ def test_3d_times_gather_multiply_scatter():
         return size * E / 2 / BETA_E + ALPHA_E
     x, w, y = T * K / 4, K * N / 4, T * N / 4
     assert result.forward_s == pytest.approx(compute + intra(x) + intra(w) + inter(y))
-    assert result.backward_s == pytest.approx(2 * compute + inter(y) + 2 * intra(x) + 2 * intra(w))
+    # Gather dY, X and W; dX's product, then dW's while dX is reduce-scattered; dW's scatter.
+    assert result.backward_s == pytest.approx(inter(y) + intra(x) + intra(w) + compute + max(compute, intra(x))
+                                              + intra(w))
+    # Kept gathers: the backward gathers dY only, and the forward's X and W blocks stay.
+    kept = cost("3d", 2, 2, keep_gathered=True)
+    assert kept.forward_s == pytest.approx(result.forward_s)
+    assert kept.backward_s == pytest.approx(inter(y) + compute + max(compute, intra(x)) + intra(w))
+    assert kept.activation_bytes == pytest.approx((x + w) * E)
+    assert result.activation_bytes == pytest.approx(x / 2 * E)
+    assert kept.kept_bytes == pytest.approx((x + w - x / 2) * E) and result.kept_bytes == 0.0
+    assert kept.bytes_per_device("backward") == pytest.approx(1 / 2 * (T * N + T * K + K * N) * E / 4)
     # The next matmul of a chain gathers its input over depth and scatters over rows.
     swapped = cost("3d", 2, 2, axes=ThreeDAxes().swapped())
     assert swapped.forward_s == pytest.approx(compute + inter(x) + intra(w) + intra(y))
@@ -178,6 +190,7 @@ def test_1d_times_all_reduce_y_in_forward_and_dx_beside_the_weight_gradient():
     (lambda: cost("2d", 2, nodes=1, per_node=4, precision="fp64"), "precision must be one of"),
     (lambda: matmul_cost(SHAPE, Grid("2d", 2), cluster(1), [0, 1, 2]), "needs 4 ranks"),
     (lambda: ThreeDAxes("row", "row", "depth"), "once each"),
+    (lambda: cost("2d", 2, nodes=1, per_node=4, keep_gathered=True), "only 3-D matmuls keep"),
 ])
 def test_bad_arguments_say_what_is_wrong(make, message):
     with pytest.raises(ValueError, match=message):

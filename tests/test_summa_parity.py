@@ -5,7 +5,8 @@ Plans with every linear in a SUMMA layout compile to a program whose ``launch.py
 step (outputs, loss, every gradient and every updated parameter) equals one device's: at
 world 4 a 2 x 2 grid (2-D SUMMA) for the two-block ``examples/gpt.py`` and tiny
 ``hf:llama``; at world 8 a 2 x 2 x 2 grid as 2.5-D (q = 2, d = 2: one GPT block, tiny
-``hf:llama``) and as 3-D (q = 2: the two-block GPT, tiny ``hf:llama``), and one GPT block in
+``hf:llama``) and as 3-D (q = 2: the two-block GPT, tiny ``hf:llama``, and tiny ``hf:llama``
+again with its 3-D linears keeping their gathered operands for the backward), and one GPT block in
 2-D SUMMA under ``dp`` = 2 (the weights' gradients summed over ``dp`` too), also with FSDP2
 holding the weights split over ``dp`` and every block recomputed; and at world 8
 the plan the search picks for the two-block GPT with SUMMA forced on (``tp_layouts="summa"``).
@@ -43,9 +44,12 @@ CASES = {
     8: {
         "gpt_block_2.5d": (BLOCK_SPEC, "2.5d", 1), "llama_2.5d": (LLAMA_SPEC, "2.5d", 1),
         "gpt_3d": (GPT_SPEC, "3d", 1), "llama_3d": (LLAMA_SPEC, "3d", 1),
+        "llama_3d_gathers_kept": (LLAMA_SPEC, "3d", 1),
         "gpt_block_dp2_2d": (BLOCK_SPEC, "2d", 2),
     },
 }
+# Cases whose 3-D linears keep the forward's gathered x and W for the backward.
+GATHERS_KEPT = {"llama_3d_gathers_kept"}
 # Cases whose replicated weights are held split over dp (FSDP2), every block recomputed in
 # backward (the SUMMA collectives run again inside the checkpoint): name -> (spec, family, dp).
 FSDP_CASES = {4: {}, 8: {"gpt_dp2_2d_fsdp_recompute": (GPT_SPEC, "2d", 2)}}
@@ -76,7 +80,7 @@ def world_run(request, tmp_path_factory):
     folders = {}
     for name, (spec, family, dp) in CASES[world].items():
         folders[name] = root / name
-        planner.compile(summa_plan(spec, family, dp=dp), folders[name])
+        planner.compile(summa_plan(spec, family, dp=dp, keep_gathered=name in GATHERS_KEPT), folders[name])
     for name, (spec, family, dp) in FSDP_CASES[world].items():
         folders[name] = root / name
         planner.compile(summa_plan(spec, family, dp=dp, flavour="fsdp", recompute="full"), folders[name])
@@ -119,6 +123,9 @@ def test_program_names_its_collectives(world_run):
     else:
         assert "all-gather W over 'dep'" in source and "reduce-scatter y over 'col'" in source
         assert "swapped=True" in source and "reduce-scatter y over 'row'" in source
+        assert "keep_gathered" not in source
+        kept = (folders["llama_3d_gathers_kept"] / "model_spmd.py").read_text()
+        assert "keep_gathered=True" in kept and "reuse the forward's gathered x and W" in kept
 
 
 @pytest.mark.parametrize("family", ["2.5d", "3d"])

@@ -2,7 +2,7 @@
 a single product [T, K] x [K, N] and a GPT MLP block (LayerNorm -> Linear -> GELU -> Linear ->
 residual) in the block layout; output, loss, input gradient and every weight gradient equal at
 1e-5. World 4 is a 2 x 2 grid (2-D); world 8 a 2 x 2 x 2 grid run as 2.5-D (d = 2) and as 3-D
-(q = 2). One launch per world (``tests/summa_parity_worker.py``). The controls skip the
+(q = 2), the 3-D product also keeping its gathered operands for the backward. One launch per world (``tests/summa_parity_worker.py``). The controls skip the
 all-reduce of replicated shards' gradients (norm and bias chunks, 2.5-D's weight blocks over
 depth) and must fail."""
 
@@ -18,7 +18,7 @@ import pytest
 from test_parity import REPO
 
 pytestmark = pytest.mark.distributed
-CASES = {4: ["2d matmul", "2d mlp"], 8: ["2.5d matmul", "2.5d mlp", "3d matmul", "3d mlp"]}
+CASES = {4: ["2d matmul", "2d mlp"], 8: ["2.5d matmul", "2.5d mlp", "3d matmul", "3d mlp", "3d matmul, gathers kept"]}
 CONTROLS = {4: ["2d mlp, replica gradients not summed (control)"],
             8: ["2.5d mlp, replica gradients not summed (control)", "2.5d matmul, depth all-reduce skipped (control)"]}
 

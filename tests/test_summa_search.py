@@ -129,8 +129,13 @@ def test_2d_and_25d_linear_placements_are_the_vocabulary(biased_graph):
 
 def test_3d_linear_placements_are_the_vocabulary_and_alternate(biased_graph):
     linear = _node(biased_graph, "aten.linear.default")
-    plain, swapped = summa_candidates(linear, MESH_3D)
+    plain, swapped, plain_kept, swapped_kept = summa_candidates(linear, MESH_3D)
     assert (plain.layout, swapped.layout) == (SummaLayout(2, 2, "3d", False), SummaLayout(2, 2, "3d", True))
+    # Keeping the gathered operands changes what the backward sends, not the placements.
+    assert (plain_kept.layout, swapped_kept.layout) == (SummaLayout(2, 2, "3d", False, True),
+                                                        SummaLayout(2, 2, "3d", True, True))
+    assert (plain_kept.inputs, plain_kept.outputs) == (plain.inputs, plain.outputs)
+    assert (swapped_kept.inputs, swapped_kept.outputs) == (swapped.inputs, swapped.outputs)
     for strategy, b, c in ((plain, "row", "col"), (swapped, "col", "row")):
         x, w, bias = (_by_axis(MESH_3D, p) for p in strategy.inputs)
         assert x == {b: Shard(0), "dep": Shard(0), c: Shard(2)}
@@ -193,14 +198,22 @@ def test_2d_and_25d_bytes_per_device_match_the_hand_formula(linear_graph, mesh):
 
 
 def test_3d_bytes_per_device_match_the_hand_formula(linear_graph):
-    plain, swapped = summa_candidates(_node(linear_graph, "aten.linear.default"), MESH_3D)
+    plain, swapped, plain_kept, swapped_kept = summa_candidates(_node(linear_graph, "aten.linear.default"), MESH_3D)
     q, rows, ring = 2, BATCH * SEQ, (2 - 1) / 2
-    for strategy, gather_x, scatter_y in ((plain, "row", "col"), (swapped, "col", "row")):
+    # x: gathered in forward, again in backward, dX reduce-scattered (kept: no second gather);
+    # W over dep likewise; y: scattered in forward, dY gathered in backward.
+    for strategy, gather_x, scatter_y, x_and_w_moves in (
+            (plain, "row", "col", 3), (swapped, "col", "row", 3), (plain_kept, "row", "col", 2),
+            (swapped_kept, "col", "row", 2)):
         _, cost = _node_cost(linear_graph, MESH_3D, strategy)
-        assert cost.axis_bytes[gather_x] == pytest.approx(3 * ring * rows * K / q**2 * E)
-        assert cost.axis_bytes["dep"] == pytest.approx(3 * ring * K * N / q**2 * E)
+        assert cost.axis_bytes[gather_x] == pytest.approx(x_and_w_moves * ring * rows * K / q**2 * E)
+        assert cost.axis_bytes["dep"] == pytest.approx(x_and_w_moves * ring * K * N / q**2 * E)
         assert cost.axis_bytes[scatter_y] == pytest.approx(2 * ring * rows * N / q**2 * E)
         assert cost.axis_sync_s == 0  # W is split on every axis: nothing to sum
+    # Kept, the node saves the gathered x [T/q, K/q] and W [K/q, N/q] beside x's shard.
+    _, without = _node_cost(linear_graph, MESH_3D, plain)
+    _, kept = _node_cost(linear_graph, MESH_3D, plain_kept)
+    assert kept.saved_bytes - without.saved_bytes == pytest.approx((rows * K / q**2 - rows * K / q**3 + K * N / q**2) * E)
 
 
 def test_summa_compute_is_the_local_block_products(linear_graph):
@@ -311,3 +324,63 @@ def test_auto_keeps_summa_meshes_only_where_they_can_matter():
     kept = summa_meshes(narrow, dgx, "bf16", "auto")
     assert MESH_25D in kept and len(kept) <= MAX_AUTO_MESHES
     assert summa_meshes(narrow, dgx, "bf16", "1d") == []
+
+
+def test_tp_layouts_1d_on_a_summa_mesh_plans_plain_shardings():
+    """``plan_on_mesh(..., tp_layouts="1d")`` on a grid mesh: per-axis shardings only, no op
+    in a SUMMA layout (what a SUMMA plan is compared with on its own mesh)."""
+    from search.auto import plan_on_mesh
+
+    graph = _graph(Mlp())
+    with_summa = node_strategies(graph, MESH_3D)
+    plain_only = node_strategies(graph, MESH_3D, tp_layouts="1d")
+    assert any(s.layout for options in with_summa.values() for s in options)
+    assert not any(s.layout for options in plain_only.values() for s in options)
+    plan = plan_on_mesh(graph, Cluster.preset("cpu", 1, 8), MESH_3D, tp_layouts="1d", effort=0.1)
+    assert plan.mesh == MESH_3D and all(s.layout is None for s in plan.strategies)
+
+
+def test_auto_picks_3d_with_kept_gathers_for_a_wide_model_on_single_gpu_nodes():
+    """Golden plan (``benchmarks/summa_whole_model.py``'s ``one-gpu-nodes-short``): a GPT of
+    width 16384 with 16384 tokens a step on 64 single-A100 nodes over HDR InfiniBand. 1-D
+    tensor parallelism stays inside a node, so the 1-D search can only replicate or pipeline
+    the 3.2 G-parameter layers and all-reduce their gradients over InfiniBand; 3-D [4,4,4]
+    moves about (TK + KN + TN)/16 elements per device per matmul, and keeping the gathered
+    operands saves two of its eight collectives. ``auto`` runs every linear that way, faster
+    than the 1-D search's plan and than plain shardings on the same grid."""
+    from planner.model_spec import ModelSpec
+    from search.auto import plan_on_mesh
+
+    spec = ModelSpec("examples/gpt.py", {"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 256,
+                                         "vocab_size": 32000, "batch_size": 64})
+    cluster = Cluster.preset("dgx-a100-80g", nodes=64, devices_per_node=1)
+    auto = planner.plan(spec, cluster, effort=0.5, progress=False)
+    linears = [s for s in auto.strategies if s.op == "aten.linear.default"]
+    assert auto.mesh == Mesh((("row", 4), ("col", 4), ("dep", 4))) and auto.estimate.fits
+    assert all(s.layout == SummaLayout(4, 4, "3d", s.layout.swapped, keep_gathered=True) for s in linears)
+    one_d = planner.plan(spec, cluster, tp_layouts="1d", effort=0.5, progress=False)
+    graph, *_ = prepare_model(spec, cluster)
+    plain = plan_on_mesh(graph, cluster, auto.mesh, tp_layouts="1d", effort=0.5)
+    assert auto.estimate.step_time_s < 0.5 * one_d.estimate.step_time_s
+    assert auto.estimate.step_time_s < plain.estimate.step_time_s
+    from planner.summa_report import layer_family
+    assert {layer_family(s) for s in linears} == {"3-D q=4, gathers kept"}
+    assert "gathers kept" in auto.search_summary
+
+
+def test_summa_buffers_count_in_the_step_memory():
+    """The largest transient block set of the plan's SUMMA linears (3-D: gathered x and W and
+    the partial y, ``cost_model.summa``'s ``buffer_bytes``) is part of the communication
+    buffers: [T/q, K/q] + [K/q, N/q] + [T/q, N/q] elements for the two K x K linears here."""
+    from search.summa_layout import summa_layout
+
+    graph = _graph(TwoLinears())
+    cluster = Cluster.preset("cpu", 1, 8)
+    strategies, inputs = summa_layout(graph, MESH_3D, "3d")
+    plan = unsimulated_plan(graph, cluster, None, "M", MESH_3D, strategies, inputs)
+    memory = Simulator(plan, graph).run(trace=False).memory
+    seed, seed_inputs = combine(graph, MESH_3D, {})
+    plain = Simulator(unsimulated_plan(graph, cluster, None, "M", MESH_3D, seed, seed_inputs), graph).run(trace=False).memory
+    q, rows = 2, BATCH * SEQ
+    assert memory.communication_buffers - plain.communication_buffers == pytest.approx(
+        (rows * K + K * K + rows * K) / q**2 * E, abs=1)

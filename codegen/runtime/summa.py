@@ -269,35 +269,47 @@ def _reduce_scatter_rows(tensor: torch.Tensor, group: ProcessGroup) -> torch.Ten
 
 class _Matmul3D(torch.autograd.Function):
     """Y = X W on a q x q x q grid. At rank (a, b, c): x [T/q^2, K/q], w [K/q^2, N/q]; gathered
-    X[a, c] [T/q, K/q] and W[c, b] [K/q, N/q]; partial Y[a, b] [T/q, N/q]; y [T/q^2, N/q]."""
+    X[a, c] [T/q, K/q] and W[c, b] [K/q, N/q]; partial Y[a, b] [T/q, N/q]; y [T/q^2, N/q].
+    Saves the shards (memory 1/q^3; the backward gathers them again) or, ``keep_gathered``,
+    the gathered blocks (1/q^2; the backward gathers dY only)."""
 
     @staticmethod
-    def forward(ctx, x, w, grid: SummaGroups, roles: ThreeD):
-        ctx.save_for_backward(x, w)  # the shards only: backward gathers again (memory 1/q^3)
-        ctx.grid, ctx.roles = grid, roles
+    def forward(ctx, x, w, grid: SummaGroups, roles: ThreeD, keep_gathered: bool):
+        ctx.grid, ctx.roles, ctx.keep_gathered = grid, roles, keep_gathered
         x_full = _all_gather_rows(x, grid.group(roles.gather_input))
         w_full = _all_gather_rows(w, grid.group(roles.gather_weight))
+        ctx.save_for_backward(*((x_full, w_full) if keep_gathered else (x, w)))
         return _reduce_scatter_rows(x_full @ w_full, grid.group(roles.scatter_output))
 
     @staticmethod
     def backward(ctx, dy):
-        x, w = ctx.saved_tensors
         grid, roles = ctx.grid, ctx.roles
         dy_full = _all_gather_rows(dy, grid.group(roles.scatter_output))  # dY[a, b] [T/q, N/q]
-        x_full = _all_gather_rows(x, grid.group(roles.gather_input))
-        w_full = _all_gather_rows(w, grid.group(roles.gather_weight))
-        dx = _reduce_scatter_rows(dy_full @ w_full.T, grid.group(roles.gather_input))  # sum over b
+        if ctx.keep_gathered:
+            x_full, w_full = ctx.saved_tensors
+        else:
+            x, w = ctx.saved_tensors
+            x_full = _all_gather_rows(x, grid.group(roles.gather_input))
+            w_full = _all_gather_rows(w, grid.group(roles.gather_weight))
+        # dX's reduce-scatter (sum over b) runs while dW's partial product is computed.
+        dx_partial = (dy_full @ w_full.T).contiguous()
+        size = dist.get_world_size(grid.group(roles.gather_input))
+        dx = dx_partial.new_empty(dx_partial.shape[0] // size, *dx_partial.shape[1:])
+        pending = dist.reduce_scatter_single(dx, dx_partial, group=grid.group(roles.gather_input), async_op=True)
         dw = _reduce_scatter_rows(x_full.T @ dy_full, grid.group(roles.gather_weight))  # sum over a
-        return dx, dw, None, None
+        pending.wait()
+        return dx, dw, None, None, None
 
 
-def matmul_3d(x: torch.Tensor, w: torch.Tensor, grid: SummaGroups, roles: ThreeD = ThreeD()) -> torch.Tensor:
-    """3-D product of shards: x [T/q^2, K/q], w [K/q^2, N/q] -> [T/q^2, N/q] (module docstring)."""
+def matmul_3d(x: torch.Tensor, w: torch.Tensor, grid: SummaGroups, roles: ThreeD = ThreeD(),
+              keep_gathered: bool = False) -> torch.Tensor:
+    """3-D product of shards: x [T/q^2, K/q], w [K/q^2, N/q] -> [T/q^2, N/q] (module docstring).
+    ``keep_gathered`` trades memory for two all-gathers in the backward (``_Matmul3D``)."""
     if grid.d != grid.q:
         raise ValueError(f"a 3-D matmul needs a q x q x q grid, got q={grid.q}, d={grid.d}")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0] * grid.q:
         raise ValueError(f"matmul_3d takes shards [T/q^2, K/q] and [K/q^2, N/q], got {list(x.shape)} and {list(w.shape)}")
-    return _Matmul3D.apply(x, w, grid, roles)
+    return _Matmul3D.apply(x, w, grid, roles, keep_gathered)
 
 
 # ---- splitting full tensors into this rank's blocks (tests, boundaries, loading weights) ----

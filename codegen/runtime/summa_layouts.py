@@ -122,12 +122,16 @@ def _rows_split(x: DTensor) -> list[bool]:
     return [isinstance(p, Shard) and p.dim % x.dim() != x.dim() - 1 for p in x.placements]
 
 
-def summa_linear(x: DTensor, weight: DTensor, bias: DTensor | None, family: str, swapped: bool = False) -> DTensor:
+def summa_linear(x: DTensor, weight: DTensor, bias: DTensor | None, family: str, swapped: bool = False,
+                 keep_gathered: bool = False) -> DTensor:
     """``x @ weight.T + bias`` by 2-D SUMMA, 2.5-D or 3-D on the block layouts of the module
     docstring: x (..., K) with its rows on dim 0, weight (N, K), bias (N). Returns y (..., N),
-    in x's placements (2-D, 2.5-D) or with ``row`` and ``col`` exchanged (3-D)."""
+    in x's placements (2-D, 2.5-D) or with ``row`` and ``col`` exchanged (3-D). A 3-D matmul
+    with ``keep_gathered`` keeps its gathered x and W for the backward (``matmul_3d``)."""
     if family not in ("2d", "2.5d", "3d"):
         raise ValueError(f"SUMMA family must be 2d, 2.5d or 3d, got {family!r}")
+    if keep_gathered and family != "3d":
+        raise ValueError(f"only 3-D matmuls keep their gathered operands, not {family}")
     names = x.device_mesh.mesh_dim_names or ()
     x = in_layout(x, input_placements(names, x.dim(), family, swapped))
     weight = in_layout(weight, weight_placements(names, family, swapped))
@@ -144,7 +148,7 @@ def summa_linear(x: DTensor, weight: DTensor, bias: DTensor | None, family: str,
         # axis, its "row" group the mesh's col axis.
         roles = ThreeD(gather_input="row", gather_weight="depth", scatter_output="col") if swapped else \
             ThreeD(gather_input="col", gather_weight="depth", scatter_output="row")
-        y_rows = matmul_3d(x_rows, w_t, grid, roles)
+        y_rows = matmul_3d(x_rows, w_t, grid, roles, keep_gathered)
         out = list(x.placements)
         out[row], out[col] = x.placements[col], x.placements[row]
     else:

@@ -53,7 +53,8 @@ def summa_family(mesh: Mesh) -> str | None:
 
 
 def mesh_layouts(mesh: Mesh) -> list[SummaLayout]:
-    """The SUMMA layouts a mesh can run (3-D: both role assignments), none for other meshes."""
+    """The SUMMA layouts a mesh can run (3-D: both role assignments, each with and without
+    kept gathers), none for other meshes."""
     family = summa_family(mesh)
     if family is None:
         return []
@@ -62,7 +63,7 @@ def mesh_layouts(mesh: Mesh) -> list[SummaLayout]:
     if mesh.axis_size("col") != q:
         return []
     if family == "3d":
-        return [SummaLayout(q, d, "3d", False), SummaLayout(q, d, "3d", True)]
+        return [SummaLayout(q, d, "3d", swapped, keep) for keep in (False, True) for swapped in (False, True)]
     return [SummaLayout(q, d, family)]
 
 
@@ -122,8 +123,8 @@ def summa_candidates(node: OpNode, mesh: Mesh) -> list[NodeStrategy]:
         return []
     if node.op in LINEAR_OPS:
         return [s for layout in layouts if (s := _linear(node, mesh, layout)) is not None]
-    if node.op in NORM_OPS:
-        return [s for layout in layouts if (s := _norm(node, mesh, layout)) is not None]
+    if node.op in NORM_OPS:  # kept gathers are a matmul's choice: a norm carries the plain layout
+        return [s for layout in layouts if not layout.keep_gathered and (s := _norm(node, mesh, layout)) is not None]
     if node.op in BLOCK_POINTWISE:
         return _pointwise(node, mesh, layouts)
     return []
