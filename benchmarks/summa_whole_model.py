@@ -1,60 +1,50 @@
 """Whole models planned with and without SUMMA layouts: where a SUMMA plan wins, and where not.
 
-    python benchmarks/summa_whole_model.py                  # every scenario (about 20 minutes)
-    python benchmarks/summa_whole_model.py --only nvl64
+    python benchmarks/summa_whole_model.py                  # every scenario (about 3 minutes)
+    python benchmarks/summa_whole_model.py --only one-gpu-nodes-short
 
 Benchmark (c) of issue 10. Each scenario is planned twice with the full search (every mesh,
 per-op CP-SAT and MCMC, data-parallel flavours, pipelines, Megatron baselines; the same
-deterministic budgets): ``--tp-layouts 1d`` (the best 1-D plan there is) and ``--tp-layouts
-auto`` (the same candidates plus the SUMMA meshes that can matter). The 1-D plans of the auto
-search are the very plans of the 1-D search, so when auto picks a SUMMA plan it beats every
-1-D plan on the simulator, by the ratio printed; the best runner-up of each SUMMA family
-says by how much the others lost (runners-up are named by their mesh: a runner-up on a SUMMA
-mesh may run plain shardings there, not SUMMA linears). The 1-D search's ``tp`` axis stays
-inside a node; on a SUMMA mesh that spans nodes the search also tries plain (1-D-style)
-shardings over its axes, and on single-GPU nodes those beat both the 1-D search and the
-SUMMA linears (the verdict line says which the pick is).
+deterministic budgets): ``--tp-layouts 1d`` (the best 1-D plan there is with ``tp`` inside a
+node) and ``--tp-layouts auto`` (the same candidates plus the SUMMA meshes that can matter).
+When auto's plan runs its linears in SUMMA layouts, the SUMMA meshes auto searched are also
+planned with plain per-axis shardings only (``plan_on_mesh(..., tp_layouts="1d")``:
+Megatron-style splits over each grid axis, which may span nodes), so the verdict compares the
+SUMMA plan with every 1-D plan: the 1-D search's and the best plain sharding of a grid. The
+best runner-up of each SUMMA family is named by its mesh (it may run plain shardings there).
 
-* ``nvl64``: a very wide GPT (hidden 16384, 128 heads, 4 layers, 16 sequences of 4096
-  tokens) on one NVLink domain of 64 A100s (an NVL-style node: every link alike, the DGX
-  A100's NVLink numbers): a 1-D split may take all 64 devices but all-reduces whole
-  activations to do so, and data parallelism is limited by the 16 sequences.
-* ``nvl64-long``: the NVLink domain of 64 with narrower layers (hidden 8192) and 64
-  sequences of 8192 tokens: many more tokens than the width, where 2.5-D moves fewer bytes
-  than 2-D, but also room for data parallelism.
+Figures of the last run (simulator, A100 80 GB presets):
+
+* ``nvl64``: a very wide GPT (hidden 16384, 128 heads, 4 layers, 16 sequences of 4096) on one
+  NVLink domain of 64 A100s: auto picks 2-D SUMMA q=8 on ``row=8 x col=8`` (351.9 ms) over
+  the 1-D search's dp=8 x tp=8 with ZeRO-2 (375.7 ms, 1.07x) and plain shardings of the grids
+  (best 392.6 ms, 1.12x).
+* ``nvl64-long``: narrower layers (hidden 8192), 64 sequences of 8192: room for data
+  parallelism, and the 1-D plan dp=8 x tp=8 (778.5 ms) wins; the best grid (2-D, dp=4 x
+  [4,4]) takes 795.6 ms.
 * ``one-gpu-nodes``: the wide model (64 sequences of 4096) on 64 single-A100 nodes joined by
-  HDR InfiniBand (25 GB/s each, a uniform network): no 1-D tensor parallelism at all (it
-  stays inside a node), so 1-D plans are data parallel, ZeRO, FSDP or pipelines. The 1-D
-  search's best is a pipeline (pp=4 x dp=16, 3104.1 ms); ``auto`` picks plain shardings on
-  the ``dp=16 x row=2 x col=2`` mesh (2247.3 ms), no SUMMA linear.
-* ``one-gpu-nodes-short``: the wide model (hidden 16384, 4 layers) on the same 64 single-A100
-  nodes (HDR InfiniBand, 25 GB/s per device, uniform) with a small step: 64 sequences of 256
-  tokens (16384 tokens, as many as the width). The 1-D search's best is a pipeline (pp=4 x
-  dp=16, 872.7 ms) whose data-parallel replicas all-reduce a whole layer's weight gradients
-  (3.2 G parameters) over InfiniBand every step, whatever the tokens. 3-D [4,4,4] moves about
-  (TK + KN + TN)/16 elements per device per matmul instead: with every linear in it (``--tp-layouts
-  summa``) the step takes 412.6 ms (2-D [8,8] 678.0 ms, 2.5-D [4,4,4] 988.5 ms: with T = K the
-  depth-replicated weights cost 2.5-D more than its smaller activations save). But ``auto``
-  picks plain shardings on the ``row=8 x col=8`` mesh (370.6 ms, 2.35x the 1-D search's
-  plan): Megatron-style tensor parallelism over one axis with the batch split over the other,
-  the two axes swapping roles from one linear to the next, the weight gradients all-reduced
-  over the batch axis across nodes (237 ms a step, overlapped with the backward), which the
-  1-D search, whose ``tp`` stays inside a node, never meets. So no SUMMA plan wins here
-  either. (Before two fixes to the simulator, auto picked 3-D at 563.4 ms: a mesh axis's
-  collectives were priced as if every group of the axis shared each node's link, and a
-  reduce-scatter over two axes as if each ran on the tensor the other had already split.)
-* ``one-gpu-nodes-512``: the same model and 65536 tokens a step (512 sequences of 128) on 512
-  single-A100 HDR nodes, where 3-D's q = 8 grid exists: with every linear in a SUMMA layout
-  (``--tp-layouts summa``) 3-D [8,8,8] takes 291.9 ms, 2.5-D [16,16,2] 501.3 ms, 2-D
-  dp=2 x [16,16] 502.2 ms, against the 1-D search's pipeline (pp=4 x dp=128) at 819.0 ms; but
-  ``auto`` again picks plain shardings, on the ``row=8 x col=8 x dep=8`` mesh (249.6 ms).
-  Planning 512 devices takes about 10 s here.
-* ``small-nodes``: the wide model (16 sequences of 4096) on 16 nodes of 4 A100s (HDR
-  InfiniBand between them): 1-D tensor parallelism stops at 4 ways inside a node.
-* ``narrow``: GPT-2 medium's width (hidden 1024, 16 heads, 24 layers, batch 64 of 1024
-  tokens) on one DGX A100 node: ``auto`` also searches the 2.5-D [2,2,2] grid (its matmuls
-  alone beat 1-D: 65536 tokens against a width of 1024), but ZeRO-2 data parallelism inside
-  NVLink wins the step.
+  HDR InfiniBand (25 GB/s each): 1-D tensor parallelism does not exist there (it stays inside
+  a node), the 1-D search's best is a pipeline (2978.1 ms), and auto picks plain shardings on
+  ``dp=16 x row=2 x col=2`` (2247.3 ms): no SUMMA linear. With 4096-token sequences the
+  activations dwarf the weights and every grid moves them.
+* ``one-gpu-nodes-short``: the same model and nodes with a small step (64 sequences of 256:
+  16384 tokens, as many as the width). The 1-D search's best is a pipeline (pp=4 x dp=16,
+  872.7 ms) whose replicas all-reduce every layer's 3.2 G weight gradients over InfiniBand.
+  **Auto picks 3-D [4,4,4] with every linear keeping its gathered operands (312.8 ms)**:
+  2.79x the 1-D search's plan and 1.18x the best plain sharding of a grid (``row=8 x col=8``,
+  Megatron-style splits over one axis with the batch on the other, 369.9 ms). 3-D moves about
+  (TK + KN + TN)/16 elements per device per matmul; keeping the gathers (two all-gathers
+  fewer per matmul, ``SummaLayout.keep_gathered``) is what puts it ahead: without them 3-D
+  took 412.6 ms, behind the plain sharding.
+* ``one-gpu-nodes-512``: the same model, 512 sequences of 128 on 512 single-A100 nodes:
+  auto picks ``dp=8 x`` 3-D [4,4,4] with kept gathers (219.8 ms): 3.73x the 1-D search's
+  pipeline (819.0 ms), 1.23x the best plain sharding (``row=8 x col=8 x dep=8``, 271.1 ms).
+* ``small-nodes``: the wide model (16 sequences of 4096) on 16 nodes of 4 A100s: 1-D tensor
+  parallelism inside the node with a pipeline and data parallelism around it (620.6 ms)
+  beats the best grid (3-D [4,4,4], 731.4 ms): a scenario where SUMMA does not win.
+* ``narrow``: GPT-2 medium's width (hidden 1024, 24 layers, 64 sequences of 1024) on one DGX
+  A100 node: ZeRO-2 data parallelism with tp=2 inside NVLink (113.6 ms); no grid is worth
+  searching.
 """
 
 from __future__ import annotations
