@@ -34,8 +34,9 @@ Figures of the last run (simulator, A100 80 GB presets):
   2.79x the 1-D search's plan and 1.18x the best plain sharding of a grid (``row=8 x col=8``,
   Megatron-style splits over one axis with the batch on the other, 369.9 ms). 3-D moves about
   (TK + KN + TN)/16 elements per device per matmul; keeping the gathers (two all-gathers
-  fewer per matmul, ``SummaLayout.keep_gathered``) is what puts it ahead: without them 3-D
-  took 412.6 ms, behind the plain sharding.
+  fewer per matmul, ``SummaLayout.keep_gathered``) is what puts it ahead: before that option
+  (and before dX's reduce-scatter overlapped dW's product) forced 3-D took 412.6 ms, behind
+  the plain sharding, and auto kept the plain sharding.
 * ``one-gpu-nodes-512``: the same model, 512 sequences of 128 on 512 single-A100 nodes:
   auto picks ``dp=8 x`` 3-D [4,4,4] with kept gathers (219.8 ms): 3.73x the 1-D search's
   pipeline (819.0 ms), 1.23x the best plain sharding (``row=8 x col=8 x dep=8``, 271.1 ms).
