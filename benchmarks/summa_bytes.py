@@ -24,6 +24,8 @@ sum T K = 7 T h, sum K N = 12 h^2, sum T N = 9 T h):
     2-D (q)        3 (sum T K + sum K N) e / q:  3 (7 T h + 12 h^2) e / q
     2.5-D (q, d)   3 (7 T h / d + 12 h^2) e / q + 2 (d-1)/d 12 h^2 e / q^2
     3-D (q)        (q-1)/q (3 sum T K + 3 sum K N + 2 sum T N) e / q^2 = (q-1)/q (39 T h + 36 h^2) e / q^2
+    3-D, gathers kept (the backward reuses the forward's gathered X and W):
+                   (q-1)/q (2 sum T K + 2 sum K N + 2 sum T N) e / q^2 = (q-1)/q (32 T h + 24 h^2) e / q^2
 
 (b) Weak scaling (``--tokens-per-device``, 1024 by default, at every size) up to 64 A100s: the
 layer's forward + backward time on the simulator's collectives model.
@@ -50,9 +52,10 @@ DGX nodes, on a uniform network, and in bytes alone):
     here, so when compute dominates both layouts tend to the compute time and the ratio to 1;
     and the published figure is the throughput of whole models (all layers, non-matmul ops,
     framework overheads), this one layer's matmuls and attention core.
-  * 3-D [4,4,4] moves the fewest bytes (3.45 GB against 5.59 for 2-D here) but its gathers
-    and scatters are not overlapped with compute in this model and two of its axes cross
-    nodes, so on DGX nodes it is slower than 2-D [8,8,1] at these sizes.
+  * 3-D [4,4,4] moves the fewest bytes (3.45 GB against 5.59 for 2-D here; 2.74 GB when it
+    keeps its gathered operands for the backward) but its gathers and scatters overlap no
+    compute but the backward's dW product, and two of its axes cross nodes, so on DGX nodes
+    it gains little over 2-D [8,8,1] at these sizes.
 """
 
 from __future__ import annotations
@@ -103,8 +106,9 @@ def layer_cost(family: str, q: int, d: int, hidden: int, tokens: int, cluster: C
         total_s = 0.0
         bytes_moved = weights = activations = buffers = 0.0
         for _name, shape, one_d, roles in layer_matmuls(hidden, tokens):
-            grid = Grid(one_d, q) if family == "1d" else Grid(family, q, d)
-            cost = matmul_cost(shape, grid, cluster, grid_ranks(grid, order), PRECISION, roles)
+            grid = Grid(one_d, q) if family == "1d" else Grid(family.split()[0], q, d)
+            cost = matmul_cost(shape, grid, cluster, grid_ranks(grid, order), PRECISION, roles,
+                               keep_gathered=family == "3d kept")
             total_s += cost.total_s
             bytes_moved += cost.bytes_per_device()
             weights += cost.weight_bytes
@@ -133,19 +137,24 @@ def closed_form_bytes(family: str, q: int, d: int, hidden: int, tokens: int) -> 
         return 3 * (7 * T * h + 12 * h * h) * e / q
     if family == "2.5d":
         return 3 * (7 * T * h / d + 12 * h * h) * e / q + 2 * (d - 1) / d * 12 * h * h * e / q ** 2
+    if family == "3d kept":
+        return (q - 1) / q * (32 * T * h + 24 * h * h) * e / q ** 2
     return (q - 1) / q * (39 * T * h + 36 * h * h) * e / q ** 2
 
 
 GRIDS_AT = {  # devices -> [(family, q, d)]; a 2.5-D depth never exceeds q (SummaLayout's rule)
     4: [("1d", 4, 1), ("2d", 2, 1)],
-    8: [("1d", 8, 1), ("2.5d", 2, 2), ("3d", 2, 2)],
+    8: [("1d", 8, 1), ("2.5d", 2, 2), ("3d", 2, 2), ("3d kept", 2, 2)],
     16: [("1d", 16, 1), ("2d", 4, 1)],
-    64: [("1d", 64, 1), ("2d", 8, 1), ("2.5d", 4, 4), ("3d", 4, 4)],
+    64: [("1d", 64, 1), ("2d", 8, 1), ("2.5d", 4, 4), ("3d", 4, 4), ("3d kept", 4, 4)],
 }
 
 
 def label(family: str, q: int, d: int) -> str:
-    return f"1-D ({q})" if family == "1d" else f"{family.upper().replace('D', '-D')} [{q},{q},{d}]"
+    if family == "1d":
+        return f"1-D ({q})"
+    kept = " kept" if family.endswith("kept") else ""
+    return f"{family.split()[0].upper().replace('D', '-D')} [{q},{q},{d}]{kept}"
 
 
 def main() -> None:

@@ -106,9 +106,12 @@ def main() -> None:
         sent = sum(estimate.bytes_per_axis.values())
         savings = layer_savings(plan, graph)
         matmul = sum(s.summa_bytes for s in savings) if family != "1d" else float("nan")
-        closed = closed_form_bytes(family, q, d, options.hidden, tokens)
-        in_layout = sum(1 for s in plan.strategies if s.layout is not None and s.op == "aten.linear.default")
-        label = LABELS[family].format(p=devices, q=q, d=d)
+        summa_linears = [s.layout for s in plan.strategies if s.layout is not None and s.op == "aten.linear.default"]
+        # The search may keep 3-D's gathered operands (fewer bytes): the closed form follows it.
+        kept = bool(summa_linears) and all(layout.keep_gathered for layout in summa_linears)
+        closed = closed_form_bytes("3d kept" if kept else family, q, d, options.hidden, tokens)
+        in_layout = len(summa_linears)
+        label = LABELS[family].format(p=devices, q=q, d=d) + (" kept" if kept else "")
         times[(devices, family)] = estimate.step_time_s
         print(f"{devices:>3} {label:<16} {estimate.step_time_s * 1e3:>8.2f} {tokens / devices / estimate.step_time_s:>10.0f} "
               f"{sent / gb:>11.3f} {matmul / gb:>10.3f} {closed / gb:>11.3f} {estimate.memory.total / gb:>10.2f} "
