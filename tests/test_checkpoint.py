@@ -1,7 +1,8 @@
 """Per-shard initialisation and checkpoints of compiled programs, in real gloo processes.
 
 - Every rank holds only its shards, with the values the whole model built on one device has
-  (``torch.equal``): FSDP, tensor-parallel and pipeline programs on 2 ranks, dp x tp on 4.
+  (``torch.equal``): FSDP, tensor-parallel and pipeline programs on 2 ranks, dp x tp and a
+  2-D SUMMA program (every linear's weight in 2 x 2 blocks) on 4.
 - A wide MLP whose fp32 weights are about 3x a per-rank cap builds under the cap on each of
   4 FSDP ranks, and trains with the losses of one device.
 - Train 4 steps on FSDP (world 2), save; resume on a pipeline plan (world 2) and on one
@@ -35,6 +36,7 @@ from codegen.runtime.program import load_program
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec, extract_loss
 from search.megatron import megatron_plan
+from summa_plans import summa_plan
 
 pytestmark = pytest.mark.distributed
 
@@ -83,6 +85,7 @@ def programs(tmp_path_factory) -> dict[str, Path]:
     graph, spec, name, cluster = prepare_model(GPT, "cpu:1x4")
     write("dp_tp", megatron_plan(graph, cluster, spec, name, tp=2, sequence_parallel=True, precision="fp32"))
     write("wide_fsdp", planner.plan(WIDE_MLP, "cpu:1x4", dp_flavour="fsdp", precision="fp32"))
+    write("summa_2d", summa_plan(GPT, "2d"))
     return folders
 
 
@@ -104,7 +107,8 @@ def _results(text: str) -> dict[tuple[str, int], dict[str, int]]:
 
 def test_each_rank_builds_only_its_shards_with_the_single_device_values(programs, tmp_path) -> None:
     two = _results(_ok(_torchrun(2, str(WORKER), *(f"exact:{programs[n]}" for n in ("fsdp", "tp", "pp")), cwd=tmp_path)))
-    four = _torchrun(4, str(WORKER), f"exact:{programs['dp_tp']}", f"steps=3:{programs['wide_fsdp']}", cwd=tmp_path)
+    four = _torchrun(4, str(WORKER), f"exact:{programs['dp_tp']}", f"exact:{programs['summa_2d']}",
+                     f"steps=3:{programs['wide_fsdp']}", cwd=tmp_path)
     four_results = _results(_ok(four))
     whole = sum(p.numel() * 4 for p in load_program(programs["one"]).build_model()[0].parameters())
     for (name, rank), result in {**two, **four_results}.items():
@@ -113,6 +117,8 @@ def test_each_rank_builds_only_its_shards_with_the_single_device_values(programs
         assert result["compared"] > 0 and result["mismatched"] == 0, (name, rank, result)
         if name in ("fsdp", "pp"):  # FSDP keeps 1/2 of every weight; a pipeline stage its own layers
             assert result["held_bytes"] < 0.75 * whole, (name, rank, result)
+        if name == "summa_2d":  # a quarter of each linear's weight, half of the embeddings and norms
+            assert result["held_bytes"] < 0.5 * whole, (name, rank, result)
     assert sum(two[("fsdp", rank)]["held_bytes"] for rank in (0, 1)) == whole
 
     # The wide MLP: each rank's build stays under the cap, a third of the whole model.

@@ -122,12 +122,13 @@ class Program:
     def parallelizes_on_meta(self) -> bool:
         """Whether ``parallelize`` takes a model whose parameters are on meta: FSDP2 flavours,
         graph and pipeline programs (they distribute each weight with ``distribute_tensor``,
-        which on meta allocates nothing). DDP and ZeRO-1 broadcast real weights; MoE programs
-        slice their experts' weights themselves; SUMMA layers lay out their blocks themselves."""
+        which on meta allocates nothing; SUMMA programs are graph programs whose block layouts
+        are DTensor placements). DDP and ZeRO-1 broadcast real weights; MoE programs slice
+        their experts' weights themselves."""
         from codegen.emit import is_data_parallel
-        from planner.strategy import ExpertLayout, SummaLayout
+        from planner.strategy import ExpertLayout
 
-        if self.plan.expert_layouts or any(isinstance(s.layout, (ExpertLayout, SummaLayout)) for s in self.plan.strategies):
+        if self.plan.expert_layouts or any(isinstance(s.layout, ExpertLayout) for s in self.plan.strategies):
             return False
         if is_data_parallel(self.plan):
             return self.plan.dp_flavour in ("fsdp", "zero2")
