@@ -56,6 +56,7 @@ from cost_model.moe_layers import LaidOutLayer, annotated_layouts, laid_out_laye
 from cost_model.summa_node import add_summa_costs
 from cost_model.nccl import nccl_profile
 from cost_model.recompute import activation_bytes, backward_comm, backward_time
+from cost_model.replica_gradients import add_replica_gradient_sync
 from cost_model.resharding import backward_collective, forward_collective
 from cost_model.segments import Segment, SegmentBuilder, SegmentProfile
 from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, graph_facts
@@ -451,9 +452,11 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
         for position, src, dst in edges:
             self._charge_edge(cost, node.input_meta[position], src, dst)
         self._add_input_gradient_reduction(node, strategy, cost)
-        # Meshes with SUMMA axes: SUMMA matmuls and block norms by their algorithms, and the
-        # gradient sync of weights replicated on a non-dp axis (cost_model.summa_node).
-        add_summa_costs(self, node, strategy, cost, _PARAM_BYTES[self.plan.precision][1])
+        # Meshes with SUMMA axes: SUMMA matmuls and block norms by their algorithms
+        # (cost_model.summa_node); any mesh: the gradient sync of weights replicated on a
+        # non-dp axis whose ranks saw other rows (cost_model.replica_gradients).
+        add_summa_costs(self, node, strategy, cost)
+        add_replica_gradient_sync(self, node, strategy, cost, _PARAM_BYTES[self.plan.precision][1])
         return cost
 
     def _charge_edge(self, cost: NodeCost, meta, src, dst) -> None:

@@ -9,19 +9,16 @@ simulator calls ``add_summa_costs`` once per node, after its generic (per-axis) 
   the bytes the node saves for the backward.
 * A norm with a ``SummaLayout`` splits its hidden dim over the layout's ``hidden_axis``: it
   all-reduces two statistics per row there in forward, and two sums per row in backward.
-* Every op on such a mesh pays the all-reduce of the gradients of its parameters over each
-  non-``dp`` axis on which they are replicated while its output is split (the rows there
-  saw different samples): 2.5-D's weight-gradient all-reduce over depth, the bias over
-  rows, a layer norm's weight, an embedding's table. The simulator's own gradient sync
-  covers ``dp`` only. It is charged once per step (``NodeCost.axis_sync_s``) and overlaps
-  the rest of the backward on the collective stream, as the data-parallel sync does.
+* The gradients of parameters replicated over a non-``dp`` axis on which the rows are split
+  (2.5-D's weights over depth, bias and norm chunks) are summed as on any mesh
+  (``cost_model.replica_gradients``).
 """
 
 from __future__ import annotations
 
 import math
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 
 from cost_model.summa import Grid, MatmulShape, ThreeDAxes, matmul_cost
 from planner.strategy import SummaLayout
@@ -89,10 +86,9 @@ def summa_buffer_bytes(simulator) -> float:
     return largest
 
 
-def add_summa_costs(simulator, node, strategy, cost, gradient_bytes: int) -> None:
+def add_summa_costs(simulator, node, strategy, cost) -> None:
     """Adjust ``cost`` (one micro-batch of ``node`` on one device) for SUMMA meshes (see the
-    module docstring). ``gradient_bytes``: bytes of one gradient element. A no-op on meshes
-    without SUMMA axes."""
+    module docstring). A no-op on meshes without SUMMA axes."""
     mesh = simulator.mesh
     if not has_summa_axes(mesh):
         return
@@ -101,7 +97,6 @@ def add_summa_costs(simulator, node, strategy, cost, gradient_bytes: int) -> Non
         _linear(simulator, node, layout, cost)
     elif isinstance(layout, SummaLayout) and node.op in NORM_OPS:
         _norm_statistics(simulator, node, strategy, layout, cost)
-    _gradient_sync(simulator, node, strategy, cost, gradient_bytes)
 
 
 def _linear(simulator, node, layout: SummaLayout, cost) -> None:
@@ -133,21 +128,3 @@ def _norm_statistics(simulator, node, strategy, layout: SummaLayout, cost) -> No
     cost.backward_comm_s += seconds
     n = simulator.mesh.axis_size(axis)
     cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + 2 * 2 * (n - 1) / n * size_bytes
-
-
-def _gradient_sync(simulator, node, strategy, cost, gradient_bytes: int) -> None:
-    output = strategy.outputs[0] if strategy.outputs else None
-    if output is None:
-        return
-    for name, placements in strategy.params.items():
-        meta = simulator.graph.parameters.get(name)
-        if meta is None:
-            continue
-        shards = math.prod(size for (_, size), p in zip(simulator.mesh.axes, placements) if isinstance(p, Shard))
-        local = meta.numel / shards * gradient_bytes
-        for index, (axis, size) in enumerate(simulator.mesh.axes):
-            if axis in ("dp", "pp") or size == 1:
-                continue
-            if isinstance(placements[index], Replicate) and isinstance(output[index], Shard):
-                cost.axis_sync_s += simulator._collective("all_reduce", local, axis)
-                cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + 2 * (size - 1) / size * local / simulator.micro_batches

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor import Replicate, Shard
 
 from cost_model.simulator import _PARAM_BYTES, NodeCost, Simulator
-from cost_model.summa_node import has_summa_axes
 from planner.graph import OpGraph, OpNode
 from planner.strategy import NodeStrategy, Placements
 from search.blocks import clone_strategy
@@ -152,8 +151,6 @@ def _cost(simulator: Simulator, node: OpNode, strategy: NodeStrategy) -> Candida
     weight_b, grad_b, state_b = _PARAM_BYTES[simulator.plan.precision]
     memory = cost.saved_bytes * simulator.micro_batches
     sync = 0.0
-    out = strategy.outputs[0] if strategy.outputs else None
-    summa_mesh = has_summa_axes(mesh)
     for name, placements in strategy.params.items():
         meta = simulator.graph.parameters.get(name)
         if meta is None:
@@ -161,12 +158,10 @@ def _cost(simulator: Simulator, node: OpNode, strategy: NodeStrategy) -> Candida
         shards = math.prod(size for (_, size), p in zip(mesh.axes, placements) if isinstance(p, Shard))
         elements = meta.numel / shards
         memory += elements * (weight_b + grad_b + state_b)
-        for index, (axis, size) in enumerate(mesh.axes):
-            if summa_mesh and axis != "dp":
-                continue  # the node's cost has it already (cost_model.summa_node)
-            split_here = axis == "dp" or (out is not None and not isinstance(out[index], Replicate))
-            if size > 1 and axis != "pp" and isinstance(placements[index], Replicate) and split_here:
-                sync += simulator._collective("all_reduce", elements * grad_b, axis)
+        # Data-parallel replicas sum their gradients over dp; other axes whose ranks saw other
+        # rows are in the node's cost already (cost.axis_sync_s, cost_model.replica_gradients).
+        if "dp" in mesh.names and mesh.axis_size("dp") > 1 and isinstance(placements[mesh.names.index("dp")], Replicate):
+            sync += simulator._collective("all_reduce", elements * grad_b, "dp")
     reductions = []
     params = set(node.param_inputs)
     for index, (axis, size) in enumerate(mesh.axes):
