@@ -54,8 +54,8 @@ class StepMemory:
         buffers_state = sum(meta.nbytes for meta in self.graph.buffers.values()) if stage == 0 else 0
         activations = self._peak_activations(stage, segments)
         if flavour == "fsdp" and dp > 1:
-            largest = max((s.shardable_elements() for s in segments), default=0.0)
-            comm = 2 * largest * weight_b
+            # The unit being used and the next one, prefetched, are gathered at once.
+            comm = 2 * self._largest_fsdp_unit(segments) * weight_b
         elif dp > 1:
             comm = min(defaults.DDP_BUCKET_BYTES, elements * grad_b)
         else:
@@ -73,6 +73,21 @@ class StepMemory:
             activations=int(activations),
             communication_buffers=int(comm),
         )
+
+    def _largest_fsdp_unit(self, segments: list[Segment]) -> float:
+        """Local parameter elements of the largest FSDP unit: a repeated block (a segment),
+        or, in a model without blocks whose plan wraps each layer (``Plan.fsdp_units``), the
+        largest of those layers and the root's remaining parameters."""
+        largest = max((s.shardable_elements() for s in segments), default=0.0)
+        units = self.plan.fsdp_units
+        if not units or any(s.block for s in segments):
+            return largest
+        sizes = dict.fromkeys((*units, ""), 0.0)
+        for segment in segments:
+            for name, count in segment.params.items():
+                if name not in segment.per_rank:
+                    sizes[next((u for u in units if name.startswith(u + ".")), "")] += count
+        return max(sizes.values())
 
     def _peak_activations(self, stage: int, segments: list[Segment]) -> float:
         """Peak bytes held for backward by the micro-batches in flight on this device."""

@@ -139,8 +139,22 @@ def accumulating(plan: Plan, graph: OpGraph) -> Plan | None:
 
 
 def fsdp_units(graph: OpGraph) -> tuple[str, ...]:
-    """Module paths wrapped as separate FSDP units: each repeated block (the root holds the rest)."""
-    return graph.block_paths()
+    """Module paths wrapped as separate FSDP units (the root holds the rest): each repeated
+    block; in a model without repeated blocks (a plain stack of layers), each module that
+    owns parameters, so no rank ever gathers the whole model at once."""
+    blocks = graph.block_paths()
+    if blocks:
+        return blocks
+    owners = dict.fromkeys(name.rpartition(".")[0] for name in graph.parameters)
+    owners.pop("", None)  # parameters of the root itself stay in the root unit
+    # A unit must be the only user of its parameters: a weight read elsewhere (tied to a
+    # head, reused by another module) stays in the root, which FSDP2 gathers for the step.
+    for node in graph.nodes:
+        for param in node.params:
+            owner = param.rpartition(".")[0]
+            if owner in owners and not (node.module == owner or node.module.startswith(owner + ".")):
+                owners.pop(owner)
+    return tuple(owners) if len(owners) > 1 else ()
 
 
 def alternative(plan: Plan, best: Plan) -> Alternative:

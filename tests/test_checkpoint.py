@@ -4,7 +4,9 @@
   (``torch.equal``): FSDP, tensor-parallel and pipeline programs on 2 ranks, dp x tp and a
   2-D SUMMA program (every linear's weight in 2 x 2 blocks) on 4.
 - A wide MLP whose fp32 weights are about 3x a per-rank cap builds under the cap on each of
-  4 FSDP ranks, and trains with the losses of one device.
+  4 FSDP ranks, and trains with the losses of one device. A deeper MLP, 1.25x a cap, builds
+  AND trains with AdamW under the cap on each of 8 FSDP ranks (each layer its own FSDP unit,
+  so a rank gathers two layers at a time, never the model), with the losses of one device.
 - Train 4 steps on FSDP (world 2), save; resume on a pipeline plan (world 2) and on one
   device (world 1) for 4 more: the losses equal an uninterrupted single-device run of 8.
 - ``planner export-checkpoint`` writes a state_dict that loads (``weights_only=True``, strict)
@@ -46,6 +48,12 @@ GPT = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8})
 WIDE_MLP = ModelSpec(str(REPO / "examples/mlp.py"), {"batch_size": 8, "hidden": 4096, "layers": 5})
 WIDE_MLP_BYTES = 4 * (32 * 4096 + 4096 + 3 * (4096 * 4096 + 4096) + 4096 * 8 + 8)
 MEMORY_CAP = int(0.35 * WIDE_MLP_BYTES)  # per rank: the whole model is ~2.9x this
+# About 420 MB of fp32 weights in 25 layers of 2048 x 2048. On 8 FSDP ranks with AdamW a rank
+# holds 4/8 of the model (weights, gradients, two moments) plus two gathered layers (~8% of
+# it): training needs about 0.6x the model, under a cap the whole model exceeds by 1.25x.
+DEEP_MLP = ModelSpec(str(REPO / "examples/mlp.py"), {"batch_size": 8, "hidden": 2048, "layers": 25})
+DEEP_MLP_BYTES = 4 * (32 * 2048 + 2048 + 23 * (2048 * 2048 + 2048) + 2048 * 8 + 8)
+TRAIN_CAP = int(0.8 * DEEP_MLP_BYTES)
 KILL_STEPS = 40  # long enough that the kill lands mid-run (it comes at about step 6)
 STEP_LINE = re.compile(r"^step (\d+)/\d+: [\d.]+ ms  loss ([-\d.]+) ", re.M)
 TIMEOUT = 300
@@ -86,6 +94,7 @@ def programs(tmp_path_factory) -> dict[str, Path]:
     write("dp_tp", megatron_plan(graph, cluster, spec, name, tp=2, sequence_parallel=True, precision="fp32"))
     write("wide_fsdp", planner.plan(WIDE_MLP, "cpu:1x4", dp_flavour="fsdp", precision="fp32"))
     write("summa_2d", summa_plan(GPT, "2d"))
+    write("deep_fsdp8", planner.plan(DEEP_MLP, "cpu:1x8", dp_flavour="fsdp", precision="fp32"))
     return folders
 
 
@@ -139,6 +148,40 @@ def test_each_rank_builds_only_its_shards_with_the_single_device_values(programs
         optimizer.step()
         optimizer.zero_grad()
         assert losses[step + 1] == pytest.approx(loss.item(), abs=2e-5)
+
+
+def _single_device_losses(folder: Path, steps: int) -> list[float]:
+    """The losses launch.py's loop gives on one device: same init, batches, AdamW and lr."""
+    program = load_program(folder)
+    model, args, kwargs = program.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(1000 + step)
+        loss = extract_loss(model(*random_like(args), **random_like(kwargs)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_model_over_the_cap_trains_under_it_on_8_fsdp_ranks(programs, tmp_path) -> None:
+    plan = load_program(programs["deep_fsdp8"]).plan
+    assert len(plan.fsdp_units) == 25  # a model without repeated blocks: one unit per layer
+    run = _torchrun(8, str(WORKER), f"steps=2:{programs['deep_fsdp8']}", cwd=tmp_path)
+    text = _ok(run)
+    trained = {int(rank): int(peak) for rank, peak in re.findall(r"^TRAINED \S+ rank=(\d+) peak_train_bytes=(\d+)", text, re.M)}
+    built = _results(text)
+    assert sorted(trained) == list(range(8)), text[-2000:]
+    for rank in range(8):
+        assert built[("deep_fsdp8", rank)]["peak_build_bytes"] < TRAIN_CAP < DEEP_MLP_BYTES
+        # Build and two AdamW steps (gathers, gradients, moments) all stay under the cap.
+        assert trained[rank] < TRAIN_CAP, (rank, trained[rank], TRAIN_CAP)
+    losses = _losses(text)
+    assert sorted(losses) == [1, 2]
+    for step, expected in enumerate(_single_device_losses(programs["deep_fsdp8"], 2), start=1):
+        assert losses[step] == pytest.approx(expected, abs=2e-5)
 
 
 def test_resume_on_other_plans_export_and_init_from(programs, reference_losses, tmp_path) -> None:
