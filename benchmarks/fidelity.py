@@ -27,15 +27,14 @@ What the simulator leaves out, and which way each bends these rows (all predicte
     slower than the ceilings we use;
   * FSDP's gradient reduce-scatter in fp32 (Composer's ``mixed_precision: DEFAULT``) where the
     simulator reduces in bf16; autocast's per-step weight casts and fp32 norms (MosaicML's
-    ``amp_bf16``);
-  * a blocking send's wait for the receiver's matching receive (``blocking_p2p`` charges the
-    transfer only).
+    ``amp_bf16``).
 
 Modelled from the runs' stated software: collectives overlapping compute slow it
 (``cost_model.nccl``'s contention); MPT rows run the Triton FlashAttention kernel
 (llm-foundry's benchmark default ``attn_impl: triton``; ``cost_model.gpu_kernels``'
 ``ATTENTION_KERNEL_SLOWDOWN``); MT-NLG and BLOOM run DeepSpeed's pipeline engine
-(``DEEPSPEED_PIPELINE``): synchronous sends (``PipelineConfig.blocking_p2p``) of 1/tp slices
+(``DEEPSPEED_PIPELINE``): its ``TrainSchedule`` with every send and receive a rendezvous
+(``PipelineConfig.blocking_p2p``, ``cost_model.deepspeed_pipeline``) of 1/tp slices
 that the receiver all-gathers (``partitioned_p2p``), gradients reduced after the schedule
 (``overlap_grad_reduce`` False), and each micro-batch's gradients added into the step's as
 the run's optimizer did (``gradient_accumulation``: fp16 ``param.grad`` by autograd for
@@ -160,7 +159,8 @@ def bloom_cluster() -> Cluster:
 
 # DeepSpeed's pipeline engine as MT-NLG (2021) and BLOOM (2022) ran it
 # (deepspeed/runtime/pipe/engine.py and p2p.py of those years):
-#   * sends are synchronous (p2p.py: ``send`` asserts ``async_op == False``): blocking_p2p;
+#   * sends are synchronous (p2p.py: ``send`` asserts ``async_op == False``) and ordered by
+#     its TrainSchedule (schedule.py): blocking_p2p;
 #   * with tensor parallelism, each rank sends its 1/tp slice of a boundary activation or
 #     gradient and the receiver rebuilds the whole with an all-gather over the tensor-parallel
 #     group (engine.py: ``is_pipe_partitioned = is_grad_partitioned = is_model_parallel``,

@@ -6,7 +6,9 @@ Per pipeline stage one representative device, with streams ``compute`` (passes, 
 tensor-parallel collectives on the critical path), ``collective`` (data-parallel reduction
 and FSDP gathers, overlapped with compute) and ``p2p act`` / ``p2p grad`` (activations and
 gradients between stages). Interleaved schedules send at every virtual-stage boundary, so
-their extra communication (``chunks`` times the sends of 1F1B) is in the graph.
+their extra communication (``chunks`` times the sends of 1F1B) is in the graph. A blocking
+1F1B pipeline (DeepSpeed's engine) follows DeepSpeed's own instruction order, each transfer a
+rendezvous of the two stages (``cost_model.deepspeed_pipeline``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from cost_model import defaults
 from cost_model.collectives import collective_time
 from cost_model.compute import gradient_accumulation_time, optimizer_step_time
 from cost_model.recompute import backward_comm, backward_time
+from cost_model.deepspeed_pipeline import DeepSpeedPipelineTasks
 from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
 from cost_model.segments import Segment
@@ -54,7 +57,7 @@ class GradientBuckets:
 
 
 
-class StepTaskGraph:
+class StepTaskGraph(DeepSpeedPipelineTasks):
     """Builds the step's ``TaskGraph`` (uses ``Simulator``'s plan, mesh and segments)."""
 
     def _task_graph(self, segments: list[Segment]) -> tuple[TaskGraph, dict[str, list[Segment]]]:
@@ -84,12 +87,17 @@ class StepTaskGraph:
         parts = self._p2p_parts()
         accumulation = self.plan.pipeline.gradient_accumulation if self.plan.pipeline is not None else "in-gemm"
         overlap = self.plan.pipeline is None or self.plan.pipeline.overlap_grad_reduce
+        for stage in range(self.pp):
+            per_device[f"stage {stage}"] = [s for vs, segs in chunk_segments.items() if vs % self.pp == stage for s in segs]
+        if blocking and self.chunks == 1:
+            # DeepSpeed's own schedule, its sends and receives as rendezvous (cost_model.deepspeed_pipeline).
+            self._deepspeed_schedule(graph, chunk_segments, boundary, sync_after, fsdp, sync_every)
+            orders = {}
         # Walk the devices round-robin so a task's cross-stage dependencies exist when it is added.
         while any(positions[s] < len(orders[s]) for s in orders):
             progressed = False
             for stage, order in orders.items():
                 device = f"stage {stage}"
-                per_device.setdefault(device, [s for vs, segs in chunk_segments.items() if vs % self.pp == stage for s in segs])
                 while positions[stage] < len(order):
                     kind, mb, chunk = order[positions[stage]]
                     vs = chunk * self.pp + stage
@@ -166,13 +174,16 @@ class StepTaskGraph:
         # the other; a blocking send holds the sender's compute stream instead.
         device = f"stage {vs % self.pp}"
         stream = "compute" if blocking else "p2p act" if name.startswith("send act") else "p2p grad"
+        return graph.add(name, (device, stream), self._p2p_seconds(vs, size_bytes), deps=[after], kind="p2p")
+
+    def _p2p_seconds(self, vs: int, size_bytes: float) -> float:
+        """Seconds to send ``size_bytes`` from (virtual) stage ``vs`` to the next."""
         stride = self.mesh.size // self.pp
         src, dst = (vs % self.pp) * stride, ((vs + 1) % self.pp) * stride
         key = ("send_recv", size_bytes, src, dst)
         if key not in self._comm_cache:
             self._comm_cache[key] = collective_time("send_recv", size_bytes, self.cluster, [src, dst]) if src != dst else 0.0
-        seconds = self._comm_cache[key]
-        return graph.add(name, (device, stream), seconds, deps=[after], kind="p2p")
+        return self._comm_cache[key]
 
     def _p2p_parts(self) -> int:
         """Slices a boundary tensor is sent in: the tensor-parallel degree under

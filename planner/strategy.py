@@ -399,10 +399,13 @@ class PipelineConfig:
     micro-batches in flight than late ones, so they may need to recompute where later
     stages need not.
 
-    ``blocking_p2p``: each stage's sends to its neighbours hold its compute stream until they
-    finish, as in DeepSpeed's pipeline engine (``deepspeed/runtime/pipe/p2p.py``: ``send``
-    asserts ``async_op == False``, so the next kernel waits for the send); False: sends run on
-    their own streams beside the compute (Megatron-LM's overlapped p2p).
+    ``blocking_p2p``: each send and its matching receive hold both stages' compute streams
+    from when the later of the two reaches it until the transfer ends, as in DeepSpeed's
+    pipeline engine (``deepspeed/runtime/pipe/p2p.py``: ``send`` asserts ``async_op == False``),
+    in the order of DeepSpeed's ``TrainSchedule`` for a 1F1B schedule
+    (``cost_model.deepspeed_pipeline``; other schedules: the send holds the sender's stream
+    after the pass that produced it); False: sends run on their own streams beside the
+    compute (Megatron-LM's overlapped p2p).
 
     ``partitioned_p2p``: a boundary tensor leaves each tensor-parallel rank as its 1/tp slice
     and the receiver all-gathers it over ``tp`` (DeepSpeed's pipeline engine with tensor

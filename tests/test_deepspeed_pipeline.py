@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cost_model.compute import gradient_accumulation_time
+from cost_model.schedules import deepspeed_train_steps, one_f_one_b
 from cost_model.simulator import Simulator
 from planner.api import prepare_model
 from planner.cluster import Cluster, DeviceSpec, LinkSpec, NodeSpec
@@ -120,3 +121,45 @@ def test_reduction_after_the_schedule_waits_for_the_whole_last_backward():
                 assert first < last_backward
             else:
                 assert first >= last_backward - 1e-12
+
+
+def test_deepspeed_train_schedule_worked_by_hand():
+    # Stage 1 of 3, 3 micro-batches: 2 x (3 + 3 - 1) = 10 steps; an odd stage forwards on odd
+    # steps (micro-batch (step - 1) // 2) and runs backward on even ones (step // 2 - 2).
+    # Step 1: receive and run F0; step 2: send F0's output (no valid backward yet); step 3: F1;
+    # step 4: send F1's output, receive B0's gradient, B0; step 5: receive for F2, send B0's
+    # input gradient, F2; and so on (deepspeed/runtime/pipe/schedule.py, TrainSchedule).
+    assert deepspeed_train_steps(1, 3, 3) == [
+        ("recv act", 0), ("F", 0), ("send act", 0), ("recv act", 1), ("F", 1), ("send act", 1), ("recv grad", 0),
+        ("B", 0), ("recv act", 2), ("send grad", 0), ("F", 2), ("send act", 2), ("recv grad", 1), ("B", 1),
+        ("send grad", 1), ("recv grad", 2), ("B", 2), ("send grad", 2),
+    ]
+    # Its passes are 1F1B's, on every stage.
+    for stages, micro_batches in ((2, 4), (4, 3), (5, 8)):
+        for stage in range(stages):
+            passes = [step for step in deepspeed_train_steps(stage, stages, micro_batches) if step[0] in ("F", "B")]
+            assert passes == [(kind, mb) for kind, mb, _ in one_f_one_b(stage, stages, micro_batches)]
+
+
+def test_a_blocking_send_waits_for_the_receiver_to_arrive():
+    # pp=3 (3 layers): a transfer starts when both its stages are ready, so each one starts no earlier
+    # than the end of whatever its receiver ran before the matching receive.
+    cluster, graph, spec, name = _toy(3, n_layer=3)
+    plan = megatron_plan(graph, cluster, spec, name, pp=3, micro_batch=2, blocking_p2p=True)
+    timeline = Simulator(plan, graph).run().timeline
+    def partner(send):
+        stage = int(send.device.split(" ")[1]) + (1 if send.name.startswith("send act") else -1)
+        return next(e for e in timeline if e.name == "recv" + send.name[len("send"):] and e.device == f"stage {stage}")
+    for send in (e for e in timeline if e.name.startswith("send")):
+        receive = partner(send)
+        before = [e for e in timeline if e.device == receive.device and e.stream == "compute"
+                  and e.start_s + e.duration_s <= receive.start_s + 1e-12 and e.duration_s > 0]
+        assert send.start_s == pytest.approx(receive.start_s)
+        assert send.start_s >= max((e.start_s + e.duration_s for e in before), default=0.0) - 1e-12
+    # Somewhere a sender waits: a send starts after its own stage's previous task ended.
+    waited = 0
+    for send in (e for e in timeline if e.name.startswith("send")):
+        own = [e for e in timeline if e.device == send.device and e.stream == "compute" and e.duration_s > 0
+               and e.start_s + e.duration_s <= send.start_s + 1e-12]
+        waited += send.start_s > max(e.start_s + e.duration_s for e in own) + 1e-9
+    assert waited > 0
