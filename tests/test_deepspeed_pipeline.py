@@ -163,3 +163,12 @@ def test_a_blocking_send_waits_for_the_receiver_to_arrive():
                and e.start_s + e.duration_s <= send.start_s + 1e-12]
         waited += send.start_s > max(e.start_s + e.duration_s for e in own) + 1e-9
     assert waited > 0
+
+
+def test_fp32_copy_keeps_fp32_gradients_beside_the_16_bit_ones():
+    # BF16_Optimizer's fp32 gradient buffer (4 bytes per element) is the size of the whole
+    # group, kept beside the bf16 gradients (2 bytes) each backward writes: 6 bytes, not 2.
+    cluster, graph, spec, name = _toy(2)
+    memory = {mode: megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=2, gradient_accumulation=mode)
+              .estimate.memory.gradients for mode in ("in-gemm", "fp32-copy")}
+    assert memory["fp32-copy"] == pytest.approx(3 * memory["in-gemm"])
