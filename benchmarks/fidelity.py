@@ -225,8 +225,9 @@ def runs() -> list[Run]:
     # MT-NLG and BLOOM ran Megatron-DeepSpeed with DeepSpeed's pipeline engine
     # (DEEPSPEED_PIPELINE). MT-NLG (2021) trained in 16-bit with DeepSpeed's ZeRO-1 fp16 path:
     # gradients accumulate in param.grad by autograd (the pipeline engine turns DeepSpeed's
-    # own backward all-reduce off and ZeRO stage 1 registers no gradient hooks without
-    # overlap_comm: deepspeed/runtime/zero/stage2.py of 2021). BLOOM (2022) trained in bf16 with
+    # own backward all-reduce off; for ZeRO stage 1 engine.py's _configure_zero_optimizer
+    # forces overlap_comm off, and zero/stage2.py registers gradient hooks only for stage 2 or
+    # overlap_comm: DeepSpeed of October 2021). BLOOM (2022) trained in bf16 with
     # DeepSpeed's BF16_Optimizer, written for it (BLOOM paper section 3.4.3; DeepSpeed PR
     # #1801), which adds each micro-batch's bf16 gradients into fp32 ones: "fp32-copy".
     # MT-NLG 530B (Smith et al. 2022, arXiv:2201.11990, section 2.4): 280 DGX A100 nodes, tp 8
