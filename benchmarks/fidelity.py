@@ -24,18 +24,29 @@ What the simulator leaves out, and which way each bends these rows (all predicte
     table); MT-NLG (2021) and BLOOM (2022) ran on CUDA 11 with DeepSpeed's pipeline engine,
     and llm-foundry's benchmark script defaults to the image
     ``mosaicml/pytorch:1.13.1_cu117`` (CUDA 11.7, no Hopper-tuned GEMMs) - older kernels are
-    slower than the ceilings we use;
+    slower than the ceilings we use. MT-NLG is the row this bends most: with its software
+    modelled (below) the simulator is 24-27% fast at each of the paper's three scales (280,
+    350 and 420 nodes: 60.1, 50.2, 44.4 s), i.e. per micro-batch rather than by a fixed cost;
+    on a middle stage 33 s of its 46 s are passes (forward, recomputation, backward) whose
+    GEMMs run at ~0.84 of peak in the model, 3 s tensor-parallel all-reduces, 1.7 s gradient
+    accumulation, 0.7 s sends, gathers and receives, ~7 s bubble and waits, 0.5 s
+    data-parallel reduction and gather. Matching 60.1 s would need those passes (and the
+    bubble they set) about 1.35x slower; no public measurement of 2021 A100 GEMM throughput
+    we have says so, so it stays an open gap rather than a fitted constant;
   * FSDP's gradient reduce-scatter in fp32 (Composer's ``mixed_precision: DEFAULT``) where the
     simulator reduces in bf16; autocast's per-step weight casts and fp32 norms (MosaicML's
-    ``amp_bf16``);
-  * a blocking send's wait for the receiver's matching receive (``blocking_p2p`` charges the
-    transfer only).
+    ``amp_bf16``).
 
 Modelled from the runs' stated software: collectives overlapping compute slow it
 (``cost_model.nccl``'s contention); MPT rows run the Triton FlashAttention kernel
 (llm-foundry's benchmark default ``attn_impl: triton``; ``cost_model.gpu_kernels``'
-``ATTENTION_KERNEL_SLOWDOWN``); MT-NLG and BLOOM send pipeline activations synchronously
-(DeepSpeed's pipeline engine; ``PipelineConfig.blocking_p2p``).
+``ATTENTION_KERNEL_SLOWDOWN``); MT-NLG and BLOOM run DeepSpeed's pipeline engine
+(``DEEPSPEED_PIPELINE``): its ``TrainSchedule`` with every send and receive a rendezvous
+(``PipelineConfig.blocking_p2p``, ``cost_model.deepspeed_pipeline``) of 1/tp slices
+that the receiver all-gathers (``partitioned_p2p``), gradients reduced after the schedule
+(``overlap_grad_reduce`` False), and each micro-batch's gradients added into the step's as
+the run's optimizer did (``gradient_accumulation``: fp16 ``param.grad`` by autograd for
+MT-NLG, BF16_Optimizer's fp32 copy for BLOOM, whose gradients are then all-reduced in fp32).
 
 Not used, kept aside as an independent check of the simulator: table 1 of Narayanan et al.
 (SC'21) and table 5 of Korthikanti et al. (2022).
@@ -154,6 +165,21 @@ def bloom_cluster() -> Cluster:
     return dataclasses.replace(cluster, inter_link=LinkSpec(4 * 100e9 / 8 / 8, cluster.inter_link.latency))
 
 
+# DeepSpeed's pipeline engine as MT-NLG (2021) and BLOOM (2022) ran it
+# (deepspeed/runtime/pipe/engine.py and p2p.py of those years):
+#   * sends are synchronous (p2p.py: ``send`` asserts ``async_op == False``) and ordered by
+#     its TrainSchedule (schedule.py): blocking_p2p;
+#   * with tensor parallelism, each rank sends its 1/tp slice of a boundary activation or
+#     gradient and the receiver rebuilds the whole with an all-gather over the tensor-parallel
+#     group (engine.py: ``is_pipe_partitioned = is_grad_partitioned = is_model_parallel``,
+#     ``PartitionedTensor(...).full()``; the sender also restores its own output that way
+#     before the backward): partitioned_p2p.
+#   * gradients are reduced over data parallelism after the schedule's last step, not during
+#     the last backward (schedule.py: ``ReduceGrads`` comes with ``OptimizerStep`` at
+#     ``step_id == total_steps - 1``): overlap_grad_reduce False.
+DEEPSPEED_PIPELINE = {"blocking_p2p": True, "partitioned_p2p": True, "overlap_grad_reduce": False}
+
+
 LLAMA3_405B = dict(layers=126, dim=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)
 LLAMA3_70B = dict(layers=80, dim=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
 LLAMA2_70B = dict(layers=80, dim=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000)
@@ -196,8 +222,14 @@ def runs() -> list[Run]:
             {"dp_flavour": "fsdp", "recompute": recompute}, 1, tokens_step(batch, seq, tokens, 64),
             f"{tokens} tok/s/GPU", TORCHTITAN_A100,
         ))
-    # MT-NLG and BLOOM ran Megatron-DeepSpeed with DeepSpeed's pipeline engine, whose sends are
-    # synchronous (deepspeed/runtime/pipe/p2p.py: send() asserts async_op == False): blocking_p2p.
+    # MT-NLG and BLOOM ran Megatron-DeepSpeed with DeepSpeed's pipeline engine
+    # (DEEPSPEED_PIPELINE). MT-NLG (2021) trained in 16-bit with DeepSpeed's ZeRO-1 fp16 path:
+    # gradients accumulate in param.grad by autograd (the pipeline engine turns DeepSpeed's
+    # own backward all-reduce off; for ZeRO stage 1 engine.py's _configure_zero_optimizer
+    # forces overlap_comm off, and zero/stage2.py registers gradient hooks only for stage 2 or
+    # overlap_comm: DeepSpeed of October 2021). BLOOM (2022) trained in bf16 with
+    # DeepSpeed's BF16_Optimizer, written for it (BLOOM paper section 3.4.3; DeepSpeed PR
+    # #1801), which adds each micro-batch's bf16 gradients into fp32 ones: "fp32-copy".
     # MT-NLG 530B (Smith et al. 2022, arXiv:2201.11990, section 2.4): 280 DGX A100 nodes, tp 8
     # x pp 35, batch 1920 of 2048 tokens, 60.1 s per iteration (126 TFLOP/s per GPU). 105
     # layers, width 20480, 128 heads; vocabulary 50,257 (GPT-2's BPE) padded to 51,200.
@@ -207,7 +239,7 @@ def runs() -> list[Run]:
          "attention": "eager"},
         "dgx-a100-80g:280",
         {"tp": 8, "pp": 35, "micro_batch": 1, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
-         "blocking_p2p": True}, 1,
+         **DEEPSPEED_PIPELINE, "gradient_accumulation": "autograd"}, 1,
         60.1, "60.1 s/iteration", "Smith et al. 2022 (MT-NLG), section 2.4",
     ))
     # BLOOM-176B (Le Scao et al. 2022, section 3.4; bigscience-workshop's training README):
@@ -220,7 +252,8 @@ def runs() -> list[Run]:
          "attention": "eager"},
         bloom_cluster(),
         {"tp": 4, "pp": 12, "micro_batch": 2, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
-         "layers_per_stage": tuple(nearly_even_layers(70, 12)), "blocking_p2p": True}, 1,
+         "layers_per_stage": tuple(nearly_even_layers(70, 12)), **DEEPSPEED_PIPELINE,
+         "gradient_accumulation": "fp32-copy"}, 1,
         megatron_deepspeed_flops(2048, 2048, 70, 14336, 250880, recompute=True) / (150e12 * 384),
         "150 TFLOP/s/GPU", "BigScience BLOOM-176B model page (bigscience.notion.site); BLOOM paper 3.4",
     ))

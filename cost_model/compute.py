@@ -100,3 +100,37 @@ def optimizer_step_time(state_bytes: float, device: DeviceSpec, implementation: 
     accessed = state_bytes * ADAMW_ACCESSES[implementation] / 4
     launches = ADAMW_KERNELS_PER_CHUNK[implementation] * max(1, math.ceil(elements / MULTI_TENSOR_ELEMENTS))
     return accessed / (device.memory_bandwidth * memory) + launches * overhead
+
+
+# Bytes moved per parameter element when a micro-batch's 16-bit weight gradient joins the
+# step's gradient, and kernels per parameter tensor, by ``PipelineConfig.gradient_accumulation``
+# (the first micro-batch of a step, then every later one):
+#   * "in-gemm": the weight-gradient GEMM accumulates into its output (Megatron-LM's
+#     --gradient-accumulation-fusion): nothing more.
+#   * "autograd": PyTorch's AccumulateGrad (torch/csrc/autograd/functions/accumulate_grad.h)
+#     steals the first gradient into ``param.grad`` (no copy) and adds every later one in
+#     place, ``variable_grad += new_grad``: read both, write one = 3 x 2 bytes, one kernel.
+#   * "fp32-copy": DeepSpeed's BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py,
+#     ``update_hp_grads``, added in PR #1801, April 2022, and called by the pipeline engine
+#     after every micro-batch's backward, deepspeed/runtime/pipe/engine.py
+#     ``_exec_backward_pass``) runs ``hp_grad.add_(lp.grad.to(float32))`` for every
+#     parameter: the cast reads 2 and writes 4 bytes, the add reads 4 + 4 and writes 4 = 18
+#     bytes, two kernels; the same for the first micro-batch (the fp32 buffer starts at zero).
+GRADIENT_ACCUMULATION_BYTES = {"in-gemm": (0, 0), "autograd": (0, 3 * 2), "fp32-copy": (18, 18)}
+GRADIENT_ACCUMULATION_KERNELS = {"in-gemm": (0, 0), "autograd": (0, 1), "fp32-copy": (2, 2)}
+
+
+def gradient_accumulation_time(elements: float, tensors: int, mode: str, first: bool, device: DeviceSpec) -> float:
+    """Seconds to add one micro-batch's weight gradients (``elements`` parameter elements in
+    ``tensors`` tensors on this device) into the step's gradients, as ``mode`` does it
+    (``GRADIENT_ACCUMULATION_BYTES``); ``first``: the step's first micro-batch. Memory-bound
+    kernels at the device's memory efficiency, each paying the launch overhead."""
+    if mode not in GRADIENT_ACCUMULATION_BYTES:
+        raise ValueError(f"gradient accumulation must be one of {', '.join(GRADIENT_ACCUMULATION_BYTES)}, got '{mode}'")
+    which = 0 if first else 1
+    moved = GRADIENT_ACCUMULATION_BYTES[mode][which] * elements
+    launches = GRADIENT_ACCUMULATION_KERNELS[mode][which] * tensors
+    if not moved and not launches:
+        return 0.0
+    _, memory, overhead = efficiencies(device)
+    return moved / (device.memory_bandwidth * memory) + launches * overhead

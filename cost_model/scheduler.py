@@ -60,6 +60,12 @@ class TaskGraph:
         self._streams.setdefault(stream, []).append(task_id)
         return task_id
 
+    def add_dependency(self, task_id: int, dep: int) -> None:
+        """Make ``task_id`` also wait for ``dep`` (which may have been added after it: a
+        rendezvous links two streams both ways once both sides exist)."""
+        self._linked = None
+        self.tasks[task_id].deps.append(dep)
+
     def add_pieces(self, name: str, stream: tuple[str, str], pieces: list[tuple[float, int]], deps=(), kind: str = "compute") -> int:
         """Append ``count`` back-to-back tasks of ``seconds`` for each (seconds, count) of
         ``pieces``, all with the same ``deps``, as one task: the same finish time as adding

@@ -77,3 +77,52 @@ def schedule(name: str, stage: int, stages: int, micro_batches: int, chunks: int
     if name == "interleaved":
         return interleaved(stage, stages, micro_batches, chunks)
     raise ValueError(f"unknown pipeline schedule '{name}' (gpipe, 1f1b, interleaved)")
+
+
+# One instruction of DeepSpeed's pipeline engine: (what, micro-batch), ``what`` in
+# ``DEEPSPEED_INSTRUCTIONS``; "recv act" / "send grad" talk to the previous stage, "send act" /
+# "recv grad" to the next.
+DEEPSPEED_INSTRUCTIONS = ("recv act", "send grad", "send act", "recv grad", "F", "B")
+Instruction = tuple[str, int]
+
+
+def deepspeed_train_steps(stage: int, stages: int, micro_batches: int) -> list[Instruction]:
+    """The instructions DeepSpeed's ``TrainSchedule`` gives pipeline rank ``stage``, in order
+    (deepspeed/runtime/pipe/schedule.py, 2021-22; the same passes as 1F1B).
+
+    The schedule has ``2 (micro_batches + stages - 1)`` steps; at each step a stage runs one
+    forward or one backward (or nothing): even stages forward on even steps, odd stages on odd
+    steps. A forward step first receives its activations from the previous stage, then sends
+    that stage the gradients of the backward it ran the step before; a backward step first
+    sends the next stage the activations of the forward it ran the step before, then receives
+    its gradients from that stage. Each send or receive blocks until its partner posts the
+    matching one."""
+    def valid(mb: int) -> bool:
+        return 0 <= mb < micro_batches
+
+    def step_micro_batch(step: int) -> tuple[int, bool]:
+        forward = step % 2 == stage % 2
+        if forward:
+            return (step if step % 2 == 0 else step - 1) // 2 - stage // 2, True
+        if step % 2 == 0:  # an odd stage's backward
+            return step // 2 - stages + (stage + 1) // 2, False
+        return (step - 1) // 2 - stages + 1 + stage // 2, False
+
+    order: list[Instruction] = []
+    previous = -1
+    for step in range(2 * (micro_batches + stages - 1)):
+        mb, forward = step_micro_batch(step)
+        if forward and stage > 0:
+            if valid(mb):
+                order.append(("recv act", mb))
+            if valid(previous):
+                order.append(("send grad", previous))
+        elif not forward and stage < stages - 1:
+            if valid(previous):
+                order.append(("send act", previous))
+            if valid(mb):
+                order.append(("recv grad", mb))
+        if valid(mb):
+            order.append(("F" if forward else "B", mb))
+        previous = mb
+    return order

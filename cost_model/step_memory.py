@@ -18,6 +18,7 @@ from planner.strategy import MemoryBreakdown
 # moments: 2 + 2 + 12 bytes (ZeRO, Rajbhandari et al. SC'20, section 3.1, K = 12).
 PARAM_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
 _PARAM_BYTES = PARAM_BYTES
+FP32_GRADIENT_BYTES = 4  # an fp32 gradient element
 
 
 def bytes_per_parameter(precision: str) -> tuple[int, int, int]:
@@ -39,6 +40,11 @@ class StepMemory:
 
     def _stage_memory(self, all_segments: list[Segment], stage: int, segments: list[Segment]) -> MemoryBreakdown:
         weight_b, grad_b, state_b = _PARAM_BYTES[self.plan.precision]
+        if self.plan.pipeline is not None and self.plan.pipeline.gradient_accumulation == "fp32-copy":
+            # DeepSpeed's BF16_Optimizer keeps an fp32 gradient the size of the whole 16-bit
+            # group (deepspeed/runtime/bf16_optimizer.py: fp32_groups_gradients_flat, zeros_like
+            # the bf16 flat group, in fp32) beside the 16-bit gradients each backward writes.
+            grad_b = FP32_GRADIENT_BYTES + grad_b
         params: dict[str, float] = {}
         per_rank: set[str] = set()
         for segment in segments:

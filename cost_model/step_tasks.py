@@ -6,15 +6,18 @@ Per pipeline stage one representative device, with streams ``compute`` (passes, 
 tensor-parallel collectives on the critical path), ``collective`` (data-parallel reduction
 and FSDP gathers, overlapped with compute) and ``p2p act`` / ``p2p grad`` (activations and
 gradients between stages). Interleaved schedules send at every virtual-stage boundary, so
-their extra communication (``chunks`` times the sends of 1F1B) is in the graph.
+their extra communication (``chunks`` times the sends of 1F1B) is in the graph. A blocking
+1F1B pipeline (DeepSpeed's engine) follows DeepSpeed's own instruction order, each transfer a
+rendezvous of the two stages (``cost_model.deepspeed_pipeline``).
 """
 
 from __future__ import annotations
 
 from cost_model import defaults
 from cost_model.collectives import collective_time
-from cost_model.compute import optimizer_step_time
+from cost_model.compute import gradient_accumulation_time, optimizer_step_time
 from cost_model.recompute import backward_comm, backward_time
+from cost_model.deepspeed_pipeline import DeepSpeedPipelineTasks
 from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
 from cost_model.segments import Segment
@@ -54,7 +57,7 @@ class GradientBuckets:
 
 
 
-class StepTaskGraph:
+class StepTaskGraph(DeepSpeedPipelineTasks):
     """Builds the step's ``TaskGraph`` (uses ``Simulator``'s plan, mesh and segments)."""
 
     def _task_graph(self, segments: list[Segment]) -> tuple[TaskGraph, dict[str, list[Segment]]]:
@@ -79,12 +82,22 @@ class StepTaskGraph:
         # stream right after the pass that produced them, keyed ("act"|"grad", mb, sender vs).
         blocking = self.plan.pipeline is not None and self.plan.pipeline.blocking_p2p
         sent: dict[tuple[str, int, int], int] = {}
+        # Partitioned sends (``PipelineConfig.partitioned_p2p``) carry 1/tp of the boundary
+        # tensor; the receiver all-gathers it over tp on its compute stream before the pass.
+        parts = self._p2p_parts()
+        accumulation = self.plan.pipeline.gradient_accumulation if self.plan.pipeline is not None else "in-gemm"
+        overlap = self.plan.pipeline is None or self.plan.pipeline.overlap_grad_reduce
+        for stage in range(self.pp):
+            per_device[f"stage {stage}"] = [s for vs, segs in chunk_segments.items() if vs % self.pp == stage for s in segs]
+        if blocking and self.chunks == 1:
+            # DeepSpeed's own schedule, its sends and receives as rendezvous (cost_model.deepspeed_pipeline).
+            self._deepspeed_schedule(graph, chunk_segments, boundary, sync_after, fsdp, sync_every)
+            orders = {}
         # Walk the devices round-robin so a task's cross-stage dependencies exist when it is added.
         while any(positions[s] < len(orders[s]) for s in orders):
             progressed = False
             for stage, order in orders.items():
                 device = f"stage {stage}"
-                per_device.setdefault(device, [s for vs, segs in chunk_segments.items() if vs % self.pp == stage for s in segs])
                 while positions[stage] < len(order):
                     kind, mb, chunk = order[positions[stage]]
                     vs = chunk * self.pp + stage
@@ -97,10 +110,12 @@ class StepTaskGraph:
                         elif blocking:  # sent from the upstream stage's compute stream already
                             deps = [sent[("act", mb, vs - 1)]]
                         else:
-                            deps = [self._p2p(graph, vs - 1, upstream, boundary[vs - 1], f"send act mb{mb}")]
+                            deps = [self._p2p(graph, vs - 1, upstream, boundary[vs - 1] / parts, f"send act mb{mb}")]
+                        if vs > 0 and parts > 1:
+                            deps = [self._gather_parts(graph, device, boundary[vs - 1], deps, f"gather act mb{mb}")]
                         forward_done[(mb, vs)] = self._forward(graph, device, chunk_segments[vs], mb, deps, fsdp)
                         if blocking and vs < stages_total - 1:
-                            sent[("act", mb, vs)] = self._p2p(graph, vs, forward_done[(mb, vs)], boundary[vs],
+                            sent[("act", mb, vs)] = self._p2p(graph, vs, forward_done[(mb, vs)], boundary[vs] / parts,
                                                               f"send act mb{mb}", blocking=True)
                     else:
                         if vs < stages_total - 1:
@@ -108,18 +123,27 @@ class StepTaskGraph:
                             if downstream is None:
                                 break
                             deps = [sent[("grad", mb, vs + 1)] if blocking else
-                                    self._p2p(graph, vs + 1, downstream, boundary[vs], f"send grad mb{mb}")]
+                                    self._p2p(graph, vs + 1, downstream, boundary[vs] / parts, f"send grad mb{mb}")]
+                            if parts > 1:  # the gradient's slices, then this stage's own output back
+                                gathered = self._gather_parts(graph, device, boundary[vs], deps, f"gather grad mb{mb}")
+                                deps = [self._gather_parts(graph, device, boundary[vs], [gathered], f"gather output mb{mb}")]
                         else:
                             deps = []
                         deps.append(forward_done[(mb, vs)])
                         sync = sync_every or mb == self.micro_batches - 1
                         split = fsdp or sync  # per-segment tasks feed gradient syncs
+                        deferred: list[tuple[str, list[tuple[float, int]]]] | None = None if overlap else []
                         backward_done[(mb, vs)] = self._backward(
                             graph, device, chunk_segments[vs], mb, deps, self.plan.recompute_at(vs), fsdp, split,
-                            sync_after, sync,
+                            sync_after, sync, deferred,
                         )
+                        backward_done[(mb, vs)] = self._accumulate_gradients(
+                            graph, device, chunk_segments[vs], mb, accumulation, backward_done[(mb, vs)])
+                        for name, ready in deferred or ():  # reduced once the whole backward is done
+                            sync_after.setdefault(device, []).append(
+                                self._gradient_sync(graph, device, name, ready, backward_done[(mb, vs)]))
                         if blocking and vs > 0:
-                            sent[("grad", mb, vs)] = self._p2p(graph, vs, backward_done[(mb, vs)], boundary[vs - 1],
+                            sent[("grad", mb, vs)] = self._p2p(graph, vs, backward_done[(mb, vs)], boundary[vs - 1] / parts,
                                                                f"send grad mb{mb}", blocking=True)
                     positions[stage] += 1
                     progressed = True
@@ -150,13 +174,43 @@ class StepTaskGraph:
         # the other; a blocking send holds the sender's compute stream instead.
         device = f"stage {vs % self.pp}"
         stream = "compute" if blocking else "p2p act" if name.startswith("send act") else "p2p grad"
+        return graph.add(name, (device, stream), self._p2p_seconds(vs, size_bytes), deps=[after], kind="p2p")
+
+    def _p2p_seconds(self, vs: int, size_bytes: float) -> float:
+        """Seconds to send ``size_bytes`` from (virtual) stage ``vs`` to the next."""
         stride = self.mesh.size // self.pp
         src, dst = (vs % self.pp) * stride, ((vs + 1) % self.pp) * stride
         key = ("send_recv", size_bytes, src, dst)
         if key not in self._comm_cache:
             self._comm_cache[key] = collective_time("send_recv", size_bytes, self.cluster, [src, dst]) if src != dst else 0.0
-        seconds = self._comm_cache[key]
-        return graph.add(name, (device, stream), seconds, deps=[after], kind="p2p")
+        return self._comm_cache[key]
+
+    def _p2p_parts(self) -> int:
+        """Slices a boundary tensor is sent in: the tensor-parallel degree under
+        ``PipelineConfig.partitioned_p2p``, else 1."""
+        pipeline = self.plan.pipeline
+        if pipeline is None or not pipeline.partitioned_p2p or "tp" not in self.mesh.names:
+            return 1
+        return self.mesh.axis_size("tp")
+
+    def _gather_parts(self, graph: TaskGraph, device: str, size_bytes: float, deps: list[int], name: str) -> int:
+        """All-gather of a partitioned boundary tensor (``size_bytes`` whole) over ``tp`` on
+        ``device``'s compute stream (DeepSpeed's ``PartitionedTensor.full``: the pass that
+        needs the tensor waits for it)."""
+        return graph.add(name, (device, "compute"), self._collective("all_gather", size_bytes, "tp"), deps=deps,
+                         kind="tp_comm")
+
+    def _accumulate_gradients(self, graph: TaskGraph, device: str, segments: list[Segment], mb: int, mode: str,
+                              after: int) -> int:
+        """The task adding micro-batch ``mb``'s weight gradients into the step's gradients
+        (``PipelineConfig.gradient_accumulation``) after its backward, or ``after`` itself
+        when that costs nothing."""
+        elements = sum(sum(segment.params.values()) for segment in segments)
+        tensors = sum(len(segment.params) for segment in segments)
+        seconds = gradient_accumulation_time(elements, tensors, mode, mb == 0, self.device)
+        if not seconds:
+            return after
+        return graph.add(f"B{mb} accumulate grads", (device, "compute"), seconds, deps=[after])
 
     def _forward(self, graph: TaskGraph, device: str, segments: list[Segment], mb: int, deps: list[int], fsdp: bool) -> int:
         last = None
@@ -169,7 +223,12 @@ class StepTaskGraph:
             last = graph.add(f"F{mb} {segment.name} tp-comm", (device, "compute"), segment.forward_comm_s, deps=[compute], kind="tp_comm") if segment.forward_comm_s else compute
         return last if last is not None else graph.add(f"F{mb} (empty)", (device, "compute"), 0.0, deps=deps)
 
-    def _backward(self, graph, device, segments, mb, deps, recompute, fsdp, split, sync_after, sync) -> int:
+    def _backward(self, graph, device, segments, mb, deps, recompute, fsdp, split, sync_after, sync,
+                  deferred: list | None = None) -> int:
+        """Tasks of micro-batch ``mb``'s backward through ``segments``; returns the last.
+        Gradient buckets start reducing as each segment's backward fills them, or, when
+        ``deferred`` is a list, are put there (segment name, buckets) for the caller to reduce
+        after the whole backward (``PipelineConfig.overlap_grad_reduce`` False)."""
         last = None
         if not split:  # one task for the whole chunk: nothing needs per-segment timing
             duration = sum(backward_time(s, recompute) for s in segments)
@@ -189,14 +248,26 @@ class StepTaskGraph:
                     f"all-reduce grads off dp ({segment.name})", (device, "collective"), segment.axis_sync_s, deps=[last], kind="comm"))
             if self.dp == 1 or not sync:
                 continue
-            grads = sum(segment.params[name] for name in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
+            grads = sum(segment.params[name] for name in segment.dp_synced) * self._reduced_gradient_bytes()
             final = position == len(segments) - 1
             ready = bucket.fill(grads, per_unit=fsdp, flush=final)
-            if ready:
+            if ready and deferred is not None:
+                deferred.append((segment.name, ready))
+            elif ready:
                 # The buckets a segment fills are all ready when its backward ends and run one
                 # after another on the collective stream: one task of all of them.
                 sync_after.setdefault(device, []).append(self._gradient_sync(graph, device, segment.name, ready, last))
         return last
+
+    def _reduced_gradient_bytes(self) -> int:
+        """Bytes per gradient element that the data-parallel reduction moves: the buffer the
+        micro-batches accumulated into, fp32 under ``"fp32-copy"`` (DeepSpeed's
+        BF16_Optimizer all-reduces its fp32 gradients: ``_bf16_reduce_grads`` in
+        deepspeed/runtime/pipe/engine.py), else the precision's gradient dtype."""
+        pipeline = self.plan.pipeline
+        if pipeline is not None and pipeline.gradient_accumulation == "fp32-copy":
+            return 4
+        return _PARAM_BYTES[self.plan.precision][1]
 
     def _fsdp_gather(self, graph, device, segment, deps, name) -> int:
         size = segment.shardable_elements() * _PARAM_BYTES[self.plan.precision][0]

@@ -24,6 +24,8 @@ Placements = tuple[Placement, ...]
 DP_FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")
 RECOMPUTE_MODES = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# How each micro-batch's weight gradients join the step's gradients (``PipelineConfig``).
+GRADIENT_ACCUMULATION_MODES = ("in-gemm", "autograd", "fp32-copy")
 
 _SHARD = re.compile(r"^S\((\d+)\)$")
 _PARTIAL = re.compile(r"^P(?:\((sum|avg|max|min)\))?$")
@@ -408,10 +410,32 @@ class PipelineConfig:
     micro-batches in flight than late ones, so they may need to recompute where later
     stages need not.
 
-    ``blocking_p2p``: each stage's sends to its neighbours hold its compute stream until they
-    finish, as in DeepSpeed's pipeline engine (``deepspeed/runtime/pipe/p2p.py``: ``send``
-    asserts ``async_op == False``, so the next kernel waits for the send); False: sends run on
-    their own streams beside the compute (Megatron-LM's overlapped p2p).
+    ``blocking_p2p``: each send and its matching receive hold both stages' compute streams
+    from when the later of the two reaches it until the transfer ends, as in DeepSpeed's
+    pipeline engine (``deepspeed/runtime/pipe/p2p.py``: ``send`` asserts ``async_op == False``),
+    in the order of DeepSpeed's ``TrainSchedule`` for a 1F1B schedule
+    (``cost_model.deepspeed_pipeline``; other schedules: the send holds the sender's stream
+    after the pass that produced it); False: sends run on their own streams beside the
+    compute (Megatron-LM's overlapped p2p).
+
+    ``partitioned_p2p``: a boundary tensor leaves each tensor-parallel rank as its 1/tp slice
+    and the receiver all-gathers it over ``tp`` (DeepSpeed's pipeline engine with tensor
+    parallelism, ``is_pipe_partitioned`` / ``is_grad_partitioned``; the sender also gathers its
+    own output back before the backward that needs it); False: every rank sends the tensor it
+    holds.
+
+    ``gradient_accumulation``: how a micro-batch's weight gradients are added to the step's
+    (``GRADIENT_ACCUMULATION_MODES``): ``"in-gemm"`` costs nothing beyond the weight-gradient
+    GEMM (it writes into the accumulator: Megatron-LM's ``--gradient-accumulation-fusion``);
+    ``"autograd"``: PyTorch's AccumulateGrad adds each new 16-bit gradient into ``param.grad``
+    (DeepSpeed's fp16 pipeline engine); ``"fp32-copy"``: each micro-batch's 16-bit gradient is
+    cast to fp32 and added into an fp32 buffer (DeepSpeed's ``BF16_Optimizer``). Costs in
+    ``cost_model.compute.gradient_accumulation_time``.
+
+    ``overlap_grad_reduce``: the data-parallel gradient reduction starts as the last
+    micro-batch's backward fills each bucket (Megatron-LM's ``--overlap-grad-reduce``, DDP);
+    False: it starts after that backward ends (DeepSpeed's pipeline engine runs its
+    ``ReduceGrads`` instruction after the schedule's last step, deepspeed/runtime/pipe/schedule.py).
     """
 
     stages: int
@@ -420,6 +444,9 @@ class PipelineConfig:
     virtual_stages: int = 1
     stage_recompute: tuple[str, ...] = ()
     blocking_p2p: bool = False
+    partitioned_p2p: bool = False
+    gradient_accumulation: str = "in-gemm"
+    overlap_grad_reduce: bool = True
 
     def __post_init__(self) -> None:
         if self.schedule not in PIPELINE_SCHEDULES:
@@ -428,6 +455,13 @@ class PipelineConfig:
             raise ValueError("pipeline stages, micro_batches and virtual_stages must be >= 1")
         if not isinstance(self.blocking_p2p, bool):
             raise ValueError(f"pipeline blocking_p2p must be true or false, got {str(self.blocking_p2p)[:40]!r}")
+        if not isinstance(self.partitioned_p2p, bool):
+            raise ValueError(f"pipeline partitioned_p2p must be true or false, got {str(self.partitioned_p2p)[:40]!r}")
+        if not isinstance(self.overlap_grad_reduce, bool):
+            raise ValueError(f"pipeline overlap_grad_reduce must be true or false, got {str(self.overlap_grad_reduce)[:40]!r}")
+        if self.gradient_accumulation not in GRADIENT_ACCUMULATION_MODES:
+            raise ValueError(f"pipeline gradient_accumulation must be one of {', '.join(GRADIENT_ACCUMULATION_MODES)}, "
+                             f"got {str(self.gradient_accumulation)[:40]!r}")
         modes = self.stage_recompute
         if not isinstance(modes, tuple) or any(mode not in RECOMPUTE_MODES for mode in modes):
             raise ValueError(f"pipeline stage_recompute must list modes among {RECOMPUTE_MODES}, got {modes!r}")

@@ -39,6 +39,9 @@ def megatron_plan(
     dp_flavour: str = "ddp",
     layers_per_stage: Sequence[int] | None = None,
     blocking_p2p: bool = False,
+    partitioned_p2p: bool = False,
+    gradient_accumulation: str = "in-gemm",
+    overlap_grad_reduce: bool = True,
 ) -> Plan:
     """A simulated Megatron-LM plan (see the module docstring).
 
@@ -53,6 +56,13 @@ def megatron_plan(
         dp_flavour: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"`` on the ``dp`` axis.
         blocking_p2p: pipeline sends hold the sender's compute stream (DeepSpeed's pipeline
             engine, ``PipelineConfig.blocking_p2p``) instead of overlapping it.
+        partitioned_p2p: pipeline sends carry 1/tp of each boundary tensor, all-gathered by
+            the receiver (DeepSpeed's pipeline engine, ``PipelineConfig.partitioned_p2p``).
+        gradient_accumulation: how micro-batches' weight gradients are summed
+            (``PipelineConfig.gradient_accumulation``: ``"in-gemm"``, ``"autograd"``,
+            ``"fp32-copy"``).
+        overlap_grad_reduce: False to reduce gradients over ``dp`` only after the last
+            backward (``PipelineConfig.overlap_grad_reduce``).
         layers_per_stage: blocks on each (virtual) stage in order, e.g. ``(3, 4, 4, 3)``
             (``search.layouts.uneven_stages``); the default splits them evenly.
 
@@ -94,7 +104,9 @@ def megatron_plan(
         graph, mesh, sequence_parallel=sequence_parallel, virtual_stages=chunks, layers_per_stage=layers_per_stage
     )
     pipeline = PipelineConfig(stages=pp, schedule=schedule, micro_batches=micro_batches, virtual_stages=chunks,
-                              blocking_p2p=blocking_p2p) if pp > 1 else None
+                              blocking_p2p=blocking_p2p, partitioned_p2p=partitioned_p2p,
+                              gradient_accumulation=gradient_accumulation,
+                              overlap_grad_reduce=overlap_grad_reduce) if pp > 1 else None
     plan = unsimulated_plan(
         graph, cluster, spec, model_name, mesh, strategies, inputs,
         dp_flavour=dp_flavour, recompute=recompute, pipeline=pipeline, precision=precision,

@@ -291,6 +291,11 @@ FIELDS = [
         _always, "field 'pipeline'", kinds=("pp",),
     ),
     Field("pipeline.blocking_p2p", _set("pipeline", "blocking_p2p"), _always, "field 'pipeline'", kinds=("pp",)),
+    Field("pipeline.partitioned_p2p", _set("pipeline", "partitioned_p2p"), _always, "field 'pipeline'", kinds=("pp",)),
+    Field("pipeline.gradient_accumulation", _set("pipeline", "gradient_accumulation"), _always, "field 'pipeline'",
+          kinds=("pp",)),
+    Field("pipeline.overlap_grad_reduce", _set("pipeline", "overlap_grad_reduce"), _always, "field 'pipeline'",
+          kinds=("pp",)),
     Field("summary.parameter_bytes (a number given text)", _set("summary", "parameter_bytes"), _always, "'summary.parameter_bytes'"),
     # Expert layouts of MoE layers: module paths are checked against the model's MoE layers
     # (codegen.plan_checks), the rest against fixed sets; a routing source is one line of

@@ -39,11 +39,12 @@ def test_every_virtual_stage_boundary_sends_each_micro_batch_both_ways():
         assert event.duration_s == pytest.approx(9.192e-6)
 
 
-def test_blocking_sends_hold_the_senders_compute_stream():
-    # DeepSpeed's pipeline engine sends synchronously (PipelineConfig.blocking_p2p): each send
-    # runs on the sender's compute stream right after the pass that produced it, so a stage's
-    # compute stream is busy for its passes plus its sends: stage 0 sends the 4 micro-batches'
-    # activations, stage 1 their 4 gradients, 9.192 µs each (as above).
+def test_blocking_sends_hold_both_compute_streams_as_a_rendezvous():
+    # DeepSpeed's pipeline engine sends synchronously (PipelineConfig.blocking_p2p): each
+    # transfer holds the sender's compute stream and the receiver's, from when the later of
+    # the two reaches it (cost_model.deepspeed_pipeline): stage 0 sends the 4 micro-batches'
+    # activations and receives their 4 gradients, stage 1 the reverse, 9.192 µs each (as
+    # above), so each compute stream is busy for its passes plus 8 transfers.
     cluster = Cluster(name="toy", nodes=(NodeSpec(DEVICE, 2, LINK),), inter_link=LINK, backend="gloo")
     spec = ModelSpec(GPT, {"n_layer": 4, "n_embd": 64, "n_head": 4, "seq_len": 32, "vocab_size": 32, "batch_size": 8})
     graph, spec, name, _ = prepare_model(spec, cluster)
@@ -62,7 +63,13 @@ def test_blocking_sends_hold_the_senders_compute_stream():
     assert {e.device for e in sends if e.name.startswith("send grad")} == {"stage 1"}
     for device in ("stage 0", "stage 1"):
         assert busy(blocked, device, sends_only=True) == pytest.approx(4 * 9.192e-6)
-        assert busy(blocked, device) == pytest.approx(busy(results[False], device) + 4 * 9.192e-6)
+        assert busy(blocked, device) == pytest.approx(busy(results[False], device) + 8 * 9.192e-6)
+    receives = [e for e in blocked.timeline if e.name.startswith(("recv act", "recv grad"))]
+    assert len(receives) == 8 and all(e.stream == "compute" for e in receives)
+    for send in sends:
+        partner = next(e for e in receives if e.name == "recv" + send.name[len("send"):])
+        assert partner.device != send.device
+        assert partner.start_s == pytest.approx(send.start_s) and partner.duration_s == pytest.approx(send.duration_s)
     # Every send still precedes the pass that needs it on the other stage.
     for send in sends:
         mb = send.name.split("mb")[1]
