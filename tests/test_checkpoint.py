@@ -2,7 +2,9 @@
 
 - Every rank holds only its shards, with the values the whole model built on one device has
   (``torch.equal``): FSDP, tensor-parallel and pipeline programs on 2 ranks, dp x tp and a
-  2-D SUMMA program (every linear's weight in 2 x 2 blocks) on 4.
+  2-D SUMMA program (every linear's weight in 2 x 2 blocks) on 4, and MoE programs under FSDP2
+  on 2 (experts placed with a copied expert, experts sliced, tiny HF Mixtral's experts placed):
+  each rank materialises only its experts or slices.
 - A wide MLP whose fp32 weights are about 3x a per-rank cap builds under the cap on each of
   4 FSDP ranks, and trains with the losses of one device. A deeper MLP, 1.25x a cap, builds
   AND trains with AdamW under the cap on each of 8 FSDP ranks (each layer its own FSDP unit,
@@ -38,6 +40,7 @@ from codegen.runtime.program import load_program
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec, extract_loss
 from search.megatron import megatron_plan
+from moe_plans import hf_moe_plan, moe_plan
 from summa_plans import summa_plan
 
 pytestmark = pytest.mark.distributed
@@ -94,6 +97,9 @@ def programs(tmp_path_factory) -> dict[str, Path]:
     write("dp_tp", megatron_plan(graph, cluster, spec, name, tp=2, sequence_parallel=True, precision="fp32"))
     write("wide_fsdp", planner.plan(WIDE_MLP, "cpu:1x4", dp_flavour="fsdp", precision="fp32"))
     write("summa_2d", summa_plan(GPT, "2d"))
+    write("moe_ep_fsdp", moe_plan(2, "expert_parallel", "skewed", flavour="fsdp"))
+    write("moe_sliced_fsdp", moe_plan(2, "expert_sliced", flavour="fsdp"))
+    write("mixtral_ep_fsdp", hf_moe_plan(2, "mixtral", "expert_parallel", "round-robin", flavour="fsdp"))
     write("deep_fsdp8", planner.plan(DEEP_MLP, "cpu:1x8", dp_flavour="fsdp", precision="fp32"))
     return folders
 
@@ -115,7 +121,8 @@ def _results(text: str) -> dict[tuple[str, int], dict[str, int]]:
 
 
 def test_each_rank_builds_only_its_shards_with_the_single_device_values(programs, tmp_path) -> None:
-    two = _results(_ok(_torchrun(2, str(WORKER), *(f"exact:{programs[n]}" for n in ("fsdp", "tp", "pp")), cwd=tmp_path)))
+    exact_at_two = ("fsdp", "tp", "pp", "moe_ep_fsdp", "moe_sliced_fsdp", "mixtral_ep_fsdp")
+    two = _results(_ok(_torchrun(2, str(WORKER), *(f"exact:{programs[n]}" for n in exact_at_two), cwd=tmp_path)))
     four = _torchrun(4, str(WORKER), f"exact:{programs['dp_tp']}", f"exact:{programs['summa_2d']}",
                      f"steps=3:{programs['wide_fsdp']}", cwd=tmp_path)
     four_results = _results(_ok(four))
@@ -129,6 +136,7 @@ def test_each_rank_builds_only_its_shards_with_the_single_device_values(programs
         if name == "summa_2d":  # a quarter of each linear's weight, half of the embeddings and norms
             assert result["held_bytes"] < 0.5 * whole, (name, rank, result)
     assert sum(two[("fsdp", rank)]["held_bytes"] for rank in (0, 1)) == whole
+    assert {name for name, _ in two} >= set(exact_at_two)
 
     # The wide MLP: each rank's build stays under the cap, a third of the whole model.
     for rank in range(4):

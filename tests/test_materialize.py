@@ -139,3 +139,40 @@ def test_huggingface_models_draw_from_their_initializer_range() -> None:
         "wte.weight": InitRule("normal", 0.0, 0.02, 0), "proj.weight": InitRule("normal", 0.0, 0.02),
         "proj.bias": InitRule("constant", 0.0), "ln.weight": InitRule("constant", 1.0), "ln.bias": InitRule("constant", 0.0),
     }
+
+
+class Experts(nn.Module):
+    """Stacked experts as an MoE model holds them: (experts, width, ffn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.empty(5, 3, 8))
+
+
+def test_derived_parameters_get_their_part_of_the_model_weight(monkeypatch) -> None:
+    """A runtime layer keeping experts 3 and 1 (rows), or ffn units [2, 6) of every expert (a
+    range on dim 2), holds exactly that part of what the whole weight is initialised with,
+    drawn in chunks smaller than one expert; the whole source keeps its own name's values."""
+    monkeypatch.setattr(mat, "CHUNK_ELEMENTS", 7)
+    with parameters_on_meta():
+        model = nn.Module()
+        model.experts = Experts()
+    rules = init_rules(model)
+    source_names = mat.parameter_names(model)
+    source = model.experts.w_in
+    model.placed, model.sliced, model.copied = nn.Module(), nn.Module(), nn.Module()
+    mat.set_derived_parameter(model.placed, "w_in", source, rows=[3, 1])
+    mat.set_derived_parameter(model.sliced, "w_in", source, dim=2, start=2, stop=6)
+    mat.set_derived_parameter(model.copied, "w_in", source)
+    del model.experts  # the layer the program replaced
+    materialize(model, model, torch.device("cpu"), rules, source_names=source_names)
+    whole = _whole(rules["experts.w_in"], "experts.w_in", (5, 3, 8))
+    assert torch.equal(model.placed.w_in, whole[[3, 1]])
+    assert torch.equal(model.sliced.w_in, whole[:, :, 2:6])
+    assert torch.equal(model.copied.w_in, whole)
+    assert mat.derived_parameters(model)["placed.w_in"].source_name == "experts.w_in"
+    # On real tensors the part is copied at once.
+    real = torch.arange(24.0).reshape(4, 6)
+    holder = nn.Module()
+    assert torch.equal(mat.set_derived_parameter(holder, "w", real, rows=[2], dim=1, start=1, stop=3), real[[2], 1:3])
+    assert mat.derived_parameters(holder) == {}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from codegen.runtime.materialize import set_derived_parameter
 from codegen.runtime.moe import all_to_all_rows, count_choices, gather_experts, is_recomputing, sum_copies, with_expert_gradient
 
 __all__ = ["ExpertParallelExperts"]
@@ -61,8 +62,8 @@ class ExpertParallelExperts(torch.nn.Module):
             raise ValueError(f"the placement covers {len(self.replicas)} experts, the model's layer {self.experts}")
         self.top_k, self.rank_losses_averaged = top_k, rank_losses_averaged
         self.local_experts = [e for e, copies in enumerate(self.replicas) if any(d == self.rank for d, _ in copies)]
-        self.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach()[self.local_experts].clone())
-        self.down_proj = torch.nn.Parameter(experts.down_proj.detach()[self.local_experts].clone())
+        set_derived_parameter(self, "gate_up_proj", experts.gate_up_proj, rows=self.local_experts)
+        set_derived_parameter(self, "down_proj", experts.down_proj, rows=self.local_experts)
         self.act_fn = experts.act_fn
         # Routing statistics, summed over forwards (plain tensors: DDP would overwrite buffers).
         self.routed_counts = torch.zeros(self.experts, dtype=torch.float64)

@@ -21,15 +21,22 @@ single-device reference of ``launch.py --check`` uses the same function):
   and keeps its columns. So the value at an index never depends on who draws it, and a rank
   holds at most its shards plus one block of :data:`CHUNK_ELEMENTS` elements.
 
+A program that replaces a layer with a runtime one (an MoE layer keeping this rank's experts)
+gives it parameters made from the model's with :func:`set_derived_parameter` (rows of dim 0
+and/or a range of one dim of a model parameter): on real tensors a copy of that part; on
+meta an empty parameter that :func:`materialize` fills with the values that part of the model
+parameter gets, drawn like any shard, so the rank never holds the rest.
+
 Buffers are not parameters: the model's constructor computes them (causal masks, rotary
 frequencies), so ``planner.model_spec.parameters_on_meta`` keeps them real while it sends parameters to meta.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +123,65 @@ def draw_region(
         yield first, block[(slice(None), *inner)]
 
 
+@dataclass(frozen=True)
+class Derivation:
+    """Which part of a model parameter (``source``) a runtime parameter holds: the dim-0
+    ``rows`` in that order (None: every row), narrowed to ``[start, stop)`` on dim ``dim``
+    (None: whole)."""
+
+    source: torch.Tensor
+    rows: tuple[int, ...] | None = None
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+    source_name: str = ""  # the source's name in the model as built, once materialised
+
+    @property
+    def whole(self) -> bool:
+        """Whether the part is the whole source (the same values, under the source's name)."""
+        return self.rows is None and self.dim is None
+
+    def part_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This part of ``tensor`` (a tensor shaped like the source), a view where possible."""
+        if self.rows is not None:
+            tensor = tensor[list(self.rows)]
+        if self.dim is not None:
+            tensor = tensor.narrow(self.dim, self.start, self.stop - self.start)
+        return tensor
+
+
+# The attribute of a module that maps its derived parameters' names to their derivations.
+DERIVED_ATTRIBUTE = "derived_parameters"
+
+
+def set_derived_parameter(module: nn.Module, attribute: str, source: torch.Tensor, rows: Sequence[int] | None = None,
+                          dim: int | None = None, start: int = 0, stop: int | None = None) -> nn.Parameter:
+    """Register on ``module`` a new parameter ``attribute`` holding ``source[rows]`` (every row
+    when None), narrowed to ``[start, stop)`` on ``dim`` when given, and return it. On real
+    tensors it is a copy of those values; on meta an empty meta parameter that
+    :func:`materialize` fills with what that part of ``source`` (a model parameter) is
+    initialised with. The derivation is kept in ``module.derived_parameters`` by attribute
+    name, which wrappers such as FSDP2 leave in place when they replace the parameter."""
+    if dim is not None and stop is None:
+        stop = source.shape[dim]
+    derivation = Derivation(source, None if rows is None else tuple(int(r) for r in rows), dim, start,
+                            0 if stop is None else stop)
+    param = nn.Parameter(derivation.part_of(source.detach()).clone())
+    setattr(module, attribute, param)
+    if source.device.type == "meta":
+        module.__dict__.setdefault(DERIVED_ATTRIBUTE, {})[attribute] = derivation
+    return param
+
+
+def derived_parameters(model: nn.Module) -> dict[str, Derivation]:
+    """Qualified name -> derivation of every derived parameter in ``model``."""
+    return {
+        f"{path}.{attribute}" if path else attribute: derivation
+        for path, module in model.named_modules()
+        for attribute, derivation in module.__dict__.get(DERIVED_ATTRIBUTE, {}).items()
+    }
+
+
 def parameter_names(model: nn.Module) -> dict[int, str]:
     """id of each parameter of ``model`` -> its qualified name (a tied weight: its first name)."""
     names: dict[int, str] = {}
@@ -151,7 +217,8 @@ def init_rules(model: nn.Module) -> dict[str, InitRule]:
     return rules
 
 
-def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules: dict[str, InitRule], seed: int = 0) -> int:
+def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules: dict[str, InitRule], seed: int = 0,
+                source_names: dict[int, str] | None = None) -> int:
     """Give every meta parameter of ``module`` (what ``parallelize`` returned, or the model
     itself) real storage on ``device`` holding its initial values: a DTensor parameter only
     its local shard, a plain one the whole tensor. ``model`` is the model built from the spec
@@ -160,11 +227,18 @@ def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules
     storage swapped in, hooks registered again), so optimizers, FSDP2 and tied weights that
     hold them stay valid. Returns the number of bytes materialised on this rank.
 
+    ``source_names`` (:func:`parameter_names` of the model before ``parallelize``) names the
+    model parameters that derived parameters (:func:`set_derived_parameter`) hold parts of:
+    those are initialised as that part of their source.
+
     Raises:
-        ValueError: a meta parameter of ``module`` that the model does not hold (a program
-            that rebuilt a weight in another form must be built from the whole model).
+        ValueError: a meta parameter of ``module`` that the model does not hold and that was
+            not derived from one of its parameters (a program that rebuilt a weight in
+            another form must be built from the whole model), or a part of a parameter that
+            a wrapper then sharded again.
     """
     names = parameter_names(model)
+    derived = derived_parameters(model)
     done: set[int] = set()
     total = 0
     for param in module.parameters():
@@ -172,10 +246,63 @@ def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules
             continue
         done.add(id(param))
         name = names.get(id(param))
-        if name is None:
+        derivation = derived.get(name) if name is not None else None
+        if derivation is not None and source_names and id(derivation.source) in source_names:
+            source = source_names[id(derivation.source)]
+            _record_source_name(model, name, source)
+            if derivation.whole:  # the same values as the source, however a wrapper shards them
+                total += _materialize_parameter(param, source, device, rules[source], seed)
+            elif isinstance(param, DTensor):
+                raise ValueError(f"{name}: a part of {source} sharded again by a wrapper cannot be materialised; "
+                                 "build this program from the whole model")
+            else:
+                total += _materialize_derived(param, source, device, rules[source], seed, derivation)
+            continue
+        if name is None or name not in rules:
             raise ValueError(f"a meta parameter of shape {tuple(param.shape)} is not a parameter of the model built from the spec")
         total += _materialize_parameter(param, name, device, rules[name], seed)
     return total
+
+
+def _record_source_name(model: nn.Module, name: str, source: str) -> None:
+    """Note in the owning module which model parameter the derived ``name`` is part of."""
+    path, _, attribute = name.rpartition(".")
+    derived = model.get_submodule(path).__dict__[DERIVED_ATTRIBUTE]
+    derived[attribute] = dataclasses.replace(derived[attribute], source_name=source)
+
+
+def _materialize_derived(param: nn.Parameter, name: str, device: torch.device, rule: InitRule, seed: int,
+                         derivation: Derivation) -> int:
+    """Fill a derived parameter with its part of model parameter ``name`` (full shape from
+    the source): one region per kept row, or one for all rows, each drawn as a shard is."""
+    shape = tuple(derivation.source.shape)
+    local = torch.empty(tuple(param.shape), dtype=param.dtype, device=device)
+    if derivation.rows is None:
+        regions = [(0, 0, shape[0])]  # (first local row, first source row, rows)
+    else:
+        regions = [(position, row, 1) for position, row in enumerate(derivation.rows)]
+    for position, row, count in regions:
+        offset, extent = [row, *([0] * (len(shape) - 1))], [count, *shape[1:]]
+        if derivation.dim is not None:
+            if derivation.dim == 0:
+                raise ValueError(f"{name}: a derived part narrows dim 0 by its rows, not by a range")
+            offset[derivation.dim], extent[derivation.dim] = derivation.start, derivation.stop - derivation.start
+        with torch.no_grad():
+            for first, block in draw_region(rule, seed, name, shape, tuple(offset), tuple(extent)):
+                local[position + first : position + first + block.shape[0]].copy_(block)
+    _swap_storage(param, local)
+    return local.numel() * local.element_size()
+
+
+def _swap_storage(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Swap ``value`` into the existing parameter object: everything holding it (FSDP2, tied
+    modules, the program's tables) sees it. Tensor hooks live on the swapped-out storage, so
+    they are registered again."""
+    hooks = list(param._backward_hooks.values()) if param._backward_hooks else []
+    torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+    param._backward_hooks = None
+    for hook in hooks:
+        param.register_hook(hook)
 
 
 def _materialize_parameter(param: nn.Parameter, name: str, device: torch.device, rule: InitRule, seed: int) -> int:
@@ -199,12 +326,5 @@ def _materialize_parameter(param: nn.Parameter, name: str, device: torch.device,
                 local.copy_(block)
             else:
                 local[first : first + block.shape[0]].copy_(block)
-    # Swap the storage into the existing object: everything holding the parameter (FSDP2,
-    # tied modules, the program's tables) sees it. Tensor hooks live on the swapped-out
-    # storage, so they are registered again.
-    hooks = list(param._backward_hooks.values()) if param._backward_hooks else []
-    torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
-    param._backward_hooks = None
-    for hook in hooks:
-        param.register_hook(hook)
+    _swap_storage(param, value)
     return local.numel() * local.element_size()

@@ -51,6 +51,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from codegen.runtime.materialize import set_derived_parameter
+
 __all__ = [
     "ExpertParallelMoE", "FlatExchange", "count_choices", "RoutedMoE", "Routing", "all_to_all_rows", "exchange_counts", "gather_experts",
     "is_recomputing", "route", "rank_local_parameters", "recompute_in_backward_counting_once", "scaled_gradient", "sum_copied_expert_gradients",
@@ -125,7 +127,7 @@ class RoutedMoE(torch.nn.Module):
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.experts, self.top_k, self.capacity_factor = router_weight.shape[0], top_k, capacity_factor
         self.names = tuple(names)
-        self.router = torch.nn.Parameter(router_weight.detach().clone())
+        set_derived_parameter(self, "router", router_weight)
         # Routing statistics, summed over forwards: this rank's choices per expert before
         # drops, and how often each pair of experts was chosen for one token. Plain tensors,
         # not buffers: DDP would overwrite buffers with rank 0's.
@@ -260,8 +262,8 @@ class ExpertParallelMoE(RoutedMoE):
             raise ValueError(f"the placement covers {len(self.replicas)} experts, the router {self.experts}")
         self.rank_losses_averaged = rank_losses_averaged
         self.local_experts = [e for e, copies in enumerate(self.replicas) if any(d == self.rank for d, _ in copies)]
-        self.w_in = torch.nn.Parameter(expert_in.detach()[self.local_experts].clone())
-        self.w_out = torch.nn.Parameter(expert_out.detach()[self.local_experts].clone())
+        set_derived_parameter(self, "w_in", expert_in, rows=self.local_experts)
+        set_derived_parameter(self, "w_out", expert_out, rows=self.local_experts)
 
     def rank_local_parameters(self) -> list[torch.nn.Parameter]:
         """This rank's experts (see ``RoutedMoE.rank_local_parameters``)."""

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from codegen.runtime.materialize import set_derived_parameter
 from codegen.runtime.moe import DEFAULT_NAMES, RoutedMoE, Routing, all_to_all_rows, scaled_gradient
 
 __all__ = ["DataParallelMoE", "ExpertSlicedMoE"]
@@ -34,8 +35,8 @@ class DataParallelMoE(RoutedMoE):
     def __init__(self, router_weight, expert_in, expert_out, top_k: int, capacity_factor: float, group=None, *,
                  names: tuple[str, str, str] = DEFAULT_NAMES):
         super().__init__(router_weight, top_k, capacity_factor, group, names)
-        self.w_in = torch.nn.Parameter(expert_in.detach().clone())
-        self.w_out = torch.nn.Parameter(expert_out.detach().clone())
+        set_derived_parameter(self, "w_in", expert_in)
+        set_derived_parameter(self, "w_out", expert_out)
 
     def run_experts(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         k, width, experts = self.top_k, tokens.size(1), self.experts
@@ -78,8 +79,8 @@ class ExpertSlicedMoE(RoutedMoE):
         pieces = torch.arange(self.ffn).tensor_split(self.world)
         self.bounds = [(int(p[0]) if len(p) else 0, int(p[-1]) + 1 if len(p) else 0) for p in pieces]
         start, end = self.bounds[self.rank]
-        self.w_in = torch.nn.Parameter(expert_in.detach()[:, :, start:end].clone())  # (E, C, ffn/ranks)
-        self.w_out = torch.nn.Parameter(expert_out.detach()[:, start:end, :].clone())  # (E, ffn/ranks, C)
+        set_derived_parameter(self, "w_in", expert_in, dim=2, start=start, stop=end)  # (E, C, ffn/ranks)
+        set_derived_parameter(self, "w_out", expert_out, dim=1, start=start, stop=end)  # (E, ffn/ranks, C)
 
     def rank_local_parameters(self) -> list[torch.nn.Parameter]:
         """This rank's slices of the experts (see ``RoutedMoE.rank_local_parameters``)."""

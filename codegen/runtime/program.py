@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from codegen.runtime.materialize import init_rules, materialize
+from codegen.runtime.materialize import init_rules, materialize, parameter_names
 from planner.errors import LaunchError, PlanningError
 from planner.plan_checks import check_model_matches
 from planner.model_spec import announce_import, parameters_on_meta
@@ -104,8 +104,8 @@ class Program:
         its parameters on meta, ``parallelize``d, and then only the shards this rank holds are
         materialised, with the values :meth:`build_model` gives them (so every plan and world
         size starts from the same weights). Programs whose ``parallelize`` needs real weights
-        (DDP and ZeRO-1, which keep whole replicas anyway, and MoE programs, which slice their
-        experts themselves) get the whole model first. Returns ``(model, module, args,
+        (DDP and ZeRO-1, which keep whole replicas anyway, also with MoE layers) get the whole
+        model first. Returns ``(model, module, args,
         kwargs)``: the model as built (``parallelize`` changed it in place; its parameter names
         are the checkpoint's), this rank's module and the global example batch."""
         if not self.parallelizes_on_meta:
@@ -114,8 +114,11 @@ class Program:
         model, args, kwargs = self._build(self.device(), seed, meta_parameters=True)
         check_model_matches(self.plan, model, args, kwargs)
         rules = init_rules(model)
+        # The names as the spec builds them: a layer the program replaces (MoE) derives its
+        # parameters from these, and they are initialised under these names.
+        source_names = parameter_names(model)
         module = self.parallelize(model, mesh)
-        materialize(module, model, self.device(), rules, seed)
+        materialize(module, model, self.device(), rules, seed, source_names)
         return model, module, args, kwargs
 
     @property
@@ -123,13 +126,14 @@ class Program:
         """Whether ``parallelize`` takes a model whose parameters are on meta: FSDP2 flavours,
         graph and pipeline programs (they distribute each weight with ``distribute_tensor``,
         which on meta allocates nothing; SUMMA programs are graph programs whose block layouts
-        are DTensor placements). DDP and ZeRO-1 broadcast real weights; MoE programs slice
-        their experts' weights themselves."""
+        are DTensor placements; MoE programs under FSDP2, whose runtime layers derive their
+        experts from the model's parameters, ``materialize.set_derived_parameter``). DDP and
+        ZeRO-1 broadcast real weights."""
         from codegen.emit import is_data_parallel
         from planner.strategy import ExpertLayout
 
         if self.plan.expert_layouts or any(isinstance(s.layout, ExpertLayout) for s in self.plan.strategies):
-            return False
+            return self.plan.dp_flavour in ("fsdp", "zero2")
         if is_data_parallel(self.plan):
             return self.plan.dp_flavour in ("fsdp", "zero2")
         return True
