@@ -240,7 +240,7 @@ def test_sequence_parallel_replaces_all_reduces(hf_graphs, model):
 @pytest.mark.parametrize("model", list(HF_CASES))
 def test_sequence_parallel_keeps_tp_bytes(hf_graphs, model):
     # Korthikanti et al. 2022: an all-reduce = reduce-scatter + all-gather, same volume, so
-    # the bytes sent on tp per step do not change.
+    # the activations' bytes sent on tp per step do not change.
     graph, spec, name, cluster = hf_graphs[model]
     plain_bytes = megatron_plan(graph, cluster, spec, name, tp=2).estimate.bytes_per_axis["tp"]
     split_bytes = megatron_plan(graph, cluster, spec, name, tp=2, sequence_parallel=True).estimate.bytes_per_axis["tp"]
@@ -249,7 +249,13 @@ def test_sequence_parallel_keeps_tp_bytes(hf_graphs, model):
     # backward: (n-1)/n of it = 1/2 * 16 * 64 * 2 bytes = 1,024.
     seq, hidden = (16, 64) if model == "gpt2" else (0, 0)
     position_gradient = (2 - 1) / 2 * seq * hidden * 2
-    assert split_bytes == pytest.approx(plain_bytes + position_gradient)
+    # The norms now see a sequence slice each: their weights' (and GPT-2's biases') gradients
+    # are partial over tp and all-reduced once per step, 2 (n-1)/n of them, bf16 (Megatron-LM
+    # all-reduces them in its sequence-parallel gradient sync). GPT-2: ln_1, ln_2 per block
+    # and ln_f, weight and bias; LLaMA: two RMSNorms per block and the final one, weight only.
+    norm_elements = (2 * 2 + 1) * 2 * 64 if model == "gpt2" else (2 * 2 + 1) * 64
+    norm_gradients = 2 * (2 - 1) / 2 * norm_elements * 2
+    assert split_bytes == pytest.approx(plain_bytes + position_gradient + norm_gradients)
 
 
 # ------------------------------------------------------------------- invalid configs
