@@ -22,7 +22,11 @@ Why per world size: on this 2-core machine 4 processes share 2 cores, so a "devi
 4-process cluster is half a core: another machine than a device of the 2-process cluster,
 with its own cluster file. ``--pooled`` calibrates on every other plan instead, to show it.
 
-Figures are noisy when other work shares the cores; each measured figure is a median.
+Figures are noisy when other work shares the cores; each measured figure is a median, and
+the script prints the host's load average when it starts and after measuring. A second run
+with the same ``--out`` and no ``--fresh`` measures nothing (plans already measured there
+are reused, pass by pass), so it re-scores old measurements with the current cost model;
+``--fresh`` measures every plan again; a larger ``--repeats`` adds passes to what is there.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import planner  # noqa: E402
 from cost_model.calibration import CalibrationCase, calibration_values, load_measured, step_time_with  # noqa: E402
+from cost_model.simulator import Simulator  # noqa: E402
 from planner import baselines  # noqa: E402
 from planner.compare import calibrate, plan_and_graph  # noqa: E402
 from planner.cluster import Cluster  # noqa: E402
@@ -97,6 +102,11 @@ def merged(paths: list[Path], statistic: str = "median"):
     return dataclasses.replace(runs[0], step_times_s=steps, step_time_s=chosen)
 
 
+def _load() -> str:
+    """The host's load averages, as ``uptime`` shows them."""
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
 def spearman(left: list[float], right: list[float]) -> float:
     """Spearman's rank correlation (average ranks for ties)."""
     def ranks(values: list[float]) -> list[float]:
@@ -119,13 +129,6 @@ def spearman(left: list[float], right: list[float]) -> float:
     return covariance / scale if scale else float("nan")
 
 
-def calibrated_values(cluster: Cluster) -> dict[str, float]:
-    node = cluster.nodes[0]
-    return {"matmul_efficiency": node.device.matmul_efficiency, "memory_efficiency": node.device.memory_efficiency,
-            "kernel_overhead_s": node.device.kernel_overhead_s, "link_latency_s": node.intra_link.latency,
-            "link_bandwidth": node.intra_link.bandwidth}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="training steps per run (about a third profiled)")
@@ -140,7 +143,7 @@ def main() -> None:
     options = parser.parse_args()
     work = Path(options.out or tempfile.mkdtemp(prefix="soap-measured-"))
     spec = ModelSpec(str(ROOT / "examples/gpt.py"), MODEL)
-    print(f"model: examples/gpt.py {MODEL}; work folder {work}", flush=True)
+    print(f"model: examples/gpt.py {MODEL}; work folder {work}; load average {_load()}", flush=True)
     plans = make_plans(spec)
     files: dict[str, list[Path]] = {name: [] for name in plans}
     for repeat in range(options.repeats):  # passes over every plan, so a busy spell hits them all alike
@@ -151,6 +154,7 @@ def main() -> None:
                 measure(plan, folder, options.steps, target, compile_first=repeat == 0)
                 print(f"  measured {name} (pass {repeat + 1}): {load_measured(target).step_time_s * 1e3:.1f} ms", flush=True)
             files[name].append(target)  # reused when an earlier run measured it into the same --out
+    print(f"measured; load average {_load()} (1, 5, 15 minutes; {os.cpu_count()} cores)", flush=True)
     runs = {name: merged(paths, options.statistic) for name, paths in files.items()}
     cases = {}
     for name, run in runs.items():
@@ -168,7 +172,7 @@ def main() -> None:
         base = Cluster.preset("cpu", devices_per_node=cases[name].plan.world_size)
         cluster, _ = calibrate([runs[other] for other in others], base, [cases[other] for other in others])
         preset = step_time_with(cases[name], calibration_values(base))
-        after = step_time_with(cases[name], calibrated_values(cluster))
+        after = Simulator(dataclasses.replace(cases[name].plan, cluster=cluster), cases[name].graph).run(trace=False).step_time_s
         rows.append((name, run.step_time_s, run.noise, preset, after))
     print(f"\n{'plan':<20}{'measured':>11}{'spread':>8}{'preset':>11}{'error':>8}{'calibrated':>12}{'error':>8}")
     for name, measured, noise, preset, after in rows:

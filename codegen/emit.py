@@ -20,6 +20,7 @@ from codegen.source_text import comment, number, one_line
 from planner import __version__
 from planner.errors import PlanningError
 from planner.outputs import program_folder
+from planner import plans
 from planner.plans import Plan
 from planner.strategy import placements_str
 
@@ -179,17 +180,9 @@ def recomputed_blocks(plan: Plan) -> tuple[str, ...]:
 
 
 def is_data_parallel(plan: Plan) -> bool:
-    """A data-parallel plan (label empty: named by its flavour) on a ``dp``-only mesh, no
-    pipeline, every parameter replicated (DDP/ZeRO/FSDP's view). A searched plan on a ``dp``
-    mesh may replicate some inputs or activations, which DDP's batch split would not honour;
-    it goes through the graph path. An MoE plan of that shape (labelled, with expert layouts)
-    is data parallel around its MoE layers (``codegen.moe_emit``)."""
-    labelled = getattr(plan, "label", "") and not plan.expert_layouts
-    if plan.mesh.names != (_DP_AXIS,) or plan.pipeline is not None or labelled:
-        return False
-    return all(
-        placements_str(placements) == "(R)" for strategy in plan.strategies for placements in strategy.params.values()
-    )
+    """A plain data-parallel program (``planner.plans.is_data_parallel``, which the cost model
+    reads too)."""
+    return plans.is_data_parallel(plan)
 
 
 def render_launch(plan: Plan) -> str:

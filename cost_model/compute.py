@@ -79,25 +79,38 @@ def op_times(node: OpNode, work_fraction: float, device: DeviceSpec, precision: 
 # multi-tensor kernels, each streaming its operands: param *= 1 - lr*wd (2), lerp_ exp_avg
 # toward grad (3), exp_avg_sq *= beta2 (2), addcmul_ grad^2 into it (3), sqrt into a new
 # tensor (2), div_ and add_ eps on it (2 + 2), addcdiv_ into param (4) = 20.
-ADAMW_ACCESSES = {"fused": defaults.ADAM_BYTES_ACCESSED_PER_PARAM_BYTE, "foreach": 20}
+ADAMW_ACCESSES = {"fused": defaults.ADAM_BYTES_ACCESSED_PER_PARAM_BYTE, "foreach": 20, "single_tensor": 7}
 # Kernels per step: foreach launches each of its 8 ops once per chunk of at most
 # ``MULTI_TENSOR_ELEMENTS`` elements (multi_tensor_apply: 320 blocks x 65,536-element chunks,
 # ATen/native/cuda/MultiTensorApply.cuh); fused launches one kernel per chunk.
 ADAMW_KERNELS_PER_CHUNK = {"fused": 1, "foreach": 8}
 MULTI_TENSOR_ELEMENTS = 320 * 65536
+# The single-tensor AdamW (``_single_tensor_adam`` in torch/optim/adam.py; torch.optim's
+# choice for CPU tensors and DTensors on CPU) runs ops per parameter tensor: the step count's
+# add_, mul_ (weight decay), lerp_, mul_ and addcmul_ (second moment), its ``.item()``, sqrt,
+# div, add_ (eps) and addcdiv_: 10 (a CPU profile shows each once per parameter per step).
+# Its traffic is priced as the fused kernel's 7 accesses, not the 20 its ops stream: each
+# op's operands are one parameter's tensors, which the next op finds in the CPU's caches.
+ADAMW_SINGLE_TENSOR_OPS = 10
 
 
-def optimizer_step_time(state_bytes: float, device: DeviceSpec, implementation: str = "fused") -> float:
+def optimizer_step_time(state_bytes: float, device: DeviceSpec, implementation: str = "fused", tensors: int = 1,
+                        dispatch_s: float = 0.0) -> float:
     """AdamW step over ``state_bytes`` of (sharded) weights + gradients + states: memory-bound.
 
-    ``implementation`` is ``"fused"`` (one pass, 7 accesses per element) or ``"foreach"``
-    (PyTorch's default on CUDA: 20 accesses over 8 kernels; see ``ADAMW_ACCESSES``).
+    ``implementation`` is ``"fused"`` (one pass, 7 accesses per element), ``"foreach"``
+    (PyTorch's default on CUDA: 20 accesses over 8 kernels; see ``ADAMW_ACCESSES``) or
+    ``"single_tensor"`` (PyTorch's choice on CPU: ``ADAMW_SINGLE_TENSOR_OPS`` ops on each of
+    ``tensors`` parameter tensors, each paying ``dispatch_s`` more when the parameters are
+    DTensors).
     """
     if implementation not in ADAMW_ACCESSES:
         raise ValueError(f"implementation must be one of {', '.join(ADAMW_ACCESSES)}, got '{implementation}'")
     _, memory, overhead = efficiencies(device)
     elements = state_bytes / (defaults.ADAM_STATES_PER_PARAM * 4 + 4 + 4)  # fp32 param, grad, 2 states
     accessed = state_bytes * ADAMW_ACCESSES[implementation] / 4
+    if implementation == "single_tensor":
+        return accessed / (device.memory_bandwidth * memory) + ADAMW_SINGLE_TENSOR_OPS * tensors * (overhead + dispatch_s)
     launches = ADAMW_KERNELS_PER_CHUNK[implementation] * max(1, math.ceil(elements / MULTI_TENSOR_ELEMENTS))
     return accessed / (device.memory_bandwidth * memory) + launches * overhead
 
@@ -134,3 +147,9 @@ def gradient_accumulation_time(elements: float, tensors: int, mode: str, first: 
         return 0.0
     _, memory, overhead = efficiencies(device)
     return moved / (device.memory_bandwidth * memory) + launches * overhead
+
+
+def optimizer_implementation(backend: str) -> str:
+    """The AdamW implementation a cluster's training runs: torch.optim's single-tensor loop on
+    CPU tensors (the gloo backend), the fused kernel elsewhere."""
+    return "single_tensor" if backend == "gloo" else "fused"

@@ -58,7 +58,9 @@ class SegmentProfile:
     tensor-parallel collectives on the critical path; bytes kept for backward per
     micro-batch in flight; bytes alive only while the segment recomputes.
     ``param_elements`` are the local parameter elements (``synced_elements`` those whose
-    gradients are reduced over ``dp``); ``input_bytes`` what it reads from earlier segments.
+    gradients are reduced over ``dp``); ``input_bytes`` what it reads from earlier segments;
+    ``synced_tensors`` the elements of each parameter tensor reduced over ``dp`` (a graph
+    program reduces each in its own collective) and ``param_tensors`` how many it has.
     """
 
     name: str
@@ -69,6 +71,8 @@ class SegmentProfile:
     param_elements: float
     synced_elements: float
     input_bytes: float
+    synced_tensors: tuple[float, ...] = ()
+    param_tensors: int = 0
 
 
 

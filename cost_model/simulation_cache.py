@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from planner.graph import OpGraph, OpNode
+from planner.plans import is_data_parallel
 
 if TYPE_CHECKING:
     from cost_model.simulator import NodeCost, Segment
@@ -98,13 +99,14 @@ RECENTLY_COSTED = RecentlyCosted(size=8)
 
 def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
     """What node costs and segments depend on: the graph, cluster, mesh, precision and
-    micro-batch count, each node's placements, parameters and stage, and the MoE layers'
+    micro-batch count, whether the program is plain data parallel, each node's placements, parameters and stage, and the MoE layers'
     layouts. Placements are
     compared by identity (a variant made with ``dataclasses.replace`` shares them; hashing
     thousands of placements by value costs more than costing the nodes); the entry keeps
     those objects alive, so an identity cannot be reused by another object."""
     return (
         id(graph), id(graph_facts(graph)), id(plan.cluster), plan.mesh, plan.precision, micro_batches,
+        is_data_parallel(plan),  # graph programs pay DTensor's per-op dispatch (planner.cluster)
         tuple((s.node, id(s.inputs), id(s.outputs), id(s.params), id(s.produced), s.stage) for s in plan.strategies),
         # MoE layers are priced by their layouts (their cost annotation aside).
         tuple(

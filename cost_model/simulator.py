@@ -63,6 +63,7 @@ from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, gr
 from cost_model.step_memory import _PARAM_BYTES, StepMemory, bytes_per_parameter
 from cost_model.step_tasks import StepTaskGraph
 from planner.graph import OpGraph, OpNode
+from planner.plans import is_data_parallel
 from planner.strategy import RECOMPUTE_MODES, CostParts, ExpertLayout, NodeStrategy, SimResult, TimelineEvent
 
 __all__ = ["NodeCost", "Segment", "SegmentProfile", "Simulator", "bytes_per_parameter", "simulate_plan",
@@ -144,6 +145,10 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
             key=lambda d: d.flops_for(PRECISIONS[plan.precision][0]),
         )
         self.activation_scale = PRECISIONS[plan.precision][1] / 4
+        # A program that replays the traced graph on DTensors pays DTensor's dispatch on every
+        # op (planner.cluster: dtensor_op_overhead_s); a plain data-parallel module does not.
+        self.graph_program = not is_data_parallel(plan)
+        self.dtensor_op_overhead_s = (self.device.dtensor_op_overhead_s or 0.0) if self.graph_program else 0.0
         self._groups = {axis: self._axis_group(axis) for axis in self.mesh.names}
         self._comm_cache: dict[tuple, float] = {}
         profile = nccl_profile(self.cluster)
@@ -241,6 +246,8 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
                 param_elements=sum(segment.params.values()),
                 synced_elements=sum(segment.params[name] for name in segment.dp_synced),
                 input_bytes=segment.input_bytes,
+                synced_tensors=tuple(segment.params[name] for name in sorted(segment.dp_synced) if segment.params[name] > 0),
+                param_tensors=len(segment.params),
             ))
         return profiles
 
@@ -438,6 +445,11 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
         cost = NodeCost()
         work = 1.0 / (self._work_split(strategy) * self.micro_batches)
         cost.forward_s, cost.backward_s = op_times(node, work, self.device, self.plan.precision)
+        if self.dtensor_op_overhead_s:
+            # Every line of a graph program is a DTensor op, views included; so is its backward.
+            cost.forward_s += self.dtensor_op_overhead_s
+            if any(meta.dtype.is_floating_point for meta in node.output_meta):
+                cost.backward_s += self.dtensor_op_overhead_s
         if not node.is_view:
             # An op's output is what its readers keep for backward (most ops save their input).
             cost.saved_bytes = self._output_bytes(node, strategy) if self._kept_for_backward(node.name) else 0.0

@@ -13,9 +13,11 @@ rendezvous of the two stages (``cost_model.deepspeed_pipeline``).
 
 from __future__ import annotations
 
+import math
+
 from cost_model import defaults
 from cost_model.collectives import collective_time
-from cost_model.compute import gradient_accumulation_time, optimizer_step_time
+from cost_model.compute import gradient_accumulation_time, optimizer_implementation, optimizer_step_time
 from cost_model.recompute import backward_comm, backward_time
 from cost_model.deepspeed_pipeline import DeepSpeedPipelineTasks
 from cost_model.scheduler import TaskGraph
@@ -152,12 +154,38 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
         for stage in range(self.pp):
             device = f"stage {stage}"
             state_bytes = self._optimizer_state_bytes(per_device[device])
-            step = graph.add("optimizer step", (device, "compute"), optimizer_step_time(state_bytes, self.device),
+            step = graph.add("optimizer step", (device, "compute"), self._optimizer_time(state_bytes, per_device[device]),
                              deps=sync_after.get(device, []), kind="optimizer")
-            if self.plan.dp_flavour in ("zero1", "zero2") and self.dp > 1:
+            if self.plan.dp_flavour == "zero1" and self.dp > 1:
+                # torch's ZeroRedundancyOptimizer (codegen's ZeRO-1) broadcasts each updated
+                # parameter from the rank that owns it: one broadcast per parameter tensor, all
+                # issued asynchronously and then waited for (gloo runs them on its worker threads).
+                element_bytes = _PARAM_BYTES[self.plan.precision][0]
+                sizes = [count * element_bytes for s in per_device[device] for name, count in s.params.items()
+                         if name not in s.per_rank]
+                at_once = defaults.GLOO_COLLECTIVE_THREADS if self.cluster.backend == "gloo" else 1
+                pieces = [(self._collective("broadcast", size, "dp") / at_once, 1) for size in sizes if size > 0]
+                graph.add_pieces(f"broadcast updated weights ({len(pieces)} parameters)", (device, "collective"), pieces,
+                                 deps=[step], kind="comm")
+            elif self.plan.dp_flavour == "zero2" and self.dp > 1:
                 gathered = sum(s.shardable_elements() for s in per_device[device]) * _PARAM_BYTES[self.plan.precision][0]
                 graph.add("all-gather updated weights", (device, "collective"), self._collective("all_gather", gathered, "dp"), deps=[step], kind="comm")
         return graph, per_device
+
+    def _optimizer_time(self, state_bytes: float, segments: list[Segment]) -> float:
+        """One device's AdamW step. On gloo (CPU tensors) torch.optim runs its single-tensor
+        implementation, op by op over the parameter tensors the device updates (ZeRO-1: its
+        share of them), each op dispatched on DTensors where the parameters are ones (FSDP2's
+        FSDP and ZeRO-2, graph programs); elsewhere the fused kernel."""
+        if optimizer_implementation(self.cluster.backend) != "single_tensor":
+            return optimizer_step_time(state_bytes, self.device)
+        tensors = sum(len(segment.params) for segment in segments)
+        sharded = self.dp > 1 and self.plan.dp_flavour in ("zero1", "zero2", "fsdp")
+        if sharded and self.plan.dp_flavour == "zero1":
+            tensors = math.ceil(tensors / self.dp)
+        on_dtensors = self.graph_program or (sharded and self.plan.dp_flavour != "zero1")
+        dispatch = (self.device.dtensor_op_overhead_s or 0.0) if on_dtensors else 0.0
+        return optimizer_step_time(state_bytes, self.device, "single_tensor", tensors=tensors, dispatch_s=dispatch)
 
     def _syncs_every_micro_batch(self) -> bool:
         """Whether gradients are reduced over ``dp`` after every micro-batch of an
@@ -248,9 +276,16 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
                     f"all-reduce grads off dp ({segment.name})", (device, "collective"), segment.axis_sync_s, deps=[last], kind="comm"))
             if self.dp == 1 or not sync:
                 continue
-            grads = sum(segment.params[name] for name in segment.dp_synced) * self._reduced_gradient_bytes()
-            final = position == len(segments) - 1
-            ready = bucket.fill(grads, per_unit=fsdp, flush=final)
+            element_bytes = self._reduced_gradient_bytes()
+            if self.graph_program:
+                # A graph program reduces each parameter's gradient in its own hook
+                # (codegen.runtime.spmd): one collective per parameter, no buckets.
+                ready = [(segment.params[name] * element_bytes, 1) for name in sorted(segment.dp_synced)
+                         if segment.params[name] > 0]
+            else:
+                grads = sum(segment.params[name] for name in segment.dp_synced) * element_bytes
+                final = position == len(segments) - 1
+                ready = bucket.fill(grads, per_unit=fsdp, flush=final)
             if ready and deferred is not None:
                 deferred.append((segment.name, ready))
             elif ready:
@@ -277,6 +312,10 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
         """Data-parallel reduction of the gradient buckets (bytes, count) one segment's
         backward filled, once that backward is done: each bucket is its own collective."""
         kind = "reduce_scatter" if self.plan.dp_flavour in ("zero2", "fsdp") else "all_reduce"
+        if kind == "reduce_scatter" and self.cluster.backend == "gloo" and not self.graph_program:
+            # FSDP2 (FSDP, ZeRO-2) on gloo, which has no reduce-scatter of one tensor, all-reduces
+            # the whole gradient and keeps its shard (its profile shows gloo:all_reduce events).
+            kind = "all_reduce"
         pieces = [(self._collective(kind, size, "dp"), count) for size, count in buckets]
         count = sum(count for _, count in buckets)
         label = f"{kind.replace('_', '-')} grads ({name}{f', {count} buckets' if count > 1 else ''})"

@@ -17,7 +17,13 @@ them; ``cost_model/profile.py`` defines how each is measured), all optional, eac
 to the documented default in ``cost_model/defaults.py`` when absent:
   * ``matmul_efficiency``: achieved fraction of ``peak_flops`` for large matmuls, in (0, 1];
   * ``memory_efficiency``: achieved fraction of ``memory_bandwidth`` for streaming ops, in (0, 1];
-  * ``kernel_overhead_s``: fixed cost per op (dispatch and launch), seconds, >= 0.
+  * ``kernel_overhead_s``: fixed cost per op (dispatch and launch), seconds, >= 0;
+  * ``dtensor_op_overhead_s``: extra cost of each op dispatched on DTensors, seconds, >= 0:
+    DTensor's sharding propagation and Python dispatch, which a plain tensor does not pay.
+    A program that replays the traced graph (every plan that is not plain data parallel:
+    tensor parallel, pipelines, searched layouts) pays it on every traced op, forward and
+    backward; optimizer steps on DTensor parameters (FSDP, ZeRO-2, graph programs) on each of
+    their ops. Absent: 0. ``planner calibrate`` fits it (``cost_model/calibration.py``).
 They are flat fields of ``DeviceSpec``; in files they live in their own table, so measured
 numbers stand apart from datasheet ones::
 
@@ -73,7 +79,7 @@ _DTYPE_ALIASES = {
 _SHORT_DTYPE = {"float32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "float16": "fp16",
                 "float8": "fp8"}
 _HEADLINE = ("bfloat16", "float16", "float32")  # in order of preference on ties
-CALIBRATION_KEYS = ("matmul_efficiency", "memory_efficiency", "kernel_overhead_s")
+CALIBRATION_KEYS = ("matmul_efficiency", "memory_efficiency", "kernel_overhead_s", "dtensor_op_overhead_s")
 # Fused attention kernels a device's software may run (see the module docstring); first: default.
 ATTENTION_KERNELS = ("flash-attention-2", "flash-attention-triton")
 # First line of every cluster file soap-planner writes (planner profile, Cluster.save).
@@ -163,7 +169,7 @@ class _FlopsTable(Mapping):
 class DeviceSpec:
     """One accelerator (or CPU worker process): peak dense FLOP/s per dtype, memory, bandwidth.
 
-    The three calibration fields are None unless measured (see the module docstring); the cost
+    The calibration fields are None unless measured (see the module docstring); the cost
     model then uses ``cost_model.defaults``.
     """
 
@@ -174,6 +180,7 @@ class DeviceSpec:
     matmul_efficiency: float | None = None  # fraction of peak_flops, large matmuls
     memory_efficiency: float | None = None  # fraction of memory_bandwidth, streaming ops
     kernel_overhead_s: float | None = None  # seconds per op, dispatch + launch
+    dtensor_op_overhead_s: float | None = None  # seconds more per op on DTensors (dispatch)
     attention_kernel: str = ATTENTION_KERNELS[0]  # fused attention kernel (ATTENTION_KERNELS)
 
     def __post_init__(self) -> None:
@@ -195,8 +202,8 @@ class DeviceSpec:
                            _positive_float(self.memory_bandwidth, "DeviceSpec.memory_bandwidth"))
         for key in ("matmul_efficiency", "memory_efficiency"):
             object.__setattr__(self, key, _efficiency(getattr(self, key), f"DeviceSpec.{key}"))
-        object.__setattr__(self, "kernel_overhead_s",
-                           _overhead(self.kernel_overhead_s, "DeviceSpec.kernel_overhead_s"))
+        for key in ("kernel_overhead_s", "dtensor_op_overhead_s"):
+            object.__setattr__(self, key, _overhead(getattr(self, key), f"DeviceSpec.{key}"))
 
     @property
     def calibration(self) -> dict[str, float]:
@@ -546,7 +553,7 @@ def _parse_device(raw: Any, where: str) -> DeviceSpec:
                    f"{where}.peak_flops", DTYPE_KEYS)
     calibration = _table(table.get("calibration", {}), f"{where}.calibration", CALIBRATION_KEYS)
     # Checked here too, so that an error names the file's path (….calibration.key).
-    for key, check in zip(CALIBRATION_KEYS, (_efficiency, _efficiency, _overhead)):
+    for key, check in zip(CALIBRATION_KEYS, (_efficiency, _efficiency, _overhead, _overhead)):
         check(calibration.get(key), f"{where}.calibration.{key}")
     return _build(DeviceSpec, where, name=_require(table, "name", where, "the device name"),
                   peak_flops=flops, memory_bytes=memory,

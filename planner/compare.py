@@ -119,7 +119,8 @@ def calibrate(runs: list[MeasuredRun], cluster: Cluster, cases: list[Calibration
     """``cluster`` with its efficiencies and link fitted to ``runs`` (``cost_model.calibration``).
 
     The start point is ``cluster``'s own values with the matmul efficiency measured from the
-    profiles (the median over runs, capped at 1).
+    profiles (the median over runs; above 1 where the datasheet peak is too low, which
+    ``with_calibration`` writes as a raised peak).
     """
     if not runs:
         raise PlanFileError("calibrate needs at least one measured.json; write them with launch.py --profile")
@@ -128,7 +129,7 @@ def calibrate(runs: list[MeasuredRun], cluster: Cluster, cases: list[Calibration
     peak = cluster.nodes[0].device.flops_for(precision_dtype(cases[0].plan))
     direct = sorted(value for value in (measured_matmul_efficiency(run, peak) for run in runs) if value)
     if direct:
-        start["matmul_efficiency"] = min(1.0, direct[len(direct) // 2])
+        start["matmul_efficiency"] = min(100.0, direct[len(direct) // 2])
     fit = fit_calibration(cases, start)
     return with_calibration(cluster, fit.values), fit
 
@@ -137,9 +138,9 @@ def format_fit(fit: CalibrationFit, cases: list[CalibrationCase]) -> str:
     """The fitted parameters beside the start, and each run's step time before and after."""
     from cost_model.calibration import step_time_with
 
-    units = {"kernel_overhead_s": 1e6, "link_latency_s": 1e6, "link_bandwidth": 1e-9}
-    shown = {"kernel_overhead_s": "kernel_overhead (us)", "link_latency_s": "link latency (us)",
-             "link_bandwidth": "link bandwidth (GB/s)"}
+    units = {"kernel_overhead_s": 1e6, "dtensor_op_overhead_s": 1e6, "link_latency_s": 1e6, "link_bandwidth": 1e-9}
+    shown = {"kernel_overhead_s": "kernel overhead (us)", "dtensor_op_overhead_s": "DTensor op overhead (us)",
+             "link_latency_s": "link latency (us)", "link_bandwidth": "link bandwidth (GB/s)"}
     lines = [f"{'parameter':<24}{'start':>12}{'fitted':>12}"]
     for name in PARAMETERS:
         scale = units.get(name, 1.0)

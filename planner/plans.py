@@ -344,6 +344,22 @@ class Plan:
             raise PlanFileError(f"{source}: {one_line(error)}") from None
 
 
+def is_data_parallel(plan: Plan) -> bool:
+    """Whether ``plan``'s program is plain data parallel (``codegen`` emits the model module
+    under DDP/ZeRO/FSDP) rather than a replay of the traced graph on DTensors: a plan named by
+    its flavour (label empty) on a ``dp``-only mesh, no pipeline, every parameter replicated. A
+    searched plan on a ``dp`` mesh may replicate some inputs or activations, which DDP's batch
+    split would not honour; it goes through the graph path. An MoE plan of that shape
+    (labelled, with expert layouts) is data parallel around its MoE layers. The cost model
+    reads it too: only graph programs pay DTensor's per-op dispatch."""
+    labelled = getattr(plan, "label", "") and not plan.expert_layouts
+    if plan.mesh.names != ("dp",) or plan.pipeline is not None or labelled:
+        return False
+    return all(
+        placements_str(placements) == "(R)" for strategy in plan.strategies for placements in strategy.params.values()
+    )
+
+
 def load_plan(path: str | Path) -> Plan:
     """Read a plan written by ``Plan.save``. A relative ``model.source`` (a plan written by
     hand) is taken relative to the plan file's folder.

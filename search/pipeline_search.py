@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from dataclasses import dataclass, field
 
 
@@ -488,19 +489,24 @@ class PipelineGrid:
                 for i in indices
             ]
             elements = sum(p.param_elements for p in members)
-            after = optimizer_step_time(elements * (weights + grads + states) / shard, self.device)
+            after = self._optimizer_time(elements * (weights + grads + states) / shard, members, config)
             if dp > 1 and flavour == "fsdp":
                 # Each segment's gradients are reduce-scattered after its last backward:
                 # the first segment's is left when the backward ends.
                 first = members[0].synced_elements * grads if members else 0.0
                 after += self._dp_collective("reduce_scatter", first, config)
             elif dp > 1:
-                # Gradients are reduced bucket by bucket during the last backward, which
-                # hides about its backward share (two thirds of a micro-batch's time).
-                reduce = self._dp_collective("all_reduce", sum(p.synced_elements for p in members) * grads, config)
+                # A graph program reduces each parameter's gradient in its own collective
+                # during the last backward, which hides about its backward share (two thirds
+                # of a micro-batch's time).
+                reduce = sum(self._dp_collective("all_reduce", size * grads, config) for p in members for size in p.synced_tensors)
                 after += max(0.0, reduce - device_times[device] * 2 / 3)
                 if flavour == "zero1":
-                    after += self._dp_collective("all_gather", elements * weights, config)
+                    # ZeroRedundancyOptimizer: one broadcast per parameter (as the simulator's
+                    # step tasks), run GLOO_COLLECTIVE_THREADS at a time on gloo.
+                    at_once = defaults.GLOO_COLLECTIVE_THREADS if self.cluster.backend == "gloo" else 1
+                    after += sum(self._dp_collective("broadcast", size * weights, config)
+                                 for p in members for size in p.synced_tensors) / at_once
             tail = max(tail, after)
         return compute + tail
 
@@ -571,6 +577,18 @@ class PipelineGrid:
             )
             self._profiles[key] = Simulator(probe, self.graph).segment_profiles()
         return self._profiles[key]
+
+    def _optimizer_time(self, state_bytes: float, members: list, config: Configuration) -> float:
+        """One device's AdamW step, as the simulator prices it (``cost_model.step_tasks``): on
+        gloo, torch.optim's single-tensor loop over the device's parameter tensors (ZeRO-1:
+        its share), on DTensors (a graph program's parameters); elsewhere the fused kernel."""
+        if self.cluster.backend != "gloo":
+            return optimizer_step_time(state_bytes, self.device)
+        tensors = sum(p.param_tensors for p in members)
+        if config.dp > 1 and config.flavour == "zero1":
+            tensors = math.ceil(tensors / config.dp)
+        return optimizer_step_time(state_bytes, self.device, "single_tensor", tensors=tensors,
+                                   dispatch_s=self.device.dtensor_op_overhead_s or 0.0)
 
     def _dp_collective(self, kind: str, size: float, config: Configuration) -> float:
         """A collective over one dp group of ``config``'s mesh (dp is outside tp: stride tp),

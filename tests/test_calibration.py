@@ -3,15 +3,18 @@ values they must give worked out by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import planner
 from cost_model.calibration import (
     CalibrationCase,
+    calibration_values,
     fit_calibration,
     load_measured,
     measured_matmul_efficiency,
@@ -19,7 +22,9 @@ from cost_model.calibration import (
     op_class,
     predicted_parts,
     step_time_with,
+    with_calibration,
 )
+from cost_model.calibration_fit import nnls
 from cost_model.compute import op_times
 from planner.cli import main as cli_main
 from planner.cluster import Cluster
@@ -108,29 +113,102 @@ def test_predicted_parts_split_the_simulated_compute_by_op_class(ddp_plan) -> No
     assert parts["all_reduce"] > 0  # DDP's gradient all-reduce, on the collective stream
 
 
+_START = {"matmul_efficiency": 0.7, "memory_efficiency": 0.5, "kernel_overhead_s": 5e-6, "dtensor_op_overhead_s": 0.0,
+          "link_latency_s": 1e-5, "link_bandwidth": 1e9}
+
+
+def _formula(case, values):
+    """A stand-in simulator, linear in the time coefficients like the real one: seconds =
+    FLOPs / (1e10 x matmul eff.) + bytes / (1e9 x memory eff.) + ops x overhead + DTensor ops
+    x their overhead + collectives x latency + bytes sent / bandwidth."""
+    flops, streamed, ops, dtensor_ops, collectives, sent = case.plan
+    return (flops / (1e10 * values["matmul_efficiency"]) + streamed / (1e9 * values["memory_efficiency"])
+            + ops * values["kernel_overhead_s"] + dtensor_ops * values["dtensor_op_overhead_s"]
+            + collectives * values["link_latency_s"] + sent / values["link_bandwidth"])
+
+
+def _cases(truth, shapes):
+    return [CalibrationCase(plan=shape, graph=None, measured_step_s=_formula(CalibrationCase(shape, None, 1), truth))
+            for shape in shapes]
+
+
 def test_fit_recovers_known_parameters() -> None:
-    """Cases whose 'simulator' is a formula in two parameters; measured from known values."""
-    truth = {"matmul_efficiency": 0.25, "kernel_overhead_s": 2e-5}
+    """Runs measured from known values of all six parameters (a matmul efficiency above 1: a
+    datasheet peak too low) are fitted back to them, from a start far off."""
+    truth = {"matmul_efficiency": 2.5, "memory_efficiency": 0.3, "kernel_overhead_s": 2e-5, "dtensor_op_overhead_s": 8e-5,
+             "link_latency_s": 1e-3, "link_bandwidth": 2e8}
+    shapes = [  # (FLOPs, bytes streamed, ops, DTensor ops, collectives, bytes sent): DDP-, tp-, pp-like
+        (1e9, 1e7, 1000, 0, 3, 4e6), (1e9, 1e7, 1200, 0, 56, 8e6), (1e9, 2e7, 1000, 900, 36, 1.8e7),
+        (5e8, 5e6, 600, 500, 8, 1e6), (2e9, 1e7, 1500, 0, 15, 8e6), (1e9, 3e7, 1400, 1300, 44, 2.3e7),
+        (3e9, 1e6, 200, 0, 2, 1e5), (1e8, 1e6, 3000, 0, 5, 2e5),
+    ]
+    cases = _cases(truth, shapes)
+    fit = fit_calibration(cases, _START, simulate=_formula, prior_weight=0)
+    for name, value in truth.items():
+        assert fit.values[name] == pytest.approx(value, rel=1e-3), name
+    assert fit.loss_after < 1e-8 < 0.1 < fit.loss_before
+    assert fit_calibration(cases, _START, simulate=_formula, prior_weight=0) == fit  # deterministic
 
-    def formula(case, values):  # seconds = FLOPs / (1e10 x efficiency) + kernels x overhead
-        flops, kernels = case.plan
-        return flops / (1e10 * values["matmul_efficiency"]) + kernels * values["kernel_overhead_s"]
 
-    cases = [CalibrationCase(plan=(flops, kernels), graph=None, measured_step_s=formula(CalibrationCase((flops, kernels), None, 1), truth))
-             for flops, kernels in ((1e9, 10), (1e7, 2000), (3e8, 500))]
-    start = {"matmul_efficiency": 0.7, "memory_efficiency": 0.5, "kernel_overhead_s": 5e-6, "link_latency_s": 1e-5,
-             "link_bandwidth": 1e9}
-    fit = fit_calibration(cases, start, simulate=formula, parameters=("matmul_efficiency", "kernel_overhead_s"), prior_weight=0)
+def test_fit_holds_what_the_runs_do_not_see() -> None:
+    """Runs without DTensor ops or collectives say nothing of their overhead, latency or
+    bandwidth: the prior keeps those at the start, while the others are fitted."""
+    truth = {**_START, "matmul_efficiency": 0.25, "kernel_overhead_s": 2e-5}
+    cases = _cases(truth, [(1e9, 1e6, 10, 0, 0, 0), (1e7, 1e6, 2000, 0, 0, 0), (3e8, 1e6, 500, 0, 0, 0)])
+    fit = fit_calibration(cases, _START, simulate=_formula)
     assert fit.values["matmul_efficiency"] == pytest.approx(0.25, rel=0.05)
     assert fit.values["kernel_overhead_s"] == pytest.approx(2e-5, rel=0.05)
-    assert fit.loss_after < 1e-3 < fit.loss_before
-    assert fit.values["link_bandwidth"] == start["link_bandwidth"]  # not asked for
-    again = fit_calibration(cases, start, simulate=formula, parameters=("matmul_efficiency", "kernel_overhead_s"), prior_weight=0)
-    assert again == fit  # deterministic
-    # With the prior, a parameter the runs do not depend on stays where it started.
-    held = fit_calibration(cases, start, simulate=formula)
-    assert held.values["link_bandwidth"] == start["link_bandwidth"] and held.values["memory_efficiency"] == 0.5
-    assert held.values["matmul_efficiency"] == pytest.approx(0.25, rel=0.1)
+    for name in ("dtensor_op_overhead_s", "link_latency_s", "link_bandwidth"):
+        assert fit.values[name] == pytest.approx(_START[name], rel=1e-6, abs=1e-12), name
+    only = fit_calibration(cases, _START, simulate=_formula, parameters=("kernel_overhead_s",))
+    assert only.values["matmul_efficiency"] == _START["matmul_efficiency"]  # not asked for
+
+
+def test_nnls_by_hand() -> None:
+    # min |A x - b|, x >= 0: unconstrained x = (1, -1) is infeasible; with x2 = 0, x1 = b.a1 / |a1|^2.
+    matrix = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    target = np.array([1.0, -1.0, 0.0])
+    assert nnls(matrix, target) == pytest.approx([0.5, 0.0])
+    assert nnls(matrix, np.array([1.0, 2.0, 3.0])) == pytest.approx([1.0, 2.0])  # interior: exact
+
+
+def test_calibrated_cluster_file_round_trip(tmp_path: Path) -> None:
+    """Every fitted value is written to the cluster file and read back; an efficiency above 1
+    is written as a raised peak (efficiency 1)."""
+    base = Cluster.preset("cpu", devices_per_node=2)
+    values = {"matmul_efficiency": 3.0, "memory_efficiency": 0.4, "kernel_overhead_s": 3e-6, "dtensor_op_overhead_s": 6e-5,
+              "link_latency_s": 4e-4, "link_bandwidth": 3e8}
+    cluster = with_calibration(base, values)
+    path = tmp_path / "calibrated.toml"
+    cluster.save(path)
+    loaded = Cluster.load(path)
+    device = loaded.nodes[0].device
+    assert device.peak_flops["float32"] == pytest.approx(3.0 * base.nodes[0].device.peak_flops["float32"])
+    assert device.matmul_efficiency == 1.0 and device.memory_efficiency == pytest.approx(0.4)
+    assert device.kernel_overhead_s == pytest.approx(3e-6) and device.dtensor_op_overhead_s == pytest.approx(6e-5)
+    assert loaded.nodes[0].intra_link.latency == pytest.approx(4e-4)
+    assert loaded.nodes[0].intra_link.bandwidth == pytest.approx(3e8)
+    assert "dtensor_op_overhead_s" in path.read_text()
+    assert calibration_values(loaded) == pytest.approx({**values, "matmul_efficiency": 1.0})
+
+
+def test_dtensor_overhead_is_charged_to_graph_programs_only(ddp_plan) -> None:
+    """A DDP program (plain module) does not pay DTensor dispatch; a tensor-parallel one (graph
+    replayed on DTensors) pays it on each traced op, forward and backward, and on its
+    optimizer's ops."""
+    from cost_model.simulator import Simulator
+    from planner import baselines
+
+    values = {**calibration_values(ddp_plan.cluster), "dtensor_op_overhead_s": 1e-4}
+    case = CalibrationCase(plan=ddp_plan, graph=ddp_plan.graph, measured_step_s=1.0)
+    assert step_time_with(case, values) == pytest.approx(step_time_with(case, calibration_values(ddp_plan.cluster)))
+    tp = baselines.megatron(ModelSpec(str(REPO / "examples/mlp.py"), MLP), "cpu:1x2", tp=2, precision="fp32")
+    graph = ddp_plan.graph
+    plain = Simulator(tp, graph)
+    charged = Simulator(dataclasses.replace(tp, cluster=with_calibration(tp.cluster, values)), graph)
+    graded = sum(1 for node in graph.nodes if any(meta.dtype.is_floating_point for meta in node.output_meta))
+    added = sum(c.forward_s + c.backward_s for c in charged.costs.values()) - sum(c.forward_s + c.backward_s for c in plain.costs.values())
+    assert added == pytest.approx((len(graph.nodes) + graded) * 1e-4)
 
 
 def test_cli_compare_and_calibrate(ddp_plan, tmp_path: Path, capsys) -> None:
@@ -150,12 +228,7 @@ def test_cli_compare_and_calibrate(ddp_plan, tmp_path: Path, capsys) -> None:
     assert "wrote" in capsys.readouterr().out
     cluster = Cluster.load(output)
     assert cluster.nodes[0].device.calibration  # the fitted efficiencies are in the file
-    after = step_time_with(CalibrationCase(plan=ddp_plan, graph=ddp_plan.graph, measured_step_s=3 * predicted),
-                           {"matmul_efficiency": cluster.nodes[0].device.matmul_efficiency,
-                            "memory_efficiency": cluster.nodes[0].device.memory_efficiency,
-                            "kernel_overhead_s": cluster.nodes[0].device.kernel_overhead_s,
-                            "link_latency_s": cluster.nodes[0].intra_link.latency,
-                            "link_bandwidth": cluster.nodes[0].intra_link.bandwidth})
+    after = planner.simulate(dataclasses.replace(ddp_plan, cluster=cluster)).step_time_s
     assert math.isclose(after, 3 * predicted, rel_tol=0.05)
     assert cli_main(["calibrate", str(measured), "--cluster", "cpu:1x2", "-o", str(tmp_path / "c.yaml")]) == 2
     assert "must end in .toml or .json" in capsys.readouterr().err
