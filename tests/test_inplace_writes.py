@@ -1,0 +1,168 @@
+"""In-place writes into tensors a forward makes itself (planner/functionalize.py).
+
+Models that fill a buffer by slices (DeepSeek-V3's attention assembles its keys in a
+``new_empty`` buffer with ``copy_``) or scale a view in place are traced into functional
+ops (``slice_scatter``, ``select_scatter``, ...), so the per-rank program never writes into
+a view of a tensor it also holds as a DTensor. Before that rewrite such programs either
+crashed (autograd refuses in-place writes into views of ``to_local``'s output) or silently
+lost the write and its gradient (the batch-split plan below failed parity on
+``embed.weight``'s gradient).
+
+Unit tests check which writes are rewritten and that graphs without them are traced as
+before; the distributed test compiles tests/models/filled_buffer.py under two
+tensor-parallel plans (its batch split over ``tp``, and Megatron's layout) and a tiny
+HuggingFace DeepSeek-V3 as the search plans it on two ranks, and checks all three against
+one device in ONE torchrun launch.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import planner
+from planner.api import prepare_model
+from planner.functionalize import aliased_writes, functional_program
+from planner.model_spec import ModelSpec
+from planner.trace import trace
+from search.megatron import megatron_plan
+from test_parity import check_many, result_of
+from test_zoo import batch_split_plan
+
+FILLED_BUFFER = str(Path(__file__).resolve().with_name("models") / "filled_buffer.py") + ":build"
+# A tiny DeepSeek-V3: two layers (the second an MoE layer), four heads.
+DEEPSEEK_TINY = {
+    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 64,
+    "intermediate_size": 48, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
+    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "batch_size": 4, "seq_len": 8,
+}
+WORLD = 2
+# Work, not seconds: the same plan on a loaded machine.
+EFFORT = 0.25
+
+
+def _exported(spec: ModelSpec) -> torch.export.ExportedProgram:
+    model, args, kwargs = spec.build("meta")
+    model.train()
+    return torch.export.export(model, args, kwargs, strict=False)
+
+
+def _ops(graph) -> set[str]:
+    return {node.op for node in graph.nodes}
+
+
+def test_the_writes_seen_through_other_handles_are_found():
+    """The key halves copied into slices of ``new_empty``, the scaling through a view read
+    later, the feature slice and the bias column; not the ``scatter_`` into a fresh
+    ``zeros_like`` that only its own result is read through."""
+    writes = aliased_writes(_exported(ModelSpec(FILLED_BUFFER, {})).graph_module)
+    assert writes == ["copy_", "copy__1", "mul_", "copy__2", "fill_"]
+
+
+def test_the_traced_graph_has_functional_ops_only():
+    model, args, kwargs = ModelSpec(FILLED_BUFFER, {}).build("meta")
+    graph = trace(model, args, kwargs)
+    fx_nodes = graph.graph_module.graph.nodes
+    mutating = [node.name for node in fx_nodes if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable]
+    assert mutating == [], mutating
+    ops = _ops(graph)
+    assert {"aten.slice_scatter.default", "aten.select_scatter.default", "aten.fill.Scalar"} <= ops, ops
+    # functionalization's copy has no derivative: replaced by the value it computes
+    assert "aten.copy.default" not in ops
+    assert "aten.linear.default" in ops and "aten.scaled_dot_product_attention.default" in ops
+
+
+class _FreshWrites(nn.Module):
+    """Writes that are plain data flow (a residual added in place into a fresh tensor), next
+    to ops functionalization would rename (``to``, ``reshape``, ``contiguous``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.project(x)
+        h += x
+        h = h.transpose(0, 1).contiguous().reshape(-1).to(torch.float32)
+        return F.relu(h).sum()
+
+
+def test_a_graph_without_aliased_writes_is_traced_as_exported():
+    with torch.device("meta"):
+        model = _FreshWrites()
+        x = torch.randn(4, 8)
+    program = torch.export.export(model, (x,), strict=False)
+    assert aliased_writes(program.graph_module) == []
+    assert functional_program(program) is program
+    ops = _ops(trace(model, (x,)))
+    assert {"aten.add_.Tensor", "aten.contiguous.default", "aten.reshape.default", "aten.to.dtype"} <= ops, ops
+
+
+class _BatchNormAndSlices(nn.Module):
+    """Batch norm (running statistics: state updates) and a buffer filled by slices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        buffer = h.new_zeros(h.shape[0], 16)
+        buffer[:, :8].copy_(h)
+        return buffer.sum()
+
+
+def test_writes_into_buffers_alone_are_not_aliased_writes():
+    """Writes into the model's own state are not rewritten: the functional program would
+    return the new running statistics as outputs the model does not have."""
+    with torch.device("meta"):
+        norm = nn.Sequential(nn.BatchNorm1d(8))
+        x = torch.randn(4, 8)
+    norm.train()
+    assert aliased_writes(torch.export.export(norm, (x,), strict=False).graph_module) == []
+    with torch.device("meta"):
+        both = _BatchNormAndSlices()
+    both.train()
+    program = torch.export.export(both, (x,), strict=False)
+    assert aliased_writes(program.graph_module) == ["copy_"]
+    # functionalizing it would add the statistics' updates: the program is kept as exported
+    assert functional_program(program) is program
+
+
+# ------------------------------------------------------------------------ distributed
+
+PROGRAMS = ("filled_buffer_batch_split", "filled_buffer_megatron", "deepseek_v3_searched")
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inplace")
+    spec = ModelSpec(FILLED_BUFFER, {})
+    graph, resolved, name, cluster = prepare_model(spec, f"cpu:1x{WORLD}")
+    plans = {
+        "filled_buffer_batch_split": batch_split_plan(spec, WORLD),
+        "filled_buffer_megatron": megatron_plan(graph, cluster, resolved, name, tp=WORLD, precision="fp32"),
+        "deepseek_v3_searched": planner.plan(ModelSpec("hf:deepseek_v3", DEEPSEEK_TINY), f"cpu:1x{WORLD}", effort=EFFORT,
+                                             progress=False),
+    }
+    folders = {key: planner.compile(plan, root / key) for key, plan in plans.items()}
+    return plans, folders, check_many(WORLD, list(folders.values()), root)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_programs_that_fill_buffers_train_like_one_device(launch, name):
+    plans, folders, run = launch
+    assert "tp" in plans[name].mesh.names, f"{name}: {plans[name].name} is not tensor parallel"
+    source = (folders[name] / "model_spmd.py").read_text()
+    assert "(SpmdModule)" in source, f"{name} is not a graph program"
+    # the writes are functional ops of the program, none in place
+    assert re.search(r"aten\.(slice|select)_scatter\.default\(", source), source
+    assert not re.search(r"aten\.(?!__)\w+_\.\w+\(", source), source  # copy_, fill_, ... (not __and__)
+    result = result_of(run, folders[name])
+    assert result.startswith("ok parity ok: "), f"{name} ({plans[name].name}): {result}"
