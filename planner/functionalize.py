@@ -18,7 +18,9 @@ whole) does the rewrite; it is applied only to graphs that need it, because it a
 renames a few ops everywhere (``to.dtype`` becomes ``_to_copy``, ``reshape`` becomes
 ``view``, ``contiguous`` becomes ``clone``) and inlines ``torch.no_grad()`` regions.
 Its functional ``copy(dst, src)`` has no derivative, so each one is replaced by what it
-computes: ``src`` cast to ``dst``'s dtype and broadcast to ``dst``'s shape.
+computes: ``src`` cast to ``dst``'s dtype and broadcast to ``dst``'s shape. A buffer whose
+slices along one dim are all written (every value of it overwritten) becomes one ``cat`` of
+the written parts, which the rules split on any other dim and DTensor differentiates.
 
 Writes into the model's own inputs, parameters and buffers (BatchNorm's running
 statistics) are left alone: they are state updates, not data flow, and functionalizing
@@ -87,7 +89,11 @@ def functional_program(program: torch.export.ExportedProgram) -> torch.export.Ex
         functional = program.run_decompositions({})
     if _state_updates(functional) != _state_updates(program):
         return program
-    _replace_functional_copies(functional.graph_module)
+    graph_module = functional.graph_module
+    _replace_functional_copies(graph_module)
+    _whole_fills_as_cat(graph_module)
+    graph_module.graph.lint()
+    graph_module.recompile()
     return functional
 
 
@@ -150,8 +156,73 @@ def _replace_functional_copies(graph_module: torch.fx.GraphModule) -> None:
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
         _erase_unread_views(graph, destination)
-    graph.lint()
-    graph_module.recompile()
+
+
+def _whole_fills_as_cat(graph_module: torch.fx.GraphModule) -> None:
+    """Replace a chain of ``slice_scatter`` writes that together cover a tensor along one dim
+    (the tensor's own values all overwritten: DeepSeek-V3's key buffer) by one ``cat`` of
+    the written parts in order.
+
+    The chain is what a buffer filled by slices becomes once functional; a ``cat`` is the
+    same value, which DTensor shards and differentiates like any other op (DTensor's
+    backward of ``slice_scatter`` into a tensor that needs a gradient mixes plain and
+    distributed tensors, and the program would have to gather the buffer whole for it).
+    """
+    graph = graph_module.graph
+    for base in list(graph.nodes):
+        found = _covering_chain(base)
+        if found is None:
+            continue
+        chain, dim, parts = found
+        last = chain[-1]
+        with graph.inserting_before(last):
+            joined = _new_node(graph, last, _aten.cat.default, (parts, dim), {})
+        last.replace_all_uses_with(joined)
+        for write in reversed(chain):
+            graph.erase_node(write)
+        if not base.users and base.op == "call_function":
+            graph.erase_node(base)
+
+
+def _covering_chain(base: torch.fx.Node) -> tuple[list[torch.fx.Node], int, list[torch.fx.Node]] | None:
+    """The ``slice_scatter`` writes starting at ``base``, each read only by the next, that
+    together cover ``base`` along one dim in disjoint step-1 slices of its dtype: ``(the
+    writes, the dim, the written parts in the order of their slices)``; else ``None``."""
+    value = base.meta.get("val")
+    if not isinstance(value, torch.Tensor) or len(base.users) != 1:
+        return None
+    chain, node = [], base
+    while len(node.users) == 1:
+        (reader,) = node.users
+        if reader.target is not _aten.slice_scatter.default or reader.args[0] is not node:
+            break
+        chain.append(reader)
+        node = reader
+    if not chain or len({write.args[2] if len(write.args) > 2 else 0 for write in chain}) != 1:
+        return None
+    dim = chain[0].args[2] % value.dim() if len(chain[0].args) > 2 else 0
+    bounds = [_slice_bounds(write, value.shape[dim]) for write in chain]
+    if None in bounds:
+        return None
+    ordered = sorted(zip(bounds, chain), key=lambda pair: pair[0])
+    spans = [span for span, _ in ordered]
+    covers = spans[0][0] == 0 and spans[-1][1] == value.shape[dim] and all(
+        earlier[1] == later[0] for earlier, later in zip(spans, spans[1:]))
+    parts = [write.args[1] for _, write in ordered]
+    alike = all(isinstance(part.meta.get("val"), torch.Tensor) and part.meta["val"].dtype == value.dtype for part in parts)
+    return (chain, dim, parts) if covers and alike else None
+
+
+def _slice_bounds(write: torch.fx.Node, size: int) -> tuple[int, int] | None:
+    """``(start, end)`` of a ``slice_scatter``'s slice clamped to ``size``; ``None`` for a step
+    other than 1 (or bounds that are not plain integers)."""
+    args = list(write.args) + [None] * (6 - len(write.args))
+    start, end, step = args[3] if args[3] is not None else 0, args[4], args[5] if args[5] is not None else 1
+    if step != 1 or not isinstance(start, int) or not (end is None or isinstance(end, int)):
+        return None
+    end = size if end is None else end
+    start, end = (start + size if start < 0 else start), (end + size if end < 0 else end)
+    return min(max(start, 0), size), min(max(end, 0), size)
 
 
 def _erase_unread_views(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
