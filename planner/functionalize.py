@@ -80,13 +80,17 @@ def functional_program(program: torch.export.ExportedProgram) -> torch.export.Ex
     The functional program is kept only if it updates no more inputs, parameters or
     buffers than ``program`` does; otherwise (a model whose graph both fills its own
     tensors and updates state such as BatchNorm's running statistics) ``program`` is
-    returned unchanged.
+    returned unchanged, as it is when functionalization fails: the graph is then planned as
+    exported, as it was before this rewrite existed.
     """
     if not aliased_writes(program.graph_module):
         return program
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's own deprecation notices, nothing the user can act on
-        functional = program.run_decompositions({})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own deprecation notices, nothing the user can act on
+            functional = program.run_decompositions({})
+    except Exception:  # noqa: BLE001 - an op functionalization cannot take: plan the graph as exported
+        return program
     if _state_updates(functional) != _state_updates(program):
         return program
     graph_module = functional.graph_module
