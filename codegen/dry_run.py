@@ -261,6 +261,14 @@ def refine(
             forced[observation.mismatch] = observation.mismatch_note
             continue
         if observation.error:
+            # What this run saw before it failed is newer than what earlier rounds saw (they
+            # ran other redistributions): a value the program still believes replicated may
+            # be split now, and reading it as whole is then the failure. Rewrite from that
+            # first; only a failure that stays is the op's own.
+            merged = {**observed, **observation.placements}
+            if merged != observed:
+                observed = merged
+                continue
             if observation.failed_at is None or observation.failed_at in forced:
                 return write(observed, forced, f"a compile-time dry run of this program failed: {observation.error}")
             forced[observation.failed_at] = observation.error
