@@ -77,13 +77,15 @@ def functional_program(program: torch.export.ExportedProgram) -> torch.export.Ex
     """``program`` itself when it has no aliased writes (``aliased_writes``), else its
     functional equivalent (see the module docstring).
 
-    The functional program is kept only if it updates no more inputs, parameters or
+    Functionalization inlines ``torch.no_grad()`` regions without their grad mode, so a
+    program whose no-grad region reads a parameter (its gradient would then flow there) is
+    returned unchanged too. The functional program is kept only if it updates no more inputs, parameters or
     buffers than ``program`` does; otherwise (a model whose graph both fills its own
     tensors and updates state such as BatchNorm's running statistics) ``program`` is
     returned unchanged, as it is when functionalization fails: the graph is then planned as
     exported, as it was before this rewrite existed.
     """
-    if not aliased_writes(program.graph_module):
+    if not aliased_writes(program.graph_module) or _no_grad_region_reads_parameters(program):
         return program
     try:
         with warnings.catch_warnings():
@@ -99,6 +101,31 @@ def functional_program(program: torch.export.ExportedProgram) -> torch.export.Ex
     graph_module.graph.lint()
     graph_module.recompile()
     return functional
+
+
+def _no_grad_region_reads_parameters(program: torch.export.ExportedProgram) -> bool:
+    """Whether a ``torch.no_grad()`` region of ``program`` (``wrap_with_set_grad_enabled``
+    with grad off) reads a value computed from a parameter."""
+    parameters = set(program.graph_signature.inputs_to_parameters)
+    for node in program.graph_module.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "wrap_with_set_grad_enabled" \
+                and node.args and node.args[0] is False and _reads_any(node, parameters):
+            return True
+    return False
+
+
+def _reads_any(node: torch.fx.Node, placeholders: set[str]) -> bool:
+    """Whether ``node`` depends on any of the named placeholders."""
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current.name in seen:
+            continue
+        seen.add(current.name)
+        if current.op == "placeholder" and current.name in placeholders:
+            return True
+        stack.extend(current.all_input_nodes)
+    return False
 
 
 def _written_arguments(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -123,6 +123,32 @@ def test_a_buffer_written_in_part_is_not_joined_by_cat():
     assert "aten.slice_scatter.default" in ops and "aten.cat.default" not in ops, ops
 
 
+class _NoGradScale(nn.Module):
+    """A scale computed from a weight under ``torch.no_grad()`` (no gradient to the weight
+    through it) and a buffer filled by slices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scale = self.project.weight.norm()
+        buffer = x.new_empty(x.shape[0], 16)
+        buffer[:, :8].copy_(self.project(x) / scale)
+        buffer[:, 8:].copy_(x)
+        return buffer.sum()
+
+
+def test_a_no_grad_region_that_reads_a_weight_keeps_the_graph_as_exported():
+    """Functionalization would inline the region without its grad mode: the weight would get
+    a gradient through the scale."""
+    model, x = _NoGradScale(), torch.randn(4, 8)
+    program = torch.export.export(model, (x,), strict=False)
+    assert aliased_writes(program.graph_module) == ["copy_", "copy__1"]
+    assert functional_program(program) is program
+
+
 class _FreshWrites(nn.Module):
     """Writes that are plain data flow (a residual added in place into a fresh tensor), next
     to ops functionalization would rename (``to``, ``reshape``, ``contiguous``)."""
