@@ -280,3 +280,14 @@ def test_programs_that_fill_buffers_train_like_one_device(launch, name):
     assert not re.search(r"aten\.(?!__)\w+_\.\w+\(", source), source  # copy_, fill_, ... (not __and__)
     result = result_of(run, folders[name])
     assert result.startswith("ok parity ok: "), f"{name} ({plans[name].name}): {result}"
+
+
+def test_an_op_dtensor_cannot_differentiate_runs_on_whole_inputs(launch):
+    """DTensor's backward of ``select_scatter`` into a tensor that needs a gradient makes a
+    plain tensor beside distributed ones and fails: the compile-time dry run finds it, the
+    program runs that op on inputs gathered whole and says so, and the step still equals one
+    device (test_programs_that_fill_buffers_train_like_one_device[filled_buffer_batch_split])."""
+    _, folders, _ = launch
+    source = (folders["filled_buffer_batch_split"] / "model_spmd.py").read_text()
+    fallbacks = re.findall(r"# DTensor cannot run (\w+) on these placements .*\n\s*\w+ = self\._replicated\(aten\.\1\.", source)
+    assert "select_scatter" in fallbacks, source
