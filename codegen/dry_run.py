@@ -243,7 +243,9 @@ def refine(
     Redistributing where a value arrives otherwise than its consumer reads it changes what
     later ops produce, so this repeats until nothing changes; an op DTensor fails on, or
     whose local result breaks its placements' promise, is ``forced`` to run on whole inputs
-    (each such op buys one more round). Without a fake process group it writes the program
+    (each such op buys one more round). A round that fails has the program rewritten first
+    from what it saw before failing, since earlier rounds ran other redistributions; only a
+    failure that stays is the op's own. Without a fake process group it writes the program
     from the plan's placements alone."""
     observed: dict[str, Any] = {}
     forced: dict[str, str] = {}

@@ -2,9 +2,8 @@
 
 Some models build a tensor and then fill it in place: DeepSeek-V3's attention makes a buffer
 with ``new_empty`` and writes the rope and non-rope parts of the keys into slices of it
-(``buffer[..., :128].copy_(k_nope)``); routers ``scatter_`` ones into a ``zeros_like``. In the
-exported graph such a write is an op on a *view* (``slice``) whose effect is only visible
-through the base tensor that later ops read. A per-rank program that holds the base as a
+(``buffer[..., :128].copy_(k_nope)``). In the exported graph such a write is an op on a
+*view* (``slice``) whose effect is only visible through the base tensor that later ops read. A per-rank program that holds the base as a
 DTensor and its views as local tensors, or that redistributes the view before writing into
 it, writes into a copy: later readers of the base miss the write, and autograd refuses to
 record in-place writes into the outputs of ``to_local``. No emitter can make that sound op
@@ -22,9 +21,11 @@ computes: ``src`` cast to ``dst``'s dtype and broadcast to ``dst``'s shape. A bu
 slices along one dim are all written (every value of it overwritten) becomes one ``cat`` of
 the written parts, which the rules split on any other dim and DTensor differentiates.
 
-Writes into the model's own inputs, parameters and buffers (BatchNorm's running
-statistics) are left alone: they are state updates, not data flow, and functionalizing
-them would add graph outputs that the model does not return.
+A write into a fresh tensor that only the write's own result is read through (a router's
+``zeros_like(scores).scatter_(...)``, a residual ``h += x``) is plain data flow already and
+keeps its graph as exported. Writes into the model's own inputs, parameters and buffers
+(BatchNorm's running statistics) are left alone: they are state updates, not data flow, and
+functionalizing them would add graph outputs that the model does not return.
 """
 
 from __future__ import annotations

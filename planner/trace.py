@@ -25,9 +25,9 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from planner.errors import TraceError
 from planner.fingerprint import model_fingerprint
 from planner.functionalize import functional_program
-from planner.errors import TraceError
 from planner.graph import VIEW_OPS, GraphInput, OpGraph, OpNode, TensorMeta
 from planner.moe_blocks import find_moe_blocks
 from planner.opaque_backward import watch_backward
