@@ -243,7 +243,9 @@ def refine(
     Redistributing where a value arrives otherwise than its consumer reads it changes what
     later ops produce, so this repeats until nothing changes; an op DTensor fails on, or
     whose local result breaks its placements' promise, is ``forced`` to run on whole inputs
-    (each such op buys one more round). Without a fake process group it writes the program
+    (each such op buys one more round). A round that fails has the program rewritten first
+    from what it saw before failing, since earlier rounds ran other redistributions; only a
+    failure that stays is the op's own. Without a fake process group it writes the program
     from the plan's placements alone."""
     observed: dict[str, Any] = {}
     forced: dict[str, str] = {}
@@ -261,6 +263,14 @@ def refine(
             forced[observation.mismatch] = observation.mismatch_note
             continue
         if observation.error:
+            # What this run saw before it failed is newer than what earlier rounds saw (they
+            # ran other redistributions): a value the program still believes replicated may
+            # be split now, and reading it as whole is then the failure. Rewrite from that
+            # first; only a failure that stays is the op's own.
+            merged = {**observed, **observation.placements}
+            if merged != observed:
+                observed = merged
+                continue
             if observation.failed_at is None or observation.failed_at in forced:
                 return write(observed, forced, f"a compile-time dry run of this program failed: {observation.error}")
             forced[observation.failed_at] = observation.error

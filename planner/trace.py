@@ -25,8 +25,9 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from planner.fingerprint import model_fingerprint
 from planner.errors import TraceError
+from planner.fingerprint import model_fingerprint
+from planner.functionalize import functional_program
 from planner.graph import VIEW_OPS, GraphInput, OpGraph, OpNode, TensorMeta
 from planner.moe_blocks import find_moe_blocks
 from planner.opaque_backward import watch_backward
@@ -112,7 +113,9 @@ def _trace_either(model: torch.nn.Module, args: tuple, kwargs: dict, tracker: "_
 
 
 def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
-    program = _export(model, args, kwargs)
+    # In-place writes into tensors the forward makes (a buffer filled by slices) become
+    # functional ops, so every later stage sees plain data flow (planner.functionalize).
+    program = functional_program(_export(model, args, kwargs))
     signature = program.graph_signature
     graph_module = program.graph_module
     # Tied weights (an embedding shared with the head) appear once per alias in the

@@ -3,6 +3,9 @@
 * ``gather``/``index``: the indexed tensor whole and the index tensors split (each rank
   looks up its own positions), or both split alike on a dim the op does not index.
 * ``diff``: other dims than the differenced one may be split; linear.
+* ``slice_scatter``/``select_scatter`` (a write into a view, traced functionally by
+  ``planner.functionalize``): any other dim than the written one split in the base and
+  alike in the written part (DTensor's own rules; it runs no partial sums through them).
 * creation ops (``arange``, ``zeros``, ``new_ones``...): the result does not depend on any
   input value, so they run whole on every rank (a split result is a free local slice later).
 * higher-order ops that wrap a subgraph (``wrap_with_set_grad_enabled``, e.g. the rotary
@@ -78,6 +81,25 @@ def diff_rule(node: OpNode, axis_size: int) -> list[AxisCandidate]:
         found.append(AxisCandidate(placed, (Shard(dim),)))
     if all(is_float(m) for m in node.input_meta):
         found += [AxisCandidate(tuple(f for _ in node.input_meta), (f,)) for f in (SUM, AVG)]
+    return found
+
+
+@register_rule("aten.slice_scatter.default", "aten.select_scatter.default")
+def scatter_into_view_rule(node: OpNode, axis_size: int) -> list[AxisCandidate]:
+    """``slice_scatter(base, part, dim, ...)``: ``base`` with ``part`` written into a slice
+    of ``dim``; ``select_scatter(base, part, dim, index)``: into one index of ``dim`` (``part``
+    has no ``dim``). Each rank writes its piece of ``part`` into its piece of ``base`` when
+    both are split alike on another dim."""
+    if len(node.input_meta) != 2:
+        return []
+    base, part = node.input_meta
+    along = norm_dim(attr(node, 2, 0), len(base.shape))
+    removes_dim = node.op.startswith("aten.select_scatter.")
+    found = []
+    for dim in shardable_dims(base.shape, axis_size):
+        if dim != along:
+            part_dim = dim - 1 if removes_dim and dim > along else dim
+            found.append(AxisCandidate((Shard(dim), Shard(part_dim)), (Shard(dim),)))
     return found
 
 
