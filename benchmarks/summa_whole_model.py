@@ -17,35 +17,35 @@ Figures of the last run (simulator, A100 80 GB presets):
 
 * ``nvl64``: a very wide GPT (hidden 16384, 128 heads, 4 layers, 16 sequences of 4096) on one
   NVLink domain of 64 A100s: auto picks 2-D SUMMA q=8 on ``row=8 x col=8`` (351.9 ms) over
-  the 1-D search's dp=8 x tp=8 with ZeRO-2 (375.7 ms, 1.07x) and plain shardings of the grids
+  the 1-D search's dp=16 x tp=4 with ZeRO-2 (373.7 ms, 1.06x) and plain shardings of the grids
   (best 392.6 ms, 1.12x).
 * ``nvl64-long``: narrower layers (hidden 8192), 64 sequences of 8192: room for data
-  parallelism, and the 1-D plan dp=8 x tp=8 (778.5 ms) wins; the best grid (2-D, dp=4 x
-  [4,4]) takes 795.6 ms.
+  parallelism, and the 1-D plan dp=32 x tp=2 with ZeRO-2 (782.7 ms) wins; the best grid
+  (2-D, dp=4 x [4,4]) takes 795.6 ms.
 * ``one-gpu-nodes``: the wide model (64 sequences of 4096) on 64 single-A100 nodes joined by
   HDR InfiniBand (25 GB/s each): 1-D tensor parallelism does not exist there (it stays inside
-  a node), the 1-D search's best is a pipeline (2978.1 ms), and auto picks plain shardings on
-  ``dp=16 x row=2 x col=2`` (2247.3 ms): no SUMMA linear. With 4096-token sequences the
+  a node), the 1-D search's best is a pipeline (2924.4 ms), and auto picks plain shardings on
+  ``dp=16 x row=2 x col=2`` (2234.3 ms): no SUMMA linear. With 4096-token sequences the
   activations dwarf the weights and every grid moves them.
 * ``one-gpu-nodes-short``: the same model and nodes with a small step (64 sequences of 256:
   16384 tokens, as many as the width). The 1-D search's best is a pipeline (pp=4 x dp=16,
-  872.7 ms) whose replicas all-reduce every layer's 3.2 G weight gradients over InfiniBand.
+  818.6 ms) whose replicas all-reduce every layer's 3.2 G weight gradients over InfiniBand.
   **Auto picks 3-D [4,4,4] with every linear keeping its gathered operands (312.8 ms)**:
-  2.79x the 1-D search's plan and 1.18x the best plain sharding of a grid (``row=8 x col=8``,
+  2.62x the 1-D search's plan and 1.18x the best plain sharding of a grid (``row=8 x col=8``,
   Megatron-style splits over one axis with the batch on the other, 369.9 ms). 3-D moves about
   (TK + KN + TN)/16 elements per device per matmul; keeping the gathers (two all-gathers
   fewer per matmul, ``SummaLayout.keep_gathered``) is what puts it ahead: before that option
   (and before dX's reduce-scatter overlapped dW's product) forced 3-D took 412.6 ms, behind
   the plain sharding, and auto kept the plain sharding.
 * ``one-gpu-nodes-512``: the same model, 512 sequences of 128 on 512 single-A100 nodes:
-  auto picks ``dp=8 x`` 3-D [4,4,4] with kept gathers (219.8 ms): 3.73x the 1-D search's
-  pipeline (819.0 ms), 1.23x the best plain sharding (``row=8 x col=8 x dep=8``, 271.1 ms).
+  auto picks ``dp=8 x`` 3-D [4,4,4] with kept gathers (220.0 ms): 3.58x the 1-D search's
+  pipeline (788.4 ms), 1.23x the best plain sharding (``row=8 x col=8 x dep=8``, 271.1 ms).
 * ``small-nodes``: the wide model (16 sequences of 4096) on 16 nodes of 4 A100s: 1-D tensor
-  parallelism inside the node with a pipeline and data parallelism around it (620.6 ms)
+  parallelism inside the node with a pipeline and data parallelism around it (607.4 ms)
   beats the best grid (3-D [4,4,4], 731.4 ms): a scenario where SUMMA does not win.
 * ``narrow``: GPT-2 medium's width (hidden 1024, 24 layers, 64 sequences of 1024) on one DGX
-  A100 node: ZeRO-2 data parallelism with tp=2 inside NVLink (113.6 ms); no grid is worth
-  searching.
+  A100 node: ZeRO-2 data parallelism over all 8 GPUs (113.9 ms) beats the 2.5-D and 3-D
+  [2,2,2] grids (118.9 ms).
 """
 
 from __future__ import annotations
