@@ -11,7 +11,8 @@ Two pieces:
 
 * ``fit_calibration``: the parameters the cost model reads from a cluster file (a device's
   ``matmul_efficiency``, ``memory_efficiency``, ``kernel_overhead_s`` and
-  ``dtensor_op_overhead_s``, the DTensor dispatch a graph program pays per op; the intra-node
+  ``dtensor_op_overhead_s``, the DTensor dispatch a graph program pays per op;
+  ``redistribute_overhead_s``, what it pays more per collective issued in line; the intra-node
   link's latency and bandwidth, i.e. the collectives' alpha and beta) chosen so the
   simulated step times of the measured plans match their measured ones in relative error
   (a plan of 40 ms weighs like one of 400 ms). The start is the cluster's own values, with
@@ -63,8 +64,8 @@ _TASK_KINDS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-s
 ALL_COLLECTIVES = "collectives: all"
 TP_COLLECTIVES = "tensor-parallel collectives"
 OPTIMIZER_STEP = "optimizer.step"  # the profile's whole optimizer step (codegen.runtime.profiling)
-PARAMETERS = ("matmul_efficiency", "memory_efficiency", "kernel_overhead_s", "dtensor_op_overhead_s", "link_latency_s",
-              "link_bandwidth")
+PARAMETERS = ("matmul_efficiency", "memory_efficiency", "kernel_overhead_s", "dtensor_op_overhead_s",
+              "redistribute_overhead_s", "link_latency_s", "link_bandwidth")
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,7 @@ def calibration_values(cluster: Cluster) -> dict[str, float]:
         "memory_efficiency": device.memory_efficiency or defaults.MEMORY_EFFICIENCY,
         "kernel_overhead_s": defaults.KERNEL_OVERHEAD_S if device.kernel_overhead_s is None else device.kernel_overhead_s,
         "dtensor_op_overhead_s": device.dtensor_op_overhead_s or 0.0,
+        "redistribute_overhead_s": device.redistribute_overhead_s or 0.0,
         "link_latency_s": node.intra_link.latency,
         "link_bandwidth": node.intra_link.bandwidth,
     }
@@ -233,6 +235,7 @@ def with_calibration(cluster: Cluster, values: dict[str, float]) -> Cluster:
             memory_bandwidth=device.memory_bandwidth * max(1.0, memory),
             matmul_efficiency=min(1.0, matmul), memory_efficiency=min(1.0, memory),
             kernel_overhead_s=values["kernel_overhead_s"], dtensor_op_overhead_s=values["dtensor_op_overhead_s"],
+            redistribute_overhead_s=values["redistribute_overhead_s"],
         )
 
     nodes = tuple(

@@ -4,7 +4,7 @@ match measured ones.
 Every parameter ``planner calibrate`` fits enters the simulated step time linearly once it is
 written as a *time coefficient*: seconds per FLOP scale with ``1 / matmul_efficiency``,
 seconds per byte streamed with ``1 / memory_efficiency``, a collective's bytes with
-``1 / link_bandwidth``; ``kernel_overhead_s``, ``dtensor_op_overhead_s`` and the link's latency
+``1 / link_bandwidth``; ``kernel_overhead_s``, ``dtensor_op_overhead_s``, ``redistribute_overhead_s`` and the link's latency
 are seconds already. The simulator then sums these terms along the busiest path of the step
 (a max over paths of linear functions), so the step time is piecewise linear in the
 coefficients ``t``, with the critical path's counts as its slope.
@@ -45,6 +45,7 @@ COEFFICIENTS = {
     "memory_efficiency": (True, 1e-2, 1e3, 1.0),
     "kernel_overhead_s": (False, 0.0, 1e-2, 1e-6),
     "dtensor_op_overhead_s": (False, 0.0, 1e-2, 1e-6),
+    "redistribute_overhead_s": (False, 0.0, 1e-2, 1e-4),
     "link_latency_s": (False, 1e-9, 1e-1, 1e-6),
     "link_bandwidth": (True, 1e-13, 1e-6, 1e-10),
 }

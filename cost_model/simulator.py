@@ -149,6 +149,8 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
         # op (planner.cluster: dtensor_op_overhead_s); a plain data-parallel module does not.
         self.graph_program = not is_data_parallel(plan)
         self.dtensor_op_overhead_s = (self.device.dtensor_op_overhead_s or 0.0) if self.graph_program else 0.0
+        # ... and pays DTensor's redistribute machinery on every collective it issues in line.
+        self.redistribute_overhead_s = (self.device.redistribute_overhead_s or 0.0) if self.graph_program else 0.0
         self._groups = {axis: self._axis_group(axis) for axis in self.mesh.names}
         self._comm_cache: dict[tuple, float] = {}
         profile = nccl_profile(self.cluster)
@@ -494,7 +496,7 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
                 if kind is None:
                     continue
                 size_bytes = full / size if kind == "all_to_all" else full
-                seconds = self._collective(kind, size_bytes, axis)
+                seconds = self._collective(kind, size_bytes, axis) + self.redistribute_overhead_s
                 if backward:
                     cost.backward_comm_s += seconds
                 else:
@@ -525,7 +527,7 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
                     s for j, (a, s) in enumerate(self.mesh.axes) if j != index and a != "pp" and isinstance(wanted[j], Shard)
                 )
                 full = meta.nbytes * self.activation_scale / others / self.micro_batches
-                cost.backward_comm_s += self._collective("all_reduce", full, axis)
+                cost.backward_comm_s += self._collective("all_reduce", full, axis) + self.redistribute_overhead_s
                 cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + full * _SENT_FRACTION["all_reduce"](size)
 
     def _gathered_upstream(self, name: str, axis_index: int, hops: int = 8) -> bool:

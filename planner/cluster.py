@@ -24,6 +24,12 @@ to the documented default in ``cost_model/defaults.py`` when absent:
     tensor parallel, pipelines, searched layouts) pays it on every traced op, forward and
     backward; optimizer steps on DTensor parameters (FSDP, ZeRO-2, graph programs) on each of
     their ops. Absent: 0. ``planner calibrate`` fits it (``cost_model/calibration.py``).
+  * ``redistribute_overhead_s``: extra cost of each collective a graph program issues from
+    inside its forward or backward (DTensor's redistribute of an operand, the gradient
+    all-reduce of a replicated activation), seconds, >= 0: planning the redistribute, the
+    functional collective's wrapper and its wait, which the step pays in line. The
+    collectives of data parallelism (DDP buckets, FSDP's gathers) run on their own threads
+    or streams and do not pay it. Absent: 0. ``planner calibrate`` fits it.
 They are flat fields of ``DeviceSpec``; in files they live in their own table, so measured
 numbers stand apart from datasheet ones::
 
@@ -79,7 +85,8 @@ _DTYPE_ALIASES = {
 _SHORT_DTYPE = {"float32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "float16": "fp16",
                 "float8": "fp8"}
 _HEADLINE = ("bfloat16", "float16", "float32")  # in order of preference on ties
-CALIBRATION_KEYS = ("matmul_efficiency", "memory_efficiency", "kernel_overhead_s", "dtensor_op_overhead_s")
+CALIBRATION_KEYS = ("matmul_efficiency", "memory_efficiency", "kernel_overhead_s", "dtensor_op_overhead_s",
+                    "redistribute_overhead_s")
 # Fused attention kernels a device's software may run (see the module docstring); first: default.
 ATTENTION_KERNELS = ("flash-attention-2", "flash-attention-triton")
 # First line of every cluster file soap-planner writes (planner profile, Cluster.save).
@@ -181,6 +188,7 @@ class DeviceSpec:
     memory_efficiency: float | None = None  # fraction of memory_bandwidth, streaming ops
     kernel_overhead_s: float | None = None  # seconds per op, dispatch + launch
     dtensor_op_overhead_s: float | None = None  # seconds more per op on DTensors (dispatch)
+    redistribute_overhead_s: float | None = None  # seconds more per in-step collective of a graph program
     attention_kernel: str = ATTENTION_KERNELS[0]  # fused attention kernel (ATTENTION_KERNELS)
 
     def __post_init__(self) -> None:
@@ -202,7 +210,7 @@ class DeviceSpec:
                            _positive_float(self.memory_bandwidth, "DeviceSpec.memory_bandwidth"))
         for key in ("matmul_efficiency", "memory_efficiency"):
             object.__setattr__(self, key, _efficiency(getattr(self, key), f"DeviceSpec.{key}"))
-        for key in ("kernel_overhead_s", "dtensor_op_overhead_s"):
+        for key in ("kernel_overhead_s", "dtensor_op_overhead_s", "redistribute_overhead_s"):
             object.__setattr__(self, key, _overhead(getattr(self, key), f"DeviceSpec.{key}"))
 
     @property
@@ -553,7 +561,7 @@ def _parse_device(raw: Any, where: str) -> DeviceSpec:
                    f"{where}.peak_flops", DTYPE_KEYS)
     calibration = _table(table.get("calibration", {}), f"{where}.calibration", CALIBRATION_KEYS)
     # Checked here too, so that an error names the file's path (….calibration.key).
-    for key, check in zip(CALIBRATION_KEYS, (_efficiency, _efficiency, _overhead, _overhead)):
+    for key, check in zip(CALIBRATION_KEYS, (_efficiency, _efficiency, _overhead, _overhead, _overhead)):
         check(calibration.get(key), f"{where}.calibration.{key}")
     return _build(DeviceSpec, where, name=_require(table, "name", where, "the device name"),
                   peak_flops=flops, memory_bytes=memory,

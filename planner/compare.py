@@ -138,8 +138,10 @@ def format_fit(fit: CalibrationFit, cases: list[CalibrationCase]) -> str:
     """The fitted parameters beside the start, and each run's step time before and after."""
     from cost_model.calibration import step_time_with
 
-    units = {"kernel_overhead_s": 1e6, "dtensor_op_overhead_s": 1e6, "link_latency_s": 1e6, "link_bandwidth": 1e-9}
+    units = {"kernel_overhead_s": 1e6, "dtensor_op_overhead_s": 1e6, "redistribute_overhead_s": 1e6,
+             "link_latency_s": 1e6, "link_bandwidth": 1e-9}
     shown = {"kernel_overhead_s": "kernel overhead (us)", "dtensor_op_overhead_s": "DTensor op overhead (us)",
+             "redistribute_overhead_s": "redistribute overhead (us)",
              "link_latency_s": "link latency (us)", "link_bandwidth": "link bandwidth (GB/s)"}
     lines = [f"{'parameter':<24}{'start':>12}{'fitted':>12}"]
     for name in PARAMETERS:

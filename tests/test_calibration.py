@@ -114,17 +114,19 @@ def test_predicted_parts_split_the_simulated_compute_by_op_class(ddp_plan) -> No
 
 
 _START = {"matmul_efficiency": 0.7, "memory_efficiency": 0.5, "kernel_overhead_s": 5e-6, "dtensor_op_overhead_s": 0.0,
-          "link_latency_s": 1e-5, "link_bandwidth": 1e9}
+          "redistribute_overhead_s": 0.0, "link_latency_s": 1e-5, "link_bandwidth": 1e9}
 
 
 def _formula(case, values):
     """A stand-in simulator, linear in the time coefficients like the real one: seconds =
     FLOPs / (1e10 x matmul eff.) + bytes / (1e9 x memory eff.) + ops x overhead + DTensor ops
-    x their overhead + collectives x latency + bytes sent / bandwidth."""
-    flops, streamed, ops, dtensor_ops, collectives, sent = case.plan
+    x their overhead + in-line collectives x theirs + collectives x latency + bytes sent /
+    bandwidth."""
+    flops, streamed, ops, dtensor_ops, in_line, collectives, sent = case.plan
     return (flops / (1e10 * values["matmul_efficiency"]) + streamed / (1e9 * values["memory_efficiency"])
             + ops * values["kernel_overhead_s"] + dtensor_ops * values["dtensor_op_overhead_s"]
-            + collectives * values["link_latency_s"] + sent / values["link_bandwidth"])
+            + in_line * values["redistribute_overhead_s"] + collectives * values["link_latency_s"]
+            + sent / values["link_bandwidth"])
 
 
 def _cases(truth, shapes):
@@ -133,14 +135,15 @@ def _cases(truth, shapes):
 
 
 def test_fit_recovers_known_parameters() -> None:
-    """Runs measured from known values of all six parameters (a matmul efficiency above 1: a
+    """Runs measured from known values of all seven parameters (a matmul efficiency above 1: a
     datasheet peak too low) are fitted back to them, from a start far off."""
     truth = {"matmul_efficiency": 2.5, "memory_efficiency": 0.3, "kernel_overhead_s": 2e-5, "dtensor_op_overhead_s": 8e-5,
-             "link_latency_s": 1e-3, "link_bandwidth": 2e8}
-    shapes = [  # (FLOPs, bytes streamed, ops, DTensor ops, collectives, bytes sent): DDP-, tp-, pp-like
-        (1e9, 1e7, 1000, 0, 3, 4e6), (1e9, 1e7, 1200, 0, 56, 8e6), (1e9, 2e7, 1000, 900, 36, 1.8e7),
-        (5e8, 5e6, 600, 500, 8, 1e6), (2e9, 1e7, 1500, 0, 15, 8e6), (1e9, 3e7, 1400, 1300, 44, 2.3e7),
-        (3e9, 1e6, 200, 0, 2, 1e5), (1e8, 1e6, 3000, 0, 5, 2e5),
+             "redistribute_overhead_s": 2e-3, "link_latency_s": 1e-3, "link_bandwidth": 2e8}
+    shapes = [  # (FLOPs, bytes streamed, ops, DTensor ops, in-line collectives, collectives, bytes sent):
+        # DDP-, tp-, pp-like
+        (1e9, 1e7, 1000, 0, 0, 3, 4e6), (1e9, 1e7, 1200, 0, 0, 56, 8e6), (1e9, 2e7, 1000, 900, 32, 36, 1.8e7),
+        (5e8, 5e6, 600, 500, 0, 8, 1e6), (2e9, 1e7, 1500, 0, 0, 15, 8e6), (1e9, 3e7, 1400, 1300, 40, 44, 2.3e7),
+        (3e9, 1e6, 200, 0, 0, 2, 1e5), (1e8, 1e6, 3000, 0, 0, 5, 2e5), (2e9, 2e7, 1800, 1700, 12, 12, 9e6),
     ]
     cases = _cases(truth, shapes)
     fit = fit_calibration(cases, _START, simulate=_formula, prior_weight=0)
@@ -154,11 +157,11 @@ def test_fit_holds_what_the_runs_do_not_see() -> None:
     """Runs without DTensor ops or collectives say nothing of their overhead, latency or
     bandwidth: the prior keeps those at the start, while the others are fitted."""
     truth = {**_START, "matmul_efficiency": 0.25, "kernel_overhead_s": 2e-5}
-    cases = _cases(truth, [(1e9, 1e6, 10, 0, 0, 0), (1e7, 1e6, 2000, 0, 0, 0), (3e8, 1e6, 500, 0, 0, 0)])
+    cases = _cases(truth, [(1e9, 1e6, 10, 0, 0, 0, 0), (1e7, 1e6, 2000, 0, 0, 0, 0), (3e8, 1e6, 500, 0, 0, 0, 0)])
     fit = fit_calibration(cases, _START, simulate=_formula)
     assert fit.values["matmul_efficiency"] == pytest.approx(0.25, rel=0.05)
     assert fit.values["kernel_overhead_s"] == pytest.approx(2e-5, rel=0.05)
-    for name in ("dtensor_op_overhead_s", "link_latency_s", "link_bandwidth"):
+    for name in ("dtensor_op_overhead_s", "redistribute_overhead_s", "link_latency_s", "link_bandwidth"):
         assert fit.values[name] == pytest.approx(_START[name], rel=1e-6, abs=1e-12), name
     only = fit_calibration(cases, _START, simulate=_formula, parameters=("kernel_overhead_s",))
     assert only.values["matmul_efficiency"] == _START["matmul_efficiency"]  # not asked for
@@ -177,7 +180,7 @@ def test_calibrated_cluster_file_round_trip(tmp_path: Path) -> None:
     is written as a raised peak (efficiency 1)."""
     base = Cluster.preset("cpu", devices_per_node=2)
     values = {"matmul_efficiency": 3.0, "memory_efficiency": 0.4, "kernel_overhead_s": 3e-6, "dtensor_op_overhead_s": 6e-5,
-              "link_latency_s": 4e-4, "link_bandwidth": 3e8}
+              "redistribute_overhead_s": 7e-4, "link_latency_s": 4e-4, "link_bandwidth": 3e8}
     cluster = with_calibration(base, values)
     path = tmp_path / "calibrated.toml"
     cluster.save(path)
@@ -188,7 +191,8 @@ def test_calibrated_cluster_file_round_trip(tmp_path: Path) -> None:
     assert device.kernel_overhead_s == pytest.approx(3e-6) and device.dtensor_op_overhead_s == pytest.approx(6e-5)
     assert loaded.nodes[0].intra_link.latency == pytest.approx(4e-4)
     assert loaded.nodes[0].intra_link.bandwidth == pytest.approx(3e8)
-    assert "dtensor_op_overhead_s" in path.read_text()
+    assert device.redistribute_overhead_s == pytest.approx(7e-4)
+    assert "dtensor_op_overhead_s" in path.read_text() and "redistribute_overhead_s" in path.read_text()
     assert calibration_values(loaded) == pytest.approx({**values, "matmul_efficiency": 1.0})
 
 
@@ -209,6 +213,23 @@ def test_dtensor_overhead_is_charged_to_graph_programs_only(ddp_plan) -> None:
     graded = sum(1 for node in graph.nodes if any(meta.dtype.is_floating_point for meta in node.output_meta))
     added = sum(c.forward_s + c.backward_s for c in charged.costs.values()) - sum(c.forward_s + c.backward_s for c in plain.costs.values())
     assert added == pytest.approx((len(graph.nodes) + graded) * 1e-4)
+
+
+def test_redistribute_overhead_is_charged_per_in_line_collective(ddp_plan) -> None:
+    """Megatron tp on the 2-layer MLP issues two collectives in line: the all-reduce of the
+    row-parallel layer's partial output before the loss (forward) and the all-reduce of the
+    column-parallel layer's input gradient (backward, Megatron's f). At 1 ms of redistribute
+    overhead each, the step grows by exactly 2 ms; the DDP program's bucketed all-reduce
+    does not pay it."""
+    from planner import baselines
+
+    values = {**calibration_values(ddp_plan.cluster), "redistribute_overhead_s": 1e-3}
+    ddp = CalibrationCase(plan=ddp_plan, graph=ddp_plan.graph, measured_step_s=1.0)
+    assert step_time_with(ddp, values) == pytest.approx(step_time_with(ddp, calibration_values(ddp_plan.cluster)))
+    tp = baselines.megatron(ModelSpec(str(REPO / "examples/mlp.py"), MLP), "cpu:1x2", tp=2, precision="fp32")
+    case = CalibrationCase(plan=tp, graph=ddp_plan.graph, measured_step_s=1.0)
+    added = step_time_with(case, values) - step_time_with(case, calibration_values(tp.cluster))
+    assert added == pytest.approx(2e-3)
 
 
 def test_cli_compare_and_calibrate(ddp_plan, tmp_path: Path, capsys) -> None:
