@@ -58,7 +58,8 @@ class OpZoo(nn.Module):
     """Ops the seven models do not use, on uneven sizes (5, 6, 7, 9), so their rules are
     checked too: mm/bmm/matmul/baddbmm/addmm with a full bias, sums and maxima, softmaxes,
     cumsum, unbind/split/chunk, flatten/unflatten, where, gather, conv1d, pooling, reflect
-    padding, group norm, NLL, L1 and BCE losses."""
+    padding, group norm, NLL, L1 and BCE losses; and a tensor passed twice, which the graph
+    records once (``cat((x, x))`` as HF rotary embeddings write it, ``x * x``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -81,6 +82,7 @@ class OpZoo(nn.Module):
         pieces = torch.chunk(projected, 3, dim=1)
         regrouped = projected.flatten(1).unflatten(1, (6, 9))
         squeezed = x[:, :1, :].squeeze(1)
+        doubled = torch.cat((squeezed, squeezed), dim=-1) + torch.cat((squeezed * squeezed, squeezed), dim=-1)  # (5, 14)
         chosen = torch.where(running > 0, torch.cat([left, right], dim=2), regrouped).masked_fill(running > 1, 0.0)
         gathered = torch.gather(projected, 2, ids.unsqueeze(-1).clamp(0, 8))
         features = self.conv(x)  # (5, 9, 7)
@@ -89,7 +91,7 @@ class OpZoo(nn.Module):
         nll = F.nll_loss(F.log_softmax(rows, dim=-1), target, reduction="sum")
         l1 = F.l1_loss(projected, regrouped)
         bce = F.binary_cross_entropy_with_logits(rows, torch.sigmoid(biased))
-        parts = (pooled, probabilities, first, second, *pieces, squeezed, chosen, gathered, normed, self.table(ids))
+        parts = (pooled, probabilities, first, second, *pieces, squeezed, doubled, chosen, gathered, normed, self.table(ids))
         return sum(part.sum() for part in parts) + images + nll + l1 + bce
 
 

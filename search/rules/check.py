@@ -312,17 +312,23 @@ def _run(op: Any, attrs: tuple, tensors: list[torch.Tensor]) -> list[torch.Tenso
 def _fill_tensors(op: Any, attrs: tuple, tensors: list[torch.Tensor]) -> list:
     """Put the tensors back where ``attrs`` has ``None``, in order, guided by the schema:
     a ``Tensor`` slot always takes the next tensor, an optional one (``Tensor?``) only when
-    more tensors remain than the required slots after it need."""
+    more tensors remain than the required slots after it need.
+
+    A tensor passed twice is recorded once (``cat((x, x))``, ``mul(x, x)``): when the op has
+    one tensor input and more required slots, that tensor fills them all. With several
+    inputs and a repeat, which slot repeats which is lost, and this raises."""
     schema_args = op._schema.arguments
     slots: list[tuple[int, int | None, bool]] = []  # (arg position, list index, required)
     for position, value in enumerate(attrs):
         kind = str(schema_args[position].type) if position < len(schema_args) else ""
+        optional = "?" in kind or "Optional" in kind  # "Tensor?" / "Optional[Tensor]", "List[Optional[Tensor]]"
         if isinstance(value, (list, tuple)):
-            slots += [(position, item, "?" not in kind) for item, element in enumerate(value) if element is None]
+            slots += [(position, item, not optional) for item, element in enumerate(value) if element is None]
         elif value is None:
-            slots.append((position, None, not kind.endswith("?")))
+            slots.append((position, None, not optional))
     args = [list(a) if isinstance(a, (list, tuple)) else a for a in attrs]
-    remaining = list(tensors)
+    required = sum(1 for _, _, req in slots if req)
+    remaining = list(tensors) * required if len(tensors) == 1 and required > 1 else list(tensors)
     for number, (position, item, required) in enumerate(slots):
         required_after = sum(1 for _, _, req in slots[number + 1 :] if req)
         if not remaining or (not required and len(remaining) <= required_after):
