@@ -91,6 +91,9 @@ class NodeCost:
     # Once per step, not per micro-batch: gradient all-reduces over non-dp axes (SUMMA
     # meshes, cost_model.summa_node), overlapped with the rest of the backward as dp's are.
     axis_sync_s: float = 0.0
+    # Transient bytes the op holds while it runs beyond its inputs and outputs (a SUMMA
+    # matmul's received or gathered blocks and partial sums).
+    buffer_bytes: float = 0.0
 
 
 # Ops whose backward needs none of their tensor inputs, and ops whose backward reads their

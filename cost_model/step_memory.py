@@ -10,7 +10,6 @@ from cost_model.compute import check_precision
 from cost_model.recompute import activation_bytes
 from cost_model.schedules import schedule as pipeline_schedule
 from cost_model.segments import Segment
-from cost_model.summa_node import summa_buffer_bytes
 from planner.strategy import MemoryBreakdown
 
 # bytes per parameter by precision: (weights, gradients, optimizer states). Mixed
@@ -70,8 +69,8 @@ class StepMemory:
             comm += 2 * max((s.input_bytes for s in segments), default=0.0)
         # One MoE layer dispatches at a time: the largest of their buffers.
         comm += max((layer.buffer_bytes for layer in self.moe_layers.values()), default=0.0)
-        # One SUMMA matmul runs at a time: the largest of their gathered or received blocks.
-        comm += summa_buffer_bytes(self)
+        # One op runs at a time: the largest transient buffer of one (a SUMMA matmul's blocks).
+        comm += max((self.costs[name].buffer_bytes for segment in segments for name in segment.nodes), default=0.0)
         return MemoryBreakdown(
             weights=int(weights + buffers_state),
             gradients=int(grads),

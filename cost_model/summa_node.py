@@ -70,22 +70,6 @@ def summa_linear_cost(node, mesh, cluster, layout: SummaLayout, precision: str, 
                        precision, THREE_D_AXES[layout.swapped], layout.keep_gathered)
 
 
-def summa_buffer_bytes(simulator) -> float:
-    """The largest transient buffer of the plan's SUMMA linears on one device (received
-    blocks, gathered operands, partial sums: ``MatmulCost.buffer_bytes``); one matmul runs
-    at a time, so the largest is the peak. 0 on meshes without SUMMA axes."""
-    if not has_summa_axes(simulator.mesh):
-        return 0.0
-    largest = 0.0
-    for strategy in simulator.plan.strategies:
-        if isinstance(strategy.layout, SummaLayout) and strategy.op in LINEAR_OPS:
-            node = simulator.graph.node(strategy.node)
-            matmul = summa_linear_cost(node, simulator.mesh, simulator.cluster, strategy.layout,
-                                       simulator.plan.precision, simulator.micro_batches)
-            largest = max(largest, matmul.buffer_bytes)
-    return largest
-
-
 def add_summa_costs(simulator, node, strategy, cost) -> None:
     """Adjust ``cost`` (one micro-batch of ``node`` on one device) for SUMMA meshes (see the
     module docstring). A no-op on meshes without SUMMA axes."""
@@ -108,6 +92,7 @@ def _linear(simulator, node, layout: SummaLayout, cost) -> None:
     depth_s = sum(t.count * t.seconds for t in depth)
     cost.forward_s, cost.backward_s = matmul.forward_compute_s, matmul.backward_compute_s
     cost.saved_bytes += matmul.kept_bytes  # 3-D with kept gathers: held until the backward
+    cost.buffer_bytes = matmul.buffer_bytes
     cost.forward_comm_s += max(0.0, matmul.forward_s - matmul.forward_compute_s)
     cost.backward_comm_s += max(0.0, matmul.backward_s - depth_s - matmul.backward_compute_s)
     for transfer in matmul.transfers:

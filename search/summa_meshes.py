@@ -102,7 +102,11 @@ def summa_matters(graph: OpGraph, cluster: Cluster, grid: Grid, dp: int, precisi
             sync = (collective_time("all_reduce", local.k * local.n / per_node * gradient_bytes, cluster, replica_ranks)
                     if replicas > 1 else 0.0)
             cache[local] = (
-                _summa_s(local, grid, cluster, grid_ranks, precision),
+                # 3-D timed gathering its operands again in the backward, not keeping them:
+                # a grid must win without trading memory to be searched (the search may then
+                # keep the gathers); the kept variant would add a 3-D mesh to small models'
+                # searches for margins of a few percent on their matmuls alone.
+                matmul_cost(local, grid, cluster, grid_ranks, precision).total_s,
                 _best_one_d(local, devices, cluster, grid_ranks, precision),
                 _best_one_d(within_node, per_node, cluster, node_ranks, precision) + sync,
             )
@@ -112,15 +116,6 @@ def summa_matters(graph: OpGraph, cluster: Cluster, grid: Grid, dp: int, precisi
         node_bytes += local.k * local.n / per_node * (weight_bytes + gradient_bytes + state_bytes)
     crowded = replicas > 1 and node_bytes > cluster.min_device_memory
     return summa_s if crowded or summa_s < min(one_d_s, node_s) else None
-
-
-def _summa_s(shape: MatmulShape, grid: Grid, cluster: Cluster, ranks: list[int], precision: str) -> float:
-    """The grid's time for ``shape``. 3-D is timed gathering its operands again in the
-    backward, not keeping them: a grid must win without trading memory for it to be
-    searched (the search may then keep the gathers where memory allows). Timing the kept
-    variant here would add a 3-D mesh to small models' searches for margins of a few
-    percent on their matmuls alone."""
-    return matmul_cost(shape, grid, cluster, ranks, precision).total_s
 
 
 def _rows_over(shape: MatmulShape, ways: int) -> MatmulShape:

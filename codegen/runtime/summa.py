@@ -260,10 +260,17 @@ def _all_gather_rows(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return out
 
 
-def _reduce_scatter_rows(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _start_reduce_scatter_rows(tensor: torch.Tensor, group: ProcessGroup):
+    """Start the reduce-scatter of ``tensor``'s rows over ``group``: (this rank's rows, the
+    pending work; wait on it before reading them)."""
     size = dist.get_world_size(group)
     out = tensor.new_empty(tensor.shape[0] // size, *tensor.shape[1:])
-    dist.reduce_scatter_single(out, tensor.contiguous(), group=group)
+    return out, dist.reduce_scatter_single(out, tensor.contiguous(), group=group, async_op=True)
+
+
+def _reduce_scatter_rows(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    out, pending = _start_reduce_scatter_rows(tensor, group)
+    pending.wait()
     return out
 
 
@@ -292,10 +299,7 @@ class _Matmul3D(torch.autograd.Function):
             x_full = _all_gather_rows(x, grid.group(roles.gather_input))
             w_full = _all_gather_rows(w, grid.group(roles.gather_weight))
         # dX's reduce-scatter (sum over b) runs while dW's partial product is computed.
-        dx_partial = (dy_full @ w_full.T).contiguous()
-        size = dist.get_world_size(grid.group(roles.gather_input))
-        dx = dx_partial.new_empty(dx_partial.shape[0] // size, *dx_partial.shape[1:])
-        pending = dist.reduce_scatter_single(dx, dx_partial, group=grid.group(roles.gather_input), async_op=True)
+        dx, pending = _start_reduce_scatter_rows(dy_full @ w_full.T, grid.group(roles.gather_input))
         dw = _reduce_scatter_rows(x_full.T @ dy_full, grid.group(roles.gather_weight))  # sum over a
         pending.wait()
         return dx, dw, None, None, None
