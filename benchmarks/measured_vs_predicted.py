@@ -6,8 +6,8 @@ cross-validated.
 1. Plans examples/gpt.py (4 layers, hidden 128, seq 64, batch 16) as DDP, FSDP, ZeRO-1,
    tensor parallel (Megatron tp), pipeline (pp, 2 micro-batches) and DDP with full
    recomputation at 2 processes (9 plans: also ZeRO-2, FSDP and tp with recomputation), and
-   as DDP, FSDP, ZeRO-1, tp2 x dp2, tp4, pp2 x dp2 and DDP with full recomputation at 4 (7
-   plans), on the ``cpu`` preset; compiles each.
+   as DDP, FSDP, ZeRO-1, ZeRO-2, tp2 x dp2, tp4, pp2 x dp2, and DDP, FSDP and tp2 x dp2 with
+   full recomputation at 4 (10 plans), on the ``cpu`` preset; compiles each.
 2. Runs each under ``torchrun --nproc_per_node N launch.py --steps S --profile``, in
    ``--repeats`` passes over all the plans, and keeps the measured.json files in ``--out`` (a
    later run with the same ``--out`` reuses them); a plan's measured step time is the median
@@ -69,11 +69,13 @@ def make_plans(spec: ModelSpec) -> dict[str, planner.Plan]:
         plans[f"w{world} ddp+recompute"] = dataclasses.replace(ddp, recompute="full", estimate=planner.simulate(
             dataclasses.replace(ddp, recompute="full")))
     plans["w4 tp4"] = baselines.megatron(spec, "cpu:1x4", tp=4, precision="fp32")
-    plans["w2 zero2"] = planner.plan(spec, "cpu:1x2", dp_flavour="zero2", progress=False)
-    fsdp = plans["w2 fsdp"]
-    plans["w2 fsdp+recompute"] = dataclasses.replace(fsdp, recompute="full", estimate=planner.simulate(
-        dataclasses.replace(fsdp, recompute="full")))
-    plans["w2 tp2+recompute"] = baselines.megatron(spec, "cpu:1x2", tp=2, recompute="full", precision="fp32")
+    for world in (2, 4):
+        cluster = f"cpu:1x{world}"
+        plans[f"w{world} zero2"] = planner.plan(spec, cluster, dp_flavour="zero2", progress=False)
+        fsdp = plans[f"w{world} fsdp"]
+        plans[f"w{world} fsdp+recompute"] = dataclasses.replace(fsdp, recompute="full", estimate=planner.simulate(
+            dataclasses.replace(fsdp, recompute="full")))
+        plans[f"w{world} tp2+recompute"] = baselines.megatron(spec, cluster, tp=2, recompute="full", precision="fp32")
     return plans
 
 
