@@ -24,7 +24,9 @@ the plan alone.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import re
 import sys
 import traceback
@@ -39,6 +41,9 @@ from planner.model_spec import extract_loss
 from planner.plans import Plan
 
 _FILENAME = "<model_spmd dry run>"
+# DTensor logs a performance hint when it redistributes over two mesh axes in two collectives;
+# a dry run moves no data, so the hint would only scroll past a user's compile.
+_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
 # How a forced op's reason starts when DTensor ran it but its local result broke the promise.
 WRONG_LOCAL_SHAPE = "wrong local shape"
 
@@ -90,12 +95,32 @@ def observe(plan: Plan, source: str, expected: Mapping[str, tuple[int, ...]] | N
     group on meta tensors; ``expected`` (``traced_shapes``) are the global shapes each op's
     local result is checked against (``Observation.mismatch``)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     module = _load(source)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    with _quiet_logger(_REDISTRIBUTE_LOGGER):
+        return _observe_on_fake_group(plan, module, expected)
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str):
+    """Only errors from logger ``name`` while the block runs."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _observe_on_fake_group(plan: Plan, module: types.ModuleType, expected: Mapping[str, tuple[int, ...]] | None) -> Observation:
+    """``observe``'s run, on the fake group it started (destroyed here, whatever happens)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
     try:
         mesh = init_device_mesh("cpu", plan.mesh.shape, mesh_dim_names=plan.mesh.names)
         torch.manual_seed(0)
