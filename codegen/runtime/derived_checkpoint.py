@@ -11,13 +11,17 @@ experts, plain FSDP, one device) and ``export-checkpoint`` rebuilds the whole te
 
 ``DerivedPart`` describes a rank's part in DCP's own protocol: ``__create_write_items__`` (the
 chunks to write, with their offsets in the whole tensor) and ``__create_chunk_list__`` (the
-chunks to read into). Kept rows become one chunk each, so two ranks holding copies of the
-same expert describe identical chunks and DCP's save planner keeps one writer for each
-(it drops write items of the same name and offset from all but one rank); both read it back.
-A slice is one chunk. DCP's default planners find a tensor's chunk by offset only for
-tensors and DTensors, so ``DerivedSavePlanner`` and ``DerivedLoadPlanner`` extend their
-lookup (the extension points DCP documents) to return the chunk's view of the rank's tensor:
-a load writes straight into the parameter or optimizer state.
+chunks to read into). Each kept row is a chunk of its own: two ranks holding copies of the
+same expert then describe identical chunks, and DCP's save planner keeps one writer for
+each (it drops write items of the same name and offset from all but one rank), while both
+read it back. (Runs of consecutive rows would be fewer chunks, but a rank's run could
+overlap another rank's different run, which DCP refuses.) A slice is one chunk.
+
+DCP's default planners find a tensor's chunk by offset only for tensors and DTensors, so
+``DerivedSavePlanner`` and ``DerivedLoadPlanner`` extend their lookup (the extension points
+DCP documents) to return the chunk's view of the rank's tensor: a load writes straight into
+the parameter or optimizer state. The load planner also keeps parts away from the default
+set-up, which replaces values it does not know with None.
 """
 
 from __future__ import annotations
