@@ -6,7 +6,8 @@
   parallel under DDP with expert 0 copied on both ranks, save; resume on the expert-sliced
   mode under FSDP2 and on one device without MoE layers for 4 more; resume the one-device
   checkpoint expert parallel under FSDP2 for 2 more: every loss equals an uninterrupted
-  single-device run (1e-5). Expert 0 is written once though two ranks hold it.
+  single-device run (1e-5). Expert 0 is written once though two ranks hold it. Tiny HF
+  Mixtral's stacked experts, placed under FSDP2, resume data parallel under DDP likewise.
 - ``export-checkpoint`` of an MoE checkpoint loads (strict, ``weights_only=True``) into the
   model built from the spec, with the single device's weights; ``launch.py --init-from``
   starts an expert-parallel program from it with the single device's loss.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_plans import EXPERTS, MOE_EXAMPLE, moe_plan
+from moe_plans import EXPERTS, MOE_EXAMPLE, hf_moe_plan, moe_plan
 from test_checkpoint import _losses, _ok, _single_device_losses, _torchrun
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -126,3 +127,24 @@ def test_moe_checkpoints_resume_on_other_plans_export_and_init_from(moe_programs
     with torch.no_grad():
         expected = extract_loss(model(*random_like(args), **random_like(kwargs))).item()
     assert started[1] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.distributed
+def test_hf_mixtral_experts_resume_in_another_mode(tmp_path) -> None:
+    """transformers' own MoE block: its stacked experts placed (expert 0 copied) under FSDP2,
+    saved after 3 steps, resumed data parallel under DDP (every expert on every rank)."""
+    placed = planner.compile(hf_moe_plan(2, "mixtral", "expert_parallel", "skewed", flavour="fsdp"), tmp_path / "ep")
+    replicated = planner.compile(hf_moe_plan(2, "mixtral", "data_parallel"), tmp_path / "dp")
+    saved = tmp_path / "ckpt"
+    first = _losses(_ok(_torchrun(2, str(placed / "launch.py"), "--steps", "3", "--checkpoint-dir", str(saved),
+                                  cwd=tmp_path)))
+    resumed = _losses(_ok(_torchrun(2, str(replicated / "launch.py"), "--steps", "6", "--checkpoint-dir", str(saved),
+                                    "--resume", cwd=tmp_path)))
+    assert sorted(first) == [1, 2, 3] and sorted(resumed) == [4, 5, 6]
+    reference = _single_device_losses(replicated, 6)
+    for step, loss in {**first, **resumed}.items():
+        assert loss == pytest.approx(reference[step - 1], abs=1e-5), step
+    exported = tmp_path / "model.pt"
+    export_checkpoint(saved / "step-00000003", exported)
+    model = load_program(replicated).build_model()[0]
+    model.load_state_dict(torch.load(exported, weights_only=True))  # strict
