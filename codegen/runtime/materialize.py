@@ -192,9 +192,13 @@ def name_derived_sources(model: nn.Module, sources: dict[str, torch.Tensor]) -> 
     ``sources`` maps each name to its parameter in the model as the spec built it, before
     ``parallelize`` replaced layers (``dict(model.named_parameters())`` taken then, and held
     until this call, so no parameter's id() was reused meanwhile). Returns how many were named."""
-    by_id = {}
+    by_id: dict[int, str] = {}
     for name, tensor in sources.items():
         by_id.setdefault(id(tensor), name)
+    return _name_sources_by_id(model, by_id)
+
+
+def _name_sources_by_id(model: nn.Module, by_id: dict[int, str]) -> int:
     named = 0
     for module in model.modules():
         derived = module.__dict__.get(DERIVED_ATTRIBUTE, {})
@@ -261,6 +265,8 @@ def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules
             another form must be built from the whole model), or a part of a parameter that
             a wrapper then sharded again.
     """
+    if source_names:
+        _name_sources_by_id(model, source_names)
     names = parameter_names(model)
     derived = derived_parameters(model)
     done: set[int] = set()
@@ -271,10 +277,6 @@ def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules
         done.add(id(param))
         name = names.get(id(param))
         derivation = derived.get(name) if name is not None else None
-        if derivation is not None and not derivation.source_name and source_names \
-                and derivation.source_id in source_names:
-            _record_source_name(model, name, source_names[derivation.source_id])
-            derivation = derived_parameters(model)[name]
         if derivation is not None and derivation.source_name:
             source = derivation.source_name
             if derivation.whole:  # the same values as the source, however a wrapper shards them
@@ -289,13 +291,6 @@ def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules
             raise ValueError(f"a meta parameter of shape {tuple(param.shape)} is not a parameter of the model built from the spec")
         total += _materialize_parameter(param, name, device, rules[name], seed)
     return total
-
-
-def _record_source_name(model: nn.Module, name: str, source: str) -> None:
-    """Note in the owning module which model parameter the derived ``name`` is part of."""
-    path, _, attribute = name.rpartition(".")
-    derived = model.get_submodule(path).__dict__[DERIVED_ATTRIBUTE]
-    derived[attribute] = dataclasses.replace(derived[attribute], source_name=source)
 
 
 def _materialize_derived(param: nn.Parameter, name: str, device: torch.device, rule: InitRule, seed: int,
