@@ -6,7 +6,8 @@
   parallel under DDP with expert 0 copied on both ranks, save; resume on the expert-sliced
   mode under FSDP2 and on one device without MoE layers for 4 more; resume the one-device
   checkpoint expert parallel under FSDP2 for 2 more: every loss equals an uninterrupted
-  single-device run (1e-5). Expert 0 is written once though two ranks hold it. Tiny HF
+  single-device run (1e-5). Expert 0 is written once though two ranks hold it. A model with
+  other expert shapes is refused with one line. Tiny HF
   Mixtral's stacked experts, placed under FSDP2, resume data parallel under DDP likewise.
 - ``export-checkpoint`` of an MoE checkpoint loads (strict, ``weights_only=True``) into the
   model built from the spec, with the single device's weights; ``launch.py --init-from``
@@ -68,6 +69,9 @@ def moe_programs(tmp_path_factory) -> dict[str, Path]:
         "sliced_fsdp": moe_plan(2, "expert_sliced", flavour="fsdp"),
         "one": data_parallel_plan(graph, cluster, spec, name, "ddp", precision="fp32"),  # no MoE layers
     }
+    spec = ModelSpec(str(MOE_EXAMPLE), {"n_expert": 2 * EXPERTS, "capacity_factor": 1.25})
+    graph, spec, name, cluster = prepare_model(spec, "cpu:1x1")
+    plans["more_experts"] = data_parallel_plan(graph, cluster, spec, name, "ddp", precision="fp32")
     return {key: planner.compile(plan, root / key) for key, plan in plans.items()}
 
 
@@ -102,6 +106,13 @@ def test_moe_checkpoints_resume_on_other_plans_export_and_init_from(moe_programs
     for losses in (first, sliced, single, placed):
         for step, loss in losses.items():
             assert loss == pytest.approx(reference[step - 1], abs=1e-5), step
+
+    # Another model (twice the experts) is refused with one line, not a traceback per rank.
+    refused = _torchrun(1, str(moe_programs["more_experts"] / "launch.py"), "--steps", "10", "--checkpoint-dir",
+                        str(saved), "--resume", cwd=tmp_path)
+    said = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert refused.returncode != 0 and "[rank0]: Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert len(said) == 1 and "cannot load checkpoint" in said[0] and "Size mismatch" in said[0], refused.stderr[-2000:]
 
     # The expert-parallel checkpoint: each expert one chunk, expert 0 (on both ranks) written once.
     metadata = FileSystemReader(str(saved / "step-00000004")).read_metadata().state_dict_metadata

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import (
     compute_local_shape_and_global_offset,  # DTensor's shard maths
@@ -288,14 +288,22 @@ class Checkpointer:
         try:
             with torch.no_grad():
                 dcp.load(state, checkpoint_id=str(folder), process_group=self._group, planner=DerivedLoadPlanner())
-        except Exception as error:  # DCP wraps every rank's failure (CheckpointException): say it in one line
+        except (Exception, CheckpointException) as error:  # DCP wraps every rank's failure: say it in one line
             raise LaunchError(
-                f"cannot load checkpoint '{folder}' into this program: {' '.join(str(error).split())[:300]}; resume "
+                f"cannot load checkpoint '{folder}' into this program: {_first_failure(error)[:300]}; resume "
                 f"with the model it was saved from (same shapes), or start a new run with --init-from"
             ) from error
         if rng_key in state:
             torch.set_rng_state(state[rng_key])
         return int(state["train.step"])
+
+
+def _first_failure(error: BaseException) -> str:
+    """What went wrong, in one line: DCP's ``CheckpointException`` holds each rank's
+    exception (its own text is every rank's traceback); the lowest rank's is said."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = error.failures[min(error.failures)][0]
+    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
