@@ -171,8 +171,11 @@ def test_derived_parameters_get_their_part_of_the_model_weight(monkeypatch) -> N
     assert torch.equal(model.sliced.w_in, whole[:, :, 2:6])
     assert torch.equal(model.copied.w_in, whole)
     assert mat.derived_parameters(model)["placed.w_in"].source_name == "experts.w_in"
-    # On real tensors the part is copied at once.
+    # On real tensors the part is copied at once; the record keeps the source's shape, not its values.
     real = torch.arange(24.0).reshape(4, 6)
     holder = nn.Module()
     assert torch.equal(mat.set_derived_parameter(holder, "w", real, rows=[2], dim=1, start=1, stop=3), real[[2], 1:3])
-    assert mat.derived_parameters(holder) == {}
+    record = mat.derived_parameters(holder)["w"]
+    assert record.source.device.type == "meta" and record.source.shape == real.shape and record.rows == (2,)
+    assert mat.name_derived_sources(holder, {"table": real}) == 1
+    assert mat.derived_parameters(holder)["w"].source_name == "table"

@@ -10,7 +10,11 @@ DCP reshards every tensor to the placements the new program holds it in:
 
 - ``model.<name>``: every parameter this rank holds (a DTensor shard or a whole tensor),
   under its qualified name in the model built from the spec (a tied weight under its first
-  name), and ``buffer.<name>``: the model's persistent buffers;
+  name), and ``buffer.<name>``: the model's persistent buffers. An MoE program's runtime
+  layers hold parts of the model's parameters (a rank's own experts, a copied hot expert on
+  several ranks, a slice of every expert): each is saved under the name of the model
+  parameter it is part of, as the chunks of it this rank holds
+  (``codegen.runtime.derived_checkpoint``), so it reshards like any other;
 - ``optim.<name>.<state>``: the optimizer's state of that parameter (AdamW's ``step``,
   ``exp_avg``, ``exp_avg_sq``), laid out like the parameter;
 - ``train.step``: the number of steps taken, which is also the data position (the loop
@@ -36,12 +40,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import (
     compute_local_shape_and_global_offset,  # DTensor's shard maths
 )
 
+from codegen.runtime.derived_checkpoint import (
+    DerivedLoadPlanner,
+    DerivedPart,
+    DerivedSavePlanner,
+    as_saved,
+    saved_parameters,
+)
 from codegen.runtime.materialize import parameter_names
 from planner.errors import LaunchError
 
@@ -102,24 +113,28 @@ def read_info(folder: Path) -> dict:
         raise LaunchError(f"{path} is unreadable ({error}); resume from an earlier step-<N> folder") from error
 
 
-def model_tensors(model: nn.Module, module: nn.Module) -> dict[str, torch.Tensor]:
+def model_tensors(model: nn.Module, module: nn.Module) -> dict[str, torch.Tensor | DerivedPart]:
     """``model.<name>`` -> every parameter of ``module`` (this rank's, as ``parallelize``
-    returned it), named as in ``model``; ``buffer.<name>`` -> the model's persistent buffers.
+    returned it), named as in ``model``, a part of a model parameter (MoE experts) as a
+    ``DerivedPart`` under its source's name; ``buffer.<name>`` -> the model's persistent buffers.
 
     Raises:
-        LaunchError: ``module`` holds a parameter the model does not (an MoE program's
-            experts, rebuilt as per-rank slices): such programs cannot be checkpointed yet.
+        LaunchError: ``module`` holds a parameter the model does not hold and that is not
+            recorded as a part of one of its parameters, or two that are saved under one name.
     """
-    names = parameter_names(model)
-    tensors: dict[str, torch.Tensor] = {}
+    entries = saved_parameters(model)
+    tensors: dict[str, torch.Tensor | DerivedPart] = {}
     for param in module.parameters():
-        name = names.get(id(param))
-        if name is None:
+        if id(param) not in entries:
             raise LaunchError(
                 f"this program holds a parameter of shape {tuple(param.shape)} that the model built from the spec does "
-                f"not (MoE experts held as per-rank slices); checkpoints of such programs are not supported yet"
+                f"not, and that is not recorded as a part of one of its parameters (materialize.set_derived_parameter); "
+                f"such a program cannot be checkpointed: make its runtime layers derive their weights from the model's"
             )
-        tensors[f"model.{name}"] = param
+        name, derivation = entries[id(param)]
+        if f"model.{name}" in tensors:
+            raise LaunchError(f"this program holds two parameters saved as {name}; a checkpoint keeps one tensor per name")
+        tensors[f"model.{name}"] = as_saved(param, derivation)
     for name, buffer in model.named_buffers():
         owner, _, key = name.rpartition(".")
         holder = model.get_submodule(owner) if owner else model
@@ -133,14 +148,16 @@ def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optim", optimizer)
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, torch.Tensor]:
-    """``optim.<parameter name>.<state>`` -> each tensor of the optimizer's state."""
-    names = parameter_names(model)
+def optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, torch.Tensor | DerivedPart]:
+    """``optim.<parameter name>.<state>`` -> each tensor of the optimizer's state (a part
+    of a model parameter's states under the source's name, as ``model_tensors`` names it)."""
+    entries = saved_parameters(model)
     tensors = {}
     for param, state in _inner(optimizer).state.items():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and id(param) in names:
-                tensors[f"optim.{names[id(param)]}.{key}"] = value
+            if isinstance(value, torch.Tensor) and id(param) in entries:
+                name, derivation = entries[id(param)]
+                tensors[f"optim.{name}.{key}"] = as_saved(value, derivation)
     return tensors
 
 
@@ -187,7 +204,7 @@ class Checkpointer:
         self._group = dist.new_group(backend="gloo")
         self._pending: tuple[object, int, Path] | None = None
 
-    def _state(self, step: int) -> dict[str, torch.Tensor]:
+    def _state(self, step: int) -> dict[str, torch.Tensor | DerivedPart]:
         state = {**model_tensors(self.model, self.module), **optimizer_tensors(self.optimizer, self.model)}
         state["train.step"] = torch.tensor(step, dtype=torch.int64)
         state[f"rng.rank{dist.get_rank()}"] = torch.get_rng_state()
@@ -202,10 +219,11 @@ class Checkpointer:
         with torch.no_grad():  # a snapshot: training goes on changing the live tensors
             snapshot = {key: value.detach().clone() for key, value in self._state(step).items()}
         if asynchronous:
-            response = dcp.async_save(snapshot, checkpoint_id=str(folder), process_group=self._group)
+            response = dcp.async_save(snapshot, checkpoint_id=str(folder), process_group=self._group,
+                                      planner=DerivedSavePlanner())
             self._pending = (getattr(response, "upload_completion", response), step, folder)
         else:
-            dcp.save(snapshot, checkpoint_id=str(folder), process_group=self._group)
+            dcp.save(snapshot, checkpoint_id=str(folder), process_group=self._group, planner=DerivedSavePlanner())
             self._pending = (None, step, folder)
             completed = self.wait()
         return completed
@@ -269,15 +287,23 @@ class Checkpointer:
             )
         try:
             with torch.no_grad():
-                dcp.load(state, checkpoint_id=str(folder), process_group=self._group)
-        except Exception as error:  # DCP wraps every rank's failure (CheckpointException): say it in one line
+                dcp.load(state, checkpoint_id=str(folder), process_group=self._group, planner=DerivedLoadPlanner())
+        except (Exception, CheckpointException) as error:  # DCP wraps every rank's failure: say it in one line
             raise LaunchError(
-                f"cannot load checkpoint '{folder}' into this program: {' '.join(str(error).split())[:300]}; resume "
+                f"cannot load checkpoint '{folder}' into this program: {_first_failure(error)[:300]}; resume "
                 f"with the model it was saved from (same shapes), or start a new run with --init-from"
             ) from error
         if rng_key in state:
             torch.set_rng_state(state[rng_key])
         return int(state["train.step"])
+
+
+def _first_failure(error: BaseException) -> str:
+    """What went wrong, in one line: DCP's ``CheckpointException`` holds each rank's
+    exception (its own text is every rank's traceback); the lowest rank's is said."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = error.failures[min(error.failures)][0]
+    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
@@ -313,8 +339,9 @@ def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
 def init_from(path: Path, model: nn.Module, module: nn.Module) -> int:
     """Overwrite this rank's weights (and the model's buffers) with a plain ``state_dict``
     file (``export-checkpoint``'s, or ``torch.save(model.state_dict())`` of the original
-    model): each rank keeps its own shard of every tensor. The file is memory-mapped, so a
-    rank reads only the parts it keeps. Returns the number of tensors set.
+    model): each rank keeps its own shard of every tensor (an MoE program's rank its own
+    experts' rows or slices). The file is memory-mapped, so a rank reads only the parts it
+    keeps. Returns the number of tensors set.
 
     Raises:
         LaunchError: the file is missing, not a weights-only state_dict, or lacks a tensor of
@@ -335,13 +362,15 @@ def init_from(path: Path, model: nn.Module, module: nn.Module) -> int:
         for key, target in targets.items():
             name = key.partition(".")[2]
             value = loaded.get(name)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.size()):
                 found = "no such tensor" if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)}"
                 raise LaunchError(
-                    f"--init-from: '{path}' does not fit this model: {name} of shape {tuple(target.shape)} has {found}; "
+                    f"--init-from: '{path}' does not fit this model: {name} of shape {tuple(target.size())} has {found}; "
                     f"export the checkpoint of a run of the same model"
                 )
-            if isinstance(target, DTensor):  # this rank's block only: the other pages of the file stay unread
+            if isinstance(target, DerivedPart):  # this rank's experts (rows) or slices only
+                target.copy_from_whole(value)
+            elif isinstance(target, DTensor):  # this rank's block only: the other pages of the file stay unread
                 local_shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
                 block = value[tuple(slice(start, start + size) for start, size in zip(offset, local_shape))]
                 target.to_local().copy_(block)

@@ -25,7 +25,9 @@ A program that replaces a layer with a runtime one (an MoE layer keeping this ra
 gives it parameters made from the model's with :func:`set_derived_parameter` (rows of dim 0
 and/or a range of one dim of a model parameter): on real tensors a copy of that part; on
 meta an empty parameter that :func:`materialize` fills with the values that part of the model
-parameter gets, drawn like any shard, so the rank never holds the rest.
+parameter gets, drawn like any shard, so the rank never holds the rest. Either way the part
+is recorded (a :class:`Derivation`), and :func:`name_derived_sources` notes which model
+parameter it is part of: checkpoints save it under that name (``codegen.runtime.derived_checkpoint``).
 
 Buffers are not parameters: the model's constructor computes them (causal masks, rotary
 frequencies), so ``planner.model_spec.parameters_on_meta`` keeps them real while it sends parameters to meta.
@@ -127,14 +129,16 @@ def draw_region(
 class Derivation:
     """Which part of a model parameter (``source``) a runtime parameter holds: the dim-0
     ``rows`` in that order (None: every row), narrowed to ``[start, stop)`` on dim ``dim``
-    (None: whole)."""
+    (None: whole). ``source`` is a meta tensor of the model parameter's shape and dtype (the
+    parameter itself when it was on meta): a record holds no values."""
 
     source: torch.Tensor
     rows: tuple[int, ...] | None = None
     dim: int | None = None
     start: int = 0
     stop: int = 0
-    source_name: str = ""  # the source's name in the model as built, once materialised
+    source_name: str = ""  # the source's name in the model as built (name_derived_sources)
+    source_id: int = 0  # id() of the model parameter it was made from, until it is named
 
     @property
     def whole(self) -> bool:
@@ -161,15 +165,16 @@ def set_derived_parameter(module: nn.Module, attribute: str, source: torch.Tenso
     tensors it is a copy of those values; on meta an empty meta parameter that
     :func:`materialize` fills with what that part of ``source`` (a model parameter) is
     initialised with. The derivation is kept in ``module.derived_parameters`` by attribute
-    name, which wrappers such as FSDP2 leave in place when they replace the parameter."""
+    name, which wrappers such as FSDP2 leave in place when they replace the parameter; it
+    keeps only the source's shape and dtype, never its values."""
     if dim is not None and stop is None:
         stop = source.shape[dim]
-    derivation = Derivation(source, None if rows is None else tuple(int(r) for r in rows), dim, start,
-                            0 if stop is None else stop)
+    shape_only = source if source.device.type == "meta" else torch.empty(source.shape, dtype=source.dtype, device="meta")
+    derivation = Derivation(shape_only, None if rows is None else tuple(int(r) for r in rows), dim, start,
+                            0 if stop is None else stop, source_id=id(source))
     param = nn.Parameter(derivation.part_of(source.detach()).clone())
     setattr(module, attribute, param)
-    if source.device.type == "meta":
-        module.__dict__.setdefault(DERIVED_ATTRIBUTE, {})[attribute] = derivation
+    module.__dict__.setdefault(DERIVED_ATTRIBUTE, {})[attribute] = derivation
     return param
 
 
@@ -180,6 +185,29 @@ def derived_parameters(model: nn.Module) -> dict[str, Derivation]:
         for path, module in model.named_modules()
         for attribute, derivation in module.__dict__.get(DERIVED_ATTRIBUTE, {}).items()
     }
+
+
+def name_derived_sources(model: nn.Module, sources: dict[str, torch.Tensor]) -> int:
+    """Note in every derivation in ``model`` the name of the model parameter it is part of.
+    ``sources`` maps each name to its parameter in the model as the spec built it, before
+    ``parallelize`` replaced layers (``dict(model.named_parameters())`` taken then, and held
+    until this call, so no parameter's id() was reused meanwhile). Returns how many were named."""
+    by_id: dict[int, str] = {}
+    for name, tensor in sources.items():
+        by_id.setdefault(id(tensor), name)
+    return _name_sources_by_id(model, by_id)
+
+
+def _name_sources_by_id(model: nn.Module, by_id: dict[int, str]) -> int:
+    named = 0
+    for module in model.modules():
+        derived = module.__dict__.get(DERIVED_ATTRIBUTE, {})
+        for attribute, derivation in derived.items():
+            source = by_id.get(derivation.source_id)
+            if source is not None and not derivation.source_name:
+                derived[attribute] = dataclasses.replace(derivation, source_name=source)
+                named += 1
+    return named
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
@@ -227,9 +255,9 @@ def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules
     storage swapped in, hooks registered again), so optimizers, FSDP2 and tied weights that
     hold them stay valid. Returns the number of bytes materialised on this rank.
 
-    ``source_names`` (:func:`parameter_names` of the model before ``parallelize``) names the
-    model parameters that derived parameters (:func:`set_derived_parameter`) hold parts of:
-    those are initialised as that part of their source.
+    Derived parameters (:func:`set_derived_parameter`) are initialised as their part of the
+    model parameter :func:`name_derived_sources` named, or that ``source_names``
+    (:func:`parameter_names` of the model before ``parallelize``) names.
 
     Raises:
         ValueError: a meta parameter of ``module`` that the model does not hold and that was
@@ -237,6 +265,8 @@ def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules
             another form must be built from the whole model), or a part of a parameter that
             a wrapper then sharded again.
     """
+    if source_names:
+        _name_sources_by_id(model, source_names)
     names = parameter_names(model)
     derived = derived_parameters(model)
     done: set[int] = set()
@@ -247,9 +277,8 @@ def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules
         done.add(id(param))
         name = names.get(id(param))
         derivation = derived.get(name) if name is not None else None
-        if derivation is not None and source_names and id(derivation.source) in source_names:
-            source = source_names[id(derivation.source)]
-            _record_source_name(model, name, source)
+        if derivation is not None and derivation.source_name:
+            source = derivation.source_name
             if derivation.whole:  # the same values as the source, however a wrapper shards them
                 total += _materialize_parameter(param, source, device, rules[source], seed)
             elif isinstance(param, DTensor):
@@ -262,13 +291,6 @@ def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules
             raise ValueError(f"a meta parameter of shape {tuple(param.shape)} is not a parameter of the model built from the spec")
         total += _materialize_parameter(param, name, device, rules[name], seed)
     return total
-
-
-def _record_source_name(model: nn.Module, name: str, source: str) -> None:
-    """Note in the owning module which model parameter the derived ``name`` is part of."""
-    path, _, attribute = name.rpartition(".")
-    derived = model.get_submodule(path).__dict__[DERIVED_ATTRIBUTE]
-    derived[attribute] = dataclasses.replace(derived[attribute], source_name=source)
 
 
 def _materialize_derived(param: nn.Parameter, name: str, device: torch.device, rule: InitRule, seed: int,

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from codegen.runtime.materialize import init_rules, materialize, parameter_names
+from codegen.runtime.materialize import init_rules, materialize, name_derived_sources
 from planner.errors import LaunchError, PlanningError
-from planner.plan_checks import check_model_matches
 from planner.model_spec import announce_import, parameters_on_meta
+from planner.plan_checks import check_model_matches
 from planner.plans import Plan, load_plan
 
 # Every rank builds the model from its spec with this seed, so weights (and the example
@@ -110,15 +110,20 @@ class Program:
         are the checkpoint's), this rank's module and the global example batch."""
         if not self.parallelizes_on_meta:
             model, args, kwargs = self.build_model(seed)
-            return model, self.parallelize(model, mesh), args, kwargs
+            sources = dict(model.named_parameters(remove_duplicate=False))  # see below
+            module = self.parallelize(model, mesh)
+            name_derived_sources(model, sources)
+            return model, module, args, kwargs
         model, args, kwargs = self._build(self.device(), seed, meta_parameters=True)
         check_model_matches(self.plan, model, args, kwargs)
         rules = init_rules(model)
-        # The names as the spec builds them: a layer the program replaces (MoE) derives its
-        # parameters from these, and they are initialised under these names.
-        source_names = parameter_names(model)
+        # The parameters as the spec builds them, held through parallelize: a layer the
+        # program replaces (MoE) derives its parameters from these, and they are initialised
+        # (and checkpointed) under these names.
+        sources = dict(model.named_parameters(remove_duplicate=False))
         module = self.parallelize(model, mesh)
-        materialize(module, model, self.device(), rules, seed, source_names)
+        name_derived_sources(model, sources)
+        materialize(module, model, self.device(), rules, seed)
         return model, module, args, kwargs
 
     @property
@@ -225,7 +230,7 @@ def load_program(folder: str | Path) -> Program:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as error:  # noqa: BLE001 - an edited or truncated program: one line, not a traceback per rank
+    except Exception as error:
         line = getattr(error, "lineno", None) or _failing_line(error, str(source))
         raise LaunchError(
             f"{source} fails to import{f' (line {line})' if line else ''}: {type(error).__name__}: "
