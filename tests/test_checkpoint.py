@@ -95,6 +95,7 @@ def programs(tmp_path_factory) -> dict[str, Path]:
     write("pp", megatron_plan(graph, cluster, spec, name, pp=2, schedule="1f1b", micro_batch=2, precision="fp32"))
     graph, spec, name, cluster = prepare_model(GPT, "cpu:1x4")
     write("dp_tp", megatron_plan(graph, cluster, spec, name, tp=2, sequence_parallel=True, precision="fp32"))
+    write("dp_tp_zero1", megatron_plan(graph, cluster, spec, name, tp=2, dp_flavour="zero1", precision="fp32"))
     write("wide_fsdp", planner.plan(WIDE_MLP, "cpu:1x4", dp_flavour="fsdp", precision="fp32"))
     write("summa_2d", summa_plan(GPT, "2d"))
     write("moe_ep_fsdp", moe_plan(2, "expert_parallel", "skewed", flavour="fsdp"))
@@ -242,6 +243,22 @@ def test_resume_on_other_plans_export_and_init_from(programs, reference_losses, 
     with torch.no_grad():
         expected = extract_loss(model(*random_like(args), **random_like(kwargs))).item()
     assert started[1] == pytest.approx(expected, abs=1e-5)
+
+
+def test_zero1_of_a_graph_program_trains_and_checkpoints_its_pieces(programs, reference_losses, tmp_path) -> None:
+    """ZeRO-1 beside tensor parallelism (dp 2 x tp 2) keeps each rank's piece of every
+    weight's AdamW states. One device trains 2 steps and saves; the dp x tp program resumes
+    from it (the states loaded into each rank's pieces), trains steps 3-4 and saves (each
+    piece written as its box of the whole weight); one device resumes for 5-8. Every loss
+    is the uninterrupted single device's: states lost or misplaced would change them."""
+    saved = tmp_path / "ckpt"
+    common = ["--checkpoint-dir", str(saved), "--save-every", "2"]
+    first = _losses(_ok(_torchrun(1, str(programs["one"] / "launch.py"), "--steps", "2", *common, cwd=tmp_path)))
+    middle = _ok(_torchrun(4, str(programs["dp_tp_zero1"] / "launch.py"), "--steps", "4", *common, "--resume", cwd=tmp_path))
+    last = _losses(_ok(_torchrun(1, str(programs["one"] / "launch.py"), "--steps", "8", *common, "--resume", cwd=tmp_path)))
+    assert "at step 2" in middle and sorted(_losses(middle)) == [3, 4] and sorted(last) == [5, 6, 7, 8]
+    for step, loss in {**first, **_losses(middle), **last}.items():
+        assert loss == pytest.approx(reference_losses[step], abs=1e-5), step
 
 
 def _rank_process(parent: int, rank: int) -> int | None:

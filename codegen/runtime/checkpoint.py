@@ -16,7 +16,9 @@ DCP reshards every tensor to the placements the new program holds it in:
   parameter it is part of, as the chunks of it this rank holds
   (``codegen.runtime.derived_checkpoint``), so it reshards like any other;
 - ``optim.<name>.<state>``: the optimizer's state of that parameter (AdamW's ``step``,
-  ``exp_avg``, ``exp_avg_sq``), laid out like the parameter;
+  ``exp_avg``, ``exp_avg_sq``), laid out like the parameter; under ZeRO-1 of a graph or
+  pipeline program (``ShardedStatesOptimizer``) a rank holds the states of its piece of each
+  weight only, saved as that piece's box of the whole weight (``derived_checkpoint.BoxPart``);
 - ``train.step``: the number of steps taken, which is also the data position (the loop
   draws step ``s``'s batch from seed ``1000 + s``); ``rng.rank<r>``: each rank's RNG state,
   restored when the world size is unchanged.
@@ -47,6 +49,7 @@ from torch.distributed.tensor._utils import (
 )
 
 from codegen.runtime.derived_checkpoint import (
+    BoxPart,
     DerivedLoadPlanner,
     DerivedPart,
     DerivedSavePlanner,
@@ -150,15 +153,48 @@ def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, torch.Tensor | DerivedPart]:
     """``optim.<parameter name>.<state>`` -> each tensor of the optimizer's state (a part
-    of a model parameter's states under the source's name, as ``model_tensors`` names it)."""
+    of a model parameter's states under the source's name, as ``model_tensors`` names it;
+    under ZeRO-1 of a graph or pipeline program, the box of the weight this rank steps).
+
+    Raises:
+        LaunchError: a state the checkpoint cannot name (a piece of a derived parameter).
+    """
     entries = saved_parameters(model)
-    tensors = {}
+    pieces = {id(piece.piece): piece for piece in getattr(optimizer, "pieces", ())}
+    tensors: dict[str, torch.Tensor | DerivedPart] = {}
     for param, state in _inner(optimizer).state.items():
+        piece = pieces.get(id(param))
+        owner = piece.param if piece is not None else param
+        if id(owner) not in entries:
+            continue
+        name, derivation = entries[id(owner)]
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and id(param) in entries:
-                name, derivation = entries[id(param)]
+            if not isinstance(value, torch.Tensor):
+                continue
+            if piece is None or piece.dim is None or value.dim() == 0:
                 tensors[f"optim.{name}.{key}"] = as_saved(value, derivation)
+            elif derivation is not None:
+                raise LaunchError(
+                    f"{name}: ZeRO-1 steps a piece of a part of this parameter, which a checkpoint cannot name; "
+                    f"plan the MoE layers' experts whole per rank (rank_local) or use another data-parallel flavour"
+                )
+            else:
+                tensors[f"optim.{name}.{key}"] = _piece_box(value, piece, name)
     return tensors
+
+
+def _piece_box(value: torch.Tensor, piece, name: str) -> BoxPart:
+    """``value``, a state shaped like ZeRO-1's ``piece`` (``ShardedStatesOptimizer.pieces``: the
+    narrow ``[start, start + length)`` on ``dim`` of the weight's local tensor), as its box of
+    the whole weight ``name``."""
+    param = piece.param
+    if isinstance(param, DTensor):
+        _, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    else:
+        offsets = (0,) * param.dim()
+    offsets = list(offsets)
+    offsets[piece.dim] += piece.start
+    return BoxPart(value.detach(), name, tuple(param.shape), offsets=tuple(offsets))
 
 
 def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -167,9 +203,14 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
     rates = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["lr"] = 0.0
-        for param in group["params"]:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
+    # ZeRO-1 of graph programs steps pieces of the weights, taking their gradients from the
+    # weights themselves: those get the zeros.
+    pieces = getattr(optimizer, "pieces", None)
+    params = [piece.param for piece in pieces] if pieces is not None else [
+        param for group in optimizer.param_groups for param in group["params"]]
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     for group, rate in zip(optimizer.param_groups, rates):

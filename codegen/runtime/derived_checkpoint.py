@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from codegen.runtime.materialize import Derivation, derived_parameters, parameter_names
 from planner.errors import LaunchError
 
-__all__ = ["DerivedLoadPlanner", "DerivedPart", "DerivedSavePlanner", "as_saved", "saved_parameters"]
+__all__ = ["BoxPart", "DerivedLoadPlanner", "DerivedPart", "DerivedSavePlanner", "as_saved", "saved_parameters"]
 
 
 @dataclass
@@ -144,6 +144,34 @@ class DerivedPart:
             whole = whole[list(self.rows)]
         if self.dim is not None:
             whole = whole.narrow(self.dim, self.start, self.stop - self.start)
+        self.local.copy_(whole)
+
+
+@dataclass
+class BoxPart(DerivedPart):
+    """``local`` as the box ``[offsets, offsets + local.shape)`` of the whole tensor ``name``:
+    an optimizer state of the piece of a weight that ZeRO-1 of graph and pipeline programs
+    steps on this rank (``codegen.runtime.sharded_states``), a narrow of the weight's own
+    local shard. Saved as one chunk; ranks holding the same box (replicas over an axis the
+    weight is whole on) describe identical chunks, written once."""
+
+    offsets: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.whole_shape) or any(
+            start < 0 or start + size > whole for start, size, whole in zip(self.offsets, self.local.shape, self.whole_shape)
+        ):
+            raise ValueError(
+                f"{self.name}: a box of shape {tuple(self.local.shape)} at {self.offsets} does not fit in "
+                f"{tuple(self.whole_shape)}"
+            )
+
+    def chunks(self) -> list[tuple[ChunkStorageMetadata, torch.Tensor]]:
+        return [(ChunkStorageMetadata(torch.Size(self.offsets), torch.Size(self.local.shape)), self.local)]
+
+    def copy_from_whole(self, whole: torch.Tensor) -> None:
+        for dim, (start, size) in enumerate(zip(self.offsets, self.local.shape)):
+            whole = whole.narrow(dim, start, size)
         self.local.copy_(whole)
 
 

@@ -32,11 +32,13 @@ class _Piece:
         self.dim = None if whole else next(
             (d for d, size in enumerate(self.local.shape) if size % ranks == 0 and size >= ranks), None
         )
+        self.start = 0  # where the piece starts on ``dim`` (checkpoints name its box)
         if self.dim is None:
             self.piece = self.local
         else:
             length = self.local.shape[self.dim] // ranks
-            self.piece = self.local.narrow(self.dim, rank * length, length)
+            self.start = rank * length
+            self.piece = self.local.narrow(self.dim, self.start, length)
 
     def take_gradient(self, rank: int, ranks: int) -> None:
         grad = self.param.grad

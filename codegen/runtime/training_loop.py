@@ -117,6 +117,13 @@ class TrainingRun:
         return [record.step_time_s for record in self.records]
 
 
+def schedulable(optimizer: Any) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` whose groups' ``lr`` a schedule sets: ``optimizer``, or
+    for ZeRO-1 of graph and pipeline programs (``ShardedStatesOptimizer``, not an Optimizer
+    itself) the inner optimizer that holds its groups."""
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.inner
+
+
 def learning_rate_factor(step: int, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """The multiplier of the peak learning rate at optimizer step ``step`` (0-based): linear
     warm-up over ``warmup_steps`` (step s gets (s + 1) / warmup_steps), then ``schedule``
@@ -384,7 +391,7 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     module, forward_backward, sum_group, args, kwargs, model = build_step(program, mesh)
     optimizer = program.make_optimizer(module, mesh, optimizer_class(options.optimizer), lr=options.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
+        schedulable(optimizer),
         lambda step: learning_rate_factor(step, options.schedule, options.warmup_steps, options.steps, options.min_lr_ratio),
     )
     checkpointer, first_step = start_checkpoints(program, options, model, module, optimizer)
