@@ -45,7 +45,7 @@ COEFFICIENTS = {
     "memory_efficiency": (True, 1e-2, 1e3, 1.0),
     "kernel_overhead_s": (False, 0.0, 1e-2, 1e-6),
     "dtensor_op_overhead_s": (False, 0.0, 1e-2, 1e-6),
-    "redistribute_overhead_s": (False, 0.0, 1e-2, 1e-4),
+    "redistribute_overhead_s": (False, 0.0, 1e-1, 1e-4),
     "link_latency_s": (False, 1e-9, 1e-1, 1e-6),
     "link_bandwidth": (True, 1e-13, 1e-6, 1e-10),
 }
