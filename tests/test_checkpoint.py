@@ -261,6 +261,20 @@ def test_zero1_of_a_graph_program_trains_and_checkpoints_its_pieces(programs, re
         assert loss == pytest.approx(reference_losses[step], abs=1e-5), step
 
 
+def test_a_non_finite_loss_stops_the_run_before_it_is_checkpointed(programs, tmp_path) -> None:
+    """A learning rate of 1e30 makes step 2's loss NaN: the run stops there with one line
+    naming the step and the checkpoint to resume from (step 1's), and writes no checkpoint
+    of the NaN weights."""
+    saved = tmp_path / "ckpt"
+    run = _torchrun(1, str(programs["one"] / "launch.py"), "--steps", "6", "--lr", "1e30", "--checkpoint-dir", str(saved),
+                    "--save-every", "1", cwd=tmp_path)
+    assert run.returncode != 0
+    assert sorted(_losses(run.stdout)) == [1]
+    assert re.search(r"^error: the loss is nan at step 2: stopped before saving it; resume from \S*step-00000001 ",
+                     run.stderr, re.MULTILINE), run.stderr[-2000:]
+    assert sorted(p.name for p in saved.iterdir()) == ["step-00000001"]
+
+
 def _rank_process(parent: int, rank: int) -> int | None:
     """The pid of the torchrun worker of ``rank`` under launcher process ``parent``."""
     for entry in Path("/proc").iterdir():

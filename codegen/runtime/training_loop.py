@@ -437,6 +437,7 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
             record = StepRecord(step, _global_mean(loss), lr, elapsed, tokens, tflops, mfu,
                                 peak_memory_bytes(device), norm)
             run.records.append(record)
+            stop_on_non_finite(record, checkpointer)
             for hook in after_step or ():
                 hook(step, module, optimizer)
             if checkpointer is not None and (step == options.steps or (options.save_every and step % options.save_every == 0)):
@@ -485,6 +486,34 @@ def start_checkpoints(program: Program, options: LoopOptions, model, module, opt
     step = checkpointer.resume(Path(options.checkpoint_dir))
     _say(f"resumed from {options.checkpoint_dir} at step {step}")
     return checkpointer, step
+
+
+def stop_on_non_finite(record: StepRecord, checkpointer) -> None:
+    """Stop the run when a step's loss (or its gradients' norm) is not finite, before that
+    step is checkpointed: training on would write NaN weights over good checkpoints (and
+    ``--keep`` would then delete those). Every rank sees the same figures (the loss is the
+    mean over ranks, the norm global), so every rank stops at the same step.
+
+    Raises:
+        LaunchError: naming the step, the figure and the checkpoint to resume from.
+    """
+    figures = {"loss": record.loss, "gradient norm": record.grad_norm}
+    bad = next(((name, value) for name, value in figures.items() if value is not None and not math.isfinite(value)), None)
+    if bad is None:
+        return
+    if checkpointer is None:
+        where = "no checkpoint was being saved (add --checkpoint-dir DIR --save-every N to keep one)"
+    else:
+        from codegen.runtime.checkpoint import latest_checkpoint
+
+        pending = checkpointer.wait()  # a save still being written is of an earlier, finite step
+        _said_complete(pending)
+        latest = latest_checkpoint(checkpointer.root)
+        where = f"resume from {latest} with --resume" if latest is not None else "no checkpoint was complete yet"
+    raise LaunchError(
+        f"the {bad[0]} is {bad[1]} at step {record.step}: stopped before saving it; {where}, with a lower --lr, "
+        f"--clip-grad-norm or warm-up (--warmup-steps)"
+    )
 
 
 def _said_complete(folder) -> None:
@@ -542,5 +571,5 @@ def _progress_bar(steps: int) -> _Progress | None:
     return _Progress(steps)
 
 
-__all__ = ["LoopOptions", "StepRecord", "TrainingRun", "train", "learning_rate_factor", "clip_gradients",
+__all__ = ["LoopOptions", "StepRecord", "TrainingRun", "train", "learning_rate_factor", "clip_gradients", "stop_on_non_finite",
            "load_data", "as_inputs", "random_like", "SCHEDULES"]
