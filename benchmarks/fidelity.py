@@ -32,7 +32,17 @@ What the simulator leaves out, and which way each bends these rows (all predicte
     accumulation, 0.7 s sends, gathers and receives, ~7 s bubble and waits, 0.5 s
     data-parallel reduction and gather. Matching 60.1 s would need those passes (and the
     bubble they set) about 1.35x slower; no public measurement of 2021 A100 GEMM throughput
-    we have says so, so it stays an open gap rather than a fitted constant;
+    we have says so, so it stays an open gap rather than a fitted constant. What else the
+    engine of that time did per micro-batch was checked and is small or already priced:
+    ``ThroughputTimer.start`` calls ``torch.cuda.synchronize()`` before every forward pass
+    (deepspeed/runtime/pipe/engine.py ``_exec_forward_pass``, deepspeed/utils/timer.py, 0.5.x)
+    and ``PartitionedTensor.from_meta`` a ``.tolist()``, host syncs we do not price - BLOOM's
+    tr11 README reports that making every CUDA call synchronous (``CUDA_LAUNCH_BLOCKING=1``) on
+    the same engine had "a tiny impact or no impact at all to the throughput";
+    ``PartitionedTensor.full()`` zero-fills and clones the gathered tensor (not priced: by
+    hand, ~0.9 GB of memory traffic per micro-batch on a middle stage, ~0.3% of the step);
+    the attention mask is not sent between stages (pretrain_gpt.py caches it in
+    ``args.attn_mask``); the tied embedding's gradient all-reduce is priced (11 ms here);
   * FSDP's gradient reduce-scatter in fp32 (Composer's ``mixed_precision: DEFAULT``) where the
     simulator reduces in bf16; autocast's per-step weight casts and fp32 norms (MosaicML's
     ``amp_bf16``).
@@ -46,7 +56,10 @@ Modelled from the runs' stated software: collectives overlapping compute slow it
 that the receiver all-gathers (``partitioned_p2p``), gradients reduced after the schedule
 (``overlap_grad_reduce`` False), and each micro-batch's gradients added into the step's as
 the run's optimizer did (``gradient_accumulation``: fp16 ``param.grad`` by autograd for
-MT-NLG, BF16_Optimizer's fp32 copy for BLOOM, whose gradients are then all-reduced in fp32).
+MT-NLG, BF16_Optimizer's fp32 copy for BLOOM, whose gradients are then all-reduced in fp32);
+both tie the embedding to the LM head, whose gradient the first and last stage all-reduce
+between them before that reduction (``ReduceTiedGrads``: 0.58 s of BLOOM's step, in fp32 over
+Jean Zay's 6.25 GB/s per GPU).
 
 Not used, kept aside as an independent check of the simulator: table 1 of Narayanan et al.
 (SC'21) and table 5 of Korthikanti et al. (2022).
@@ -230,13 +243,19 @@ def runs() -> list[Run]:
     # overlap_comm: DeepSpeed of October 2021). BLOOM (2022) trained in bf16 with
     # DeepSpeed's BF16_Optimizer, written for it (BLOOM paper section 3.4.3; DeepSpeed PR
     # #1801), which adds each micro-batch's bf16 gradients into fp32 ones: "fp32-copy".
+    # Both tie the token embedding to the LM head (tie_weights): Megatron-DeepSpeed's
+    # GPTModelPipe builds its first and last layers from TiedLayerSpec('embed', ...)
+    # (megatron/model/gpt_model.py, microsoft/Megatron-DeepSpeed of 2021 and the bigscience
+    # fork; BLOOM's tr11 README: "the tied embedding layers"), so the first and last stage each
+    # hold the weight and all-reduce its gradient between them after the schedule
+    # (ReduceTiedGrads; cost_model.deepspeed_pipeline).
     # MT-NLG 530B (Smith et al. 2022, arXiv:2201.11990, section 2.4): 280 DGX A100 nodes, tp 8
     # x pp 35, batch 1920 of 2048 tokens, 60.1 s per iteration (126 TFLOP/s per GPU). 105
     # layers, width 20480, 128 heads; vocabulary 50,257 (GPT-2's BPE) padded to 51,200.
     found.append(Run(
         "MT-NLG-530B@2240xA100", "gpt.py",
         {"n_layer": 105, "n_embd": 20480, "n_head": 128, "vocab_size": 51200, "seq_len": 2048, "batch_size": 1920,
-         "attention": "eager"},
+         "attention": "eager", "tie_weights": True},
         "dgx-a100-80g:280",
         {"tp": 8, "pp": 35, "micro_batch": 1, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
          **DEEPSPEED_PIPELINE, "gradient_accumulation": "autograd"}, 1,
@@ -249,7 +268,7 @@ def runs() -> list[Run]:
     found.append(Run(
         "BLOOM-176B@384xA100", "gpt.py",
         {"n_layer": 70, "n_embd": 14336, "n_head": 112, "vocab_size": 250880, "seq_len": 2048, "batch_size": 2048,
-         "attention": "eager"},
+         "attention": "eager", "tie_weights": True},
         bloom_cluster(),
         {"tp": 4, "pp": 12, "micro_batch": 2, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
          "layers_per_stage": tuple(nearly_even_layers(70, 12)), **DEEPSPEED_PIPELINE,

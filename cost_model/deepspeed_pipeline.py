@@ -16,10 +16,21 @@ other side's ready task, so both start when the later of the two stages arrives:
 
 The passes, their tensor-parallel gathers of partitioned tensors, gradient accumulation and
 the data-parallel reduction are the step graph's own (``StepTaskGraph._forward`` etc.).
+
+Tied weights: a parameter that more than one stage holds (the token embedding that is also
+the LM head: Megatron-DeepSpeed's ``GPTModelPipe`` builds both ends from
+``TiedLayerSpec('embed', ...)``, megatron/model/gpt_model.py) has its gradients all-reduced
+between those stages after the schedule's last backward and before the data-parallel
+reduction: ``TrainSchedule`` issues ``ReduceTiedGrads`` then ``ReduceGrads`` at its last step
+(deepspeed/runtime/pipe/schedule.py), and ``_exec_reduce_tied_grads`` runs one blocking
+``dist.all_reduce`` per tied weight over the group of its stages (engine.py; module.py
+``allreduce_tied_weight_gradients`` in DeepSpeed 0.5, the fp32 ``_hp_grad`` under bf16 from
+0.6). Each holder's compute stream runs it once both have arrived.
 """
 
 from __future__ import annotations
 
+from cost_model.collectives import collective_time
 from cost_model.scheduler import TaskGraph
 from cost_model.schedules import deepspeed_train_steps
 from cost_model.segments import Segment
@@ -38,11 +49,15 @@ class DeepSpeedPipelineTasks:
         """Every stage's instructions in order; the exchanges are linked after all exist."""
         parts = self._p2p_parts()
         pipeline = self.plan.pipeline
+        # (stages, seconds) of each tied weight; its stages -> {stage: (ready id, all-reduce id)}
+        tied = self._tied_gradient_groups(chunk_segments)
+        tied_tasks: dict[tuple[int, ...], dict[int, tuple[int, int]]] = {}
         # (tensor, micro-batch, lower stage of the boundary) -> {stage: (ready id, transfer id)}
         exchanges: dict[tuple[str, int, int], dict[int, tuple[int, int]]] = {}
         for stage in range(self.pp):
             device = f"stage {stage}"
             segments = chunk_segments[stage]
+            reductions: list[tuple[str, list[tuple[float, int]], int]] = []  # ReduceGrads' buckets
             for what, mb in deepspeed_train_steps(stage, self.pp, self.micro_batches):
                 if what == "F":
                     deps = []
@@ -59,17 +74,51 @@ class DeepSpeedPipelineTasks:
                     done = self._backward(graph, device, segments, mb, deps, self.plan.recompute_at(stage), fsdp,
                                           fsdp or sync, sync_after, sync, deferred)
                     done = self._accumulate_gradients(graph, device, segments, mb, pipeline.gradient_accumulation, done)
-                    for name, ready in deferred or ():
-                        sync_after.setdefault(device, []).append(self._gradient_sync(graph, device, name, ready, done))
+                    reductions.extend((name, ready, done) for name, ready in deferred or ())
                 else:
                     lower = stage - 1 if what in _BOUNDARY_BELOW else stage
                     seconds = self._p2p_seconds(lower, boundary[lower] / parts)
                     ready = graph.add(f"ready to {what} mb{mb}", (device, "compute"), 0.0, kind="p2p")
                     transfer = graph.add(f"{what} mb{mb}", (device, "compute"), seconds, kind="p2p")
                     exchanges.setdefault((what.split(" ")[1], mb, lower), {})[stage] = (ready, transfer)
+            # The last step ends with ReduceTiedGrads, then ReduceGrads (after its sends).
+            for stages, seconds in tied:
+                if stage in stages:
+                    ready = graph.add("ready to all-reduce tied grads", (device, "compute"), 0.0, kind="comm")
+                    reduced = graph.add(f"all-reduce tied grads (stages {', '.join(map(str, stages))})",
+                                        (device, "compute"), seconds, deps=[ready], kind="comm")
+                    tied_tasks.setdefault(stages, {})[stage] = (ready, reduced)
+                    reductions = [(name, buckets, reduced) for name, buckets, _ in reductions]
+            for name, buckets, after in reductions:
+                sync_after.setdefault(device, []).append(self._gradient_sync(graph, device, name, buckets, after))
         for key, sides in exchanges.items():
             if len(sides) != 2:
                 raise RuntimeError(f"DeepSpeed schedule: exchange {key} has no partner")
             (_, (ready_a, transfer_a)), (_, (ready_b, transfer_b)) = sides.items()
             graph.add_dependency(transfer_a, ready_b)
             graph.add_dependency(transfer_b, ready_a)
+        for sides in tied_tasks.values():  # each holder's all-reduce starts when all have arrived
+            for stage, (_, reduce) in sides.items():
+                for other, (ready, _) in sides.items():
+                    if other != stage:
+                        graph.add_dependency(reduce, ready)
+
+    def _tied_gradient_groups(self, chunk_segments: dict[int, list[Segment]]) -> list[tuple[tuple[int, ...], float]]:
+        """The weights more than one stage holds, by the stages holding them: (stages, seconds
+        of the all-reduce of their gradients between those stages). Gradients are all-reduced
+        in the dtype the step accumulated them in (``_reduced_gradient_bytes``: fp16
+        ``param.grad`` in DeepSpeed 0.5; BF16_Optimizer's fp32 ``_hp_grad``)."""
+        holders: dict[str, dict[int, float]] = {}
+        for stage, segments in chunk_segments.items():
+            for segment in segments:
+                for name, count in segment.params.items():
+                    holders.setdefault(name, {})[stage] = count
+        elements: dict[tuple[int, ...], float] = {}
+        for by_stage in holders.values():
+            if len(by_stage) > 1:
+                stages = tuple(sorted(by_stage))
+                elements[stages] = elements.get(stages, 0.0) + max(by_stage.values())
+        stride = self.mesh.size // self.pp
+        return [(stages, collective_time("all_reduce", count * self._reduced_gradient_bytes(), self.cluster,
+                                         [stage * stride for stage in stages]))
+                for stages, count in sorted(elements.items())]

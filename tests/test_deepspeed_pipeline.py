@@ -172,3 +172,30 @@ def test_fp32_copy_keeps_fp32_gradients_beside_the_16_bit_ones():
     memory = {mode: megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=2, gradient_accumulation=mode)
               .estimate.memory.gradients for mode in ("in-gemm", "fp32-copy")}
     assert memory["fp32-copy"] == pytest.approx(3 * memory["in-gemm"])
+
+
+def test_tied_weight_gradients_are_all_reduced_between_their_stages_before_the_reduction():
+    # pp=2 x dp=2 on one node of 4, GPT with its embedding tied to the LM head (stage 0 and
+    # stage 1 each hold wte.weight: 32 x 64 = 2,048 elements). After the last backward both
+    # stages all-reduce its bf16 gradient (4,096 bytes) between ranks 0 and 2 (DeepSpeed's
+    # ReduceTiedGrads), on the 2-rank ring: 2 x 1/2 x 4096 / 1e9 + 2 x 1 µs = 6.096 µs; in
+    # fp32 (BF16_Optimizer's _hp_grad, "fp32-copy") 8,192 bytes: 10.192 µs. Both start
+    # together, after each stage's last backward, and the data-parallel reduction waits.
+    cluster, graph, spec, name = _toy(4, tie_weights=True)
+    for mode, seconds in (("in-gemm", 6.096e-6), ("fp32-copy", 10.192e-6)):
+        plan = megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=2, blocking_p2p=True,
+                             overlap_grad_reduce=False, gradient_accumulation=mode)
+        timeline = Simulator(plan, graph).run().timeline
+        tied = [e for e in timeline if e.name == "all-reduce tied grads (stages 0, 1)"]
+        assert sorted(e.device for e in tied) == ["stage 0", "stage 1"]
+        assert all(e.duration_s == pytest.approx(seconds) for e in tied)
+        assert tied[0].start_s == pytest.approx(tied[1].start_s)
+        for event in tied:
+            own = [e for e in timeline if e.device == event.device]
+            assert event.start_s >= max(e.start_s + e.duration_s for e in own if e.name.startswith("B")) - 1e-12
+            reductions = [e for e in own if e.stream == "collective" and "grads" in e.name]
+            assert reductions and min(e.start_s for e in reductions) >= event.start_s + event.duration_s - 1e-12
+    # Untied, nothing is shared and nothing is all-reduced between stages.
+    cluster, graph, spec, name = _toy(4)
+    plan = megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=2, blocking_p2p=True, overlap_grad_reduce=False)
+    assert not [e for e in Simulator(plan, graph).run().timeline if "tied" in e.name]
