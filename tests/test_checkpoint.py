@@ -326,6 +326,41 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint(programs, reference_los
     assert complete == [f"step-{resumed_at:08d}", f"step-{KILL_STEPS:08d}"], complete
 
 
+def test_sigterm_stops_after_the_step_with_a_checkpoint_of_it(programs, reference_losses, tmp_path) -> None:
+    """A scheduler preempting the job sends SIGTERM to torchrun, which forwards it to every
+    rank: the run finishes the step in progress, saves a checkpoint of it (none was due) and
+    says so; resumed, it continues with the losses of an uninterrupted run."""
+    saved = tmp_path / "ckpt"
+    arguments = [str(programs["tp"] / "launch.py"), "--steps", str(KILL_STEPS), "--checkpoint-dir", str(saved)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen([*command, *arguments], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+    printed, signalled = [], False
+    deadline = time.monotonic() + TIMEOUT
+    for line in run.stdout:
+        printed.append(line)
+        if line.startswith("step 3/") and not signalled:
+            run.send_signal(signal.SIGTERM)
+            signalled = True
+        assert time.monotonic() < deadline
+    assert run.wait(timeout=TIMEOUT) != 0 and signalled, "".join(printed)[-2000:]
+    text = "".join(printed)
+    stopped = re.search(r"^stopped by SIGTERM after step (\d+): its checkpoint is in \S+; continue with --resume$", text,
+                        re.MULTILINE)
+    assert stopped, text[-2000:]
+    step = int(stopped.group(1))
+    assert 3 <= step < KILL_STEPS and sorted(_losses(text)) == list(range(1, step + 1))
+    assert [folder.name for folder in saved.iterdir()] == [f"step-{step:08d}"]
+    assert (saved / f"step-{step:08d}" / "soap-checkpoint.json").is_file()
+
+    resumed = _ok(_torchrun(2, *arguments[:2], str(step + 2), *arguments[3:], "--resume", cwd=tmp_path))
+    after = _losses(resumed)
+    assert sorted(after) == [step + 1, step + 2]
+    for number, loss in {**_losses(text), **after}.items():
+        assert loss == pytest.approx(reference_losses[number], abs=1e-5), number
+
+
 # ------------------------------------------------------------------ mistakes, one line each
 
 

@@ -18,8 +18,21 @@ import torch.distributed as dist
 from codegen.runtime.parity import check_parity
 from codegen.runtime.precision import parity_tolerances
 from codegen.runtime.program import Program, check_world_size, load_program
-from codegen.runtime.training_loop import SCHEDULES, LoopOptions, random_like, train  # noqa: F401 - random_like re-exported
-from planner.arguments import OneLineParser, flag_type, integer_at_least, non_negative_finite, positive_finite
+from codegen.runtime.stop_request import STOPPED_EXIT_STATUS
+from codegen.runtime.training_loop import (  # noqa: F401 - random_like re-exported
+    SCHEDULES,
+    LoopOptions,
+    TrainingRun,
+    random_like,
+    train,
+)
+from planner.arguments import (
+    OneLineParser,
+    flag_type,
+    integer_at_least,
+    non_negative_finite,
+    positive_finite,
+)
 from planner.errors import LaunchError, PlannerError
 
 
@@ -110,7 +123,9 @@ def main(folder: Path, argv: list[str]) -> int:
             _say(result.message(atol, rtol))
             status = 0 if result.ok else 1
         if options.steps > 0 or options.data is not None:
-            run_training(program, mesh, options, optimizer)
+            run = run_training(program, mesh, options, optimizer)
+            if run.stopped_by is not None:
+                status = STOPPED_EXIT_STATUS  # stopped early on a signal: the job did not finish
         # Every rank is done communicating before any tears gloo down: without this, a rank
         # that leaves first sometimes makes another abort at exit after a successful run.
         dist.barrier()
@@ -190,9 +205,9 @@ def check_training_flags(options: argparse.Namespace) -> None:
         raise LaunchError(f"--lr-schedule {options.lr_schedule} decays over --steps N; give --steps")
 
 
-def run_training(program: Program, mesh, options: argparse.Namespace, optimizer: str) -> None:
+def run_training(program: Program, mesh, options: argparse.Namespace, optimizer: str) -> TrainingRun:
     """Train as the flags say (``codegen.runtime.training_loop``); with ``--profile``, write
-    measured.json (``codegen.runtime.profiling``)."""
+    measured.json (``codegen.runtime.profiling``). Returns the run."""
     loop = LoopOptions(
         steps=options.steps, lr=options.lr, optimizer=optimizer, schedule=options.lr_schedule,
         warmup_steps=options.warmup_steps, min_lr_ratio=options.min_lr_ratio, clip_grad_norm=options.clip_grad_norm,
@@ -201,8 +216,7 @@ def run_training(program: Program, mesh, options: argparse.Namespace, optimizer:
         init_from=options.init_from,
     )
     if options.profile is None:
-        train(program, mesh, loop)
-        return
+        return train(program, mesh, loop)
     from codegen.runtime.profiling import profile_split, start_profiler, write_measured
 
     wait, _, active = profile_split(options.steps)
@@ -214,6 +228,7 @@ def run_training(program: Program, mesh, options: argparse.Namespace, optimizer:
     write_measured(options.profile, program.folder / "plan.json", run.step_times[:wait], profiler, active)
     _say(f"measured per-op, per-collective and step times written to {options.profile} "
          f"(compare: python -m planner compare {program.folder / 'plan.json'} {options.profile})")
+    return run
 
 
 def _say(text: str) -> None:

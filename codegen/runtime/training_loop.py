@@ -6,7 +6,9 @@ optional gradient clipping by the global norm, the optimizer step, the learning-
 schedule. Rank 0 prints per step the loss (the mean over data-parallel ranks), the step
 time, tokens/s, model TFLOP/s per device, MFU and peak memory beside the simulator's
 prediction for the plan, and writes the same figures as JSON lines with ``--metrics FILE``.
-On a terminal a progress bar (``rich``) follows the run.
+On a terminal a progress bar (``rich``) follows the run. SIGTERM or SIGUSR1 (a scheduler
+preempting the job) stops the run after the step in progress, with a checkpoint of that step
+(``codegen.runtime.stop_request``); launch.py then exits with status 143.
 
 User data: ``--data path/to/data.py:function``. ``function(batch_size)`` is called once on
 every rank with the plan's global batch size and returns an iterable of global batches, each
@@ -38,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from codegen.runtime.program import Program
+from codegen.runtime.stop_request import StopRequest, mean_loss_and_stop
 from planner.errors import LaunchError
 
 SCHEDULES = ("constant", "cosine", "linear")
@@ -111,6 +114,7 @@ class TrainingRun:
     """What ``train`` returns: every step's record, in order."""
 
     records: list[StepRecord] = field(default_factory=list)
+    stopped_by: str | None = None  # the signal that stopped the run early (stop_request), if any
 
     @property
     def step_times(self) -> list[float]:
@@ -328,12 +332,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def _global_mean(value: torch.Tensor) -> float:
-    value = value.detach().reshape(()).to(torch.float64).clone()
-    dist.all_reduce(value)
-    return float(value) / dist.get_world_size()
-
-
 def _synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -410,6 +408,7 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     metrics = open(options.metrics, "w") if options.metrics and dist.get_rank() == 0 else None  # noqa: SIM115
     progress = _progress_bar(options.steps)
     run = TrainingRun()
+    stop_request = StopRequest().install()
     try:
         step = first_step
         while options.steps == 0 or step < options.steps:
@@ -434,13 +433,14 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
             elapsed = time.perf_counter() - start
             step += 1
             tokens, tflops, mfu = meter.throughput(elapsed)
-            record = StepRecord(step, _global_mean(loss), lr, elapsed, tokens, tflops, mfu,
-                                peak_memory_bytes(device), norm)
+            mean_loss, stopping = mean_loss_and_stop(loss, stop_request)
+            record = StepRecord(step, mean_loss, lr, elapsed, tokens, tflops, mfu, peak_memory_bytes(device), norm)
             run.records.append(record)
             stop_on_non_finite(record, checkpointer)
             for hook in after_step or ():
                 hook(step, module, optimizer)
-            if checkpointer is not None and (step == options.steps or (options.save_every and step % options.save_every == 0)):
+            saving = step == options.steps or (options.save_every and step % options.save_every == 0)
+            if checkpointer is not None and (saving or stopping):
                 _said_complete(checkpointer.save(step))
             if profiler is not None:
                 profiler.step()
@@ -452,9 +452,13 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
                 _say(_step_line(record, options.steps, meter))
             if progress is not None:
                 progress.advance()
+            if stopping:
+                run.stopped_by = stop_request.signal_name or "a signal to another rank"
+                break
         if checkpointer is not None and options.steps == 0 and run.records and not options.save_every:
             _said_complete(checkpointer.save(step))  # the data ended: keep where it ended
     finally:
+        stop_request.restore()
         if checkpointer is not None:
             _said_complete(checkpointer.wait())
         if metrics is not None:
@@ -462,6 +466,10 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
         if progress is not None:
             progress.close()
     _say(_summary(run, meter))
+    if run.stopped_by is not None:
+        kept = f"its checkpoint is in {options.checkpoint_dir}; continue with --resume" if checkpointer is not None \
+            else "nothing was saved (no --checkpoint-dir)"
+        _say(f"stopped by {run.stopped_by} after step {step}: {kept}")
     if options.record_routing is not None:
         from codegen.runtime.routing_record import write_recorded_routing
 
