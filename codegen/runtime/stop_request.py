@@ -68,7 +68,9 @@ class StopRequest:
 def mean_loss_and_stop(loss: torch.Tensor, request: StopRequest) -> tuple[float, bool]:
     """The loss's mean over all ranks, and whether any rank has been asked to stop: one
     all-reduce of both, so every rank gets the same answers."""
-    both = torch.tensor([float(loss.detach().reshape(())), 1.0 if request.requested else 0.0], dtype=torch.float64)
+    # On the loss's device: NCCL reduces only GPU tensors.
+    flag = torch.tensor(1.0 if request.requested else 0.0, dtype=torch.float64, device=loss.device)
+    both = torch.stack([loss.detach().reshape(()).to(torch.float64), flag])
     dist.all_reduce(both)
     return float(both[0]) / dist.get_world_size(), bool(both[1] > 0)
 
