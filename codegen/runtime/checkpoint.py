@@ -247,7 +247,7 @@ class Checkpointer:
 
     def _state(self, step: int) -> dict[str, torch.Tensor | DerivedPart]:
         state = {**model_tensors(self.model, self.module), **optimizer_tensors(self.optimizer, self.model)}
-        state["train.step"] = torch.tensor(step, dtype=torch.int64)
+        state["train.step"] = torch.tensor(step, dtype=torch.int64, device="cpu")
         state[f"rng.rank{dist.get_rank()}"] = torch.get_rng_state()
         return state
 
@@ -363,7 +363,7 @@ def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
     info = read_info(folder)
     metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     state = {
-        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device="cpu")  # exported on the host
         for key, entry in metadata.items()
         if key.startswith(("model.", "buffer.")) and hasattr(entry, "size")
     }

@@ -66,8 +66,8 @@ class ExpertParallelExperts(torch.nn.Module):
         set_derived_parameter(self, "down_proj", experts.down_proj, rows=self.local_experts)
         self.act_fn = experts.act_fn
         # Routing statistics, summed over forwards (plain tensors: DDP would overwrite buffers).
-        self.routed_counts = torch.zeros(self.experts, dtype=torch.float64)
-        self.coselected = torch.zeros(self.experts, self.experts, dtype=torch.float64)
+        self.routed_counts = torch.zeros(self.experts, dtype=torch.float64, device="cpu")  # moved by count_choices
+        self.coselected = torch.zeros(self.experts, self.experts, dtype=torch.float64, device="cpu")
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         count = hidden.size(0)
@@ -141,7 +141,7 @@ class ExpertParallelExperts(torch.nn.Module):
         if is_recomputing():  # backward re-running a checkpointed block: counted in its forward
             return
         with torch.no_grad():
-            per_token = torch.zeros(top_k_index.size(0), self.experts, dtype=torch.float64)
+            per_token = torch.zeros(top_k_index.size(0), self.experts, dtype=torch.float64, device=top_k_index.device)
             count_choices(self, per_token.scatter_(1, top_k_index.long(), 1.0))
 
     def full_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:

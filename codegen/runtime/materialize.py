@@ -87,16 +87,16 @@ def _chunk_seed(seed: int, name: str, chunk: int) -> int:
 def _draw_flat(rule: InitRule, seed: int, name: str, numel: int, start: int, stop: int) -> torch.Tensor:
     """Elements ``[start, stop)`` of the flattened parameter ``name`` (``numel`` elements), fp32."""
     if rule.kind == "constant":
-        return torch.full((stop - start,), rule.low)
+        return torch.full((stop - start,), rule.low, device="cpu")
     pieces = []
     for chunk in range(start // CHUNK_ELEMENTS, (stop - 1) // CHUNK_ELEMENTS + 1):
         first = chunk * CHUNK_ELEMENTS
         count = min(CHUNK_ELEMENTS, numel - first)
         generator = torch.Generator().manual_seed(_chunk_seed(seed, name, chunk))
         if rule.kind == "uniform":
-            values = torch.rand(count, generator=generator) * (rule.high - rule.low) + rule.low
+            values = torch.rand(count, generator=generator, device="cpu") * (rule.high - rule.low) + rule.low
         else:
-            values = torch.randn(count, generator=generator) * rule.high + rule.low
+            values = torch.randn(count, generator=generator, device="cpu") * rule.high + rule.low
         pieces.append(values[max(start - first, 0) : min(stop - first, count)])
     return torch.cat(pieces)
 

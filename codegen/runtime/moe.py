@@ -131,8 +131,8 @@ class RoutedMoE(torch.nn.Module):
         # Routing statistics, summed over forwards: this rank's choices per expert before
         # drops, and how often each pair of experts was chosen for one token. Plain tensors,
         # not buffers: DDP would overwrite buffers with rank 0's.
-        self.routed_counts = torch.zeros(self.experts, dtype=torch.float64)
-        self.coselected = torch.zeros(self.experts, self.experts, dtype=torch.float64)
+        self.routed_counts = torch.zeros(self.experts, dtype=torch.float64, device="cpu")
+        self.coselected = torch.zeros(self.experts, self.experts, dtype=torch.float64, device="cpu")
         self.last_dropped = 0
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +181,12 @@ class RoutedMoE(torch.nn.Module):
 def count_choices(layer, per_token: torch.Tensor) -> None:
     """Add one forward's routing to ``layer.routed_counts`` (choices per expert) and
     ``layer.coselected`` (pairs of experts chosen for one token) from ``per_token``, an
-    (n, E) table of each token's choices."""
+    (n, E) table of each token's choices. The statistics live on the tokens' device (created
+    on the CPU, moved at the first forward): adding a GPU table into CPU tensors would fail,
+    and copying it to the host would stall every forward."""
+    if layer.routed_counts.device != per_token.device:
+        layer.routed_counts = layer.routed_counts.to(per_token.device)
+        layer.coselected = layer.coselected.to(per_token.device)
     layer.routed_counts += per_token.sum(dim=0)
     pairs = per_token.t() @ per_token
     layer.coselected += pairs - torch.diag(torch.diagonal(pairs))
@@ -296,7 +301,8 @@ class ExpertParallelMoE(RoutedMoE):
         # Where each received row goes: its expert (local index) and slot, sent alongside.
         local_index = {expert: i for i, expert in enumerate(self.local_experts)}
         received_addresses, _ = self.exchange(torch.stack([choice_expert[sending], slot[sending]], dim=1), send_sizes)
-        to_local = torch.tensor([local_index.get(e, -1) for e in range(self.experts)], dtype=torch.long)
+        to_local = torch.tensor([local_index.get(e, -1) for e in range(self.experts)], dtype=torch.long,
+                                device=received_addresses.device)
         row = to_local[received_addresses[:, 0]] * capacity + received_addresses[:, 1]
 
         # 4. This rank's experts on their buffers (zeros where no token landed).
@@ -384,7 +390,8 @@ class FlatExchange:
         self.group = group
 
     def __call__(self, rows: torch.Tensor, send_sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
-        receive_sizes = exchange_counts(torch.tensor(send_sizes), self.group).tolist()
+        # The counts travel on the rows' device: NCCL exchanges only GPU tensors.
+        receive_sizes = exchange_counts(torch.tensor(send_sizes, device=rows.device), self.group).tolist()
         return all_to_all_rows(rows, receive_sizes, send_sizes, self.group), receive_sizes
 
 

@@ -47,10 +47,10 @@ class TwoLevelExchange:
         """``rows`` to their ranks in two steps; returns what ``FlatExchange`` returns: the
         received rows by source rank, and how many came from each."""
         nodes, per_node = self.nodes, self.per_node
-        counts = torch.tensor(send_sizes).view(nodes, per_node)  # [destination node, destination local]
+        counts = torch.tensor(send_sizes, device=rows.device).view(nodes, per_node)  # [destination node, destination local]
 
         # Step 1, inside the node: to local peer g' every row bound for (any node, g'), by node.
-        by_local = _block_transpose(counts.tolist())  # rows now ordered (g', n'')
+        by_local = _block_transpose(counts.tolist(), rows.device)  # rows now ordered (g', n'')
         step1_send = counts.sum(dim=0).tolist()
         # From each local source g: its counts for (n'', my local index), n'' = 0..nodes-1.
         from_locals = exchange_counts(counts.t().contiguous(), self.node_group)  # (per_node, nodes)
@@ -58,7 +58,7 @@ class TwoLevelExchange:
         held = all_to_all_rows(rows.index_select(0, by_local), step1_receive, step1_send, self.node_group)
 
         # Step 2, across nodes: to node n'' (same local index) its rows, by source local rank.
-        by_node = _block_transpose(from_locals.tolist())  # rows now ordered (n'', g)
+        by_node = _block_transpose(from_locals.tolist(), rows.device)  # rows now ordered (n'', g)
         step2_send = from_locals.sum(dim=0).tolist()
         from_nodes = exchange_counts(from_locals.t().contiguous(), self.cross_group)  # (nodes, per_node)
         step2_receive = from_nodes.sum(dim=1).tolist()
@@ -66,10 +66,11 @@ class TwoLevelExchange:
         return received, from_nodes.reshape(-1).tolist()  # source rank n * per_node + g
 
 
-def _block_transpose(sizes: list[list[int]]) -> torch.Tensor:
-    """Row indices that reorder rows held in blocks ``(a, b)`` (a-major, ``sizes[a][b]`` rows
-    each) into b-major order, each block's rows kept in order."""
-    table = torch.tensor(sizes, dtype=torch.long)
+def _block_transpose(sizes: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Row indices, on ``device`` (the rows'), that reorder rows held in blocks ``(a, b)``
+    (a-major, ``sizes[a][b]`` rows each) into b-major order, each block's rows kept in order."""
+    # Worked out on the host (the sizes are Python numbers already), moved once.
+    table = torch.tensor(sizes, dtype=torch.long, device="cpu")
     blocks_a, blocks_b = table.shape
-    block = torch.repeat_interleave(torch.arange(blocks_a * blocks_b), table.reshape(-1))
-    return torch.argsort((block % blocks_b) * blocks_a + block // blocks_b, stable=True)
+    block = torch.repeat_interleave(torch.arange(blocks_a * blocks_b, device="cpu"), table.reshape(-1))
+    return torch.argsort((block % blocks_b) * blocks_a + block // blocks_b, stable=True).to(device)

@@ -76,7 +76,7 @@ class ExpertSlicedMoE(RoutedMoE):
         super().__init__(router_weight, top_k, capacity_factor, group, names)
         self.rank_losses_averaged = rank_losses_averaged
         self.ffn = expert_in.shape[2]
-        pieces = torch.arange(self.ffn).tensor_split(self.world)
+        pieces = torch.arange(self.ffn, device="cpu").tensor_split(self.world)
         self.bounds = [(int(p[0]) if len(p) else 0, int(p[-1]) + 1 if len(p) else 0) for p in pieces]
         start, end = self.bounds[self.rank]
         set_derived_parameter(self, "w_in", expert_in, dim=2, start=start, stop=end)  # (E, C, ffn/ranks)
@@ -91,7 +91,7 @@ class ExpertSlicedMoE(RoutedMoE):
         kept = routing.kept.nonzero().squeeze(-1)
         mine = int(kept.numel())
         # How many kept choices every rank has (each sends all of them to every rank).
-        counts = torch.tensor([mine] * self.world)
+        counts = torch.tensor([mine] * self.world, device=tokens.device)  # NCCL exchanges only GPU tensors
         theirs = torch.empty_like(counts)
         dist.all_to_all_single(theirs, counts, group=self.group)
         send_sizes, receive_sizes = counts.tolist(), theirs.tolist()

@@ -157,7 +157,7 @@ def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float, su
     stages), over which the squared norms are summed; None when every rank holds them all.
     """
     grads = [param.grad for param in parameters if param.grad is not None]
-    whole = torch.zeros((), dtype=torch.float64)
+    whole = torch.zeros((), dtype=torch.float64, device="cpu")  # summed on the host
     per_axis: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # (mesh id, axis) -> (group, local sum)
     for grad in grads:
         if isinstance(grad, DTensor):
@@ -175,7 +175,7 @@ def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float, su
         whole = whole + norm.detach().to(torch.float64).cpu() ** 2
     device = grads[0].device if grads else torch.device("cpu")
     for group, local in per_axis.values():
-        local = torch.as_tensor(local, dtype=torch.float64).to(device)
+        local = torch.as_tensor(local, dtype=torch.float64, device=device)
         dist.all_reduce(local, group=group)
         whole = whole + local.cpu()
     if sum_group is not None:
@@ -288,9 +288,10 @@ def _checksum(args: tuple, kwargs: dict) -> float:
     return total
 
 
-def check_same_batch_everywhere(args: tuple, kwargs: dict) -> None:
-    """LaunchError (on every rank) unless every rank drew the same global batch."""
-    value = torch.tensor([_checksum(args, kwargs)], dtype=torch.float64)
+def check_same_batch_everywhere(args: tuple, kwargs: dict, device: torch.device) -> None:
+    """LaunchError (on every rank) unless every rank drew the same global batch. The
+    checksums are compared on ``device``, the process group's (NCCL reduces only GPU tensors)."""
+    value = torch.tensor([_checksum(args, kwargs)], dtype=torch.float64, device=device)
     low, high = value.clone(), value.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
@@ -419,7 +420,7 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
                 break
             batch_args, batch_kwargs = batch
             if step == 0 and options.data is not None:
-                check_same_batch_everywhere(batch_args, batch_kwargs)
+                check_same_batch_everywhere(batch_args, batch_kwargs, device)
             _synchronize()
             start = time.perf_counter()
             loss = forward_backward(batch_args, batch_kwargs)
