@@ -239,12 +239,13 @@ def _run(options: argparse.Namespace) -> int:
 
         check_program_folder(options.output, force=options.force)  # before torch loads
         from planner.api import compile as compile_plan
+        from planner.launch_command import first_run_command
         from planner.plans import load_plan
 
         plan = load_plan(options.plan)
         out = compile_plan(plan, options.output, force=options.force)
         print(f"wrote {out}/model_spmd.py, {out}/plan.json, {out}/launch.py")
-        print(f"next: {_command('torchrun', '--nproc_per_node', plan.world_size, f'{out}/launch.py', '--check')}")
+        print(f"next: {first_run_command(plan, f'{out}/launch.py')}")
         return 0
     raise AssertionError(f"unhandled command {options.command}")
 
@@ -308,6 +309,7 @@ def _plan(options: argparse.Namespace) -> int:
 def _next_steps(plan, options: argparse.Namespace) -> list[str]:
     """The commands that come next, shell-quoted so they can be pasted as they are."""
     from planner.api import compile_blocker
+    from planner.launch_command import first_run_command
 
     blocker = compile_blocker(plan)
     if blocker:
@@ -326,7 +328,7 @@ def _next_steps(plan, options: argparse.Namespace) -> list[str]:
                 settings += [flag, f"{value:g}" if isinstance(value, float) else value]
         steps.append(_command("python", "-m", "planner", "plan", options.spec, "--cluster", options.cluster, *settings, "-o", saved))
     steps.append(_command("python", "-m", "planner", "compile", saved, "-o", "out"))
-    steps.append(_command("torchrun", "--nproc_per_node", plan.world_size, "out/launch.py", "--check"))
+    steps.append(first_run_command(plan, "out/launch.py"))
     return ["next:", *(f"  {step}" for step in steps)]
 
 

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from codegen.runtime.parity import check_parity
@@ -34,6 +35,7 @@ from planner.arguments import (
     positive_finite,
 )
 from planner.errors import LaunchError, PlannerError
+from planner.launch_command import check_refusal
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +114,8 @@ def main(folder: Path, argv: list[str]) -> int:
             check_routing_output(program, options.steps, options.record_routing)
         check_world_size(program.plan)
         program.check_model()
+        if options.check:
+            check_fits_this_gpu(program)
         mesh = program.build_mesh()
         optimizer = options.optimizer or program.plan.optimizer
         status = 0
@@ -151,6 +155,15 @@ def exit_now(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def check_fits_this_gpu(program: Program) -> None:
+    """LaunchError when ``--check``'s one-device reference cannot hold the model on this
+    rank's GPU (``planner.launch_command``); on CPUs the host's memory decides, unchecked."""
+    if torch.cuda.is_available():
+        refusal = check_refusal(program.plan, torch.cuda.get_device_properties(program.device()).total_memory)
+        if refusal:
+            raise LaunchError(refusal)
 
 
 def check_routing_output(program: Program, steps: int, path: str) -> None:
