@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from codegen.runtime.materialize import init_rules, materialize, name_derived_sources
 from planner.errors import LaunchError, PlanningError
+from planner.launch_command import first_run_command, torchrun_parts
 from planner.model_spec import announce_import, parameters_on_meta
 from planner.plan_checks import check_model_matches
 from planner.plans import Plan, load_plan
@@ -268,12 +269,10 @@ def _failing_line(error: BaseException, filename: str) -> int | None:
 def check_world_size(plan: Plan) -> None:
     """Fail with one line when torchrun's world size differs from the plan's."""
     if "WORLD_SIZE" not in os.environ:
-        raise LaunchError(
-            f"this program must be started by torchrun: torchrun --nproc_per_node {plan.world_size} launch.py --check"
-        )
+        raise LaunchError(f"this program must be started by torchrun: {first_run_command(plan, 'launch.py')}")
     world = int(os.environ["WORLD_SIZE"])
     if world != plan.world_size:
         raise LaunchError(
             f"the plan was compiled for {plan.world_size} ranks (mesh {plan.mesh}) but torchrun started {world}; "
-            f"run torchrun --nproc_per_node {plan.world_size}, or re-plan for {world} devices"
+            f"run {' '.join(torchrun_parts(plan, 'launch.py')[:-1])}, or re-plan for {world} devices"
         )
