@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.tensor import Replicate, Shard
 
+from cost_model.host_dispatch import host_wait
 from planner.graph import OpGraph, OpNode
 from planner.strategy import NodeStrategy
 
@@ -31,6 +32,11 @@ class Segment:
     backward_s: float = 0.0
     forward_comm_s: float = 0.0
     backward_comm_s: float = 0.0
+    # Host seconds to issue its ops (GPU clusters); forward_s and backward_s already include
+    # the device's wait for the host where these are longer (cost_model.host_dispatch).
+    host_forward_s: float = 0.0
+    host_backward_s: float = 0.0
+    host_wait_s: float = 0.0  # of which, forward and backward: the device waiting for the host
     saved_bytes: float = 0.0
     input_bytes: float = 0.0  # floating-point values it reads from other segments
     checkpoint_bytes: float = 0.0  # those of them made in other blocks: what recomputation keeps
@@ -149,6 +155,8 @@ class SegmentBuilder:
             segment.backward_s += cost.backward_s
             segment.forward_comm_s += cost.forward_comm_s
             segment.backward_comm_s += cost.backward_comm_s
+            segment.host_forward_s += cost.host_forward_s
+            segment.host_backward_s += cost.host_backward_s
             segment.saved_bytes += cost.saved_bytes
             segment.axis_sync_s += cost.axis_sync_s
             for axis, sent in cost.axis_bytes.items():
@@ -176,6 +184,12 @@ class SegmentBuilder:
                 # weight replicated over dp is a partial sum there, whatever its op's output.
                 if dp_index is not None and isinstance(placements[dp_index], Replicate):
                     segment.dp_synced.add(param)
+        if self.host is not None:
+            forward_wait = host_wait(segment.forward_s + segment.forward_comm_s, segment.host_forward_s)
+            backward_wait = host_wait(segment.backward_s + segment.backward_comm_s, segment.host_backward_s)
+            segment.forward_s += forward_wait
+            segment.backward_s += backward_wait
+            segment.host_wait_s = forward_wait + backward_wait
         members = set(names)
         sources = {
             source

@@ -52,6 +52,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS, check_precision, op_times
+from cost_model.host_dispatch import host_dispatch
 from cost_model.moe_layers import LaidOutLayer, annotated_layouts, laid_out_layers
 from cost_model.summa_node import add_summa_costs
 from cost_model.nccl import nccl_profile
@@ -94,6 +95,10 @@ class NodeCost:
     # Transient bytes the op holds while it runs beyond its inputs and outputs (a SUMMA
     # matmul's received or gathered blocks and partial sums).
     buffer_bytes: float = 0.0
+    # Host seconds to issue the op (GPU clusters, cost_model.host_dispatch): the segment
+    # waits for the host where these add up to more than its device time.
+    host_forward_s: float = 0.0
+    host_backward_s: float = 0.0
 
 
 # Ops whose backward needs none of their tensor inputs, and ops whose backward reads their
@@ -152,6 +157,9 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
         # op (planner.cluster: dtensor_op_overhead_s); a plain data-parallel module does not.
         self.graph_program = not is_data_parallel(plan)
         self.dtensor_op_overhead_s = (self.device.dtensor_op_overhead_s or 0.0) if self.graph_program else 0.0
+        # On GPUs the host issues ops ahead of the kernels (its time bounds a segment's from
+        # below); on CPUs it runs them, and DTensor's dispatch adds to each op.
+        self.host = host_dispatch(self.cluster, self.device, self.graph_program)
         # ... and pays DTensor's redistribute machinery on every collective it issues in line.
         self.redistribute_overhead_s = (self.device.redistribute_overhead_s or 0.0) if self.graph_program else 0.0
         self._groups = {axis: self._axis_group(axis) for axis in self.mesh.names}
@@ -226,6 +234,7 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
             mfu=tflops * 1e12 / peak_flops if peak_flops else 0.0,
             bytes_per_axis=self._bytes_per_axis(segments),
             bubble_fraction=max(0.0, 1 - busy[critical] / no_comm) if no_comm else 0.0,
+            host_wait_s=sum(segment.host_wait_s for segment in per_device[critical]) * self.micro_batches,
             timeline=timeline,
         )
 
@@ -450,10 +459,14 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
         cost = NodeCost()
         work = 1.0 / (self._work_split(strategy) * self.micro_batches)
         cost.forward_s, cost.backward_s = op_times(node, work, self.device, self.plan.precision)
-        if self.dtensor_op_overhead_s:
-            # Every line of a graph program is a DTensor op, views included; so is its backward.
+        # Every line of a graph program is a DTensor op, views included; so is its backward.
+        has_backward = any(meta.dtype.is_floating_point for meta in node.output_meta)
+        if self.host is not None:
+            cost.host_forward_s = self.host.forward_s
+            cost.host_backward_s = self.host.backward_s if has_backward else 0.0
+        elif self.dtensor_op_overhead_s:
             cost.forward_s += self.dtensor_op_overhead_s
-            if any(meta.dtype.is_floating_point for meta in node.output_meta):
+            if has_backward:
                 cost.backward_s += self.dtensor_op_overhead_s
         if not node.is_view:
             # An op's output is what its readers keep for backward (most ops save their input).

@@ -168,8 +168,27 @@ def plan(
                 warnings=warnings, precision=precision, on_progress=searching, routing=routing_stats,
                 tp_layouts=tp_layouts,
             )
+    chosen = _with_host_bound_warning(chosen)
     total_s = time.perf_counter() - budget.started
     return dataclasses.replace(chosen, timings={"trace_s": traced_s, "search_s": total_s - traced_s, "total_s": total_s})
+
+
+# Share of the step waiting for the host above which the plan says so.
+HOST_BOUND_SHARE = 0.1
+
+
+def _with_host_bound_warning(chosen: Plan) -> Plan:
+    """``chosen`` with a warning when its GPUs would wait for the host much of the step
+    (``SimResult.host_wait_s``): a model too small for its GPUs, where no layout helps much."""
+    estimate = chosen.estimate
+    if estimate.step_time_s <= 0 or estimate.host_wait_s <= HOST_BOUND_SHARE * estimate.step_time_s:
+        return chosen
+    share = estimate.host_wait_s / estimate.step_time_s
+    return dataclasses.replace(chosen, warnings=tuple(chosen.warnings) + (
+        f"the GPUs wait for the host {share:.0%} of the step: this model's kernels are shorter than the time PyTorch "
+        f"takes to issue them; larger micro-batches, fewer devices, or compiled kernels (torch.compile, CUDA graphs) "
+        f"would keep them busier",
+    ))
 
 
 def _refuse_slices_of_a_coupled_batch(graph) -> None:

@@ -529,6 +529,7 @@ def _estimate_from(reader: _Reader) -> SimResult:
         mfu=reader.get("mfu", float),
         bytes_per_axis={str(k): float(v) for k, v in reader.get("bytes_per_axis", dict).items()},
         bubble_fraction=reader.get("bubble_fraction", float),
+        host_wait_s=reader.get("host_wait_s", float) if "host_wait_s" in reader.data else 0.0,  # plans before it: 0
     )
 
 

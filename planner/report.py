@@ -289,6 +289,9 @@ def _time_table(plan: "Plan") -> Table:
     table.add_row("exposed communication (step minus the same step with free collectives)", format_seconds(estimate.communication_s))
     if plan.pipeline is not None:
         table.add_row("pipeline bubble (idle share of compute)", f"{estimate.bubble_fraction:.1%}")
+    if estimate.host_wait_s > 0.01 * estimate.step_time_s:
+        table.add_row("of compute, waiting for the host to issue ops (kernels shorter than their dispatch)",
+                      format_seconds(estimate.host_wait_s))
     if estimate.step_time_s > 0:
         table.add_row("throughput", f"{estimate.samples_per_s:,.1f} samples/s" + (
             f", {estimate.tokens_per_s:,.0f} tokens/s" if estimate.tokens_per_s else ""))

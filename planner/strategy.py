@@ -421,6 +421,9 @@ class SimResult:
         mfu: tflops_per_device over the device's dense peak for the plan's precision.
         bytes_per_axis: bytes each device sends per step, by mesh axis (and ``"pp"``).
         bubble_fraction: idle share of the compute stream in the pipeline schedule.
+        host_wait_s: of ``compute_s``, the seconds the busiest device waits for the host to
+            issue ops whose kernels are shorter than their dispatch (GPU clusters,
+            ``cost_model.host_dispatch``; one wait per micro-batch and segment pass).
         timeline: the simulated tasks (not saved in plans); see ``to_chrome_trace``.
     """
 
@@ -438,6 +441,7 @@ class SimResult:
     mfu: float = 0.0
     bytes_per_axis: Mapping[str, float] = field(default_factory=dict)
     bubble_fraction: float = 0.0
+    host_wait_s: float = 0.0
     timeline: tuple[TimelineEvent, ...] = field(default=(), compare=False, repr=False)
 
     @property
@@ -496,6 +500,7 @@ class SimResult:
             "mfu": self.mfu,
             "bytes_per_axis": dict(self.bytes_per_axis),
             "bubble_fraction": self.bubble_fraction,
+            "host_wait_s": self.host_wait_s,
         }
 
 

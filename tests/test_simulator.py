@@ -45,13 +45,14 @@ def toy_cluster(devices: int = 1) -> Cluster:
 
 def compute_only_cluster(devices: int) -> Cluster:
     """A DGX A100 node where only FLOPs cost time: links of 1 EB/s and 1 ps, no kernel
-    overhead, memory traffic nearly free (10 PB/s), 10 TFLOP/s. Every op then costs
+    overhead or host dispatch, memory traffic nearly free (10 PB/s), 10 TFLOP/s. Every op then costs
     FLOPs / (peak x efficiency), so backward is exactly twice forward and a pipeline stage's
     time is proportional to the matmul FLOPs it holds."""
     base = Cluster.preset("dgx-a100-80g", devices_per_node=devices)
     link = LinkSpec(bandwidth=1e18, latency=1e-12)
     device = dataclasses.replace(
-        base.nodes[0].device, peak_flops={"float32": 1e13, "bfloat16": 1e13}, memory_bandwidth=1e16, kernel_overhead_s=0.0
+        base.nodes[0].device, peak_flops={"float32": 1e13, "bfloat16": 1e13}, memory_bandwidth=1e16, kernel_overhead_s=0.0,
+        dtensor_op_overhead_s=0.0,
     )
     node = dataclasses.replace(base.nodes[0], device=device, intra_link=link)
     return dataclasses.replace(base, nodes=(node,), inter_link=link)

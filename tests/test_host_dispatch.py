@@ -1,0 +1,82 @@
+"""The host's time per op bounds a GPU step from below (``cost_model.host_dispatch``).
+
+Worked by hand: a tensor-parallel program of a tiny MLP on H100s has kernels of a few
+microseconds, shorter than what the host spends issuing each DTensor op, so each segment
+takes its op count times the host's time per op; the same program at a large width is
+bound by its kernels and keeps the device's time; on CPUs the host's time adds instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cost_model import defaults
+from cost_model.host_dispatch import DTENSOR_BACKWARD_DISPATCH_S, DTENSOR_FORWARD_DISPATCH_S, host_wait
+from cost_model.simulator import Simulator
+from planner import baselines
+from planner.model_spec import ModelSpec
+
+MLP_FILE = str(Path(__file__).resolve().parent.parent / "examples" / "mlp.py")
+
+
+def _megatron(cluster: str, width: int):
+    spec = ModelSpec(MLP_FILE, {"batch_size": 16, "in_features": width, "hidden": 2 * width, "out_features": 8, "layers": 2})
+    plan = baselines.megatron(spec, cluster, tp=2, precision="bf16" if "h100" in cluster else "fp32")
+    return Simulator(plan, plan.graph)
+
+
+def _has_backward(simulator: Simulator, name: str) -> bool:
+    return any(meta.dtype.is_floating_point for meta in simulator.nodes[name].output_meta)
+
+
+def test_host_wait_is_the_host_time_beyond_the_device_time():
+    assert host_wait(3e-6, 10e-6) == pytest.approx(7e-6)
+    assert host_wait(10e-6, 3e-6) == 0.0
+
+
+def test_a_tiny_graph_program_on_gpus_waits_for_the_host():
+    simulator = _megatron("dgx-h100:1x2", width=32)
+    forward_per_op = defaults.KERNEL_OVERHEAD_S + DTENSOR_FORWARD_DISPATCH_S  # 13.7 us
+    backward_per_op = defaults.KERNEL_OVERHEAD_S + DTENSOR_BACKWARD_DISPATCH_S  # 17.5 us
+    for segment in simulator._segments():
+        device_forward = sum(simulator.costs[name].forward_s for name in segment.nodes)
+        graded = sum(1 for name in segment.nodes if _has_backward(simulator, name))
+        # Every op issues in 13.7 us; no kernel of 16 x 32 values takes that long.
+        assert device_forward + segment.forward_comm_s < len(segment.nodes) * forward_per_op
+        assert segment.forward_s + segment.forward_comm_s == pytest.approx(len(segment.nodes) * forward_per_op)
+        assert segment.backward_s + segment.backward_comm_s == pytest.approx(graded * backward_per_op)
+
+
+def test_a_wide_graph_program_on_gpus_is_bound_by_its_kernels():
+    simulator = _megatron("dgx-h100:1x2", width=8192)
+    for segment in simulator._segments():
+        if len(segment.nodes) < 3:
+            continue
+        device_forward = sum(simulator.costs[name].forward_s for name in segment.nodes)
+        assert segment.host_forward_s < device_forward
+        assert segment.forward_s == pytest.approx(device_forward)
+
+
+def test_on_cpus_the_host_is_the_device():
+    simulator = _megatron("cpu:1x2", width=32)
+    assert simulator.host is None
+    for segment in simulator._segments():
+        assert segment.host_forward_s == 0.0
+        assert segment.forward_s == pytest.approx(sum(simulator.costs[name].forward_s for name in segment.nodes))
+
+
+def test_a_host_bound_plan_says_so_and_keeps_the_figure_in_its_file(tmp_path):
+    import planner
+    from planner.plans import load_plan
+
+    spec = ModelSpec(MLP_FILE, {"batch_size": 16, "in_features": 32, "hidden": 64, "out_features": 8, "layers": 2})
+    plan = planner.plan(spec, "dgx-h100:1x2", progress=False)
+    simulator = Simulator(plan, plan.graph)
+    waits = sum(segment.host_wait_s for segment in simulator._segments()) * simulator.micro_batches
+    assert plan.estimate.host_wait_s == pytest.approx(waits) and waits > 0.1 * plan.estimate.step_time_s
+    assert any("wait for the host" in warning for warning in plan.warnings)
+    assert "waiting for the host to issue ops" in plan.report()
+    plan.save(tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json").estimate.host_wait_s == pytest.approx(plan.estimate.host_wait_s)
