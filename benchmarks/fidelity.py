@@ -48,7 +48,8 @@ What the simulator leaves out, and which way each bends these rows (all predicte
     ``amp_bf16``).
 
 Modelled from the runs' stated software: collectives overlapping compute slow it
-(``cost_model.nccl``'s contention); MPT rows run the Triton FlashAttention kernel
+(``cost_model.nccl``'s contention); the host's time to issue ops bounds each block from below
+(``cost_model.host_dispatch``; it binds on none of these runs: their kernels outlast it); MPT rows run the Triton FlashAttention kernel
 (llm-foundry's benchmark default ``attn_impl: triton``; ``cost_model.gpu_kernels``'
 ``ATTENTION_KERNEL_SLOWDOWN``); MT-NLG and BLOOM run DeepSpeed's pipeline engine
 (``DEEPSPEED_PIPELINE``): its ``TrainSchedule`` with every send and receive a rendezvous
