@@ -81,7 +81,11 @@ class Program:
         if not dist.is_initialized():
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+                # Bound to this rank's GPU: NCCL's communicator is made now, and barriers
+                # and subgroups need not guess the device.
+                dist.init_process_group("nccl", device_id=device)
+            else:
+                dist.init_process_group("gloo")
         key = (dist.group.WORLD, device.type, tuple(self.plan.mesh.shape), tuple(self.plan.mesh.names))
         if key not in _MESHES:
             _MESHES[key] = init_device_mesh(device.type, self.plan.mesh.shape, mesh_dim_names=self.plan.mesh.names)
