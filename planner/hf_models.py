@@ -211,6 +211,11 @@ def _hf_model(auto_class: Any, config: Any, attn_implementation: Any, device: to
     # SDPA is the attention the planner has rules and costs for; models that lack it raise
     # ValueError and are built with the eager implementation instead.
     choices = [attn_implementation] if attn_implementation is not None else ["sdpa", "eager"]
+    if getattr(config, "architectures", []) is None:
+        # Where the Auto mapping offers several classes (DeiT, LeViT: with and without a
+        # distillation head), transformers iterates config.architectures, which a fresh config
+        # holds as None; an empty list makes it take the mapping's first class, as intended.
+        config.architectures = []
     failure: Exception | None = None
     for choice in choices:
         try:
@@ -288,7 +293,8 @@ def _vision_field(config: Any, name: str, default: Any) -> Any:
 
 def _check_positions(config: Any, name: str, length: int, where: str) -> None:
     max_positions = getattr(config, "max_position_embeddings", None)
-    if isinstance(max_positions, int) and length > max_positions:
+    # XLNet's -1 means no limit (relative positions only): only a positive value bounds the length.
+    if isinstance(max_positions, int) and 0 < max_positions < length:
         raise SpecError(
             f"{where}: {name}={length} exceeds the model's max_position_embeddings={max_positions}; "
             f"lower {name} or raise max_position_embeddings"
