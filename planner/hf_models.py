@@ -161,9 +161,20 @@ def _hf_config(transformers: Any, model_type: str, default: Any, overrides: dict
     for head, fields in nested.items():
         flat[head] = _sub_config(getattr(default, head), fields, f"{where} {head}", head)
     try:
-        return transformers.AutoConfig.for_model(model_type, **flat)
+        return transformers.AutoConfig.for_model(model_type, **_as_lists(flat))
     except Exception as exc:
         raise SpecError(f"{where}: invalid config override ({settings_text(overrides)}): {exception_line(exc)}") from exc
+
+
+def _as_lists(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with tuples (how a ModelSpec keeps list overrides, hashable) as lists: the
+    strictly typed configs of transformers 5 (Zamba's ``layers_block_type: list[str]``)
+    refuse a tuple where they declare a list."""
+
+    def as_list(value: Any) -> Any:
+        return [as_list(item) for item in value] if isinstance(value, tuple) else value
+
+    return {key: as_list(value) for key, value in fields.items()}
 
 
 def _split_dotted(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -199,7 +210,7 @@ def _sub_config(default: Any, fields: dict[str, Any], where: str, prefix: str) -
     for head, inner in nested.items():
         flat[head] = _sub_config(getattr(default, head), inner, where, f"{prefix}.{head}")
     try:
-        return type(default)(**flat)
+        return type(default)(**_as_lists(flat))
     except Exception as exc:
         raise SpecError(f"{where}: invalid config override ({settings_text(fields)}): {exception_line(exc)}") from exc
 

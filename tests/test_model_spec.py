@@ -363,6 +363,17 @@ def test_hf_negative_max_positions_means_no_limit():
     assert model.config.max_position_embeddings == -1 and kwargs["input_ids"].shape == (2, 16)
 
 
+def test_hf_list_overrides_reach_strictly_typed_configs_as_lists():
+    # A ModelSpec keeps list overrides as tuples; Zamba's config declares list[str] and
+    # refuses a tuple.
+    pytest.importorskip("transformers")
+    overrides = {"num_hidden_layers": 3, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+                 "num_key_value_heads": 2, "attention_head_dim": 32, "vocab_size": 64, "mamba_d_state": 4,
+                 "n_mamba_heads": 2, "use_mamba_kernels": False, "layers_block_type": ["mamba", "hybrid", "hybrid"]}
+    model, _, _ = ModelSpec("hf:zamba", overrides).build("meta")
+    assert model.config.layers_block_type[1:] == ["hybrid", "hybrid"]  # its name for "mamba" differs
+
+
 def test_hf_builds_on_meta():
     pytest.importorskip("transformers")
     model, _, kwargs = ModelSpec("hf:llama", TINY_HF["llama"]).build("meta")
