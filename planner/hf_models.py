@@ -161,9 +161,20 @@ def _hf_config(transformers: Any, model_type: str, default: Any, overrides: dict
     for head, fields in nested.items():
         flat[head] = _sub_config(getattr(default, head), fields, f"{where} {head}", head)
     try:
-        return transformers.AutoConfig.for_model(model_type, **flat)
+        return transformers.AutoConfig.for_model(model_type, **_as_lists(flat))
     except Exception as exc:
         raise SpecError(f"{where}: invalid config override ({settings_text(overrides)}): {exception_line(exc)}") from exc
+
+
+def _as_lists(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with tuples (how a ModelSpec keeps list overrides, hashable) as lists: the
+    strictly typed configs of transformers 5 (Zamba's ``layers_block_type: list[str]``)
+    refuse a tuple where they declare a list."""
+
+    def as_list(value: Any) -> Any:
+        return [as_list(item) for item in value] if isinstance(value, tuple) else value
+
+    return {key: as_list(value) for key, value in fields.items()}
 
 
 def _split_dotted(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -199,7 +210,7 @@ def _sub_config(default: Any, fields: dict[str, Any], where: str, prefix: str) -
     for head, inner in nested.items():
         flat[head] = _sub_config(getattr(default, head), inner, where, f"{prefix}.{head}")
     try:
-        return type(default)(**flat)
+        return type(default)(**_as_lists(flat))
     except Exception as exc:
         raise SpecError(f"{where}: invalid config override ({settings_text(fields)}): {exception_line(exc)}") from exc
 
@@ -211,6 +222,11 @@ def _hf_model(auto_class: Any, config: Any, attn_implementation: Any, device: to
     # SDPA is the attention the planner has rules and costs for; models that lack it raise
     # ValueError and are built with the eager implementation instead.
     choices = [attn_implementation] if attn_implementation is not None else ["sdpa", "eager"]
+    if getattr(config, "architectures", []) is None:
+        # Where the Auto mapping offers several classes (DeiT, LeViT: with and without a
+        # distillation head), transformers iterates config.architectures, which a fresh config
+        # holds as None; an empty list makes it take the mapping's first class, as intended.
+        config.architectures = []
     failure: Exception | None = None
     for choice in choices:
         try:
@@ -288,7 +304,8 @@ def _vision_field(config: Any, name: str, default: Any) -> Any:
 
 def _check_positions(config: Any, name: str, length: int, where: str) -> None:
     max_positions = getattr(config, "max_position_embeddings", None)
-    if isinstance(max_positions, int) and length > max_positions:
+    # XLNet's -1 means no limit (relative positions only): only a positive value bounds the length.
+    if isinstance(max_positions, int) and 0 < max_positions < length:
         raise SpecError(
             f"{where}: {name}={length} exceeds the model's max_position_embeddings={max_positions}; "
             f"lower {name} or raise max_position_embeddings"

@@ -154,6 +154,13 @@ def fsdp_units(graph: OpGraph) -> tuple[str, ...]:
             owner = param.rpartition(".")[0]
             if owner in owners and not (node.module == owner or node.module.startswith(owner + ".")):
                 owners.pop(owner)
+    # A module with parameters inside another (ERNIE-4.5's router holds its bias in a child
+    # module) joins its ancestor's unit: FSDP2 cannot shard a parameter that an enclosing
+    # unit, wrapped first, has already sharded, and the memory model counts such a parameter
+    # in the first unit whose path prefixes it (the ancestor) anyway.
+    nested = [owner for owner in owners if any(owner.startswith(other + ".") for other in owners)]
+    for owner in nested:
+        owners.pop(owner)
     return tuple(owners) if len(owners) > 1 else ()
 
 

@@ -19,7 +19,7 @@ from planner.cluster import Cluster
 from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from planner.trace import trace
-from search.data_parallel import DATA_PARALLEL_FLAVOURS, data_parallel_plan, plan_data_parallel
+from search.data_parallel import DATA_PARALLEL_FLAVOURS, data_parallel_plan, fsdp_units, plan_data_parallel
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 S0, R = (Shard(0),), (Replicate(),)
@@ -283,3 +283,36 @@ def test_an_op_without_a_rule_keeps_the_batch_split_under_data_parallelism():
     assert cummax.inputs == ((Shard(0),),) and cummax.outputs == ((Shard(0),), (Shard(0),))
     mean = next(s for s in plan.strategies if s.op.startswith("aten.mean"))
     assert mean.inputs == ((Shard(0),),)  # the loss is still averaged over the split batch
+
+
+class _Router(nn.Module):
+    """A layer whose parameters live in it and in a child (ERNIE-4.5-MoE's router and its
+    ``moe_statics`` bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 16))
+        self.statics = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.statics(x @ self.weight)
+
+
+class _NestedOwners(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.router, self.last = nn.Linear(16, 16), _Router(), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.last(self.router(self.first(x))).square().mean()
+
+
+def test_fsdp_units_never_nest_one_inside_another():
+    # FSDP2 wraps the units in order: a child unit listed after its parent would find its
+    # parameters already sharded by the parent (DeviceMesh "Cannot concatenate overlapping
+    # meshes"), so a module inside another unit joins that unit.
+    with torch.device("meta"):
+        model, x = _NestedOwners(), torch.randn(8, 16)
+    graph = trace(model, (x,))
+    assert not graph.block_paths()  # the per-module units, not the repeated blocks
+    assert fsdp_units(graph) == ("first", "router", "last")

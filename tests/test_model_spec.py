@@ -355,6 +355,25 @@ def test_hf_tiny_models_build_and_give_a_loss(model_type):
     loss.backward()
 
 
+def test_hf_negative_max_positions_means_no_limit():
+    # XLNet's max_position_embeddings is -1 (relative positions only): any seq_len is fine.
+    pytest.importorskip("transformers")
+    overrides = {"n_layer": 1, "d_model": 32, "n_head": 2, "d_inner": 64, "vocab_size": 64, "seq_len": 16}
+    model, _, kwargs = ModelSpec("hf:xlnet", overrides).build("meta")
+    assert model.config.max_position_embeddings == -1 and kwargs["input_ids"].shape == (2, 16)
+
+
+def test_hf_list_overrides_reach_strictly_typed_configs_as_lists():
+    # A ModelSpec keeps list overrides as tuples; Zamba's config declares list[str] and
+    # refuses a tuple.
+    pytest.importorskip("transformers")
+    overrides = {"num_hidden_layers": 3, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+                 "num_key_value_heads": 2, "attention_head_dim": 32, "vocab_size": 64, "mamba_d_state": 4,
+                 "n_mamba_heads": 2, "use_mamba_kernels": False, "layers_block_type": ["mamba", "hybrid", "hybrid"]}
+    model, _, _ = ModelSpec("hf:zamba", overrides).build("meta")
+    assert model.config.layers_block_type[1:] == ["hybrid", "hybrid"]  # its name for "mamba" differs
+
+
 def test_hf_builds_on_meta():
     pytest.importorskip("transformers")
     model, _, kwargs = ModelSpec("hf:llama", TINY_HF["llama"]).build("meta")
@@ -430,6 +449,10 @@ TINY_VISION = {
     "vit": {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
             "image_size": 16, "patch_size": 8, "num_labels": 5, "num_channels": 1},
     "resnet": {"depths": [1, 1], "hidden_sizes": [8, 16], "embedding_size": 8, "num_labels": 5, "image_size": 16},
+    # Two classes in the Auto mapping (with and without a distillation head): transformers
+    # chooses by config.architectures, which a fresh config holds as None.
+    "deit": {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+             "image_size": 16, "patch_size": 8, "num_labels": 5},
 }
 
 
