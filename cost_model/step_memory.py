@@ -109,6 +109,17 @@ class StepMemory:
             peak = max(peak, held)
         return peak + transient
 
+    def fsdp_root_elements(self, segment: Segment) -> float:
+        """Local elements of ``segment``'s shardable parameters that FSDP2's root unit holds:
+        those under none of ``Plan.fsdp_units`` (all of them when the plan names no units).
+        FSDP2 never reshards its root after forward (backward starts right after it), so the
+        root's weights are gathered once per micro-batch and the units' twice, in forward and
+        again in backward (``codegen.emit``'s FSDP program; counted by
+        ``codegen.runtime.comm_audit``)."""
+        units = tuple(unit + "." for unit in self.plan.fsdp_units)
+        return sum(count for name, count in segment.params.items()
+                   if name not in segment.per_rank and not name.startswith(units))
+
     def _bytes_per_axis(self, segments: list[Segment]) -> dict[str, float]:
         """Bytes a device of the busiest stage sends per step, by mesh axis."""
         totals: dict[str, float] = {}
@@ -129,6 +140,9 @@ class StepMemory:
                 units = {"fsdp": 2 * gathers + reductions, "zero1": 2 * reductions + 1, "zero2": reductions + 1, "ddp": 2 * reductions}[flavour]
                 factor = units * (self.dp - 1) / self.dp
                 stage_totals["dp"] = stage_totals.get("dp", 0.0) + grads * factor
+                if flavour == "fsdp" and self.plan.pipeline is None:  # the root is not gathered again for backward
+                    root = self.fsdp_root_elements(segment) * _PARAM_BYTES[self.plan.precision][1]
+                    stage_totals["dp"] -= root * gathers * (self.dp - 1) / self.dp
             if self.pp > 1:
                 stage_totals["pp"] = stage_totals.get("pp", 0.0) + 2 * segment.input_bytes * self.micro_batches
         for stage_totals in by_stage.values():

@@ -10,7 +10,9 @@ can be compared. Counting happens at the dispatcher, in one ``TorchDispatchMode`
 DTensor's redistributes and the runtime's autograd collectives issue) and the collectives
 DDP's C++ reducer, FSDP2 and ZeroRedundancyOptimizer launch all pass through it (the
 reducer calls ``ProcessGroup::allreduce``, which dispatches ``c10d::allreduce_``); a call is
-seen once, at the outermost op, since the mode is off while it runs the op.
+seen once, at the outermost op, since the mode is off while it runs the op. Ops on DTensors
+are handed back to DTensor first, so the collectives its sharding propagation issues inside
+an op come back on local tensors and are counted too.
 
 Bytes sent per device follow the simulator's conventions (``cost_model.simulator``'s
 ``_SENT_FRACTION``, ``cost_model.collectives``), for a group of n ranks and a collective of
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from codegen.runtime.program import Program
@@ -78,6 +81,12 @@ class CollectiveCounter(TorchDispatchMode):
         super().__init__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(kind, DTensor) for kind in types):
+            # Let DTensor run the op first: the collectives its sharding propagation issues
+            # inside the op (a gather before a split, say) then come back here on local
+            # tensors. A mode runs before subclasses and is off while it runs the op, so
+            # running it here would hide them (CommDebugMode does the same).
+            return NotImplemented
         kwargs = kwargs or {}
         if func.namespace in _COLLECTIVE_NAMESPACES:
             call = self._describe(func, args, kwargs)
