@@ -38,7 +38,7 @@ LAUNCH_TIMEOUT = 300  # seconds; a launch takes ~10 s on 2 cores, the limit only
 SCALAR_SLACK_BYTES = 64.0
 MOE_TOLERANCE = 0.02
 WORLD_SIZES = (2, 4)
-CASES = ("mlp-ddp", "gpt-ddp", "gpt-zero1", "gpt-zero2", "gpt-fsdp")
+CASES = ("mlp-ddp", "gpt-ddp", "gpt-zero1", "gpt-zero2", "gpt-fsdp", "gpt-pp2-1f1b")
 
 
 @dataclass
