@@ -109,6 +109,54 @@ class StepMemory:
             peak = max(peak, held)
         return peak + transient
 
+    def fsdp_root_elements(self, segment: Segment) -> float:
+        """Local elements of ``segment``'s shardable parameters that FSDP2's root unit holds:
+        those under none of ``Plan.fsdp_units`` (all of them when the plan names no units).
+        FSDP2 never reshards its root after forward (backward starts right after it), so the
+        root's weights are gathered once per micro-batch and the units' twice, in forward and
+        again in backward (``codegen.emit``'s FSDP program; counted by
+        ``codegen.runtime.comm_audit``)."""
+        units = tuple(unit + "." for unit in self.plan.fsdp_units)
+        return sum(count for name, count in segment.params.items()
+                   if name not in segment.per_rank and not name.startswith(units))
+
+    def pipeline_boundary_bytes(self) -> list[tuple[float, float]]:
+        """Per boundary between (virtual) stages k and k+1, the bytes of one micro-batch one
+        device sends over it: (forward: every value made by stage k or before that a later
+        stage reads, integer ones and graph inputs such as the targets included, as
+        ``codegen.pipeline_emit`` relays them; backward: the gradients of its floating-point
+        values made by ops). Parameters are not sent (each stage holds its own)."""
+        stages = self.pp * self.chunks
+        forward, backward = [0.0] * (stages - 1), [0.0] * (stages - 1)
+        params = set(self.graph.parameters)
+        graph_inputs = {graph_input.name: graph_input for graph_input in self.graph.inputs}
+        last_reader: dict[str, int] = {}
+        for node in self.graph.nodes:
+            stage = self.strategies[node.name].stage
+            for name in node.inputs:
+                if name not in params:
+                    last_reader[name] = max(last_reader.get(name, -1), stage)
+        for name, reader in sorted(last_reader.items()):
+            if name in graph_inputs:
+                meta, made = graph_inputs[name].meta, 0
+                local = meta.nbytes / self._shard_factor(self.plan.inputs.get(name) or ()) / self.micro_batches if meta else 0.0
+                float_bytes = 0.0  # a graph input gets no gradient
+            elif name in self.strategies:
+                node, strategy = self.nodes[name], self.strategies[name]
+                made = strategy.stage
+                local = float_bytes = 0.0
+                for meta, placements in zip(node.output_meta, strategy.outputs):
+                    scale = self.activation_scale if meta.dtype.is_floating_point else 1.0
+                    size = meta.nbytes * scale / self._shard_factor(placements) / self.micro_batches
+                    local += size
+                    float_bytes += size if meta.dtype.is_floating_point else 0.0
+            else:
+                continue
+            for boundary in range(made, min(reader, stages - 1)):
+                forward[boundary] += local
+                backward[boundary] += float_bytes
+        return list(zip(forward, backward))
+
     def _bytes_per_axis(self, segments: list[Segment]) -> dict[str, float]:
         """Bytes a device of the busiest stage sends per step, by mesh axis."""
         totals: dict[str, float] = {}
@@ -129,8 +177,16 @@ class StepMemory:
                 units = {"fsdp": 2 * gathers + reductions, "zero1": 2 * reductions + 1, "zero2": reductions + 1, "ddp": 2 * reductions}[flavour]
                 factor = units * (self.dp - 1) / self.dp
                 stage_totals["dp"] = stage_totals.get("dp", 0.0) + grads * factor
-            if self.pp > 1:
-                stage_totals["pp"] = stage_totals.get("pp", 0.0) + 2 * segment.input_bytes * self.micro_batches
+                if flavour == "fsdp" and self.plan.pipeline is None:  # the root is not gathered again for backward
+                    root = self.fsdp_root_elements(segment) * _PARAM_BYTES[self.plan.precision][1]
+                    stage_totals["dp"] -= root * gathers * (self.dp - 1) / self.dp
+        if self.pp > 1:
+            for boundary, (forward, backward) in enumerate(self.pipeline_boundary_bytes()):
+                # The sender of the activations is stage k's device; stage k+1's device
+                # sends their gradients back.
+                for device, sent in ((boundary % self.pp, forward), ((boundary + 1) % self.pp, backward)):
+                    stage_totals = by_stage.setdefault(device, {})
+                    stage_totals["pp"] = stage_totals.get("pp", 0.0) + sent * self.micro_batches
         for stage_totals in by_stage.values():
             for axis, sent in stage_totals.items():
                 totals[axis] = max(totals.get(axis, 0.0), sent)

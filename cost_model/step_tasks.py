@@ -266,8 +266,11 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
         bucket = GradientBuckets()
         for position, segment in enumerate(reversed(segments)):
             segment_deps = list(deps) if last is None else [last]
-            if fsdp:
-                segment_deps.append(self._fsdp_gather(graph, device, segment, [] if last is None else [last], f"all-gather {segment.name} (bwd)"))
+            # FSDP2 gathers again for backward only what it resharded after forward: not its root.
+            regathered = segment.shardable_elements() - (self.fsdp_root_elements(segment) if self.plan.pipeline is None else 0.0)
+            if fsdp and regathered > 0:
+                segment_deps.append(self._fsdp_gather(graph, device, segment, [] if last is None else [last],
+                                                      f"all-gather {segment.name} (bwd)", regathered))
             compute = graph.add(f"B{mb} {segment.name}", (device, "compute"), backward_time(segment, recompute), deps=segment_deps)
             comm = backward_comm(segment, recompute)
             last = graph.add(f"B{mb} {segment.name} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
@@ -304,8 +307,10 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
             return 4
         return _PARAM_BYTES[self.plan.precision][1]
 
-    def _fsdp_gather(self, graph, device, segment, deps, name) -> int:
-        size = segment.shardable_elements() * _PARAM_BYTES[self.plan.precision][0]
+    def _fsdp_gather(self, graph, device, segment, deps, name, elements: float | None = None) -> int:
+        """All-gather of ``elements`` of ``segment``'s weights (default: all it shards)."""
+        elements = segment.shardable_elements() if elements is None else elements
+        size = elements * _PARAM_BYTES[self.plan.precision][0]
         return graph.add(name, (device, "collective"), self._collective("all_gather", size, "dp"), deps=deps, kind="comm")
 
     def _gradient_sync(self, graph, device, name: str, buckets: list[tuple[float, int]], after: int) -> int:

@@ -79,3 +79,24 @@ def test_blocking_sends_hold_both_compute_streams_as_a_rendezvous():
                     and e.name.split(" ")[0] == f"{needs}{mb}")
         assert first >= send.start_s + send.duration_s - 1e-12
     assert blocked.step_time_s > results[False].step_time_s
+
+
+def test_bytes_sent_over_pp_are_each_boundarys_values_and_gradients():
+    """bytes_per_axis["pp"]: the busiest device's sends over a step (counted against a running
+    program by tests/test_comm_audit.py). Worked by hand for the GPT above, 4 micro-batches of 2
+    samples, bf16 activations: with 1F1B on 2 stages, stage 0 sends each micro-batch's residual
+    stream (2 × 32 × 64 × 2 B = 8192 B) and the targets the last stage's loss reads (2 × 32
+    int64 = 512 B) forward; stage 1 sends the residual stream's gradient (8192 B) back. With 2
+    chunks per stage (interleaved), device 0 runs virtual stages 0 and 2 and device 1 runs 1
+    and 3: each device sends forward on 2 of the 3 boundaries (0→1 and 2→3, or 1→2) and
+    gradients back on 1 or 2 of them (1→0, or 2→1 and 3→2)."""
+    cluster = Cluster(name="toy", nodes=(NodeSpec(DEVICE, 2, LINK),), inter_link=LINK, backend="gloo")
+    spec = ModelSpec(GPT, {"n_layer": 4, "n_embd": 64, "n_head": 4, "seq_len": 32, "vocab_size": 32, "batch_size": 8})
+    graph, spec, name, _ = prepare_model(spec, cluster)
+    residual, targets, micro_batches = 2 * 32 * 64 * 2, 2 * 32 * 8, 4
+    one = megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=2, schedule="1f1b")
+    assert Simulator(one, graph).run().bytes_per_axis["pp"] == pytest.approx(micro_batches * (residual + targets))
+    two = megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=2, schedule="interleaved", virtual_stages=2)
+    device0 = 2 * (residual + targets) + 1 * residual  # forward on 0→1 and 2→3, gradient back on 1→0
+    device1 = 1 * (residual + targets) + 2 * residual  # forward on 1→2, gradients back on 2→1 and 3→2
+    assert Simulator(two, graph).run().bytes_per_axis["pp"] == pytest.approx(micro_batches * max(device0, device1))

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from codegen.runtime.spmd import Placements, SpmdModule, _keep_placements, _replicate_partials
+from codegen.runtime.spmd import Placements, SpmdModule, _keep_placements, _replicate_partials, same_placements
 
 PP_AXIS = "pp"
 _STAGE_MESHES: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
@@ -161,7 +161,7 @@ def _distribute_owned(
                 shard = distribute_tensor(param.detach(), mesh, wanted[id(param)], src_data_rank=None)
                 new = nn.Parameter(shard, requires_grad=param.requires_grad)
                 if new.requires_grad:
-                    new.register_hook(_keep_placements(new))
+                    new.register_hook(_placed_after_the_schedule(new))
                 replaced[id(param)] = new
     for module in model.modules():
         for key, param in list(module._parameters.items()):
@@ -230,6 +230,27 @@ def build_stage(
 
 
 # ------------------------------------------------------------------------------ the step
+
+
+class _ScheduleRunning:
+    """Whether a pipeline schedule's backward is running on this process (``PipelineRunner.step``):
+    parameters' gradients are then left in the placements backward gives them (partial sums
+    over ``dp``, say) and accumulate so over the micro-batches; ``step`` lays each out as its
+    parameter once the schedule is done. So a data-parallel gradient is all-reduced once per
+    step, as Megatron-LM and the simulator do, not once per micro-batch."""
+
+    active = False
+
+
+def _placed_after_the_schedule(param: DTensor):
+    """``param``'s gradient hook: its placements outside a schedule (``spmd._keep_placements``);
+    unchanged while a schedule runs (``_ScheduleRunning``)."""
+    keep = _keep_placements(param)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return grad if _ScheduleRunning.active else keep(grad)
+
+    return hook
 
 
 class PipelineRunner:
@@ -304,17 +325,31 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         device = self.module.device
         target = torch.zeros(self.micro_batches, device=device) if self.last else None
-        if self.first:
-            positional = _positional(args, kwargs, self.input_names)
-            self.schedule.step(*positional, target=target, losses=losses, return_outputs=False)
-        else:
-            self.schedule.step(target=target, losses=losses, return_outputs=False)
+        _ScheduleRunning.active = True
+        try:
+            if self.first:
+                positional = _positional(args, kwargs, self.input_names)
+                self.schedule.step(*positional, target=target, losses=losses, return_outputs=False)
+            else:
+                self.schedule.step(target=target, losses=losses, return_outputs=False)
+        finally:
+            _ScheduleRunning.active = False
+        self._place_gradients()
         self._average_over_micro_batches()
         self._sum_shared_gradients()
         loss = torch.stack([value.detach().reshape(()) for value in losses]).mean() if self.last else torch.zeros((), device=device)
         # The last stage's loss to every rank of this pipeline (the other stages have none).
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_rank)
         return loss
+
+    def _place_gradients(self) -> None:
+        """Each gradient, summed over the micro-batches in the placements backward gave it,
+        laid out as its parameter: one reduction per parameter and step (``_ScheduleRunning``)."""
+        unique = {id(param): param for param in self.module.params.values()}
+        for param in unique.values():
+            grad = param.grad
+            if isinstance(grad, DTensor) and not same_placements(grad.placements, param.placements):
+                param.grad = grad.redistribute(param.device_mesh, param.placements)
 
     def _average_over_micro_batches(self) -> None:
         """Each micro-batch's loss is a mean over its samples, so the summed gradients divided

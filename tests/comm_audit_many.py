@@ -1,0 +1,61 @@
+"""Audit the collectives of many compiled programs in one torchrun launch.
+
+    torchrun --nproc_per_node 2 tests/comm_audit_many.py out/mlp_ddp out/gpt_fsdp ...
+
+For each folder every rank loads the program and runs one counted training step
+(``codegen.runtime.comm_audit.audit_step``); rank 0 prints, per mesh axis the plan predicts
+or the step used, one line::
+
+    AUDIT <folder> <axis> <predicted bytes> <counted bytes>
+
+then ``CALLS <folder> <axis> <op> <group size> <calls> <bytes>`` lines for the busiest rank,
+or ``AUDIT <folder> FAILED <error>`` when the program could not run. Exits 0 once every folder
+has its lines (the pytest side parses them).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import torch.distributed as dist
+
+from codegen.runtime import load_program
+from codegen.runtime.comm_audit import audit_step
+from codegen.runtime.launcher import exit_now
+
+
+def audit_folder(folder: str) -> list[str]:
+    """The AUDIT and CALLS lines of one program folder."""
+    try:
+        program = load_program(folder)
+        mesh = program.build_mesh()
+        result = audit_step(program, mesh)
+    except Exception as error:  # noqa: BLE001 - reported as this folder's FAILED line
+        last = traceback.extract_tb(error.__traceback__)[-1]
+        return [f"AUDIT {folder} FAILED {type(error).__name__}: {' '.join(str(error).split())} (at {last.filename}:{last.lineno})"]
+    predicted = program.plan.estimate.bytes_per_axis if program.plan.estimate else {}
+    lines = [
+        f"AUDIT {folder} {axis} {predicted.get(axis, 0.0)!r} {result.counted.get(axis, 0.0)!r}"
+        for axis in sorted(set(predicted) | set(result.counted))
+    ]
+    lines += [f"CALLS {folder} {axis} {op} {size} {count} {sent!r}" for (axis, op, size), (count, sent) in sorted(result.calls.items())]
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    try:
+        for folder in argv:
+            lines = audit_folder(folder)
+            if os.environ.get("RANK", "0") == "0":
+                print("\n".join(lines), flush=True)
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    exit_now(main(sys.argv[1:]))

@@ -1,0 +1,75 @@
+"""The plans whose collectives ``tests/test_comm_audit.py`` counts: one per way the compiled
+programs communicate, on small example models, each with the simulator's own prediction.
+
+Importable by the test and by ``benchmarks/comm_audit.py`` (which prints the table)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+from pathlib import Path
+
+import planner
+from planner import baselines
+from planner.api import prepare_model
+from planner.model_spec import ModelSpec
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GPT = {"batch_size": 8, "n_layer": 2}
+MLP = {"batch_size": 8}
+
+
+def _spec(source: str, overrides: dict) -> ModelSpec:
+    return ModelSpec(source if source.startswith("hf:") else str(REPO / source), overrides)
+
+
+def _resimulated(plan: planner.Plan) -> planner.Plan:
+    """``plan`` with the simulator's estimate of the plan as it is now (after a test edited it)."""
+    return dataclasses.replace(plan, estimate=planner.simulate(plan))
+
+
+def random_layout(world: int) -> planner.Plan:
+    """A graph program of the MLP whose every op's placements were drawn at random
+    (``test_spmd_parity.random_placements``): resharding between almost every pair of ops."""
+    from test_spmd_parity import random_placements
+
+    graph, spec, name, cluster = prepare_model(_spec("examples/mlp.py", MLP), f"cpu:1x{world}")
+    from search.megatron import megatron_plan
+
+    base = megatron_plan(graph, cluster, spec, name, tp=world, precision="fp32")
+    return _resimulated(random_placements(base, graph, random.Random(2)))
+
+
+def moe_expert_parallel(world: int) -> planner.Plan:
+    """``examples/moe.py`` (4 experts) with each MoE layer expert parallel over dp, round robin, DDP."""
+    from moe_plans import moe_plan
+
+    return _resimulated(moe_plan(world, "expert_parallel", placement="round-robin"))
+
+
+def plans(world: int) -> dict[str, planner.Plan]:
+    """{case name: plan} of one world size."""
+    cluster = f"cpu:1x{world}"
+    gpt = _spec("examples/gpt.py", GPT)
+    cases = {
+        "mlp-ddp": baselines.ddp(_spec("examples/mlp.py", MLP), cluster),
+        "gpt-ddp": baselines.ddp(gpt, cluster),
+        "gpt-zero1": baselines.zero(gpt, cluster, stage=1),
+        "gpt-zero2": baselines.zero(gpt, cluster, stage=2),
+        "gpt-fsdp": baselines.fsdp(gpt, cluster),
+        "gpt-megatron-tp2": baselines.megatron(gpt, cluster, tp=2, precision="fp32"),
+        "mlp-random": random_layout(world),
+        "gpt-pp2-1f1b": baselines.megatron(gpt, cluster, pp=2, micro_batch=2, schedule="1f1b", precision="fp32"),
+        "moe-ep": moe_expert_parallel(world),
+    }
+    return cases
+
+
+if __name__ == "__main__":
+    world, root = int(sys.argv[1]), Path(sys.argv[2])
+    for case, plan in plans(world).items():
+        planner.compile(plan, root / case, force=True)
+        print(root / case)
