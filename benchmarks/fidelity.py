@@ -3,6 +3,7 @@
     python benchmarks/fidelity.py                 # every run (several minutes)
     python benchmarks/fidelity.py --runs MPT-7B@8xA100 BLOOM-176B@384xA100
     python benchmarks/fidelity.py --roofline      # the same runs with the roofline model
+    python benchmarks/fidelity.py --breakdown     # and where each predicted step goes
 
 Each run is simulated with the layout its source states - the mesh (tp x pp x dp), the
 pipeline schedule and micro-batches, recomputation, the data-parallel flavour (FSDP, ZeRO-1,
@@ -83,6 +84,7 @@ from pathlib import Path
 from planner.api import prepare_model
 from planner.cluster import Cluster, LinkSpec
 from planner.model_spec import ModelSpec
+from search.data_parallel import fsdp_units
 from search.layouts import nearly_even_layers
 from search.megatron import megatron_plan
 from cost_model.simulator import simulated
@@ -306,9 +308,30 @@ def simulate(run: Run, roofline: bool = False):
     cluster = Cluster.parse(run.cluster) if isinstance(run.cluster, str) else run.cluster
     graph, spec, name, cluster = prepare_model(spec, roofline_cluster(cluster) if roofline else cluster)
     plan = megatron_plan(graph, cluster, spec, name, precision="bf16", **run.layout)
+    changes = {}
     if run.accumulation > 1:
-        plan = simulated(dataclasses.replace(plan, accumulation_steps=run.accumulation), graph)
+        changes["accumulation_steps"] = run.accumulation
+    if plan.dp_flavour == "fsdp":
+        # Every FSDP run here wraps each transformer block as its own unit, the root holding
+        # the rest (llm-foundry: MPTForCausalLM.fsdp_wrap_fn wraps each MPTBlock; torchtitan:
+        # apply_fsdp calls fully_shard on each TransformerBlock, then on the model), so a
+        # block is gathered again for its backward and the root is not.
+        changes["fsdp_units"] = fsdp_units(graph)
+    if changes:
+        plan = simulated(dataclasses.replace(plan, **changes), graph)
     return plan, cluster
+
+
+def breakdown(estimate) -> str:
+    """Where a predicted step goes on its busiest device, in seconds and shares of the step."""
+    step = estimate.step_time_s or 1.0
+    parts = [("compute", estimate.compute_s), ("exposed communication", estimate.communication_s)]
+    if estimate.host_wait_s:
+        parts.append(("of compute, waiting for the host", estimate.host_wait_s))
+    text = ", ".join(f"{name} {seconds:.2f}s ({seconds / step:.0%})" for name, seconds in parts)
+    if estimate.bubble_fraction:
+        text += f", pipeline bubble {estimate.bubble_fraction:.0%} of compute"
+    return f"{text}; MFU {estimate.mfu:.1%}"
 
 
 def main() -> None:
@@ -316,6 +339,8 @@ def main() -> None:
     parser.add_argument("--runs", nargs="*", help="run names (default: all)")
     parser.add_argument("--roofline", action="store_true",
                         help="price kernels with the roofline and default efficiencies instead (for comparison)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also print where each predicted step goes (compute, exposed communication, bubble)")
     options = parser.parse_args()
     chosen = [run for run in runs() if not options.runs or run.name in options.runs]
     print(f"{'run':<22} {'GPUs':>5}  {'layout':<38} {'batch':>5} {'seq':>5}  {'published':>18} "
@@ -332,6 +357,8 @@ def main() -> None:
               f"{run.overrides['batch_size']:>5} {run.overrides['seq_len']:>5}  {run.figure:>18} "
               f"{run.published_step_s:>7.2f}s {predicted:>8.2f}s {error:>+7.1%}  {run.source}{fits} "
               f"[{time.perf_counter() - started:.0f}s]", flush=True)
+        if options.breakdown:
+            print(f"{'':<22} {breakdown(plan.estimate)}", flush=True)
     if errors:
         print(f"\n{len(errors)} runs: median absolute error {statistics.median(errors):.1%}, "
               f"largest {max(errors):.1%} (targets: median <= 10%, none above 20%)")
