@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from planner.errors import TraceError
 from planner.fingerprint import model_fingerprint
+from planner.flop_formulas import register_grouped_matmul_formulas
 from planner.functionalize import functional_program
 from planner.graph import VIEW_OPS, GraphInput, OpGraph, OpNode, TensorMeta
 from planner.moe_blocks import find_moe_blocks
@@ -75,6 +76,7 @@ def trace(
             the model; the message names the module that failed and the fix.
     """
     kwargs = dict(kwargs or {})
+    register_grouped_matmul_formulas()  # the model's imports may have defined such an op
     graph = _trace(model, args, kwargs, on_progress)
     # Stored in plans, so compile/simulate/launch can tell when the spec builds another model.
     graph.model_fingerprint = model_fingerprint(model, args, kwargs)
