@@ -317,7 +317,7 @@ def prepare_model(model, cluster, example_inputs=None, spec=None, on_progress=No
         )
     _check_no_empty_inputs(args, kwargs)
     graph = trace(model, args, kwargs, on_progress=on_progress)
-    graph.warnings = _model_warnings(model) + _unknown_op_warnings(graph)
+    graph.warnings = _model_warnings(model) + _unknown_op_warnings(graph) + _uncounted_op_warnings(graph)
     return graph, spec, type(model).__name__, cluster
 
 
@@ -509,6 +509,20 @@ def _unknown_op_warnings(graph) -> list[str]:
     return [
         f"{sum(unknown.values())} op(s) have no sharding rule, so plans other than data parallelism run them "
         f"whole on every rank: {listed}; rules live in search/rules/"
+    ]
+
+
+def _uncounted_op_warnings(graph) -> list[str]:
+    """One warning naming the custom ops counted at 0 FLOPs (``planner.flop_formulas``)."""
+    from planner.flop_formulas import uncounted_custom_ops
+
+    uncounted = uncounted_custom_ops(graph)
+    if not uncounted:
+        return []
+    listed = ", ".join(f"{op} ({count} node{'s' if count > 1 else ''})" for op, count in uncounted.items())
+    return [
+        f"custom op(s) with no FLOP formula are priced by the bytes they move only: {listed}; if they multiply "
+        f"matrices, register a formula with torch.utils.flop_counter.register_flop_formula before planning"
     ]
 
 

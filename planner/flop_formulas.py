@@ -37,3 +37,19 @@ def register_grouped_matmul_formulas() -> None:
         packet = getattr(getattr(torch.ops, namespace), name, None)
         if packet is not None and packet not in flop_registry:
             register_flop_formula(packet)(grouped_matmul_flops)
+
+
+# Namespaces of the ops PyTorch's flop counter knows (those without a formula do no matmul).
+COUNTED_NAMESPACES = ("aten.", "prims.")
+
+
+def uncounted_custom_ops(graph) -> dict[str, int]:
+    """Ops of ``graph`` from other libraries (custom ops) counted at 0 FLOPs, by op name with
+    their node counts: the simulator prices them by the bytes they move only."""
+    found: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op.startswith(COUNTED_NAMESPACES) or node.flops:
+            continue
+        if any(meta.dtype.is_floating_point for meta in node.output_meta):
+            found[node.op] = found.get(node.op, 0) + 1
+    return found

@@ -38,3 +38,27 @@ def test_a_huggingface_moe_model_counts_its_experts():
     routed_rows = 8 * 16 * 2
     per_layer = 2 * routed_rows * 64 * (2 * 128) + 2 * routed_rows * 128 * 64  # gate+up, then down
     assert sum(node.flops for node in grouped) == 2 * per_layer
+
+
+def test_a_custom_op_without_a_formula_is_named_in_a_warning():
+    from planner.flop_formulas import uncounted_custom_ops
+
+    @torch.library.custom_op("soap_test::scaled_mix", mutates_args=())
+    def scaled_mix(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w
+
+    @scaled_mix.register_fake
+    def _(x, w):
+        return x.new_empty(x.shape[0], w.shape[1])
+
+    class Mixer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return torch.ops.soap_test.scaled_mix(x, self.w).sum()
+
+    graph, *_ = prepare_model(Mixer(), "cpu:1x2", (torch.randn(4, 8),))
+    assert uncounted_custom_ops(graph) == {"soap_test.scaled_mix.default": 1}
+    assert any("soap_test.scaled_mix.default (1 node)" in warning for warning in graph.warnings)
