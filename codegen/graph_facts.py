@@ -24,7 +24,11 @@ from planner.plans import Plan
 
 # Seed every rank builds the model with (planner.api.BUILD_SEED, codegen.runtime.program.BUILD_SEED).
 BUILD_SEED = 0
-DROPOUTS = ("aten.dropout.", "aten.native_dropout.", "aten.feature_dropout.", "aten.alpha_dropout.", "aten.feature_alpha_dropout.")
+DROPOUTS = (
+    "aten.dropout.", "aten.native_dropout.", "aten.feature_dropout.", "aten.alpha_dropout.", "aten.feature_alpha_dropout.",
+    # nn.Dropout(inplace=True) (MobileNet's classifier): the same arguments (input, p, train)
+    "aten.dropout_.", "aten.feature_dropout_.", "aten.alpha_dropout_.", "aten.feature_alpha_dropout_.",
+)
 ATTENTION = "aten.scaled_dot_product_attention."
 
 

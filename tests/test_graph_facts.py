@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 import planner
+from codegen.graph_facts import model_facts
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
+from planner.trace import trace
 from search.megatron import megatron_plan
 
 # RoFormer checks its input_ids for padding tokens before the forward unless it is being
@@ -21,3 +25,22 @@ def test_a_forward_that_reads_token_values_unless_traced_compiles_to_a_graph_pro
     plan = megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32")
     folder = planner.compile(plan, tmp_path / "roformer")
     assert "(SpmdModule)" in (folder / "model_spmd.py").read_text()
+
+
+class _InPlaceDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.dropout = nn.Linear(8, 8), nn.Dropout(0.5, inplace=True)
+
+    def forward(self, x):
+        return self.dropout(self.linear(x)).mean()
+
+
+def test_in_place_dropout_reads_its_probability_from_its_module():
+    # MobileNet's classifier dropout (p=0.999, inplace=True) traces to aten.dropout_; with its
+    # probability baked in, --check could not switch it off in a graph program.
+    with torch.device("meta"):
+        model, x = _InPlaceDropout(), torch.randn(4, 8)
+    graph = trace(model, (x,))
+    dropout = next(node for node in graph.nodes if node.op.startswith("aten.dropout_"))
+    assert model_facts(model, (x,), {}, graph).dropout_modules == {dropout.name: "dropout"}
