@@ -17,14 +17,18 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-from torch.utils._pytree import TreeSpec, tree_flatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map
 
 from planner.graph import OpGraph
 from planner.plans import Plan
 
 # Seed every rank builds the model with (planner.api.BUILD_SEED, codegen.runtime.program.BUILD_SEED).
 BUILD_SEED = 0
-DROPOUTS = ("aten.dropout.", "aten.native_dropout.", "aten.feature_dropout.", "aten.alpha_dropout.", "aten.feature_alpha_dropout.")
+DROPOUTS = (
+    "aten.dropout.", "aten.native_dropout.", "aten.feature_dropout.", "aten.alpha_dropout.", "aten.feature_alpha_dropout.",
+    # nn.Dropout(inplace=True) (MobileNet's classifier): the same arguments (input, p, train)
+    "aten.dropout_.", "aten.feature_dropout_.", "aten.alpha_dropout_.", "aten.feature_alpha_dropout_.",
+)
 ATTENTION = "aten.scaled_dot_product_attention."
 
 
@@ -62,9 +66,14 @@ def model_facts(model: torch.nn.Module, args: tuple, kwargs: dict, graph: OpGrap
     # Tensors the forward makes without a device (torch.tensor([...])) follow the model's
     # parameters onto the meta device, as they would follow them onto a GPU at run time.
     on_meta = any(p.is_meta for p in model.parameters())
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # The inputs enter as fake tensors, not as real or meta ones the mode converts on the fly:
+    # libraries skip their data-dependent checks when they see a fake input (transformers'
+    # is_tracing: the padding check of BERT-like encoders reads token values, which a fake
+    # tensor does not have).
+    args, kwargs = tree_map(lambda value: mode.from_tensor(value) if isinstance(value, torch.Tensor) else value, (args, kwargs))
     try:
-        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True), torch.device("meta") if on_meta else nullcontext(), \
-                _static_shape_experts(model):
+        with torch.no_grad(), mode, torch.device("meta") if on_meta else nullcontext(), _static_shape_experts(model):
             output = model(*args, **kwargs)
     finally:
         model.train(was_training)

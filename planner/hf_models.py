@@ -91,6 +91,10 @@ def build_hf(model_type: str, overrides: dict[str, Any], device: torch.device) -
                 f"hf: specs need one of them, use a file spec with your own factory instead"
             )
         model = _hf_model(_AUTO_CLASSES[task](transformers), config, attn_implementation, device, where)
+    if torch.device(device).type == "meta":
+        # Legacy constructors ignore the default device (XLNet's nn.Parameter(torch.FloatTensor(
+        # ...))): such weights land on the CPU, and a meta forward then mixes devices.
+        model.to("meta")
     model.train()  # a training planner: dropout and friends as in training
     with torch.device(device):
         kwargs = _inputs(task, config, batch_size, shape, where)

@@ -355,12 +355,14 @@ def test_hf_tiny_models_build_and_give_a_loss(model_type):
     loss.backward()
 
 
-def test_hf_negative_max_positions_means_no_limit():
+def test_hf_xlnet_builds_on_meta_with_no_position_limit():
     # XLNet's max_position_embeddings is -1 (relative positions only): any seq_len is fine.
     pytest.importorskip("transformers")
     overrides = {"n_layer": 1, "d_model": 32, "n_head": 2, "d_inner": 64, "vocab_size": 64, "seq_len": 16}
     model, _, kwargs = ModelSpec("hf:xlnet", overrides).build("meta")
     assert model.config.max_position_embeddings == -1 and kwargs["input_ids"].shape == (2, 16)
+    # XLNet makes its attention weights with torch.FloatTensor, which ignores the meta device.
+    assert {parameter.device.type for parameter in model.parameters()} == {"meta"}
 
 
 def test_hf_list_overrides_reach_strictly_typed_configs_as_lists():

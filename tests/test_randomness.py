@@ -141,3 +141,19 @@ def test_stochastic_depth_modules_are_switched_off():
     assert (report.dropout_modules, report.drop_path_modules) == (0, 1)  # p=0 already: nothing to switch
     assert report.line() == "--check: switched off randomness: 1 drop-path module"
     assert RandomnessReport().line() == "--check: no dropout found to switch off"
+
+
+def test_random_ops_only_the_sharded_program_runs_are_named():
+    # A graph program replays a drop-path module's traced torch.rand with the traced keep
+    # probability, though the module's probability is 0 in both runs (hf:beit, hf:swinv2
+    # under tensor parallelism): --check says so rather than fail without a reason.
+    report = RandomnessReport()
+    with NoDropout(report):
+        torch.randn(2)
+    program_run = NoDropout(counting=False)
+    with program_run:
+        torch.randn(2)
+        torch.rand(4, 1, 1)
+    report.note_program_random_ops(program_run.report)
+    assert report.program_only_random_ops == ("rand",)
+    assert "random ops only the sharded program ran" in report.line() and report.line().endswith(": rand")

@@ -148,3 +148,26 @@ def test_every_rank_records_the_same_autograd_steps_for_a_redistribution(rank1_o
         assert result.to_local().is_contiguous() and result.shape == value.shape, name
         recorded[name] = result.grad_fn is not value.grad_fn  # a step of its own
     assert recorded == {"contiguous piece": True, "transposed piece": True}, recorded
+
+
+def test_an_in_place_op_run_on_whole_tensors_writes_into_a_copy(rank1_of_2):
+    # Found on hf:fnet and hf:mobilebert (benchmarks/hf_sweep.py): DTensor cannot run their
+    # broadcasting ``embeddings += positions`` (add_) on the tp mesh, so the program runs it on
+    # whole tensors; writing into the local tensor of a DTensor (a custom Function's output
+    # view) is forbidden by autograd.
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    from codegen.runtime.spmd import SpmdModule
+
+    mesh = rank1_of_2
+    module = SpmdModule(nn.Identity(), mesh, {})
+    leaf = torch.randn(4, 3, 8, requires_grad=True)
+    embeddings = DTensor.from_local(leaf * 1.0, mesh, [Replicate()], run_check=False)
+    positions = DTensor.from_local(torch.randn(1, 3, 8), mesh, [Replicate()], run_check=False)
+    summed = module._replicated(torch.ops.aten.add_.Tensor, embeddings, positions)
+    assert isinstance(summed, DTensor) and summed.placements == (Replicate(),)
+    torch.testing.assert_close(summed.to_local(), leaf.detach() + positions.to_local())
+    summed.to_local().sum().backward()
+    torch.testing.assert_close(leaf.grad, torch.ones_like(leaf))

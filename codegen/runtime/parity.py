@@ -128,9 +128,11 @@ def check_parity(
     local_module = program.parallelize(model, mesh)
     # Through the program's optimizer hook when it has one (ZeRO-1: a ZeroRedundancyOptimizer).
     local_optimizer = program.make_optimizer(local_module, mesh, optimizer_class(optimizer), lr=lr)
-    with NoDropout(counting=False):
+    program_run = NoDropout(counting=False)
+    with program_run:
         # In the plan's micro-batches when it accumulates gradients (no single output then).
         loss, output = program.forward_backward(local_module, args, kwargs, mesh)
+    randomness.note_program_random_ops(program_run.report)
     grads = {name: grad for name, (_, grad) in full_parameters(model).items() if grad is not None}
     local_optimizer.step()
 

@@ -99,6 +99,10 @@ class RandomnessReport:
     functional_dropout_calls: int = 0
     attention_dropout_calls: int = 0
     other_random_calls: Counter = field(default_factory=Counter)
+    # Random ops the sharded step ran that the reference step did not: a graph program
+    # replays a drop-path module's traced ops (torch.rand, the traced keep probability) even
+    # with the module's probability set to 0, so --check cannot switch them off.
+    program_only_random_ops: tuple[str, ...] = ()
 
     def line(self) -> str:
         """One line for ``--check``'s output, e.g. ``--check: switched off randomness: 12
@@ -121,7 +125,18 @@ class RandomnessReport:
         if self.other_random_calls:
             named = ", ".join(f"{name} x{count}" for name, count in sorted(self.other_random_calls.items()))
             line += f"; random ops left on (they cannot be switched off, parity may fail): {named}"
+        if self.program_only_random_ops:
+            line += (
+                f"; random ops only the sharded program ran (traced drop path or other randomness a graph program "
+                f"replays with its traced probability; they cannot be switched off, parity may fail): "
+                f"{', '.join(self.program_only_random_ops)}"
+            )
         return line
+
+    def note_program_random_ops(self, program_run: "RandomnessReport") -> None:
+        """Record the random ops of the sharded step (``program_run``, a ``NoDropout(counting=False)``
+        report) that the reference step did not run."""
+        self.program_only_random_ops = tuple(sorted(set(program_run.other_random_calls) - set(self.other_random_calls)))
 
 
 def switch_off_dropout_modules(model: torch.nn.Module) -> RandomnessReport:
@@ -149,8 +164,10 @@ class NoDropout(TorchFunctionMode):
 
     Args:
         report: where calls that had randomness on are counted (when ``counting``).
-        counting: count into ``report`` and find the attributes the probabilities came from
-            (the reference run does; the sharded run, which makes the same calls, does not).
+        counting: count switched-off dropout into ``report`` and find the attributes the
+            probabilities came from (the reference run does; the sharded run, which makes the
+            same calls, does not). Other random ops are counted either way, so the sharded
+            run's can be compared with the reference's (``note_program_random_ops``).
     """
 
     def __init__(self, report: RandomnessReport | None = None, counting: bool = True) -> None:
@@ -177,7 +194,7 @@ class NoDropout(TorchFunctionMode):
                 if self.counting:
                     self.report.attention_dropout_calls += 1
                     self._find_attribute(p, attention=True)
-        elif self.counting and _random_name(func) is not None:
+        elif _random_name(func) is not None:  # cheap: counted in the sharded run too (note_program_random_ops)
             self.report.other_random_calls[_random_name(func)] += 1
         return func(*args, **kwargs)
 

@@ -171,10 +171,16 @@ class SpmdModule(nn.Module):
         (its local value is then the full tensor), the op runs locally, and its tensor
         results become replicated DTensors. Correct for any op; communication-heavy."""
         replicate = [Replicate()] * self.mesh.ndim
+        # An in-place op (FNet's ``embeddings += positions``) writes into its input; the local
+        # tensor of a DTensor is a view made by a custom autograd Function, which autograd
+        # forbids writing into, so it writes into a copy. Later ops read the write's result
+        # (planner.functionalize leaves only writes nothing else reads through), not the input.
+        in_place = getattr(getattr(op, "_schema", None), "is_mutable", False)
 
         def whole(value: Any) -> Any:
             if isinstance(value, DTensor):
-                return redistribute(value, replicate).to_local()
+                local = redistribute(value, replicate).to_local()
+                return local.clone() if in_place else local
             return value
 
         result = op(*tree_map(whole, args), **tree_map(whole, kwargs))
