@@ -65,6 +65,10 @@ def plans(world: int) -> dict[str, planner.Plan]:
         "gpt-pp2-1f1b": baselines.megatron(gpt, cluster, pp=2, micro_batch=2, schedule="1f1b", precision="fp32"),
         "moe-ep": moe_expert_parallel(world),
     }
+    # Gradient accumulation over two micro-batches: DDP reduces once (no_sync), FSDP2 gathers
+    # and reduce-scatters every micro-batch, a graph program reduces in every backward.
+    for case in ("gpt-ddp", "gpt-fsdp", "gpt-megatron-tp2"):
+        cases[f"{case}-accum2"] = _resimulated(dataclasses.replace(cases[case], accumulation_steps=2))
     return cases
 
 

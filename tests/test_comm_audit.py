@@ -2,7 +2,8 @@
 
 For each world size, every plan of ``tests/comm_audit_plans.py`` (DDP, ZeRO-1, ZeRO-2, FSDP2,
 Megatron tp=2 (with dp=2 at world 4), a graph program of random placements, a 1F1B pipeline
-of two stages (with dp=2 at world 4), an expert-parallel MoE) is compiled and run for one
+of two stages (with dp=2 at world 4), an expert-parallel MoE; DDP, FSDP and Megatron again
+with gradients accumulated over two micro-batches) is compiled and run for one
 training step in ONE torchrun launch of ``tests/comm_audit_many.py``, with every collective
 counted per mesh axis (``codegen.runtime.comm_audit``). Per axis, the bytes the busiest rank
 sent must equal the plan's ``SimResult.bytes_per_axis``:
@@ -47,7 +48,7 @@ LAUNCH_TIMEOUT = 300  # seconds; a launch takes ~10 s on 2 cores, the limit only
 SCALAR_SLACK_BYTES = 64.0
 MOE_TOLERANCE = 0.02
 WORLD_SIZES = (2, 4)
-KNOWN_GAPS = {("gpt-megatron-tp2", "tp"), ("mlp-random", "tp")}
+KNOWN_GAPS = {("gpt-megatron-tp2", "tp"), ("gpt-megatron-tp2-accum2", "tp"), ("mlp-random", "tp")}
 
 
 @dataclass
