@@ -1,7 +1,9 @@
 """The bytes a compiled program moves equal the bytes its plan's simulator charged.
 
 For each world size, every plan of ``tests/comm_audit_plans.py`` (DDP, ZeRO-1, ZeRO-2, FSDP2,
-Megatron tp=2 (with dp=2 at world 4), a graph program of random placements, a 1F1B pipeline
+Megatron tp=2 (with dp=2 at world 4), a graph program of random placements, the search's
+plans of the MLP (SOAP on tp, no collective) and, at world 4, of a small HuggingFace llama
+(Megatron's layout on tp=4), a 1F1B pipeline
 of two stages (with dp=2 at world 4), an expert-parallel MoE; DDP, FSDP and Megatron again
 with gradients accumulated over two micro-batches) is compiled and run for one
 training step in ONE torchrun launch of ``tests/comm_audit_many.py``, with every collective
@@ -20,8 +22,9 @@ sent must equal the plan's ``SimResult.bytes_per_axis``:
 ``KNOWN_GAPS`` are axes where the program moves more than the plan says, for reasons the
 simulator cannot see today: DTensor's own sharding propagation gathers inside an op where the
 plan keeps a value split (the fused QKV projection's ``split``, the vocabulary-parallel
-``cross_entropy``; ``codegen.spmd_emit`` says so in a comment at each), and DTensor on gloo
-runs an all-to-all as an all-gather. There the program must still move at least the
+``cross_entropy``, which gathers the whole logits: 6.1 of the searched llama's 7.4 MB;
+``codegen.spmd_emit`` says so in a comment at each), ops whose random placements DTensor
+runs through another strategy, and DTensor on gloo running an all-to-all as an all-gather. There the program must still move at least the
 predicted bytes (every priced collective runs), and the gap is printed by
 ``benchmarks/comm_audit.py``.
 """
@@ -48,7 +51,7 @@ LAUNCH_TIMEOUT = 300  # seconds; a launch takes ~10 s on 2 cores, the limit only
 SCALAR_SLACK_BYTES = 64.0
 MOE_TOLERANCE = 0.02
 WORLD_SIZES = (2, 4)
-KNOWN_GAPS = {("gpt-megatron-tp2", "tp"), ("gpt-megatron-tp2-accum2", "tp"), ("mlp-random", "tp")}
+KNOWN_GAPS = {("gpt-megatron-tp2", "tp"), ("gpt-megatron-tp2-accum2", "tp"), ("mlp-random", "tp"), ("llama-searched", "tp")}
 
 
 @dataclass
@@ -95,6 +98,8 @@ def test_every_axis_moves_what_the_simulator_charged(audit: Audit) -> None:
 
 def test_known_gaps_move_at_least_the_predicted_bytes(audit: Audit) -> None:
     for case, axis in sorted(KNOWN_GAPS):
+        if case not in audit.plans:
+            continue  # a world-4 case
         predicted, counted = audit.figures[(case, axis)]
         assert predicted > 0 and counted >= predicted, f"{case} {axis}: predicted {predicted:.0f} B, counted {counted:.0f} B"
 
