@@ -34,7 +34,7 @@ def main() -> None:
     from comm_audit_plans import plans
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    print(f"{'world':>5} {'plan':<18} {'axis':<6} {'predicted B':>13} {'counted B':>13} {'ratio':>8}")
+    print(f"{'world':>5} {'plan':<24} {'axis':<6} {'predicted B':>13} {'counted B':>13} {'ratio':>8}")
     details = []
     with tempfile.TemporaryDirectory() as root:
         for world in options.worlds:
@@ -47,14 +47,14 @@ def main() -> None:
             for line in done.stdout.splitlines():
                 kind, folder, axis, *rest = line.split(" ") if line.startswith(("AUDIT ", "CALLS ")) else ("", "", "", "")
                 if kind == "AUDIT" and axis == "FAILED":
-                    print(f"{world:>5} {folders[folder]:<18} FAILED {' '.join(rest)}")
+                    print(f"{world:>5} {folders[folder]:<24} FAILED {' '.join(rest)}")
                 elif kind == "AUDIT":
                     predicted, counted = float(rest[0]), float(rest[1])
-                    ratio = f"{counted / predicted:.4f}" if predicted else "unpriced"
-                    print(f"{world:>5} {folders[folder]:<18} {axis:<6} {predicted:>13.0f} {counted:>13.0f} {ratio:>8}")
+                    ratio = f"{counted / predicted:.4f}" if predicted else ("-" if not counted else "unpriced")
+                    print(f"{world:>5} {folders[folder]:<24} {axis:<6} {predicted:>13.0f} {counted:>13.0f} {ratio:>8}")
                 elif kind == "CALLS":
                     op, size, calls, sent = rest
-                    details.append(f"{world:>5} {folders[folder]:<18} {axis:<6} {calls:>3} x {op} (n={size}): {float(sent):.0f} B")
+                    details.append(f"{world:>5} {folders[folder]:<24} {axis:<6} {calls:>3} x {op} (n={size}): {float(sent):.0f} B")
     print("\nCollectives of the busiest rank per axis:")
     print("\n".join(details))
 
