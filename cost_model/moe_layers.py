@@ -141,6 +141,11 @@ def routing_sync_time(block: MoEBlock, cluster: Cluster) -> float:
     return collective_time("all_gather", world * block.top_k * block.experts * 8, cluster, list(range(world)))
 
 
+def routing_sync_bytes(block: MoEBlock, world: int) -> float:
+    """Bytes one device sends for that all-gather: (n-1)/n of its n x top_k x experts int64."""
+    return (world - 1) * block.top_k * block.experts * 8.0
+
+
 def param_share(layout: ExpertLayout, world: int) -> tuple[float, bool]:
     """(share of each stacked expert weight a device holds, whether its gradient is
     all-reduced over ``dp``) under ``layout``; expert parallel counts the fullest device."""

@@ -53,7 +53,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS, check_precision, op_times
 from cost_model.host_dispatch import host_dispatch
-from cost_model.moe_layers import LaidOutLayer, annotated_layouts, laid_out_layers
+from cost_model.moe_layers import LaidOutLayer, annotated_layouts, laid_out_layers, routing_sync_bytes
 from cost_model.summa_node import add_summa_costs
 from cost_model.nccl import nccl_profile
 from cost_model.recompute import activation_bytes, backward_comm, backward_time
@@ -407,8 +407,9 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
                 cost.forward_comm_s = moe.forward_comm_s + layer.routing_sync_s
                 cost.backward_comm_s = moe.backward_comm_s + layer.replica_sync_s / self.micro_batches
                 cost.saved_bytes = layer.activation_bytes
-                if moe.sent_bytes:
-                    cost.axis_bytes[layer.layout.axis] = moe.sent_bytes
+                routing = routing_sync_bytes(layer.block, self.mesh.axis_size(layer.layout.axis))  # the routing all-gather
+                if moe.sent_bytes or routing:
+                    cost.axis_bytes[layer.layout.axis] = moe.sent_bytes + routing
             return cost
         split = self.mesh.axis_size(layer.layout.axis) * self.micro_batches
         cost.forward_s, cost.backward_s = op_times(node, 1.0 / split, self.device, self.plan.precision)

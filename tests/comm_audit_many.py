@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 2 tests/comm_audit_many.py out/mlp_ddp out/gpt_fsdp ...
 
 For each folder every rank loads the program and runs one counted training step
-(``codegen.runtime.comm_audit.audit_step``); rank 0 prints, per mesh axis the plan predicts
-or the step used, one line::
+(``codegen.runtime.comm_audit.audit_step``); rank 0 prints, per mesh axis of more than one
+rank and any axis the plan predicts or the step used, one line::
 
     AUDIT <folder> <axis> <predicted bytes> <counted bytes>
 
@@ -38,7 +38,7 @@ def audit_folder(folder: str) -> list[str]:
     predicted = program.plan.estimate.bytes_per_axis if program.plan.estimate else {}
     lines = [
         f"AUDIT {folder} {axis} {predicted.get(axis, 0.0)!r} {result.counted.get(axis, 0.0)!r}"
-        for axis in sorted(set(predicted) | set(result.counted))
+        for axis in sorted(set(predicted) | set(result.counted) | {a for a, n in program.plan.mesh.axes if n > 1})
     ]
     lines += [f"CALLS {folder} {axis} {op} {size} {count} {sent!r}" for (axis, op, size), (count, sent) in sorted(result.calls.items())]
     return lines

@@ -50,6 +50,12 @@ def moe_expert_parallel(world: int) -> planner.Plan:
     return _resimulated(moe_plan(world, "expert_parallel", placement="round-robin"))
 
 
+# The searched plan of test_search_parity's small HuggingFace llama on 4 devices: Megatron's
+# layout on tp=4, a vocabulary-parallel loss included.
+HF_LLAMA = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+            "num_key_value_heads": 4}
+
+
 def plans(world: int) -> dict[str, planner.Plan]:
     """{case name: plan} of one world size."""
     cluster = f"cpu:1x{world}"
@@ -64,7 +70,15 @@ def plans(world: int) -> dict[str, planner.Plan]:
         "mlp-random": random_layout(world),
         "gpt-pp2-1f1b": baselines.megatron(gpt, cluster, pp=2, micro_batch=2, schedule="1f1b", precision="fp32"),
         "moe-ep": moe_expert_parallel(world),
+        # What the search picks for the MLP: a SOAP layout on tp whose ops need no collective.
+        "mlp-searched": planner.plan(_spec("examples/mlp.py", {}), cluster, progress=False),
     }
+    if world == 4:
+        cases["llama-searched"] = planner.plan(_spec("hf:llama", HF_LLAMA), cluster, progress=False)
+    # Gradient accumulation over two micro-batches: DDP reduces once (no_sync), FSDP2 gathers
+    # and reduce-scatters every micro-batch, a graph program reduces in every backward.
+    for case in ("gpt-ddp", "gpt-fsdp", "gpt-megatron-tp2"):
+        cases[f"{case}-accum2"] = _resimulated(dataclasses.replace(cases[case], accumulation_steps=2))
     return cases
 
 

@@ -27,6 +27,7 @@ S bytes:
                           n-1 ranks, or a chain forwards it; ZeroRedundancyOptimizer's n
                           broadcasts of 1/n of the weights then add up to an all-gather's)
   send                    S; a receive sends nothing
+  anything else           S, named "(no convention: its size)" in the table
 
 Each process group is named by the mesh axis it spans (``DeviceMesh.get_group``); a group
 spanning several axes, or none of the mesh's (the world group of a program whose mesh has
@@ -106,8 +107,8 @@ class CollectiveCounter(TorchDispatchMode):
             return CollectiveCall(name, axis, size, total, 2 * (size - 1) / size * total)
         if name in ("_allgather_base_", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
                     "allgather_", "allgather_into_tensor_coalesced_"):
-            whole = _nbytes(tensors[0]) * size if name in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced") \
-                else _gathered_bytes(name, args, size)
+            whole = sum(_nbytes(t) for t in tensors) * size \
+                if name in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced") else _gathered_bytes(name, args, size)
             return CollectiveCall(name, axis, size, whole, (size - 1) / size * whole)
         if name in ("_reduce_scatter_base_", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced",
                     "reduce_scatter_", "reduce_scatter_tensor_coalesced_"):
@@ -118,10 +119,12 @@ class CollectiveCounter(TorchDispatchMode):
             return CollectiveCall(name, axis, size, total, (size - 1) / size * total)
         if name in ("alltoall_base_", "all_to_all_single"):
             return _all_to_all(func, name, axis, size, args)
-        if name in ("send",):
-            total = sum(_nbytes(t) for t in tensors)
-            return CollectiveCall(name, axis, 2, total, float(total))
-        raise NotImplementedError(f"comm audit: no byte count for collective {func}; add it to {__name__}")
+        total = sum(_nbytes(t) for t in tensors)
+        if name == "send":
+            return CollectiveCall(name, axis, size, total, float(total))
+        # A collective without a convention here (reduce, gather, scatter, ...) is counted at
+        # the size of its first tensor argument and marked, so the table names it.
+        return CollectiveCall(f"{name} (no convention: its size)", axis, size, total, float(total))
 
 
 def mesh_group_axes(mesh: DeviceMesh) -> dict[str, str]:
@@ -221,6 +224,7 @@ def _group_argument(func, args, kwargs) -> dist.ProcessGroup:
     if "process_group" in values:
         return dist.ProcessGroup.unbox(values["process_group"])
     if isinstance(values.get("group_name"), str):
+        # How functional collectives themselves find their group by name (no public API).
         return dist.distributed_c10d._resolve_process_group(values["group_name"])
     raise NotImplementedError(f"comm audit: cannot find the process group of {func}")
 

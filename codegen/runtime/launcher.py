@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--record-routing", metavar="FILE", default=None,
         help="with --steps: write the MoE layers' routing over the steps as routing statistics (planner plan --routing FILE)",
     )
+    parser.add_argument(
+        "--comm-audit", action="store_true",
+        help="run one training step with every collective counted and print the bytes sent per mesh axis beside the plan's prediction",
+    )
     add_training_flags(parser)
     parser.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="with --steps: save checkpoints (torch.distributed.checkpoint) under DIR")
     parser.add_argument(
@@ -102,8 +106,10 @@ def main(folder: Path, argv: list[str]) -> int:
         # Everything a user can get wrong is checked before the process group starts: a
         # rank that failed later would leave the others waiting in a collective.
         options = build_parser().parse_args(argv)
-        if not options.check and options.steps == 0 and options.data is None:
-            raise LaunchError("say what to run: --check, --steps N, --data FILE.py:FUNCTION, or a mix; see launch.py --help")
+        if not options.check and not options.comm_audit and options.steps == 0 and options.data is None:
+            raise LaunchError(
+                "say what to run: --check, --steps N, --data FILE.py:FUNCTION, --comm-audit, or a mix; see launch.py --help"
+            )
         check_training_flags(options)
         program = load_program(folder)
         if options.clip_grad_norm is not None and program.plan.expert_layouts:
@@ -126,6 +132,11 @@ def main(folder: Path, argv: list[str]) -> int:
                 _say(result.randomness)
             _say(result.message(atol, rtol))
             status = 0 if result.ok else 1
+        if options.comm_audit:
+            from codegen.runtime.comm_audit import audit_step, audit_table
+
+            predicted = dict(program.plan.estimate.bytes_per_axis) if program.plan.estimate else {}
+            _say(audit_table(predicted, audit_step(program, mesh, options.lr, optimizer)))
         if options.steps > 0 or options.data is not None:
             run = run_training(program, mesh, options, optimizer)
             if run.stopped_by is not None:

@@ -403,6 +403,16 @@ def distribute_parameters(
 def _keep_placements(param: DTensor) -> Callable[[torch.Tensor], torch.Tensor]:
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if isinstance(grad, DTensor) and not same_placements(grad.placements, param.placements):
+            # Take this rank's chunk on every axis where the gradient is whole and the weight
+            # split (no communication) before reducing the partial sums: DTensor would
+            # otherwise all-reduce the whole gradient over dp and chunk it after
+            # (tests/test_comm_audit.py counts the difference).
+            chunked = tuple(
+                want if isinstance(have, Replicate) and isinstance(want, Shard) else have
+                for have, want in zip(grad.placements, param.placements)
+            )
+            if not same_placements(chunked, grad.placements):
+                grad = grad.redistribute(param.device_mesh, chunked)
             return grad.redistribute(param.device_mesh, param.placements)
         return grad
 
