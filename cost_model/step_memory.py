@@ -120,6 +120,21 @@ class StepMemory:
         return sum(count for name, count in segment.params.items()
                    if name not in segment.per_rank and not name.startswith(units))
 
+    def fsdp_regathered_elements(self, segment: Segment) -> float:
+        """Local elements of ``segment``'s dp-sharded weights that FSDP gathers a second time,
+        for backward. A program that wraps modules (``Plan.fsdp_units``: FSDP2 over the model's
+        own modules) regathers its units but not its root (``fsdp_root_elements``). A graph
+        program (no units) gathers each weight where an op reads it and autograd keeps the
+        gathered weight for backward, except in a fully recomputed block, whose replay in
+        backward gathers its weights again (``codegen`` compiles FSDP graph programs with full
+        recomputation only). A pipeline's stages gather for both passes."""
+        shardable = segment.shardable_elements()
+        if self.plan.pipeline is not None:
+            return shardable
+        if self.plan.fsdp_units:
+            return shardable - self.fsdp_root_elements(segment)
+        return shardable if segment.block and self.plan.recompute_at(segment.stage) == "full" else 0.0
+
     def pipeline_boundary_bytes(self) -> list[tuple[float, float]]:
         """Per boundary between (virtual) stages k and k+1, the bytes of one micro-batch one
         device sends over it: (forward: every value made by stage k or before that a later
@@ -177,9 +192,9 @@ class StepMemory:
                 units = {"fsdp": 2 * gathers + reductions, "zero1": 2 * reductions + 1, "zero2": reductions + 1, "ddp": 2 * reductions}[flavour]
                 factor = units * (self.dp - 1) / self.dp
                 stage_totals["dp"] = stage_totals.get("dp", 0.0) + grads * factor
-                if flavour == "fsdp" and self.plan.pipeline is None:  # the root is not gathered again for backward
-                    root = self.fsdp_root_elements(segment) * _PARAM_BYTES[self.plan.precision][1]
-                    stage_totals["dp"] -= root * gathers * (self.dp - 1) / self.dp
+                if flavour == "fsdp":  # what is not gathered again for backward
+                    kept = (segment.shardable_elements() - self.fsdp_regathered_elements(segment)) * _PARAM_BYTES[self.plan.precision][1]
+                    stage_totals["dp"] -= kept * gathers * (self.dp - 1) / self.dp
         if self.pp > 1:
             for boundary, (forward, backward) in enumerate(self.pipeline_boundary_bytes()):
                 # The sender of the activations is stage k's device; stage k+1's device

@@ -266,8 +266,8 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
         bucket = GradientBuckets()
         for position, segment in enumerate(reversed(segments)):
             segment_deps = list(deps) if last is None else [last]
-            # FSDP2 gathers again for backward only what it resharded after forward: not its root.
-            regathered = segment.shardable_elements() - (self.fsdp_root_elements(segment) if self.plan.pipeline is None else 0.0)
+            # FSDP gathers again for backward only what it freed after forward (fsdp_regathered_elements).
+            regathered = self.fsdp_regathered_elements(segment)
             if fsdp and regathered > 0:
                 segment_deps.append(self._fsdp_gather(graph, device, segment, [] if last is None else [last],
                                                       f"all-gather {segment.name} (bwd)", regathered))

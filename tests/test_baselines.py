@@ -88,6 +88,20 @@ def test_gpt_1b_data_parallel(gpt_1b):
     assert fsdp.estimate.communication_s > ddp.estimate.communication_s
 
 
+def test_an_fsdp_graph_program_gathers_again_only_its_recomputed_blocks():
+    """A graph program gathers each weight where an op reads it, and autograd keeps the
+    gathered weight for backward; a fully recomputed block replays its forward in backward,
+    gathering its weights again. So with full recomputation the dp bytes grow by one more
+    (n-1)/n gather of the blocks' weights, and nothing else (4 layers, 2 ranks, fp32)."""
+    spec = gpt(4, 256, 4, 64)
+    kept, replayed = (baselines.megatron(spec, "cpu:1x2", tp=1, dp_flavour="fsdp", recompute=mode, precision="fp32")
+                      for mode in ("none", "full"))
+    blocks = sum(p.numel() for name, p in kept.model.build("meta")[0].named_parameters() if name.startswith("blocks."))
+    assert 0 < blocks < kept.summary.parameters
+    added = replayed.estimate.bytes_per_axis["dp"] - kept.estimate.bytes_per_axis["dp"]
+    assert added == pytest.approx(1 / 2 * 4 * blocks)
+
+
 # --------------------------------------------------------------- 175B, Megatron 8 x 8
 
 
