@@ -30,8 +30,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="world sizes (default 2 4)")
     options = parser.parse_args()
-    import planner
     from comm_audit_plans import plans
+
+    import planner
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     print(f"{'world':>5} {'plan':<24} {'axis':<6} {'predicted B':>13} {'counted B':>13} {'ratio':>8}")

@@ -36,12 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-import planner
+from comm_audit_plans import plans
 from test_parity import Launch, _run
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from comm_audit_plans import plans  # noqa: E402
+import planner
 
 pytestmark = pytest.mark.distributed
 

@@ -151,7 +151,7 @@ def audit_step(program: Program, mesh: DeviceMesh, lr: float = 1e-3, optimizer: 
     calls it."""
     from codegen.runtime.parity import optimizer_class
 
-    model, module, args, kwargs = program.build_module(mesh)
+    _, module, args, kwargs = program.build_module(mesh)
     step_optimizer = program.make_optimizer(module, mesh, optimizer_class(optimizer or program.plan.optimizer), lr=lr)
     if program.is_pipeline:
         pipeline = program.module.make_pipeline(module, mesh)

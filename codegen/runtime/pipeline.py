@@ -16,7 +16,9 @@ full value on every rank of the stage) and the schedule's ``loss_fn`` returns it
 Each micro-batch's loss is a mean over its samples, and the summed gradients are divided by
 the number of micro-batches once the whole backward is done (each parameter once, even one
 that two virtual stages of a rank share), so the step equals one device's step on the whole
-batch (equal micro-batches; a mean-reduced loss).
+batch (equal micro-batches; a mean-reduced loss). Gradients keep the placements backward
+gives them (partial sums over ``dp``) through the schedule and are reduced once, after it:
+one all-reduce per parameter and step, as Megatron-LM does and the plan prices it.
 
 Parameters read by more than one stage (tied embeddings: the token embedding on the first
 stage, the output head on the last) are held by each of those stages; after backward their
