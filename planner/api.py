@@ -505,11 +505,15 @@ def _unknown_op_warnings(graph) -> list[str]:
     unknown = unknown_ops(graph)
     if not unknown:
         return []
-    listed = ", ".join(f"{op.removeprefix('aten.')} ({count} node{'s' if count > 1 else ''})" for op, count in unknown.items())
     return [
         f"{sum(unknown.values())} op(s) have no sharding rule, so plans other than data parallelism run them "
-        f"whole on every rank: {listed}; rules live in search/rules/"
+        f"whole on every rank: {_listed(unknown)}; rules live in search/rules/"
     ]
+
+
+def _listed(counts: dict[str, int]) -> str:
+    """Ops with their node counts, for a warning: ``topk.default (2 nodes), ...``."""
+    return ", ".join(f"{op.removeprefix('aten.')} ({count} node{'s' if count > 1 else ''})" for op, count in counts.items())
 
 
 def _uncounted_op_warnings(graph) -> list[str]:
@@ -519,9 +523,8 @@ def _uncounted_op_warnings(graph) -> list[str]:
     uncounted = uncounted_custom_ops(graph)
     if not uncounted:
         return []
-    listed = ", ".join(f"{op} ({count} node{'s' if count > 1 else ''})" for op, count in uncounted.items())
     return [
-        f"custom op(s) with no FLOP formula are priced by the bytes they move only: {listed}; if they multiply "
+        f"custom op(s) with no FLOP formula are priced by the bytes they move only: {_listed(uncounted)}; if they multiply "
         f"matrices, register a formula with torch.utils.flop_counter.register_flop_formula before planning"
     ]
 

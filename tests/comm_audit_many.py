@@ -19,11 +19,10 @@ import os
 import sys
 import traceback
 
-import torch.distributed as dist
-
 from codegen.runtime import load_program
 from codegen.runtime.comm_audit import audit_step
 from codegen.runtime.launcher import exit_now
+from dist_check_many import tear_down_process_group  # this folder is sys.path[0] under torchrun
 
 
 def audit_folder(folder: str) -> list[str]:
@@ -51,9 +50,7 @@ def main(argv: list[str]) -> int:
             if os.environ.get("RANK", "0") == "0":
                 print("\n".join(lines), flush=True)
     finally:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        tear_down_process_group()
     return 0
 
 

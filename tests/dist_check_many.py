@@ -65,12 +65,17 @@ def main(argv: list[str]) -> int:
             if os.environ.get("RANK", "0") == "0":
                 print(f"RESULT {folder} {'ok' if ok else 'FAILED'} {message}", flush=True)
     finally:
-        if dist.is_initialized():
-            # Every rank is done communicating before any tears gloo down: without the
-            # barrier about one launch in eight aborted at exit after printing its results.
-            dist.barrier()
-            dist.destroy_process_group()
+        tear_down_process_group()
     return 0
+
+
+def tear_down_process_group() -> None:
+    """End a grouped launch: every rank is done communicating before any tears gloo down
+    (without the barrier about one launch in eight aborted at exit after printing its
+    results)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
