@@ -27,7 +27,7 @@ models bring:
   out must fail the check.
 
 - ERNIE-4.5-MoE (its router's bias lives in a child module: FSDP units must not nest), and
-  Megatron's tp=2 layout for RoFormer and FNet (``TP_ONLY``), found by benchmarks/hf_sweep.py.
+  Megatron's tp=2 layout for RoFormer, FNet and BEiT (``TP_ONLY``), found by benchmarks/hf_sweep.py.
 
 - CLIP's image classifier under DDP (forced): its pooler's output does not reach the loss, so
   those parameters get no gradient, and the program must tell DDP to look for them (without
@@ -127,9 +127,12 @@ BATCH_SPLIT = "multi_output_batch_split"
 MEGATRON = ("mistral", "falcon", "opt", "t5", "bart", "vit")
 # Megatron-LM's layout with tp=2 (world 2) for models whose graph programs once failed:
 # RoFormer reads token values in an untraced forward (transformers' padding check), FNet adds
-# positions in place (add_, which DTensor cannot run here).
+# positions in place (add_, which DTensor cannot run here), BEiT's drop path reads its keep
+# probability at run time (0 under --check).
 TP_ONLY: dict[str, tuple[str, dict]] = {
     "roformer_tp": ("hf:roformer", {**_ENCODER, "embedding_size": 64}),
+    "beit_tp": ("hf:beit", {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                            "image_size": 32, "patch_size": 8, "use_mask_token": False, **_IMAGES}),
     "fnet_tp": ("hf:fnet", {key: value for key, value in _ENCODER.items() if key != "num_attention_heads"}),
 }
 # Data-parallel flavours forced on the ResNet (world 2): batch norm must see the whole batch.
