@@ -134,7 +134,40 @@ def _dropout_owners(model: torch.nn.Module, graph: OpGraph) -> dict[str, str | t
                     candidates.append((not _ATTENTION_NAME.search(attribute[1]), 1, attribute))
                 if candidates:  # attention's own first, a module before an attribute
                     owners[fx_node.name] = min(candidates, key=lambda c: c[:2])[2]
+        elif drop_path_keep(fx_node) is not None:
+            attribute = _drop_path_attribute(modules.get(path), drop_path_keep(fx_node))
+            if attribute:
+                owners[fx_node.name] = (path, attribute)
     return owners
+
+
+# Stochastic depth (timm's and HuggingFace's drop_path): ``keep = 1 - drop_prob``, then
+# ``input.div(keep) * floor(keep + rand)``. The traced graph holds ``keep`` as a float in the
+# add and the div; a program that keeps it there drops samples even after the module's
+# probability is set to 0 (``--check``), so these ops read it at run time too.
+DROP_PATH_CLASS = re.compile(r"drop_?path|stochastic_?depth", re.IGNORECASE)
+_DROP_PATH_OPS = ("aten.add.Tensor", "aten.div.Tensor")
+_DROP_PATH_ATTRIBUTES = ("drop_prob", "p", "drop_rate", "drop_path_rate", "prob")
+
+
+def drop_path_keep(fx_node: torch.fx.Node) -> float | None:
+    """The keep probability ``fx_node`` holds as its float argument, when it is the add or
+    the div of a stochastic-depth module (its innermost module's class says so); else None."""
+    if str(fx_node.target) not in _DROP_PATH_OPS or len(fx_node.args) != 2 or not isinstance(fx_node.args[1], float):
+        return None
+    stack = list((fx_node.meta.get("nn_module_stack") or {}).values())
+    if not stack or not DROP_PATH_CLASS.search(getattr(stack[-1][1], "__name__", str(stack[-1][1]))):
+        return None
+    return fx_node.args[1]
+
+
+def _drop_path_attribute(module: torch.nn.Module | None, keep: float) -> str | None:
+    """The float attribute of a stochastic-depth ``module`` whose ``1 - value`` is ``keep``."""
+    for name in _DROP_PATH_ATTRIBUTES:
+        value = getattr(module, name, None)
+        if isinstance(value, float) and not isinstance(value, bool) and value > 0 and math.isclose(1 - value, keep):
+            return name
+    return None
 
 
 _ATTENTION_NAME = re.compile(r"attn|attention")

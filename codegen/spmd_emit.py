@@ -66,6 +66,7 @@ from codegen.graph_facts import (
     ModelFacts,
     attention_dropout,
     build_meta_model,
+    drop_path_keep,
     dtensor_support,
     model_facts,
     trace_model,
@@ -485,6 +486,9 @@ class GraphEmitter(GraphStructure, ProgramSections):
             args[1] = Code(f"self.dropout_p({fx_node.name!r}, {literal_argument(args[1])})")
             if len(args) >= 3 and isinstance(args[2], bool):
                 args[2] = Code("self.training")
+        elif fx_node.name in self.facts.dropout_modules and drop_path_keep(fx_node) is not None:
+            # drop path's keep probability, 1 - the module's probability now (module docstring of graph_facts)
+            args[1] = Code(f"1.0 - self.dropout_p({fx_node.name!r}, {literal_argument(1.0 - drop_path_keep(fx_node))})")
         elif op.startswith(ATTENTION) and attention_dropout(fx_node):
             code = Code(f"self.dropout_p({fx_node.name!r}, {literal_argument(attention_dropout(fx_node))}) if self.training else 0.0")
             if "dropout_p" in kwargs:

@@ -44,3 +44,37 @@ def test_in_place_dropout_reads_its_probability_from_its_module():
     graph = trace(model, (x,))
     dropout = next(node for node in graph.nodes if node.op.startswith("aten.dropout_"))
     assert model_facts(model, (x,), {}, graph).dropout_modules == {dropout.name: "dropout"}
+
+
+class DropPath(nn.Module):
+    """Stochastic depth as timm and HuggingFace write it."""
+
+    def __init__(self, drop_prob: float):
+        super().__init__()
+        self.drop_prob = drop_prob
+
+    def forward(self, x):
+        keep = 1 - self.drop_prob
+        mask = (keep + torch.rand((x.shape[0], 1), dtype=x.dtype, device=x.device)).floor()
+        return x.div(keep) * mask
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.drop_path = nn.Linear(8, 8), DropPath(0.25)
+
+    def forward(self, x):
+        return (x + self.drop_path(self.linear(x))).mean()
+
+
+def test_drop_path_reads_its_keep_probability_from_its_module():
+    # BEiT, SwinV2, SegFormer, FocalNet: the traced add and div hold keep = 0.75; the
+    # program reads 1 - drop_prob at run time instead, so --check's drop_prob = 0 reaches it.
+    with torch.device("meta"):
+        model, x = _Residual(), torch.randn(4, 8)
+    graph = trace(model, (x,))
+    owners = model_facts(model, (x,), {}, graph).dropout_modules
+    keep_ops = sorted(node.op for node in graph.nodes if node.name in owners)
+    assert keep_ops == ["aten.add.Tensor", "aten.div.Tensor"]
+    assert set(owners.values()) == {("drop_path", "drop_prob")}

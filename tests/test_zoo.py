@@ -26,6 +26,9 @@ models bring:
   (the programs synchronise its statistics over ``dp``), and a DDP program with that taken
   out must fail the check.
 
+- ERNIE-4.5-MoE (its router's bias lives in a child module: FSDP units must not nest), and
+  Megatron's tp=2 layout for RoFormer, FNet and BEiT (``TP_ONLY``), found by benchmarks/hf_sweep.py.
+
 - CLIP's image classifier under DDP (forced): its pooler's output does not reach the loss, so
   those parameters get no gradient, and the program must tell DDP to look for them (without
   it, the gradients in their bucket are never averaged).
@@ -101,6 +104,9 @@ MEMBERS: dict[str, tuple[str, dict, int]] = {
                              **_IMAGES}, 4),
     "swin": ("hf:swin", {"depths": [1, 1], "num_heads": [2, 4], "embed_dim": 16, "image_size": 32, "patch_size": 4,
                          "window_size": 4, **_IMAGES}, 4),
+    # a MoE decoder whose router keeps a bias in a child module: FSDP units must not nest
+    "ernie4_5_moe": ("hf:ernie4_5_moe", {**_DECODER, "num_key_value_heads": 2, "moe_intermediate_size": 32,
+                                         "moe_num_experts": 4, "moe_k": 2, "batch_size": 4}, 2),
     "clip": ("hf:clip", {"vision_config.hidden_size": 32, "vision_config.num_hidden_layers": 2,
                          "vision_config.num_attention_heads": 4, "vision_config.intermediate_size": 64,
                          "vision_config.image_size": 32, "vision_config.patch_size": 8, "text_config.hidden_size": 32,
@@ -119,6 +125,16 @@ BATCH_SPLIT = "multi_output_batch_split"
 # Megatron-LM's layout on dp=2 x tp=2 (world 4) for some members: weights split over tp for
 # sure (the search, on these tiny models, often keeps every op whole on tp).
 MEGATRON = ("mistral", "falcon", "opt", "t5", "bart", "vit")
+# Megatron-LM's layout with tp=2 (world 2) for models whose graph programs once failed:
+# RoFormer reads token values in an untraced forward (transformers' padding check), FNet adds
+# positions in place (add_, which DTensor cannot run here), BEiT's drop path reads its keep
+# probability at run time (0 under --check).
+TP_ONLY: dict[str, tuple[str, dict]] = {
+    "roformer_tp": ("hf:roformer", {**_ENCODER, "embedding_size": 64}),
+    "beit_tp": ("hf:beit", {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                            "image_size": 32, "patch_size": 8, "use_mask_token": False, **_IMAGES}),
+    "fnet_tp": ("hf:fnet", {key: value for key, value in _ENCODER.items() if key != "num_attention_heads"}),
+}
 # Data-parallel flavours forced on the ResNet (world 2): batch norm must see the whole batch.
 BATCH_NORM_FLAVOURS = {"zoo_resnet_ddp": "ddp", "zoo_resnet_fsdp": "fsdp"}
 # The negative control: the DDP program with its batch-norm synchronisation taken out.
@@ -164,6 +180,10 @@ def _run_zoo(world: int, root: Path) -> ZooRun:
     if world == 2:
         plans[HAND_MADE] = conv_weights_split_plan(world)
         folders[HAND_MADE] = planner.compile(plans[HAND_MADE], root / HAND_MADE)
+        for name, (source, overrides) in TP_ONLY.items():
+            graph, spec, model_name, cluster = prepare_model(ModelSpec(source, overrides), "cpu:1x2")
+            plans[name] = megatron_plan(graph, cluster, spec, model_name, tp=2, precision="fp32")
+            folders[name] = planner.compile(plans[name], root / name)
         plans[BATCH_SPLIT] = batch_split_plan(ModelSpec(*MEMBERS["multi_output"][:2]), world)
         folders[BATCH_SPLIT] = planner.compile(plans[BATCH_SPLIT], root / BATCH_SPLIT)
         resnet, overrides, _ = MEMBERS["zoo_resnet"]
@@ -273,6 +293,12 @@ def test_megatron_layouts_split_weights_and_train_like_one_device(zoo4, name):
     assert split, f"{name}: Megatron's layout splits no weight"
     result = zoo4.result(f"{name}_megatron")
     assert result.startswith("ok parity ok: "), f"{name} ({plan.name}): {result}"
+
+
+@pytest.mark.parametrize("name", sorted(TP_ONLY))
+def test_tensor_parallel_graph_programs_of_outside_models_train_like_one_device(zoo2, name):
+    assert "(SpmdModule)" in (zoo2.folders[name] / "model_spmd.py").read_text(), name
+    assert zoo2.result(name).startswith("ok parity ok: "), f"{name}: {zoo2.result(name)}"
 
 
 def test_falcon_writes_its_index_constants_into_the_program(zoo4):

@@ -100,8 +100,8 @@ class RandomnessReport:
     attention_dropout_calls: int = 0
     other_random_calls: Counter = field(default_factory=Counter)
     # Random ops the sharded step ran that the reference step did not: a graph program
-    # replays a drop-path module's traced ops (torch.rand, the traced keep probability) even
-    # with the module's probability set to 0, so --check cannot switch them off.
+    # replays the traced random ops whatever the modules' probabilities are now (drop path's
+    # torch.rand; its keep probability, though, is read at run time, codegen.graph_facts).
     program_only_random_ops: tuple[str, ...] = ()
 
     def line(self) -> str:
@@ -127,8 +127,8 @@ class RandomnessReport:
             line += f"; random ops left on (they cannot be switched off, parity may fail): {named}"
         if self.program_only_random_ops:
             line += (
-                f"; random ops only the sharded program ran (traced drop path or other randomness a graph program "
-                f"replays with its traced probability; they cannot be switched off, parity may fail): "
+                f"; random ops only the sharded program ran (a graph program replays the traced random ops: drop "
+                f"path reads its probability at run time, other randomness cannot be switched off, parity may fail): "
                 f"{', '.join(self.program_only_random_ops)}"
             )
         return line
