@@ -228,6 +228,17 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
         return graph.add(name, (device, "compute"), self._collective("all_gather", size_bytes, "tp"), deps=deps,
                          kind="tp_comm")
 
+    def _block_overhead(self, segment: Segment) -> tuple[float, float]:
+        """(forward, backward) seconds of the pipeline's ``block_overhead_s`` for ``segment``
+        (nothing for segments that are not blocks), split in proportion to the block's own
+        forward and backward kernel time."""
+        overhead = self.plan.pipeline.block_overhead_s if self.plan.pipeline is not None else 0.0
+        if not overhead or not segment.block:
+            return 0.0, 0.0
+        forward, backward = segment.forward_s, segment.backward_s
+        share = forward / (forward + backward) if forward + backward > 0 else 0.5
+        return overhead * share, overhead * (1 - share)
+
     def _accumulate_gradients(self, graph: TaskGraph, device: str, segments: list[Segment], mb: int, mode: str,
                               after: int) -> int:
         """The task adding micro-batch ``mb``'s weight gradients into the step's gradients
@@ -247,7 +258,8 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
             if fsdp:
                 prefetch_after = [] if position < 2 else [last]
                 segment_deps.append(self._fsdp_gather(graph, device, segment, prefetch_after, f"all-gather {segment.name}"))
-            compute = graph.add(f"F{mb} {segment.name}", (device, "compute"), segment.forward_s, deps=segment_deps)
+            forward_s = segment.forward_s + self._block_overhead(segment)[0]
+            compute = graph.add(f"F{mb} {segment.name}", (device, "compute"), forward_s, deps=segment_deps)
             last = graph.add(f"F{mb} {segment.name} tp-comm", (device, "compute"), segment.forward_comm_s, deps=[compute], kind="tp_comm") if segment.forward_comm_s else compute
         return last if last is not None else graph.add(f"F{mb} (empty)", (device, "compute"), 0.0, deps=deps)
 
@@ -259,7 +271,7 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
         after the whole backward (``PipelineConfig.overlap_grad_reduce`` False)."""
         last = None
         if not split:  # one task for the whole chunk: nothing needs per-segment timing
-            duration = sum(backward_time(s, recompute) for s in segments)
+            duration = sum(backward_time(s, recompute) + self._block_overhead(s)[1] for s in segments)
             comm = sum(backward_comm(s, recompute) for s in segments)
             compute = graph.add(f"B{mb}", (device, "compute"), duration, deps=deps)
             return graph.add(f"B{mb} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
@@ -271,7 +283,8 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
             if fsdp and regathered > 0:
                 segment_deps.append(self._fsdp_gather(graph, device, segment, [] if last is None else [last],
                                                       f"all-gather {segment.name} (bwd)", regathered))
-            compute = graph.add(f"B{mb} {segment.name}", (device, "compute"), backward_time(segment, recompute), deps=segment_deps)
+            duration = backward_time(segment, recompute) + self._block_overhead(segment)[1]
+            compute = graph.add(f"B{mb} {segment.name}", (device, "compute"), duration, deps=segment_deps)
             comm = backward_comm(segment, recompute)
             last = graph.add(f"B{mb} {segment.name} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
             if segment.axis_sync_s and sync and mb == self.micro_batches - 1:

@@ -338,6 +338,13 @@ class PipelineConfig:
     micro-batch's backward fills each bucket (Megatron-LM's ``--overlap-grad-reduce``, DDP);
     False: it starts after that backward ends (DeepSpeed's pipeline engine runs its
     ``ReduceGrads`` instruction after the schedule's last step, deepspeed/runtime/pipe/schedule.py).
+
+    ``block_overhead_s``: seconds each repeated block (a transformer layer) costs per
+    micro-batch beyond its own kernels and collectives, forward, recomputation and backward
+    together: a training engine's fixed per-layer cost, which does not grow with the layer's
+    work. The step graph charges it on the compute stream, split between the block's forward
+    and backward in proportion to their kernel time. 0 for the programs this planner
+    compiles; ``benchmarks/fidelity_sweep.py`` measures it for Megatron-DeepSpeed of 2021-22.
     """
 
     stages: int
@@ -349,6 +356,7 @@ class PipelineConfig:
     partitioned_p2p: bool = False
     gradient_accumulation: str = "in-gemm"
     overlap_grad_reduce: bool = True
+    block_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.schedule not in PIPELINE_SCHEDULES:
@@ -361,6 +369,9 @@ class PipelineConfig:
             raise ValueError(f"pipeline partitioned_p2p must be true or false, got {str(self.partitioned_p2p)[:40]!r}")
         if not isinstance(self.overlap_grad_reduce, bool):
             raise ValueError(f"pipeline overlap_grad_reduce must be true or false, got {str(self.overlap_grad_reduce)[:40]!r}")
+        overhead = self.block_overhead_s
+        if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 <= overhead < math.inf:
+            raise ValueError(f"pipeline block_overhead_s must be a number of seconds >= 0, got {str(overhead)[:40]!r}")
         if self.gradient_accumulation not in GRADIENT_ACCUMULATION_MODES:
             raise ValueError(f"pipeline gradient_accumulation must be one of {', '.join(GRADIENT_ACCUMULATION_MODES)}, "
                              f"got {str(self.gradient_accumulation)[:40]!r}")

@@ -42,6 +42,7 @@ def megatron_plan(
     partitioned_p2p: bool = False,
     gradient_accumulation: str = "in-gemm",
     overlap_grad_reduce: bool = True,
+    block_overhead_s: float = 0.0,
 ) -> Plan:
     """A simulated Megatron-LM plan (see the module docstring).
 
@@ -63,6 +64,8 @@ def megatron_plan(
             ``"fp32-copy"``).
         overlap_grad_reduce: False to reduce gradients over ``dp`` only after the last
             backward (``PipelineConfig.overlap_grad_reduce``).
+        block_overhead_s: the engine's fixed seconds per layer per micro-batch beyond its
+            kernels (``PipelineConfig.block_overhead_s``); pipelines only.
         layers_per_stage: blocks on each (virtual) stage in order, e.g. ``(3, 4, 4, 3)``
             (``search.layouts.uneven_stages``); the default splits them evenly.
 
@@ -106,7 +109,8 @@ def megatron_plan(
     pipeline = PipelineConfig(stages=pp, schedule=schedule, micro_batches=micro_batches, virtual_stages=chunks,
                               blocking_p2p=blocking_p2p, partitioned_p2p=partitioned_p2p,
                               gradient_accumulation=gradient_accumulation,
-                              overlap_grad_reduce=overlap_grad_reduce) if pp > 1 else None
+                              overlap_grad_reduce=overlap_grad_reduce,
+                              block_overhead_s=block_overhead_s) if pp > 1 else None
     plan = unsimulated_plan(
         graph, cluster, spec, model_name, mesh, strategies, inputs,
         dp_flavour=dp_flavour, recompute=recompute, pipeline=pipeline, precision=precision,

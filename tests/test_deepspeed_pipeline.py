@@ -5,6 +5,7 @@ worked by hand on a toy α–β cluster (1e9 B/s, 1 µs links; memory 1e11 B/s a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from cost_model.simulator import Simulator
 from planner.api import prepare_model
 from planner.cluster import Cluster, DeviceSpec, LinkSpec, NodeSpec
 from planner.model_spec import ModelSpec
+from planner.plans import load_plan
 from planner.strategy import PipelineConfig
 from search.megatron import megatron_plan
 
@@ -199,3 +201,32 @@ def test_tied_weight_gradients_are_all_reduced_between_their_stages_before_the_r
     cluster, graph, spec, name = _toy(4)
     plan = megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=2, blocking_p2p=True, overlap_grad_reduce=False)
     assert not [e for e in Simulator(plan, graph).run().timeline if "tied" in e.name]
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_block_overhead_adds_its_seconds_per_layer_per_micro_batch(blocking):
+    # pp=2 on 2 devices, 4 layers (2 per stage), micro-batches of 2 out of 8: m = 4. Every
+    # block pays 1 ms more per micro-batch, so every stage's forward + backward per
+    # micro-batch grows by 2 ms, and a 1F1B step of (m + p - 1) micro-batch slots by
+    # (4 + 2 - 1) x 2 x 1 ms = 10 ms, with or without DeepSpeed's rendezvous schedule.
+    cluster, graph, spec, name = _toy(2)
+    plain = megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=2, blocking_p2p=blocking)
+    slowed = megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=2, blocking_p2p=blocking,
+                           block_overhead_s=1e-3)
+    assert slowed.pipeline.block_overhead_s == 1e-3
+    assert slowed.estimate.step_time_s - plain.estimate.step_time_s == pytest.approx((4 + 2 - 1) * 2 * 1e-3, rel=1e-9)
+
+
+def test_block_overhead_round_trips_through_the_plan_file_and_rejects_bad_values(tmp_path):
+    cluster, graph, spec, name = _toy(2)
+    plan = megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=2, block_overhead_s=2.5e-3)
+    plan.save(tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json").pipeline == plan.pipeline
+    # A plan file written before the field existed loads with no overhead.
+    data = json.loads((tmp_path / "plan.json").read_text())
+    del data["pipeline"]["block_overhead_s"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert load_plan(tmp_path / "old.json").pipeline.block_overhead_s == 0.0
+    for bad in (-1e-3, float("nan"), float("inf"), "1e-3", True):
+        with pytest.raises(ValueError, match="block_overhead_s must be a number of seconds >= 0"):
+            PipelineConfig(stages=2, block_overhead_s=bad)
