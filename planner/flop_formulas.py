@@ -48,7 +48,9 @@ def uncounted_custom_ops(graph) -> dict[str, int]:
     their node counts: the simulator prices them by the bytes they move only."""
     found: dict[str, int] = {}
     for node in graph.nodes:
-        if node.op.startswith(COUNTED_NAMESPACES) or node.flops:
+        # Python callables in the graph (``getitem`` picking one output of a multi-output op)
+        # are not ops and compute nothing; custom ops are ``namespace.name.overload``.
+        if "." not in node.op or node.op.startswith(COUNTED_NAMESPACES) or node.flops:
             continue
         if any(meta.dtype.is_floating_point for meta in node.output_meta):
             found[node.op] = found.get(node.op, 0) + 1
