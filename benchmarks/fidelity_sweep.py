@@ -19,7 +19,8 @@ linearly with it, so the script fits the overhead in closed form (least squares 
 error) and prints, per row, the error without it, with the fitted value, and with the value
 fitted on the other rows only (leave-one-out); then the median and largest errors, Spearman's
 rank correlation of predicted against published, and how many pairs of rows the simulator
-puts in the published order. ``benchmarks/fidelity.py`` uses the fitted value for its
+puts in the published order, overall and by how far apart it predicts them (the source of
+the report's "close call" margin, ``planner.verdict.CLOSE_CALL_MARGIN``). ``benchmarks/fidelity.py`` uses the fitted value for its
 Megatron-DeepSpeed rows (``MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S``).
 
 What it shows: without the overhead every row is predicted fast, 9-13% where a rank's work per
@@ -48,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fidelity import DEEPSPEED_PIPELINE, Run, bloom_cluster, simulate  # noqa: E402
 from measured_vs_predicted import spearman  # noqa: E402
+
+from planner.verdict import CLOSE_CALL_MARGIN  # noqa: E402
 
 SOURCE = "bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md (2022-02-28)"
 VOCAB = 250880  # --pad-vocab-size-to 250880 (tr11-176B-ml.slurm)
@@ -112,6 +115,22 @@ def ordered_pairs(predicted: list[float], published: list[float]) -> tuple[int, 
     return agree, total
 
 
+def pairs_by_margin(predicted: list[float], published: list[float]) -> str:
+    """How often pairs of rows are in the published order, by how far apart the simulator
+    predicts them: within ``CLOSE_CALL_MARGIN`` (the report's "close call"), up to 10%, more."""
+    edges = (CLOSE_CALL_MARGIN, 0.10)
+    labels = (f"within {edges[0]:.0%}", f"{edges[0]:.0%}-{edges[1]:.0%} apart", f"{edges[1]:.0%} or more apart")
+    counts = [[0, 0] for _ in labels]
+    for i, j in itertools.combinations(range(len(published)), 2):
+        if published[i] == published[j]:
+            continue
+        margin = abs(predicted[i] / predicted[j] - 1)
+        bucket = 0 if margin <= edges[0] else 1 if margin < edges[1] else 2
+        counts[bucket][0] += (predicted[i] - predicted[j]) * (published[i] - published[j]) > 0
+        counts[bucket][1] += 1
+    return ", ".join(f"{label}: {agree} of {total}" for label, (agree, total) in zip(labels, counts))
+
+
 def with_overhead(run: Run, seconds: float) -> Run:
     """``run`` with the engine's per-layer overhead set to ``seconds``."""
     return dataclasses.replace(run, layout={**run.layout, "block_overhead_s": seconds})
@@ -162,6 +181,7 @@ def main() -> None:
     print(f"  without an engine overhead: {summary(base, published)}")
     print(f"  fitted overhead {overhead * 1e3:.2f} ms per layer per micro-batch: {summary(fitted, published)}")
     print(f"  each row left out of the fit: {summary(left_out, published)}")
+    print(f"  pairs in the published order, by predicted margin (fitted): {pairs_by_margin(fitted, published)}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ that do not fit, the next plan that does, the data-parallel and Megatron baselin
 
 ``findings(plan)`` are the things a careful engineer would point out about the plan itself
 (they are not warnings about the input, which live in ``plan.warnings``): a mesh axis on
-which every op is replicated (those devices duplicate each other's work), and a model far
-too small for its cluster. Both read only the ``Plan``.
+which every op is replicated (those devices duplicate each other's work), a model far too
+small for its cluster, and a close call (runners-up that fit predicted within
+``CLOSE_CALL_MARGIN`` of the chosen plan, a margin at which the simulator's ranking is not
+to be trusted). All read only the ``Plan``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ _FLAVOUR_WORDS = {
 # (or its batch) is far too small for it.
 TOO_SMALL_MFU = 0.02
 TOO_SMALL_COMPUTE_S = 0.01
+# Plans predicted closer than this are a toss-up for the simulator: on BigScience's published
+# layout sweep of 17 configurations (``python benchmarks/fidelity_sweep.py``, its "pairs in
+# the published order, by predicted margin"), pairs predicted within 3% of each other were in
+# the published order 8 times of 18; 3-10% apart, 40 of 48; 10% or more, 66 of 70.
+CLOSE_CALL_MARGIN = 0.03
+CLOSE_CALLS_NAMED = 3  # runners-up named in the finding, at most
 
 
 def plan_label(plan: "Plan") -> str:
@@ -163,7 +171,29 @@ def findings(plan: "Plan") -> list[str]:
             f"step at MFU {estimate.mfu:.1%}, so fixed costs (launches, communication latency) dominate; plan it for "
             f"fewer devices, or a larger model or batch"
         )
+    close = close_calls(plan)
+    if close:
+        named = ", ".join(f"{alt.name} ({alt.step_time_s / estimate.step_time_s - 1:+.1%})"
+                          for alt in close[:CLOSE_CALLS_NAMED])
+        more = f" and {len(close) - CLOSE_CALLS_NAMED} more" if len(close) > CLOSE_CALLS_NAMED else ""
+        found.append(
+            f"close call: {named}{more} {'fits' if len(close) == 1 else 'fit'} and {'is' if len(close) == 1 else 'are'} "
+            f"predicted within {CLOSE_CALL_MARGIN:.0%} of this plan, closer than the simulator ranks reliably; before "
+            f"a long run, measure this plan (launch.py --steps N --profile, then planner compare) and expect any of "
+            f"these to be as fast"
+        )
     return found
+
+
+def close_calls(plan: "Plan") -> list:
+    """Runners-up that fit and are predicted within ``CLOSE_CALL_MARGIN`` of the chosen
+    plan's step time (slower or, when the chosen plan does not fit, faster), closest first."""
+    chosen = plan.estimate.step_time_s
+    if chosen <= 0:
+        return []
+    close = [alt for alt in plan.runners_up
+             if alt.fits and alt.step_time_s > 0 and abs(alt.step_time_s / chosen - 1) <= CLOSE_CALL_MARGIN]
+    return sorted(close, key=lambda alt: abs(alt.step_time_s / chosen - 1))
 
 
 def _replicated_axes(plan: "Plan") -> list[str]:

@@ -19,9 +19,9 @@ from planner import baselines
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
 from planner.report import REPORT_WIDTH
-from planner.strategy import Mesh
+from planner.strategy import Alternative, Mesh
 from planner.units import format_bytes, format_seconds
-from planner.verdict import findings, plan_family, plan_label
+from planner.verdict import CLOSE_CALL_MARGIN, close_calls, findings, plan_family, plan_label
 from search.auto import node_strategies
 from search.plan_builder import unsimulated_plan
 
@@ -88,6 +88,23 @@ def test_a_model_far_too_small_for_its_cluster_is_flagged(megatron_gpt3):
     # A 1.3B model on the same cluster keeps its 16 GPUs busy.
     assert megatron_gpt3.estimate.mfu > 0.2
     assert not any("far too small" in note for note in findings(megatron_gpt3))
+
+
+def test_runners_up_within_the_close_call_margin_are_named(megatron_gpt3):
+    step = megatron_gpt3.estimate.step_time_s
+    runner = lambda name, ratio, fits=True: Alternative(name, step * ratio, 10**9, fits)  # noqa: E731
+    plan = dataclasses.replace(megatron_gpt3, runners_up=(
+        runner("far", 1.10), runner("near", 1.02), runner("nearest", 1.005), runner("near but too big", 1.01, fits=False),
+        runner("just inside", 1 + 0.999 * CLOSE_CALL_MARGIN), runner("just outside", 1 + 1.001 * CLOSE_CALL_MARGIN),
+    ))
+    assert [alt.name for alt in close_calls(plan)] == ["nearest", "near", "just inside"]
+    note = next(note for note in findings(plan) if note.startswith("close call"))
+    assert note.startswith("close call: nearest (+0.5%), near (+2.0%), just inside (+3.0%) fit and are predicted "
+                           "within 3% of this plan")
+    assert "planner compare" in plan.report().replace("\n  ", " ")
+    # Nothing close (or nothing that fits): no note.
+    alone = dataclasses.replace(megatron_gpt3, runners_up=(runner("far", 1.10), runner("near but too big", 1.01, False)))
+    assert not any(note.startswith("close call") for note in findings(alone))
 
 
 def test_search_runners_up_include_the_best_data_parallel_plan_and_the_megatron_baseline():
