@@ -37,7 +37,8 @@ of the same engine (``benchmarks/fidelity_sweep.py``), the modelled kernels, col
 schedule leave every configuration 9-25% fast, by a time that grows with the number of
 layer executions (layers per stage x micro-batches) and not with their size; a fixed
 ``MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S`` per layer per micro-batch, fitted there, explains the
-sweep to 2.2% (median). It is applied to this engine's rows as a measured constant whose cause
+sweep to 2.2% (median) and predicts an earlier fp16 sweep of the same engine, held out, to
+5.5% (17.5% without it). It is applied to this engine's rows as a measured constant whose cause
 is not identified (``PipelineConfig.block_overhead_s``). BLOOM ran on the sweep's cluster
 and software, so its row is not independent of the fit; MT-NLG's is (other cluster, model,
 precision and year): without the constant MT-NLG is predicted 24-27% fast at each of the
@@ -205,7 +206,8 @@ def bloom_cluster() -> Cluster:
 #     fit, 14.91 ms, and its leave-one-out errors). Its cause is not identified (host syncs and
 #     Python per layer are candidates); it is measured, not derived. Without it the sweep is
 #     predicted 11% fast at the median and up to 25% where a rank's work per micro-batch is
-#     small; with it, 2.2% (2.4% with each row left out of the fit). MT-NLG (a different
+#     small; with it, 2.2% (2.4% with each row left out of the fit); on the same document's
+#     earlier fp16 sweep, held out, 17.5% -> 5.5% (Spearman 0.40 -> 0.80). MT-NLG (a different
 #     cluster, model and precision) is not in the fit: ``--no-engine-overhead`` shows the rows
 #     without it.
 MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S = 14.9e-3
