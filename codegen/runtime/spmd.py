@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_map
 
+from codegen.runtime.loss_parallel import vocabulary_parallel_cross_entropy
+
 Placements = tuple[Placement, ...]
 
 __all__ = ["SpmdModule", "as_partial_sums", "contiguous_local", "keep_whole", "shard_inputs", "same_placements"]
@@ -217,6 +219,12 @@ class SpmdModule(nn.Module):
         total = op(input, target, None, 2, ignore_index, label_smoothing)  # 2: reduction "sum"
         counted = (target != ignore_index).sum()
         return total / counted
+
+    @staticmethod
+    def vocabulary_parallel_cross_entropy(op: Callable, *args: Any, **kwargs: Any) -> Any:
+        """``cross_entropy`` on logits split over the classes, gathering nothing
+        (``codegen.runtime.loss_parallel``)."""
+        return vocabulary_parallel_cross_entropy(op, *args, **kwargs)
 
     @staticmethod
     def unmasked(value: Any) -> Any:
