@@ -28,8 +28,13 @@ _CLASS_DIM = 1
 
 
 def class_axis(node: OpNode, strategy: NodeStrategy) -> int | None:
-    """Index of the mesh axis that splits the logits' classes of a cross entropy, or None."""
+    """Index of the mesh axis that splits the logits' classes of a cross entropy the program
+    runs by ``loss_parallel``, or None (class weights and label smoothing run through
+    DTensor's own rule, which gathers the logits inside the op: not priced here)."""
     if node.op != CROSS_ENTROPY or not strategy.inputs or len(node.input_meta[0].shape) < 2:
+        return None
+    smoothing = node.attrs[5] if len(node.attrs) > 5 and node.attrs[5] is not None else 0.0
+    if len(node.inputs) > 2 or smoothing != 0.0:
         return None
     split = [index for index, p in enumerate(strategy.inputs[0]) if isinstance(p, Shard) and p.dim == _CLASS_DIM]
     return split[0] if len(split) == 1 else None

@@ -75,3 +75,18 @@ def test_vocabulary_parallel_loss_all_reduces_three_values_per_row(dp: int) -> N
     one = collective_time("all_reduce", size_bytes, simulator.cluster, ranks, concurrent) + simulator.redistribute_overhead_s
     assert cost.forward_comm_s == pytest.approx(3 * one)
     assert cost.backward_comm_s == 0.0
+
+
+def test_only_losses_loss_parallel_takes_are_priced_as_such() -> None:
+    """A plan that splits the classes of a label-smoothed or weighted loss anyway (by hand)
+    runs it through DTensor's rule: no ``loss_parallel`` all-reduces are charged for it."""
+    from cost_model.loss_parallel import class_axis
+    from planner.strategy import NodeStrategy
+
+    def strategy(inputs: int) -> NodeStrategy:
+        placements = ((Shard(1),), (Replicate(),), (Replicate(),))[:inputs]
+        return NodeStrategy("cross_entropy_loss", "aten.cross_entropy_loss.default", "", placements, ((Replicate(),),))
+
+    assert class_axis(_loss_node(), strategy(2)) == 0
+    assert class_axis(_loss_node((None, None, None, 1, -100, 0.1)), strategy(2)) is None
+    assert class_axis(_loss_node((None, None, None), inputs=3), strategy(3)) is None
