@@ -262,8 +262,9 @@ def test_megatron_program_places_megatron_collectives(world_run: WorldRun) -> No
     reduce-scatters, and each column-parallel input (4 in the blocks, the head) is
     all-gathered. Batch splitting over dp costs no forward collective. Where DTensor's rules
     gather inside an op the program says so: the split of the fused q|k|v projection (each
-    rank holds whole rows of the weight, not Megatron's per-rank q|k|v layout). The cross
-    entropy over vocabulary-split logits gathers nothing (loss_parallel)."""
+    rank holds whole rows of the weight, not Megatron's per-rank q|k|v layout; the simulator
+    prices that gather, cost_model.split_gather). The cross entropy over vocabulary-split
+    logits gathers nothing (loss_parallel)."""
     plain = (world_run.folders["gpt", "megatron"] / "model_spmd.py").read_text()
     sequence = (world_run.folders["gpt", "megatron-sp"] / "model_spmd.py").read_text()
     assert _collectives(plain) == {"all-reduce tp": 5}, plain
