@@ -2,9 +2,10 @@
 
 The plan says where each value is split; DTensor's own sharding rules decide what an op
 actually produces from the placements it is given, and they sometimes differ (a ``split``
-of a split dimension gathers it first; a ``cross_entropy`` gathers the classes). To say so in
-the program, and to redistribute explicitly (with a comment) wherever a value does not arrive
-as the plan says its consumer reads it, codegen runs the program once in this process: rank
+of a split dimension gathers it first; a ``cross_entropy`` with label smoothing gathers the
+classes). To say so in the program, and to redistribute explicitly (with a comment) wherever
+a value does not arrive as the plan says its consumer reads it, codegen runs the program
+once in this process: rank
 0 of a fake process group of the plan's world size (collectives do nothing), every tensor on
 the meta device (no memory, no arithmetic), and reads each value's placements when
 ``forward`` returns. Backward runs too. An op that DTensor cannot run forward or backward on

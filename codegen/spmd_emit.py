@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from codegen import spmd_notes as notes
 from codegen.micro_batch_source import first_micro_batch_only, first_samples
@@ -357,6 +357,12 @@ class GraphEmitter(GraphStructure, ProgramSections):
                 "else the math kernel (DTensor has no rule for CPU flash attention)"
             )
             call = f"self.attention({callee}, {', '.join(rendered)})"
+        elif on_dtensors and op == "aten.cross_entropy_loss.default" and classes_split(strategy):
+            comments.append(
+                "# vocabulary-parallel cross entropy (loss_parallel): each row's max, sum of exponentials and target "
+                "logit are all-reduced over the ranks holding its classes; the logits are never gathered"
+            )
+            call = f"self.vocabulary_parallel_cross_entropy({callee}, {', '.join(rendered)})"
         elif on_dtensors and op == "aten.cross_entropy_loss.default" and _targets_split(strategy):
             comments.append(
                 "# a mean over the targets of every rank: the sum of the losses and the count of targets that are not "
@@ -558,6 +564,14 @@ class GraphEmitter(GraphStructure, ProgramSections):
         text = notes.value_note(shape, placements, self.axes, self.sizes)
         dtype = str(val.dtype).removeprefix("torch.")
         return text if dtype == "float32" else f"{text} ({dtype})"
+
+
+def classes_split(strategy: NodeStrategy | None) -> bool:
+    """Whether a loss reads its logits split over the classes (dim 1) on some mesh axis:
+    the program runs it as a vocabulary-parallel cross entropy."""
+    return strategy is not None and bool(strategy.inputs) and any(
+        isinstance(p, Shard) and p.dim == 1 for p in strategy.inputs[0]
+    )
 
 
 def _targets_split(strategy: NodeStrategy | None) -> bool:

@@ -8,8 +8,11 @@ How a plan becomes a simulated step (FlexFlow's simulator, Daydream's task graph
    ``cost_model.compute``. Each input edge whose producer placement differs from what the op
    reads costs a collective (``cost_model.resharding``) on that axis's process group,
    counted once per (tensor, target placement); a replicated activation read by an op with
-   sharded weights (Megatron's column-parallel input) gets a backward all-reduce.
-   Tensor-parallel collectives sit on the critical path: they run on the compute stream.
+   sharded weights (Megatron's column-parallel input) gets a backward all-reduce; a cross
+   entropy on logits split over the classes sends three values per row
+   (``cost_model.loss_parallel``), and a split of a dim its input holds split gathers it
+   (``cost_model.split_gather``). Tensor-parallel collectives sit on the critical path:
+   they run on the compute stream.
 2. **Segments.** Ops are grouped into segments: each repeated block, plus what comes before
    the first block and after the last. A segment lives on one pipeline (virtual) stage.
 3. **Task graph.** Per pipeline stage one representative device (all devices of a stage are
@@ -53,6 +56,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS, check_precision, op_times
 from cost_model.host_dispatch import host_dispatch
+from cost_model.loss_parallel import add_vocabulary_parallel_loss
 from cost_model.moe_layers import LaidOutLayer, annotated_layouts, laid_out_layers, routing_sync_bytes
 from cost_model.summa_node import add_summa_costs
 from cost_model.nccl import nccl_profile
@@ -60,6 +64,7 @@ from cost_model.recompute import activation_bytes, backward_comm, backward_time
 from cost_model.replica_gradients import add_replica_gradient_sync
 from cost_model.resharding import backward_collective, forward_collective
 from cost_model.segments import Segment, SegmentBuilder, SegmentProfile
+from cost_model.split_gather import add_split_gather
 from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, graph_facts
 from cost_model.step_memory import _PARAM_BYTES, StepMemory, bytes_per_parameter
 from cost_model.step_tasks import StepTaskGraph
@@ -487,6 +492,8 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
         # (cost_model.summa_node); any mesh: the gradient sync of weights replicated on a
         # non-dp axis whose ranks saw other rows (cost_model.replica_gradients).
         add_summa_costs(self, node, strategy, cost)
+        add_vocabulary_parallel_loss(self, node, strategy, cost)
+        add_split_gather(self, node, strategy, cost)
         add_replica_gradient_sync(self, node, strategy, cost, _PARAM_BYTES[self.plan.precision][1])
         return cost
 

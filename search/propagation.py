@@ -429,15 +429,28 @@ def _normalisation_rule(node: OpNode, incoming):
 def _loss_rule(node: OpNode, incoming):
     """A mean loss over batch-sharded rows is a partial average of the per-rank means."""
     found = _first_sharded(node, incoming)
-    if found and found[1].dim == len(found[0].shape) - 1 and len(found[0].shape) > 1:
-        # Logits sharded over classes: Megatron's vocabulary-parallel cross entropy reduces
-        # max and sum-exp across the shards (two small all-reduces), never gathering logits.
-        return incoming, tuple(Partial("avg") for _ in node.output_meta)
+    if found and found[1].dim == 1 and len(found[0].shape) > 1:
+        if not _vocabulary_parallel(node):
+            return _gather_all(node, incoming)
+        # Logits sharded over classes: Megatron's vocabulary-parallel cross entropy
+        # all-reduces each row's max, sum of exponentials and target logit across the
+        # shards, never gathering the logits; every rank then holds the whole loss
+        # (codegen.runtime.loss_parallel runs it, cost_model.loss_parallel prices it).
+        return incoming, tuple(R for _ in node.output_meta)
     if found and found[1].dim == 0:
         rows = found[0].shape[0]
         wanted = tuple(Shard(0) if meta.shape and meta.shape[0] == rows else R for meta in node.input_meta)
         return wanted, tuple(Partial("avg") for _ in node.output_meta)
     return _gather_all(node, incoming)
+
+
+def _vocabulary_parallel(node: OpNode) -> bool:
+    """Whether a loss can run on logits split over the classes: a cross entropy without
+    class weights or label smoothing (what PyTorch's ``loss_parallel`` takes)."""
+    attrs = node.attrs
+    weighted = len(node.inputs) > 2
+    smoothing = attrs[5] if len(attrs) > 5 and attrs[5] is not None else 0.0
+    return node.op == "aten.cross_entropy_loss.default" and not weighted and smoothing == 0.0
 
 
 def _reduction_rule(node: OpNode, incoming):

@@ -1,6 +1,6 @@
 """Audit the collectives of many compiled programs in one torchrun launch.
 
-    torchrun --nproc_per_node 2 tests/comm_audit_many.py out/mlp_ddp out/gpt_fsdp ...
+    torchrun --nproc_per_node 2 tests/comm_audit_many.py [--sites] out/mlp_ddp out/gpt_fsdp ...
 
 For each folder every rank loads the program and runs one counted training step
 (``codegen.runtime.comm_audit.audit_step``); rank 0 prints, per mesh axis of more than one
@@ -9,7 +9,9 @@ rank and any axis the plan predicts or the step used, one line::
     AUDIT <folder> <axis> <predicted bytes> <counted bytes>
 
 then ``CALLS <folder> <axis> <op> <group size> <calls> <bytes>`` lines for the busiest rank,
-or ``AUDIT <folder> FAILED <error>`` when the program could not run. Exits 0 once every folder
+with ``--sites`` also ``SITE <folder> <axis> <op> <calls> <bytes> <site>`` lines (the line of
+``model_spmd.py`` behind them, ``codegen.runtime.comm_sites``), or ``AUDIT <folder> FAILED
+<error>`` when the program could not run. Exits 0 once every folder
 has its lines (the pytest side parses them).
 """
 
@@ -25,12 +27,12 @@ from codegen.runtime.launcher import exit_now
 from dist_check_many import tear_down_process_group  # this folder is sys.path[0] under torchrun
 
 
-def audit_folder(folder: str) -> list[str]:
-    """The AUDIT and CALLS lines of one program folder."""
+def audit_folder(folder: str, with_sites: bool = False) -> list[str]:
+    """The AUDIT and CALLS lines of one program folder (and its SITE lines, if asked)."""
     try:
         program = load_program(folder)
         mesh = program.build_mesh()
-        result = audit_step(program, mesh)
+        result = audit_step(program, mesh, with_sites=with_sites)
     except Exception as error:  # noqa: BLE001 - reported as this folder's FAILED line
         last = traceback.extract_tb(error.__traceback__)[-1]
         return [f"AUDIT {folder} FAILED {type(error).__name__}: {' '.join(str(error).split())} (at {last.filename}:{last.lineno})"]
@@ -40,13 +42,15 @@ def audit_folder(folder: str) -> list[str]:
         for axis in sorted(set(predicted) | set(result.counted) | {a for a, n in program.plan.mesh.axes if n > 1})
     ]
     lines += [f"CALLS {folder} {axis} {op} {size} {count} {sent!r}" for (axis, op, size), (count, sent) in sorted(result.calls.items())]
+    lines += [f"SITE {folder} {axis} {op} {count} {sent!r} {site}" for (axis, site, op), (count, sent) in sorted(result.sites.items())]
     return lines
 
 
 def main(argv: list[str]) -> int:
     try:
-        for folder in argv:
-            lines = audit_folder(folder)
+        with_sites = "--sites" in argv
+        for folder in (arg for arg in argv if arg != "--sites"):
+            lines = audit_folder(folder, with_sites)
             if os.environ.get("RANK", "0") == "0":
                 print("\n".join(lines), flush=True)
     finally:

@@ -20,13 +20,23 @@ sent must equal the plan's ``SimResult.bytes_per_axis``:
   it was given; at worlds 2 and 4 the axis measured 0.997x and 1.011x.
 
 ``KNOWN_GAPS`` are axes where the program moves more than the plan says, for reasons the
-simulator cannot see today: DTensor's own sharding propagation gathers inside an op where the
-plan keeps a value split (the fused QKV projection's ``split``, the vocabulary-parallel
-``cross_entropy``, which gathers the whole logits: 6.1 of the searched llama's 7.4 MB;
-``codegen.spmd_emit`` says so in a comment at each), ops whose random placements DTensor
-runs through another strategy, and DTensor on gloo running an all-to-all as an all-gather. There the program must still move at least the
-predicted bytes (every priced collective runs), and the gap is printed by
-``benchmarks/comm_audit.py``.
+simulator cannot see today, each with the most it may move (a multiple of the prediction):
+
+- the random placements' graph program (``mlp-random``, 1.87x at both worlds): ops whose
+  random placements DTensor runs through another strategy, and DTensor on gloo running an
+  all-to-all as an all-gather;
+- Megatron on ``dp=2 x tp=2`` (world 4: 1.020x, 1.041x accumulating): with the rows split over
+  dp the layer norms run as DTensor ops, and DTensor's backward of a layer norm reduce-scatters
+  the partial gradient of its output over tp, which leaves the norms' weight gradients and
+  the position embedding's gradient partial over tp: all-reduces (2560 + 8192 B a
+  micro-batch) no plan prices. At world 2 the same plan is exact.
+
+Resolved gaps, now exact: the vocabulary-parallel ``cross_entropy`` gathered the whole logits
+(6.1 of the searched llama's 7.4 MB; it runs under ``loss_parallel`` now), the fused q|k|v
+``split`` gathers its input and its pieces' gradients (the simulator prices them:
+``cost_model.split_gather``), and a gathered activation's partial gradient was all-reduced
+instead of reduce-scattered (``codegen.runtime.spmd.contiguous_local``). Each gap's figures
+are printed by ``benchmarks/comm_audit.py``.
 """
 
 from __future__ import annotations
@@ -49,7 +59,11 @@ LAUNCH_TIMEOUT = 300  # seconds; a launch takes ~10 s on 2 cores, the limit only
 SCALAR_SLACK_BYTES = 64.0
 MOE_TOLERANCE = 0.02
 WORLD_SIZES = (2, 4)
-KNOWN_GAPS = {("gpt-megatron-tp2", "tp"), ("gpt-megatron-tp2-accum2", "tp"), ("mlp-random", "tp"), ("llama-searched", "tp")}
+# (world, case, axis) -> the most the program may send there, as a multiple of the prediction.
+KNOWN_GAPS = {
+    (2, "mlp-random", "tp"): 1.9, (4, "mlp-random", "tp"): 1.9,
+    (4, "gpt-megatron-tp2", "tp"): 1.03, (4, "gpt-megatron-tp2-accum2", "tp"): 1.05,
+}
 
 
 @dataclass
@@ -86,7 +100,7 @@ def audit(request, tmp_path_factory) -> Audit:
 def test_every_axis_moves_what_the_simulator_charged(audit: Audit) -> None:
     wrong = []
     for (case, axis), (predicted, counted) in sorted(audit.figures.items()):
-        if (case, axis) in KNOWN_GAPS:
+        if (audit.plans[case].world_size, case, axis) in KNOWN_GAPS:
             continue  # test_known_gaps_move_at_least_the_predicted_bytes
         relative = MOE_TOLERANCE if case.startswith("moe") else 1e-9
         if abs(counted - predicted) > relative * predicted + SCALAR_SLACK_BYTES:
@@ -94,12 +108,14 @@ def test_every_axis_moves_what_the_simulator_charged(audit: Audit) -> None:
     assert not wrong, "\n".join(wrong) + "\n" + audit.launch.describe()
 
 
-def test_known_gaps_move_at_least_the_predicted_bytes(audit: Audit) -> None:
-    for case, axis in sorted(KNOWN_GAPS):
-        if case not in audit.plans:
-            continue  # a world-4 case
+def test_known_gaps_move_at_least_the_predicted_bytes_and_at_most_their_bound(audit: Audit) -> None:
+    for (world, case, axis), bound in sorted(KNOWN_GAPS.items()):
+        if case not in audit.plans or audit.plans[case].world_size != world:
+            continue  # the other world's gap
         predicted, counted = audit.figures[(case, axis)]
-        assert predicted > 0 and counted >= predicted, f"{case} {axis}: predicted {predicted:.0f} B, counted {counted:.0f} B"
+        assert predicted > 0 and predicted <= counted <= bound * predicted, (
+            f"{case} {axis}: predicted {predicted:.0f} B, counted {counted:.0f} B, at most {bound}x expected"
+        )
 
 
 def test_every_case_was_audited(audit: Audit) -> None:

@@ -62,3 +62,41 @@ def test_collectives_inside_a_dtensor_op_are_counted(mesh) -> None:
     gathered = [c for c in counter.calls if c.op == "all_gather_into_tensor"]
     assert gathered and gathered[0].axis == "tp" and gathered[0].sent_bytes == 96.0
     assert len(gathered) >= 2, "the gather inside mm was not counted"
+
+
+PROGRAM = '''\
+from torch.distributed.tensor import Replicate, Shard
+
+
+def forward(value):
+    whole = value.redistribute(value.device_mesh, [Replicate(), Replicate()])  # all-gather over tp
+    return whole.redistribute(value.device_mesh, [Replicate(), Shard(1)])  # a slice; its backward all-gathers
+'''
+
+
+def test_each_collective_is_tied_to_the_program_line_behind_it(mesh, tmp_path) -> None:
+    """``with_sites``: a forward collective names its line of ``model_spmd.py``; a backward
+    one names the autograd step and the forward line that made it (anomaly mode's record);
+    one issued outside the program names the function that issued it."""
+    import importlib.util
+
+    (tmp_path / "model_spmd.py").write_text(PROGRAM)
+    spec = importlib.util.spec_from_file_location("model_spmd_sites", tmp_path / "model_spmd.py")
+    program = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(program)
+    leaf = torch.ones(8, 6, requires_grad=True)
+    x = distribute_tensor(leaf, mesh, [Replicate(), Shard(0)])
+    counter = CollectiveCounter(mesh_group_axes(mesh), with_sites=True)
+
+    def outside() -> None:
+        funcol.all_reduce(torch.ones(2), "sum", mesh.get_group("dp")).wait()
+
+    with torch.autograd.set_detect_anomaly(True, check_nan=False), counter:
+        program.forward(x).to_local().sum().backward()
+        outside()
+    assert [(c.op, c.axis, c.site) for c in counter.calls] == [
+        ("all_gather_into_tensor", "tp", "forward L5: whole = value.redistribute(value.device_mesh, [Replicate(), Replicate()])"),
+        ("all_gather_into_tensor", "tp",
+         "backward RedistributeBackward of L6: return whole.redistribute(value.device_mesh, [Replicate(), Shard(1)])"),
+        ("all_reduce", "dp", "test_comm_audit_counts.py:outside"),
+    ]

@@ -171,3 +171,29 @@ def test_an_in_place_op_run_on_whole_tensors_writes_into_a_copy(rank1_of_2):
     torch.testing.assert_close(summed.to_local(), leaf.detach() + positions.to_local())
     summed.to_local().sum().backward()
     torch.testing.assert_close(leaf.grad, torch.ones_like(leaf))
+
+
+@pytest.mark.parametrize(("weight_split", "collectives"), [(Shard(0), {"reduce_scatter_tensor": 1}), (Replicate(), {})])
+def test_a_gathered_value_hands_partial_gradients_to_the_gathers_backward(rank1_of_2, weight_split, collectives):
+    # Found by the comm audit (searched llama, Megatron's layout with sequence parallelism):
+    # the sequence-split activation gathered for a column-parallel linear got its partial
+    # gradient all-reduced by contiguous_local's backward, then sliced: twice the bytes of
+    # the reduce-scatter the plan prices. A gradient that arrives whole is sliced, as before.
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from codegen.runtime.spmd import redistribute
+
+    mesh = rank1_of_2
+    leaf = torch.randn(3, 4, 8, requires_grad=True)
+    tokens = DTensor.from_local(leaf * 1.0, mesh, [Shard(1)], run_check=False)  # (3, 8, 8), tokens split
+    weight = DTensor.from_local(torch.randn(6, 8), mesh, [weight_split], run_check=False)
+    whole = redistribute(tokens, [Replicate()])
+    output = torch.ops.aten.linear.default(whole, weight)  # the input's gradient: partial sums when the weight is split
+    counter = CommDebugMode()
+    with counter:
+        output.to_local().sum().backward()
+    counts = {str(op).split(".")[-1]: n for op, n in counter.get_comm_counts().items()}
+    assert counts == collectives, counts
+    assert leaf.grad is not None and leaf.grad.shape == leaf.shape

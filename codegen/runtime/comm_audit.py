@@ -32,11 +32,14 @@ S bytes:
 Each process group is named by the mesh axis it spans (``DeviceMesh.get_group``); a group
 spanning several axes, or none of the mesh's (the world group of a program whose mesh has
 two axes), is named ``other(n=<size>)``. The table reports the busiest rank's figure per
-axis, as ``bytes_per_axis`` does (``cost_model.step_memory``).
+axis, as ``bytes_per_axis`` does (``cost_model.step_memory``). Asked for sites, the audit
+also ties each collective to the line of ``model_spmd.py`` that issued it
+(``codegen.runtime.comm_sites``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -46,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from codegen.runtime.comm_sites import collective_site
 from codegen.runtime.program import Program
 
 # Dispatcher namespaces whose ops are collectives; every other op runs uncounted.
@@ -65,6 +69,7 @@ class CollectiveCall:
     group_size: int
     size_bytes: int
     sent_bytes: float
+    site: str = ""  # the line that issued it (codegen.runtime.comm_sites), when asked for
 
 
 @dataclass
@@ -73,10 +78,12 @@ class CollectiveCounter(TorchDispatchMode):
 
     Args:
         axis_of_group: group name -> mesh axis (``mesh_group_axes``).
+        with_sites: record each call's site (``codegen.runtime.comm_sites``).
     """
 
     axis_of_group: dict[str, str]
     calls: list[CollectiveCall] = field(default_factory=list)
+    with_sites: bool = False
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -92,6 +99,8 @@ class CollectiveCounter(TorchDispatchMode):
         if func.namespace in _COLLECTIVE_NAMESPACES:
             call = self._describe(func, args, kwargs)
             if call is not None:
+                if self.with_sites:
+                    call.site = collective_site()
                 self.calls.append(call)
         return func(*args, **kwargs)
 
@@ -139,16 +148,20 @@ def mesh_group_axes(mesh: DeviceMesh) -> dict[str, str]:
 @dataclass(frozen=True)
 class AuditResult:
     """One audited step: bytes the busiest rank sent per axis, and every rank's calls
-    summarised as {(axis, op, group size): (calls, bytes sent)} of the busiest rank per axis."""
+    summarised as {(axis, op, group size): (calls, bytes sent)} of the busiest rank per axis;
+    when asked for, the same rank's calls by site, {(axis, site, op): (calls, bytes sent)}."""
 
     counted: dict[str, float]
     calls: dict[tuple[str, str, int], tuple[int, float]]
+    sites: dict[tuple[str, str, str], tuple[int, float]] = field(default_factory=dict)
 
 
-def audit_step(program: Program, mesh: DeviceMesh, lr: float = 1e-3, optimizer: str | None = None) -> AuditResult:
+def audit_step(
+    program: Program, mesh: DeviceMesh, lr: float = 1e-3, optimizer: str | None = None, with_sites: bool = False
+) -> AuditResult:
     """Run one training step of ``program`` on the spec's example batch, from the weights
-    ``build_module`` gives every plan, with every collective counted. Collective: every rank
-    calls it."""
+    ``build_module`` gives every plan, with every collective counted (and tied to its site,
+    under autograd's anomaly mode, if ``with_sites``). Collective: every rank calls it."""
     from codegen.runtime.parity import optimizer_class
 
     _, module, args, kwargs = program.build_module(mesh)
@@ -156,8 +169,9 @@ def audit_step(program: Program, mesh: DeviceMesh, lr: float = 1e-3, optimizer: 
     if program.is_pipeline:
         pipeline = program.module.make_pipeline(module, mesh)
         local_args, local_kwargs = program.shard_batch(args, kwargs, mesh)
-    counter = CollectiveCounter(mesh_group_axes(mesh))
-    with counter:
+    counter = CollectiveCounter(mesh_group_axes(mesh), with_sites=with_sites)
+    anomaly = torch.autograd.set_detect_anomaly(True, check_nan=False) if with_sites else contextlib.nullcontext()
+    with anomaly, counter:
         if program.is_pipeline:
             pipeline.step(local_args, local_kwargs)
         else:
@@ -165,21 +179,25 @@ def audit_step(program: Program, mesh: DeviceMesh, lr: float = 1e-3, optimizer: 
         step_optimizer.step()
     mine: dict[str, float] = defaultdict(float)
     summary: dict[tuple[str, str, int], list] = defaultdict(lambda: [0, 0.0])
+    by_site: dict[tuple[str, str, str], list] = defaultdict(lambda: [0, 0.0])
     for call in counter.calls:
         mine[call.axis] += call.sent_bytes
-        entry = summary[(call.axis, call.op, call.group_size)]
-        entry[0] += 1
-        entry[1] += call.sent_bytes
+        for entry in (summary[(call.axis, call.op, call.group_size)], by_site[(call.axis, call.site, call.op)]):
+            entry[0] += 1
+            entry[1] += call.sent_bytes
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (dict(mine), {key: tuple(value) for key, value in summary.items()}))
+    mine_summarised = (dict(mine), {key: tuple(value) for key, value in summary.items()},
+                       {key: tuple(value) for key, value in by_site.items()} if with_sites else {})
+    dist.all_gather_object(gathered, mine_summarised)
     counted: dict[str, float] = {}
     busiest: dict[str, int] = {}
-    for rank, (sent, _) in enumerate(gathered):
+    for rank, (sent, _, _) in enumerate(gathered):
         for axis, value in sent.items():
             if value > counted.get(axis, -1.0):
                 counted[axis], busiest[axis] = value, rank
     calls = {key: value for axis, rank in busiest.items() for key, value in gathered[rank][1].items() if key[0] == axis}
-    return AuditResult(counted=counted, calls=calls)
+    sites = {key: value for axis, rank in busiest.items() for key, value in gathered[rank][2].items() if key[0] == axis}
+    return AuditResult(counted=counted, calls=calls, sites=sites)
 
 
 def audit_table(predicted: dict[str, float], result: AuditResult) -> str:

@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_map
 
+from codegen.runtime.loss_parallel import vocabulary_parallel_cross_entropy
+
 Placements = tuple[Placement, ...]
 
 __all__ = ["SpmdModule", "as_partial_sums", "contiguous_local", "keep_whole", "shard_inputs", "same_placements"]
@@ -219,6 +221,12 @@ class SpmdModule(nn.Module):
         return total / counted
 
     @staticmethod
+    def vocabulary_parallel_cross_entropy(op: Callable, *args: Any, **kwargs: Any) -> Any:
+        """``cross_entropy`` on logits split over the classes, gathering nothing
+        (``codegen.runtime.loss_parallel``)."""
+        return vocabulary_parallel_cross_entropy(op, *args, **kwargs)
+
+    @staticmethod
     def unmasked(value: Any) -> Any:
         """A vocabulary-parallel embedding's result as plain partial sums. DTensor leaves it
         as masked partial sums (each rank looked its out-of-shard tokens up in row 0) that only
@@ -321,7 +329,7 @@ def redistribute(value: DTensor, placements: Sequence[Placement]) -> DTensor:
     if value.grad_fn is not None:  # an activation (a hook on a parameter would stay for good)
         value.register_hook(_contiguous_gradient)
     try:
-        return contiguous_local(value.redistribute(value.device_mesh, placements))
+        return contiguous_local(value.redistribute(value.device_mesh, placements), gathered_from=value.placements)
     except (RuntimeError, NotImplementedError, AssertionError, ValueError):
         whole = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
         value = value.redistribute(value.device_mesh, whole)
@@ -334,24 +342,53 @@ def _contiguous_gradient(grad: Any) -> Any:
     return contiguous_local(grad) if isinstance(grad, DTensor) else grad
 
 
-def contiguous_local(value: DTensor) -> DTensor:
+def contiguous_local(value: DTensor, gathered_from: Sequence[Placement] | None = None) -> DTensor:
     """``value`` with a contiguous local tensor on this rank. DTensor's all-to-all of an
     uneven split (``S(2)`` -> ``S(1)`` of 5 rows over 2 ranks) leaves the ranks with the short
     piece a slice of a padded buffer; a local ``view`` of it (``linear`` on a 3-D input
     flattens it with one) then fails on those ranks only, and the others wait in the next
     collective. A contiguous copy takes every view the whole value takes. ``redistribute``
-    returns such values, and hands their producers such gradients."""
-    # Every rank takes this path, whether its own piece is contiguous or not: the backward of
-    # from_local redistributes the gradient into the value's placements, a collective that
-    # every rank must run alike. d(local)/d(value) keeps the value's placements; a partial
-    # value's gradient is whole.
-    grad_placements = [Replicate() if isinstance(p, Partial) else p for p in value.placements]
-    local = value.to_local(grad_placements=grad_placements).contiguous()
-    # The global strides too: DTensor decides between a view and a copy (reshape) from them,
-    # and after a gather they can differ between ranks (a rank with an empty piece computes
-    # others), so ranks would disagree on the decision.
-    contiguous = _contiguous_strides(value.shape)
-    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=contiguous)
+    returns such values, and hands their producers such gradients.
+
+    ``gathered_from``: the placements ``value`` was redistributed from. On an axis where it
+    was gathered whole (``Shard`` -> ``Replicate``), a gradient that arrives as partial sums
+    (a column-parallel matmul's input gradient) is handed on as such, so that the gather's
+    backward reduce-scatters it into the producer's shards, as ``cost_model.resharding``
+    prices it; made whole here, it was all-reduced (twice the bytes) and sliced after."""
+    gathered = tuple(
+        gathered_from is not None and isinstance(source, Shard) and isinstance(target, Replicate)
+        for source, target in zip(gathered_from or value.placements, value.placements)
+    )
+    return _ContiguousLocal.apply(value, gathered)
+
+
+class _ContiguousLocal(torch.autograd.Function):
+    """``contiguous_local``'s copy. Backward redistributes the gradient into the value's
+    placements (a partial value's gradient is whole), except that it stays partial on the
+    ``gathered`` axes where it arrives so."""
+
+    @staticmethod
+    def forward(ctx, value: DTensor, gathered: tuple[bool, ...]) -> DTensor:  # noqa: D102
+        ctx.placements, ctx.gathered = value.placements, gathered
+        local = value.to_local().contiguous()
+        # The global strides too: DTensor decides between a view and a copy (reshape) from
+        # them, and after a gather they can differ between ranks (a rank with an empty piece
+        # computes others), so ranks would disagree on the decision.
+        contiguous = _contiguous_strides(value.shape)
+        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=contiguous)
+
+    @staticmethod
+    def backward(ctx, grad: Any):  # noqa: D102
+        if not isinstance(grad, DTensor):
+            return grad, None
+        # Every rank runs this alike (placements are the same on every rank of an axis).
+        wanted = tuple(
+            arrived if kept and isinstance(arrived, Partial) else (Replicate() if isinstance(held, Partial) else held)
+            for held, kept, arrived in zip(ctx.placements, ctx.gathered, grad.placements)
+        )
+        if not same_placements(grad.placements, wanted):
+            grad = grad.redistribute(grad.device_mesh, wanted)
+        return grad, None
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
