@@ -326,7 +326,9 @@ def simulate(run: Run, roofline: bool = False):
     spec = ModelSpec(str(EXAMPLES / run.example), run.overrides).resolved()
     cluster = Cluster.parse(run.cluster) if isinstance(run.cluster, str) else run.cluster
     graph, spec, name, cluster = prepare_model(spec, roofline_cluster(cluster) if roofline else cluster)
-    plan = megatron_plan(graph, cluster, spec, name, precision="bf16", **run.layout)
+    # Every run here is another system's program: where it splits over tp, it lays the fused
+    # q|k|v (gate|up) weights out per rank as Megatron-LM does, so those splits are local.
+    plan = megatron_plan(graph, cluster, spec, name, precision="bf16", fused_splits_local=True, **run.layout)
     changes = {}
     if run.accumulation > 1:
         changes["accumulation_steps"] = run.accumulation

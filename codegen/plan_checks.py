@@ -82,6 +82,12 @@ def check_fields(plan: Plan) -> None:
     for field, value, known in (("precision", plan.precision, PRECISIONS), ("optimizer", plan.optimizer, tuple(OPTIMIZERS))):
         if value not in known:
             raise PlanFileError(f"plan field '{field}' is {_shown(value)}, not one of {', '.join(known)}; re-plan")
+    if plan.fused_splits_local:
+        raise PlanFileError(
+            "plan field 'fused_splits_local' is true: it lays fused q|k|v and gate|up weights out per rank, as "
+            "Megatron-LM does, which compiled programs do not (such plans simulate other systems' runs); re-plan "
+            "with `planner plan` for a program"
+        )
     numbers = {"batch_size": plan.batch_size, "summary.parameter_bytes": plan.summary.parameter_bytes}
     if plan.pipeline is not None:
         for key in ("stages", "micro_batches", "virtual_stages"):

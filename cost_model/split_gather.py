@@ -44,8 +44,8 @@ def add_split_gather(simulator, node: OpNode, strategy: NodeStrategy, cost) -> N
     """Charge ``cost`` (a ``NodeCost``) the gathers of a split that keeps its pieces split on
     the dim it cuts (module docstring), on every axis that does so."""
     dim = cut_dim(node)
-    if dim is None or not strategy.inputs or not strategy.outputs:
-        return
+    if dim is None or not strategy.inputs or not strategy.outputs or simulator.plan.fused_splits_local:
+        return  # (a plan whose fused weights are laid out per rank splits locally)
     meta = node.input_meta[0]
     for index, (axis, size) in enumerate(simulator.mesh.axes):
         held = strategy.inputs[0][index]

@@ -105,6 +105,12 @@ class Plan:
             ``total_s``): the only fields that differ between two runs of the same plan.
         label: the strategy family for names and reports (``"soap"`` for searched plans,
             ``"megatron"``); empty for data-parallel plans, named by their flavour.
+        fused_splits_local: the fused projections (q|k|v, gate|up) have their weights laid out
+            per rank, each rank's rows holding its part of every piece, so splitting their
+            output is local (Megatron-LM's layout). For simulating other systems' runs
+            (``benchmarks/fidelity.py``): compiled programs hold the weights as the model
+            built them and gather at the split (``cost_model.split_gather``), so
+            ``planner compile`` refuses such a plan.
         model_fingerprint: the structural fingerprint of the planned model and its example
             batch (``planner.fingerprint``); taken from ``graph`` when left empty.
             ``compile``, ``simulate`` and ``launch.py`` compare it with what the spec builds.
@@ -133,6 +139,7 @@ class Plan:
     search_summary: str = ""
     label: str = ""
     timings: Mapping[str, float] = field(default_factory=dict)
+    fused_splits_local: bool = False
     model_fingerprint: str = ""
     graph: OpGraph | None = field(default=None, compare=False, repr=False)
 
@@ -145,6 +152,8 @@ class Plan:
             raise ValueError(f"field 'recompute' must be one of {RECOMPUTE_MODES}, got '{one_line(self.recompute)}'")
         if self.precision not in PLAN_PRECISIONS:
             raise ValueError(f"field 'precision' must be one of {PLAN_PRECISIONS}, got '{one_line(self.precision)}'")
+        if not isinstance(self.fused_splits_local, bool):
+            raise ValueError(f"field 'fused_splits_local' must be true or false, got {one_line(str(self.fused_splits_local))!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"field 'optimizer' must be one of {OPTIMIZERS}, got '{one_line(self.optimizer)}'")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -270,6 +279,7 @@ class Plan:
             "search_summary": self.search_summary,
             "label": self.label,
             "timings": dict(self.timings),
+            "fused_splits_local": self.fused_splits_local,
             "model_fingerprint": self.model_fingerprint,
             "strategies": [_strategy_to_dict(s) for s in self.strategies],
         }
@@ -338,6 +348,8 @@ class Plan:
                 search_summary=reader.get("search_summary", str),
                 label=reader.get("label", str),
                 timings=_timings_from(reader),
+                # Absent from plans written before the field: their programs gather at splits.
+                fused_splits_local=reader.get("fused_splits_local", bool) if "fused_splits_local" in data else False,
                 model_fingerprint=fingerprint,
             )
         except ValueError as error:

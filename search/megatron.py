@@ -43,6 +43,7 @@ def megatron_plan(
     gradient_accumulation: str = "in-gemm",
     overlap_grad_reduce: bool = True,
     block_overhead_s: float = 0.0,
+    fused_splits_local: bool = False,
 ) -> Plan:
     """A simulated Megatron-LM plan (see the module docstring).
 
@@ -66,6 +67,9 @@ def megatron_plan(
             backward (``PipelineConfig.overlap_grad_reduce``).
         block_overhead_s: the engine's fixed seconds per layer per micro-batch beyond its
             kernels (``PipelineConfig.block_overhead_s``); pipelines only.
+        fused_splits_local: the fused q|k|v and gate|up weights laid out per rank, as
+            Megatron-LM lays them out (``Plan.fused_splits_local``): for simulating Megatron-LM's
+            own runs; compiled programs gather at those splits instead.
         layers_per_stage: blocks on each (virtual) stage in order, e.g. ``(3, 4, 4, 3)``
             (``search.layouts.uneven_stages``); the default splits them evenly.
 
@@ -114,7 +118,7 @@ def megatron_plan(
     plan = unsimulated_plan(
         graph, cluster, spec, model_name, mesh, strategies, inputs,
         dp_flavour=dp_flavour, recompute=recompute, pipeline=pipeline, precision=precision,
-        warnings=tuple(warnings), label="megatron",
+        warnings=tuple(warnings), label="megatron", fused_splits_local=fused_splits_local,
     )
     return simulated(plan, graph)
 

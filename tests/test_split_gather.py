@@ -5,6 +5,7 @@ The program's bytes are counted by ``tests/test_comm_audit.py`` (GPT, Megatron's
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,11 @@ from torch.distributed.tensor import Shard
 
 from cost_model.collectives import collective_time
 from cost_model.simulator import Simulator
+import planner
 from planner.api import prepare_model
+from planner.errors import PlanFileError
 from planner.model_spec import ModelSpec
+from planner.plans import load_plan
 from search.megatron import megatron_plan
 
 GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
@@ -43,3 +47,29 @@ def test_fused_projection_split_gathers_its_input_and_its_pieces_gradients(dp: i
         piece = collective_time("all_gather", 65536 / dp, simulator.cluster, ranks, concurrent)
         assert cost.forward_comm_s == pytest.approx(gather + overhead)
         assert cost.backward_comm_s == pytest.approx(3 * (piece + overhead))
+
+
+def test_a_plan_with_fused_weights_laid_out_per_rank_splits_locally(tmp_path) -> None:
+    """Megatron-LM lays the fused weight out per rank, so the split sends nothing: a plan that
+    says so (``fused_splits_local``, for simulating Megatron-LM's own runs) is charged no
+    bytes there and one fewer forward and three fewer backward collectives per block; it
+    round-trips through the plan file, and compiling it is refused in one line."""
+    graph, spec, name, cluster = prepare_model(ModelSpec(GPT, {"batch_size": 8, "n_layer": 2}), "cpu:1x2")
+    gathering = megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32")
+    local = megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32", fused_splits_local=True)
+    assert local.fused_splits_local and not gathering.fused_splits_local
+    assert local.estimate.bytes_per_axis["tp"] == pytest.approx(gathering.estimate.bytes_per_axis["tp"] - 2 * 196608)
+    simulator = Simulator(local, graph)
+    for split in (node for node in graph.nodes if node.op == "aten.split.Tensor"):
+        cost = simulator.costs[split.name]
+        assert not cost.axis_bytes and cost.forward_comm_s == cost.backward_comm_s == 0.0
+    local.save(tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json").fused_splits_local
+    with pytest.raises(PlanFileError, match="plan field 'fused_splits_local' is true") as refused:
+        planner.compile(local, tmp_path / "out")
+    assert "\n" not in str(refused.value)
+    # A plan file written before the field existed gathers, as its program does.
+    data = json.loads((tmp_path / "plan.json").read_text())
+    del data["fused_splits_local"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert not load_plan(tmp_path / "old.json").fused_splits_local
