@@ -264,9 +264,11 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
     layer in one fixed way (data parallel; expert-sliced; expert parallel, round-robin, flat
     all-to-all), which compete with it and explain it. The dense part is tried with each
     of ``DENSE_FLAVOURS`` (the fixed plans take the winner's); when no plan fits, the search
-    runs again with every repeated block recomputed in backward; when still none fits, both
-    again with the layouts that shard each expert over its copies among the candidates (so a
-    model whose plans fit without them is planned as before, at the same cost).
+    runs again with every repeated block recomputed in backward. When the best plan found
+    does not fit, or with some dense flavour the layers' fastest layouts together did not fit
+    (memory chose for them), all of this runs again with the layouts that shard each expert
+    over its copies among the candidates, and the better of the two searches wins (so a model
+    whose fastest layouts fit with every flavour is planned as before, at the same cost).
 
     Raises:
         PlanningError: the model has no MoE layer, or the batch does not split over the devices.
@@ -281,6 +283,7 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
         scored = choose_layouts(graph, cluster, routing, precision, sharded_copies)
         if sharded_copies and not any(o.layout.sharded_copies for options in scored.values() for o in options):
             break  # no layer's experts form a grid over the devices
+        found_best, memory_bound = None, False
         # Blocks recomputed in backward only when nothing fits holding their activations.
         for recompute in ("none", "full") if graph.blocks else ("none",):
             for flavour in flavours:
@@ -289,20 +292,24 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
                     fsdp_units=fsdp_units(graph) if flavour in FSDP_UNIT_FLAVOURS else (),
                 )
                 found = _search_with(graph, cluster, spec, model_name, scored, warnings, precision, dense)
-                if best is None or _rank(found[0]) < _rank(best[0]):
-                    best = found + (scored,)
-            if best[0].estimate.fits:
+                memory_bound = memory_bound or found[2]
+                if found_best is None or _rank(found[0]) < _rank(found_best[0]):
+                    found_best = (*found, scored)
+            if found_best[0].estimate.fits:
                 break
-        if best[0].estimate.fits:
+        if best is None or _rank(found_best[0]) < _rank(best[0]):
+            best = found_best
+        if found_best[0].estimate.fits and not memory_bound:
             break
-    plan, build, scored = best
+    plan, build, _, scored = best
     fixed = [build(picks) for picks in _fixed_modes(scored)]
     return plan, [other for other in fixed if other.expert_layouts != plan.expert_layouts]
 
 
 def _search_with(graph, cluster, spec, model_name, scored, warnings, precision, base: Plan):
     """The best plan over ``scored``'s layouts with ``base``'s dense part and recomputation
-    (see the module docstring), and the function that builds a plan from a choice."""
+    (see the module docstring), the function that builds a plan from a choice, and whether
+    memory bound the choice (the layers' fastest layouts together did not fit)."""
     choice = {module: 0 for module in scored}
 
     def build(picks: Mapping[str, int]) -> Plan:
@@ -310,13 +317,14 @@ def _search_with(graph, cluster, spec, model_name, scored, warnings, precision, 
                         warnings, precision, base)
 
     plan = build(choice)
+    memory_bound = not plan.estimate.fits
     while not plan.estimate.fits:
         overflow = plan.estimate.memory.total - plan.estimate.device_memory_bytes
         moved = _shrink(scored, choice, overflow)
         if not moved:
             break  # nothing smaller left: the caller sees a plan that does not fit
         plan = build(choice)
-    return _refine(scored, choice, build, plan), build
+    return _refine(scored, choice, build, plan), build, memory_bound
 
 
 def _refine(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], build, plan: Plan) -> Plan:
