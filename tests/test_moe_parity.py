@@ -13,12 +13,17 @@ two-level all-to-all on a cluster of two nodes; and with every block recomputed 
 Tiny HuggingFace Mixtral and Qwen2-MoE (their router and shared experts kept, only the
 stacked SwiGLU experts replaced, ``codegen.runtime.expert_dispatch``): expert parallel
 round-robin and with a copied expert (DDP, and FSDP2 around the rest), and replicated.
+Experts on a grid of 2 copies each, sharded over their copies (expert data parallelism,
+``codegen.runtime.expert_copies``): routed experts 2 per rank and 1 per rank (shards of
+their width), under DDP, FSDP2 (also with blocks recomputed) and ZeRO-2 in bf16; HF Mixtral
+under DDP and Qwen2-MoE under FSDP2.
 Each world size checks all its programs in ONE torchrun launch (``tests/dist_check_many.py``).
 Negative controls must fail, naming an expert weight: expert-parallel and expert-sliced
 layers whose gradients are not divided by the group size (nor copies summed), a
 data-parallel layer whose replicated experts are kept out of DDP, and a ZeRO-1 optimizer
 that splits the states of each rank's own experts as if they were replicated, and a
-HuggingFace expert-parallel program whose expert gradients stay sums over the ranks.
+HuggingFace expert-parallel program whose expert gradients stay sums over the ranks, and a
+program whose experts FSDP2 shards over their copies with its default averaging.
 
 Then the CLI path as a user types it, at world 4: ``planner compile p.json -o out`` of a
 hand-built expert-parallel plan saved to JSON, ``torchrun out/launch.py --check``; and at
@@ -88,6 +93,8 @@ SHARDED_CASES = [
     ("fsdp_ep_sharded_copies_one_expert_each_drops", 2, 0.5, "fp32", "fsdp"),
     ("zero2_ep_sharded_copies_bf16", 4, 0.0, "bf16", "zero2"),
 ]
+# Sharded copies inside blocks recomputed in backward (FSDP2 gathers the experts again there).
+SHARDED_RECOMPUTED = "fsdp_ep_sharded_copies_recompute_full"
 # (name, model type, dp flavour of the rest): HuggingFace experts sharded over 2 copies.
 HF_SHARDED_CASES = [
     ("hf_mixtral_ep_sharded_copies", "mixtral", "ddp"),
@@ -209,6 +216,9 @@ def world_run(request, tmp_path_factory) -> WorldRun:
     for name, experts, capacity, precision, flavour in SHARDED_CASES:
         plan = moe_plan(world, "expert_parallel", "grid", capacity, precision, experts, flavour, sharded_copies=True)
         folders[name] = planner.compile(plan, root / name)
+    recomputed_sharded = moe_plan(world, "expert_parallel", "grid", 0.5, flavour="fsdp", recompute="full",
+                                  sharded_copies=True)
+    folders[SHARDED_RECOMPUTED] = planner.compile(recomputed_sharded, root / SHARDED_RECOMPUTED)
     for name, model_type, flavour in HF_SHARDED_CASES:
         plan = hf_moe_plan(world, model_type, "expert_parallel", "grid", flavour, sharded_copies=True)
         folders[name] = planner.compile(plan, root / name)
@@ -229,7 +239,7 @@ def world_run(request, tmp_path_factory) -> WorldRun:
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES] + [c[0] for c in HF_CASES] + [c[0] for c in SHARDED_CASES]
-                         + [c[0] for c in HF_SHARDED_CASES] + [TWO_LEVEL, RECOMPUTED])
+                         + [c[0] for c in HF_SHARDED_CASES] + [SHARDED_RECOMPUTED, TWO_LEVEL, RECOMPUTED])
 def test_compiled_moe_step_equals_one_device(world_run: WorldRun, case: str) -> None:
     result = result_of(world_run.launch, world_run.folders[case])
     assert result.startswith("ok parity ok: "), f"{case} at world {world_run.world}: {result}"

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from codegen.runtime.materialize import set_derived_parameter
@@ -391,8 +392,6 @@ class GeluExperts(torch.nn.Module):
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` whole on this rank: a DTensor (an expert weight or gradient sharded over
     its copies) gathered over its mesh, a plain tensor as it is. A collective for a DTensor."""
-    from torch.distributed.tensor import DTensor
-
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
