@@ -15,8 +15,8 @@ stacked SwiGLU experts replaced, ``codegen.runtime.expert_dispatch``): expert pa
 round-robin and with a copied expert (DDP, and FSDP2 around the rest), and replicated.
 Experts on a grid of 2 copies each, sharded over their copies (expert data parallelism,
 ``codegen.runtime.expert_copies``): routed experts 2 per rank and 1 per rank (shards of
-their width), under DDP, FSDP2 (also with blocks recomputed) and ZeRO-2 in bf16; HF Mixtral
-under DDP and Qwen2-MoE under FSDP2.
+their width), under DDP (also with the two-level all-to-all on two nodes), FSDP2 (also with
+blocks recomputed) and ZeRO-2 in bf16; HF Mixtral under DDP and Qwen2-MoE under FSDP2.
 Each world size checks all its programs in ONE torchrun launch (``tests/dist_check_many.py``).
 Negative controls must fail, naming an expert weight: expert-parallel and expert-sliced
 layers whose gradients are not divided by the group size (nor copies summed), a
@@ -95,6 +95,8 @@ SHARDED_CASES = [
 ]
 # Sharded copies inside blocks recomputed in backward (FSDP2 gathers the experts again there).
 SHARDED_RECOMPUTED = "fsdp_ep_sharded_copies_recompute_full"
+# Sharded copies with the two-level all-to-all on two nodes.
+SHARDED_TWO_LEVEL = "ep_sharded_copies_two_level_two_nodes"
 # (name, model type, dp flavour of the rest): HuggingFace experts sharded over 2 copies.
 HF_SHARDED_CASES = [
     ("hf_mixtral_ep_sharded_copies", "mixtral", "ddp"),
@@ -219,6 +221,9 @@ def world_run(request, tmp_path_factory) -> WorldRun:
     recomputed_sharded = moe_plan(world, "expert_parallel", "grid", 0.5, flavour="fsdp", recompute="full",
                                   sharded_copies=True)
     folders[SHARDED_RECOMPUTED] = planner.compile(recomputed_sharded, root / SHARDED_RECOMPUTED)
+    two_level_sharded = moe_plan(world, "expert_parallel", "grid", 0.5, nodes=2, all_to_all="hierarchical",
+                                 sharded_copies=True)
+    folders[SHARDED_TWO_LEVEL] = planner.compile(two_level_sharded, root / SHARDED_TWO_LEVEL)
     for name, model_type, flavour in HF_SHARDED_CASES:
         plan = hf_moe_plan(world, model_type, "expert_parallel", "grid", flavour, sharded_copies=True)
         folders[name] = planner.compile(plan, root / name)
@@ -239,7 +244,8 @@ def world_run(request, tmp_path_factory) -> WorldRun:
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES] + [c[0] for c in HF_CASES] + [c[0] for c in SHARDED_CASES]
-                         + [c[0] for c in HF_SHARDED_CASES] + [SHARDED_RECOMPUTED, TWO_LEVEL, RECOMPUTED])
+                         + [c[0] for c in HF_SHARDED_CASES] + [SHARDED_RECOMPUTED, SHARDED_TWO_LEVEL, TWO_LEVEL,
+                                                               RECOMPUTED])
 def test_compiled_moe_step_equals_one_device(world_run: WorldRun, case: str) -> None:
     result = result_of(world_run.launch, world_run.folders[case])
     assert result.startswith("ok parity ok: "), f"{case} at world {world_run.world}: {result}"
