@@ -5,7 +5,8 @@ bytes its plan's simulator charged (``SimResult.bytes_per_axis``).
     python benchmarks/comm_audit.py --worlds 2
 
 Compiles the plans of ``tests/comm_audit_plans.py`` (DDP, ZeRO-1/2, FSDP2, Megatron tp=2, a
-graph program of random placements, a 1F1B pipeline, an expert-parallel MoE) into a temporary
+graph program of random placements, a 1F1B pipeline, an expert-parallel MoE, at world 4 one
+with its experts sharded over their copies) into a temporary
 folder, runs ``tests/comm_audit_many.py`` under torchrun once per world size (gloo on CPU) and
 prints one row per plan and axis: predicted bytes, counted bytes (the busiest rank), ratio;
 then, per axis, the collectives the busiest rank issued. ``tests/test_comm_audit.py`` checks

@@ -65,7 +65,15 @@ from cost_model.step_memory import _PARAM_BYTES, StepMemory, bytes_per_parameter
 from cost_model.step_tasks import StepTaskGraph
 from planner.graph import OpGraph, OpNode
 from planner.plans import is_data_parallel
-from planner.strategy import RECOMPUTE_MODES, CostParts, ExpertLayout, NodeStrategy, SimResult, TimelineEvent
+from planner.strategy import (
+    EXPERT_COPIES_AXIS,
+    RECOMPUTE_MODES,
+    CostParts,
+    ExpertLayout,
+    NodeStrategy,
+    SimResult,
+    TimelineEvent,
+)
 
 __all__ = ["NodeCost", "Segment", "SegmentProfile", "Simulator", "bytes_per_parameter", "simulate_plan",
            "simulated", "_PARAM_BYTES"]
@@ -414,9 +422,10 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
                 cost.axis_sync_s = layer.copy_reduce_s  # sharded copies' reduce-scatter, overlapped
                 cost.saved_bytes = layer.activation_bytes
                 routing = routing_sync_bytes(layer.block, self.mesh.axis_size(layer.layout.axis))  # the routing all-gather
-                sent = moe.sent_bytes + routing + layer.copy_sent_bytes / self.micro_batches
-                if sent:
-                    cost.axis_bytes[layer.layout.axis] = sent
+                if moe.sent_bytes or routing:
+                    cost.axis_bytes[layer.layout.axis] = moe.sent_bytes + routing
+                if layer.copy_sent_bytes:  # over the copy groups, sub-groups of the layout's axis
+                    cost.axis_bytes[EXPERT_COPIES_AXIS] = layer.copy_sent_bytes / self.micro_batches
             return cost
         split = self.mesh.axis_size(layer.layout.axis) * self.micro_batches
         cost.forward_s, cost.backward_s = op_times(node, 1.0 / split, self.device, self.plan.precision)

@@ -212,6 +212,9 @@ class ExpertPlacement:
 
 
 EXPERT_MODES = ("expert_parallel", "data_parallel", "expert_sliced")
+# The key of ``SimResult.bytes_per_axis`` for the collectives over the groups of ranks holding
+# the same experts (``ExpertLayout.sharded_copies``): sub-groups of "dp", not a mesh axis.
+EXPERT_COPIES_AXIS = "expert-copies"
 ALL_TO_ALL_ALGORITHMS = ("flat", "hierarchical")
 
 

@@ -208,8 +208,10 @@ def test_sharded_copies_hold_a_share_of_their_experts_and_gather_and_reduce_scat
     # less the shrinking DDP bucket (the whole gradient of a model this small).
     assert estimate.memory.communication_buffers - whole_estimate.memory.communication_buffers == pytest.approx(
         2 * 131_072 - fewer * 4, abs=2)
-    # Per layer a device sends half of 131,072 B three times (two gathers, one reduce-scatter).
-    assert estimate.bytes_per_axis["dp"] - whole_estimate.bytes_per_axis["dp"] == pytest.approx(2 * 3 * 65_536)
+    # Per layer a device sends half of 131,072 B three times (two gathers, one reduce-scatter),
+    # over its copy pair (counted apart from dp, whose bytes do not change).
+    assert estimate.bytes_per_axis["expert-copies"] == pytest.approx(2 * 3 * 65_536)
+    assert estimate.bytes_per_axis["dp"] == pytest.approx(whole_estimate.bytes_per_axis["dp"])
     # Each layer's experts are gathered on the collective stream once per pass, the second
     # layer's while the segment before it computes (prefetched; the segments in forward order
     # are: before blocks, blocks.0, after blocks, blocks.1), and reduce-scattered there in backward.

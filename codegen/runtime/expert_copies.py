@@ -28,7 +28,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["copy_mesh", "shard_over_copies", "shard_dim", "plain_and_sharded_groups"]
+__all__ = ["copy_group_names", "copy_mesh", "shard_over_copies", "shard_dim", "plain_and_sharded_groups"]
+
+# The process groups copy_mesh made in this process (their names), for the comm audit.
+_COPY_GROUP_NAMES: list[str] = []
 
 
 def copy_mesh(dp_mesh: DeviceMesh, copy_groups) -> DeviceMesh:
@@ -41,7 +44,14 @@ def copy_mesh(dp_mesh: DeviceMesh, copy_groups) -> DeviceMesh:
         raise ValueError(f"copy groups {copy_groups!r} must split the {dp_mesh.size()} ranks of the mesh into equal groups")
     ranks = dp_mesh.mesh.flatten()[groups]  # global ranks, one row per group
     grid = DeviceMesh(dp_mesh.device_type, ranks, mesh_dim_names=("expert_groups", "copies"))
+    _COPY_GROUP_NAMES.append(grid.get_group("copies").group_name)
     return grid["copies"]
+
+
+def copy_group_names() -> tuple[str, ...]:
+    """Names of the process groups ``copy_mesh`` made in this process (this rank's copy
+    group of each mesh): what ``codegen.runtime.comm_audit`` counts as the expert copies."""
+    return tuple(_COPY_GROUP_NAMES)
 
 
 def shard_dim(shape: torch.Size, copies: int) -> int:
