@@ -6,7 +6,8 @@ bytes its plan's simulator charged (``SimResult.bytes_per_axis``).
     python benchmarks/comm_audit.py --sites    # and the line of model_spmd.py behind each collective
 
 Compiles the plans of ``tests/comm_audit_plans.py`` (DDP, ZeRO-1/2, FSDP2, Megatron tp=2, a
-graph program of random placements, a 1F1B pipeline, an expert-parallel MoE) into a temporary
+graph program of random placements, a 1F1B pipeline, an expert-parallel MoE, at world 4 one
+with its experts sharded over their copies) into a temporary
 folder, runs ``tests/comm_audit_many.py`` under torchrun once per world size (gloo on CPU) and
 prints one row per plan and axis: predicted bytes, counted bytes (the busiest rank), ratio;
 then, per axis, the collectives the busiest rank issued; with ``--sites``, for each plan whose

@@ -13,6 +13,11 @@ layer's own weights:
 - ``expert_sliced``: ``codegen.runtime.moe_modes.ExpertSlicedMoE``, each expert's hidden
   width sliced over "dp", tokens gathered and partial outputs reduce-scattered back.
 
+An expert-parallel layout with ``sharded_copies`` (a grid placement: groups of ranks holding
+the same experts) also shards each rank's experts over the ranks of its group with FSDP2
+(``codegen.runtime.expert_copies``): gathered for forward and backward, gradients
+reduce-scattered (summed over the copies), states for the shard only.
+
 Every mode routes in the global order of the whole batch (one all-gather of per-expert
 counts), so capacity, drops and the balance loss are one device's. The rest of the model
 (and the router, and the experts of data-parallel layers) is data parallel by the plan's
@@ -91,6 +96,11 @@ def _check_supported(plan: Plan) -> None:
             f"compiled MoE programs wrap the dense part in DDP or FSDP2; dp flavour {plan.dp_flavour!r} is not written "
             f"for MoE layers yet; plan with --dp ddp, zero1, zero2 or fsdp"
         )
+    if plan.dp_flavour == "zero1" and any(layout.sharded_copies for layout in plan.expert_layouts):
+        raise PlanningError(
+            "a ZeRO-1 MoE program steps each rank's experts whole; experts sharded over their copies are written for "
+            "DDP, ZeRO-2 and FSDP around them; plan with --dp ddp, zero2 or fsdp"
+        )
     if plan.accumulation_steps != 1:
         raise PlanningError(
             "an MoE plan cannot accumulate gradients over micro-batches: each expert's capacity is set by the whole "
@@ -148,6 +158,9 @@ def _imports(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> s
         lines.append("from codegen.runtime.moe import ExpertParallelMoE")
     if _ranks_per_node(plan, layouts):
         lines.append("from codegen.runtime.moe_exchange import TwoLevelExchange")
+    if _copy_groups(layouts):
+        names = "copy_mesh, plain_and_sharded_groups, shard_over_copies" if _uses_ddp(plan) else "copy_mesh, shard_over_copies"
+        lines.append(f"from codegen.runtime.expert_copies import {names}")
     others = [_RUNTIME_CLASSES[mode] for mode in ("data_parallel", "expert_sliced") if mode in routed]
     if others:
         lines.append(f"from codegen.runtime.moe_modes import {', '.join(others)}")
@@ -190,6 +203,12 @@ def _constants(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) ->
             text += comment(f"  rank {device}: experts {', '.join(map(str, held)) or 'none'}") + "\n"
         replicas = tuple(tuple((int(d), float(s)) for d, s in copies) for copies in placement.replicas)
         text += f"EXPERT_PLACEMENT_{index} = {literal(replicas)}\n"
+    for position, (groups, indices) in enumerate(_copy_groups(layouts).items()):
+        text += "\n" + comment(
+            f"Ranks of \"dp\" holding the same experts (layers {', '.join(layouts[i][2].module for i in indices)}): "
+            f"each expert's weights, gradients and optimizer states are sharded over its {len(groups[0])} copies."
+        ) + "\n"
+        text += f"EXPERT_COPY_GROUPS_{position} = {literal(groups)}\n"
     return text + "\n\n"
 
 
@@ -216,10 +235,18 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
             "    # messages than one flat all-to-all). Its node and cross-node groups are made once, here.",
             f"    two_level = TwoLevelExchange(group, ranks_per_node={per_node})",
         ]
+    copy_meshes = {}
+    for position, (groups, indices) in enumerate(_copy_groups(layouts).items()):
+        lines += [
+            f"    # This rank's group of {len(groups[0])} ranks holding the same experts: a (groups x copies) mesh over",
+            "    # \"dp\", built once (every rank makes every group's process group).",
+            f"    copies_mesh_{position} = copy_mesh(dp_mesh, EXPERT_COPY_GROUPS_{position})",
+        ]
+        copy_meshes.update({index: f"copies_mesh_{position}" for index in indices})
     ignored = []
     for index, layout, block in layouts:
         if block.runtime == HF_STACKED_EXPERTS:
-            layer_lines, rank_local = _stacked_experts_lines(index, layout, block, dp)
+            layer_lines, rank_local = _stacked_experts_lines(index, layout, block, dp, copy_meshes.get(index))
             lines += layer_lines
             ignored += rank_local
             continue
@@ -234,16 +261,21 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
         if layout.mode == "expert_parallel":
             arguments.append(f"EXPERT_PLACEMENT_{index}")
         arguments += [f"top_k={block.top_k!r}", f"capacity_factor={block.capacity_factor!r}", "group=group"]
+        owner = f"{path}.sharded_experts" if layout.sharded_copies else path  # where the runtime layer keeps them
         if layout.mode != "data_parallel":
             arguments.append("rank_losses_averaged=True")
-            ignored += [f"{path}.w_in", f"{path}.w_out"]
+            ignored += [f"{owner}.w_in", f"{owner}.w_out"]
         arguments.append(f"names={names!r}")
         if layout.mode == "expert_parallel" and per_node and layout.all_to_all == "hierarchical":
             arguments.append("exchange=two_level")
+        if layout.sharded_copies:
+            arguments.append("sharded_copies=True")
         lines.append(f"    layer = model.get_submodule({path!r})")
         lines.append(f"    replace_layer(model, {path!r}, {_RUNTIME_CLASSES[layout.mode]}(")
         lines += [f"        {argument}," for argument in arguments]
         lines.append("    ))")
+        if layout.sharded_copies:
+            lines += _shard_copies_lines(owner, copy_meshes[index])
     lines.append("")
     if plan.recompute == "full":
         lines += [
@@ -261,6 +293,8 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
     text = "\n".join(lines) + "\n"
     if plan.dp_flavour == "zero1":
         text += _zero1_optimizer(dp)
+    elif _uses_ddp(plan) and _copy_groups(layouts):
+        text += _split_groups_optimizer()
     return text
 
 
@@ -286,7 +320,20 @@ def make_optimizer(module: torch.nn.Module, mesh: DeviceMesh, optimizer_class: t
 '''
 
 
-def _stacked_experts_lines(index: int, layout: ExpertLayout, block: MoEBlock, dp: int) -> tuple[list[str], list[str]]:
+def _split_groups_optimizer() -> str:
+    """``make_optimizer`` of a DDP program whose experts are sharded over their copies."""
+    return '''
+
+def make_optimizer(module: torch.nn.Module, mesh: DeviceMesh, optimizer_class: type, **kwargs):
+    """optimizer_class(**kwargs) over module's parameters in two groups: DDP's replicated
+    weights (plain tensors) and the expert shards (DTensors), which a multi-tensor step
+    cannot take in one list."""
+    return optimizer_class(plain_and_sharded_groups(module.parameters()), **kwargs)
+'''
+
+
+def _stacked_experts_lines(index: int, layout: ExpertLayout, block: MoEBlock, dp: int,
+                           copies_mesh: str | None) -> tuple[list[str], list[str]]:
     """Lines of ``parallelize`` for a HuggingFace MoE block (its own router kept, only its
     stacked experts run by the layout), and the parameters that become rank-local."""
     path = block.module  # checked against the model: a module path, written with repr()
@@ -321,9 +368,32 @@ def _stacked_experts_lines(index: int, layout: ExpertLayout, block: MoEBlock, dp
         f"        EXPERT_PLACEMENT_{index},",
         f"        top_k={block.top_k!r},",
         "        group=group,",
-        "    ))",
     ]
+    lines += ["        sharded_copies=True,", "    ))"] if layout.sharded_copies else ["    ))"]
+    if layout.sharded_copies:
+        lines += _shard_copies_lines(target, copies_mesh)
     return lines, [f"{path}.{name}" for name in block.expert_weights]
+
+
+def _shard_copies_lines(owner: str, copies_mesh: str) -> list[str]:
+    """Lines sharding the module at ``owner`` (this rank's experts) over its copy group."""
+    return [
+        "    # Each of this rank's experts sharded over the ranks holding its copies (FSDP2 on the copy mesh):",
+        "    # all-gathered before the experts' forward and again before their backward, gradients",
+        "    # reduce-scattered there (summed over the copies), optimizer states for the shard only.",
+        f"    shard_over_copies(model.get_submodule({owner!r}), {copies_mesh})",
+    ]
+
+
+def _copy_groups(layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> dict[tuple, list[int]]:
+    """The distinct copy groups of the layouts with sharded copies (as ``literal``-ready
+    tuples of "dp" positions), each with the indices of the layouts using it, in order."""
+    found: dict[tuple, list[int]] = {}
+    for index, layout, _ in layouts:
+        if layout.sharded_copies:
+            groups = tuple(tuple(int(rank) for rank in group) for group in layout.placement.copy_groups)
+            found.setdefault(groups, []).append(index)
+    return found
 
 
 def _ranks_per_node(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> int:
@@ -422,7 +492,8 @@ def _layer_comment(index: int, layout: ExpertLayout, block: MoEBlock, dp: int, t
             "its copies by their shares). Each kept token choice travels to a rank holding its expert with one",
             f"all-to-all over \"dp\" (uneven splits; {_exchange_words(layout, two_level)}),",
             "the experts run as one batched matmul, and the outputs come back with a second all-to-all.",
-            "Copies of an expert have their gradients summed over their holders in backward.",
+            "Copies of an expert have their gradients summed over their holders in backward"
+            + (" (reduce-scattered: each copy keeps a shard of the expert)." if layout.sharded_copies else "."),
         ]
     elif layout.mode == "data_parallel":
         body = [

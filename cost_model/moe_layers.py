@@ -18,7 +18,16 @@ are not priced by their placements as other ops are. Instead:
   buffers (expert parallel: a send and a receive buffer; expert-sliced: the gathered tokens);
 - **gradients**: expert weights are all-reduced over ``dp`` with the other replicated
   weights only in ``data_parallel`` mode; the copies of expert-parallel experts have their
-  gradients summed (one all-reduce over the group of every copied expert, in backward).
+  gradients summed (one all-reduce over the group of every copied expert, in backward);
+- **sharded copies** (``ExpertLayout.sharded_copies``, expert data parallelism): each device
+  holds 1/r of its experts' weights, gradients and optimizer states (r copies per expert),
+  and, as FSDP2 runs a unit (``codegen.runtime.expert_copies``), all-gathers its experts'
+  weights over its copy group before the layer's forward and again before its backward
+  (on the collective stream, overlapped with the compute before it as FSDP's prefetch is:
+  ``NodeCost.weight_gather_s``) and reduce-scatters their gradients there after backward
+  (overlapped with the rest of backward, as the data-parallel reduction is:
+  ``NodeCost.axis_sync_s``), in place of the copies' all-reduce. The gathered weights of the
+  layer running and of the one prefetched are alive at once (communication buffers).
 
 The collectives are the compiled program's (``codegen/runtime/moe.py``, ``moe_modes.py``).
 
@@ -59,6 +68,10 @@ class LaidOutLayer:
     param_fraction: float
     gradients_synced: bool
     replica_sync_s: float  # summing the gradients of copied experts, per step
+    copy_gather_s: float  # sharded copies: one all-gather of the device's experts, per pass
+    copy_reduce_s: float  # sharded copies: the reduce-scatter of their gradients, per step
+    copy_sent_bytes: float  # bytes a device sends for those, per step (two gathers, one reduce-scatter)
+    gathered_bytes: float  # sharded copies: the device's experts' weights gathered whole
     routing_sync_s: float  # the routing's all-gather of counts, per micro-batch, in forward
     activation_bytes: float
     buffer_bytes: float
@@ -121,14 +134,51 @@ def replica_sync_time(block: MoEBlock, layout: ExpertLayout, cluster: Cluster, p
     """Seconds summing the gradients of the experts that have copies (expert parallel
     only), as the compiled program does (``codegen.runtime.moe``): one all-reduce over the
     whole group of every copied expert's gradient, each rank adding its copies (zeros for
-    the experts it does not hold)."""
-    if layout.placement is None:
+    the experts it does not hold). Sharded copies reduce-scatter instead (``copy_shard_costs``)."""
+    if layout.placement is None or layout.sharded_copies:
         return 0.0
     copied = sum(1 for copies in layout.placement.replicas if len(copies) > 1)
     if not copied:
         return 0.0
     gradients = copied * block.matmuls * block.hidden * block.ffn * element_bytes(precision)
     return collective_time("all_reduce", gradients, cluster, list(range(layout.placement.devices)))
+
+
+@dataclass(frozen=True)
+class CopyShardCosts:
+    """What sharding each expert over its r copies costs one device of a layer (seconds,
+    bytes): one all-gather of its experts' weights over its copy group, the reduce-scatter
+    of their gradients there, the bytes it sends for two gathers (forward and backward) and
+    one reduce-scatter, and the gathered weights' bytes."""
+
+    gather_s: float = 0.0
+    reduce_s: float = 0.0
+    sent_bytes: float = 0.0
+    gathered_bytes: float = 0.0
+
+
+def copy_shard_costs(block: MoEBlock, layout: ExpertLayout, cluster: Cluster, precision: str) -> CopyShardCosts:
+    """``CopyShardCosts`` of ``layout`` (zeros unless ``sharded_copies``). Every copy group
+    gathers at once, so the groups share the inter-node links (``concurrent_groups``); the
+    slowest group is charged. Weights and gradients move in the precision's element size."""
+    if not layout.sharded_copies:
+        return CopyShardCosts()
+    groups = layout.placement.copy_groups
+    copies = len(groups[0])
+    experts_held = layout.placement.most_experts_per_device
+    gathered = experts_held * block.matmuls * block.hidden * block.ffn * element_bytes(precision)
+    shapes = {tuple(group) for group in groups}
+    gather = max(collective_time("all_gather", gathered, cluster, list(g), concurrent_groups=len(groups)) for g in shapes)
+    reduce = max(collective_time("reduce_scatter", gathered, cluster, list(g), concurrent_groups=len(groups))
+                 for g in shapes)
+    # A ring all-gather or reduce-scatter sends (r - 1) / r of the whole tensor from each device.
+    sent = 3 * gathered * (copies - 1) / copies
+    return CopyShardCosts(gather, reduce, sent, gathered)
+
+
+def copies_sharded_over(layout: ExpertLayout) -> int:
+    """r, the copies each expert's weights are sharded over (``sharded_copies``), else 1."""
+    return len(layout.placement.copy_groups[0]) if layout.sharded_copies else 1
 
 
 def routing_sync_time(block: MoEBlock, cluster: Cluster) -> float:
@@ -148,13 +198,14 @@ def routing_sync_bytes(block: MoEBlock, world: int) -> float:
 
 def param_share(layout: ExpertLayout, world: int) -> tuple[float, bool]:
     """(share of each stacked expert weight a device holds, whether its gradient is
-    all-reduced over ``dp``) under ``layout``; expert parallel counts the fullest device."""
+    all-reduced over ``dp``) under ``layout``; expert parallel counts the fullest device
+    (with sharded copies, 1/r of each of its experts)."""
     if layout.mode == "data_parallel":
         return 1.0, True
     if layout.mode == "expert_sliced":
         return 1.0 / world, False
     placement = layout.placement
-    return placement.most_experts_per_device / layout.experts, False
+    return placement.most_experts_per_device / layout.experts / copies_sharded_over(layout), False
 
 
 def laid_out_layers(plan, graph: OpGraph, micro_batches: int) -> dict[str, LaidOutLayer]:
@@ -198,6 +249,7 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
     fraction, synced = param_share(layout, world)
     element = element_bytes(plan.precision)
     buffers = {"expert_parallel": 2 * cost.buffer_bytes, "expert_sliced": cost.buffer_bytes}.get(layout.mode, 0.0)
+    sharding = copy_shard_costs(block, layout, plan.cluster, plan.precision)
     return LaidOutLayer(
         block=block,
         layout=layout,
@@ -209,6 +261,10 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
         param_fraction=fraction,
         gradients_synced=synced,
         replica_sync_s=replica_sync_time(block, layout, plan.cluster, plan.precision),
+        copy_gather_s=sharding.gather_s,
+        copy_reduce_s=sharding.reduce_s,
+        copy_sent_bytes=sharding.sent_bytes,
+        gathered_bytes=sharding.gathered_bytes,
         routing_sync_s=routing_sync_time(block, plan.cluster),
         activation_bytes=expert_activation_bytes(moe_layer_of(block, 0), cost.busiest_copies, element),
         buffer_bytes=buffers,
@@ -217,15 +273,18 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
 
 def annotated_layouts(layouts, layers: dict[str, LaidOutLayer], micro_batches: int) -> tuple[ExpertLayout, ...]:
     """``layouts`` with each layer's simulated cost parts for one step (all micro-batches):
-    expert compute, its collectives (and copied experts' gradient sums), and the bytes of
-    expert weights and dispatch buffers on the fullest device, for the report."""
+    expert compute, its collectives (and copied experts' gradient sums, or with sharded
+    copies their gathers and reduce-scatter), and the bytes of expert weights (sharded copies:
+    1/r of them) and dispatch buffers (and gathered weights) on the fullest device, for the report."""
     annotated = []
     for layout in layouts:
         layer = layers[layout.module]
         cost = layer.cost
         annotated.append(dataclasses.replace(layout, cost=CostParts(
             compute_s=(cost.forward_compute_s + cost.backward_compute_s) * micro_batches,
-            communication_s=(cost.communication_s + layer.routing_sync_s) * micro_batches + layer.replica_sync_s,
-            memory_bytes=int(cost.weight_bytes + layer.buffer_bytes),
+            communication_s=((cost.communication_s + layer.routing_sync_s + 2 * layer.copy_gather_s) * micro_batches
+                             + layer.replica_sync_s + layer.copy_reduce_s),
+            memory_bytes=int(cost.weight_bytes / copies_sharded_over(layout) + layer.buffer_bytes
+                             + 2 * layer.gathered_bytes),
         )))
     return tuple(annotated)

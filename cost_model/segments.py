@@ -46,6 +46,7 @@ class Segment:
     dp_synced: set[str] = field(default_factory=set)
     axis_bytes: dict[str, float] = field(default_factory=dict)
     axis_sync_s: float = 0.0  # NodeCost.axis_sync_s of its nodes
+    weight_gather_s: float = 0.0  # NodeCost.weight_gather_s of its nodes, per pass
     # Weights each rank holds its own of (experts split by an MoE layout): kept out of the
     # dp flavour's sharding, gathering and gradient reduction.
     per_rank: set[str] = field(default_factory=set)
@@ -159,6 +160,7 @@ class SegmentBuilder:
             segment.host_backward_s += cost.host_backward_s
             segment.saved_bytes += cost.saved_bytes
             segment.axis_sync_s += cost.axis_sync_s
+            segment.weight_gather_s += cost.weight_gather_s
             for axis, sent in cost.axis_bytes.items():
                 segment.axis_bytes[axis] = segment.axis_bytes.get(axis, 0.0) + sent
             if sequence and node.output_meta and len(node.output_meta[0].shape) >= 2 and node.output_meta[0].shape[-2:] == (sequence, sequence):

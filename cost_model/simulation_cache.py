@@ -112,7 +112,7 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
         # MoE layers are priced by their layouts (their cost annotation aside).
         tuple(
             (layout.module, layout.mode, layout.capacity_factor, layout.axis, layout.all_to_all, layout.placement,
-             layout.expert_loads)
+             layout.expert_loads, layout.sharded_copies)
             for layout in getattr(plan, "expert_layouts", ())
         ),
     )

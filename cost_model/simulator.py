@@ -70,7 +70,15 @@ from cost_model.step_memory import _PARAM_BYTES, StepMemory, bytes_per_parameter
 from cost_model.step_tasks import StepTaskGraph
 from planner.graph import OpGraph, OpNode
 from planner.plans import is_data_parallel
-from planner.strategy import RECOMPUTE_MODES, CostParts, ExpertLayout, NodeStrategy, SimResult, TimelineEvent
+from planner.strategy import (
+    EXPERT_COPIES_AXIS,
+    RECOMPUTE_MODES,
+    CostParts,
+    ExpertLayout,
+    NodeStrategy,
+    SimResult,
+    TimelineEvent,
+)
 
 __all__ = ["NodeCost", "Segment", "SegmentProfile", "Simulator", "bytes_per_parameter", "simulate_plan",
            "simulated", "_PARAM_BYTES"]
@@ -97,6 +105,10 @@ class NodeCost:
     # Once per step, not per micro-batch: gradient all-reduces over non-dp axes (SUMMA
     # meshes, cost_model.summa_node), overlapped with the rest of the backward as dp's are.
     axis_sync_s: float = 0.0
+    # Per pass (forward, and again backward), on the collective stream before the op's
+    # segment runs, prefetched as FSDP's gathers are: an MoE layer's experts all-gathered
+    # over their copies (``ExpertLayout.sharded_copies``).
+    weight_gather_s: float = 0.0
     # Transient bytes the op holds while it runs beyond its inputs and outputs (a SUMMA
     # matmul's received or gathered blocks and partial sums).
     buffer_bytes: float = 0.0
@@ -411,10 +423,14 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
                 cost.forward_s, cost.backward_s = moe.forward_compute_s, moe.backward_compute_s
                 cost.forward_comm_s = moe.forward_comm_s + layer.routing_sync_s
                 cost.backward_comm_s = moe.backward_comm_s + layer.replica_sync_s / self.micro_batches
+                cost.weight_gather_s = layer.copy_gather_s
+                cost.axis_sync_s = layer.copy_reduce_s  # sharded copies' reduce-scatter, overlapped
                 cost.saved_bytes = layer.activation_bytes
                 routing = routing_sync_bytes(layer.block, self.mesh.axis_size(layer.layout.axis))  # the routing all-gather
                 if moe.sent_bytes or routing:
                     cost.axis_bytes[layer.layout.axis] = moe.sent_bytes + routing
+                if layer.copy_sent_bytes:  # over the copy groups, sub-groups of the layout's axis
+                    cost.axis_bytes[EXPERT_COPIES_AXIS] = layer.copy_sent_bytes / self.micro_batches
             return cost
         split = self.mesh.axis_size(layer.layout.axis) * self.micro_batches
         cost.forward_s, cost.backward_s = op_times(node, 1.0 / split, self.device, self.plan.precision)

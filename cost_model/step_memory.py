@@ -67,8 +67,9 @@ class StepMemory:
             comm = 0.0
         if self.pp > 1:
             comm += 2 * max((s.input_bytes for s in segments), default=0.0)
-        # One MoE layer dispatches at a time: the largest of their buffers.
-        comm += max((layer.buffer_bytes for layer in self.moe_layers.values()), default=0.0)
+        # One MoE layer dispatches at a time: the largest of their buffers, with (sharded
+        # copies) its experts' gathered weights and those of the layer prefetched.
+        comm += max((layer.buffer_bytes + 2 * layer.gathered_bytes for layer in self.moe_layers.values()), default=0.0)
         # One op runs at a time: the largest transient buffer of one (a SUMMA matmul's blocks).
         comm += max((self.costs[name].buffer_bytes for segment in segments for name in segment.nodes), default=0.0)
         return MemoryBreakdown(

@@ -253,14 +253,18 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
 
     def _forward(self, graph: TaskGraph, device: str, segments: list[Segment], mb: int, deps: list[int], fsdp: bool) -> int:
         last = None
+        ends: list[int] = []  # each segment's last task
         for position, segment in enumerate(segments):
             segment_deps = list(deps) if last is None else [last]
             if fsdp:
                 prefetch_after = [] if position < 2 else [last]
                 segment_deps.append(self._fsdp_gather(graph, device, segment, prefetch_after, f"all-gather {segment.name}"))
+            if segment.weight_gather_s:
+                segment_deps.append(self._expert_gather(graph, device, segment, ends, deps, f"F{mb}"))
             forward_s = segment.forward_s + self._block_overhead(segment)[0]
             compute = graph.add(f"F{mb} {segment.name}", (device, "compute"), forward_s, deps=segment_deps)
             last = graph.add(f"F{mb} {segment.name} tp-comm", (device, "compute"), segment.forward_comm_s, deps=[compute], kind="tp_comm") if segment.forward_comm_s else compute
+            ends.append(last)
         return last if last is not None else graph.add(f"F{mb} (empty)", (device, "compute"), 0.0, deps=deps)
 
     def _backward(self, graph, device, segments, mb, deps, recompute, fsdp, split, sync_after, sync,
@@ -273,11 +277,15 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
         if not split:  # one task for the whole chunk: nothing needs per-segment timing
             duration = sum(backward_time(s, recompute) + self._block_overhead(s)[1] for s in segments)
             comm = sum(backward_comm(s, recompute) for s in segments)
+            comm += sum(s.weight_gather_s for s in segments)  # sharded expert copies' gathers, not overlapped here
             compute = graph.add(f"B{mb}", (device, "compute"), duration, deps=deps)
             return graph.add(f"B{mb} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
         bucket = GradientBuckets()
+        ends: list[int] = []  # each segment's last task, in backward order
         for position, segment in enumerate(reversed(segments)):
             segment_deps = list(deps) if last is None else [last]
+            if segment.weight_gather_s:
+                segment_deps.append(self._expert_gather(graph, device, segment, ends, deps, f"B{mb}"))
             # FSDP gathers again for backward only what it freed after forward (fsdp_regathered_elements).
             regathered = self.fsdp_regathered_elements(segment)
             if fsdp and regathered > 0:
@@ -287,6 +295,7 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
             compute = graph.add(f"B{mb} {segment.name}", (device, "compute"), duration, deps=segment_deps)
             comm = backward_comm(segment, recompute)
             last = graph.add(f"B{mb} {segment.name} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
+            ends.append(last)
             if segment.axis_sync_s and sync and mb == self.micro_batches - 1:
                 sync_after.setdefault(device, []).append(graph.add(
                     f"all-reduce grads off dp ({segment.name})", (device, "collective"), segment.axis_sync_s, deps=[last], kind="comm"))
@@ -325,6 +334,16 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
         elements = segment.shardable_elements() if elements is None else elements
         size = elements * _PARAM_BYTES[self.plan.precision][0]
         return graph.add(name, (device, "collective"), self._collective("all_gather", size, "dp"), deps=deps, kind="comm")
+
+    def _expert_gather(self, graph, device, segment, ends: list[int], start: list[int], label: str) -> int:
+        """The all-gather of the sharded expert copies a segment's MoE layers run
+        (``Segment.weight_gather_s``), issued when the segment two before it in this pass has
+        finished (``ends``, the earlier segments' last tasks; for the first two, when the pass
+        may start: ``start``), so it overlaps the previous segment's compute: FSDP2 holds the
+        unit running and the one it prefetches."""
+        prefetch_after = [ends[-2]] if len(ends) >= 2 else list(start)
+        return graph.add(f"{label} all-gather experts {segment.name}", (device, "collective"), segment.weight_gather_s,
+                         deps=prefetch_after, kind="comm")
 
     def _gradient_sync(self, graph, device, name: str, buckets: list[tuple[float, int]], after: int) -> int:
         """Data-parallel reduction of the gradient buckets (bytes, count) one segment's

@@ -76,6 +76,8 @@ def _placement_text(layout: ExpertLayout, devices: int) -> str:
     copies = (
         f", {extra} extra copies of experts {_list(copied)}" if copied else ", no copies"
     )
+    if layout.sharded_copies:  # the copies of each expert hold a shard of it each
+        copies += f", each expert sharded over its {len(placement.copy_groups[0])} copies"
     return f"{one_line(placement.method)[:40] or 'given'}: {per_device} experts per device{copies}"
 
 

@@ -599,6 +599,7 @@ def expert_layout_to_dict(layout: ExpertLayout) -> dict[str, Any]:
         "routing": layout.routing,
         "expert_loads": list(layout.expert_loads),
         "cost": vars(layout.cost),
+        "sharded_copies": layout.sharded_copies,
     }
 
 
@@ -621,6 +622,9 @@ def expert_layout_from_dict(reader: "_Reader") -> ExpertLayout:
             ValueError, TypeError,
         )
     loads = reader.get("expert_loads", list)
+    sharded_copies = reader.data.get("sharded_copies", False)  # absent in plans written before it existed
+    if not isinstance(sharded_copies, bool):
+        raise PlanFileError(f"{reader.source}: field '{reader.prefix}.sharded_copies' must be true or false")
     if not all(type(load) in (int, float) for load in loads):
         raise PlanFileError(f"{reader.source}: field '{reader.prefix}.expert_loads' must be a list of numbers")
     return reader.convert_value(
@@ -636,6 +640,7 @@ def expert_layout_from_dict(reader: "_Reader") -> ExpertLayout:
             routing=reader.get("routing", str),
             expert_loads=tuple(float(load) for load in loads),
             cost=reader.convert("cost", lambda d: CostParts(**d), TypeError),
+            sharded_copies=sharded_copies,
         ),
         ValueError, TypeError,
     )

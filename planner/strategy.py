@@ -129,6 +129,30 @@ class ExpertPlacement:
         """Expert ``e`` whole on device ``e % devices``, one copy each."""
         return cls(devices, tuple(((e % devices, 1.0),) for e in range(experts)), "round-robin")
 
+    @classmethod
+    def copied_grid(cls, experts: int, devices: int, experts_per_device: int) -> "ExpertPlacement":
+        """Every expert copied on ``r = devices x experts_per_device / experts`` devices: the
+        experts split into ``experts / experts_per_device`` groups of consecutive experts,
+        group ``g`` held whole by the ``r`` consecutive devices ``g*r .. g*r + r - 1`` (a copy
+        group inside a node where ``r`` divides the node's devices), each copy taking 1/r of
+        the expert's tokens. Its ``copy_groups`` are those device ranges.
+
+        Raises:
+            ValueError: ``experts_per_device`` does not divide ``experts``, or the groups do
+                not divide ``devices``.
+        """
+        if experts_per_device < 1 or experts % experts_per_device:
+            raise ValueError(f"{experts_per_device} experts per device do not divide {experts} experts")
+        groups = experts // experts_per_device
+        if devices % groups:
+            raise ValueError(f"{groups} groups of {experts_per_device} expert(s) do not divide {devices} devices")
+        copies = devices // groups
+        replicas = tuple(
+            tuple((expert // experts_per_device * copies + copy, 1.0 / copies) for copy in range(copies))
+            for expert in range(experts)
+        )
+        return cls(devices, replicas, f"{experts_per_device} per device x {copies} copies")
+
     @property
     def experts(self) -> int:
         return len(self.replicas)
@@ -151,6 +175,32 @@ class ExpertPlacement:
                 held[device].append(expert)
         return tuple(tuple(experts) for experts in held)
 
+    @functools.cached_property
+    def copy_groups(self) -> tuple[tuple[int, ...], ...] | None:
+        """The devices grouped by the experts they hold, when the copies form a grid: every
+        device holds at least one expert, the devices holding a copy of an expert all hold the
+        same experts, and every group has as many devices. Groups are ordered by their first
+        device, devices within a group ascending. Such a placement is a DeviceMesh of
+        (groups x copies), over whose ``copies`` dim each expert's weights can be sharded
+        (``ExpertLayout.sharded_copies``). None for any other placement."""
+        held = self._experts_by_device
+        if any(not experts for experts in held):
+            return None
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for device, experts in enumerate(held):
+            groups.setdefault(experts, []).append(device)
+        for experts, devices in groups.items():
+            if any({device for device, _ in self.replicas[expert]} != set(devices) for expert in experts):
+                return None
+        if len({len(devices) for devices in groups.values()}) != 1:
+            return None
+        return tuple(sorted(tuple(devices) for devices in groups.values()))
+
+    @property
+    def copies_per_expert(self) -> int:
+        """Copies of the most copied expert (r of a grid placement)."""
+        return max(len(copies) for copies in self.replicas)
+
     def device_loads(self, expert_loads: Sequence[float]) -> list[float]:
         """Tokens (or any load) each device processes when expert ``e`` receives
         ``expert_loads[e]``, split among its copies by their shares."""
@@ -162,6 +212,9 @@ class ExpertPlacement:
 
 
 EXPERT_MODES = ("expert_parallel", "data_parallel", "expert_sliced")
+# The key of ``SimResult.bytes_per_axis`` for the collectives over the groups of ranks holding
+# the same experts (``ExpertLayout.sharded_copies``): sub-groups of "dp", not a mesh axis.
+EXPERT_COPIES_AXIS = "expert-copies"
 ALL_TO_ALL_ALGORITHMS = ("flat", "hierarchical")
 
 
@@ -180,6 +233,15 @@ class ExpertLayout:
         tokens are gathered, each rank computes its slice for all of them, and the partial
         outputs are reduce-scattered back.
 
+    ``sharded_copies`` (expert parallel, a placement whose copies form a grid,
+    ``ExpertPlacement.copy_groups``, with at least 2 copies per expert): each expert's
+    weights, gradients and optimizer states are sharded over the devices holding its copies,
+    FSDP-style (expert data parallelism, as Megatron-Core's distributed optimizer over its
+    expert-data-parallel group and torchtitan's FSDP2 over the expert-replica mesh dim): the
+    weights are all-gathered over the copy group before forward and again before backward,
+    and the gradients reduce-scattered there, instead of whole copies whose gradients are
+    all-reduced. False: every copy holds whole weights and states.
+
     ``capacity_factor`` is the layer's own (0: dropless). ``expert_loads`` is each expert's
     share of the routed choices the layer was planned with (summing to 1), from ``routing``
     (``"uniform"``, ``"zipf:1.2"`` or ``"file:<name>"``; one line, report text only).
@@ -197,6 +259,7 @@ class ExpertLayout:
     routing: str = "uniform"
     expert_loads: tuple[float, ...] = ()
     cost: CostParts = field(default_factory=lambda: CostParts())
+    sharded_copies: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in EXPERT_MODES:
@@ -218,6 +281,16 @@ class ExpertLayout:
                 raise ValueError("expert_loads must be finite shares >= 0")
             if abs(sum(self.expert_loads) - 1.0) > 1e-6:
                 raise ValueError(f"expert_loads must sum to 1, got {sum(self.expert_loads):.6g}")
+        if not isinstance(self.sharded_copies, bool):
+            raise ValueError(f"sharded_copies must be true or false, got {str(self.sharded_copies)[:40]!r}")
+        if self.sharded_copies:
+            groups = self.placement.copy_groups if self.placement is not None else None
+            if groups is None or len(groups[0]) < 2:
+                raise ValueError(
+                    "sharded_copies needs an expert_parallel layout whose placement gives every expert the same "
+                    "number (>= 2) of copies, on devices that hold the same experts (a grid: groups x copies); "
+                    "this layout's placement does not; set sharded_copies to false"
+                )
         if "\n" in self.routing or "\r" in self.routing or len(self.routing) > 200:
             raise ValueError("routing must be one line of at most 200 characters")
 
@@ -228,12 +301,14 @@ EXPERT_MODE_WORDS = {"expert_parallel": "expert parallel", "data_parallel": "exp
 
 def expert_modes_summary(layouts: tuple[ExpertLayout, ...]) -> str:
     """How a plan's MoE layers run, in a few words: ``expert parallel (balanced, flat)``
-    when every layer runs one way, else the count of layers per mode."""
+    (``..., copies sharded`` with ``sharded_copies``) when every layer runs one way, else
+    the count of layers per mode."""
     ways = {(layout.mode, layout.placement.method if layout.placement else "", layout.all_to_all
-             if layout.mode == "expert_parallel" else "") for layout in layouts}
+             if layout.mode == "expert_parallel" else "", "copies sharded" if layout.sharded_copies else "")
+            for layout in layouts}
     if len(ways) == 1:
-        mode, method, algorithm = next(iter(ways))
-        details = ", ".join(part for part in (method, algorithm) if part)
+        mode, method, algorithm, sharded = next(iter(ways))
+        details = ", ".join(part for part in (method, algorithm, sharded) if part)
         return one_line(EXPERT_MODE_WORDS[mode] + (f" ({details})" if details else ""))[:120]
     counts = {mode: sum(1 for layout in layouts if layout.mode == mode) for mode in EXPERT_MODE_WORDS}
     return ", ".join(f"{count} {EXPERT_MODE_WORDS[mode]}" for mode, count in counts.items() if count)

@@ -10,7 +10,13 @@ chosen from its routing statistics among:
   the placements of ``search.expert_placement`` from the layer's loads: round-robin (when
   the experts divide evenly), EPLB's and ours (``balanced``), with one slot per device more
   than the experts need as well (room for copies of hot experts); each with a ``flat``
-  all-to-all, and a ``hierarchical`` one when the devices span nodes.
+  all-to-all, and a ``hierarchical`` one when the devices span nodes;
+- ``expert_parallel`` with sharded copies (expert data parallelism,
+  ``ExpertLayout.sharded_copies``): every grid placement (``ExpertPlacement.copied_grid``:
+  ``s`` experts per device, each expert on ``r >= 2`` consecutive devices, for every ``s``
+  that divides the experts into groups that divide the devices), each expert's weights,
+  gradients and optimizer states sharded over its ``r`` copies: what lets a model whose
+  experts do not fit whole on their copies (Mixtral-8x7B on 32 GPUs) run expert parallel.
 
 On a ``dp`` mesh each layer's time is nearly its own: expert compute, collectives and
 gradient reduction (``layer_score``), and the step's MoE time about their sum, so the search
@@ -36,7 +42,14 @@ from dataclasses import dataclass
 
 from cost_model.collectives import collective_time
 from cost_model.moe import element_bytes
-from cost_model.moe_layers import layer_tokens, param_share, price_layout, replica_sync_time, routing_sync_time
+from cost_model.moe_layers import (
+    copy_shard_costs,
+    layer_tokens,
+    param_share,
+    price_layout,
+    replica_sync_time,
+    routing_sync_time,
+)
 from cost_model.simulator import bytes_per_parameter, simulated
 from planner.cluster import Cluster
 from planner.errors import PlanningError
@@ -98,9 +111,10 @@ def routing_label(routing: RoutingStats, module: str) -> str:
 
 
 def layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, cluster: Cluster,
-                     tokens: int, precision: str) -> list[ExpertLayout]:
+                     tokens: int, precision: str, sharded_copies: bool = False) -> list[ExpertLayout]:
     """Every layout the search considers for ``block`` on all of ``cluster``'s devices (see
-    the module docstring), in a fixed order."""
+    the module docstring), in a fixed order; the grid placements with sharded copies only
+    when ``sharded_copies``."""
     world = cluster.world_size
     common = dict(module=block.module, experts=block.experts, top_k=block.top_k,
                   capacity_factor=block.capacity_factor, axis="dp", routing=source, expert_loads=loads)
@@ -115,7 +129,19 @@ def layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, clu
     for placement in expert_placements(block, loads, cluster, tokens, precision):
         for algorithm in algorithms:
             layouts.append(ExpertLayout(mode="expert_parallel", all_to_all=algorithm, placement=placement, **common))
+    for placement in grid_placements(block.experts, world) if sharded_copies else ():
+        for algorithm in algorithms:
+            layouts.append(ExpertLayout(mode="expert_parallel", all_to_all=algorithm, placement=placement,
+                                        sharded_copies=True, **common))
     return layouts
+
+
+def grid_placements(experts: int, world: int) -> list[ExpertPlacement]:
+    """``ExpertPlacement.copied_grid`` for every number of experts per device that splits
+    the experts into groups dividing ``world`` with at least 2 copies each, fewest experts
+    per device first."""
+    return [ExpertPlacement.copied_grid(experts, world, per_device) for per_device in range(1, experts + 1)
+            if experts % per_device == 0 and world % (experts // per_device) == 0 and world * per_device // experts >= 2]
 
 
 def expert_placements(block: MoEBlock, loads: tuple[float, ...], cluster: Cluster, tokens: int,
@@ -153,8 +179,10 @@ def expert_placements(block: MoEBlock, loads: tuple[float, ...], cluster: Cluste
 def layer_score(block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Cluster, precision: str) -> ScoredLayout:
     """One layer's time per step under ``layout`` (expert compute and collectives, copied
     experts' gradient sums, and in ``data_parallel`` mode the all-reduce of the expert
-    gradients, counted whole: DDP overlaps it with backward only as far as backward lasts)
-    and its bytes on the fullest device."""
+    gradients, counted whole: DDP overlaps it with backward only as far as backward lasts;
+    with sharded copies their two gathers and reduce-scatter, counted whole likewise: the
+    simulated plan overlaps them) and its bytes on the fullest device (with sharded copies,
+    the gathered weights of the layer running and of the one prefetched)."""
     cost = price_layout(block, layout, tokens, cluster, precision)
     world = cluster.world_size
     fraction, synced = param_share(layout, world)
@@ -162,20 +190,22 @@ def layer_score(block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Clu
     gradient_sync = collective_time(
         "all_reduce", held * bytes_per_parameter(precision)[1], cluster, list(range(world))
     ) if synced and world > 1 else 0.0
+    sharding = copy_shard_costs(block, layout, cluster, precision)
     time_s = (cost.total_s + replica_sync_time(block, layout, cluster, precision) + routing_sync_time(block, cluster)
-              + gradient_sync)
+              + gradient_sync + 2 * sharding.gather_s + sharding.reduce_s)
     element = element_bytes(precision)
     activations = cost.busiest_copies * element * (block.hidden + 2 * (block.matmuls - 1) * block.ffn)
     buffers = {"expert_parallel": 2 * cost.buffer_bytes, "expert_sliced": cost.buffer_bytes}.get(layout.mode, 0.0)
-    memory = held * sum(bytes_per_parameter(precision)) + activations + buffers
+    memory = held * sum(bytes_per_parameter(precision)) + activations + buffers + 2 * sharding.gathered_bytes
     return ScoredLayout(layout, time_s, memory)
 
 
 def choose_layouts(
-    graph: OpGraph, cluster: Cluster, routing: RoutingStats, precision: str,
+    graph: OpGraph, cluster: Cluster, routing: RoutingStats, precision: str, sharded_copies: bool = False,
 ) -> dict[str, list[ScoredLayout]]:
     """Each MoE layer's candidates scored, fastest first (ties: fewer bytes, then the
-    candidate order); layers of equal shape and loads share one scoring."""
+    candidate order); layers of equal shape and loads share one scoring. ``sharded_copies``:
+    the grid placements with each expert sharded over its copies are candidates too."""
     scored: dict[str, list[ScoredLayout]] = {}
     shared: dict[tuple, list[ScoredLayout]] = {}
     for block in graph.moe_blocks:
@@ -187,7 +217,8 @@ def choose_layouts(
                loads, source)
         if key not in shared:
             options = [layer_score(block, layout, tokens, cluster, precision)
-                       for layout in layer_candidates(block, loads, source, cluster, tokens, precision)]
+                       for layout in layer_candidates(block, loads, source, cluster, tokens, precision,
+                                                      sharded_copies)]
             order = sorted(range(len(options)), key=lambda i: (options[i].time_s, options[i].memory_bytes, i))
             shared[key] = [options[i] for i in order]
         scored[block.module] = [
@@ -233,7 +264,11 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
     layer in one fixed way (data parallel; expert-sliced; expert parallel, round-robin, flat
     all-to-all), which compete with it and explain it. The dense part is tried with each
     of ``DENSE_FLAVOURS`` (the fixed plans take the winner's); when no plan fits, the search
-    runs again with every repeated block recomputed in backward.
+    runs again with every repeated block recomputed in backward. When the best plan found
+    does not fit, or with some dense flavour the layers' fastest layouts together did not fit
+    (memory chose for them), all of this runs again with the layouts that shard each expert
+    over its copies among the candidates, and the better of the two searches wins (so a model
+    whose fastest layouts fit with every flavour is planned as before, at the same cost).
 
     Raises:
         PlanningError: the model has no MoE layer, or the batch does not split over the devices.
@@ -242,29 +277,39 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
         raise PlanningError("the model has no Mixture-of-Experts layer this planner recognises (planner.moe_blocks)")
     routing = routing or RoutingStats()
     base = moe_base_plan(graph, cluster, spec, model_name, warnings, precision)  # before any scoring: batch checked
-    scored = choose_layouts(graph, cluster, routing, precision)
     flavours = DENSE_FLAVOURS if cluster.world_size > 1 else ("ddp",)
     best = None
-    # Blocks recomputed in backward only when nothing fits holding their activations.
-    for recompute in ("none", "full") if graph.blocks else ("none",):
-        for flavour in flavours:
-            dense = dataclasses.replace(
-                base, dp_flavour=flavour, recompute=recompute,
-                fsdp_units=fsdp_units(graph) if flavour in FSDP_UNIT_FLAVOURS else (),
-            )
-            found = _search_with(graph, cluster, spec, model_name, scored, warnings, precision, dense)
-            if best is None or _rank(found[0]) < _rank(best[0]):
-                best = found
-        if best[0].estimate.fits:
+    for sharded_copies in (False, True):
+        scored = choose_layouts(graph, cluster, routing, precision, sharded_copies)
+        if sharded_copies and not any(o.layout.sharded_copies for options in scored.values() for o in options):
+            break  # no layer's experts form a grid over the devices
+        found_best, memory_bound = None, False
+        # Blocks recomputed in backward only when nothing fits holding their activations.
+        for recompute in ("none", "full") if graph.blocks else ("none",):
+            for flavour in flavours:
+                dense = dataclasses.replace(
+                    base, dp_flavour=flavour, recompute=recompute,
+                    fsdp_units=fsdp_units(graph) if flavour in FSDP_UNIT_FLAVOURS else (),
+                )
+                found = _search_with(graph, cluster, spec, model_name, scored, warnings, precision, dense)
+                memory_bound = memory_bound or found[2]
+                if found_best is None or _rank(found[0]) < _rank(found_best[0]):
+                    found_best = (*found, scored)
+            if found_best[0].estimate.fits:
+                break
+        if best is None or _rank(found_best[0]) < _rank(best[0]):
+            best = found_best
+        if found_best[0].estimate.fits and not memory_bound:
             break
-    plan, build = best
+    plan, build, _, scored = best
     fixed = [build(picks) for picks in _fixed_modes(scored)]
     return plan, [other for other in fixed if other.expert_layouts != plan.expert_layouts]
 
 
 def _search_with(graph, cluster, spec, model_name, scored, warnings, precision, base: Plan):
     """The best plan over ``scored``'s layouts with ``base``'s dense part and recomputation
-    (see the module docstring), and the function that builds a plan from a choice."""
+    (see the module docstring), the function that builds a plan from a choice, and whether
+    memory bound the choice (the layers' fastest layouts together did not fit)."""
     choice = {module: 0 for module in scored}
 
     def build(picks: Mapping[str, int]) -> Plan:
@@ -272,13 +317,14 @@ def _search_with(graph, cluster, spec, model_name, scored, warnings, precision, 
                         warnings, precision, base)
 
     plan = build(choice)
+    memory_bound = not plan.estimate.fits
     while not plan.estimate.fits:
         overflow = plan.estimate.memory.total - plan.estimate.device_memory_bytes
         moved = _shrink(scored, choice, overflow)
         if not moved:
             break  # nothing smaller left: the caller sees a plan that does not fit
         plan = build(choice)
-    return _refine(scored, choice, build, plan), build
+    return _refine(scored, choice, build, plan), build, memory_bound
 
 
 def _refine(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], build, plan: Plan) -> Plan:

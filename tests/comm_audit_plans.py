@@ -50,6 +50,14 @@ def moe_expert_parallel(world: int) -> planner.Plan:
     return _resimulated(moe_plan(world, "expert_parallel", placement="round-robin"))
 
 
+def moe_sharded_copies(world: int) -> planner.Plan:
+    """``examples/moe.py`` (4 experts) expert parallel over dp, every expert on 2 ranks and
+    sharded over them (FSDP2 on the copy groups), DDP."""
+    from moe_plans import moe_plan
+
+    return _resimulated(moe_plan(world, "expert_parallel", placement="grid", sharded_copies=True))
+
+
 # The searched plan of test_search_parity's small HuggingFace llama on 4 devices: Megatron's
 # layout on tp=4, a vocabulary-parallel loss included.
 HF_LLAMA = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
@@ -74,6 +82,8 @@ def plans(world: int) -> dict[str, planner.Plan]:
         "mlp-searched": planner.plan(_spec("examples/mlp.py", {}), cluster, progress=False),
     }
     if world == 4:
+        # At world 2 the copy pair is the whole dp group (one process group): counted as dp.
+        cases["moe-ep-sharded-copies"] = moe_sharded_copies(world)
         cases["llama-searched"] = planner.plan(_spec("hf:llama", HF_LLAMA), cluster, progress=False)
     # Gradient accumulation over two micro-batches: DDP reduces once (no_sync), FSDP2 gathers
     # and reduce-scatters every micro-batch, a graph program reduces in every backward.

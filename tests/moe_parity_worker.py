@@ -125,6 +125,33 @@ def two_level_matches_flat() -> str:
     return "ok same rows, order and gradients" if verdict.item() == 0 else "FAILED the two-level all-to-all differs"
 
 
+def sharded_experts_step_with_foreach() -> str:
+    """A multi-tensor (foreach, the GPU default) AdamW step over DDP-style plain weights and
+    experts sharded over their copies (``codegen.runtime.expert_copies``) runs when the two
+    kinds are in separate groups (``plain_and_sharded_groups``), and one mixed list is refused
+    (what the groups are for)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from codegen.runtime.expert_copies import copy_mesh, plain_and_sharded_groups, shard_over_copies
+
+    world = dist.get_world_size()
+    dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))["dp"]
+    groups = tuple((2 * g, 2 * g + 1) for g in range(world // 2))
+    plain, experts = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    shard_over_copies(experts, copy_mesh(dp_mesh, groups))
+    params = [*plain.parameters(), *experts.parameters()]
+    for param in params:
+        param.grad = torch.ones_like(param)
+    torch.optim.AdamW(plain_and_sharded_groups(params), lr=1e-3, foreach=True).step()
+    try:
+        torch.optim.AdamW(params, lr=1e-3, foreach=True).step()
+    except RuntimeError as error:
+        if "mixed torch.Tensor and DTensor" in str(error):
+            return "ok grouped step ran, one mixed list refused"
+        raise
+    return "FAILED a mixed list stepped: the groups are not needed"
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -150,6 +177,9 @@ def main() -> None:
     result = two_level_matches_flat()
     if dist.get_rank() == 0:
         print(f"RESULT two-level all-to-all equals flat: {result}", flush=True)
+    result = sharded_experts_step_with_foreach()
+    if dist.get_rank() == 0:
+        print(f"RESULT sharded experts foreach step: {result}", flush=True)
     dist.destroy_process_group()
 
 

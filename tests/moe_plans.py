@@ -30,13 +30,26 @@ def skewed_placement(experts: int, world: int) -> ExpertPlacement:
     return ExpertPlacement(world, tuple(copies), "hand-made skew")
 
 
+def grid_placement(experts: int, world: int) -> ExpertPlacement:
+    """Every expert on 2 consecutive ranks, ``2 x experts / world`` experts per rank
+    (``ExpertPlacement.copied_grid``): at world 4, 4 experts give groups (0, 1) and (2, 3)."""
+    return ExpertPlacement.copied_grid(experts, world, 2 * experts // world)
+
+
+def _placement(name: str | None, experts: int, world: int) -> ExpertPlacement:
+    if name == "round-robin":
+        return ExpertPlacement.round_robin(experts, world)
+    return grid_placement(experts, world) if name == "grid" else skewed_placement(experts, world)
+
+
 def moe_plan(world: int, mode: str, placement: str | None = None, capacity_factor: float = 1.25,
              precision: str = "fp32", experts: int = EXPERTS, flavour: str = "ddp", nodes: int = 1,
-             all_to_all: str = "flat", recompute: str = "none") -> Plan:
+             all_to_all: str = "flat", recompute: str = "none", sharded_copies: bool = False) -> Plan:
     """A data-parallel plan (``flavour``: ddp, fsdp, zero2) of ``examples/moe.py`` (``n_expert=experts``, the capacity factor given) on
     ``world`` CPU ranks over ``nodes`` nodes, every MoE layer in ``mode``; ``placement``:
-    ``round-robin`` or ``skewed`` (``skewed_placement``) for expert parallelism, whose
-    all-to-all is ``all_to_all`` (``flat`` or ``hierarchical``); ``recompute``: the plan's."""
+    ``round-robin``, ``skewed`` (``skewed_placement``) or ``grid`` (``grid_placement``) for
+    expert parallelism, whose all-to-all is ``all_to_all`` (``flat`` or ``hierarchical``) and
+    whose experts are sharded over their copies with ``sharded_copies``; ``recompute``: the plan's."""
     spec = ModelSpec(str(MOE_EXAMPLE), {"n_expert": experts, "capacity_factor": capacity_factor})
     graph, spec, name, cluster = prepare_model(spec, f"cpu:{nodes}x{world // nodes}")
     base = data_parallel_plan(graph, cluster, spec, name, flavour, precision=precision)
@@ -44,11 +57,11 @@ def moe_plan(world: int, mode: str, placement: str | None = None, capacity_facto
     for block in find_moe_blocks(spec.build("meta")[0]):
         chosen = None
         if mode == "expert_parallel":
-            chosen = ExpertPlacement.round_robin(experts, world) if placement == "round-robin" else skewed_placement(experts, world)
+            chosen = _placement(placement, experts, world)
         layouts.append(ExpertLayout(
             module=block.module, mode=mode, experts=block.experts, top_k=block.top_k,
             capacity_factor=block.capacity_factor, axis="dp", placement=chosen,
-            all_to_all=all_to_all if mode == "expert_parallel" else "flat",
+            all_to_all=all_to_all if mode == "expert_parallel" else "flat", sharded_copies=sharded_copies,
         ))
     return dataclasses.replace(base, label="moe", expert_layouts=tuple(layouts), recompute=recompute)
 
@@ -63,7 +76,8 @@ HF_MOE = {
 }
 
 
-def hf_moe_plan(world: int, model_type: str, mode: str, placement: str | None = None, flavour: str = "ddp") -> Plan:
+def hf_moe_plan(world: int, model_type: str, mode: str, placement: str | None = None, flavour: str = "ddp",
+                sharded_copies: bool = False) -> Plan:
     """As ``moe_plan``, for the tiny ``hf:<model_type>`` of ``HF_MOE`` (dropless, 4 experts)."""
     spec = ModelSpec(f"hf:{model_type}", HF_MOE[model_type])
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
@@ -72,8 +86,8 @@ def hf_moe_plan(world: int, model_type: str, mode: str, placement: str | None = 
     for block in graph.moe_blocks:
         chosen = None
         if mode == "expert_parallel":
-            chosen = (ExpertPlacement.round_robin(block.experts, world) if placement == "round-robin"
-                      else skewed_placement(block.experts, world))
+            chosen = _placement(placement, block.experts, world)
         layouts.append(ExpertLayout(module=block.module, mode=mode, experts=block.experts, top_k=block.top_k,
-                                    capacity_factor=block.capacity_factor, axis="dp", placement=chosen))
+                                    capacity_factor=block.capacity_factor, axis="dp", placement=chosen,
+                                    sharded_copies=sharded_copies))
     return dataclasses.replace(base, label="moe", expert_layouts=tuple(layouts))

@@ -4,20 +4,27 @@ For each world size, every plan of ``tests/comm_audit_plans.py`` (DDP, ZeRO-1, Z
 Megatron tp=2 (with dp=2 at world 4), a graph program of random placements, the search's
 plans of the MLP (SOAP on tp, no collective) and, at world 4, of a small HuggingFace llama
 (Megatron's layout on tp=4), a 1F1B pipeline
-of two stages (with dp=2 at world 4), an expert-parallel MoE; DDP, FSDP and Megatron again
+of two stages (with dp=2 at world 4), an expert-parallel MoE, and at world 4 one whose
+experts are sharded over their 2 copies each (FSDP2 on the copy groups, counted as
+``expert-copies``); DDP, FSDP and Megatron again
 with gradients accumulated over two micro-batches) is compiled and run for one
 training step in ONE torchrun launch of ``tests/comm_audit_many.py``, with every collective
 counted per mesh axis (``codegen.runtime.comm_audit``). Per axis, the bytes the busiest rank
 sent must equal the plan's ``SimResult.bytes_per_axis``:
 
 - exactly (relative 1e-9) for every collective the plan decides: gradient buckets, FSDP
-  gathers and reduce-scatters, ZeRO's broadcasts, tensor-parallel all-reduces, pipeline sends;
+  gathers and reduce-scatters (the expert copies' too), ZeRO's broadcasts, tensor-parallel
+  all-reduces, pipeline sends;
 - plus ``SCALAR_SLACK_BYTES`` for the scalars a program shares to run at all and which no
   plan prices (a pipeline broadcasts its loss from the last stage, 2 B per device; a graph
   program all-reduces its loss and token count over dp, 20 B);
 - within ``MOE_TOLERANCE`` on the MoE plan's axis: its all-to-alls send the tokens the step
   actually routed (the busiest rank's share), where the simulator assumes the uniform routing
-  it was given; at worlds 2 and 4 the axis measured 0.997x and 1.011x.
+  it was given; at worlds 2 and 4 the axis measured 0.997x and 1.011x;
+- within ``COPIED_ALL_TO_ALL_TOLERANCE`` on dp of the MoE plan whose experts have 2 copies:
+  besides the routing, a copy's slots are filled in the batch's order, so a rank's choices
+  land mostly in its own copy and stay on it, which the simulator's all-to-all (every copy
+  leaves its rank with probability (n-1)/n) does not see: 1.062x at world 4.
 
 ``KNOWN_GAPS`` are axes where the program moves more than the plan says, for reasons the
 simulator cannot see today, each with the most it may move (a multiple of the prediction):
@@ -58,6 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT = 300  # seconds; a launch takes ~10 s on 2 cores, the limit only stops a hang
 SCALAR_SLACK_BYTES = 64.0
 MOE_TOLERANCE = 0.02
+COPIED_ALL_TO_ALL_TOLERANCE = 0.08
 WORLD_SIZES = (2, 4)
 # (world, case, axis) -> the most the program may send there, as a multiple of the prediction.
 KNOWN_GAPS = {
@@ -102,7 +110,9 @@ def test_every_axis_moves_what_the_simulator_charged(audit: Audit) -> None:
     for (case, axis), (predicted, counted) in sorted(audit.figures.items()):
         if (audit.plans[case].world_size, case, axis) in KNOWN_GAPS:
             continue  # test_known_gaps_move_at_least_the_predicted_bytes
-        relative = MOE_TOLERANCE if case.startswith("moe") else 1e-9
+        relative = MOE_TOLERANCE if case.startswith("moe") and axis == "dp" else 1e-9
+        if (case, axis) == ("moe-ep-sharded-copies", "dp"):
+            relative = COPIED_ALL_TO_ALL_TOLERANCE
         if abs(counted - predicted) > relative * predicted + SCALAR_SLACK_BYTES:
             wrong.append(f"{case} {axis}: predicted {predicted:.0f} B, counted {counted:.0f} B ({counted / max(predicted, 1):.4f}x)")
     assert not wrong, "\n".join(wrong) + "\n" + audit.launch.describe()

@@ -118,3 +118,22 @@ def test_placements_are_checked():
         round_robin(6, 4)
     with pytest.raises(PlanningError, match="at least 2 slots"):
         eplb([1.0] * 6, devices=4, slots_per_device=1)
+
+
+def test_copy_groups_only_of_grids():
+    # A grid: 4 experts, 2 per device, each on 2 devices; devices 1 and 3 hold experts 0-1.
+    grid = ExpertPlacement(4, (((1, 0.5), (3, 0.5)),) * 2 + (((0, 0.5), (2, 0.5)),) * 2)
+    assert grid.copy_groups == ((0, 2), (1, 3)) and grid.copies_per_expert == 2
+    assert ExpertPlacement.copied_grid(8, 32, 1).copy_groups == tuple(tuple(range(4 * g, 4 * g + 4)) for g in range(8))
+    assert ExpertPlacement.copied_grid(4, 4, 4).copy_groups == ((0, 1, 2, 3),)
+    assert ExpertPlacement.round_robin(4, 4).copy_groups == ((0,), (1,), (2,), (3,))  # one copy each: a grid of 1
+    # Not grids: a hot expert copied beside single ones; a device holding no expert; copies of
+    # one expert on devices that hold different experts; groups of different sizes.
+    assert ExpertPlacement(2, (((0, 0.5), (1, 0.5)), ((1, 1.0),))).copy_groups is None
+    assert ExpertPlacement(3, (((0, 0.5), (1, 0.5)), ((0, 0.5), (1, 0.5)))).copy_groups is None
+    assert ExpertPlacement(4, (((0, 0.5), (1, 0.5)), ((1, 0.5), (2, 0.5)), ((3, 1.0),))).copy_groups is None
+    assert ExpertPlacement(3, (((0, 0.5), (1, 0.5)), ((2, 1.0),))).copy_groups is None
+    with pytest.raises(ValueError, match="3 experts per device do not divide 8 experts"):
+        ExpertPlacement.copied_grid(8, 32, 3)
+    with pytest.raises(ValueError, match="8 groups of 1 expert"):
+        ExpertPlacement.copied_grid(8, 12, 1)

@@ -97,3 +97,12 @@ def test_record_routing_needs_expert_layouts(plan, tmp_path, monkeypatch, capsys
     monkeypatch.chdir(tmp_path)
     assert launch_main(dense, ["--steps", "1", "--record-routing", "r.json"]) == 2
     assert "needs a plan whose MoE layers have expert layouts" in capsys.readouterr().err
+
+
+def test_sharded_expert_copies_under_zero1_are_refused(tmp_path):
+    # ZeRO-1 programs step each rank's experts whole in their own optimizer; experts sharded
+    # over their copies are written for DDP, ZeRO-2 and FSDP around them.
+    zero1 = moe_plan(4, "expert_parallel", "grid", flavour="zero1", sharded_copies=True)
+    with pytest.raises(PlanningError, match="experts sharded over their copies are written for DDP, ZeRO-2 and FSDP"):
+        planner.compile(zero1, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

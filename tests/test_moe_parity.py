@@ -13,12 +13,17 @@ two-level all-to-all on a cluster of two nodes; and with every block recomputed 
 Tiny HuggingFace Mixtral and Qwen2-MoE (their router and shared experts kept, only the
 stacked SwiGLU experts replaced, ``codegen.runtime.expert_dispatch``): expert parallel
 round-robin and with a copied expert (DDP, and FSDP2 around the rest), and replicated.
+Experts on a grid of 2 copies each, sharded over their copies (expert data parallelism,
+``codegen.runtime.expert_copies``): routed experts 2 per rank and 1 per rank (shards of
+their width), under DDP (also with the two-level all-to-all on two nodes), FSDP2 (also with
+blocks recomputed) and ZeRO-2 in bf16; HF Mixtral under DDP and Qwen2-MoE under FSDP2.
 Each world size checks all its programs in ONE torchrun launch (``tests/dist_check_many.py``).
 Negative controls must fail, naming an expert weight: expert-parallel and expert-sliced
 layers whose gradients are not divided by the group size (nor copies summed), a
 data-parallel layer whose replicated experts are kept out of DDP, and a ZeRO-1 optimizer
 that splits the states of each rank's own experts as if they were replicated, and a
-HuggingFace expert-parallel program whose expert gradients stay sums over the ranks.
+HuggingFace expert-parallel program whose expert gradients stay sums over the ranks, and a
+program whose experts FSDP2 shards over their copies with its default averaging.
 
 Then the CLI path as a user types it, at world 4: ``planner compile p.json -o out`` of a
 hand-built expert-parallel plan saved to JSON, ``torchrun out/launch.py --check``; and at
@@ -78,6 +83,24 @@ HF_CASES = [
     ("hf_mixtral_fsdp_ep_skewed_copied", "mixtral", "expert_parallel", "skewed", "fsdp"),
     ("hf_qwen2_moe_ep_skewed_copied", "qwen2_moe", "expert_parallel", "skewed", "ddp"),
     ("hf_qwen2_moe_data_parallel", "qwen2_moe", "data_parallel", None, "ddp"),
+]
+# Expert data parallelism: every expert on 2 ranks (a grid), its weights, gradients and
+# optimizer states sharded over them by FSDP2 (codegen.runtime.expert_copies):
+# (name, experts, capacity factor, precision, dp flavour of the rest). At world 4, 4 experts
+# put 2 on each rank (shards of dim 0) and 2 experts 1 on each rank (shards of its width).
+SHARDED_CASES = [
+    ("ep_sharded_copies", 4, 1.25, "fp32", "ddp"),
+    ("fsdp_ep_sharded_copies_one_expert_each_drops", 2, 0.5, "fp32", "fsdp"),
+    ("zero2_ep_sharded_copies_bf16", 4, 0.0, "bf16", "zero2"),
+]
+# Sharded copies inside blocks recomputed in backward (FSDP2 gathers the experts again there).
+SHARDED_RECOMPUTED = "fsdp_ep_sharded_copies_recompute_full"
+# Sharded copies with the two-level all-to-all on two nodes.
+SHARDED_TWO_LEVEL = "ep_sharded_copies_two_level_two_nodes"
+# (name, model type, dp flavour of the rest): HuggingFace experts sharded over 2 copies.
+HF_SHARDED_CASES = [
+    ("hf_mixtral_ep_sharded_copies", "mixtral", "ddp"),
+    ("hf_qwen2_moe_fsdp_ep_sharded_copies", "qwen2_moe", "fsdp"),
 ]
 # Expert parallel with the two-level all-to-all on two nodes (of world / 2 ranks each).
 TWO_LEVEL = "ep_skewed_two_level_two_nodes"
@@ -142,6 +165,23 @@ CONTROLS = {
 
 # A HuggingFace expert-parallel program whose expert gradients stay sums over the ranks.
 HF_CONTROL = "hf_experts_unscaled"
+# A program whose experts are sharded over their copies by FSDP2's default, which averages
+# the copies' gradients where the step needs their sum.
+SHARDED_CONTROL = "sharded_copies_averaged"
+
+
+def _average_sharded_copies(folder: Path) -> Path:
+    source = folder / "model_spmd.py"
+    text = source.read_text()
+    assert text.count("    shard_over_copies(model.get_submodule(") == 2, text
+    averaging = (
+        "\n\ndef averaged_over_copies(module, mesh):\n"
+        "    from torch.distributed.fsdp import fully_shard\n"
+        "    return fully_shard(module, mesh=mesh)\n\n\ndef replace_layer("
+    )
+    text = text.replace("    shard_over_copies(", "    averaged_over_copies(").replace("\n\ndef replace_layer(", averaging, 1)
+    source.write_text(text)
+    return folder
 
 
 def _unscale_hf_expert_gradients(folder: Path) -> Path:
@@ -150,6 +190,12 @@ def _unscale_hf_expert_gradients(folder: Path) -> Path:
     assert "        group=group,\n    ))" in text
     source.write_text(text.replace("        group=group,\n    ))", "        group=group,\n        rank_losses_averaged=False,\n    ))"))
     return folder
+
+
+def test_sharded_copies_averaged_fail(world_run) -> None:
+    result = result_of(world_run.launch, world_run.controls[SHARDED_CONTROL])
+    assert result.startswith("FAILED parity FAILED: worst tensor "), result
+    assert re.search(rf"(grad of|updated) {EXPERT_WEIGHT}", result), result
 
 
 @pytest.mark.parametrize("control", [HF_CONTROL])
@@ -169,6 +215,18 @@ def world_run(request, tmp_path_factory) -> WorldRun:
         folders[name] = planner.compile(plan, root / name)
     for name, model_type, mode, placement, flavour in HF_CASES:
         folders[name] = planner.compile(hf_moe_plan(world, model_type, mode, placement, flavour), root / name)
+    for name, experts, capacity, precision, flavour in SHARDED_CASES:
+        plan = moe_plan(world, "expert_parallel", "grid", capacity, precision, experts, flavour, sharded_copies=True)
+        folders[name] = planner.compile(plan, root / name)
+    recomputed_sharded = moe_plan(world, "expert_parallel", "grid", 0.5, flavour="fsdp", recompute="full",
+                                  sharded_copies=True)
+    folders[SHARDED_RECOMPUTED] = planner.compile(recomputed_sharded, root / SHARDED_RECOMPUTED)
+    two_level_sharded = moe_plan(world, "expert_parallel", "grid", 0.5, nodes=2, all_to_all="hierarchical",
+                                 sharded_copies=True)
+    folders[SHARDED_TWO_LEVEL] = planner.compile(two_level_sharded, root / SHARDED_TWO_LEVEL)
+    for name, model_type, flavour in HF_SHARDED_CASES:
+        plan = hf_moe_plan(world, model_type, "expert_parallel", "grid", flavour, sharded_copies=True)
+        folders[name] = planner.compile(plan, root / name)
     two_level = moe_plan(world, "expert_parallel", "skewed", 0.5, nodes=2, all_to_all="hierarchical")
     folders[TWO_LEVEL] = planner.compile(two_level, root / TWO_LEVEL)
     recomputing = moe_plan(world, "expert_parallel", "skewed", 0.5, recompute="full")
@@ -179,11 +237,15 @@ def world_run(request, tmp_path_factory) -> WorldRun:
     }
     hf_unscaled = planner.compile(hf_moe_plan(world, "mixtral", "expert_parallel", "skewed"), root / HF_CONTROL)
     controls[HF_CONTROL] = _unscale_hf_expert_gradients(hf_unscaled)
+    averaged = moe_plan(world, "expert_parallel", "grid", sharded_copies=True)
+    controls[SHARDED_CONTROL] = _average_sharded_copies(planner.compile(averaged, root / SHARDED_CONTROL))
     launch = check_many(world, [*folders.values(), *controls.values()], root)
     return WorldRun(world, folders, controls, launch)
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES] + [c[0] for c in HF_CASES] + [TWO_LEVEL, RECOMPUTED])
+@pytest.mark.parametrize("case", [c[0] for c in CASES] + [c[0] for c in HF_CASES] + [c[0] for c in SHARDED_CASES]
+                         + [c[0] for c in HF_SHARDED_CASES] + [SHARDED_RECOMPUTED, SHARDED_TWO_LEVEL, TWO_LEVEL,
+                                                               RECOMPUTED])
 def test_compiled_moe_step_equals_one_device(world_run: WorldRun, case: str) -> None:
     result = result_of(world_run.launch, world_run.folders[case])
     assert result.startswith("ok parity ok: "), f"{case} at world {world_run.world}: {result}"
@@ -226,6 +288,20 @@ def test_programs_say_what_moves(world_run: WorldRun) -> None:
     assert "fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, ignored_params=expert_weights)" in (
         source["zero2_ep_round_robin"]
     )
+    # Experts sharded over their 2 copies: the copy groups a literal, one copy mesh, each
+    # layer's experts (a child module of the routed layer, the HF experts module itself) sharded.
+    sharded, hf_sharded = source["ep_sharded_copies"], source["hf_mixtral_ep_sharded_copies"]
+    groups = "((0, 1), (2, 3))" if world_run.world == 4 else "((0, 1),)"
+    for text in (sharded, hf_sharded):
+        assert f"EXPERT_COPY_GROUPS_0 = {groups}\n" in text and "EXPERT_COPY_GROUPS_1" not in text
+        assert text.count("copies_mesh_0 = copy_mesh(dp_mesh, EXPERT_COPY_GROUPS_0)") == 1
+        assert text.count("        sharded_copies=True,\n") == 2
+    assert "shard_over_copies(model.get_submodule('blocks.1.moe.sharded_experts'), copies_mesh_0)" in sharded
+    assert "'blocks.0.moe.sharded_experts.w_in', 'blocks.0.moe.sharded_experts.w_out'," in sharded  # outside DDP
+    assert "shard_over_copies(model.get_submodule('model.layers.1.mlp.experts'), copies_mesh_0)" in hf_sharded
+    # DDP programs step the replicated weights and the expert shards in separate groups.
+    assert "return optimizer_class(plain_and_sharded_groups(module.parameters()), **kwargs)" in sharded
+    assert "plain_and_sharded_groups" not in source["fsdp_ep_sharded_copies_one_expert_each_drops"]
 
 
 @pytest.mark.parametrize("capacity_factor", [0.5, 0.0])

@@ -165,3 +165,63 @@ def test_experts_a_rank_holds_alone_are_not_sharded_by_fsdp(model):
     assert parallel.memory.weights - replicated.memory.weights == pytest.approx(more * 4, abs=2)
     assert parallel.memory.gradients - replicated.memory.gradients == pytest.approx(more * 4, abs=2)
     assert parallel.memory.optimizer_states - replicated.memory.optimizer_states == pytest.approx(more * 8, abs=2)
+
+
+def test_sharded_copies_hold_a_share_of_their_experts_and_gather_and_reduce_scatter_them(model):
+    import dataclasses
+
+    graph, base = model
+    # 2 experts per device, each on 2 devices: experts 0-1 on devices 0-1, experts 2-3 on 2-3.
+    grid = ExpertPlacement.copied_grid(4, 4, 2)
+    assert grid.replicas == (((0, 0.5), (1, 0.5)),) * 2 + (((2, 0.5), (3, 0.5)),) * 2
+    assert grid.copy_groups == ((0, 1), (2, 3))
+
+    def plan(sharded: bool):
+        return dataclasses.replace(base, expert_layouts=tuple(
+            ExpertLayout(f"blocks.{i}.moe", "expert_parallel", 4, 2, 1.25, placement=grid, sharded_copies=sharded)
+            for i in range(2)
+        ))
+
+    whole, sharded = Simulator(plan(False), graph), Simulator(plan(True), graph)
+    whole_layer, layer = whole.moe_layers["blocks.0.moe"], sharded.moe_layers["blocks.0.moe"]
+    # Whole copies: a device holds 2 of 4 experts; every expert is copied, so all 4 experts'
+    # gradients (4 x 16,384 x 4 B) are all-reduced over the group of 4: 2 x 3/4 x 262,144 / 1e9.
+    assert whole_layer.param_fraction == 0.5
+    assert whole_layer.replica_sync_s == pytest.approx(2 * 0.75 * 262_144 / 1e9, rel=1e-6)
+    # Sharded: half of each of its 2 experts. Its 2 experts' weights (2 x 16,384 x 4 B =
+    # 131,072 B) are all-gathered over its copy pair (a ring of 2 sends half: 65,536 B at
+    # 1 GB/s) in each pass, and their gradients reduce-scattered alike; nothing all-reduced.
+    assert layer.param_fraction == 0.25 and layer.replica_sync_s == 0
+    assert layer.copy_gather_s == pytest.approx(65_536 / 1e9, rel=1e-6)
+    assert layer.copy_reduce_s == pytest.approx(65_536 / 1e9, rel=1e-6)
+    anchor = sharded.costs[layer.anchor]
+    assert anchor.weight_gather_s == layer.copy_gather_s and anchor.axis_sync_s == layer.copy_reduce_s
+    assert anchor.backward_comm_s == pytest.approx(layer.cost.backward_comm_s)  # the reduce-scatter is off the critical path
+
+    whole_estimate, estimate = simulated(plan(False), graph).estimate, simulated(plan(True), graph).estimate
+    # A quarter of each layer's 65,536 expert weights fewer: 4 B weights, 4 B gradients, 8 B states.
+    fewer = 2 * 0.25 * EXPERT_WEIGHTS
+    assert whole_estimate.memory.weights - estimate.memory.weights == pytest.approx(fewer * 4, abs=2)
+    assert whole_estimate.memory.gradients - estimate.memory.gradients == pytest.approx(fewer * 4, abs=2)
+    assert whole_estimate.memory.optimizer_states - estimate.memory.optimizer_states == pytest.approx(fewer * 8, abs=2)
+    # The gathered weights of the layer running and of the one prefetched (2 x 131,072 B),
+    # less the shrinking DDP bucket (the whole gradient of a model this small).
+    assert estimate.memory.communication_buffers - whole_estimate.memory.communication_buffers == pytest.approx(
+        2 * 131_072 - fewer * 4, abs=2)
+    # Per layer a device sends half of 131,072 B three times (two gathers, one reduce-scatter),
+    # over its copy pair (counted apart from dp, whose bytes do not change).
+    assert estimate.bytes_per_axis["expert-copies"] == pytest.approx(2 * 3 * 65_536)
+    assert estimate.bytes_per_axis["dp"] == pytest.approx(whole_estimate.bytes_per_axis["dp"])
+    # Each layer's experts are gathered on the collective stream once per pass, the second
+    # layer's while the segment before it computes (prefetched; the segments in forward order
+    # are: before blocks, blocks.0, after blocks, blocks.1), and reduce-scattered there in backward.
+    gathers = [e for e in estimate.timeline if "all-gather experts" in e.name]
+    assert len(gathers) == 4 and all(e.stream == "collective" for e in gathers)
+    assert all(e.duration_s == pytest.approx(65_536 / 1e9, rel=1e-6) for e in gathers)
+    by_name = {e.name: e for e in estimate.timeline}
+    second, before = by_name["F0 all-gather experts blocks.1"], by_name["F0 after blocks"]
+    assert second.start_s <= before.start_s < second.start_s + second.duration_s
+    assert sum(1 for e in estimate.timeline if e.name.startswith("all-reduce grads off dp (blocks.")) == 2
+    # The report's cost of a layer: the two gathers and the reduce-scatter are communication.
+    cost, whole_cost = simulated(plan(True), graph).expert_layouts[0].cost, simulated(plan(False), graph).expert_layouts[0].cost
+    assert cost.communication_s - whole_cost.communication_s == pytest.approx(3 * 65_536 / 1e9 - 2 * 0.75 * 262_144 / 1e9)

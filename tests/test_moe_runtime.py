@@ -9,7 +9,8 @@ gradients scaled and copies summed in backward), also with every expert on rank 
 other ranks hold none), and with rows moved by the two-level all-to-all
 (``codegen.runtime.moe_exchange``: nodes of two ranks at world 4, of one at world 2). One launch per world
 (``tests/moe_parity_worker.py``). The control skips summing the copies' gradients and must
-fail."""
+fail. The same launch steps a multi-tensor AdamW over plain weights and experts sharded over
+their copies (``codegen.runtime.expert_copies``) in separate groups."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def results(request):
         capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
     )
     found = dict(re.findall(r"^RESULT (.+?): (.*)$", run.stdout, re.MULTILINE))
-    assert run.returncode == 0 and len(found) == len(CASES) + 2, run.stdout[-2000:] + run.stderr[-3000:]
+    assert run.returncode == 0 and len(found) == len(CASES) + 3, run.stdout[-2000:] + run.stderr[-3000:]
     return found
 
 
@@ -62,3 +63,7 @@ def test_copies_must_have_their_gradients_summed(results):
 
 def test_two_level_all_to_all_delivers_what_the_flat_one_does(results):
     assert results["two-level all-to-all equals flat"].startswith("ok"), results["two-level all-to-all equals flat"]
+
+
+def test_sharded_experts_take_a_foreach_step_in_their_own_group(results):
+    assert results["sharded experts foreach step"].startswith("ok"), results["sharded experts foreach step"]

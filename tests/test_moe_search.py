@@ -17,6 +17,7 @@ from planner.cluster import Cluster, DeviceSpec, LinkSpec, NodeSpec
 from planner.model_spec import ModelSpec
 from planner.plans import load_plan
 from planner.routing import LayerRouting, RoutingStats, synthetic, zipf_layer
+from planner.strategy import ExpertLayout, ExpertPlacement
 from search import moe_search
 from search.moe_search import DENSE_FLAVOURS, choose_layouts, layer_score, moe_base_plan, search_moe_plan
 
@@ -191,3 +192,61 @@ def test_huggingface_blocks_get_the_modes_their_programs_run():
     assert {layout.all_to_all for layout in hf} == {"flat"}
     assert {layout.mode for layout in routed} == {"data_parallel", "expert_sliced", "expert_parallel"}
     assert "hierarchical" in {layout.all_to_all for layout in routed}
+
+
+# Two large experts in each of 4 layers, top-1; an FFN the 4 devices do not divide (no
+# expert-sliced layout): whole experts on their copies are what holds the most.
+BIG_EXPERTS = ModelSpec(str(EXAMPLES / "moe.py"), {
+    "n_expert": 2, "top_k": 1, "capacity_factor": 0, "n_embd": 64, "ffn": 4098, "n_layer": 4,
+})
+
+
+def test_experts_too_big_for_whole_copies_are_sharded_over_them(monkeypatch):
+    graph, spec, name, cluster = prepare_model(BIG_EXPERTS, two_nodes())
+    assert [p.method for p in moe_search.grid_placements(2, 4)] == ["1 per device x 2 copies", "2 per device x 4 copies"]
+    # A device exactly as large as a plan that shards each expert over its 2 copies needs.
+    grid = ExpertPlacement.copied_grid(2, 4, 1)
+    sharded = dataclasses.replace(
+        moe_base_plan(graph, cluster, spec, name), dp_flavour="fsdp", fsdp_units=graph.block_paths(), recompute="full",
+        expert_layouts=tuple(ExpertLayout(b.module, "expert_parallel", 2, 1, 0.0, placement=grid, sharded_copies=True)
+                             for b in graph.moe_blocks),
+    )
+    memory = simulated(sharded, graph).estimate.memory.total
+    searched, _ = search_moe_plan(graph, two_nodes(memory), spec, name)
+    assert searched.estimate.fits
+    assert all(layout.sharded_copies for layout in searched.expert_layouts)
+    # Without those layouts nothing fits on that device.
+    monkeypatch.setattr(moe_search, "grid_placements", lambda experts, world: [])
+    unsharded, _ = search_moe_plan(graph, two_nodes(memory), spec, name)
+    assert not unsharded.estimate.fits
+    assert not any(layout.sharded_copies for layout in unsharded.expert_layouts)
+
+
+def test_sharded_copies_compete_when_memory_chose_some_layouts(monkeypatch):
+    # With room for everything, the search runs once, without grid layouts. With a device
+    # that holds the replicated experts only when FSDP shards them, DDP's fastest layouts do
+    # not fit: memory chose, so the grid layouts with sharded copies compete too, and the
+    # plan is no slower than the best without them.
+    graph, spec, name, cluster = prepare_model(BIG_EXPERTS, two_nodes())
+    asked = []
+    choose = moe_search.choose_layouts
+
+    def recording(*args, **kwargs):
+        asked.append(args[4] if len(args) > 4 else kwargs.get("sharded_copies", False))
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(moe_search, "choose_layouts", recording)
+    search_moe_plan(graph, cluster, spec, name)
+    assert asked == [False]
+    base = moe_base_plan(graph, cluster, spec, name)
+    replicated = dataclasses.replace(
+        base, dp_flavour="fsdp", fsdp_units=graph.block_paths(),
+        expert_layouts=tuple(ExpertLayout(b.module, "data_parallel", 2, 1, 0.0) for b in graph.moe_blocks),
+    )
+    memory = simulated(replicated, graph).estimate.memory.total
+    asked.clear()
+    searched, _ = search_moe_plan(graph, two_nodes(memory), spec, name)
+    assert asked == [False, True] and searched.estimate.fits
+    monkeypatch.setattr(moe_search, "grid_placements", lambda experts, world: [])
+    without, _ = search_moe_plan(graph, two_nodes(memory), spec, name)
+    assert without.estimate.fits and searched.estimate.step_time_s <= without.estimate.step_time_s

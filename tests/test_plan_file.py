@@ -240,6 +240,37 @@ def test_expert_layouts_round_trip_and_are_checked(gpt_plan, tmp_path):
             load_plan(write(tmp_path, broken))
 
 
+def test_sharded_expert_copies_round_trip_and_old_plans_load(gpt_plan, tmp_path):
+    # Each expert's copies sharded (expert data parallelism): the flag survives JSON; a plan
+    # written before the field existed loads with it off; a placement whose copies do not form
+    # a grid, or a flag that is not a boolean, is refused with the field named.
+    import dataclasses
+
+    from planner.strategy import ExpertLayout, ExpertPlacement
+
+    grid = ExpertPlacement(2, (((0, 0.5), (1, 0.5)), ((0, 0.5), (1, 0.5))), "round-robin copies")
+    layout = ExpertLayout("transformer.h.1.moe", "expert_parallel", experts=2, top_k=1, capacity_factor=0.0,
+                          placement=grid, sharded_copies=True)
+    plan = dataclasses.replace(gpt_plan, expert_layouts=(layout,))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert load_plan(path) == plan
+    data = json.loads(path.read_text())
+    assert data["expert_layouts"][0]["sharded_copies"] is True
+    old = json.loads(json.dumps(data))
+    del old["expert_layouts"][0]["sharded_copies"]
+    assert load_plan(write(tmp_path, old)).expert_layouts[0] == dataclasses.replace(layout, sharded_copies=False)
+    for change, message in (
+        (lambda e: e.__setitem__("sharded_copies", "yes"), "sharded_copies' must be true or false"),
+        # Expert 1 whole on device 1 only: its copies are not expert 0's devices.
+        (lambda e: e["placement"]["replicas"].__setitem__(1, [[1, 1.0]]), "sharded_copies needs an expert_parallel"),
+    ):
+        broken = json.loads(json.dumps(data))
+        change(broken["expert_layouts"][0])
+        with pytest.raises(PlanFileError, match=message):
+            load_plan(write(tmp_path, broken))
+
+
 def _with_summa_node(data: dict, layout: dict, mesh: list) -> dict:
     data["mesh"] = mesh
     width = len(mesh)

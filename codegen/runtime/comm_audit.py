@@ -29,9 +29,10 @@ S bytes:
   send                    S; a receive sends nothing
   anything else           S, named "(no convention: its size)" in the table
 
-Each process group is named by the mesh axis it spans (``DeviceMesh.get_group``); a group
-spanning several axes, or none of the mesh's (the world group of a program whose mesh has
-two axes), is named ``other(n=<size>)``. The table reports the busiest rank's figure per
+Each process group is named by the mesh axis it spans (``DeviceMesh.get_group``), the groups
+of ranks holding the same experts (``codegen.runtime.expert_copies``) ``expert-copies``; a
+group spanning several axes, or none of the mesh's (the world group of a program whose mesh
+has two axes), is named ``other(n=<size>)``. The table reports the busiest rank's figure per
 axis, as ``bytes_per_axis`` does (``cost_model.step_memory``). Asked for sites, the audit
 also ties each collective to the line of ``model_spmd.py`` that issued it
 (``codegen.runtime.comm_sites``).
@@ -50,7 +51,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from codegen.runtime.comm_sites import collective_site
+from codegen.runtime.expert_copies import copy_group_names
 from codegen.runtime.program import Program
+from planner.strategy import EXPERT_COPIES_AXIS
 
 # Dispatcher namespaces whose ops are collectives; every other op runs uncounted.
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
@@ -169,7 +172,10 @@ def audit_step(
     if program.is_pipeline:
         pipeline = program.module.make_pipeline(module, mesh)
         local_args, local_kwargs = program.shard_batch(args, kwargs, mesh)
-    counter = CollectiveCounter(mesh_group_axes(mesh), with_sites=with_sites)
+    # The groups of ranks holding the same experts (sharded copies) are sub-groups of "dp",
+    # priced under their own key (planner.strategy.EXPERT_COPIES_AXIS).
+    copies = {name: EXPERT_COPIES_AXIS for name in copy_group_names()}
+    counter = CollectiveCounter({**copies, **mesh_group_axes(mesh)}, with_sites=with_sites)
     anomaly = torch.autograd.set_detect_anomaly(True, check_nan=False) if with_sites else contextlib.nullcontext()
     with anomaly, counter:
         if program.is_pipeline:

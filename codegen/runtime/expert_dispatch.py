@@ -29,7 +29,15 @@ import torch
 import torch.distributed as dist
 
 from codegen.runtime.materialize import set_derived_parameter
-from codegen.runtime.moe import all_to_all_rows, count_choices, gather_experts, is_recomputing, sum_copies, with_expert_gradient
+from codegen.runtime.moe import (
+    all_to_all_rows,
+    count_choices,
+    gather_experts,
+    is_recomputing,
+    sum_copies,
+    whole,
+    with_expert_gradient,
+)
 
 __all__ = ["ExpertParallelExperts"]
 
@@ -46,13 +54,16 @@ class ExpertParallelExperts(torch.nn.Module):
         rank_losses_averaged: each rank's loss is a mean over its own tokens and the
             program averages the other gradients over the group (a data-parallel program):
             expert gradients are divided by the group size in backward.
+        sharded_copies: the program shards this module over the ranks holding the same
+            experts (``codegen.runtime.expert_copies``), whose reduce-scatter sums the copies'
+            gradients: backward only divides by the group size.
     """
 
     # ``launch.py --record-routing`` names this module's counts by the MoE block holding it.
     records_routing_of_parent = True
 
     def __init__(self, experts: torch.nn.Module, placement, top_k: int, group=None, *,
-                 rank_losses_averaged: bool = True) -> None:
+                 rank_losses_averaged: bool = True, sharded_copies: bool = False) -> None:
         super().__init__()
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -60,7 +71,7 @@ class ExpertParallelExperts(torch.nn.Module):
         self.experts = experts.gate_up_proj.shape[0]
         if len(self.replicas) != self.experts:
             raise ValueError(f"the placement covers {len(self.replicas)} experts, the model's layer {self.experts}")
-        self.top_k, self.rank_losses_averaged = top_k, rank_losses_averaged
+        self.top_k, self.rank_losses_averaged, self.sharded_copies = top_k, rank_losses_averaged, sharded_copies
         self.local_experts = [e for e, copies in enumerate(self.replicas) if any(d == self.rank for d, _ in copies)]
         set_derived_parameter(self, "gate_up_proj", experts.gate_up_proj, rows=self.local_experts)
         set_derived_parameter(self, "down_proj", experts.down_proj, rows=self.local_experts)
@@ -113,7 +124,10 @@ class ExpertParallelExperts(torch.nn.Module):
 
     def expert_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """The gradient of this rank's expert weights as the step's mean loss needs it:
-        divided by the group size, copies summed over their holders."""
+        divided by the group size, copies summed over their holders (by the sharded copies'
+        reduce-scatter when ``sharded_copies``)."""
+        if self.sharded_copies:
+            return grad / self.world
         return sum_copies(grad / self.world, self.replicas, self.local_experts, self.group)
 
     def _destinations(self, chosen: torch.Tensor) -> torch.Tensor:
@@ -150,8 +164,8 @@ class ExpertParallelExperts(torch.nn.Module):
         found = {}
         for name in ("gate_up_proj", "down_proj"):
             weight = getattr(self, name)
-            value = gather_experts(weight.detach(), self.replicas, self.local_experts, self.group)
-            grad = None if weight.grad is None else gather_experts(weight.grad.detach(), self.replicas,
+            value = gather_experts(whole(weight.detach()), self.replicas, self.local_experts, self.group)
+            grad = None if weight.grad is None else gather_experts(whole(weight.grad.detach()), self.replicas,
                                                                    self.local_experts, self.group)
             found[name] = (value, grad)
         return found

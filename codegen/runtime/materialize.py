@@ -281,8 +281,8 @@ def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules
             source = derivation.source_name
             if derivation.whole:  # the same values as the source, however a wrapper shards them
                 total += _materialize_parameter(param, source, device, rules[source], seed)
-            elif isinstance(param, DTensor):
-                raise ValueError(f"{name}: a part of {source} sharded again by a wrapper cannot be materialised; "
+            elif isinstance(param, DTensor) and derivation.dim is not None:
+                raise ValueError(f"{name}: a range of {source} sharded again by a wrapper cannot be materialised; "
                                  "build this program from the whole model")
             else:
                 total += _materialize_derived(param, source, device, rules[source], seed, derivation)
@@ -296,15 +296,32 @@ def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules
 def _materialize_derived(param: nn.Parameter, name: str, device: torch.device, rule: InitRule, seed: int,
                          derivation: Derivation) -> int:
     """Fill a derived parameter with its part of model parameter ``name`` (full shape from
-    the source): one region per kept row, or one for all rows, each drawn as a shard is."""
+    the source): one region per kept row, or one for all rows, each drawn as a shard is. A
+    derived parameter that a wrapper sharded again (a DTensor: rows of the source, an expert
+    sharded over its copies by FSDP2) gets only its local shard of those rows."""
     shape = tuple(derivation.source.shape)
-    local = torch.empty(tuple(param.shape), dtype=param.dtype, device=device)
-    if derivation.rows is None:
+    rows = list(derivation.rows) if derivation.rows is not None else list(range(shape[0]))
+    inner_offset, inner_extent = [0] * (len(shape) - 1), list(shape[1:])
+    if isinstance(param, DTensor):
+        from torch.distributed.tensor._utils import (
+            compute_local_shape_and_global_offset,  # DTensor's own shard maths
+        )
+
+        local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        rows = rows[offset[0] : offset[0] + local_shape[0]]
+        inner_offset, inner_extent = list(offset[1:]), list(local_shape[1:])
+        local = torch.empty(tuple(local_shape), dtype=param.dtype, device=device)
+        value = DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    else:
+        local = value = torch.empty(tuple(param.shape), dtype=param.dtype, device=device)
+    if derivation.rows is None and not isinstance(param, DTensor):
         regions = [(0, 0, shape[0])]  # (first local row, first source row, rows)
     else:
-        regions = [(position, row, 1) for position, row in enumerate(derivation.rows)]
+        regions = [(position, row, 1) for position, row in enumerate(rows)]
     for position, row, count in regions:
-        offset, extent = [row, *([0] * (len(shape) - 1))], [count, *shape[1:]]
+        offset, extent = [row, *inner_offset], [count, *inner_extent]
         if derivation.dim is not None:
             if derivation.dim == 0:
                 raise ValueError(f"{name}: a derived part narrows dim 0 by its rows, not by a range")
@@ -312,7 +329,7 @@ def _materialize_derived(param: nn.Parameter, name: str, device: torch.device, r
         with torch.no_grad():
             for first, block in draw_region(rule, seed, name, shape, tuple(offset), tuple(extent)):
                 local[position + first : position + first + block.shape[0]].copy_(block)
-    _swap_storage(param, local)
+    _swap_storage(param, value)
     return local.numel() * local.element_size()
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from codegen.runtime.materialize import set_derived_parameter
@@ -56,7 +57,7 @@ from codegen.runtime.materialize import set_derived_parameter
 __all__ = [
     "ExpertParallelMoE", "FlatExchange", "count_choices", "RoutedMoE", "Routing", "all_to_all_rows", "exchange_counts", "gather_experts",
     "is_recomputing", "route", "rank_local_parameters", "recompute_in_backward_counting_once", "scaled_gradient", "sum_copied_expert_gradients",
-    "sum_copies", "with_expert_gradient",
+    "sum_copies", "whole", "with_expert_gradient", "GeluExperts",
 ]
 
 # The parameter names of examples/moe.py's MoE, relative to the layer: what full_parameters
@@ -255,11 +256,15 @@ class ExpertParallelMoE(RoutedMoE):
         names: the router's and the two expert weights' names in the replaced module.
         exchange: how rows move between the ranks of ``group`` (``FlatExchange``, the
             default, or ``codegen.runtime.moe_exchange.TwoLevelExchange``).
+        sharded_copies: this rank's experts live in a child module ``sharded_experts``
+            (``GeluExperts``) that the program shards over the ranks holding the same experts
+            (``codegen.runtime.expert_copies``); its reduce-scatter sums the copies'
+            gradients, so backward only divides them by the group size.
     """
 
     def __init__(self, router_weight, expert_in, expert_out, placement, top_k: int, capacity_factor: float,
                  group=None, *, rank_losses_averaged: bool = False, names: tuple[str, str, str] = DEFAULT_NAMES,
-                 exchange=None):
+                 exchange=None, sharded_copies: bool = False):
         super().__init__(router_weight, top_k, capacity_factor, group, names)
         self.exchange = exchange if exchange is not None else FlatExchange(group)
         self.replicas = [tuple((int(d), float(s)) for d, s in copies) for copies in placement]
@@ -267,12 +272,22 @@ class ExpertParallelMoE(RoutedMoE):
             raise ValueError(f"the placement covers {len(self.replicas)} experts, the router {self.experts}")
         self.rank_losses_averaged = rank_losses_averaged
         self.local_experts = [e for e, copies in enumerate(self.replicas) if any(d == self.rank for d, _ in copies)]
-        set_derived_parameter(self, "w_in", expert_in, rows=self.local_experts)
-        set_derived_parameter(self, "w_out", expert_out, rows=self.local_experts)
+        self.sharded_copies = sharded_copies
+        if sharded_copies:
+            # A module of their own, which FSDP2 can shard and gather around its forward.
+            self.sharded_experts = GeluExperts(expert_in, expert_out, self.local_experts, self._weights)
+        else:
+            set_derived_parameter(self, "w_in", expert_in, rows=self.local_experts)
+            set_derived_parameter(self, "w_out", expert_out, rows=self.local_experts)
+
+    def _expert_weights(self) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+        """This rank's two expert weights, wherever they live."""
+        owner = self.sharded_experts if self.sharded_copies else self
+        return owner.w_in, owner.w_out
 
     def rank_local_parameters(self) -> list[torch.nn.Parameter]:
         """This rank's experts (see ``RoutedMoE.rank_local_parameters``)."""
-        return [self.w_in, self.w_out]
+        return list(self._expert_weights())
 
     def _slot_ranges(self, copies, capacity: int):
         """(device, first slot, end slot) of each copy: slots split by the shares, in order."""
@@ -307,24 +322,31 @@ class ExpertParallelMoE(RoutedMoE):
 
         # 4. This rank's experts on their buffers (zeros where no token landed).
         held = len(self.local_experts)
-        w_in, w_out = self._weights()
         buffer = received.new_zeros(held * capacity, width).index_copy(0, row, received)
-        hidden = F.gelu(torch.bmm(buffer.view(held, capacity, width), w_in), approximate="tanh")
-        output = torch.bmm(hidden, w_out).reshape(held * capacity, width)
+        if self.sharded_copies:
+            output = self.sharded_experts(buffer.view(held, capacity, width))
+        else:
+            output = gelu_experts(buffer.view(held, capacity, width), *self._weights(*self._expert_weights()))
+        output = output.reshape(held * capacity, width)
 
         # 5. Results back to their tokens' ranks (the combine weights them with the gates).
         answered = output.index_select(0, row)
         returned, _ = self.exchange(answered, receive_sizes)  # arrives in the order it was sent
         return tokens.new_zeros(k * tokens.size(0), width).index_copy(0, sending, returned.to(tokens.dtype))
 
-    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _weights(self, w_in: torch.Tensor, w_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The expert weights as the experts use them: with ``rank_losses_averaged``, their
+        gradients become ``expert_gradient`` of what backward computes."""
         if not self.rank_losses_averaged:
-            return self.w_in, self.w_out
-        return with_expert_gradient(self.w_in, self), with_expert_gradient(self.w_out, self)
+            return w_in, w_out
+        return with_expert_gradient(w_in, self), with_expert_gradient(w_out, self)
 
     def expert_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """The gradient of one of this rank's expert weights as the step's loss needs it
-        (``rank_losses_averaged``): divided by the group size, copies summed over holders."""
+        (``rank_losses_averaged``): divided by the group size, copies summed over holders
+        (by the sharded copies' reduce-scatter when ``sharded_copies``)."""
+        if self.sharded_copies:
+            return grad / self.world
         return self._sum_copies(grad / self.world)
 
     def _sum_copies(self, grad: torch.Tensor) -> torch.Tensor:
@@ -335,14 +357,42 @@ class ExpertParallelMoE(RoutedMoE):
         copies: equal copies give the expert itself, copies that drifted apart do not."""
         router, in_name, out_name = self.names
         found = {router: self._router_entry()}
-        for name, weight in ((in_name, self.w_in), (out_name, self.w_out)):
-            value = self._gather(weight.detach())
-            grad = None if weight.grad is None else self._gather(weight.grad.detach())
+        for name, weight in zip((in_name, out_name), self._expert_weights()):
+            value = self._gather(whole(weight.detach()))
+            grad = None if weight.grad is None else self._gather(whole(weight.grad.detach()))
             found[name] = (value, grad)
         return found
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
         return gather_experts(local, self.replicas, self.local_experts, self.group)
+
+
+def gelu_experts(buffer: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+    """GELU experts as one batched matmul: ``buffer`` (experts, slots, width) through
+    ``w_in`` (experts, width, ffn) and ``w_out`` (experts, ffn, width)."""
+    return torch.bmm(F.gelu(torch.bmm(buffer, w_in), approximate="tanh"), w_out)
+
+
+class GeluExperts(torch.nn.Module):
+    """This rank's experts of an ``ExpertParallelMoE`` with sharded copies, as a module of
+    their own (``w_in``, ``w_out``: the rows ``local_experts`` of the model's stacked
+    weights) whose forward runs them, so that FSDP2 gathers them around it. ``as_used`` turns
+    the weights into what the experts multiply with (the layer's gradient scaling)."""
+
+    def __init__(self, expert_in, expert_out, local_experts: list[int], as_used) -> None:
+        super().__init__()
+        set_derived_parameter(self, "w_in", expert_in, rows=local_experts)
+        set_derived_parameter(self, "w_out", expert_out, rows=local_experts)
+        self.as_used = as_used  # a bound method of the layer: a plain attribute, not a submodule
+
+    def forward(self, buffer: torch.Tensor) -> torch.Tensor:
+        return gelu_experts(buffer, *self.as_used(self.w_in, self.w_out))
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole on this rank: a DTensor (an expert weight or gradient sharded over
+    its copies) gathered over its mesh, a plain tensor as it is. A collective for a DTensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def sum_copies(grad: torch.Tensor, replicas, local_experts: list[int], group) -> torch.Tensor:
@@ -478,5 +528,5 @@ def sum_copied_expert_gradients(layer: ExpertParallelMoE) -> None:
     """Sum the gradients of every copied expert over the ranks holding a copy (after
     backward, before the optimizer step), for a layer without ``rank_losses_averaged``:
     each copy saw only its share of the tokens."""
-    for weight in (layer.w_in, layer.w_out):
+    for weight in layer._expert_weights():
         weight.grad = layer._sum_copies(weight.grad)
