@@ -12,6 +12,9 @@ in ONE torchrun launch of ``tests/dist_check_many.py`` (starting processes costs
     python benchmarks/hf_sweep.py decoders --world 2
     python benchmarks/hf_sweep.py gptj mpt --world 2 --out /tmp/sweep
 
+Types in ``IN_FLOAT64`` are checked in float64 (``launch.py --check --fp64``): their
+single-device fp32 step is itself too far from exact for the fp32 tolerance to judge.
+
 Prints one row per model type: the searched plan, whether it compiled, the parity result
 (max error, or the first line of the failure), and the same for the forced tensor-parallel
 layout; a refusal (a ``PlannerError``) is printed as its one line.
@@ -209,6 +212,10 @@ SWEEP: dict[str, dict[str, dict]] = {
     },
 }
 ALL = {name: overrides for group in SWEEP.values() for name, overrides in group.items()}
+# Types whose single-device fp32 step differs from the same step in float64 by more than the
+# fp32 tolerance (57x, 179x and 51x at these sizes; their last batch norms normalise over 4
+# values per channel), so their programs are checked in float64 instead.
+IN_FLOAT64 = {"mobilenet_v1", "mobilenet_v2", "levit"}
 
 
 def _first_line(text: str, limit: int = 160) -> str:
@@ -259,7 +266,9 @@ def _plan_and_compile(name: str, world: int, out: Path, effort: float, force_tp:
 def _parity_cell(result: str) -> str:
     """``ok 2.2e-08`` for a pass (its max abs error), else the failure's first 160 characters."""
     passed = re.match(r"ok parity ok: max_abs_err=(\S+)", result)
-    return f"ok {passed.group(1)}" if passed else _first_line(result.replace("|", ";"))
+    if passed:
+        return f"ok {passed.group(1)}" + (" (fp64)" if "compared in float64" in result else "")
+    return _first_line(result.replace("|", ";"))
 
 
 def _check_all(rows: list[dict], world: int, out: Path) -> None:
@@ -267,8 +276,10 @@ def _check_all(rows: list[dict], world: int, out: Path) -> None:
     folders = [folder for row in rows for folder in row["folders"].values()]
     if not folders:
         return
+    arguments = [argument for row in rows for folder in row["folders"].values()
+                 for argument in ((["--fp64"] if row["model"] in IN_FLOAT64 else []) + [str(folder)])]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(DIST_CHECK_MANY),
-               *map(str, folders)]
+               *arguments]
     launch = subprocess.run(command, cwd=out, capture_output=True, text=True, timeout=1800,
                             env={**__import__("os").environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     results = {}

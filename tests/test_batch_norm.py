@@ -2,7 +2,8 @@
 
 On a group of one rank the synchronised layer must compute exactly what the native layer
 does: output, gradients of input, weight and bias, and running statistics, in training
-(with and without momentum) and in evaluation. Several ranks are checked by the zoo's
+(with and without momentum) and in evaluation, in float32 and in float64 (``launch.py
+--check --fp64`` runs the layer in float64: no step of it may round to float32). Several ranks are checked by the zoo's
 parity launch (tests/test_zoo.py: data-parallel ResNets, and a program left unsynchronised
 that must fail).
 """
@@ -28,6 +29,17 @@ def one_rank():
     dist.destroy_process_group()
 
 
+# (output, gradients, running statistics) as (rtol, atol), by dtype. float32: a few ulps of
+# sums over up to 100 values. float64: the two computations differ by at most 5e-13 here
+# (sums of up to 100 terms below 1e4, unit roundoff 1.1e-16), while one float32 rounding
+# anywhere (the input, the Bessel factor 100/99) is off by 4e-8 or more: 1e-10 parts them.
+TOLERANCES = {
+    torch.float32: ((1e-5, 1e-5), (1e-4, 1e-4), (1e-5, 1e-6)),
+    torch.float64: ((1e-10, 1e-10), (1e-10, 1e-10), (1e-10, 1e-10)),
+}
+
+
+@pytest.mark.parametrize("dtype", sorted(TOLERANCES, key=str), ids=str)
 @pytest.mark.parametrize(
     "layer, shape",
     [
@@ -38,26 +50,29 @@ def one_rank():
     ],
     ids=["2d", "1d cumulative average", "1d without affine", "3d without running stats"],
 )
-def test_one_rank_matches_the_native_layer(one_rank, layer, shape):
+def test_one_rank_matches_the_native_layer(one_rank, layer, shape, dtype):
     torch.manual_seed(0)
-    native = nn.Sequential(layer)
+    layer = copy.deepcopy(layer)  # the parametrised layer is shared by both dtypes
+    native = nn.Sequential(layer).to(dtype)
     if layer.affine:
         nn.init.uniform_(layer.weight)
         nn.init.uniform_(layer.bias)
     synchronised = copy.deepcopy(native)
     assert synchronise_batch_norm(synchronised, one_rank) == 1
+    (out_rtol, out_atol), (grad_rtol, grad_atol), (stat_rtol, stat_atol) = TOLERANCES[dtype]
     for step in range(2):  # twice: the running statistics move on
-        x = torch.randn(shape) * 3 + 1
+        x = (torch.randn(shape) * 3 + 1).to(dtype)
         native_x, synchronised_x = x.clone().requires_grad_(), x.clone().requires_grad_()
         expected, result = native(native_x), synchronised(synchronised_x)
-        torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
+        assert result.dtype == dtype
+        torch.testing.assert_close(result, expected, rtol=out_rtol, atol=out_atol)
         (expected * torch.arange(expected.numel()).view_as(expected)).sum().backward()
         (result * torch.arange(result.numel()).view_as(result)).sum().backward()
-        torch.testing.assert_close(synchronised_x.grad, native_x.grad, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(synchronised_x.grad, native_x.grad, rtol=grad_rtol, atol=grad_atol)
         for (name, a), (_, b) in zip(synchronised.named_parameters(), native.named_parameters()):
-            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4, msg=name)
+            torch.testing.assert_close(a.grad, b.grad, rtol=grad_rtol, atol=grad_atol, msg=name)
         for (name, a), (_, b) in zip(synchronised.named_buffers(), native.named_buffers()):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(a, b, rtol=stat_rtol, atol=stat_atol, msg=name)
     native.eval(), synchronised.eval()
-    x = torch.randn(shape)
+    x = torch.randn(shape).to(dtype)
     torch.testing.assert_close(synchronised(x), native(x))

@@ -137,11 +137,13 @@ def _run(command: list[str], cwd: Path, timeout: float) -> Launch:
     return Launch(command, process.returncode, stdout, stderr)
 
 
-def check_many(world: int, programs: list[Path], cwd: Path) -> Launch:
-    """Check every compiled program in ``programs`` in ONE torchrun launch of
-    ``dist_check_many.py`` at ``world`` processes; the launch itself must succeed."""
+def check_many(world: int, programs: list[Path], cwd: Path, in_float64: list[Path] = ()) -> Launch:
+    """Check every compiled program in ``programs`` (and those of ``in_float64`` in float64,
+    ``--check --fp64``) in ONE torchrun launch of ``dist_check_many.py`` at ``world``
+    processes; the launch itself must succeed."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(DIST_CHECK_MANY)]
-    launch = _run([*command, *map(str, programs)], cwd=cwd, timeout=LAUNCH_TIMEOUT)
+    float64 = [argument for folder in in_float64 for argument in ("--fp64", str(folder))]
+    launch = _run([*command, *map(str, programs), *float64], cwd=cwd, timeout=LAUNCH_TIMEOUT)
     assert launch.returncode == 0, f"dist_check_many.py failed at world size {world}:\n{launch.describe()}"
     return launch
 

@@ -45,8 +45,10 @@ def _forward_over_group(self: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) 
     group = self._statistics_group
     reduced = [0, *range(2, x.dim())]  # every dim but the channels
     shape = [1, -1] + [1] * (x.dim() - 2)
-    values = x.float()  # statistics in fp32, as the native kernel keeps them under autocast
-    count = torch.tensor(float(values.numel() // values.shape[1]), device=x.device)
+    # Statistics in at least fp32, as the native kernel keeps them under autocast; fp64 stays fp64.
+    values = x.to(torch.promote_types(x.dtype, torch.float32))
+    # In the statistics' dtype: an fp32 count would round the fp64 Bessel factor count / (count - 1).
+    count = torch.tensor(float(values.numel() // values.shape[1]), dtype=values.dtype, device=x.device)
     dist.all_reduce(count, group=group)
     mean = _SumOverGroup.apply(values.sum(reduced), group) / count
     centred = values - mean.view(shape)
