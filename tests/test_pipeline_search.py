@@ -234,14 +234,16 @@ def test_interleaved_estimates_follow_the_simulator(heavy_head):
 
 def test_grid_plans_fit_when_the_fastest_configuration_does_not(heavy_head):
     graph, spec, name, roomy = heavy_head
-    fastest = pipeline_plans(graph, roomy, spec, name, "bf16", SearchBudget(effort=0.5))[0]
+    # The grid's finalists come fastest estimate first; the search keeps the fastest simulated.
+    finalists = pipeline_plans(graph, roomy, spec, name, "bf16", SearchBudget())
+    fastest = min(finalists, key=lambda plan: plan.estimate.step_time_s)
     need = fastest.estimate.memory.total
     tight = with_device_memory(roomy, int(need * 0.8))
     # The roomy winner does not fit on the tight cluster...
     squeezed = dataclasses.replace(fastest, cluster=tight)
     assert not Simulator(squeezed, graph).run(trace=False).fits
     # ... and every plan the grid gives there fits, at some cost in time.
-    plans = pipeline_plans(graph, tight, spec, name, "bf16", SearchBudget(effort=0.5))
+    plans = pipeline_plans(graph, tight, spec, name, "bf16", SearchBudget())
     assert plans and all(plan.estimate.fits for plan in plans)
     assert min(p.estimate.step_time_s for p in plans) >= fastest.estimate.step_time_s
 
