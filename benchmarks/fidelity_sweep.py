@@ -196,6 +196,13 @@ def _sensitivities(runs: list[Run]) -> tuple[list[float], list[float]]:
     return base, slope
 
 
+def _row(run: Run, plain: float, fit: float) -> str:
+    """One configuration: published seconds, predicted without and with the overhead, errors."""
+    q = run.published_step_s
+    return (f"{run.name:<16} {run.describe(384):<40} {q:>8.2f}s {plain:>10.2f}s {plain / q - 1:>+7.1%} "
+            f"{fit:>7.2f}s {fit / q - 1:>+7.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-check", action="store_true", help="skip the held-out 2022-02-25 sweep (half the time)")
@@ -215,9 +222,7 @@ def main() -> None:
         c = fitted_overhead([base[j] for j in others], [slope[j] for j in others], [published[j] for j in others])
         left_out.append(base[i] + c * slope[i])
     for run, plain, fit, out in zip(runs, base, fitted, left_out):
-        q = run.published_step_s
-        print(f"{run.name:<16} {run.describe(384):<40} {q:>8.2f}s {plain:>10.2f}s {plain / q - 1:>+7.1%} "
-              f"{fit:>7.2f}s {fit / q - 1:>+7.1%} {out / q - 1:>+8.1%}", flush=True)
+        print(f"{_row(run, plain, fit)} {out / run.published_step_s - 1:>+8.1%}", flush=True)
     print(f"\n{len(runs)} configurations ({SOURCE})")
     print(f"  without an engine overhead: {summary(base, published)}")
     print(f"  fitted overhead {overhead * 1e3:.2f} ms per layer per micro-batch: {summary(fitted, published)}")
@@ -232,9 +237,7 @@ def main() -> None:
     check_published = [run.published_step_s for run in checks]
     check_fitted = [t + overhead * k for t, k in zip(check_base, check_slope)]
     for run, plain, fit in zip(checks, check_base, check_fitted):
-        q = run.published_step_s
-        print(f"{run.name:<16} {run.describe(384):<40} {q:>8.2f}s {plain:>10.2f}s {plain / q - 1:>+7.1%} "
-              f"{fit:>7.2f}s {fit / q - 1:>+7.1%}", flush=True)
+        print(_row(run, plain, fit), flush=True)
     print(f"\n{len(checks)} held-out configurations")
     print(f"  without an engine overhead: {summary(check_base, check_published)}")
     print(f"  with the fitted overhead: {summary(check_fitted, check_published)}")
