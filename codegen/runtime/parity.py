@@ -33,6 +33,7 @@ or statistics over the wrong batch, still fail at full size.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,7 @@ class ParityResult:
     worst: TensorDiff
     randomness: str = ""  # what was switched off (RandomnessReport.line), printed before the verdict
     in_float64: bool = False  # both steps ran in float64 (check_parity's float64)
+    float64_possible: bool = False  # an fp32 program --fp64 could check (named on failure)
 
     @property
     def ok(self) -> bool:
@@ -83,6 +85,8 @@ class ParityResult:
         return (
             f"parity FAILED: worst tensor {self.worst.name}: max_abs_err={self.worst.max_abs_err:.3e} "
             f"({self.worst.violation:.1f}x the tolerance atol={atol}, rtol={rtol}{', in float64' if self.in_float64 else ''})"
+            + ("; a model badly conditioned in fp32 (batch norm over a few values) can fail on rounding alone: "
+               "--check --fp64 tells rounding from a bug" if self.float64_possible and not self.in_float64 else "")
         )
 
 
@@ -188,7 +192,8 @@ def check_parity(
         else TensorDiff(f"parameter {name} (not in the model built from the spec)", float("inf"), float("inf"))
         for name, (value, _) in full_parameters(model).items()
     ]
-    return _across_ranks(diffs, randomness.line(), float64)
+    result = _across_ranks(diffs, randomness.line(), float64)
+    return dataclasses.replace(result, float64_possible=program.plan.precision == "fp32")
 
 
 def full_parameters(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
