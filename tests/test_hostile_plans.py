@@ -308,6 +308,8 @@ FIELDS = [
     Field("expert_layouts[0].mode", _set("expert_layouts", 0, "mode"), _always, "'expert_layouts[0]'", kinds=MOE),
     Field("expert_layouts[0].axis", _set("expert_layouts", 0, "axis"), _always, "runs over axis", kinds=MOE),
     Field("expert_layouts[0].all_to_all", _set("expert_layouts", 0, "all_to_all"), _always, "'expert_layouts[0]'", kinds=MOE),
+    Field("expert_layouts[0].sharded_copies (a bool given text)", _set("expert_layouts", 0, "sharded_copies"), _always,
+          "'expert_layouts[0].sharded_copies' must be true or false", kinds=MOE),
     Field(
         "expert_layouts[0].placement.replicas device", _replica_device, _always,
         "'expert_layouts[0].placement.replicas[0]'", kinds=MOE,
