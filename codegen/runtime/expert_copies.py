@@ -39,7 +39,7 @@ def copy_mesh(dp_mesh: DeviceMesh, copy_groups) -> DeviceMesh:
     group's positions on ``dp_mesh`` (equal sizes, every position once), which become a
     (groups x copies) ``DeviceMesh`` whose ``copies`` dim is returned. A collective over
     ``dp_mesh``'s ranks (every rank builds every group's process group)."""
-    groups = torch.tensor(copy_groups, dtype=torch.long)
+    groups = torch.tensor(copy_groups, dtype=torch.long, device="cpu")  # indexes DeviceMesh.mesh, a CPU tensor
     if groups.dim() != 2 or sorted(groups.flatten().tolist()) != list(range(dp_mesh.size())):
         raise ValueError(f"copy groups {copy_groups!r} must split the {dp_mesh.size()} ranks of the mesh into equal groups")
     ranks = dp_mesh.mesh.flatten()[groups]  # global ranks, one row per group
