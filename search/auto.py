@@ -20,7 +20,6 @@ from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
 from planner.routing import RoutingStats
-from torch.distributed.tensor import Replicate
 
 from planner.strategy import Mesh, NodeStrategy
 from search.batch_coupling import batch_coupled_ops, coupling_warning
@@ -31,6 +30,7 @@ from search.data_parallel import DATA_PARALLEL_FLAVOURS, accumulating, data_para
 from search.ilp import solve
 from search.layouts import batch_input_placements, combine
 from search.mcmc import mcmc
+from search.node_candidates import node_strategies
 from search.moe_search import runs_by_layout, search_moe_plan
 from search.megatron import megatron_baseline
 from search.pipeline_search import pipeline_plans
@@ -59,49 +59,6 @@ def candidate_meshes(cluster: Cluster, batch_size: int) -> list[Mesh]:
         axes = tuple((name, size) for name, size in (("dp", dp), ("tp", tp)) if size > 1) or (("dp", 1),)
         meshes.append(Mesh(axes))
     return meshes
-
-
-def node_strategies(graph: OpGraph, mesh: Mesh, only: set[str] | None = None,
-                    tp_layouts: str = "auto") -> dict[str, list[NodeStrategy]]:
-    """Candidate strategies on ``mesh`` from the rule registry (all-replicate first), for
-    every node or for the nodes in ``only``. On the ``dp`` axis weights stay replicated:
-    sharding them there is what the FSDP/ZeRO flavours do; weights split on ``tp``.
-
-    On a mesh with SUMMA axes the block-layout strategies (``search.rules.summa``) are
-    added; with ``tp_layouts="summa"`` a linear that has SUMMA strategies gets only those,
-    with ``tp_layouts="1d"`` no op gets a SUMMA layout (plain per-axis shardings only)."""
-    from search.rules import candidates
-    from search.rules.summa import LINEAR_OPS, summa_candidates
-
-    dp = mesh.names.index("dp") if "dp" in mesh.names else None
-    strategies: dict[str, list[NodeStrategy]] = {}
-    for node in graph.nodes:
-        if only is not None and node.name not in only:
-            continue
-        weight_positions = [node.inputs.index(source) for source in node.param_inputs]
-
-        def weights_whole_on_dp(per_axis, positions=weight_positions) -> bool:
-            return dp is None or all(isinstance(per_axis[dp].inputs[i], Replicate) for i in positions)
-
-        options = []
-        for per_axis in candidates(node, mesh, keep=weights_whole_on_dp):
-            inputs = tuple(tuple(c.inputs[i] for c in per_axis) for i in range(len(node.inputs)))
-            outputs = tuple(tuple(c.outputs[i] for c in per_axis) for i in range(len(node.output_meta)))
-            params = {
-                param: inputs[node.inputs.index(source)]
-                for param, source in zip(node.params, node.param_inputs)
-            }
-            options.append(NodeStrategy(node=node.name, op=node.op, module=node.module, inputs=inputs, outputs=outputs, params=params))
-        summa = summa_candidates(node, mesh)
-        if tp_layouts == "1d":
-            summa = [s for s in summa if s.layout is None]
-        if summa and tp_layouts == "summa" and node.op in LINEAR_OPS:
-            options = summa
-        else:
-            known = {(s.inputs, s.outputs) for s in options}
-            options += [s for s in summa if s.layout is not None or (s.inputs, s.outputs) not in known]
-        strategies[node.name] = options
-    return strategies
 
 
 def search_plan(

@@ -40,6 +40,7 @@ from search.budget import SearchBudget
 from search.cost_tables import build_cost_tables
 from search.ilp import IlpResult, solve
 from search.layouts import restrict_axes
+from search.node_candidates import node_strategies
 from search.plan_builder import input_placements, unsimulated_plan
 
 PP_AXIS = "pp"
@@ -180,8 +181,6 @@ def search_stage_layout(
     the grid checks memory per configuration and keeps Megatron's layout where this one
     does not fit.
     """
-    # search.auto imports the pipeline grid, which imports this module: import at call time.
-    from search.auto import node_strategies
 
     names = mesh.names
     pp_position = names.index(PP_AXIS) if PP_AXIS in names else None

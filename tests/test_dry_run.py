@@ -25,7 +25,7 @@ from planner.api import prepare_model
 from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from planner.strategy import Mesh
-from search.auto import node_strategies
+from search.node_candidates import node_strategies
 from search.plan_builder import unsimulated_plan
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from planner.cluster import Cluster, DeviceSpec, LinkSpec, NodeSpec
 from planner.strategy import Mesh
 from planner.trace import trace
-from search.auto import node_strategies
+from search.node_candidates import node_strategies
 from search.cost_tables import build_cost_tables
 from search.ilp import solve
 from search.layouts import combine

@@ -19,7 +19,7 @@ from cost_model.simulator import Simulator
 from planner.api import prepare_model
 from planner.cluster import Cluster
 from planner.strategy import Mesh
-from search.auto import node_strategies
+from search.node_candidates import node_strategies
 from search.layouts import combine
 from search.plan_builder import unsimulated_plan
 

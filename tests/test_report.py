@@ -22,7 +22,7 @@ from planner.report import REPORT_WIDTH
 from planner.strategy import Alternative, Mesh
 from planner.units import format_bytes, format_seconds
 from planner.verdict import CLOSE_CALL_MARGIN, close_calls, findings, plan_family, plan_label
-from search.auto import node_strategies
+from search.node_candidates import node_strategies
 from search.plan_builder import unsimulated_plan
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

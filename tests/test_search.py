@@ -27,7 +27,8 @@ from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from planner.strategy import Mesh
 from planner.trace import trace
-from search.auto import candidate_meshes, node_strategies, search_plan
+from search.auto import candidate_meshes, search_plan
+from search.node_candidates import node_strategies
 from search.budget import SearchBudget
 from search.cost_tables import build_cost_tables
 from search.ilp import solve

@@ -37,7 +37,7 @@ from planner.cluster import Cluster
 from planner.errors import ArgumentError, PlanningError
 from planner.plans import load_plan
 from planner.strategy import Mesh, SummaLayout
-from search.auto import node_strategies
+from search.node_candidates import node_strategies
 from search.cost_tables import build_cost_tables
 from search.ilp import solve
 from search.layouts import combine

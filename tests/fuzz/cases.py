@@ -27,7 +27,7 @@ from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
 from planner.strategy import Mesh, NodeStrategy
-from search.auto import node_strategies
+from search.node_candidates import node_strategies
 from search.plan_builder import input_placements, unsimulated_plan
 
 from random_model import recipe
