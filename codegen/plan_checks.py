@@ -71,7 +71,7 @@ def check_fields(plan: Plan) -> None:
     """What can be checked from the plan alone: mesh axes, the precision and optimizer a
     program runs, and the numbers it writes. ``planner.compile`` runs this first, so a bad
     field is named before any other message quotes it."""
-    from codegen.runtime.parity import OPTIMIZERS
+    from codegen.runtime.optimizers import OPTIMIZERS
 
     for index, name in enumerate(plan.mesh.names):
         if name not in KNOWN_AXES:

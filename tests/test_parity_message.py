@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from codegen.runtime.parity import ParityResult, TensorDiff
+from codegen.runtime.parity_compare import ParityResult, TensorDiff
 
 FAILED = TensorDiff("grad of conv_stem.weight", 3e-3, 35.0)
 

@@ -165,7 +165,7 @@ def audit_step(
     """Run one training step of ``program`` on the spec's example batch, from the weights
     ``build_module`` gives every plan, with every collective counted (and tied to its site,
     under autograd's anomaly mode, if ``with_sites``). Collective: every rank calls it."""
-    from codegen.runtime.parity import optimizer_class
+    from codegen.runtime.optimizers import optimizer_class
 
     _, module, args, kwargs = program.build_module(mesh)
     step_optimizer = program.make_optimizer(module, mesh, optimizer_class(optimizer or program.plan.optimizer), lr=lr)

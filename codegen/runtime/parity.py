@@ -32,87 +32,28 @@ or statistics over the wrong batch, still fail at full size.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from codegen.runtime.precision import AUTOCAST_DTYPES, run_in_autocast
+from codegen.runtime.optimizers import optimizer_class
+from codegen.runtime.parity_compare import (
+    ParityResult,
+    TensorDiff,
+    compare_tensor,
+    full_tensor,
+    optimizer_step_from,
+    single_device_reference,
+    verdict_across_ranks,
+)
+from codegen.runtime.pipeline_parity import check_pipeline_parity
 from codegen.runtime.program import Program
 from codegen.runtime.randomness import NoDropout, switch_off_dropout_attributes, switch_off_dropout_modules
 from planner.errors import LaunchError
 from planner.model_spec import extract_loss
-
-
-@dataclass(frozen=True)
-class TensorDiff:
-    """How far one sharded tensor is from its single-device value."""
-
-    name: str
-    max_abs_err: float
-    violation: float  # max of |a-b| / (atol + rtol*|b|); above 1 fails
-
-    @property
-    def ok(self) -> bool:
-        return self.violation <= 1.0
-
-
-@dataclass(frozen=True)
-class ParityResult:
-    """Outcome of a parity check over every compared tensor on every rank."""
-
-    compared: int
-    max_abs_err: float
-    worst: TensorDiff
-    randomness: str = ""  # what was switched off (RandomnessReport.line), printed before the verdict
-    in_float64: bool = False  # both steps ran in float64 (check_parity's float64)
-    float64_possible: bool = False  # an fp32 program --fp64 could check (named on failure)
-
-    @property
-    def ok(self) -> bool:
-        return self.worst.ok
-
-    def message(self, atol: float, rtol: float) -> str:
-        if self.ok:
-            where = " in float64" if self.in_float64 else ""
-            return (f"parity ok: max_abs_err={self.max_abs_err:.3e} ({self.compared} tensors compared{where}, "
-                    f"atol={atol}, rtol={rtol})")
-        return (
-            f"parity FAILED: worst tensor {self.worst.name}: max_abs_err={self.worst.max_abs_err:.3e} "
-            f"({self.worst.violation:.1f}x the tolerance atol={atol}, rtol={rtol}{', in float64' if self.in_float64 else ''})"
-            + ("; a model badly conditioned in fp32 (batch norm over a few values) can fail on rounding alone: "
-               "--check --fp64 tells rounding from a bug" if self.float64_possible and not self.in_float64 else "")
-        )
-
-
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
-
-
-def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    """The optimizer class of the step: ``adamw`` (the plan's default) or ``sgd``."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer '{name}' (adamw or sgd)")
-    return OPTIMIZERS[name]
-
-
-def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
-    """The single-device optimizer of the step over ``params``: ``adamw`` or ``sgd``."""
-    return optimizer_class(name)(params, lr=lr)
-
-
-def single_device_reference(program: Program, model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
-    """A copy of ``model`` that runs the step on one device, in the plan's precision (a bf16
-    plan's forward under the same autocast as its program)."""
-    reference = copy.deepcopy(model)
-    dtype = AUTOCAST_DTYPES.get(program.plan.precision)
-    if dtype is not None:
-        run_in_autocast(reference, mesh.device_type, dtype)
-    return reference
 
 
 def check_float64_applies(program: Program) -> None:
@@ -144,7 +85,6 @@ def check_parity(
     if float64:
         check_float64_applies(program)
     if program.is_pipeline:
-        from codegen.runtime.pipeline_parity import check_pipeline_parity
 
         return check_pipeline_parity(program, mesh, atol, rtol, lr, optimizer)
     model, args, kwargs = program.build_model()
@@ -179,20 +119,20 @@ def check_parity(
     grads = {name: grad for name, (_, grad) in full_parameters(model).items() if grad is not None}
     local_optimizer.step()
 
-    diffs = [_compare("loss", _global_mean(loss.detach()), ref_loss.detach(), atol, rtol)]
+    diffs = [compare_tensor("loss", _global_mean(loss.detach()), ref_loss.detach(), atol, rtol)]
     if output is not None:
         diffs += _compare_outputs(output, ref_output, mesh, program.plan.batch_size, atol, rtol)
     missing = sorted(set(ref_grads) ^ set(grads))
     if missing:
         diffs.append(TensorDiff(f"gradient presence of {missing[0]}", float("inf"), float("inf")))
-    diffs += [_compare(f"grad of {n}", grads[n], ref_grads[n], atol, rtol) for n in sorted(set(grads) & set(ref_grads))]
-    expected = _optimizer_step(optimizer, lr, initial, grads)
+    diffs += [compare_tensor(f"grad of {n}", grads[n], ref_grads[n], atol, rtol) for n in sorted(set(grads) & set(ref_grads))]
+    expected = optimizer_step_from(optimizer, lr, initial, grads)
     diffs += [
-        _compare(f"updated {name}", value, expected[name], atol, rtol) if name in expected
+        compare_tensor(f"updated {name}", value, expected[name], atol, rtol) if name in expected
         else TensorDiff(f"parameter {name} (not in the model built from the spec)", float("inf"), float("inf"))
         for name, (value, _) in full_parameters(model).items()
     ]
-    result = _across_ranks(diffs, randomness.line(), float64)
+    result = verdict_across_ranks(diffs, randomness.line(), float64)
     return dataclasses.replace(result, float64_possible=program.plan.precision == "fp32")
 
 
@@ -217,23 +157,11 @@ def full_parameters(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tor
     found = {}
     for name, param in model.named_parameters():
         if not any(name.startswith(owner + ".") for owner in owners):
-            found[name] = (_full(param.detach()), None if param.grad is None else _full(param.grad))
+            found[name] = (full_tensor(param.detach()), None if param.grad is None else full_tensor(param.grad))
     for path, module in owners.items():
         for name, (value, grad) in module.full_parameters().items():  # FSDP2 may shard the replicated ones
-            found[f"{path}.{name}" if path else name] = (_full(value), None if grad is None else _full(grad))
+            found[f"{path}.{name}" if path else name] = (full_tensor(value), None if grad is None else full_tensor(grad))
     return found
-
-
-def _optimizer_step(
-    optimizer: str, lr: float, initial: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """The parameters after one single-device ``optimizer`` step from ``initial`` with ``grads``."""
-    params = {name: torch.nn.Parameter(value.clone()) for name, value in initial.items()}
-    for name, grad in grads.items():
-        if name in params:
-            params[name].grad = grad.detach().clone()
-    make_optimizer(optimizer, params.values(), lr).step()
-    return {name: param.detach() for name, param in params.items()}
 
 
 def _compare_outputs(output, ref_output, mesh: DeviceMesh, global_batch: int, atol: float, rtol: float) -> list[TensorDiff]:
@@ -244,49 +172,21 @@ def _compare_outputs(output, ref_output, mesh: DeviceMesh, global_batch: int, at
         return [TensorDiff("output structure", float("inf"), float("inf"))]
     if "dp" in (mesh.mesh_dim_names or ()):
         rank, size = mesh.get_local_rank("dp"), mesh.size(mesh.mesh_dim_names.index("dp"))
-    else:  # no batch axis: every output is whole (DTensor outputs are gathered by _full)
+    else:  # no batch axis: every output is whole (DTensor outputs are gathered by full_tensor)
         rank, size = 0, 1
     diffs = []
     for index, (local, ref) in enumerate(zip(leaves, ref_leaves)):
-        local, ref = _full(local.detach()), ref.detach()
+        local, ref = full_tensor(local.detach()), ref.detach()
         if local.dim() == 0:
             local = _global_mean(local)
         elif ref.dim() > 0 and ref.shape[0] == global_batch and local.shape[0] == global_batch // size:
             ref = ref.chunk(size, dim=0)[rank]
-        diffs.append(_compare(f"output[{index}]", local, ref, atol, rtol))
+        diffs.append(compare_tensor(f"output[{index}]", local, ref, atol, rtol))
     return diffs
-
-
-def _compare(name: str, actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> TensorDiff:
-    if actual.shape != expected.shape:
-        return TensorDiff(f"{name} (shape {tuple(actual.shape)} vs {tuple(expected.shape)})", float("inf"), float("inf"))
-    actual, expected = actual.double(), expected.double()
-    error = (actual - expected).abs()
-    if error.numel() == 0:
-        return TensorDiff(name, 0.0, 0.0)
-    return TensorDiff(name, error.max().item(), (error / (atol + rtol * expected.abs())).max().item())
-
-
-def _across_ranks(diffs: list[TensorDiff], randomness: str = "", in_float64: bool = False) -> ParityResult:
-    worst = max(diffs, key=lambda d: d.violation)
-    local = (len(diffs), max(d.max_abs_err for d in diffs), worst)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    return ParityResult(
-        compared=sum(item[0] for item in gathered),
-        max_abs_err=max(item[1] for item in gathered),
-        worst=max((item[2] for item in gathered), key=lambda d: d.violation),
-        randomness=randomness,
-        in_float64=in_float64,
-    )
 
 
 def _to_float64(value):
     return value.to(torch.float64) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _global_mean(value: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """``launch.py --check`` for pipeline programs (``codegen.pipeline_emit``; ``--steps`` runs
 through ``codegen.runtime.training_loop.train``).
 
-The check is ``codegen.runtime.parity``'s, through the schedule: every rank builds the model
+The check is ``codegen.runtime.parity``'s (its comparison: ``codegen.runtime.parity_compare``), through the schedule: every rank builds the model
 and the global batch with the same seed and runs the single-device step on its own; then
 this rank's stage runs one step of the pipeline (``make_pipeline(stage, mesh).step``: all
 micro-batches forward and backward) and one optimizer step. Compared, on every rank:
@@ -19,15 +19,15 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from codegen.runtime.parity import (
+from codegen.runtime.optimizers import optimizer_class
+from codegen.runtime.parity_compare import (
     ParityResult,
     TensorDiff,
-    _across_ranks,
-    _compare,
-    _full,
-    _optimizer_step,
-    optimizer_class,
+    compare_tensor,
+    full_tensor,
+    optimizer_step_from,
     single_device_reference,
+    verdict_across_ranks,
 )
 from codegen.runtime.program import Program
 from codegen.runtime.randomness import NoDropout, switch_off_dropout_attributes, switch_off_dropout_modules
@@ -57,21 +57,21 @@ def check_pipeline_parity(
     with NoDropout(counting=False):
         loss = pipeline.step(local_args, local_kwargs)
     owned = dict(stage.named_model_parameters())
-    grads = {name: _full(p.grad) for name, p in owned.items() if p.grad is not None}
+    grads = {name: full_tensor(p.grad) for name, p in owned.items() if p.grad is not None}
     local_optimizer.step()
 
-    diffs = [_compare("loss", loss.detach(), ref_loss.detach(), atol, rtol)]
+    diffs = [compare_tensor("loss", loss.detach(), ref_loss.detach(), atol, rtol)]
     expected_grads = {name for name in owned if name in ref_grads}
     missing = sorted(expected_grads ^ set(grads))
     if missing:
         diffs.append(TensorDiff(f"gradient presence of {missing[0]} (stage {stage.index})", float("inf"), float("inf")))
     diffs += [
-        _compare(f"grad of {name} (stage {stage.index})", grads[name], ref_grads[name], atol, rtol)
+        compare_tensor(f"grad of {name} (stage {stage.index})", grads[name], ref_grads[name], atol, rtol)
         for name in sorted(set(grads) & expected_grads)
     ]
-    expected = _optimizer_step(optimizer, lr, {name: initial[name] for name in owned}, grads)
+    expected = optimizer_step_from(optimizer, lr, {name: initial[name] for name in owned}, grads)
     diffs += [
-        _compare(f"updated {name} (stage {stage.index})", _full(p.detach()), expected[name], atol, rtol)
+        compare_tensor(f"updated {name} (stage {stage.index})", full_tensor(p.detach()), expected[name], atol, rtol)
         for name, p in owned.items()
     ]
-    return _across_ranks(diffs, randomness.line())
+    return verdict_across_ranks(diffs, randomness.line())

@@ -385,7 +385,7 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     optimizer): the place for checkpointing. ``profiler``: a started ``torch.profiler``
     session whose ``step()`` is called after each step (``codegen.runtime.profiling``).
     """
-    from codegen.runtime.parity import optimizer_class
+    from codegen.runtime.optimizers import optimizer_class
 
     module, forward_backward, sum_group, args, kwargs, model = build_step(program, mesh)
     optimizer = program.make_optimizer(module, mesh, optimizer_class(options.optimizer), lr=options.lr)
