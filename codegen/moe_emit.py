@@ -33,7 +33,7 @@ Module paths reach the source only as ``repr()`` of a path checked against the m
 
 from __future__ import annotations
 
-from codegen.emit import (
+from codegen.program_parts import (
     about_plan,
     autocast_lines,
     has_batch_norm,

@@ -53,7 +53,8 @@ from torch.distributed.tensor import Replicate
 from codegen.source_text import identifier
 from codegen.graph_facts import build_meta_model, model_facts, trace_model
 from codegen.micro_batch_source import first_samples
-from codegen.pipeline_stage_plan import StagePlan, flat_source, micro_strategies
+from codegen.micro_strategies import micro_strategies
+from codegen.pipeline_stage_plan import StagePlan, flat_source
 from codegen.pipeline_schedules import schedule_problem, stage_count
 from codegen.spmd_emit import SUPPORTED_AXES, GraphEmitter
 from codegen.spmd_placements import whole

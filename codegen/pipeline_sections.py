@@ -12,7 +12,7 @@ import torch
 
 from codegen import spmd_notes as notes
 from codegen.attention_core import NO_CORE_COMMENT
-from codegen.emit import about_plan, autocast_lines, precision_imports
+from codegen.program_parts import about_plan, autocast_lines, precision_imports
 from codegen.graph_facts import clean_path
 from codegen.pipeline_schedules import schedule_lines, stages_comment
 from codegen.source_text import comment, identifier, number, torch_imports, with_comment

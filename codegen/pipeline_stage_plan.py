@@ -57,32 +57,6 @@ class StagePlan:
         return getattr(self._plan, name)
 
 
-def micro_strategies(plan: Plan, graph: OpGraph, micro: int) -> tuple:
-    """The plan's strategies for the graph traced at one micro-batch. Usually it has the same
-    ops under the same names; traced at a micro-batch of one sample, export may drop ops that
-    do nothing there (an ``expand`` or ``contiguous`` over the batch), which renames the ops of
-    that kind after them. The two op sequences are aligned, and each op of the micro-batch
-    graph takes the strategy of the op it matches."""
-    if [n.name for n in graph.nodes] == [s.node for s in plan.strategies]:
-        return plan.strategies
-    import difflib
-
-    planned = list(plan.strategies)
-    matcher = difflib.SequenceMatcher(a=[s.op for s in planned], b=[n.op for n in graph.nodes], autojunk=False)
-    strategies: list = [None] * len(graph.nodes)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            for i, j in zip(range(i1, i2), range(j1, j2)):
-                strategies[j] = dataclasses.replace(planned[i], node=graph.nodes[j].name)
-        elif tag != "delete":
-            op = graph.nodes[j1].op
-            raise NotImplementedError(
-                f"traced at one micro-batch ({micro} samples) the model has ops the plan has not (e.g. {op} "
-                f"'{graph.nodes[j1].name}'); plan with larger micro-batches"
-            )
-    return tuple(strategies)
-
-
 def flat_source(stage_plan: StagePlan, graph: OpGraph, facts, observed, forced, micro: int) -> str:
     """The graph program of one micro-batch on the stage mesh, all stages in one forward: what
     the dry run runs (its ``shard_batch`` keeps the first micro-batch of the example batch)."""

@@ -41,6 +41,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from codegen import spmd_notes as notes
 from codegen.micro_batch_source import first_micro_batch_only, first_samples
+from codegen.micro_strategies import micro_strategies
 from codegen.source_text import comment, identifier, with_comment
 from codegen.spmd_literals import Code, callee_source, literal_argument
 from codegen.spmd_placements import (
@@ -108,8 +109,6 @@ def render_graph_program(plan: Plan) -> str:
     if steps > 1:
         # Gradient accumulation: the program runs one micro-batch at a time, so it is written
         # from the graph traced at one (the shapes its views and reshapes name).
-        from codegen.pipeline_stage_plan import micro_strategies
-
         micro = plan.batch_size // steps
         args, kwargs = first_samples(args, kwargs, plan.batch_size, micro)
         graph = trace_model(model, args, kwargs)

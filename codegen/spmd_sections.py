@@ -11,7 +11,7 @@ from torch.utils._pytree import TreeSpec
 
 from codegen import spmd_notes as notes
 from codegen import summa_emit
-from codegen.emit import about_plan, autocast_lines, precision_imports
+from codegen.program_parts import about_plan, autocast_lines, precision_imports
 from codegen.source_text import comment, derived_identifier, identifier, number, torch_imports, with_comment
 from codegen.repeated_tables import parameter_entries
 from codegen.spmd_literals import dotted, placement_source, spec_children
