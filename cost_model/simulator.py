@@ -66,7 +66,7 @@ from cost_model.resharding import backward_collective, forward_collective
 from cost_model.segments import Segment, SegmentBuilder, SegmentProfile
 from cost_model.split_gather import add_split_gather
 from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, graph_facts
-from cost_model.step_memory import _PARAM_BYTES, StepMemory, bytes_per_parameter
+from cost_model.step_memory import PARAM_BYTES, StepMemory, bytes_per_parameter
 from cost_model.step_tasks import StepTaskGraph
 from planner.graph import OpGraph, OpNode
 from planner.plans import is_data_parallel
@@ -81,7 +81,7 @@ from planner.strategy import (
 )
 
 __all__ = ["NodeCost", "Segment", "SegmentProfile", "Simulator", "bytes_per_parameter", "simulate_plan",
-           "simulated", "_PARAM_BYTES"]
+           "simulated"]
 
 _SENT_FRACTION = {  # bytes a rank sends per byte of collective size, ring algorithms, n ranks
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -510,7 +510,7 @@ class Simulator(SegmentBuilder, StepTaskGraph, StepMemory):
         add_summa_costs(self, node, strategy, cost)
         add_vocabulary_parallel_loss(self, node, strategy, cost)
         add_split_gather(self, node, strategy, cost)
-        add_replica_gradient_sync(self, node, strategy, cost, _PARAM_BYTES[self.plan.precision][1])
+        add_replica_gradient_sync(self, node, strategy, cost, PARAM_BYTES[self.plan.precision][1])
         return cost
 
     def _charge_edge(self, cost: NodeCost, meta, src, dst) -> None:

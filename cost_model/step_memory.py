@@ -16,7 +16,6 @@ from planner.strategy import MemoryBreakdown
 # precision keeps fp16/bf16 weights and gradients and fp32 master weights plus Adam's two
 # moments: 2 + 2 + 12 bytes (ZeRO, Rajbhandari et al. SC'20, section 3.1, K = 12).
 PARAM_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
-_PARAM_BYTES = PARAM_BYTES
 FP32_GRADIENT_BYTES = 4  # an fp32 gradient element
 
 
@@ -31,14 +30,14 @@ class StepMemory:
     """Memory and bytes per axis of a step (uses ``Simulator``'s plan, mesh and segments)."""
 
     def _optimizer_state_bytes(self, segments: list[Segment]) -> float:
-        weights, grads, states = _PARAM_BYTES[self.plan.precision]
+        weights, grads, states = PARAM_BYTES[self.plan.precision]
         elements = sum(sum(s.params.values()) for s in segments)
         shardable = sum(s.shardable_elements() for s in segments)
         shard = self.dp if self.plan.dp_flavour in ("zero1", "zero2", "fsdp") else 1
         return (shardable / shard + elements - shardable) * (weights + grads + states)
 
     def _stage_memory(self, all_segments: list[Segment], stage: int, segments: list[Segment]) -> MemoryBreakdown:
-        weight_b, grad_b, state_b = _PARAM_BYTES[self.plan.precision]
+        weight_b, grad_b, state_b = PARAM_BYTES[self.plan.precision]
         if self.plan.pipeline is not None and self.plan.pipeline.gradient_accumulation == "fp32-copy":
             # DeepSpeed's BF16_Optimizer keeps an fp32 gradient the size of the whole 16-bit
             # group (deepspeed/runtime/bf16_optimizer.py: fp32_groups_gradients_flat, zeros_like
@@ -182,7 +181,7 @@ class StepMemory:
             for axis, sent in segment.axis_bytes.items():
                 stage_totals[axis] = stage_totals.get(axis, 0.0) + sent * self.micro_batches
             if self.dp > 1 and segment.dp_synced:
-                grads = sum(segment.params[n] for n in segment.dp_synced) * _PARAM_BYTES[self.plan.precision][1]
+                grads = sum(segment.params[n] for n in segment.dp_synced) * PARAM_BYTES[self.plan.precision][1]
                 # fsdp: all-gather twice + reduce-scatter; zero1: all-reduce + all-gather of the
                 # updated weights; ddp: all-reduce; zero2: reduce-scatter + all-gather. Gradient
                 # accumulation (no pipeline) repeats FSDP's gathers and FSDP2's reduce-scatters
@@ -194,7 +193,7 @@ class StepMemory:
                 factor = units * (self.dp - 1) / self.dp
                 stage_totals["dp"] = stage_totals.get("dp", 0.0) + grads * factor
                 if flavour == "fsdp":  # what is not gathered again for backward
-                    kept = (segment.shardable_elements() - self.fsdp_regathered_elements(segment)) * _PARAM_BYTES[self.plan.precision][1]
+                    kept = (segment.shardable_elements() - self.fsdp_regathered_elements(segment)) * PARAM_BYTES[self.plan.precision][1]
                     stage_totals["dp"] -= kept * gathers * (self.dp - 1) / self.dp
         if self.pp > 1:
             for boundary, (forward, backward) in enumerate(self.pipeline_boundary_bytes()):

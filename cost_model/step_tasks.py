@@ -23,7 +23,7 @@ from cost_model.deepspeed_pipeline import DeepSpeedPipelineTasks
 from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
 from cost_model.segments import Segment
-from cost_model.step_memory import PARAM_BYTES as _PARAM_BYTES
+from cost_model.step_memory import PARAM_BYTES
 
 
 class GradientBuckets:
@@ -160,7 +160,7 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
                 # torch's ZeroRedundancyOptimizer (codegen's ZeRO-1) broadcasts each updated
                 # parameter from the rank that owns it: one broadcast per parameter tensor, all
                 # issued asynchronously and then waited for (gloo runs them on its worker threads).
-                element_bytes = _PARAM_BYTES[self.plan.precision][0]
+                element_bytes = PARAM_BYTES[self.plan.precision][0]
                 sizes = [count * element_bytes for s in per_device[device] for name, count in s.params.items()
                          if name not in s.per_rank]
                 at_once = defaults.GLOO_COLLECTIVE_THREADS if self.cluster.backend == "gloo" else 1
@@ -168,7 +168,7 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
                 graph.add_pieces(f"broadcast updated weights ({len(pieces)} parameters)", (device, "collective"), pieces,
                                  deps=[step], kind="comm")
             elif self.plan.dp_flavour == "zero2" and self.dp > 1:
-                gathered = sum(s.shardable_elements() for s in per_device[device]) * _PARAM_BYTES[self.plan.precision][0]
+                gathered = sum(s.shardable_elements() for s in per_device[device]) * PARAM_BYTES[self.plan.precision][0]
                 graph.add("all-gather updated weights", (device, "collective"), self._collective("all_gather", gathered, "dp"), deps=[step], kind="comm")
         return graph, per_device
 
@@ -327,12 +327,12 @@ class StepTaskGraph(DeepSpeedPipelineTasks):
         pipeline = self.plan.pipeline
         if pipeline is not None and pipeline.gradient_accumulation == "fp32-copy":
             return 4
-        return _PARAM_BYTES[self.plan.precision][1]
+        return PARAM_BYTES[self.plan.precision][1]
 
     def _fsdp_gather(self, graph, device, segment, deps, name, elements: float | None = None) -> int:
         """All-gather of ``elements`` of ``segment``'s weights (default: all it shards)."""
         elements = segment.shardable_elements() if elements is None else elements
-        size = elements * _PARAM_BYTES[self.plan.precision][0]
+        size = elements * PARAM_BYTES[self.plan.precision][0]
         return graph.add(name, (device, "collective"), self._collective("all_gather", size, "dp"), deps=deps, kind="comm")
 
     def _expert_gather(self, graph, device, segment, ends: list[int], start: list[int], label: str) -> int:

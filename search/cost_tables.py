@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from torch.distributed.tensor import Replicate, Shard
 
-from cost_model.simulator import _PARAM_BYTES, NodeCost, Simulator
+from cost_model.simulator import NodeCost, Simulator
+from cost_model.step_memory import PARAM_BYTES
 from planner.graph import OpGraph, OpNode
 from planner.strategy import NodeStrategy, Placements
 from search.blocks import clone_strategy
@@ -148,7 +149,7 @@ def _cost(simulator: Simulator, node: OpNode, strategy: NodeStrategy) -> Candida
     simulator._first_use = {}  # input-gradient all-reduces are counted by the search per tensor
     cost = simulator._compute_node_cost(node, strategy, edges=[])
     mesh = simulator.mesh
-    weight_b, grad_b, state_b = _PARAM_BYTES[simulator.plan.precision]
+    weight_b, grad_b, state_b = PARAM_BYTES[simulator.plan.precision]
     memory = cost.saved_bytes * simulator.micro_batches
     sync = 0.0
     for name, placements in strategy.params.items():

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from codegen.runtime.spmd import Placements, SpmdModule, _keep_placements, _replicate_partials, same_placements
+from codegen.runtime.spmd import Placements, SpmdModule, keep_placements, replicate_partials, same_placements
 
 PP_AXIS = "pp"
 _STAGE_MESHES: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
@@ -153,7 +153,7 @@ def _distribute_owned(
     keeping tied weights tied; the others (other stages' weights) become meta tensors, so a
     rank holds only its stage's weights. Returns qualified name -> parameter."""
     replicate = tuple(Replicate() for _ in range(mesh.ndim))
-    wanted = {id(model.get_parameter(name)): _replicate_partials(parameters.get(name, replicate)) for name in owned}
+    wanted = {id(model.get_parameter(name)): replicate_partials(parameters.get(name, replicate)) for name in owned}
     replaced: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for key, param in list(module._parameters.items()):
@@ -245,9 +245,9 @@ class _ScheduleRunning:
 
 
 def _placed_after_the_schedule(param: DTensor):
-    """``param``'s gradient hook: its placements outside a schedule (``spmd._keep_placements``);
+    """``param``'s gradient hook: its placements outside a schedule (``spmd.keep_placements``);
     unchanged while a schedule runs (``_ScheduleRunning``)."""
-    keep = _keep_placements(param)
+    keep = keep_placements(param)
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         return grad if _ScheduleRunning.active else keep(grad)
@@ -386,7 +386,7 @@ def _example(mesh: DeviceMesh, entry: tuple, device: torch.device, grad: bool) -
     if placements is not None:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        shape, _ = compute_local_shape_and_global_offset(shape, mesh, _replicate_partials(placements))
+        shape, _ = compute_local_shape_and_global_offset(shape, mesh, replicate_partials(placements))
     value = torch.empty(tuple(shape), dtype=dtype, device=device)
     return value.requires_grad_(grad and dtype.is_floating_point)
 

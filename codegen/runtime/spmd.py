@@ -50,7 +50,7 @@ def same_placements(left: Sequence[Placement], right: Sequence[Placement]) -> bo
     return True
 
 
-def _replicate_partials(placements: Sequence[Placement]) -> Placements:
+def replicate_partials(placements: Sequence[Placement]) -> Placements:
     """Parameters and inputs are whole values: a ``Partial`` among their planned placements
     is held replicated (a DTensor cannot be built from a whole tensor as partial sums)."""
     return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
@@ -101,7 +101,7 @@ class SpmdModule(nn.Module):
         uneven split is exact); otherwise DTensor infers it from an even split."""
         if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
             return value
-        placements = _replicate_partials(placements)
+        placements = replicate_partials(placements)
         shape = None
         if traced_shape is not None and len(traced_shape) == value.dim():
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -417,7 +417,7 @@ def distribute_parameters(
         placement_of.setdefault(id(param), replicate)
     for name, placements in parameters.items():
         param = model.get_parameter(name)
-        placement_of[id(param)] = _replicate_partials(placements)
+        placement_of[id(param)] = replicate_partials(placements)
     # Weights only ever read whole, by ops that run on local tensors, stay plain: unless
     # another name of the same (tied) weight is read as a DTensor.
     local = {id(model.get_parameter(name)) for name in keep_local}
@@ -431,13 +431,16 @@ def distribute_parameters(
                 shard = distribute_tensor(param.detach(), mesh, placement_of[id(param)], src_data_rank=None)
                 new = nn.Parameter(shard, requires_grad=param.requires_grad)
                 if new.requires_grad:
-                    new.register_hook(_keep_placements(new))
+                    new.register_hook(keep_placements(new))
                 replaced[id(param)] = new
             module._parameters[key] = replaced[id(param)]
     return {name: model.get_parameter(name) for name in parameters}
 
 
-def _keep_placements(param: DTensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def keep_placements(param: DTensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gradient hook for ``param`` that hands its gradient on in ``param``'s own placements
+    (partial sums reduced, whole axes chunked first), as a sharded optimizer step needs."""
+
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if isinstance(grad, DTensor) and not same_placements(grad.placements, param.placements):
             # Take this rank's chunk on every axis where the gradient is whole and the weight
@@ -469,7 +472,7 @@ def shard_inputs(
         wanted = placements.get(name)
         if wanted is None or not isinstance(value, torch.Tensor):
             return value
-        wanted = _replicate_partials(wanted)
+        wanted = replicate_partials(wanted)
         if all(isinstance(p, Replicate) for p in wanted):
             return value
         return distribute_tensor(value, mesh, wanted, src_data_rank=None).to_local()
