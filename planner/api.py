@@ -1,7 +1,9 @@
 """The public API: ``plan``, ``compile``, ``load_plan``.
 
-This module (with ``planner.cli``) is the only part of ``planner`` that imports the layers
-below it (``search``, ``cost_model``, ``codegen``); the vocabulary modules import none of them.
+This module, with ``planner.cli``, ``planner.compare`` and ``planner.baselines`` (the API of
+``compare``/``calibrate`` and of the baseline layouts), is the part of ``planner`` that imports
+the layers below it (``search``, ``cost_model``, ``codegen``); the vocabulary modules import
+none of them (``tests/test_import_layering.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from rich.console import Console
 
 from planner import arguments
 from planner.cluster import Cluster
+from planner.constraints import ConstraintError, SearchConstraints
 from planner.errors import ArgumentError, ClusterError, PlanningError, SpecError
 from planner.fingerprint import example_batch_size
 from planner.model_spec import ModelSpec, announce_import
@@ -53,6 +56,7 @@ def plan(
     progress: bool = True,
     routing: Any = None,
     tp_layouts: str = "auto",
+    constraints: Any = None,
 ) -> Plan:
     """Find how to train ``model`` on ``cluster``.
 
@@ -98,6 +102,11 @@ def plan(
             2-D/2.5-D/3-D SUMMA layouts compete, SUMMA meshes only where they can matter),
             ``"summa"`` (SUMMA layouts wherever the mesh allows them, SUMMA meshes only) or
             ``"1d"`` (Megatron-style 1-D splits only); see ``search.summa_meshes``.
+        constraints: what the search may choose (``planner.constraints``): None, a
+            ``SearchConstraints`` or a dict such as ``{"mesh": {"tp": 8}, "max": {"pp": 4},
+            "families": ["fsdp", "tp", "pipeline"]}`` (axis sizes fixed, axis sizes bounded,
+            the families that may compete: ``planner.families``). Impossible constraints
+            raise ``ConstraintError`` naming the constraint; the report says which applied.
 
     Returns:
         The chosen ``Plan``; ``plan.report()`` explains it.
@@ -128,6 +137,9 @@ def plan(
             "dp_flavour) does not have; drop one of them"
         )
     arguments.boolean(progress, "progress")
+    constraints = SearchConstraints.coerce(constraints)
+    if isinstance(cluster, Cluster):
+        constraints.check_cluster(cluster)
     routing_option = read_routing_option(routing)
     budget = SearchBudget(effort=effort, wall_clock_cap_s=time_budget_s)
     with _progress_bar(enabled=progress) as on_progress:
@@ -151,12 +163,16 @@ def plan(
                 f"model is planned with data parallelism only (DDP, ZeRO and FSDP run the model as written)",
             )
             search = "dp"
+        constraints.check_cluster(cluster)
         if search == "dp" or dp_flavour is not None:
             _refuse_slices_of_a_coupled_batch(graph)
             chosen = plan_data_parallel(
                 graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=warnings,
-                precision=precision,
+                precision=precision, flavours=data_parallel_flavours(constraints, cluster, dp_flavour),
             )
+            if constraints.any:
+                chosen = dataclasses.replace(chosen, search_summary=f"constrained by {constraints.describe()}; "
+                                             f"{chosen.search_summary}")
         else:
             from search.auto import search_plan
 
@@ -166,7 +182,7 @@ def plan(
             chosen = search_plan(
                 graph, cluster, spec, name, search=search, budget=budget, seed=seed,
                 warnings=warnings, precision=precision, on_progress=searching, routing=routing_stats,
-                tp_layouts=tp_layouts,
+                tp_layouts=tp_layouts, constraints=constraints,
             )
     chosen = _with_host_bound_warning(chosen)
     total_s = time.perf_counter() - budget.started
@@ -189,6 +205,24 @@ def _with_host_bound_warning(chosen: Plan) -> Plan:
         f"takes to issue them; larger micro-batches, fewer devices, or compiled kernels (torch.compile, CUDA graphs) "
         f"would keep them busier",
     ))
+
+
+def data_parallel_flavours(constraints: SearchConstraints, cluster: Cluster, forced: str | None) -> tuple[str, ...]:
+    """The flavours a data-parallel plan (``search="dp"``, ``dp_flavour``) may use under
+    ``constraints``; ``ConstraintError`` when they allow none, or refuse the all-``dp`` mesh."""
+    world = cluster.world_size
+    if not constraints.allows_sizes({"dp": world}):
+        raise ConstraintError(
+            f"a data-parallel plan (search='dp' or dp_flavour) makes every one of the {world} devices a dp rank, which "
+            f"{constraints.describe()} does not allow; drop one of them"
+        )
+    allowed = tuple(f for f in DP_FLAVOURS if constraints.allows_family(f) and (forced is None or f == forced))
+    if world > 1 and not allowed:
+        raise ConstraintError(
+            f"{'dp_flavour ' + repr(forced) if forced else 'a data-parallel plan'} is not among the families "
+            f"{constraints.describe()} allows; drop one of them"
+        )
+    return allowed or DP_FLAVOURS
 
 
 def _refuse_slices_of_a_coupled_batch(graph) -> None:

@@ -100,6 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
         "not cover are uniform); default: uniform",
     )
     plan.add_argument(
+        "--mesh", action="append", default=[], metavar="AXIS=SIZE",
+        help="fix mesh axis sizes, e.g. --mesh tp=8 or --mesh dp=4,tp=2 (axes dp, tp, pp, row, col, dep; an axis "
+        "a plan lacks has size 1, so tp=1 rules out tensor parallelism); repeatable",
+    )
+    plan.add_argument(
+        "--max", action="append", default=[], metavar="AXIS=SIZE", dest="max_sizes",
+        help="bound mesh axis sizes, e.g. --max pp=4; repeatable",
+    )
+    plan.add_argument(
+        "--family", action="append", default=[], metavar="NAME[,NAME]", dest="families",
+        help="only these parallelism families compete (see `planner families`), e.g. --family fsdp,tp,pipeline",
+    )
+    plan.add_argument(
         "-o", "--output", metavar="PLAN_JSON",
         help="save the plan as JSON (input of `planner compile`); an existing file is replaced only if it is a plan",
     )
@@ -131,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--force", action="store_true", help="let --trace overwrite a file that is not a Chrome trace")
 
     commands.add_parser("presets", help="list the cluster presets", description="List the built-in cluster presets.")
+    commands.add_parser(
+        "families", help="list the parallelism families --family chooses among",
+        description="List the parallelism families a plan is made of (planner plan --family NAME[,NAME]).",
+    )
 
     profile = commands.add_parser(
         "profile",
@@ -224,6 +241,13 @@ def _run(options: argparse.Namespace) -> int:
         for name, description in preset_table():
             print(f"{name:<{width}}  {description}")
         return 0
+    if options.command == "families":
+        from planner.families import family_table
+
+        width = max(len(name) for name, _ in family_table())
+        for name, description in family_table():
+            print(f"{name:<{width}}  {description}")
+        return 0
     if options.command == "plan":
         return _plan(options)
     if options.command == "simulate":
@@ -281,6 +305,10 @@ def _plan(options: argparse.Namespace) -> int:
         )
     # Before the model is traced and searched, so a typo or a bad path is reported at once.
     cluster = Cluster.parse(options.cluster)  # before torch even loads
+    from planner.constraints import SearchConstraints
+
+    constraints = SearchConstraints.from_options(options.mesh, options.max_sizes, options.families)
+    constraints.check_cluster(cluster)
     from planner.routing import read_routing_option
 
     routing = read_routing_option(options.routing)
@@ -295,7 +323,7 @@ def _plan(options: argparse.Namespace) -> int:
     plan = make_plan(
         spec, cluster, dp_flavour=options.dp, precision=options.precision, search=options.search,
         effort=options.effort, time_budget_s=options.time_budget, seed=options.seed, progress=True, routing=routing,
-        tp_layouts=options.tp_layouts,
+        tp_layouts=options.tp_layouts, constraints=constraints,
     )
     print(plan.report())
     if options.output is not None:

@@ -15,13 +15,14 @@ from typing import Callable
 
 from cost_model.simulator import simulated
 from planner.cluster import Cluster
+from planner.constraints import SearchConstraints
 from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
 from planner.routing import RoutingStats
 
-from planner.strategy import Mesh, NodeStrategy
+from planner.strategy import Mesh
 from search.batch_coupling import batch_coupled_ops, coupling_warning
 from search.blocks import block_representatives
 from search.budget import SearchBudget
@@ -33,7 +34,7 @@ from search.mcmc import mcmc
 from search.node_candidates import node_strategies
 from search.moe_search import runs_by_layout, search_moe_plan
 from search.megatron import megatron_baseline
-from search.pipeline_search import pipeline_plans
+from search.pipeline_search import PipelineSpace, pipeline_plans
 from search.plan_builder import input_placements, unsimulated_plan
 from search.runners_up import runners_up
 from search.rules.summa import is_summa_mesh
@@ -75,6 +76,7 @@ def search_plan(
     on_progress: Callable[[str, float], None] | None = None,
     routing: RoutingStats | None = None,
     tp_layouts: str = "auto",
+    constraints: SearchConstraints | None = None,
 ) -> Plan:
     """The fastest plan that fits, over meshes, per-op shardings and data-parallel flavours.
 
@@ -90,17 +92,24 @@ def search_plan(
         tp_layouts: ``"auto"`` (SUMMA meshes beside the 1-D ones where they can matter),
             ``"summa"`` (SUMMA meshes only, linears in SUMMA layouts; no baselines,
             pipelines or data-parallel plans compete) or ``"1d"`` (``search.summa_meshes``).
+        constraints: the user's fixed axis sizes, bounds and families
+            (``planner.constraints``): meshes and families they rule out are never searched,
+            and only plans they allow compete or appear as runners-up.
 
     Raises:
         PlanningError: nothing fits on any mesh (the message says how much memory the
             smallest plan needs per device and how many devices it would take).
+        ConstraintError: the constraints allow no plan on this cluster and batch.
     """
     if search not in SEARCHES:
         raise PlanningError(f"search must be one of {', '.join(SEARCHES)}, got '{search}'")
     budget = budget or SearchBudget()
     if tp_layouts not in TP_LAYOUTS:
         raise PlanningError(f"tp_layouts must be one of {', '.join(TP_LAYOUTS)}, got {str(tp_layouts)[:20]!r}")
-    summa = summa_meshes(graph, cluster, precision, tp_layouts)
+    constraints = constraints or SearchConstraints()
+    constraints.check_cluster(cluster)
+    constraints.check_batch(graph.batch_size)
+    summa = [mesh for mesh in summa_meshes(graph, cluster, precision, tp_layouts) if constraints.allows_mesh(mesh)]
     if tp_layouts == "summa":
         if not summa:
             raise PlanningError(
@@ -108,9 +117,11 @@ def search_plan(
                 f"{graph.batch_size}: SUMMA needs q x q x d devices (q >= 2) with the batch divisible by the "
                 f"devices its rows split over; use --tp-layouts auto, or a device count such as 4, 8 or 16"
             )
-        return _summa_only_plan(graph, cluster, spec, model_name, summa, search, budget, seed, warnings, precision)
-    meshes = candidate_meshes(cluster, graph.batch_size) + summa
-    if not meshes:
+        return _summa_only_plan(graph, cluster, spec, model_name, summa, search, budget, seed, warnings, precision,
+                                constraints)
+    unconstrained = candidate_meshes(cluster, graph.batch_size)
+    meshes = [mesh for mesh in unconstrained if constraints.allows_mesh(mesh)] + summa
+    if not unconstrained and not summa:
         raise PlanningError(
             f"the global batch of {graph.batch_size} does not split over any data-parallel degree of the "
             f"{cluster.world_size} devices; use a batch that is a multiple of {cluster.world_size}"
@@ -127,7 +138,7 @@ def search_plan(
     if skipped:
         notes.append(f"MoE layers ({', '.join(skipped[:2])}{', ...' if len(skipped) > 2 else ''}) not planned by layout: "
                      f"the compiled MoE runtime does not run their structure")
-    if moe_family:
+    if moe_family and constraints.allows_family("moe"):
         if on_progress:
             on_progress("choosing the MoE layers' layouts", 0.0)
         searched, fixed = search_moe_plan(graph, cluster, spec, model_name, routing, warnings, precision)
@@ -136,27 +147,34 @@ def search_plan(
         if on_progress:
             on_progress(f"searching mesh {mesh} ({position + 1}/{len(meshes)})", position / len(meshes))
         if mesh.names == ("dp",) and not coupled:
-            flavours = [data_parallel_plan(graph, cluster, spec, model_name, f, warnings, precision) for f in DATA_PARALLEL_FLAVOURS]
+            flavours = [
+                data_parallel_plan(graph, cluster, spec, model_name, f, warnings, precision)
+                for f in DATA_PARALLEL_FLAVOURS if constraints.allows_family(f)
+            ]
             plans += flavours + _recomputing(flavours, graph)
         # Each mesh gets an equal part of the wall clock the meshes before it left (the work
         # budgets are per mesh already): one slow mesh cannot leave the next with nothing.
         share = budget.share(len(meshes) - position)
+        if mesh.names == ("dp",) and not constraints.allows_family("ddp"):
+            continue  # weights stay whole on dp in searched plans: on dp alone that is DDP, left out
         plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, share, seed, warnings, precision, notes)
     if not coupled:
-        plans += _pipeline_plans(graph, cluster, spec, model_name, precision, budget, plans)
+        plans += _pipeline_plans(graph, cluster, spec, model_name, precision, budget, plans, constraints)
         # Gradient accumulation: what does not fit at once may fit one micro-batch at a time.
         plans += [variant for plan in plans if (variant := accumulating(plan, graph))]
     baselines = _baselines(graph, cluster, spec, model_name, precision, {p.name for p in plans}, whole_batch_only=bool(coupled))
     if not coupled:
         baselines += [variant for plan in baselines if (variant := accumulating(plan, graph))]
     # The baselines compete too: a search that cannot beat Megatron's layout returns it.
+    plans, baselines = _allowed(plans, constraints), _allowed(baselines, constraints)
     fitting = [plan for plan in (*plans, *baselines) if plan.estimate.fits]
     if not fitting:
-        raise does_not_fit(cluster, {_key(plan): plan.estimate for plan in plans})
+        raise _nothing_fits(cluster, [*plans, *baselines], constraints)
     best = min(fitting, key=lambda plan: plan.estimate.step_time_s)
     if on_progress:
         on_progress("done", 1.0)
-    summary = f"{search} search (effort {budget.effort:g}) over {len(meshes)} mesh(es): " + "; ".join(notes)
+    summary = _constraints_note(constraints)
+    summary += f"{search} search (effort {budget.effort:g}) over {len(meshes)} mesh(es): " + "; ".join(notes)
     summary += _with_savings(best, graph)
     cut = budget.cut_warning()
     return dataclasses.replace(
@@ -186,7 +204,8 @@ def plan_on_mesh(graph: OpGraph, cluster: Cluster, mesh: Mesh, *, tp_layouts: st
     return plans[0]
 
 
-def _summa_only_plan(graph, cluster, spec, model_name, meshes, search, budget: SearchBudget, seed, warnings, precision) -> Plan:
+def _summa_only_plan(graph, cluster, spec, model_name, meshes, search, budget: SearchBudget, seed, warnings, precision,
+                     constraints: SearchConstraints) -> Plan:
     """``tp_layouts="summa"``: the fastest fitting plan over the SUMMA meshes alone (the
     fastest of all when none fits, so the report can say by how much)."""
     plans, notes = [], []
@@ -194,11 +213,12 @@ def _summa_only_plan(graph, cluster, spec, model_name, meshes, search, budget: S
         share = budget.share(len(meshes) - position)
         plans += _searched_plan(graph, cluster, spec, model_name, mesh, search, share, seed, warnings, precision, notes,
                                 tp_layouts="summa")
+    plans = _allowed(plans, constraints)
     fitting = [plan for plan in plans if plan.estimate.fits]
     if not fitting:
-        raise does_not_fit(cluster, {_key(plan): plan.estimate for plan in plans})
+        raise _nothing_fits(cluster, plans, constraints)
     best = min(fitting, key=lambda plan: plan.estimate.step_time_s)
-    summary = f"{search} search (effort {budget.effort:g}) over {len(meshes)} SUMMA mesh(es) (--tp-layouts summa): " + "; ".join(notes)
+    summary = _constraints_note(constraints) + f"{search} search (effort {budget.effort:g}) over {len(meshes)} SUMMA mesh(es) (--tp-layouts summa): " + "; ".join(notes)
     summary += _with_savings(best, graph)
     cut = budget.cut_warning()
     return dataclasses.replace(
@@ -352,11 +372,32 @@ def moe_family_allowed(graph: OpGraph, cluster: Cluster, coupled) -> bool:
     return all(op.node in inside for op in coupled)
 
 
+def _allowed(plans: list[Plan], constraints: SearchConstraints) -> list[Plan]:
+    """The plans ``constraints`` allow (all of them without constraints)."""
+    return [plan for plan in plans if constraints.allows_plan(plan)] if constraints.any else plans
+
+
+def _nothing_fits(cluster: Cluster, plans: list[Plan], constraints: SearchConstraints) -> PlanningError:
+    """The error when no allowed plan fits: the constraints' own when they allowed none."""
+    if not plans:
+        return constraints.nothing_allowed()
+    error = does_not_fit(cluster, {_key(plan): plan.estimate for plan in plans})
+    if constraints.any:
+        return PlanningError(f"{error} (searching only what {constraints.describe()} allows)")
+    return error
+
+
+def _constraints_note(constraints: SearchConstraints) -> str:
+    """The search summary's first words when the user constrained the search."""
+    return f"constrained by {constraints.describe()}; " if constraints.any else ""
+
+
 def _key(plan: Plan) -> str:
     return f"{plan.name}{', recompute ' + plan.recompute if plan.recompute != 'none' else ''}"
 
 
-def _pipeline_plans(graph, cluster, spec, model_name, precision, budget: SearchBudget, others: list[Plan]) -> list[Plan]:
+def _pipeline_plans(graph, cluster, spec, model_name, precision, budget: SearchBudget, others: list[Plan],
+                    constraints: SearchConstraints) -> list[Plan]:
     """The best plans of the pipeline grid (``search.pipeline_search``: pp x dp x tp meshes,
     micro-batches, schedules, dp flavours, recomputation, stages sliced by dynamic
     programming), simulated; they compete with ``others``. On one node the grid is searched
@@ -365,7 +406,11 @@ def _pipeline_plans(graph, cluster, spec, model_name, precision, budget: SearchB
     flavours and schedules (``codegen.pipeline_emit.unsupported``)."""
     if cluster.num_nodes < 2 and any(p.estimate.fits and p.recompute == "none" for p in others):
         return []
-    return pipeline_plans(graph, cluster, spec, model_name, precision, budget)
+    space = PipelineSpace(
+        flavours=tuple(f for f in PipelineSpace.flavours if constraints.allows_family(f)) or PipelineSpace.flavours,
+        allows_mesh=constraints.allows_mesh if constraints.any else None,
+    )
+    return pipeline_plans(graph, cluster, spec, model_name, precision, budget, space)
 
 
 def _dp_axis(graph: OpGraph):

@@ -43,6 +43,7 @@ def plan_data_parallel(
     dp_flavour: str | None = None,
     warnings: tuple[str, ...] = (),
     precision: str = "fp32",
+    flavours: tuple[str, ...] = DATA_PARALLEL_FLAVOURS,
 ) -> Plan:
     """The best data-parallel plan of ``graph`` on all of ``cluster``'s devices.
 
@@ -55,6 +56,8 @@ def plan_data_parallel(
             the fastest that fits.
         warnings: notes gathered while tracing, carried into the plan.
         precision: ``fp32``, or mixed ``bf16``/``fp16`` (simulated; codegen runs fp32).
+        flavours: the flavours that may compete when ``dp_flavour`` is None (a user's
+            ``--family`` constraint).
 
     Raises:
         PlanningError: the batch does not split over the devices, or no flavour fits.
@@ -65,7 +68,7 @@ def plan_data_parallel(
         raise PlanningError(
             f"data-parallel flavour '{dp_flavour}' is not available; choose one of {', '.join(DATA_PARALLEL_FLAVOURS)}"
         )
-    candidates = [dp_flavour] if dp_flavour else list(DATA_PARALLEL_FLAVOURS)
+    candidates = [dp_flavour] if dp_flavour else [flavour for flavour in DATA_PARALLEL_FLAVOURS if flavour in flavours]
     plans = {
         flavour: data_parallel_plan(graph, cluster, spec, model_name, flavour, warnings, precision)
         for flavour in DATA_PARALLEL_FLAVOURS

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -93,7 +94,8 @@ class PipelineSpace:
     ``searched_layout``: where the per-op placements CP-SAT finds on the stage mesh
     (``search.stage_layouts``) compete with Megatron-LM's: ``"finalists"`` for the
     configurations the walk keeps (each keeps the faster of its two layouts), ``"every"`` in
-    the walk itself (every configuration priced with both), ``"off"`` never."""
+    the walk itself (every configuration priced with both), ``"off"`` never. ``allows_mesh``:
+    a user's constraints (``planner.constraints``); a mesh it refuses is not in the grid."""
 
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     virtual_stages: tuple[int, ...] = (2, 4)
@@ -103,6 +105,7 @@ class PipelineSpace:
     sequence_parallel: tuple[bool, ...] = (False, True)
     uneven: bool = True
     searched_layout: str = "finalists"
+    allows_mesh: Callable[[Mesh], bool] | None = None
 
 
 @dataclass(frozen=True, order=True)
@@ -123,8 +126,13 @@ class Configuration:
 
     @property
     def mesh(self) -> Mesh:
-        axes = tuple((name, size) for name, size in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)) if size > 1)
-        return Mesh(axes or (("dp", 1),))
+        return grid_mesh(self.pp, self.dp, self.tp)
+
+
+def grid_mesh(pp: int, dp: int, tp: int) -> Mesh:
+    """The mesh of a grid point: ``pp x dp x tp``, axes of size 1 left out."""
+    axes = tuple((name, size) for name, size in (("pp", pp), ("dp", dp), ("tp", tp)) if size > 1)
+    return Mesh(axes or (("dp", 1),))
 
 
 @dataclass(frozen=True)
@@ -205,6 +213,8 @@ class PipelineGrid:
             for pp in _divisors(world // tp):
                 dp = world // (tp * pp)
                 if pp > self.blocks or batch % dp:
+                    continue
+                if space.allows_mesh is not None and not space.allows_mesh(grid_mesh(pp, dp, tp)):
                     continue
                 names = tuple(name for name, size in (("pp", pp), ("dp", dp), ("tp", tp)) if size > 1) or ("dp",)
                 if layout == "soap" and not self._searched.differs(tp, names):
