@@ -30,6 +30,17 @@ is printed as it goes and the results file (JSON: the device, driver, CUDA and t
 versions, then every item) is rewritten after every item, so a run cut short keeps what it
 measured. At the end it prints the table of predicted against measured figures.
 
+On the ``device`` tool's GPU machine (one H200; its image has its own torch, 2.11 when last
+read, and no OR-tools, which the MoE model's plan needs), carry OR-tools as wheels, as the
+tool's README says (Python 3.12, manylinux x86-64, ``--no-deps``): ``ortools==9.15.6755``,
+``immutabledict`` and ``protobuf==6.33.6`` (OR-tools pins ``protobuf<6.34,>=6.33.1``), then
+
+    set -o pipefail; python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py -o $OUT/gpu_check.json 2>&1 | tee $OUT/log
+
+with a ``timeout_s`` of about 540. Without OR-tools the other models still run (searched over
+data parallelism, which is what one device gets anyway) and the MoE rows say why they failed.
+
 Exit status: 0 when every item ran (skipped items included) and every program's parity
 check passed, 1 when something failed (the table and the file say what), 2 for a bad flag
 or output path, or no GPU without ``--dry-run``.
@@ -37,6 +48,7 @@ or output path, or no GPU without ``--dry-run``.
 
 from __future__ import annotations
 
+import signal
 import sys
 import tempfile
 import time
@@ -59,7 +71,7 @@ from benchmarks.gpu_check_kernels import (  # noqa: E402
     module_results,
     settle,
 )
-from benchmarks.gpu_check_programs import MODELS, PRECISIONS, program_results  # noqa: E402
+from benchmarks.gpu_check_programs import MODELS, PRECISIONS, program_results, search_here  # noqa: E402
 from benchmarks.gpu_check_report import (  # noqa: E402
     SECTION_SHARES,
     SECTIONS,
@@ -71,6 +83,7 @@ from benchmarks.gpu_check_report import (  # noqa: E402
     say,
     simulated_cluster,
     table,
+    work_folder,
 )
 from planner.arguments import OneLineParser, flag_type, integer_at_least, positive_finite  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
@@ -91,7 +104,8 @@ def build_parser() -> OneLineParser:
                         default=None, help="training steps of each program (default 20; dry run 3); the first is "
                         "left out of the median")
     parser.add_argument("--work", metavar="DIR", default=None,
-                        help="folder for the plans and compiled programs (default: a temporary folder, removed after)")
+                        help="folder for the plans and compiled programs, kept after the run: a new or empty one, or one this "
+                        "script wrote (default: a temporary folder, removed after)")
     return parser
 
 
@@ -102,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if not options.dry_run and not torch.cuda.is_available():
             raise PlannerError("no CUDA device here: run on a machine with a GPU, or add --dry-run to check the "
                                "script on CPU")
+        work = work_folder(options.work) if options.work is not None else None
     except PlannerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -111,11 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     sections = tuple(options.only) if options.only else SECTIONS
     facts = environment(dry_run)
     cluster_data, reason = simulated_cluster(facts["device"], dry_run)
-    if options.work is not None:
-        Path(options.work).mkdir(parents=True, exist_ok=True)
-        return run(Path(options.work), output, facts, cluster_data, reason, sections, budget, steps, dry_run)
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
-        return run(Path(work), output, facts, cluster_data, reason, sections, budget, steps, dry_run)
+    # A scheduler's or timeout's SIGTERM ends the run as Ctrl-C does: what was measured is
+    # already in the results file, which says the run is not complete.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        if work is not None:
+            return run(work, output, facts, cluster_data, reason, sections, budget, steps, dry_run)
+        with tempfile.TemporaryDirectory(prefix="gpu-check-") as folder:
+            return run(Path(folder), output, facts, cluster_data, reason, sections, budget, steps, dry_run)
+    except KeyboardInterrupt:
+        print(f"interrupted: the items measured so far are in {output}", file=sys.stderr)
+        return 130
+
+
+def _interrupt(number: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def run(work: Path, output: Path, facts: dict[str, Any], cluster_data: dict[str, Any], reason: str,
@@ -130,6 +155,8 @@ def run(work: Path, output: Path, facts: dict[str, Any], cluster_data: dict[str,
     say(f"gpu_check on {facts['device']} (torch {facts['torch']}, CUDA {facts['cuda']}, driver {facts['driver']}); "
         f"predictions for {cluster.device_of(0).name}: {reason}")
     say(f"results: {output} (rewritten after every item)")
+    if "programs" in sections and search_here()[1]:
+        say(f"note: {search_here()[1]}")
     share = sum(SECTION_SHARES[name] for name in sections)
     timing = DRY_TIMING if dry_run else GPU_TIMING
     failed = False

@@ -10,9 +10,12 @@ each at the tiny sizes the tests use.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -23,6 +26,7 @@ from typing import Any, Callable
 
 import planner
 from planner.cluster import Cluster
+from planner.errors import PlannerError
 from planner.model_spec import ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +63,20 @@ MODELS = (
 )
 
 
+def search_here() -> tuple[str, str | None]:
+    """The search the plans use on this machine: ``("auto", None)`` when OR-tools (the
+    CP-SAT search) imports; else ``("dp", why)``: data parallelism, which is what a
+    one-device plan of a plain model is anyway, while a model whose samples mix (MoE) cannot
+    be planned without it. The GPU machines' image has no OR-tools (a session carries its
+    wheel: see ``benchmarks/gpu_check.py``)."""
+    try:
+        importlib.import_module("ortools.sat.python.cp_model")
+    except ImportError as error:
+        return "dp", (f"OR-tools does not import here ({error}), so the plans are searched over data parallelism "
+                      f"only; carry its wheel (benchmarks/gpu_check.py says how)")
+    return "auto", None
+
+
 def program_results(case: ModelCase, precision: str, cluster: Cluster, folder: Path, steps: int,
                     time_left: Callable[[], float], say: Callable[[str], None]) -> dict[str, Any]:
     """Plan ``case`` for ``cluster`` in ``precision``, compile it into ``folder`` and run its
@@ -68,8 +86,15 @@ def program_results(case: ModelCase, precision: str, cluster: Cluster, folder: P
     name = f"{case.name} {precision}"
     folder.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    plan = planner.plan(case.spec(dry_run=cluster.backend == "gloo"), cluster, precision=precision, progress=False,
-                        time_budget_s=max(10.0, min(120.0, time_left() / 2)))
+    search, without_ortools = search_here()
+    try:
+        plan = planner.plan(case.spec(dry_run=cluster.backend == "gloo"), cluster, precision=precision, search=search,
+                            progress=False, time_budget_s=max(10.0, min(120.0, time_left() / 2)))
+    except PlannerError as error:
+        if without_ortools is None:
+            raise
+        return {"name": name, "status": "failed", "planner_error": str(error),
+                "reason": f"{case.name} needs the CP-SAT search to plan (its samples mix): {without_ortools}"}
     plan.save(folder / "plan.json", force=True)
     program = planner.compile(plan, folder / "out", force=True)
     planned_s = time.monotonic() - started
@@ -81,18 +106,16 @@ def program_results(case: ModelCase, precision: str, cluster: Cluster, folder: P
                str(program / "launch.py"), "--check", "--steps", str(steps), "--metrics", str(metrics)]
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    row: dict[str, Any] = {"name": name, "dp_flavour": plan.dp_flavour, "mesh": str(plan.mesh),
+    row: dict[str, Any] = {"name": name, "search": search, "dp_flavour": plan.dp_flavour, "mesh": str(plan.mesh),
                            "predicted_step_s": plan.estimate.step_time_s,
                            "predicted_peak_memory_bytes": plan.estimate.memory.total,
                            "predicted_mfu": plan.estimate.mfu, "command": " ".join(command)}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=folder,
-                              timeout=max(5.0, time_left()), check=False)
-    except subprocess.TimeoutExpired as timeout:
-        output = _text(timeout.stdout) + _text(timeout.stderr)
-        return {**row, "status": "failed", "reason": f"launch.py ran past the section's budget ({timeout.timeout:.0f} s)",
-                "output_tail": output.splitlines()[-20:]}
+    limit = max(5.0, time_left())
+    done = run_to_end(command, environment, folder, limit)
     output = done.stdout + done.stderr
+    if done.returncode is None:
+        return {**row, "status": "failed", "reason": f"launch.py ran past the section's budget ({limit:.0f} s) and was stopped",
+                "output_tail": output.splitlines()[-20:]}
     parity = PARITY_LINE.search(done.stdout)
     row.update(exit_status=done.returncode, parity=parity.group(0) if parity else None,
                parity_ok=bool(parity and parity.group(1) == "ok"))
@@ -111,6 +134,38 @@ def program_results(case: ModelCase, precision: str, cluster: Cluster, folder: P
     return row
 
 
+def run_to_end(command: list[str], environment: dict[str, str], folder: Path, limit_s: float) -> subprocess.CompletedProcess:
+    """Run ``command`` in a process group of its own for at most ``limit_s`` seconds. Past the
+    limit, or when this process is interrupted, the group is stopped (``stop_group``); the
+    returned ``returncode`` is then None."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+                               cwd=folder, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=limit_s)
+        return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    except subprocess.TimeoutExpired:
+        stop_group(process)
+        stdout, stderr = process.communicate()
+        return subprocess.CompletedProcess(command, None, stdout, stderr)
+    except BaseException:
+        stop_group(process)
+        raise
+
+
+def stop_group(process: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM to ``process``'s group (it leads one), then SIGKILL after ``grace_s``. torchrun
+    starts its workers in sessions of their own and stops them itself on SIGTERM, so the
+    grace period lets it do that: a worker left running would hold the GPU."""
+    for number in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, number)
+        try:
+            process.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def _records(path: Path) -> list[dict[str, Any]]:
     """The step records ``--metrics`` wrote (none if the file is missing)."""
     if not path.is_file():
@@ -118,11 +173,5 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def _text(value: str | bytes | None) -> str:
-    if value is None:
-        return ""
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
-
-
-__all__ = ["MODELS", "PRECISIONS", "ModelCase", "program_results"]
+__all__ = ["MODELS", "PRECISIONS", "ModelCase", "program_results", "search_here"]
 

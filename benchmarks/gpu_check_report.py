@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from planner.cluster import Cluster
+from planner.errors import OutputError
 from planner.outputs import check_output_file, write_text_atomically
 
 # The "tool" field of every results file this script writes: an existing file is replaced
@@ -27,6 +28,10 @@ RESULTS_TOOL = "soap-planner benchmarks/gpu_check.py"
 SECTIONS = ("programs", "gemm", "attention", "memory", "launch")
 # Share of the total budget each section gets when all of them run (--only: the whole budget).
 SECTION_SHARES = {"programs": 0.45, "gemm": 0.2, "attention": 0.17, "memory": 0.12, "launch": 0.06}
+
+# The file that marks a --work folder as this script's: only such a folder (or a new or empty
+# one) is written into, since its plans, programs and cluster file replace what is there.
+WORK_MARKER = ".soap-planner-gpu-check"
 
 # H200 SXM datasheet (NVIDIA, 2024): 141 GB HBM3e at 4.8 TB/s; the same GH100 compute as the
 # H100 SXM (989 TFLOP/s dense bf16), so it is the dgx-h100 preset with these two numbers.
@@ -82,6 +87,8 @@ def environment(dry_run: bool) -> dict[str, Any]:
         "cudnn": torch.backends.cudnn.version() if cuda else None,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
         "torch": torch.__version__,
+        "ortools": _version_of("ortools"),
+        "transformers": _version_of("transformers"),
         "python": platform.python_version(),
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
@@ -92,6 +99,16 @@ def environment(dry_run: bool) -> dict[str, Any]:
         facts["sms"] = properties.multi_processor_count
         facts["compute_capability"] = f"{properties.major}.{properties.minor}"
     return facts
+
+
+def _version_of(package: str) -> str | None:
+    """The installed version of ``package``, or None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def _driver_version() -> str | None:
@@ -127,6 +144,24 @@ class Budget:
                 f"rerun it alone with --only {self.section}")
 
 
+def work_folder(path: str) -> Path:
+    """The ``--work`` folder, made if missing and marked as this script's; ``OutputError``
+    (one line) for a file, or for a folder with other content that this script did not make,
+    whose files the plans and programs would replace."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"--work: '{folder}' is a file; give a folder for the plans and programs")
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / WORK_MARKER).is_file():
+        raise OutputError(f"--work: '{folder}' holds files this script did not write, which its plans and programs "
+                          f"would replace; give a new or empty folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / WORK_MARKER).write_text("plans and programs of benchmarks/gpu_check.py\n", encoding="utf-8")
+    except OSError as error:
+        raise OutputError(f"--work: cannot write in '{folder}' ({error.strerror}); choose another folder") from None
+    return folder
+
+
 def is_results_file(path: Path) -> bool:
     """Whether ``path`` holds a results file this script wrote."""
     try:
@@ -145,20 +180,16 @@ class Results:
     def __init__(self, path: Path, facts: dict[str, Any], cluster: dict[str, Any], reason: str,
                  rerun: tuple[str, ...]) -> None:
         self.path = path
-        earlier = json.loads(path.read_text(encoding="utf-8")) if rerun != SECTIONS and is_results_file(path) else {}
-        same_machine = earlier.get("environment", {}).get("device") == facts["device"]
-        sections = {name: items for name, items in earlier.get("sections", {}).items()
-                    if same_machine and name in SECTIONS and name not in rerun}
+        kept = earlier_sections(path, facts["device"]) if rerun != SECTIONS else {}
         self.data: dict[str, Any] = {
             "tool": RESULTS_TOOL,
             "environment": facts,
             "simulated_cluster": cluster,
             "simulated_because": reason,
             "error_convention": "error = predicted / measured - 1 (negative: the simulator predicts too little time)",
-            "sections": {name: sections.get(name, []) for name in SECTIONS},
+            "sections": {name: [] if name in rerun else kept.get(name, []) for name in SECTIONS},
+            "complete": False,  # true once every section ran; a run cut short leaves it false
         }
-        for name in rerun:
-            self.data["sections"][name] = []
         self.write()
 
     def add(self, section: str, item: dict[str, Any]) -> None:
@@ -169,11 +200,42 @@ class Results:
         self.write()
 
     def finish(self, wall_s: float) -> None:
-        self.data["wall_s"] = wall_s
+        self.data["wall_s"], self.data["complete"] = wall_s, True
         self.write()
 
     def write(self) -> None:
         write_text_atomically(self.path, json.dumps(self.data, indent=2, default=_plain) + "\n")
+
+
+def earlier_sections(path: Path, device: str) -> dict[str, list]:
+    """The sections of the results file at ``path`` when this script wrote it on ``device``
+    (an --only rerun keeps them), else none."""
+    if not is_results_file(path):
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    environment, sections = data.get("environment"), data.get("sections")
+    earlier_device = environment.get("device") if isinstance(environment, dict) else None
+    if earlier_device != device or not isinstance(sections, dict):
+        why = f"are of another device ({earlier_device!r})" if earlier_device != device else "have no sections"
+        say(f"the earlier results in {path} {why}: only the sections run now are written")
+        return {}
+    kept = {name: [item for item in items if _is_item(item)] for name, items in sections.items()
+            if name in SECTIONS and isinstance(items, list)}
+    dropped = sum(len(items) for name, items in sections.items() if name in kept) - sum(map(len, kept.values()))
+    if dropped:
+        say(f"the earlier results in {path}: {dropped} damaged item(s) left out")
+    return kept
+
+
+def _is_item(item: Any) -> bool:
+    """Whether ``item`` is a result row as ``Results.add`` writes them: a name and either
+    measured and predicted seconds or a status and its reason."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return False
+    measured, predicted = item.get("measured_s"), item.get("predicted_s")
+    if "measured_s" in item:
+        return all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in (measured, predicted))
+    return isinstance(item.get("status"), str) and isinstance(item.get("reason"), str)
 
 
 def check_results_path(path: str, force: bool) -> Path:
@@ -221,4 +283,4 @@ def table(data: dict[str, Any]) -> str:
 
 
 __all__ = ["SECTIONS", "SECTION_SHARES", "Budget", "Results", "simulated_cluster", "load_cluster", "environment",
-           "check_results_path", "is_results_file", "table", "say", "RESULTS_TOOL"]
+           "check_results_path", "is_results_file", "work_folder", "table", "say", "RESULTS_TOOL"]
