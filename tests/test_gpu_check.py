@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,6 +42,7 @@ def test_dry_run_measures_every_section_and_reruns_one(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads(results.read_text())
     assert data["environment"]["dry_run"] is True and data["environment"]["torch"] == torch.__version__
+    assert data["complete"] is True
     assert set(data["sections"]) == set(SECTIONS)
     programs = data["sections"]["programs"]
     # Every model in both precisions: planned, compiled, checked against one device, trained.
@@ -77,8 +79,10 @@ def test_a_spent_budget_skips_items_and_says_how_to_rerun(tmp_path):
     results = tmp_path / "gpu_check.json"
     done = run_script("--dry-run", "--only", "gemm", "--budget", "1e-9", "-o", str(results))
     assert done.returncode == 0, done.stderr
-    rows = json.loads(results.read_text())["sections"]["gemm"]
+    data = json.loads(results.read_text())
+    rows = data["sections"]["gemm"]
     assert rows and all(row["status"] == "skipped" and "--only gemm" in row["reason"] for row in rows)
+    assert data["complete"] is True and not data["sections"]["programs"]
 
 
 def test_refuses_to_overwrite_a_file_it_did_not_write(tmp_path):
@@ -88,6 +92,34 @@ def test_refuses_to_overwrite_a_file_it_did_not_write(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith("error: refusing to overwrite") and done.stderr.count("\n") == 1, done.stderr
     assert notes.read_text() == '{"mine": true}\n'
+
+
+def test_refuses_a_work_folder_holding_a_users_files(tmp_path):
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "cluster.json").write_text("mine\n")
+    done = run_script("--dry-run", "--work", str(mine), "-o", str(tmp_path / "gpu_check.json"))
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: --work:") and done.stderr.count("\n") == 1, done.stderr
+    assert (mine / "cluster.json").read_text() == "mine\n" and not (tmp_path / "gpu_check.json").exists()
+
+
+def test_without_or_tools_plain_models_plan_and_moe_says_why(tmp_path, monkeypatch):
+    """The GPU machines' image has no OR-tools: one-device plans of plain models need none
+    (data parallelism is all one device gets), and the MoE rows name the missing package."""
+    from benchmarks import gpu_check_programs as programs
+
+    def without_ortools(name):
+        raise ImportError(f"No module named {name!r}")
+
+    # Only the script's own look-up fails: the planner's search never gets to need OR-tools.
+    monkeypatch.setattr(programs, "importlib", SimpleNamespace(import_module=without_ortools))
+    assert programs.search_here()[0] == "dp"
+    cluster = load_cluster(simulated_cluster("cpu", dry_run=True)[0], tmp_path)[0]
+    moe = next(case for case in programs.MODELS if case.name == "moe")
+    row = programs.program_results(moe, "fp32", cluster, tmp_path / "moe", 2, lambda: 60.0, lambda text: None)
+    assert row["status"] == "failed" and "OR-tools does not import here" in row["reason"], row
+    assert "mixes the samples" in row["planner_error"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the script runs for real")
