@@ -23,9 +23,11 @@ Every kernel figure stands beside the simulator's prediction for the same work
 model), for the preset of the GPU it runs on (an H200 is the H100 preset with its own memory
 size and bandwidth; see ``gpu_check_report.simulated_cluster``). Nothing is downloaded.
 
-Time: ``--budget`` seconds in all (default 450 on a GPU, 240 on a dry run), shared between
-the sections (``gpu_check_report.SECTION_SHARES``; with ``--only``, the chosen sections
-share it); an item that no longer fits is skipped, and the results file says why. Progress
+Time: ``--budget`` seconds in all (default 450 on a GPU, 240 on a dry run): each section gets
+its share (``gpu_check_report.SECTION_SHARES``) of the time the sections before it left, so
+what one leaves unspent goes to the next; an item that starts after its section's time is
+up is skipped, and the results file says why (one item may overrun it: a kernel item by a
+few seconds, a program by its planning). Progress
 is printed as it goes and the results file (JSON: the device, driver, CUDA and torch
 versions, then every item) is rewritten after every item, so a run cut short keeps what it
 measured. At the end it prints the table of predicted against measured figures.
@@ -157,13 +159,16 @@ def run(work: Path, output: Path, facts: dict[str, Any], cluster_data: dict[str,
     say(f"results: {output} (rewritten after every item)")
     if "programs" in sections and search_here()[1]:
         say(f"note: {search_here()[1]}")
-    share = sum(SECTION_SHARES[name] for name in sections)
     timing = DRY_TIMING if dry_run else GPU_TIMING
     failed = False
-    for section in sections:
-        section_budget = Budget(section, budget * SECTION_SHARES[section] / share)
+    for index, section in enumerate(sections):
+        # The section's share of the time left, so what one section leaves unspent goes to the next.
+        left = budget - (time.monotonic() - started)
+        share = SECTION_SHARES[section] / sum(SECTION_SHARES[name] for name in sections[index:])
+        section_budget = Budget(section, max(0.0, left * share))
         say(f"[{section}] budget {section_budget.seconds:.0f} s")
-        settle(device, timing.settle_s if section != "programs" else 0.0)
+        if section != "programs" and section_budget.allows(4 * timing.settle_s):
+            settle(device, timing.settle_s)
         for name, step in section_steps(section, dry_run, device, cluster, timing, work, steps, section_budget):
             if not section_budget.allows(0.0):
                 results.add(section, {"name": name, "status": "skipped", "reason": section_budget.skip_reason()})

@@ -26,7 +26,8 @@ from planner.outputs import check_output_file, write_text_atomically
 # only when it carries it (or with --force), as `plan -o` replaces only plans.
 RESULTS_TOOL = "soap-planner benchmarks/gpu_check.py"
 SECTIONS = ("programs", "gemm", "attention", "memory", "launch")
-# Share of the total budget each section gets when all of them run (--only: the whole budget).
+# Share of the time left that each section gets, among the sections still to run (--only: the
+# chosen ones share the whole budget).
 SECTION_SHARES = {"programs": 0.45, "gemm": 0.2, "attention": 0.17, "memory": 0.12, "launch": 0.06}
 
 # The file that marks a --work folder as this script's: only such a folder (or a new or empty
@@ -140,7 +141,7 @@ class Budget:
         return self.left() >= needed_s
 
     def skip_reason(self) -> str:
-        return (f"the {self.section} section's budget of {self.seconds:.0f} s was spent; "
+        return (f"the {self.section} section's share of the budget ({self.seconds:.0f} s) was spent; "
                 f"rerun it alone with --only {self.section}")
 
 
