@@ -104,6 +104,10 @@ def refuses_the_call(batch_size):
 
 def not_iterable(batch_size):
     return 5
+
+def exits(batch_size):
+    yield torch.zeros(batch_size, 2)
+    raise SystemExit(0)
 """
 
 
@@ -115,6 +119,7 @@ def not_iterable(batch_size):
         ("fails_at_two", "--data: fails_at_two(4) raised RuntimeError: shard 7 is missing while yielding the batch of step 2"),
         ("refuses_the_call", "--data: refuses_the_call(4) raised ValueError: no split for batch 4; fix the data function"),
         ("not_iterable", "--data: not_iterable(4) returned a int, not an iterable"),
+        ("exits", "--data: exits(4) raised SystemExit: 0 while yielding the batch of step 2"),  # not a silent exit 0
     ],
 )
 def test_data_failures_are_one_line(tmp_path: Path, one_rank, case: str, outcome: str) -> None:

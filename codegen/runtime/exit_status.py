@@ -7,7 +7,8 @@ Every rank exits with the same status for the same outcome:
 1    ``--check`` ran and the sharded step does not match one device
 2    a user error (a flag, the plan or model files, the data, a checkpoint): ``error: ...``
 3    an internal error (a bug in soap-planner, or an exception from the model's own code):
-     ``internal error: ...`` (``--debug`` prints the traceback)
+     ``internal error: ...`` (``--debug`` prints the traceback); also a rank whose
+     collective lost another rank that stopped first (that rank's line is the root cause)
 130  interrupted (Ctrl-C)
 143  stopped by SIGTERM/SIGUSR1 after saving a checkpoint of the step in progress
 ==== =====================================================================================
@@ -40,8 +41,24 @@ INTERRUPTED = 130
 GRACE_S = 0.5
 
 
+# What gloo and NCCL say when a collective loses a rank that exited (torch.distributed's
+# DistError subclasses cover NCCL's; gloo raises a plain RuntimeError).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because another rank stopped."""
+    import torch.distributed as dist
+
+    return isinstance(error, getattr(dist, "DistNetworkError", ())) or any(marker in str(error) for marker in PEER_LOST)
+
+
 def internal_error_line(error: BaseException) -> str:
-    """The one line of an exception that is not a user error."""
+    """The one line of an exception that is not a user error: a collective that lost another
+    rank (whose own line is torchrun's root cause), or a bug."""
+    if is_peer_failure(error):
+        return ("internal error: another rank stopped while this one waited for it in a collective; its own line is "
+                "the Root Cause of torchrun's summary below")
     text = " ".join(str(error).split())
     if len(text) > 300:
         text = text[:297] + "..."

@@ -61,7 +61,7 @@ def load_data_function(reference: str) -> tuple[Callable[[int], Any], str]:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as error:  # noqa: BLE001 - the user's file: one line, not a traceback per rank
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's file: one line, not a traceback per rank
         raise LaunchError(f"--data: {one_line(path)} fails to import: {exception_line(error)}; fix the file") from error
     function = getattr(module, name, None)
     if not callable(function):
@@ -84,7 +84,7 @@ def load_data(reference: str, batch_size: int) -> Iterator[Any]:
 def _start(function: Callable[[int], Any], name: str, batch_size: int) -> Iterator[Any]:
     try:
         batches = function(batch_size)
-    except Exception as error:  # noqa: BLE001 - the user's function: one line naming it
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's function: one line naming it
         raise LaunchError(f"--data: {name}({batch_size}) raised {exception_line(error)}; fix the data function") from error
     try:
         return iter(batches)
@@ -260,7 +260,7 @@ class DataFeed:
             return ENDED, "", None
         except LaunchError as error:
             return FAILED, str(error), None
-        except Exception as error:  # noqa: BLE001 - the user's generator: one line naming it, not a traceback per rank
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's generator: one line naming it, not a traceback per rank
             return FAILED, (f"--data: {self.name}({self.batch_size}) raised {exception_line(error)} while yielding the "
                             f"batch of step {step}; fix the data function"), None
         try:
