@@ -69,11 +69,11 @@ def test_index_ranges_refuse_the_first_value_outside() -> None:
     labels[0, :2] = -1  # ignored positions are fine
     check_index_ranges((ids, labels), {}, names, ranges, step=1)
     ids[2, 3] = 50
-    with pytest.raises(LaunchError, match=r"input 'input_ids' of step 7 holds 50, but embedding 'emb' \(50 rows\) "
+    with pytest.raises(LaunchError, match=r"input 'input_ids' at step 7 holds 50, but embedding 'emb' \(50 rows\) "
                                           r"takes values in \[0, 50\); fix the data"):
         check_index_ranges((ids, labels), {}, names, ranges, step=7)
     ids[2, 3], labels[1, 1] = 0, -2
-    with pytest.raises(LaunchError, match=r"input 'labels' of step 1 holds -2, .* takes values in \[0, 10\) or -1;"):
+    with pytest.raises(LaunchError, match=r"input 'labels' at step 1 holds -2, .* takes values in \[0, 10\) or -1;"):
         check_index_ranges((ids,), {"labels": labels}, names, ranges, step=1)
 
 
@@ -197,8 +197,8 @@ WORLD_CASES = {
     "raises_on_rank_1": "error --data: raises_on_rank_1(4) raised OSError: shard 7 is missing while yielding the batch of "
                         "step 2; fix the data function (on rank(s) 1)",
     "ends_early_on_rank_1": "error --data ended after 1 batches on rank(s) 1 but not on the others",
-    "id_out_of_range": "error --data: input 'ids' of step 2 holds 10, but embedding 'emb' (10 rows) takes values in [0, 10)",
-    "wrong_shape_on_rank_1": "error --data: input 1 is (4, 4) torch.int64, but the plan was made for (4, 5) torch.int64",
+    "id_out_of_range": "error --data: input 'ids' at step 2 holds 10, but embedding 'emb' (10 rows) takes values in [0, 10)",
+    "wrong_shape_on_rank_1": "error --data: input 'ids' at step 1 is (4, 4) torch.int64, but the plan was made for (4, 5) torch.int64",
 }
 
 

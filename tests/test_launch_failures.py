@@ -35,6 +35,7 @@ def _failing_run(error: BaseException):
         (LaunchError("--data: no file 'x.py'; give the path"), 2, "error: --data: no file 'x.py'; give the path"),
         (RuntimeError("boom\nin two lines"), 3, "internal error: RuntimeError: boom in two lines (a bug in soap-planner"),
         (KeyboardInterrupt(), 130, "interrupted"),
+        (LaunchError("--data: 'a\x1b[2Jb\nc' is missing"), 2, "error: --data: 'a\\x1b[2Jb\\nc' is missing"),  # inert
         (RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:3808. This is typically caused"), 3,
          "internal error: another rank stopped while this one waited for it in a collective; its own line is the Root "
          "Cause of torchrun's summary below"),

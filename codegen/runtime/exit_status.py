@@ -29,6 +29,9 @@ import sys
 import time
 import traceback
 
+from planner.errors import one_line
+from planner.messages import exception_line
+
 DONE = 0
 PARITY_FAILED = 1
 USER_ERROR = 2
@@ -59,10 +62,7 @@ def internal_error_line(error: BaseException) -> str:
     if is_peer_failure(error):
         return ("internal error: another rank stopped while this one waited for it in a collective; its own line is "
                 "the Root Cause of torchrun's summary below")
-    text = " ".join(str(error).split())
-    if len(text) > 300:
-        text = text[:297] + "..."
-    return (f"internal error: {type(error).__name__}: {text} (a bug in soap-planner, or an exception in the model's "
+    return (f"internal error: {one_line(exception_line(error))} (a bug in soap-planner, or an exception in the model's "
             f"own code; rerun with --debug for the traceback, and report it)")
 
 
@@ -72,10 +72,19 @@ def report_failure(line: str, rank: int, debug: bool = False) -> None:
     ``debug``: print the traceback of the exception being handled first (every rank)."""
     if debug:
         traceback.print_exc()
+    line = printable(line)
     write_elastic_error_file(line)
     if rank == 0:
         sys.stdout.flush()
         print(line, file=sys.stderr, flush=True)
+
+
+def printable(line: str) -> str:
+    """``line`` with every non-printable character (a newline, an escape sequence's ESC, a
+    bidirectional override) as its ``repr()`` escape: messages quote file names, exception
+    texts and plan fields, and the line goes to a terminal. Unlike ``one_line`` it keeps
+    backslashes as they are, so text ``one_line`` already escaped is not escaped twice."""
+    return "".join(character if character.isprintable() else repr(character)[1:-1] for character in line)
 
 
 def write_elastic_error_file(line: str) -> None:
@@ -105,4 +114,4 @@ def exit_now(status: int, rank: int) -> None:
 
 
 __all__ = ["DONE", "PARITY_FAILED", "USER_ERROR", "INTERNAL_ERROR", "INTERRUPTED", "internal_error_line",
-           "report_failure", "write_elastic_error_file", "exit_now"]
+           "report_failure", "printable", "write_elastic_error_file", "exit_now"]

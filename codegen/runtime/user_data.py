@@ -62,7 +62,7 @@ def load_data_function(reference: str) -> tuple[Callable[[int], Any], str]:
     try:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's file: one line, not a traceback per rank
-        raise LaunchError(f"--data: {one_line(path)} fails to import: {exception_line(error)}; fix the file") from error
+        raise LaunchError(f"--data: {one_line(path)} fails to import: {one_line(exception_line(error))}; fix the file") from error
     function = getattr(module, name, None)
     if not callable(function):
         raise LaunchError(f"--data: {one_line(path)} defines no function {name}(); define {name}(batch_size) returning batches")
@@ -85,7 +85,7 @@ def _start(function: Callable[[int], Any], name: str, batch_size: int) -> Iterat
     try:
         batches = function(batch_size)
     except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's function: one line naming it
-        raise LaunchError(f"--data: {name}({batch_size}) raised {exception_line(error)}; fix the data function") from error
+        raise LaunchError(f"--data: {name}({batch_size}) raised {one_line(exception_line(error))}; fix the data function") from error
     try:
         return iter(batches)
     except TypeError as error:
@@ -95,9 +95,12 @@ def _start(function: Callable[[int], Any], name: str, batch_size: int) -> Iterat
         ) from error
 
 
-def check_batch(batch: Any, example_args: tuple, example_kwargs: dict) -> tuple[tuple, dict]:
+def check_batch(batch: Any, example_args: tuple, example_kwargs: dict, names: list[str] = (), step: int | None = None
+                ) -> tuple[tuple, dict]:
     """A user batch as (args, kwargs), checked against the example batch the program was
-    compiled for (same structure, shapes and dtypes); LaunchError naming the difference."""
+    compiled for (same structure, shapes and dtypes); LaunchError naming the difference (and
+    the input by ``names``, the model's input names, and the ``step``, when given)."""
+    at = f" at step {step}" if step is not None else ""
     if isinstance(batch, torch.Tensor):
         args, kwargs = (batch,), {}
     elif isinstance(batch, dict):
@@ -105,20 +108,22 @@ def check_batch(batch: Any, example_args: tuple, example_kwargs: dict) -> tuple[
     elif isinstance(batch, (tuple, list)):
         args, kwargs = tuple(batch), {}
     else:
-        raise LaunchError(f"--data yielded a {type(batch).__name__}; yield a tensor, a tuple of tensors or a dict of them")
+        raise LaunchError(f"--data yielded a {type(batch).__name__}{at}; yield a tensor, a tuple of tensors or a dict of them")
     if len(args) != len(example_args) or set(kwargs) != set(example_kwargs):
         shown = sorted(one_line(key) for key in kwargs)
         raise LaunchError(
-            f"--data yielded {len(args)} positional input(s) and keywords {shown}, but the model was planned "
+            f"--data yielded {len(args)} positional input(s) and keywords {shown}{at}, but the model was planned "
             f"with {len(example_args)} and {sorted(example_kwargs)}; yield batches shaped like the plan's example"
         )
-    for name, got, want in _named_pairs(args, kwargs, example_args, example_kwargs):
+    labels = input_names(example_args, example_kwargs, names)
+    wanted = [*example_args, *(example_kwargs[key] for key in sorted(example_kwargs))]
+    for label, got, want in zip(labels, [*args, *(kwargs[key] for key in sorted(kwargs))], wanted):
         if isinstance(want, torch.Tensor):
             if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
                 shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
                 raise LaunchError(
-                    f"--data: {name} is {shown}, but the plan was made for {tuple(want.shape)} {want.dtype} (the global "
-                    f"batch); yield global batches of that shape, or plan again for this batch"
+                    f"--data: {label}{at} is {shown}, but the plan was made for {tuple(want.shape)} {want.dtype} (the "
+                    f"global batch); yield global batches of that shape, or plan again for this batch"
                 )
     return args, kwargs
 
@@ -138,11 +143,6 @@ def as_inputs(batch: Any, example_args: tuple, example_kwargs: dict) -> tuple[tu
     """``check_batch``, then ``place``: the batch as the program's (args, kwargs)."""
     args, kwargs = check_batch(batch, example_args, example_kwargs)
     return place(args, kwargs, example_args, example_kwargs)
-
-
-def _named_pairs(args: tuple, kwargs: dict, example_args: tuple, example_kwargs: dict) -> list[tuple[str, Any, Any]]:
-    pairs = [(f"input {index}", got, want) for index, (got, want) in enumerate(zip(args, example_args))]
-    return pairs + [(f"input '{key}'", kwargs[key], example_kwargs[key]) for key in example_kwargs]
 
 
 def input_names(example_args: tuple, example_kwargs: dict, names: list[str] = ()) -> list[str]:
@@ -196,7 +196,7 @@ def check_index_ranges(args: tuple, kwargs: dict, names: list[str], ranges: Mapp
         if bad is not None:
             extra = f" or {', '.join(str(v) for v in allowed)}" if allowed else ""
             raise LaunchError(
-                f"--data: input '{one_line(name)}' of step {step} holds {bad}, but {one_line(reader)} takes values in "
+                f"--data: input '{one_line(name)}' at step {step} holds {bad}, but {one_line(reader)} takes values in "
                 f"[0, {bound}){extra}; fix the data, or plan a model of the size the data needs"
             )
 
@@ -261,12 +261,12 @@ class DataFeed:
         except LaunchError as error:
             return FAILED, str(error), None
         except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's generator: one line naming it, not a traceback per rank
-            return FAILED, (f"--data: {self.name}({self.batch_size}) raised {exception_line(error)} while yielding the "
+            return FAILED, (f"--data: {self.name}({self.batch_size}) raised {one_line(exception_line(error))} while yielding the "
                             f"batch of step {step}; fix the data function"), None
         try:
-            return BATCH, "", check_batch(raw, self.example_args, self.example_kwargs)
+            return BATCH, "", check_batch(raw, self.example_args, self.example_kwargs, self.names, step)
         except LaunchError as error:
-            return FAILED, f"{error} (the batch of step {step})", None
+            return FAILED, str(error), None
 
     def _gather(self, row: list[int]) -> list[list[int]]:
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
