@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from codegen.index_inputs import index_inputs, index_inputs_source
-from codegen.runtime.user_data import DataFeed, check_index_ranges, tensor_digest
+from codegen.runtime.user_data import DataFeed, check_index_ranges, skip_batches, tensor_digest
 from planner.errors import LaunchError
 from planner.trace import trace
 from tests.test_parity import _run, _torchrun
@@ -132,6 +132,16 @@ def test_data_failures_are_one_line(tmp_path: Path, one_rank, case: str, outcome
     except LaunchError as error:
         got = str(error)
     assert got.startswith(outcome) and "\n" not in got, got
+
+
+def test_resuming_past_the_end_of_the_data_is_one_line(tmp_path: Path, one_rank) -> None:
+    (tmp_path / "data.py").write_text(ONE_RANK_DATA)
+    feed = DataFeed(f"{tmp_path / 'data.py'}:three", 4, (torch.zeros(4, 2),), {}, torch.device("cpu"))
+    skip_batches(feed.next, 2)  # a checkpoint of step 2: its two batches are skipped
+    assert torch.equal(feed.next()[0][0], torch.full((4, 2), 2.0)) and feed.next() is None
+    again = DataFeed(f"{tmp_path / 'data.py'}:three", 4, (torch.zeros(4, 2),), {}, torch.device("cpu"))
+    with pytest.raises(LaunchError, match="--data ended after 3 batches, before step 5 where the checkpoint resumes"):
+        skip_batches(again.next, 5)
 
 
 WORLD_DATA = """

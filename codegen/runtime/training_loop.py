@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from codegen.runtime.program import Program
 from codegen.runtime.stop_request import StopRequest, mean_loss_and_stop
-from codegen.runtime.user_data import DataFeed, as_inputs, load_data  # noqa: F401 - as_inputs, load_data re-exported
+from codegen.runtime.user_data import DataFeed, as_inputs, load_data, skip_batches  # noqa: F401 - as_inputs, load_data re-exported
 from planner.errors import LaunchError
 
 SCHEDULES = ("constant", "cosine", "linear")
@@ -309,10 +309,7 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     for _ in range(first_step):
         schedule.step()  # the learning rate where the checkpointed run left it
     next_batch = batch_source(program, options, args, kwargs)
-    for skipped in range(first_step):  # the data position: the batches the checkpointed run consumed
-        if next_batch() is None:
-            raise LaunchError(f"--data ended after {skipped} batches, before step {first_step} where the checkpoint "
-                              f"resumes; resume with the data the checkpointed run trained on")
+    skip_batches(next_batch, first_step)  # the data position: the batches the checkpointed run consumed
     meter = StepMeter(program)
     device = program.device()
     metrics = open(options.metrics, "w") if options.metrics and dist.get_rank() == 0 else None  # noqa: SIM115

@@ -295,10 +295,22 @@ class DataFeed:
                 )
 
 
+def skip_batches(next_batch: Callable[[], Any], count: int) -> None:
+    """Draw and drop the ``count`` batches a checkpointed run consumed (its data position).
+
+    Raises:
+        LaunchError: the data ends first: it is not the data the checkpointed run trained on.
+    """
+    for skipped in range(count):
+        if next_batch() is None:
+            raise LaunchError(f"--data ended after {skipped} batches, before step {count} where the checkpoint resumes; "
+                              f"resume with the data the checkpointed run trained on")
+
+
 def _ranks(ranks: list[int]) -> str:
     shown = ", ".join(str(rank) for rank in ranks[:8])
     return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
-__all__ = ["DataFeed", "load_data", "load_data_function", "check_batch", "place", "as_inputs", "batch_digests",
+__all__ = ["DataFeed", "skip_batches", "load_data", "load_data_function", "check_batch", "place", "as_inputs", "batch_digests",
            "tensor_digest", "first_index_error", "check_index_ranges", "input_names"]
