@@ -118,7 +118,7 @@ def exits(batch_size):
         ("nothing", "--data: nothing(4) yielded no batches"),
         ("fails_at_two", "--data: fails_at_two(4) raised RuntimeError: shard 7 is missing while yielding the batch of step 2"),
         ("refuses_the_call", "--data: refuses_the_call(4) raised ValueError: no split for batch 4; fix the data function"),
-        ("not_iterable", "--data: not_iterable(4) returned a int, not an iterable"),
+        ("not_iterable", "--data: not_iterable(4) returned an object of type int, not an iterable"),
         ("exits", "--data: exits(4) raised SystemExit: 0 while yielding the batch of step 2"),  # not a silent exit 0
     ],
 )

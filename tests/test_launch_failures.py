@@ -22,11 +22,12 @@ REPO = Path(__file__).resolve().parent.parent
 GPT = {"n_layer": 1, "n_embd": 32, "n_head": 4, "vocab_size": 64, "seq_len": 16, "batch_size": 4}
 
 
-def _failing_run(error: BaseException):
-    def run(folder, argv):
+def _failing_parser(error: BaseException):
+    """A ``build_parser`` standing in for launch.py's first step, raising ``error``."""
+    def build_parser():
         raise error
 
-    return run
+    return build_parser
 
 
 @pytest.mark.parametrize(
@@ -42,7 +43,7 @@ def _failing_run(error: BaseException):
     ],
 )
 def test_each_outcome_has_its_status_and_one_line(monkeypatch, capsys, error, status, line) -> None:
-    monkeypatch.setattr(launcher, "run", _failing_run(error))
+    monkeypatch.setattr(launcher, "build_parser", _failing_parser(error))
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     assert launcher.main(Path("."), ["--steps", "1"]) == status
     printed = capsys.readouterr()
@@ -50,7 +51,7 @@ def test_each_outcome_has_its_status_and_one_line(monkeypatch, capsys, error, st
 
 
 def test_debug_prints_the_traceback_of_an_internal_error(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(launcher, "run", _failing_run(RuntimeError("boom")))
+    monkeypatch.setattr(launcher, "build_parser", _failing_parser(RuntimeError("boom")))
     assert launcher.main(Path("."), ["--steps", "1", "--debug"]) == 3
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and err.rstrip().splitlines()[-1].startswith("internal error:")
@@ -62,7 +63,7 @@ def test_other_ranks_print_nothing_but_tell_torchrun(monkeypatch, capsys, tmp_pa
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-    monkeypatch.setattr(launcher, "run", _failing_run(LaunchError("the plan is for 4 ranks, got 2")))
+    monkeypatch.setattr(launcher, "build_parser", _failing_parser(LaunchError("the plan is for 4 ranks, got 2")))
     assert launcher.main(Path("."), ["--steps", "1"]) == 2
     assert capsys.readouterr().err == ""
     failure = ProcessFailure(local_rank=1, pid=123, exitcode=2, error_file=str(error_file))

@@ -121,9 +121,55 @@ def main(folder: Path, argv: list[str]) -> int:
     """Run ``launch.py`` in ``folder`` with command-line ``argv``; returns the exit status
     (``codegen.runtime.exit_status``). A failure is one line, printed last by rank 0 and
     written into torchrun's error file by every rank; no traceback unless ``--debug``."""
-    debug = "--debug" in argv
     try:
-        return run(folder, argv)
+        # Everything a user can get wrong is checked before the process group starts: a
+        # rank that failed later would leave the others waiting in a collective.
+        options = build_parser().parse_args(argv)
+        if not options.check and not options.comm_audit and options.steps == 0 and options.data is None:
+            raise LaunchError(
+                "say what to run: --check, --steps N, --data FILE.py:FUNCTION, --comm-audit, or a mix; see launch.py --help"
+            )
+        check_training_flags(options)
+        if options.fp64 and not options.check:
+            raise LaunchError("--fp64 says how --check runs its step; add --check")
+        program = load_program(folder)
+        if options.fp64:
+            check_float64_applies(program)
+        if options.clip_grad_norm is not None and program.plan.expert_layouts:
+            raise LaunchError("--clip-grad-norm does not support plans with MoE expert layouts yet (their experts' "
+                              "gradients live on different ranks); leave it out for this plan")
+        check_checkpoint_options(options)
+        if options.record_routing is not None:
+            check_routing_output(program, options.steps, options.record_routing)
+        check_world_size(program.plan)
+        program.check_model()
+        if options.data is not None:
+            load_data_function(options.data)  # the file imports and defines the function
+        if options.check:
+            check_fits_this_gpu(program)
+        mesh = program.build_mesh()
+        optimizer = options.optimizer or program.plan.optimizer
+        status = DONE
+        if options.check:
+            atol, rtol = parity_tolerances(program.plan.precision, options.atol, options.rtol)
+            result = check_parity(program, mesh, atol, rtol, options.lr, optimizer, float64=options.fp64)
+            if result.randomness:
+                _say(result.randomness)
+            _say(result.message(atol, rtol))
+            status = DONE if result.ok else PARITY_FAILED
+        if options.comm_audit:
+            from codegen.runtime.comm_audit import audit_step, audit_table
+
+            predicted = dict(program.plan.estimate.bytes_per_axis) if program.plan.estimate else {}
+            _say(audit_table(predicted, audit_step(program, mesh, options.lr, optimizer)))
+        if options.steps > 0 or options.data is not None:
+            run = run_training(program, mesh, options, optimizer)
+            if run.stopped_by is not None:
+                status = STOPPED_EXIT_STATUS  # stopped early on a signal: the job did not finish
+        # Every rank is done communicating before any tears gloo down: without this, a rank
+        # that leaves first sometimes makes another abort at exit after a successful run.
+        dist.barrier()
+        return status
     except PlannerError as error:
         report_failure(f"error: {error}", _rank())
         return USER_ERROR
@@ -131,63 +177,11 @@ def main(folder: Path, argv: list[str]) -> int:
         report_failure("interrupted", _rank())
         return INTERRUPTED
     except Exception as error:  # noqa: BLE001 - the last line of defence against a traceback on every rank
-        report_failure(internal_error_line(error), _rank(), debug=debug)
+        report_failure(internal_error_line(error), _rank(), debug="--debug" in argv)
         return INTERNAL_ERROR
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def run(folder: Path, argv: list[str]) -> int:
-    """``main`` without its error handling: raises ``PlannerError`` for a user error."""
-    # Everything a user can get wrong is checked before the process group starts: a
-    # rank that failed later would leave the others waiting in a collective.
-    options = build_parser().parse_args(argv)
-    if not options.check and not options.comm_audit and options.steps == 0 and options.data is None:
-        raise LaunchError(
-            "say what to run: --check, --steps N, --data FILE.py:FUNCTION, --comm-audit, or a mix; see launch.py --help"
-        )
-    check_training_flags(options)
-    if options.fp64 and not options.check:
-        raise LaunchError("--fp64 says how --check runs its step; add --check")
-    program = load_program(folder)
-    if options.fp64:
-        check_float64_applies(program)
-    if options.clip_grad_norm is not None and program.plan.expert_layouts:
-        raise LaunchError("--clip-grad-norm does not support plans with MoE expert layouts yet (their experts' "
-                          "gradients live on different ranks); leave it out for this plan")
-    check_checkpoint_options(options)
-    if options.record_routing is not None:
-        check_routing_output(program, options.steps, options.record_routing)
-    check_world_size(program.plan)
-    program.check_model()
-    if options.data is not None:
-        load_data_function(options.data)  # the file imports and defines the function
-    if options.check:
-        check_fits_this_gpu(program)
-    mesh = program.build_mesh()
-    optimizer = options.optimizer or program.plan.optimizer
-    status = DONE
-    if options.check:
-        atol, rtol = parity_tolerances(program.plan.precision, options.atol, options.rtol)
-        result = check_parity(program, mesh, atol, rtol, options.lr, optimizer, float64=options.fp64)
-        if result.randomness:
-            _say(result.randomness)
-        _say(result.message(atol, rtol))
-        status = DONE if result.ok else PARITY_FAILED
-    if options.comm_audit:
-        from codegen.runtime.comm_audit import audit_step, audit_table
-
-        predicted = dict(program.plan.estimate.bytes_per_axis) if program.plan.estimate else {}
-        _say(audit_table(predicted, audit_step(program, mesh, options.lr, optimizer)))
-    if options.steps > 0 or options.data is not None:
-        training = run_training(program, mesh, options, optimizer)
-        if training.stopped_by is not None:
-            status = STOPPED_EXIT_STATUS  # stopped early on a signal: the job did not finish
-    # Every rank is done communicating before any tears gloo down: without this, a rank
-    # that leaves first sometimes makes another abort at exit after a successful run.
-    dist.barrier()
-    return status
 
 
 def exit_now(status: int) -> None:

@@ -90,7 +90,7 @@ def _start(function: Callable[[int], Any], name: str, batch_size: int) -> Iterat
         return iter(batches)
     except TypeError as error:
         raise LaunchError(
-            f"--data: {name}({batch_size}) returned a {type(batches).__name__}, not an iterable ({error}); define "
+            f"--data: {name}({batch_size}) returned an object of type {type(batches).__name__}, not an iterable; define "
             f"{name}(batch_size) returning an iterable of global batches"
         ) from error
 
