@@ -10,7 +10,8 @@ Every rank exits with the same status for the same outcome:
      ``internal error: ...`` (``--debug`` prints the traceback); also a rank whose
      collective lost another rank that stopped first (that rank's line is the root cause)
 130  interrupted (Ctrl-C)
-143  stopped by SIGTERM/SIGUSR1 after saving a checkpoint of the step in progress
+143  stopped by SIGTERM/SIGUSR1, after saving a checkpoint of the step in progress (with
+     ``--checkpoint-dir``)
 ==== =====================================================================================
 
 The failure line is printed once, by rank 0, on stderr after everything else rank 0 printed;
@@ -88,14 +89,16 @@ def printable(line: str) -> str:
 
 
 def write_elastic_error_file(line: str) -> None:
-    """Write ``line`` to ``TORCHELASTIC_ERROR_FILE`` when torchrun set it, in the form its
-    ``ProcessFailure`` reads (a string ``message`` is shown as it is); never raises."""
+    """Write ``line`` to ``TORCHELASTIC_ERROR_FILE`` when torchrun set it, in the form
+    ``ErrorHandler.record_exception`` writes (torchrun's summary shows ``py_callstack``, here
+    the line itself, and can still set the rank's exit code in it); never raises."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
     try:
         with open(path, "w") as handle:
-            json.dump({"message": line, "timestamp": int(time.time())}, handle)
+            json.dump(record, handle)
     except OSError:
         pass  # torchrun's summary then says what it says without us; the line is still printed
 
