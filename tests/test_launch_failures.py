@@ -13,6 +13,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 import planner
 from codegen.runtime import launcher
+from codegen.runtime.program import load_program
 from planner.errors import LaunchError
 from planner.model_spec import ModelSpec
 from tests.test_parity import _run, _torchrun
@@ -100,6 +101,11 @@ def test_a_failure_under_torchrun_is_one_line_in_the_output_and_in_the_summary(t
     from our code, no per-rank ``[rankN]:`` traceback; the ranks exit 2 (torchrun itself 1)."""
     plan = planner.plan(ModelSpec(str(REPO / "examples/gpt.py"), GPT), "cpu:1x2", dp_flavour="ddp")
     planner.compile(plan, tmp_path / "out")
+    # The compiled program knows which inputs index what (the --data range check reads it).
+    assert load_program(tmp_path / "out").module.INDEX_INPUTS == {
+        "idx": (64, (), "embedding 'wte' (64 rows)"),
+        "targets": (64, (-100,), "the loss (64 classes, ignore_index -100)"),
+    }
     (tmp_path / "data.py").write_text(FAILING_DATA)
     launch = _run([*_torchrun(2), "out/launch.py", "--data", "data.py:batches"], cwd=tmp_path, timeout=180)
     line = ("error: --data: batches(4) raised OSError: shard 7 is missing while yielding the batch of step 2; fix the "
