@@ -105,6 +105,9 @@ def refuses_the_call(batch_size):
 def not_iterable(batch_size):
     return 5
 
+def on_meta(batch_size):
+    yield torch.zeros(batch_size, 2, device="meta")
+
 def exits(batch_size):
     yield torch.zeros(batch_size, 2)
     raise SystemExit(0)
@@ -119,6 +122,7 @@ def exits(batch_size):
         ("fails_at_two", "--data: fails_at_two(4) raised RuntimeError: shard 7 is missing while yielding the batch of step 2"),
         ("refuses_the_call", "--data: refuses_the_call(4) raised ValueError: no split for batch 4; fix the data function"),
         ("not_iterable", "--data: not_iterable(4) returned an object of type int, not an iterable"),
+        ("on_meta", "--data: the batch of step 1 cannot be read as plain tensors (NotImplementedError: "),
         ("exits", "--data: exits(4) raised SystemExit: 0 while yielding the batch of step 2"),  # not a silent exit 0
     ],
 )

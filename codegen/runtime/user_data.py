@@ -226,8 +226,7 @@ class DataFeed:
                 some ranks only, the ranks drew different batches, or an index is out of range.
         """
         step = self.fetched + 1
-        outcome, message, batch = self._fetch(step)
-        digests = batch_digests(*batch) if batch is not None else [0] * (len(self.example_args) + len(self.example_kwargs))
+        outcome, message, batch, digests = self._fetch(step)
         table = self._gather([outcome, *digests])
         if any(row[0] == FAILED for row in table):
             raise LaunchError(self._failure(table, message))
@@ -250,23 +249,29 @@ class DataFeed:
         self.fetched = step
         return place(args, kwargs, self.example_args, self.example_kwargs)
 
-    def _fetch(self, step: int) -> tuple[int, str, tuple[tuple, dict] | None]:
-        """(outcome, failure message, checked batch) of this rank's next fetch."""
+    def _fetch(self, step: int) -> tuple[int, str, tuple[tuple, dict] | None, list[int]]:
+        """(outcome, failure message, checked batch, its digests) of this rank's next fetch."""
+        none = [0] * (len(self.example_args) + len(self.example_kwargs))
         try:
             if self._batches is None:
                 self._batches = _start(self.function, self.name, self.batch_size)
             raw = next(self._batches)
         except StopIteration:
-            return ENDED, "", None
+            return ENDED, "", None, none
         except LaunchError as error:
-            return FAILED, str(error), None
+            return FAILED, str(error), None, none
         except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's generator: one line naming it, not a traceback per rank
-            return FAILED, (f"--data: {self.name}({self.batch_size}) raised {one_line(exception_line(error))} while yielding the "
-                            f"batch of step {step}; fix the data function"), None
+            return FAILED, (f"--data: {self.name}({self.batch_size}) raised {one_line(exception_line(error))} while "
+                            f"yielding the batch of step {step}; fix the data function"), None, none
         try:
-            return BATCH, "", check_batch(raw, self.example_args, self.example_kwargs, self.names, step)
+            batch = check_batch(raw, self.example_args, self.example_kwargs, self.names, step)
         except LaunchError as error:
-            return FAILED, str(error), None
+            return FAILED, str(error), None, none
+        try:
+            return BATCH, "", batch, batch_digests(*batch)
+        except Exception as error:  # noqa: BLE001 - a tensor whose bytes cannot be read (meta, sparse)
+            return FAILED, (f"--data: the batch of step {step} cannot be read as plain tensors "
+                            f"({one_line(exception_line(error))}); yield dense tensors on the CPU or this rank's GPU"), None, none
 
     def _gather(self, row: list[int]) -> list[list[int]]:
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
