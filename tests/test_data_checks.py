@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from codegen.index_inputs import index_inputs, index_inputs_source
-from codegen.runtime.user_data import DataFeed, check_index_ranges, skip_batches, tensor_digest
+from codegen.runtime.user_data import DataFeed, check_index_ranges, load_data_function, skip_batches, tensor_digest
 from planner.errors import LaunchError
 from planner.trace import trace
 from tests.test_parity import _run, _torchrun
@@ -75,6 +75,25 @@ def test_index_ranges_refuse_the_first_value_outside() -> None:
     ids[2, 3], labels[1, 1] = 0, -2
     with pytest.raises(LaunchError, match=r"input 'labels' at step 1 holds -2, .* takes values in \[0, 10\) or -1;"):
         check_index_ranges((ids,), {"labels": labels}, names, ranges, step=1)
+
+
+@pytest.mark.parametrize(
+    "reference, message",
+    [
+        ("plan.json:batches", "--data: '{tmp}/plan.json' is not a Python file; give a .py file"),
+        ("syntax.py:batches", "--data: {tmp}/syntax.py fails to import: SyntaxError: "),
+        ("exits.py:batches", "--data: {tmp}/exits.py fails to import: SystemExit: 3; fix the file"),
+        ("data.py:1st", "--data takes path/to/module.py:function, got '{tmp}/data.py:1st'"),
+        ("missing.py:batches", "--data: no file '{tmp}/missing.py'"),
+    ],
+)
+def test_data_files_that_cannot_serve_are_one_line(tmp_path: Path, reference: str, message: str) -> None:
+    (tmp_path / "plan.json").write_text("{}")
+    (tmp_path / "syntax.py").write_text("def batches(batch_size)\n    pass\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(LaunchError) as raised:
+        load_data_function(f"{tmp_path}/{reference}")
+    assert str(raised.value).startswith(message.format(tmp=tmp_path)), str(raised.value)
 
 
 @pytest.fixture()

@@ -58,6 +58,8 @@ def load_data_function(reference: str) -> tuple[Callable[[int], Any], str]:
     if not path.is_file():
         raise LaunchError(f"--data: no file '{one_line(path)}'; give the path of a Python file, e.g. --data data.py:batches")
     spec = importlib.util.spec_from_file_location(f"soap_user_data_{abs(hash(str(path.resolve())))}", path)
+    if spec is None:  # importlib loads only Python source and extension files
+        raise LaunchError(f"--data: '{one_line(path)}' is not a Python file; give a .py file, e.g. --data data.py:batches")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
