@@ -38,8 +38,8 @@ def _failing_parser(error: BaseException):
         (KeyboardInterrupt(), 130, "interrupted"),
         (LaunchError("--data: 'a\x1b[2Jb\nc' is missing"), 2, "error: --data: 'a\\x1b[2Jb\\nc' is missing"),  # inert
         (RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:3808. This is typically caused"), 3,
-         "internal error: another rank stopped while this one waited for it in a collective; its own line is the Root "
-         "Cause of torchrun's summary below"),
+         "internal error: another rank stopped while this one waited for it in a collective; that rank's own line is in "
+         "torchrun's summary below"),
     ],
 )
 def test_each_outcome_has_its_status_and_one_line(monkeypatch, capsys, error, status, line) -> None:

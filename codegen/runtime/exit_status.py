@@ -1,6 +1,6 @@
 """How ``launch.py`` ends: its exit statuses and its one failure line, under torchrun.
 
-Every rank exits with the same status for the same outcome:
+Every rank that ends on its own exits with the same status for the same outcome:
 
 ==== =====================================================================================
 0    done
@@ -15,7 +15,9 @@ Every rank exits with the same status for the same outcome:
 ==== =====================================================================================
 
 The failure line is printed once, by rank 0, on stderr after everything else rank 0 printed;
-other ranks print nothing. torchrun itself then exits 1 and prints its ``ChildFailedError``
+other ranks print nothing, and wait ``GRACE_S`` before they exit, so that torchrun, which
+stops every rank once one has failed, does not stop rank 0 before it has printed (torchrun
+usually ends them in that wait: ``exitcode -15`` in its summary). torchrun itself then exits 1 and prints its ``ChildFailedError``
 summary: each failed rank's ``traceback :`` field would say "To enable traceback see ...",
 so every rank also writes its line into the error file torchrun gives it
 (``TORCHELASTIC_ERROR_FILE``, the file ``torch.distributed.elastic``'s ``@record`` writes),
@@ -41,8 +43,11 @@ INTERRUPTED = 130
 # STOPPED (143) lives in codegen.runtime.stop_request, beside the signals it answers.
 
 # A failing rank other than 0 waits this long before it exits: torchrun stops every rank as
-# soon as one exits non-zero, and rank 0 must have printed the line first.
-GRACE_S = 0.5
+# soon as one exits non-zero, and rank 0 must have printed the line first. Ranks start a few
+# hundred milliseconds apart (each imports torch), so a flag refused on every rank can be
+# refused on rank 1 well before rank 0; a failure every rank shares ends sooner anyway
+# (torchrun stops the waiting ranks as soon as rank 0 exits).
+GRACE_S = 2.0
 
 
 # What gloo and NCCL say when a collective loses a rank that exited (torch.distributed's
@@ -61,8 +66,8 @@ def internal_error_line(error: BaseException) -> str:
     """The one line of an exception that is not a user error: a collective that lost another
     rank (whose own line is torchrun's root cause), or a bug."""
     if is_peer_failure(error):
-        return ("internal error: another rank stopped while this one waited for it in a collective; its own line is "
-                "the Root Cause of torchrun's summary below")
+        return ("internal error: another rank stopped while this one waited for it in a collective; that rank's own "
+                "line is in torchrun's summary below")
     return (f"internal error: {one_line(exception_line(error))} (a bug in soap-planner, or an exception in the model's "
             f"own code; rerun with --debug for the traceback, and report it)")
 
