@@ -11,7 +11,8 @@ step, before the batch is used:
 - one all-gather of a few int64s per rank (the outcome and a CRC-32 of each input's bytes,
   in order, so a rank-seeded shuffle of the same rows differs and identical batches holding
   a NaN agree) lets every rank reach the same verdict: a failure anywhere, data that ended
-  on some ranks only, or batches that differ stop every rank with the same ``LaunchError``
+  on some ranks only (or yielded nothing at all), or batches that differ stop every rank
+  with the same ``LaunchError``
   naming the step, the rank and the input; so no rank is left waiting in a collective;
 - integer inputs the compiled program knows the range of (``INDEX_INPUTS`` of
   ``model_spmd.py``: token ids feeding an embedding, class targets of a loss) are checked on
@@ -87,7 +88,9 @@ def _start(function: Callable[[int], Any], name: str, batch_size: int) -> Iterat
     try:
         batches = function(batch_size)
     except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's function: one line naming it
-        raise LaunchError(f"--data: {name}({batch_size}) raised {one_line(exception_line(error))}; fix the data function") from error
+        raise LaunchError(
+            f"--data: {name}({batch_size}) raised {one_line(exception_line(error))}; fix the data function"
+        ) from error
     try:
         return iter(batches)
     except TypeError as error:
@@ -262,7 +265,7 @@ class DataFeed:
             return ENDED, "", None, none
         except LaunchError as error:
             return FAILED, str(error), None, none
-        except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's generator: one line naming it, not a traceback per rank
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's generator: one line, not a traceback per rank
             return FAILED, (f"--data: {self.name}({self.batch_size}) raised {one_line(exception_line(error))} while "
                             f"yielding the batch of step {step}; fix the data function"), None, none
         try:
