@@ -181,7 +181,10 @@ def main(folder: Path, argv: list[str]) -> int:
         return INTERNAL_ERROR
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - e.g. NCCL after a rank died: the status already says what happened
+                pass
 
 
 def exit_now(status: int) -> None:
