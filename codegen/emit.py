@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from codegen.index_inputs import index_inputs_source
 from codegen.program_parts import (
     about_plan,
     autocast_lines,
@@ -47,7 +48,7 @@ def write_program(plan: Plan, out_dir: Path, *, force: bool = False) -> Path:
     """
     with program_folder(out_dir, force=force, version=__version__) as staging:
         plan.save(staging / "plan.json")
-        (staging / "model_spmd.py").write_text(render_model_spmd(plan))
+        (staging / "model_spmd.py").write_text(render_model_spmd(plan) + index_inputs_source(plan.graph))
         (staging / "launch.py").write_text(render_launch(plan))
     return out_dir
 

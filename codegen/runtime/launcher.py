@@ -1,21 +1,31 @@
 """The body of a compiled ``launch.py``: parse its flags, set up the mesh, check or train.
 
 Errors a user can act on (a bad flag, a missing or corrupt plan.json, a model file that is
-gone or now builds another model, the wrong world size) are found before the process group
-starts; rank 0 prints them as one line on stderr and every rank exits 2, with no traceback.
-A failed parity check exits 1.
+gone or now builds another model, the wrong world size, a --data file that does not import)
+are found before the process group starts; rank 0 prints them as one line on stderr and every
+rank exits 2, with no traceback. A failed parity check exits 1; the statuses and how a failure
+reaches torchrun's summary: ``codegen.runtime.exit_status``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from codegen.runtime import exit_status
+from codegen.runtime.exit_status import (
+    DONE,
+    INTERNAL_ERROR,
+    INTERRUPTED,
+    PARITY_FAILED,
+    USER_ERROR,
+    internal_error_line,
+    report_failure,
+)
 from codegen.runtime.parity import check_float64_applies, check_parity
 from codegen.runtime.precision import parity_tolerances
 from codegen.runtime.program import Program, check_world_size, load_program
@@ -27,6 +37,7 @@ from codegen.runtime.training_loop import (  # noqa: F401 - random_like re-expor
     random_like,
     train,
 )
+from codegen.runtime.user_data import load_data_function
 from planner.arguments import (
     OneLineParser,
     flag_type,
@@ -81,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir (any plan's)")
     parser.add_argument("--init-from", metavar="FILE", default=None, help="start from the weights of a state_dict file (planner export-checkpoint)")
+    parser.add_argument("--debug", action="store_true", help="on an internal error (exit 3), print the traceback on every rank")
     return parser
 
 
@@ -106,7 +118,9 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def main(folder: Path, argv: list[str]) -> int:
-    """Run ``launch.py`` in ``folder`` with command-line ``argv``; returns the exit code."""
+    """Run ``launch.py`` in ``folder`` with command-line ``argv``; returns the exit status
+    (``codegen.runtime.exit_status``). A failure is one line, printed last by rank 0 and
+    written into torchrun's error file by every rank; no traceback unless ``--debug``."""
     try:
         # Everything a user can get wrong is checked before the process group starts: a
         # rank that failed later would leave the others waiting in a collective.
@@ -129,18 +143,20 @@ def main(folder: Path, argv: list[str]) -> int:
             check_routing_output(program, options.steps, options.record_routing)
         check_world_size(program.plan)
         program.check_model()
+        if options.data is not None:
+            load_data_function(options.data)  # the file imports and defines the function
         if options.check:
             check_fits_this_gpu(program)
         mesh = program.build_mesh()
         optimizer = options.optimizer or program.plan.optimizer
-        status = 0
+        status = DONE
         if options.check:
             atol, rtol = parity_tolerances(program.plan.precision, options.atol, options.rtol)
             result = check_parity(program, mesh, atol, rtol, options.lr, optimizer, float64=options.fp64)
             if result.randomness:
                 _say(result.randomness)
             _say(result.message(atol, rtol))
-            status = 0 if result.ok else 1
+            status = DONE if result.ok else PARITY_FAILED
         if options.comm_audit:
             from codegen.runtime.comm_audit import audit_step, audit_table
 
@@ -155,26 +171,32 @@ def main(folder: Path, argv: list[str]) -> int:
         dist.barrier()
         return status
     except PlannerError as error:
-        if os.environ.get("RANK", "0") == "0":  # every rank fails the same way; say it once
-            print(f"error: {error}", file=sys.stderr)
-        return 2
+        report_failure(f"error: {error}", _rank())
+        return USER_ERROR
+    except KeyboardInterrupt:
+        report_failure("interrupted", _rank())
+        return INTERRUPTED
+    except Exception as error:  # noqa: BLE001 - the last line of defence against a traceback on every rank
+        report_failure(internal_error_line(error), _rank(), debug="--debug" in argv)
+        return INTERNAL_ERROR
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - e.g. NCCL after a rank died: the status already says what happened
+                pass
 
 
 def exit_now(status: int) -> None:
-    """Leave the process with ``status``. After a success, once output is flushed, skip the
-    interpreter's teardown: after the process group is destroyed, gloo's and autograd's
-    native threads can still be joinable while C++ statics are destroyed, which now and then
-    aborts a rank ("terminate called without an active exception") after a run that
-    succeeded. A failure exits normally: a rank that left at once could get the others
-    killed by torchrun before rank 0 has printed the error."""
-    if status != 0:
-        sys.exit(status)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    """Leave the process with ``status`` (``codegen.runtime.exit_status.exit_now``)."""
+    exit_status.exit_now(status, _rank())
+
+
+def _rank() -> int:
+    if dist.is_initialized():
+        return dist.get_rank()
+    text = os.environ.get("RANK", "0")
+    return int(text) if text.isdigit() else 0
 
 
 def check_fits_this_gpu(program: Program) -> None:

@@ -14,7 +14,8 @@ User data: ``--data path/to/data.py:function``. ``function(batch_size)`` is call
 every rank with the plan's global batch size and returns an iterable of global batches, each
 a tensor (the model's only positional input), a tuple of tensors (its positional inputs, as
 the model spec's example ``args``) or a dict (its keyword inputs). Every rank must yield the
-same batches (seed any randomness): the first batch is compared across ranks. Without
+same batches (seed any randomness): every batch is compared across ranks, and a failing or
+empty data function stops the run with one line (``codegen.runtime.user_data``). Without
 ``--steps`` the loop runs until the data ends.
 
 Model FLOPs and MFU use the plan's ``SimResult.model_flops`` (Megatron-LM's count) and the
@@ -24,7 +25,6 @@ cluster's dense peak for the plan's precision, so measured and predicted MFU are
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import resource
@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from codegen.runtime.program import Program
 from codegen.runtime.stop_request import StopRequest, mean_loss_and_stop
+from codegen.runtime.user_data import DataFeed, as_inputs, load_data, skip_batches  # noqa: F401 - as_inputs, load_data re-exported
 from planner.errors import LaunchError
 
 SCHEDULES = ("constant", "cosine", "linear")
@@ -190,73 +191,6 @@ def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float, su
     return total
 
 
-def load_data(reference: str, batch_size: int) -> Iterator[Any]:
-    """Import ``path/to/module.py:function`` and return ``iter(function(batch_size))``.
-
-    Raises:
-        LaunchError: the reference is malformed, the file or function is missing, or the
-            call fails or returns something that is not iterable.
-    """
-    path_text, _, name = reference.rpartition(":")
-    if not path_text or not name.isidentifier():
-        raise LaunchError(f"--data takes path/to/module.py:function, got {reference!r}; e.g. --data data.py:batches")
-    path = Path(path_text)
-    if not path.is_file():
-        raise LaunchError(f"--data: no file '{path}'; give the path of a Python file, e.g. --data data.py:batches")
-    spec = importlib.util.spec_from_file_location(f"soap_user_data_{abs(hash(str(path.resolve())))}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as error:  # noqa: BLE001 - the user's file: one line, not a traceback per rank
-        raise LaunchError(f"--data: {path} fails to import: {type(error).__name__}: {error}; fix the file") from error
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise LaunchError(f"--data: {path} defines no function {name}(); define {name}(batch_size) returning batches")
-    try:
-        batches = function(batch_size)
-        return iter(batches)
-    except TypeError as error:
-        raise LaunchError(
-            f"--data: {name}({batch_size}) failed ({error}); define {name}(batch_size) returning an iterable of global batches"
-        ) from error
-
-
-def as_inputs(batch: Any, example_args: tuple, example_kwargs: dict) -> tuple[tuple, dict]:
-    """A user batch as (args, kwargs), checked against the example batch the program was
-    compiled for (same structure, shapes and dtypes); LaunchError naming the difference."""
-    if isinstance(batch, torch.Tensor):
-        args, kwargs = (batch,), {}
-    elif isinstance(batch, dict):
-        args, kwargs = (), dict(batch)
-    elif isinstance(batch, (tuple, list)):
-        args, kwargs = tuple(batch), {}
-    else:
-        raise LaunchError(f"--data yielded a {type(batch).__name__}; yield a tensor, a tuple of tensors or a dict of them")
-    if len(args) != len(example_args) or set(kwargs) != set(example_kwargs):
-        raise LaunchError(
-            f"--data yielded {len(args)} positional input(s) and keywords {sorted(kwargs)}, but the model was planned "
-            f"with {len(example_args)} and {sorted(example_kwargs)}; yield batches shaped like the plan's example"
-        )
-    pairs = [(f"input {index}", got, want) for index, (got, want) in enumerate(zip(args, example_args))]
-    pairs += [(f"input '{key}'", kwargs[key], example_kwargs[key]) for key in example_kwargs]
-    for name, got, want in pairs:
-        if isinstance(want, torch.Tensor):
-            if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
-                shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
-                raise LaunchError(
-                    f"--data: {name} is {shown}, but the plan was made for {tuple(want.shape)} {want.dtype} (the global "
-                    f"batch); yield global batches of that shape, or plan again for this batch"
-                )
-    # On the example's device, and contiguous: a user's slices (idx[:, 1:]) are views whose
-    # strides the traced program's reshapes cannot take.
-    device = next((value.device for value in [*example_args, *example_kwargs.values()] if isinstance(value, torch.Tensor)), None)
-
-    def placed(value: Any) -> Any:
-        return value.to(device).contiguous() if isinstance(value, torch.Tensor) else value
-
-    return tuple(placed(value) for value in args), {key: placed(value) for key, value in kwargs.items()}
-
-
 def random_like(tree):
     """A batch with the structure of ``tree``: floats ~ N(0, 1), integers in the example's range."""
     if isinstance(tree, torch.Tensor):
@@ -278,28 +212,6 @@ def synthetic_batches(args: tuple, kwargs: dict) -> Iterator[tuple[tuple, dict]]
         torch.manual_seed(1000 + step)
         yield random_like(args), random_like(kwargs)
         step += 1
-
-
-def _checksum(args: tuple, kwargs: dict) -> float:
-    total = 0.0
-    for value in list(args) + [kwargs[key] for key in sorted(kwargs)]:
-        if isinstance(value, torch.Tensor):
-            total += float(value.double().sum()) + 0.5 * float((value.double() ** 2).sum())
-    return total
-
-
-def check_same_batch_everywhere(args: tuple, kwargs: dict, device: torch.device) -> None:
-    """LaunchError (on every rank) unless every rank drew the same global batch. The
-    checksums are compared on ``device``, the process group's (NCCL reduces only GPU tensors)."""
-    value = torch.tensor([_checksum(args, kwargs)], dtype=torch.float64, device=device)
-    low, high = value.clone(), value.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    if low.item() != high.item():
-        raise LaunchError(
-            "--data gave the ranks different batches; every rank must yield the same global batches (seed your "
-            "shuffling with a fixed seed, not the rank): each rank takes its own slice"
-        )
 
 
 class StepMeter:
@@ -396,14 +308,8 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     checkpointer, first_step = start_checkpoints(program, options, model, module, optimizer)
     for _ in range(first_step):
         schedule.step()  # the learning rate where the checkpointed run left it
-    batches: Iterator[tuple[tuple, dict]]
-    if options.data is not None:
-        source = load_data(options.data, program.plan.batch_size)
-        batches = (as_inputs(batch, args, kwargs) for batch in source)
-    else:
-        batches = synthetic_batches(args, kwargs)
-    for _ in range(first_step):  # the data position: the batches the checkpointed run consumed
-        next(batches, None)
+    next_batch = batch_source(program, options, args, kwargs)
+    skip_batches(next_batch, first_step)  # the data position: the batches the checkpointed run consumed
     meter = StepMeter(program)
     device = program.device()
     metrics = open(options.metrics, "w") if options.metrics and dist.get_rank() == 0 else None  # noqa: SIM115
@@ -413,14 +319,12 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     try:
         step = first_step
         while options.steps == 0 or step < options.steps:
-            batch = next(batches, None)
+            batch = next_batch()
             if batch is None:
                 if options.steps:
                     _say(f"the data ended after {step} of {options.steps} steps")
                 break
             batch_args, batch_kwargs = batch
-            if step == 0 and options.data is not None:
-                check_same_batch_everywhere(batch_args, batch_kwargs, device)
             _synchronize()
             start = time.perf_counter()
             loss = forward_backward(batch_args, batch_kwargs)
@@ -477,6 +381,18 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
         stats = write_recorded_routing(model, len(run.records), options.record_routing)
         _say(f"routing of {len(stats.layers)} MoE layer(s) written to {options.record_routing} ({stats.source})")
     return run
+
+
+def batch_source(program: Program, options: LoopOptions, args: tuple, kwargs: dict) -> Callable[[], tuple[tuple, dict] | None]:
+    """A function returning each step's global batch (None when the data ended): the user's
+    ``--data``, checked on every rank alike (``codegen.runtime.user_data.DataFeed``), or
+    synthetic batches shaped like the example."""
+    if options.data is None:
+        synthetic = synthetic_batches(args, kwargs)
+        return lambda: next(synthetic)
+    ranges = getattr(program.module, "INDEX_INPUTS", {})  # programs compiled before it existed check no ranges
+    feed = DataFeed(options.data, program.plan.batch_size, args, kwargs, program.device(), list(program.plan.inputs), ranges)
+    return feed.next
 
 
 def start_checkpoints(program: Program, options: LoopOptions, model, module, optimizer):
