@@ -42,6 +42,7 @@ from cost_model.calibration_fit import gauss_newton_fit, prior_penalty
 from cost_model.compute import PRECISIONS
 from planner.cluster import Cluster, LinkSpec, NodeSpec
 from planner.errors import PlanFileError
+from planner.plan_identity import plan_fingerprint, plan_world_size
 
 MEASURED_FORMAT = "soap-planner-measured"
 MEASURED_VERSION = 1
@@ -79,6 +80,7 @@ class MeasuredRun:
     step_times_s: tuple[float, ...]
     ops: dict[str, dict[str, float]]
     collectives: tuple[dict[str, Any], ...]
+    plan_fingerprint: str = ""  # of ``plan_data`` (planner.plan_identity)
 
     @property
     def noise(self) -> float:
@@ -99,8 +101,8 @@ def load_measured(path: str | Path) -> MeasuredRun:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise PlanFileError(f"{where} does not exist; write one with `torchrun ... launch.py --steps 10 --profile {path}`") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise PlanFileError(f"{where} is not JSON ({error}); write it again with launch.py --profile") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise PlanFileError(f"{where} is not JSON ({type(error).__name__}); write it again with launch.py --profile") from None
     if not isinstance(data, dict) or data.get("format") != MEASURED_FORMAT:
         raise PlanFileError(f"{where} is not a soap-planner measured file (no \"format\": \"{MEASURED_FORMAT}\"); "
                             f"write one with launch.py --profile")
@@ -124,7 +126,26 @@ def load_measured(path: str | Path) -> MeasuredRun:
                             f"write it again with launch.py --profile") from None
     if not (run.step_time_s > 0 and math.isfinite(run.step_time_s)):
         raise PlanFileError(f"{where}: step_time_s must be a positive number, got {run.step_time_s!r}")
-    return run
+    return dataclasses.replace(run, plan_fingerprint=_checked_plan_identity(run, data.get("plan_fingerprint"), where))
+
+
+def _checked_plan_identity(run: MeasuredRun, recorded: Any, where: str) -> str:
+    """The fingerprint of the plan a measured file holds, checked against what the file
+    recorded: its world size, and its plan fingerprint when it has one (files written before
+    fingerprints were recorded have none; the plan they hold identifies them)."""
+    planned = plan_world_size(run.plan_data)
+    if planned is not None and planned != run.world_size:  # a plan without a mesh is refused when read as a plan
+        raise PlanFileError(
+            f"{where} was measured on {run.world_size} ranks but holds a plan for {planned}; the file was edited or "
+            f"damaged: measure again with launch.py --profile"
+        )
+    fingerprint = plan_fingerprint(run.plan_data)
+    if recorded is not None and recorded != fingerprint:
+        raise PlanFileError(
+            f"{where} records plan fingerprint {str(recorded)[:40]!r} but holds a plan whose fingerprint is "
+            f"{fingerprint}; the file was edited or damaged: measure again with launch.py --profile"
+        )
+    return fingerprint
 
 
 def op_class(name: str) -> str:

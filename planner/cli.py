@@ -162,8 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
         "size) into one state_dict that loads into the model built from the spec (torch.load(..., weights_only=True)).",
     )
     export.add_argument("checkpoint", metavar="DIR", help="a step-<N> checkpoint folder, or the --checkpoint-dir (its latest)")
-    export.add_argument("-o", "--output", required=True, metavar="FILE", help="the state_dict file to write (e.g. model.pt)")
-    export.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    export.add_argument(
+        "-o", "--output", required=True, metavar="FILE",
+        help="the state_dict file to write (e.g. model.pt); an existing file is replaced only if export-checkpoint wrote it",
+    )
+    export.add_argument("--force", action="store_true", help="let -o overwrite a file export-checkpoint did not write")
     return parser
 
 
@@ -253,13 +256,13 @@ def _run(options: argparse.Namespace) -> int:
 def _export_checkpoint(options: argparse.Namespace) -> int:
     from pathlib import Path
 
-    output = Path(options.output)
-    if output.is_dir():
-        raise ArgumentError(f"-o {output} is a folder; give a file name such as model.pt")
-    if output.exists() and not options.force:
-        raise ArgumentError(f"-o {output} exists; pass --force to overwrite it")
-    if not output.resolve().parent.is_dir():
-        raise ArgumentError(f"-o {output}: folder '{output.resolve().parent}' does not exist; create it first")
+    from codegen.runtime.exported_weights import is_exported_state_dict
+    from planner.outputs import check_output_file
+
+    output = check_output_file(
+        options.output, what="state_dict exported by `planner export-checkpoint`", is_ours=is_exported_state_dict,
+        force=options.force,
+    )
     if not Path(options.checkpoint).is_dir():
         raise ArgumentError(f"no folder '{options.checkpoint}'; give a checkpoint folder written by launch.py --checkpoint-dir")
     from codegen.runtime.checkpoint import export_checkpoint
@@ -363,12 +366,13 @@ def _profile(options: argparse.Namespace) -> int:
 
 def _compare(options: argparse.Namespace) -> int:
     from planner.cluster import Cluster
-    from planner.compare import compare, format_comparison, load_measured, plan_and_graph
+    from planner.compare import check_measured_plan, compare, format_comparison, load_measured, plan_and_graph
     from planner.plans import load_plan
 
     cluster = Cluster.parse(options.cluster) if options.cluster else None
     run = load_measured(options.measured)
     plan = load_plan(options.plan)  # relative model sources resolved against the plan's folder
+    check_measured_plan(plan, options.plan, run)  # before tracing: a measurement of another plan is refused
     with _status(f"simulating {plan.name}"):
         plan, graph = plan_and_graph(plan.to_dict(), options.plan, cluster)
         parts = compare(plan, graph, run)
@@ -378,11 +382,19 @@ def _compare(options: argparse.Namespace) -> int:
 
 def _calibrate(options: argparse.Namespace) -> int:
     from planner.cluster import Cluster
-    from planner.compare import calibrate, calibration_cases, check_cluster_output, format_fit, load_runs
+    from planner.compare import (
+        calibrate,
+        calibration_cases,
+        check_cluster_output,
+        check_runs_fit_cluster,
+        format_fit,
+        load_runs,
+    )
 
     cluster = Cluster.parse(options.cluster)
     output = check_cluster_output(options.output, options.force)  # before any work
     runs = load_runs(options.measured)
+    check_runs_fit_cluster(runs, cluster, options.cluster)
     with _status(f"fitting {len(runs)} measured run(s)"):
         cases = calibration_cases(runs)
         calibrated, fit = calibrate(runs, cluster, cases)

@@ -2,12 +2,16 @@
 
 Two kinds of output:
 
-* **A file** written whole: a plan (``plan -o``), a cluster file (``profile -o``), a
-  timeline (``simulate --trace``). ``check_output_file`` runs before the search or the
-  measurement starts: the folder exists and is writable, the path is not a folder, and a
-  file already there was written by soap-planner (the caller says how to recognise one)
-  unless ``force``. ``write_text_atomically`` then writes a temporary file beside it and
-  renames it into place, so a reader never sees half a file.
+* **A file**: a plan (``plan -o``), a cluster file (``profile -o``, ``calibrate -o``), a
+  timeline (``simulate --trace``), a state_dict (``export-checkpoint -o``), and what
+  ``launch.py`` writes (``--metrics``, ``--profile``, ``--record-routing``).
+  ``check_output_file`` runs before the search, the measurement or the first training step:
+  the folder exists and is writable, the path is not a folder, and a file already there was
+  written by soap-planner (the caller says how to recognise one) unless ``force``. The file
+  is then written beside its path and renamed into place, so a reader never sees half a file
+  and a failure leaves the old one whole: ``write_text_atomically`` for text,
+  ``staged_file`` for writers that take a path (``torch.save``), ``StagedLines`` for a file
+  written line by line over a run (``--metrics``).
 * **A program folder** (``compile -o``): ``program_folder`` stages the new program in a
   fresh temporary folder beside the target and moves it into place only when every file was
   written. A marker file (``PROGRAM_MARKER``, listing the files it wrote) tells soap-planner's
@@ -103,16 +107,56 @@ def check_output_file(
 def write_text_atomically(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename:
     the old file (if any) stays whole until the new one is complete."""
+    with staged_file(path) as temporary:
+        temporary.write_text(text, encoding="utf-8")
+
+
+@contextlib.contextmanager
+def staged_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` for a writer that wants a path (``torch.save``,
+    ``RoutingStats.save``); when the block ends without an exception it is renamed onto
+    ``path`` (with the mode ``open(path, "w")`` would give), else removed. A reader never
+    sees half a file, and a failed write leaves the old file whole."""
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(descriptor)
     try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-            stream.write(text)
+        yield Path(temporary)
         os.chmod(temporary, _new_file_mode(path))
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
+
+
+class StagedLines:
+    """A text file written line by line over a long run (``launch.py --metrics``) that
+    replaces ``path`` only when ``publish`` is called: the lines go to a temporary file beside
+    it, flushed as they come, and ``publish`` renames it into place, so the old file stays
+    whole until then. ``discard`` removes the temporary file instead."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        self.temporary = Path(temporary)
+        self._stream = os.fdopen(descriptor, "w", encoding="utf-8")
+
+    def write_line(self, line: str) -> None:
+        """Append one line (a newline is added) and flush it."""
+        self._stream.write(line + "\n")
+        self._stream.flush()
+
+    def publish(self) -> None:
+        """Close the temporary file and rename it onto ``path``."""
+        self._stream.close()
+        os.chmod(self.temporary, _new_file_mode(self.path))
+        os.replace(self.temporary, self.path)
+
+    def discard(self) -> None:
+        """Close and remove the temporary file; ``path`` is untouched."""
+        self._stream.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.temporary)
 
 
 def _new_file_mode(path: Path) -> int:
