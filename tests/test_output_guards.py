@@ -15,7 +15,7 @@ import torch
 import planner
 from codegen.runtime import launcher
 from codegen.runtime.exported_weights import is_exported_state_dict, save_exported
-from codegen.runtime.run_outputs import is_metrics_file
+from codegen.runtime.run_outputs import is_metrics_file, open_metrics
 from planner.outputs import StagedLines, staged_file, write_text_atomically
 from planner.routing import RoutingStats, is_routing_file, uniform_layer
 from user_errors import assert_one_error_line, assert_user_error
@@ -71,6 +71,21 @@ def test_staged_writes_keep_the_old_file_whole_until_they_succeed(tmp_path: Path
     lines.write_line("dropped")
     lines.discard()
     assert target.read_text() == '{"step": 1}\n' and _leftovers(tmp_path) == []
+
+
+def test_a_resumed_run_keeps_the_metrics_of_the_steps_it_continues(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": step, "loss": 1.0 / step, "step_time_s": 0.1}) for step in range(1, 6)]
+    path.write_text("\n".join([*lines[:2], "not json", *lines[2:]]) + "\n")
+    assert open_metrics(str(path), rank=1, resumed_at=3) is None  # rank 0 writes it
+    staged = open_metrics(str(path), rank=0, resumed_at=3)  # steps 4 and 5 are being run again
+    staged.write_line(json.dumps({"step": 4, "loss": 0.0, "step_time_s": 0.1}))
+    assert path.read_text().count("\n") == 6  # untouched until the run ends
+    staged.publish()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+    fresh = open_metrics(str(path), rank=0)  # a run that did not resume starts the file again
+    fresh.publish()
+    assert path.read_text() == ""
 
 
 def test_each_writer_recognises_its_own_files_only(tmp_path: Path) -> None:
@@ -183,7 +198,8 @@ def test_launch_outputs_are_refused_before_anything_starts(capsys, program, tmp_
 def test_launch_replaces_its_own_outputs_whole(program, tmp_path) -> None:
     """Under torchrun: a metrics file and a measured file written by an earlier run are
     replaced whole (no temporary file left), the measured file records the plan's
-    fingerprint, and ``compare`` takes it with the program's plan.json."""
+    fingerprint, and ``compare`` takes it with the program's plan.json; a resumed run
+    continues the metrics file of the run it resumes."""
     from test_parity import _run, _torchrun
 
     from cost_model.calibration import load_measured
@@ -194,10 +210,15 @@ def test_launch_replaces_its_own_outputs_whole(program, tmp_path) -> None:
     metrics.write_text(json.dumps({"step": 1, "loss": 9.0, "lr": 1.0, "step_time_s": 1.0}) + "\n")  # an earlier run's
     measured.write_text(json.dumps({"format": "soap-planner-measured", "version": 1}))
     launch = _run([*_torchrun(2), str(program / "launch.py"), "--steps", "6", "--metrics", str(metrics),
-                   "--profile", str(measured)], cwd=tmp_path, timeout=240)
+                   "--profile", str(measured), "--checkpoint-dir", "ckpt"], cwd=tmp_path, timeout=240)
     assert launch.returncode == 0, launch.describe()
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [record["step"] for record in records] == [1, 2, 3, 4, 5, 6]
+    resumed = _run([*_torchrun(2), str(program / "launch.py"), "--steps", "8", "--metrics", str(metrics),
+                    "--checkpoint-dir", "ckpt", "--resume"], cwd=tmp_path, timeout=240)
+    assert resumed.returncode == 0, resumed.describe()
+    assert [json.loads(line) for line in metrics.read_text().splitlines()][:6] == records  # one file, the whole run
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 9))
     recorded = json.loads(measured.read_text())
     assert recorded["plan_fingerprint"] == plan_fingerprint(json.loads((program / "plan.json").read_text()))
     assert load_measured(measured).world_size == 2

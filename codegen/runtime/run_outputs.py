@@ -13,7 +13,8 @@ nothing.
 
 The metrics file is written as the run goes into a temporary file beside FILE
 (``planner.outputs.StagedLines``: ``tail -f`` that one to follow a run) and renamed onto
-FILE when the run ends, also when it stops early on an error or a signal; the other two are
+FILE when the run ends, also when it stops early on an error or a signal; with ``--resume``
+it starts with the earlier file's lines up to the step resumed from. The other two are
 written whole at the end.
 """
 
@@ -96,9 +97,31 @@ def check_run_outputs(options: argparse.Namespace, folder: Path) -> None:
         taken[resolved] = flag
 
 
-def open_metrics(path: str | None, rank: int) -> StagedLines | None:
+def open_metrics(path: str | None, rank: int, resumed_at: int = 0) -> StagedLines | None:
     """Rank 0's metrics file, staged beside ``path`` until the run ends (None elsewhere, or
-    without ``--metrics``)."""
+    without ``--metrics``). A run resumed at step ``resumed_at`` > 0 keeps the lines of steps
+    up to it from the metrics file already there (the run it continues; later steps are
+    being run again), so one file holds the whole run."""
     if path is None or rank != 0:
         return None
-    return StagedLines(Path(path))
+    lines = StagedLines(Path(path))
+    if resumed_at > 0 and Path(path).is_file() and is_metrics_file(Path(path)):
+        for line in earlier_steps(Path(path), resumed_at):
+            lines.write_line(line)
+    return lines
+
+
+def earlier_steps(path: Path, through: int) -> list[str]:
+    """The lines of metrics file ``path`` whose step is at most ``through``, in order (lines
+    that are not such a record are dropped)."""
+    kept = []
+    with open(path, encoding="utf-8", errors="replace") as stream:
+        for line in stream:
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                continue
+            step = record.get("step") if isinstance(record, dict) else None
+            if isinstance(step, int) and not isinstance(step, bool) and 0 < step <= through:
+                kept.append(line.rstrip("\n"))
+    return kept

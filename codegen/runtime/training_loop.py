@@ -408,7 +408,7 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
         next(batches, None)
     meter = StepMeter(program)
     device = program.device()
-    metrics = open_metrics(options.metrics, dist.get_rank())  # checked before the run (run_outputs)
+    metrics = open_metrics(options.metrics, dist.get_rank(), first_step)  # checked before the run (run_outputs)
     progress = _progress_bar(options.steps)
     run = TrainingRun()
     stop_request = StopRequest().install()
