@@ -121,7 +121,7 @@ def load_measured(path: str | Path) -> MeasuredRun:
                 for item in data["collectives"]
             ),
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:
         raise PlanFileError(f"{where} has a missing or invalid field ({type(error).__name__}: {error}); "
                             f"write it again with launch.py --profile") from None
     if not (run.step_time_s > 0 and math.isfinite(run.step_time_s)):

@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 
 from planner.arguments import OneLineParser, flag_type, integer_at_least, positive_finite
 from planner.errors import ArgumentError, PlannerError
+from planner.outputs import refuse_input_as_output
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
@@ -260,9 +261,11 @@ def _export_checkpoint(options: argparse.Namespace) -> int:
     from planner.outputs import check_output_file
 
     output = check_output_file(
-        options.output, what="state_dict exported by `planner export-checkpoint`", is_ours=is_exported_state_dict,
+        options.output, what="state_dict file", is_ours=is_exported_state_dict,
         force=options.force,
     )
+    if Path(options.checkpoint).resolve() in output.resolve().parents:
+        raise ArgumentError(f"-o {output} is inside the checkpoint folder {options.checkpoint}; write the state_dict elsewhere")
     if not Path(options.checkpoint).is_dir():
         raise ArgumentError(f"no folder '{options.checkpoint}'; give a checkpoint folder written by launch.py --checkpoint-dir")
     from codegen.runtime.checkpoint import export_checkpoint
@@ -393,6 +396,7 @@ def _calibrate(options: argparse.Namespace) -> int:
 
     cluster = Cluster.parse(options.cluster)
     output = check_cluster_output(options.output, options.force)  # before any work
+    refuse_input_as_output(output, "-o", [*options.measured, options.cluster])
     runs = load_runs(options.measured)
     check_runs_fit_cluster(runs, cluster, options.cluster)
     with _status(f"fitting {len(runs)} measured run(s)"):
@@ -413,6 +417,7 @@ def _simulate(options: argparse.Namespace) -> int:
         from planner.strategy import is_chrome_trace
 
         check_output_file(options.trace, what="Chrome trace", is_ours=is_chrome_trace, force=options.force)
+        refuse_input_as_output(options.trace, "--trace", [options.plan])
     from planner.api import simulate
     from planner.plans import load_plan
 

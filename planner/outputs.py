@@ -46,6 +46,9 @@ from typing import Callable, Iterator
 from planner.errors import OutputError
 
 PROGRAM_MARKER = ".soap-planner-program"
+# Staged beside the target as ".<name>.<8 random characters>.tmp" (a file) or ".soap-tmp" /
+# ".soap-old" (a program folder): the longest suffix, in bytes.
+_STAGING_EXTRA = len("..") + 8 + len(".soap-tmp")
 # Python's bytecode cache of a program's modules, written when the program runs: ours too.
 _REGENERATED = frozenset({"__pycache__"})
 # Files of a program folder written before the marker existed (soap-planner <= 0.1.0 main).
@@ -83,6 +86,14 @@ def check_output_file(
             regular file, or it holds a file that is not ours and ``force`` is not set.
     """
     path = as_path(path, f"the output path of the {what}")
+    try:
+        return _check_output_file(path, what, is_ours, force, flag)
+    except OSError as error:  # a name too long for the filesystem, a loop of links, ...
+        raise OutputError(f"cannot write {_shown(path)}: {error.strerror or error}; choose another path") from None
+
+
+def _check_output_file(path: Path, what: str, is_ours: Callable[[Path], bool], force: bool, flag: str) -> Path:
+    _check_name_fits(path, staged=True)
     if path.is_dir():
         raise OutputError(f"output {path} is a folder; give a file path, e.g. {path / path.name}.json")
     folder = path.parent
@@ -102,6 +113,47 @@ def check_output_file(
         if not os.access(path, os.W_OK):
             raise OutputError(f"cannot write {path}: the file is read-only; choose another path")
     return path
+
+
+def refuse_input_as_output(output: str | os.PathLike, flag: str, inputs: list[str | os.PathLike]) -> None:
+    """OutputError when ``output`` is one of the files the same command reads (``simulate
+    plan.json --trace plan.json --force`` would replace the plan with its timeline)."""
+    target = Path(output).resolve()
+    for source in inputs:
+        if source and Path(source).resolve() == target:
+            raise OutputError(f"{flag} {output} is a file this command reads; write the output to another file")
+
+
+def _check_name_fits(path: Path, *, staged: bool) -> None:
+    """OutputError when ``path``'s name (or, ``staged``, its temporary sibling's, which is
+    longer by ``_STAGING_EXTRA`` bytes) is longer than its folder's filesystem allows: found
+    now, not when the file is written after the work."""
+    folder = _existing_ancestor_or_none(path)
+    limit = 255
+    if folder is not None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            limit = os.pathconf(folder, "PC_NAME_MAX")
+    needed = len(os.fsencode(path.name)) + (_STAGING_EXTRA if staged else 0)
+    if needed > limit:
+        raise OutputError(
+            f"cannot write {_shown(path)}: its name has {len(os.fsencode(path.name))} bytes and this filesystem "
+            f"allows {limit - (_STAGING_EXTRA if staged else 0)} here; choose a shorter name"
+        )
+
+
+def _existing_ancestor_or_none(path: Path) -> Path | None:
+    with contextlib.suppress(OSError):
+        parent = path.absolute().parent
+        while not parent.exists():
+            parent = parent.parent
+        return parent
+    return None
+
+
+def _shown(path: Path) -> str:
+    """``path`` for a message: cut to its first and last characters when it is very long."""
+    text = str(path)
+    return text if len(text) <= 120 else f"{text[:60]}...{text[-40:]}"
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -217,6 +269,15 @@ def _state(target: Path, force: bool) -> str:
     """``"missing"``, ``"empty"``, ``"ours"`` (our output only), ``"mixed"`` (our output and
     other files) or ``"user"`` (non-empty, not ours, ``force`` given); ``OutputError`` for
     anything that must not be written."""
+    try:
+        return _folder_state(target, force)
+    except OSError as error:  # a name too long for the filesystem, a loop of links, ...
+        raise OutputError(f"cannot write the program to {_shown(target)}: {error.strerror or error}; choose another path") from None
+
+
+def _folder_state(target: Path, force: bool) -> str:
+    # The folder is staged as ".<name>.<8 characters>.soap-tmp" (and ".soap-old") beside it.
+    _check_name_fits(target, staged=True)
     if target.exists() and not target.is_dir():
         raise OutputError(f"output folder {target} is a file; choose a folder path (it is created if missing)")
     parent = _existing_ancestor(target)

@@ -95,6 +95,10 @@ def test_a_measured_file_that_contradicts_itself_is_refused(plans, tmp_path: Pat
     assert_api_error(lambda: load_measured(forged), PlanFileError, "records plan fingerprint", "edited or damaged")
     resized = _measured(tmp_path, "resized.json", data, world_size=4)
     assert_api_error(lambda: load_measured(resized), PlanFileError, "measured on 4 ranks but holds a plan for 2")
+    infinite = _measured(tmp_path, "infinite.json", data, world_size=float("inf"))
+    assert_api_error(lambda: load_measured(infinite), PlanFileError, "infinite.json' has a missing or invalid field")
+    (tmp_path / "deep.json").write_text("[" * 200_000)
+    assert_api_error(lambda: load_measured(tmp_path / "deep.json"), PlanFileError, "deep.json' is not JSON")
     hostile = _measured(tmp_path, "hostile.json", data, recorded="\x1b[2J" * 50)
     message = assert_api_error(lambda: load_measured(hostile), PlanFileError, "records plan fingerprint")
     assert "\x1b" not in message  # shown through repr, cut short

@@ -121,6 +121,23 @@ def test_an_exported_state_dict_loads_strictly_into_the_model(tmp_path: Path) ->
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
 
 
+def test_names_the_filesystem_cannot_hold_and_inputs_as_outputs_are_one_line(capsys, tmp_path: Path) -> None:
+    """Found before any work: a name too long for the folder (the staged sibling's included),
+    and an output that is a file the same command reads, --force or not."""
+    plan = tmp_path / "plan.json"
+    planner.plan(MLP, "cpu:1x2", search="dp", progress=False).save(plan)
+    long = "x" * 300
+    assert_user_error(capsys, ["simulate", str(plan), "--trace", str(tmp_path / f"{long}.json")],
+                      "its name has 305 bytes", "choose a shorter name")
+    assert_user_error(capsys, ["compile", str(plan), "-o", str(tmp_path / ("y" * 250))], "its name has 250 bytes")
+    assert_user_error(capsys, ["simulate", str(plan), "--trace", str(plan), "--force"],
+                      "--trace", "is a file this command reads")
+    assert_user_error(capsys, ["calibrate", str(plan), "--cluster", "cpu:1x2", "-o", str(plan), "--force"],
+                      "is a file this command reads")
+    assert planner.load_plan(plan).world_size == 2  # still the plan
+    assert _leftovers(tmp_path) == []
+
+
 # ------------------------------------------------------------- export-checkpoint -o
 
 
@@ -129,7 +146,7 @@ def test_export_checkpoint_replaces_only_its_own_file(capsys, tmp_path: Path) ->
     torch.save({"weight": torch.ones(2)}, mine)
     before = mine.read_bytes()
     assert_user_error(capsys, ["export-checkpoint", str(tmp_path), "-o", str(mine)],
-                      "refusing to overwrite", "pretrained.pt", "not a state_dict exported by", "--force")
+                      "refusing to overwrite", "pretrained.pt", "not a state_dict file written by soap-planner", "--force")
     assert mine.read_bytes() == before
     # A file export-checkpoint wrote passes the output check (then the checkpoint is missing).
     ours = tmp_path / "exported.pt"
@@ -138,6 +155,8 @@ def test_export_checkpoint_replaces_only_its_own_file(capsys, tmp_path: Path) ->
     # --force lets it past the output check too.
     assert_user_error(capsys, ["export-checkpoint", str(tmp_path / "none"), "-o", str(mine), "--force"], "no folder")
     assert_user_error(capsys, ["export-checkpoint", str(tmp_path), "-o", str(tmp_path)], "is a folder")
+    assert_user_error(capsys, ["export-checkpoint", str(tmp_path), "-o", str(tmp_path / "in.pt"), "--force"],
+                      "is inside the checkpoint folder")
 
 
 # ------------------------------------------------------------------ launch.py outputs
