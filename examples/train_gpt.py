@@ -96,7 +96,7 @@ def main() -> None:
     train = [
         torchrun, "--nproc_per_node", str(options.nproc), str(out / "program" / "launch.py"),
         "--data", f"{Path(__file__).resolve()}:batches", "--steps", str(options.steps), "--lr", "3e-3",
-        "--lr-schedule", "cosine", "--warmup-steps", str(max(1, options.steps // 20)), "--min-lr-ratio", "0.1",
+        "--lr-schedule", "cosine", "--warmup-steps", str(min(max(1, options.steps // 20), options.steps - 1)), "--min-lr-ratio", "0.1",
         "--clip-grad-norm", "1.0", "--log-every", str(max(1, options.steps // 20)), "--metrics", str(out / "metrics.jsonl"),
         "--checkpoint-dir", str(out / "checkpoints"), "--save-every", str(max(1, options.steps // 4)),
     ]

@@ -15,6 +15,8 @@ from user_errors import assert_one_error_line
 
 REFUSED = [
     (["--steps", "10", "--warmup-steps", "50"], ["--warmup-steps 50 is more than --steps 10", "at most 10 warm-up steps"]),
+    (["--steps", "10", "--lr-schedule", "cosine", "--warmup-steps", "10"],
+     ["--lr-schedule cosine decays after the --warmup-steps 10", "no step to decay over"]),
     (["--steps", "10", "--lr-schedule", "cosine", "--min-lr-ratio", "1.5"], ["--min-lr-ratio 1.5 is above 1"]),
     (["--data", "d.py:f", "--min-lr-ratio", "2"], ["--min-lr-ratio 2 is above 1"]),
     (["--steps", "10", "--min-lr-ratio", "0.1"], ["--min-lr-ratio 0.1 says where a decay ends", "--lr-schedule cosine"]),
@@ -35,7 +37,8 @@ def test_incoherent_flags_are_one_line_before_anything_starts(capsys, tmp_path: 
 
 
 @pytest.mark.parametrize("argv", [
-    ["--steps", "10", "--warmup-steps", "10", "--lr-schedule", "cosine", "--min-lr-ratio", "1"],
+    ["--steps", "10", "--warmup-steps", "9", "--lr-schedule", "cosine", "--min-lr-ratio", "1"],
+    ["--steps", "10", "--warmup-steps", "10"],  # warm-up over the whole run, constant after
     ["--data", "d.py:f", "--warmup-steps", "100"],  # no known total: warm-up still applies
     ["--check", "--atol", "1e-3", "--steps", "2", "--metrics", "m.jsonl", "--log-every", "2", "--clip-grad-norm", "1"],
     ["--steps", "12", "--lr-schedule", "linear", "--min-lr-ratio", "0", "--profile", "m.json"],

@@ -39,6 +39,11 @@ def check_flag_combinations(options: argparse.Namespace) -> None:
             f"--warmup-steps {options.warmup_steps} is more than --steps {options.steps}: the learning rate would never "
             f"reach --lr; give at most {options.steps} warm-up steps"
         )
+    if options.lr_schedule != "constant" and options.steps > 0 and options.warmup_steps >= options.steps:
+        raise LaunchError(
+            f"--lr-schedule {options.lr_schedule} decays after the --warmup-steps {options.warmup_steps}, and --steps "
+            f"{options.steps} leaves no step to decay over; give fewer warm-up steps or more steps"
+        )
     if options.min_lr_ratio > 1:
         raise LaunchError(
             f"--min-lr-ratio {options.min_lr_ratio:g} is above 1: the decay would end above --lr; give the final "
