@@ -260,10 +260,7 @@ def _export_checkpoint(options: argparse.Namespace) -> int:
     from codegen.runtime.exported_weights import is_exported_state_dict
     from planner.outputs import check_output_file
 
-    output = check_output_file(
-        options.output, what="state_dict file", is_ours=is_exported_state_dict,
-        force=options.force,
-    )
+    output = check_output_file(options.output, what="state_dict file", is_ours=is_exported_state_dict, force=options.force)
     if Path(options.checkpoint).resolve() in output.resolve().parents:
         raise ArgumentError(f"-o {output} is inside the checkpoint folder {options.checkpoint}; write the state_dict elsewhere")
     if not Path(options.checkpoint).is_dir():

@@ -115,6 +115,18 @@ def _check_output_file(path: Path, what: str, is_ours: Callable[[Path], bool], f
     return path
 
 
+def small_json(path: str | os.PathLike, limit: int = 256 << 20) -> object:
+    """The JSON in ``path``, or None when it cannot be read, is not JSON, is nested too deeply,
+    or is larger than ``limit`` bytes: what ``is_ours`` checks read, so that recognising a file
+    never reads a user's multi-gigabyte file into memory (soap-planner's own are far smaller)."""
+    try:
+        if os.stat(path).st_size > limit:
+            return None
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+
+
 def refuse_input_as_output(output: str | os.PathLike, flag: str, inputs: list[str | os.PathLike]) -> None:
     """OutputError when ``output`` is one of the files the same command reads (``simulate
     plan.json --trace plan.json --force`` would replace the plan with its timeline)."""
@@ -185,7 +197,7 @@ class StagedLines:
     """A text file written line by line over a long run (``launch.py --metrics``) that
     replaces ``path`` only when ``publish`` is called: the lines go to a temporary file beside
     it, flushed as they come, and ``publish`` renames it into place, so the old file stays
-    whole until then. ``discard`` removes the temporary file instead."""
+    whole until then."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -203,12 +215,6 @@ class StagedLines:
         self._stream.close()
         os.chmod(self.temporary, _new_file_mode(self.path))
         os.replace(self.temporary, self.path)
-
-    def discard(self) -> None:
-        """Close and remove the temporary file; ``path`` is untouched."""
-        self._stream.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.temporary)
 
 
 def _new_file_mode(path: Path) -> int:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import PlannerError, one_line
-from planner.outputs import write_text_atomically
+from planner.outputs import small_json, write_text_atomically
 
 ROUTING_FORMAT = "soap-planner-routing"
 ROUTING_VERSION = 1
@@ -120,10 +120,7 @@ class RoutingStats:
 def is_routing_file(path: str | Path) -> bool:
     """Whether ``path`` holds routing statistics in soap-planner's format (of any version):
     the files ``launch.py --record-routing`` may replace without ``--force``."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError, RecursionError):
-        return False
+    data = small_json(path)
     return isinstance(data, dict) and data.get("format") == ROUTING_FORMAT
 
 
