@@ -95,7 +95,7 @@ def check_output_file(
 def _check_output_file(path: Path, what: str, is_ours: Callable[[Path], bool], force: bool, flag: str) -> Path:
     _check_name_fits(path, staged=True)
     if path.is_dir():
-        raise OutputError(f"output {path} is a folder; give a file path, e.g. {path / path.name}.json")
+        raise OutputError(f"output {path} is a folder; give a file path, e.g. {path / (path.name or 'output')}.json")
     folder = path.parent
     if not folder.is_dir():
         problem = "is not a folder" if folder.exists() else "does not exist"
