@@ -102,7 +102,8 @@ def load_measured(path: str | Path) -> MeasuredRun:
     except FileNotFoundError:
         raise PlanFileError(f"{where} does not exist; write one with `torchrun ... launch.py --steps 10 --profile {path}`") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        raise PlanFileError(f"{where} is not JSON ({type(error).__name__}); write it again with launch.py --profile") from None
+        detail = "nested too deeply" if isinstance(error, RecursionError) else error
+        raise PlanFileError(f"{where} is not JSON ({detail}); write it again with launch.py --profile") from None
     if not isinstance(data, dict) or data.get("format") != MEASURED_FORMAT:
         raise PlanFileError(f"{where} is not a soap-planner measured file (no \"format\": \"{MEASURED_FORMAT}\"); "
                             f"write one with launch.py --profile")
