@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ from planner.plan_identity import plan_fingerprint, plan_world_size
 
 MEASURED_FORMAT = "soap-planner-measured"
 MEASURED_VERSION = 1
+_OP_FIGURES = ("count", "time_s", "flops")  # per op and step, in every measured file
+_COLLECTIVE_KIND = re.compile(r"[a-z][a-z0-9_]{0,39}")
 OP_CLASSES = ("matmul", "other", "optimizer")
 # Matmul-like kernels (measured ``aten::name`` and traced ``aten.name.overload`` share the name).
 MATMUL_OPS = frozenset({
@@ -115,7 +118,7 @@ def load_measured(path: str | Path) -> MeasuredRun:
         run = MeasuredRun(
             source=str(path), plan_data=dict(data["plan"]), world_size=int(data["world_size"]),
             step_time_s=float(data["step_time_s"]), step_times_s=step_times,
-            ops={str(name): {key: float(value) for key, value in figures.items()} for name, figures in data["ops"].items()},
+            ops={str(name): {key: float(figures[key]) for key in _OP_FIGURES} for name, figures in data["ops"].items()},
             collectives=tuple(
                 {"kind": str(item["kind"]), "bytes": float(item["bytes"]), "count": float(item["count"]),
                  "time_s": float(item["time_s"])}
@@ -127,6 +130,10 @@ def load_measured(path: str | Path) -> MeasuredRun:
                             f"write it again with launch.py --profile") from None
     if not (run.step_time_s > 0 and math.isfinite(run.step_time_s)):
         raise PlanFileError(f"{where}: step_time_s must be a positive number, got {run.step_time_s!r}")
+    for item in run.collectives:  # a kind names a row of `planner compare`'s table: a plain word
+        if not _COLLECTIVE_KIND.fullmatch(item["kind"]):
+            raise PlanFileError(f"{where}: collective kind {item['kind'][:40]!r} is not a collective's name (such as "
+                                f"all_reduce); write the file again with launch.py --profile")
     return dataclasses.replace(run, plan_fingerprint=_checked_plan_identity(run, data.get("plan_fingerprint"), where))
 
 

@@ -99,6 +99,11 @@ def test_a_measured_file_that_contradicts_itself_is_refused(plans, tmp_path: Pat
     assert_api_error(lambda: load_measured(infinite), PlanFileError, "infinite.json' has a missing or invalid field")
     (tmp_path / "deep.json").write_text("[" * 200_000)
     assert_api_error(lambda: load_measured(tmp_path / "deep.json"), PlanFileError, "deep.json' is not JSON")
+    no_time = _measured(tmp_path, "no-time.json", data, ops={"aten::mm": {"count": 1, "flops": 0}})
+    assert_api_error(lambda: load_measured(no_time), PlanFileError, "missing or invalid field", "time_s")
+    painted = _measured(tmp_path, "painted.json", data,
+                        collectives=[{"kind": "\x1b[2Jall good", "bytes": 4, "count": 1, "time_s": 0.001}])
+    assert "\x1b" not in assert_api_error(lambda: load_measured(painted), PlanFileError, "is not a collective's name")
     hostile = _measured(tmp_path, "hostile.json", data, recorded="\x1b[2J" * 50)
     message = assert_api_error(lambda: load_measured(hostile), PlanFileError, "records plan fingerprint")
     assert "\x1b" not in message  # shown through repr, cut short
