@@ -12,14 +12,17 @@ from pathlib import Path
 import pytest
 
 import planner
+from planner import baselines
 from cost_model.calibration import load_measured
 from planner.cluster import Cluster
 from planner.errors import PlanFileError
+from planner.model_spec import ModelSpec
 from planner.plan_identity import plan_fingerprint
 from planner.plans import load_plan
 from user_errors import assert_api_error, assert_user_error
 
-MLP = str(Path(__file__).resolve().parent.parent / "examples" / "mlp.py")
+ROOT = Path(__file__).resolve().parent.parent
+MLP = str(ROOT / "examples" / "mlp.py")
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +62,20 @@ def test_the_fingerprint_names_the_program_not_its_description(plans, tmp_path: 
     moved = dataclasses.replace(plan, cluster=faster, warnings=("edited",), label="renamed")
     assert plan_fingerprint(moved.to_dict()) == fingerprint
     assert len({fingerprint, plan_fingerprint(plans["fsdp"].to_dict()), plan_fingerprint(plans["ddp4"].to_dict())}) == 3
+
+
+@pytest.mark.parametrize("family", ["tp", "pp"])
+def test_a_compiled_plan_keeps_its_fingerprint_in_every_family(family, tmp_path: Path) -> None:
+    """What launch.py --profile records (from the program's plan.json) is what compare
+    computes from the plan file, for tensor- and pipeline-parallel plans too."""
+    gpt = ModelSpec(str(ROOT / "examples" / "gpt.py"),
+                    {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 64, "seq_len": 16, "batch_size": 8})
+    plan = baselines.megatron(gpt, "cpu:1x4", tp=2, precision="fp32") if family == "tp" else \
+        baselines.megatron(gpt, "cpu:1x4", pp=2, micro_batch=2, precision="fp32")
+    plan.save(tmp_path / "plan.json")
+    program = planner.compile(plan, tmp_path / "out")
+    assert plan_fingerprint(json.loads((program / "plan.json").read_text())) == \
+        plan_fingerprint(load_plan(tmp_path / "plan.json").to_dict()) == plan_fingerprint(plan.to_dict())
 
 
 def test_compare_takes_a_measurement_of_its_plan_old_or_new(plans, tmp_path: Path, capsys) -> None:
