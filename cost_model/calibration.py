@@ -130,6 +130,14 @@ def load_measured(path: str | Path) -> MeasuredRun:
                             f"write it again with launch.py --profile") from None
     if not (run.step_time_s > 0 and math.isfinite(run.step_time_s)):
         raise PlanFileError(f"{where}: step_time_s must be a positive number, got {run.step_time_s!r}")
+    figures = [("step_times_s", value) for value in run.step_times_s]
+    figures += [(f"ops.{name}.{key}", value) for name, op in run.ops.items() for key, value in op.items()]
+    figures += [(f"collectives[{index}].{key}", item[key]) for index, item in enumerate(run.collectives)
+                for key in ("bytes", "count", "time_s")]
+    bad = next(((name, value) for name, value in figures if not (math.isfinite(value) and value >= 0)), None)
+    if bad is not None:
+        raise PlanFileError(f"{where}: {bad[0][:80]!r} must be a finite number >= 0, got {bad[1]!r}; write the file "
+                            f"again with launch.py --profile")
     for item in run.collectives:  # a kind names a row of `planner compare`'s table: a plain word
         if not _COLLECTIVE_KIND.fullmatch(item["kind"]):
             raise PlanFileError(f"{where}: collective kind {item['kind'][:40]!r} is not a collective's name (such as "

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import planner
 from planner import baselines
@@ -116,6 +118,8 @@ def test_a_measured_file_that_contradicts_itself_is_refused(plans, tmp_path: Pat
     assert_api_error(lambda: load_measured(infinite), PlanFileError, "infinite.json' has a missing or invalid field")
     (tmp_path / "deep.json").write_text("[" * 200_000)
     assert_api_error(lambda: load_measured(tmp_path / "deep.json"), PlanFileError, "deep.json' is not JSON")
+    negative = _measured(tmp_path, "negative.json", data, ops={"aten::mm": {"count": 1, "time_s": -0.5, "flops": 0}})
+    assert_api_error(lambda: load_measured(negative), PlanFileError, "'ops.aten::mm.time_s' must be a finite number >= 0")
     no_time = _measured(tmp_path, "no-time.json", data, ops={"aten::mm": {"count": 1, "flops": 0}})
     assert_api_error(lambda: load_measured(no_time), PlanFileError, "missing or invalid field", "time_s")
     painted = _measured(tmp_path, "painted.json", data,
@@ -124,3 +128,43 @@ def test_a_measured_file_that_contradicts_itself_is_refused(plans, tmp_path: Pat
     hostile = _measured(tmp_path, "hostile.json", data, recorded="\x1b[2J" * 50)
     message = assert_api_error(lambda: load_measured(hostile), PlanFileError, "records plan fingerprint")
     assert "\x1b" not in message  # shown through repr, cut short
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+FIELDS = ["plan", "plan_fingerprint", "world_size", "step_time_s", "step_times_s", "ops", "collectives", "version"]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(FIELDS), value=JSON, nested=st.sampled_from(["", "ops", "collectives"]),
+       figure=st.sampled_from(["count", "time_s", "flops", "kind", "bytes"]))
+def test_any_damage_to_a_measured_file_is_one_line_or_a_usable_run(plans, tmp_path_factory, field, value, nested,
+                                                                   figure) -> None:
+    """A field of a good measured file replaced by any JSON value (or an op's or collective's
+    figures): ``load_measured`` either reads it or raises PlanFileError with one line, and
+    what it reads can be compared (measured parts, the plan check) without an exception."""
+    from cost_model.calibration import measured_parts
+    from planner.compare import check_measured_plan
+
+    folder = tmp_path_factory.mktemp("fuzz")
+    data = plans["ddp"].to_dict()
+    if nested == "ops":
+        extra = {"ops": {"aten::mm": {"count": 1, "time_s": 0.001, "flops": 1.0, figure: value}}}
+    elif nested == "collectives":
+        extra = {"collectives": [{"kind": "all_reduce", "bytes": 4, "count": 1, "time_s": 0.001, figure: value}]}
+    else:
+        extra = {field: value}
+    path = _measured(folder, "m.json", data, **extra)
+    try:
+        run = load_measured(path)
+    except PlanFileError as error:
+        assert "\n" not in str(error) and str(error)
+        return
+    measured_parts(run)
+    try:
+        check_measured_plan(plans["ddp"], "plan.json", run)
+    except PlanFileError as error:
+        assert "\n" not in str(error)
