@@ -127,6 +127,17 @@ def small_json(path: str | os.PathLike, limit: int = 256 << 20) -> object:
         return None
 
 
+def file_tail(path: str | os.PathLike, size: int = 4096) -> str:
+    """The last ``size`` bytes of ``path`` as text ("" when it cannot be read): how a large
+    file that soap-planner marks at its end (a Chrome trace) is recognised without reading it."""
+    try:
+        with open(path, "rb") as stream:
+            stream.seek(max(0, os.stat(path).st_size - size))
+            return stream.read(size).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def refuse_input_as_output(output: str | os.PathLike, flag: str, inputs: list[str | os.PathLike]) -> None:
     """OutputError when ``output`` is one of the files the same command reads (``simulate
     plan.json --trace plan.json --force`` would replace the plan with its timeline)."""

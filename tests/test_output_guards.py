@@ -109,6 +109,26 @@ def test_each_writer_recognises_its_own_files_only(tmp_path: Path) -> None:
     assert not is_exported_state_dict(tmp_path / "mine.pt") and not is_exported_state_dict(file("x.pt", USER_TEXT))
 
 
+def test_recognising_a_file_never_reads_a_huge_one(tmp_path: Path) -> None:
+    """A 300 MiB file (sparse: no disk used) is not parsed: not ours, unless it is a Chrome
+    trace, which soap-planner marks at its end."""
+    from planner.cluster import is_cluster_file_we_wrote
+    from planner.plans import is_plan_file
+    from planner.strategy import TRACE_GENERATOR, is_chrome_trace
+
+    def huge(name: str, tail: str) -> Path:
+        with open(tmp_path / name, "wb") as stream:
+            stream.seek(300 << 20)
+            stream.write(tail.encode())
+        return tmp_path / name
+
+    user = huge("user.json", '"format": "soap-planner-plan"}')
+    trace = huge("trace.json", json.dumps({"otherData": {"generator": TRACE_GENERATOR}})[1:])
+    assert not any(check(user) for check in (is_plan_file, is_chrome_trace, is_cluster_file_we_wrote, is_metrics_file,
+                                             is_routing_file))
+    assert is_chrome_trace(trace)
+
+
 def test_an_exported_state_dict_loads_strictly_into_the_model(tmp_path: Path) -> None:
     """The marker lives in ``_metadata``, which ``load_state_dict`` reads by module prefix:
     a strict load of the whole model still sees exactly its own tensors."""
