@@ -88,8 +88,9 @@ def check_output_file(
     path = as_path(path, f"the output path of the {what}")
     try:
         return _check_output_file(path, what, is_ours, force, flag)
-    except OSError as error:  # a name too long for the filesystem, a loop of links, ...
-        raise OutputError(f"cannot write {_shown(path)}: {error.strerror or error}; choose another path") from None
+    except (OSError, ValueError) as error:  # a name too long for the filesystem, a loop of links, a NUL (API) ...
+        detail = getattr(error, "strerror", None) or error
+        raise OutputError(f"cannot write {_shown(path)!r}: {detail}; choose another path") from None
 
 
 def _check_output_file(path: Path, what: str, is_ours: Callable[[Path], bool], force: bool, flag: str) -> Path:
@@ -151,6 +152,8 @@ def _check_name_fits(path: Path, *, staged: bool) -> None:
     """OutputError when ``path``'s name (or, ``staged``, its temporary sibling's, which is
     longer by ``_STAGING_EXTRA`` bytes) is longer than its folder's filesystem allows: found
     now, not when the file is written after the work."""
+    if "\x00" in str(path):  # only the API can pass one (argv cannot hold it); pathlib answers "no such file"
+        raise OutputError(f"cannot write {str(path)!r}: a path cannot hold a NUL character; choose another path")
     folder = _existing_ancestor_or_none(path)
     limit = 255
     if folder is not None:
@@ -288,8 +291,9 @@ def _state(target: Path, force: bool) -> str:
     anything that must not be written."""
     try:
         return _folder_state(target, force)
-    except OSError as error:  # a name too long for the filesystem, a loop of links, ...
-        raise OutputError(f"cannot write the program to {_shown(target)}: {error.strerror or error}; choose another path") from None
+    except (OSError, ValueError) as error:  # a name too long for the filesystem, a loop of links, a NUL (API) ...
+        detail = getattr(error, "strerror", None) or error
+        raise OutputError(f"cannot write the program to {_shown(target)!r}: {detail}; choose another path") from None
 
 
 def _folder_state(target: Path, force: bool) -> str:

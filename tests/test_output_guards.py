@@ -153,6 +153,12 @@ def test_names_the_filesystem_cannot_hold_and_inputs_as_outputs_are_one_line(cap
     assert_user_error(capsys, ["calibrate", str(plan), "--cluster", "cpu:1x2", "-o", str(plan), "--force"],
                       "is a file this command reads")
     assert planner.load_plan(plan).world_size == 2  # still the plan
+    from planner.errors import OutputError
+    from user_errors import assert_api_error
+
+    loaded = planner.load_plan(plan)
+    assert_api_error(lambda: loaded.save(tmp_path / "a\x00b.json"), OutputError, "cannot hold a NUL character")
+    assert_api_error(lambda: planner.compile(loaded, tmp_path / "o\x00ut"), OutputError, "cannot hold a NUL character")
     assert _leftovers(tmp_path) == []
 
 
