@@ -16,9 +16,13 @@ import planner
 from codegen.runtime import launcher
 from codegen.runtime.exported_weights import is_exported_state_dict, save_exported
 from codegen.runtime.run_outputs import is_metrics_file, open_metrics
+from planner.cluster import is_cluster_file_we_wrote
+from planner.errors import OutputError
 from planner.outputs import StagedLines, small_json, staged_file, write_text_atomically
+from planner.plans import is_plan_file
 from planner.routing import RoutingStats, is_routing_file, uniform_layer
-from user_errors import assert_one_error_line, assert_user_error
+from planner.strategy import TRACE_GENERATOR, is_chrome_trace
+from user_errors import assert_api_error, assert_one_error_line, assert_user_error
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = str(ROOT / "examples" / "mlp.py")
@@ -112,10 +116,6 @@ def test_each_writer_recognises_its_own_files_only(tmp_path: Path) -> None:
 def test_recognising_a_file_never_reads_a_huge_one(tmp_path: Path) -> None:
     """A 300 MiB file (sparse: no disk used) is not parsed: not ours, unless it is a Chrome
     trace, which soap-planner marks at its end."""
-    from planner.cluster import is_cluster_file_we_wrote
-    from planner.plans import is_plan_file
-    from planner.strategy import TRACE_GENERATOR, is_chrome_trace
-
     def huge(name: str, tail: str) -> Path:
         with open(tmp_path / name, "wb") as stream:
             stream.seek(300 << 20)
@@ -153,9 +153,6 @@ def test_names_the_filesystem_cannot_hold_and_inputs_as_outputs_are_one_line(cap
     assert_user_error(capsys, ["calibrate", str(plan), "--cluster", "cpu:1x2", "-o", str(plan), "--force"],
                       "is a file this command reads")
     assert planner.load_plan(plan).world_size == 2  # still the plan
-    from planner.errors import OutputError
-    from user_errors import assert_api_error
-
     loaded = planner.load_plan(plan)
     assert_api_error(lambda: loaded.save(tmp_path / "a\x00b.json"), OutputError, "cannot hold a NUL character")
     assert_api_error(lambda: planner.compile(loaded, tmp_path / "o\x00ut"), OutputError, "cannot hold a NUL character")
