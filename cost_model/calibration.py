@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,9 +43,12 @@ from cost_model.calibration_fit import gauss_newton_fit, prior_penalty
 from cost_model.compute import PRECISIONS
 from planner.cluster import Cluster, LinkSpec, NodeSpec
 from planner.errors import PlanFileError
+from planner.plan_identity import plan_fingerprint, plan_world_size
 
 MEASURED_FORMAT = "soap-planner-measured"
 MEASURED_VERSION = 1
+_OP_FIGURES = ("count", "time_s", "flops")  # per op and step, in every measured file
+_COLLECTIVE_KIND = re.compile(r"[a-z][a-z0-9_]{0,39}")
 OP_CLASSES = ("matmul", "other", "optimizer")
 # Matmul-like kernels (measured ``aten::name`` and traced ``aten.name.overload`` share the name).
 MATMUL_OPS = frozenset({
@@ -79,6 +83,7 @@ class MeasuredRun:
     step_times_s: tuple[float, ...]
     ops: dict[str, dict[str, float]]
     collectives: tuple[dict[str, Any], ...]
+    plan_fingerprint: str = ""  # of ``plan_data`` (planner.plan_identity)
 
     @property
     def noise(self) -> float:
@@ -99,8 +104,9 @@ def load_measured(path: str | Path) -> MeasuredRun:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise PlanFileError(f"{where} does not exist; write one with `torchrun ... launch.py --steps 10 --profile {path}`") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise PlanFileError(f"{where} is not JSON ({error}); write it again with launch.py --profile") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        detail = "nested too deeply" if isinstance(error, RecursionError) else error
+        raise PlanFileError(f"{where} is not JSON ({detail}); write it again with launch.py --profile") from None
     if not isinstance(data, dict) or data.get("format") != MEASURED_FORMAT:
         raise PlanFileError(f"{where} is not a soap-planner measured file (no \"format\": \"{MEASURED_FORMAT}\"); "
                             f"write one with launch.py --profile")
@@ -112,19 +118,50 @@ def load_measured(path: str | Path) -> MeasuredRun:
         run = MeasuredRun(
             source=str(path), plan_data=dict(data["plan"]), world_size=int(data["world_size"]),
             step_time_s=float(data["step_time_s"]), step_times_s=step_times,
-            ops={str(name): {key: float(value) for key, value in figures.items()} for name, figures in data["ops"].items()},
+            ops={str(name): {key: float(figures[key]) for key in _OP_FIGURES} for name, figures in data["ops"].items()},
             collectives=tuple(
                 {"kind": str(item["kind"]), "bytes": float(item["bytes"]), "count": float(item["count"]),
                  "time_s": float(item["time_s"])}
                 for item in data["collectives"]
             ),
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:
         raise PlanFileError(f"{where} has a missing or invalid field ({type(error).__name__}: {error}); "
                             f"write it again with launch.py --profile") from None
     if not (run.step_time_s > 0 and math.isfinite(run.step_time_s)):
         raise PlanFileError(f"{where}: step_time_s must be a positive number, got {run.step_time_s!r}")
-    return run
+    figures = [("step_times_s", value) for value in run.step_times_s]
+    figures += [(f"ops.{name}.{key}", value) for name, op in run.ops.items() for key, value in op.items()]
+    figures += [(f"collectives[{index}].{key}", item[key]) for index, item in enumerate(run.collectives)
+                for key in ("bytes", "count", "time_s")]
+    bad = next(((name, value) for name, value in figures if not (math.isfinite(value) and value >= 0)), None)
+    if bad is not None:
+        raise PlanFileError(f"{where}: {bad[0][:80]!r} must be a finite number >= 0, got {bad[1]!r}; write the file "
+                            f"again with launch.py --profile")
+    for item in run.collectives:  # a kind names a row of `planner compare`'s table: a plain word
+        if not _COLLECTIVE_KIND.fullmatch(item["kind"]):
+            raise PlanFileError(f"{where}: collective kind {item['kind'][:40]!r} is not a collective's name (such as "
+                                f"all_reduce); write the file again with launch.py --profile")
+    return dataclasses.replace(run, plan_fingerprint=_checked_plan_identity(run, data.get("plan_fingerprint"), where))
+
+
+def _checked_plan_identity(run: MeasuredRun, recorded: Any, where: str) -> str:
+    """The fingerprint of the plan a measured file holds, checked against what the file
+    recorded: its world size, and its plan fingerprint when it has one (files written before
+    fingerprints were recorded have none; the plan they hold identifies them)."""
+    planned = plan_world_size(run.plan_data)
+    if planned is not None and planned != run.world_size:  # a plan without a mesh is refused when read as a plan
+        raise PlanFileError(
+            f"{where} was measured on {run.world_size} ranks but holds a plan for {planned}; the file was edited or "
+            f"damaged: measure again with launch.py --profile"
+        )
+    fingerprint = plan_fingerprint(run.plan_data)
+    if recorded is not None and recorded != fingerprint:
+        raise PlanFileError(
+            f"{where} records plan fingerprint {str(recorded)[:40]!r} but holds a plan whose fingerprint is "
+            f"{fingerprint}; the file was edited or damaged: measure again with launch.py --profile"
+        )
+    return fingerprint
 
 
 def op_class(name: str) -> str:

@@ -93,10 +93,11 @@ def main() -> None:
             "-o", str(out / "plan.json"), "--force"]
     run(plan + (["--dp", options.dp] if options.dp else []))
     run([python, "-m", "planner", "compile", str(out / "plan.json"), "-o", str(out / "program"), "--force"])
+    warmup = max(0, min(options.steps // 20 or 1, options.steps - 1))  # leave the cosine a step to decay over
     train = [
         torchrun, "--nproc_per_node", str(options.nproc), str(out / "program" / "launch.py"),
         "--data", f"{Path(__file__).resolve()}:batches", "--steps", str(options.steps), "--lr", "3e-3",
-        "--lr-schedule", "cosine", "--warmup-steps", str(max(1, options.steps // 20)), "--min-lr-ratio", "0.1",
+        "--lr-schedule", "cosine", "--warmup-steps", str(warmup), "--min-lr-ratio", "0.1",
         "--clip-grad-norm", "1.0", "--log-every", str(max(1, options.steps // 20)), "--metrics", str(out / "metrics.jsonl"),
         "--checkpoint-dir", str(out / "checkpoints"), "--save-every", str(max(1, options.steps // 4)),
     ]

@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 
 from planner.arguments import OneLineParser, flag_type, integer_at_least, positive_finite
 from planner.errors import ArgumentError, PlannerError
+from planner.outputs import refuse_input_as_output
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
@@ -179,8 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
         "size) into one state_dict that loads into the model built from the spec (torch.load(..., weights_only=True)).",
     )
     export.add_argument("checkpoint", metavar="DIR", help="a step-<N> checkpoint folder, or the --checkpoint-dir (its latest)")
-    export.add_argument("-o", "--output", required=True, metavar="FILE", help="the state_dict file to write (e.g. model.pt)")
-    export.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    export.add_argument(
+        "-o", "--output", required=True, metavar="FILE",
+        help="the state_dict file to write (e.g. model.pt); an existing file is replaced only if export-checkpoint wrote it",
+    )
+    export.add_argument("--force", action="store_true", help="let -o overwrite a file export-checkpoint did not write")
     return parser
 
 
@@ -277,13 +281,12 @@ def _run(options: argparse.Namespace) -> int:
 def _export_checkpoint(options: argparse.Namespace) -> int:
     from pathlib import Path
 
-    output = Path(options.output)
-    if output.is_dir():
-        raise ArgumentError(f"-o {output} is a folder; give a file name such as model.pt")
-    if output.exists() and not options.force:
-        raise ArgumentError(f"-o {output} exists; pass --force to overwrite it")
-    if not output.resolve().parent.is_dir():
-        raise ArgumentError(f"-o {output}: folder '{output.resolve().parent}' does not exist; create it first")
+    from codegen.runtime.exported_weights import is_exported_state_dict
+    from planner.outputs import check_output_file
+
+    output = check_output_file(options.output, what="state_dict file", is_ours=is_exported_state_dict, force=options.force)
+    if Path(options.checkpoint).resolve() in output.resolve().parents:
+        raise ArgumentError(f"-o {output} is inside the checkpoint folder {options.checkpoint}; write the state_dict elsewhere")
     if not Path(options.checkpoint).is_dir():
         raise ArgumentError(f"no folder '{options.checkpoint}'; give a checkpoint folder written by launch.py --checkpoint-dir")
     from codegen.runtime.checkpoint import export_checkpoint
@@ -391,12 +394,13 @@ def _profile(options: argparse.Namespace) -> int:
 
 def _compare(options: argparse.Namespace) -> int:
     from planner.cluster import Cluster
-    from planner.compare import compare, format_comparison, load_measured, plan_and_graph
+    from planner.compare import check_measured_plan, compare, format_comparison, load_measured, plan_and_graph
     from planner.plans import load_plan
 
     cluster = Cluster.parse(options.cluster) if options.cluster else None
     run = load_measured(options.measured)
     plan = load_plan(options.plan)  # relative model sources resolved against the plan's folder
+    check_measured_plan(plan, options.plan, run)  # before tracing: a measurement of another plan is refused
     with _status(f"simulating {plan.name}"):
         plan, graph = plan_and_graph(plan.to_dict(), options.plan, cluster)
         parts = compare(plan, graph, run)
@@ -406,11 +410,20 @@ def _compare(options: argparse.Namespace) -> int:
 
 def _calibrate(options: argparse.Namespace) -> int:
     from planner.cluster import Cluster
-    from planner.compare import calibrate, calibration_cases, check_cluster_output, format_fit, load_runs
+    from planner.compare import (
+        calibrate,
+        calibration_cases,
+        check_cluster_output,
+        check_runs_fit_cluster,
+        format_fit,
+        load_runs,
+    )
 
     cluster = Cluster.parse(options.cluster)
     output = check_cluster_output(options.output, options.force)  # before any work
+    refuse_input_as_output(output, "-o", [*options.measured, options.cluster])
     runs = load_runs(options.measured)
+    check_runs_fit_cluster(runs, cluster, options.cluster)
     with _status(f"fitting {len(runs)} measured run(s)"):
         cases = calibration_cases(runs)
         calibrated, fit = calibrate(runs, cluster, cases)
@@ -429,6 +442,7 @@ def _simulate(options: argparse.Namespace) -> int:
         from planner.strategy import is_chrome_trace
 
         check_output_file(options.trace, what="Chrome trace", is_ours=is_chrome_trace, force=options.force)
+        refuse_input_as_output(options.trace, "--trace", [options.plan])
     from planner.api import simulate
     from planner.plans import load_plan
 

@@ -475,6 +475,8 @@ def is_cluster_file_we_wrote(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a cluster file written by ``Cluster.save`` (``planner profile``):
     it starts with ``CLUSTER_FILE_HEADER``."""
     try:
+        if os.stat(path).st_size > 1 << 20:  # cluster files are small: a user's huge file is not read
+            return False
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return False
@@ -482,7 +484,7 @@ def is_cluster_file_we_wrote(path: str | os.PathLike[str]) -> bool:
         return True
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return isinstance(data, dict) and data.get("comment") == CLUSTER_FILE_HEADER
 

@@ -31,6 +31,7 @@ from cost_model.calibration import (
 )
 from planner.cluster import Cluster
 from planner.errors import ClusterError, PlanFileError
+from planner.plan_identity import plan_fingerprint
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,45 @@ def plan_and_graph(plan_data: dict, source: str, cluster: Cluster | None = None)
         graph = _GRAPHS[key] = trace(*build_planned_model(plan))
     check_plan_against_graph(plan, graph)
     return plan, graph
+
+
+def check_measured_plan(plan, plan_source: str, run: MeasuredRun) -> None:
+    """Refuse, with one line naming both files, a measured file of another plan or world size
+    than ``plan`` (read from ``plan_source``): its figures would be set beside predictions
+    for a program that did not run.
+
+    Raises:
+        PlanFileError: the world sizes or the plan fingerprints (``planner.plan_identity``) differ.
+    """
+    world = plan.cluster.world_size
+    if run.world_size != world:
+        raise PlanFileError(
+            f"measured file '{run.source}' was measured on {run.world_size} ranks but plan '{plan_source}' runs on "
+            f"{world}; compare a measurement of this plan (torchrun --nproc_per_node {world} ... --profile)"
+        )
+    fingerprint = plan_fingerprint(plan.to_dict())
+    if run.plan_fingerprint != fingerprint:
+        raise PlanFileError(
+            f"measured file '{run.source}' measured another plan (fingerprint {run.plan_fingerprint}) than "
+            f"'{plan_source}' (fingerprint {fingerprint}); compare it with the plan it measured (its program's "
+            f"plan.json), or measure this plan with its own launch.py --profile"
+        )
+
+
+def check_runs_fit_cluster(runs: list[MeasuredRun], cluster: Cluster, cluster_name: str) -> None:
+    """Refuse, with one line, a measured file of another world size than the cluster being
+    calibrated: the fitted link and overheads hold at the process count they were measured at.
+
+    Raises:
+        PlanFileError: naming the first such file and both sizes.
+    """
+    for run in runs:
+        if run.world_size != cluster.world_size:
+            raise PlanFileError(
+                f"measured file '{run.source}' was measured on {run.world_size} ranks but --cluster {cluster_name} has "
+                f"{cluster.world_size} devices; calibrate a cluster of the size the runs were measured at (e.g. "
+                f"--cluster cpu:1x{run.world_size}), or measure at {cluster.world_size}"
+            )
 
 
 def compare(plan, graph, run: MeasuredRun) -> list[ComparedPart]:

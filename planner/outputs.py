@@ -2,12 +2,16 @@
 
 Two kinds of output:
 
-* **A file** written whole: a plan (``plan -o``), a cluster file (``profile -o``), a
-  timeline (``simulate --trace``). ``check_output_file`` runs before the search or the
-  measurement starts: the folder exists and is writable, the path is not a folder, and a
-  file already there was written by soap-planner (the caller says how to recognise one)
-  unless ``force``. ``write_text_atomically`` then writes a temporary file beside it and
-  renames it into place, so a reader never sees half a file.
+* **A file**: a plan (``plan -o``), a cluster file (``profile -o``, ``calibrate -o``), a
+  timeline (``simulate --trace``), a state_dict (``export-checkpoint -o``), and what
+  ``launch.py`` writes (``--metrics``, ``--profile``, ``--record-routing``).
+  ``check_output_file`` runs before the search, the measurement or the first training step:
+  the folder exists and is writable, the path is not a folder, and a file already there was
+  written by soap-planner (the caller says how to recognise one) unless ``force``. The file
+  is then written beside its path and renamed into place, so a reader never sees half a file
+  and a failure leaves the old one whole: ``write_text_atomically`` for text,
+  ``staged_file`` for writers that take a path (``torch.save``), ``StagedLines`` for a file
+  written line by line over a run (``--metrics``).
 * **A program folder** (``compile -o``): ``program_folder`` stages the new program in a
   fresh temporary folder beside the target and moves it into place only when every file was
   written. A marker file (``PROGRAM_MARKER``, listing the files it wrote) tells soap-planner's
@@ -42,6 +46,9 @@ from typing import Callable, Iterator
 from planner.errors import OutputError
 
 PROGRAM_MARKER = ".soap-planner-program"
+# Staged beside the target as ".<name>.<8 random characters>.tmp" (a file) or ".soap-tmp" /
+# ".soap-old" (a program folder): the longest suffix, in bytes.
+_STAGING_EXTRA = len("..") + 8 + len(".soap-tmp")
 # Python's bytecode cache of a program's modules, written when the program runs: ours too.
 _REGENERATED = frozenset({"__pycache__"})
 # Files of a program folder written before the marker existed (soap-planner <= 0.1.0 main).
@@ -79,8 +86,17 @@ def check_output_file(
             regular file, or it holds a file that is not ours and ``force`` is not set.
     """
     path = as_path(path, f"the output path of the {what}")
+    try:
+        return _check_output_file(path, what, is_ours, force, flag)
+    except (OSError, ValueError) as error:  # a name too long for the filesystem, a loop of links, a NUL (API) ...
+        detail = getattr(error, "strerror", None) or error
+        raise OutputError(f"cannot write {_shown(path)!r}: {detail}; choose another path") from None
+
+
+def _check_output_file(path: Path, what: str, is_ours: Callable[[Path], bool], force: bool, flag: str) -> Path:
+    _check_name_fits(path, staged=True)
     if path.is_dir():
-        raise OutputError(f"output {path} is a folder; give a file path, e.g. {path / path.name}.json")
+        raise OutputError(f"output {path} is a folder; give a file path, e.g. {path / (path.name or 'output')}.json")
     folder = path.parent
     if not folder.is_dir():
         problem = "is not a folder" if folder.exists() else "does not exist"
@@ -100,19 +116,119 @@ def check_output_file(
     return path
 
 
+def small_json(path: str | os.PathLike, limit: int = 256 << 20) -> object:
+    """The JSON in ``path``, or None when it cannot be read, is not JSON, is nested too deeply,
+    or is larger than ``limit`` bytes: what ``is_ours`` checks read, so that recognising a file
+    never reads a user's multi-gigabyte file into memory (soap-planner's own are far smaller)."""
+    try:
+        if os.stat(path).st_size > limit:
+            return None
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+
+
+def file_tail(path: str | os.PathLike, size: int = 4096) -> str:
+    """The last ``size`` bytes of ``path`` as text ("" when it cannot be read): how a large
+    file that soap-planner marks at its end (a Chrome trace) is recognised without reading it."""
+    try:
+        with open(path, "rb") as stream:
+            stream.seek(max(0, os.stat(path).st_size - size))
+            return stream.read(size).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def refuse_input_as_output(output: str | os.PathLike, flag: str, inputs: list[str | os.PathLike]) -> None:
+    """OutputError when ``output`` is one of the files the same command reads (``simulate
+    plan.json --trace plan.json --force`` would replace the plan with its timeline)."""
+    target = Path(output).resolve()
+    for source in inputs:
+        if source and Path(source).resolve() == target:
+            raise OutputError(f"{flag} {output} is a file this command reads; write the output to another file")
+
+
+def _check_name_fits(path: Path, *, staged: bool) -> None:
+    """OutputError when ``path``'s name (or, ``staged``, its temporary sibling's, which is
+    longer by ``_STAGING_EXTRA`` bytes) is longer than its folder's filesystem allows: found
+    now, not when the file is written after the work."""
+    if "\x00" in str(path):  # only the API can pass one (argv cannot hold it); pathlib answers "no such file"
+        raise OutputError(f"cannot write {str(path)!r}: a path cannot hold a NUL character; choose another path")
+    folder = _existing_ancestor_or_none(path)
+    limit = 255
+    if folder is not None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            limit = os.pathconf(folder, "PC_NAME_MAX")
+    needed = len(os.fsencode(path.name)) + (_STAGING_EXTRA if staged else 0)
+    if needed > limit:
+        raise OutputError(
+            f"cannot write {_shown(path)}: its name has {len(os.fsencode(path.name))} bytes and this filesystem "
+            f"allows {limit - (_STAGING_EXTRA if staged else 0)} here; choose a shorter name"
+        )
+
+
+def _existing_ancestor_or_none(path: Path) -> Path | None:
+    with contextlib.suppress(OSError):
+        parent = path.absolute().parent
+        while not parent.exists():
+            parent = parent.parent
+        return parent
+    return None
+
+
+def _shown(path: Path) -> str:
+    """``path`` for a message: cut to its first and last characters when it is very long."""
+    text = str(path)
+    return text if len(text) <= 120 else f"{text[:60]}...{text[-40:]}"
+
+
 def write_text_atomically(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename:
     the old file (if any) stays whole until the new one is complete."""
+    with staged_file(path) as temporary:
+        temporary.write_text(text, encoding="utf-8")
+
+
+@contextlib.contextmanager
+def staged_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` for a writer that wants a path (``torch.save``,
+    ``RoutingStats.save``); when the block ends without an exception it is renamed onto
+    ``path`` (with the mode ``open(path, "w")`` would give), else removed. A reader never
+    sees half a file, and a failed write leaves the old file whole."""
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(descriptor)
     try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-            stream.write(text)
+        yield Path(temporary)
         os.chmod(temporary, _new_file_mode(path))
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
+
+
+class StagedLines:
+    """A text file written line by line over a long run (``launch.py --metrics``) that
+    replaces ``path`` only when ``publish`` is called: the lines go to a temporary file beside
+    it, flushed as they come, and ``publish`` renames it into place, so the old file stays
+    whole until then."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        self.temporary = Path(temporary)
+        self._stream = os.fdopen(descriptor, "w", encoding="utf-8")
+
+    def write_line(self, line: str) -> None:
+        """Append one line (a newline is added) and flush it."""
+        self._stream.write(line + "\n")
+        self._stream.flush()
+
+    def publish(self) -> None:
+        """Close the temporary file and rename it onto ``path``."""
+        self._stream.close()
+        os.chmod(self.temporary, _new_file_mode(self.path))
+        os.replace(self.temporary, self.path)
 
 
 def _new_file_mode(path: Path) -> int:
@@ -173,6 +289,16 @@ def _state(target: Path, force: bool) -> str:
     """``"missing"``, ``"empty"``, ``"ours"`` (our output only), ``"mixed"`` (our output and
     other files) or ``"user"`` (non-empty, not ours, ``force`` given); ``OutputError`` for
     anything that must not be written."""
+    try:
+        return _folder_state(target, force)
+    except (OSError, ValueError) as error:  # a name too long for the filesystem, a loop of links, a NUL (API) ...
+        detail = getattr(error, "strerror", None) or error
+        raise OutputError(f"cannot write the program to {_shown(target)!r}: {detail}; choose another path") from None
+
+
+def _folder_state(target: Path, force: bool) -> str:
+    # The folder is staged as ".<name>.<8 characters>.soap-tmp" (and ".soap-old") beside it.
+    _check_name_fits(target, staged=True)
     if target.exists() and not target.is_dir():
         raise OutputError(f"output folder {target} is a file; choose a folder path (it is created if missing)")
     parent = _existing_ancestor(target)

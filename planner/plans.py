@@ -19,7 +19,7 @@ from planner.cluster import Cluster
 from planner.graph import OpGraph
 from planner.errors import ClusterError, PlanFileError, SpecError, one_line
 from planner.fingerprint import FINGERPRINT_LENGTH
-from planner.outputs import check_output_file, write_text_atomically
+from planner.outputs import check_output_file, small_json, write_text_atomically
 from planner.model_spec import ModelSpec
 from planner.strategy import (
     DP_FLAVOURS,
@@ -475,10 +475,7 @@ def _timings_from(reader: _Reader) -> dict[str, float]:
 def is_plan_file(path: Path) -> bool:
     """Whether ``path`` holds a soap-planner plan (of any version): the files ``plan -o``
     may overwrite without ``--force``."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return False
+    data = small_json(path)  # a user's huge file is not read into memory
     return isinstance(data, dict) and data.get("format") == PLAN_FORMAT
 
 

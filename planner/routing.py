@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import PlannerError, one_line
+from planner.outputs import small_json, write_text_atomically
 
 ROUTING_FORMAT = "soap-planner-routing"
 ROUTING_VERSION = 1
@@ -111,7 +112,16 @@ class RoutingStats:
         }
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        """Write the JSON form to ``path`` through a temporary file renamed into place (the
+        caller checked ``path`` first: ``planner.outputs.check_output_file``, ``is_routing_file``)."""
+        write_text_atomically(Path(path), json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def is_routing_file(path: str | Path) -> bool:
+    """Whether ``path`` holds routing statistics in soap-planner's format (of any version):
+    the files ``launch.py --record-routing`` may replace without ``--force``."""
+    data = small_json(path)
+    return isinstance(data, dict) and data.get("format") == ROUTING_FORMAT
 
 
 def uniform_layer(experts: int, top_k: int = 1) -> LayerRouting:

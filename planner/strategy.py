@@ -409,12 +409,12 @@ TRACE_GENERATOR = "soap-planner simulate"
 def is_chrome_trace(path: Any) -> bool:
     """Whether ``path`` holds a Chrome trace written by ``SimResult.to_chrome_trace``."""
     import json
-    from pathlib import Path
 
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return False
+    from planner.outputs import file_tail, small_json
+
+    data = small_json(path)
+    if data is None:  # too large to parse here (or not JSON): ours end with their generator
+        return file_tail(path).endswith(json.dumps({"otherData": {"generator": TRACE_GENERATOR}})[1:])
     return isinstance(data, dict) and isinstance(data.get("otherData"), dict) and (
         data["otherData"].get("generator") == TRACE_GENERATOR
     )

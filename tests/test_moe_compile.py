@@ -80,7 +80,7 @@ def test_expert_parallel_layout_compiles_with_its_placement(tmp_path):
     ("argv", "expected"),
     [
         (["--check", "--record-routing", "r.json"], "--record-routing records the routing of training steps; add --steps N"),
-        (["--steps", "1", "--record-routing", "."], "is a folder; give a file name"),
+        (["--steps", "1", "--record-routing", "."], "is a folder; give a file path, e.g. output.json"),
         (["--steps", "1", "--record-routing", "no/such/folder/r.json"], "does not exist; create it first"),
     ],
 )

@@ -77,7 +77,7 @@ def test_data_errors_are_one_line(tmp_path: Path) -> None:
     [
         (["--steps", "3", "--profile", "m.json"], "--profile needs --steps 5 or more"),
         (["--data", "data.py:batches", "--lr-schedule", "cosine"], "--lr-schedule cosine decays over --steps N"),
-        (["--steps", "2", "--metrics", "missing/metrics.jsonl"], "--metrics: folder"),
+        (["--steps", "2", "--metrics", "missing/metrics.jsonl"], "--metrics: cannot write missing/metrics.jsonl: folder"),
         (["--steps", "2", "--clip-grad-norm", "-1"], "--clip-grad-norm"),
     ],
 )

@@ -357,6 +357,8 @@ def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
     Raises:
         LaunchError: no complete checkpoint there.
     """
+    from codegen.runtime.exported_weights import save_exported
+
     folder = Path(folder)
     if not (folder / INFO_FILE).is_file():
         folder = latest_checkpoint(folder) or folder
@@ -373,7 +375,7 @@ def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
     plain = {key.partition(".")[2]: value for key, value in state.items()}
     for alias, first in info.get("aliases", {}).items():
         plain[alias] = plain[first]
-    torch.save(plain, output)
+    save_exported(plain, output)  # marked as ours, written atomically
     return int(info["step"]), len(plain)
 
 

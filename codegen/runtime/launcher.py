@@ -26,9 +26,11 @@ from codegen.runtime.exit_status import (
     internal_error_line,
     report_failure,
 )
+from codegen.runtime.flag_rules import check_flag_combinations
 from codegen.runtime.parity import check_float64_applies, check_parity
 from codegen.runtime.precision import parity_tolerances
 from codegen.runtime.program import Program, check_world_size, load_program
+from codegen.runtime.run_outputs import check_run_outputs
 from codegen.runtime.stop_request import STOPPED_EXIT_STATUS
 from codegen.runtime.training_loop import (  # noqa: F401 - random_like re-exported
     SCHEDULES,
@@ -93,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir (any plan's)")
     parser.add_argument("--init-from", metavar="FILE", default=None, help="start from the weights of a state_dict file (planner export-checkpoint)")
     parser.add_argument("--debug", action="store_true", help="on an internal error (exit 3), print the traceback on every rank")
+    parser.add_argument(
+        "--force", action="store_true",
+        help="let --metrics, --profile and --record-routing overwrite a file soap-planner did not write "
+        "(never this program's files, a plan, or a file the run reads)",
+    )
     return parser
 
 
@@ -130,6 +137,7 @@ def main(folder: Path, argv: list[str]) -> int:
                 "say what to run: --check, --steps N, --data FILE.py:FUNCTION, --comm-audit, or a mix; see launch.py --help"
             )
         check_training_flags(options)
+        check_run_outputs(options, folder)
         if options.fp64 and not options.check:
             raise LaunchError("--fp64 says how --check runs its step; add --check")
         program = load_program(folder)
@@ -210,8 +218,8 @@ def check_fits_this_gpu(program: Program) -> None:
 
 def check_routing_output(program: Program, steps: int, path: str) -> None:
     """Refuse ``--record-routing`` with one line when it cannot record anything: no training
-    steps, a plan whose MoE layers do not run through the expert runtime, or a file that
-    cannot be written."""
+    steps, or a plan whose MoE layers do not run through the expert runtime (whether the file
+    may be written: ``codegen.runtime.run_outputs``)."""
     if steps == 0:
         raise LaunchError("--record-routing records the routing of training steps; add --steps N")
     if not program.plan.expert_layouts:
@@ -219,11 +227,6 @@ def check_routing_output(program: Program, steps: int, path: str) -> None:
             "--record-routing needs a plan whose MoE layers have expert layouts (their routing is counted by the "
             "expert runtime); this plan has none"
         )
-    target = Path(path)
-    if target.is_dir():
-        raise LaunchError(f"--record-routing: '{target}' is a folder; give a file name such as routing.json")
-    if not target.resolve().parent.is_dir():
-        raise LaunchError(f"--record-routing: folder '{target.resolve().parent}' does not exist; create it first")
 
 
 def check_checkpoint_options(options: argparse.Namespace) -> None:
@@ -247,15 +250,11 @@ def check_checkpoint_options(options: argparse.Namespace) -> None:
 
 def check_training_flags(options: argparse.Namespace) -> None:
     """One line for training flags that cannot work together, before anything starts."""
+    check_flag_combinations(options)
     if options.profile is not None:
         from codegen.runtime.profiling import profile_split
 
         profile_split(options.steps)  # LaunchError when --steps is too small
-        target = Path(options.profile)
-        if target.is_dir() or not target.resolve().parent.is_dir():
-            raise LaunchError(f"--profile: cannot write '{target}'; give a file in an existing folder, e.g. measured.json")
-    if options.metrics is not None and not Path(options.metrics).resolve().parent.is_dir():
-        raise LaunchError(f"--metrics: folder '{Path(options.metrics).resolve().parent}' does not exist; create it first")
     if options.lr_schedule != "constant" and options.steps == 0:
         raise LaunchError(f"--lr-schedule {options.lr_schedule} decays over --steps N; give --steps")
 

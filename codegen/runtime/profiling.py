@@ -13,7 +13,7 @@ The file (JSON, ``format: soap-planner-measured``, ``version: 1``) holds the pla
 it can be compared and calibrated on without its program folder::
 
     {"format": "soap-planner-measured", "version": 1, "plan": {...plan.json...},
-     "world_size": 2, "backend": "gloo", "device": "cpu",
+     "plan_fingerprint": "<planner.plan_identity>", "world_size": 2, "backend": "gloo", "device": "cpu",
      "step_times_s": [...], "step_time_s": <median>, "profiled_steps": 3,
      "ops": {"aten::mm": {"count": 36, "time_s": 0.0123, "flops": 1.2e9}, ...,
              "optimizer.step": {"count": 1, "time_s": 0.002, "flops": 0}},
@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import LaunchError
+from planner.outputs import small_json, write_text_atomically
+from planner.plan_identity import plan_fingerprint
 
 MEASURED_FORMAT = "soap-planner-measured"
 MEASURED_VERSION = 1
@@ -129,18 +131,28 @@ def _element_bytes(event) -> int:
     return 4
 
 
+def is_measured_file(path: Path) -> bool:
+    """Whether ``path`` holds a measured file written by ``write_measured`` (of any version):
+    the files ``--profile`` may replace without ``--force``."""
+    data = small_json(path)
+    return isinstance(data, dict) and data.get("format") == MEASURED_FORMAT
+
+
 def write_measured(path: str | Path, plan_path: Path, step_times: list[float], profiler, active: int) -> dict[str, Any]:
-    """Write ``measured.json`` (rank 0 only; the others return what it would hold)."""
+    """Write ``measured.json`` (rank 0 only, through a temporary file renamed into place;
+    the others return what it would hold). ``path`` was checked before the run
+    (``codegen.runtime.run_outputs``)."""
     ops, collectives = summarize(profiler, active)
     clean = step_times[1:] or step_times
+    plan = json.loads(Path(plan_path).read_text())
     record = {
         "format": MEASURED_FORMAT, "version": MEASURED_VERSION,
-        "plan": json.loads(Path(plan_path).read_text()),
+        "plan": plan, "plan_fingerprint": plan_fingerprint(plan),
         "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "step_times_s": clean, "step_time_s": statistics.median(clean), "profiled_steps": active,
         "ops": ops, "collectives": collectives,
     }
     if dist.get_rank() == 0:
-        Path(path).write_text(json.dumps(record, indent=1) + "\n")
+        write_text_atomically(Path(path), json.dumps(record, indent=1) + "\n")
     return record

@@ -11,7 +11,6 @@ shares are its counts over their total, and rank 0 writes the file.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -59,12 +58,10 @@ def recorded_routing(model: torch.nn.Module, steps: int) -> RoutingStats:
 
 
 def write_recorded_routing(model: torch.nn.Module, steps: int, path: str | Path) -> RoutingStats:
-    """``recorded_routing``, written to ``path`` by rank 0 (into a temporary file beside it,
-    then renamed, so a reader never sees half a file)."""
+    """``recorded_routing``, written to ``path`` by rank 0 (``RoutingStats.save``: into a
+    temporary file beside it, then renamed, so a reader never sees half a file). ``path`` was
+    checked before the run (``codegen.runtime.run_outputs``)."""
     stats = recorded_routing(model, steps)
     if dist.get_rank() == 0:
-        path = Path(path)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        stats.save(partial)
-        os.replace(partial, path)
+        stats.save(Path(path))
     return stats

@@ -5,7 +5,8 @@ rank its slice, as for the example batch), forward and backward through the prog
 optional gradient clipping by the global norm, the optimizer step, the learning-rate
 schedule. Rank 0 prints per step the loss (the mean over data-parallel ranks), the step
 time, tokens/s, model TFLOP/s per device, MFU and peak memory beside the simulator's
-prediction for the plan, and writes the same figures as JSON lines with ``--metrics FILE``.
+prediction for the plan, and writes the same figures as JSON lines with ``--metrics FILE``
+(replaced when the run ends: ``codegen.runtime.run_outputs``).
 On a terminal a progress bar (``rich``) follows the run. SIGTERM or SIGUSR1 (a scheduler
 preempting the job) stops the run after the step in progress, with a checkpoint of that step
 (``codegen.runtime.stop_request``); launch.py then exits with status 143.
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from codegen.runtime.program import Program
+from codegen.runtime.run_outputs import open_metrics
 from codegen.runtime.stop_request import StopRequest, mean_loss_and_stop
 from codegen.runtime.user_data import DataFeed, as_inputs, load_data, skip_batches  # noqa: F401 - as_inputs, load_data re-exported
 from planner.errors import LaunchError
@@ -312,7 +314,7 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     skip_batches(next_batch, first_step)  # the data position: the batches the checkpointed run consumed
     meter = StepMeter(program)
     device = program.device()
-    metrics = open(options.metrics, "w") if options.metrics and dist.get_rank() == 0 else None  # noqa: SIM115
+    metrics = open_metrics(options.metrics, dist.get_rank(), first_step)  # checked before the run (run_outputs)
     progress = _progress_bar(options.steps)
     run = TrainingRun()
     stop_request = StopRequest().install()
@@ -350,8 +352,7 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
             if profiler is not None:
                 profiler.step()
             if metrics is not None:
-                metrics.write(json.dumps(record.to_json()) + "\n")
-                metrics.flush()
+                metrics.write_line(json.dumps(record.to_json()))
             last = options.steps and step == options.steps
             if step == 1 or last or step % options.log_every == 0:
                 _say(_step_line(record, options.steps, meter))
@@ -367,7 +368,7 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
         if checkpointer is not None:
             _said_complete(checkpointer.wait())
         if metrics is not None:
-            metrics.close()
+            metrics.publish()  # the steps that ran, also after an error or a signal
         if progress is not None:
             progress.close()
     _say(_summary(run, meter))
