@@ -3,6 +3,8 @@
 A checkpoint is a folder ``<root>/step-<N>`` that DCP writes (one file per rank and a
 ``.metadata``) plus ``soap-checkpoint.json``, written by rank 0 once every rank has finished
 writing: a folder without it is incomplete (the run died while saving) and never resumed.
+The folders, their checks and pruning are ``codegen.runtime.checkpoint_folders``; the run a
+folder belongs to (recorded in every checkpoint) is ``codegen.runtime.checkpoint_runs``.
 
 What is saved, each under a name that does not depend on the plan, so that a checkpoint
 resumes onto any other plan (mesh, world size, data-parallel flavour, pipeline split) and
@@ -31,9 +33,6 @@ or the end of the run, waits for it and marks it complete.
 
 from __future__ import annotations
 
-import json
-import re
-import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,64 +55,26 @@ from codegen.runtime.derived_checkpoint import (
     as_saved,
     saved_parameters,
 )
+from codegen.runtime.checkpoint_folders import (
+    FORMAT_VERSION,
+    INFO_FILE,
+    Found,
+    check_whole,
+    latest_checkpoint,
+    mark_writing,
+    newest_checkpoint,
+    prune_checkpoints,
+    read_info,
+    step_folder,
+    write_info,
+)
+from codegen.runtime.checkpoint_runs import RunIdentity, check_same_run
 from codegen.runtime.materialize import parameter_names
 from planner.errors import LaunchError
+from planner.messages import exception_line
 
-INFO_FILE = "soap-checkpoint.json"
-FORMAT_VERSION = 1
-_STEP_FOLDER = re.compile(r"step-(\d+)$")
-
-
-def step_folder(root: Path, step: int) -> Path:
-    """The folder of the checkpoint taken after ``step`` steps."""
-    return Path(root) / f"step-{step:08d}"
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The complete checkpoint (one with ``soap-checkpoint.json``) of most steps under ``root``."""
-    found = [
-        (int(match.group(1)), folder)
-        for folder in Path(root).glob("step-*")
-        if (match := _STEP_FOLDER.search(folder.name)) and (folder / INFO_FILE).is_file()
-    ]
-    return max(found)[1] if found else None
-
-
-def prune_checkpoints(root: Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest complete checkpoints under ``root`` (incomplete
-    folders older than the newest complete one go too: a run died while writing them).
-    Returns the folders deleted."""
-    steps = sorted(
-        (int(match.group(1)), folder)
-        for folder in Path(root).glob("step-*")
-        if (match := _STEP_FOLDER.search(folder.name)) and folder.is_dir()
-    )
-    complete = [step for step, folder in steps if (folder / INFO_FILE).is_file()]
-    if not complete:
-        return []
-    kept = set(complete[-keep:])
-    doomed = [folder for step, folder in steps if step not in kept and step < complete[-1]]
-    for folder in doomed:
-        shutil.rmtree(folder, ignore_errors=True)
-    return doomed
-
-
-def read_info(folder: Path) -> dict:
-    """The ``soap-checkpoint.json`` of a checkpoint folder.
-
-    Raises:
-        LaunchError: the folder is not a complete checkpoint.
-    """
-    path = Path(folder) / INFO_FILE
-    if not path.is_file():
-        raise LaunchError(
-            f"'{folder}' is not a complete soap-planner checkpoint (no {INFO_FILE}); "
-            f"give a step-<N> folder written by launch.py --checkpoint-dir, or the --checkpoint-dir itself"
-        )
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise LaunchError(f"{path} is unreadable ({error}); resume from an earlier step-<N> folder") from error
+__all__ = ["Checkpointer", "check_init_file", "export_checkpoint", "init_from", "latest_checkpoint", "model_tensors",
+           "optimizer_tensors", "prime_optimizer", "prune_checkpoints", "read_info", "step_folder", "INFO_FILE"]
 
 
 def model_tensors(model: nn.Module, module: nn.Module) -> dict[str, torch.Tensor | DerivedPart]:
@@ -226,15 +187,18 @@ class Checkpointer:
         model: the model built from the spec (``parallelize`` changed it in place).
         module: this rank's module (what ``parallelize`` returned).
         optimizer: the step's optimizer (``Program.make_optimizer``).
+        identity: the run's identity (``checkpoint_runs.run_identity``; a resumed run's
+            carries the id of the checkpoint it resumed), recorded in every checkpoint.
         plan_name: recorded in ``soap-checkpoint.json``, for people.
-        keep: how many complete checkpoints to keep (older ones are deleted once a newer one
-            is complete); 0 keeps them all.
+        keep: how many complete checkpoints of this run to keep (older ones are deleted
+            once a newer one is complete); 0 keeps them all.
     """
 
     root: Path
     model: nn.Module
     module: nn.Module
     optimizer: torch.optim.Optimizer
+    identity: RunIdentity
     plan_name: str = ""
     keep: int = 0
 
@@ -257,6 +221,8 @@ class Checkpointer:
         asynchronous, this one otherwise), or None."""
         completed = self.wait()
         folder = step_folder(self.root, step)
+        if dist.get_rank() == 0:  # before any rank writes: DCP's planning waits for rank 0
+            mark_writing(folder, self.identity.id)
         with torch.no_grad():  # a snapshot: training goes on changing the live tensors
             snapshot = {key: value.detach().clone() for key, value in self._state(step).items()}
         if asynchronous:
@@ -284,35 +250,25 @@ class Checkpointer:
                 for name, param in self.model.named_parameters(remove_duplicate=False)
                 if (first := parameter_names(self.model)[id(param)]) != name
             }
-            info = {
-                "format": FORMAT_VERSION, "step": step, "world_size": dist.get_world_size(),
-                "plan": self.plan_name, "optimizer": type(_inner(self.optimizer)).__name__, "aliases": aliases,
-            }
-            (folder / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
+            write_info(folder, {
+                "format": FORMAT_VERSION, "step": step, "world_size": dist.get_world_size(), "plan": self.plan_name,
+                "optimizer": self.identity.optimizer, "run": self.identity.to_json(), "aliases": aliases,
+            })
             if self.keep:
-                prune_checkpoints(self.root, self.keep)
+                prune_checkpoints(self.root, self.keep, self.identity.id)
         dist.barrier(group=self._group)
         return folder
 
-    def resume(self, source: Path) -> int:
-        """Load the checkpoint ``source`` (a ``step-<N>`` folder, or a root whose latest
-        complete one is taken) into this rank's weights and optimizer state, resharded to
-        this program's placements; returns the step it was taken at.
+    def resume(self, found: Found) -> int:
+        """Load checkpoint ``found`` (``checkpoint_runs.resume_decision``'s, checked before
+        the process group started) into this rank's weights and optimizer state, resharded
+        to this program's placements; returns the step it was taken at.
 
         Raises:
-            LaunchError: no complete checkpoint there, or it lacks a tensor this run needs
-                (another model, or another optimizer).
+            LaunchError: it lacks a tensor this run needs, or a tensor does not load.
         """
-        folder = Path(source)
-        if not (folder / INFO_FILE).is_file():
-            latest = latest_checkpoint(folder)
-            if latest is None:
-                raise LaunchError(
-                    f"no complete checkpoint in '{folder}'; start without --resume, or point --checkpoint-dir at the "
-                    f"folder a previous run saved into"
-                )
-            folder = latest
-        info = read_info(folder)
+        folder, info = found.folder, found.info
+        check_same_run(found, self.identity)
         prime_optimizer(self.optimizer)
         state = {key: value.detach() for key, value in self._state(0).items()}
         saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
@@ -323,8 +279,8 @@ class Checkpointer:
         if missing:
             raise LaunchError(
                 f"checkpoint '{folder}' has no {missing[0]} ({len(missing)} tensor(s) missing; it was saved with "
-                f"{info.get('optimizer', '?')} by plan {info.get('plan', '?')!r}): resume with the same model and "
-                f"optimizer, or start a new run from its weights with --init-from"
+                f"{str(info.get('optimizer', '?'))[:20]} by plan {str(info.get('plan', '?'))[:60]!r}): resume with the same "
+                f"model and optimizer, or start a new run from its weights with --init-from"
             )
         try:
             with torch.no_grad():
@@ -355,26 +311,93 @@ def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
     process group. Returns ``(step, number of entries)``.
 
     Raises:
-        LaunchError: no complete checkpoint there.
+        LaunchError: no complete checkpoint there, or it is damaged (a file, an alias).
     """
     folder = Path(folder)
     if not (folder / INFO_FILE).is_file():
-        folder = latest_checkpoint(folder) or folder
-    info = read_info(folder)
+        found = newest_checkpoint(folder)
+        folder = found.folder if found is not None else folder
+    info = check_whole(folder)
     metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     state = {
         key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device="cpu")  # exported on the host
         for key, entry in metadata.items()
         if key.startswith(("model.", "buffer.")) and hasattr(entry, "size")
     }
-    with warnings.catch_warnings():  # DCP says it assumes one process: that is the intent
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    try:
+        with warnings.catch_warnings():  # DCP says it assumes one process: that is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - a damaged file: one line
+        raise LaunchError(
+            f"cannot read checkpoint '{folder}': {_first_failure(error)[:200]}; its files are damaged: export an "
+            f"earlier step-<N> folder"
+        ) from error
     plain = {key.partition(".")[2]: value for key, value in state.items()}
     for alias, first in info.get("aliases", {}).items():
+        if first not in plain:
+            raise LaunchError(
+                f"checkpoint '{folder / INFO_FILE}' is damaged (alias {alias[:80]!r} names {first[:80]!r}, which it does "
+                f"not hold); export an earlier step-<N> folder"
+            )
         plain[alias] = plain[first]
     torch.save(plain, output)
     return int(info["step"]), len(plain)
+
+
+def read_state_dict_file(path: Path) -> dict:
+    """A plain ``state_dict`` file, memory-mapped (a rank then reads only the parts it keeps).
+
+    Raises:
+        LaunchError: unreadable, not weights-only (a pickle of other objects, which
+            ``weights_only=True`` refuses to run), or not a dict of tensors by name.
+    """
+    try:
+        loaded = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+    except Exception as error:  # noqa: BLE001 - any failure to read a user's file is one line
+        said = exception_line(error).split(". ")[0][:160]
+        raise LaunchError(
+            f"--init-from: cannot read '{path}' as a weights-only state_dict ({said}); give a file written by "
+            f"`planner export-checkpoint` or torch.save(model.state_dict())"
+        ) from error
+    if not isinstance(loaded, dict) or not all(isinstance(key, str) for key in loaded):
+        raise LaunchError(f"--init-from: '{path}' holds a {type(loaded).__name__}, not a state_dict (a dict of tensors by name)")
+    return loaded
+
+
+def _fit_problem(path: Path, name: str, value: object, shape: tuple, dtype: torch.dtype) -> None:
+    """LaunchError unless ``value`` is a tensor of ``shape`` and ``dtype`` (no silent cast)."""
+    if not isinstance(value, torch.Tensor):
+        found = "no such tensor" if value is None else f"a {type(value).__name__}"
+    elif tuple(value.shape) != tuple(shape):
+        found = f"shape {tuple(value.shape)}"
+    elif value.dtype != dtype:
+        found = f"dtype {value.dtype}"
+    else:
+        return
+    raise LaunchError(
+        f"--init-from: '{path}' does not fit this model: {name[:120]} is {tuple(shape)} {dtype} and the file has {found}; "
+        f"export the checkpoint of a run of the same model (or convert the file's tensors to the model's dtypes)"
+    )
+
+
+def check_init_file(path: Path, model: nn.Module) -> None:
+    """Check, before the process group starts, that state_dict file ``path`` holds every
+    parameter and persistent buffer of ``model`` (as the spec builds it; meta is fine) with
+    its shape and dtype.
+
+    Raises:
+        LaunchError: naming the first tensor that is missing or does not fit.
+    """
+    loaded = read_state_dict_file(path)
+    params = {id(param): param for param in model.parameters()}
+    for param_id, name in parameter_names(model).items():
+        param = params[param_id]
+        _fit_problem(path, name, loaded.get(name), tuple(param.shape), param.dtype)
+    for name, buffer in model.named_buffers():
+        owner, _, key = name.rpartition(".")
+        if key not in (model.get_submodule(owner) if owner else model)._non_persistent_buffers_set:
+            _fit_problem(path, name, loaded.get(name), tuple(buffer.shape), buffer.dtype)
 
 
 def init_from(path: Path, model: nn.Module, module: nn.Module) -> int:
@@ -386,29 +409,17 @@ def init_from(path: Path, model: nn.Module, module: nn.Module) -> int:
 
     Raises:
         LaunchError: the file is missing, not a weights-only state_dict, or lacks a tensor of
-            the model or has one of another shape.
+            the model or has one of another shape or dtype.
     """
-    try:
-        loaded = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
-    except (OSError, RuntimeError, ValueError) as error:
-        raise LaunchError(
-            f"--init-from: cannot read '{path}' as a weights-only state_dict ({' '.join(str(error).split())[:200]}); "
-            f"give a file written by `planner export-checkpoint` or torch.save(model.state_dict())"
-        ) from error
-    if not isinstance(loaded, dict):
-        raise LaunchError(f"--init-from: '{path}' holds a {type(loaded).__name__}, not a state_dict (a dict of tensors)")
-    targets = model_tensors(model, module)
+    loaded = read_state_dict_file(path)
+    targets = {key.partition(".")[2]: target for key, target in model_tensors(model, module).items()}
+    for name, target in targets.items():  # all checked before any is copied: never half a model
+        dtype = target.local.dtype if isinstance(target, DerivedPart) else target.dtype
+        _fit_problem(path, name, loaded.get(name), tuple(target.size()), dtype)
     count = 0
     with torch.no_grad():
-        for key, target in targets.items():
-            name = key.partition(".")[2]
-            value = loaded.get(name)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.size()):
-                found = "no such tensor" if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)}"
-                raise LaunchError(
-                    f"--init-from: '{path}' does not fit this model: {name} of shape {tuple(target.size())} has {found}; "
-                    f"export the checkpoint of a run of the same model"
-                )
+        for name, target in targets.items():
+            value = loaded[name]
             if isinstance(target, DerivedPart):  # this rank's experts (rows) or slices only
                 target.copy_from_whole(value)
             elif isinstance(target, DTensor):  # this rank's block only: the other pages of the file stay unread

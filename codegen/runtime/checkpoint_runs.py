@@ -1,0 +1,176 @@
+"""Which run a ``--checkpoint-dir`` belongs to, decided before the process group starts.
+
+A checkpoint folder belongs to one training run. Each checkpoint's ``soap-checkpoint.json``
+records the run's identity (``RunIdentity``): a run id (new for a run started from step 0,
+kept by every ``--resume`` of it, on any plan or world size), the fingerprint of the weights
+it holds (``planner.fingerprint`` over the model's class, parameters and buffers, without
+the batch, so a run may resume at another batch size) with a description for people, and
+the optimizer with the hyper-parameters that shape its state.
+
+``resume_decision`` applies the rules, each refusal one line naming what is there and the fix:
+
+- without ``--resume``, a folder that already holds checkpoints is refused: a second run
+  writing there would mix its checkpoints with the first's, and ``--keep`` would prune them
+  together. The fix: another folder, or ``--resume`` to continue the run that is there;
+- ``--resume`` continues the newest complete checkpoint, refused when it is of another
+  model or optimizer (its tensors would not fit, or a fresh optimizer state would be
+  trained as if it were the saved one);
+- ``--resume auto`` (for schedulers that restart jobs) resumes when the folder holds a
+  checkpoint, and starts at step 0 when it holds none; another model's is refused as above.
+
+A program that cannot checkpoint is refused here too, before any step is spent.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from codegen.runtime.checkpoint_folders import Found, marked_folders, newest_checkpoint
+from planner.errors import LaunchError
+from planner.fingerprint import model_fingerprint
+from planner.plans import Plan
+
+RESUME_AUTO = "auto"
+# The hyper-parameters (besides lr, which a resumed run may change) that decide what an
+# optimizer's saved state means: another value would continue it as a different optimizer.
+_STATE_SETTINGS = ("betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "dampening", "nesterov")
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a checkpoint records of the run that wrote it (see the module docstring)."""
+
+    id: str
+    model: str
+    model_description: str
+    optimizer: str
+    optimizer_settings: dict
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "model": self.model, "model_description": self.model_description,
+                "optimizer": self.optimizer, "optimizer_settings": self.optimizer_settings}
+
+    def continuing(self, found: Found | None) -> RunIdentity:
+        """This identity under the run id of checkpoint ``found`` (a resumed run is the same
+        run); a checkpoint without one (written before runs had ids) starts a new id."""
+        run_id = found.run.get("id") if found is not None else None
+        if isinstance(run_id, str) and run_id:
+            return RunIdentity(run_id, self.model, self.model_description, self.optimizer, self.optimizer_settings)
+        return self
+
+
+def run_identity(model: torch.nn.Module, optimizer: str) -> RunIdentity:
+    """A new run's identity: a fresh id, ``model``'s weights fingerprint (``model`` as the
+    spec builds it, on any device, meta included) and ``optimizer`` (``adamw`` or ``sgd``)."""
+    from codegen.runtime.parity import optimizer_class
+
+    parameters = sum(value.numel() for value in model.parameters())
+    # The class's defaults are what launch.py runs with (it sets only lr, which a resumed
+    # run may change): they decide which states exist and what they mean.
+    kind = optimizer_class(optimizer)
+    defaults = kind([torch.zeros(1, requires_grad=True)]).defaults
+    settings = {key: value for key, value in defaults.items() if key in _STATE_SETTINGS}
+    return RunIdentity(uuid.uuid4().hex, model_fingerprint(model), f"{type(model).__name__}, {parameters:,} parameters",
+                       kind.__name__, {key: list(value) if isinstance(value, tuple) else value for key, value in settings.items()})
+
+
+def describe_run(found: Found) -> str:
+    """``run 3fa2c1d0 (GPT, 1,234 parameters, AdamW, newest step-00000004 by plan 'x')``."""
+    run = found.run
+    what = run.get("model_description") or "a model"
+    optimizer = run.get("optimizer") or found.info.get("optimizer") or "an optimizer"
+    name = f"run {str(run.get('id'))[:8]}" if run.get("id") else "a run"
+    return f"{name} ({str(what)[:80]}, {str(optimizer)[:20]}, newest {found.folder.name} by plan {str(found.info.get('plan'))[:60]!r})"
+
+
+def resume_decision(directory: Path, resume: bool | str, identity: RunIdentity) -> Found | None:
+    """The checkpoint this run resumes from (None: it starts at step 0), by the rules of the
+    module docstring. ``resume``: False, True (``--resume``) or ``"auto"``.
+
+    Raises:
+        LaunchError: the folder holds another run's checkpoints and this run does not
+            resume; the checkpoint to resume is damaged, of another model or optimizer; or
+            ``--resume`` finds nothing to resume.
+    """
+    found = newest_checkpoint(directory)
+    if found is None:
+        if resume is True:
+            raise LaunchError(f"--resume: no complete checkpoint in '{directory}'; run without --resume to start from "
+                              f"step 0 (or with --resume auto, which starts when there is none)")
+        return None
+    if not resume:
+        count = len(marked_folders(directory))
+        raise LaunchError(
+            f"--checkpoint-dir '{directory}' holds {count} checkpoint(s) of {describe_run(found)}: a new run there would "
+            f"mix its checkpoints with those (and --keep would prune both); continue that run with --resume, or give "
+            f"this run another --checkpoint-dir"
+        )
+    check_same_run(found, identity)
+    return found
+
+
+def check_same_run(found: Found, identity: RunIdentity) -> None:
+    """LaunchError unless checkpoint ``found`` is of ``identity``'s model and optimizer."""
+    run = found.run
+    fix = "resume with the program and --optimizer that wrote it, or give this run another --checkpoint-dir"
+    if run.get("model") and run.get("model") != identity.model:
+        raise LaunchError(
+            f"checkpoint '{found.folder}' is of another model, {describe_run(found)}; this program trains "
+            f"{identity.model_description}: {fix} (or start from its weights with --init-from)"
+        )
+    saved = run.get("optimizer") or found.info.get("optimizer")
+    if isinstance(saved, str) and saved != identity.optimizer:
+        raise LaunchError(
+            f"checkpoint '{found.folder}' was trained with {saved[:20]} and this run would resume it with "
+            f"{identity.optimizer}, whose state is different; {fix}"
+        )
+    settings = run.get("optimizer_settings")
+    if isinstance(settings, dict):
+        changed = sorted(key for key in set(settings) | set(identity.optimizer_settings)
+                         if settings.get(key) != identity.optimizer_settings.get(key))
+        if changed:
+            key = changed[0]
+            raise LaunchError(
+                f"checkpoint '{found.folder}' was trained with {identity.optimizer} {key}={str(settings.get(key))[:40]}, "
+                f"this run has {key}={identity.optimizer_settings.get(key)}; {fix}"
+            )
+
+
+def prepare_checkpoints(program, checkpoint_dir: str | None, resume: bool | str, init_file: str | None,
+                        optimizer: str) -> tuple[RunIdentity | None, Found | None]:
+    """Everything about checkpoints that can be refused, refused before the process group
+    starts (every rank runs it on the same files): a program that cannot checkpoint, an
+    ``--init-from`` file that does not fit the model (``checkpoint.check_init_file``), and
+    ``resume_decision``'s rules. Returns the run's identity (None without a checkpoint
+    folder; a resumed run's id is the checkpoint's) and the checkpoint to resume from."""
+    from codegen.runtime.checkpoint import check_init_file
+
+    if checkpoint_dir is None and init_file is None:
+        return None, None
+    check_can_checkpoint(program.plan)
+    model = program.meta_model()[0]
+    if init_file is not None:
+        check_init_file(Path(init_file), model)
+    if checkpoint_dir is None:
+        return None, None
+    identity = run_identity(model, optimizer)
+    found = resume_decision(Path(checkpoint_dir), resume, identity)
+    return identity.continuing(found), found
+
+
+def check_can_checkpoint(plan: Plan) -> None:
+    """LaunchError, before any step, when this plan's program cannot save or load weights:
+    an expert-parallel layer whose experts are sharded over their copies
+    (``ExpertLayout.sharded_copies``) holds them as FSDP2 shards of a part of a weight,
+    which a checkpoint cannot name yet."""
+    layers = [index for index, layout in enumerate(plan.expert_layouts) if layout.sharded_copies]
+    if layers:
+        raise LaunchError(
+            f"this plan's MoE layer(s) {layers} shard their experts over their copies (sharded_copies), which cannot be "
+            f"checkpointed or initialised from a file yet; drop --checkpoint-dir/--init-from, or compile a plan whose "
+            f"expert layouts keep whole copies (\"sharded_copies\": false)"
+        )
