@@ -175,6 +175,41 @@ def test_a_damaged_newest_checkpoint_is_one_line_naming_the_file_and_the_one_bef
     assert "\n" not in said and len(said) < 600
 
 
+class _RunsCode:
+    """A pickle that, unpickled by plain ``pickle.load``, writes a file (DCP reads .metadata so)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.write_text, (self.path, "ran"))
+
+
+def test_a_crafted_metadata_file_runs_no_code(tmp_path) -> None:
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from codegen.runtime.checkpoint import export_checkpoint
+
+    folder = _checkpoint(tmp_path / "ckpt", 2, run_identity(nn.Linear(3, 4), "adamw"))
+    proof = tmp_path / "proof.txt"
+    (folder / ".metadata").write_bytes(pickle.dumps(_RunsCode(proof)))
+    for read in (lambda: latest_checkpoint(tmp_path / "ckpt"), lambda: export_checkpoint(folder, tmp_path / "m.pt")):
+        with pytest.raises(LaunchError, match=r"\.metadata' is damaged or missing \(UnpicklingError: it names pathlib\.Path\.write_text"):
+            read()
+    assert not proof.exists()
+    # An entry DCP would load with torch.load(weights_only=False): refused, soap-planner saves tensors only.
+    folder = _checkpoint(tmp_path / "other", 2, run_identity(nn.Linear(3, 4), "adamw"))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    metadata.state_dict_metadata["model.weight"] = BytesStorageMetadata()
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(LaunchError, match="'model.weight' is not a tensor"):
+        latest_checkpoint(tmp_path / "other")
+
+
 def test_a_fake_newest_step_folder_is_not_taken_as_the_latest(tmp_path) -> None:
     real = _checkpoint(tmp_path, 2, run_identity(nn.Linear(3, 4), "adamw"))
     fake = step_folder(tmp_path, 99999999)

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import (
     compute_local_shape_and_global_offset,  # DTensor's shard maths
@@ -59,6 +59,7 @@ from codegen.runtime.checkpoint_folders import (
     FORMAT_VERSION,
     INFO_FILE,
     Found,
+    SafeReader,
     check_whole,
     latest_checkpoint,
     mark_writing,
@@ -271,7 +272,7 @@ class Checkpointer:
         check_same_run(found, self.identity)
         prime_optimizer(self.optimizer)
         state = {key: value.detach() for key, value in self._state(0).items()}
-        saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        saved = SafeReader(str(folder)).read_metadata().state_dict_metadata
         rng_key = f"rng.rank{dist.get_rank()}"
         if info.get("world_size") != dist.get_world_size() or rng_key not in saved:
             state.pop(rng_key)  # another world size: each step reseeds; the old ranks' states do not map
@@ -284,7 +285,8 @@ class Checkpointer:
             )
         try:
             with torch.no_grad():
-                dcp.load(state, checkpoint_id=str(folder), process_group=self._group, planner=DerivedLoadPlanner())
+                dcp.load(state, storage_reader=SafeReader(str(folder)), process_group=self._group,
+                         planner=DerivedLoadPlanner())
         except (Exception, CheckpointException) as error:  # DCP wraps every rank's failure: say it in one line
             raise LaunchError(
                 f"cannot load checkpoint '{folder}' into this program: {_first_failure(error)[:300]}; resume "
@@ -318,7 +320,7 @@ def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
         found = newest_checkpoint(folder)
         folder = found.folder if found is not None else folder
     info = check_whole(folder)
-    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    metadata = SafeReader(str(folder)).read_metadata().state_dict_metadata
     state = {
         key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device="cpu")  # exported on the host
         for key, entry in metadata.items()
@@ -327,7 +329,7 @@ def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
     try:
         with warnings.catch_warnings():  # DCP says it assumes one process: that is the intent
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+            dcp.load(state, storage_reader=SafeReader(str(folder)), no_dist=True)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - a damaged file: one line
         raise LaunchError(
             f"cannot read checkpoint '{folder}': {_first_failure(error)[:200]}; its files are damaged: export an "

@@ -18,12 +18,17 @@ only.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import pickle
+
+import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from planner.errors import LaunchError
 from planner.messages import exception_line
@@ -37,6 +42,49 @@ _STEP_FOLDER = re.compile(r"step-(\d{1,18})$")
 # The names DCP's FileSystemWriter gives its files (and their temporary names while writing).
 _DCP_FILE = re.compile(r"(\.metadata|__\d+_\d+\.distcp|__\d+\.metadata)(\.tmp)?$")
 _INFO_LIMIT = 1 << 20  # bytes: an info file is a few hundred; a bigger one is not ours
+
+
+# What DCP's ``.metadata`` pickle may name. DCP reads it with ``pickle.load``, which runs any
+# code a crafted file names: a checkpoint shared by a stranger must not run code on
+# --resume or export-checkpoint, so it is read with only these (module, name) pairs.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size", *(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> object:
+        if name not in _METADATA_GLOBALS.get(module, ()):
+            raise pickle.UnpicklingError(f"it names {module[:60]}.{name[:60]}, which DCP metadata never holds")
+        return super().find_class(module, name)
+
+
+class SafeReader(FileSystemReader):
+    """DCP's ``FileSystemReader``, reading ``.metadata`` with only the classes DCP metadata
+    holds (see ``_METADATA_GLOBALS``) and refusing non-tensor entries, whose loading
+    unpickles (``DefaultLoadPlanner.load_bytes``): soap-planner saves tensors only."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as stream:
+            metadata = _MetadataUnpickler(io.BytesIO(stream.read(1 << 30))).load()
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"it holds a {type(metadata).__name__}, not DCP metadata")
+        odd = next((key for key, entry in metadata.state_dict_metadata.items()
+                    if not isinstance(entry, TensorStorageMetadata)), None)
+        if odd is not None:
+            raise ValueError(f"{str(odd)[:80]!r} is not a tensor (soap-planner saves tensors only)")
+        if getattr(metadata, "storage_meta", None) is None:  # as DCP's own reader does
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def step_folder(root: Path, step: int) -> Path:
@@ -147,7 +195,7 @@ def check_whole(folder: Path) -> dict:
     fix = _damage_fix(Path(folder))
     metadata_file = Path(folder) / ".metadata"
     try:
-        metadata = FileSystemReader(str(folder)).read_metadata()
+        metadata = SafeReader(str(folder)).read_metadata()
         storage = metadata.storage_data
         needed: dict[str, int] = {}
         for entry in storage.values():
