@@ -352,3 +352,27 @@ def test_two_models_into_one_checkpoint_dir_lose_nothing(programs, tmp_path) -> 
     assert _our_files(saved / "step-00000002") == ["notes.txt"] and _our_files(saved / "step-00000000") == ["data.bin"]
     assert json.loads((saved / "step-00000003" / INFO_FILE).read_text())["run"]["id"] == run_id
     assert not (saved / "step-00000003" / WRITING_FILE).exists()
+
+
+def test_text_from_a_checkpoint_is_inert_in_messages(tmp_path) -> None:
+    """A shared checkpoint's names reach the terminal only with control characters escaped."""
+    folder = _checkpoint(tmp_path, 2, run_identity(nn.Linear(3, 4), "adamw"))
+    info = json.loads((folder / INFO_FILE).read_text())
+    info["plan"] = "\x1b[2J\x1b]0;pwned\x07all good"
+    info["run"]["model_description"] = "\x1b[31mRED\x1b[0m\nerror: fake"
+    (folder / INFO_FILE).write_text(json.dumps(info))
+    with pytest.raises(LaunchError) as refused:
+        resume_decision(tmp_path, False, run_identity(nn.Linear(3, 4), "adamw"))
+    said = str(refused.value)
+    assert not any(ord(character) < 32 or ord(character) == 127 for character in said), repr(said)
+    assert "\\x1b[31mRED" in said and "by plan '\\x1b[2J" in said
+
+
+def test_a_checkpoint_dir_that_cannot_be_created_is_one_line(tmp_path) -> None:
+    from codegen.runtime.checkpoint_runs import check_writable
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(LaunchError, match=r"--checkpoint-dir: cannot create '.*a_file/ckpt' \(Not a directory\)"):
+        check_writable(tmp_path / "a_file" / "ckpt")
+    check_writable(tmp_path / "new" / "ckpt")
+    assert (tmp_path / "new" / "ckpt").is_dir()

@@ -71,7 +71,7 @@ from codegen.runtime.checkpoint_folders import (
 )
 from codegen.runtime.checkpoint_runs import RunIdentity, check_same_run
 from codegen.runtime.materialize import parameter_names
-from planner.errors import LaunchError
+from planner.errors import LaunchError, one_line
 from planner.messages import exception_line
 
 __all__ = ["Checkpointer", "check_init_file", "export_checkpoint", "init_from", "latest_checkpoint", "model_tensors",
@@ -280,7 +280,8 @@ class Checkpointer:
         if missing:
             raise LaunchError(
                 f"checkpoint '{folder}' has no {missing[0]} ({len(missing)} tensor(s) missing; it was saved with "
-                f"{str(info.get('optimizer', '?'))[:20]} by plan {str(info.get('plan', '?'))[:60]!r}): resume with the same "
+                f"{one_line(str(info.get('optimizer', '?'))[:20])} by plan '{one_line(str(info.get('plan', '?'))[:60])}'): "
+                f"resume with the same "
                 f"model and optimizer, or start a new run from its weights with --init-from"
             )
         try:
@@ -289,8 +290,9 @@ class Checkpointer:
                          planner=DerivedLoadPlanner())
         except (Exception, CheckpointException) as error:  # DCP wraps every rank's failure: say it in one line
             raise LaunchError(
-                f"cannot load checkpoint '{folder}' into this program: {_first_failure(error)[:300]}; resume "
-                f"with the model it was saved from (same shapes), or start a new run with --init-from"
+                f"cannot load checkpoint '{folder}' into this program ({_first_failure(error)[:200]}): its shard files "
+                f"are damaged or not this model's; move that folder out of --checkpoint-dir to resume from the one "
+                f"before it, or start a new run with --init-from"
             ) from error
         if rng_key in state:
             torch.set_rng_state(state[rng_key])
@@ -302,7 +304,7 @@ def _first_failure(error: BaseException) -> str:
     exception (its own text is every rank's traceback); the lowest rank's is said."""
     if isinstance(error, CheckpointException) and error.failures:
         error = error.failures[min(error.failures)][0]
-    return " ".join(f"{type(error).__name__}: {error}".split())
+    return one_line(" ".join(f"{type(error).__name__}: {error}".split()))
 
 
 def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
@@ -339,8 +341,8 @@ def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
     for alias, first in info.get("aliases", {}).items():
         if first not in plain:
             raise LaunchError(
-                f"checkpoint '{folder / INFO_FILE}' is damaged (alias {alias[:80]!r} names {first[:80]!r}, which it does "
-                f"not hold); export an earlier step-<N> folder"
+                f"checkpoint '{folder / INFO_FILE}' is damaged (alias '{one_line(alias[:80])}' names "
+                f"'{one_line(first[:80])}', which it does not hold); export an earlier step-<N> folder"
             )
         plain[alias] = plain[first]
     torch.save(plain, output)
@@ -354,10 +356,13 @@ def read_state_dict_file(path: Path) -> dict:
         LaunchError: unreadable, not weights-only (a pickle of other objects, which
             ``weights_only=True`` refuses to run), or not a dict of tensors by name.
     """
+    if Path(path).is_file() and Path(path).stat().st_size == 0:
+        raise LaunchError(f"--init-from: '{path}' is empty; give a file written by `planner export-checkpoint` or "
+                          f"torch.save(model.state_dict())")
     try:
         loaded = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
     except Exception as error:  # noqa: BLE001 - any failure to read a user's file is one line
-        said = exception_line(error).split(". ")[0][:160]
+        said = one_line(exception_line(error).split(". ")[0][:160])
         raise LaunchError(
             f"--init-from: cannot read '{path}' as a weights-only state_dict ({said}); give a file written by "
             f"`planner export-checkpoint` or torch.save(model.state_dict())"

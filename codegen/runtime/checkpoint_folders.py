@@ -30,7 +30,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from planner.errors import LaunchError
+from planner.errors import LaunchError, one_line
 from planner.messages import exception_line
 from planner.outputs import write_text_atomically
 
@@ -134,7 +134,7 @@ def read_info(folder: Path) -> dict:
             raise ValueError(f"{path.stat().st_size} bytes, far more than soap-planner writes")
         info = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as error:
-        raise LaunchError(f"checkpoint '{path}' is damaged ({exception_line(error)[:160]}); {fix}") from error
+        raise LaunchError(f"checkpoint '{path}' is damaged ({one_line(exception_line(error))[:160]}); {fix}") from error
     problem = _info_problem(info, step_of(folder))
     if problem:
         raise LaunchError(f"checkpoint '{path}' is damaged ({problem}); {fix}")
@@ -203,11 +203,11 @@ def check_whole(folder: Path) -> dict:
         if "train.step" not in metadata.state_dict_metadata:
             raise ValueError("it holds no train.step")
     except Exception as error:  # noqa: BLE001 - DCP unpickles a file we did not necessarily write: any failure is damage
-        raise LaunchError(f"checkpoint '{metadata_file}' is damaged or missing ({exception_line(error)[:160]}); {fix}") from error
+        raise LaunchError(f"checkpoint '{metadata_file}' is damaged or missing ({one_line(exception_line(error))[:160]}); {fix}") from error
     for name, length in sorted(needed.items()):
         shard = Path(folder) / name
         if Path(name).name != name or not _DCP_FILE.fullmatch(name):
-            raise LaunchError(f"checkpoint '{metadata_file}' is damaged (it names a data file {name!r}); {fix}")
+            raise LaunchError(f"checkpoint '{metadata_file}' is damaged (it names a data file '{one_line(name[:80])}'); {fix}")
         size = shard.stat().st_size if shard.is_file() else None
         if size is None or size < length:
             said = "is missing" if size is None else f"is truncated ({size} of {length} bytes)"

@@ -23,6 +23,7 @@ A program that cannot checkpoint is refused here too, before any step is spent.
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from codegen.runtime.checkpoint_folders import Found, marked_folders, newest_checkpoint
-from planner.errors import LaunchError
+from planner.errors import LaunchError, one_line
 from planner.fingerprint import model_fingerprint
 from planner.plans import Plan
 
@@ -79,12 +80,14 @@ def run_identity(model: torch.nn.Module, optimizer: str) -> RunIdentity:
 
 
 def describe_run(found: Found) -> str:
-    """``run 3fa2c1d0 (GPT, 1,234 parameters, AdamW, newest step-00000004 by plan 'x')``."""
+    """``run 3fa2c1d0 (GPT, 1,234 parameters, AdamW, newest step-00000004 by plan 'x')``;
+    text from the file is shown inert (``one_line``: control characters escaped)."""
     run = found.run
-    what = run.get("model_description") or "a model"
-    optimizer = run.get("optimizer") or found.info.get("optimizer") or "an optimizer"
-    name = f"run {str(run.get('id'))[:8]}" if run.get("id") else "a run"
-    return f"{name} ({str(what)[:80]}, {str(optimizer)[:20]}, newest {found.folder.name} by plan {str(found.info.get('plan'))[:60]!r})"
+    what = one_line(str(run.get("model_description") or "a model")[:80])
+    optimizer = one_line(str(run.get("optimizer") or found.info.get("optimizer") or "an optimizer")[:20])
+    name = f"run {one_line(str(run.get('id'))[:8])}" if run.get("id") else "a run"
+    plan = one_line(str(found.info.get("plan"))[:60])
+    return f"{name} ({what}, {optimizer}, newest {found.folder.name} by plan '{plan}')"
 
 
 def resume_decision(directory: Path, resume: bool | str, identity: RunIdentity) -> Found | None:
@@ -125,7 +128,7 @@ def check_same_run(found: Found, identity: RunIdentity) -> None:
     saved = run.get("optimizer") or found.info.get("optimizer")
     if isinstance(saved, str) and saved != identity.optimizer:
         raise LaunchError(
-            f"checkpoint '{found.folder}' was trained with {saved[:20]} and this run would resume it with "
+            f"checkpoint '{found.folder}' was trained with {one_line(saved[:20])} and this run would resume it with "
             f"{identity.optimizer}, whose state is different; {fix}"
         )
     settings = run.get("optimizer_settings")
@@ -135,7 +138,8 @@ def check_same_run(found: Found, identity: RunIdentity) -> None:
         if changed:
             key = changed[0]
             raise LaunchError(
-                f"checkpoint '{found.folder}' was trained with {identity.optimizer} {key}={str(settings.get(key))[:40]}, "
+                f"checkpoint '{found.folder}' was trained with {identity.optimizer} {one_line(key[:40])}="
+                f"{one_line(str(settings.get(key))[:40])}, "
                 f"this run has {key}={identity.optimizer_settings.get(key)}; {fix}"
             )
 
@@ -159,7 +163,19 @@ def prepare_checkpoints(program, checkpoint_dir: str | None, resume: bool | str,
         return None, None
     identity = run_identity(model, optimizer)
     found = resume_decision(Path(checkpoint_dir), resume, identity)
+    check_writable(Path(checkpoint_dir))
     return identity.continuing(found), found
+
+
+def check_writable(directory: Path) -> None:
+    """Create ``directory`` (a checkpoint folder) now, and check it is writable: a first save
+    that failed would lose the steps before it."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise LaunchError(f"--checkpoint-dir: cannot create '{directory}' ({error.strerror}); give a folder you can write") from error
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise LaunchError(f"--checkpoint-dir: '{directory}' is not writable; give a folder you can write")
 
 
 def check_can_checkpoint(plan: Plan) -> None:
