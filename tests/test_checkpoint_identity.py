@@ -74,6 +74,8 @@ def test_keep_prunes_only_this_runs_checkpoints_and_nothing_it_did_not_write(tmp
     unmarked = step_folder(tmp_path, 7)  # no marker: whoever is writing it, it is not this run's to delete
     unmarked.mkdir()
     (unmarked / "__0_0.distcp").write_bytes(b"?")
+    elsewhere = _checkpoint(tmp_path / "elsewhere", 8, mine)  # this run's files, linked in as step 8
+    step_folder(tmp_path, 8).symlink_to(elsewhere)
     damaged = step_folder(tmp_path, 9)
     damaged.mkdir()
     (damaged / INFO_FILE).write_text("{")
@@ -84,6 +86,7 @@ def test_keep_prunes_only_this_runs_checkpoints_and_nothing_it_did_not_write(tmp
     assert [folder.name for folder in deleted] == ["step-00000002", "step-00000004", "step-00000005"]
     assert _our_files(step_folder(tmp_path, 2)) == ["notes.txt"]  # our files gone, the user's kept
     assert not step_folder(tmp_path, 4).exists() and not abandoned.exists()
+    assert len(_our_files(elsewhere)) == 3  # not deleted through the link
     for kept in ("step-00000001", "step-00000003", "step-00000006", "step-00000007", "step-00000009"):
         assert _our_files(tmp_path / kept) == before[kept], kept
 

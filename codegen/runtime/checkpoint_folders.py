@@ -287,6 +287,8 @@ def prune_checkpoints(root: Path, keep: int, run_id: str) -> list[Path]:
     ours: list[tuple[int, Path, list[str]]] = []  # complete, of this run: (step, folder, files)
     abandoned: list[tuple[int, Path]] = []
     for step, folder in step_folders(root):
+        if folder.is_symlink():
+            continue  # a link to a folder elsewhere: never delete through it
         if (folder / INFO_FILE).is_file():
             try:
                 info = read_info(folder)
