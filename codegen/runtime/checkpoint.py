@@ -209,6 +209,9 @@ class Checkpointer:
         # thread while the step runs its collectives on the default group.
         self._group = dist.new_group(backend="gloo")
         self._pending: tuple[object, int, Path] | None = None
+        # Before the first step, not at the first save: a program whose parameters a
+        # checkpoint cannot name (LaunchError) must not spend steps it cannot keep.
+        model_tensors(self.model, self.module)
 
     def _state(self, step: int) -> dict[str, torch.Tensor | DerivedPart]:
         state = {**model_tensors(self.model, self.module), **optimizer_tensors(self.optimizer, self.model)}

@@ -17,8 +17,6 @@ the optimizer with the hyper-parameters that shape its state.
   trained as if it were the saved one);
 - ``--resume auto`` (for schedulers that restart jobs) resumes when the folder holds a
   checkpoint, and starts at step 0 when it holds none; another model's is refused as above.
-
-A program that cannot checkpoint is refused here too, before any step is spent.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ import torch
 from codegen.runtime.checkpoint_folders import Found, marked_folders, newest_checkpoint
 from planner.errors import LaunchError, one_line
 from planner.fingerprint import model_fingerprint
-from planner.plans import Plan
 
 RESUME_AUTO = "auto"
 # The hyper-parameters (besides lr, which a resumed run may change) that decide what an
@@ -147,15 +144,13 @@ def check_same_run(found: Found, identity: RunIdentity) -> None:
 def prepare_checkpoints(program, checkpoint_dir: str | None, resume: bool | str, init_file: str | None,
                         optimizer: str) -> tuple[RunIdentity | None, Found | None]:
     """Everything about checkpoints that can be refused, refused before the process group
-    starts (every rank runs it on the same files): a program that cannot checkpoint, an
-    ``--init-from`` file that does not fit the model (``checkpoint.check_init_file``), and
+    starts (every rank runs it on the same files): an ``--init-from`` file that does not fit the model (``checkpoint.check_init_file``), and
     ``resume_decision``'s rules. Returns the run's identity (None without a checkpoint
     folder; a resumed run's id is the checkpoint's) and the checkpoint to resume from."""
     from codegen.runtime.checkpoint import check_init_file
 
     if checkpoint_dir is None and init_file is None:
         return None, None
-    check_can_checkpoint(program.plan)
     model = program.meta_model()[0]
     if init_file is not None:
         check_init_file(Path(init_file), model)
@@ -176,17 +171,3 @@ def check_writable(directory: Path) -> None:
         raise LaunchError(f"--checkpoint-dir: cannot create '{directory}' ({error.strerror}); give a folder you can write") from error
     if not os.access(directory, os.W_OK | os.X_OK):
         raise LaunchError(f"--checkpoint-dir: '{directory}' is not writable; give a folder you can write")
-
-
-def check_can_checkpoint(plan: Plan) -> None:
-    """LaunchError, before any step, when this plan's program cannot save or load weights:
-    an expert-parallel layer whose experts are sharded over their copies
-    (``ExpertLayout.sharded_copies``) holds them as FSDP2 shards of a part of a weight,
-    which a checkpoint cannot name yet."""
-    layers = [index for index, layout in enumerate(plan.expert_layouts) if layout.sharded_copies]
-    if layers:
-        raise LaunchError(
-            f"this plan's MoE layer(s) {layers} shard their experts over their copies (sharded_copies), which cannot be "
-            f"checkpointed or initialised from a file yet; drop --checkpoint-dir/--init-from, or compile a plan whose "
-            f"expert layouts keep whole copies (\"sharded_copies\": false)"
-        )
