@@ -371,7 +371,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_of_it(programs, referenc
     [
         (["--steps", "2", "--save-every", "2"], "--save-every, --keep and --resume need --checkpoint-dir"),
         (["--check", "--checkpoint-dir", "ck"], "add --steps N"),
-        (["--steps", "2", "--checkpoint-dir", "ck", "--resume", "--init-from", "m.pt"], "pick one"),
+        (["--steps", "2", "--checkpoint-dir", "ck", "--resume", "--init-from", "m.pt"], "pick one (or --resume auto"),
         (["--steps", "2", "--init-from", "missing.pt"], "no file 'missing.pt'"),
     ],
 )

@@ -342,12 +342,19 @@ def test_two_models_into_one_checkpoint_dir_lose_nothing(programs, tmp_path) -> 
     refused = _torchrun(programs["mlp"], "--steps", "2", *common, "--resume", "auto", cwd=tmp_path)
     assert refused.returncode != 0 and "is of another model" in refused.stderr, refused.stderr[-2000:]
 
-    again = _torchrun(programs["gpt"], "--steps", "3", *common, "--resume", "auto", cwd=tmp_path)
+    # A scheduler's restart command: --resume auto --init-from resumes (the checkpoint supersedes the file) ...
+    restart = ["--resume", "auto", "--init-from", str(tmp_path / "gpt.pt")]
+    again = _torchrun(programs["gpt"], "--steps", "3", *common, *restart, cwd=tmp_path)
     assert again.returncode == 0 and f"at step 2 (run {run_id[:8]})" in again.stdout, again.stderr[-2000:]
+    assert "initialised" not in again.stdout
     assert sorted(path.name for path in saved.iterdir()) == ["step-00000000", "step-00000002", "step-00000003"]
     assert _our_files(saved / "step-00000002") == ["notes.txt"] and _our_files(saved / "step-00000000") == ["data.bin"]
     assert json.loads((saved / "step-00000003" / INFO_FILE).read_text())["run"]["id"] == run_id
     assert not (saved / "step-00000003" / WRITING_FILE).exists()
+    # ... and in a folder with no checkpoint yet, starts from the file.
+    fresh = _torchrun(programs["gpt"], "--steps", "1", "--checkpoint-dir", str(tmp_path / "fresh"), *restart, cwd=tmp_path)
+    assert fresh.returncode == 0 and "--resume auto: no checkpoint there yet; checkpoints of run" in fresh.stdout
+    assert f"initialised {count} tensors from" in fresh.stdout, fresh.stdout[-2000:]
 
 
 def test_text_from_a_checkpoint_is_inert_in_messages(tmp_path) -> None:

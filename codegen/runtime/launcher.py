@@ -225,8 +225,9 @@ def check_checkpoint_options(options: argparse.Namespace) -> None:
         raise LaunchError("--save-every, --keep and --resume need --checkpoint-dir DIR: the folder checkpoints are saved in")
     if (directory or options.init_from) and options.steps == 0 and options.data is None:
         raise LaunchError("--checkpoint-dir and --init-from are for training; add --steps N (or --data)")
-    if options.resume and options.init_from:
-        raise LaunchError("--resume continues a run (weights, optimizer, step); --init-from starts a new one from weights: pick one")
+    if options.resume is True and options.init_from:
+        raise LaunchError("--resume continues a run (weights, optimizer, step); --init-from starts a new one from weights: "
+                          "pick one (or --resume auto --init-from FILE: resume when there is a checkpoint, else start from FILE)")
     if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
         raise LaunchError(f"--checkpoint-dir: '{directory}' is a file; give a folder")
     if options.init_from is not None and not Path(options.init_from).is_file():

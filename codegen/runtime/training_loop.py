@@ -485,7 +485,8 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
 
 def start_checkpoints(program: Program, options: LoopOptions, model, module, optimizer):
     """The run's ``Checkpointer`` (None without a checkpoint folder) and its first step: the
-    checkpoint's when resuming, else 0 (after loading ``init_from``'s weights, if given)."""
+    checkpoint's when resuming, else 0 (after loading ``init_from``'s weights, if given: with
+    ``resume="auto"``, only when there is no checkpoint to resume)."""
     from codegen.runtime.checkpoint import Checkpointer, init_from
     from codegen.runtime.checkpoint_runs import prepare_checkpoints
 
@@ -493,7 +494,7 @@ def start_checkpoints(program: Program, options: LoopOptions, model, module, opt
     if identity is None and (options.checkpoint_dir is not None or options.init_from is not None):
         identity, found = prepare_checkpoints(program, options.checkpoint_dir, options.resume, options.init_from,
                                               options.optimizer)
-    if options.init_from is not None:
+    if options.init_from is not None and found is None:  # with --resume auto, a checkpoint supersedes the file
         count = init_from(Path(options.init_from), model, module)
         _say(f"initialised {count} tensors from {options.init_from}")
     if options.checkpoint_dir is None:
