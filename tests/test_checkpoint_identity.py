@@ -110,6 +110,8 @@ def test_a_folder_of_another_run_is_refused_without_resume_and_resume_auto_conti
     assert run_identity(gpt_like, "adamw").continuing(found).id == first.id
     with pytest.raises(LaunchError, match=r"is of another model, run \w+ \(Sequential.*this program trains Linear, 16 "):
         resume_decision(tmp_path, "auto", run_identity(mlp_like, "adamw"))
+    with pytest.raises(LaunchError, match=r"step-00000004' is one checkpoint; give the folder it is in"):
+        resume_decision(step_folder(tmp_path, 4), True, first)
     # ... and starts at step 0 where there is nothing yet; plain --resume there is refused.
     assert resume_decision(tmp_path / "fresh", "auto", first) is None
     with pytest.raises(LaunchError, match=r"--resume: no complete checkpoint in .*--resume auto"):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from codegen.runtime.checkpoint_folders import Found, marked_folders, newest_checkpoint
+from codegen.runtime.checkpoint_folders import INFO_FILE, Found, marked_folders, newest_checkpoint
 from planner.errors import LaunchError, one_line
 from planner.fingerprint import model_fingerprint
 
@@ -96,6 +96,9 @@ def resume_decision(directory: Path, resume: bool | str, identity: RunIdentity) 
             resume; the checkpoint to resume is damaged, of another model or optimizer; or
             ``--resume`` finds nothing to resume.
     """
+    if (Path(directory) / INFO_FILE).is_file():
+        raise LaunchError(f"--checkpoint-dir '{directory}' is one checkpoint; give the folder it is in, "
+                          f"'{Path(directory).parent}' (--resume takes its newest)")
     found = newest_checkpoint(directory)
     if found is None:
         if resume is True:
