@@ -27,7 +27,6 @@ from codegen.runtime.checkpoint_folders import (
     WRITING_FILE,
     latest_checkpoint,
     mark_writing,
-    newest_checkpoint,
     prune_checkpoints,
     step_folder,
     write_info,

@@ -70,7 +70,7 @@ def run_identity(model: torch.nn.Module, optimizer: str) -> RunIdentity:
     # The class's defaults are what launch.py runs with (it sets only lr, which a resumed
     # run may change): they decide which states exist and what they mean.
     kind = optimizer_class(optimizer)
-    defaults = kind([torch.zeros(1, requires_grad=True)]).defaults
+    defaults = kind([torch.zeros(1, device="cpu", requires_grad=True)]).defaults  # a stand-in: only its defaults are read
     settings = {key: value for key, value in defaults.items() if key in _STATE_SETTINGS}
     return RunIdentity(uuid.uuid4().hex, model_fingerprint(model), f"{type(model).__name__}, {parameters:,} parameters",
                        kind.__name__, {key: list(value) if isinstance(value, tuple) else value for key, value in settings.items()})

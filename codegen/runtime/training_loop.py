@@ -491,7 +491,7 @@ def start_checkpoints(program: Program, options: LoopOptions, model, module, opt
     from codegen.runtime.checkpoint_runs import prepare_checkpoints
 
     identity, found = options.run_identity, options.resume_from
-    if identity is None and (options.checkpoint_dir is not None or options.init_from is not None):
+    if identity is None and options.checkpoint_dir is not None:  # not decided by launch.py (a user's own loop)
         identity, found = prepare_checkpoints(program, options.checkpoint_dir, options.resume, options.init_from,
                                               options.optimizer)
     if options.init_from is not None and found is None:  # with --resume auto, a checkpoint supersedes the file
