@@ -192,7 +192,12 @@ class _RunsCode:
 def test_a_crafted_metadata_file_runs_no_code(tmp_path) -> None:
     import pickle
 
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     from codegen.runtime.checkpoint import export_checkpoint
 
@@ -212,6 +217,12 @@ def test_a_crafted_metadata_file_runs_no_code(tmp_path) -> None:
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(LaunchError, match="'model.weight' is not a tensor"):
         latest_checkpoint(tmp_path / "other")
+    # A tensor claimed far larger than the files (export would allocate it): refused before any allocation.
+    metadata.state_dict_metadata["model.weight"] = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), torch.Size([10**6, 10**6]), [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 3]))])
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(LaunchError, match=r"its tensors claim 4,000,000,0\d\d,\d\d\d bytes, more than its shard files hold"):
+        export_checkpoint(folder, tmp_path / "m.pt")
 
 
 def test_a_fake_newest_step_folder_is_not_taken_as_the_latest(tmp_path) -> None:

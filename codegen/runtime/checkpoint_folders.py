@@ -202,6 +202,9 @@ def check_whole(folder: Path) -> dict:
             needed[entry.relative_path] = max(needed.get(entry.relative_path, 0), int(entry.offset) + int(entry.length))
         if "train.step" not in metadata.state_dict_metadata:
             raise ValueError("it holds no train.step")
+        claimed = sum(_tensor_bytes(entry) for entry in metadata.state_dict_metadata.values())
+        if claimed > sum(needed.values()):  # export allocates what it claims: bounded by the files
+            raise ValueError(f"its tensors claim {claimed:,} bytes, more than its shard files hold")
     except Exception as error:  # noqa: BLE001 - DCP unpickles a file we did not necessarily write: any failure is damage
         raise LaunchError(f"checkpoint '{metadata_file}' is damaged or missing ({one_line(exception_line(error))[:160]}); {fix}") from error
     for name, length in sorted(needed.items()):
@@ -213,6 +216,17 @@ def check_whole(folder: Path) -> dict:
             said = "is missing" if size is None else f"is truncated ({size} of {length} bytes)"
             raise LaunchError(f"checkpoint shard '{shard}' {said}; {fix}")
     return info
+
+
+def _tensor_bytes(entry: TensorStorageMetadata) -> int:
+    """The bytes of a tensor DCP's metadata describes (ValueError when it is not a tensor's)."""
+    dtype, size = entry.properties.dtype, entry.size
+    if not isinstance(dtype, torch.dtype) or not all(isinstance(dim, int) and dim >= 0 for dim in size):
+        raise ValueError("a tensor entry has no valid dtype or shape")
+    count = 1
+    for dim in size:
+        count *= dim
+    return count * dtype.itemsize
 
 
 @dataclass(frozen=True)
