@@ -21,7 +21,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from codegen.runtime.checkpoint import check_init_file, init_from
+from codegen.runtime.checkpoint import init_from
+from codegen.runtime.init_file import check_init_file
 from codegen.runtime.checkpoint_folders import (
     INFO_FILE,
     WRITING_FILE,

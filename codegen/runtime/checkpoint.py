@@ -70,9 +70,9 @@ from codegen.runtime.checkpoint_folders import (
     write_info,
 )
 from codegen.runtime.checkpoint_runs import RunIdentity, check_same_run
+from codegen.runtime.init_file import check_fits, check_init_file, read_state_dict_file
 from codegen.runtime.materialize import parameter_names
 from planner.errors import LaunchError, one_line
-from planner.messages import exception_line
 
 __all__ = ["Checkpointer", "check_init_file", "export_checkpoint", "init_from", "latest_checkpoint", "model_tensors",
            "optimizer_tensors", "prime_optimizer", "prune_checkpoints", "read_info", "step_folder", "INFO_FILE"]
@@ -352,64 +352,6 @@ def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
     return int(info["step"]), len(plain)
 
 
-def read_state_dict_file(path: Path) -> dict:
-    """A plain ``state_dict`` file, memory-mapped (a rank then reads only the parts it keeps).
-
-    Raises:
-        LaunchError: unreadable, not weights-only (a pickle of other objects, which
-            ``weights_only=True`` refuses to run), or not a dict of tensors by name.
-    """
-    if Path(path).is_file() and Path(path).stat().st_size == 0:
-        raise LaunchError(f"--init-from: '{path}' is empty; give a file written by `planner export-checkpoint` or "
-                          f"torch.save(model.state_dict())")
-    try:
-        loaded = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
-    except Exception as error:  # noqa: BLE001 - any failure to read a user's file is one line
-        said = one_line(exception_line(error).split(". ")[0][:160])
-        raise LaunchError(
-            f"--init-from: cannot read '{path}' as a weights-only state_dict ({said}); give a file written by "
-            f"`planner export-checkpoint` or torch.save(model.state_dict())"
-        ) from error
-    if not isinstance(loaded, dict) or not all(isinstance(key, str) for key in loaded):
-        raise LaunchError(f"--init-from: '{path}' holds a {type(loaded).__name__}, not a state_dict (a dict of tensors by name)")
-    return loaded
-
-
-def _fit_problem(path: Path, name: str, value: object, shape: tuple, dtype: torch.dtype) -> None:
-    """LaunchError unless ``value`` is a tensor of ``shape`` and ``dtype`` (no silent cast)."""
-    if not isinstance(value, torch.Tensor):
-        found = "no such tensor" if value is None else f"a {type(value).__name__}"
-    elif tuple(value.shape) != tuple(shape):
-        found = f"shape {tuple(value.shape)}"
-    elif value.dtype != dtype:
-        found = f"dtype {value.dtype}"
-    else:
-        return
-    raise LaunchError(
-        f"--init-from: '{path}' does not fit this model: {name[:120]} is {tuple(shape)} {dtype} and the file has {found}; "
-        f"export the checkpoint of a run of the same model (or convert the file's tensors to the model's dtypes)"
-    )
-
-
-def check_init_file(path: Path, model: nn.Module) -> None:
-    """Check, before the process group starts, that state_dict file ``path`` holds every
-    parameter and persistent buffer of ``model`` (as the spec builds it; meta is fine) with
-    its shape and dtype.
-
-    Raises:
-        LaunchError: naming the first tensor that is missing or does not fit.
-    """
-    loaded = read_state_dict_file(path)
-    params = {id(param): param for param in model.parameters()}
-    for param_id, name in parameter_names(model).items():
-        param = params[param_id]
-        _fit_problem(path, name, loaded.get(name), tuple(param.shape), param.dtype)
-    for name, buffer in model.named_buffers():
-        owner, _, key = name.rpartition(".")
-        if key not in (model.get_submodule(owner) if owner else model)._non_persistent_buffers_set:
-            _fit_problem(path, name, loaded.get(name), tuple(buffer.shape), buffer.dtype)
-
-
 def init_from(path: Path, model: nn.Module, module: nn.Module) -> int:
     """Overwrite this rank's weights (and the model's buffers) with a plain ``state_dict``
     file (``export-checkpoint``'s, or ``torch.save(model.state_dict())`` of the original
@@ -425,7 +367,7 @@ def init_from(path: Path, model: nn.Module, module: nn.Module) -> int:
     targets = {key.partition(".")[2]: target for key, target in model_tensors(model, module).items()}
     for name, target in targets.items():  # all checked before any is copied: never half a model
         dtype = target.local.dtype if isinstance(target, DerivedPart) else target.dtype
-        _fit_problem(path, name, loaded.get(name), tuple(target.size()), dtype)
+        check_fits(path, name, loaded.get(name), tuple(target.size()), dtype)
     count = 0
     with torch.no_grad():
         for name, target in targets.items():

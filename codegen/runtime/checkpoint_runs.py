@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from codegen.runtime.checkpoint_folders import INFO_FILE, Found, marked_folders, newest_checkpoint
+from codegen.runtime.init_file import check_init_file
 from planner.errors import LaunchError, one_line
 from planner.fingerprint import model_fingerprint
 
@@ -150,8 +151,6 @@ def prepare_checkpoints(program, checkpoint_dir: str | None, resume: bool | str,
     starts (every rank runs it on the same files): an ``--init-from`` file that does not fit the model (``checkpoint.check_init_file``), and
     ``resume_decision``'s rules. Returns the run's identity (None without a checkpoint
     folder; a resumed run's id is the checkpoint's) and the checkpoint to resume from."""
-    from codegen.runtime.checkpoint import check_init_file
-
     if checkpoint_dir is None and init_file is None:
         return None, None
     model = program.meta_model()[0]
