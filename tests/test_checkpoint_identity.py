@@ -237,6 +237,18 @@ def test_a_fake_newest_step_folder_is_not_taken_as_the_latest(tmp_path) -> None:
         latest_checkpoint(tmp_path)
 
 
+def test_a_shard_of_garbage_is_one_line_at_export(tmp_path) -> None:
+    from codegen.runtime.checkpoint import export_checkpoint
+
+    folder = _checkpoint(tmp_path / "ckpt", 2, run_identity(nn.Linear(3, 4), "adamw"))
+    shard = folder / "__0_0.distcp"
+    shard.write_bytes(bytes(255 - byte for byte in shard.read_bytes()))  # same length: only a read finds it
+    with pytest.raises(LaunchError) as error:
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "m.pt")
+    said = str(error.value)
+    assert said.startswith(f"cannot read checkpoint '{folder}': ") and "its files are damaged" in said and "\n" not in said
+
+
 def test_export_of_a_checkpoint_with_a_bad_alias_is_one_line(tmp_path, capsys) -> None:
     from planner.cli import main
 

@@ -304,10 +304,11 @@ class Checkpointer:
 
 def _first_failure(error: BaseException) -> str:
     """What went wrong, in one line: DCP's ``CheckpointException`` holds each rank's
-    exception (its own text is every rank's traceback); the lowest rank's is said."""
+    exception (its own text is every rank's traceback); the lowest rank's first sentence
+    is said."""
     if isinstance(error, CheckpointException) and error.failures:
         error = error.failures[min(error.failures)][0]
-    return one_line(" ".join(f"{type(error).__name__}: {error}".split()))
+    return one_line(" ".join(f"{type(error).__name__}: {error}".split()).split(". ")[0])
 
 
 def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
