@@ -118,6 +118,24 @@ def test_a_folder_of_another_run_is_refused_without_resume_and_resume_auto_conti
         resume_decision(tmp_path / "fresh", True, first)
 
 
+def test_a_run_that_finds_another_writer_in_its_folder_stops_before_mixing(tmp_path) -> None:
+    """Two jobs started at once on one empty folder both pass the check at start; the first
+    save of the second to arrive finds the other's checkpoint or marker and stops."""
+    from codegen.runtime.checkpoint_runs import check_no_other_writer
+
+    mine, other = run_identity(nn.Linear(3, 4), "adamw"), run_identity(nn.Linear(3, 4), "adamw")
+    _checkpoint(tmp_path, 1, other)  # there when this run started (it resumed this folder): let in with it
+    known = {"step-00000001"}
+    _checkpoint(tmp_path, 2, mine)
+    check_no_other_writer(tmp_path, mine.id, step_folder(tmp_path, 3), known)  # nothing new of another run
+    mark_writing(step_folder(tmp_path, 3), other.id)
+    with pytest.raises(LaunchError, match=rf"another run \({other.id[:8]}\) is writing checkpoints into"):
+        check_no_other_writer(tmp_path, mine.id, step_folder(tmp_path, 3), known)
+    _checkpoint(tmp_path, 4, other)
+    with pytest.raises(LaunchError, match="give each run its own --checkpoint-dir"):
+        check_no_other_writer(tmp_path, mine.id, step_folder(tmp_path, 5), known)
+
+
 def test_resuming_with_another_optimizer_is_refused(tmp_path) -> None:
     model = nn.Linear(3, 4)
     _checkpoint(tmp_path, 2, run_identity(model, "adamw"))

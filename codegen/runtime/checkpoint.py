@@ -63,13 +63,14 @@ from codegen.runtime.checkpoint_folders import (
     check_whole,
     latest_checkpoint,
     mark_writing,
+    marked_folders,
     newest_checkpoint,
     prune_checkpoints,
     read_info,
     step_folder,
     write_info,
 )
-from codegen.runtime.checkpoint_runs import RunIdentity, check_same_run
+from codegen.runtime.checkpoint_runs import RunIdentity, check_no_other_writer, check_same_run
 from codegen.runtime.init_file import check_fits, check_init_file, read_state_dict_file
 from codegen.runtime.materialize import parameter_names
 from planner.errors import LaunchError, one_line
@@ -212,6 +213,7 @@ class Checkpointer:
         # Before the first step, not at the first save: a program whose parameters a
         # checkpoint cannot name (LaunchError) must not spend steps it cannot keep.
         model_tensors(self.model, self.module)
+        self._known = {folder.name for _, folder in marked_folders(self.root)}  # what this run was let in with
 
     def _state(self, step: int) -> dict[str, torch.Tensor | DerivedPart]:
         state = {**model_tensors(self.model, self.module), **optimizer_tensors(self.optimizer, self.model)}
@@ -226,6 +228,7 @@ class Checkpointer:
         completed = self.wait()
         folder = step_folder(self.root, step)
         if dist.get_rank() == 0:  # before any rank writes: DCP's planning waits for rank 0
+            check_no_other_writer(self.root, self.identity.id, folder, self._known)
             mark_writing(folder, self.identity.id)
         with torch.no_grad():  # a snapshot: training goes on changing the live tensors
             snapshot = {key: value.detach().clone() for key, value in self._state(step).items()}

@@ -281,7 +281,7 @@ def mark_writing(folder: Path, run_id: str) -> None:
     write_text_atomically(Path(folder) / WRITING_FILE, json.dumps({"run": run_id}) + "\n")
 
 
-def _writer(folder: Path) -> str | None:
+def writer_of(folder: Path) -> str | None:
     """The run id a folder's writing marker names, or None."""
     try:
         marker = json.loads((Path(folder) / WRITING_FILE).read_text(encoding="utf-8")[:1000])
@@ -310,7 +310,7 @@ def prune_checkpoints(root: Path, keep: int, run_id: str) -> list[Path]:
                 continue  # damaged: not provably ours, kept
             if info.get("run", {}).get("id") == run_id:
                 ours.append((step, folder, [INFO_FILE, *info.get("files", [])]))  # the mark first: never half a "complete" one
-        elif _writer(folder) == run_id:
+        elif writer_of(folder) == run_id:
             abandoned.append((step, folder))
     if not ours:
         return []

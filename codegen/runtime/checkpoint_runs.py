@@ -28,7 +28,14 @@ from pathlib import Path
 
 import torch
 
-from codegen.runtime.checkpoint_folders import INFO_FILE, Found, marked_folders, newest_checkpoint
+from codegen.runtime.checkpoint_folders import (
+    INFO_FILE,
+    Found,
+    marked_folders,
+    newest_checkpoint,
+    read_info,
+    writer_of,
+)
 from codegen.runtime.init_file import check_init_file
 from planner.errors import LaunchError, one_line
 from planner.fingerprint import model_fingerprint
@@ -173,3 +180,28 @@ def check_writable(directory: Path) -> None:
         raise LaunchError(f"--checkpoint-dir: cannot create '{directory}' ({error.strerror}); give a folder you can write") from error
     if not os.access(directory, os.W_OK | os.X_OK):
         raise LaunchError(f"--checkpoint-dir: '{directory}' is not writable; give a folder you can write")
+
+
+def check_no_other_writer(root: Path, run_id: str, folder: Path, known: set[str]) -> None:
+    """LaunchError when another run has written into ``root`` since this one started (two
+    jobs started at once on one folder both found it empty): a complete checkpoint of
+    another run id that is not among ``known`` (the step folders there when this run
+    started, which it was let in with), or another run writing ``folder``, the checkpoint
+    this run is about to write."""
+    other = writer_of(folder)
+    if other is None:
+        for _, marked in reversed(marked_folders(root)):
+            if marked.name in known:
+                continue
+            try:
+                other = read_info(marked).get("run", {}).get("id")
+            except LaunchError:
+                continue
+            if other and other != run_id:
+                break
+            other = None
+    if other and other != run_id:
+        raise LaunchError(
+            f"another run ({one_line(str(other)[:8])}) is writing checkpoints into --checkpoint-dir '{root}' too; this "
+            f"run stops before mixing its checkpoints with those: give each run its own --checkpoint-dir"
+        )
