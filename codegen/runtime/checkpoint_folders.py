@@ -20,11 +20,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import pickle
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
