@@ -371,8 +371,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_of_it(programs, referenc
     [
         (["--steps", "2", "--save-every", "2"], "--save-every, --keep and --resume need --checkpoint-dir"),
         (["--check", "--checkpoint-dir", "ck"], "add --steps N"),
-        (["--steps", "2", "--checkpoint-dir", "ck", "--resume", "--init-from", "m.pt"], "pick one"),
-        (["--steps", "2", "--checkpoint-dir", "empty", "--resume"], "no complete checkpoint in 'empty'"),
+        (["--steps", "2", "--checkpoint-dir", "ck", "--resume", "--init-from", "m.pt"], "pick one (or --resume auto"),
         (["--steps", "2", "--init-from", "missing.pt"], "no file 'missing.pt'"),
     ],
 )
@@ -394,22 +393,3 @@ def test_export_checkpoint_mistakes_are_one_line(tmp_path, capsys) -> None:
     assert main(["export-checkpoint", str(tmp_path / "not_a_checkpoint"), "-o", str(tmp_path / "m.pt")]) == 2
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 2 and "no folder" in errors[0] and "is not a complete soap-planner checkpoint" in errors[1], errors
-
-
-def test_keep_deletes_older_checkpoints_and_abandoned_writes(tmp_path) -> None:
-    from codegen.runtime.checkpoint import (
-        INFO_FILE,
-        latest_checkpoint,
-        prune_checkpoints,
-    )
-
-    for step, complete in [(2, True), (4, False), (6, True), (8, True), (10, False)]:
-        folder = tmp_path / f"step-{step:08d}"
-        folder.mkdir()
-        if complete:
-            (folder / INFO_FILE).write_text("{}")
-    deleted = prune_checkpoints(tmp_path, keep=2)
-    # step 4 died while saving and step 2 is beyond the 2 newest; step 10 may still be in flight.
-    assert sorted(p.name for p in deleted) == ["step-00000002", "step-00000004"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000008", "step-00000010"]
-    assert latest_checkpoint(tmp_path).name == "step-00000008"

@@ -9,6 +9,9 @@
   single-device run (1e-5). Expert 0 is written once though two ranks hold it. A model with
   other expert shapes is refused with one line. Tiny HF
   Mixtral's stacked experts, placed under FSDP2, resume data parallel under DDP likewise.
+- Experts sharded over their copies (FSDP2 over each copy group, world 4): saved after 2
+  steps, resumed on one device; one device's checkpoint resumed sharded over the copies;
+  exported and started from with ``--init-from``: every loss the single device's.
 - ``export-checkpoint`` of an MoE checkpoint loads (strict, ``weights_only=True``) into the
   model built from the spec, with the single device's weights; ``launch.py --init-from``
   starts an expert-parallel program from it with the single device's loss.
@@ -112,7 +115,7 @@ def test_moe_checkpoints_resume_on_other_plans_export_and_init_from(moe_programs
                         str(saved), "--resume", cwd=tmp_path)
     said = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert refused.returncode != 0 and "[rank0]: Traceback" not in refused.stderr, refused.stderr[-2000:]
-    assert len(said) == 1 and "cannot load checkpoint" in said[0] and "Size mismatch" in said[0], refused.stderr[-2000:]
+    assert len(said) == 1 and "is of another model" in said[0] and "this program trains MoEGPT" in said[0], refused.stderr[-2000:]
 
     # The expert-parallel checkpoint: each expert one chunk, expert 0 (on both ranks) written once.
     metadata = FileSystemReader(str(saved / "step-00000004")).read_metadata().state_dict_metadata
@@ -159,3 +162,37 @@ def test_hf_mixtral_experts_resume_in_another_mode(tmp_path) -> None:
     export_checkpoint(saved / "step-00000003", exported)
     model = load_program(replicated).build_model()[0]
     model.load_state_dict(torch.load(exported, weights_only=True))  # strict
+
+
+@pytest.mark.distributed
+def test_experts_sharded_over_their_copies_checkpoint_both_ways(moe_programs, tmp_path) -> None:
+    """Each rank's FSDP2 shard of its group's experts is saved as its part of the model's
+    stacked expert weights (and its AdamW states likewise), so one device resumes from it,
+    and it resumes from one device's checkpoint, with the uninterrupted single device's losses."""
+    sharded = planner.compile(moe_plan(4, "expert_parallel", "grid", sharded_copies=True), tmp_path / "sharded")
+    assert any(layout.sharded_copies for layout in load_program(sharded).plan.expert_layouts)
+    reference = _single_device_losses(moe_programs["one"], 4)
+    there, back = tmp_path / "from_sharded", tmp_path / "from_one"
+
+    def run(world: int, program: Path, *flags: str) -> dict[int, float]:
+        return _losses(_ok(_torchrun(world, str(program / "launch.py"), *flags, cwd=tmp_path)))
+
+    first = run(4, sharded, "--steps", "2", "--checkpoint-dir", str(there))
+    single = run(1, moe_programs["one"], "--steps", "4", "--checkpoint-dir", str(there), "--resume")
+    run(1, moe_programs["one"], "--steps", "2", "--checkpoint-dir", str(back))
+    resumed = run(4, sharded, "--steps", "4", "--checkpoint-dir", str(back), "--resume")
+    assert sorted(first) == [1, 2] and sorted(single) == sorted(resumed) == [3, 4]
+    for losses in (first, single, resumed):
+        for step, loss in losses.items():
+            assert loss == pytest.approx(reference[step - 1], abs=1e-5), step
+
+    # Exported from the sharded run's checkpoint: a new sharded run from it starts at the single device's loss.
+    exported = tmp_path / "sharded.pt"
+    assert export_checkpoint(back / "step-00000004", exported)[0] == 4
+    started = run(4, sharded, "--steps", "1", "--init-from", str(exported))
+    model, args, kwargs = load_program(moe_programs["one"]).build_model()
+    model.load_state_dict(torch.load(exported, weights_only=True))
+    torch.manual_seed(1000)
+    with torch.no_grad():
+        expected = extract_loss(model(*random_like(args), **random_like(kwargs))).item()
+    assert started[1] == pytest.approx(expected, abs=1e-5)

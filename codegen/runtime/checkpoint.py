@@ -3,6 +3,8 @@
 A checkpoint is a folder ``<root>/step-<N>`` that DCP writes (one file per rank and a
 ``.metadata``) plus ``soap-checkpoint.json``, written by rank 0 once every rank has finished
 writing: a folder without it is incomplete (the run died while saving) and never resumed.
+The folders, their checks and pruning are ``codegen.runtime.checkpoint_folders``; the run a
+folder belongs to (recorded in every checkpoint) is ``codegen.runtime.checkpoint_runs``.
 
 What is saved, each under a name that does not depend on the plan, so that a checkpoint
 resumes onto any other plan (mesh, world size, data-parallel flavour, pipeline split) and
@@ -31,9 +33,6 @@ or the end of the run, waits for it and marks it complete.
 
 from __future__ import annotations
 
-import json
-import re
-import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import (
     compute_local_shape_and_global_offset,  # DTensor's shard maths
@@ -56,64 +55,28 @@ from codegen.runtime.derived_checkpoint import (
     as_saved,
     saved_parameters,
 )
+from codegen.runtime.checkpoint_folders import (
+    FORMAT_VERSION,
+    INFO_FILE,
+    Found,
+    SafeReader,
+    check_whole,
+    latest_checkpoint,
+    mark_writing,
+    marked_folders,
+    newest_checkpoint,
+    prune_checkpoints,
+    read_info,
+    step_folder,
+    write_info,
+)
+from codegen.runtime.checkpoint_runs import RunIdentity, check_no_other_writer, check_same_run
+from codegen.runtime.init_file import check_fits, check_init_file, read_state_dict_file
 from codegen.runtime.materialize import parameter_names
-from planner.errors import LaunchError
+from planner.errors import LaunchError, one_line
 
-INFO_FILE = "soap-checkpoint.json"
-FORMAT_VERSION = 1
-_STEP_FOLDER = re.compile(r"step-(\d+)$")
-
-
-def step_folder(root: Path, step: int) -> Path:
-    """The folder of the checkpoint taken after ``step`` steps."""
-    return Path(root) / f"step-{step:08d}"
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The complete checkpoint (one with ``soap-checkpoint.json``) of most steps under ``root``."""
-    found = [
-        (int(match.group(1)), folder)
-        for folder in Path(root).glob("step-*")
-        if (match := _STEP_FOLDER.search(folder.name)) and (folder / INFO_FILE).is_file()
-    ]
-    return max(found)[1] if found else None
-
-
-def prune_checkpoints(root: Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest complete checkpoints under ``root`` (incomplete
-    folders older than the newest complete one go too: a run died while writing them).
-    Returns the folders deleted."""
-    steps = sorted(
-        (int(match.group(1)), folder)
-        for folder in Path(root).glob("step-*")
-        if (match := _STEP_FOLDER.search(folder.name)) and folder.is_dir()
-    )
-    complete = [step for step, folder in steps if (folder / INFO_FILE).is_file()]
-    if not complete:
-        return []
-    kept = set(complete[-keep:])
-    doomed = [folder for step, folder in steps if step not in kept and step < complete[-1]]
-    for folder in doomed:
-        shutil.rmtree(folder, ignore_errors=True)
-    return doomed
-
-
-def read_info(folder: Path) -> dict:
-    """The ``soap-checkpoint.json`` of a checkpoint folder.
-
-    Raises:
-        LaunchError: the folder is not a complete checkpoint.
-    """
-    path = Path(folder) / INFO_FILE
-    if not path.is_file():
-        raise LaunchError(
-            f"'{folder}' is not a complete soap-planner checkpoint (no {INFO_FILE}); "
-            f"give a step-<N> folder written by launch.py --checkpoint-dir, or the --checkpoint-dir itself"
-        )
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise LaunchError(f"{path} is unreadable ({error}); resume from an earlier step-<N> folder") from error
+__all__ = ["Checkpointer", "check_init_file", "export_checkpoint", "init_from", "latest_checkpoint", "model_tensors",
+           "optimizer_tensors", "prime_optimizer", "prune_checkpoints", "read_info", "step_folder", "INFO_FILE"]
 
 
 def model_tensors(model: nn.Module, module: nn.Module) -> dict[str, torch.Tensor | DerivedPart]:
@@ -226,15 +189,18 @@ class Checkpointer:
         model: the model built from the spec (``parallelize`` changed it in place).
         module: this rank's module (what ``parallelize`` returned).
         optimizer: the step's optimizer (``Program.make_optimizer``).
+        identity: the run's identity (``checkpoint_runs.run_identity``; a resumed run's
+            carries the id of the checkpoint it resumed), recorded in every checkpoint.
         plan_name: recorded in ``soap-checkpoint.json``, for people.
-        keep: how many complete checkpoints to keep (older ones are deleted once a newer one
-            is complete); 0 keeps them all.
+        keep: how many complete checkpoints of this run to keep (older ones are deleted
+            once a newer one is complete); 0 keeps them all.
     """
 
     root: Path
     model: nn.Module
     module: nn.Module
     optimizer: torch.optim.Optimizer
+    identity: RunIdentity
     plan_name: str = ""
     keep: int = 0
 
@@ -244,6 +210,10 @@ class Checkpointer:
         # thread while the step runs its collectives on the default group.
         self._group = dist.new_group(backend="gloo")
         self._pending: tuple[object, int, Path] | None = None
+        # Before the first step, not at the first save: a program whose parameters a
+        # checkpoint cannot name (LaunchError) must not spend steps it cannot keep.
+        model_tensors(self.model, self.module)
+        self._known = {folder.name for _, folder in marked_folders(self.root)}  # what this run was let in with
 
     def _state(self, step: int) -> dict[str, torch.Tensor | DerivedPart]:
         state = {**model_tensors(self.model, self.module), **optimizer_tensors(self.optimizer, self.model)}
@@ -257,6 +227,9 @@ class Checkpointer:
         asynchronous, this one otherwise), or None."""
         completed = self.wait()
         folder = step_folder(self.root, step)
+        if dist.get_rank() == 0:  # before any rank writes: DCP's planning waits for rank 0
+            check_no_other_writer(self.root, self.identity.id, folder, self._known)
+            mark_writing(folder, self.identity.id)
         with torch.no_grad():  # a snapshot: training goes on changing the live tensors
             snapshot = {key: value.detach().clone() for key, value in self._state(step).items()}
         if asynchronous:
@@ -284,38 +257,28 @@ class Checkpointer:
                 for name, param in self.model.named_parameters(remove_duplicate=False)
                 if (first := parameter_names(self.model)[id(param)]) != name
             }
-            info = {
-                "format": FORMAT_VERSION, "step": step, "world_size": dist.get_world_size(),
-                "plan": self.plan_name, "optimizer": type(_inner(self.optimizer)).__name__, "aliases": aliases,
-            }
-            (folder / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
+            write_info(folder, {
+                "format": FORMAT_VERSION, "step": step, "world_size": dist.get_world_size(), "plan": self.plan_name,
+                "optimizer": self.identity.optimizer, "run": self.identity.to_json(), "aliases": aliases,
+            })
             if self.keep:
-                prune_checkpoints(self.root, self.keep)
+                prune_checkpoints(self.root, self.keep, self.identity.id)
         dist.barrier(group=self._group)
         return folder
 
-    def resume(self, source: Path) -> int:
-        """Load the checkpoint ``source`` (a ``step-<N>`` folder, or a root whose latest
-        complete one is taken) into this rank's weights and optimizer state, resharded to
-        this program's placements; returns the step it was taken at.
+    def resume(self, found: Found) -> int:
+        """Load checkpoint ``found`` (``checkpoint_runs.resume_decision``'s, checked before
+        the process group started) into this rank's weights and optimizer state, resharded
+        to this program's placements; returns the step it was taken at.
 
         Raises:
-            LaunchError: no complete checkpoint there, or it lacks a tensor this run needs
-                (another model, or another optimizer).
+            LaunchError: it lacks a tensor this run needs, or a tensor does not load.
         """
-        folder = Path(source)
-        if not (folder / INFO_FILE).is_file():
-            latest = latest_checkpoint(folder)
-            if latest is None:
-                raise LaunchError(
-                    f"no complete checkpoint in '{folder}'; start without --resume, or point --checkpoint-dir at the "
-                    f"folder a previous run saved into"
-                )
-            folder = latest
-        info = read_info(folder)
+        folder, info = found.folder, found.info
+        check_same_run(found, self.identity)
         prime_optimizer(self.optimizer)
         state = {key: value.detach() for key, value in self._state(0).items()}
-        saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        saved = SafeReader(str(folder)).read_metadata().state_dict_metadata
         rng_key = f"rng.rank{dist.get_rank()}"
         if info.get("world_size") != dist.get_world_size() or rng_key not in saved:
             state.pop(rng_key)  # another world size: each step reseeds; the old ranks' states do not map
@@ -323,16 +286,19 @@ class Checkpointer:
         if missing:
             raise LaunchError(
                 f"checkpoint '{folder}' has no {missing[0]} ({len(missing)} tensor(s) missing; it was saved with "
-                f"{info.get('optimizer', '?')} by plan {info.get('plan', '?')!r}): resume with the same model and "
-                f"optimizer, or start a new run from its weights with --init-from"
+                f"{one_line(str(info.get('optimizer', '?'))[:20])} by plan '{one_line(str(info.get('plan', '?'))[:60])}'): "
+                f"resume with the same "
+                f"model and optimizer, or start a new run from its weights with --init-from"
             )
         try:
             with torch.no_grad():
-                dcp.load(state, checkpoint_id=str(folder), process_group=self._group, planner=DerivedLoadPlanner())
+                dcp.load(state, storage_reader=SafeReader(str(folder)), process_group=self._group,
+                         planner=DerivedLoadPlanner())
         except (Exception, CheckpointException) as error:  # DCP wraps every rank's failure: say it in one line
             raise LaunchError(
-                f"cannot load checkpoint '{folder}' into this program: {_first_failure(error)[:300]}; resume "
-                f"with the model it was saved from (same shapes), or start a new run with --init-from"
+                f"cannot load checkpoint '{folder}' into this program ({_first_failure(error)[:200]}): its shard files "
+                f"are damaged or not this model's; move that folder out of --checkpoint-dir to resume from the one "
+                f"before it, or start a new run with --init-from"
             ) from error
         if rng_key in state:
             torch.set_rng_state(state[rng_key])
@@ -341,10 +307,11 @@ class Checkpointer:
 
 def _first_failure(error: BaseException) -> str:
     """What went wrong, in one line: DCP's ``CheckpointException`` holds each rank's
-    exception (its own text is every rank's traceback); the lowest rank's is said."""
+    exception (its own text is every rank's traceback); the lowest rank's first sentence
+    is said."""
     if isinstance(error, CheckpointException) and error.failures:
         error = error.failures[min(error.failures)][0]
-    return " ".join(f"{type(error).__name__}: {error}".split())
+    return one_line(" ".join(f"{type(error).__name__}: {error}".split()).split(". ")[0])
 
 
 def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
@@ -355,25 +322,37 @@ def export_checkpoint(folder: Path, output: Path) -> tuple[int, int]:
     process group. Returns ``(step, number of entries)``.
 
     Raises:
-        LaunchError: no complete checkpoint there.
+        LaunchError: no complete checkpoint there, or it is damaged (a file, an alias).
     """
     from codegen.runtime.exported_weights import save_exported
 
     folder = Path(folder)
     if not (folder / INFO_FILE).is_file():
-        folder = latest_checkpoint(folder) or folder
-    info = read_info(folder)
-    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        found = newest_checkpoint(folder)
+        folder = found.folder if found is not None else folder
+    info = check_whole(folder)
+    metadata = SafeReader(str(folder)).read_metadata().state_dict_metadata
     state = {
         key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device="cpu")  # exported on the host
         for key, entry in metadata.items()
         if key.startswith(("model.", "buffer.")) and hasattr(entry, "size")
     }
-    with warnings.catch_warnings():  # DCP says it assumes one process: that is the intent
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    try:
+        with warnings.catch_warnings():  # DCP says it assumes one process: that is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=SafeReader(str(folder)), no_dist=True)
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - a damaged file: one line
+        raise LaunchError(
+            f"cannot read checkpoint '{folder}': {_first_failure(error)[:200]}; its files are damaged: export an "
+            f"earlier step-<N> folder"
+        ) from error
     plain = {key.partition(".")[2]: value for key, value in state.items()}
     for alias, first in info.get("aliases", {}).items():
+        if first not in plain:
+            raise LaunchError(
+                f"checkpoint '{folder / INFO_FILE}' is damaged (alias '{one_line(alias[:80])}' names "
+                f"'{one_line(first[:80])}', which it does not hold); export an earlier step-<N> folder"
+            )
         plain[alias] = plain[first]
     save_exported(plain, output)  # marked as ours, written atomically
     return int(info["step"]), len(plain)
@@ -388,29 +367,17 @@ def init_from(path: Path, model: nn.Module, module: nn.Module) -> int:
 
     Raises:
         LaunchError: the file is missing, not a weights-only state_dict, or lacks a tensor of
-            the model or has one of another shape.
+            the model or has one of another shape or dtype.
     """
-    try:
-        loaded = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
-    except (OSError, RuntimeError, ValueError) as error:
-        raise LaunchError(
-            f"--init-from: cannot read '{path}' as a weights-only state_dict ({' '.join(str(error).split())[:200]}); "
-            f"give a file written by `planner export-checkpoint` or torch.save(model.state_dict())"
-        ) from error
-    if not isinstance(loaded, dict):
-        raise LaunchError(f"--init-from: '{path}' holds a {type(loaded).__name__}, not a state_dict (a dict of tensors)")
-    targets = model_tensors(model, module)
+    loaded = read_state_dict_file(path)
+    targets = {key.partition(".")[2]: target for key, target in model_tensors(model, module).items()}
+    for name, target in targets.items():  # all checked before any is copied: never half a model
+        dtype = target.local.dtype if isinstance(target, DerivedPart) else target.dtype
+        check_fits(path, name, loaded.get(name), tuple(target.size()), dtype)
     count = 0
     with torch.no_grad():
-        for key, target in targets.items():
-            name = key.partition(".")[2]
-            value = loaded.get(name)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.size()):
-                found = "no such tensor" if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)}"
-                raise LaunchError(
-                    f"--init-from: '{path}' does not fit this model: {name} of shape {tuple(target.size())} has {found}; "
-                    f"export the checkpoint of a run of the same model"
-                )
+        for name, target in targets.items():
+            value = loaded[name]
             if isinstance(target, DerivedPart):  # this rank's experts (rows) or slices only
                 target.copy_from_whole(value)
             elif isinstance(target, DTensor):  # this rank's block only: the other pages of the file stay unread

@@ -3,6 +3,10 @@ experts (``codegen.runtime.moe``, ``moe_modes``, ``expert_dispatch``), which eac
 as its own experts (dim-0 rows of the model's stacked expert weight, a hot expert's copy on
 more than one rank) or its slice of every expert (a range of the hidden dim).
 
+An expert-parallel layer with sharded copies (``codegen.runtime.expert_copies``) holds its
+experts as FSDP2 shards over the ranks holding the same experts: each rank's shard is the
+part of the source its rows (a shard on dim 0) or a range of another dim of them is.
+
 Such a parameter is saved under the name of the model parameter it is part of (its
 ``materialize.Derivation``'s ``source_name``), as the chunks of that whole tensor this rank
 holds, so that the checkpoint looks like any other plan's: ``torch.distributed.checkpoint``
@@ -44,6 +48,9 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import (
+    compute_local_shape_and_global_offset,  # DTensor's shard maths
+)
 
 from codegen.runtime.materialize import Derivation, derived_parameters, parameter_names
 from planner.errors import LaunchError
@@ -238,9 +245,30 @@ def as_saved(value: torch.Tensor, derivation: Derivation | None) -> torch.Tensor
     if derivation is None or value.dim() == 0:
         return value
     if isinstance(value, DTensor):
-        raise LaunchError(
-            f"{derivation.source_name}: a part of a model parameter sharded again by a wrapper cannot be checkpointed; "
-            f"build the program so that per-rank expert weights stay outside FSDP"
-        )
+        return _sharded_part(value, derivation)
     return DerivedPart.of(value.detach(), derivation)
+
+
+def _sharded_part(value: DTensor, derivation: Derivation) -> DerivedPart:
+    """``value``, a part of a model parameter that FSDP2 shards again over a 1-D mesh (an
+    expert-parallel layer's experts sharded over their copies, ``codegen.runtime.expert_copies``),
+    as the part of the source this rank's shard is: a shard on dim 0 holds a run of the
+    part's rows, a shard on another dim a range of that dim of all of them. Its ``local`` is
+    the DTensor's local tensor, so a load writes into the shard itself."""
+    whole = tuple(derivation.source.shape)
+    if value.device_mesh.ndim != 1 or not value.placements[0].is_shard() or derivation.dim is not None:
+        raise LaunchError(
+            f"{derivation.source_name}: a part of a model parameter placed {value.placements} by a wrapper cannot be "
+            f"checkpointed; build the program so that per-rank expert weights stay outside FSDP"
+        )
+    dim = value.placements[0].dim
+    shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    start, size = offsets[dim], shape[dim]
+    rows = derivation.rows if derivation.rows is not None else tuple(range(whole[0]))
+    if size == 0:  # FSDP2 left this rank an empty (padding) shard: it holds nothing of the source
+        return DerivedPart(value.to_local().new_empty((0, *whole[1:])), derivation.source_name, whole, rows=())
+    local = value.to_local().detach()
+    if dim == 0:
+        return DerivedPart(local, derivation.source_name, whole, rows=tuple(rows[start : start + size]))
+    return DerivedPart(local, derivation.source_name, whole, rows=tuple(rows), dim=dim, start=start, stop=start + size)
 

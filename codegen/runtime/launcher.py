@@ -27,6 +27,7 @@ from codegen.runtime.exit_status import (
     report_failure,
 )
 from codegen.runtime.flag_rules import check_flag_combinations
+from codegen.runtime.checkpoint_runs import RESUME_AUTO, prepare_checkpoints
 from codegen.runtime.parity import check_float64_applies, check_parity
 from codegen.runtime.precision import parity_tolerances
 from codegen.runtime.program import Program, check_world_size, load_program
@@ -90,9 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--keep", metavar="N", default=0,
         type=flag_type(int, lambda value, name: integer_at_least(value, name, 1), "an integer >= 1"),
-        help="with --checkpoint-dir: keep only the N newest complete checkpoints (default: all)",
+        help="with --checkpoint-dir: keep only this run's N newest complete checkpoints (default: all)",
     )
-    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir (any plan's)")
+    parser.add_argument(
+        "--resume", nargs="?", const=True, default=False, metavar="auto", type=_resume_mode,
+        help="continue the run whose checkpoints are in --checkpoint-dir from its latest complete one (on any plan); "
+        "--resume auto: the same when there is one, else start from step 0 (for schedulers that restart jobs)",
+    )
     parser.add_argument("--init-from", metavar="FILE", default=None, help="start from the weights of a state_dict file (planner export-checkpoint)")
     parser.add_argument("--debug", action="store_true", help="on an internal error (exit 3), print the traceback on every rank")
     parser.add_argument(
@@ -101,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(never this program's files, a plan, or a file the run reads)",
     )
     return parser
+
+
+def _resume_mode(value: str) -> str:
+    """``--resume``'s optional value: only ``auto``."""
+    if value != RESUME_AUTO:
+        raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto', got {value[:40]!r}")
+    return value
 
 
 def add_training_flags(parser: argparse.ArgumentParser) -> None:
@@ -153,10 +165,12 @@ def main(folder: Path, argv: list[str]) -> int:
         program.check_model()
         if options.data is not None:
             load_data_function(options.data)  # the file imports and defines the function
+        optimizer = options.optimizer or program.plan.optimizer
+        options.run_identity, options.resume_from = prepare_checkpoints(
+            program, options.checkpoint_dir, options.resume, options.init_from, optimizer)
         if options.check:
             check_fits_this_gpu(program)
         mesh = program.build_mesh()
-        optimizer = options.optimizer or program.plan.optimizer
         status = DONE
         if options.check:
             atol, rtol = parity_tolerances(program.plan.precision, options.atol, options.rtol)
@@ -231,19 +245,16 @@ def check_routing_output(program: Program, steps: int, path: str) -> None:
 
 def check_checkpoint_options(options: argparse.Namespace) -> None:
     """Refuse checkpoint flags that cannot work together, with one line, before the process group starts."""
-    from codegen.runtime.checkpoint import latest_checkpoint
-
     directory = options.checkpoint_dir
     if (options.save_every or options.resume or options.keep) and directory is None:
         raise LaunchError("--save-every, --keep and --resume need --checkpoint-dir DIR: the folder checkpoints are saved in")
     if (directory or options.init_from) and options.steps == 0 and options.data is None:
         raise LaunchError("--checkpoint-dir and --init-from are for training; add --steps N (or --data)")
-    if options.resume and options.init_from:
-        raise LaunchError("--resume continues a run (weights, optimizer, step); --init-from starts a new one from weights: pick one")
+    if options.resume is True and options.init_from:
+        raise LaunchError("--resume continues a run (weights, optimizer, step); --init-from starts a new one from weights: "
+                          "pick one (or --resume auto --init-from FILE: resume when there is a checkpoint, else start from FILE)")
     if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
         raise LaunchError(f"--checkpoint-dir: '{directory}' is a file; give a folder")
-    if options.resume and latest_checkpoint(Path(directory)) is None:
-        raise LaunchError(f"--resume: no complete checkpoint in '{directory}'; run without --resume to start from step 0")
     if options.init_from is not None and not Path(options.init_from).is_file():
         raise LaunchError(f"--init-from: no file '{options.init_from}'; write one with `python -m planner export-checkpoint DIR -o FILE`")
 
@@ -266,8 +277,9 @@ def run_training(program: Program, mesh, options: argparse.Namespace, optimizer:
         steps=options.steps, lr=options.lr, optimizer=optimizer, schedule=options.lr_schedule,
         warmup_steps=options.warmup_steps, min_lr_ratio=options.min_lr_ratio, clip_grad_norm=options.clip_grad_norm,
         data=options.data, log_every=options.log_every, metrics=options.metrics, record_routing=options.record_routing,
-        checkpoint_dir=options.checkpoint_dir, save_every=options.save_every, keep=options.keep, resume=options.resume,
-        init_from=options.init_from,
+        checkpoint_dir=options.checkpoint_dir, save_every=options.save_every, keep=options.keep,
+        resume=options.resume, init_from=options.init_from, run_identity=options.run_identity,
+        resume_from=options.resume_from,
     )
     if options.profile is None:
         return train(program, mesh, loop)

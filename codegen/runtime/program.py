@@ -156,7 +156,12 @@ class Program:
             SpecError: the model file is gone or fails to build. PlanFileError: it now
                 builds a different model than the one planned.
         """
-        check_model_matches(self.plan, *self._build(torch.device("meta"), BUILD_SEED))
+        check_model_matches(self.plan, *self.meta_model())
+
+    def meta_model(self) -> tuple[torch.nn.Module, tuple, dict]:
+        """The model and example batch as the spec builds them, on the meta device (no
+        memory, milliseconds): what checks of names, shapes and dtypes need."""
+        return self._build(torch.device("meta"), BUILD_SEED)
 
     def _build(self, device: torch.device, seed: int, meta_parameters: bool = False) -> tuple[torch.nn.Module, tuple, dict]:
         if self.plan.model is None:

@@ -74,6 +74,8 @@ class LoopOptions:
         resume: continue from the latest complete checkpoint in ``checkpoint_dir``: its
             weights, optimizer state, step, RNG state and data position.
         init_from: start from the weights of a plain state_dict file.
+        run_identity, resume_from: what ``checkpoint_runs.prepare_checkpoints`` decided
+            before the process group started (None: decided here, by the same rules).
     """
 
     steps: int = 0
@@ -90,8 +92,10 @@ class LoopOptions:
     checkpoint_dir: str | None = None
     save_every: int = 0
     keep: int = 0
-    resume: bool = False
+    resume: bool | str = False
     init_from: str | None = None
+    run_identity: Any = None
+    resume_from: Any = None
 
 
 @dataclass
@@ -398,19 +402,28 @@ def batch_source(program: Program, options: LoopOptions, args: tuple, kwargs: di
 
 def start_checkpoints(program: Program, options: LoopOptions, model, module, optimizer):
     """The run's ``Checkpointer`` (None without a checkpoint folder) and its first step: the
-    checkpoint's with ``resume``, else 0 (after loading ``init_from``'s weights, if given)."""
+    checkpoint's when resuming, else 0 (after loading ``init_from``'s weights, if given: with
+    ``resume="auto"``, only when there is no checkpoint to resume)."""
     from codegen.runtime.checkpoint import Checkpointer, init_from
+    from codegen.runtime.checkpoint_runs import prepare_checkpoints
 
-    if options.init_from is not None:
+    identity, found = options.run_identity, options.resume_from
+    if identity is None and options.checkpoint_dir is not None:  # not decided by launch.py (a user's own loop)
+        identity, found = prepare_checkpoints(program, options.checkpoint_dir, options.resume, options.init_from,
+                                              options.optimizer)
+    if options.init_from is not None and found is None:  # with --resume auto, a checkpoint supersedes the file
         count = init_from(Path(options.init_from), model, module)
         _say(f"initialised {count} tensors from {options.init_from}")
     if options.checkpoint_dir is None:
         return None, 0
-    checkpointer = Checkpointer(Path(options.checkpoint_dir), model, module, optimizer, program.plan.name, options.keep)
-    if not options.resume:
+    checkpointer = Checkpointer(Path(options.checkpoint_dir), model, module, optimizer, identity, program.plan.name,
+                                options.keep)
+    if found is None:
+        auto = "--resume auto: no checkpoint there yet; " if options.resume else ""
+        _say(f"{auto}checkpoints of run {identity.id[:8]} go to {options.checkpoint_dir}")
         return checkpointer, 0
-    step = checkpointer.resume(Path(options.checkpoint_dir))
-    _say(f"resumed from {options.checkpoint_dir} at step {step}")
+    step = checkpointer.resume(found)
+    _say(f"resumed from {found.folder} at step {step} (run {identity.id[:8]})")
     return checkpointer, step
 
 
