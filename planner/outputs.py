@@ -39,6 +39,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
@@ -137,6 +138,22 @@ def file_tail(path: str | os.PathLike, size: int = 4096) -> str:
             return stream.read(size).decode("utf-8", errors="replace")
     except OSError:
         return ""
+
+
+def path_kind(path: str | os.PathLike, flag: str) -> str:
+    """What is at ``path`` a flag names: ``"file"``, ``"folder"``, ``"other"`` or ``"missing"``;
+    ``OutputError`` (one line naming ``flag``) when the filesystem refuses to look (a name
+    too long for it, a NUL, a folder it may not search), where ``pathlib`` would raise."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    except (OSError, ValueError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise OutputError(f"{flag} {_shown(Path(path))}: the filesystem refuses this path ({reason}); give another path") from None
+    if stat.S_ISDIR(mode):
+        return "folder"
+    return "file" if stat.S_ISREG(mode) else "other"
 
 
 def refuse_input_as_output(output: str | os.PathLike, flag: str, inputs: list[str | os.PathLike]) -> None:

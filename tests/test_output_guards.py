@@ -264,3 +264,30 @@ def test_launch_replaces_its_own_outputs_whole(program, tmp_path) -> None:
     assert load_measured(measured).world_size == 2
     assert _leftovers(tmp_path) == [] and _leftovers(program) == []
     assert cli_main(["compare", str(program / "plan.json"), str(measured)]) == 0
+
+
+# ------------------------------------------------------------------ input paths
+
+
+@pytest.mark.parametrize("flag", ["--init-from", "--data", "--checkpoint-dir"])
+def test_an_input_path_the_filesystem_refuses_is_one_line_before_work(program, tmp_path, capsys, rank0, flag):
+    """A name longer than the filesystem allows (or a NUL) given to a flag the run reads was an
+    OSError traceback on every rank; it is one line naming the flag, before any process group."""
+    too_long = str(tmp_path / ("a" * 300))
+    value = {"--init-from": too_long + ".pt", "--data": too_long + ".py:batches", "--checkpoint-dir": too_long}[flag]
+    extra = ["--save-every", "1"] if flag == "--checkpoint-dir" else []
+    status = launcher.main(program, ["--steps", "1", flag, value, *extra])
+    out, err = capsys.readouterr()
+    line = assert_one_error_line(status, "", err, [flag, "the filesystem refuses this path"])
+    assert len(line) < 400  # the 300-character name is shortened in the message
+
+
+def test_path_kind_tells_file_folder_and_missing(tmp_path):
+    from planner.outputs import path_kind
+
+    (tmp_path / "f").write_text("x")
+    assert path_kind(tmp_path / "f", "--x") == "file"
+    assert path_kind(tmp_path, "--x") == "folder"
+    assert path_kind(tmp_path / "missing", "--x") == "missing"
+    assert path_kind(tmp_path / "f" / "below", "--x") == "missing"  # a file is not a folder
+    assert_api_error(lambda: path_kind("a\x00b", "--x"), OutputError, "--x", "refuses this path")

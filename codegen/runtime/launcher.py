@@ -48,7 +48,8 @@ from planner.arguments import (
     non_negative_finite,
     positive_finite,
 )
-from planner.errors import LaunchError, PlannerError
+from planner.errors import LaunchError, PlannerError, one_line
+from planner.outputs import path_kind
 from planner.launch_command import check_refusal
 
 
@@ -253,10 +254,11 @@ def check_checkpoint_options(options: argparse.Namespace) -> None:
     if options.resume is True and options.init_from:
         raise LaunchError("--resume continues a run (weights, optimizer, step); --init-from starts a new one from weights: "
                           "pick one (or --resume auto --init-from FILE: resume when there is a checkpoint, else start from FILE)")
-    if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
-        raise LaunchError(f"--checkpoint-dir: '{directory}' is a file; give a folder")
-    if options.init_from is not None and not Path(options.init_from).is_file():
-        raise LaunchError(f"--init-from: no file '{options.init_from}'; write one with `python -m planner export-checkpoint DIR -o FILE`")
+    if directory is not None and path_kind(directory, "--checkpoint-dir") not in ("missing", "folder"):
+        raise LaunchError(f"--checkpoint-dir: '{one_line(directory)}' is a file; give a folder")
+    if options.init_from is not None and path_kind(options.init_from, "--init-from") != "file":
+        raise LaunchError(f"--init-from: no file '{one_line(options.init_from)}'; write one with "
+                          f"`python -m planner export-checkpoint DIR -o FILE`")
 
 
 def check_training_flags(options: argparse.Namespace) -> None:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from planner.errors import LaunchError, one_line
 from planner.messages import exception_line
+from planner.outputs import path_kind
 
 # What a rank's fetch of a step's batch ended in (the first int64 a rank contributes).
 BATCH, ENDED, FAILED = 0, 1, 2
@@ -56,7 +57,7 @@ def load_data_function(reference: str) -> tuple[Callable[[int], Any], str]:
     if not path_text or not name.isidentifier():
         raise LaunchError(f"--data takes path/to/module.py:function, got {reference!r}; e.g. --data data.py:batches")
     path = Path(path_text)
-    if not path.is_file():
+    if path_kind(path, "--data") != "file":
         raise LaunchError(f"--data: no file '{one_line(path)}'; give the path of a Python file, e.g. --data data.py:batches")
     spec = importlib.util.spec_from_file_location(f"soap_user_data_{abs(hash(str(path.resolve())))}", path)
     if spec is None:  # importlib loads only Python source and extension files
