@@ -41,7 +41,8 @@ from cost_model import defaults
 from cost_model.calibration_fit import gauss_newton_fit, prior_penalty
 from cost_model.compute import PRECISIONS
 from planner.cluster import Cluster, LinkSpec, NodeSpec
-from planner.errors import PlanFileError
+from planner.errors import PlanFileError, one_line
+from planner.json_files import read_json
 
 MEASURED_FORMAT = "soap-planner-measured"
 MEASURED_VERSION = 1
@@ -95,34 +96,56 @@ def load_measured(path: str | Path) -> MeasuredRun:
     """
     path = Path(path)
     where = f"measured file '{path}'"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PlanFileError(f"{where} does not exist; write one with `torchrun ... launch.py --steps 10 --profile {path}`") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise PlanFileError(f"{where} is not JSON ({error}); write it again with launch.py --profile") from None
+    again = "write it again with launch.py --profile"
+    data = read_json(path, where, again, PlanFileError,
+                     missing=f"does not exist; write one with `torchrun ... launch.py --steps 10 --profile {path}`")
     if not isinstance(data, dict) or data.get("format") != MEASURED_FORMAT:
         raise PlanFileError(f"{where} is not a soap-planner measured file (no \"format\": \"{MEASURED_FORMAT}\"); "
                             f"write one with launch.py --profile")
     if data.get("version") != MEASURED_VERSION:
-        raise PlanFileError(f"{where} is version {data.get('version')!r}; this soap-planner reads version "
+        raise PlanFileError(f"{where} is version {one_line(data.get('version'))[:20]}; this soap-planner reads version "
                             f"{MEASURED_VERSION}; measure again with this version's launch.py --profile")
-    try:
-        step_times = tuple(float(value) for value in data["step_times_s"])
-        run = MeasuredRun(
-            source=str(path), plan_data=dict(data["plan"]), world_size=int(data["world_size"]),
-            step_time_s=float(data["step_time_s"]), step_times_s=step_times,
-            ops={str(name): {key: float(value) for key, value in figures.items()} for name, figures in data["ops"].items()},
-            collectives=tuple(
-                {"kind": str(item["kind"]), "bytes": float(item["bytes"]), "count": float(item["count"]),
-                 "time_s": float(item["time_s"])}
-                for item in data["collectives"]
-            ),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise PlanFileError(f"{where} has a missing or invalid field ({type(error).__name__}: {error}); "
-                            f"write it again with launch.py --profile") from None
-    if not (run.step_time_s > 0 and math.isfinite(run.step_time_s)):
+
+    def number(value: Any, name: str) -> float:
+        # Every figure is a count, bytes or seconds: a finite number >= 0 (JSON's 1e999 reads as inf).
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise PlanFileError(f"{where}: field '{name}' must be a finite number >= 0, got "
+                                f"{one_line(repr(value))[:40]}; {again}")
+        return float(value)
+
+    def field(table: Any, key: str, kind: type, prefix: str = "") -> Any:
+        if not isinstance(table, dict) or key not in table:
+            raise PlanFileError(f"{where}: field '{prefix}{key}' is missing; {again}")
+        if not isinstance(table[key], kind) or isinstance(table[key], bool):
+            raise PlanFileError(f"{where}: field '{prefix}{key}' must be {kind.__name__}, got "
+                                f"{type(table[key]).__name__}; {again}")
+        return table[key]
+
+    def figure(table: Any, key: str, prefix: str = "") -> float:
+        if not isinstance(table, dict) or key not in table:
+            raise PlanFileError(f"{where}: field '{prefix}{key}' is missing; {again}")
+        return number(table[key], prefix + key)
+
+    world_size = field(data, "world_size", int)
+    if world_size < 1:
+        raise PlanFileError(f"{where}: field 'world_size' must be >= 1, got {world_size}; {again}")
+    ops = {}
+    for name, figures in field(data, "ops", dict).items():
+        figures = field(data["ops"], name, dict, "ops.")
+        ops[name] = {key: number(value, f"ops.{name}.{key}") for key, value in figures.items()}
+        figure(figures, "time_s", f"ops.{name}.")  # every op has its time
+    collectives = []
+    for index, item in enumerate(field(data, "collectives", list)):
+        at = f"collectives[{index}]."
+        collectives.append({"kind": field(item, "kind", str, at),
+                            **{key: figure(item, key, at) for key in ("bytes", "count", "time_s")}})
+    run = MeasuredRun(
+        source=str(path), plan_data=dict(field(data, "plan", dict)), world_size=world_size,
+        step_time_s=figure(data, "step_time_s"),
+        step_times_s=tuple(number(value, f"step_times_s[{i}]") for i, value in enumerate(field(data, "step_times_s", list))),
+        ops=ops, collectives=tuple(collectives),
+    )
+    if not run.step_time_s > 0:
         raise PlanFileError(f"{where}: step_time_s must be a positive number, got {run.step_time_s!r}")
     return run
 

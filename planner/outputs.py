@@ -39,9 +39,13 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-from planner.errors import OutputError
+from planner.errors import OutputError, one_line
 
 PROGRAM_MARKER = ".soap-planner-program"
+# Longest file name and path, in bytes, the usual filesystems take (POSIX's NAME_MAX and
+# Linux's PATH_MAX); a longer output path is refused before any work, not when writing.
+_NAME_MAX = 255
+_PATH_MAX = 4096
 # Python's bytecode cache of a program's modules, written when the program runs: ours too.
 _REGENERATED = frozenset({"__pycache__"})
 # Files of a program folder written before the marker existed (soap-planner <= 0.1.0 main).
@@ -49,10 +53,26 @@ _LEGACY_PROGRAM_FILES = frozenset({"launch.py", "model_spmd.py", "plan.json"})
 
 
 def as_path(value: object, what: str) -> Path:
-    """``value`` as a ``Path``; ``OutputError`` unless it is a str or ``os.PathLike``."""
+    """``value`` as a ``Path``; ``OutputError`` unless it is a str or ``os.PathLike`` that
+    names a path the filesystem can hold (no NUL, no name longer than it allows)."""
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
         raise OutputError(f"{what} must be a path (str or pathlib.Path), got {value!r}")
-    return Path(value)
+    path = Path(value)
+    text = os.fspath(path)
+    if isinstance(text, bytes) or "\0" in text:
+        raise OutputError(f"{what} {_shortened(text)} is not a path a file can have; choose another path")
+    longest = max(path.parts, key=lambda part: len(os.fsencode(part)))
+    if len(os.fsencode(longest)) > _NAME_MAX or len(os.fsencode(str(path.absolute()))) > _PATH_MAX:
+        raise OutputError(
+            f"{what} {_shortened(text)} is too long for the filesystem (names of at most {_NAME_MAX} "
+            f"bytes, paths of at most {_PATH_MAX}); choose a shorter path"
+        )
+    return path
+
+
+def _shortened(text: str) -> str:
+    """A path for a message: its first 60 characters, quoted and escaped by ``repr``."""
+    return repr(text[:60]) + ("..." if len(text) > 60 else "")
 
 
 # ------------------------------------------------------------------------------ files
@@ -79,6 +99,13 @@ def check_output_file(
             regular file, or it holds a file that is not ours and ``force`` is not set.
     """
     path = as_path(path, f"the output path of the {what}")
+    try:
+        return _check_output_file(path, what, is_ours, force, flag)
+    except OSError as error:  # what the filesystem says about a path the checks let through
+        raise OutputError(f"cannot write {path}: {one_line(error.strerror or error)}; choose another path") from None
+
+
+def _check_output_file(path: Path, what: str, is_ours: Callable[[Path], bool], force: bool, flag: str) -> Path:
     if path.is_dir():
         raise OutputError(f"output {path} is a folder; give a file path, e.g. {path / path.name}.json")
     folder = path.parent

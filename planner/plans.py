@@ -19,6 +19,7 @@ from planner.cluster import Cluster
 from planner.graph import OpGraph
 from planner.errors import ClusterError, PlanFileError, SpecError, one_line
 from planner.fingerprint import FINGERPRINT_LENGTH
+from planner.json_files import peek_json, read_json
 from planner.outputs import check_output_file, write_text_atomically
 from planner.model_spec import ModelSpec
 from planner.strategy import (
@@ -181,6 +182,8 @@ class Plan:
             raise ValueError(
                 f"the pipeline has {self.pipeline.stages} stages but the mesh axis pp has {self.mesh.axis_size('pp')} ranks"
             )
+        if self.pipeline is not None:
+            _check_pipeline_size(self.pipeline, self.batch_size, len(self.strategies))
         stages = self.pipeline.stages * self.pipeline.virtual_stages if self.pipeline is not None else 1
         per_stage = self.pipeline.stage_recompute if self.pipeline is not None else ()
         if per_stage and self.recompute != max(per_stage, key=RECOMPUTE_MODES.index):
@@ -386,14 +389,12 @@ def load_plan(path: str | Path) -> Plan:
             f"e.g. load_plan('plan.json')"
         )
     path = Path(path)
-    if path.is_dir():
+    if os.path.isdir(path):  # os.path's, which is False for names too long to exist
         raise PlanFileError(f"plan file '{path}' is a folder; pass the plan's JSON file, e.g. {path / 'plan.json'}")
-    if not path.is_file():
-        raise PlanFileError(f"plan file '{path}' does not exist; create one with `planner plan SPEC -o {path}`")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise PlanFileError(f"plan file '{path}' is not valid JSON ({error}); regenerate it with `planner plan`") from None
+    data = read_json(
+        path, f"plan file '{path}'", "regenerate it with `planner plan`", PlanFileError,
+        missing=f"does not exist; create one with `planner plan SPEC -o {path}`",
+    )
     plan = Plan.from_dict(data, source=f"plan file '{path}'")
     if plan.model is not None and not plan.model.is_hf:
         # A relative model.source is relative to the plan file's folder, never to wherever
@@ -475,10 +476,7 @@ def _timings_from(reader: _Reader) -> dict[str, float]:
 def is_plan_file(path: Path) -> bool:
     """Whether ``path`` holds a soap-planner plan (of any version): the files ``plan -o``
     may overwrite without ``--force``."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return False
+    data = peek_json(path)
     return isinstance(data, dict) and data.get("format") == PLAN_FORMAT
 
 
@@ -543,6 +541,25 @@ def _estimate_from(reader: _Reader) -> SimResult:
         bubble_fraction=reader.get("bubble_fraction", float),
         host_wait_s=reader.get("host_wait_s", float) if "host_wait_s" in reader.data else 0.0,  # plans before it: 0
     )
+
+
+def _check_pipeline_size(pipeline: PipelineConfig, batch_size: int, ops: int) -> None:
+    """The pipeline's counts are bounded by the plan's, so that what the simulator and the
+    program allocate per micro-batch and per stage module stays within the batch and the
+    model: a micro-batch holds at least one sample, a stage module at least one op."""
+    counts = (pipeline.stages, pipeline.micro_batches, pipeline.virtual_stages)
+    if any(isinstance(count, bool) or not isinstance(count, int) for count in counts):
+        raise ValueError(f"pipeline stages, micro_batches and virtual_stages must be integers, got {counts!r}")
+    if pipeline.micro_batches > batch_size:
+        raise ValueError(
+            f"the pipeline has {pipeline.micro_batches} micro-batches but the global batch holds {batch_size} "
+            f"samples; a micro-batch holds at least one sample, so micro_batches must be <= batch_size"
+        )
+    if pipeline.stages * pipeline.virtual_stages > max(ops, 1):
+        raise ValueError(
+            f"the pipeline has {pipeline.stages} x {pipeline.virtual_stages} stage modules but the plan has {ops} "
+            f"op(s); a stage module holds at least one op, so stages x virtual_stages must be <= the ops"
+        )
 
 
 def _check_summa_layouts(strategies: tuple[NodeStrategy, ...], mesh: Mesh) -> None:

@@ -408,13 +408,9 @@ TRACE_GENERATOR = "soap-planner simulate"
 
 def is_chrome_trace(path: Any) -> bool:
     """Whether ``path`` holds a Chrome trace written by ``SimResult.to_chrome_trace``."""
-    import json
-    from pathlib import Path
+    from planner.json_files import peek_json
 
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return False
+    data = peek_json(path)
     return isinstance(data, dict) and isinstance(data.get("otherData"), dict) and (
         data["otherData"].get("generator") == TRACE_GENERATOR
     )

@@ -1,0 +1,130 @@
+"""Reading the JSON (and TOML) files users share: plans, cluster files, routing statistics,
+measured runs.
+
+Whatever such a file holds, reading it ends in the data or in one ``PlannerError`` line that
+names the file and says how to get a good one; never in a traceback. The limits are generous
+for any file soap-planner writes and stop the ones that would exhaust the reader:
+
+* ``MAX_FILE_BYTES``: a file larger than this is refused before it is read (the largest plan
+  of a 100-layer model is a few MB);
+* ``MAX_NESTING``: arrays and objects nested deeper than this are refused (soap-planner's
+  files nest fewer than 10 levels; Python's parser, and any code walking the data, would
+  otherwise run out of stack);
+* integers of more than ``MAX_INTEGER_DIGITS`` digits are refused by the parser (Python's
+  own limit on int/str conversion), and a number too large for a float reads as ``inf``,
+  which the field checks of each file refuse as not finite.
+
+Vocabulary layer: standard library and ``planner.errors`` only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+from planner.errors import PlannerError, one_line
+
+MAX_FILE_BYTES = 256 * 2**20
+MAX_NESTING = 64
+MAX_INTEGER_DIGITS = sys.get_int_max_str_digits() or 4300
+
+__all__ = ["MAX_FILE_BYTES", "MAX_NESTING", "check_nesting", "parse_json", "peek_json", "read_json", "read_text"]
+
+
+def read_text(
+    path: Path, describe: str, fix: str, error: type[PlannerError], missing: str = "does not exist; check the path",
+    kind: str = "a text file",
+) -> str:
+    """The text of ``path``, a UTF-8 file of at most ``MAX_FILE_BYTES``.
+
+    Args:
+        path: the file.
+        describe: how messages name it (``"plan file 'p.json'"``).
+        fix: what the user can do about a bad file (``"regenerate it with `planner plan`"``).
+        error: the ``PlannerError`` subclass to raise.
+        kind: what the file should be, for a message about bytes that are not UTF-8.
+        missing: what messages say when the file does not exist (``"does not exist; ..."``).
+
+    Raises:
+        error: the file is missing, a folder, unreadable, too large or not UTF-8 text.
+    """
+    try:
+        status = os.stat(path)
+        if stat.S_ISDIR(status.st_mode):
+            raise error(f"{describe} is a folder; give the path of the file")
+        size = status.st_size
+        if size > MAX_FILE_BYTES:
+            raise error(
+                f"{describe} holds {size:,} bytes, more than the {MAX_FILE_BYTES // 2**20} MiB soap-planner reads; "
+                f"it is not a file soap-planner wrote: {fix}"
+            )
+        with open(path, "rb") as stream:
+            raw = stream.read(MAX_FILE_BYTES + 1)  # the file may have grown since stat
+    except FileNotFoundError:
+        raise error(f"{describe} {missing}") from None
+    except OSError as problem:
+        raise error(f"{describe} cannot be read ({one_line(problem.strerror or problem)}); {fix}") from None
+    except ValueError:  # a NUL in the path
+        raise error(f"{describe} is not a path a file can have (it holds a NUL character); check the path") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise error(f"{describe} is larger than the {MAX_FILE_BYTES // 2**20} MiB soap-planner reads; {fix}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as problem:
+        raise error(f"{describe} is not {kind}: byte {problem.start} is not UTF-8 text; {fix}") from None
+
+
+def parse_json(text: str, describe: str, fix: str, error: type[PlannerError]) -> Any:
+    """``text`` parsed as JSON, nested at most ``MAX_NESTING`` levels.
+
+    Raises:
+        error: it is not JSON (the message says where), is nested too deeply, or holds an
+            integer of more than ``MAX_INTEGER_DIGITS`` digits.
+    """
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as problem:
+        raise error(
+            f"{describe} is not valid JSON: {problem.msg} (at line {problem.lineno}, column {problem.colno}); {fix}"
+        ) from None
+    except RecursionError:  # the C parser stops cleanly at Python's recursion limit
+        raise error(f"{describe} is nested deeper than {MAX_NESTING} levels; {fix}") from None
+    except ValueError:  # an integer longer than Python converts
+        raise error(f"{describe} holds an integer of more than {MAX_INTEGER_DIGITS} digits; {fix}") from None
+    check_nesting(data, describe, fix, error)
+    return data
+
+
+def read_json(
+    path: str | os.PathLike, describe: str, fix: str, error: type[PlannerError], missing: str = "does not exist; check the path"
+) -> Any:
+    """The JSON data of file ``path`` (``read_text`` then ``parse_json``; their limits and
+    errors)."""
+    text = read_text(Path(path), describe, fix, error, missing, kind="valid JSON")
+    return parse_json(text, describe, fix, error)
+
+
+def peek_json(path: str | os.PathLike) -> Any:
+    """The JSON data of ``path``, or ``None`` when it cannot be read within the limits above:
+    for telling soap-planner's files apart from a user's, which must never fail."""
+    try:
+        return read_json(path, "file", "", PlannerError)
+    except PlannerError:
+        return None
+
+
+def check_nesting(data: Any, describe: str, fix: str, error: type[PlannerError]) -> None:
+    """Raise ``error`` when ``data`` (parsed JSON or TOML) nests lists and dicts deeper than
+    ``MAX_NESTING`` levels; walks without recursion."""
+    pending = [(data, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_NESTING:
+                raise error(f"{describe} is nested deeper than {MAX_NESTING} levels; {fix}")
+            children = value.values() if isinstance(value, dict) else value
+            pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
