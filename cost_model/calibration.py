@@ -29,7 +29,6 @@ the run's clean steps (``codegen.runtime.profiling``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence

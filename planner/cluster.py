@@ -57,7 +57,6 @@ import bisect
 import difflib
 import itertools
 import json
-import math
 import os
 import re
 import sys
@@ -67,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import ClusterError, one_line
-from planner.json_files import MAX_NESTING, check_nesting, parse_json, peek_json, read_text
+from planner.json_files import MAX_NESTING, check_nesting, finite_number, parse_json, peek_json, read_text
 from planner.outputs import check_output_file, write_text_atomically
 from planner.presets import PRESETS
 
@@ -118,45 +117,52 @@ _CLI_RE = re.compile(r"([A-Za-z0-9._-]+)(?::(\d+)(?:[xX](\d+))?)?")
 # ---- validation helpers (shared by __post_init__ and the file parser) ----
 
 def _positive_float(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value <= 0:
-        raise ClusterError(f"{where} must be a positive finite number, got {value!r}")
-    return float(value)
+    number = finite_number(value)
+    if number is None or number <= 0:
+        raise ClusterError(f"{where} must be a positive finite number, got {_shown(value)}")
+    return number
 
 
 def _positive_int(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ClusterError(f"{where} must be a positive integer, got {value!r}")
+        raise ClusterError(f"{where} must be a positive integer, got {_shown(value)}")
     return value
+
+
+def _shown(value: Any) -> str:
+    """A value from a file for a message: numbers in short form (``1e+300``, not 300 digits),
+    anything else by ``repr``, cut to 40 characters."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**16:
+        return f"{value:.3e}" if finite_number(value) is not None else f"an integer of {len(str(abs(value)))} digits"
+    return one_line(repr(value))[:40]  # a float's repr is short: 8.0, 1e+300, inf
 
 
 def _efficiency(value: Any, where: str) -> float | None:
     """A calibration fraction: None (use the default) or a number in (0, 1]."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or not 0 < value <= 1:
-        raise ClusterError(f"{where} must be a fraction in (0, 1], got {value!r}")
-    return float(value)
+    number = finite_number(value)
+    if number is None or not 0 < number <= 1:
+        raise ClusterError(f"{where} must be a fraction in (0, 1], got {_shown(value)}")
+    return number
 
 
 def _overhead(value: Any, where: str) -> float | None:
     """A calibration time: None (use the default) or a finite number of seconds >= 0."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value < 0:
-        raise ClusterError(f"{where} must be a finite number of seconds >= 0, got {value!r}")
-    return float(value)
+    number = finite_number(value)
+    if number is None or number < 0:
+        raise ClusterError(f"{where} must be a finite number of seconds >= 0, got {_shown(value)}")
+    return number
 
 
 def _in_file_range(value: Any, key: str, where: str) -> None:
     """Refuse a number of a cluster file outside ``FILE_RANGES[key]`` (its type and sign are
     checked by the dataclasses, which name the problem first)."""
     low, high, words = FILE_RANGES[key]
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-            and value > 0 and not low <= value <= high:
-        raise ClusterError(f"{where} is {value:g}, outside the {words} soap-planner accepts from a file; "
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and not low <= value <= high:
+        raise ClusterError(f"{where} is {_shown(value)}, outside the {words} soap-planner accepts from a file; "
                            f"check the number and its unit")
 
 
@@ -165,7 +171,8 @@ def _check_ranks(counts: list[tuple[int, int]], where: str) -> None:
     before any node is built."""
     ranks = sum(nodes * devices for nodes, devices in counts)
     if ranks > MAX_RANKS:
-        raise ClusterError(f"{where} has {ranks:,} devices, more than the {MAX_RANKS:,} soap-planner plans for; "
+        count = f"{ranks:,}" if ranks < 10**16 else _shown(ranks)
+        raise ClusterError(f"{where} has {count} devices, more than the {MAX_RANKS:,} soap-planner plans for; "
                            f"check the node and device counts")
 
 

@@ -19,20 +19,26 @@ Vocabulary layer: standard library and ``planner.errors`` only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import stat
 import sys
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from planner.errors import PlannerError, one_line
+
+T = TypeVar("T")
 
 MAX_FILE_BYTES = 256 * 2**20
 MAX_NESTING = 64
 MAX_INTEGER_DIGITS = sys.get_int_max_str_digits() or 4300
 
-__all__ = ["MAX_FILE_BYTES", "MAX_NESTING", "check_nesting", "parse_json", "peek_json", "read_json", "read_text"]
+__all__ = ["MAX_FILE_BYTES", "MAX_NESTING", "check_nesting", "finite_number", "parse_json", "peek_json", "read_json", "read_text",
+           "record_from_json"]
 
 
 def read_text(
@@ -128,3 +134,68 @@ def check_nesting(data: Any, describe: str, fix: str, error: type[PlannerError])
                 raise error(f"{describe} is nested deeper than {MAX_NESTING} levels; {fix}")
             children = value.values() if isinstance(value, dict) else value
             pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+
+
+def finite_number(value: Any) -> float | None:
+    """``value`` as a float when it is a finite JSON number (an int or float, not a bool; an
+    integer too large for a float is not), else None: one test for every reader, which
+    ``math.isfinite`` alone is not (it raises OverflowError on 10**400)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def record_from_json(kind: type[T], data: Any, source: str, field: str, error: type[PlannerError]) -> T:
+    """The flat dataclass ``kind`` built from JSON object ``data``, every field checked
+    against its annotation first: ``str``, ``bool``, ``int`` (not a bool), ``float`` (any
+    finite number >= 0: records hold counts, bytes, seconds and rates), ``dict[str, int]``.
+    Messages name ``source`` (``"plan file 'p.json'"``) and the field (``summary.ops``).
+
+    Raises:
+        error: ``data`` is not an object, a key is unknown or missing, or a value has the
+            wrong type or is negative, inf or nan.
+    """
+    if not isinstance(data, dict):
+        raise error(f"{source}: field '{field}' must be a JSON object, got {type(data).__name__}")
+    hints = typing.get_type_hints(kind)
+    fields = {item.name: item for item in dataclasses.fields(kind)}
+    for key, value in data.items():
+        if key not in fields:
+            raise error(f"{source}: field '{field}' has an unknown key {one_line(key)[:40]!r}; "
+                        f"expected {', '.join(fields)}")
+        problem = _type_problem(value, hints[key])
+        if problem:
+            raise error(f"{source}: field '{field}.{key}' must be {problem}, got {one_line(repr(value))[:40]}")
+    missing = [name for name, item in fields.items() if name not in data
+               and item.default is dataclasses.MISSING and item.default_factory is dataclasses.MISSING]
+    if missing:
+        raise error(f"{source}: field '{field}.{missing[0]}' is missing")
+    try:
+        return kind(**data)
+    except (TypeError, ValueError) as problem:
+        raise error(f"{source}: field '{field}' is invalid: {one_line(problem)[:200]}") from None
+
+
+def _type_problem(value: Any, hint: Any) -> str:
+    """What ``value`` must be to match ``hint``, or ``""`` when it does."""
+    if hint is bool:
+        return "" if isinstance(value, bool) else "true or false"
+    if hint is str:
+        return "" if isinstance(value, str) else "a string"
+    if hint is int:
+        return "" if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else "an integer >= 0"
+    if hint is float:
+        number = finite_number(value)
+        return "" if number is not None and number >= 0 else "a finite number >= 0"
+    if typing.get_origin(hint) is dict:
+        key_hint, value_hint = typing.get_args(hint)
+        if not isinstance(value, dict) or any(
+            _type_problem(key, key_hint) or _type_problem(item, value_hint) for key, item in value.items()
+        ):
+            return f"an object of {key_hint.__name__} to {value_hint.__name__}"
+        return ""
+    raise TypeError(f"record_from_json cannot check fields of type {hint}")  # a bug: a new field kind

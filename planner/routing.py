@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import PlannerError, one_line
-from planner.json_files import read_json
+from planner.json_files import finite_number, read_json
 
 ROUTING_FORMAT = "soap-planner-routing"
 ROUTING_VERSION = 1
@@ -227,7 +227,7 @@ def _layer_from_dict(layer: Any, where: str) -> LayerRouting:
 def _numbers(values: Any, count: int, where: str) -> tuple[float, ...]:
     if not isinstance(values, list) or len(values) != count:
         raise RoutingError(f"{where} must be a list of {count} numbers")
-    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in values):
+    if any(finite_number(v) is None for v in values):
         raise RoutingError(f"{where} must hold finite numbers only")
     return tuple(float(v) for v in values)
 
