@@ -41,7 +41,7 @@ from cost_model.calibration_fit import gauss_newton_fit, prior_penalty
 from cost_model.compute import PRECISIONS
 from planner.cluster import Cluster, LinkSpec, NodeSpec
 from planner.errors import PlanFileError, one_line
-from planner.json_files import read_json
+from planner.json_files import finite_number, read_json
 
 MEASURED_FORMAT = "soap-planner-measured"
 MEASURED_VERSION = 1
@@ -107,14 +107,15 @@ def load_measured(path: str | Path) -> MeasuredRun:
 
     def number(value: Any, name: str) -> float:
         # Every figure is a count, bytes or seconds: a finite number >= 0 (JSON's 1e999 reads as inf).
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-            raise PlanFileError(f"{where}: field '{name}' must be a finite number >= 0, got "
+        number = finite_number(value)  # None for inf, nan, text and integers beyond a float
+        if number is None or number < 0:
+            raise PlanFileError(f"{where}: field '{one_line(name)[:80]}' must be a finite number >= 0, got "
                                 f"{one_line(repr(value))[:40]}; {again}")
-        return float(value)
+        return number
 
     def field(table: Any, key: str, kind: type, prefix: str = "") -> Any:
         if not isinstance(table, dict) or key not in table:
-            raise PlanFileError(f"{where}: field '{prefix}{key}' is missing; {again}")
+            raise PlanFileError(f"{where}: field '{one_line(prefix + key)[:80]}' is missing; {again}")
         if not isinstance(table[key], kind) or isinstance(table[key], bool):
             raise PlanFileError(f"{where}: field '{prefix}{key}' must be {kind.__name__}, got "
                                 f"{type(table[key]).__name__}; {again}")

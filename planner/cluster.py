@@ -48,7 +48,8 @@ llm-foundry's ``attn_impl: triton``); ``cost_model.gpu_kernels`` prices each. Fi
 ``attention_kernel = "..."`` in ``[nodes.device]`` (left out: the default).
 
 Vocabulary layer: imports only the standard library, ``planner.errors``, ``planner.outputs``
-(atomic writes), ``planner.json_files`` (bounded reading of files) and the pure-data ``planner.presets`` (which imports nothing); never torch.
+(atomic writes), ``planner.json_files`` (bounded reading of files) and the pure-data
+``planner.presets`` (which imports nothing); never torch.
 """
 
 from __future__ import annotations
@@ -166,10 +167,8 @@ def _in_file_range(value: Any, key: str, where: str) -> None:
                            f"check the number and its unit")
 
 
-def _check_ranks(counts: list[tuple[int, int]], where: str) -> None:
-    """Refuse more than ``MAX_RANKS`` devices in all, given (nodes, devices per node) pairs,
-    before any node is built."""
-    ranks = sum(nodes * devices for nodes, devices in counts)
+def _check_ranks(ranks: int, where: str) -> None:
+    """Refuse a cluster of more than ``MAX_RANKS`` devices, before any node is built."""
     if ranks > MAX_RANKS:
         count = f"{ranks:,}" if ranks < 10**16 else _shown(ranks)
         raise ClusterError(f"{where} has {count} devices, more than the {MAX_RANKS:,} soap-planner plans for; "
@@ -435,7 +434,7 @@ class Cluster:
                         _positive_int(per_node, f"preset {name!r} devices_per_node"),
                         _parse_link(data["intra_node"], "intra_node"))
         count = _positive_int(nodes, f"preset {name!r} nodes")
-        _check_ranks([(count, node.devices)], f"cluster {name}:{count}x{node.devices}")
+        _check_ranks(count * node.devices, f"cluster {name}:{count}x{node.devices}")
         return cls(name=name.lower(), nodes=(node,) * count,
                    inter_link=_parse_link(data["inter_node"], "inter_node"),
                    backend=data["backend"])
@@ -652,7 +651,7 @@ def _cluster_from_table(data: Any) -> Cluster:
                       intra_link=_parse_link(fields["intra_node"], f"{where}.intra_node"))
         groups_built.append((node, _positive_int(group.get("count", 1), f"{where}.count")))
         ranks += groups_built[-1][1] * node.devices
-        _check_ranks([(ranks, 1)], "the cluster")
+        _check_ranks(ranks, "the cluster")
     for node, count in groups_built:  # only once the counts are known to be sane
         nodes += [node] * count
     # backend and inter_node default to the named presets' values when all of those agree.

@@ -434,7 +434,9 @@ class _Reader:
                 f"{self.source}: field '{self._field(key)}' must be {kind.__name__}, got {type(value).__name__}"
             )
         if kind is int and value < 0:  # counts, bytes
-            raise PlanFileError(f"{self.source}: field '{self._field(key)}' must be an integer >= 0, got {value!r}")
+            raise PlanFileError(
+                f"{self.source}: field '{self._field(key)}' must be a finite number >= 0, got {one_line(repr(value))[:40]}"
+            )
         return value
 
     def strings(self, key: str) -> list[str]:

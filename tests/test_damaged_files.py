@@ -158,17 +158,22 @@ def test_cluster_numbers_out_of_range_are_named_with_the_range(tmp_path, real_pl
 
 
 def test_numbers_beyond_float_in_every_file_are_refused(tmp_path, real_plan):
-    """1e999 parses as inf: refused as not finite wherever a number is read."""
-    cases = {
-        "plan": (json.dumps(_set(real_plan, ("estimate", "step_time_s"), "@")).replace('"@"', "1e999"), "step_time_s"),
-        "routing": (json.dumps(routing_data()).replace("0.4", "1e999"), "token_share"),
-        "measured": (json.dumps(_measured(real_plan)).replace('"step_time_s": 0.01', '"step_time_s": 1e999'),
-                     "step_time_s"),
-    }
-    for kind, (text, field) in cases.items():
-        path = tmp_path / f"{kind}.json"
-        path.write_text(text)
-        _refused(_argv(kind, path, tmp_path, real_plan), f"{kind}.json", field)
+    """1e999 parses as inf, and an integer of 400 digits converts to no float: both are
+    refused as not finite wherever a number is read (math.isfinite once raised on the second)."""
+    for huge in ("1e999", "1" + "0" * 400):
+        cases = {
+            "plan": (json.dumps(_set(real_plan, ("estimate", "step_time_s"), "@")).replace('"@"', huge), "step_time_s"),
+            "cluster": (json.dumps(_set(cluster_data(), ("inter_node", "bandwidth"), "@")).replace('"@"', huge),
+                        "inter_node.bandwidth"),
+            "routing": (json.dumps(routing_data()).replace("0.4", huge), "token_share"),
+            "measured": (json.dumps(_measured(real_plan)).replace('"step_time_s": 0.01', f'"step_time_s": {huge}'),
+                         "step_time_s"),
+        }
+        for kind, (text, field) in cases.items():
+            path = tmp_path / f"{kind}.json"
+            path.write_text(text)
+            line = _refused(_argv(kind, path, tmp_path, real_plan), f"{kind}.json", field)
+            assert len(line) < 400, line  # the number is shown short
 
 
 def test_measured_fields_of_the_wrong_type_are_named(tmp_path, real_plan):
