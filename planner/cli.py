@@ -254,7 +254,9 @@ def _run(options: argparse.Namespace) -> int:
 def _export_checkpoint(options: argparse.Namespace) -> int:
     from pathlib import Path
 
-    output = Path(options.output)
+    from planner.outputs import as_path
+
+    output = as_path(options.output, "the output file of export-checkpoint")  # a name the filesystem can hold
     if output.is_dir():
         raise ArgumentError(f"-o {output} is a folder; give a file name such as model.pt")
     if output.exists() and not options.force:

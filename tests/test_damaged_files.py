@@ -262,6 +262,7 @@ def test_output_paths_the_filesystem_cannot_hold_are_one_line(tmp_path, real_pla
         ["simulate", str(plan), "--trace", target + ".json"],
         ["profile", "-o", target + ".toml"],
         ["calibrate", str(plan), "--cluster", "cpu", "-o", target + ".toml"],
+        ["export-checkpoint", str(tmp_path), "-o", target + ".pt"],
     ):
         _refused(argv, "choose")
     for argv in (["simulate", target], ["plan", MLP, "--cluster", target + ".toml"], ["compare", str(plan), target]):

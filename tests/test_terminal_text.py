@@ -103,3 +103,16 @@ def test_compare_prints_a_measured_files_names_inert(tmp_path, hostile_plan):
     assert status == 0, err
     assert_inert(out)
     assert "[link=file:///etc/passwd]docs[/link]" in out
+
+
+def test_routing_files_quoted_in_errors_are_one_inert_line(tmp_path):
+    """A routing file's layer names and version reach the error line only escaped."""
+    from file_samples import routing_data
+
+    layer = routing_data()["layers"]["blocks.0.moe"]
+    for payload in PAYLOADS:
+        for data in ({**routing_data(), "layers": {payload: layer}}, {**routing_data(), "version": payload}):
+            path = tmp_path / "routing.json"
+            path.write_text(json.dumps(data))
+            status, out, err = run_cli(["plan", "/no/such/model.py", "--routing", str(path)])
+            assert_inert(assert_one_error_line(status, out, err, ["routing.json"]))
