@@ -14,6 +14,11 @@ for any file soap-planner writes and stop the ones that would exhaust the reader
   own limit on int/str conversion), and a number too large for a float reads as ``inf``,
   which the field checks of each file refuse as not finite.
 
+Once read, the data's fields are checked by each reader; two helpers serve them all:
+``finite_number`` (the one test of a number: not a bool, not inf or nan, not an integer too
+large for a float) and ``record_from_json`` (a flat dataclass whose every field is checked
+against its annotation before it is built).
+
 Vocabulary layer: standard library and ``planner.errors`` only.
 """
 
@@ -37,8 +42,10 @@ MAX_FILE_BYTES = 256 * 2**20
 MAX_NESTING = 64
 MAX_INTEGER_DIGITS = sys.get_int_max_str_digits() or 4300
 
-__all__ = ["MAX_FILE_BYTES", "MAX_NESTING", "check_nesting", "finite_number", "parse_json", "peek_json", "read_json", "read_text",
-           "record_from_json"]
+__all__ = [
+    "MAX_FILE_BYTES", "MAX_NESTING", "check_nesting", "finite_number", "parse_json", "peek_json", "read_json",
+    "read_text", "record_from_json",
+]
 
 
 def read_text(
@@ -56,12 +63,15 @@ def read_text(
         missing: what messages say when the file does not exist (``"does not exist; ..."``).
 
     Raises:
-        error: the file is missing, a folder, unreadable, too large or not UTF-8 text.
+        error: the file is missing, a folder, a pipe or device, unreadable, too large or not
+            UTF-8 text.
     """
     try:
         status = os.stat(path)
         if stat.S_ISDIR(status.st_mode):
             raise error(f"{describe} is a folder; give the path of the file")
+        if not stat.S_ISREG(status.st_mode):  # a FIFO or a device could block or never end
+            raise error(f"{describe} is not a regular file (a pipe or a device); give the path of a file")
         size = status.st_size
         if size > MAX_FILE_BYTES:
             raise error(

@@ -95,6 +95,9 @@ def test_structure_the_parser_cannot_take_is_one_line(tmp_path, real_plan, kind)
     path.write_bytes(b'{"format": "\xff\xfe"}')
     _refused(argv, name, "UTF-8")
     path.unlink()
+    os.mkfifo(path)  # reading a pipe nobody writes would never end
+    _refused(argv, name, "not a regular file")
+    path.unlink()
     path.mkdir()
     _refused(argv, name, "folder")
 
