@@ -1,5 +1,5 @@
-"""A property-based fuzzer of the files users share: plans, cluster files and routing
-statistics, damaged at random and given to the real command line (``planner.cli.main``, in
+"""A property-based fuzzer of the files users share: plans, cluster files, routing
+statistics and measured runs, damaged at random and given to the real command line (``planner.cli.main``, in
 this process).
 
 Whatever the file holds, the run ends in exit 0, or in exit 2 with exactly one ``error:``
@@ -34,6 +34,7 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
+from cost_model.calibration import MEASURED_FORMAT, MEASURED_VERSION
 from file_samples import cluster_data, routing_data, run_cli, write_real_plan
 from planner.cluster import Cluster
 from user_errors import assert_one_error_line
@@ -197,3 +198,18 @@ def test_damaged_routing_files_are_read_or_refused_in_one_line(bounded, data):
     path.write_text(_mutated(routing_data(), data.draw))
     note(path.read_text()[:3000])
     assert_clean(*run_cli(["plan", MISSING_MODEL, "--routing", str(path)]))
+
+
+@FUZZ
+@given(data=st.data())
+def test_damaged_measured_files_are_compared_or_refused_in_one_line(bounded, data):
+    measured = {
+        "format": MEASURED_FORMAT, "version": MEASURED_VERSION, "plan": bounded["plan"], "world_size": 2,
+        "step_time_s": 0.01, "step_times_s": [0.01, 0.011],
+        "ops": {"aten::mm": {"count": 2, "time_s": 0.002, "flops": 1e8}, "optimizer.step": {"count": 1, "time_s": 1e-3}},
+        "collectives": [{"kind": "all_reduce", "bytes": 4096, "count": 1, "time_s": 0.001}],
+    }
+    path = bounded["folder"] / "fuzzed_measured.json"
+    path.write_text(_mutated(measured, data.draw))
+    note(path.read_text()[:3000])
+    assert_clean(*run_cli(["compare", str(bounded["folder"] / "plan.json"), str(path)]))
