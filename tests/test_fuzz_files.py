@@ -1,6 +1,6 @@
 """A property-based fuzzer of the files users share: plans, cluster files, routing
-statistics and measured runs, damaged at random and given to the real command line (``planner.cli.main``, in
-this process).
+statistics and measured runs, damaged at random and given to the real command line
+(``planner.cli.main``, in this process).
 
 Whatever the file holds, the run ends in exit 0, or in exit 2 with exactly one ``error:``
 line on stderr (``user_errors.assert_one_error_line``): never a traceback, never "internal
@@ -11,14 +11,17 @@ fuzzer runs, so a file that asks for a huge allocation fails the test (MemoryErr
 internal error) instead of exhausting the machine.
 
 Files start from real ones: a plan ``planner plan -o`` wrote for examples/mlp.py on cpu:1x2,
-a preset's cluster file (JSON and TOML, as ``Cluster.save`` writes them) and a routing
-statistics file. Each example applies a few mutations: a value at a random path replaced by
-an extreme value of its own type (which the file mostly accepts), by a generated JSON value (huge and tiny numbers, inf, nan, 45-digit integers, hostile text,
-wrong types, small nested structures), a key deleted, a value nested 100 levels deep, or the
-text cut or given a stray character. Valid plans are simulated (a second or two each); valid
-cluster and routing files reach the model, which is missing on purpose, so they cost
-nothing. Examples are derandomized: CI runs the same bounded set every time
-(``SOAP_FUZZ_EXAMPLES=500`` runs 500 random ones instead, for a deeper search).
+a preset's cluster file (JSON and TOML, as ``Cluster.save`` writes them), a routing
+statistics file and a measured run of the plan. Half the examples change one value within
+its type (an extreme number, hostile text), which the reader mostly accepts; the others
+apply one to three mutations: a value at a random path replaced by an extreme value of its
+type or by a generated JSON value (huge and tiny numbers, inf, nan, 45-digit integers,
+hostile text, wrong types, small nested structures), a key deleted, a value nested 100
+levels deep, or the text cut or given a stray character. Valid plans are simulated and
+valid measured runs compared (the model is traced once); valid cluster and routing files
+reach the model, which is missing on purpose, so they cost nothing. Examples are
+derandomized: CI runs the same 100 per file kind every time, in about 10 s
+(``SOAP_FUZZ_EXAMPLES=1500`` runs 1500 random ones instead, for a deeper search).
 """
 
 from __future__ import annotations
