@@ -161,8 +161,9 @@ def finite_number(value: Any) -> float | None:
 
 def record_from_json(kind: type[T], data: Any, source: str, field: str, error: type[PlannerError]) -> T:
     """The flat dataclass ``kind`` built from JSON object ``data``, every field checked
-    against its annotation first: ``str``, ``bool``, ``int`` (not a bool), ``float`` (any
-    finite number >= 0: records hold counts, bytes, seconds and rates), ``dict[str, int]``.
+    against its annotation first: ``str``, ``bool``, ``int`` (>= 0, not a bool; a float with
+    an integer value is taken as one), ``float`` (any finite number >= 0: records hold counts,
+    bytes, seconds and rates), ``dict[str, int]``.
     Messages name ``source`` (``"plan file 'p.json'"``) and the field (``summary.ops``).
 
     Raises:
@@ -173,19 +174,23 @@ def record_from_json(kind: type[T], data: Any, source: str, field: str, error: t
         raise error(f"{source}: field '{field}' must be a JSON object, got {type(data).__name__}")
     hints = typing.get_type_hints(kind)
     fields = {item.name: item for item in dataclasses.fields(kind)}
+    values = {}
     for key, value in data.items():
         if key not in fields:
             raise error(f"{source}: field '{field}' has an unknown key {one_line(key)[:40]!r}; "
                         f"expected {', '.join(fields)}")
+        if hints[key] is int and isinstance(value, float) and value.is_integer():
+            value = int(value)  # a count written as 8e9 by hand
         problem = _type_problem(value, hints[key])
         if problem:
             raise error(f"{source}: field '{field}.{key}' must be {problem}, got {one_line(repr(value))[:40]}")
+        values[key] = value
     missing = [name for name, item in fields.items() if name not in data
                and item.default is dataclasses.MISSING and item.default_factory is dataclasses.MISSING]
     if missing:
         raise error(f"{source}: field '{field}.{missing[0]}' is missing")
     try:
-        return kind(**data)
+        return kind(**values)
     except (TypeError, ValueError) as problem:
         raise error(f"{source}: field '{field}' is invalid: {one_line(problem)[:200]}") from None
 
