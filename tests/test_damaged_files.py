@@ -275,3 +275,23 @@ def test_output_paths_the_filesystem_cannot_hold_are_one_line(tmp_path, real_pla
         _refused(argv, "choose")
     for argv in (["simulate", target], ["plan", MLP, "--cluster", target + ".toml"], ["compare", str(plan), target]):
         _refused(argv)
+
+
+def test_plan_records_are_type_checked_field_by_field(tmp_path, real_plan):
+    """A plan's summary, runners-up and costs were built unchecked (a list for forward_flops
+    crashed the report): each field is now checked against its type, and a count written as
+    an integral float by hand still loads."""
+    path = tmp_path / "plan.json"
+    for where, value, field in (
+        (("summary", "forward_flops"), [], "summary.forward_flops"),
+        (("summary", "blocks"), {"x": "many"}, "summary.blocks"),
+        (("runners_up", 0, "step_time_s"), -1.0, "runners_up[0].step_time_s"),
+        (("strategies", 0, "cost", "compute_s"), "fast", "strategies[0].cost.compute_s"),
+        (("strategies", 0, "cost", "memory_bytes"), 1.5, "strategies[0].cost.memory_bytes"),
+        (("estimate", "bytes_per_axis"), {"tp": [1]}, "estimate.bytes_per_axis.tp"),
+    ):
+        path.write_text(json.dumps(_set(real_plan, where, value)))
+        _refused(["simulate", str(path)], "plan.json", field)
+    path.write_text(json.dumps(_set(real_plan, ("summary", "parameters"), float(real_plan["summary"]["parameters"]))))
+    status, out, err = run_cli(["simulate", str(path)])
+    assert status == 0, err
