@@ -16,8 +16,8 @@ from rich.table import Table
 
 from planner.moe_report import moe_notes, moe_table
 from planner.summa_report import has_summa_layouts, summa_table
-from planner.terminal import InertConsole
 from planner.strategy import NodeStrategy
+from planner.terminal import InertConsole
 from planner.units import format_bytes, format_count, format_flops, format_seconds
 from planner.verdict import findings, plan_family, plan_label, verdict
 
