@@ -29,7 +29,6 @@ the run's clean steps (``codegen.runtime.profiling``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections import defaultdict
@@ -42,7 +41,8 @@ from cost_model import defaults
 from cost_model.calibration_fit import gauss_newton_fit, prior_penalty
 from cost_model.compute import PRECISIONS
 from planner.cluster import Cluster, LinkSpec, NodeSpec
-from planner.errors import PlanFileError
+from planner.errors import PlanFileError, one_line
+from planner.json_files import finite_number, read_json
 from planner.plan_identity import plan_fingerprint, plan_world_size
 
 MEASURED_FORMAT = "soap-planner-measured"
@@ -100,48 +100,63 @@ def load_measured(path: str | Path) -> MeasuredRun:
     """
     path = Path(path)
     where = f"measured file '{path}'"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PlanFileError(f"{where} does not exist; write one with `torchrun ... launch.py --steps 10 --profile {path}`") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        detail = "nested too deeply" if isinstance(error, RecursionError) else error
-        raise PlanFileError(f"{where} is not JSON ({detail}); write it again with launch.py --profile") from None
+    again = "write it again with launch.py --profile"
+    data = read_json(path, where, again, PlanFileError,
+                     missing=f"does not exist; write one with `torchrun ... launch.py --steps 10 --profile {path}`")
     if not isinstance(data, dict) or data.get("format") != MEASURED_FORMAT:
         raise PlanFileError(f"{where} is not a soap-planner measured file (no \"format\": \"{MEASURED_FORMAT}\"); "
                             f"write one with launch.py --profile")
     if data.get("version") != MEASURED_VERSION:
-        raise PlanFileError(f"{where} is version {data.get('version')!r}; this soap-planner reads version "
+        raise PlanFileError(f"{where} is version {one_line(data.get('version'))[:20]}; this soap-planner reads version "
                             f"{MEASURED_VERSION}; measure again with this version's launch.py --profile")
-    try:
-        step_times = tuple(float(value) for value in data["step_times_s"])
-        run = MeasuredRun(
-            source=str(path), plan_data=dict(data["plan"]), world_size=int(data["world_size"]),
-            step_time_s=float(data["step_time_s"]), step_times_s=step_times,
-            ops={str(name): {key: float(figures[key]) for key in _OP_FIGURES} for name, figures in data["ops"].items()},
-            collectives=tuple(
-                {"kind": str(item["kind"]), "bytes": float(item["bytes"]), "count": float(item["count"]),
-                 "time_s": float(item["time_s"])}
-                for item in data["collectives"]
-            ),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:
-        raise PlanFileError(f"{where} has a missing or invalid field ({type(error).__name__}: {error}); "
-                            f"write it again with launch.py --profile") from None
-    if not (run.step_time_s > 0 and math.isfinite(run.step_time_s)):
+
+    def number(value: Any, name: str) -> float:
+        # Every figure is a count, bytes or seconds: a finite number >= 0 (JSON's 1e999 reads as inf).
+        number = finite_number(value)  # None for inf, nan, text and integers beyond a float
+        if number is None or number < 0:
+            raise PlanFileError(f"{where}: field '{one_line(name)[:80]}' must be a finite number >= 0, got "
+                                f"{one_line(repr(value))[:40]}; {again}")
+        return number
+
+    def field(table: Any, key: str, kind: type, prefix: str = "") -> Any:
+        if not isinstance(table, dict) or key not in table:
+            raise PlanFileError(f"{where}: field '{one_line(prefix + key)[:80]}' is missing; {again}")
+        if not isinstance(table[key], kind) or isinstance(table[key], bool):
+            raise PlanFileError(f"{where}: field '{prefix}{key}' must be {kind.__name__}, got "
+                                f"{type(table[key]).__name__}; {again}")
+        return table[key]
+
+    def figure(table: Any, key: str, prefix: str = "") -> float:
+        if not isinstance(table, dict) or key not in table:
+            raise PlanFileError(f"{where}: field '{prefix}{key}' is missing; {again}")
+        return number(table[key], prefix + key)
+
+    world_size = field(data, "world_size", int)
+    if world_size < 1:
+        raise PlanFileError(f"{where}: field 'world_size' must be >= 1, got {world_size}; {again}")
+    ops = {}
+    for name, figures in field(data, "ops", dict).items():
+        figures = field(data["ops"], name, dict, "ops.")
+        ops[name] = {key: number(value, f"ops.{name}.{key}") for key, value in figures.items()}
+        for key in _OP_FIGURES:  # every op has its count, time and FLOPs
+            figure(figures, key, f"ops.{name}.")
+    collectives = []
+    for index, item in enumerate(field(data, "collectives", list)):
+        at = f"collectives[{index}]."
+        collectives.append({"kind": field(item, "kind", str, at),
+                            **{key: figure(item, key, at) for key in ("bytes", "count", "time_s")}})
+    run = MeasuredRun(
+        source=str(path), plan_data=dict(field(data, "plan", dict)), world_size=world_size,
+        step_time_s=figure(data, "step_time_s"),
+        step_times_s=tuple(number(value, f"step_times_s[{i}]") for i, value in enumerate(field(data, "step_times_s", list))),
+        ops=ops, collectives=tuple(collectives),
+    )
+    if not run.step_time_s > 0:
         raise PlanFileError(f"{where}: step_time_s must be a positive number, got {run.step_time_s!r}")
-    figures = [("step_times_s", value) for value in run.step_times_s]
-    figures += [(f"ops.{name}.{key}", value) for name, op in run.ops.items() for key, value in op.items()]
-    figures += [(f"collectives[{index}].{key}", item[key]) for index, item in enumerate(run.collectives)
-                for key in ("bytes", "count", "time_s")]
-    bad = next(((name, value) for name, value in figures if not (math.isfinite(value) and value >= 0)), None)
-    if bad is not None:
-        raise PlanFileError(f"{where}: {bad[0][:80]!r} must be a finite number >= 0, got {bad[1]!r}; write the file "
-                            f"again with launch.py --profile")
     for item in run.collectives:  # a kind names a row of `planner compare`'s table: a plain word
         if not _COLLECTIVE_KIND.fullmatch(item["kind"]):
-            raise PlanFileError(f"{where}: collective kind {item['kind'][:40]!r} is not a collective's name (such as "
-                                f"all_reduce); write the file again with launch.py --profile")
+            raise PlanFileError(f"{where}: collective kind {one_line(item['kind'])[:40]!r} is not a collective's name "
+                                f"(such as all_reduce); {again}")
     return dataclasses.replace(run, plan_fingerprint=_checked_plan_identity(run, data.get("plan_fingerprint"), where))
 
 

@@ -19,6 +19,7 @@ from typing import Iterator, Sequence
 from planner.arguments import OneLineParser, flag_type, integer_at_least, positive_finite
 from planner.errors import ArgumentError, PlannerError
 from planner.outputs import refuse_input_as_output
+from planner.terminal import inert, inert_line, inert_text
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
@@ -221,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = build_parser().parse_args(argv)
         return _run(options)
     except PlannerError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {inert_line(error)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -230,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if options.debug:
             traceback.print_exc()
         print(
-            f"internal error: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} "
+            f"internal error: {type(error).__name__}: {inert_line(str(error).splitlines()[0]) if str(error) else ''} "
             f"(a bug in soap-planner: please report it; --debug shows the traceback)",
             file=sys.stderr,
         )
@@ -243,14 +244,14 @@ def _run(options: argparse.Namespace) -> int:
 
         width = max(len(name) for name, _ in preset_table())
         for name, description in preset_table():
-            print(f"{name:<{width}}  {description}")
+            _say(f"{name:<{width}}  {description}")
         return 0
     if options.command == "families":
         from planner.families import family_table
 
         width = max(len(name) for name, _ in family_table())
         for name, description in family_table():
-            print(f"{name:<{width}}  {description}")
+            _say(f"{name:<{width}}  {description}")
         return 0
     if options.command == "plan":
         return _plan(options)
@@ -272,8 +273,8 @@ def _run(options: argparse.Namespace) -> int:
 
         plan = load_plan(options.plan)
         out = compile_plan(plan, options.output, force=options.force)
-        print(f"wrote {out}/model_spmd.py, {out}/plan.json, {out}/launch.py")
-        print(f"next: {first_run_command(plan, f'{out}/launch.py')}")
+        _say(f"wrote {out}/model_spmd.py, {out}/plan.json, {out}/launch.py")
+        _say(f"next: {first_run_command(plan, f'{out}/launch.py')}")
         return 0
     raise AssertionError(f"unhandled command {options.command}")
 
@@ -292,8 +293,8 @@ def _export_checkpoint(options: argparse.Namespace) -> int:
     from codegen.runtime.checkpoint import export_checkpoint
 
     step, count = export_checkpoint(Path(options.checkpoint), output)
-    print(f"wrote {count} tensors (the weights after step {step}) to {output}")
-    print(f"load them with model.load_state_dict(torch.load({str(output)!r}, weights_only=True))")
+    _say(f"wrote {count} tensors (the weights after step {step}) to {output}")
+    _say(f"load them with model.load_state_dict(torch.load({str(output)!r}, weights_only=True))")
     return 0
 
 
@@ -328,12 +329,12 @@ def _plan(options: argparse.Namespace) -> int:
         effort=options.effort, time_budget_s=options.time_budget, seed=options.seed, progress=True, routing=routing,
         tp_layouts=options.tp_layouts, constraints=constraints,
     )
-    print(plan.report())
+    _say(plan.report())
     if options.output is not None:
         plan.save(options.output, force=options.force)
-        print(f"saved the plan to {options.output}")
+        _say(f"saved the plan to {options.output}")
     for line in _next_steps(plan, options):
-        print(line)
+        _say(line)
     return 0
 
 
@@ -387,8 +388,8 @@ def _profile(options: argparse.Namespace) -> int:
     rows = profile.table()
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
-        print(f"{name:<{width}}  {value}")
-    print(f"wrote {output}; next: planner plan examples/gpt.py --cluster {output}")
+        _say(f"{name:<{width}}  {value}")
+    _say(f"wrote {output}; next: planner plan examples/gpt.py --cluster {output}")
     return 0
 
 
@@ -404,7 +405,7 @@ def _compare(options: argparse.Namespace) -> int:
     with _status(f"simulating {plan.name}"):
         plan, graph = plan_and_graph(plan.to_dict(), options.plan, cluster)
         parts = compare(plan, graph, run)
-    print(format_comparison(parts, run, plan.name))
+    _say(format_comparison(parts, run, plan.name))
     return 0
 
 
@@ -428,8 +429,8 @@ def _calibrate(options: argparse.Namespace) -> int:
         cases = calibration_cases(runs)
         calibrated, fit = calibrate(runs, cluster, cases)
     calibrated.save(output, comment=f"calibrated by `planner calibrate` on {len(runs)} measured run(s)", force=options.force)
-    print(format_fit(fit, cases))
-    print(f"wrote {output}; next: planner plan MODEL --cluster {output}")
+    _say(format_fit(fit, cases))
+    _say(f"wrote {output}; next: planner plan MODEL --cluster {output}")
     return 0
 
 
@@ -449,11 +450,17 @@ def _simulate(options: argparse.Namespace) -> int:
     plan = load_plan(options.plan)
     with _status(f"simulating {plan.name}"):
         result = simulate(plan)
-    print(dataclasses.replace(plan, estimate=result).report())
+    _say(dataclasses.replace(plan, estimate=result).report())
     if options.trace is not None:
         result.to_chrome_trace(options.trace, force=options.force)
-        print(f"wrote the timeline to {options.trace} (open it in https://ui.perfetto.dev)")
+        _say(f"wrote the timeline to {options.trace} (open it in https://ui.perfetto.dev)")
     return 0
+
+
+def _say(text: object = "") -> None:
+    """Print ``text`` on stdout, inert: plan, cluster, routing and measured files are shared, and
+    their strings reach this output (``planner.terminal``)."""
+    print(inert(text))
 
 
 @contextlib.contextmanager
@@ -464,5 +471,5 @@ def _status(text: str) -> Iterator[None]:
         return
     from rich.console import Console
 
-    with Console(stderr=True).status(text):
+    with Console(stderr=True).status(inert_text(text)):
         yield

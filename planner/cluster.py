@@ -48,7 +48,8 @@ llm-foundry's ``attn_impl: triton``); ``cost_model.gpu_kernels`` prices each. Fi
 ``attention_kernel = "..."`` in ``[nodes.device]`` (left out: the default).
 
 Vocabulary layer: imports only the standard library, ``planner.errors``, ``planner.outputs``
-(atomic writes) and the pure-data ``planner.presets`` (which imports nothing); never torch.
+(atomic writes), ``planner.json_files`` (bounded reading of files) and the pure-data
+``planner.presets`` (which imports nothing); never torch.
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ import bisect
 import difflib
 import itertools
 import json
-import math
 import os
 import re
 import sys
@@ -66,7 +66,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from planner.errors import ClusterError
+from planner.errors import ClusterError, one_line
+from planner.json_files import MAX_NESTING, check_nesting, finite_number, parse_json, peek_json, read_text
 from planner.outputs import check_output_file, write_text_atomically
 from planner.presets import PRESETS
 
@@ -92,6 +93,24 @@ ATTENTION_KERNELS = ("flash-attention-2", "flash-attention-triton")
 # First line of every cluster file soap-planner writes (planner profile, Cluster.save).
 CLUSTER_FILE_HEADER = ("soap-planner cluster file. Units: FLOP/s, bytes, bytes/s per direction "
                        "per device, seconds.")
+# Ranges a number in a cluster file must lie in (inclusive): wide enough for any device, link
+# or calibration measured or yet to come, narrow enough that every time and byte count the cost
+# model and the search derive from them stays a finite number (1e-300 B/s would make a
+# collective last 1e300 s, beyond the search's integer costs). Code may build a DeviceSpec or
+# LinkSpec outside them (idealised test clusters); files may not.
+FILE_RANGES: dict[str, tuple[float, float, str]] = {  # key: (lowest, highest, the range in words)
+    "peak_flops": (1e6, 1e18, "1e6..1e18 FLOP/s"),
+    "memory_bytes": (2**20, 2**50, "1 MiB..1 PiB (2**20..2**50 bytes)"),
+    "memory_bandwidth": (1e6, 1e16, "1e6..1e16 bytes/s"),
+    "bandwidth": (1e6, 1e16, "1e6..1e16 bytes/s"),
+    "latency": (1e-12, 10.0, "1e-12..10 s"),
+    "kernel_overhead_s": (0.0, 10.0, "0..10 s"),
+    "dtensor_op_overhead_s": (0.0, 10.0, "0..10 s"),
+    "redistribute_overhead_s": (0.0, 10.0, "0..10 s"),
+}
+# Most devices (ranks) a cluster may have: the largest training clusters hold ~10^5 devices;
+# a cluster file or CLI string asking for more is refused before its nodes are built.
+MAX_RANKS = 2**20
 _CLI_FORMS = "PRESET, PRESET:NODES, PRESET:NODESxDEVICES (e.g. cpu:1x4) or a .toml/.json file"
 _CLI_RE = re.compile(r"([A-Za-z0-9._-]+)(?::(\d+)(?:[xX](\d+))?)?")
 
@@ -99,36 +118,61 @@ _CLI_RE = re.compile(r"([A-Za-z0-9._-]+)(?::(\d+)(?:[xX](\d+))?)?")
 # ---- validation helpers (shared by __post_init__ and the file parser) ----
 
 def _positive_float(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value <= 0:
-        raise ClusterError(f"{where} must be a positive finite number, got {value!r}")
-    return float(value)
+    number = finite_number(value)
+    if number is None or number <= 0:
+        raise ClusterError(f"{where} must be a positive finite number, got {_shown(value)}")
+    return number
 
 
 def _positive_int(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ClusterError(f"{where} must be a positive integer, got {value!r}")
+        raise ClusterError(f"{where} must be a positive integer, got {_shown(value)}")
     return value
+
+
+def _shown(value: Any) -> str:
+    """A value from a file for a message: numbers in short form (``1e+300``, not 300 digits),
+    anything else by ``repr``, cut to 40 characters."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**16:
+        return f"{value:.3e}" if finite_number(value) is not None else f"an integer of {len(str(abs(value)))} digits"
+    return one_line(repr(value))[:40]  # a float's repr is short: 8.0, 1e+300, inf
 
 
 def _efficiency(value: Any, where: str) -> float | None:
     """A calibration fraction: None (use the default) or a number in (0, 1]."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or not 0 < value <= 1:
-        raise ClusterError(f"{where} must be a fraction in (0, 1], got {value!r}")
-    return float(value)
+    number = finite_number(value)
+    if number is None or not 0 < number <= 1:
+        raise ClusterError(f"{where} must be a fraction in (0, 1], got {_shown(value)}")
+    return number
 
 
 def _overhead(value: Any, where: str) -> float | None:
     """A calibration time: None (use the default) or a finite number of seconds >= 0."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value < 0:
-        raise ClusterError(f"{where} must be a finite number of seconds >= 0, got {value!r}")
-    return float(value)
+    number = finite_number(value)
+    if number is None or number < 0:
+        raise ClusterError(f"{where} must be a finite number of seconds >= 0, got {_shown(value)}")
+    return number
+
+
+def _in_file_range(value: Any, key: str, where: str) -> None:
+    """Refuse a number of a cluster file outside ``FILE_RANGES[key]`` (its type and sign are
+    checked by the dataclasses, which name the problem first)."""
+    low, high, words = FILE_RANGES[key]
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and not low <= value <= high:
+        raise ClusterError(f"{where} is {_shown(value)}, outside the {words} soap-planner accepts from a file; "
+                           f"check the number and its unit")
+
+
+def _check_ranks(ranks: int, where: str) -> None:
+    """Refuse a cluster of more than ``MAX_RANKS`` devices, before any node is built."""
+    if ranks > MAX_RANKS:
+        count = f"{ranks:,}" if ranks < 10**16 else _shown(ranks)
+        raise ClusterError(f"{where} has {count} devices, more than the {MAX_RANKS:,} soap-planner plans for; "
+                           f"check the node and device counts")
 
 
 def _name(value: Any, where: str) -> str:
@@ -390,6 +434,7 @@ class Cluster:
                         _positive_int(per_node, f"preset {name!r} devices_per_node"),
                         _parse_link(data["intra_node"], "intra_node"))
         count = _positive_int(nodes, f"preset {name!r} nodes")
+        _check_ranks(count * node.devices, f"cluster {name}:{count}x{node.devices}")
         return cls(name=name.lower(), nodes=(node,) * count,
                    inter_link=_parse_link(data["inter_node"], "inter_node"),
                    backend=data["backend"])
@@ -400,20 +445,19 @@ class Cluster:
         path = Path(path)
         source = f"cluster file {path}"
         suffix = _file_suffix(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ClusterError(f"{source} not found; check the path, or use a preset "
-                               f"({', '.join(preset_names())})") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise ClusterError(f"{source} cannot be read ({err}); pass a UTF-8 text file") from None
-        try:
-            data = tomllib.loads(text) if suffix == ".toml" else json.loads(text)
-        except tomllib.TOMLDecodeError as err:  # its message ends "(at line L, column C)"
-            raise ClusterError(f"{source} is not valid TOML: {err}; fix the syntax") from None
-        except json.JSONDecodeError as err:
-            raise ClusterError(f"{source} is not valid JSON: {err.msg} (at line {err.lineno}, "
-                               f"column {err.colno}); fix the syntax") from None
+        fix = "fix it, or write one with `planner profile -o FILE`"
+        text = read_text(path, source, fix, ClusterError,
+                         missing=f"not found; check the path, or use a preset ({', '.join(preset_names())})")
+        if suffix == ".json":
+            data = parse_json(text, source, fix, ClusterError)
+        else:
+            try:
+                data = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as err:  # its message ends "(at line L, column C)"
+                raise ClusterError(f"{source} is not valid TOML: {one_line(err)}; fix the syntax") from None
+            except RecursionError:  # tomllib recurses into nested arrays and inline tables
+                raise ClusterError(f"{source} is nested deeper than {MAX_NESTING} levels; {fix}") from None
+            check_nesting(data, source, fix, ClusterError)
         if isinstance(data, dict):
             data.setdefault("name", path.stem)
         return cls.from_dict(data, source=source)
@@ -475,17 +519,12 @@ def is_cluster_file_we_wrote(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a cluster file written by ``Cluster.save`` (``planner profile``):
     it starts with ``CLUSTER_FILE_HEADER``."""
     try:
-        if os.stat(path).st_size > 1 << 20:  # cluster files are small: a user's huge file is not read
-            return False
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, encoding="utf-8") as stream:
+            if stream.read(len(CLUSTER_FILE_HEADER) + 2) == f"# {CLUSTER_FILE_HEADER}":
+                return True
     except (OSError, UnicodeDecodeError):
         return False
-    if text.startswith(f"# {CLUSTER_FILE_HEADER}"):
-        return True
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError):
-        return False
+    data = peek_json(path)
     return isinstance(data, dict) and data.get("comment") == CLUSTER_FILE_HEADER
 
 
@@ -549,8 +588,11 @@ def _merged(base: Mapping[str, Any] | None, override: Any, where: str) -> Any:
 
 def _parse_link(raw: Any, where: str) -> LinkSpec:
     table = _table(raw, where, ("bandwidth", "latency"))
-    return _build(LinkSpec, where, bandwidth=_require(table, "bandwidth", where, "bytes/s"),
+    link = _build(LinkSpec, where, bandwidth=_require(table, "bandwidth", where, "bytes/s"),
                   latency=_require(table, "latency", where, "seconds"))
+    for key in ("bandwidth", "latency"):
+        _in_file_range(getattr(link, key), key, f"{where}.{key}")
+    return link
 
 
 def _parse_device(raw: Any, where: str) -> DeviceSpec:
@@ -565,11 +607,18 @@ def _parse_device(raw: Any, where: str) -> DeviceSpec:
     # Checked here too, so that an error names the file's path (….calibration.key).
     for key, check in zip(CALIBRATION_KEYS, (_efficiency, _efficiency, _overhead, _overhead, _overhead)):
         check(calibration.get(key), f"{where}.calibration.{key}")
-    return _build(DeviceSpec, where, name=_require(table, "name", where, "the device name"),
-                  peak_flops=flops, memory_bytes=memory,
-                  memory_bandwidth=_require(table, "memory_bandwidth", where, "bytes/s"),
-                  attention_kernel=table.get("attention_kernel", ATTENTION_KERNELS[0]),
-                  **{key: calibration.get(key) for key in CALIBRATION_KEYS})
+    device = _build(DeviceSpec, where, name=_require(table, "name", where, "the device name"),
+                    peak_flops=flops, memory_bytes=memory,
+                    memory_bandwidth=_require(table, "memory_bandwidth", where, "bytes/s"),
+                    attention_kernel=table.get("attention_kernel", ATTENTION_KERNELS[0]),
+                    **{key: calibration.get(key) for key in CALIBRATION_KEYS})
+    for dtype, value in device.peak_flops.items():
+        _in_file_range(value, "peak_flops", f"{where}.peak_flops.{dtype}")
+    for key in ("memory_bytes", "memory_bandwidth"):
+        _in_file_range(getattr(device, key), key, f"{where}.{key}")
+    for key in ("kernel_overhead_s", "dtensor_op_overhead_s", "redistribute_overhead_s"):
+        _in_file_range(getattr(device, key), key, f"{where}.calibration.{key}")
+    return device
 
 
 def _cluster_from_table(data: Any) -> Cluster:
@@ -582,6 +631,8 @@ def _cluster_from_table(data: Any) -> Cluster:
                            "devices = N and a preset or a [nodes.device] table")
     nodes: list[NodeSpec] = []
     presets: list[dict[str, Any]] = []
+    groups_built: list[tuple[NodeSpec, int]] = []
+    ranks = 0
     for index, raw in enumerate(groups):
         where = f"nodes[{index}]"
         group = _table(raw, where, ("count", "devices", "preset", "device", "intra_node"))
@@ -598,7 +649,11 @@ def _cluster_from_table(data: Any) -> Cluster:
         node = _build(NodeSpec, where, device=_parse_device(fields["device"], f"{where}.device"),
                       devices=fields["devices"],
                       intra_link=_parse_link(fields["intra_node"], f"{where}.intra_node"))
-        nodes += [node] * _positive_int(group.get("count", 1), f"{where}.count")
+        groups_built.append((node, _positive_int(group.get("count", 1), f"{where}.count")))
+        ranks += groups_built[-1][1] * node.devices
+        _check_ranks(ranks, "the cluster")
+    for node, count in groups_built:  # only once the counts are known to be sane
+        nodes += [node] * count
     # backend and inter_node default to the named presets' values when all of those agree.
     fields = {"name": top.get("name"),
               "backend": top.get("backend", _agreed([p["backend"] for p in presets])),

@@ -50,6 +50,10 @@ PROGRAM_MARKER = ".soap-planner-program"
 # Staged beside the target as ".<name>.<8 random characters>.tmp" (a file) or ".soap-tmp" /
 # ".soap-old" (a program folder): the longest suffix, in bytes.
 _STAGING_EXTRA = len("..") + 8 + len(".soap-tmp")
+# Longest file name and path, in bytes, the usual filesystems take (POSIX's NAME_MAX and
+# Linux's PATH_MAX); a longer output path is refused before any work, not when writing.
+_NAME_MAX = 255
+_PATH_MAX = 4096
 # Python's bytecode cache of a program's modules, written when the program runs: ours too.
 _REGENERATED = frozenset({"__pycache__"})
 # Files of a program folder written before the marker existed (soap-planner <= 0.1.0 main).
@@ -57,10 +61,26 @@ _LEGACY_PROGRAM_FILES = frozenset({"launch.py", "model_spmd.py", "plan.json"})
 
 
 def as_path(value: object, what: str) -> Path:
-    """``value`` as a ``Path``; ``OutputError`` unless it is a str or ``os.PathLike``."""
+    """``value`` as a ``Path``; ``OutputError`` unless it is a str or ``os.PathLike`` that
+    names a path the filesystem can hold (no NUL, no name longer than it allows)."""
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
         raise OutputError(f"{what} must be a path (str or pathlib.Path), got {value!r}")
-    return Path(value)
+    path = Path(value)
+    text = os.fspath(path)
+    if isinstance(text, bytes) or "\0" in text:
+        raise OutputError(f"{what} {_shortened(text)} is not a path a file can have; choose another path")
+    longest = max(path.parts, key=lambda part: len(os.fsencode(part)))
+    if len(os.fsencode(longest)) > _NAME_MAX or len(os.fsencode(str(path.absolute()))) > _PATH_MAX:
+        raise OutputError(
+            f"{what} {_shortened(text)} is too long for the filesystem (names of at most {_NAME_MAX} "
+            f"bytes, paths of at most {_PATH_MAX}); choose a shorter path"
+        )
+    return path
+
+
+def _shortened(text: str) -> str:
+    """A path for a message: its first 60 characters, quoted and escaped by ``repr``."""
+    return repr(text[:60]) + ("..." if len(text) > 60 else "")
 
 
 # ------------------------------------------------------------------------------ files
@@ -115,18 +135,6 @@ def _check_output_file(path: Path, what: str, is_ours: Callable[[Path], bool], f
         if not os.access(path, os.W_OK):
             raise OutputError(f"cannot write {path}: the file is read-only; choose another path")
     return path
-
-
-def small_json(path: str | os.PathLike, limit: int = 256 << 20) -> object:
-    """The JSON in ``path``, or None when it cannot be read, is not JSON, is nested too deeply,
-    or is larger than ``limit`` bytes: what ``is_ours`` checks read, so that recognising a file
-    never reads a user's multi-gigabyte file into memory (soap-planner's own are far smaller)."""
-    try:
-        if os.stat(path).st_size > limit:
-            return None
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return None
 
 
 def file_tail(path: str | os.PathLike, size: int = 4096) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,7 +18,8 @@ from planner.cluster import Cluster
 from planner.graph import OpGraph
 from planner.errors import ClusterError, PlanFileError, SpecError, one_line
 from planner.fingerprint import FINGERPRINT_LENGTH
-from planner.outputs import check_output_file, small_json, write_text_atomically
+from planner.json_files import finite_number, peek_json, read_json, record_from_json
+from planner.outputs import check_output_file, write_text_atomically
 from planner.model_spec import ModelSpec
 from planner.strategy import (
     DP_FLAVOURS,
@@ -181,6 +181,8 @@ class Plan:
             raise ValueError(
                 f"the pipeline has {self.pipeline.stages} stages but the mesh axis pp has {self.mesh.axis_size('pp')} ranks"
             )
+        if self.pipeline is not None:
+            _check_pipeline_size(self.pipeline, self.batch_size, len(self.strategies))
         stages = self.pipeline.stages * self.pipeline.virtual_stages if self.pipeline is not None else 1
         per_stage = self.pipeline.stage_recompute if self.pipeline is not None else ()
         if per_stage and self.recompute != max(per_stage, key=RECOMPUTE_MODES.index):
@@ -306,7 +308,7 @@ class Plan:
                 f"the mesh must cover every device once"
             )
         estimate = _estimate_from(reader.child("estimate"))
-        summary = reader.convert("summary", lambda d: ModelSummary(**d), TypeError)
+        summary = reader.record("summary", ModelSummary)
         inputs = {
             name: None if value is None else placements_from_json(value, f"{source}: field 'inputs.{name}'")
             for name, value in reader.get("inputs", dict).items()
@@ -343,7 +345,7 @@ class Plan:
                 ),
                 precision=reader.get("precision", str),
                 optimizer=reader.get("optimizer", str),
-                runners_up=tuple(reader.convert("runners_up", lambda d: [Alternative(**a) for a in d], TypeError)),
+                runners_up=tuple(reader.records("runners_up", Alternative)),
                 warnings=tuple(reader.strings("warnings")),
                 search_summary=reader.get("search_summary", str),
                 label=reader.get("label", str),
@@ -386,14 +388,12 @@ def load_plan(path: str | Path) -> Plan:
             f"e.g. load_plan('plan.json')"
         )
     path = Path(path)
-    if path.is_dir():
+    if os.path.isdir(path):  # os.path's, which is False for names too long to exist
         raise PlanFileError(f"plan file '{path}' is a folder; pass the plan's JSON file, e.g. {path / 'plan.json'}")
-    if not path.is_file():
-        raise PlanFileError(f"plan file '{path}' does not exist; create one with `planner plan SPEC -o {path}`")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise PlanFileError(f"plan file '{path}' is not valid JSON ({error}); regenerate it with `planner plan`") from None
+    data = read_json(
+        path, f"plan file '{path}'", "regenerate it with `planner plan`", PlanFileError,
+        missing=f"does not exist; create one with `planner plan SPEC -o {path}`",
+    )
     plan = Plan.from_dict(data, source=f"plan file '{path}'")
     if plan.model is not None and not plan.model.is_hf:
         # A relative model.source is relative to the plan file's folder, never to wherever
@@ -421,14 +421,22 @@ class _Reader:
         if key not in self.data:
             raise PlanFileError(f"{self.source}: field '{self._field(key)}' is missing")
         value = self.data[key]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = finite_number(value)  # None for inf, nan and integers beyond a float
+            if number is None or number < 0:  # seconds, rates
+                raise PlanFileError(
+                    f"{self.source}: field '{self._field(key)}' must be a finite number >= 0, got "
+                    f"{one_line(repr(value))[:40]}"
+                )
+            return number  # type: ignore[return-value]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise PlanFileError(
                 f"{self.source}: field '{self._field(key)}' must be {kind.__name__}, got {type(value).__name__}"
             )
-        if kind in (int, float) and not (math.isfinite(value) and value >= 0):  # counts, bytes, seconds, rates
-            raise PlanFileError(f"{self.source}: field '{self._field(key)}' must be a finite number >= 0, got {value!r}")
+        if kind is int and value < 0:  # counts, bytes
+            raise PlanFileError(
+                f"{self.source}: field '{self._field(key)}' must be a finite number >= 0, got {one_line(repr(value))[:40]}"
+            )
         return value
 
     def strings(self, key: str) -> list[str]:
@@ -439,6 +447,20 @@ class _Reader:
                     f"{self.source}: field '{self._field(key)}[{index}]' must be str, got {type(value).__name__}"
                 )
         return values
+
+    def record(self, key: str, kind: type[T]) -> T:
+        """The flat dataclass ``kind`` from field ``key``, each of its fields type-checked
+        (``planner.json_files.record_from_json``)."""
+        if key not in self.data:
+            raise PlanFileError(f"{self.source}: field '{self._field(key)}' is missing")
+        return record_from_json(kind, self.data[key], self.source, self._field(key), PlanFileError)
+
+    def records(self, key: str, kind: type[T]) -> list[T]:
+        """A list of ``kind`` records from field ``key``."""
+        return [
+            record_from_json(kind, item, self.source, f"{self._field(key)}[{index}]", PlanFileError)
+            for index, item in enumerate(self.get(key, list))
+        ]
 
     def child(self, key: str) -> "_Reader":
         if key not in self.data:
@@ -475,14 +497,17 @@ def _timings_from(reader: _Reader) -> dict[str, float]:
 def is_plan_file(path: Path) -> bool:
     """Whether ``path`` holds a soap-planner plan (of any version): the files ``plan -o``
     may overwrite without ``--force``."""
-    data = small_json(path)  # a user's huge file is not read into memory
+    data = peek_json(path)
     return isinstance(data, dict) and data.get("format") == PLAN_FORMAT
 
 
 def _mesh_from_json(axes: Any) -> Mesh:
     """``[["dp", 2], ["tp", 4]]`` -> ``Mesh``; ``ValueError`` names the bad axis."""
-    if not isinstance(axes, list) or not axes:
-        raise ValueError(f'expected a non-empty list of [name, size] pairs such as [["dp", 2]], got {axes!r}')
+    if not isinstance(axes, list) or not axes or len(axes) > len(MESH_AXES):
+        raise ValueError(
+            f'expected a list of 1 to {len(MESH_AXES)} [name, size] pairs such as [["dp", 2]], got '
+            f'{one_line(repr(axes))[:80]}'
+        )
     pairs = []
     for index, axis in enumerate(axes):
         if not isinstance(axis, list) or len(axis) != 2:
@@ -536,10 +561,42 @@ def _estimate_from(reader: _Reader) -> SimResult:
         model_flops=reader.get("model_flops", float),
         tflops_per_device=reader.get("tflops_per_device", float),
         mfu=reader.get("mfu", float),
-        bytes_per_axis={str(k): float(v) for k, v in reader.get("bytes_per_axis", dict).items()},
+        bytes_per_axis=_bytes_per_axis(reader),
         bubble_fraction=reader.get("bubble_fraction", float),
         host_wait_s=reader.get("host_wait_s", float) if "host_wait_s" in reader.data else 0.0,  # plans before it: 0
     )
+
+
+def _bytes_per_axis(reader: _Reader) -> dict[str, float]:
+    """The estimate's bytes sent per mesh axis: finite numbers >= 0 by axis name."""
+    volumes = reader.get("bytes_per_axis", dict)
+    for axis, value in volumes.items():
+        number = finite_number(value)
+        if number is None or number < 0:
+            raise PlanFileError(
+                f"{reader.source}: field '{reader._field('bytes_per_axis')}.{one_line(axis)[:20]}' must be a finite "
+                f"number of bytes >= 0, got {one_line(repr(value))[:40]}"
+            )
+    return {str(axis): float(value) for axis, value in volumes.items()}
+
+
+def _check_pipeline_size(pipeline: PipelineConfig, batch_size: int, ops: int) -> None:
+    """The pipeline's counts are bounded by the plan's, so that what the simulator and the
+    program allocate per micro-batch and per stage module stays within the batch and the
+    model: a micro-batch holds at least one sample, a stage module at least one op."""
+    counts = (pipeline.stages, pipeline.micro_batches, pipeline.virtual_stages)
+    if any(isinstance(count, bool) or not isinstance(count, int) for count in counts):
+        raise ValueError(f"pipeline stages, micro_batches and virtual_stages must be integers, got {counts!r}")
+    if pipeline.micro_batches > batch_size:
+        raise ValueError(
+            f"the pipeline has {pipeline.micro_batches} micro-batches but the global batch holds {batch_size} "
+            f"samples; a micro-batch holds at least one sample, so micro_batches must be <= batch_size"
+        )
+    if pipeline.stages * pipeline.virtual_stages > max(ops, 1):
+        raise ValueError(
+            f"the pipeline has {pipeline.stages} x {pipeline.virtual_stages} stage modules but the plan has {ops} "
+            f"op(s); a stage module holds at least one op, so stages x virtual_stages must be <= the ops"
+        )
 
 
 def _check_summa_layouts(strategies: tuple[NodeStrategy, ...], mesh: Mesh) -> None:
@@ -608,7 +665,7 @@ def expert_layout_from_dict(reader: "_Reader") -> ExpertLayout:
         replicas = []
         for expert, copies in enumerate(child.get("replicas", list)):
             if not isinstance(copies, list) or not all(
-                isinstance(c, list) and len(c) == 2 and type(c[0]) is int and type(c[1]) in (int, float) for c in copies
+                isinstance(c, list) and len(c) == 2 and type(c[0]) is int and finite_number(c[1]) is not None for c in copies
             ):
                 raise PlanFileError(
                     f"{reader.source}: field '{child.prefix}.replicas[{expert}]' must be a list of [device, share] pairs"
@@ -622,7 +679,7 @@ def expert_layout_from_dict(reader: "_Reader") -> ExpertLayout:
     sharded_copies = reader.data.get("sharded_copies", False)  # absent in plans written before it existed
     if not isinstance(sharded_copies, bool):
         raise PlanFileError(f"{reader.source}: field '{reader.prefix}.sharded_copies' must be true or false")
-    if not all(type(load) in (int, float) for load in loads):
+    if not all(finite_number(load) is not None for load in loads):
         raise PlanFileError(f"{reader.source}: field '{reader.prefix}.expert_loads' must be a list of numbers")
     return reader.convert_value(
         lambda: ExpertLayout(
@@ -636,7 +693,7 @@ def expert_layout_from_dict(reader: "_Reader") -> ExpertLayout:
             placement=placement,
             routing=reader.get("routing", str),
             expert_loads=tuple(float(load) for load in loads),
-            cost=reader.convert("cost", lambda d: CostParts(**d), TypeError),
+            cost=reader.record("cost", CostParts),
             sharded_copies=sharded_copies,
         ),
         ValueError, TypeError,
@@ -690,7 +747,7 @@ def _strategy_from_dict(reader: _Reader) -> NodeStrategy:
         outputs=tuple(placements_from_json(p, f"{where}.outputs'") for p in reader.get("outputs", list)),
         params={n: placements_from_json(p, f"{where}.params'") for n, p in reader.get("params", dict).items()},
         stage=reader.get("stage", int),
-        cost=reader.convert("cost", lambda d: CostParts(**d), TypeError),
+        cost=reader.record("cost", CostParts),
         produced=None if reader.data.get("produced") is None else tuple(
             placements_from_json(p, f"{where}.produced'") for p in reader.get("produced", list)
         ),

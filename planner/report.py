@@ -12,12 +12,12 @@ import textwrap
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from rich.console import Console
 from rich.table import Table
 
 from planner.moe_report import moe_notes, moe_table
 from planner.summa_report import has_summa_layouts, summa_table
 from planner.strategy import NodeStrategy
+from planner.terminal import InertConsole
 from planner.units import format_bytes, format_count, format_flops, format_seconds
 from planner.verdict import findings, plan_family, plan_label, verdict
 
@@ -40,7 +40,8 @@ def render_report(plan: "Plan", width: int = REPORT_WIDTH) -> str:
     """The plan as readable text (see ``Plan.report``): a verdict paragraph first (what was
     chosen, why, at what cost), then what looks wrong and the warnings, then the details."""
     buffer = io.StringIO()
-    console = Console(file=buffer, width=width, force_terminal=False, color_system=None, highlight=False)
+    # Every string of the plan file passes through this console: escaped, never markup.
+    console = InertConsole(file=buffer, width=width, force_terminal=False, color_system=None)
     summary = plan.summary
     source = plan.model.describe() if plan.model else summary.name
     console.print(_paragraph(f"soap-planner plan for {source}: {summary.name}, {format_count(summary.parameters)} "

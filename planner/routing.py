@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import PlannerError, one_line
-from planner.outputs import small_json, write_text_atomically
+from planner.json_files import finite_number, peek_json, read_json
+from planner.outputs import write_text_atomically
 
 ROUTING_FORMAT = "soap-planner-routing"
 ROUTING_VERSION = 1
@@ -120,7 +122,7 @@ class RoutingStats:
 def is_routing_file(path: str | Path) -> bool:
     """Whether ``path`` holds routing statistics in soap-planner's format (of any version):
     the files ``launch.py --record-routing`` may replace without ``--force``."""
-    data = small_json(path)
+    data = peek_json(path)
     return isinstance(data, dict) and data.get("format") == ROUTING_FORMAT
 
 
@@ -136,7 +138,9 @@ def zipf_layer(experts: int, alpha: float, top_k: int = 1) -> LayerRouting:
     _check_counts(experts, top_k, f"zipf:{alpha} routing")
     if not math.isfinite(alpha) or alpha < 0:
         raise RoutingError(f"zipf routing needs a finite exponent >= 0, got {alpha}; e.g. --routing zipf:1.2")
-    weights = [1.0 / (expert + 1) ** alpha for expert in range(experts)]
+    # exp(-alpha log(e + 1)), not 1 / (e + 1) ** alpha: an exponent of any size (zipf:1e45)
+    # underflows to 0 instead of overflowing, and expert 0's weight is 1.
+    weights = [math.exp(-alpha * math.log(expert + 1)) for expert in range(experts)]
     total = sum(weights)
     return LayerRouting(tuple(w / total for w in weights), top_k)
 
@@ -155,6 +159,8 @@ def synthetic(kind: str, layers: Mapping[str, tuple[int, int]]) -> RoutingStats:
     match = re.fullmatch(r"zipf:([0-9]*\.?[0-9]+)", text)
     if match:
         alpha = float(match[1])
+        if not math.isfinite(alpha):  # checked here too: a --routing option is checked before the layers are known
+            raise RoutingError(f"zipf routing needs a finite exponent >= 0, got {match[1][:20]}...; e.g. --routing zipf:1.2")
         built = {name: zipf_layer(e, alpha, k) for name, (e, k) in layers.items()}
         return RoutingStats(built, f"zipf with exponent {alpha} (synthetic)")
     raise RoutingError(
@@ -170,14 +176,11 @@ def load_routing(path: str | Path) -> RoutingStats:
         RoutingError: the file is missing, not JSON, or a field is invalid (named).
     """
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise RoutingError(f"routing statistics file '{path}' does not exist; check the path") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise RoutingError(f"cannot read routing statistics file '{path}': {one_line(error)}") from None
-    except json.JSONDecodeError as error:
-        raise RoutingError(f"routing statistics file '{path}' is not JSON ({one_line(error)})") from None
+    data = read_json(
+        path, f"routing statistics file '{path}'",
+        "record the statistics again with launch.py --record-routing, or write them by the schema in planner/routing.py",
+        RoutingError,
+    )
     return routing_from_dict(data, str(path))
 
 
@@ -234,7 +237,7 @@ def _layer_from_dict(layer: Any, where: str) -> LayerRouting:
 def _numbers(values: Any, count: int, where: str) -> tuple[float, ...]:
     if not isinstance(values, list) or len(values) != count:
         raise RoutingError(f"{where} must be a list of {count} numbers")
-    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in values):
+    if any(finite_number(v) is None for v in values):
         raise RoutingError(f"{where} must hold finite numbers only")
     return tuple(float(v) for v in values)
 
@@ -268,7 +271,7 @@ def read_routing_option(value: Any) -> "RoutingStats | str | None":
     if text == "uniform" or text.startswith("zipf:"):
         synthetic(text, {})  # checks the kind; the layers come after tracing
         return text
-    if not Path(text).is_file():
+    if not os.path.exists(text):  # os.path's: False, not an error, for a name too long to exist
         raise RoutingError(
             f"routing {one_line(text)[:120]!r} is neither 'uniform', 'zipf:ALPHA' (e.g. zipf:1.2) nor an existing "
             f"routing statistics file"

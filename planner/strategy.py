@@ -410,9 +410,10 @@ def is_chrome_trace(path: Any) -> bool:
     """Whether ``path`` holds a Chrome trace written by ``SimResult.to_chrome_trace``."""
     import json
 
-    from planner.outputs import file_tail, small_json
+    from planner.json_files import peek_json
+    from planner.outputs import file_tail
 
-    data = small_json(path)
+    data = peek_json(path)
     if data is None:  # too large to parse here (or not JSON): ours end with their generator
         return file_tail(path).endswith(json.dumps({"otherData": {"generator": TRACE_GENERATOR}})[1:])
     return isinstance(data, dict) and isinstance(data.get("otherData"), dict) and (

@@ -81,7 +81,7 @@ def test_measured_parts_and_matmul_efficiency_by_hand(tmp_path: Path) -> None:
 def test_bad_measured_files_are_one_line(tmp_path: Path) -> None:
     path = tmp_path / "m.json"
     path.write_text("{not json")
-    with pytest.raises(PlanFileError, match="is not JSON"):
+    with pytest.raises(PlanFileError, match="is not valid JSON"):
         load_measured(path)
     path.write_text(json.dumps({"format": "soap-planner-plan"}))
     with pytest.raises(PlanFileError, match="not a soap-planner measured file"):
@@ -92,7 +92,7 @@ def test_bad_measured_files_are_one_line(tmp_path: Path) -> None:
     record = _measured({}, 0.01)
     del record["ops"]
     path.write_text(json.dumps(record))
-    with pytest.raises(PlanFileError, match="missing or invalid field"):
+    with pytest.raises(PlanFileError, match="field 'ops' is missing"):
         load_measured(path)
     with pytest.raises(PlanFileError, match="does not exist"):
         load_measured(tmp_path / "none.json")

@@ -86,7 +86,7 @@ def test_unreadable_files_get_one_line(tmp_path):
     with pytest.raises(RoutingError, match="does not exist"):
         load_routing(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(RoutingError, match="is not JSON"):
+    with pytest.raises(RoutingError, match="is not valid JSON"):
         load_routing(tmp_path / "bad.json")
     (tmp_path / "list.json").write_text(json.dumps([1, 2]))
     with pytest.raises(RoutingError, match="expected a JSON object"):

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import LaunchError
-from planner.outputs import small_json, write_text_atomically
+from planner.json_files import peek_json
+from planner.outputs import write_text_atomically
 from planner.plan_identity import plan_fingerprint
 
 MEASURED_FORMAT = "soap-planner-measured"
@@ -134,7 +135,7 @@ def _element_bytes(event) -> int:
 def is_measured_file(path: Path) -> bool:
     """Whether ``path`` holds a measured file written by ``write_measured`` (of any version):
     the files ``--profile`` may replace without ``--force``."""
-    data = small_json(path)
+    data = peek_json(path)
     return isinstance(data, dict) and data.get("format") == MEASURED_FORMAT
 
 
