@@ -68,8 +68,10 @@ def as_path(value: object, what: str) -> Path:
     path = Path(value)
     text = os.fspath(path)
     if isinstance(text, bytes) or "\0" in text:
-        raise OutputError(f"{what} {_shortened(text)} is not a path a file can have; choose another path")
-    longest = max(path.parts, key=lambda part: len(os.fsencode(part)))
+        raise OutputError(f"{what} {_shortened(text)}: a path cannot hold a NUL character; choose another path")
+    # The last name is checked against its own folder's limit, staging included, by
+    # _check_name_fits; here the folders above it and the whole path.
+    longest = max(path.parent.parts or ("",), key=lambda part: len(os.fsencode(part)))
     if len(os.fsencode(longest)) > _NAME_MAX or len(os.fsencode(str(path.absolute()))) > _PATH_MAX:
         raise OutputError(
             f"{what} {_shortened(text)} is too long for the filesystem (names of at most {_NAME_MAX} "

@@ -96,13 +96,18 @@ def test_compare_prints_a_measured_files_names_inert(tmp_path, hostile_plan):
     measured.write_text(json.dumps({
         "format": MEASURED_FORMAT, "version": MEASURED_VERSION, "plan": json.loads(plan.read_text()),
         "world_size": 2, "step_time_s": 0.01, "step_times_s": [0.01],
-        "ops": {CLEAR_AND_LIE: {"count": 1, "time_s": 0.001}},
-        "collectives": [{"kind": HIDDEN_LINK + MARKUP, "bytes": 4096, "count": 1, "time_s": 0.001}],
+        "ops": {CLEAR_AND_LIE + MARKUP: {"count": 1, "time_s": 0.001, "flops": 0}},
+        "collectives": [{"kind": "all_reduce", "bytes": 4096, "count": 1, "time_s": 0.001}],
     }))
     status, out, err = run_cli(["compare", str(plan), str(measured)])
     assert status == 0, err
     assert_inert(out)
-    assert "[link=file:///etc/passwd]docs[/link]" in out
+    # A collective's kind names a row of the table: one that is not a plain word is refused, inert.
+    data = json.loads(measured.read_text())
+    data["collectives"][0]["kind"] = HIDDEN_LINK + MARKUP
+    measured.write_text(json.dumps(data))
+    status, out, err = run_cli(["compare", str(plan), str(measured)])
+    assert_inert(assert_one_error_line(status, out, err, ["measured.json", "collective kind"]))
 
 
 def test_routing_files_quoted_in_errors_are_one_inert_line(tmp_path):
