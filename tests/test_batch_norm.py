@@ -3,9 +3,12 @@
 On a group of one rank the synchronised layer must compute exactly what the native layer
 does: output, gradients of input, weight and bias, and running statistics, in training
 (with and without momentum) and in evaluation, in float32 and in float64 (``launch.py
---check --fp64`` runs the layer in float64: no step of it may round to float32). Several ranks are checked by the zoo's
-parity launch (tests/test_zoo.py: data-parallel ResNets, and a program left unsynchronised
-that must fail).
+--check --fp64`` runs the layer in float64: no step of it may round to float32). Subclasses
+whose forward does more than normalise (an activation after the norm, as timm's
+BatchNormAct2d) keep all of it, and one that normalises by its own arithmetic is refused by
+name. Several ranks are checked by the zoo's parity launch (tests/test_zoo.py: data-parallel
+ResNets, and a program left unsynchronised that must fail) and by
+tests/test_stable_programs.py (a subclass with an activation, at world 2).
 """
 
 from __future__ import annotations
