@@ -32,6 +32,7 @@ from planner.functionalize import functional_program
 from planner.graph import VIEW_OPS, GraphInput, OpGraph, OpNode, TensorMeta
 from planner.module_moves import module_moves_traced
 from planner.moe_blocks import find_moe_blocks
+from planner.node_names import name_nodes_by_content
 from planner.opaque_backward import watch_backward
 from planner.trace_diagnostics import ModuleTracker, trace_error
 
@@ -127,6 +128,10 @@ def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpG
     program = functional_program(_export(model, args, kwargs))
     signature = program.graph_signature
     graph_module = program.graph_module
+    constants = _lifted_constants(program)
+    # Plans name ops by node name: names after what each op computes, not the trace order,
+    # which can differ between processes (planner.node_names).
+    name_nodes_by_content(graph_module, _module_path, constants)
     # Tied weights (an embedding shared with the head) appear once per alias in the
     # signature; name each by its first alias so it is counted and sharded once.
     canonical = _canonical_names(model)
@@ -175,7 +180,7 @@ def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpG
         batch_size=batch_size,
         tracer="export",
         graph_module=graph_module,
-        constants=_lifted_constants(program),
+        constants=constants,
     )
     _mark_repeated_blocks(graph)
     return graph
@@ -318,6 +323,10 @@ def _innermost_module(fx_node: torch.fx.Node) -> tuple[str, str]:
     return _clean_module_path(path), module_type.rsplit(".", 1)[-1]
 
 
+def _module_path(fx_node: torch.fx.Node) -> str:
+    return _innermost_module(fx_node)[0]
+
+
 def _clean_module_path(path: str) -> str:
     # Strict-mode stacks spell paths as "L['self'].layers[0]"; normalise to "layers.0".
     path = re.sub(r"^L\['self'\]\.?", "", path)
@@ -364,6 +373,7 @@ def _shape_signature(tree: Any) -> tuple:
 
 def _trace_with_symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
     graph_module = torch.fx.symbolic_trace(model)
+    name_nodes_by_content(graph_module, _module_path)  # as on the export path
     placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
     inputs = list(args) + [kwargs[node.target] for node in placeholders[len(args):] if node.target in kwargs]
     device = next((p.device for p in model.parameters()), torch.device("meta"))
