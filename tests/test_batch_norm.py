@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from codegen.runtime.batch_norm import BatchNormNotSynchronised, synchronise_batch_norm
+from planner.errors import PlannerError
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,14 @@ class ShiftedBatchNorm(nn.BatchNorm1d):
         return super().forward(x) * scale + self.shift.view(1, -1, 1)
 
 
+class LowLevelBatchNorm(nn.BatchNorm2d):
+    """Normalises through torch.batch_norm (below F.batch_norm), then adds one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.batch_norm(x, self.weight, self.bias, self.running_mean, self.running_var, self.training,
+                                0.1, self.eps, False) + 1.0
+
+
 class HandMadeBatchNorm(nn.BatchNorm1d):
     """Normalises with its own arithmetic: nothing this module can take over the group."""
 
@@ -117,7 +126,8 @@ class HandMadeBatchNorm(nn.BatchNorm1d):
 @pytest.mark.parametrize("layer, shape, kwargs", [
     (BatchNormAct2d(3), (4, 3, 5, 5), {}),
     (ShiftedBatchNorm(4), (6, 4, 3), {"scale": 0.5}),
-], ids=["norm then activation", "super().forward plus a shift"])
+    (LowLevelBatchNorm(2), (4, 2, 3, 3), {}),
+], ids=["norm then activation", "super().forward plus a shift", "torch.batch_norm plus one"])
 def test_subclasses_keep_what_their_forward_adds(one_rank, layer, shape, kwargs):
     """A batch-norm subclass whose forward does more than normalise keeps all of it: only the
     statistics are taken over the group (the layer's output equals the native layer's,
@@ -150,7 +160,9 @@ def test_a_layer_normalising_by_itself_is_refused_by_name(one_rank):
     each rank normalising its own slice (evaluation, which reads no statistics, still runs)."""
     layer = HandMadeBatchNorm(3)
     synchronise_batch_norm(layer, one_rank)
-    with pytest.raises(BatchNormNotSynchronised, match=r"HandMadeBatchNorm is a batch-norm layer .* F?.*batch_norm"):
+    with pytest.raises(BatchNormNotSynchronised, match=r"HandMadeBatchNorm is a batch-norm layer .* F?.*batch_norm") as info:
         layer(torch.randn(4, 3, 2))
+    assert isinstance(info.value, PlannerError)  # launch.py prints it as one error line, exit 2
+    assert "\n" not in str(info.value)
     layer.eval()
     assert layer(torch.randn(4, 3, 2)).shape == (4, 3, 2)

@@ -34,12 +34,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from planner.errors import LaunchError
+
 __all__ = ["BatchNormNotSynchronised", "synchronise_batch_norm"]
 
 
-class BatchNormNotSynchronised(RuntimeError):
+class BatchNormNotSynchronised(LaunchError):
     """A batch-norm layer in training normalised without a function this module can
-    synchronise, so each rank would normalise its slice of the batch alone."""
+    synchronise, so each rank would normalise its slice of the batch alone (a user's model
+    this program cannot train as one device does: ``launch.py`` prints it as one line)."""
 
 
 def synchronise_batch_norm(model: nn.Module, group: dist.ProcessGroup) -> int:
