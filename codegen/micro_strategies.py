@@ -18,13 +18,16 @@ from planner.plans import Plan
 
 def micro_strategies(plan: Plan, graph: OpGraph, micro: int) -> tuple:
     """The plan's strategies for the graph traced at one micro-batch. Usually it has the same
-    ops under the same names; traced at a micro-batch of one sample, export may drop ops that
-    do nothing there (an ``expand`` or ``contiguous`` over the batch), which renames the ops of
-    that kind after them. The two op sequences are aligned, and each op of the micro-batch
-    graph takes the strategy of the op it matches."""
+    ops in the same order, under other names (an op's name digests its arguments, sizes
+    included: ``planner.node_names``), and each op takes the strategy of the op at its place.
+    Traced at a micro-batch of one sample, export may drop ops that do nothing there (an
+    ``expand`` or ``contiguous`` over the batch): then the two op sequences are aligned, and
+    each op of the micro-batch graph takes the strategy of the op it matches."""
     if [n.name for n in graph.nodes] == [s.node for s in plan.strategies]:
         return plan.strategies
     planned = list(plan.strategies)
+    if [s.op for s in planned] == [n.op for n in graph.nodes]:
+        return tuple(dataclasses.replace(s, node=n.name) for s, n in zip(planned, graph.nodes))
     matcher = difflib.SequenceMatcher(a=[s.op for s in planned], b=[n.op for n in graph.nodes], autojunk=False)
     strategies: list = [None] * len(graph.nodes)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():

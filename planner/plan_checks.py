@@ -104,7 +104,8 @@ def check_plan_against_graph(plan: Plan, graph: OpGraph) -> None:
         if not graph.has_node(strategy.node):
             raise PlanFileError(
                 f"field 'strategies[{index}].node' names op {_shown(strategy.node)}, which the traced model does not "
-                f"have; the plan was made for another version of the model or of the tracer: {_REPLAN}"
+                f"have; the plan was made for another version of the model or of the tracer, or the model's forward "
+                f"computes other ops in each process (random choices, values read from the environment): {_REPLAN}"
             )
         by_node[strategy.node] = index
     missing = [node.name for node in graph.nodes if node.name not in by_node]

@@ -43,7 +43,9 @@ from planner.strategy import (
 
 PLAN_FORMAT = "soap-planner-plan"
 # Version 3 added model_fingerprint (planner/fingerprint.py).
-PLAN_VERSION = 7  # 4: accumulation_steps; 5: pipeline.stage_recompute; 6: expert_layouts; 7: SUMMA layouts, row/col/dep axes
+PLAN_VERSION = 8  # 4: accumulation_steps; 5: pipeline.stage_recompute; 6: expert_layouts; 7: SUMMA layouts, row/col/dep axes;
+# 8: ops named by a digest of what they compute (planner.node_names), not by trace order, so a
+# version-7 plan names ops a re-trace no longer has: it is refused in one line (re-plan it).
 # Precisions a plan is made in (the API also takes "auto", resolved before planning).
 PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")

@@ -30,8 +30,11 @@ from planner.fingerprint import model_fingerprint
 from planner.flop_formulas import register_grouped_matmul_formulas
 from planner.functionalize import functional_program
 from planner.graph import VIEW_OPS, GraphInput, OpGraph, OpNode, TensorMeta
+from planner.module_moves import module_moves_traced
 from planner.moe_blocks import find_moe_blocks
+from planner.node_names import name_nodes_by_content
 from planner.opaque_backward import watch_backward
+from planner.trace_diagnostics import ModuleTracker, trace_error
 
 __all__ = ["trace"]
 
@@ -91,7 +94,10 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, on_progress) -> Op
     try:
         # Custom autograd Functions and backward hooks are recorded while tracing: the graph
         # keeps their forward's ops only (planner.opaque_backward).
-        with _ModuleTracker(model, on_progress) as tracker, watch_backward(model, tracker.current_path) as opaque:
+        # A forward that moves its own modules (self.head.to(x.device)) traces when the move is a
+        # no-op (planner.module_moves).
+        with ModuleTracker(model, on_progress) as tracker, watch_backward(model, tracker.current_path) as opaque, \
+                module_moves_traced(model):
             graph = _trace_either(model, args, kwargs, tracker)
         graph.opaque_backward = list(opaque.found)
         return graph
@@ -99,16 +105,18 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, on_progress) -> Op
         model.train(was_training)
 
 
-def _trace_either(model: torch.nn.Module, args: tuple, kwargs: dict, tracker: "_ModuleTracker") -> OpGraph:
+def _trace_either(model: torch.nn.Module, args: tuple, kwargs: dict, tracker: ModuleTracker) -> OpGraph:
     """``torch.export``, else ``torch.fx.symbolic_trace``, else a ``TraceError``."""
     try:
         return _trace_with_export(model, args, kwargs)
+    except TraceError:
+        raise  # a construct of the model's own named by this package: the fallback cannot take it either
     except Exception as export_error:  # noqa: BLE001 - any failure triggers the fallback
         export_failure = (tracker.failed_module(), export_error)
     try:
         return _trace_with_symbolic_trace(model, args, kwargs)
     except Exception as fx_error:  # noqa: BLE001
-        raise _trace_error(model, export_failure, fx_error) from export_failure[1]
+        raise trace_error(model, export_failure, fx_error) from export_failure[1]
 
 
 # --------------------------------------------------------------------------- export path
@@ -120,6 +128,10 @@ def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpG
     program = functional_program(_export(model, args, kwargs))
     signature = program.graph_signature
     graph_module = program.graph_module
+    constants = _lifted_constants(program)
+    # Plans name ops by node name: names after what each op computes, not the trace order,
+    # which can differ between processes (planner.node_names).
+    name_nodes_by_content(graph_module, _module_path, constants)
     # Tied weights (an embedding shared with the head) appear once per alias in the
     # signature; name each by its first alias so it is counted and sharded once.
     canonical = _canonical_names(model)
@@ -168,7 +180,7 @@ def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpG
         batch_size=batch_size,
         tracer="export",
         graph_module=graph_module,
-        constants=_lifted_constants(program),
+        constants=constants,
     )
     _mark_repeated_blocks(graph)
     return graph
@@ -311,6 +323,10 @@ def _innermost_module(fx_node: torch.fx.Node) -> tuple[str, str]:
     return _clean_module_path(path), module_type.rsplit(".", 1)[-1]
 
 
+def _module_path(fx_node: torch.fx.Node) -> str:
+    return _innermost_module(fx_node)[0]
+
+
 def _clean_module_path(path: str) -> str:
     # Strict-mode stacks spell paths as "L['self'].layers[0]"; normalise to "layers.0".
     path = re.sub(r"^L\['self'\]\.?", "", path)
@@ -357,6 +373,7 @@ def _shape_signature(tree: Any) -> tuple:
 
 def _trace_with_symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
     graph_module = torch.fx.symbolic_trace(model)
+    name_nodes_by_content(graph_module, _module_path)  # as on the export path
     placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
     inputs = list(args) + [kwargs[node.target] for node in placeholders[len(args):] if node.target in kwargs]
     device = next((p.device for p in model.parameters()), torch.device("meta"))
@@ -519,72 +536,3 @@ def _longest_run(indices: list[int], signature: dict[int, tuple]) -> list[int]:
         if len(run) > len(best):
             best = list(run)
     return best
-
-
-# ------------------------------------------------------------------------- diagnostics
-
-
-class _ModuleTracker:
-    """Keeps the stack of modules whose forward is running, to name the one that failed."""
-
-    def __init__(self, model: torch.nn.Module, on_progress: Callable[[str, float], None] | None = None):
-        self._model = model
-        self._on_progress = on_progress
-        self._total = sum(1 for _ in model.modules())
-        self._entered = 0
-        self._stack: list[tuple[str, str]] = []
-        self._deepest_at_failure: tuple[str, str] | None = None
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> "_ModuleTracker":
-        for name, module in self._model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._push(name, module)))
-            self._handles.append(module.register_forward_hook(self._pop))
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-    def _push(self, name: str, module: torch.nn.Module):
-        def hook(*_: Any) -> None:
-            self._stack.append((name or "<root>", type(module).__name__))
-            self._deepest_at_failure = self._stack[-1]
-            if self._on_progress is not None and self._entered < self._total:
-                self._entered += 1
-                self._on_progress(f"tracing {name or type(module).__name__}", self._entered / self._total)
-
-        return hook
-
-    def _pop(self, *_: Any) -> None:
-        if self._stack:
-            self._stack.pop()
-
-    def current_path(self) -> str:
-        """The path of the innermost module running now (``""``: the model itself, or none)."""
-        path = self._stack[-1][0] if self._stack else ""
-        return "" if path == "<root>" else path
-
-    def failed_module(self) -> tuple[str, str] | None:
-        """The innermost module still running when tracing raised, if any."""
-        return self._stack[-1] if self._stack else None
-
-
-def _trace_error(
-    model: torch.nn.Module, export_failure: tuple[tuple[str, str] | None, BaseException], fx_error: BaseException
-) -> TraceError:
-    where, export_error = export_failure
-    location = f"in module '{where[0]}' ({where[1]})" if where else f"in {type(model).__name__}.forward"
-    return TraceError(
-        f"cannot trace {type(model).__name__}: torch.export failed {location} with "
-        f"{type(export_error).__name__}: {_first_line(export_error)}; the torch.fx.symbolic_trace "
-        f"fallback failed with {type(fx_error).__name__}: {_first_line(fx_error)}. Fix: make that "
-        f"forward traceable (no Python branching on tensor values: use torch.where or torch.cond; "
-        f"no .item()/.tolist()), and check the example inputs match the model's signature"
-    )
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    line = text[0] if text else ""
-    return line if len(line) <= 200 else line[:197] + "..."

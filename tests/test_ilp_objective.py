@@ -122,11 +122,12 @@ def test_forced_plan_objective_equals_the_hand_computed_cost():
     """fc1 replicated, fc2 column-parallel, the loss read replicated: every objective term
     (node compute, a resharding edge, an input-gradient all-reduce z) appears once."""
     graph = _trace(TwoLinears(), 64, 256)
-    assert [n.name for n in graph.nodes] == ["linear", "linear_1", "sum_1"]
+    assert [n.op for n in graph.nodes] == ["aten.linear.default", "aten.linear.default", "aten.sum.default"]
+    fc1, fc2, loss_op = (n.name for n in graph.nodes)  # op names are digests (planner.node_names)
     tables = _tables(graph, {
-        "linear": [{"inputs": (R, R), "output": R}],  # x R, weight R -> R
-        "linear_1": [{"inputs": (R, S0), "output": S1}],  # weight rows split: column-parallel
-        "sum_1": [{"inputs": (R,), "output": R}],
+        fc1: [{"inputs": (R, R), "output": R}],  # x R, weight R -> R
+        fc2: [{"inputs": (R, S0), "output": S1}],  # weight rows split: column-parallel
+        loss_op: [{"inputs": (R,), "output": R}],
     })
 
     # fc1, whole work: forward max(FLOPs / (peak x eff), bytes / (bandwidth x eff)) + overhead,
@@ -163,7 +164,7 @@ def test_forced_plan_objective_equals_the_hand_computed_cost():
     # fc1 27.165824 + fc2 5.145728 + f 23.2768 + gather/scatter 21.6384 + sum 2.98328 = 80.210032 us
 
     result = solve(tables, memory_bytes=None, work=10)
-    assert result.optimal and result.choice == {"linear": 0, "linear_1": 0, "sum_1": 0}
+    assert result.optimal and result.choice == {fc1: 0, fc2: 0, loss_op: 0}
     assert tables.objective(result.choice) == pytest.approx(hand, rel=1e-9)
     # Terms: 3 node choices + 1 costed edge pair + 1 gradient reduction, each rounded to 1 ns.
     assert result.objective_s == pytest.approx(hand, abs=5 * NS_PER_TERM)
@@ -175,13 +176,14 @@ def test_cp_sat_picks_the_hand_computed_optimum(batch):
     replicated: the hand costs say which wins (replicated for a small batch, where the gathers'
     latency outweighs half the FLOPs; column-parallel for a large one), and CP-SAT agrees."""
     graph = _trace(OneLinear(), batch, 256)
-    assert [n.name for n in graph.nodes] == ["linear", "sum_1"]
+    assert [n.op for n in graph.nodes] == ["aten.linear.default", "aten.sum.default"]
+    fc, loss_op = (n.name for n in graph.nodes)
     strategies = [
         {"inputs": (R, R), "output": R},  # 0: replicated
         {"inputs": (S0, R), "output": S0},  # 1: batch-sharded, weight replicated
         {"inputs": (R, S0), "output": S1},  # 2: column-parallel
     ]
-    tables = _tables(graph, {"linear": strategies, "sum_1": [{"inputs": (R,), "output": R}]})
+    tables = _tables(graph, {fc: strategies, loss_op: [{"inputs": (R,), "output": R}]})
 
     flops = 2 * batch * 256 * 128
     nbytes = (batch * 256 + 128 * 256 + batch * 128) * F32
@@ -207,14 +209,14 @@ def test_cp_sat_picks_the_hand_computed_optimum(batch):
         linear_time(0.5) + gather_both_ways + loss,  # column-parallel
     ]
     for index, expected in enumerate(hand):
-        assert tables.objective({"linear": index, "sum_1": 0}) == pytest.approx(expected, rel=1e-9), index
+        assert tables.objective({fc: index, loss_op: 0}) == pytest.approx(expected, rel=1e-9), index
     best = min(range(3), key=hand.__getitem__)
     # The scenario: at batch 64, halving the linear saves 12.58 us of matmul time but the
     # gather and scatter cost 23.28 us (replicated is best); at batch 512 it saves 100.66 us
     # for 46.21 us (column-parallel is best).
 
     result = solve(tables, memory_bytes=None, work=10)
-    assert result.optimal and result.choice == {"linear": best, "sum_1": 0}
+    assert result.optimal and result.choice == {fc: best, loss_op: 0}
     # Terms: 2 node choices + at most 1 costed edge pair, each rounded to 1 ns.
     assert result.objective_s == pytest.approx(hand[best], abs=3 * NS_PER_TERM)
 
@@ -228,20 +230,21 @@ def test_an_op_reading_a_partial_input_does_its_whole_work():
     where some operand is Shard (``search.rules.registry.AxisCandidate.shards_work``).
     """
     graph = _trace(OneLinear(), 64, 256)
+    fc, loss_op = (n.name for n in graph.nodes)
     tables = _tables(graph, {
-        "linear": [{"inputs": (S1, S1), "output": PSUM}],  # x and weight split on the contraction dim
-        "sum_1": [{"inputs": (PSUM,), "output": PSUM}],  # sum of partial sums stays partial
+        fc: [{"inputs": (S1, S1), "output": PSUM}],  # x and weight split on the contraction dim
+        loss_op: [{"inputs": (PSUM,), "output": PSUM}],  # sum of partial sums stays partial
     })
     flops = 2 * 64 * 256 * 128 / 2  # half the contraction per rank
     nbytes = (64 * 256 + 128 * 256 + 64 * 128) * F32 / 2
     linear = (max(flops / (PEAK * MATMUL_EFF), nbytes / (HBM * MEMORY_EFF)) + OVERHEAD
               + max(2 * flops / (PEAK * MATMUL_EFF), 2 * nbytes / (HBM * MEMORY_EFF)) + OVERHEAD)
     # The linear itself is priced right: half the work, no communication.
-    assert tables.candidates["linear"][0].compute_s == pytest.approx(linear, rel=1e-9)
-    assert tables.candidates["linear"][0].communication_s == 0
+    assert tables.candidates[fc][0].compute_s == pytest.approx(linear, rel=1e-9)
+    assert tables.candidates[fc][0].communication_s == 0
     sum_bytes = 64 * 128 * F32 + F32  # the whole local partial tensor is read on each rank
     loss = sum_bytes / (HBM * MEMORY_EFF) + OVERHEAD + 2 * sum_bytes / (HBM * MEMORY_EFF) + OVERHEAD
     result = solve(tables, memory_bytes=None, work=10)
     assert result.optimal
-    assert tables.candidates["sum_1"][0].compute_s == pytest.approx(loss, rel=1e-9)
+    assert tables.candidates[loss_op][0].compute_s == pytest.approx(loss, rel=1e-9)
     assert result.objective_s == pytest.approx(linear + loss, abs=2 * NS_PER_TERM)

@@ -113,6 +113,42 @@ def test_hooks_survive_materialization() -> None:
     assert seen == [torch.Size([2, 3])]
 
 
+class Recurrent(nn.Module):
+    """An LSTM (two layers, bidirectional) then a GRU: layers that keep weak references to their weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True)
+        self.gru = nn.GRU(8, 5, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gru(self.lstm(x)[0])[0]
+
+
+def test_recurrent_layers_materialise_and_run_on_their_values() -> None:
+    """nn.RNNBase keeps a weak reference to each weight, which torch.utils.swap_tensors
+    refuses: materialising must still give every weight its values, and the layers must run
+    on them (the same output as the same model built with those values directly)."""
+    with parameters_on_meta():
+        model = Recurrent()
+    rules = init_rules(model)
+    materialize(model, model, torch.device("cpu"), rules)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    reference = Recurrent()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            param.copy_(_whole(rules[name], name, tuple(param.shape)))
+    for name, param in model.named_parameters():
+        assert torch.equal(param, reference.get_parameter(name)), name
+    # The layers' own tables point at the materialised weights: the forward reads them.
+    assert all(a is b for a, b in zip(model.lstm._flat_weights, model.lstm.parameters()))
+    assert all(ref() is w for ref, w in zip(model.gru._flat_weight_refs, model.gru._flat_weights))
+    x = torch.randn(2, 6, 3)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_a_parameter_the_model_does_not_hold_is_refused() -> None:
     with parameters_on_meta():
         model = nn.Linear(3, 2)

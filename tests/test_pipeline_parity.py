@@ -215,7 +215,8 @@ def test_program_says_what_crosses_each_boundary(world2_run: WorldRun, world4_ru
     labels the last stage needs cross as int64; the tied embedding is held by both stages."""
     gpt = (world2_run.folders["gpt", "pp2-1f1b"] / "model_spmd.py").read_text()
     assert "Stage 0 holds wte, wpe, blocks.0 " in gpt and "Stage 1 holds blocks.1, ln_f, lm_head " in gpt
-    assert "    targets: (2, 32): R on dp (int64)" in gpt and "    add_2: (2, 32, 64): R on dp" in gpt
+    assert "    targets: (2, 32): R on dp (int64)" in gpt
+    assert re.search(r"    add_[0-9a-f]{6}: \(2, 32, 64\): R on dp\n", gpt), gpt  # op names digest the op
     assert "class GPTStage0(PipelineStageModule):" in gpt and "SCHEDULE = '1f1b'" in gpt
     gpt2 = (world2_run.folders["gpt2", "searched"] / "model_spmd.py").read_text()
     assert "SHARED_PARAMETERS = {(0, 1): ('transformer.wte.weight',)}" in gpt2

@@ -281,7 +281,8 @@ def test_program_is_readable(world_run: WorldRun) -> None:
     assert "# ---- blocks.0.mlp.c_fc (Linear)" in source
     # Each block written once (both blocks are alike), called with its parameters' prefix.
     assert source.count("def blocks_block(self, prefix: str, ") == 1
-    assert re.search(r"add_\d+ = blocks_block\(self, 'blocks\.1\.', add_\d+, \('dropout_3', 'dropout_4'\)\)", source)
+    # Op names end in a digest of what the op computes (planner.node_names).
+    assert re.search(r"add_\w+ = blocks_block\(self, 'blocks\.1\.', add_\w+, \('dropout_\w+', 'dropout_\w+'\)\)", source)
     assert "p_mlp_c_fc_weight = params[prefix + 'mlp.c_fc.weight']" in source
-    line = r"linear_2 = aten\.linear\.default\(layer_norm_1\w*, p_mlp_c_fc_weight, p_mlp_c_fc_bias\)"
+    line = r"linear_\w+ = aten\.linear\.default\(layer_norm_\w+, p_mlp_c_fc_weight, p_mlp_c_fc_bias\)"
     assert re.search(line + r"  # \(\d+, 32, 256\) -> \(\d+, 32, 128\) per rank", source), source

@@ -269,8 +269,51 @@ def test_data_dependent_control_flow_is_a_trace_error():
     message = str(info.value)
     assert isinstance(info.value, PlannerError) and planner.TraceError is TraceError
     assert "'body.1' (Gate)" in message, "names the innermost module that failed"
+    assert "at test_trace.py:" in message and "(`if y.sum() > 0:" in message, "names the line of the model that failed"
     assert "Fix:" in message and "torch.where" in message, "says how to fix it"
     assert "\n" not in message
+
+
+class MovesItsHead(nn.Module):
+    """Calls .to() on a submodule in forward, as some models do to follow their input."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.body, self.head, self.how = nn.Linear(4, 4), nn.Linear(4, 2), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "device":
+            self.head.to(x.device)
+        elif self.how == "dtype":
+            self.head.to(dtype=x.dtype)
+        else:
+            self.head.to(torch.float16)
+        return self.head(torch.relu(self.body(x))).float().mean()
+
+
+@pytest.mark.parametrize("how", ["device", "dtype"])
+def test_moving_a_module_to_where_it_is_traces(how):
+    """``self.head.to(x.device)`` in forward moves nothing once the model sits with its input:
+    the model traces (torch.export alone cannot: it refuses to swap the head's weights), with
+    the head's op in the graph, and .to() works again afterwards."""
+    with torch.device("meta"):
+        x = torch.randn(8, 4)
+    graph = trace(meta_model(MovesItsHead, how), (x,))
+    assert graph.tracer == "export"
+    assert [node.module for node in graph.nodes if node.op == "aten.linear.default"] == ["body", "head"]
+    assert nn.Linear(2, 2).to(torch.float64).weight.dtype == torch.float64
+
+
+def test_casting_a_module_in_forward_is_one_line_naming_it():
+    """A .to() that would cast the module's weights while tracing is not what a traced program
+    can do: one TraceError line names the module, the call and the fix."""
+    with torch.device("meta"):
+        x = torch.randn(8, 4)
+    with pytest.raises(TraceError) as info:
+        trace(meta_model(MovesItsHead, "half"), (x,))
+    message = str(info.value)
+    assert "calls .to() on module 'head' (Linear)" in message and "torch.float16" in message, message
+    assert "Fix:" in message and "\n" not in message
 
 
 def test_no_tensor_input_is_a_trace_error():

@@ -304,7 +304,7 @@ def _splits_weights(plan: planner.Plan) -> bool:
 def test_multi_output_ops_with_split_outputs_train_like_one_device(zoo2):
     source = (zoo2.folders[BATCH_SPLIT] / "model_spmd.py").read_text()
     # max.dim's indices stay split like its values (one placement per output).
-    assert re.search(r"= max_1\[1\]  # \(8, 1\) -> \(4, 1\) per rank: S\(0\) on tp \(int64\)", source), source
+    assert re.search(r"= max_[0-9a-f]{6}\[1\]  # \(8, 1\) -> \(4, 1\) per rank: S\(0\) on tp \(int64\)", source), source
     assert zoo2.result(BATCH_SPLIT).startswith("ok parity ok: "), zoo2.result(BATCH_SPLIT)
 
 

@@ -35,9 +35,11 @@ frequencies), so ``planner.model_spec.parameters_on_meta`` keeps them real while
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -267,6 +269,12 @@ def materialize(module: nn.Module, model: nn.Module, device: torch.device, rules
     """
     if source_names:
         _name_sources_by_id(model, source_names)
+    with _weak_references_released(module):
+        return _materialize_all(module, model, device, rules, seed)
+
+
+def _materialize_all(module: nn.Module, model: nn.Module, device: torch.device, rules: dict[str, InitRule],
+                     seed: int) -> int:
     names = parameter_names(model)
     derived = derived_parameters(model)
     done: set[int] = set()
@@ -331,6 +339,28 @@ def _materialize_derived(param: nn.Parameter, name: str, device: torch.device, r
                 local[position + first : position + first + block.shape[0]].copy_(block)
     _swap_storage(param, value)
     return local.numel() * local.element_size()
+
+
+@contextlib.contextmanager
+def _weak_references_released(module: nn.Module) -> Iterator[None]:
+    """Drop the weak references recurrent layers keep to their weights while they are swapped.
+
+    ``torch.utils.swap_tensors`` refuses a tensor that has a weak reference, and every
+    ``nn.LSTM``/``nn.GRU``/``nn.RNN`` (``nn.RNNBase``) keeps one to each of its weights (for
+    cuDNN's flattened copy). The references are dropped for the swap and rebuilt afterwards
+    by the layer itself (``_init_flat_weights``, which reads the same parameter objects), so
+    the layer runs on the materialised values."""
+    recurrent = [layer for layer in module.modules() if isinstance(layer, nn.RNNBase)]
+    for layer in recurrent:
+        layer._flat_weight_refs = []
+    try:
+        yield
+    finally:
+        for layer in recurrent:
+            if all(weight is None or weight.device.type != "meta" for weight in layer._flat_weights):
+                layer._init_flat_weights()
+            else:  # still on meta (a failure above): references back, nothing to flatten
+                layer._flat_weight_refs = [None if w is None else weakref.ref(w) for w in layer._flat_weights]
 
 
 def _swap_storage(param: nn.Parameter, value: torch.Tensor) -> None:
