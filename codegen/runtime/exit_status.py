@@ -34,6 +34,7 @@ import traceback
 
 from planner.errors import one_line
 from planner.messages import exception_line
+from planner.terminal import inert_line
 
 DONE = 0
 PARITY_FAILED = 1
@@ -78,19 +79,11 @@ def report_failure(line: str, rank: int, debug: bool = False) -> None:
     ``debug``: print the traceback of the exception being handled first (every rank)."""
     if debug:
         traceback.print_exc()
-    line = printable(line)
+    line = inert_line(line)  # keeps backslashes: text one_line escaped is not escaped twice
     write_elastic_error_file(line)
     if rank == 0:
         sys.stdout.flush()
         print(line, file=sys.stderr, flush=True)
-
-
-def printable(line: str) -> str:
-    """``line`` with every non-printable character (a newline, an escape sequence's ESC, a
-    bidirectional override) as its ``repr()`` escape: messages quote file names, exception
-    texts and plan fields, and the line goes to a terminal. Unlike ``one_line`` it keeps
-    backslashes as they are, so text ``one_line`` already escaped is not escaped twice."""
-    return "".join(character if character.isprintable() else repr(character)[1:-1] for character in line)
 
 
 def write_elastic_error_file(line: str) -> None:
@@ -122,4 +115,4 @@ def exit_now(status: int, rank: int) -> None:
 
 
 __all__ = ["DONE", "PARITY_FAILED", "USER_ERROR", "INTERNAL_ERROR", "INTERRUPTED", "internal_error_line",
-           "report_failure", "printable", "write_elastic_error_file", "exit_now"]
+           "report_failure", "write_elastic_error_file", "exit_now"]
