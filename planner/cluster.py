@@ -363,6 +363,11 @@ class Cluster:
         """Smallest device memory in the cluster, in bytes."""
         return min(node.device.memory_bytes for node in self.nodes)
 
+    @property
+    def min_devices_per_node(self) -> int:
+        """Devices of the smallest node: how far tensor parallelism can go inside a node."""
+        return min(node.devices for node in self.nodes)
+
     def node_of(self, rank: int) -> int:
         """Index of the node that holds ``rank`` (ranks are node-major)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:

@@ -180,7 +180,7 @@ class SearchConstraints:
                 f"--mesh {self.describe_mesh()}: the axes multiply to {fixed} devices, which does not divide the "
                 f"cluster's {world}"
             )
-        per_node = cluster.devices_per_node if cluster.is_homogeneous else min(n.devices for n in cluster.nodes)
+        per_node = cluster.min_devices_per_node
         tp = self.mesh.get("tp", 1)
         if tp > per_node:
             raise ConstraintError(

@@ -49,7 +49,7 @@ def candidate_meshes(cluster: Cluster, batch_size: int) -> list[Mesh]:
     """``dp x tp`` meshes: tp divides the devices of a node (tensor parallelism stays on the
     fast links), dp divides the batch."""
     world = cluster.world_size
-    per_node = cluster.devices_per_node if cluster.is_homogeneous else min(n.devices for n in cluster.nodes)
+    per_node = cluster.min_devices_per_node
     meshes = []
     for tp in range(1, per_node + 1):
         if per_node % tp or world % tp:
