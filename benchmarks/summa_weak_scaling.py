@@ -35,7 +35,7 @@ from planner.cluster import Cluster  # noqa: E402
 from planner.model_spec import ModelSpec  # noqa: E402
 from planner.strategy import Mesh  # noqa: E402
 from cost_model.simulator import simulated  # noqa: E402
-from search.auto import plan_on_mesh  # noqa: E402
+from search.mesh_search import plan_on_mesh  # noqa: E402
 from search.layouts import megatron_layout  # noqa: E402
 from search.plan_builder import unsimulated_plan  # noqa: E402
 from search.summa_savings import layer_savings  # noqa: E402

@@ -58,7 +58,7 @@ from planner.api import prepare_model
 from planner.cluster import Cluster
 from planner.model_spec import ModelSpec
 from planner.strategy import SummaLayout
-from search.auto import plan_on_mesh
+from search.mesh_search import plan_on_mesh
 from search.summa_meshes import summa_meshes
 
 SCENARIOS = {

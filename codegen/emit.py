@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from codegen.index_inputs import index_inputs_source
+from codegen.plan_checks import checked_plan
 from codegen.program_parts import (
     about_plan,
     autocast_lines,
@@ -29,7 +30,8 @@ from codegen.source_text import comment, number
 from planner import __version__
 from planner.launch_command import check_fits_one_device, torchrun_parts
 from planner.outputs import program_folder
-from planner.plans import Plan, is_data_parallel
+from planner.plans import Plan
+from planner.families import emitting_family
 
 _DP_AXIS = "dp"
 
@@ -54,40 +56,27 @@ def write_program(plan: Plan, out_dir: Path, *, force: bool = False) -> Path:
 
 
 def render_model_spmd(plan: Plan) -> str:
-    """Source of ``model_spmd.py``.
-
-    A data-parallel plan (a ``dp`` mesh, every parameter replicated) becomes, by flavour, a
-    DDP module (``ddp``), a DDP module with a ``ZeroRedundancyOptimizer`` from
-    ``make_optimizer`` (``zero1``), or FSDP2 units with (``fsdp``) or without (``zero2``)
-    resharding after forward. Any other plan on a ``dp``/``tp`` mesh is generated from the
-    traced graph, op by op on DTensors (``codegen.spmd_emit``). A plan with expert layouts
-    (MoE layers) becomes a data-parallel program whose MoE layers run in their planned mode
-    (``codegen.moe_emit``).
+    """Source of ``model_spmd.py``: written by the emitter of the family that claims the plan
+    (``planner.families.emitting_family``: MoE layouts, pipelines, hybrid sharding, graph
+    programs on DTensors, then the plain data-parallel flavours, in that order).
 
     Every name the plan gives is first checked against the model built from its spec
     (``codegen.plan_checks``), and plan text reaches the source only as ``repr()`` literals or
     inert comments (``codegen.source_text``).
     """
-    from codegen.plan_checks import checked_plan
+    family = emitting_family(plan)
+    if family is None:
+        raise NotImplementedError(f"codegen for plan {plan.name} is not written yet: no parallelism family compiles it")
+    return family.part("emitter")(plan)
 
-    if plan.expert_layouts:  # MoE layers run by the expert runtime, the rest data parallel
-        from codegen.moe_emit import render_moe_program
 
-        return render_moe_program(plan)
-    plan = checked_plan(plan, graph_program=not is_data_parallel(plan))
-    if plan.pipeline is not None:  # one stage module per pipeline stage (codegen.pipeline_emit)
-        from codegen.pipeline_emit import render_pipeline_program
-
-        return render_pipeline_program(plan)
-    if not is_data_parallel(plan):
-        from codegen.spmd_emit import render_graph_program, supports
-
-        if supports(plan):
-            return render_graph_program(plan)
-        raise NotImplementedError(
-            f"codegen for mesh {plan.mesh}{' with a pipeline' if plan.pipeline else ''} is not written yet; "
-            f"meshes with axes among dp and tp (no pipeline) are"
-        )
+def render_data_parallel_program(plan: Plan) -> str:
+    """The emitter part of the data-parallel families (``planner.families``): a plain
+    data-parallel plan (a ``dp`` mesh, every parameter replicated) becomes, by flavour, a
+    DDP module (``ddp``), a DDP module with a ``ZeroRedundancyOptimizer`` from
+    ``make_optimizer`` (``zero1``), or FSDP2 units with (``fsdp``) or without (``zero2``)
+    resharding after forward."""
+    plan = checked_plan(plan, graph_program=False)
     dp = plan.mesh.axis_size(_DP_AXIS)
     header = _header(plan)
     if plan.dp_flavour == "ddp":

@@ -50,6 +50,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Replicate
 
+from codegen.plan_checks import checked_plan
 from codegen.source_text import identifier
 from codegen.graph_facts import build_meta_model, model_facts, trace_model
 from codegen.micro_batch_source import first_samples
@@ -94,6 +95,12 @@ def unsupported(plan: Plan) -> str | None:
 def supports(plan: Plan) -> bool:
     """Whether this emitter compiles ``plan`` (see ``unsupported``)."""
     return unsupported(plan) is None
+
+
+def compile_pipeline_plan(plan: Plan) -> str:
+    """The emitter part of the ``pipeline`` family (``planner.families``): the plan's names
+    checked against its model (``codegen.plan_checks``), then ``render_pipeline_program``."""
+    return render_pipeline_program(checked_plan(plan, graph_program=True))
 
 
 def render_pipeline_program(plan: Plan) -> str:

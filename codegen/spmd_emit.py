@@ -61,6 +61,7 @@ from codegen.spmd_recompute import checkpointed_body, selective_body
 from codegen.spmd_sections import ProgramSections
 from codegen.spmd_structure import DROPPED_CHECKS, GraphStructure
 from codegen.dry_run import WRONG_LOCAL_SHAPE
+from codegen.plan_checks import checked_plan
 from codegen.graph_facts import (
     ATTENTION,
     DROPOUTS,
@@ -87,6 +88,19 @@ def supports(plan: Plan) -> bool:
     ``dp``/``row``/``col``/``dep`` mesh (``codegen.summa_emit``), no pipeline."""
     axes = SUPPORTED_AXES + (summa_emit.SUMMA_AXES if summa_emit.uses_summa(plan) else ())
     return plan.pipeline is None and set(plan.mesh.names) <= set(axes)
+
+
+def compile_graph_plan(plan: Plan) -> str:
+    """The emitter part of the ``tp`` and ``summa`` families (``planner.families``), and of
+    any plan replayed op by op: the plan's names checked against its model
+    (``codegen.plan_checks``), then ``render_graph_program``."""
+    plan = checked_plan(plan, graph_program=True)
+    if not supports(plan):
+        raise NotImplementedError(
+            f"codegen for mesh {plan.mesh} is not written yet; meshes with axes among dp and tp (no pipeline) "
+            f"and SUMMA meshes are"
+        )
+    return render_graph_program(plan)
 
 
 def render_graph_program(plan: Plan) -> str:

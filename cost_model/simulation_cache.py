@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from planner.graph import OpGraph, OpNode
-from planner.plans import is_data_parallel
+from planner.program_shape import is_data_parallel
 
 if TYPE_CHECKING:
     from cost_model.simulator import NodeCost, Segment

@@ -69,7 +69,7 @@ from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, gr
 from cost_model.step_memory import PARAM_BYTES, StepMemory, bytes_per_parameter
 from cost_model.step_tasks import StepTaskGraph
 from planner.graph import OpGraph, OpNode
-from planner.plans import is_data_parallel
+from planner.program_shape import is_data_parallel
 from planner.strategy import (
     EXPERT_COPIES_AXIS,
     RECOMPUTE_MODES,

@@ -438,7 +438,7 @@ def compile_blocker(plan: Plan) -> str | None:
         reason = unsupported(plan)
         if reason:
             return f"{plan.name} cannot be compiled: {reason} (planner simulate still prices it)"
-    from planner.plans import is_data_parallel
+    from planner.program_shape import is_data_parallel
 
     dp = plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else 1
     if not is_data_parallel(plan) and dp > 1:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from planner.errors import ArgumentError, PlanningError
-from planner.families import DATA_PARALLEL_FAMILIES, FAMILY_NAMES, families_of, family_of_axis
+from planner.families import data_parallel_names, family_names, families_of, family_of_axis
 
 if TYPE_CHECKING:
     from planner.cluster import Cluster
@@ -64,13 +64,13 @@ class SearchConstraints:
         object.__setattr__(self, "max", _axis_sizes(dict(self.max), "--max"))
         if self.families is not None:
             families = frozenset(self.families)
-            unknown = sorted(str(name)[:40] for name in families if name not in FAMILY_NAMES)
+            unknown = sorted(str(name)[:40] for name in families if name not in family_names())
             if unknown:
                 raise ArgumentError(
-                    f"--family {unknown[0]}: no such family; families are {', '.join(FAMILY_NAMES)} (planner families)"
+                    f"--family {unknown[0]}: no such family; families are {', '.join(family_names())} (planner families)"
                 )
             if not families:
-                raise ArgumentError(f"--family needs at least one family of {', '.join(FAMILY_NAMES)}")
+                raise ArgumentError(f"--family needs at least one family of {', '.join(family_names())}")
             object.__setattr__(self, "families", families)
         for axis, size in self.mesh.items():
             if axis in self.max and size > self.max[axis]:
@@ -80,9 +80,9 @@ class SearchConstraints:
                 raise ArgumentError(
                     f"--mesh {axis}={size} needs the '{needed}' family, which --family {self._families_text()} leaves out"
                 )
-        if self.mesh.get("dp", 1) > 1 and self.families is not None and not self.families & set(DATA_PARALLEL_FAMILIES):
+        if self.mesh.get("dp", 1) > 1 and self.families is not None and not self.families & set(data_parallel_names()):
             raise ArgumentError(
-                f"--mesh dp={self.mesh['dp']} needs a data-parallel family ({', '.join(DATA_PARALLEL_FAMILIES)}), "
+                f"--mesh dp={self.mesh['dp']} needs a data-parallel family ({', '.join(data_parallel_names())}), "
                 f"which --family {self._families_text()} leaves out"
             )
 
@@ -123,7 +123,7 @@ class SearchConstraints:
         return bool(self.mesh or self.max or self.families is not None)
 
     def _families_text(self) -> str:
-        return ",".join(name for name in FAMILY_NAMES if self.families and name in self.families)
+        return ",".join(name for name in family_names() if self.families and name in self.families)
 
     def describe(self) -> str:
         """The constraints as the command line says them, e.g. ``--mesh tp=8 --family fsdp,tp``."""
@@ -146,7 +146,7 @@ class SearchConstraints:
             return False
         if any(sizes.get(axis, 1) > bound for axis, bound in self.max.items()):
             return False
-        if sizes.get("dp", 1) > 1 and not any(self.allows_family(name) for name in DATA_PARALLEL_FAMILIES):
+        if sizes.get("dp", 1) > 1 and not any(self.allows_family(name) for name in data_parallel_names()):
             return False
         return all(
             self.allows_family(needed)
@@ -190,7 +190,7 @@ class SearchConstraints:
         if self.families is not None and world > 1 and not self.families - {"moe"}:
             raise ConstraintError(
                 "--family moe alone splits nothing but the MoE layers; add a data-parallel family "
-                f"({', '.join(DATA_PARALLEL_FAMILIES)}) for the rest of the model"
+                f"({', '.join(data_parallel_names())}) for the rest of the model"
             )
 
     def check_batch(self, batch_size: int) -> None:

@@ -17,6 +17,7 @@ from rich.table import Table
 from planner.errors import one_line
 from planner.strategy import EXPERT_MODE_WORDS, ExpertLayout, ExpertPlacement
 from planner.units import format_bytes, format_seconds
+from planner.report_parts import Paragraph
 
 if TYPE_CHECKING:
     from planner.plans import Plan
@@ -99,3 +100,8 @@ def _max_over_mean(placement: ExpertPlacement, loads) -> float:
 def _list(experts: list[int]) -> str:
     shown = ", ".join(str(expert) for expert in experts[:6])
     return shown + (f" (+{len(experts) - 6})" if len(experts) > 6 else "")
+
+
+def moe_section(plan: "Plan") -> list:
+    """The report part of the ``moe`` family (``planner.families``): the layers' table and its notes."""
+    return [moe_table(plan), *(Paragraph(line, hanging="    ") for line in moe_notes(plan))]

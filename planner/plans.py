@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, TypeVar
 from planner.cluster import Cluster
 from planner.graph import OpGraph
 from planner.errors import ClusterError, PlanFileError, SpecError, one_line
+from planner.families import section_families
 from planner.fingerprint import FINGERPRINT_LENGTH
 from planner.json_files import finite_number, peek_json, read_json, record_from_json
 from planner.outputs import check_output_file, write_text_atomically
@@ -43,14 +44,24 @@ from planner.strategy import (
 
 PLAN_FORMAT = "soap-planner-plan"
 # Version 3 added model_fingerprint (planner/fingerprint.py).
-PLAN_VERSION = 8  # 4: accumulation_steps; 5: pipeline.stage_recompute; 6: expert_layouts; 7: SUMMA layouts, row/col/dep axes;
+PLAN_VERSION = 9  # 4: accumulation_steps; 5: pipeline.stage_recompute; 6: expert_layouts; 7: SUMMA layouts, row/col/dep axes;
 # 8: ops named by a digest of what they compute (planner.node_names), not by trace order, so a
 # version-7 plan names ops a re-trace no longer has: it is refused in one line (re-plan it).
+# 9: family sections (planner.families), each under its family's key; a version-8 plan has none
+# and is read as it is (READABLE_VERSIONS).
 # Precisions a plan is made in (the API also takes "auto", resolved before planning).
+READABLE_VERSIONS = (8, PLAN_VERSION)
 PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
 # Mesh axes plans are made of: data, tensor and pipeline parallelism.
 MESH_AXES = ("dp", "tp", "pp", "row", "col", "dep")
+# The fields of a plan's JSON; any other key is a family's section (Plan.sections).
+_PLAN_KEYS = frozenset((
+    "format", "version", "model", "cluster", "mesh", "dp_flavour", "recompute", "pipeline", "accumulation_steps",
+    "precision", "optimizer", "batch_size", "inputs", "fsdp_units", "expert_layouts", "summary", "estimate",
+    "runners_up", "warnings", "search_summary", "label", "timings", "fused_splits_local", "model_fingerprint",
+    "strategies",
+))
 
 T = TypeVar("T")
 
@@ -116,6 +127,10 @@ class Plan:
         model_fingerprint: the structural fingerprint of the planned model and its example
             batch (``planner.fingerprint``); taken from ``graph`` when left empty.
             ``compile``, ``simulate`` and ``launch.py`` compare it with what the spec builds.
+        sections: the plan sections of families that have one (``planner.families``), by
+            family name: e.g. ``{"hsdp": HsdpSection(shard=2)}``. Each is saved under its
+            family's own key of the plan JSON, checks itself against the plan and adds its
+            words to the plan's name.
         graph: the traced model, kept in memory for simulation (not saved; a loaded plan
             re-traces its model spec on meta tensors when it needs it).
     """
@@ -143,6 +158,7 @@ class Plan:
     timings: Mapping[str, float] = field(default_factory=dict)
     fused_splits_local: bool = False
     model_fingerprint: str = ""
+    sections: Mapping[str, Any] = field(default_factory=dict)
     graph: OpGraph | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -205,6 +221,17 @@ class Plan:
             )
         _check_expert_layouts(self.expert_layouts, self.mesh)
         _check_summa_layouts(self.strategies, self.mesh)
+        object.__setattr__(self, "sections", dict(self.sections))
+        for name, section in self.sections.items():
+            owner = next((f for f in section_families() if f.name == name), None)
+            if owner is None:
+                raise ValueError(
+                    f"plan section '{one_line(str(name))[:40]}' belongs to no parallelism family with a section; "
+                    f"those are {', '.join(f.name for f in section_families()) or 'none'}"
+                )
+            if not isinstance(section, owner.section):
+                raise ValueError(f"plan section '{name}' must be a {owner.section.__name__}, got {type(section).__name__}")
+            section.check(self)
 
     @property
     def world_size(self) -> int:
@@ -235,6 +262,7 @@ class Plan:
             details.append("sequence parallel")  # Megatron's layout reshards only for it
         if self.expert_layouts:
             details.append(expert_modes_summary(self.expert_layouts))
+        details += [section.describe(self) for section in self.sections.values()]
         return one_line(f"{self.label or self.dp_flavour} ({'; '.join(details)})")
 
     def report(self) -> str:
@@ -285,6 +313,7 @@ class Plan:
             "timings": dict(self.timings),
             "fused_splits_local": self.fused_splits_local,
             "model_fingerprint": self.model_fingerprint,
+            **{name: section.to_json() for name, section in self.sections.items()},
             "strategies": [_strategy_to_dict(s) for s in self.strategies],
         }
 
@@ -296,7 +325,7 @@ class Plan:
         if fmt != PLAN_FORMAT:
             raise PlanFileError(f"{source}: field 'format' is '{fmt}', not a soap-planner plan ('{PLAN_FORMAT}')")
         version = reader.get("version", int)
-        if version != PLAN_VERSION:
+        if version not in READABLE_VERSIONS:
             raise PlanFileError(
                 f"{source}: field 'version' is {version} but this soap-planner reads version {PLAN_VERSION}; "
                 f"re-run `planner plan` with this version to regenerate the plan"
@@ -355,25 +384,10 @@ class Plan:
                 # Absent from plans written before the field: their programs gather at splits.
                 fused_splits_local=reader.get("fused_splits_local", bool) if "fused_splits_local" in data else False,
                 model_fingerprint=fingerprint,
+                sections=_sections_from(data, source),
             )
         except ValueError as error:
             raise PlanFileError(f"{source}: {one_line(error)}") from None
-
-
-def is_data_parallel(plan: Plan) -> bool:
-    """Whether ``plan``'s program is plain data parallel (``codegen`` emits the model module
-    under DDP/ZeRO/FSDP) rather than a replay of the traced graph on DTensors: a plan named by
-    its flavour (label empty) on a ``dp``-only mesh, no pipeline, every parameter replicated. A
-    searched plan on a ``dp`` mesh may replicate some inputs or activations, which DDP's batch
-    split would not honour; it goes through the graph path. An MoE plan of that shape
-    (labelled, with expert layouts) is data parallel around its MoE layers. The cost model
-    reads it too: only graph programs pay DTensor's per-op dispatch."""
-    labelled = getattr(plan, "label", "") and not plan.expert_layouts
-    if plan.mesh.names != ("dp",) or plan.pipeline is not None or labelled:
-        return False
-    return all(
-        placements_str(placements) == "(R)" for strategy in plan.strategies for placements in strategy.params.values()
-    )
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -405,6 +419,20 @@ def load_plan(path: str | Path) -> Plan:
 
 
 # ------------------------------------------------------------------------------ helpers
+
+
+def _sections_from(data: dict, source: str) -> dict[str, Any]:
+    """The family sections of a plan's JSON, each read by its family's section class; a
+    key no field and no family has is refused (a plan written by a newer soap-planner with a
+    family this one does not know would otherwise run as another plan)."""
+    known = {family.name: family for family in section_families()}
+    unknown = sorted(str(key)[:40] for key in data if key not in _PLAN_KEYS and key not in known)
+    if unknown:
+        raise PlanFileError(
+            f"{source}: field '{unknown[0]}' is not a plan field or the section of a parallelism family this "
+            f"soap-planner knows ({', '.join(known) or 'none'}); re-plan with this version or upgrade soap-planner"
+        )
+    return {name: family.section.from_json(data[name], source) for name, family in known.items() if name in data}
 
 
 class _Reader:

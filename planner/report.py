@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from planner.moe_report import moe_notes, moe_table
-from planner.summa_report import has_summa_layouts, summa_table
+from planner.families import with_part
+from planner.flavour_text import FLAVOUR_TEXT
+from planner.report_parts import Paragraph
 from planner.strategy import NodeStrategy
 from planner.terminal import InertConsole
 from planner.units import format_bytes, format_count, format_flops, format_seconds
@@ -27,13 +28,6 @@ if TYPE_CHECKING:
 # Columns of the report: it must read well in a 100-column terminal.
 REPORT_WIDTH = 100
 
-_FLAVOUR_TEXT = {
-    "ddp": "DDP: weights replicated, gradients all-reduced (bucketed, overlapped with backward)",
-    "zero1": "ZeRO-1: optimizer states sharded over dp",
-    "zero2": "ZeRO-2: optimizer states and gradients sharded over dp",
-    "fsdp": "FSDP (ZeRO-3): weights, gradients and optimizer states sharded over dp; "
-    "weights all-gathered per unit, gradients reduce-scattered",
-}
 
 
 def render_report(plan: "Plan", width: int = REPORT_WIDTH) -> str:
@@ -79,16 +73,13 @@ def render_report(plan: "Plan", width: int = REPORT_WIDTH) -> str:
     for label, text in details:
         console.print(_paragraph(f"{label:<9} {text}", width, indent="  ", hanging=" " * 12))
     console.print(_strategy_table(plan))
-    if has_summa_layouts(plan):
-        console.print(summa_table(plan))
-    if plan.expert_layouts:
-        console.print(moe_table(plan))
-        for line in moe_notes(plan):
-            console.print(_paragraph(line, width, indent="  ", hanging="    "))
-    if plan.pipeline is not None:
-        console.print(_paragraph(_pipeline_summary(plan), width, indent="  "))
-        console.print(_pipeline_table(plan))
-        console.print(_paragraph(_axes_text(plan), width, indent="  "))
+    for family in with_part("report"):  # each family's own section (planner.families)
+        if family.uses(plan):
+            for item in family.part("report")(plan):
+                if isinstance(item, Paragraph):
+                    console.print(_paragraph(item.text, width, indent=item.indent, hanging=item.hanging))
+                else:
+                    console.print(item)
     console.print(_memory_table(plan))
     console.print(_memory_verdict(plan))
     console.print(_time_table(plan))
@@ -129,10 +120,10 @@ def _strategy_text(plan: "Plan") -> str:
         return "Megatron-LM: column/row-parallel blocks on tp, layers split over pp, batch over dp"
     if plan.expert_layouts:
         return (
-            f"{_FLAVOUR_TEXT[plan.dp_flavour]}; each Mixture-of-Experts layer runs by its own layout (table below): "
+            f"{FLAVOUR_TEXT[plan.dp_flavour]}; each Mixture-of-Experts layer runs by its own layout (table below): "
             f"its experts replicated, sliced, or spread over the devices with tokens moved by all-to-all"
         )
-    return _FLAVOUR_TEXT[plan.dp_flavour]
+    return FLAVOUR_TEXT[plan.dp_flavour]
 
 
 def _strategy_table(plan: "Plan") -> Table:
@@ -151,81 +142,6 @@ def _strategy_table(plan: "Plan") -> Table:
             f"{main.op.removeprefix('aten.')}: {main.describe()}",
         )
     return table
-
-
-def _pipeline_table(plan: "Plan") -> Table:
-    """One row per pipeline rank: the blocks (and other ops) its virtual stages hold, its
-    simulated busy time per step and its memory."""
-    pipeline, estimate = plan.pipeline, plan.estimate
-    table = Table(title=f"Pipeline stages ({estimate.method})")
-    for column in ("rank", "holds (virtual stages in order)", "recompute", "compute + tp comm", "memory"):
-        table.add_column(column, justify="right" if column in ("rank", "compute + tp comm", "memory") else "left")
-    by_stage: dict[int, list[NodeStrategy]] = {}
-    for strategy in plan.strategies:
-        by_stage.setdefault(strategy.stage, []).append(strategy)
-    for rank in range(pipeline.stages):
-        chunks = [by_stage.get(v, []) for v in range(rank, pipeline.stages * pipeline.virtual_stages, pipeline.stages)]
-        busy = sum(s.cost.compute_s + s.cost.communication_s for chunk in chunks for s in chunk)
-        memory = estimate.stage_memory[rank].total if rank < len(estimate.stage_memory) else 0
-        holds = " | ".join(_stage_contents(chunk) for chunk in chunks)
-        stages = range(rank, pipeline.stages * pipeline.virtual_stages, pipeline.stages)
-        recompute = " | ".join(plan.recompute_at(stage) for stage in stages)
-        table.add_row(str(rank), holds, recompute, format_seconds(busy), format_bytes(memory))
-    return table
-
-
-def _pipeline_summary(plan: "Plan") -> str:
-    pipeline = plan.pipeline
-    virtual = f", {pipeline.virtual_stages} virtual stages per rank" if pipeline.virtual_stages > 1 else ""
-    return (
-        f"Pipeline: {pipeline.stages} stages, {pipeline.schedule}{virtual}, {pipeline.micro_batches} micro-batches, "
-        f"bubble {plan.estimate.bubble_fraction:.1%} of the busiest rank's step"
-    )
-
-
-def _stage_contents(strategies: list[NodeStrategy]) -> str:
-    """``blocks.0-5 + wte, wpe``: the repeated blocks as index ranges, then the other
-    top-level modules."""
-    blocks: OrderedDict[str, list[int]] = OrderedDict()
-    others: list[str] = []
-    for strategy in strategies:
-        match = re.match(r"(.*?)\.(\d+)(?=\.|$)", strategy.module)
-        if match:
-            indices = blocks.setdefault(match[1], [])
-            if int(match[2]) not in indices:
-                indices.append(int(match[2]))
-        elif strategy.module:
-            top = strategy.module.split(".")[0]
-            if top not in others:
-                others.append(top)
-    parts = [f"{prefix}.{_ranges(indices)}" for prefix, indices in blocks.items()]
-    return " + ".join(parts + ([", ".join(others)] if others else [])) or "-"
-
-
-def _ranges(indices: list[int]) -> str:
-    spans, start = [], None
-    for position, index in enumerate(sorted(indices)):
-        if start is None:
-            start = previous = index
-        elif index != previous + 1:
-            spans.append((start, previous))
-            start = index
-        previous = index
-        if position == len(indices) - 1:
-            spans.append((start, previous))
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
-
-
-def _axes_text(plan: "Plan") -> str:
-    """Which mesh axis does what, the data-parallel flavour included."""
-    roles = {"pp": "pipeline stages", "tp": "tensor parallelism (Megatron column/row-parallel blocks)"}
-    parts = []
-    for axis, size in plan.mesh.axes:
-        if axis == "dp":
-            parts.append(f"'dp' ({size} ranks) runs {_FLAVOUR_TEXT[plan.dp_flavour].split(':')[0]}")
-        else:
-            parts.append(f"'{axis}' ({size} ranks) runs {roles.get(axis, axis)}")
-    return f"axes: {'; '.join(parts)}. Stage time: forward + backward of every micro-batch, recomputation excluded."
 
 
 def _group_by_module(strategies: tuple[NodeStrategy, ...]) -> "OrderedDict[str, list[NodeStrategy]]":

@@ -54,3 +54,9 @@ def summa_table(plan: "Plan") -> Table:
                       format_seconds(sum(s.cost.compute_s for s in members)),
                       format_seconds(sum(s.cost.communication_s for s in members)))
     return table
+
+
+def summa_section(plan: "Plan") -> list:
+    """The report part of the ``summa`` family (``planner.families``): the layers' layouts, when
+    any op runs a SUMMA layout."""
+    return [summa_table(plan)] if has_summa_layouts(plan) else []

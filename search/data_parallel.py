@@ -27,7 +27,9 @@ from planner.plans import Plan
 from planner.strategy import Alternative, Mesh, SimResult
 from planner.verdict import plan_family
 from search.layouts import data_parallel_layout
+from search.context import SearchContext
 from search.plan_builder import unsimulated_plan
+from search.plan_variants import recomputing
 
 DATA_PARALLEL_FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")
 # Flavours compiled as FSDP2 units (``fully_shard`` per repeated block plus the root): ZeRO-2
@@ -213,3 +215,18 @@ def _size(num_bytes: float) -> str:
         if num_bytes >= scale:
             return f"{num_bytes / scale:.2f} {unit}"
     return f"{num_bytes:.0f} B"
+
+
+def data_parallel_candidates(context: SearchContext) -> list[Plan]:
+    """The candidates part of the data-parallel families (``planner.families``): each
+    flavour the constraints allow on the mesh of ``dp`` alone, then each again with its
+    blocks recomputed. None when that mesh is not searched, for a model whose samples mix
+    (a DDP batch split would compute another step) or with ``--tp-layouts summa``."""
+    if context.whole_batch_only or context.summa_only or not any(mesh.names == ("dp",) for mesh in context.meshes):
+        return []
+    flavours = [
+        data_parallel_plan(context.graph, context.cluster, context.spec, context.model_name, flavour, context.warnings,
+                           context.precision)
+        for flavour in DATA_PARALLEL_FLAVOURS if context.constraints.allows_family(flavour)
+    ]
+    return flavours + recomputing(flavours, context.graph)

@@ -59,6 +59,7 @@ from planner.moe_blocks import HF_STACKED_EXPERTS, ROUTED_GELU, MoEBlock
 from planner.plans import Plan
 from planner.routing import RoutingStats
 from planner.strategy import EXPERT_MODES, ExpertLayout, ExpertPlacement, Mesh
+from search.context import SearchContext
 from search.expert_placement import SEARCH_EVALUATIONS_PER_EXPERT, balanced, eplb
 from search.data_parallel import FSDP_UNIT_FLAVOURS, fsdp_units
 from search.layouts import data_parallel_layout
@@ -416,3 +417,28 @@ def _fixed_modes(scored: Mapping[str, list[ScoredLayout]]) -> list[dict[str, int
 
 def _spans_nodes(cluster: Cluster) -> bool:
     return len(cluster.nodes) > 1
+
+
+def moe_family_allowed(graph: OpGraph, cluster: Cluster, coupled) -> bool:
+    """Whether the ``moe`` family (data parallelism, MoE layers by layout) may plan
+    ``graph``: it has MoE layers, the batch splits over every device, and every op at which
+    the samples mix lies inside an MoE layer (whose runtime reproduces the whole batch's routing),
+    and the MoE runtime can run every MoE layer (``runs_by_layout``)."""
+    if not graph.moe_blocks or graph.batch_size % cluster.world_size:
+        return False
+    if not all(runs_by_layout(block) for block in graph.moe_blocks):
+        return False  # compiled programs could not run the layouts (search.moe_search.runs_by_layout)
+    inside = {node.name for block in graph.moe_blocks for node in graph.moe_nodes(block.module)}
+    return all(op.node in inside for op in coupled)
+
+
+def moe_candidates(context: SearchContext) -> list[Plan]:
+    """The candidates part of the ``moe`` family (``planner.families``): the searched MoE
+    plan and the plans with every layer in one fixed mode, when the family may plan the
+    model (``SearchContext.moe_layouts``) and the constraints allow it."""
+    if not context.moe_layouts or context.summa_only or not context.constraints.allows_family("moe"):
+        return []
+    context.progress("choosing the MoE layers' layouts", 0.0)
+    searched, fixed = search_moe_plan(context.graph, context.cluster, context.spec, context.model_name, context.routing,
+                                      context.warnings, context.precision)
+    return [searched, *fixed]

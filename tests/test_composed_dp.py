@@ -43,7 +43,8 @@ from planner.api import compile_blocker, prepare_model
 from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from planner.verdict import strategy_words
-from search.auto import composed_flavours, search_plan
+from search.auto import search_plan
+from search.plan_variants import composed_flavours
 from search.megatron import megatron_plan
 from fake_group import graph_program_on_rank0
 from test_parity import REPO, check_many, result_of

@@ -9,8 +9,15 @@ planner vocabulary     planner vocabulary only
 (every planner module
 not listed below)
 cost_model.*           planner vocabulary, cost_model
+(and a family's
+``costs.py``)
 search.*               planner vocabulary, cost_model, search
+(and a family's
+``candidates.py``)
 codegen.*              planner vocabulary, codegen (never search, never cost_model)
+(and a family's
+``emit.py``,
+``runtime.py``)
 planner API            anything: ``planner.api``, ``planner.cli``, ``planner.__main__``,
                        ``planner.compare`` (``compare``/``calibrate``, over the cost
                        model's calibration) and ``planner.baselines`` (Megatron's and
@@ -57,9 +64,17 @@ def source_modules() -> dict[str, Path]:
 MODULES = source_modules()
 
 
+# A family's own folder (planner/families/<folder>/) holds its parts, each in the file its
+# layer names (planner.families): those files are held to that layer.
+FAMILY_PART_LAYERS = {"candidates": "search", "costs": "cost_model", "emit": "codegen", "runtime": "codegen"}
+
+
 def layer(module: str) -> str:
     if module in PLANNER_API:
         return "api"
+    parts = module.split(".")
+    if parts[:2] == ["planner", "families"] and len(parts) == 4 and parts[3] in FAMILY_PART_LAYERS:
+        return FAMILY_PART_LAYERS[parts[3]]
     package = module.split(".")[0]
     return "vocabulary" if package == "planner" else package
 
@@ -168,8 +183,8 @@ def test_the_reader_sees_what_the_tests_rely_on():
     a relative import and a lazy ``planner`` attribute, and the layers must be real."""
     tree_modules = {layer(m) for m in MODULES}
     assert tree_modules == set(ALLOWED)
-    local = [t for t, _, line in imports_of("codegen.emit") if t == "codegen.spmd_emit"]
-    assert local, "codegen.emit's dispatch imports codegen.spmd_emit inside a function"
+    local = [t for t, _, line in imports_of("codegen.attention_core") if t == "codegen.graph_facts"]
+    assert local, "codegen.attention_core imports codegen.graph_facts inside a function"
     assert ("planner.api", "plan", 1) not in imports_of("planner.cli")  # sanity: line numbers are real
     assert any(t == "planner.errors" for t, _, _ in imports_of("planner.api"))
     assert LAZY["plan"] == "planner.api"
@@ -180,3 +195,25 @@ def test_the_reader_sees_what_the_tests_rely_on():
     graph = import_graph()
     graph.add_edge("planner.errors", "planner.api")
     assert any(len(c) > 1 for c in nx.strongly_connected_components(graph))
+
+
+def test_family_parts_live_in_their_layers():
+    """Each part a family declares (``planner.families``) names a function of a module of the
+    part's layer: the search resolves candidates, the simulator costs, the compiler emitters
+    and the report its sections, each without importing above itself."""
+    from planner.families import PART_LAYERS, registered, resolve
+
+    wrong = []
+    for family in registered():
+        for role, wanted in PART_LAYERS.items():
+            reference = getattr(family, role)
+            if not reference:
+                continue
+            module = reference.partition(":")[0]
+            if module not in MODULES:
+                wrong.append(f"{family.name}.{role} = {reference!r}: no module {module}")
+            elif layer(module) != wanted:
+                wrong.append(f"{family.name}.{role} = {reference!r} is in the {layer(module)} layer, not {wanted}")
+            else:
+                assert callable(resolve(reference)), reference
+    assert not wrong, "\n".join(wrong)

@@ -138,7 +138,7 @@ def test_plan_chooses_moe_layouts_and_the_plan_file_keeps_them(tmp_path):
 
 
 def test_the_family_is_allowed_only_where_the_samples_mix_inside_moe_layers():
-    from search.auto import moe_family_allowed
+    from search.moe_search import moe_family_allowed
     from search.batch_coupling import CoupledOp, batch_coupled_ops
 
     graph, _, _, cluster = prepare_model(SMALL, "cpu:1x4")

@@ -117,16 +117,16 @@ TINY_LLAMA = ModelSpec("hf:llama", {
 
 def _llama_tables(cluster_name: str, mesh: Mesh):
     """Cost tables and starting layout of the tiny Llama on ``mesh``, as the search builds them."""
-    from search.auto import _dp_axis, _hint
+    from search.mesh_search import dp_axis_placements, starting_layout
     from search.blocks import block_representatives
 
     graph, spec, name, cluster = prepare_model(TINY_LLAMA, cluster_name)
     representative = block_representatives(graph)
     strategies_of = node_strategies(graph, mesh, only=set(representative.values()))
-    seed, inputs = combine(graph, mesh, {"dp": _dp_axis(graph)} if "dp" in mesh.names else {})
+    seed, inputs = combine(graph, mesh, {"dp": dp_axis_placements(graph)} if "dp" in mesh.names else {})
     skeleton = unsimulated_plan(graph, cluster, spec, name, mesh, seed, inputs, precision="fp32")
     tables = build_cost_tables(skeleton, graph, strategies_of, representative)
-    return tables, _hint(graph, mesh, tables), cluster.min_device_memory
+    return tables, starting_layout(graph, mesh, tables), cluster.min_device_memory
 
 
 @pytest.mark.parametrize("cluster_name, axes", [
@@ -370,14 +370,14 @@ class _FakeClock:
 
 
 def _record_mesh_work(monkeypatch, clock: _FakeClock):
-    """Wrap the ILP and MCMC entry points of ``search.auto``: record, per mesh being searched,
+    """Wrap the ILP and MCMC entry points of ``search.mesh_search``: record, per mesh being searched,
     the work and wall-clock cap each solve and walk was given, and let each spend its whole
     cap on the fake clock (the worst case: every solve is cut by the clock)."""
-    import search.auto as auto
+    import search.mesh_search as mesh_search
 
     given: dict[str, list[tuple[str, float, float | None]]] = {}
     current = []
-    real_solve, real_mcmc = auto.solve, auto.mcmc
+    real_solve, real_mcmc = mesh_search.solve, mesh_search.mcmc
 
     def solve(tables, memory_bytes, work=10.0, wall_clock_cap_s=None, hint=None):
         given.setdefault(current[-1], []).append(("ilp", work, wall_clock_cap_s))
@@ -391,8 +391,8 @@ def _record_mesh_work(monkeypatch, clock: _FakeClock):
         clock.now += wall_clock_cap_s or 0.0
         return result
 
-    monkeypatch.setattr(auto, "solve", solve)
-    monkeypatch.setattr(auto, "mcmc", walk)
+    monkeypatch.setattr(mesh_search, "solve", solve)
+    monkeypatch.setattr(mesh_search, "mcmc", walk)
 
     def on_progress(what: str, fraction: float) -> None:
         if what.startswith("searching mesh "):

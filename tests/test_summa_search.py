@@ -331,7 +331,7 @@ def test_auto_keeps_summa_meshes_only_where_they_can_matter():
 def test_tp_layouts_1d_on_a_summa_mesh_plans_plain_shardings():
     """``plan_on_mesh(..., tp_layouts="1d")`` on a grid mesh: per-axis shardings only, no op
     in a SUMMA layout (what a SUMMA plan is compared with on its own mesh)."""
-    from search.auto import plan_on_mesh
+    from search.mesh_search import plan_on_mesh
 
     graph = _graph(Mlp())
     with_summa = node_strategies(graph, MESH_3D)
@@ -351,7 +351,7 @@ def test_auto_picks_3d_with_kept_gathers_for_a_wide_model_on_single_gpu_nodes():
     operands saves two of its eight collectives. ``auto`` runs every linear that way, faster
     than the 1-D search's plan and than plain shardings on the same grid."""
     from planner.model_spec import ModelSpec
-    from search.auto import plan_on_mesh
+    from search.mesh_search import plan_on_mesh
 
     spec = ModelSpec("examples/gpt.py", {"n_layer": 4, "n_embd": 16384, "n_head": 128, "seq_len": 256,
                                          "vocab_size": 32000, "batch_size": 64})

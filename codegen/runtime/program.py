@@ -139,7 +139,7 @@ class Program:
         are DTensor placements; MoE programs under FSDP2, whose runtime layers derive their
         experts from the model's parameters, ``materialize.set_derived_parameter``). DDP and
         ZeRO-1 broadcast real weights."""
-        from planner.plans import is_data_parallel
+        from planner.program_shape import is_data_parallel
         from planner.strategy import ExpertLayout
 
         if self.plan.expert_layouts or any(isinstance(s.layout, ExpertLayout) for s in self.plan.strategies):

@@ -1,0 +1,30 @@
+"""Which kind of program a plan compiles to, read from the plan alone.
+
+Vocabulary layer: the compiler dispatches on it, the cost model prices DTensor dispatch by it
+and the family declarations (``planner.families``) say which plans their emitters claim.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from planner.strategy import placements_str
+
+if TYPE_CHECKING:
+    from planner.plans import Plan
+
+
+def is_data_parallel(plan: "Plan") -> bool:
+    """Whether ``plan``'s program is plain data parallel (``codegen`` emits the model module
+    under DDP/ZeRO/FSDP) rather than a replay of the traced graph on DTensors: a plan named by
+    its flavour (label empty) on a ``dp``-only mesh, no pipeline, every parameter replicated. A
+    searched plan on a ``dp`` mesh may replicate some inputs or activations, which DDP's batch
+    split would not honour; it goes through the graph path. An MoE plan of that shape
+    (labelled, with expert layouts) is data parallel around its MoE layers. The cost model
+    reads it too: only graph programs pay DTensor's per-op dispatch."""
+    labelled = getattr(plan, "label", "") and not plan.expert_layouts
+    if plan.mesh.names != ("dp",) or plan.pipeline is not None or labelled:
+        return False
+    return all(
+        placements_str(placements) == "(R)" for strategy in plan.strategies for placements in strategy.params.values()
+    )
