@@ -11,6 +11,9 @@ not listed below)
 cost_model.*           planner vocabulary, cost_model
 search.*               planner vocabulary, cost_model, search
 codegen.*              planner vocabulary, codegen (never search, never cost_model)
+a family's part        as the layer its file name says: in ``planner/families/<name>/``,
+                       ``section.py`` is vocabulary, ``costs.py`` cost_model,
+                       ``candidates.py`` search, ``emit.py`` and ``runtime.py`` codegen
 planner API            anything: ``planner.api``, ``planner.cli``, ``planner.__main__``,
                        ``planner.compare`` (``compare``/``calibrate``, over the cost
                        model's calibration) and ``planner.baselines`` (Megatron's and
@@ -44,6 +47,11 @@ ALLOWED = {  # layer -> the layers it may import
     "api": {"vocabulary", "cost_model", "search", "codegen", "api"},
 }
 
+# A family's folder (planner/families/<name>/) holds one part per layer, named by its layer.
+FAMILY_PART_LAYERS = {
+    "section": "vocabulary", "costs": "cost_model", "candidates": "search", "emit": "codegen", "runtime": "codegen",
+}
+
 
 def source_modules() -> dict[str, Path]:
     modules = {}
@@ -60,6 +68,9 @@ MODULES = source_modules()
 def layer(module: str) -> str:
     if module in PLANNER_API:
         return "api"
+    parts = module.split(".")
+    if parts[:2] == ["planner", "families"] and len(parts) == 4 and parts[3] in FAMILY_PART_LAYERS:
+        return FAMILY_PART_LAYERS[parts[3]]
     package = module.split(".")[0]
     return "vocabulary" if package == "planner" else package
 
@@ -173,6 +184,8 @@ def test_the_reader_sees_what_the_tests_rely_on():
     assert ("planner.api", "plan", 1) not in imports_of("planner.cli")  # sanity: line numbers are real
     assert any(t == "planner.errors" for t, _, _ in imports_of("planner.api"))
     assert LAZY["plan"] == "planner.api"
+    # A family's parts take their file's layer: an emitter may import codegen, a section may not.
+    assert layer("planner.families.hsdp.emit") == "codegen" and layer("planner.families.hsdp.section") == "vocabulary"
     # planner.report names Plan only for annotations; planner.plans imports the report at call time.
     assert not any(t == "planner.plans" for t, _, _ in imports_of("planner.report"))
     assert any(t == "planner.report" for t, _, _ in imports_of("planner.plans"))
