@@ -198,6 +198,20 @@ def test_the_program_is_the_fsdp_program_with_parallelize_on_a_2d_mesh(fsdp_plan
     compile(program, "model_spmd.py", "exec")
 
 
+def test_parallelize_prepares_the_model_as_the_fsdp_program_does_before_sharding_it(fsdp_plan) -> None:
+    """Recomputation and mixed precision are set up before ``fully_shard`` wraps the model
+    (the wrapper's hooks stay outside the recomputed forward), as in the fsdp program."""
+    plan = dataclasses.replace(fsdp_plan, recompute="full", precision="bf16")
+    program = render_hsdp_program(plan, HsdpSection(2))
+    parallelize = program[program.index("def parallelize("):program.index("    return model")]
+    fsdp = render_model_spmd(plan)
+    for call in ("recompute_in_backward(", "run_in_autocast("):
+        assert call in fsdp and call in parallelize, call
+        assert parallelize.index(call) < parallelize.index("hybrid_mesh(") < parallelize.index("fully_shard(")
+    assert "RECOMPUTED_BLOCKS = (" in program and "from codegen.runtime.precision import run_in_autocast" in program
+    compile(program, "model_spmd.py", "exec")
+
+
 def test_the_comments_name_only_what_the_code_calls(fsdp_plan) -> None:
     program = render_hsdp_program(fsdp_plan, HsdpSection(2))
     comments, _ = comments_and_code(program)

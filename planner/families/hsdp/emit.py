@@ -65,7 +65,9 @@ def _around_parallelize(program: str) -> tuple[str, str, str]:
 def _named(source: str, plan: Plan, section: HsdpSection) -> str:
     """``source`` with its ``# Plan: ...`` comment naming the hybrid sharding too."""
     lines = source.split("\n")
-    index = next(i for i, line in enumerate(lines) if line.startswith(_PLAN_LINE))
+    index = next((i for i, line in enumerate(lines) if line.startswith(_PLAN_LINE)), None)
+    if index is None:
+        raise AssertionError("the fsdp program no longer names its plan in a '# Plan: ' comment")
     # The line is inert already (codegen.source_text); the words added are numbers.
     lines[index] = f"{lines[index].removesuffix(')')}; {section.describe(plan)})"
     return "\n".join(lines)
