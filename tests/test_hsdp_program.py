@@ -34,7 +34,6 @@ import torch
 
 import planner
 from codegen.emit import render_model_spmd
-from codegen.index_inputs import index_inputs_source
 from codegen.runtime.program import load_program
 from codegen.runtime.training_loop import random_like
 from planner.cluster import MAX_RANKS, Cluster
@@ -59,14 +58,9 @@ def fsdp_plan() -> planner.Plan:
 
 
 def compile_hsdp(plan: planner.Plan, section: HsdpSection, folder: Path) -> Path:
-    """The HSDP program of ``plan`` with ``section``, compiled into ``folder``.
-
-    Stand-in until the family registry routes a plan's ``hsdp`` section through
-    ``planner.compile`` (then this is ``planner.compile(plan_with_section, folder)``): the fsdp
-    plan compiled, its ``model_spmd.py`` written by HSDP's emitter, as ``write_program`` does."""
-    folder = planner.compile(plan, folder)
-    (folder / "model_spmd.py").write_text(render_hsdp_program(plan, section) + index_inputs_source(plan.graph))
-    return folder
+    """``plan`` with ``section`` as its ``"hsdp"`` section, compiled into ``folder`` by
+    ``planner.compile`` (the family registry gives it to HSDP's emitter)."""
+    return planner.compile(dataclasses.replace(plan, sections={"hsdp": section}), folder)
 
 
 # ------------------------------------------------------------------------------ the section

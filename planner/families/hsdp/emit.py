@@ -14,7 +14,9 @@ Plan text reaches the source only as ``repr()`` literals and inert comments
 
 from __future__ import annotations
 
-from codegen.emit import render_model_spmd
+import dataclasses
+
+from codegen.emit import render_data_parallel_program
 from codegen.source_text import number
 from planner.errors import PlanningError
 from planner.families.hsdp.section import HsdpSection
@@ -29,6 +31,12 @@ _FSDP_END = "\n    return model\n"
 _PLAN_LINE = "# Plan: "
 
 
+def compile_hsdp_plan(plan: Plan) -> str:
+    """The emitter part of the ``hsdp`` family (``planner.families``): the program of a plan
+    with a ``"hsdp"`` section."""
+    return render_hsdp_program(plan, plan.sections["hsdp"])
+
+
 def render_hsdp_program(plan: Plan, section: HsdpSection) -> str:
     """Source of the ``model_spmd.py`` of ``plan`` (an fsdp plan on a ``dp`` mesh) with
     ``section``'s hybrid sharding: the fsdp program whose ``parallelize`` shards every FSDP
@@ -41,7 +49,8 @@ def render_hsdp_program(plan: Plan, section: HsdpSection) -> str:
         section.check(plan)
     except ValueError as error:
         raise PlanningError(str(error)) from None
-    before, prologue, after = _around_parallelize(render_model_spmd(plan))
+    fsdp = dataclasses.replace(plan, sections={name: s for name, s in plan.sections.items() if name != "hsdp"})
+    before, prologue, after = _around_parallelize(render_data_parallel_program(fsdp))
     return _named(before, plan, section) + _parallelize_source(plan, section, prologue) + after
 
 
@@ -80,7 +89,7 @@ def _parallelize_source(plan: Plan, section: HsdpSection, prologue: str) -> str:
     dp = plan.mesh.axis_size("dp")
     shard = section.shard
     replicate = section.replicate(plan)
-    units = "".join(  # module paths checked against the model by render_model_spmd (codegen.plan_checks)
+    units = "".join(  # module paths checked against the model by render_data_parallel_program (codegen.plan_checks)
         f"    fully_shard(model.get_submodule({unit!r}), mesh=hsdp_mesh)\n" for unit in plan.fsdp_units
     )
     return f'''from torch.distributed.fsdp import fully_shard
