@@ -137,7 +137,7 @@ def test_families_lists_every_family_in_one_line_each(capsys):
 
 def test_an_impossible_mesh_is_one_line_before_tracing(capsys):
     assert_user_error(capsys, ["plan", GPT, "--cluster", "cpu:1x4", "--mesh", "tp=3"], "--mesh tp=3", "does not divide")
-    assert_user_error(capsys, ["plan", GPT, "--cluster", "cpu:1x4", "--family", "hsdp"], "no such family")
+    assert_user_error(capsys, ["plan", GPT, "--cluster", "cpu:1x4", "--family", "zero4"], "no such family")
 
 
 def test_a_dp_the_batch_cannot_take_is_one_line(capsys):
