@@ -18,12 +18,14 @@ kernel.
 
 The proof is an evaluation, not a guess: a mask whose producers read only constants
 (``arange``, literals, lifted tensor constants with values) has one value for the traced
-shapes, and that value is computed on the CPU and compared with the pattern, element by
-element. To keep (B, 1, S, S) masks of long sequences and large batches cheap, values are
-held *compact* (a dim along which every slice is equal is kept as size 1, which broadcasting
-restores), elementwise ops whose compact result would still be large are left lazy, and the
-final comparison evaluates the lazy expression a block of query rows at a time. Masks of more
-than ``MAX_CHECKED_ELEMENTS`` (S x S, S = 32768) are not checked and stay ``"arbitrary"``.
+shapes, and that value is computed on the CPU. To keep (B, 1, S, S) masks of long sequences
+and large batches cheap, values are held *compact* (a dim along which every slice is equal is
+kept as size 1, which broadcasting restores) and elementwise ops whose compact result would
+still be large are left lazy. A lazy mask that is an ``and`` of comparisons between sorted key
+positions and query positions (HF's are) is decided row by row from where each comparison
+cuts the keys (``searchsorted``: O(S log S), any length); any other mask is compared with the
+pattern element by element, a block of query rows at a time, up to ``MAX_CHECKED_ELEMENTS``
+(S x S) and left ``"arbitrary"`` above.
 """
 
 from __future__ import annotations
@@ -56,9 +58,9 @@ MASK_ARGUMENT = {
 MASK_KEYWORDS = ("attn_mask", "attn_bias")
 MASK_KINDS = ("none", "causal", "sliding:W", "arbitrary")
 
-# Largest S x S mask checked (the row-blocked comparison is O(S^2) work: about a second at
-# S = 32768 on one core).
-MAX_CHECKED_ELEMENTS = 2 ** 30
+# Largest S x S mask compared element by element (O(S^2) work: about a second at S = 8192
+# on one core, 16 times that at 32768); comparisons of positions are decided at any length.
+MAX_CHECKED_ELEMENTS = 2 ** 28
 # Elementwise results above this many (compact) elements stay lazy; structural ops (index,
 # cumsum, diff, ...) may not produce more than STRUCTURAL_LIMIT (a (global batch, S) position
 # table of 2048 x 8192 is 2^24).
@@ -73,6 +75,7 @@ _ELEMENTWISE = frozenset({
     "fmod", "floor_divide", "minimum", "maximum", "clamp", "clamp_min", "clamp_max", "sign", "alias",
     "contiguous", "detach", "lift_fresh_copy", "type_as",
 })
+_AND = ("__and__", "bitwise_and", "logical_and")
 # Ops that only give a value a larger (broadcast) shape: a compact value is already that.
 _BROADCASTS = frozenset({"expand", "expand_as"})
 # Ops whose results are random: a mask that reads them has no value to prove anything by.
@@ -153,14 +156,20 @@ class _Lazy:
     args: tuple
     kwargs: dict
     shape: tuple[int, ...]
+    dtype: torch.dtype | None
 
 
 def _mask_kind(mask: torch.fx.Node, q_len: int, kv_len: int, constants: dict[str, torch.Tensor]) -> str:
     shape = _shape_of(mask)
-    if q_len != kv_len or q_len * kv_len > MAX_CHECKED_ELEMENTS or len(shape) < 2 or shape[-2:] != (q_len, kv_len):
+    if q_len != kv_len or len(shape) < 2 or shape[-2:] != (q_len, kv_len):
         return "arbitrary"  # a mask that broadcasts over the query rows is no causal mask
     try:
         value = _MaskEvaluator(constants).value_of(mask)
+        intervals = _row_intervals(value, q_len) if _dtype_of(mask) == torch.bool else None
+        if intervals is not None:
+            return _pattern_of_intervals(*intervals, q_len)
+        if q_len * kv_len > MAX_CHECKED_ELEMENTS:
+            return "arbitrary"
         return _pattern_of(value, _dtype_of(mask), q_len)
     except _Unprovable:
         return "arbitrary"
@@ -224,9 +233,9 @@ class _MaskEvaluator:
         shape = _shape_of(node)
         if name in _BROADCASTS:
             value = args[0]
-            return _Lazy(value.target, value.args, value.kwargs, shape) if isinstance(value, _Lazy) else value
+            return _Lazy(value.target, value.args, value.kwargs, shape, value.dtype) if isinstance(value, _Lazy) else value
         if name in _ELEMENTWISE:
-            return _elementwise(node.target, args, kwargs, shape)
+            return _elementwise(node.target, args, kwargs, shape, _dtype_of(node))
         # Any other op reads its operands at their full (traced) shapes: broadcast views.
         if math.prod(shape) > STRUCTURAL_LIMIT:
             raise _Unprovable(f"{name} makes {math.prod(shape)} elements")
@@ -259,12 +268,31 @@ def _full_tree(traced: Any, values: Any) -> Any:
     return values
 
 
-def _elementwise(target: Any, args: tuple, kwargs: dict, shape: tuple[int, ...]) -> Any:
+def _elementwise(target: Any, args: tuple, kwargs: dict, shape: tuple[int, ...], dtype: torch.dtype | None) -> Any:
     tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, (torch.Tensor, _Lazy))]
     compact = torch.broadcast_shapes(*(_compact_shape(value) for value in tensors)) if tensors else ()
     if any(isinstance(value, _Lazy) for value in tensors) or math.prod(compact) > EAGER_ELEMENTS:
-        return _Lazy(target, tuple(args), dict(kwargs), shape)
+        same = _identity_operand(target, tensors, dtype)
+        if same is not None:  # skip a pass over every (query, key) pair
+            return _Lazy(same.target, same.args, same.kwargs, shape, dtype)
+        return _Lazy(target, tuple(args), dict(kwargs), shape, dtype)
     return _compact(target(*args, **kwargs))
+
+
+def _identity_operand(target: Any, tensors: list, dtype: torch.dtype | None) -> _Lazy | None:
+    """The lazy operand an op returns unchanged, if any: a cast of a lazy boolean value to
+    bool, or a boolean ``and`` of it with a compact all-true tensor (HF's ``new_ones`` and its
+    packed-sequence test of positions 0..S-1)."""
+    name = target.overloadpacket.__name__
+    lazy = [value for value in tensors if isinstance(value, _Lazy)]
+    if dtype != torch.bool or len(lazy) != 1 or lazy[0].dtype != torch.bool:
+        return None
+    others = [value for value in tensors if value is not lazy[0]]
+    if name in ("to", "_to_copy") and not others:
+        return lazy[0]
+    if name in _AND and len(others) == 1 and others[0].dtype == torch.bool and bool(others[0].all()):
+        return lazy[0]
+    return None
 
 
 def _compact_shape(value: Any) -> tuple[int, ...]:
@@ -307,14 +335,16 @@ def _pattern_of(value: Any, dtype: torch.dtype | None, length: int) -> str:
     if window == 0:
         return "arbitrary"
     block = max(1, EAGER_ELEMENTS // length)
-    keys = torch.arange(length)
+    # The band allows (i, j) when 0 <= i - j < W: with the keys reversed (j' = S-1-j), row i
+    # is band[i : i + S] of one vector, so every block is a strided view of it (no copy).
+    offsets = torch.arange(2 * length - 1) - (length - 1)  # i - j for i + j' = 0 .. 2S-2
+    band = (offsets >= 0) & (offsets < window)
     banded, full = True, window == length  # full: every pair allowed, as no mask at all
     for start in range(0, length, block):
         stop = min(length, start + block)
         allowed = _allowed(_rows(value, (start, stop)), dtype, stop - start, length)
-        queries = torch.arange(start, stop).unsqueeze(1)
-        expected = (keys <= queries) & (keys > queries - window)
-        banded = banded and torch.equal(allowed, expected.expand(allowed.shape))
+        expected = band.as_strided((stop - start, length), (1, 1), start)
+        banded = banded and torch.equal(allowed.flip(-1), expected.expand(allowed.shape))
         full = full and bool(allowed.all())
         if not (banded or full):
             return "arbitrary"
@@ -340,3 +370,66 @@ def _allowed(block: Any, dtype: torch.dtype | None, rows: int, length: int) -> t
     if not bool((allowed | blocked).all()):
         raise _Unprovable("an additive mask with biases other than 0 and -inf")
     return allowed
+
+
+# ------------------------------------------------------- masks that compare position vectors
+
+# A comparison of key position k_j with query position q_i, and the same with the operands
+# swapped (q_i > k_j is k_j < q_i).
+_COMPARISONS = ("le", "lt", "ge", "gt")
+_SWAPPED = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}
+
+
+def _row_intervals(value: Any, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(lo, hi)``: for each query row i, the keys a lazy boolean mask allows are exactly
+    ``lo[i] <= j < hi[i]``; or None when the mask is not an ``and`` of comparisons between a
+    non-decreasing vector of key positions and a vector of query positions (HF's masks are:
+    ``kv_idx <= q_idx``, and ``kv_idx > q_idx - W`` for a window), which the caller then checks
+    pair by pair. Exact: with k sorted, ``{j : k_j <= t}`` is the prefix ``searchsorted(k, t,
+    right=True)`` long, and so on for the other comparisons."""
+    if not isinstance(value, _Lazy):
+        return None
+    name = value.target.overloadpacket.__name__
+    if name in _AND and len(value.args) == 2 and not value.kwargs:
+        parts = [_row_intervals(arg, length) for arg in value.args]
+        if any(part is None for part in parts):
+            return None
+        (lo_a, hi_a), (lo_b, hi_b) = parts
+        return torch.maximum(lo_a, lo_b), torch.minimum(hi_a, hi_b)
+    if name not in _COMPARISONS or len(value.args) != 2 or value.kwargs:
+        return None
+    first, second = value.args
+    keys, queries, op = _position_vector(first, -1, length), _position_vector(second, -2, length), name
+    if keys is None or queries is None:  # q_i op k_j: the swapped test of k_j against q_i
+        keys, queries, op = _position_vector(second, -1, length), _position_vector(first, -2, length), _SWAPPED[name]
+    if keys is None or queries is None or not bool((keys[1:] >= keys[:-1]).all()):
+        return None
+    cut = torch.searchsorted(keys, queries, right=op in ("le", "gt"))
+    if op in ("le", "lt"):  # a prefix of the keys
+        return torch.zeros_like(cut), cut
+    return cut, torch.full_like(cut, length)  # a suffix
+
+
+def _position_vector(value: Any, dim: int, length: int) -> torch.Tensor | None:
+    """A compact tensor that varies along ``dim`` only (size ``length`` there, 1 elsewhere), as
+    a vector of ``length`` integer positions; None for anything else."""
+    if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype == torch.bool:
+        return None
+    if value.dim() < -dim or value.shape[dim] != length or value.numel() != length:
+        return None
+    return value.reshape(length).to(torch.int64)
+
+
+def _pattern_of_intervals(lo: torch.Tensor, hi: torch.Tensor, length: int) -> str:
+    """The kind of a mask whose row i allows keys ``lo[i] <= j < hi[i]``."""
+    rows = torch.arange(length)
+    if bool((lo <= 0).all()) and bool((hi >= length).all()):
+        return "none"
+    if not torch.equal(hi.clamp(max=length), rows + 1):
+        return "arbitrary"
+    lo = lo.clamp(min=0)
+    if bool((lo == 0).all()):
+        return "causal"
+    window = int(hi[-1] - lo[-1])
+    return f"sliding:{window}" if torch.equal(lo, (rows + 1 - window).clamp(min=0)) else "arbitrary"
+

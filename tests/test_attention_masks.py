@@ -109,6 +109,59 @@ def test_unchecked_when_too_long(monkeypatch):
     assert attention_kinds(graph) == ["arbitrary"]
 
 
+class PositionMask(nn.Module):
+    """SDPA whose boolean mask compares key positions with query positions (``how``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.proj(x).view(batch, seq, 2, 8).transpose(1, 2)
+        k_idx = torch.arange(seq, device=x.device).view(1, 1, 1, seq)
+        q_idx = torch.arange(seq, device=x.device).view(1, 1, seq, 1)
+        mask = {
+            "k <= q": lambda: k_idx <= q_idx,
+            "q >= k": lambda: q_idx >= k_idx,
+            "k < q": lambda: k_idx < q_idx,  # the diagonal left out: not causal
+            "k >= q": lambda: k_idx >= q_idx,
+            "band": lambda: (k_idx <= q_idx) & (k_idx > q_idx - 3),
+            "band swapped": lambda: (q_idx - 3 < k_idx) & (q_idx >= k_idx),
+            "unsorted keys": lambda: k_idx.flip(-1) >= q_idx.flip(-2),  # S-1-j >= S-1-i: causal, keys descending
+            "every pair": lambda: (k_idx >= 0) & (q_idx >= k_idx - seq),
+        }[self.how]().expand(batch, 1, seq, seq)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum()
+
+
+POSITION_MASKS = {"k <= q": "causal", "q >= k": "causal", "k < q": "arbitrary", "k >= q": "arbitrary",
+                  "band": "sliding:3", "band swapped": "sliding:3", "unsorted keys": "causal", "every pair": "none"}
+
+
+@pytest.mark.parametrize("how", sorted(POSITION_MASKS))
+def test_comparisons_of_positions_are_decided_as_element_by_element(how, monkeypatch):
+    # Held lazy (the limit is below 12 x 12), a comparison of positions is decided from where
+    # it cuts the sorted keys; it must agree with the element-by-element check, which decides
+    # the small eager masks (and, here, the unsorted keys).
+    import planner.attention_masks as masks
+
+    eager = attention_kinds(trace(PositionMask(how), (torch.randn(2, 12, 16),)))
+    monkeypatch.setattr(masks, "EAGER_ELEMENTS", 16)
+    lazy = attention_kinds(trace(PositionMask(how), (torch.randn(2, 12, 16),)))
+    assert eager == lazy == [POSITION_MASKS[how]]
+
+
+def test_causal_masks_of_long_sequences_are_proven_quickly(monkeypatch):
+    # Nothing is compared element by element: a 32k-token mask (2^30 pairs) is decided from
+    # its positions.
+    import planner.attention_masks as masks
+
+    monkeypatch.setattr(masks, "MAX_CHECKED_ELEMENTS", 0)
+    graph = traced_hf("llama", **{**TINY, "seq_len": 32768, "max_position_embeddings": 32768, "batch_size": 1})
+    assert set(attention_kinds(graph)) == {"causal"}
+
+
 def test_compact_masks_of_long_sequences_are_checked_by_row_blocks(monkeypatch):
     # Lazy elementwise values and the row-blocked comparison: with tiny limits the 12 x 12
     # mask is never held whole, and is still proven causal.
