@@ -17,7 +17,8 @@ from torch import nn
 
 from cost_model import defaults
 from cost_model.compute import op_times
-from cost_model.gpu_kernels import GENERATIONS, attention_times
+from cost_model.gpu_kernels import GENERATIONS, attention_efficiency, attention_times
+import planner.attention_masks as masks
 from planner.attention_masks import sliding_window
 from planner.cluster import Cluster
 from planner.hf_models import build_hf
@@ -102,8 +103,7 @@ def test_user_model_masks(how, kind):
 
 
 def test_unchecked_when_too_long(monkeypatch):
-    import planner.attention_masks as masks
-
+    # A mask that is no comparison of positions is compared element by element, up to a size.
     monkeypatch.setattr(masks, "MAX_CHECKED_ELEMENTS", 11 * 11)
     graph = trace(MaskedAttention("tril"), (torch.randn(2, 12, 16),))
     assert attention_kinds(graph) == ["arbitrary"]
@@ -144,8 +144,6 @@ def test_comparisons_of_positions_are_decided_as_element_by_element(how, monkeyp
     # Held lazy (the limit is below 12 x 12), a comparison of positions is decided from where
     # it cuts the sorted keys; it must agree with the element-by-element check, which decides
     # the small eager masks (and, here, the unsorted keys).
-    import planner.attention_masks as masks
-
     eager = attention_kinds(trace(PositionMask(how), (torch.randn(2, 12, 16),)))
     monkeypatch.setattr(masks, "EAGER_ELEMENTS", 16)
     lazy = attention_kinds(trace(PositionMask(how), (torch.randn(2, 12, 16),)))
@@ -155,8 +153,6 @@ def test_comparisons_of_positions_are_decided_as_element_by_element(how, monkeyp
 def test_causal_masks_of_long_sequences_are_proven_quickly(monkeypatch):
     # Nothing is compared element by element: a 32k-token mask (2^30 pairs) is decided from
     # its positions.
-    import planner.attention_masks as masks
-
     monkeypatch.setattr(masks, "MAX_CHECKED_ELEMENTS", 0)
     graph = traced_hf("llama", **{**TINY, "seq_len": 32768, "max_position_embeddings": 32768, "batch_size": 1})
     assert set(attention_kinds(graph)) == {"causal"}
@@ -165,8 +161,6 @@ def test_causal_masks_of_long_sequences_are_proven_quickly(monkeypatch):
 def test_compact_masks_of_long_sequences_are_checked_by_row_blocks(monkeypatch):
     # Lazy elementwise values and the row-blocked comparison: with tiny limits the 12 x 12
     # mask is never held whole, and is still proven causal.
-    import planner.attention_masks as masks
-
     monkeypatch.setattr(masks, "EAGER_ELEMENTS", 16)
     graph = trace(MaskedAttention("band"), (torch.randn(2, 12, 16),))
     assert attention_kinds(graph) == ["sliding:3"]
@@ -186,8 +180,6 @@ def test_causal_mask_is_priced_as_the_causal_kernel():
     unproven = dataclasses.replace(node, attention_mask_kind="arbitrary")
     assert op_times(unproven, 1.0, A100_DEVICE, "bf16") == pytest.approx(full)
     # Half the FLOPs: time x the reached throughput (peak x 0.73 x the shape efficiency).
-    from cost_model.gpu_kernels import attention_efficiency
-
     def forward_flops(causal_flag: bool, forward: float) -> float:
         shape = attention_efficiency(4, 512, 512, 128, causal_flag, a100)
         return (forward - defaults.KERNEL_OVERHEAD_S) * 312e12 * 0.73 * shape
