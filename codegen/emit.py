@@ -10,6 +10,10 @@ becomes (below): DDP (``ddp``); DDP plus ``ZeroRedundancyOptimizer`` over ``dp``
 (``zero1``); FSDP2 units that keep their gathered weights from forward to backward
 (``zero2``, FSDP1's SHARD_GRAD_OP); FSDP2 units (``fsdp``). Any other plan on a
 ``dp``/``tp`` mesh replays the traced graph on DTensors (``codegen.spmd_emit``).
+
+Data-parallel programs run the user's model itself, so its attention runs the kernel the model
+chooses (transformers takes the causal kernel when there is no padding); graph programs call
+the causal kernel where the trace proved the mask causal (``codegen.causal_attention``).
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ from codegen.spmd_placements import (
 )
 from codegen.attention_core import attention_cores
 from codegen.block_fold import folded_body
+from codegen.causal_attention import CAUSAL_KERNEL_COMMENT, causal_arguments, runs_causal_kernel
 from codegen import summa_emit
 from codegen.spmd_recompute import checkpointed_body, selective_body
 from codegen.spmd_sections import ProgramSections
@@ -324,6 +325,9 @@ class GraphEmitter(GraphStructure, ProgramSections):
 
         comments: list[str] = []
         args, kwargs = self._op_arguments(fx_node, op)
+        if op.startswith(ATTENTION) and runs_causal_kernel(op, opnode, strategy):
+            args, kwargs = causal_arguments(op, args, kwargs)
+            comments.append(CAUSAL_KERNEL_COMMENT)
         if on_dtensors and op.startswith(DROPOUTS) and strategy is not None and strategy.inputs:
             strategy = dropout_without_partials(strategy, self._read_as(fx_node), comments)
 

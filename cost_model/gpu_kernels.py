@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass
 
 from cost_model import defaults
+from planner.attention_masks import ATTENTION_OPS, CAUSAL_ARGUMENT, is_causal_kind
 from planner.cluster import DeviceSpec
 from planner.graph import OpNode
 
@@ -60,15 +61,6 @@ TILES = ((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 64), (6
 # which tile wins for small or awkward shapes (the MAMF measurement fixes the large ones).
 TILE_REUSE_HALF = 32.0
 
-ATTENTION_OPS = (
-    "aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention",
-    "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
-)
-# Index of ``is_causal`` in each attention op's positional arguments (ATen schemas).
-_CAUSAL_ARGUMENT = {
-    "aten.scaled_dot_product_attention": 5, "aten._scaled_dot_product_flash_attention": 4,
-    "aten._scaled_dot_product_efficient_attention": 6, "aten._scaled_dot_product_cudnn_attention": 6,
-}
 # The dtypes the measurements below are for (bf16 MAMF, FlashAttention in fp16/bf16); fp32
 # and others keep the roofline.
 SIXTEEN_BIT = ("bfloat16", "float16")
@@ -306,14 +298,20 @@ def matmul_op_times(node: OpNode, fraction: float, device: DeviceSpec, dtype: st
 
 def attention_op_times(node: OpNode, fraction: float, device: DeviceSpec, dtype: str,
                        generation: GpuGeneration) -> tuple[float, float] | None:
-    """(forward, backward) of a fused attention op doing ``fraction`` of its traced work."""
+    """(forward, backward) of a fused attention op doing ``fraction`` of its traced work.
+
+    Causal when ``is_causal`` is set or the trace proved its mask causal
+    (``OpNode.attention_mask_kind``): the kernel a real run takes, and the one graph programs
+    call. A sliding-window mask runs as the explicit mask it is (PyTorch's fused kernels take no
+    window), so it is priced as full attention."""
     op = node.op.rsplit(".", 1)[0]
     if len(node.input_meta) < 3 or len(node.input_meta[0].shape) != 4:
         return None
     batch, heads, q_len, head_dim = node.input_meta[0].shape
     kv_len = node.input_meta[1].shape[-2]
-    index = _CAUSAL_ARGUMENT.get(op)
-    causal = index is not None and len(node.attrs) > index and node.attrs[index] is True
+    index = CAUSAL_ARGUMENT.get(op)
+    flagged = index is not None and len(node.attrs) > index and node.attrs[index] is True
+    causal = flagged or is_causal_kind(node.attention_mask_kind)
     batch, heads = _split([batch, heads], fraction, [0, 1])
     return attention_times(batch * heads, q_len, kv_len, head_dim, causal, device, dtype, generation)
 

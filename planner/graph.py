@@ -82,6 +82,9 @@ class OpNode:
         bytes_moved: bytes read plus written (0 for view-like ops, which move nothing).
         block: ``(group, index)`` when the op belongs to repeated block ``index`` of a stack
             of same-structured blocks (e.g. ``("model.layers", 3)``), else ``None``.
+        attention_mask_kind: for a fused attention op, what its mask allows
+            (``planner.attention_masks``: ``"none"``, ``"causal"``, ``"sliding:W"`` or
+            ``"arbitrary"``); ``None`` for other ops and where it was not read.
     """
 
     name: str
@@ -97,6 +100,7 @@ class OpNode:
     flops: int = 0
     bytes_moved: int = 0
     block: tuple[str, int] | None = None
+    attention_mask_kind: str | None = None
 
     @property
     def is_view(self) -> bool:

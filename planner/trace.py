@@ -25,6 +25,7 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from planner.attention_masks import attention_mask_kinds
 from planner.errors import TraceError
 from planner.fingerprint import model_fingerprint
 from planner.flop_formulas import register_grouped_matmul_formulas
@@ -147,6 +148,9 @@ def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpG
     graph_inputs, batch_size = _graph_inputs(user_inputs)
 
     flop_cache: dict[tuple, int] = {}
+    # What each attention op's mask allows (a causal LM's explicit mask is priced and compiled
+    # as the causal kernel a real run takes).
+    mask_kinds = attention_mask_kinds(graph_module, constants)
     nodes = []
     for fx_node in graph_module.graph.nodes:
         if fx_node.op != "call_function":
@@ -170,6 +174,7 @@ def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpG
                 module_type=module_type,
                 flops=_count_flops(fx_node, op, flop_cache),
                 bytes_moved=_bytes_moved(op, input_meta, output_meta),
+                attention_mask_kind=mask_kinds.get(fx_node.name),
             )
         )
     graph = OpGraph(

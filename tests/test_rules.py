@@ -10,6 +10,8 @@ against candidates known to be wrong, among them the ones ``search.propagation``
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 import uuid
 import warnings
@@ -162,8 +164,13 @@ def test_the_rules_split_the_work_of_the_big_ops(graphs):
     attention = next(n for n in graphs["hf:llama"].nodes if n.op.startswith("aten.scaled_dot_product_attention"))
     offered = {str(c) for c in axis_candidates(attention, 2)}
     batch, heads = "(S(0), S(0), S(0), S(0)) -> (S(0))", "(S(1), S(1), S(1), R) -> (S(1))"
-    sequence = "(S(2), R, R, S(2)) -> (S(2))"  # the mask proves attention non-causal
-    assert {batch, heads, sequence} <= offered
+    assert {batch, heads} <= offered
+    # Its mask is proven causal, so it runs as the causal kernel, which a query split on the
+    # sequence cannot run; a mask not proven causal offers that split too.
+    sequence = "(S(2), R, R, S(2)) -> (S(2))"
+    assert attention.attention_mask_kind == "causal" and sequence not in offered
+    unproven = dataclasses.replace(attention, attention_mask_kind="arbitrary")
+    assert sequence in {str(c) for c in axis_candidates(unproven, 2)}
 
 
 # ------------------------------------------------------------------------ unknown ops

@@ -16,6 +16,7 @@ import re
 
 from torch.distributed.tensor import Shard
 
+from planner.attention_masks import is_causal_kind
 from planner.graph import OpNode
 from search.rules.common import AVG, SUM, R, aligned_shard, attr, chunk_sizes, is_float, shardable_dims
 from search.rules.registry import AxisCandidate, register_rule
@@ -30,7 +31,9 @@ def attention_rule(node: OpNode, axis_size: int) -> list[AxisCandidate]:
     * the query sequence split (k, v whole; the mask's query rows split) when the attention
       is not causal: a causal mask would be offset on every rank but the first. ``is_causal``
       cannot be set together with a mask, so a mask proves it off; without one, only an
-      explicit positional ``is_causal=False`` does (the trace drops keyword arguments).
+      explicit positional ``is_causal=False`` does (the trace drops keyword arguments). A
+      mask the trace proved causal (``planner.attention_masks``) counts as ``is_causal``:
+      it is priced and compiled as the causal kernel, which a sequence split cannot run.
     """
     metas = node.input_meta
     if len(metas) < 3 or any(len(m.shape) != 4 for m in metas[:3]):
@@ -53,7 +56,7 @@ def attention_rule(node: OpNode, axis_size: int) -> list[AxisCandidate]:
         found.append(AxisCandidate(whole[:2] + (Shard(3),) + whole[3:], (Shard(3),)))
     found += [AxisCandidate(whole[:2] + (flavour,) + whole[3:], (flavour,)) for flavour in (SUM, AVG)]
     causal = attr(node, 5, None)
-    not_causal = mask is not None or causal is False
+    not_causal = (mask is not None and not is_causal_kind(node.attention_mask_kind)) or causal is False
     if not_causal and query.shape[2] >= axis_size and query.shape[2] > 1:
         placed = (Shard(2), R, R) + ((aligned_shard(mask, 4, 2, query.shape[2]),) if mask is not None else ())
         found.append(AxisCandidate(placed, (Shard(len(out.shape) - 2),)))
