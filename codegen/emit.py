@@ -221,8 +221,8 @@ def _optimizer_note(plan: Plan) -> str:
             "directly in a loop of your own."
         )
     return (
-        "program.make_optimizer builds optimizer_class(module.parameters(), **kwargs); a program that\n"
-        "needs its own optimizer (ZeRO-1) defines make_optimizer(module, mesh, optimizer_class, **kwargs)."
+        "program.make_optimizer builds optimizer_class(module.parameters(), **kwargs) (a program that\n"
+        "shards optimizer states defines make_optimizer(module, mesh, optimizer_class, **kwargs) instead)."
     )
 
 
@@ -342,7 +342,7 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     # steps 1/{dp} of its weights. Before a unit's forward it all-gathers its weights over "dp"
     # (the next unit's gather is prefetched) and, with reshard_after_forward=False, keeps them
     # gathered until its backward is done: no second all-gather in backward, at the cost of
-    # holding the whole model's weights ({_bytes(plan.summary.parameter_bytes)}) during the step, as DDP does. After its
+    # holding the whole model's weights ({_bytes(plan.summary.parameter_bytes)}) during the step, as replicated weights do. After its
     # backward it reduce-scatters its gradients over "dp" (averaged) and frees the gathered
     # weights; the optimizer then updates this rank's shard only.
 {units}    # The root unit: every parameter outside the units above (embeddings, head, norms).

@@ -250,7 +250,7 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
             lines += layer_lines
             ignored += rank_local
             continue
-        lines += [""] + [f"    {line}" for line in _layer_comment(index, layout, block, dp, bool(per_node))]
+        lines += [""] + [f"    {line}" for line in _layer_comment(index, layout, block, dp, bool(per_node), plan)]
         path = block.module  # checked against the model: a module path, written with repr()
         names = (block.router, *block.expert_weights)
         arguments = [
@@ -480,8 +480,9 @@ def _exchange_words(layout: ExpertLayout, two_level: bool) -> str:
     return "two-level: inside the node, then across nodes" if two_level else "planned two-level, flat on one node"
 
 
-def _layer_comment(index: int, layout: ExpertLayout, block: MoEBlock, dp: int, two_level: bool) -> list[str]:
-    """Comment lines saying how one MoE layer runs: what moves and why."""
+def _layer_comment(index: int, layout: ExpertLayout, block: MoEBlock, dp: int, two_level: bool, plan: Plan) -> list[str]:
+    """Comment lines saying how one MoE layer runs: what moves and why (``plan``'s flavour
+    says what synchronises replicated experts)."""
     capacity = "dropless (every expert takes every token)" if block.capacity_factor == 0 else (
         f"capacity factor {block.capacity_factor:g}"
     )
@@ -498,7 +499,9 @@ def _layer_comment(index: int, layout: ExpertLayout, block: MoEBlock, dp: int, t
     elif layout.mode == "data_parallel":
         body = [
             "Every rank holds every expert and runs its own tokens' kept choices: no token moves.",
-            "The experts are replicated weights like the rest: DDP averages their gradients.",
+            "The experts are replicated weights like the rest: "
+            + ("DDP averages their gradients." if _uses_ddp(plan) else
+               "FSDP2 shards them and reduce-scatters their gradients (averaged)."),
         ]
     else:
         body = [
