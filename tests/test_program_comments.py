@@ -32,6 +32,11 @@ from summa_plans import GPT, GPT_SMALL, summa_plan
 from test_parity import REPO
 
 WORLD = 4
+FAMILIES = (
+    "ddp", "zero1", "zero2", "fsdp", "megatron dp x tp, zero1", "megatron tp, sequence parallel", "pipeline pp x dp",
+    "summa 2d", "moe expert parallel, ddp", "moe replicated experts, fsdp", "moe sliced experts, zero1",
+    "moe copied experts, zero2",
+)
 GPT_SPEC = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer": 2})
 
 # A word in a comment -> the names in the program's code (called, imported or read) that
@@ -124,24 +129,16 @@ def unbacked_words(source: str) -> list[str]:
 
 def test_every_family_is_compiled(programs) -> None:
     """The families the other tests read: each compiled, each a different program."""
-    assert len({source for _, source in programs.values()}) == len(programs) == 12
+    assert tuple(programs) == FAMILIES and len({source for _, source in programs.values()}) == len(FAMILIES)
 
 
-@pytest.mark.parametrize("family", [
-    "ddp", "zero1", "zero2", "fsdp", "megatron dp x tp, zero1", "megatron tp, sequence parallel", "pipeline pp x dp",
-    "summa 2d", "moe expert parallel, ddp", "moe replicated experts, fsdp", "moe sliced experts, zero1",
-    "moe copied experts, zero2",
-])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_comments_name_what_the_code_calls(programs, family: str) -> None:
     plan, source = programs[family]
     assert unbacked_words(source) == [], f"{plan.name}: comments name what the code does not call"
 
 
-@pytest.mark.parametrize("family", [
-    "ddp", "zero1", "zero2", "fsdp", "megatron dp x tp, zero1", "megatron tp, sequence parallel", "pipeline pp x dp",
-    "summa 2d", "moe expert parallel, ddp", "moe replicated experts, fsdp", "moe sliced experts, zero1",
-    "moe copied experts, zero2",
-])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_the_header_names_the_plan_as_plan_name_does(programs, family: str) -> None:
     plan, source = programs[family]
     assert f"# Plan: {plan.name}\n" in source
