@@ -54,6 +54,11 @@ def uses_ddp(plan: Plan) -> bool:
     return plan.dp_flavour in DDP_FLAVOURS
 
 
+def wrapper_name(plan: Plan) -> str:
+    """The wrapper as a program's comments name it: ``DDP`` or ``FSDP2``."""
+    return "DDP" if uses_ddp(plan) else "FSDP2"
+
+
 def wrapper_import(plan: Plan) -> str:
     """The import line of the wrapper ``wrap_lines`` calls."""
     return "from torch.nn.parallel import DistributedDataParallel" if uses_ddp(plan) else "from torch.distributed.fsdp import fully_shard"
@@ -64,8 +69,8 @@ def wrap_lines(plan: Plan, dp: int, *, held: str, ignored: Sequence[str] = (), u
     by the plan's flavour and returned.
 
     Args:
-        held: what the wrapper holds, for the comment (``"Weights"``, ``"Everything else
-            (...)"``).
+        held: what the wrapper holds, for the comment (``"The weights"``, ``"Everything
+            else (...)"``).
         ignored: qualified names of parameters that differ from rank to rank (an MoE
             layer's own experts): kept out of the wrapper, never averaged nor sharded.
         unused: parameters with no path to the output (``unused_parameters``): DDP is told
