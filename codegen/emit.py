@@ -20,6 +20,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from codegen.data_parallel_emit import (
+    DDP_FLAVOURS,
+    FSDP_FLAVOURS,
+    REDUNDANCY_FREE_IMPORT,
+    redundancy_free_optimizer,
+    unused_parameters,
+    uses_ddp,
+    wrap_lines,
+    wrapper_import,
+)
 from codegen.index_inputs import index_inputs_source
 from codegen.plan_checks import checked_plan
 from codegen.program_parts import (
@@ -30,7 +40,7 @@ from codegen.program_parts import (
     recomputed_blocks,
     shard_batch_source,
 )
-from codegen.source_text import comment, number
+from codegen.source_text import number
 from planner import __version__
 from planner.launch_command import check_fits_one_device, torchrun_parts
 from planner.outputs import program_folder
@@ -83,16 +93,9 @@ def render_data_parallel_program(plan: Plan) -> str:
     plan = checked_plan(plan, graph_program=False)
     dp = plan.mesh.axis_size(_DP_AXIS)
     header = _header(plan)
-    if plan.dp_flavour == "ddp":
-        body = _ddp_body(plan, dp)
-    elif plan.dp_flavour == "zero1":
-        body = _zero1_body(plan, dp)
-    elif plan.dp_flavour == "zero2":
-        body = _zero2_body(plan, dp)
-    elif plan.dp_flavour == "fsdp":
-        body = _fsdp_body(plan, dp)
-    else:
+    if plan.dp_flavour not in (*DDP_FLAVOURS, *FSDP_FLAVOURS):
         raise NotImplementedError(f"codegen for dp flavour '{plan.dp_flavour}' is not written yet")
+    body = _data_parallel_body(plan, dp)
     batch_norm = ["from codegen.runtime.batch_norm import synchronise_batch_norm"] if has_batch_norm(plan) else []
     imports = "".join(line + "\n\n" for line in precision_imports(plan) + batch_norm)
     return header + _recompute_table(plan) + imports + body + shard_batch_source(plan, dp)
@@ -214,139 +217,30 @@ def _optimizer_note(plan: Plan) -> str:
             "directly in a loop of your own."
         )
     return (
-        "program.make_optimizer builds optimizer_class(module.parameters(), **kwargs); a program that\n"
-        "needs its own optimizer (ZeRO-1) defines make_optimizer(module, mesh, optimizer_class, **kwargs)."
+        "program.make_optimizer builds optimizer_class(module.parameters(), **kwargs) (a program that\n"
+        "shards optimizer states defines make_optimizer(module, mesh, optimizer_class, **kwargs) instead)."
     )
 
 
-def _ddp_body(plan: Plan, dp: int, step: str = "every rank then takes the same optimizer step") -> str:
-    return f'''from torch.nn.parallel import DistributedDataParallel
-
-
-def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
-    """This rank's module: the whole model, replicated over the {dp} ranks of "dp"."""
-    dp_mesh = mesh["dp"]
-{_recompute_lines(plan)}    device_ids = [torch.cuda.current_device()] if dp_mesh.device_type == "cuda" else None
-    # Weights stay replicated. During backward DDP averages the gradients over "dp" with
-    # bucketed all-reduces (25 MiB buckets, all-reduce of {_bytes(plan.summary.parameter_bytes)} in total)
-    # that overlap with the rest of backward; {step}.
-    return DistributedDataParallel(
-        model,
-        device_ids=device_ids,
-        process_group=dp_mesh.get_group(),
-        gradient_as_bucket_view=True,  # gradients live in the buckets: no second copy
-{_unused_parameters_lines(plan)}    )
-
-'''
-
-
-def unused_parameters(plan: Plan) -> list[str]:
-    """Parameters of the traced model whose ops do not lead to the model's output (e.g. a
-    pooler that a classification head computes and drops), so backward never gives them a
-    gradient; in the model's order, empty without a traced graph."""
-    graph = plan.graph
-    if graph is None or graph.graph_module is None:
-        return []
-    output = next(node for node in graph.graph_module.graph.nodes if node.op == "output")
-    reached, stack = set(), [output]
-    while stack:
-        node = stack.pop()
-        for source in node.all_input_nodes:
-            if source.name not in reached:
-                reached.add(source.name)
-                stack.append(source)
-    read = {param for node in graph.nodes if node.name in reached for param in node.params}
-    return [name for name in graph.parameters if name not in read]
-
-
-def _unused_parameters_lines(plan: Plan) -> str:
-    """DDP's argument for parameters forward never reads: without it their bucket is never
-    all-reduced, and the gradients in it (also those of parameters that are used) stay
-    this rank's own, silently (found on CLIP's image classifier, whose pooler is unused)."""
-    unused = unused_parameters(plan)
-    if not unused:
-        return ""
-    shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
-    lines = (
-        comment(f"{len(unused)} parameter(s) with no path to the output ({shown}) get no gradient: without this DDP"),
-        comment("never all-reduces their bucket, and every gradient in it stays this rank's own"),
-        "find_unused_parameters=True,",
+def _data_parallel_body(plan: Plan, dp: int) -> str:
+    """``parallelize`` (and ZeRO-1's ``make_optimizer``) of a data-parallel plan: the model
+    prepared (batch norm, recomputation, mixed precision), then wrapped by its flavour
+    (``codegen.data_parallel_emit``)."""
+    sharded = "" if uses_ddp(plan) else (
+        f"every parameter sharded on dim 0 over the {dp} ranks of \"dp\" (FSDP2 units"
+        + (", ZeRO-2)" if plan.dp_flavour == "zero2" else ")")
     )
-    return "".join(f"        {line}\n" for line in lines)
-
-
-def _fsdp_body(plan: Plan, dp: int) -> str:
+    what = sharded or f'the whole model, replicated over the {dp} ranks of "dp"'
+    imports = [wrapper_import(plan)] + ([REDUNDANCY_FREE_IMPORT] if plan.dp_flavour == "zero1" else [])
     lines = [
-        "from torch.distributed.fsdp import fully_shard",
+        *imports,
         "",
         "",
         "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
-        f'    """This rank\'s module: every parameter sharded on dim 0 over the {dp} ranks of "dp" (FSDP2)."""',
+        f'    """This rank\'s module: {what}."""',
         '    dp_mesh = mesh["dp"]',
         *_recompute_lines(plan).splitlines(),
-        f"    # Each unit keeps 1/{dp} of its weights, gradients and optimizer states on this rank.",
-        '    # Before a unit\'s forward, and again before its backward, it all-gathers its weights over',
-        '    # "dp" (the next unit\'s gather is prefetched); after its backward it reduce-scatters its',
-        '    # gradients over "dp" (averaged) and frees the gathered weights.',
+        *wrap_lines(plan, dp, held="The weights", unused=unused_parameters(plan)),
     ]
-    for unit in plan.fsdp_units:  # module paths checked against the model (codegen.plan_checks)
-        lines.append(f"    fully_shard(model.get_submodule({unit!r}), mesh=dp_mesh)")
-    lines.append("    # The root unit: every parameter outside the units above (embeddings, head, norms).")
-    lines.append("    fully_shard(model, mesh=dp_mesh)")
-    lines.append("    return model")
-    return "\n".join(lines) + "\n\n"
-
-
-def _zero1_body(plan: Plan, dp: int) -> str:
-    step = "then make_optimizer's\n    # optimizer (below) steps this rank's share of the parameters (ZeRO-1)"
-    return "from torch.distributed.optim import ZeroRedundancyOptimizer\n" + _ddp_body(plan, dp, step) + f'''
-def make_optimizer(module: torch.nn.Module, mesh: DeviceMesh, optimizer_class: type, **kwargs) -> torch.optim.Optimizer:
-    """optimizer_class(**kwargs) over module's parameters, its states sharded over the {dp}
-    ranks of "dp" (ZeRO-1)."""
-    # ZeroRedundancyOptimizer gives each rank of "dp" about 1/{dp} of the parameters (whole
-    # tensors, balanced by size). A rank keeps optimizer states only for its own share
-    # (AdamW: {_bytes(2 * plan.summary.parameter_bytes)} for the whole model, about 1/{dp} of that per rank) and
-    # runs optimizer_class's step on its share only, with the gradients DDP averaged; it then
-    # broadcasts its updated parameters over "dp", so every replica holds the same weights
-    # again. Each parameter gets exactly optimizer_class's update.
-    return ZeroRedundancyOptimizer(
-        module.parameters(),
-        optimizer_class=optimizer_class,
-        process_group=mesh["dp"].get_group(),
-        **kwargs,
-    )
-
-'''
-
-
-def _zero2_body(plan: Plan, dp: int) -> str:
-    units = "".join(  # module paths checked against the model (codegen.plan_checks)
-        f"    fully_shard(model.get_submodule({unit!r}), mesh=dp_mesh, reshard_after_forward=False)\n"
-        for unit in plan.fsdp_units
-    )
-    return f'''from torch.distributed.fsdp import fully_shard
-
-
-def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
-    """This rank's module: ZeRO-2 with FSDP2 units, weights sharded on dim 0 over the {dp} ranks
-    of "dp" between steps and gathered once per step (FSDP1's SHARD_GRAD_OP)."""
-    dp_mesh = mesh["dp"]
-{_recompute_lines(plan)}    # Each unit keeps 1/{dp} of its gradients and optimizer states on this rank, and between
-    # steps 1/{dp} of its weights. Before a unit's forward it all-gathers its weights over "dp"
-    # (the next unit's gather is prefetched) and, with reshard_after_forward=False, keeps them
-    # gathered until its backward is done: no second all-gather in backward, at the cost of
-    # holding the whole model's weights ({_bytes(plan.summary.parameter_bytes)}) during the step, as DDP does. After its
-    # backward it reduce-scatters its gradients over "dp" (averaged) and frees the gathered
-    # weights; the optimizer then updates this rank's shard only.
-{units}    # The root unit: every parameter outside the units above (embeddings, head, norms).
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
-    return model
-
-'''
-
-
-def _bytes(value: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= scale:
-            return f"{value / scale:.1f} {unit}"
-    return f"{value:.0f} B"
+    text = "\n".join(lines) + "\n\n"
+    return text + (redundancy_free_optimizer(plan, dp) if plan.dp_flavour == "zero1" else "")

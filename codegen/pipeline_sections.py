@@ -16,7 +16,7 @@ from codegen.program_parts import about_plan, autocast_lines, precision_imports
 from codegen.graph_facts import clean_path
 from codegen.pipeline_schedules import schedule_lines, stages_comment
 from codegen.source_text import comment, identifier, number, torch_imports, with_comment
-from codegen.spmd_sections import SHARDED_STATES_IMPORT, sharded_states_function, shards_optimizer_states
+from codegen.data_parallel_emit import SHARDED_STATES_IMPORT, sharded_states_optimizer, shards_optimizer_states
 from planner import __version__
 
 _PAD = " " * 8
@@ -251,7 +251,7 @@ def make_pipeline(module: PipelineStageModule | VirtualStages, mesh: DeviceMesh)
     """The SCHEDULE over this rank's stage: pipeline.step(args, kwargs) runs one step's
     forward and backward over MICRO_BATCHES micro-batches and returns the loss."""
     return PipelineRunner(module, mesh, SCHEDULE, MICRO_BATCHES, STAGE_INPUTS, STAGE_OUTPUTS, INPUT_NAMES, SHARED_PARAMETERS)
-''' + sharded_states_function(self.plan)
+''' + sharded_states_optimizer(self.plan)
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -63,7 +63,7 @@ def about_plan(plan: Plan) -> str:
     in a docstring."""
     source = plan.model.describe() if plan.model else plan.summary.name
     lines = [
-        f"Plan: {plan.label or plan.dp_flavour} ({plan.mesh})",  # plan.name, before it is made one line
+        f"Plan: {plan.name}",
         f"Model: {source}",
         f"Mesh: {plan.mesh} over {plan.world_size} ranks of cluster {plan.cluster.name}; global batch {plan.batch_size}.",
     ]

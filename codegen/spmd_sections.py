@@ -11,6 +11,7 @@ from torch.utils._pytree import TreeSpec
 
 from codegen import spmd_notes as notes
 from codegen import summa_emit
+from codegen.data_parallel_emit import SHARDED_STATES_IMPORT, sharded_states_optimizer, shards_optimizer_states
 from codegen.program_parts import about_plan, autocast_lines, precision_imports
 from codegen.source_text import comment, derived_identifier, identifier, number, torch_imports, with_comment
 from codegen.repeated_tables import parameter_entries
@@ -175,7 +176,7 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
     """This rank's part of one global batch, as INPUTS says (every rank holds the whole
     batch; each keeps its slice, no communication)."""
     return shard_inputs(args, kwargs, mesh, INPUTS)
-''' + sharded_states_function(self.plan)
+''' + sharded_states_optimizer(self.plan)
 
     def _output_imports(self) -> set[tuple[str, str]]:
         found: set[tuple[str, str]] = set()
@@ -190,28 +191,3 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
 
         visit(self.facts.out_spec)
         return found
-
-
-def shards_optimizer_states(plan) -> bool:
-    """Whether a graph or pipeline program of ``plan`` splits its optimizer states over
-    ``dp`` itself (ZeRO-1 beside other axes: ``codegen.runtime.sharded_states``)."""
-    mesh = plan.mesh
-    return plan.dp_flavour == "zero1" and "dp" in mesh.names and mesh.axis_size("dp") > 1
-
-
-SHARDED_STATES_IMPORT = "from codegen.runtime.sharded_states import ShardedStatesOptimizer"
-
-
-def sharded_states_function(plan) -> str:
-    """``make_optimizer`` of a ZeRO-1 graph or pipeline program ("" for other flavours)."""
-    if not shards_optimizer_states(plan):
-        return ""
-    return '''
-
-def make_optimizer(module: torch.nn.Module, mesh: DeviceMesh, optimizer_class, **kwargs):
-    """ZeRO-1 over "dp" (Megatron-LM's distributed optimizer): weights and their gradients
-    stay whole over dp (gradients all-reduced in backward); each rank steps 1/dp of every
-    weight, so the optimizer states take 1/dp of the memory, then the updated pieces are
-    all-gathered over dp."""
-    return ShardedStatesOptimizer(module.parameters(), mesh, "dp", optimizer_class, **kwargs)
-'''

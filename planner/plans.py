@@ -244,6 +244,12 @@ class Plan:
         return per_stage[stage] if per_stage else self.recompute
 
     @property
+    def sequence_parallel(self) -> bool:
+        """Whether this is a Megatron plan whose residual stream between blocks is split on
+        the sequence (Megatron's layout reshards an op's output only for that)."""
+        return self.label == "megatron" and any(s.produced is not None for s in self.strategies)
+
+    @property
     def name(self) -> str:
         """Short name of the strategy, e.g. ``"fsdp (dp=4)"``, ``"soap (dp=2 x tp=4)"``,
         ``"megatron (pp=4 x dp=2 x tp=8; 1f1b, 16 micro-batches; zero1)"`` or, with gradient
@@ -258,8 +264,8 @@ class Plan:
             details.append(f"{self.accumulation_steps} micro-batches")
         if self.label and self.dp_flavour != "ddp" and "dp" in self.mesh.names:
             details.append(self.dp_flavour)  # a labelled plan's dp flavour is not in its label
-        if self.label == "megatron" and any(s.produced is not None for s in self.strategies):
-            details.append("sequence parallel")  # Megatron's layout reshards only for it
+        if self.sequence_parallel:
+            details.append("sequence parallel")
         if self.expert_layouts:
             details.append(expert_modes_summary(self.expert_layouts))
         details += [section.describe(self) for section in self.sections.values()]

@@ -70,7 +70,8 @@ def strategy_words(plan: "Plan") -> str:
     if plan.label == "megatron":
         names = plan.mesh.names
         kind = "tensor" if "tp" in names else "pipeline" if "pp" in names else "data"
-        text = f"Megatron-LM {kind} parallelism on {devices} ({plan.mesh})"
+        sequence = " with sequence parallelism" if plan.sequence_parallel else ""  # as Plan.name says
+        text = f"Megatron-LM {kind} parallelism{sequence} on {devices} ({plan.mesh})"
     elif plan.label == "soap":
         split = sum(
             1 for placements in _parameter_placements(plan).values() if not all(isinstance(p, Replicate) for p in placements)

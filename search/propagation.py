@@ -11,7 +11,15 @@ mismatch between the producer's output and the consumer's input placement.
 Rules are op families (views, elementwise, matmuls, reductions, normalisations, attention,
 convolutions), enough for data parallelism (the batch dimension) and Megatron tensor
 parallelism (heads and hidden features). They read the op's real dimension arguments
-(``OpNode.attrs``), never guess from sizes. The search's per-op rule registry replaces this.
+(``OpNode.attrs``), never guess from sizes.
+
+This is the second sharding-rule engine beside the per-op registry (``search.rules``), and
+still a live one: the whole-model layouts (``search.layouts``: data parallel, Megatron-LM)
+walk the graph with ``propagate``, and the registry's lowest-priority family defaults
+(``search.rules.defaults``) are ``op_rule``'s answers. The registry corrects the families
+``op_rule`` gets wrong on uneven splits, partial sums and losses (``tests/test_rules.py``
+names each); rebuilding ``propagate`` on it (pick, per node, the registry candidate its
+incoming placements select) is what would leave one engine.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ from planner.graph import OpGraph, OpNode, TensorMeta
 
 R = Replicate()
 
-_ELEMENTWISE = (
+# The op families op_rule dispatches on, by ATen name prefix (public: the registry's
+# defaults and pointwise rules read them, so the two engines agree on what a family is).
+ELEMENTWISE = (
     "aten.add.", "aten.sub.", "aten.mul.", "aten.div.", "aten.neg.", "aten.pow.", "aten.rsqrt.", "aten.sqrt.",
     "aten.exp.", "aten.log.", "aten.reciprocal.", "aten.tanh.", "aten.sigmoid.", "aten.relu.", "aten.gelu.", "aten.silu.",
     "aten.dropout.", "aten.to.", "aten._to_copy.", "aten.type_as.", "aten.where.", "aten.masked_fill.",
@@ -37,14 +47,14 @@ _ELEMENTWISE = (
     "aten.mul_.", "aten.hardtanh.", "aten.leaky_relu.", "aten.zeros_like.", "aten.ones_like.",
     "aten.full_like.", "aten.broadcast_tensors.", "aten.cat.",
 )
-_SAME_LAYOUT = ("aten.clone.", "aten.contiguous.", "aten.alias.", "aten.detach.", "aten._assert", "aten.lift")
-_NORMS = ("aten.layer_norm.", "aten.rms_norm.")
-_SOFTMAXES = ("aten.softmax.", "aten._softmax.", "aten.log_softmax.", "aten._log_softmax.")
-_LINEARS = ("aten.linear.", "aten.addmm.", "aten.mm.", "aten.matmul.", "aten.bmm.", "aten.baddbmm.")
-_LOSSES = ("aten.cross_entropy_loss.", "aten.mse_loss.", "aten.nll_loss", "aten.l1_loss.", "aten.binary_cross_entropy")
-_REDUCTIONS = ("aten.mean.", "aten.sum.", "aten.amax.", "aten.amin.", "aten.max.", "aten.min.", "aten.cumsum.")
-_SPLITS = ("aten.split.", "aten.split_with_sizes.", "aten.unbind.", "aten.chunk.")
-_BATCHWISE = (
+SAME_LAYOUT = ("aten.clone.", "aten.contiguous.", "aten.alias.", "aten.detach.", "aten._assert", "aten.lift")
+NORMS = ("aten.layer_norm.", "aten.rms_norm.")
+SOFTMAXES = ("aten.softmax.", "aten._softmax.", "aten.log_softmax.", "aten._log_softmax.")
+LINEARS = ("aten.linear.", "aten.addmm.", "aten.mm.", "aten.matmul.", "aten.bmm.", "aten.baddbmm.")
+LOSSES = ("aten.cross_entropy_loss.", "aten.mse_loss.", "aten.nll_loss", "aten.l1_loss.", "aten.binary_cross_entropy")
+REDUCTIONS = ("aten.mean.", "aten.sum.", "aten.amax.", "aten.amin.", "aten.max.", "aten.min.", "aten.cumsum.")
+SPLITS = ("aten.split.", "aten.split_with_sizes.", "aten.unbind.", "aten.chunk.")
+BATCHWISE = (
     "aten.conv1d.", "aten.conv2d.", "aten.conv3d.", "aten.convolution.", "aten.max_pool", "aten.avg_pool",
     "aten.adaptive_avg_pool", "aten.adaptive_max_pool", "aten.group_norm.", "aten.upsample", "aten.pad.",
     "aten.constant_pad_nd.",
@@ -125,9 +135,9 @@ def has_rule(node: OpNode) -> bool:
     op = node.op
     return (
         op == "getitem" or node.is_view
-        or op.startswith((*_SPLITS, *_SAME_LAYOUT, "aten.flatten.", "aten.unflatten.", *_LINEARS,
-                          "aten.scaled_dot_product_attention", "aten.embedding.", *_NORMS, *_SOFTMAXES, *_LOSSES,
-                          *_REDUCTIONS, *_BATCHWISE, *_ELEMENTWISE, "aten.stack."))
+        or op.startswith((*SPLITS, *SAME_LAYOUT, "aten.flatten.", "aten.unflatten.", *LINEARS,
+                          "aten.scaled_dot_product_attention", "aten.embedding.", *NORMS, *SOFTMAXES, *LOSSES,
+                          *REDUCTIONS, *BATCHWISE, *ELEMENTWISE, "aten.stack."))
     )
 
 
@@ -139,25 +149,25 @@ def op_rule(node: OpNode, incoming: tuple[Placement, ...]) -> tuple[tuple[Placem
     op = node.op
     if op == "getitem":
         return incoming, tuple(incoming[0] for _ in outs)
-    if op.startswith(_SPLITS):
+    if op.startswith(SPLITS):
         return _split_rule(node, incoming)
-    if node.is_view or op.startswith(_SAME_LAYOUT) or op.startswith(("aten.flatten.", "aten.unflatten.")):
+    if node.is_view or op.startswith(SAME_LAYOUT) or op.startswith(("aten.flatten.", "aten.unflatten.")):
         return _view_rule(node, incoming)
-    if op.startswith(_LINEARS):
+    if op.startswith(LINEARS):
         return _matmul_rule(node, incoming)
     if op.startswith("aten.scaled_dot_product_attention"):
         return _attention_rule(node, incoming)
     if op.startswith("aten.embedding."):
         return _embedding_rule(node, incoming)
-    if op.startswith(_NORMS) or op.startswith(_SOFTMAXES):
+    if op.startswith(NORMS) or op.startswith(SOFTMAXES):
         return _normalisation_rule(node, incoming)
-    if op.startswith(_LOSSES):
+    if op.startswith(LOSSES):
         return _loss_rule(node, incoming)
-    if op.startswith(_REDUCTIONS):
+    if op.startswith(REDUCTIONS):
         return _reduction_rule(node, incoming)
-    if op.startswith(_BATCHWISE):
+    if op.startswith(BATCHWISE):
         return _batchwise_rule(node, incoming)
-    if op.startswith(_ELEMENTWISE):
+    if op.startswith(ELEMENTWISE):
         return _elementwise_rule(node, incoming)
     if op.startswith("aten.stack."):
         return _stack_rule(node, incoming)
@@ -244,7 +254,7 @@ def _moved_dim(node: OpNode, meta: TensorMeta, dim: int) -> int | None:
         return None if along == dim else dim - (along < dim)
     if op.startswith(("aten.expand.", "aten.expand_as.")):
         return dim + len(out.shape) - rank
-    if op.startswith(_SAME_LAYOUT):
+    if op.startswith(SAME_LAYOUT):
         return dim
     return _map_reshape_dim(meta.shape, out.shape, dim)
 
@@ -415,7 +425,7 @@ def _normalisation_rule(node: OpNode, incoming):
         return _gather_all(node, incoming)
     meta, placement = found
     rank = len(meta.shape)
-    if node.op.startswith(_NORMS):
+    if node.op.startswith(NORMS):
         normalized = len(node.attrs[1]) if len(node.attrs) > 1 and isinstance(node.attrs[1], (list, tuple)) else 1
         blocked = set(range(rank - normalized, rank))
     else:

@@ -174,6 +174,15 @@ def test_the_verdict_names_a_pipeline_without_tensor_parallelism_and_its_flavour
     )
 
 
+def test_the_verdict_and_the_name_of_a_sequence_parallel_plan_say_so():
+    spec = ModelSpec(GPT, {"n_layer": 2, "batch_size": 8})
+    plain, sequence = (baselines.megatron(spec, "dgx-a100-80g:1x4", tp=4, sequence_parallel=sp) for sp in (False, True))
+    verdict = " ".join(sequence.report().split("\n\n")[1].split())
+    assert verdict.startswith("Chosen: Megatron-LM tensor parallelism with sequence parallelism on 4 GPUs (tp=4)")
+    assert sequence.name == "megatron (tp=4; sequence parallel)"
+    assert "sequence parallel" not in plain.name and "sequence parallel" not in plain.report()
+
+
 def test_a_composed_plan_says_which_axis_runs_fsdp_and_which_tensor_parallelism():
     spec = ModelSpec(GPT, {"n_layer": 4, "batch_size": 16})
     plan = baselines.megatron(spec, "dgx-a100-80g:2x4", pp=2, tp=2, micro_batch=2, dp_flavour="fsdp", recompute="full")

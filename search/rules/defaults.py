@@ -35,17 +35,17 @@ _MAX_COMBINATIONS = 4096
 # The op families op_rule dispatches on (the same prefixes, read from propagation so the two
 # cannot drift apart); anything else falls through to its "unknown op: gather all" branch.
 _FAMILY_PREFIXES: tuple[str, ...] = (
-    propagation._SPLITS
-    + propagation._SAME_LAYOUT
+    propagation.SPLITS
+    + propagation.SAME_LAYOUT
     + ("aten.flatten.", "aten.unflatten.")
-    + propagation._LINEARS
+    + propagation.LINEARS
     + ("aten.scaled_dot_product_attention", "aten.embedding.")
-    + propagation._NORMS
-    + propagation._SOFTMAXES
-    + propagation._LOSSES
-    + propagation._REDUCTIONS
-    + propagation._BATCHWISE
-    + propagation._ELEMENTWISE
+    + propagation.NORMS
+    + propagation.SOFTMAXES
+    + propagation.LOSSES
+    + propagation.REDUCTIONS
+    + propagation.BATCHWISE
+    + propagation.ELEMENTWISE
 )
 
 
@@ -53,7 +53,7 @@ _FAMILY_PREFIXES: tuple[str, ...] = (
 # shapes.py, reductions.py, matmul.py): an op of theirs without an explicit rule is reported
 # as unknown rather than given op_rule's answers.
 _UNTRUSTED_PREFIXES: tuple[str, ...] = (
-    propagation._SPLITS + propagation._LOSSES + propagation._REDUCTIONS + propagation._LINEARS
+    propagation.SPLITS + propagation.LOSSES + propagation.REDUCTIONS + propagation.LINEARS
 )
 
 

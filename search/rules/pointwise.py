@@ -39,7 +39,7 @@ _SCALING = frozenset(
 
 
 def _is_pointwise(op: str) -> bool:
-    return op.startswith(propagation._ELEMENTWISE) and not op.startswith(("aten.cat.",))
+    return op.startswith(propagation.ELEMENTWISE) and not op.startswith(("aten.cat.",))
 
 
 def pointwise_rule(node: OpNode, axis_size: int) -> list[AxisCandidate]:
