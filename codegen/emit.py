@@ -19,6 +19,7 @@ the causal kernel where the trace proved the mask causal (``codegen.causal_atten
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from codegen.data_parallel_emit import (
     DDP_FLAVOURS,
@@ -84,18 +85,24 @@ def render_model_spmd(plan: Plan) -> str:
     return family.part("emitter")(plan)
 
 
-def render_data_parallel_program(plan: Plan) -> str:
+def render_data_parallel_program(plan: Plan, parallelize: Callable[[Plan, int], str] | None = None) -> str:
     """The emitter part of the data-parallel families (``planner.families``): a plain
     data-parallel plan (a ``dp`` mesh, every parameter replicated) becomes, by flavour, a
     DDP module (``ddp``), a DDP module with a ``ZeroRedundancyOptimizer`` from
     ``make_optimizer`` (``zero1``), or FSDP2 units with (``fsdp``) or without (``zero2``)
-    resharding after forward."""
+    resharding after forward.
+
+    Args:
+        parallelize: ``(plan, dp) -> source`` of the program's ``parallelize`` (and what it
+            imports), for a family whose program is this one with the model wrapped another
+            way (HSDP); it starts from ``preparation_lines``. Default: the flavour's.
+    """
     plan = checked_plan(plan, graph_program=False)
     dp = plan.mesh.axis_size(_DP_AXIS)
     header = _header(plan)
     if plan.dp_flavour not in (*DDP_FLAVOURS, *FSDP_FLAVOURS):
         raise NotImplementedError(f"codegen for dp flavour '{plan.dp_flavour}' is not written yet")
-    body = _data_parallel_body(plan, dp)
+    body = (parallelize or _data_parallel_body)(plan, dp)
     batch_norm = ["from codegen.runtime.batch_norm import synchronise_batch_norm"] if has_batch_norm(plan) else []
     imports = "".join(line + "\n\n" for line in precision_imports(plan) + batch_norm)
     return header + _recompute_table(plan) + imports + body + shard_batch_source(plan, dp)
@@ -122,7 +129,7 @@ def _recompute_table(plan: Plan) -> str:
     )
 
 
-def _recompute_lines(plan: Plan) -> str:
+def preparation_lines(plan: Plan) -> str:
     """Lines of ``parallelize`` that synchronise batch norm, checkpoint the blocks and set
     mixed precision, before DDP/FSDP2 wrap the model (so their hooks stay outside the
     recomputed forward)."""
@@ -239,7 +246,7 @@ def _data_parallel_body(plan: Plan, dp: int) -> str:
         "def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:",
         f'    """This rank\'s module: {what}."""',
         '    dp_mesh = mesh["dp"]',
-        *_recompute_lines(plan).splitlines(),
+        *preparation_lines(plan).splitlines(),
         *wrap_lines(plan, dp, held="The weights", unused=unused_parameters(plan)),
     ]
     text = "\n".join(lines) + "\n\n"

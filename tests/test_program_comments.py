@@ -10,12 +10,13 @@ model wrapped in ``fully_shard``). The program's header names its plan exactly a
 
 One plan of each family is compiled (no process is started: only the source is written):
 data parallel (ddp, zero1, zero2, fsdp), Megatron tensor parallelism with ZeRO-1 on dp and
-with sequence parallelism (graph programs), a pipeline, SUMMA, and MoE layers in each mode.
+with sequence parallelism (graph programs), a pipeline, SUMMA, MoE layers in each mode, and HSDP.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import io
 import re
 import tokenize
@@ -27,6 +28,7 @@ from moe_plans import moe_plan
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
 from search.data_parallel import data_parallel_plan
+from planner.families.hsdp.section import HsdpSection
 from search.megatron import megatron_plan
 from summa_plans import GPT, GPT_SMALL, summa_plan
 from test_parity import REPO
@@ -35,7 +37,7 @@ WORLD = 4
 FAMILIES = (
     "ddp", "zero1", "zero2", "fsdp", "megatron dp x tp, zero1", "megatron tp, sequence parallel", "pipeline pp x dp",
     "summa 2d", "moe expert parallel, ddp", "moe replicated experts, fsdp", "moe sliced experts, zero1",
-    "moe copied experts, zero2",
+    "moe copied experts, zero2", "hsdp 2 x 2",
 )
 GPT_SPEC = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer": 2})
 
@@ -51,7 +53,8 @@ GPT_SPEC = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer":
 #   broadcast blocks (2-D, 2.5-D) or gather and reduce-scatter them (3-D); ZeRO-1's
 #   optimizers broadcast (``ZeroRedundancyOptimizer``) or all-gather
 #   (``ShardedStatesOptimizer``) the updated weights; synchronised batch norm all-reduces
-#   its statistics.
+#   its statistics; FSDP2 on HSDP's 2-D mesh (``hybrid_mesh``) all-reduces the gradient shards
+#   across its replicate groups.
 # Patterns of acronyms match case-sensitively (``\bDDP\b``), collectives in any case.
 _DDP = "DistributedDataParallel"
 _FSDP = ("fully_shard", "shard_over_copies")
@@ -62,7 +65,7 @@ BACKING: dict[str, tuple[str, ...]] = {
     r"\bDDP\b|DistributedDataParallel": (_DDP,),
     r"fully_shard|\bFSDP2?\b": _FSDP,
     r"ZeroRedundancyOptimizer|\bZeRO-1\b": ("ZeroRedundancyOptimizer", "ShardedStatesOptimizer"),
-    r"(?i:all-reduce|all_reduce|allreduce)": (_DDP, *_GRAPH, *_SUMMA, "synchronise_batch_norm"),
+    r"(?i:all-reduce|all_reduce|allreduce)": (_DDP, *_GRAPH, *_SUMMA, "synchronise_batch_norm", "hybrid_mesh"),
     r"(?i:all-gather|all_gather)": (*_FSDP, *_GRAPH, *_MOE, *_SUMMA, "ShardedStatesOptimizer"),
     r"(?i:reduce-scatter|reduce_scatter)": (*_FSDP, *_GRAPH, *_SUMMA, "ExpertSlicedMoE"),
     r"(?i:all-to-all|all_to_all)": _MOE,
@@ -82,6 +85,9 @@ def _family_plans() -> dict[str, object]:
     plans["moe replicated experts, fsdp"] = moe_plan(WORLD, "data_parallel", flavour="fsdp")
     plans["moe sliced experts, zero1"] = moe_plan(WORLD, "expert_sliced", flavour="zero1")
     plans["moe copied experts, zero2"] = moe_plan(WORLD, "expert_parallel", "grid", flavour="zero2", sharded_copies=True)
+    graph, spec, name, cluster = prepare_model(GPT_SPEC, "cpu:2x2")
+    fsdp = data_parallel_plan(graph, cluster, spec, name, "fsdp")
+    plans["hsdp 2 x 2"] = dataclasses.replace(fsdp, sections={"hsdp": HsdpSection(2)})
     return plans
 
 

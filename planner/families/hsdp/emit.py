@@ -1,8 +1,8 @@
 """HSDP's program: the fsdp program of the plan, its ``parallelize`` on a 2-D mesh.
 
 The compiled ``model_spmd.py`` of a HSDP plan is its fsdp program (header, recomputation
-table, precision and batch-norm imports, ``shard_batch``: ``codegen.emit``) with one
-function written here: ``parallelize`` builds the ``replicate x shard`` mesh over the ``dp``
+table, precision and batch-norm imports, ``shard_batch``:
+``codegen.emit.render_data_parallel_program``) with one function written here: ``parallelize`` builds the ``replicate x shard`` mesh over the ``dp``
 ranks (``planner.families.hsdp.runtime.hybrid_mesh``) and calls FSDP2's ``fully_shard`` on
 every FSDP unit and the root with that mesh, which shards each parameter over ``"shard"``
 and replicates it over ``"replicate"``.
@@ -16,19 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from codegen.emit import render_data_parallel_program
+from codegen.emit import preparation_lines, render_data_parallel_program
 from codegen.source_text import number
 from planner.errors import PlanningError
 from planner.families.hsdp.section import HsdpSection
 from planner.plans import Plan
 
-# Where the fsdp program's parallelize starts and ends, and where its lines that prepare the
-# model (batch norm, recomputation, mixed precision) end: the FSDP2 comment block.
-_FSDP_START = "from torch.distributed.fsdp import fully_shard\n"
-_MESH_LINE = '    dp_mesh = mesh["dp"]\n'
-_FSDP_COMMENT = "    # Each unit keeps 1/"
-_FSDP_END = "\n    return model\n"
-_PLAN_LINE = "# Plan: "
 
 
 def compile_hsdp_plan(plan: Plan) -> str:
@@ -39,53 +32,27 @@ def compile_hsdp_plan(plan: Plan) -> str:
 
 def render_hsdp_program(plan: Plan, section: HsdpSection) -> str:
     """Source of the ``model_spmd.py`` of ``plan`` (an fsdp plan on a ``dp`` mesh) with
-    ``section``'s hybrid sharding: the fsdp program whose ``parallelize`` shards every FSDP
+    ``section``'s hybrid sharding: the data-parallel program
+    (``codegen.emit.render_data_parallel_program``) whose ``parallelize`` shards every FSDP
     unit over a shard group of ``section.shard`` ranks and replicates it over the groups.
 
     Raises:
         PlanningError: ``section`` does not fit ``plan`` (``HsdpSection.check``'s line).
     """
     try:
-        section.check(plan)
+        # The plan with its section: the program's header names it (Plan.name).
+        plan = dataclasses.replace(plan, sections={**plan.sections, "hsdp": section})
     except ValueError as error:
         raise PlanningError(str(error)) from None
-    fsdp = dataclasses.replace(plan, sections={name: s for name, s in plan.sections.items() if name != "hsdp"})
-    before, prologue, after = _around_parallelize(render_data_parallel_program(fsdp))
-    return _named(before, plan, section) + _parallelize_source(plan, section, prologue) + after
+    return render_data_parallel_program(plan, lambda plan, dp: _parallelize_source(plan, section))
 
 
-def _around_parallelize(program: str) -> tuple[str, str, str]:
-    """The fsdp ``program`` cut around its ``parallelize`` (with its ``fully_shard`` import):
-    the source before it, the lines of ``parallelize`` that prepare the model before FSDP2
-    wraps it, and the source after it.
-
-    A stand-in until ``codegen.emit`` shares the pieces it builds the fsdp program from; a
-    change there that moves a mark fails here at once, never silently."""
-    start = program.find(_FSDP_START)
-    mesh_line = program.find(_MESH_LINE, start)
-    fsdp_comment = program.find(_FSDP_COMMENT, mesh_line)
-    end = program.find(_FSDP_END, fsdp_comment)
-    if min(start, mesh_line, fsdp_comment, end) < 0 or program.count(_FSDP_START) != 1:
-        raise AssertionError("the fsdp program's parallelize no longer has the marks HSDP's emitter cuts it at")
-    end += len(_FSDP_END)
-    return program[:start], program[mesh_line + len(_MESH_LINE):fsdp_comment], program[end:]
-
-
-def _named(source: str, plan: Plan, section: HsdpSection) -> str:
-    """``source`` with its ``# Plan: ...`` comment naming the hybrid sharding too."""
-    lines = source.split("\n")
-    index = next((i for i, line in enumerate(lines) if line.startswith(_PLAN_LINE)), None)
-    if index is None:
-        raise AssertionError("the fsdp program no longer names its plan in a '# Plan: ' comment")
-    # The line is inert already (codegen.source_text); the words added are numbers.
-    lines[index] = f"{lines[index].removesuffix(')')}; {section.describe(plan)})"
-    return "\n".join(lines)
-
-
-def _parallelize_source(plan: Plan, section: HsdpSection, prologue: str) -> str:
-    """``parallelize`` of the HSDP program: ``prologue`` (the fsdp program's lines that
-    prepare the model, which use ``dp_mesh``), the 2-D mesh, then ``fully_shard`` on every
-    unit and the root over it."""
+def _parallelize_source(plan: Plan, section: HsdpSection) -> str:
+    """``parallelize`` of the HSDP program: the lines that prepare the model as the fsdp
+    program does (``codegen.emit.preparation_lines``: batch norm, recomputation, mixed
+    precision, which use ``dp_mesh``), the 2-D mesh, then ``fully_shard`` on every unit and
+    the root over it."""
+    prologue = preparation_lines(plan)
     dp = plan.mesh.axis_size("dp")
     shard = section.shard
     replicate = section.replicate(plan)
