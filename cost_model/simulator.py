@@ -92,22 +92,23 @@ class Simulator:
 
     ``context`` (``StepContext``) holds the plan's facts and current strategies,
     ``node_costs`` (``NodeCosts``) every node's cost, ``contributors`` the families that add
-    to the step (``cost_model.contributor_registry``).
+    to the step: the registry's (``cost_model.contributor_registry``) unless ``contributors``
+    names others (then no node costs are shared with plans simulated before).
     """
 
-    def __init__(self, plan, graph: OpGraph):
+    def __init__(self, plan, graph: OpGraph, contributors=None):
         with _collector_paused():
-            self._set_up(plan, graph)
+            self._set_up(plan, graph, contributors)
 
-    def _set_up(self, plan, graph: OpGraph) -> None:
+    def _set_up(self, plan, graph: OpGraph, contributors) -> None:
         facts = graph_facts(graph)
         self.context = StepContext.build(plan, graph, facts.nodes, facts.consumers)
-        self.contributors = step_contributors(plan)
+        self.contributors = step_contributors(plan) if contributors is None else tuple(contributors)
         self.node_costs = NodeCosts(self.context, facts.kept, facts.signature, self.contributors)
         self._layout: SegmentMembers | None = None  # which nodes form which segment, once asked
         self._segment_list: list[Segment] | None = None  # until a strategy changes
-        key = costing_key(plan, graph, self.context.micro_batches)
-        costed = RECENTLY_COSTED.get(key)
+        key = costing_key(plan, graph, self.context.micro_batches) if contributors is None else None
+        costed = RECENTLY_COSTED.get(key) if key is not None else None
         if costed is not None:
             # A plan that differs from one simulated before only in what node costs do not
             # read (recomputation, dp flavour): its node costs and segments are the same.
@@ -116,6 +117,8 @@ class Simulator:
             return
         self.node_costs.cost_all()
         self._segment_list = self.segments()
+        if key is None:
+            return
         RECENTLY_COSTED.put(key, Costed(
             keep=(plan.strategies, graph, facts, plan.cluster), cache=dict(self.node_costs.cache),
             first_use=dict(self.node_costs.first_use), costs=dict(self.node_costs.costs), segments=self._segment_list,

@@ -13,7 +13,9 @@ they are called, which fixes the order of their tasks on a stream.
 Hooks (each default adds nothing):
 
 - ``node_cost(context, node, strategy, cost)``: add to one op's ``NodeCost`` (one
-  micro-batch on one device).
+  micro-batch on one device). It may read only what ``simulation_cache.costing_key`` covers
+  (graph, cluster, mesh, precision, micro-batches, placements, MoE layouts): plans that differ
+  elsewhere (dp flavour, recomputation) share their node costs.
 - Task graph (``tasks``: the ``StepTasks`` being built, with ``tasks.context`` and
   ``tasks.graph``, the ``TaskGraph`` to add to):
 
