@@ -149,15 +149,16 @@ class NodeCosts:
 
     def cost_of(self, node: OpNode) -> NodeCost:
         """``node``'s cost under its current strategy, shared with every node costed alike."""
-        layer = self.context.moe_layer_of.get(node.name)
+        moe_layer_of, strategies = self.context.moe_layer_of, self.context.strategies
+        layer = moe_layer_of.get(node.name)
         if layer is not None:
             return self._moe_node_cost(node, layer)
-        strategy = self.context.strategies[node.name]
+        strategy = strategies[node.name]
         edges = []
         for position, name in enumerate(node.inputs):
-            if name in self.context.moe_layer_of:
+            if name in moe_layer_of:
                 continue  # an MoE layer hands its tokens back split as the batch is
-            producer = self.context.strategies.get(name)
+            producer = strategies.get(name)
             wanted = strategy.inputs[position] if position < len(strategy.inputs) else None
             if producer is None or not producer.outputs or wanted is None:
                 continue

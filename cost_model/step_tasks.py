@@ -37,37 +37,39 @@ class StepTasks:
 
     def build(self, segments: list[Segment]) -> tuple[TaskGraph, dict[str, list[Segment]]]:
         """The step's task graph, and each device's segments (by ``"stage k"``)."""
-        graph = self.graph
-        stages_total = self.context.pp * self.context.chunks
+        context, graph = self.context, self.graph
+        pipeline = context.plan.pipeline
+        stages_total = context.pp * context.chunks
         chunk_segments: dict[int, list[Segment]] = {vs: [] for vs in range(stages_total)}
         for segment in segments:
             chunk_segments[min(segment.stage, stages_total - 1)].append(segment)
         # Per-segment backward tasks where a contributor gathers before each, or reduces
         # gradients after this micro-batch (each segment's reduction starts when it is done).
-        gathers = any(contributor.gathers_every_pass(self.context) for contributor in self.contributors)
-        sync_every = any(contributor.reduces_every_micro_batch(self.context) for contributor in self.contributors)
+        gathers = any(contributor.gathers_every_pass(context) for contributor in self.contributors)
+        sync_every = any(contributor.reduces_every_micro_batch(context) for contributor in self.contributors)
         forward_done: dict[tuple[int, int], int] = {}
         backward_done: dict[tuple[int, int], int] = {}
         per_device: dict[str, list[Segment]] = {}
         boundary = {vs: self._boundary_bytes(chunk_segments, vs) for vs in range(stages_total - 1)}
         orders = {
-            stage: pipeline_schedule(self.context.schedule_name, stage, self.context.pp, self.context.micro_batches, self.context.chunks)
-            for stage in range(self.context.pp)
+            stage: pipeline_schedule(context.schedule_name, stage, context.pp, context.micro_batches, context.chunks)
+            for stage in range(context.pp)
         }
-        positions = {stage: 0 for stage in range(self.context.pp)}
+        positions = {stage: 0 for stage in range(context.pp)}
         sync_after: dict[str, list[int]] = {}
         # Blocking sends (``PipelineConfig.blocking_p2p``) are added to the sender's compute
         # stream right after the pass that produced them, keyed ("act"|"grad", mb, sender vs).
-        blocking = self.context.plan.pipeline is not None and self.context.plan.pipeline.blocking_p2p
+        blocking = pipeline is not None and pipeline.blocking_p2p
         sent: dict[tuple[str, int, int], int] = {}
         # Partitioned sends (``PipelineConfig.partitioned_p2p``) carry 1/tp of the boundary
         # tensor; the receiver all-gathers it over tp on its compute stream before the pass.
         parts = self.p2p_parts()
-        accumulation = self.context.plan.pipeline.gradient_accumulation if self.context.plan.pipeline is not None else "in-gemm"
-        overlap = self.context.plan.pipeline is None or self.context.plan.pipeline.overlap_grad_reduce
-        for stage in range(self.context.pp):
-            per_device[f"stage {stage}"] = [s for vs, segs in chunk_segments.items() if vs % self.context.pp == stage for s in segs]
-        if blocking and self.context.chunks == 1:
+        accumulation = pipeline.gradient_accumulation if pipeline is not None else "in-gemm"
+        overlap = pipeline is None or pipeline.overlap_grad_reduce
+        for stage in range(context.pp):
+            per_device[f"stage {stage}"] = [s for vs, segs in chunk_segments.items() if vs % context.pp == stage
+                                            for s in segs]
+        if blocking and context.chunks == 1:
             # DeepSpeed's own schedule, its sends and receives as rendezvous (cost_model.deepspeed_pipeline).
             deepspeed_schedule(self, chunk_segments, boundary, sync_after, gathers, sync_every)
             orders = {}
@@ -78,7 +80,7 @@ class StepTasks:
                 device = f"stage {stage}"
                 while positions[stage] < len(order):
                     kind, mb, chunk = order[positions[stage]]
-                    vs = chunk * self.context.pp + stage
+                    vs = chunk * context.pp + stage
                     if kind == "F":
                         upstream = forward_done.get((mb, vs - 1)) if vs > 0 else None
                         if vs > 0 and upstream is None:
@@ -108,11 +110,11 @@ class StepTasks:
                         else:
                             deps = []
                         deps.append(forward_done[(mb, vs)])
-                        sync = sync_every or mb == self.context.micro_batches - 1
+                        sync = sync_every or mb == context.micro_batches - 1
                         split = gathers or sync  # per-segment tasks feed gradient syncs
                         deferred: list | None = None if overlap else []
                         backward_done[(mb, vs)] = self.backward(
-                            device, chunk_segments[vs], mb, deps, self.context.plan.recompute_at(vs), split,
+                            device, chunk_segments[vs], mb, deps, context.plan.recompute_at(vs), split,
                             sync_after, sync, deferred,
                         )
                         backward_done[(mb, vs)] = self.accumulate_gradients(
@@ -126,10 +128,10 @@ class StepTasks:
                     progressed = True
             if not progressed:
                 raise RuntimeError("pipeline schedule deadlocked: a stage waits for work no stage can do")
-        for stage in range(self.context.pp):
+        for stage in range(context.pp):
             device = f"stage {stage}"
-            sharding = parameter_sharding(self.context, self.contributors)
-            state_bytes = optimizer_state_bytes(self.context, per_device[device], sharding)
+            sharding = parameter_sharding(context, self.contributors)
+            state_bytes = optimizer_state_bytes(context, per_device[device], sharding)
             seconds = self._optimizer_time(state_bytes, per_device[device], sharding)
             step = graph.add("optimizer step", (device, "compute"), seconds, deps=sync_after.get(device, []),
                              kind="optimizer")
@@ -147,7 +149,8 @@ class StepTasks:
         tensors = sharding.updated_tensors(sum(len(segment.params) for segment in segments))
         on_dtensors = self.context.graph_program or sharding.dtensor_parameters
         dispatch = (self.context.device.dtensor_op_overhead_s or 0.0) if on_dtensors else 0.0
-        return optimizer_step_time(state_bytes, self.context.device, "single_tensor", tensors=tensors, dispatch_s=dispatch)
+        return optimizer_step_time(state_bytes, self.context.device, "single_tensor", tensors=tensors,
+                                   dispatch_s=dispatch)
 
     def _p2p(self, vs: int, after: int, size_bytes: float, name: str, blocking: bool = False) -> int:
         # A send from (virtual) stage ``vs``. Activations and gradients travel on separate
@@ -155,7 +158,8 @@ class StepTasks:
         # the other; a blocking send holds the sender's compute stream instead.
         device = f"stage {vs % self.context.pp}"
         stream = "compute" if blocking else "p2p act" if name.startswith("send act") else "p2p grad"
-        return self.graph.add(name, (device, stream), self.context.p2p_seconds(vs, size_bytes), deps=[after], kind="p2p")
+        seconds = self.context.p2p_seconds(vs, size_bytes)
+        return self.graph.add(name, (device, stream), seconds, deps=[after], kind="p2p")
 
     def p2p_parts(self) -> int:
         """Slices a boundary tensor is sent in: the tensor-parallel degree under
@@ -169,8 +173,8 @@ class StepTasks:
         """All-gather of a partitioned boundary tensor (``size_bytes`` whole) over ``tp`` on
         ``device``'s compute stream (DeepSpeed's ``PartitionedTensor.full``: the pass that
         needs the tensor waits for it)."""
-        return self.graph.add(name, (device, "compute"), self.context.collective("all_gather", size_bytes, "tp"), deps=deps,
-                         kind="tp_comm")
+        seconds = self.context.collective("all_gather", size_bytes, "tp")
+        return self.graph.add(name, (device, "compute"), seconds, deps=deps, kind="tp_comm")
 
     def _block_overhead(self, segment: Segment) -> tuple[float, float]:
         """(forward, backward) seconds of the pipeline's ``block_overhead_s`` for ``segment``
@@ -183,8 +187,7 @@ class StepTasks:
         share = forward / (forward + backward) if forward + backward > 0 else 0.5
         return overhead * share, overhead * (1 - share)
 
-    def accumulate_gradients(self, device: str, segments: list[Segment], mb: int, mode: str,
-                              after: int) -> int:
+    def accumulate_gradients(self, device: str, segments: list[Segment], mb: int, mode: str, after: int) -> int:
         """The task adding micro-batch ``mb``'s weight gradients into the step's gradients
         (``PipelineConfig.gradient_accumulation``) after its backward, or ``after`` itself
         when that costs nothing."""
