@@ -20,6 +20,9 @@ shard. A graph program (searched or Megatron layouts) reduces each parameter's g
 own hook, one collective per parameter. Memory: the shardable parameters' weights, gradients
 and states divided by ``dp`` as the flavour shards them; FSDP's two gathered units (the one
 running and the one prefetched) or DDP's bucket as communication buffers.
+
+A plan whose flavour is not one of ``FLAVOURS`` gets nothing from this contributor: a flavour
+added as a family of its own (hybrid sharding, say) brings its own contributor.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from cost_model.segments import Segment
 from cost_model.step_context import StepContext
 from cost_model.step_contributor import ParameterSharding, StepContributor
 
+FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")  # what this contributor runs; others have their own
 SHARDED_STATES = ("zero1", "zero2", "fsdp")  # flavours that shard the optimizer states over dp
 SHARDED_GRADIENTS = ("zero2", "fsdp")
 FSDP2_FLAVOURS = ("zero2", "fsdp")  # run by FSDP2: DTensor parameters, per-unit reduce-scatters
@@ -179,11 +183,12 @@ class DataParallelStep(StepContributor):
         accumulating step (no pipeline): FSDP2 (FSDP, ZeRO-2) reduce-scatters each one into
         its sharded gradients, and graph programs (a label: searched or Megatron layouts)
         reduce in each parameter's gradient hook; DDP syncs once, after the last."""
-        if context.plan.pipeline is not None or context.dp == 1:
+        if context.plan.dp_flavour not in FLAVOURS or context.plan.pipeline is not None or context.dp == 1:
             return False
         return context.plan.dp_flavour in FSDP2_FLAVOURS or bool(context.plan.label)
 
     def gathers_every_pass(self, context: StepContext) -> bool:
+        """FSDP gathers each segment's weights before every pass."""
         return _fsdp(context)
 
     def forward_gather(self, tasks, device: str, segment: Segment, position: int, last: int | None) -> int | None:
@@ -204,11 +209,14 @@ class DataParallelStep(StepContributor):
                             f"all-gather {segment.name} (bwd)", regathered)
 
     def gradient_reduction(self, tasks, device: str, sync: bool) -> _GradientReduction | None:
-        if tasks.context.dp == 1 or not sync:
+        """DDP's buckets, FSDP2's per-unit reduce-scatters or a graph program's per-parameter
+        all-reduces over ``dp``, after a micro-batch whose gradients are reduced."""
+        if tasks.context.plan.dp_flavour not in FLAVOURS or tasks.context.dp == 1 or not sync:
             return None
         return _GradientReduction(tasks, device)
 
     def after_optimizer(self, tasks, device: str, segments: list[Segment], step: int) -> None:
+        """ZeRO-1's broadcasts of the updated weights; ZeRO-2's all-gather of them."""
         context = tasks.context
         if context.dp == 1:
             return
@@ -228,8 +236,12 @@ class DataParallelStep(StepContributor):
             tasks.graph.add("all-gather updated weights", (device, "collective"),
                             context.collective("all_gather", gathered, "dp"), deps=[step], kind="comm")
 
-    def parameter_sharding(self, context: StepContext) -> ParameterSharding:
+    def parameter_sharding(self, context: StepContext) -> ParameterSharding | None:
+        """What the flavour shards over ``dp``: states (ZeRO-1), and gradients (ZeRO-2), and
+        weights (FSDP)."""
         flavour, dp = context.plan.dp_flavour, context.dp
+        if flavour not in FLAVOURS:
+            return None
         sharded = dp > 1 and flavour in SHARDED_STATES
         return ParameterSharding(
             weights=dp if flavour == "fsdp" else 1,
@@ -241,7 +253,8 @@ class DataParallelStep(StepContributor):
 
     def communication_buffer_bytes(self, context: StepContext, segments: list[Segment], elements: float,
                                    weight_bytes: float, gradient_bytes: float) -> float:
-        if context.dp == 1:
+        """FSDP's two gathered units (running and prefetched), else DDP's bucket."""
+        if context.plan.dp_flavour not in FLAVOURS or context.dp == 1:
             return 0.0
         if context.plan.dp_flavour == "fsdp":
             # The unit being used and the next one, prefetched, are gathered at once.
@@ -249,7 +262,8 @@ class DataParallelStep(StepContributor):
         return min(defaults.DDP_BUCKET_BYTES, elements * gradient_bytes)
 
     def add_axis_bytes(self, context: StepContext, segment: Segment, totals: dict[str, float]) -> None:
-        if context.dp == 1 or not segment.dp_synced:
+        """The bytes the flavour's gathers and reductions of ``segment``'s weights send over ``dp``."""
+        if context.plan.dp_flavour not in FLAVOURS or context.dp == 1 or not segment.dp_synced:
             return
         element_bytes = PARAM_BYTES[context.plan.precision][1]
         grads = sum(segment.params[n] for n in segment.dp_synced) * element_bytes
