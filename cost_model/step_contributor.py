@@ -38,9 +38,11 @@ Hooks (each default adds nothing):
   ``communication_buffer_bytes(context, segments, elements, weight_bytes, gradient_bytes)``
   (summed), ``add_axis_bytes(context, segment, totals)`` (adds to one stage's bytes per axis).
 
-Example: a family that all-reduces every segment's gradients over a ``rep`` axis once the last
-micro-batch's backward has produced them, registered by appending ``ReplicaSync()`` in the
-registry::
+Example: a family that all-reduces every segment's gradients over a ``rep`` axis as soon as
+that segment's backward has produced them (in each backward whose gradients are reduced),
+registered by appending ``ReplicaSync()`` to ``_CONTRIBUTORS`` in the registry (the test
+``tests/test_step_contributors.py`` runs it; ``cost_model.data_parallel_step`` is the full
+example, the data-parallel flavours)::
 
     class ReplicaSync(StepContributor):
         def gradient_reduction(self, tasks, device, sync):
