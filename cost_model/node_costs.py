@@ -27,6 +27,7 @@ from cost_model.compute import op_times
 from cost_model.moe_layers import LaidOutLayer, routing_sync_bytes
 from cost_model.resharding import backward_collective, forward_collective
 from cost_model.step_context import StepContext
+from cost_model.step_contributor import overriding
 from planner.graph import OpNode
 from planner.strategy import EXPERT_COPIES_AXIS, NodeStrategy
 
@@ -89,7 +90,7 @@ class NodeCosts:
         self.context = context
         self.kept = kept
         self.signature = signature
-        self.contributors = tuple(contributors)
+        self._node_cost_hooks = overriding(contributors, "node_cost")
         self.cache: dict[tuple, NodeCost] = {}
         self.first_use: dict[tuple, str] = {}
         self.costs: dict[str, NodeCost] = {}
@@ -264,8 +265,8 @@ class NodeCosts:
         # What the step's contributors add to an op (cost_model.step_contributor): SUMMA
         # matmuls and block norms, vocabulary-parallel losses, split gathers, the gradient
         # sync of weights replicated on a non-dp axis whose ranks saw other rows.
-        for contributor in self.contributors:
-            contributor.node_cost(self.context, node, strategy, cost)
+        for node_cost in self._node_cost_hooks:
+            node_cost(self.context, node, strategy, cost)
         return cost
 
     def charge_edge(self, cost: NodeCost, meta, src, dst) -> None:

@@ -61,7 +61,7 @@ from planner.plans import is_data_parallel
 from planner.strategy import NodeStrategy
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: it holds the whole graph
 class StepContext:
     """The facts of one plan every part of its simulated step reads (module docstring).
 

@@ -129,3 +129,11 @@ class StepContributor:
 
     def add_axis_bytes(self, context, segment, totals: dict[str, float]) -> None:
         """Add to ``totals`` (a stage's bytes sent per step, by mesh axis) for ``segment``."""
+
+
+def overriding(contributors, hook: str) -> tuple:
+    """The bound ``hook`` methods of those ``contributors`` whose class overrides it: the
+    others add nothing, and skipping them keeps the per-segment and per-op loops short."""
+    default = getattr(StepContributor, hook)
+    return tuple(getattr(contributor, hook) for contributor in contributors
+                 if getattr(type(contributor), hook) is not default)

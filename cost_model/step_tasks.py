@@ -21,7 +21,7 @@ from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
-from cost_model.step_contributor import ParameterSharding, StepContributor
+from cost_model.step_contributor import ParameterSharding, StepContributor, overriding
 from cost_model.step_memory import optimizer_state_bytes, parameter_sharding
 
 
@@ -34,6 +34,9 @@ class StepTasks:
         self.context = context
         self.contributors = contributors
         self.graph = TaskGraph()
+        self._forward_gathers = overriding(contributors, "forward_gather")
+        self._backward_gathers = overriding(contributors, "backward_gather")
+        self._gradient_reductions = overriding(contributors, "gradient_reduction")
 
     def build(self, segments: list[Segment]) -> tuple[TaskGraph, dict[str, list[Segment]]]:
         """The step's task graph, and each device's segments (by ``"stage k"``)."""
@@ -204,8 +207,8 @@ class StepTasks:
         ends: list[int] = []  # each segment's last task
         for position, segment in enumerate(segments):
             segment_deps = list(deps) if last is None else [last]
-            for contributor in self.contributors:
-                gathered = contributor.forward_gather(self, device, segment, position, last)
+            for forward_gather in self._forward_gathers:
+                gathered = forward_gather(self, device, segment, position, last)
                 if gathered is not None:
                     segment_deps.append(gathered)
             if segment.weight_gather_s:
@@ -231,15 +234,15 @@ class StepTasks:
             comm += sum(s.weight_gather_s for s in segments)  # sharded expert copies' gathers, not overlapped here
             compute = self.graph.add(f"B{mb}", (device, "compute"), duration, deps=deps)
             return self.graph.add(f"B{mb} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
-        reductions = [contributor.gradient_reduction(self, device, sync) for contributor in self.contributors]
+        reductions = [gradient_reduction(self, device, sync) for gradient_reduction in self._gradient_reductions]
         reductions = [reduction for reduction in reductions if reduction is not None]
         ends: list[int] = []  # each segment's last task, in backward order
         for position, segment in enumerate(reversed(segments)):
             segment_deps = list(deps) if last is None else [last]
             if segment.weight_gather_s:
                 segment_deps.append(self._expert_gather(device, segment, ends, deps, f"B{mb}"))
-            for contributor in self.contributors:
-                gathered = contributor.backward_gather(self, device, segment, last)
+            for backward_gather in self._backward_gathers:
+                gathered = backward_gather(self, device, segment, last)
                 if gathered is not None:
                     segment_deps.append(gathered)
             duration = backward_time(segment, recompute) + self._block_overhead(segment)[1]
