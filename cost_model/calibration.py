@@ -227,7 +227,7 @@ def predicted_parts(plan, graph) -> dict[str, float]:
 
     simulator = Simulator(plan, graph)
     result = simulator.run()
-    micro_batches = simulator.micro_batches
+    micro_batches = simulator.context.micro_batches
     stages = {strategy.node: strategy.stage for strategy in plan.strategies}
     parts: dict[str, float] = defaultdict(float)
     parts["step"] = result.step_time_s

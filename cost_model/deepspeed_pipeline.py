@@ -1,5 +1,7 @@
 """DeepSpeed's pipeline engine as it runs: its ``TrainSchedule`` instruction by instruction,
-every send and receive a rendezvous (a part of ``cost_model.step_tasks.StepTaskGraph``).
+every send and receive a rendezvous (``deepspeed_schedule``, called by
+``cost_model.step_tasks.StepTasks`` with itself: it adds the passes through its ``forward``
+and ``backward``).
 
 DeepSpeed's pipeline sends are synchronous (deepspeed/runtime/pipe/p2p.py: ``send`` asserts
 ``async_op == False``; a ``dist.send``/``recv`` pair, or a two-rank ``dist.broadcast``, on
@@ -15,7 +17,7 @@ other side's ready task, so both start when the later of the two stages arrives:
     start(transfer) = max(sender ready, receiver ready);  both end at start + seconds
 
 The passes, their tensor-parallel gathers of partitioned tensors, gradient accumulation and
-the data-parallel reduction are the step graph's own (``StepTaskGraph._forward`` etc.).
+the contributors' gradient reductions are the step graph's own (``StepTasks.forward`` etc.).
 
 Tied weights: a parameter that more than one stage holds (the token embedding that is also
 the LM head: Megatron-DeepSpeed's ``GPTModelPipe`` builds both ends from
@@ -31,94 +33,97 @@ reduction: ``TrainSchedule`` issues ``ReduceTiedGrads`` then ``ReduceGrads`` at 
 from __future__ import annotations
 
 from cost_model.collectives import collective_time
-from cost_model.scheduler import TaskGraph
 from cost_model.schedules import deepspeed_train_steps
 from cost_model.segments import Segment
+from cost_model.step_context import StepContext
 
 # Which side of a stage boundary each instruction is on: the boundary below (between the
 # previous stage and this one) or above (this one and the next).
 _BOUNDARY_BELOW = ("recv act", "send grad")
 
 
-class DeepSpeedPipelineTasks:
-    """Adds the passes and rendezvous exchanges of DeepSpeed's ``TrainSchedule``."""
+def deepspeed_schedule(tasks, chunk_segments: dict[int, list[Segment]], boundary: dict[int, float],
+                       sync_after: dict[str, list[int]], gathers: bool, sync_every: bool) -> None:
+    """Add every stage's instructions in order to ``tasks`` (a ``StepTasks``), then link the
+    exchanges once all exist. ``boundary``: bytes sent at each stage boundary per
+    micro-batch; ``sync_after``: the tasks each device's optimizer step waits for (gradient
+    reductions are added there); ``gathers``/``sync_every``: whether contributors gather
+    before every pass / reduce gradients after every micro-batch."""
+    context, graph = tasks.context, tasks.graph
+    parts = tasks.p2p_parts()
+    pipeline = context.plan.pipeline
+    # (stages, seconds) of each tied weight; its stages -> {stage: (ready id, all-reduce id)}
+    tied = _tied_gradient_groups(context, chunk_segments)
+    tied_tasks: dict[tuple[int, ...], dict[int, tuple[int, int]]] = {}
+    # (tensor, micro-batch, lower stage of the boundary) -> {stage: (ready id, transfer id)}
+    exchanges: dict[tuple[str, int, int], dict[int, tuple[int, int]]] = {}
+    for stage in range(context.pp):
+        device = f"stage {stage}"
+        segments = chunk_segments[stage]
+        reductions: list[tuple[object, int]] = []  # ReduceGrads': (launch(after), after)
+        for what, mb in deepspeed_train_steps(stage, context.pp, context.micro_batches):
+            if what == "F":
+                deps = []
+                if stage > 0 and parts > 1:  # PartitionedTensor.full() of the received slice
+                    deps = [tasks.gather_parts(device, boundary[stage - 1], [], f"gather act mb{mb}")]
+                tasks.forward(device, segments, mb, deps)
+            elif what == "B":
+                deps = []
+                if stage < context.pp - 1 and parts > 1:  # the gradient's slices, then its own output
+                    gathered = tasks.gather_parts(device, boundary[stage], [], f"gather grad mb{mb}")
+                    deps = [tasks.gather_parts(device, boundary[stage], [gathered], f"gather output mb{mb}")]
+                sync = sync_every or mb == context.micro_batches - 1
+                deferred = None if pipeline.overlap_grad_reduce else []
+                done = tasks.backward(device, segments, mb, deps, context.plan.recompute_at(stage), gathers or sync,
+                                      sync_after, sync, deferred)
+                done = tasks.accumulate_gradients(device, segments, mb, pipeline.gradient_accumulation, done)
+                reductions.extend((launch, done) for launch in deferred or ())
+            else:
+                lower = stage - 1 if what in _BOUNDARY_BELOW else stage
+                seconds = context.p2p_seconds(lower, boundary[lower] / parts)
+                ready = graph.add(f"ready to {what} mb{mb}", (device, "compute"), 0.0, kind="p2p")
+                transfer = graph.add(f"{what} mb{mb}", (device, "compute"), seconds, kind="p2p")
+                exchanges.setdefault((what.split(" ")[1], mb, lower), {})[stage] = (ready, transfer)
+        # The last step ends with ReduceTiedGrads, then ReduceGrads (after its sends).
+        for stages, seconds in tied:
+            if stage in stages:
+                ready = graph.add("ready to all-reduce tied grads", (device, "compute"), 0.0, kind="comm")
+                reduced = graph.add(f"all-reduce tied grads (stages {', '.join(map(str, stages))})",
+                                    (device, "compute"), seconds, deps=[ready], kind="comm")
+                tied_tasks.setdefault(stages, {})[stage] = (ready, reduced)
+                reductions = [(launch, reduced) for launch, _ in reductions]
+        for launch, after in reductions:
+            sync_after.setdefault(device, []).append(launch(after))
+    for key, sides in exchanges.items():
+        if len(sides) != 2:
+            raise RuntimeError(f"DeepSpeed schedule: exchange {key} has no partner")
+        (_, (ready_a, transfer_a)), (_, (ready_b, transfer_b)) = sides.items()
+        graph.add_dependency(transfer_a, ready_b)
+        graph.add_dependency(transfer_b, ready_a)
+    for sides in tied_tasks.values():  # each holder's all-reduce starts when all have arrived
+        for stage, (_, reduce) in sides.items():
+            for other, (ready, _) in sides.items():
+                if other != stage:
+                    graph.add_dependency(reduce, ready)
 
-    def _deepspeed_schedule(self, graph: TaskGraph, chunk_segments: dict[int, list[Segment]],
-                            boundary: dict[int, float], sync_after: dict[str, list[int]], fsdp: bool,
-                            sync_every: bool) -> None:
-        """Every stage's instructions in order; the exchanges are linked after all exist."""
-        parts = self._p2p_parts()
-        pipeline = self.plan.pipeline
-        # (stages, seconds) of each tied weight; its stages -> {stage: (ready id, all-reduce id)}
-        tied = self._tied_gradient_groups(chunk_segments)
-        tied_tasks: dict[tuple[int, ...], dict[int, tuple[int, int]]] = {}
-        # (tensor, micro-batch, lower stage of the boundary) -> {stage: (ready id, transfer id)}
-        exchanges: dict[tuple[str, int, int], dict[int, tuple[int, int]]] = {}
-        for stage in range(self.pp):
-            device = f"stage {stage}"
-            segments = chunk_segments[stage]
-            reductions: list[tuple[str, list[tuple[float, int]], int]] = []  # ReduceGrads' buckets
-            for what, mb in deepspeed_train_steps(stage, self.pp, self.micro_batches):
-                if what == "F":
-                    deps = []
-                    if stage > 0 and parts > 1:  # PartitionedTensor.full() of the received slice
-                        deps = [self._gather_parts(graph, device, boundary[stage - 1], [], f"gather act mb{mb}")]
-                    self._forward(graph, device, segments, mb, deps, fsdp)
-                elif what == "B":
-                    deps = []
-                    if stage < self.pp - 1 and parts > 1:  # the gradient's slices, then its own output
-                        gathered = self._gather_parts(graph, device, boundary[stage], [], f"gather grad mb{mb}")
-                        deps = [self._gather_parts(graph, device, boundary[stage], [gathered], f"gather output mb{mb}")]
-                    sync = sync_every or mb == self.micro_batches - 1
-                    deferred = None if pipeline.overlap_grad_reduce else []
-                    done = self._backward(graph, device, segments, mb, deps, self.plan.recompute_at(stage), fsdp,
-                                          fsdp or sync, sync_after, sync, deferred)
-                    done = self._accumulate_gradients(graph, device, segments, mb, pipeline.gradient_accumulation, done)
-                    reductions.extend((name, ready, done) for name, ready in deferred or ())
-                else:
-                    lower = stage - 1 if what in _BOUNDARY_BELOW else stage
-                    seconds = self._p2p_seconds(lower, boundary[lower] / parts)
-                    ready = graph.add(f"ready to {what} mb{mb}", (device, "compute"), 0.0, kind="p2p")
-                    transfer = graph.add(f"{what} mb{mb}", (device, "compute"), seconds, kind="p2p")
-                    exchanges.setdefault((what.split(" ")[1], mb, lower), {})[stage] = (ready, transfer)
-            # The last step ends with ReduceTiedGrads, then ReduceGrads (after its sends).
-            for stages, seconds in tied:
-                if stage in stages:
-                    ready = graph.add("ready to all-reduce tied grads", (device, "compute"), 0.0, kind="comm")
-                    reduced = graph.add(f"all-reduce tied grads (stages {', '.join(map(str, stages))})",
-                                        (device, "compute"), seconds, deps=[ready], kind="comm")
-                    tied_tasks.setdefault(stages, {})[stage] = (ready, reduced)
-                    reductions = [(name, buckets, reduced) for name, buckets, _ in reductions]
-            for name, buckets, after in reductions:
-                sync_after.setdefault(device, []).append(self._gradient_sync(graph, device, name, buckets, after))
-        for key, sides in exchanges.items():
-            if len(sides) != 2:
-                raise RuntimeError(f"DeepSpeed schedule: exchange {key} has no partner")
-            (_, (ready_a, transfer_a)), (_, (ready_b, transfer_b)) = sides.items()
-            graph.add_dependency(transfer_a, ready_b)
-            graph.add_dependency(transfer_b, ready_a)
-        for sides in tied_tasks.values():  # each holder's all-reduce starts when all have arrived
-            for stage, (_, reduce) in sides.items():
-                for other, (ready, _) in sides.items():
-                    if other != stage:
-                        graph.add_dependency(reduce, ready)
 
-    def _tied_gradient_groups(self, chunk_segments: dict[int, list[Segment]]) -> list[tuple[tuple[int, ...], float]]:
-        """The weights more than one stage holds, by the stages holding them: (stages, seconds
-        of the all-reduce of their gradients between those stages). Gradients are all-reduced
-        in the dtype the step accumulated them in (``_reduced_gradient_bytes``: fp16
-        ``param.grad`` in DeepSpeed 0.5; BF16_Optimizer's fp32 ``_hp_grad``)."""
-        holders: dict[str, dict[int, float]] = {}
-        for stage, segments in chunk_segments.items():
-            for segment in segments:
-                for name, count in segment.params.items():
-                    holders.setdefault(name, {})[stage] = count
-        elements: dict[tuple[int, ...], float] = {}
-        for by_stage in holders.values():
-            if len(by_stage) > 1:
-                stages = tuple(sorted(by_stage))
-                elements[stages] = elements.get(stages, 0.0) + max(by_stage.values())
-        stride = self.mesh.size // self.pp
-        return [(stages, collective_time("all_reduce", count * self._reduced_gradient_bytes(), self.cluster,
-                                         [stage * stride for stage in stages]))
-                for stages, count in sorted(elements.items())]
+def _tied_gradient_groups(context: StepContext,
+                          chunk_segments: dict[int, list[Segment]]) -> list[tuple[tuple[int, ...], float]]:
+    """The weights more than one stage holds, by the stages holding them: (stages, seconds
+    of the all-reduce of their gradients between those stages). Gradients are all-reduced
+    in the dtype the step accumulated them in (``StepContext.reduced_gradient_bytes``: fp16
+    ``param.grad`` in DeepSpeed 0.5; BF16_Optimizer's fp32 ``_hp_grad``)."""
+    holders: dict[str, dict[int, float]] = {}
+    for stage, segments in chunk_segments.items():
+        for segment in segments:
+            for name, count in segment.params.items():
+                holders.setdefault(name, {})[stage] = count
+    elements: dict[tuple[int, ...], float] = {}
+    for by_stage in holders.values():
+        if len(by_stage) > 1:
+            stages = tuple(sorted(by_stage))
+            elements[stages] = elements.get(stages, 0.0) + max(by_stage.values())
+    stride = context.mesh.size // context.pp
+    return [(stages, collective_time("all_reduce", count * context.reduced_gradient_bytes(), context.cluster,
+                                     [stage * stride for stage in stages]))
+            for stages, count in sorted(elements.items())]

@@ -40,22 +40,22 @@ def class_axis(node: OpNode, strategy: NodeStrategy) -> int | None:
     return split[0] if len(split) == 1 else None
 
 
-def add_vocabulary_parallel_loss(simulator, node: OpNode, strategy: NodeStrategy, cost) -> None:
+def add_vocabulary_parallel_loss(context, node: OpNode, strategy: NodeStrategy, cost) -> None:
     """Charge ``cost`` (a ``NodeCost``) the three forward all-reduces of a vocabulary-parallel
     cross entropy (module docstring), if ``node`` is one under ``strategy``."""
     index = class_axis(node, strategy)
     if index is None:
         return
-    axis, size = simulator.mesh.axes[index]
+    axis, size = context.mesh.axes[index]
     logits = node.input_meta[0]
     rows_split = math.prod(
-        s for j, (a, s) in enumerate(simulator.mesh.axes)
+        s for j, (a, s) in enumerate(context.mesh.axes)
         if j != index and a != "pp" and isinstance(strategy.inputs[0][j], Shard)
     )
-    rows = logits.numel / logits.shape[_CLASS_DIM] / rows_split / simulator.micro_batches
-    logits_bytes = logits.dtype.itemsize * simulator.activation_scale  # the plan's activation precision
+    rows = logits.numel / logits.shape[_CLASS_DIM] / rows_split / context.micro_batches
+    logits_bytes = logits.dtype.itemsize * context.activation_scale  # the plan's activation precision
     computation_bytes = max(logits_bytes, 4)  # half and bfloat16 logits are reduced in float32
     for size_bytes in (rows * computation_bytes, rows * computation_bytes, rows * logits_bytes):
-        # The simulator's collective time on the axis's process group (as cost_model.summa_node).
-        cost.forward_comm_s += simulator._collective("all_reduce", size_bytes, axis) + simulator.redistribute_overhead_s
+        # The simulator's collective time (StepContext.collective) on the axis's process group (as cost_model.summa_node).
+        cost.forward_comm_s += context.collective("all_reduce", size_bytes, axis) + context.redistribute_overhead_s
         cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + size_bytes * 2 * (size - 1) / size

@@ -6,7 +6,8 @@ program's gradient hook all-reduces it there once per step (``codegen.runtime.sp
 happens on any mesh: 2.5-D SUMMA's weights over depth and bias or norm chunks over the ranks
 holding other rows, a layer norm's weight under sequence parallelism, or every weight of a
 plan that splits the batch over ``tp`` (data parallelism under another axis name). The
-simulator's own gradient sync covers ``dp`` only; this one is charged once per step
+data-parallel flavours' sync covers ``dp`` only (``cost_model.data_parallel_step``); this one,
+a step contributor too (``cost_model.contributor_registry``), is charged once per step
 (``NodeCost.axis_sync_s``) and overlaps the rest of the backward on the collective stream,
 as the data-parallel sync does.
 """
@@ -18,7 +19,7 @@ import math
 from torch.distributed.tensor import Replicate, Shard
 
 
-def add_replica_gradient_sync(simulator, node, strategy, cost, gradient_bytes: int) -> None:
+def add_replica_gradient_sync(context, node, strategy, cost, gradient_bytes: int) -> None:
     """Charge ``cost`` (one micro-batch of ``node``) the all-reduce of its parameters'
     gradients over every non-``dp``, non-``pp`` axis on which a parameter is replicated while
     the op's output is split there (module docstring). ``gradient_bytes``: bytes of one
@@ -27,14 +28,14 @@ def add_replica_gradient_sync(simulator, node, strategy, cost, gradient_bytes: i
     if output is None:
         return
     for name, placements in strategy.params.items():
-        meta = simulator.graph.parameters.get(name)
+        meta = context.graph.parameters.get(name)
         if meta is None:
             continue
-        shards = math.prod(size for (_, size), p in zip(simulator.mesh.axes, placements) if isinstance(p, Shard))
+        shards = math.prod(size for (_, size), p in zip(context.mesh.axes, placements) if isinstance(p, Shard))
         local = meta.numel / shards * gradient_bytes
-        for index, (axis, size) in enumerate(simulator.mesh.axes):
+        for index, (axis, size) in enumerate(context.mesh.axes):
             if axis in ("dp", "pp") or size == 1:
                 continue
             if isinstance(placements[index], Replicate) and isinstance(output[index], Shard):
-                cost.axis_sync_s += simulator._collective("all_reduce", local, axis)
-                cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + 2 * (size - 1) / size * local / simulator.micro_batches
+                cost.axis_sync_s += context.collective("all_reduce", local, axis)
+                cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + 2 * (size - 1) / size * local / context.micro_batches

@@ -2,10 +2,10 @@
 
 A segment is a repeated block (the unit activation recomputation checkpoints, as Megatron-LM
 and the compiled programs checkpoint a transformer layer), or the ops before the first block
-or after the last. ``SegmentBuilder`` (a part of ``cost_model.simulator.Simulator``) sums its
-nodes' costs, parameters and input bytes. Which nodes form which segment depends on the graph
-alone (``segment_members``); a delta simulation rebuilds only the segments whose nodes or
-inputs it re-costed (``SegmentBuilder._refresh_segments``).
+or after the last. ``build_segment`` sums its nodes' costs (``cost_model.node_costs``),
+parameters and input bytes, reading the plan's facts from the ``StepContext``. Which nodes
+form which segment depends on the graph alone (``segment_members``); a delta simulation
+rebuilds only the segments whose nodes or inputs it re-costed (``refresh_segments``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor import Replicate, Shard
 
 from cost_model.host_dispatch import host_wait
-from planner.graph import OpGraph, OpNode
-from planner.strategy import NodeStrategy
+from cost_model.node_costs import NodeCost
+from cost_model.step_context import StepContext
+from planner.graph import OpGraph
 
 
 @dataclass
@@ -81,9 +82,6 @@ class SegmentProfile:
     synced_tensors: tuple[float, ...] = ()
     param_tensors: int = 0
 
-
-
-
 @dataclass(frozen=True)
 class SegmentMembers:
     """Which nodes form each segment, in graph order; fixed by the graph."""
@@ -117,102 +115,87 @@ def segment_members(graph: OpGraph) -> SegmentMembers:
                           segment_of, in_block)
 
 
-class SegmentBuilder:
-    """The segment part of ``Simulator``: uses its graph, strategies, node costs and mesh."""
+def build_segments(context: StepContext, costs: dict[str, NodeCost], layout: SegmentMembers) -> list[Segment]:
+    """Every segment, built afresh from the current node costs."""
+    return [build_segment(context, costs, key, layout) for key in layout.keys]
 
-    def _segments(self) -> list[Segment]:
-        """Every segment, built afresh from the current node costs."""
-        layout = self._segment_layout()
-        return [self._build_segment(key, layout) for key in layout.keys]
 
-    def _segment_layout(self) -> SegmentMembers:
-        layout = getattr(self, "_layout", None)
-        if layout is None:
-            layout = self._layout = segment_members(self.graph)
-        return layout
+def refresh_segments(context: StepContext, costs: dict[str, NodeCost], layout: SegmentMembers,
+                     segments: list[Segment], changed: set[str]) -> list[Segment]:
+    """``segments`` with those that hold a node of ``changed`` or read one's output rebuilt
+    (a new list: the old one may be shared by a cache)."""
+    stale = {layout.segment_of[name] for name in changed}
+    for name in changed:
+        for reader in context.consumers.get(name, ()):
+            stale.add(layout.segment_of[reader])
+    return [build_segment(context, costs, key, layout) if key in stale else segment
+            for key, segment in zip(layout.keys, segments)]
 
-    def _refresh_segments(self, segments: list[Segment], changed: set[str]) -> list[Segment]:
-        """``segments`` with those that hold a node of ``changed`` or read one's output rebuilt
-        (a new list: the old one may be shared by a cache)."""
-        layout = self._segment_layout()
-        stale = {layout.segment_of[name] for name in changed}
-        for name in changed:
-            for reader in self.consumers.get(name, ()):
-                stale.add(layout.segment_of[reader])
-        return [self._build_segment(key, layout) if key in stale else segment
-                for key, segment in zip(layout.keys, segments)]
 
-    def _build_segment(self, key: tuple, layout: SegmentMembers) -> Segment:
-        sequence = self.plan.summary.tokens_per_sample
-        dp_index = self.mesh.names.index("dp") if "dp" in self.mesh.names else None
-        names = layout.members[key]
-        segment = Segment(name=layout.labels[key], stage=self.strategies[names[0]].stage, block=key[0] == "block")
-        for name in names:
-            node = self.nodes[name]
-            strategy = self.strategies[name]
-            cost = self.costs[name]
-            segment.nodes.append(name)
-            segment.forward_s += cost.forward_s
-            segment.backward_s += cost.backward_s
-            segment.forward_comm_s += cost.forward_comm_s
-            segment.backward_comm_s += cost.backward_comm_s
-            segment.host_forward_s += cost.host_forward_s
-            segment.host_backward_s += cost.host_backward_s
-            segment.saved_bytes += cost.saved_bytes
-            segment.axis_sync_s += cost.axis_sync_s
-            segment.weight_gather_s += cost.weight_gather_s
-            for axis, sent in cost.axis_bytes.items():
-                segment.axis_bytes[axis] = segment.axis_bytes.get(axis, 0.0) + sent
-            if sequence and node.output_meta and len(node.output_meta[0].shape) >= 2 and node.output_meta[0].shape[-2:] == (sequence, sequence):
-                segment.score_bytes += cost.saved_bytes  # attention scores: dropped by selective recompute
-                segment.score_forward_s += cost.forward_s
-            layer = self._moe_layer_of.get(name)
-            for param, placements in strategy.params.items():
-                meta = self.graph.parameters.get(param)
-                if meta is None:
-                    continue
-                if layer is not None and param in layer.expert_weights:
-                    # The layout says which experts (or which slice of each) a device holds.
-                    segment.params[param] = meta.numel * layer.param_fraction
-                    if layer.gradients_synced:
-                        if dp_index is not None:
-                            segment.dp_synced.add(param)
-                    else:
-                        segment.per_rank.add(param)
-                    continue
-                shards = math.prod(size for (axis, size), p in zip(self.mesh.axes, placements) if isinstance(p, Shard))
-                segment.params[param] = meta.numel / shards
-                # The loss depends on every rank's own samples, so the gradient of every
-                # weight replicated over dp is a partial sum there, whatever its op's output.
-                if dp_index is not None and isinstance(placements[dp_index], Replicate):
-                    segment.dp_synced.add(param)
-        if self.host is not None:
-            forward_wait = host_wait(segment.forward_s + segment.forward_comm_s, segment.host_forward_s)
-            backward_wait = host_wait(segment.backward_s + segment.backward_comm_s, segment.host_backward_s)
-            segment.forward_s += forward_wait
-            segment.backward_s += backward_wait
-            segment.host_wait_s = forward_wait + backward_wait
-        members = set(names)
-        sources = {
-            source
-            for name in names
-            for position, source in enumerate(self.nodes[name].inputs)
-            if source in self.nodes and source not in members and self.nodes[name].input_meta[position].dtype.is_floating_point
-        }
-        for source in sorted(sources):
-            size = self._output_bytes(self.nodes[source], self.strategies[source])
-            segment.input_bytes += size
-            if source in layout.in_block:
-                # Made inside another block, which recomputation does not keep: this
-                # block's checkpoint holds it. (Values made around the blocks are kept
-                # by their own segment already.)
-                segment.checkpoint_bytes += size
-        return segment
-
-    def _output_bytes(self, node: OpNode, strategy: NodeStrategy) -> float:
-        """Bytes of one micro-batch of ``node``'s floating-point outputs on one device."""
-        return sum(
-            meta.nbytes * self.activation_scale / self._shard_factor(placements) / self.micro_batches
-            for meta, placements in zip(node.output_meta, strategy.outputs)
-            if meta.dtype.is_floating_point
-        )
+def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, layout: SegmentMembers) -> Segment:
+    """The segment ``key`` of ``layout``: its nodes' costs, parameters and input bytes summed."""
+    sequence = context.plan.summary.tokens_per_sample
+    dp_index = context.mesh.names.index("dp") if "dp" in context.mesh.names else None
+    names = layout.members[key]
+    segment = Segment(name=layout.labels[key], stage=context.strategies[names[0]].stage, block=key[0] == "block")
+    for name in names:
+        node = context.nodes[name]
+        strategy = context.strategies[name]
+        cost = costs[name]
+        segment.nodes.append(name)
+        segment.forward_s += cost.forward_s
+        segment.backward_s += cost.backward_s
+        segment.forward_comm_s += cost.forward_comm_s
+        segment.backward_comm_s += cost.backward_comm_s
+        segment.host_forward_s += cost.host_forward_s
+        segment.host_backward_s += cost.host_backward_s
+        segment.saved_bytes += cost.saved_bytes
+        segment.axis_sync_s += cost.axis_sync_s
+        segment.weight_gather_s += cost.weight_gather_s
+        for axis, sent in cost.axis_bytes.items():
+            segment.axis_bytes[axis] = segment.axis_bytes.get(axis, 0.0) + sent
+        if sequence and node.output_meta and len(node.output_meta[0].shape) >= 2 and node.output_meta[0].shape[-2:] == (sequence, sequence):
+            segment.score_bytes += cost.saved_bytes  # attention scores: dropped by selective recompute
+            segment.score_forward_s += cost.forward_s
+        layer = context.moe_layer_of.get(name)
+        for param, placements in strategy.params.items():
+            meta = context.graph.parameters.get(param)
+            if meta is None:
+                continue
+            if layer is not None and param in layer.expert_weights:
+                # The layout says which experts (or which slice of each) a device holds.
+                segment.params[param] = meta.numel * layer.param_fraction
+                if layer.gradients_synced:
+                    if dp_index is not None:
+                        segment.dp_synced.add(param)
+                else:
+                    segment.per_rank.add(param)
+                continue
+            shards = math.prod(size for (axis, size), p in zip(context.mesh.axes, placements) if isinstance(p, Shard))
+            segment.params[param] = meta.numel / shards
+            # The loss depends on every rank's own samples, so the gradient of every
+            # weight replicated over dp is a partial sum there, whatever its op's output.
+            if dp_index is not None and isinstance(placements[dp_index], Replicate):
+                segment.dp_synced.add(param)
+    if context.host is not None:
+        forward_wait = host_wait(segment.forward_s + segment.forward_comm_s, segment.host_forward_s)
+        backward_wait = host_wait(segment.backward_s + segment.backward_comm_s, segment.host_backward_s)
+        segment.forward_s += forward_wait
+        segment.backward_s += backward_wait
+        segment.host_wait_s = forward_wait + backward_wait
+    members = set(names)
+    sources = {
+        source
+        for name in names
+        for position, source in enumerate(context.nodes[name].inputs)
+        if source in context.nodes and source not in members and context.nodes[name].input_meta[position].dtype.is_floating_point
+    }
+    for source in sorted(sources):
+        size = context.output_bytes(context.nodes[source], context.strategies[source])
+        segment.input_bytes += size
+        if source in layout.in_block:
+            # Made inside another block, which recomputation does not keep: this
+            # block's checkpoint holds it. (Values made around the blocks are kept
+            # by their own segment already.)
+            segment.checkpoint_bytes += size
+    return segment

@@ -10,13 +10,9 @@ afresh gives; they only skip the work.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from planner.graph import OpGraph, OpNode
 from planner.program_shape import is_data_parallel
-
-if TYPE_CHECKING:
-    from cost_model.simulator import NodeCost, Segment
 
 
 @dataclass
@@ -24,10 +20,10 @@ class Costed:
     """What a ``Simulator`` derives from a plan's strategies before scheduling anything."""
 
     keep: tuple  # the strategies, graph, its facts and the cluster the key's identities belong to
-    cache: dict[tuple, NodeCost]
+    cache: dict[tuple, object]  # cost_model.node_costs.NodeCosts.cache
     first_use: dict[tuple, str]
-    costs: dict[str, NodeCost]
-    segments: list[Segment]
+    costs: dict[str, object]  # node name -> cost_model.node_costs.NodeCost
+    segments: list  # cost_model.segments.Segment
 
 
 @dataclass

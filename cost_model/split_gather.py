@@ -40,30 +40,30 @@ def cut_dim(node: OpNode) -> int | None:
     return dim % rank if rank else None
 
 
-def add_split_gather(simulator, node: OpNode, strategy: NodeStrategy, cost) -> None:
+def add_split_gather(context, node: OpNode, strategy: NodeStrategy, cost) -> None:
     """Charge ``cost`` (a ``NodeCost``) the gathers of a split that keeps its pieces split on
     the dim it cuts (module docstring), on every axis that does so."""
     dim = cut_dim(node)
-    if dim is None or not strategy.inputs or not strategy.outputs or simulator.plan.fused_splits_local:
+    if dim is None or not strategy.inputs or not strategy.outputs or context.plan.fused_splits_local:
         return  # (a plan whose fused weights are laid out per rank splits locally)
     meta = node.input_meta[0]
-    for index, (axis, size) in enumerate(simulator.mesh.axes):
+    for index, (axis, size) in enumerate(context.mesh.axes):
         held = strategy.inputs[0][index]
         if axis == "pp" or size == 1 or not (isinstance(held, Shard) and held.dim == dim):
             continue
         if not all(isinstance(p[index], Shard) and p[index].dim == dim for p in strategy.outputs):
             continue  # pieces read whole: the edge into the split prices the gather
         others = math.prod(
-            s for j, (a, s) in enumerate(simulator.mesh.axes) if j != index and a != "pp" and isinstance(strategy.inputs[0][j], Shard)
+            s for j, (a, s) in enumerate(context.mesh.axes) if j != index and a != "pp" and isinstance(strategy.inputs[0][j], Shard)
         )
-        whole = meta.nbytes * simulator.activation_scale / others / simulator.micro_batches
-        pieces = [piece.nbytes * simulator.activation_scale / others / simulator.micro_batches for piece in node.output_meta]
-        # The simulator's collective time on the axis's process group (as cost_model.summa_node).
-        cost.forward_comm_s += simulator._collective("all_gather", whole, axis) + simulator.redistribute_overhead_s
+        whole = meta.nbytes * context.activation_scale / others / context.micro_batches
+        pieces = [piece.nbytes * context.activation_scale / others / context.micro_batches for piece in node.output_meta]
+        # The simulator's collective time (StepContext.collective) on the axis's process group (as cost_model.summa_node).
+        cost.forward_comm_s += context.collective("all_gather", whole, axis) + context.redistribute_overhead_s
         sent = whole * (size - 1) / size
         if meta.dtype.is_floating_point:
             cost.backward_comm_s += sum(
-                simulator._collective("all_gather", piece, axis) + simulator.redistribute_overhead_s for piece in pieces
+                context.collective("all_gather", piece, axis) + context.redistribute_overhead_s for piece in pieces
             )
             sent += sum(pieces) * (size - 1) / size
         cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + sent

@@ -1,5 +1,6 @@
 """Prices the ops of a plan on a mesh with SUMMA axes (``row``, ``col``, ``dep``): the
-simulator calls ``add_summa_costs`` once per node, after its generic (per-axis) pricing.
+simulator calls ``add_summa_costs`` (a step contributor, ``cost_model.contributor_registry``)
+once per node with its ``StepContext``, after its generic (per-axis) pricing.
 
 * A linear with a ``SummaLayout`` replaces its generic compute by the SUMMA algorithm's
   (``cost_model.summa.matmul_cost``): the local matmuls are its compute; what of its
@@ -70,22 +71,22 @@ def summa_linear_cost(node, mesh, cluster, layout: SummaLayout, precision: str, 
                        precision, THREE_D_AXES[layout.swapped], layout.keep_gathered)
 
 
-def add_summa_costs(simulator, node, strategy, cost) -> None:
+def add_summa_costs(context, node, strategy, cost) -> None:
     """Adjust ``cost`` (one micro-batch of ``node`` on one device) for SUMMA meshes (see the
     module docstring). A no-op on meshes without SUMMA axes."""
-    mesh = simulator.mesh
+    mesh = context.mesh
     if not has_summa_axes(mesh):
         return
     layout = strategy.layout
     if isinstance(layout, SummaLayout) and node.op in LINEAR_OPS:
-        _linear(simulator, node, layout, cost)
+        _linear(context, node, layout, cost)
     elif isinstance(layout, SummaLayout) and node.op in NORM_OPS:
-        _norm_statistics(simulator, node, strategy, layout, cost)
+        _norm_statistics(context, node, strategy, layout, cost)
 
 
-def _linear(simulator, node, layout: SummaLayout, cost) -> None:
-    matmul = summa_linear_cost(node, simulator.mesh, simulator.cluster, layout, simulator.plan.precision,
-                               simulator.micro_batches)
+def _linear(context, node, layout: SummaLayout, cost) -> None:
+    matmul = summa_linear_cost(node, context.mesh, context.cluster, layout, context.plan.precision,
+                               context.micro_batches)
     # 2.5-D's weight-gradient all-reduce over depth is the gradient sync of a weight
     # replicated on dep (``_gradient_sync``), charged once per step there.
     depth = [t for t in matmul.transfers if t.group == "depth" and t.kind == "all_reduce"]
@@ -101,15 +102,15 @@ def _linear(simulator, node, layout: SummaLayout, cost) -> None:
             cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + transfer.bytes_per_device
 
 
-def _norm_statistics(simulator, node, strategy, layout: SummaLayout, cost) -> None:
+def _norm_statistics(context, node, strategy, layout: SummaLayout, cost) -> None:
     axis = layout.hidden_axis
     meta, placements = node.input_meta[0], strategy.inputs[0]
-    rows = meta.numel / meta.shape[-1] / simulator.micro_batches
-    rows /= math.prod(size for (name, size), p in zip(simulator.mesh.axes, placements)
+    rows = meta.numel / meta.shape[-1] / context.micro_batches
+    rows /= math.prod(size for (name, size), p in zip(context.mesh.axes, placements)
                       if name != axis and name != "pp" and isinstance(p, Shard))
     size_bytes = 2 * rows * 4  # mean and variance (backward: two row sums), fp32
-    seconds = simulator._collective("all_reduce", size_bytes, axis)
+    seconds = context.collective("all_reduce", size_bytes, axis)
     cost.forward_comm_s += seconds
     cost.backward_comm_s += seconds
-    n = simulator.mesh.axis_size(axis)
+    n = context.mesh.axis_size(axis)
     cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + 2 * 2 * (n - 1) / n * size_bytes

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor import Replicate, Shard
 
 from cost_model.simulator import NodeCost, Simulator
-from cost_model.step_memory import PARAM_BYTES
+from cost_model.parameter_bytes import PARAM_BYTES
 from planner.graph import OpGraph, OpNode
 from planner.strategy import NodeStrategy, Placements
 from search.blocks import clone_strategy
@@ -73,19 +73,19 @@ class CostTables:
         key = (meta, src, dst)
         if key not in self._edge_cost:
             cost = NodeCost()
-            self.simulator._charge_edge(cost, meta, src, dst)
-            self._edge_cost[key] = (cost.forward_comm_s + cost.backward_comm_s) * self.simulator.micro_batches
+            self.simulator.node_costs.charge_edge(cost, meta, src, dst)
+            self._edge_cost[key] = (cost.forward_comm_s + cost.backward_comm_s) * self.simulator.context.micro_batches
         return self._edge_cost[key]
 
     def reduction_cost(self, producer: str, axis_index: int) -> float:
         """Seconds of the backward all-reduce of ``producer``'s output gradient on one axis."""
         key = ("reduce", producer, axis_index)
         if key not in self._edge_cost:
-            simulator = self.simulator
-            axis, size = simulator.mesh.axes[axis_index]
+            context = self.simulator.context
+            axis, size = context.mesh.axes[axis_index]
             meta = self.graph.node(producer).output_meta[0]
-            full = meta.nbytes * simulator.activation_scale / simulator.micro_batches
-            self._edge_cost[key] = simulator._collective("all_reduce", full, axis) * simulator.micro_batches
+            full = meta.nbytes * context.activation_scale / context.micro_batches
+            self._edge_cost[key] = context.collective("all_reduce", full, axis) * context.micro_batches
         return self._edge_cost[key]
 
     def objective(self, choice: dict[str, int]) -> float:
@@ -145,15 +145,16 @@ def build_cost_tables(
 
 
 def _cost(simulator: Simulator, node: OpNode, strategy: NodeStrategy) -> Candidate:
-    simulator.strategies[node.name] = strategy
-    simulator._first_use = {}  # input-gradient all-reduces are counted by the search per tensor
-    cost = simulator._compute_node_cost(node, strategy, edges=[])
-    mesh = simulator.mesh
-    weight_b, grad_b, state_b = PARAM_BYTES[simulator.plan.precision]
-    memory = cost.saved_bytes * simulator.micro_batches
+    context = simulator.context
+    context.strategies[node.name] = strategy
+    simulator.node_costs.first_use = {}  # input-gradient all-reduces are counted by the search per tensor
+    cost = simulator.node_costs.compute(node, strategy, edges=[])
+    mesh = context.mesh
+    weight_b, grad_b, state_b = PARAM_BYTES[context.plan.precision]
+    memory = cost.saved_bytes * context.micro_batches
     sync = 0.0
     for name, placements in strategy.params.items():
-        meta = simulator.graph.parameters.get(name)
+        meta = context.graph.parameters.get(name)
         if meta is None:
             continue
         shards = math.prod(size for (_, size), p in zip(mesh.axes, placements) if isinstance(p, Shard))
@@ -162,7 +163,7 @@ def _cost(simulator: Simulator, node: OpNode, strategy: NodeStrategy) -> Candida
         # Data-parallel replicas sum their gradients over dp; other axes whose ranks saw other
         # rows are in the node's cost already (cost.axis_sync_s, cost_model.replica_gradients).
         if "dp" in mesh.names and mesh.axis_size("dp") > 1 and isinstance(placements[mesh.names.index("dp")], Replicate):
-            sync += simulator._collective("all_reduce", elements * grad_b, "dp")
+            sync += context.collective("all_reduce", elements * grad_b, "dp")
     reductions = []
     params = set(node.param_inputs)
     for index, (axis, size) in enumerate(mesh.axes):
@@ -174,8 +175,8 @@ def _cost(simulator: Simulator, node: OpNode, strategy: NodeStrategy) -> Candida
                 reductions.append((position, index))
     return Candidate(
         strategy=strategy,
-        compute_s=(cost.forward_s + cost.backward_s) * simulator.micro_batches,
-        communication_s=(cost.forward_comm_s + cost.backward_comm_s) * simulator.micro_batches + sync + cost.axis_sync_s,
+        compute_s=(cost.forward_s + cost.backward_s) * context.micro_batches,
+        communication_s=(cost.forward_comm_s + cost.backward_comm_s) * context.micro_batches + sync + cost.axis_sync_s,
         memory_bytes=memory,
         gradient_reductions=tuple(reductions),
     )

@@ -50,7 +50,8 @@ from cost_model.moe_layers import (
     replica_sync_time,
     routing_sync_time,
 )
-from cost_model.simulator import bytes_per_parameter, simulated
+from cost_model.parameter_bytes import bytes_per_parameter
+from cost_model.simulator import simulated
 from planner.cluster import Cluster
 from planner.errors import PlanningError
 from planner.graph import OpGraph

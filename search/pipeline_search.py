@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 from cost_model import defaults
 from cost_model.collectives import collective_time
 from cost_model.compute import optimizer_step_time
-from cost_model.simulator import SegmentProfile, Simulator, bytes_per_parameter, simulated
+from cost_model.parameter_bytes import bytes_per_parameter
+from cost_model.simulator import SegmentProfile, Simulator, simulated
 from planner.cluster import Cluster
 from planner.errors import PlanningError
 from planner.graph import OpGraph

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS
-from cost_model.simulator import bytes_per_parameter
+from cost_model.parameter_bytes import bytes_per_parameter
 from cost_model.summa import Grid, MatmulShape, candidate_grids, matmul_cost
 from planner.cluster import Cluster
 from planner.graph import OpGraph

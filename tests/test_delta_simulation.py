@@ -35,7 +35,7 @@ def test_delta_matches_a_fresh_simulation_after_each_move():
             fresh_plan = dataclasses.replace(plan, strategies=tuple(strategies[s.node] for s in plan.strategies))
             fresh = Simulator(fresh_plan, graph)
             expected = fresh.run(trace=False)
-            assert [vars(s) for s in delta._segment_list] == [vars(s) for s in fresh._segment_list]
+            assert [vars(s) for s in delta.segments()] == [vars(s) for s in fresh.segments()]
             assert result.step_time_s == expected.step_time_s
             assert result.memory == expected.memory
             assert result.communication_s == expected.communication_s

@@ -28,7 +28,7 @@ def _megatron(cluster: str, width: int):
 
 
 def _has_backward(simulator: Simulator, name: str) -> bool:
-    return any(meta.dtype.is_floating_point for meta in simulator.nodes[name].output_meta)
+    return any(meta.dtype.is_floating_point for meta in simulator.context.nodes[name].output_meta)
 
 
 def test_host_wait_is_the_host_time_beyond_the_device_time():
@@ -40,7 +40,7 @@ def test_a_tiny_graph_program_on_gpus_waits_for_the_host():
     simulator = _megatron("dgx-h100:1x2", width=32)
     forward_per_op = defaults.KERNEL_OVERHEAD_S + DTENSOR_FORWARD_DISPATCH_S  # 13.7 us
     backward_per_op = defaults.KERNEL_OVERHEAD_S + DTENSOR_BACKWARD_DISPATCH_S  # 17.5 us
-    for segment in simulator._segments():
+    for segment in simulator.segments():
         device_forward = sum(simulator.costs[name].forward_s for name in segment.nodes)
         graded = sum(1 for name in segment.nodes if _has_backward(simulator, name))
         # Every op issues in 13.7 us; no kernel of 16 x 32 values takes that long.
@@ -51,7 +51,7 @@ def test_a_tiny_graph_program_on_gpus_waits_for_the_host():
 
 def test_a_wide_graph_program_on_gpus_is_bound_by_its_kernels():
     simulator = _megatron("dgx-h100:1x2", width=8192)
-    for segment in simulator._segments():
+    for segment in simulator.segments():
         if len(segment.nodes) < 3:
             continue
         device_forward = sum(simulator.costs[name].forward_s for name in segment.nodes)
@@ -61,8 +61,8 @@ def test_a_wide_graph_program_on_gpus_is_bound_by_its_kernels():
 
 def test_on_cpus_the_host_is_the_device():
     simulator = _megatron("cpu:1x2", width=32)
-    assert simulator.host is None
-    for segment in simulator._segments():
+    assert simulator.context.host is None
+    for segment in simulator.segments():
         assert segment.host_forward_s == 0.0
         assert segment.forward_s == pytest.approx(sum(simulator.costs[name].forward_s for name in segment.nodes))
 
@@ -74,7 +74,7 @@ def test_a_host_bound_plan_says_so_and_keeps_the_figure_in_its_file(tmp_path):
     spec = ModelSpec(MLP_FILE, {"batch_size": 16, "in_features": 32, "hidden": 64, "out_features": 8, "layers": 2})
     plan = planner.plan(spec, "dgx-h100:1x2", progress=False)
     simulator = Simulator(plan, plan.graph)
-    waits = sum(segment.host_wait_s for segment in simulator._segments()) * simulator.micro_batches
+    waits = sum(segment.host_wait_s for segment in simulator.segments()) * simulator.context.micro_batches
     assert plan.estimate.host_wait_s == pytest.approx(waits) and waits > 0.1 * plan.estimate.step_time_s
     assert any("wait for the host" in warning for warning in plan.warnings)
     assert "waiting for the host to issue ops" in plan.report()

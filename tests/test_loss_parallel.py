@@ -65,14 +65,14 @@ def test_vocabulary_parallel_loss_all_reduces_three_values_per_row(dp: int) -> N
     plan = megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32")
     simulator = Simulator(plan, graph)
     loss = next(node for node in graph.nodes if node.op == "aten.cross_entropy_loss.default")
-    strategy = simulator.strategies[loss.name]
+    strategy = simulator.context.strategies[loss.name]
     tp = plan.mesh.names.index("tp")
     assert strategy.inputs[0][tp] == Shard(1) and strategy.outputs[0][tp] == Replicate()
     cost = simulator.costs[loss.name]
     size_bytes = ROWS // dp * 4
     assert cost.axis_bytes == {"tp": pytest.approx(3 * size_bytes)}
-    ranks, concurrent, _ = simulator._groups["tp"]
-    one = collective_time("all_reduce", size_bytes, simulator.cluster, ranks, concurrent) + simulator.redistribute_overhead_s
+    ranks, concurrent, _ = simulator.context.groups["tp"]
+    one = collective_time("all_reduce", size_bytes, simulator.context.cluster, ranks, concurrent) + simulator.context.redistribute_overhead_s
     assert cost.forward_comm_s == pytest.approx(3 * one)
     assert cost.backward_comm_s == 0.0
 

@@ -63,7 +63,7 @@ def test_the_graph_knows_its_moe_layers_and_their_ops(model):
 def test_expert_parallel_experts_are_priced_on_the_busiest_device(model):
     graph, _ = model
     simulator = Simulator(plan_with(model, "expert_parallel", ExpertPlacement.round_robin(4, 4)), graph)
-    layer = simulator.moe_layers["blocks.0.moe"]
+    layer = simulator.context.moe_layers["blocks.0.moe"]
     anchor = simulator.costs[layer.anchor]
     # Uniform routing: every device holds one expert padded to 160 copies.
     assert anchor.forward_s == pytest.approx(160 * COPY_FLOPS / 1e12)
@@ -130,7 +130,7 @@ def test_copies_of_an_expert_sum_their_gradients_and_split_its_tokens(model):
     # Expert 0 on devices 0 and 1 (half its tokens each), the others one device each.
     placement = ExpertPlacement(4, (((0, 0.5), (1, 0.5)), ((1, 1.0),), ((2, 1.0),), ((3, 1.0),)))
     simulator = Simulator(plan_with(model, "expert_parallel", placement), graph)
-    layer = simulator.moe_layers["blocks.0.moe"]
+    layer = simulator.context.moe_layers["blocks.0.moe"]
     # Device 1 computes half of expert 0's 160 padded copies and all 160 of expert 1's.
     assert layer.cost.busiest_copies == pytest.approx(240)
     # The copied expert's gradients (2 x 64 x 128 x 4 B) summed as the program does it: a
@@ -183,7 +183,7 @@ def test_sharded_copies_hold_a_share_of_their_experts_and_gather_and_reduce_scat
         ))
 
     whole, sharded = Simulator(plan(False), graph), Simulator(plan(True), graph)
-    whole_layer, layer = whole.moe_layers["blocks.0.moe"], sharded.moe_layers["blocks.0.moe"]
+    whole_layer, layer = whole.context.moe_layers["blocks.0.moe"], sharded.context.moe_layers["blocks.0.moe"]
     # Whole copies: a device holds 2 of 4 experts; every expert is copied, so all 4 experts'
     # gradients (4 x 16,384 x 4 B) are all-reduced over the group of 4: 2 x 3/4 x 262,144 / 1e9.
     assert whole_layer.param_fraction == 0.5

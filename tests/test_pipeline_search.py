@@ -192,7 +192,7 @@ def test_segment_profiles_add_up_to_the_simulated_costs(heavy_head):
     annotated = sum(s.cost.compute_s + s.cost.communication_s for s in plan.strategies)
     # The ops' own costs, plus where a segment's kernels are shorter than the host's time to
     # issue them, the device's wait for the host (cost_model.host_dispatch).
-    waits = sum(segment.host_wait_s for segment in Simulator(plan, graph)._segments())
+    waits = sum(segment.host_wait_s for segment in Simulator(plan, graph).segments())
     assert sum(p.time_s["none"] for p in profiles) * micro_batches == pytest.approx(annotated + waits * micro_batches, rel=1e-9)
     block = profiles[1]
     # Fused attention keeps no score matrix, so selective recomputation changes nothing here.

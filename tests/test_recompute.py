@@ -58,7 +58,7 @@ def test_simulator_recomputes_blocks_only(gpt):
     graph, spec, name, cluster = gpt
     plan = megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32")
     full = Simulator(dataclasses.replace(plan, recompute="full"), graph)
-    segments = full._segments()
+    segments = full.segments()
     blocks = [s for s in segments if s.block]
     around = [s for s in segments if not s.block]
     assert len(blocks) == sum(graph.blocks.values()) and around
@@ -151,7 +151,7 @@ def test_selective_recompute_drops_the_scores_in_graph_programs_and_in_the_simul
     plans = {mode: dataclasses.replace(plan, recompute=mode) for mode in ("none", "selective", "full")}
     saved = {mode: _graph_program_saved_bytes(p) for mode, p in plans.items()}
     simulated = {mode: Simulator(p, graph).run().memory.activations for mode, p in plans.items()}
-    scores = [segment.score_bytes for segment in Simulator(plan, graph)._segments() if segment.block]
+    scores = [segment.score_bytes for segment in Simulator(plan, graph).segments() if segment.block]
     source = render_graph_program(plans["selective"])
     if attention == "eager":
         softmax_bytes = 8 * (4 // 2) * 32 * 32 * 4

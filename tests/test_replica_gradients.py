@@ -50,7 +50,7 @@ def _linear_cost(graph, cluster, mesh: Mesh, wanted_weight, wanted_output):
                     if s.params["proj.weight"] == wanted_weight and s.outputs[0] == wanted_output)
     seed, inputs = combine(graph, mesh, {})
     simulator = Simulator(unsimulated_plan(graph, cluster, None, "M", mesh, seed, inputs), graph)
-    return simulator, simulator._compute_node_cost(node, strategy, edges=[])
+    return simulator, simulator.node_costs.compute(node, strategy, edges=[])
 
 
 def test_batch_split_over_tp_with_whole_weights_pays_the_gradient_all_reduce(setup):
@@ -58,7 +58,7 @@ def test_batch_split_over_tp_with_whole_weights_pays_the_gradient_all_reduce(set
     mesh = Mesh((("tp", 2),))
     simulator, cost = _linear_cost(graph, cluster, mesh, (Replicate(),), (Shard(0),))
     assert cost.axis_bytes["tp"] == pytest.approx(2 * (2 - 1) / 2 * N * K * E)
-    assert cost.axis_sync_s == pytest.approx(simulator._collective("all_reduce", N * K * E, "tp"))
+    assert cost.axis_sync_s == pytest.approx(simulator.context.collective("all_reduce", N * K * E, "tp"))
     assert cost.axis_sync_s > 0
 
 

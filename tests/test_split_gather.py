@@ -36,15 +36,15 @@ def test_fused_projection_split_gathers_its_input_and_its_pieces_gradients(dp: i
     splits = [node for node in graph.nodes if node.op == "aten.split.Tensor"]
     assert len(splits) == 2  # one per block
     tp = plan.mesh.names.index("tp")
-    ranks, concurrent, _ = simulator._groups["tp"]
-    overhead = simulator.redistribute_overhead_s
+    ranks, concurrent, _ = simulator.context.groups["tp"]
+    overhead = simulator.context.redistribute_overhead_s
     for split in splits:
-        strategy = simulator.strategies[split.name]
+        strategy = simulator.context.strategies[split.name]
         assert strategy.inputs[0][tp] == Shard(2) and all(p[tp] == Shard(2) for p in strategy.outputs)
         cost = simulator.costs[split.name]
         assert cost.axis_bytes == {"tp": pytest.approx(196608 / dp)}
-        gather = collective_time("all_gather", 196608 / dp, simulator.cluster, ranks, concurrent)
-        piece = collective_time("all_gather", 65536 / dp, simulator.cluster, ranks, concurrent)
+        gather = collective_time("all_gather", 196608 / dp, simulator.context.cluster, ranks, concurrent)
+        piece = collective_time("all_gather", 65536 / dp, simulator.context.cluster, ranks, concurrent)
         assert cost.forward_comm_s == pytest.approx(gather + overhead)
         assert cost.backward_comm_s == pytest.approx(3 * (piece + overhead))
 

@@ -252,10 +252,10 @@ def test_simulator_shares_a_node_network_only_between_groups_on_that_node():
         graph, spec, name, _ = prepare_model(ModelSpec("examples/gpt.py", config), cluster)
         strategies, inputs = summa_layout(graph, mesh, "2.5d")
         simulator = Simulator(unsimulated_plan(graph, cluster, spec, name, mesh, strategies, inputs, label="t"), graph)
-        assert simulator._groups["dep"][1] == per_node
+        assert simulator.context.groups["dep"][1] == per_node
         beta, alpha = cluster.inter_link.bandwidth, cluster.inter_link.latency
         expected = 2 * 3 / 4 * size / beta + 2 * 3 * alpha
-        assert simulator._collective("all_reduce", size, "dep") == pytest.approx(expected, rel=1e-9)
+        assert simulator.context.collective("all_reduce", size, "dep") == pytest.approx(expected, rel=1e-9)
 
 
 def test_simulator_prices_a_two_axis_reduce_scatter_on_the_whole_partial_tensor_first():
@@ -283,10 +283,10 @@ def test_simulator_prices_a_two_axis_reduce_scatter_on_the_whole_partial_tensor_
     meta = next(m for node in graph.nodes for m in node.input_meta
                 if m is not None and tuple(m.shape) == (64, 8, 64) and m.dtype.is_floating_point)
     cost = NodeCost()
-    simulator._charge_edge(cost, meta, (Partial(), Partial()), (Shard(0), Shard(2)))
-    whole = meta.nbytes * simulator.activation_scale
-    first = simulator._collective("reduce_scatter", whole, "row")
-    second = simulator._collective("reduce_scatter", whole / 8, "col")
+    simulator.node_costs.charge_edge(cost, meta, (Partial(), Partial()), (Shard(0), Shard(2)))
+    whole = meta.nbytes * simulator.context.activation_scale
+    first = simulator.context.collective("reduce_scatter", whole, "row")
+    second = simulator.context.collective("reduce_scatter", whole / 8, "col")
     assert cost.forward_comm_s == pytest.approx(first + second, rel=1e-9)
     # At least the bandwidth term of the first, whole-tensor ring reduce-scatter.
     assert cost.forward_comm_s >= 7 / 8 * whole / cluster.inter_link.bandwidth

@@ -178,7 +178,7 @@ def _node_cost(graph, mesh, strategy):
     seed, inputs = combine(graph, mesh, {})
     simulator = Simulator(unsimulated_plan(graph, cluster, None, "M", mesh, seed, inputs), graph)
     node = graph.node(strategy.node)
-    return simulator, simulator._compute_node_cost(node, strategy, edges=[])
+    return simulator, simulator.node_costs.compute(node, strategy, edges=[])
 
 
 @pytest.mark.parametrize("mesh", [MESH_2D, MESH_25D], ids=["2d-dp2", "2.5d"])
@@ -192,7 +192,7 @@ def test_2d_and_25d_bytes_per_device_match_the_hand_formula(linear_graph, mesh):
     if d > 1:  # the weight gradient's all-reduce over depth: ring, 2 (d-1)/d of the block
         block = K * N / q**2 * E
         assert cost.axis_bytes["dep"] == pytest.approx(2 * (d - 1) / d * block)
-        assert cost.axis_sync_s == pytest.approx(simulator._collective("all_reduce", block, "dep"))
+        assert cost.axis_sync_s == pytest.approx(simulator.context.collective("all_reduce", block, "dep"))
     else:
         assert "dep" not in cost.axis_bytes and cost.axis_sync_s == 0
 
@@ -224,7 +224,7 @@ def test_summa_compute_is_the_local_block_products(linear_graph):
     from cost_model.compute import roofline_time
     rows = BATCH * SEQ
     one_round = roofline_time(2 * (rows / 4) * (K / 2) * (N / 2), E * ((rows / 4) * (K / 2) + (K / 2) * (N / 2) + (rows / 4) * (N / 2)),
-                              simulator.cluster.device_of(0), torch.float32)
+                              simulator.context.cluster.device_of(0), torch.float32)
     assert cost.forward_s == pytest.approx(2 * one_round)
     assert cost.backward_s == pytest.approx(4 * one_round)
 
@@ -239,7 +239,7 @@ def test_norm_in_block_layout_reduces_its_statistics_over_the_hidden_axis(mlp_gr
     # the norm's weight and bias are split on col, replicated on dep and row where the rows
     # are split: their gradients are summed over both, once per step
     local = K / 2 * E
-    expected = 2 * (simulator._collective("all_reduce", local, "dep") + simulator._collective("all_reduce", local, "row"))
+    expected = 2 * (simulator.context.collective("all_reduce", local, "dep") + simulator.context.collective("all_reduce", local, "row"))
     assert cost.axis_sync_s == pytest.approx(expected)
 
 

@@ -1,0 +1,56 @@
+"""The registry of step contributors: which families add to a simulated step, in order.
+
+A family adds its part to the simulated step (tasks, op costs, memory terms) through a
+``cost_model.step_contributor.StepContributor`` and registers by appending it to
+``_CONTRIBUTORS`` below; the order is the order the simulator calls them in (which fixes the
+order of their tasks on a stream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from cost_model.data_parallel_step import DataParallelStep
+from cost_model.loss_parallel import add_vocabulary_parallel_loss
+from cost_model.parameter_bytes import PARAM_BYTES
+from cost_model.replica_gradients import add_replica_gradient_sync
+from cost_model.split_gather import add_split_gather
+from cost_model.step_contributor import StepContributor
+from cost_model.summa_node import add_summa_costs
+
+__all__ = ["NodeCostTerm", "step_contributors"]
+
+
+@dataclass(frozen=True)
+class NodeCostTerm(StepContributor):
+    """A contributor that only adds to op costs: ``add(context, node, strategy, cost)``."""
+
+    add: Callable
+
+    def node_cost(self, context, node, strategy, cost) -> None:
+        self.add(context, node, strategy, cost)
+
+
+def _replica_gradient_sync(context, node, strategy, cost) -> None:
+    add_replica_gradient_sync(context, node, strategy, cost, PARAM_BYTES[context.plan.precision][1])
+
+
+# Meshes with SUMMA axes: SUMMA matmuls and block norms by their algorithms
+# (cost_model.summa_node); vocabulary-parallel cross entropies (cost_model.loss_parallel);
+# splits of a dim held split (cost_model.split_gather); any mesh: the gradient sync of weights
+# replicated on a non-dp axis whose ranks saw other rows (cost_model.replica_gradients); the
+# data-parallel flavours' gathers, gradient reductions and sharding (cost_model.data_parallel_step).
+_CONTRIBUTORS: tuple[StepContributor, ...] = (
+    NodeCostTerm(add_summa_costs),
+    NodeCostTerm(add_vocabulary_parallel_loss),
+    NodeCostTerm(add_split_gather),
+    NodeCostTerm(_replica_gradient_sync),
+    DataParallelStep(),
+)
+
+
+def step_contributors(plan) -> tuple[StepContributor, ...]:
+    """The contributors that add to ``plan``'s simulated step, in the order they are called.
+    Each decides from the context whether it has anything to add."""
+    return _CONTRIBUTORS

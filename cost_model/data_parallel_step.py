@@ -1,0 +1,284 @@
+"""The data-parallel flavours' part of a simulated step (a ``StepContributor``).
+
+Over the ``dp`` axis, each flavour (``Plan.dp_flavour``) shards and moves the parameters
+its own way:
+
+- **DDP**: every rank holds everything; gradients are all-reduced in buckets filled in
+  backward order (1 MiB, then 25 MiB: torch DDP's defaults), each bucket's all-reduce starting
+  when the segment that fills it finishes its backward.
+- **ZeRO-1** (torch's ``ZeroRedundancyOptimizer``): optimizer states sharded; gradients
+  all-reduced as DDP's; after the optimizer step each parameter is broadcast from its owner.
+- **ZeRO-2** (FSDP2 keeping weights after forward): gradients and states sharded; gradients
+  reduce-scattered per unit (segment) after every micro-batch; the updated weights all-gathered
+  after the step.
+- **FSDP** (FSDP2): weights, gradients and states sharded; each segment's weights all-gathered
+  one segment ahead of its forward (prefetch) and, what was freed, again before its backward;
+  gradients reduce-scattered per unit.
+
+On gloo (no reduce-scatter of one tensor) FSDP2 all-reduces the whole gradient and keeps its
+shard. A graph program (searched or Megatron layouts) reduces each parameter's gradient in its
+own hook, one collective per parameter. Memory: the shardable parameters' weights, gradients
+and states divided by ``dp`` as the flavour shards them; FSDP's two gathered units (the one
+running and the one prefetched) or DDP's bucket as communication buffers.
+
+A plan whose flavour is not one of ``FLAVOURS`` gets nothing from this contributor: a flavour
+added as a family of its own (hybrid sharding, say) brings its own contributor.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from cost_model import defaults
+from cost_model.parameter_bytes import PARAM_BYTES
+from cost_model.segments import Segment
+from cost_model.step_context import StepContext
+from cost_model.step_contributor import ParameterSharding, StepContributor
+
+FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")  # what this contributor runs; others have their own
+SHARDED_STATES = ("zero1", "zero2", "fsdp")  # flavours that shard the optimizer states over dp
+SHARDED_GRADIENTS = ("zero2", "fsdp")
+FSDP2_FLAVOURS = ("zero2", "fsdp")  # run by FSDP2: DTensor parameters, per-unit reduce-scatters
+
+
+class GradientBuckets:
+    """DDP's gradient buckets, filled in backward order: 1 MiB for the first bucket, then
+    25 MiB (torch DDP's ``_DEFAULT_FIRST_BUCKET_BYTES`` and ``bucket_cap_mb``). A bucket's
+    all-reduce starts when the segment that fills it finishes its backward (segments are
+    the simulator's granularity). FSDP reduce-scatters each unit (segment) on its own."""
+
+    def __init__(self) -> None:
+        self.cap = defaults.DDP_FIRST_BUCKET_BYTES
+        self.pending = 0.0
+
+    def fill(self, size: float, per_unit: bool, flush: bool) -> list[tuple[float, int]]:
+        """Buckets ready to reduce after adding ``size`` bytes of gradients, as (bucket
+        bytes, how many such buckets): a segment of a large model fills thousands of equal
+        buckets at once, which are counted rather than listed."""
+        if per_unit:
+            return [(size, 1)] if size else []
+        ready = []
+        self.pending += size
+        if self.pending >= self.cap and self.cap != defaults.DDP_BUCKET_BYTES:
+            ready.append((self.cap, 1))
+            self.pending -= self.cap
+            self.cap = defaults.DDP_BUCKET_BYTES
+        if self.pending >= self.cap:
+            full = int(self.pending // self.cap)
+            ready.append((self.cap, full))
+            self.pending -= full * self.cap
+        if flush and self.pending > 0:
+            ready.append((self.pending, 1))
+            self.pending = 0.0
+        return ready
+
+
+def _fsdp(context: StepContext) -> bool:
+    return context.plan.dp_flavour == "fsdp" and context.dp > 1
+
+
+def fsdp_root_elements(context: StepContext, segment: Segment) -> float:
+    """Local elements of ``segment``'s shardable parameters that FSDP2's root unit holds:
+    those under none of ``Plan.fsdp_units`` (all of them when the plan names no units).
+    FSDP2 never reshards its root after forward (backward starts right after it), so the
+    root's weights are gathered once per micro-batch and the units' twice, in forward and
+    again in backward (``codegen.emit``'s FSDP program; counted by
+    ``codegen.runtime.comm_audit``)."""
+    units = tuple(unit + "." for unit in context.plan.fsdp_units)
+    return sum(count for name, count in segment.params.items()
+               if name not in segment.per_rank and not name.startswith(units))
+
+
+def fsdp_regathered_elements(context: StepContext, segment: Segment) -> float:
+    """Local elements of ``segment``'s dp-sharded weights that FSDP gathers a second time,
+    for backward. A program that wraps modules (``Plan.fsdp_units``: FSDP2 over the model's
+    own modules) regathers its units but not its root (``fsdp_root_elements``). A graph
+    program (no units) gathers each weight where an op reads it and autograd keeps the
+    gathered weight for backward, except in a fully recomputed block, whose replay in
+    backward gathers its weights again (``codegen`` compiles FSDP graph programs with full
+    recomputation only). A pipeline's stages gather for both passes."""
+    shardable = segment.shardable_elements()
+    if context.plan.pipeline is not None:
+        return shardable
+    if context.plan.fsdp_units:
+        return shardable - fsdp_root_elements(context, segment)
+    return shardable if segment.block and context.plan.recompute_at(segment.stage) == "full" else 0.0
+
+
+def largest_fsdp_unit(context: StepContext, segments: list[Segment]) -> float:
+    """Local parameter elements of the largest FSDP unit: a repeated block (a segment),
+    or, in a model without blocks whose plan wraps each layer (``Plan.fsdp_units``), the
+    largest of those layers and the root's remaining parameters."""
+    largest = max((s.shardable_elements() for s in segments), default=0.0)
+    units = context.plan.fsdp_units
+    if not units or any(s.block for s in segments):
+        return largest
+    sizes = dict.fromkeys((*units, ""), 0.0)
+    for segment in segments:
+        for name, count in segment.params.items():
+            if name not in segment.per_rank:
+                sizes[next((u for u in units if name.startswith(u + ".")), "")] += count
+    return max(sizes.values())
+
+
+def _fsdp_gather(tasks, device: str, segment: Segment, deps: list[int], name: str, elements: float | None = None) -> int:
+    """All-gather of ``elements`` of ``segment``'s weights (default: all it shards)."""
+    context = tasks.context
+    elements = segment.shardable_elements() if elements is None else elements
+    size = elements * PARAM_BYTES[context.plan.precision][0]
+    return tasks.graph.add(name, (device, "collective"), context.collective("all_gather", size, "dp"), deps=deps,
+                           kind="comm")
+
+
+def _gradient_sync(tasks, device: str, name: str, buckets: list[tuple[float, int]], after: int) -> int:
+    """Data-parallel reduction of the gradient buckets (bytes, count) one segment's
+    backward filled, once that backward is done: each bucket is its own collective."""
+    context = tasks.context
+    kind = "reduce_scatter" if context.plan.dp_flavour in SHARDED_GRADIENTS else "all_reduce"
+    if kind == "reduce_scatter" and context.cluster.backend == "gloo" and not context.graph_program:
+        # FSDP2 (FSDP, ZeRO-2) on gloo, which has no reduce-scatter of one tensor, all-reduces
+        # the whole gradient and keeps its shard (its profile shows gloo:all_reduce events).
+        kind = "all_reduce"
+    pieces = [(context.collective(kind, size, "dp"), count) for size, count in buckets]
+    count = sum(count for _, count in buckets)
+    label = f"{kind.replace('_', '-')} grads ({name}{f', {count} buckets' if count > 1 else ''})"
+    return tasks.graph.add_pieces(label, (device, "collective"), pieces, deps=[after], kind="comm")
+
+
+class _GradientReduction:
+    """One backward pass's data-parallel gradient reduction, segment by segment."""
+
+    def __init__(self, tasks, device: str) -> None:
+        self.tasks, self.device = tasks, device
+        self.buckets = GradientBuckets()
+
+    def segment_done(self, segment: Segment, last: int, final: bool, deferred: list | None,
+                     sync_after: dict[str, list[int]]) -> None:
+        """Reduce what ``segment``'s backward (ending with task ``last``) filled."""
+        context = self.tasks.context
+        element_bytes = context.reduced_gradient_bytes()
+        if context.graph_program:
+            # A graph program reduces each parameter's gradient in its own hook
+            # (codegen.runtime.spmd): one collective per parameter, no buckets.
+            ready = [(segment.params[name] * element_bytes, 1) for name in sorted(segment.dp_synced)
+                     if segment.params[name] > 0]
+        else:
+            grads = sum(segment.params[name] for name in segment.dp_synced) * element_bytes
+            ready = self.buckets.fill(grads, per_unit=_fsdp(context), flush=final)
+        if ready and deferred is not None:
+            deferred.append(partial(_gradient_sync, self.tasks, self.device, segment.name, ready))
+        elif ready:
+            # The buckets a segment fills are all ready when its backward ends and run one
+            # after another on the collective stream: one task of all of them.
+            sync_after.setdefault(self.device, []).append(
+                _gradient_sync(self.tasks, self.device, segment.name, ready, last))
+
+
+class DataParallelStep(StepContributor):
+    """The gathers, gradient reductions, sharding and traffic of ``Plan.dp_flavour`` over
+    ``dp`` (module docstring)."""
+
+    def reduces_every_micro_batch(self, context: StepContext) -> bool:
+        """Whether gradients are reduced over ``dp`` after every micro-batch of an
+        accumulating step (no pipeline): FSDP2 (FSDP, ZeRO-2) reduce-scatters each one into
+        its sharded gradients, and graph programs (a label: searched or Megatron layouts)
+        reduce in each parameter's gradient hook; DDP syncs once, after the last."""
+        if context.plan.dp_flavour not in FLAVOURS or context.plan.pipeline is not None or context.dp == 1:
+            return False
+        return context.plan.dp_flavour in FSDP2_FLAVOURS or bool(context.plan.label)
+
+    def gathers_every_pass(self, context: StepContext) -> bool:
+        """FSDP gathers each segment's weights before every pass."""
+        return _fsdp(context)
+
+    def forward_gather(self, tasks, device: str, segment: Segment, position: int, last: int | None) -> int | None:
+        """FSDP's gather of the segment's weights, issued once the segment two before it is
+        done (the unit running and the one prefetched are held at once)."""
+        if not _fsdp(tasks.context):
+            return None
+        prefetch_after = [] if position < 2 else [last]
+        return _fsdp_gather(tasks, device, segment, prefetch_after, f"all-gather {segment.name}")
+
+    def backward_gather(self, tasks, device: str, segment: Segment, last: int | None) -> int | None:
+        """FSDP gathers again for backward only what it freed after forward (``fsdp_regathered_elements``)."""
+        context = tasks.context
+        regathered = fsdp_regathered_elements(context, segment)
+        if not _fsdp(context) or regathered <= 0:
+            return None
+        return _fsdp_gather(tasks, device, segment, [] if last is None else [last],
+                            f"all-gather {segment.name} (bwd)", regathered)
+
+    def gradient_reduction(self, tasks, device: str, sync: bool) -> _GradientReduction | None:
+        """DDP's buckets, FSDP2's per-unit reduce-scatters or a graph program's per-parameter
+        all-reduces over ``dp``, after a micro-batch whose gradients are reduced."""
+        if tasks.context.plan.dp_flavour not in FLAVOURS or tasks.context.dp == 1 or not sync:
+            return None
+        return _GradientReduction(tasks, device)
+
+    def after_optimizer(self, tasks, device: str, segments: list[Segment], step: int) -> None:
+        """ZeRO-1's broadcasts of the updated weights; ZeRO-2's all-gather of them."""
+        context = tasks.context
+        if context.dp == 1:
+            return
+        if context.plan.dp_flavour == "zero1":
+            # torch's ZeroRedundancyOptimizer (codegen's ZeRO-1) broadcasts each updated
+            # parameter from the rank that owns it: one broadcast per parameter tensor, all
+            # issued asynchronously and then waited for (gloo runs them on its worker threads).
+            element_bytes = PARAM_BYTES[context.plan.precision][0]
+            sizes = [count * element_bytes for s in segments for name, count in s.params.items()
+                     if name not in s.per_rank]
+            at_once = defaults.GLOO_COLLECTIVE_THREADS if context.cluster.backend == "gloo" else 1
+            pieces = [(context.collective("broadcast", size, "dp") / at_once, 1) for size in sizes if size > 0]
+            tasks.graph.add_pieces(f"broadcast updated weights ({len(pieces)} parameters)", (device, "collective"),
+                                   pieces, deps=[step], kind="comm")
+        elif context.plan.dp_flavour == "zero2":
+            gathered = sum(s.shardable_elements() for s in segments) * PARAM_BYTES[context.plan.precision][0]
+            tasks.graph.add("all-gather updated weights", (device, "collective"),
+                            context.collective("all_gather", gathered, "dp"), deps=[step], kind="comm")
+
+    def parameter_sharding(self, context: StepContext) -> ParameterSharding | None:
+        """What the flavour shards over ``dp``: states (ZeRO-1), and gradients (ZeRO-2), and
+        weights (FSDP)."""
+        flavour, dp = context.plan.dp_flavour, context.dp
+        if flavour not in FLAVOURS:
+            return None
+        sharded = dp > 1 and flavour in SHARDED_STATES
+        return ParameterSharding(
+            weights=dp if flavour == "fsdp" else 1,
+            gradients=dp if flavour in SHARDED_GRADIENTS else 1,
+            states=dp if flavour in SHARDED_STATES else 1,
+            optimizer_tensor_split=dp if sharded and flavour == "zero1" else 1,
+            dtensor_parameters=sharded and flavour != "zero1",
+        )
+
+    def communication_buffer_bytes(self, context: StepContext, segments: list[Segment], elements: float,
+                                   weight_bytes: float, gradient_bytes: float) -> float:
+        """FSDP's two gathered units (running and prefetched), else DDP's bucket."""
+        if context.plan.dp_flavour not in FLAVOURS or context.dp == 1:
+            return 0.0
+        if context.plan.dp_flavour == "fsdp":
+            # The unit being used and the next one, prefetched, are gathered at once.
+            return 2 * largest_fsdp_unit(context, segments) * weight_bytes
+        return min(defaults.DDP_BUCKET_BYTES, elements * gradient_bytes)
+
+    def add_axis_bytes(self, context: StepContext, segment: Segment, totals: dict[str, float]) -> None:
+        """The bytes the flavour's gathers and reductions of ``segment``'s weights send over ``dp``."""
+        if context.plan.dp_flavour not in FLAVOURS or context.dp == 1 or not segment.dp_synced:
+            return
+        element_bytes = PARAM_BYTES[context.plan.precision][1]
+        grads = sum(segment.params[n] for n in segment.dp_synced) * element_bytes
+        # fsdp: all-gather twice + reduce-scatter; zero1: all-reduce + all-gather of the
+        # updated weights; ddp: all-reduce; zero2: reduce-scatter + all-gather. Gradient
+        # accumulation (no pipeline) repeats FSDP's gathers and FSDP2's reduce-scatters
+        # for every micro-batch.
+        flavour = context.plan.dp_flavour
+        gathers = context.micro_batches if context.plan.pipeline is None else 1  # FSDP's, per micro-batch
+        reductions = context.micro_batches if self.reduces_every_micro_batch(context) else 1
+        units = {"fsdp": 2 * gathers + reductions, "zero1": 2 * reductions + 1, "zero2": reductions + 1,
+                 "ddp": 2 * reductions}[flavour]
+        factor = units * (context.dp - 1) / context.dp
+        totals["dp"] = totals.get("dp", 0.0) + grads * factor
+        if flavour == "fsdp":  # what is not gathered again for backward
+            kept = (segment.shardable_elements() - fsdp_regathered_elements(context, segment)) * element_bytes
+            totals["dp"] -= kept * gathers * (context.dp - 1) / context.dp
+

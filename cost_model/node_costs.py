@@ -1,0 +1,356 @@
+"""Node costs: one op's cost on one device for one micro-batch, under the plan's placements.
+
+For every op, its share of work on one device is ``1 / (ranks splitting it x micro-batches)``
+(an axis splits an op when the op's output is ``Shard`` or ``Partial`` on it); forward and
+backward times come from the roofline in ``cost_model.compute``. Each input edge whose
+producer placement differs from what the op reads costs a collective
+(``cost_model.resharding``) on that axis's process group, counted once per (tensor, target
+placement); a replicated activation read by an op with sharded weights (Megatron's
+column-parallel input) gets a backward all-reduce. What else an op costs under some family
+(SUMMA algorithms, vocabulary-parallel losses, split gathers, gradients of weights replicated
+over an axis that splits the rows) the step's contributors add (``StepContributor.node_cost``,
+``cost_model.step_contributor``).
+
+``NodeCosts`` keeps the costs of the current strategies (``StepContext.strategies``) and which
+reader of each (tensor, placement) pays its resharding, so ``reassign`` re-costs only what a
+one-node change affects (delta simulation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from cost_model.compute import op_times
+from cost_model.moe_layers import LaidOutLayer, routing_sync_bytes
+from cost_model.resharding import backward_collective, forward_collective
+from cost_model.step_context import StepContext
+from cost_model.step_contributor import overriding
+from planner.graph import OpNode
+from planner.strategy import EXPERT_COPIES_AXIS, NodeStrategy
+
+SENT_FRACTION = {  # bytes a rank sends per byte of collective size, ring algorithms, n ranks
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "send_recv": lambda n: 1.0,
+}
+
+
+@dataclass
+class NodeCost:
+    """One op's cost on one device for one micro-batch."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    forward_comm_s: float = 0.0
+    backward_comm_s: float = 0.0
+    saved_bytes: float = 0.0
+    axis_bytes: dict[str, float] = field(default_factory=dict)
+    # Once per step, not per micro-batch: gradient all-reduces over non-dp axes (SUMMA
+    # meshes, cost_model.summa_node), overlapped with the rest of the backward as dp's are.
+    axis_sync_s: float = 0.0
+    # Per pass (forward, and again backward), on the collective stream before the op's
+    # segment runs, prefetched as FSDP's gathers are: an MoE layer's experts all-gathered
+    # over their copies (``ExpertLayout.sharded_copies``).
+    weight_gather_s: float = 0.0
+    # Transient bytes the op holds while it runs beyond its inputs and outputs (a SUMMA
+    # matmul's received or gathered blocks and partial sums).
+    buffer_bytes: float = 0.0
+    # Host seconds to issue the op (GPU clusters, cost_model.host_dispatch): the segment
+    # waits for the host where these add up to more than its device time.
+    host_forward_s: float = 0.0
+    host_backward_s: float = 0.0
+
+
+# Ops whose backward needs none of their tensor inputs, and ops whose backward reads their
+# own output (PyTorch's derivatives.yaml): what decides which activations autograd keeps.
+_BACKWARD_READS_NO_INPUT = (
+    "aten.add.Tensor", "aten.sub.Tensor", "aten.dropout.", "aten.native_dropout.", "aten.clone.", "aten.contiguous.",
+    "aten.alias.", "aten._to_copy.", "aten.neg.", "aten.sum.", "aten.mean.",
+)
+_BACKWARD_READS_OUTPUT = ("aten.relu.", "aten._softmax.", "aten.softmax.", "aten.tanh.", "aten.sigmoid.", "aten.exp.")
+_DROPOUT = ("aten.dropout.", "aten.native_dropout.")
+
+
+class NodeCosts:
+    """Every node's ``NodeCost`` under the context's current strategies (module docstring).
+
+    ``kept`` and ``signature`` are the graph's facts (``simulation_cache.graph_facts``);
+    ``contributors`` the step's contributors, each asked to add to every op's cost. ``costs``
+    (node name -> cost), ``cache`` (costs by what they depend on) and ``first_use`` ((tensor,
+    placement) -> the reader that pays its resharding) are filled by ``cost_all`` or taken
+    from a plan costed before (``adopt``).
+    """
+
+    def __init__(self, context: StepContext, kept: dict[str, bool], signature: dict[str, int], contributors) -> None:
+        self.context = context
+        self.kept = kept
+        self.signature = signature
+        self._node_cost_hooks = overriding(contributors, "node_cost")
+        self.cache: dict[tuple, NodeCost] = {}
+        self.first_use: dict[tuple, str] = {}
+        self.costs: dict[str, NodeCost] = {}
+
+    def cost_all(self) -> None:
+        """Cost every node of the graph afresh."""
+        self.cache = {}
+        self.index_first_uses()
+        self.costs = {node.name: self.cost_of(node) for node in self.context.graph.nodes}
+
+    def adopt(self, cache: dict, first_use: dict, costs: dict) -> None:
+        """Take the costs of a plan whose node costs equal this one's (copies: they change)."""
+        self.cache, self.first_use, self.costs = dict(cache), dict(first_use), dict(costs)
+
+    def reassign(self, node_name: str, old: NodeStrategy) -> set[str]:
+        """Re-cost what changing ``node_name`` from ``old`` to its strategy in the context
+        affects; returns the names re-costed. Only the (tensor, placement) keys this node
+        reads, before or after, can change their first reader; readers that start or stop
+        paying a shared resharding are re-costed too."""
+        strategy = self.context.strategies[node_name]
+        node = self.context.nodes[node_name]
+        keys = {_read_key(node, old, position) for position in range(len(node.inputs))}
+        keys |= {_read_key(node, strategy, position) for position in range(len(node.inputs))}
+        moved = set()
+        for key in keys:
+            before = self.first_use.get(key)
+            after = self._first_reader(key)
+            if after is None:
+                self.first_use.pop(key, None)
+            else:
+                self.first_use[key] = after
+            if before != after:
+                moved |= {before, after}
+        recosted = {node_name, *self.context.consumers.get(node_name, []), *(m for m in moved if m)}
+        for name in recosted:
+            self.costs[name] = self.cost_of(self.context.nodes[name])
+        return recosted
+
+    def _first_reader(self, key: tuple) -> str | None:
+        """The first node, in graph order, that reads ``key``'s tensor in ``key``'s placement."""
+        name = key[0]
+        nodes, strategies = self.context.nodes, self.context.strategies
+        for reader in self.context.consumers.get(name, ()):
+            node, strategy = nodes[reader], strategies[reader]
+            if any(source == name and _read_key(node, strategy, position) == key for position, source in enumerate(node.inputs)):
+                return reader
+        return None
+
+    def index_first_uses(self) -> None:
+        """The first consumer of each (tensor, placement) pays its resharding; later ones reuse it."""
+        self.first_use = {}
+        for node in self.context.graph.nodes:
+            strategy = self.context.strategies[node.name]
+            for position, name in enumerate(node.inputs):
+                key = (name, strategy.inputs[position] if position < len(strategy.inputs) else None)
+                self.first_use.setdefault(key, node.name)
+
+    def cost_of(self, node: OpNode) -> NodeCost:
+        """``node``'s cost under its current strategy, shared with every node costed alike."""
+        moe_layer_of, strategies = self.context.moe_layer_of, self.context.strategies
+        layer = moe_layer_of.get(node.name)
+        if layer is not None:
+            return self._moe_node_cost(node, layer)
+        strategy = strategies[node.name]
+        edges = []
+        for position, name in enumerate(node.inputs):
+            if name in moe_layer_of:
+                continue  # an MoE layer hands its tokens back split as the batch is
+            producer = strategies.get(name)
+            wanted = strategy.inputs[position] if position < len(strategy.inputs) else None
+            if producer is None or not producer.outputs or wanted is None:
+                continue
+            if self.first_use.get((name, wanted)) != node.name:
+                continue
+            edges.append((position, producer.outputs[0], wanted))
+        key = (
+            self.signature[node.name], self.kept_for_backward(node.name),
+            strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges), strategy.layout,
+        )
+        if key not in self.cache:
+            self.cache[key] = self.compute(node, strategy, edges)
+        return self.cache[key]
+
+    def _moe_node_cost(self, node: OpNode, layer: LaidOutLayer) -> NodeCost:
+        """An op of an MoE layer run by its layout (``cost_model.moe_layers``): the layer's
+        expert cost on its anchor op, nothing on the other expert ops, and the routing ops'
+        traced work split over the ranks (each routes its own tokens)."""
+        cost = NodeCost()
+        if node.name in layer.expert_nodes:
+            if node.name == layer.anchor:
+                moe = layer.cost
+                cost.forward_s, cost.backward_s = moe.forward_compute_s, moe.backward_compute_s
+                cost.forward_comm_s = moe.forward_comm_s + layer.routing_sync_s
+                cost.backward_comm_s = moe.backward_comm_s + layer.replica_sync_s / self.context.micro_batches
+                cost.weight_gather_s = layer.copy_gather_s
+                cost.axis_sync_s = layer.copy_reduce_s  # sharded copies' reduce-scatter, overlapped
+                cost.saved_bytes = layer.activation_bytes
+                routing = routing_sync_bytes(layer.block, self.context.mesh.axis_size(layer.layout.axis))  # the routing all-gather
+                if moe.sent_bytes or routing:
+                    cost.axis_bytes[layer.layout.axis] = moe.sent_bytes + routing
+                if layer.copy_sent_bytes:  # over the copy groups, sub-groups of the layout's axis
+                    cost.axis_bytes[EXPERT_COPIES_AXIS] = layer.copy_sent_bytes / self.context.micro_batches
+            return cost
+        split = self.context.mesh.axis_size(layer.layout.axis) * self.context.micro_batches
+        cost.forward_s, cost.backward_s = op_times(node, 1.0 / split, self.context.device, self.context.plan.precision)
+        if not node.is_view and self.kept_for_backward(node.name):
+            cost.saved_bytes = sum(
+                meta.nbytes * self.context.activation_scale / split for meta in node.output_meta if meta.dtype.is_floating_point
+            )
+        return cost
+
+    def kept_for_backward(self, name: str) -> bool:
+        """Whether autograd keeps the output of ``name`` until backward: unless every reader
+        (through views) is an op whose backward needs none of its inputs (additions pass the
+        gradient through, copies and sums too, dropout keeps only its mask, relu and softmax
+        keep their output instead). An op with no reader (the loss) or whose own backward reads its
+        output (relu, softmax) keeps it."""
+        if name not in self.kept:
+            node = self.context.nodes.get(name)
+            readers = self.context.consumers.get(name, [])
+            if node is not None and (not readers or node.op.startswith(_BACKWARD_READS_OUTPUT)):
+                self.kept[name] = True
+            else:
+                self.kept[name] = any(
+                    self.kept_for_backward(r)
+                    if self.context.nodes[r].is_view
+                    else not self.context.nodes[r].op.startswith(_BACKWARD_READS_NO_INPUT + _BACKWARD_READS_OUTPUT)
+                    for r in readers
+                )
+        return self.kept[name]
+
+    def _work_split(self, strategy: NodeStrategy) -> int:
+        """Ranks an op's work is divided over: the axes on which some operand is split. An
+        axis where the op only reads or makes partial sums (all operands whole-size) leaves
+        every rank the whole computation (the rule registry's ``shards_work``)."""
+        tensors = (*strategy.inputs, *strategy.outputs)
+        return math.prod(
+            size
+            for index, (axis, size) in enumerate(self.context.mesh.axes)
+            if axis != "pp" and any(isinstance(p[index], Shard) for p in tensors)
+        )
+
+    def compute(self, node: OpNode, strategy: NodeStrategy, edges) -> NodeCost:
+        """``node``'s cost under ``strategy``, its inputs resharded along ``edges`` ((input
+        position, producer placements, placements read) of the edges it pays)."""
+        cost = NodeCost()
+        work = 1.0 / (self._work_split(strategy) * self.context.micro_batches)
+        cost.forward_s, cost.backward_s = op_times(node, work, self.context.device, self.context.plan.precision)
+        # Every line of a graph program is a DTensor op, views included; so is its backward.
+        has_backward = any(meta.dtype.is_floating_point for meta in node.output_meta)
+        if self.context.host is not None:
+            cost.host_forward_s = self.context.host.forward_s
+            cost.host_backward_s = self.context.host.backward_s if has_backward else 0.0
+        elif self.context.dtensor_op_overhead_s:
+            cost.forward_s += self.context.dtensor_op_overhead_s
+            if has_backward:
+                cost.backward_s += self.context.dtensor_op_overhead_s
+        if not node.is_view:
+            # An op's output is what its readers keep for backward (most ops save their input).
+            cost.saved_bytes = self.context.output_bytes(node, strategy) if self.kept_for_backward(node.name) else 0.0
+            dropout_p = next((a for a in node.attrs if isinstance(a, float)), 0.0) if node.op.startswith(_DROPOUT) else 0.0
+            if dropout_p > 0 and node.output_meta:  # its boolean mask, a byte per element
+                meta, placements = node.output_meta[0], strategy.outputs[0]
+                cost.saved_bytes += meta.numel / self.context.shard_factor(placements) / self.context.micro_batches
+        if strategy.produced is not None:
+            # The op's own output resharded into its planned placement (an override).
+            for meta, made, planned in zip(node.output_meta, strategy.produced, strategy.outputs):
+                self.charge_edge(cost, meta, made, planned)
+        for position, src, dst in edges:
+            self.charge_edge(cost, node.input_meta[position], src, dst)
+        self._add_input_gradient_reduction(node, strategy, cost)
+        # What the step's contributors add to an op (cost_model.step_contributor): SUMMA
+        # matmuls and block norms, vocabulary-parallel losses, split gathers, the gradient
+        # sync of weights replicated on a non-dp axis whose ranks saw other rows.
+        for node_cost in self._node_cost_hooks:
+            node_cost(self.context, node, strategy, cost)
+        return cost
+
+    def charge_edge(self, cost: NodeCost, meta, src, dst) -> None:
+        """Forward collective and backward dual of one placement change, per mesh axis."""
+        has_grad = meta.dtype.is_floating_point
+        for index, (axis, size) in enumerate(self.context.mesh.axes):
+            if axis == "pp" or src[index] == dst[index]:
+                continue
+            # The tensor this axis's collective moves: split by the other axes that hold it
+            # split by then. Reduce-scatters (Partial -> Shard) run one axis after another, in
+            # mesh order: the later ones see a tensor the earlier ones already split, but an
+            # earlier one still carries the whole partial tensor of the later axes.
+            others = math.prod(
+                s for j, (a, s) in enumerate(self.context.mesh.axes)
+                if j != index and a != "pp" and isinstance(dst[j], Shard)
+                and not (isinstance(src[j], Partial) and j > index)
+            )
+            full = meta.nbytes * self.context.activation_scale / others / self.context.micro_batches
+            for kind, backward in (
+                (forward_collective(src[index], dst[index]), False),
+                (backward_collective(src[index], dst[index]) if has_grad else None, True),
+            ):
+                if kind is None:
+                    continue
+                size_bytes = full / size if kind == "all_to_all" else full
+                seconds = self.context.collective(kind, size_bytes, axis) + self.context.redistribute_overhead_s
+                if backward:
+                    cost.backward_comm_s += seconds
+                else:
+                    cost.forward_comm_s += seconds
+                cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + size_bytes * SENT_FRACTION[kind](size)
+
+    def _add_input_gradient_reduction(self, node: OpNode, strategy: NodeStrategy, cost: NodeCost) -> None:
+        """Megatron's 'f': a replicated activation read by weights split on an axis gets a
+        partial gradient there, summed by an all-reduce in backward."""
+        params = set(node.param_inputs)
+        for index, (axis, size) in enumerate(self.context.mesh.axes):
+            if axis in ("pp", "dp") or size == 1:
+                continue
+            if not any(isinstance(p[index], Shard) for p in strategy.params.values()):
+                continue
+            for position, name in enumerate(node.inputs):
+                meta = node.input_meta[position]
+                wanted = strategy.inputs[position]
+                if name in params or not meta.dtype.is_floating_point or not isinstance(wanted[index], Replicate):
+                    continue
+                if self.first_use.get((name, wanted)) != node.name:
+                    continue
+                producer = self.context.strategies.get(name)
+                gathered_here = producer is not None and producer.outputs and isinstance(producer.outputs[0][index], Shard)
+                if gathered_here or self._gathered_upstream(name, index):
+                    continue  # the gather's backward reduce-scatter already sums this gradient
+                others = math.prod(
+                    s for j, (a, s) in enumerate(self.context.mesh.axes) if j != index and a != "pp" and isinstance(wanted[j], Shard)
+                )
+                full = meta.nbytes * self.context.activation_scale / others / self.context.micro_batches
+                cost.backward_comm_s += self.context.collective("all_reduce", full, axis) + self.context.redistribute_overhead_s
+                cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + full * SENT_FRACTION["all_reduce"](size)
+
+    def _gathered_upstream(self, name: str, axis_index: int, hops: int = 8) -> bool:
+        """Whether tensor ``name`` was all-gathered on this axis, directly or through views
+        (as under sequence parallelism): its partial gradient is then reduce-scattered by the
+        gather's backward and needs no all-reduce of its own."""
+        for _ in range(hops):
+            producer = self.context.strategies.get(name)
+            node = self.context.nodes.get(name)
+            if producer is None or node is None or not producer.outputs:
+                return False
+            if producer.produced is not None and isinstance(producer.produced[0][axis_index], Shard):
+                return True
+            gathered = [
+                position for position, source in enumerate(node.inputs)
+                if source in self.context.strategies and self.context.strategies[source].outputs
+                and isinstance(self.context.strategies[source].outputs[0][axis_index], Shard)
+                and isinstance(producer.inputs[position][axis_index], Replicate)
+            ]
+            if gathered:
+                return True
+            if not node.is_view or not node.inputs:
+                return False
+            name = node.inputs[0]
+        return False
+
+
+def _read_key(node: OpNode, strategy: NodeStrategy, position: int) -> tuple:
+    """The (tensor, placement) ``node`` reads at input ``position`` under ``strategy``."""
+    return (node.inputs[position], strategy.inputs[position] if position < len(strategy.inputs) else None)

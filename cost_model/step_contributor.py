@@ -1,0 +1,139 @@
+"""Step contributors: where a parallelism family adds its part to the simulated step.
+
+The simulator's core prices ops under their placements (``cost_model.node_costs``), groups
+them into segments (``cost_model.segments``), lays the pipeline schedule's passes out as tasks
+(``cost_model.step_tasks``) and sums memory (``cost_model.step_memory``). What a family adds
+on top (its collectives as tasks, its extra cost on some ops, how it shards weights, gradients
+and optimizer states, the bytes it sends) it adds through the hooks of one
+``StepContributor``, called with the ``StepContext`` (``cost_model.step_context``) at fixed
+points; the scheduler has no branch for any family. The registry
+(``cost_model.contributor_registry.step_contributors``) lists the contributors in the order
+they are called, which fixes the order of their tasks on a stream.
+
+Hooks (each default adds nothing):
+
+- ``node_cost(context, node, strategy, cost)``: add to one op's ``NodeCost`` (one
+  micro-batch on one device). It may read only what ``simulation_cache.costing_key`` covers
+  (graph, cluster, mesh, precision, micro-batches, placements, MoE layouts): plans that differ
+  elsewhere (dp flavour, recomputation) share their node costs.
+- Task graph (``tasks``: the ``StepTasks`` being built, with ``tasks.context`` and
+  ``tasks.graph``, the ``TaskGraph`` to add to):
+
+  - ``forward_gather(tasks, device, segment, position, last)`` /
+    ``backward_gather(tasks, device, segment, last)``: a task id the segment's pass waits for
+    (FSDP's weight gathers), or None. ``last`` is the pass's previous task (None first).
+  - ``gradient_reduction(tasks, device, sync)``: per backward pass (``sync``: gradients are
+    reduced after this micro-batch), None or an object whose
+    ``segment_done(segment, last, final, deferred, sync_after)`` adds the reduction of what
+    that segment's backward produced, after task ``last`` (``final``: the pass's last
+    segment); it appends the reduction's task id to ``sync_after[device]`` (the optimizer
+    step waits for those), or, where ``deferred`` is a list (reductions after the whole
+    backward), appends ``launch(after) -> task id`` there instead.
+  - ``after_optimizer(tasks, device, segments, step)``: tasks after the optimizer step
+    (ZeRO's weight broadcasts).
+  - ``reduces_every_micro_batch(context)`` / ``gathers_every_pass(context)``: whether the
+    scheduler must give each segment its own backward task after every micro-batch.
+- Memory and traffic: ``parameter_sharding(context)`` (the first contributor that returns a
+  ``ParameterSharding`` owns the weights, gradients and optimizer states),
+  ``communication_buffer_bytes(context, segments, elements, weight_bytes, gradient_bytes)``
+  (summed), ``add_axis_bytes(context, segment, totals)`` (adds to one stage's bytes per axis).
+
+Example: a family that all-reduces every segment's gradients over a ``rep`` axis as soon as
+that segment's backward has produced them (in each backward whose gradients are reduced),
+registered by appending ``ReplicaSync()`` to ``_CONTRIBUTORS`` in the registry (the test
+``tests/test_step_contributors.py`` runs it; ``cost_model.data_parallel_step`` is the full
+example, the data-parallel flavours)::
+
+    class ReplicaSync(StepContributor):
+        def gradient_reduction(self, tasks, device, sync):
+            context = tasks.context
+            if not sync or "rep" not in context.mesh.names:
+                return None
+            return _RepReduction(tasks, device)
+
+    class _RepReduction:
+        def __init__(self, tasks, device):
+            self.tasks, self.device = tasks, device
+
+        def segment_done(self, segment, last, final, deferred, sync_after):
+            grads = sum(segment.params.values()) * 2  # bf16 gradients
+            seconds = self.tasks.context.collective("all_reduce", grads, "rep")
+            sync_after.setdefault(self.device, []).append(self.tasks.graph.add(
+                f"all-reduce grads over rep ({segment.name})", (self.device, "collective"), seconds,
+                deps=[last], kind="comm"))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParameterSharding:
+    """How the owner of the parameters splits what each device holds of the shardable ones
+    (all but an MoE layout's per-rank experts): the divisors of their weights, gradients and
+    optimizer states; over how many ranks the optimizer's per-tensor updates are divided
+    (ZeRO-1's ``ZeroRedundancyOptimizer`` gives each rank whole tensors); whether the
+    parameters are DTensors (FSDP2), so the optimizer's ops pay DTensor's dispatch."""
+
+    weights: int = 1
+    gradients: int = 1
+    states: int = 1
+    optimizer_tensor_split: int = 1
+    dtensor_parameters: bool = False
+
+    def updated_tensors(self, tensors: int) -> int:
+        """Parameter tensors one device's optimizer updates, of the ``tensors`` it holds."""
+        return math.ceil(tensors / self.optimizer_tensor_split) if self.optimizer_tensor_split > 1 else tensors
+
+
+class StepContributor:
+    """One family's part of a simulated step (module docstring); every hook adds nothing."""
+
+    def node_cost(self, context, node, strategy, cost) -> None:
+        """Add to ``cost`` (one micro-batch of ``node`` under ``strategy`` on one device)."""
+
+    def reduces_every_micro_batch(self, context) -> bool:
+        """Whether gradients are reduced after every micro-batch, not only the last."""
+        return False
+
+    def gathers_every_pass(self, context) -> bool:
+        """Whether every backward pass needs a task per segment (gathers before each)."""
+        return False
+
+    def forward_gather(self, tasks, device: str, segment, position: int, last: int | None) -> int | None:
+        """A task ``segment``'s forward waits for, or None."""
+        return None
+
+    def backward_gather(self, tasks, device: str, segment, last: int | None) -> int | None:
+        """A task ``segment``'s backward waits for, or None."""
+        return None
+
+    def gradient_reduction(self, tasks, device: str, sync: bool):
+        """None, or the reduction of one backward pass's gradients (module docstring)."""
+        return None
+
+    def after_optimizer(self, tasks, device: str, segments: list, step: int) -> None:
+        """Add the tasks that follow the optimizer step ``step`` on ``device``."""
+
+    def parameter_sharding(self, context) -> ParameterSharding | None:
+        """How this contributor shards the parameters, if it owns them."""
+        return None
+
+    def communication_buffer_bytes(self, context, segments: list, elements: float, weight_bytes: float,
+                                   gradient_bytes: float) -> float:
+        """Bytes of buffers this contributor's collectives hold on one device of a stage
+        holding ``segments`` (``elements``: their local parameter elements)."""
+        return 0.0
+
+    def add_axis_bytes(self, context, segment, totals: dict[str, float]) -> None:
+        """Add to ``totals`` (a stage's bytes sent per step, by mesh axis) for ``segment``."""
+
+
+def overriding(contributors, hook: str) -> tuple:
+    """The bound ``hook`` methods of those ``contributors`` whose class overrides it: the
+    others add nothing, and skipping them keeps the per-segment and per-op loops short."""
+    default = getattr(StepContributor, hook)
+    return tuple(getattr(contributor, hook) for contributor in contributors
+                 if getattr(type(contributor), hook) is not default)
