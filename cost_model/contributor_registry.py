@@ -9,6 +9,7 @@ order of their tasks on a stream).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Callable
 
 from cost_model.data_parallel_step import DataParallelStep
@@ -18,6 +19,7 @@ from cost_model.replica_gradients import add_replica_gradient_sync
 from cost_model.split_gather import add_split_gather
 from cost_model.step_contributor import StepContributor
 from cost_model.summa_node import add_summa_costs
+from planner.families import resolve, with_part
 
 __all__ = ["NodeCostTerm", "step_contributors"]
 
@@ -51,6 +53,19 @@ _CONTRIBUTORS: tuple[StepContributor, ...] = (
 
 
 def step_contributors(plan) -> tuple[StepContributor, ...]:
-    """The contributors that add to ``plan``'s simulated step, in the order they are called.
-    Each decides from the context whether it has anything to add."""
-    return _CONTRIBUTORS
+    """The contributors that add to ``plan``'s simulated step, in the order they are called:
+    the ones above, then the ``costs`` part of every family ``plan`` uses
+    (``planner.families``), which replaces the contributors it names in its ``takes_over``
+    (HSDP's runs the data-parallel one over its shard groups). Each decides from the context
+    whether it has anything to add."""
+    families = tuple(_family_contributor(family.costs) for family in with_part("costs") if family.uses(plan))
+    if not families:
+        return _CONTRIBUTORS
+    replaced = tuple(kind for contributor in families for kind in getattr(contributor, "takes_over", ()))
+    return (*(c for c in _CONTRIBUTORS if not isinstance(c, replaced)), *families)
+
+
+@cache
+def _family_contributor(reference: str) -> StepContributor:
+    """One contributor per family's ``costs`` part (a ``StepContributor`` class)."""
+    return resolve(reference)()

@@ -17,8 +17,10 @@ part             its layer       what it is
                                  it adds to the plan's name)
 ``candidates``   search          ``(SearchContext) -> list[Plan]``: the family's plans for
                                  the search to compare (``search.context``)
-``costs``        cost model      ``(StepContext) -> None``: what the family adds to the
-                                 simulated step, as tasks and memory (``cost_model``)
+``costs``        cost model      a ``cost_model.step_contributor.StepContributor`` class:
+                                 what the family adds to the simulated step, as tasks and
+                                 memory, for the plans it ``uses``; its ``takes_over``
+                                 names the contributors it replaces on them
 ``emitter``      codegen         ``(Plan) -> str``: ``model_spmd.py`` for the plans that
                                  ``claims`` says it compiles
 ``report``       vocabulary      ``(Plan) -> list[str]``: the family's lines of the report
@@ -69,7 +71,7 @@ class Family:
             an FSDP plan with a section: it is ``hsdp``, not ``fsdp``).
         section: the class of the family's plan section, stored under the plan JSON key
             ``name`` (``Plan.sections[name]``); None for a family without one.
-        candidates, costs, emitter, report: ``"module:function"`` references to the parts
+        candidates, costs, emitter, report: ``"module:name"`` references to the parts
             (see the module docstring); empty for a part the family does not have.
         claims: which plans ``emitter`` compiles; the families are asked in ``emit_order``.
         search_order: when the search asks for ``candidates`` (plans found earlier are

@@ -29,6 +29,7 @@ FAMILIES = (
         "hsdp", "data parallel, FSDP inside node groups, replicated across them (HSDP)",
         lambda plan: "hsdp" in plan.sections, data_parallel=True, refines=("fsdp",), section=HsdpSection,
         candidates="planner.families.hsdp.candidates:hsdp_candidates", search_order=25,
+        costs="planner.families.hsdp.costs:HybridShardingStep",
         emitter="planner.families.hsdp.emit:compile_hsdp_plan", claims=lambda plan: "hsdp" in plan.sections,
         emit_order=15, report="planner.families.hsdp.report:hsdp_section",
     ),

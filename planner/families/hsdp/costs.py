@@ -1,0 +1,146 @@
+"""HSDP's part of a simulated step (cost-model layer): FSDP's, over the shard group, and the
+gradient shards all-reduced across the groups.
+
+A HSDP plan is an fsdp plan on ``dp`` alone whose ranks form ``replicate x shard`` groups
+(``planner.families.hsdp.section``). FSDP2 on that 2-D mesh runs exactly FSDP's schedule
+inside each group of ``shard`` consecutive ranks (``cost_model.data_parallel_step``: weights
+all-gathered one unit ahead of its forward and again for backward, gradients
+reduce-scattered per unit, weights, gradients and optimizer states divided by the group),
+then, after each unit's reduce-scatter, all-reduces the 1/shard gradient shard it holds over
+the ``replicate`` ranks that hold the same shard (one per group). So ``HybridShardingStep``
+composes the data-parallel contributor over a view of the step whose ``dp`` is the shard
+group (``ShardGroupView``) and adds one all-reduce task per unit after its reduce-scatter.
+
+The groups are priced as the mesh ``replicate x shard`` would be
+(``cost_model.step_context.axis_group``): a shard group is ``shard`` consecutive ranks inside
+a node, beside the node's other groups; a replicate group takes one rank of every group,
+so it crosses the nodes, beside the ``shard - 1`` other replicate groups on the same links.
+"""
+
+from __future__ import annotations
+
+from cost_model.data_parallel_step import DataParallelStep
+from cost_model.step_context import StepContext, axis_group
+from cost_model.collectives import collective_time
+from cost_model.step_contributor import ParameterSharding, StepContributor
+from planner.strategy import Mesh
+
+SHARD, REPLICATE = "shard", "replicate"
+
+
+class ShardGroupView:
+    """``context`` as FSDP inside one shard group sees it: ``dp`` is the group's size and a
+    collective over ``"dp"`` runs in the group; everything else is ``context``'s."""
+
+    def __init__(self, context: StepContext, shard: int) -> None:
+        self._context = context
+        replicate = context.dp // shard
+        mesh = Mesh(((REPLICATE, replicate), (SHARD, shard)))
+        self.dp = shard
+        self.replicate = replicate
+        self._groups = {axis: axis_group(mesh, context.cluster, 1, axis) for axis in (SHARD, REPLICATE)}
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
+
+    def collective(self, kind: str, size_bytes: float, axis: str) -> float:
+        """Seconds of a collective over ``axis``; ``"dp"`` is the shard group, ``"replicate"``
+        the ranks of every group that hold the same shard."""
+        group = {"dp": SHARD, REPLICATE: REPLICATE}.get(axis)
+        if group is None:
+            return self._context.collective(kind, size_bytes, axis)
+        key = (kind, size_bytes, f"hsdp.{group}")
+        cache = self._context.comm_cache
+        if key not in cache:
+            ranks, concurrent, _ = self._groups[group]
+            cache[key] = collective_time(kind, size_bytes, self._context.cluster, ranks, concurrent)
+        return cache[key]
+
+
+class _TasksView:
+    """The task graph being built, its context seen through a ``ShardGroupView``."""
+
+    def __init__(self, tasks, view: ShardGroupView) -> None:
+        self._tasks, self.context = tasks, view
+
+    def __getattr__(self, name: str):
+        return getattr(self._tasks, name)
+
+
+class _HybridReduction:
+    """One backward pass's reductions: FSDP's reduce-scatter of each unit over its shard
+    group, then the all-reduce of the unit's gradient shard over ``replicate``."""
+
+    def __init__(self, inner, tasks, device: str, view: ShardGroupView) -> None:
+        self.inner, self.tasks, self.device, self.view = inner, tasks, device, view
+
+    def segment_done(self, segment, last: int, final: bool, deferred, sync_after: dict[str, list[int]]) -> None:
+        if deferred is not None:  # reductions held until backward ends: pipelines, which HSDP plans have not
+            raise ValueError("HSDP reduces gradients as each unit's backward ends; a plan that defers them is not HSDP")
+        scattered: dict[str, list[int]] = {}
+        self.inner.segment_done(segment, last, final, None, scattered)
+        view = self.view
+        shard_bytes = sum(segment.params[name] for name in segment.dp_synced) * view.reduced_gradient_bytes() / view.dp
+        for task in scattered.get(self.device, []):
+            seconds = view.collective("all_reduce", shard_bytes, REPLICATE)
+            sync_after.setdefault(self.device, []).append(self.tasks.graph.add(
+                f"all-reduce grad shard over replicate ({segment.name})", (self.device, "collective"), seconds,
+                deps=[task], kind="comm",
+            ))
+
+
+class HybridShardingStep(StepContributor):
+    """The costs part of the ``hsdp`` family (``planner.families``): on a plan with a
+    ``"hsdp"`` section it takes the data-parallel contributor's place (``takes_over``) and
+    runs it over the shard group, adding the all-reduces across groups (module docstring)."""
+
+    takes_over = (DataParallelStep,)
+
+    def __init__(self) -> None:
+        self.inner = DataParallelStep()
+        self._views: dict[int, ShardGroupView] = {}
+
+    def _view(self, context: StepContext) -> ShardGroupView:
+        # One view per simulated plan: its collective times are memoised in the context's cache.
+        view = self._views.get(id(context))
+        if view is None or view._context is not context:
+            view = self._views[id(context)] = ShardGroupView(context, context.plan.sections["hsdp"].shard)
+        return view
+
+    def reduces_every_micro_batch(self, context) -> bool:
+        return self.inner.reduces_every_micro_batch(self._view(context))
+
+    def gathers_every_pass(self, context) -> bool:
+        return self.inner.gathers_every_pass(self._view(context))
+
+    def forward_gather(self, tasks, device, segment, position, last):
+        return self.inner.forward_gather(_TasksView(tasks, self._view(tasks.context)), device, segment, position, last)
+
+    def backward_gather(self, tasks, device, segment, last):
+        return self.inner.backward_gather(_TasksView(tasks, self._view(tasks.context)), device, segment, last)
+
+    def gradient_reduction(self, tasks, device, sync):
+        view = self._view(tasks.context)
+        inner = self.inner.gradient_reduction(_TasksView(tasks, view), device, sync)
+        return None if inner is None else _HybridReduction(inner, tasks, device, view)
+
+    def after_optimizer(self, tasks, device, segments, step) -> None:
+        self.inner.after_optimizer(_TasksView(tasks, self._view(tasks.context)), device, segments, step)
+
+    def parameter_sharding(self, context) -> ParameterSharding | None:
+        return self.inner.parameter_sharding(self._view(context))
+
+    def communication_buffer_bytes(self, context, segments, elements, weight_bytes, gradient_bytes) -> float:
+        return self.inner.communication_buffer_bytes(self._view(context), segments, elements, weight_bytes,
+                                                     gradient_bytes)
+
+    def add_axis_bytes(self, context, segment, totals: dict[str, float]) -> None:
+        """FSDP's traffic inside the group, and the all-reduce of each gradient shard across
+        the groups (a ring all-reduce sends 2 (r - 1) / r of its size), both on ``dp``'s ranks."""
+        view = self._view(context)
+        self.inner.add_axis_bytes(view, segment, totals)
+        if not segment.dp_synced:
+            return
+        reductions = context.micro_batches if self.reduces_every_micro_batch(context) else 1
+        shard_bytes = sum(segment.params[n] for n in segment.dp_synced) * context.reduced_gradient_bytes() / view.dp
+        totals["dp"] = totals.get("dp", 0.0) + reductions * shard_bytes * 2 * (view.replicate - 1) / view.replicate
