@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +178,40 @@ def test_edits_refuse_bad_values(dgx2):
         with_inter_node(dgx2, bandwidth=0)
     with pytest.raises(ClusterError, match="derived_from must be None or a preset"):
         dataclasses.replace(dgx2, derived_from="dgx-b200")
+
+
+@pytest.fixture(scope="module")
+def gpt_ddp_plans():
+    """examples/gpt.py (batch 16) under DDP on 2 DGX A100 nodes: the preset, a memory edit and
+    a network ten times slower."""
+    from planner import baselines
+    from planner.model_spec import ModelSpec
+
+    spec = ModelSpec(str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py"), {"batch_size": 16})
+    dgx2 = Cluster.preset("dgx-a100-80g", nodes=2)
+    return {name: baselines.ddp(spec, cluster) for name, cluster in (
+        ("preset", dgx2), ("memory", with_memory(dgx2, memory_bytes=40_000_000_000)),
+        ("slow network", with_inter_node(dgx2, bandwidth=2.5e9)))}
+
+
+def test_the_simulated_step_keeps_the_measured_collectives_and_contention(gpt_ddp_plans):
+    preset, memory, slow = (gpt_ddp_plans[name].estimate for name in ("preset", "memory", "slow network"))
+    # fields the memory size does not enter: the same step, figure for figure
+    assert (memory.step_time_s, memory.compute_s, memory.communication_s) == (
+        preset.step_time_s, preset.compute_s, preset.communication_s)
+    assert slow.communication_s > preset.communication_s and slow.step_time_s > preset.step_time_s
+
+
+def test_the_report_and_a_saved_plan_keep_the_provenance(gpt_ddp_plans, tmp_path):
+    from planner.api import simulate
+    from planner.plans import load_plan
+
+    plan = gpt_ddp_plans["slow network"]
+    report = " ".join(plan.report().split())  # unwrapped
+    assert ("nccl; derived from preset dgx-a100-80g (inter-node bandwidth 25 GB/s -> 2.5 GB/s); collectives: NCCL "
+            "as measured on dgx-a100-80g, inter-node bandwidth x0.1") in report
+    assert "derived from" not in " ".join(gpt_ddp_plans["preset"].report().split())
+    plan.save(tmp_path / "plan.json")
+    loaded = load_plan(tmp_path / "plan.json")
+    assert loaded.cluster == plan.cluster and loaded.cluster.derived_from == "dgx-a100-80g"
+    assert simulate(loaded).step_time_s == plan.estimate.step_time_s
