@@ -163,10 +163,13 @@ def _flops(table) -> str:
 
 
 def provenance(cluster: Cluster) -> str:
-    """Where a derived cluster comes from and how its collectives are priced, for the report
-    (empty for a cluster not derived from a preset, and for a preset as built, whose name says
-    it, unless its node size loses the measured collectives): e.g. ``derived from preset dgx-a100-80g (inter-node bandwidth 25 GB/s -> 12.5
-    GB/s); collectives: NCCL as measured on dgx-a100-80g, inter-node bandwidth x0.5``."""
+    """Where a derived cluster comes from and how its collectives are priced, for the report.
+
+    Empty for a cluster not derived from a preset, and for a preset as built (its name says
+    it) unless its node size loses the measured collectives. E.g. ``derived from preset
+    dgx-a100-80g (inter-node bandwidth 25 GB/s -> 12.5 GB/s); collectives: NCCL as measured
+    on dgx-a100-80g, inter-node bandwidth x0.5``.
+    """
     preset = cluster.derived_from
     if preset is None:
         return ""
