@@ -132,6 +132,9 @@ def test_derived_clusters_without_the_measured_node_shape_say_why_they_use_alpha
     gloo = dataclasses.replace(dgx2, backend="gloo")
     assert nccl_profile(gloo) is None and "backend nccl -> gloo" in provenance(gloo)
     assert provenance(Cluster.preset("cpu", 1, 4)) == ""  # no measurements to lose: nothing to say
+    one_slow_node = dataclasses.replace(dgx2, nodes=(dgx2.nodes[0], with_intra_node(dgx2, bandwidth=150e9).nodes[1]))
+    assert nccl_profile(one_slow_node) is None  # one measured NVLink curve cannot describe both nodes
+    assert provenance(one_slow_node).endswith("(nodes with different intra-node links)")
 
 
 def test_provenance_tells_the_user_which_measured_curves_are_in_use(dgx2):
@@ -166,6 +169,8 @@ def test_calibration_keeps_the_preset_and_scales_the_calibrated_link(dgx2):
     values = {**calibration_values(dgx2), "matmul_efficiency": 0.7, "link_bandwidth": 150e9}
     calibrated = with_calibration(dgx2, values)
     assert calibrated.derived_from == "dgx-a100-80g"
+    assert "matmul efficiency default -> 0.7" in preset_changes(calibrated)
+    assert "intra-node bandwidth 300 GB/s -> 150 GB/s" in preset_changes(calibrated)
     assert link_scales(calibrated).intra_bandwidth == 0.5 and link_scales(calibrated).inter_bandwidth == 1.0
     assert nccl_profile(calibrated).ring_busbw == 232.5e9 / 2
     assert collective_time("all_reduce", GIB, calibrated, [0, 8]) == collective_time("all_reduce", GIB, dgx2, [0, 8])
