@@ -87,7 +87,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.api import prepare_model
-from planner.cluster import Cluster, LinkSpec
+from planner.cluster import Cluster
+from planner.cluster_edits import with_attention_kernel, with_inter_node
 from planner.model_spec import ModelSpec
 from search.data_parallel import fsdp_units
 from search.layouts import nearly_even_layers
@@ -170,20 +171,11 @@ def _llama(layers: int, dim: int, heads: int, kv_heads: int, ffn: int, vocab: in
             "vocab_size": vocab, "batch_size": batch, "seq_len": seq}
 
 
-def with_attention_kernel(cluster: Cluster, kernel: str) -> Cluster:
-    """``cluster`` with every device running the fused attention kernel ``kernel``
-    (``planner.cluster.ATTENTION_KERNELS``)."""
-    nodes = tuple(dataclasses.replace(node, device=dataclasses.replace(node.device, attention_kernel=kernel))
-                  for node in cluster.nodes)
-    return dataclasses.replace(cluster, nodes=nodes)
-
-
 def bloom_cluster() -> Cluster:
     """Jean Zay's A100 partition as BLOOM ran on it (Le Scao et al. 2022, "BLOOM", section
     3.4.1): 48 nodes of 8 A100-80GB with NVLink, each node on 4 Omni-Path 100 Gb/s links:
     400 Gb/s per node = 6.25e9 B/s per GPU (the DGX preset's NVLink and latency otherwise)."""
-    cluster = Cluster.preset("dgx-a100-80g", nodes=48)
-    return dataclasses.replace(cluster, inter_link=LinkSpec(4 * 100e9 / 8 / 8, cluster.inter_link.latency))
+    return with_inter_node(Cluster.preset("dgx-a100-80g", nodes=48), bandwidth=4 * 100e9 / 8 / 8)
 
 
 # DeepSpeed's pipeline engine as MT-NLG (2021) and BLOOM (2022) ran it

@@ -43,8 +43,9 @@ PUBLISHED = [
 
 
 def alpha_beta(cluster: Cluster) -> Cluster:
-    """The same hardware under a name without NCCL measurements (priced α–β)."""
-    return dataclasses.replace(cluster, name=f"{cluster.name}-datasheet")
+    """The same hardware described from scratch, not derived from the preset, so without
+    its NCCL measurements (priced α–β)."""
+    return dataclasses.replace(cluster, name=f"{cluster.name}-datasheet", derived_from=None)
 
 
 def predicted(kind: str, cluster: Cluster, ranks: int, size: int, unit: str) -> float:

@@ -278,6 +278,10 @@ def with_calibration(cluster: Cluster, values: dict[str, float]) -> Cluster:
     An efficiency above 1 means the device is faster than its datasheet figure (the ``cpu``
     preset's peak is a round guess, not this machine's): the figure is raised by that factor
     and the efficiency written as 1, so the cluster file states the measured peak.
+
+    The result keeps ``cluster.derived_from``: on a preset with measured NCCL curves, the
+    calibrated intra-node link scales them (``planner.cluster_edits``) instead of replacing
+    them with the α–β model.
     """
     def scaled_device(device):
         matmul, memory = values["matmul_efficiency"], values["memory_efficiency"]

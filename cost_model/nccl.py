@@ -3,9 +3,14 @@
 The α–β model of ``cost_model.collectives`` prices a collective from datasheet link rates. NCCL
 never reaches those rates (protocol overhead: an A100 node's NVLink is 300 GB/s per direction,
 NCCL's all-reduce bus bandwidth on it is 232 GB/s), and its latency depends on the algorithm
-and protocol it picks per message size. For the GPU presets the cluster's links are exactly
-those measured in public nccl-tests runs, so ``collective_time`` prices their collectives here
-instead; every other cluster (CPU/gloo, custom or calibrated files) keeps the α–β model.
+and protocol it picks per message size. The GPU presets come with public nccl-tests
+measurements of their links (``planner/presets.py``, ``nccl_tests``), so ``collective_time``
+prices their collectives here instead, and those of every cluster derived from them (a file
+naming the preset, an edit, a calibration: ``Cluster.derived_from``), with the curves of each
+link class it changed scaled by the ratio of its link to the preset's
+(``planner.cluster_edits``, whose docstring says why that is the right first-order model).
+Every other cluster (CPU/gloo, a profiled machine, a file describing nodes from scratch)
+keeps the α–β model.
 
 The model is NCCL's own tuning model (``src/graph/tuning.cc``, NVIDIA/nccl at commit
 5067397c; NCCL picks the algorithm/protocol pair of least predicted time the same way), fed
@@ -51,7 +56,9 @@ Algorithms (``nccl_algorithm_times`` keys are ``"algorithm/protocol"``):
 
 Overlap is not free: ``OVERLAP_COMPUTE_SLOWDOWN`` (per profile) is the fraction by which a
 compute kernel slows while a collective runs beside it; the simulator charges it for the time
-each compute task overlaps the data-parallel collectives (``TaskGraph.contend``).
+each compute task overlaps the data-parallel collectives (``TaskGraph.contend``). A derived
+cluster keeps it unchanged: it is the compute kernels' loss to NCCL's SMs and memory traffic,
+measured across GPU generations, not a property of a link's speed.
 
 Not modelled: NVLSTree (NVLS inside nodes + tree across, H100 multi-node all-reduce), PAT,
 CollNet/SHARP in the network switches, the tree's size-dependent correction factors, and
@@ -61,10 +68,13 @@ model next to the published figures it can be checked against.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from planner.cluster import Cluster
+from planner.cluster_edits import LinkScales, link_scales
+from planner.presets import PRESETS
 
 PROTOCOLS = ("LL", "LL128", "Simple")
 
@@ -92,7 +102,8 @@ OVERLAP_COMPUTE_SLOWDOWN = 0.189
 
 @dataclass(frozen=True)
 class NcclProfile:
-    """Published nccl-tests figures for one preset's hardware (bytes/s).
+    """Published nccl-tests figures for one preset's hardware (bytes/s), as a cluster sees
+    them: scaled for the links a derived cluster changed (``scaled_profile``).
 
     Attributes:
         preset: the preset whose clusters these measurements describe.
@@ -104,6 +115,8 @@ class NcclProfile:
         sources: where each figure was published.
         overlap_slowdown: fraction by which a compute kernel slows while a collective runs
             beside it (``OVERLAP_COMPUTE_SLOWDOWN``).
+        nvlink_latency_scale, network_latency_scale: factors on NCCL's per-hop latencies of
+            the intra-node and inter-node links (1.0 on the preset's own links).
     """
 
     preset: str
@@ -112,35 +125,13 @@ class NcclProfile:
     nvls_algbw: float | None
     sources: str
     overlap_slowdown: float = OVERLAP_COMPUTE_SLOWDOWN
+    nvlink_latency_scale: float = 1.0
+    network_latency_scale: float = 1.0
 
 
+# The presets' published figures (planner/presets.py cites each).
 PROFILES: dict[str, NcclProfile] = {
-    "dgx-a100-80g": NcclProfile(
-        preset="dgx-a100-80g",
-        # 232.54 GB/s: all_reduce_perf -b 8 -e 4G -g 8 on one 8 x A100 NVSwitch node
-        # (NVIDIA/nccl#1048 and NVIDIA/nccl-tests#175); NVIDIA engineers quote "close to
-        # 240 GB/s" (NVIDIA/nccl#1712).
-        ring_busbw=232.5e9,
-        # 24 GB/s per 200 Gb/s HDR NIC, "what we see ourselves in general on perfect setups"
-        # (NVIDIA, NVIDIA/nccl-tests#160; also NVIDIA/nccl#412); 8 of them: NVIDIA measures
-        # 192 GB/s all-reduce busbw across DGX A100s (NVIDIA/nccl#812).
-        nic_busbw=24e9,
-        nvls_algbw=None,
-        sources="NVIDIA/nccl#1048, NVIDIA/nccl-tests#175, NVIDIA/nccl-tests#160, NVIDIA/nccl#812",
-    ),
-    "dgx-h100": NcclProfile(
-        preset="dgx-h100",
-        # ~370 GB/s: "NCCL can get an effective NVLink bandwidth of 370GB/s" on ring and
-        # non-all-reduce collectives (NVIDIA, NVIDIA/nccl-tests#212); 365-370 GB/s measured at
-        # 2-8 GPUs (NVIDIA/nccl#1455), 368.76 GB/s (NVIDIA/nccl-tests#309).
-        ring_busbw=370e9,
-        # "For NDR @ 400Gbps you should see 46-48GB/s per NIC" (NVIDIA, NVIDIA/nccl-tests#290).
-        nic_busbw=47e9,
-        # NVLS on 8 H100s: busbw ~480 GB/s, "algbw ~275GB/s" (NVIDIA, NVIDIA/nccl-tests#212;
-        # GTC S62129 via NVIDIA/nccl#1374; 476 GB/s in NVIDIA/nccl-tests#290).
-        nvls_algbw=275e9,
-        sources="NVIDIA/nccl-tests#212, NVIDIA/nccl#1455, NVIDIA/nccl-tests#290",
-    ),
+    name: NcclProfile(preset=name, **data["nccl_tests"]) for name, data in PRESETS.items() if "nccl_tests" in data
 }
 
 _MATCHED: dict[int, tuple[Cluster, NcclProfile | None]] = {}
@@ -149,26 +140,37 @@ _MATCHED: dict[int, tuple[Cluster, NcclProfile | None]] = {}
 def nccl_profile(cluster: Cluster) -> NcclProfile | None:
     """The measurements that describe ``cluster``, or None (then the α–β model applies).
 
-    A cluster is described when it is a preset with a profile, built as the preset builds it:
-    its name is the preset's, its backend nccl, and every node's device and NVLink and the
-    network link are the preset's (any node count; a calibrated or edited file differs and
-    keeps the α–β model). Answers are remembered per cluster object.
+    A cluster is described when it is a preset with a profile or derived from one
+    (``Cluster.derived_from``) with the preset's backend and devices per node
+    (``planner.cluster_edits.link_scales``, any node count): the preset's figures, scaled
+    for the links it changed (``scaled_profile``); a change of anything else (memory,
+    attention kernel, calibrated efficiencies) leaves them as published. Answers are
+    remembered per cluster object.
     """
     known = _MATCHED.get(id(cluster))
     if known is not None and known[0] is cluster:
         return known[1]
-    profile = PROFILES.get(cluster.name)
-    if profile is not None:
-        reference = Cluster.preset(profile.preset)
-        node = reference.nodes[0]
-        same = (cluster.backend == "nccl" and cluster.inter_link == reference.inter_link
-                and all(n.device == node.device and n.intra_link == node.intra_link
-                        and n.devices == node.devices for n in cluster.nodes))
-        profile = profile if same else None
+    scales = link_scales(cluster)
+    profile = None if scales is None else scaled_profile(PROFILES[scales.preset], scales)
     _MATCHED[id(cluster)] = (cluster, profile)
     while len(_MATCHED) > 16:
         del _MATCHED[next(iter(_MATCHED))]
     return profile
+
+
+def scaled_profile(profile: NcclProfile, scales: LinkScales) -> NcclProfile:
+    """``profile`` on links ``scales`` times the preset's: each bus bandwidth measured on a
+    link class times that class's bandwidth ratio, each hop latency times its latency ratio
+    (NCCL's base latencies are software and stay). Ratios of 1.0 give ``profile`` back,
+    figure for figure. Why this is the right first-order model: ``planner.cluster_edits``."""
+    return dataclasses.replace(
+        profile,
+        ring_busbw=profile.ring_busbw * scales.intra_bandwidth,
+        nic_busbw=profile.nic_busbw * scales.inter_bandwidth,
+        nvls_algbw=None if profile.nvls_algbw is None else profile.nvls_algbw * scales.intra_bandwidth,
+        nvlink_latency_scale=scales.intra_latency,
+        network_latency_scale=scales.inter_latency,
+    )
 
 
 def bus_bytes(kind: str, size_bytes: float, ranks: int) -> float:
@@ -202,27 +204,30 @@ def nccl_algorithm_times(kind: str, size_bytes: float, shape, profile: NcclProfi
         network = p * profile.nic_busbw * devices / max(devices, p * concurrent_groups)
     flat = min(intra, network) if p > 1 else network  # p = 1: no NVLink hop in the ring
     if kind in ("send_recv", "all_to_all"):
-        times = _p2p_times(kind, size_bytes, shape, intra, network / p if k > 1 else math.inf)
+        times = _p2p_times(kind, size_bytes, shape, intra, network / p if k > 1 else math.inf, profile)
     else:
-        times = _ring_times(kind, size_bytes, shape, flat)
+        times = _ring_times(kind, size_bytes, shape, flat, profile)
         if kind == "all_reduce":
-            times.update(_tree_times(size_bytes, shape, intra, network))
+            times.update(_tree_times(size_bytes, shape, intra, network, profile))
             if k == 1 and profile.nvls_algbw is not None and n >= _NVLS_MIN_RANKS:
-                times["nvls/Simple"] = _NVLS_LATENCY_US * 1e-6 + size_bytes / profile.nvls_algbw
+                nvls_latency_us = _NVLS_LATENCY_US * profile.nvlink_latency_scale
+                times["nvls/Simple"] = nvls_latency_us * 1e-6 + size_bytes / profile.nvls_algbw
     if size_bytes == 0 or n == 1:
         return {name: 0.0 for name in times}
     return times
 
 
-def _hop_latency(algorithm: str, protocol: int, shape, steps: int, network_steps: int) -> float:
+def _hop_latency(algorithm: str, protocol: int, shape, steps: int, network_steps: int,
+                 profile: NcclProfile) -> float:
     """Base latency plus ``steps`` hops, ``network_steps`` of them across nodes (µs)."""
-    network = _NETWORK_HOP_US["tree" if shape.per_node == 1 else algorithm][protocol]
-    nvlink = network if shape.per_node == 1 and shape.nodes > 1 else _NVLINK_HOP_US[algorithm][protocol]
+    network = _NETWORK_HOP_US["tree" if shape.per_node == 1 else algorithm][protocol] * profile.network_latency_scale
+    nvlink = (network if shape.per_node == 1 and shape.nodes > 1
+              else _NVLINK_HOP_US[algorithm][protocol] * profile.nvlink_latency_scale)
     return (_BASE_LATENCY_US[algorithm][protocol] + (steps - network_steps) * nvlink
             + network_steps * network)
 
 
-def _ring_times(kind: str, size: float, shape, bandwidth: float) -> dict[str, float]:
+def _ring_times(kind: str, size: float, shape, bandwidth: float, profile: NcclProfile) -> dict[str, float]:
     n, k = shape.size, shape.nodes
     all_reduce = kind == "all_reduce"
     steps = 2 * (n - 1) if all_reduce else n - 1
@@ -230,14 +235,14 @@ def _ring_times(kind: str, size: float, shape, bandwidth: float) -> dict[str, fl
     moved = bus_bytes(kind, size, n)
     times = {}
     for index, protocol in enumerate(PROTOCOLS):
-        latency = _hop_latency("ring", index, shape, steps, network_steps)
+        latency = _hop_latency("ring", index, shape, steps, network_steps, profile)
         if all_reduce and k > 1 and protocol == "Simple":
             latency *= _RING_PLATEAU
         times[f"ring/{protocol}"] = latency * 1e-6 + moved / (bandwidth * _RING_PROTOCOL_SHARE[protocol])
     return times
 
 
-def _tree_times(size: float, shape, intra: float, network: float) -> dict[str, float]:
+def _tree_times(size: float, shape, intra: float, network: float, profile: NcclProfile) -> dict[str, float]:
     k, p = shape.nodes, shape.per_node
     shares = _TREE_PROTOCOL_SHARE_ONE_NODE if k == 1 else _TREE_PROTOCOL_SHARE_NODES
     chain = 2 * size / intra if p > 1 else 0.0
@@ -245,13 +250,15 @@ def _tree_times(size: float, shape, intra: float, network: float) -> dict[str, f
     depth = math.ceil(math.log2(k)) if k > 1 else 0
     times = {}
     for index, protocol in enumerate(PROTOCOLS):
-        hops = (p - 1) * _NVLINK_HOP_US["tree"][index] + depth * _NETWORK_HOP_US["tree"][index]
+        hops = ((p - 1) * (_NVLINK_HOP_US["tree"][index] * profile.nvlink_latency_scale)
+                + depth * (_NETWORK_HOP_US["tree"][index] * profile.network_latency_scale))
         latency = _BASE_LATENCY_US["tree"][index] + 2 * hops
         times[f"tree/{protocol}"] = latency * 1e-6 + max(chain, across) / (_TREE_SHARE * shares[protocol])
     return times
 
 
-def _p2p_times(kind: str, size: float, shape, intra: float, member_network: float) -> dict[str, float]:
+def _p2p_times(kind: str, size: float, shape, intra: float, member_network: float,
+               profile: NcclProfile) -> dict[str, float]:
     n, k, p = shape.size, shape.nodes, shape.per_node
     if kind == "send_recv":
         seconds = size / (intra if k == 1 else member_network)
@@ -262,6 +269,6 @@ def _p2p_times(kind: str, size: float, shape, intra: float, member_network: floa
         seconds = max(over_nvlink, over_network)
     times = {}
     for index, protocol in ((0, "LL"), (2, "Simple")):  # p2p runs on LL or Simple
-        latency = _hop_latency("ring", index, shape, 1, 1 if k > 1 else 0)
+        latency = _hop_latency("ring", index, shape, 1, 1 if k > 1 else 0, profile)
         times[f"p2p/{protocol}"] = latency * 1e-6 + seconds / _RING_PROTOCOL_SHARE[protocol]
     return times

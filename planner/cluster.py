@@ -55,6 +55,7 @@ Vocabulary layer: imports only the standard library, ``planner.errors``, ``plann
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import difflib
 import itertools
 import json
@@ -310,12 +311,23 @@ class NodeSpec:
 
 @dataclass(frozen=True)
 class Cluster:
-    """Nodes (possibly different), the per-device inter-node link share, and the backend."""
+    """Nodes (possibly different), the per-device inter-node link share, and the backend.
+
+    ``derived_from`` names the preset the cluster was built from: ``Cluster.preset`` sets it,
+    a file whose every node group names one preset sets it to that preset, and an edit of
+    such a cluster keeps it (``planner.cluster_edits``, ``dataclasses.replace``,
+    ``cost_model.calibration.with_calibration``); None for a cluster described from scratch
+    (``planner profile``, hand-built). The cost model keeps what was measured on the preset's
+    hardware for a derived cluster, scaled for the links it changed
+    (``planner.cluster_edits.link_scales``); ``to_dict`` writes it as each node group's
+    ``preset`` key, so it survives a file and a plan.
+    """
 
     name: str
     nodes: tuple[NodeSpec, ...]
     inter_link: LinkSpec
     backend: str
+    derived_from: str | None = None
 
     def __post_init__(self) -> None:
         _name(self.name, "Cluster.name")
@@ -328,6 +340,9 @@ class Cluster:
         if self.backend not in BACKENDS:
             raise ClusterError(f"Cluster.backend must be \"nccl\" (GPUs) or \"gloo\" (CPU), "
                                f"got {self.backend!r}")
+        if self.derived_from is not None and self.derived_from not in PRESETS:
+            raise ClusterError(f"Cluster.derived_from must be None or a preset "
+                               f"({', '.join(preset_names())}), got {self.derived_from!r}")
         # First rank of each node, for node_of's binary search.
         object.__setattr__(self, "_node_starts", tuple(itertools.accumulate(
             (node.devices for node in self.nodes[:-1]), initial=0)))
@@ -409,7 +424,10 @@ class Cluster:
             if spec.attention_kernel != ATTENTION_KERNELS[0]:
                 table["attention_kernel"] = spec.attention_kernel
             return table
-        groups = [{"count": count, "devices": node.devices, "device": device(node.device),
+        # A derived cluster's groups name its preset: every field is written out too, so the
+        # preset only supplies the provenance (and would supply a field a reader left out).
+        named = {"preset": self.derived_from} if self.derived_from is not None else {}
+        groups = [{"count": count, "devices": node.devices, **named, "device": device(node.device),
                    "intra_node": link(node.intra_link)}
                   for node, count in _group_nodes(self.nodes)]
         return {"name": self.name, "backend": self.backend,
@@ -442,7 +460,7 @@ class Cluster:
         _check_ranks(count * node.devices, f"cluster {name}:{count}x{node.devices}")
         return cls(name=name.lower(), nodes=(node,) * count,
                    inter_link=_parse_link(data["inter_node"], "inter_node"),
-                   backend=data["backend"])
+                   backend=data["backend"], derived_from=name.lower())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Cluster:
@@ -668,9 +686,27 @@ def _cluster_from_table(data: Any) -> Cluster:
                       ("backend", "backend = \"nccl\" (GPUs) or \"gloo\" (CPU)"),
                       ("inter_node", "an [inter_node] table with bandwidth and latency")):
         _require(fields, key, "", what)
-    return _build(Cluster, "", name=fields["name"], nodes=tuple(nodes),
-                  inter_link=_parse_link(fields["inter_node"], "inter_node"),
-                  backend=fields["backend"])
+    cluster = _build(Cluster, "", name=fields["name"], nodes=tuple(nodes),
+                     inter_link=_parse_link(fields["inter_node"], "inter_node"),
+                     backend=fields["backend"])
+    named = {group["preset"].lower() for group in groups if "preset" in group}
+    if len(named) == 1 and len(presets) == len(groups):  # every group names the same preset
+        return dataclasses.replace(cluster, derived_from=named.pop())
+    if not named and _is_preset_as_built(cluster):  # a file written before derived_from was
+        return dataclasses.replace(cluster, derived_from=cluster.name.lower())
+    return cluster
+
+
+def _is_preset_as_built(cluster: Cluster) -> bool:
+    """Whether ``cluster`` is named after a preset and holds exactly its nodes' device and
+    links, backend and network (any node count and devices per node): how a preset's cluster
+    reads from a plan or file written before ``Cluster.derived_from`` existed."""
+    if cluster.name.lower() not in PRESETS:
+        return False
+    reference = Cluster.preset(cluster.name)
+    node = reference.nodes[0]
+    return (cluster.backend == reference.backend and cluster.inter_link == reference.inter_link
+            and all(n.device == node.device and n.intra_link == node.intra_link for n in cluster.nodes))
 
 
 def _agreed(values: list[Any]) -> Any:

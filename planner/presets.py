@@ -10,6 +10,11 @@ is a deliberate margin for the CUDA context and allocator fragmentation.
 
 Latencies are not on any datasheet: they are typical NCCL small-message latencies per hop,
 estimates to be replaced by measured ones (``python -m planner profile -o cluster.toml``).
+
+``nccl_tests`` (the DGX presets only): what NCCL achieves on the preset's links, as public
+nccl-tests runs measured it. ``cost_model.nccl`` prices those presets' collectives from these
+figures, and those of every cluster derived from them (``Cluster.derived_from``), scaled for
+the links a derived cluster changed.
 """
 
 from __future__ import annotations
@@ -49,6 +54,20 @@ PRESETS: dict[str, dict[str, Any]] = {
             "bandwidth": 25e9,
             "latency": _INFINIBAND_LATENCY,
         },
+        # Collectives as NCCL runs them on this hardware, published nccl-tests figures, bytes/s
+        # (how ``cost_model.nccl`` uses each: its ``NcclProfile``).
+        "nccl_tests": {
+            # 232.54 GB/s: all_reduce_perf -b 8 -e 4G -g 8 on one 8 x A100 NVSwitch node
+            # (NVIDIA/nccl#1048 and NVIDIA/nccl-tests#175); NVIDIA engineers quote "close to
+            # 240 GB/s" (NVIDIA/nccl#1712).
+            "ring_busbw": 232.5e9,
+            # 24 GB/s per 200 Gb/s HDR NIC, "what we see ourselves in general on perfect setups"
+            # (NVIDIA, NVIDIA/nccl-tests#160; also NVIDIA/nccl#412); 8 of them: NVIDIA measures
+            # 192 GB/s all-reduce busbw across DGX A100s (NVIDIA/nccl#812).
+            "nic_busbw": 24e9,
+            "nvls_algbw": None,  # A100's NVSwitch cannot reduce
+            "sources": "NVIDIA/nccl#1048, NVIDIA/nccl-tests#175, NVIDIA/nccl-tests#160, NVIDIA/nccl#812",
+        },
     },
     "dgx-h100": {
         "description": "NVIDIA DGX H100: 8 x H100-SXM5-80GB, NVLink 4/NVSwitch, 8 x NDR InfiniBand",
@@ -77,6 +96,18 @@ PRESETS: dict[str, dict[str, Any]] = {
             # one per GPU (DGX H100 user guide) -> 400e9 / 8 bits = 50e9 B/s
             "bandwidth": 50e9,
             "latency": _INFINIBAND_LATENCY,
+        },
+        "nccl_tests": {  # as for dgx-a100-80g, bytes/s
+            # ~370 GB/s: "NCCL can get an effective NVLink bandwidth of 370GB/s" on ring and
+            # non-all-reduce collectives (NVIDIA, NVIDIA/nccl-tests#212); 365-370 GB/s measured at
+            # 2-8 GPUs (NVIDIA/nccl#1455), 368.76 GB/s (NVIDIA/nccl-tests#309).
+            "ring_busbw": 370e9,
+            # "For NDR @ 400Gbps you should see 46-48GB/s per NIC" (NVIDIA, NVIDIA/nccl-tests#290).
+            "nic_busbw": 47e9,
+            # NVLS on 8 H100s: busbw ~480 GB/s, "algbw ~275GB/s" (NVIDIA, NVIDIA/nccl-tests#212;
+            # GTC S62129 via NVIDIA/nccl#1374; 476 GB/s in NVIDIA/nccl-tests#290).
+            "nvls_algbw": 275e9,
+            "sources": "NVIDIA/nccl-tests#212, NVIDIA/nccl#1455, NVIDIA/nccl-tests#290",
         },
     },
     "p3.16xlarge": {

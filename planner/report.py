@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from planner.cluster_edits import provenance
 from planner.families import with_part
 from planner.flavour_text import FLAVOUR_TEXT
 from planner.report_parts import Paragraph
@@ -53,7 +54,7 @@ def render_report(plan: "Plan", width: int = REPORT_WIDTH) -> str:
         ("model", f"{summary.name}: {format_count(summary.parameters)} parameters ({format_bytes(summary.parameter_bytes)}), "
          f"{format_flops(summary.forward_flops)} forward per step, {summary.ops} ops traced by {summary.tracer}; "
          f"repeated blocks: {blocks}"),
-        ("cluster", plan.cluster.describe()),
+        ("cluster", "; ".join(filter(None, (plan.cluster.describe(), provenance(plan.cluster))))),
         ("mesh", f"{plan.mesh}  ({plan.world_size} ranks)"),
         ("strategy", _strategy_text(plan)),
     ]

@@ -180,7 +180,7 @@ def test_file_defaults_from_preset(tmp_path):
     cluster = Cluster.load(path)
     assert cluster.name == "lab" and cluster.backend == "gloo"  # name from the file stem
     assert cluster == Cluster("lab", Cluster.preset("cpu", nodes=3).nodes,
-                              Cluster.preset("cpu").inter_link, "gloo")
+                              Cluster.preset("cpu").inter_link, "gloo", derived_from="cpu")
 
 
 # ---- user errors: each message names the offending thing ----

@@ -26,8 +26,9 @@ A100_INTER = LinkSpec(25e9, 8e-6)
 
 
 def alpha_beta(name: str, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:
-    """The preset's hardware under a name without NCCL measurements: priced by the α–β model."""
-    return dataclasses.replace(Cluster.preset(name, nodes, devices_per_node), name=f"{name}-file")
+    """The preset's hardware described from scratch (not derived from the preset, so without
+    its NCCL measurements): priced by the α–β model."""
+    return dataclasses.replace(Cluster.preset(name, nodes, devices_per_node), name=f"{name}-file", derived_from=None)
 
 
 @pytest.fixture

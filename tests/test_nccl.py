@@ -30,15 +30,17 @@ def best(table: dict[str, float]) -> str:
     return min(table, key=table.get)
 
 
-def test_only_the_measured_presets_get_nccl_figures():
+def test_only_the_measured_presets_and_clusters_derived_from_them_get_nccl_figures():
     assert nccl_profile(Cluster.preset("dgx-a100-80g", nodes=4)).ring_busbw == 232.5e9
     assert nccl_profile(Cluster.preset("dgx-h100")).nvls_algbw == 275e9
     assert nccl_profile(Cluster.preset("cpu")) is None  # gloo: α–β
     assert nccl_profile(Cluster.preset("p3.16xlarge")) is None  # no published figures used
     renamed = dataclasses.replace(Cluster.preset("dgx-a100-80g"), name="my-cluster")
-    assert nccl_profile(renamed) is None  # a cluster file: α–β
-    calibrated = dataclasses.replace(Cluster.preset("dgx-a100-80g"), inter_link=LinkSpec(20e9, 9e-6))
-    assert nccl_profile(calibrated) is None  # measured links replace the preset's: α–β
+    assert nccl_profile(renamed) == nccl_profile(Cluster.preset("dgx-a100-80g"))  # still the preset's hardware
+    edited = dataclasses.replace(Cluster.preset("dgx-a100-80g"), inter_link=LinkSpec(20e9, 9e-6))
+    assert nccl_profile(edited).nic_busbw == 24e9 * 20 / 25  # the changed link scales (tests/test_cluster_edits.py)
+    scratch = dataclasses.replace(Cluster.preset("dgx-a100-80g"), name="my-cluster", derived_from=None)
+    assert nccl_profile(scratch) is None  # described from scratch (planner profile, a file without a preset): α–β
     assert nccl_profile(Cluster.preset("dgx-a100-80g", devices_per_node=4)) is None  # not a DGX
 
 
