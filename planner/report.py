@@ -112,6 +112,10 @@ def _pipeline_text(plan: "Plan") -> str:
 
 
 def _strategy_text(plan: "Plan") -> str:
+    # A family section that changes what the strategy is says so itself (HSDP's groups).
+    own = [section.strategy_text(plan) for section in plan.sections.values() if hasattr(section, "strategy_text")]
+    if own:
+        return "; ".join(own)
     if plan.label == "soap":
         return (
             "SOAP: each op's sharding over the mesh chosen by the search (table below); weights replicated "

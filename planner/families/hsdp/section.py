@@ -85,6 +85,14 @@ class HsdpSection:
         """The words this section adds to the plan's name, ``"hsdp 2 x 2"`` (replicate x shard)."""
         return f"hsdp {self.replicate(plan)} x {self.shard}"
 
+    def strategy_text(self, plan: "Plan") -> str:
+        """The report's strategy line for ``plan``, instead of its fsdp flavour's."""
+        return (
+            f"HSDP: FSDP inside each group of {self.shard} consecutive dp ranks (weights, gradients and optimizer "
+            f"states sharded over the group, weights all-gathered per unit), {self.replicate(plan)} copies across "
+            f"the groups, gradient shards all-reduced across them"
+        )
+
     def to_json(self) -> dict[str, Any]:
         """The JSON form stored under the plan's ``"hsdp"`` key."""
         return {"shard": self.shard}
