@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from planner.plans import Plan
     from planner.strategy import Mesh
 
-# Mesh axes a constraint may name (planner.plans.MESH_AXES).
+# Mesh axes a constraint may name (planner.plan_fields.MESH_AXES).
 CONSTRAINED_AXES = ("dp", "tp", "pp", "row", "col", "dep")
 # Larger than any cluster a plan is made for; keeps a typo from becoming a huge number.
 _MAX_AXIS_SIZE = 1 << 20

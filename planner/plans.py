@@ -12,33 +12,42 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Mapping
 
 from planner.cluster import Cluster
 from planner.graph import OpGraph
 from planner.errors import ClusterError, PlanFileError, SpecError, one_line
 from planner.families import section_families
 from planner.fingerprint import FINGERPRINT_LENGTH
-from planner.json_files import finite_number, peek_json, read_json, record_from_json
+from planner.json_files import peek_json, read_json
 from planner.outputs import check_output_file, write_text_atomically
+from planner.plan_fields import (
+    FieldReader,
+    check_placement_counts,
+    estimate_from,
+    expert_layout_from_dict,
+    expert_layout_to_dict,
+    mesh_from_json,
+    pipeline_from_dict,
+    pipeline_to_dict,
+    strategy_from_dict,
+    strategy_to_dict,
+    timings_from,
+)
 from planner.model_spec import ModelSpec
 from planner.strategy import (
     DP_FLAVOURS,
     RECOMPUTE_MODES,
     Alternative,
-    CostParts,
     ExpertLayout,
-    ExpertPlacement,
     expert_modes_summary,
     Mesh,
     NodeStrategy,
-    MemoryBreakdown,
     PipelineConfig,
     SimResult,
     SummaLayout,
     Placements,
     placements_from_json,
-    placements_str,
     placements_to_json,
 )
 
@@ -53,8 +62,6 @@ PLAN_VERSION = 9  # 4: accumulation_steps; 5: pipeline.stage_recompute; 6: exper
 READABLE_VERSIONS = (8, PLAN_VERSION)
 PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
-# Mesh axes plans are made of: data, tensor and pipeline parallelism.
-MESH_AXES = ("dp", "tp", "pp", "row", "col", "dep")
 # The fields of a plan's JSON; any other key is a family's section (Plan.sections).
 _PLAN_KEYS = frozenset((
     "format", "version", "model", "cluster", "mesh", "dp_flavour", "recompute", "pipeline", "accumulation_steps",
@@ -62,9 +69,6 @@ _PLAN_KEYS = frozenset((
     "runners_up", "warnings", "search_summary", "label", "timings", "fused_splits_local", "model_fingerprint",
     "strategies",
 ))
-
-T = TypeVar("T")
-
 
 @dataclass(frozen=True)
 class ModelSummary:
@@ -302,7 +306,7 @@ class Plan:
             "mesh": [[name, size] for name, size in self.mesh.axes],
             "dp_flavour": self.dp_flavour,
             "recompute": self.recompute,
-            "pipeline": _pipeline_to_dict(self.pipeline),
+            "pipeline": pipeline_to_dict(self.pipeline),
             "accumulation_steps": self.accumulation_steps,
             "precision": self.precision,
             "optimizer": self.optimizer,
@@ -320,13 +324,13 @@ class Plan:
             "fused_splits_local": self.fused_splits_local,
             "model_fingerprint": self.model_fingerprint,
             **{name: section.to_json() for name, section in self.sections.items()},
-            "strategies": [_strategy_to_dict(s) for s in self.strategies],
+            "strategies": [strategy_to_dict(s) for s in self.strategies],
         }
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "plan") -> "Plan":
         """Validate and rebuild a plan from its JSON form; ``PlanFileError`` names the bad field."""
-        reader = _Reader(data, source)
+        reader = FieldReader(data, source)
         fmt = reader.get("format", str)
         if fmt != PLAN_FORMAT:
             raise PlanFileError(f"{source}: field 'format' is '{fmt}', not a soap-planner plan ('{PLAN_FORMAT}')")
@@ -338,23 +342,23 @@ class Plan:
             )
         model = reader.convert("model", lambda d: None if d is None else ModelSpec.from_dict(d), SpecError, ValueError)
         cluster = reader.convert("cluster", Cluster.from_dict, ClusterError)
-        mesh = reader.convert("mesh", _mesh_from_json, ValueError, TypeError)
+        mesh = reader.convert("mesh", mesh_from_json, ValueError, TypeError)
         if mesh.size != cluster.world_size:
             raise PlanFileError(
                 f"{source}: mesh {mesh} has {mesh.size} ranks but the cluster has {cluster.world_size} devices; "
                 f"the mesh must cover every device once"
             )
-        estimate = _estimate_from(reader.child("estimate"))
+        estimate = estimate_from(reader.child("estimate"))
         summary = reader.record("summary", ModelSummary)
         inputs = {
             name: None if value is None else placements_from_json(value, f"{source}: field 'inputs.{name}'")
             for name, value in reader.get("inputs", dict).items()
         }
         strategies = tuple(
-            _strategy_from_dict(_Reader(item, source, f"strategies[{index}]"))
+            strategy_from_dict(FieldReader(item, source, f"strategies[{index}]"))
             for index, item in enumerate(reader.get("strategies", list))
         )
-        _check_placement_counts(mesh, inputs, strategies, source)
+        check_placement_counts(mesh, inputs, strategies, source)
         fingerprint = reader.get("model_fingerprint", str)
         if fingerprint and not re.fullmatch(f"[0-9a-f]{{{FINGERPRINT_LENGTH}}}", fingerprint):
             raise PlanFileError(
@@ -373,11 +377,11 @@ class Plan:
                 estimate=estimate,
                 summary=summary,
                 recompute=reader.get("recompute", str),
-                pipeline=reader.convert("pipeline", _pipeline_from_dict, TypeError, ValueError),
+                pipeline=reader.convert("pipeline", pipeline_from_dict, TypeError, ValueError),
                 accumulation_steps=reader.get("accumulation_steps", int),
                 fsdp_units=tuple(reader.strings("fsdp_units")),
                 expert_layouts=tuple(
-                    expert_layout_from_dict(_Reader(item, source, f"expert_layouts[{index}]"))
+                    expert_layout_from_dict(FieldReader(item, source, f"expert_layouts[{index}]"))
                     for index, item in enumerate(reader.get("expert_layouts", list))
                 ),
                 precision=reader.get("precision", str),
@@ -386,7 +390,7 @@ class Plan:
                 warnings=tuple(reader.strings("warnings")),
                 search_summary=reader.get("search_summary", str),
                 label=reader.get("label", str),
-                timings=_timings_from(reader),
+                timings=timings_from(reader),
                 # Absent from plans written before the field: their programs gather at splits.
                 fused_splits_local=reader.get("fused_splits_local", bool) if "fused_splits_local" in data else False,
                 model_fingerprint=fingerprint,
@@ -441,179 +445,11 @@ def _sections_from(data: dict, source: str) -> dict[str, Any]:
     return {name: family.section.from_json(data[name], source) for name, family in known.items() if name in data}
 
 
-class _Reader:
-    """Typed access to one JSON object that names the field in every error."""
-
-    def __init__(self, data: Any, source: str, prefix: str = ""):
-        if not isinstance(data, dict):
-            where = f"field '{prefix}'" if prefix else "the top level"
-            raise PlanFileError(f"{source}: {where} must be a JSON object, got {type(data).__name__}")
-        self.data, self.source, self.prefix = data, source, prefix
-
-    def _field(self, key: str) -> str:
-        return f"{self.prefix}.{key}" if self.prefix else key
-
-    def get(self, key: str, kind: type[T]) -> T:
-        if key not in self.data:
-            raise PlanFileError(f"{self.source}: field '{self._field(key)}' is missing")
-        value = self.data[key]
-        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = finite_number(value)  # None for inf, nan and integers beyond a float
-            if number is None or number < 0:  # seconds, rates
-                raise PlanFileError(
-                    f"{self.source}: field '{self._field(key)}' must be a finite number >= 0, got "
-                    f"{one_line(repr(value))[:40]}"
-                )
-            return number  # type: ignore[return-value]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise PlanFileError(
-                f"{self.source}: field '{self._field(key)}' must be {kind.__name__}, got {type(value).__name__}"
-            )
-        if kind is int and value < 0:  # counts, bytes
-            raise PlanFileError(
-                f"{self.source}: field '{self._field(key)}' must be a finite number >= 0, got {one_line(repr(value))[:40]}"
-            )
-        return value
-
-    def strings(self, key: str) -> list[str]:
-        values = self.get(key, list)
-        for index, value in enumerate(values):
-            if not isinstance(value, str):
-                raise PlanFileError(
-                    f"{self.source}: field '{self._field(key)}[{index}]' must be str, got {type(value).__name__}"
-                )
-        return values
-
-    def record(self, key: str, kind: type[T]) -> T:
-        """The flat dataclass ``kind`` from field ``key``, each of its fields type-checked
-        (``planner.json_files.record_from_json``)."""
-        if key not in self.data:
-            raise PlanFileError(f"{self.source}: field '{self._field(key)}' is missing")
-        return record_from_json(kind, self.data[key], self.source, self._field(key), PlanFileError)
-
-    def records(self, key: str, kind: type[T]) -> list[T]:
-        """A list of ``kind`` records from field ``key``."""
-        return [
-            record_from_json(kind, item, self.source, f"{self._field(key)}[{index}]", PlanFileError)
-            for index, item in enumerate(self.get(key, list))
-        ]
-
-    def child(self, key: str) -> "_Reader":
-        if key not in self.data:
-            raise PlanFileError(f"{self.source}: field '{self._field(key)}' is missing")
-        return _Reader(self.data[key], self.source, self._field(key))
-
-    def convert_value(self, build: Callable[[], T], *errors: type[Exception]) -> T:
-        """``build()``, its errors named as this object's (the whole entry is invalid)."""
-        try:
-            return build()
-        except errors as error:
-            raise PlanFileError(f"{self.source}: field '{self.prefix}' is invalid: {one_line(error)}") from None
-
-    def convert(self, key: str, build: Callable[[Any], T], *errors: type[Exception]) -> T:
-        if key not in self.data:
-            raise PlanFileError(f"{self.source}: field '{self._field(key)}' is missing")
-        try:
-            return build(self.data[key])
-        except errors as error:
-            raise PlanFileError(f"{self.source}: field '{self._field(key)}' is invalid: {one_line(error)}") from None
-
-
-def _timings_from(reader: _Reader) -> dict[str, float]:
-    """The optional ``timings`` field: seconds by phase (absent in older files)."""
-    if "timings" not in reader.data:
-        return {}
-    timings = reader.get("timings", dict)
-    for key, value in timings.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PlanFileError(f"{reader.source}: field 'timings.{key}' must be a number of seconds, got {value!r}")
-    return {str(key): float(value) for key, value in timings.items()}
-
-
 def is_plan_file(path: Path) -> bool:
     """Whether ``path`` holds a soap-planner plan (of any version): the files ``plan -o``
     may overwrite without ``--force``."""
     data = peek_json(path)
     return isinstance(data, dict) and data.get("format") == PLAN_FORMAT
-
-
-def _mesh_from_json(axes: Any) -> Mesh:
-    """``[["dp", 2], ["tp", 4]]`` -> ``Mesh``; ``ValueError`` names the bad axis."""
-    if not isinstance(axes, list) or not axes or len(axes) > len(MESH_AXES):
-        raise ValueError(
-            f'expected a list of 1 to {len(MESH_AXES)} [name, size] pairs such as [["dp", 2]], got '
-            f'{one_line(repr(axes))[:80]}'
-        )
-    pairs = []
-    for index, axis in enumerate(axes):
-        if not isinstance(axis, list) or len(axis) != 2:
-            raise ValueError(f"'mesh[{index}]' must be a [name, size] pair, got {axis!r}")
-        name, size = axis
-        if name not in MESH_AXES:
-            raise ValueError(f"'mesh[{index}]' names axis {name!r}, not one of {', '.join(MESH_AXES)}")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"'mesh[{index}]' axis {name!r} must have a positive integer size, got {size!r}")
-        pairs.append((name, size))
-    return Mesh(tuple(pairs))
-
-
-def _check_placement_counts(
-    mesh: Mesh, inputs: dict[str, Placements | None], strategies: tuple[NodeStrategy, ...], source: str
-) -> None:
-    """Every tensor has one placement per mesh axis (DTensor's convention)."""
-    axes = len(mesh.axes)
-    fields: list[tuple[str, Placements]] = [(f"inputs.{name}", p) for name, p in inputs.items() if p is not None]
-    for index, strategy in enumerate(strategies):
-        where = f"strategies[{index}]"
-        fields += [(f"{where}.inputs[{i}]", p) for i, p in enumerate(strategy.inputs)]
-        fields += [(f"{where}.outputs[{i}]", p) for i, p in enumerate(strategy.outputs)]
-        fields += [(f"{where}.params.{name}", p) for name, p in strategy.params.items()]
-        fields += [(f"{where}.produced[{i}]", p) for i, p in enumerate(strategy.produced or ())]
-    for where, placements in fields:
-        if len(placements) != axes:
-            raise PlanFileError(
-                f"{source}: field '{where}' has {len(placements)} placement(s) {placements_str(placements)} but the "
-                f"mesh {mesh} has {axes} axis/axes; give one placement per mesh axis"
-            )
-
-
-def _estimate_from(reader: _Reader) -> SimResult:
-    """The saved ``SimResult``: every number checked and named, memory breakdowns in full."""
-
-    def memory(memory_reader: _Reader) -> MemoryBreakdown:
-        return MemoryBreakdown(**{name: memory_reader.get(name, int) for name in MemoryBreakdown.__dataclass_fields__})
-
-    stages = reader.get("stage_memory", list)
-    return SimResult(
-        step_time_s=reader.get("step_time_s", float),
-        compute_s=reader.get("compute_s", float),
-        communication_s=reader.get("communication_s", float),
-        memory=memory(reader.child("memory")),
-        device_memory_bytes=reader.get("device_memory_bytes", int),
-        method=reader.get("method", str),
-        stage_memory=tuple(memory(_Reader(item, reader.source, f"{reader.prefix}.stage_memory[{i}]")) for i, item in enumerate(stages)),
-        samples_per_s=reader.get("samples_per_s", float),
-        tokens_per_s=reader.get("tokens_per_s", float),
-        model_flops=reader.get("model_flops", float),
-        tflops_per_device=reader.get("tflops_per_device", float),
-        mfu=reader.get("mfu", float),
-        bytes_per_axis=_bytes_per_axis(reader),
-        bubble_fraction=reader.get("bubble_fraction", float),
-        host_wait_s=reader.get("host_wait_s", float) if "host_wait_s" in reader.data else 0.0,  # plans before it: 0
-    )
-
-
-def _bytes_per_axis(reader: _Reader) -> dict[str, float]:
-    """The estimate's bytes sent per mesh axis: finite numbers >= 0 by axis name."""
-    volumes = reader.get("bytes_per_axis", dict)
-    for axis, value in volumes.items():
-        number = finite_number(value)
-        if number is None or number < 0:
-            raise PlanFileError(
-                f"{reader.source}: field '{reader._field('bytes_per_axis')}.{one_line(axis)[:20]}' must be a finite "
-                f"number of bytes >= 0, got {one_line(repr(value))[:40]}"
-            )
-    return {str(axis): float(value) for axis, value in volumes.items()}
 
 
 def _check_pipeline_size(pipeline: PipelineConfig, batch_size: int, ops: int) -> None:
@@ -670,123 +506,3 @@ def _check_expert_layouts(layouts: tuple[ExpertLayout, ...], mesh: Mesh) -> None
             )
 
 
-def expert_layout_to_dict(layout: ExpertLayout) -> dict[str, Any]:
-    """The JSON form of one MoE layer's layout (inside a plan's ``expert_layouts``)."""
-    placement = layout.placement
-    return {
-        "module": layout.module,
-        "mode": layout.mode,
-        "experts": layout.experts,
-        "top_k": layout.top_k,
-        "capacity_factor": layout.capacity_factor,
-        "axis": layout.axis,
-        "all_to_all": layout.all_to_all,
-        "placement": None if placement is None else {
-            "devices": placement.devices,
-            "replicas": [[[device, share] for device, share in copies] for copies in placement.replicas],
-            "method": placement.method,
-        },
-        "routing": layout.routing,
-        "expert_loads": list(layout.expert_loads),
-        "cost": vars(layout.cost),
-        "sharded_copies": layout.sharded_copies,
-    }
-
-
-def expert_layout_from_dict(reader: "_Reader") -> ExpertLayout:
-    """Validate and rebuild one ``expert_layouts`` entry; ``PlanFileError`` names the field."""
-    placement = None
-    if reader.data.get("placement") is not None:
-        child = reader.child("placement")
-        replicas = []
-        for expert, copies in enumerate(child.get("replicas", list)):
-            if not isinstance(copies, list) or not all(
-                isinstance(c, list) and len(c) == 2 and type(c[0]) is int and finite_number(c[1]) is not None for c in copies
-            ):
-                raise PlanFileError(
-                    f"{reader.source}: field '{child.prefix}.replicas[{expert}]' must be a list of [device, share] pairs"
-                )
-            replicas.append(tuple((device, float(share)) for device, share in copies))
-        placement = child.convert_value(
-            lambda: ExpertPlacement(child.get("devices", int), tuple(replicas), one_line(child.get("method", str))[:80]),
-            ValueError, TypeError,
-        )
-    loads = reader.get("expert_loads", list)
-    sharded_copies = reader.data.get("sharded_copies", False)  # absent in plans written before it existed
-    if not isinstance(sharded_copies, bool):
-        raise PlanFileError(f"{reader.source}: field '{reader.prefix}.sharded_copies' must be true or false")
-    if not all(finite_number(load) is not None for load in loads):
-        raise PlanFileError(f"{reader.source}: field '{reader.prefix}.expert_loads' must be a list of numbers")
-    return reader.convert_value(
-        lambda: ExpertLayout(
-            module=reader.get("module", str),
-            mode=reader.get("mode", str),
-            experts=reader.get("experts", int),
-            top_k=reader.get("top_k", int),
-            capacity_factor=reader.get("capacity_factor", float),
-            axis=reader.get("axis", str),
-            all_to_all=reader.get("all_to_all", str),
-            placement=placement,
-            routing=reader.get("routing", str),
-            expert_loads=tuple(float(load) for load in loads),
-            cost=reader.record("cost", CostParts),
-            sharded_copies=sharded_copies,
-        ),
-        ValueError, TypeError,
-    )
-
-
-def _pipeline_to_dict(pipeline: PipelineConfig | None) -> dict | None:
-    if pipeline is None:
-        return None
-    return {**vars(pipeline), "stage_recompute": list(pipeline.stage_recompute)}
-
-
-def _pipeline_from_dict(data: Any) -> PipelineConfig | None:
-    if data is None:
-        return None
-    if not isinstance(data, dict):
-        raise TypeError(f"expected an object, got {type(data).__name__}")
-    modes = data.get("stage_recompute", [])
-    if not isinstance(modes, list):
-        raise TypeError(f"stage_recompute must be a list of modes, got {type(modes).__name__}")
-    return PipelineConfig(**{**data, "stage_recompute": tuple(modes)})
-
-
-def _strategy_to_dict(strategy: NodeStrategy) -> dict[str, Any]:
-    if strategy.layout is not None and not isinstance(strategy.layout, SummaLayout):
-        # Expert layouts live in Plan.expert_layouts, one per MoE layer, not on nodes.
-        raise NotImplementedError("a node strategy saves a SUMMA layout only; expert layouts belong in Plan.expert_layouts")
-    saved = {
-        "node": strategy.node,
-        "op": strategy.op,
-        "module": strategy.module,
-        "inputs": [placements_to_json(p) for p in strategy.inputs],
-        "outputs": [placements_to_json(p) for p in strategy.outputs],
-        "params": {name: placements_to_json(p) for name, p in strategy.params.items()},
-        "stage": strategy.stage,
-        "cost": vars(strategy.cost),
-        "produced": None if strategy.produced is None else [placements_to_json(p) for p in strategy.produced],
-    }
-    if strategy.layout is not None:
-        saved["layout"] = strategy.layout.to_dict()
-    return saved
-
-
-def _strategy_from_dict(reader: _Reader) -> NodeStrategy:
-    where = f"{reader.source}: field '{reader.prefix}"
-    return NodeStrategy(
-        node=reader.get("node", str),
-        op=reader.get("op", str),
-        module=reader.get("module", str),
-        inputs=tuple(placements_from_json(p, f"{where}.inputs'") for p in reader.get("inputs", list)),
-        outputs=tuple(placements_from_json(p, f"{where}.outputs'") for p in reader.get("outputs", list)),
-        params={n: placements_from_json(p, f"{where}.params'") for n, p in reader.get("params", dict).items()},
-        stage=reader.get("stage", int),
-        cost=reader.record("cost", CostParts),
-        produced=None if reader.data.get("produced") is None else tuple(
-            placements_from_json(p, f"{where}.produced'") for p in reader.get("produced", list)
-        ),
-        layout=None if reader.data.get("layout") is None else reader.convert(
-            "layout", SummaLayout.from_dict, ValueError, TypeError),
-    )
