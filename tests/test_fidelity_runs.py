@@ -1,0 +1,89 @@
+"""benchmarks/fidelity.py's published runs: each states its source, figure and layout, and
+the layouts build simulated plans; the FLOP counts and the summary line are right by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from benchmarks.fidelity import (
+    Run, megatron_core_flops, megatron_deepspeed_flops, runs, simulate, summary,
+)
+from planner.families.hsdp.section import HsdpSection
+
+
+def by_name() -> dict[str, Run]:
+    return {run.name: run for run in runs()}
+
+
+def test_every_run_names_its_source_figure_and_layout():
+    found = runs()
+    assert len(found) >= 25
+    assert len({run.name for run in found}) == len(found), "run names must be unique (--runs picks by name)"
+    for run in found:
+        assert run.source.strip() and run.figure.strip(), run.name
+        assert run.published_step_s > 0, run.name
+        assert {"batch_size", "seq_len"} <= set(run.overrides), run.name
+        assert "dp_flavour" in run.layout, f"{run.name}: the data-parallel flavour must be stated"
+
+
+def shrunk(run: Run, layers: int) -> Run:
+    """``run`` with fewer layers (its layout, cluster and batch kept), so its plan builds fast."""
+    overrides = dict(run.overrides, n_layer=layers)
+    return dataclasses.replace(run, overrides=overrides)
+
+
+@pytest.mark.parametrize("name, layers", [
+    ("MCore-GPT-1.7B@48xH100", 2),  # ZeRO-1, one device per model copy
+    ("MCore-GPT-70B@768xH100", 4),  # tp 8 x pp 2 with sequence parallelism
+    ("Llama3.1-8B@8xH100", 2),  # FSDP with selective recomputation on the Grand Teton hosts
+])
+def test_run_layouts_build_the_plans_they_state(name, layers):
+    run = shrunk(by_name()[name], layers)
+    plan, cluster = simulate(run)
+    tp, pp = run.layout.get("tp", 1), run.layout.get("pp", 1)
+    sizes = dict(zip(plan.mesh.names, plan.mesh.shape))
+    assert sizes.get("tp", 1) == tp and sizes.get("pp", 1) == pp
+    assert sizes["dp"] == cluster.world_size // (tp * pp)
+    assert plan.dp_flavour == run.layout["dp_flavour"]
+    assert plan.estimate.step_time_s > 0
+
+
+def test_a_run_with_a_hsdp_shard_simulates_as_hsdp():
+    fsdp_run = shrunk(by_name()["Llama3.1-8B@128xH100"], 2)
+    fsdp, _ = simulate(fsdp_run)
+    hsdp, _ = simulate(dataclasses.replace(fsdp_run, hsdp_shard=8))
+    assert "hsdp" not in fsdp.sections
+    assert hsdp.sections["hsdp"] == HsdpSection(8)
+    assert "hsdp8" in dataclasses.replace(fsdp_run, hsdp_shard=8).describe(128)
+    # Gradients cross nodes as 1/8 shards: a different step from FSDP over all 128 ranks.
+    assert hsdp.estimate.step_time_s != fsdp.estimate.step_time_s
+
+
+def test_megatron_core_flops_counts_the_logit_gemm_as_6_b_s_h_v():
+    """Megatron-Core's count equals Narayanan et al.'s (72 B s l h^2 (1 + s/6h + V/16lh),
+    no recomputation) but for the output layer, which it counts as forward and backward of
+    one (B s, h) x (h, V) GEMM: 6 B s h V."""
+    batch, seq, layers, hidden, vocab = 8, 2048, 24, 2048, 131072
+    without_vocab = megatron_core_flops(batch, seq, layers, hidden, 0, 4 * hidden, 16, 16)
+    assert without_vocab == pytest.approx(megatron_deepspeed_flops(batch, seq, layers, hidden, 0, recompute=False))
+    logit = megatron_core_flops(batch, seq, layers, hidden, vocab, 4 * hidden, 16, 16) - without_vocab
+    assert logit == pytest.approx(6 * batch * seq * hidden * vocab)
+
+
+def test_megatron_core_flops_with_gqa_and_swiglu():
+    """Llama-like layer by hand: q and o projections 2 h^2, k and v 2 h^2 g/a, scores and
+    values 2 s h, SwiGLU 3 h f; times 2 FLOPs per multiply-add and 3 for forward + backward."""
+    batch, seq, layers, hidden, ffn, heads, groups = 1, 1024, 1, 4096, 14336, 32, 8
+    per_token = 6 * (2 * hidden**2 + 2 * hidden**2 * groups / heads + 2 * seq * hidden + 3 * hidden * ffn)
+    counted = megatron_core_flops(batch, seq, layers, hidden, 0, ffn, heads, groups, swiglu=True)
+    assert counted == pytest.approx(per_token * batch * seq * layers)
+
+
+def test_summary_gives_median_largest_and_bias():
+    line = summary([-0.10, 0.05, 0.02])
+    assert "median absolute error 5.0%" in line
+    assert "largest 10.0%" in line
+    assert "1 predicted fast (optimistic), 2 slow (pessimistic)" in line
+    assert "median signed error +2.0%" in line
