@@ -38,6 +38,7 @@ def shrunk(run: Run, layers: int) -> Run:
     ("MCore-GPT-1.7B@48xH100", 2),  # ZeRO-1, one device per model copy
     ("MCore-GPT-70B@768xH100", 4),  # tp 8 x pp 2 with sequence parallelism
     ("Llama3.1-8B@8xH100", 2),  # FSDP with selective recomputation on the Grand Teton hosts
+    ("Llama3.1-405B@128xH100", 2),  # FSDP x tensor parallelism 8
 ])
 def test_run_layouts_build_the_plans_they_state(name, layers):
     run = shrunk(by_name()[name], layers)
