@@ -5,6 +5,11 @@
     python benchmarks/fidelity.py --roofline      # the same runs with the roofline model
     python benchmarks/fidelity.py --breakdown     # and where each predicted step goes
     python benchmarks/fidelity.py --no-engine-overhead   # without the fitted engine constant
+    python benchmarks/fidelity.py --rows-only    # the runs and their sources, nothing simulated
+
+Each row prints the signed error (predicted / published - 1: negative = predicted fast,
+optimistic), and the summary the median and largest absolute error and the bias (how many
+rows are predicted fast and how many slow).
 
 Each run is simulated with the layout its source states - the mesh (tp x pp x dp), the
 pipeline schedule and micro-batches, recomputation, the data-parallel flavour (FSDP, ZeRO-1,
@@ -18,9 +23,15 @@ one engine constant fitted to a separate published sweep (below).
 Published figures become a step time with the source's own definitions:
   * tokens/s per GPU (MosaicML, torchtitan): step = global batch tokens / (tokens/s/GPU x GPUs);
   * iteration time (MT-NLG): as published;
-  * TFLOP/s per GPU (BLOOM, Llama 3): step = the FLOPs the source counts per step /
-    (TFLOP/s x GPUs), with the formula its framework prints (see ``megatron_deepspeed_flops``
-    and ``palm_model_flops``).
+  * TFLOP/s per GPU (BLOOM, Llama 3, Megatron-Core's weak-scaling table): step = the FLOPs
+    the source counts per step / (TFLOP/s x GPUs), with the formula its framework prints (see
+    ``megatron_deepspeed_flops``, ``palm_model_flops`` and ``megatron_core_flops``).
+
+Sources, each row naming its own: MosaicML llm-foundry's benchmarking README (the MPT rows
+only); torchtitan's docs/performance.md (A100 of mid-2024; H100 of August 2024); Smith et
+al. 2022 (MT-NLG, section 2.4, its three scales); BigScience's
+BLOOM-176B pages; Dubey et al. 2024 (Llama 3), table 4; NVIDIA/Megatron-LM's README
+(weak-scaling table of Megatron-Core r0.8.0 on H100).
 
 What the simulator leaves out, and which way each bends these rows (all predicted faster):
   * the kernel ceilings are matmul throughputs measured with CUDA 12.1 (ml-engineering's MAMF
@@ -69,7 +80,16 @@ between them before that reduction (``ReduceTiedGrads``: 0.58 s of BLOOM's step,
 Jean Zay's 6.25 GB/s per GPU).
 
 Not used, kept aside as an independent check of the simulator: table 1 of Narayanan et al.
-(SC'21) and table 5 of Korthikanti et al. (2022).
+(SC'21), table 5 of Korthikanti et al. (2022), the IBM/PyTorch "Maximizing training throughput
+using PyTorch FSDP" blog and its fms-fsdp README, and llm-foundry's rows beyond those here.
+Considered and left out: NeMo's and Megatron-Bridge's performance tables (their H100 rows are
+FP8, which ``megatron_plan`` does not price, but for GPT-OSS 120B, whose attention sinks and
+sliding windows no example expresses); Megatron-LM's strong-scaling figure (a log-scale plot,
+no figures to quote); Megatron-Core MoE's "438 TFLOPS" for Mixtral 8x7B (no GPUs or layout
+stated); DeepSeek-V3's GPU hours (FP8, H800); MegaScale's table (modified model blocks, and
+its GPUs named only as Ampere); torchtitan's rows with layer- or op-level selective
+checkpointing (policies the simulator's ``selective`` does not express: the Llama 3 8B and
+Llama 2 13B/70B A100 rows, and the Llama 3.1 8B H100 rows, ``torchtitan_h100_runs``).
 
 Models: MPT (MosaicML) is GPT-like (LayerNorm, GELU MLP of 4x width, vocabulary 50,368,
 ALiBi in place of learned positions): ``examples/gpt.py`` with its widths. Runs from before
@@ -100,7 +120,6 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MPT_VOCAB = 50368  # llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml: vocab_size 50368
 LLM_FOUNDRY = "llm-foundry scripts/train/benchmarking/README.md"
 TORCHTITAN_A100 = "torchtitan docs/performance.md (2024, 64 A100)"
-TORCHTITAN_H100 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 MEGATRON_WEAK_SCALING = "NVIDIA/Megatron-LM README, weak-scaling table (images/model_table.png, Megatron-Core r0.8.0, 2024-07)"
 
 
@@ -283,18 +302,20 @@ def runs() -> list[Run]:
     # fork; BLOOM's tr11 README: "the tied embedding layers"), so the first and last stage each
     # hold the weight and all-reduce its gradient between them after the schedule
     # (ReduceTiedGrads; cost_model.deepspeed_pipeline).
-    # MT-NLG 530B (Smith et al. 2022, arXiv:2201.11990, section 2.4): 280 DGX A100 nodes, tp 8
-    # x pp 35, batch 1920 of 2048 tokens, 60.1 s per iteration (126 TFLOP/s per GPU). 105
-    # layers, width 20480, 128 heads; vocabulary 50,257 (GPT-2's BPE) padded to 51,200.
-    found.append(Run(
-        "MT-NLG-530B@2240xA100", "gpt.py",
-        {"n_layer": 105, "n_embd": 20480, "n_head": 128, "vocab_size": 51200, "seq_len": 2048, "batch_size": 1920,
-         "attention": "eager", "tie_weights": True},
-        "dgx-a100-80g:280",
-        {"tp": 8, "pp": 35, "micro_batch": 1, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
-         **DEEPSPEED_PIPELINE, "gradient_accumulation": "autograd"}, 1,
-        60.1, "60.1 s/iteration", "Smith et al. 2022 (MT-NLG), section 2.4",
-    ))
+    # MT-NLG 530B (Smith et al. 2022, arXiv:2201.11990, section 2.4): tp 8 x pp 35, batch 1920
+    # of 2048 tokens on 280, 350 and 420 DGX A100 nodes (dp 8, 10, 12): 60.1, 50.2 and 44.4 s
+    # per iteration (126, 121 and 113 TFLOP/s per GPU). 105 layers, width 20480, 128 heads;
+    # vocabulary 50,257 (GPT-2's BPE) padded to 51,200.
+    for nodes, seconds in ((280, 60.1), (350, 50.2), (420, 44.4)):
+        found.append(Run(
+            f"MT-NLG-530B@{nodes * 8}xA100", "gpt.py",
+            {"n_layer": 105, "n_embd": 20480, "n_head": 128, "vocab_size": 51200, "seq_len": 2048,
+             "batch_size": 1920, "attention": "eager", "tie_weights": True},
+            f"dgx-a100-80g:{nodes}",
+            {"tp": 8, "pp": 35, "micro_batch": 1, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
+             **DEEPSPEED_PIPELINE, "gradient_accumulation": "autograd"}, 1,
+            seconds, f"{seconds} s/iteration", "Smith et al. 2022 (MT-NLG), section 2.4",
+        ))
     # BLOOM-176B (Le Scao et al. 2022, section 3.4; bigscience-workshop's training README):
     # 384 A100 80GB, tp 4 x pp 12 x dp 8, ZeRO-1, micro-batch 2, global batch 2048 of 2048
     # tokens, full recomputation, "about 150 TFLOPs" per GPU as Megatron-DeepSpeed prints it.
@@ -310,27 +331,22 @@ def runs() -> list[Run]:
         megatron_deepspeed_flops(2048, 2048, 70, 14336, 250880, recompute=True) / (150e12 * 384),
         "150 TFLOP/s/GPU", "BigScience BLOOM-176B model page (bigscience.notion.site); BLOOM paper 3.4",
     ))
-    # Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models", table 4): 8,192 H100s,
-    # tp 8 x cp 1 x pp 16 x dp 64, sequence 8,192, batch 32 per dp rank (16M tokens), 430
-    # TFLOP/s per GPU (BF16 MFU 43%). The paper's schedule is interleaved with tuned
+    # Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models", table 4), its rows without
+    # context parallelism: 8,192 H100s, tp 8 x cp 1 x pp 16 x dp 64, 430 TFLOP/s per GPU (BF16
+    # MFU 43%); 16,384 H100s, dp 128, 400 TFLOP/s (41%). Both: sequence 8,192, 16M tokens per
+    # batch (32 and 16 sequences per dp rank). The paper's schedule is interleaved with tuned
     # micro-batches; we take interleaved 1F1B with 2 virtual stages and micro-batches of 1,
     # and 126 layers split over 32 virtual stages with the end ones a layer short.
-    found.append(Run(
-        "Llama3-405B@8192xH100", "llama.py", _llama(**LLAMA3_405B, batch=2048, seq=8192), "dgx-h100:1024",
-        {"tp": 8, "pp": 16, "micro_batch": 1, "schedule": "interleaved", "virtual_stages": 2, "recompute": "none",
-         "sequence_parallel": True, "dp_flavour": "zero1", "layers_per_stage": tuple(nearly_even_layers(126, 32))}, 1,
-        palm_model_flops(405e9, 126, 16384, 8192, 2048 * 8192) / (430e12 * 8192),
-        "430 TFLOP/s/GPU", "Dubey et al. 2024 (Llama 3), table 4",
-    ))
-    # The same table's second row: 16,384 H100s, tp 8 x cp 1 x pp 16 x dp 128, 16M tokens per
-    # batch (16 sequences of 8,192 per dp rank), 400 TFLOP/s per GPU (BF16 MFU 41%).
-    found.append(Run(
-        "Llama3-405B@16384xH100", "llama.py", _llama(**LLAMA3_405B, batch=2048, seq=8192), "dgx-h100:2048",
-        {"tp": 8, "pp": 16, "micro_batch": 1, "schedule": "interleaved", "virtual_stages": 2, "recompute": "none",
-         "sequence_parallel": True, "dp_flavour": "zero1", "layers_per_stage": tuple(nearly_even_layers(126, 32))}, 1,
-        palm_model_flops(405e9, 126, 16384, 8192, 2048 * 8192) / (400e12 * 16384),
-        "400 TFLOP/s/GPU", "Dubey et al. 2024 (Llama 3), table 4",
-    ))
+    for gpus, tflops in ((8192, 430), (16384, 400)):
+        found.append(Run(
+            f"Llama3-405B@{gpus}xH100", "llama.py", _llama(**LLAMA3_405B, batch=2048, seq=8192),
+            f"dgx-h100:{gpus // 8}",
+            {"tp": 8, "pp": 16, "micro_batch": 1, "schedule": "interleaved", "virtual_stages": 2,
+             "recompute": "none", "sequence_parallel": True, "dp_flavour": "zero1",
+             "layers_per_stage": tuple(nearly_even_layers(126, 32))}, 1,
+            palm_model_flops(405e9, 126, 16384, 8192, 2048 * 8192) / (tflops * 1e12 * gpus),
+            f"{tflops} TFLOP/s/GPU", "Dubey et al. 2024 (Llama 3), table 4",
+        ))
     found += megatron_core_weak_scaling_runs()
     found += torchtitan_h100_runs()
     return found
@@ -393,25 +409,15 @@ def grand_teton_h100(nodes: int, memory_bytes: int = 96_000_000_000) -> Cluster:
                        memory_bandwidth=2.4e12)
 
 
-LLAMA31_8B = dict(layers=32, dim=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
-
-
 def torchtitan_h100_runs() -> list[Run]:
-    """torchtitan's Llama 3.1 8B FSDP rows on H100 (end of 2024: tables 1 and 3, the plain
-    "FSDP" line, bf16 without torch.compile or Float8): local batch 2 of 8,192 tokens
-    (train_configs/llama3_8b.toml at the benchmark's torchtitan commit 9dec370: seq_len 8192),
-    FSDP2 over all GPUs, each TransformerBlock its own unit, selective activation
-    checkpointing. torchtitan's selective mode is per op (``selective_ac_option = 'op'``: it
-    saves the matmul outputs but every second one and recomputes the rest); the simulator's
-    ``selective`` recomputes only the attention core, which bends these rows fast."""
+    """torchtitan on H100 in bf16 (the Grand Teton hosts, ``grand_teton_h100``).
+
+    Left out: the Llama 3.1 8B FSDP rows of benchmarks/llama3_h100_202412_torchtitan.md
+    (tables 1 and 3, 5,762 and 5,605 tok/s/GPU): they ran torchtitan's per-op selective
+    checkpointing (``selective_ac_option = 'op'``: every second matmul and all pointwise ops
+    recomputed), which the simulator's ``selective`` (the attention core alone) does not
+    express; simulated with it they come out 35% fast and out of memory."""
     found = []
-    for gpus, table, tokens in ((8, 1, 5762), (128, 3, 5605)):
-        batch = 2 * gpus
-        found.append(Run(
-            f"Llama3.1-8B@{gpus}xH100", "llama.py", _llama(**LLAMA31_8B, batch=batch, seq=8192),
-            grand_teton_h100(gpus // 8), {"dp_flavour": "fsdp", "recompute": "selective"}, 1,
-            tokens_step(batch, 8192, tokens, gpus), f"{tokens} tok/s/GPU", f"{TORCHTITAN_H100}, table {table}",
-        ))
     # Llama 3.1 405B on 128 of the same H100s (94 GB), 2-D: FSDP2 over 16 x tensor parallelism
     # 8 with sequence-parallel norms (torchtitan's TP plan), full activation checkpointing,
     # local batch 2 (global 32) of 8,192 tokens, bf16: 109 tok/s/GPU, the row without Float8 or
