@@ -33,7 +33,8 @@ al. 2022 (MT-NLG, section 2.4, its three scales); BigScience's
 BLOOM-176B pages; Dubey et al. 2024 (Llama 3), table 4; NVIDIA/Megatron-LM's README
 (weak-scaling table of Megatron-Core r0.8.0 on H100).
 
-What the simulator leaves out, and which way each bends these rows (all predicted faster):
+What the simulator leaves out, and which way each bends these rows (predicted faster, unless
+said):
   * the kernel ceilings are matmul throughputs measured with CUDA 12.1 (ml-engineering's MAMF
     table); MT-NLG (2021) and BLOOM (2022) ran on CUDA 11 with DeepSpeed's pipeline engine,
     and llm-foundry's benchmark script defaults to the image
@@ -41,7 +42,11 @@ What the simulator leaves out, and which way each bends these rows (all predicte
     slower than the ceilings we use;
   * FSDP's gradient reduce-scatter in fp32 (Composer's ``mixed_precision: DEFAULT``) where the
     simulator reduces in bf16; autocast's per-step weight casts and fp32 norms (MosaicML's
-    ``amp_bf16``).
+    ``amp_bf16``);
+  * the Grand Teton H100s' 500 W power limit (torchtitan's H100 row: ``grand_teton_h100``);
+  * slower, not faster: Transformer Engine's ``--tp-comm-overlap`` on Megatron-Core's rows,
+    which hides the tensor-parallel collectives the simulator leaves exposed
+    (``megatron_core_weak_scaling_runs``), and torch.compile's fusions (torchtitan's 405B row).
 
 Megatron-DeepSpeed's per-layer cost (MT-NLG, BLOOM): on BigScience's published layout sweep
 of the same engine (``benchmarks/fidelity_sweep.py``), the modelled kernels, collectives and
