@@ -4,13 +4,25 @@ the layouts build simulated plans; the FLOP counts and the summary line are righ
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.fidelity import (
     Run, megatron_core_flops, megatron_deepspeed_flops, runs, simulate, summary,
 )
 from planner.families.hsdp.section import HsdpSection
+
+
+def example(file: str):
+    """The module ``examples/<file>``, loaded from its path."""
+    spec = importlib.util.spec_from_file_location(f"fidelity_example_{Path(file).stem}",
+                                                  Path(__file__).resolve().parents[1] / "examples" / file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def by_name() -> dict[str, Run]:
@@ -88,3 +100,18 @@ def test_summary_gives_median_largest_and_bias():
     assert "largest 10.0%" in line
     assert "1 predicted fast (optimistic), 2 slow (pessimistic)" in line
     assert "median signed error +2.0%" in line
+
+
+def test_megatron_core_rows_have_the_parameter_counts_their_table_names():
+    """The weak-scaling table names each model by its size (1.7B ... 462B); gpt.py with the
+    row's widths, untied embeddings and a 4x GELU MLP must come within 5% of it (tied
+    embeddings would leave the 1.7B and 7.1B rows 13% and 7% short)."""
+    gpt = example("gpt.py")
+    rows = [run for run in runs() if run.name.startswith("MCore-GPT-")]
+    assert len(rows) == 9
+    for run in rows:
+        named = float(run.name.split("-")[2].split("B@")[0]) * 1e9
+        with torch.device("meta"):
+            model, _ = gpt.build(**run.overrides)
+        counted = sum(parameter.numel() for parameter in model.parameters())
+        assert abs(counted / named - 1) < 0.05, (run.name, counted)
