@@ -2,6 +2,7 @@
 
     python benchmarks/fidelity.py                 # every run (several minutes)
     python benchmarks/fidelity.py --runs MPT-7B@8xA100 BLOOM-176B@384xA100
+    python benchmarks/fidelity.py --runs 'MCore-*'   # names or shell patterns
     python benchmarks/fidelity.py --roofline      # the same runs with the roofline model
     python benchmarks/fidelity.py --breakdown     # and where each predicted step goes
     python benchmarks/fidelity.py --no-engine-overhead   # without the fitted engine constant
@@ -106,6 +107,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import statistics
 import time
 from dataclasses import dataclass
@@ -504,7 +506,7 @@ def print_rows(chosen: list[Run]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", nargs="*", help="run names (default: all)")
+    parser.add_argument("--runs", nargs="*", help="run names or shell patterns, e.g. 'MCore-*' (default: all)")
     parser.add_argument("--rows-only", action="store_true",
                         help="list the runs, their layouts, published figures and sources without simulating")
     parser.add_argument("--roofline", action="store_true",
@@ -514,11 +516,12 @@ def main() -> None:
     parser.add_argument("--no-engine-overhead", action="store_true",
                         help="leave out the per-layer overhead fitted to Megatron-DeepSpeed's sweep (MT-NLG, BLOOM)")
     options = parser.parse_args()
-    known = {run.name for run in runs()}
-    unknown = sorted(set(options.runs or ()) - known)
-    if unknown:
-        parser.error(f"unknown run(s) {', '.join(unknown)}; --rows-only lists them")
-    chosen = [run for run in runs() if not options.runs or run.name in options.runs]
+    names = [run.name for run in runs()]
+    unmatched = [pattern for pattern in options.runs or () if not fnmatch.filter(names, pattern)]
+    if unmatched:
+        parser.error(f"no run matches {', '.join(unmatched)}; --rows-only lists them")
+    chosen = [run for run in runs()
+              if not options.runs or any(fnmatch.fnmatchcase(run.name, pattern) for pattern in options.runs)]
     if options.rows_only:
         print_rows(chosen)
         return

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,3 +117,15 @@ def test_megatron_core_rows_have_the_parameter_counts_their_table_names():
             model, _ = gpt.build(**run.overrides)
         counted = sum(parameter.numel() for parameter in model.parameters())
         assert abs(counted / named - 1) < 0.05, (run.name, counted)
+
+
+def test_runs_picks_a_subset_by_name_or_pattern_and_rows_only_simulates_nothing():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity.py"
+    listed = subprocess.run([sys.executable, str(script), "--rows-only", "--runs", "MCore-*", "BLOOM-176B@384xA100"],
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [line.split()[0] for line in listed] == [
+        "BLOOM-176B@384xA100", *(run.name for run in runs() if run.name.startswith("MCore-"))]
+    assert all("NVIDIA/Megatron-LM README" in line for line in listed[1:])
+    unmatched = subprocess.run([sys.executable, str(script), "--rows-only", "--runs", "Nope*"],
+                               capture_output=True, text=True)
+    assert unmatched.returncode != 0 and "no run matches Nope*" in unmatched.stderr
