@@ -44,6 +44,9 @@ class Segment:
     score_bytes: float = 0.0
     score_forward_s: float = 0.0
     params: dict[str, float] = field(default_factory=dict)  # name -> local bytes per element-size 1
+    # name -> the local tensor's shape where it is known (not for an MoE layout's parts of
+    # expert weights): which dimension ZeRO-1 slices (planner.sharded_states_layout).
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dp_synced: set[str] = field(default_factory=set)
     axis_bytes: dict[str, float] = field(default_factory=dict)
     axis_sync_s: float = 0.0  # NodeCost.axis_sync_s of its nodes
@@ -57,6 +60,17 @@ class Segment:
         return sum(count for name, count in self.params.items() if name not in self.per_rank)
 
 
+def local_shape(shape, placements, axes) -> tuple[int, ...]:
+    """A tensor's local shape under ``placements`` on a mesh of ``axes`` ((name, size) each):
+    each ``Shard(d)`` divides dimension d by its axis's size (rounded up: DTensor's first
+    ranks hold the larger pieces of an uneven split)."""
+    local = list(shape)
+    for (_, size), placement in zip(axes, placements):
+        if isinstance(placement, Shard):
+            local[placement.dim] = -(-local[placement.dim] // size)
+    return tuple(local)
+
+
 @dataclass(frozen=True)
 class SegmentProfile:
     """One segment's costs for one micro-batch on one device (``Simulator.segment_profiles``).
@@ -68,7 +82,9 @@ class SegmentProfile:
     ``param_elements`` are the local parameter elements (``synced_elements`` those whose
     gradients are reduced over ``dp``); ``input_bytes`` what it reads from earlier segments;
     ``synced_tensors`` the elements of each parameter tensor reduced over ``dp`` (a graph
-    program reduces each in its own collective) and ``param_tensors`` how many it has.
+    program reduces each in its own collective) and ``param_tensors`` how many it has;
+    ``synced_shapes`` the local shape of each of those tensors (None where unknown), from
+    which ZeRO-1's gathers follow for any ``dp`` (``planner.sharded_states_layout``).
     """
 
     name: str
@@ -81,6 +97,7 @@ class SegmentProfile:
     input_bytes: float
     synced_tensors: tuple[float, ...] = ()
     param_tensors: int = 0
+    synced_shapes: tuple[tuple[int, ...] | None, ...] = ()
 
 @dataclass(frozen=True)
 class SegmentMembers:
@@ -165,6 +182,8 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
             if layer is not None and param in layer.expert_weights:
                 # The layout says which experts (or which slice of each) a device holds.
                 segment.params[param] = meta.numel * layer.param_fraction
+                if layer.param_fraction == 1:
+                    segment.shapes[param] = tuple(meta.shape)
                 if layer.gradients_synced:
                     if dp_index is not None:
                         segment.dp_synced.add(param)
@@ -173,6 +192,7 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
                 continue
             shards = math.prod(size for (axis, size), p in zip(context.mesh.axes, placements) if isinstance(p, Shard))
             segment.params[param] = meta.numel / shards
+            segment.shapes[param] = local_shape(meta.shape, placements, context.mesh.axes)
             # The loss depends on every rank's own samples, so the gradient of every
             # weight replicated over dp is a partial sum there, whatever its op's output.
             if dp_index is not None and isinstance(placements[dp_index], Replicate):
