@@ -19,6 +19,7 @@ from cost_model.host_dispatch import host_wait
 from cost_model.node_costs import NodeCost
 from cost_model.step_context import StepContext
 from planner.graph import OpGraph
+from planner.sharded_states_layout import sliced_dim
 
 
 @dataclass
@@ -98,6 +99,13 @@ class SegmentProfile:
     synced_tensors: tuple[float, ...] = ()
     param_tensors: int = 0
     synced_shapes: tuple[tuple[int, ...] | None, ...] = ()
+
+    def zero1_gathered_tensors(self, dp: int) -> list[float]:
+        """Elements of each of ``synced_tensors`` that ZeRO-1 over ``dp`` ranks all-gathers
+        after the step: those with a dimension ``dp`` divides, or of unknown shape."""
+        shapes = self.synced_shapes or (None,) * len(self.synced_tensors)
+        return [size for size, shape in zip(self.synced_tensors, shapes)
+                if shape is None or sliced_dim(shape, dp) is not None]
 
 @dataclass(frozen=True)
 class SegmentMembers:

@@ -61,7 +61,6 @@ from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
-from planner.sharded_states_layout import sliced_dim
 from planner.strategy import Mesh, PipelineConfig
 from search.budget import SearchBudget
 from search.layouts import megatron_layout, nearly_even_layers, restrict_axes, uneven_stages
@@ -516,8 +515,7 @@ class PipelineGrid:
                     # ShardedStatesOptimizer: one all-gather per sliced weight, one after
                     # another (as the simulator's step tasks, cost_model.data_parallel_step).
                     after += sum(self._dp_collective("all_gather", size * weights, config)
-                                 for p in members for size, shape in zip(p.synced_tensors, p.synced_shapes)
-                                 if shape is None or sliced_dim(shape, dp) is not None)
+                                 for p in members for size in p.zero1_gathered_tensors(dp))
             tail = max(tail, after)
         return compute + tail
 
