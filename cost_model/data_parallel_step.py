@@ -39,7 +39,6 @@ from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
 from cost_model.step_contributor import ParameterSharding, StepContributor
-from planner.sharded_states_layout import sliced_dim
 
 FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")  # what this contributor runs; others have their own
 SHARDED_STATES = ("zero1", "zero2", "fsdp")  # flavours that shard the optimizer states over dp
@@ -77,17 +76,6 @@ class GradientBuckets:
             ready.append((self.pending, 1))
             self.pending = 0.0
         return ready
-
-
-def zero1_gathered_elements(segment: Segment, dp: int) -> list[float]:
-    """Local elements of each of ``segment``'s weights that ZeRO-1 over ``dp`` ranks
-    all-gathers after the optimizer step (one all-gather each, of the whole local tensor):
-    every weight but an MoE layout's per-rank experts (stepped whole on their rank) and those
-    with no dimension ``dp`` divides (stepped whole everywhere); a weight whose local shape
-    is unknown counts as sliced."""
-    return [count for name, count in segment.params.items()
-            if count > 0 and name not in segment.per_rank
-            and (name not in segment.shapes or sliced_dim(segment.shapes[name], dp) is not None)]
 
 
 def _fsdp(context: StepContext) -> bool:
@@ -243,7 +231,7 @@ class DataParallelStep(StepContributor):
             # all_gather_single once the inner step is done: one after another.
             element_bytes = PARAM_BYTES[context.plan.precision][0]
             pieces = [(context.collective("all_gather", count * element_bytes, "dp"), 1)
-                      for s in segments for count in zero1_gathered_elements(s, context.dp)]
+                      for s in segments for count in s.zero1_gathered_elements(context.dp)]
             tasks.graph.add_pieces(f"all-gather updated slices ({len(pieces)} parameters)", (device, "collective"),
                                    pieces, deps=[step], kind="comm")
         elif context.plan.dp_flavour == "zero2":
@@ -294,7 +282,7 @@ class DataParallelStep(StepContributor):
         factor = units * (context.dp - 1) / context.dp
         totals["dp"] = totals.get("dp", 0.0) + grads * factor
         if flavour == "zero1":
-            gathered = sum(zero1_gathered_elements(segment, context.dp)) * PARAM_BYTES[context.plan.precision][0]
+            gathered = sum(segment.zero1_gathered_elements(context.dp)) * PARAM_BYTES[context.plan.precision][0]
             totals["dp"] += gathered * (context.dp - 1) / context.dp
         if flavour == "fsdp":  # what is not gathered again for backward
             kept = (segment.shardable_elements() - fsdp_regathered_elements(context, segment)) * element_bytes

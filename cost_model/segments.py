@@ -60,6 +60,15 @@ class Segment:
         """Local parameter elements the dp flavour shards (all but ``per_rank`` ones)."""
         return sum(count for name, count in self.params.items() if name not in self.per_rank)
 
+    def zero1_gathered_elements(self, dp: int) -> list[float]:
+        """Local elements of each weight that ZeRO-1 over ``dp`` ranks all-gathers after the
+        optimizer step (one all-gather each, of the whole local tensor): every weight but the
+        ``per_rank`` ones (stepped whole on their rank) and those with no dimension ``dp``
+        divides (stepped whole everywhere); a weight of unknown local shape counts as sliced."""
+        return [count for name, count in self.params.items()
+                if count > 0 and name not in self.per_rank
+                and (name not in self.shapes or sliced_dim(self.shapes[name], dp) is not None)]
+
 
 def local_shape(shape, placements, axes) -> tuple[int, ...]:
     """A tensor's local shape under ``placements`` on a mesh of ``axes`` ((name, size) each):

@@ -94,3 +94,14 @@ def test_weights_stepped_whole_keep_whole_states(zero1_plan):
     whole = sum(meta.numel for meta in plan.graph.parameters.values()) - sliced
     # fp32 AdamW's two moments: 8 bytes per element, halved only for the sliced weights.
     assert plan.estimate.memory.optimizer_states == pytest.approx((sliced / 2 + whole) * 8, abs=1)
+
+
+def test_the_pipeline_grid_sees_the_same_gathers(zero1_plan):
+    """The pipeline grid prices ZeRO-1 from segment profiles shared across dp sizes
+    (``SegmentProfile.zero1_gathered_tensors``): the same 6 weights at dp=2; at dp=4 also
+    the same 6 (256, 32 and 252 are multiples of 4); at dp=3 every weight has a dimension 3
+    divides (63 = 3 x 21), so all 17 are gathered."""
+    profiles = Simulator(zero1_plan, zero1_plan.graph).segment_profiles()
+    every = sum(meta.numel for meta in zero1_plan.graph.parameters.values())
+    for dp, expected in ((2, sum(GATHERED.values())), (4, sum(GATHERED.values())), (3, every)):
+        assert sum(sum(p.zero1_gathered_tensors(dp)) for p in profiles) == expected, dp
