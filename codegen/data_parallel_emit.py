@@ -16,19 +16,13 @@ The plain data-parallel program (``codegen.emit``) and the MoE program
 their ``parallelize`` with ``wrap_lines``; graph and pipeline programs (whose weights are
 DTensors, their gradients reduced by the program's hooks) take only ZeRO-1's optimizer.
 
-ZeRO-1 has two sources here, one per runtime class:
-
-- ``codegen.runtime.sharded_states.ShardedStatesOptimizer`` (``sharded_states_optimizer``)
-  steps each rank's 1/dp slice of every weight and all-gathers the updated slices. It is
-  the one that works for every caller: on DTensors beside tp or pp (graph and pipeline
-  programs), and beside an MoE layer's rank-local experts, which it steps whole
-  (``rank_local``) since no other rank has them. It is the ZeRO-1 to keep.
-- ``torch.distributed.optim.ZeroRedundancyOptimizer`` (``redundancy_free_optimizer``), whole
-  weights owned by one rank each and broadcast after the step, remains in the plain
-  data-parallel program only because the simulator (``cost_model.step_tasks``) and the
-  pipeline search price ZeRO-1 as its per-weight broadcasts, and the communication audit
-  holds the program to that figure; moving that program to ``ShardedStatesOptimizer`` is
-  one call here once they price an all-gather of slices instead.
+ZeRO-1 is ``codegen.runtime.sharded_states.ShardedStatesOptimizer`` for every program
+(``sharded_states_optimizer``): each rank steps its 1/dp slice of every weight and
+all-gathers the updated slices. It works for every caller: on plain tensors under DDP (the
+data-parallel program), on DTensors beside tp or pp (graph and pipeline programs), and
+beside an MoE layer's rank-local experts, which it steps whole (``rank_local``) since no
+other rank has them. The simulator prices the same slices and gathers
+(``cost_model.data_parallel_step``).
 
 Module paths reach the source only as ``repr()`` of paths checked against the model
 (``codegen.plan_checks``); plan figures only as numbers in comments.
@@ -228,30 +222,4 @@ def make_optimizer(module: torch.nn.Module, mesh: DeviceMesh, optimizer_class, *
     weight, so the optimizer states take 1/dp of the memory, then the updated pieces are
     all-gathered over dp."""
     return ShardedStatesOptimizer(module.parameters(), mesh, "dp", optimizer_class, **kwargs)
-'''
-
-
-REDUNDANCY_FREE_IMPORT = "from torch.distributed.optim import ZeroRedundancyOptimizer"
-
-
-def redundancy_free_optimizer(plan: Plan, dp: int) -> str:
-    """``make_optimizer`` of the plain data-parallel ``zero1`` program: a
-    ``ZeroRedundancyOptimizer`` over "dp" (see the module docstring for why this one)."""
-    return f'''
-def make_optimizer(module: torch.nn.Module, mesh: DeviceMesh, optimizer_class: type, **kwargs) -> torch.optim.Optimizer:
-    """optimizer_class(**kwargs) over module's parameters, its states sharded over the {dp}
-    ranks of "dp" (ZeRO-1)."""
-    # ZeroRedundancyOptimizer gives each rank of "dp" about 1/{dp} of the parameters (whole
-    # tensors, balanced by size). A rank keeps optimizer states only for its own share
-    # (AdamW: {format_bytes(2 * plan.summary.parameter_bytes)} for the whole model, about 1/{dp} of that per rank) and
-    # runs optimizer_class's step on its share only, with the gradients DDP averaged; it then
-    # broadcasts its updated parameters over "dp", so every replica holds the same weights
-    # again. Each parameter gets exactly optimizer_class's update.
-    return ZeroRedundancyOptimizer(
-        module.parameters(),
-        optimizer_class=optimizer_class,
-        process_group=mesh["dp"].get_group(),
-        **kwargs,
-    )
-
 '''

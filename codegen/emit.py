@@ -6,7 +6,7 @@ runtime (and a user's own training loop) calls: ``parallelize(model, mesh)`` and
 ``shard_batch(args, kwargs, mesh)``, and, when the plan's optimizer is not the plain one,
 a third, ``make_optimizer(module, mesh, optimizer_class, **kwargs)`` (ZeRO-1 defines it;
 ``codegen.runtime.Program.make_optimizer`` uses it when present). A data-parallel plan
-becomes (below): DDP (``ddp``); DDP plus ``ZeroRedundancyOptimizer`` over ``dp``
+becomes (below): DDP (``ddp``); DDP plus ``ShardedStatesOptimizer`` over ``dp``
 (``zero1``); FSDP2 units that keep their gathered weights from forward to backward
 (``zero2``, FSDP1's SHARD_GRAD_OP); FSDP2 units (``fsdp``). Any other plan on a
 ``dp``/``tp`` mesh replays the traced graph on DTensors (``codegen.spmd_emit``).
@@ -24,8 +24,9 @@ from typing import Callable
 from codegen.data_parallel_emit import (
     DDP_FLAVOURS,
     FSDP_FLAVOURS,
-    REDUNDANCY_FREE_IMPORT,
-    redundancy_free_optimizer,
+    SHARDED_STATES_IMPORT,
+    sharded_states_optimizer,
+    shards_optimizer_states,
     unused_parameters,
     uses_ddp,
     wrap_lines,
@@ -88,7 +89,7 @@ def render_model_spmd(plan: Plan) -> str:
 def render_data_parallel_program(plan: Plan, parallelize: Callable[[Plan, int], str] | None = None) -> str:
     """The emitter part of the data-parallel families (``planner.families``): a plain
     data-parallel plan (a ``dp`` mesh, every parameter replicated) becomes, by flavour, a
-    DDP module (``ddp``), a DDP module with a ``ZeroRedundancyOptimizer`` from
+    DDP module (``ddp``), a DDP module with a ``ShardedStatesOptimizer`` from
     ``make_optimizer`` (``zero1``), or FSDP2 units with (``fsdp``) or without (``zero2``)
     resharding after forward.
 
@@ -217,7 +218,7 @@ def _accumulation_line(plan: Plan) -> str:
 
 def _optimizer_note(plan: Plan) -> str:
     """The header's line on ``program.make_optimizer``: what builds this program's optimizer."""
-    if plan.dp_flavour == "zero1":
+    if shards_optimizer_states(plan):
         return (
             "program.make_optimizer builds the optimizer through make_optimizer below, which shards\n"
             'its states over "dp" (ZeRO-1); call make_optimizer(module, mesh, optimizer_class, **kwargs)\n'
@@ -238,7 +239,7 @@ def _data_parallel_body(plan: Plan, dp: int) -> str:
         + (", ZeRO-2)" if plan.dp_flavour == "zero2" else ")")
     )
     what = sharded or f'the whole model, replicated over the {dp} ranks of "dp"'
-    imports = [wrapper_import(plan)] + ([REDUNDANCY_FREE_IMPORT] if plan.dp_flavour == "zero1" else [])
+    imports = [wrapper_import(plan)] + ([SHARDED_STATES_IMPORT] if shards_optimizer_states(plan) else [])
     lines = [
         *imports,
         "",
@@ -250,4 +251,4 @@ def _data_parallel_body(plan: Plan, dp: int) -> str:
         *wrap_lines(plan, dp, held="The weights", unused=unused_parameters(plan)),
     ]
     text = "\n".join(lines) + "\n\n"
-    return text + (redundancy_free_optimizer(plan, dp) if plan.dp_flavour == "zero1" else "")
+    return text + sharded_states_optimizer(plan)

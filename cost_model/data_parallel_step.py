@@ -6,8 +6,13 @@ its own way:
 - **DDP**: every rank holds everything; gradients are all-reduced in buckets filled in
   backward order (1 MiB, then 25 MiB: torch DDP's defaults), each bucket's all-reduce starting
   when the segment that fills it finishes its backward.
-- **ZeRO-1** (torch's ``ZeroRedundancyOptimizer``): optimizer states sharded; gradients
-  all-reduced as DDP's; after the optimizer step each parameter is broadcast from its owner.
+- **ZeRO-1** (codegen's ``ShardedStatesOptimizer``, for every program): optimizer states
+  sharded; gradients all-reduced as DDP's (or a graph program's hooks); each rank steps its
+  1/dp slice of every weight (plain-tensor views, so no DTensor dispatch), then all-gathers
+  each sliced weight's updated pieces: one all-gather per weight, of its whole local tensor,
+  issued one after another (gloo and NCCL alike: synchronous calls). A weight with no
+  dimension dp divides (``planner.sharded_states_layout.sliced_dim``) is stepped whole on
+  every rank and never gathered.
 - **ZeRO-2** (FSDP2 keeping weights after forward): gradients and states sharded; gradients
   reduce-scattered per unit (segment) after every micro-batch; the updated weights all-gathered
   after the step.
@@ -216,20 +221,18 @@ class DataParallelStep(StepContributor):
         return _GradientReduction(tasks, device)
 
     def after_optimizer(self, tasks, device: str, segments: list[Segment], step: int) -> None:
-        """ZeRO-1's broadcasts of the updated weights; ZeRO-2's all-gather of them."""
+        """ZeRO-1's all-gathers of the updated slices, weight by weight; ZeRO-2's all-gather
+        of the updated weights."""
         context = tasks.context
         if context.dp == 1:
             return
         if context.plan.dp_flavour == "zero1":
-            # torch's ZeroRedundancyOptimizer (codegen's ZeRO-1) broadcasts each updated
-            # parameter from the rank that owns it: one broadcast per parameter tensor, all
-            # issued asynchronously and then waited for (gloo runs them on its worker threads).
+            # ShardedStatesOptimizer.step gathers each sliced weight in its own blocking
+            # all_gather_single once the inner step is done: one after another.
             element_bytes = PARAM_BYTES[context.plan.precision][0]
-            sizes = [count * element_bytes for s in segments for name, count in s.params.items()
-                     if name not in s.per_rank]
-            at_once = defaults.GLOO_COLLECTIVE_THREADS if context.cluster.backend == "gloo" else 1
-            pieces = [(context.collective("broadcast", size, "dp") / at_once, 1) for size in sizes if size > 0]
-            tasks.graph.add_pieces(f"broadcast updated weights ({len(pieces)} parameters)", (device, "collective"),
+            pieces = [(context.collective("all_gather", count * element_bytes, "dp"), 1)
+                      for s in segments for count in s.zero1_gathered_elements(context.dp)]
+            tasks.graph.add_pieces(f"all-gather updated slices ({len(pieces)} parameters)", (device, "collective"),
                                    pieces, deps=[step], kind="comm")
         elif context.plan.dp_flavour == "zero2":
             gathered = sum(s.shardable_elements() for s in segments) * PARAM_BYTES[context.plan.precision][0]
@@ -247,8 +250,8 @@ class DataParallelStep(StepContributor):
             weights=dp if flavour == "fsdp" else 1,
             gradients=dp if flavour in SHARDED_GRADIENTS else 1,
             states=dp if flavour in SHARDED_STATES else 1,
-            optimizer_tensor_split=dp if sharded and flavour == "zero1" else 1,
             dtensor_parameters=sharded and flavour != "zero1",
+            steps_local_pieces=sharded and flavour == "zero1",
         )
 
     def communication_buffer_bytes(self, context: StepContext, segments: list[Segment], elements: float,
@@ -267,17 +270,20 @@ class DataParallelStep(StepContributor):
             return
         element_bytes = PARAM_BYTES[context.plan.precision][1]
         grads = sum(segment.params[n] for n in segment.dp_synced) * element_bytes
-        # fsdp: all-gather twice + reduce-scatter; zero1: all-reduce + all-gather of the
-        # updated weights; ddp: all-reduce; zero2: reduce-scatter + all-gather. Gradient
-        # accumulation (no pipeline) repeats FSDP's gathers and FSDP2's reduce-scatters
-        # for every micro-batch.
+        # fsdp: all-gather twice + reduce-scatter; zero1: all-reduce, then its all-gathers
+        # of the updated slices (below); ddp: all-reduce; zero2: reduce-scatter +
+        # all-gather. Gradient accumulation (no pipeline) repeats FSDP's gathers and
+        # FSDP2's reduce-scatters for every micro-batch.
         flavour = context.plan.dp_flavour
         gathers = context.micro_batches if context.plan.pipeline is None else 1  # FSDP's, per micro-batch
         reductions = context.micro_batches if self.reduces_every_micro_batch(context) else 1
-        units = {"fsdp": 2 * gathers + reductions, "zero1": 2 * reductions + 1, "zero2": reductions + 1,
+        units = {"fsdp": 2 * gathers + reductions, "zero1": 2 * reductions, "zero2": reductions + 1,
                  "ddp": 2 * reductions}[flavour]
         factor = units * (context.dp - 1) / context.dp
         totals["dp"] = totals.get("dp", 0.0) + grads * factor
+        if flavour == "zero1":
+            gathered = sum(segment.zero1_gathered_elements(context.dp)) * PARAM_BYTES[context.plan.precision][0]
+            totals["dp"] += gathered * (context.dp - 1) / context.dp
         if flavour == "fsdp":  # what is not gathered again for backward
             kept = (segment.shardable_elements() - fsdp_regathered_elements(context, segment)) * element_bytes
             totals["dp"] -= kept * gathers * (context.dp - 1) / context.dp

@@ -33,8 +33,3 @@ ADAM_BYTES_ACCESSED_PER_PARAM_BYTE = 7
 # (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB); the last bucket cannot overlap.
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
-
-# Worker threads of torch's gloo process group (``ProcessGroupGloo::Options``, 2 by default):
-# collectives issued asynchronously (``async_op=True``) and waited for together run this many
-# at a time; NCCL runs them one after another on its stream.
-GLOO_COLLECTIVE_THREADS = 2

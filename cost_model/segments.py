@@ -19,6 +19,7 @@ from cost_model.host_dispatch import host_wait
 from cost_model.node_costs import NodeCost
 from cost_model.step_context import StepContext
 from planner.graph import OpGraph
+from planner.sharded_states_layout import sliced_dim
 
 
 @dataclass
@@ -44,6 +45,9 @@ class Segment:
     score_bytes: float = 0.0
     score_forward_s: float = 0.0
     params: dict[str, float] = field(default_factory=dict)  # name -> local bytes per element-size 1
+    # name -> the local tensor's shape where it is known (not for an MoE layout's parts of
+    # expert weights): which dimension ZeRO-1 slices (planner.sharded_states_layout).
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dp_synced: set[str] = field(default_factory=set)
     axis_bytes: dict[str, float] = field(default_factory=dict)
     axis_sync_s: float = 0.0  # NodeCost.axis_sync_s of its nodes
@@ -55,6 +59,26 @@ class Segment:
     def shardable_elements(self) -> float:
         """Local parameter elements the dp flavour shards (all but ``per_rank`` ones)."""
         return sum(count for name, count in self.params.items() if name not in self.per_rank)
+
+    def zero1_gathered_elements(self, dp: int) -> list[float]:
+        """Local elements of each weight that ZeRO-1 over ``dp`` ranks all-gathers after the
+        optimizer step (one all-gather each, of the whole local tensor): every weight but the
+        ``per_rank`` ones (stepped whole on their rank) and those with no dimension ``dp``
+        divides (stepped whole everywhere); a weight of unknown local shape counts as sliced."""
+        return [count for name, count in self.params.items()
+                if count > 0 and name not in self.per_rank
+                and (name not in self.shapes or sliced_dim(self.shapes[name], dp) is not None)]
+
+
+def local_shape(shape, placements, axes) -> tuple[int, ...]:
+    """A tensor's local shape under ``placements`` on a mesh of ``axes`` ((name, size) each):
+    each ``Shard(d)`` divides dimension d by its axis's size (rounded up: DTensor's first
+    ranks hold the larger pieces of an uneven split)."""
+    local = list(shape)
+    for (_, size), placement in zip(axes, placements):
+        if isinstance(placement, Shard):
+            local[placement.dim] = -(-local[placement.dim] // size)
+    return tuple(local)
 
 
 @dataclass(frozen=True)
@@ -68,7 +92,9 @@ class SegmentProfile:
     ``param_elements`` are the local parameter elements (``synced_elements`` those whose
     gradients are reduced over ``dp``); ``input_bytes`` what it reads from earlier segments;
     ``synced_tensors`` the elements of each parameter tensor reduced over ``dp`` (a graph
-    program reduces each in its own collective) and ``param_tensors`` how many it has.
+    program reduces each in its own collective) and ``param_tensors`` how many it has;
+    ``synced_shapes`` the local shape of each of those tensors (None where unknown), from
+    which ZeRO-1's gathers follow for any ``dp`` (``planner.sharded_states_layout``).
     """
 
     name: str
@@ -81,6 +107,14 @@ class SegmentProfile:
     input_bytes: float
     synced_tensors: tuple[float, ...] = ()
     param_tensors: int = 0
+    synced_shapes: tuple[tuple[int, ...] | None, ...] = ()
+
+    def zero1_gathered_tensors(self, dp: int) -> list[float]:
+        """Elements of each of ``synced_tensors`` that ZeRO-1 over ``dp`` ranks all-gathers
+        after the step: those with a dimension ``dp`` divides, or of unknown shape."""
+        shapes = self.synced_shapes or (None,) * len(self.synced_tensors)
+        return [size for size, shape in zip(self.synced_tensors, shapes)
+                if shape is None or sliced_dim(shape, dp) is not None]
 
 @dataclass(frozen=True)
 class SegmentMembers:
@@ -165,6 +199,8 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
             if layer is not None and param in layer.expert_weights:
                 # The layout says which experts (or which slice of each) a device holds.
                 segment.params[param] = meta.numel * layer.param_fraction
+                if layer.param_fraction == 1:
+                    segment.shapes[param] = tuple(meta.shape)
                 if layer.gradients_synced:
                     if dp_index is not None:
                         segment.dp_synced.add(param)
@@ -173,6 +209,7 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
                 continue
             shards = math.prod(size for (axis, size), p in zip(context.mesh.axes, placements) if isinstance(p, Shard))
             segment.params[param] = meta.numel / shards
+            segment.shapes[param] = local_shape(meta.shape, placements, context.mesh.axes)
             # The loss depends on every rank's own samples, so the gradient of every
             # weight replicated over dp is a partial sum there, whatever its op's output.
             if dp_index is not None and isinstance(placements[dp_index], Replicate):

@@ -197,6 +197,7 @@ class Simulator:
         profiles = []
         for segment in self.segments():
             by_mode = {mode: activation_bytes(segment, mode) for mode in RECOMPUTE_MODES}
+            synced = [name for name in sorted(segment.dp_synced) if segment.params[name] > 0]
             profiles.append(SegmentProfile(
                 name=segment.name,
                 block=segment.block,
@@ -210,8 +211,9 @@ class Simulator:
                 param_elements=sum(segment.params.values()),
                 synced_elements=sum(segment.params[name] for name in segment.dp_synced),
                 input_bytes=segment.input_bytes,
-                synced_tensors=tuple(segment.params[name] for name in sorted(segment.dp_synced) if segment.params[name] > 0),
+                synced_tensors=tuple(segment.params[name] for name in synced),
                 param_tensors=len(segment.params),
+                synced_shapes=tuple(segment.shapes.get(name) for name in synced),
             ))
         return profiles
 

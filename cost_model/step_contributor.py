@@ -65,27 +65,37 @@ example, the data-parallel flavours)::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from planner.sharded_states_layout import sliced_dim
 
 
 @dataclass(frozen=True)
 class ParameterSharding:
     """How the owner of the parameters splits what each device holds of the shardable ones
     (all but an MoE layout's per-rank experts): the divisors of their weights, gradients and
-    optimizer states; over how many ranks the optimizer's per-tensor updates are divided
-    (ZeRO-1's ``ZeroRedundancyOptimizer`` gives each rank whole tensors); whether the
-    parameters are DTensors (FSDP2), so the optimizer's ops pay DTensor's dispatch."""
+    optimizer states; whether the parameters are DTensors (FSDP2), so the optimizer's ops pay
+    DTensor's dispatch; whether the optimizer steps plain-tensor pieces of the local weights
+    instead (ZeRO-1's ``ShardedStatesOptimizer``: a piece of every tensor, never a DTensor,
+    even in a graph program whose weights are DTensors). Those pieces are cut only from
+    weights with a dimension ``states`` divides (``planner.sharded_states_layout``): the
+    others keep whole states (``whole_state_elements``)."""
 
     weights: int = 1
     gradients: int = 1
     states: int = 1
-    optimizer_tensor_split: int = 1
     dtensor_parameters: bool = False
+    steps_local_pieces: bool = False
 
-    def updated_tensors(self, tensors: int) -> int:
-        """Parameter tensors one device's optimizer updates, of the ``tensors`` it holds."""
-        return math.ceil(tensors / self.optimizer_tensor_split) if self.optimizer_tensor_split > 1 else tensors
+    def whole_state_elements(self, params: dict[str, float], shapes: dict[str, tuple[int, ...]],
+                             per_rank: set[str]) -> float:
+        """Elements of the shardable ``params`` (name -> local elements; ``shapes``: their
+        local shapes where known) whose optimizer states are not divided by ``states``: under
+        ZeRO-1's pieces, the weights with no dimension it divides; otherwise none."""
+        if not self.steps_local_pieces:
+            return 0.0
+        return sum(count for name, count in params.items()
+                   if name not in per_rank and name in shapes and sliced_dim(shapes[name], self.states) is None)
 
 
 class StepContributor:

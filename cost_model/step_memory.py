@@ -26,10 +26,12 @@ def parameter_sharding(context: StepContext, contributors: tuple[StepContributor
 
 def optimizer_state_bytes(context: StepContext, segments: list[Segment], sharding: ParameterSharding) -> float:
     """Bytes the optimizer step reads and writes on a device holding ``segments``: weights,
-    gradients and states of its parameters, the shardable ones divided by the states' shards."""
+    gradients and states of its parameters, the shardable ones divided by the states' shards
+    (but for those ZeRO-1 steps whole: ``ParameterSharding.whole_state_elements``)."""
     weights, grads, states = PARAM_BYTES[context.plan.precision]
     elements = sum(sum(s.params.values()) for s in segments)
     shardable = sum(s.shardable_elements() for s in segments)
+    shardable -= sum(sharding.whole_state_elements(s.params, s.shapes, s.per_rank) for s in segments)
     return (shardable / sharding.states + elements - shardable) * (weights + grads + states)
 
 
@@ -44,9 +46,11 @@ def stage_memory(context: StepContext, contributors: tuple[StepContributor, ...]
         # the bf16 flat group, in fp32) beside the 16-bit gradients each backward writes.
         grad_b = FP32_GRADIENT_BYTES + grad_b
     params: dict[str, float] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     per_rank: set[str] = set()
     for segment in segments:
         params.update(segment.params)
+        shapes.update(segment.shapes)
         per_rank |= segment.per_rank
     elements = sum(params.values())
     own = sum(count for name, count in params.items() if name in per_rank)  # never sharded over dp
@@ -54,7 +58,8 @@ def stage_memory(context: StepContext, contributors: tuple[StepContributor, ...]
     sharding = parameter_sharding(context, contributors)
     weights = shared * weight_b / sharding.weights + own * weight_b
     grads = shared * grad_b / sharding.gradients + own * grad_b
-    states = shared * state_b / sharding.states + own * state_b
+    whole = sharding.whole_state_elements(params, shapes, per_rank)  # ZeRO-1 steps these whole
+    states = (shared - whole) * state_b / sharding.states + (own + whole) * state_b
     buffers_state = sum(meta.nbytes for meta in context.graph.buffers.values()) if stage == 0 else 0
     activations = _peak_activations(context, stage, segments)
     comm = 0.0

@@ -144,13 +144,13 @@ class StepTasks:
 
     def _optimizer_time(self, state_bytes: float, segments: list[Segment], sharding: ParameterSharding) -> float:
         """One device's AdamW step. On gloo (CPU tensors) torch.optim runs its single-tensor
-        implementation, op by op over the parameter tensors the device updates (ZeRO-1: its
-        share of them), each op dispatched on DTensors where the parameters are ones (FSDP2's
-        FSDP and ZeRO-2, graph programs); elsewhere the fused kernel."""
+        implementation, op by op over the parameter tensors the device holds (ZeRO-1: a piece
+        of each), each op dispatched on DTensors where the parameters are ones (FSDP2's FSDP
+        and ZeRO-2, graph programs, but not ZeRO-1's plain pieces); elsewhere the fused kernel."""
         if optimizer_implementation(self.context.cluster.backend) != "single_tensor":
             return optimizer_step_time(state_bytes, self.context.device)
-        tensors = sharding.updated_tensors(sum(len(segment.params) for segment in segments))
-        on_dtensors = self.context.graph_program or sharding.dtensor_parameters
+        tensors = sum(len(segment.params) for segment in segments)
+        on_dtensors = (self.context.graph_program or sharding.dtensor_parameters) and not sharding.steps_local_pieces
         dispatch = (self.context.device.dtensor_op_overhead_s or 0.0) if on_dtensors else 0.0
         return optimizer_step_time(state_bytes, self.context.device, "single_tensor", tensors=tensors,
                                    dispatch_s=dispatch)

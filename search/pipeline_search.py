@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -513,11 +512,10 @@ class PipelineGrid:
                 reduce = sum(self._dp_collective("all_reduce", size * grads, config) for p in members for size in p.synced_tensors)
                 after += max(0.0, reduce - device_times[device] * 2 / 3)
                 if flavour == "zero1":
-                    # ZeroRedundancyOptimizer: one broadcast per parameter (as the simulator's
-                    # step tasks), run GLOO_COLLECTIVE_THREADS at a time on gloo.
-                    at_once = defaults.GLOO_COLLECTIVE_THREADS if self.cluster.backend == "gloo" else 1
-                    after += sum(self._dp_collective("broadcast", size * weights, config)
-                                 for p in members for size in p.synced_tensors) / at_once
+                    # ShardedStatesOptimizer: one all-gather per sliced weight, one after
+                    # another (as the simulator's step tasks, cost_model.data_parallel_step).
+                    after += sum(self._dp_collective("all_gather", size * weights, config)
+                                 for p in members for size in p.zero1_gathered_tensors(dp))
             tail = max(tail, after)
         return compute + tail
 
@@ -591,15 +589,15 @@ class PipelineGrid:
 
     def _optimizer_time(self, state_bytes: float, members: list, config: Configuration) -> float:
         """One device's AdamW step, as the simulator prices it (``cost_model.step_tasks``): on
-        gloo, torch.optim's single-tensor loop over the device's parameter tensors (ZeRO-1:
-        its share), on DTensors (a graph program's parameters); elsewhere the fused kernel."""
+        gloo, torch.optim's single-tensor loop over the device's parameter tensors, on
+        DTensors (a graph program's parameters) except under ZeRO-1, which steps plain-tensor
+        pieces of every one; elsewhere the fused kernel."""
         if self.cluster.backend != "gloo":
             return optimizer_step_time(state_bytes, self.device)
         tensors = sum(p.param_tensors for p in members)
-        if config.dp > 1 and config.flavour == "zero1":
-            tensors = math.ceil(tensors / config.dp)
+        pieces = config.dp > 1 and config.flavour == "zero1"
         return optimizer_step_time(state_bytes, self.device, "single_tensor", tensors=tensors,
-                                   dispatch_s=self.device.dtensor_op_overhead_s or 0.0)
+                                   dispatch_s=0.0 if pieces else self.device.dtensor_op_overhead_s or 0.0)
 
     def _dp_collective(self, kind: str, size: float, config: Configuration) -> float:
         """A collective over one dp group of ``config``'s mesh (dp is outside tp: stride tp),

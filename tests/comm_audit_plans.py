@@ -19,6 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 GPT = {"batch_size": 8, "n_layer": 2}
+# An odd width: ZeRO-1 steps the weights with no dimension dp divides whole and gathers only
+# the others (planner.sharded_states_layout).
+ODD_GPT = {"batch_size": 8, "n_layer": 1, "n_head": 3, "n_embd": 63}
 MLP = {"batch_size": 8}
 
 
@@ -72,6 +75,7 @@ def plans(world: int) -> dict[str, planner.Plan]:
         "mlp-ddp": baselines.ddp(_spec("examples/mlp.py", MLP), cluster),
         "gpt-ddp": baselines.ddp(gpt, cluster),
         "gpt-zero1": baselines.zero(gpt, cluster, stage=1),
+        "gpt-odd-zero1": baselines.zero(_spec("examples/gpt.py", ODD_GPT), cluster, stage=1),
         "gpt-zero2": baselines.zero(gpt, cluster, stage=2),
         "gpt-fsdp": baselines.fsdp(gpt, cluster),
         "gpt-megatron-tp2": baselines.megatron(gpt, cluster, tp=2, precision="fp32"),
@@ -85,6 +89,8 @@ def plans(world: int) -> dict[str, planner.Plan]:
         # At world 2 the copy pair is the whole dp group (one process group): counted as dp.
         cases["moe-ep-sharded-copies"] = moe_sharded_copies(world)
         cases["llama-searched"] = planner.plan(_spec("hf:llama", HF_LLAMA), cluster, progress=False)
+        # A graph program's ZeRO-1: DTensor weights on dp=2 x tp=2, each rank's tp shard sliced over dp.
+        cases["gpt-megatron-tp2-zero1"] = baselines.megatron(gpt, cluster, tp=2, precision="fp32", dp_flavour="zero1")
     # Gradient accumulation over two micro-batches: DDP reduces once (no_sync), FSDP2 gathers
     # and reduce-scatters every micro-batch, a graph program reduces in every backward.
     for case in ("gpt-ddp", "gpt-fsdp", "gpt-megatron-tp2"):

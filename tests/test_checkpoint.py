@@ -90,6 +90,7 @@ def programs(tmp_path_factory) -> dict[str, Path]:
 
     write("one", planner.plan(GPT, "cpu:1x1", dp_flavour="ddp", precision="fp32"))
     write("fsdp", planner.plan(GPT, "cpu:1x2", dp_flavour="fsdp", precision="fp32"))
+    write("zero1", planner.plan(GPT, "cpu:1x2", dp_flavour="zero1", precision="fp32"))
     graph, spec, name, cluster = prepare_model(GPT, "cpu:1x2")
     write("tp", megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32"))
     write("pp", megatron_plan(graph, cluster, spec, name, pp=2, schedule="1f1b", micro_batch=2, precision="fp32"))
@@ -260,6 +261,22 @@ def test_zero1_of_a_graph_program_trains_and_checkpoints_its_pieces(programs, re
     last = _losses(_ok(_torchrun(1, str(programs["one"] / "launch.py"), "--steps", "8", *common, "--resume", cwd=tmp_path)))
     assert "at step 2" in middle and sorted(_losses(middle)) == [3, 4] and sorted(last) == [5, 6, 7, 8]
     for step, loss in {**first, **_losses(middle), **last}.items():
+        assert loss == pytest.approx(reference_losses[step], abs=1e-5), step
+
+
+def test_zero1_of_the_data_parallel_program_resumes_onto_another_plan(programs, reference_losses, tmp_path) -> None:
+    """The data-parallel ZeRO-1 program (DDP and ShardedStatesOptimizer on dp=2) resumes one
+    device's checkpoint of step 2 into each rank's pieces, trains steps 3-4 and saves (each
+    piece's states as its box of the whole weight); the FSDP program resumes from that for
+    steps 5-8. Every loss is the uninterrupted single device's."""
+    saved = tmp_path / "ckpt"
+    common = ["--checkpoint-dir", str(saved), "--save-every", "2"]
+    first = _losses(_ok(_torchrun(1, str(programs["one"] / "launch.py"), "--steps", "2", *common, cwd=tmp_path)))
+    middle = _ok(_torchrun(2, str(programs["zero1"] / "launch.py"), "--steps", "4", *common, "--resume", cwd=tmp_path))
+    last = _ok(_torchrun(2, str(programs["fsdp"] / "launch.py"), "--steps", "8", *common, "--resume", cwd=tmp_path))
+    assert "at step 2" in middle and "at step 4" in last
+    assert sorted(_losses(middle)) == [3, 4] and sorted(_losses(last)) == [5, 6, 7, 8]
+    for step, loss in {**first, **_losses(middle), **_losses(last)}.items():
         assert loss == pytest.approx(reference_losses[step], abs=1e-5), step
 
 

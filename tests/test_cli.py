@@ -93,7 +93,7 @@ def test_plan_overrides_and_forced_flavour(capsys, tmp_path):
 @pytest.mark.parametrize(
     ("flavour", "report_text", "program_text"),
     [
-        ("zero1", "ZeRO-1: optimizer states sharded over dp", "ZeroRedundancyOptimizer("),
+        ("zero1", "ZeRO-1: optimizer states sharded over dp", "ShardedStatesOptimizer("),
         ("zero2", "ZeRO-2: optimizer states and gradients sharded over dp", "reshard_after_forward=False)"),
     ],
 )

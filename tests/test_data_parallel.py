@@ -54,12 +54,12 @@ def test_small_model_on_two_processes_is_data_parallel():
     assert plan.inputs == {"inputs": S0, "targets": S0}
     assert plan.batch_size == 16
     # Plenty of memory and a tiny model: no flavour is short of memory, so the step time
-    # decides. On gloo (the cpu preset) AdamW runs op by op on each parameter tensor, and
-    # ZeRO-1 steps only its half of the tensors; broadcasting the few updated weights (two at
-    # a time on gloo's worker threads) costs less than that saves. ZeRO-2 and FSDP all-reduce
-    # the whole gradient on gloo (it has no reduce-scatter) and gather the weights besides.
-    assert plan.dp_flavour == "zero1"
-    assert [alt.name for alt in plan.runners_up] == ["ddp (dp=2)", "zero2 (dp=2)", "fsdp (dp=2)", "baseline megatron (tp=2)"]
+    # decides, and DDP does least. ZeRO-1 steps half of every weight (AdamW still runs op by
+    # op over every tensor on gloo, a piece each) and then all-gathers each updated weight,
+    # one call after another; ZeRO-2 and FSDP all-reduce the whole gradient on gloo (it has
+    # no reduce-scatter) and gather the weights besides.
+    assert plan.dp_flavour == "ddp"
+    assert [alt.name for alt in plan.runners_up] == ["zero1 (dp=2)", "zero2 (dp=2)", "fsdp (dp=2)", "baseline megatron (tp=2)"]
     assert all(alt.fits and alt.step_time_s > plan.estimate.step_time_s for alt in plan.runners_up)
 
 
@@ -144,6 +144,11 @@ def test_ddp_step_time_by_hand():
 # ----------------------------------------------------------------- memory-tight
 
 
+def by_name_of(plan) -> dict:
+    """``plan``'s runners-up by name."""
+    return {alt.name: alt for alt in plan.runners_up}
+
+
 def _memory_by_flavour(graph, cluster, spec) -> dict[str, int]:
     return {f: data_parallel_plan(graph, cluster, spec, "GPT", f).estimate.memory.total for f in DATA_PARALLEL_FLAVOURS}
 
@@ -156,13 +161,15 @@ def test_memory_tight_accumulates_gradients_rather_than_gather_weights(gpt):
     assert memory["ddp"] > memory["zero1"] > memory["zero2"] > memory["fsdp"]
     tight = with_device_memory(cluster, (memory["zero2"] + memory["fsdp"]) // 2)  # at once, only FSDP fits
     plan = plan_data_parallel(graph, tight, spec, "GPT")
-    # ZeRO-1 over two micro-batches of two samples each: one micro-batch's activations at a
-    # time, faster than FSDP, which gathers every block's weights twice a step (and than
-    # ZeRO-2, whose gradient reduction is a whole all-reduce on gloo besides its gather).
-    assert plan.name == "zero1 (dp=2; 2 micro-batches)" and plan.accumulation_steps == 2 and plan.estimate.fits
-    at_once = data_parallel_plan(graph, cluster, spec, "GPT", "zero1").estimate.memory
+    # ZeRO-2 over two micro-batches of two samples each: one micro-batch's activations at a
+    # time, faster than FSDP, which gathers every block's weights twice a step, and than
+    # ZeRO-1, which after the step all-gathers each of the model's weights in its own call,
+    # one after another (ShardedStatesOptimizer), where ZeRO-2 gathers them in one.
+    assert plan.name == "zero2 (dp=2; 2 micro-batches)" and plan.accumulation_steps == 2 and plan.estimate.fits
+    assert by_name_of(plan)["zero1 (dp=2; 2 micro-batches)"].step_time_s > plan.estimate.step_time_s
+    at_once = data_parallel_plan(graph, cluster, spec, "GPT", "zero2").estimate.memory
     assert plan.estimate.memory.activations == pytest.approx(at_once.activations / 2, rel=0.02)
-    by_name = {alt.name: alt for alt in plan.runners_up}
+    by_name = by_name_of(plan)
     assert by_name["fsdp (dp=2)"].fits and by_name["fsdp (dp=2)"].memory_bytes == memory["fsdp"]
     assert by_name["fsdp (dp=2)"].step_time_s > plan.estimate.step_time_s
     assert not by_name["ddp (dp=2)"].fits and by_name["ddp (dp=2)"].memory_bytes == memory["ddp"]  # not even 1 sample at a time
@@ -171,16 +178,17 @@ def test_memory_tight_accumulates_gradients_rather_than_gather_weights(gpt):
 
 def test_memory_tight_for_ddp_chooses_zero(gpt):
     # Between ZeRO-1's and DDP's needs: all but DDP fit at once (DDP does in two micro-batches),
-    # and ZeRO-1 is the fastest of them on gloo (DDP's all-reduce, half the optimizer's
-    # per-tensor ops; ZeRO-2 and FSDP all-reduce the whole gradient and gather weights too).
+    # and ZeRO-2 is the fastest of them on gloo: one all-reduce of the whole gradient and one
+    # all-gather of the updated weights, where ZeRO-1 gathers each weight in its own call
+    # (ShardedStatesOptimizer) and FSDP gathers every block twice.
     spec, graph = gpt
     cluster = Cluster.preset("cpu", 1, 2)
     memory = _memory_by_flavour(graph, cluster, spec)
     plan = plan_data_parallel(graph, with_device_memory(cluster, (memory["ddp"] + memory["zero1"]) // 2), spec, "GPT")
-    assert plan.dp_flavour == "zero1"
-    by_name = {alt.name: alt for alt in plan.runners_up}
+    assert plan.dp_flavour == "zero2"
+    by_name = by_name_of(plan)
     assert by_name["ddp (dp=2; 2 micro-batches)"].fits
-    assert by_name["zero2 (dp=2)"].fits and by_name["fsdp (dp=2)"].fits
+    assert by_name["zero1 (dp=2)"].fits and by_name["fsdp (dp=2)"].fits
     assert all(alt.step_time_s > plan.estimate.step_time_s for alt in plan.runners_up if alt.fits)
 
 

@@ -157,7 +157,7 @@ def comments_and_code(source: str) -> tuple[str, str]:
 CLAIMS = {
     "DDP": ("DistributedDataParallel(",),
     "DistributedDataParallel": ("DistributedDataParallel(",),
-    "ZeroRedundancyOptimizer": ("ZeroRedundancyOptimizer(",),
+    "ShardedStatesOptimizer": ("ShardedStatesOptimizer(",),
     "FSDP2": ("fully_shard(",),
     "all-gather": ("fully_shard(",),
     "reduce-scatter": ("fully_shard(",),
@@ -165,7 +165,7 @@ CLAIMS = {
     '"replicate"': ("hybrid_mesh(",),
     '"shard"': ("hybrid_mesh(",),
     "all-to-all": ("all_to_all",),
-    "broadcast": ("ZeroRedundancyOptimizer(", "broadcast("),
+    "broadcast": ("DistributedDataParallel(", "broadcast("),
 }
 
 

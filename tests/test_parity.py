@@ -4,7 +4,7 @@ For each example model (MLP, GPT, CNN, a tiny HuggingFace GPT-2) and each data-p
 flavour (DDP, ZeRO-1, ZeRO-2, FSDP) at world sizes 2 and 4, the compiled program's sharded
 step (outputs, loss, every gradient, every updated parameter) must equal the same step on one
 device (``codegen.runtime.parity.check_parity``, the comparison behind ``launch.py --check``).
-ZeRO-1's step goes through the program's ``make_optimizer`` hook (a ZeroRedundancyOptimizer).
+ZeRO-1's step goes through the program's ``make_optimizer`` hook (a ShardedStatesOptimizer).
 GPT with DDP and GPT-2 with FSDP also run with every block recomputed in backward
 (``codegen.runtime.recompute``), and GPT-2 with ZeRO-2 in bf16 mixed precision.
 
@@ -76,16 +76,18 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     """Negative control: the bare model, no DistributedDataParallel around it."""
     return model
 '''
-# Appended to a compiled ZeRO-1 program: each rank keeps the states of its share of the
-# parameters and updates that share only, but never broadcasts it (what ZeroRedundancyOptimizer
-# adds), so the replicas drift apart after the step. Only a check that builds its optimizer
-# through the program's make_optimizer can see it.
-WITHOUT_BROADCAST = '''
+# Appended to a compiled ZeRO-1 program: each rank keeps the states of its slice of every
+# weight and updates that slice only, but never all-gathers the updated slices (what
+# ShardedStatesOptimizer.step ends with), so the replicas drift apart after the step. Only a
+# check that builds its optimizer through the program's make_optimizer can see it.
+WITHOUT_GATHER = '''
 
 def make_optimizer(module, mesh, optimizer_class, **kwargs):
-    """Negative control: states sharded over "dp", updated parameters never broadcast."""
-    rank, size = mesh.get_local_rank("dp"), mesh.size()
-    return optimizer_class(list(module.parameters())[rank::size], **kwargs)
+    """Negative control: states sharded over "dp", updated slices never all-gathered."""
+    optimizer = ShardedStatesOptimizer(module.parameters(), mesh, "dp", optimizer_class, **kwargs)
+    for piece in optimizer.pieces:
+        piece.gather = lambda group, ranks: None
+    return optimizer
 '''
 FAILED_ON_A_TENSOR = re.compile(r"parity FAILED: worst tensor (grad of|updated) net\.\d+\.(weight|bias)")
 
@@ -173,11 +175,11 @@ def _compile(source: str, overrides: dict, world: int, flavour: str, folder: Pat
     return folder
 
 
-def _remove_parameter_broadcast(folder: Path) -> Path:
+def _remove_update_gather(folder: Path) -> Path:
     source = folder / "model_spmd.py"
     text = source.read_text()
-    assert "ZeroRedundancyOptimizer(" in text and "def make_optimizer(" in text, f"{source} is not a ZeRO-1 program:\n{text}"
-    source.write_text(text + WITHOUT_BROADCAST)
+    assert "ShardedStatesOptimizer(" in text and "def make_optimizer(" in text, f"{source} is not a ZeRO-1 program:\n{text}"
+    source.write_text(text + WITHOUT_GATHER)
     return folder
 
 
@@ -199,7 +201,7 @@ class WorldRun:
     world: int
     folders: dict[tuple[str, str], Path]  # (model, flavour) -> compiled program
     broken: Path  # the negative control: DDP without gradient averaging
-    unbroadcast: Path  # the negative control: ZeRO-1 without the broadcast of updated parameters
+    ungathered: Path  # the negative control: ZeRO-1 without the all-gather of updated slices
     launch: Launch
 
     def result(self, folder: Path) -> str:
@@ -216,9 +218,9 @@ def world_run(request, tmp_path_factory) -> WorldRun:
         for model, flavour in CASES
     }
     broken = _remove_gradient_averaging(_compile(*MODELS["mlp"], world, "ddp", root / "mlp_ddp_unaveraged"))
-    unbroadcast = _remove_parameter_broadcast(_compile(*MODELS["mlp"], world, "zero1", root / "mlp_zero1_unbroadcast"))
-    launch = check_many(world, [*folders.values(), broken, unbroadcast], root)
-    return WorldRun(world, folders, broken, unbroadcast, launch)
+    ungathered = _remove_update_gather(_compile(*MODELS["mlp"], world, "zero1", root / "mlp_zero1_ungathered"))
+    launch = check_many(world, [*folders.values(), broken, ungathered], root)
+    return WorldRun(world, folders, broken, ungathered, launch)
 
 
 @pytest.mark.parametrize(("model", "flavour"), CASES, ids=[f"{model}-{flavour}" for model, flavour in CASES])
@@ -238,19 +240,19 @@ def test_unaveraged_gradients_are_reported(world_run: WorldRun) -> None:
 
 
 def test_zero1_step_goes_through_the_program_optimizer(world_run: WorldRun) -> None:
-    # Gradients are right (DDP averages them); only the updated parameters a rank does not
-    # own are stale, and only the program's own make_optimizer could have made them so.
-    result = world_run.result(world_run.unbroadcast)
+    # Gradients are right (DDP averages them); only the slices of the updated parameters a
+    # rank does not step are stale, and only the program's own make_optimizer could have
+    # made them so.
+    result = world_run.result(world_run.ungathered)
     assert result.startswith("FAILED ") and re.search(r"worst tensor updated net\.\d+\.(weight|bias)", result), result
 
 
 def test_compiled_data_parallel_flavours(world_run: WorldRun) -> None:
-    """What each flavour compiles to: ZeRO-1 is DDP plus a ZeroRedundancyOptimizer over "dp";
+    """What each flavour compiles to: ZeRO-1 is DDP plus a ShardedStatesOptimizer over "dp";
     ZeRO-2 is FSDP2 units that keep their gathered weights from forward to backward."""
     source = {flavour: (world_run.folders["gpt", flavour] / "model_spmd.py").read_text() for flavour in FLAVOURS}
     assert "DistributedDataParallel(" in source["zero1"] and "def make_optimizer(" in source["zero1"]
-    assert 'ZeroRedundancyOptimizer(\n        module.parameters(),' in source["zero1"]
-    assert 'process_group=mesh["dp"].get_group()' in source["zero1"]
+    assert 'ShardedStatesOptimizer(module.parameters(), mesh, "dp", optimizer_class, **kwargs)' in source["zero1"]
     assert "def make_optimizer(" not in source["ddp"] + source["zero2"] + source["fsdp"]
     units = ("fully_shard(model.get_submodule('blocks.0'), mesh=dp_mesh, reshard_after_forward=False)",  # repr()'d paths
              "fully_shard(model.get_submodule('blocks.1'), mesh=dp_mesh, reshard_after_forward=False)",

@@ -51,8 +51,7 @@ GPT_SPEC = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer":
 #   placements say) and ``SpmdModule``'s gradient hooks reduce partial gradients; the MoE
 #   layers exchange tokens all-to-all and all-gather the per-expert counts; SUMMA's linears
 #   broadcast blocks (2-D, 2.5-D) or gather and reduce-scatter them (3-D); ZeRO-1's
-#   optimizers broadcast (``ZeroRedundancyOptimizer``) or all-gather
-#   (``ShardedStatesOptimizer``) the updated weights; synchronised batch norm all-reduces
+#   optimizer (``ShardedStatesOptimizer``) all-gathers the updated weights; synchronised batch norm all-reduces
 #   its statistics; FSDP2 on HSDP's 2-D mesh (``hybrid_mesh``) all-reduces the gradient shards
 #   across its replicate groups.
 # Patterns of acronyms match case-sensitively (``\bDDP\b``), collectives in any case.
@@ -64,12 +63,12 @@ _SUMMA = ("summa_linear",)
 BACKING: dict[str, tuple[str, ...]] = {
     r"\bDDP\b|DistributedDataParallel": (_DDP,),
     r"fully_shard|\bFSDP2?\b": _FSDP,
-    r"ZeroRedundancyOptimizer|\bZeRO-1\b": ("ZeroRedundancyOptimizer", "ShardedStatesOptimizer"),
+    r"\bZeRO-1\b": ("ShardedStatesOptimizer",),
     r"(?i:all-reduce|all_reduce|allreduce)": (_DDP, *_GRAPH, *_SUMMA, "synchronise_batch_norm", "hybrid_mesh"),
     r"(?i:all-gather|all_gather)": (*_FSDP, *_GRAPH, *_MOE, *_SUMMA, "ShardedStatesOptimizer"),
     r"(?i:reduce-scatter|reduce_scatter)": (*_FSDP, *_GRAPH, *_SUMMA, "ExpertSlicedMoE"),
     r"(?i:all-to-all|all_to_all)": _MOE,
-    r"(?i:broadcast)": (_DDP, "ZeroRedundancyOptimizer", *_SUMMA),
+    r"(?i:broadcast)": (_DDP, *_SUMMA),
 }
 
 

@@ -290,7 +290,7 @@ def test_batch_norm_left_per_rank_is_caught(zoo2):
 def test_batch_norm_models_train_like_one_device_in_float64(zoo2, name):
     source = (zoo2.folders[name] / "model_spmd.py").read_text()
     if IN_FLOAT64[name][2] == "zero1":
-        assert "ZeroRedundancyOptimizer(" in source and "synchronise_batch_norm(model" in source, source
+        assert "ShardedStatesOptimizer(" in source and "synchronise_batch_norm(model" in source, source
     else:
         assert "(SpmdModule)" in source and _splits_weights(zoo2.plans[name]), zoo2.plans[name].name
     result = zoo2.result(name)

@@ -18,8 +18,8 @@ DCP reshards every tensor to the placements the new program holds it in:
   parameter it is part of, as the chunks of it this rank holds
   (``codegen.runtime.derived_checkpoint``), so it reshards like any other;
 - ``optim.<name>.<state>``: the optimizer's state of that parameter (AdamW's ``step``,
-  ``exp_avg``, ``exp_avg_sq``), laid out like the parameter; under ZeRO-1 of a graph or
-  pipeline program (``ShardedStatesOptimizer``) a rank holds the states of its piece of each
+  ``exp_avg``, ``exp_avg_sq``), laid out like the parameter; under ZeRO-1
+  (``ShardedStatesOptimizer``) a rank holds the states of its piece of each
   weight only, saved as that piece's box of the whole weight (``derived_checkpoint.BoxPart``);
 - ``train.step``: the number of steps taken, which is also the data position (the loop
   draws step ``s``'s batch from seed ``1000 + s``); ``rng.rank<r>``: each rank's RNG state,
@@ -109,15 +109,10 @@ def model_tensors(model: nn.Module, module: nn.Module) -> dict[str, torch.Tensor
     return tensors
 
 
-def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds the states: ZeRO-1's local optimizer, else ``optimizer``."""
-    return getattr(optimizer, "optim", optimizer)
-
-
 def optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, torch.Tensor | DerivedPart]:
     """``optim.<parameter name>.<state>`` -> each tensor of the optimizer's state (a part
     of a model parameter's states under the source's name, as ``model_tensors`` names it;
-    under ZeRO-1 of a graph or pipeline program, the box of the weight this rank steps).
+    under ZeRO-1, the box of the weight this rank steps).
 
     Raises:
         LaunchError: a state the checkpoint cannot name (a piece of a derived parameter).
@@ -125,7 +120,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> dic
     entries = saved_parameters(model)
     pieces = {id(piece.piece): piece for piece in getattr(optimizer, "pieces", ())}
     tensors: dict[str, torch.Tensor | DerivedPart] = {}
-    for param, state in _inner(optimizer).state.items():
+    for param, state in optimizer.state.items():
         piece = pieces.get(id(param))
         owner = piece.param if piece is not None else param
         if id(owner) not in entries:
@@ -166,7 +161,7 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
     rates = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["lr"] = 0.0
-    # ZeRO-1 of graph programs steps pieces of the weights, taking their gradients from the
+    # ZeRO-1 steps pieces of the weights, taking their gradients from the
     # weights themselves: those get the zeros.
     pieces = getattr(optimizer, "pieces", None)
     params = [piece.param for piece in pieces] if pieces is not None else [

@@ -8,7 +8,7 @@ can be compared. Counting happens at the dispatcher, in one ``TorchDispatchMode`
 ``torch.distributed`` calls (``c10d::allreduce_``, ``_allgather_base_``, ``broadcast_``,
 ``send``, ``alltoall_base_`` ...), functional collectives (``_c10d_functional::*``, which
 DTensor's redistributes and the runtime's autograd collectives issue) and the collectives
-DDP's C++ reducer, FSDP2 and ZeroRedundancyOptimizer launch all pass through it (the
+DDP's C++ reducer, FSDP2 and ZeRO-1's ``ShardedStatesOptimizer`` launch all pass through it (the
 reducer calls ``ProcessGroup::allreduce``, which dispatches ``c10d::allreduce_``); a call is
 seen once, at the outermost op, since the mode is off while it runs the op. Ops on DTensors
 are handed back to DTensor first, so the collectives its sharding propagation issues inside
@@ -24,8 +24,8 @@ S bytes:
   all-to-all              the bytes sent to other ranks (the input less this rank's own chunk;
                           (n-1)/n · S with even splits)
   broadcast               (n-1)/n · S       (the group's average: the root sends S to each of
-                          n-1 ranks, or a chain forwards it; ZeroRedundancyOptimizer's n
-                          broadcasts of 1/n of the weights then add up to an all-gather's)
+                          n-1 ranks, or a chain forwards it: n broadcasts of 1/n of a
+                          tensor then add up to an all-gather's)
   send                    S; a receive sends nothing
   anything else           S, named "(no convention: its size)" in the table
 

@@ -109,7 +109,7 @@ def check_parity(
 
     # Sharded: this rank's module on this rank's slice of the batch.
     local_module = program.parallelize(model, mesh)
-    # Through the program's optimizer hook when it has one (ZeRO-1: a ZeroRedundancyOptimizer).
+    # Through the program's optimizer hook when it has one (ZeRO-1: a ShardedStatesOptimizer).
     local_optimizer = program.make_optimizer(local_module, mesh, optimizer_class(optimizer), lr=lr)
     program_run = NoDropout(counting=False)
     with program_run:

@@ -57,9 +57,10 @@ class Program:
     ``torch.optim.Optimizer`` subclass (``torch.optim.AdamW``) and ``kwargs`` its
     hyper-parameters (``lr=...``): the optimizer of the step, equivalent, parameter by
     parameter, to ``optimizer_class(module.parameters(), **kwargs)``. ZeRO-1 programs define
-    it to return a ``ZeroRedundancyOptimizer`` over ``dp`` (states sharded, updated weights
-    broadcast). ``Program.make_optimizer`` calls the hook when it is defined and builds the
-    plain optimizer otherwise; ``launch.py --check``/``--steps`` build theirs through it.
+    it to return a ``ShardedStatesOptimizer`` over ``dp`` (each rank steps a slice of every
+    weight, the updated slices all-gathered). ``Program.make_optimizer`` calls the hook when
+    it is defined and builds the plain optimizer otherwise; ``launch.py --check``/``--steps``
+    build theirs through it.
     """
 
     folder: Path

@@ -1,14 +1,17 @@
-"""ZeRO-1 for graph and pipeline programs: optimizer states split over ``dp``.
+"""ZeRO-1 of every program: optimizer states split over ``dp``.
 
-Beside tensor or pipeline parallelism a program holds its weights as DTensors whole on
-``dp``, and their gradients end whole there too (all-reduced by the parameters' hooks, as
-DDP does). ``ShardedStatesOptimizer`` then steps each rank's 1/dp of every weight only, so
-AdamW's two moments take 1/dp of the memory (Megatron-LM's distributed optimizer), and
-all-gathers the updated pieces over ``dp`` so every rank holds the whole new weight again.
+A program holds its weights whole on ``dp`` (plain tensors under DDP in the data-parallel
+program; DTensors beside tensor or pipeline parallelism), and their gradients end whole
+there too (all-reduced by DDP's buckets or the parameters' hooks). ``ShardedStatesOptimizer``
+then steps each rank's 1/dp of every weight only, so AdamW's two moments take 1/dp of the
+memory (Megatron-LM's distributed optimizer), and all-gathers the updated pieces over
+``dp`` so every rank holds the whole new weight again: one ``all_gather_single`` per sliced
+weight, of the weight's local tensor, issued one after another once the inner step is done.
 
 Each piece is a view of the rank's own local tensor, so the inner optimizer updates the
-weight in place. A weight with no dimension that ``dp`` divides is stepped whole on every
-rank (its gradient is the same everywhere, so every rank computes the same update).
+weight in place. Which dimension is cut is ``planner.sharded_states_layout.sliced_dim``: a
+weight with no dimension that ``dp`` divides is stepped whole on every rank (its gradient
+is the same everywhere, so every rank computes the same update).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from planner.sharded_states_layout import sliced_dim
+
 __all__ = ["ShardedStatesOptimizer"]
 
 
@@ -29,9 +34,7 @@ class _Piece:
     def __init__(self, param: torch.Tensor, rank: int, ranks: int, whole: bool = False) -> None:
         self.param = param
         self.local = _local(param).detach()  # shares the weight's storage
-        self.dim = None if whole else next(
-            (d for d, size in enumerate(self.local.shape) if size % ranks == 0 and size >= ranks), None
-        )
+        self.dim = None if whole else sliced_dim(self.local.shape, ranks)
         self.start = 0  # where the piece starts on ``dim`` (checkpoints name its box)
         if self.dim is None:
             self.piece = self.local

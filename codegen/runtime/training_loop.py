@@ -130,8 +130,8 @@ class TrainingRun:
 
 def schedulable(optimizer: Any) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` whose groups' ``lr`` a schedule sets: ``optimizer``, or
-    for ZeRO-1 of graph and pipeline programs (``ShardedStatesOptimizer``, not an Optimizer
-    itself) the inner optimizer that holds its groups."""
+    for ZeRO-1 (``ShardedStatesOptimizer``, not an Optimizer itself) the inner optimizer
+    that holds its groups."""
     return optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.inner
 
 
