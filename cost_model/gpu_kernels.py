@@ -144,8 +144,8 @@ class GpuGeneration:
 # under the same 400 W (Horace He, "Strangely, Matrix Multiplications on GPUs Run Faster When
 # Given 'Predictable' Data", 2024, https://www.thonking.ai/p/strangely-matrix-multiplications).
 # We found no published sustained clock for the V100, H100 or H200 under training load, so
-# they take the A100's ratio: an ASSUMPTION (Horace He's post reports H100s as at least as
-# power-bound), to be replaced by a profile.
+# they take the A100's ratio: an ASSUMPTION (Horace He's post argues newer GPUs such as the
+# H100 are more power-bound, not less), to be replaced by a profile.
 SUSTAINED_CLOCK = {"A100": 1305 / 1410}
 
 GENERATIONS = {
