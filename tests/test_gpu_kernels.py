@@ -186,3 +186,13 @@ def test_fp32_keeps_the_roofline():
     node = linear_node(2, 16, 32, 64)
     assert gpu_kernels.kernel_op_times(node, 1.0, A100_DEVICE, "float32", 4) is None
     assert gpu_kernels.kernel_op_times(node, 1.0, A100_DEVICE, "bfloat16", 2) is not None
+
+
+def test_work_of_unknown_shape_gets_the_sustained_ceiling_too():
+    # SUMMA's and MoE experts' roofline work (no shape) takes the best-shaped GEMM's sustained
+    # fraction, never the short-burst MAMF: 0.859 x 1305/1410 = 0.795 on A100, 0.801 x the
+    # same ratio = 0.741 on H100 (assumed, no published H100 sustained clock).
+    assert gpu_kernels.large_matmul_efficiency(A100_DEVICE, "bfloat16") == pytest.approx(0.859 * SUSTAINED)
+    h100 = Cluster.preset("dgx-h100").device_of(0)
+    assert gpu_kernels.large_matmul_efficiency(h100, "bfloat16") == pytest.approx(0.801 * SUSTAINED)
+    assert gpu_kernels.large_matmul_efficiency(A100_DEVICE, "float32") is None
