@@ -143,6 +143,9 @@ class GpuGeneration:
 # on zeros and 257 on randn inputs, 13% slower, because random bits switch more transistors
 # under the same 400 W (Horace He, "Strangely, Matrix Multiplications on GPUs Run Faster When
 # Given 'Predictable' Data", 2024, https://www.thonking.ai/p/strangely-matrix-multiplications).
+# A short loop may already run below the boost clock, so the ratio can count part of the
+# throttling twice: with it, that 8192^3 GEMM is predicted 3.6% under the 257 TFLOP/s of his
+# short loop (``benchmarks/components.py``), the direction a sustained clock should move it.
 # We found no published sustained clock for the V100, H100 or H200 under training load, so
 # they take the A100's ratio: an ASSUMPTION (Horace He's post argues newer GPUs such as the
 # H100 are more power-bound, not less), to be replaced by a profile.
@@ -248,8 +251,8 @@ def attention_efficiency(batch_heads: float, q_len: float, kv_len: float, head_d
 def attention_times(batch_heads: float, q_len: float, kv_len: float, head_dim: int, causal: bool,
                     device: DeviceSpec, dtype: str, generation: GpuGeneration) -> tuple[float, float]:
     """(forward, backward) seconds of fused attention over ``batch_heads`` (batch x heads):
-    FlashAttention-2, slowed by ``ATTENTION_KERNEL_SLOWDOWN`` for the device's
-    ``attention_kernel``."""
+    FlashAttention-2 at the sustained clock, slowed by ``ATTENTION_KERNEL_SLOWDOWN`` for the
+    device's ``attention_kernel``."""
     forward_flops = 4.0 * batch_heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
     shape = attention_efficiency(batch_heads, q_len, kv_len, head_dim, causal, generation)
     peak = device.flops_for(dtype)
