@@ -20,7 +20,9 @@ guide's section 2.3 lists them), never faster than its bytes at the memory bandw
 CUTLASS kernels cuBLAS ships: stages x K-tile. ``ceiling`` is the Maximum Achievable Matmul
 FLOPS (MAMF) measured on each GPU, divided by the model's shape efficiency at the shape where
 it was measured, so the model reproduces the measurement there; since MAMF is the best of a
-search over shapes, no shape's efficiency may exceed it.
+search over shapes, no shape's efficiency may exceed it. MAMF is timed in short bursts, before
+the board's power cap pulls the clock down; a training step sustains the lower clock
+(``SUSTAINED_CLOCK``), so the ceiling is MAMF at that clock, and attention's likewise.
 
 Attention runs as FlashAttention-2 (PyTorch's ``scaled_dot_product_attention`` flash
 backend; a device whose ``attention_kernel`` is the Triton FlashAttention kernel runs slower,
@@ -101,6 +103,8 @@ class GpuGeneration:
         k_overhead: per-tile prologue/epilogue in K iterations (pipeline stages x K tile).
         attention_forward: FlashAttention forward fraction of peak at long sequences, head dim 128.
         attention_backward: the same for its backward.
+        sustained_clock: the clock a training step's tensor-core work sustains under the
+            board's power cap over the clock of those short benchmarks (``SUSTAINED_CLOCK``).
     """
 
     name: str
@@ -110,15 +114,42 @@ class GpuGeneration:
     k_overhead: int
     attention_forward: float
     attention_backward: float
+    sustained_clock: float
+
+    @property
+    def sustained_matmul_fraction(self) -> float:
+        """Fraction of peak the best-shaped GEMM sustains in training: MAMF at the sustained clock."""
+        return self.mamf_fraction * self.sustained_clock
 
     def matmul_efficiency(self, batch: float, m: float, n: float, k: float) -> float:
-        """Fraction of peak a (batch, m, n, k) GEMM reaches: the MAMF measurement scaled by the
-        model's shape efficiency relative to the measured shape, capped at the measurement
-        (MAMF is the best over a search of shapes, so no shape may beat it)."""
+        """Fraction of peak a (batch, m, n, k) GEMM sustains in training: the MAMF measurement
+        at the sustained clock, scaled by the model's shape efficiency relative to the measured
+        shape, capped there (MAMF is the best over a search of shapes, so no shape may beat it)."""
         measured = shape_efficiency(1, *self.mamf_shape, self.sms, self.k_overhead)
         relative = shape_efficiency(batch, m, n, k, self.sms, self.k_overhead) / measured
-        return self.mamf_fraction * min(1.0, relative)
+        return self.sustained_matmul_fraction * min(1.0, relative)
 
+
+# The clock tensor-core work sustains through a training step, over the clock the kernel
+# benchmarks above ran at. MAMF is the fastest of 100 timed iterations after 50 warm-up ones
+# (ml-engineering, compute/accelerator/benchmarks/README.md, "Examples of usage"), and the
+# FlashAttention papers time short loops too: both catch the GPU before its power governor has
+# pulled the clock down, which a step of dense GEMMs, seconds long and repeated for hours, does
+# not. A100-SXM4: 1305 MHz is the clock an A100 sustains at its 400 W power limit running a
+# dense-matmul benchmark for minutes (HPL; NVIDIA computes its TOP500 Rpeak from it), against
+# the 1410 MHz boost clock: 1305 / 1410 = 0.926 (Glenn Lockwood, "Peak FLOPS",
+# https://glennklockwood.com/garden/peak-FLOPS, section "Rpeak"). The power governor does
+# throttle bf16 GEMMs on ordinary data: an A100 8192^3 cuBLAS bf16 GEMM runs at 295 TFLOP/s
+# on zeros and 257 on randn inputs, 13% slower, because random bits switch more transistors
+# under the same 400 W (Horace He, "Strangely, Matrix Multiplications on GPUs Run Faster When
+# Given 'Predictable' Data", 2024, https://www.thonking.ai/p/strangely-matrix-multiplications).
+# A short loop may already run below the boost clock, so the ratio can count part of the
+# throttling twice: with it, that 8192^3 GEMM is predicted 3.6% under the 257 TFLOP/s of his
+# short loop (``benchmarks/components.py``), the direction a sustained clock should move it.
+# We found no published sustained clock for the V100, H100 or H200 under training load, so
+# they take the A100's ratio: an ASSUMPTION (Horace He's post argues newer GPUs such as the
+# H100 are more power-bound, not less), to be replaced by a profile.
+SUSTAINED_CLOCK = {"A100": 1305 / 1410}
 
 GENERATIONS = {
     # V100-SXM2: 80 SMs (NVIDIA Tesla V100 GPU Architecture whitepaper, 2017, table 1). No
@@ -130,7 +161,7 @@ GENERATIONS = {
     # sources we have: 40% forward, 30% backward of the fp16 peak is an ESTIMATE (below
     # FlashAttention-2 on A100, as FlashAttention-1 reached 25-40% there: FlashAttention-2
     # paper, section 1), to be replaced by a profile.
-    "V100": GpuGeneration("V100", 80, 0.822, (6912, 16384, 2048), 64, 0.40, 0.30),
+    "V100": GpuGeneration("V100", 80, 0.822, (6912, 16384, 2048), 64, 0.40, 0.30, SUSTAINED_CLOCK["A100"]),
     # A100-SXM4: 108 SMs (NVIDIA A100 Tensor Core GPU Architecture whitepaper, 2020, table 1).
     # MAMF 267.9 of 312 TFLOP/s = 85.9% at 6912x16384x2048, CUDA 12.1 (Stas Bekman,
     # "Machine Learning Engineering", compute/accelerator/README.md, "Maximum Achievable
@@ -139,17 +170,17 @@ GENERATIONS = {
     # forward up to 73% of peak (FlashAttention-2 paper, abstract and figure 4: "reaching
     # 50-73% of the theoretical maximum FLOPs/s"); backward ~ 60% (figure 4's backward panel,
     # ~ 185-190 TFLOP/s at head dim 128, 16k tokens).
-    "A100": GpuGeneration("A100", 108, 0.859, (6912, 16384, 2048), 192, 0.73, 0.60),
+    "A100": GpuGeneration("A100", 108, 0.859, (6912, 16384, 2048), 192, 0.73, 0.60, SUSTAINED_CLOCK["A100"]),
     # H100-SXM5: 132 SMs (NVIDIA H100 Tensor Core GPU Architecture whitepaper, 2022, table 2).
     # MAMF 792.1 of 989 TFLOP/s = 80.1% at 6144x17920x2816, CUDA 12.1 (same table). K
     # overhead: CUTLASS's SM90 warp-specialised GEMM, 4 stages x K tile 64 = 256. PyTorch's
     # flash backend is FlashAttention-2, which reaches ~ 35% of H100 peak forward and ~ 30%
     # backward (FlashAttention-3 paper, Shah et al. 2024, arXiv:2407.08608, figures 5-6:
     # FlashAttention-2 ~ 330-370 TFLOP/s forward, ~ 280-310 backward, head dim 128, 16k).
-    "H100": GpuGeneration("H100", 132, 0.801, (6144, 17920, 2816), 256, 0.35, 0.30),
+    "H100": GpuGeneration("H100", 132, 0.801, (6144, 17920, 2816), 256, 0.35, 0.30, SUSTAINED_CLOCK["A100"]),
     # H200-SXM: the same GH100 die, 132 SMs (NVIDIA H200 datasheet); its matmul measurement is
     # the GH200's (same die, HBM3e): 821.0 of 989 = 83.0% at 11264x19712x1536 (same table).
-    "H200": GpuGeneration("H200", 132, 0.830, (11264, 19712, 1536), 256, 0.35, 0.30),
+    "H200": GpuGeneration("H200", 132, 0.830, (11264, 19712, 1536), 256, 0.35, 0.30, SUSTAINED_CLOCK["A100"]),
 }
 
 
@@ -220,12 +251,13 @@ def attention_efficiency(batch_heads: float, q_len: float, kv_len: float, head_d
 def attention_times(batch_heads: float, q_len: float, kv_len: float, head_dim: int, causal: bool,
                     device: DeviceSpec, dtype: str, generation: GpuGeneration) -> tuple[float, float]:
     """(forward, backward) seconds of fused attention over ``batch_heads`` (batch x heads):
-    FlashAttention-2, slowed by ``ATTENTION_KERNEL_SLOWDOWN`` for the device's
-    ``attention_kernel``."""
+    FlashAttention-2 at the sustained clock, slowed by ``ATTENTION_KERNEL_SLOWDOWN`` for the
+    device's ``attention_kernel``."""
     forward_flops = 4.0 * batch_heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
     shape = attention_efficiency(batch_heads, q_len, kv_len, head_dim, causal, generation)
     peak = device.flops_for(dtype)
     slow_forward, slow_backward = ATTENTION_KERNEL_SLOWDOWN[device.attention_kernel]
+    peak *= generation.sustained_clock  # the papers' loops are short too (SUSTAINED_CLOCK)
     forward = slow_forward * forward_flops / (peak * generation.attention_forward * shape)
     backward = slow_backward * ATTENTION_BACKWARD_TO_FORWARD * forward_flops / (
         peak * generation.attention_backward * shape)
@@ -332,7 +364,8 @@ def kernel_op_times(node: OpNode, fraction: float, device: DeviceSpec, dtype: st
 
 
 def large_matmul_efficiency(device: DeviceSpec, dtype: str | None) -> float | None:
-    """The measured best-shape fraction of peak for 16-bit matmul work whose shape is unknown
-    (roofline callers such as SUMMA and MoE experts) on a known GPU generation; None elsewhere."""
+    """The fraction of peak the best-shaped 16-bit matmul sustains in training (MAMF at the
+    sustained clock), for matmul work whose shape is unknown (roofline callers such as SUMMA and
+    MoE experts) on a known GPU generation; None elsewhere."""
     generation = generation_of(device)
-    return None if generation is None or dtype not in SIXTEEN_BIT else generation.mamf_fraction
+    return None if generation is None or dtype not in SIXTEEN_BIT else generation.sustained_matmul_fraction

@@ -179,10 +179,11 @@ def test_causal_mask_is_priced_as_the_causal_kernel():
     assert op_times(node, 1.0, A100_DEVICE, "bf16") == pytest.approx(causal)
     unproven = dataclasses.replace(node, attention_mask_kind="arbitrary")
     assert op_times(unproven, 1.0, A100_DEVICE, "bf16") == pytest.approx(full)
-    # Half the FLOPs: time x the reached throughput (peak x 0.73 x the shape efficiency).
+    # Half the FLOPs: time x the reached throughput (peak at the sustained clock x 0.73 x the
+    # shape efficiency).
     def forward_flops(causal_flag: bool, forward: float) -> float:
         shape = attention_efficiency(4, 512, 512, 128, causal_flag, a100)
-        return (forward - defaults.KERNEL_OVERHEAD_S) * 312e12 * 0.73 * shape
+        return (forward - defaults.KERNEL_OVERHEAD_S) * 312e12 * a100.sustained_clock * 0.73 * shape
 
     assert forward_flops(True, causal[0]) == pytest.approx(0.5 * forward_flops(False, full[0]))
     assert forward_flops(False, full[0]) == pytest.approx(4 * 4 * 512 * 512 * 128)

@@ -1,0 +1,160 @@
+"""The simulator's components against the public measurements behind them: GEMM, attention,
+collectives, each predicted figure beside the published one, its source and the signed error.
+
+    python benchmarks/components.py          # every row
+    python benchmarks/components.py --fast   # the first row of each component (a smoke run)
+
+A step's prediction is only as good as its parts; this table shows each part on its own.
+Rows marked ``[constant read from it]`` are the measurements a constant of the model was read
+from: there the error is what the model adds on purpose. The GEMM and attention ceilings are
+short-burst benchmarks, and the model prices tensor-core work at the clock a training step
+sustains under the power cap (``cost_model.gpu_kernels.SUSTAINED_CLOCK``), so it predicts
+about 7% below them by design. The other rows are independent checks.
+
+The layer shapes of 7B, 13B and 70B models (Llama-2/3 widths, one 8192-token micro-batch) are
+printed with the model's efficiency and no error: we found no public per-shape measurement
+of them to compare with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+
+from benchmarks.nccl_fidelity import GIB, PUBLISHED as NCCL_PUBLISHED, predicted as nccl_predicted
+from cost_model.gpu_kernels import attention_times, generation_of, matmul_time
+from planner.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class Row:
+    """One component's prediction beside one public measurement."""
+
+    component: str
+    preset: str
+    case: str
+    published: float
+    predicted: float
+    unit: str
+    source: str
+    sets_constant: bool
+
+    @property
+    def error(self) -> float:
+        """Signed relative error: positive when the model predicts more throughput."""
+        return self.predicted / self.published - 1
+
+
+# (preset, (M, N, K), published bf16 TFLOP/s, source, a constant was read from it)
+GEMM_MEASUREMENTS = [
+    ("dgx-a100-80g", (6912, 16384, 2048), 267.9,
+     "ml-engineering MAMF table, A100 SXM, CUDA 12.1, best of 100 iterations", True),
+    ("dgx-a100-80g", (8192, 8192, 8192), 257.0,
+     "Horace He, 'Strangely, Matrix Multiplications...' 2024: cuBLAS, randn inputs", False),
+    ("dgx-h100", (6144, 17920, 2816), 792.1,
+     "ml-engineering MAMF table, H100 SXM, CUDA 12.1, best of 100 iterations", True),
+    ("dgx-h100", (4224, 2048, 8192), 780.2,
+     "Horace He, gist 'H100 peak matmul FLOPS': CUTLASS max-autotune, vboost 1", False),
+]
+
+# (preset, batch x heads, sequence, head dim, causal, published forward TFLOP/s, source, sets)
+# FlashAttention-2's benchmark: hidden 2048, 16k tokens per batch, so 16 heads of 128 at 16k.
+ATTENTION_MEASUREMENTS = [
+    ("dgx-a100-80g", 16, 16384, 128, False, 0.73 * 312,
+     "FlashAttention-2 paper fig. 4 (A100, 73% of peak forward, head dim 128, 16k)", True),
+    ("dgx-h100", 16, 16384, 128, False, 0.35 * 989.4,
+     "FlashAttention-3 paper figs. 5-6 (FlashAttention-2 on H100, ~35% forward, head dim 128, 16k)", True),
+]
+
+# (model, layer, M, N, K) of one 8192-token micro-batch on one GPU, no tensor parallelism.
+LAYER_SHAPES = [
+    ("7B", "attention qkv", 8192, 3 * 4096, 4096),
+    ("7B", "MLP up (SwiGLU, 11008)", 8192, 11008, 4096),
+    ("7B", "MLP down", 8192, 4096, 11008),
+    ("13B", "attention qkv", 8192, 3 * 5120, 5120),
+    ("13B", "MLP down", 8192, 5120, 13824),
+    ("70B", "MLP up, tp=8 (28672 / 8)", 8192, 3584, 8192),
+    ("70B", "attention out, tp=8 (8192 / 8)", 8192, 8192, 1024),
+]
+
+
+def gemm_tflops(preset: str, m: int, n: int, k: int) -> float:
+    """The model's bf16 TFLOP/s for one (M, N, K) GEMM on the preset's device."""
+    device = Cluster.preset(preset).device_of(0)
+    seconds = matmul_time(1, m, n, k, device, "bfloat16", 2, generation_of(device))
+    return 2 * m * n * k / seconds / 1e12
+
+
+def gemm_rows() -> list[Row]:
+    """GEMM throughput, predicted against the published measurements."""
+    return [Row("GEMM", preset, f"{m}x{n}x{k} bf16", published, gemm_tflops(preset, m, n, k), "TFLOP/s", source,
+                sets)
+            for preset, (m, n, k), published, source, sets in GEMM_MEASUREMENTS]
+
+
+def attention_rows() -> list[Row]:
+    """FlashAttention forward throughput, predicted against the published measurements."""
+    rows = []
+    for preset, batch_heads, seq, head_dim, causal, published, source, sets in ATTENTION_MEASUREMENTS:
+        device = Cluster.preset(preset).device_of(0)
+        forward, _ = attention_times(batch_heads, seq, seq, head_dim, causal, device, "bfloat16",
+                                     generation_of(device))
+        flops = 4 * batch_heads * seq * seq * head_dim * (0.5 if causal else 1.0)
+        case = f"{batch_heads} heads x {seq} x d{head_dim}{' causal' if causal else ''} fwd"
+        rows.append(Row("attention", preset, case, published, flops / forward / 1e12, "TFLOP/s", source, sets))
+    return rows
+
+
+def collective_rows() -> list[Row]:
+    """NCCL collectives (bus bandwidth or latency), from ``benchmarks/nccl_fidelity.py``'s rows."""
+    rows = []
+    for kind, preset, nodes, ranks, size, published, unit, source, sets in NCCL_PUBLISHED:
+        value = nccl_predicted(kind, Cluster.preset(preset, nodes=nodes), ranks, size, unit)
+        size_text = f"{size / GIB:.0f} GiB" if size >= GIB else f"{size} B"
+        if unit == "us":  # a latency: higher is slower, so compare as throughput (1 / time)
+            published, value, unit = 1e6 / published, 1e6 / value, "ops/s"
+        rows.append(Row("collective", preset, f"{kind} {ranks} ranks / {nodes} node(s), {size_text}", published, value,
+                        unit, source, sets))
+    return rows
+
+
+def component_rows(fast: bool = False) -> list[Row]:
+    """Every component's rows; ``fast``: the first of each component only."""
+    groups = [gemm_rows(), attention_rows(), collective_rows()]
+    return [row for group in groups for row in (group[:1] if fast else group)]
+
+
+def layer_shape_lines() -> list[str]:
+    """The model's efficiency on the layer shapes of 7B/13B/70B models (no published figure)."""
+    lines = []
+    for preset in ("dgx-a100-80g", "dgx-h100"):
+        peak = Cluster.preset(preset).device_of(0).flops_for("bfloat16") / 1e12
+        for model, layer, m, n, k in LAYER_SHAPES:
+            tflops = gemm_tflops(preset, m, n, k)
+            lines.append(f"{preset:<13} {model:>4} {layer:<32} {m}x{n}x{k:<6} {tflops:>7.1f} TFLOP/s "
+                         f"({tflops / peak:.1%} of peak)")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fast", action="store_true", help="only the first row of each component")
+    args = parser.parse_args(argv)
+    rows = component_rows(fast=args.fast)
+    header = f"{'component':<10} {'preset':<13} {'case':<44} {'published':>10} {'model':>9} {'error':>7}  source"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(f"{row.component:<10} {row.preset:<13} {row.case:<44} {row.published:>10.1f} {row.predicted:>9.1f} "
+              f"{row.error:>+7.1%}  {row.unit}; {row.source}{' [constant read from it]' if row.sets_constant else ''}")
+    independent = [abs(row.error) for row in rows if not row.sets_constant]
+    print(f"median |error|: all rows {statistics.median(abs(row.error) for row in rows):.1%}"
+          + (f", rows not used to set a constant {statistics.median(independent):.1%}" if independent else ""))
+    if not args.fast:
+        print("\nModel only (no public per-shape measurement found): layer GEMMs of one 8192-token micro-batch")
+        print("\n".join(layer_shape_lines()))
+
+
+if __name__ == "__main__":
+    main()
