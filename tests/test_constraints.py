@@ -48,7 +48,7 @@ def test_command_line_items_parse_into_sizes_and_families():
         (["tp=99999999999999999999"], [], [], "from 1 to"),
         (["tp=2,tp=4"], [], [], "names axis 'tp' twice"),
         (["pp=8"], ["pp=4"], [], "above --max pp=4"),
-        ([], [], ["hsdp"], "no such family; families are ddp"),
+        ([], [], ["zero4"], "no such family; families are ddp"),
         (["tp=2"], [], ["fsdp"], "needs the 'tp' family"),
         (["pp=2"], [], ["ddp,tp"], "needs the 'pipeline' family"),
         (["dp=2"], [], ["tp"], "needs a data-parallel family"),
