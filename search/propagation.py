@@ -35,6 +35,8 @@ R = Replicate()
 
 
 ParamChooser = Callable[[OpNode, tuple[Placement, ...]], dict[str, Placement]]
+# (node, incoming placements) -> (placements it takes its inputs in, its outputs' placements)
+NodeAnswer = Callable[[OpNode, tuple[Placement, ...]], tuple[tuple[Placement, ...], tuple[Placement, ...]]]
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ def propagate(
     choose_params: ParamChooser | None = None,
     overrides: dict[str, Placement] | None = None,
     batch_local: bool = False,
+    answer: NodeAnswer = op_rule,
 ) -> dict[str, AxisPlacements]:
     """Placements on one mesh axis of every node of ``graph``.
 
@@ -69,6 +72,9 @@ def propagate(
         batch_local: the axis is plain data parallelism (DDP, ZeRO, FSDP run the model's
             own modules on each rank's slice of the batch): an op without a rule keeps the
             batch split instead of gathering it, as those programs do.
+        answer: what each op does with its incoming placements (``op_rule``; the seam
+            where a walk over the registry plugs in, see the module docstring and
+            ``benchmarks/registry_walk_gap.py``).
 
     Returns:
         node name -> its input, output and parameter placements on this axis.
@@ -88,7 +94,7 @@ def propagate(
             params_fixed.get(param_of_input[name], R) if name in param_of_input else activation
             for name, activation in zip(node.inputs, activations)
         )
-        wanted, outputs = op_rule(node, incoming)
+        wanted, outputs = answer(node, incoming)
         gathers_all = (wanted, outputs) == (tuple(R for _ in incoming), tuple(R for _ in node.output_meta))
         if batch_local and gathers_all and incoming != wanted:
             wanted, outputs = _batch_local(node, incoming, wanted, outputs)
