@@ -111,3 +111,15 @@ def test_a_whole_model_is_answered_from_memory_the_second_time(graphs):
     second_s = time.perf_counter() - start
     assert first == second
     assert second_s < first_s / 10, (first_s, second_s)
+
+
+def test_arguments_equal_as_python_keys_but_of_other_types_are_asked_apart():
+    """``1``, ``1.0`` and ``True`` (and a list and a tuple) are one dict key in Python; an op
+    may read them differently (a dim against a flag), so they must not share an answer."""
+    meta = TensorMeta((4, 4), torch.float32)
+    node = OpNode(name="x", op="aten.sum.dim_IntList", inputs=("a",), input_meta=(meta,), output_meta=(meta,))
+    keys = {
+        rule_inputs(dataclasses.replace(node, attrs=(None, value)), 2)
+        for value in (1, 1.0, True, [1], (1,))
+    }
+    assert len(keys) == 5

@@ -152,8 +152,8 @@ def rule_inputs(node: OpNode, axis_size: int) -> tuple | None:
     """Everything a rule may read: the op, its non-tensor arguments, the shapes and dtypes of
     its tensors, its attention mask's kind, and the axis size; ``None`` when an argument
     cannot be hashed (the answer is then not remembered). Names, parameters and modules are
-    left out: a rule must not read them (``tests/test_rules.py`` checks two nodes that differ
-    only there get the same answer)."""
+    left out: a rule must not read them (``tests/test_rule_answers_cache.py`` checks that two
+    nodes differing only there get the same answer)."""
     key = (node.op, _frozen(node.attrs), node.input_meta, node.output_meta, node.attention_mask_kind, axis_size)
     try:
         hash(key)
@@ -163,10 +163,11 @@ def rule_inputs(node: OpNode, axis_size: int) -> tuple | None:
 
 
 def _frozen(value):
-    """``value`` with lists made tuples tagged by their type (a rule may tell them apart)."""
+    """``value`` made hashable, each part tagged by its type: a list and a tuple, or ``1``,
+    ``1.0`` and ``True`` (equal as keys), may mean different things to a rule."""
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_frozen(item) for item in value))
-    return value
+    return (type(value).__name__, value)
 
 
 def _computed_candidates(node: OpNode, axis_size: int) -> list[AxisCandidate]:
