@@ -8,16 +8,17 @@ knows), it asks for ``Replicate`` inputs and the edge pays an all-gather: the co
 reads that from the mismatch between the producer's output and the consumer's input
 placement.
 
-Why the walk asks ``op_rule`` and not the per-op registry (``search.rules.axis_candidates``)
-directly: the registry says which placements are *correct* for the plain op; the layouts
-need a *choice* among them, and ``op_rule`` is that choice, including Megatron-LM's program
+Why the walk asks ``op_rule`` and not the per-op registry (``search.rules.axis_candidates``):
+the registry says which placements are *correct* for the plain op; the layouts need a
+*choice* among them, and ``op_rule`` is that choice, including Megatron-LM's program
 conventions the registry rightly refuses for a plain op (vocabulary-parallel embedding and
-cross entropy, the fused q|k|v split on features, the row-parallel bias). A walk that picks,
-per node, the registry candidate its incoming placements select places GPT-2, BERT and Llama
-differently under Megatron-LM (hundreds of nodes: partial sums kept through products, masks
-kept split, splits refused where the axis does not divide), so the layouts and every plan
-built from them would change; until the registry carries those conventions and the walk
-states its choice rule, the layouts follow ``op_rule``.
+cross entropy, the fused q|k|v split on features, the row-parallel bias counted once). A
+walk that takes, per node, the registry candidate its incoming placements reach most
+cheaply places most of a Megatron-LM layout differently, and a data-parallel one on a few
+nodes (a loss over split rows, views of a batch the axis does not divide);
+``benchmarks/registry_walk_gap.py`` prints each difference. Those layouts, and every plan
+built from them, would change, so the layouts follow ``op_rule`` until the registry carries
+those conventions and a stated choice rule reproduces them (``answer`` is where it plugs in).
 """
 
 from __future__ import annotations
