@@ -29,7 +29,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from planner.graph import OpGraph
 from search.layouts import batch_input_placements
-from search.propagation import has_rule, op_rule, propagate
+from search.propagation import propagate
+from search.rules.op_families import known_family, op_rule
 
 # Ops that stay exact on an average or sum when every other operand is the same on all ranks.
 _LINEAR_IN_ONE_OPERAND = ("aten.add.", "aten.sub.", "aten.mul.", "aten.div.", "aten.neg.", "aten.to.", "aten._to_copy.")
@@ -62,7 +63,7 @@ def batch_coupled_ops(graph: OpGraph) -> list[CoupledOp]:
         needs_whole = any(
             isinstance(had, (Shard, Partial)) and isinstance(want, Replicate) for had, want in zip(have, wanted)
         )
-        if needs_whole and has_rule(node) and not node.op.startswith(_SYNCHRONISED) and not _exact_on_slices(node.op, have):
+        if needs_whole and known_family(node.op) and not node.op.startswith(_SYNCHRONISED) and not _exact_on_slices(node.op, have):
             coupled.append(CoupledOp(node.name, node.op, node.module))
         outputs = placements[node.name].outputs
         if outputs:

@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import Placement
 from planner.errors import PlanningError
 from planner.graph import OpGraph, OpNode
 from planner.strategy import SUMMA_FAMILIES, Mesh, NodeStrategy, Placements, SummaLayout
-from search.propagation import op_rule
+from search.rules.op_families import op_rule
 
 __all__ = ["summa_layout"]
 
@@ -210,7 +210,7 @@ def _block_norm(graph, node: OpNode, incoming, layout, axes, sizes, param_of_inp
 
 
 def _propagated(graph, node: OpNode, incoming, axes, sizes, hidden_axis: str, param_of_input) -> NodeStrategy:
-    """Any other op: each axis's placements follow its inputs (``search.propagation.op_rule``);
+    """Any other op: each axis's placements follow its inputs (``search.rules.op_families.op_rule``);
     an embedding table is split on its features over the hidden axis, so the residual stream
     starts with its hidden dim split there."""
     per_axis_in, per_axis_out = [], []

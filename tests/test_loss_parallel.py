@@ -1,5 +1,5 @@
 """A cross entropy on logits split over the classes: what Megatron's layout plans for it
-(``search.propagation``) and what the simulator charges (``cost_model.loss_parallel``).
+(``search.rules.op_families.op_rule``) and what the simulator charges (``cost_model.loss_parallel``).
 
 The program runs it with PyTorch's ``loss_parallel`` (``codegen.runtime.loss_parallel``);
 its parity is checked by ``tests/test_spmd_parity.py`` (GPT and llama under Megatron's layout,
@@ -20,7 +20,7 @@ from planner.api import prepare_model
 from planner.graph import OpNode, TensorMeta
 from planner.model_spec import ModelSpec
 from search.megatron import megatron_plan
-from search.propagation import op_rule
+from search.rules.op_families import op_rule
 
 GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
 # examples/gpt.py: vocabulary 256, 32 positions; a global batch of 8 gives 256 rows of logits.

@@ -5,7 +5,7 @@ ops they do not use, is run on 2 and 3 virtual ranks (3 makes most sizes uneven)
 compared with the op on whole tensors; wrong rules and missing rules (ops with no rule) are
 collected separately, as DTensor's strategy validation reports them. On small nodes the
 rules must also offer every candidate brute force finds valid. The checker itself is checked
-against candidates known to be wrong, among them the ones ``search.propagation`` gets wrong.
+against candidates known to be wrong, among them the ones ``op_rule`` (``search.rules.op_families``) gets wrong.
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ I64 = torch.int64
 
 # (node, candidate, axis size, what the message must say): each candidate is wrong.
 WRONG = {
-    # search.propagation's row-parallel linear adds the replicated bias on every rank.
+    # op_rule's row-parallel linear adds the replicated bias on every rank.
     "row-parallel bias counted per rank": (
         _node("aten.linear.default", [(5, 8), (6, 8), (6,)], [(5, 6)]), _c([S1, S1, R], [P]), 2, "sum of the local"),
     "norm over the split dim": (
@@ -275,35 +275,35 @@ WRONG = {
         _node("aten._softmax.default", [(4, 6)], [(4, 6)], [None, 1, False]), _c([S1], [S1]), 3, "concatenated"),
     "transpose keeps the dim number": (
         _node("aten.transpose.int", [(4, 6)], [(6, 4)], [None, 0, 1]), _c([S0], [S0]), 2, ""),
-    # search.propagation: a mean over an uneven split is not the average of the local means.
+    # op_rule: a mean over an uneven split is not the average of the local means.
     "mean over an uneven split": (
         _node("aten.mean.dim", [(4, 7)], [(4, 1)], [None, [-1], True]), _c([S1], [AVG]), 3, "avg of the local"),
-    # search.propagation: merging an unevenly split dim does not give torch.chunk pieces.
+    # op_rule: merging an unevenly split dim does not give torch.chunk pieces.
     "merge of an uneven split": (
         _node("aten.view.default", [(4, 3, 5)], [(12, 5)], [None, [12, 5]]), _c([S0], [S0]), 3, ""),
-    # search.propagation: vocabulary-parallel embedding is not the plain op on local rows.
+    # op_rule: vocabulary-parallel embedding is not the plain op on local rows.
     "vocabulary-parallel embedding": (
         _node("aten.embedding.default", [(10, 4), (3, 5)], [(3, 5, 4)], dtypes=[F32, I64]), _c([S0, R], [P]), 2, ""),
-    # search.propagation: class-sharded cross entropy needs a cross-rank log-sum-exp, which
+    # op_rule: class-sharded cross entropy needs a cross-rank log-sum-exp, which
     # the plain op on each rank's classes has not (the program runs it by loss_parallel).
     "class-parallel cross entropy": (
         _node("aten.cross_entropy_loss.default", [(6, 10), (6,)], [()], dtypes=[F32, I64]), _c([S1, R], [R]), 2, ""),
-    # search.propagation: adding a number to partial sums adds it once per rank.
+    # op_rule: adding a number to partial sums adds it once per rank.
     "number added to a partial sum": (
         _node("aten.add.Tensor", [(4, 6)], [(4, 6)], [None, 1.0]), _c([P], [P]), 2, "sum of the local"),
-    # search.propagation: a fused q|k|v split on the split feature dim.
+    # op_rule: a fused q|k|v split on the split feature dim.
     "fused projection split": (
         _node("aten.split.Tensor", [(2, 12)], [(2, 4), (2, 4), (2, 4)], [None, 4, 1]), _c([S1], [S1, S1, S1]), 2, ""),
-    # search.propagation keeps a full (not broadcast) addmm bias whole while rows are split.
+    # op_rule keeps a full (not broadcast) addmm bias whole while rows are split.
     "full addmm bias left whole": (
         _node("aten.addmm.default", [(5, 9), (5, 7), (7, 9)], [(5, 9)]), _c([R, S0, R], [S0]), 2, "cannot run"),
-    # search.propagation adds a partial sum to a partial average.
+    # op_rule adds a partial sum to a partial average.
     "sum of mixed partials": (_node("aten.add.Tensor", [(4, 6), (4, 6)], [(4, 6)]), _c([P, AVG], [P]), 2, ""),
-    # search.propagation ignores reduction='sum' of losses and always answers P(avg).
+    # op_rule ignores reduction='sum' of losses and always answers P(avg).
     "summed loss read as an average": (
         _node("aten.nll_loss_nd.default", [(6, 9), (6,)], [()], [None, None, None, 2], dtypes=[F32, I64]),
         _c([S0, S0], [AVG]), 2, "avg of the local"),
-    # search.propagation lets a padded dim stay split (pad of a 1-d tensor).
+    # op_rule lets a padded dim stay split (pad of a 1-d tensor).
     "padding the split dim": (_node("aten.pad.default", [(6,)], [(9,)], [None, [1, 2]]), _c([S0], [S0]), 2, ""),
     "replicated claim of a split result": (
         _node("aten.relu.default", [(4, 6)], [(4, 6)]), _c([S0], [R]), 2, "whole result"),

@@ -13,7 +13,7 @@ Public API:
 
 Where rules come from, by precedence: explicit registrations (``matmul``, ``shapes``,
 ``nn``, ``reductions``, ``indexing``), family rules (``pointwise``), and last the
-defaults derived from ``search.propagation.op_rule`` (``defaults``) for the families it
+defaults (``defaults``) derived from ``search.rules.op_families.op_rule`` for the families it
 gets right (views, norms, softmax, getitem, the rest of the batch-wise ops).
 """
 

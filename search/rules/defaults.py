@@ -1,4 +1,4 @@
-"""Family defaults: candidates derived from ``search.propagation.op_rule``.
+"""Family defaults: candidates derived from ``op_rule`` (``search.rules.op_families``).
 
 For every op family ``op_rule`` understands, the default rule enumerates plausible incoming
 placements of each tensor input on the axis (``Replicate``; ``Shard(d)`` for every dim at
@@ -22,8 +22,8 @@ import math
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from planner.graph import VIEW_OPS, OpNode, TensorMeta
-from search import propagation
+from planner.graph import OpNode, TensorMeta
+from search.rules.op_families import LINEARS, LOSSES, REDUCTIONS, SPLITS, known_family, op_rule
 from search.rules.registry import AxisCandidate, register_family
 
 R = Replicate()
@@ -32,38 +32,15 @@ R = Replicate()
 # inputs are tried (op_rule reads at most the first sharded input and the weight).
 _MAX_COMBINATIONS = 4096
 
-# The op families op_rule dispatches on (the same prefixes, read from propagation so the two
-# cannot drift apart); anything else falls through to its "unknown op: gather all" branch.
-_FAMILY_PREFIXES: tuple[str, ...] = (
-    propagation.SPLITS
-    + propagation.SAME_LAYOUT
-    + ("aten.flatten.", "aten.unflatten.")
-    + propagation.LINEARS
-    + ("aten.scaled_dot_product_attention", "aten.embedding.")
-    + propagation.NORMS
-    + propagation.SOFTMAXES
-    + propagation.LOSSES
-    + propagation.REDUCTIONS
-    + propagation.BATCHWISE
-    + propagation.ELEMENTWISE
-)
-
-
 # Families whose op_rule answers the brute-force check found wrong (see the docstrings of
 # shapes.py, reductions.py, matmul.py): an op of theirs without an explicit rule is reported
-# as unknown rather than given op_rule's answers.
-_UNTRUSTED_PREFIXES: tuple[str, ...] = (
-    propagation.SPLITS + propagation.LOSSES + propagation.REDUCTIONS + propagation.LINEARS
-)
-
-
-def understood_by_propagation(op: str) -> bool:
-    """Whether ``op_rule`` has a family for ``op`` (rather than its gather-all fallback)."""
-    return op == "getitem" or op in VIEW_OPS or op.startswith(_FAMILY_PREFIXES)
+# as unknown rather than given op_rule's answers. (``stack`` was never checked against
+# op_rule: its explicit rule in pointwise.py serves it.)
+_UNTRUSTED_PREFIXES: tuple[str, ...] = SPLITS + LOSSES + REDUCTIONS + LINEARS + ("aten.stack.",)
 
 
 def _default_applies(op: str) -> bool:
-    return understood_by_propagation(op) and not op.startswith(_UNTRUSTED_PREFIXES)
+    return known_family(op) and not op.startswith(_UNTRUSTED_PREFIXES)
 
 
 def input_options(meta: TensorMeta, axis_size: int, partial: bool = True) -> list[Placement]:
@@ -104,7 +81,7 @@ def propagation_candidates(node: OpNode, axis_size: int) -> list[AxisCandidate]:
     """The distinct answers of ``op_rule`` over ``incoming_combinations``."""
     found: dict[AxisCandidate, None] = {}
     for incoming in incoming_combinations(node, axis_size):
-        wanted, outputs = propagation.op_rule(node, incoming)
+        wanted, outputs = op_rule(node, incoming)
         if len(wanted) != len(node.input_meta) or len(outputs) != len(node.output_meta):
             continue  # op_rule answers one output for some multi-output ops (max.dim): unusable
         candidate = AxisCandidate(

@@ -1,4 +1,4 @@
-"""Pointwise ops (the elementwise family of ``search.propagation``) and ``cat``.
+"""Pointwise ops (the elementwise family of ``search.rules.op_families``) and ``cat``.
 
 Any output dim may be split: inputs holding that dim at full size are split alike, inputs
 that broadcast along it stay whole; uneven sizes are fine since every tensor chunks the
@@ -12,7 +12,7 @@ dim the same way.
 * ``add``/``sub`` of partials of the same kind: ``(P, P) -> P``;
 * ``add``/``sub`` of a replicated tensor or a number to an *average*: ``(P(avg), R) ->
   P(avg)`` (the mean of ``x_r + c`` is ``mean(x_r) + c``). Adding a number to a *sum* is
-  wrong (it is added on every rank); ``search.propagation`` accepts ``add(P, 1.0) -> P``.
+  wrong (it is added on every rank); ``op_rule`` (``search.rules.op_families``) accepts ``add(P, 1.0) -> P``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Shard
 
 from planner.graph import OpNode
-from search import propagation
+from search.rules.op_families import ELEMENTWISE
 from search.rules.common import AVG, SUM, R, aligned_shard, attr, is_float, norm_dim, shardable_dims
 from search.rules.registry import AxisCandidate, register_family, register_rule
 
@@ -39,7 +39,7 @@ _SCALING = frozenset(
 
 
 def _is_pointwise(op: str) -> bool:
-    return op.startswith(propagation.ELEMENTWISE) and not op.startswith(("aten.cat.",))
+    return op.startswith(ELEMENTWISE) and not op.startswith(("aten.cat.",))
 
 
 def pointwise_rule(node: OpNode, axis_size: int) -> list[AxisCandidate]:

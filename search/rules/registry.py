@@ -76,6 +76,10 @@ Rule = Callable[[OpNode, int], list[AxisCandidate]]
 
 _RULES: dict[str, Rule] = {}
 _FALLBACKS: list[tuple[int, Callable[[str], bool], Rule]] = []
+# axis_candidates' answers by ``rule_inputs`` key: a whole-model walk meets the same op on
+# the same shapes once per repeated block, and the defaults enumerate thousands of incoming
+# combinations per op. Registering a rule empties it (an op's rule may change).
+_ANSWERS: dict[tuple, tuple[AxisCandidate, ...]] = {}
 
 
 def register_rule(*ops: str) -> Callable[[Rule], Rule]:
@@ -93,6 +97,7 @@ def register_rule(*ops: str) -> Callable[[Rule], Rule]:
                     f"refine that rule instead of registering {rule.__qualname__} too"
                 )
             _RULES[op] = rule
+        _ANSWERS.clear()
         return rule
 
     return decorate
@@ -101,9 +106,10 @@ def register_rule(*ops: str) -> Callable[[Rule], Rule]:
 def register_family(matches: Callable[[str], bool], rule: Rule, priority: int = 0) -> None:
     """A rule for every op ``matches(op)`` accepts that has no explicit rule (op families).
     Of several families that accept an op, the highest ``priority`` wins (the defaults
-    derived from ``search.propagation`` sit lowest)."""
+    derived from ``op_rule`` (``search.rules.op_families``) sit lowest)."""
     _FALLBACKS.append((priority, matches, rule))
     _FALLBACKS.sort(key=lambda entry: -entry[0])
+    _ANSWERS.clear()
 
 
 def rule_for(op: str) -> Rule | None:
@@ -127,14 +133,47 @@ def axis_candidates(node: OpNode, axis_size: int) -> list[AxisCandidate]:
     An op with no rule gets only the all-replicate candidate: planning never stops on an
     unknown op. ``unknown_ops(graph)`` lists them; ``planner.plan`` puts them in the plan's
     warnings, so a user sees them in the report (not as Python warnings on stderr).
+
+    Answers are remembered by ``rule_inputs(node, axis_size)``: rules are pure functions of
+    those fields, so two nodes that agree on them get the same candidates.
     """
     if axis_size < 1:
         raise ValueError(f"axis_size must be a positive number of ranks, got {axis_size}")
+    key = rule_inputs(node, axis_size)
+    known = _ANSWERS.get(key) if key is not None else None
+    if known is None:
+        known = tuple(_computed_candidates(node, axis_size))
+        if key is not None:
+            _ANSWERS[key] = known
+    return list(known)
+
+
+def rule_inputs(node: OpNode, axis_size: int) -> tuple | None:
+    """Everything a rule may read: the op, its non-tensor arguments, the shapes and dtypes of
+    its tensors, its attention mask's kind, and the axis size; ``None`` when an argument
+    cannot be hashed (the answer is then not remembered). Names, parameters and modules are
+    left out: a rule must not read them (``tests/test_rule_answers_cache.py`` checks that two
+    nodes differing only there get the same answer)."""
+    key = (node.op, _frozen(node.attrs), node.input_meta, node.output_meta, node.attention_mask_kind, axis_size)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _frozen(value):
+    """``value`` made hashable, each part tagged by its type: a list and a tuple, or ``1``,
+    ``1.0`` and ``True`` (equal as keys), may mean different things to a rule."""
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_frozen(item) for item in value))
+    return (type(value).__name__, value)
+
+
+def _computed_candidates(node: OpNode, axis_size: int) -> list[AxisCandidate]:
     first = replicated(node)
     rule = rule_for(node.op)
-    if rule is None:
-        return [first]
-    if axis_size == 1:
+    if rule is None or axis_size == 1:
         return [first]
     found = [first]
     for candidate in rule(node, axis_size):
@@ -176,5 +215,6 @@ __all__ = [
     "registered_ops",
     "replicated",
     "rule_for",
+    "rule_inputs",
     "unknown_ops",
 ]
