@@ -223,8 +223,11 @@ class StepTasks:
         ends: list[int] = []  # each segment's last task
         for segment in segments:
             segment_deps = list(deps) if last is None else [last]
+            # The host issues a pass's first gathers without waiting for what the pass's
+            # compute waits for (a pipeline stage's received activations): only the gather
+            # stream's order holds them.
             for forward_gather in self._forward_gathers:
-                gathered = forward_gather(self, device, segment, prefetch_after(ends, deps))
+                gathered = forward_gather(self, device, segment, prefetch_after(ends, []))
                 if gathered is not None:
                     segment_deps.append(gathered)
             if segment.weight_gather_s:
