@@ -45,11 +45,14 @@ the model of it here and in ``cost_model.step_tasks``:
   on the reduce-scatter stream, in the reduce dtype (``MixedPrecisionPolicy.reduce_dtype``,
   by default the parameters' dtype: ``StepContext.reduced_gradient_bytes``); HSDP's
   all-reduce waits for it on the all-reduce stream.
-- Not modelled: the copy-in and copy-out copies (memory-bound copies of one unit's bytes:
-  copy-in on the copy-in stream, copy-out and the gradient copy-in on the compute or
-  reduce-scatter stream), and ``post_backward``'s wait of the compute stream for the
-  previous unit's reduce-scatter (one reduce-scatter in flight), which delays compute only
-  when reductions are the bottleneck, where the reduce stream sets the step's end anyway.
+- Copies: ``foreach_all_gather_copy_out`` (in ``wait_for_unshard``) copies each gathered
+  unit into its parameters on the compute stream before the unit runs: modelled as a
+  memory-bound copy (``DataParallelStep.copy_out``). Not modelled: the copy-in of the
+  all-gather (on the copy-in stream, beside compute) and of the reduce-scatter (on the
+  reduce-scatter stream, before it: a copy, small beside the collective), and
+  ``post_backward``'s wait of the compute stream for the previous unit's reduce-scatter
+  (one reduce-scatter in flight), which delays compute only when reductions are the
+  bottleneck, where the reduce stream sets the step's end anyway.
 - On gloo every one of these collectives is issued with ``async_op=False`` and holds the
   host thread that runs the model: they run on the compute stream (``fsdp2_stream``).
 
@@ -68,6 +71,7 @@ from __future__ import annotations
 from functools import partial
 
 from cost_model import defaults
+from cost_model.compute import PRECISIONS, roofline_time
 from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
@@ -254,6 +258,24 @@ class DataParallelStep(StepContributor):
         if not _fsdp(context) or regathered <= 0:
             return None
         return _fsdp_gather(tasks, device, segment, issue_after, f"all-gather {segment.name} (bwd)", regathered)
+
+    def copy_out(self, tasks, device: str, segment: Segment, backward: bool, gathered: list[int]) -> int | None:
+        """FSDP2's copy-out of a gathered unit (``foreach_all_gather_copy_out`` in
+        ``wait_for_unshard``, on the compute stream before the unit runs): the all-gather
+        output read and the unsharded parameters written, a memory-bound copy of the
+        gathered bytes, once per gather (forward, and backward for what FSDP gathered
+        again). A program wraps FSDP2 units unless it is a graph program naming none
+        (``Plan.fsdp_units``), which gathers through DTensor and copies nothing more."""
+        context = tasks.context
+        if not _fsdp2(context) or (context.graph_program and not context.plan.fsdp_units) or not gathered:
+            return None
+        elements = fsdp_regathered_elements(context, segment) if backward else segment.shardable_elements()
+        if backward and not _fsdp(context) or elements <= 0:
+            return None
+        copied = 2 * elements * PARAM_BYTES[context.plan.precision][0]
+        seconds = roofline_time(0.0, copied, context.device, PRECISIONS[context.plan.precision][0])
+        return tasks.graph.add(f"copy-out {segment.name}{' (bwd)' if backward else ''}", (device, "compute"),
+                               seconds, deps=gathered)
 
     def gradient_reduction(self, tasks, device: str, sync: bool) -> _GradientReduction | None:
         """DDP's buckets, FSDP2's per-unit reduce-scatters or a graph program's per-parameter

@@ -23,6 +23,9 @@ Hooks (each default adds nothing):
     ``backward_gather(tasks, device, segment, issue_after)``: a task id the segment's pass
     waits for (FSDP's weight gathers), or None. ``issue_after``: the task ids after which
     FSDP2 issues that gather (``StepTasks.prefetch_after``: one unit ahead of the pass).
+  - ``copy_out(tasks, device, segment, backward, gathered)``: a task on the compute stream
+    that the segment's pass (``backward`` or forward) waits for, itself after ``gathered``
+    (the gathers above): FSDP2's copy of the gathered weights into the parameters; or None.
   - ``gradient_reduction(tasks, device, sync)``: per backward pass (``sync``: gradients are
     reduced after this micro-batch), None or an object whose
     ``segment_done(segment, last, final, deferred, sync_after)`` adds the reduction of what
@@ -127,6 +130,10 @@ class StepContributor:
 
     def backward_gather(self, tasks, device: str, segment, issue_after: list[int]) -> int | None:
         """A task ``segment``'s backward waits for, or None."""
+        return None
+
+    def copy_out(self, tasks, device: str, segment, backward: bool, gathered: list[int]) -> int | None:
+        """A compute-stream task ``segment``'s pass waits for after its gathers, or None."""
         return None
 
     def gradient_reduction(self, tasks, device: str, sync: bool):

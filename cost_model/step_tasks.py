@@ -52,6 +52,7 @@ class StepTasks:
         self.graph = TaskGraph()
         self._forward_gathers = overriding(contributors, "forward_gather")
         self._backward_gathers = overriding(contributors, "backward_gather")
+        self._copy_outs = overriding(contributors, "copy_out")
         self._gradient_reductions = overriding(contributors, "gradient_reduction")
 
     def build(self, segments: list[Segment]) -> tuple[TaskGraph, dict[str, list[Segment]]]:
@@ -226,10 +227,9 @@ class StepTasks:
             # The host issues a pass's first gathers without waiting for what the pass's
             # compute waits for (a pipeline stage's received activations): only the gather
             # stream's order holds them.
-            for forward_gather in self._forward_gathers:
-                gathered = forward_gather(self, device, segment, prefetch_after(ends, []))
-                if gathered is not None:
-                    segment_deps.append(gathered)
+            gathers = [forward_gather(self, device, segment, prefetch_after(ends, []))
+                       for forward_gather in self._forward_gathers]
+            segment_deps += self._copied_out(device, segment, False, [g for g in gathers if g is not None])
             if segment.weight_gather_s:
                 segment_deps.append(self._expert_gather(device, segment, prefetch_after(ends, deps), f"F{mb}"))
             forward_s = segment.forward_s + self._block_overhead(segment)[0]
@@ -261,7 +261,7 @@ class StepTasks:
         # autograd reaches it: its gather queues behind the forward's on the gather stream.
         gathered = self._backward_gathers_of(device, order[0], mb, list(deps), []) if order else []
         for position, segment in enumerate(order):
-            segment_deps = (list(deps) if last is None else [last]) + gathered
+            segment_deps = (list(deps) if last is None else [last]) + self._copied_out(device, segment, True, gathered)
             if position + 1 < len(order):
                 # FSDP2's pre_backward of this unit issues the next unit's gather before this
                 # unit's backward runs (``prefetch_after`` of the next one: after the end of
@@ -280,6 +280,14 @@ class StepTasks:
             for reduction in reductions:
                 reduction.segment_done(segment, last, final, deferred, sync_after)
         return last
+
+    def _copied_out(self, device: str, segment: Segment, backward: bool, gathered: list[int]) -> list[int]:
+        """What a pass of ``segment`` waits for: the contributors' copies of the gathered
+        weights (on the compute stream, after ``gathered``) where they add them, else
+        ``gathered`` itself."""
+        copies = [copy_out(self, device, segment, backward, gathered) for copy_out in self._copy_outs]
+        copies = [copy for copy in copies if copy is not None]
+        return copies or gathered
 
     def _backward_gathers_of(self, device: str, segment: Segment, mb: int, experts_after: list[int],
                              unit_after: list[int]) -> list[int]:

@@ -27,6 +27,7 @@ from cost_model.step_context import StepContext
 from cost_model.step_contributor import GATHER_STREAM, REDUCE_STREAM
 from cost_model.simulator import Simulator
 from cost_model.step_tasks import StepTasks
+from planner.cluster import DeviceSpec
 from planner.model_spec import ModelSpec
 
 UNITS = ("u0", "u1", "u2")
@@ -34,10 +35,20 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "fsdp_order_worker.py"
 
 
+UNIT_ELEMENTS = 1e6  # bf16 weights: a unit's gather moves 2 MB, its copy-out reads and writes them
+
+
+def _device(copy_s: float) -> DeviceSpec:
+    """A device on which FSDP2's copy-out of a unit (4 MB read and written) takes ``copy_s``."""
+    bandwidth = 4 * UNIT_ELEMENTS / copy_s if copy_s else 1e16
+    return DeviceSpec(name="toy", peak_flops={"bfloat16": 1e15}, memory_bytes=2**34, memory_bandwidth=bandwidth,
+                      memory_efficiency=1.0, kernel_overhead_s=0.0)
+
+
 class ToyContext:
     """What FSDP's tasks read of a plan's ``StepContext``: an fsdp (or zero2) plan over 8 ranks
-    whose units are ``UNITS``, on NCCL, with every all-gather taking ``gather_s`` and every
-    reduce-scatter ``reduce_s`` (the units are of one size)."""
+    whose units are ``UNITS``, on NCCL, with every all-gather taking ``gather_s``, every
+    reduce-scatter ``reduce_s`` and every copy-out ``copy_s`` (the units are of one size)."""
 
     dp = 8
     micro_batches = 1
@@ -45,26 +56,33 @@ class ToyContext:
     cluster = SimpleNamespace(backend="nccl")
     reduced_gradient_bytes = StepContext.reduced_gradient_bytes
 
-    def __init__(self, flavour: str, gather_s: float, reduce_s: float) -> None:
+    def __init__(self, flavour: str, gather_s: float, reduce_s: float, copy_s: float) -> None:
         self.plan = SimpleNamespace(dp_flavour=flavour, pipeline=None, fsdp_units=UNITS, precision="bf16",
                                     label=None, recompute_at=lambda stage: "none")
         self.seconds = {"all_gather": gather_s, "reduce_scatter": reduce_s}
+        self.device = _device(copy_s)
 
     def collective(self, kind: str, size_bytes: float, axis: str) -> float:
         assert axis == "dp" and size_bytes > 0
         return self.seconds[kind]
 
 
-def _timeline(flavour: str, forward_s: float, backward_s: float, gather_s: float, reduce_s: float):
-    """Each task's (start, end) after one micro-batch's forward and backward of the toy."""
+def _timeline(flavour: str, forward_s: float, backward_s: float, gather_s: float, reduce_s: float,
+              copy_s: float = 0.0):
+    """Each task's (start, end) after one micro-batch's forward and backward of the toy
+    (without copy-outs, when they take no time)."""
     segments = [Segment(name=unit, stage=0, block=True, forward_s=forward_s, backward_s=backward_s,
-                        params={f"{unit}.weight": 1e6}, dp_synced={f"{unit}.weight"}) for unit in UNITS]
-    tasks = StepTasks(ToyContext(flavour, gather_s, reduce_s), (DataParallelStep(),))
+                        params={f"{unit}.weight": UNIT_ELEMENTS}, dp_synced={f"{unit}.weight"}) for unit in UNITS]
+    tasks = StepTasks(ToyContext(flavour, gather_s, reduce_s, copy_s), (DataParallelStep(),))
     last = tasks.forward("gpu", segments, 0, [])
     tasks.backward("gpu", segments, 0, [last], "none", True, {}, True)
     graph: TaskGraph = tasks.graph
     graph.run()
-    return {task.name: (task.start, task.finish) for task in graph.tasks}, graph
+    # to the microsecond: "no time" is the 0.4 ns a copy takes at the largest bandwidth allowed
+    timeline = {task.name: (round(task.start, 6), round(task.finish, 6)) for task in graph.tasks}
+    if not copy_s:
+        timeline = {name: times for name, times in timeline.items() if not name.startswith("copy-out")}
+    return timeline, graph
 
 
 def test_compute_bound_gathers_are_hidden_but_the_first():
@@ -84,6 +102,25 @@ def test_compute_bound_gathers_are_hidden_but_the_first():
         "all-gather u1 (bwd)": (7, 8), "B0 u1": (11, 15), "reduce-scatter grads (u1)": (15, 16),
         "all-gather u0 (bwd)": (11, 12), "B0 u0": (15, 19), "reduce-scatter grads (u0)": (19, 20),
     }
+
+
+def test_copy_outs_run_on_the_compute_stream_before_each_pass_of_a_unit():
+    # As the compute-bound case, each gathered unit copied out (0.5 s) on the compute stream
+    # before its pass: u1's copy-out waits for u0's forward, its gather long done. The
+    # gathers keep their times but for those issued after a pass that the copies moved.
+    timeline, graph = _timeline("fsdp", forward_s=2, backward_s=4, gather_s=1, reduce_s=1, copy_s=0.5)
+    assert timeline == {
+        "all-gather u0": (0, 1), "copy-out u0": (1, 1.5), "F0 u0": (1.5, 3.5),
+        "all-gather u1": (1, 2), "copy-out u1": (3.5, 4), "F0 u1": (4, 6),
+        "all-gather u2": (3.5, 4.5), "copy-out u2": (6, 6.5), "F0 u2": (6.5, 8.5),
+        "all-gather u2 (bwd)": (4.5, 5.5), "copy-out u2 (bwd)": (8.5, 9), "B0 u2": (9, 13),
+        "reduce-scatter grads (u2)": (13, 14),
+        "all-gather u1 (bwd)": (8.5, 9.5), "copy-out u1 (bwd)": (13, 13.5), "B0 u1": (13.5, 17.5),
+        "reduce-scatter grads (u1)": (17.5, 18.5),
+        "all-gather u0 (bwd)": (13, 14), "copy-out u0 (bwd)": (17.5, 18), "B0 u0": (18, 22),
+        "reduce-scatter grads (u0)": (22, 23),
+    }
+    assert {task.stream[1] for task in graph.tasks if task.name.startswith("copy-out")} == {"compute"}
 
 
 def test_communication_bound_gathers_run_back_to_back_beside_the_reduce_scatters():

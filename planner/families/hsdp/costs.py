@@ -122,6 +122,9 @@ class HybridShardingStep(StepContributor):
     def backward_gather(self, tasks, device, segment, issue_after):
         return self.inner.backward_gather(_TasksView(tasks, self._view(tasks.context)), device, segment, issue_after)
 
+    def copy_out(self, tasks, device, segment, backward, gathered):
+        return self.inner.copy_out(_TasksView(tasks, self._view(tasks.context)), device, segment, backward, gathered)
+
     def gradient_reduction(self, tasks, device, sync):
         view = self._view(tasks.context)
         inner = self.inner.gradient_reduction(_TasksView(tasks, view), device, sync)
