@@ -22,7 +22,7 @@ Hooks (each default adds nothing):
   - ``forward_gather(tasks, device, segment, issue_after)`` /
     ``backward_gather(tasks, device, segment, issue_after)``: a task id the segment's pass
     waits for (FSDP's weight gathers), or None. ``issue_after``: the task ids after which
-    FSDP2 issues that gather (``StepTasks.prefetch_after``: one unit ahead of the pass).
+    FSDP2 issues that gather (``step_tasks.prefetch_after``: one unit ahead of the pass).
   - ``copy_out(tasks, device, segment, backward, gathered)``: a task on the compute stream
     that the segment's pass (``backward`` or forward) waits for, itself after ``gathered``
     (the gathers above): FSDP2's copy of the gathered weights into the parameters; or None.

@@ -86,9 +86,9 @@ class _HybridReduction:
         shard_bytes = sum(segment.params[name] for name in segment.dp_synced) * view.reduced_gradient_bytes() / view.dp
         for task in scattered.get(self.device, []):
             seconds = view.collective("all_reduce", shard_bytes, REPLICATE)
+            stream = (self.device, fsdp2_stream(view, ALL_REDUCE_STREAM))
             sync_after.setdefault(self.device, []).append(self.tasks.graph.add(
-                f"all-reduce grad shard over replicate ({segment.name})", (self.device, fsdp2_stream(view, ALL_REDUCE_STREAM)), seconds,
-                deps=[task], kind="comm",
+                f"all-reduce grad shard over replicate ({segment.name})", stream, seconds, deps=[task], kind="comm",
             ))
 
 
