@@ -13,12 +13,53 @@ its own way:
   issued one after another (gloo and NCCL alike: synchronous calls). A weight with no
   dimension dp divides (``planner.sharded_states_layout.sliced_dim``) is stepped whole on
   every rank and never gathered.
-- **ZeRO-2** (FSDP2 keeping weights after forward): gradients and states sharded; gradients
-  reduce-scattered per unit (segment) after every micro-batch; the updated weights all-gathered
-  after the step.
-- **FSDP** (FSDP2): weights, gradients and states sharded; each segment's weights all-gathered
-  one segment ahead of its forward (prefetch) and, what was freed, again before its backward;
-  gradients reduce-scattered per unit.
+- **ZeRO-2** (FSDP2 units with ``reshard_after_forward=False``): gradients and states
+  sharded; each unit's weights all-gathered before its forward as FSDP's (the units are
+  resharded after every backward, so every micro-batch gathers them again) and kept through
+  backward; gradients reduce-scattered per unit after every micro-batch.
+- **FSDP** (FSDP2): weights, gradients and states sharded; each unit's weights all-gathered
+  before its forward and, what was freed, again before its backward; gradients
+  reduce-scattered per unit.
+
+How FSDP2 orders these (torch/distributed/fsdp/_fully_shard/ at pytorch commit 002a76f), and
+the model of it here and in ``cost_model.step_tasks``:
+
+- Streams (``FSDPCommContext.lazy_init`` in _fsdp_param_group.py): all-gathers on an
+  all-gather stream (their copy-in on a copy-in stream), reduce-scatters on a reduce-scatter
+  stream, HSDP's all-reduces on an all-reduce stream. Modelled: gathers on ``GATHER_STREAM``,
+  reductions on ``REDUCE_STREAM``, HSDP's all-reduces on ``ALL_REDUCE_STREAM``: a gather never
+  queues behind a reduce-scatter.
+- Forward prefetch (implicit): ``FSDPParamGroup.pre_forward`` issues the unit's own
+  ``unshard``, which the host reaches while the previous unit still computes; in
+  ``wait_for_unshard`` the gather streams wait for the copy-out of the unit before it
+  (``_wait_all_gather_streams_on_event``, the deferred free of
+  [Note: Overlapping all-gather copy-in and all-gather]). Modelled as depth 1: a unit's gather
+  may start once the unit two before it has finished its forward, so it overlaps the previous
+  unit's forward (``step_tasks.prefetch_after``). With the host far ahead, FSDP2 lets the
+  gather start one unit earlier still (holding a third unit's gather output); the model does
+  not, and its memory counts two gathered units.
+- Backward prefetch (explicit, default): ``pre_backward`` gathers the unit (a no-op if
+  prefetched), waits for it (the gather streams then wait for its copy-out) and
+  ``_backward_prefetch`` issues the gather of the next unit in reverse post-forward order:
+  depth 1, the same rule. The first unit of backward is gathered as soon as autograd
+  reaches it, behind the forward's gathers.
+- ``reshard_after_forward``: FSDP (True) frees a unit's gathered weights after its forward
+  and gathers them again in backward; ZeRO-2 (False) keeps them until its backward. The
+  root is not resharded after forward (``fsdp_root_elements``).
+- Reduce-scatter (``foreach_reduce`` in _fsdp_collectives.py): after each unit's backward,
+  on the reduce-scatter stream, in the reduce dtype (``MixedPrecisionPolicy.reduce_dtype``,
+  by default the parameters' dtype: ``StepContext.reduced_gradient_bytes``); HSDP's
+  all-reduce waits for it on the all-reduce stream.
+- Copies: ``foreach_all_gather_copy_out`` (in ``wait_for_unshard``) copies each gathered
+  unit into its parameters on the compute stream before the unit runs: modelled as a
+  memory-bound copy (``DataParallelStep.copy_out``). Not modelled: the copy-in of the
+  all-gather (on the copy-in stream, beside compute) and of the reduce-scatter (on the
+  reduce-scatter stream, before it: a copy, small beside the collective), and
+  ``post_backward``'s wait of the compute stream for the previous unit's reduce-scatter
+  (one reduce-scatter in flight), which delays compute only when reductions are the
+  bottleneck, where the reduce stream sets the step's end anyway.
+- On gloo every one of these collectives is issued with ``async_op=False`` and holds the
+  host thread that runs the model: they run on the compute stream (``fsdp2_stream``).
 
 On gloo (no reduce-scatter of one tensor) FSDP2 all-reduces the whole gradient and keeps its
 shard. A graph program (searched or Megatron layouts) reduces each parameter's gradient in its
@@ -35,10 +76,11 @@ from __future__ import annotations
 from functools import partial
 
 from cost_model import defaults
+from cost_model.compute import PRECISIONS, roofline_time
 from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
-from cost_model.step_contributor import ParameterSharding, StepContributor
+from cost_model.step_contributor import GATHER_STREAM, REDUCE_STREAM, ParameterSharding, StepContributor, fsdp2_stream
 
 FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")  # what this contributor runs; others have their own
 SHARDED_STATES = ("zero1", "zero2", "fsdp")  # flavours that shard the optimizer states over dp
@@ -80,6 +122,12 @@ class GradientBuckets:
 
 def _fsdp(context: StepContext) -> bool:
     return context.plan.dp_flavour == "fsdp" and context.dp > 1
+
+
+def _fsdp2(context: StepContext) -> bool:
+    """Whether FSDP2 runs the plan's data parallelism (FSDP, or ZeRO-2: FSDP2 units with
+    ``reshard_after_forward=False``)."""
+    return context.plan.dp_flavour in FSDP2_FLAVOURS and context.dp > 1
 
 
 def fsdp_root_elements(context: StepContext, segment: Segment) -> float:
@@ -131,8 +179,8 @@ def _fsdp_gather(tasks, device: str, segment: Segment, deps: list[int], name: st
     context = tasks.context
     elements = segment.shardable_elements() if elements is None else elements
     size = elements * PARAM_BYTES[context.plan.precision][0]
-    return tasks.graph.add(name, (device, "collective"), context.collective("all_gather", size, "dp"), deps=deps,
-                           kind="comm")
+    return tasks.graph.add(name, (device, fsdp2_stream(context, GATHER_STREAM)),
+                           context.collective("all_gather", size, "dp"), deps=deps, kind="comm")
 
 
 def _gradient_sync(tasks, device: str, name: str, buckets: list[tuple[float, int]], after: int) -> int:
@@ -147,7 +195,9 @@ def _gradient_sync(tasks, device: str, name: str, buckets: list[tuple[float, int
     pieces = [(context.collective(kind, size, "dp"), count) for size, count in buckets]
     count = sum(count for _, count in buckets)
     label = f"{kind.replace('_', '-')} grads ({name}{f', {count} buckets' if count > 1 else ''})"
-    return tasks.graph.add_pieces(label, (device, "collective"), pieces, deps=[after], kind="comm")
+    fsdp2 = context.plan.dp_flavour in FSDP2_FLAVOURS and not context.graph_program
+    stream = fsdp2_stream(context, REDUCE_STREAM) if fsdp2 else REDUCE_STREAM
+    return tasks.graph.add_pieces(label, (device, stream), pieces, deps=[after], kind="comm")
 
 
 class _GradientReduction:
@@ -169,7 +219,7 @@ class _GradientReduction:
                      if segment.params[name] > 0]
         else:
             grads = sum(segment.params[name] for name in segment.dp_synced) * element_bytes
-            ready = self.buckets.fill(grads, per_unit=_fsdp(context), flush=final)
+            ready = self.buckets.fill(grads, per_unit=_fsdp2(context), flush=final)
         if ready and deferred is not None:
             deferred.append(partial(_gradient_sync, self.tasks, self.device, segment.name, ready))
         elif ready:
@@ -196,22 +246,41 @@ class DataParallelStep(StepContributor):
         """FSDP gathers each segment's weights before every pass."""
         return _fsdp(context)
 
-    def forward_gather(self, tasks, device: str, segment: Segment, position: int, last: int | None) -> int | None:
-        """FSDP's gather of the segment's weights, issued once the segment two before it is
-        done (the unit running and the one prefetched are held at once)."""
-        if not _fsdp(tasks.context):
+    def forward_gather(self, tasks, device: str, segment: Segment, issue_after: list[int]) -> int | None:
+        """FSDP2's gather of the segment's weights (FSDP and ZeRO-2, whose units are resharded
+        after every backward), on the gather stream, issued after ``issue_after``
+        (``step_tasks.prefetch_after``: once the segment two before it is done, so it
+        overlaps the previous segment's forward)."""
+        if not _fsdp2(tasks.context):
             return None
-        prefetch_after = [] if position < 2 else [last]
-        return _fsdp_gather(tasks, device, segment, prefetch_after, f"all-gather {segment.name}")
+        return _fsdp_gather(tasks, device, segment, issue_after, f"all-gather {segment.name}")
 
-    def backward_gather(self, tasks, device: str, segment: Segment, last: int | None) -> int | None:
-        """FSDP gathers again for backward only what it freed after forward (``fsdp_regathered_elements``)."""
+    def backward_gather(self, tasks, device: str, segment: Segment, issue_after: list[int]) -> int | None:
+        """FSDP gathers again for backward only what it freed after forward
+        (``fsdp_regathered_elements``), prefetched as in forward (``forward_gather``)."""
         context = tasks.context
         regathered = fsdp_regathered_elements(context, segment)
         if not _fsdp(context) or regathered <= 0:
             return None
-        return _fsdp_gather(tasks, device, segment, [] if last is None else [last],
-                            f"all-gather {segment.name} (bwd)", regathered)
+        return _fsdp_gather(tasks, device, segment, issue_after, f"all-gather {segment.name} (bwd)", regathered)
+
+    def copy_out(self, tasks, device: str, segment: Segment, backward: bool, gathered: list[int]) -> int | None:
+        """FSDP2's copy-out of a gathered unit (``foreach_all_gather_copy_out`` in
+        ``wait_for_unshard``, on the compute stream before the unit runs): the all-gather
+        output read and the unsharded parameters written, a memory-bound copy of the
+        gathered bytes, once per gather (forward, and backward for what FSDP gathered
+        again). A program wraps FSDP2 units unless it is a graph program naming none
+        (``Plan.fsdp_units``), which gathers through DTensor and copies nothing more."""
+        context = tasks.context
+        if not _fsdp2(context) or (context.graph_program and not context.plan.fsdp_units) or not gathered:
+            return None
+        elements = fsdp_regathered_elements(context, segment) if backward else segment.shardable_elements()
+        if backward and not _fsdp(context) or elements <= 0:
+            return None
+        copied = 2 * elements * PARAM_BYTES[context.plan.precision][0]
+        seconds = roofline_time(0.0, copied, context.device, PRECISIONS[context.plan.precision][0])
+        return tasks.graph.add(f"copy-out {segment.name}{' (bwd)' if backward else ''}", (device, "compute"),
+                               seconds, deps=gathered)
 
     def gradient_reduction(self, tasks, device: str, sync: bool) -> _GradientReduction | None:
         """DDP's buckets, FSDP2's per-unit reduce-scatters or a graph program's per-parameter
@@ -221,8 +290,8 @@ class DataParallelStep(StepContributor):
         return _GradientReduction(tasks, device)
 
     def after_optimizer(self, tasks, device: str, segments: list[Segment], step: int) -> None:
-        """ZeRO-1's all-gathers of the updated slices, weight by weight; ZeRO-2's all-gather
-        of the updated weights."""
+        """ZeRO-1's all-gathers of the updated slices, weight by weight. (ZeRO-2 gathers its
+        updated weights unit by unit in the next forward: ``forward_gather``.)"""
         context = tasks.context
         if context.dp == 1:
             return
@@ -234,10 +303,6 @@ class DataParallelStep(StepContributor):
                       for s in segments for count in s.zero1_gathered_elements(context.dp)]
             tasks.graph.add_pieces(f"all-gather updated slices ({len(pieces)} parameters)", (device, "collective"),
                                    pieces, deps=[step], kind="comm")
-        elif context.plan.dp_flavour == "zero2":
-            gathered = sum(s.shardable_elements() for s in segments) * PARAM_BYTES[context.plan.precision][0]
-            tasks.graph.add("all-gather updated weights", (device, "collective"),
-                            context.collective("all_gather", gathered, "dp"), deps=[step], kind="comm")
 
     def parameter_sharding(self, context: StepContext) -> ParameterSharding | None:
         """What the flavour shards over ``dp``: states (ZeRO-1), and gradients (ZeRO-2), and
@@ -271,13 +336,13 @@ class DataParallelStep(StepContributor):
         element_bytes = PARAM_BYTES[context.plan.precision][1]
         grads = sum(segment.params[n] for n in segment.dp_synced) * element_bytes
         # fsdp: all-gather twice + reduce-scatter; zero1: all-reduce, then its all-gathers
-        # of the updated slices (below); ddp: all-reduce; zero2: reduce-scatter +
-        # all-gather. Gradient accumulation (no pipeline) repeats FSDP's gathers and
-        # FSDP2's reduce-scatters for every micro-batch.
+        # of the updated slices (below); ddp: all-reduce; zero2: reduce-scatter + all-gather
+        # (in forward). Gradient accumulation (no pipeline) repeats FSDP2's gathers (its units
+        # are resharded after every backward) and reduce-scatters for every micro-batch.
         flavour = context.plan.dp_flavour
-        gathers = context.micro_batches if context.plan.pipeline is None else 1  # FSDP's, per micro-batch
+        gathers = context.micro_batches if context.plan.pipeline is None else 1  # FSDP2's, per micro-batch
         reductions = context.micro_batches if self.reduces_every_micro_batch(context) else 1
-        units = {"fsdp": 2 * gathers + reductions, "zero1": 2 * reductions, "zero2": reductions + 1,
+        units = {"fsdp": 2 * gathers + reductions, "zero1": 2 * reductions, "zero2": reductions + gathers,
                  "ddp": 2 * reductions}[flavour]
         factor = units * (context.dp - 1) / context.dp
         totals["dp"] = totals.get("dp", 0.0) + grads * factor

@@ -151,18 +151,32 @@ class TaskGraph:
         for slowed_tasks, busy_tasks in by_device.values():
             if not busy_tasks:
                 continue
-            busy_tasks.sort(key=lambda t: t.start)
+            busy = _union(busy_tasks)
             slowed_tasks.sort(key=lambda t: t.start)
             first = 0
             for task in slowed_tasks:
-                # Intervals of ``busy_tasks`` on one stream do not overlap each other; skip
-                # those that ended before this task starts.
-                while first < len(busy_tasks) and busy_tasks[first].finish <= task.start:
+                # The busy intervals do not overlap each other; skip those that ended
+                # before this task starts.
+                while first < len(busy) and busy[first][1] <= task.start:
                     first += 1
                 overlap = 0.0
                 index = first
-                while index < len(busy_tasks) and busy_tasks[index].start < task.finish:
-                    other = busy_tasks[index]
-                    overlap += max(0.0, min(task.finish, other.finish) - max(task.start, other.start))
+                while index < len(busy) and busy[index][0] < task.finish:
+                    start, finish = busy[index]
+                    overlap += max(0.0, min(task.finish, finish) - max(task.start, start))
                     index += 1
                 task.contention = slowdown * overlap
+
+
+def _union(tasks: list[Task]) -> list[tuple[float, float]]:
+    """The (start, finish) intervals when any of ``tasks`` runs, in time order and disjoint:
+    collectives on two streams of one device (FSDP2's gathers beside its reduce-scatters)
+    slow compute once while either runs, not twice. Intervals that only touch stay apart,
+    so one stream's tasks come back as they were."""
+    intervals: list[tuple[float, float]] = []
+    for task in sorted(tasks, key=lambda t: t.start):
+        if intervals and task.start < intervals[-1][1]:
+            intervals[-1] = (intervals[-1][0], max(intervals[-1][1], task.finish))
+        else:
+            intervals.append((task.start, task.finish))
+    return intervals

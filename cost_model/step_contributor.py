@@ -19,9 +19,13 @@ Hooks (each default adds nothing):
 - Task graph (``tasks``: the ``StepTasks`` being built, with ``tasks.context`` and
   ``tasks.graph``, the ``TaskGraph`` to add to):
 
-  - ``forward_gather(tasks, device, segment, position, last)`` /
-    ``backward_gather(tasks, device, segment, last)``: a task id the segment's pass waits for
-    (FSDP's weight gathers), or None. ``last`` is the pass's previous task (None first).
+  - ``forward_gather(tasks, device, segment, issue_after)`` /
+    ``backward_gather(tasks, device, segment, issue_after)``: a task id the segment's pass
+    waits for (FSDP's weight gathers), or None. ``issue_after``: the task ids after which
+    FSDP2 issues that gather (``step_tasks.prefetch_after``: one unit ahead of the pass).
+  - ``copy_out(tasks, device, segment, backward, gathered)``: a task on the compute stream
+    that the segment's pass (``backward`` or forward) waits for, itself after ``gathered``
+    (the gathers above): FSDP2's copy of the gathered weights into the parameters; or None.
   - ``gradient_reduction(tasks, device, sync)``: per backward pass (``sync``: gradients are
     reduced after this micro-batch), None or an object whose
     ``segment_done(segment, last, final, deferred, sync_after)`` adds the reduction of what
@@ -68,6 +72,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.sharded_states_layout import sliced_dim
+# A device's streams besides ``"compute"``, as FSDP2 creates them (``FSDPCommContext.lazy_init``
+# in torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py): weight all-gathers on their own
+# stream, so a gather never queues behind a gradient reduction; gradient reductions (FSDP2's
+# reduce-scatters, DDP's buckets, ...) on ``REDUCE_STREAM``; HSDP's all-reduces of gradient
+# shards on a third, beside both.
+GATHER_STREAM = "all_gather"
+REDUCE_STREAM = "collective"
+ALL_REDUCE_STREAM = "all_reduce"
+
+
+def fsdp2_stream(context, stream: str) -> str:
+    """The stream FSDP2 runs a collective of ``stream`` on (``GATHER_STREAM`` or
+    ``REDUCE_STREAM``): that one on NCCL; on gloo the compute stream, since FSDP2 issues its
+    all-gathers and reduce-scatters with ``async_op=False`` (``foreach_all_gather``,
+    ``foreach_reduce``) and a CPU collective so issued holds the thread that runs the model
+    until it is done: nothing overlaps them."""
+    return "compute" if context.cluster.backend == "gloo" else stream
 
 
 @dataclass(frozen=True)
@@ -112,12 +133,16 @@ class StepContributor:
         """Whether every backward pass needs a task per segment (gathers before each)."""
         return False
 
-    def forward_gather(self, tasks, device: str, segment, position: int, last: int | None) -> int | None:
+    def forward_gather(self, tasks, device: str, segment, issue_after: list[int]) -> int | None:
         """A task ``segment``'s forward waits for, or None."""
         return None
 
-    def backward_gather(self, tasks, device: str, segment, last: int | None) -> int | None:
+    def backward_gather(self, tasks, device: str, segment, issue_after: list[int]) -> int | None:
         """A task ``segment``'s backward waits for, or None."""
+        return None
+
+    def copy_out(self, tasks, device: str, segment, backward: bool, gathered: list[int]) -> int | None:
+        """A compute-stream task ``segment``'s pass waits for after its gathers, or None."""
         return None
 
     def gradient_reduction(self, tasks, device: str, sync: bool):

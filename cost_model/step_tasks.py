@@ -4,11 +4,12 @@ the data-parallel flavours' gradient reductions and FSDP gathers). ``StepTasks``
 from the segments and the ``StepContext`` it is given (``cost_model.simulator`` supplies both).
 
 Per pipeline stage one representative device, with streams ``compute`` (passes, and the
-tensor-parallel collectives on the critical path), ``collective`` (data-parallel reduction
-and FSDP gathers, overlapped with compute) and ``p2p act`` / ``p2p grad`` (activations and
-gradients between stages). Interleaved schedules send at every virtual-stage boundary, so
-their extra communication (``chunks`` times the sends of 1F1B) is in the graph. A blocking
-1F1B pipeline (DeepSpeed's engine) follows DeepSpeed's own instruction order, each transfer a
+tensor-parallel collectives on the critical path), ``collective`` (data-parallel gradient
+reductions, overlapped with compute), ``all_gather`` (FSDP2's weight gathers and the MoE
+expert copies', on their own stream as FSDP2 runs them: ``cost_model.data_parallel_step``),
+``all_reduce`` (HSDP's) and ``p2p act`` / ``p2p grad`` (activations and gradients between
+stages). Interleaved schedules send at every virtual-stage boundary, so their extra
+communication (``chunks`` times the sends of 1F1B) is in the graph. A blocking 1F1B pipeline (DeepSpeed's engine) follows DeepSpeed's own instruction order, each transfer a
 rendezvous of the two stages (``cost_model.deepspeed_pipeline``).
 """
 
@@ -21,8 +22,23 @@ from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
-from cost_model.step_contributor import ParameterSharding, StepContributor, overriding
+from cost_model.step_contributor import GATHER_STREAM, ParameterSharding, StepContributor, fsdp2_stream, overriding
 from cost_model.step_memory import optimizer_state_bytes, parameter_sharding
+
+
+def prefetch_after(ends: list[int], start: list[int]) -> list[int]:
+    """The tasks after which FSDP2's gather of a pass's next unit may run, given ``ends``
+    (the last task of each earlier segment of the pass, in pass order) and ``start`` (what
+    the pass waits for): prefetch depth 1. In forward the host issues a unit's all-gather in
+    its own ``pre_forward`` while the GPU still runs the unit before it (implicit prefetch);
+    in backward ``FSDPParamGroup._backward_prefetch`` issues it in the previous unit's
+    ``pre_backward``. The gather stream waits on a unit's copy-out
+    (``_wait_all_gather_streams_on_event``), which the compute stream runs once the unit
+    before that one has finished. So the gather of segment ``p`` may start when segment
+    ``p - 2`` is done, overlapping segment ``p - 1``'s compute; the first two, when the pass
+    may start. At most two units' gathered weights are alive: the one computing and the one
+    arriving (``cost_model.data_parallel_step`` on what FSDP2 allows beyond that)."""
+    return [ends[-2]] if len(ends) >= 2 else list(start)
 
 
 class StepTasks:
@@ -36,6 +52,7 @@ class StepTasks:
         self.graph = TaskGraph()
         self._forward_gathers = overriding(contributors, "forward_gather")
         self._backward_gathers = overriding(contributors, "backward_gather")
+        self._copy_outs = overriding(contributors, "copy_out")
         self._gradient_reductions = overriding(contributors, "gradient_reduction")
 
     def build(self, segments: list[Segment]) -> tuple[TaskGraph, dict[str, list[Segment]]]:
@@ -205,14 +222,16 @@ class StepTasks:
         """Tasks of micro-batch ``mb``'s forward through ``segments`` after ``deps``; returns the last."""
         last = None
         ends: list[int] = []  # each segment's last task
-        for position, segment in enumerate(segments):
+        for segment in segments:
             segment_deps = list(deps) if last is None else [last]
-            for forward_gather in self._forward_gathers:
-                gathered = forward_gather(self, device, segment, position, last)
-                if gathered is not None:
-                    segment_deps.append(gathered)
+            # The host issues a pass's first gathers without waiting for what the pass's
+            # compute waits for (a pipeline stage's received activations): only the gather
+            # stream's order holds them.
+            gathers = [forward_gather(self, device, segment, prefetch_after(ends, []))
+                       for forward_gather in self._forward_gathers]
+            segment_deps += self._copied_out(device, segment, False, [g for g in gathers if g is not None])
             if segment.weight_gather_s:
-                segment_deps.append(self._expert_gather(device, segment, ends, deps, f"F{mb}"))
+                segment_deps.append(self._expert_gather(device, segment, prefetch_after(ends, deps), f"F{mb}"))
             forward_s = segment.forward_s + self._block_overhead(segment)[0]
             compute = self.graph.add(f"F{mb} {segment.name}", (device, "compute"), forward_s, deps=segment_deps)
             last = self.graph.add(f"F{mb} {segment.name} tp-comm", (device, "compute"), segment.forward_comm_s, deps=[compute], kind="tp_comm") if segment.forward_comm_s else compute
@@ -237,14 +256,18 @@ class StepTasks:
         reductions = [gradient_reduction(self, device, sync) for gradient_reduction in self._gradient_reductions]
         reductions = [reduction for reduction in reductions if reduction is not None]
         ends: list[int] = []  # each segment's last task, in backward order
-        for position, segment in enumerate(reversed(segments)):
-            segment_deps = list(deps) if last is None else [last]
-            if segment.weight_gather_s:
-                segment_deps.append(self._expert_gather(device, segment, ends, deps, f"B{mb}"))
-            for backward_gather in self._backward_gathers:
-                gathered = backward_gather(self, device, segment, last)
-                if gathered is not None:
-                    segment_deps.append(gathered)
+        order = list(reversed(segments))
+        # The first unit of backward (the last of forward) is gathered again as soon as
+        # autograd reaches it: its gather queues behind the forward's on the gather stream.
+        gathered = self._backward_gathers_of(device, order[0], mb, list(deps), []) if order else []
+        for position, segment in enumerate(order):
+            segment_deps = (list(deps) if last is None else [last]) + self._copied_out(device, segment, True, gathered)
+            if position + 1 < len(order):
+                # FSDP2's pre_backward of this unit issues the next unit's gather before this
+                # unit's backward runs (``prefetch_after`` of the next one: after the end of
+                # the unit before this one, or when the pass may start).
+                ahead = [ends[-1]] if ends else list(deps)
+                gathered = self._backward_gathers_of(device, order[position + 1], mb, ahead, ahead)
             duration = backward_time(segment, recompute) + self._block_overhead(segment)[1]
             compute = self.graph.add(f"B{mb} {segment.name}", (device, "compute"), duration, deps=segment_deps)
             comm = backward_comm(segment, recompute)
@@ -258,15 +281,33 @@ class StepTasks:
                 reduction.segment_done(segment, last, final, deferred, sync_after)
         return last
 
-    def _expert_gather(self, device, segment, ends: list[int], start: list[int], label: str) -> int:
+    def _copied_out(self, device: str, segment: Segment, backward: bool, gathered: list[int]) -> list[int]:
+        """What a pass of ``segment`` waits for: the contributors' copies of the gathered
+        weights (on the compute stream, after ``gathered``) where they add them, else
+        ``gathered`` itself."""
+        copies = [copy_out(self, device, segment, backward, gathered) for copy_out in self._copy_outs]
+        copies = [copy for copy in copies if copy is not None]
+        return copies or gathered
+
+    def _backward_gathers_of(self, device: str, segment: Segment, mb: int, experts_after: list[int],
+                             unit_after: list[int]) -> list[int]:
+        """The gathers ``segment``'s backward waits for: its MoE expert copies' (after
+        ``experts_after``) and the contributors' (FSDP's, after ``unit_after``)."""
+        gathered = []
+        if segment.weight_gather_s:
+            gathered.append(self._expert_gather(device, segment, experts_after, f"B{mb}"))
+        for backward_gather in self._backward_gathers:
+            task = backward_gather(self, device, segment, unit_after)
+            if task is not None:
+                gathered.append(task)
+        return gathered
+
+    def _expert_gather(self, device, segment, issue_after: list[int], label: str) -> int:
         """The all-gather of the sharded expert copies a segment's MoE layers run
-        (``Segment.weight_gather_s``), issued when the segment two before it in this pass has
-        finished (``ends``, the earlier segments' last tasks; for the first two, when the pass
-        may start: ``start``), so it overlaps the previous segment's compute: FSDP2 holds the
-        unit running and the one it prefetches."""
-        prefetch_after = [ends[-2]] if len(ends) >= 2 else list(start)
-        return self.graph.add(f"{label} all-gather experts {segment.name}", (device, "collective"), segment.weight_gather_s,
-                         deps=prefetch_after, kind="comm")
+        (``Segment.weight_gather_s``): FSDP2's gather of a unit, on the gather stream, issued
+        after ``issue_after`` (``prefetch_after``); on gloo it blocks the compute stream."""
+        return self.graph.add(f"{label} all-gather experts {segment.name}", (device, fsdp2_stream(self.context, GATHER_STREAM)),
+                              segment.weight_gather_s, deps=issue_after, kind="comm")
 
     def _boundary_bytes(self, chunk_segments: dict[int, list[Segment]], vs: int) -> float:
         """Activation bytes a micro-batch carries from virtual stage ``vs`` to ``vs + 1``."""

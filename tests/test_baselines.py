@@ -84,8 +84,10 @@ def test_gpt_1b_data_parallel(gpt_1b):
     assert ddp.estimate.bytes_per_axis["dp"] == pytest.approx(2 * 15 / 16 * 4 * params)
     assert fsdp.estimate.bytes_per_axis["dp"] == pytest.approx(15 / 16 * 4 * (3 * params - root))
     # Both use 2 nodes, so the 5.7 GB all-reduce crosses InfiniBand (25 GB/s per GPU): DDP's
-    # gradient all-reduce overlaps the backward, FSDP's per-block gathers are exposed more.
-    assert fsdp.estimate.communication_s > ddp.estimate.communication_s
+    # gradient all-reduce overlaps the backward but its last buckets wait for the last
+    # segment; FSDP2 sends more, but prefetches each block's gather beside the block before
+    # it on its own stream, and reduce-scatters beside the gathers: less of it is exposed.
+    assert fsdp.estimate.communication_s < ddp.estimate.communication_s
 
 
 def test_an_fsdp_graph_program_gathers_again_only_its_recomputed_blocks():

@@ -22,7 +22,7 @@ from __future__ import annotations
 from cost_model.data_parallel_step import DataParallelStep
 from cost_model.step_context import StepContext, axis_group
 from cost_model.collectives import collective_time
-from cost_model.step_contributor import ParameterSharding, StepContributor
+from cost_model.step_contributor import ALL_REDUCE_STREAM, ParameterSharding, StepContributor, fsdp2_stream
 from planner.strategy import Mesh
 
 SHARD, REPLICATE = "shard", "replicate"
@@ -69,7 +69,10 @@ class _TasksView:
 
 class _HybridReduction:
     """One backward pass's reductions: FSDP's reduce-scatter of each unit over its shard
-    group, then the all-reduce of the unit's gradient shard over ``replicate``."""
+    group, then the all-reduce of the unit's gradient shard over ``replicate``, on FSDP2's
+    all-reduce stream (``foreach_reduce``: ``all_reduce_stream.wait_stream(reduce_scatter_stream)``),
+    so the next unit's reduce-scatter does not queue behind it (on gloo, blocking:
+    ``fsdp2_stream``)."""
 
     def __init__(self, inner, tasks, device: str, view: ShardGroupView) -> None:
         self.inner, self.tasks, self.device, self.view = inner, tasks, device, view
@@ -83,9 +86,9 @@ class _HybridReduction:
         shard_bytes = sum(segment.params[name] for name in segment.dp_synced) * view.reduced_gradient_bytes() / view.dp
         for task in scattered.get(self.device, []):
             seconds = view.collective("all_reduce", shard_bytes, REPLICATE)
+            stream = (self.device, fsdp2_stream(view, ALL_REDUCE_STREAM))
             sync_after.setdefault(self.device, []).append(self.tasks.graph.add(
-                f"all-reduce grad shard over replicate ({segment.name})", (self.device, "collective"), seconds,
-                deps=[task], kind="comm",
+                f"all-reduce grad shard over replicate ({segment.name})", stream, seconds, deps=[task], kind="comm",
             ))
 
 
@@ -113,11 +116,14 @@ class HybridShardingStep(StepContributor):
     def gathers_every_pass(self, context) -> bool:
         return self.inner.gathers_every_pass(self._view(context))
 
-    def forward_gather(self, tasks, device, segment, position, last):
-        return self.inner.forward_gather(_TasksView(tasks, self._view(tasks.context)), device, segment, position, last)
+    def forward_gather(self, tasks, device, segment, issue_after):
+        return self.inner.forward_gather(_TasksView(tasks, self._view(tasks.context)), device, segment, issue_after)
 
-    def backward_gather(self, tasks, device, segment, last):
-        return self.inner.backward_gather(_TasksView(tasks, self._view(tasks.context)), device, segment, last)
+    def backward_gather(self, tasks, device, segment, issue_after):
+        return self.inner.backward_gather(_TasksView(tasks, self._view(tasks.context)), device, segment, issue_after)
+
+    def copy_out(self, tasks, device, segment, backward, gathered):
+        return self.inner.copy_out(_TasksView(tasks, self._view(tasks.context)), device, segment, backward, gathered)
 
     def gradient_reduction(self, tasks, device, sync):
         view = self._view(tasks.context)
