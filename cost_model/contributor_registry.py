@@ -61,7 +61,7 @@ def step_contributors(plan) -> tuple[StepContributor, ...]:
     families = tuple(_family_contributor(family.costs) for family in with_part("costs") if family.uses(plan))
     if not families:
         return _CONTRIBUTORS
-    replaced = tuple(kind for contributor in families for kind in getattr(contributor, "takes_over", ()))
+    replaced = tuple(kind for contributor in families for kind in contributor.takes_over)
     return (*(c for c in _CONTRIBUTORS if not isinstance(c, replaced)), *families)
 
 

@@ -120,7 +120,11 @@ class ParameterSharding:
 
 
 class StepContributor:
-    """One family's part of a simulated step (module docstring); every hook adds nothing."""
+    """One family's part of a simulated step (module docstring); every hook adds nothing.
+    ``takes_over``: the contributor classes this one replaces on the plans it applies to
+    (``cost_model.contributor_registry.step_contributors``)."""
+
+    takes_over: tuple[type, ...] = ()
 
     def node_cost(self, context, node, strategy, cost) -> None:
         """Add to ``cost`` (one micro-batch of ``node`` under ``strategy`` on one device)."""

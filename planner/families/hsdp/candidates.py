@@ -35,7 +35,9 @@ def hsdp_candidates(context: SearchContext) -> list[Plan]:
         return []
     # The fsdp plans the data-parallel family found already, or built here when --family
     # left fsdp out: HSDP is the same program with another mesh under fully_shard.
-    fsdp = [plan for plan in context.found if plan.name == f"fsdp ({dp_alone[0]})" and not plan.sections]
+    fsdp = [plan for plan in context.found
+            if plan.dp_flavour == "fsdp" and not plan.label and plan.mesh == dp_alone[0] and not plan.sections
+            and plan.accumulation_steps == 1]
     if not fsdp:
         base = data_parallel_plan(context.graph, context.cluster, context.spec, context.model_name, "fsdp",
                                   context.warnings, context.precision)

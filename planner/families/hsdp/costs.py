@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from cost_model.data_parallel_step import DataParallelStep
 from cost_model.step_context import StepContext, axis_group
-from cost_model.collectives import collective_time
 from cost_model.step_contributor import ALL_REDUCE_STREAM, ParameterSharding, StepContributor, fsdp2_stream
 from planner.strategy import Mesh
 
@@ -30,7 +29,11 @@ SHARD, REPLICATE = "shard", "replicate"
 
 class ShardGroupView:
     """``context`` as FSDP inside one shard group sees it: ``dp`` is the group's size and a
-    collective over ``"dp"`` runs in the group; everything else is ``context``'s."""
+    collective over ``"dp"`` runs in the group, one over ``"replicate"`` across the groups
+    (``StepContext.collective`` over these groups, with a cache of its own); everything else
+    is ``context``'s."""
+
+    collective = StepContext.collective
 
     def __init__(self, context: StepContext, shard: int) -> None:
         self._context = context
@@ -38,23 +41,12 @@ class ShardGroupView:
         mesh = Mesh(((REPLICATE, replicate), (SHARD, shard)))
         self.dp = shard
         self.replicate = replicate
-        self._groups = {axis: axis_group(mesh, context.cluster, 1, axis) for axis in (SHARD, REPLICATE)}
+        self.groups = {**context.groups, "dp": axis_group(mesh, context.cluster, 1, SHARD),
+                       REPLICATE: axis_group(mesh, context.cluster, 1, REPLICATE)}
+        self.comm_cache: dict[tuple, float] = {}
 
     def __getattr__(self, name: str):
         return getattr(self._context, name)
-
-    def collective(self, kind: str, size_bytes: float, axis: str) -> float:
-        """Seconds of a collective over ``axis``; ``"dp"`` is the shard group, ``"replicate"``
-        the ranks of every group that hold the same shard."""
-        group = {"dp": SHARD, REPLICATE: REPLICATE}.get(axis)
-        if group is None:
-            return self._context.collective(kind, size_bytes, axis)
-        key = (kind, size_bytes, f"hsdp.{group}")
-        cache = self._context.comm_cache
-        if key not in cache:
-            ranks, concurrent, _ = self._groups[group]
-            cache[key] = collective_time(kind, size_bytes, self._context.cluster, ranks, concurrent)
-        return cache[key]
 
 
 class _TasksView:
@@ -101,14 +93,14 @@ class HybridShardingStep(StepContributor):
 
     def __init__(self) -> None:
         self.inner = DataParallelStep()
-        self._views: dict[int, ShardGroupView] = {}
+        self._last: ShardGroupView | None = None
 
     def _view(self, context: StepContext) -> ShardGroupView:
-        # One view per simulated plan: its collective times are memoised in the context's cache.
-        view = self._views.get(id(context))
-        if view is None or view._context is not context:
-            view = self._views[id(context)] = ShardGroupView(context, context.plan.sections["hsdp"].shard)
-        return view
+        # The view of the plan being simulated (its collective times memoised in it): built
+        # once per context and not kept beyond the next one, which would hold every graph.
+        if self._last is None or self._last._context is not context:
+            self._last = ShardGroupView(context, context.plan.sections["hsdp"].shard)
+        return self._last
 
     def reduces_every_micro_batch(self, context) -> bool:
         return self.inner.reduces_every_micro_batch(self._view(context))
