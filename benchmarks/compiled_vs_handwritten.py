@@ -53,7 +53,7 @@ def plan_and_compile(width: int, folder: Path) -> None:
         "blocks.0.mlp.c_fc.weight": Shard(0), "blocks.0.mlp.c_fc.bias": Shard(0),  # column parallel
         "blocks.0.mlp.c_proj.weight": Shard(1),  # row parallel
     }
-    tp = propagate(graph, {i.name: Replicate() for i in graph.inputs if i.meta}, weights)
+    tp = propagate(graph, 2, {i.name: Replicate() for i in graph.inputs if i.meta}, weights)
     strategies, inputs = combine(graph, mesh, {"tp": tp})
     plan = simulated(unsimulated_plan(graph, cluster, spec, name, mesh, strategies, inputs, label="mlp-tp"), graph)
     planner.compile(plan, folder)

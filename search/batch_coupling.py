@@ -30,8 +30,11 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from planner.graph import OpGraph
 from search.layouts import batch_input_placements
 from search.propagation import propagate
-from search.rules.op_families import known_family, op_rule
+from search.rules import rule_for
+from search.rules.choice import follow
 
+# The batch is followed as split over two ranks: the fewest that can split it.
+_SLICES = 2
 # Ops that stay exact on an average or sum when every other operand is the same on all ranks.
 _LINEAR_IN_ONE_OPERAND = ("aten.add.", "aten.sub.", "aten.mul.", "aten.div.", "aten.neg.", "aten.to.", "aten._to_copy.")
 _SYNCHRONISED = ("aten.batch_norm.", "aten._native_batch_norm_legit", "aten.native_batch_norm.", "aten.cudnn_batch_norm.")
@@ -52,18 +55,18 @@ class CoupledOp:
 def batch_coupled_ops(graph: OpGraph) -> list[CoupledOp]:
     """The ops at which running the model on slices of its batch changes the step (see the
     module docstring), in graph order; empty for a model whose samples stay independent."""
-    placements = propagate(graph, batch_input_placements(graph), {}, batch_local=True)
+    placements = propagate(graph, _SLICES, batch_input_placements(graph), {}, batch_local=True)
     produced: dict[str, object] = {}
     coupled = []
     for node in graph.nodes:
         have = tuple(produced.get(name, Replicate()) for name in node.inputs)
         # What the op's rule needs, before the batch-local fallback lets an op the rules do
         # not know run on each slice (data-parallel programs run it so; we cannot tell).
-        wanted, _ = op_rule(node, have)
+        wanted, _ = follow(node, have, _SLICES)
         needs_whole = any(
             isinstance(had, (Shard, Partial)) and isinstance(want, Replicate) for had, want in zip(have, wanted)
         )
-        if needs_whole and known_family(node.op) and not node.op.startswith(_SYNCHRONISED) and not _exact_on_slices(node.op, have):
+        if needs_whole and rule_for(node.op) is not None and not node.op.startswith(_SYNCHRONISED) and not _exact_on_slices(node.op, have):
             coupled.append(CoupledOp(node.name, node.op, node.module))
         outputs = placements[node.name].outputs
         if outputs:

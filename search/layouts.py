@@ -107,7 +107,9 @@ def _input_placement(per_axis, axis: str, name: str, graph: OpGraph) -> Placemen
 
 def data_parallel_layout(graph: OpGraph, mesh: Mesh) -> tuple[tuple[NodeStrategy, ...], dict[str, Placements | None]]:
     """The batch split over ``dp``, every parameter replicated (DDP/ZeRO/FSDP keep that view)."""
-    per_axis = {"dp": propagate(graph, batch_input_placements(graph), {}, batch_local=True)} if "dp" in mesh.names else {}
+    per_axis = {}
+    if "dp" in mesh.names:
+        per_axis["dp"] = propagate(graph, mesh.axis_size("dp"), batch_input_placements(graph), {}, batch_local=True)
     return combine(graph, mesh, per_axis)
 
 
@@ -138,12 +140,13 @@ def megatron_layout(
     """
     per_axis: dict[str, dict[str, AxisPlacements]] = {}
     if "dp" in mesh.names:
-        per_axis["dp"] = propagate(graph, batch_input_placements(graph), {})
+        per_axis["dp"] = propagate(graph, mesh.axis_size("dp"), batch_input_placements(graph), {})
     tp = mesh.axis_size("tp") if "tp" in mesh.names else 1
     if tp > 1:
         overrides = _sequence_parallel_overrides(graph) if sequence_parallel else {}
         per_axis["tp"] = propagate(
-            graph, {i.name: R for i in graph.inputs if i.meta}, choose_params=_megatron_params(graph, tp), overrides=overrides
+            graph, tp, {i.name: R for i in graph.inputs if i.meta}, choose_params=_megatron_params(graph, tp),
+            overrides=overrides, conventions=True,
         )
         _check_divisible(graph, per_axis["tp"], tp)
     pp = mesh.axis_size("pp") if "pp" in mesh.names else 1

@@ -80,7 +80,7 @@ def searched_plans(graph, cluster, spec, model_name, mesh, search, budget: Searc
     it fits."""
     representative = block_representatives(graph)
     strategies_of = node_strategies(graph, mesh, only=set(representative.values()), tp_layouts=tp_layouts)
-    seed_strategies, inputs = combine(graph, mesh, {"dp": dp_axis_placements(graph)} if "dp" in mesh.names else {})
+    seed_strategies, inputs = combine(graph, mesh, {"dp": dp_axis_placements(graph, mesh.axis_size("dp"))} if "dp" in mesh.names else {})
     skeleton = unsimulated_plan(graph, cluster, spec, model_name, mesh, seed_strategies, inputs, precision=precision, warnings=warnings)
     tables = build_cost_tables(skeleton, graph, strategies_of, representative)
     hint = starting_layout(graph, mesh, tables)
@@ -148,7 +148,7 @@ def starting_layout(graph: OpGraph, mesh: Mesh, tables) -> dict[str, int]:
         return summa_hint(graph, tables.candidates)
 
     try:
-        layout, _ = megatron_layout(graph, mesh) if "tp" in mesh.names else combine(graph, mesh, {"dp": dp_axis_placements(graph)})
+        layout, _ = megatron_layout(graph, mesh) if "tp" in mesh.names else combine(graph, mesh, {"dp": dp_axis_placements(graph, mesh.axis_size("dp"))})
     except PlanningError:
         return {}
     wanted = {s.node: (s.inputs, s.outputs, tuple(s.params.values())) for s in layout}
@@ -162,7 +162,7 @@ def starting_layout(graph: OpGraph, mesh: Mesh, tables) -> dict[str, int]:
     return hint
 
 
-def dp_axis_placements(graph: OpGraph):
+def dp_axis_placements(graph: OpGraph, dp: int):
     """Where each value of a data-parallel step lives when the batch inputs are split on
-    ``dp`` (the batch dimension propagated through the graph)."""
-    return propagate(graph, batch_input_placements(graph), {})
+    ``dp`` (of ``dp`` ranks; the batch dimension propagated through the graph)."""
+    return propagate(graph, dp, batch_input_placements(graph), {})

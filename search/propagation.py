@@ -1,24 +1,13 @@
 """Follow one mesh axis's sharding through the graph, op by op.
 
 Given the placement of every graph input and parameter on one mesh axis, ``propagate``
-derives each op's input and output placements on that axis, asking each op's family rule
-(``search.rules.op_families.op_rule``) what it does with its incoming placements. When an op
-cannot take its inputs' sharding (a softmax over the sharded dimension, an op no family
-knows), it asks for ``Replicate`` inputs and the edge pays an all-gather: the cost model
-reads that from the mismatch between the producer's output and the consumer's input
-placement.
-
-Why the walk asks ``op_rule`` and not the per-op registry (``search.rules.axis_candidates``):
-the registry says which placements are *correct* for the plain op; the layouts need a
-*choice* among them, and ``op_rule`` is that choice, including Megatron-LM's program
-conventions the registry rightly refuses for a plain op (vocabulary-parallel embedding and
-cross entropy, the fused q|k|v split on features, the row-parallel bias counted once). A
-walk that takes, per node, the registry candidate its incoming placements reach most
-cheaply places most of a Megatron-LM layout differently, and a data-parallel one on a few
-nodes (a loss over split rows, views of a batch the axis does not divide);
-``benchmarks/registry_walk_gap.py`` prints each difference. Those layouts, and every plan
-built from them, would change, so the layouts follow ``op_rule`` until the registry carries
-those conventions and a stated choice rule reproduces them (``answer`` is where it plugs in).
+derives each op's input and output placements on that axis: of the op's candidates in the
+per-op registry (``search.rules.axis_candidates``, plus Megatron-LM's program conventions
+when the layout's program implements them), it takes the one the incoming placements reach
+most cheaply (``search.rules.choice.follow``, whose docstring states the rule). When an op
+cannot take its inputs' sharding (a softmax over the sharded dimension, an op no rule
+knows), it takes ``Replicate`` inputs and the edge pays a gather: the cost model reads that
+from the mismatch between the producer's output and the consumer's input placement.
 """
 
 from __future__ import annotations
@@ -30,14 +19,12 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from planner.graph import OpGraph, OpNode
-from search.rules.op_families import op_rule
+from search.rules.choice import follow
 
 R = Replicate()
 
 
 ParamChooser = Callable[[OpNode, tuple[Placement, ...]], dict[str, Placement]]
-# (node, incoming placements) -> (placements it takes its inputs in, its outputs' placements)
-NodeAnswer = Callable[[OpNode, tuple[Placement, ...]], tuple[tuple[Placement, ...], tuple[Placement, ...]]]
 
 
 @dataclass(frozen=True)
@@ -52,16 +39,18 @@ class AxisPlacements:
 
 def propagate(
     graph: OpGraph,
+    axis_size: int,
     input_placements: dict[str, Placement],
     param_placements: dict[str, Placement] | None = None,
     choose_params: ParamChooser | None = None,
     overrides: dict[str, Placement] | None = None,
     batch_local: bool = False,
-    answer: NodeAnswer = op_rule,
+    conventions: bool = False,
 ) -> dict[str, AxisPlacements]:
     """Placements on one mesh axis of every node of ``graph``.
 
     Args:
+        axis_size: the number of ranks on the axis (the registry's candidates depend on it).
         input_placements: graph input name -> placement (e.g. ``Shard(0)`` for the batch).
         param_placements: parameter name -> placement (missing: ``Replicate``).
         choose_params: decides the placements of a node's parameters from its incoming
@@ -73,9 +62,9 @@ def propagate(
         batch_local: the axis is plain data parallelism (DDP, ZeRO, FSDP run the model's
             own modules on each rank's slice of the batch): an op without a rule keeps the
             batch split instead of gathering it, as those programs do.
-        answer: what each op does with its incoming placements (``op_rule``; the seam
-            where a walk over the registry plugs in, see the module docstring and
-            ``benchmarks/registry_walk_gap.py``).
+        conventions: the layout's program implements Megatron-LM's conventions
+            (``search.rules.conventions``: vocabulary-parallel embedding and cross entropy,
+            fused projection splits, the row-parallel bias added once).
 
     Returns:
         node name -> its input, output and parameter placements on this axis.
@@ -95,7 +84,8 @@ def propagate(
             params_fixed.get(param_of_input[name], R) if name in param_of_input else activation
             for name, activation in zip(node.inputs, activations)
         )
-        wanted, outputs = answer(node, incoming)
+        fixed = {i for i, name in enumerate(node.inputs) if name in param_of_input and param_of_input[name] in params_fixed}
+        wanted, outputs = follow(node, incoming, axis_size, fixed, conventions)
         gathers_all = (wanted, outputs) == (tuple(R for _ in incoming), tuple(R for _ in node.output_meta))
         if batch_local and gathers_all and incoming != wanted:
             wanted, outputs = _batch_local(node, incoming, wanted, outputs)

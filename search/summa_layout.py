@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import Placement
 from planner.errors import PlanningError
 from planner.graph import OpGraph, OpNode
 from planner.strategy import SUMMA_FAMILIES, Mesh, NodeStrategy, Placements, SummaLayout
-from search.rules.op_families import op_rule
+from search.rules.choice import follow
 
 __all__ = ["summa_layout"]
 
@@ -210,18 +210,20 @@ def _block_norm(graph, node: OpNode, incoming, layout, axes, sizes, param_of_inp
 
 
 def _propagated(graph, node: OpNode, incoming, axes, sizes, hidden_axis: str, param_of_input) -> NodeStrategy:
-    """Any other op: each axis's placements follow its inputs (``search.rules.op_families.op_rule``);
+    """Any other op: each axis's placements follow its inputs (``search.rules.choice.follow``);
     an embedding table is split on its features over the hidden axis, so the residual stream
     starts with its hidden dim split there."""
     per_axis_in, per_axis_out = [], []
     for index, axis in enumerate(axes):
-        held = []
-        for name, placements in zip(node.inputs, incoming):
+        held, fixed = [], set()
+        for position, (name, placements) in enumerate(zip(node.inputs, incoming)):
             if name in param_of_input:
                 held.append(_param_placement(graph, node, param_of_input[name], axis, sizes, hidden_axis))
+                if not isinstance(held[-1], Replicate):
+                    fixed.add(position)  # a weight the layout split stays so; a whole one may be sliced
             else:
                 held.append(placements[index])
-        wanted, outputs = op_rule(node, tuple(held))
+        wanted, outputs = follow(node, tuple(held), sizes[axis], fixed, conventions=True)
         per_axis_in.append(wanted)
         per_axis_out.append(outputs)
     node_inputs = tuple(tuple(per_axis_in[a][i] for a in range(len(axes))) for i in range(len(node.inputs)))

@@ -52,7 +52,7 @@ def mixed_plan() -> planner.Plan:
     on block 2, the batch split over tp on blocks 3-4 (every weight whole)."""
     graph, spec, name, cluster = _gpt(5)
     plan = megatron_plan(graph, cluster, spec, name, tp=WORLD, precision="fp32")
-    batch, _ = combine(graph, plan.mesh, {"tp": propagate(graph, batch_input_placements(graph), {})})
+    batch, _ = combine(graph, plan.mesh, {"tp": propagate(graph, WORLD, batch_input_placements(graph), {})})
     drawn = random_placements(plan, graph, random.Random(RANDOM_SEED)).strategies
     by_block = {2: {s.node: s for s in drawn}, 3: {s.node: s for s in batch}, 4: {s.node: s for s in batch}}
     strategies = tuple(by_block.get((graph.node(s.node).block or ("", -1))[1], {}).get(s.node, s) for s in plan.strategies)

@@ -1,5 +1,5 @@
 """A cross entropy on logits split over the classes: what Megatron's layout plans for it
-(``search.rules.op_families.op_rule``) and what the simulator charges (``cost_model.loss_parallel``).
+(``search.rules.conventions``, followed by ``search.rules.choice.follow``) and what the simulator charges (``cost_model.loss_parallel``).
 
 The program runs it with PyTorch's ``loss_parallel`` (``codegen.runtime.loss_parallel``);
 its parity is checked by ``tests/test_spmd_parity.py`` (GPT and llama under Megatron's layout,
@@ -20,7 +20,7 @@ from planner.api import prepare_model
 from planner.graph import OpNode, TensorMeta
 from planner.model_spec import ModelSpec
 from search.megatron import megatron_plan
-from search.rules.op_families import op_rule
+from search.rules.choice import follow
 
 GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
 # examples/gpt.py: vocabulary 256, 32 positions; a global batch of 8 gives 256 rows of logits.
@@ -38,7 +38,7 @@ def _loss_node(attrs: tuple = (None, None), inputs: int = 2) -> OpNode:
 
 
 def test_class_split_logits_stay_split_and_give_the_whole_loss() -> None:
-    wanted, outputs = op_rule(_loss_node(), (Shard(1), Replicate()))
+    wanted, outputs = follow(_loss_node(), (Shard(1), Replicate()), 2, conventions=True)
     assert wanted == (Shard(1), Replicate()) and outputs == (Replicate(),)
 
 
@@ -50,7 +50,7 @@ def test_class_split_logits_stay_split_and_give_the_whole_loss() -> None:
 def test_losses_loss_parallel_cannot_run_gather_the_logits(node: OpNode) -> None:
     """``loss_parallel`` takes neither label smoothing nor class weights: the plan gathers
     the logits (an all-gather the simulator prices as an edge)."""
-    wanted, outputs = op_rule(node, (Shard(1),) + (Replicate(),) * (len(node.inputs) - 1))
+    wanted, outputs = follow(node, (Shard(1),) + (Replicate(),) * (len(node.inputs) - 1), 2, conventions=True)
     assert all(p == Replicate() for p in wanted) and outputs == (Replicate(),)
 
 

@@ -5,7 +5,7 @@ ops they do not use, is run on 2 and 3 virtual ranks (3 makes most sizes uneven)
 compared with the op on whole tensors; wrong rules and missing rules (ops with no rule) are
 collected separately, as DTensor's strategy validation reports them. On small nodes the
 rules must also offer every candidate brute force finds valid. The checker itself is checked
-against candidates known to be wrong, among them the ones ``op_rule`` (``search.rules.op_families``) gets wrong.
+against candidates known to be wrong, among them the ones an earlier hand-written walk rule (``op_rule``, removed) got wrong.
 """
 
 from __future__ import annotations

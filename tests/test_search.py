@@ -123,7 +123,7 @@ def _llama_tables(cluster_name: str, mesh: Mesh):
     graph, spec, name, cluster = prepare_model(TINY_LLAMA, cluster_name)
     representative = block_representatives(graph)
     strategies_of = node_strategies(graph, mesh, only=set(representative.values()))
-    seed, inputs = combine(graph, mesh, {"dp": dp_axis_placements(graph)} if "dp" in mesh.names else {})
+    seed, inputs = combine(graph, mesh, {"dp": dp_axis_placements(graph, mesh.axis_size("dp"))} if "dp" in mesh.names else {})
     skeleton = unsimulated_plan(graph, cluster, spec, name, mesh, seed, inputs, precision="fp32")
     tables = build_cost_tables(skeleton, graph, strategies_of, representative)
     return tables, starting_layout(graph, mesh, tables), cluster.min_device_memory
@@ -321,7 +321,7 @@ def test_ops_with_two_outputs_get_a_placement_for_each():
 
     spec = ModelSpec(f"{Path(__file__).resolve().with_name('zoo_models.py')}:multi_output", {})
     graph, _, _, _ = prepare_model(spec, "cpu:1x4")
-    per_axis = propagate(graph, batch_input_placements(graph), {})
+    per_axis = propagate(graph, 4, batch_input_placements(graph), {})
     maximum = next(n for n in graph.nodes if n.op == "aten.max.dim")
     assert per_axis[maximum.name].outputs == (Shard(0), Shard(0))
     strategies, _ = data_parallel_layout(graph, Mesh((("dp", 4),)))

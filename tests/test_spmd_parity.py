@@ -112,9 +112,9 @@ def make_plan(model: str, family: str, world: int) -> planner.Plan:
     if family.startswith("megatron"):
         return plan
     if family == "partial":  # the MLP's input features and first weight's input features split over tp
-        per_axis = {"tp": propagate(graph, {"inputs": Shard(1), "targets": Replicate()}, {"net.0.weight": Shard(1)})}
+        per_axis = {"tp": propagate(graph, plan.mesh.axis_size("tp"), {"inputs": Shard(1), "targets": Replicate()}, {"net.0.weight": Shard(1)})}
     elif family == "batch":  # the batch split over every mesh axis, every weight replicated
-        per_axis = {axis: propagate(graph, batch_input_placements(graph), {}) for axis in plan.mesh.names}
+        per_axis = {axis: propagate(graph, plan.mesh.axis_size(axis), batch_input_placements(graph), {}) for axis in plan.mesh.names}
     elif family == "random":
         return random_placements(plan, graph, random.Random(RANDOM_SEED))
     else:

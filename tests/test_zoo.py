@@ -234,7 +234,7 @@ def batch_split_plan(spec: ModelSpec, world: int) -> planner.Plan:
     """``spec`` with its batch split over a ``tp`` mesh of ``world`` ranks (a graph program)."""
     graph, spec, model_name, cluster = prepare_model(spec, f"cpu:1x{world}")
     mesh = Mesh((("tp", world),))
-    strategies, inputs = combine(graph, mesh, {"tp": propagate(graph, batch_input_placements(graph), {})})
+    strategies, inputs = combine(graph, mesh, {"tp": propagate(graph, world, batch_input_placements(graph), {})})
     return unsimulated_plan(graph, cluster, spec, model_name, mesh, strategies, inputs, label="soap")
 
 

@@ -13,8 +13,12 @@ Public API:
 
 Where rules come from, by precedence: explicit registrations (``matmul``, ``shapes``,
 ``nn``, ``reductions``, ``indexing``), family rules (``pointwise``), and last the
-defaults (``defaults``) derived from ``search.rules.op_families.op_rule`` for the families it
-gets right (views, norms, softmax, getitem, the rest of the batch-wise ops).
+defaults (``defaults``: views, norms, softmax, getitem, the rest of the batch-wise ops).
+Program conventions (``conventions``: Megatron-LM's vocabulary-parallel embedding and cross
+entropy, fused projection splits, the row-parallel bias added once) are kept apart and asked
+for only by walks whose program implements them; ``choice.follow`` is the walks' one choice
+rule over all of them. This registry is the planner's one sharding-rule engine: the per-op
+search and every whole-model layout read it.
 """
 
 from __future__ import annotations

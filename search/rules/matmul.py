@@ -14,8 +14,8 @@ For an einsum ``"mk,kn->mn"`` on one mesh axis:
 A bias added to the product (``linear``, ``addmm``, ``baddbmm``) is split like the output
 where it has the letter, ``Replicate`` where it broadcasts, and ``Partial`` whenever the
 output is (each rank adds its share of the bias, not the whole bias: adding a replicated bias
-on every rank would count it ``axis_size`` times, the bug in ``search.rules.op_families.op_rule``'s
-row-parallel rule).
+on every rank would count it ``axis_size`` times; Megatron-LM's program adds it once after
+the reduction, a convention: ``search.rules.conventions``).
 """
 
 from __future__ import annotations

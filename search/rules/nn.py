@@ -5,7 +5,7 @@ Layouts that need a different local computation are left out, with the reason:
 
 * ``embedding`` with the table split by rows (vocabulary parallel) needs the ids shifted
   into the local rows and the rows outside masked to zero (DTensor's ``MaskPartial``): the
-  plain op indexes out of range. ``op_rule`` (``search.rules.op_families``) offers it as ``(S(0), R) -> P``.
+  plain op indexes out of range (a program convention: ``search.rules.conventions``).
 * attention split on the key/value sequence (ring attention) needs an online softmax
   across ranks.
 """

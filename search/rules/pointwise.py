@@ -1,4 +1,4 @@
-"""Pointwise ops (the elementwise family of ``search.rules.op_families``) and ``cat``.
+"""Pointwise ops (``ELEMENTWISE``) and ``cat``.
 
 Any output dim may be split: inputs holding that dim at full size are split alike, inputs
 that broadcast along it stay whole; uneven sizes are fine since every tensor chunks the
@@ -12,7 +12,7 @@ dim the same way.
 * ``add``/``sub`` of partials of the same kind: ``(P, P) -> P``;
 * ``add``/``sub`` of a replicated tensor or a number to an *average*: ``(P(avg), R) ->
   P(avg)`` (the mean of ``x_r + c`` is ``mean(x_r) + c``). Adding a number to a *sum* is
-  wrong (it is added on every rank); ``op_rule`` (``search.rules.op_families``) accepts ``add(P, 1.0) -> P``.
+  wrong (it is added on every rank).
 """
 
 from __future__ import annotations
@@ -20,10 +20,20 @@ from __future__ import annotations
 from torch.distributed.tensor import Shard
 
 from planner.graph import OpNode
-from search.rules.op_families import ELEMENTWISE
 from search.rules.common import AVG, SUM, R, aligned_shard, attr, is_float, norm_dim, shardable_dims
 from search.rules.registry import AxisCandidate, register_family, register_rule
 
+# The elementwise ops, by ATen name prefix.
+ELEMENTWISE = (
+    "aten.add.", "aten.sub.", "aten.mul.", "aten.div.", "aten.neg.", "aten.pow.", "aten.rsqrt.", "aten.sqrt.",
+    "aten.exp.", "aten.log.", "aten.reciprocal.", "aten.tanh.", "aten.sigmoid.", "aten.relu.", "aten.gelu.", "aten.silu.",
+    "aten.dropout.", "aten.to.", "aten._to_copy.", "aten.type_as.", "aten.where.", "aten.masked_fill.",
+    "aten.clamp.", "aten.abs.", "aten.erf.", "aten.cos.", "aten.sin.", "aten.maximum.", "aten.minimum.",
+    "aten.eq.", "aten.ne.", "aten.lt.", "aten.le.", "aten.gt.", "aten.ge.", "aten.__and__.", "aten.__or__.",
+    "aten.bitwise_not.", "aten.logical_not.", "aten.native_dropout.", "aten.relu_.", "aten.add_.",
+    "aten.mul_.", "aten.hardtanh.", "aten.leaky_relu.", "aten.zeros_like.", "aten.ones_like.",
+    "aten.full_like.", "aten.broadcast_tensors.", "aten.cat.",
+)
 # Linear in their one tensor input (and float in, float out where casting).
 _LINEAR_UNARY = (
     "aten.neg.", "aten.clone.", "aten.contiguous.", "aten.alias.", "aten.detach.", "aten.dropout.",

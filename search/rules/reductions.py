@@ -7,13 +7,12 @@ max-partial value hands the gradient to every rank's local maximum, and fails ou
 it arrives as partial sums, "Redistribution from one partial type (P(sum)) to another
 (P(max)) is unsupported"; so the reduced dim is gathered first.) The average of per-rank means is the mean only when every
 rank holds the same number of elements, so ``mean`` over a split dim needs the axis to
-divide it; ``op_rule`` (``search.rules.op_families``) offers ``Partial("avg")`` for any size (wrong for uneven
-splits: 8 rows over 3 ranks average 3, 3 and 2 rows with equal weights).
+divide it (8 rows over 3 ranks average 3, 3 and 2 rows with equal weights).
 
 Losses are reductions too. Cross entropy / NLL reduce over rows (and spatial positions):
 rows split in the logits and the targets alike; a split of the class dim needs a log-sum-exp
 across ranks (Megatron's vocabulary-parallel cross entropy), which the plain op cannot do, so
-it is not offered (``op_rule`` (``search.rules.op_families``) offers ``(S(1), R) -> P(avg)``). A mean reduction
+it is not offered here (it is a program convention: ``search.rules.conventions``). A mean reduction
 over split rows is exact only when every rank has the same number of counted targets: rows
 must divide evenly, no class weights, and (data-dependent, not checkable here) the same
 number of ``ignore_index`` targets on every rank.

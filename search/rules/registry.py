@@ -105,8 +105,8 @@ def register_rule(*ops: str) -> Callable[[Rule], Rule]:
 
 def register_family(matches: Callable[[str], bool], rule: Rule, priority: int = 0) -> None:
     """A rule for every op ``matches(op)`` accepts that has no explicit rule (op families).
-    Of several families that accept an op, the highest ``priority`` wins (the defaults
-    derived from ``op_rule`` (``search.rules.op_families``) sit lowest)."""
+    Of several families that accept an op, the highest ``priority`` wins (the defaults of
+    ``search.rules.defaults`` sit lowest)."""
     _FALLBACKS.append((priority, matches, rule))
     _FALLBACKS.sort(key=lambda entry: -entry[0])
     _ANSWERS.clear()

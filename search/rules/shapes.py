@@ -7,7 +7,7 @@ group, and, when the group merges or splits dims, only if the axis divides the o
 on both sides: otherwise each rank's contiguous block is not the ``torch.chunk`` piece of the
 other side (8 rows of 32 over 3 ranks are 96/96/64 rows of the merged (256, ...) tensor, but
 ``torch.chunk`` gives 86/86/84; 4 heads of 16 over 3 ranks do not cut 64 features at all).
-``op_rule`` (``search.rules.op_families``) keeps the split for any uneven size; this family corrects it. Reshapes
+Reshapes
 are linear, so ``Partial`` passes through.
 
 Splits (``split``, ``split_with_sizes``, ``unbind``, ``chunk``): a split on another dim
@@ -15,7 +15,7 @@ passes through to every piece; a split on the cut dim needs the whole tensor. Un
 standard layout a fused projection ``q|k|v`` sharded on its feature dim does *not* give
 each rank its shard of ``q``, ``k`` and ``v``: rank 0 holds all of ``q`` and part of ``k``.
 (Megatron gets that layout by permuting the weight rows, which is a different placement,
-DTensor's ``_StridedShard``; ``op_rule`` (``search.rules.op_families``) assumes it silently.)
+DTensor's ``_StridedShard``: a program convention, ``search.rules.conventions``.)
 """
 
 from __future__ import annotations
