@@ -97,9 +97,10 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
     """What node costs and segments depend on: the graph, cluster, mesh, precision and
     micro-batch count, whether the program is plain data parallel, whether fused splits are
     local, whether the sequence-parallel collectives overlap GEMMs, each node's placements,
-    parameters and stage, and the MoE layers' layouts. Placements are compared by identity (a variant made with ``dataclasses.replace`` shares them; hashing
-    thousands of placements by value costs more than costing the nodes); the entry keeps
-    those objects alive, so an identity cannot be reused by another object."""
+    parameters and stage, and the MoE layers' layouts. Placements are compared by identity
+    (a variant made with ``dataclasses.replace`` shares them; hashing thousands of placements
+    by value costs more than costing the nodes); the entry keeps those objects alive, so an
+    identity cannot be reused by another object."""
     return (
         id(graph), id(graph_facts(graph)), id(plan.cluster), plan.mesh, plan.precision, micro_batches,
         is_data_parallel(plan),  # graph programs pay DTensor's per-op dispatch (planner.cluster)

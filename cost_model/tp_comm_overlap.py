@@ -33,17 +33,22 @@ names a file, so TE's defaults apply). ``transformer_engine/pytorch/module/base.
     exposed ``max(C - G, (1 - share) C)``.
 
 Megatron-Core saves a column-parallel layer's input as each rank's sequence slice and
-gathers it again in backward (``layernorm_linear.py``: ``ub_bulk_dgrad`` copies ``ln_out``
-into the userbuffer; without TE, Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``
-does the same): two all-gathers per layer that the planner's own programs do not run (DTensor
-keeps the gathered input), priced here as the bulk all-gathers above. Per layer and
-micro-batch that is Korthikanti et al.'s 4 all-gathers and 4 reduce-scatters of ``s b h``
-elements, plus these 2 re-gathers.
+gathers it again in backward (TE ``module/layernorm_linear.py``: with ``ub_bulk_dgrad`` the
+backward copies ``ln_out`` into the userbuffer and all-gathers it; without TE, Megatron-LM's
+``megatron/core/tensor_parallel/layers.py`` ``LinearWithGradAccumulationAndAsyncCommunication``
+does the same with ``_all_gather_base(..., async_op=True)``): two all-gathers per layer that
+the planner's own programs do not run (DTensor keeps the gathered input), priced here as the
+bulk all-gathers above. Per layer and micro-batch that is Korthikanti et al.'s 4 all-gathers
+and 4 reduce-scatters of ``s b h`` elements, plus these 2 re-gathers.
 
-Not modelled: the LM head and the embedding (Megatron-Core's ``ColumnParallelLinear`` and
-vocabulary-parallel embedding, not TE modules: their collectives stay exposed); userbuffers'
-own kernels are priced as the NCCL curve of the same collective (``cost_model.collectives``);
-a linear's backward is taken as half data gradient, half weight gradient (equal FLOPs).
+Not modelled: the LM head and the embedding (Megatron-Core's ``output_layer`` is a
+``tensor_parallel.ColumnParallelLinear``, ``megatron/core/models/gpt/gpt_model.py``, and the
+embedding vocabulary parallel: not TE modules, their collectives stay exposed as without the
+setting); userbuffers' own kernels are priced as the NCCL curve of the same collective
+(``cost_model.collectives``; TE documents no figure for them); a linear's backward is taken as
+half data gradient, half weight gradient (equal FLOPs); what the copy engines' transfers take
+from the GEMM's memory bandwidth. TE documents no figure for the slowdown of a GEMM beside a
+userbuffers kernel; taking it as the share of SMs the kernel holds is this module's model.
 """
 
 from __future__ import annotations

@@ -6,21 +6,19 @@ before, and the field refused where it does not apply."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 
-import planner
 from cost_model.simulator import Simulator
 from cost_model.tp_comm_overlap import (
     bulk_exposed, gemm_share, pipelined_exposed, ring_exchange_exposed, TE_PIPELINE_SPLITS,
 )
 from planner.api import prepare_model
-from planner.errors import PlanFileError, PlanningError
+from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
-from planner.plans import load_plan
 from search.megatron import megatron_plan
+from tests.simulation_only_fields import check_simulation_only_field
 
 GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
 H100_SHARE = (132 - 16) / 132  # an H100's 132 SMs, 16 of them held by the userbuffers kernel
@@ -167,13 +165,4 @@ def test_the_setting_needs_sequence_parallelism_round_trips_and_is_not_compiled(
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match="field 'tp_comm_overlap' must be true or false"):
         dataclasses.replace(on, tp_comm_overlap="yes")
-    on.save(tmp_path / "plan.json")
-    loaded = load_plan(tmp_path / "plan.json")
-    assert loaded.tp_comm_overlap and loaded.estimate == on.estimate
-    with pytest.raises(PlanFileError, match="plan field 'tp_comm_overlap' is true") as refused:
-        planner.compile(on, tmp_path / "out")
-    assert "\n" not in str(refused.value)
-    data = json.loads((tmp_path / "plan.json").read_text())
-    del data["tp_comm_overlap"]
-    (tmp_path / "old.json").write_text(json.dumps(data))
-    assert not load_plan(tmp_path / "old.json").tp_comm_overlap
+    check_simulation_only_field(on, "tp_comm_overlap", tmp_path)
