@@ -283,6 +283,8 @@ class Plan:
             details.append(self.dp_flavour)  # a labelled plan's dp flavour is not in its label
         if self.sequence_parallel:
             details.append("sequence parallel")
+        if self.tp_comm_overlap:
+            details.append("tp collectives overlapped as Transformer Engine does")
         if self.expert_layouts:
             details.append(expert_modes_summary(self.expert_layouts))
         details += [section.describe(self) for section in self.sections.values()]

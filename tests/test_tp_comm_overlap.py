@@ -165,4 +165,5 @@ def test_the_setting_needs_sequence_parallelism_round_trips_and_is_not_compiled(
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match="field 'tp_comm_overlap' must be true or false"):
         dataclasses.replace(on, tp_comm_overlap="yes")
+    assert "tp collectives overlapped as Transformer Engine does" in on.name and "overlapped" not in off.name
     check_simulation_only_field(on, "tp_comm_overlap", tmp_path)
