@@ -70,10 +70,10 @@ gradient all-reduce is priced (11 ms on MT-NLG).
 
 Modelled from the runs' stated software: collectives overlapping compute slow it
 (``cost_model.nccl``'s contention); the host's time to issue ops bounds each block from below
-(``cost_model.host_dispatch``; it binds on none of these runs: their kernels outlast it); Megatron-Core's
-rows with tensor parallelism hide its sequence-parallel collectives behind GEMMs as Transformer
-Engine's userbuffers do (``--tp-comm-overlap``: ``cost_model.tp_comm_overlap``); MPT rows run the Triton FlashAttention kernel
-(llm-foundry's benchmark default ``attn_impl: triton``; ``cost_model.gpu_kernels``'
+(``cost_model.host_dispatch``; it binds on none of these runs: their kernels outlast it);
+Megatron-Core's rows with tensor parallelism hide the sequence-parallel collectives behind
+GEMMs as Transformer Engine's userbuffers do (``--tp-comm-overlap``:
+``cost_model.tp_comm_overlap``); MPT rows run the Triton FlashAttention kernel (llm-foundry's benchmark default ``attn_impl: triton``; ``cost_model.gpu_kernels``'
 ``ATTENTION_KERNEL_SLOWDOWN``); MT-NLG and BLOOM run DeepSpeed's pipeline engine
 (``DEEPSPEED_PIPELINE``): its ``TrainSchedule`` with every send and receive a rendezvous
 (``PipelineConfig.blocking_p2p``, ``cost_model.deepspeed_pipeline``) of 1/tp slices
@@ -382,6 +382,13 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
     (``Plan.tp_comm_overlap``, priced by ``cost_model.tp_comm_overlap`` with TE's default
     methods; the head's and the embedding's collectives stay exposed). The published TFLOP/s
     become a step time with Megatron-Core's own count (``megatron_core_flops``).
+
+    Not as run: without a pipeline (the pp1 rows) the simulated step passes each dp rank's 4
+    samples through at once, where Megatron runs 4 micro-batches of 1 and reduces their
+    gradients once (``megatron_plan``'s ``micro_batch`` applies to pipelines; the plan's
+    ``accumulation_steps`` would reduce gradients after every micro-batch, as the planner's own
+    graph programs do): the same work and collective bytes, in GEMMs and collectives 4 times
+    larger.
     """
     found = []
     for size, heads, width, layers, tp, pp, gpus, batch, tflops in (
