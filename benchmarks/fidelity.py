@@ -45,9 +45,7 @@ said):
     simulator reduces in bf16; autocast's per-step weight casts and fp32 norms (MosaicML's
     ``amp_bf16``);
   * the Grand Teton H100s' 500 W power limit (torchtitan's H100 row: ``grand_teton_h100``);
-  * slower, not faster: Transformer Engine's ``--tp-comm-overlap`` on Megatron-Core's rows,
-    which hides the tensor-parallel collectives the simulator leaves exposed
-    (``megatron_core_weak_scaling_runs``), and torch.compile's fusions (torchtitan's 405B row).
+  * slower, not faster: torch.compile's fusions (torchtitan's 405B row).
 
 Megatron-DeepSpeed's per-layer cost (MT-NLG, BLOOM): on BigScience's published layout sweep
 of the same engine (``benchmarks/fidelity_sweep.py``), the modelled kernels, collectives and
@@ -72,8 +70,10 @@ gradient all-reduce is priced (11 ms on MT-NLG).
 
 Modelled from the runs' stated software: collectives overlapping compute slow it
 (``cost_model.nccl``'s contention); the host's time to issue ops bounds each block from below
-(``cost_model.host_dispatch``; it binds on none of these runs: their kernels outlast it); MPT rows run the Triton FlashAttention kernel
-(llm-foundry's benchmark default ``attn_impl: triton``; ``cost_model.gpu_kernels``'
+(``cost_model.host_dispatch``; it binds on none of these runs: their kernels outlast it);
+Megatron-Core's rows with tensor parallelism hide the sequence-parallel collectives behind
+GEMMs as Transformer Engine's userbuffers do (``--tp-comm-overlap``:
+``cost_model.tp_comm_overlap``); MPT rows run the Triton FlashAttention kernel (llm-foundry's benchmark default ``attn_impl: triton``; ``cost_model.gpu_kernels``'
 ``ATTENTION_KERNEL_SLOWDOWN``); MT-NLG and BLOOM run DeepSpeed's pipeline engine
 (``DEEPSPEED_PIPELINE``): its ``TrainSchedule`` with every send and receive a rendezvous
 (``PipelineConfig.blocking_p2p``, ``cost_model.deepspeed_pipeline``) of 1/tp slices
@@ -164,6 +164,8 @@ class Run:
         parts.append(f"hsdp{self.hsdp_shard}" if self.hsdp_shard else self.layout.get("dp_flavour", "ddp"))
         if self.layout.get("sequence_parallel"):
             parts.append("sp")
+        if self.layout.get("tp_comm_overlap"):
+            parts.append("tpov")
         if self.layout.get("pp", 1) > 1:
             schedule = self.layout.get("schedule", "1f1b")
             parts.append(f"{schedule}{self.layout.get('virtual_stages', '') if schedule == 'interleaved' else ''}"
@@ -374,10 +376,19 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
     counts the table names (7.1B at width 4096 and 30 layers) need the input embedding and the
     output layer untied (``--untie-embeddings-and-output-weights``), as here.
 
-    Not modelled, bending these rows slow: ``--tp-comm-overlap`` (Transformer Engine hides the
-    tensor-parallel all-gathers and reduce-scatters behind the GEMMs; the simulator exposes them).
-    The published TFLOP/s become a step time with Megatron-Core's own count
-    (``megatron_core_flops``).
+    ``--tp-comm-overlap``: Transformer Engine's userbuffers hide the sequence-parallel
+    all-gathers and reduce-scatters inside each layer behind the GEMMs beside them, and
+    Megatron-Core gathers a column-parallel layer's input again in backward
+    (``Plan.tp_comm_overlap``, priced by ``cost_model.tp_comm_overlap`` with TE's default
+    methods; the head's and the embedding's collectives stay exposed). The published TFLOP/s
+    become a step time with Megatron-Core's own count (``megatron_core_flops``).
+
+    Not as run: without a pipeline (the pp1 rows) the simulated step passes each dp rank's 4
+    samples through at once, where Megatron runs 4 micro-batches of 1 and reduces their
+    gradients once (``megatron_plan``'s ``micro_batch`` applies to pipelines; the plan's
+    ``accumulation_steps`` would reduce gradients after every micro-batch, as the planner's own
+    graph programs do): the same work and collective bytes, in GEMMs and collectives 4 times
+    larger.
     """
     found = []
     for size, heads, width, layers, tp, pp, gpus, batch, tflops in (
@@ -398,7 +409,7 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
              "batch_size": batch},
             f"dgx-h100:{gpus // 8}",
             {"tp": tp, "pp": pp, "micro_batch": 1, "schedule": "1f1b", "recompute": "none",
-             "sequence_parallel": tp > 1, "dp_flavour": "zero1"}, 1,
+             "sequence_parallel": tp > 1, "tp_comm_overlap": tp > 1, "dp_flavour": "zero1"}, 1,
             megatron_core_flops(batch, seq, layers, width, vocab, 4 * width, heads, heads) / (tflops * 1e12 * gpus),
             f"{tflops} TFLOP/s/GPU", MEGATRON_WEAK_SCALING,
         ))

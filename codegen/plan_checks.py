@@ -88,6 +88,12 @@ def check_fields(plan: Plan) -> None:
             "Megatron-LM does, which compiled programs do not (such plans simulate other systems' runs); re-plan "
             "with `planner plan` for a program"
         )
+    if plan.tp_comm_overlap:
+        raise PlanFileError(
+            "plan field 'tp_comm_overlap' is true: it prices the sequence-parallel collectives as hidden behind "
+            "GEMMs by Transformer Engine's userbuffers, which compiled programs do not run (such plans simulate "
+            "other systems' runs); re-plan with `planner plan` for a program"
+        )
     numbers = {"batch_size": plan.batch_size, "summary.parameter_bytes": plan.summary.parameter_bytes}
     if plan.pipeline is not None:
         for key in ("stages", "micro_batches", "virtual_stages"):

@@ -28,6 +28,7 @@ from cost_model.moe_layers import LaidOutLayer, routing_sync_bytes
 from cost_model.resharding import backward_collective, forward_collective
 from cost_model.step_context import StepContext
 from cost_model.step_contributor import overriding
+from cost_model.tp_comm_overlap import EdgeOverlap, edge_overlap, regather_exposed
 from planner.graph import OpNode
 from planner.strategy import EXPERT_COPIES_AXIS, NodeStrategy
 
@@ -170,6 +171,10 @@ class NodeCosts:
             self.signature[node.name], self.kept_for_backward(node.name),
             strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges), strategy.layout,
         )
+        if self.context.plan.tp_comm_overlap:
+            # What an edge's collectives hide behind depends on the op that made it too.
+            key += tuple((self.signature.get(source), id(strategies.get(source)))
+                         for source in (self._tp_overlap_source(node, position) for position, _, _ in edges))
         if key not in self.cache:
             self.cache[key] = self.compute(node, strategy, edges)
         return self.cache[key]
@@ -260,7 +265,8 @@ class NodeCosts:
             for meta, made, planned in zip(node.output_meta, strategy.produced, strategy.outputs):
                 self.charge_edge(cost, meta, made, planned)
         for position, src, dst in edges:
-            self.charge_edge(cost, node.input_meta[position], src, dst)
+            overlap = self._tp_overlap(node, strategy, position, src, dst, cost) if self.context.plan.tp_comm_overlap else None
+            self.charge_edge(cost, node.input_meta[position], src, dst, overlap)
         self._add_input_gradient_reduction(node, strategy, cost)
         # What the step's contributors add to an op (cost_model.step_contributor): SUMMA
         # matmuls and block norms, vocabulary-parallel losses, split gathers, the gradient
@@ -269,8 +275,39 @@ class NodeCosts:
             node_cost(self.context, node, strategy, cost)
         return cost
 
-    def charge_edge(self, cost: NodeCost, meta, src, dst) -> None:
-        """Forward collective and backward dual of one placement change, per mesh axis."""
+    def _tp_overlap(self, node: OpNode, strategy: NodeStrategy, position: int, src, dst, cost: NodeCost) -> EdgeOverlap | None:
+        """How Transformer Engine hides this edge's tensor-parallel collectives behind the
+        GEMMs beside it (``Plan.tp_comm_overlap``, ``cost_model.tp_comm_overlap``), or None."""
+        if "tp" not in self.context.mesh.names:
+            return None
+        tp_index = self.context.mesh.names.index("tp")
+        kind = forward_collective(src[tp_index], dst[tp_index])
+        if kind is None:
+            return None
+        name = self._tp_overlap_source(node, position)
+        producer, producer_strategy = self.context.nodes.get(name), self.context.strategies.get(name)
+        producer_times = (0.0, 0.0)
+        if producer is not None and producer_strategy is not None:
+            work = 1.0 / (self._work_split(producer_strategy) * self.context.micro_batches)
+            producer_times = op_times(producer, work, self.context.device, self.context.plan.precision)
+        return edge_overlap(self.context, node, strategy, producer, producer_strategy, kind,
+                            (cost.forward_s, cost.backward_s), producer_times)
+
+    def _tp_overlap_source(self, node: OpNode, position: int) -> str:
+        """The op that made ``node``'s input ``position``, past the views and dropout that
+        carry a row-parallel matmul's partial sums to their reduce-scatter."""
+        name = node.inputs[position]
+        for _ in range(4):
+            producer = self.context.nodes.get(name)
+            if producer is None or not producer.inputs or not (producer.is_view or producer.op.startswith(_DROPOUT)):
+                break
+            name = producer.inputs[0]
+        return name
+
+    def charge_edge(self, cost: NodeCost, meta, src, dst, overlap: EdgeOverlap | None = None) -> None:
+        """Forward collective and backward dual of one placement change, per mesh axis;
+        ``overlap``: how Transformer Engine hides the ``tp`` axis's behind GEMMs (and
+        gathers a column-parallel input again in backward), or None (run alone)."""
         has_grad = meta.dtype.is_floating_point
         for index, (axis, size) in enumerate(self.context.mesh.axes):
             if axis == "pp" or src[index] == dst[index]:
@@ -292,12 +329,20 @@ class NodeCosts:
                 if kind is None:
                     continue
                 size_bytes = full / size if kind == "all_to_all" else full
-                seconds = self.context.collective(kind, size_bytes, axis) + self.context.redistribute_overhead_s
+                seconds = self.context.collective(kind, size_bytes, axis)
+                if overlap is not None and axis == "tp":
+                    seconds = overlap.exposed(kind, backward, size_bytes, seconds, self.context, axis)
+                seconds += self.context.redistribute_overhead_s
                 if backward:
                     cost.backward_comm_s += seconds
                 else:
                     cost.forward_comm_s += seconds
                 cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + size_bytes * SENT_FRACTION[kind](size)
+            if overlap is not None and axis == "tp" and overlap.regather_gemm_s and has_grad:
+                # The input, kept as this rank's slice, gathered again for the weight gradient.
+                gather = self.context.collective("all_gather", full, axis)
+                cost.backward_comm_s += regather_exposed(overlap, gather, self.context) + self.context.redistribute_overhead_s
+                cost.axis_bytes[axis] += full * SENT_FRACTION["all_gather"](size)
 
     def _add_input_gradient_reduction(self, node: OpNode, strategy: NodeStrategy, cost: NodeCost) -> None:
         """Megatron's 'f': a replicated activation read by weights split on an axis gets a

@@ -96,14 +96,16 @@ RECENTLY_COSTED = RecentlyCosted(size=8)
 def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
     """What node costs and segments depend on: the graph, cluster, mesh, precision and
     micro-batch count, whether the program is plain data parallel, whether fused splits are
-    local, each node's placements, parameters and stage, and the MoE layers' layouts. Placements are
-    compared by identity (a variant made with ``dataclasses.replace`` shares them; hashing
-    thousands of placements by value costs more than costing the nodes); the entry keeps
-    those objects alive, so an identity cannot be reused by another object."""
+    local, whether the sequence-parallel collectives overlap GEMMs, each node's placements,
+    parameters and stage, and the MoE layers' layouts. Placements are compared by identity
+    (a variant made with ``dataclasses.replace`` shares them; hashing thousands of placements
+    by value costs more than costing the nodes); the entry keeps those objects alive, so an
+    identity cannot be reused by another object."""
     return (
         id(graph), id(graph_facts(graph)), id(plan.cluster), plan.mesh, plan.precision, micro_batches,
         is_data_parallel(plan),  # graph programs pay DTensor's per-op dispatch (planner.cluster)
         plan.fused_splits_local,  # splits of fused projections gather or not (cost_model.split_gather)
+        plan.tp_comm_overlap,  # sequence-parallel collectives hidden behind GEMMs (cost_model.tp_comm_overlap)
         tuple((s.node, id(s.inputs), id(s.outputs), id(s.params), id(s.produced), s.stage) for s in plan.strategies),
         # MoE layers are priced by their layouts (their cost annotation aside).
         tuple(

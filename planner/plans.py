@@ -66,8 +66,8 @@ OPTIMIZERS = ("adamw", "sgd")
 _PLAN_KEYS = frozenset((
     "format", "version", "model", "cluster", "mesh", "dp_flavour", "recompute", "pipeline", "accumulation_steps",
     "precision", "optimizer", "batch_size", "inputs", "fsdp_units", "expert_layouts", "summary", "estimate",
-    "runners_up", "warnings", "search_summary", "label", "timings", "fused_splits_local", "model_fingerprint",
-    "strategies",
+    "runners_up", "warnings", "search_summary", "label", "timings", "fused_splits_local", "tp_comm_overlap",
+    "model_fingerprint", "strategies",
 ))
 
 @dataclass(frozen=True)
@@ -128,6 +128,12 @@ class Plan:
             (``benchmarks/fidelity.py``): compiled programs hold the weights as the model
             built them and gather at the split (``cost_model.split_gather``), so
             ``planner compile`` refuses such a plan.
+        tp_comm_overlap: the sequence-parallel all-gathers and reduce-scatters inside the
+            blocks are overlapped with the GEMMs next to them as Transformer Engine's
+            userbuffers do (Megatron-LM's ``--tp-comm-overlap``; ``cost_model.tp_comm_overlap``).
+            For simulating other systems' runs (``benchmarks/fidelity.py``): compiled programs
+            run each collective before or after its GEMM, so the search never sets it and
+            ``planner compile`` refuses a plan that does. Needs sequence parallelism.
         model_fingerprint: the structural fingerprint of the planned model and its example
             batch (``planner.fingerprint``); taken from ``graph`` when left empty.
             ``compile``, ``simulate`` and ``launch.py`` compare it with what the spec builds.
@@ -161,6 +167,7 @@ class Plan:
     label: str = ""
     timings: Mapping[str, float] = field(default_factory=dict)
     fused_splits_local: bool = False
+    tp_comm_overlap: bool = False
     model_fingerprint: str = ""
     sections: Mapping[str, Any] = field(default_factory=dict)
     graph: OpGraph | None = field(default=None, compare=False, repr=False)
@@ -176,6 +183,8 @@ class Plan:
             raise ValueError(f"field 'precision' must be one of {PLAN_PRECISIONS}, got '{one_line(self.precision)}'")
         if not isinstance(self.fused_splits_local, bool):
             raise ValueError(f"field 'fused_splits_local' must be true or false, got {one_line(str(self.fused_splits_local))!r}")
+        if not isinstance(self.tp_comm_overlap, bool):
+            raise ValueError(f"field 'tp_comm_overlap' must be true or false, got {one_line(str(self.tp_comm_overlap))!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"field 'optimizer' must be one of {OPTIMIZERS}, got '{one_line(self.optimizer)}'")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -205,6 +214,10 @@ class Plan:
             )
         if self.pipeline is not None:
             _check_pipeline_size(self.pipeline, self.batch_size, len(self.strategies))
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            # Transformer Engine overlaps the sequence-parallel collectives only (Megatron-LM
+            # asserts --tp-comm-overlap needs --sequence-parallel).
+            raise ValueError("field 'tp_comm_overlap' is true but the plan has no sequence parallelism; set it to false")
         stages = self.pipeline.stages * self.pipeline.virtual_stages if self.pipeline is not None else 1
         per_stage = self.pipeline.stage_recompute if self.pipeline is not None else ()
         if per_stage and self.recompute != max(per_stage, key=RECOMPUTE_MODES.index):
@@ -270,6 +283,8 @@ class Plan:
             details.append(self.dp_flavour)  # a labelled plan's dp flavour is not in its label
         if self.sequence_parallel:
             details.append("sequence parallel")
+        if self.tp_comm_overlap:
+            details.append("tp collectives overlapped as Transformer Engine does")
         if self.expert_layouts:
             details.append(expert_modes_summary(self.expert_layouts))
         details += [section.describe(self) for section in self.sections.values()]
@@ -322,6 +337,7 @@ class Plan:
             "label": self.label,
             "timings": dict(self.timings),
             "fused_splits_local": self.fused_splits_local,
+            "tp_comm_overlap": self.tp_comm_overlap,
             "model_fingerprint": self.model_fingerprint,
             **{name: section.to_json() for name, section in self.sections.items()},
             "strategies": [strategy_to_dict(s) for s in self.strategies],
@@ -393,6 +409,8 @@ class Plan:
                 timings=timings_from(reader),
                 # Absent from plans written before the field: their programs gather at splits.
                 fused_splits_local=reader.get("fused_splits_local", bool) if "fused_splits_local" in data else False,
+                # Absent from plans written before the field: none overlapped.
+                tp_comm_overlap=reader.get("tp_comm_overlap", bool) if "tp_comm_overlap" in data else False,
                 model_fingerprint=fingerprint,
                 sections=_sections_from(data, source),
             )

@@ -44,6 +44,7 @@ def megatron_plan(
     overlap_grad_reduce: bool = True,
     block_overhead_s: float = 0.0,
     fused_splits_local: bool = False,
+    tp_comm_overlap: bool = False,
 ) -> Plan:
     """A simulated Megatron-LM plan (see the module docstring).
 
@@ -89,6 +90,9 @@ def megatron_plan(
         dp = world // (tp * pp)
     if tp * pp * dp != world:
         raise PlanningError(f"tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} but the cluster has {world} devices")
+    if tp_comm_overlap and not (sequence_parallel and tp > 1):
+        raise PlanningError("tp_comm_overlap overlaps the sequence-parallel collectives: it needs tp > 1 and "
+                            "sequence_parallel=True")
     if graph.batch_size % (dp * micro_batch):
         raise PlanningError(
             f"the global batch {graph.batch_size} does not split into micro-batches of {micro_batch} over dp={dp}; "
@@ -119,6 +123,7 @@ def megatron_plan(
         graph, cluster, spec, model_name, mesh, strategies, inputs,
         dp_flavour=dp_flavour, recompute=recompute, pipeline=pipeline, precision=precision,
         warnings=tuple(warnings), label="megatron", fused_splits_local=fused_splits_local,
+        tp_comm_overlap=tp_comm_overlap,
     )
     return simulated(plan, graph)
 

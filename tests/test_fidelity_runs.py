@@ -63,6 +63,8 @@ def test_run_layouts_build_the_plans_they_state(name, layers):
     assert sizes["dp"] == cluster.world_size // (tp * pp)
     assert plan.dp_flavour == run.layout["dp_flavour"]
     assert plan.estimate.step_time_s > 0
+    # Megatron-Core's rows ran --tp-comm-overlap, which needs sequence parallelism; no other did.
+    assert plan.tp_comm_overlap == (name.startswith("MCore-") and tp > 1)
 
 
 def test_a_run_with_a_hsdp_shard_simulates_as_hsdp():

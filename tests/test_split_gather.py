@@ -5,7 +5,6 @@ The program's bytes are counted by ``tests/test_comm_audit.py`` (GPT, Megatron's
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,12 +12,10 @@ from torch.distributed.tensor import Shard
 
 from cost_model.collectives import collective_time
 from cost_model.simulator import Simulator
-import planner
 from planner.api import prepare_model
-from planner.errors import PlanFileError
 from planner.model_spec import ModelSpec
-from planner.plans import load_plan
 from search.megatron import megatron_plan
+from tests.simulation_only_fields import check_simulation_only_field
 
 GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
 
@@ -63,13 +60,4 @@ def test_a_plan_with_fused_weights_laid_out_per_rank_splits_locally(tmp_path) ->
     for split in (node for node in graph.nodes if node.op == "aten.split.Tensor"):
         cost = simulator.costs[split.name]
         assert not cost.axis_bytes and cost.forward_comm_s == cost.backward_comm_s == 0.0
-    local.save(tmp_path / "plan.json")
-    assert load_plan(tmp_path / "plan.json").fused_splits_local
-    with pytest.raises(PlanFileError, match="plan field 'fused_splits_local' is true") as refused:
-        planner.compile(local, tmp_path / "out")
-    assert "\n" not in str(refused.value)
-    # A plan file written before the field existed gathers, as its program does.
-    data = json.loads((tmp_path / "plan.json").read_text())
-    del data["fused_splits_local"]
-    (tmp_path / "old.json").write_text(json.dumps(data))
-    assert not load_plan(tmp_path / "old.json").fused_splits_local
+    check_simulation_only_field(local, "fused_splits_local", tmp_path)

@@ -1,0 +1,28 @@
+"""Checks shared by the plan fields that describe other systems' runs (``fused_splits_local``,
+``tp_comm_overlap``): set on a plan, they survive its file, ``compile`` refuses them in one
+line, and a plan file written before the field existed reads as off."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import planner
+from planner.errors import PlanFileError
+from planner.plans import load_plan
+
+
+def check_simulation_only_field(plan, field: str, folder: Path) -> None:
+    """``plan`` has ``field`` true: it round-trips, is refused by ``compile``, and is off when absent."""
+    plan.save(folder / "plan.json")
+    loaded = load_plan(folder / "plan.json")
+    assert getattr(loaded, field) and loaded.estimate == plan.estimate
+    with pytest.raises(PlanFileError, match=f"plan field '{field}' is true") as refused:
+        planner.compile(plan, folder / "out")
+    assert "\n" not in str(refused.value)
+    data = json.loads((folder / "plan.json").read_text())
+    del data[field]
+    (folder / "old.json").write_text(json.dumps(data))
+    assert not getattr(load_plan(folder / "old.json"), field)
