@@ -1,0 +1,84 @@
+"""``--clip-grad-norm`` of MoE programs (codegen/runtime/held_parts_norm.py).
+
+The global norm over dense and expert gradients, each expert's gradient counted once
+whatever its copies, is the norm ``torch.nn.utils.clip_grad_norm_`` takes on one device.
+
+- Unit (one process): the boxes a rank's parameters hold, for a plain tensor, a rank's
+  own experts and a slice of every expert, as a checkpoint names them.
+- In real gloo processes (``examples/moe.py``, 4 experts), one launch per layout: expert
+  parallel with expert 0 copied whole on two ranks under DDP (world 2), experts sharded over
+  their copies under FSDP2 (world 4), every expert sliced under ZeRO-1 (world 2). Each trains
+  3 steps with a limit below every step's norm: every step's gradient norm and loss equal the
+  single-device loop's with torch's clipping. Counting a copied expert twice, or a
+  replicated weight once per rank, changes the norm (and then the losses).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from moe_plans import moe_plan
+from test_checkpoint import _ok, _torchrun
+
+import planner
+from codegen.runtime.held_parts_norm import held_boxes
+from codegen.runtime.launcher import random_like
+from codegen.runtime.materialize import Derivation
+from codegen.runtime.program import load_program
+from planner.model_spec import extract_loss
+
+STEPS = 3
+# Below every step's norm on one device (checked in the test), so clipping acts each step.
+CLIP = 0.05
+
+
+def test_the_boxes_a_rank_holds_are_the_chunks_a_checkpoint_names():
+    whole = torch.zeros(4, 3, 6)
+    assert held_boxes(torch.ones(5, 2), "dense", None)[0][0] == ("dense", (0, 0), (5, 2))
+    rows = Derivation(source=whole, rows=(3, 1), source_name="experts")
+    found = held_boxes(torch.ones(2, 3, 6), "experts", rows)
+    assert [box for box, _ in found] == [("experts", (3, 0, 0), (1, 3, 6)), ("experts", (1, 0, 0), (1, 3, 6))]
+    sliced = Derivation(source=whole, dim=2, start=2, stop=4, source_name="experts")
+    assert [box for box, _ in held_boxes(torch.ones(4, 3, 2), "experts", sliced)] == [("experts", (0, 0, 2), (4, 3, 2))]
+
+
+def _single_device(folder: Path) -> tuple[list[float], list[float]]:
+    """Losses and gradient norms (before clipping) of launch.py's loop on one device with
+    torch's own clipping: same init, batches (seeded 1000 + step), AdamW at lr 1e-3."""
+    model, args, kwargs = load_program(folder).build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, norms = [], []
+    for step in range(STEPS):
+        torch.manual_seed(1000 + step)
+        loss = extract_loss(model(*random_like(args), **random_like(kwargs)))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+LAYOUTS = {
+    "copied_whole_ddp": (2, dict(mode="expert_parallel", placement="skewed")),
+    "sharded_copies_fsdp": (4, dict(mode="expert_parallel", placement="grid", flavour="fsdp", sharded_copies=True)),
+    "sliced_zero1": (2, dict(mode="expert_sliced", flavour="zero1")),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_moe_programs_clip_by_the_single_devices_norm(name, tmp_path):
+    world, layout = LAYOUTS[name][0], dict(LAYOUTS[name][1])
+    plan = moe_plan(world, layout.pop("mode"), **layout)
+    folder = planner.compile(plan, tmp_path / "out")
+    losses, norms = _single_device(folder)
+    assert min(norms) > CLIP  # clipping acted on every step: a wrong norm changes the losses too
+    _ok(_torchrun(world, str(folder / "launch.py"), "--steps", str(STEPS), "--clip-grad-norm", str(CLIP),
+                  "--metrics", "metrics.jsonl", cwd=tmp_path))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [record["grad_norm"] for record in records] == pytest.approx(norms, rel=1e-5)
+    assert [record["loss"] for record in records] == pytest.approx(losses, rel=1e-5, abs=1e-6)
