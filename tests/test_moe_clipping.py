@@ -5,12 +5,14 @@ whatever its copies, is the norm ``torch.nn.utils.clip_grad_norm_`` takes on one
 
 - Unit (one process): the boxes a rank's parameters hold, for a plain tensor, a rank's
   own experts and a slice of every expert, as a checkpoint names them.
-- In real gloo processes (``examples/moe.py``, 4 experts), one launch per layout: expert
+- In real gloo processes, one launch per layout of ``examples/moe.py`` (4 experts): expert
   parallel with expert 0 copied whole on two ranks under DDP (world 2), experts sharded over
-  their copies under FSDP2 (world 4), every expert sliced under ZeRO-1 (world 2). Each trains
-  3 steps with a limit below every step's norm: every step's gradient norm and loss equal the
-  single-device loop's with torch's clipping. Counting a copied expert twice, or a
-  replicated weight once per rank, changes the norm (and then the losses).
+  their copies under FSDP2 (world 4), every expert sliced under ZeRO-1 (world 2), every
+  expert on every rank under ZeRO-2 (world 2); and tiny HF Mixtral's stacked experts with
+  expert 0 copied whole (world 2). Each trains 3 steps with a limit below every step's norm:
+  every step's gradient norm and loss equal the single-device loop's with torch's clipping.
+  Counting a copied expert twice, or a replicated weight once per rank, changes the norm
+  (and then the losses).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_plans import moe_plan
+from moe_plans import hf_moe_plan, moe_plan
 from test_checkpoint import _ok, _torchrun
 
 import planner
@@ -63,17 +65,19 @@ def _single_device(folder: Path) -> tuple[list[float], list[float]]:
 
 
 LAYOUTS = {
-    "copied_whole_ddp": (2, dict(mode="expert_parallel", placement="skewed")),
-    "sharded_copies_fsdp": (4, dict(mode="expert_parallel", placement="grid", flavour="fsdp", sharded_copies=True)),
-    "sliced_zero1": (2, dict(mode="expert_sliced", flavour="zero1")),
+    "copied_whole_ddp": (2, lambda: moe_plan(2, "expert_parallel", "skewed")),
+    "sharded_copies_fsdp": (4, lambda: moe_plan(4, "expert_parallel", "grid", flavour="fsdp", sharded_copies=True)),
+    "sliced_zero1": (2, lambda: moe_plan(2, "expert_sliced", flavour="zero1")),
+    "every_expert_on_every_rank_zero2": (2, lambda: moe_plan(2, "data_parallel", flavour="zero2")),
+    "hf_mixtral_copied_whole_ddp": (2, lambda: hf_moe_plan(2, "mixtral", "expert_parallel", "skewed")),
 }
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_moe_programs_clip_by_the_single_devices_norm(name, tmp_path):
-    world, layout = LAYOUTS[name][0], dict(LAYOUTS[name][1])
-    plan = moe_plan(world, layout.pop("mode"), **layout)
+    world, make_plan = LAYOUTS[name]
+    plan = make_plan()
     folder = planner.compile(plan, tmp_path / "out")
     losses, norms = _single_device(folder)
     assert min(norms) > CLIP  # clipping acted on every step: a wrong norm changes the losses too
