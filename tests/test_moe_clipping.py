@@ -26,10 +26,11 @@ from moe_plans import hf_moe_plan, moe_plan
 from test_checkpoint import _ok, _torchrun
 
 import planner
-from codegen.runtime.held_parts_norm import held_boxes
+from codegen.runtime.held_parts_norm import box_holders, held_boxes
 from codegen.runtime.launcher import random_like
 from codegen.runtime.materialize import Derivation
 from codegen.runtime.program import load_program
+from planner.errors import LaunchError
 from planner.model_spec import extract_loss
 
 STEPS = 3
@@ -45,6 +46,22 @@ def test_the_boxes_a_rank_holds_are_the_chunks_a_checkpoint_names():
     assert [box for box, _ in found] == [("experts", (3, 0, 0), (1, 3, 6)), ("experts", (1, 0, 0), (1, 3, 6))]
     sliced = Derivation(source=whole, dim=2, start=2, stop=4, source_name="experts")
     assert [box for box, _ in held_boxes(torch.ones(4, 3, 2), "experts", sliced)] == [("experts", (0, 0, 2), (4, 3, 2))]
+
+
+
+def test_each_box_is_counted_by_its_holders_and_partial_overlaps_are_refused():
+    # rank 0: expert 0 (copied) and expert 1, the dense weight; rank 1: expert 0's copy, expert 2, the dense weight
+    rank0 = [("w", (0, 0), (1, 4)), ("w", (1, 0), (1, 4)), ("dense", (0,), (6,))]
+    rank1 = [("w", (0, 0), (1, 4)), ("w", (2, 0), (1, 4)), ("dense", (0,), (6,))]
+    assert box_holders([rank0, rank1]) == {
+        ("w", (0, 0), (1, 4)): 2, ("w", (1, 0), (1, 4)): 1, ("dense", (0,), (6,)): 2, ("w", (2, 0), (1, 4)): 1,
+    }
+    # rows 0..1 on one rank and row 1 alone on another share row 1 without being one box
+    with pytest.raises(LaunchError, match=r"^w: two ranks hold parts of it that partly overlap") as refused:
+        box_holders([[("w", (0, 0), (2, 4))], [("w", (1, 0), (1, 4))]])
+    assert "\n" not in str(refused.value)
+    # a box beside another (columns 0..1 and 2..3 of the same rows) is disjoint, not refused
+    assert len(box_holders([[("w", (0, 0), (2, 2))], [("w", (0, 2), (2, 2))]])) == 2
 
 
 def _single_device(folder: Path) -> tuple[list[float], list[float]]:

@@ -38,7 +38,7 @@ from torch.distributed.tensor._utils import (
 from codegen.runtime.derived_checkpoint import DerivedPart, as_saved, saved_parameters
 from planner.errors import LaunchError
 
-__all__ = ["HeldPartsNorm", "held_boxes"]
+__all__ = ["HeldPartsNorm", "box_holders", "held_boxes"]
 
 # (parameter name, offsets in the whole parameter, sizes): one box of a model parameter.
 Box = tuple[str, tuple[int, ...], tuple[int, ...]]
@@ -70,6 +70,31 @@ def _overlap_without_equal(first: Box, second: Box) -> bool:
     return all(a < b + m and b < a + n for a, n, b, m in zip(first[1], first[2], second[1], second[2]))
 
 
+def box_holders(everyone: list[list[Box]]) -> dict[Box, int]:
+    """How many ranks hold each box, from every rank's list of the boxes it holds.
+
+    Raises:
+        LaunchError: two boxes of one parameter that partly overlap (counted twice where
+            they do), naming the parameter.
+    """
+    holders: dict[Box, int] = {}
+    for boxes in everyone:
+        for box in boxes:
+            holders[box] = holders.get(box, 0) + 1
+    by_name: dict[str, list[Box]] = {}
+    for box in holders:
+        by_name.setdefault(box[0], []).append(box)
+    for name, boxes in by_name.items():
+        for position, first in enumerate(boxes):
+            clash = next((second for second in boxes[position + 1:] if _overlap_without_equal(first, second)), None)
+            if clash is not None:
+                raise LaunchError(
+                    f"{name}: two ranks hold parts of it that partly overlap ({first[1:]} and {clash[1:]}), so "
+                    f"--clip-grad-norm cannot count each element once; leave --clip-grad-norm out for this plan"
+                )
+    return holders
+
+
 class HeldPartsNorm:
     """Clips the gradients of ``module`` (this rank's, as ``parallelize`` returned it; its
     parameters recorded in ``model`` as ``derived_checkpoint.saved_parameters`` reads them)
@@ -96,21 +121,7 @@ class HeldPartsNorm:
         mine = sorted({box for param in module.parameters() for box, _ in held_boxes(param.detach(), *self._names[id(param)])})
         everyone: list[list[Box]] = [[] for _ in range(dist.get_world_size(group))]
         dist.all_gather_object(everyone, mine, group=group)
-        self.holders: dict[Box, int] = {}
-        for boxes in everyone:
-            for box in boxes:
-                self.holders[box] = self.holders.get(box, 0) + 1
-        by_name: dict[str, list[Box]] = {}
-        for box in self.holders:
-            by_name.setdefault(box[0], []).append(box)
-        for name, boxes in by_name.items():
-            for position, first in enumerate(boxes):
-                clash = next((second for second in boxes[position + 1:] if _overlap_without_equal(first, second)), None)
-                if clash is not None:
-                    raise LaunchError(
-                        f"{name}: two ranks hold parts of it that partly overlap ({first[1:]} and {clash[1:]}), so "
-                        f"--clip-grad-norm cannot count each element once; leave --clip-grad-norm out for this plan"
-                    )
+        self.holders = box_holders(everyone)
 
     def norm(self) -> float:
         """The global L2 norm of the gradients (one all-reduce of one number)."""
