@@ -40,13 +40,15 @@ CLIP = 0.05
 
 def test_the_boxes_a_rank_holds_are_the_chunks_a_checkpoint_names():
     whole = torch.zeros(4, 3, 6)
-    assert held_boxes(torch.ones(5, 2), "dense", None)[0][0] == ("dense", (0, 0), (5, 2))
+    dense = held_boxes(torch.full((5, 2), 2.0), "dense", None)
+    assert dense.boxes == [("dense", (0, 0), (5, 2))]
+    assert dense.squares().tolist() == pytest.approx([10 * 2.0**2], rel=1e-12)  # 10 elements of 2
     rows = Derivation(source=whole, rows=(3, 1), source_name="experts")
-    found = held_boxes(torch.ones(2, 3, 6), "experts", rows)
-    assert [box for box, _ in found] == [("experts", (3, 0, 0), (1, 3, 6)), ("experts", (1, 0, 0), (1, 3, 6))]
+    mine = held_boxes(torch.stack([torch.full((3, 6), 1.0), torch.full((3, 6), 3.0)]), "experts", rows)
+    assert mine.boxes == [("experts", (3, 0, 0), (1, 3, 6)), ("experts", (1, 0, 0), (1, 3, 6))]
+    assert mine.squares().tolist() == pytest.approx([18 * 1.0, 18 * 3.0**2], rel=1e-12)  # each expert's 18 elements on its own
     sliced = Derivation(source=whole, dim=2, start=2, stop=4, source_name="experts")
-    assert [box for box, _ in held_boxes(torch.ones(4, 3, 2), "experts", sliced)] == [("experts", (0, 0, 2), (4, 3, 2))]
-
+    assert held_boxes(torch.ones(4, 3, 2), "experts", sliced).boxes == [("experts", (0, 0, 2), (4, 3, 2))]
 
 
 def test_each_box_is_counted_by_its_holders_and_partial_overlaps_are_refused():

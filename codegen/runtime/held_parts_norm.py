@@ -27,6 +27,8 @@ gradients.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -38,29 +40,50 @@ from torch.distributed.tensor._utils import (
 from codegen.runtime.derived_checkpoint import DerivedPart, as_saved, saved_parameters
 from planner.errors import LaunchError
 
-__all__ = ["HeldPartsNorm", "box_holders", "held_boxes"]
+__all__ = ["HeldPart", "HeldPartsNorm", "box_holders", "held_boxes"]
 
 # (parameter name, offsets in the whole parameter, sizes): one box of a model parameter.
 Box = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
-def held_boxes(value: torch.Tensor, name: str, derivation) -> list[tuple[Box, torch.Tensor]]:
+@dataclass
+class HeldPart:
+    """What one parameter (or its gradient) of a rank holds of model parameter ``boxes[0][0]``:
+    its ``boxes`` and its ``local`` values. ``by_rows``: box i is dim-0 row i of ``local``
+    (a rank's experts); else there is one box, all of ``local``."""
+
+    boxes: list[Box]
+    local: torch.Tensor
+    by_rows: bool
+
+    def squares(self) -> torch.Tensor:
+        """The squared L2 norm of each box's values, in float64, on ``local``'s device."""
+        rows = len(self.boxes)
+        flat = self.local.reshape(rows, self.local.numel() // rows if rows else 0)
+        return torch.linalg.vector_norm(flat, 2, dim=1, dtype=torch.float64) ** 2
+
+
+def held_boxes(value: torch.Tensor, name: str, derivation) -> HeldPart:
     """The boxes of model parameter ``name`` that ``value`` (a parameter or its gradient,
-    with the parameter's ``derivation``) holds, each with its local values; empty boxes left out."""
+    with the parameter's ``derivation``) holds, as a checkpoint writes them (empty ones too:
+    a padding shard of FSDP2)."""
     saved = as_saved(value, derivation)
     if isinstance(saved, DerivedPart):
-        found = [((name, tuple(chunk.offsets), tuple(chunk.sizes)), view) for chunk, view in saved.chunks()]
-    elif isinstance(saved, DTensor):
+        boxes = [(name, tuple(chunk.offsets), tuple(chunk.sizes)) for chunk, _ in saved.chunks()]
+        return HeldPart(boxes, saved.local, saved.rows is not None)
+    if isinstance(saved, DTensor):
         if any(placement.is_partial() for placement in saved.placements):
             raise LaunchError(
                 f"{name}: its gradient is a partial sum ({saved.placements}) when the step clips it, so its norm is "
                 f"unknown; leave --clip-grad-norm out for this plan"
             )
         shape, offsets = compute_local_shape_and_global_offset(saved.shape, saved.device_mesh, saved.placements)
-        found = [((name, tuple(offsets), tuple(shape)), saved.to_local())]
-    else:
-        found = [((name, (0,) * saved.dim(), tuple(saved.shape)), saved)]
-    return [(box, local) for box, local in found if all(size > 0 for size in box[2])]
+        return HeldPart([(name, tuple(offsets), tuple(shape))], saved.to_local(), False)
+    return HeldPart([(name, (0,) * saved.dim(), tuple(saved.shape))], saved, False)
+
+
+def _is_empty(box: Box) -> bool:
+    return any(size == 0 for size in box[2])
 
 
 def _overlap_without_equal(first: Box, second: Box) -> bool:
@@ -109,6 +132,7 @@ class HeldPartsNorm:
 
     def __init__(self, model: nn.Module, module: nn.Module, group=None) -> None:
         self.module, self.group = module, group
+        self._device = next((param.device for param in module.parameters()), torch.device("cpu"))
         entries = saved_parameters(model)
         self._names: dict[int, tuple[str, object]] = {}
         for param in module.parameters():
@@ -118,25 +142,32 @@ class HeldPartsNorm:
                     f"does not record, so --clip-grad-norm cannot count it once; leave --clip-grad-norm out for this plan"
                 )
             self._names[id(param)] = entries[id(param)]
-        mine = sorted({box for param in module.parameters() for box, _ in held_boxes(param.detach(), *self._names[id(param)])})
+        parts = {id(param): held_boxes(param.detach(), *self._names[id(param)]) for param in module.parameters()}
+        mine = sorted({box for part in parts.values() for box in part.boxes if not _is_empty(box)})
         everyone: list[list[Box]] = [[] for _ in range(dist.get_world_size(group))]
         dist.all_gather_object(everyone, mine, group=group)
         self.holders = box_holders(everyone)
+        # Each box's share of the sum: 1 / its holders (0 for an empty box, which adds nothing).
+        self._shares = {
+            key: torch.tensor([0.0 if _is_empty(box) else 1.0 / self.holders[box] for box in part.boxes],
+                              dtype=torch.float64, device=part.local.device)
+            for key, part in parts.items()
+        }
 
     def norm(self) -> float:
-        """The global L2 norm of the gradients (one all-reduce of one number)."""
-        total = torch.zeros((), dtype=torch.float64)
-        device = torch.device("cpu")
+        """The global L2 norm of the gradients: each box's squared norm over its holders,
+        summed on the device, then one all-reduce of one number (one host sync a step)."""
+        total = None
         for param in self.module.parameters():
             if param.grad is None:
                 continue
-            device = param.grad.device
-            for box, local in held_boxes(param.grad.detach(), *self._names[id(param)]):
-                squared = torch.linalg.vector_norm(local, 2).to(torch.float64).cpu() ** 2
-                total += squared / self.holders[box]
-        summed = total.to(device)
-        dist.all_reduce(summed, group=self.group)
-        return float(summed.cpu().sqrt())
+            part = held_boxes(param.grad.detach(), *self._names[id(param)])
+            term = (part.squares() * self._shares[id(param)]).sum()
+            total = term if total is None else total + term
+        if total is None:  # no gradients on this rank: it still joins the all-reduce
+            total = torch.zeros((), dtype=torch.float64, device=self._device)
+        dist.all_reduce(total, group=self.group)
+        return float(total.sqrt())
 
     def clip(self, max_norm: float) -> float:
         """Scale every gradient so the global norm is at most ``max_norm`` (as
