@@ -18,6 +18,7 @@ whatever its copies, is the norm ``torch.nn.utils.clip_grad_norm_`` takes on one
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,11 @@ def test_each_box_is_counted_by_its_holders_and_partial_overlaps_are_refused():
     assert "\n" not in str(refused.value)
     # a box beside another (columns 0..1 and 2..3 of the same rows) is disjoint, not refused
     assert len(box_holders([[("w", (0, 0), (2, 2))], [("w", (0, 2), (2, 2))]])) == 2
+    # slices of every row (dim 1) with one slice a column too wide, found among 2,048 ranks' slices
+    slices = [[("w", (0, 2 * rank), (8, 2))] for rank in range(2048)]
+    assert len(box_holders(slices)) == 2048
+    with pytest.raises(LaunchError, match=re.escape("partly overlap (((0, 4094), (8, 2)) and ((0, 4095), (8, 2)))")):
+        box_holders([*slices, [("w", (0, 4095), (8, 2))]])
 
 
 def _single_device(folder: Path) -> tuple[list[float], list[float]]:

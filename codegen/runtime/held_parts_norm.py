@@ -49,12 +49,11 @@ Box = tuple[str, tuple[int, ...], tuple[int, ...]]
 @dataclass
 class HeldPart:
     """What one parameter (or its gradient) of a rank holds of model parameter ``boxes[0][0]``:
-    its ``boxes`` and its ``local`` values. ``by_rows``: box i is dim-0 row i of ``local``
-    (a rank's experts); else there is one box, all of ``local``."""
+    its ``boxes`` and its ``local`` values. With more than one box, box i is dim-0 row i of
+    ``local`` (a rank's experts, ``DerivedPart.chunks``); else the one box is all of ``local``."""
 
     boxes: list[Box]
     local: torch.Tensor
-    by_rows: bool
 
     def squares(self) -> torch.Tensor:
         """The squared L2 norm of each box's values, in float64, on ``local``'s device."""
@@ -70,7 +69,7 @@ def held_boxes(value: torch.Tensor, name: str, derivation) -> HeldPart:
     saved = as_saved(value, derivation)
     if isinstance(saved, DerivedPart):
         boxes = [(name, tuple(chunk.offsets), tuple(chunk.sizes)) for chunk, _ in saved.chunks()]
-        return HeldPart(boxes, saved.local, saved.rows is not None)
+        return HeldPart(boxes, saved.local)
     if isinstance(saved, DTensor):
         if any(placement.is_partial() for placement in saved.placements):
             raise LaunchError(
@@ -78,8 +77,8 @@ def held_boxes(value: torch.Tensor, name: str, derivation) -> HeldPart:
                 f"unknown; leave --clip-grad-norm out for this plan"
             )
         shape, offsets = compute_local_shape_and_global_offset(saved.shape, saved.device_mesh, saved.placements)
-        return HeldPart([(name, tuple(offsets), tuple(shape))], saved.to_local(), False)
-    return HeldPart([(name, (0,) * saved.dim(), tuple(saved.shape))], saved, False)
+        return HeldPart([(name, tuple(offsets), tuple(shape))], saved.to_local())
+    return HeldPart([(name, (0,) * saved.dim(), tuple(saved.shape))], saved)
 
 
 def _is_empty(box: Box) -> bool:
@@ -91,6 +90,26 @@ def _overlap_without_equal(first: Box, second: Box) -> bool:
     if first == second:
         return False
     return all(a < b + m and b < a + n for a, n, b, m in zip(first[1], first[2], second[1], second[2]))
+
+
+def _partial_overlap(boxes: list[Box]) -> tuple[Box, Box] | None:
+    """Two of ``boxes`` (distinct boxes of one parameter) that share elements, or None.
+    A sweep along the dim where the boxes start at the most places: the parts a layout makes
+    (FSDP2's shards, a rank's experts, expert slices) are disjoint along it, so few boxes are
+    open at once and thousands of ranks' boxes are checked in about n log n."""
+    if len(boxes) < 2 or not boxes[0][1]:
+        return None
+    dims = range(len(boxes[0][1]))
+    sweep = max(dims, key=lambda dim: len({box[1][dim] for box in boxes}))
+    open_boxes: list[Box] = []
+    for box in sorted(boxes, key=lambda box: box[1][sweep]):
+        start = box[1][sweep]
+        open_boxes = [other for other in open_boxes if other[1][sweep] + other[2][sweep] > start]
+        clash = next((other for other in open_boxes if _overlap_without_equal(other, box)), None)
+        if clash is not None:
+            return clash, box
+        open_boxes.append(box)
+    return None
 
 
 def box_holders(everyone: list[list[Box]]) -> dict[Box, int]:
@@ -108,13 +127,12 @@ def box_holders(everyone: list[list[Box]]) -> dict[Box, int]:
     for box in holders:
         by_name.setdefault(box[0], []).append(box)
     for name, boxes in by_name.items():
-        for position, first in enumerate(boxes):
-            clash = next((second for second in boxes[position + 1:] if _overlap_without_equal(first, second)), None)
-            if clash is not None:
-                raise LaunchError(
-                    f"{name}: two ranks hold parts of it that partly overlap ({first[1:]} and {clash[1:]}), so "
-                    f"--clip-grad-norm cannot count each element once; leave --clip-grad-norm out for this plan"
-                )
+        clash = _partial_overlap(boxes)
+        if clash is not None:
+            raise LaunchError(
+                f"{name}: two ranks hold parts of it that partly overlap ({clash[0][1:]} and {clash[1][1:]}), so "
+                f"--clip-grad-norm cannot count each element once; leave --clip-grad-norm out for this plan"
+            )
     return holders
 
 
