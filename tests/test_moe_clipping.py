@@ -4,7 +4,9 @@ The global norm over dense and expert gradients, each expert's gradient counted 
 whatever its copies, is the norm ``torch.nn.utils.clip_grad_norm_`` takes on one device.
 
 - Unit (one process): the boxes a rank's parameters hold, for a plain tensor, a rank's
-  own experts and a slice of every expert, as a checkpoint names them.
+  own experts and a slice of every expert, as a checkpoint names them; how many ranks hold
+  each, partly overlapping parts refused; on one gloo rank, the norm worked out by hand and
+  a parameter the model does not record refused in one line.
 - In real gloo processes, one launch per layout of ``examples/moe.py`` (4 experts): expert
   parallel with expert 0 copied whole on two ranks under DDP (world 2), experts sharded over
   their copies under FSDP2 (world 4), every expert sliced under ZeRO-1 (world 2), every
@@ -23,11 +25,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from moe_plans import hf_moe_plan, moe_plan
 from test_checkpoint import _ok, _torchrun
+from torch import nn
 
 import planner
-from codegen.runtime.held_parts_norm import box_holders, held_boxes
+from codegen.runtime.held_parts_norm import HeldPartsNorm, box_holders, held_boxes
 from codegen.runtime.launcher import random_like
 from codegen.runtime.materialize import Derivation
 from codegen.runtime.program import load_program
@@ -70,6 +74,31 @@ def test_each_box_is_counted_by_its_holders_and_partial_overlaps_are_refused():
     assert len(box_holders(slices)) == 2048
     with pytest.raises(LaunchError, match=re.escape("partly overlap (((0, 4094), (8, 2)) and ((0, 4095), (8, 2)))")):
         box_holders([*slices, [("w", (0, 4095), (8, 2))]])
+
+
+@pytest.fixture
+def one_rank():
+    assert not dist.is_initialized(), "a process group is already up in this test process"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_ranks_norm_is_the_models_and_an_unrecorded_parameter_is_one_line(one_rank):
+    model = nn.Sequential(nn.Linear(2, 3, bias=False), nn.Linear(3, 1))
+    grads = {"0.weight": torch.full((3, 2), 1.0), "1.weight": torch.full((1, 3), 2.0), "1.bias": torch.full((1,), 4.0)}
+    for name, param in model.named_parameters():
+        param.grad = grads[name].clone()
+    clipper = HeldPartsNorm(model, model)
+    # 6 x 1^2 + 3 x 2^2 + 4^2 = 34; clipped to 1, every gradient scaled by 1 / sqrt(34)
+    assert clipper.clip(1.0) == pytest.approx(34**0.5, rel=1e-12)
+    assert clipper.norm() == pytest.approx(1.0, rel=1e-5)
+    assert model[1].bias.grad.item() == pytest.approx(4.0 / 34**0.5, rel=1e-5)
+
+    stray = nn.Sequential(model, nn.Linear(1, 1))  # a parameter the model does not hold
+    with pytest.raises(LaunchError, match=r"^this program holds a parameter of shape \(1, 1\) .* leave --clip-grad-norm out") as refused:
+        HeldPartsNorm(model, stray)
+    assert "\n" not in str(refused.value)
 
 
 def _single_device(folder: Path) -> tuple[list[float], list[float]]:

@@ -151,19 +151,19 @@ class HeldPartsNorm:
     def __init__(self, model: nn.Module, module: nn.Module, group=None) -> None:
         self.module, self.group = module, group
         self._device = next((param.device for param in module.parameters()), torch.device("cpu"))
-        entries = saved_parameters(model)
-        self._names: dict[int, tuple[str, object]] = {}
-        for param in module.parameters():
-            if id(param) not in entries:
-                raise LaunchError(
-                    f"this program holds a parameter of shape {tuple(param.shape)} that the model built from the spec "
-                    f"does not record, so --clip-grad-norm cannot count it once; leave --clip-grad-norm out for this plan"
-                )
-            self._names[id(param)] = entries[id(param)]
-        parts = {id(param): held_boxes(param.detach(), *self._names[id(param)]) for param in module.parameters()}
+        # What this rank cannot count is said by every rank after the gather, not raised
+        # before it: a rank that left early would leave the others waiting in the collective.
+        try:
+            parts, problem = self._held_parts(model), None
+        except LaunchError as error:
+            parts, problem = {}, str(error)
         mine = sorted({box for part in parts.values() for box in part.boxes if not _is_empty(box)})
-        everyone: list[list[Box]] = [[] for _ in range(dist.get_world_size(group))]
-        dist.all_gather_object(everyone, mine, group=group)
+        gathered: list[tuple[str | None, list[Box]]] = [(None, []) for _ in range(dist.get_world_size(group))]
+        dist.all_gather_object(gathered, (problem, mine), group=group)
+        problem = next((said for said, _ in gathered if said is not None), None)
+        if problem is not None:
+            raise LaunchError(problem)
+        everyone = [boxes for _, boxes in gathered]
         self.holders = box_holders(everyone)
         # Each box's share of the sum: 1 / its holders (0 for an empty box, which adds nothing).
         self._shares = {
@@ -171,6 +171,20 @@ class HeldPartsNorm:
                               dtype=torch.float64, device=part.local.device)
             for key, part in parts.items()
         }
+
+    def _held_parts(self, model: nn.Module) -> dict[int, HeldPart]:
+        """id of each parameter of this rank -> what it holds (``held_boxes``); records the
+        names its gradients are counted under."""
+        entries = saved_parameters(model)
+        self._names: dict[int, tuple[str, object]] = {}
+        for param in self.module.parameters():
+            if id(param) not in entries:
+                raise LaunchError(
+                    f"this program holds a parameter of shape {tuple(param.shape)} that the model built from the spec "
+                    f"does not record, so --clip-grad-norm cannot count it once; leave --clip-grad-norm out for this plan"
+                )
+            self._names[id(param)] = entries[id(param)]
+        return {id(param): held_boxes(param.detach(), *self._names[id(param)]) for param in self.module.parameters()}
 
     def norm(self) -> float:
         """The global L2 norm of the gradients: each box's squared norm over its holders,
