@@ -9,7 +9,8 @@ lost the write and its gradient (the batch-split plan below failed parity on
 ``embed.weight``'s gradient).
 
 Unit tests check which writes are rewritten and that graphs without them are traced as
-before; the distributed test compiles tests/models/filled_buffer.py under two
+before, and that tiny HuggingFace DeepSeek-V3's key buffers trace without writes into views
+and compute the model's loss and gradients on real values; the distributed test compiles tests/models/filled_buffer.py under two
 tensor-parallel plans (its batch split over ``tp``, and Megatron's layout) and a tiny
 HuggingFace DeepSeek-V3 as the search plans it on two ranks and under Megatron's layout, and
 checks all four against one device in ONE torchrun launch.
@@ -29,7 +30,7 @@ import planner
 from planner.api import prepare_model
 from planner.functionalize import aliased_writes, functional_program
 from planner.graph import OpNode, TensorMeta
-from planner.model_spec import ModelSpec
+from planner.model_spec import ModelSpec, extract_loss
 from planner.trace import trace
 from search.megatron import megatron_plan
 from search.rules import axis_candidates
@@ -114,6 +115,35 @@ def test_the_functional_program_computes_the_models_loss_and_gradients(build):
     given = torch.autograd.grad(got, [dict(rewritten.named_parameters())[name] for name in names])
     for name, a, b in zip(names, given, wanted):
         torch.testing.assert_close(a, b, msg=lambda text: f"gradient of {name}: {text}")
+
+
+def test_tiny_deepseek_v3_traces_without_writes_into_views_and_computes_the_same():
+    """DeepSeek-V3's attention (MLA) assembles its keys with ``new_empty`` and two ``copy_``
+    into slices, in each of the two layers: those four writes are found, the functional
+    program has none and gives the model's loss and every parameter's gradient on real
+    values, and the planner's trace holds no mutating op and no ``new_empty``."""
+    spec = ModelSpec("hf:deepseek_v3", DEEPSEEK_TINY)
+    torch.manual_seed(0)
+    model, args, kwargs = spec.build("cpu")
+    model.train()
+    exported = torch.export.export(model, args, kwargs, strict=False)
+    assert len(aliased_writes(exported.graph_module)) == 4  # 2 layers x (nope keys, rope keys)
+    program = functional_program(exported)
+    assert aliased_writes(program.graph_module) == []
+    rewritten = program.module()
+    expected, got = extract_loss(model(*args, **kwargs)), extract_loss(rewritten(*args, **kwargs))
+    torch.testing.assert_close(got, expected)
+    names = [name for name, _ in model.named_parameters()]
+    wanted = torch.autograd.grad(expected, [p for _, p in model.named_parameters()], allow_unused=True)
+    given = torch.autograd.grad(got, [dict(rewritten.named_parameters())[name] for name in names], allow_unused=True)
+    for name, a, b in zip(names, given, wanted):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, msg=lambda text: f"gradient of {name}: {text}")
+    graph = trace(*spec.build("meta"))
+    mutating = [node.name for node in graph.graph_module.graph.nodes
+                if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable]
+    assert mutating == [] and "aten.new_empty.default" not in _ops(graph), mutating
 
 
 def test_a_buffer_written_in_part_is_not_joined_by_cat():

@@ -12,6 +12,9 @@
 - Experts sharded over their copies (FSDP2 over each copy group, world 4): saved after 2
   steps, resumed on one device; one device's checkpoint resumed sharded over the copies;
   exported and started from with ``--init-from``: every loss the single device's.
+- Across MoE layouts and world sizes: sharded copies under ZeRO-2 (world 4) -> every expert
+  sliced under ZeRO-1 (world 2) -> sharded copies again, exported whole after the last step;
+  tiny HF Mixtral's experts sharded over copies -> copied whole under ZeRO-1.
 - ``export-checkpoint`` of an MoE checkpoint loads (strict, ``weights_only=True``) into the
   model built from the spec, with the single device's weights; ``launch.py --init-from``
   starts an expert-parallel program from it with the single device's loss.
@@ -196,3 +199,51 @@ def test_experts_sharded_over_their_copies_checkpoint_both_ways(moe_programs, tm
     with torch.no_grad():
         expected = extract_loss(model(*random_like(args), **random_like(kwargs))).item()
     assert started[1] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.distributed
+def test_sharded_copies_and_zero1_resume_onto_each_other_and_export_whole(moe_programs, tmp_path) -> None:
+    """Experts sharded over their copies under ZeRO-2 (world 4) resume as every expert sliced
+    under ZeRO-1 (world 2: dense optimizer states saved as ZeRO-1's pieces), which resume as
+    sharded copies again: every loss, and the weights exported after the last step, are the
+    uninterrupted single device's."""
+    sharded = planner.compile(moe_plan(4, "expert_parallel", "grid", flavour="zero2", sharded_copies=True),
+                              tmp_path / "sharded")
+    sliced = planner.compile(moe_plan(2, "expert_sliced", flavour="zero1"), tmp_path / "sliced")
+    reference = _single_device_losses(moe_programs["one"], 6)
+    saved = tmp_path / "ckpt"
+
+    def run(world: int, program: Path, steps: int, *flags: str) -> dict[int, float]:
+        return _losses(_ok(_torchrun(world, str(program / "launch.py"), "--steps", str(steps), "--checkpoint-dir",
+                                     str(saved), *flags, cwd=tmp_path)))
+
+    losses = [run(4, sharded, 2), run(2, sliced, 4, "--resume"), run(4, sharded, 6, "--resume")]
+    assert [sorted(part) for part in losses] == [[1, 2], [3, 4], [5, 6]]
+    for part in losses:
+        for step, loss in part.items():
+            assert loss == pytest.approx(reference[step - 1], abs=1e-5), step
+    exported = tmp_path / "model.pt"
+    assert export_checkpoint(saved / "step-00000006", exported)[0] == 6
+    weights = torch.load(exported, weights_only=True)
+    load_program(moe_programs["one"]).build_model()[0].load_state_dict(weights)  # strict: every name, whole
+    # AdamW moves a weight whose gradient is near eps by ~lr whatever its last bits: lr / 10 (as above).
+    for name, value in _single_device_weights(moe_programs["one"], 6).items():
+        torch.testing.assert_close(weights[name], value, atol=1e-4, rtol=0, msg=name)
+
+
+@pytest.mark.distributed
+def test_hf_mixtral_experts_sharded_over_copies_resume_under_zero1(tmp_path) -> None:
+    """transformers' stacked experts sharded over their copies (FSDP2, world 4), saved after
+    2 steps, resumed expert parallel with expert 0 copied whole under ZeRO-1 (world 2)."""
+    sharded = planner.compile(hf_moe_plan(4, "mixtral", "expert_parallel", "grid", flavour="fsdp", sharded_copies=True),
+                              tmp_path / "sharded")
+    copied = planner.compile(hf_moe_plan(2, "mixtral", "expert_parallel", "skewed", flavour="zero1"), tmp_path / "zero1")
+    saved = tmp_path / "ckpt"
+    first = _losses(_ok(_torchrun(4, str(sharded / "launch.py"), "--steps", "2", "--checkpoint-dir", str(saved),
+                                  cwd=tmp_path)))
+    resumed = _losses(_ok(_torchrun(2, str(copied / "launch.py"), "--steps", "4", "--checkpoint-dir", str(saved),
+                                    "--resume", cwd=tmp_path)))
+    assert sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
+    reference = _single_device_losses(copied, 4)
+    for step, loss in {**first, **resumed}.items():
+        assert loss == pytest.approx(reference[step - 1], abs=1e-5), step

@@ -156,9 +156,6 @@ def main(folder: Path, argv: list[str]) -> int:
         program = load_program(folder)
         if options.fp64:
             check_float64_applies(program)
-        if options.clip_grad_norm is not None and program.plan.expert_layouts:
-            raise LaunchError("--clip-grad-norm does not support plans with MoE expert layouts yet (their experts' "
-                              "gradients live on different ranks); leave it out for this plan")
         check_checkpoint_options(options)
         if options.record_routing is not None:
             check_routing_output(program, options.steps, options.record_routing)

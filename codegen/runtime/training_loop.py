@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from codegen.runtime.held_parts_norm import HeldPartsNorm
 from codegen.runtime.program import Program
 from codegen.runtime.run_outputs import open_metrics
 from codegen.runtime.stop_request import StopRequest, mean_loss_and_stop
@@ -197,6 +198,16 @@ def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float, su
     return total
 
 
+def gradient_clipper(program: Program, model: torch.nn.Module, module: torch.nn.Module, sum_group) -> Callable[[float], float]:
+    """What clips this program's gradients to a global norm (returning the norm before):
+    ``clip_gradients`` by mesh axes, or for a program with MoE expert layouts, whose ranks
+    hold experts and their copies in shapes no mesh describes, ``HeldPartsNorm`` (each
+    expert counted once). A collective: every rank calls it before the first step."""
+    if program.plan.expert_layouts:
+        return HeldPartsNorm(model, module).clip
+    return lambda max_norm: clip_gradients(module.parameters(), max_norm, sum_group)
+
+
 def random_like(tree):
     """A batch with the structure of ``tree``: floats ~ N(0, 1), integers in the example's range."""
     if isinstance(tree, torch.Tensor):
@@ -312,6 +323,7 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
         lambda step: learning_rate_factor(step, options.schedule, options.warmup_steps, options.steps, options.min_lr_ratio),
     )
     checkpointer, first_step = start_checkpoints(program, options, model, module, optimizer)
+    clip = gradient_clipper(program, model, module, sum_group) if options.clip_grad_norm is not None else None
     for _ in range(first_step):
         schedule.step()  # the learning rate where the checkpointed run left it
     next_batch = batch_source(program, options, args, kwargs)
@@ -334,8 +346,7 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
             _synchronize()
             start = time.perf_counter()
             loss = forward_backward(batch_args, batch_kwargs)
-            norm = clip_gradients(module.parameters(), options.clip_grad_norm, sum_group) \
-                if options.clip_grad_norm is not None else None
+            norm = clip(options.clip_grad_norm) if clip is not None else None
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -510,5 +521,5 @@ def _progress_bar(steps: int) -> _Progress | None:
     return _Progress(steps)
 
 
-__all__ = ["LoopOptions", "StepRecord", "TrainingRun", "train", "learning_rate_factor", "clip_gradients", "stop_on_non_finite",
+__all__ = ["LoopOptions", "StepRecord", "TrainingRun", "train", "learning_rate_factor", "clip_gradients", "gradient_clipper", "stop_on_non_finite",
            "load_data", "as_inputs", "random_like", "SCHEDULES"]
