@@ -7,7 +7,9 @@ placements CP-SAT finds on the stage mesh, ``search.stage_layouts``), ``pp`` any
 samples per micro-batch per dp rank; 1F1B, and interleaved 1F1B with 2 or 4 virtual stages
 per device when the micro-batches are a multiple of pp; DDP, ZeRO-1 or FSDP on dp;
 recomputation none, selective or full on every stage, or chosen per stage (``PER_STAGE``);
-with tp, sequence parallelism or not.
+with tp, sequence parallelism or not. For an MoE model (``PipelineSpace.expert_layouts``,
+``search.stage_experts``) every configuration with a dp axis is also priced with each
+variant of the MoE layers' layouts over its stages' dp ranks (``Configuration.experts``).
 
 Costs. One simulation per (tp, sequence parallelism, micro-batch size) gives every
 segment's time and memory per micro-batch (``Simulator.segment_profiles``; a segment is the

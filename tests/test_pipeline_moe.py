@@ -150,3 +150,17 @@ def test_report_lists_each_stage_moe_layers(moe_pipeline: Plan) -> None:
     assert [row.split("│")[2].strip() for row in rows] == ["blocks.0.moe", "blocks.1.moe"]
     assert all(layout.placement.method == "round-robin" for layout in moe_pipeline.expert_layouts)
     assert all("25.0% of choices" in row for row in rows)
+
+
+def test_ops_between_blocks_stay_with_the_block_before_them() -> None:
+    """examples/moe.py sums each layer's balance loss at the top level, between the blocks:
+    with 4 layers on 4 stages each sum runs on its layer's stage, so the stages follow each
+    other in graph order (the compiled pipeline needs that)."""
+    from search.layouts import uneven_stages
+
+    graph = prepare_model(ModelSpec(str(REPO / "examples" / "moe.py"), {"n_layer": 4}), "cpu:1x4")[0]
+    stage_of = uneven_stages(graph, (1, 1, 1, 1))
+    order = [stage_of[node.name] for node in graph.nodes]
+    assert order == sorted(order) and set(order) == {0, 1, 2, 3}
+    between = [node for node in graph.nodes[:-1] if node.block is None and stage_of[node.name] not in (0, 3)]
+    assert between, "the balance sums between blocks"

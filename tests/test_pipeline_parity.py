@@ -22,7 +22,9 @@ gradient of every parameter each stage holds and every updated parameter
   ``examples/moe.py`` (8 experts) as ``planner plan --mesh pp=2`` plans it on ``cpu:2x4``:
   two stages of ``dp=4``, each MoE layer expert parallel over its stage's 4 ranks (2 experts
   each), two micro-batches each routed on its own (``codegen.runtime.pipeline_moe``; the
-  single-device reference runs the same micro-batches).
+  single-device reference runs the same micro-batches); and a 4-layer one on the same mesh
+  under the interleaved schedule (two virtual stages per rank, four micro-batches), its MoE
+  layers expert parallel.
 
 As in ``test_spmd_parity.py``, each world size compiles its programs first and checks them
 all in ONE torchrun launch of ``tests/dist_check_many.py``. Two negative controls must fail:
@@ -54,6 +56,7 @@ MODELS = {
     "gpt2": ("hf:gpt2", HF_GPT2_TINY),
     "gpt4tied": ("examples/gpt.py", {"batch_size": 8, "n_layer": 4, "tie_weights": True}),
     "moe": ("examples/moe.py", {"batch_size": 16, "n_expert": 8, "ffn": 512, "capacity_factor": 1.0}),
+    "moe4": ("examples/moe.py", {"batch_size": 16, "n_layer": 4, "n_expert": 8, "ffn": 256, "capacity_factor": 1.0}),
     "llama": ("hf:llama", {
         "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "batch_size": 8,
@@ -80,6 +83,7 @@ CASES = {
         ("gpt", "soap-pp2xdp2xtp2"): dict(searched_layout=(2, 2, 2)),
         ("llama", "soap-pp2xdp2xtp2"): dict(searched_layout=(2, 2, 2)),
         ("moe", "searched-pp2xdp4-expert-parallel"): dict(mesh_pp=2),
+        ("moe4", "pp2xdp4-interleaved-expert-parallel"): dict(moe_interleaved=True),
     },
 }
 ALL_CASES = [(world, model, case) for world, cases in CASES.items() for model, case in cases]
@@ -101,6 +105,8 @@ def make_plan(model: str, world: int, precision: str = "fp32", **options) -> pla
         return searched_layout_plan(spec, world, *options["searched_layout"])
     if options.get("mesh_pp"):
         return moe_stages_plan(spec, world, options["mesh_pp"])
+    if options.get("moe_interleaved"):
+        return moe_interleaved_plan(spec, world)
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
     options.setdefault("micro_batch", 2)
     return megatron_plan(graph, cluster, spec, name, precision=precision, **options)
@@ -134,6 +140,26 @@ def moe_stages_plan(spec: ModelSpec, world: int, pp: int) -> planner.Plan:
     plan = planner.plan(spec, f"cpu:2x{world // 2}", constraints=SearchConstraints(mesh={"pp": pp}), progress=False)
     assert plan.pipeline is not None and plan.pipeline.micro_batches > 1, plan.name
     assert plan.expert_layouts and all(layout.mode == "expert_parallel" for layout in plan.expert_layouts), plan.name
+    return plan
+
+
+def moe_interleaved_plan(spec: ModelSpec, world: int) -> planner.Plan:
+    """The MoE pipeline grid's plan on ``pp=2 x dp=<world/2>`` under the interleaved schedule
+    with every MoE layer expert parallel over its stage's dp ranks."""
+    from search.pipeline_search import PipelineGrid, PipelineSpace
+    from search.stage_experts import EXPERT_PARALLEL, stage_expert_variants
+
+    graph, spec, name, cluster = prepare_model(spec, f"cpu:2x{world // 2}")
+    space = PipelineSpace(
+        flavours=("ddp",), tensor_parallel=(1,), recompute=("none",), per_stage_recompute=False,
+        sequence_parallel=(False,), searched_layout="off",
+        expert_layouts=lambda mesh, micro_batches: stage_expert_variants(graph, cluster, None, "fp32", mesh, micro_batches),
+    )
+    grid = PipelineGrid(graph, cluster, "fp32", space)
+    config = next(c for c in grid.configurations()
+                  if (c.pp, c.schedule, c.virtual_stages, c.experts) == (2, "interleaved", 2, EXPERT_PARALLEL))
+    plan = grid.plan(grid.estimate(config), spec, name)
+    assert all(layout.mode == "expert_parallel" for layout in plan.expert_layouts)
     return plan
 
 
