@@ -47,6 +47,7 @@ from planner.api import prepare_model
 from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from search.megatron import megatron_plan
+from moe_plans import moe_pipeline_plan
 from test_parity import HF_GPT2_TINY, REPO, Launch, check_many, result_of
 
 pytestmark = pytest.mark.distributed
@@ -106,7 +107,7 @@ def make_plan(model: str, world: int, precision: str = "fp32", **options) -> pla
     if options.get("mesh_pp"):
         return moe_stages_plan(spec, world, options["mesh_pp"])
     if options.get("moe_interleaved"):
-        return moe_interleaved_plan(spec, world)
+        return moe_pipeline_plan(spec, world, "interleaved", virtual_stages=2)
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
     options.setdefault("micro_batch", 2)
     return megatron_plan(graph, cluster, spec, name, precision=precision, **options)
@@ -140,26 +141,6 @@ def moe_stages_plan(spec: ModelSpec, world: int, pp: int) -> planner.Plan:
     plan = planner.plan(spec, f"cpu:2x{world // 2}", constraints=SearchConstraints(mesh={"pp": pp}), progress=False)
     assert plan.pipeline is not None and plan.pipeline.micro_batches > 1, plan.name
     assert plan.expert_layouts and all(layout.mode == "expert_parallel" for layout in plan.expert_layouts), plan.name
-    return plan
-
-
-def moe_interleaved_plan(spec: ModelSpec, world: int) -> planner.Plan:
-    """The MoE pipeline grid's plan on ``pp=2 x dp=<world/2>`` under the interleaved schedule
-    with every MoE layer expert parallel over its stage's dp ranks."""
-    from search.pipeline_search import PipelineGrid, PipelineSpace
-    from search.stage_experts import EXPERT_PARALLEL, stage_expert_variants
-
-    graph, spec, name, cluster = prepare_model(spec, f"cpu:2x{world // 2}")
-    space = PipelineSpace(
-        flavours=("ddp",), tensor_parallel=(1,), recompute=("none",), per_stage_recompute=False,
-        sequence_parallel=(False,), searched_layout="off",
-        expert_layouts=lambda mesh, micro_batches: stage_expert_variants(graph, cluster, None, "fp32", mesh, micro_batches),
-    )
-    grid = PipelineGrid(graph, cluster, "fp32", space)
-    config = next(c for c in grid.configurations()
-                  if (c.pp, c.schedule, c.virtual_stages, c.experts) == (2, "interleaved", 2, EXPERT_PARALLEL))
-    plan = grid.plan(grid.estimate(config), spec, name)
-    assert all(layout.mode == "expert_parallel" for layout in plan.expert_layouts)
     return plan
 
 
