@@ -12,10 +12,9 @@ from search.stage_experts import runs_in_stages, stage_expert_variants
 # What a pipeline of an MoE model searches (codegen.runtime.pipeline_moe runs it): stages on
 # pp x dp, each MoE layer by its layout over the stage's dp ranks; gradients reduced once per
 # step as a pipeline program reduces every DTensor gradient (the "ddp" flavour), no tensor
-# parallelism beside the experts, no recomputation (a checkpointed block would route again in
-# backward), Megatron-LM's placements for the dense ops.
-_MOE_SPACE = dict(flavours=("ddp",), tensor_parallel=(1,), recompute=("none",), per_stage_recompute=False,
-                  sequence_parallel=(False,), searched_layout="off")
+# parallelism beside the experts, Megatron-LM's placements for the dense ops. A recomputed
+# block routes again in backward, on every rank of its stage at once, so it recomputes alike.
+_MOE_SPACE = dict(flavours=("ddp",), tensor_parallel=(1,), sequence_parallel=(False,), searched_layout="off")
 
 
 def pipeline_candidates(context: SearchContext) -> list[Plan]:

@@ -24,7 +24,8 @@ gradient of every parameter each stage holds and every updated parameter
   each), two micro-batches each routed on its own (``codegen.runtime.pipeline_moe``; the
   single-device reference runs the same micro-batches); and a 4-layer one on the same mesh
   under the interleaved schedule (two virtual stages per rank, four micro-batches), its MoE
-  layers expert parallel.
+  layers expert parallel; and the 2-layer one with every block recomputed in backward (the
+  MoE layers route again there, every rank of the stage at once).
 
 As in ``test_spmd_parity.py``, each world size compiles its programs first and checks them
 all in ONE torchrun launch of ``tests/dist_check_many.py``. Two negative controls must fail:
@@ -85,6 +86,7 @@ CASES = {
         ("llama", "soap-pp2xdp2xtp2"): dict(searched_layout=(2, 2, 2)),
         ("moe", "searched-pp2xdp4-expert-parallel"): dict(mesh_pp=2),
         ("moe4", "pp2xdp4-interleaved-expert-parallel"): dict(moe_interleaved=True),
+        ("moe", "pp2xdp4-1f1b-recompute-full"): dict(moe_recompute="full"),
     },
 }
 ALL_CASES = [(world, model, case) for world, cases in CASES.items() for model, case in cases]
@@ -108,6 +110,8 @@ def make_plan(model: str, world: int, precision: str = "fp32", **options) -> pla
         return moe_stages_plan(spec, world, options["mesh_pp"])
     if options.get("moe_interleaved"):
         return moe_pipeline_plan(spec, world, "interleaved", virtual_stages=2)
+    if options.get("moe_recompute"):
+        return moe_pipeline_plan(spec, world, recompute=options["moe_recompute"])
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
     options.setdefault("micro_batch", 2)
     return megatron_plan(graph, cluster, spec, name, precision=precision, **options)
