@@ -143,7 +143,7 @@ class PipelineSections:
         if not self.expert_table:
             return ""
         return ("    # This rank's stages' MoE layers, over the stage's dp ranks (codegen.runtime.pipeline_moe).\n"
-                "    experts = build_stage_experts(model, mesh, stage_mesh(mesh), STAGE_EXPERTS, rank_stages(mesh, len(STAGES)))\n")
+                "    experts = build_stage_experts(model, stage_mesh(mesh), STAGE_EXPERTS, rank_stages(mesh, len(STAGES)))\n")
 
     def _experts_optimizer(self) -> str:
         """make_optimizer for a plan with MoE layers in its stages: their expert weights in a

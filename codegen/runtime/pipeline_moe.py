@@ -109,14 +109,13 @@ def _set_router(layer: RoutedMoE, value: torch.Tensor) -> None:
 
 
 def build_stage_experts(
-    model: nn.Module, mesh: DeviceMesh, stage_mesh: DeviceMesh, layouts: Mapping[str, tuple], stages_here: tuple[int, ...],
+    model: nn.Module, stage_mesh: DeviceMesh, layouts: Mapping[str, tuple], stages_here: tuple[int, ...],
 ) -> dict[str, StageMoE]:
     """The MoE layers of the stages this rank runs (``stages_here``), by module path, from
     ``layouts``: path -> (stage, mode, placement or None, top_k, capacity_factor, parameter
     names relative to the layer: router, expert in, expert out). Built before the stage
     modules free the weights of other stages (``codegen.runtime.pipeline``); every rank of a
     stage builds the same layers in the same order."""
-    del mesh  # the stage mesh is what the layers run over
     group = stage_mesh.get_group()
     built = {}
     for path, (stage, mode, placement, top_k, capacity_factor, names) in sorted(layouts.items()):
