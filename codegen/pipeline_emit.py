@@ -57,7 +57,8 @@ from codegen.micro_batch_source import first_samples
 from codegen.micro_strategies import micro_strategies
 from codegen.pipeline_stage_plan import StagePlan, flat_source
 from codegen.pipeline_schedules import schedule_problem, stage_count
-from codegen.spmd_emit import SUPPORTED_AXES, GraphEmitter
+from codegen.spmd_emit import SUPPORTED_AXES
+from codegen.pipeline_moe_emit import StageMoEEmitter, moe_calls, stage_experts_table
 from codegen.spmd_placements import whole
 from codegen.attention_core import attention_cores
 from codegen.pipeline_sections import Boundary, PipelineSections
@@ -87,6 +88,13 @@ def unsupported(plan: Plan) -> str | None:
     if plan.recompute not in ("none", "full", "selective"):
         return f"pipeline programs recompute none, full blocks or selectively, not {plan.recompute!r}"
     dp = plan.mesh.axis_size("dp") if "dp" in names else 1
+    if plan.expert_layouts and names != (PP_AXIS, "dp"):
+        return f"MoE layers run inside pipeline stages over dp alone (a pp x dp mesh); this mesh is {plan.mesh}"
+    for layout in plan.expert_layouts:
+        if layout.mode not in ("expert_parallel", "data_parallel") or layout.sharded_copies or layout.all_to_all != "flat":
+            return (f"MoE layers inside pipeline stages run expert parallel (flat all-to-all, whole copies) or data "
+                    f"parallel; layer {layout.module!r} is {layout.mode}, {layout.all_to_all}"
+                    f"{', sharded copies' if layout.sharded_copies else ''}")
     if plan.batch_size % (pipeline.micro_batches * dp):
         return f"the batch {plan.batch_size} does not split into {pipeline.micro_batches} micro-batches on each of dp={dp} ranks"
     return None
@@ -143,7 +151,17 @@ class _PipelineWriter(PipelineSections):
     def __init__(self, plan: Plan, stage_plan: StagePlan, graph: OpGraph, facts, observed, forced, warning: str):
         self.plan, self.stage_plan, self.graph, self.facts = plan, stage_plan, graph, facts
         # Every value stays a DTensor: what crosses a stage boundary is read from DTensor values.
-        self.emitter = GraphEmitter(stage_plan, graph, facts, observed, forced, warning, local_replicated=False)
+        # MoE layers run by their layouts, each written as one call (codegen.pipeline_moe_emit).
+        calls = moe_calls(plan, graph) if plan.expert_layouts else {}
+        self.emitter = StageMoEEmitter(stage_plan, graph, facts, observed, forced, warning, local_replicated=False,
+                                       calls=calls)
+        if calls:
+            stage_of = {s.node: s.stage for s in stage_plan.strategies}
+            for call in calls.values():
+                stages = {stage_of[name] for name in call.nodes if name in stage_of}
+                if len(stages) != 1:
+                    raise NotImplementedError(f"MoE layer {call.path!r} is cut between pipeline stages {sorted(stages)}")
+            self.expert_table = stage_experts_table(plan, graph, {path: stage_of[call.at] for path, call in calls.items()})
         self.stages = stage_count(plan.pipeline)  # stage modules: pp x virtual stages (interleaved)
         self.axes, self.sizes = stage_plan.mesh.names, stage_plan.mesh.shape
         # Per stage module: "none", "full" (whole blocks) or "selective" (attention cores).

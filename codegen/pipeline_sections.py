@@ -135,6 +135,34 @@ class PipelineSections:
             return [line.removeprefix("# ") for line in NO_CORE_COMMENT]
         return []
 
+    expert_table = ""  # STAGE_EXPERTS (codegen.pipeline_moe_emit), for a plan with MoE layers in its stages
+
+    def _experts_before(self) -> str:
+        """parallelize's first lines for MoE layers: built from the model's weights before the
+        stages free the weights they do not read."""
+        if not self.expert_table:
+            return ""
+        return ("    # This rank's stages' MoE layers, over the stage's dp ranks (codegen.runtime.pipeline_moe).\n"
+                "    experts = build_stage_experts(model, stage_mesh(mesh), STAGE_EXPERTS, rank_stages(mesh, len(STAGES)))\n")
+
+    def _experts_optimizer(self) -> str:
+        """make_optimizer for a plan with MoE layers in its stages: their expert weights in a
+        parameter group of their own (``optimizer_with_experts``)."""
+        if not self.expert_table:
+            return ""
+        return '''
+
+def make_optimizer(module: torch.nn.Module, mesh: DeviceMesh, optimizer_class: type, **kwargs):
+    """The optimizer over this rank's stages: the stages' DTensor weights in one parameter
+    group, the MoE layers' expert weights (plain tensors, this rank's own) in another."""
+    return optimizer_with_experts(module, optimizer_class, **kwargs)
+'''
+
+    def _experts_after(self) -> str:
+        if not self.expert_table:
+            return ""
+        return "    attach_stage_experts(module, experts, {path: entry[0] for path, entry in STAGE_EXPERTS.items()})\n"
+
     def _imports(self) -> str:
         pipeline = self.plan.pipeline
         return "\n".join(
@@ -144,6 +172,9 @@ class PipelineSections:
                 *precision_imports(self.plan),
                 *([SHARDED_STATES_IMPORT] if shards_optimizer_states(self.plan) else []),
                 "from codegen.runtime.spmd import shard_inputs",
+                *(["from codegen.runtime.pipeline import rank_stages",
+                   "from codegen.runtime.pipeline_moe import attach_stage_experts, build_stage_experts, optimizer_with_experts"]
+                  if self.expert_table else []),
                 "",
                 "aten = torch.ops.aten",
                 f"MESH_AXES = {tuple(self.plan.mesh.axes)!r}",
@@ -231,14 +262,14 @@ STAGE_PARAMETERS = (
 )
 SHARED_PARAMETERS = {shared_text}
 INPUT_NAMES = {tuple(input_names)!r}
-
+{self.expert_table + chr(10) if self.expert_table else ""}
 
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> PipelineStageModule | VirtualStages:
     """This rank's stage (its pp coordinate; several under the interleaved schedule, in
     VirtualStages): the stage's parameters become DTensors over the stage mesh, placed as
     PARAMETERS says (each rank keeps its shard; no communication)."""
-    module = build_stage(STAGES, model, mesh, PARAMETERS, STAGE_PARAMETERS, DROPOUT_MODULES)
-{self._autocast()}    return module
+{self._experts_before()}    module = build_stage(STAGES, model, mesh, PARAMETERS, STAGE_PARAMETERS, DROPOUT_MODULES)
+{self._experts_after()}{self._autocast()}    return module
 
 
 def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
@@ -251,7 +282,7 @@ def make_pipeline(module: PipelineStageModule | VirtualStages, mesh: DeviceMesh)
     """The SCHEDULE over this rank's stage: pipeline.step(args, kwargs) runs one step's
     forward and backward over MICRO_BATCHES micro-batches and returns the loss."""
     return PipelineRunner(module, mesh, SCHEDULE, MICRO_BATCHES, STAGE_INPUTS, STAGE_OUTPUTS, INPUT_NAMES, SHARED_PARAMETERS)
-''' + sharded_states_optimizer(self.plan)
+''' + sharded_states_optimizer(self.plan) + self._experts_optimizer()
 
 
 # ------------------------------------------------------------------------------ helpers

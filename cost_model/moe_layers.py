@@ -38,6 +38,7 @@ search scores a candidate layout with.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_model.collectives import collective_time
@@ -114,14 +115,17 @@ def expert_module(block: MoEBlock) -> str:
 
 def price_layout(
     block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Cluster, precision: str, micro_batches: int = 1,
+    ranks: Sequence[int] | None = None,
 ) -> MoECost:
-    """``moe_layer_cost`` of ``block`` run as ``layout`` says, over all of ``cluster``'s
-    devices, for one micro-batch of a step whose ``tokens`` tokens enter the layer."""
+    """``moe_layer_cost`` of ``block`` run as ``layout`` says, over ``ranks`` (all of
+    ``cluster``'s devices when None), for one micro-batch of a step whose ``tokens`` tokens
+    enter the layer (``tokens`` are the group's: a pipeline stage's dp ranks see the batch
+    once, whatever the other axes)."""
     return moe_layer_cost(
         moe_layer_of(block, tokens // micro_batches),
         layout.mode,
         cluster,
-        list(range(cluster.world_size)),
+        list(ranks) if ranks is not None else list(range(cluster.world_size)),
         token_share=layout.expert_loads or None,
         placement=layout.placement,
         capacity_factor=layout.capacity_factor or None,
@@ -130,7 +134,8 @@ def price_layout(
     )
 
 
-def replica_sync_time(block: MoEBlock, layout: ExpertLayout, cluster: Cluster, precision: str) -> float:
+def replica_sync_time(block: MoEBlock, layout: ExpertLayout, cluster: Cluster, precision: str,
+                      ranks: Sequence[int] | None = None) -> float:
     """Seconds summing the gradients of the experts that have copies (expert parallel
     only), as the compiled program does (``codegen.runtime.moe``): one all-reduce over the
     whole group of every copied expert's gradient, each rank adding its copies (zeros for
@@ -141,7 +146,8 @@ def replica_sync_time(block: MoEBlock, layout: ExpertLayout, cluster: Cluster, p
     if not copied:
         return 0.0
     gradients = copied * block.matmuls * block.hidden * block.ffn * element_bytes(precision)
-    return collective_time("all_reduce", gradients, cluster, list(range(layout.placement.devices)))
+    group = list(ranks) if ranks is not None else list(range(layout.placement.devices))
+    return collective_time("all_reduce", gradients, cluster, group)
 
 
 @dataclass(frozen=True)
@@ -181,14 +187,28 @@ def copies_sharded_over(layout: ExpertLayout) -> int:
     return len(layout.placement.copy_groups[0]) if layout.sharded_copies else 1
 
 
-def routing_sync_time(block: MoEBlock, cluster: Cluster) -> float:
+def routing_sync_time(block: MoEBlock, cluster: Cluster, ranks: Sequence[int] | None = None) -> float:
     """Seconds of the one collective every mode's routing makes in forward: an all-gather of
     each rank's count of choices per (choice rank, expert), int64, so each rank places its
-    choices in the whole batch's order (``codegen.runtime.moe.route``)."""
-    world = cluster.world_size
-    if world == 1:
+    choices in the whole batch's order (``codegen.runtime.moe.route``), over ``ranks`` (all
+    of ``cluster``'s devices when None)."""
+    group = list(ranks) if ranks is not None else list(range(cluster.world_size))
+    if len(group) == 1:
         return 0.0
-    return collective_time("all_gather", world * block.top_k * block.experts * 8, cluster, list(range(world)))
+    return collective_time("all_gather", len(group) * block.top_k * block.experts * 8, cluster, group)
+
+
+def expert_group(mesh, axis: str) -> tuple[int, ...]:
+    """The ranks of the first group along mesh axis ``axis`` (the others' coordinates 0): the
+    group an MoE layer's layout is priced on. On a ``dp`` mesh, every rank; in a pipeline
+    (``pp x dp``), the first stage's dp ranks, whose tokens are the whole batch's once (each
+    stage's group is priced alike: the cluster is homogeneous where pipelines are searched)."""
+    stride = 1
+    for name, size in reversed(mesh.axes):
+        if name == axis:
+            return tuple(k * stride for k in range(size))
+        stride *= size
+    raise ValueError(f"mesh {mesh} has no axis {axis!r}")
 
 
 def routing_sync_bytes(block: MoEBlock, world: int) -> float:
@@ -221,7 +241,8 @@ def laid_out_layers(plan, graph: OpGraph, micro_batches: int) -> dict[str, LaidO
     layers = {}
     for layout in plan.expert_layouts:
         # The layout without its cost annotation (a simulated plan's layouts carry one).
-        key = (dataclasses.replace(layout, cost=CostParts()), plan.cluster, plan.precision, plan.mesh.size, micro_batches)
+        key = (dataclasses.replace(layout, cost=CostParts()), plan.cluster, plan.precision,
+               expert_group(plan.mesh, layout.axis), micro_batches)
         if key not in cache:
             cache[key] = _laid_out(layout, plan, graph, micro_batches)
         layers[layout.module] = cache[key]
@@ -231,7 +252,8 @@ def laid_out_layers(plan, graph: OpGraph, micro_batches: int) -> dict[str, LaidO
 def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) -> LaidOutLayer:
     """One layer of ``laid_out_layers``."""
     blocks = {block.module: block for block in graph.moe_blocks}
-    world = plan.mesh.size
+    group = expert_group(plan.mesh, layout.axis)
+    world = len(group)
     block = blocks.get(layout.module)
     if block is None:
         raise ValueError(f"expert layout for {layout.module!r}, which is not an MoE layer of the traced model")
@@ -245,7 +267,7 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
     experts = [node.name for node in nodes if node.module == owner or node.module.startswith(owner + ".")]
     if not experts:
         raise ValueError(f"MoE layer {block.module!r}: no traced op of its experts ({owner!r})")
-    cost = price_layout(block, layout, layer_tokens(graph, block), plan.cluster, plan.precision, micro_batches)
+    cost = price_layout(block, layout, layer_tokens(graph, block), plan.cluster, plan.precision, micro_batches, group)
     fraction, synced = param_share(layout, world)
     element = element_bytes(plan.precision)
     buffers = {"expert_parallel": 2 * cost.buffer_bytes, "expert_sliced": cost.buffer_bytes}.get(layout.mode, 0.0)
@@ -260,12 +282,12 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
         expert_weights=tuple(f"{block.module}.{name}" for name in block.expert_weights),
         param_fraction=fraction,
         gradients_synced=synced,
-        replica_sync_s=replica_sync_time(block, layout, plan.cluster, plan.precision),
+        replica_sync_s=replica_sync_time(block, layout, plan.cluster, plan.precision, group),
         copy_gather_s=sharding.gather_s,
         copy_reduce_s=sharding.reduce_s,
         copy_sent_bytes=sharding.sent_bytes,
         gathered_bytes=sharding.gathered_bytes,
-        routing_sync_s=routing_sync_time(block, plan.cluster),
+        routing_sync_s=routing_sync_time(block, plan.cluster, group),
         activation_bytes=expert_activation_bytes(moe_layer_of(block, 0), cost.busiest_copies, element),
         buffer_bytes=buffers,
     )

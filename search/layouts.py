@@ -239,8 +239,8 @@ def nearly_even_layers(blocks: int, stages: int) -> tuple[int, ...]:
 def uneven_stages(graph: OpGraph, layers_per_stage: Sequence[int], stages: int | None = None) -> dict[str, int]:
     """Assign nodes to pipeline (virtual) stages holding ``layers_per_stage[s]`` consecutive
     blocks each: ops before the first block on stage 0, ops after the last block on the last
-    stage. The first and last stages may hold no block (only the embedding or the head);
-    every other stage holds at least one. ``stages``, when given, is how many (virtual)
+    stage, ops between two blocks on the earlier block's stage. The first and last stages may
+    hold no block (only the embedding or the head); every other stage holds at least one. ``stages``, when given, is how many (virtual)
     stages the pipeline has: one count each.
 
     Raises:
@@ -259,13 +259,14 @@ def uneven_stages(graph: OpGraph, layers_per_stage: Sequence[int], stages: int |
         position += count
     last = len(layers_per_stage) - 1
     stage_of: dict[str, int] = {}
-    seen_block = False
-    for node in graph.nodes:
+    # Ops between two blocks (an MoE model summing each layer's balance loss) stay with the
+    # block before them, so the stages still follow each other in graph order.
+    final = max(index for index, node in enumerate(graph.nodes) if node.block is not None)
+    current = 0
+    for index, node in enumerate(graph.nodes):
         if node.block is not None:
-            seen_block = True
-            stage_of[node.name] = stage_of_block[node.block]
-        else:
-            stage_of[node.name] = last if seen_block else 0
+            current = stage_of_block[node.block]
+        stage_of[node.name] = last if index > final else current
     return stage_of
 
 

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from planner.plans import Plan
 from search.context import SearchContext
 from search.pipeline_search import PipelineSpace, pipeline_plans
+from search.stage_experts import runs_in_stages, stage_expert_variants
+
+# What a pipeline of an MoE model searches (codegen.runtime.pipeline_moe runs it): stages on
+# pp x dp, each MoE layer by its layout over the stage's dp ranks; gradients reduced once per
+# step as a pipeline program reduces every DTensor gradient (the "ddp" flavour), no tensor
+# parallelism beside the experts, Megatron-LM's placements for the dense ops. A recomputed
+# block routes again in backward, on every rank of its stage at once, so it recomputes alike.
+_MOE_SPACE = dict(flavours=("ddp",), tensor_parallel=(1,), sequence_parallel=(False,), searched_layout="off")
 
 
 def pipeline_candidates(context: SearchContext) -> list[Plan]:
@@ -14,9 +24,12 @@ def pipeline_candidates(context: SearchContext) -> list[Plan]:
     the grid is searched only when none of those fits without recomputation: small
     single-node models keep the plans (and compiled programs) they had while pipelines
     compile for only some dp flavours and schedules (``codegen.pipeline_emit.unsupported``).
-    None for a model whose samples mix (micro-batches would compute another step) or with
-    ``--tp-layouts summa``."""
-    if context.whole_batch_only or context.summa_only:
+    None with ``--tp-layouts summa``, and for a model whose samples mix (micro-batches would
+    compute another step) unless the mixing is all inside MoE layers the MoE runtime runs
+    (``SearchContext.moe_layouts``): then each stage runs its MoE layers by the layouts of
+    ``search.stage_experts`` over its dp ranks, routing every micro-batch on its own."""
+    moe = context.moe_layouts and runs_in_stages(context.graph)
+    if context.summa_only or (context.whole_batch_only and not moe):
         return []
     if context.cluster.num_nodes < 2 and any(p.estimate.fits and p.recompute == "none" for p in context.found):
         return []
@@ -25,5 +38,12 @@ def pipeline_candidates(context: SearchContext) -> list[Plan]:
         flavours=tuple(f for f in PipelineSpace.flavours if constraints.allows_family(f)) or PipelineSpace.flavours,
         allows_mesh=constraints.allows_mesh if constraints.any else None,
     )
+    if moe:
+        graph, cluster, routing, precision = context.graph, context.cluster, context.routing, context.precision
+        space = dataclasses.replace(
+            space, **_MOE_SPACE,
+            expert_layouts=lambda mesh, micro_batches: stage_expert_variants(graph, cluster, routing, precision, mesh,
+                                                                             micro_batches),
+        )
     return pipeline_plans(context.graph, context.cluster, context.spec, context.model_name, context.precision,
                           context.budget, space)

@@ -7,7 +7,9 @@ placements CP-SAT finds on the stage mesh, ``search.stage_layouts``), ``pp`` any
 samples per micro-batch per dp rank; 1F1B, and interleaved 1F1B with 2 or 4 virtual stages
 per device when the micro-batches are a multiple of pp; DDP, ZeRO-1 or FSDP on dp;
 recomputation none, selective or full on every stage, or chosen per stage (``PER_STAGE``);
-with tp, sequence parallelism or not.
+with tp, sequence parallelism or not. For an MoE model (``PipelineSpace.expert_layouts``,
+``search.stage_experts``) every configuration with a dp axis is also priced with each
+variant of the MoE layers' layouts over its stages' dp ranks (``Configuration.experts``).
 
 Costs. One simulation per (tp, sequence parallelism, micro-batch size) gives every
 segment's time and memory per micro-batch (``Simulator.segment_profiles``; a segment is the
@@ -61,7 +63,7 @@ from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
-from planner.strategy import Mesh, PipelineConfig
+from planner.strategy import ExpertLayout, Mesh, PipelineConfig
 from search.budget import SearchBudget
 from search.layouts import megatron_layout, nearly_even_layers, restrict_axes, uneven_stages
 from search.plan_builder import unsimulated_plan
@@ -106,6 +108,11 @@ class PipelineSpace:
     uneven: bool = True
     searched_layout: str = "finalists"
     allows_mesh: Callable[[Mesh], bool] | None = None
+    # An MoE model's grid: (mesh, micro-batches) -> the MoE layers' layouts by variant name
+    # (``search.stage_experts.stage_expert_variants``); every configuration with a dp axis
+    # is priced with each variant. None for a dense model.
+    expert_layouts: Callable[[Mesh, int], dict[str, tuple[ExpertLayout, ...]]] | None = None
+    tensor_parallel: tuple[int, ...] | None = None  # the tp degrees allowed (None: every divisor of a node)
 
 
 @dataclass(frozen=True, order=True)
@@ -123,6 +130,7 @@ class Configuration:
     recompute: str  # a mode of RECOMPUTE_ORDER, or PER_STAGE
     sequence_parallel: bool = False  # tp > 1 only: the residual stream split on the sequence
     layout: str = "megatron"  # or "soap": placements searched on the stage mesh (search.stage_layouts)
+    experts: str = ""  # an MoE model's variant of expert layouts (PipelineSpace.expert_layouts), or none
 
     @property
     def mesh(self) -> Mesh:
@@ -185,6 +193,7 @@ class PipelineGrid:
         self.device = cluster.device_of(0)
         self.capacity = cluster.min_device_memory
         self._layouts: dict[tuple, tuple | None] = {}
+        self._experts: dict[tuple, dict[str, tuple[ExpertLayout, ...]]] = {}  # (mesh, micro-batches) -> variants
         self._searched = SearchedLayouts(
             graph, cluster, precision, self.budget, megatron=lambda tp, names: self._layout(tp, False, names)
         )
@@ -204,6 +213,7 @@ class PipelineGrid:
         layouts = [
             (tp, split, "megatron")
             for tp in _divisors(per_node)
+            if space.tensor_parallel is None or tp in space.tensor_parallel
             for split in (space.sequence_parallel if tp > 1 else (False,))
             if world % tp == 0 and self._layout(tp, split, ("tp",) if tp > 1 else ()) is not None
         ]
@@ -229,6 +239,7 @@ class PipelineGrid:
                             ("interleaved", v) for v in space.virtual_stages
                             if micro_batches % pp == 0 and pp * v <= self.blocks
                         ]
+                    variants = self._expert_variants(grid_mesh(pp, dp, tp), micro_batches)
                     for schedule, chunks in schedules:
                         for flavour in space.flavours if dp > 1 else ("ddp",):
                             per_stage = (PER_STAGE,) if space.per_stage_recompute and pp > 1 else ()
@@ -237,9 +248,10 @@ class PipelineGrid:
                                     # Compiled FSDP beside other axes frees gathered weights only
                                     # in recomputed blocks (planner.api.composed_flavour_blocker).
                                     continue
-                                found.append(Configuration(
-                                    tp, pp, dp, size, micro_batches, schedule, chunks, flavour, recompute, split, layout
-                                ))
+                                found += [Configuration(
+                                    tp, pp, dp, size, micro_batches, schedule, chunks, flavour, recompute, split, layout,
+                                    experts,
+                                ) for experts in variants]
         return found
 
     def best(self, count: int) -> list[Estimate]:
@@ -330,7 +342,7 @@ class PipelineGrid:
         plan = unsimulated_plan(
             self.graph, self.cluster, spec, model_name, mesh, strategies, inputs,
             dp_flavour=config.flavour, recompute=recompute, pipeline=pipeline, precision=self.precision,
-            label=config.layout,
+            label=config.layout, expert_layouts=self._experts_of(config),
         )
         return simulated(plan, self.graph)
 
@@ -573,6 +585,10 @@ class PipelineGrid:
         layout."""
         mesh = config.mesh
         key = (config.tp, config.sequence_parallel, mesh.names, config.micro_batch, config.layout)
+        if config.experts:
+            # Expert layouts run over the dp group and route each micro-batch: their costs
+            # depend on the group's size and the micro-batches, not only on the axis names.
+            key += (mesh, config.micro_batches, config.experts)
         if key not in self._profiles:
             layout = self._layout(config.tp, config.sequence_parallel, mesh.names, config.layout)
             if layout is None:
@@ -582,10 +598,29 @@ class PipelineGrid:
             pipeline = PipelineConfig(stages=config.pp, micro_batches=config.micro_batches) if config.pp > 1 else None
             probe = unsimulated_plan(
                 self.graph, self.cluster, None, "probe", mesh, strategies, inputs,
-                pipeline=pipeline, precision=self.precision,
+                pipeline=pipeline, precision=self.precision, expert_layouts=self._experts_of(config),
             )
             self._profiles[key] = Simulator(probe, self.graph).segment_profiles()
         return self._profiles[key]
+
+    def _expert_variants(self, mesh: Mesh, micro_batches: int) -> tuple[str, ...]:
+        """The variants of expert layouts a configuration on ``mesh`` is priced with: ``("",)``
+        (none) for a dense model or a mesh without dp."""
+        if self.space.expert_layouts is None:
+            return ("",)
+        return tuple(self._expert_table(mesh, micro_batches)) or ("",)
+
+    def _expert_table(self, mesh: Mesh, micro_batches: int) -> dict[str, tuple[ExpertLayout, ...]]:
+        key = (mesh, micro_batches)
+        if key not in self._experts:
+            self._experts[key] = self.space.expert_layouts(mesh, micro_batches)
+        return self._experts[key]
+
+    def _experts_of(self, config: Configuration) -> tuple[ExpertLayout, ...]:
+        """The MoE layers' layouts of ``config`` (none without a variant)."""
+        if not config.experts:
+            return ()
+        return self._expert_table(config.mesh, config.micro_batches)[config.experts]
 
     def _optimizer_time(self, state_bytes: float, members: list, config: Configuration) -> float:
         """One device's AdamW step, as the simulator prices it (``cost_model.step_tasks``): on

@@ -91,3 +91,25 @@ def hf_moe_plan(world: int, model_type: str, mode: str, placement: str | None = 
                                     capacity_factor=block.capacity_factor, axis="dp", placement=chosen,
                                     sharded_copies=sharded_copies))
     return dataclasses.replace(base, label="moe", expert_layouts=tuple(layouts))
+
+
+def moe_pipeline_plan(spec: ModelSpec, world: int, schedule: str = "1f1b", virtual_stages: int = 1,
+                      recompute: str = "none") -> Plan:
+    """The MoE pipeline grid's plan (``search.stage_experts``) of ``spec`` on ``pp=2 x
+    dp=<world/2>`` (``cpu:2x<world/2>``) under ``schedule``, recomputing as ``recompute``
+    says, every MoE layer expert parallel over its stage's dp ranks."""
+    from search.pipeline_search import PipelineGrid, PipelineSpace
+    from search.stage_experts import EXPERT_PARALLEL, stage_expert_variants
+
+    graph, spec, name, cluster = prepare_model(spec, f"cpu:2x{world // 2}")
+    space = PipelineSpace(
+        flavours=("ddp",), tensor_parallel=(1,), recompute=(recompute,), per_stage_recompute=False,
+        sequence_parallel=(False,), searched_layout="off",
+        expert_layouts=lambda mesh, micro_batches: stage_expert_variants(graph, cluster, None, "fp32", mesh, micro_batches),
+    )
+    grid = PipelineGrid(graph, cluster, "fp32", space)
+    config = next(c for c in grid.configurations()
+                  if (c.pp, c.schedule, c.virtual_stages, c.experts) == (2, schedule, virtual_stages, EXPERT_PARALLEL))
+    plan = grid.plan(grid.estimate(config), spec, name)
+    assert all(layout.mode == "expert_parallel" for layout in plan.expert_layouts), plan.name
+    return plan

@@ -3,7 +3,9 @@
 A plan.json is shared between people, so ``compile`` must treat every string in it as data.
 This test starts from real plans of every program kind (DDP, ZeRO-1, ZeRO-2, FSDP; a
 Megatron tensor-parallel graph program, the same with every block recomputed, a
-two-stage pipeline, and an MoE plan with expert-parallel layouts), puts payloads into every string field of the plan JSON, and compiles.
+two-stage pipeline, an MoE plan with expert-parallel layouts, and for the refused rows of
+its expert layouts a pipeline whose stages run them), puts payloads into every string field
+of the plan JSON, and compiles.
 Each row of the table is one (field, payload) pair, and says what must happen:
 
 - ``refused``: ``planner compile`` exits 2 with one ``error:`` line naming the field (the
@@ -51,7 +53,8 @@ from planner.cli import main
 from planner.errors import PlannerError
 from codegen.runtime import load_program
 from codegen.source_text import comment, derived_identifier, identifier, literal, number, with_comment
-from moe_plans import moe_plan
+from moe_plans import MOE_EXAMPLE, moe_pipeline_plan, moe_plan
+from planner.model_spec import ModelSpec
 from test_parity import REPO, check_many, result_of
 
 NOTED_GPT = REPO / "tests" / "models" / "noted_gpt.py"
@@ -99,6 +102,9 @@ GRAPH = ("tp", "tp_recompute", "pp")
 KINDS = DATA_PARALLEL + GRAPH
 # examples/moe.py with expert-parallel layouts: only the expert_layouts fields are tried on it.
 MOE = ("moe",)
+# The refused expert_layouts fields are also tried on a pipeline plan whose stages run the MoE
+# layers expert parallel (pp=2 x dp=2: compiled only, so its world of 4 never runs here).
+MOE_REFUSED = MOE + ("moe_pp",)
 ALL_KINDS = KINDS + MOE
 WORLD = 2
 
@@ -114,6 +120,7 @@ def _base_plans() -> dict[str, planner.Plan]:
         "tp_recompute": baselines.megatron(spec, "cpu:1x2", tp=2, recompute="full", precision="fp32"),
         "pp": baselines.megatron(spec, "cpu:2x1", pp=2, micro_batch=2, precision="fp32"),
         "moe": moe_plan(WORLD, "expert_parallel", "skewed"),
+        "moe_pp": moe_pipeline_plan(ModelSpec(str(MOE_EXAMPLE), {"n_expert": 4}), 4),
     }
 
 
@@ -356,6 +363,8 @@ def _refusing_kind(row: Row) -> str:
         kinds = ("fsdp", "zero2")
     if row.field.name == "strategies[*].params key":
         kinds = GRAPH
+    if kinds == MOE:
+        kinds = MOE_REFUSED
     return kinds[index % len(kinds)]
 
 

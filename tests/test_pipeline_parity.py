@@ -18,7 +18,14 @@ gradient of every parameter each stage holds and every updated parameter
   ``pp=4`` (middle stages that receive and send; the labels travel through three
   boundaries; a tied weight on stages 0 and 3);
 - world 8: GPT and a tiny Llama on ``pp=2 x dp=2 x tp=2`` with the per-op placements CP-SAT
-  searched on the stage mesh (``search.stage_layouts``), which differ from Megatron's.
+  searched on the stage mesh (``search.stage_layouts``), which differ from Megatron's; and
+  ``examples/moe.py`` (8 experts) as ``planner plan --mesh pp=2`` plans it on ``cpu:2x4``:
+  two stages of ``dp=4``, each MoE layer expert parallel over its stage's 4 ranks (2 experts
+  each), two micro-batches each routed on its own (``codegen.runtime.pipeline_moe``; the
+  single-device reference runs the same micro-batches); and a 4-layer one on the same mesh
+  under the interleaved schedule (two virtual stages per rank, four micro-batches), its MoE
+  layers expert parallel; and the 2-layer one with every block recomputed in backward (the
+  MoE layers route again there, every rank of the stage at once).
 
 As in ``test_spmd_parity.py``, each world size compiles its programs first and checks them
 all in ONE torchrun launch of ``tests/dist_check_many.py``. Two negative controls must fail:
@@ -41,6 +48,7 @@ from planner.api import prepare_model
 from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from search.megatron import megatron_plan
+from moe_plans import moe_pipeline_plan
 from test_parity import HF_GPT2_TINY, REPO, Launch, check_many, result_of
 
 pytestmark = pytest.mark.distributed
@@ -49,6 +57,8 @@ MODELS = {
     "gpt": ("examples/gpt.py", {"batch_size": 8}),
     "gpt2": ("hf:gpt2", HF_GPT2_TINY),
     "gpt4tied": ("examples/gpt.py", {"batch_size": 8, "n_layer": 4, "tie_weights": True}),
+    "moe": ("examples/moe.py", {"batch_size": 16, "n_expert": 8, "ffn": 512, "capacity_factor": 1.0}),
+    "moe4": ("examples/moe.py", {"batch_size": 16, "n_layer": 4, "n_expert": 8, "ffn": 256, "capacity_factor": 1.0}),
     "llama": ("hf:llama", {
         "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "batch_size": 8,
@@ -74,6 +84,9 @@ CASES = {
     8: {  # (pp, dp, tp) of the searched layout's mesh
         ("gpt", "soap-pp2xdp2xtp2"): dict(searched_layout=(2, 2, 2)),
         ("llama", "soap-pp2xdp2xtp2"): dict(searched_layout=(2, 2, 2)),
+        ("moe", "searched-pp2xdp4-expert-parallel"): dict(mesh_pp=2),
+        ("moe4", "pp2xdp4-interleaved-expert-parallel"): dict(moe_interleaved=True),
+        ("moe", "pp2xdp4-1f1b-recompute-full"): dict(moe_recompute="full"),
     },
 }
 ALL_CASES = [(world, model, case) for world, cases in CASES.items() for model, case in cases]
@@ -93,6 +106,12 @@ def make_plan(model: str, world: int, precision: str = "fp32", **options) -> pla
         return next(plan for plan in plans if plan.pipeline is not None)
     if options.get("searched_layout"):
         return searched_layout_plan(spec, world, *options["searched_layout"])
+    if options.get("mesh_pp"):
+        return moe_stages_plan(spec, world, options["mesh_pp"])
+    if options.get("moe_interleaved"):
+        return moe_pipeline_plan(spec, world, "interleaved", virtual_stages=2)
+    if options.get("moe_recompute"):
+        return moe_pipeline_plan(spec, world, recompute=options["moe_recompute"])
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
     options.setdefault("micro_batch", 2)
     return megatron_plan(graph, cluster, spec, name, precision=precision, **options)
@@ -115,6 +134,17 @@ def searched_layout_plan(spec: ModelSpec, world: int, pp: int, dp: int, tp: int)
     plan = grid.plan(estimate, spec, name)
     megatron = grid.plan(dataclasses.replace(estimate, config=dataclasses.replace(config, layout="megatron")), spec, name)
     assert plan.label == "soap" and not same_placements(plan.strategies, megatron.strategies)
+    return plan
+
+
+def moe_stages_plan(spec: ModelSpec, world: int, pp: int) -> planner.Plan:
+    """The plan of ``planner plan <spec> --cluster cpu:2x<world/2> --mesh pp=<pp>``, which
+    must run its MoE layers expert parallel inside the stages, over several micro-batches."""
+    from planner.constraints import SearchConstraints
+
+    plan = planner.plan(spec, f"cpu:2x{world // 2}", constraints=SearchConstraints(mesh={"pp": pp}), progress=False)
+    assert plan.pipeline is not None and plan.pipeline.micro_batches > 1, plan.name
+    assert plan.expert_layouts and all(layout.mode == "expert_parallel" for layout in plan.expert_layouts), plan.name
     return plan
 
 

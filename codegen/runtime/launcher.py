@@ -156,6 +156,14 @@ def main(folder: Path, argv: list[str]) -> int:
         program = load_program(folder)
         if options.fp64:
             check_float64_applies(program)
+        if program.plan.pipeline is not None and program.plan.expert_layouts:
+            if options.clip_grad_norm is not None:
+                raise LaunchError("--clip-grad-norm is not written yet for pipelines whose stages run MoE layers (the "
+                                  "stages hold the experts outside the model); leave it out for this plan")
+            if options.checkpoint_dir or options.init_from:
+                raise LaunchError("checkpoints and --init-from are not written yet for pipelines whose stages run MoE "
+                                  "layers (the stages hold the experts outside the model); leave out --checkpoint-dir "
+                                  "and --init-from")
         check_checkpoint_options(options)
         if options.record_routing is not None:
             check_routing_output(program, options.steps, options.record_routing)
@@ -230,14 +238,19 @@ def check_fits_this_gpu(program: Program) -> None:
 
 def check_routing_output(program: Program, steps: int, path: str) -> None:
     """Refuse ``--record-routing`` with one line when it cannot record anything: no training
-    steps, or a plan whose MoE layers do not run through the expert runtime (whether the file
-    may be written: ``codegen.runtime.run_outputs``)."""
+    steps, a plan whose MoE layers do not run through the expert runtime, or run inside
+    pipeline stages (whether the file may be written: ``codegen.runtime.run_outputs``)."""
     if steps == 0:
         raise LaunchError("--record-routing records the routing of training steps; add --steps N")
     if not program.plan.expert_layouts:
         raise LaunchError(
             "--record-routing needs a plan whose MoE layers have expert layouts (their routing is counted by the "
             "expert runtime); this plan has none"
+        )
+    if program.plan.pipeline is not None:
+        raise LaunchError(
+            "--record-routing does not collect the routing of MoE layers inside pipeline stages yet (each stage's "
+            "ranks hold only their own layers); record it with a plan without pipeline stages"
         )
 
 

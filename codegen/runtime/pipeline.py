@@ -35,12 +35,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from codegen.runtime.pipeline_moe import finish_expert_gradients
 from codegen.runtime.spmd import Placements, SpmdModule, keep_placements, replicate_partials, same_placements
 
 PP_AXIS = "pp"
 _STAGE_MESHES: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
 
-__all__ = ["PipelineStageModule", "PipelineRunner", "VirtualStages", "build_stage", "stage_mesh", "stage_index"]
+__all__ = ["PipelineStageModule", "PipelineRunner", "VirtualStages", "build_stage", "rank_stages", "stage_mesh", "stage_index"]
 
 
 def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -67,6 +68,13 @@ def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def stage_index(mesh: DeviceMesh) -> int:
     """This rank's pipeline stage: its coordinate on ``pp``."""
     return mesh.get_local_rank(PP_AXIS)
+
+
+def rank_stages(mesh: DeviceMesh, num_stages: int) -> tuple[int, ...]:
+    """The stages this rank runs: its pp coordinate, and under the interleaved schedule every
+    ``pp``-th stage after it (as ``build_stage`` builds them)."""
+    pp = mesh.size(mesh.mesh_dim_names.index(PP_AXIS))
+    return tuple(range(stage_index(mesh), num_stages, pp))
 
 
 class PipelineStageModule(SpmdModule):
@@ -143,6 +151,12 @@ class PipelineStageModule(SpmdModule):
         """A value arriving from the previous stage (this rank's local part), as a DTensor with
         the boundary's placements; the same as ``input``."""
         return self.input(value, placements, traced_shape)
+
+    def moe_layer(self, router: DTensor, x: DTensor) -> tuple[DTensor, DTensor]:
+        """One MoE layer of this stage, found by its router (this stage's parameter), run by
+        its layout over the stage's dp ranks (``codegen.runtime.pipeline_moe``): its output
+        and balance loss."""
+        return self.experts_by_router[id(router)](router, x)
 
 
 def _distribute_owned(
@@ -313,6 +327,10 @@ class PipelineRunner:
         if schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(self.stages, micro_batches, loss_fn=_the_loss, scale_grads=False)
         elif schedule in kinds and len(self.stages) == 1:
+            if schedule == "1f1b" and micro_batches < pp:
+                # Fewer micro-batches than stages: 1F1B's warm-up runs every forward before the
+                # first backward, which is GPipe's order (torch's Schedule1F1B refuses m < pp).
+                schedule = "gpipe"
             self.schedule = kinds[schedule](self.stages[0], micro_batches, loss_fn=_the_loss, scale_grads=False)
         else:
             raise ValueError(f"pipeline schedule '{schedule}' with {len(self.stages)} stages per rank is not compiled")
@@ -338,6 +356,7 @@ class PipelineRunner:
             _ScheduleRunning.active = False
         self._place_gradients()
         self._average_over_micro_batches()
+        finish_expert_gradients(self.module, self.micro_batches)
         self._sum_shared_gradients()
         loss = torch.stack([value.detach().reshape(()) for value in losses]).mean() if self.last else torch.zeros((), device=device)
         # The last stage's loss to every rank of this pipeline (the other stages have none).

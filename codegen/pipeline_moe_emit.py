@@ -1,0 +1,152 @@
+"""MoE layers in pipeline programs: each layer's traced ops written as one call.
+
+A pipeline plan of an MoE model (``plan.expert_layouts`` beside ``plan.pipeline``) runs each
+MoE layer by its layout over its stage's ``dp`` ranks (``codegen.runtime.pipeline_moe``). The
+writer (``codegen.pipeline_emit``) replays the traced graph op by op; here the ops of each
+MoE layer (router, routing, dispatch, experts, combine, balance loss) are replaced by one
+line at the point where the layer's first result is needed::
+
+    view_3, mul_9 = self.moe_layer(p_blocks_0_moe_router_weight, layer_norm_2)
+
+reading the layer's router (the stage's DTensor parameter) and its input, and defining its
+two results: the output (rows split over dp) and the balance loss (the same on every rank).
+The expert weights are read by no written op: the runtime builds the layer from them before
+the stage frees the weights it does not read, and holds the experts itself.
+
+A layer whose traced ops do not have this shape (one activation in, a router among its
+parameters, exactly one output and one scalar balance loss out) is refused with its name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch.distributed.tensor import Replicate, Shard
+
+from codegen.source_text import comment, identifier, literal
+from codegen.spmd_emit import GraphEmitter
+from codegen.spmd_placements import Value
+from planner.graph import OpGraph
+from planner.moe_blocks import MoEBlock
+from planner.plans import Plan
+
+
+@dataclass(frozen=True)
+class MoECall:
+    """One MoE layer of the traced micro-batch graph, as the call that replaces its ops."""
+
+    path: str
+    nodes: frozenset[str]  # the layer's fx nodes
+    at: str  # the node where the call is written (the first result in graph order)
+    router: str  # the router's placeholder
+    tokens: str  # the activation the layer reads
+    output: str  # the layer's output node
+    balance: str  # its balance-loss node
+
+
+def moe_calls(plan: Plan, graph: OpGraph) -> dict[str, MoECall]:
+    """The MoE layers of ``plan.expert_layouts`` in ``graph`` (the traced micro-batch), by
+    module path (see the module docstring).
+
+    Raises:
+        NotImplementedError: a layer's traced ops are not of the shape this writer replaces.
+    """
+    blocks = {block.module: block for block in graph.moe_blocks}
+    gm = graph.graph_module
+    by_name = {fx_node.name: fx_node for fx_node in gm.graph.nodes}
+    param_of = {}
+    for node in graph.nodes:
+        param_of.update(zip(node.param_inputs, node.params))
+    calls = {}
+    for layout in plan.expert_layouts:
+        block: MoEBlock = blocks[layout.module]
+        nodes = frozenset(node.name for node in graph.moe_nodes(block.module))
+        outside_in = {arg.name for name in nodes for arg in by_name[name].all_input_nodes if arg.name not in nodes}
+        router = [name for name in outside_in if param_of.get(name) == f"{block.module}.{block.router}"]
+        activations = [name for name in outside_in if by_name[name].op != "placeholder"]
+        results = [name for name in nodes if any(user.name not in nodes for user in by_name[name].users)]
+        scalars = [name for name in results if _dims(by_name[name]) == 0]
+        order = [fx_node.name for fx_node in gm.graph.nodes if fx_node.name in results]
+        if len(router) != 1 or len(activations) != 1 or len(results) != 2 or len(scalars) != 1:
+            raise NotImplementedError(
+                f"MoE layer {block.module!r}: pipeline programs replace an MoE layer that reads one activation and its "
+                f"router and returns its output and a scalar balance loss; its traced ops read {len(activations)} "
+                f"activation(s) and return {len(results)} value(s)"
+            )
+        output = next(name for name in results if name not in scalars)
+        calls[block.module] = MoECall(block.module, nodes, order[0], router[0], activations[0], output, scalars[0])
+    return calls
+
+
+def _dims(fx_node: torch.fx.Node) -> int:
+    value = fx_node.meta.get("val")
+    return value.dim() if isinstance(value, torch.Tensor) else -1
+
+
+class StageMoEEmitter(GraphEmitter):
+    """A ``GraphEmitter`` that writes each MoE layer of ``calls`` as one call (see the
+    module docstring) and every other op as it does."""
+
+    def __init__(self, *args, calls: dict[str, MoECall], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = calls
+        self.call_of = {name: call for call in calls.values() for name in call.nodes}
+
+    def _emit_nodes(self, fx_nodes, gm, indent: int, inner: bool = False) -> list[str]:
+        if inner or not self.call_of:
+            return super()._emit_nodes(fx_nodes, gm, indent, inner)
+        lines: list[str] = []
+        pending: list[torch.fx.Node] = []
+        for fx_node in fx_nodes:
+            call = self.call_of.get(fx_node.name)
+            if call is None:
+                pending.append(fx_node)
+                continue
+            if pending:
+                lines += super()._emit_nodes(pending, gm, indent, inner)
+                pending = []
+            if fx_node.name == call.at:
+                lines += self._moe_call(call, indent)
+        if pending:
+            lines += super()._emit_nodes(pending, gm, indent, inner)
+        return lines
+
+    def _moe_call(self, call: MoECall, indent: int) -> list[str]:
+        pad = " " * (4 * indent)
+        output = identifier(self._renames.get(call.output, call.output), "a traced graph node")
+        balance = identifier(self._renames.get(call.balance, call.balance), "a traced graph node")
+        router, tokens = self.values[call.router], self.values[call.tokens]
+        if tokens.kind != "dt" or router.kind != "dt":
+            raise NotImplementedError(f"MoE layer {call.path!r}: its input and router must be DTensors in a pipeline stage")
+        self.module = None  # the next op writes its module header again
+        lines = [
+            "",
+            pad + comment(f"---- {call.path} (MoE): routed and run by its layout over this stage's dp ranks "
+                          "(codegen.runtime.pipeline_moe; STAGE_EXPERTS)"),
+            pad + f"{output}, {balance} = self.moe_layer({router.expr}, {tokens.expr})",
+        ]
+        self.values[call.output] = Value(output, "dt", (Shard(0),))
+        self.values[call.balance] = Value(balance, "dt", (Replicate(),))
+        return lines
+
+
+def stage_experts_table(plan: Plan, graph: OpGraph, stage_of: dict[str, int]) -> str:
+    """``STAGE_EXPERTS``: each MoE layer's stage, mode, placement, top-k, capacity factor and
+    parameter names (``codegen.runtime.pipeline_moe.build_stage_experts``), every value
+    through ``literal`` (plan text enters the program as ``repr()`` only)."""
+    blocks = {block.module: block for block in graph.moe_blocks}
+    lines = [
+        "# Each MoE layer: (stage, mode, placement (experts' (dp rank, share of tokens) copies) or None, top-k, capacity",
+        "# factor, (router, expert in, expert out) relative to the layer).",
+        "STAGE_EXPERTS = {",
+    ]
+    for layout in plan.expert_layouts:
+        block = blocks[layout.module]
+        placement = layout.placement.replicas if layout.placement is not None else None
+        names = (block.router, *block.expert_weights)
+        entry = (stage_of[layout.module], layout.mode, placement, layout.top_k, float(layout.capacity_factor), names)
+        lines.append(f"    {literal(layout.module)}: {literal(entry)},")
+    lines.append("}")
+    return "\n".join(lines)
