@@ -148,7 +148,10 @@ def starting_layout(graph: OpGraph, mesh: Mesh, tables) -> dict[str, int]:
         return summa_hint(graph, tables.candidates)
 
     try:
-        layout, _ = megatron_layout(graph, mesh) if "tp" in mesh.names else combine(graph, mesh, {"dp": dp_axis_placements(graph, mesh.axis_size("dp"))})
+        if "tp" in mesh.names:
+            layout, _ = megatron_layout(graph, mesh)
+        else:
+            layout, _ = combine(graph, mesh, {"dp": dp_axis_placements(graph, mesh.axis_size("dp"))})
     except PlanningError:
         return {}
     wanted = {s.node: (s.inputs, s.outputs, tuple(s.params.values())) for s in layout}
