@@ -1,5 +1,6 @@
 """The simulator's components against the public measurements behind them: GEMM, attention,
-collectives, each predicted figure beside the published one, its source and the signed error.
+memory-bound kernels, collectives, each predicted figure beside the published one, its
+source and the signed error.
 
     python benchmarks/components.py          # every row
     python benchmarks/components.py --fast   # the first row of each component (a smoke run)
@@ -23,6 +24,7 @@ import statistics
 from dataclasses import dataclass
 
 from benchmarks.nccl_fidelity import GIB, PUBLISHED as NCCL_PUBLISHED, predicted as nccl_predicted
+from cost_model.compute import roofline_time
 from cost_model.gpu_kernels import attention_times, generation_of, matmul_time
 from planner.cluster import Cluster
 
@@ -67,6 +69,15 @@ ATTENTION_MEASUREMENTS = [
      "FlashAttention-3 paper figs. 5-6 (FlashAttention-2 on H100, ~35% forward, head dim 128, 16k)", True),
 ]
 
+# (preset, bytes copied, published device-to-device copy GB/s (read + write), source, sets)
+# A copy streams every byte once each way: the memory-bound kernels between GEMMs (norms,
+# activations, residual adds, the loss's passes over its logits) are priced at the same
+# streaming rate, ``defaults.MEMORY_EFFICIENCY`` of the datasheet bandwidth.
+STREAM_MEASUREMENTS = [
+    ("dgx-h100", 2**30, 2903.0,
+     "aigatech/vpbenchmarking README (Voltage Park, 8x H100 SXM5, CUDA 12.6): GPU D2D (HBM3), nvbench", False),
+]
+
 # (model, layer, M, N, K) of one 8192-token micro-batch on one GPU, no tensor parallelism.
 LAYER_SHAPES = [
     ("7B", "attention qkv", 8192, 3 * 4096, 4096),
@@ -106,6 +117,20 @@ def attention_rows() -> list[Row]:
     return rows
 
 
+def stream_rows() -> list[Row]:
+    """Memory-bound kernels: a device-to-device copy's bandwidth (bytes read + written per
+    second), predicted as the roofline prices a kernel moving those bytes, against the
+    published measurements."""
+    rows = []
+    for preset, size, published, source, sets in STREAM_MEASUREMENTS:
+        device = Cluster.preset(preset).device_of(0)
+        moved = 2 * size  # read once, written once
+        seconds = roofline_time(0.0, moved, device, "bfloat16")
+        rows.append(Row("memory", preset, f"copy {size / GIB:.0f} GiB on one GPU", published, moved / seconds / 1e9,
+                        "GB/s", source, sets))
+    return rows
+
+
 def collective_rows() -> list[Row]:
     """NCCL collectives (bus bandwidth or latency), from ``benchmarks/nccl_fidelity.py``'s rows."""
     rows = []
@@ -121,7 +146,7 @@ def collective_rows() -> list[Row]:
 
 def component_rows(fast: bool = False) -> list[Row]:
     """Every component's rows; ``fast``: the first of each component only."""
-    groups = [gemm_rows(), attention_rows(), collective_rows()]
+    groups = [gemm_rows(), attention_rows(), stream_rows(), collective_rows()]
     return [row for group in groups for row in (group[:1] if fast else group)]
 
 
