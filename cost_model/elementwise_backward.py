@@ -11,7 +11,9 @@ for these kernels, whose forward reads its inputs and writes its output (in + ou
   gradient and the saved tensor and writes one gradient: 3 tensors against 2, 1.5x;
 * a residual add passes its gradient through to both inputs (``AddBackward0``: ``grad``,
   ``maybe_multiply(grad, alpha)`` with alpha 1), and autograd sums the two gradients where
-  the residual stream forks: one add of three tensors, as many bytes as the forward, 1x;
+  the residual stream forks: one add of three tensors, as many bytes as the forward, 1x
+  (every add and subtract is priced so; one whose inputs have no other reader, as in
+  rotary embeddings, costs less: a pass-through or one negation);
 * a multiply or divide of one tensor by a constant (the trace records no other tensor input)
   writes ``grad * c``: 2 tensors against 2, 1x;
 * dropout's backward (``native_dropout_backward(grad, mask, scale)``) reads the gradient
