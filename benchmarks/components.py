@@ -1,5 +1,6 @@
 """The simulator's components against the public measurements behind them: GEMM, attention,
-collectives, each predicted figure beside the published one, its source and the signed error.
+memory-bound kernels, a language model's loss, collectives, each predicted figure beside the published one, its
+source and the signed error.
 
     python benchmarks/components.py          # every row
     python benchmarks/components.py --fast   # the first row of each component (a smoke run)
@@ -10,6 +11,11 @@ from: there the error is what the model adds on purpose. The GEMM and attention 
 short-burst benchmarks, and the model prices tensor-core work at the clock a training step
 sustains under the power cap (``cost_model.gpu_kernels.SUSTAINED_CLOCK``), so it predicts
 about 7% below them by design. The other rows are independent checks.
+
+The loss rows time a language model's classifier GEMM, Gemma 2's logit soft-cap and the
+cross entropy, op by op as the simulator prices them (the soft-cap's backward by its gradient
+formulas, ``cost_model.elementwise_backward``: with the old rule of twice the forward bytes
+the backward came out 14.6% slow, now 6.2%).
 
 The layer shapes of 7B, 13B and 70B models (Llama-2/3 widths, one 8192-token micro-batch) are
 printed with the model's efficiency and no error: we found no public per-shape measurement
@@ -23,8 +29,12 @@ import statistics
 from dataclasses import dataclass
 
 from benchmarks.nccl_fidelity import GIB, PUBLISHED as NCCL_PUBLISHED, predicted as nccl_predicted
+import torch
+
+from cost_model.compute import op_times, roofline_time
 from cost_model.gpu_kernels import attention_times, generation_of, matmul_time
 from planner.cluster import Cluster
+from planner.graph import OpNode, TensorMeta
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,27 @@ ATTENTION_MEASUREMENTS = [
      "FlashAttention-3 paper figs. 5-6 (FlashAttention-2 on H100, ~35% forward, head dim 128, 16k)", True),
 ]
 
+# (preset, bytes copied, published device-to-device copy GB/s (read + write), source, sets)
+# A copy streams every byte once each way: the memory-bound kernels between GEMMs (norms,
+# activations, residual adds, the loss's passes over its logits) are priced at the same
+# streaming rate, ``defaults.MEMORY_EFFICIENCY`` of the datasheet bandwidth.
+STREAM_MEASUREMENTS = [
+    ("dgx-h100", 2**30, 2903.0,
+     "aigatech/vpbenchmarking README (Voltage Park, 8x H100 SXM5, CUDA 12.6): GPU D2D (HBM3), nvbench", False),
+]
+
+# A language model's loss on its own: Wijmans et al., "Cut Your Losses in Large-Vocabulary
+# Language Models" (ICLR 2025), their PyTorch baseline (apple/ml-cross-entropy, README
+# "Benchmarking", A100 SXM4, PyTorch 2.4.1, CUDA 12.4; benchmark/__main__.py ``baseline``):
+# logits = e @ c.T in bf16, Gemma 2's soft-cap tanh(logits / 30) * 30 (its config's
+# final_logit_softcapping), then F.cross_entropy(logits.float(), targets); 8,192 tokens, width
+# 2,304, vocabulary 256,000. Forward 81.9 ms, backward 122.4 ms.
+# (preset, tokens, width, vocabulary, published forward ms, published backward ms, source)
+LOSS_MEASUREMENTS = [
+    ("dgx-a100-80g", 8192, 2304, 256000, 81.9, 122.4,
+     "Wijmans et al. 2025 (Cut Your Losses), apple/ml-cross-entropy README: PyTorch baseline, Gemma 2 shapes"),
+]
+
 # (model, layer, M, N, K) of one 8192-token micro-batch on one GPU, no tensor parallelism.
 LAYER_SHAPES = [
     ("7B", "attention qkv", 8192, 3 * 4096, 4096),
@@ -106,6 +137,54 @@ def attention_rows() -> list[Row]:
     return rows
 
 
+def stream_rows() -> list[Row]:
+    """Memory-bound kernels: a device-to-device copy's bandwidth (bytes read + written per
+    second), predicted as the roofline prices a kernel moving those bytes, against the
+    published measurements."""
+    rows = []
+    for preset, size, published, source, sets in STREAM_MEASUREMENTS:
+        device = Cluster.preset(preset).device_of(0)
+        moved = 2 * size  # read once, written once
+        seconds = roofline_time(0.0, moved, device, "bfloat16")
+        rows.append(Row("memory", preset, f"copy {size / GIB:.0f} GiB on one GPU", published, moved / seconds / 1e9,
+                        "GB/s", source, sets))
+    return rows
+
+
+def loss_nodes(tokens: int, width: int, vocabulary: int) -> list[OpNode]:
+    """The ops of the loss benchmark as the trace records them (bf16): the classifier GEMM,
+    the soft-cap's divide, tanh and multiply, and the cross entropy."""
+    bf16 = torch.bfloat16
+    embeddings, classifier = TensorMeta((tokens, width), bf16), TensorMeta((vocabulary, width), bf16)
+    logits, targets = TensorMeta((tokens, vocabulary), bf16), TensorMeta((tokens,), torch.int64)
+    nodes = [OpNode(name="logits", op="aten.linear.default", inputs=("e", "c"), input_meta=(embeddings, classifier),
+                    output_meta=(logits,), flops=2 * tokens * width * vocabulary,
+                    bytes_moved=embeddings.nbytes + classifier.nbytes + logits.nbytes)]
+    for name, op in (("scaled", "aten.div.Tensor"), ("capped", "aten.tanh.default"), ("softcap", "aten.mul.Tensor")):
+        nodes.append(OpNode(name=name, op=op, inputs=(nodes[-1].name,), input_meta=(logits,), output_meta=(logits,),
+                            bytes_moved=2 * logits.nbytes))
+    nodes.append(OpNode(name="loss", op="aten.cross_entropy_loss.default", inputs=("softcap", "targets"),
+                        input_meta=(logits, targets), output_meta=(TensorMeta((), torch.float32),), attrs=(None, None),
+                        bytes_moved=logits.nbytes + targets.nbytes + 4))
+    return nodes
+
+
+def loss_rows() -> list[Row]:
+    """A language model's loss (classifier GEMM, soft-cap, cross entropy), forward and
+    backward, as the simulator prices each op, against the published baseline; as
+    throughput (logits per second) so that positive errors mean predicted fast, as elsewhere."""
+    rows = []
+    for preset, tokens, width, vocabulary, forward_ms, backward_ms, source in LOSS_MEASUREMENTS:
+        device = Cluster.preset(preset).device_of(0)
+        times = [op_times(node, 1.0, device, "bf16") for node in loss_nodes(tokens, width, vocabulary)]
+        logits = tokens * vocabulary / 1e9
+        for kind, published_ms, index in (("forward", forward_ms, 0), ("backward", backward_ms, 1)):
+            seconds = sum(time[index] for time in times)
+            rows.append(Row("loss", preset, f"{tokens} x {vocabulary} logits, d{width}, soft-cap, {kind}",
+                            logits / (published_ms / 1e3), logits / seconds, "G logits/s", source, False))
+    return rows
+
+
 def collective_rows() -> list[Row]:
     """NCCL collectives (bus bandwidth or latency), from ``benchmarks/nccl_fidelity.py``'s rows."""
     rows = []
@@ -121,7 +200,7 @@ def collective_rows() -> list[Row]:
 
 def component_rows(fast: bool = False) -> list[Row]:
     """Every component's rows; ``fast``: the first of each component only."""
-    groups = [gemm_rows(), attention_rows(), collective_rows()]
+    groups = [gemm_rows(), attention_rows(), stream_rows(), loss_rows(), collective_rows()]
     return [row for group in groups for row in (group[:1] if fast else group)]
 
 

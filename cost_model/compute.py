@@ -12,7 +12,11 @@ On a GPU of known generation (V100, A100, H100, H200) without a calibration prof
 and attention ops are timed by the shape-aware kernel model of ``cost_model.gpu_kernels``
 (tiles and waves, FlashAttention) in 16-bit precisions (the measurements behind it are bf16),
 and 16-bit work of unknown shape uses that generation's measured best-shape matmul fraction
-instead of the default efficiency. fp32 keeps the roofline.
+instead of the default efficiency. fp32 keeps the roofline. There, a language model's
+cross entropy is priced as the memory-bound kernels eager PyTorch runs over fp32 logits
+(``cost_model.loss_kernels``), not as one pass over its input, and a memory-bound op's
+backward moves the bytes its gradient formula reads and writes
+(``cost_model.elementwise_backward``), not twice its forward's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from __future__ import annotations
 import math
 
 from cost_model import defaults, gpu_kernels
+from cost_model.elementwise_backward import backward_bytes_ratio
+from cost_model.loss_kernels import cross_entropy_times
+from cost_model.loss_parallel import CROSS_ENTROPY
 from planner.cluster import DeviceSpec
 from planner.graph import OpNode
 
@@ -61,14 +68,25 @@ def op_times(node: OpNode, work_fraction: float, device: DeviceSpec, precision: 
     shaped = gpu_kernels.kernel_op_times(node, work_fraction, device, dtype, element_bytes)
     if shaped is not None:
         return shaped
+    if node.op == CROSS_ENTROPY and gpu_kernels.generation_of(device) is not None and node.input_meta:
+        _, memory, overhead = efficiencies(device, dtype)
+        return cross_entropy_times(node, work_fraction, device, element_bytes, memory, overhead)
     flops = node.flops * work_fraction
     num_bytes = node.bytes_moved * work_fraction * min(1.0, element_bytes / traced_bytes)
     forward = roofline_time(flops, num_bytes, device, dtype)
     has_gradient = any(meta.dtype.is_floating_point for meta in node.output_meta)
     backward = roofline_time(
-        defaults.BACKWARD_TO_FORWARD * flops, defaults.BACKWARD_TO_FORWARD * num_bytes, device, dtype
+        defaults.BACKWARD_TO_FORWARD * flops, backward_bytes_ratio_on(node, device) * num_bytes, device, dtype
     ) if has_gradient else 0.0
     return forward, backward
+
+
+def backward_bytes_ratio_on(node: OpNode, device: DeviceSpec) -> float:
+    """Backward bytes over forward bytes of ``node`` on ``device``: read from the op's gradient
+    formula on GPUs of a known generation (``cost_model.elementwise_backward``), else the
+    default ``defaults.BACKWARD_TO_FORWARD``."""
+    ratio = backward_bytes_ratio(node) if gpu_kernels.generation_of(device) is not None else None
+    return defaults.BACKWARD_TO_FORWARD if ratio is None else ratio
 
 
 # Element accesses per parameter of one AdamW step, by implementation (fp32 param, grad and

@@ -148,7 +148,16 @@ class GpuGeneration:
 # short loop (``benchmarks/components.py``), the direction a sustained clock should move it.
 # We found no published sustained clock for the V100, H100 or H200 under training load, so
 # they take the A100's ratio: an ASSUMPTION (Horace He's post argues newer GPUs such as the
-# H100 are more power-bound, not less), to be replaced by a profile.
+# H100 are more power-bound, not less), to be replaced by a profile. A check, not a source:
+# Glenn Lockwood's H100 page (https://glennklockwood.com/garden/processors/h100) lists the
+# H100 SXM5's clocks as 1.83 GHz for low-precision tensor work (the clock of its 989.4 TFLOP/s
+# bf16 peak) and 1.98 GHz for FP64 (66.9 TFLOP/s matrix peak), and TOP500's H100 and H200
+# systems at 55.0-59.0 TFLOP/s per GPU. Were those Rpeak counted at the clock HPL sustains
+# at the 700 W limit (NVIDIA's convention above), that clock is 1628-1746 MHz, 0.89-0.95 of
+# 1830 MHz: the A100's 0.926 lies inside. The page does not say whether they are Rpeak or
+# Rmax, and ml-engineering's MAMF notes give no clock, so neither replaces the assumption.
+# torchtitan's Grand Teton H100s run at a 500 W limit: we found no published clock for it
+# either, so those rows keep the 700 W figure (``benchmarks/fidelity.py``, ``grand_teton_h100``).
 SUSTAINED_CLOCK = {"A100": 1305 / 1410}
 
 GENERATIONS = {
