@@ -26,9 +26,12 @@ padded to that capacity, so compute and dispatch bytes follow the capacity, not 
 Dropless (``capacity_factor=None``) computes exactly the routed copies and sizes buffers by
 the busiest device.
 
-All-to-all algorithms: ``flat`` (every device to every device at once) or ``hierarchical``
+All-to-all algorithms: ``flat`` (every device to every device at once), ``hierarchical``
 (Tutel's two-level: gather inside the node, exchange across nodes, scatter inside the node:
-fewer, larger inter-node messages), priced by ``cost_model.collectives.algorithm_times``.
+fewer, larger inter-node messages) or ``deduplicated`` (DeepEP's: each token crosses the
+network once per node it is bound for, and is forwarded over NVLink there), priced by
+``cost_model.all_to_all.dispatch_traffic``; the last from the nodes a token reaches, which
+group-limited routing (``routing_groups``) bounds.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_model import defaults
-from cost_model.collectives import algorithm_times, collective_time, group_shape
+from cost_model.all_to_all import RoutingGroups, dispatch_traffic, node_fanout
+from cost_model.collectives import collective_time, group_shape
 from cost_model.compute import roofline_time
 from planner.cluster import Cluster
 from planner.strategy import ALL_TO_ALL_ALGORITHMS, EXPERT_MODES, ExpertPlacement
@@ -108,6 +112,7 @@ def moe_layer_cost(
     capacity_factor: float | None = None,
     algorithm: str = "flat",
     precision: str = "bf16",
+    routing_groups: tuple[int, ...] = (),
 ) -> MoECost:
     """The cost of ``layer`` run in ``mode`` on the devices ``ranks`` (see the module docstring).
 
@@ -116,8 +121,10 @@ def moe_layer_cost(
         placement: expert parallel only: which device holds which expert (round-robin when None).
         capacity_factor: copies an expert takes at most, as a multiple of the even share;
             None for dropless.
-        algorithm: expert parallel only: ``flat`` or ``hierarchical`` all-to-all.
+        algorithm: expert parallel only: ``flat``, ``hierarchical`` or ``deduplicated`` all-to-all.
         precision: the activations' and weights' precision.
+        routing_groups: (groups, groups per token) of group-limited routing, or () (see
+            ``cost_model.all_to_all``); only the deduplicated all-to-all depends on it.
     """
     if mode not in EXPERT_MODES:
         raise ValueError(f"MoE mode must be one of {EXPERT_MODES}, got {mode!r}")
@@ -175,11 +182,20 @@ def moe_layer_cost(
     sent = sum(kept) / devices * layer.hidden * element
     received = max(placement.device_loads(kept)) * layer.hidden * element
     exchange = max(sent, received)
-    one = _all_to_all(exchange, cluster, ranks, algorithm)
+    row = layer.hidden * element
+    fanout = None
+    if algorithm == "deduplicated" and devices > 1:
+        groups = RoutingGroups(*routing_groups) if routing_groups else None
+        fanout = node_fanout(placement, cluster, ranks, layer.top_k, groups)
+    traffic = dispatch_traffic(algorithm, exchange / row, layer.tokens / devices, row, group_shape(cluster, list(ranks)),
+                               fanout)
+    one = traffic.time_s
     weights = placement.most_experts_per_device * layer.expert_parameters * element
     # Four all-to-alls a pass (dispatch and combine, forward and backward); the share a device
-    # keeps for itself does not travel.
-    moved = 4 * exchange * (devices - 1) / devices
+    # keeps for itself does not travel. Deduplicated: what crosses the network plus what is
+    # forwarded over NVLink.
+    moved = 4 * (exchange * (devices - 1) / devices if algorithm != "deduplicated"
+                 else traffic.network_bytes + traffic.nvlink_bytes)
     return _cost(layer, mode, device, dtype, element, busiest, 2 * one, 2 * one, dropped,
                  busiest / mean if mean else 1.0, weights, busiest * layer.hidden * element, moved)
 
@@ -209,13 +225,3 @@ def _cost(layer, mode, device, dtype, element, busiest, forward_comm, backward_c
     return MoECost(mode, forward, backward, forward_comm, backward_comm, busiest, dropped, imbalance,
                    weight_bytes, buffer_bytes, sent_bytes)
 
-
-def _all_to_all(size_bytes: float, cluster: Cluster, ranks: Sequence[int], algorithm: str) -> float:
-    """One all-to-all in which each device sends ``size_bytes`` in all, by ``algorithm``
-    (hierarchical falls back to flat where the group has no two levels)."""
-    if not size_bytes or len(ranks) == 1:
-        return 0.0
-    times = algorithm_times("all_to_all", size_bytes, group_shape(cluster, list(ranks)))
-    if algorithm == "hierarchical" and "hierarchical" in times:
-        return times["hierarchical"]
-    return times["pairwise"]

@@ -127,6 +127,7 @@ def price_layout(
         capacity_factor=layout.capacity_factor or None,
         algorithm=layout.all_to_all,
         precision=precision,
+        routing_groups=block.routing_groups,
     )
 
 

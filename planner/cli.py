@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         "not cover are uniform); default: uniform",
     )
     plan.add_argument(
+        "--moe-dispatch", choices=("compiled", "deduplicated"), default="compiled", dest="moe_dispatch",
+        help="the expert-parallel all-to-alls MoE plans may use: compiled (flat or two-level, what compiled programs "
+        "run; default) or deduplicated (DeepEP's as well: each token crosses InfiniBand once per destination node; "
+        "for a trainer that runs it, so its plans are simulated only)",
+    )
+    plan.add_argument(
         "--mesh", action="append", default=[], metavar="AXIS=SIZE",
         help="fix mesh axis sizes, e.g. --mesh tp=8 or --mesh dp=4,tp=2 (axes dp, tp, pp, row, col, dep; an axis "
         "a plan lacks has size 1, so tp=1 rules out tensor parallelism); repeatable",
@@ -327,7 +333,7 @@ def _plan(options: argparse.Namespace) -> int:
     plan = make_plan(
         spec, cluster, dp_flavour=options.dp, precision=options.precision, search=options.search,
         effort=options.effort, time_budget_s=options.time_budget, seed=options.seed, progress=True, routing=routing,
-        tp_layouts=options.tp_layouts, constraints=constraints,
+        tp_layouts=options.tp_layouts, constraints=constraints, moe_dispatch=options.moe_dispatch,
     )
     _say(plan.report())
     if options.output is not None:
@@ -354,7 +360,7 @@ def _next_steps(plan, options: argparse.Namespace) -> list[str]:
         for flag, value, default in (
             ("--dp", options.dp, None), ("--search", options.search, "auto"), ("--precision", options.precision, "auto"),
             ("--effort", options.effort, 1.0), ("--seed", options.seed, 0), ("--routing", options.routing, None),
-            ("--tp-layouts", options.tp_layouts, "auto"),
+            ("--tp-layouts", options.tp_layouts, "auto"), ("--moe-dispatch", options.moe_dispatch, "compiled"),
         ):
             if value != default:
                 settings += [flag, f"{value:g}" if isinstance(value, float) else value]
