@@ -10,7 +10,9 @@ A layer routes each of its ``tokens`` to ``top_k`` of ``experts`` feed-forward n
   (all-to-all, "dispatch"), runs its experts on what it received, and sends the results back
   (all-to-all, "combine"). Backward runs the same two all-to-alls in reverse. The step
   waits for the busiest device: expert compute is priced on the most loaded device's tokens,
-  and the all-to-all on the most any device sends or receives.
+  and the all-to-all on the most any device sends or receives. Dropless, the busiest
+  device's load is its expected share plus the chance excess of one micro-batch's routing
+  (``cost_model.expert_load``).
 - ``data_parallel``: every device holds every expert and keeps its own tokens: no all-to-all,
   the load is even by construction, but every device holds all expert weights and their
   gradients are reduced over the group as every other data-parallel gradient is.
@@ -43,6 +45,7 @@ from cost_model import defaults
 from cost_model.all_to_all import RoutingGroups, dispatch_traffic, node_fanout
 from cost_model.collectives import collective_time, group_shape
 from cost_model.compute import roofline_time
+from cost_model.expert_load import busiest_load
 from planner.cluster import Cluster
 from planner.strategy import ALL_TO_ALL_ALGORITHMS, EXPERT_MODES, ExpertPlacement
 
@@ -175,12 +178,15 @@ def moe_layer_cost(
             f"the layer has {layer.experts} experts on {devices}"
         )
     loads = placement.device_loads(computed)
-    busiest = max(loads)
     mean = sum(loads) / devices
+    # Dropless: the busiest device computes and receives what this micro-batch's routing
+    # happens to send it, above its expected share by chance (cost_model.expert_load); with a
+    # capacity it computes its padded buffers whatever the counts.
+    busiest = busiest_load(loads, copies) if capacity_factor is None else max(loads)
     # Each device sends its tokens' routed copies (kept ones; padding is not sent) and receives
     # what its experts take; the busiest side of the exchange bounds it.
     sent = sum(kept) / devices * layer.hidden * element
-    received = max(placement.device_loads(kept)) * layer.hidden * element
+    received = (busiest if capacity_factor is None else max(placement.device_loads(kept))) * layer.hidden * element
     exchange = max(sent, received)
     row = layer.hidden * element
     fanout = None
