@@ -45,6 +45,7 @@ from cost_model.collectives import collective_time
 from cost_model.moe import element_bytes
 from cost_model.moe_layers import (
     copy_shard_costs,
+    dispatch_buffer_bytes,
     layer_tokens,
     param_share,
     price_layout,
@@ -205,7 +206,7 @@ def layer_score(block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Clu
               + gradient_sync + 2 * sharding.gather_s + sharding.reduce_s)
     element = element_bytes(precision)
     activations = cost.busiest_copies * element * (block.hidden + 2 * (block.matmuls - 1) * block.ffn)
-    buffers = {"expert_parallel": 2 * cost.buffer_bytes, "expert_sliced": cost.buffer_bytes}.get(layout.mode, 0.0)
+    buffers = dispatch_buffer_bytes(block, layout, cost, tokens, world, precision)
     memory = held * sum(bytes_per_parameter(precision)) + activations + buffers + 2 * sharding.gathered_bytes
     return ScoredLayout(layout, time_s, memory)
 

@@ -123,3 +123,24 @@ def test_bad_arguments_name_the_problem():
         cost("expert_parallel", token_share=[0.5, 0.25, 0.25])
     with pytest.raises(ValueError, match="placement is for 4 experts on 2 devices"):
         cost("expert_parallel", placement=ExpertPlacement(2, tuple(((e % 2, 1.0),) for e in range(4))))
+
+
+def test_dispatch_buffers_hold_the_sent_and_the_received_copies():
+    """One device's dispatch buffers (``cost_model.moe_layers.dispatch_buffer_bytes``) for the
+    skewed layer with capacity 1.0: it sends its 1024 / 4 x 2 = 512 copies less the 0.2
+    dropped, 409.6 rows, and receives the busiest device's buffer padded to the capacity, 512
+    rows; rows of 256 x 4 B: (409.6 + 512) x 1024 = 943,718.4 B. Expert-sliced holds only the
+    gathered copies; data parallel none."""
+    from cost_model.moe_layers import dispatch_buffer_bytes
+    from planner.moe_blocks import MoEBlock
+    from planner.strategy import ExpertLayout
+
+    block = MoEBlock("moe", 4, 2, 1.0, 256, 512, 2, "router.weight", ("experts.w_in", "experts.w_out"), "test")
+    parallel = cost("expert_parallel", token_share=SKEWED, capacity_factor=1.0)
+    layout = ExpertLayout("moe", "expert_parallel", 4, 2, 1.0, placement=ExpertPlacement.round_robin(4, 4))
+    assert dispatch_buffer_bytes(block, layout, parallel, 1024, 4, "fp32") == pytest.approx((409.6 + 512) * 1024)
+    sliced = cost("expert_sliced", token_share=SKEWED, capacity_factor=1.0)
+    sliced_layout = ExpertLayout("moe", "expert_sliced", 4, 2, 1.0)
+    assert dispatch_buffer_bytes(block, sliced_layout, sliced, 1024, 4, "fp32") == sliced.buffer_bytes
+    replicated = ExpertLayout("moe", "data_parallel", 4, 2, 1.0)
+    assert dispatch_buffer_bytes(block, replicated, cost("data_parallel"), 1024, 4, "fp32") == 0.0
