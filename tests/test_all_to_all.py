@@ -67,26 +67,20 @@ def test_deepseek_v3_node_limit_on_eight_nodes():
     assert (round(free.remote, 2), round(limited.remote, 2)) == (4.63, 3.18)  # the limit saves 31% of IB bytes
 
 
-def test_flat_dispatch_bytes_and_time():
-    # Flat: (n - m)/n = 4/8 of S crosses InfiniBand, (p - 1)/n = 3/8 stays on NVLink; the
-    # links overlap. IB: 2,048,000 / 50e9 + 4 x 8 us = 72.96 us; NVLink: 1,536,000 / 200e9
-    # + 3 x 3 us = 16.68 us.
-    flat = dispatch_traffic("flat", COPIES, TOKENS, ROW, SHAPE)
-    assert (flat.network_bytes, flat.nvlink_bytes) == (pytest.approx(2_048_000), pytest.approx(1_536_000))
-    assert flat.network_s == pytest.approx(72.96e-6)
-    assert flat.nvlink_s == pytest.approx(16.68e-6)
-    assert flat.time_s == pytest.approx(72.96e-6)
-
-
-def test_hierarchical_dispatch_moves_as_many_ib_bytes_in_two_phases():
-    # Phase 1 inside the node: 3/4 of S = 3,072,000 B over NVLink, 15.36 + 9 = 24.36 us.
-    # Phase 2 across nodes: 1/2 of S = 2,048,000 B over IB, one message: 40.96 + 8 = 48.96 us.
-    # One after the other: 73.32 us.
-    two_level = dispatch_traffic("hierarchical", COPIES, TOKENS, ROW, SHAPE)
-    assert (two_level.nvlink_bytes, two_level.network_bytes) == (pytest.approx(3_072_000), pytest.approx(2_048_000))
-    assert two_level.nvlink_s == pytest.approx(24.36e-6)
-    assert two_level.network_s == pytest.approx(48.96e-6)
-    assert two_level.time_s == pytest.approx(73.32e-6)
+# Flat: (n - m)/n = 4/8 of S crosses InfiniBand, (p - 1)/n = 3/8 stays on NVLink, the links
+# overlap. IB: 2,048,000 / 50e9 + 4 x 8 us = 72.96 us; NVLink: 1,536,000 / 200e9 + 3 x 3 us =
+# 16.68 us. Two-level: phase 1 inside the node moves 3/4 of S = 3,072,000 B over NVLink,
+# 15.36 + 9 = 24.36 us; phase 2 across nodes 1/2 of S = 2,048,000 B over IB in one message,
+# 40.96 + 8 = 48.96 us; one after the other: 73.32 us (as many IB bytes as flat).
+@pytest.mark.parametrize("algorithm, network_bytes, nvlink_bytes, network_s, nvlink_s, time_s", [
+    ("flat", 2_048_000, 1_536_000, 72.96e-6, 16.68e-6, 72.96e-6),
+    ("hierarchical", 2_048_000, 3_072_000, 48.96e-6, 24.36e-6, 73.32e-6),
+])
+def test_flat_and_two_level_dispatch(algorithm, network_bytes, nvlink_bytes, network_s, nvlink_s, time_s):
+    traffic = dispatch_traffic(algorithm, COPIES, TOKENS, ROW, SHAPE)
+    assert (traffic.network_bytes, traffic.nvlink_bytes) == (pytest.approx(network_bytes), pytest.approx(nvlink_bytes))
+    assert (traffic.network_s, traffic.nvlink_s) == (pytest.approx(network_s), pytest.approx(nvlink_s))
+    assert traffic.time_s == pytest.approx(time_s)
 
 
 def test_deduplicated_dispatch_crosses_ib_once_per_node():
