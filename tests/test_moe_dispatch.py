@@ -13,6 +13,7 @@ from codegen.plan_checks import check_expert_layouts
 from planner.api import compile_blocker, prepare_model
 from planner.cli import main
 from planner.errors import PlanFileError, PlanningError
+from planner.plans import Plan
 from search.moe_search import layer_candidates, search_moe_plan
 from tests.moe_plans import moe_plan
 from tests.test_moe_search import SMALL, two_nodes
@@ -51,6 +52,7 @@ def test_compile_refuses_a_deduplicated_layout_in_one_line(tmp_path):
     priced_only = dataclasses.replace(plan, expert_layouts=tuple(
         dataclasses.replace(layout, all_to_all="deduplicated") for layout in plan.expert_layouts))
     assert compile_blocker(plan) is None
+    assert Plan.from_dict(priced_only.to_dict()).expert_layouts == priced_only.expert_layouts  # the plan file keeps it
     assert "DeepEP's deduplicated all-to-all, which compiled programs do not run" in compile_blocker(priced_only)
     with pytest.raises(PlanningError, match="plan without --moe-dispatch deduplicated to compile"):
         planner.compile(priced_only, tmp_path / "out")
