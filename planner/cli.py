@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 
 from planner.arguments import OneLineParser, flag_type, integer_at_least, positive_finite
 from planner.errors import ArgumentError, PlannerError
+from planner.expert_layouts import MOE_DISPATCHES
 from planner.outputs import refuse_input_as_output
 from planner.terminal import inert, inert_line, inert_text
 
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         "not cover are uniform); default: uniform",
     )
     plan.add_argument(
-        "--moe-dispatch", choices=("compiled", "deduplicated"), default="compiled", dest="moe_dispatch",
+        "--moe-dispatch", choices=MOE_DISPATCHES, default="compiled", dest="moe_dispatch",
         help="the expert-parallel all-to-alls MoE plans may use: compiled (flat or two-level, what compiled programs "
         "run; default) or deduplicated (DeepEP's as well: each token crosses InfiniBand once per destination node; "
         "for a trainer that runs it, so its plans are simulated only)",
