@@ -35,11 +35,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024, help="sequences per global batch (default 1024)")
     parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--routing", default="uniform", help="uniform, zipf:ALPHA or a routing statistics file")
+    parser.add_argument("--moe-dispatch", default="compiled", choices=("compiled", "deduplicated"),
+                        help="also price DeepEP's deduplicated all-to-all (planner plan --moe-dispatch)")
     options = parser.parse_args()
     spec = ModelSpec(MODELS[options.model], {"batch_size": options.batch, "seq_len": options.seq})
     started = time.perf_counter()
     plan = planner.plan(spec, f"{options.preset}:{options.nodes}", routing=options.routing, progress=False,
-                        time_budget_s=None)
+                        time_budget_s=None, moe_dispatch=options.moe_dispatch)
     total = time.perf_counter() - started
     summary = plan.summary
     print(f"{MODELS[options.model]} (HuggingFace config), {summary.parameters / 1e9:.1f}B parameters, "
@@ -53,7 +55,8 @@ def main() -> None:
           f"{estimate.memory.total / 2**30:.1f} GiB on the fullest GPU ({'fits' if estimate.fits else 'does not fit'})")
     modes = {}
     for layout in plan.expert_layouts:
-        modes[layout.mode] = modes.get(layout.mode, 0) + 1
+        way = layout.mode + (f" {layout.all_to_all}" if layout.mode == "expert_parallel" else "")
+        modes[way] = modes.get(way, 0) + 1
     if modes:
         print("MoE layers: " + ", ".join(f"{count} {mode.replace('_', ' ')}" for mode, count in modes.items()))
     for alternative in plan.runners_up[:5]:

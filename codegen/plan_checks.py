@@ -13,7 +13,8 @@ plan field (``codegen.source_text`` then decides how the name is written):
 - the numbers the program writes (batch, micro-batches, stages, parameter bytes) are ints;
 - each of ``expert_layouts`` names an MoE layer of the model (``planner.moe_blocks``) with
   its experts, top-k and capacity factor, every MoE layer has one, and the layer holds no
-  parameter besides its router and experts (the program replaces the whole module).
+  parameter besides its router and experts (the program replaces the whole module), and
+  its all-to-all is one a program runs (not ``deduplicated``, which plans only price).
 
 And one check of meaning: a graph or pipeline program replays the traced ATen graph, so it
 cannot run a backward the model defines itself (a custom ``torch.autograd.Function``, a
@@ -30,6 +31,7 @@ import torch
 
 from codegen.source_text import one_line
 from planner.errors import PlanFileError, PlanningError
+from planner.expert_layouts import COMPILED_ALL_TO_ALLS
 from planner.graph import OpGraph
 from planner.moe_blocks import HF_STACKED_EXPERTS, find_moe_blocks
 from planner.opaque_backward import describe
@@ -159,6 +161,12 @@ def check_expert_layouts(plan: Plan, model: torch.nn.Module) -> None:
         if layout.axis != "dp":
             raise PlanFileError(
                 f"plan field '{field}.axis' is {_shown(layout.axis)}; compiled MoE layers run over the 'dp' axis; re-plan"
+            )
+        if layout.all_to_all not in COMPILED_ALL_TO_ALLS:
+            raise PlanFileError(
+                f"plan field '{field}.all_to_all' is {_shown(layout.all_to_all)} (DeepEP's deduplicated dispatch), which "
+                f"plans price but compiled programs do not run; set it to 'flat' or 'hierarchical', or re-plan without "
+                f"--moe-dispatch deduplicated"
             )
         if block.runtime == HF_STACKED_EXPERTS:
             continue  # only its experts are replaced: its router and shared experts run as written

@@ -10,7 +10,9 @@ A layer routes each of its ``tokens`` to ``top_k`` of ``experts`` feed-forward n
   (all-to-all, "dispatch"), runs its experts on what it received, and sends the results back
   (all-to-all, "combine"). Backward runs the same two all-to-alls in reverse. The step
   waits for the busiest device: expert compute is priced on the most loaded device's tokens,
-  and the all-to-all on the most any device sends or receives.
+  and the all-to-all on the most any device sends or receives. Dropless, the busiest
+  device's load is its expected share plus the chance excess of one micro-batch's routing
+  (``cost_model.expert_load``).
 - ``data_parallel``: every device holds every expert and keeps its own tokens: no all-to-all,
   the load is even by construction, but every device holds all expert weights and their
   gradients are reduced over the group as every other data-parallel gradient is.
@@ -26,9 +28,12 @@ padded to that capacity, so compute and dispatch bytes follow the capacity, not 
 Dropless (``capacity_factor=None``) computes exactly the routed copies and sizes buffers by
 the busiest device.
 
-All-to-all algorithms: ``flat`` (every device to every device at once) or ``hierarchical``
+All-to-all algorithms: ``flat`` (every device to every device at once), ``hierarchical``
 (Tutel's two-level: gather inside the node, exchange across nodes, scatter inside the node:
-fewer, larger inter-node messages), priced by ``cost_model.collectives.algorithm_times``.
+fewer, larger inter-node messages) or ``deduplicated`` (DeepEP's: each token crosses the
+network once per node it is bound for, and is forwarded over NVLink there), priced by
+``cost_model.all_to_all.dispatch_traffic``; the last from the nodes a token reaches, which
+group-limited routing (``routing_groups``) bounds.
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_model import defaults
-from cost_model.collectives import algorithm_times, collective_time, group_shape
+from cost_model.all_to_all import RoutingGroups, dispatch_traffic, node_fanout
+from cost_model.collectives import collective_time, group_shape
 from cost_model.compute import roofline_time
+from cost_model.expert_load import busiest_load
 from planner.cluster import Cluster
 from planner.strategy import ALL_TO_ALL_ALGORITHMS, EXPERT_MODES, ExpertPlacement
 
@@ -108,6 +115,7 @@ def moe_layer_cost(
     capacity_factor: float | None = None,
     algorithm: str = "flat",
     precision: str = "bf16",
+    routing_groups: tuple[int, ...] = (),
 ) -> MoECost:
     """The cost of ``layer`` run in ``mode`` on the devices ``ranks`` (see the module docstring).
 
@@ -116,8 +124,10 @@ def moe_layer_cost(
         placement: expert parallel only: which device holds which expert (round-robin when None).
         capacity_factor: copies an expert takes at most, as a multiple of the even share;
             None for dropless.
-        algorithm: expert parallel only: ``flat`` or ``hierarchical`` all-to-all.
+        algorithm: expert parallel only: ``flat``, ``hierarchical`` or ``deduplicated`` all-to-all.
         precision: the activations' and weights' precision.
+        routing_groups: (groups, groups per token) of group-limited routing, or () (see
+            ``cost_model.all_to_all``); only the deduplicated all-to-all depends on it.
     """
     if mode not in EXPERT_MODES:
         raise ValueError(f"MoE mode must be one of {EXPERT_MODES}, got {mode!r}")
@@ -168,18 +178,30 @@ def moe_layer_cost(
             f"the layer has {layer.experts} experts on {devices}"
         )
     loads = placement.device_loads(computed)
-    busiest = max(loads)
     mean = sum(loads) / devices
+    # Dropless: the busiest device computes and receives what this micro-batch's routing
+    # happens to send it, above its expected share by chance (cost_model.expert_load); with a
+    # capacity it computes its padded buffers whatever the counts.
+    busiest = busiest_load(loads, copies) if capacity_factor is None else max(loads)
     # Each device sends its tokens' routed copies (kept ones; padding is not sent) and receives
     # what its experts take; the busiest side of the exchange bounds it.
     sent = sum(kept) / devices * layer.hidden * element
-    received = max(placement.device_loads(kept)) * layer.hidden * element
+    received = (busiest if capacity_factor is None else max(placement.device_loads(kept))) * layer.hidden * element
     exchange = max(sent, received)
-    one = _all_to_all(exchange, cluster, ranks, algorithm)
+    row = layer.hidden * element
+    fanout = None
+    if algorithm == "deduplicated" and devices > 1:
+        groups = RoutingGroups(*routing_groups) if routing_groups else None
+        fanout = node_fanout(placement, cluster, ranks, layer.top_k, groups)
+    traffic = dispatch_traffic(algorithm, exchange / row, layer.tokens / devices, row, group_shape(cluster, list(ranks)),
+                               fanout)
+    one = traffic.time_s
     weights = placement.most_experts_per_device * layer.expert_parameters * element
     # Four all-to-alls a pass (dispatch and combine, forward and backward); the share a device
-    # keeps for itself does not travel.
-    moved = 4 * exchange * (devices - 1) / devices
+    # keeps for itself does not travel. Deduplicated: what crosses the network plus what is
+    # forwarded over NVLink.
+    moved = 4 * (exchange * (devices - 1) / devices if algorithm != "deduplicated"
+                 else traffic.network_bytes + traffic.nvlink_bytes)
     return _cost(layer, mode, device, dtype, element, busiest, 2 * one, 2 * one, dropped,
                  busiest / mean if mean else 1.0, weights, busiest * layer.hidden * element, moved)
 
@@ -209,13 +231,3 @@ def _cost(layer, mode, device, dtype, element, busiest, forward_comm, backward_c
     return MoECost(mode, forward, backward, forward_comm, backward_comm, busiest, dropped, imbalance,
                    weight_bytes, buffer_bytes, sent_bytes)
 
-
-def _all_to_all(size_bytes: float, cluster: Cluster, ranks: Sequence[int], algorithm: str) -> float:
-    """One all-to-all in which each device sends ``size_bytes`` in all, by ``algorithm``
-    (hierarchical falls back to flat where the group has no two levels)."""
-    if not size_bytes or len(ranks) == 1:
-        return 0.0
-    times = algorithm_times("all_to_all", size_bytes, group_shape(cluster, list(ranks)))
-    if algorithm == "hierarchical" and "hierarchical" in times:
-        return times["hierarchical"]
-    return times["pairwise"]

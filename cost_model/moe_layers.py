@@ -15,7 +15,9 @@ are not priced by their placements as other ops are. Instead:
 - **memory** per device: expert weights, gradients and optimizer states of the experts the
   device holds (expert parallel: its copies; data parallel: all; expert-sliced: 1/world of
   each), the activations the experts keep for the busiest device's copies, and the dispatch
-  buffers (expert parallel: a send and a receive buffer; expert-sliced: the gathered tokens);
+  buffers of the micro-batch in flight (``dispatch_buffer_bytes``: expert parallel, a send
+  buffer of the device's own kept copies and a receive buffer of the busiest device's, padded
+  to the capacity; expert-sliced, the gathered copies);
 - **gradients**: expert weights are all-reduced over ``dp`` with the other replicated
   weights only in ``data_parallel`` mode; the copies of expert-parallel experts have their
   gradients summed (one all-reduce over the group of every copied expert, in backward);
@@ -131,6 +133,7 @@ def price_layout(
         capacity_factor=layout.capacity_factor or None,
         algorithm=layout.all_to_all,
         precision=precision,
+        routing_groups=block.routing_groups,
     )
 
 
@@ -180,6 +183,22 @@ def copy_shard_costs(block: MoEBlock, layout: ExpertLayout, cluster: Cluster, pr
     # A ring all-gather or reduce-scatter sends (r - 1) / r of the whole tensor from each device.
     sent = 3 * gathered * (copies - 1) / copies
     return CopyShardCosts(gather, reduce, sent, gathered)
+
+
+def dispatch_buffer_bytes(block: MoEBlock, layout: ExpertLayout, cost: MoECost, tokens: int, world: int,
+                          precision: str) -> float:
+    """Bytes of the dispatch buffers one device holds while a layer of ``cost`` (priced for a
+    micro-batch of ``tokens`` tokens) exchanges its copies: expert parallel, the send side
+    (its own ``tokens / world x top_k`` copies, less the dropped share) plus the receive side
+    (the busiest device's copies, padded to the capacity: ``cost.buffer_bytes``), rows of
+    ``hidden`` elements; expert-sliced, the gathered copies; data parallel, none. One
+    micro-batch's: the layer's collectives run one at a time in the simulated step."""
+    if layout.mode == "expert_sliced":
+        return cost.buffer_bytes
+    if layout.mode != "expert_parallel":
+        return 0.0
+    sent = tokens / world * block.top_k * (1.0 - cost.dropped_fraction) * block.hidden * element_bytes(precision)
+    return sent + cost.buffer_bytes
 
 
 def copies_sharded_over(layout: ExpertLayout) -> int:
@@ -267,10 +286,11 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
     experts = [node.name for node in nodes if node.module == owner or node.module.startswith(owner + ".")]
     if not experts:
         raise ValueError(f"MoE layer {block.module!r}: no traced op of its experts ({owner!r})")
-    cost = price_layout(block, layout, layer_tokens(graph, block), plan.cluster, plan.precision, micro_batches, group)
+    tokens = layer_tokens(graph, block)
+    cost = price_layout(block, layout, tokens, plan.cluster, plan.precision, micro_batches, group)
     fraction, synced = param_share(layout, world)
     element = element_bytes(plan.precision)
-    buffers = {"expert_parallel": 2 * cost.buffer_bytes, "expert_sliced": cost.buffer_bytes}.get(layout.mode, 0.0)
+    buffers = dispatch_buffer_bytes(block, layout, cost, tokens // micro_batches, world, plan.precision)
     sharding = copy_shard_costs(block, layout, plan.cluster, plan.precision)
     return LaidOutLayer(
         block=block,

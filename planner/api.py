@@ -23,6 +23,7 @@ from planner import arguments
 from planner.cluster import Cluster
 from planner.constraints import ConstraintError, SearchConstraints
 from planner.errors import ArgumentError, ClusterError, PlanningError, SpecError
+from planner.expert_layouts import COMPILED_ALL_TO_ALLS, MOE_DISPATCHES
 from planner.fingerprint import example_batch_size
 from planner.model_spec import ModelSpec, announce_import
 from planner.opaque_backward import describe as describe_opaque_backward
@@ -57,6 +58,7 @@ def plan(
     routing: Any = None,
     tp_layouts: str = "auto",
     constraints: Any = None,
+    moe_dispatch: str = "compiled",
 ) -> Plan:
     """Find how to train ``model`` on ``cluster``.
 
@@ -107,6 +109,10 @@ def plan(
             "families": ["fsdp", "tp", "pipeline"]}`` (axis sizes fixed, axis sizes bounded,
             the families that may compete: ``planner.families``). Impossible constraints
             raise ``ConstraintError`` naming the constraint; the report says which applied.
+        moe_dispatch: the all-to-alls expert-parallel MoE layers may use: ``"compiled"``
+            (flat or two-level, what compiled programs run) or ``"deduplicated"`` (DeepEP's
+            too, each token across nodes once per destination node: for a trainer that runs
+            it; such plans are simulated, not compiled). See ``cost_model.all_to_all``.
 
     Returns:
         The chosen ``Plan``; ``plan.report()`` explains it.
@@ -131,6 +137,7 @@ def plan(
         time_budget_s = arguments.positive_finite(time_budget_s, "time_budget_s", "seconds")
     seed = arguments.integer_at_least(seed, "seed", 0)
     tp_layouts = arguments.one_of(tp_layouts, ("auto", "summa", "1d"), "tp_layouts")
+    moe_dispatch = arguments.one_of(moe_dispatch, MOE_DISPATCHES, "moe_dispatch")
     if tp_layouts == "summa" and (search == "dp" or dp_flavour is not None):
         raise ArgumentError(
             "tp_layouts='summa' asks for tensor-parallel layouts, which a data-parallel plan (search='dp' or a "
@@ -182,7 +189,7 @@ def plan(
             chosen = search_plan(
                 graph, cluster, spec, name, search=search, budget=budget, seed=seed,
                 warnings=warnings, precision=precision, on_progress=searching, routing=routing_stats,
-                tp_layouts=tp_layouts, constraints=constraints,
+                tp_layouts=tp_layouts, constraints=constraints, moe_dispatch=moe_dispatch,
             )
     chosen = _with_host_bound_warning(chosen)
     total_s = time.perf_counter() - budget.started
@@ -454,6 +461,12 @@ def compile_blocker(plan: Plan) -> str | None:
         return (
             f"this plan simulates {plan.precision} mixed precision, which needs loss scaling and is not compiled; "
             f"plan with --precision bf16 (or fp32) to compile it"
+        )
+    priced_only = [layout.module for layout in plan.expert_layouts if layout.all_to_all not in COMPILED_ALL_TO_ALLS]
+    if priced_only:
+        return (
+            f"MoE layer {priced_only[0]!r} uses DeepEP's deduplicated all-to-all, which compiled programs do not run "
+            f"(planner simulate still prices it); plan without --moe-dispatch deduplicated to compile"
         )
     return None
 

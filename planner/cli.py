@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 
 from planner.arguments import OneLineParser, flag_type, integer_at_least, positive_finite
 from planner.errors import ArgumentError, PlannerError
+from planner.expert_layouts import MOE_DISPATCHES
 from planner.outputs import refuse_input_as_output
 from planner.terminal import inert, inert_line, inert_text
 
@@ -100,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="routing statistics of the MoE layers, from which each layer's layout is chosen: uniform, zipf:ALPHA "
         "(a few hot experts, e.g. zipf:1.2) or a routing statistics JSON file (planner/routing.py; layers it does "
         "not cover are uniform); default: uniform",
+    )
+    plan.add_argument(
+        "--moe-dispatch", choices=MOE_DISPATCHES, default="compiled", dest="moe_dispatch",
+        help="the expert-parallel all-to-alls MoE plans may use: compiled (flat or two-level, what compiled programs "
+        "run; default) or deduplicated (DeepEP's as well: each token crosses InfiniBand once per destination node; "
+        "for a trainer that runs it, so its plans are simulated only)",
     )
     plan.add_argument(
         "--mesh", action="append", default=[], metavar="AXIS=SIZE",
@@ -327,7 +334,7 @@ def _plan(options: argparse.Namespace) -> int:
     plan = make_plan(
         spec, cluster, dp_flavour=options.dp, precision=options.precision, search=options.search,
         effort=options.effort, time_budget_s=options.time_budget, seed=options.seed, progress=True, routing=routing,
-        tp_layouts=options.tp_layouts, constraints=constraints,
+        tp_layouts=options.tp_layouts, constraints=constraints, moe_dispatch=options.moe_dispatch,
     )
     _say(plan.report())
     if options.output is not None:
@@ -354,7 +361,7 @@ def _next_steps(plan, options: argparse.Namespace) -> list[str]:
         for flag, value, default in (
             ("--dp", options.dp, None), ("--search", options.search, "auto"), ("--precision", options.precision, "auto"),
             ("--effort", options.effort, 1.0), ("--seed", options.seed, 0), ("--routing", options.routing, None),
-            ("--tp-layouts", options.tp_layouts, "auto"),
+            ("--tp-layouts", options.tp_layouts, "auto"), ("--moe-dispatch", options.moe_dispatch, "compiled"),
         ):
             if value != default:
                 settings += [flag, f"{value:g}" if isinstance(value, float) else value]

@@ -132,7 +132,14 @@ EXPERT_MODES = ("expert_parallel", "data_parallel", "expert_sliced")
 # The key of ``SimResult.bytes_per_axis`` for the collectives over the groups of ranks holding
 # the same experts (``ExpertLayout.sharded_copies``): sub-groups of "dp", not a mesh axis.
 EXPERT_COPIES_AXIS = "expert-copies"
-ALL_TO_ALL_ALGORITHMS = ("flat", "hierarchical")
+ALL_TO_ALL_ALGORITHMS = ("flat", "hierarchical", "deduplicated")
+# Those a compiled program runs (``codegen.runtime.moe``, ``moe_exchange``); ``deduplicated``
+# (DeepEP's dispatch, ``cost_model.all_to_all``) is priced for planning only.
+COMPILED_ALL_TO_ALLS = ("flat", "hierarchical")
+# How a search may price expert-parallel layers' all-to-alls (``planner plan --moe-dispatch``):
+# ``compiled``, the exchanges a compiled program runs; ``deduplicated``, DeepEP's dispatch as
+# well, for a team whose trainer runs it (its plans do not compile).
+MOE_DISPATCHES = ("compiled", "deduplicated")
 
 
 @dataclass(frozen=True)
@@ -142,8 +149,10 @@ class ExpertLayout:
     ``mode``:
       - ``expert_parallel``: the experts are split over the ranks of mesh axis ``axis`` by
         ``placement`` (a hot expert may have copies); each token travels to a device holding
-        its expert and back with two all-to-alls (``all_to_all``: ``flat``, or
-        ``hierarchical``: inside a node, then across nodes).
+        its expert and back with two all-to-alls (``all_to_all``: ``flat``;
+        ``hierarchical``: inside a node, then across nodes; ``deduplicated``: DeepEP's, each
+        token across the network once per destination node, then forwarded inside it,
+        priced only: compiled programs run the other two).
       - ``data_parallel``: every rank holds every expert and runs its own tokens; the expert
         gradients are averaged over ``axis`` like any replicated weight.
       - ``expert_sliced``: every expert's FFN is sliced over ``axis`` (its hidden width);

@@ -47,6 +47,11 @@ class MoEBlock:
     expert_weights: tuple[str, ...]  # stacked expert weights, experts first
     kind: str  # which structure it was recognised as, for messages
     runtime: str = ROUTED_GELU  # how a compiled program runs it: ROUTED_GELU or HF_STACKED_EXPERTS
+    # Group-limited routing (DeepSeek-V3's router: ``n_group`` groups of consecutive experts,
+    # each token's experts chosen among ``topk_group`` of them), as (groups, groups per token);
+    # () when every token may pick any expert. The cost model's node fan-out reads it
+    # (``cost_model.all_to_all``).
+    routing_groups: tuple[int, ...] = ()
 
     @property
     def expert_parameters(self) -> int:
@@ -124,4 +129,16 @@ def _hf_stacked_experts(path: str, module: torch.nn.Module) -> MoEBlock | None:
         expert_weights=("experts.gate_up_proj", "experts.down_proj"),
         kind=f"HuggingFace stacked SwiGLU experts ({type(module).__name__}, dropless)",
         runtime=HF_STACKED_EXPERTS,
+        routing_groups=_routing_groups(gate, count),
     )
+
+
+def _routing_groups(gate: torch.nn.Module, experts: int) -> tuple[int, ...]:
+    """(groups, groups per token) of a HuggingFace router that limits each token to some
+    groups of experts (DeepSeek-V3's ``DeepseekV3TopkRouter``: ``num_group`` and
+    ``topk_group``, from the config's ``n_group``/``topk_group``); () when it does not, or
+    when the limit excludes no expert (one group, or every group chosen)."""
+    groups, chosen = getattr(gate, "num_group", None), getattr(gate, "topk_group", None)
+    if not (isinstance(groups, int) and isinstance(chosen, int)) or not 1 <= chosen < groups or experts % groups:
+        return ()
+    return (groups, chosen)

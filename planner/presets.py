@@ -110,6 +110,44 @@ PRESETS: dict[str, dict[str, Any]] = {
             "sources": "NVIDIA/nccl-tests#212, NVIDIA/nccl#1455, NVIDIA/nccl-tests#290",
         },
     },
+    "hgx-h800": {
+        "description": "NVIDIA HGX H800 (DeepSeek-V3's cluster): 8 x H800-SXM5-80GB, NVLink 400 GB/s, 8 x NDR InfiniBand",
+        "backend": "nccl",
+        # DeepSeek-V3 technical report (arXiv 2412.19437), section 3.1: "Each node in the H800
+        # cluster contains 8 GPUs connected by NVLink and NVSwitch within nodes"
+        "devices_per_node": 8,
+        "device": {
+            "name": "H800-SXM5-80GB",
+            # FLOP/s dense: the H800 SXM5 datasheet lists the H100 SXM5's tensor-core figures
+            # (the export variant cuts NVLink, see intra_node, and FP64, which no plan uses)
+            "peak_flops": {
+                "float32": 67e12,
+                "tf32": 494.7e12,
+                "bfloat16": 989.4e12,
+                "float16": 989.4e12,
+                "float8": 1978.9e12,
+            },
+            "memory_bytes": 80_000_000_000,  # bytes, 80 GB HBM3 (as H100 SXM5), decimal GB
+            "memory_bandwidth": 3.35e12,  # bytes/s, 3.35 TB/s HBM3 (as H100 SXM5)
+        },
+        "intra_node": {
+            # bytes/s per direction per GPU: H800's NVLink is 400 GB/s total bidirectional (NVIDIA
+            # H800 product brief; 900 GB/s on H100) -> 200e9 per direction. What kernels reach:
+            # "NVLink offers a bandwidth of 160 GB/s" (DeepSeek-V3 report, section 3.2.2),
+            # "~160 GB/s NVLink maximum bandwidth" (deepseek-ai/DeepEP README, on H800).
+            "bandwidth": 200e9,
+            "latency": _NVLINK_LATENCY,
+        },
+        "inter_node": {
+            # bytes/s per direction per GPU: one 400 Gb/s CX7 InfiniBand NIC per GPU, 8 per node
+            # (DeepEP README: "each connected to a CX7 InfiniBand 400 Gb/s RDMA network card
+            # (~50 GB/s maximum bandwidth)"; DeepSeek-V3 report 3.2.2: "IB (50 GB/s)") -> 50e9
+            "bandwidth": 50e9,
+            "latency": _INFINIBAND_LATENCY,
+        },
+        # No "nccl_tests": no public nccl-tests run on H800 is cited here, so its collectives are
+        # priced by the alpha-beta model of ``cost_model.collectives``.
+    },
     "p3.16xlarge": {
         "description": "AWS p3.16xlarge: 8 x V100-SXM2-16GB, NVLink 2 cube mesh, 25 Gb/s Ethernet",
         "backend": "nccl",

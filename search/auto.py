@@ -69,6 +69,7 @@ def search_plan(
     routing: RoutingStats | None = None,
     tp_layouts: str = "auto",
     constraints: SearchConstraints | None = None,
+    moe_dispatch: str = "compiled",
 ) -> Plan:
     """The fastest plan that fits, over meshes, per-op shardings and data-parallel flavours.
 
@@ -87,6 +88,8 @@ def search_plan(
         constraints: the user's fixed axis sizes, bounds and families
             (``planner.constraints``): meshes and families they rule out are never searched,
             and only plans they allow compete or appear as runners-up.
+        moe_dispatch: ``"compiled"`` or ``"deduplicated"``: whether expert-parallel layers
+            may use DeepEP's deduplicated all-to-all (``planner.api.plan``).
 
     Raises:
         PlanningError: nothing fits on any mesh (the message says how much memory the
@@ -104,7 +107,7 @@ def search_plan(
     context = SearchContext(
         graph=graph, cluster=cluster, spec=spec, model_name=model_name, search=search, budget=budget, seed=seed,
         warnings=warnings, precision=precision, constraints=constraints, routing=routing, tp_layouts=tp_layouts,
-        meshes=_searched_meshes(graph, cluster, precision, tp_layouts, constraints), on_progress=on_progress,
+        moe_dispatch=moe_dispatch, meshes=_searched_meshes(graph, cluster, precision, tp_layouts, constraints), on_progress=on_progress,
     )
     if not context.summa_only:
         # A model whose samples mix (an MoE router's token counts) runs only as a program over

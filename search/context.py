@@ -37,6 +37,8 @@ class SearchContext:
         constraints: the user's (``planner.constraints``); families check the ones they
             can act on early, and the search drops every plan they do not allow.
         routing: MoE routing statistics (None: uniform).
+        moe_dispatch: ``"compiled"``, or ``"deduplicated"`` when expert-parallel layers may
+            use DeepEP's all-to-all too (``planner.api.plan``).
         tp_layouts: ``"auto"``, ``"1d"`` or ``"summa"`` (SUMMA meshes alone: the other
             families stay out).
         meshes: the meshes searched op by op: the allowed ``dp x tp`` meshes, then SUMMA's.
@@ -66,6 +68,7 @@ class SearchContext:
     found: list["Plan"] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     on_progress: Callable[[str, float], None] | None = None
+    moe_dispatch: str = "compiled"
 
     @property
     def summa_only(self) -> bool:

@@ -10,7 +10,8 @@ chosen from its routing statistics among:
   the placements of ``search.expert_placement`` from the layer's loads: round-robin (when
   the experts divide evenly), EPLB's and ours (``balanced``), with one slot per device more
   than the experts need as well (room for copies of hot experts); each with a ``flat``
-  all-to-all, and a ``hierarchical`` one when the devices span nodes;
+  all-to-all, and a ``hierarchical`` one when the devices span nodes (and DeepEP's
+  ``deduplicated`` one there when the search is told the trainer runs it: ``moe_dispatch``);
 - ``expert_parallel`` with sharded copies (expert data parallelism,
   ``ExpertLayout.sharded_copies``): every grid placement (``ExpertPlacement.copied_grid``:
   ``s`` experts per device, each expert on ``r >= 2`` consecutive devices, for every ``s``
@@ -44,6 +45,7 @@ from cost_model.collectives import collective_time
 from cost_model.moe import element_bytes
 from cost_model.moe_layers import (
     copy_shard_costs,
+    dispatch_buffer_bytes,
     layer_tokens,
     param_share,
     price_layout,
@@ -113,10 +115,12 @@ def routing_label(routing: RoutingStats, module: str) -> str:
 
 
 def layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, cluster: Cluster,
-                     tokens: int, precision: str, sharded_copies: bool = False) -> list[ExpertLayout]:
+                     tokens: int, precision: str, sharded_copies: bool = False,
+                     moe_dispatch: str = "compiled") -> list[ExpertLayout]:
     """Every layout the search considers for ``block`` on all of ``cluster``'s devices (see
     the module docstring), in a fixed order; the grid placements with sharded copies only
-    when ``sharded_copies``."""
+    when ``sharded_copies``; the deduplicated all-to-all only with ``moe_dispatch``
+    ``"deduplicated"``."""
     world = cluster.world_size
     common = dict(module=block.module, experts=block.experts, top_k=block.top_k,
                   capacity_factor=block.capacity_factor, axis="dp", routing=source, expert_loads=loads)
@@ -128,6 +132,8 @@ def layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, clu
     # Two-level all-to-alls are written for the routed GELU runtime (codegen.runtime.moe_exchange).
     two_level = _spans_nodes(cluster) and block.runtime == ROUTED_GELU
     algorithms = ["flat"] + (["hierarchical"] if two_level else [])
+    if moe_dispatch == "deduplicated" and _spans_nodes(cluster):  # priced only: no runtime to match
+        algorithms.append("deduplicated")
     for placement in expert_placements(block, loads, cluster, tokens, precision):
         for algorithm in algorithms:
             layouts.append(ExpertLayout(mode="expert_parallel", all_to_all=algorithm, placement=placement, **common))
@@ -167,10 +173,13 @@ def expert_placements(block: MoEBlock, loads: tuple[float, ...], cluster: Cluste
     # With a capacity every expert computes a buffer padded to the capacity, whatever its
     # share: placing by the padded work (even) competes with placing by the routed shares.
     sources = [loads] + ([tuple(1.0 / block.experts for _ in loads)] if block.capacity_factor else [])
+    # Group-limited routing (DeepSeek-V3) limits the nodes a token reaches only when its groups
+    # lie on nodes: EPLB's hierarchical policy packs whole groups onto nodes.
+    groups = block.routing_groups[0] if block.routing_groups else None
     for slots in (fewest, fewest + 1):
         for work in sources:
-            placements.append(eplb(work, world, slots, per_node))
-            placements.append(balanced(work, world, slots, cost=layer_time, devices_per_node=per_node,
+            placements.append(eplb(work, world, slots, per_node, groups))
+            placements.append(balanced(work, world, slots, cost=layer_time, devices_per_node=per_node, groups=groups,
                                        evaluations=min(PLACEMENT_EVALUATIONS, SEARCH_EVALUATIONS_PER_EXPERT * block.experts)))
     unique: dict[tuple, ExpertPlacement] = {}
     for placement in placements:
@@ -197,13 +206,14 @@ def layer_score(block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Clu
               + gradient_sync + 2 * sharding.gather_s + sharding.reduce_s)
     element = element_bytes(precision)
     activations = cost.busiest_copies * element * (block.hidden + 2 * (block.matmuls - 1) * block.ffn)
-    buffers = {"expert_parallel": 2 * cost.buffer_bytes, "expert_sliced": cost.buffer_bytes}.get(layout.mode, 0.0)
+    buffers = dispatch_buffer_bytes(block, layout, cost, tokens, world, precision)
     memory = held * sum(bytes_per_parameter(precision)) + activations + buffers + 2 * sharding.gathered_bytes
     return ScoredLayout(layout, time_s, memory)
 
 
 def choose_layouts(
     graph: OpGraph, cluster: Cluster, routing: RoutingStats, precision: str, sharded_copies: bool = False,
+    moe_dispatch: str = "compiled",
 ) -> dict[str, list[ScoredLayout]]:
     """Each MoE layer's candidates scored, fastest first (ties: fewer bytes, then the
     candidate order); layers of equal shape and loads share one scoring. ``sharded_copies``:
@@ -220,7 +230,7 @@ def choose_layouts(
         if key not in shared:
             options = [layer_score(block, layout, tokens, cluster, precision)
                        for layout in layer_candidates(block, loads, source, cluster, tokens, precision,
-                                                      sharded_copies)]
+                                                      sharded_copies, moe_dispatch)]
             order = sorted(range(len(options)), key=lambda i: (options[i].time_s, options[i].memory_bytes, i))
             shared[key] = [options[i] for i in order]
         scored[block.module] = [
@@ -261,7 +271,7 @@ def moe_base_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mode
 
 def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str,
                     routing: RoutingStats | None = None, warnings: tuple[str, ...] = (),
-                    precision: str = "fp32") -> tuple[Plan, list[Plan]]:
+                    precision: str = "fp32", moe_dispatch: str = "compiled") -> tuple[Plan, list[Plan]]:
     """The searched ``moe`` plan (see the module docstring) and the plans that run every
     layer in one fixed way (data parallel; expert-sliced; expert parallel, round-robin, flat
     all-to-all), which compete with it and explain it. The dense part is tried with each
@@ -271,6 +281,8 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
     (memory chose for them), all of this runs again with the layouts that shard each expert
     over its copies among the candidates, and the better of the two searches wins (so a model
     whose fastest layouts fit with every flavour is planned as before, at the same cost).
+
+    ``moe_dispatch``: as ``layer_candidates`` takes it.
 
     Raises:
         PlanningError: the model has no MoE layer, or the batch does not split over the devices.
@@ -282,7 +294,7 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
     flavours = DENSE_FLAVOURS if cluster.world_size > 1 else ("ddp",)
     best = None
     for sharded_copies in (False, True):
-        scored = choose_layouts(graph, cluster, routing, precision, sharded_copies)
+        scored = choose_layouts(graph, cluster, routing, precision, sharded_copies, moe_dispatch)
         if sharded_copies and not any(o.layout.sharded_copies for options in scored.values() for o in options):
             break  # no layer's experts form a grid over the devices
         found_best, memory_bound = None, False
@@ -441,5 +453,5 @@ def moe_candidates(context: SearchContext) -> list[Plan]:
         return []
     context.progress("choosing the MoE layers' layouts", 0.0)
     searched, fixed = search_moe_plan(context.graph, context.cluster, context.spec, context.model_name, context.routing,
-                                      context.warnings, context.precision)
+                                      context.warnings, context.precision, context.moe_dispatch)
     return [searched, *fixed]

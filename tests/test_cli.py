@@ -39,8 +39,9 @@ def test_presets_lists_every_preset(capsys):
     assert err == ""
     lines = out.splitlines()
     assert [line.split()[0] for line in lines] == preset_names()
-    assert len(lines) == 4
-    assert {"dgx-a100-80g", "dgx-h100", "p3.16xlarge", "cpu"} == set(preset_names())
+    assert len(lines) == 5
+    assert {"dgx-a100-80g", "dgx-h100", "hgx-h800", "p3.16xlarge", "cpu"} == set(preset_names())
+    assert "H800" in next(line for line in lines if line.startswith("hgx-h800"))
 
 
 def test_plan_prints_report_and_writes_file(capsys, tmp_path):

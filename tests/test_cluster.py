@@ -91,11 +91,26 @@ def test_preset_details_and_dtype_names():
                                      "bfloat16": 312e12, "float16": 312e12}
 
 
+def test_hgx_h800_is_an_h100_with_deepseek_v3s_links():
+    """DeepSeek-V3's cluster (2,048 H800s, 8 per node): H100 SXM compute and memory, NVLink
+    400 GB/s bidirectional (200e9 B/s a direction, not the H100's 450e9) and one 400 Gb/s
+    InfiniBand NIC per GPU (400e9 / 8 = 50e9 B/s)."""
+    cluster = Cluster.preset("hgx-h800", nodes=256)
+    h800, h100 = cluster.device_of(0), Cluster.preset("dgx-h100").device_of(0)
+    assert (cluster.world_size, cluster.devices_per_node, cluster.backend) == (2048, 8, "nccl")
+    assert h800.flops_for("bf16") == h100.flops_for("bf16") == pytest.approx(989.4e12)
+    assert h800.flops_for("fp8") == pytest.approx(1978.9e12)
+    assert (h800.memory_bytes, h800.memory_bandwidth) == (h100.memory_bytes, h100.memory_bandwidth)
+    assert cluster.nodes[0].intra_link.bandwidth == pytest.approx(400e9 / 2)
+    assert cluster.inter_link.bandwidth == pytest.approx(400e9 / 8)
+    assert Cluster.preset("HGX-H800") == Cluster.preset("hgx-h800")
+
+
 def test_preset_overrides_and_listing():
     cluster = Cluster.preset("dgx-h100", nodes=2, devices_per_node=4)
     assert (cluster.world_size, cluster.num_nodes, cluster.devices_per_node) == (8, 2, 4)
     assert Cluster.preset("DGX-H100") == Cluster.preset("dgx-h100")
-    assert preset_names() == ["dgx-a100-80g", "dgx-h100", "p3.16xlarge", "cpu"]
+    assert preset_names() == ["dgx-a100-80g", "dgx-h100", "hgx-h800", "p3.16xlarge", "cpu"]
     assert [name for name, _ in preset_table()] == preset_names()
     assert all(description for _, description in preset_table())
     with _raises("nodes must be a positive integer, got 0"):

@@ -51,3 +51,19 @@ def test_huggingface_moe_blocks_are_found_with_their_shape(model_type):
     assert [b.module for b in blocks] == [f"model.layers.{i}.mlp" for i in range(dense_first, 2)]
     assert all((b.experts, b.top_k, b.hidden, b.ffn, b.matmuls, b.capacity_factor) == (4, 2, 32, ffn, 3, 0.0) for b in blocks)
     assert all(b.runtime == HF_STACKED_EXPERTS for b in blocks)
+
+
+def test_deepseek_v3s_group_limited_routing_is_read_from_its_router():
+    """DeepSeek-V3 routes each token among ``topk_group`` of ``n_group`` expert groups (its
+    node limit when groups lie on nodes); a router that limits nothing records no groups."""
+    overrides = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                 "vocab_size": 64, "intermediate_size": 48, "moe_intermediate_size": 40, "n_routed_experts": 8,
+                 "num_experts_per_tok": 2, "first_k_dense_replace": 1}
+    limited, _, _ = ModelSpec("hf:deepseek_v3", overrides | {"n_group": 4, "topk_group": 2}).build("meta")
+    assert [b.routing_groups for b in find_moe_blocks(limited)] == [(4, 2)]
+    free, _, _ = ModelSpec("hf:deepseek_v3", overrides | {"n_group": 4, "topk_group": 4}).build("meta")
+    assert [b.routing_groups for b in find_moe_blocks(free)] == [()]
+    mixtral, _, _ = ModelSpec("hf:mixtral", {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                            "num_key_value_heads": 4, "vocab_size": 64, "intermediate_size": 48,
+                                            "num_local_experts": 4, "num_experts_per_tok": 2}).build("meta")
+    assert [b.routing_groups for b in find_moe_blocks(mixtral)] == [()]

@@ -99,12 +99,13 @@ def test_expert_states_follow_the_mode(model):
         assert replicated.memory.weights - smaller.memory.weights == pytest.approx(fewer * 4, abs=2)
         assert replicated.memory.gradients - smaller.memory.gradients == pytest.approx(fewer * 4, abs=2)
         assert replicated.memory.optimizer_states - smaller.memory.optimizer_states == pytest.approx(fewer * 8, abs=2)
-    # Expert parallel keeps a send and a receive buffer of the busiest device's 160 copies
-    # of 64 x 4 B; sliced keeps the gathered copies (4 x 160 of them). DDP's bucket (the
-    # whole gradient of a model this small) shrinks with the gradients a device holds.
+    # Expert parallel keeps a send buffer of its own 256 / 4 x 2 = 128 copies and a receive
+    # buffer of the busiest device's 160 (padded to the capacity), rows of 64 x 4 B; sliced
+    # keeps the gathered copies (4 x 160 of them). DDP's bucket (the whole gradient of a
+    # model this small) shrinks with the gradients a device holds.
     bucket_shrinks = fewer * 4
     assert parallel.memory.communication_buffers - replicated.memory.communication_buffers == pytest.approx(
-        2 * 160 * 64 * 4 - bucket_shrinks, abs=2
+        (128 + 160) * 64 * 4 - bucket_shrinks, abs=2
     )
     assert sliced.memory.communication_buffers - replicated.memory.communication_buffers == pytest.approx(
         4 * 160 * 64 * 4 - bucket_shrinks, abs=2
