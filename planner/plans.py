@@ -402,7 +402,7 @@ class Plan:
                 ),
                 precision=reader.get("precision", str),
                 optimizer=reader.get("optimizer", str),
-                runners_up=tuple(reader.records("runners_up", Alternative)),
+                runners_up=tuple(_runners_up_from(reader)),
                 warnings=tuple(reader.strings("warnings")),
                 search_summary=reader.get("search_summary", str),
                 label=reader.get("label", str),
@@ -447,6 +447,18 @@ def load_plan(path: str | Path) -> Plan:
 
 
 # ------------------------------------------------------------------------------ helpers
+
+
+def _runners_up_from(reader: FieldReader) -> list[Alternative]:
+    """The runners-up; a plan saved before ``Alternative.route`` was renamed from ``family``
+    (the word ``planner.families`` now means) has the older key, read as the route."""
+    items = reader.get("runners_up", list)
+    renamed = [
+        {("route" if key == "family" and "route" not in item else key): value for key, value in item.items()}
+        if isinstance(item, dict) else item
+        for item in items
+    ]
+    return FieldReader({"runners_up": renamed}, reader.source).records("runners_up", Alternative)
 
 
 def _sections_from(data: dict, source: str) -> dict[str, Any]:

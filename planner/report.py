@@ -21,7 +21,7 @@ from planner.report_parts import Paragraph
 from planner.strategy import NodeStrategy
 from planner.terminal import InertConsole
 from planner.units import format_bytes, format_count, format_flops, format_seconds
-from planner.verdict import findings, plan_family, plan_label, verdict
+from planner.verdict import findings, plan_label, plan_route, verdict
 
 if TYPE_CHECKING:
     from planner.plans import Plan
@@ -225,41 +225,42 @@ def _time_table(plan: "Plan") -> Table:
 
 
 def _alternatives_table(plan: "Plan") -> Table:
-    """The chosen plan and its runners-up: family (the best of each family starred), step
-    time, MFU, memory on the fullest device, whether it fits and why it lost."""
-    table = Table(title="Why this plan: the runners-up (*: the best plan of its family)")
-    for column in ("plan", "family", "step time", "MFU", "memory", "fits", "against the chosen plan"):
+    """The chosen plan and its runners-up: the route the search reached each by (the best of
+    each route starred), step time, MFU, memory on the fullest device, whether it fits and
+    why it lost."""
+    table = Table(title="Why this plan: the runners-up (*: the best plan the search reached that way)")
+    for column in ("plan", "found by", "step time", "MFU", "memory", "fits", "against the chosen plan"):
         numeric = column in ("step time", "MFU", "memory")
         table.add_column(column, justify="right" if numeric else "left", no_wrap=numeric)
-    chosen_family = plan_family(plan)
-    leaders = _family_leaders(plan.runners_up, chosen_family)
+    chosen_route = plan_route(plan)
+    leaders = _route_leaders(plan.runners_up, chosen_route)
     estimate = plan.estimate
     table.add_row(
-        f"{plan_label(plan)} (chosen)", f"{chosen_family} *", format_seconds(estimate.step_time_s),
+        f"{plan_label(plan)} (chosen)", f"{chosen_route} *", format_seconds(estimate.step_time_s),
         f"{estimate.mfu:.1%}", format_bytes(estimate.memory.total), "yes" if estimate.fits else "no", "",
     )
     for position, alt in enumerate(plan.runners_up):
-        family = f"{alt.family} *" if leaders.get(alt.family) == position else alt.family
+        route = f"{alt.route} *" if leaders.get(alt.route) == position else alt.route
         table.add_row(
-            alt.name, family or "-", format_seconds(alt.step_time_s), f"{alt.mfu:.1%}", format_bytes(alt.memory_bytes),
+            alt.name, route or "-", format_seconds(alt.step_time_s), f"{alt.mfu:.1%}", format_bytes(alt.memory_bytes),
             "yes" if alt.fits else "no", alt.note,
         )
     return table
 
 
-def _family_leaders(alternatives, chosen_family: str) -> dict[str, int]:
-    """Family -> position of its best runner-up (fastest that fits, else least memory); the
-    chosen plan leads its own family. The search always lists each family's best
-    (``search.runners_up``), so the best listed is the family's best."""
+def _route_leaders(alternatives, chosen_route: str) -> dict[str, int]:
+    """Route -> position of its best runner-up (fastest that fits, else least memory); the
+    chosen plan leads its own route. The search always lists each route's best
+    (``search.runners_up``), so the best listed is the route's best."""
     leaders: dict[str, int] = {}
     for position, alt in enumerate(alternatives):
-        if not alt.family or alt.family == chosen_family:
+        if not alt.route or alt.route == chosen_route:
             continue
         key = (not alt.fits, alt.step_time_s if alt.fits else alt.memory_bytes)
-        current = leaders.get(alt.family)
+        current = leaders.get(alt.route)
         if current is None or key < (not alternatives[current].fits, alternatives[current].step_time_s
                                      if alternatives[current].fits else alternatives[current].memory_bytes):
-            leaders[alt.family] = position
+            leaders[alt.route] = position
     return leaders
 
 

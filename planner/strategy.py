@@ -374,8 +374,8 @@ class SimResult:
 class Alternative:
     """A runner-up plan, summarised for the report: its name, predicted step time, memory
     on the fullest device, whether it fits, why it lost to the chosen plan (``note``), its
-    MFU, and its family (``planner.verdict.plan_family``: data parallel, Megatron grid,
-    searched without pipeline)."""
+    MFU, and its route (``planner.verdict.plan_route``: data parallel, Megatron grid,
+    searched without pipeline; plans saved before the field was renamed call it ``family``)."""
 
     name: str
     step_time_s: float
@@ -383,12 +383,12 @@ class Alternative:
     fits: bool
     note: str = ""
     mfu: float = 0.0
-    family: str = ""
+    route: str = ""
 
     def __post_init__(self) -> None:
         # A plan file's runners-up are rendered into the report: wrong types must be refused
         # on load (as a TypeError the plan reader names), not crash the report later.
-        for field_name in ("name", "note", "family"):
+        for field_name in ("name", "note", "route"):
             if not isinstance(getattr(self, field_name), str):
                 raise TypeError(f"runner-up field '{field_name}' must be a string, got {getattr(self, field_name)!r}")
         for field_name in ("step_time_s", "memory_bytes", "mfu"):

@@ -47,11 +47,13 @@ def plan_label(plan: "Plan") -> str:
     return f"{plan.name}{', recompute ' + plan.recompute if plan.recompute != 'none' else ''}"
 
 
-FAMILIES = ("data parallel", "Megatron grid", "searched, no pipeline", "searched pipeline", "MoE layouts")
+# How the search reached a plan (a runner-up's "route"): not a parallelism family of
+# ``planner.families`` (those say what a plan runs; a route is where the search found it).
+ROUTES = ("data parallel", "Megatron grid", "searched, no pipeline", "searched pipeline", "MoE layouts")
 
 
-def plan_family(plan: "Plan") -> str:
-    """The family of plans ``plan`` belongs to, one of ``FAMILIES``: pure data parallelism
+def plan_route(plan: "Plan") -> str:
+    """How the search reached ``plan``, one of ``ROUTES``: pure data parallelism
     (DDP, ZeRO, FSDP: no label), Megatron-LM's layouts (the pipeline grid's pp x dp x tp
     configurations and the Megatron baseline), or per-op shardings found by the search,
     without or with pipeline stages."""

@@ -25,7 +25,7 @@ from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
 from planner.strategy import Alternative, Mesh, SimResult
-from planner.verdict import plan_family
+from planner.verdict import plan_route
 from search.layouts import data_parallel_layout
 from search.context import SearchContext
 from search.plan_builder import unsimulated_plan
@@ -180,7 +180,7 @@ def alternative(plan: Plan, best: Plan) -> Alternative:
         note = f"{slower:+.1%} step time ({reason})"
     return Alternative(
         name=plan.name, step_time_s=estimate.step_time_s, memory_bytes=estimate.memory.total, fits=estimate.fits, note=note,
-        mfu=estimate.mfu, family=plan_family(plan),
+        mfu=estimate.mfu, route=plan_route(plan),
     )
 
 

@@ -192,19 +192,24 @@ def test_stage_recompute_round_trips_and_is_checked(tmp_path):
             load_plan(write(tmp_path, data))
 
 
-def test_runners_up_keep_their_family_and_mfu_and_refuse_wrong_types(gpt_plan, plan_dict, tmp_path):
-    assert gpt_plan.runners_up and all(alt.family == "data parallel" and alt.mfu > 0 for alt in gpt_plan.runners_up[:3])
+def test_runners_up_keep_their_route_and_mfu_and_refuse_wrong_types(gpt_plan, plan_dict, tmp_path):
+    assert gpt_plan.runners_up and all(alt.route == "data parallel" and alt.mfu > 0 for alt in gpt_plan.runners_up[:3])
     assert load_plan(write(tmp_path, plan_dict)).runners_up == gpt_plan.runners_up
-    for field, value in (("mfu", "high"), ("family", 3), ("fits", "yes"), ("step_time_s", None)):
+    for field, value in (("mfu", "high"), ("route", 3), ("fits", "yes"), ("step_time_s", None)):
         broken = json.loads(json.dumps(plan_dict))
         broken["runners_up"][0][field] = value
         with pytest.raises(PlanFileError, match=re.escape(f"field 'runners_up[0].{field}' must be")):
             load_plan(write(tmp_path, broken))
-    # Plans saved before runners-up had a family and an MFU still load.
+    # Plans saved before the field was renamed from "family" read it as the route.
+    renamed = json.loads(json.dumps(plan_dict))
+    for alt in renamed["runners_up"]:
+        alt["family"] = alt.pop("route")
+    assert load_plan(write(tmp_path, renamed)).runners_up == gpt_plan.runners_up
+    # Plans saved before runners-up had a route and an MFU still load.
     older = json.loads(json.dumps(plan_dict))
     for alt in older["runners_up"]:
-        del alt["mfu"], alt["family"]
-    assert [alt.family for alt in load_plan(write(tmp_path, older)).runners_up] == [""] * len(older["runners_up"])
+        del alt["mfu"], alt["route"]
+    assert [alt.route for alt in load_plan(write(tmp_path, older)).runners_up] == [""] * len(older["runners_up"])
 
 
 def test_expert_layouts_round_trip_and_are_checked(gpt_plan, tmp_path):

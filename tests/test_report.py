@@ -21,7 +21,7 @@ from planner.model_spec import ModelSpec
 from planner.report import REPORT_WIDTH
 from planner.strategy import Alternative, Mesh
 from planner.units import format_bytes, format_seconds
-from planner.verdict import CLOSE_CALL_MARGIN, close_calls, findings, plan_family, plan_label
+from planner.verdict import CLOSE_CALL_MARGIN, close_calls, findings, plan_label, plan_route
 from search.node_candidates import node_strategies
 from search.plan_builder import unsimulated_plan
 
@@ -190,7 +190,7 @@ def test_a_composed_plan_says_which_axis_runs_fsdp_and_which_tensor_parallelism(
     assert "'pp' (2 ranks) runs pipeline stages; 'dp' (2 ranks) runs FSDP (ZeRO-3); 'tp' (2 ranks) runs tensor" in report
 
 
-# ------------------------------------------------------------------ runners-up by family
+# ------------------------------------------------------------------ runners-up by route
 
 
 def _on_memory(plan, graph, capacity: int):
@@ -202,10 +202,10 @@ def _on_memory(plan, graph, capacity: int):
     return simulated(dataclasses.replace(plan, cluster=tight), graph)
 
 
-def test_the_runners_up_keep_the_best_plan_of_every_family_whatever_its_rank():
+def test_the_runners_up_keep_the_best_plan_of_every_route_whatever_its_rank():
     from search.data_parallel import data_parallel_plan
     from search.megatron import megatron_plan
-    from search.runners_up import family_best, runners_up
+    from search.runners_up import route_best, runners_up
 
     graph, spec, name, cluster = prepare_model(ModelSpec(str(EXAMPLES / "llama.py"), {"size": "tiny"}), "cpu:2x2")
     data_parallel = [data_parallel_plan(graph, cluster, spec, name, flavour) for flavour in ("ddp", "zero1")]
@@ -223,20 +223,20 @@ def test_the_runners_up_keep_the_best_plan_of_every_family_whatever_its_rank():
     assert lightest_megatron < lightest_dp
     capacity = (lightest_megatron + lightest_dp) // 2
     plans = [_on_memory(p, graph, capacity) for p in (*data_parallel, *megatron, *searched)]
-    families = {plan_family(p) for p in plans}
+    families = {plan_route(p) for p in plans}
     assert families == {"data parallel", "Megatron grid", "searched, no pipeline"}
     best = min((p for p in plans if p.estimate.fits), key=lambda p: p.estimate.step_time_s)
-    assert plan_family(best) == "Megatron grid"
+    assert plan_route(best) == "Megatron grid"
     # One row by rank only: the families' best must come in on their own.
     alternatives = runners_up(best, plans, [], count=1)
     fastest_other = min((p for p in plans if p is not best), key=lambda p: p.estimate.step_time_s)
     assert alternatives[0].name == plan_label(fastest_other)
     by_name = {alt.name: alt for alt in alternatives}
-    for family in families - {plan_family(best)}:
-        members = [p for p in plans if plan_family(p) == family]
-        leader = family_best(members)
+    for family in families - {plan_route(best)}:
+        members = [p for p in plans if plan_route(p) == family]
+        leader = route_best(members)
         alt = by_name[plan_label(leader)]
-        assert alt.family == family
+        assert alt.route == family
         assert (alt.step_time_s, alt.memory_bytes, alt.fits) == (
             leader.estimate.step_time_s, leader.estimate.memory.total, leader.estimate.fits
         )
@@ -245,35 +245,35 @@ def test_the_runners_up_keep_the_best_plan_of_every_family_whatever_its_rank():
             assert alt.note.startswith("+") and "step time" in alt.note, alt.note
         else:
             assert alt.note.startswith("does not fit: needs "), alt.note
-    dp_leader = by_name[plan_label(family_best([p for p in plans if plan_family(p) == "data parallel"]))]
+    dp_leader = by_name[plan_label(route_best([p for p in plans if plan_route(p) == "data parallel"]))]
     assert not dp_leader.fits and dp_leader.memory_bytes == min(p.estimate.memory.total for p in plans[:2])
-    assert len(alternatives) == 1 + len({plan_label(family_best([p for p in plans if plan_family(p) == f]))
-                                         for f in families - {plan_family(best)}} - {alternatives[0].name})
+    assert len(alternatives) == 1 + len({plan_label(route_best([p for p in plans if plan_route(p) == f]))
+                                         for f in families - {plan_route(best)}} - {alternatives[0].name})
 
 
-def test_a_searched_plan_reports_the_best_of_each_family_with_mfu_and_memory():
+def test_a_searched_plan_reports_the_best_of_each_route_with_mfu_and_memory():
     from planner.report import render_report
 
     # Two nodes: the pipeline grid is searched beside the data-parallel flavours and the
     # per-op search, so the three families are all considered.
     plan = planner.plan(ModelSpec(str(EXAMPLES / "llama.py"), {"size": "tiny"}), "cpu:2x2", effort=0.25, progress=False)
-    families = {alt.family for alt in plan.runners_up} | {plan_family(plan)}
+    families = {alt.route for alt in plan.runners_up} | {plan_route(plan)}
     assert {"data parallel", "Megatron grid", "searched, no pipeline"} <= families, families
     assert max(len(line) for line in plan.report().splitlines()) <= REPORT_WIDTH
-    # Wide enough that every row is one line: plan | family | step time | MFU | memory | fits | note.
+    # Wide enough that every row is one line: plan | found by | step time | MFU | memory | fits | note.
     table = render_report(plan, width=400).split("Why this plan: the runners-up")[1]
     cells = [[cell.strip() for cell in line.split("│")[1:-1]] for line in table.splitlines() if line.startswith("│")]
-    assert cells[0][:2] == [f"{plan_label(plan)} (chosen)", f"{plan_family(plan)} *"]
+    assert cells[0][:2] == [f"{plan_label(plan)} (chosen)", f"{plan_route(plan)} *"]
     assert cells[0][3] == f"{plan.estimate.mfu:.1%}"
     rows = cells[1:]
     assert [row[0] for row in rows] == [alt.name for alt in plan.runners_up]
     for row, alt in zip(rows, plan.runners_up):
-        assert row[1].removesuffix(" *") == alt.family
+        assert row[1].removesuffix(" *") == alt.route
         assert row[2:] == [format_seconds(alt.step_time_s), f"{alt.mfu:.1%}", format_bytes(alt.memory_bytes),
                            "yes" if alt.fits else "no", alt.note]
     # One row starred per family other than the chosen plan's: its fastest that fits.
-    for family in families - {plan_family(plan)}:
-        members = [(row, alt) for row, alt in zip(rows, plan.runners_up) if alt.family == family]
+    for family in families - {plan_route(plan)}:
+        members = [(row, alt) for row, alt in zip(rows, plan.runners_up) if alt.route == family]
         marked = [alt for row, alt in members if row[1] == f"{family} *"]
         fitting = [alt for _, alt in members if alt.fits]
         assert len(marked) == 1 and (not fitting or marked[0].step_time_s == min(a.step_time_s for a in fitting))

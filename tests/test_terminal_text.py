@@ -50,7 +50,7 @@ def hostile_plan(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hostile")
     data = write_real_plan(folder)
     data["warnings"] = [f"{index}: {payload}" for index, payload in enumerate(PAYLOADS)]
-    data["runners_up"][0].update(name=CLEAR_AND_LIE + " " + MARKUP, note=HIDDEN_LINK + TITLE, family=BIDI + OVERWRITE)
+    data["runners_up"][0].update(name=CLEAR_AND_LIE + " " + MARKUP, note=HIDDEN_LINK + TITLE, route=BIDI + OVERWRITE)
     data["search_summary"] = MARKUP + OVERWRITE
     data["summary"]["name"] = MARKUP + TITLE
     data["cluster"]["name"] = "lab " + MARKUP  # cluster names must be printable: markup only
