@@ -44,7 +44,6 @@ said):
   * FSDP's gradient reduce-scatter in fp32 (Composer's ``mixed_precision: DEFAULT``) where the
     simulator reduces in bf16; autocast's per-step weight casts and fp32 norms (MosaicML's
     ``amp_bf16``);
-  * the Grand Teton H100s' 500 W power limit (torchtitan's H100 row: ``grand_teton_h100``);
   * slower, not faster: torch.compile's fusions (torchtitan's 405B row).
 
 Megatron-DeepSpeed's per-layer cost (MT-NLG, BLOOM): on BigScience's published layout sweep
@@ -67,6 +66,9 @@ tiny impact or no impact at all to the throughput"; ``PartitionedTensor.full()``
 and clones the gathered tensor (~0.3% of the step by hand); the attention mask is not sent
 between stages (pretrain_gpt.py caches it in ``args.attn_mask``); the tied embedding's
 gradient all-reduce is priced (11 ms on MT-NLG).
+
+Modelled from the runs' stated hardware: the Grand Teton H100s' 500 W power limit lowers their
+peak to the clock such a board holds (``grand_teton_h100``, ``planner.power_limit``).
 
 Modelled from the runs' stated software: collectives overlapping compute slow it
 (``cost_model.nccl``'s contention); the host's time to issue ops bounds each block from below
@@ -115,7 +117,7 @@ from pathlib import Path
 
 from planner.api import prepare_model
 from planner.cluster import Cluster
-from planner.cluster_edits import with_attention_kernel, with_inter_node, with_memory
+from planner.cluster_edits import with_attention_kernel, with_inter_node, with_memory, with_power_limit
 from planner.families.hsdp.section import HsdpSection
 from planner.model_spec import ModelSpec
 from search.data_parallel import fsdp_units
@@ -416,15 +418,23 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
     return found
 
 
+# torchtitan's H100 benchmarks: "We used the default 500W power limit, although tuning it up to
+# 700W TDP can potentially provide further speedups" (benchmarks/llama3_h100_202412_torchtitan.md,
+# "Hardware").
+GRAND_TETON_POWER_LIMIT_W = 500.0
+
+
 def grand_teton_h100(nodes: int, memory_bytes: int = 96_000_000_000) -> Cluster:
     """The H100 hosts torchtitan's H100 benchmarks ran on (the benchmark's "Hardware"
     section): Grand Teton, 8 H100s per host with NVLink, each with 96 GB of HBM2e at 2.4 TB/s
     (the August 2024 performance.md says 94 GB), 400 Gb/s RDMA per GPU between hosts (the
     dgx-h100 preset's 50 GB/s), at the default 500 W power limit. The source does not know
-    their peak FLOP/s ("between SXM and NVL"); the preset's SXM peak is kept, which bends
-    these rows fast."""
-    return with_memory(Cluster.preset("dgx-h100", nodes=nodes), memory_bytes=memory_bytes,
-                       memory_bandwidth=2.4e12)
+    their peak FLOP/s ("between SXM and NVL", footnote 2 of
+    benchmarks/llama3_h100_202412_torchtitan.md); the peak is the SXM's at the clock a 500 W
+    board holds (``planner.power_limit``: 894 of 989 TFLOP/s, between the two datasheet
+    figures the source names), an estimate from the datasheets, not a measurement."""
+    cluster = with_memory(Cluster.preset("dgx-h100", nodes=nodes), memory_bytes=memory_bytes, memory_bandwidth=2.4e12)
+    return with_power_limit(cluster, GRAND_TETON_POWER_LIMIT_W)
 
 
 def torchtitan_h100_runs() -> list[Run]:
