@@ -37,14 +37,25 @@ BLOOM-176B pages; Dubey et al. 2024 (Llama 3), table 4; NVIDIA/Megatron-LM's REA
 What the simulator leaves out, and which way each bends these rows (predicted faster, unless
 said):
   * the kernel ceilings are matmul throughputs measured with CUDA 12.1 (ml-engineering's MAMF
-    table); MT-NLG (2021) and BLOOM (2022) ran on CUDA 11 with DeepSpeed's pipeline engine,
-    and llm-foundry's benchmark script defaults to the image
-    ``mosaicml/pytorch:1.13.1_cu117`` (CUDA 11.7, no Hopper-tuned GEMMs) - older kernels are
-    slower than the ceilings we use;
-  * FSDP's gradient reduce-scatter in fp32 (Composer's ``mixed_precision: DEFAULT``) where the
-    simulator reduces in bf16; autocast's per-step weight casts and fp32 norms (MosaicML's
-    ``amp_bf16``);
+    table); MT-NLG (2021) and BLOOM (2022) ran on CUDA 11 with DeepSpeed's pipeline engine -
+    older kernels are slower than the ceilings we use. Not the MPT rows: their tables came
+    with llm-foundry's October 2023 sweep (commit b2a43a147, scripts/train/benchmarking/
+    sweep.sh: ``IMAGE="mosaicml/pytorch:2.1.0_cu121..."``, CUDA 12.1 for A100 and H100 alike);
+  * Megatron-Core's gradient reduce-scatter in fp32 where the simulator reduces in bf16: with
+    ``--bf16``, Megatron-LM r0.8 sets ``accumulate_allreduce_grads_in_fp32`` (megatron/
+    training/arguments.py: "bfloat16 requires gradient accumulation and all-reduce to be done
+    in fp32"). Not modelled: priced in fp32, the tp1/tp2 rows move 1.6 and 2.8 points closer
+    but the pipelined rows go slow (MCore-GPT-70B +7.7% -> +26.4%, its dp reduction exposed
+    after the last micro-batch's backward), so something the pipelined rows pay in the model
+    is not paid as modelled, and fixing one without the other would trade the right reason
+    for a worse fit.
   * slower, not faster: torch.compile's fusions (torchtitan's 405B row).
+
+Checked and not a cause: the MPT rows' ``mixed_precision: DEFAULT`` gathers and reduces in
+bf16 as the simulator does (Composer since mosaicml/composer aaa8dcc4c, 2023-03-09:
+``param_dtype`` and ``buffer_dtype`` the autocast precision, ``reduce_dtype`` None, which
+FSDP's ``MixedPrecision`` takes as ``param_dtype``), so ``amp_bf16`` casts no weights per
+step; MPT's ``low_precision_layernorm`` runs its norms in bf16 under autocast.
 
 Megatron-DeepSpeed's per-layer cost (MT-NLG, BLOOM): on BigScience's published layout sweep
 of the same engine (``benchmarks/fidelity_sweep.py``), the modelled kernels, collectives and
