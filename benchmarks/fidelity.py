@@ -45,10 +45,12 @@ said):
     ``--bf16``, Megatron-LM r0.8 sets ``accumulate_allreduce_grads_in_fp32`` (megatron/
     training/arguments.py: "bfloat16 requires gradient accumulation and all-reduce to be done
     in fp32"). Not modelled: priced in fp32, the tp1/tp2 rows move 1.6 and 2.8 points closer
-    but the pipelined rows go slow (MCore-GPT-70B +7.7% -> +26.4%, its dp reduction exposed
-    after the last micro-batch's backward), so something the pipelined rows pay in the model
-    is not paid as modelled, and fixing one without the other would trade the right reason
-    for a worse fit.
+    but the pipelined rows go slow (MCore-GPT-70B +7.7% -> +26.4%: 1.03 s of its 2.75 s step
+    becomes exposed communication), so something the pipelined rows pay in the model is not
+    paid as modelled; fixing one side without the other would trade one compensating error
+    for another. Likewise running the pp1 rows as Megatron does (micro-batches of 1, one
+    reduction after the last) moves MCore-GPT-1.7B -12.6% -> -10.2% and 7.1B -12.2% -> -10.0%
+    but 16B +2.8% -> +13.2% (its tensor-parallel collectives exposed per micro-batch).
   * slower, not faster: torch.compile's fusions (torchtitan's 405B row).
 
 Checked and not a cause: the MPT rows' ``mixed_precision: DEFAULT`` gathers and reduces in

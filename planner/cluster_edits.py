@@ -215,7 +215,9 @@ def with_power_limit(cluster: Cluster, watts: float) -> Cluster:
     """``cluster`` with every device's peak FLOP/s (every dtype: the power limit lowers the
     clock all units share) at the clock a board limited to ``watts`` holds
     (``planner.power_limit.peak_scale_at_power_limit``); memory bandwidth and collectives priced
-    as before. Only H100 devices have the datasheet points the scaling rests on."""
+    as before. Only H100 devices have the datasheet points the scaling rests on. The scale
+    multiplies the devices' peaks as they are: apply it once, to devices at their datasheet
+    (700 W) peaks."""
     names = sorted({node.device.name for node in cluster.nodes
                     if not any(key in node.device.name.upper() for key in H100_NAMES)})
     if names:
