@@ -11,7 +11,8 @@ and quotes each one's dense peak:
   * H100 NVL, "350-400W (configurable)", BF16 tensor core 1,671 TFLOP/s with sparsity =
     835.5 dense (its upper limit, 400 W, is the one its figures hold at)
 
-(NVIDIA H100 Tensor Core GPU datasheet, the "H100 SXM" and "H100 NVL" columns). The two points
+(NVIDIA H100 Tensor Core GPU datasheet and product page, https://www.nvidia.com/en-us/
+data-center/h100/, specification table, the "H100 SXM" and "H100 NVL" columns). The two points
 give the exponent, ln(989.4 / 835.5) / ln(700 / 400) = 0.302, close to the 1/3 of the
 textbook P ∝ f³ (V ∝ f), so the law and the two points agree; a limit between them takes the
 peak the law puts there. It is an ESTIMATE between two vendor figures, not a measurement at
