@@ -34,7 +34,9 @@ import torch
 from cost_model.compute import op_times, roofline_time
 from cost_model.gpu_kernels import attention_times, generation_of, matmul_time
 from planner.cluster import Cluster
+from planner.cluster_edits import with_power_limit
 from planner.graph import OpNode, TensorMeta
+from planner.power_limit import H100_POWER_POINTS
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,19 @@ def layer_shape_lines() -> list[str]:
     return lines
 
 
+def power_limit_lines(watts: float = 500.0) -> list[str]:
+    """The H100's peak and the MAMF-shape GEMM at a board power limit (``planner.power_limit``),
+    beside the datasheet figures that bound it (no public measurement at the limit)."""
+    capped = with_power_limit(Cluster.preset("dgx-h100"), watts)
+    device = capped.device_of(0)
+    m, n, k = generation_of(device).mamf_shape
+    seconds = matmul_time(1, m, n, k, device, "bfloat16", 2, generation_of(device))
+    (low_watts, low_peak), (high_watts, high_peak) = H100_POWER_POINTS
+    return [f"H100 at {watts:.0f} W: peak {device.flops_for('bfloat16') / 1e12:.1f} TFLOP/s (datasheet: "
+            f"{low_peak / 1e12:.1f} at {low_watts:.0f} W, {high_peak / 1e12:.1f} at {high_watts:.0f} W); "
+            f"{m}x{n}x{k} GEMM {2 * m * n * k / seconds / 1e12:.1f} TFLOP/s"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fast", action="store_true", help="only the first row of each component")
@@ -233,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.fast:
         print("\nModel only (no public per-shape measurement found): layer GEMMs of one 8192-token micro-batch")
         print("\n".join(layer_shape_lines()))
+        print("\nModel only (datasheet bounds, no measurement at the limit): a board power limit")
+        print("\n".join(power_limit_lines()))
 
 
 if __name__ == "__main__":

@@ -37,15 +37,27 @@ BLOOM-176B pages; Dubey et al. 2024 (Llama 3), table 4; NVIDIA/Megatron-LM's REA
 What the simulator leaves out, and which way each bends these rows (predicted faster, unless
 said):
   * the kernel ceilings are matmul throughputs measured with CUDA 12.1 (ml-engineering's MAMF
-    table); MT-NLG (2021) and BLOOM (2022) ran on CUDA 11 with DeepSpeed's pipeline engine,
-    and llm-foundry's benchmark script defaults to the image
-    ``mosaicml/pytorch:1.13.1_cu117`` (CUDA 11.7, no Hopper-tuned GEMMs) - older kernels are
-    slower than the ceilings we use;
-  * FSDP's gradient reduce-scatter in fp32 (Composer's ``mixed_precision: DEFAULT``) where the
-    simulator reduces in bf16; autocast's per-step weight casts and fp32 norms (MosaicML's
-    ``amp_bf16``);
-  * the Grand Teton H100s' 500 W power limit (torchtitan's H100 row: ``grand_teton_h100``);
+    table); MT-NLG (2021) and BLOOM (2022) ran on CUDA 11 with DeepSpeed's pipeline engine -
+    older kernels are slower than the ceilings we use. Not the MPT rows: their tables came
+    with llm-foundry's October 2023 sweep (commit b2a43a147, scripts/train/benchmarking/
+    sweep.sh: ``IMAGE="mosaicml/pytorch:2.1.0_cu121..."``, CUDA 12.1 for A100 and H100 alike);
+  * Megatron-Core's gradient reduce-scatter in fp32 where the simulator reduces in bf16: with
+    ``--bf16``, Megatron-LM r0.8 sets ``accumulate_allreduce_grads_in_fp32`` (megatron/
+    training/arguments.py: "bfloat16 requires gradient accumulation and all-reduce to be done
+    in fp32"). Not modelled: priced in fp32, the tp1/tp2 rows move 1.6 and 2.8 points closer
+    but the pipelined rows go slow (MCore-GPT-70B +7.7% -> +26.4%: 1.03 s of its 2.75 s step
+    becomes exposed communication), so something the pipelined rows pay in the model is not
+    paid as modelled; fixing one side without the other would trade one compensating error
+    for another. Likewise running the pp1 rows as Megatron does (micro-batches of 1, one
+    reduction after the last) moves MCore-GPT-1.7B -12.6% -> -10.2% and 7.1B -12.2% -> -10.0%
+    but 16B +2.8% -> +13.2% (its tensor-parallel collectives exposed per micro-batch).
   * slower, not faster: torch.compile's fusions (torchtitan's 405B row).
+
+Checked and not a cause: the MPT rows' ``mixed_precision: DEFAULT`` gathers and reduces in
+bf16 as the simulator does (Composer since mosaicml/composer aaa8dcc4c, 2023-03-09:
+``param_dtype`` and ``buffer_dtype`` the autocast precision, ``reduce_dtype`` None, which
+FSDP's ``MixedPrecision`` takes as ``param_dtype``), so ``amp_bf16`` casts no weights per
+step; MPT's ``low_precision_layernorm`` runs its norms in bf16 under autocast.
 
 Megatron-DeepSpeed's per-layer cost (MT-NLG, BLOOM): on BigScience's published layout sweep
 of the same engine (``benchmarks/fidelity_sweep.py``), the modelled kernels, collectives and
@@ -67,6 +79,9 @@ tiny impact or no impact at all to the throughput"; ``PartitionedTensor.full()``
 and clones the gathered tensor (~0.3% of the step by hand); the attention mask is not sent
 between stages (pretrain_gpt.py caches it in ``args.attn_mask``); the tied embedding's
 gradient all-reduce is priced (11 ms on MT-NLG).
+
+Modelled from the runs' stated hardware: the Grand Teton H100s' 500 W power limit lowers their
+peak to the clock such a board holds (``grand_teton_h100``, ``planner.power_limit``).
 
 Modelled from the runs' stated software: collectives overlapping compute slow it
 (``cost_model.nccl``'s contention); the host's time to issue ops bounds each block from below
@@ -115,7 +130,7 @@ from pathlib import Path
 
 from planner.api import prepare_model
 from planner.cluster import Cluster
-from planner.cluster_edits import with_attention_kernel, with_inter_node, with_memory
+from planner.cluster_edits import with_attention_kernel, with_inter_node, with_memory, with_power_limit
 from planner.families.hsdp.section import HsdpSection
 from planner.model_spec import ModelSpec
 from search.data_parallel import fsdp_units
@@ -416,15 +431,23 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
     return found
 
 
+# torchtitan's H100 benchmarks: "We used the default 500W power limit, although tuning it up to
+# 700W TDP can potentially provide further speedups" (benchmarks/llama3_h100_202412_torchtitan.md,
+# "Hardware").
+GRAND_TETON_POWER_LIMIT_W = 500.0
+
+
 def grand_teton_h100(nodes: int, memory_bytes: int = 96_000_000_000) -> Cluster:
     """The H100 hosts torchtitan's H100 benchmarks ran on (the benchmark's "Hardware"
     section): Grand Teton, 8 H100s per host with NVLink, each with 96 GB of HBM2e at 2.4 TB/s
     (the August 2024 performance.md says 94 GB), 400 Gb/s RDMA per GPU between hosts (the
     dgx-h100 preset's 50 GB/s), at the default 500 W power limit. The source does not know
-    their peak FLOP/s ("between SXM and NVL"); the preset's SXM peak is kept, which bends
-    these rows fast."""
-    return with_memory(Cluster.preset("dgx-h100", nodes=nodes), memory_bytes=memory_bytes,
-                       memory_bandwidth=2.4e12)
+    their peak FLOP/s ("between SXM and NVL", footnote 2 of
+    benchmarks/llama3_h100_202412_torchtitan.md); the peak is the SXM's at the clock a 500 W
+    board holds (``planner.power_limit``: 894 of 989 TFLOP/s, between the two datasheet
+    figures the source names), an estimate from the datasheets, not a measurement."""
+    cluster = with_memory(Cluster.preset("dgx-h100", nodes=nodes), memory_bytes=memory_bytes, memory_bandwidth=2.4e12)
+    return with_power_limit(cluster, GRAND_TETON_POWER_LIMIT_W)
 
 
 def torchtitan_h100_runs() -> list[Run]:

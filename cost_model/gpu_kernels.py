@@ -156,8 +156,9 @@ class GpuGeneration:
 # at the 700 W limit (NVIDIA's convention above), that clock is 1628-1746 MHz, 0.89-0.95 of
 # 1830 MHz: the A100's 0.926 lies inside. The page does not say whether they are Rpeak or
 # Rmax, and ml-engineering's MAMF notes give no clock, so neither replaces the assumption.
-# torchtitan's Grand Teton H100s run at a 500 W limit: we found no published clock for it
-# either, so those rows keep the 700 W figure (``benchmarks/fidelity.py``, ``grand_teton_h100``).
+# A board run below its datasheet power limit (torchtitan's Grand Teton H100s at 500 W) is a
+# cluster property, not a generation's: its peak FLOP/s is lowered by ``planner.power_limit``
+# (``cluster_edits.with_power_limit``), and this ratio applies on top of it.
 SUSTAINED_CLOCK = {"A100": 1305 / 1410}
 
 GENERATIONS = {

@@ -4,9 +4,10 @@ A cluster built from a preset (``Cluster.preset``, a file whose node groups name
 carries ``Cluster.derived_from``; the edits here keep it, so the cost model keeps what was
 measured on the preset's hardware:
 
-  * ``with_attention_kernel``, ``with_memory``: the device's fused attention kernel, its memory
-    size or bandwidth. NCCL's collectives do not depend on them: the preset's measured curves
-    and the compute/communication contention stay exactly as they were.
+  * ``with_attention_kernel``, ``with_memory``, ``with_power_limit``: the device's fused
+    attention kernel, its memory size or bandwidth, the peak FLOP/s its board power limit
+    allows (``planner.power_limit``). NCCL's collectives do not depend on them: the preset's
+    measured curves and the compute/communication contention stay exactly as they were.
   * ``with_intra_node``, ``with_inter_node``: a link class's bandwidth or latency. The preset's
     measured curves of that link class are scaled by the ratio of the new figure to the
     preset's (``link_scales``); the other link class keeps its curves unchanged.
@@ -31,7 +32,7 @@ NVSwitch and one NIC per GPU) and share one intra-node link; otherwise collectiv
 α–β model of ``cost_model.collectives`` on the cluster's own links, as any cluster described
 from scratch does.
 
-Vocabulary layer: imports only ``planner.cluster`` and ``planner.presets``.
+Vocabulary layer: imports only ``planner.cluster``, ``planner.power_limit`` and ``planner.presets``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 
 from planner.cluster import ATTENTION_KERNELS, Cluster, LinkSpec, NodeSpec, format_si
 from planner.errors import ClusterError
+from planner.power_limit import H100_NAMES, peak_scale_at_power_limit
 from planner.presets import PRESETS
 
 
@@ -207,6 +209,28 @@ def with_memory(cluster: Cluster, memory_bytes: int | None = None,
     changes = {key: value for key, value in (("memory_bytes", memory_bytes), ("memory_bandwidth", memory_bandwidth))
                if value is not None}
     return _with_devices(cluster, **changes)
+
+
+def with_power_limit(cluster: Cluster, watts: float) -> Cluster:
+    """``cluster`` with every device's peak FLOP/s (every dtype: the power limit lowers the
+    clock all units share) at the clock a board limited to ``watts`` holds
+    (``planner.power_limit.peak_scale_at_power_limit``); memory bandwidth and collectives priced
+    as before. Only H100 devices have the datasheet points the scaling rests on. The scale
+    multiplies the devices' peaks as they are: apply it once, to devices at their datasheet
+    (700 W) peaks."""
+    names = sorted({node.device.name for node in cluster.nodes
+                    if not any(key in node.device.name.upper() for key in H100_NAMES)})
+    if names:
+        raise ClusterError(f"a power limit can only be applied to H100 devices (the datasheet points of "
+                           f"planner.power_limit), not {', '.join(names)}; set the device's peak_flops instead")
+    try:
+        scale = peak_scale_at_power_limit(watts)
+    except ValueError as error:
+        raise ClusterError(str(error)) from None
+    nodes = tuple(dataclasses.replace(node, device=dataclasses.replace(
+        node.device, peak_flops={dtype: flops * scale for dtype, flops in node.device.peak_flops.items()}))
+        for node in cluster.nodes)
+    return dataclasses.replace(cluster, nodes=nodes)
 
 
 def with_intra_node(cluster: Cluster, bandwidth: float | None = None, latency: float | None = None) -> Cluster:
