@@ -22,8 +22,8 @@ Every mode routes in the global order of the whole batch (one all-gather of per-
 counts), so capacity, drops and the balance loss are one device's. A plan that accumulates
 gradients routes each micro-batch so, on its own (``codegen.runtime.accumulation`` cuts the
 global batch into consecutive micro-batches and each rank takes its part of each): the
-capacity, drops and balance loss are the micro-batch's, as MoE trainers run them. The rest of the model
-(and the router, and the experts of data-parallel layers) is data parallel by the plan's
+capacity, drops and balance loss are the micro-batch's, as MoE trainers run them. The rest of
+the model (and the router, and the experts of data-parallel layers) is data parallel by the plan's
 flavour: DDP (``ddp``; ``zero1`` adds an optimizer splitting the replicated weights'
 states over "dp") or FSDP2 units (``fsdp``; ``zero2`` keeps gathered weights from forward to
 backward). The expert weights that differ from rank to rank are kept out of DDP, of every

@@ -2,10 +2,11 @@
 
 Every rank builds the model and the global batch from the plan's spec with the same seed,
 runs the reference step (forward, loss, backward, optimizer) on the whole batch on its own
-(in the plan's micro-batches when it accumulates gradients), then the sharded step through ``model_spmd``, and compares outputs, the loss, every
-gradient and every updated parameter. Dropout is switched off in both (modules, functional
-calls and attention's ``dropout_p``: ``codegen.runtime.randomness``): its random masks cannot
-match between a sharded and an unsharded run; the result says what was switched off.
+(in the plan's micro-batches when it accumulates gradients), then the sharded step through
+``model_spmd``, and compares outputs, the loss, every gradient and every updated parameter.
+Dropout is switched off in both (modules, functional calls and attention's ``dropout_p``:
+``codegen.runtime.randomness``): its random masks cannot match between a sharded and an
+unsharded run; the result says what was switched off.
 
 Parameters are compared under their names in the model built from the spec, whole
 (``full_parameters``): DTensors are gathered, and a module ``parallelize`` put in place of
