@@ -312,9 +312,10 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
         found_best, memory_bound = None, False
         # Blocks recomputed in backward, and micro-batches, only when nothing fits without.
         for recompute in ("none", "full") if graph.blocks else ("none",):
-            for steps in accumulation_counts(graph, cluster):
+            counts, steps = accumulation_counts(graph, cluster), 1
+            while steps:
                 scored = choose_layouts(graph, cluster, routing, precision, sharded_copies, steps, candidates)
-                at_steps = None
+                at_steps, tried = None, []
                 for flavour in flavours:
                     dense = dataclasses.replace(
                         base, dp_flavour=flavour, recompute=recompute, accumulation_steps=steps,
@@ -322,12 +323,15 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
                     )
                     found = _search_with(graph, cluster, spec, model_name, scored, warnings, precision, dense)
                     memory_bound = memory_bound or found[2]
+                    tried.append(found[0])
                     if at_steps is None or _rank(found[0]) < _rank(at_steps[0]):
                         at_steps = (*found, scored)
                 if found_best is None or _rank(at_steps[0]) < _rank(found_best[0]):
                     found_best = at_steps
-                if at_steps[0].estimate.fits or not _micro_batches_may_fit(at_steps[0]):
+                if at_steps[0].estimate.fits:
                     break
+                wanted = _micro_batches_wanted(tried)  # None: more micro-batches help no flavour
+                steps = next((c for c in counts if wanted and c >= max(2 * steps, wanted)), 0)
             if found_best[0].estimate.fits and found_best[0].accumulation_steps == 1:
                 break
         if best is None or _rank(found_best[0]) < _rank(best[0]):
@@ -352,12 +356,19 @@ def accumulation_counts(graph: OpGraph, cluster: Cluster) -> list[int]:
     return counts
 
 
-def _micro_batches_may_fit(plan: Plan) -> bool:
-    """Whether more micro-batches could make ``plan`` fit: only activations and buffers
-    (the MoE layers' dispatch buffers) shrink with them, so not when weights, gradients and
-    optimizer states alone overflow the device."""
-    memory = plan.estimate.memory
-    return memory.weights + memory.gradients + memory.optimizer_states <= plan.estimate.device_memory_bytes
+def _micro_batches_wanted(plans: list[Plan]) -> float | None:
+    """The fewest micro-batches that could make one of ``plans`` (one step's plans that do
+    not fit, one per dense flavour) fit, if its activations shrink with the micro-batch and
+    nothing else does: the search skips the counts below it (each costs a search per flavour).
+    None when weights, gradients, optimizer states and buffers alone overflow every plan's
+    device: no count can help."""
+    wanted = []
+    for plan in plans:
+        memory = plan.estimate.memory
+        room = plan.estimate.device_memory_bytes - (memory.total - memory.activations)
+        if room > 0:
+            wanted.append(plan.accumulation_steps * memory.activations / room)
+    return min(wanted, default=None)
 
 
 def _search_with(graph, cluster, spec, model_name, scored, warnings, precision, base: Plan):
