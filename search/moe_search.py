@@ -323,7 +323,9 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
                     )
                     found = _search_with(graph, cluster, spec, model_name, scored, warnings, precision, dense)
                     memory_bound = memory_bound or found[2]
-                    tried.append(found[0])
+                    # Judged with each layer's smallest layout: the plan found may hold the
+                    # fastest ones when nothing fits (the activations decided that).
+                    tried.append(found[0] if found[0].estimate.fits else found[1](_smallest(scored)))
                     if at_steps is None or _rank(found[0]) < _rank(at_steps[0]):
                         at_steps = (*found, scored)
                 if found_best is None or _rank(at_steps[0]) < _rank(found_best[0]):
@@ -354,6 +356,12 @@ def accumulation_counts(graph: OpGraph, cluster: Cluster) -> list[int]:
             counts.append(steps)
         steps *= 2
     return counts
+
+
+def _smallest(scored: Mapping[str, list[ScoredLayout]]) -> dict[str, int]:
+    """Each layer's candidate with the fewest bytes on the fullest device."""
+    return {module: min(range(len(options)), key=lambda i: (options[i].memory_bytes, i))
+            for module, options in scored.items()}
 
 
 def _micro_batches_wanted(plans: list[Plan]) -> float | None:
