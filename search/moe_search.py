@@ -31,6 +31,13 @@ fastest that fits wins (exact over class-wide choices); otherwise coordinate des
 every candidate of each class in turn, keeping a change when the simulated plan fits and is
 faster, for at most ``REFINE_SWEEPS`` sweeps. Either way the work is a fixed number of
 simulations, the same on any machine.
+
+When the whole batch's activations do not fit, the plan accumulates gradients over
+micro-batches (``accumulation_counts``), as every MoE trainer runs large batches: each
+micro-batch is routed on its own (its capacity, drops and balance loss; the compiled
+program's ``codegen.runtime.moe.route`` routes whatever one forward holds), the layers are
+scored per micro-batch (``layer_score``) and the simulator prices each micro-batch's expert
+compute and all-to-alls and holds one micro-batch's activations and dispatch buffers.
 """
 
 from __future__ import annotations
@@ -187,14 +194,19 @@ def expert_placements(block: MoEBlock, loads: tuple[float, ...], cluster: Cluste
     return list(unique.values())
 
 
-def layer_score(block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Cluster, precision: str) -> ScoredLayout:
+def layer_score(block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Cluster, precision: str,
+                micro_batches: int = 1) -> ScoredLayout:
     """One layer's time per step under ``layout`` (expert compute and collectives, copied
     experts' gradient sums, and in ``data_parallel`` mode the all-reduce of the expert
     gradients, counted whole: DDP overlaps it with backward only as far as backward lasts;
     with sharded copies their two gathers and reduce-scatter, counted whole likewise: the
     simulated plan overlaps them) and its bytes on the fullest device (with sharded copies,
-    the gathered weights of the layer running and of the one prefetched)."""
-    cost = price_layout(block, layout, tokens, cluster, precision)
+    the gathered weights of the layer running and of the one prefetched). With
+    ``micro_batches`` (gradient accumulation) the layer routes, moves and computes each
+    micro-batch's tokens in turn (``price_layout`` of one, times their count; the weights
+    gathered for each) and keeps one micro-batch's activations and buffers; gradients are
+    reduced once per step."""
+    cost = price_layout(block, layout, tokens, cluster, precision, micro_batches)
     world = cluster.world_size
     fraction, synced = param_share(layout, world)
     held = block.expert_parameters * fraction
@@ -202,22 +214,27 @@ def layer_score(block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Clu
         "all_reduce", held * bytes_per_parameter(precision)[1], cluster, list(range(world))
     ) if synced and world > 1 else 0.0
     sharding = copy_shard_costs(block, layout, cluster, precision)
-    time_s = (cost.total_s + replica_sync_time(block, layout, cluster, precision) + routing_sync_time(block, cluster)
-              + gradient_sync + 2 * sharding.gather_s + sharding.reduce_s)
+    per_micro_batch = cost.total_s + routing_sync_time(block, cluster) + 2 * sharding.gather_s
+    time_s = (micro_batches * per_micro_batch + replica_sync_time(block, layout, cluster, precision)
+              + gradient_sync + sharding.reduce_s)
     element = element_bytes(precision)
     activations = cost.busiest_copies * element * (block.hidden + 2 * (block.matmuls - 1) * block.ffn)
-    buffers = dispatch_buffer_bytes(block, layout, cost, tokens, world, precision)
+    buffers = dispatch_buffer_bytes(block, layout, cost, tokens // micro_batches, world, precision)
     memory = held * sum(bytes_per_parameter(precision)) + activations + buffers + 2 * sharding.gathered_bytes
     return ScoredLayout(layout, time_s, memory)
 
 
 def choose_layouts(
     graph: OpGraph, cluster: Cluster, routing: RoutingStats, precision: str, sharded_copies: bool = False,
-    moe_dispatch: str = "compiled",
+    moe_dispatch: str = "compiled", micro_batches: int = 1, candidates: dict[tuple, list[ExpertLayout]] | None = None,
 ) -> dict[str, list[ScoredLayout]]:
     """Each MoE layer's candidates scored, fastest first (ties: fewer bytes, then the
     candidate order); layers of equal shape and loads share one scoring. ``sharded_copies``:
-    the grid placements with each expert sharded over its copies are candidates too."""
+    the grid placements with each expert sharded over its copies are candidates too.
+    ``micro_batches``: scored for a step that accumulates over that many (``layer_score``).
+    ``candidates``: layouts already made for a layer class, kept across calls (placing the
+    experts is the costly part, and does not depend on the micro-batches)."""
+    candidates = {} if candidates is None else candidates
     scored: dict[str, list[ScoredLayout]] = {}
     shared: dict[tuple, list[ScoredLayout]] = {}
     for block in graph.moe_blocks:
@@ -228,9 +245,12 @@ def choose_layouts(
         key = (block.experts, block.top_k, block.capacity_factor, block.hidden, block.ffn, block.matmuls, tokens,
                loads, source)
         if key not in shared:
-            options = [layer_score(block, layout, tokens, cluster, precision)
-                       for layout in layer_candidates(block, loads, source, cluster, tokens, precision,
-                                                      sharded_copies, moe_dispatch)]
+            made = (*key, sharded_copies, moe_dispatch)
+            if made not in candidates:
+                candidates[made] = layer_candidates(block, loads, source, cluster, tokens, precision, sharded_copies,
+                                                    moe_dispatch)
+            options = [layer_score(block, layout, tokens, cluster, precision, micro_batches)
+                       for layout in candidates[made]]
             order = sorted(range(len(options)), key=lambda i: (options[i].time_s, options[i].memory_bytes, i))
             shared[key] = [options[i] for i in order]
         scored[block.module] = [
@@ -275,12 +295,16 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
     """The searched ``moe`` plan (see the module docstring) and the plans that run every
     layer in one fixed way (data parallel; expert-sliced; expert parallel, round-robin, flat
     all-to-all), which compete with it and explain it. The dense part is tried with each
-    of ``DENSE_FLAVOURS`` (the fixed plans take the winner's); when no plan fits, the search
-    runs again with every repeated block recomputed in backward. When the best plan found
-    does not fit, or with some dense flavour the layers' fastest layouts together did not fit
-    (memory chose for them), all of this runs again with the layouts that shard each expert
-    over its copies among the candidates, and the better of the two searches wins (so a model
-    whose fastest layouts fit with every flavour is planned as before, at the same cost).
+    of ``DENSE_FLAVOURS`` (the fixed plans take the winner's). When no plan fits holding the
+    whole batch's activations, the search runs again with gradient accumulation over the
+    fewest micro-batches that fit (``accumulation_counts``; each micro-batch routed on its
+    own, as MoE trainers route them), and again with every repeated block recomputed in
+    backward (also accumulating when that alone does not fit); the fastest plan that fits
+    wins. When the best plan found does not fit, or with some dense flavour the layers'
+    fastest layouts together did not fit (memory chose for them), all of this runs again with
+    the layouts that shard each expert over its copies among the candidates, and the better of
+    the two searches wins (so a model whose fastest layouts fit with every flavour is planned
+    as before, at the same cost).
 
     ``moe_dispatch``: as ``layer_candidates`` takes it.
 
@@ -292,24 +316,38 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
     routing = routing or RoutingStats()
     base = moe_base_plan(graph, cluster, spec, model_name, warnings, precision)  # before any scoring: batch checked
     flavours = DENSE_FLAVOURS if cluster.world_size > 1 else ("ddp",)
+    candidates: dict[tuple, list[ExpertLayout]] = {}  # each layer class's layouts, made once
     best = None
     for sharded_copies in (False, True):
-        scored = choose_layouts(graph, cluster, routing, precision, sharded_copies, moe_dispatch)
-        if sharded_copies and not any(o.layout.sharded_copies for options in scored.values() for o in options):
+        if sharded_copies and not any(grid_placements(b.experts, cluster.world_size) for b in graph.moe_blocks):
             break  # no layer's experts form a grid over the devices
         found_best, memory_bound = None, False
-        # Blocks recomputed in backward only when nothing fits holding their activations.
+        # Blocks recomputed in backward, and micro-batches, only when nothing fits without.
         for recompute in ("none", "full") if graph.blocks else ("none",):
-            for flavour in flavours:
-                dense = dataclasses.replace(
-                    base, dp_flavour=flavour, recompute=recompute,
-                    fsdp_units=fsdp_units(graph) if flavour in FSDP_UNIT_FLAVOURS else (),
-                )
-                found = _search_with(graph, cluster, spec, model_name, scored, warnings, precision, dense)
-                memory_bound = memory_bound or found[2]
-                if found_best is None or _rank(found[0]) < _rank(found_best[0]):
-                    found_best = (*found, scored)
-            if found_best[0].estimate.fits:
+            counts, steps = accumulation_counts(graph, cluster), 1
+            while steps:
+                scored = choose_layouts(graph, cluster, routing, precision, sharded_copies, moe_dispatch, steps,
+                                        candidates)
+                at_steps, tried = None, []
+                for flavour in flavours:
+                    dense = dataclasses.replace(
+                        base, dp_flavour=flavour, recompute=recompute, accumulation_steps=steps,
+                        fsdp_units=fsdp_units(graph) if flavour in FSDP_UNIT_FLAVOURS else (),
+                    )
+                    found = _search_with(graph, cluster, spec, model_name, scored, warnings, precision, dense)
+                    memory_bound = memory_bound or found[2]
+                    # Judged with each layer's smallest layout: the plan found may hold the
+                    # fastest ones when nothing fits (the activations decided that).
+                    tried.append(found[0] if found[0].estimate.fits else found[1](_smallest(scored)))
+                    if at_steps is None or _rank(found[0]) < _rank(at_steps[0]):
+                        at_steps = (*found, scored)
+                if found_best is None or _rank(at_steps[0]) < _rank(found_best[0]):
+                    found_best = at_steps
+                if at_steps[0].estimate.fits:
+                    break
+                wanted = _micro_batches_wanted(tried)  # None: more micro-batches help no flavour
+                steps = next((c for c in counts if wanted and c >= max(2 * steps, wanted)), 0)
+            if found_best[0].estimate.fits and found_best[0].accumulation_steps == 1:
                 break
         if best is None or _rank(found_best[0]) < _rank(best[0]):
             best = found_best
@@ -318,6 +356,40 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
     plan, build, _, scored = best
     fixed = [build(picks) for picks in _fixed_modes(scored)]
     return plan, [other for other in fixed if other.expert_layouts != plan.expert_layouts]
+
+
+def accumulation_counts(graph: OpGraph, cluster: Cluster) -> list[int]:
+    """The micro-batch counts an ``moe`` plan may accumulate over, fewest first: 1 (none),
+    then 2, 4, 8, ... of those dividing each rank's part of the batch (as
+    ``search.data_parallel.accumulating`` tries them: fewer keep the matmuls larger)."""
+    local = graph.batch_size // cluster.world_size
+    counts, steps = [1], 2
+    while steps <= local:
+        if local % steps == 0:
+            counts.append(steps)
+        steps *= 2
+    return counts
+
+
+def _smallest(scored: Mapping[str, list[ScoredLayout]]) -> dict[str, int]:
+    """Each layer's candidate with the fewest bytes on the fullest device."""
+    return {module: min(range(len(options)), key=lambda i: (options[i].memory_bytes, i))
+            for module, options in scored.items()}
+
+
+def _micro_batches_wanted(plans: list[Plan]) -> float | None:
+    """The fewest micro-batches that could make one of ``plans`` (one step's plans that do
+    not fit, one per dense flavour) fit, if its activations shrink with the micro-batch and
+    nothing else does: the search skips the counts below it (each costs a search per flavour).
+    None when weights, gradients, optimizer states and buffers alone overflow every plan's
+    device: no count can help."""
+    wanted = []
+    for plan in plans:
+        memory = plan.estimate.memory
+        room = plan.estimate.device_memory_bytes - (memory.total - memory.activations)
+        if room > 0:
+            wanted.append(plan.accumulation_steps * memory.activations / room)
+    return min(wanted, default=None)
 
 
 def _search_with(graph, cluster, spec, model_name, scored, warnings, precision, base: Plan):

@@ -106,13 +106,14 @@ def propagate(
 
 def _batch_local(node: OpNode, incoming, wanted, outputs):
     """An op the rules would gather, run on each rank's slice of the batch instead: inputs
-    split on dim 0 stay so, and outputs whose dim 0 is that batch slice are split too."""
-    batch = next(
-        (meta.shape[0] for meta, p in zip(node.input_meta, incoming) if isinstance(p, Shard) and p.dim == 0 and meta.shape),
-        None,
-    )
-    if batch is None or any(isinstance(p, Shard) and p.dim != 0 for p in incoming):
+    split on dim 0 stay so, and outputs whose dim 0 is one of those batch slices are split
+    too. Any split input counts, not only the first: a gather by index
+    (``x[token_of_choice]``, how HuggingFace's MoE blocks sort each token's expert choices)
+    has as many rows as its split index, not as its split source."""
+    batches = {meta.shape[0] for meta, p in zip(node.input_meta, incoming)
+               if isinstance(p, Shard) and p.dim == 0 and meta.shape}
+    if not batches or any(isinstance(p, Shard) and p.dim != 0 for p in incoming):
         return wanted, outputs
     kept = tuple(p if isinstance(p, Shard) else R for p in incoming)
-    split = tuple(Shard(0) if meta.shape and meta.shape[0] == batch else R for meta in node.output_meta)
+    split = tuple(Shard(0) if meta.shape and meta.shape[0] in batches else R for meta in node.output_meta)
     return kept, split

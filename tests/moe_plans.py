@@ -44,12 +44,14 @@ def _placement(name: str | None, experts: int, world: int) -> ExpertPlacement:
 
 def moe_plan(world: int, mode: str, placement: str | None = None, capacity_factor: float = 1.25,
              precision: str = "fp32", experts: int = EXPERTS, flavour: str = "ddp", nodes: int = 1,
-             all_to_all: str = "flat", recompute: str = "none", sharded_copies: bool = False) -> Plan:
+             all_to_all: str = "flat", recompute: str = "none", sharded_copies: bool = False,
+             accumulation_steps: int = 1) -> Plan:
     """A data-parallel plan (``flavour``: ddp, fsdp, zero2) of ``examples/moe.py`` (``n_expert=experts``, the capacity factor given) on
     ``world`` CPU ranks over ``nodes`` nodes, every MoE layer in ``mode``; ``placement``:
     ``round-robin``, ``skewed`` (``skewed_placement``) or ``grid`` (``grid_placement``) for
     expert parallelism, whose all-to-all is ``all_to_all`` (``flat`` or ``hierarchical``) and
-    whose experts are sharded over their copies with ``sharded_copies``; ``recompute``: the plan's."""
+    whose experts are sharded over their copies with ``sharded_copies``; ``recompute`` and
+    ``accumulation_steps`` (micro-batches per step): the plan's."""
     spec = ModelSpec(str(MOE_EXAMPLE), {"n_expert": experts, "capacity_factor": capacity_factor})
     graph, spec, name, cluster = prepare_model(spec, f"cpu:{nodes}x{world // nodes}")
     base = data_parallel_plan(graph, cluster, spec, name, flavour, precision=precision)
@@ -63,7 +65,8 @@ def moe_plan(world: int, mode: str, placement: str | None = None, capacity_facto
             capacity_factor=block.capacity_factor, axis="dp", placement=chosen,
             all_to_all=all_to_all if mode == "expert_parallel" else "flat", sharded_copies=sharded_copies,
         ))
-    return dataclasses.replace(base, label="moe", expert_layouts=tuple(layouts), recompute=recompute)
+    return dataclasses.replace(base, label="moe", expert_layouts=tuple(layouts), recompute=recompute,
+                               accumulation_steps=accumulation_steps)
 
 
 # Tiny HuggingFace MoE decoders (transformers' own blocks: router kept, stacked SwiGLU experts).
@@ -77,7 +80,7 @@ HF_MOE = {
 
 
 def hf_moe_plan(world: int, model_type: str, mode: str, placement: str | None = None, flavour: str = "ddp",
-                sharded_copies: bool = False) -> Plan:
+                sharded_copies: bool = False, accumulation_steps: int = 1) -> Plan:
     """As ``moe_plan``, for the tiny ``hf:<model_type>`` of ``HF_MOE`` (dropless, 4 experts)."""
     spec = ModelSpec(f"hf:{model_type}", HF_MOE[model_type])
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
@@ -90,7 +93,7 @@ def hf_moe_plan(world: int, model_type: str, mode: str, placement: str | None = 
         layouts.append(ExpertLayout(module=block.module, mode=mode, experts=block.experts, top_k=block.top_k,
                                     capacity_factor=block.capacity_factor, axis="dp", placement=chosen,
                                     sharded_copies=sharded_copies))
-    return dataclasses.replace(base, label="moe", expert_layouts=tuple(layouts))
+    return dataclasses.replace(base, label="moe", expert_layouts=tuple(layouts), accumulation_steps=accumulation_steps)
 
 
 def moe_pipeline_plan(spec: ModelSpec, world: int, schedule: str = "1f1b", virtual_stages: int = 1,

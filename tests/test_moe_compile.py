@@ -1,12 +1,14 @@
 """What ``compile`` refuses of a plan with expert layouts, and what ``launch.py
 --record-routing`` refuses, each with one line naming the field or flag (no process group,
-no torchrun: everything here is found before any rank starts)."""
+no torchrun: everything here is found before any rank starts); and what gradient accumulation
+means for an MoE program: each micro-batch routed on its own."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+import torch
 
 import planner
 from codegen.runtime.launcher import main as launch_main
@@ -52,7 +54,6 @@ def test_every_moe_layer_needs_a_layout(plan, tmp_path):
 @pytest.mark.parametrize(
     ("changes", "expected"),
     [
-        ({"accumulation_steps": 2}, "cannot accumulate gradients over micro-batches"),
         ({"recompute": "selective"}, "recompute whole blocks or nothing, not 'selective'"),
     ],
 )
@@ -106,3 +107,33 @@ def test_sharded_expert_copies_under_zero1_are_refused(tmp_path):
     with pytest.raises(PlanningError, match="experts sharded over their copies are written for DDP, ZeRO-2 and FSDP"):
         planner.compile(zero1, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_accumulating_programs_route_each_micro_batch(tmp_path):
+    folder = planner.compile(moe_plan(2, "expert_parallel", "skewed", 0.5, accumulation_steps=2), tmp_path / "out")
+    source = (folder / "model_spmd.py").read_text()
+    assert "\nACCUMULATION_STEPS = 2\n" in source
+    assert "# its own (over all the ranks' parts of it): capacities, drops and the balance loss are the" in source
+
+
+def test_micro_batches_route_another_step_than_the_whole_batch():
+    """Why launch.py --check's reference runs the plan's micro-batches: with a capacity, an
+    expert's slots are an even share of the micro-batch's choices (factor 0.5: 0.5 x 128 x 2
+    / 4 = 32 per micro-batch of 4 x 32 tokens, 64 for the batch of 256), and the balance loss is the mean
+    over micro-batches of products of means. The step over 2 micro-batches differs from the
+    whole batch's by far more than the parity tolerance (atol 1e-5), in the router's
+    gradient (the balance loss) and the experts' (other tokens dropped)."""
+    from codegen.runtime.accumulation import forward_backward
+    from codegen.runtime.program import BUILD_SEED
+    from moe_plans import MOE_EXAMPLE
+    from planner.model_spec import ModelSpec
+
+    def gradients(steps: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(BUILD_SEED)
+        model, args, kwargs = ModelSpec(str(MOE_EXAMPLE), {"capacity_factor": 0.5}).build("cpu")
+        forward_backward(model, args, kwargs, steps, 8, lambda a, k: (a, k))
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    whole, micro = gradients(1), gradients(2)
+    assert (whole["blocks.0.moe.router.weight"] - micro["blocks.0.moe.router.weight"]).abs().max() > 1e-4
+    assert (whole["blocks.0.moe.experts.w_in"] - micro["blocks.0.moe.experts.w_in"]).abs().max() > 1e-4

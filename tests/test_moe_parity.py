@@ -9,7 +9,9 @@ parallel, expert-sliced; capacity factor 0.5 (choices dropped: fewer slots than 
 1.25 and dropless; in bf16 autocast (one case per mode); with the rest of the model in FSDP2
 units (``fsdp``, ``zero2``) rather than DDP, the per-rank expert weights left out of them, or
 in DDP with ZeRO-1 optimizer states (each rank's experts stepped whole on it); with the
-two-level all-to-all on a cluster of two nodes; and with every block recomputed in backward.
+two-level all-to-all on a cluster of two nodes; with every block recomputed in backward; and
+with gradient accumulation over 2 micro-batches (each routed on its own; expert parallel with
+a copied expert under DDP, sharded copies under FSDP2, and HF Mixtral).
 Tiny HuggingFace Mixtral and Qwen2-MoE (their router and shared experts kept, only the
 stacked SwiGLU experts replaced, ``codegen.runtime.expert_dispatch``): expert parallel
 round-robin and with a copied expert (DDP, and FSDP2 around the rest), and replicated.
@@ -102,6 +104,14 @@ HF_SHARDED_CASES = [
     ("hf_mixtral_ep_sharded_copies", "mixtral", "ddp"),
     ("hf_qwen2_moe_fsdp_ep_sharded_copies", "qwen2_moe", "fsdp"),
 ]
+# Gradient accumulation over 2 micro-batches, each routed on its own (capacity, drops and
+# balance loss per micro-batch; launch.py --check's reference runs the same micro-batches):
+# (name, placement, capacity factor, dp flavour, experts sharded over their copies).
+ACCUMULATED_CASES = [
+    ("ep_skewed_copied_drops_accumulated", "skewed", 0.5, "ddp", False),
+    ("fsdp_ep_sharded_copies_drops_accumulated", "grid", 0.5, "fsdp", True),
+]
+HF_ACCUMULATED = "hf_mixtral_ep_skewed_copied_accumulated"
 # Expert parallel with the two-level all-to-all on two nodes (of world / 2 ranks each).
 TWO_LEVEL = "ep_skewed_two_level_two_nodes"
 # Expert parallel with every block recomputed in backward (the MoE layers route and move again).
@@ -227,6 +237,12 @@ def world_run(request, tmp_path_factory) -> WorldRun:
     for name, model_type, flavour in HF_SHARDED_CASES:
         plan = hf_moe_plan(world, model_type, "expert_parallel", "grid", flavour, sharded_copies=True)
         folders[name] = planner.compile(plan, root / name)
+    for name, placement, capacity, flavour, sharded in ACCUMULATED_CASES:
+        plan = moe_plan(world, "expert_parallel", placement, capacity, flavour=flavour, sharded_copies=sharded,
+                        accumulation_steps=2)
+        folders[name] = planner.compile(plan, root / name)
+    hf_accumulated = hf_moe_plan(world, "mixtral", "expert_parallel", "skewed", accumulation_steps=2)
+    folders[HF_ACCUMULATED] = planner.compile(hf_accumulated, root / HF_ACCUMULATED)
     two_level = moe_plan(world, "expert_parallel", "skewed", 0.5, nodes=2, all_to_all="hierarchical")
     folders[TWO_LEVEL] = planner.compile(two_level, root / TWO_LEVEL)
     recomputing = moe_plan(world, "expert_parallel", "skewed", 0.5, recompute="full")
@@ -244,8 +260,8 @@ def world_run(request, tmp_path_factory) -> WorldRun:
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES] + [c[0] for c in HF_CASES] + [c[0] for c in SHARDED_CASES]
-                         + [c[0] for c in HF_SHARDED_CASES] + [SHARDED_RECOMPUTED, SHARDED_TWO_LEVEL, TWO_LEVEL,
-                                                               RECOMPUTED])
+                         + [c[0] for c in HF_SHARDED_CASES] + [c[0] for c in ACCUMULATED_CASES]
+                         + [HF_ACCUMULATED, SHARDED_RECOMPUTED, SHARDED_TWO_LEVEL, TWO_LEVEL, RECOMPUTED])
 def test_compiled_moe_step_equals_one_device(world_run: WorldRun, case: str) -> None:
     result = result_of(world_run.launch, world_run.folders[case])
     assert result.startswith("ok parity ok: "), f"{case} at world {world_run.world}: {result}"
@@ -299,6 +315,10 @@ def test_programs_say_what_moves(world_run: WorldRun) -> None:
     assert "shard_over_copies(model.get_submodule('blocks.1.moe.sharded_experts'), copies_mesh_0)" in sharded
     assert "'blocks.0.moe.sharded_experts.w_in', 'blocks.0.moe.sharded_experts.w_out'," in sharded  # outside DDP
     assert "shard_over_copies(model.get_submodule('model.layers.1.mlp.experts'), copies_mesh_0)" in hf_sharded
+    # Accumulating programs say so; each micro-batch is routed on its own.
+    for name in [c[0] for c in ACCUMULATED_CASES] + [HF_ACCUMULATED]:
+        assert "\nACCUMULATION_STEPS = 2\n" in source[name], name
+    assert "\nACCUMULATION_STEPS = 1\n" in skewed
     # DDP programs step the replicated weights and the expert shards in separate groups.
     assert "return optimizer_class(plain_and_sharded_groups(module.parameters()), **kwargs)" in sharded
     assert "plain_and_sharded_groups" not in source["fsdp_ep_sharded_copies_one_expert_each_drops"]

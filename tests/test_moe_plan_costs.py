@@ -229,3 +229,34 @@ def test_sharded_copies_hold_a_share_of_their_experts_and_gather_and_reduce_scat
     # The report's cost of a layer: the two gathers and the reduce-scatter are communication.
     cost, whole_cost = simulated(plan(True), graph).expert_layouts[0].cost, simulated(plan(False), graph).expert_layouts[0].cost
     assert cost.communication_s - whole_cost.communication_s == pytest.approx(3 * 65_536 / 1e9 - 2 * 0.75 * 262_144 / 1e9)
+
+
+def test_accumulation_routes_and_prices_each_micro_batch(model):
+    import dataclasses
+
+    graph, _ = model
+    # 2 micro-batches of 4 x 32 = 128 tokens: each routed on its own (as the compiled
+    # program routes them), so each expert's capacity is the micro-batch's,
+    # 1.25 x 256 / 4 = 80 of its 256 routed copies, not 160.
+    plan = dataclasses.replace(plan_with(model, "expert_parallel", ExpertPlacement.round_robin(4, 4)),
+                               accumulation_steps=2)
+    simulator = Simulator(plan, graph)
+    layer = simulator.context.moe_layers["blocks.0.moe"]
+    anchor = simulator.costs[layer.anchor]
+    assert layer.cost.busiest_copies == 80
+    assert anchor.forward_s == pytest.approx(80 * COPY_FLOPS / 1e12)
+    # Each device sends 64 copies (256 / 4) of 64 x 4 B = 16,384 B per all-to-all, and the
+    # counts' all-gather (3/4 x 4 x 2 x 4 x 8 B) runs for every micro-batch.
+    one = 0.75 * 16_384 / 1e9
+    counts = 0.75 * 4 * 2 * 4 * 8 / 1e9
+    assert anchor.forward_comm_s == pytest.approx(2 * one + counts) and anchor.backward_comm_s == pytest.approx(2 * one)
+    # Memory of one micro-batch in flight: send and receive buffers of 80 copies of 64 x 4 B
+    # (half the whole batch's), and half the experts' kept activations.
+    assert layer.buffer_bytes == 2 * 80 * 64 * 4
+    whole = Simulator(plan_with(model, "expert_parallel", ExpertPlacement.round_robin(4, 4)), graph)
+    assert layer.activation_bytes == pytest.approx(whole.context.moe_layers["blocks.0.moe"].activation_bytes / 2)
+    # The step: both micro-batches' compute (3 passes x 80 copies each, 160 in all, as at
+    # once) and both micro-batches' collectives.
+    cost = simulated(plan, graph).expert_layouts[0].cost
+    assert cost.compute_s == pytest.approx(2 * 3 * 80 * COPY_FLOPS / 1e12)
+    assert cost.communication_s == pytest.approx(2 * (4 * one + counts))

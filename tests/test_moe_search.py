@@ -250,3 +250,48 @@ def test_sharded_copies_compete_when_memory_chose_some_layouts(monkeypatch):
     monkeypatch.setattr(moe_search, "grid_placements", lambda experts, world: [])
     without, _ = search_moe_plan(graph, two_nodes(memory), spec, name)
     assert without.estimate.fits and searched.estimate.step_time_s <= without.estimate.step_time_s
+
+
+def test_accumulation_is_searched_where_the_whole_batch_does_not_fit(monkeypatch):
+    # Longer sequences: activations dominate. On a device exactly as large as the roomy
+    # plan run in 2 micro-batches, the whole batch does not fit; the search finds 2
+    # micro-batches (each routed on its own), which beat every plan that fits without
+    # accumulating (recomputed blocks, sharded dense weights).
+    spec = ModelSpec(str(EXAMPLES / "moe.py"), {"n_expert": 4, "capacity_factor": 1.25, "n_embd": 64, "ffn": 256,
+                                                 "batch_size": 16, "seq_len": 128})
+    graph, spec, name, _ = prepare_model(spec, two_nodes())
+    roomy, _ = search_moe_plan(graph, two_nodes(), spec, name)
+    assert roomy.accumulation_steps == 1 and roomy.recompute == "none"
+    assert moe_search.accumulation_counts(graph, two_nodes()) == [1, 2, 4]  # 4 samples per rank
+    memory = simulated(dataclasses.replace(roomy, accumulation_steps=2), graph).estimate.memory.total
+    searched, _ = search_moe_plan(graph, two_nodes(memory), spec, name)
+    assert searched.estimate.fits and searched.accumulation_steps == 2
+    assert not simulated(dataclasses.replace(searched, accumulation_steps=1), graph).estimate.fits
+    monkeypatch.setattr(moe_search, "accumulation_counts", lambda graph, cluster: [1])
+    without, _ = search_moe_plan(graph, two_nodes(memory), spec, name)
+    assert without.accumulation_steps == 1 and without.estimate.fits
+    assert searched.estimate.step_time_s < without.estimate.step_time_s
+
+
+def test_accumulation_skips_the_counts_whose_activations_cannot_fit(monkeypatch):
+    # 8 samples per rank. On a device as large as the roomy plan in 8 micro-batches, the
+    # plans at one micro-batch leave room for less than half their activations: the search
+    # goes from 1 straight to 4 (each count tried costs a search per dense flavour), where
+    # expert-parallel layouts fit; at 2 they would not.
+    spec = ModelSpec(str(EXAMPLES / "moe.py"), {"n_expert": 4, "capacity_factor": 1.25, "n_embd": 64, "ffn": 256,
+                                                 "batch_size": 32, "seq_len": 128})
+    graph, spec, name, _ = prepare_model(spec, two_nodes())
+    roomy, _ = search_moe_plan(graph, two_nodes(), spec, name)
+    memory = simulated(dataclasses.replace(roomy, accumulation_steps=8), graph).estimate.memory.total
+    tried = []
+    search_with = moe_search._search_with
+
+    def recording(*args):
+        tried.append((args[-1].recompute, args[-1].accumulation_steps))
+        return search_with(*args)
+
+    monkeypatch.setattr(moe_search, "_search_with", recording)
+    searched, _ = search_moe_plan(graph, two_nodes(memory), spec, name)
+    assert searched.estimate.fits and searched.accumulation_steps == 4 and searched.recompute == "none"
+    assert [steps for recompute, steps in dict.fromkeys(tried) if recompute == "none"] == [1, 4]
+    assert not simulated(dataclasses.replace(searched, accumulation_steps=2), graph).estimate.fits

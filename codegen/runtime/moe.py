@@ -13,6 +13,14 @@ expert-sliced modes, this file the expert-parallel one):
    rank), then every second choice, ... Each rank needs only the per-expert counts of the
    other ranks' choices (one all-gather of a (ranks, k, experts) table), so the capacity
    (from the group's token count) and the drops are the single device's.
+
+   The group's tokens are those of one forward: the global batch, or under gradient
+   accumulation (and in a pipeline) the micro-batch every rank is running, so each
+   micro-batch is routed on its own, with its own capacity, drops and balance loss, as MoE
+   trainers route them (the single-device reference of ``launch.py --check`` cuts the same
+   micro-batches). ``route`` is that per-forward routing, and ``capacity_of`` the
+   capacity it gives a (micro-)batch: what a schedule of micro-batches calls once per
+   micro-batch, with the group the batch is split over.
 3. Dispatch (expert parallel). Each kept choice goes to a device holding its expert
    (``ExpertPlacement``: a hot expert may have copies; its slots are split among them by
    their shares, in slot order) with one all-to-all (uneven splits, with autograd; flat,

@@ -1,11 +1,12 @@
 """``launch.py --check``: one training step sharded against the same step on one device.
 
 Every rank builds the model and the global batch from the plan's spec with the same seed,
-runs the reference step (forward, loss, backward, optimizer) on the whole batch on its own,
-then the sharded step through ``model_spmd``, and compares outputs, the loss, every
-gradient and every updated parameter. Dropout is switched off in both (modules, functional
-calls and attention's ``dropout_p``: ``codegen.runtime.randomness``): its random masks cannot
-match between a sharded and an unsharded run; the result says what was switched off.
+runs the reference step (forward, loss, backward, optimizer) on the whole batch on its own
+(in the plan's micro-batches when it accumulates gradients), then the sharded step through
+``model_spmd``, and compares outputs, the loss, every gradient and every updated parameter.
+Dropout is switched off in both (modules, functional calls and attention's ``dropout_p``:
+``codegen.runtime.randomness``): its random masks cannot match between a sharded and an
+unsharded run; the result says what was switched off.
 
 Parameters are compared under their names in the model built from the spec, whole
 (``full_parameters``): DTensors are gathered, and a module ``parallelize`` put in place of
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_leaves, tree_map
 
+from codegen.runtime.accumulation import forward_backward
 from codegen.runtime.optimizers import optimizer_class
 from codegen.runtime.parity_compare import (
     ParityResult,
@@ -53,7 +55,6 @@ from codegen.runtime.pipeline_parity import check_pipeline_parity
 from codegen.runtime.program import Program
 from codegen.runtime.randomness import NoDropout, switch_off_dropout_attributes, switch_off_dropout_modules
 from planner.errors import LaunchError
-from planner.model_spec import extract_loss
 
 
 def check_float64_applies(program: Program) -> None:
@@ -95,13 +96,14 @@ def check_parity(
     reference = single_device_reference(program, model, mesh)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
 
-    # Single device: the whole global batch on this rank alone. Backward too runs without
-    # dropout: recomputed blocks replay their forward there.
+    # Single device: the whole global batch on this rank alone, in the plan's micro-batches
+    # when it accumulates (an MoE layer routes each micro-batch on its own, so its capacity,
+    # drops and balance loss are the micro-batch's: the reference must cut the batch alike).
+    # Backward too runs without dropout: recomputed blocks replay their forward there.
     no_dropout = NoDropout(randomness)
     with no_dropout:
-        ref_output = reference(*args, **kwargs)
-        ref_loss = extract_loss(ref_output)
-        ref_loss.backward()
+        ref_loss, ref_output = forward_backward(reference, args, kwargs, program.plan.accumulation_steps,
+                                                program.plan.batch_size, _whole_batch)
     # The float attributes functional dropout read its probability from, off at the source:
     # the sharded step reads 0 in forward and when backward recomputes a block alike.
     switch_off_dropout_attributes(model, no_dropout.attributes_in(reference), randomness)
@@ -183,6 +185,11 @@ def _compare_outputs(output, ref_output, mesh: DeviceMesh, global_batch: int, at
             ref = ref.chunk(size, dim=0)[rank]
         diffs.append(compare_tensor(f"output[{index}]", local, ref, atol, rtol))
     return diffs
+
+
+def _whole_batch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The single device's part of a (micro-)batch: all of it."""
+    return args, kwargs
 
 
 def _to_float64(value):
