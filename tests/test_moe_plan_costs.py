@@ -250,9 +250,10 @@ def test_accumulation_routes_and_prices_each_micro_batch(model):
     one = 0.75 * 16_384 / 1e9
     counts = 0.75 * 4 * 2 * 4 * 8 / 1e9
     assert anchor.forward_comm_s == pytest.approx(2 * one + counts) and anchor.backward_comm_s == pytest.approx(2 * one)
-    # Memory of one micro-batch in flight: send and receive buffers of 80 copies of 64 x 4 B
-    # (half the whole batch's), and half the experts' kept activations.
-    assert layer.buffer_bytes == 2 * 80 * 64 * 4
+    # Memory of one micro-batch in flight (``dispatch_buffer_bytes``): the send buffer of the
+    # device's own 128 / 4 x 2 = 64 copies and the receive buffer of the busiest device's 80
+    # padded copies, rows of 64 x 4 B; and half the experts' kept activations.
+    assert layer.buffer_bytes == (64 + 80) * 64 * 4
     whole = Simulator(plan_with(model, "expert_parallel", ExpertPlacement.round_robin(4, 4)), graph)
     assert layer.activation_bytes == pytest.approx(whole.context.moe_layers["blocks.0.moe"].activation_bytes / 2)
     # The step: both micro-batches' compute (3 passes x 80 copies each, 160 in all, as at
