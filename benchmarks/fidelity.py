@@ -261,25 +261,28 @@ DEEPSPEED_PIPELINE = {"blocking_p2p": True, "partitioned_p2p": True, "overlap_gr
 #     (Megatron-DeepSpeed megatron/initialize.py ``setup_deepspeed_random_and_activation_
 #     checkpointing`` hands those flags, default off, to ``deepspeed.checkpointing.configure``).
 #     With them off, ``CheckpointFunction`` (deepspeed/runtime/activation_checkpointing/
-#     checkpointing.py, 0.5.x) keeps the layer's input as is (no partition, no all-gather over
-#     tp in backward, no copies), does not synchronize, and per layer only copies RNG states on
-#     the host (``torch.cuda.get_rng_state``, ``_set_cuda_rng_state`` through ``_lazy_call``:
-#     no device sync); ``PipelineModule.forward`` (pipe/module.py) reseeds per layer only with
-#     ``seed_layers``, off in Megatron-DeepSpeed's ``GPTModelPipe``.
+#     checkpointing.py, v0.5.10 and the 2021 big-science branch alike: every partition, copy
+#     and ``torch.cuda.synchronize`` there sits under those flags) keeps the layer's input as
+#     is (no partition, no all-gather over tp in backward, no copies), does not synchronize,
+#     and per layer only copies RNG states on the host (``torch.cuda.get_rng_state``;
+#     ``_set_cuda_rng_state`` through ``_lazy_call``: no device sync);
+#     ``PipelineModule.forward`` (pipe/module.py) reseeds per layer only with ``seed_layers``,
+#     which Megatron-DeepSpeed's ``GPTModelPipe`` leaves off.
 #   * Part of it is synchronous launching. Both the sweep and BLOOM's training ran with
-#     ``CUDA_LAUNCH_BLOCKING=1`` (tr11-176B-ml.slurm line ``export CUDA_LAUNCH_BLOCKING=1``;
+#     ``CUDA_LAUNCH_BLOCKING=1`` (tr11-176B-ml.slurm: ``export CUDA_LAUNCH_BLOCKING=1``;
 #     chronicles-prequel.md, "dealing with JZ hanging on the large model" and "Hanging
-#     Issue": without it 200B models hung on 20 nodes or more, 320 GPUs "always hangs", so the
-#     48-node sweep needed it): every kernel and collective waits for the previous one, so the
-#     host's time per op (Python, dispatch, autograd) adds to the GPU's instead of hiding
-#     under it. BigScience's own A/B of that setting (the same section: 200B, tp 8 x pp 10,
-#     micro-batch 1, 512 micro-batches) measured 97.20 -> 91.04 TFLOP/s on 80 GPUs: by
-#     Megatron-DeepSpeed's FLOP count (``megatron_deepspeed_flops``: batch 512, 80 layers of
-#     width 14400, vocabulary 250,880), 222.8 -> 237.8 s, 15.1 s over 8 layers x 512
-#     micro-batches = 3.7 ms per layer per micro-batch; on 160 GPUs it measured no difference (84.59 vs 84.44, 90.29 vs 90.25).
-#     So synchronous launching explains at most a quarter of the 14.9 ms; the rest is not
-#     identified, and the simulator does not model synchronous launching on its own (its host
-#     time per op, ``cost_model.host_dispatch``, is the 5 us launch gap, not PyTorch 1.11's
+#     Issue": without it models of 100B and more hung on 20 nodes or more and 320 GPUs
+#     "always hangs", so the 48-node sweep needed it): every kernel and collective waits for
+#     the previous one, so the host's time per op (Python, dispatch, autograd) adds to the
+#     GPU's instead of hiding under it. BigScience's own A/B of that setting (the same
+#     section: 200B, tp 8 x pp 10, micro-batch 1, 512 micro-batches) measured 97.20 -> 91.04
+#     TFLOP/s on 80 GPUs: by Megatron-DeepSpeed's FLOP count (``megatron_deepspeed_flops``:
+#     batch 512, 80 layers of width 14400, vocabulary 250,880), 222.8 -> 237.8 s, 15.1 s over
+#     8 layers x 512 micro-batches = 3.7 ms per layer per micro-batch; on 160 GPUs it measured
+#     no difference (84.59 vs 84.44 and 90.29 vs 90.25 TFLOP/s). So synchronous launching
+#     explains at most a quarter of the 14.9 ms; the rest is not identified, and the simulator
+#     does not model synchronous launching on its own (its host time per op,
+#     ``cost_model.host_dispatch``, is the 5 us launch gap, not PyTorch 1.11's
 #     eager dispatch).
 # The constant is therefore a property of that cluster's software, measured there and applied
 # only to BLOOM, which ran on it; MT-NLG (Selene, DeepSpeed of 2021, fp16, no stated
