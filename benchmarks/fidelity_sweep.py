@@ -44,7 +44,7 @@ synchronisation were off.
 Held out: the same document's sweep of three days earlier (2022-02-25: fp16 with gradients
 accumulated by autograd, layers split evenly, tp 2-8, pp 2-24, micro-batches 1-4; 16
 configurations), predicted with the overhead fitted above and nothing refitted: median error
-17.5% -> 5.5% (largest 31% -> 14%), Spearman 0.40 -> 0.80, pairs in order 75 -> 97 of 120.
+11.6% -> 3.7% (largest 29% -> 16%), Spearman 0.29 -> 0.76, pairs in order 72 -> 94 of 120.
 """
 
 from __future__ import annotations
