@@ -47,29 +47,21 @@ said):
   * the Grand Teton H100s' 500 W power limit (torchtitan's H100 row: ``grand_teton_h100``);
   * slower, not faster: torch.compile's fusions (torchtitan's 405B row).
 
-Jean Zay's per-layer cost (BLOOM only): on BigScience's published layout sweep on BLOOM's
-cluster and software (``benchmarks/fidelity_sweep.py``), the modelled kernels, collectives and
-schedule leave every configuration 5-21% fast, by a time that grows with the number of layer
-executions (layers per stage x micro-batches) and not with their size; a fixed
-``MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S`` per layer per micro-batch, fitted there, explains the
-sweep to 1.7% (median) and predicts an earlier fp16 sweep of the same cluster, held out, to
-3.7% (11.6% without it). Its mechanism is identified only in part (``JEAN_ZAY_LAYER_OVERHEAD``
-says what was read): DeepSpeed's activation-checkpointing options that would add per-layer
-communication or synchronisation (partitioned activations and their all-gather in backward,
-contiguous copies, CPU checkpoints, ``synchronize_checkpoint_boundary``) were all off in
-BLOOM's script; both the sweep and BLOOM's training ran with ``CUDA_LAUNCH_BLOCKING=1`` (a
-workaround for hangs at 20+ nodes), which BigScience measured at 3.7 ms per layer per
-micro-batch on 80 GPUs and at nothing on 160: at most a third of the constant. So it is
-applied as a measured property of that cluster's software to BLOOM alone
-(``PipelineConfig.block_overhead_s``); BLOOM's row is not independent of the fit. MT-NLG ran
-elsewhere (Selene, DeepSpeed of 2021, fp16, no stated ``CUDA_LAUNCH_BLOCKING``) and is
-simulated without it. What else the engine of that time did per micro-batch was checked and
-is small or already priced: ``ThroughputTimer.start`` calls ``torch.cuda.synchronize()`` before every
-forward pass (deepspeed/runtime/pipe/engine.py ``_exec_forward_pass``, deepspeed/utils/timer.py,
-0.5.x) and ``PartitionedTensor.from_meta`` a ``.tolist()``; ``PartitionedTensor.full()``
-zero-fills and clones the gathered tensor (~0.3% of the step by hand); the attention mask is
-not sent between stages (pretrain_gpt.py caches it in ``args.attn_mask``); the tied
-embedding's gradient all-reduce is priced (11 ms on MT-NLG).
+Jean Zay's per-layer cost (BLOOM only): BigScience's published layout sweep on BLOOM's cluster
+and software (``benchmarks/fidelity_sweep.py``) is predicted 5-21% fast by a time that grows
+with the layer executions (layers per stage x micro-batches), not their size; the fixed
+``MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S`` per layer per micro-batch fitted there (median 1.7%;
+an earlier sweep held out, 11.6% -> 3.7%) is identified only in part (up to a third of it is
+``CUDA_LAUNCH_BLOCKING=1``, which that cluster's runs needed; ``JEAN_ZAY_LAYER_OVERHEAD`` has
+the sources), so it is applied to BLOOM's row alone (``PipelineConfig.block_overhead_s``),
+which is therefore not independent of the fit, and not to MT-NLG, run elsewhere. What else
+the engine of that time did per micro-batch is small or already priced:
+``ThroughputTimer.start``'s ``torch.cuda.synchronize()`` before every forward pass
+(deepspeed/runtime/pipe/engine.py ``_exec_forward_pass``, deepspeed/utils/timer.py, 0.5.x),
+``PartitionedTensor.from_meta``'s ``.tolist()``, ``PartitionedTensor.full()``'s zero-fill
+and clone (~0.3% of the step by hand); the attention mask is not sent between stages
+(pretrain_gpt.py caches it in ``args.attn_mask``); the tied embedding's gradient all-reduce
+is priced (11 ms on MT-NLG).
 
 Modelled from the runs' stated software: collectives overlapping compute slow it
 (``cost_model.nccl``'s contention); the host's time to issue ops bounds each block from below
@@ -409,7 +401,7 @@ def runs() -> list[Run]:
     #   * no activation checkpointing at 8K tokens ("we could pretrain Llama 3 on 8K tokens
     #     without activation checkpointing");
     #   * FSDP sharding optimizer states and gradients, weights not resharded after forward
-    #     (section 3.3.2, "Data parallelism"): weights gathered and gradients reduce-scattered
+    #     (section 3.3.2, on FSDP): weights gathered and gradients reduce-scattered
     #     once per step, which ``zero1`` (the distributed optimizer) prices with the same bytes.
     # Where the paper is silent, assumed: micro-batches of one sequence (M = 32 and 16 per
     # step; the paper says N is tunable, not what it was), sequence-parallel norms with tensor
