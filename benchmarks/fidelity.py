@@ -18,8 +18,8 @@ DDP), gradient accumulation, bf16 - built by ``search.megatron.megatron_plan`` o
 traced once on meta tensors, on the cluster preset of its GPUs (or the network its source
 describes). Nothing is searched and nothing is fitted to these runs: they check the
 simulator's constants, which come from kernel- and link-level measurements
-(``cost_model/gpu_kernels.py``, ``planner/presets.py``), and, for Megatron-DeepSpeed's rows,
-one engine constant fitted to a separate published sweep (below).
+(``cost_model/gpu_kernels.py``, ``planner/presets.py``), and, for BLOOM's row, one constant
+of its cluster's software fitted to a separate published sweep on that cluster (below).
 
 Published figures become a step time with the source's own definitions:
   * tokens/s per GPU (MosaicML, torchtitan): step = global batch tokens / (tokens/s/GPU x GPUs);
@@ -59,26 +59,21 @@ bf16 as the simulator does (Composer since mosaicml/composer aaa8dcc4c, 2023-03-
 FSDP's ``MixedPrecision`` takes as ``param_dtype``), so ``amp_bf16`` casts no weights per
 step; MPT's ``low_precision_layernorm`` runs its norms in bf16 under autocast.
 
-Megatron-DeepSpeed's per-layer cost (MT-NLG, BLOOM): on BigScience's published layout sweep
-of the same engine (``benchmarks/fidelity_sweep.py``), the modelled kernels, collectives and
-schedule leave every configuration 9-25% fast, by a time that grows with the number of
-layer executions (layers per stage x micro-batches) and not with their size; a fixed
-``MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S`` per layer per micro-batch, fitted there, explains the
-sweep to 2.2% (median) and predicts an earlier fp16 sweep of the same engine, held out, to
-5.5% (17.5% without it). It is applied to this engine's rows as a measured constant whose cause
-is not identified (``PipelineConfig.block_overhead_s``). BLOOM ran on the sweep's cluster
-and software, so its row is not independent of the fit; MT-NLG's is (other cluster, model,
-precision and year): without the constant MT-NLG is predicted 24-27% fast at each of the
-paper's three scales (280, 350 and 420 nodes: 60.1, 50.2, 44.4 s), with it 3.4%, 4.5% and
-7.2% fast. What else the engine of that time did per micro-batch was checked and is small or
-already priced: ``ThroughputTimer.start`` calls ``torch.cuda.synchronize()`` before every
-forward pass (deepspeed/runtime/pipe/engine.py ``_exec_forward_pass``, deepspeed/utils/timer.py,
-0.5.x) and ``PartitionedTensor.from_meta`` a ``.tolist()``; BLOOM's tr11 README reports that
-making every CUDA call synchronous (``CUDA_LAUNCH_BLOCKING=1``) on the same engine had "a
-tiny impact or no impact at all to the throughput"; ``PartitionedTensor.full()`` zero-fills
-and clones the gathered tensor (~0.3% of the step by hand); the attention mask is not sent
-between stages (pretrain_gpt.py caches it in ``args.attn_mask``); the tied embedding's
-gradient all-reduce is priced (11 ms on MT-NLG).
+Jean Zay's per-layer cost (BLOOM only): BigScience's published layout sweep on BLOOM's cluster
+and software (``benchmarks/fidelity_sweep.py``) is predicted 5-21% fast by a time that grows
+with the layer executions (layers per stage x micro-batches), not their size; the fixed
+``MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S`` per layer per micro-batch fitted there (median 1.7%;
+an earlier sweep held out, 11.6% -> 3.7%) is identified only in part (up to a third of it is
+``CUDA_LAUNCH_BLOCKING=1``, which that cluster's runs needed; ``JEAN_ZAY_LAYER_OVERHEAD`` has
+the sources), so it is applied to BLOOM's row alone (``PipelineConfig.block_overhead_s``),
+which is therefore not independent of the fit, and not to MT-NLG, run elsewhere. What else
+the engine of that time did per micro-batch is small or already priced:
+``ThroughputTimer.start``'s ``torch.cuda.synchronize()`` before every forward pass
+(deepspeed/runtime/pipe/engine.py ``_exec_forward_pass``, deepspeed/utils/timer.py, 0.5.x),
+``PartitionedTensor.from_meta``'s ``.tolist()``, ``PartitionedTensor.full()``'s zero-fill
+and clone (~0.3% of the step by hand); the attention mask is not sent between stages
+(pretrain_gpt.py caches it in ``args.attn_mask``); the tied embedding's gradient all-reduce
+is priced (11 ms on MT-NLG).
 
 Modelled from the runs' stated hardware: the Grand Teton H100s' 500 W power limit lowers their
 peak to the clock such a board holds (``grand_teton_h100``, ``planner.power_limit``).
@@ -253,27 +248,77 @@ def bloom_cluster() -> Cluster:
 #   * gradients are reduced over data parallelism after the schedule's last step, not during
 #     the last backward (schedule.py: ``ReduceGrads`` comes with ``OptimizerStep`` at
 #     ``step_id == total_steps - 1``): overlap_grad_reduce False.
-#   * each transformer layer costs the engine a fixed 14.9 ms per micro-batch beyond its
-#     kernels (forward, recomputation and backward together), whatever the layer's size:
-#     fitted, by closed-form least squares on relative error, to BigScience's published layout
-#     sweep on this engine (17 configurations of 176-206B models on 384 A100s varying tp, pp,
-#     micro-batch, width and heads: ``python benchmarks/fidelity_sweep.py``, which prints the
-#     fit, 14.91 ms, and its leave-one-out errors). Its cause is not identified (host syncs and
-#     Python per layer are candidates); it is measured, not derived. Without it the sweep is
-#     predicted 11% fast at the median and up to 25% where a rank's work per micro-batch is
-#     small; with it, 2.2% (2.4% with each row left out of the fit); on the same document's
-#     earlier fp16 sweep, held out, 17.5% -> 5.5% (Spearman 0.40 -> 0.80). MT-NLG (a different
-#     cluster, model and precision) is not in the fit: ``--no-engine-overhead`` shows the rows
-#     without it.
-MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S = 14.9e-3
-DEEPSPEED_PIPELINE = {"blocking_p2p": True, "partitioned_p2p": True, "overlap_grad_reduce": False,
-                      "block_overhead_s": MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S}
+DEEPSPEED_PIPELINE = {"blocking_p2p": True, "partitioned_p2p": True, "overlap_grad_reduce": False}
+
+# BigScience's software on Jean Zay (the sweep of ``benchmarks/fidelity_sweep.py`` and BLOOM's
+# training) costs each transformer layer a further 10.75 ms per micro-batch (forward,
+# recomputation and backward together), whatever the layer's size: fitted, by closed-form
+# least squares on relative error, to BigScience's published layout sweep on that cluster (17
+# configurations of 176-206B models on 384 A100s varying tp, pp, micro-batch, width and heads:
+# ``python benchmarks/fidelity_sweep.py`` prints the fit, 10.75 ms, and its leave-one-out
+# errors; 14.9 ms when first fitted, before the kernel prices of today's
+# ``cost_model.gpu_kernels``). Without it the sweep is predicted 7.4% fast at the median and up
+# to 21% where a rank's work per micro-batch is small; with it, 1.7% (1.8% with each row left
+# out); on the same document's earlier fp16 sweep, held out, 11.6% -> 3.7% (Spearman
+# 0.29 -> 0.76).
+#
+# What it is, as far as the sources show (``JEAN_ZAY_LAYER_OVERHEAD``):
+#   * Not DeepSpeed's activation-checkpointing options. BLOOM's script
+#     (bigscience-workshop/bigscience train/tr11-176B-ml/tr11-176B-ml.slurm) passes
+#     ``--deepspeed-activation-checkpointing`` and none of ``--partition-activations``,
+#     ``--contigious-checkpointing``, ``--checkpoint-in-cpu``, ``--synchronize-each-layer``
+#     (Megatron-DeepSpeed megatron/initialize.py ``setup_deepspeed_random_and_activation_
+#     checkpointing`` hands those flags, default off, to ``deepspeed.checkpointing.configure``).
+#     With them off, ``CheckpointFunction`` (deepspeed/runtime/activation_checkpointing/
+#     checkpointing.py, v0.5.10 and the 2021 big-science branch alike: every partition, copy
+#     and ``torch.cuda.synchronize`` there sits under those flags) keeps the layer's input as
+#     is (no partition, no all-gather over tp in backward, no copies), does not synchronize,
+#     and per layer only copies RNG states on the host (``torch.cuda.get_rng_state``;
+#     ``_set_cuda_rng_state`` through ``_lazy_call``: no device sync);
+#     ``PipelineModule.forward`` (pipe/module.py) reseeds per layer only with ``seed_layers``,
+#     which Megatron-DeepSpeed's ``GPTModelPipe`` leaves off.
+#   * Part of it is synchronous launching. Both the sweep and BLOOM's training ran with
+#     ``CUDA_LAUNCH_BLOCKING=1`` (tr11-176B-ml.slurm: ``export CUDA_LAUNCH_BLOCKING=1``;
+#     chronicles-prequel.md, "dealing with JZ hanging on the large model" and "Hanging
+#     Issue": without it models of 100B and more hung on 20 nodes or more and 320 GPUs
+#     "always hangs", so the 48-node sweep needed it): every kernel and collective waits for
+#     the previous one, so the host's time per op (Python, dispatch, autograd) adds to the
+#     GPU's instead of hiding under it. BigScience's own A/B of that setting (the same
+#     section: 200B, tp 8 x pp 10, micro-batch 1, 512 micro-batches) measured 97.20 -> 91.04
+#     TFLOP/s on 80 GPUs: by Megatron-DeepSpeed's FLOP count (``megatron_deepspeed_flops``:
+#     batch 512, 80 layers of width 14400, vocabulary 250,880), 222.8 -> 237.8 s, 15.1 s over
+#     8 layers x 512 micro-batches = 3.7 ms per layer per micro-batch; on 160 GPUs it measured
+#     no difference (84.59 vs 84.44 and 90.29 vs 90.25 TFLOP/s). So synchronous launching
+#     explains at most a third of the 10.75 ms; the rest is not identified, and the simulator
+#     does not model synchronous launching on its own (its host time per op,
+#     ``cost_model.host_dispatch``, is the 5 us launch gap, not PyTorch 1.11's
+#     eager dispatch).
+# The constant is therefore a property of that cluster's software, measured there and applied
+# only to BLOOM, which ran on it; MT-NLG (Selene, DeepSpeed of 2021, fp16, no stated
+# ``CUDA_LAUNCH_BLOCKING``) runs without it, and its rows show the engine as modelled.
+# ``--no-engine-overhead`` shows BLOOM without it too.
+MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S = 10.75e-3
+JEAN_ZAY_LAYER_OVERHEAD = {"block_overhead_s": MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S}
 
 
 LLAMA3_405B = dict(layers=126, dim=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)
 LLAMA3_70B = dict(layers=80, dim=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
 LLAMA2_70B = dict(layers=80, dim=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000)
 LLAMA2_13B = dict(layers=40, dim=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000)
+
+
+def llama3_405b_layout(layers: int = LLAMA3_405B["layers"], pipeline_ranks: int = 16) -> dict:
+    """Llama 3 405B's 4D layout without context parallelism (Dubey et al. 2024, section
+    3.3.2; see ``runs``): tp 8, interleaved pipeline of one layer per model chunk, the first
+    rank's first chunk holding only the embedding and the last rank's last chunk only the
+    output projection and loss (``layers`` and ``pipeline_ranks`` other than the paper's for
+    smaller checks)."""
+    chunks_per_rank = (layers + 2) // pipeline_ranks
+    if chunks_per_rank * pipeline_ranks != layers + 2:
+        raise ValueError(f"{layers} layers + 2 end chunks do not fill {pipeline_ranks} pipeline ranks evenly")
+    return {"tp": 8, "pp": pipeline_ranks, "micro_batch": 1, "schedule": "interleaved",
+            "virtual_stages": chunks_per_rank, "recompute": "none", "sequence_parallel": True,
+            "dp_flavour": "zero1", "layers_per_stage": (0, *([1] * layers), 0)}
 
 
 def runs() -> list[Run]:
@@ -350,26 +395,38 @@ def runs() -> list[Run]:
          "attention": "eager", "tie_weights": True},
         bloom_cluster(),
         {"tp": 4, "pp": 12, "micro_batch": 2, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
-         "layers_per_stage": tuple(nearly_even_layers(70, 12)), **DEEPSPEED_PIPELINE,
+         "layers_per_stage": tuple(nearly_even_layers(70, 12)), **DEEPSPEED_PIPELINE, **JEAN_ZAY_LAYER_OVERHEAD,
          "gradient_accumulation": "fp32-copy"}, 1,
         megatron_deepspeed_flops(2048, 2048, 70, 14336, 250880, recompute=True) / (150e12 * 384),
         "150 TFLOP/s/GPU", "BigScience BLOOM-176B model page (bigscience.notion.site); BLOOM paper 3.4",
     ))
-    # Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models", table 4), its rows without
-    # context parallelism: 8,192 H100s, tp 8 x cp 1 x pp 16 x dp 64, 430 TFLOP/s per GPU (BF16
-    # MFU 43%); 16,384 H100s, dp 128, 400 TFLOP/s (41%). Both: sequence 8,192, 16M tokens per
-    # batch (32 and 16 sequences per dp rank). The paper's schedule is interleaved with tuned
-    # micro-batches; we take interleaved 1F1B with 2 virtual stages and micro-batches of 1,
-    # and 126 layers split over 32 virtual stages with the end ones a layer short.
+    # Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models"), its rows of table 4
+    # without context parallelism: 8,192 H100s, tp 8 x cp 1 x pp 16 x dp 64, 430 TFLOP/s per
+    # GPU (BF16 MFU 43%); 16,384 H100s, dp 128, 400 TFLOP/s (41%). Both: sequence 8,192, 16M
+    # tokens per batch, 32 and 16 sequences per dp group ("batch size per DP"). The layout as
+    # section 3.3.2 states it ("Pipeline parallelism improvements"; ``llama3_405b_layout``):
+    #   * the interleaved schedule with V model chunks per pipeline rank, bubble (PP-1)/(V M);
+    #   * one transformer layer fewer on the first and on the last stage, so that "the first
+    #     model chunk on the first stage has only the embedding, and the last model chunk on the
+    #     last stage has only output projection and loss calculation": 126 layers + those two
+    #     chunks fill 16 ranks x 8 slots, so each chunk holds one slot: V = 8 (inferred: the
+    #     paper names no V; only one layer per chunk makes a first chunk hold the embedding
+    #     alone when its rank holds one layer fewer);
+    #   * asynchronous point-to-point sends (the simulator's default: blocking_p2p False);
+    #   * no activation checkpointing at 8K tokens ("we could pretrain Llama 3 on 8K tokens
+    #     without activation checkpointing");
+    #   * FSDP sharding optimizer states and gradients, weights not resharded after forward
+    #     (section 3.3.2, on FSDP): weights gathered and gradients reduce-scattered
+    #     once per step, which ``zero1`` (the distributed optimizer) prices with the same bytes.
+    # Where the paper is silent, assumed: micro-batches of one sequence (M = 32 and 16 per
+    # step; the paper says N is tunable, not what it was), sequence-parallel norms with tensor
+    # parallelism.
     for gpus, tflops in ((8192, 430), (16384, 400)):
         found.append(Run(
             f"Llama3-405B@{gpus}xH100", "llama.py", _llama(**LLAMA3_405B, batch=2048, seq=8192),
-            f"dgx-h100:{gpus // 8}",
-            {"tp": 8, "pp": 16, "micro_batch": 1, "schedule": "interleaved", "virtual_stages": 2,
-             "recompute": "none", "sequence_parallel": True, "dp_flavour": "zero1",
-             "layers_per_stage": tuple(nearly_even_layers(126, 32))}, 1,
+            f"dgx-h100:{gpus // 8}", llama3_405b_layout(), 1,
             palm_model_flops(405e9, 126, 16384, 8192, 2048 * 8192) / (tflops * 1e12 * gpus),
-            f"{tflops} TFLOP/s/GPU", "Dubey et al. 2024 (Llama 3), table 4",
+            f"{tflops} TFLOP/s/GPU", "Dubey et al. 2024 (Llama 3), section 3.3.2 and table 4",
         ))
     found += megatron_core_weak_scaling_runs()
     found += torchtitan_h100_runs()
@@ -548,7 +605,7 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="also print where each predicted step goes (compute, exposed communication, bubble)")
     parser.add_argument("--no-engine-overhead", action="store_true",
-                        help="leave out the per-layer overhead fitted to Megatron-DeepSpeed's sweep (MT-NLG, BLOOM)")
+                        help="leave out the per-layer overhead fitted to BigScience's sweep on Jean Zay (BLOOM's row)")
     options = parser.parse_args()
     names = [run.name for run in runs()]
     unmatched = [pattern for pattern in options.runs or () if not fnmatch.filter(names, pattern)]

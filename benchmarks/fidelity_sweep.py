@@ -21,24 +21,30 @@ error) and prints, per row, the error without it, with the fitted value, and wit
 fitted on the other rows only (leave-one-out); then the median and largest errors, Spearman's
 rank correlation of predicted against published, and how many pairs of rows the simulator
 puts in the published order, overall and by how far apart it predicts them (the source of
-the report's "close call" margin, ``planner.verdict.CLOSE_CALL_MARGIN``). ``benchmarks/fidelity.py`` uses the fitted value for its
-Megatron-DeepSpeed rows (``MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S``).
+the report's "close call" margin, ``planner.verdict.CLOSE_CALL_MARGIN``). ``benchmarks/fidelity.py`` uses the fitted value for BLOOM's
+row, the one run on this cluster and software (``MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S``), and
+for no other.
 
-What it shows: without the overhead every row is predicted fast, 9-13% where a rank's work per
-micro-batch is large (tp 4) and up to 25% where it is small (tp 8 at micro-batch 2). A time
+What it shows: without the overhead every row is predicted fast, 5-10% where a rank's work per
+micro-batch is large (tp 4) and up to 21% where it is small (tp 8 at micro-batch 2). A time
 that grows with the number of layer executions and not with their size fits these gaps best
-(14.9 ms per layer per micro-batch: median error 2.2%, 2.4% left out). Checked by hand with
-least squares over the 16 rows other than the 104-head one, on the gaps in seconds: residual
+(10.75 ms per layer per micro-batch with today's kernel prices, 14.9 ms when first fitted:
+median error 1.7%, 1.8% left out). Checked by hand, with the kernel prices of the first
+fit, by least squares over the 16 rows other than the 104-head one, on the gaps in seconds: residual
 RMS 3.1 s for a fixed cost per layer per micro-batch, 4.2 s for a cost in proportion to the
 tensor-parallel all-reduce bytes, 4.4 s in proportion to micro-batch x width (replicated
 elementwise work), 6.3 s for a fixed cost per micro-batch. One row stays apart:
 104 heads (head dimension 128) published 18% slower than its 64- and 128-head siblings, which
-no layout cost here explains. The cause of the overhead is not identified.
+no layout cost here explains. The cause of the overhead is identified only in part: these runs
+and BLOOM's training ran with ``CUDA_LAUNCH_BLOCKING=1``, which BigScience measured at up to
+3.7 ms per layer per micro-batch (``fidelity.py``, ``JEAN_ZAY_LAYER_OVERHEAD``, has the
+sources and the arithmetic); DeepSpeed's per-layer activation partitioning and
+synchronisation were off.
 
 Held out: the same document's sweep of three days earlier (2022-02-25: fp16 with gradients
 accumulated by autograd, layers split evenly, tp 2-8, pp 2-24, micro-batches 1-4; 16
 configurations), predicted with the overhead fitted above and nothing refitted: median error
-17.5% -> 5.5% (largest 31% -> 14%), Spearman 0.40 -> 0.80, pairs in order 75 -> 97 of 120.
+11.6% -> 3.7% (largest 29% -> 16%), Spearman 0.29 -> 0.76, pairs in order 72 -> 94 of 120.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.fidelity import (
-    Run, megatron_core_flops, megatron_deepspeed_flops, runs, simulate, summary,
+    Run, bloom_cluster, llama3_405b_layout, megatron_core_flops, megatron_deepspeed_flops, runs, simulate, summary,
 )
 from planner.families.hsdp.section import HsdpSection
 
@@ -65,6 +65,45 @@ def test_run_layouts_build_the_plans_they_state(name, layers):
     assert plan.estimate.step_time_s > 0
     # Megatron-Core's rows ran --tp-comm-overlap, which needs sequence parallelism; no other did.
     assert plan.tp_comm_overlap == (name.startswith("MCore-") and tp > 1)
+
+
+def test_the_jean_zay_constant_applies_only_to_the_run_on_the_cluster_it_was_fitted_on():
+    # MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S was fitted to BigScience's sweep on Jean Zay (BLOOM's
+    # cluster and software, CUDA_LAUNCH_BLOCKING=1); its cause is identified only in part, so
+    # no run elsewhere (MT-NLG on Selene in particular) may carry it.
+    for run in runs():
+        fitted_here = isinstance(run.cluster, type(bloom_cluster())) and run.cluster == bloom_cluster()
+        assert (run.layout.get("block_overhead_s", 0.0) > 0) == fitted_here, run.name
+    assert [run.name for run in runs() if run.layout.get("block_overhead_s")] == ["BLOOM-176B@384xA100"]
+
+
+def test_llama3_405b_rows_take_the_pipeline_section_3_3_2_states():
+    layout = llama3_405b_layout()
+    # 126 layers plus an embedding-only and a head-only chunk fill 16 ranks x 8 chunks of one.
+    assert (layout["pp"], layout["virtual_stages"], layout["tp"]) == (16, 8, 8)
+    assert layout["layers_per_stage"] == (0, *([1] * 126), 0)
+    # Interleaved: chunk c of rank r is virtual stage c x 16 + r, so the first and last rank
+    # hold one transformer layer fewer (7) than the other fourteen (8).
+    per_rank = [sum(layout["layers_per_stage"][chunk * 16 + rank] for chunk in range(8)) for rank in range(16)]
+    assert per_rank == [7, *([8] * 14), 7]
+    # Asynchronous sends (no blocking_p2p) and no activation checkpointing at 8K tokens.
+    assert not layout.get("blocking_p2p") and layout["recompute"] == "none"
+    rows = [run for run in runs() if run.name.startswith("Llama3-405B@")]
+    assert [run.layout for run in rows] == [layout, layout]
+    with pytest.raises(ValueError, match="do not fill 16 pipeline ranks"):
+        llama3_405b_layout(layers=125)
+
+
+def test_llama3_405b_layout_simulates_with_empty_end_chunks():
+    # 6 layers + 2 end chunks over 2 ranks: 4 chunks of one layer per rank, 8 virtual stages.
+    run = by_name()["Llama3-405B@8192xH100"]
+    small = dataclasses.replace(shrunk(run, 6), layout=llama3_405b_layout(layers=6, pipeline_ranks=2))
+    plan, cluster = simulate(small)
+    assert plan.pipeline.virtual_stages == 4 and plan.pipeline.stages == 2
+    # 2048 sequences over dp = 8192 / (8 x 2) = 512 groups: 4 micro-batches of one.
+    assert plan.pipeline.micro_batches == 2048 // (cluster.world_size // 16)
+    assert {strategy.stage for strategy in plan.strategies} == set(range(8))
+    assert plan.estimate.step_time_s > 0
 
 
 def test_a_run_with_a_hsdp_shard_simulates_as_hsdp():
