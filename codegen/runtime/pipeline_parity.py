@@ -101,12 +101,15 @@ def micro_batch_loss(model: torch.nn.Module, args: tuple, kwargs: dict, dp: int,
     the module docstring): micro-batch i holds, for each dp rank r in order, the i-th of the
     ``micro_batches`` equal parts of rank r's contiguous share of the batch. Inputs whose
     first dim is not the batch pass whole."""
-    batch = next(value.size(0) for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor) and value.dim())
+    first = next(value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor) and value.dim())
+    batch, device = first.size(0), first.device
     share = batch // dp
     size = share // micro_batches
     losses = []
     for micro in range(micro_batches):
-        index = torch.cat([torch.arange(rank * share + micro * size, rank * share + (micro + 1) * size) for rank in range(dp)])
+        index = torch.cat([
+            torch.arange(rank * share + micro * size, rank * share + (micro + 1) * size, device=device) for rank in range(dp)
+        ])
 
         def part(value):
             if isinstance(value, torch.Tensor) and value.dim() and value.size(0) == batch:
