@@ -21,6 +21,7 @@ from planner.errors import ArgumentError, PlannerError
 from planner.expert_layouts import MOE_DISPATCHES
 from planner.outputs import refuse_input_as_output
 from planner.terminal import inert, inert_line, inert_text
+from planner.terminal_width import terminal_width, wrap_command
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="save the plan as JSON (input of `planner compile`); an existing file is replaced only if it is a plan",
     )
     plan.add_argument("--force", action="store_true", help="let -o overwrite a file that is not a plan")
+    _add_format(plan)
 
     compile_ = commands.add_parser(
         "compile",
@@ -151,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("plan", metavar="PLAN_JSON", help="a plan saved by `planner plan -o`")
     simulate.add_argument("--trace", metavar="TRACE_JSON", help="write the timeline as a Chrome trace (open in ui.perfetto.dev)")
     simulate.add_argument("--force", action="store_true", help="let --trace overwrite a file that is not a Chrome trace")
+    _add_format(simulate)
+
+    report = commands.add_parser(
+        "report",
+        help="print a saved plan's report again (no tracing, no simulation)",
+        description="Print the report of a plan saved by `planner plan -o`, from the figures saved with it.",
+    )
+    report.add_argument("plan", metavar="PLAN_JSON", help="a plan saved by `planner plan -o`")
+    _add_format(report)
 
     commands.add_parser("presets", help="list the cluster presets", description="List the built-in cluster presets.")
     commands.add_parser(
@@ -222,6 +233,13 @@ def add_measurement_commands(commands) -> None:
     calibrate.add_argument("--force", action="store_true", help="let -o overwrite a file soap-planner did not write")
 
 
+def _add_format(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--format", choices=("text", "json"), default="text",
+        help="text: the report sized to the terminal (default); json: the same sections as data, for scripts",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``planner`` and ``python -m planner``; returns the exit status."""
     options = argparse.Namespace(debug=False)
@@ -249,21 +267,27 @@ def _run(options: argparse.Namespace) -> int:
     if options.command == "presets":
         from planner.cluster import preset_table
 
-        width = max(len(name) for name, _ in preset_table())
-        for name, description in preset_table():
-            _say(f"{name:<{width}}  {description}")
+        _say_named_lines(preset_table())
         return 0
     if options.command == "families":
         from planner.families import family_table
 
-        width = max(len(name) for name, _ in family_table())
-        for name, description in family_table():
-            _say(f"{name:<{width}}  {description}")
+        _say_named_lines(family_table())
         return 0
     if options.command == "plan":
         return _plan(options)
     if options.command == "simulate":
         return _simulate(options)
+    if options.command == "report":
+        from planner.errors import PlanFileError
+        from planner.plans import load_plan
+
+        plan = load_plan(options.plan)
+        if plan.estimate.device_memory_bytes <= 0:  # built by hand or by a script, never simulated
+            raise PlanFileError(f"{options.plan} holds no simulated figures to report; run "
+                                f"`planner simulate {shlex.quote(options.plan)}` instead")
+        _print_report(plan, options.format)
+        return 0
     if options.command == "profile":
         return _profile(options)
     if options.command in ("compare", "calibrate"):
@@ -281,7 +305,7 @@ def _run(options: argparse.Namespace) -> int:
         plan = load_plan(options.plan)
         out = compile_plan(plan, options.output, force=options.force)
         _say(f"wrote {out}/model_spmd.py, {out}/plan.json, {out}/launch.py")
-        _say(f"next: {first_run_command(plan, f'{out}/launch.py')}")
+        _say_command("next: ", first_run_command(plan, f"{out}/launch.py"))
         return 0
     raise AssertionError(f"unhandled command {options.command}")
 
@@ -336,12 +360,21 @@ def _plan(options: argparse.Namespace) -> int:
         effort=options.effort, time_budget_s=options.time_budget, seed=options.seed, progress=True, routing=routing,
         tp_layouts=options.tp_layouts, constraints=constraints, moe_dispatch=options.moe_dispatch,
     )
-    _say(plan.report())
+    steps = _next_steps(plan, options)
     if options.output is not None:
         plan.save(options.output, force=options.force)
+    if options.format == "json":
+        _say_json({**_report_data(plan), "saved": options.output, "next": steps})
+        return 0
+    _say(plan.report(width=terminal_width()))
+    if options.output is not None:
         _say(f"saved the plan to {options.output}")
-    for line in _next_steps(plan, options):
-        _say(line)
+    if len(steps) == 1 and steps[0].startswith("not compiled: "):
+        _say(steps[0])
+        return 0
+    _say("next:")
+    for step in steps:
+        _say_command("  ", step)
     return 0
 
 
@@ -352,7 +385,7 @@ def _next_steps(plan, options: argparse.Namespace) -> list[str]:
 
     blocker = compile_blocker(plan)
     if blocker:
-        return [f"not compiled: {blocker}"]
+        return [f"not compiled: {blocker}"]  # a one-line explanation, not a command
     steps = []
     saved = options.output
     if not saved:
@@ -368,7 +401,7 @@ def _next_steps(plan, options: argparse.Namespace) -> list[str]:
         steps.append(_command("python", "-m", "planner", "plan", options.spec, "--cluster", options.cluster, *settings, "-o", saved))
     steps.append(_command("python", "-m", "planner", "compile", saved, "-o", "out"))
     steps.append(first_run_command(plan, "out/launch.py"))
-    return ["next:", *(f"  {step}" for step in steps)]
+    return steps
 
 
 def _command(*parts) -> str:
@@ -457,11 +490,47 @@ def _simulate(options: argparse.Namespace) -> int:
     plan = load_plan(options.plan)
     with _status(f"simulating {plan.name}"):
         result = simulate(plan)
-    _say(dataclasses.replace(plan, estimate=result).report())
+    _print_report(dataclasses.replace(plan, estimate=result), options.format)
     if options.trace is not None:
         result.to_chrome_trace(options.trace, force=options.force)
         _say(f"wrote the timeline to {options.trace} (open it in https://ui.perfetto.dev)")
     return 0
+
+
+def _print_report(plan, output_format: str) -> None:
+    """The plan's report on stdout: text sized to the terminal, or the same sections as JSON."""
+    if output_format == "json":
+        _say_json(_report_data(plan))
+    else:
+        _say(plan.report(width=terminal_width()))
+
+
+def _report_data(plan) -> dict:
+    from planner.report import report_data
+
+    return report_data(plan)
+
+
+def _say_json(data: dict) -> None:
+    """``data`` as JSON on stdout; strings stay as they are (JSON escapes control characters)."""
+    import json
+
+    print(json.dumps(data, indent=2, ensure_ascii=False))
+
+
+def _say_command(prefix: str, command: str) -> None:
+    """A shell command after ``prefix``, broken with backslash continuations to fit the
+    terminal's width, its later lines aligned under the first."""
+    lines = wrap_command(command, terminal_width() - len(prefix))
+    for position, line in enumerate(lines):
+        _say((prefix if position == 0 else " " * len(prefix)) + line)
+
+
+def _say_named_lines(rows: list[tuple[str, str]]) -> None:
+    """``name  description``, one line per row (scripts read them with ``split()``), names in one column."""
+    name_width = max(len(name) for name, _ in rows)
+    for name, description in rows:
+        _say(f"{name:<{name_width}}  {description}")
 
 
 def _say(text: object = "") -> None:

@@ -290,11 +290,12 @@ class Plan:
         details += [section.describe(self) for section in self.sections.values()]
         return one_line(f"{self.label or self.dp_flavour} ({'; '.join(details)})")
 
-    def report(self) -> str:
-        """A readable text report: cluster, mesh, strategy per layer, memory and time."""
-        from planner.report import render_report
+    def report(self, width: int | None = None) -> str:
+        """A readable text report: cluster, mesh, strategy per layer, memory and time, laid
+        out in ``width`` columns (default ``planner.report.REPORT_WIDTH``, 100)."""
+        from planner.report import REPORT_WIDTH, render_report
 
-        return render_report(self)
+        return render_report(self, REPORT_WIDTH if width is None else width)
 
     def save(self, path: str | Path, *, force: bool = False) -> None:
         """Write the plan as versioned JSON, atomically (a reader never sees half a file).

@@ -10,6 +10,7 @@ import io
 import re
 import textwrap
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rich.table import Table
@@ -20,35 +21,101 @@ from planner.flavour_text import FLAVOUR_TEXT
 from planner.report_parts import Paragraph
 from planner.strategy import NodeStrategy
 from planner.terminal import InertConsole
+from planner.terminal_width import DEFAULT_WIDTH
 from planner.units import format_bytes, format_count, format_flops, format_seconds
 from planner.verdict import findings, plan_label, plan_route, verdict
 
 if TYPE_CHECKING:
     from planner.plans import Plan
 
-# Columns of the report: it must read well in a 100-column terminal.
-REPORT_WIDTH = 100
+# Columns of the report when no width is given (the CLI gives the terminal's).
+REPORT_WIDTH = DEFAULT_WIDTH
 
 
 
 def render_report(plan: "Plan", width: int = REPORT_WIDTH) -> str:
     """The plan as readable text (see ``Plan.report``): a verdict paragraph first (what was
-    chosen, why, at what cost), then what looks wrong and the warnings, then the details."""
+    chosen, why, at what cost), then what looks wrong and the warnings, then the details;
+    every line at most ``width`` columns where the words allow (tables shrink to fit)."""
     buffer = io.StringIO()
     # Every string of the plan file passes through this console: escaped, never markup.
     console = InertConsole(file=buffer, width=width, force_terminal=False, color_system=None)
+    for item in report_items(plan):
+        if isinstance(item.content, Paragraph):
+            console.print(_paragraph(item.content.text, width, indent=item.content.indent, hanging=item.content.hanging))
+        else:
+            console.print(item.content)
+        if item.gap_after:
+            console.print()
+    return buffer.getvalue()
+
+
+def report_data(plan: "Plan") -> dict:
+    """The report's content as plain data for scripts (``--format json``): the same sections
+    as the text, each ``{"section", "text"}`` for a paragraph or ``{"section", "title",
+    "columns", "rows"}`` for a table, in the text's order."""
+    sections = []
+    for item in report_items(plan):
+        if isinstance(item.content, Paragraph):
+            sections.append({"section": item.section, "text": item.content.text})
+        elif isinstance(item.content, Table):
+            sections.append({"section": item.section, **table_data(item.content)})
+        else:  # a family's plain string or other renderable
+            sections.append({"section": item.section, "text": str(item.content)})
+    return {"plan": plan.name, "step_time_s": plan.estimate.step_time_s, "fits": plan.estimate.fits,
+            "memory_bytes": plan.estimate.memory.total, "mfu": plan.estimate.mfu, "sections": sections}
+
+
+def table_data(table: Table) -> dict:
+    """A rich ``Table`` as ``{"title", "columns", "rows"}`` of plain strings."""
+    columns = [str(column.header) for column in table.columns]
+    cells = [[str(cell) for cell in column.cells] for column in table.columns]
+    rows = [list(row) for row in zip(*cells)] if cells else []
+    return {"title": str(table.title or ""), "columns": columns, "rows": rows}
+
+
+@dataclass(frozen=True)
+class ReportItem:
+    """One part of the report: a ``Paragraph`` or a rich ``Table``, the name of the section it
+    belongs to (``verdict``, ``note``, ``detail:mesh``, ``strategy``, a family's name...), and
+    whether a blank line follows it in the text."""
+
+    section: str
+    content: "Paragraph | Table | str"
+    gap_after: bool = False
+
+
+def report_items(plan: "Plan") -> list[ReportItem]:
+    """The report's parts in order; the text and the JSON are both made from them."""
     summary = plan.summary
     source = plan.model.describe() if plan.model else summary.name
-    console.print(_paragraph(f"soap-planner plan for {source}: {summary.name}, {format_count(summary.parameters)} "
-                             f"parameters, on {plan.cluster.name} ({plan.world_size} devices)", width))
-    console.print()
-    console.print(_paragraph(verdict(plan), width))
-    notes = [f"note: {finding}" for finding in findings(plan)] + [f"warning: {warning}" for warning in plan.warnings]
-    if notes:
-        console.print()
-        for note in notes:
-            console.print(_paragraph(note, width, indent="  "))
-    console.print()
+    items = [
+        ReportItem("title", Paragraph(f"soap-planner plan for {source}: {summary.name}, {format_count(summary.parameters)} "
+                                      f"parameters, on {plan.cluster.name} ({plan.world_size} devices)", indent=""), True),
+        ReportItem("verdict", Paragraph(verdict(plan), indent=""), True),
+    ]
+    notes = [("note", f"note: {finding}") for finding in findings(plan)]
+    notes += [("warning", f"warning: {warning}") for warning in plan.warnings]
+    for position, (section, note) in enumerate(notes):
+        items.append(ReportItem(section, Paragraph(note), gap_after=position == len(notes) - 1))
+    for label, text in _details(plan):
+        items.append(ReportItem(f"detail:{label}", Paragraph(f"{label:<9} {text}", hanging=" " * 12)))
+    items.append(ReportItem("strategy", _strategy_table(plan)))
+    for family in with_part("report"):  # each family's own section (planner.families)
+        if family.uses(plan):
+            for part in family.part("report")(plan):
+                items.append(ReportItem(family.name, part))
+    items.append(ReportItem("memory", _memory_table(plan)))
+    items.append(ReportItem("memory", Paragraph(_memory_verdict(plan), indent="")))
+    items.append(ReportItem("time", _time_table(plan)))
+    if plan.runners_up:
+        items.append(ReportItem("runners-up", _alternatives_table(plan)))
+    return items
+
+
+def _details(plan: "Plan") -> list[tuple[str, str]]:
+    """The labelled lines under the verdict: model, cluster, mesh, strategy, batch..."""
+    summary = plan.summary
     blocks = ", ".join(f"{group} x{count}" for group, count in summary.blocks.items()) or "none"
     details = [
         ("model", f"{summary.name}: {format_count(summary.parameters)} parameters ({format_bytes(summary.parameter_bytes)}), "
@@ -71,22 +138,7 @@ def render_report(plan: "Plan", width: int = REPORT_WIDTH) -> str:
     ))
     if plan.timings:
         details.append(("planned in", ", ".join(f"{key.removesuffix('_s')} {value:.1f} s" for key, value in plan.timings.items())))
-    for label, text in details:
-        console.print(_paragraph(f"{label:<9} {text}", width, indent="  ", hanging=" " * 12))
-    console.print(_strategy_table(plan))
-    for family in with_part("report"):  # each family's own section (planner.families)
-        if family.uses(plan):
-            for item in family.part("report")(plan):
-                if isinstance(item, Paragraph):
-                    console.print(_paragraph(item.text, width, indent=item.indent, hanging=item.hanging))
-                else:
-                    console.print(item)
-    console.print(_memory_table(plan))
-    console.print(_memory_verdict(plan))
-    console.print(_time_table(plan))
-    if plan.runners_up:
-        console.print(_alternatives_table(plan))
-    return buffer.getvalue()
+    return details
 
 
 def _paragraph(text: str, width: int, indent: str = "", hanging: str | None = None) -> str:

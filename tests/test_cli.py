@@ -7,6 +7,7 @@ Every user error must be exit status 2 and exactly one line on stderr starting `
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,11 @@ def plan_file(tmp_path_factory) -> Path:
 # ----------------------------------------------------------------------- commands
 
 
+
+def _unwrapped(out: str) -> str:
+    """``out`` with the commands broken to the terminal's width (shell continuations) joined."""
+    return re.sub(r" \\\n +", " ", out)
+
 def test_presets_lists_every_preset(capsys):
     assert main(["presets"]) == 0
     out, err = capsys.readouterr()
@@ -49,6 +55,7 @@ def test_plan_prints_report_and_writes_file(capsys, tmp_path):
     assert main(["plan", MLP, "--cluster", "cpu:1x2", "--search", "dp", "-o", str(path)]) == 0
     out, err = capsys.readouterr()
     assert "Traceback" not in err
+    out = _unwrapped(out)
     for expected in (
         "soap-planner plan for",
         "cluster   cpu: 1 node x 2 cpu-process",
@@ -120,7 +127,7 @@ def test_compile_writes_three_files(capsys, plan_file, tmp_path):
         compile(  # the emitted programs are valid Python
             (out_dir / name).read_text(), name, "exec"
         )
-    assert f"torchrun --nproc_per_node 2 {out_dir}/launch.py --check" in out
+    assert f"torchrun --nproc_per_node 2 {out_dir}/launch.py --check" in _unwrapped(out)
 
 
 @pytest.mark.parametrize("command", [[], ["plan"], ["compile"], ["presets"]])
