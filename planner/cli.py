@@ -155,6 +155,28 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--force", action="store_true", help="let --trace overwrite a file that is not a Chrome trace")
     _add_format(simulate)
 
+    explain = commands.add_parser(
+        "explain",
+        help="why an op, module or layer is placed as the plan says: each alternative's cost beside it",
+        description="Re-trace the plan's model and cost every placement the search had for the ops named, "
+        "with the other ops held where the plan put them.",
+    )
+    explain.add_argument("plan", metavar="PLAN_JSON", help="a plan saved by `planner plan -o`")
+    which = explain.add_mutually_exclusive_group(required=True)
+    which.add_argument("--op", metavar="NAME", help="one op by its node name, as --module's table lists them")
+    which.add_argument("--module", metavar="PATH", help="the ops of a module and those under it (e.g. layers.0.attention)")
+    which.add_argument("--layer", metavar="N", type=flag_type(int, lambda value, name: integer_at_least(value, name, 0), "an integer >= 0"),
+                       help="the ops of the N-th repeated block (module paths holding .N.)")
+
+    diff = commands.add_parser(
+        "diff",
+        help="what differs between two plans and its predicted effect on step time, memory and bytes",
+        description="Compare two saved plans: settings, placements per module, expert layouts, and the "
+        "predicted step time, memory and bytes per mesh axis.",
+    )
+    diff.add_argument("first", metavar="A_JSON", help="a plan saved by `planner plan -o`")
+    diff.add_argument("second", metavar="B_JSON", help="another plan, usually of the same model")
+
     report = commands.add_parser(
         "report",
         help="print a saved plan's report again (no tracing, no simulation)",
@@ -278,6 +300,15 @@ def _run(options: argparse.Namespace) -> int:
         return _plan(options)
     if options.command == "simulate":
         return _simulate(options)
+    if options.command == "explain":
+        return _explain(options)
+    if options.command == "diff":
+        from planner.plan_diff import render_diff
+        from planner.plans import load_plan
+
+        first, second = load_plan(options.first), load_plan(options.second)
+        _say(render_diff(first, second, (options.first, options.second), terminal_width()))
+        return 0
     if options.command == "report":
         from planner.errors import PlanFileError
         from planner.plans import load_plan
@@ -430,6 +461,21 @@ def _profile(options: argparse.Namespace) -> int:
     for name, value in rows:
         _say(f"{name:<{width}}  {value}")
     _say(f"wrote {output}; next: planner plan examples/gpt.py --cluster {output}")
+    return 0
+
+
+def _explain(options: argparse.Namespace) -> int:
+    from planner.compare import plan_and_graph
+    from planner.explain_text import render_explanations
+    from planner.plans import load_plan
+    from search.explain import explain_ops, select_ops
+
+    plan = load_plan(options.plan)
+    chosen = select_ops(plan, op=options.op, module=options.module, layer=options.layer)  # before tracing
+    with _status(f"costing the alternatives of {len(chosen)} op(s)"):
+        plan, graph = plan_and_graph(plan.to_dict(), options.plan)
+        explanations = explain_ops(plan, graph, chosen)
+    _say(render_explanations(explanations, terminal_width()))
     return 0
 
 

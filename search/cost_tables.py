@@ -129,7 +129,7 @@ def build_cost_tables(
     for node in graph.nodes:
         twin = representative[node.name]
         if twin == node.name:
-            tables.candidates[node.name] = [_cost(simulator, node, s) for s in strategies_of[node.name]]
+            tables.candidates[node.name] = [candidate_cost(simulator, node, s) for s in strategies_of[node.name]]
         else:
             tables.candidates[node.name] = [
                 Candidate(
@@ -144,7 +144,9 @@ def build_cost_tables(
     return tables
 
 
-def _cost(simulator: Simulator, node: OpNode, strategy: NodeStrategy) -> Candidate:
+def candidate_cost(simulator: Simulator, node: OpNode, strategy: NodeStrategy) -> Candidate:
+    """What running ``node`` by ``strategy`` costs on its own (compute, its collectives and
+    data-parallel gradient sync, memory), with ``simulator``'s plan and mesh."""
     context = simulator.context
     context.strategies[node.name] = strategy
     simulator.node_costs.first_use = {}  # input-gradient all-reduces are counted by the search per tensor
