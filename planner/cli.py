@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--force", action="store_true", help="let -o overwrite a file that is not a plan")
     _add_format(plan)
+    _add_html(plan)
 
     compile_ = commands.add_parser(
         "compile",
@@ -184,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("plan", metavar="PLAN_JSON", help="a plan saved by `planner plan -o`")
     _add_format(report)
+    _add_html(report)
+    report.add_argument("--measured", metavar="MEASURED_JSON",
+                        help="with --html: a launch.py --profile measurement drawn against the prediction")
+    report.add_argument("--force", action="store_true", help="let --html overwrite a file that is not a report")
 
     commands.add_parser("presets", help="list the cluster presets", description="List the built-in cluster presets.")
     commands.add_parser(
@@ -255,6 +260,13 @@ def add_measurement_commands(commands) -> None:
     calibrate.add_argument("--force", action="store_true", help="let -o overwrite a file soap-planner did not write")
 
 
+def _add_html(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--html", metavar="REPORT_HTML",
+        help="also write the report as one self-contained page (plots, timeline, strategy tree; works offline)",
+    )
+
+
 def _add_format(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--format", choices=("text", "json"), default="text",
@@ -313,11 +325,16 @@ def _run(options: argparse.Namespace) -> int:
         from planner.errors import PlanFileError
         from planner.plans import load_plan
 
+        if options.measured is not None and options.html is None:
+            raise ArgumentError("--measured is drawn in the HTML page only; add --html report.html")
+        html_path = _check_html_output(options)
         plan = load_plan(options.plan)
         if plan.estimate.device_memory_bytes <= 0:  # built by hand or by a script, never simulated
             raise PlanFileError(f"{options.plan} holds no simulated figures to report; run "
                                 f"`planner simulate {shlex.quote(options.plan)}` instead")
         _print_report(plan, options.format)
+        if html_path is not None:
+            _write_html(options, plan, html_path)
         return 0
     if options.command == "profile":
         return _profile(options)
@@ -382,6 +399,7 @@ def _plan(options: argparse.Namespace) -> int:
         from planner.plans import is_plan_file
 
         check_output_file(options.output, what="soap-planner plan", is_ours=is_plan_file, force=options.force)
+    html_path = _check_html_output(options)
     from planner.api import plan as make_plan
     from planner.model_spec import ModelSpec, parse_overrides
 
@@ -394,6 +412,8 @@ def _plan(options: argparse.Namespace) -> int:
     steps = _next_steps(plan, options)
     if options.output is not None:
         plan.save(options.output, force=options.force)
+    if html_path is not None:
+        _write_html(options, plan, html_path)
     if options.format == "json":
         _say_json({**_report_data(plan), "saved": options.output, "next": steps})
         return 0
@@ -541,6 +561,40 @@ def _simulate(options: argparse.Namespace) -> int:
         result.to_chrome_trace(options.trace, force=options.force)
         _say(f"wrote the timeline to {options.trace} (open it in https://ui.perfetto.dev)")
     return 0
+
+
+def _check_html_output(options: argparse.Namespace):
+    """``--html``'s path, checked before any work (``None`` without the flag)."""
+    if getattr(options, "html", None) is None:
+        return None
+    from planner.html_report import is_html_report
+    from planner.outputs import check_output_file
+
+    return check_output_file(options.html, what="HTML report", is_ours=is_html_report, force=options.force)
+
+
+def _write_html(options: argparse.Namespace, plan, path) -> None:
+    """The self-contained page: the plan's timeline (simulated again when the plan was loaded
+    from a file, which keeps no timeline) and, with ``--measured``, predicted against measured."""
+    from planner.api import simulate
+    from planner.html_report import html_report
+    from planner.outputs import write_text_atomically
+
+    timeline = plan.estimate.timeline
+    if not timeline:
+        with _status(f"simulating {plan.name} for its timeline"):
+            timeline = simulate(plan).timeline
+    measured = None
+    if getattr(options, "measured", None):
+        from planner.compare import check_measured_plan, compare, load_measured, plan_and_graph
+
+        run = load_measured(options.measured)
+        check_measured_plan(plan, options.plan, run)
+        with _status("comparing with the measurement"):
+            compared, graph = plan_and_graph(plan.to_dict(), options.plan)
+            measured = compare(compared, graph, run)
+    write_text_atomically(path, html_report(plan, timeline=timeline, measured=measured))
+    _say(f"wrote the report page to {path} (open it in a browser; it needs no network)")
 
 
 def _print_report(plan, output_format: str) -> None:

@@ -139,6 +139,15 @@ def _check_output_file(path: Path, what: str, is_ours: Callable[[Path], bool], f
     return path
 
 
+def file_head(path: str | os.PathLike, size: int = 4096) -> str:
+    """The first ``size`` bytes of ``path`` as text ("" when it cannot be read)."""
+    try:
+        with open(path, "rb") as stream:
+            return stream.read(size).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def file_tail(path: str | os.PathLike, size: int = 4096) -> str:
     """The last ``size`` bytes of ``path`` as text ("" when it cannot be read): how a large
     file that soap-planner marks at its end (a Chrome trace) is recognised without reading it."""

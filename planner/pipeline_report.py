@@ -40,7 +40,7 @@ def _pipeline_table(plan: "Plan") -> Table:
         chunks = [by_stage.get(v, []) for v in range(rank, pipeline.stages * pipeline.virtual_stages, pipeline.stages)]
         busy = sum(s.cost.compute_s + s.cost.communication_s for chunk in chunks for s in chunk)
         memory = estimate.stage_memory[rank].total if rank < len(estimate.stage_memory) else 0
-        holds = " | ".join(_stage_contents(chunk) for chunk in chunks)
+        holds = " | ".join(stage_contents(chunk) for chunk in chunks)
         stages = range(rank, pipeline.stages * pipeline.virtual_stages, pipeline.stages)
         recompute = " | ".join(plan.recompute_at(stage) for stage in stages)
         table.add_row(str(rank), holds, recompute, format_seconds(busy), format_bytes(memory))
@@ -56,7 +56,7 @@ def _pipeline_summary(plan: "Plan") -> str:
     )
 
 
-def _stage_contents(strategies: list[NodeStrategy]) -> str:
+def stage_contents(strategies: list[NodeStrategy]) -> str:
     """``blocks.0-5 + wte, wpe``: the repeated blocks as index ranges, then the other
     top-level modules."""
     blocks: OrderedDict[str, list[int]] = OrderedDict()

@@ -98,7 +98,7 @@ def report_items(plan: "Plan") -> list[ReportItem]:
     notes += [("warning", f"warning: {warning}") for warning in plan.warnings]
     for position, (section, note) in enumerate(notes):
         items.append(ReportItem(section, Paragraph(note), gap_after=position == len(notes) - 1))
-    for label, text in _details(plan):
+    for label, text in report_details(plan):
         items.append(ReportItem(f"detail:{label}", Paragraph(f"{label:<9} {text}", hanging=" " * 12)))
     items.append(ReportItem("strategy", _strategy_table(plan)))
     for family in with_part("report"):  # each family's own section (planner.families)
@@ -113,7 +113,7 @@ def report_items(plan: "Plan") -> list[ReportItem]:
     return items
 
 
-def _details(plan: "Plan") -> list[tuple[str, str]]:
+def report_details(plan: "Plan") -> list[tuple[str, str]]:
     """The labelled lines under the verdict: model, cluster, mesh, strategy, batch..."""
     summary = plan.summary
     blocks = ", ".join(f"{group} x{count}" for group, count in summary.blocks.items()) or "none"
