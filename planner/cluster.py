@@ -49,7 +49,7 @@ llm-foundry's ``attn_impl: triton``); ``cost_model.gpu_kernels`` prices each. Fi
 
 Vocabulary layer: imports only the standard library, ``planner.errors``, ``planner.outputs``
 (atomic writes), ``planner.json_files`` (bounded reading of files) and the pure-data
-``planner.presets`` (which imports nothing); never torch.
+``planner.presets`` (pure data, with ``planner.gpu_presets``); never torch.
 """
 
 from __future__ import annotations

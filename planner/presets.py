@@ -2,7 +2,8 @@
 
 Pure data in the cluster-file layout (see ``planner.cluster``), so presets and user files go
 through one parser. Units: FLOP/s (dense, no structured sparsity), bytes, bytes/s per
-direction per device, seconds. This module imports nothing.
+direction per device, seconds. This module imports only ``planner.gpu_presets`` (the presets
+named by GPU and cloud instance type, added at its end), which imports nothing.
 
 Memory sizes use the datasheet's decimal gigabytes (80 GB = 80e9 bytes). The physical HBM is
 a little larger (an A100-80GB reports 81920 MiB = 85.9e9 bytes in nvidia-smi); the difference
@@ -195,3 +196,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "inter_node": {"bandwidth": 1e9, "latency": 100e-6},
     },
 }
+
+# GPUs and cloud instance types by name (h100, a100-40g, p5, nd-h100-v5...): planner.gpu_presets.
+from planner.gpu_presets import gpu_presets  # noqa: E402 - after PRESETS, which it reads
+
+PRESETS.update(gpu_presets(PRESETS))
