@@ -139,3 +139,33 @@ def test_moe_and_summa_sections_draw(tmp_path):
         with opened_page(path) as (page, errors):
             assert errors == [], name
             assert page.locator(selector).count() == expected, name
+
+
+def test_measured_parts_are_drawn_beside_the_prediction(tmp_path, capsys):
+    """``report --measured m.json --html``: every compared part (op classes, collectives,
+    the step) in the page's data with its prediction and measurement; drawn when a browser is
+    here."""
+    from cost_model.calibration import MEASURED_FORMAT, MEASURED_VERSION
+
+    plan_path = tmp_path / "plan.json"
+    assert main(["plan", str(REPO / "examples" / "mlp.py"), "--cluster", "cpu:1x2", "--dp", "ddp", "-o",
+                 str(plan_path)]) == 0
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({
+        "format": MEASURED_FORMAT, "version": MEASURED_VERSION, "plan": json.loads(plan_path.read_text()),
+        "world_size": 2, "step_time_s": 0.01, "step_times_s": [0.01],
+        "ops": {"aten.mm.default": {"count": 6, "time_s": 0.004, "flops": 1e6}},
+        "collectives": [{"kind": "all_reduce", "bytes": 4096, "count": 1, "time_s": 0.001}],
+    }))
+    page = tmp_path / "r.html"
+    capsys.readouterr()
+    assert main(["report", str(plan_path), "--measured", str(measured), "--html", str(page)]) == 0
+    parts = _page_data(page.read_text())["measured"]
+    by_name = {part["name"]: part for part in parts}
+    assert parts and all(part["predicted_s"] >= 0 for part in parts)
+    assert any(part["measured_s"] == pytest.approx(0.01) for part in parts)  # the step
+    assert any(part["measured_s"] == pytest.approx(0.001) for part in parts)  # the all-reduce
+    if browser_missing() is None:
+        with opened_page(page) as (browser_page, errors):
+            assert errors == []
+            assert browser_page.locator("#measured tr").count() == 1 + len(by_name)
