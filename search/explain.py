@@ -16,7 +16,9 @@ plan's mesh (``search.node_candidates``) with the same functions the search's ob
 Each candidate is priced with its neighbours held where the plan put them, so the table
 answers "what would change if only this op ran differently". Each alternative gets a
 verdict: ``slower`` (by how much, and which part), ``does not fit`` (the plan's fullest
-device would overflow), ``tie``, or ``cheaper here``: the whole-step search can prefer a
+device would overflow), ``not allowed`` (a rule of the search keeps it out: weights split
+per op on ``dp``, which the data-parallel flavours do for the whole model), ``tie``, or
+``cheaper here``: the whole-step search can prefer a
 locally dearer choice (repeated blocks share one choice, the simulator decides overlap and
 memory), and the explanation says so rather than hiding it.
 """
@@ -36,6 +38,9 @@ from search.node_candidates import node_strategies
 
 __all__ = ["OptionCost", "OpExplanation", "explain_ops", "select_ops"]
 
+# Why the search never splits an op's weights on dp itself (search.node_candidates).
+DP_WEIGHTS_RULE = ("weights split on dp are the data-parallel flavour's choice (ZeRO/FSDP shard them for the "
+                   "whole model, --dp), not a per-op placement")
 # Relative difference under which two candidates are called a tie (the costs are sums of
 # floating-point terms; a millionth of a step is below anything the simulator resolves).
 TIE = 1e-6
@@ -51,6 +56,7 @@ class OptionCost:
     resharding_s: float
     memory_bytes: float
     chosen: bool
+    not_allowed: str = ""  # the rule that keeps the search from choosing it, if one does
 
     @property
     def total_s(self) -> float:
@@ -83,6 +89,8 @@ class OpExplanation:
         """Why ``option`` is not the plan's choice (or ``chosen``)."""
         if option.chosen:
             return "chosen"
+        if option.not_allowed:
+            return f"not allowed: {option.not_allowed}"
         chosen = self.chosen
         extra_memory = option.memory_bytes - chosen.memory_bytes
         if extra_memory > self.spare_bytes:
@@ -138,14 +146,18 @@ def explain_ops(plan, graph: OpGraph, chosen: list[NodeStrategy]) -> list[OpExpl
     spare = plan.estimate.device_memory_bytes - plan.estimate.memory.total
     names = {s.node for s in chosen}
     options_of = node_strategies(graph, plan.mesh, only=names)
+    # The layouts the dp rule keeps out (weights split per op on dp), shown as not allowed.
+    lifted = node_strategies(graph, plan.mesh, only=names, weights_split_on_dp=True) if "dp" in plan.mesh.names else {}
     explanations = []
     for strategy in chosen:
         node = graph.node(strategy.node)
         offered = list(options_of.get(node.name, []))
         if not any(_same_layout(option, strategy) for option in offered):
             offered.insert(0, strategy)  # built by a layout the registry does not offer (Megatron's, SUMMA's)
+        excluded = [option for option in lifted.get(node.name, [])
+                    if not any(_same_layout(option, allowed) for allowed in offered)]
         options = []
-        for option in offered:
+        for option in offered + excluded:
             cost = candidate_cost(simulator, node, option)
             resharding = 0.0
             for position, source in enumerate(node.inputs):
@@ -158,7 +170,8 @@ def explain_ops(plan, graph: OpGraph, chosen: list[NodeStrategy]) -> list[OpExpl
                     if reader is not None and position < len(reader.inputs):
                         resharding += tables.edge_cost(node.name, consumer, position, option.outputs[0], reader.inputs[position])
             options.append(OptionCost(option, cost.compute_s, cost.communication_s, resharding, cost.memory_bytes,
-                                      chosen=_same_layout(option, strategy)))
+                                      chosen=_same_layout(option, strategy),
+                                      not_allowed=DP_WEIGHTS_RULE if option in excluded else ""))
         # One chosen row: the first equal layout (the registry may offer a layout twice).
         seen_chosen = False
         unique = []

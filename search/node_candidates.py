@@ -16,14 +16,15 @@ from search.rules.summa import LINEAR_OPS, summa_candidates
 
 
 def node_strategies(graph: OpGraph, mesh: Mesh, only: set[str] | None = None,
-                    tp_layouts: str = "auto") -> dict[str, list[NodeStrategy]]:
+                    tp_layouts: str = "auto", weights_split_on_dp: bool = False) -> dict[str, list[NodeStrategy]]:
     """Candidate strategies on ``mesh`` from the rule registry (all-replicate first), for
     every node or for the nodes in ``only``. On the ``dp`` axis weights stay replicated:
     sharding them there is what the FSDP/ZeRO flavours do; weights split on ``tp``.
 
     On a mesh with SUMMA axes the block-layout strategies (``search.rules.summa``) are
     added; with ``tp_layouts="summa"`` a linear that has SUMMA strategies gets only those,
-    with ``tp_layouts="1d"`` no op gets a SUMMA layout (plain per-axis shardings only)."""
+    with ``tp_layouts="1d"`` no op gets a SUMMA layout (plain per-axis shardings only).
+    ``weights_split_on_dp`` lifts the dp rule (``planner explain`` shows what it excludes)."""
     dp = mesh.names.index("dp") if "dp" in mesh.names else None
     strategies: dict[str, list[NodeStrategy]] = {}
     for node in graph.nodes:
@@ -32,7 +33,7 @@ def node_strategies(graph: OpGraph, mesh: Mesh, only: set[str] | None = None,
         weight_positions = [node.inputs.index(source) for source in node.param_inputs]
 
         def weights_whole_on_dp(per_axis, positions=weight_positions) -> bool:
-            return dp is None or all(isinstance(per_axis[dp].inputs[i], Replicate) for i in positions)
+            return weights_split_on_dp or dp is None or all(isinstance(per_axis[dp].inputs[i], Replicate) for i in positions)
 
         options = []
         for per_axis in candidates(node, mesh, keep=weights_whole_on_dp):

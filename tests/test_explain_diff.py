@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from torch.distributed.tensor import Replicate
 
 from planner import baselines
 from planner.api import prepare_model
@@ -69,7 +70,7 @@ def test_the_replicated_alternative_loses_on_compute_by_the_data_parallel_degree
 def test_an_alternative_that_overflows_the_device_says_so(data_parallel, graph):
     (explanation,) = explain_ops(data_parallel, graph, select_ops(data_parallel, module="blocks.0.mlp.c_fc"))
     tight = dataclasses.replace(explanation, spare_bytes=0.0)
-    dearer = [o for o in tight.options if o.memory_bytes > tight.chosen.memory_bytes]
+    dearer = [o for o in tight.options if o.memory_bytes > tight.chosen.memory_bytes and not o.not_allowed]
     assert dearer
     assert all(tight.verdict(option).startswith("does not fit: needs ") for option in dearer)
 
@@ -131,3 +132,15 @@ def test_diff_on_the_command_line(data_parallel, megatron, tmp_path, capsys, mon
     out = capsys.readouterr().out
     assert "Predicted effect (B against A)" in out and "Placements that differ" in out
     assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_layouts_a_search_rule_keeps_out_are_shown_as_not_allowed(data_parallel, graph):
+    """Weights not whole on dp per op are the ZeRO/FSDP flavours' business: listed, not offered."""
+    (explanation,) = explain_ops(data_parallel, graph, select_ops(data_parallel, module="blocks.0.mlp.c_fc"))
+    refused = [option for option in explanation.options if option.not_allowed]
+    assert refused
+    for option in refused:
+        # dp is the only axis: a weight not whole (Replicate) there, sharded or partial.
+        assert any(not isinstance(placements[0], Replicate) for placements in option.strategy.params.values())
+        assert explanation.verdict(option).startswith("not allowed: weights split on dp")
+    assert not explanation.chosen.not_allowed
