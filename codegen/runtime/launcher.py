@@ -156,6 +156,12 @@ def main(folder: Path, argv: list[str]) -> int:
         program = load_program(folder)
         if options.fp64:
             check_float64_applies(program)
+        if options.check:
+            # A family whose step differs from one device's by design (Adasum) says why.
+            refusals = [section.parity_refusal for section in program.plan.sections.values()
+                        if getattr(section, "parity_refusal", "")]
+            if refusals:
+                raise LaunchError(refusals[0])
         if program.plan.pipeline is not None and program.plan.expert_layouts:
             if options.clip_grad_norm is not None:
                 raise LaunchError("--clip-grad-norm is not written yet for pipelines whose stages run MoE layers (the "
