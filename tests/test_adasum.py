@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,11 +24,11 @@ from planner.families.adasum.costs import adasum_bucket_seconds
 from planner.families.adasum.runtime import adasum_pair, adasum_tree
 from planner.families.adasum.section import AdasumSection
 from planner.model_spec import ModelSpec
+from torchrun_run import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 MLP = ModelSpec(str(REPO / "examples/mlp.py"), {"batch_size": 16, "in_features": 8, "hidden": 8, "out_features": 4,
                                                  "layers": 2})
-TIMEOUT = 300  # seconds; only stops a hung collective
 
 
 # ------------------------------------------------------------------------------ the rule
@@ -155,20 +150,6 @@ def test_adasum_over_8_gloo_ranks_equals_the_single_process_reference(adasum_pla
     folder = planner.compile(adasum_plan, tmp_path / "out")
     source = (folder / "model_spmd.py").read_text()
     assert "ddp.register_comm_hook(state, adasum_hook)" in source and "LOCAL_RANKS = 2" in source
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "8",
-               str(REPO / "tests/adasum_worker.py"), str(folder)]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(port)}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"timed out: {stdout[-2000:]}{stderr[-2000:]}")
-    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    stdout = torchrun(8, str(REPO / "tests/adasum_worker.py"), str(folder))
     # 3 exchanges (2, 4, 8 ranks) and the program's 4 parameters (2 linear layers).
     assert "adasum ok 7" in stdout

@@ -8,11 +8,6 @@ and 2 + 2 (one launch each).
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +15,6 @@ import pytest
 import planner
 from cost_model.collectives import collective_time
 from cost_model.simulator import Simulator
-from planner.cluster import Cluster
 from planner.errors import PlanFileError
 from planner.families.layer_separation.candidates import head_rank_counts
 from planner.families.layer_separation.costs import activation_send_seconds
@@ -28,13 +22,13 @@ from planner.families.layer_separation.section import LayerSeparationSection
 from planner.families.layer_separation.trunk import find_trunk
 from planner.model_spec import ModelSpec
 from planner.report import render_report
+from torchrun_run import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 VGG = str(REPO / "examples/vgg.py")
 # width 2: channels 2, 4, 8, 16, 16; 32 pixels -> 1 x 1 after five poolings; head 16 -> 16 -> 16 -> 10.
 TINY = ModelSpec(VGG, {"width": 2, "hidden": 16, "image_size": 32, "batch_size": 12, "num_classes": 10})
 TEN_GIGABIT = str(REPO / "examples/clusters/ethernet-10g.toml")
-TIMEOUT = 300  # seconds; only stops a hung send or receive
 ONLY = {"families": ["layer-separation"]}
 
 
@@ -122,25 +116,6 @@ def test_the_search_does_not_choose_it_on_nvlink() -> None:
 # ------------------------------------------------------------------------------ the program
 
 
-def _check(folder: Path) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", str(folder / "launch.py"),
-               "--check"]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(port)}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"timed out: {stdout[-2000:]}{stderr[-2000:]}")
-    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    return stdout
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("heads", [1, 2])
 def test_the_program_matches_one_device(split_plan, heads, tmp_path) -> None:
@@ -148,4 +123,4 @@ def test_the_program_matches_one_device(split_plan, heads, tmp_path) -> None:
     folder = planner.compile(plan, tmp_path / "out")
     source = (folder / "model_spmd.py").read_text()
     assert f"TRUNK = 'features'\nTRUNK_RANKS = {4 - heads}\nHEAD_RANKS = {heads}\n" in source
-    assert "parity ok" in _check(folder)
+    assert "parity ok" in torchrun(4, str(folder / "launch.py"), "--check")
