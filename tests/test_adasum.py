@@ -153,3 +153,6 @@ def test_adasum_over_8_gloo_ranks_equals_the_single_process_reference(adasum_pla
     stdout = torchrun(8, str(REPO / "tests/adasum_worker.py"), str(folder))
     # 3 exchanges (2, 4, 8 ranks) and the program's 4 parameters (2 linear layers).
     assert "adasum ok 7" in stdout
+    # --check has no one-device step to match: refused before the process group starts.
+    refused = torchrun(1, str(folder / "launch.py"), "--check", fails=True)
+    assert "error: --check compares with one device's step, but Adasum combines the ranks' gradients" in refused

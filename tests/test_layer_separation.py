@@ -124,3 +124,12 @@ def test_the_program_matches_one_device(split_plan, heads, tmp_path) -> None:
     source = (folder / "model_spmd.py").read_text()
     assert f"TRUNK = 'features'\nTRUNK_RANKS = {4 - heads}\nHEAD_RANKS = {heads}\n" in source
     assert "parity ok" in torchrun(4, str(folder / "launch.py"), "--check")
+
+
+@pytest.mark.distributed
+def test_checkpoints_are_refused_in_one_line(split_plan, tmp_path) -> None:
+    # Refused before the process group starts, so one process shows it.
+    folder = planner.compile(split_plan, tmp_path / "out")
+    output = torchrun(1, str(folder / "launch.py"), "--steps", "1", "--checkpoint-dir", str(tmp_path / "c"), fails=True)
+    assert "error: checkpoints are not written yet for layer separation: a trunk rank holds a stale copy" in output
+    assert not (tmp_path / "c").exists()

@@ -16,9 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # seconds; a launch takes ~10-40 s on 2 cores, the limit only stops a hung collective
 
 
-def torchrun(world: int, *arguments: str) -> str:
+def torchrun(world: int, *arguments: str, fails: bool = False) -> str:
     """``torchrun --nproc_per_node world ARGUMENTS`` with this checkout on the path; its
-    stdout, after asserting it succeeded. On timeout its whole process group is killed
+    stdout, after asserting it succeeded (with ``fails``: its stdout and stderr, after
+    asserting it failed). On timeout its whole process group is killed
     (workers wait for ever in a collective otherwise)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), *arguments]
     with socket.socket() as probe:
@@ -33,5 +34,8 @@ def torchrun(world: int, *arguments: str) -> str:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         pytest.fail(f"timed out after {TIMEOUT} s: {' '.join(command)}\n{stdout[-2000:]}{stderr[-2000:]}")
+    if fails:
+        assert process.returncode != 0, f"{' '.join(command)} succeeded\n{stdout[-3000:]}"
+        return stdout + stderr
     assert process.returncode == 0, f"{' '.join(command)}\n{stdout[-3000:]}{stderr[-3000:]}"
     return stdout

@@ -27,12 +27,15 @@ def head_rank_counts(world: int, batch: int) -> list[int]:
 def layer_separation_candidates(context: SearchContext) -> list[Plan]:
     """The candidates part of the ``layer-separation`` family (``planner.families``): one
     plan per ``head_rank_counts``, or none for a model without a convolutional trunk, on one
-    device, with mixing samples, or when the constraints leave the family out."""
+    device, with mixing samples, with a batch the ranks do not divide, or when the constraints
+    leave the family out or fix mesh sizes (a layer-separation plan has the ``dp`` mesh alone)."""
     if context.whole_batch_only or not context.constraints.allows_family("layer-separation"):
         return []
     cluster, graph = context.cluster, context.graph
     if cluster.world_size < 2 or context.constraints.mesh or context.constraints.max:
         return []
+    if graph.batch_size % cluster.world_size:
+        return []  # the ddp plan it is built on splits the batch over every rank
     trunk = find_trunk(graph)
     if trunk is None:
         return []

@@ -104,6 +104,9 @@ class LayerSeparationStep(StepContributor):
                                            trunk.cut_bytes_per_sample)
             cost.forward_comm_s += send
             cost.backward_comm_s += send
+            # A trunk rank sends its B/T samples' activations (and receives their gradients).
+            sent = context.plan.batch_size / trunks * trunk.cut_bytes_per_sample
+            cost.axis_bytes["dp"] = cost.axis_bytes.get("dp", 0.0) + sent
 
     def gradient_reduction(self, tasks, device: str, sync: bool) -> _SeparatedReduction | None:
         if not sync:
@@ -120,7 +123,8 @@ class LayerSeparationStep(StepContributor):
 
     def add_axis_bytes(self, context, segment, totals: dict[str, float]) -> None:
         """A trunk rank's ring all-reduce of the trunk's gradients over the trunk ranks
-        (``2 (T - 1) / T`` of them); the activations it sends are counted with the op."""
+        (``2 (T - 1) / T`` of them); the activations it sends are counted with the trunk's
+        last op (``node_cost``)."""
         section = context.plan.sections["layer-separation"]
         trunks = section.trunk_ranks(context.plan)
         names = [n for n in segment.dp_synced if n.startswith(section.trunk + ".")]

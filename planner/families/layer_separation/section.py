@@ -48,6 +48,12 @@ class LayerSeparationSection:
     # The simulator's per-op costs of a plan with this section differ from its ddp plan's
     # (cost_model.simulation_cache.costing_key keys on sections that say so).
     changes_op_costs = True
+    # What launch.py answers --checkpoint-dir and --init-from with (codegen.runtime.launcher).
+    checkpoint_refusal = (
+        "checkpoints are not written yet for layer separation: a trunk rank holds a stale copy of the head's "
+        "weights and no optimizer states for them, so a checkpoint would save the wrong ones; run without "
+        "--checkpoint-dir and --init-from, or compile a ddp plan of the model to checkpoint it"
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.trunk, str) or not MODULE_PATH.fullmatch(self.trunk) or len(self.trunk) > 200:
