@@ -116,10 +116,10 @@ def test_a_bucket_costs_the_node_all_reduce_then_log2_swaps_and_combinations() -
     ranks, size = list(range(32)), 25 * 2**20
     device = cluster.device_of(0)
     # By hand: one all-reduce over the node's 8 ranks; swaps at distance 1 and 2 nodes
-    # (ranks 0 <-> 8 and 0 <-> 16, 8 pairs per node at once); after each, 9 flops and 5
-    # buffer passes per element (fp32: 25 MiB / 4 B elements).
+    # (ranks 0 <-> 8 and 0 <-> 16, 8 pairs per node at once); after each, 9 flops and 9
+    # passes over a bucket-sized buffer per element (dots 4, combination 5; fp32: 25 MiB / 4 B).
     elements = size / 4
-    combine = roofline_time(9 * elements, 5 * size, device, "float32")
+    combine = roofline_time(9 * elements, 9 * size, device, "float32")
     expected = (collective_time("all_reduce", size, cluster, ranks[:8])
                 + collective_time("send_recv", size, cluster, [0, 8], 8) + combine
                 + collective_time("send_recv", size, cluster, [0, 16], 8) + combine)

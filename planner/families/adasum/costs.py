@@ -9,10 +9,10 @@ of ``S`` bytes over ``c = dp / local`` node copies, and what it is priced as:
    its partner and receives the partner's (one ``send_recv`` of ``S`` bytes each way; the
    ``local`` ranks of a node swap at once, sharing the node's network, so the exchange is
    priced with ``local`` concurrent pairs);
-3. after each swap, per tensor, three dot products (g1.g2, |g1|^2, |g2|^2: both buffers
-   read, ``2 S`` bytes) and the combination (both read, one written, ``3 S``): memory-bound
-   work of ``5 S`` bytes and ``9`` flops per element at the device's roofline
-   (``cost_model.compute.roofline_time``).
+3. after each swap, per tensor, three dot products (g1.g2, |g1|^2, |g2|^2: ``4 S`` bytes
+   read) and the combination (``first * a``: ``S`` read, ``S`` written; ``+= b * second``:
+   ``2 S`` read, ``S`` written): memory-bound work of ``9 S`` bytes and ``9`` flops per
+   element at the device's roofline (``cost_model.compute.roofline_time``).
 
 The hook runs in the thread that runs backward and waits for each swap before combining
 (a blocking ``recv``), so its time is priced on the compute stream: backward of the next
@@ -34,10 +34,11 @@ from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.step_contributor import ParameterSharding, StepContributor
 
 # Flops per gradient element and level: 3 dot products (a multiply and an add each: 6) and the
-# combination a*g1 + b*g2 (two multiplies, one add: 3); bytes: 2 buffers read for the dots,
-# 2 read and 1 written for the combination (runtime.adasum_pair).
+# combination a*g1 + b*g2 (a multiply, then a multiply-add: 3); bytes, in buffers of the
+# bucket's size: the dots read g1 and g2 twice (4), the combination reads 3 and writes 2 (5)
+# (runtime.adasum_pair, op by op).
 COMBINE_FLOPS_PER_ELEMENT = 9
-COMBINE_BUFFER_PASSES = 5
+COMBINE_BUFFER_PASSES = 9
 
 
 def adasum_bucket_seconds(cluster, device, dp_ranks: list[int], local: int, size_bytes: float, precision: str) -> float:

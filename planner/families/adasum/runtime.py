@@ -20,14 +20,19 @@ import torch.distributed as dist
 def adasum_pair(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     """Adasum of two gradients of one tensor:
     ``(1 - g1.g2 / (2 |g1|^2)) g1 + (1 - g1.g2 / (2 |g2|^2)) g2``; a gradient of zero norm
-    keeps coefficient 1 (the other gradient then passes unchanged). Dot products in float64,
-    so two ranks that combine the same pair in the same order get the same bits."""
-    a, b = first.double(), second.double()
-    dot = torch.dot(a.flatten(), b.flatten())
-    a_norm, b_norm = torch.dot(a.flatten(), a.flatten()), torch.dot(b.flatten(), b.flatten())
-    a_coefficient = 1.0 - dot / (2 * a_norm) if a_norm > 0 else torch.ones((), dtype=torch.float64)
-    b_coefficient = 1.0 - dot / (2 * b_norm) if b_norm > 0 else torch.ones((), dtype=torch.float64)
-    return (a_coefficient * a + b_coefficient * b).to(first.dtype)
+    keeps coefficient 1 (the other gradient then passes unchanged). The three dot products
+    accumulate in float32 at least (bf16/fp16 gradients are read as float32), the
+    coefficients are Python floats, and the result is ``first * a`` then ``+= b * second``:
+    the passes over the buffers ``costs.COMBINE_BUFFER_PASSES`` counts. Two ranks that
+    combine the same pair in the same order get the same bits."""
+    wide = (torch.float32, torch.float64)
+    a = first.flatten() if first.dtype in wide else first.flatten().float()
+    b = second.flatten() if second.dtype in wide else second.flatten().float()
+    dot, a_norm, b_norm = torch.dot(a, b).item(), torch.dot(a, a).item(), torch.dot(b, b).item()
+    a_coefficient = 1.0 - dot / (2 * a_norm) if a_norm > 0 else 1.0
+    b_coefficient = 1.0 - dot / (2 * b_norm) if b_norm > 0 else 1.0
+    combined = first * a_coefficient
+    return combined.add_(second, alpha=b_coefficient)
 
 
 def adasum_pair_per_tensor(first: torch.Tensor, second: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
