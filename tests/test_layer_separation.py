@@ -103,7 +103,9 @@ def test_the_search_chooses_it_on_10_gigabit_ethernet_and_says_why() -> None:
     best_other = min(a.step_time_s for a in chosen.runners_up if "layer separation" not in a.name)
     assert chosen.estimate.step_time_s < best_other
     report = render_report(chosen)
-    assert "Predicted gain over the best plan without it" in " ".join(report.split())
+    words = " ".join(report.split())
+    assert "Predicted gain over the best plan without it" in words
+    assert "batch global 168, 24 per trunk rank, 168 per head rank" in words
 
 
 def test_the_search_does_not_choose_it_on_nvlink() -> None:

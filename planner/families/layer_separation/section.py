@@ -109,6 +109,12 @@ class LayerSeparationSection:
         return (f"layer separation (Stanza): '{self.trunk}' data parallel on {self.trunk_ranks(plan)} of "
                 f"{plan.world_size} devices, the rest of the model on {self.head_ranks}")
 
+    def batch_text(self, plan: "Plan") -> str:
+        """The report's batch line: each group's share."""
+        trunk, batch = self.trunk_ranks(plan), plan.batch_size
+        return (f"global {batch}, {batch // trunk} per trunk rank, {batch // self.head_ranks} per head rank "
+                f"(its trunk ranks' samples)")
+
     def strategy_text(self, plan: "Plan") -> str:
         """The report's strategy line, instead of the ddp flavour's."""
         trunk = self.trunk_ranks(plan)
