@@ -126,7 +126,10 @@ def report_details(plan: "Plan") -> list[tuple[str, str]]:
         ("strategy", _strategy_text(plan)),
     ]
     local = plan.batch_size // plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else plan.batch_size
-    details.append(("batch", f"global {plan.batch_size}, {local} per data-parallel rank"))
+    # A family section that splits the batch its own way (layer separation) words the line.
+    batch_text = next((section.batch_text(plan) for section in plan.sections.values() if hasattr(section, "batch_text")),
+                      f"global {plan.batch_size}, {local} per data-parallel rank")
+    details.append(("batch", batch_text))
     if plan.fsdp_units:
         details.append(("FSDP units", f"{_collapse_units(plan.fsdp_units)} + root"))
     if plan.search_summary:

@@ -66,6 +66,12 @@ def plan_route(plan: "Plan") -> str:
     return "data parallel"
 
 
+def _section_words(plan: "Plan") -> str:
+    """The phrase a family section gives its plans (``verdict_words(plan)``), or ""."""
+    return next((section.verdict_words(plan) for section in plan.sections.values()
+                 if callable(getattr(section, "verdict_words", None))), "")
+
+
 def strategy_words(plan: "Plan") -> str:
     """The strategy in a phrase: ``ZeRO-2 data parallelism (...) on all 16 GPUs (dp=16)``."""
     devices = _devices(plan)
@@ -87,6 +93,8 @@ def strategy_words(plan: "Plan") -> str:
             f"{_FLAVOUR_WORDS[plan.dp_flavour]} on all {devices} ({plan.mesh}), the {len(plan.expert_layouts)} "
             f"MoE layer(s) by layout: {expert_modes_summary(plan.expert_layouts)}"
         )
+    elif _section_words(plan):
+        text = _section_words(plan)
     else:
         text = f"{_FLAVOUR_WORDS[plan.dp_flavour]} on all {devices} ({plan.mesh})"
     composed = plan.label and not plan.expert_layouts  # an MoE plan's flavour is named above

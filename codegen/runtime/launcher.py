@@ -156,6 +156,13 @@ def main(folder: Path, argv: list[str]) -> int:
         program = load_program(folder)
         if options.fp64:
             check_float64_applies(program)
+        if options.check:
+            # A family whose step differs from one device's by design (Adasum) says why.
+            _refuse_by_section(program, "parity_refusal")
+        if options.checkpoint_dir or options.init_from:
+            # A family whose ranks hold different parts of the model (layer separation) says
+            # so before a checkpoint takes one rank's stale copy of another part.
+            _refuse_by_section(program, "checkpoint_refusal")
         if program.plan.pipeline is not None and program.plan.expert_layouts:
             if options.clip_grad_norm is not None:
                 raise LaunchError("--clip-grad-norm is not written yet for pipelines whose stages run MoE layers (the "
@@ -225,6 +232,15 @@ def _rank() -> int:
         return dist.get_rank()
     text = os.environ.get("RANK", "0")
     return int(text) if text.isdigit() else 0
+
+
+def _refuse_by_section(program: Program, attribute: str) -> None:
+    """LaunchError with the first line a plan section gives as ``attribute`` (one line
+    naming why its program cannot do what was asked, and what to do instead)."""
+    refusals = [getattr(section, attribute) for section in program.plan.sections.values()
+                if getattr(section, attribute, "")]
+    if refusals:
+        raise LaunchError(refusals[0])
 
 
 def check_fits_this_gpu(program: Program) -> None:
