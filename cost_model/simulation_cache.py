@@ -97,7 +97,8 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
     """What node costs and segments depend on: the graph, cluster, mesh, precision and
     micro-batch count, whether the program is plain data parallel, whether fused splits are
     local, whether the sequence-parallel collectives overlap GEMMs, each node's placements,
-    parameters and stage, and the MoE layers' layouts. Placements are compared by identity
+    parameters and stage, the MoE layers' layouts, and the plan sections that change op costs
+    (``changes_op_costs``). Placements are compared by identity
     (a variant made with ``dataclasses.replace`` shares them; hashing thousands of placements
     by value costs more than costing the nodes); the entry keeps those objects alive, so an
     identity cannot be reused by another object."""
@@ -113,4 +114,7 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
              layout.expert_loads, layout.sharded_copies)
             for layout in getattr(plan, "expert_layouts", ())
         ),
+        # Plan sections whose family re-prices ops (uneven data-parallel shares) key them too.
+        tuple(sorted((name, section) for name, section in getattr(plan, "sections", {}).items()
+                     if getattr(section, "changes_op_costs", False))),
     )

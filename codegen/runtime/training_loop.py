@@ -295,9 +295,12 @@ def build_step(program: Program, mesh) -> tuple[torch.nn.Module, Callable, Any, 
 
         sum_group = pipeline.pp_group
     else:
+        # Under uneven batch shares a rank's loss counts b_r * dp / B in the mean over the ranks
+        # that the loop logs (Program.loss_weight; 1 for even rows): the whole batch's loss.
+        weight = program.loss_weight(mesh)
 
         def forward_backward(batch_args, batch_kwargs):  # in the plan's micro-batches, if it accumulates
-            return program.forward_backward(module, batch_args, batch_kwargs, mesh)[0]
+            return program.forward_backward(module, batch_args, batch_kwargs, mesh)[0] * weight
 
         sum_group = None
     return module, forward_backward, sum_group, args, kwargs, model
