@@ -97,3 +97,41 @@ def test_uneven_checkpoints_resume_on_the_even_plan_and_back(tmp_path) -> None:
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     for step, expected in _one_device_losses(even, 6).items():
         assert losses[step] == pytest.approx(expected, abs=1e-5), step
+
+
+def test_the_slowdown_follows_the_cluster_and_stretches_only_the_ranks_compute() -> None:
+    import time
+
+    import torch
+
+    from codegen.runtime.slowdown import slow_down, slowdown_factor
+
+    plan = with_shares(GPT, "ddp")
+    # mixed.toml: ranks 0-1 at 100 GFLOP/s, ranks 2-3 at 50: the slow ones 2x, times the base.
+    assert [slowdown_factor(plan, rank) for rank in range(4)] == [1.0, 1.0, 2.0, 2.0]
+    assert [slowdown_factor(plan, rank, 4.0) for rank in range(4)] == [4.0, 4.0, 8.0, 8.0]
+
+    class Busy(torch.nn.Module):
+        """A forward that computes for about 20 ms of CPU time."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            start = time.thread_time()
+            while time.thread_time() - start < 0.02:
+                pass
+            return (x * self.weight).sum()
+
+    module = Busy()
+    slow_down(module, 3.0)
+    start = time.perf_counter()
+    loss = module(torch.ones(4))
+    forward_s = time.perf_counter() - start
+    start = time.perf_counter()
+    loss.backward()
+    backward_s = time.perf_counter() - start
+    # Forward: 3 x its 20 ms of CPU; backward: (3 - 1) x 2 x 20 ms of sleep before the gradient.
+    assert 0.06 <= forward_s < 0.5 and 0.08 <= backward_s < 0.5, (forward_s, backward_s)
+    assert module.weight.grad.item() == 4.0

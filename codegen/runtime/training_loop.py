@@ -75,6 +75,9 @@ class LoopOptions:
         resume: continue from the latest complete checkpoint in ``checkpoint_dir``: its
             weights, optimizer state, step, RNG state and data position.
         init_from: start from the weights of a plain state_dict file.
+        slowdown: 0 for none; else each rank's forward and backward last this many times
+            their CPU seconds, times how much slower its device is than the cluster's
+            fastest (``codegen.runtime.slowdown``).
         run_identity, resume_from: what ``checkpoint_runs.prepare_checkpoints`` decided
             before the process group started (None: decided here, by the same rules).
     """
@@ -95,6 +98,7 @@ class LoopOptions:
     keep: int = 0
     resume: bool | str = False
     init_from: str | None = None
+    slowdown: float = 0.0
     run_identity: Any = None
     resume_from: Any = None
 
@@ -320,6 +324,10 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     from codegen.runtime.optimizers import optimizer_class
 
     module, forward_backward, sum_group, args, kwargs, model = build_step(program, mesh)
+    if options.slowdown:  # a heterogeneous cluster made real on one host (launch.py --slowdown-from-cluster)
+        from codegen.runtime.slowdown import slow_down, slowdown_factor
+
+        slow_down(module, slowdown_factor(program.plan, dist.get_rank(), options.slowdown))
     optimizer = program.make_optimizer(module, mesh, optimizer_class(options.optimizer), lr=options.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         schedulable(optimizer),
