@@ -8,7 +8,8 @@ the rank that finishes its forward and backward last. So ``UnevenShareStep`` fir
 that rank (``critical_rank``: the largest compute time over the ranks, each priced on its
 own device at its own share: ``compute_seconds``) and then re-prices every op for it
 (``node_cost``): an op whose operands are split over ``dp`` does ``share / B`` of the traced
-work instead of ``1 / dp`` (its saved activations likewise), on that rank's device. The
+work instead of ``1 / dp``, on that rank's device; its saved activations are those of the
+largest share (memory is reported on the fullest device). The
 gradient reduction is unchanged: gradients have the same size on every rank whatever its
 share, and the data-parallel contributor prices their all-reduce (or reduce-scatter) on the
 cluster's actual links, so the step is the slowest rank's compute plus the communication it
@@ -101,5 +102,8 @@ class UnevenShareStep(StepContributor):
         split = split_over_dp(context.mesh, strategy)
         work = (share / context.plan.batch_size if split else 1.0) / context.micro_batches
         cost.forward_s, cost.backward_s = op_times(node, work, device, context.plan.precision)
-        if split:  # its saved activations: this rank's rows, not 1/dp of the batch
-            cost.saved_bytes *= share * context.dp / context.plan.batch_size
+        if split:
+            # Its saved activations: those of the rank with the most rows (the simulator reports
+            # memory on the fullest device; the candidates capped every share by its memory).
+            most = max(context.plan.sections[JSON_KEY].shares)
+            cost.saved_bytes *= most * context.dp / context.plan.batch_size
