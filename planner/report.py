@@ -59,7 +59,9 @@ def render_report(plan: "Plan", width: int = REPORT_WIDTH) -> str:
         ("strategy", _strategy_text(plan)),
     ]
     local = plan.batch_size // plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else plan.batch_size
-    details.append(("batch", f"global {plan.batch_size}, {local} per data-parallel rank"))
+    # A section that splits the batch its own way says how (uneven shares: batch_text).
+    own_batch = [section.batch_text(plan) for section in plan.sections.values() if hasattr(section, "batch_text")]
+    details.append(("batch", own_batch[0] if own_batch else f"global {plan.batch_size}, {local} per data-parallel rank"))
     if plan.fsdp_units:
         details.append(("FSDP units", f"{_collapse_units(plan.fsdp_units)} + root"))
     if plan.search_summary:

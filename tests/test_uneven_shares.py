@@ -237,3 +237,12 @@ def test_gpt_13b_on_a100_and_h100_nodes_beats_the_even_plan_and_the_h100s_alone(
     assert ours.estimate.fits and even.estimate.fits
     assert even.estimate.step_time_s / ours.estimate.step_time_s >= 1.3
     assert ours.estimate.step_time_s <= alone.estimate.step_time_s
+
+
+def test_the_report_names_each_ranks_share_and_the_straggler(mixed_even) -> None:
+    from planner.report import render_report
+
+    text = " ".join(render_report(uneven_plan(mixed_even, mixed_even.graph), width=140).split())  # unwrapped
+    assert "global 12, uneven over the data-parallel ranks: 4, 4, 2, 2" in text
+    assert "cpu-fast" in text and "cpu-slow" in text and "4 of 12" in text and "2 of 12" in text
+    assert "The step waits for rank 2 (cpu-slow" in text

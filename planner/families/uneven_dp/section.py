@@ -104,6 +104,11 @@ class UnevenSection:
         shown = "/".join(str(s) for s in self.shares[:8]) + ("/..." if len(self.shares) > 8 else "")
         return f"uneven {shown}"
 
+    def batch_text(self, plan: "Plan") -> str:
+        """The report's batch line: the global batch and each rank's share of it."""
+        return (f"global {plan.batch_size}, uneven over the data-parallel ranks: "
+                f"{', '.join(str(share) for share in self.shares[:16])}{', ...' if len(self.shares) > 16 else ''}")
+
     def to_json(self) -> dict[str, Any]:
         """The JSON form stored under the plan's ``"uneven"`` key."""
         return {"shares": list(self.shares), "busy_s": list(self.busy_s), "memory_bytes": list(self.memory_bytes)}
