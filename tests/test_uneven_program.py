@@ -4,7 +4,7 @@
 - One launch of ``tests/dist_check_many.py`` checks, against one device: the GPT example's
   plan as ``python -m planner plan`` chooses it (uneven shares), the CNN (batch norm: its
   statistics are taken over the ranks, whose uneven counts it sums), a tiny HuggingFace
-  Llama, and the GPT's FSDP and ZeRO-1 programs with uneven shares. Outputs, loss,
+  Llama, and the GPT's FSDP, ZeRO-1 and ZeRO-2 programs with uneven shares. Outputs, loss,
   gradients and updated parameters must equal one device's.
 - Checkpoints: 2 steps of the uneven DDP program, resumed for 2 on the even DDP program of
   the same model, then for 2 more on the uneven one again (DDP weights are whole on every
@@ -74,6 +74,7 @@ def test_uneven_programs_match_one_device(tmp_path) -> None:
     folders = [planner.compile(planner.load_plan(chosen), tmp_path / "gpt-chosen")]
     folders += [planner.compile(with_shares(spec, flavour), tmp_path / name) for name, spec, flavour in (
         ("cnn-ddp", CNN, "ddp"), ("llama-ddp", LLAMA, "ddp"), ("gpt-fsdp", GPT, "fsdp"), ("gpt-zero1", GPT, "zero1"),
+        ("gpt-zero2", GPT, "zero2"),
     )]
     launch = check_many(4, folders, tmp_path)
     for folder in folders:

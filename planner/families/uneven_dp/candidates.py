@@ -54,9 +54,10 @@ def uneven_plan(plan: Plan, graph: OpGraph) -> Plan | None:
         return None
     memory = plan.estimate.memory
     per_sample = memory.activations / (plan.batch_size / len(devices))
+    busy = {pair: compute_seconds(plan, graph, *pair) for pair in set(zip(devices, shares))}  # few distinct pairs
     section = UnevenSection(
         shares,
-        busy_s=tuple(compute_seconds(plan, graph, device, share) for device, share in zip(devices, shares)),
+        busy_s=tuple(busy[pair] for pair in zip(devices, shares)),
         memory_bytes=tuple(int(memory.total - memory.activations + per_sample * share) for share in shares),
     )
     return simulated(dataclasses.replace(plan, sections={**plan.sections, FAMILY: section}), graph)
