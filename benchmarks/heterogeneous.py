@@ -14,8 +14,8 @@ fast devices alone, simulated on two mixes and measured on CPU.
     2 sequences per GPU, FSDP, bf16).
 (b) Measured on CPU gloo at world 4 on ``mixed.toml``: the uneven and the even DDP programs of
     the CPU GPT, each rank slowed to its declared speed (``launch.py
-    --slowdown-from-cluster 4``: the fast ranks 4x slower than a core of this host, the slow
-    ones 8x, ``codegen/runtime/slowdown.py``),
+    --slowdown-from-cluster 16``: the fast ranks 16x slower than a core of this host, the slow
+    ones 32x, ``codegen/runtime/slowdown.py``),
     median step time over the steps after the first two, beside the prediction. The CPU
     devices' figures are the ``cpu`` preset's placeholders (not a profile of this host), so
     the absolute predictions are not expected to match; the ratio uneven / even is the claim.
@@ -44,9 +44,11 @@ from planner.model_spec import ModelSpec  # noqa: E402
 from search.data_parallel import data_parallel_plan  # noqa: E402
 
 MIXED = REPO / "examples/clusters/mixed.toml"
-# The fast ranks compute 4x slower than a core and the slow ones 8x (launch.py
-# --slowdown-from-cluster 4): sleeps, not the 2 shared cores 4 ranks contend for, fill the step.
-SLOWDOWN_BASE = 4
+# The fast ranks compute 16x slower than a core and the slow ones 32x (launch.py
+# --slowdown-from-cluster 16): sleeps, not the shared cores the ranks contend for, fill the step.
+# With 4 and a load average of 15 on 2 cores, contention alone stretched the fast ranks more
+# than 4x, so the sleeps vanished (measured 1.08x where 16 measures 1.28x; predicted 1.43x).
+SLOWDOWN_BASE = 16
 A100_H100 = REPO / "examples/clusters/a100-h100.toml"
 # The CPU GPT: large enough that compute, not dispatch, fills a step on one core.
 CPU_GPT = {"n_layer": 4, "n_embd": 128, "n_head": 4, "seq_len": 64, "vocab_size": 256, "batch_size": 24}
