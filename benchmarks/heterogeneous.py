@@ -46,8 +46,9 @@ from search.data_parallel import data_parallel_plan  # noqa: E402
 MIXED = REPO / "examples/clusters/mixed.toml"
 # The fast ranks compute 16x slower than a core and the slow ones 32x (launch.py
 # --slowdown-from-cluster 16): sleeps, not the shared cores the ranks contend for, fill the step.
-# With 4 and a load average of 15 on 2 cores, contention alone stretched the fast ranks more
-# than 4x, so the sleeps vanished (measured 1.08x where 16 measures 1.28x; predicted 1.43x).
+# At 4, with a load average of 15 on 2 cores, contention alone stretched the ranks nearly as
+# much as the sleeps meant to (this GPT measured 1.19x, one 4x its width x sequence 1.08x; at
+# 16 this GPT measures 1.28x; predicted 1.43x).
 SLOWDOWN_BASE = 16
 A100_H100 = REPO / "examples/clusters/a100-h100.toml"
 # The CPU GPT: large enough that compute, not dispatch, fills a step on one core.
