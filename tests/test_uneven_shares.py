@@ -246,3 +246,12 @@ def test_the_report_names_each_ranks_share_and_the_straggler(mixed_even) -> None
     assert "global 12, uneven over the data-parallel ranks: 4, 4, 2, 2" in text
     assert "cpu-fast" in text and "cpu-slow" in text and "4 of 12" in text and "2 of 12" in text
     assert "The step waits for rank 2 (cpu-slow" in text
+
+
+def test_family_uneven_alone_searches_uneven_shares_only() -> None:
+    from planner.constraints import SearchConstraints
+
+    plan = planner.plan(ModelSpec(str(REPO / "examples/gpt.py")), str(MIXED), progress=False,
+                        constraints=SearchConstraints(families=("uneven",)))
+    assert plan.sections["uneven"].shares == (3, 3, 1, 1)
+    assert plan.world_size == 4 and all("uneven" in alt.name for alt in plan.runners_up), plan.runners_up

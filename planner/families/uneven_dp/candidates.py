@@ -88,7 +88,8 @@ def uneven_candidates(context: SearchContext) -> list[Plan]:
     """The candidates part of the ``uneven`` family (``planner.families``): on a cluster of
     two or more kinds of device, every even data-parallel plan found so far (``dp`` alone,
     no accumulation, no section) with balanced shares (``uneven_plan``), and the plans of
-    the same flavours on the fastest devices alone (``fastest_devices_plans``). None on a
+    the same flavours on the fastest devices alone (``fastest_devices_plans``) where the
+    constraints allow those flavours. None on a
     cluster of one device kind, for a model whose samples mix, with ``--tp-layouts summa``,
     or when the constraints leave the family out."""
     if (context.whole_batch_only or context.summa_only or not context.constraints.allows_family(FAMILY)
@@ -101,4 +102,6 @@ def uneven_candidates(context: SearchContext) -> list[Plan]:
         even = [data_parallel_plan(context.graph, context.cluster, context.spec, context.model_name, "ddp",
                                    context.warnings, context.precision)]
     found = [plan for plan in (uneven_plan(base, context.graph) for base in even) if plan is not None]
-    return found + fastest_devices_plans(context, {plan.dp_flavour for plan in even})
+    # The fast devices alone run the flavours' plain programs: only where --family allows them.
+    flavours = {plan.dp_flavour for plan in even if context.constraints.allows_family(plan.dp_flavour)}
+    return found + (fastest_devices_plans(context, flavours) if flavours else [])
