@@ -62,6 +62,8 @@ def share_time_model(plan, graph: OpGraph, device: DeviceSpec) -> tuple[float, f
     ``per_sample`` is kept positive."""
     even = max(1, plan.batch_size // plan.mesh.axis_size("dp"))
     low, high = compute_seconds(plan, graph, device, even), compute_seconds(plan, graph, device, 2 * even)
+    # Positive so every further sample costs something: the greedy then never piles samples
+    # onto a rank whose (all overhead) line looks flat. 1e-12 s is no measured figure, a floor.
     per_sample = max((high - low) / even, 1e-12)
     return max(0.0, low - even * per_sample), per_sample
 
