@@ -86,7 +86,8 @@ def render_model_spmd(plan: Plan) -> str:
     return family.part("emitter")(plan)
 
 
-def render_data_parallel_program(plan: Plan, parallelize: Callable[[Plan, int], str] | None = None) -> str:
+def render_data_parallel_program(plan: Plan, parallelize: Callable[[Plan, int], str] | None = None,
+                                 shard_batch: Callable[[Plan, int], str] | None = None) -> str:
     """The emitter part of the data-parallel families (``planner.families``): a plain
     data-parallel plan (a ``dp`` mesh, every parameter replicated) becomes, by flavour, a
     DDP module (``ddp``), a DDP module with a ``ShardedStatesOptimizer`` from
@@ -97,6 +98,8 @@ def render_data_parallel_program(plan: Plan, parallelize: Callable[[Plan, int], 
         parallelize: ``(plan, dp) -> source`` of the program's ``parallelize`` (and what it
             imports), for a family whose program is this one with the model wrapped another
             way (HSDP); it starts from ``preparation_lines``. Default: the flavour's.
+        shard_batch: ``(plan, dp) -> source`` of the program's ``shard_batch``, for a family
+            that slices the batch another way (uneven shares). Default: even rows.
     """
     plan = checked_plan(plan, graph_program=False)
     dp = plan.mesh.axis_size(_DP_AXIS)
@@ -106,7 +109,7 @@ def render_data_parallel_program(plan: Plan, parallelize: Callable[[Plan, int], 
     body = (parallelize or _data_parallel_body)(plan, dp)
     batch_norm = ["from codegen.runtime.batch_norm import synchronise_batch_norm"] if has_batch_norm(plan) else []
     imports = "".join(line + "\n\n" for line in precision_imports(plan) + batch_norm)
-    return header + _recompute_table(plan) + imports + body + shard_batch_source(plan, dp)
+    return header + _recompute_table(plan) + imports + body + (shard_batch or shard_batch_source)(plan, dp)
 
 
 def _recompute_table(plan: Plan) -> str:

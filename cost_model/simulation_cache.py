@@ -97,7 +97,8 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
     """What node costs and segments depend on: the graph, cluster, mesh, precision and
     micro-batch count, whether the program is plain data parallel, whether fused splits are
     local, whether the sequence-parallel collectives overlap GEMMs, each node's placements,
-    parameters and stage, the family sections that change op costs, and the MoE layers' layouts. Placements are compared by identity
+    parameters and stage, the MoE layers' layouts, and the plan sections that change op costs
+    (``changes_op_costs``). Placements are compared by identity
     (a variant made with ``dataclasses.replace`` shares them; hashing thousands of placements
     by value costs more than costing the nodes); the entry keeps those objects alive, so an
     identity cannot be reused by another object."""
@@ -107,7 +108,8 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
         plan.fused_splits_local,  # splits of fused projections gather or not (cost_model.split_gather)
         plan.tp_comm_overlap,  # sequence-parallel collectives hidden behind GEMMs (cost_model.tp_comm_overlap)
         tuple((s.node, id(s.inputs), id(s.outputs), id(s.params), id(s.produced), s.stage) for s in plan.strategies),
-        # Family sections that change what each op costs (layer separation's per-group shares).
+        # Family sections that change what each op costs (layer separation's per-group shares,
+        # uneven data-parallel shares): ``changes_op_costs``.
         tuple(section for section in plan.sections.values() if getattr(section, "changes_op_costs", False)),
         # MoE layers are priced by their layouts (their cost annotation aside).
         tuple(

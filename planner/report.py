@@ -126,7 +126,7 @@ def report_details(plan: "Plan") -> list[tuple[str, str]]:
         ("strategy", _strategy_text(plan)),
     ]
     local = plan.batch_size // plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else plan.batch_size
-    # A family section that splits the batch its own way (layer separation) words the line.
+    # A family section that splits the batch its own way (layer separation, uneven shares) words the line.
     batch_text = next((section.batch_text(plan) for section in plan.sections.values() if hasattr(section, "batch_text")),
                       f"global {plan.batch_size}, {local} per data-parallel rank")
     details.append(("batch", batch_text))

@@ -46,19 +46,25 @@ def micro_batches(args: tuple, kwargs: dict, steps: int, batch: int) -> list[tup
 
 
 def forward_backward(
-    module: torch.nn.Module, args: tuple, kwargs: dict, steps: int, batch: int, shard: Callable[[tuple, dict], tuple[tuple, dict]]
+    module: torch.nn.Module, args: tuple, kwargs: dict, steps: int, batch: int, shard: Callable[[tuple, dict], tuple[tuple, dict]],
+    loss_weight: float = 1.0,
 ) -> tuple[torch.Tensor, Any]:
     """One step's forward and backward of ``module`` on a global batch of ``batch`` samples
     in ``steps`` micro-batches (see the module docstring): each micro-batch is cut from the
     global batch, then ``shard`` (the program's ``shard_batch``) gives this rank its part.
     Returns this rank's loss (the mean of the micro-batches' losses) and the module's output
-    when it ran in one piece (``None`` when accumulated: there is no single output)."""
+    when it ran in one piece (``None`` when accumulated: there is no single output).
+    ``loss_weight``: what the loss is multiplied by before backward (a rank of uneven batch
+    shares weights its gradient by its share: ``Program.loss_weight``); the loss returned is
+    not multiplied."""
     if steps == 1:
         local_args, local_kwargs = shard(args, kwargs)
         output = module(*local_args, **local_kwargs)
         loss = extract_loss(output)
-        loss.backward()
+        (loss * loss_weight if loss_weight != 1.0 else loss).backward()
         return loss, output
+    if loss_weight != 1.0:
+        raise LaunchError("uneven batch shares and gradient accumulation do not combine; re-plan without one")
     parts = micro_batches(args, kwargs, steps, batch)
     losses = []
     for index, (part_args, part_kwargs) in enumerate(parts):

@@ -25,6 +25,7 @@ def check_flag_combinations(options: argparse.Namespace) -> None:
             ("--warmup-steps", options.warmup_steps > 0), ("--min-lr-ratio", options.min_lr_ratio > 0),
             ("--clip-grad-norm", options.clip_grad_norm is not None), ("--log-every", options.log_every != 1),
             ("--metrics", options.metrics is not None), ("--profile", options.profile is not None),
+            ("--slowdown-from-cluster", getattr(options, "slowdown_from_cluster", 0.0) > 0),
         ) if given]
         if idle:
             one = len(idle) == 1

@@ -48,7 +48,7 @@ from planner.arguments import (
     non_negative_finite,
     positive_finite,
 )
-from planner.errors import LaunchError, PlannerError, one_line
+from planner.errors import ArgumentError, LaunchError, PlannerError, one_line
 from planner.outputs import path_kind
 from planner.launch_command import check_refusal
 
@@ -132,6 +132,11 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-every", type=flag_type(int, lambda value, name: integer_at_least(value, name, 1), "an integer >= 1"),
                         default=1, metavar="N", help="print every N-th step (default 1)")
     parser.add_argument("--metrics", metavar="FILE", default=None, help="write each step's figures to FILE as JSON lines")
+    parser.add_argument("--slowdown-from-cluster", nargs="?", const=1.0, default=0.0, metavar="BASE",
+                        type=flag_type(float, _at_least_one, "a finite number >= 1"),
+                        help="with --steps: each rank computes BASE (default 1) times slower than a core, times how much "
+                             "slower its device in the plan's cluster is than the fastest (a heterogeneous cluster on one "
+                             "CPU host; codegen/runtime/slowdown.py)")
     parser.add_argument("--profile", metavar="FILE", default=None,
                         help="with --steps N (>= 5): profile the last steps with torch.profiler and write per-op, "
                         "per-collective and step times to FILE (measured.json) for `planner compare` / `planner calibrate`")
@@ -306,7 +311,8 @@ def run_training(program: Program, mesh, options: argparse.Namespace, optimizer:
         warmup_steps=options.warmup_steps, min_lr_ratio=options.min_lr_ratio, clip_grad_norm=options.clip_grad_norm,
         data=options.data, log_every=options.log_every, metrics=options.metrics, record_routing=options.record_routing,
         checkpoint_dir=options.checkpoint_dir, save_every=options.save_every, keep=options.keep,
-        resume=options.resume, init_from=options.init_from, run_identity=options.run_identity,
+        resume=options.resume, init_from=options.init_from, slowdown=options.slowdown_from_cluster,
+        run_identity=options.run_identity,
         resume_from=options.resume_from,
     )
     if options.profile is None:
@@ -328,3 +334,10 @@ def run_training(program: Program, mesh, options: argparse.Namespace, optimizer:
 def _say(text: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(text, flush=True)
+
+
+def _at_least_one(value: float, name: str) -> float:
+    """A finite number >= 1: a rank can be slowed down by sleeping, never sped up."""
+    if not 1.0 <= positive_finite(value, name) < float("inf"):
+        raise ArgumentError(f"{name} must be a finite number >= 1, got {value!r}")
+    return value

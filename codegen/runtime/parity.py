@@ -121,9 +121,12 @@ def check_parity(
     grads = {name: grad for name, (_, grad) in full_parameters(model).items() if grad is not None}
     local_optimizer.step()
 
-    diffs = [compare_tensor("loss", _global_mean(loss.detach()), ref_loss.detach(), atol, rtol)]
+    # The whole batch's loss: the mean over the ranks of theirs, each weighted by b_r * dp / B
+    # under uneven shares (Program.loss_weight; 1 for even rows).
+    weighted = loss.detach() * program.loss_weight(mesh)
+    diffs = [compare_tensor("loss", _global_mean(weighted), ref_loss.detach(), atol, rtol)]
     if output is not None:
-        diffs += _compare_outputs(output, ref_output, mesh, program.plan.batch_size, atol, rtol)
+        diffs += _compare_outputs(output, ref_output, mesh, program.plan.batch_size, atol, rtol, program.batch_shares)
     missing = sorted(set(ref_grads) ^ set(grads))
     if missing:
         diffs.append(TensorDiff(f"gradient presence of {missing[0]}", float("inf"), float("inf")))
@@ -166,8 +169,11 @@ def full_parameters(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tor
     return found
 
 
-def _compare_outputs(output, ref_output, mesh: DeviceMesh, global_batch: int, atol: float, rtol: float) -> list[TensorDiff]:
-    """Compare every tensor of the output; batch-sharded ones against their slice of the reference."""
+def _compare_outputs(output, ref_output, mesh: DeviceMesh, global_batch: int, atol: float, rtol: float,
+                     shares: tuple[int, ...] | None = None) -> list[TensorDiff]:
+    """Compare every tensor of the output; batch-sharded ones against their slice of the
+    reference (this rank's rows of ``shares`` when the ranks take uneven rows); a scalar
+    against the mean over the ranks, weighted by their shares when uneven."""
     leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
     ref_leaves = [t for t in tree_leaves(ref_output) if isinstance(t, torch.Tensor)]
     if len(leaves) != len(ref_leaves):
@@ -180,7 +186,10 @@ def _compare_outputs(output, ref_output, mesh: DeviceMesh, global_batch: int, at
     for index, (local, ref) in enumerate(zip(leaves, ref_leaves)):
         local, ref = full_tensor(local.detach()), ref.detach()
         if local.dim() == 0:
-            local = _global_mean(local)
+            local = _global_mean(local * (shares[rank] * size / global_batch if shares else 1.0))
+        elif shares and ref.dim() > 0 and ref.shape[0] == global_batch and local.shape[0] == shares[rank]:
+            start = sum(shares[:rank])
+            ref = ref[start : start + shares[rank]]
         elif ref.dim() > 0 and ref.shape[0] == global_batch and local.shape[0] == global_batch // size:
             ref = ref.chunk(size, dim=0)[rank]
         diffs.append(compare_tensor(f"output[{index}]", local, ref, atol, rtol))

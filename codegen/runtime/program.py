@@ -208,7 +208,24 @@ class Program:
         def shard(part_args: tuple, part_kwargs: dict) -> tuple[tuple, dict]:
             return self.shard_batch(part_args, part_kwargs, mesh)
 
-        return forward_backward(module, args, kwargs, self.plan.accumulation_steps, self.plan.batch_size, shard)
+        return forward_backward(module, args, kwargs, self.plan.accumulation_steps, self.plan.batch_size, shard,
+                                self.loss_weight(mesh))
+
+    @property
+    def batch_shares(self) -> tuple[int, ...] | None:
+        """The rows of the global batch each ``dp`` rank takes when they are uneven
+        (``model_spmd.BATCH_SHARES``, ``planner.families.uneven_dp``); None for even rows."""
+        shares = getattr(self.module, "BATCH_SHARES", None)
+        return None if shares is None else tuple(shares)
+
+    def loss_weight(self, mesh: DeviceMesh) -> float:
+        """What this rank's loss is multiplied by before backward: ``b_r * dp / B`` under
+        uneven shares (the data-parallel reduction averages over the ``dp`` ranks, so the
+        reduced gradient is ``sum_r (b_r / B) grad_r``, one device's), else 1."""
+        shares = self.batch_shares
+        if shares is None:
+            return 1.0
+        return shares[mesh.get_local_rank("dp")] * len(shares) / self.plan.batch_size
 
     @property
     def is_pipeline(self) -> bool:

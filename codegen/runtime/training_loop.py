@@ -75,6 +75,9 @@ class LoopOptions:
         resume: continue from the latest complete checkpoint in ``checkpoint_dir``: its
             weights, optimizer state, step, RNG state and data position.
         init_from: start from the weights of a plain state_dict file.
+        slowdown: 0 for none; else each rank's forward and backward last this many times
+            their CPU seconds, times how much slower its device is than the cluster's
+            fastest (``codegen.runtime.slowdown``).
         run_identity, resume_from: what ``checkpoint_runs.prepare_checkpoints`` decided
             before the process group started (None: decided here, by the same rules).
     """
@@ -95,6 +98,7 @@ class LoopOptions:
     keep: int = 0
     resume: bool | str = False
     init_from: str | None = None
+    slowdown: float = 0.0
     run_identity: Any = None
     resume_from: Any = None
 
@@ -295,9 +299,12 @@ def build_step(program: Program, mesh) -> tuple[torch.nn.Module, Callable, Any, 
 
         sum_group = pipeline.pp_group
     else:
+        # Under uneven batch shares a rank's loss counts b_r * dp / B in the mean over the ranks
+        # that the loop logs (Program.loss_weight; 1 for even rows): the whole batch's loss.
+        weight = program.loss_weight(mesh)
 
         def forward_backward(batch_args, batch_kwargs):  # in the plan's micro-batches, if it accumulates
-            return program.forward_backward(module, batch_args, batch_kwargs, mesh)[0]
+            return program.forward_backward(module, batch_args, batch_kwargs, mesh)[0] * weight
 
         sum_group = None
     return module, forward_backward, sum_group, args, kwargs, model
@@ -317,6 +324,10 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     from codegen.runtime.optimizers import optimizer_class
 
     module, forward_backward, sum_group, args, kwargs, model = build_step(program, mesh)
+    if options.slowdown:  # a heterogeneous cluster made real on one host (launch.py --slowdown-from-cluster)
+        from codegen.runtime.slowdown import slow_down, slowdown_factor
+
+        slow_down(module, slowdown_factor(program.plan, dist.get_rank(), options.slowdown))
     optimizer = program.make_optimizer(module, mesh, optimizer_class(options.optimizer), lr=options.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         schedulable(optimizer),

@@ -1,0 +1,59 @@
+"""Which device each rank runs on, grouped: the per-rank facts a heterogeneous cluster adds.
+
+A ``Cluster`` holds one ``NodeSpec`` per node (``planner.cluster``), so nodes may carry
+different devices. What the planner needs from that, rank by rank, is here: the device of
+every rank (``rank_devices``), the ranks grouped by device (``device_groups``: one group per
+distinct ``DeviceSpec``, in rank order), each device's peak FLOP/s for a training dtype and
+its memory. The cluster's own ``device_of(rank)`` answers for one rank; these answer for all
+of them at once, as a search comparing device groups asks.
+
+Vocabulary layer: imports only ``planner.cluster``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.cluster import Cluster, DeviceSpec, NodeSpec
+
+__all__ = ["DeviceGroup", "device_groups", "rank_devices", "sub_cluster"]
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """The ranks of a cluster that run on one kind of device (equal ``DeviceSpec``)."""
+
+    device: DeviceSpec
+    ranks: tuple[int, ...]
+
+    def peak_flops(self, dtype: str) -> float:
+        """The group's device's peak dense FLOP/s for ``dtype`` (``DeviceSpec.flops_for``)."""
+        return self.device.flops_for(dtype)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Memory of one device of the group, bytes."""
+        return self.device.memory_bytes
+
+
+def rank_devices(cluster: Cluster) -> tuple[DeviceSpec, ...]:
+    """The device of every rank, in rank order (ranks are node-major)."""
+    return tuple(node.device for node in cluster.nodes for _ in range(node.devices))
+
+
+def device_groups(cluster: Cluster) -> tuple[DeviceGroup, ...]:
+    """The cluster's ranks grouped by device, groups in the order of their first rank."""
+    ranks: dict[DeviceSpec, list[int]] = {}
+    for rank, device in enumerate(rank_devices(cluster)):
+        ranks.setdefault(device, []).append(rank)
+    return tuple(DeviceGroup(device, tuple(members)) for device, members in ranks.items())
+
+
+def sub_cluster(cluster: Cluster, device: DeviceSpec) -> Cluster | None:
+    """The cluster of ``cluster``'s nodes whose devices are ``device`` alone (the other nodes
+    left out, links unchanged), or None when no node has it. Named ``<name>-<device>``."""
+    nodes: tuple[NodeSpec, ...] = tuple(node for node in cluster.nodes if node.device == device)
+    if not nodes:
+        return None
+    return Cluster(name=f"{cluster.name}-{device.name}"[:120], nodes=nodes, inter_link=cluster.inter_link,
+                   backend=cluster.backend, derived_from=None)

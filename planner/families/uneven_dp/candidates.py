@@ -1,0 +1,107 @@
+"""Uneven data parallelism's candidates for the search (search layer): on a cluster of more
+than one kind of device, each even data-parallel plan again with every rank's batch share
+balanced to its speed and memory, and the data-parallel plans on the fastest devices alone.
+
+The search then compares them with the even plans the data-parallel families found (whose
+step waits for the slowest device at an equal share) and keeps the fastest that fits: the
+uneven plan when the slow devices still help, the fast devices alone when the slow ones
+cost more (their share of the all-reduce, their memory) than they add (Sailor's choice of
+which devices to use at all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cost_model.simulator import simulated
+from planner.device_groups import device_groups, rank_devices, sub_cluster
+from planner.errors import PlanningError
+from planner.families.uneven_dp.costs import compute_seconds, share_time_model
+from planner.families.uneven_dp.section import UnevenSection
+from planner.families.uneven_dp.shares import balanced_shares
+from planner.graph import OpGraph
+from planner.plans import Plan
+from search.context import SearchContext
+from search.data_parallel import data_parallel_plan
+
+FAMILY = "uneven"
+
+
+def memory_caps(plan: Plan) -> tuple[int, ...]:
+    """The most samples each rank of the even ``plan`` can take in its device's memory: what
+    does not grow with the share (weights, gradients, optimizer states, buffers) plus the
+    even share's activations per sample, times the share."""
+    memory = plan.estimate.memory
+    fixed = memory.total - memory.activations
+    per_sample = memory.activations / (plan.batch_size / plan.mesh.axis_size("dp"))
+    caps = []
+    for device in rank_devices(plan.cluster):
+        room = device.memory_bytes - fixed
+        caps.append(plan.batch_size if per_sample <= 0 else max(0, min(plan.batch_size, int(room // per_sample))))
+    return tuple(caps)
+
+
+def uneven_plan(plan: Plan, graph: OpGraph) -> Plan | None:
+    """``plan`` (an even data-parallel plan on ``dp`` alone) with balanced shares
+    (``shares.balanced_shares`` on each rank's fitted time line, ``costs.share_time_model``,
+    capped by ``memory_caps``), simulated, with each rank's predicted busy seconds and bytes
+    in its section; None when the shares come out even or no shares fit."""
+    devices = rank_devices(plan.cluster)
+    lines = {device: share_time_model(plan, graph, device) for device in set(devices)}
+    shares = balanced_shares(plan.batch_size, [lines[d][0] for d in devices], [lines[d][1] for d in devices],
+                             memory_caps(plan))
+    if shares is None or len(set(shares)) == 1:
+        return None
+    memory = plan.estimate.memory
+    per_sample = memory.activations / (plan.batch_size / len(devices))
+    busy = {pair: compute_seconds(plan, graph, *pair) for pair in set(zip(devices, shares))}  # few distinct pairs
+    section = UnevenSection(
+        shares,
+        busy_s=tuple(busy[pair] for pair in zip(devices, shares)),
+        memory_bytes=tuple(int(memory.total - memory.activations + per_sample * share) for share in shares),
+    )
+    return simulated(dataclasses.replace(plan, sections={**plan.sections, FAMILY: section}), graph)
+
+
+def fastest_devices_plans(context: SearchContext, flavours: set[str]) -> list[Plan]:
+    """The data-parallel plans of ``flavours`` on the nodes of the fastest device alone (the
+    others left out), each with a warning naming what was left out; none when the batch does
+    not divide over those devices."""
+    dtype = "bfloat16" if context.precision != "fp32" else "float32"
+    fastest = max(device_groups(context.cluster), key=lambda group: group.peak_flops(dtype))
+    cluster = sub_cluster(context.cluster, fastest.device)
+    left_out = context.cluster.world_size - cluster.world_size
+    warning = (f"devices left out: {left_out} of the {context.cluster.world_size} ranks of cluster "
+               f"{context.cluster.name!r} are slower than {fastest.device.name}; this plan runs on the "
+               f"{cluster.world_size} {fastest.device.name} ranks alone (torchrun them alone)")
+    plans = []
+    for flavour in sorted(flavours):
+        try:
+            plans.append(data_parallel_plan(context.graph, cluster, context.spec, context.model_name, flavour,
+                                            (*context.warnings, warning), context.precision))
+        except PlanningError:  # the batch does not divide over the fast devices
+            return []
+    return plans
+
+
+def uneven_candidates(context: SearchContext) -> list[Plan]:
+    """The candidates part of the ``uneven`` family (``planner.families``): on a cluster of
+    two or more kinds of device, every even data-parallel plan found so far (``dp`` alone,
+    no accumulation, no section) with balanced shares (``uneven_plan``), and the plans of
+    the same flavours on the fastest devices alone (``fastest_devices_plans``) where the
+    constraints allow those flavours. None on a
+    cluster of one device kind, for a model whose samples mix, with ``--tp-layouts summa``,
+    or when the constraints leave the family out."""
+    if (context.whole_batch_only or context.summa_only or not context.constraints.allows_family(FAMILY)
+            or len(device_groups(context.cluster)) < 2):
+        return []
+    even = [plan for plan in context.found
+            if plan.mesh.names == ("dp",) and not plan.sections and not plan.label and plan.pipeline is None
+            and plan.accumulation_steps == 1 and plan.cluster == context.cluster]
+    if not even:  # --family uneven alone: the ddp plan to start from
+        even = [data_parallel_plan(context.graph, context.cluster, context.spec, context.model_name, "ddp",
+                                   context.warnings, context.precision)]
+    found = [plan for plan in (uneven_plan(base, context.graph) for base in even) if plan is not None]
+    # The fast devices alone run the flavours' plain programs: only where --family allows them.
+    flavours = {plan.dp_flavour for plan in even if context.constraints.allows_family(plan.dp_flavour)}
+    return found + (fastest_devices_plans(context, flavours) if flavours else [])

@@ -1,0 +1,53 @@
+"""Uneven data parallelism's program: the plan's data-parallel program with uneven batch
+slices and share-weighted losses.
+
+The compiled ``model_spmd.py`` is the program of the plan's flavour
+(``codegen.emit.render_data_parallel_program``: DDP, ZeRO-1, ZeRO-2 or FSDP2, unchanged) with
+its ``shard_batch`` written here: rank r takes ``BATCH_SHARES[r]`` consecutive rows of the
+global batch (``planner.families.uneven_dp.runtime.uneven_shard_batch``). ``BATCH_SHARES``
+also tells the runtime (``codegen.runtime.program.Program.loss_weight``) to scale rank r's
+loss by ``BATCH_SHARES[r] * dp / B`` before backward: the flavour's reduction averages the
+ranks' gradients, so the result is ``sum_r (b_r / B) grad_r``, one device's gradient of the
+whole batch for a loss that averages over samples.
+
+Codegen layer: imports the planner's vocabulary and ``codegen``, never search or cost_model.
+Plan values reach the source only as ``repr()`` literals (``codegen.source_text``).
+"""
+
+from __future__ import annotations
+
+from codegen.emit import render_data_parallel_program
+from codegen.source_text import comment
+from planner.plans import Plan
+from planner.strategy import placements_str
+
+
+def compile_uneven_plan(plan: Plan) -> str:
+    """The emitter part of the ``uneven`` family (``planner.families``): the program of a plan
+    with an ``"uneven"`` section (checked when the plan was made)."""
+    return render_data_parallel_program(plan, shard_batch=_shard_batch_source)
+
+
+def _shard_batch_source(plan: Plan, dp: int) -> str:
+    """``BATCH_SHARES`` and ``shard_batch`` of the uneven program."""
+    shares = tuple(int(share) for share in plan.sections["uneven"].shares)
+    sharded = tuple(str(name) for name, placements in plan.inputs.items()
+                    if placements is not None and placements_str(placements) == "(S(0))")
+    names = tuple(str(name) for name in plan.inputs)
+    listed = "\n".join(comment(f"  rank {rank}: {share} of {plan.batch_size} rows") for rank, share in enumerate(shares))
+    return f'''
+from planner.families.uneven_dp.runtime import uneven_shard_batch
+
+# Each dp rank's share of the global batch of {plan.batch_size} (by its device's speed and memory):
+{listed}
+BATCH_SHARES = {shares!r}
+BATCH_SHARDED_INPUTS = {sharded!r}
+INPUT_NAMES = {names!r}
+
+
+def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
+    """This rank's slice of one global batch: inputs sharded on dim 0 over "dp" keep this
+    rank's BATCH_SHARES rows, consecutive (rank 0 first); the others are passed whole."""
+    return uneven_shard_batch(args, kwargs, mesh.get_local_rank("dp"), BATCH_SHARES, BATCH_SHARDED_INPUTS,
+                              INPUT_NAMES)
+'''

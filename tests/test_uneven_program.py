@@ -1,0 +1,138 @@
+"""Uneven data parallelism's compiled programs in real gloo processes, world 4 on
+``examples/clusters/mixed.toml`` (two fast, two slow devices).
+
+- One launch of ``tests/dist_check_many.py`` checks, against one device: the GPT example's
+  plan as ``python -m planner plan`` chooses it (uneven shares), the CNN (batch norm: its
+  statistics are taken over the ranks, whose uneven counts it sums), a tiny HuggingFace
+  Llama, and the GPT's FSDP, ZeRO-1 and ZeRO-2 programs with uneven shares. Outputs, loss,
+  gradients and updated parameters must equal one device's.
+- Checkpoints: 2 steps of the uneven DDP program, resumed for 2 on the even DDP program of
+  the same model, then for 2 more on the uneven one again (DDP weights are whole on every
+  rank, so the checkpoint does not depend on the shares). All 6 losses are one device's.
+- Without processes: the program slices the batch by its shares (a comment names each rank's
+  rows) and the loss weight is ``b_r * dp / B``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import planner
+from planner.families.uneven_dp.runtime import share_rows, uneven_shard_batch
+from planner.families.uneven_dp.section import UnevenSection
+from planner.model_spec import ModelSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_hsdp_program import _losses, _one_device_losses, _torchrun  # noqa: E402
+from test_parity import check_many, result_of  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+MIXED = str(REPO / "examples/clusters/mixed.toml")
+GPT = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8})
+CNN = ModelSpec(str(REPO / "examples/cnn.py"), {"batch_size": 8})
+LLAMA = ModelSpec("hf:llama", {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+                               "batch_size": 8, "seq_len": 16})
+SHARES = UnevenSection((3, 3, 1, 1))
+
+
+def with_shares(spec: ModelSpec, flavour: str) -> planner.Plan:
+    """The ``flavour`` plan of ``spec`` on the mixed cluster with shares 3/3/1/1."""
+    plan = planner.plan(spec, MIXED, dp_flavour=flavour, precision="fp32", progress=False)
+    return dataclasses.replace(plan, sections={"uneven": SHARES})
+
+
+def test_share_rows_and_the_slices_a_rank_takes() -> None:
+    import torch
+
+    assert [share_rows((3, 3, 1, 1), rank) for rank in range(4)] == [(0, 3), (3, 6), (6, 7), (7, 8)]
+    batch = torch.arange(8).reshape(8, 1)
+    (local, mask), kwargs = uneven_shard_batch((batch, batch), {"targets": batch}, 2, (3, 3, 1, 1),
+                                               ("x", "targets"), ("x", "mask"))
+    assert local.flatten().tolist() == [6] and mask.shape[0] == 8 and kwargs["targets"].flatten().tolist() == [6]
+
+
+def test_the_program_slices_by_shares(tmp_path) -> None:
+    folder = planner.compile(with_shares(GPT, "ddp"), tmp_path / "gpt")
+    source = (folder / "model_spmd.py").read_text()
+    assert "BATCH_SHARES = (3, 3, 1, 1)" in source and "#   rank 2: 1 of 8 rows" in source
+    assert "DistributedDataParallel(" in source
+
+
+@pytest.mark.distributed
+def test_uneven_programs_match_one_device(tmp_path) -> None:
+    chosen = tmp_path / "p.json"
+    planned = subprocess.run([sys.executable, "-m", "planner", "plan", str(REPO / "examples/gpt.py"), "--cluster",
+                              MIXED, "-o", str(chosen)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert '"uneven"' in chosen.read_text()
+    folders = [planner.compile(planner.load_plan(chosen), tmp_path / "gpt-chosen")]
+    folders += [planner.compile(with_shares(spec, flavour), tmp_path / name) for name, spec, flavour in (
+        ("cnn-ddp", CNN, "ddp"), ("llama-ddp", LLAMA, "ddp"), ("gpt-fsdp", GPT, "fsdp"), ("gpt-zero1", GPT, "zero1"),
+        ("gpt-zero2", GPT, "zero2"),
+    )]
+    launch = check_many(4, folders, tmp_path)
+    for folder in folders:
+        assert result_of(launch, folder).startswith("ok parity ok"), (folder.name, result_of(launch, folder))
+
+
+@pytest.mark.distributed
+def test_uneven_checkpoints_resume_on_the_even_plan_and_back(tmp_path) -> None:
+    uneven_plan = with_shares(GPT, "ddp")
+    uneven = planner.compile(uneven_plan, tmp_path / "uneven")
+    even = planner.compile(dataclasses.replace(uneven_plan, sections={}), tmp_path / "even")
+    saved = tmp_path / "ckpt"
+    first = _torchrun(4, str(uneven / "launch.py"), "--steps", "2", "--checkpoint-dir", str(saved),
+                      "--save-every", "2", cwd=tmp_path)
+    second = _torchrun(4, str(even / "launch.py"), "--steps", "4", "--checkpoint-dir", str(saved), "--resume",
+                       "--save-every", "2", cwd=tmp_path)
+    third = _torchrun(4, str(uneven / "launch.py"), "--steps", "6", "--checkpoint-dir", str(saved), "--resume",
+                      cwd=tmp_path)
+    assert "at step 2" in second and "at step 4" in third, (second[-2000:], third[-2000:])
+    losses = {**_losses(first), **_losses(second), **_losses(third)}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    for step, expected in _one_device_losses(even, 6).items():
+        assert losses[step] == pytest.approx(expected, abs=1e-5), step
+
+
+def test_the_slowdown_follows_the_cluster_and_stretches_only_the_ranks_compute() -> None:
+    import time
+
+    import torch
+
+    from codegen.runtime.slowdown import slow_down, slowdown_factor
+
+    plan = with_shares(GPT, "ddp")
+    # mixed.toml: ranks 0-1 at 100 GFLOP/s, ranks 2-3 at 50: the slow ones 2x, times the base.
+    assert [slowdown_factor(plan, rank) for rank in range(4)] == [1.0, 1.0, 2.0, 2.0]
+    assert [slowdown_factor(plan, rank, 4.0) for rank in range(4)] == [4.0, 4.0, 8.0, 8.0]
+
+    class Busy(torch.nn.Module):
+        """A forward that computes for about 20 ms of CPU time."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            start = time.thread_time()
+            while time.thread_time() - start < 0.02:
+                pass
+            return (x * self.weight).sum()
+
+    module = Busy()
+    slow_down(module, 3.0)
+    start = time.perf_counter()
+    loss = module(torch.ones(4))
+    forward_s = time.perf_counter() - start
+    start = time.perf_counter()
+    loss.backward()
+    backward_s = time.perf_counter() - start
+    # Forward: 3 x its 20 ms of CPU; backward: (3 - 1) x 2 x 20 ms of sleep before the gradient.
+    assert 0.06 <= forward_s < 0.5 and 0.08 <= backward_s < 0.5, (forward_s, backward_s)
+    assert module.weight.grad.item() == 4.0
