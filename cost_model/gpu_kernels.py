@@ -146,20 +146,42 @@ class GpuGeneration:
 # A short loop may already run below the boost clock, so the ratio can count part of the
 # throttling twice: with it, that 8192^3 GEMM is predicted 3.6% under the 257 TFLOP/s of his
 # short loop (``benchmarks/components.py``), the direction a sustained clock should move it.
-# We found no published sustained clock for the V100, H100 or H200 under training load, so
-# they take the A100's ratio: an ASSUMPTION (Horace He's post argues newer GPUs such as the
-# H100 are more power-bound, not less), to be replaced by a profile. A check, not a source:
-# Glenn Lockwood's H100 page (https://glennklockwood.com/garden/processors/h100) lists the
-# H100 SXM5's clocks as 1.83 GHz for low-precision tensor work (the clock of its 989.4 TFLOP/s
-# bf16 peak) and 1.98 GHz for FP64 (66.9 TFLOP/s matrix peak), and TOP500's H100 and H200
-# systems at 55.0-59.0 TFLOP/s per GPU. Were those Rpeak counted at the clock HPL sustains
-# at the 700 W limit (NVIDIA's convention above), that clock is 1628-1746 MHz, 0.89-0.95 of
-# 1830 MHz: the A100's 0.926 lies inside. The page does not say whether they are Rpeak or
-# Rmax, and ml-engineering's MAMF notes give no clock, so neither replaces the assumption.
+# The ratio is the sustained clock over the clock the datasheet peak is counted at, the peak
+# both MAMF and the FlashAttention fractions are fractions of; on the A100 that clock is the
+# 1410 MHz boost (312 TFLOP/s = 432 tensor cores x 512 FLOPs x 1410 MHz).
+# H100-SXM5 (and H200, the same GH100 die at the same 700 W limit): NVIDIA counts the 989.4
+# TFLOP/s dense bf16 peak at 1830 MHz, not at the 1980 MHz maximum SM clock (528 tensor cores x
+# 1024 FLOPs x 1830 MHz = 989.4e12; ml-engineering, compute/accelerator/README.md, "How to
+# calculate theoretical TFLOPS", and its clock table's note 12; Glenn Lockwood's H100 page:
+# "1.83 GHz (low precision), 1.98 GHz (high precision)"). Under a training-like load - GEMMs
+# with communication overlapped, as every data- and tensor-parallel step runs them - a 700 W
+# GH100 board (H800 SXM) exceeds its power limit and falls from 1980 to 1575 MHz (deepseek-ai/
+# DeepGEMM issue #120, 2025-06-25; the DeepGEMM maintainer: "It is expected", and it varies
+# from board to board), so the ratio is 1575 / 1830 = 0.861. Those GEMMs were FP8 (DeepGEMM's
+# kernels), twice bf16's FLOPs per clock, so a bf16 step may hold a little more clock: the
+# figure bounds the drop from below rather than measuring it. A second reading agrees: H200
+# runners at 700 W "cannot reliably sustain a locked 1830 MHz graphics/SM clock under full
+# load", 1500 MHz being "a more realistic sustained locked-clock target" (tile-ai/TileOPs pull
+# request #1588, 2026-06; a CI setting, not a measurement, so not the figure used). The
+# H100's ratio is lower than the A100's, as Horace He's post argues it should be ("matmuls on
+# the H100 are primarily not compute or bandwidth limited, they are power limited"). Not a
+# measurement of any run in ``benchmarks/fidelity.py``: no row was used to choose it. What the
+# ratio stands for is not a warm-up effect: ml-engineering's MAMF finder gained a 30-second
+# warm-up in 2025 and its H100 figure barely moved (792.1 -> 794.5 TFLOP/s; A100 267.9 ->
+# 271.2), so a GEMM-only loop is already at its own steady clock; what a training step adds is
+# the power its communication, HBM traffic and other kernels draw beside the GEMMs.
+# The V100 has no published sustained clock under training load and keeps the A100's ratio:
+# an ASSUMPTION, to be replaced by a profile. A check, not a source: Glenn Lockwood's H100 page
+# (https://glennklockwood.com/garden/processors/h100) lists TOP500's H100 and H200 systems at
+# 55.0-59.0 TFLOP/s per GPU against the 66.9 FP64 matrix peak at 1980 MHz: HPL, a dense-GEMM
+# stream without a training step's communication, holds 1628-1746 MHz if those are Rpeak
+# counted at the sustained clock (NVIDIA's convention above), above the 1575 MHz of a GEMM
+# stream overlapped with communication, as the extra power of the links would have it.
 # A board run below its datasheet power limit (torchtitan's Grand Teton H100s at 500 W) is a
 # cluster property, not a generation's: its peak FLOP/s is lowered by ``planner.power_limit``
-# (``cluster_edits.with_power_limit``), and this ratio applies on top of it.
-SUSTAINED_CLOCK = {"A100": 1305 / 1410}
+# (``cluster_edits.with_power_limit``), and this ratio applies on top of it (ASSUMED: the
+# same sustained fraction of the clock the limit allows).
+SUSTAINED_CLOCK = {"A100": 1305 / 1410, "H100": 1575 / 1830}
 
 GENERATIONS = {
     # V100-SXM2: 80 SMs (NVIDIA Tesla V100 GPU Architecture whitepaper, 2017, table 1). No
@@ -187,10 +209,10 @@ GENERATIONS = {
     # flash backend is FlashAttention-2, which reaches ~ 35% of H100 peak forward and ~ 30%
     # backward (FlashAttention-3 paper, Shah et al. 2024, arXiv:2407.08608, figures 5-6:
     # FlashAttention-2 ~ 330-370 TFLOP/s forward, ~ 280-310 backward, head dim 128, 16k).
-    "H100": GpuGeneration("H100", 132, 0.801, (6144, 17920, 2816), 256, 0.35, 0.30, SUSTAINED_CLOCK["A100"]),
+    "H100": GpuGeneration("H100", 132, 0.801, (6144, 17920, 2816), 256, 0.35, 0.30, SUSTAINED_CLOCK["H100"]),
     # H200-SXM: the same GH100 die, 132 SMs (NVIDIA H200 datasheet); its matmul measurement is
     # the GH200's (same die, HBM3e): 821.0 of 989 = 83.0% at 11264x19712x1536 (same table).
-    "H200": GpuGeneration("H200", 132, 0.830, (11264, 19712, 1536), 256, 0.35, 0.30, SUSTAINED_CLOCK["A100"]),
+    "H200": GpuGeneration("H200", 132, 0.830, (11264, 19712, 1536), 256, 0.35, 0.30, SUSTAINED_CLOCK["H100"]),
 }
 
 

@@ -24,6 +24,9 @@ A100 = GENERATIONS["A100"]
 BF16 = torch.bfloat16
 OVERHEAD = defaults.KERNEL_OVERHEAD_S
 SUSTAINED = 1305 / 1410  # A100's sustained over its boost clock (gpu_kernels.SUSTAINED_CLOCK)
+# H100's: the 1575 MHz a 700 W GH100 board holds under GEMMs overlapped with communication,
+# over the 1830 MHz its 989.4 TFLOP/s datasheet peak is counted at (528 x 1024 x 1.83e9).
+H100_SUSTAINED = 1575 / 1830
 
 
 def test_generation_from_device_name():
@@ -190,9 +193,37 @@ def test_fp32_keeps_the_roofline():
 
 def test_work_of_unknown_shape_gets_the_sustained_ceiling_too():
     # SUMMA's and MoE experts' roofline work (no shape) takes the best-shaped GEMM's sustained
-    # fraction, never the short-burst MAMF: 0.859 x 1305/1410 = 0.795 on A100, 0.801 x the
-    # same ratio = 0.741 on H100 (assumed, no published H100 sustained clock).
+    # fraction, never the MAMF benchmark's: 0.859 x 1305/1410 = 0.795 on A100, 0.801 x
+    # 1575/1830 = 0.689 on H100 (its own sustained clock over the clock of its datasheet peak).
     assert gpu_kernels.large_matmul_efficiency(A100_DEVICE, "bfloat16") == pytest.approx(0.859 * SUSTAINED)
     h100 = Cluster.preset("dgx-h100").device_of(0)
-    assert gpu_kernels.large_matmul_efficiency(h100, "bfloat16") == pytest.approx(0.801 * SUSTAINED)
+    assert gpu_kernels.large_matmul_efficiency(h100, "bfloat16") == pytest.approx(0.801 * H100_SUSTAINED)
+    assert 0.801 * H100_SUSTAINED == pytest.approx(0.6894, abs=1e-4)
     assert gpu_kernels.large_matmul_efficiency(A100_DEVICE, "float32") is None
+
+
+def test_h100_prices_tensor_work_at_its_own_sustained_clock():
+    # The H100 generation (and the H200, the same die at the same 700 W) takes 1575/1830 =
+    # 0.8607 of its datasheet clock, not the A100's 1305/1410 = 0.9255.
+    h100, h200 = GENERATIONS["H100"], GENERATIONS["H200"]
+    assert 528 * 1024 * 1.83e9 == pytest.approx(989.4e12, rel=1e-4)  # the peak's clock is 1830 MHz
+    assert h100.sustained_clock == pytest.approx(0.86066, abs=1e-5)
+    assert h200.sustained_clock == h100.sustained_clock
+    assert GENERATIONS["A100"].sustained_clock == pytest.approx(SUSTAINED)  # the A100 is unchanged
+    # The MAMF GEMM on H100 (6144 x 17920 x 2816, 620.086 GFLOP): at the measured shape the
+    # model's efficiency is the MAMF fraction at the sustained clock, 0.801 x 0.86066 = 0.68939,
+    # so 989.4e12 x 0.68939 = 682.08 TFLOP/s; 620.086e9 / 682.08e12 = 909.11 us, plus one 5 us
+    # launch = 914.11 us.
+    device = Cluster.preset("dgx-h100").device_of(0)
+    flops = 2 * 6144 * 17920 * 2816
+    assert flops == pytest.approx(620.086e9, rel=1e-6)
+    seconds = matmul_time(1, 6144, 17920, 2816, device, "bfloat16", 2, h100)
+    assert seconds == pytest.approx(914.11e-6, rel=1e-4)
+    # FlashAttention-2's forward at 16 heads x 16k x d128 (not causal): 4 x 16 x 16384^2 x 128
+    # = 2.1990e12 FLOPs at 989.4e12 x 0.86066 x 0.35 x the shape factor (16k keys: sequence
+    # factor 1; 16 x 128 = 2048 thread blocks on 132 SMs: 2048 / (16 x 132) = 0.9697), i.e.
+    # 289.01 TFLOP/s -> 7.6089 ms + 5 us.
+    forward, _ = gpu_kernels.attention_times(16, 16384, 16384, 128, False, device, "bfloat16", h100)
+    assert forward == pytest.approx(4 * 16 * 16384**2 * 128 / (989.4e12 * 0.86066 * 0.35 * 2048 / 2112) + 5e-6,
+                                    rel=1e-4)
+    assert forward == pytest.approx(7.6139e-3, rel=1e-3)
