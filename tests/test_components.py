@@ -13,7 +13,7 @@ def test_fast_table_has_a_sourced_row_per_component(capsys):
     main(["--fast"])
     printed = capsys.readouterr().out
     rows = component_rows(fast=True)
-    assert {row.component for row in rows} == {"GEMM", "attention", "memory", "loss", "collective"}
+    assert {row.component for row in rows} == {"GEMM", "attention", "clock", "memory", "loss", "collective"}
     for row in rows:
         assert row.source and row.published > 0 and row.predicted > 0
         assert row.source in printed  # each printed line carries its source
@@ -63,3 +63,14 @@ def test_power_limit_line_prices_the_mamf_gemm_at_the_capped_peak():
     (line,) = power_limit_lines(500.0)
     assert "peak 893.8 TFLOP/s" in line and "835.5 at 400 W, 989.4 at 700 W" in line
     assert "6144x17920x2816 GEMM 613.1 TFLOP/s" in line
+
+
+def test_clock_rows_are_the_sustained_ratio_times_the_datasheet_clock():
+    # By hand: A100 1305/1410 x 1410 = 1305 MHz against NVIDIA's HPL clock (0.0%); H100
+    # 1575/1830 x 1830 = 1575 MHz against DeepGEMM#120's reading (0.0%, the constant's source);
+    # the H200 (same die, same ratio) 1575 MHz against TileOPs' 1500 MHz target: +5.0%.
+    rows = {row.preset: row for row in component_rows() if row.component == "clock"}
+    assert rows["A100"].predicted == pytest.approx(1305.0) and rows["A100"].sets_constant
+    assert rows["H100"].predicted == pytest.approx(1575.0) and rows["H100"].sets_constant
+    assert rows["H200"].predicted == pytest.approx(1575.0) and not rows["H200"].sets_constant
+    assert rows["H200"].error == pytest.approx(1575 / 1500 - 1)
