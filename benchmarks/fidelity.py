@@ -76,7 +76,12 @@ and clone (~0.3% of the step by hand); the attention mask is not sent between st
 is priced (11 ms on MT-NLG).
 
 Modelled from the runs' stated hardware: the Grand Teton H100s' 500 W power limit lowers their
-peak to the clock such a board holds (``grand_teton_h100``, ``planner.power_limit``).
+peak to the clock such a board holds (``grand_teton_h100``, ``planner.power_limit``). Every
+H100 row prices tensor-core work at the clock a 700 W GH100 holds under GEMMs overlapped with
+communication, 1575 of the 1830 MHz its datasheet peak is counted at (``cost_model.
+gpu_kernels.SUSTAINED_CLOCK``, from deepseek-ai/DeepGEMM#120; before, the A100's 1305/1410):
+each H100 row moved 4.5-6.5 points slower, the fast FSDP, Llama 3 and small Megatron-Core rows
+closer and the tensor-parallel Megatron-Core rows from 16B up past their published figures.
 
 Modelled from the runs' stated software: collectives overlapping compute slow it
 (``cost_model.nccl``'s contention); the host's time to issue ops bounds each block from below
