@@ -27,6 +27,7 @@ of them to compare with.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from dataclasses import dataclass
 
@@ -80,6 +81,18 @@ ATTENTION_MEASUREMENTS = [
     ("dgx-h100", 16, 16384, 128, False, 0.35 * 989.4,
      "FlashAttention-3 paper figs. 5-6 (FlashAttention-2 on H100, ~35% forward, head dim 128, 16k)", True),
 ]
+
+# (batch x heads, sequence, head dim, causal, published cuDNN speed-up over flash-attention 2,
+# forward + backward, sets): Transformer Engine's attention benchmark (docs/examples/attention/
+# attention.ipynb, TE v1.8: benchmarks/attention/benchmark_attention.py's test_0, test_1 and
+# test_3 on an H100 PCIe, cuDNN 9.0 against flash-attn 2.4.2), against the model's ratio on
+# the dgx-h100 preset (an SXM board: the ratio, not the times, is compared).
+CUDNN_ATTENTION_MEASUREMENTS = [
+    (2 * 16, 512, 64, False, 0.0858 / 0.0638, False),
+    (2 * 16, 2048, 128, True, 0.7496 / 0.5415, True),
+    (2 * 32, 8192, 128, True, 19.0716 / 12.0122, False),
+]
+CUDNN_ATTENTION_SOURCE = "Transformer Engine v1.8 attention.ipynb (H100 PCIe): cuDNN over flash-attn 2, fwd+bwd"
 
 # (GPU generation, MHz its datasheet's dense 16-bit peak is counted at, published sustained
 # MHz, source, sets): the clock the model's sustained ratio stands for is the ratio times the
@@ -154,6 +167,22 @@ def attention_rows() -> list[Row]:
     return rows
 
 
+def cudnn_attention_rows() -> list[Row]:
+    """cuDNN's fused attention over FlashAttention-2 on H100 (forward + backward time ratio),
+    predicted against Transformer Engine's published benchmark."""
+    flash2 = Cluster.preset("dgx-h100").device_of(0)
+    cudnn = dataclasses.replace(flash2, attention_kernel="cudnn-fused-attention")
+    rows = []
+    for batch_heads, seq, head_dim, causal, published, sets in CUDNN_ATTENTION_MEASUREMENTS:
+        times = [sum(attention_times(batch_heads, seq, seq, head_dim, causal, device, "bfloat16",
+                                     generation_of(device)))
+                 for device in (flash2, cudnn)]
+        case = f"cuDNN speed-up, {batch_heads} heads x {seq} x d{head_dim}{' causal' if causal else ''}"
+        rows.append(Row("attention", "dgx-h100", case, published, times[0] / times[1], "x", CUDNN_ATTENTION_SOURCE,
+                        sets))
+    return rows
+
+
 def clock_rows() -> list[Row]:
     """The tensor-core clock a training step sustains, as the model's ratio implies it, against
     the published readings of a sustained clock."""
@@ -225,7 +254,7 @@ def collective_rows() -> list[Row]:
 
 def component_rows(fast: bool = False) -> list[Row]:
     """Every component's rows; ``fast``: the first of each component only."""
-    groups = [gemm_rows(), attention_rows(), clock_rows(), stream_rows(), loss_rows(), collective_rows()]
+    groups = [gemm_rows(), attention_rows() + cudnn_attention_rows(), clock_rows(), stream_rows(), loss_rows(), collective_rows()]
     return [row for group in groups for row in (group[:1] if fast else group)]
 
 

@@ -460,6 +460,10 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
     methods; the head's and the embedding's collectives stay exposed). The published TFLOP/s
     become a step time with Megatron-Core's own count (``megatron_core_flops``).
 
+    Attention runs as Transformer Engine's ``DotProductAttention`` picks it on Hopper: cuDNN's
+    fused flash attention (``"cudnn-fused-attention"``, ``cost_model.gpu_kernels``'
+    ``attention_kernel_slowdown``), not flash-attention 2.
+
     Not as run: without a pipeline (the pp1 rows) the simulated step passes each dp rank's 4
     samples through at once, where Megatron runs 4 micro-batches of 1 and reduces their
     gradients once (``megatron_plan``'s ``micro_batch`` applies to pipelines; the plan's
@@ -484,7 +488,7 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
             f"MCore-GPT-{size}@{gpus}xH100", "gpt.py",
             {"n_layer": layers, "n_embd": width, "n_head": heads, "vocab_size": vocab, "seq_len": seq,
              "batch_size": batch},
-            f"dgx-h100:{gpus // 8}",
+            with_attention_kernel(Cluster.preset("dgx-h100", nodes=gpus // 8), "cudnn-fused-attention"),
             {"tp": tp, "pp": pp, "micro_batch": 1, "schedule": "1f1b", "recompute": "none",
              "sequence_parallel": tp > 1, "tp_comm_overlap": tp > 1, "dp_flavour": "zero1"}, 1,
             megatron_core_flops(batch, seq, layers, width, vocab, 4 * width, heads, heads) / (tflops * 1e12 * gpus),

@@ -26,7 +26,7 @@ the board's power cap pulls the clock down; a training step sustains the lower c
 
 Attention runs as FlashAttention-2 (PyTorch's ``scaled_dot_product_attention`` flash
 backend; a device whose ``attention_kernel`` is the Triton FlashAttention kernel runs slower,
-``ATTENTION_KERNEL_SLOWDOWN``): forward 4·B·H·Sq·Sk·D FLOPs (halved when causal), backward 2.5x the forward
+cuDNN's fused attention on Hopper faster, ``attention_kernel_slowdown``): forward 4·B·H·Sq·Sk·D FLOPs (halved when causal), backward 2.5x the forward
 (it recomputes Q·Kᵀ: five matmuls against two; Tri Dao,
 https://github.com/Dao-AILab/flash-attention/issues/1525), each at the fraction of peak the
 FlashAttention papers measure at long sequences, lowered for short sequences (the causal
@@ -88,7 +88,32 @@ ATTENTION_BACKWARD_TO_FORWARD = 2.5
 # "FlashAttention-2 is around 1.3-1.5x faster than FlashAttention in Triton in the forward pass
 # and around 2x faster in the backward pass" -> 1.4 (the middle of the range) and 2.0. The
 # paper measured A100 only; we ASSUME the same ratios on other GPUs.
-ATTENTION_KERNEL_SLOWDOWN = {"flash-attention-2": (1.0, 1.0), "flash-attention-triton": (1.4, 2.0)}
+# cuDNN's fused flash attention (Transformer Engine's ``FusedAttention``, sub-backend 1, bf16):
+# Transformer Engine prefers it to flash-attention on Hopper ("Select FusedAttention on sm90
+# and FlashAttention on others for performance", transformer_engine/pytorch/attention.py since
+# TE v1.2, NVIDIA/TransformerEngine commit 32db392, 2023-12), so Megatron-Core's runs on H100
+# take it. Its time: TE's own benchmark (docs/examples/attention/attention.ipynb, TE v1.8,
+# benchmarks/attention/benchmark_attention.py on an H100 PCIe, cuDNN 9.0 against flash-attn
+# 2.4.2, forward + backward together): "cuDNN attention has 20-50% advantages on Hopper";
+# test_1 (2 x 16 heads, 2048 tokens, head dim 128, causal) 0.5415 against 0.7496 ms, 1.3842x,
+# the shape nearest a transformer layer's: the same time ratio, 1 / 1.3842, for forward and
+# backward (the source times them together). The same notebook: flash-attention is faster
+# than cuDNN on Ampere, by an amount it does not state; generations without a measurement
+# (A100, V100) are ASSUMED to run it as fast as FlashAttention-2 (optimistic there).
+ATTENTION_KERNEL_SLOWDOWN = {"flash-attention-2": (1.0, 1.0), "flash-attention-triton": (1.4, 2.0),
+                             "cudnn-fused-attention": (1.0, 1.0)}
+CUDNN_OVER_FLASH_ATTENTION_2_HOPPER = 0.5415 / 0.7496
+# (kernel, generation) pairs measured against FlashAttention-2 on that generation; the
+# kernel's ``ATTENTION_KERNEL_SLOWDOWN`` entry holds elsewhere. The H200 is the same die.
+ATTENTION_KERNEL_SLOWDOWN_BY_GENERATION = {
+    ("cudnn-fused-attention", "H100"): (CUDNN_OVER_FLASH_ATTENTION_2_HOPPER, CUDNN_OVER_FLASH_ATTENTION_2_HOPPER),
+    ("cudnn-fused-attention", "H200"): (CUDNN_OVER_FLASH_ATTENTION_2_HOPPER, CUDNN_OVER_FLASH_ATTENTION_2_HOPPER),
+}
+
+
+def attention_kernel_slowdown(kernel: str, generation_name: str) -> tuple[float, float]:
+    """(forward, backward) time of ``kernel`` over FlashAttention-2's on a GPU generation."""
+    return ATTENTION_KERNEL_SLOWDOWN_BY_GENERATION.get((kernel, generation_name), ATTENTION_KERNEL_SLOWDOWN[kernel])
 
 
 @dataclass(frozen=True)
@@ -283,12 +308,12 @@ def attention_efficiency(batch_heads: float, q_len: float, kv_len: float, head_d
 def attention_times(batch_heads: float, q_len: float, kv_len: float, head_dim: int, causal: bool,
                     device: DeviceSpec, dtype: str, generation: GpuGeneration) -> tuple[float, float]:
     """(forward, backward) seconds of fused attention over ``batch_heads`` (batch x heads):
-    FlashAttention-2 at the sustained clock, slowed by ``ATTENTION_KERNEL_SLOWDOWN`` for the
+    FlashAttention-2 at the sustained clock, scaled by ``attention_kernel_slowdown`` for the
     device's ``attention_kernel``."""
     forward_flops = 4.0 * batch_heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
     shape = attention_efficiency(batch_heads, q_len, kv_len, head_dim, causal, generation)
     peak = device.flops_for(dtype)
-    slow_forward, slow_backward = ATTENTION_KERNEL_SLOWDOWN[device.attention_kernel]
+    slow_forward, slow_backward = attention_kernel_slowdown(device.attention_kernel, generation.name)
     peak *= generation.sustained_clock  # the papers' loops are short too (SUSTAINED_CLOCK)
     forward = slow_forward * forward_flops / (peak * generation.attention_forward * shape)
     backward = slow_backward * ATTENTION_BACKWARD_TO_FORWARD * forward_flops / (

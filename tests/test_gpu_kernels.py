@@ -132,6 +132,34 @@ def test_triton_flash_attention_is_slower_by_the_published_ratios():
     assert forward == pytest.approx(1.4 * 0.7360e-3 + OVERHEAD, rel=1e-3)  # 0.7410 ms above less 5 µs
 
 
+def test_cudnn_attention_is_faster_on_hopper_only_by_transformer_engines_measurement():
+    # Transformer Engine's benchmark on H100 (2 x 16 heads, 2048 tokens, d128, causal, forward
+    # and backward): cuDNN 0.5415 ms against flash-attention 2's 0.7496 ms, so cuDNN's kernel
+    # time is 0.7224 of FlashAttention-2's, forward and backward; the launch overhead stays.
+    h100 = Cluster.preset("dgx-h100").device_of(0)
+    cudnn = dataclasses.replace(h100, attention_kernel="cudnn-fused-attention")
+    node = attention_node(2, 16, 2048, 128, True)
+    flash2_forward, flash2_backward = op_times(node, 1.0, h100, "bf16")
+    forward, backward = op_times(node, 1.0, cudnn, "bf16")
+    assert 0.5415 / 0.7496 == pytest.approx(0.72239, abs=1e-5)
+    assert forward - OVERHEAD == pytest.approx(0.72239 * (flash2_forward - OVERHEAD), rel=1e-5)
+    assert backward - OVERHEAD == pytest.approx(0.72239 * (flash2_backward - OVERHEAD), rel=1e-5)
+    # By hand on H100 SXM: causal forward FLOPs 4 x 32 x 2048^2 x 128 / 2 = 34.36e9 at 989.4e12
+    # x 0.86066 (sustained clock) x 0.35 x shape (sequence 2048/2258 x 16594/16384 = 0.91860;
+    # causal diagonal 16/17; 32 x 16 = 512 thread blocks on 4 waves of 132 = 512/528; together
+    # 0.83839): 989.4e12 x 0.86066 x 0.35 x 0.83839 = 249.87 TFLOP/s -> 137.51 us as
+    # FlashAttention-2; x 0.72239 = 99.34 us, + 5 us launch = 104.34 us.
+    shape = (2048 / 2258) * (16594 / 16384) * (16 / 17) * (512 / 528)
+    flash2 = 4 * 32 * 2048**2 * 128 / 2 / (989.4e12 * 0.86066 * 0.35 * shape)
+    assert forward == pytest.approx(0.72239 * flash2 + OVERHEAD, rel=1e-4)
+    assert forward == pytest.approx(104.34e-6, rel=1e-3)
+    # On Ampere, where Transformer Engine measured flash-attention faster and gave no figure,
+    # it is priced as FlashAttention-2 (assumed).
+    a100_node = attention_node(2, 16, 2048, 128, True)
+    assert op_times(a100_node, 1.0, dataclasses.replace(A100_DEVICE, attention_kernel="cudnn-fused-attention"),
+                    "bf16") == op_times(a100_node, 1.0, A100_DEVICE, "bf16")
+
+
 def test_attention_kernel_is_checked_and_round_trips_through_cluster_files():
     from planner.cluster import ATTENTION_KERNELS, ClusterError
     assert set(gpu_kernels.ATTENTION_KERNEL_SLOWDOWN) == set(ATTENTION_KERNELS)
