@@ -20,9 +20,10 @@ guide's section 2.3 lists them), never faster than its bytes at the memory bandw
 CUTLASS kernels cuBLAS ships: stages x K-tile. ``ceiling`` is the Maximum Achievable Matmul
 FLOPS (MAMF) measured on each GPU, divided by the model's shape efficiency at the shape where
 it was measured, so the model reproduces the measurement there; since MAMF is the best of a
-search over shapes, no shape's efficiency may exceed it. MAMF is timed in short bursts, before
-the board's power cap pulls the clock down; a training step sustains the lower clock
-(``SUSTAINED_CLOCK``), so the ceiling is MAMF at that clock, and attention's likewise.
+search over shapes, no shape's efficiency may exceed it. MAMF is timed on loops of GEMMs
+alone; a training step, whose communication and other kernels draw power beside its GEMMs,
+sustains a lower clock under the board's power cap (``SUSTAINED_CLOCK``), so the ceiling is
+MAMF at that clock, and attention's likewise.
 
 Attention runs as FlashAttention-2 (PyTorch's ``scaled_dot_product_attention`` flash
 backend; a device whose ``attention_kernel`` is the Triton FlashAttention kernel runs slower,
@@ -158,9 +159,9 @@ class GpuGeneration:
 # The clock tensor-core work sustains through a training step, over the clock the kernel
 # benchmarks above ran at. MAMF is the fastest of 100 timed iterations after 50 warm-up ones
 # (ml-engineering, compute/accelerator/benchmarks/README.md, "Examples of usage"), and the
-# FlashAttention papers time short loops too: both catch the GPU before its power governor has
-# pulled the clock down, which a step of dense GEMMs, seconds long and repeated for hours, does
-# not. A100-SXM4: 1305 MHz is the clock an A100 sustains at its 400 W power limit running a
+# FlashAttention papers time short loops too: loops of one kernel, without the communication
+# and other kernels a training step runs beside its GEMMs (not a warm-up effect: see the H100
+# paragraph below). A100-SXM4: 1305 MHz is the clock an A100 sustains at its 400 W power limit running a
 # dense-matmul benchmark for minutes (HPL; NVIDIA computes its TOP500 Rpeak from it), against
 # the 1410 MHz boost clock: 1305 / 1410 = 0.926 (Glenn Lockwood, "Peak FLOPS",
 # https://glennklockwood.com/garden/peak-FLOPS, section "Rpeak"). The power governor does
