@@ -254,7 +254,8 @@ def collective_rows() -> list[Row]:
 
 def component_rows(fast: bool = False) -> list[Row]:
     """Every component's rows; ``fast``: the first of each component only."""
-    groups = [gemm_rows(), attention_rows() + cudnn_attention_rows(), clock_rows(), stream_rows(), loss_rows(), collective_rows()]
+    groups = [gemm_rows(), attention_rows() + cudnn_attention_rows(), clock_rows(), stream_rows(), loss_rows(),
+              collective_rows()]
     return [row for group in groups for row in (group[:1] if fast else group)]
 
 
