@@ -8,9 +8,11 @@ source and the signed error.
 A step's prediction is only as good as its parts; this table shows each part on its own.
 Rows marked ``[constant read from it]`` are the measurements a constant of the model was read
 from: there the error is what the model adds on purpose. The GEMM and attention ceilings are
-short-burst benchmarks, and the model prices tensor-core work at the clock a training step
-sustains under the power cap (``cost_model.gpu_kernels.SUSTAINED_CLOCK``), so it predicts
-about 7% below them by design. The other rows are independent checks.
+GEMM-only or attention-only benchmarks, and the model prices tensor-core work at the clock a
+training step sustains under the power cap (``cost_model.gpu_kernels.SUSTAINED_CLOCK``), so it
+predicts below them by design: about 7% on A100, 14% on H100. The clock rows show that ratio
+as the clock it stands for, beside the public readings of a sustained clock. The other rows are
+independent checks.
 
 The loss rows time a language model's classifier GEMM, Gemma 2's logit soft-cap and the
 cross entropy, op by op as the simulator prices them (the soft-cap's backward by its gradient
@@ -25,6 +27,7 @@ of them to compare with.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from dataclasses import dataclass
 
@@ -32,7 +35,7 @@ from benchmarks.nccl_fidelity import GIB, PUBLISHED as NCCL_PUBLISHED, predicted
 import torch
 
 from cost_model.compute import op_times, roofline_time
-from cost_model.gpu_kernels import attention_times, generation_of, matmul_time
+from cost_model.gpu_kernels import GENERATIONS, attention_times, generation_of, matmul_time
 from planner.cluster import Cluster
 from planner.cluster_edits import with_power_limit
 from planner.graph import OpNode, TensorMeta
@@ -77,6 +80,31 @@ ATTENTION_MEASUREMENTS = [
      "FlashAttention-2 paper fig. 4 (A100, 73% of peak forward, head dim 128, 16k)", True),
     ("dgx-h100", 16, 16384, 128, False, 0.35 * 989.4,
      "FlashAttention-3 paper figs. 5-6 (FlashAttention-2 on H100, ~35% forward, head dim 128, 16k)", True),
+]
+
+# (batch x heads, sequence, head dim, causal, published cuDNN speed-up over flash-attention 2,
+# forward + backward, sets): Transformer Engine's attention benchmark (docs/examples/attention/
+# attention.ipynb, TE v1.8: benchmarks/attention/benchmark_attention.py's test_0, test_1 and
+# test_3 on an H100 PCIe, cuDNN 9.0 against flash-attn 2.4.2), against the model's ratio on
+# the dgx-h100 preset (an SXM board: the ratio, not the times, is compared).
+CUDNN_ATTENTION_MEASUREMENTS = [
+    (2 * 16, 512, 64, False, 0.0858 / 0.0638, False),
+    (2 * 16, 2048, 128, True, 0.7496 / 0.5415, True),
+    (2 * 32, 8192, 128, True, 19.0716 / 12.0122, False),
+]
+CUDNN_ATTENTION_SOURCE = "Transformer Engine v1.8 attention.ipynb (H100 PCIe): cuDNN over flash-attn 2, fwd+bwd"
+
+# (GPU generation, MHz its datasheet's dense 16-bit peak is counted at, published sustained
+# MHz, source, sets): the clock the model's sustained ratio stands for is the ratio times the
+# datasheet clock (A100: 1410 MHz, 312e12 = 432 tensor cores x 512 FLOPs x 1410e6; H100 and
+# H200: 1830 MHz, 989.4e12 = 528 x 1024 x 1830e6).
+CLOCK_MEASUREMENTS = [
+    ("A100", 1410, 1305,
+     "Glenn Lockwood, 'Peak FLOPS', Rpeak: NVIDIA's HPL clock at the A100's 400 W limit", True),
+    ("H100", 1830, 1575,
+     "deepseek-ai/DeepGEMM#120: 700 W GH100 (H800), FP8 GEMMs overlapped with communication", True),
+    ("H200", 1830, 1500,
+     "tile-ai/TileOPs#1588: H200 at 700 W, CI's sustained locked-clock target under full load", False),
 ]
 
 # (preset, bytes copied, published device-to-device copy GB/s (read + write), source, sets)
@@ -137,6 +165,30 @@ def attention_rows() -> list[Row]:
         case = f"{batch_heads} heads x {seq} x d{head_dim}{' causal' if causal else ''} fwd"
         rows.append(Row("attention", preset, case, published, flops / forward / 1e12, "TFLOP/s", source, sets))
     return rows
+
+
+def cudnn_attention_rows() -> list[Row]:
+    """cuDNN's fused attention over FlashAttention-2 on H100 (forward + backward time ratio),
+    predicted against Transformer Engine's published benchmark."""
+    flash2 = Cluster.preset("dgx-h100").device_of(0)
+    cudnn = dataclasses.replace(flash2, attention_kernel="cudnn-fused-attention")
+    rows = []
+    for batch_heads, seq, head_dim, causal, published, sets in CUDNN_ATTENTION_MEASUREMENTS:
+        times = [sum(attention_times(batch_heads, seq, seq, head_dim, causal, device, "bfloat16",
+                                     generation_of(device)))
+                 for device in (flash2, cudnn)]
+        case = f"cuDNN speed-up, {batch_heads} heads x {seq} x d{head_dim}{' causal' if causal else ''}"
+        rows.append(Row("attention", "dgx-h100", case, published, times[0] / times[1], "x", CUDNN_ATTENTION_SOURCE,
+                        sets))
+    return rows
+
+
+def clock_rows() -> list[Row]:
+    """The tensor-core clock a training step sustains, as the model's ratio implies it, against
+    the published readings of a sustained clock."""
+    return [Row("clock", name, "sustained tensor-core clock", published,
+                GENERATIONS[name].sustained_clock * datasheet, "MHz", source, sets)
+            for name, datasheet, published, source, sets in CLOCK_MEASUREMENTS]
 
 
 def stream_rows() -> list[Row]:
@@ -202,7 +254,8 @@ def collective_rows() -> list[Row]:
 
 def component_rows(fast: bool = False) -> list[Row]:
     """Every component's rows; ``fast``: the first of each component only."""
-    groups = [gemm_rows(), attention_rows(), stream_rows(), loss_rows(), collective_rows()]
+    groups = [gemm_rows(), attention_rows() + cudnn_attention_rows(), clock_rows(), stream_rows(), loss_rows(),
+              collective_rows()]
     return [row for group in groups for row in (group[:1] if fast else group)]
 
 

@@ -76,15 +76,29 @@ and clone (~0.3% of the step by hand); the attention mask is not sent between st
 is priced (11 ms on MT-NLG).
 
 Modelled from the runs' stated hardware: the Grand Teton H100s' 500 W power limit lowers their
-peak to the clock such a board holds (``grand_teton_h100``, ``planner.power_limit``).
+peak to the clock such a board holds (``grand_teton_h100``, ``planner.power_limit``). Every
+H100 row prices tensor-core work at the clock a 700 W GH100 holds under GEMMs overlapped with
+communication, 1575 of the 1830 MHz its datasheet peak is counted at (``cost_model.
+gpu_kernels.SUSTAINED_CLOCK``, from deepseek-ai/DeepGEMM#120; before, the A100's 1305/1410):
+each H100 row moved 4.5-6.5 points slower, the fast FSDP and Llama 3 rows closer and the
+tensor-parallel Megatron-Core rows from 16B up past their published figures (26 runs: median
+9.0% -> 7.9%, 20 fast / 6 slow -> 17 / 9). Megatron-Core's rows then run the attention kernel
+Transformer Engine picks on Hopper, cuDNN's (below): 1.7B and 7.1B, a quarter of whose kernel
+time is attention, back to 13.6% and 11.1% fast, the larger rows 1.6-3.2 points closer
+(26 runs: median 8.2%, largest 23.7%, 17 fast / 9 slow).
 
 Modelled from the runs' stated software: collectives overlapping compute slow it
 (``cost_model.nccl``'s contention); the host's time to issue ops bounds each block from below
 (``cost_model.host_dispatch``; it binds on none of these runs: their kernels outlast it);
 Megatron-Core's rows with tensor parallelism hide the sequence-parallel collectives behind
 GEMMs as Transformer Engine's userbuffers do (``--tp-comm-overlap``:
-``cost_model.tp_comm_overlap``); MPT rows run the Triton FlashAttention kernel (llm-foundry's benchmark default ``attn_impl: triton``; ``cost_model.gpu_kernels``'
-``ATTENTION_KERNEL_SLOWDOWN``); MT-NLG and BLOOM run DeepSpeed's pipeline engine
+``cost_model.tp_comm_overlap``) and their attention runs as Transformer Engine's
+``DotProductAttention`` picks it on Hopper, cuDNN's fused flash attention
+(``"cudnn-fused-attention"``: ``gpu_kernels.attention_kernel_slowdown``, from TE's own
+benchmark); MPT rows run the Triton FlashAttention kernel (llm-foundry's benchmark default ``attn_impl: triton``; ``cost_model.gpu_kernels``'
+``ATTENTION_KERNEL_SLOWDOWN``: the sweep installed llm-foundry v0.3.0 with its ``gpu`` extras,
+whose Triton is the pre-MLIR fork ``triton_pre_mlir_sm90``; we found no published H100 figure
+for it, so the FlashAttention-2 paper's A100 ratios stand there too); MT-NLG and BLOOM run DeepSpeed's pipeline engine
 (``DEEPSPEED_PIPELINE``): its ``TrainSchedule`` with every send and receive a rendezvous
 (``PipelineConfig.blocking_p2p``, ``cost_model.deepspeed_pipeline``) of 1/tp slices
 that the receiver all-gathers (``partitioned_p2p``), gradients reduced after the schedule
@@ -455,6 +469,10 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
     methods; the head's and the embedding's collectives stay exposed). The published TFLOP/s
     become a step time with Megatron-Core's own count (``megatron_core_flops``).
 
+    Attention runs as Transformer Engine's ``DotProductAttention`` picks it on Hopper: cuDNN's
+    fused flash attention (``"cudnn-fused-attention"``, ``cost_model.gpu_kernels``'
+    ``attention_kernel_slowdown``), not flash-attention 2.
+
     Not as run: without a pipeline (the pp1 rows) the simulated step passes each dp rank's 4
     samples through at once, where Megatron runs 4 micro-batches of 1 and reduces their
     gradients once (``megatron_plan``'s ``micro_batch`` applies to pipelines; the plan's
@@ -479,7 +497,7 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
             f"MCore-GPT-{size}@{gpus}xH100", "gpt.py",
             {"n_layer": layers, "n_embd": width, "n_head": heads, "vocab_size": vocab, "seq_len": seq,
              "batch_size": batch},
-            f"dgx-h100:{gpus // 8}",
+            with_attention_kernel(Cluster.preset("dgx-h100", nodes=gpus // 8), "cudnn-fused-attention"),
             {"tp": tp, "pp": pp, "micro_batch": 1, "schedule": "1f1b", "recompute": "none",
              "sequence_parallel": tp > 1, "tp_comm_overlap": tp > 1, "dp_flavour": "zero1"}, 1,
             megatron_core_flops(batch, seq, layers, width, vocab, 4 * width, heads, heads) / (tflops * 1e12 * gpus),

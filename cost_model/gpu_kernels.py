@@ -20,13 +20,14 @@ guide's section 2.3 lists them), never faster than its bytes at the memory bandw
 CUTLASS kernels cuBLAS ships: stages x K-tile. ``ceiling`` is the Maximum Achievable Matmul
 FLOPS (MAMF) measured on each GPU, divided by the model's shape efficiency at the shape where
 it was measured, so the model reproduces the measurement there; since MAMF is the best of a
-search over shapes, no shape's efficiency may exceed it. MAMF is timed in short bursts, before
-the board's power cap pulls the clock down; a training step sustains the lower clock
-(``SUSTAINED_CLOCK``), so the ceiling is MAMF at that clock, and attention's likewise.
+search over shapes, no shape's efficiency may exceed it. MAMF is timed on loops of GEMMs
+alone; a training step, whose communication and other kernels draw power beside its GEMMs,
+sustains a lower clock under the board's power cap (``SUSTAINED_CLOCK``), so the ceiling is
+MAMF at that clock, and attention's likewise.
 
 Attention runs as FlashAttention-2 (PyTorch's ``scaled_dot_product_attention`` flash
 backend; a device whose ``attention_kernel`` is the Triton FlashAttention kernel runs slower,
-``ATTENTION_KERNEL_SLOWDOWN``): forward 4·B·H·Sq·Sk·D FLOPs (halved when causal), backward 2.5x the forward
+cuDNN's fused attention on Hopper faster, ``attention_kernel_slowdown``): forward 4·B·H·Sq·Sk·D FLOPs (halved when causal), backward 2.5x the forward
 (it recomputes Q·Kᵀ: five matmuls against two; Tri Dao,
 https://github.com/Dao-AILab/flash-attention/issues/1525), each at the fraction of peak the
 FlashAttention papers measure at long sequences, lowered for short sequences (the causal
@@ -88,7 +89,32 @@ ATTENTION_BACKWARD_TO_FORWARD = 2.5
 # "FlashAttention-2 is around 1.3-1.5x faster than FlashAttention in Triton in the forward pass
 # and around 2x faster in the backward pass" -> 1.4 (the middle of the range) and 2.0. The
 # paper measured A100 only; we ASSUME the same ratios on other GPUs.
-ATTENTION_KERNEL_SLOWDOWN = {"flash-attention-2": (1.0, 1.0), "flash-attention-triton": (1.4, 2.0)}
+# cuDNN's fused flash attention (Transformer Engine's ``FusedAttention``, sub-backend 1, bf16):
+# Transformer Engine prefers it to flash-attention on Hopper ("Select FusedAttention on sm90
+# and FlashAttention on others for performance", transformer_engine/pytorch/attention.py since
+# TE v1.2, NVIDIA/TransformerEngine commit 32db392, 2023-12), so Megatron-Core's runs on H100
+# take it. Its time: TE's own benchmark (docs/examples/attention/attention.ipynb, TE v1.8,
+# benchmarks/attention/benchmark_attention.py on an H100 PCIe, cuDNN 9.0 against flash-attn
+# 2.4.2, forward + backward together): "cuDNN attention has 20-50% advantages on Hopper";
+# test_1 (2 x 16 heads, 2048 tokens, head dim 128, causal) 0.5415 against 0.7496 ms, 1.3842x,
+# the shape nearest a transformer layer's: the same time ratio, 1 / 1.3842, for forward and
+# backward (the source times them together). The same notebook: flash-attention is faster
+# than cuDNN on Ampere, by an amount it does not state; generations without a measurement
+# (A100, V100) are ASSUMED to run it as fast as FlashAttention-2 (optimistic there).
+ATTENTION_KERNEL_SLOWDOWN = {"flash-attention-2": (1.0, 1.0), "flash-attention-triton": (1.4, 2.0),
+                             "cudnn-fused-attention": (1.0, 1.0)}
+CUDNN_OVER_FLASH_ATTENTION_2_HOPPER = 0.5415 / 0.7496
+# (kernel, generation) pairs measured against FlashAttention-2 on that generation; the
+# kernel's ``ATTENTION_KERNEL_SLOWDOWN`` entry holds elsewhere. The H200 is the same die.
+ATTENTION_KERNEL_SLOWDOWN_BY_GENERATION = {
+    ("cudnn-fused-attention", "H100"): (CUDNN_OVER_FLASH_ATTENTION_2_HOPPER, CUDNN_OVER_FLASH_ATTENTION_2_HOPPER),
+    ("cudnn-fused-attention", "H200"): (CUDNN_OVER_FLASH_ATTENTION_2_HOPPER, CUDNN_OVER_FLASH_ATTENTION_2_HOPPER),
+}
+
+
+def attention_kernel_slowdown(kernel: str, generation_name: str) -> tuple[float, float]:
+    """(forward, backward) time of ``kernel`` over FlashAttention-2's on a GPU generation."""
+    return ATTENTION_KERNEL_SLOWDOWN_BY_GENERATION.get((kernel, generation_name), ATTENTION_KERNEL_SLOWDOWN[kernel])
 
 
 @dataclass(frozen=True)
@@ -133,9 +159,9 @@ class GpuGeneration:
 # The clock tensor-core work sustains through a training step, over the clock the kernel
 # benchmarks above ran at. MAMF is the fastest of 100 timed iterations after 50 warm-up ones
 # (ml-engineering, compute/accelerator/benchmarks/README.md, "Examples of usage"), and the
-# FlashAttention papers time short loops too: both catch the GPU before its power governor has
-# pulled the clock down, which a step of dense GEMMs, seconds long and repeated for hours, does
-# not. A100-SXM4: 1305 MHz is the clock an A100 sustains at its 400 W power limit running a
+# FlashAttention papers time short loops too: loops of one kernel, without the communication
+# and other kernels a training step runs beside its GEMMs (not a warm-up effect: see the H100
+# paragraph below). A100-SXM4: 1305 MHz is the clock an A100 sustains at its 400 W power limit running a
 # dense-matmul benchmark for minutes (HPL; NVIDIA computes its TOP500 Rpeak from it), against
 # the 1410 MHz boost clock: 1305 / 1410 = 0.926 (Glenn Lockwood, "Peak FLOPS",
 # https://glennklockwood.com/garden/peak-FLOPS, section "Rpeak"). The power governor does
@@ -146,20 +172,42 @@ class GpuGeneration:
 # A short loop may already run below the boost clock, so the ratio can count part of the
 # throttling twice: with it, that 8192^3 GEMM is predicted 3.6% under the 257 TFLOP/s of his
 # short loop (``benchmarks/components.py``), the direction a sustained clock should move it.
-# We found no published sustained clock for the V100, H100 or H200 under training load, so
-# they take the A100's ratio: an ASSUMPTION (Horace He's post argues newer GPUs such as the
-# H100 are more power-bound, not less), to be replaced by a profile. A check, not a source:
-# Glenn Lockwood's H100 page (https://glennklockwood.com/garden/processors/h100) lists the
-# H100 SXM5's clocks as 1.83 GHz for low-precision tensor work (the clock of its 989.4 TFLOP/s
-# bf16 peak) and 1.98 GHz for FP64 (66.9 TFLOP/s matrix peak), and TOP500's H100 and H200
-# systems at 55.0-59.0 TFLOP/s per GPU. Were those Rpeak counted at the clock HPL sustains
-# at the 700 W limit (NVIDIA's convention above), that clock is 1628-1746 MHz, 0.89-0.95 of
-# 1830 MHz: the A100's 0.926 lies inside. The page does not say whether they are Rpeak or
-# Rmax, and ml-engineering's MAMF notes give no clock, so neither replaces the assumption.
+# The ratio is the sustained clock over the clock the datasheet peak is counted at, the peak
+# both MAMF and the FlashAttention fractions are fractions of; on the A100 that clock is the
+# 1410 MHz boost (312 TFLOP/s = 432 tensor cores x 512 FLOPs x 1410 MHz).
+# H100-SXM5 (and H200, the same GH100 die at the same 700 W limit): NVIDIA counts the 989.4
+# TFLOP/s dense bf16 peak at 1830 MHz, not at the 1980 MHz maximum SM clock (528 tensor cores x
+# 1024 FLOPs x 1830 MHz = 989.4e12; ml-engineering, compute/accelerator/README.md, "How to
+# calculate theoretical TFLOPS", and its clock table's note 12; Glenn Lockwood's H100 page:
+# "1.83 GHz (low precision), 1.98 GHz (high precision)"). Under a training-like load - GEMMs
+# with communication overlapped, as every data- and tensor-parallel step runs them - a 700 W
+# GH100 board (H800 SXM) exceeds its power limit and falls from 1980 to 1575 MHz (deepseek-ai/
+# DeepGEMM issue #120, 2025-06-25; the DeepGEMM maintainer: "It is expected", and it varies
+# from board to board), so the ratio is 1575 / 1830 = 0.861. Those GEMMs were FP8 (DeepGEMM's
+# kernels), twice bf16's FLOPs per clock, so a bf16 step may hold a little more clock: the
+# figure bounds the drop from below rather than measuring it. A second reading agrees: H200
+# runners at 700 W "cannot reliably sustain a locked 1830 MHz graphics/SM clock under full
+# load", 1500 MHz being "a more realistic sustained locked-clock target" (tile-ai/TileOPs pull
+# request #1588, 2026-06; a CI setting, not a measurement, so not the figure used). The
+# H100's ratio is lower than the A100's, as Horace He's post argues it should be ("matmuls on
+# the H100 are primarily not compute or bandwidth limited, they are power limited"). Not a
+# measurement of any run in ``benchmarks/fidelity.py``: no row was used to choose it. What the
+# ratio stands for is not a warm-up effect: ml-engineering's MAMF finder gained a 30-second
+# warm-up in 2025 and its H100 figure barely moved (792.1 -> 794.5 TFLOP/s; A100 267.9 ->
+# 271.2), so a GEMM-only loop is already at its own steady clock; what a training step adds is
+# the power its communication, HBM traffic and other kernels draw beside the GEMMs.
+# The V100 has no published sustained clock under training load and keeps the A100's ratio:
+# an ASSUMPTION, to be replaced by a profile. A check, not a source: Glenn Lockwood's H100 page
+# (https://glennklockwood.com/garden/processors/h100) lists TOP500's H100 and H200 systems at
+# 55.0-59.0 TFLOP/s per GPU against the 66.9 FP64 matrix peak at 1980 MHz: HPL, a dense-GEMM
+# stream without a training step's communication, holds 1628-1746 MHz if those are Rpeak
+# counted at the sustained clock (NVIDIA's convention above), above the 1575 MHz of a GEMM
+# stream overlapped with communication, as the extra power of the links would have it.
 # A board run below its datasheet power limit (torchtitan's Grand Teton H100s at 500 W) is a
 # cluster property, not a generation's: its peak FLOP/s is lowered by ``planner.power_limit``
-# (``cluster_edits.with_power_limit``), and this ratio applies on top of it.
-SUSTAINED_CLOCK = {"A100": 1305 / 1410}
+# (``cluster_edits.with_power_limit``), and this ratio applies on top of it (ASSUMED: the
+# same sustained fraction of the clock the limit allows).
+SUSTAINED_CLOCK = {"A100": 1305 / 1410, "H100": 1575 / 1830}
 
 GENERATIONS = {
     # V100-SXM2: 80 SMs (NVIDIA Tesla V100 GPU Architecture whitepaper, 2017, table 1). No
@@ -187,10 +235,10 @@ GENERATIONS = {
     # flash backend is FlashAttention-2, which reaches ~ 35% of H100 peak forward and ~ 30%
     # backward (FlashAttention-3 paper, Shah et al. 2024, arXiv:2407.08608, figures 5-6:
     # FlashAttention-2 ~ 330-370 TFLOP/s forward, ~ 280-310 backward, head dim 128, 16k).
-    "H100": GpuGeneration("H100", 132, 0.801, (6144, 17920, 2816), 256, 0.35, 0.30, SUSTAINED_CLOCK["A100"]),
+    "H100": GpuGeneration("H100", 132, 0.801, (6144, 17920, 2816), 256, 0.35, 0.30, SUSTAINED_CLOCK["H100"]),
     # H200-SXM: the same GH100 die, 132 SMs (NVIDIA H200 datasheet); its matmul measurement is
     # the GH200's (same die, HBM3e): 821.0 of 989 = 83.0% at 11264x19712x1536 (same table).
-    "H200": GpuGeneration("H200", 132, 0.830, (11264, 19712, 1536), 256, 0.35, 0.30, SUSTAINED_CLOCK["A100"]),
+    "H200": GpuGeneration("H200", 132, 0.830, (11264, 19712, 1536), 256, 0.35, 0.30, SUSTAINED_CLOCK["H100"]),
 }
 
 
@@ -261,12 +309,12 @@ def attention_efficiency(batch_heads: float, q_len: float, kv_len: float, head_d
 def attention_times(batch_heads: float, q_len: float, kv_len: float, head_dim: int, causal: bool,
                     device: DeviceSpec, dtype: str, generation: GpuGeneration) -> tuple[float, float]:
     """(forward, backward) seconds of fused attention over ``batch_heads`` (batch x heads):
-    FlashAttention-2 at the sustained clock, slowed by ``ATTENTION_KERNEL_SLOWDOWN`` for the
+    FlashAttention-2 at the sustained clock, scaled by ``attention_kernel_slowdown`` for the
     device's ``attention_kernel``."""
     forward_flops = 4.0 * batch_heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
     shape = attention_efficiency(batch_heads, q_len, kv_len, head_dim, causal, generation)
     peak = device.flops_for(dtype)
-    slow_forward, slow_backward = ATTENTION_KERNEL_SLOWDOWN[device.attention_kernel]
+    slow_forward, slow_backward = attention_kernel_slowdown(device.attention_kernel, generation.name)
     peak *= generation.sustained_clock  # the papers' loops are short too (SUSTAINED_CLOCK)
     forward = slow_forward * forward_flops / (peak * generation.attention_forward * shape)
     backward = slow_backward * ATTENTION_BACKWARD_TO_FORWARD * forward_flops / (

@@ -43,8 +43,10 @@ Measured collective α and β need no new field: they are a ``LinkSpec``'s laten
 
 Attention kernel. ``DeviceSpec.attention_kernel`` names the fused attention kernel the training
 software runs on a GPU (``ATTENTION_KERNELS``): ``"flash-attention-2"`` (PyTorch's SDPA flash
-backend, the default) or ``"flash-attention-triton"`` (the Triton FlashAttention kernel, e.g.
-llm-foundry's ``attn_impl: triton``); ``cost_model.gpu_kernels`` prices each. Files write it as
+backend, the default), ``"flash-attention-triton"`` (the Triton FlashAttention kernel, e.g.
+llm-foundry's ``attn_impl: triton``) or ``"cudnn-fused-attention"`` (cuDNN's flash attention,
+which Transformer Engine's ``DotProductAttention`` picks on Hopper); ``cost_model.gpu_kernels``
+prices each. Files write it as
 ``attention_kernel = "..."`` in ``[nodes.device]`` (left out: the default).
 
 Vocabulary layer: imports only the standard library, ``planner.errors``, ``planner.outputs``
@@ -90,7 +92,7 @@ _HEADLINE = ("bfloat16", "float16", "float32")  # in order of preference on ties
 CALIBRATION_KEYS = ("matmul_efficiency", "memory_efficiency", "kernel_overhead_s", "dtensor_op_overhead_s",
                     "redistribute_overhead_s")
 # Fused attention kernels a device's software may run (see the module docstring); first: default.
-ATTENTION_KERNELS = ("flash-attention-2", "flash-attention-triton")
+ATTENTION_KERNELS = ("flash-attention-2", "flash-attention-triton", "cudnn-fused-attention")
 # First line of every cluster file soap-planner writes (planner profile, Cluster.save).
 CLUSTER_FILE_HEADER = ("soap-planner cluster file. Units: FLOP/s, bytes, bytes/s per direction "
                        "per device, seconds.")

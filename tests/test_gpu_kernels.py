@@ -24,6 +24,9 @@ A100 = GENERATIONS["A100"]
 BF16 = torch.bfloat16
 OVERHEAD = defaults.KERNEL_OVERHEAD_S
 SUSTAINED = 1305 / 1410  # A100's sustained over its boost clock (gpu_kernels.SUSTAINED_CLOCK)
+# H100's: the 1575 MHz a 700 W GH100 board holds under GEMMs overlapped with communication,
+# over the 1830 MHz its 989.4 TFLOP/s datasheet peak is counted at (528 x 1024 x 1.83e9).
+H100_SUSTAINED = 1575 / 1830
 
 
 def test_generation_from_device_name():
@@ -129,6 +132,34 @@ def test_triton_flash_attention_is_slower_by_the_published_ratios():
     assert forward == pytest.approx(1.4 * 0.7360e-3 + OVERHEAD, rel=1e-3)  # 0.7410 ms above less 5 µs
 
 
+def test_cudnn_attention_is_faster_on_hopper_only_by_transformer_engines_measurement():
+    # Transformer Engine's benchmark on H100 (2 x 16 heads, 2048 tokens, d128, causal, forward
+    # and backward): cuDNN 0.5415 ms against flash-attention 2's 0.7496 ms, so cuDNN's kernel
+    # time is 0.7224 of FlashAttention-2's, forward and backward; the launch overhead stays.
+    h100 = Cluster.preset("dgx-h100").device_of(0)
+    cudnn = dataclasses.replace(h100, attention_kernel="cudnn-fused-attention")
+    node = attention_node(2, 16, 2048, 128, True)
+    flash2_forward, flash2_backward = op_times(node, 1.0, h100, "bf16")
+    forward, backward = op_times(node, 1.0, cudnn, "bf16")
+    assert 0.5415 / 0.7496 == pytest.approx(0.72239, abs=1e-5)
+    assert forward - OVERHEAD == pytest.approx(0.72239 * (flash2_forward - OVERHEAD), rel=1e-5)
+    assert backward - OVERHEAD == pytest.approx(0.72239 * (flash2_backward - OVERHEAD), rel=1e-5)
+    # By hand on H100 SXM: causal forward FLOPs 4 x 32 x 2048^2 x 128 / 2 = 34.36e9 at 989.4e12
+    # x 0.86066 (sustained clock) x 0.35 x shape (sequence 2048/2258 x 16594/16384 = 0.91860;
+    # causal diagonal 16/17; 32 x 16 = 512 thread blocks on 4 waves of 132 = 512/528; together
+    # 0.83839): 989.4e12 x 0.86066 x 0.35 x 0.83839 = 249.87 TFLOP/s -> 137.51 us as
+    # FlashAttention-2; x 0.72239 = 99.34 us, + 5 us launch = 104.34 us.
+    shape = (2048 / 2258) * (16594 / 16384) * (16 / 17) * (512 / 528)
+    flash2 = 4 * 32 * 2048**2 * 128 / 2 / (989.4e12 * 0.86066 * 0.35 * shape)
+    assert forward == pytest.approx(0.72239 * flash2 + OVERHEAD, rel=1e-4)
+    assert forward == pytest.approx(104.34e-6, rel=1e-3)
+    # On Ampere, where Transformer Engine measured flash-attention faster and gave no figure,
+    # it is priced as FlashAttention-2 (assumed).
+    a100_node = attention_node(2, 16, 2048, 128, True)
+    assert op_times(a100_node, 1.0, dataclasses.replace(A100_DEVICE, attention_kernel="cudnn-fused-attention"),
+                    "bf16") == op_times(a100_node, 1.0, A100_DEVICE, "bf16")
+
+
 def test_attention_kernel_is_checked_and_round_trips_through_cluster_files():
     from planner.cluster import ATTENTION_KERNELS, ClusterError
     assert set(gpu_kernels.ATTENTION_KERNEL_SLOWDOWN) == set(ATTENTION_KERNELS)
@@ -190,9 +221,37 @@ def test_fp32_keeps_the_roofline():
 
 def test_work_of_unknown_shape_gets_the_sustained_ceiling_too():
     # SUMMA's and MoE experts' roofline work (no shape) takes the best-shaped GEMM's sustained
-    # fraction, never the short-burst MAMF: 0.859 x 1305/1410 = 0.795 on A100, 0.801 x the
-    # same ratio = 0.741 on H100 (assumed, no published H100 sustained clock).
+    # fraction, never the MAMF benchmark's: 0.859 x 1305/1410 = 0.795 on A100, 0.801 x
+    # 1575/1830 = 0.689 on H100 (its own sustained clock over the clock of its datasheet peak).
     assert gpu_kernels.large_matmul_efficiency(A100_DEVICE, "bfloat16") == pytest.approx(0.859 * SUSTAINED)
     h100 = Cluster.preset("dgx-h100").device_of(0)
-    assert gpu_kernels.large_matmul_efficiency(h100, "bfloat16") == pytest.approx(0.801 * SUSTAINED)
+    assert gpu_kernels.large_matmul_efficiency(h100, "bfloat16") == pytest.approx(0.801 * H100_SUSTAINED)
+    assert 0.801 * H100_SUSTAINED == pytest.approx(0.6894, abs=1e-4)
     assert gpu_kernels.large_matmul_efficiency(A100_DEVICE, "float32") is None
+
+
+def test_h100_prices_tensor_work_at_its_own_sustained_clock():
+    # The H100 generation (and the H200, the same die at the same 700 W) takes 1575/1830 =
+    # 0.8607 of its datasheet clock, not the A100's 1305/1410 = 0.9255.
+    h100, h200 = GENERATIONS["H100"], GENERATIONS["H200"]
+    assert 528 * 1024 * 1.83e9 == pytest.approx(989.4e12, rel=1e-4)  # the peak's clock is 1830 MHz
+    assert h100.sustained_clock == pytest.approx(0.86066, abs=1e-5)
+    assert h200.sustained_clock == h100.sustained_clock
+    assert GENERATIONS["A100"].sustained_clock == pytest.approx(SUSTAINED)  # the A100 is unchanged
+    # The MAMF GEMM on H100 (6144 x 17920 x 2816, 620.086 GFLOP): at the measured shape the
+    # model's efficiency is the MAMF fraction at the sustained clock, 0.801 x 0.86066 = 0.68939,
+    # so 989.4e12 x 0.68939 = 682.08 TFLOP/s; 620.086e9 / 682.08e12 = 909.11 us, plus one 5 us
+    # launch = 914.11 us.
+    device = Cluster.preset("dgx-h100").device_of(0)
+    flops = 2 * 6144 * 17920 * 2816
+    assert flops == pytest.approx(620.086e9, rel=1e-6)
+    seconds = matmul_time(1, 6144, 17920, 2816, device, "bfloat16", 2, h100)
+    assert seconds == pytest.approx(914.11e-6, rel=1e-4)
+    # FlashAttention-2's forward at 16 heads x 16k x d128 (not causal): 4 x 16 x 16384^2 x 128
+    # = 2.1990e12 FLOPs at 989.4e12 x 0.86066 x 0.35 x the shape factor (16k keys: sequence
+    # factor 1; 16 x 128 = 2048 thread blocks on 132 SMs: 2048 / (16 x 132) = 0.9697), i.e.
+    # 289.01 TFLOP/s -> 7.6089 ms + 5 us.
+    forward, _ = gpu_kernels.attention_times(16, 16384, 16384, 128, False, device, "bfloat16", h100)
+    assert forward == pytest.approx(4 * 16 * 16384**2 * 128 / (989.4e12 * 0.86066 * 0.35 * 2048 / 2112) + 5e-6,
+                                    rel=1e-4)
+    assert forward == pytest.approx(7.6139e-3, rel=1e-3)
