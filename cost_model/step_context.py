@@ -157,9 +157,12 @@ class StepContext:
         """Bytes per gradient element that gradient reductions move: the buffer the
         micro-batches accumulated into, fp32 under ``"fp32-copy"`` (DeepSpeed's
         BF16_Optimizer all-reduces its fp32 gradients: ``_bf16_reduce_grads`` in
-        deepspeed/runtime/pipe/engine.py), else the precision's gradient dtype."""
+        deepspeed/runtime/pipe/engine.py) and under Megatron's distributed optimizer
+        (``Plan.megatron_distributed_optimizer``), else the precision's gradient dtype."""
         pipeline = self.plan.pipeline
         if pipeline is not None and pipeline.gradient_accumulation == "fp32-copy":
+            return FP32_GRADIENT_BYTES
+        if self.plan.megatron_distributed_optimizer:  # its fp32 gradient buffer (cost_model.megatron_grad_sync)
             return FP32_GRADIENT_BYTES
         return PARAM_BYTES[self.plan.precision][1]
 
