@@ -9,7 +9,9 @@
   megatron/core/distributed/distributed_data_parallel.py). Every micro-batch adds into that
   buffer; ``ParamAndGradBuffer.register_grad_ready`` (param_and_grad_buffer.py) marks a
   gradient ready only while ``is_last_microbatch``, which the schedules clear through
-  ``no_sync`` for every micro-batch but the last: one reduction per step, in fp32.
+  ``no_sync`` for every micro-batch but the last (megatron/core/pipeline_parallel/
+  schedules.py: ``forward_backward_no_pipelining`` runs the first ``num_microbatches - 1``
+  under ``no_sync_func()``, the last outside it): one reduction per step, in fp32.
 - **Reduce-scatter, bucket by bucket, during the last backward.** With the distributed
   optimizer ``Bucket.start_grad_sync`` reduce-scatters the bucket (``_reduce_scatter_base``),
   issued asynchronously when the bucket's last gradient is ready. A bucket holds
@@ -30,8 +32,10 @@
   first forward (one bucket). Nothing is gathered after the optimizer step.
 
 Not modelled: the fp32 buffer's extra memory (4 bytes per gradient element where the
-planner's bf16 ZeRO-1 holds 2; ``step_memory`` counts 2), and bucket boundaries inside a
-segment (a segment's gradients are ready when its backward ends).
+planner's bf16 ZeRO-1 holds 2; ``step_memory`` counts 2), bucket boundaries inside a
+segment (a segment's gradients are ready when its backward ends), and, under the interleaved
+schedule, the single bucket Megatron gives the first stage's later model chunks
+(``disable_bucketing``).
 """
 
 from __future__ import annotations
