@@ -53,6 +53,7 @@ from torch.distributed.tensor import Shard
 from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS, check_precision
 from cost_model.host_dispatch import HostDispatch, host_dispatch
+from cost_model.megatron_grad_sync import gradient_bytes, runs_megatron_sync
 from cost_model.moe_layers import LaidOutLayer, laid_out_layers
 from cost_model.nccl import nccl_profile
 from cost_model.parameter_bytes import FP32_GRADIENT_BYTES, PARAM_BYTES
@@ -162,8 +163,8 @@ class StepContext:
         pipeline = self.plan.pipeline
         if pipeline is not None and pipeline.gradient_accumulation == "fp32-copy":
             return FP32_GRADIENT_BYTES
-        if self.plan.megatron_distributed_optimizer:  # its fp32 gradient buffer (cost_model.megatron_grad_sync)
-            return FP32_GRADIENT_BYTES
+        if runs_megatron_sync(self):  # its fp32 gradient buffer
+            return gradient_bytes()
         return PARAM_BYTES[self.plan.precision][1]
 
     def shard_factor(self, placements) -> int:
