@@ -41,16 +41,16 @@ said):
     older kernels are slower than the ceilings we use. Not the MPT rows: their tables came
     with llm-foundry's October 2023 sweep (commit b2a43a147, scripts/train/benchmarking/
     sweep.sh: ``IMAGE="mosaicml/pytorch:2.1.0_cu121..."``, CUDA 12.1 for A100 and H100 alike);
-  * Megatron-Core's gradient reduce-scatter in fp32 where the simulator reduces in bf16: with
-    ``--bf16``, Megatron-LM r0.8 sets ``accumulate_allreduce_grads_in_fp32`` (megatron/
-    training/arguments.py: "bfloat16 requires gradient accumulation and all-reduce to be done
-    in fp32"). Not modelled: priced in fp32, the tp1/tp2 rows move 1.6 and 2.8 points closer
-    but the pipelined rows go slow (MCore-GPT-70B +7.7% -> +26.4%: 1.03 s of its 2.75 s step
-    becomes exposed communication), so something the pipelined rows pay in the model is not
-    paid as modelled; fixing one side without the other would trade one compensating error
-    for another. Likewise running the pp1 rows as Megatron does (micro-batches of 1, one
-    reduction after the last) moves MCore-GPT-1.7B -12.6% -> -10.2% and 7.1B -12.2% -> -10.0%
-    but 16B +2.8% -> +13.2% (its tensor-parallel collectives exposed per micro-batch).
+  * Megatron-Core's rows: the ``--bf16`` fp32 gradient buffer (4 bytes per gradient where
+    the model counts 2: memory only, not time). Their micro-batch size is not stated; taken as
+    1 (Megatron's GPT-3 example), so the pp1 rows run 4 micro-batches, gradients reduced once
+    after the last. There MCore-GPT-32B (tp8: one GPU per node in each dp ring) comes out
+    slow (+37%): its 15.8 GB of fp32 gradients per GPU take 0.39 s to reduce-scatter over
+    48 nodes, behind a last backward of 0.14 s, and its bf16 weights 0.19 s to gather,
+    behind a first forward of 0.07 s; with one micro-batch of 4 it is +0.1%. MCore-GPT-16B
+    (tp4: two GPUs per node per ring, twice the bandwidth) is -1.0%. Either the run's
+    micro-batch was larger or its data-parallel collectives ran faster than the measured
+    NCCL profile (SHARP on the fabric would do it); the source does not say which.
   * slower, not faster: torch.compile's fusions (torchtitan's 405B row).
 
 Checked and not a cause: the MPT rows' ``mixed_precision: DEFAULT`` gathers and reduces in
@@ -92,7 +92,9 @@ Modelled from the runs' stated software: collectives overlapping compute slow it
 (``cost_model.host_dispatch``; it binds on none of these runs: their kernels outlast it);
 Megatron-Core's rows with tensor parallelism hide the sequence-parallel collectives behind
 GEMMs as Transformer Engine's userbuffers do (``--tp-comm-overlap``:
-``cost_model.tp_comm_overlap``) and their attention runs as Transformer Engine's
+``cost_model.tp_comm_overlap``), run Megatron-Core's distributed optimizer (fp32 gradients
+reduce-scattered once per step in its buckets, weights gathered during the next forward:
+``Plan.megatron_distributed_optimizer``, ``cost_model.megatron_grad_sync``), and their attention runs as Transformer Engine's
 ``DotProductAttention`` picks it on Hopper, cuDNN's fused flash attention
 (``"cudnn-fused-attention"``: ``gpu_kernels.attention_kernel_slowdown``, from TE's own
 benchmark); MPT rows run the Triton FlashAttention kernel (llm-foundry's benchmark default ``attn_impl: triton``; ``cost_model.gpu_kernels``'
@@ -169,6 +171,8 @@ class Run:
         figure: the published figure as the source states it; ``source``: where.
         hsdp_shard: for an FSDP run that shards within groups of this many ranks and
             replicates across them (HSDP), the group size; None for every other run.
+        megatron_distributed_optimizer: the run's ZeRO-1 is Megatron-Core's distributed
+            optimizer (``Plan.megatron_distributed_optimizer``).
     """
 
     name: str
@@ -181,11 +185,13 @@ class Run:
     figure: str
     source: str
     hsdp_shard: int | None = None
+    megatron_distributed_optimizer: bool = False
 
     def describe(self, gpus: int) -> str:
         parts = [f"tp{self.layout.get('tp', 1)}", f"pp{self.layout.get('pp', 1)}",
                  f"dp{gpus // (self.layout.get('tp', 1) * self.layout.get('pp', 1))}"]
-        parts.append(f"hsdp{self.hsdp_shard}" if self.hsdp_shard else self.layout.get("dp_flavour", "ddp"))
+        flavour = "mcore-distopt" if self.megatron_distributed_optimizer else self.layout.get("dp_flavour", "ddp")
+        parts.append(f"hsdp{self.hsdp_shard}" if self.hsdp_shard else flavour)
         if self.layout.get("sequence_parallel"):
             parts.append("sp")
         if self.layout.get("tp_comm_overlap"):
@@ -473,12 +479,13 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
     fused flash attention (``"cudnn-fused-attention"``, ``cost_model.gpu_kernels``'
     ``attention_kernel_slowdown``), not flash-attention 2.
 
-    Not as run: without a pipeline (the pp1 rows) the simulated step passes each dp rank's 4
-    samples through at once, where Megatron runs 4 micro-batches of 1 and reduces their
-    gradients once (``megatron_plan``'s ``micro_batch`` applies to pipelines; the plan's
-    ``accumulation_steps`` would reduce gradients after every micro-batch, as the planner's own
-    graph programs do): the same work and collective bytes, in GEMMs and collectives 4 times
-    larger.
+    The data-parallel side is Megatron-Core's distributed optimizer as r0.8 runs it
+    (``Plan.megatron_distributed_optimizer``, ``cost_model.megatron_grad_sync``): fp32
+    gradients (``--bf16`` sets ``accumulate_allreduce_grads_in_fp32``) reduce-scattered once per
+    step in Megatron's buckets during the last backward (one bucket on a stage after the
+    first), the updated weights gathered during the next forward. Without a pipeline (the pp1
+    rows) each dp rank runs its 4 samples as 4 micro-batches of 1 (``accumulation_steps``),
+    their gradients reduced once, after the last, as Megatron's ``no_sync`` does.
     """
     found = []
     for size, heads, width, layers, tp, pp, gpus, batch, tflops in (
@@ -499,9 +506,10 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
              "batch_size": batch},
             with_attention_kernel(Cluster.preset("dgx-h100", nodes=gpus // 8), "cudnn-fused-attention"),
             {"tp": tp, "pp": pp, "micro_batch": 1, "schedule": "1f1b", "recompute": "none",
-             "sequence_parallel": tp > 1, "tp_comm_overlap": tp > 1, "dp_flavour": "zero1"}, 1,
+             "sequence_parallel": tp > 1, "tp_comm_overlap": tp > 1, "dp_flavour": "zero1"},
+            batch // (gpus // (tp * pp)) if pp == 1 else 1,  # micro-batches of 1 without a pipeline
             megatron_core_flops(batch, seq, layers, width, vocab, 4 * width, heads, heads) / (tflops * 1e12 * gpus),
-            f"{tflops} TFLOP/s/GPU", MEGATRON_WEAK_SCALING,
+            f"{tflops} TFLOP/s/GPU", MEGATRON_WEAK_SCALING, megatron_distributed_optimizer=True,
         ))
     return found
 
@@ -573,6 +581,8 @@ def simulate(run: Run, roofline: bool = False):
         # apply_fsdp calls fully_shard on each TransformerBlock, then on the model), so a
         # block is gathered again for its backward and the root is not.
         changes["fsdp_units"] = fsdp_units(graph)
+    if run.megatron_distributed_optimizer:
+        changes["megatron_distributed_optimizer"] = True
     if run.hsdp_shard:
         changes["sections"] = {**plan.sections, "hsdp": HsdpSection(run.hsdp_shard)}
     if changes:

@@ -96,6 +96,12 @@ def check_fields(plan: Plan) -> None:
             "GEMMs by Transformer Engine's userbuffers, which compiled programs do not run (such plans simulate "
             "other systems' runs); re-plan with `planner plan` for a program"
         )
+    if plan.megatron_distributed_optimizer:
+        raise PlanFileError(
+            "plan field 'megatron_distributed_optimizer' is true: it prices gradients reduced once per step in fp32 "
+            "and weights gathered during the next forward, as Megatron-Core does, which compiled programs do not "
+            "run (such plans simulate other systems' runs); re-plan with `planner plan` for a program"
+        )
     numbers = {"batch_size": plan.batch_size, "summary.parameter_bytes": plan.summary.parameter_bytes}
     if plan.pipeline is not None:
         for key in ("stages", "micro_batches", "virtual_stages"):

@@ -67,6 +67,10 @@ own hook, one collective per parameter. Memory: the shardable parameters' weight
 and states divided by ``dp`` as the flavour shards them; FSDP's two gathered units (the one
 running and the one prefetched) or DDP's bucket as communication buffers.
 
+ZeRO-1 as Megatron-Core runs it (``Plan.megatron_distributed_optimizer``) reduce-scatters fp32
+gradients once per step in Megatron's buckets and gathers the weights during the next forward
+(``cost_model.megatron_grad_sync``).
+
 A plan whose flavour is not one of ``FLAVOURS`` gets nothing from this contributor: a flavour
 added as a family of its own (hybrid sharding, say) brings its own contributor.
 """
@@ -77,6 +81,7 @@ from functools import partial
 
 from cost_model import defaults
 from cost_model.compute import PRECISIONS, roofline_time
+from cost_model.megatron_grad_sync import bucket_cap_bytes, runs_megatron_sync, weight_gather
 from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
@@ -94,8 +99,11 @@ class GradientBuckets:
     all-reduce starts when the segment that fills it finishes its backward (segments are
     the simulator's granularity). FSDP reduce-scatters each unit (segment) on its own."""
 
-    def __init__(self) -> None:
-        self.cap = defaults.DDP_FIRST_BUCKET_BYTES
+    def __init__(self, cap: float | None = None) -> None:
+        """``cap``: every bucket's bytes, where the program sizes them all alike (Megatron's
+        ``cost_model.megatron_grad_sync.bucket_cap_bytes``); by default DDP's."""
+        self.cap = defaults.DDP_FIRST_BUCKET_BYTES if cap is None else cap
+        self.next_cap = defaults.DDP_BUCKET_BYTES if cap is None else cap
         self.pending = 0.0
 
     def fill(self, size: float, per_unit: bool, flush: bool) -> list[tuple[float, int]]:
@@ -106,10 +114,10 @@ class GradientBuckets:
             return [(size, 1)] if size else []
         ready = []
         self.pending += size
-        if self.pending >= self.cap and self.cap != defaults.DDP_BUCKET_BYTES:
+        if self.pending >= self.cap and self.cap != self.next_cap:
             ready.append((self.cap, 1))
             self.pending -= self.cap
-            self.cap = defaults.DDP_BUCKET_BYTES
+            self.cap = self.next_cap
         if self.pending >= self.cap:
             full = int(self.pending // self.cap)
             ready.append((self.cap, full))
@@ -187,7 +195,8 @@ def _gradient_sync(tasks, device: str, name: str, buckets: list[tuple[float, int
     """Data-parallel reduction of the gradient buckets (bytes, count) one segment's
     backward filled, once that backward is done: each bucket is its own collective."""
     context = tasks.context
-    kind = "reduce_scatter" if context.plan.dp_flavour in SHARDED_GRADIENTS else "all_reduce"
+    sharded = context.plan.dp_flavour in SHARDED_GRADIENTS or runs_megatron_sync(context)
+    kind = "reduce_scatter" if sharded else "all_reduce"
     if kind == "reduce_scatter" and context.cluster.backend == "gloo" and not context.graph_program:
         # FSDP2 (FSDP, ZeRO-2) on gloo, which has no reduce-scatter of one tensor, all-reduces
         # the whole gradient and keeps its shard (its profile shows gloo:all_reduce events).
@@ -205,14 +214,16 @@ class _GradientReduction:
 
     def __init__(self, tasks, device: str) -> None:
         self.tasks, self.device = tasks, device
-        self.buckets = GradientBuckets()
+        megatron = runs_megatron_sync(tasks.context)
+        self.buckets = GradientBuckets(bucket_cap_bytes(tasks.context, int(device.split()[-1])) if megatron else None)
+        self.per_parameter = tasks.context.graph_program and not megatron
 
     def segment_done(self, segment: Segment, last: int, final: bool, deferred: list | None,
                      sync_after: dict[str, list[int]]) -> None:
         """Reduce what ``segment``'s backward (ending with task ``last``) filled."""
         context = self.tasks.context
         element_bytes = context.reduced_gradient_bytes()
-        if context.graph_program:
+        if self.per_parameter:
             # A graph program reduces each parameter's gradient in its own hook
             # (codegen.runtime.spmd): one collective per parameter, no buckets.
             ready = [(segment.params[name] * element_bytes, 1) for name in sorted(segment.dp_synced)
@@ -237,8 +248,11 @@ class DataParallelStep(StepContributor):
         """Whether gradients are reduced over ``dp`` after every micro-batch of an
         accumulating step (no pipeline): FSDP2 (FSDP, ZeRO-2) reduce-scatters each one into
         its sharded gradients, and graph programs (a label: searched or Megatron layouts)
-        reduce in each parameter's gradient hook; DDP syncs once, after the last."""
+        reduce in each parameter's gradient hook; DDP and Megatron's distributed optimizer
+        sync once, after the last."""
         if context.plan.dp_flavour not in FLAVOURS or context.plan.pipeline is not None or context.dp == 1:
+            return False
+        if runs_megatron_sync(context):
             return False
         return context.plan.dp_flavour in FSDP2_FLAVOURS or bool(context.plan.label)
 
@@ -251,6 +265,8 @@ class DataParallelStep(StepContributor):
         after every backward), on the gather stream, issued after ``issue_after``
         (``step_tasks.prefetch_after``: once the segment two before it is done, so it
         overlaps the previous segment's forward)."""
+        if runs_megatron_sync(tasks.context):
+            return weight_gather(tasks, device, segment, issue_after)
         if not _fsdp2(tasks.context):
             return None
         return _fsdp_gather(tasks, device, segment, issue_after, f"all-gather {segment.name}")
@@ -295,7 +311,7 @@ class DataParallelStep(StepContributor):
         context = tasks.context
         if context.dp == 1:
             return
-        if context.plan.dp_flavour == "zero1":
+        if context.plan.dp_flavour == "zero1" and not runs_megatron_sync(context):
             # ShardedStatesOptimizer.step gathers each sliced weight in its own blocking
             # all_gather_single once the inner step is done: one after another.
             element_bytes = PARAM_BYTES[context.plan.precision][0]
@@ -340,6 +356,11 @@ class DataParallelStep(StepContributor):
         # (in forward). Gradient accumulation (no pipeline) repeats FSDP2's gathers (its units
         # are resharded after every backward) and reduce-scatters for every micro-batch.
         flavour = context.plan.dp_flavour
+        if runs_megatron_sync(context):  # one fp32 reduce-scatter and one gather of every weight
+            grads = sum(segment.params[n] for n in segment.dp_synced) * context.reduced_gradient_bytes()
+            gathered = segment.shardable_elements() * PARAM_BYTES[context.plan.precision][0]
+            totals["dp"] = totals.get("dp", 0.0) + (grads + gathered) * (context.dp - 1) / context.dp
+            return
         gathers = context.micro_batches if context.plan.pipeline is None else 1  # FSDP2's, per micro-batch
         reductions = context.micro_batches if self.reduces_every_micro_batch(context) else 1
         units = {"fsdp": 2 * gathers + reductions, "zero1": 2 * reductions, "zero2": reductions + gathers,

@@ -53,6 +53,7 @@ from torch.distributed.tensor import Shard
 from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS, check_precision
 from cost_model.host_dispatch import HostDispatch, host_dispatch
+from cost_model.megatron_grad_sync import gradient_bytes, runs_megatron_sync
 from cost_model.moe_layers import LaidOutLayer, laid_out_layers
 from cost_model.nccl import nccl_profile
 from cost_model.parameter_bytes import FP32_GRADIENT_BYTES, PARAM_BYTES
@@ -157,10 +158,13 @@ class StepContext:
         """Bytes per gradient element that gradient reductions move: the buffer the
         micro-batches accumulated into, fp32 under ``"fp32-copy"`` (DeepSpeed's
         BF16_Optimizer all-reduces its fp32 gradients: ``_bf16_reduce_grads`` in
-        deepspeed/runtime/pipe/engine.py), else the precision's gradient dtype."""
+        deepspeed/runtime/pipe/engine.py) and under Megatron's distributed optimizer
+        (``Plan.megatron_distributed_optimizer``), else the precision's gradient dtype."""
         pipeline = self.plan.pipeline
         if pipeline is not None and pipeline.gradient_accumulation == "fp32-copy":
             return FP32_GRADIENT_BYTES
+        if runs_megatron_sync(self):  # its fp32 gradient buffer
+            return gradient_bytes()
         return PARAM_BYTES[self.plan.precision][1]
 
     def shard_factor(self, placements) -> int:

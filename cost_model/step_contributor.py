@@ -16,8 +16,9 @@ Hooks (each default adds nothing):
   micro-batch on one device). It may read only what ``simulation_cache.costing_key`` covers
   (graph, cluster, mesh, precision, micro-batches, placements, MoE layouts): plans that differ
   elsewhere (dp flavour, recomputation) share their node costs.
-- Task graph (``tasks``: the ``StepTasks`` being built, with ``tasks.context`` and
-  ``tasks.graph``, the ``TaskGraph`` to add to):
+- Task graph (``tasks``: the ``StepTasks`` being built, with ``tasks.context``,
+  ``tasks.graph``, the ``TaskGraph`` to add to, ``tasks.micro_batch``, the micro-batch whose
+  pass is being added, and ``tasks.segments_of(device)``, a device's segments):
 
   - ``forward_gather(tasks, device, segment, issue_after)`` /
     ``backward_gather(tasks, device, segment, issue_after)``: a task id the segment's pass

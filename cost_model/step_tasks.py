@@ -54,6 +54,10 @@ class StepTasks:
         self._backward_gathers = overriding(contributors, "backward_gather")
         self._copy_outs = overriding(contributors, "copy_out")
         self._gradient_reductions = overriding(contributors, "gradient_reduction")
+        # The micro-batch whose pass is being added, for contributors that act on one only
+        # (``cost_model.megatron_grad_sync``: the weight gathers of the first forward).
+        self.micro_batch = 0
+        self._per_device: dict[str, list[Segment]] = {}
 
     def build(self, segments: list[Segment]) -> tuple[TaskGraph, dict[str, list[Segment]]]:
         """The step's task graph, and each device's segments (by ``"stage k"``)."""
@@ -89,6 +93,7 @@ class StepTasks:
         for stage in range(context.pp):
             per_device[f"stage {stage}"] = [s for vs, segs in chunk_segments.items() if vs % context.pp == stage
                                             for s in segs]
+        self._per_device = per_device
         if blocking and context.chunks == 1:
             # DeepSpeed's own schedule, its sends and receives as rendezvous (cost_model.deepspeed_pipeline).
             deepspeed_schedule(self, chunk_segments, boundary, sync_after, gathers, sync_every)
@@ -218,8 +223,13 @@ class StepTasks:
             return after
         return self.graph.add(f"B{mb} accumulate grads", (device, "compute"), seconds, deps=[after])
 
+    def segments_of(self, device: str) -> list[Segment]:
+        """The segments ``device`` (``"stage k"``) runs, in forward order."""
+        return self._per_device[device]
+
     def forward(self, device: str, segments: list[Segment], mb: int, deps: list[int]) -> int:
         """Tasks of micro-batch ``mb``'s forward through ``segments`` after ``deps``; returns the last."""
+        self.micro_batch = mb
         last = None
         ends: list[int] = []  # each segment's last task
         for segment in segments:

@@ -67,6 +67,7 @@ _PLAN_KEYS = frozenset((
     "format", "version", "model", "cluster", "mesh", "dp_flavour", "recompute", "pipeline", "accumulation_steps",
     "precision", "optimizer", "batch_size", "inputs", "fsdp_units", "expert_layouts", "summary", "estimate",
     "runners_up", "warnings", "search_summary", "label", "timings", "fused_splits_local", "tp_comm_overlap",
+    "megatron_distributed_optimizer",
     "model_fingerprint", "strategies",
 ))
 
@@ -134,6 +135,15 @@ class Plan:
             For simulating other systems' runs (``benchmarks/fidelity.py``): compiled programs
             run each collective before or after its GEMM, so the search never sets it and
             ``planner compile`` refuses a plan that does. Needs sequence parallelism.
+        megatron_distributed_optimizer: ZeRO-1 as Megatron-Core r0.8 runs it
+            (``--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather``
+            under ``--bf16``; ``cost_model.megatron_grad_sync``): gradients accumulate in an fp32
+            buffer over all the step's micro-batches and are reduce-scattered once, in fp32,
+            bucket by bucket during the last backward; the updated weights are all-gathered
+            bucket by bucket during the next step's forward. For simulating other systems'
+            runs (``benchmarks/fidelity.py``): compiled programs reduce after every
+            micro-batch and gather after the optimizer step, so the search never sets it and
+            ``planner compile`` refuses a plan that does. Needs ``dp_flavour`` zero1.
         model_fingerprint: the structural fingerprint of the planned model and its example
             batch (``planner.fingerprint``); taken from ``graph`` when left empty.
             ``compile``, ``simulate`` and ``launch.py`` compare it with what the spec builds.
@@ -168,6 +178,7 @@ class Plan:
     timings: Mapping[str, float] = field(default_factory=dict)
     fused_splits_local: bool = False
     tp_comm_overlap: bool = False
+    megatron_distributed_optimizer: bool = False
     model_fingerprint: str = ""
     sections: Mapping[str, Any] = field(default_factory=dict)
     graph: OpGraph | None = field(default=None, compare=False, repr=False)
@@ -185,6 +196,13 @@ class Plan:
             raise ValueError(f"field 'fused_splits_local' must be true or false, got {one_line(str(self.fused_splits_local))!r}")
         if not isinstance(self.tp_comm_overlap, bool):
             raise ValueError(f"field 'tp_comm_overlap' must be true or false, got {one_line(str(self.tp_comm_overlap))!r}")
+        if not isinstance(self.megatron_distributed_optimizer, bool):
+            raise ValueError(f"field 'megatron_distributed_optimizer' must be true or false, "
+                             f"got {one_line(str(self.megatron_distributed_optimizer))!r}")
+        if self.megatron_distributed_optimizer and self.dp_flavour != "zero1":
+            raise ValueError(f"field 'megatron_distributed_optimizer' is true but dp_flavour is "
+                             f"'{one_line(self.dp_flavour)}'; Megatron's distributed optimizer is ZeRO-1: set dp_flavour "
+                             f"to zero1 or the field to false")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"field 'optimizer' must be one of {OPTIMIZERS}, got '{one_line(self.optimizer)}'")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -285,6 +303,8 @@ class Plan:
             details.append("sequence parallel")
         if self.tp_comm_overlap:
             details.append("tp collectives overlapped as Transformer Engine does")
+        if self.megatron_distributed_optimizer:
+            details.append("Megatron's distributed optimizer")
         if self.expert_layouts:
             details.append(expert_modes_summary(self.expert_layouts))
         details += [section.describe(self) for section in self.sections.values()]
@@ -339,6 +359,7 @@ class Plan:
             "timings": dict(self.timings),
             "fused_splits_local": self.fused_splits_local,
             "tp_comm_overlap": self.tp_comm_overlap,
+            "megatron_distributed_optimizer": self.megatron_distributed_optimizer,
             "model_fingerprint": self.model_fingerprint,
             **{name: section.to_json() for name, section in self.sections.items()},
             "strategies": [strategy_to_dict(s) for s in self.strategies],
@@ -412,6 +433,9 @@ class Plan:
                 fused_splits_local=reader.get("fused_splits_local", bool) if "fused_splits_local" in data else False,
                 # Absent from plans written before the field: none overlapped.
                 tp_comm_overlap=reader.get("tp_comm_overlap", bool) if "tp_comm_overlap" in data else False,
+                # Absent from plans written before the field: the planner's own ZeRO-1.
+                megatron_distributed_optimizer=(reader.get("megatron_distributed_optimizer", bool)
+                                                if "megatron_distributed_optimizer" in data else False),
                 model_fingerprint=fingerprint,
                 sections=_sections_from(data, source),
             )

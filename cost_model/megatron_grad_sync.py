@@ -1,0 +1,92 @@
+"""Megatron-Core's distributed optimizer as the data-parallel part of a simulated step
+(``Plan.megatron_distributed_optimizer``), as Megatron-LM core_v0.8.0 runs it with
+``--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --bf16``:
+
+- **Gradients in fp32, reduced once.** Under ``--bf16`` megatron/training/arguments.py sets
+  ``accumulate_allreduce_grads_in_fp32`` ("bfloat16 requires gradient accumulation and
+  all-reduce to be done in fp32"), so ``DistributedDataParallel`` allocates its gradient
+  buffer in fp32 (``grad_reduce_in_fp32``: ``allocate_buffers_for_parameters`` in
+  megatron/core/distributed/distributed_data_parallel.py). Every micro-batch adds into that
+  buffer; ``ParamAndGradBuffer.register_grad_ready`` (param_and_grad_buffer.py) marks a
+  gradient ready only while ``is_last_microbatch``, which the schedules clear through
+  ``no_sync`` for every micro-batch but the last (megatron/core/pipeline_parallel/
+  schedules.py: ``forward_backward_no_pipelining`` runs the first ``num_microbatches - 1``
+  under ``no_sync_func()``, the last outside it): one reduction per step, in fp32.
+- **Reduce-scatter, bucket by bucket, during the last backward.** With the distributed
+  optimizer ``Bucket.start_grad_sync`` reduce-scatters the bucket (``_reduce_scatter_base``),
+  issued asynchronously when the bucket's last gradient is ready. A bucket holds
+  ``max(40,000,000, 1,000,000 x dp)`` parameters (``DistributedDataParallel.__init__``:
+  "make buckets larger to ensure that chunks used in NCCL ring-reduce implementations are
+  large enough"), but only on the first pipeline stage: a later stage's whole gradient is one
+  bucket (``bucket_size = None`` when ``get_pipeline_model_parallel_rank() > 0``, "since
+  data-parallel communication on these stages is not on the critical path"), so it is
+  reduced after that stage's last backward.
+- **Weights gathered during the next forward.** ``DistributedOptimizer.zero_grad`` issues
+  the all-gather of the first bucket of updated bf16 weights; the forward pre-hook of a
+  module whose bucket is still arriving waits for it and issues the next bucket's
+  (``_finish_param_sync_helper``: one all-gather in flight, "to ensure that the
+  communication kernels don't head-of-line block the compute kernels"). In a simulated step
+  the gathers of the step's own weights run during its first micro-batch's forward: the
+  gather a segment waits for is issued once the segment two before it is done
+  (``step_tasks.prefetch_after``, the same depth), all of a later stage's weights before its
+  first forward (one bucket). Nothing is gathered after the optimizer step.
+
+Not modelled: the fp32 buffer's extra memory (4 bytes per gradient element where the
+planner's bf16 ZeRO-1 holds 2; ``step_memory`` counts 2), bucket boundaries inside a
+segment (a segment's gradients are ready when its backward ends), and, under the interleaved
+schedule, the single bucket Megatron gives the first stage's later model chunks
+(``disable_bucketing``).
+"""
+
+from __future__ import annotations
+
+from cost_model.parameter_bytes import FP32_GRADIENT_BYTES, PARAM_BYTES
+
+# megatron/core/distributed/distributed_data_parallel.py, core_v0.8.0, ``__init__``:
+# ``bucket_size = max(40000000, 1000000 * get_data_parallel_world_size())`` (parameters).
+BUCKET_MIN_PARAMETERS = 40_000_000
+BUCKET_PARAMETERS_PER_DP_RANK = 1_000_000
+
+
+def runs_megatron_sync(context) -> bool:
+    """Whether the step's data parallelism is Megatron-Core's distributed optimizer."""
+    return bool(getattr(context.plan, "megatron_distributed_optimizer", False)) and context.dp > 1
+
+
+def gradient_bytes() -> int:
+    """Bytes per gradient element reduced: the fp32 gradient buffer under ``--bf16``."""
+    return FP32_GRADIENT_BYTES
+
+
+def bucket_cap_bytes(context, stage: int) -> float:
+    """Bytes of fp32 gradients per reduce-scatter bucket on pipeline ``stage``: Megatron's
+    bucket size on the first stage, the whole stage's gradients (one bucket) on the others."""
+    if stage > 0:
+        return float("inf")
+    return max(BUCKET_MIN_PARAMETERS, BUCKET_PARAMETERS_PER_DP_RANK * context.dp) * gradient_bytes()
+
+
+def weight_gather(tasks, device: str, segment, issue_after: list[int]) -> int | None:
+    """The all-gather of ``segment``'s updated weights that its first forward of the step
+    waits for (module docstring): per segment on the first pipeline stage, issued after
+    ``issue_after``; on a later stage one gather of the whole stage's weights before its first
+    segment, and nothing for the others. None after the first micro-batch."""
+    context = tasks.context
+    if tasks.micro_batch != 0:
+        return None
+    if segment.stage % context.pp > 0:
+        gathered = tasks.segments_of(device)
+        if segment is not gathered[0]:
+            return None
+        issue_after = []
+    else:
+        gathered = [segment]
+    # The weights live in one flat buffer, evenly sharded over dp: every element is gathered
+    # (``DistributedOptimizer._dispatch_gather_model_params``: ``_all_gather_base`` of the
+    # bucket's whole param buffer).
+    element_bytes = PARAM_BYTES[context.plan.precision][0]
+    size = sum(s.shardable_elements() for s in gathered) * element_bytes
+    if size <= 0:
+        return None
+    return tasks.graph.add(f"all-gather updated weights {segment.name}", (device, "param gather"),
+                           context.collective("all_gather", size, "dp"), deps=issue_after, kind="comm")

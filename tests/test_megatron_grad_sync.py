@@ -1,0 +1,143 @@
+"""Megatron-Core's distributed optimizer in the simulated step
+(``Plan.megatron_distributed_optimizer``, ``cost_model.megatron_grad_sync``): gradients
+reduced once per step, in fp32, by reduce-scatter, during the last micro-batch's backward;
+weights gathered during the first forward; Megatron's bucket sizes; the bytes worked by hand;
+and the field refused where it does not apply."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from cost_model.megatron_grad_sync import bucket_cap_bytes
+from cost_model.simulator import Simulator, simulated
+from planner.api import prepare_model
+from planner.model_spec import ModelSpec
+from search.megatron import megatron_plan
+from tests.simulation_only_fields import check_simulation_only_field
+
+GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
+DP = 8
+
+
+def _model(batch: int = 32):
+    """examples/gpt.py (width 256, 4 heads, 2 layers, 128 positions, vocabulary 512) on one
+    DGX-H100: every weight has a dimension 8 divides, so ZeRO-1 slices all of them."""
+    return prepare_model(ModelSpec(GPT, {"batch_size": batch, "n_layer": 2, "n_embd": 256, "n_head": 4,
+                                         "seq_len": 128, "vocab_size": 512}), "dgx-h100:1")
+
+
+def _accumulating(megatron: bool):
+    """dp = 8 ZeRO-1 (Megatron's layout, no tp), 4 micro-batches of one sample per rank."""
+    graph, spec, name, cluster = _model()
+    plan = megatron_plan(graph, cluster, spec, name, precision="bf16", dp_flavour="zero1")
+    plan = simulated(dataclasses.replace(plan, accumulation_steps=4, megatron_distributed_optimizer=megatron), graph)
+    return graph, plan
+
+
+def _tasks(plan, device: str, prefix: str):
+    return [event for event in plan.estimate.timeline if event.device == device and event.name.startswith(prefix)]
+
+
+def test_bucket_sizes_are_megatrons() -> None:
+    """max(40M, 1M x dp) parameters of 4-byte gradients on the first stage: dp 8 -> 40M x 4 =
+    160 MB; dp 48 -> 48M x 4 = 192 MB; a later stage's gradients are one bucket."""
+    assert bucket_cap_bytes(SimpleNamespace(dp=8), 0) == 160e6
+    assert bucket_cap_bytes(SimpleNamespace(dp=48), 0) == 192e6
+    assert bucket_cap_bytes(SimpleNamespace(dp=48), 1) == float("inf")
+
+
+def test_gradients_are_reduce_scattered_once_after_the_last_backward() -> None:
+    """Four micro-batches: the planner's ZeRO-1 graph program all-reduces each segment's
+    gradients after every micro-batch's backward; Megatron's gradients (P of them, fp32: 4P
+    bytes, under one 160 MB bucket) fill one bucket, reduce-scattered once, when the last
+    micro-batch's backward (B3) ends."""
+    _, planner_zero1 = _accumulating(megatron=False)
+    graph, megatron = _accumulating(megatron=True)
+    segments = [segment for segment in Simulator(megatron, graph).segments() if segment.dp_synced]
+    assert len(_tasks(planner_zero1, "stage 0", "all-reduce grads (")) == 4 * len(segments)
+    reductions = _tasks(megatron, "stage 0", "reduce-scatter grads")
+    assert len(reductions) == 1 and not _tasks(megatron, "stage 0", "all-reduce grads (")
+    last_backward_end = max(event.start_s + event.duration_s for event in _tasks(megatron, "stage 0", "B3 "))
+    assert reductions[0].start_s == pytest.approx(last_backward_end)
+    context = Simulator(megatron, graph).context
+    fp32_bytes = 4 * megatron.summary.parameters
+    assert reductions[0].duration_s == pytest.approx(context.collective("reduce_scatter", fp32_bytes, "dp"))
+
+
+def test_full_buckets_are_reduced_during_the_last_backward(monkeypatch) -> None:
+    """With buckets smaller than a segment (Megatron's minimum lowered to one parameter: 8 x
+    4 = 32-byte buckets), each segment's buckets are reduced once its backward of the last
+    micro-batch ends (queued behind the ones before on the collective stream), the first
+    while the segments after it still run backward; none in an earlier micro-batch."""
+    monkeypatch.setattr("cost_model.megatron_grad_sync.BUCKET_MIN_PARAMETERS", 1)
+    monkeypatch.setattr("cost_model.megatron_grad_sync.BUCKET_PARAMETERS_PER_DP_RANK", 1)
+    graph, megatron = _accumulating(megatron=True)
+    segments = [segment for segment in Simulator(megatron, graph).segments() if segment.dp_synced]
+    reductions = _tasks(megatron, "stage 0", "reduce-scatter grads")
+    assert len(reductions) == len(segments)
+    last_backward = {event.name.removeprefix("B3 "): event for event in _tasks(megatron, "stage 0", "B3 ")}
+    for reduction in reductions:  # queued one after another on the collective stream
+        backward = last_backward[reduction.name.split("(")[1].split(",")[0].rstrip(")")]
+        assert reduction.start_s >= backward.start_s + backward.duration_s - 1e-12
+    first = min(reductions, key=lambda reduction: reduction.start_s)
+    backward = last_backward[first.name.split("(")[1].split(",")[0].rstrip(")")]
+    assert first.start_s == pytest.approx(backward.start_s + backward.duration_s)
+    assert first.start_s < max(event.start_s + event.duration_s for event in last_backward.values())
+
+
+def test_weights_are_gathered_during_the_first_forward_not_after_the_step() -> None:
+    """Each segment's updated bf16 weights arrive before its first forward (F0) starts, and
+    nothing is gathered after the optimizer step (the planner's ZeRO-1 gathers there)."""
+    _, planner_zero1 = _accumulating(megatron=False)
+    _, megatron = _accumulating(megatron=True)
+    assert _tasks(planner_zero1, "stage 0", "all-gather updated slices")
+    assert not _tasks(megatron, "stage 0", "all-gather updated slices")
+    gathers = {event.name.removeprefix("all-gather updated weights "): event
+               for event in _tasks(megatron, "stage 0", "all-gather updated weights")}
+    forwards = {event.name.removeprefix("F0 "): event for event in _tasks(megatron, "stage 0", "F0 ")}
+    assert gathers and set(gathers) <= set(forwards)
+    for segment, gather in gathers.items():
+        assert gather.start_s + gather.duration_s <= forwards[segment].start_s + 1e-12
+
+
+def test_data_parallel_bytes_by_hand() -> None:
+    """P parameters, dp = 8, 4 micro-batches. Megatron: one fp32 reduce-scatter (4P) and one
+    bf16 all-gather (2P), each moving 7/8 of its bytes: 6P x 7/8. The planner's ZeRO-1 graph
+    program: a bf16 all-reduce (2 x 2P) after each of the 4 micro-batches and a bf16
+    all-gather (2P): (16P + 2P) x 7/8 = 18P x 7/8, three times as much."""
+    graph, megatron = _accumulating(megatron=True)
+    _, planner_zero1 = _accumulating(megatron=False)
+    parameters = megatron.summary.parameters
+    assert megatron.estimate.bytes_per_axis["dp"] == pytest.approx(6 * parameters * 7 / 8)
+    assert planner_zero1.estimate.bytes_per_axis["dp"] == pytest.approx(18 * parameters * 7 / 8)
+
+
+def test_a_later_pipeline_stage_reduces_and_gathers_in_one_bucket() -> None:
+    """pp = 2 x dp = 4, 1F1B over 8 micro-batches: stage 1's gradients are one bucket, reduced
+    once after its last backward ends; its weights one gather, before its first forward."""
+    graph, spec, name, cluster = _model()
+    plan = megatron_plan(graph, cluster, spec, name, pp=2, precision="bf16", dp_flavour="zero1")
+    plan = simulated(dataclasses.replace(plan, megatron_distributed_optimizer=True), graph)
+    reductions = _tasks(plan, "stage 1", "reduce-scatter grads")
+    assert len(reductions) == 1
+    backward_end = max(event.start_s + event.duration_s for event in _tasks(plan, "stage 1", "B"))
+    assert reductions[0].start_s == pytest.approx(backward_end)
+    gathers = _tasks(plan, "stage 1", "all-gather updated weights")
+    first_forward = min(event.start_s for event in _tasks(plan, "stage 1", "F0 "))
+    assert len(gathers) == 1 and gathers[0].start_s + gathers[0].duration_s <= first_forward + 1e-12
+
+
+def test_the_field_needs_zero1_and_is_refused_by_compile(tmp_path) -> None:
+    """Megatron's distributed optimizer is ZeRO-1: on another flavour the plan says so in one
+    line; set, it survives the plan file and ``compile`` refuses it."""
+    graph, megatron = _accumulating(megatron=True)
+    with pytest.raises(ValueError, match="'megatron_distributed_optimizer' is true but dp_flavour is 'ddp'") as error:
+        dataclasses.replace(megatron, dp_flavour="ddp")
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="field 'megatron_distributed_optimizer' must be true or false"):
+        dataclasses.replace(megatron, megatron_distributed_optimizer="yes")
+    check_simulation_only_field(megatron, "megatron_distributed_optimizer", tmp_path)
