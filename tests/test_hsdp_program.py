@@ -20,12 +20,7 @@ import ast
 import dataclasses
 import io
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import tokenize
 from pathlib import Path
 
@@ -41,11 +36,11 @@ from planner.errors import PlanFileError, PlanningError
 from planner.families.hsdp.emit import render_hsdp_program
 from planner.families.hsdp.section import HsdpSection
 from planner.model_spec import ModelSpec, extract_loss
+from tests.torchrun_run import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 GPT = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8})
 SOURCE = "plan file 'p.json'"
-TIMEOUT = 300  # seconds; a launch takes ~10 s on 2 cores, the limit only stops a hung collective
 STEP_LINE = re.compile(r"^step (\d+)/\d+: [\d.]+ ms  loss ([-\d.]+) ", re.M)
 # launch.py --comm-audit's line per collective: "  <group>: <count> x <op> (n=<ranks>) <bytes> B".
 AUDIT_LINE = re.compile(r"^\s+\S+: (\d+) x (\S+) \(n=(\d+)\) (\d+) B$", re.M)
@@ -223,30 +218,6 @@ def test_the_comments_name_only_what_the_code_calls(fsdp_plan) -> None:
 # ---------------------------------------------------------------------- in gloo processes
 
 
-def _torchrun(world: int, *arguments: str, cwd: Path) -> str:
-    """``torchrun --nproc_per_node world ARGUMENTS`` as a user types it; its stdout, after
-    asserting it succeeded. On timeout its whole process group is killed (workers wait for
-    ever in a collective otherwise)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), *arguments]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(_free_port())}
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"timed out after {TIMEOUT} s: {' '.join(command)}\n{stdout[-3000:]}{stderr[-3000:]}")
-    assert process.returncode == 0, f"{' '.join(command)}\n{stdout[-3000:]}{stderr[-3000:]}"
-    return stdout
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _losses(text: str) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in STEP_LINE.findall(text)}
 
@@ -273,7 +244,7 @@ def test_hsdp_2x2_matches_one_device_and_resumes_on_plain_fsdp(fsdp_plan, tmp_pa
     fsdp = planner.compile(fsdp_plan, tmp_path / "fsdp")
     saved = tmp_path / "ckpt"
 
-    first = _torchrun(4, str(hsdp / "launch.py"), "--check", "--comm-audit", "--steps", "2",
+    first = torchrun(4, str(hsdp / "launch.py"), "--check", "--comm-audit", "--steps", "2",
                       "--checkpoint-dir", str(saved), "--save-every", "2", cwd=tmp_path)
     assert "parity ok" in first and "parity FAILED" not in first, first[-3000:]
     # One step's collectives: all in groups of 2 ranks (a shard group, or one rank of each
@@ -290,7 +261,7 @@ def test_hsdp_2x2_matches_one_device_and_resumes_on_plain_fsdp(fsdp_plan, tmp_pa
     assert audited["allreduce_"] == audited["_reduce_scatter_base_"], audited
     assert sorted(p.name for p in saved.iterdir()) == ["step-00000002"]
 
-    resumed = _torchrun(4, str(fsdp / "launch.py"), "--steps", "4", "--checkpoint-dir", str(saved), "--resume",
+    resumed = torchrun(4, str(fsdp / "launch.py"), "--steps", "4", "--checkpoint-dir", str(saved), "--resume",
                         cwd=tmp_path)
     assert "resumed from" in resumed and "at step 2" in resumed, resumed[-3000:]
     losses = {**_losses(first), **_losses(resumed)}

@@ -1,5 +1,5 @@
 """Run a script under ``torchrun`` on gloo processes for a test: the shared launcher of
-``tests/test_adasum.py`` and ``tests/test_layer_separation.py``."""
+``tests/test_adasum.py``, ``tests/test_layer_separation.py`` and ``tests/test_hsdp_program.py``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # seconds; a launch takes ~10-40 s on 2 cores, the limit only stops a hung collective
 
 
-def torchrun(world: int, *arguments: str, fails: bool = False) -> str:
+def torchrun(world: int, *arguments: str, fails: bool = False, cwd: Path | None = None) -> str:
     """``torchrun --nproc_per_node world ARGUMENTS`` with this checkout on the path; its
     stdout, after asserting it succeeded (with ``fails``: its stdout and stderr, after
     asserting it failed). On timeout its whole process group is killed
@@ -26,7 +26,7 @@ def torchrun(world: int, *arguments: str, fails: bool = False) -> str:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(port)}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=TIMEOUT)
