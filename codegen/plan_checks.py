@@ -158,7 +158,7 @@ def check_expert_layouts(plan: Plan, model: torch.nn.Module) -> None:
                     f"plan field '{field}.{name}' is {_shown(planned)} but layer {block.module!r} of the model has "
                     f"{actual}; re-plan for this model (or build the model with that {name})"
                 )
-        if layout.axis != "dp":
+        if layout.axis != ("dp*tp" if "moe_folding" in plan.sections else "dp"):
             raise PlanFileError(
                 f"plan field '{field}.axis' is {_shown(layout.axis)}; compiled MoE layers run over the 'dp' axis; re-plan"
             )

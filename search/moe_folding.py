@@ -1,0 +1,135 @@
+"""Candidates of the ``moe_folding`` family: tensor parallelism beside expert parallelism.
+
+On each ``dp x tp`` mesh the search is asked to consider (``SearchContext.meshes``, after the
+user's ``--mesh``/``--max``), a folded plan lays the dense ops out Megatron-style on ``tp``
+(``search.layouts.megatron_layout``: column/row-parallel projections, split heads, a
+vocabulary-parallel embedding and head), keeps every MoE layer's own ops (router, routing,
+experts) replicated on ``tp`` (they run by their layout, not by placements), and runs each
+MoE layer expert parallel over the folded ``dp*tp`` ranks (``planner.families.moe_folding``):
+for every expert-parallel degree EP that divides the experts and every expert-tensor-parallel
+degree ETP that divides the experts' hidden width, with EP x ETP dividing the ranks, the
+experts placed round-robin over EP. Each is simulated (``cost_model.moe_folding`` prices the
+tokens' trips between the layouts, the all-to-alls and ETP's gather and reduce-scatter), and
+all of them compete with the other families' plans on their simulated step.
+
+``FOLDED_SEQUENCE_PARALLEL``: the residual stream's layouts tried. The sequence-parallel one is
+priced (``cost_model.moe_folding``) but not searched: compiled folded programs do not write it
+yet (``codegen.moe_folding_emit`` refuses it in one line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cost_model.simulator import simulated
+from planner.errors import PlanningError
+from planner.families.moe_folding.section import JSON_KEY, MoeFoldingSection
+from planner.cluster import Cluster
+from planner.graph import OpGraph
+from planner.model_spec import ModelSpec
+from planner.plans import Plan
+from planner.routing import RoutingStats
+from planner.strategy import FOLDED_DP_TP, ExpertLayout, ExpertPlacement, Mesh, NodeStrategy
+from search.context import SearchContext
+from search.layouts import megatron_layout
+from search.moe_search import MOE_LABEL, routing_label
+from search.plan_builder import unsimulated_plan
+
+FOLDED_SEQUENCE_PARALLEL = (False,)
+
+
+def folded_meshes(context: SearchContext) -> list[Mesh]:
+    """The ``dp x tp`` meshes (tp >= 2) among those the search considers."""
+    return [mesh for mesh in context.meshes if mesh.names == ("dp", "tp") and mesh.axis_size("tp") > 1]
+
+
+def folded_degrees(experts: int, ffn: int, ranks: int) -> list[tuple[int, int]]:
+    """Every (EP, ETP) a layer of ``experts`` experts of hidden width ``ffn`` may fold over
+    ``ranks`` ranks: EP divides the experts, ETP the width, EP x ETP the ranks; EP > 1."""
+    return [(ep, etp) for ep in range(2, ranks + 1) for etp in range(1, ranks // ep + 1)
+            if experts % ep == 0 and ffn % etp == 0 and ranks % (ep * etp) == 0]
+
+
+def folded_layouts(graph: OpGraph, routing: RoutingStats, ep: int, etp: int) -> tuple[ExpertLayout, ...]:
+    """One layout per MoE layer of ``graph``: expert parallel on ``dp*tp`` with EP ``ep``
+    (round-robin) and ETP ``etp``."""
+    layouts = []
+    for block in graph.moe_blocks:
+        statistics = routing.layer(block.module, block.experts, block.top_k)
+        layouts.append(ExpertLayout(
+            module=block.module, mode="expert_parallel", experts=block.experts, top_k=block.top_k,
+            capacity_factor=block.capacity_factor, axis=FOLDED_DP_TP,
+            placement=ExpertPlacement.round_robin(block.experts, ep), routing=routing_label(routing, block.module),
+            expert_loads=tuple(statistics.token_share), tensor_parallel=etp,
+        ))
+    return tuple(layouts)
+
+
+def dense_strategies(graph: OpGraph, mesh: Mesh, sequence_parallel: bool) -> tuple[tuple[NodeStrategy, ...], dict]:
+    """Megatron's layout of ``graph`` on ``mesh``, with the MoE layers' own parameters
+    replicated on ``tp`` (each rank holds the whole router: it routes its own tokens).
+
+    Raises:
+        PlanningError: Megatron's layout does not apply (``megatron_layout``).
+    """
+    strategies, inputs = megatron_layout(graph, mesh, sequence_parallel=sequence_parallel)
+    inside = {node.name for block in graph.moe_blocks for node in graph.moe_nodes(block.module)}
+    tp_index = mesh.names.index("tp")
+
+    def replicated_on_tp(placements):
+        from torch.distributed.tensor import Replicate
+        return tuple(Replicate() if index == tp_index else p for index, p in enumerate(placements))
+
+    laid_out = tuple(
+        dataclasses.replace(s, params={name: replicated_on_tp(p) for name, p in s.params.items()})
+        if s.node in inside and s.params else s
+        for s in strategies
+    )
+    return laid_out, inputs
+
+
+def folded_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str, mesh: Mesh, ep: int,
+                etp: int = 1, *, sequence_parallel: bool = False, routing: RoutingStats | None = None,
+                precision: str = "fp32", warnings: tuple[str, ...] = ()) -> Plan:
+    """The simulated folded plan on ``mesh`` (``dp x tp``) with EP ``ep`` and ETP ``etp``
+    for every MoE layer (module docstring).
+
+    Raises:
+        PlanningError: Megatron's layout does not split the model over ``tp``.
+        ValueError: the degrees do not fold over the mesh (``MoeFoldingSection.check``).
+    """
+    strategies, inputs = dense_strategies(graph, mesh, sequence_parallel)
+    base = unsimulated_plan(graph, cluster, spec, model_name, mesh, strategies, inputs, dp_flavour="ddp",
+                            precision=precision, warnings=tuple(warnings), label=MOE_LABEL)
+    plan = dataclasses.replace(base, expert_layouts=folded_layouts(graph, routing or RoutingStats(), ep, etp),
+                               sections={**base.sections, JSON_KEY: MoeFoldingSection(sequence_parallel)})
+    return simulated(plan, graph)
+
+
+def folded_candidates(context: SearchContext) -> list[Plan]:
+    """The candidates part of the ``moe_folding`` family (module docstring): every folded
+    plan on every ``dp x tp`` mesh the search considers, when the MoE layers may be planned
+    by layout and the constraints allow the family."""
+    if not context.moe_layouts or context.summa_only or not context.constraints.allows_family("moe_folding"):
+        return []
+    graph, plans = context.graph, []
+    for mesh in folded_meshes(context):
+        if graph.batch_size % mesh.axis_size("dp"):
+            continue
+        ranks = mesh.size
+        shared = None
+        for block in graph.moe_blocks:
+            options = set(folded_degrees(block.experts, block.ffn, ranks))
+            shared = options if shared is None else shared & options
+        for ep, etp in sorted(shared or ()):
+            for sequence_parallel in FOLDED_SEQUENCE_PARALLEL:
+                try:
+                    plans.append(folded_plan(graph, context.cluster, context.spec, context.model_name, mesh, ep, etp,
+                                             sequence_parallel=sequence_parallel, routing=context.routing,
+                                             precision=context.precision, warnings=context.warnings))
+                except PlanningError:
+                    break  # Megatron's layout does not split this model over tp
+    if plans:
+        best = min(plans, key=lambda plan: (not plan.estimate.fits, plan.estimate.step_time_s))
+        context.notes.append(f"MoE folded over dp x tp: {len(plans)} plan(s), best {best.name}")
+    return plans
