@@ -1,0 +1,133 @@
+"""Compiled folded MoE programs train exactly like one device (``codegen.moe_folding_emit``).
+
+``examples/moe.py`` at world 4, attention (and dense MLPs) tensor parallel on ``tp``, the
+embedding vocabulary parallel, the head column parallel, every MoE layer's experts over all
+``dp x tp`` ranks (Megatron-Core's MoE parallel folding): dp2 x tp2 with EP4, and with EP2 x
+EDP2 (each expert copied on two ranks); dropless; every other block a dense MLP (column then
+row parallel); two micro-batches per step (each routed on its own); dp1 x tp4 (one head per
+rank); and the plan the search picks for ``--mesh dp=2,tp=2``. ``launch.py --check``'s step
+(outputs, loss, every gradient, every updated parameter) must equal one device's.
+All programs are checked in ONE torchrun launch (``tests/dist_check_many.py``).
+
+Negative controls must fail, naming what they break: expert gradients divided by dp x tp
+(every rank's loss counted as a distinct one) and router gradients not summed over tp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+import planner
+from planner.api import prepare_model
+from planner.errors import PlanningError
+from planner.model_spec import ModelSpec
+from planner.strategy import Mesh
+from search.moe_folding import folded_plan
+from test_parity import check_many, result_of
+
+pytestmark = pytest.mark.distributed
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "moe.py"
+WORLD = 4
+# name: (model overrides, dp, tp, EP, accumulation steps)
+CASES = {
+    "dp2tp2_ep4": ({}, 2, 2, 4, 1),
+    "dp2tp2_ep2_edp2": ({}, 2, 2, 2, 1),
+    "dropless_ep4": ({"capacity_factor": 0}, 2, 2, 4, 1),
+    "dense_mlp_every_other_block": ({"moe_every": 2, "n_layer": 2}, 2, 2, 4, 1),
+    "two_micro_batches_ep2": ({}, 2, 2, 2, 2),
+    "dp1tp4_ep4": ({}, 1, 4, 4, 1),
+}
+SEARCHED = "searched_dp2tp2"
+EXPERT_SCALE_CONTROL = "control_expert_gradients_over_dp_x_tp"
+ROUTER_CONTROL = "control_router_gradients_not_summed_over_tp"
+
+
+def plan_of(overrides: dict, dp: int, tp: int, ep: int, steps: int):
+    graph, spec, name, cluster = prepare_model(ModelSpec(str(EXAMPLE), overrides), f"cpu:1x{WORLD}")
+    plan = folded_plan(graph, cluster, spec, name, Mesh((("dp", dp), ("tp", tp))), ep)
+    return dataclasses.replace(plan, accumulation_steps=steps)
+
+
+def _divide_expert_gradients_by_every_rank(folder: Path) -> Path:
+    program = folder / "model_spmd.py"
+    text = program.read_text()
+    assert "        tensor_parallel=2,\n" in text
+    program.write_text(text.replace("        tensor_parallel=2,\n", "        tensor_parallel=1,\n"))
+    return folder
+
+
+def _leave_router_gradients_unsummed(folder: Path) -> Path:
+    program = folder / "model_spmd.py"
+    text = program.read_text()
+    marker = "    EXPERT_WEIGHTS_OUTSIDE_DDP = "
+    assert marker in text
+    unhook = ("    for layer in model.modules():\n"
+              "        if isinstance(layer, FoldedMoE):\n"
+              "            layer.layer.router._backward_hooks.clear()\n")
+    program.write_text(text.replace(marker, unhook + marker, 1))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_folding")
+    folders = {name: planner.compile(plan_of(*case), root / name) for name, case in CASES.items()}
+    searched = planner.plan(ModelSpec(str(EXAMPLE), {}), f"cpu:1x{WORLD}", constraints={"mesh": {"dp": 2, "tp": 2}})
+    assert "moe_folding" in searched.sections, searched.name
+    folders[SEARCHED] = planner.compile(searched, root / SEARCHED)
+    controls = {
+        EXPERT_SCALE_CONTROL: _divide_expert_gradients_by_every_rank(
+            planner.compile(plan_of({}, 2, 2, 4, 1), root / EXPERT_SCALE_CONTROL)),
+        ROUTER_CONTROL: _leave_router_gradients_unsummed(
+            planner.compile(plan_of({}, 2, 2, 4, 1), root / ROUTER_CONTROL)),
+    }
+    return folders, controls, check_many(WORLD, [*folders.values(), *controls.values()], root)
+
+
+@pytest.mark.parametrize("case", [*CASES, SEARCHED])
+def test_folded_step_equals_one_device(run, case):
+    folders, _, launch = run
+    result = result_of(launch, folders[case])
+    assert result.startswith("ok parity ok: "), f"{case}: {result}"
+
+
+@pytest.mark.parametrize("control, broken", [(EXPERT_SCALE_CONTROL, r"experts\.w_(in|out)"),
+                                             (ROUTER_CONTROL, r"router\.weight")])
+def test_broken_folding_gradients_are_reported(run, control, broken):
+    _, controls, launch = run
+    result = result_of(launch, controls[control])
+    assert result.startswith("FAILED parity FAILED: worst tensor "), result
+    assert re.search(broken, result), result
+
+
+def test_the_program_names_its_layers_and_placement(run):
+    folders, _, _ = run
+    source = (folders["dp2tp2_ep2_edp2"] / "model_spmd.py").read_text()
+    assert "replace_layer(model, 'blocks.0.attn', HeadParallelSelfAttention(" in source
+    assert "replace_layer(model, 'lm_head', ColumnParallelLinear(model.get_submodule('lm_head'), tp_group, " \
+           "gather_output=True))" in source
+    assert "replace_layer(model, 'wte', VocabParallelEmbedding(" in source
+    # EP2 x EDP2: expert e on folded ranks e % 2 and 2 + e % 2, half its slots each.
+    assert ("EXPERT_PLACEMENT_0 = (((0, 0.5), (2, 0.5)), ((1, 0.5), (3, 0.5)), ((0, 0.5), (2, 0.5)), "
+            "((1, 0.5), (3, 0.5)))") in source
+    dense = (folders["dense_mlp_every_other_block"] / "model_spmd.py").read_text()
+    assert "replace_layer(model, 'blocks.0.mlp.0', ColumnParallelLinear(model.get_submodule('blocks.0.mlp.0'), " \
+           "tp_group))" in dense
+    assert "replace_layer(model, 'blocks.0.mlp.2', RowParallelLinear(" in dense
+
+
+def test_what_is_not_compiled_is_refused_in_one_line(tmp_path):
+    graph, spec, name, cluster = prepare_model(ModelSpec(str(EXAMPLE), {}), f"cpu:1x{WORLD}")
+    mesh = Mesh((("dp", 2), ("tp", 2)))
+    etp = folded_plan(graph, cluster, spec, name, mesh, 2, 2)
+    with pytest.raises(PlanningError, match=r"splits them ETP=2 \(EP=2\); re-plan with ETP 1") as error:
+        planner.compile(etp, tmp_path / "etp")
+    assert "\n" not in str(error.value)
+    zero2 = dataclasses.replace(folded_plan(graph, cluster, spec, name, mesh, 4), dp_flavour="zero2")
+    with pytest.raises(PlanningError, match="plan with --dp ddp"):
+        planner.compile(zero2, tmp_path / "zero2")
