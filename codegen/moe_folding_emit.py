@@ -17,9 +17,13 @@ MoE layer's experts over all ``dp x tp`` ranks (``planner.families.moe_folding``
 
 and wraps the model in DDP over "dp" (each tp rank's own "dp" group), the experts kept out.
 
+A pipeline plan (``pp x dp x tp``) is written by the pipeline writer (``codegen.pipeline_emit``):
+its stages replay the traced graph on DTensors, tensor parallel by the plan's placements, and
+each MoE layer runs folded over its stage's ``dp x tp`` ranks (``codegen.runtime.pipeline_moe``).
+
 What this compiler does not write is refused in one line naming the combination and the fix
-(``check_foldable``): pipelines, sequence parallelism, expert tensor parallelism (ETP > 1),
-data-parallel flavours other than DDP, recomputation.
+(``check_foldable``): sequence parallelism, expert tensor parallelism (ETP > 1), and without
+a pipeline data-parallel flavours other than DDP and recomputation.
 
 Module paths reach the source only as ``repr()`` of paths checked against the model
 (``codegen.plan_checks``); other plan text only in comments.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from codegen.moe_folding_placement import folded_replicas
 from codegen.plan_checks import checked_plan
 from codegen.program_parts import about_plan
 from codegen.source_text import comment, literal, number
@@ -45,12 +50,6 @@ def check_foldable(plan: Plan) -> None:
     """Raise ``PlanningError`` (one line naming the combination and the fix) for a folded
     plan this compiler does not write (module docstring)."""
     section = plan.sections[SECTION]
-    mesh = plan.mesh
-    if plan.pipeline is not None or "pp" in mesh.names:
-        raise PlanningError(
-            f"compiled folded MoE programs run without pipeline stages, not mesh {mesh}; plan with --mesh dp=..,tp=.. "
-            f"and no pp"
-        )
     if section.sequence_parallel:
         raise PlanningError(
             "compiled folded MoE programs keep the tokens whole on every tp rank between blocks; this plan is sequence "
@@ -62,6 +61,8 @@ def check_foldable(plan: Plan) -> None:
                 f"compiled folded MoE programs run whole experts; layer {layout.module!r} splits them ETP="
                 f"{layout.tensor_parallel} (EP={layout.placement.devices}); re-plan with ETP 1"
             )
+    if plan.pipeline is not None:
+        return  # the pipeline writer's own checks follow (codegen.pipeline_emit.unsupported)
     if plan.dp_flavour != "ddp":
         raise PlanningError(
             f"compiled folded MoE programs wrap the dense part in DDP over dp; dp flavour {plan.dp_flavour!r} is not "
@@ -83,17 +84,24 @@ def render_folded_program(plan: Plan) -> str:
             layer split on tp that it has no tensor-parallel module for.
     """
     check_foldable(plan)
-    plan = checked_plan(plan, graph_program=False)
     from codegen.graph_facts import build_meta_model
 
     model = build_meta_model(plan)[0]
     blocks = {block.module: block for block in find_moe_blocks(model)}
     for layout in plan.expert_layouts:
-        if blocks[layout.module].runtime != ROUTED_GELU:
+        if layout.module in blocks and blocks[layout.module].runtime != ROUTED_GELU:
             raise PlanningError(
                 f"compiled folded MoE programs run examples/moe.py's routed GELU layers; {layout.module!r} is "
                 f"{blocks[layout.module].kind}; plan it without --mesh tp"
             )
+    if plan.pipeline is not None:
+        # Stages replay the traced graph on DTensors over each stage's dp x tp (attention and
+        # dense ops tensor parallel by their placements); each MoE layer runs as one call over
+        # the stage's dp x tp ranks (codegen.runtime.pipeline_moe, folded).
+        from codegen.pipeline_emit import compile_pipeline_plan
+
+        return compile_pipeline_plan(plan)
+    plan = checked_plan(plan, graph_program=False)
     replacements = tensor_parallel_replacements(plan, model, set(blocks))
     return (_header(plan) + _constants(plan) + _parallelize(plan, replacements, blocks) + _shard_batch(plan))
 
@@ -213,12 +221,7 @@ def _constants(plan: Plan) -> str:
             f"method: {layout.placement.method or 'not given'}): for each expert, the ranks holding a copy and the "
             f"share of its slots each copy takes."
         ) + "\n"
-        # Megatron's order: EP position p of EDP copy c is folded rank c * EP + p.
-        replicas = tuple(
-            tuple((int(copy * ep + device), float(share) / copies) for copy in range(copies) for device, share in held)
-            for held in layout.placement.replicas
-        )
-        text += f"EXPERT_PLACEMENT_{index} = {literal(replicas)}\n"
+        text += f"EXPERT_PLACEMENT_{index} = {literal(folded_replicas(layout, ranks))}\n"
     return text + "\n\n"
 
 

@@ -1,7 +1,8 @@
 """Candidates of the ``moe_folding`` family: tensor parallelism beside expert parallelism.
 
 On each ``dp x tp`` mesh the search is asked to consider (``SearchContext.meshes``, after the
-user's ``--mesh``/``--max``), a folded plan lays the dense ops out Megatron-style on ``tp``
+user's ``--mesh``/``--max``; with ``--mesh pp=P`` also ``pp x dp x tp``, 1F1B over P
+micro-batches), a folded plan lays the dense ops out Megatron-style on ``tp``
 (``search.layouts.megatron_layout``: column/row-parallel projections, split heads, a
 vocabulary-parallel embedding and head), keeps every MoE layer's own ops (router, routing,
 experts) replicated on ``tp`` (they run by their layout, not by placements), and runs each
@@ -10,7 +11,9 @@ for every expert-parallel degree EP that divides the experts and every expert-te
 degree ETP that divides the experts' hidden width, with EP x ETP dividing the ranks, the
 experts placed round-robin over EP. Each is simulated (``cost_model.moe_folding`` prices the
 tokens' trips between the layouts, the all-to-alls and ETP's gather and reduce-scatter), and
-all of them compete with the other families' plans on their simulated step.
+all of them compete with the other families' plans on their simulated step. Only models whose
+MoE layers are ``examples/moe.py``'s routed GELU layers get folded plans (the runtime that
+compiles them; HuggingFace's blocks keep their own router).
 
 ``FOLDED_SEQUENCE_PARALLEL``: the residual stream's layouts tried. The sequence-parallel one is
 priced (``cost_model.moe_folding``) but not searched: compiled folded programs do not write it
@@ -27,9 +30,10 @@ from planner.families.moe_folding.section import JSON_KEY, MoeFoldingSection
 from planner.cluster import Cluster
 from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
+from planner.moe_blocks import ROUTED_GELU
 from planner.plans import Plan
 from planner.routing import RoutingStats
-from planner.strategy import FOLDED_DP_TP, ExpertLayout, ExpertPlacement, Mesh, NodeStrategy
+from planner.strategy import FOLDED_DP_TP, ExpertLayout, ExpertPlacement, Mesh, NodeStrategy, PipelineConfig
 from search.context import SearchContext
 from search.layouts import megatron_layout
 from search.moe_search import MOE_LABEL, routing_label
@@ -39,8 +43,21 @@ FOLDED_SEQUENCE_PARALLEL = (False,)
 
 
 def folded_meshes(context: SearchContext) -> list[Mesh]:
-    """The ``dp x tp`` meshes (tp >= 2) among those the search considers."""
-    return [mesh for mesh in context.meshes if mesh.names == ("dp", "tp") and mesh.axis_size("tp") > 1]
+    """The ``dp x tp`` meshes (tp >= 2) among those the search considers, and, when the user
+    fixes ``--mesh pp=P``, the ``pp x dp x tp`` meshes with that ``P`` the constraints allow
+    (tp inside a node)."""
+    meshes = [mesh for mesh in context.meshes if mesh.names == ("dp", "tp") and mesh.axis_size("tp") > 1]
+    pp = context.constraints.mesh.get("pp", 1)
+    world = context.cluster.world_size
+    if pp > 1 and world % pp == 0:
+        per_node = context.cluster.min_devices_per_node
+        for tp in range(2, world // pp + 1):
+            if (world // pp) % tp or per_node % tp:
+                continue
+            mesh = Mesh((("pp", pp), ("dp", world // pp // tp), ("tp", tp)))
+            if context.constraints.allows_mesh(mesh):
+                meshes.append(mesh)
+    return meshes
 
 
 def folded_degrees(experts: int, ffn: int, ranks: int) -> list[tuple[int, int]]:
@@ -90,17 +107,21 @@ def dense_strategies(graph: OpGraph, mesh: Mesh, sequence_parallel: bool) -> tup
 
 def folded_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str, mesh: Mesh, ep: int,
                 etp: int = 1, *, sequence_parallel: bool = False, routing: RoutingStats | None = None,
-                precision: str = "fp32", warnings: tuple[str, ...] = ()) -> Plan:
-    """The simulated folded plan on ``mesh`` (``dp x tp``) with EP ``ep`` and ETP ``etp``
-    for every MoE layer (module docstring).
+                precision: str = "fp32", warnings: tuple[str, ...] = (), micro_batches: int = 1) -> Plan:
+    """The simulated folded plan on ``mesh`` (``dp x tp``, or ``pp x dp x tp``: pipeline
+    stages of Megatron's even split, 1F1B over ``micro_batches``) with EP ``ep`` and ETP
+    ``etp`` for every MoE layer (module docstring).
 
     Raises:
-        PlanningError: Megatron's layout does not split the model over ``tp``.
+        PlanningError: Megatron's layout does not split the model over ``tp`` or ``pp``.
         ValueError: the degrees do not fold over the mesh (``MoeFoldingSection.check``).
     """
     strategies, inputs = dense_strategies(graph, mesh, sequence_parallel)
+    pipeline = None
+    if "pp" in mesh.names:
+        pipeline = PipelineConfig(stages=mesh.axis_size("pp"), schedule="1f1b", micro_batches=micro_batches)
     base = unsimulated_plan(graph, cluster, spec, model_name, mesh, strategies, inputs, dp_flavour="ddp",
-                            precision=precision, warnings=tuple(warnings), label=MOE_LABEL)
+                            precision=precision, warnings=tuple(warnings), label=MOE_LABEL, pipeline=pipeline)
     plan = dataclasses.replace(base, expert_layouts=folded_layouts(graph, routing or RoutingStats(), ep, etp),
                                sections={**base.sections, JSON_KEY: MoeFoldingSection(sequence_parallel)})
     return simulated(plan, graph)
@@ -112,11 +133,18 @@ def folded_candidates(context: SearchContext) -> list[Plan]:
     by layout and the constraints allow the family."""
     if not context.moe_layouts or context.summa_only or not context.constraints.allows_family("moe_folding"):
         return []
+    if any(block.runtime != ROUTED_GELU for block in context.graph.moe_blocks):
+        return []  # HuggingFace's blocks keep their own router: their folded program is not written
     graph, plans = context.graph, []
     for mesh in folded_meshes(context):
-        if graph.batch_size % mesh.axis_size("dp"):
+        dp = mesh.axis_size("dp")
+        if graph.batch_size % dp:
             continue
-        ranks = mesh.size
+        ranks = dp * mesh.axis_size("tp")
+        # A pipeline's micro-batches: as many as stages (1F1B's fill), of whole samples per dp rank.
+        micro_batches = mesh.axis_size("pp") if "pp" in mesh.names else 1
+        if (graph.batch_size // dp) % micro_batches:
+            continue
         shared = None
         for block in graph.moe_blocks:
             options = set(folded_degrees(block.experts, block.ffn, ranks))
@@ -126,7 +154,8 @@ def folded_candidates(context: SearchContext) -> list[Plan]:
                 try:
                     plans.append(folded_plan(graph, context.cluster, context.spec, context.model_name, mesh, ep, etp,
                                              sequence_parallel=sequence_parallel, routing=context.routing,
-                                             precision=context.precision, warnings=context.warnings))
+                                             precision=context.precision, warnings=context.warnings,
+                                             micro_batches=micro_batches))
                 except PlanningError:
                     break  # Megatron's layout does not split this model over tp
     if plans:

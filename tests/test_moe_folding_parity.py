@@ -5,9 +5,13 @@ embedding vocabulary parallel, the head column parallel, every MoE layer's exper
 ``dp x tp`` ranks (Megatron-Core's MoE parallel folding): dp2 x tp2 with EP4, and with EP2 x
 EDP2 (each expert copied on two ranks); dropless; every other block a dense MLP (column then
 row parallel); two micro-batches per step (each routed on its own); dp1 x tp4 (one head per
-rank); and the plan the search picks for ``--mesh dp=2,tp=2``. ``launch.py --check``'s step
-(outputs, loss, every gradient, every updated parameter) must equal one device's.
-All programs are checked in ONE torchrun launch (``tests/dist_check_many.py``).
+rank); and the plan the search picks for ``--mesh dp=2,tp=2``. At world 8 on two nodes of 4,
+pipelines of 2 stages over dp2 x tp2 (issue 26's first composed configuration): the plan the
+search picks for ``--mesh pp=2,dp=2,tp=2`` (EP2 x EDP2) and EP4; each stage replays its graph
+on DTensors (attention tensor parallel) and runs its MoE layers folded over its 4 ranks.
+``launch.py --check``'s step (outputs, loss, every gradient, every updated parameter) must
+equal one device's (in the plan's micro-batches). Each world size checks all its programs in
+ONE torchrun launch (``tests/dist_check_many.py``).
 
 Negative controls must fail, naming what they break: expert gradients divided by dp x tp
 (every rank's loss counted as a distinct one) and router gradients not summed over tp.
@@ -103,6 +107,31 @@ def test_broken_folding_gradients_are_reported(run, control, broken):
     result = result_of(launch, controls[control])
     assert result.startswith("FAILED parity FAILED: worst tensor "), result
     assert re.search(broken, result), result
+
+
+PIPELINED = "searched_pp2dp2tp2"
+PIPELINED_EP4 = "pp2dp2tp2_ep4"
+
+
+@pytest.fixture(scope="module")
+def run8(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_folding_world8")
+    spec = ModelSpec(str(EXAMPLE), {})
+    searched = planner.plan(spec, "cpu:2x4", constraints={"mesh": {"pp": 2, "dp": 2, "tp": 2}})
+    assert "moe_folding" in searched.sections and searched.pipeline is not None, searched.name
+    graph, spec, name, cluster = prepare_model(spec, "cpu:2x4")
+    ep4 = folded_plan(graph, cluster, spec, name, Mesh((("pp", 2), ("dp", 2), ("tp", 2))), 4, micro_batches=2)
+    folders = {PIPELINED: planner.compile(searched, root / PIPELINED), PIPELINED_EP4: planner.compile(ep4, root / PIPELINED_EP4)}
+    return folders, check_many(8, list(folders.values()), root)
+
+
+@pytest.mark.parametrize("case", [PIPELINED, PIPELINED_EP4])
+def test_folded_pipeline_step_equals_one_device(run8, case):
+    folders, launch = run8
+    result = result_of(launch, folders[case])
+    assert result.startswith("ok parity ok: "), f"{case}: {result}"
+    source = (folders[case] / "model_spmd.py").read_text()
+    assert "STAGE_AXES = (('dp', 2), ('tp', 2))" in source
 
 
 def test_the_program_names_its_layers_and_placement(run):

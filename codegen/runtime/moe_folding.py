@@ -36,7 +36,7 @@ from torch import nn
 
 from codegen.runtime.moe import ExpertParallelMoE, scaled_gradient
 
-__all__ = ["FoldedExpertParallelMoE", "FoldedMoE"]
+__all__ = ["FoldedExpertParallelMoE", "FoldedMoE", "TokensOverTensorParallel"]
 
 
 class FoldedExpertParallelMoE(ExpertParallelMoE):
@@ -52,6 +52,28 @@ class FoldedExpertParallelMoE(ExpertParallelMoE):
         return super().expert_gradient(grad) * self.tensor_parallel
 
 
+class TokensOverTensorParallel:
+    """Runs an MoE layer over the folded group on this tp rank's ``1 / tp`` of the tokens
+    (steps 1 and 3 of the module docstring): ``(layer, x)`` -> (output gathered over tp, the
+    layer's balance loss)."""
+
+    def __init__(self, tp_group):
+        self.group = tp_group
+        self.tp, self.rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+    def __call__(self, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq, width = x.shape
+        rows = batch * seq
+        if rows % self.tp:
+            raise ValueError(f"{rows} tokens per dp rank do not split over tp={self.tp}; plan a batch x sequence "
+                             f"divisible by tp")
+        piece = rows // self.tp
+        mine = _SliceRows.apply(x.reshape(rows, width), self.group, self.rank, piece)
+        output, balance = layer(mine.view(1, piece, width))
+        whole = _GatherRows.apply(output.reshape(piece, width), self.group, self.rank)
+        return whole.view(batch, seq, width), balance
+
+
 class FoldedMoE(nn.Module):
     """``layer`` (a ``FoldedExpertParallelMoE`` over the folded group) run on this tp rank's
     slice of the tokens, its output gathered over ``tp_group`` (module docstring).
@@ -60,7 +82,7 @@ class FoldedMoE(nn.Module):
     def __init__(self, layer: FoldedExpertParallelMoE, tp_group):
         super().__init__()
         self.layer, self.tp_group = layer, tp_group
-        self.tp, self.tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        self.tokens = TokensOverTensorParallel(tp_group)
         # The router's gradient from this rank's slice of the tokens, summed over tp.
         layer.router.register_hook(self._sum_over_tp)
 
@@ -70,16 +92,8 @@ class FoldedMoE(nn.Module):
         return summed
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, seq, width = x.shape
-        rows = batch * seq
-        if rows % self.tp:
-            raise ValueError(f"{rows} tokens per dp rank do not split over tp={self.tp}; plan a batch x sequence "
-                             f"divisible by tp")
-        piece = rows // self.tp
-        mine = _SliceRows.apply(x.reshape(rows, width), self.tp_group, self.tp_rank, piece)
-        output, balance = self.layer(mine.view(1, piece, width))
-        whole = _GatherRows.apply(output.reshape(piece, width), self.tp_group, self.tp_rank)
-        return whole.view(batch, seq, width), scaled_gradient(balance, 1.0 / self.tp)
+        output, balance = self.tokens(self.layer, x)
+        return output, scaled_gradient(balance, 1.0 / self.tokens.tp)
 
     def full_parameters(self):
         """The replaced layer's router and experts, whole (``ExpertParallelMoE``'s)."""
