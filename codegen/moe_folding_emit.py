@@ -22,8 +22,10 @@ its stages replay the traced graph on DTensors, tensor parallel by the plan's pl
 each MoE layer runs folded over its stage's ``dp x tp`` ranks (``codegen.runtime.pipeline_moe``).
 
 What this compiler does not write is refused in one line naming the combination and the fix
-(``check_foldable``): sequence parallelism, expert tensor parallelism (ETP > 1), and without
-a pipeline data-parallel flavours other than DDP and recomputation.
+(``check_foldable``): sequence parallelism, expert tensor parallelism (ETP > 1) in a pipeline
+or beside expert copies (EDP > 1), and without a pipeline data-parallel flavours other than
+DDP and recomputation. With ETP > 1 each expert's ETP consecutive ranks hold a slice of its
+width each (``codegen.runtime.moe_folding.SlicedExperts``).
 
 Module paths reach the source only as ``repr()`` of paths checked against the model
 (``codegen.plan_checks``); other plan text only in comments.
@@ -55,11 +57,14 @@ def check_foldable(plan: Plan) -> None:
             "compiled folded MoE programs keep the tokens whole on every tp rank between blocks; this plan is sequence "
             "parallel; re-plan with sequence_parallel false in its moe_folding section"
         )
+    ranks = plan.mesh.axis_size("dp") * plan.mesh.axis_size("tp")
     for layout in plan.expert_layouts:
-        if layout.tensor_parallel != 1:
+        ep, etp = layout.placement.devices, layout.tensor_parallel
+        if etp != 1 and (plan.pipeline is not None or ep * etp != ranks):
             raise PlanningError(
-                f"compiled folded MoE programs run whole experts; layer {layout.module!r} splits them ETP="
-                f"{layout.tensor_parallel} (EP={layout.placement.devices}); re-plan with ETP 1"
+                f"compiled folded MoE programs split experts (ETP={etp}) only without a pipeline and with EP x ETP "
+                f"= dp x tp = {ranks} (no expert copies); layer {layout.module!r} has EP={ep}"
+                f"{' in a pipeline' if plan.pipeline is not None else ''}; re-plan with ETP 1"
             )
     if plan.pipeline is not None:
         return  # the pipeline writer's own checks follow (codegen.pipeline_emit.unsupported)
@@ -194,7 +199,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from codegen.runtime.moe_folding import FoldedExpertParallelMoE, FoldedMoE
+from codegen.runtime.moe_folding import FoldedExpertParallelMoE, FoldedMoE, expert_tensor_groups
 from codegen.runtime.tensor_parallel_layers import (
     ColumnParallelLinear,
     HeadParallelSelfAttention,
@@ -239,6 +244,7 @@ def _parallelize(plan: Plan, replacements: list[tuple[str, str, str]], blocks: d
         f'    all {dp * tp} ranks, the rest replicated and averaged over "dp" ({dp} ranks) by DDP."""',
         '    dp_mesh, tp_group = mesh["dp"], mesh["tp"].get_group()',
         "    folded_group = dist.group.WORLD  # every rank of dp x tp, in mesh order (tp innermost)",
+        *_etp_group_lines(plan),
         "",
         "    # Tensor parallel over \"tp\", as the plan splits their weights.",
     ]
@@ -267,9 +273,11 @@ def _parallelize(plan: Plan, replacements: list[tuple[str, str, str]], blocks: d
             "        rank_losses_averaged=True,",
             f"        names={(block.router, *block.expert_weights)!r},",
             f"        tensor_parallel={tp!r},",
+            *([f"        etp_group=etp_groups[{layout.tensor_parallel!r}],"] if layout.tensor_parallel > 1 else []),
             "    ), tp_group))",
         ]
-        ignored += [f"{path}.layer.w_in", f"{path}.layer.w_out"]
+        owner = f"{path}.layer.sharded_experts" if layout.tensor_parallel > 1 else f"{path}.layer"
+        ignored += [f"{owner}.w_in", f"{owner}.w_out"]
     lines += [
         "",
         "    # Each rank's own experts: DDP neither broadcasts nor averages them (their gradients arrive",
@@ -284,6 +292,17 @@ def _parallelize(plan: Plan, replacements: list[tuple[str, str, str]], blocks: d
         "",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _etp_group_lines(plan: Plan) -> list[str]:
+    """Lines making the expert-tensor-parallel groups, once per ETP degree the layers use."""
+    degrees = sorted({layout.tensor_parallel for layout in plan.expert_layouts if layout.tensor_parallel > 1})
+    if not degrees:
+        return []
+    return [
+        "    # Expert tensor parallelism: each expert split over ETP consecutive ranks (made once, by every rank).",
+        f"    etp_groups = {{size: expert_tensor_groups(size) for size in {literal(tuple(degrees))}}}",
+    ]
 
 
 def _shard_batch(plan: Plan) -> str:

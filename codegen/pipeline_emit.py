@@ -94,7 +94,8 @@ def unsupported(plan: Plan) -> str | None:
                 f"dp x tp mesh); this mesh is {plan.mesh}")
     if folded and (plan.sections["moe_folding"].sequence_parallel
                    or any(layout.tensor_parallel != 1 for layout in plan.expert_layouts)):
-        return "folded MoE layers inside pipeline stages run whole experts (ETP 1) without sequence parallelism"
+        return ("folded MoE layers inside pipeline stages run whole experts (ETP 1) without sequence parallelism; "
+                "re-plan with ETP 1 and sequence_parallel false")
     for layout in plan.expert_layouts:
         if layout.mode not in ("expert_parallel", "data_parallel") or layout.sharded_copies or layout.all_to_all != "flat":
             return (f"MoE layers inside pipeline stages run expert parallel (flat all-to-all, whole copies) or data "

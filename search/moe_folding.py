@@ -17,7 +17,9 @@ compiles them; HuggingFace's blocks keep their own router).
 
 ``FOLDED_SEQUENCE_PARALLEL``: the residual stream's layouts tried. The sequence-parallel one is
 priced (``cost_model.moe_folding``) but not searched: compiled folded programs do not write it
-yet (``codegen.moe_folding_emit`` refuses it in one line).
+yet (``codegen.moe_folding_emit`` refuses it in one line). Compiled programs split experts
+(ETP > 1) only without a pipeline and without expert copies (EP x ETP = dp x tp); the other
+ETP layouts are searched and priced, and refused by compile in one line.
 """
 
 from __future__ import annotations

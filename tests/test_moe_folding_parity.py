@@ -2,8 +2,9 @@
 
 ``examples/moe.py`` at world 4, attention (and dense MLPs) tensor parallel on ``tp``, the
 embedding vocabulary parallel, the head column parallel, every MoE layer's experts over all
-``dp x tp`` ranks (Megatron-Core's MoE parallel folding): dp2 x tp2 with EP4, and with EP2 x
-EDP2 (each expert copied on two ranks); dropless; every other block a dense MLP (column then
+``dp x tp`` ranks (Megatron-Core's MoE parallel folding): dp2 x tp2 with EP4, with EP2 x
+EDP2 (each expert copied on two ranks), and with EP2 x ETP2 (each expert's width split over
+two ranks, with a capacity and dropless); dropless EP4; every other block a dense MLP (column then
 row parallel); two micro-batches per step (each routed on its own); dp1 x tp4 (one head per
 rank); and the plan the search picks for ``--mesh dp=2,tp=2``. At world 8 on two nodes of 4,
 pipelines of 2 stages over dp2 x tp2 (issue 26's first composed configuration): the plan the
@@ -37,23 +38,25 @@ pytestmark = pytest.mark.distributed
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "moe.py"
 WORLD = 4
-# name: (model overrides, dp, tp, EP, accumulation steps)
+# name: (model overrides, dp, tp, EP, accumulation steps, ETP)
 CASES = {
-    "dp2tp2_ep4": ({}, 2, 2, 4, 1),
-    "dp2tp2_ep2_edp2": ({}, 2, 2, 2, 1),
-    "dropless_ep4": ({"capacity_factor": 0}, 2, 2, 4, 1),
-    "dense_mlp_every_other_block": ({"moe_every": 2, "n_layer": 2}, 2, 2, 4, 1),
-    "two_micro_batches_ep2": ({}, 2, 2, 2, 2),
-    "dp1tp4_ep4": ({}, 1, 4, 4, 1),
+    "dp2tp2_ep4": ({}, 2, 2, 4, 1, 1),
+    "dp2tp2_ep2_edp2": ({}, 2, 2, 2, 1, 1),
+    "dp2tp2_ep2_etp2": ({}, 2, 2, 2, 1, 2),
+    "dropless_ep2_etp2": ({"capacity_factor": 0}, 2, 2, 2, 1, 2),
+    "dropless_ep4": ({"capacity_factor": 0}, 2, 2, 4, 1, 1),
+    "dense_mlp_every_other_block": ({"moe_every": 2, "n_layer": 2}, 2, 2, 4, 1, 1),
+    "two_micro_batches_ep2": ({}, 2, 2, 2, 2, 1),
+    "dp1tp4_ep4": ({}, 1, 4, 4, 1, 1),
 }
 SEARCHED = "searched_dp2tp2"
 EXPERT_SCALE_CONTROL = "control_expert_gradients_over_dp_x_tp"
 ROUTER_CONTROL = "control_router_gradients_not_summed_over_tp"
 
 
-def plan_of(overrides: dict, dp: int, tp: int, ep: int, steps: int):
+def plan_of(overrides: dict, dp: int, tp: int, ep: int, steps: int, etp: int = 1):
     graph, spec, name, cluster = prepare_model(ModelSpec(str(EXAMPLE), overrides), f"cpu:1x{WORLD}")
-    plan = folded_plan(graph, cluster, spec, name, Mesh((("dp", dp), ("tp", tp))), ep)
+    plan = folded_plan(graph, cluster, spec, name, Mesh((("dp", dp), ("tp", tp))), ep, etp)
     return dataclasses.replace(plan, accumulation_steps=steps)
 
 
@@ -151,12 +154,13 @@ def test_the_program_names_its_layers_and_placement(run):
 
 
 def test_what_is_not_compiled_is_refused_in_one_line(tmp_path):
+    graph, spec, name, cluster = prepare_model(ModelSpec(str(EXAMPLE), {}), "cpu:2x4")
+    pipelined = folded_plan(graph, cluster, spec, name, Mesh((("pp", 2), ("dp", 2), ("tp", 2))), 2, 2, micro_batches=2)
+    with pytest.raises(PlanningError, match=r"inside pipeline stages run whole experts \(ETP 1\).*re-plan with ETP 1") as error:
+        planner.compile(pipelined, tmp_path / "etp")
+    assert "\n" not in str(error.value)
     graph, spec, name, cluster = prepare_model(ModelSpec(str(EXAMPLE), {}), f"cpu:1x{WORLD}")
     mesh = Mesh((("dp", 2), ("tp", 2)))
-    etp = folded_plan(graph, cluster, spec, name, mesh, 2, 2)
-    with pytest.raises(PlanningError, match=r"splits them ETP=2 \(EP=2\); re-plan with ETP 1") as error:
-        planner.compile(etp, tmp_path / "etp")
-    assert "\n" not in str(error.value)
     zero2 = dataclasses.replace(folded_plan(graph, cluster, spec, name, mesh, 4), dp_flavour="zero2")
     with pytest.raises(PlanningError, match="plan with --dp ddp"):
         planner.compile(zero2, tmp_path / "zero2")
