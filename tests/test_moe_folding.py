@@ -167,3 +167,15 @@ def test_search_with_mesh_dp_tp_weighs_folded_plans_against_the_others(traced):
     others = [alternative for alternative in best.runners_up if alternative.fits]
     assert others and all(best.estimate.step_time_s <= alternative.step_time_s for alternative in others)
     assert any("folded" not in alternative.name for alternative in others)
+
+
+def test_unconstrained_search_weighs_folded_plans_and_keeps_data_parallel_where_it_is_faster(traced):
+    from search.auto import search_plan
+
+    graph, spec, name, cluster = traced
+    best = search_plan(graph, cluster, spec, name)
+    # On 4 CPU ranks the tensor-parallel all-reduces of a 64-wide model cost more than they
+    # save: every expert replicated over dp=4 is faster than any folded plan, which competed.
+    assert "moe_folding" not in best.sections and best.mesh.names == ("dp",), best.name
+    folded = [alternative for alternative in best.runners_up if "folded over dp x tp" in alternative.name]
+    assert folded and all(alternative.step_time_s > best.estimate.step_time_s for alternative in folded)

@@ -36,6 +36,7 @@ from torch import nn
 
 from codegen.runtime.materialize import set_derived_parameter
 from codegen.runtime.moe import ExpertParallelMoE, gelu_experts, scaled_gradient
+from codegen.runtime.summa import all_reduce_gradient
 
 __all__ = ["FoldedExpertParallelMoE", "FoldedMoE", "SlicedExperts", "TokensOverTensorParallel", "expert_tensor_groups"]
 
@@ -200,9 +201,7 @@ class FoldedMoE(nn.Module):
         layer.router.register_hook(self._sum_over_tp)
 
     def _sum_over_tp(self, grad: torch.Tensor) -> torch.Tensor:
-        summed = grad.clone()
-        dist.all_reduce(summed, group=self.tp_group)
-        return summed
+        return all_reduce_gradient(grad.clone(), (self.tp_group,))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         output, balance = self.tokens(self.layer, x)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from codegen.runtime.materialize import set_derived_parameter
+from codegen.runtime.summa import replicated
 
 __all__ = [
     "ColumnParallelLinear", "HeadParallelSelfAttention", "RowParallelLinear", "VocabParallelEmbedding",
@@ -31,7 +32,7 @@ __all__ = [
 
 def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
     """``x`` in forward; its gradient all-reduced over ``group`` in backward (Megatron's f)."""
-    return _CopyToGroup.apply(x, group)
+    return replicated(x, (group,))
 
 
 def reduce_from_group(x: torch.Tensor, group) -> torch.Tensor:
@@ -43,19 +44,6 @@ def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     """The ranks' ``x`` concatenated on the last dim in rank order; backward keeps this
     rank's piece of the gradient (the gradient is the same on every rank)."""
     return _GatherLastDim.apply(x, group)
-
-
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
