@@ -11,9 +11,9 @@ for every expert-parallel degree EP that divides the experts and every expert-te
 degree ETP that divides the experts' hidden width, with EP x ETP dividing the ranks, the
 experts placed round-robin over EP. Each is simulated (``cost_model.moe_folding`` prices the
 tokens' trips between the layouts, the all-to-alls and ETP's gather and reduce-scatter), and
-all of them compete with the other families' plans on their simulated step. Only models whose
-MoE layers are ``examples/moe.py``'s routed GELU layers get folded plans (the runtime that
-compiles them; HuggingFace's blocks keep their own router).
+all of them compete with the other families' plans on their simulated step. Models whose MoE
+layers are not ``examples/moe.py``'s routed GELU layers (HuggingFace's blocks keep their own
+router; compile refuses them folded) get folded plans only when ``--mesh`` fixes ``tp > 1``.
 
 ``FOLDED_SEQUENCE_PARALLEL``: the residual stream's layouts tried. The sequence-parallel one is
 priced (``cost_model.moe_folding``) but not searched: compiled folded programs do not write it
@@ -42,6 +42,7 @@ from search.moe_search import MOE_LABEL, routing_label
 from search.plan_builder import unsimulated_plan
 
 FOLDED_SEQUENCE_PARALLEL = (False,)
+EP_OPTIONS = 4  # expert-parallel degrees searched per ETP and mesh, the largest first (folded_degrees)
 
 
 def folded_meshes(context: SearchContext) -> list[Mesh]:
@@ -62,11 +63,19 @@ def folded_meshes(context: SearchContext) -> list[Mesh]:
     return meshes
 
 
-def folded_degrees(experts: int, ffn: int, ranks: int) -> list[tuple[int, int]]:
-    """Every (EP, ETP) a layer of ``experts`` experts of hidden width ``ffn`` may fold over
-    ``ranks`` ranks: EP divides the experts, ETP the width, EP x ETP the ranks; EP > 1."""
-    return [(ep, etp) for ep in range(2, ranks + 1) for etp in range(1, ranks // ep + 1)
-            if experts % ep == 0 and ffn % etp == 0 and ranks % (ep * etp) == 0]
+def folded_degrees(experts: int, ffn: int, ranks: int, tp: int) -> list[tuple[int, int]]:
+    """The (EP, ETP) searched for a layer of ``experts`` experts of hidden width ``ffn`` over
+    ``ranks`` = dp x tp ranks: EP > 1 divides the experts, ETP the width and ``tp`` (ETP runs
+    inside a tensor-parallel group, as Megatron-Core's ETP groups do), EP x ETP the ranks;
+    for each ETP the ``EP_OPTIONS`` largest EPs (the fewest expert copies: the least memory;
+    the bound keeps a 256-expert model on hundreds of GPUs to a few simulations per mesh)."""
+    found = []
+    for etp in range(1, tp + 1):
+        if tp % etp or ffn % etp:
+            continue
+        eps = [ep for ep in range(2, ranks // etp + 1) if experts % ep == 0 and ranks % (ep * etp) == 0]
+        found += [(ep, etp) for ep in eps[-EP_OPTIONS:]]
+    return sorted(found)
 
 
 def folded_layouts(graph: OpGraph, routing: RoutingStats, ep: int, etp: int) -> tuple[ExpertLayout, ...]:
@@ -135,8 +144,11 @@ def folded_candidates(context: SearchContext) -> list[Plan]:
     by layout and the constraints allow the family."""
     if not context.moe_layouts or context.summa_only or not context.constraints.allows_family("moe_folding"):
         return []
-    if any(block.runtime != ROUTED_GELU for block in context.graph.moe_blocks):
-        return []  # HuggingFace's blocks keep their own router: their folded program is not written
+    uncompiled = any(block.runtime != ROUTED_GELU for block in context.graph.moe_blocks)
+    if uncompiled and context.constraints.mesh.get("tp", 1) < 2:
+        # HuggingFace's blocks keep their own router: their folded program is not written, so
+        # they are folded only when the user asks for tensor parallelism (--mesh tp=N).
+        return []
     graph, plans = context.graph, []
     for mesh in folded_meshes(context):
         dp = mesh.axis_size("dp")
@@ -149,7 +161,7 @@ def folded_candidates(context: SearchContext) -> list[Plan]:
             continue
         shared = None
         for block in graph.moe_blocks:
-            options = set(folded_degrees(block.experts, block.ffn, ranks))
+            options = set(folded_degrees(block.experts, block.ffn, ranks, mesh.axis_size("tp")))
             shared = options if shared is None else shared & options
         for ep, etp in sorted(shared or ()):
             for sequence_parallel in FOLDED_SEQUENCE_PARALLEL:
@@ -162,5 +174,6 @@ def folded_candidates(context: SearchContext) -> list[Plan]:
                     break  # Megatron's layout does not split this model over tp
     if plans:
         best = min(plans, key=lambda plan: (not plan.estimate.fits, plan.estimate.step_time_s))
-        context.notes.append(f"MoE folded over dp x tp: {len(plans)} plan(s), best {best.name}")
+        context.notes.append(f"MoE folded over dp x tp: {len(plans)} plan(s), best {best.name}"
+                             + (" (priced; compiled programs do not run these MoE blocks folded)" if uncompiled else ""))
     return plans

@@ -105,9 +105,12 @@ def test_sequence_parallel_tokens_need_no_redistribution():
 
 
 def test_degrees_searched_divide_experts_width_and_ranks():
-    # 4 experts of width 128 over 4 ranks: EP in {2, 4}, ETP with EP x ETP dividing 4.
-    assert folded_degrees(4, 128, 4) == [(2, 1), (2, 2), (4, 1)]
-    assert folded_degrees(3, 128, 4) == []  # 3 experts split over no EP that divides 4 ranks
+    # 4 experts of width 128 over dp2 x tp2: EP in {2, 4}, ETP dividing tp, EP x ETP dividing 4.
+    assert folded_degrees(4, 128, 4, tp=2) == [(2, 1), (2, 2), (4, 1)]
+    assert folded_degrees(3, 128, 4, tp=2) == []  # 3 experts split over no EP that divides 4 ranks
+    # 256 experts over dp32 x tp8: the 4 largest EPs per ETP in {1, 2, 4, 8}, not all 50-odd pairs.
+    degrees = folded_degrees(256, 2048, 256, tp=8)
+    assert len(degrees) == 16 and (256, 1) in degrees and (32, 8) in degrees and (2, 1) not in degrees
 
 
 @pytest.fixture(scope="module")
