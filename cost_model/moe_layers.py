@@ -268,9 +268,9 @@ def laid_out_layers(plan, graph: OpGraph, micro_batches: int) -> dict[str, LaidO
         return {}
     cache = graph_facts(graph).moe_layers
     layers = {}
+    folding = folding_of(plan)  # a folded plan prices its layers over dp x tp (cost_model.moe_folding)
     for layout in plan.expert_layouts:
         # The layout without its cost annotation (a simulated plan's layouts carry one).
-        folding = folding_of(plan)
         key = (dataclasses.replace(layout, cost=CostParts()), plan.cluster, plan.precision,
                expert_group(plan.mesh, layout.axis), micro_batches, folding)
         if key not in cache:

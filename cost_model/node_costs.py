@@ -193,7 +193,8 @@ class NodeCosts:
                 cost.weight_gather_s = layer.copy_gather_s
                 cost.axis_sync_s = layer.copy_reduce_s  # sharded copies' reduce-scatter, overlapped
                 cost.saved_bytes = layer.activation_bytes
-                routing = routing_sync_bytes(layer.block, expert_axis_size(self.context.mesh, layer.layout.axis))  # the routing all-gather
+                # The routing all-gather, over the layout's ranks (all of dp x tp when folded).
+                routing = routing_sync_bytes(layer.block, expert_axis_size(self.context.mesh, layer.layout.axis))
                 if moe.sent_bytes or routing:
                     cost.axis_bytes[layer.layout.axis] = moe.sent_bytes + routing
                 if layer.copy_sent_bytes:  # over the copy groups, sub-groups of the layout's axis

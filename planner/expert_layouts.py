@@ -231,8 +231,9 @@ class ExpertLayout:
                     "number (>= 2) of copies, on devices that hold the same experts (a grid: groups x copies); "
                     "this layout's placement does not; set sharded_copies to false"
                 )
-        if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
-            raise ValueError(f"tensor_parallel must be an integer >= 1 (1: whole experts), got {str(self.tensor_parallel)[:40]!r}")
+        etp = self.tensor_parallel
+        if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1:
+            raise ValueError(f"tensor_parallel must be an integer >= 1 (1: whole experts), got {str(etp)[:40]!r}")
         if self.tensor_parallel > 1 and (self.mode != "expert_parallel" or self.sharded_copies):
             raise ValueError(
                 f"tensor_parallel={self.tensor_parallel} splits the experts of an expert_parallel layout without "
@@ -240,7 +241,9 @@ class ExpertLayout:
                 f"set tensor_parallel to 1"
             )
         if not self.axis or any(not name.isidentifier() for name in self.axis.split(FOLDED_AXIS_JOIN)):
-            raise ValueError(f"axis must name mesh axes joined by '{FOLDED_AXIS_JOIN}' (e.g. 'dp', 'dp*tp'), got {str(self.axis)[:40]!r}")
+            raise ValueError(
+                f"axis must name mesh axes joined by '{FOLDED_AXIS_JOIN}' (e.g. 'dp', 'dp*tp'), got {str(self.axis)[:40]!r}"
+            )
         if "\n" in self.routing or "\r" in self.routing or len(self.routing) > 200:
             raise ValueError("routing must be one line of at most 200 characters")
 

@@ -182,3 +182,11 @@ def test_unconstrained_search_weighs_folded_plans_and_keeps_data_parallel_where_
     assert "moe_folding" not in best.sections and best.mesh.names == ("dp",), best.name
     folded = [alternative for alternative in best.runners_up if "folded over dp x tp" in alternative.name]
     assert folded and all(alternative.step_time_s > best.estimate.step_time_s for alternative in folded)
+
+
+def test_the_report_says_how_the_ranks_fold(traced):
+    graph, spec, name, cluster = traced
+    plan = folded_plan(graph, cluster, spec, name, Mesh((("dp", 2), ("tp", 2))), ep=2, etp=2)
+    text = " ".join(plan.report().split())
+    assert "the 4 ranks of dp x tp hold the experts as ETP=2 x EP=2 x EDP=1" in text
+    assert "each of the 2 tp ranks of a dp rank takes 1/2 of its tokens" in text

@@ -4,7 +4,7 @@ Megatron-Core folds them (``section.py`` says how).
 
 Parts: section ``section.MoeFoldingSection``, candidates ``search.moe_folding``, the
 layer's costs ``cost_model.moe_folding`` (through ``cost_model.moe_layers``), emitter
-``codegen.moe_folding_emit`` with the runtime ``codegen/runtime/moe_folding.py``.
+``codegen.moe_folding_emit`` with the runtime ``codegen/runtime/moe_folding.py``, report ``report.folding_section``.
 """
 
 from __future__ import annotations
@@ -20,5 +20,6 @@ FAMILIES = (
         candidates="search.moe_folding:folded_candidates", search_order=12,
         emitter="codegen.moe_folding_emit:render_folded_program", claims=lambda plan: JSON_KEY in plan.sections,
         emit_order=5,
+        report="planner.families.moe_folding.report:folding_section",
     ),
 )
