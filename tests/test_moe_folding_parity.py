@@ -32,7 +32,7 @@ from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from planner.strategy import Mesh
 from search.moe_folding import folded_plan
-from test_parity import check_many, result_of
+from test_parity import LAUNCH_TIMEOUT, _run, _torchrun, check_many, result_of
 
 pytestmark = pytest.mark.distributed
 
@@ -164,3 +164,26 @@ def test_what_is_not_compiled_is_refused_in_one_line(tmp_path):
     zero2 = dataclasses.replace(folded_plan(graph, cluster, spec, name, mesh, 4), dp_flavour="zero2")
     with pytest.raises(PlanningError, match="plan with --dp ddp"):
         planner.compile(zero2, tmp_path / "zero2")
+
+
+def _step_losses(stdout: str) -> dict[int, float]:
+    return {int(step): float(loss) for step, loss in re.findall(r"^step (\d+)/\d+: .*?loss ([0-9.]+)", stdout, re.M)}
+
+
+def test_a_folded_checkpoint_resumes_on_a_data_parallel_program(run, tmp_path):
+    """Three steps of the EP2 x EDP2 folded program, against two of them checkpointed and the
+    third resumed by a dp=4 program of the same model: the third step's loss is the same (the
+    tensor-parallel slices, the experts and their copies saved as parts of the whole weights)."""
+    folders, _, _ = run
+    folded = folders["dp2tp2_ep2_edp2"]
+    dp4 = planner.compile(planner.plan(ModelSpec(str(EXAMPLE), {}), f"cpu:1x{WORLD}",
+                                       constraints={"mesh": {"dp": 4}}), tmp_path / "dp4")
+    whole = _run([*_torchrun(WORLD), str(folded / "launch.py"), "--steps", "3"], tmp_path, LAUNCH_TIMEOUT)
+    assert whole.returncode == 0, whole.describe()
+    saved = _run([*_torchrun(WORLD), str(folded / "launch.py"), "--steps", "2", "--checkpoint-dir",
+                  str(tmp_path / "ckpt")], tmp_path, LAUNCH_TIMEOUT)
+    assert saved.returncode == 0, saved.describe()
+    resumed = _run([*_torchrun(WORLD), str(dp4 / "launch.py"), "--steps", "3", "--checkpoint-dir",
+                    str(tmp_path / "ckpt"), "--resume"], tmp_path, LAUNCH_TIMEOUT)
+    assert resumed.returncode == 0, resumed.describe()
+    assert _step_losses(resumed.stdout)[3] == pytest.approx(_step_losses(whole.stdout)[3], abs=2e-6), resumed.stdout

@@ -134,7 +134,9 @@ class RowParallelLinear(nn.Module):
         self.group = group
         start, stop = _bounds(linear.in_features, group)
         set_derived_parameter(self, "weight", linear.weight, dim=1, start=start, stop=stop)
-        self.bias = linear.bias  # whole on every rank: added once, after the sum
+        self.bias = None
+        if linear.bias is not None:  # whole on every rank: added once, after the sum
+            set_derived_parameter(self, "bias", linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_group(F.linear(x, self.weight), self.group)
