@@ -43,9 +43,8 @@ from planner import __version__
 from planner.errors import PlanningError
 from planner.moe_blocks import ROUTED_GELU, find_moe_blocks
 from planner.plans import Plan
+from planner.families.moe_folding.section import JSON_KEY as SECTION
 from planner.strategy import placement_to_str
-
-SECTION = "moe_folding"
 
 
 def check_foldable(plan: Plan) -> None:
