@@ -87,10 +87,9 @@ def _gathered(local: torch.Tensor, dim: int, group) -> torch.Tensor:
     return torch.cat(pieces, dim=dim)
 
 
-def _entry(param: torch.Tensor | None, dim: int | None, group, rows=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(value, gradient) of a parameter whole: gathered on ``dim`` (None: already whole)."""
-    if param is None:
-        return None
+def _entry(param: torch.Tensor, dim: int | None, group, rows=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(value, gradient) of a parameter whole: gathered on ``dim`` (None: already whole); ``rows``
+    reorders the gathered rows when the pieces were not consecutive rows."""
     gather = (lambda t: t) if dim is None else (lambda t: _gathered(t, dim, group))
     value = gather(param.detach())
     grad = None if param.grad is None else gather(param.grad.detach())
