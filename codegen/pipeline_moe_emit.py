@@ -25,6 +25,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Replicate, Shard
 
+from codegen.moe_folding_placement import folded_replicas
 from codegen.source_text import comment, identifier, literal
 from codegen.spmd_emit import GraphEmitter
 from codegen.spmd_placements import Value
@@ -124,7 +125,7 @@ class StageMoEEmitter(GraphEmitter):
         lines = [
             "",
             pad + comment(f"---- {call.path} (MoE): routed and run by its layout over this stage's dp ranks "
-                          "(codegen.runtime.pipeline_moe; STAGE_EXPERTS)"),
+                          "(dp x tp when folded; codegen.runtime.pipeline_moe; STAGE_EXPERTS)"),
             pad + f"{output}, {balance} = self.moe_layer({router.expr}, {tokens.expr})",
         ]
         self.values[call.output] = Value(output, "dt", (Shard(0),))
@@ -145,6 +146,8 @@ def stage_experts_table(plan: Plan, graph: OpGraph, stage_of: dict[str, int]) ->
     for layout in plan.expert_layouts:
         block = blocks[layout.module]
         placement = layout.placement.replicas if layout.placement is not None else None
+        if "moe_folding" in plan.sections:  # over the stage's dp x tp ranks, EDP copies included
+            placement = folded_replicas(layout, plan.mesh.axis_size("dp") * plan.mesh.axis_size("tp"))
         names = (block.router, *block.expert_weights)
         entry = (stage_of[layout.module], layout.mode, placement, layout.top_k, float(layout.capacity_factor), names)
         lines.append(f"    {literal(layout.module)}: {literal(entry)},")

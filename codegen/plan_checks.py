@@ -31,7 +31,8 @@ import torch
 
 from codegen.source_text import one_line
 from planner.errors import PlanFileError, PlanningError
-from planner.expert_layouts import COMPILED_ALL_TO_ALLS
+from planner.expert_layouts import COMPILED_ALL_TO_ALLS, FOLDED_DP_TP
+from planner.families.moe_folding.section import folding_of
 from planner.graph import OpGraph
 from planner.moe_blocks import HF_STACKED_EXPERTS, find_moe_blocks
 from planner.opaque_backward import describe
@@ -164,7 +165,7 @@ def check_expert_layouts(plan: Plan, model: torch.nn.Module) -> None:
                     f"plan field '{field}.{name}' is {_shown(planned)} but layer {block.module!r} of the model has "
                     f"{actual}; re-plan for this model (or build the model with that {name})"
                 )
-        if layout.axis != "dp":
+        if layout.axis != (FOLDED_DP_TP if folding_of(plan) is not None else "dp"):
             raise PlanFileError(
                 f"plan field '{field}.axis' is {_shown(layout.axis)}; compiled MoE layers run over the 'dp' axis; re-plan"
             )

@@ -46,10 +46,12 @@ from dataclasses import dataclass
 from cost_model.collectives import collective_time
 from cost_model.simulation_cache import graph_facts
 from cost_model.moe import MoECost, MoELayer, element_bytes, expert_activation_bytes, moe_layer_cost
+from cost_model.moe_folding import folded_layer_cost
 from planner.cluster import Cluster
 from planner.graph import OpGraph
 from planner.moe_blocks import MoEBlock
-from planner.strategy import CostParts, ExpertLayout
+from planner.families.moe_folding.section import folding_of
+from planner.strategy import CostParts, ExpertLayout, expert_axes
 
 
 @dataclass(frozen=True)
@@ -221,13 +223,20 @@ def expert_group(mesh, axis: str) -> tuple[int, ...]:
     """The ranks of the first group along mesh axis ``axis`` (the others' coordinates 0): the
     group an MoE layer's layout is priced on. On a ``dp`` mesh, every rank; in a pipeline
     (``pp x dp``), the first stage's dp ranks, whose tokens are the whole batch's once (each
-    stage's group is priced alike: the cluster is homogeneous where pipelines are searched)."""
-    stride = 1
-    for name, size in reversed(mesh.axes):
-        if name == axis:
-            return tuple(k * stride for k in range(size))
-        stride *= size
-    raise ValueError(f"mesh {mesh} has no axis {axis!r}")
+    stage's group is priced alike: the cluster is homogeneous where pipelines are searched).
+    A folded ``axis`` (``"dp*tp"``: ``planner.strategy.expert_axes``) spans every rank of its
+    axes, in mesh order."""
+    group = (0,)
+    for name in expert_axes(axis):
+        stride = 1
+        for other, size in reversed(mesh.axes):
+            if other == name:
+                break
+            stride *= size
+        else:
+            raise ValueError(f"mesh {mesh} has no axis {name!r}")
+        group = tuple(rank + k * stride for rank in group for k in range(mesh.axis_size(name)))
+    return tuple(sorted(group))
 
 
 def routing_sync_bytes(block: MoEBlock, world: int) -> float:
@@ -244,7 +253,8 @@ def param_share(layout: ExpertLayout, world: int) -> tuple[float, bool]:
     if layout.mode == "expert_sliced":
         return 1.0 / world, False
     placement = layout.placement
-    return placement.most_experts_per_device / layout.experts / copies_sharded_over(layout), False
+    return (placement.most_experts_per_device / layout.experts / copies_sharded_over(layout)
+            / layout.tensor_parallel), False
 
 
 def laid_out_layers(plan, graph: OpGraph, micro_batches: int) -> dict[str, LaidOutLayer]:
@@ -258,10 +268,11 @@ def laid_out_layers(plan, graph: OpGraph, micro_batches: int) -> dict[str, LaidO
         return {}
     cache = graph_facts(graph).moe_layers
     layers = {}
+    folding = folding_of(plan)  # a folded plan prices its layers over dp x tp (cost_model.moe_folding)
     for layout in plan.expert_layouts:
         # The layout without its cost annotation (a simulated plan's layouts carry one).
         key = (dataclasses.replace(layout, cost=CostParts()), plan.cluster, plan.precision,
-               expert_group(plan.mesh, layout.axis), micro_batches)
+               expert_group(plan.mesh, layout.axis), micro_batches, folding)
         if key not in cache:
             cache[key] = _laid_out(layout, plan, graph, micro_batches)
         layers[layout.module] = cache[key]
@@ -287,10 +298,22 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
     if not experts:
         raise ValueError(f"MoE layer {block.module!r}: no traced op of its experts ({owner!r})")
     tokens = layer_tokens(graph, block)
-    cost = price_layout(block, layout, tokens, plan.cluster, plan.precision, micro_batches, group)
-    fraction, synced = param_share(layout, world)
     element = element_bytes(plan.precision)
-    buffers = dispatch_buffer_bytes(block, layout, cost, tokens // micro_batches, world, plan.precision)
+    folding = folding_of(plan)
+    if folding is not None:  # EP x ETP folded over dp x tp (cost_model.moe_folding)
+        folded = folded_layer_cost(moe_layer_of(block, tokens // micro_batches), layout, plan.cluster, group,
+                                   plan.mesh.axis_size("tp"), folding.sequence_parallel, plan.precision,
+                                   block.routing_groups)
+        cost, activations, replica_sync = folded.moe, folded.activation_bytes, folded.edp_sync_s
+        ep_ranks = layout.placement.devices
+        buffers = dispatch_buffer_bytes(block, layout, cost, tokens // micro_batches * ep_ranks // world, ep_ranks,
+                                        plan.precision)
+    else:
+        cost = price_layout(block, layout, tokens, plan.cluster, plan.precision, micro_batches, group)
+        activations = expert_activation_bytes(moe_layer_of(block, 0), cost.busiest_copies, element)
+        replica_sync = replica_sync_time(block, layout, plan.cluster, plan.precision, group)
+        buffers = dispatch_buffer_bytes(block, layout, cost, tokens // micro_batches, world, plan.precision)
+    fraction, synced = param_share(layout, world)
     sharding = copy_shard_costs(block, layout, plan.cluster, plan.precision)
     return LaidOutLayer(
         block=block,
@@ -302,13 +325,13 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
         expert_weights=tuple(f"{block.module}.{name}" for name in block.expert_weights),
         param_fraction=fraction,
         gradients_synced=synced,
-        replica_sync_s=replica_sync_time(block, layout, plan.cluster, plan.precision, group),
+        replica_sync_s=replica_sync,
         copy_gather_s=sharding.gather_s,
         copy_reduce_s=sharding.reduce_s,
         copy_sent_bytes=sharding.sent_bytes,
         gathered_bytes=sharding.gathered_bytes,
         routing_sync_s=routing_sync_time(block, plan.cluster, group),
-        activation_bytes=expert_activation_bytes(moe_layer_of(block, 0), cost.busiest_copies, element),
+        activation_bytes=activations,
         buffer_bytes=buffers,
     )
 

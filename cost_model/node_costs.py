@@ -30,7 +30,7 @@ from cost_model.step_context import StepContext
 from cost_model.step_contributor import overriding
 from cost_model.tp_comm_overlap import EdgeOverlap, edge_overlap, regather_exposed
 from planner.graph import OpNode
-from planner.strategy import EXPERT_COPIES_AXIS, NodeStrategy
+from planner.strategy import EXPERT_COPIES_AXIS, NodeStrategy, expert_axis_size
 
 SENT_FRACTION = {  # bytes a rank sends per byte of collective size, ring algorithms, n ranks
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -193,13 +193,14 @@ class NodeCosts:
                 cost.weight_gather_s = layer.copy_gather_s
                 cost.axis_sync_s = layer.copy_reduce_s  # sharded copies' reduce-scatter, overlapped
                 cost.saved_bytes = layer.activation_bytes
-                routing = routing_sync_bytes(layer.block, self.context.mesh.axis_size(layer.layout.axis))  # the routing all-gather
+                # The routing all-gather, over the layout's ranks (all of dp x tp when folded).
+                routing = routing_sync_bytes(layer.block, expert_axis_size(self.context.mesh, layer.layout.axis))
                 if moe.sent_bytes or routing:
                     cost.axis_bytes[layer.layout.axis] = moe.sent_bytes + routing
                 if layer.copy_sent_bytes:  # over the copy groups, sub-groups of the layout's axis
                     cost.axis_bytes[EXPERT_COPIES_AXIS] = layer.copy_sent_bytes / self.context.micro_batches
             return cost
-        split = self.context.mesh.axis_size(layer.layout.axis) * self.context.micro_batches
+        split = expert_axis_size(self.context.mesh, layer.layout.axis) * self.context.micro_batches
         cost.forward_s, cost.backward_s = op_times(node, 1.0 / split, self.context.device, self.context.plan.precision)
         if not node.is_view and self.kept_for_backward(node.name):
             cost.saved_bytes = sum(

@@ -114,7 +114,9 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
         # MoE layers are priced by their layouts (their cost annotation aside).
         tuple(
             (layout.module, layout.mode, layout.capacity_factor, layout.axis, layout.all_to_all, layout.placement,
-             layout.expert_loads, layout.sharded_copies)
+             layout.expert_loads, layout.sharded_copies, layout.tensor_parallel)
             for layout in getattr(plan, "expert_layouts", ())
         ),
+        # Folded MoE layers move tokens between the layouts unless sequence parallel (cost_model.moe_folding).
+        getattr(plan, "sections", {}).get("moe_folding"),
     )

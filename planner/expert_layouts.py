@@ -136,6 +136,12 @@ ALL_TO_ALL_ALGORITHMS = ("flat", "hierarchical", "deduplicated")
 # Those a compiled program runs (``codegen.runtime.moe``, ``moe_exchange``); ``deduplicated``
 # (DeepEP's dispatch, ``cost_model.all_to_all``) is priced for planning only.
 COMPILED_ALL_TO_ALLS = ("flat", "hierarchical")
+# The ``axis`` of an expert-parallel layout folded over several mesh axes, as Megatron-Core's
+# "MoE parallel folding" folds expert parallelism over the data- and tensor-parallel ranks
+# (arXiv 2504.14960; megatron/core/parallel_state.py, the expert groups): the axes joined by
+# ``FOLDED_AXIS_JOIN``, outermost first.
+FOLDED_AXIS_JOIN = "*"
+FOLDED_DP_TP = "dp*tp"
 # How a search may price expert-parallel layers' all-to-alls (``planner plan --moe-dispatch``):
 # ``compiled``, the exchanges a compiled program runs; ``deduplicated``, DeepEP's dispatch as
 # well, for a team whose trainer runs it (its plans do not compile).
@@ -168,6 +174,13 @@ class ExpertLayout:
     and the gradients reduce-scattered there, instead of whole copies whose gradients are
     all-reduced. False: every copy holds whole weights and states.
 
+    ``tensor_parallel`` (expert tensor parallelism, ETP; expert parallel only): each expert's
+    hidden width split over this many ranks, as Megatron-Core's ``expert_tensor_parallel_size``
+    splits w1 by columns and w2 by rows: the tokens an expert receives are all-gathered over
+    those ranks, each computes its slice, and the partial outputs are reduce-scattered. 1: whole
+    experts. ``axis`` may name several mesh axes joined by ``*`` (``"dp*tp"``): the layer's
+    ranks are those of all of them, EP x ETP folded over them (``expert_axes``).
+
     ``capacity_factor`` is the layer's own (0: dropless). ``expert_loads`` is each expert's
     share of the routed choices the layer was planned with (summing to 1), from ``routing``
     (``"uniform"``, ``"zipf:1.2"`` or ``"file:<name>"``; one line, report text only).
@@ -186,6 +199,7 @@ class ExpertLayout:
     expert_loads: tuple[float, ...] = ()
     cost: CostParts = field(default_factory=lambda: CostParts())
     sharded_copies: bool = False
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in EXPERT_MODES:
@@ -217,8 +231,36 @@ class ExpertLayout:
                     "number (>= 2) of copies, on devices that hold the same experts (a grid: groups x copies); "
                     "this layout's placement does not; set sharded_copies to false"
                 )
+        etp = self.tensor_parallel
+        if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1:
+            raise ValueError(f"tensor_parallel must be an integer >= 1 (1: whole experts), got {str(etp)[:40]!r}")
+        if self.tensor_parallel > 1 and (self.mode != "expert_parallel" or self.sharded_copies):
+            raise ValueError(
+                f"tensor_parallel={self.tensor_parallel} splits the experts of an expert_parallel layout without "
+                f"sharded copies; this layout is {self.mode}{' with sharded copies' if self.sharded_copies else ''}: "
+                f"set tensor_parallel to 1"
+            )
+        if not self.axis or any(not name.isidentifier() for name in self.axis.split(FOLDED_AXIS_JOIN)):
+            raise ValueError(
+                f"axis must name mesh axes joined by '{FOLDED_AXIS_JOIN}' (e.g. 'dp', 'dp*tp'), got {str(self.axis)[:40]!r}"
+            )
         if "\n" in self.routing or "\r" in self.routing or len(self.routing) > 200:
             raise ValueError("routing must be one line of at most 200 characters")
+
+
+def expert_axes(axis: str) -> tuple[str, ...]:
+    """The mesh axes an expert layout's ``axis`` spans, outermost first: ``("dp",)`` or, folded,
+    ``("dp", "tp")``."""
+    return tuple(axis.split(FOLDED_AXIS_JOIN))
+
+
+def expert_axis_size(mesh, axis: str) -> int:
+    """Ranks of one group along ``axis`` on ``mesh`` (the product of its axes' sizes).
+
+    Raises:
+        KeyError: an axis ``mesh`` does not have.
+    """
+    return math.prod(mesh.axis_size(name) for name in expert_axes(axis))
 
 
 EXPERT_MODE_WORDS = {"expert_parallel": "expert parallel", "data_parallel": "experts replicated",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from planner.errors import one_line
-from planner.strategy import EXPERT_MODE_WORDS, ExpertLayout, ExpertPlacement
+from planner.strategy import EXPERT_MODE_WORDS, ExpertLayout, ExpertPlacement, expert_axis_size
 from planner.units import format_bytes, format_seconds
 from planner.report_parts import Paragraph
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 def moe_table(plan: "Plan") -> Table:
     """One row per group of identical MoE layers (see the module docstring)."""
-    devices = plan.mesh.axis_size(plan.expert_layouts[0].axis)
+    devices = expert_axis_size(plan.mesh, plan.expert_layouts[0].axis)
     table = Table(title=f"Mixture-of-Experts layers ({len(plan.expert_layouts)}) on {devices} devices")
     for column in ("layers", "mode", "capacity", "all-to-all", "placement", "max/mean load: round-robin -> plan",
                    "time per layer"):

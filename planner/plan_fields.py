@@ -224,6 +224,8 @@ def expert_layout_to_dict(layout: ExpertLayout) -> dict[str, Any]:
         "expert_loads": list(layout.expert_loads),
         "cost": vars(layout.cost),
         "sharded_copies": layout.sharded_copies,
+        # Written only when the experts are split (plans before expert tensor parallelism: 1).
+        **({"tensor_parallel": layout.tensor_parallel} if layout.tensor_parallel != 1 else {}),
     }
 
 
@@ -249,6 +251,9 @@ def expert_layout_from_dict(reader: "FieldReader") -> ExpertLayout:
     sharded_copies = reader.data.get("sharded_copies", False)  # absent in plans written before it existed
     if not isinstance(sharded_copies, bool):
         raise PlanFileError(f"{reader.source}: field '{reader.prefix}.sharded_copies' must be true or false")
+    tensor_parallel = reader.data.get("tensor_parallel", 1)  # absent: whole experts
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int):
+        raise PlanFileError(f"{reader.source}: field '{reader.prefix}.tensor_parallel' must be an integer >= 1")
     if not all(finite_number(load) is not None for load in loads):
         raise PlanFileError(f"{reader.source}: field '{reader.prefix}.expert_loads' must be a list of numbers")
     return reader.convert_value(
@@ -265,6 +270,7 @@ def expert_layout_from_dict(reader: "FieldReader") -> ExpertLayout:
             expert_loads=tuple(float(load) for load in loads),
             cost=reader.record("cost", CostParts),
             sharded_copies=sharded_copies,
+            tensor_parallel=tensor_parallel,
         ),
         ValueError, TypeError,
     )

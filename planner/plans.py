@@ -40,6 +40,7 @@ from planner.strategy import (
     RECOMPUTE_MODES,
     Alternative,
     ExpertLayout,
+    expert_axes,
     expert_modes_summary,
     Mesh,
     NodeStrategy,
@@ -254,7 +255,7 @@ class Plan:
             raise ValueError(
                 f"mesh {self.mesh} has {self.mesh.size} ranks but the cluster has {self.cluster.world_size} devices"
             )
-        _check_expert_layouts(self.expert_layouts, self.mesh)
+        _check_expert_layouts(self.expert_layouts, self.mesh, self.sections)
         _check_summa_layouts(self.strategies, self.mesh)
         object.__setattr__(self, "sections", dict(self.sections))
         for name, section in self.sections.items():
@@ -544,16 +545,28 @@ def _check_summa_layouts(strategies: tuple[NodeStrategy, ...], mesh: Mesh) -> No
             raise ValueError(f"{where}, which needs mesh axes in the order {' x '.join(expected)}, but the mesh is {mesh}")
 
 
-def _check_expert_layouts(layouts: tuple[ExpertLayout, ...], mesh: Mesh) -> None:
-    """Each MoE layer once, on an axis of the mesh, its placement over that axis's ranks."""
+def _check_expert_layouts(layouts: tuple[ExpertLayout, ...], mesh: Mesh, sections=()) -> None:
+    """Each MoE layer once, on an axis of the mesh, its placement over that axis's ranks; a
+    layout folded over several axes or with expert tensor parallelism only in a plan with a
+    ``moe_folding`` section (whose ``check`` validates the degrees)."""
     seen = set()
     for layout in layouts:
         where = f"expert layout of '{one_line(layout.module)[:80]}'"
         if layout.module in seen:
             raise ValueError(f"{where} is given twice; give each MoE layer one layout")
         seen.add(layout.module)
-        if layout.axis not in mesh.names:
-            raise ValueError(f"{where} runs over axis '{one_line(layout.axis)[:20]}', which mesh {mesh} does not have")
+        missing = [name for name in expert_axes(layout.axis) if name not in mesh.names]
+        if missing:
+            raise ValueError(f"{where} runs over axis '{one_line(missing[0])[:20]}', which mesh {mesh} does not have")
+        if len(expert_axes(layout.axis)) > 1 or layout.tensor_parallel > 1:
+            # EP x ETP folded over several axes: the moe_folding section checks the degrees.
+            if "moe_folding" not in sections:
+                raise ValueError(
+                    f"{where} folds its experts over '{one_line(layout.axis)[:20]}' with tensor_parallel="
+                    f"{layout.tensor_parallel}, which only a plan with a 'moe_folding' section runs; add the section "
+                    f"or lay the layer out on one axis with tensor_parallel 1"
+                )
+            continue
         if layout.placement is not None and layout.placement.devices != mesh.axis_size(layout.axis):
             raise ValueError(
                 f"{where} places experts on {layout.placement.devices} devices but axis {layout.axis} has "

@@ -25,6 +25,9 @@ from planner.expert_layouts import (  # re-exported: the vocabulary's
     EXPERT_MODES,
     ExpertLayout,
     ExpertPlacement,
+    FOLDED_DP_TP,
+    expert_axes,
+    expert_axis_size,
     expert_modes_summary,
 )
 from planner.summa_types import SUMMA_AXES, SUMMA_FAMILIES, SummaLayout  # re-exported: the vocabulary's

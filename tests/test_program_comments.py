@@ -29,7 +29,9 @@ from planner.api import prepare_model
 from planner.model_spec import ModelSpec
 from search.data_parallel import data_parallel_plan
 from planner.families.hsdp.section import HsdpSection
+from planner.strategy import Mesh
 from search.megatron import megatron_plan
+from search.moe_folding import folded_plan
 from summa_plans import GPT, GPT_SMALL, summa_plan
 from test_parity import REPO
 
@@ -37,7 +39,7 @@ WORLD = 4
 FAMILIES = (
     "ddp", "zero1", "zero2", "fsdp", "megatron dp x tp, zero1", "megatron tp, sequence parallel", "pipeline pp x dp",
     "summa 2d", "moe expert parallel, ddp", "moe replicated experts, fsdp", "moe sliced experts, zero1",
-    "moe copied experts, zero2", "hsdp 2 x 2",
+    "moe copied experts, zero2", "hsdp 2 x 2", "moe folded dp x tp, EP2 x EDP2", "moe folded dp x tp, EP2 x ETP2",
 )
 GPT_SPEC = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer": 2})
 
@@ -57,16 +59,24 @@ GPT_SPEC = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer":
 # Patterns of acronyms match case-sensitively (``\bDDP\b``), collectives in any case.
 _DDP = "DistributedDataParallel"
 _FSDP = ("fully_shard", "shard_over_copies")
-_MOE = ("ExpertParallelMoE", "DataParallelMoE", "ExpertSlicedMoE", "ExpertParallelExperts", "TwoLevelExchange")
+_MOE = ("ExpertParallelMoE", "DataParallelMoE", "ExpertSlicedMoE", "ExpertParallelExperts", "TwoLevelExchange",
+        "FoldedExpertParallelMoE")
+# Folded MoE programs' tensor-parallel layers (codegen.runtime.tensor_parallel_layers): row-parallel
+# linears, heads and the vocabulary-parallel embedding all-reduce; FoldedMoE all-gathers its
+# tokens' outputs over tp and all-reduces the router's gradient there; ETP's sliced experts
+# gather their buffers and reduce-scatter the partial outputs.
+_FOLDED_TP = ("HeadParallelSelfAttention", "RowParallelLinear", "VocabParallelEmbedding", "ColumnParallelLinear",
+              "FoldedMoE")
 _GRAPH = ("_to", "SpmdModule")
 _SUMMA = ("summa_linear",)
 BACKING: dict[str, tuple[str, ...]] = {
     r"\bDDP\b|DistributedDataParallel": (_DDP,),
     r"fully_shard|\bFSDP2?\b": _FSDP,
     r"\bZeRO-1\b": ("ShardedStatesOptimizer",),
-    r"(?i:all-reduce|all_reduce|allreduce)": (_DDP, *_GRAPH, *_SUMMA, "synchronise_batch_norm", "hybrid_mesh"),
-    r"(?i:all-gather|all_gather)": (*_FSDP, *_GRAPH, *_MOE, *_SUMMA, "ShardedStatesOptimizer"),
-    r"(?i:reduce-scatter|reduce_scatter)": (*_FSDP, *_GRAPH, *_SUMMA, "ExpertSlicedMoE"),
+    r"(?i:all-reduce|all_reduce|allreduce)": (_DDP, *_GRAPH, *_SUMMA, "synchronise_batch_norm", "hybrid_mesh",
+                                              *_FOLDED_TP),
+    r"(?i:all-gather|all_gather)": (*_FSDP, *_GRAPH, *_MOE, *_SUMMA, "ShardedStatesOptimizer", *_FOLDED_TP),
+    r"(?i:reduce-scatter|reduce_scatter)": (*_FSDP, *_GRAPH, *_SUMMA, "ExpertSlicedMoE", "expert_tensor_groups"),
     r"(?i:all-to-all|all_to_all)": _MOE,
     r"(?i:broadcast)": (_DDP, *_SUMMA),
 }
@@ -87,6 +97,10 @@ def _family_plans() -> dict[str, object]:
     graph, spec, name, cluster = prepare_model(GPT_SPEC, "cpu:2x2")
     fsdp = data_parallel_plan(graph, cluster, spec, name, "fsdp")
     plans["hsdp 2 x 2"] = dataclasses.replace(fsdp, sections={"hsdp": HsdpSection(2)})
+    graph, spec, name, cluster = prepare_model(ModelSpec(str(REPO / "examples/moe.py"), {}), f"cpu:1x{WORLD}")
+    folded = Mesh((("dp", 2), ("tp", 2)))
+    plans["moe folded dp x tp, EP2 x EDP2"] = folded_plan(graph, cluster, spec, name, folded, ep=2)
+    plans["moe folded dp x tp, EP2 x ETP2"] = folded_plan(graph, cluster, spec, name, folded, ep=2, etp=2)
     return plans
 
 

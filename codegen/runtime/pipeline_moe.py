@@ -9,7 +9,9 @@ tokens of the micro-batch, so every micro-batch is routed on its own, over the g
 of that micro-batch (its capacity, drops and balance loss are one device's on that
 micro-batch; ``launch.py --check`` runs the same micro-batches on one device).
 
-How the layer meets the stage's DTensors (the stage mesh is the ``dp`` axis alone):
+How the layer meets the stage's DTensors (the stage mesh is the ``dp`` axis, or ``dp x tp``
+for a folded plan, whose tp ranks each route 1/tp of their dp rank's tokens:
+``codegen.runtime.moe_folding.TokensOverTensorParallel``):
 
 - the tokens enter as this rank's rows (``Shard(0)`` over dp) and the output leaves so;
 - the router is the stage's own DTensor parameter (replicated), read as its local tensor
@@ -37,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from codegen.runtime.moe import ExpertParallelMoE, RoutedMoE, scaled_gradient, sum_copied_expert_gradients
+from codegen.runtime.moe_folding import TokensOverTensorParallel
 from codegen.runtime.moe_modes import DataParallelMoE
 
 __all__ = ["StageMoE", "build_stage_experts", "attach_stage_experts", "finish_expert_gradients", "optimizer_with_experts",
@@ -57,8 +60,11 @@ class StageMoE(nn.Module):
 
     def __init__(self, layer: RoutedMoE, mesh: DeviceMesh, path: str) -> None:
         super().__init__()
-        if mesh.ndim != 1:
-            raise ValueError(f"MoE layers in pipeline stages run over a stage mesh of dp alone, not {mesh.mesh_dim_names}")
+        names = tuple(mesh.mesh_dim_names or ())
+        if mesh.ndim != 1 and names != ("dp", "tp"):
+            raise ValueError(f"MoE layers in pipeline stages run over a stage mesh of dp, or dp x tp, not {names}")
+        # Folded over dp x tp (codegen.runtime.moe_folding): each tp rank routes 1/tp of the tokens.
+        self.tokens_over_tp = TokensOverTensorParallel(mesh["tp"].get_group()) if mesh.ndim == 2 else None
         # The router is the stage's DTensor parameter, passed in each call; the layer keeps
         # a plain copy of its value for its own bookkeeping.
         router = layer.router
@@ -69,15 +75,20 @@ class StageMoE(nn.Module):
     def forward(self, router: DTensor, x: DTensor) -> tuple[DTensor, DTensor]:
         """The layer's output (rows split over dp, as ``x``) and its balance loss (the whole
         micro-batch's, the same on every rank)."""
-        tokens = x.redistribute(self.mesh, _ROWS).to_local()
-        _set_router(self.layer, router.to_local(grad_placements=(Partial(),)))
+        rows, whole = _ROWS + _WHOLE * (self.mesh.ndim - 1), _WHOLE * self.mesh.ndim
+        tokens = x.redistribute(self.mesh, rows).to_local()
+        # This rank's tokens only reach the router: a partial sum over every axis of the stage.
+        _set_router(self.layer, router.to_local(grad_placements=(Partial(),) * self.mesh.ndim))
         try:
-            output, balance = self.layer(tokens)
+            if self.tokens_over_tp is None:
+                output, balance = self.layer(tokens)
+            else:
+                output, balance = self.tokens_over_tp(self.layer, tokens)
         finally:
             _set_router(self.layer, self.layer.router.detach())
         balance = scaled_gradient(balance, 1.0 / self.mesh.size())
-        return (DTensor.from_local(output, self.mesh, _ROWS, run_check=False),
-                DTensor.from_local(balance, self.mesh, _WHOLE, run_check=False))
+        return (DTensor.from_local(output, self.mesh, rows, run_check=False),
+                DTensor.from_local(balance, self.mesh, whole, run_check=False))
 
     def finish_gradients(self, micro_batches: int) -> None:
         """After the schedule: copies summed, replicated experts' partial gradients
@@ -116,7 +127,8 @@ def build_stage_experts(
     names relative to the layer: router, expert in, expert out). Built before the stage
     modules free the weights of other stages (``codegen.runtime.pipeline``); every rank of a
     stage builds the same layers in the same order."""
-    group = stage_mesh.get_group()
+    # The stage's ranks, dp x tp in mesh order when it has tp (a folded plan's experts span them).
+    group = stage_mesh.get_group() if stage_mesh.ndim == 1 else stage_mesh._flatten().get_group()
     built = {}
     for path, (stage, mode, placement, top_k, capacity_factor, names) in sorted(layouts.items()):
         if stage not in stages_here:

@@ -1,0 +1,179 @@
+"""Candidates of the ``moe_folding`` family: tensor parallelism beside expert parallelism.
+
+On each ``dp x tp`` mesh the search is asked to consider (``SearchContext.meshes``, after the
+user's ``--mesh``/``--max``; with ``--mesh pp=P`` also ``pp x dp x tp``, 1F1B over P
+micro-batches), a folded plan lays the dense ops out Megatron-style on ``tp``
+(``search.layouts.megatron_layout``: column/row-parallel projections, split heads, a
+vocabulary-parallel embedding and head), keeps every MoE layer's own ops (router, routing,
+experts) replicated on ``tp`` (they run by their layout, not by placements), and runs each
+MoE layer expert parallel over the folded ``dp*tp`` ranks (``planner.families.moe_folding``):
+for every expert-parallel degree EP that divides the experts and every expert-tensor-parallel
+degree ETP that divides the experts' hidden width, with EP x ETP dividing the ranks, the
+experts placed round-robin over EP. Each is simulated (``cost_model.moe_folding`` prices the
+tokens' trips between the layouts, the all-to-alls and ETP's gather and reduce-scatter), and
+all of them compete with the other families' plans on their simulated step. Models whose MoE
+layers are not ``examples/moe.py``'s routed GELU layers (HuggingFace's blocks keep their own
+router; compile refuses them folded) get folded plans only when ``--mesh`` fixes ``tp > 1``.
+
+``FOLDED_SEQUENCE_PARALLEL``: the residual stream's layouts tried. The sequence-parallel one is
+priced (``cost_model.moe_folding``) but not searched: compiled folded programs do not write it
+yet (``codegen.moe_folding_emit`` refuses it in one line). Compiled programs split experts
+(ETP > 1) only without a pipeline and without expert copies (EP x ETP = dp x tp); the other
+ETP layouts are searched and priced, and refused by compile in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cost_model.simulator import simulated
+from planner.errors import PlanningError
+from planner.families.moe_folding.section import JSON_KEY, MoeFoldingSection
+from planner.cluster import Cluster
+from planner.graph import OpGraph
+from planner.model_spec import ModelSpec
+from planner.moe_blocks import ROUTED_GELU
+from planner.plans import Plan
+from planner.routing import RoutingStats
+from planner.strategy import FOLDED_DP_TP, ExpertLayout, ExpertPlacement, Mesh, NodeStrategy, PipelineConfig
+from search.context import SearchContext
+from search.layouts import megatron_layout
+from search.moe_search import MOE_LABEL, routing_label
+from search.plan_builder import unsimulated_plan
+
+FOLDED_SEQUENCE_PARALLEL = (False,)
+EP_OPTIONS = 4  # expert-parallel degrees searched per ETP and mesh, the largest first (folded_degrees)
+
+
+def folded_meshes(context: SearchContext) -> list[Mesh]:
+    """The ``dp x tp`` meshes (tp >= 2) among those the search considers, and, when the user
+    fixes ``--mesh pp=P``, the ``pp x dp x tp`` meshes with that ``P`` the constraints allow
+    (tp inside a node)."""
+    meshes = [mesh for mesh in context.meshes if mesh.names == ("dp", "tp") and mesh.axis_size("tp") > 1]
+    pp = context.constraints.mesh.get("pp", 1)
+    world = context.cluster.world_size
+    if pp > 1 and world % pp == 0:
+        per_node = context.cluster.min_devices_per_node
+        for tp in range(2, world // pp + 1):
+            if (world // pp) % tp or per_node % tp:
+                continue
+            mesh = Mesh((("pp", pp), ("dp", world // pp // tp), ("tp", tp)))
+            if context.constraints.allows_mesh(mesh):
+                meshes.append(mesh)
+    return meshes
+
+
+def folded_degrees(experts: int, ffn: int, ranks: int, tp: int) -> list[tuple[int, int]]:
+    """The (EP, ETP) searched for a layer of ``experts`` experts of hidden width ``ffn`` over
+    ``ranks`` = dp x tp ranks: EP > 1 divides the experts, ETP the width and ``tp`` (ETP runs
+    inside a tensor-parallel group, as Megatron-Core's ETP groups do), EP x ETP the ranks;
+    for each ETP the ``EP_OPTIONS`` largest EPs (the fewest expert copies: the least memory;
+    the bound keeps a 256-expert model on hundreds of GPUs to a few simulations per mesh)."""
+    found = []
+    for etp in range(1, tp + 1):
+        if tp % etp or ffn % etp:
+            continue
+        eps = [ep for ep in range(2, ranks // etp + 1) if experts % ep == 0 and ranks % (ep * etp) == 0]
+        found += [(ep, etp) for ep in eps[-EP_OPTIONS:]]
+    return sorted(found)
+
+
+def folded_layouts(graph: OpGraph, routing: RoutingStats, ep: int, etp: int) -> tuple[ExpertLayout, ...]:
+    """One layout per MoE layer of ``graph``: expert parallel on ``dp*tp`` with EP ``ep``
+    (round-robin) and ETP ``etp``."""
+    layouts = []
+    for block in graph.moe_blocks:
+        statistics = routing.layer(block.module, block.experts, block.top_k)
+        layouts.append(ExpertLayout(
+            module=block.module, mode="expert_parallel", experts=block.experts, top_k=block.top_k,
+            capacity_factor=block.capacity_factor, axis=FOLDED_DP_TP,
+            placement=ExpertPlacement.round_robin(block.experts, ep), routing=routing_label(routing, block.module),
+            expert_loads=tuple(statistics.token_share), tensor_parallel=etp,
+        ))
+    return tuple(layouts)
+
+
+def dense_strategies(graph: OpGraph, mesh: Mesh, sequence_parallel: bool) -> tuple[tuple[NodeStrategy, ...], dict]:
+    """Megatron's layout of ``graph`` on ``mesh``, with the MoE layers' own parameters
+    replicated on ``tp`` (each rank holds the whole router: it routes its own tokens).
+
+    Raises:
+        PlanningError: Megatron's layout does not apply (``megatron_layout``).
+    """
+    strategies, inputs = megatron_layout(graph, mesh, sequence_parallel=sequence_parallel)
+    inside = {node.name for block in graph.moe_blocks for node in graph.moe_nodes(block.module)}
+    tp_index = mesh.names.index("tp")
+
+    def replicated_on_tp(placements):
+        from torch.distributed.tensor import Replicate
+        return tuple(Replicate() if index == tp_index else p for index, p in enumerate(placements))
+
+    laid_out = tuple(
+        dataclasses.replace(s, params={name: replicated_on_tp(p) for name, p in s.params.items()})
+        if s.node in inside and s.params else s
+        for s in strategies
+    )
+    return laid_out, inputs
+
+
+def folded_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str, mesh: Mesh, ep: int,
+                etp: int = 1, *, sequence_parallel: bool = False, routing: RoutingStats | None = None,
+                precision: str = "fp32", warnings: tuple[str, ...] = (), micro_batches: int = 1) -> Plan:
+    """The simulated folded plan on ``mesh`` (``dp x tp``, or ``pp x dp x tp``: pipeline
+    stages of Megatron's even split, 1F1B over ``micro_batches``) with EP ``ep`` and ETP
+    ``etp`` for every MoE layer (module docstring).
+
+    Raises:
+        PlanningError: Megatron's layout does not split the model over ``tp`` or ``pp``.
+        ValueError: the degrees do not fold over the mesh (``MoeFoldingSection.check``).
+    """
+    strategies, inputs = dense_strategies(graph, mesh, sequence_parallel)
+    pipeline = None
+    if "pp" in mesh.names:
+        pipeline = PipelineConfig(stages=mesh.axis_size("pp"), schedule="1f1b", micro_batches=micro_batches)
+    base = unsimulated_plan(graph, cluster, spec, model_name, mesh, strategies, inputs, dp_flavour="ddp",
+                            precision=precision, warnings=tuple(warnings), label=MOE_LABEL, pipeline=pipeline)
+    plan = dataclasses.replace(base, expert_layouts=folded_layouts(graph, routing or RoutingStats(), ep, etp),
+                               sections={**base.sections, JSON_KEY: MoeFoldingSection(sequence_parallel)})
+    return simulated(plan, graph)
+
+
+def folded_candidates(context: SearchContext) -> list[Plan]:
+    """The candidates part of the ``moe_folding`` family (module docstring): every folded
+    plan on every ``dp x tp`` mesh the search considers, when the MoE layers may be planned
+    by layout and the constraints allow the family."""
+    if not context.moe_layouts or context.summa_only or not context.constraints.allows_family("moe_folding"):
+        return []
+    uncompiled = any(block.runtime != ROUTED_GELU for block in context.graph.moe_blocks)
+    if uncompiled and context.constraints.mesh.get("tp", 1) < 2:
+        # HuggingFace's blocks keep their own router: their folded program is not written, so
+        # they are folded only when the user asks for tensor parallelism (--mesh tp=N).
+        return []
+    graph, plans = context.graph, []
+    for mesh in folded_meshes(context):
+        dp = mesh.axis_size("dp")
+        if graph.batch_size % dp:
+            continue
+        ranks = dp * mesh.axis_size("tp")
+        # A pipeline's micro-batches: as many as stages (1F1B's fill), of whole samples per dp rank.
+        micro_batches = mesh.axis_size("pp") if "pp" in mesh.names else 1
+        if (graph.batch_size // dp) % micro_batches:
+            continue
+        shared = None
+        for block in graph.moe_blocks:
+            options = set(folded_degrees(block.experts, block.ffn, ranks, mesh.axis_size("tp")))
+            shared = options if shared is None else shared & options
+        for ep, etp in sorted(shared or ()):
+            for sequence_parallel in FOLDED_SEQUENCE_PARALLEL:
+                try:
+                    plans.append(folded_plan(graph, context.cluster, context.spec, context.model_name, mesh, ep, etp,
+                                             sequence_parallel=sequence_parallel, routing=context.routing,
+                                             precision=context.precision, warnings=context.warnings,
+                                             micro_batches=micro_batches))
+                except PlanningError:
+                    break  # Megatron's layout does not split this model over tp
+    if plans:
+        best = min(plans, key=lambda plan: (not plan.estimate.fits, plan.estimate.step_time_s))
+        context.notes.append(f"MoE folded over dp x tp: {len(plans)} plan(s), best {best.name}"
+                             + (" (priced; compiled programs do not run these MoE blocks folded)" if uncompiled else ""))
+    return plans
