@@ -88,11 +88,11 @@ def unsupported(plan: Plan) -> str | None:
     if plan.recompute not in ("none", "full", "selective"):
         return f"pipeline programs recompute none, full blocks or selectively, not {plan.recompute!r}"
     dp = plan.mesh.axis_size("dp") if "dp" in names else 1
-    folded = "moe_folding" in plan.sections  # experts over each stage's dp x tp (planner.families.moe_folding)
+    folded = "moe-folding" in plan.sections  # experts over each stage's dp x tp (planner.families.moe_folding)
     if plan.expert_layouts and names != ((PP_AXIS, "dp", "tp") if folded else (PP_AXIS, "dp")):
         return (f"MoE layers run inside pipeline stages over dp alone (a pp x dp mesh), or folded over dp x tp (a pp x "
                 f"dp x tp mesh); this mesh is {plan.mesh}")
-    if folded and (plan.sections["moe_folding"].sequence_parallel
+    if folded and (plan.sections["moe-folding"].sequence_parallel
                    or any(layout.tensor_parallel != 1 for layout in plan.expert_layouts)):
         return ("folded MoE layers inside pipeline stages run whole experts (ETP 1) without sequence parallelism; "
                 "re-plan with ETP 1 and sequence_parallel false")

@@ -146,7 +146,7 @@ def stage_experts_table(plan: Plan, graph: OpGraph, stage_of: dict[str, int]) ->
     for layout in plan.expert_layouts:
         block = blocks[layout.module]
         placement = layout.placement.replicas if layout.placement is not None else None
-        if "moe_folding" in plan.sections:  # over the stage's dp x tp ranks, EDP copies included
+        if "moe-folding" in plan.sections:  # over the stage's dp x tp ranks, EDP copies included
             placement = folded_replicas(layout, plan.mesh.axis_size("dp") * plan.mesh.axis_size("tp"))
         names = (block.router, *block.expert_weights)
         entry = (stage_of[layout.module], layout.mode, placement, layout.top_k, float(layout.capacity_factor), names)

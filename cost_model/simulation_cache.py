@@ -118,5 +118,5 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
             for layout in getattr(plan, "expert_layouts", ())
         ),
         # Folded MoE layers move tokens between the layouts unless sequence parallel (cost_model.moe_folding).
-        getattr(plan, "sections", {}).get("moe_folding"),
+        getattr(plan, "sections", {}).get("moe-folding"),
     )

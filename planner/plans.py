@@ -560,7 +560,7 @@ def _check_expert_layouts(layouts: tuple[ExpertLayout, ...], mesh: Mesh, section
             raise ValueError(f"{where} runs over axis '{one_line(missing[0])[:20]}', which mesh {mesh} does not have")
         if len(expert_axes(layout.axis)) > 1 or layout.tensor_parallel > 1:
             # EP x ETP folded over several axes: the moe_folding section checks the degrees.
-            if "moe_folding" not in sections:
+            if "moe-folding" not in sections:
                 raise ValueError(
                     f"{where} folds its experts over '{one_line(layout.axis)[:20]}' with tensor_parallel="
                     f"{layout.tensor_parallel}, which only a plan with a 'moe_folding' section runs; add the section "

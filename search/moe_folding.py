@@ -142,7 +142,7 @@ def folded_candidates(context: SearchContext) -> list[Plan]:
     """The candidates part of the ``moe_folding`` family (module docstring): every folded
     plan on every ``dp x tp`` mesh the search considers, when the MoE layers may be planned
     by layout and the constraints allow the family."""
-    if not context.moe_layouts or context.summa_only or not context.constraints.allows_family("moe_folding"):
+    if not context.moe_layouts or context.summa_only or not context.constraints.allows_family("moe-folding"):
         return []
     uncompiled = any(block.runtime != ROUTED_GELU for block in context.graph.moe_blocks)
     if uncompiled and context.constraints.mesh.get("tp", 1) < 2:

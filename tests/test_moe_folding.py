@@ -123,16 +123,16 @@ def test_a_folded_plan_round_trips_and_an_old_layout_loads(traced, tmp_path):
     plan = folded_plan(graph, cluster, spec, name, Mesh((("dp", 2), ("tp", 2))), ep=2, etp=2)
     assert "EP2 x ETP2 folded over dp x tp" in plan.name
     data = plan.to_dict()
-    assert data["moe_folding"] == {"sequence_parallel": False}
+    assert data["moe-folding"] == {"sequence_parallel": False}
     assert data["expert_layouts"][0]["tensor_parallel"] == 2
     again = Plan.from_dict(data)
-    assert again.expert_layouts[0].tensor_parallel == 2 and again.sections["moe_folding"] == MoeFoldingSection(False)
+    assert again.expert_layouts[0].tensor_parallel == 2 and again.sections["moe-folding"] == MoeFoldingSection(False)
     # A layout written before expert tensor parallelism (no key) has whole experts.
     old = folded_plan(graph, cluster, spec, name, Mesh((("dp", 2), ("tp", 2))), ep=4).to_dict()
     assert "tensor_parallel" not in old["expert_layouts"][0]
     assert Plan.from_dict(old).expert_layouts[0].tensor_parallel == 1
-    data["moe_folding"] = {"sequence_parallel": "yes"}
-    with pytest.raises(PlanFileError, match="moe_folding.sequence_parallel"):
+    data["moe-folding"] = {"sequence_parallel": "yes"}
+    with pytest.raises(PlanFileError, match="moe-folding.sequence_parallel"):
         Plan.from_dict(data)
 
 
@@ -165,7 +165,7 @@ def test_search_with_mesh_dp_tp_weighs_folded_plans_against_the_others(traced):
     best = search_plan(graph, cluster, spec, name, constraints=SearchConstraints(mesh={"dp": 2, "tp": 2}))
     # On examples/moe.py (4 experts, 2 blocks) the simulator's fastest is folded EP2 x EDP2;
     # every plan that competed (the graph programs on dp x tp too) is slower.
-    assert "moe_folding" in best.sections, best.name
+    assert "moe-folding" in best.sections, best.name
     assert (best.expert_layouts[0].placement.devices, best.expert_layouts[0].tensor_parallel) == (2, 1)
     others = [alternative for alternative in best.runners_up if alternative.fits]
     assert others and all(best.estimate.step_time_s <= alternative.step_time_s for alternative in others)
@@ -179,7 +179,7 @@ def test_unconstrained_search_weighs_folded_plans_and_keeps_data_parallel_where_
     best = search_plan(graph, cluster, spec, name)
     # On 4 CPU ranks the tensor-parallel all-reduces of a 64-wide model cost more than they
     # save: every expert replicated over dp=4 is faster than any folded plan, which competed.
-    assert "moe_folding" not in best.sections and best.mesh.names == ("dp",), best.name
+    assert "moe-folding" not in best.sections and best.mesh.names == ("dp",), best.name
     folded = [alternative for alternative in best.runners_up if "folded over dp x tp" in alternative.name]
     assert folded and all(alternative.step_time_s > best.estimate.step_time_s for alternative in folded)
 

@@ -82,10 +82,10 @@ def _leave_router_gradients_unsummed(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_folding")
+    root = tmp_path_factory.mktemp("moe-folding")
     folders = {name: planner.compile(plan_of(*case), root / name) for name, case in CASES.items()}
     searched = planner.plan(ModelSpec(str(EXAMPLE), {}), f"cpu:1x{WORLD}", constraints={"mesh": {"dp": 2, "tp": 2}})
-    assert "moe_folding" in searched.sections, searched.name
+    assert "moe-folding" in searched.sections, searched.name
     folders[SEARCHED] = planner.compile(searched, root / SEARCHED)
     controls = {
         EXPERT_SCALE_CONTROL: _divide_expert_gradients_by_every_rank(
@@ -121,7 +121,7 @@ def run8(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_folding_world8")
     spec = ModelSpec(str(EXAMPLE), {})
     searched = planner.plan(spec, "cpu:2x4", constraints={"mesh": {"pp": 2, "dp": 2, "tp": 2}})
-    assert "moe_folding" in searched.sections and searched.pipeline is not None, searched.name
+    assert "moe-folding" in searched.sections and searched.pipeline is not None, searched.name
     graph, spec, name, cluster = prepare_model(spec, "cpu:2x4")
     ep4 = folded_plan(graph, cluster, spec, name, Mesh((("pp", 2), ("dp", 2), ("tp", 2))), 4, micro_batches=2)
     folders = {PIPELINED: planner.compile(searched, root / PIPELINED), PIPELINED_EP4: planner.compile(ep4, root / PIPELINED_EP4)}

@@ -33,7 +33,7 @@ def folding_section(plan: "Plan") -> list:
             f"tokens exchanged by all-to-all), {ranks // (ep * etp)} copies of that (EDP, expert gradients "
             f"all-reduced over the copies)", hanging="    ",
         ))
-    sequence_parallel = plan.sections["moe_folding"].sequence_parallel
+    sequence_parallel = plan.sections["moe-folding"].sequence_parallel
     lines.append(Paragraph(
         "tokens between the layouts: the residual stream is split on the sequence over tp, the MoE layers take "
         "it as it is" if sequence_parallel else

@@ -16,7 +16,7 @@ rank's tokens whole on every tp rank, and the MoE layer takes 1/tp of them on ea
 slice) and all-gathers its output over tp; with it, the residual stream is already split on
 the sequence over tp and nothing moves (``cost_model.moe_folding``).
 
-Stored under the plan JSON key ``"moe_folding"`` as ``{"sequence_parallel": false}``.
+Stored under the plan JSON key ``"moe-folding"`` as ``{"sequence_parallel": false}``.
 Vocabulary layer: imports only the planner's vocabulary.
 """
 
@@ -31,7 +31,7 @@ from planner.expert_layouts import FOLDED_DP_TP, expert_axis_size
 if TYPE_CHECKING:
     from planner.plans import Plan
 
-JSON_KEY = "moe_folding"
+JSON_KEY = "moe-folding"
 
 
 @dataclass(frozen=True)
@@ -87,12 +87,12 @@ class MoeFoldingSection:
         return f"{folded} folded over dp x tp" + ("; sequence parallel" if self.sequence_parallel else "")
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON form stored under the plan's ``"moe_folding"`` key."""
+        """The JSON form stored under the plan's ``"moe-folding"`` key."""
         return {"sequence_parallel": self.sequence_parallel}
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> "MoeFoldingSection":
-        """The section stored under a plan file's ``"moe_folding"`` key, every field checked.
+        """The section stored under a plan file's ``"moe-folding"`` key, every field checked.
 
         Raises:
             PlanFileError: not an object, an unknown key, or a value of the wrong type; one
