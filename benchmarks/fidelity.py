@@ -85,7 +85,11 @@ tensor-parallel Megatron-Core rows from 16B up past their published figures (26 
 9.0% -> 7.9%, 20 fast / 6 slow -> 17 / 9). Megatron-Core's rows then run the attention kernel
 Transformer Engine picks on Hopper, cuDNN's (below): 1.7B and 7.1B, a quarter of whose kernel
 time is attention, back to 13.6% and 11.1% fast, the larger rows 1.6-3.2 points closer
-(26 runs: median 8.2%, largest 23.7%, 17 fast / 9 slow).
+(26 runs: median 8.2%, largest 23.7%, 17 fast / 9 slow). Megatron-Core's distributed
+optimizer as r0.8 runs it (fp32 reduce-scatter once per step, the weights' gather hidden in
+the next forward: ``Plan.megatron_distributed_optimizer``) moves the pp1 rows 1-9 points
+faster (1.7B -13.6% -> -14.5%, 16B +4.9% -> -8.4%) and 70B to +10.4% (26 runs: median 8.5%,
+largest 23.7%, 19 fast / 7 slow).
 
 Modelled from the runs' stated software: collectives overlapping compute slow it
 (``cost_model.nccl``'s contention); the host's time to issue ops bounds each block from below
