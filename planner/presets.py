@@ -2,7 +2,8 @@
 
 Pure data in the cluster-file layout (see ``planner.cluster``), so presets and user files go
 through one parser. Units: FLOP/s (dense, no structured sparsity), bytes, bytes/s per
-direction per device, seconds. This module imports nothing.
+direction per device, seconds. This module imports only ``planner.ethernet_presets``
+(cloud instances on Ethernet, data that imports nothing).
 
 Memory sizes use the datasheet's decimal gigabytes (80 GB = 80e9 bytes). The physical HBM is
 a little larger (an A100-80GB reports 81920 MiB = 85.9e9 bytes in nvidia-smi); the difference
@@ -195,3 +196,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "inter_node": {"bandwidth": 1e9, "latency": 100e-6},
     },
 }
+
+# Cloud instances on commodity Ethernet, priced through NCCL's socket transport.
+from planner.ethernet_presets import ETHERNET_PRESETS  # noqa: E402  (data only; imports nothing)
+
+PRESETS.update(ETHERNET_PRESETS)

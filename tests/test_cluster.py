@@ -110,7 +110,8 @@ def test_preset_overrides_and_listing():
     cluster = Cluster.preset("dgx-h100", nodes=2, devices_per_node=4)
     assert (cluster.world_size, cluster.num_nodes, cluster.devices_per_node) == (8, 2, 4)
     assert Cluster.preset("DGX-H100") == Cluster.preset("dgx-h100")
-    assert preset_names() == ["dgx-a100-80g", "dgx-h100", "hgx-h800", "p3.16xlarge", "cpu"]
+    assert preset_names() == ["dgx-a100-80g", "dgx-h100", "hgx-h800", "p3.16xlarge", "cpu",
+                              "p3.2xlarge", "a2-highgpu-1g", "g4dn.8xlarge", "a2-highgpu-4g", "a2-highgpu-8g", "p3dn.24xlarge"]
     assert [name for name, _ in preset_table()] == preset_names()
     assert all(description for _, description in preset_table())
     with _raises("nodes must be a positive integer, got 0"):
