@@ -118,6 +118,10 @@ class PowerSgdSection:
         off = [name for name, on in (("no warm start", self.warm_start), ("no error feedback", self.error_feedback)) if not on]
         return ", ".join([f"powersgd rank {self.rank}", *off])
 
+    def verdict_words(self, plan: "Plan") -> str:
+        """The report's headline words for the compression (``planner.verdict``)."""
+        return f"gradients compressed by PowerSGD rank {self.rank} (lossy)"
+
     def strategy_text(self, plan: "Plan") -> str:
         """The report's strategy line."""
         return (
@@ -177,6 +181,10 @@ class TopKSection:
     def describe(self, plan: "Plan") -> str:
         """``"top-k 1%"`` (and what is off)."""
         return f"top-k {self.fraction * 100:g}%" + ("" if self.error_feedback else ", no error feedback")
+
+    def verdict_words(self, plan: "Plan") -> str:
+        """The report's headline words for the compression (``planner.verdict``)."""
+        return f"gradients sparsified to their top {self.fraction * 100:g}%, values and indices all-gathered (lossy)"
 
     def strategy_text(self, plan: "Plan") -> str:
         """The report's strategy line."""
