@@ -129,7 +129,7 @@ def train(task: str, method: str, steps: int, seed: int = 0) -> float:
     tail = []
     for step in range(steps):
         inputs, targets = next(batches)
-        local = (inputs.chunk(world)[rank], targets.chunk(world)[rank])
+        local = (inputs.chunk(world)[rank].contiguous(), targets.chunk(world)[rank].contiguous())
         loss = module(*local)
         loss.backward()
         if clip is not None:
