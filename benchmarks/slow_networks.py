@@ -6,9 +6,9 @@ uncompressed plan against PowerSGD and top-k, for a 1.3B GPT and a VGG-16-shaped
 
 Clusters: A100-40GB machines, one GPU each (8 GPUs: ``a2-highgpu-1g``-like) or eight (64
 GPUs: ``a2-highgpu-8g``-like, NVSwitch inside), their network swept from 10 to 400 Gb/s per
-machine. Up to 100 Gb/s the machines talk through NCCL's socket transport
+machine (machines of 8 GPUs also at 1600 and 3200 Gb/s: a DGX A100's or H100's 8 NICs). Up to 100 Gb/s the machines talk through NCCL's socket transport
 (``planner.ethernet_presets``: 60% of line rate up to 50 Gb/s, 40% at 100, 40 µs a hop);
-at 200 and 400 Gb/s through RDMA (InfiniBand/EFA class): 24 GB/s of a 200 Gb/s NIC's
+above, through RDMA (InfiniBand/EFA class): 24 GB/s of a 200 Gb/s NIC's
 25 GB/s (NVIDIA/nccl-tests#160, as the dgx-a100-80g preset cites) and 8 µs a hop.
 
 Per point, every plan is simulated (bf16 mixed precision, gradients reduced in bf16, bucketed
@@ -48,6 +48,8 @@ from search.data_parallel import data_parallel_plan  # noqa: E402
 from search.plan_variants import recomputing  # noqa: E402
 
 BANDWIDTHS_GBPS = (10, 25, 50, 100, 200, 400)
+# Machines of 8 GPUs also at a DGX's 8 x 200 and 8 x 400 Gb/s (dgx-a100-80g, dgx-h100 presets).
+DGX_GBPS = (1600, 3200)
 RDMA_EFFICIENCY = 24 / 25  # 24 GB/s per 200 Gb/s HDR NIC (NVIDIA/nccl-tests#160)
 RDMA_LATENCY = 8e-6  # s, GPUDirect RDMA over InfiniBand (planner.presets, estimate)
 FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")
@@ -122,6 +124,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["gpt-1.3b", "vgg16"])
     parser.add_argument("--gpus", nargs="+", type=int, default=[8, 64])
     parser.add_argument("--bandwidths", nargs="+", type=float, default=list(BANDWIDTHS_GBPS), help="Gb/s per machine")
+    parser.add_argument("--no-dgx", dest="dgx", action="store_false",
+                        help="leave out 1600 and 3200 Gb/s (a DGX's 8 NICs) for machines of 8 GPUs")
     options = parser.parse_args()
     per_gpu = {"gpt-1.3b": 4, "vgg16": 32}
     for model_name in options.models:
@@ -134,7 +138,8 @@ def main() -> None:
             header = f"{'Gb/s':>6} {'uncompressed (best)':>34} " + " ".join(f"{label:>12}" for label in METHODS)
             print(header + "  chosen", flush=True)
             results = {}
-            for gbps in options.bandwidths:
+            swept = [*options.bandwidths, *(DGX_GBPS if gpus > 8 and options.dgx else ())]
+            for gbps in swept:
                 result = results[gbps] = point(graph, spec, name, gpus, gbps)
                 base = result["uncompressed"]
                 base_text = "-" if base is None else f"{_ms(base)} {base.name.split(' (')[0]}" + (

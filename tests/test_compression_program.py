@@ -4,7 +4,7 @@ processes, and the convergence check that replaces parity for them.
 - The program: the ddp program whose ``parallelize`` registers the hook on its DDP module,
   its comments naming what it calls; ``launch.py --check`` refuses it in one line pointing to
   the convergence benchmark, before any process group starts.
-- One launch of 2 gloo ranks loads the compiled PowerSGD and top-k programs, checks that DDP
+- One launch of 2 gloo ranks loads the compiled PowerSGD, top-k and fp16-reduction programs, checks that DDP
   reports the hook registered (``_get_ddp_logging_data()["comm_hook"]``), trains 4 steps of
   each (PowerSGD compresses from its third) and checks that both ranks hold the same
   updated weights (a compressed reduction must still give every replica the same gradient).
@@ -27,7 +27,7 @@ import pytest
 
 import planner
 from codegen.runtime.launcher import main as launch_main
-from planner.families.gradient_compression.section import PowerSgdSection, TopKSection
+from planner.families.gradient_compression.section import HalfReduceSection, PowerSgdSection, TopKSection
 from planner.model_spec import ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,7 +88,8 @@ def _torchrun(world: int, *arguments: str) -> str:
 def programs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("compressed")
     return {"powersgd": _compiled("powersgd", PowerSgdSection(2), root / "powersgd"),
-            "top-k": _compiled("top-k", TopKSection(0.05), root / "top-k")}
+            "top-k": _compiled("top-k", TopKSection(0.05), root / "top-k"),
+            "half-reduce": _compiled("half-reduce", HalfReduceSection("fp16"), root / "half-reduce")}
 
 
 def test_the_program_registers_the_hook_on_its_ddp_module(programs) -> None:
@@ -99,6 +100,8 @@ def test_the_program_registers_the_hook_on_its_ddp_module(programs) -> None:
     assert "return ddp_model" in source
     top_k = (programs["top-k"] / "model_spmd.py").read_text()
     assert "register_compression(ddp_model, 'top-k', fraction=0.05, error_feedback=True)" in top_k
+    half = (programs["half-reduce"] / "model_spmd.py").read_text()
+    assert "register_compression(ddp_model, 'half-reduce', dtype='fp16')" in half
 
 
 def test_check_refuses_a_compressed_program_in_one_line(programs, capsys) -> None:
@@ -112,9 +115,10 @@ def test_check_refuses_a_compressed_program_in_one_line(programs, capsys) -> Non
 def test_two_ranks_train_with_the_hooks_registered_and_equal_replicas(programs, tmp_path) -> None:
     script = tmp_path / "check_hooks.py"
     script.write_text(CHECK_SCRIPT)
-    out = _torchrun(2, str(script), str(programs["powersgd"]), "powersgd_hook", str(programs["top-k"]), "top_k_hook")
+    out = _torchrun(2, str(script), str(programs["powersgd"]), "powersgd_hook", str(programs["top-k"]), "top_k_hook",
+                    str(programs["half-reduce"]), "fp16_compress_hook")
     lines = re.findall(r"^rank (\d) (\S+): registered (\S+), loss ([-\d.]+), replicas equal (\w+)$", out, re.M)
-    assert len(lines) == 4, out
+    assert len(lines) == 6, out
     for rank, hook, registered, loss, same in lines:
         # On gloo PowerSGD runs through powersgd_one_bucket_at_a_time (nested gloo waits deadlock).
         expected = "powersgd_one_bucket_at_a_time" if hook == "powersgd_hook" else hook

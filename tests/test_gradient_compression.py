@@ -24,8 +24,8 @@ from cost_model.collectives import collective_time
 from cost_model.segments import Segment
 from cost_model.simulator import simulated
 from planner.errors import PlanFileError
-from planner.families.gradient_compression.costs import powersgd_work, top_k_work
-from planner.families.gradient_compression.section import PowerSgdSection, TopKSection
+from planner.families.gradient_compression.costs import half_reduce_work, powersgd_work, top_k_work
+from planner.families.gradient_compression.section import HalfReduceSection, PowerSgdSection, TopKSection
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
 
@@ -65,9 +65,11 @@ def test_sections_round_trip_and_name_themselves(ddp_plan) -> None:
     ("top-k", {"fraction": 0.9}, "top-k.fraction"),
     ("top-k", {"fraction": "1%"}, "top-k.fraction"),
     ("top-k", {"fraction": 0.01, "error_feedback": 1}, "top-k.error_feedback"),
+    ("half-reduce", {"dtype": "fp8"}, "half-reduce.dtype"),
+    ("half-reduce", {"dtype": "fp16", "to": 1}, "half-reduce"),
 ])
 def test_a_malformed_section_is_one_line_naming_the_field(key, data, field) -> None:
-    section_class = PowerSgdSection if key == "powersgd" else TopKSection
+    section_class = {"powersgd": PowerSgdSection, "top-k": TopKSection, "half-reduce": HalfReduceSection}[key]
     with pytest.raises(PlanFileError) as error:
         section_class.from_json(data, SOURCE)
     message = str(error.value)
@@ -82,6 +84,26 @@ def test_zero_fsdp_accumulation_and_two_compressions_are_refused_in_one_line(ddp
         dataclasses.replace(ddp_plan, accumulation_steps=2, sections={"powersgd": PowerSgdSection(1)})
     with pytest.raises(ValueError, match=r"both compress the gradients; keep one"):
         dataclasses.replace(ddp_plan, sections={"powersgd": PowerSgdSection(1), "top-k": TopKSection(0.01)})
+
+
+def test_half_reduce_refuses_bf16_plans_and_bf16_on_gloo(ddp_plan) -> None:
+    bf16 = planner.plan(MLP, "dgx-a100-80g", dp_flavour="ddp", precision="bf16", search="dp")
+    with pytest.raises(ValueError, match=r"^field 'half-reduce' halves an fp32 reduction, but the plan's precision is bf16"):
+        dataclasses.replace(bf16, sections={"half-reduce": HalfReduceSection("fp16")})
+    gloo = planner.plan(MLP, "cpu:1x2", dp_flavour="ddp", precision="fp32", search="dp")
+    with pytest.raises(ValueError, match=r"^field 'half-reduce.dtype' is bf16, whose PyTorch hook needs NCCL.*use fp16"):
+        dataclasses.replace(gloo, sections={"half-reduce": HalfReduceSection("bf16")})
+    assert "grads reduced in bf16" in dataclasses.replace(ddp_plan, sections={"half-reduce": HalfReduceSection("bf16")}).name
+
+
+def test_half_reduce_work_by_hand(ddp_plan) -> None:
+    segment = Segment("s", 0, params={"w": 1000, "b": 10}, shapes={}, dp_synced={"w", "b"})
+    work = half_reduce_work(segment, element_bytes=4)
+    assert work.first_bytes == 1010 * 2  # the bucket all-reduced in 16 bits
+    assert work.encode_bytes == work.decode_bytes == 1010 * (4 + 2)  # cast down, cast back
+    # The MLP on p3.2xlarge:4: its 4,366,368 fp32 gradient bytes all-reduced as 2,183,184.
+    plan = with_section(ddp_plan, "half-reduce", HalfReduceSection("fp16"))
+    assert plan.estimate.bytes_per_axis["dp"] == pytest.approx(ddp_plan.estimate.bytes_per_axis["dp"] / 2)
 
 
 def test_powersgd_work_by_hand() -> None:

@@ -1,9 +1,10 @@
-"""Gradient compression for data parallelism over slow networks: PowerSGD and top-k.
+"""Gradient compression for data parallelism over slow networks: PowerSGD, top-k, 16 bits.
 
-Two families share this folder: ``powersgd`` (PyTorch's ``powerSGD_hook``) and ``top-k``
-(our own DDP hook, ``runtime.top_k_hook``), each a ddp plan with a section of its own key.
+Three families share this folder: ``powersgd`` (PyTorch's ``powerSGD_hook``), ``top-k``
+(our own DDP hook, ``runtime.top_k_hook``) and ``half-reduce`` (an fp32 plan's buckets
+all-reduced in fp16 or bf16 by PyTorch's hooks), each a ddp plan with a section of its own key.
 
-- ``section.py``: ``PowerSgdSection``, ``TopKSection`` (vocabulary).
+- ``section.py``: ``PowerSgdSection``, ``TopKSection``, ``HalfReduceSection`` (vocabulary).
 - ``candidates.py``: the ddp plans again with each setting, kept only where they win by
   more than the simulator's error (search layer).
 - ``costs.py``: the hook's encode, collectives, decode and buffers in the simulated step
@@ -18,7 +19,14 @@ Lossy: a compressed program's ``--check`` refuses (no parity); convergence is me
 from __future__ import annotations
 
 from planner.families import Family
-from planner.families.gradient_compression.section import POWERSGD, TOP_K, PowerSgdSection, TopKSection
+from planner.families.gradient_compression.section import (
+    HALF_REDUCE,
+    POWERSGD,
+    TOP_K,
+    HalfReduceSection,
+    PowerSgdSection,
+    TopKSection,
+)
 
 
 def _family(name: str, summary: str, section: type) -> Family:
@@ -35,4 +43,6 @@ def _family(name: str, summary: str, section: type) -> Family:
 FAMILIES = (
     _family(POWERSGD, "DDP with PowerSGD low-rank gradient compression (lossy; slow networks)", PowerSgdSection),
     _family(TOP_K, "DDP with top-k gradient sparsification and error feedback (lossy; slow networks)", TopKSection),
+    _family(HALF_REDUCE, "DDP of an fp32 plan, gradients all-reduced in fp16/bf16 (rounded; slow networks)",
+            HalfReduceSection),
 )

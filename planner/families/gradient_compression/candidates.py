@@ -16,7 +16,14 @@ import dataclasses
 
 from cost_model.simulator import simulated
 from planner.errors import PlanningError
-from planner.families.gradient_compression.section import POWERSGD, TOP_K, PowerSgdSection, TopKSection
+from planner.families.gradient_compression.section import (
+    HALF_REDUCE,
+    POWERSGD,
+    TOP_K,
+    HalfReduceSection,
+    PowerSgdSection,
+    TopKSection,
+)
 from planner.plans import Plan
 from search.context import SearchContext
 from search.data_parallel import data_parallel_plan
@@ -32,12 +39,12 @@ MIN_PREDICTED_GAIN = 0.10
 
 
 def compressed_candidates(context: SearchContext) -> list[Plan]:
-    """The candidates part of the ``powersgd`` and ``top-k`` families (``planner.families``):
+    """The candidates part of the ``powersgd``, ``top-k`` and ``half-reduce`` families (``planner.families``):
     each allowed setting on the ddp plans found on ``dp`` alone (or on a ddp plan built here
     when ``--family`` left ddp out), simulated; those predicted slower than the best
     uncompressed plan by less than ``MIN_PREDICTED_GAIN`` are dropped, unless ``--family``
     named the compression family. A sentence for the search summary either way."""
-    wanted = [name for name in (POWERSGD, TOP_K) if context.constraints.allows_family(name)]
+    wanted = [name for name in (POWERSGD, TOP_K, HALF_REDUCE) if context.constraints.allows_family(name)]
     if not wanted or context.whole_batch_only or context.summa_only or context.cluster.world_size < 2:
         return []
     bases = [plan for plan in context.found
@@ -50,9 +57,13 @@ def compressed_candidates(context: SearchContext) -> list[Plan]:
         except PlanningError:
             return []
     sections = ([PowerSgdSection(rank) for rank in POWERSGD_RANKS] if POWERSGD in wanted else []) + (
-        [TopKSection(fraction) for fraction in TOP_K_FRACTIONS] if TOP_K in wanted else [])
+        [TopKSection(fraction) for fraction in TOP_K_FRACTIONS] if TOP_K in wanted else []) + (
+        # 16-bit reduction of an fp32 plan (a bf16 plan reduces in 16 bits already); bf16's hook needs NCCL.
+        [HalfReduceSection(dtype) for dtype in ("fp16", "bf16")[:1 + (context.cluster.backend == "nccl")]]
+        if HALF_REDUCE in wanted else [])
     plans = [simulated(dataclasses.replace(base, sections={**base.sections, _key(section): section}), context.graph)
-             for base in bases for section in sections]
+             for base in bases for section in sections
+             if not isinstance(section, HalfReduceSection) or base.precision == "fp32"]
     fitting = [plan for plan in plans if plan.estimate.fits]
     baseline = min((plan for plan in context.found if plan.estimate.fits and not plan.sections),
                    key=lambda plan: plan.estimate.step_time_s, default=None)
@@ -82,4 +93,4 @@ def compressed_candidates(context: SearchContext) -> list[Plan]:
 
 
 def _key(section) -> str:
-    return POWERSGD if isinstance(section, PowerSgdSection) else TOP_K
+    return {PowerSgdSection: POWERSGD, TopKSection: TOP_K, HalfReduceSection: HALF_REDUCE}[type(section)]

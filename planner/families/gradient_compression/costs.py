@@ -1,4 +1,5 @@
-"""Compressed gradient reduction in a simulated step (cost-model layer): PowerSGD and top-k.
+"""Compressed gradient reduction in a simulated step (cost-model layer): PowerSGD, top-k and
+fp32 gradients all-reduced in 16 bits (``half_reduce_work``).
 
 A compressed plan is a ``ddp`` plan whose DDP buckets are reduced by a communication hook
 (``planner.families.gradient_compression.section``). ``CompressedDataParallelStep`` takes the
@@ -57,7 +58,7 @@ from cost_model.data_parallel_step import DataParallelStep, GradientBuckets
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
 from cost_model.step_contributor import REDUCE_STREAM, StepContributor
-from planner.families.gradient_compression.section import POWERSGD, TOP_K, compression_of
+from planner.families.gradient_compression.section import HALF_REDUCE, POWERSGD, TOP_K, compression_of
 
 COMPRESSION_STREAM = "compression"
 MIN_COMPRESSION_RATE = 2  # PowerSGDState's default min_compression_rate (torch powerSGD_hook.py)
@@ -154,6 +155,18 @@ def top_k_work(segment: Segment, fraction: float, error_feedback: bool, element_
     )
 
 
+def half_reduce_work(segment: Segment, element_bytes: int) -> CompressionWork:
+    """``fp16_compress_hook``/``bf16_compress_hook`` on ``segment``'s ``element_bytes``-byte
+    gradients: cast to 16 bits (read g, write 2 bytes an element), all-reduce the 16-bit
+    bucket, cast the average back (read 2, write g) in the future's callback."""
+    n = sum(segment.params[name] for name in segment.dp_synced)
+    return CompressionWork(
+        elements=n, first_bytes=n * 2, second_bytes=0.0, collective="all_reduce",
+        encode_flops=0.0, encode_bytes=n * (element_bytes + 2), middle_flops=0.0, middle_bytes=0.0,
+        decode_flops=0.0, decode_bytes=n * (2 + element_bytes), kept_bytes=0.0,
+    )
+
+
 def compression_work(context: StepContext, segment: Segment) -> CompressionWork:
     """The work of the plan's compression (its section) on ``segment``."""
     section = compression_of(context.plan)
@@ -162,6 +175,8 @@ def compression_work(context: StepContext, segment: Segment) -> CompressionWork:
         return powersgd_work(segment, section.rank, section.error_feedback, section.warm_start, g)
     if TOP_K in context.plan.sections:
         return top_k_work(segment, section.fraction, section.error_feedback, g, context.dp)
+    if HALF_REDUCE in context.plan.sections:
+        return half_reduce_work(segment, g)
     raise ValueError(f"plan {context.plan.name} has no gradient-compression section")
 
 

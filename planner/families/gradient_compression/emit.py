@@ -14,7 +14,7 @@ from __future__ import annotations
 from codegen.data_parallel_emit import unused_parameters, wrap_lines
 from codegen.emit import preparation_lines, render_data_parallel_program
 from codegen.source_text import comment, literal
-from planner.families.gradient_compression.section import POWERSGD, TOP_K, compression_of
+from planner.families.gradient_compression.section import HALF_REDUCE, POWERSGD, TOP_K, compression_of
 from planner.plans import Plan
 
 CHECK_REFUSAL = (
@@ -36,6 +36,8 @@ def _hook_arguments(plan: Plan) -> str:
     if POWERSGD in plan.sections:
         return (f"{literal(POWERSGD)}, rank={literal(section.rank)}, error_feedback={literal(section.error_feedback)}, "
                 f"warm_start={literal(section.warm_start)}, start_iter=START_COMPRESSION_STEP")
+    if HALF_REDUCE in plan.sections:
+        return f"{literal(HALF_REDUCE)}, dtype={literal(section.dtype)}"
     return f"{literal(TOP_K)}, fraction={literal(section.fraction)}, error_feedback={literal(section.error_feedback)}"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from planner.families.gradient_compression.section import POWERSGD
+from planner.families.gradient_compression.section import compression_of
 from planner.report_parts import Paragraph
 
 if TYPE_CHECKING:
@@ -12,10 +12,10 @@ if TYPE_CHECKING:
 
 
 def compression_section(plan: "Plan") -> list:
-    """The report part of the ``powersgd`` and ``top-k`` families (``planner.families``):
+    """The report part of the compression families (``planner.families``):
     what is sent, that the plan is checked by convergence, not parity, and the search
     summary's sentence on the predicted gain over the best uncompressed plan."""
-    section = plan.sections.get(POWERSGD) or plan.sections["top-k"]
+    section = compression_of(plan)
     lines = [Paragraph(
         f"Gradient compression: {section.strategy_text(plan)}. It is lossy: the compiled program's --check refuses "
         f"(parity with one device cannot hold); benchmarks/compression_convergence.py compares its training loss "

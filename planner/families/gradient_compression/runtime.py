@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-POWERSGD, TOP_K = "powersgd", "top-k"
+POWERSGD, TOP_K, HALF_REDUCE = "powersgd", "top-k", "half-reduce"
 
 
 @dataclass
@@ -88,8 +89,9 @@ def powersgd_one_bucket_at_a_time(state: powersgd.PowerSGDState, bucket: dist.Gr
 
 def register_compression(module: torch.nn.parallel.DistributedDataParallel, kind: str, *, rank: int = 1,
                          fraction: float = 0.01, error_feedback: bool = True, warm_start: bool = True,
-                         start_iter: int = 2) -> object:
-    """Register the ``kind`` hook (``"powersgd"`` or ``"top-k"``) on DDP ``module`` and return
+                         start_iter: int = 2, dtype: str = "fp16") -> object:
+    """Register the ``kind`` hook (``"powersgd"``, ``"top-k"``, or ``"half-reduce"``: PyTorch's
+    ``fp16_compress_hook``/``bf16_compress_hook`` by ``dtype``) on DDP ``module`` and return
     its state. PowerSGD runs plain all-reduces for the first ``start_iter`` steps
     (``PowerSGDState.start_powerSGD_iter``; 2 is the least it takes with error feedback or
     warm start).
@@ -110,4 +112,8 @@ def register_compression(module: torch.nn.parallel.DistributedDataParallel, kind
         state = TopKState(group, fraction, error_feedback)
         module.register_comm_hook(state, top_k_hook)
         return state
-    raise ValueError(f"no gradient compression called {kind!r}; use 'powersgd' or 'top-k'")
+    if kind == HALF_REDUCE:
+        hook = default_hooks.bf16_compress_hook if dtype == "bf16" else default_hooks.fp16_compress_hook
+        module.register_comm_hook(group, hook)
+        return group
+    raise ValueError(f"no gradient compression called {kind!r}; use 'powersgd', 'top-k' or 'half-reduce'")

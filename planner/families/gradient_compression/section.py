@@ -1,4 +1,5 @@
-"""The gradient-compression sections of a plan: PowerSGD and top-k with error feedback.
+"""The gradient-compression sections of a plan: PowerSGD, top-k with error feedback, and
+fp32 gradients all-reduced in 16 bits.
 
 A compressed plan is a ``ddp`` plan on a mesh of ``dp`` alone (no pipeline, no expert
 layouts, no gradient accumulation) whose DDP all-reduce of each gradient bucket is replaced by
@@ -12,6 +13,8 @@ a DDP communication hook (``DistributedDataParallel.register_comm_hook``):
   (``planner.families.gradient_compression.runtime``): each bucket sends its ``ceil(f n)``
   largest-magnitude entries, values and indices all-gathered (Aji & Heafield 2017; Lin et
   al., "Deep Gradient Compression", ICLR 2018, for the error feedback).
+- ``"half-reduce"``: ``{"dtype": "fp16" | "bf16"}``, PyTorch's ``fp16_compress_hook`` or
+  ``bf16_compress_hook`` on an fp32 plan (a bf16 plan reduces in 16 bits already).
 
 Both are lossy: a compressed step is not the uncompressed one, so parity with one device
 cannot hold (``--check`` refuses such a program and points to the convergence benchmark).
@@ -31,7 +34,8 @@ from planner.errors import PlanFileError, one_line
 if TYPE_CHECKING:
     from planner.plans import Plan
 
-POWERSGD, TOP_K = "powersgd", "top-k"
+POWERSGD, TOP_K, HALF_REDUCE = "powersgd", "top-k", "half-reduce"
+COMPRESSIONS = (POWERSGD, TOP_K, HALF_REDUCE)
 MAX_POWERSGD_RANK = 64  # beyond this the factors of a 4096-wide layer save little (r(n+m) vs nm)
 
 
@@ -55,7 +59,7 @@ def check_compressible(plan: "Plan", key: str) -> None:
             f"field '{key}' compresses one all-reduce per step, but the plan accumulates "
             f"{plan.accumulation_steps} micro-batches; drop the {key} section or the accumulation"
         )
-    others = [name for name in plan.sections if name in (POWERSGD, TOP_K) and name != key]
+    others = [name for name in plan.sections if name in COMPRESSIONS and name != key]
     if others:
         raise ValueError(f"field '{key}' and field '{others[0]}' both compress the gradients; keep one of them")
 
@@ -210,6 +214,65 @@ class TopKSection:
             raise PlanFileError(f"{source}: {error}") from None
 
 
+@dataclass(frozen=True)
+class HalfReduceSection:
+    """An fp32 plan's gradient buckets all-reduced in 16 bits: PyTorch's
+    ``default_hooks.fp16_compress_hook`` or ``bf16_compress_hook`` (cast the bucket, all-reduce
+    it, cast the average back). Half the bytes of an fp32 reduction, rounded to 16 bits.
+
+    Attributes:
+        dtype: ``"fp16"`` or ``"bf16"`` (bf16's hook needs NCCL: refused on gloo clusters).
+
+    Raises:
+        ValueError: ``dtype`` is neither.
+    """
+
+    dtype: str = "fp16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("fp16", "bf16"):
+            raise ValueError(f"field '{HALF_REDUCE}.dtype' must be 'fp16' or 'bf16', got {one_line(repr(self.dtype))[:40]}")
+
+    def check(self, plan: "Plan") -> None:
+        """One line (``ValueError``) unless ``plan`` can carry a DDP hook, is an fp32 plan (a
+        bf16 plan's gradients are reduced in 16 bits already) and, for bf16, runs on NCCL."""
+        check_compressible(plan, HALF_REDUCE)
+        if plan.precision != "fp32":
+            raise ValueError(
+                f"field '{HALF_REDUCE}' halves an fp32 reduction, but the plan's precision is {plan.precision}, "
+                f"whose gradients are reduced in 16 bits already; drop the {HALF_REDUCE} section"
+            )
+        if self.dtype == "bf16" and plan.cluster.backend != "nccl":
+            raise ValueError(
+                f"field '{HALF_REDUCE}.dtype' is bf16, whose PyTorch hook needs NCCL, but the cluster runs "
+                f"{plan.cluster.backend}; use fp16"
+            )
+
+    def describe(self, plan: "Plan") -> str:
+        """``"grads reduced in fp16"``."""
+        return f"grads reduced in {self.dtype}"
+
+    def verdict_words(self, plan: "Plan") -> str:
+        """The report's headline words for the compression (``planner.verdict``)."""
+        return f"gradients all-reduced in {self.dtype} (rounded)"
+
+    def strategy_text(self, plan: "Plan") -> str:
+        """The report's strategy line."""
+        return f"DDP whose fp32 gradient buckets are cast to {self.dtype} for the all-reduce and back"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, data: Any, source: str) -> "HalfReduceSection":
+        """The section under a plan file's ``"half-reduce"`` key; ``PlanFileError`` in one line."""
+        data = _object(data, HALF_REDUCE, source, ("dtype",), '{"dtype": "fp16"}')
+        try:
+            return cls(data.get("dtype", "fp16"))
+        except ValueError as error:
+            raise PlanFileError(f"{source}: {error}") from None
+
+
 def compression_of(plan: "Plan"):
-    """The plan's compression section (``PowerSgdSection`` or ``TopKSection``), or None."""
-    return plan.sections.get(POWERSGD) or plan.sections.get(TOP_K)
+    """The plan's compression section (PowerSGD, top-k or half-precision reduction), or None."""
+    return next((plan.sections[key] for key in COMPRESSIONS if key in plan.sections), None)
