@@ -17,6 +17,7 @@ import dataclasses
 from cost_model.simulator import simulated
 from planner.errors import PlanningError
 from planner.families.gradient_compression.section import (
+    COMPRESSIONS,
     HALF_REDUCE,
     POWERSGD,
     TOP_K,
@@ -39,9 +40,9 @@ MIN_PREDICTED_GAIN = 0.10
 
 
 def compressed_candidates(context: SearchContext) -> list[Plan]:
-    """The candidates part of the ``powersgd``, ``top-k`` and ``half-reduce`` families (``planner.families``):
-    each allowed setting on the ddp plans found on ``dp`` alone (or on a ddp plan built here
-    when ``--family`` left ddp out), simulated; those predicted slower than the best
+    """The candidates part of the ``powersgd``, ``top-k`` and ``half-reduce`` families
+    (``planner.families``): each allowed setting on the ddp plans found on ``dp`` alone (or on
+    a ddp plan built here when ``--family`` left ddp out), simulated; those predicted slower than the best
     uncompressed plan by less than ``MIN_PREDICTED_GAIN`` are dropped, unless ``--family``
     named the compression family. A sentence for the search summary either way."""
     wanted = [name for name in (POWERSGD, TOP_K, HALF_REDUCE) if context.constraints.allows_family(name)]
@@ -65,8 +66,9 @@ def compressed_candidates(context: SearchContext) -> list[Plan]:
              for base in bases for section in sections
              if not isinstance(section, HalfReduceSection) or base.precision == "fp32"]
     fitting = [plan for plan in plans if plan.estimate.fits]
-    baseline = min((plan for plan in context.found if plan.estimate.fits and not plan.sections),
-                   key=lambda plan: plan.estimate.step_time_s, default=None)
+    # Every uncompressed plan found so far (HSDP's, with a section of its own, included).
+    uncompressed = [plan for plan in context.found if plan.estimate.fits and not set(plan.sections) & set(COMPRESSIONS)]
+    baseline = min(uncompressed, key=lambda plan: plan.estimate.step_time_s, default=None)
     asked = context.constraints.families is not None
     if not fitting:
         context.notes.append("gradient compression: no compressed ddp plan fits in memory")
@@ -78,7 +80,7 @@ def compressed_candidates(context: SearchContext) -> list[Plan]:
         return fitting
     gain = 1 - best.estimate.step_time_s / baseline.estimate.step_time_s
     compared = (f"best compressed {best.name} {best.estimate.step_time_s * 1e3:.3g} ms vs best uncompressed "
-                f"{baseline.name} {baseline.estimate.step_time_s * 1e3:.3g} ms a step ({gain:+.0%})")
+                f"{baseline.name} {baseline.estimate.step_time_s * 1e3:.3g} ms a step ({-gain:+.0%} step time)")
     if asked:
         context.notes.append(f"gradient compression (asked by --family): {compared}")
         return fitting
