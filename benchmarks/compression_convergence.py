@@ -149,7 +149,7 @@ def train(task: str, method: str, steps: int, seed: int = 0) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
-        final = torch.stack([model(*next(held_out)) for _ in range(EVAL_BATCHES)]).mean()
+        final = torch.stack([model(*(part.contiguous() for part in next(held_out))) for _ in range(EVAL_BATCHES)]).mean()
     dist.all_reduce(final)
     return final.item() / world
 

@@ -28,6 +28,7 @@ from moe_plans import moe_plan
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
 from search.data_parallel import data_parallel_plan
+from planner.families.gradient_compression.section import HalfReduceSection, PowerSgdSection, TopKSection
 from planner.families.hsdp.section import HsdpSection
 from search.megatron import megatron_plan
 from summa_plans import GPT, GPT_SMALL, summa_plan
@@ -37,7 +38,7 @@ WORLD = 4
 FAMILIES = (
     "ddp", "zero1", "zero2", "fsdp", "megatron dp x tp, zero1", "megatron tp, sequence parallel", "pipeline pp x dp",
     "summa 2d", "moe expert parallel, ddp", "moe replicated experts, fsdp", "moe sliced experts, zero1",
-    "moe copied experts, zero2", "hsdp 2 x 2",
+    "moe copied experts, zero2", "hsdp 2 x 2", "powersgd", "top-k", "half-reduce",
 )
 GPT_SPEC = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer": 2})
 
@@ -53,7 +54,8 @@ GPT_SPEC = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer":
 #   broadcast blocks (2-D, 2.5-D) or gather and reduce-scatter them (3-D); ZeRO-1's
 #   optimizer (``ShardedStatesOptimizer``) all-gathers the updated weights; synchronised batch norm all-reduces
 #   its statistics; FSDP2 on HSDP's 2-D mesh (``hybrid_mesh``) all-reduces the gradient shards
-#   across its replicate groups.
+#   across its replicate groups; a compressed program's hook (``register_compression``) runs
+#   its all-reduces (PowerSGD's factors, 16-bit buckets) or top-k's all-gather inside DDP.
 # Patterns of acronyms match case-sensitively (``\bDDP\b``), collectives in any case.
 _DDP = "DistributedDataParallel"
 _FSDP = ("fully_shard", "shard_over_copies")
@@ -65,7 +67,7 @@ BACKING: dict[str, tuple[str, ...]] = {
     r"fully_shard|\bFSDP2?\b": _FSDP,
     r"\bZeRO-1\b": ("ShardedStatesOptimizer",),
     r"(?i:all-reduce|all_reduce|allreduce)": (_DDP, *_GRAPH, *_SUMMA, "synchronise_batch_norm", "hybrid_mesh"),
-    r"(?i:all-gather|all_gather)": (*_FSDP, *_GRAPH, *_MOE, *_SUMMA, "ShardedStatesOptimizer"),
+    r"(?i:all-gather|all_gather)": (*_FSDP, *_GRAPH, *_MOE, *_SUMMA, "ShardedStatesOptimizer", "register_compression"),
     r"(?i:reduce-scatter|reduce_scatter)": (*_FSDP, *_GRAPH, *_SUMMA, "ExpertSlicedMoE"),
     r"(?i:all-to-all|all_to_all)": _MOE,
     r"(?i:broadcast)": (_DDP, *_SUMMA),
@@ -87,6 +89,9 @@ def _family_plans() -> dict[str, object]:
     graph, spec, name, cluster = prepare_model(GPT_SPEC, "cpu:2x2")
     fsdp = data_parallel_plan(graph, cluster, spec, name, "fsdp")
     plans["hsdp 2 x 2"] = dataclasses.replace(fsdp, sections={"hsdp": HsdpSection(2)})
+    for key, section in (("powersgd", PowerSgdSection(2)), ("top-k", TopKSection(0.01)),
+                         ("half-reduce", HalfReduceSection("fp16"))):
+        plans[key] = dataclasses.replace(plans["ddp"], sections={key: section})
     return plans
 
 
