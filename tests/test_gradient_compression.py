@@ -179,3 +179,12 @@ def test_the_search_keeps_no_compression_on_nvswitch_and_says_why() -> None:
     plan = planner.plan(MLP, "dgx-a100-80g", precision="bf16")
     assert not set(plan.sections) & {"powersgd", "top-k"}, plan.name
     assert "gradient compression not chosen" in plan.search_summary
+
+
+def test_planner_families_lists_them_and_family_searches_one_alone() -> None:
+    from planner.families import family_names
+
+    assert {"powersgd", "top-k", "half-reduce"} <= set(family_names())
+    plan = planner.plan(MLP, "cpu:1x2", precision="fp32", constraints={"families": ["top-k"]})
+    assert set(plan.sections) == {"top-k"}, plan.name
+    assert "gradient compression (asked by --family)" in plan.search_summary

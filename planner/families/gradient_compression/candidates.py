@@ -68,6 +68,8 @@ def compressed_candidates(context: SearchContext) -> list[Plan]:
     fitting = [plan for plan in plans if plan.estimate.fits]
     # Every uncompressed plan found so far (HSDP's, with a section of its own, included).
     uncompressed = [plan for plan in context.found if plan.estimate.fits and not set(plan.sections) & set(COMPRESSIONS)]
+    # With --family leaving every uncompressed family out, the ddp plan built here still compares.
+    uncompressed = uncompressed or [base for base in bases if base.estimate.fits]
     baseline = min(uncompressed, key=lambda plan: plan.estimate.step_time_s, default=None)
     asked = context.constraints.families is not None
     if not fitting:
