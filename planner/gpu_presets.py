@@ -1,5 +1,6 @@
 """Cluster presets named by GPU and by cloud instance type: ``--cluster h100:16``, ``a100-40g:8x4``,
-``p5:4``, ``nd-h100-v5:2``.
+``p5:4``, ``nd-h100-v5:2`` (Google Cloud's A100 machines on Ethernet are ``planner.ethernet_presets``'
+``a2-highgpu-*``).
 
 Each is one 8-GPU server (``NAME:NODES`` or ``NAME:NODESxGPUS``) with the datasheet figures of
 its GPU and the links its vendor states, each cited where it is written. ``gpu_presets``
@@ -121,11 +122,7 @@ def gpu_presets(existing: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]
         # AWS EC2 P5 page: p5.48xlarge, 8 x H100 80GB, NVSwitch 900 GB/s, 3,200 Gb/s EFA (v2).
         "p5": _server("AWS p5.48xlarge: 8 x H100-SXM5-80GB, NVSwitch, 3200 Gb/s EFA", _H100, _NVLINK4,
                       (_gb_per_s(3200), _EFA)),
-        # Google Cloud accelerator-optimized machine types: a2-highgpu-8g, 8 x A100 40GB, NVSwitch,
-        # 100 Gb/s maximum network bandwidth.
-        "a2": _server("Google Cloud a2-highgpu-8g: 8 x A100-SXM4-40GB, NVSwitch, 100 Gb/s", _A100_40, _NVLINK3,
-                      (_gb_per_s(100), _TCP)),
-        # Same page: a3-highgpu-8g, 8 x H100 80GB, 1,000 Gb/s maximum network bandwidth (GPUDirect-TCPX).
+        # Google Cloud accelerator-optimized machine types: a3-highgpu-8g, 8 x H100 80GB, 1,000 Gb/s maximum network bandwidth (GPUDirect-TCPX).
         "a3": _server("Google Cloud a3-highgpu-8g: 8 x H100-SXM5-80GB, NVSwitch, 1000 Gb/s GPUDirect-TCPX",
                       _H100, _NVLINK4, (_gb_per_s(1000), _TCP)),
         # Azure ND H100 v5 documentation: 8 x H100 80GB over NVLink 4, 3.2 Tb/s of InfiniBand per VM

@@ -3,7 +3,8 @@
 Pure data in the cluster-file layout (see ``planner.cluster``), so presets and user files go
 through one parser. Units: FLOP/s (dense, no structured sparsity), bytes, bytes/s per
 direction per device, seconds. This module imports only ``planner.gpu_presets`` (the presets
-named by GPU and cloud instance type, added at its end), which imports nothing.
+named by GPU and cloud instance type) and ``planner.ethernet_presets`` (cloud instances on
+Ethernet), both added at its end, both data that import nothing.
 
 Memory sizes use the datasheet's decimal gigabytes (80 GB = 80e9 bytes). The physical HBM is
 a little larger (an A100-80GB reports 81920 MiB = 85.9e9 bytes in nvidia-smi); the difference
@@ -201,3 +202,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 from planner.gpu_presets import gpu_presets  # noqa: E402 - after PRESETS, which it reads
 
 PRESETS.update(gpu_presets(PRESETS))
+
+# Cloud instances on commodity Ethernet, priced through NCCL's socket transport.
+from planner.ethernet_presets import ETHERNET_PRESETS  # noqa: E402  (data only; imports nothing)
+
+PRESETS.update(ETHERNET_PRESETS)

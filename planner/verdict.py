@@ -100,6 +100,9 @@ def strategy_words(plan: "Plan") -> str:
     composed = plan.label and not plan.expert_layouts  # an MoE plan's flavour is named above
     if composed and plan.dp_flavour != "ddp" and "dp" in plan.mesh.names and plan.mesh.axis_size("dp") > 1:
         text += f", {_FLAVOUR_WORDS[plan.dp_flavour].split(' (')[0]} on dp"  # composed with the other axes
+    # A family section may add its words (gradient compression: what replaces the all-reduce).
+    text += "".join(f", {section.verdict_words(plan)}" for section in plan.sections.values()
+                    if hasattr(section, "verdict_words"))
     if plan.pipeline is not None:
         text += f", {plan.pipeline.stages} pipeline stages ({plan.pipeline.schedule}, {plan.pipeline.micro_batches} micro-batches)"
     if plan.accumulation_steps > 1:

@@ -112,6 +112,7 @@ def test_preset_overrides_and_listing():
     assert Cluster.preset("DGX-H100") == Cluster.preset("dgx-h100")
     assert preset_names()[:5] == ["dgx-a100-80g", "dgx-h100", "hgx-h800", "p3.16xlarge", "cpu"]
     assert "h100" in preset_names() and "nd-h100-v5" in preset_names()  # by GPU and instance name (test_gpu_presets)
+    assert {"p3.2xlarge", "a2-highgpu-8g", "p3dn.24xlarge"} <= set(preset_names())  # Ethernet (test_ethernet_presets)
     assert [name for name, _ in preset_table()] == preset_names()
     assert all(description for _, description in preset_table())
     with _raises("nodes must be a positive integer, got 0"):

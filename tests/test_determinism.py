@@ -50,3 +50,6 @@ def test_the_quick_start_plans_the_same_on_a_loaded_machine(tmp_path):
     differing = sorted(key for key in quiet if quiet[key] != loaded.get(key))
     assert quiet == loaded, f"fields that differ: {differing}"
     assert not any("wall-clock cap" in warning for warning in quiet["warnings"])
+    # Two DGX A100 nodes on InfiniBand: no lossy gradient compression, and the summary says why.
+    assert not {"powersgd", "top-k", "half-reduce"} & set(quiet)
+    assert "gradient compression" in quiet["search_summary"]

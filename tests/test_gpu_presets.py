@@ -14,7 +14,7 @@ from planner.cluster import Cluster, preset_names
 from planner.model_spec import ModelSpec
 
 GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
-NAMED = ("h100", "h200", "a100", "a100-40g", "v100", "l40s", "mi300x", "p4d", "p5", "a2", "a3", "nd-h100-v5")
+NAMED = ("h100", "h200", "a100", "a100-40g", "v100", "l40s", "mi300x", "p4d", "p5", "a3", "nd-h100-v5")
 
 
 def test_every_named_preset_is_listed_on_one_line(capsys):
@@ -34,10 +34,10 @@ def test_each_parses_with_node_and_gpu_counts(name):
 
 def test_network_figures_per_gpu_worked_by_hand():
     """Stated node rates shared by 8 GPUs: Gb/s x 1e9 / 8 bits / 8 GPUs."""
-    per_gpu = {name: Cluster.parse(f"{name}:2").inter_link.bandwidth for name in ("p5", "p4d", "a2", "v100", "nd-h100-v5")}
+    per_gpu = {name: Cluster.parse(f"{name}:2").inter_link.bandwidth for name in ("p5", "p4d", "a3", "v100", "nd-h100-v5")}
     assert per_gpu["p5"] == pytest.approx(3200e9 / 8 / 8)  # 50 GB/s
     assert per_gpu["p4d"] == pytest.approx(400e9 / 8 / 8)  # 6.25 GB/s
-    assert per_gpu["a2"] == pytest.approx(100e9 / 8 / 8)  # 1.5625 GB/s
+    assert per_gpu["a3"] == pytest.approx(1000e9 / 8 / 8)  # 15.625 GB/s
     assert per_gpu["v100"] == pytest.approx(4 * 100e9 / 8 / 8)  # DGX-1: 4 x EDR
     assert per_gpu["nd-h100-v5"] == pytest.approx(8 * 400e9 / 8 / 8)  # one 400 Gb/s NDR per GPU
 

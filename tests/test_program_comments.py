@@ -28,6 +28,7 @@ from moe_plans import moe_plan
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
 from search.data_parallel import data_parallel_plan
+from planner.families.gradient_compression.section import HalfReduceSection, PowerSgdSection, TopKSection
 from planner.families.hsdp.section import HsdpSection
 from planner.strategy import Mesh
 from search.megatron import megatron_plan
@@ -40,6 +41,7 @@ FAMILIES = (
     "ddp", "zero1", "zero2", "fsdp", "megatron dp x tp, zero1", "megatron tp, sequence parallel", "pipeline pp x dp",
     "summa 2d", "moe expert parallel, ddp", "moe replicated experts, fsdp", "moe sliced experts, zero1",
     "moe copied experts, zero2", "hsdp 2 x 2", "moe folded dp x tp, EP2 x EDP2", "moe folded dp x tp, EP2 x ETP2",
+    "powersgd", "top-k", "half-reduce",
 )
 GPT_SPEC = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer": 2})
 
@@ -55,7 +57,8 @@ GPT_SPEC = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer":
 #   broadcast blocks (2-D, 2.5-D) or gather and reduce-scatter them (3-D); ZeRO-1's
 #   optimizer (``ShardedStatesOptimizer``) all-gathers the updated weights; synchronised batch norm all-reduces
 #   its statistics; FSDP2 on HSDP's 2-D mesh (``hybrid_mesh``) all-reduces the gradient shards
-#   across its replicate groups.
+#   across its replicate groups; a compressed program's hook (``register_compression``) runs
+#   its all-reduces (PowerSGD's factors, 16-bit buckets) or top-k's all-gather inside DDP.
 # Patterns of acronyms match case-sensitively (``\bDDP\b``), collectives in any case.
 _DDP = "DistributedDataParallel"
 _FSDP = ("fully_shard", "shard_over_copies")
@@ -75,7 +78,8 @@ BACKING: dict[str, tuple[str, ...]] = {
     r"\bZeRO-1\b": ("ShardedStatesOptimizer",),
     r"(?i:all-reduce|all_reduce|allreduce)": (_DDP, *_GRAPH, *_SUMMA, "synchronise_batch_norm", "hybrid_mesh",
                                               *_FOLDED_TP),
-    r"(?i:all-gather|all_gather)": (*_FSDP, *_GRAPH, *_MOE, *_SUMMA, "ShardedStatesOptimizer", *_FOLDED_TP),
+    r"(?i:all-gather|all_gather)": (*_FSDP, *_GRAPH, *_MOE, *_SUMMA, "ShardedStatesOptimizer", *_FOLDED_TP,
+                                    "register_compression"),
     r"(?i:reduce-scatter|reduce_scatter)": (*_FSDP, *_GRAPH, *_SUMMA, "ExpertSlicedMoE", "expert_tensor_groups"),
     r"(?i:all-to-all|all_to_all)": _MOE,
     r"(?i:broadcast)": (_DDP, *_SUMMA),
@@ -101,6 +105,9 @@ def _family_plans() -> dict[str, object]:
     folded = Mesh((("dp", 2), ("tp", 2)))
     plans["moe folded dp x tp, EP2 x EDP2"] = folded_plan(graph, cluster, spec, name, folded, ep=2)
     plans["moe folded dp x tp, EP2 x ETP2"] = folded_plan(graph, cluster, spec, name, folded, ep=2, etp=2)
+    for key, section in (("powersgd", PowerSgdSection(2)), ("top-k", TopKSection(0.01)),
+                         ("half-reduce", HalfReduceSection("fp16"))):
+        plans[key] = dataclasses.replace(plans["ddp"], sections={key: section})
     return plans
 
 

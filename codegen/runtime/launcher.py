@@ -159,6 +159,10 @@ def main(folder: Path, argv: list[str]) -> int:
         if options.fp64 and not options.check:
             raise LaunchError("--fp64 says how --check runs its step; add --check")
         program = load_program(folder)
+        # A program whose step cannot equal one device's (lossy gradient compression) says why.
+        refusal = getattr(program.module, "CHECK_REFUSAL", None)
+        if options.check and refusal:
+            raise LaunchError(str(refusal))
         if options.fp64:
             check_float64_applies(program)
         if options.check:

@@ -1,0 +1,192 @@
+"""Convergence of lossy gradient compression: final training loss of each method beside
+uncompressed DDP, same seeds, same data, same number of steps, on CPU gloo processes.
+
+    torchrun --nproc_per_node 2 benchmarks/compression_convergence.py                 # gpt and cnn
+    torchrun --nproc_per_node 4 benchmarks/compression_convergence.py --model cnn --steps 300
+    torchrun --nproc_per_node 2 benchmarks/compression_convergence.py --model tiny --steps 80
+
+Compressed training is lossy, so a compressed plan cannot pass ``launch.py --check`` (parity
+with one device); this is what we check instead. Models:
+
+- ``gpt``: ``examples/train_gpt.py``'s GPT (2 layers, width 64, characters as tokens) on its
+  text (``train_gpt.batches``), AdamW at 3e-3 with gradient clipping 1.0, as that script
+  trains it.
+- ``cnn``: ``examples/cnn.py``'s CNN (width 16, 16 x 16 images, 10 classes) telling ten fixed
+  random images apart in noise (a sample: one of them at half strength plus unit Gaussian
+  noise), SGD with momentum 0.9 at 0.02.
+- ``tiny``: a 2-layer MLP regressing a fixed random teacher, SGD at 0.1 (the test's model,
+  ``tests/test_compression_convergence.py``).
+
+Methods (each a DDP communication hook on the same DDP module): ``none`` (DDP's all-reduce),
+``fp16`` and ``bf16`` (``default_hooks.fp16_compress_hook``/``bf16_compress_hook``),
+``powersgd`` (rank 1 and 4, with error feedback and warm start; ``powersgd-no-ef``: neither;
+uncompressed for the first 10% of the steps, as PyTorch's docs advise)
+and ``top-k`` (1% with error feedback; ``top-k-no-ef``: without) from
+``planner.families.gradient_compression.runtime``, as a compiled plan registers them.
+
+Each method's line: the trained model's loss on ``EVAL_BATCHES`` held-out global batches (the
+same for every method), and its ratio to uncompressed. The tolerance we accept: a method
+with error feedback ends within ``TOLERANCE`` (10%) of uncompressed training's final loss;
+without error feedback it may be worse (that is what error feedback is for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from examples import cnn as cnn_example  # noqa: E402
+from examples import gpt as gpt_example  # noqa: E402
+from examples import train_gpt  # noqa: E402
+from planner.families.gradient_compression.runtime import register_compression  # noqa: E402
+
+TOLERANCE = 0.10  # relative: a method with error feedback ends within 10% of uncompressed loss
+EVAL_BATCHES = 8  # held-out global batches the final loss is measured on
+EVAL_SEED_OFFSET = 1000  # their data seed: the training data's plus this (same model, task)
+METHODS = ("none", "fp16", "bf16", "powersgd-1", "powersgd-4", "powersgd-no-ef", "top-k", "top-k-no-ef")
+WITH_ERROR_FEEDBACK = ("powersgd-1", "powersgd-4", "top-k")
+
+
+def _gpt_task(seed: int):
+    torch.manual_seed(seed)
+    model, _ = gpt_example.build(**train_gpt.MODEL)
+    batches = lambda data_seed: train_gpt.batches(train_gpt.MODEL["batch_size"] * 2, seed=data_seed)  # noqa: E731
+    optimizer = lambda params: torch.optim.AdamW(params, lr=3e-3)  # noqa: E731
+    return model, batches, optimizer, 1.0
+
+
+def _teacher_batches(inputs_shape: tuple[int, ...], teacher, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        inputs = torch.randn(inputs_shape, generator=generator)
+        with torch.no_grad():  # left before the yield: the caller's step needs gradients
+            targets = teacher(inputs)
+        yield inputs, targets
+
+
+def _prototype_batches(prototypes: torch.Tensor, batch: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        labels = torch.randint(0, len(prototypes), (batch,), generator=generator)
+        yield 0.5 * prototypes[labels] + torch.randn((batch, *prototypes.shape[1:]), generator=generator), labels
+
+
+def _cnn_task(seed: int):
+    torch.manual_seed(seed)
+    model, _ = cnn_example.build(batch_size=32)
+    # Ten fixed random 16 x 16 images; a sample is one of them, half strength, in unit noise.
+    prototypes = torch.randn((10, 3, 16, 16), generator=torch.Generator().manual_seed(seed + 1))
+    optimizer = lambda params: torch.optim.SGD(params, lr=0.02, momentum=0.9)  # noqa: E731
+    return model, lambda data_seed: _prototype_batches(prototypes, 32, data_seed), optimizer, None
+
+
+class _Regressor(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 16))
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.net(inputs), targets)
+
+
+def _tiny_task(seed: int):
+    torch.manual_seed(seed)
+    model = _Regressor()
+    teacher = torch.nn.Sequential(torch.nn.Linear(32, 16))
+    optimizer = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    return model, lambda data_seed: _teacher_batches((32, 32), teacher, data_seed), optimizer, None
+
+
+TASKS = {"gpt": _gpt_task, "cnn": _cnn_task, "tiny": _tiny_task}
+
+
+def _register(module: DistributedDataParallel, method: str, steps: int) -> None:
+    if method == "none":
+        return
+    if method in ("fp16", "bf16"):
+        hook = default_hooks.fp16_compress_hook if method == "fp16" else default_hooks.bf16_compress_hook
+        module.register_comm_hook(module.process_group, hook)
+    elif method.startswith("powersgd"):
+        feedback = method != "powersgd-no-ef"
+        rank = int(method.rsplit("-", 1)[1]) if feedback else 1
+        # Plain all-reduces for the first 10% of the steps, as PyTorch's PowerSGD docs advise
+        # (start_powerSGD_iter; 2 is the least it takes with error feedback or warm start).
+        register_compression(module, "powersgd", rank=rank, error_feedback=feedback, warm_start=feedback,
+                             start_iter=max(2, steps // 10))
+    elif method.startswith("top-k"):
+        register_compression(module, "top-k", fraction=0.01, error_feedback=method == "top-k")
+    else:
+        raise ValueError(f"no method {method!r}; methods are {', '.join(METHODS)}")
+
+
+def train(task: str, method: str, steps: int, seed: int = 0) -> float:
+    """Train ``task`` for ``steps`` steps with ``method``; the trained model's mean loss on
+    ``EVAL_BATCHES`` held-out global batches (drawn with another seed, the same for every
+    method), averaged over ranks."""
+    model, make_batches, make_optimizer, clip = TASKS[task](seed)
+    batches, held_out = make_batches(seed), make_batches(seed + EVAL_SEED_OFFSET)
+    module = DistributedDataParallel(model)
+    _register(module, method, steps)
+    optimizer = make_optimizer(module.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(steps):
+        inputs, targets = next(batches)
+        local = (inputs.chunk(world)[rank].contiguous(), targets.chunk(world)[rank].contiguous())
+        loss = module(*local)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        final = torch.stack([model(*(part.contiguous() for part in next(held_out))) for _ in range(EVAL_BATCHES)]).mean()
+    dist.all_reduce(final)
+    return final.item() / world
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=(*TASKS, "all"), default="all")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from " + ", ".join(METHODS))
+    options = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    methods = [name.strip() for name in options.methods.split(",") if name.strip()]
+    if "none" not in methods:
+        methods.insert(0, "none")
+    if "bf16" in methods and dist.get_backend() == "gloo":
+        methods.remove("bf16")
+        if dist.get_rank() == 0:
+            print("bf16: not run, PyTorch's bf16_compress_hook needs NCCL (it refuses gloo)", flush=True)
+    tasks = list(TASKS) if options.model == "all" else [options.model]
+    tasks = [task for task in tasks if options.model != "all" or task != "tiny"]
+    for task in tasks:
+        losses = {method: train(task, method, options.steps) for method in methods}
+        if dist.get_rank() == 0:
+            base = losses["none"]
+            print(f"{task}: world {dist.get_world_size()}, {options.steps} steps, final loss = on {EVAL_BATCHES} held-out "
+                  f"batches; "
+                  f"tolerance with error feedback {TOLERANCE:.0%}", flush=True)
+            for method, loss in losses.items():
+                verdict = ""
+                if method in WITH_ERROR_FEEDBACK:
+                    verdict = "within tolerance" if loss <= base * (1 + TOLERANCE) else "OUTSIDE tolerance"
+                print(f"  {method:<15} final loss {loss:.4f}  x{loss / base:.3f} of uncompressed  {verdict}".rstrip(),
+                      flush=True)
+    dist.barrier()  # PowerSGD's gloo work finishes on every rank before the group goes
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
