@@ -39,7 +39,7 @@ from cost_model.moe_layers import (
 from cost_model.parameter_bytes import bytes_per_parameter
 from planner.cluster import Cluster
 from planner.graph import OpGraph
-from planner.moe_blocks import ROUTED_GELU, MoEBlock
+from planner.moe_blocks import HF_STACKED_EXPERTS, ROUTED_GELU, MoEBlock
 from planner.routing import RoutingStats
 from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
 from search.expert_placement import eplb
@@ -49,12 +49,24 @@ from search.moe_search import routing_label
 STAGE_EXPERT_MODES = ("expert_parallel", "data_parallel")
 FASTEST, EXPERT_PARALLEL = "fastest", "expert-parallel"
 VARIANTS = (FASTEST, EXPERT_PARALLEL)
+# The MoE blocks the pipeline grid lays out inside stages (``runs_in_stages``).
+STAGE_RUNTIMES = (ROUTED_GELU, HF_STACKED_EXPERTS)
 
 
 def runs_in_stages(graph: OpGraph) -> bool:
-    """Whether compiled pipeline programs run every MoE layer of ``graph`` by a layout:
-    ``examples/moe.py``'s routed GELU layers (the runtime ``codegen.runtime.moe`` swaps in)."""
-    return bool(graph.moe_blocks) and all(block.runtime == ROUTED_GELU for block in graph.moe_blocks)
+    """Whether the pipeline grid lays out every MoE layer of ``graph`` over its stages' dp
+    ranks: ``examples/moe.py``'s routed GELU layers (compiled pipeline programs run them,
+    ``codegen.runtime.pipeline_moe``) and HuggingFace's stacked-experts blocks (Mixtral,
+    Qwen3-MoE, DeepSeek-V3: planned and priced alike, as DeepSeek ran V3 with 16 stages and
+    64-way EP; compiling them in stages is refused in one line, ``compiled_in_stages``)."""
+    return bool(graph.moe_blocks) and all(block.runtime in STAGE_RUNTIMES for block in graph.moe_blocks)
+
+
+def compiled_in_stages(block: MoEBlock) -> bool:
+    """Whether compiled pipeline programs run ``block`` by its layout (the routed GELU
+    runtime only: HuggingFace's blocks keep their own router, which the stage writer does
+    not replace yet)."""
+    return block.runtime == ROUTED_GELU
 
 
 def stage_layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, group_size: int,

@@ -1,0 +1,90 @@
+"""HuggingFace MoE blocks inside pipeline stages: laid out over each stage's dp ranks by the
+pipeline search, priced per micro-batch over that group, and compiled as their traced ops
+when replicated (refused in one line when expert parallel: the stage writer runs only the
+routed GELU runtime expert parallel).
+
+The parity of a replicated tiny Mixtral in stages is checked by hand at world 8 (see the
+session report); the world-8 launch of ``test_pipeline_parity.py`` covers examples/moe.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import planner
+from cost_model.collectives import collective_time
+from cost_model.moe_layers import price_layout, routing_sync_time
+from cost_model.parameter_bytes import bytes_per_parameter
+from planner.api import prepare_model
+from planner.constraints import SearchConstraints
+from planner.errors import PlanningError
+from planner.model_spec import ModelSpec
+from planner.plans import Plan
+from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
+from search.stage_experts import FASTEST, runs_in_stages, stage_expert_variants, stage_layer_seconds
+from moe_plans import HF_MOE
+
+# Four layers of the tiny Mixtral (4 experts, top-2), 16 sequences: two layers per stage.
+MIXTRAL = {**HF_MOE["mixtral"], "num_hidden_layers": 4, "batch_size": 16}
+SPEC = ModelSpec("hf:mixtral", MIXTRAL)
+STAGES = Mesh((("pp", 2), ("dp", 4)))
+
+
+@pytest.fixture(scope="module")
+def mixtral_pipeline() -> Plan:
+    """What ``planner plan hf:mixtral (tiny) --cluster cpu:2x4 --mesh pp=2`` chooses."""
+    return planner.plan(SPEC, "cpu:2x4", constraints=SearchConstraints(mesh={"pp": 2}), progress=False)
+
+
+def test_hf_moe_blocks_get_layouts_over_their_stage_dp_ranks(mixtral_pipeline: Plan) -> None:
+    plan = mixtral_pipeline
+    assert plan.pipeline is not None and plan.mesh == STAGES
+    assert [layout.module for layout in plan.expert_layouts] == [f"model.layers.{i}.mlp" for i in range(4)]
+    for layout in plan.expert_layouts:
+        assert layout.axis == "dp" and layout.mode in ("expert_parallel", "data_parallel")
+        assert layout.placement is None or layout.placement.devices == 4
+    assert plan.estimate.fits
+
+
+def test_hf_blocks_are_laid_out_in_stages_by_the_search() -> None:
+    graph = prepare_model(SPEC, "cpu:2x4")[0]
+    assert runs_in_stages(graph)
+    graph, _, _, cluster = prepare_model(SPEC, "cpu:2x4")
+    variants = stage_expert_variants(graph, cluster, None, "fp32", STAGES, 2)
+    # Every layer has a layout in every variant, priced over the stage's 4 ranks.
+    for layouts in variants.values():
+        assert len(layouts) == 4
+        assert all(layout.placement is None or layout.placement.devices == 4 for layout in layouts)
+    assert FASTEST in variants
+
+
+def test_replicated_hf_experts_in_a_stage_all_reduce_their_gradients_over_the_stage_group() -> None:
+    """A replicated layer's seconds: its two micro-batches' expert compute and routing
+    all-gather over the stage's 4 ranks, plus one all-reduce of its expert gradients over
+    them: 4 experts x 3 matmuls (SwiGLU) x 32 hidden x 48 ffn = 18,432 parameters of 4 bytes
+    (fp32 gradients), 73,728 bytes."""
+    graph, _, _, cluster = prepare_model(SPEC, "cpu:2x4")
+    block = graph.moe_blocks[0]
+    assert block.expert_parameters == 4 * 3 * 32 * 48
+    assert bytes_per_parameter("fp32")[1] == 4
+    layout = ExpertLayout(block.module, "data_parallel", block.experts, block.top_k, block.capacity_factor, axis="dp")
+    tokens = 16 * 8  # 16 sequences of 8 tokens
+    group = (0, 1, 2, 3)  # stage 0's dp ranks
+    replicated = stage_layer_seconds(block, layout, tokens, cluster, "fp32", group, 2)
+    all_reduce = collective_time("all_reduce", 73_728, cluster, list(group))
+    per_micro = price_layout(block, layout, tokens, cluster, "fp32", 2, group)
+    assert all_reduce > 0 and per_micro.total_s > 0
+    assert replicated == pytest.approx(2 * (per_micro.total_s + routing_sync_time(block, cluster, group)) + all_reduce)
+
+
+def test_expert_parallel_hf_blocks_in_stages_are_refused_at_compile_in_one_line(mixtral_pipeline: Plan,
+                                                                                tmp_path) -> None:
+    first = mixtral_pipeline.expert_layouts[0]
+    parallel = dataclasses.replace(first, mode="expert_parallel", placement=ExpertPlacement.round_robin(4, 4))
+    plan = dataclasses.replace(mixtral_pipeline, expert_layouts=(parallel, *mixtral_pipeline.expert_layouts[1:]))
+    with pytest.raises(PlanningError) as error:
+        planner.compile(plan, tmp_path / "out")
+    message = str(error.value)
+    assert "\n" not in message and "model.layers.0.mlp" in message and "--mesh pp=1" in message
