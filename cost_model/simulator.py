@@ -69,7 +69,7 @@ from cost_model.step_tasks import StepTasks
 from planner.graph import OpGraph
 from planner.strategy import RECOMPUTE_MODES, CostParts, ExpertLayout, NodeStrategy, SimResult, TimelineEvent
 
-__all__ = ["NodeCost", "Segment", "SegmentProfile", "Simulator", "simulate_plan", "simulated"]
+__all__ = ["NodeCost", "Segment", "SegmentProfile", "Simulator", "estimated", "simulate_plan", "simulated"]
 
 
 @contextlib.contextmanager
@@ -115,13 +115,26 @@ class Simulator:
             self.node_costs.adopt(costed.cache, costed.first_use, costed.costs)
             self._segment_list = costed.segments
             return
-        self.node_costs.cost_all()
-        self._segment_list = self.segments()
+        similar = RECENTLY_COSTED.get_but_layouts(key) if key is not None else None
+        if similar is not None:
+            # The same plan with other MoE layouts (an MoE search's next candidate): only the
+            # ops of the layers laid out otherwise are costed again (delta simulation).
+            self.node_costs.adopt(similar.cache, similar.first_use, similar.costs)
+            changed = {layout[0] for layout, before in zip(key[-1], similar.layouts) if layout != before}
+            recosted = {name for name, layer in self.context.moe_layer_of.items() if layer.layout.module in changed}
+            for name in recosted:
+                self.node_costs.costs[name] = self.node_costs.cost_of(self.context.nodes[name])
+            self._segment_list = refresh_segments(self.context, self.costs, self._segment_layout(), similar.segments,
+                                                  recosted)
+        else:
+            self.node_costs.cost_all()
+            self._segment_list = self.segments()
         if key is None:
             return
         RECENTLY_COSTED.put(key, Costed(
             keep=(plan.strategies, graph, facts, plan.cluster), cache=dict(self.node_costs.cache),
             first_use=dict(self.node_costs.first_use), costs=dict(self.node_costs.costs), segments=self._segment_list,
+            layouts=key[-1],
         ))
 
     @property
@@ -268,3 +281,11 @@ def simulated(plan, graph: OpGraph):
         plan, estimate=simulator.run(), strategies=simulator.annotated_strategies(),
         expert_layouts=simulator.annotated_expert_layouts(),
     )
+
+
+def estimated(plan, graph: OpGraph):
+    """``plan`` with its simulated estimate only (no timeline, strategies and layouts not
+    annotated): what a search compares candidates by. Annotating every node's cost parts takes
+    a quarter of a large model's simulation, and only the plans a search keeps are reported
+    (``simulated`` them)."""
+    return dataclass_replace(plan, estimate=Simulator(plan, graph).run(trace=False))

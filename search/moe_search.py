@@ -60,7 +60,7 @@ from cost_model.moe_layers import (
     routing_sync_time,
 )
 from cost_model.parameter_bytes import bytes_per_parameter
-from cost_model.simulator import simulated
+from cost_model.simulator import estimated, simulated
 from planner.cluster import Cluster
 from planner.errors import PlanningError
 from planner.graph import OpGraph
@@ -262,11 +262,14 @@ def choose_layouts(
 
 def moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str,
              layouts: Mapping[str, ExpertLayout], warnings: tuple[str, ...] = (), precision: str = "fp32",
-             base: Plan | None = None) -> Plan:
+             base: Plan | None = None, annotate: bool = True) -> Plan:
     """The simulated ``moe`` plan with ``layouts`` (one per MoE layer of ``graph``): DDP
-    over all devices for the dense ops (``base``, from ``moe_base_plan``, when given)."""
+    over all devices for the dense ops (``base``, from ``moe_base_plan``, when given).
+    ``annotate=False``: its estimate only (``cost_model.simulator.estimated``), for plans a
+    search compares and may throw away."""
     base = base or moe_base_plan(graph, cluster, spec, model_name, warnings, precision)
-    return simulated(dataclasses.replace(base, expert_layouts=tuple(layouts[b.module] for b in graph.moe_blocks)), graph)
+    plan = dataclasses.replace(base, expert_layouts=tuple(layouts[b.module] for b in graph.moe_blocks))
+    return simulated(plan, graph) if annotate else estimated(plan, graph)
 
 
 def moe_base_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str,
@@ -355,7 +358,9 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
             break
     plan, build, _, scored = best
     fixed = [build(picks) for picks in _fixed_modes(scored)]
-    return plan, [other for other in fixed if other.expert_layouts != plan.expert_layouts]
+    # Only the plans kept are annotated for the report (the search compared estimates).
+    return simulated(plan, graph), [simulated(other, graph) for other in fixed
+                                    if other.expert_layouts != plan.expert_layouts]
 
 
 def accumulation_counts(graph: OpGraph, cluster: Cluster) -> list[int]:
@@ -400,7 +405,7 @@ def _search_with(graph, cluster, spec, model_name, scored, warnings, precision, 
 
     def build(picks: Mapping[str, int]) -> Plan:
         return moe_plan(graph, cluster, spec, model_name, {m: scored[m][i].layout for m, i in picks.items()},
-                        warnings, precision, base)
+                        warnings, precision, base, annotate=False)
 
     plan = build(choice)
     memory_bound = not plan.estimate.fits
