@@ -192,6 +192,19 @@ class Simulator:
             timeline=timeline,
         )
 
+    def step_lower_bound(self) -> float:
+        """Seconds the step takes at least, before scheduling it: the busiest (virtual)
+        stage's work on its compute stream (forward, backward and the collectives that run
+        on that stream, e.g. an MoE layer's all-to-alls, for every micro-batch). One stream
+        runs one task at a time, and scheduling only adds to it (waits, recomputation, the
+        optimizer step, slowdown beside collectives). What a search prunes by: a candidate
+        whose bound is no faster than the best plan found need not be scheduled."""
+        per_stage: dict[int, float] = {}
+        for segment in self.segments():
+            work = segment.forward_s + segment.forward_comm_s + segment.backward_s + segment.backward_comm_s
+            per_stage[segment.stage] = per_stage.get(segment.stage, 0.0) + work
+        return max(per_stage.values(), default=0.0) * self.context.micro_batches
+
     def segments(self) -> list[Segment]:
         """The segments of the current strategies (built once, then kept up to date)."""
         if self._segment_list is None:

@@ -60,7 +60,7 @@ from cost_model.moe_layers import (
     routing_sync_time,
 )
 from cost_model.parameter_bytes import bytes_per_parameter
-from cost_model.simulator import estimated, simulated
+from cost_model.simulator import Simulator, estimated, simulated
 from planner.cluster import Cluster
 from planner.errors import PlanningError
 from planner.graph import OpGraph
@@ -78,6 +78,10 @@ from search.plan_builder import unsimulated_plan
 MOE_LABEL = "moe"
 REFINE_SWEEPS = 2  # sweeps over the classes of identical layers, each candidate simulated
 ENUMERATION_LIMIT = 128  # combinations of class layouts simulated exhaustively, at most
+# Candidates whose step lower bound (cost_model.simulator.Simulator.step_lower_bound) cannot
+# beat the best fitting plan found are not scheduled: the same plan, less work (a switch so
+# tests can compare the pruned search with the unpruned one).
+PRUNE = True
 # How the dense part around the MoE layers may be data parallel: the flavours compiled MoE
 # programs wrap it in (DDP, or FSDP2 units with or without resharding after forward); the
 # experts a rank holds alone stay out of them.
@@ -403,9 +407,18 @@ def _search_with(graph, cluster, spec, model_name, scored, warnings, precision, 
     memory bound the choice (the layers' fastest layouts together did not fit)."""
     choice = {module: 0 for module in scored}
 
-    def build(picks: Mapping[str, int]) -> Plan:
-        return moe_plan(graph, cluster, spec, model_name, {m: scored[m][i].layout for m, i in picks.items()},
-                        warnings, precision, base, annotate=False)
+    def build(picks: Mapping[str, int], beat: float | None = None) -> Plan | None:
+        """The plan of ``picks``, estimated; None when ``beat`` (seconds) is given and the
+        plan's step lower bound (``Simulator.step_lower_bound``) is no faster: it could not
+        beat a fitting plan of that step, so it is not scheduled (``PRUNE``)."""
+        layouts = {m: scored[m][i].layout for m, i in picks.items()}
+        if beat is None or not PRUNE:
+            return moe_plan(graph, cluster, spec, model_name, layouts, warnings, precision, base, annotate=False)
+        plan = dataclasses.replace(base, expert_layouts=tuple(layouts[b.module] for b in graph.moe_blocks))
+        simulator = Simulator(plan, graph)
+        if simulator.step_lower_bound() >= beat:
+            return None
+        return dataclasses.replace(plan, estimate=simulator.run(trace=False))
 
     plan = build(choice)
     memory_bound = not plan.estimate.fits
@@ -433,8 +446,8 @@ def _refine(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], bu
             trial = {module: index for modules, index in zip(groups, indices) for module in modules}
             if trial == choice:
                 continue
-            candidate = build(trial)
-            if rank(candidate) < (rank(plan)[0], rank(plan)[1] * (1 - 1e-12)):
+            candidate = build(trial, _to_beat(plan))
+            if candidate is not None and rank(candidate) < (rank(plan)[0], rank(plan)[1] * (1 - 1e-12)):
                 choice.update(trial)
                 plan = candidate
         return plan
@@ -445,13 +458,19 @@ def _refine(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], bu
                 if all(choice[module] == index for module in modules):
                     continue
                 trial = {**choice, **{module: index for module in modules}}
-                candidate = build(trial)
-                if rank(candidate) < (rank(plan)[0], rank(plan)[1] * (1 - 1e-12)):
+                candidate = build(trial, _to_beat(plan))
+                if candidate is not None and rank(candidate) < (rank(plan)[0], rank(plan)[1] * (1 - 1e-12)):
                     choice.update(trial)
                     plan, improved = candidate, True
         if not improved:
             break
     return plan
+
+
+def _to_beat(plan: Plan) -> float | None:
+    """The step a candidate must beat to replace ``plan`` (as ``_refine`` compares them), when
+    ``plan`` fits; None when it does not (then any plan that fits beats it, whatever its step)."""
+    return plan.estimate.step_time_s * (1 - 1e-12) if plan.estimate.fits else None
 
 
 def _rank(plan: Plan) -> tuple[bool, float]:

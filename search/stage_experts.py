@@ -26,6 +26,7 @@ segment profiles carry the layouts) and the step time and memory decide.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from cost_model.collectives import collective_time
@@ -112,17 +113,22 @@ def stage_expert_variants(graph: OpGraph, cluster: Cluster, routing: RoutingStat
     group = expert_group(mesh, "dp")
     per_node = cluster.devices_per_node if cluster.is_homogeneous else None
     fastest, parallel = [], []
+    chosen: dict[tuple, tuple[ExpertLayout, ExpertLayout]] = {}  # by layer class: identical layers score alike
     for block in graph.moe_blocks:
         loads = tuple(routing.layer(block.module, block.experts, block.top_k).token_share)
         tokens = layer_tokens(graph, block)
-        scored = [
-            (stage_layer_seconds(block, layout, tokens, cluster, precision, group, micro_batches), index, layout)
-            for index, layout in enumerate(
-                stage_layer_candidates(block, loads, routing_label(routing, block.module), len(group), per_node))
-        ]
-        fastest.append(min(scored)[2])
-        expert_parallel = [item for item in scored if item[2].mode == "expert_parallel"]
-        parallel.append(min(expert_parallel)[2] if expert_parallel else fastest[-1])
+        source = routing_label(routing, block.module)
+        key = (dataclasses.replace(block, module=""), tokens, loads, source)
+        if key not in chosen:
+            scored = [
+                (stage_layer_seconds(block, layout, tokens, cluster, precision, group, micro_batches), index, layout)
+                for index, layout in enumerate(stage_layer_candidates(block, loads, source, len(group), per_node))
+            ]
+            best = min(scored)[2]
+            expert_parallel = [item for item in scored if item[2].mode == "expert_parallel"]
+            chosen[key] = (best, min(expert_parallel)[2] if expert_parallel else best)
+        fastest.append(dataclasses.replace(chosen[key][0], module=block.module))
+        parallel.append(dataclasses.replace(chosen[key][1], module=block.module))
     variants: dict[str, tuple[ExpertLayout, ...]] = {FASTEST: tuple(fastest)}
     if tuple(parallel) != variants[FASTEST]:
         variants[EXPERT_PARALLEL] = tuple(parallel)
