@@ -240,6 +240,7 @@ class Simulator:
                 synced_tensors=tuple(segment.params[name] for name in synced),
                 param_tensors=len(segment.params),
                 synced_shapes=tuple(segment.shapes.get(name) for name in synced),
+                per_rank_elements=sum(segment.params[name] for name in segment.per_rank),
             ))
         return profiles
 

@@ -7,7 +7,7 @@ import dataclasses
 from planner.plans import Plan
 from search.context import SearchContext
 from search.pipeline_search import PipelineSpace, pipeline_plans
-from search.stage_experts import runs_in_stages, stage_expert_variants
+from search.stage_experts import compiled_in_stages, runs_in_stages, stage_expert_variants
 
 # What a pipeline of an MoE model searches (codegen.runtime.pipeline_moe runs it): stages on
 # pp x dp, each MoE layer by its layout over the stage's dp ranks; gradients reduced once per
@@ -15,6 +15,11 @@ from search.stage_experts import runs_in_stages, stage_expert_variants
 # parallelism beside the experts, Megatron-LM's placements for the dense ops. A recomputed
 # block routes again in backward, on every rank of its stage at once, so it recomputes alike.
 _MOE_SPACE = dict(flavours=("ddp",), tensor_parallel=(1,), sequence_parallel=(False,), searched_layout="off")
+# HuggingFace MoE blocks in stages are planned and priced, not compiled (search.stage_experts):
+# their search also has ZeRO-1 on dp, the distributed optimizer DeepSeek-V3 trained with
+# (report section 3.2.2), which shards the states of the weights the stage's dp ranks share
+# and leaves each rank's own experts whole.
+_HF_MOE_FLAVOURS = ("ddp", "zero1")
 
 
 def pipeline_candidates(context: SearchContext) -> list[Plan]:
@@ -40,8 +45,9 @@ def pipeline_candidates(context: SearchContext) -> list[Plan]:
     )
     if moe:
         graph, cluster, routing, precision = context.graph, context.cluster, context.routing, context.precision
+        flavours = _MOE_SPACE["flavours"] if all(compiled_in_stages(b) for b in graph.moe_blocks) else _HF_MOE_FLAVOURS
         space = dataclasses.replace(
-            space, **_MOE_SPACE,
+            space, **{**_MOE_SPACE, "flavours": flavours},
             expert_layouts=lambda mesh, micro_batches: stage_expert_variants(graph, cluster, routing, precision, mesh,
                                                                              micro_batches),
         )
