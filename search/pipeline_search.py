@@ -514,7 +514,8 @@ class PipelineGrid:
             ]
             own = sum(p.per_rank_elements for p in members)  # never sharded (experts split by a layout)
             elements = sum(p.param_elements for p in members) - own
-            after = self._optimizer_time((elements / shard + own) * (weights + grads + states), members, config)
+            after = self._optimizer_time(
+                elements * (weights + grads + states) / shard + own * (weights + grads + states), members, config)
             if dp > 1 and flavour == "fsdp":
                 # Each segment's gradients are reduce-scattered after its last backward:
                 # the first segment's is left when the backward ends.

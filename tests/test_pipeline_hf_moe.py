@@ -88,3 +88,36 @@ def test_expert_parallel_hf_blocks_in_stages_are_refused_at_compile_in_one_line(
         planner.compile(plan, tmp_path / "out")
     message = str(error.value)
     assert "\n" not in message and "model.layers.0.mlp" in message and "--mesh pp=1" in message
+
+
+def test_experts_a_stage_rank_holds_alone_are_never_sharded_by_the_dp_flavour() -> None:
+    """Round-robin over a stage's 4 dp ranks, each rank holds 1 of the 4 experts of every
+    layer alone: 4 x 3 x 32 x 48 / 4 = 4,608 elements per layer, which ZeRO-1 cannot shard
+    (no other rank of the stage has them). Replicated experts are shared by all 4 ranks."""
+    graph, _, _, cluster = prepare_model(SPEC, "cpu:2x4")
+    from cost_model.simulator import Simulator
+    from search.pipeline_search import PipelineGrid, PipelineSpace
+    from search.pipeline_search import Configuration
+
+    block = graph.moe_blocks[0]
+    layouts = {
+        mode: tuple(ExpertLayout(b.module, mode, b.experts, b.top_k, b.capacity_factor, axis="dp",
+                                 placement=ExpertPlacement.round_robin(4, 4) if mode == "expert_parallel" else None)
+                    for b in graph.moe_blocks)
+        for mode in ("expert_parallel", "data_parallel")
+    }
+    grid = PipelineGrid(graph, cluster, "fp32", PipelineSpace(flavours=("ddp", "zero1"), tensor_parallel=(1,),
+                                                              expert_layouts=lambda mesh, m: layouts))
+    config = Configuration(1, 2, 4, 2, 2, "1f1b", 1, "zero1", "none", experts="expert_parallel")
+    profiles = grid._profile(config)
+    moe_profiles = [p for p in profiles if p.block]
+    assert moe_profiles and all(p.per_rank_elements == 4 * 3 * 32 * 48 / 4 for p in moe_profiles)
+    weights, grads, states = bytes_per_parameter("fp32")
+    costs = grid._segment_costs(config, "none")
+    for profile, cost in zip(profiles, costs):
+        shared = profile.param_elements - profile.per_rank_elements
+        assert cost.static_bytes == pytest.approx(shared * (weights + grads + states / 4)
+                                                  + profile.per_rank_elements * (weights + grads + states))
+    replicated = grid._profile(dataclasses.replace(config, experts="data_parallel"))
+    assert all(p.per_rank_elements == 0 for p in replicated)
+    assert block.expert_parameters == 4 * 3 * 32 * 48
