@@ -10,7 +10,9 @@ micro-batches).
 
 Candidates per layer: data parallel; expert parallel round-robin when the experts divide
 over the group; expert parallel with EPLB's placement from the layer's routed shares (the
-fewest slots per device that hold every expert), each with a flat all-to-all (a stage's dp
+fewest slots per device that hold every expert; with group-limited routing, DeepSeek-V3's,
+whole routing groups packed onto the stage's nodes, so each token's all-to-all reaches at
+most its chosen groups' nodes), each with a flat all-to-all (a stage's dp
 group of a pipeline searched here lies inside one node or spans a few; the two-level
 exchange is the MoE family's). Each is scored with the MoE family's cost functions over the
 stage's group (``cost_model.moe_layers``): expert compute and all-to-alls per micro-batch
@@ -84,7 +86,10 @@ def stage_layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: st
         round_robin = ExpertPlacement.round_robin(block.experts, group_size)
         placements[round_robin.replicas] = round_robin
     slots = -(-block.experts // group_size)
-    balanced = eplb(loads, group_size, slots, per_node if per_node and group_size % per_node == 0 else None)
+    # Group-limited routing (DeepSeek-V3) limits the nodes a token reaches only when its
+    # groups lie on nodes: EPLB's hierarchical policy packs whole groups onto the stage's nodes.
+    groups = block.routing_groups[0] if block.routing_groups else None
+    balanced = eplb(loads, group_size, slots, per_node if per_node and group_size % per_node == 0 else None, groups)
     placements.setdefault(balanced.replicas, balanced)
     layouts += [ExpertLayout(mode="expert_parallel", placement=p, **common) for p in placements.values()]
     return layouts

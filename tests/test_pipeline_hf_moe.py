@@ -121,3 +121,22 @@ def test_experts_a_stage_rank_holds_alone_are_never_sharded_by_the_dp_flavour() 
     replicated = grid._profile(dataclasses.replace(config, experts="data_parallel"))
     assert all(p.per_rank_elements == 0 for p in replicated)
     assert block.expert_parameters == 4 * 3 * 32 * 48
+
+
+def test_stage_placements_pack_routing_groups_onto_the_stage_nodes() -> None:
+    """DeepSeek-V3's group-limited routing (here 4 groups of 4 consecutive experts, 2 per
+    token) bounds the nodes a token reaches only when each group lies on one node: the
+    stage's EPLB candidate over 4 dp ranks of 2 nodes (2 ranks each) packs them so, where
+    round-robin (expert e on rank e mod 4) spreads every group over both nodes."""
+    from planner.moe_blocks import HF_STACKED_EXPERTS, MoEBlock
+    from search.stage_experts import stage_layer_candidates
+
+    block = MoEBlock("model.layers.1.mlp", 16, 2, 0.0, 32, 40, 3, "gate.weight",
+                     ("experts.gate_up_proj", "experts.down_proj"), "test", HF_STACKED_EXPERTS, (4, 2))
+    layouts = stage_layer_candidates(block, (1 / 16,) * 16, "uniform", 4, 2)
+    eplb = [layout for layout in layouts if layout.placement is not None and "EPLB" in layout.placement.method]
+    assert eplb
+    replicas = eplb[0].placement.replicas  # per expert: ((device, share), ...)
+    for group in range(4):
+        nodes = {device // 2 for expert in range(4 * group, 4 * group + 4) for device, _ in replicas[expert]}
+        assert len(nodes) == 1, (group, replicas)
