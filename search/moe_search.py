@@ -30,7 +30,12 @@ combine into at most ``ENUMERATION_LIMIT`` plans, every combination is simulated
 fastest that fits wins (exact over class-wide choices); otherwise coordinate descent tries
 every candidate of each class in turn, keeping a change when the simulated plan fits and is
 faster, for at most ``REFINE_SWEEPS`` sweeps. Either way the work is a fixed number of
-simulations, the same on any machine.
+simulations, the same on any machine. Three things keep each cheap without changing what
+is found: a candidate differs from the plan simulated before it only in its layouts, so
+only its MoE layers' ops are costed again (``cost_model.simulator``'s delta on layouts); a
+candidate whose step lower bound (``Simulator.step_lower_bound``, its busiest compute
+stream) cannot beat the best fitting plan is not scheduled (``PRUNE``); and candidates are
+compared by their estimates, only the plans returned annotated for the report.
 
 When the whole batch's activations do not fit, the plan accumulates gradients over
 micro-batches (``accumulation_counts``), as every MoE trainer runs large batches: each
