@@ -33,21 +33,23 @@ def _routing(graph, name: str | None) -> RoutingStats:
     return synthetic(name, {block.module: (block.experts, block.top_k) for block in graph.moe_blocks})
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_pruned_search_returns_the_unpruned_plan(case, monkeypatch):
+def _searched(case: str, prune: bool, monkeypatch) -> tuple:
+    """(plan, fixed plans, schedules run) of the MoE search on ``CASES[case]``, pruning or not."""
     spec, cluster_name, routing_name = CASES[case]
     graph, spec, name, cluster = prepare_model(spec, cluster_name)
-    routing = _routing(graph, routing_name)
     scheduled = []
     run = Simulator.run
     monkeypatch.setattr(Simulator, "run", lambda self, trace=True: (scheduled.append(1), run(self, trace))[1])
-    found = {}
-    for prune in (False, True):
-        monkeypatch.setattr(moe_search, "PRUNE", prune)
-        scheduled.clear()
-        plan, fixed = moe_search.search_moe_plan(graph, cluster, spec, name, routing)
-        found[prune] = (plan, fixed, len(scheduled))
-    (plan, fixed, unpruned_runs), (pruned_plan, pruned_fixed, pruned_runs) = found[False], found[True]
+    monkeypatch.setattr(moe_search, "PRUNE", prune)
+    plan, fixed = moe_search.search_moe_plan(graph, cluster, spec, name, _routing(graph, routing_name))
+    monkeypatch.setattr(Simulator, "run", run)
+    return plan, fixed, len(scheduled)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pruned_search_returns_the_unpruned_plan(case, monkeypatch):
+    plan, fixed, unpruned_runs = _searched(case, False, monkeypatch)
+    pruned_plan, pruned_fixed, pruned_runs = _searched(case, True, monkeypatch)
     assert pruned_plan.expert_layouts == plan.expert_layouts
     assert (pruned_plan.dp_flavour, pruned_plan.recompute, pruned_plan.accumulation_steps) == (
         plan.dp_flavour, plan.recompute, plan.accumulation_steps)
@@ -60,19 +62,8 @@ def test_pruning_skips_schedules_on_a_model_with_many_candidates(monkeypatch):
     """Eight experts over 8 devices of 2 nodes under skewed routing: data parallel, sliced,
     and several expert-parallel placements and all-to-alls per layer class; most cannot beat
     the best plan once it is found, and are not scheduled."""
-    spec, cluster_name, routing_name = CASES["moe.py, 8 experts, zipf, cpu:2x4"]
-    graph, spec, name, cluster = prepare_model(spec, cluster_name)
-    routing = _routing(graph, routing_name)
-    scheduled = []
-    run = Simulator.run
-    monkeypatch.setattr(Simulator, "run", lambda self, trace=True: (scheduled.append(1), run(self, trace))[1])
-    counts = {}
-    for prune in (False, True):
-        monkeypatch.setattr(moe_search, "PRUNE", prune)
-        scheduled.clear()
-        moe_search.search_moe_plan(graph, cluster, spec, name, routing)
-        counts[prune] = len(scheduled)
-    assert counts[True] < counts[False], counts
+    case = "moe.py, 8 experts, zipf, cpu:2x4"
+    assert _searched(case, True, monkeypatch)[2] < _searched(case, False, monkeypatch)[2]
 
 
 def test_step_lower_bound_is_below_every_simulated_step():
