@@ -44,6 +44,11 @@ class GraphFacts:
     # its layout, the cluster, the precision and the micro-batches only, and a search prices
     # the same layouts for many plans.
     moe_layers: dict[tuple, object] = field(default_factory=dict)
+    # The same by the identity of the layout object, cluster and mesh asked with (each entry
+    # keeps those objects alive, so an identity is not reused): a search asks for the same
+    # layout objects in plan after plan, and hashing a layout of 256 experts by value is slow.
+    moe_layers_by_identity: dict[tuple, tuple] = field(default_factory=dict)
+    segment_members: object = None  # cost_model.segments.segment_members of the graph, once asked
 
 
 _FACTS: dict[int, GraphFacts] = {}

@@ -121,7 +121,10 @@ class Simulator:
             # ops of the layers laid out otherwise are costed again (delta simulation).
             self.node_costs.adopt(similar.cache, similar.first_use, similar.costs)
             changed = {layout[0] for layout, before in zip(key[-1], similar.layouts) if layout != before}
-            recosted = {name for name, layer in self.context.moe_layer_of.items() if layer.layout.module in changed}
+            # An expert op's cost is its layer's layout's; the routing ops around the experts
+            # cost the same under any layout over the same axis (cost_model.node_costs).
+            recosted = {name for layer in self.context.moe_layers.values() if layer.layout.module in changed
+                        for name in layer.expert_nodes}
             for name in recosted:
                 self.node_costs.costs[name] = self.node_costs.cost_of(self.context.nodes[name])
             self._segment_list = refresh_segments(self.context, self.costs, self._segment_layout(), similar.segments,
@@ -213,7 +216,10 @@ class Simulator:
 
     def _segment_layout(self) -> SegmentMembers:
         if self._layout is None:
-            self._layout = segment_members(self.context.graph)
+            facts = graph_facts(self.context.graph)  # the grouping depends on the graph alone
+            if facts.segment_members is None:
+                facts.segment_members = segment_members(self.context.graph)
+            self._layout = facts.segment_members
         return self._layout
 
     def segment_profiles(self) -> list[SegmentProfile]:
