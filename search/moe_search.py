@@ -145,19 +145,33 @@ def layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, clu
         return layouts
     if block.ffn % world == 0 and "expert_sliced" in modes_compiled_for(block):
         layouts.append(ExpertLayout(mode="expert_sliced", **common))
-    # Two-level all-to-alls are written for the routed GELU runtime (codegen.runtime.moe_exchange).
-    two_level = _spans_nodes(cluster) and block.runtime == ROUTED_GELU
-    algorithms = ["flat"] + (["hierarchical"] if two_level else [])
-    if moe_dispatch == "deduplicated" and _spans_nodes(cluster):  # priced only: no runtime to match
-        algorithms.append("deduplicated")
     for placement in expert_placements(block, loads, cluster, tokens, precision):
-        for algorithm in algorithms:
+        for algorithm in _all_to_alls(block, cluster, moe_dispatch):
             layouts.append(ExpertLayout(mode="expert_parallel", all_to_all=algorithm, placement=placement, **common))
-    for placement in grid_placements(block.experts, world) if sharded_copies else ():
-        for algorithm in algorithms:
-            layouts.append(ExpertLayout(mode="expert_parallel", all_to_all=algorithm, placement=placement,
-                                        sharded_copies=True, **common))
-    return layouts
+    return layouts + (copied_grid_candidates(block, loads, source, cluster, moe_dispatch) if sharded_copies else [])
+
+
+def copied_grid_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, cluster: Cluster,
+                           moe_dispatch: str = "compiled") -> list[ExpertLayout]:
+    """The layouts ``layer_candidates`` adds with ``sharded_copies``: every grid placement
+    (``grid_placements``) with each expert sharded over its copies, with each all-to-all."""
+    common = dict(module=block.module, experts=block.experts, top_k=block.top_k,
+                  capacity_factor=block.capacity_factor, axis="dp", routing=source, expert_loads=loads)
+    return [ExpertLayout(mode="expert_parallel", all_to_all=algorithm, placement=placement, sharded_copies=True,
+                         **common)
+            for placement in grid_placements(block.experts, cluster.world_size)
+            for algorithm in _all_to_alls(block, cluster, moe_dispatch)]
+
+
+def _all_to_alls(block: MoEBlock, cluster: Cluster, moe_dispatch: str) -> list[str]:
+    """The all-to-alls an expert-parallel layout of ``block`` is tried with: flat; across
+    nodes the two-level one too (written for the routed GELU runtime,
+    ``codegen.runtime.moe_exchange``), and DeepEP's deduplicated one with ``moe_dispatch``
+    ``"deduplicated"`` (priced only: no runtime to match)."""
+    algorithms = ["flat"] + (["hierarchical"] if _spans_nodes(cluster) and block.runtime == ROUTED_GELU else [])
+    if moe_dispatch == "deduplicated" and _spans_nodes(cluster):
+        algorithms.append("deduplicated")
+    return algorithms
 
 
 def grid_placements(experts: int, world: int) -> list[ExpertPlacement]:
@@ -254,10 +268,13 @@ def choose_layouts(
         key = (block.experts, block.top_k, block.capacity_factor, block.hidden, block.ffn, block.matmuls, tokens,
                loads, source)
         if key not in shared:
-            made = (*key, sharded_copies, moe_dispatch)
+            made, plain = (*key, sharded_copies, moe_dispatch), (*key, False, moe_dispatch)
+            if plain not in candidates:  # placing the experts is the costly part: done once per class
+                candidates[plain] = layer_candidates(block, loads, source, cluster, tokens, precision, False,
+                                                     moe_dispatch)
             if made not in candidates:
-                candidates[made] = layer_candidates(block, loads, source, cluster, tokens, precision, sharded_copies,
-                                                    moe_dispatch)
+                candidates[made] = candidates[plain] + copied_grid_candidates(block, loads, source, cluster,
+                                                                              moe_dispatch)
             options = [layer_score(block, layout, tokens, cluster, precision, micro_batches)
                        for layout in candidates[made]]
             order = sorted(range(len(options)), key=lambda i: (options[i].time_s, options[i].memory_bytes, i))
