@@ -17,7 +17,7 @@ from search.stage_experts import compiled_in_stages, runs_in_stages, stage_exper
 _MOE_SPACE = dict(flavours=("ddp",), tensor_parallel=(1,), sequence_parallel=(False,), searched_layout="off")
 # HuggingFace MoE blocks in stages are planned and priced, not compiled (search.stage_experts):
 # their search also has ZeRO-1 on dp, the distributed optimizer DeepSeek-V3 trained with
-# (report section 3.2.2), which shards the states of the weights the stage's dp ranks share
+# (technical report, arXiv 2412.19437, section 3.2), which shards the states of the weights the stage's dp ranks share
 # and leaves each rank's own experts whole.
 _HF_MOE_FLAVOURS = ("ddp", "zero1")
 

@@ -61,7 +61,8 @@ def runs_in_stages(graph: OpGraph) -> bool:
     ranks: ``examples/moe.py``'s routed GELU layers (compiled pipeline programs run them,
     ``codegen.runtime.pipeline_moe``) and HuggingFace's stacked-experts blocks (Mixtral,
     Qwen3-MoE, DeepSeek-V3: planned and priced alike, as DeepSeek ran V3 with 16 stages and
-    64-way EP; compiling them in stages is refused in one line, ``compiled_in_stages``)."""
+    64-way EP; compiled, a replicated one runs as its traced ops and an expert-parallel one
+    is refused in one line, ``compiled_in_stages``)."""
     return bool(graph.moe_blocks) and all(block.runtime in STAGE_RUNTIMES for block in graph.moe_blocks)
 
 
