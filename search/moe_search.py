@@ -555,7 +555,17 @@ def moe_family_allowed(graph: OpGraph, cluster: Cluster, coupled) -> bool:
     ``graph``: it has MoE layers, the batch splits over every device, and every op at which
     the samples mix lies inside an MoE layer (whose runtime reproduces the whole batch's routing),
     and the MoE runtime can run every MoE layer (``runs_by_layout``)."""
-    if not graph.moe_blocks or graph.batch_size % cluster.world_size:
+    if graph.batch_size % cluster.world_size:
+        return False
+    return mixing_only_in_moe_layers(graph, coupled)
+
+
+def mixing_only_in_moe_layers(graph: OpGraph, coupled) -> bool:
+    """Whether ``graph`` has MoE layers the MoE runtime runs (``runs_by_layout``) and every op
+    at which the samples mix (``coupled``) lies inside one: then its layers may be laid out,
+    on every device (``moe_family_allowed``) or over each pipeline stage's dp ranks, whatever
+    the batch per device."""
+    if not graph.moe_blocks:
         return False
     if not all(runs_by_layout(block) for block in graph.moe_blocks):
         return False  # compiled programs could not run the layouts (search.moe_search.runs_by_layout)

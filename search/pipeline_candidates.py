@@ -6,6 +6,7 @@ import dataclasses
 
 from planner.plans import Plan
 from search.context import SearchContext
+from search.moe_search import mixing_only_in_moe_layers
 from search.pipeline_search import PipelineSpace, pipeline_plans
 from search.stage_experts import compiled_in_stages, runs_in_stages, stage_expert_variants
 
@@ -31,9 +32,12 @@ def pipeline_candidates(context: SearchContext) -> list[Plan]:
     compile for only some dp flavours and schedules (``codegen.pipeline_emit.unsupported``).
     None with ``--tp-layouts summa``, and for a model whose samples mix (micro-batches would
     compute another step) unless the mixing is all inside MoE layers the MoE runtime runs
-    (``SearchContext.moe_layouts``): then each stage runs its MoE layers by the layouts of
-    ``search.stage_experts`` over its dp ranks, routing every micro-batch on its own."""
-    moe = context.moe_layouts and runs_in_stages(context.graph)
+    (``search.moe_search.mixing_only_in_moe_layers``, whatever the batch per device): then
+    each stage runs its MoE layers by the layouts of ``search.stage_experts`` over its dp
+    ranks, routing every micro-batch on its own."""
+    # The batch need not split over every device (the MoE family's condition), only over dp.
+    moe = not context.summa_only and runs_in_stages(context.graph) and mixing_only_in_moe_layers(context.graph,
+                                                                                                context.coupled)
     if context.summa_only or (context.whole_batch_only and not moe):
         return []
     if context.cluster.num_nodes < 2 and any(p.estimate.fits and p.recompute == "none" for p in context.found):

@@ -140,3 +140,13 @@ def test_stage_placements_pack_routing_groups_onto_the_stage_nodes() -> None:
     for group in range(4):
         nodes = {device // 2 for expert in range(4 * group, 4 * group + 4) for device, _ in replicas[expert]}
         assert len(nodes) == 1, (group, replicas)
+
+
+def test_stages_lay_out_moe_layers_when_the_batch_does_not_split_over_every_device() -> None:
+    """4 sequences on 8 devices: the MoE family (every device a dp rank) cannot run, but two
+    stages of 4 dp ranks take one sequence each, and lay their MoE layers out over them
+    (DeepSeek-V3 on 2,048 GPUs at 1,024 sequences is this case)."""
+    spec = ModelSpec("hf:mixtral", {**MIXTRAL, "batch_size": 4})
+    plan = planner.plan(spec, "cpu:2x4", constraints=SearchConstraints(mesh={"pp": 2}), progress=False)
+    assert plan.pipeline is not None and plan.mesh == STAGES
+    assert [layout.module for layout in plan.expert_layouts] == [f"model.layers.{i}.mlp" for i in range(4)]
