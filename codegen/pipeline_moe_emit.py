@@ -30,7 +30,8 @@ from codegen.source_text import comment, identifier, literal
 from codegen.spmd_emit import GraphEmitter
 from codegen.spmd_placements import Value
 from planner.graph import OpGraph
-from planner.moe_blocks import MoEBlock
+from planner.errors import PlanningError
+from planner.moe_blocks import ROUTED_GELU, MoEBlock
 from planner.plans import Plan
 
 
@@ -49,9 +50,11 @@ class MoECall:
 
 def moe_calls(plan: Plan, graph: OpGraph) -> dict[str, MoECall]:
     """The MoE layers of ``plan.expert_layouts`` in ``graph`` (the traced micro-batch), by
-    module path (see the module docstring).
+    module path (see the module docstring); a HuggingFace block laid out data parallel is
+    left out (its traced ops run it so on every dp rank).
 
     Raises:
+        PlanningError: a layer is a HuggingFace block (planned in stages, not compiled there).
         NotImplementedError: a layer's traced ops are not of the shape this writer replaces.
     """
     blocks = {block.module: block for block in graph.moe_blocks}
@@ -63,6 +66,16 @@ def moe_calls(plan: Plan, graph: OpGraph) -> dict[str, MoECall]:
     calls = {}
     for layout in plan.expert_layouts:
         block: MoEBlock = blocks[layout.module]
+        if block.runtime != ROUTED_GELU and layout.mode == "data_parallel":
+            continue  # its traced ops are written as they are: every dp rank runs every expert on its tokens
+        if block.runtime != ROUTED_GELU:
+            # The search lays HuggingFace's blocks out in stages (search.stage_experts); their
+            # own router stays in the traced ops, which this writer does not split off yet.
+            raise PlanningError(
+                f"MoE layer {block.module!r} ({block.kind}) is planned expert parallel inside pipeline stages, but "
+                f"pipeline programs run only routed GELU MoE layers (examples/moe.py) expert parallel there; plan with "
+                f"--mesh pp=1 to compile this model, or use planner simulate to price the pipeline plan"
+            )
         nodes = frozenset(node.name for node in graph.moe_nodes(block.module))
         outside_in = {arg.name for name in nodes for arg in by_name[name].all_input_nodes if arg.name not in nodes}
         router = [name for name in outside_in if param_of.get(name) == f"{block.module}.{block.router}"]
@@ -144,6 +157,8 @@ def stage_experts_table(plan: Plan, graph: OpGraph, stage_of: dict[str, int]) ->
         "STAGE_EXPERTS = {",
     ]
     for layout in plan.expert_layouts:
+        if layout.module not in stage_of:
+            continue  # written as its traced ops (moe_calls)
         block = blocks[layout.module]
         placement = layout.placement.replicas if layout.placement is not None else None
         if "moe-folding" in plan.sections:  # over the stage's dp x tp ranks, EDP copies included

@@ -266,15 +266,21 @@ def laid_out_layers(plan, graph: OpGraph, micro_batches: int) -> dict[str, LaidO
     """
     if not plan.expert_layouts:
         return {}
-    cache = graph_facts(graph).moe_layers
+    facts = graph_facts(graph)
+    cache, by_identity = facts.moe_layers, facts.moe_layers_by_identity
     layers = {}
     folding = folding_of(plan)  # a folded plan prices its layers over dp x tp (cost_model.moe_folding)
     for layout in plan.expert_layouts:
+        known = (id(layout), id(plan.cluster), id(plan.mesh), plan.precision, micro_batches)
+        if known in by_identity:
+            layers[layout.module] = by_identity[known][-1]
+            continue
         # The layout without its cost annotation (a simulated plan's layouts carry one).
         key = (dataclasses.replace(layout, cost=CostParts()), plan.cluster, plan.precision,
                expert_group(plan.mesh, layout.axis), micro_batches, folding)
         if key not in cache:
             cache[key] = _laid_out(layout, plan, graph, micro_batches)
+        by_identity[known] = (layout, plan.cluster, plan.mesh, cache[key])
         layers[layout.module] = cache[key]
     return layers
 

@@ -94,7 +94,8 @@ class SegmentProfile:
     ``synced_tensors`` the elements of each parameter tensor reduced over ``dp`` (a graph
     program reduces each in its own collective) and ``param_tensors`` how many it has;
     ``synced_shapes`` the local shape of each of those tensors (None where unknown), from
-    which ZeRO-1's gathers follow for any ``dp`` (``planner.sharded_states_layout``).
+    which ZeRO-1's gathers follow for any ``dp`` (``planner.sharded_states_layout``);
+    ``per_rank_elements`` the elements of weights no rank shares (below).
     """
 
     name: str
@@ -108,6 +109,9 @@ class SegmentProfile:
     synced_tensors: tuple[float, ...] = ()
     param_tensors: int = 0
     synced_shapes: tuple[tuple[int, ...] | None, ...] = ()
+    # Of ``param_elements``, those each rank holds its own of (experts split by an MoE
+    # layout, ``Segment.per_rank``): no dp flavour shards their states, gradients or weights.
+    per_rank_elements: float = 0.0
 
     def zero1_gathered_tensors(self, dp: int) -> list[float]:
         """Elements of each of ``synced_tensors`` that ZeRO-1 over ``dp`` ranks all-gathers

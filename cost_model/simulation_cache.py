@@ -24,6 +24,7 @@ class Costed:
     first_use: dict[tuple, str]
     costs: dict[str, object]  # node name -> cost_model.node_costs.NodeCost
     segments: list  # cost_model.segments.Segment
+    layouts: tuple = ()  # the last part of its costing_key: each MoE layer's layout as priced
 
 
 @dataclass
@@ -43,6 +44,11 @@ class GraphFacts:
     # its layout, the cluster, the precision and the micro-batches only, and a search prices
     # the same layouts for many plans.
     moe_layers: dict[tuple, object] = field(default_factory=dict)
+    # The same by the identity of the layout object, cluster and mesh asked with (each entry
+    # keeps those objects alive, so an identity is not reused): a search asks for the same
+    # layout objects in plan after plan, and hashing a layout of 256 experts by value is slow.
+    moe_layers_by_identity: dict[tuple, tuple] = field(default_factory=dict)
+    segment_members: object = None  # cost_model.segments.segment_members of the graph, once asked
 
 
 _FACTS: dict[int, GraphFacts] = {}
@@ -80,17 +86,35 @@ class RecentlyCosted:
     def __init__(self, size: int) -> None:
         self.size = size
         self.entries: dict[tuple, Costed] = {}
+        # By ``same_but_layouts``: the latest entry of plans that differ only in their MoE
+        # layers' layouts (an MoE search simulates many such plans in a row).
+        self.by_dense: dict[tuple, Costed] = {}
 
     def get(self, key: tuple) -> Costed | None:
         return self.entries.get(key)
 
+    def get_but_layouts(self, key: tuple) -> Costed | None:
+        """The latest entry whose plan differs from ``key``'s at most in its MoE layouts."""
+        return self.by_dense.get(same_but_layouts(key))
+
     def put(self, key: tuple, costed: Costed) -> None:
         self.entries[key] = costed
+        self.by_dense[same_but_layouts(key)] = costed
         while len(self.entries) > self.size:
             del self.entries[next(iter(self.entries))]
+        while len(self.by_dense) > self.size:
+            del self.by_dense[next(iter(self.by_dense))]
 
 
 RECENTLY_COSTED = RecentlyCosted(size=8)
+
+
+def same_but_layouts(key: tuple) -> tuple:
+    """``key`` (a ``costing_key``) without its MoE layouts, but with the layers they lay out
+    and their axes: plans equal under it have the same node costs outside the MoE layers
+    (an op reading an MoE layer's output pays no resharding for it, ``cost_model.node_costs``),
+    so one's costs are the other's once its MoE layers are re-costed."""
+    return (*key[:-1], tuple((layout[0], layout[3]) for layout in key[-1]))
 
 
 def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:

@@ -69,7 +69,7 @@ from cost_model.step_tasks import StepTasks
 from planner.graph import OpGraph
 from planner.strategy import RECOMPUTE_MODES, CostParts, ExpertLayout, NodeStrategy, SimResult, TimelineEvent
 
-__all__ = ["NodeCost", "Segment", "SegmentProfile", "Simulator", "simulate_plan", "simulated"]
+__all__ = ["NodeCost", "Segment", "SegmentProfile", "Simulator", "estimated", "simulate_plan", "simulated"]
 
 
 @contextlib.contextmanager
@@ -115,13 +115,29 @@ class Simulator:
             self.node_costs.adopt(costed.cache, costed.first_use, costed.costs)
             self._segment_list = costed.segments
             return
-        self.node_costs.cost_all()
-        self._segment_list = self.segments()
+        similar = RECENTLY_COSTED.get_but_layouts(key) if key is not None else None
+        if similar is not None:
+            # The same plan with other MoE layouts (an MoE search's next candidate): only the
+            # ops of the layers laid out otherwise are costed again (delta simulation).
+            self.node_costs.adopt(similar.cache, similar.first_use, similar.costs)
+            changed = {layout[0] for layout, before in zip(key[-1], similar.layouts) if layout != before}
+            # An expert op's cost is its layer's layout's; the routing ops around the experts
+            # cost the same under any layout over the same axis (cost_model.node_costs).
+            recosted = {name for layer in self.context.moe_layers.values() if layer.layout.module in changed
+                        for name in layer.expert_nodes}
+            for name in recosted:
+                self.node_costs.costs[name] = self.node_costs.cost_of(self.context.nodes[name])
+            self._segment_list = refresh_segments(self.context, self.costs, self._segment_layout(), similar.segments,
+                                                  recosted)
+        else:
+            self.node_costs.cost_all()
+            self._segment_list = self.segments()
         if key is None:
             return
         RECENTLY_COSTED.put(key, Costed(
             keep=(plan.strategies, graph, facts, plan.cluster), cache=dict(self.node_costs.cache),
             first_use=dict(self.node_costs.first_use), costs=dict(self.node_costs.costs), segments=self._segment_list,
+            layouts=key[-1],
         ))
 
     @property
@@ -179,6 +195,19 @@ class Simulator:
             timeline=timeline,
         )
 
+    def step_lower_bound(self) -> float:
+        """Seconds the step takes at least, before scheduling it: the busiest (virtual)
+        stage's work on its compute stream (forward, backward and the collectives that run
+        on that stream, e.g. an MoE layer's all-to-alls, for every micro-batch). One stream
+        runs one task at a time, and scheduling only adds to it (waits, recomputation, the
+        optimizer step, slowdown beside collectives). What a search prunes by: a candidate
+        whose bound is no faster than the best plan found need not be scheduled."""
+        per_stage: dict[int, float] = {}
+        for segment in self.segments():
+            work = segment.forward_s + segment.forward_comm_s + segment.backward_s + segment.backward_comm_s
+            per_stage[segment.stage] = per_stage.get(segment.stage, 0.0) + work
+        return max(per_stage.values(), default=0.0) * self.context.micro_batches
+
     def segments(self) -> list[Segment]:
         """The segments of the current strategies (built once, then kept up to date)."""
         if self._segment_list is None:
@@ -187,7 +216,10 @@ class Simulator:
 
     def _segment_layout(self) -> SegmentMembers:
         if self._layout is None:
-            self._layout = segment_members(self.context.graph)
+            facts = graph_facts(self.context.graph)  # the grouping depends on the graph alone
+            if facts.segment_members is None:
+                facts.segment_members = segment_members(self.context.graph)
+            self._layout = facts.segment_members
         return self._layout
 
     def segment_profiles(self) -> list[SegmentProfile]:
@@ -214,6 +246,7 @@ class Simulator:
                 synced_tensors=tuple(segment.params[name] for name in synced),
                 param_tensors=len(segment.params),
                 synced_shapes=tuple(segment.shapes.get(name) for name in synced),
+                per_rank_elements=sum(segment.params[name] for name in segment.per_rank),
             ))
         return profiles
 
@@ -268,3 +301,11 @@ def simulated(plan, graph: OpGraph):
         plan, estimate=simulator.run(), strategies=simulator.annotated_strategies(),
         expert_layouts=simulator.annotated_expert_layouts(),
     )
+
+
+def estimated(plan, graph: OpGraph):
+    """``plan`` with its simulated estimate only (no timeline, strategies and layouts not
+    annotated): what a search compares candidates by. Annotating every node's cost parts takes
+    a quarter of a large model's simulation, and only the plans a search keeps are reported
+    (``simulated`` them)."""
+    return dataclass_replace(plan, estimate=Simulator(plan, graph).run(trace=False))

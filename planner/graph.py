@@ -161,6 +161,9 @@ class OpGraph:
     constants: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     moe_blocks: tuple = ()
     _by_name: dict[str, OpNode] = field(default_factory=dict, init=False, repr=False)
+    # moe_nodes' answers while the node list stays the one they were read from (searches ask
+    # for every layer's ops many times; each answer scans the whole graph).
+    _moe_nodes: tuple = field(default=(None, {}), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._by_name = {node.name: node for node in self.nodes}
@@ -193,8 +196,14 @@ class OpGraph:
 
     def moe_nodes(self, module: str) -> list[OpNode]:
         """The ops of the MoE layer at module path ``module`` (its own and its submodules')."""
-        prefix = module + "."
-        return [node for node in self.nodes if node.module == module or node.module.startswith(prefix)]
+        stamp, found = self._moe_nodes
+        if stamp != (id(self.nodes), len(self.nodes)):
+            found = {}
+            self._moe_nodes = ((id(self.nodes), len(self.nodes)), found)
+        if module not in found:
+            prefix = module + "."
+            found[module] = tuple(node for node in self.nodes if node.module == module or node.module.startswith(prefix))
+        return list(found[module])
 
     @property
     def total_flops(self) -> int:

@@ -30,7 +30,12 @@ combine into at most ``ENUMERATION_LIMIT`` plans, every combination is simulated
 fastest that fits wins (exact over class-wide choices); otherwise coordinate descent tries
 every candidate of each class in turn, keeping a change when the simulated plan fits and is
 faster, for at most ``REFINE_SWEEPS`` sweeps. Either way the work is a fixed number of
-simulations, the same on any machine.
+simulations, the same on any machine. Three things keep each cheap without changing what
+is found: a candidate differs from the plan simulated before it only in its layouts, so
+only its MoE layers' ops are costed again (``cost_model.simulator``'s delta on layouts); a
+candidate whose step lower bound (``Simulator.step_lower_bound``, its busiest compute
+stream) cannot beat the best fitting plan is not scheduled (``PRUNE``); and candidates are
+compared by their estimates, only the plans returned annotated for the report.
 
 When the whole batch's activations do not fit, the plan accumulates gradients over
 micro-batches (``accumulation_counts``), as every MoE trainer runs large batches: each
@@ -60,7 +65,7 @@ from cost_model.moe_layers import (
     routing_sync_time,
 )
 from cost_model.parameter_bytes import bytes_per_parameter
-from cost_model.simulator import simulated
+from cost_model.simulator import Simulator, estimated, simulated
 from planner.cluster import Cluster
 from planner.errors import PlanningError
 from planner.graph import OpGraph
@@ -78,6 +83,10 @@ from search.plan_builder import unsimulated_plan
 MOE_LABEL = "moe"
 REFINE_SWEEPS = 2  # sweeps over the classes of identical layers, each candidate simulated
 ENUMERATION_LIMIT = 128  # combinations of class layouts simulated exhaustively, at most
+# Candidates whose step lower bound (cost_model.simulator.Simulator.step_lower_bound) cannot
+# beat the best fitting plan found are not scheduled: the same plan, less work (a switch so
+# tests can compare the pruned search with the unpruned one).
+PRUNE = True
 # How the dense part around the MoE layers may be data parallel: the flavours compiled MoE
 # programs wrap it in (DDP, or FSDP2 units with or without resharding after forward); the
 # experts a rank holds alone stay out of them.
@@ -136,19 +145,33 @@ def layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, clu
         return layouts
     if block.ffn % world == 0 and "expert_sliced" in modes_compiled_for(block):
         layouts.append(ExpertLayout(mode="expert_sliced", **common))
-    # Two-level all-to-alls are written for the routed GELU runtime (codegen.runtime.moe_exchange).
-    two_level = _spans_nodes(cluster) and block.runtime == ROUTED_GELU
-    algorithms = ["flat"] + (["hierarchical"] if two_level else [])
-    if moe_dispatch == "deduplicated" and _spans_nodes(cluster):  # priced only: no runtime to match
-        algorithms.append("deduplicated")
     for placement in expert_placements(block, loads, cluster, tokens, precision):
-        for algorithm in algorithms:
+        for algorithm in _all_to_alls(block, cluster, moe_dispatch):
             layouts.append(ExpertLayout(mode="expert_parallel", all_to_all=algorithm, placement=placement, **common))
-    for placement in grid_placements(block.experts, world) if sharded_copies else ():
-        for algorithm in algorithms:
-            layouts.append(ExpertLayout(mode="expert_parallel", all_to_all=algorithm, placement=placement,
-                                        sharded_copies=True, **common))
-    return layouts
+    return layouts + (copied_grid_candidates(block, loads, source, cluster, moe_dispatch) if sharded_copies else [])
+
+
+def copied_grid_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, cluster: Cluster,
+                           moe_dispatch: str = "compiled") -> list[ExpertLayout]:
+    """The layouts ``layer_candidates`` adds with ``sharded_copies``: every grid placement
+    (``grid_placements``) with each expert sharded over its copies, with each all-to-all."""
+    common = dict(module=block.module, experts=block.experts, top_k=block.top_k,
+                  capacity_factor=block.capacity_factor, axis="dp", routing=source, expert_loads=loads)
+    return [ExpertLayout(mode="expert_parallel", all_to_all=algorithm, placement=placement, sharded_copies=True,
+                         **common)
+            for placement in grid_placements(block.experts, cluster.world_size)
+            for algorithm in _all_to_alls(block, cluster, moe_dispatch)]
+
+
+def _all_to_alls(block: MoEBlock, cluster: Cluster, moe_dispatch: str) -> list[str]:
+    """The all-to-alls an expert-parallel layout of ``block`` is tried with: flat; across
+    nodes the two-level one too (written for the routed GELU runtime,
+    ``codegen.runtime.moe_exchange``), and DeepEP's deduplicated one with ``moe_dispatch``
+    ``"deduplicated"`` (priced only: no runtime to match)."""
+    algorithms = ["flat"] + (["hierarchical"] if _spans_nodes(cluster) and block.runtime == ROUTED_GELU else [])
+    if moe_dispatch == "deduplicated" and _spans_nodes(cluster):
+        algorithms.append("deduplicated")
+    return algorithms
 
 
 def grid_placements(experts: int, world: int) -> list[ExpertPlacement]:
@@ -245,10 +268,13 @@ def choose_layouts(
         key = (block.experts, block.top_k, block.capacity_factor, block.hidden, block.ffn, block.matmuls, tokens,
                loads, source)
         if key not in shared:
-            made = (*key, sharded_copies, moe_dispatch)
+            made, plain = (*key, sharded_copies, moe_dispatch), (*key, False, moe_dispatch)
+            if plain not in candidates:  # placing the experts is the costly part: done once per class
+                candidates[plain] = layer_candidates(block, loads, source, cluster, tokens, precision, False,
+                                                     moe_dispatch)
             if made not in candidates:
-                candidates[made] = layer_candidates(block, loads, source, cluster, tokens, precision, sharded_copies,
-                                                    moe_dispatch)
+                candidates[made] = candidates[plain] + copied_grid_candidates(block, loads, source, cluster,
+                                                                              moe_dispatch)
             options = [layer_score(block, layout, tokens, cluster, precision, micro_batches)
                        for layout in candidates[made]]
             order = sorted(range(len(options)), key=lambda i: (options[i].time_s, options[i].memory_bytes, i))
@@ -262,11 +288,14 @@ def choose_layouts(
 
 def moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str,
              layouts: Mapping[str, ExpertLayout], warnings: tuple[str, ...] = (), precision: str = "fp32",
-             base: Plan | None = None) -> Plan:
+             base: Plan | None = None, annotate: bool = True) -> Plan:
     """The simulated ``moe`` plan with ``layouts`` (one per MoE layer of ``graph``): DDP
-    over all devices for the dense ops (``base``, from ``moe_base_plan``, when given)."""
+    over all devices for the dense ops (``base``, from ``moe_base_plan``, when given).
+    ``annotate=False``: its estimate only (``cost_model.simulator.estimated``), for plans a
+    search compares and may throw away."""
     base = base or moe_base_plan(graph, cluster, spec, model_name, warnings, precision)
-    return simulated(dataclasses.replace(base, expert_layouts=tuple(layouts[b.module] for b in graph.moe_blocks)), graph)
+    plan = dataclasses.replace(base, expert_layouts=tuple(layouts[b.module] for b in graph.moe_blocks))
+    return simulated(plan, graph) if annotate else estimated(plan, graph)
 
 
 def moe_base_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str,
@@ -355,7 +384,9 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
             break
     plan, build, _, scored = best
     fixed = [build(picks) for picks in _fixed_modes(scored)]
-    return plan, [other for other in fixed if other.expert_layouts != plan.expert_layouts]
+    # Only the plans kept are annotated for the report (the search compared estimates).
+    return simulated(plan, graph), [simulated(other, graph) for other in fixed
+                                    if other.expert_layouts != plan.expert_layouts]
 
 
 def accumulation_counts(graph: OpGraph, cluster: Cluster) -> list[int]:
@@ -398,9 +429,18 @@ def _search_with(graph, cluster, spec, model_name, scored, warnings, precision, 
     memory bound the choice (the layers' fastest layouts together did not fit)."""
     choice = {module: 0 for module in scored}
 
-    def build(picks: Mapping[str, int]) -> Plan:
-        return moe_plan(graph, cluster, spec, model_name, {m: scored[m][i].layout for m, i in picks.items()},
-                        warnings, precision, base)
+    def build(picks: Mapping[str, int], beat: float | None = None) -> Plan | None:
+        """The plan of ``picks``, estimated; None when ``beat`` (seconds) is given and the
+        plan's step lower bound (``Simulator.step_lower_bound``) is no faster: it could not
+        beat a fitting plan of that step, so it is not scheduled (``PRUNE``)."""
+        layouts = {m: scored[m][i].layout for m, i in picks.items()}
+        if beat is None or not PRUNE:
+            return moe_plan(graph, cluster, spec, model_name, layouts, warnings, precision, base, annotate=False)
+        plan = dataclasses.replace(base, expert_layouts=tuple(layouts[b.module] for b in graph.moe_blocks))
+        simulator = Simulator(plan, graph)
+        if simulator.step_lower_bound() >= beat:
+            return None
+        return dataclasses.replace(plan, estimate=simulator.run(trace=False))
 
     plan = build(choice)
     memory_bound = not plan.estimate.fits
@@ -428,8 +468,8 @@ def _refine(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], bu
             trial = {module: index for modules, index in zip(groups, indices) for module in modules}
             if trial == choice:
                 continue
-            candidate = build(trial)
-            if rank(candidate) < (rank(plan)[0], rank(plan)[1] * (1 - 1e-12)):
+            candidate = build(trial, _to_beat(plan))
+            if candidate is not None and rank(candidate) < (rank(plan)[0], rank(plan)[1] * (1 - 1e-12)):
                 choice.update(trial)
                 plan = candidate
         return plan
@@ -440,13 +480,19 @@ def _refine(scored: Mapping[str, list[ScoredLayout]], choice: dict[str, int], bu
                 if all(choice[module] == index for module in modules):
                     continue
                 trial = {**choice, **{module: index for module in modules}}
-                candidate = build(trial)
-                if rank(candidate) < (rank(plan)[0], rank(plan)[1] * (1 - 1e-12)):
+                candidate = build(trial, _to_beat(plan))
+                if candidate is not None and rank(candidate) < (rank(plan)[0], rank(plan)[1] * (1 - 1e-12)):
                     choice.update(trial)
                     plan, improved = candidate, True
         if not improved:
             break
     return plan
+
+
+def _to_beat(plan: Plan) -> float | None:
+    """The step a candidate must beat to replace ``plan`` (as ``_refine`` compares them), when
+    ``plan`` fits; None when it does not (then any plan that fits beats it, whatever its step)."""
+    return plan.estimate.step_time_s * (1 - 1e-12) if plan.estimate.fits else None
 
 
 def _rank(plan: Plan) -> tuple[bool, float]:
@@ -509,7 +555,17 @@ def moe_family_allowed(graph: OpGraph, cluster: Cluster, coupled) -> bool:
     ``graph``: it has MoE layers, the batch splits over every device, and every op at which
     the samples mix lies inside an MoE layer (whose runtime reproduces the whole batch's routing),
     and the MoE runtime can run every MoE layer (``runs_by_layout``)."""
-    if not graph.moe_blocks or graph.batch_size % cluster.world_size:
+    if graph.batch_size % cluster.world_size:
+        return False
+    return mixing_only_in_moe_layers(graph, coupled)
+
+
+def mixing_only_in_moe_layers(graph: OpGraph, coupled) -> bool:
+    """Whether ``graph`` has MoE layers the MoE runtime runs (``runs_by_layout``) and every op
+    at which the samples mix (``coupled``) lies inside one: then its layers may be laid out,
+    on every device (``moe_family_allowed``) or over each pipeline stage's dp ranks, whatever
+    the batch per device."""
+    if not graph.moe_blocks:
         return False
     if not all(runs_by_layout(block) for block in graph.moe_blocks):
         return False  # compiled programs could not run the layouts (search.moe_search.runs_by_layout)

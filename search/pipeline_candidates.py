@@ -6,8 +6,9 @@ import dataclasses
 
 from planner.plans import Plan
 from search.context import SearchContext
+from search.moe_search import mixing_only_in_moe_layers
 from search.pipeline_search import PipelineSpace, pipeline_plans
-from search.stage_experts import runs_in_stages, stage_expert_variants
+from search.stage_experts import compiled_in_stages, runs_in_stages, stage_expert_variants
 
 # What a pipeline of an MoE model searches (codegen.runtime.pipeline_moe runs it): stages on
 # pp x dp, each MoE layer by its layout over the stage's dp ranks; gradients reduced once per
@@ -15,6 +16,11 @@ from search.stage_experts import runs_in_stages, stage_expert_variants
 # parallelism beside the experts, Megatron-LM's placements for the dense ops. A recomputed
 # block routes again in backward, on every rank of its stage at once, so it recomputes alike.
 _MOE_SPACE = dict(flavours=("ddp",), tensor_parallel=(1,), sequence_parallel=(False,), searched_layout="off")
+# HuggingFace MoE blocks in stages are planned and priced, not compiled (search.stage_experts):
+# their search also has ZeRO-1 on dp, the distributed optimizer DeepSeek-V3 trained with
+# (technical report, arXiv 2412.19437, section 3.2), which shards the states of the weights the stage's dp ranks share
+# and leaves each rank's own experts whole.
+_HF_MOE_FLAVOURS = ("ddp", "zero1")
 
 
 def pipeline_candidates(context: SearchContext) -> list[Plan]:
@@ -26,9 +32,12 @@ def pipeline_candidates(context: SearchContext) -> list[Plan]:
     compile for only some dp flavours and schedules (``codegen.pipeline_emit.unsupported``).
     None with ``--tp-layouts summa``, and for a model whose samples mix (micro-batches would
     compute another step) unless the mixing is all inside MoE layers the MoE runtime runs
-    (``SearchContext.moe_layouts``): then each stage runs its MoE layers by the layouts of
-    ``search.stage_experts`` over its dp ranks, routing every micro-batch on its own."""
-    moe = context.moe_layouts and runs_in_stages(context.graph)
+    (``search.moe_search.mixing_only_in_moe_layers``, whatever the batch per device): then
+    each stage runs its MoE layers by the layouts of ``search.stage_experts`` over its dp
+    ranks, routing every micro-batch on its own."""
+    # The batch need not split over every device (the MoE family's condition), only over dp.
+    moe = not context.summa_only and runs_in_stages(context.graph) and mixing_only_in_moe_layers(context.graph,
+                                                                                                context.coupled)
     if context.summa_only or (context.whole_batch_only and not moe):
         return []
     if context.cluster.num_nodes < 2 and any(p.estimate.fits and p.recompute == "none" for p in context.found):
@@ -40,8 +49,9 @@ def pipeline_candidates(context: SearchContext) -> list[Plan]:
     )
     if moe:
         graph, cluster, routing, precision = context.graph, context.cluster, context.routing, context.precision
+        flavours = _MOE_SPACE["flavours"] if all(compiled_in_stages(b) for b in graph.moe_blocks) else _HF_MOE_FLAVOURS
         space = dataclasses.replace(
-            space, **_MOE_SPACE,
+            space, **{**_MOE_SPACE, "flavours": flavours},
             expert_layouts=lambda mesh, micro_batches: stage_expert_variants(graph, cluster, routing, precision, mesh,
                                                                              micro_batches),
         )

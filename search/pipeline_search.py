@@ -392,6 +392,7 @@ class PipelineGrid:
             + states / (dp if flavour in ("zero1", "zero2", "fsdp") else 1)
         )
         gathered = flavour == "fsdp" and dp > 1
+        whole = weights + grads + states  # a weight no rank shares (an expert split by its layout) is never sharded
         costs = []
         for profile in self._profile(config):
             seconds = profile.time_s[recompute]
@@ -404,7 +405,8 @@ class PipelineGrid:
                 seconds += 2 * self._dp_collective("all_gather", profile.param_elements * weights, config)
             costs.append(SegmentCost(
                 time_s=seconds,
-                static_bytes=profile.param_elements * per_element,
+                static_bytes=(profile.param_elements - profile.per_rank_elements) * per_element
+                + profile.per_rank_elements * whole,
                 activation_bytes=profile.kept_bytes[recompute],
                 transient_bytes=profile.transient_bytes[recompute],
             ))
@@ -510,8 +512,10 @@ class PipelineGrid:
                 if stage % pp == device
                 for i in indices
             ]
-            elements = sum(p.param_elements for p in members)
-            after = self._optimizer_time(elements * (weights + grads + states) / shard, members, config)
+            own = sum(p.per_rank_elements for p in members)  # never sharded (experts split by a layout)
+            elements = sum(p.param_elements for p in members) - own
+            after = self._optimizer_time(
+                elements * (weights + grads + states) / shard + own * (weights + grads + states), members, config)
             if dp > 1 and flavour == "fsdp":
                 # Each segment's gradients are reduce-scattered after its last backward:
                 # the first segment's is left when the backward ends.

@@ -10,7 +10,9 @@ micro-batches).
 
 Candidates per layer: data parallel; expert parallel round-robin when the experts divide
 over the group; expert parallel with EPLB's placement from the layer's routed shares (the
-fewest slots per device that hold every expert), each with a flat all-to-all (a stage's dp
+fewest slots per device that hold every expert; with group-limited routing, DeepSeek-V3's,
+whole routing groups packed onto the stage's nodes, so each token's all-to-all reaches at
+most its chosen groups' nodes), each with a flat all-to-all (a stage's dp
 group of a pipeline searched here lies inside one node or spans a few; the two-level
 exchange is the MoE family's). Each is scored with the MoE family's cost functions over the
 stage's group (``cost_model.moe_layers``): expert compute and all-to-alls per micro-batch
@@ -26,6 +28,7 @@ segment profiles carry the layouts) and the step time and memory decide.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from cost_model.collectives import collective_time
@@ -39,7 +42,7 @@ from cost_model.moe_layers import (
 from cost_model.parameter_bytes import bytes_per_parameter
 from planner.cluster import Cluster
 from planner.graph import OpGraph
-from planner.moe_blocks import ROUTED_GELU, MoEBlock
+from planner.moe_blocks import HF_STACKED_EXPERTS, ROUTED_GELU, MoEBlock
 from planner.routing import RoutingStats
 from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
 from search.expert_placement import eplb
@@ -49,12 +52,25 @@ from search.moe_search import routing_label
 STAGE_EXPERT_MODES = ("expert_parallel", "data_parallel")
 FASTEST, EXPERT_PARALLEL = "fastest", "expert-parallel"
 VARIANTS = (FASTEST, EXPERT_PARALLEL)
+# The MoE blocks the pipeline grid lays out inside stages (``runs_in_stages``).
+STAGE_RUNTIMES = (ROUTED_GELU, HF_STACKED_EXPERTS)
 
 
 def runs_in_stages(graph: OpGraph) -> bool:
-    """Whether compiled pipeline programs run every MoE layer of ``graph`` by a layout:
-    ``examples/moe.py``'s routed GELU layers (the runtime ``codegen.runtime.moe`` swaps in)."""
-    return bool(graph.moe_blocks) and all(block.runtime == ROUTED_GELU for block in graph.moe_blocks)
+    """Whether the pipeline grid lays out every MoE layer of ``graph`` over its stages' dp
+    ranks: ``examples/moe.py``'s routed GELU layers (compiled pipeline programs run them,
+    ``codegen.runtime.pipeline_moe``) and HuggingFace's stacked-experts blocks (Mixtral,
+    Qwen3-MoE, DeepSeek-V3: planned and priced alike, as DeepSeek ran V3 with 16 stages and
+    64-way EP; compiled, a replicated one runs as its traced ops and an expert-parallel one
+    is refused in one line, ``compiled_in_stages``)."""
+    return bool(graph.moe_blocks) and all(block.runtime in STAGE_RUNTIMES for block in graph.moe_blocks)
+
+
+def compiled_in_stages(block: MoEBlock) -> bool:
+    """Whether compiled pipeline programs run ``block`` by its layout (the routed GELU
+    runtime only: HuggingFace's blocks keep their own router, which the stage writer does
+    not replace yet)."""
+    return block.runtime == ROUTED_GELU
 
 
 def stage_layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, group_size: int,
@@ -71,7 +87,10 @@ def stage_layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: st
         round_robin = ExpertPlacement.round_robin(block.experts, group_size)
         placements[round_robin.replicas] = round_robin
     slots = -(-block.experts // group_size)
-    balanced = eplb(loads, group_size, slots, per_node if per_node and group_size % per_node == 0 else None)
+    # Group-limited routing (DeepSeek-V3) limits the nodes a token reaches only when its
+    # groups lie on nodes: EPLB's hierarchical policy packs whole groups onto the stage's nodes.
+    groups = block.routing_groups[0] if block.routing_groups else None
+    balanced = eplb(loads, group_size, slots, per_node if per_node and group_size % per_node == 0 else None, groups)
     placements.setdefault(balanced.replicas, balanced)
     layouts += [ExpertLayout(mode="expert_parallel", placement=p, **common) for p in placements.values()]
     return layouts
@@ -100,17 +119,22 @@ def stage_expert_variants(graph: OpGraph, cluster: Cluster, routing: RoutingStat
     group = expert_group(mesh, "dp")
     per_node = cluster.devices_per_node if cluster.is_homogeneous else None
     fastest, parallel = [], []
+    chosen: dict[tuple, tuple[ExpertLayout, ExpertLayout]] = {}  # by layer class: identical layers score alike
     for block in graph.moe_blocks:
         loads = tuple(routing.layer(block.module, block.experts, block.top_k).token_share)
         tokens = layer_tokens(graph, block)
-        scored = [
-            (stage_layer_seconds(block, layout, tokens, cluster, precision, group, micro_batches), index, layout)
-            for index, layout in enumerate(
-                stage_layer_candidates(block, loads, routing_label(routing, block.module), len(group), per_node))
-        ]
-        fastest.append(min(scored)[2])
-        expert_parallel = [item for item in scored if item[2].mode == "expert_parallel"]
-        parallel.append(min(expert_parallel)[2] if expert_parallel else fastest[-1])
+        source = routing_label(routing, block.module)
+        key = (dataclasses.replace(block, module=""), tokens, loads, source)
+        if key not in chosen:
+            scored = [
+                (stage_layer_seconds(block, layout, tokens, cluster, precision, group, micro_batches), index, layout)
+                for index, layout in enumerate(stage_layer_candidates(block, loads, source, len(group), per_node))
+            ]
+            best = min(scored)[2]
+            expert_parallel = [item for item in scored if item[2].mode == "expert_parallel"]
+            chosen[key] = (best, min(expert_parallel)[2] if expert_parallel else best)
+        fastest.append(dataclasses.replace(chosen[key][0], module=block.module))
+        parallel.append(dataclasses.replace(chosen[key][1], module=block.module))
     variants: dict[str, tuple[ExpertLayout, ...]] = {FASTEST: tuple(fastest)}
     if tuple(parallel) != variants[FASTEST]:
         variants[EXPERT_PARALLEL] = tuple(parallel)

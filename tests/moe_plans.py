@@ -52,7 +52,8 @@ def moe_plan(world: int, mode: str, placement: str | None = None, capacity_facto
     expert parallelism, whose all-to-all is ``all_to_all`` (``flat`` or ``hierarchical``) and
     whose experts are sharded over their copies with ``sharded_copies``; ``recompute`` and
     ``accumulation_steps`` (micro-batches per step): the plan's."""
-    spec = ModelSpec(str(MOE_EXAMPLE), {"n_expert": experts, "capacity_factor": capacity_factor})
+    # ffn 128: the sizes these plans' hand-worked costs and byte counts were written for.
+    spec = ModelSpec(str(MOE_EXAMPLE), {"n_expert": experts, "capacity_factor": capacity_factor, "ffn": 128})
     graph, spec, name, cluster = prepare_model(spec, f"cpu:{nodes}x{world // nodes}")
     base = data_parallel_plan(graph, cluster, spec, name, flavour, precision=precision)
     layouts = []

@@ -39,3 +39,43 @@ def test_delta_matches_a_fresh_simulation_after_each_move():
             assert result.step_time_s == expected.step_time_s
             assert result.memory == expected.memory
             assert result.communication_s == expected.communication_s
+
+
+def _forget_costed_plans() -> None:
+    simulation_cache.RECENTLY_COSTED.entries.clear()
+    simulation_cache.RECENTLY_COSTED.by_dense.clear()
+
+
+def test_a_plan_with_other_moe_layouts_simulates_as_a_fresh_one(monkeypatch):
+    """The MoE search simulates one dense plan with many layouts in a row; each after the
+    first re-costs only the MoE layers whose layout changed (``Simulator`` adopts the last
+    such plan's costs). Every result must equal a simulation from scratch, in any order."""
+    from planner.routing import RoutingStats
+    from search.moe_search import choose_layouts, moe_base_plan
+
+    spec = ModelSpec(str(Path(__file__).resolve().parent.parent / "examples" / "moe.py"), {"n_layer": 3, "n_expert": 8})
+    graph, spec, name, cluster = prepare_model(spec, "cpu:2x4")
+    scored = choose_layouts(graph, cluster, RoutingStats(), "fp32")
+    base = moe_base_plan(graph, cluster, spec, name)
+    modules = [block.module for block in graph.moe_blocks]
+    last = len(scored[modules[0]]) - 1
+    assert last >= 3  # data parallel, sliced, expert parallel placements
+
+    def plan_of(picks):
+        return dataclasses.replace(base, expert_layouts=tuple(scored[m][i].layout for m, i in zip(modules, picks)))
+
+    order = [(0, 0, 0), (1, 0, 0), (1, 2, 0), (last, 1, 2), (0, 0, 0)]
+    _forget_costed_plans()
+    from cost_model.node_costs import NodeCosts
+
+    whole = []
+    cost_all = NodeCosts.cost_all
+    monkeypatch.setattr(NodeCosts, "cost_all", lambda self: (whole.append(1), cost_all(self))[1])
+    in_a_row = [Simulator(plan_of(picks), graph).run(trace=False) for picks in order]
+    assert len(whole) == 1  # the first plan costs every node; the others only their changed layers
+    alone = []
+    for picks in order:
+        _forget_costed_plans()
+        alone.append(Simulator(plan_of(picks), graph).run(trace=False))
+    assert in_a_row == alone
+    assert len({result.step_time_s for result in alone}) >= 3  # the layouts do change the step

@@ -35,7 +35,7 @@ COPY_FLOPS = 2 * 2 * 64 * 128  # forward FLOPs of one routed copy through its ex
 
 @pytest.fixture(scope="module")
 def model():
-    graph, spec, name, _ = prepare_model(ModelSpec(str(EXAMPLES / "moe.py"), {}), CLUSTER)
+    graph, spec, name, _ = prepare_model(ModelSpec(str(EXAMPLES / "moe.py"), {"ffn": 128}), CLUSTER)
     return graph, moe_base_plan(graph, CLUSTER, spec, name)
 
 

@@ -25,7 +25,9 @@ gradient of every parameter each stage holds and every updated parameter
   single-device reference runs the same micro-batches); and a 4-layer one on the same mesh
   under the interleaved schedule (two virtual stages per rank, four micro-batches), its MoE
   layers expert parallel; and the 2-layer one with every block recomputed in backward (the
-  MoE layers route again there, every rank of the stage at once).
+  MoE layers route again there, every rank of the stage at once); and a tiny 4-layer HF
+  Mixtral as ``--mesh pp=2`` plans it there (its MoE blocks laid out replicated over each
+  stage's 4 ranks, run as their traced ops).
 
 As in ``test_spmd_parity.py``, each world size compiles its programs first and checks them
 all in ONE torchrun launch of ``tests/dist_check_many.py``. Two negative controls must fail:
@@ -48,7 +50,7 @@ from planner.api import prepare_model
 from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from search.megatron import megatron_plan
-from moe_plans import moe_pipeline_plan
+from moe_plans import HF_MOE, moe_pipeline_plan
 from test_parity import HF_GPT2_TINY, REPO, Launch, check_many, result_of
 
 pytestmark = pytest.mark.distributed
@@ -59,6 +61,7 @@ MODELS = {
     "gpt4tied": ("examples/gpt.py", {"batch_size": 8, "n_layer": 4, "tie_weights": True}),
     "moe": ("examples/moe.py", {"batch_size": 16, "n_expert": 8, "ffn": 512, "capacity_factor": 1.0}),
     "moe4": ("examples/moe.py", {"batch_size": 16, "n_layer": 4, "n_expert": 8, "ffn": 256, "capacity_factor": 1.0}),
+    "mixtral": ("hf:mixtral", {**HF_MOE["mixtral"], "num_hidden_layers": 4, "batch_size": 16}),
     "llama": ("hf:llama", {
         "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "batch_size": 8,
@@ -87,6 +90,7 @@ CASES = {
         ("moe", "searched-pp2xdp4-expert-parallel"): dict(mesh_pp=2),
         ("moe4", "pp2xdp4-interleaved-expert-parallel"): dict(moe_interleaved=True),
         ("moe", "pp2xdp4-1f1b-recompute-full"): dict(moe_recompute="full"),
+        ("mixtral", "searched-pp2xdp4-hf-experts-replicated"): dict(hf_stages=2),
     },
 }
 ALL_CASES = [(world, model, case) for world, cases in CASES.items() for model, case in cases]
@@ -108,6 +112,8 @@ def make_plan(model: str, world: int, precision: str = "fp32", **options) -> pla
         return searched_layout_plan(spec, world, *options["searched_layout"])
     if options.get("mesh_pp"):
         return moe_stages_plan(spec, world, options["mesh_pp"])
+    if options.get("hf_stages"):
+        return hf_moe_stages_plan(spec, world, options["hf_stages"])
     if options.get("moe_interleaved"):
         return moe_pipeline_plan(spec, world, "interleaved", virtual_stages=2)
     if options.get("moe_recompute"):
@@ -145,6 +151,18 @@ def moe_stages_plan(spec: ModelSpec, world: int, pp: int) -> planner.Plan:
     plan = planner.plan(spec, f"cpu:2x{world // 2}", constraints=SearchConstraints(mesh={"pp": pp}), progress=False)
     assert plan.pipeline is not None and plan.pipeline.micro_batches > 1, plan.name
     assert plan.expert_layouts and all(layout.mode == "expert_parallel" for layout in plan.expert_layouts), plan.name
+    return plan
+
+
+def hf_moe_stages_plan(spec: ModelSpec, world: int, pp: int) -> planner.Plan:
+    """The plan of ``planner plan <hf MoE spec> --cluster cpu:2x<world/2> --mesh pp=<pp>``:
+    the search lays its HuggingFace MoE blocks out over each stage's dp ranks; at this size it
+    keeps the experts replicated, which the pipeline program runs as the blocks' traced ops."""
+    from planner.constraints import SearchConstraints
+
+    plan = planner.plan(spec, f"cpu:2x{world // 2}", constraints=SearchConstraints(mesh={"pp": pp}), progress=False)
+    assert plan.pipeline is not None and plan.mesh.names == ("pp", "dp"), plan.name
+    assert plan.expert_layouts and all(layout.mode == "data_parallel" for layout in plan.expert_layouts), plan.name
     return plan
 
 
