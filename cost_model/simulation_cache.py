@@ -135,12 +135,13 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
         # Family sections that change what each op costs (layer separation's per-group shares,
         # uneven data-parallel shares): ``changes_op_costs``.
         tuple(section for section in plan.sections.values() if getattr(section, "changes_op_costs", False)),
-        # MoE layers are priced by their layouts (their cost annotation aside).
+        # Folded MoE layers move tokens between the layouts unless sequence parallel (cost_model.moe_folding).
+        getattr(plan, "sections", {}).get("moe-folding"),
+        # MoE layers are priced by their layouts (their cost annotation aside). Last: what
+        # ``same_but_layouts`` leaves out.
         tuple(
             (layout.module, layout.mode, layout.capacity_factor, layout.axis, layout.all_to_all, layout.placement,
              layout.expert_loads, layout.sharded_copies, layout.tensor_parallel)
             for layout in getattr(plan, "expert_layouts", ())
         ),
-        # Folded MoE layers move tokens between the layouts unless sequence parallel (cost_model.moe_folding).
-        getattr(plan, "sections", {}).get("moe-folding"),
     )
