@@ -138,8 +138,10 @@ ALL_TO_ALL_ALGORITHMS = ("flat", "hierarchical", "deduplicated")
 COMPILED_ALL_TO_ALLS = ("flat", "hierarchical")
 # How a search may price expert-parallel layers' all-to-alls (``planner plan --moe-dispatch``):
 # ``compiled``, the exchanges a compiled program runs; ``deduplicated``, DeepEP's dispatch as
-# well, for a team whose trainer runs it (its plans do not compile).
-MOE_DISPATCHES = ("compiled", "deduplicated")
+# well, for a team whose trainer runs it (its plans do not compile); ``overlapped``, DeepEP's
+# dispatch and each layer's all-to-alls under another micro-batch's compute too
+# (``Plan.moe_a2a_overlap``: Megatron-Core's EP overlap, DualPipe's chunk; simulated only).
+MOE_DISPATCHES = ("compiled", "deduplicated", "overlapped")
 
 
 @dataclass(frozen=True)

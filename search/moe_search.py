@@ -127,7 +127,7 @@ def layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, clu
     """Every layout the search considers for ``block`` on all of ``cluster``'s devices (see
     the module docstring), in a fixed order; the grid placements with sharded copies only
     when ``sharded_copies``; the deduplicated all-to-all only with ``moe_dispatch``
-    ``"deduplicated"``."""
+    ``"deduplicated"`` or ``"overlapped"``."""
     world = cluster.world_size
     common = dict(module=block.module, experts=block.experts, top_k=block.top_k,
                   capacity_factor=block.capacity_factor, axis="dp", routing=source, expert_loads=loads)
@@ -139,7 +139,7 @@ def layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, clu
     # Two-level all-to-alls are written for the routed GELU runtime (codegen.runtime.moe_exchange).
     two_level = _spans_nodes(cluster) and block.runtime == ROUTED_GELU
     algorithms = ["flat"] + (["hierarchical"] if two_level else [])
-    if moe_dispatch == "deduplicated" and _spans_nodes(cluster):  # priced only: no runtime to match
+    if moe_dispatch in ("deduplicated", "overlapped") and _spans_nodes(cluster):  # priced only: no runtime to match
         algorithms.append("deduplicated")
     for placement in expert_placements(block, loads, cluster, tokens, precision):
         for algorithm in algorithms:
@@ -354,8 +354,22 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
         if found_best[0].estimate.fits and not memory_bound:
             break
     plan, build, _, scored = best
+    if moe_dispatch == "overlapped":
+        plan = with_overlap_if_faster(plan, graph)
     fixed = [build(picks) for picks in _fixed_modes(scored)]
     return plan, [other for other in fixed if other.expert_layouts != plan.expert_layouts]
+
+
+def with_overlap_if_faster(plan: Plan, graph: OpGraph) -> Plan:
+    """``plan`` with its expert-parallel layers' all-to-alls under another micro-batch's
+    compute (``Plan.moe_a2a_overlap``) when that simulates faster and still fits (it holds one
+    more micro-batch's activations), else ``plan``. Nothing to overlap without an
+    expert-parallel layer or with one micro-batch."""
+    micro_batches = plan.pipeline.micro_batches if plan.pipeline else plan.accumulation_steps
+    if micro_batches < 2 or not any(layout.mode == "expert_parallel" for layout in plan.expert_layouts):
+        return plan
+    overlapped = simulated(dataclasses.replace(plan, moe_a2a_overlap=True), graph)
+    return overlapped if _rank(overlapped) < _rank(plan) else plan
 
 
 def accumulation_counts(graph: OpGraph, cluster: Cluster) -> list[int]:
