@@ -294,6 +294,7 @@ FIELDS = [
     Field("optimizer", _set("optimizer"), _always, "'optimizer'"),
     Field("fused_splits_local (a bool given text)", _set("fused_splits_local"), _always, "'fused_splits_local'"),
     Field("tp_comm_overlap (a bool given text)", _set("tp_comm_overlap"), _always, "'tp_comm_overlap'"),
+    Field("moe_a2a_overlap (a bool given text)", _set("moe_a2a_overlap"), _always, "'moe_a2a_overlap'"),
     Field("pipeline.schedule", _set("pipeline", "schedule"), _always, "field 'pipeline'", kinds=("pp",)),
     Field(
         "pipeline.stage_recompute[0]", lambda plan, payload, _: plan["pipeline"].__setitem__("stage_recompute", [payload]),

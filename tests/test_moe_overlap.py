@@ -120,3 +120,18 @@ def test_the_plan_file_keeps_it_and_refuses_it_without_expert_parallelism(model)
     assert plan.to_dict()["moe_a2a_overlap"] is True and "all-to-alls under another micro-batch" in plan.name
     with pytest.raises(ValueError, match="no MoE layer of the plan is expert parallel"):
         dataclasses.replace(base, moe_a2a_overlap=True)
+
+
+def test_a_saved_plan_keeps_it_compile_refuses_it_and_old_files_read_it_as_off(tmp_path):
+    from planner.api import prepare_model
+    from planner.cluster import Cluster
+    from planner.model_spec import ModelSpec
+    from search.moe_search import moe_base_plan
+    from tests.simulation_only_fields import check_simulation_only_field
+    from tests.test_moe_plan_costs import EXAMPLES
+
+    cluster = Cluster.preset("cpu", 1, 4)
+    graph, spec, name, _ = prepare_model(ModelSpec(str(EXAMPLES / "moe.py"), {}), cluster)
+    plan = dataclasses.replace(moe_base_plan(graph, cluster, spec, name), accumulation_steps=2, moe_a2a_overlap=True,
+                               expert_layouts=layouts("expert_parallel", ExpertPlacement.round_robin(4, 4)))
+    check_simulation_only_field(simulated(plan, graph), "moe_a2a_overlap", tmp_path)
