@@ -189,7 +189,7 @@ class NodeCosts:
             if node.name == layer.anchor:
                 moe = layer.cost
                 cost.forward_s, cost.backward_s = moe.forward_compute_s, moe.backward_compute_s
-                exposed = self._a2a_exposed_share(layer) if self.context.plan.moe_a2a_overlap else 1.0
+                exposed = self.a2a_exposed_share(layer) if self.context.plan.moe_a2a_overlap else 1.0
                 cost.forward_comm_s = moe.forward_comm_s * exposed + layer.routing_sync_s
                 cost.backward_comm_s = moe.backward_comm_s * exposed + layer.replica_sync_s / self.context.micro_batches
                 cost.weight_gather_s = layer.copy_gather_s
@@ -209,7 +209,7 @@ class NodeCosts:
             )
         return cost
 
-    def _a2a_exposed_share(self, layer: LaidOutLayer) -> float:
+    def a2a_exposed_share(self, layer: LaidOutLayer) -> float:
         """The share of ``layer``'s all-to-alls left exposed when each runs under another
         micro-batch's compute of its block (``Plan.moe_a2a_overlap``, ``cost_model.moe_overlap``)."""
         if layer.layout.mode != "expert_parallel":

@@ -173,7 +173,11 @@ class ExpertLayout:
     ``capacity_factor`` is the layer's own (0: dropless). ``expert_loads`` is each expert's
     share of the routed choices the layer was planned with (summing to 1), from ``routing``
     (``"uniform"``, ``"zipf:1.2"`` or ``"file:<name>"``; one line, report text only).
-    ``cost`` is the simulated forward + backward of the layer per step.
+    ``cost`` is the simulated forward + backward of the layer per step;
+    ``exposed_all_to_all_s`` the part of its all-to-alls (dispatch and combine, both
+    directions, all micro-batches) left on the critical path, less what runs under another
+    micro-batch's compute (``Plan.moe_a2a_overlap``); None where not simulated (a plan file
+    written before it). Both are annotations: layouts compare without them.
     """
 
     module: str
@@ -188,6 +192,7 @@ class ExpertLayout:
     expert_loads: tuple[float, ...] = ()
     cost: CostParts = field(default_factory=lambda: CostParts())
     sharded_copies: bool = False
+    exposed_all_to_all_s: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in EXPERT_MODES:

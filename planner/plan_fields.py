@@ -224,6 +224,7 @@ def expert_layout_to_dict(layout: ExpertLayout) -> dict[str, Any]:
         "expert_loads": list(layout.expert_loads),
         "cost": vars(layout.cost),
         "sharded_copies": layout.sharded_copies,
+        "exposed_all_to_all_s": layout.exposed_all_to_all_s,
     }
 
 
@@ -251,6 +252,10 @@ def expert_layout_from_dict(reader: "FieldReader") -> ExpertLayout:
         raise PlanFileError(f"{reader.source}: field '{reader.prefix}.sharded_copies' must be true or false")
     if not all(finite_number(load) is not None for load in loads):
         raise PlanFileError(f"{reader.source}: field '{reader.prefix}.expert_loads' must be a list of numbers")
+    exposed = reader.data.get("exposed_all_to_all_s")  # absent in plans written before it existed
+    if exposed is not None and (finite_number(exposed) is None or exposed < 0):
+        raise PlanFileError(f"{reader.source}: field '{reader.prefix}.exposed_all_to_all_s' must be a number of "
+                            f"seconds >= 0 or null")
     return reader.convert_value(
         lambda: ExpertLayout(
             module=reader.get("module", str),
@@ -265,6 +270,7 @@ def expert_layout_from_dict(reader: "FieldReader") -> ExpertLayout:
             expert_loads=tuple(float(load) for load in loads),
             cost=reader.record("cost", CostParts),
             sharded_copies=sharded_copies,
+            exposed_all_to_all_s=None if exposed is None else float(exposed),
         ),
         ValueError, TypeError,
     )
