@@ -15,6 +15,7 @@ from cost_model.moe_overlap import (
     LayerPasses, block_compute_s, exposed_communication, exposed_share, overlapped_layer_time, overlapped_timeline,
 )
 from cost_model.simulator import Simulator, simulated
+from planner.api import compile_blocker
 from planner.errors import PlanFileError
 from planner.strategy import ExpertPlacement
 from search.moe_search import with_overlap_if_faster
@@ -112,6 +113,7 @@ def test_compile_refuses_it_in_one_line(model):  # noqa: F811
     with pytest.raises(PlanFileError, match="moe_a2a_overlap") as caught:
         check_fields(plan)
     assert "\n" not in str(caught.value) and "--moe-dispatch overlapped" in str(caught.value)
+    assert "plan without --moe-dispatch overlapped to compile" in compile_blocker(plan)
 
 
 def test_the_plan_file_keeps_it_and_refuses_it_without_expert_parallelism(model):  # noqa: F811
