@@ -16,7 +16,11 @@ its own.
 ``grid_configs`` lists the configurations; ``grid_plan`` builds one. The planner builds
 today the configurations without tensor or pipeline parallelism around HF MoE blocks (EP
 folded over DP, ``pp = tp = etp = 1``) directly: the MoE family's dense part with every
-layer expert parallel over copy groups (``ExpertPlacement.copied_grid``). The others need
+layer expert parallel over copy groups (``ExpertPlacement.copied_grid``). One difference
+remains: Megatron-Core sends a token only inside its rank's EP group, whereas the planner's
+expert-parallel layer splits each expert's tokens among all its copies
+(``cost_model.moe``), so the same bytes leave each rank but their destinations (and so
+the share crossing nodes) differ. The others need
 the planner's search under a fixed mesh (``--mesh pp=.. tp=..``) to return a plan whose MoE
 layers have layouts; ``grid_plan`` tries that when asked (``constrained``) and otherwise
 says what is missing, so the grid picks them up once the planner makes such plans.
