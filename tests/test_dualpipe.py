@@ -9,7 +9,7 @@ from cost_model.dualpipe import (
     PassTimes, dualpipe_bubble_formula, dualpipe_order, simulate,
 )
 
-TIMES = PassTimes(forward=1, backward=2, weights=1, overlapped=4)  # overlapped = 1 + 2 + 1: nothing hidden
+TIMES = PassTimes.serial(forward=1, backward=2, weights=1)  # overlapped = 1 + 2 + 1 = 4: nothing hidden
 
 
 def test_two_devices_four_micro_batches_follow_the_reference_steps():
