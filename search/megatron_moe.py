@@ -8,7 +8,11 @@ Megatron-Core folds expert parallelism over the data-parallel ranks ("MoE parall
 holds ``experts / ep`` experts, and each expert has ``dp / ep`` copies, one per group,
 whose gradients are reduced over the expert-data-parallel group; the distributed optimizer
 (``--use-distributed-optimizer``) shards the optimizer states over the data-parallel ranks
-(ZeRO-1, ``dp_flavour="zero1"``). Its token dispatcher ``alltoall`` exchanges each
+(ZeRO-1, ``dp_flavour="zero1"``), the experts' over their expert-data-parallel group. The
+nearest the planner has for the latter is each expert sharded over its copies
+(``ExpertLayout.sharded_copies``), which shards its weights and gradients too and gathers
+the weights before forward and backward: less memory than Megatron-Core holds and one more
+gather; without copies (``ep == dp``) nothing changes. Its token dispatcher ``alltoall`` exchanges each
 micro-batch's tokens with one all-to-all before the experts and one after (a flat exchange).
 Micro-batches of ``micro_batch_size`` samples per rank accumulate gradients, each routed on
 its own.
@@ -119,7 +123,8 @@ def grid_configs(graph: OpGraph, cluster: Cluster, *, max_tp: int | None = None,
 def ep_over_dp_layouts(graph: OpGraph, ep: int, dp: int) -> tuple[ExpertLayout, ...]:
     """Every MoE layer expert parallel as Megatron-Core folds it over ``dp`` ranks: groups of
     ``ep`` ranks each holding ``experts / ep`` experts, each expert copied ``dp / ep`` times
-    (round-robin when ``ep == dp``), a flat all-to-all."""
+    and sharded over its copies (the distributed optimizer's expert-data-parallel states;
+    module docstring), or round-robin when ``ep == dp``; a flat all-to-all."""
     layouts = []
     for block in graph.moe_blocks:
         if ep == dp:
@@ -128,7 +133,7 @@ def ep_over_dp_layouts(graph: OpGraph, ep: int, dp: int) -> tuple[ExpertLayout, 
             placement = ExpertPlacement.copied_grid(block.experts, dp, block.experts // ep)
         layouts.append(ExpertLayout(module=block.module, mode="expert_parallel", experts=block.experts,
                                     top_k=block.top_k, capacity_factor=block.capacity_factor, axis="dp",
-                                    placement=placement))
+                                    placement=placement, sharded_copies=ep < dp))
     return tuple(layouts)
 
 

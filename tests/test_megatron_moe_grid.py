@@ -4,6 +4,8 @@ batch 16) over ``cpu:2x4``, the configurations it lists and the plans it builds.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from planner.api import prepare_model
@@ -44,10 +46,15 @@ def test_ep_over_dp_plans_fold_the_experts_as_megatron_core_does(tiny):
     assert plan.dp_flavour == "zero1" and plan.recompute == "full"
     assert plan.accumulation_steps == 2  # 16 samples / (8 ranks x 1 per micro-batch)
     for layout in plan.expert_layouts:
-        # EP4 over 8 ranks: 2 experts per rank, each expert on 2 ranks (one per EP group).
-        assert layout.mode == "expert_parallel"
+        # EP4 over 8 ranks: 2 experts per rank, each expert on 2 ranks (one per EP group),
+        # sharded over those 2 (the distributed optimizer's expert-data-parallel group).
+        assert layout.mode == "expert_parallel" and layout.sharded_copies
         assert layout.placement.most_experts_per_device == 2
         assert all(len(copies) == 2 for copies in layout.placement.replicas)
+    # EP8 over 8 ranks: one copy of each expert, nothing to shard.
+    whole = grid_plan(dataclasses.replace(config, ep=8), graph, cluster, spec, name, precision="fp32").plan
+    assert all(not layout.sharded_copies and layout.placement.method == "round-robin"
+               for layout in whole.expert_layouts)
 
 
 def test_configurations_the_planner_cannot_build_yet_say_what_they_need(tiny):
