@@ -7,6 +7,7 @@ experts round-robin over each stage's 4 dp ranks (tests/test_pipeline_moe.py's f
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from rich.console import Console
@@ -67,3 +68,18 @@ def test_a_plan_file_without_the_figure_shows_a_dash(moe_pipeline: Plan) -> None
     old = Plan.from_dict(data)
     assert all(layout.exposed_all_to_all_s is None for layout in old.expert_layouts)
     assert [row[3] for row in rows(stage_moe_summary(old))] == ["-", "-"]
+
+
+def test_the_figure_survives_the_plan_file_and_a_bad_one_is_named(moe_pipeline: Plan) -> None:  # noqa: F811
+    from planner.errors import PlanFileError
+
+    data = moe_pipeline.to_dict()
+    again = Plan.from_dict(json.loads(json.dumps(data)))
+    # Layouts compare without their annotations, so the figure is checked on its own.
+    assert [layout.exposed_all_to_all_s for layout in again.expert_layouts] == \
+        [layout.exposed_all_to_all_s for layout in moe_pipeline.expert_layouts]
+    for bad in (-1.0, "fast", float("nan")):
+        broken = json.loads(json.dumps(data))
+        broken["expert_layouts"][0]["exposed_all_to_all_s"] = bad
+        with pytest.raises(PlanFileError, match=r"expert_layouts\[0\]\.exposed_all_to_all_s' must be a number"):
+            Plan.from_dict(broken)
