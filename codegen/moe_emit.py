@@ -28,7 +28,11 @@ flavour: DDP (``ddp``; ``zero1`` adds an optimizer splitting the replicated weig
 states over "dp") or FSDP2 units (``fsdp``; ``zero2`` keeps gathered weights from forward to
 backward). The expert weights that differ from rank to rank are kept out of DDP, of every
 FSDP2 unit and of ZeRO-1's split (each rank steps its own whole): their gradients arrive complete through the all-to-all's backward, divided by
-the group size in the layer (each rank's loss is a mean over its own tokens).
+the group size in the layer (each rank's loss is a mean over its own tokens). Under ZeRO-1
+with experts sharded over their copies, each rank's own part is its FSDP2 shard: ZeRO-1's
+optimizer steps that shard (with the gradient FSDP2 reduce-scattered into it) and states for
+it alone, as Megatron-Core's distributed optimizer shards expert states over the
+expert-data-parallel group.
 
 Module paths reach the source only as ``repr()`` of a path checked against the model
 (``codegen.plan_checks.check_expert_layouts``); other plan text only in comments.
@@ -107,11 +111,6 @@ def _check_supported(plan: Plan) -> None:
             f"compiled MoE programs wrap the dense part in DDP or FSDP2; dp flavour {plan.dp_flavour!r} is not written "
             f"for MoE layers yet; plan with --dp ddp, zero1, zero2 or fsdp"
         )
-    if plan.dp_flavour == "zero1" and any(layout.sharded_copies for layout in plan.expert_layouts):
-        raise PlanningError(
-            "a ZeRO-1 MoE program steps each rank's experts whole; experts sharded over their copies are written for "
-            "DDP, ZeRO-2 and FSDP around them; plan with --dp ddp, zero2 or fsdp"
-        )
     if plan.recompute not in ("none", "full"):
         raise PlanningError(
             f"compiled MoE programs recompute whole blocks or nothing, not {plan.recompute!r}; re-plan with --recompute "
@@ -166,7 +165,9 @@ def _imports(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> s
     if _ranks_per_node(plan, layouts):
         lines.append("from codegen.runtime.moe_exchange import TwoLevelExchange")
     if _copy_groups(layouts):
-        names = "copy_mesh, plain_and_sharded_groups, shard_over_copies" if uses_ddp(plan) else "copy_mesh, shard_over_copies"
+        # ZeRO-1's optimizer steps plain views of every parameter's local tensor: no mixed groups to split.
+        split = uses_ddp(plan) and plan.dp_flavour != "zero1"
+        names = "copy_mesh, plain_and_sharded_groups, shard_over_copies" if split else "copy_mesh, shard_over_copies"
         lines.append(f"from codegen.runtime.expert_copies import {names}")
     others = [_RUNTIME_CLASSES[mode] for mode in ("data_parallel", "expert_sliced") if mode in routed]
     if others:

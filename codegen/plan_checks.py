@@ -103,6 +103,12 @@ def check_fields(plan: Plan) -> None:
             "and weights gathered during the next forward, as Megatron-Core does, which compiled programs do not "
             "run (such plans simulate other systems' runs); re-plan with `planner plan` for a program"
         )
+    if plan.moe_a2a_overlap:
+        raise PlanFileError(
+            "plan field 'moe_a2a_overlap' is true: it prices each MoE layer's all-to-alls as hidden under another "
+            "micro-batch's compute, as Megatron-Core's EP overlap and DualPipe run them, which compiled programs do "
+            "not (such plans are simulated only); re-plan without --moe-dispatch overlapped to compile"
+        )
     numbers = {"batch_size": plan.batch_size, "summary.parameter_bytes": plan.summary.parameter_bytes}
     if plan.pipeline is not None:
         for key in ("stages", "micro_batches", "virtual_stages"):

@@ -25,6 +25,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from cost_model.compute import op_times
 from cost_model.moe_layers import LaidOutLayer, routing_sync_bytes
+from cost_model.moe_overlap import block_compute_s, exposed_share, layer_passes
 from cost_model.resharding import backward_collective, forward_collective
 from cost_model.step_context import StepContext
 from cost_model.step_contributor import overriding
@@ -188,8 +189,9 @@ class NodeCosts:
             if node.name == layer.anchor:
                 moe = layer.cost
                 cost.forward_s, cost.backward_s = moe.forward_compute_s, moe.backward_compute_s
-                cost.forward_comm_s = moe.forward_comm_s + layer.routing_sync_s
-                cost.backward_comm_s = moe.backward_comm_s + layer.replica_sync_s / self.context.micro_batches
+                exposed = self.a2a_exposed_share(layer) if self.context.plan.moe_a2a_overlap else 1.0
+                cost.forward_comm_s = moe.forward_comm_s * exposed + layer.routing_sync_s
+                cost.backward_comm_s = moe.backward_comm_s * exposed + layer.replica_sync_s / self.context.micro_batches
                 cost.weight_gather_s = layer.copy_gather_s
                 cost.axis_sync_s = layer.copy_reduce_s  # sharded copies' reduce-scatter, overlapped
                 cost.saved_bytes = layer.activation_bytes
@@ -207,6 +209,17 @@ class NodeCosts:
                 meta.nbytes * self.context.activation_scale / split for meta in node.output_meta if meta.dtype.is_floating_point
             )
         return cost
+
+    def a2a_exposed_share(self, layer: LaidOutLayer) -> float:
+        """The share of ``layer``'s all-to-alls left exposed when each runs under another
+        micro-batch's compute of its block (``Plan.moe_a2a_overlap``, ``cost_model.moe_overlap``)."""
+        if layer.layout.mode != "expert_parallel":
+            return 1.0
+        key = ("moe_a2a_exposed", id(layer))  # the layer's block does not change within a simulation
+        if key not in self.cache:
+            forward, backward = layer_passes(layer, block_compute_s(self.context, layer))
+            self.cache[key] = exposed_share(forward, backward, self.context.micro_batches)
+        return self.cache[key]
 
     def kept_for_backward(self, name: str) -> bool:
         """Whether autograd keeps the output of ``name`` until backward: unless every reader

@@ -131,6 +131,7 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
         is_data_parallel(plan),  # graph programs pay DTensor's per-op dispatch (planner.cluster)
         plan.fused_splits_local,  # splits of fused projections gather or not (cost_model.split_gather)
         plan.tp_comm_overlap,  # sequence-parallel collectives hidden behind GEMMs (cost_model.tp_comm_overlap)
+        plan.moe_a2a_overlap,  # all-to-alls under another micro-batch's compute (cost_model.moe_overlap)
         tuple((s.node, id(s.inputs), id(s.outputs), id(s.params), id(s.produced), s.stage) for s in plan.strategies),
         # Family sections that change what each op costs (layer separation's per-group shares,
         # uneven data-parallel shares): ``changes_op_costs``.

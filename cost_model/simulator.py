@@ -268,8 +268,18 @@ class Simulator:
         return tuple(annotated)
 
     def annotated_expert_layouts(self) -> tuple[ExpertLayout, ...]:
-        """The plan's expert layouts with each layer's simulated cost parts for one step."""
-        return annotated_layouts(self.context.plan.expert_layouts, self.context.moe_layers, self.context.micro_batches)
+        """The plan's expert layouts with each layer's simulated cost parts for one step, and
+        the all-to-all time its anchor op leaves on the critical path (``exposed_all_to_all_s``:
+        its forward and backward communication less the routing's all-gather and the copies'
+        gradient sum, over the step's micro-batches)."""
+        steps = self.context.micro_batches
+        layouts = annotated_layouts(self.context.plan.expert_layouts, self.context.moe_layers, steps)
+        exposed = {}
+        for module, layer in self.context.moe_layers.items():
+            anchor = self.costs[layer.anchor]
+            exposed[module] = max(0.0, (anchor.forward_comm_s - layer.routing_sync_s + anchor.backward_comm_s
+                                        - layer.replica_sync_s / steps) * steps)
+        return tuple(dataclass_replace(layout, exposed_all_to_all_s=exposed[layout.module]) for layout in layouts)
 
     def replace(self, node_name: str, strategy: NodeStrategy) -> SimResult:
         """Delta simulation: change one node's strategy, re-cost it and its consumers, re-run."""

@@ -95,6 +95,11 @@ def _peak_activations(context: StepContext, stage: int, segments: list[Segment])
                                             context.chunks):
         held += chunk_bytes.get(chunk, 0.0) if kind == "F" else -chunk_bytes.get(chunk, 0.0)
         peak = max(peak, held)
+    if context.plan.moe_a2a_overlap and context.micro_batches > 1:
+        # The next micro-batch's forward runs beside this one's backward (cost_model.moe_overlap):
+        # one more micro-batch's activations held (Megatron-Core adds a warm-up micro-batch).
+        peak = min(peak + max(chunk_bytes.values(), default=0.0),
+                   context.micro_batches * sum(chunk_bytes.values()))
     return peak + transient
 
 

@@ -113,6 +113,9 @@ def plan(
             (flat or two-level, what compiled programs run) or ``"deduplicated"`` (DeepEP's
             too, each token across nodes once per destination node: for a trainer that runs
             it; such plans are simulated, not compiled). See ``cost_model.all_to_all``.
+            ``"overlapped"``: DeepEP's too, and each MoE layer's all-to-alls run under
+            another micro-batch's compute where that is faster and fits
+            (``Plan.moe_a2a_overlap``, ``cost_model.moe_overlap``; simulated, not compiled).
 
     Returns:
         The chosen ``Plan``; ``plan.report()`` explains it.
@@ -468,6 +471,10 @@ def compile_blocker(plan: Plan) -> str | None:
             f"MoE layer {priced_only[0]!r} uses DeepEP's deduplicated all-to-all, which compiled programs do not run "
             f"(planner simulate still prices it); plan without --moe-dispatch deduplicated to compile"
         )
+    if plan.moe_a2a_overlap:
+        return ("this plan runs each MoE layer's all-to-alls under another micro-batch's compute (Megatron-Core's EP "
+                "overlap), which compiled programs do not (planner simulate still prices it); plan without "
+                "--moe-dispatch overlapped to compile")
     return None
 
 

@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--moe-dispatch", choices=MOE_DISPATCHES, default="compiled", dest="moe_dispatch",
         help="the expert-parallel all-to-alls MoE plans may use: compiled (flat or two-level, what compiled programs "
         "run; default) or deduplicated (DeepEP's as well: each token crosses InfiniBand once per destination node; "
-        "for a trainer that runs it, so its plans are simulated only)",
+        "for a trainer that runs it, so its plans are simulated only) or overlapped (DeepEP's, and each layer's all-to-alls "
+        "under another micro-batch's compute as Megatron-Core's EP overlap and DualPipe run them; simulated only)",
     )
     plan.add_argument(
         "--mesh", action="append", default=[], metavar="AXIS=SIZE",

@@ -144,8 +144,10 @@ FOLDED_AXIS_JOIN = "*"
 FOLDED_DP_TP = "dp*tp"
 # How a search may price expert-parallel layers' all-to-alls (``planner plan --moe-dispatch``):
 # ``compiled``, the exchanges a compiled program runs; ``deduplicated``, DeepEP's dispatch as
-# well, for a team whose trainer runs it (its plans do not compile).
-MOE_DISPATCHES = ("compiled", "deduplicated")
+# well, for a team whose trainer runs it (its plans do not compile); ``overlapped``, DeepEP's
+# dispatch and each layer's all-to-alls under another micro-batch's compute too
+# (``Plan.moe_a2a_overlap``: Megatron-Core's EP overlap, DualPipe's chunk; simulated only).
+MOE_DISPATCHES = ("compiled", "deduplicated", "overlapped")
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,11 @@ class ExpertLayout:
     ``capacity_factor`` is the layer's own (0: dropless). ``expert_loads`` is each expert's
     share of the routed choices the layer was planned with (summing to 1), from ``routing``
     (``"uniform"``, ``"zipf:1.2"`` or ``"file:<name>"``; one line, report text only).
-    ``cost`` is the simulated forward + backward of the layer per step.
+    ``cost`` is the simulated forward + backward of the layer per step;
+    ``exposed_all_to_all_s`` the part of its all-to-alls (dispatch and combine, both
+    directions, all micro-batches) left on the critical path, less what runs under another
+    micro-batch's compute (``Plan.moe_a2a_overlap``); None where not simulated (a plan file
+    written before it). Both are annotations: layouts compare without them.
     """
 
     module: str
@@ -200,6 +206,7 @@ class ExpertLayout:
     cost: CostParts = field(default_factory=lambda: CostParts())
     sharded_copies: bool = False
     tensor_parallel: int = 1
+    exposed_all_to_all_s: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in EXPERT_MODES:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from planner.flavour_text import FLAVOUR_TEXT
-from planner.pipeline_moe_report import stage_moe_table
+from planner.pipeline_moe_report import stage_moe_summary, stage_moe_table
 from planner.report_parts import Paragraph
 from planner.strategy import NodeStrategy
 from planner.units import format_bytes, format_seconds
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 def pipeline_section(plan: "Plan") -> list:
     """The report part of the ``pipeline`` family (``planner.families``); with the stages'
     MoE layers (``planner.pipeline_moe_report``) when they run by layouts."""
-    moe = stage_moe_table(plan)
-    return [Paragraph(_pipeline_summary(plan)), _pipeline_table(plan), *([moe] if moe else []), Paragraph(_axes_text(plan))]
+    moe = [table for table in (stage_moe_table(plan), stage_moe_summary(plan)) if table is not None]
+    return [Paragraph(_pipeline_summary(plan)), _pipeline_table(plan), *moe, Paragraph(_axes_text(plan))]
 
 
 def _pipeline_table(plan: "Plan") -> Table:

@@ -226,6 +226,7 @@ def expert_layout_to_dict(layout: ExpertLayout) -> dict[str, Any]:
         "sharded_copies": layout.sharded_copies,
         # Written only when the experts are split (plans before expert tensor parallelism: 1).
         **({"tensor_parallel": layout.tensor_parallel} if layout.tensor_parallel != 1 else {}),
+        "exposed_all_to_all_s": layout.exposed_all_to_all_s,
     }
 
 
@@ -256,6 +257,10 @@ def expert_layout_from_dict(reader: "FieldReader") -> ExpertLayout:
         raise PlanFileError(f"{reader.source}: field '{reader.prefix}.tensor_parallel' must be an integer >= 1")
     if not all(finite_number(load) is not None for load in loads):
         raise PlanFileError(f"{reader.source}: field '{reader.prefix}.expert_loads' must be a list of numbers")
+    exposed = reader.data.get("exposed_all_to_all_s")  # absent in plans written before it existed
+    if exposed is not None and (finite_number(exposed) is None or exposed < 0):
+        raise PlanFileError(f"{reader.source}: field '{reader.prefix}.exposed_all_to_all_s' must be a number of "
+                            f"seconds >= 0 or null")
     return reader.convert_value(
         lambda: ExpertLayout(
             module=reader.get("module", str),
@@ -271,6 +276,7 @@ def expert_layout_from_dict(reader: "FieldReader") -> ExpertLayout:
             cost=reader.record("cost", CostParts),
             sharded_copies=sharded_copies,
             tensor_parallel=tensor_parallel,
+            exposed_all_to_all_s=None if exposed is None else float(exposed),
         ),
         ValueError, TypeError,
     )

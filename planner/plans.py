@@ -68,8 +68,7 @@ _PLAN_KEYS = frozenset((
     "format", "version", "model", "cluster", "mesh", "dp_flavour", "recompute", "pipeline", "accumulation_steps",
     "precision", "optimizer", "batch_size", "inputs", "fsdp_units", "expert_layouts", "summary", "estimate",
     "runners_up", "warnings", "search_summary", "label", "timings", "fused_splits_local", "tp_comm_overlap",
-    "megatron_distributed_optimizer",
-    "model_fingerprint", "strategies",
+    "megatron_distributed_optimizer", "moe_a2a_overlap", "model_fingerprint", "strategies",
 ))
 
 @dataclass(frozen=True)
@@ -145,6 +144,12 @@ class Plan:
             runs (``benchmarks/fidelity.py``): compiled programs reduce after every
             micro-batch and gather after the optimizer step, so the search never sets it and
             ``planner compile`` refuses a plan that does. Needs ``dp_flavour`` zero1.
+        moe_a2a_overlap: each expert-parallel MoE layer's all-to-alls run under another
+            micro-batch's compute of the same layer (Megatron-Core's
+            ``--overlap-moe-expert-parallel-comm``, DualPipe's overlapped chunk;
+            ``cost_model.moe_overlap``), one more micro-batch's activations held for it.
+            Searched only with ``--moe-dispatch overlapped``; compiled programs run each
+            micro-batch's passes one after the other, so ``planner compile`` refuses it.
         model_fingerprint: the structural fingerprint of the planned model and its example
             batch (``planner.fingerprint``); taken from ``graph`` when left empty.
             ``compile``, ``simulate`` and ``launch.py`` compare it with what the spec builds.
@@ -180,6 +185,7 @@ class Plan:
     fused_splits_local: bool = False
     tp_comm_overlap: bool = False
     megatron_distributed_optimizer: bool = False
+    moe_a2a_overlap: bool = False
     model_fingerprint: str = ""
     sections: Mapping[str, Any] = field(default_factory=dict)
     graph: OpGraph | None = field(default=None, compare=False, repr=False)
@@ -204,6 +210,11 @@ class Plan:
             raise ValueError(f"field 'megatron_distributed_optimizer' is true but dp_flavour is "
                              f"'{one_line(self.dp_flavour)}'; Megatron's distributed optimizer is ZeRO-1: set dp_flavour "
                              f"to zero1 or the field to false")
+        if not isinstance(self.moe_a2a_overlap, bool):
+            raise ValueError(f"field 'moe_a2a_overlap' must be true or false, got {one_line(str(self.moe_a2a_overlap))!r}")
+        if self.moe_a2a_overlap and not any(layout.mode == "expert_parallel" for layout in self.expert_layouts):
+            raise ValueError("field 'moe_a2a_overlap' is true but no MoE layer of the plan is expert parallel; set it "
+                             "to false")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"field 'optimizer' must be one of {OPTIMIZERS}, got '{one_line(self.optimizer)}'")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -306,6 +317,8 @@ class Plan:
             details.append("tp collectives overlapped as Transformer Engine does")
         if self.megatron_distributed_optimizer:
             details.append("Megatron's distributed optimizer")
+        if self.moe_a2a_overlap:
+            details.append("all-to-alls under another micro-batch's compute")
         if self.expert_layouts:
             details.append(expert_modes_summary(self.expert_layouts))
         details += [section.describe(self) for section in self.sections.values()]
@@ -361,6 +374,7 @@ class Plan:
             "fused_splits_local": self.fused_splits_local,
             "tp_comm_overlap": self.tp_comm_overlap,
             "megatron_distributed_optimizer": self.megatron_distributed_optimizer,
+            "moe_a2a_overlap": self.moe_a2a_overlap,
             "model_fingerprint": self.model_fingerprint,
             **{name: section.to_json() for name, section in self.sections.items()},
             "strategies": [strategy_to_dict(s) for s in self.strategies],
@@ -437,6 +451,7 @@ class Plan:
                 # Absent from plans written before the field: the planner's own ZeRO-1.
                 megatron_distributed_optimizer=(reader.get("megatron_distributed_optimizer", bool)
                                                 if "megatron_distributed_optimizer" in data else False),
+                moe_a2a_overlap=reader.get("moe_a2a_overlap", bool) if "moe_a2a_overlap" in data else False,
                 model_fingerprint=fingerprint,
                 sections=_sections_from(data, source),
             )

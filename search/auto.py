@@ -88,8 +88,9 @@ def search_plan(
         constraints: the user's fixed axis sizes, bounds and families
             (``planner.constraints``): meshes and families they rule out are never searched,
             and only plans they allow compete or appear as runners-up.
-        moe_dispatch: ``"compiled"`` or ``"deduplicated"``: whether expert-parallel layers
-            may use DeepEP's deduplicated all-to-all (``planner.api.plan``).
+        moe_dispatch: ``"compiled"``, ``"deduplicated"`` or ``"overlapped"``: whether
+            expert-parallel layers may use DeepEP's deduplicated all-to-all, and their
+            all-to-alls run under another micro-batch's compute (``planner.api.plan``).
 
     Raises:
         PlanningError: nothing fits on any mesh (the message says how much memory the

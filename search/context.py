@@ -38,7 +38,8 @@ class SearchContext:
             can act on early, and the search drops every plan they do not allow.
         routing: MoE routing statistics (None: uniform).
         moe_dispatch: ``"compiled"``, or ``"deduplicated"`` when expert-parallel layers may
-            use DeepEP's all-to-all too (``planner.api.plan``).
+            use DeepEP's all-to-all too, or ``"overlapped"`` when also their all-to-alls may
+            run under another micro-batch's compute (``planner.api.plan``).
         tp_layouts: ``"auto"``, ``"1d"`` or ``"summa"`` (SUMMA meshes alone: the other
             families stay out).
         meshes: the meshes searched op by op: the allowed ``dp x tp`` meshes, then SUMMA's.

@@ -136,7 +136,7 @@ def layer_candidates(block: MoEBlock, loads: tuple[float, ...], source: str, clu
     """Every layout the search considers for ``block`` on all of ``cluster``'s devices (see
     the module docstring), in a fixed order; the grid placements with sharded copies only
     when ``sharded_copies``; the deduplicated all-to-all only with ``moe_dispatch``
-    ``"deduplicated"``."""
+    ``"deduplicated"`` or ``"overlapped"``."""
     world = cluster.world_size
     common = dict(module=block.module, experts=block.experts, top_k=block.top_k,
                   capacity_factor=block.capacity_factor, axis="dp", routing=source, expert_loads=loads)
@@ -167,9 +167,9 @@ def _all_to_alls(block: MoEBlock, cluster: Cluster, moe_dispatch: str) -> list[s
     """The all-to-alls an expert-parallel layout of ``block`` is tried with: flat; across
     nodes the two-level one too (written for the routed GELU runtime,
     ``codegen.runtime.moe_exchange``), and DeepEP's deduplicated one with ``moe_dispatch``
-    ``"deduplicated"`` (priced only: no runtime to match)."""
+    ``"deduplicated"`` or ``"overlapped"`` (priced only: no runtime to match)."""
     algorithms = ["flat"] + (["hierarchical"] if _spans_nodes(cluster) and block.runtime == ROUTED_GELU else [])
-    if moe_dispatch == "deduplicated" and _spans_nodes(cluster):
+    if moe_dispatch in ("deduplicated", "overlapped") and _spans_nodes(cluster):
         algorithms.append("deduplicated")
     return algorithms
 
@@ -383,10 +383,24 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
         if found_best[0].estimate.fits and not memory_bound:
             break
     plan, build, _, scored = best
+    if moe_dispatch == "overlapped":
+        plan = with_overlap_if_faster(plan, graph)
     fixed = [build(picks) for picks in _fixed_modes(scored)]
     # Only the plans kept are annotated for the report (the search compared estimates).
     return simulated(plan, graph), [simulated(other, graph) for other in fixed
                                     if other.expert_layouts != plan.expert_layouts]
+
+
+def with_overlap_if_faster(plan: Plan, graph: OpGraph) -> Plan:
+    """``plan`` with its expert-parallel layers' all-to-alls under another micro-batch's
+    compute (``Plan.moe_a2a_overlap``) when that simulates faster and still fits (it holds one
+    more micro-batch's activations), else ``plan``. Nothing to overlap without an
+    expert-parallel layer or with one micro-batch."""
+    micro_batches = plan.pipeline.micro_batches if plan.pipeline else plan.accumulation_steps
+    if micro_batches < 2 or not any(layout.mode == "expert_parallel" for layout in plan.expert_layouts):
+        return plan
+    overlapped = simulated(dataclasses.replace(plan, moe_a2a_overlap=True), graph)
+    return overlapped if _rank(overlapped) < _rank(plan) else plan
 
 
 def accumulation_counts(graph: OpGraph, cluster: Cluster) -> list[int]:

@@ -296,6 +296,7 @@ FIELDS = [
     Field("tp_comm_overlap (a bool given text)", _set("tp_comm_overlap"), _always, "'tp_comm_overlap'"),
     Field("megatron_distributed_optimizer (a bool given text)", _set("megatron_distributed_optimizer"), _always,
           "'megatron_distributed_optimizer'"),
+    Field("moe_a2a_overlap (a bool given text)", _set("moe_a2a_overlap"), _always, "'moe_a2a_overlap'"),
     Field("pipeline.schedule", _set("pipeline", "schedule"), _always, "field 'pipeline'", kinds=("pp",)),
     Field(
         "pipeline.stage_recompute[0]", lambda plan, payload, _: plan["pipeline"].__setitem__("stage_recompute", [payload]),

@@ -202,6 +202,30 @@ def test_experts_sharded_over_their_copies_checkpoint_both_ways(moe_programs, tm
 
 
 @pytest.mark.distributed
+def test_sharded_copies_under_zero1_checkpoint_both_ways(moe_programs, tmp_path) -> None:
+    """ZeRO-1 with each expert sharded over its 2 copies (world 4): each rank's AdamW states of
+    its expert shard are saved as that shard's part of the stacked weights' states, so the
+    run resumes on itself and on one device with the uninterrupted single device's losses."""
+    zero1 = planner.compile(moe_plan(4, "expert_parallel", "grid", flavour="zero1", sharded_copies=True),
+                            tmp_path / "zero1")
+    reference = _single_device_losses(moe_programs["one"], 4)
+    saved, copied = tmp_path / "ckpt", tmp_path / "ckpt_copy"
+
+    def run(world: int, program: Path, folder: Path, steps: int, *flags: str) -> dict[int, float]:
+        return _losses(_ok(_torchrun(world, str(program / "launch.py"), "--steps", str(steps), "--checkpoint-dir",
+                                     str(folder), *flags, cwd=tmp_path)))
+
+    first = run(4, zero1, saved, 2)
+    shutil.copytree(saved, copied)
+    again = run(4, zero1, saved, 4, "--resume")
+    single = run(1, moe_programs["one"], copied, 4, "--resume")
+    assert sorted(first) == [1, 2] and sorted(again) == sorted(single) == [3, 4]
+    for losses in (first, again, single):
+        for step, loss in losses.items():
+            assert loss == pytest.approx(reference[step - 1], abs=1e-5), step
+
+
+@pytest.mark.distributed
 def test_sharded_copies_and_zero1_resume_onto_each_other_and_export_whole(moe_programs, tmp_path) -> None:
     """Experts sharded over their copies under ZeRO-2 (world 4) resume as every expert sliced
     under ZeRO-1 (world 2: dense optimizer states saved as ZeRO-1's pieces), which resume as

@@ -100,13 +100,15 @@ def test_record_routing_needs_expert_layouts(plan, tmp_path, monkeypatch, capsys
     assert "needs a plan whose MoE layers have expert layouts" in capsys.readouterr().err
 
 
-def test_sharded_expert_copies_under_zero1_are_refused(tmp_path):
-    # ZeRO-1 programs step each rank's experts whole in their own optimizer; experts sharded
-    # over their copies are written for DDP, ZeRO-2 and FSDP around them.
+def test_sharded_expert_copies_under_zero1_step_each_ranks_shard(tmp_path):
+    # ZeRO-1 splits the replicated weights' states over "dp" and steps each rank's own expert
+    # shard (FSDP2 over its copy group) whole: rank-local, never split again nor gathered over
+    # "dp" (parity at world 2 and 4: tests/test_moe_parity.py).
     zero1 = moe_plan(4, "expert_parallel", "grid", flavour="zero1", sharded_copies=True)
-    with pytest.raises(PlanningError, match="experts sharded over their copies are written for DDP, ZeRO-2 and FSDP"):
-        planner.compile(zero1, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    source = (planner.compile(zero1, tmp_path / "out") / "model_spmd.py").read_text()
+    assert "from codegen.runtime.expert_copies import copy_mesh, shard_over_copies\n" in source
+    assert source.count("    shard_over_copies(model.get_submodule(") == 2
+    assert "rank_local=rank_local_parameters(module)" in source and "plain_and_sharded_groups" not in source
 
 
 def test_accumulating_programs_route_each_micro_batch(tmp_path):

@@ -18,7 +18,8 @@ round-robin and with a copied expert (DDP, and FSDP2 around the rest), and repli
 Experts on a grid of 2 copies each, sharded over their copies (expert data parallelism,
 ``codegen.runtime.expert_copies``): routed experts 2 per rank and 1 per rank (shards of
 their width), under DDP (also with the two-level all-to-all on two nodes), FSDP2 (also with
-blocks recomputed) and ZeRO-2 in bf16; HF Mixtral under DDP and Qwen2-MoE under FSDP2.
+blocks recomputed), ZeRO-2 in bf16 and ZeRO-1 (each rank's shard stepped as its own); HF
+Mixtral under DDP and ZeRO-1, Qwen2-MoE under FSDP2.
 Each world size checks all its programs in ONE torchrun launch (``tests/dist_check_many.py``).
 Negative controls must fail, naming an expert weight: expert-parallel and expert-sliced
 layers whose gradients are not divided by the group size (nor copies summed), a
@@ -94,6 +95,7 @@ SHARDED_CASES = [
     ("ep_sharded_copies", 4, 1.25, "fp32", "ddp"),
     ("fsdp_ep_sharded_copies_one_expert_each_drops", 2, 0.5, "fp32", "fsdp"),
     ("zero2_ep_sharded_copies_bf16", 4, 0.0, "bf16", "zero2"),
+    ("zero1_ep_sharded_copies_drops", 4, 0.5, "fp32", "zero1"),  # ZeRO-1 steps each rank's expert shard
 ]
 # Sharded copies inside blocks recomputed in backward (FSDP2 gathers the experts again there).
 SHARDED_RECOMPUTED = "fsdp_ep_sharded_copies_recompute_full"
@@ -103,6 +105,7 @@ SHARDED_TWO_LEVEL = "ep_sharded_copies_two_level_two_nodes"
 HF_SHARDED_CASES = [
     ("hf_mixtral_ep_sharded_copies", "mixtral", "ddp"),
     ("hf_qwen2_moe_fsdp_ep_sharded_copies", "qwen2_moe", "fsdp"),
+    ("hf_mixtral_zero1_ep_sharded_copies", "mixtral", "zero1"),
 ]
 # Gradient accumulation over 2 micro-batches, each routed on its own (capacity, drops and
 # balance loss per micro-batch; launch.py --check's reference runs the same micro-batches):

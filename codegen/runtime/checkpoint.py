@@ -130,6 +130,11 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> dic
             if not isinstance(value, torch.Tensor):
                 continue
             if piece is None or piece.dim is None or value.dim() == 0:
+                if piece is not None and derivation is not None and isinstance(piece.param, DTensor) and value.dim():
+                    # ZeRO-1 steps a rank's own expert shard (sharded over its copies by FSDP2) as
+                    # a plain view of the shard: its states are that shard's, named as FSDP's are.
+                    value = DTensor.from_local(value, piece.param.device_mesh, piece.param.placements,
+                                               shape=piece.param.shape, stride=piece.param.stride())
                 tensors[f"optim.{name}.{key}"] = as_saved(value, derivation)
             elif derivation is not None:
                 raise LaunchError(

@@ -1,0 +1,232 @@
+"""Frontier MoE models: the searched plan beside the published layout and the best of a grid
+of Megatron-Core MoE configurations simulated on the same cluster.
+
+    python benchmarks/moe_frontier.py --quick             # Mixtral-8x22B on 64 H100s only
+    python benchmarks/moe_frontier.py                      # every row (hours on a 2-core machine)
+    python benchmarks/moe_frontier.py --rows deepseek-256 --search-timeout 1800
+
+Each model is HuggingFace's implementation built from its configuration on the meta device
+(never downloaded): DeepSeek-V3 is ``AutoConfig.for_model("deepseek_v3")`` as it stands (671B);
+Qwen3-235B-A22B, Mixtral-8x22B and gpt-oss-120b set the published config.json's sizes over
+their type's defaults (``ROWS``). Per row it prints:
+
+- **search**: ``planner.plan`` in bf16 with ``--moe-dispatch overlapped`` (DeepEP's
+  all-to-all and the EP overlap priced, as a team running Megatron-Core or DeepSeek's
+  trainer would run them: such plans are simulated, not compiled), its planning time,
+  chosen layout, predicted step, MFU and memory on the fullest device. It runs in a child
+  process (beside the grid) stopped ``--search-timeout`` seconds after it started: a row not
+  planned by then says so.
+- **grid**: every configuration of ``search.megatron_moe.grid_configs`` (TP, EP, ETP, PP,
+  VPP, DP, recomputation, micro-batch size) the planner can build, simulated on the same
+  cluster, and the fastest that fits. Configurations with tensor or pipeline parallelism
+  around HF MoE blocks need work on other branches (moefold, moeplan): they are counted as
+  missing, or tried through the planner's search under their mesh with ``--constrained``.
+- **published**: the layout the model's authors report, where they do (cited).
+
+The searched plan should be no slower than the grid's best; the verdict says when it is and
+why it might be. Budgets count work, so the plans are the same on any machine; the planning
+times are this machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import time
+from dataclasses import dataclass, field
+
+import planner
+from planner.api import prepare_model
+from planner.constraints import SearchConstraints
+from planner.errors import PlanningError
+from planner.model_spec import ModelSpec
+from search.megatron_moe import GridResult, MegatronMoEConfig, best_of, grid_configs, grid_plan
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    model: str
+    spec: str
+    sizes: dict  # config.json fields set over the HF type's defaults
+    cluster: str
+    batch: int
+    seq: int
+    published: str
+    note: str = ""
+    quick: bool = False
+    overrides: dict = field(default_factory=dict)
+
+
+# Qwen/Qwen3-235B-A22B config.json (Hugging Face hub).
+QWEN3_235B = {"hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
+              "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+              "num_experts_per_tok": 8, "vocab_size": 151936}
+# mistralai/Mixtral-8x22B-v0.1 config.json.
+MIXTRAL_8X22B = {"hidden_size": 6144, "intermediate_size": 16384, "num_hidden_layers": 56, "num_attention_heads": 48,
+                 "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32768}
+
+DEEPSEEK_PUBLISHED = ("PP16 (DualPipe) x EP64 over 8 nodes x ZeRO-1 DP, no TP, node-limited routing (4 nodes); "
+                      "DeepSeek-V3 technical report, arXiv 2412.19437, sections 3.2 and 3.1")
+ROWS = (
+    Row("deepseek-2048", "DeepSeek-V3", "hf:deepseek_v3", {}, "hgx-h800:256", 16384, 4096, DEEPSEEK_PUBLISHED,
+        note="batch 16,384 not the published 15,360: without pipeline stages for HF MoE blocks (branch moeplan) "
+             "every GPU is a dp rank, and 15,360 does not split over 2,048"),
+    Row("deepseek-256", "DeepSeek-V3", "hf:deepseek_v3", {}, "dgx-h100:32", 1024, 4096,
+        "none published at 256 GPUs (DeepSeek's is " + DEEPSEEK_PUBLISHED.split(";")[0] + " on 2,048 H800s)"),
+    Row("qwen3-256", "Qwen3-235B-A22B", "hf:qwen3_moe", QWEN3_235B, "dgx-h100:32", 1024, 4096,
+        "no pre-training layout published by Qwen"),
+    Row("mixtral-64", "Mixtral-8x22B", "hf:mixtral", MIXTRAL_8X22B, "dgx-h100:8", 256, 4096,
+        "no pre-training layout published by Mistral", quick=True),
+    Row("gpt-oss-128", "gpt-oss-120b", "hf:gpt_oss", {}, "dgx-h100:16", 512, 4096,
+        "no pre-training layout published by OpenAI"),
+)
+
+
+def row_spec(row: Row) -> ModelSpec:
+    return ModelSpec(row.spec, {**row.sizes, "batch_size": row.batch, "seq_len": row.seq})
+
+
+def _plan_summary(plan) -> dict:
+    estimate = plan.estimate
+    return {"name": plan.name, "step_s": estimate.step_time_s, "mfu": estimate.mfu,
+            "memory": estimate.memory.total, "fits": estimate.fits, "timings": dict(plan.timings)}
+
+
+def _search_child(row: Row, queue) -> None:
+    try:
+        plan = planner.plan(row_spec(row), row.cluster, precision="bf16", progress=False, time_budget_s=None,
+                            moe_dispatch="overlapped")
+        queue.put(("plan", _plan_summary(plan)))
+    except PlanningError as error:
+        queue.put(("refused", str(error)))
+
+
+@dataclass
+class SearchRun:
+    """``planner.plan`` of a row running in a child process (so the grid runs meanwhile and a
+    search past its time can be stopped)."""
+
+    child: object
+    queue: object
+    started: float
+
+    @classmethod
+    def start(cls, row: Row) -> "SearchRun":
+        # spawn: a forked child of a process that ran torch ops can hang in its thread pool.
+        context = multiprocessing.get_context("spawn")
+        queue = context.Queue()
+        child = context.Process(target=_search_child, args=(row, queue))
+        child.start()
+        return cls(child, queue, time.perf_counter())
+
+    def finish(self, timeout_s: float) -> tuple[str, object, float]:
+        """(outcome, summary or message, seconds since the start), waiting until ``timeout_s``
+        after the start at most."""
+        self.child.join(max(0.0, timeout_s - (time.perf_counter() - self.started)))
+        elapsed = time.perf_counter() - self.started
+        if self.child.is_alive():
+            self.child.terminate()
+            self.child.join()
+            return "timeout", f"not planned within {timeout_s:.0f} s here", elapsed
+        if self.queue.empty():
+            return "failed", f"the search stopped with exit code {self.child.exitcode}", elapsed
+        outcome, value = self.queue.get()
+        return outcome, value, elapsed
+
+
+def constrained_search(row: Row):
+    """A planner search under a configuration's mesh (``--constrained``)."""
+    def plan_for(config: MegatronMoEConfig):
+        mesh = {axis: size for axis, size in (("tp", config.tp), ("pp", config.pp)) if size > 1}
+        try:
+            return planner.plan(row_spec(row), row.cluster, precision="bf16", progress=False, time_budget_s=None,
+                                constraints=SearchConstraints(mesh=mesh))
+        except PlanningError:
+            return None
+    return plan_for
+
+
+def grid(row: Row, constrained: bool) -> tuple[list[GridResult], float]:
+    started = time.perf_counter()
+    graph, spec, name, cluster = prepare_model(row_spec(row), row.cluster)
+    results = [grid_plan(config, graph, cluster, spec, name, "bf16", constrained_search(row) if constrained else None)
+               for config in grid_configs(graph, cluster)]
+    return results, time.perf_counter() - started
+
+
+def _figures(step_s: float, mfu: float, memory: float, fits: bool) -> str:
+    return f"{step_s:.2f} s/step, MFU {mfu:.1%}, {memory / GIB:.1f} GiB{'' if fits else ' (does not fit)'}"
+
+
+def report_grid(row: Row, results: list[GridResult], grid_s: float) -> GridResult | None:
+    """Print the row's heading and its grid; returns the grid's best."""
+    print(f"\n== {row.model} on {row.cluster}, batch {row.batch:,} x {row.seq:,} ==", flush=True)
+    if row.note:
+        print(f"   note: {row.note}")
+    print(f"   published: {row.published}")
+    built = [r for r in results if r.plan is not None]
+    missing: dict[str, int] = {}
+    for r in results:
+        if r.plan is None:
+            missing[r.missing] = missing.get(r.missing, 0) + 1
+    best = best_of(results)
+    print(f"   Megatron-Core grid ({grid_s:.0f} s here): {len(built)} of {len(results)} configurations simulated, "
+          f"{sum(1 for r in built if r.plan.estimate.fits)} fit")
+    for why, count in sorted(missing.items()):
+        print(f"      {count} {why}")
+    if best is None:
+        print("      best: none fits", flush=True)
+    else:
+        estimate = best.plan.estimate
+        print(f"      best: {best.config.describe()}, ZeRO-1: "
+              f"{_figures(estimate.step_time_s, estimate.mfu, estimate.memory.total, True)}", flush=True)
+    return best
+
+
+def report_search(search, best: GridResult | None) -> None:
+    """Print the searched plan and how it compares with the grid's best."""
+    outcome, value, elapsed = search
+    if outcome != "plan":
+        print(f"   search ({elapsed:.0f} s here): {outcome}: {value}", flush=True)
+        return
+    print(f"   search ({elapsed:.0f} s here): {value['name']}")
+    print(f"      {_figures(value['step_s'], value['mfu'], value['memory'], value['fits'])}")
+    if best is None:
+        print("   verdict: no grid configuration fits to compare with", flush=True)
+        return
+    ratio = value["step_s"] / best.plan.estimate.step_time_s
+    if not value["fits"]:
+        print("   verdict: the searched plan does not fit", flush=True)
+    elif ratio <= 1.0 + 1e-9:
+        print(f"   verdict: searched plan no slower than the grid's best ({ratio:.3f}x)", flush=True)
+    else:
+        print(f"   verdict: searched plan SLOWER than the grid's best ({ratio:.3f}x): the grid's "
+              f"{best.config.describe()} is outside what the search tries, or its search stopped early", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only the rows marked quick (Mixtral-8x22B on 64 H100s)")
+    parser.add_argument("--rows", nargs="*", choices=[row.key for row in ROWS], help="rows to run (default all)")
+    parser.add_argument("--search-timeout", type=float, default=1200.0, help="seconds per row's search (default 1200)")
+    parser.add_argument("--constrained", action="store_true",
+                        help="plan grid configurations with TP or PP through the search under their mesh (slow)")
+    options = parser.parse_args()
+    rows = [row for row in ROWS if (not options.quick or row.quick) and (not options.rows or row.key in options.rows)]
+    for row in rows:
+        search = SearchRun.start(row)  # beside the grid: both are this row's
+        try:
+            results, grid_s = grid(row, options.constrained)
+        except PlanningError as error:
+            print(f"\n== {row.model} on {row.cluster}: {error}")
+            search.finish(0.0)
+            continue
+        best = report_grid(row, results, grid_s)
+        report_search(search.finish(options.search_timeout), best)
+
+
+if __name__ == "__main__":
+    main()

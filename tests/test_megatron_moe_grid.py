@@ -1,0 +1,78 @@
+"""The Megatron-Core MoE grid (``search.megatron_moe``) that ``benchmarks/moe_frontier.py``
+compares searched plans with: on a tiny MoE (``examples/moe.py``, 8 experts, 2 MoE blocks,
+batch 16) over ``cpu:2x4``, the configurations it lists and the plans it builds."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from planner.api import prepare_model
+from planner.model_spec import ModelSpec
+from search.megatron_moe import MegatronMoEConfig, best_of, grid_configs, grid_plan, grid_results
+from test_parity import REPO
+
+SPEC = ModelSpec(str(REPO / "examples" / "moe.py"), {"batch_size": 16, "n_expert": 8, "ffn": 512})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    graph, spec, name, cluster = prepare_model(SPEC, "cpu:2x4")
+    return graph, spec, name, cluster
+
+
+def test_the_grid_lists_megatron_cores_degrees(tiny):
+    graph, _, _, cluster = tiny
+    configs = grid_configs(graph, cluster)
+    for config in configs:
+        assert config.tp * config.pp * config.dp == 8
+        assert 8 % config.ep == 0 and (config.dp * config.tp) % (config.ep * config.etp) == 0
+        assert 16 % (config.dp * config.micro_batch_size) == 0
+    # EP folded over dp=8 without TP or PP: EP 1, 2, 4, 8, each with recompute none/full and
+    # micro-batches of 1 or 2 samples (16 / 8 = 2 per rank; 4 does not split).
+    flat = [c for c in configs if c.tp == c.pp == 1]
+    assert sorted({c.ep for c in flat}) == [1, 2, 4, 8]
+    assert len(flat) == 4 * 2 * 2
+    assert any(c.tp == 2 and c.etp in (1, 2) for c in configs) and any(c.pp == 2 for c in configs)
+
+
+def test_ep_over_dp_plans_fold_the_experts_as_megatron_core_does(tiny):
+    graph, spec, name, cluster = tiny
+    config = MegatronMoEConfig(tp=1, ep=4, etp=1, pp=1, vpp=1, dp=8, recompute="full", micro_batch_size=1)
+    result = grid_plan(config, graph, cluster, spec, name, precision="fp32")
+    plan = result.plan
+    assert plan is not None and plan.estimate.step_time_s > 0
+    assert plan.dp_flavour == "zero1" and plan.recompute == "full"
+    assert plan.accumulation_steps == 2  # 16 samples / (8 ranks x 1 per micro-batch)
+    for layout in plan.expert_layouts:
+        # EP4 over 8 ranks: 2 experts per rank, each expert on 2 ranks (one per EP group),
+        # sharded over those 2 (the distributed optimizer's expert-data-parallel group).
+        assert layout.mode == "expert_parallel" and layout.sharded_copies
+        assert layout.placement.most_experts_per_device == 2
+        assert all(len(copies) == 2 for copies in layout.placement.replicas)
+    # EP8 over 8 ranks: one copy of each expert, nothing to shard.
+    whole = grid_plan(dataclasses.replace(config, ep=8), graph, cluster, spec, name, precision="fp32").plan
+    assert all(not layout.sharded_copies and layout.placement.method == "round-robin"
+               for layout in whole.expert_layouts)
+
+
+def test_configurations_the_planner_cannot_build_yet_say_what_they_need(tiny):
+    graph, spec, name, cluster = tiny
+    with_tp = MegatronMoEConfig(tp=2, ep=4, etp=1, pp=1, vpp=1, dp=4, recompute="none", micro_batch_size=1)
+    assert "tensor parallelism beside experts" in grid_plan(with_tp, graph, cluster, spec, name).missing
+    with_pp = MegatronMoEConfig(tp=1, ep=4, etp=1, pp=2, vpp=1, dp=4, recompute="none", micro_batch_size=1)
+    assert "pipeline stages" in grid_plan(with_pp, graph, cluster, spec, name).missing
+    # A constrained search that gives a plan without MoE layouts does not count.
+    dense = grid_plan(MegatronMoEConfig(1, 4, 1, 1, 1, 8, "none", 1), graph, cluster, spec, name, "fp32").plan
+    refused = grid_plan(with_pp, graph, cluster, spec, name, constrained=lambda config: dense)
+    assert refused.plan is None and "gave no such plan" in refused.missing
+
+
+def test_the_best_is_the_fastest_that_fits(tiny):
+    graph, spec, name, cluster = tiny
+    configs = [c for c in grid_configs(graph, cluster) if c.tp == c.pp == 1 and c.recompute == "none"]
+    results = list(grid_results(graph, cluster, spec, name, "fp32", configs=configs))
+    assert all(r.plan is not None for r in results)
+    best = best_of(results)
+    assert best.plan.estimate.step_time_s == min(r.plan.estimate.step_time_s for r in results)

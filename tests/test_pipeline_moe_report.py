@@ -1,0 +1,85 @@
+"""The report's MoE tables for a pipeline plan (``planner.pipeline_moe_report``): per layer and
+per stage, the all-to-all time left on the critical path and the busiest device's load.
+
+The plan is ``examples/moe.py`` (8 experts, 2 MoE blocks) on ``cpu:2x4`` with ``--mesh pp=2``,
+experts round-robin over each stage's 4 dp ranks (tests/test_pipeline_moe.py's fixture)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from rich.console import Console
+
+from cost_model.moe_layers import laid_out_layers
+from cost_model.simulator import Simulator, simulated
+from planner.api import prepare_model
+from planner.pipeline_moe_report import stage_moe_summary, stage_moe_table
+from planner.plans import Plan
+from test_pipeline_moe import SPEC, moe_pipeline  # noqa: F401  (the fixture)
+
+
+def rows(table) -> list[list[str]]:
+    console = Console(width=250, record=True)
+    console.print(table)
+    return [[cell.strip() for cell in line.split("│")[1:-1]] for line in console.export_text().splitlines()
+            if line.startswith("│")]
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return prepare_model(SPEC, "cpu:2x4")[0]
+
+
+def test_each_layer_leaves_its_all_to_alls_exposed_without_overlap(moe_pipeline: Plan, graph) -> None:  # noqa: F811
+    plan = moe_pipeline
+    steps = plan.pipeline.micro_batches
+    layers = laid_out_layers(plan, graph, steps)
+    for layout in plan.expert_layouts:
+        cost = layers[layout.module].cost
+        # Nothing overlapped: dispatch + combine of both directions, every micro-batch.
+        assert layout.exposed_all_to_all_s == pytest.approx((cost.forward_comm_s + cost.backward_comm_s) * steps)
+    table = rows(stage_moe_summary(plan))
+    # Stage 0 holds blocks.0.moe, stage 1 blocks.1.moe; 8 experts round-robin over 4 ranks:
+    # the busiest holds 2 of 8 uniform experts, 25% of the choices, 1.00x an even share.
+    assert [row[0] for row in table] == ["0", "1"] and [row[1] for row in table] == ["1", "1"]
+    assert all(row[4] == "25.0% of choices (1.00x even)" for row in table)
+    per_layer = rows(stage_moe_table(plan))
+    assert [row[5] for row in per_layer] == [row[3] for row in table]  # one layer per stage
+
+
+def test_the_overlap_shrinks_each_stages_exposed_all_to_all(moe_pipeline: Plan, graph) -> None:  # noqa: F811
+    overlapped = simulated(dataclasses.replace(moe_pipeline, moe_a2a_overlap=True), graph)
+    simulator = Simulator(overlapped, graph)
+    for before, after in zip(moe_pipeline.expert_layouts, overlapped.expert_layouts):
+        assert after.exposed_all_to_all_s < before.exposed_all_to_all_s
+        # The share the simulator charged (tests/test_moe_overlap.py works one by hand).
+        layer = simulator.context.moe_layers[after.module]
+        share = simulator.node_costs.a2a_exposed_share(layer)
+        assert after.exposed_all_to_all_s == pytest.approx(before.exposed_all_to_all_s * share)
+    assert "under another micro-batch's compute" in stage_moe_summary(overlapped).title
+
+
+def test_a_plan_file_without_the_figure_shows_a_dash(moe_pipeline: Plan) -> None:  # noqa: F811
+    data = moe_pipeline.to_dict()
+    for layout in data["expert_layouts"]:
+        del layout["exposed_all_to_all_s"]
+    old = Plan.from_dict(data)
+    assert all(layout.exposed_all_to_all_s is None for layout in old.expert_layouts)
+    assert [row[3] for row in rows(stage_moe_summary(old))] == ["-", "-"]
+
+
+def test_the_figure_survives_the_plan_file_and_a_bad_one_is_named(moe_pipeline: Plan) -> None:  # noqa: F811
+    from planner.errors import PlanFileError
+
+    data = moe_pipeline.to_dict()
+    again = Plan.from_dict(json.loads(json.dumps(data)))
+    # Layouts compare without their annotations, so the figure is checked on its own.
+    assert [layout.exposed_all_to_all_s for layout in again.expert_layouts] == \
+        [layout.exposed_all_to_all_s for layout in moe_pipeline.expert_layouts]
+    for bad in (-1.0, "fast", float("nan")):
+        broken = json.loads(json.dumps(data))
+        broken["expert_layouts"][0]["exposed_all_to_all_s"] = bad
+        with pytest.raises(PlanFileError, match=r"expert_layouts\[0\]\.exposed_all_to_all_s' must be a number"):
+            Plan.from_dict(broken)
