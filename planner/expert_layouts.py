@@ -249,7 +249,8 @@ class ExpertLayout:
             )
         if not self.axis or any(not name.isidentifier() for name in self.axis.split(FOLDED_AXIS_JOIN)):
             raise ValueError(
-                f"axis must name mesh axes joined by '{FOLDED_AXIS_JOIN}' (e.g. 'dp', 'dp*tp'), got {str(self.axis)[:40]!r}"
+                f"the layout runs over axis {str(self.axis)[:40]!r}, which is not mesh axis names joined by "
+                f"'{FOLDED_AXIS_JOIN}' (e.g. 'dp', 'dp*tp')"
             )
         if "\n" in self.routing or "\r" in self.routing or len(self.routing) > 200:
             raise ValueError("routing must be one line of at most 200 characters")
