@@ -67,9 +67,10 @@ def plan_route(plan: "Plan") -> str:
 
 
 def _section_words(plan: "Plan") -> str:
-    """The phrase a family section gives its plans (``verdict_words(plan)``), or ""."""
-    return next((section.verdict_words(plan) for section in plan.sections.values()
-                 if callable(getattr(section, "verdict_words", None))), "")
+    """The phrase a family section gives its plans in place of the flavour's
+    (``strategy_words(plan)``: layer separation's groups), or ""."""
+    return next((section.strategy_words(plan) for section in plan.sections.values()
+                 if callable(getattr(section, "strategy_words", None))), "")
 
 
 def strategy_words(plan: "Plan") -> str:
@@ -100,7 +101,7 @@ def strategy_words(plan: "Plan") -> str:
     composed = plan.label and not plan.expert_layouts  # an MoE plan's flavour is named above
     if composed and plan.dp_flavour != "ddp" and "dp" in plan.mesh.names and plan.mesh.axis_size("dp") > 1:
         text += f", {_FLAVOUR_WORDS[plan.dp_flavour].split(' (')[0]} on dp"  # composed with the other axes
-    # A family section may add its words (gradient compression: what replaces the all-reduce).
+    # A family section may add words (``verdict_words``; gradient compression: what replaces the all-reduce).
     text += "".join(f", {section.verdict_words(plan)}" for section in plan.sections.values()
                     if hasattr(section, "verdict_words"))
     if plan.pipeline is not None:

@@ -104,7 +104,7 @@ class LayerSeparationSection:
         """The words this section adds to the plan's name."""
         return f"layer separation: {self.trunk_ranks(plan)} trunk + {self.head_ranks} head"
 
-    def verdict_words(self, plan: "Plan") -> str:
+    def strategy_words(self, plan: "Plan") -> str:
         """The report's "Chosen:" phrase."""
         return (f"layer separation (Stanza): '{self.trunk}' data parallel on {self.trunk_ranks(plan)} of "
                 f"{plan.world_size} devices, the rest of the model on {self.head_ranks}")
