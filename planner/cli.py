@@ -10,18 +10,18 @@ or measurement starts, so a typo costs nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shlex
 import sys
 import traceback
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from planner.arguments import OneLineParser, flag_type, integer_at_least, positive_finite
 from planner.errors import ArgumentError, PlannerError
 from planner.expert_layouts import MOE_DISPATCHES
 from planner.outputs import refuse_input_as_output
-from planner.terminal import inert, inert_line, inert_text
-from planner.terminal_width import terminal_width, wrap_command
+from planner.cli_output import print_report, report_data, say, say_command, say_json, say_named_lines, status
+from planner.terminal import inert_line
+from planner.terminal_width import terminal_width
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
@@ -302,12 +302,12 @@ def _run(options: argparse.Namespace) -> int:
     if options.command == "presets":
         from planner.cluster import preset_table
 
-        _say_named_lines(preset_table())
+        say_named_lines(preset_table())
         return 0
     if options.command == "families":
         from planner.families import family_table
 
-        _say_named_lines(family_table())
+        say_named_lines(family_table())
         return 0
     if options.command == "plan":
         return _plan(options)
@@ -320,7 +320,7 @@ def _run(options: argparse.Namespace) -> int:
         from planner.plans import load_plan
 
         first, second = load_plan(options.first), load_plan(options.second)
-        _say(render_diff(first, second, (options.first, options.second), terminal_width()))
+        say(render_diff(first, second, (options.first, options.second), terminal_width()))
         return 0
     if options.command == "report":
         from planner.errors import PlanFileError
@@ -333,7 +333,7 @@ def _run(options: argparse.Namespace) -> int:
         if plan.estimate.device_memory_bytes <= 0:  # built by hand or by a script, never simulated
             raise PlanFileError(f"{options.plan} holds no simulated figures to report; run "
                                 f"`planner simulate {shlex.quote(options.plan)}` instead")
-        _print_report(plan, options.format)
+        print_report(plan, options.format)
         if html_path is not None:
             _write_html(options, plan, html_path)
         return 0
@@ -353,8 +353,8 @@ def _run(options: argparse.Namespace) -> int:
 
         plan = load_plan(options.plan)
         out = compile_plan(plan, options.output, force=options.force)
-        _say(f"wrote {out}/model_spmd.py, {out}/plan.json, {out}/launch.py")
-        _say_command("next: ", first_run_command(plan, f"{out}/launch.py"))
+        say(f"wrote {out}/model_spmd.py, {out}/plan.json, {out}/launch.py")
+        say_command("next: ", first_run_command(plan, f"{out}/launch.py"))
         return 0
     raise AssertionError(f"unhandled command {options.command}")
 
@@ -373,8 +373,8 @@ def _export_checkpoint(options: argparse.Namespace) -> int:
     from codegen.runtime.checkpoint import export_checkpoint
 
     step, count = export_checkpoint(Path(options.checkpoint), output)
-    _say(f"wrote {count} tensors (the weights after step {step}) to {output}")
-    _say(f"load them with model.load_state_dict(torch.load({str(output)!r}, weights_only=True))")
+    say(f"wrote {count} tensors (the weights after step {step}) to {output}")
+    say(f"load them with model.load_state_dict(torch.load({str(output)!r}, weights_only=True))")
     return 0
 
 
@@ -416,17 +416,17 @@ def _plan(options: argparse.Namespace) -> int:
     if html_path is not None:
         _write_html(options, plan, html_path)
     if options.format == "json":
-        _say_json({**_report_data(plan), "saved": options.output, "next": steps})
+        say_json({**report_data(plan), "saved": options.output, "next": steps})
         return 0
-    _say(plan.report(width=terminal_width()))
+    say(plan.report(width=terminal_width()))
     if options.output is not None:
-        _say(f"saved the plan to {options.output}")
+        say(f"saved the plan to {options.output}")
     if len(steps) == 1 and steps[0].startswith("not compiled: "):
-        _say(steps[0])
+        say(steps[0])
         return 0
-    _say("next:")
+    say("next:")
     for step in steps:
-        _say_command("  ", step)
+        say_command("  ", step)
     return 0
 
 
@@ -480,8 +480,8 @@ def _profile(options: argparse.Namespace) -> int:
     rows = profile.table()
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
-        _say(f"{name:<{width}}  {value}")
-    _say(f"wrote {output}; next: planner plan examples/gpt.py --cluster {output}")
+        say(f"{name:<{width}}  {value}")
+    say(f"wrote {output}; next: planner plan examples/gpt.py --cluster {output}")
     return 0
 
 
@@ -493,10 +493,10 @@ def _explain(options: argparse.Namespace) -> int:
 
     plan = load_plan(options.plan)
     chosen = select_ops(plan, op=options.op, module=options.module, layer=options.layer)  # before tracing
-    with _status(f"costing the alternatives of {len(chosen)} op(s)"):
+    with status(f"costing the alternatives of {len(chosen)} op(s)"):
         plan, graph = plan_and_graph(plan.to_dict(), options.plan)
         explanations = explain_ops(plan, graph, chosen)
-    _say(render_explanations(explanations, terminal_width()))
+    say(render_explanations(explanations, terminal_width()))
     return 0
 
 
@@ -509,10 +509,10 @@ def _compare(options: argparse.Namespace) -> int:
     run = load_measured(options.measured)
     plan = load_plan(options.plan)  # relative model sources resolved against the plan's folder
     check_measured_plan(plan, options.plan, run)  # before tracing: a measurement of another plan is refused
-    with _status(f"simulating {plan.name}"):
+    with status(f"simulating {plan.name}"):
         plan, graph = plan_and_graph(plan.to_dict(), options.plan, cluster)
         parts = compare(plan, graph, run)
-    _say(format_comparison(parts, run, plan.name))
+    say(format_comparison(parts, run, plan.name))
     return 0
 
 
@@ -532,12 +532,12 @@ def _calibrate(options: argparse.Namespace) -> int:
     refuse_input_as_output(output, "-o", [*options.measured, options.cluster])
     runs = load_runs(options.measured)
     check_runs_fit_cluster(runs, cluster, options.cluster)
-    with _status(f"fitting {len(runs)} measured run(s)"):
+    with status(f"fitting {len(runs)} measured run(s)"):
         cases = calibration_cases(runs)
         calibrated, fit = calibrate(runs, cluster, cases)
     calibrated.save(output, comment=f"calibrated by `planner calibrate` on {len(runs)} measured run(s)", force=options.force)
-    _say(format_fit(fit, cases))
-    _say(f"wrote {output}; next: planner plan MODEL --cluster {output}")
+    say(format_fit(fit, cases))
+    say(f"wrote {output}; next: planner plan MODEL --cluster {output}")
     return 0
 
 
@@ -555,12 +555,12 @@ def _simulate(options: argparse.Namespace) -> int:
     from planner.plans import load_plan
 
     plan = load_plan(options.plan)
-    with _status(f"simulating {plan.name}"):
+    with status(f"simulating {plan.name}"):
         result = simulate(plan)
-    _print_report(dataclasses.replace(plan, estimate=result), options.format)
+    print_report(dataclasses.replace(plan, estimate=result), options.format)
     if options.trace is not None:
         result.to_chrome_trace(options.trace, force=options.force)
-        _say(f"wrote the timeline to {options.trace} (open it in https://ui.perfetto.dev)")
+        say(f"wrote the timeline to {options.trace} (open it in https://ui.perfetto.dev)")
     return 0
 
 
@@ -583,7 +583,7 @@ def _write_html(options: argparse.Namespace, plan, path) -> None:
 
     timeline = plan.estimate.timeline
     if not timeline:
-        with _status(f"simulating {plan.name} for its timeline"):
+        with status(f"simulating {plan.name} for its timeline"):
             timeline = simulate(plan).timeline
     measured = None
     if getattr(options, "measured", None):
@@ -591,62 +591,8 @@ def _write_html(options: argparse.Namespace, plan, path) -> None:
 
         run = load_measured(options.measured)
         check_measured_plan(plan, options.plan, run)
-        with _status("comparing with the measurement"):
+        with status("comparing with the measurement"):
             compared, graph = plan_and_graph(plan.to_dict(), options.plan)
             measured = compare(compared, graph, run)
     write_text_atomically(path, html_report(plan, timeline=timeline, measured=measured))
-    _say(f"wrote the report page to {path} (open it in a browser; it needs no network)")
-
-
-def _print_report(plan, output_format: str) -> None:
-    """The plan's report on stdout: text sized to the terminal, or the same sections as JSON."""
-    if output_format == "json":
-        _say_json(_report_data(plan))
-    else:
-        _say(plan.report(width=terminal_width()))
-
-
-def _report_data(plan) -> dict:
-    from planner.report import report_data
-
-    return report_data(plan)
-
-
-def _say_json(data: dict) -> None:
-    """``data`` as JSON on stdout; strings stay as they are (JSON escapes control characters)."""
-    import json
-
-    print(json.dumps(data, indent=2, ensure_ascii=False))
-
-
-def _say_command(prefix: str, command: str) -> None:
-    """A shell command after ``prefix``, broken with backslash continuations to fit the
-    terminal's width, its later lines aligned under the first."""
-    lines = wrap_command(command, terminal_width() - len(prefix))
-    for position, line in enumerate(lines):
-        _say((prefix if position == 0 else " " * len(prefix)) + line)
-
-
-def _say_named_lines(rows: list[tuple[str, str]]) -> None:
-    """``name  description``, one line per row (scripts read them with ``split()``), names in one column."""
-    name_width = max(len(name) for name, _ in rows)
-    for name, description in rows:
-        _say(f"{name:<{name_width}}  {description}")
-
-
-def _say(text: object = "") -> None:
-    """Print ``text`` on stdout, inert: plan, cluster, routing and measured files are shared, and
-    their strings reach this output (``planner.terminal``)."""
-    print(inert(text))
-
-
-@contextlib.contextmanager
-def _status(text: str) -> Iterator[None]:
-    """A spinner on stderr while tracing and searching, only when stderr is a terminal."""
-    if not sys.stderr.isatty():
-        yield
-        return
-    from rich.console import Console
-
-    with Console(stderr=True).status(inert_text(text)):
-        yield
+    say(f"wrote the report page to {path} (open it in a browser; it needs no network)")

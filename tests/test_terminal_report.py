@@ -122,14 +122,14 @@ def test_json_keeps_hostile_strings_as_data(saved_plans, tmp_path, monkeypatch, 
     plans, _ = saved_plans
     import dataclasses
 
-    hostile = dataclasses.replace(plans["moe"], warnings=("\x1b]0;owned\x07 [bold]markup[/bold]",))
+    hostile = dataclasses.replace(plans["moe"], warnings=("\x1b]0;owned\x07 [bold]markup[/bold] \u202eevil",))
     path = tmp_path / "hostile.json"
     hostile.save(path)
     assert main(["report", str(path), "--format", "json"]) == 0
     out = capsys.readouterr().out
-    assert "\x1b" not in out and "\x07" not in out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
     warnings = [s["text"] for s in json.loads(out)["sections"] if s["section"] == "warning"]
-    assert warnings == ["warning: \x1b]0;owned\x07 [bold]markup[/bold]"]
+    assert warnings == ["warning: \x1b]0;owned\x07 [bold]markup[/bold] \u202eevil"]
 
 
 def test_a_plan_never_simulated_is_refused_in_one_line(tmp_path, capsys):
