@@ -28,7 +28,8 @@ from planner.families.uneven_dp.section import UnevenSection
 from planner.model_spec import ModelSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_hsdp_program import _losses, _one_device_losses, _torchrun  # noqa: E402
+from test_hsdp_program import _losses, _one_device_losses  # noqa: E402
+from torchrun_run import torchrun  # noqa: E402
 from test_parity import check_many, result_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,11 +88,11 @@ def test_uneven_checkpoints_resume_on_the_even_plan_and_back(tmp_path) -> None:
     uneven = planner.compile(uneven_plan, tmp_path / "uneven")
     even = planner.compile(dataclasses.replace(uneven_plan, sections={}), tmp_path / "even")
     saved = tmp_path / "ckpt"
-    first = _torchrun(4, str(uneven / "launch.py"), "--steps", "2", "--checkpoint-dir", str(saved),
+    first = torchrun(4, str(uneven / "launch.py"), "--steps", "2", "--checkpoint-dir", str(saved),
                       "--save-every", "2", cwd=tmp_path)
-    second = _torchrun(4, str(even / "launch.py"), "--steps", "4", "--checkpoint-dir", str(saved), "--resume",
+    second = torchrun(4, str(even / "launch.py"), "--steps", "4", "--checkpoint-dir", str(saved), "--resume",
                        "--save-every", "2", cwd=tmp_path)
-    third = _torchrun(4, str(uneven / "launch.py"), "--steps", "6", "--checkpoint-dir", str(saved), "--resume",
+    third = torchrun(4, str(uneven / "launch.py"), "--steps", "6", "--checkpoint-dir", str(saved), "--resume",
                       cwd=tmp_path)
     assert "at step 2" in second and "at step 4" in third, (second[-2000:], third[-2000:])
     losses = {**_losses(first), **_losses(second), **_losses(third)}
