@@ -21,6 +21,7 @@ _LAZY = {
     "plan": "planner.api",
     "compile": "planner.api",
     "simulate": "planner.api",
+    "colocate": "planner.colocation",
     "SimResult": "planner.strategy",
     "load_plan": "planner.plans",
     "Plan": "planner.plans",

@@ -1,5 +1,5 @@
 """Command line: ``planner plan``, ``planner compile``, ``planner presets``, ``planner profile``,
-``planner compare``, ``planner calibrate``.
+``planner compare``, ``planner calibrate``, ``planner colocate``.
 
 Every error caused by the input (flags included) is one line on stderr, ``error: ...``, and
 exit status 2; an unexpected failure inside soap-planner is one line too (exit 3), with the
@@ -19,6 +19,7 @@ from planner.arguments import OneLineParser, flag_type, integer_at_least, positi
 from planner.errors import ArgumentError, PlannerError
 from planner.expert_layouts import MOE_DISPATCHES
 from planner.outputs import refuse_input_as_output
+from planner.colocation import add_colocate_command, run_colocate
 from planner.cli_output import print_report, report_data, say, say_command, say_json, say_named_lines, status
 from planner.terminal import inert_line
 from planner.terminal_width import terminal_width
@@ -219,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     profile.add_argument("--force", action="store_true", help="let -o overwrite a file soap-planner did not write")
     add_measurement_commands(commands)
+    add_colocate_command(commands)
 
     export = commands.add_parser(
         "export-checkpoint",
@@ -299,6 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(options: argparse.Namespace) -> int:
+    handlers = {"plan": _plan, "simulate": _simulate, "explain": _explain, "profile": _profile, "compare": _compare,
+                "calibrate": _calibrate, "export-checkpoint": _export_checkpoint, "colocate": run_colocate}
+    if options.command in handlers:
+        return handlers[options.command](options)
     if options.command == "presets":
         from planner.cluster import preset_table
 
@@ -309,12 +315,6 @@ def _run(options: argparse.Namespace) -> int:
 
         say_named_lines(family_table())
         return 0
-    if options.command == "plan":
-        return _plan(options)
-    if options.command == "simulate":
-        return _simulate(options)
-    if options.command == "explain":
-        return _explain(options)
     if options.command == "diff":
         from planner.plan_diff import render_diff
         from planner.plans import load_plan
@@ -337,12 +337,6 @@ def _run(options: argparse.Namespace) -> int:
         if html_path is not None:
             _write_html(options, plan, html_path)
         return 0
-    if options.command == "profile":
-        return _profile(options)
-    if options.command in ("compare", "calibrate"):
-        return _compare(options) if options.command == "compare" else _calibrate(options)
-    if options.command == "export-checkpoint":
-        return _export_checkpoint(options)
     if options.command == "compile":
         from planner.outputs import check_program_folder
 

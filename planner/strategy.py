@@ -321,36 +321,7 @@ class SimResult:
         """Write the timeline as a Chrome trace (opens in Perfetto / chrome://tracing):
         one process per device, one thread per stream, times in microseconds. An existing
         file is replaced only when it is a trace soap-planner wrote, unless ``force``."""
-        import json
-
-        from planner.outputs import check_output_file, write_text_atomically
-
-        path = check_output_file(path, what="Chrome trace", is_ours=is_chrome_trace, force=force)
-        devices = sorted({event.device for event in self.timeline})
-        streams = sorted({(event.device, event.stream) for event in self.timeline})
-        pid = {device: index for index, device in enumerate(devices)}
-        tid = {key: index for index, key in enumerate(streams)}
-        events: list[dict[str, Any]] = []
-        for device in devices:
-            events.append({"ph": "M", "name": "process_name", "pid": pid[device], "args": {"name": device}})
-        for device, stream in streams:
-            events.append(
-                {"ph": "M", "name": "thread_name", "pid": pid[device], "tid": tid[(device, stream)], "args": {"name": stream}}
-            )
-        for event in self.timeline:
-            events.append(
-                {
-                    "ph": "X",
-                    "name": event.name,
-                    "cat": event.stream,
-                    "pid": pid[event.device],
-                    "tid": tid[(event.device, event.stream)],
-                    "ts": event.start_s * 1e6,
-                    "dur": event.duration_s * 1e6,
-                }
-            )
-        trace = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"generator": TRACE_GENERATOR}}
-        write_text_atomically(path, json.dumps(trace))
+        write_chrome_trace(self.timeline, path, force=force)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (the timeline is not included)."""
@@ -407,6 +378,42 @@ def placements_to_json(placements: Sequence[Placement]) -> list[str]:
 
 
 TRACE_GENERATOR = "soap-planner simulate"
+
+
+def write_chrome_trace(timeline: Sequence[TimelineEvent], path: str, *, force: bool = False) -> None:
+    """Write ``timeline`` as a Chrome trace (opens in Perfetto / chrome://tracing): one
+    process per device, one thread per stream, times in microseconds. An existing file is
+    replaced only when it is a trace soap-planner wrote, unless ``force``."""
+    import json
+
+    from planner.outputs import check_output_file, write_text_atomically
+
+    path = check_output_file(path, what="Chrome trace", is_ours=is_chrome_trace, force=force)
+    devices = sorted({event.device for event in timeline})
+    streams = sorted({(event.device, event.stream) for event in timeline})
+    pid = {device: index for index, device in enumerate(devices)}
+    tid = {key: index for index, key in enumerate(streams)}
+    events: list[dict[str, Any]] = []
+    for device in devices:
+        events.append({"ph": "M", "name": "process_name", "pid": pid[device], "args": {"name": device}})
+    for device, stream in streams:
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": pid[device], "tid": tid[(device, stream)], "args": {"name": stream}}
+        )
+    for event in timeline:
+        events.append(
+            {
+                "ph": "X",
+                "name": event.name,
+                "cat": event.stream,
+                "pid": pid[event.device],
+                "tid": tid[(event.device, event.stream)],
+                "ts": event.start_s * 1e6,
+                "dur": event.duration_s * 1e6,
+            }
+        )
+    trace = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"generator": TRACE_GENERATOR}}
+    write_text_atomically(path, json.dumps(trace))
 
 
 def is_chrome_trace(path: Any) -> bool:

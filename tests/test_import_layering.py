@@ -21,7 +21,9 @@ codegen.*              planner vocabulary, codegen (never search, never cost_mod
 planner API            anything: ``planner.api``, ``planner.cli``, ``planner.__main__``,
                        ``planner.compare`` (``compare``/``calibrate``, over the cost
                        model's calibration) and ``planner.baselines`` (Megatron's and
-                       the data-parallel layouts, built by search)
+                       the data-parallel layouts, built by search) and
+                       ``planner.colocation`` (``planner colocate``: plans and
+                       simulates each job, schedules them with the cost model)
 =====================  ==============================================================
 
 Besides the layers: no circle among the modules (a strongly connected set of modules that
@@ -42,7 +44,9 @@ import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("planner", "cost_model", "search", "codegen")
-PLANNER_API = frozenset({"planner.api", "planner.cli", "planner.__main__", "planner.compare", "planner.baselines"})
+PLANNER_API = frozenset({
+    "planner.api", "planner.cli", "planner.__main__", "planner.compare", "planner.baselines", "planner.colocation",
+})
 ALLOWED = {  # layer -> the layers it may import
     "vocabulary": {"vocabulary"},
     "cost_model": {"vocabulary", "cost_model"},

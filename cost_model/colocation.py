@@ -1,0 +1,210 @@
+"""Two or more jobs time-sharing the same devices, scheduled from their simulated timelines.
+
+CrossoverScheduler's idea (one job computes while the other synchronises its gradients,
+alternately) read as list scheduling. The model, stated so a reader can check it by hand:
+
+  * Each job's timeline (``SimResult.timeline``) gives, per simulated device, its tasks on
+    each stream with their durations. A job's k-th simulated device shares the k-th device
+    slot with the other jobs' k-th devices (the simulator's devices are representatives:
+    ``stage 0`` for a plan without a pipeline).
+  * The jobs share the streams of a slot by name: one ``compute`` stream, and each
+    communication stream (``collective``, ``p2p``, ...) shared with the same stream of the
+    other jobs. A stream runs one task at a time; each job's tasks keep their own order.
+  * A job's task waits for the tasks of the same job and device that had finished when it
+    started alone (on every other stream): the backward pass before its gradient
+    all-reduce, the all-reduce before the optimizer. Dependencies between a pipeline's
+    devices are not kept (its bubbles may be filled optimistically).
+  * ``rounds`` steps of every job run back to back: a job's next step starts after its
+    previous one ends on that device. When a shared stream frees, the ready task that can
+    start earliest runs; a tie goes to the job listed first. This gives the crossover order:
+    job A computes, then B computes while A's gradients move, and B's gradients move under
+    A's next step.
+  * Compute beside another job's communication is slowed by the overlap slowdown the
+    simulator charges within one job (``cost_model.nccl.OVERLAP_COMPUTE_SLOWDOWN``) via
+    ``TaskGraph.contend``; a job's own overlap is already in its timeline's durations, so
+    only the other jobs' communication is charged here. One pass, as in the simulator.
+
+Not modelled: memory bandwidth or cache sharing between two jobs' kernels (beyond the
+overlap slowdown), swapping one job's states out, and two jobs' collectives sharing a link
+concurrently (a shared stream runs them one after the other).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from cost_model.scheduler import TaskGraph
+from planner.strategy import TimelineEvent
+
+COMPUTE_STREAM = "compute"
+
+
+@dataclass(frozen=True)
+class ColocatedRound:
+    """The co-located schedule of every job.
+
+    Attributes:
+        round_s: steady-state seconds per round (one step of every job): the last round's
+            makespan minus the one before it.
+        first_round_s: makespan of the first round alone (the crossover's start-up).
+        job_finish_s: when each job's first step ends in the co-located schedule.
+        timeline: every task of the first round, on device slots named ``device k``, each
+            task's name prefixed with its job's label.
+    """
+
+    round_s: float
+    first_round_s: float
+    job_finish_s: tuple[float, ...]
+    timeline: tuple[TimelineEvent, ...]
+
+
+@dataclass
+class _Job:
+    job: int
+    round: int
+    slot: int
+    event: TimelineEvent
+
+
+def colocate_timelines(
+    timelines: Sequence[Sequence[TimelineEvent]],
+    labels: Sequence[str],
+    overlap_slowdown: float,
+    rounds: int = 3,
+) -> ColocatedRound:
+    """Schedule ``rounds`` steps of every job's ``timelines`` on shared streams (see the
+    module docstring); ``labels`` name the jobs in the timeline, ``overlap_slowdown`` is the
+    fraction compute slows beside another job's communication. Needs ``rounds >= 2``."""
+    if rounds < 2:
+        raise ValueError("colocate_timelines needs at least 2 rounds to read a steady-state round")
+    if len(timelines) != len(labels):
+        raise ValueError("colocate_timelines needs one label per timeline")
+    first = _makespan(timelines, labels, overlap_slowdown, 1)
+    before = _makespan(timelines, labels, overlap_slowdown, rounds - 1)
+    last = _makespan(timelines, labels, overlap_slowdown, rounds)
+    return ColocatedRound(
+        round_s=last[0] - before[0],
+        first_round_s=first[0],
+        job_finish_s=first[1],
+        timeline=first[2],
+    )
+
+
+def _makespan(timelines, labels, slowdown: float, rounds: int):
+    tasks, deps = _tasks(timelines, rounds)
+    order = _crossover_order(tasks, deps)
+    graph = TaskGraph()
+    ids: dict[int, int] = {}
+    for index in order:
+        task = tasks[index]
+        stream = (f"device {task.slot}", task.event.stream)
+        kind = "compute" if task.event.stream == COMPUTE_STREAM else "comm"
+        ids[index] = graph.add(task.event.name, stream, task.event.duration_s, [ids[d] for d in deps[index]], kind)
+    # Task ids in ``graph`` follow ``order``; map back to ``tasks`` for the jobs.
+    job_of = [tasks[index].job for index in order]
+    makespan = graph.run()
+    if slowdown > 0 and len(timelines) > 1:
+        _contend_across_jobs(graph, job_of, len(timelines), slowdown)
+        makespan = graph.run()
+    finish = [0.0] * len(timelines)
+    events = []
+    for graph_id, index in enumerate(order):
+        task, scheduled = tasks[index], graph.tasks[graph_id]
+        finish[task.job] = max(finish[task.job], scheduled.finish)
+        events.append(TimelineEvent(scheduled.stream[0], scheduled.stream[1], f"{labels[task.job]}: {task.event.name}",
+                                    scheduled.start, scheduled.finish - scheduled.start))
+    events.sort(key=lambda event: (event.start_s, event.device, event.stream))
+    return makespan, tuple(finish), tuple(events)
+
+
+def _tasks(timelines, rounds: int) -> tuple[list[_Job], list[list[int]]]:
+    """Every job's tasks for ``rounds`` steps and the dependencies kept within each job."""
+    tasks: list[_Job] = []
+    deps: list[list[int]] = []
+    for job, timeline in enumerate(timelines):
+        devices = list(dict.fromkeys(event.device for event in timeline))
+        previous_round: dict[str, list[int]] = {}
+        for round_index in range(rounds):
+            this_round: dict[str, list[int]] = {}
+            for slot, device in enumerate(devices):
+                events = sorted((e for e in timeline if e.device == device), key=lambda e: (e.start_s, e.name))
+                ids = []
+                for event in events:
+                    task_id = len(tasks)
+                    tasks.append(_Job(job, round_index, slot, event))
+                    # The last task of each other stream that had finished when this one started alone.
+                    done: dict[str, int] = {}
+                    for other_id in ids:
+                        other = tasks[other_id].event
+                        if other.stream != event.stream and other.start_s + other.duration_s <= event.start_s + 1e-12:
+                            done[other.stream] = other_id
+                    deps.append(list(done.values()) + previous_round.get(device, []))
+                    ids.append(task_id)
+                this_round[device] = ids
+            # The next step on a device starts after this step's tasks there end.
+            previous_round = {device: _last_per_stream(tasks, ids) for device, ids in this_round.items()}
+    return tasks, deps
+
+
+def _last_per_stream(tasks: list[_Job], ids: list[int]) -> list[int]:
+    last: dict[str, int] = {}
+    for task_id in ids:
+        last[tasks[task_id].event.stream] = task_id
+    return list(last.values())
+
+
+def _crossover_order(tasks: list[_Job], deps: list[list[int]]) -> list[int]:
+    """The order tasks run on each shared stream: repeatedly the ready task (its job's
+    earlier tasks on the stream and its dependencies done) that can start earliest, ties to
+    the job listed first, then the earlier round and the earlier start alone."""
+    queues: dict[tuple[int, int, str], list[int]] = {}
+    for task_id, task in enumerate(tasks):
+        queues.setdefault((task.job, task.slot, task.event.stream), []).append(task_id)
+    heads = {key: 0 for key in queues}
+    finish = [None] * len(tasks)
+    stream_free: dict[tuple[int, str], float] = {}
+    order: list[int] = []
+    while len(order) < len(tasks):
+        best = None
+        for key, queue in queues.items():
+            if heads[key] == len(queue):
+                continue
+            task_id = queue[heads[key]]
+            if any(finish[d] is None for d in deps[task_id]):
+                continue
+            task = tasks[task_id]
+            start = max([stream_free.get((task.slot, task.event.stream), 0.0)] + [finish[d] for d in deps[task_id]])
+            rank = (start, task.job, task.round, task.event.start_s)
+            if best is None or rank < best[0]:
+                best = (rank, key, task_id)
+        if best is None:
+            raise RuntimeError("the co-located jobs' tasks wait on each other (a timeline with a dependency cycle)")
+        (start, *_), key, task_id = best
+        task = tasks[task_id]
+        finish[task_id] = start + task.event.duration_s
+        stream_free[(task.slot, task.event.stream)] = finish[task_id]
+        heads[key] += 1
+        order.append(task_id)
+    return order
+
+
+def _contend_across_jobs(graph: TaskGraph, job_of: list[int], jobs: int, slowdown: float) -> None:
+    """Charge each job's compute for the time it ran beside the other jobs' communication
+    (``TaskGraph.contend``, one job at a time: it resets every task's charge, so each job's
+    charge is kept aside and all are restored at the end)."""
+    kinds = [task.kind for task in graph.tasks]
+    charged = [0.0] * len(graph.tasks)
+    for job in range(jobs):
+        for task, owner, kind in zip(graph.tasks, job_of, kinds):
+            if owner == job:
+                task.kind = "slowed" if kind == "compute" else "own"
+            else:
+                task.kind = "beside" if kind == "comm" else "other"
+        graph.contend(slowdown, slowed="slowed", by="beside")
+        for index, (task, owner) in enumerate(zip(graph.tasks, job_of)):
+            if owner == job:
+                charged[index] = task.contention
+    for task, kind, charge in zip(graph.tasks, kinds, charged):
+        task.kind = kind
+        task.contention = charge

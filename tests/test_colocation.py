@@ -1,0 +1,154 @@
+"""``planner colocate`` (planner/colocation.py, cost_model/colocation.py): two jobs sharing a
+cluster, simulated one after the other, split, and co-located in crossover order.
+
+The scheduling is checked on hand-built timelines whose schedules are worked out below; the
+command on real saved plans (examples/gpt.py and examples/cnn.py on cpu:1x2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+import planner
+from cost_model.colocation import colocate_timelines
+from planner.cli import main
+from planner.cluster_edits import with_memory
+from planner.colocation import COLOCATED, SEQUENTIAL, SPLIT
+from planner.strategy import TimelineEvent
+from user_errors import assert_user_error
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Job A: compute 0-4 s, then its gradient all-reduce 4-6 s (6 s alone).
+JOB_A = (TimelineEvent("stage 0", "compute", "fwd+bwd", 0.0, 4.0),
+         TimelineEvent("stage 0", "collective", "all-reduce", 4.0, 2.0))
+# Job B: compute 0-2 s, then its all-reduce 2-3 s (3 s alone).
+JOB_B = (TimelineEvent("stage 0", "compute", "fwd+bwd", 0.0, 2.0),
+         TimelineEvent("stage 0", "collective", "all-reduce", 2.0, 1.0))
+
+
+def test_crossover_round_worked_by_hand():
+    # First round, A listed first: A computes 0-4; B's compute waits for the shared compute
+    # stream, 4-6, under A's all-reduce 4-6; B's all-reduce 6-7. Makespan 7 (alone in turn: 9).
+    # Second round: A's compute waits for its all-reduce (6): 6-10; B's for its own (7) and the
+    # stream: 10-12; A's all-reduce 10-12; B's 12-13. Third: A 12-16 (after its all-reduce,
+    # the stream is free at 12), B 16-18, A's all-reduce 16-18, B's 18-19.
+    # Steady round = 19 - 13 = 6 = 4 + 2: the compute stream is never idle.
+    shared = colocate_timelines([JOB_A, JOB_B], ["A", "B"], overlap_slowdown=0.0)
+    assert shared.first_round_s == pytest.approx(7.0)
+    assert shared.round_s == pytest.approx(6.0)
+    assert shared.job_finish_s == pytest.approx((6.0, 7.0))
+    placed = {(event.name, event.stream): (event.start_s, event.duration_s) for event in shared.timeline}
+    assert placed == {
+        ("A: fwd+bwd", "compute"): (0.0, 4.0), ("A: all-reduce", "collective"): (4.0, 2.0),
+        ("B: fwd+bwd", "compute"): (4.0, 2.0), ("B: all-reduce", "collective"): (6.0, 1.0),
+    }
+    assert {event.device for event in shared.timeline} == {"device 0"}
+
+
+def test_the_job_listed_first_computes_first():
+    # B first: B computes 0-2, its all-reduce 2-3; A computes 2-6 (under B's all-reduce 2-3),
+    # its all-reduce 6-8. The first round ends at 8, one later than A first: the long
+    # all-reduce (A's) is exposed at the end.
+    shared = colocate_timelines([JOB_B, JOB_A], ["B", "A"], overlap_slowdown=0.0)
+    assert shared.first_round_s == pytest.approx(8.0)
+    assert shared.job_finish_s == pytest.approx((3.0, 8.0))
+
+
+def test_compute_beside_the_other_jobs_communication_is_slowed():
+    # Slowdown 0.5 of the time beside the other job's collectives, read on the schedule
+    # without it (one pass, as the simulator does):
+    #   round 1: B's compute 4-6 beside A's all-reduce 4-6: +1 -> 4-7; B's all-reduce 7-8.
+    #   round 2: A's compute 6-10 beside B's all-reduce 6-7: +0.5 -> 6-10.5; A's all-reduce
+    #            10.5-12.5; B's compute 10-12 beside A's all-reduce 10-12: +1 -> 10.5-13.5;
+    #            B's all-reduce 13.5-14.5. Two rounds end at 14.5.
+    #   round 3: A's compute 12-16 beside B's all-reduce 12-13: +0.5 -> 13.5-18; B's 16-18
+    #            beside A's all-reduce 16-18: +1 -> 18-21; B's all-reduce 21-22.
+    # Steady round = 22 - 14.5 = 7.5. A job's compute beside its own collective is not
+    # charged again (its timeline's durations already hold it).
+    shared = colocate_timelines([JOB_A, JOB_B], ["A", "B"], overlap_slowdown=0.5)
+    assert shared.first_round_s == pytest.approx(8.0)
+    assert shared.round_s == pytest.approx(7.5)
+    alone = colocate_timelines([JOB_A], ["A"], overlap_slowdown=0.5)
+    assert alone.round_s == pytest.approx(6.0)
+
+
+# ----------------------------------------------------------------- the command
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory) -> tuple[Path, Path]:
+    """examples/gpt.py and examples/cnn.py planned on cpu:1x2 and saved by the CLI."""
+    folder = tmp_path_factory.mktemp("jobs")
+    gpt, cnn = folder / "gpt.json", folder / "cnn.json"
+    assert main(["plan", str(ROOT / "examples" / "gpt.py"), "--cluster", "cpu:1x2", "-o", str(gpt)]) == 0
+    assert main(["plan", str(ROOT / "examples" / "cnn.py"), "--cluster", "cpu:1x2", "-o", str(cnn)]) == 0
+    return gpt, cnn
+
+
+def test_colocate_prints_three_arrangements_and_writes_both_jobs_trace(capsys, plans, tmp_path):
+    gpt, cnn = plans
+    trace = tmp_path / "shared.json"
+    capsys.readouterr()
+    assert main(["colocate", str(gpt), str(cnn), "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    for heading in (SEQUENTIAL, SPLIT, COLOCATED):
+        assert f"{heading}:" in out
+    assert out.count("slowdown against alone: A ") == 3
+    assert "each job re-planned on 1 of 2 devices" in out
+    assert "winner: " in out
+    events = [event for event in json.loads(trace.read_text())["traceEvents"] if event["ph"] == "X"]
+    assert any(event["name"].startswith("A: ") for event in events)
+    assert any(event["name"].startswith("B: ") for event in events)
+
+
+def test_colocate_figures(plans):
+    gpt, cnn = plans
+    result = planner.colocate([gpt, cnn], split=False)
+    alone = [planner.simulate(path) for path in (gpt, cnn)]
+    by_name = {arrangement.name: arrangement for arrangement in result.arrangements}
+    assert set(by_name) == {SEQUENTIAL, COLOCATED}
+    # One after the other: a round is A's step plus B's.
+    assert by_name[SEQUENTIAL].round_s == pytest.approx(alone[0].step_time_s + alone[1].step_time_s)
+    # Co-located: both jobs' compute shares one stream, so a round holds at least both
+    # compute streams' busy time; it can only hide communication, never add to the sum.
+    compute = sum(e.duration_s for r in alone for e in r.timeline if e.stream == "compute")
+    assert compute - 1e-12 <= by_name[COLOCATED].round_s <= by_name[SEQUENTIAL].round_s
+    assert result.memory_bytes == (alone[0].memory.total, alone[1].memory.total)
+    assert by_name[COLOCATED].steps_per_s == pytest.approx(2 / by_name[COLOCATED].round_s)
+    assert result.winner is by_name[COLOCATED]
+
+
+def test_colocated_jobs_that_do_not_fit_together_lose(plans):
+    gpt, cnn = plans
+    loaded = [planner.load_plan(path) for path in (gpt, cnn)]
+    alone_memory = [planner.simulate(plan).memory.total for plan in loaded]
+    # Room for the larger job alone, not for both.
+    capacity = max(alone_memory) + min(alone_memory) // 2
+    small = [dataclasses.replace(plan, cluster=with_memory(plan.cluster, capacity)) for plan in loaded]
+    result = planner.colocate(small, split=False)
+    colocated = next(a for a in result.arrangements if a.name == COLOCATED)
+    assert not colocated.fits and "swapping states out is not modelled" in colocated.note
+    assert result.winner.name == SEQUENTIAL
+    assert any("does not fit" in line for line in result.report())
+
+
+def test_colocate_refuses_clusters_of_different_sizes(capsys, plans, tmp_path):
+    gpt, _ = plans
+    four = tmp_path / "cnn4.json"
+    assert main(["plan", str(ROOT / "examples" / "cnn.py"), "--cluster", "cpu:1x4", "-o", str(four)]) == 0
+    assert_user_error(capsys, ["colocate", str(gpt), str(four), "--no-split"], "different sizes", ": 2", ": 4")
+
+
+def test_colocate_names_a_missing_plan(capsys, plans, tmp_path):
+    gpt, _ = plans
+    missing = tmp_path / "nope.json"
+    assert_user_error(capsys, ["colocate", str(gpt), str(missing), "--no-split"], "nope.json")
+
+
+def test_colocate_needs_two_plans(capsys, plans):
+    assert_user_error(capsys, ["colocate", str(plans[0])], "two or more plans")
