@@ -152,3 +152,33 @@ def test_colocate_names_a_missing_plan(capsys, plans, tmp_path):
 
 def test_colocate_needs_two_plans(capsys, plans):
     assert_user_error(capsys, ["colocate", str(plans[0])], "two or more plans")
+
+
+def test_three_jobs_on_two_devices_cannot_split(plans):
+    # Two devices do not make three equal shares: the split arrangement says so and
+    # the winner is chosen among the other two.
+    gpt, cnn = plans
+    result = planner.colocate([gpt, cnn, gpt])
+    split = next(a for a in result.arrangements if a.name == SPLIT)
+    assert not split.fits and split.note == "2 devices do not split into 3 equal shares of whole nodes or devices"
+    assert result.labels == ("A", "B", "C")
+    assert {event.name.split(":")[0] for event in result.timeline} == {"A", "B", "C"}
+    assert result.winner.name in (SEQUENTIAL, COLOCATED)
+
+
+def test_share_of_cluster():
+    from planner.cluster import Cluster
+    from planner.colocation import share_of_cluster
+
+    assert share_of_cluster(Cluster.preset("cpu", 1, 4), 2).world_size == 2
+    two_nodes = Cluster.preset("dgx-a100-80g", 2)
+    half = share_of_cluster(two_nodes, 2)
+    assert (half.num_nodes, half.world_size) == (1, 8)  # whole nodes, not half of each
+    assert share_of_cluster(Cluster.preset("cpu", 1, 3), 2) is None
+
+
+def test_trace_never_overwrites_a_plan(capsys, plans):
+    gpt, cnn = plans
+    before = gpt.read_text()
+    assert_user_error(capsys, ["colocate", str(gpt), str(cnn), "--no-split", "--trace", str(gpt)], "not a Chrome trace")
+    assert gpt.read_text() == before
