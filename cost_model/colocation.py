@@ -4,16 +4,18 @@ CrossoverScheduler's idea (one job computes while the other synchronises its gra
 alternately) read as list scheduling. The model, stated so a reader can check it by hand:
 
   * Each job's timeline (``SimResult.timeline``) gives, per simulated device, its tasks on
-    each stream with their durations. A job's k-th simulated device shares the k-th device
-    slot with the other jobs' k-th devices (the simulator's devices are representatives:
-    ``stage 0`` for a plan without a pipeline).
+    each stream with their durations. The simulator's devices are representatives (``stage
+    0`` for a plan without a pipeline stands for every rank), so device slot k holds each
+    job's (k mod its device count)-th simulated device: a data-parallel job beside a
+    two-stage pipeline runs on both stages' slots.
   * The jobs share the streams of a slot by name: one ``compute`` stream, and each
     communication stream (``collective``, ``p2p``, ...) shared with the same stream of the
     other jobs. A stream runs one task at a time; each job's tasks keep their own order.
-  * A job's task waits for the tasks of the same job and device that had finished when it
-    started alone (on every other stream): the backward pass before its gradient
-    all-reduce, the all-reduce before the optimizer. Dependencies between a pipeline's
-    devices are not kept (its bubbles may be filled optimistically).
+  * A job's task waits for the job's tasks that had finished when it started alone (the
+    last one of every other stream, on any of its devices): the backward pass before its
+    gradient all-reduce, the all-reduce before the optimizer, a pipeline stage's send before
+    the next stage's work. So no job runs faster than alone; the dependencies read this way
+    are conservative (a task may wait for one it did not need).
   * ``rounds`` steps of every job run back to back: a job's next step starts after its
     previous one ends on that device. When a shared stream frees, the ready task that can
     start earliest runs; a tie goes to the job listed first. This gives the crossover order:
@@ -31,6 +33,7 @@ concurrently (a shared stream runs them one after the other).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -122,29 +125,60 @@ def _tasks(timelines, rounds: int) -> tuple[list[_Job], list[list[int]]]:
     """Every job's tasks for ``rounds`` steps and the dependencies kept within each job."""
     tasks: list[_Job] = []
     deps: list[list[int]] = []
+    slots = max(len({event.device for event in timeline}) for timeline in timelines)
     for job, timeline in enumerate(timelines):
         devices = list(dict.fromkeys(event.device for event in timeline))
-        previous_round: dict[str, list[int]] = {}
+        position = {device: index for index, device in enumerate(devices)}
+        events = sorted(timeline, key=lambda e: (e.start_s, e.name))
+        waits = _waits(events)
+        previous_round: dict[int, list[int]] = {}
         for round_index in range(rounds):
-            this_round: dict[str, list[int]] = {}
-            for slot, device in enumerate(devices):
-                events = sorted((e for e in timeline if e.device == device), key=lambda e: (e.start_s, e.name))
-                ids = []
-                for event in events:
-                    task_id = len(tasks)
-                    tasks.append(_Job(job, round_index, slot, event))
-                    # The last task of each other stream that had finished when this one started alone.
-                    done: dict[str, int] = {}
-                    for other_id in ids:
-                        other = tasks[other_id].event
-                        if other.stream != event.stream and other.start_s + other.duration_s <= event.start_s + 1e-12:
-                            done[other.stream] = other_id
-                    deps.append(list(done.values()) + previous_round.get(device, []))
-                    ids.append(task_id)
-                this_round[device] = ids
+            # A job simulated on fewer devices than the slots repeats them (replica r holds
+            # its devices on slots r*n ... r*n+n-1): its devices stand for every device of
+            # their kind (every rank of a data-parallel job).
+            placed: dict[tuple[int, int], int] = {}
+            for slot in range(slots):
+                replica, index = divmod(slot, len(devices))
+                for event_index, event in enumerate(events):
+                    if position[event.device] == index:
+                        placed[(slot, event_index)] = len(tasks)
+                        tasks.append(_Job(job, round_index, slot, event))
+                        deps.append(list(previous_round.get(slot, [])))
+            for (slot, event_index), task_id in placed.items():
+                replica = slot // len(devices)
+                for waited in waits[event_index]:
+                    other = placed.get((replica * len(devices) + position[events[waited].device], waited))
+                    if other is not None:  # a partial replica has no such device: dropped
+                        deps[task_id].append(other)
             # The next step on a device starts after this step's tasks there end.
-            previous_round = {device: _last_per_stream(tasks, ids) for device, ids in this_round.items()}
+            on_slot: dict[int, list[int]] = {}
+            for (slot, _), task_id in sorted(placed.items()):
+                on_slot.setdefault(slot, []).append(task_id)
+            previous_round = {slot: _last_per_stream(tasks, ids) for slot, ids in on_slot.items()}
     return tasks, deps
+
+
+def _waits(events: list[TimelineEvent]) -> list[list[int]]:
+    """For each event (indices into ``events``, sorted by start), the last event of every
+    other stream of the job, on any device, that had finished when it started alone: its
+    backward before its all-reduce, a pipeline stage's send before the next stage's work.
+    A stream runs one task at a time, so its finishes grow with its starts (bisect)."""
+    finishes: dict[tuple[str, str], tuple[list[float], list[int]]] = {}
+    for index, event in enumerate(events):
+        times, indices = finishes.setdefault((event.device, event.stream), ([], []))
+        times.append(event.start_s + event.duration_s)
+        indices.append(index)
+    waits = []
+    for event in events:
+        waited = []
+        for key, (times, indices) in finishes.items():
+            if key == (event.device, event.stream):
+                continue
+            last = bisect.bisect_right(times, event.start_s + 1e-12) - 1
+            if last >= 0:
+                waited.append(indices[last])
+        waits.append(waited)
+    return waits
 
 
 def _last_per_stream(tasks: list[_Job], ids: list[int]) -> list[int]:

@@ -182,3 +182,36 @@ def test_trace_never_overwrites_a_plan(capsys, plans):
     before = gpt.read_text()
     assert_user_error(capsys, ["colocate", str(gpt), str(cnn), "--no-split", "--trace", str(gpt)], "not a Chrome trace")
     assert gpt.read_text() == before
+
+
+def test_a_job_on_one_simulated_device_fills_every_slot():
+    # A two-stage job P (stage 1 starts when stage 0 ends) beside JOB_B, simulated on one
+    # device that stands for every rank: B runs on both slots.
+    #   slot 0: P's stage 0 0-1 (ties to the job listed first), B's compute 1-3, B's all-reduce 3-4;
+    #   slot 1: P's stage 1 waits for stage 0 (ready at 1), so B's compute, ready at 0,
+    #           starts first: 0-2, filling P's bubble; P's stage 1 2-3; B's all-reduce 2-3.
+    # The first round ends at 4 (slot 0).
+    pipeline = (TimelineEvent("stage 0", "compute", "F stage 0", 0.0, 1.0),
+                TimelineEvent("stage 1", "compute", "F stage 1", 1.0, 1.0))
+    shared = colocate_timelines([pipeline, JOB_B], ["P", "B"], overlap_slowdown=0.0)
+    placed = sorted((event.device, event.name, event.start_s) for event in shared.timeline)
+    assert placed == [
+        ("device 0", "B: all-reduce", 3.0), ("device 0", "B: fwd+bwd", 1.0), ("device 0", "P: F stage 0", 0.0),
+        ("device 1", "B: all-reduce", 2.0), ("device 1", "B: fwd+bwd", 0.0), ("device 1", "P: F stage 1", 2.0),
+    ]
+    assert shared.first_round_s == pytest.approx(4.0)
+    assert shared.job_finish_s == pytest.approx((3.0, 4.0))
+
+
+def test_a_pipeline_job_keeps_its_stages_order(plans):
+    # A pipeline's stage waits for the stage before it as it did alone, so co-located it
+    # is never faster than alone; its bubbles are where the other job's compute fits.
+    from planner import baselines
+
+    _, cnn = plans
+    pipeline = baselines.megatron(str(ROOT / "examples" / "gpt.py"), planner.Cluster.preset("cpu", 1, 2),
+                                  pp=2, micro_batch=2, precision="fp32")
+    result = planner.colocate([pipeline, cnn], split=False)
+    by_name = {arrangement.name: arrangement for arrangement in result.arrangements}
+    assert max(result.alone_s) <= by_name[COLOCATED].round_s <= by_name[SEQUENTIAL].round_s
+    assert {event.device for event in result.timeline} == {"device 0", "device 1"}
