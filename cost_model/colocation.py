@@ -63,7 +63,9 @@ class ColocatedRound:
 
 
 @dataclass
-class _Job:
+class _SharedTask:
+    """One task of one job's step ``round``, placed on device ``slot``."""
+
     job: int
     round: int
     slot: int
@@ -83,6 +85,8 @@ def colocate_timelines(
         raise ValueError("colocate_timelines needs at least 2 rounds to read a steady-state round")
     if len(timelines) != len(labels):
         raise ValueError("colocate_timelines needs one label per timeline")
+    if not all(timelines):
+        raise ValueError("colocate_timelines needs a task in every timeline")
     first = _makespan(timelines, labels, overlap_slowdown, 1)
     before = _makespan(timelines, labels, overlap_slowdown, rounds - 1)
     last = _makespan(timelines, labels, overlap_slowdown, rounds)
@@ -121,9 +125,9 @@ def _makespan(timelines, labels, slowdown: float, rounds: int):
     return makespan, tuple(finish), tuple(events)
 
 
-def _tasks(timelines, rounds: int) -> tuple[list[_Job], list[list[int]]]:
+def _tasks(timelines, rounds: int) -> tuple[list[_SharedTask], list[list[int]]]:
     """Every job's tasks for ``rounds`` steps and the dependencies kept within each job."""
-    tasks: list[_Job] = []
+    tasks: list[_SharedTask] = []
     deps: list[list[int]] = []
     slots = max(len({event.device for event in timeline}) for timeline in timelines)
     for job, timeline in enumerate(timelines):
@@ -142,7 +146,7 @@ def _tasks(timelines, rounds: int) -> tuple[list[_Job], list[list[int]]]:
                 for event_index, event in enumerate(events):
                     if position[event.device] == index:
                         placed[(slot, event_index)] = len(tasks)
-                        tasks.append(_Job(job, round_index, slot, event))
+                        tasks.append(_SharedTask(job, round_index, slot, event))
                         deps.append(list(previous_round.get(slot, [])))
             for (slot, event_index), task_id in placed.items():
                 replica = slot // len(devices)
@@ -181,14 +185,14 @@ def _waits(events: list[TimelineEvent]) -> list[list[int]]:
     return waits
 
 
-def _last_per_stream(tasks: list[_Job], ids: list[int]) -> list[int]:
+def _last_per_stream(tasks: list[_SharedTask], ids: list[int]) -> list[int]:
     last: dict[str, int] = {}
     for task_id in ids:
         last[tasks[task_id].event.stream] = task_id
     return list(last.values())
 
 
-def _crossover_order(tasks: list[_Job], deps: list[list[int]]) -> list[int]:
+def _crossover_order(tasks: list[_SharedTask], deps: list[list[int]]) -> list[int]:
     """The order tasks run on each shared stream: repeatedly the ready task (its job's
     earlier tasks on the stream and its dependencies done) that can start earliest, ties to
     the job listed first, then the earlier round and the earlier start alone."""

@@ -121,7 +121,7 @@ def colocate(plans: Sequence["Plan | str | os.PathLike"], *, split: bool = True,
     co-located on the same devices in crossover order (``cost_model.colocation``).
 
     Raises:
-        ArgumentError: fewer than two plans, or clusters of different sizes.
+        ArgumentError: fewer than two plans, clusters of different sizes, or ``rounds`` < 2.
         PlannerError: a plan file is bad or its model can no longer be simulated.
     """
     from cost_model.colocation import colocate_timelines
@@ -131,6 +131,9 @@ def colocate(plans: Sequence["Plan | str | os.PathLike"], *, split: bool = True,
 
     if len(plans) < 2:
         raise ArgumentError("colocate needs two or more plans (one per job sharing the cluster)")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 2:
+        raise ArgumentError(f"colocate's rounds must be an integer of at least 2 (the steady round is the last "
+                            f"minus the one before), got {rounds!r}")
     loaded = [plan if isinstance(plan, Plan) else load_plan(plan) for plan in plans]
     names = tuple(str(plan) if not isinstance(plan, Plan) else plan.name for plan in plans)
     sizes = [plan.cluster.world_size for plan in loaded]
@@ -140,6 +143,9 @@ def colocate(plans: Sequence["Plan | str | os.PathLike"], *, split: bool = True,
                             f"plan every job for the same cluster to compare sharing it")
     labels = tuple(chr(ord("A") + index) if index < 26 else f"J{index}" for index in range(len(loaded)))
     results = [simulate(plan) for plan in loaded]
+    for name, result in zip(names, results):
+        if not result.timeline:
+            raise PlanningError(f"the simulation of {name} has no timeline to share the devices with")
     alone = tuple(result.step_time_s for result in results)
     memory = tuple(result.memory.total for result in results)
     cluster = loaded[0].cluster

@@ -215,3 +215,10 @@ def test_a_pipeline_job_keeps_its_stages_order(plans):
     by_name = {arrangement.name: arrangement for arrangement in result.arrangements}
     assert max(result.alone_s) <= by_name[COLOCATED].round_s <= by_name[SEQUENTIAL].round_s
     assert {event.device for event in result.timeline} == {"device 0", "device 1"}
+
+
+def test_colocate_api_refuses_one_round(plans):
+    from planner.errors import ArgumentError
+    from user_errors import assert_api_error
+
+    assert_api_error(lambda: planner.colocate(list(plans), split=False, rounds=1), ArgumentError, "at least 2", "got 1")
