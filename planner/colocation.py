@@ -188,6 +188,7 @@ def _split(plans: "list[Plan]", alone: tuple[float, ...]) -> Arrangement:
     if share is None:
         return Arrangement(SPLIT, 0.0, alone, False, f"{plans[0].cluster.world_size} devices do not split into "
                                                      f"{len(plans)} equal shares of whole nodes or devices")
+    devices = f"{share.world_size} device{'s' if share.world_size > 1 else ''}"
     steps = []
     for plan in plans:
         if plan.model is None:
@@ -195,10 +196,10 @@ def _split(plans: "list[Plan]", alone: tuple[float, ...]) -> Arrangement:
         try:
             replanned = make_plan(plan.model, share, precision=plan.precision, progress=False)
         except PlanningError as error:
-            return Arrangement(SPLIT, 0.0, alone, False, f"{plan.name} cannot be planned on {share.world_size} "
-                                                         f"devices: {error}")
+            return Arrangement(SPLIT, 0.0, alone, False, f"{plan.name} cannot be planned on {devices}: "
+                                                         f"{error}")
         if not replanned.estimate.fits:
-            return Arrangement(SPLIT, 0.0, alone, False, f"{share.world_size} devices cannot hold {plan.name}: it "
+            return Arrangement(SPLIT, 0.0, alone, False, f"{devices} cannot hold {plan.name}: it "
                                                          f"needs {format_bytes(replanned.estimate.memory.total)} per device")
         steps.append(replanned.estimate.step_time_s)
     return Arrangement(SPLIT, max(steps), tuple(steps), True,

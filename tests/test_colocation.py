@@ -222,3 +222,21 @@ def test_colocate_api_refuses_one_round(plans):
     from user_errors import assert_api_error
 
     assert_api_error(lambda: planner.colocate(list(plans), split=False, rounds=1), ArgumentError, "at least 2", "got 1")
+
+
+def test_a_share_too_small_for_a_job_is_said():
+    # 2 MiB devices: examples/gpt.py fits two of them (a two-stage pipeline, about 1.6 MiB
+    # each) but not one (its smallest plan on one device needs 3.5 MiB), so the split
+    # cannot run; both jobs resident (about 1.6 + 1.0 MiB) do not fit either, and running
+    # them in turn wins.
+    from planner.cluster import Cluster
+
+    small = with_memory(Cluster.preset("cpu", 1, 2), 2 * 2**20)
+    jobs = [planner.plan(str(ROOT / "examples" / name), small, progress=False) for name in ("gpt.py", "cnn.py")]
+    assert all(job.estimate.fits for job in jobs)
+    result = planner.colocate(jobs)
+    by_name = {arrangement.name: arrangement for arrangement in result.arrangements}
+    assert not by_name[SPLIT].fits
+    assert f"{jobs[0].name} cannot be planned on 1 device: the model does not fit" in by_name[SPLIT].note
+    assert sum(result.memory_bytes) > 2 * 2**20 and not by_name[COLOCATED].fits
+    assert result.winner.name == SEQUENTIAL
