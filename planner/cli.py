@@ -19,8 +19,8 @@ from planner.arguments import OneLineParser, flag_type, integer_at_least, positi
 from planner.errors import ArgumentError, PlannerError
 from planner.expert_layouts import MOE_DISPATCHES
 from planner.outputs import refuse_input_as_output
-from planner.colocation import add_colocate_command, run_colocate
 from planner.cli_output import print_report, report_data, say, say_command, say_json, say_named_lines, status
+from planner.colocation import add_colocate_command, run_colocate
 from planner.terminal import inert_line
 from planner.terminal_width import terminal_width
 
