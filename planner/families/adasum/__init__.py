@@ -19,7 +19,7 @@ from planner.families.adasum.section import AdasumSection
 
 FAMILIES = (
     Family(
-        "adasum", "data parallel, gradients combined by Adasum across ranks (user choice: convergence at large batches)",
+        "adasum", "gradients combined by Adasum (a convergence choice, not speed)",
         lambda plan: "adasum" in plan.sections, data_parallel=True, refines=("ddp",), section=AdasumSection,
         candidates="planner.families.adasum.candidates:adasum_candidates", search_order=26,
         costs="planner.families.adasum.costs:AdasumStep",

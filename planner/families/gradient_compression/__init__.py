@@ -41,8 +41,8 @@ def _family(name: str, summary: str, section: type) -> Family:
 
 
 FAMILIES = (
-    _family(POWERSGD, "DDP with PowerSGD low-rank gradient compression (lossy; slow networks)", PowerSgdSection),
-    _family(TOP_K, "DDP with top-k gradient sparsification and error feedback (lossy; slow networks)", TopKSection),
-    _family(HALF_REDUCE, "DDP of an fp32 plan, gradients all-reduced in fp16/bf16 (rounded; slow networks)",
+    _family(POWERSGD, "DDP with PowerSGD low-rank gradients (lossy; slow networks)", PowerSgdSection),
+    _family(TOP_K, "DDP with top-k gradients and error feedback (lossy; slow nets)", TopKSection),
+    _family(HALF_REDUCE, "DDP of an fp32 plan, gradients reduced in fp16/bf16",
             HalfReduceSection),
 )

@@ -44,9 +44,15 @@ def compressed_candidates(context: SearchContext) -> list[Plan]:
     (``planner.families``): each allowed setting on the ddp plans found on ``dp`` alone (or on
     a ddp plan built here when ``--family`` left ddp out), simulated; those predicted slower than the best
     uncompressed plan by less than ``MIN_PREDICTED_GAIN`` are dropped, unless ``--family``
-    named the compression family. A sentence for the search summary either way."""
+    named the compression family. On gloo clusters only with ``--family``. A sentence for the
+    search summary either way."""
     wanted = [name for name in (POWERSGD, TOP_K, HALF_REDUCE) if context.constraints.allows_family(name)]
     if not wanted or context.whole_batch_only or context.summa_only or context.cluster.world_size < 2:
+        return []
+    # On gloo (CPU) clusters, whose figures are placeholders and whose programs exist to be
+    # checked against one device (which a lossy plan cannot pass), compression is tried only
+    # when --family names it.
+    if context.cluster.backend != "nccl" and context.constraints.families is None:
         return []
     bases = [plan for plan in context.found
              if plan.dp_flavour == "ddp" and not plan.label and plan.mesh.names == ("dp",) and not plan.sections

@@ -26,7 +26,7 @@ from planner.families.hsdp.section import HsdpSection
 
 FAMILIES = (
     Family(
-        "hsdp", "data parallel, FSDP inside node groups, replicated across them (HSDP)",
+        "hsdp", "FSDP inside node groups, replicated across them (HSDP)",
         lambda plan: "hsdp" in plan.sections, data_parallel=True, refines=("fsdp",), section=HsdpSection,
         candidates="planner.families.hsdp.candidates:hsdp_candidates", search_order=25,
         costs="planner.families.hsdp.costs:HybridShardingStep",

@@ -20,7 +20,7 @@ from planner.families.layer_separation.section import LayerSeparationSection
 
 FAMILIES = (
     Family(
-        "layer-separation", "CNN trunk data parallel on most ranks, fully connected head on a few (Stanza)",
+        "layer-separation", "CNN trunk data parallel, FC head on a few ranks (Stanza)",
         lambda plan: "layer-separation" in plan.sections, data_parallel=True, refines=("ddp",),
         section=LayerSeparationSection,
         candidates="planner.families.layer_separation.candidates:layer_separation_candidates", search_order=27,

@@ -14,7 +14,7 @@ from planner.families.moe_folding.section import JSON_KEY, MoeFoldingSection
 
 FAMILIES = (
     Family(
-        "moe-folding", "MoE parallel folding: dense layers tensor parallel, experts EP x ETP over dp x tp",
+        "moe-folding", "dense layers tensor parallel, experts EP x ETP over dp x tp",
         lambda plan: JSON_KEY in plan.sections,
         refines=("moe",), section=MoeFoldingSection,
         candidates="search.moe_folding:folded_candidates", search_order=12,

@@ -29,7 +29,7 @@ def _graph_program(plan: "Plan") -> bool:
 
 FAMILIES = (
     Family(
-        "tp", "tensor parallel on tp inside a node (SOAP, Megatron, sequence par.)", lambda plan: _size(plan, "tp") > 1,
+        "tp", "tensor parallel inside a node (SOAP, Megatron, sequence par.)", lambda plan: _size(plan, "tp") > 1,
         axes=("tp",), candidates="search.mesh_search:searched_candidates", search_order=30,
         emitter="codegen.spmd_emit:compile_graph_plan", claims=_graph_program, emit_order=80,
     ),

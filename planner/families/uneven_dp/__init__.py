@@ -24,7 +24,7 @@ from planner.families.uneven_dp.section import UnevenSection
 
 FAMILIES = (
     Family(
-        "uneven", "data parallel, batch shares by device speed on heterogeneous clusters",
+        "uneven", "data parallel, batch shares by device speed (mixed GPUs)",
         lambda plan: "uneven" in plan.sections, data_parallel=True, refines=("ddp", "zero1", "zero2", "fsdp"),
         section=UnevenSection,
         candidates="planner.families.uneven_dp.candidates:uneven_candidates", search_order=26,
