@@ -67,7 +67,7 @@ def test_a_part_is_the_chunks_of_the_whole_tensor_it_holds() -> None:
 @pytest.fixture(scope="module")
 def moe_programs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe_programs")
-    spec = ModelSpec(str(MOE_EXAMPLE), {"n_expert": EXPERTS, "capacity_factor": 1.25})
+    spec = ModelSpec(str(MOE_EXAMPLE), {"n_expert": EXPERTS, "capacity_factor": 1.25, "ffn": 128})
     graph, spec, name, cluster = prepare_model(spec, "cpu:1x1")
     plans = {
         "ep_ddp": moe_plan(2, "expert_parallel", "skewed"),  # expert 0 on both ranks
@@ -75,7 +75,7 @@ def moe_programs(tmp_path_factory) -> dict[str, Path]:
         "sliced_fsdp": moe_plan(2, "expert_sliced", flavour="fsdp"),
         "one": data_parallel_plan(graph, cluster, spec, name, "ddp", precision="fp32"),  # no MoE layers
     }
-    spec = ModelSpec(str(MOE_EXAMPLE), {"n_expert": 2 * EXPERTS, "capacity_factor": 1.25})
+    spec = ModelSpec(str(MOE_EXAMPLE), {"n_expert": 2 * EXPERTS, "capacity_factor": 1.25, "ffn": 128})
     graph, spec, name, cluster = prepare_model(spec, "cpu:1x1")
     plans["more_experts"] = data_parallel_plan(graph, cluster, spec, name, "ddp", precision="fp32")
     return {key: planner.compile(plan, root / key) for key, plan in plans.items()}
