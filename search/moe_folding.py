@@ -164,6 +164,11 @@ def folded_candidates(context: SearchContext) -> list[Plan]:
             options = set(folded_degrees(block.experts, block.ffn, ranks, mesh.axis_size("tp")))
             shared = options if shared is None else shared & options
         for ep, etp in sorted(shared or ()):
+            # Experts split over tp (ETP > 1) compile only without a pipeline and with EP x ETP
+            # covering every rank (codegen.moe_folding_emit); other splits are priced for a team
+            # whose trainer runs them (--moe-dispatch other than compiled), never chosen by default.
+            if etp != 1 and context.moe_dispatch == "compiled" and ("pp" in mesh.names or ep * etp != ranks):
+                continue
             for sequence_parallel in FOLDED_SEQUENCE_PARALLEL:
                 try:
                     plans.append(folded_plan(graph, context.cluster, context.spec, context.model_name, mesh, ep, etp,
