@@ -35,7 +35,7 @@ from search.data_parallel import data_parallel_plan
 POWERSGD_RANKS = (1, 4)
 TOP_K_FRACTIONS = (0.01, 0.001)
 # A lossy plan must beat the best uncompressed one by more than the simulator's typical error:
-# benchmarks/fidelity.py's median error over 26 published runs is 9.0% (README, "Fidelity").
+# benchmarks/fidelity.py's median error over 26 published runs is 8.5% (README, "Fidelity").
 MIN_PREDICTED_GAIN = 0.10
 
 
