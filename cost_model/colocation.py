@@ -26,9 +26,15 @@ alternately) read as list scheduling. The model, stated so a reader can check it
     ``TaskGraph.contend``; a job's own overlap is already in its timeline's durations, so
     only the other jobs' communication is charged here. One pass, as in the simulator.
 
+Memory (``rank_memory``, ``swap_seconds``): every job's states and activations stay resident
+on every device they use; a rank needs the sum of each job's bytes on the pipeline stage it
+holds, against that rank's own device. Jobs that do not fit together can still run one after
+the other by moving states to host memory over PCIe between their steps (``swap_seconds``);
+interleaving within a step with swapping is not modelled (both jobs' states are live then).
+
 Not modelled: memory bandwidth or cache sharing between two jobs' kernels (beyond the
-overlap slowdown), swapping one job's states out, and two jobs' collectives sharing a link
-concurrently (a shared stream runs them one after the other).
+overlap slowdown), and two jobs' collectives sharing a link concurrently (a shared stream
+runs them one after the other).
 """
 
 from __future__ import annotations
@@ -38,9 +44,77 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from cost_model.scheduler import TaskGraph
-from planner.strategy import TimelineEvent
+from planner.strategy import MemoryBreakdown, Mesh, TimelineEvent
 
 COMPUTE_STREAM = "compute"
+
+# Host <-> device copy bandwidth, bytes/s each way: PCIe 4.0 x16, 16 GT/s per lane x 16 lanes
+# x 128b/130b encoding / 8 bits = 31.5 GB/s (PCI-SIG, PCI Express Base Specification 4.0: the
+# host link of A100 servers such as the DGX A100). V100 hosts (PCIe 3.0) move half as fast,
+# H100 hosts (PCIe 5.0) twice: one figure for all, the peak, so a lower bound on the copies.
+PCIE_BYTES_PER_S = 16e9 * 16 * (128 / 130) / 8
+
+
+@dataclass(frozen=True)
+class CoRunner:
+    """The job already sharing the devices, as the planner of another job sees it.
+
+    Attributes:
+        name: the job's plan name (shown in the search line).
+        timeline: its simulated step (``SimResult.timeline``).
+        rank_bytes: its bytes on each rank (``rank_memory``), rank order.
+        step_s: its simulated step alone.
+        overlap_slowdown: the fraction compute slows beside the other job's communication
+            on this cluster (``cost_model.nccl``; 0 when unknown).
+    """
+
+    name: str
+    timeline: tuple[TimelineEvent, ...]
+    rank_bytes: tuple[int, ...]
+    step_s: float
+    overlap_slowdown: float
+
+
+def co_runner_context(name: str, plan, result, cluster) -> CoRunner:
+    """The context ``search_plan`` plans another job beside: ``plan`` (called ``name``), its
+    simulation ``result`` (with its timeline) on ``cluster``, its bytes on each rank and the
+    compute slowdown beside communication there (``cost_model.nccl``).
+
+    Raises:
+        ValueError: ``result`` has no timeline (simulated without one).
+    """
+    from cost_model.nccl import nccl_profile
+
+    if not result.timeline:
+        raise ValueError(f"the simulation of {name} has no timeline to share the devices with")
+    profile = nccl_profile(cluster)
+    memory = rank_memory(plan.mesh, result.stage_memory, result.memory)
+    return CoRunner(name=name, timeline=result.timeline, rank_bytes=tuple(m.total for m in memory),
+                    step_s=result.step_time_s, overlap_slowdown=profile.overlap_slowdown if profile else 0.0)
+
+
+def rank_memory(mesh: Mesh, stage_memory: Sequence[MemoryBreakdown], fullest: MemoryBreakdown) -> tuple[MemoryBreakdown, ...]:
+    """Each rank's memory (rank order): the breakdown of the pipeline stage it holds, its
+    coordinate on the mesh's ``pp`` axis (``fullest`` for every rank of a plan simulated
+    without per-stage figures). The mesh is outermost first, so rank r's ``pp`` coordinate
+    is ``(r // the size of the axes inside pp) % pp``."""
+    if "pp" not in mesh.names or not stage_memory:
+        return tuple(stage_memory[0] if len(stage_memory) == 1 else fullest for _ in range(mesh.size))
+    inner = 1
+    for name, size in reversed(mesh.axes):
+        if name == "pp":
+            break
+        inner *= size
+    stages = mesh.axis_size("pp")
+    return tuple(stage_memory[(rank // inner) % stages] for rank in range(mesh.size))
+
+
+def swap_seconds(overflow_bytes: int, bytes_per_s: float = PCIE_BYTES_PER_S) -> float:
+    """Seconds a round of jobs run one after the other spends swapping: at each of the two
+    switches between the jobs, ``overflow_bytes`` of the stopping job's states go out to host
+    memory and as many of the starting job's come back, one copy after the other (copies
+    could overlap compute on a copy engine, but at the link's peak they would not go faster)."""
+    return 2 * 2 * max(0, overflow_bytes) / bytes_per_s
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from planner.outputs import check_program_folder
 from planner.plan_checks import check_model_matches, check_plan_against_graph, check_plan_against_inputs
 from planner.plans import Plan, load_plan
 from planner.routing import read_routing_option, routing_for_layers
+from planner.shared_cluster import check_same_cluster, load_co_runner
 from planner.strategy import DP_FLAVOURS, SimResult
 from planner.trace import trace
 
@@ -59,6 +60,7 @@ def plan(
     tp_layouts: str = "auto",
     constraints: Any = None,
     moe_dispatch: str = "compiled",
+    co_runner: Plan | str | os.PathLike | None = None,
 ) -> Plan:
     """Find how to train ``model`` on ``cluster``.
 
@@ -116,6 +118,10 @@ def plan(
             ``"overlapped"``: DeepEP's too, and each MoE layer's all-to-alls run under
             another micro-batch's compute where that is faster and fits
             (``Plan.moe_a2a_overlap``, ``cost_model.moe_overlap``; simulated, not compiled).
+        co_runner: a job that will share the devices (a ``Plan`` or a saved plan's path,
+            for the same cluster): the plan chosen is the one with the shortest round
+            co-located with it (``search.beside``), among those fitting beside it on every
+            device, and the search summary compares it with the plan fastest alone.
 
     Returns:
         The chosen ``Plan``; ``plan.report()`` explains it.
@@ -151,6 +157,7 @@ def plan(
     if isinstance(cluster, Cluster):
         constraints.check_cluster(cluster)
     routing_option = read_routing_option(routing)
+    beside = load_co_runner(co_runner) if co_runner is not None else None
     budget = SearchBudget(effort=effort, wall_clock_cap_s=time_budget_s)
     with _progress_bar(enabled=progress) as on_progress:
         tracing = None
@@ -174,11 +181,14 @@ def plan(
             )
             search = "dp"
         constraints.check_cluster(cluster)
+        if beside is not None:
+            beside = _co_runner_context(beside, co_runner, cluster)
         if search == "dp" or dp_flavour is not None:
             _refuse_slices_of_a_coupled_batch(graph)
             chosen = plan_data_parallel(
                 graph, cluster, spec, model_name=name, dp_flavour=dp_flavour, warnings=warnings,
                 precision=precision, flavours=data_parallel_flavours(constraints, cluster, dp_flavour),
+                co_runner=beside,
             )
             if constraints.any:
                 chosen = dataclasses.replace(chosen, search_summary=f"constrained by {constraints.describe()}; "
@@ -192,11 +202,21 @@ def plan(
             chosen = search_plan(
                 graph, cluster, spec, name, search=search, budget=budget, seed=seed,
                 warnings=warnings, precision=precision, on_progress=searching, routing=routing_stats,
-                tp_layouts=tp_layouts, constraints=constraints, moe_dispatch=moe_dispatch,
+                tp_layouts=tp_layouts, constraints=constraints, moe_dispatch=moe_dispatch, co_runner=beside,
             )
     chosen = _with_host_bound_warning(chosen)
     total_s = time.perf_counter() - budget.started
     return dataclasses.replace(chosen, timings={"trace_s": traced_s, "search_s": total_s - traced_s, "total_s": total_s})
+
+
+def _co_runner_context(loaded: Plan, given: Any, cluster: Cluster):
+    """The ``co_runner`` argument as the search's context (``cost_model.colocation``),
+    named by its file when given as one; ``ArgumentError`` for a plan of another cluster."""
+    from cost_model.colocation import co_runner_context
+
+    name = loaded.name if isinstance(given, Plan) else str(given)
+    check_same_cluster([name, f"the job being planned ({cluster.name})"], [loaded.cluster, cluster])
+    return co_runner_context(name, loaded, simulate(loaded), cluster)
 
 
 # Share of the step waiting for the host above which the plan says so.

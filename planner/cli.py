@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="save the plan as JSON (input of `planner compile`); an existing file is replaced only if it is a plan",
     )
     plan.add_argument("--force", action="store_true", help="let -o overwrite a file that is not a plan")
+    plan.add_argument(
+        "--co-runner", metavar="PLAN_JSON", dest="co_runner",
+        help="a job that will share the devices (a plan saved by `planner plan -o` for the same cluster): choose "
+        "the plan with the shortest round co-located with it that fits beside it (see `planner colocate`)",
+    )
     _add_format(plan)
     _add_html(plan)
 
@@ -390,9 +395,16 @@ def _plan(options: argparse.Namespace) -> int:
     from planner.routing import read_routing_option
 
     routing = read_routing_option(options.routing)
+    co_runner = options.co_runner
+    if co_runner is not None:  # a bad file is said before the model is traced
+        from planner.shared_cluster import load_co_runner
+
+        load_co_runner(co_runner)  # passed as its path: the search line names the job by it
     if options.output is not None:
         from planner.plans import is_plan_file
 
+        if co_runner is not None:
+            refuse_input_as_output(options.output, "-o", [co_runner])
         check_output_file(options.output, what="soap-planner plan", is_ours=is_plan_file, force=options.force)
     html_path = _check_html_output(options)
     from planner.api import plan as make_plan
@@ -403,6 +415,7 @@ def _plan(options: argparse.Namespace) -> int:
         spec, cluster, dp_flavour=options.dp, precision=options.precision, search=options.search,
         effort=options.effort, time_budget_s=options.time_budget, seed=options.seed, progress=True, routing=routing,
         tp_layouts=options.tp_layouts, constraints=constraints, moe_dispatch=options.moe_dispatch,
+        co_runner=co_runner,
     )
     steps = _next_steps(plan, options)
     if options.output is not None:
@@ -538,13 +551,10 @@ def _calibrate(options: argparse.Namespace) -> int:
 def _simulate(options: argparse.Namespace) -> int:
     import dataclasses
 
-    from planner.outputs import check_output_file
-
     if options.trace is not None:
-        from planner.strategy import is_chrome_trace
+        from planner.strategy import check_trace_output
 
-        check_output_file(options.trace, what="Chrome trace", is_ours=is_chrome_trace, force=options.force)
-        refuse_input_as_output(options.trace, "--trace", [options.plan])
+        check_trace_output(options.trace, [options.plan], force=options.force)
     from planner.api import simulate
     from planner.plans import load_plan
 

@@ -11,6 +11,13 @@ Given saved plans for the same cluster, three arrangements are simulated and com
 
 A round is one step of every job; combined throughput is the steps of all jobs per second
 (jobs x rounds per second). The arrangement with the shortest round that fits in memory wins.
+
+Memory is read device by device (``cost_model.colocation.rank_memory``): each rank needs
+every job's bytes on the pipeline stage it holds, against its own device. Jobs that do not
+fit together run one after the other by swapping states to host memory over PCIe at each
+switch (priced, ``cost_model.colocation.swap_seconds``); co-located they cannot run
+(swapping within an interleaved round is not modelled). The report is
+``planner.colocation_report``.
 """
 
 from __future__ import annotations
@@ -18,113 +25,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from planner.cluster import Cluster
+from planner.colocation_report import COLOCATED, SEQUENTIAL, SPLIT, Arrangement, Colocation, DeviceMemory
 from planner.errors import ArgumentError, PlanningError
-from planner.units import format_bytes, format_seconds
+from planner.shared_cluster import check_same_cluster
+from planner.units import format_bytes
 
-if TYPE_CHECKING:  # both import torch: ``planner --help`` must not wait for it
+if TYPE_CHECKING:  # imports torch: ``planner --help`` must not wait for it
     from planner.plans import Plan
-    from planner.strategy import TimelineEvent
+    from planner.strategy import MemoryBreakdown
 
-SEQUENTIAL = "one after the other"
-SPLIT = "split the cluster"
-COLOCATED = "co-located (crossover)"
-
-
-@dataclass(frozen=True)
-class Arrangement:
-    """One way to run the jobs: seconds per round, each job's step in it, whether it fits.
-
-    ``note`` says why an arrangement cannot run (then ``round_s`` is 0) or what it assumed."""
-
-    name: str
-    round_s: float
-    job_step_s: tuple[float, ...]
-    fits: bool
-    note: str = ""
-
-    @property
-    def steps_per_s(self) -> float:
-        """Steps of all jobs per second (0 when the arrangement cannot run)."""
-        return len(self.job_step_s) / self.round_s if self.fits and self.round_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class Colocation:
-    """The comparison ``colocate`` returns.
-
-    Attributes:
-        labels: the jobs' short names (``A``, ``B``, ...), in the order given.
-        names: each job's plan name (or file).
-        alone_s: each job's simulated step owning the whole cluster.
-        memory_bytes: each job's memory on its fullest device.
-        capacity_bytes: memory of the cluster's smallest device.
-        arrangements: one after the other, split (unless skipped), co-located.
-        timeline: the co-located first round, both jobs on shared device slots.
-    """
-
-    labels: tuple[str, ...]
-    names: tuple[str, ...]
-    alone_s: tuple[float, ...]
-    memory_bytes: tuple[int, ...]
-    capacity_bytes: int
-    arrangements: tuple[Arrangement, ...]
-    timeline: "tuple[TimelineEvent, ...]"
-
-    @property
-    def winner(self) -> Arrangement | None:
-        """The arrangement with the most steps per second among those that fit."""
-        runnable = [a for a in self.arrangements if a.fits and a.round_s > 0]
-        return max(runnable, key=lambda a: a.steps_per_s) if runnable else None
-
-    def report(self) -> list[str]:
-        """The comparison as lines of text."""
-        lines = [f"job {label}: {name}, alone {format_seconds(step)} per step, {format_bytes(memory)} per device"
-                 for label, name, step, memory in zip(self.labels, self.names, self.alone_s, self.memory_bytes)]
-        both = sum(self.memory_bytes)
-        lines.append(f"memory with every job resident: {format_bytes(both)} of {format_bytes(self.capacity_bytes)} "
-                     f"per device ({'fits' if both <= self.capacity_bytes else 'does not fit'})")
-        for arrangement in self.arrangements:
-            lines.append(f"{arrangement.name}:")
-            if arrangement.round_s > 0:
-                slowdowns = ", ".join(f"{label} {step / alone:.2f}x" for label, step, alone
-                                      in zip(self.labels, arrangement.job_step_s, self.alone_s))
-                lines.append(f"  round (one step of each) {format_seconds(arrangement.round_s)}; "
-                             f"slowdown against alone: {slowdowns}")
-                lines.append(f"  combined throughput {len(self.labels) / arrangement.round_s:.2f} steps/s")
-            if arrangement.note:
-                lines.append(f"  {arrangement.note}")
-        winner = self.winner
-        if winner is None:
-            lines.append("winner: none of the arrangements fits")
-        else:
-            sequential = next(a for a in self.arrangements if a.name == SEQUENTIAL)
-            gain = sequential.round_s / winner.round_s if sequential.fits and winner is not sequential else 1.0
-            lines.append(f"winner: {winner.name}" + (f" ({gain:.2f}x the throughput of one after the other)"
-                                                    if winner is not sequential else ""))
-        return lines
-
-    def to_chrome_trace(self, path: str | os.PathLike, *, force: bool = False) -> None:
-        """Write the co-located first round as a Chrome/Perfetto trace: one process per
-        device slot, one thread per shared stream, each task named ``LABEL: task``."""
-        from planner.strategy import write_chrome_trace
-
-        write_chrome_trace(self.timeline, str(path), force=force)
-
+__all__ = ["COLOCATED", "SEQUENTIAL", "SPLIT", "Arrangement", "Colocation", "DeviceMemory", "colocate",
+           "share_of_cluster"]
 
 def colocate(plans: Sequence["Plan | str | os.PathLike"], *, split: bool = True, rounds: int = 3) -> Colocation:
-    """Compare running ``plans`` (two or more, for clusters of the same size) one after the
-    other, on a split cluster (re-planned on its share; skipped with ``split=False``) and
-    co-located on the same devices in crossover order (``cost_model.colocation``).
+    """Compare running ``plans`` (two or more, for the same cluster) one after the other, on
+    a split cluster (re-planned on its share; skipped with ``split=False``) and co-located on
+    the same devices in crossover order (``cost_model.colocation``).
 
     Raises:
-        ArgumentError: fewer than two plans, clusters of different sizes, or ``rounds`` < 2.
+        ArgumentError: fewer than two plans, plans for different clusters, or ``rounds`` < 2.
         PlannerError: a plan file is bad or its model can no longer be simulated.
     """
-    from cost_model.colocation import colocate_timelines
+    from cost_model.colocation import colocate_timelines, rank_memory
     from cost_model.nccl import nccl_profile
     from planner.api import simulate
     from planner.plans import Plan, load_plan
@@ -136,37 +61,77 @@ def colocate(plans: Sequence["Plan | str | os.PathLike"], *, split: bool = True,
                             f"minus the one before), got {rounds!r}")
     loaded = [plan if isinstance(plan, Plan) else load_plan(plan) for plan in plans]
     names = tuple(str(plan) if not isinstance(plan, Plan) else plan.name for plan in plans)
-    sizes = [plan.cluster.world_size for plan in loaded]
-    if len(set(sizes)) > 1:
-        listed = ", ".join(f"{name}: {size}" for name, size in zip(names, sizes))
-        raise ArgumentError(f"the plans are for clusters of different sizes ({listed} devices); "
-                            f"plan every job for the same cluster to compare sharing it")
+    check_same_cluster(names, [plan.cluster for plan in loaded])
     labels = tuple(chr(ord("A") + index) if index < 26 else f"J{index}" for index in range(len(loaded)))
     results = [simulate(plan) for plan in loaded]
     for name, result in zip(names, results):
         if not result.timeline:
             raise PlanningError(f"the simulation of {name} has no timeline to share the devices with")
     alone = tuple(result.step_time_s for result in results)
-    memory = tuple(result.memory.total for result in results)
     cluster = loaded[0].cluster
-    capacity = cluster.min_device_memory
-    sequential = Arrangement(SEQUENTIAL, sum(alone), tuple(sum(alone) for _ in alone), True,
-                             "each job's states leave the devices while the other runs (reload time not modelled)")
+    per_rank = [rank_memory(plan.mesh, result.stage_memory, result.memory) for plan, result in zip(loaded, results)]
+    devices = tuple(DeviceMemory(rank, cluster.device_of(rank).name, tuple(job[rank].total for job in per_rank),
+                                 cluster.device_of(rank).memory_bytes) for rank in range(cluster.world_size))
     profile = nccl_profile(cluster)
     slowdown = profile.overlap_slowdown if profile is not None else 0.0
     shared = colocate_timelines([result.timeline for result in results], labels, slowdown, rounds)
-    fits = sum(memory) <= capacity
-    colocated = Arrangement(
-        COLOCATED, shared.round_s, tuple(shared.round_s for _ in alone), fits,
-        (f"compute beside the other job's communication slowed {slowdown:.1%}" if slowdown
-         else f"no compute slowdown beside communication is known for {cluster.name}") + (
-            "" if fits else f"; both jobs' states need {format_bytes(sum(memory))} of "
-                            f"{format_bytes(capacity)} per device: does not fit (swapping states out is not modelled)"))
-    arrangements = [sequential]
+    arrangements = [_one_after_the_other(cluster, alone, devices, per_rank)]
     if split:
         arrangements.append(_split(loaded, alone))
-    arrangements.append(colocated)
-    return Colocation(labels, names, alone, memory, capacity, tuple(arrangements), shared.timeline)
+    arrangements.append(_colocated(cluster, alone, devices, shared.round_s, slowdown))
+    return Colocation(labels, names, alone, tuple(result.memory.total for result in results), devices,
+                      tuple(arrangements), shared.timeline)
+
+
+def _tightest(devices: Sequence[DeviceMemory]) -> DeviceMemory:
+    """The device with the least room left (the most missing) with every job resident."""
+    return min(devices, key=lambda device: device.capacity_bytes - device.total_bytes)
+
+
+def _one_after_the_other(cluster: Cluster, alone: tuple[float, ...], devices: Sequence[DeviceMemory],
+                         per_rank: "list[tuple[MemoryBreakdown, ...]]") -> Arrangement:
+    """The jobs in turn. States stay resident where every job fits on every device; else
+    at each switch the bytes missing on the fullest device leave for host memory over PCIe
+    and as many come back (``swap_seconds``), which each job's states (all but activations,
+    freed when its step ends) must be able to give up."""
+    from cost_model.colocation import PCIE_BYTES_PER_S, swap_seconds
+
+    round_s = sum(alone)
+    tightest = _tightest(devices)
+    overflow = tightest.total_bytes - tightest.capacity_bytes
+    if overflow <= 0:
+        return Arrangement(SEQUENTIAL, round_s, tuple(round_s for _ in alone), True,
+                           "every job's states stay resident (they fit together on every device)")
+    if cluster.backend == "gloo":
+        return Arrangement(SEQUENTIAL, round_s, tuple(round_s for _ in alone), True,
+                           "the jobs do not fit together in the host's memory: one job's states would have to "
+                           "leave it while the other runs (not priced on a CPU cluster)")
+    for device, memories in zip(devices, zip(*per_rank)):
+        missing = device.total_bytes - device.capacity_bytes
+        states = [memory.total - memory.activations for memory in memories]
+        if missing > min(states):
+            return Arrangement(SEQUENTIAL, 0.0, alone, False,
+                               f"rank {device.rank} misses {format_bytes(missing)} with every job resident, more than "
+                               f"a job's states there ({format_bytes(min(states))}) that could leave for host memory")
+    swap = swap_seconds(overflow)
+    round_s += swap
+    return Arrangement(SEQUENTIAL, round_s, tuple(round_s for _ in alone), True,
+                       f"swapping {format_bytes(overflow)} of states to host memory and back at each switch "
+                       f"(rank {tightest.rank}) at {PCIE_BYTES_PER_S / 1e9:.1f} GB/s (PCIe 4.0 x16): "
+                       f"+{swap * 1e3:.3g} ms a round", swap)
+
+
+def _colocated(cluster: Cluster, alone: tuple[float, ...], devices: Sequence[DeviceMemory], round_s: float,
+               slowdown: float) -> Arrangement:
+    """The crossover arrangement: it runs only where every job fits on every device."""
+    tightest = _tightest(devices)
+    note = (f"compute beside the other job's communication slowed {slowdown:.1%}" if slowdown
+            else f"no compute slowdown beside communication is known for {cluster.name}")
+    if not tightest.fits:
+        note += (f"; rank {tightest.rank} needs {format_bytes(tightest.total_bytes)} of "
+                 f"{format_bytes(tightest.capacity_bytes)} with every job resident: does not fit (swapping states "
+                 f"out within an interleaved round is not modelled)")
+    return Arrangement(COLOCATED, round_s, tuple(round_s for _ in alone), tightest.fits, note)
 
 
 def share_of_cluster(cluster: Cluster, shares: int) -> Cluster | None:
@@ -222,22 +187,27 @@ def add_colocate_command(commands) -> None:
     colocate_.add_argument("--no-split", action="store_true", help="skip re-planning each job on its share of the cluster")
     colocate_.add_argument("--trace", metavar="TRACE_JSON", help="write the co-located round as a Chrome trace (ui.perfetto.dev)")
     colocate_.add_argument("--force", action="store_true", help="let --trace overwrite a file that is not a Chrome trace")
+    colocate_.add_argument("--format", choices=("text", "json"), default="text",
+                           help="text: the report (default); json: the whole report as one object (schema: "
+                           "planner.colocation_report.Colocation.to_dict)")
 
 
 def run_colocate(options: argparse.Namespace) -> int:
     """Run ``planner colocate``: the checks on --trace first, then the comparison."""
-    from planner.cli_output import say, status
-    from planner.outputs import check_output_file, refuse_input_as_output
-    from planner.strategy import is_chrome_trace
+    from planner.cli_output import say, say_json, status
+    from planner.strategy import check_trace_output
 
     if options.trace is not None:
-        check_output_file(options.trace, what="Chrome trace", is_ours=is_chrome_trace, force=options.force)
-        refuse_input_as_output(options.trace, "--trace", options.plans)
+        check_trace_output(options.trace, options.plans, force=options.force)
     with status("simulating the jobs alone and together"):
         result = colocate(options.plans, split=not options.no_split)
+    if options.trace is not None:
+        result.to_chrome_trace(options.trace, force=options.force)
+    if options.format == "json":
+        say_json({**result.to_dict(), "trace": options.trace})
+        return 0
     for line in result.report():
         say(line)
     if options.trace is not None:
-        result.to_chrome_trace(options.trace, force=options.force)
         say(f"wrote the co-located round to {options.trace} (open it in https://ui.perfetto.dev)")
     return 0

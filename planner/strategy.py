@@ -431,6 +431,15 @@ def is_chrome_trace(path: Any) -> bool:
     )
 
 
+def check_trace_output(path: Any, inputs: Sequence[Any], *, force: bool = False) -> None:
+    """Check a ``--trace`` path before any work: it replaces only a trace soap-planner wrote
+    (unless ``force``) and is none of the command's ``inputs`` (``planner.outputs``)."""
+    from planner.outputs import check_output_file, refuse_input_as_output
+
+    check_output_file(path, what="Chrome trace", is_ours=is_chrome_trace, force=force)
+    refuse_input_as_output(path, "--trace", list(inputs))
+
+
 def placements_from_json(items: Any, where: str) -> Placements:
     if not isinstance(items, list):
         raise PlanFileError(f"{where} must be a list of placements like [\"S(0)\", \"R\"], got {one_line(repr(items))}")

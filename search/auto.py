@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from cost_model.colocation import CoRunner
 from planner.cluster import Cluster
 from planner.constraints import SearchConstraints
 from planner.errors import PlanningError
@@ -24,6 +25,7 @@ from planner.plans import Plan
 from planner.routing import RoutingStats
 from planner.strategy import Mesh
 from search.batch_coupling import batch_coupled_ops, coupling_warning
+from search.beside import choose_beside
 from search.budget import SearchBudget
 from search.context import SearchContext
 from search.data_parallel import DATA_PARALLEL_FLAVOURS, accumulating, data_parallel_plan, does_not_fit
@@ -70,8 +72,10 @@ def search_plan(
     tp_layouts: str = "auto",
     constraints: SearchConstraints | None = None,
     moe_dispatch: str = "compiled",
+    co_runner: CoRunner | None = None,
 ) -> Plan:
-    """The fastest plan that fits, over meshes, per-op shardings and data-parallel flavours.
+    """The fastest plan that fits, over meshes, per-op shardings and data-parallel flavours
+    (beside ``co_runner``: the plan with the shortest co-located round, ``search.beside``).
 
     Args:
         search: ``"ilp"`` (CP-SAT), ``"mcmc"`` (simulator-scored), or ``"auto"`` (CP-SAT,
@@ -91,6 +95,9 @@ def search_plan(
         moe_dispatch: ``"compiled"``, ``"deduplicated"`` or ``"overlapped"``: whether
             expert-parallel layers may use DeepEP's deduplicated all-to-all, and their
             all-to-alls run under another micro-batch's compute (``planner.api.plan``).
+        co_runner: a job already on the devices (``cost_model.colocation.CoRunner``): the
+            kept plans are re-ranked by their round co-located with it, among those that fit
+            beside it, and the search summary says so.
 
     Raises:
         PlanningError: nothing fits on any mesh (the message says how much memory the
@@ -143,10 +150,14 @@ def search_plan(
     if not fitting:
         raise _nothing_fits(cluster, [*plans, *baselines], constraints)
     best = min(fitting, key=lambda plan: plan.estimate.step_time_s)
+    beside = ""
+    if co_runner is not None:
+        best, beside = choose_beside(co_runner, fitting, graph)
     context.progress("done", 1.0)
     what = "SUMMA mesh(es) (--tp-layouts summa)" if context.summa_only else "mesh(es)"
     summary = _constraints_note(constraints)
-    summary += f"{search} search (effort {budget.effort:g}) over {len(context.meshes)} {what}: " + "; ".join(context.notes)
+    summary += f"{search} search (effort {budget.effort:g}) over {len(context.meshes)} {what}: " + "; ".join(
+        [*context.notes, *([beside] if beside else [])])
     summary += _with_savings(best, graph)
     cut = budget.cut_warning()
     return dataclasses.replace(

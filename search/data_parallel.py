@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from cost_model.colocation import CoRunner
 from cost_model.simulator import simulated
 from planner.cluster import Cluster
 from planner.errors import PlanningError
@@ -26,6 +27,7 @@ from planner.model_spec import ModelSpec
 from planner.plans import Plan
 from planner.strategy import Alternative, Mesh, SimResult
 from planner.verdict import plan_route
+from search.beside import choose_beside
 from search.layouts import data_parallel_layout
 from search.context import SearchContext
 from search.plan_builder import unsimulated_plan
@@ -46,8 +48,10 @@ def plan_data_parallel(
     warnings: tuple[str, ...] = (),
     precision: str = "fp32",
     flavours: tuple[str, ...] = DATA_PARALLEL_FLAVOURS,
+    co_runner: CoRunner | None = None,
 ) -> Plan:
-    """The best data-parallel plan of ``graph`` on all of ``cluster``'s devices.
+    """The best data-parallel plan of ``graph`` on all of ``cluster``'s devices (beside
+    ``co_runner``: the flavour with the shortest co-located round, ``search.beside``).
 
     Args:
         graph: the traced model.
@@ -81,6 +85,10 @@ def plan_data_parallel(
     if not fitting:
         raise does_not_fit(cluster, {flavour: plans[flavour].estimate for flavour in DATA_PARALLEL_FLAVOURS})
     chosen = min(fitting, key=lambda flavour: plans[flavour].estimate.step_time_s)
+    if co_runner is not None:
+        beside, line = choose_beside(co_runner, [plans[flavour] for flavour in fitting], graph)
+        chosen = next(flavour for flavour in fitting if plans[flavour] is beside)
+        plans[chosen] = dataclasses.replace(beside, search_summary="; ".join(filter(None, (beside.search_summary, line))))
     runners_up = tuple(
         alternative(plans[flavour], plans[chosen]) for flavour in DATA_PARALLEL_FLAVOURS if flavour != chosen
     )

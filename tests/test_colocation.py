@@ -132,7 +132,7 @@ def test_colocated_jobs_that_do_not_fit_together_lose(plans):
     small = [dataclasses.replace(plan, cluster=with_memory(plan.cluster, capacity)) for plan in loaded]
     result = planner.colocate(small, split=False)
     colocated = next(a for a in result.arrangements if a.name == COLOCATED)
-    assert not colocated.fits and "swapping states out is not modelled" in colocated.note
+    assert not colocated.fits and "swapping states out within an interleaved round is not modelled" in colocated.note
     assert result.winner.name == SEQUENTIAL
     assert any("does not fit" in line for line in result.report())
 
