@@ -396,10 +396,11 @@ def _plan(options: argparse.Namespace) -> int:
 
     routing = read_routing_option(options.routing)
     co_runner = options.co_runner
-    if co_runner is not None:  # a bad file is said before the model is traced
-        from planner.shared_cluster import load_co_runner
+    if co_runner is not None:  # a bad file or another cluster is said before the model is traced
+        from planner.shared_cluster import check_same_cluster, load_co_runner
 
-        load_co_runner(co_runner)  # passed as its path: the search line names the job by it
+        # Passed on as its path: the search line names the job by it.
+        check_same_cluster([co_runner, f"--cluster {options.cluster}"], [load_co_runner(co_runner).cluster, cluster])
     if options.output is not None:
         from planner.plans import is_plan_file
 

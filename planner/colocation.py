@@ -75,10 +75,10 @@ def colocate(plans: Sequence["Plan | str | os.PathLike"], *, split: bool = True,
     profile = nccl_profile(cluster)
     slowdown = profile.overlap_slowdown if profile is not None else 0.0
     shared = colocate_timelines([result.timeline for result in results], labels, slowdown, rounds)
-    arrangements = [_one_after_the_other(cluster, alone, devices, per_rank)]
+    arrangements = [one_after_the_other(cluster, alone, devices, per_rank)]
     if split:
         arrangements.append(_split(loaded, alone))
-    arrangements.append(_colocated(cluster, alone, devices, shared.round_s, slowdown))
+    arrangements.append(colocated_arrangement(cluster, alone, devices, shared.round_s, slowdown))
     return Colocation(labels, names, alone, tuple(result.memory.total for result in results), devices,
                       tuple(arrangements), shared.timeline)
 
@@ -88,9 +88,10 @@ def _tightest(devices: Sequence[DeviceMemory]) -> DeviceMemory:
     return min(devices, key=lambda device: device.capacity_bytes - device.total_bytes)
 
 
-def _one_after_the_other(cluster: Cluster, alone: tuple[float, ...], devices: Sequence[DeviceMemory],
+def one_after_the_other(cluster: Cluster, alone: tuple[float, ...], devices: Sequence[DeviceMemory],
                          per_rank: "list[tuple[MemoryBreakdown, ...]]") -> Arrangement:
-    """The jobs in turn. States stay resident where every job fits on every device; else
+    """The jobs in turn on ``cluster`` (steps ``alone``; ``devices`` every rank's memory,
+    ``per_rank`` each job's breakdown by rank). States stay resident where every job fits on every device; else
     at each switch the bytes missing on the fullest device leave for host memory over PCIe
     and as many come back (``swap_seconds``), which each job's states (all but activations,
     freed when its step ends) must be able to give up."""
@@ -121,9 +122,10 @@ def _one_after_the_other(cluster: Cluster, alone: tuple[float, ...], devices: Se
                        f"+{swap * 1e3:.3g} ms a round", swap)
 
 
-def _colocated(cluster: Cluster, alone: tuple[float, ...], devices: Sequence[DeviceMemory], round_s: float,
+def colocated_arrangement(cluster: Cluster, alone: tuple[float, ...], devices: Sequence[DeviceMemory], round_s: float,
                slowdown: float) -> Arrangement:
-    """The crossover arrangement: it runs only where every job fits on every device."""
+    """The crossover arrangement (``round_s`` from ``colocate_timelines``, compute slowed
+    ``slowdown`` beside communication): it runs only where every job fits on every device."""
     tightest = _tightest(devices)
     note = (f"compute beside the other job's communication slowed {slowdown:.1%}" if slowdown
             else f"no compute slowdown beside communication is known for {cluster.name}")

@@ -20,12 +20,14 @@ seconds, so the choice is the same on any machine.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 from cost_model.colocation import CoRunner, colocate_timelines, rank_memory
 from cost_model.simulator import simulate_plan
 from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.plans import Plan
+from planner.strategy import TimelineEvent
 from planner.units import format_bytes, format_seconds
 from planner.verdict import ROUTES, plan_route
 
@@ -40,17 +42,22 @@ class Beside:
     """One candidate scheduled beside the co-runner.
 
     Attributes:
-        plan: the candidate.
+        plan: the candidate (a ``Plan`` in the search).
+        alone_s: its step alone.
         round_s: the co-located round (one step of each job), steady state.
-        fits: whether both jobs' bytes fit on every rank's device.
         tightest: (rank, both jobs' bytes there, that device's capacity) where the room
             left is smallest.
     """
 
-    plan: Plan
+    plan: Any
+    alone_s: float
     round_s: float
-    fits: bool
     tightest: tuple[int, int, int]
+
+    @property
+    def fits(self) -> bool:
+        """Whether both jobs' bytes fit on every rank's device."""
+        return self.tightest[1] <= self.tightest[2]
 
 
 def kept_candidates(fitting: list[Plan], count: int = KEPT) -> list[Plan]:
@@ -65,29 +72,33 @@ def kept_candidates(fitting: list[Plan], count: int = KEPT) -> list[Plan]:
     return kept
 
 
+def timeline_beside(co_runner: CoRunner, candidate: Any, name: str, alone_s: float,
+                    timeline: Sequence[TimelineEvent], rank_bytes: Sequence[int], capacities: Sequence[int]) -> Beside:
+    """``candidate`` (called ``name``; its step ``alone_s``, its ``timeline`` and its bytes
+    on each rank) scheduled with ``co_runner`` on shared devices whose memories are
+    ``capacities`` (``cost_model.colocation.colocate_timelines``, the co-runner first)."""
+    shared = colocate_timelines([co_runner.timeline, timeline], [co_runner.name, name], co_runner.overlap_slowdown)
+    rows = [(rank, theirs + ours, capacity)
+            for rank, (theirs, ours, capacity) in enumerate(zip(co_runner.rank_bytes, rank_bytes, capacities))]
+    return Beside(candidate, alone_s, shared.round_s, min(rows, key=lambda row: row[2] - row[1]))
+
+
 def schedule_beside(co_runner: CoRunner, plan: Plan, graph: OpGraph) -> Beside:
-    """``plan`` simulated with its timeline and scheduled with ``co_runner`` on shared
-    devices (``cost_model.colocation.colocate_timelines``, the co-runner listed first)."""
+    """``plan`` simulated with its timeline and scheduled beside ``co_runner``."""
     result = simulate_plan(plan, graph)
-    shared = colocate_timelines([co_runner.timeline, result.timeline], [co_runner.name, plan.name],
-                                co_runner.overlap_slowdown)
-    mine = rank_memory(plan.mesh, result.stage_memory, result.memory)
-    rows = [(rank, theirs + ours.total, plan.cluster.device_of(rank).memory_bytes)
-            for rank, (theirs, ours) in enumerate(zip(co_runner.rank_bytes, mine))]
-    tightest = min(rows, key=lambda row: row[2] - row[1])
-    return Beside(plan, shared.round_s, tightest[1] <= tightest[2], tightest)
+    memory = rank_memory(plan.mesh, result.stage_memory, result.memory)
+    capacities = [plan.cluster.device_of(rank).memory_bytes for rank in range(plan.cluster.world_size)]
+    return timeline_beside(co_runner, plan, plan.name, result.step_time_s, result.timeline,
+                           [m.total for m in memory], capacities)
 
 
-def choose_beside(co_runner: CoRunner, fitting: list[Plan], graph: OpGraph) -> tuple[Plan, str]:
-    """The plan of ``fitting`` (the search's plans that fit alone) with the shortest
-    co-located round beside ``co_runner`` among those that fit beside it, and the search
-    line that says so against the plan fastest alone.
+def pick_beside(co_runner: CoRunner, scheduled: Sequence[Beside]) -> tuple[Beside, str]:
+    """Of ``scheduled`` (the plan fastest alone first), the one with the shortest round
+    among those that fit beside ``co_runner`` (ties: faster alone), and the search line.
 
     Raises:
-        PlanningError: none of the kept plans fits beside the co-runner on every device.
+        PlanningError: none fits beside the co-runner on every device.
     """
-    candidates = kept_candidates(fitting)
-    scheduled = [schedule_beside(co_runner, plan, graph) for plan in candidates]
     fastest_alone = scheduled[0]
     room = [entry for entry in scheduled if entry.fits]
     if not room:
@@ -97,10 +108,18 @@ def choose_beside(co_runner: CoRunner, fitting: list[Plan], graph: OpGraph) -> t
             f"{format_bytes(need)} for both jobs on rank {rank}, which has {format_bytes(capacity)}; run the jobs "
             f"one after the other (plan without --co-runner) or on more devices"
         )
-    best = min(room, key=lambda entry: (entry.round_s, entry.plan.estimate.step_time_s))
+    best = min(room, key=lambda entry: (entry.round_s, entry.alone_s))
     against = (f"{format_seconds(fastest_alone.round_s)} for the plan fastest alone" if fastest_alone.fits else
                f"the plan fastest alone, which does not fit beside it ({format_bytes(fastest_alone.tightest[1])} on "
                f"rank {fastest_alone.tightest[0]} of {format_bytes(fastest_alone.tightest[2])})")
-    line = (f"planned beside {co_runner.name}: co-located round {format_seconds(best.round_s)} against {against}; "
-            f"{len(scheduled)} kept plans re-ranked by co-located round")
+    return best, (f"planned beside {co_runner.name}: co-located round {format_seconds(best.round_s)} against "
+                  f"{against}; {len(scheduled)} kept plans re-ranked by co-located round")
+
+
+def choose_beside(co_runner: CoRunner, fitting: list[Plan], graph: OpGraph) -> tuple[Plan, str]:
+    """The plan of ``fitting`` (the search's plans that fit alone) with the shortest
+    co-located round beside ``co_runner`` among the kept ones that fit beside it
+    (``pick_beside``), and the search line that compares it with the plan fastest alone."""
+    scheduled = [schedule_beside(co_runner, plan, graph) for plan in kept_candidates(fitting)]
+    best, line = pick_beside(co_runner, scheduled)
     return best.plan, line

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from planner.cli import main
 from planner.cluster_edits import with_memory
 from planner.colocation import COLOCATED, SEQUENTIAL, SPLIT
 from planner.strategy import TimelineEvent
+from planner.units import format_bytes
 from user_errors import assert_user_error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,6 +217,15 @@ def test_a_pipeline_job_keeps_its_stages_order(plans):
     by_name = {arrangement.name: arrangement for arrangement in result.arrangements}
     assert max(result.alone_s) <= by_name[COLOCATED].round_s <= by_name[SEQUENTIAL].round_s
     assert {event.device for event in result.timeline} == {"device 0", "device 1"}
+    # Memory device by device: rank r holds the pipeline's stage r beside the whole
+    # data-parallel job (the same bytes on both ranks), against its own device.
+    stages = planner.simulate(pipeline).stage_memory
+    cnn_bytes = planner.simulate(cnn).memory.total
+    assert [device.job_bytes for device in result.devices] == [(stages[0].total, cnn_bytes), (stages[1].total, cnn_bytes)]
+    assert stages[0].total != stages[1].total
+    report = result.report()
+    assert f"  rank 0 ({result.devices[0].device}): A {format_bytes(stages[0].total)} + B {format_bytes(cnn_bytes)} = " \
+           f"{format_bytes(stages[0].total + cnn_bytes)} of {format_bytes(result.devices[0].capacity_bytes)} (fits)" in report
 
 
 def test_colocate_api_refuses_one_round(plans):
@@ -240,3 +251,71 @@ def test_a_share_too_small_for_a_job_is_said():
     assert f"{jobs[0].name} cannot be planned on 1 device: the model does not fit" in by_name[SPLIT].note
     assert sum(result.memory_bytes) > 2 * 2**20 and not by_name[COLOCATED].fits
     assert result.winner.name == SEQUENTIAL
+
+
+# ----------------------------------------------------------------- planning beside a co-runner
+
+
+def test_plan_beside_a_co_runner_says_its_round(capsys, plans, tmp_path):
+    gpt, cnn = plans
+    beside = tmp_path / "cnn_beside.json"
+    capsys.readouterr()
+    assert main(["plan", str(ROOT / "examples" / "cnn.py"), "--cluster", "cpu:1x2", "--co-runner", str(gpt),
+                 "-o", str(beside)]) == 0
+    summary = planner.load_plan(beside).search_summary
+    found = re.search(r"planned beside (\S+): co-located round ([\d.]+) ms against ([\d.]+) ms for the plan fastest "
+                      r"alone", summary)
+    assert found and found.group(1) == str(gpt)
+    # The figures are colocate's: the chosen plan's round beside gpt, against the round of
+    # the plan chosen alone (the fixture's cnn.json), which can only be longer or equal.
+    report = planner.colocate([gpt, beside], split=False).to_dict()
+    alone = planner.colocate([gpt, cnn], split=False).to_dict()
+    chosen_round = next(a["round_s"] for a in report["arrangements"] if a["name"] == COLOCATED)
+    alone_round = next(a["round_s"] for a in alone["arrangements"] if a["name"] == COLOCATED)
+    assert float(found.group(2)) == pytest.approx(chosen_round * 1e3, abs=1e-3)
+    assert float(found.group(3)) == pytest.approx(alone_round * 1e3, abs=1e-3)
+    assert chosen_round <= alone_round
+
+
+def test_colocate_json_is_the_whole_report(capsys, plans):
+    gpt, cnn = plans
+    capsys.readouterr()
+    assert main(["colocate", str(gpt), str(cnn), "--no-split", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [job["label"] for job in data["jobs"]] == ["A", "B"] and data["jobs"][0]["name"] == str(gpt)
+    assert [device["rank"] for device in data["devices"]] == [0, 1]
+    for device in data["devices"]:
+        assert device["total_bytes"] == sum(device["job_bytes"]) and device["fits"]
+    by_name = {arrangement["name"]: arrangement for arrangement in data["arrangements"]}
+    assert set(by_name) == {SEQUENTIAL, COLOCATED}
+    sequential = by_name[SEQUENTIAL]
+    assert sequential["round_s"] == pytest.approx(sum(job["alone_s"] for job in data["jobs"]))
+    assert sequential["slowdown"] == pytest.approx([sequential["round_s"] / job["alone_s"] for job in data["jobs"]])
+    assert data["winner"] == COLOCATED
+    assert data["gain_over_sequential"] == pytest.approx(sequential["round_s"] / by_name[COLOCATED]["round_s"])
+    assert data["trace"] is None
+
+
+def test_colocate_refuses_plans_for_different_clusters_and_bad_files(capsys, plans, tmp_path):
+    gpt, cnn = plans
+    other = tmp_path / "cnn_small.json"
+    loaded = planner.load_plan(cnn)
+    dataclasses.replace(loaded, cluster=with_memory(loaded.cluster, 2**30)).save(other)
+    assert_user_error(capsys, ["colocate", str(gpt), str(other), "--no-split"], f"{gpt} is planned for",
+                      f"but {other} for", "plan both jobs for the same cluster")
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("not json {")
+    assert_user_error(capsys, ["colocate", str(gpt), str(garbage), "--no-split"], "garbage.json", "not valid JSON")
+
+
+def test_plan_refuses_a_bad_co_runner_before_tracing(capsys, plans, tmp_path):
+    gpt, _ = plans
+    cnn_py = str(ROOT / "examples" / "cnn.py")
+    assert_user_error(capsys, ["plan", cnn_py, "--cluster", "cpu:1x4", "--co-runner", str(gpt)],
+                      "different sizes", f"{gpt}: 2", "--cluster cpu:1x4: 4")
+    assert_user_error(capsys, ["plan", cnn_py, "--co-runner", str(tmp_path / "absent.json")], "absent.json",
+                      "does not exist")
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("[1, 2")
+    assert_user_error(capsys, ["plan", cnn_py, "--co-runner", str(garbage)], "garbage.json", "not valid JSON")
+    assert_user_error(capsys, ["plan", cnn_py, "--co-runner", str(gpt), "-o", str(gpt)], "-o")
