@@ -319,3 +319,13 @@ def test_plan_refuses_a_bad_co_runner_before_tracing(capsys, plans, tmp_path):
     garbage.write_text("[1, 2")
     assert_user_error(capsys, ["plan", cnn_py, "--co-runner", str(garbage)], "garbage.json", "not valid JSON")
     assert_user_error(capsys, ["plan", cnn_py, "--co-runner", str(gpt), "-o", str(gpt)], "-o")
+
+
+def test_a_data_parallel_plan_beside_a_co_runner(plans):
+    # search="dp" re-ranks the data-parallel flavours that fit the same way, and says so.
+    gpt, _ = plans
+    chosen = planner.plan(str(ROOT / "examples" / "cnn.py"), "cpu:1x2", search="dp", co_runner=gpt, progress=False)
+    found = re.search(r"planned beside (\S+): co-located round ([\d.]+) ms against ([\d.]+) ms for the plan fastest "
+                      r"alone; (\d+) kept plans", chosen.search_summary)
+    assert found and found.group(1) == str(gpt) and int(found.group(4)) == 4  # ddp, zero1, zero2, fsdp
+    assert float(found.group(2)) <= float(found.group(3))
