@@ -51,7 +51,7 @@ COMPUTE_STREAM = "compute"
 # Host <-> device copy bandwidth, bytes/s each way: PCIe 4.0 x16, 16 GT/s per lane x 16 lanes
 # x 128b/130b encoding / 8 bits = 31.5 GB/s (PCI-SIG, PCI Express Base Specification 4.0: the
 # host link of A100 servers such as the DGX A100). V100 hosts (PCIe 3.0) move half as fast,
-# H100 hosts (PCIe 5.0) twice: one figure for all, the peak, so a lower bound on the copies.
+# H100 hosts (PCIe 5.0) twice: one figure for all clusters (a cluster file has no host link).
 PCIE_BYTES_PER_S = 16e9 * 16 * (128 / 130) / 8
 
 
@@ -109,12 +109,13 @@ def rank_memory(mesh: Mesh, stage_memory: Sequence[MemoryBreakdown], fullest: Me
     return tuple(stage_memory[(rank // inner) % stages] for rank in range(mesh.size))
 
 
-def swap_seconds(overflow_bytes: int, bytes_per_s: float = PCIE_BYTES_PER_S) -> float:
-    """Seconds a round of jobs run one after the other spends swapping: at each of the two
-    switches between the jobs, ``overflow_bytes`` of the stopping job's states go out to host
-    memory and as many of the starting job's come back, one copy after the other (copies
-    could overlap compute on a copy engine, but at the link's peak they would not go faster)."""
-    return 2 * 2 * max(0, overflow_bytes) / bytes_per_s
+def swap_seconds(overflow_bytes: int, switches: int = 2, bytes_per_s: float = PCIE_BYTES_PER_S) -> float:
+    """Seconds a round of jobs run one after the other spends swapping: at each of its
+    ``switches`` from one job to the next (two for two jobs), ``overflow_bytes`` of the
+    stopping job's states go out to host memory and as many of the starting job's come back,
+    one copy after the other at the link's peak (copies a copy engine hid under compute would
+    cost less, a link below its peak more)."""
+    return switches * 2 * max(0, overflow_bytes) / bytes_per_s
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # imports torch: ``planner --help`` must not wait for it
 __all__ = ["COLOCATED", "SEQUENTIAL", "SPLIT", "Arrangement", "Colocation", "DeviceMemory", "colocate",
            "share_of_cluster"]
 
+
 def colocate(plans: Sequence["Plan | str | os.PathLike"], *, split: bool = True, rounds: int = 3) -> Colocation:
     """Compare running ``plans`` (two or more, for the same cluster) one after the other, on
     a split cluster (re-planned on its share; skipped with ``split=False``) and co-located on
@@ -91,10 +92,11 @@ def _tightest(devices: Sequence[DeviceMemory]) -> DeviceMemory:
 def one_after_the_other(cluster: Cluster, alone: tuple[float, ...], devices: Sequence[DeviceMemory],
                          per_rank: "list[tuple[MemoryBreakdown, ...]]") -> Arrangement:
     """The jobs in turn on ``cluster`` (steps ``alone``; ``devices`` every rank's memory,
-    ``per_rank`` each job's breakdown by rank). States stay resident where every job fits on every device; else
-    at each switch the bytes missing on the fullest device leave for host memory over PCIe
-    and as many come back (``swap_seconds``), which each job's states (all but activations,
-    freed when its step ends) must be able to give up."""
+    ``per_rank`` each job's breakdown by rank). States stay resident where every job fits on
+    every device; else at each switch between jobs (one per job a round) the bytes missing on
+    the fullest device leave for host memory over PCIe and as many come back
+    (``swap_seconds``), which each job's states (all but activations, freed when its step
+    ends) must be able to give up."""
     from cost_model.colocation import PCIE_BYTES_PER_S, swap_seconds
 
     round_s = sum(alone)
@@ -112,9 +114,9 @@ def one_after_the_other(cluster: Cluster, alone: tuple[float, ...], devices: Seq
         states = [memory.total - memory.activations for memory in memories]
         if missing > min(states):
             return Arrangement(SEQUENTIAL, 0.0, alone, False,
-                               f"rank {device.rank} misses {format_bytes(missing)} with every job resident, more than "
+                               f"rank {device.rank} lacks {format_bytes(missing)} with every job resident, more than "
                                f"a job's states there ({format_bytes(min(states))}) that could leave for host memory")
-    swap = swap_seconds(overflow)
+    swap = swap_seconds(overflow, switches=len(alone))
     round_s += swap
     return Arrangement(SEQUENTIAL, round_s, tuple(round_s for _ in alone), True,
                        f"swapping {format_bytes(overflow)} of states to host memory and back at each switch "
@@ -122,8 +124,8 @@ def one_after_the_other(cluster: Cluster, alone: tuple[float, ...], devices: Seq
                        f"+{swap * 1e3:.3g} ms a round", swap)
 
 
-def colocated_arrangement(cluster: Cluster, alone: tuple[float, ...], devices: Sequence[DeviceMemory], round_s: float,
-               slowdown: float) -> Arrangement:
+def colocated_arrangement(cluster: Cluster, alone: tuple[float, ...], devices: Sequence[DeviceMemory],
+                          round_s: float, slowdown: float) -> Arrangement:
     """The crossover arrangement (``round_s`` from ``colocate_timelines``, compute slowed
     ``slowdown`` beside communication): it runs only where every job fits on every device."""
     tightest = _tightest(devices)

@@ -83,6 +83,11 @@ class Colocation:
     timeline: "tuple[TimelineEvent, ...]"
 
     @property
+    def capacity_bytes(self) -> int:
+        """Memory of the cluster's smallest device (``devices`` has each rank's own)."""
+        return min(device.capacity_bytes for device in self.devices)
+
+    @property
     def winner(self) -> Arrangement | None:
         """The arrangement with the most steps per second among those that fit."""
         runnable = [a for a in self.arrangements if a.fits and a.round_s > 0]
