@@ -53,10 +53,12 @@ class DeviceMemory:
 
     @property
     def total_bytes(self) -> int:
+        """Every job's bytes on this rank together."""
         return sum(self.job_bytes)
 
     @property
     def fits(self) -> bool:
+        """Whether every job fits on this rank's device at once."""
         return self.total_bytes <= self.capacity_bytes
 
 
