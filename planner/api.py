@@ -181,8 +181,12 @@ def plan(
             )
             search = "dp"
         constraints.check_cluster(cluster)
-        if beside is not None:
-            beside = _co_runner_context(beside, co_runner, cluster)
+        if beside is not None:  # the search's context (cost_model.colocation), named by its file if given one
+            from cost_model.colocation import co_runner_context
+
+            name = beside.name if isinstance(co_runner, Plan) else str(co_runner)
+            check_same_cluster([name, f"the job being planned ({cluster.name})"], [beside.cluster, cluster])
+            beside = co_runner_context(name, beside, simulate(beside), cluster)
         if search == "dp" or dp_flavour is not None:
             _refuse_slices_of_a_coupled_batch(graph)
             chosen = plan_data_parallel(
@@ -207,16 +211,6 @@ def plan(
     chosen = _with_host_bound_warning(chosen)
     total_s = time.perf_counter() - budget.started
     return dataclasses.replace(chosen, timings={"trace_s": traced_s, "search_s": total_s - traced_s, "total_s": total_s})
-
-
-def _co_runner_context(loaded: Plan, given: Any, cluster: Cluster):
-    """The ``co_runner`` argument as the search's context (``cost_model.colocation``),
-    named by its file when given as one; ``ArgumentError`` for a plan of another cluster."""
-    from cost_model.colocation import co_runner_context
-
-    name = loaded.name if isinstance(given, Plan) else str(given)
-    check_same_cluster([name, f"the job being planned ({cluster.name})"], [loaded.cluster, cluster])
-    return co_runner_context(name, loaded, simulate(loaded), cluster)
 
 
 # Share of the step waiting for the host above which the plan says so.
