@@ -59,6 +59,24 @@ bf16 as the simulator does (Composer since mosaicml/composer aaa8dcc4c, 2023-03-
 FSDP's ``MixedPrecision`` takes as ``param_dtype``), so ``amp_bf16`` casts no weights per
 step; MPT's ``low_precision_layernorm`` runs its norms in bf16 under autocast.
 
+torchtitan's FSDP2 reduces gradients in fp32 (``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=float32)`` in torchtitan/parallelisms/parallelize_llama.py at 1ea476e9f, the
+commit of its A100 rows; ``--training.mixed_precision_reduce``, whose only choice is "float32",
+by the 405B row's): its rows set ``Plan.fsdp_fp32_reduce``, which doubles the bytes of their
+reduce-scatters. Compute-bound, they move 0.6-0.8 points slower (Llama3-70B -9.3% -> -8.7%,
+Llama2-13B -13.2% -> -12.4%, Llama2-70B -8.7% -> -8.0%).
+
+Found and left as it is, moving the MPT rows the wrong way: llm-foundry's FSDP of October 2023 is
+FSDP1 (PyTorch 2.1, flat parameters: the all-gather writes the unsharded flat parameter in
+place), which has no copy-out; the simulator charges FSDP2's (``DataParallelStep.copy_out``:
+1.3% of MPT-7B@8xA100's predicted step). Without it the MPT rows would be up to 1.3 points
+faster still. Not priced either, and too small to explain the MPT rows: Composer's
+``DecoupledAdamW`` (the yamls' ``decoupled_adamw``; composer/optim/decoupled_weight_decay.py,
+``DecoupledAdamW.adamw``) steps parameter by parameter, a ``.item()`` and nine memory-bound
+ops each (22 fp32 accesses per element against the fused kernel's 7): by hand, 0.6% of
+MPT-7B@8xA100's step (0.84e9 elements per GPU x 15 x 4 bytes more at 0.8 x 2.04 TB/s = 31 ms
+of 5.30 s), 1.6% of MPT-7B@8xH100's, 0.5% or less on 64 GPUs.
+
 Jean Zay's per-layer cost (BLOOM only): BigScience's published layout sweep on BLOOM's cluster
 and software (``benchmarks/fidelity_sweep.py``) is predicted 5-21% fast by a time that grows
 with the layer executions (layers per stage x micro-batches), not their size; the fixed
