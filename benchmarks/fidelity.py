@@ -63,8 +63,10 @@ torchtitan's FSDP2 reduces gradients in fp32 (``MixedPrecisionPolicy(param_dtype
 reduce_dtype=float32)`` in torchtitan/parallelisms/parallelize_llama.py at 1ea476e9f, the
 commit of its A100 rows; ``--training.mixed_precision_reduce``, whose only choice is "float32",
 by the 405B row's): its rows set ``Plan.fsdp_fp32_reduce``, which doubles the bytes of their
-reduce-scatters. Compute-bound, they move 0.6-0.8 points slower (Llama3-70B -9.3% -> -8.7%,
-Llama2-13B -13.2% -> -12.4%, Llama2-70B -8.7% -> -8.0%).
+reduce-scatters. Compute-bound, the A100 rows move 0.6-0.8 points slower (Llama3-70B -9.3% ->
+-8.7%, Llama2-13B -13.2% -> -12.4%, Llama2-70B -8.7% -> -8.0%); Llama3.1-405B, whose 16 dp ranks
+reduce across hosts, 2.1 (-14.9% -> -12.8%: 0.4 s more exposed). 26 runs: median 8.5% -> 8.2%,
+largest 23.7%, 19 fast / 7 slow.
 
 Found and left as it is, moving the MPT rows the wrong way: llm-foundry's FSDP of October 2023 is
 FSDP1 (PyTorch 2.1, flat parameters: the all-gather writes the unsharded flat parameter in
