@@ -59,6 +59,26 @@ bf16 as the simulator does (Composer since mosaicml/composer aaa8dcc4c, 2023-03-
 FSDP's ``MixedPrecision`` takes as ``param_dtype``), so ``amp_bf16`` casts no weights per
 step; MPT's ``low_precision_layernorm`` runs its norms in bf16 under autocast.
 
+torchtitan's FSDP2 reduces gradients in fp32 (``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=float32)`` in torchtitan/parallelisms/parallelize_llama.py at 1ea476e9f, the
+commit of its A100 rows; ``--training.mixed_precision_reduce``, whose only choice is "float32",
+by the 405B row's): its rows set ``Plan.fsdp_fp32_reduce``, which doubles the bytes of their
+reduce-scatters. Compute-bound, the A100 rows move 0.6-0.8 points slower (Llama3-70B -9.3% ->
+-8.7%, Llama2-13B -13.2% -> -12.4%, Llama2-70B -8.7% -> -8.0%); Llama3.1-405B, whose 16 dp ranks
+reduce across hosts, 2.1 (-14.9% -> -12.8%: 0.4 s more exposed). 26 runs: median 8.5% -> 8.2%,
+largest 23.7%, 19 fast / 7 slow.
+
+Found and left as it is, moving the MPT rows the wrong way: llm-foundry's FSDP of October 2023 is
+FSDP1 (PyTorch 2.1, flat parameters: the all-gather writes the unsharded flat parameter in
+place), which has no copy-out; the simulator charges FSDP2's (``DataParallelStep.copy_out``:
+1.3% of MPT-7B@8xA100's predicted step). Without it the MPT rows would be up to 1.3 points
+faster still. Not priced either, and too small to explain the MPT rows: Composer's
+``DecoupledAdamW`` (the yamls' ``decoupled_adamw``; composer/optim/decoupled_weight_decay.py,
+``DecoupledAdamW.adamw``) steps parameter by parameter, a ``.item()`` and nine memory-bound
+ops each (22 fp32 accesses per element against the fused kernel's 7): by hand, 0.6% of
+MPT-7B@8xA100's step (0.84e9 elements per GPU x 15 x 4 bytes more at 0.8 x 2.04 TB/s = 31 ms
+of 5.30 s), 1.6% of MPT-7B@8xH100's, 0.5% or less on 64 GPUs.
+
 Jean Zay's per-layer cost (BLOOM only): BigScience's published layout sweep on BLOOM's cluster
 and software (``benchmarks/fidelity_sweep.py``) is predicted 5-21% fast by a time that grows
 with the layer executions (layers per stage x micro-batches), not their size; the fixed
@@ -177,6 +197,7 @@ class Run:
             replicates across them (HSDP), the group size; None for every other run.
         megatron_distributed_optimizer: the run's ZeRO-1 is Megatron-Core's distributed
             optimizer (``Plan.megatron_distributed_optimizer``).
+        fsdp_fp32_reduce: the run's FSDP2 reduces gradients in fp32 (``Plan.fsdp_fp32_reduce``).
     """
 
     name: str
@@ -190,12 +211,15 @@ class Run:
     source: str
     hsdp_shard: int | None = None
     megatron_distributed_optimizer: bool = False
+    fsdp_fp32_reduce: bool = False
 
     def describe(self, gpus: int) -> str:
         parts = [f"tp{self.layout.get('tp', 1)}", f"pp{self.layout.get('pp', 1)}",
                  f"dp{gpus // (self.layout.get('tp', 1) * self.layout.get('pp', 1))}"]
         flavour = "mcore-distopt" if self.megatron_distributed_optimizer else self.layout.get("dp_flavour", "ddp")
         parts.append(f"hsdp{self.hsdp_shard}" if self.hsdp_shard else flavour)
+        if self.fsdp_fp32_reduce:
+            parts.append("rs-fp32")
         if self.layout.get("sequence_parallel"):
             parts.append("sp")
         if self.layout.get("tp_comm_overlap"):
@@ -370,7 +394,12 @@ def runs() -> list[Run]:
             tokens_step(batch, 2048, tokens, gpus), f"{tokens} tok/s/GPU",
             f"{LLM_FOUNDRY} ({'H100' if 'h100' in preset else 'A100 80GB'} table)",
         ))
-    # torchtitan on 64 A100 80GB (docs/performance.md of mid-2024): FSDP2, local batch 1 or 2.
+    # torchtitan on 64 A100 80GB (docs/performance.md of mid-2024): FSDP2, local batch 1 or 2,
+    # gradients reduce-scattered in fp32: torchtitan's FSDP2 policy was
+    # MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # (torchtitan/parallelisms/parallelize_llama.py at 1ea476e9f, 2024-04-24, the commit that
+    # published these rows; from 5c69c02ea, 2024-05-20, ``--training.mixed_precision_reduce``
+    # whose only choice is "float32"): ``fsdp_fp32_reduce``.
     for name, shape, batch, seq, recompute, tokens in (
         ("Llama3-70B@64xA100", LLAMA3_70B, 64, 8192, "full", 331),
         ("Llama2-13B@64xA100", LLAMA2_13B, 128, 4096, "none", 2162),
@@ -379,7 +408,7 @@ def runs() -> list[Run]:
         found.append(Run(
             name, "llama.py", _llama(**shape, batch=batch, seq=seq), "dgx-a100-80g:8",
             {"dp_flavour": "fsdp", "recompute": recompute}, 1, tokens_step(batch, seq, tokens, 64),
-            f"{tokens} tok/s/GPU", TORCHTITAN_A100,
+            f"{tokens} tok/s/GPU", TORCHTITAN_A100, fsdp_fp32_reduce=True,
         ))
     # MT-NLG and BLOOM ran Megatron-DeepSpeed with DeepSpeed's pipeline engine
     # (DEEPSPEED_PIPELINE). MT-NLG (2021) trained in 16-bit with DeepSpeed's ZeRO-1 fp16 path:
@@ -553,12 +582,14 @@ def torchtitan_h100_runs() -> list[Run]:
     # 8 with sequence-parallel norms (torchtitan's TP plan), full activation checkpointing,
     # local batch 2 (global 32) of 8,192 tokens, bf16: 109 tok/s/GPU, the row without Float8 or
     # async TP (docs/performance.md at torchtitan 3faaa1a0d, 2024-08-23; its
-    # train_configs/llama3_405b.toml sets compile = true, which the simulator does not model).
+    # train_configs/llama3_405b.toml sets compile = true, which the simulator does not model;
+    # its config_manager.py: ``--training.mixed_precision_reduce`` "float32", the only choice).
     found.append(Run(
         "Llama3.1-405B@128xH100", "llama.py", _llama(**LLAMA3_405B, batch=32, seq=8192),
         grand_teton_h100(16, memory_bytes=94_000_000_000),
         {"tp": 8, "dp_flavour": "fsdp", "recompute": "full", "sequence_parallel": True}, 1,
         tokens_step(32, 8192, 109, 128), "109 tok/s/GPU", "torchtitan docs/performance.md (2024-08, 128 H100)",
+        fsdp_fp32_reduce=True,
     ))
     return found
 
@@ -590,6 +621,8 @@ def simulate(run: Run, roofline: bool = False):
         changes["fsdp_units"] = fsdp_units(graph)
     if run.megatron_distributed_optimizer:
         changes["megatron_distributed_optimizer"] = True
+    if run.fsdp_fp32_reduce:
+        changes["fsdp_fp32_reduce"] = True
     if run.hsdp_shard:
         changes["sections"] = {**plan.sections, "hsdp": HsdpSection(run.hsdp_shard)}
     if changes:

@@ -103,6 +103,12 @@ def check_fields(plan: Plan) -> None:
             "and weights gathered during the next forward, as Megatron-Core does, which compiled programs do not "
             "run (such plans simulate other systems' runs); re-plan with `planner plan` for a program"
         )
+    if plan.fsdp_fp32_reduce:
+        raise PlanFileError(
+            "plan field 'fsdp_fp32_reduce' is true: it prices bf16 weights gathered and gradients reduced in fp32, "
+            "as torchtitan's FSDP2 MixedPrecisionPolicy does, which compiled programs do not set (such plans simulate "
+            "other systems' runs); re-plan with `planner plan` for a program"
+        )
     if plan.moe_a2a_overlap:
         raise PlanFileError(
             "plan field 'moe_a2a_overlap' is true: it prices each MoE layer's all-to-alls as hidden under another "

@@ -48,7 +48,8 @@ the model of it here and in ``cost_model.step_tasks``:
   root is not resharded after forward (``fsdp_root_elements``).
 - Reduce-scatter (``foreach_reduce`` in _fsdp_collectives.py): after each unit's backward,
   on the reduce-scatter stream, in the reduce dtype (``MixedPrecisionPolicy.reduce_dtype``,
-  by default the parameters' dtype: ``StepContext.reduced_gradient_bytes``); HSDP's
+  by default the parameters' dtype, fp32 where the run sets it, as torchtitan does:
+  ``Plan.fsdp_fp32_reduce``, ``StepContext.reduced_gradient_bytes``); HSDP's
   all-reduce waits for it on the all-reduce stream.
 - Copies: ``foreach_all_gather_copy_out`` (in ``wait_for_unshard``) copies each gathered
   unit into its parameters on the compute stream before the unit runs: modelled as a
@@ -367,6 +368,9 @@ class DataParallelStep(StepContributor):
                  "ddp": 2 * reductions}[flavour]
         factor = units * (context.dp - 1) / context.dp
         totals["dp"] = totals.get("dp", 0.0) + grads * factor
+        if flavour in FSDP2_FLAVOURS:  # FSDP2's reductions in their reduce dtype (Plan.fsdp_fp32_reduce)
+            extra = context.reduced_gradient_bytes() / element_bytes - 1
+            totals["dp"] += grads * extra * reductions * (context.dp - 1) / context.dp
         if flavour == "zero1":
             gathered = sum(segment.zero1_gathered_elements(context.dp)) * PARAM_BYTES[context.plan.precision][0]
             totals["dp"] += gathered * (context.dp - 1) / context.dp

@@ -159,9 +159,13 @@ class StepContext:
         micro-batches accumulated into, fp32 under ``"fp32-copy"`` (DeepSpeed's
         BF16_Optimizer all-reduces its fp32 gradients: ``_bf16_reduce_grads`` in
         deepspeed/runtime/pipe/engine.py) and under Megatron's distributed optimizer
-        (``Plan.megatron_distributed_optimizer``), else the precision's gradient dtype."""
+        (``Plan.megatron_distributed_optimizer``) and FSDP2's fp32 reduce dtype
+        (``Plan.fsdp_fp32_reduce``: torchtitan's ``MixedPrecisionPolicy``), else the
+        precision's gradient dtype."""
         pipeline = self.plan.pipeline
         if pipeline is not None and pipeline.gradient_accumulation == "fp32-copy":
+            return FP32_GRADIENT_BYTES
+        if getattr(self.plan, "fsdp_fp32_reduce", False):
             return FP32_GRADIENT_BYTES
         if runs_megatron_sync(self):  # its fp32 gradient buffer
             return gradient_bytes()

@@ -4,6 +4,7 @@ line, and a plan file written before the field existed reads as off."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,6 +13,16 @@ import pytest
 import planner
 from planner.errors import PlanFileError
 from planner.plans import load_plan
+
+
+def check_field_is_validated(plan, field: str, conflicting: dict, message: str) -> None:
+    """``plan`` with ``conflicting`` changes is refused in one line matching ``message``, and
+    ``field`` must be a boolean."""
+    with pytest.raises(ValueError, match=message) as error:
+        dataclasses.replace(plan, **conflicting)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=f"field '{field}' must be true or false"):
+        dataclasses.replace(plan, **{field: "yes"})
 
 
 def check_simulation_only_field(plan, field: str, folder: Path) -> None:
