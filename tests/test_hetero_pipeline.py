@@ -201,3 +201,14 @@ def test_stages_on_fast_and_slow_devices_match_one_device(candidates, tmp_path) 
     folder = planner.compile(chosen, tmp_path / "chosen")
     launch = check_many(4, [folder], tmp_path)
     assert result_of(launch, folder).startswith("ok"), launch.describe()
+
+
+def test_the_example_mixes_load_with_their_cited_figures() -> None:
+    from planner.cluster import Cluster
+
+    spot = Cluster.load(REPO / "examples/clusters/l4-a10g-spot.toml")
+    assert [group.device.name for group in device_groups(spot)] == ["L4-24GB", "A10G-24GB"]
+    assert spot.inter_link.bandwidth == 40e9 / 8 / 4  # 40 Gbps per 4-GPU instance
+    lab = Cluster.load(REPO / "examples/clusters/v100-a100.toml")
+    assert [len(group.ranks) for group in device_groups(lab)] == [16, 16]
+    assert lab.inter_link.bandwidth == 4 * 100e9 / 8 / 8  # DGX-1: 4 x EDR 100 Gb/s per 8 GPUs
