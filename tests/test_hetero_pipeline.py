@@ -141,7 +141,7 @@ def test_the_search_gives_the_fast_stage_more_blocks_and_prices_each_stage_on_it
 
 
 def test_the_section_round_trips_and_bad_values_are_one_line(traced) -> None:
-    section = HeteroStagesSection(("cpu-fast", "cpu-slow"), (3, 1), (0.1, 0.2), (10, 20), "")
+    section = HeteroStagesSection(("cpu-fast", "cpu-slow"), (3, 1), (0.1, 0.2), (10, 20))
     assert HeteroStagesSection.from_json(section.to_json(), "p.json") == section
     for bad in ({"stage_devices": "x"}, {"stage_devices": ["a"]}, {"stage_devices": ["a", "b"], "blocks": [1]},
                 {"stage_devices": ["a", "b"], "busy_s": [-1, 0]}, {"stage_devices": ["a", "b"], "extra": 1}, [1]):

@@ -1,6 +1,6 @@
 """The report's part for pipelines over device groups of different types (vocabulary
-layer): per stage, its ranks, device, blocks, predicted busy time and memory, the stage the
-step waits for, and the devices left out."""
+layer): per stage, its ranks, device, blocks, predicted busy time and memory, and the stage
+the step waits for. (A plan leaving devices out says so in its warnings.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def hetero_pipeline_section(plan: "Plan") -> list:
     """The report part of the ``hetero-pp`` family (``planner.families``): a table of the
-    stages and a line naming the stage the step waits for and the devices left out."""
+    stages and a line naming the stage the step waits for."""
     section = plan.sections["hetero-pp"]
     pp = plan.mesh.axis_size("pp")
     per_stage = plan.cluster.world_size // pp
@@ -38,6 +38,4 @@ def hetero_pipeline_section(plan: "Plan") -> list:
             f"({section.stage_devices[slowest]}). Start the cluster's nodes in the plan's order: node rank 0 runs "
             f"stage 0 ({section.stage_devices[0]})."
         ))
-    if section.left_out:
-        parts.append(Paragraph(f"Left out: {section.left_out}"))
     return parts

@@ -8,9 +8,10 @@ speed and memory, and the order of the stages is the order of the plan's cluster
 (the search reorders them: start the nodes as the plan's cluster lists them, node rank 0
 first). The section names what a report and a reader need, and lets the simulator price
 each stage on its own device (``costs.py``). Stored under the plan JSON key ``"hetero-pp"``
-as ``{"stage_devices": [...], "blocks": [...], "busy_s": [...], "memory_bytes": [...],
-"left_out": "..."}`` (blocks per stage; the predictions: per stage, empty when not simulated; ``left_out``: the devices of the
-cluster asked for that the plan does not use, and why, or empty).
+as ``{"stage_devices": [...], "blocks": [...], "busy_s": [...], "memory_bytes": [...]}``
+(blocks per stage, and the predictions per stage; each empty when not recorded). A plan
+that leaves devices out is not of this family: it runs on the fast group alone and says so
+in a warning (``candidates.fast_group_pipelines``).
 
 Vocabulary layer: imports only the planner's vocabulary.
 """
@@ -22,12 +23,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from planner.cluster import MAX_RANKS
 from planner.errors import PlanFileError, one_line
+from planner.json_files import section_lists
 
 if TYPE_CHECKING:
     from planner.plans import Plan
 
 JSON_KEY = "hetero-pp"
-KEYS = ("stage_devices", "blocks", "busy_s", "memory_bytes", "left_out")
+KEYS = ("stage_devices", "blocks", "busy_s", "memory_bytes")
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,7 @@ class HeteroStagesSection:
     """Stage ``s`` of the pipeline runs on devices named ``stage_devices[s]`` and holds
     ``blocks[s]`` repeated blocks (empty: not recorded); ``busy_s[s]``
     and ``memory_bytes[s]`` are its predicted compute seconds per step and bytes per device
-    (empty: not simulated); ``left_out`` says which devices of the cluster asked for the
-    plan leaves out and why (empty: none).
+    (empty: not simulated).
 
     Raises:
         ValueError: a device name is not a short non-empty string, a prediction is not a
@@ -47,7 +48,6 @@ class HeteroStagesSection:
     blocks: tuple[int, ...] = ()
     busy_s: tuple[float, ...] = ()
     memory_bytes: tuple[int, ...] = ()
-    left_out: str = ""
     # Node costs read the stage's device (costs.py): the simulator's cache of node costs
     # must not hand this plan the costs of the same plan priced on its slowest device.
     changes_op_costs: ClassVar[bool] = True
@@ -75,9 +75,6 @@ class HeteroStagesSection:
                     f"({len(names)}), got {_shown(values)}; drop it and simulate the plan again"
                 )
             object.__setattr__(self, key, tuple(kind(v) for v in values))
-        if not isinstance(self.left_out, str) or len(self.left_out) > 1000:
-            raise ValueError(f"field '{JSON_KEY}.left_out' must be a line of text, got {_shown(self.left_out)}")
-        object.__setattr__(self, "left_out", one_line(self.left_out))
 
     def check(self, plan: "Plan") -> None:
         """Raise ``ValueError`` (one line naming ``hetero-pp.stage_devices`` and the fix) unless
@@ -113,7 +110,7 @@ class HeteroStagesSection:
     def to_json(self) -> dict[str, Any]:
         """The JSON form stored under the plan's ``"hetero-pp"`` key."""
         return {"stage_devices": list(self.stage_devices), "blocks": list(self.blocks), "busy_s": list(self.busy_s),
-                "memory_bytes": list(self.memory_bytes), "left_out": self.left_out}
+                "memory_bytes": list(self.memory_bytes)}
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> "HeteroStagesSection":
@@ -123,25 +120,10 @@ class HeteroStagesSection:
             PlanFileError: ``data`` is not an object, has an unknown key, lacks
                 ``stage_devices``, or a field is malformed; one line naming ``source`` and the field.
         """
-        if not isinstance(data, dict):
-            raise PlanFileError(
-                f"{source}: field '{JSON_KEY}' must be a JSON object such as "
-                f"{{\"stage_devices\": [\"h100\", \"a100\"]}}, got {type(data).__name__}"
-            )
-        unknown = [key for key in data if key not in KEYS]
-        if unknown:
-            raise PlanFileError(
-                f"{source}: field '{JSON_KEY}' has an unknown key {one_line(str(unknown[0]))[:40]!r}; "
-                f"its keys are {', '.join(KEYS)}"
-            )
-        if "stage_devices" not in data:
-            raise PlanFileError(f"{source}: field '{JSON_KEY}.stage_devices' is missing")
-        for key in KEYS[:4]:
-            if key in data and not isinstance(data[key], list):
-                raise PlanFileError(f"{source}: field '{JSON_KEY}.{key}' must be a list, got {type(data[key]).__name__}")
+        section_lists(data, source, JSON_KEY, KEYS, KEYS, '{"stage_devices": ["h100", "a100"]}', PlanFileError)
         try:
             return cls(tuple(data["stage_devices"]), tuple(data.get("blocks", ())), tuple(data.get("busy_s", ())),
-                       tuple(data.get("memory_bytes", ())), data.get("left_out", ""))
+                       tuple(data.get("memory_bytes", ())))
         except ValueError as error:
             raise PlanFileError(f"{source}: {error}") from None
 
