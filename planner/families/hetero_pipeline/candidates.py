@@ -180,24 +180,32 @@ def staged_plan(estimate: StagedEstimate, graph: OpGraph, cluster: Cluster, grid
     return simulated(plan, graph)
 
 
-def fast_group_pipelines(context: SearchContext, flavours: tuple[str, ...]) -> list[Plan]:
+def fast_group_pipelines(context: SearchContext, flavours: tuple[str, ...], with_all: Plan) -> list[Plan]:
     """The pipeline grid's plans on the fastest device group alone, each warning which
-    devices it leaves out and why (Sailor: a slow group may cost the step more than it adds)."""
+    devices it leaves out and why (Sailor: a slow group may cost the step more than it
+    adds): its predicted step against ``with_all``'s, the best pipeline on every device."""
     dtype = "bfloat16" if context.precision != "fp32" else "float32"
     groups = device_groups(context.cluster)
     fastest = max(groups, key=lambda group: group.peak_flops(dtype))
     cluster = sub_cluster(context.cluster, fastest.device)
-    left = [group for group in groups if group is not fastest]
-    warning = (f"devices left out: {', '.join(f'{len(g.ranks)} {g.device.name}' for g in left)} of cluster "
-               f"{context.cluster.name!r} (slower than {fastest.device.name}); this pipeline runs on the "
-               f"{cluster.world_size} {fastest.device.name} ranks alone (torchrun them alone)")
+    left = ", ".join(f"{len(g.ranks)} {g.device.name}" for g in groups if g is not fastest)
     space = PipelineSpace(flavours=flavours, searched_layout="off", per_stage_recompute=False,
                           sequence_parallel=(False,), tensor_parallel=(1,),
                           allows_mesh=context.constraints.allows_mesh if context.constraints.any else None)
     plans = pipeline_plans(context.graph, cluster, context.spec, context.model_name, context.precision,
                            context.budget, space)
-    return [dataclasses.replace(plan, warnings=(*plan.warnings, warning)) for plan in plans
-            if plan.pipeline is not None]
+    found = []
+    for plan in plans:
+        if plan.pipeline is None:
+            continue
+        ratio = with_all.estimate.step_time_s / plan.estimate.step_time_s
+        warning = (f"devices left out: {left} of cluster {context.cluster.name!r}, slower than "
+                   f"{fastest.device.name}: this pipeline on the {cluster.world_size} {fastest.device.name} ranks "
+                   f"alone is predicted at {plan.estimate.step_time_s * 1e3:.4g} ms per step, against "
+                   f"{with_all.estimate.step_time_s * 1e3:.4g} ms for the best pipeline on every device "
+                   f"({ratio:.2f}x); torchrun it on those ranks alone")
+        found.append(dataclasses.replace(plan, warnings=(*plan.warnings, warning)))
+    return found
 
 
 def hetero_pipeline_candidates(context: SearchContext) -> list[Plan]:
@@ -222,5 +230,5 @@ def hetero_pipeline_candidates(context: SearchContext) -> list[Plan]:
     plans = [staged_plan(estimate, graph, context.cluster, grids, context.spec, context.model_name, context.warnings)
              for estimate in estimates[:context.budget.pipeline_candidates()]]
     if plans and context.constraints.allows_family("pipeline"):
-        plans += fast_group_pipelines(context, flavours)
+        plans += fast_group_pipelines(context, flavours, min(plans, key=lambda plan: plan.estimate.step_time_s))
     return plans
