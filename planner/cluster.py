@@ -1,4 +1,4 @@
-"""The cluster model: nodes of devices joined by two classes of links.
+"""The cluster model: nodes of devices joined by two classes of links (three across sites).
 
 A ``Cluster`` is a tuple of ``NodeSpec`` (one per node, so nodes may differ), a per-device
 share of the inter-node network, and a collective backend. Ranks are node-major: node 0
@@ -10,7 +10,12 @@ Clusters come from three edges, all validated by the dataclasses' ``__post_init_
   * presets (``planner/presets.py``), e.g. ``Cluster.preset("dgx-h100", nodes=2)``;
   * the CLI string ``PRESET``, ``PRESET:NODES``, ``PRESET:NODESxDEVICES`` or a file path;
   * TOML/JSON files with ``name``, ``backend``, ``[inter_node]`` and ``[[nodes]]`` groups
-    (``count``, ``devices``, optional ``preset``, ``[nodes.device]``, ``[nodes.intra_node]``).
+    (``count``, ``devices``, optional ``preset``, ``site``, ``[nodes.device]``,
+    ``[nodes.intra_node]``), and ``[inter_site]`` when the groups name two or more sites.
+
+Sites. Nodes at different sites (buildings, data centres) talk over a slower link than the
+network inside a site: ``Cluster.inter_site_link``, per device as ``inter_link``. A collective
+whose group spans sites is priced over the slowest link it crosses (``cost_model.collectives``).
 
 Calibration. A device may carry measured efficiencies (``python -m planner profile`` writes
 them; ``cost_model/profile.py`` defines how each is measured), all optional, each falling back
@@ -211,16 +216,21 @@ class LinkSpec:
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """One node: ``devices`` identical devices joined by ``intra_link``."""
+    """One node: ``devices`` identical devices joined by ``intra_link``, at ``site`` (a
+    building or data centre; empty: the cluster's one site)."""
 
     device: DeviceSpec
     devices: int
     intra_link: LinkSpec
+    site: str = ""
 
     def __post_init__(self) -> None:
         check_instance(self.device, DeviceSpec, "NodeSpec.device")
         positive_int(self.devices, "NodeSpec.devices")
         check_instance(self.intra_link, LinkSpec, "NodeSpec.intra_link")
+        if not isinstance(self.site, str) or len(self.site) > 60 or not self.site.isprintable():
+            raise ClusterError(f"NodeSpec.site must be a printable name of at most 60 characters (or empty), "
+                               f"got {str(self.site)[:40]!r}")
 
 
 @dataclass(frozen=True)
@@ -242,6 +252,9 @@ class Cluster:
     inter_link: LinkSpec
     backend: str
     derived_from: str | None = None
+    # The link between nodes at different sites (per device, as inter_link); needed when the
+    # nodes name two or more sites, ignored otherwise.
+    inter_site_link: LinkSpec | None = None
 
     def __post_init__(self) -> None:
         checked_name(self.name, "Cluster.name")
@@ -251,6 +264,12 @@ class Cluster:
         for index, node in enumerate(self.nodes):
             check_instance(node, NodeSpec, f"Cluster.nodes[{index}]")
         check_instance(self.inter_link, LinkSpec, "Cluster.inter_link")
+        if self.inter_site_link is not None:
+            check_instance(self.inter_site_link, LinkSpec, "Cluster.inter_site_link")
+        elif len(self.sites) > 1:
+            raise ClusterError(f"Cluster.inter_site_link is missing: the nodes are at sites "
+                               f"{', '.join(repr(site) for site in self.sites)[:120]}; add an [inter_site] table "
+                               f"with the bandwidth and latency between them")
         if self.backend not in BACKENDS:
             raise ClusterError(f"Cluster.backend must be \"nccl\" (GPUs) or \"gloo\" (CPU), "
                                f"got {self.backend!r}")
@@ -284,8 +303,16 @@ class Cluster:
 
     @property
     def is_homogeneous(self) -> bool:
-        """True when every node is identical (device, device count and intra-node link)."""
-        return all(node == self.nodes[0] for node in self.nodes)
+        """True when every node is identical (device, device count and intra-node link; the
+        site aside, which only the links between nodes see)."""
+        first = self.nodes[0]
+        return all((node.device, node.devices, node.intra_link) == (first.device, first.devices, first.intra_link)
+                   for node in self.nodes)
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        """The sites the nodes name, in node order (``("",)``: one unnamed site)."""
+        return tuple(dict.fromkeys(node.site for node in self.nodes))
 
     @property
     def min_device_memory(self) -> int:
@@ -323,6 +350,9 @@ class Cluster:
                           f"intra-node {format_si(node.intra_link.bandwidth, 'B/s')})")
         inter = (f"; inter-node {format_si(self.inter_link.bandwidth, 'B/s')} per device"
                  if self.num_nodes > 1 else "")
+        if len(self.sites) > 1:
+            inter += (f"; {len(self.sites)} sites ({', '.join(self.sites)}), "
+                      f"{format_si(self.inter_site_link.bandwidth, 'B/s')} per device between them")
         return f"{self.name}: {' + '.join(groups)}{inter}; {self.backend}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -341,11 +371,12 @@ class Cluster:
         # A derived cluster's groups name its preset: every field is written out too, so the
         # preset only supplies the provenance (and would supply a field a reader left out).
         named = {"preset": self.derived_from} if self.derived_from is not None else {}
-        groups = [{"count": count, "devices": node.devices, **named, "device": device(node.device),
-                   "intra_node": link(node.intra_link)}
+        groups = [{"count": count, "devices": node.devices, **named, **({"site": node.site} if node.site else {}),
+                   "device": device(node.device), "intra_node": link(node.intra_link)}
                   for node, count in _group_nodes(self.nodes)]
+        sites = {"inter_site": link(self.inter_site_link)} if len(self.sites) > 1 else {}
         return {"name": self.name, "backend": self.backend,
-                "inter_node": link(self.inter_link), "nodes": groups}
+                "inter_node": link(self.inter_link), **sites, "nodes": groups}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str | None = None) -> Cluster:
@@ -499,7 +530,7 @@ def _parse_device(raw: Any, where: str) -> DeviceSpec:
 
 
 def _cluster_from_table(data: Any) -> Cluster:
-    top = checked_table(data, "", ("name", "backend", "inter_node", "nodes", "comment"))
+    top = checked_table(data, "", ("name", "backend", "inter_node", "inter_site", "nodes", "comment"))
     if not isinstance(top.get("comment", ""), str):
         raise ClusterError(f"comment must be a string, got {top['comment']!r}")
     groups = top.get("nodes")
@@ -512,20 +543,21 @@ def _cluster_from_table(data: Any) -> Cluster:
     ranks = 0
     for index, raw in enumerate(groups):
         where = f"nodes[{index}]"
-        group = checked_table(raw, where, ("count", "devices", "preset", "device", "intra_node"))
+        group = checked_table(raw, where, ("count", "devices", "preset", "site", "device", "intra_node"))
         preset = preset_data(group["preset"], f"{where}.preset") if "preset" in group else {}
         presets += [preset] if preset else []
         # A preset supplies device, intra_node and devices; the group's own keys override it.
         fields = {"device": merged_table(preset.get("device"), group.get("device"), f"{where}.device"),
                   "devices": group.get("devices", preset.get("devices_per_node")),
                   "intra_node": merged_table(preset.get("intra_node"), group.get("intra_node"),
-                                        f"{where}.intra_node")}
+                                             f"{where}.intra_node")}
         for key, what in (("device", "a [nodes.device] table"), ("devices", "devices = N"),
                           ("intra_node", "a [nodes.intra_node] table")):
             required_value(fields, key, where, f"{what} or a preset key ({', '.join(preset_names())})")
         node = _build(NodeSpec, where, device=_parse_device(fields["device"], f"{where}.device"),
                       devices=fields["devices"],
-                      intra_link=_parse_link(fields["intra_node"], f"{where}.intra_node"))
+                      intra_link=_parse_link(fields["intra_node"], f"{where}.intra_node"),
+                      site=group.get("site", ""))
         groups_built.append((node, positive_int(group.get("count", 1), f"{where}.count")))
         ranks += groups_built[-1][1] * node.devices
         check_rank_count(ranks, "the cluster")
@@ -535,16 +567,22 @@ def _cluster_from_table(data: Any) -> Cluster:
     fields = {"name": top.get("name"),
               "backend": top.get("backend", _agreed([p["backend"] for p in presets])),
               "inter_node": merged_table(_agreed([p["inter_node"] for p in presets]),
-                                    top.get("inter_node"), "inter_node")}
+                                         top.get("inter_node"), "inter_node")}
     for key, what in (("name", "name = \"...\""),
                       ("backend", "backend = \"nccl\" (GPUs) or \"gloo\" (CPU)"),
                       ("inter_node", "an [inter_node] table with bandwidth and latency")):
         required_value(fields, key, "", what)
+    sites = set(node.site for node in nodes)
+    if "inter_site" in top and len(sites) < 2:
+        raise ClusterError("inter_site is given but every node is at one site; give the [[nodes]] groups a "
+                           "site = \"...\" each, or drop [inter_site]")
     cluster = _build(Cluster, "", name=fields["name"], nodes=tuple(nodes),
                      inter_link=_parse_link(fields["inter_node"], "inter_node"),
-                     backend=fields["backend"])
+                     backend=fields["backend"],
+                     inter_site_link=_parse_link(top["inter_site"], "inter_site") if "inter_site" in top else None)
     named = {group["preset"].lower() for group in groups if "preset" in group}
-    if len(named) == 1 and len(presets) == len(groups):  # every group names the same preset
+    # A preset's measured collectives are of one site's network: not of a cluster spanning sites.
+    if len(named) == 1 and len(presets) == len(groups) and len(sites) < 2:  # every group names the same preset
         return dataclasses.replace(cluster, derived_from=named.pop())
     if not named and _is_preset_as_built(cluster):  # a file written before derived_from was
         return dataclasses.replace(cluster, derived_from=cluster.name.lower())

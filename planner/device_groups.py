@@ -58,7 +58,7 @@ def sub_cluster(cluster: Cluster, device: DeviceSpec) -> Cluster | None:
     if not nodes:
         return None
     return Cluster(name=f"{cluster.name}-{device.name}"[:120], nodes=nodes, inter_link=cluster.inter_link,
-                   backend=cluster.backend, derived_from=None)
+                   backend=cluster.backend, derived_from=None, inter_site_link=cluster.inter_site_link)
 
 
 def group_names(cluster: Cluster) -> tuple[str, ...]:
