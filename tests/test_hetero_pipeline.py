@@ -215,3 +215,20 @@ def test_the_example_mixes_load_with_their_cited_figures() -> None:
     lab = Cluster.load(REPO / "examples/clusters/v100-a100.toml")
     assert [len(group.ranks) for group in device_groups(lab)] == [16, 16]
     assert lab.inter_link.bandwidth == 4 * 100e9 / 8 / 8  # DGX-1: 4 x EDR 100 Gb/s per 8 GPUs
+
+
+def test_the_report_lists_each_stage_its_device_and_blocks(candidates) -> None:
+    from rich.console import Console
+
+    from planner.families.hetero_pipeline.report import hetero_pipeline_section
+
+    plan = next(plan for plan in candidates if "hetero-pp" in plan.sections)
+    section = plan.sections["hetero-pp"]
+    console = Console(width=160, record=True)
+    parts = hetero_pipeline_section(plan)
+    console.print(parts[0])
+    rows = [[cell.strip() for cell in line.split("│")[1:5]] for line in console.export_text().splitlines() if "│" in line]
+    for stage, (name, blocks) in enumerate(zip(section.stage_devices, section.blocks)):
+        assert [str(stage), f"{2 * stage}-{2 * stage + 1}", name, str(blocks)] in rows, rows
+    slowest = max(range(2), key=lambda stage: section.busy_s[stage])
+    assert f"the step waits for stage {slowest} ({section.stage_devices[slowest]})" in parts[1].text
