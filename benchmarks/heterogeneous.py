@@ -4,7 +4,8 @@ fast devices alone, simulated on two mixes and measured on CPU.
     python benchmarks/heterogeneous.py              # (a) and (b), about 3 minutes on 2 cores
     python benchmarks/heterogeneous.py --simulated  # (a) only
     python benchmarks/heterogeneous.py --steps 12   # (b) with more measured steps
-    python benchmarks/heterogeneous.py --pipelines  # (d) only, about 2 minutes
+    python benchmarks/heterogeneous.py --pipelines  # (d) only, simulated and measured
+    python benchmarks/heterogeneous.py --pipelines --simulated  # (d) simulated only, about 2 minutes
 
 (a) Simulated step of each mix: the even data-parallel plan (every rank B/dp samples, the step
     waits for the slowest device), the same flavour on the fastest devices alone (the others
@@ -23,7 +24,9 @@ fast devices alone, simulated on two mixes and measured on CPU.
 (d) Pipelines with one stage per device group (``planner.families.hetero_pipeline``, Metis):
     on each mix, the family's best plan (blocks balanced by speed and memory, the stage order
     chosen), simulated, against the same configuration with Megatron-LM's even split of the
-    blocks (``search.layouts.nearly_even_layers``), each stage priced on its own device.
+    blocks (``search.layouts.nearly_even_layers``), each stage priced on its own device; on
+    ``mixed.toml`` both programs also measured as (b) measures them (the plan's cluster lists
+    its nodes in stage order, so the slowdown follows each stage's device).
 """
 
 from __future__ import annotations
@@ -137,8 +140,10 @@ def measured_rows(steps: int) -> None:
           f"measured {measured['even'] / measured['uneven']:.2f}x", flush=True)
 
 
-def pipeline_rows() -> None:
-    """(d): the hetero-pp family's best plan on each mix against the even split of its blocks."""
+def pipeline_rows(steps: int | None) -> None:
+    """(d): the hetero-pp family's best plan on each mix against the even split of its blocks;
+    with ``steps``, both programs of the CPU mix also measured as (b) measures."""
+    import planner
     from planner.families.hetero_pipeline.candidates import staged_estimates, staged_plan
 
     for title, cluster_file, overrides, _, precision in MIXES:
@@ -159,6 +164,16 @@ def pipeline_rows() -> None:
               f"  even split {'/'.join(map(str, even.sections['hetero-pp'].blocks))}: "
               f"{even.estimate.step_time_s * 1e3:.1f} ms{'' if even.estimate.fits else ' (does not fit)'}: "
               f"ours {even.estimate.step_time_s / best.estimate.step_time_s:.2f}x", flush=True)
+        if steps is None or cluster_file != MIXED:
+            continue
+        with tempfile.TemporaryDirectory() as scratch:
+            scratch = Path(scratch)
+            measured = {label: measured_step_s(planner.compile(plan, scratch / label), steps, scratch)
+                        for label, plan in (("even", even), ("ours", best))}
+        print(f"  measured on CPU gloo, world 4, slow ranks 2x (median of {steps - 2} steps): even split "
+              f"{measured['even'] * 1e3:.1f} ms, ours {measured['ours'] * 1e3:.1f} ms: ours "
+              f"{measured['even'] / measured['ours']:.2f}x (predicted "
+              f"{even.estimate.step_time_s / best.estimate.step_time_s:.2f}x)", flush=True)
 
 
 def main() -> None:
@@ -168,7 +183,7 @@ def main() -> None:
     parser.add_argument("--pipelines", action="store_true", help="(d) only: pipelines per device group")
     options = parser.parse_args()
     if options.pipelines:
-        pipeline_rows()
+        pipeline_rows(None if options.simulated else max(3, options.steps))
         return
     simulated_rows()
     if not options.simulated:
