@@ -4,6 +4,8 @@ fast devices alone, simulated on two mixes and measured on CPU.
     python benchmarks/heterogeneous.py              # (a) and (b), about 3 minutes on 2 cores
     python benchmarks/heterogeneous.py --simulated  # (a) only
     python benchmarks/heterogeneous.py --steps 12   # (b) with more measured steps
+    python benchmarks/heterogeneous.py --pipelines  # (d) only, simulated and measured
+    python benchmarks/heterogeneous.py --pipelines --simulated  # (d) simulated only, about 2 minutes
 
 (a) Simulated step of each mix: the even data-parallel plan (every rank B/dp samples, the step
     waits for the slowest device), the same flavour on the fastest devices alone (the others
@@ -19,11 +21,18 @@ fast devices alone, simulated on two mixes and measured on CPU.
     median step time over the steps after the first two, beside the prediction. The CPU
     devices' figures are the ``cpu`` preset's placeholders (not a profile of this host), so
     the absolute predictions are not expected to match; the ratio uneven / even is the claim.
+(d) Pipelines with one stage per device group (``planner.families.hetero_pipeline``, Metis):
+    on each mix, the family's best plan (blocks balanced by speed and memory, the stage order
+    chosen), simulated, against the same configuration with Megatron-LM's even split of the
+    blocks (``search.layouts.nearly_even_layers``), each stage priced on its own device; on
+    ``mixed.toml`` both programs also measured as (b) measures them (the plan's cluster lists
+    its nodes in stage order, so the slowdown follows each stage's device).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -41,7 +50,9 @@ from planner.cluster import Cluster  # noqa: E402
 from planner.device_groups import device_groups, sub_cluster  # noqa: E402
 from planner.families.uneven_dp.candidates import uneven_plan  # noqa: E402
 from planner.model_spec import ModelSpec  # noqa: E402
+from search.budget import SearchBudget  # noqa: E402
 from search.data_parallel import data_parallel_plan  # noqa: E402
+from search.layouts import nearly_even_layers  # noqa: E402
 
 MIXED = REPO / "examples/clusters/mixed.toml"
 # The fast ranks compute 16x slower than a core and the slow ones 32x (launch.py
@@ -129,11 +140,51 @@ def measured_rows(steps: int) -> None:
           f"measured {measured['even'] / measured['uneven']:.2f}x", flush=True)
 
 
+def pipeline_rows(steps: int | None) -> None:
+    """(d): the hetero-pp family's best plan on each mix against the even split of its blocks;
+    with ``steps``, both programs of the CPU mix also measured as (b) measures."""
+    import planner
+    from planner.families.hetero_pipeline.candidates import staged_estimates, staged_plan
+
+    for title, cluster_file, overrides, _, precision in MIXES:
+        spec = ModelSpec(str(REPO / "examples/gpt.py"), overrides)
+        graph, spec, name, cluster = prepare_model(spec, Cluster.load(cluster_file))
+        estimates, grids = staged_estimates(graph, cluster, precision, ("ddp", "zero1", "fsdp"), SearchBudget())
+        best = min((staged_plan(e, graph, cluster, grids, spec, name, ()) for e in estimates[:2]),
+                   key=lambda plan: plan.estimate.step_time_s)
+        chosen = next(e for e in estimates if e.blocks == best.sections["hetero-pp"].blocks
+                      and best.sections["hetero-pp"].stage_devices[0] == device_groups(cluster)[e.order[0]].device.name)
+        even = staged_plan(dataclasses.replace(chosen, blocks=nearly_even_layers(sum(chosen.blocks), len(chosen.blocks))),
+                           graph, cluster, grids, spec, name, ())
+        section = best.sections["hetero-pp"]
+        print(f"{title}, pipeline per device group:\n"
+              f"  ours {best.name}: blocks {'/'.join(map(str, section.blocks))} on "
+              f"{'/'.join(section.stage_devices)}: {best.estimate.step_time_s * 1e3:.1f} ms"
+              f"{'' if best.estimate.fits else ' (does not fit)'}\n"
+              f"  even split {'/'.join(map(str, even.sections['hetero-pp'].blocks))}: "
+              f"{even.estimate.step_time_s * 1e3:.1f} ms{'' if even.estimate.fits else ' (does not fit)'}: "
+              f"ours {even.estimate.step_time_s / best.estimate.step_time_s:.2f}x", flush=True)
+        if steps is None or cluster_file != MIXED:
+            continue
+        with tempfile.TemporaryDirectory() as scratch:
+            scratch = Path(scratch)
+            measured = {label: measured_step_s(planner.compile(plan, scratch / label), steps, scratch)
+                        for label, plan in (("even", even), ("ours", best))}
+        print(f"  measured on CPU gloo, world 4, slow ranks 2x (median of {steps - 2} steps): even split "
+              f"{measured['even'] * 1e3:.1f} ms, ours {measured['ours'] * 1e3:.1f} ms: ours "
+              f"{measured['even'] / measured['ours']:.2f}x (predicted "
+              f"{even.estimate.step_time_s / best.estimate.step_time_s:.2f}x)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--simulated", action="store_true", help="(a) only: nothing launched")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per program (>= 3; default 8)")
+    parser.add_argument("--pipelines", action="store_true", help="(d) only: pipelines per device group")
     options = parser.parse_args()
+    if options.pipelines:
+        pipeline_rows(None if options.simulated else max(3, options.steps))
+        return
     simulated_rows()
     if not options.simulated:
         measured_rows(max(3, options.steps))

@@ -116,7 +116,8 @@ class GroupShape:
         nodes: distinct nodes it touches (k).
         per_node: group ranks per node, the maximum over its nodes (p).
         intra: the slowest intra-node link among its nodes (least bandwidth, largest latency).
-        inter: the cluster's per-device inter-node link; None when the group is on one node.
+        inter: the cluster's per-device inter-node link, or across sites the slower of it and
+            the link between sites; None when the group is on one node.
         node_devices: fewest devices on any of its nodes (D): sizes each node's network
             capacity, D × inter.bandwidth.
     """
@@ -165,8 +166,13 @@ def group_shape(cluster: Cluster, ranks: Sequence[int]) -> GroupShape:
     specs = [cluster.nodes[index] for index in members]
     intra = LinkSpec(bandwidth=min(node.intra_link.bandwidth for node in specs),
                      latency=max(node.intra_link.latency for node in specs))
+    inter = cluster.inter_link
+    if len({node.site for node in specs}) > 1:
+        # A group across sites: its rings and trees wait for the slowest link they cross.
+        site = cluster.inter_site_link
+        inter = LinkSpec(bandwidth=min(inter.bandwidth, site.bandwidth), latency=max(inter.latency, site.latency))
     return GroupShape(size=len(ranks), nodes=len(members), per_node=max(members.values()),
-                      intra=intra, inter=cluster.inter_link if len(members) > 1 else None,
+                      intra=intra, inter=inter if len(members) > 1 else None,
                       node_devices=min(node.devices for node in specs))
 
 

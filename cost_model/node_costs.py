@@ -94,6 +94,9 @@ class NodeCosts:
         self.signature = signature
         self._node_cost_hooks = overriding(contributors, "node_cost")
         self.cache: dict[tuple, NodeCost] = {}
+        # On a cluster of several device types a pipeline's stages may run on different
+        # devices (planner.families.hetero_pipeline): twins in two stages cost differently.
+        self.by_stage = not context.cluster.is_homogeneous
         self.first_use: dict[tuple, str] = {}
         self.costs: dict[str, NodeCost] = {}
 
@@ -172,6 +175,8 @@ class NodeCosts:
             self.signature[node.name], self.kept_for_backward(node.name),
             strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges), strategy.layout,
         )
+        if self.by_stage:
+            key += (strategy.stage,)
         if self.context.plan.tp_comm_overlap:
             # What an edge's collectives hide behind depends on the op that made it too.
             key += tuple((self.signature.get(source), id(strategies.get(source)))

@@ -224,6 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write it (.toml or .json); an existing file is replaced only if soap-planner wrote it",
     )
     profile.add_argument("--force", action="store_true", help="let -o overwrite a file soap-planner did not write")
+    profile.add_argument(
+        "--cluster", default=None, metavar="CLUSTER_FILE",
+        help="with --group: a cluster of several device groups; -o gets it with that group's devices measured here",
+    )
+    profile.add_argument(
+        "--group", default=None, metavar="DEVICE",
+        help="with --cluster: the device group this host is one of (its device name in the file); run once on a "
+        "node of each group",
+    )
     add_measurement_commands(commands)
     add_colocate_command(commands)
 
@@ -481,11 +490,19 @@ def _profile(options: argparse.Namespace) -> int:
         raise ClusterError(f"cluster file {output} must end in .toml or .json, got {output.suffix!r}")
     check_output_file(output, what="cluster file", is_ours=is_cluster_file_we_wrote, force=options.force)
 
+    from planner.profile_groups import measured_group, profiled_group
+
+    grouped = profiled_group(options.cluster, options.group)  # checked before spending up to a minute measuring
+
     from cost_model.profile import measure_machine
 
     profile = measure_machine(options.nproc, options.device, options.quick)
-    profile.cluster.save(output, comment=profile.notes(), force=options.force)
+    measured, notes = profile.cluster, profile.notes()
     rows = profile.table()
+    if grouped is not None:
+        measured, notes, others = measured_group(grouped, options.group, profile)
+        rows.append(("group", f"{options.group} (measured here); {others}"))
+    measured.save(output, comment=notes, force=options.force)
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         say(f"{name:<{width}}  {value}")

@@ -1,4 +1,4 @@
-"""The cluster model: nodes of devices joined by two classes of links.
+"""The cluster model: nodes of devices joined by two classes of links (three across sites).
 
 A ``Cluster`` is a tuple of ``NodeSpec`` (one per node, so nodes may differ), a per-device
 share of the inter-node network, and a collective backend. Ranks are node-major: node 0
@@ -10,7 +10,12 @@ Clusters come from three edges, all validated by the dataclasses' ``__post_init_
   * presets (``planner/presets.py``), e.g. ``Cluster.preset("dgx-h100", nodes=2)``;
   * the CLI string ``PRESET``, ``PRESET:NODES``, ``PRESET:NODESxDEVICES`` or a file path;
   * TOML/JSON files with ``name``, ``backend``, ``[inter_node]`` and ``[[nodes]]`` groups
-    (``count``, ``devices``, optional ``preset``, ``[nodes.device]``, ``[nodes.intra_node]``).
+    (``count``, ``devices``, optional ``preset``, ``site``, ``[nodes.device]``,
+    ``[nodes.intra_node]``), and ``[inter_site]`` when the groups name two or more sites.
+
+Sites. Nodes at different sites (buildings, data centres) talk over a slower link than the
+network inside a site: ``Cluster.inter_site_link``, per device as ``inter_link``. A collective
+whose group spans sites is priced over the slowest link it crosses (``cost_model.collectives``).
 
 Calibration. A device may carry measured efficiencies (``python -m planner profile`` writes
 them; ``cost_model/profile.py`` defines how each is measured), all optional, each falling back
@@ -49,7 +54,8 @@ which Transformer Engine's ``DotProductAttention`` picks on Hopper); ``cost_mode
 prices each. Files write it as
 ``attention_kernel = "..."`` in ``[nodes.device]`` (left out: the default).
 
-Vocabulary layer: imports only the standard library, ``planner.errors``, ``planner.outputs``
+Vocabulary layer: imports only the standard library, ``planner.errors``, ``planner.cluster_values``
+(checks of values and their text), ``planner.outputs``
 (atomic writes), ``planner.json_files`` (bounded reading of files) and the pure-data
 ``planner.presets`` (pure data, with ``planner.gpu_presets``); never torch.
 """
@@ -58,21 +64,52 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import difflib
 import itertools
 import json
 import os
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from planner.cluster_values import (
+    CLUSTER_FILE_HEADER,
+    FILE_RANGES,
+    MAX_RANKS,
+    FlopsTable,
+    check_file_range,
+    check_instance,
+    check_rank_count,
+    checked_name,
+    checked_table,
+    cluster_file_suffix,
+    efficiency_value,
+    format_si,
+    is_cluster_file_we_wrote,
+    merged_table,
+    overhead_value,
+    positive_float,
+    positive_int,
+    preset_data,
+    preset_names,
+    preset_table,
+    required_value,
+    toml_lines,
+    unknown_key,
+)
 from planner.errors import ClusterError, one_line
-from planner.json_files import MAX_NESTING, check_nesting, finite_number, parse_json, peek_json, read_text
+from planner.json_files import MAX_NESTING, check_nesting, parse_json, read_text
 from planner.outputs import check_output_file, write_text_atomically
 from planner.presets import PRESETS
+
+# The cluster model's names, and those of planner.cluster_values other modules import from here.
+__all__ = [
+    "ATTENTION_KERNELS", "BACKENDS", "CALIBRATION_KEYS", "CLUSTER_FILE_HEADER", "DTYPE_KEYS", "FILE_RANGES",
+    "MAX_RANKS", "Cluster", "ClusterError", "DeviceSpec", "LinkSpec", "NodeSpec", "format_si",
+    "is_cluster_file_we_wrote", "preset_names", "preset_table",
+]
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -93,128 +130,8 @@ CALIBRATION_KEYS = ("matmul_efficiency", "memory_efficiency", "kernel_overhead_s
                     "redistribute_overhead_s")
 # Fused attention kernels a device's software may run (see the module docstring); first: default.
 ATTENTION_KERNELS = ("flash-attention-2", "flash-attention-triton", "cudnn-fused-attention")
-# First line of every cluster file soap-planner writes (planner profile, Cluster.save).
-CLUSTER_FILE_HEADER = ("soap-planner cluster file. Units: FLOP/s, bytes, bytes/s per direction "
-                       "per device, seconds.")
-# Ranges a number in a cluster file must lie in (inclusive): wide enough for any device, link
-# or calibration measured or yet to come, narrow enough that every time and byte count the cost
-# model and the search derive from them stays a finite number (1e-300 B/s would make a
-# collective last 1e300 s, beyond the search's integer costs). Code may build a DeviceSpec or
-# LinkSpec outside them (idealised test clusters); files may not.
-FILE_RANGES: dict[str, tuple[float, float, str]] = {  # key: (lowest, highest, the range in words)
-    "peak_flops": (1e6, 1e18, "1e6..1e18 FLOP/s"),
-    "memory_bytes": (2**20, 2**50, "1 MiB..1 PiB (2**20..2**50 bytes)"),
-    "memory_bandwidth": (1e6, 1e16, "1e6..1e16 bytes/s"),
-    "bandwidth": (1e6, 1e16, "1e6..1e16 bytes/s"),
-    "latency": (1e-12, 10.0, "1e-12..10 s"),
-    "kernel_overhead_s": (0.0, 10.0, "0..10 s"),
-    "dtensor_op_overhead_s": (0.0, 10.0, "0..10 s"),
-    "redistribute_overhead_s": (0.0, 10.0, "0..10 s"),
-}
-# Most devices (ranks) a cluster may have: the largest training clusters hold ~10^5 devices;
-# a cluster file or CLI string asking for more is refused before its nodes are built.
-MAX_RANKS = 2**20
 _CLI_FORMS = "PRESET, PRESET:NODES, PRESET:NODESxDEVICES (e.g. cpu:1x4) or a .toml/.json file"
 _CLI_RE = re.compile(r"([A-Za-z0-9._-]+)(?::(\d+)(?:[xX](\d+))?)?")
-
-
-# ---- validation helpers (shared by __post_init__ and the file parser) ----
-
-def _positive_float(value: Any, where: str) -> float:
-    number = finite_number(value)
-    if number is None or number <= 0:
-        raise ClusterError(f"{where} must be a positive finite number, got {_shown(value)}")
-    return number
-
-
-def _positive_int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ClusterError(f"{where} must be a positive integer, got {_shown(value)}")
-    return value
-
-
-def _shown(value: Any) -> str:
-    """A value from a file for a message: numbers in short form (``1e+300``, not 300 digits),
-    anything else by ``repr``, cut to 40 characters."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**16:
-        return f"{value:.3e}" if finite_number(value) is not None else f"an integer of {len(str(abs(value)))} digits"
-    return one_line(repr(value))[:40]  # a float's repr is short: 8.0, 1e+300, inf
-
-
-def _efficiency(value: Any, where: str) -> float | None:
-    """A calibration fraction: None (use the default) or a number in (0, 1]."""
-    if value is None:
-        return None
-    number = finite_number(value)
-    if number is None or not 0 < number <= 1:
-        raise ClusterError(f"{where} must be a fraction in (0, 1], got {_shown(value)}")
-    return number
-
-
-def _overhead(value: Any, where: str) -> float | None:
-    """A calibration time: None (use the default) or a finite number of seconds >= 0."""
-    if value is None:
-        return None
-    number = finite_number(value)
-    if number is None or number < 0:
-        raise ClusterError(f"{where} must be a finite number of seconds >= 0, got {_shown(value)}")
-    return number
-
-
-def _in_file_range(value: Any, key: str, where: str) -> None:
-    """Refuse a number of a cluster file outside ``FILE_RANGES[key]`` (its type and sign are
-    checked by the dataclasses, which name the problem first)."""
-    low, high, words = FILE_RANGES[key]
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and not low <= value <= high:
-        raise ClusterError(f"{where} is {_shown(value)}, outside the {words} soap-planner accepts from a file; "
-                           f"check the number and its unit")
-
-
-def _check_ranks(ranks: int, where: str) -> None:
-    """Refuse a cluster of more than ``MAX_RANKS`` devices, before any node is built."""
-    if ranks > MAX_RANKS:
-        count = f"{ranks:,}" if ranks < 10**16 else _shown(ranks)
-        raise ClusterError(f"{where} has {count} devices, more than the {MAX_RANKS:,} soap-planner plans for; "
-                           f"check the node and device counts")
-
-
-def _name(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not value.strip() or not value.isprintable():
-        raise ClusterError(f"{where} must be a non-empty printable string, got {value!r}")
-    return value
-
-
-def _instance(value: Any, kind: type, where: str) -> None:
-    if not isinstance(value, kind):
-        raise ClusterError(f"{where} must be a {kind.__name__}, got {type(value).__name__}")
-
-
-def _unknown_key(key: Any, allowed: tuple[str, ...], where: str) -> ClusterError:
-    close = difflib.get_close_matches(str(key), allowed, n=1)
-    hint = f"did you mean {close[0]!r}?" if close else f"expected one of {', '.join(allowed)}"
-    return ClusterError(f"unknown key {where + '.' if where else ''}{key}; {hint}")
-
-
-class _FlopsTable(Mapping):
-    """Read-only, hashable dtype -> FLOP/s table, so a DeviceSpec can key a cache."""
-
-    def __init__(self, items: Mapping[str, float]) -> None:
-        self._items = dict(items)
-
-    def __getitem__(self, key: str) -> float:
-        return self._items[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __hash__(self) -> int:
-        return hash(tuple(self._items.items()))
-
-    def __repr__(self) -> str:
-        return repr(self._items)
 
 
 # ---- the model ----
@@ -239,26 +156,26 @@ class DeviceSpec:
     attention_kernel: str = ATTENTION_KERNELS[0]  # fused attention kernel (ATTENTION_KERNELS)
 
     def __post_init__(self) -> None:
-        _name(self.name, "DeviceSpec.name")
+        checked_name(self.name, "DeviceSpec.name")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ClusterError(f"DeviceSpec.attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
                                f"got {self.attention_kernel!r}")
-        _instance(self.peak_flops, Mapping, "DeviceSpec.peak_flops")
+        check_instance(self.peak_flops, Mapping, "DeviceSpec.peak_flops")
         if not self.peak_flops:
             raise ClusterError("DeviceSpec.peak_flops is empty; add at least float32 = <FLOP/s>")
         for key in self.peak_flops:
             if key not in DTYPE_KEYS:
-                raise _unknown_key(key, DTYPE_KEYS, "DeviceSpec.peak_flops")
-        flops = {key: _positive_float(self.peak_flops[key], f"DeviceSpec.peak_flops.{key}")
+                raise unknown_key(key, DTYPE_KEYS, "DeviceSpec.peak_flops")
+        flops = {key: positive_float(self.peak_flops[key], f"DeviceSpec.peak_flops.{key}")
                  for key in DTYPE_KEYS if key in self.peak_flops}  # canonical order
-        object.__setattr__(self, "peak_flops", _FlopsTable(flops))
-        _positive_int(self.memory_bytes, "DeviceSpec.memory_bytes")
+        object.__setattr__(self, "peak_flops", FlopsTable(flops))
+        positive_int(self.memory_bytes, "DeviceSpec.memory_bytes")
         object.__setattr__(self, "memory_bandwidth",
-                           _positive_float(self.memory_bandwidth, "DeviceSpec.memory_bandwidth"))
+                           positive_float(self.memory_bandwidth, "DeviceSpec.memory_bandwidth"))
         for key in ("matmul_efficiency", "memory_efficiency"):
-            object.__setattr__(self, key, _efficiency(getattr(self, key), f"DeviceSpec.{key}"))
+            object.__setattr__(self, key, efficiency_value(getattr(self, key), f"DeviceSpec.{key}"))
         for key in ("kernel_overhead_s", "dtensor_op_overhead_s", "redistribute_overhead_s"):
-            object.__setattr__(self, key, _overhead(getattr(self, key), f"DeviceSpec.{key}"))
+            object.__setattr__(self, key, overhead_value(getattr(self, key), f"DeviceSpec.{key}"))
 
     @property
     def calibration(self) -> dict[str, float]:
@@ -293,22 +210,27 @@ class LinkSpec:
     latency: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "bandwidth", _positive_float(self.bandwidth, "LinkSpec.bandwidth"))
-        object.__setattr__(self, "latency", _positive_float(self.latency, "LinkSpec.latency"))
+        object.__setattr__(self, "bandwidth", positive_float(self.bandwidth, "LinkSpec.bandwidth"))
+        object.__setattr__(self, "latency", positive_float(self.latency, "LinkSpec.latency"))
 
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """One node: ``devices`` identical devices joined by ``intra_link``."""
+    """One node: ``devices`` identical devices joined by ``intra_link``, at ``site`` (a
+    building or data centre; empty: the cluster's one site)."""
 
     device: DeviceSpec
     devices: int
     intra_link: LinkSpec
+    site: str = ""
 
     def __post_init__(self) -> None:
-        _instance(self.device, DeviceSpec, "NodeSpec.device")
-        _positive_int(self.devices, "NodeSpec.devices")
-        _instance(self.intra_link, LinkSpec, "NodeSpec.intra_link")
+        check_instance(self.device, DeviceSpec, "NodeSpec.device")
+        positive_int(self.devices, "NodeSpec.devices")
+        check_instance(self.intra_link, LinkSpec, "NodeSpec.intra_link")
+        if not isinstance(self.site, str) or len(self.site) > 60 or not self.site.isprintable():
+            raise ClusterError(f"NodeSpec.site must be a printable name of at most 60 characters (or empty), "
+                               f"got {str(self.site)[:40]!r}")
 
 
 @dataclass(frozen=True)
@@ -330,15 +252,24 @@ class Cluster:
     inter_link: LinkSpec
     backend: str
     derived_from: str | None = None
+    # The link between nodes at different sites (per device, as inter_link); needed when the
+    # nodes name two or more sites, ignored otherwise.
+    inter_site_link: LinkSpec | None = None
 
     def __post_init__(self) -> None:
-        _name(self.name, "Cluster.name")
+        checked_name(self.name, "Cluster.name")
         object.__setattr__(self, "nodes", tuple(self.nodes))
         if not self.nodes:
             raise ClusterError("Cluster.nodes is empty; give at least one NodeSpec")
         for index, node in enumerate(self.nodes):
-            _instance(node, NodeSpec, f"Cluster.nodes[{index}]")
-        _instance(self.inter_link, LinkSpec, "Cluster.inter_link")
+            check_instance(node, NodeSpec, f"Cluster.nodes[{index}]")
+        check_instance(self.inter_link, LinkSpec, "Cluster.inter_link")
+        if self.inter_site_link is not None:
+            check_instance(self.inter_site_link, LinkSpec, "Cluster.inter_site_link")
+        elif len(self.sites) > 1:
+            raise ClusterError(f"Cluster.inter_site_link is missing: the nodes are at sites "
+                               f"{', '.join(repr(site) for site in self.sites)[:120]}; add an [inter_site] table "
+                               f"with the bandwidth and latency between them")
         if self.backend not in BACKENDS:
             raise ClusterError(f"Cluster.backend must be \"nccl\" (GPUs) or \"gloo\" (CPU), "
                                f"got {self.backend!r}")
@@ -372,8 +303,16 @@ class Cluster:
 
     @property
     def is_homogeneous(self) -> bool:
-        """True when every node is identical (device, device count and intra-node link)."""
-        return all(node == self.nodes[0] for node in self.nodes)
+        """True when every node is identical (device, device count and intra-node link; the
+        site aside, which only the links between nodes see)."""
+        first = self.nodes[0]
+        return all((node.device, node.devices, node.intra_link) == (first.device, first.devices, first.intra_link)
+                   for node in self.nodes)
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        """The sites the nodes name, in node order (``("",)``: one unnamed site)."""
+        return tuple(dict.fromkeys(node.site for node in self.nodes))
 
     @property
     def min_device_memory(self) -> int:
@@ -411,6 +350,9 @@ class Cluster:
                           f"intra-node {format_si(node.intra_link.bandwidth, 'B/s')})")
         inter = (f"; inter-node {format_si(self.inter_link.bandwidth, 'B/s')} per device"
                  if self.num_nodes > 1 else "")
+        if len(self.sites) > 1:
+            inter += (f"; {len(self.sites)} sites ({', '.join(self.sites)}), "
+                      f"{format_si(self.inter_site_link.bandwidth, 'B/s')} per device between them")
         return f"{self.name}: {' + '.join(groups)}{inter}; {self.backend}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -429,11 +371,12 @@ class Cluster:
         # A derived cluster's groups name its preset: every field is written out too, so the
         # preset only supplies the provenance (and would supply a field a reader left out).
         named = {"preset": self.derived_from} if self.derived_from is not None else {}
-        groups = [{"count": count, "devices": node.devices, **named, "device": device(node.device),
-                   "intra_node": link(node.intra_link)}
+        groups = [{"count": count, "devices": node.devices, **named, **({"site": node.site} if node.site else {}),
+                   "device": device(node.device), "intra_node": link(node.intra_link)}
                   for node, count in _group_nodes(self.nodes)]
+        sites = {"inter_site": link(self.inter_site_link)} if len(self.sites) > 1 else {}
         return {"name": self.name, "backend": self.backend,
-                "inter_node": link(self.inter_link), "nodes": groups}
+                "inter_node": link(self.inter_link), **sites, "nodes": groups}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str | None = None) -> Cluster:
@@ -453,13 +396,13 @@ class Cluster:
     @classmethod
     def preset(cls, name: str, nodes: int = 1, devices_per_node: int | None = None) -> Cluster:
         """A built-in cluster (see ``preset_names()``) with optional node/device counts."""
-        data = _preset_data(name)
+        data = preset_data(name)
         per_node = data["devices_per_node"] if devices_per_node is None else devices_per_node
         node = NodeSpec(_parse_device(data["device"], "device"),
-                        _positive_int(per_node, f"preset {name!r} devices_per_node"),
+                        positive_int(per_node, f"preset {name!r} devices_per_node"),
                         _parse_link(data["intra_node"], "intra_node"))
-        count = _positive_int(nodes, f"preset {name!r} nodes")
-        _check_ranks(count * node.devices, f"cluster {name}:{count}x{node.devices}")
+        count = positive_int(nodes, f"preset {name!r} nodes")
+        check_rank_count(count * node.devices, f"cluster {name}:{count}x{node.devices}")
         return cls(name=name.lower(), nodes=(node,) * count,
                    inter_link=_parse_link(data["inter_node"], "inter_node"),
                    backend=data["backend"], derived_from=name.lower())
@@ -469,7 +412,7 @@ class Cluster:
         """Read a cluster from a ``.toml`` or ``.json`` file (missing ``name``: the file stem)."""
         path = Path(path)
         source = f"cluster file {path}"
-        suffix = _file_suffix(path)
+        suffix = cluster_file_suffix(path)
         fix = "fix it, or write one with `planner profile -o FILE`"
         text = read_text(path, source, fix, ClusterError,
                          missing=f"not found; check the path, or use a preset ({', '.join(preset_names())})")
@@ -527,41 +470,17 @@ class Cluster:
         """
         path = Path(path)
         data = self.to_dict()
-        if _file_suffix(path) == ".json":
+        if cluster_file_suffix(path) == ".json":
             text = json.dumps({"comment": CLUSTER_FILE_HEADER, **data}, indent=2) + "\n"
         else:
             notes = "".join(f"# {line}".rstrip() + "\n" for line in (comment or "").splitlines())
-            text = (f"# {CLUSTER_FILE_HEADER}\n" + notes + "\n".join(_toml_lines(data, "")) + "\n")
+            text = (f"# {CLUSTER_FILE_HEADER}\n" + notes + "\n".join(toml_lines(data, "")) + "\n")
         path = check_output_file(path, what="cluster file", is_ours=is_cluster_file_we_wrote, force=force)
         try:
             write_text_atomically(path, text)
         except OSError as err:
             raise ClusterError(f"cannot write cluster file {path} ({err}); check the directory "
                                f"exists and is writable") from None
-
-
-def is_cluster_file_we_wrote(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a cluster file written by ``Cluster.save`` (``planner profile``):
-    it starts with ``CLUSTER_FILE_HEADER``."""
-    try:
-        with open(path, encoding="utf-8") as stream:
-            if stream.read(len(CLUSTER_FILE_HEADER) + 2) == f"# {CLUSTER_FILE_HEADER}":
-                return True
-    except (OSError, UnicodeDecodeError):
-        return False
-    data = peek_json(path)
-    return isinstance(data, dict) and data.get("comment") == CLUSTER_FILE_HEADER
-
-
-def preset_names() -> list[str]:
-    """Names of the built-in presets, in the order ``planner presets`` shows them."""
-    return list(PRESETS)
-
-
-def preset_table() -> list[tuple[str, str]]:
-    """(name, one-line description) per preset, for the ``planner presets`` command."""
-    return [(name, f"{data['description']} [default 1x{data['devices_per_node']}, "
-                   f"{data['backend']}]") for name, data in PRESETS.items()]
 
 
 # ---- file layout -> model: checks structure; the dataclasses check values ----
@@ -575,79 +494,43 @@ def _build(kind: type, where: str, **fields: Any) -> Any:
                            ) from None
 
 
-def _preset_data(name: Any, where: str = "") -> dict[str, Any]:
-    key = name.lower() if isinstance(name, str) else None
-    if key not in PRESETS:
-        raise ClusterError(f"{where + ': ' if where else ''}unknown cluster preset {name!r}; "
-                           f"choose one of {', '.join(preset_names())}")
-    return PRESETS[key]
-
-
-def _table(value: Any, where: str, allowed: tuple[str, ...]) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ClusterError(f"{where or 'cluster'} must be a table, got {value!r}")
-    for key in value:
-        if key not in allowed:
-            raise _unknown_key(key, allowed, where)
-    return value
-
-
-def _require(table: Mapping[str, Any], key: str, where: str, what: str) -> Any:
-    if table.get(key) is None:
-        raise ClusterError(f"{where + '.' if where else ''}{key} is missing; add {what}")
-    return table[key]
-
-
-def _merged(base: Mapping[str, Any] | None, override: Any, where: str) -> Any:
-    """A preset's table with the user's keys laid over it (peak_flops merged per dtype)."""
-    if override is None or base is None:
-        return override if override is not None else base
-    if not isinstance(override, Mapping):
-        raise ClusterError(f"{where} must be a table, got {override!r}")
-    merged = dict(base)
-    for key, value in override.items():
-        both = isinstance(value, Mapping) and isinstance(merged.get(key), Mapping)
-        merged[key] = {**merged[key], **value} if both else value
-    return merged
-
-
 def _parse_link(raw: Any, where: str) -> LinkSpec:
-    table = _table(raw, where, ("bandwidth", "latency"))
-    link = _build(LinkSpec, where, bandwidth=_require(table, "bandwidth", where, "bytes/s"),
-                  latency=_require(table, "latency", where, "seconds"))
+    table = checked_table(raw, where, ("bandwidth", "latency"))
+    link = _build(LinkSpec, where, bandwidth=required_value(table, "bandwidth", where, "bytes/s"),
+                  latency=required_value(table, "latency", where, "seconds"))
     for key in ("bandwidth", "latency"):
-        _in_file_range(getattr(link, key), key, f"{where}.{key}")
+        check_file_range(getattr(link, key), key, f"{where}.{key}")
     return link
 
 
 def _parse_device(raw: Any, where: str) -> DeviceSpec:
-    table = _table(raw, where, ("name", "peak_flops", "memory_bytes", "memory_bandwidth",
+    table = checked_table(raw, where, ("name", "peak_flops", "memory_bytes", "memory_bandwidth",
                                 "calibration", "attention_kernel"))
-    memory = _require(table, "memory_bytes", where, "bytes")
+    memory = required_value(table, "memory_bytes", where, "bytes")
     if isinstance(memory, float) and memory.is_integer():
         memory = int(memory)  # files may write 80e9, a TOML float, for a byte count
-    flops = _table(_require(table, "peak_flops", where, "a [nodes.device.peak_flops] table"),
+    flops = checked_table(required_value(table, "peak_flops", where, "a [nodes.device.peak_flops] table"),
                    f"{where}.peak_flops", DTYPE_KEYS)
-    calibration = _table(table.get("calibration", {}), f"{where}.calibration", CALIBRATION_KEYS)
+    calibration = checked_table(table.get("calibration", {}), f"{where}.calibration", CALIBRATION_KEYS)
     # Checked here too, so that an error names the file's path (….calibration.key).
-    for key, check in zip(CALIBRATION_KEYS, (_efficiency, _efficiency, _overhead, _overhead, _overhead)):
+    for key, check in zip(CALIBRATION_KEYS, (efficiency_value, efficiency_value, overhead_value, overhead_value, overhead_value)):
         check(calibration.get(key), f"{where}.calibration.{key}")
-    device = _build(DeviceSpec, where, name=_require(table, "name", where, "the device name"),
+    device = _build(DeviceSpec, where, name=required_value(table, "name", where, "the device name"),
                     peak_flops=flops, memory_bytes=memory,
-                    memory_bandwidth=_require(table, "memory_bandwidth", where, "bytes/s"),
+                    memory_bandwidth=required_value(table, "memory_bandwidth", where, "bytes/s"),
                     attention_kernel=table.get("attention_kernel", ATTENTION_KERNELS[0]),
                     **{key: calibration.get(key) for key in CALIBRATION_KEYS})
     for dtype, value in device.peak_flops.items():
-        _in_file_range(value, "peak_flops", f"{where}.peak_flops.{dtype}")
+        check_file_range(value, "peak_flops", f"{where}.peak_flops.{dtype}")
     for key in ("memory_bytes", "memory_bandwidth"):
-        _in_file_range(getattr(device, key), key, f"{where}.{key}")
+        check_file_range(getattr(device, key), key, f"{where}.{key}")
     for key in ("kernel_overhead_s", "dtensor_op_overhead_s", "redistribute_overhead_s"):
-        _in_file_range(getattr(device, key), key, f"{where}.calibration.{key}")
+        check_file_range(getattr(device, key), key, f"{where}.calibration.{key}")
     return device
 
 
 def _cluster_from_table(data: Any) -> Cluster:
-    top = _table(data, "", ("name", "backend", "inter_node", "nodes", "comment"))
+    top = checked_table(data, "", ("name", "backend", "inter_node", "inter_site", "nodes", "comment"))
     if not isinstance(top.get("comment", ""), str):
         raise ClusterError(f"comment must be a string, got {top['comment']!r}")
     groups = top.get("nodes")
@@ -660,39 +543,46 @@ def _cluster_from_table(data: Any) -> Cluster:
     ranks = 0
     for index, raw in enumerate(groups):
         where = f"nodes[{index}]"
-        group = _table(raw, where, ("count", "devices", "preset", "device", "intra_node"))
-        preset = _preset_data(group["preset"], f"{where}.preset") if "preset" in group else {}
+        group = checked_table(raw, where, ("count", "devices", "preset", "site", "device", "intra_node"))
+        preset = preset_data(group["preset"], f"{where}.preset") if "preset" in group else {}
         presets += [preset] if preset else []
         # A preset supplies device, intra_node and devices; the group's own keys override it.
-        fields = {"device": _merged(preset.get("device"), group.get("device"), f"{where}.device"),
+        fields = {"device": merged_table(preset.get("device"), group.get("device"), f"{where}.device"),
                   "devices": group.get("devices", preset.get("devices_per_node")),
-                  "intra_node": _merged(preset.get("intra_node"), group.get("intra_node"),
-                                        f"{where}.intra_node")}
+                  "intra_node": merged_table(preset.get("intra_node"), group.get("intra_node"),
+                                             f"{where}.intra_node")}
         for key, what in (("device", "a [nodes.device] table"), ("devices", "devices = N"),
                           ("intra_node", "a [nodes.intra_node] table")):
-            _require(fields, key, where, f"{what} or a preset key ({', '.join(preset_names())})")
+            required_value(fields, key, where, f"{what} or a preset key ({', '.join(preset_names())})")
         node = _build(NodeSpec, where, device=_parse_device(fields["device"], f"{where}.device"),
                       devices=fields["devices"],
-                      intra_link=_parse_link(fields["intra_node"], f"{where}.intra_node"))
-        groups_built.append((node, _positive_int(group.get("count", 1), f"{where}.count")))
+                      intra_link=_parse_link(fields["intra_node"], f"{where}.intra_node"),
+                      site=group.get("site", ""))
+        groups_built.append((node, positive_int(group.get("count", 1), f"{where}.count")))
         ranks += groups_built[-1][1] * node.devices
-        _check_ranks(ranks, "the cluster")
+        check_rank_count(ranks, "the cluster")
     for node, count in groups_built:  # only once the counts are known to be sane
         nodes += [node] * count
     # backend and inter_node default to the named presets' values when all of those agree.
     fields = {"name": top.get("name"),
               "backend": top.get("backend", _agreed([p["backend"] for p in presets])),
-              "inter_node": _merged(_agreed([p["inter_node"] for p in presets]),
-                                    top.get("inter_node"), "inter_node")}
+              "inter_node": merged_table(_agreed([p["inter_node"] for p in presets]),
+                                         top.get("inter_node"), "inter_node")}
     for key, what in (("name", "name = \"...\""),
                       ("backend", "backend = \"nccl\" (GPUs) or \"gloo\" (CPU)"),
                       ("inter_node", "an [inter_node] table with bandwidth and latency")):
-        _require(fields, key, "", what)
+        required_value(fields, key, "", what)
+    sites = set(node.site for node in nodes)
+    if "inter_site" in top and len(sites) < 2:
+        raise ClusterError("inter_site is given but every node is at one site; give the [[nodes]] groups a "
+                           "site = \"...\" each, or drop [inter_site]")
     cluster = _build(Cluster, "", name=fields["name"], nodes=tuple(nodes),
                      inter_link=_parse_link(fields["inter_node"], "inter_node"),
-                     backend=fields["backend"])
+                     backend=fields["backend"],
+                     inter_site_link=_parse_link(top["inter_site"], "inter_site") if "inter_site" in top else None)
     named = {group["preset"].lower() for group in groups if "preset" in group}
-    if len(named) == 1 and len(presets) == len(groups):  # every group names the same preset
+    # A preset's measured collectives are of one site's network: not of a cluster spanning sites.
+    if len(named) == 1 and len(presets) == len(groups) and len(sites) < 2:  # every group names the same preset
         return dataclasses.replace(cluster, derived_from=named.pop())
     if not named and _is_preset_as_built(cluster):  # a file written before derived_from was
         return dataclasses.replace(cluster, derived_from=cluster.name.lower())
@@ -729,41 +619,3 @@ def _group_nodes(nodes: tuple[NodeSpec, ...]) -> list[tuple[NodeSpec, int]]:
     return runs
 
 
-def format_si(value: float, unit: str) -> str:
-    """``312e12, 'FLOP/s'`` -> ``'312 TFLOP/s'`` (decimal prefixes, 3 significant digits)."""
-    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, "")):
-        if value >= scale:
-            break
-    scaled = value / scale
-    return f"{scaled:.0f} {prefix}{unit}" if scaled >= 100 else f"{scaled:.3g} {prefix}{unit}"
-
-
-def _file_suffix(path: Path) -> str:
-    suffix = path.suffix.lower()
-    if suffix not in (".toml", ".json"):
-        raise ClusterError(f"cluster file {path} must end in .toml or .json, got {suffix!r}")
-    return suffix
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # printable names: JSON escapes are TOML
-    if isinstance(value, float):
-        text = repr(value)
-        if "e" not in text and abs(value) >= 1e6:  # 2.039e+12 reads better than 2039000000000.0
-            text = next(t for p in range(17) if float(t := f"{value:.{p}e}") == value)
-        return text
-    return str(value)
-
-
-def _toml_lines(table: Mapping[str, Any], prefix: str) -> list[str]:
-    """TOML for our layout: scalars, then sub-tables, then arrays of tables."""
-    lines = [f"{key} = {_toml_value(value)}" for key, value in table.items()
-             if not isinstance(value, (dict, list))]
-    for key, value in table.items():
-        if isinstance(value, dict):
-            lines += ["", f"[{prefix}{key}]", *_toml_lines(value, f"{prefix}{key}.")]
-        elif isinstance(value, list):
-            for item in value:
-                lines += ["", f"[[{prefix}{key}]]", *_toml_lines(item, f"{prefix}{key}.")]
-    return lines

@@ -12,11 +12,13 @@ Vocabulary layer: imports only ``planner.cluster``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from planner.cluster import Cluster, DeviceSpec, NodeSpec
+from planner.cluster import Cluster, DeviceSpec, LinkSpec, NodeSpec
+from planner.errors import ClusterError
 
-__all__ = ["DeviceGroup", "device_groups", "rank_devices", "sub_cluster"]
+__all__ = ["DeviceGroup", "device_groups", "group_names", "rank_devices", "sub_cluster", "with_group_measured"]
 
 
 @dataclass(frozen=True)
@@ -56,4 +58,32 @@ def sub_cluster(cluster: Cluster, device: DeviceSpec) -> Cluster | None:
     if not nodes:
         return None
     return Cluster(name=f"{cluster.name}-{device.name}"[:120], nodes=nodes, inter_link=cluster.inter_link,
-                   backend=cluster.backend, derived_from=None)
+                   backend=cluster.backend, derived_from=None, inter_site_link=cluster.inter_site_link)
+
+
+def group_names(cluster: Cluster) -> tuple[str, ...]:
+    """The device name of each of the cluster's groups, in group order."""
+    return tuple(group.device.name for group in device_groups(cluster))
+
+
+def with_group_measured(cluster: Cluster, group: str, device: DeviceSpec, intra_link: LinkSpec | None) -> Cluster:
+    """``cluster`` with the devices of group ``group`` (the device name the cluster gives them)
+    replaced by ``device`` as measured (``planner profile`` on one of those nodes), keeping the
+    group's name so plans and reports still tell the groups apart, and, when given, the
+    group's nodes' intra-node link replaced by ``intra_link``. The other groups, the network
+    between nodes and the backend are unchanged: each group is profiled on its own nodes.
+
+    Raises:
+        ClusterError: no group of ``cluster`` has that name (one line listing the names).
+    """
+    names = group_names(cluster)
+    if group not in names:
+        raise ClusterError(f"cluster {cluster.name!r} has no device group {group[:60]!r}; its groups are "
+                           f"{', '.join(repr(name) for name in names)[:200]}: pass one of them to --group")
+    old = next(g.device for g in device_groups(cluster) if g.device.name == group)
+    measured = dataclasses.replace(device, name=group)
+    nodes = tuple(
+        dataclasses.replace(node, device=measured, intra_link=intra_link or node.intra_link)
+        if node.device == old else node for node in cluster.nodes
+    )
+    return dataclasses.replace(cluster, nodes=nodes, derived_from=None)

@@ -44,7 +44,7 @@ MAX_INTEGER_DIGITS = sys.get_int_max_str_digits() or 4300
 
 __all__ = [
     "MAX_FILE_BYTES", "MAX_NESTING", "check_nesting", "finite_number", "parse_json", "peek_json", "read_json",
-    "read_text", "record_from_json",
+    "read_text", "record_from_json", "section_lists",
 ]
 
 
@@ -193,6 +193,29 @@ def record_from_json(kind: type[T], data: Any, source: str, field: str, error: t
         return kind(**values)
     except (TypeError, ValueError) as problem:
         raise error(f"{source}: field '{field}' is invalid: {one_line(problem)[:200]}") from None
+
+
+def section_lists(data: Any, source: str, field: str, keys: tuple[str, ...], lists: tuple[str, ...],
+                  example: str, error: type[PlannerError]) -> dict[str, Any]:
+    """``data``, a plan section's JSON object, checked before its dataclass reads it: an
+    object (``example`` shows one), no key outside ``keys``, the first of ``keys`` present,
+    and the keys of ``lists`` lists where given. Messages name ``source`` and ``field``.
+
+    Raises:
+        error: one line naming the field and what it must be.
+    """
+    if not isinstance(data, dict):
+        raise error(f"{source}: field '{field}' must be a JSON object such as {example}, got {type(data).__name__}")
+    unknown = [key for key in data if key not in keys]
+    if unknown:
+        raise error(f"{source}: field '{field}' has an unknown key {one_line(str(unknown[0]))[:40]!r}; "
+                    f"its keys are {', '.join(keys)}")
+    if keys[0] not in data:
+        raise error(f"{source}: field '{field}.{keys[0]}' is missing")
+    for key in lists:
+        if key in data and not isinstance(data[key], list):
+            raise error(f"{source}: field '{field}.{key}' must be a list, got {type(data[key]).__name__}")
+    return data
 
 
 def _type_problem(value: Any, hint: Any) -> str:

@@ -317,6 +317,12 @@ class PipelineGrid:
     def plan(self, estimate: Estimate, spec: ModelSpec | None, model_name: str) -> Plan:
         """The estimated configuration as a simulated plan, with the layout it was priced
         with (label ``"megatron"`` or ``"soap"``)."""
+        return simulated(self.unsimulated(estimate, spec, model_name), self.graph)
+
+    def unsimulated(self, estimate: Estimate, spec: ModelSpec | None, model_name: str) -> Plan:
+        """The estimated configuration as a plan not yet simulated (``plan`` simulates it):
+        for a caller that changes it first (``planner.families.hetero_pipeline`` puts it
+        on a cluster of several device types)."""
         config = estimate.config
         mesh = config.mesh
         strategies, inputs = self._layout(config.tp, config.sequence_parallel, mesh.names, config.layout)
@@ -339,12 +345,11 @@ class PipelineGrid:
                 stages=config.pp, schedule=config.schedule, micro_batches=config.micro_batches,
                 virtual_stages=config.virtual_stages, stage_recompute=per_stage,
             )
-        plan = unsimulated_plan(
+        return unsimulated_plan(
             self.graph, self.cluster, spec, model_name, mesh, strategies, inputs,
             dp_flavour=config.flavour, recompute=recompute, pipeline=pipeline, precision=self.precision,
             label=config.layout, expert_layouts=self._experts_of(config),
         )
-        return simulated(plan, self.graph)
 
     # ------------------------------------------------------------- estimates
 
@@ -381,6 +386,20 @@ class PipelineGrid:
             if best is None or estimate.step_s < best.step_s:
                 best = estimate
         return best
+
+    def segment_costs(self, config: Configuration, recompute: str) -> list[SegmentCost] | None:
+        """Each segment's cost per micro-batch under ``config`` recomputing as ``recompute``
+        says (the ops before the first block, each block, the ops after the last), priced on
+        this grid's cluster; None when Megatron's layout does not split the model on its tp."""
+        return None if self._profile(config) is None else self._segment_costs(config, recompute)
+
+    def block_flags(self, config: Configuration) -> tuple[bool, ...]:
+        """Whether each segment of ``config`` (as ``segment_costs`` lists them) is a block."""
+        return tuple(profile.block for profile in self._profile(config) or ())
+
+    def fixed_bytes(self, config: Configuration) -> float:
+        """Bytes every device of ``config`` holds besides its segments' (buffers, bounded from above)."""
+        return self._fixed_bytes(config)
 
     def _segment_costs(self, config: Configuration, recompute: str) -> list[SegmentCost]:
         """Each segment's cost under ``config`` when it recomputes as ``recompute`` says."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,3 +241,32 @@ def test_cli_profile_errors_before_measuring(tmp_path, monkeypatch, capsys):
 def test_cli_profile_bad_nproc(tmp_path, capsys):
     assert main(["profile", "--nproc", "1", "-o", str(tmp_path / "c.toml")]) == 2
     assert "argument --nproc: must be an integer >= 2, got '1'" in capsys.readouterr().err
+
+
+def test_cli_profile_one_group_of_a_mixed_cluster(tmp_path, monkeypatch, capsys):
+    # Measured on a node of the "cpu-slow" group of examples/clusters/mixed.toml (2 devices a
+    # node, so --nproc 2 measures its intra-node link too): that group's devices take the
+    # measured figures under their own name; cpu-fast and the network between nodes stay.
+    mixed = Path(__file__).resolve().parents[1] / "examples/clusters/mixed.toml"
+    monkeypatch.setattr(profile_module, "measure_machine", lambda *args: _canned_profile(*args))
+    path = tmp_path / "mixed-profiled.toml"
+    assert main(["profile", "--nproc", "2", "--cluster", str(mixed), "--group", "cpu-slow", "-o", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "cpu-slow (measured here); groups cpu-fast keep the file's figures" in out
+    written, before = Cluster.load(path), Cluster.load(mixed)
+    measured = _canned_profile(2, None, False).cluster.nodes[0]
+    slow, fast = written.device_of(2), written.device_of(0)
+    assert slow.name == "cpu-slow" and slow.peak_flops == measured.device.peak_flops
+    assert slow.kernel_overhead_s == 1.7e-6 and written.nodes[1].intra_link == measured.intra_link
+    assert fast == before.device_of(0) and written.inter_link == before.inter_link
+    assert "device group 'cpu-slow' measured on this host" in path.read_text()
+
+
+def test_cli_profile_group_errors_before_measuring(tmp_path, monkeypatch, capsys):
+    mixed = str(Path(__file__).resolve().parents[1] / "examples/clusters/mixed.toml")
+    monkeypatch.setattr(profile_module, "measure_machine", lambda *args: pytest.fail("measured despite a bad group"))
+    for arguments, match in ((["--cluster", mixed, "--group", "h100"], "has no device group 'h100'"),
+                             (["--group", "cpu-slow"], "--cluster and --group go together")):
+        assert main(["profile", *arguments, "-o", str(tmp_path / "c.toml")]) == 2
+        err = capsys.readouterr().err
+        assert match in err and err.count("\n") == 1, err

@@ -1,0 +1,30 @@
+"""Pipelines over device groups of different types (Metis, ATC'24): one stage per group of
+equal devices, the stage order chosen, the blocks balanced by each group's speed and memory
+(a stage on H100s holds more layers than one on A100s); and the pipelines on the fastest
+group alone, the slower devices left out (Sailor). Everything it adds lives in this folder:
+
+- ``section.py``: ``HeteroStagesSection``, the plan's ``"hetero-pp"`` key (vocabulary).
+- ``balance.py``: the exact split of the blocks over stages on different devices (vocabulary).
+- ``costs.py``: every op priced on its own stage's device (cost-model layer).
+- ``candidates.py``: every order of the groups, balanced, estimated; the best simulated
+  (search layer).
+- ``report.py``: per stage, its devices, blocks, busy time and memory (vocabulary).
+
+The program is the pipeline family's (``codegen.pipeline_emit``): stages of different sizes
+are what it already compiles, and the stage order is the plan's cluster's node order.
+"""
+
+from __future__ import annotations
+
+from planner.families import Family
+from planner.families.hetero_pipeline.section import JSON_KEY, HeteroStagesSection
+
+FAMILIES = (
+    Family(
+        JSON_KEY, "pipeline stages on device groups of different types, blocks by speed (mixed GPUs)",
+        lambda plan: JSON_KEY in plan.sections, axes=(), refines=("pipeline",), section=HeteroStagesSection,
+        candidates="planner.families.hetero_pipeline.candidates:hetero_pipeline_candidates", search_order=52,
+        costs="planner.families.hetero_pipeline.costs:StageDeviceStep",
+        report="planner.families.hetero_pipeline.report:hetero_pipeline_section",
+    ),
+)

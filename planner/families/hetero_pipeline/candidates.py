@@ -1,0 +1,234 @@
+"""Pipelines over device groups of different types (search layer), as Metis (Um et al.,
+ATC'24) plans them: one stage per device group, the stage order chosen, and the blocks
+balanced by each group's speed and memory, so a stage on H100s holds more layers than one
+on A100s. Also the pipelines on the fastest devices alone (the slow ones left out, as
+Sailor may decide), each saying so in a warning.
+
+For every order of the groups (all of them: a cluster has few device types) and every
+micro-batch size and dp flavour (1F1B, no tensor parallelism, no or full recomputation),
+the segments' costs per micro-batch are priced on each group's device
+(``search.pipeline_search.PipelineGrid.segment_costs`` on the cluster with every node given
+that device), the blocks are cut by ``balance.balanced_stages`` (exact: the slowest stage is
+least, each stage within its own device's memory), and the step is estimated as 1F1B runs
+it, ``sum(stage seconds) + (m - 1) x slowest``. The best ``SearchBudget.pipeline_candidates()``
+are simulated (``costs.py`` prices each stage on its device) and compete with every other plan.
+
+The stage order is the order of the plan's cluster's nodes: a plan whose first stage runs
+on the cluster file's second group lists that group's nodes first (start them as node rank
+0 onwards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from cost_model.simulator import simulated
+from planner.cluster import Cluster, DeviceSpec
+from planner.device_groups import DeviceGroup, device_groups, sub_cluster
+from planner.families.hetero_pipeline.balance import balanced_stages, stage_seconds
+from planner.families.hetero_pipeline.section import JSON_KEY, HeteroStagesSection
+from planner.graph import OpGraph
+from planner.plans import Plan
+from search.budget import SearchBudget
+from search.context import SearchContext
+from search.pipeline_search import Configuration, Estimate, PipelineGrid, PipelineSpace, pipeline_plans
+from search.stage_slicing import SegmentCost, in_flight_per_stage, stage_memory
+
+FAMILY = JSON_KEY
+MAX_GROUPS = 4  # 4! = 24 stage orders; a rack rarely holds more device types
+RECOMPUTE = ("none", "full")  # the least and the most a stage keeps
+MICRO_BATCH_SIZES = PipelineSpace.micro_batch_sizes
+
+
+@dataclass(frozen=True)
+class StagedEstimate:
+    """One order of the groups under one configuration, its blocks balanced."""
+
+    step_s: float
+    order: tuple[int, ...]  # stage s runs on group order[s]
+    config: Configuration
+    blocks: tuple[int, ...]  # blocks per stage
+    stage_s: tuple[float, ...]  # seconds per micro-batch per stage
+    memory_bytes: tuple[float, ...]  # bytes per device of each stage
+
+
+def with_device(cluster: Cluster, device: DeviceSpec) -> Cluster:
+    """``cluster`` with every node's device replaced by ``device`` (links unchanged): the
+    homogeneous cluster a group's segment costs are priced on."""
+    return dataclasses.replace(cluster, nodes=tuple(dataclasses.replace(node, device=device) for node in cluster.nodes),
+                               derived_from=None)
+
+
+def ordered_cluster(cluster: Cluster, groups: tuple[DeviceGroup, ...], order: tuple[int, ...]) -> Cluster:
+    """``cluster`` with its nodes listed group by group in ``order`` (each group's nodes in
+    their own order): stage s's ranks are then group ``order[s]``'s."""
+    rank = {groups[group].device: position for position, group in enumerate(order)}
+    nodes = sorted(cluster.nodes, key=lambda node: rank[node.device])
+    return dataclasses.replace(cluster, nodes=tuple(nodes), derived_from=None)
+
+
+def equal_groups(cluster: Cluster) -> tuple[DeviceGroup, ...] | None:
+    """The cluster's device groups when there are 2 to ``MAX_GROUPS`` of them, of equal
+    sizes (one stage each, every stage ``dp`` ranks wide); None otherwise."""
+    groups = device_groups(cluster)
+    if not 2 <= len(groups) <= MAX_GROUPS or len({len(group.ranks) for group in groups}) != 1:
+        return None
+    return groups
+
+
+def _configurations(graph: OpGraph, pp: int, dp: int, flavours: tuple[str, ...]) -> list[Configuration]:
+    """1F1B configurations of ``pp`` stages of ``dp`` ranks: every micro-batch size that
+    divides the batch per dp rank, flavour and recomputation (FSDP beside pp with full
+    recomputation only, as the pipeline grid allows it)."""
+    if graph.batch_size % dp:
+        return []
+    local = graph.batch_size // dp
+    found = []
+    for size in MICRO_BATCH_SIZES:
+        if local % size:
+            continue
+        for flavour in flavours if dp > 1 else ("ddp",):
+            for recompute in RECOMPUTE:
+                if flavour == "fsdp" and recompute != "full":
+                    continue
+                found.append(Configuration(1, pp, dp, size, local // size, "1f1b", 1, flavour, recompute))
+    return found
+
+
+def balanced_estimate(costs: list[list[SegmentCost]], flags: tuple[bool, ...], capacity: list[float],
+                      order: tuple[int, ...], config: Configuration) -> StagedEstimate | None:
+    """``config`` with stage s on group ``order[s]``: ``costs[g]`` the segments' costs on group
+    g's device, ``capacity[g]`` the bytes its devices have for segments. None when no split fits."""
+    first, last = flags.index(True), len(flags) - 1 - flags[::-1].index(True)
+    head, tail = slice(0, first), slice(last + 1, len(flags))
+    blocks = [i for i, flag in enumerate(flags) if flag]
+    in_flight = in_flight_per_stage("1f1b", config.pp, config.micro_batches, 1)
+    stages = len(order)
+
+    def members(stage: int, start: int, end: int) -> list[SegmentCost]:
+        own = costs[order[stage]]
+        held = [own[blocks[k]] for k in range(start, end)]
+        return (own[head] if stage == 0 else []) + held + (own[tail] if stage == stages - 1 else [])
+
+    def fits(stage: int, start: int, end: int) -> bool:
+        return stage_memory(members(stage, start, end), in_flight[stage]) <= capacity[order[stage]]
+
+    block_s = [[costs[order[s]][k].time_s for k in blocks] for s in range(stages)]
+    head_s = sum(c.time_s for c in costs[order[0]][head])
+    tail_s = sum(c.time_s for c in costs[order[-1]][tail])
+    found = balanced_stages(block_s, head_s, tail_s, fits)
+    if found is None:
+        return None
+    counts, slowest = found
+    seconds = stage_seconds(block_s, head_s, tail_s, counts)
+    starts = list(itertools.accumulate((0, *counts)))
+    memory = tuple(stage_memory(members(s, starts[s], starts[s + 1]), in_flight[s]) for s in range(stages))
+    step = sum(seconds) + (config.micro_batches - 1) * slowest
+    return StagedEstimate(step, order, config, counts, seconds, memory)
+
+
+def staged_estimates(graph: OpGraph, cluster: Cluster, precision: str, flavours: tuple[str, ...],
+                     budget: SearchBudget, allows_mesh=None) -> tuple[list[StagedEstimate], dict[DeviceSpec, PipelineGrid]]:
+    """Every (order, configuration) of the cluster's equal device groups, balanced, fastest
+    estimate first, and the grid of each group's device (empty when the groups do not fit
+    the family: see ``equal_groups``)."""
+    groups = equal_groups(cluster)
+    if groups is None or not graph.blocks:
+        return [], {}
+    pp, dp = len(groups), len(groups[0].ranks)
+    space = PipelineSpace(searched_layout="off")
+    grids = {group.device: PipelineGrid(graph, with_device(cluster, group.device), precision, space, budget)
+             for group in groups}
+    found = []
+    for config in _configurations(graph, pp, dp, flavours):
+        if allows_mesh is not None and not allows_mesh(config.mesh):
+            continue
+        costs = [grids[group.device].segment_costs(config, config.recompute) for group in groups]
+        if any(cost is None for cost in costs):
+            continue
+        flags = grids[groups[0].device].block_flags(config)
+        if sum(flags) < pp:
+            continue
+        capacity = [group.memory_bytes - grids[group.device].fixed_bytes(config) for group in groups]
+        for order in itertools.permutations(range(pp)):
+            estimate = balanced_estimate(costs, flags, capacity, order, config)
+            if estimate is not None:
+                found.append(estimate)
+    found.sort(key=lambda e: (e.step_s, e.order, e.config))
+    return found, grids
+
+
+def staged_plan(estimate: StagedEstimate, graph: OpGraph, cluster: Cluster, grids: dict[DeviceSpec, PipelineGrid],
+                spec, model_name: str, warnings: tuple[str, ...]) -> Plan:
+    """``estimate`` as a simulated plan on the cluster ordered by its stages, with its section."""
+    groups = device_groups(cluster)
+    stage_devices = [groups[g].device for g in estimate.order]
+    grid = grids[stage_devices[0]]
+    plan = grid.unsimulated(Estimate(estimate.step_s, estimate.config, estimate.blocks, max(estimate.memory_bytes)),
+                            spec, model_name)
+    micro_batches = estimate.config.micro_batches
+    section = HeteroStagesSection(
+        tuple(device.name for device in stage_devices), blocks=estimate.blocks,
+        busy_s=tuple(seconds * micro_batches for seconds in estimate.stage_s),
+        memory_bytes=tuple(int(b + grids[d].fixed_bytes(estimate.config)) for b, d in zip(estimate.memory_bytes,
+                                                                                            stage_devices)),
+    )
+    plan = dataclasses.replace(plan, cluster=ordered_cluster(cluster, groups, estimate.order), label="",
+                               sections={FAMILY: section}, warnings=warnings)
+    return simulated(plan, graph)
+
+
+def fast_group_pipelines(context: SearchContext, flavours: tuple[str, ...], with_all: Plan) -> list[Plan]:
+    """The pipeline grid's plans on the fastest device group alone, each warning which
+    devices it leaves out and why (Sailor: a slow group may cost the step more than it
+    adds): its predicted step against ``with_all``'s, the best pipeline on every device."""
+    dtype = "bfloat16" if context.precision != "fp32" else "float32"
+    groups = device_groups(context.cluster)
+    fastest = max(groups, key=lambda group: group.peak_flops(dtype))
+    cluster = sub_cluster(context.cluster, fastest.device)
+    left = ", ".join(f"{len(g.ranks)} {g.device.name}" for g in groups if g is not fastest)
+    space = PipelineSpace(flavours=flavours, searched_layout="off", per_stage_recompute=False,
+                          sequence_parallel=(False,), tensor_parallel=(1,),
+                          allows_mesh=context.constraints.allows_mesh if context.constraints.any else None)
+    plans = pipeline_plans(context.graph, cluster, context.spec, context.model_name, context.precision,
+                           context.budget, space)
+    found = []
+    for plan in plans:
+        if plan.pipeline is None:
+            continue
+        ratio = with_all.estimate.step_time_s / plan.estimate.step_time_s
+        warning = (f"devices left out: {left} of cluster {context.cluster.name!r}, slower than "
+                   f"{fastest.device.name}: this pipeline on the {cluster.world_size} {fastest.device.name} ranks "
+                   f"alone is predicted at {plan.estimate.step_time_s * 1e3:.4g} ms per step, against "
+                   f"{with_all.estimate.step_time_s * 1e3:.4g} ms for the best pipeline on every device "
+                   f"({ratio:.2f}x); torchrun it on those ranks alone")
+        found.append(dataclasses.replace(plan, warnings=(*plan.warnings, warning)))
+    return found
+
+
+def hetero_pipeline_candidates(context: SearchContext) -> list[Plan]:
+    """The candidates part of the ``hetero-pp`` family (``planner.families``): on a cluster
+    of 2 to ``MAX_GROUPS`` device groups of equal size, the best pipelines with one stage per
+    group (module docstring), and the pipeline grid's plans on the fastest group alone when
+    ``--family`` allows the ``pipeline`` family. None for a model without repeated blocks or
+    with MoE layers, one whose samples mix, with ``--tp-layouts summa``, or when the
+    constraints leave the family out."""
+    graph = context.graph
+    if (context.whole_batch_only or context.summa_only or graph.moe_blocks or not graph.blocks
+            or not context.constraints.allows_family(FAMILY) or equal_groups(context.cluster) is None):
+        return []
+    flavours = tuple(f for f in ("ddp", "zero1", "fsdp") if context.constraints.allows_family(f)) or ("ddp",)
+    constraints = context.constraints
+    # The sizes --mesh and --max fix; the pp axis is this family's too, so it needs not the
+    # pipeline family allowed (constraints.allows_mesh would ask for it).
+    allows = None if not constraints.any else (lambda mesh: all(
+        mesh.axis_size(axis) == size if axis in mesh.names else size == 1 for axis, size in constraints.mesh.items()
+    ) and all(axis not in mesh.names or mesh.axis_size(axis) <= bound for axis, bound in constraints.max.items()))
+    estimates, grids = staged_estimates(graph, context.cluster, context.precision, flavours, context.budget, allows)
+    plans = [staged_plan(estimate, graph, context.cluster, grids, context.spec, context.model_name, context.warnings)
+             for estimate in estimates[:context.budget.pipeline_candidates()]]
+    if plans and context.constraints.allows_family("pipeline"):
+        plans += fast_group_pipelines(context, flavours, min(plans, key=lambda plan: plan.estimate.step_time_s))
+    return plans

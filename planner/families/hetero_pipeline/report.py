@@ -1,0 +1,41 @@
+"""The report's part for pipelines over device groups of different types (vocabulary
+layer): per stage, its ranks, device, blocks, predicted busy time and memory, and the stage
+the step waits for. (A plan leaving devices out says so in its warnings.)"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.table import Table
+
+from planner.report_parts import Paragraph
+
+if TYPE_CHECKING:
+    from planner.plans import Plan
+
+
+def hetero_pipeline_section(plan: "Plan") -> list:
+    """The report part of the ``hetero-pp`` family (``planner.families``): a table of the
+    stages and a line naming the stage the step waits for."""
+    section = plan.sections["hetero-pp"]
+    pp = plan.mesh.axis_size("pp")
+    per_stage = plan.cluster.world_size // pp
+    table = Table(title="Pipeline stages on device groups: each stage's device and share of the model")
+    for column in ("stage", "ranks", "device", "blocks", "busy (predicted)", "memory (predicted)"):
+        table.add_column(column, justify="left" if column in ("ranks", "device") else "right")
+    for stage, name in enumerate(section.stage_devices):
+        busy = section.busy_s[stage] if section.busy_s else None
+        memory = section.memory_bytes[stage] if section.memory_bytes else None
+        table.add_row(str(stage), f"{stage * per_stage}-{(stage + 1) * per_stage - 1}", name,
+                      str(section.blocks[stage]) if section.blocks else "-",
+                      "-" if busy is None else f"{busy * 1e3:.3f} ms",
+                      "-" if memory is None else f"{memory / 2**20:.2f} MiB")
+    parts: list = [table]
+    if section.busy_s:
+        slowest = max(range(pp), key=lambda stage: section.busy_s[stage])
+        parts.append(Paragraph(
+            f"Blocks are balanced by each device's speed and memory; the step waits for stage {slowest} "
+            f"({section.stage_devices[slowest]}). Start the cluster's nodes in the plan's order: node rank 0 runs "
+            f"stage 0 ({section.stage_devices[0]})."
+        ))
+    return parts
