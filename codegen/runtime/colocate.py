@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=rate, default=1e-3, help="learning rate of both jobs (default 1e-3)")
     parser.add_argument("--lr-a", type=rate, default=None, help="job A's learning rate (default --lr)")
     parser.add_argument("--lr-b", type=rate, default=None, help="job B's learning rate (default --lr)")
+    parser.add_argument("--warmup-steps", type=flag_type(int, lambda value, name: integer_at_least(value, name, 0),
+                                                         "an integer >= 0"), default=0, help="linear warm-up steps of both jobs")
+    parser.add_argument("--clip-grad-norm", type=rate, default=None, metavar="MAX",
+                        help="clip each job's gradients to this global L2 norm")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default=None, help="default: each plan's optimizer")
     parser.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                         help="save each job's checkpoints under DIR/job_a and DIR/job_b")
@@ -141,7 +145,8 @@ def _loop_options(program: Program, options: argparse.Namespace, label: str, fol
         identity, found = prepare_checkpoints(program, directory, options.resume, None, optimizer)
     except LaunchError as error:
         raise LaunchError(f"job {label}: {error}") from None
-    return LoopOptions(steps=options.steps, lr=lr, optimizer=optimizer, checkpoint_dir=directory,
+    return LoopOptions(steps=options.steps, lr=lr, optimizer=optimizer, warmup_steps=options.warmup_steps,
+                       clip_grad_norm=options.clip_grad_norm, checkpoint_dir=directory,
                        save_every=options.save_every, keep=options.keep, resume=options.resume,
                        run_identity=identity, resume_from=found)
 

@@ -22,6 +22,7 @@ forward, so its dropout draws the same numbers as alone.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ from codegen.runtime.training_loop import (
     LoopOptions,
     batch_source,
     build_step,
+    clip_gradients,
     learning_rate_factor,
     schedulable,
     start_checkpoints,
@@ -83,7 +85,9 @@ class Job:
 
     def __init__(self, label: str, program: Program, mesh, options: LoopOptions) -> None:
         self.label, self.program, self.mesh, self.options = label, program, mesh, options
-        self.name = program.plan.name
+        source = program.plan.model.source if program.plan.model is not None else ""
+        model_file = Path(source.split(":")[0] if not source.startswith("hf:") else source).name
+        self.name = f"{program.plan.name} of {model_file}" if model_file else program.plan.name
         self.model_parts = build_step(program, mesh)
         module, self._forward_backward, _, args, kwargs, model = self.model_parts
         if not isinstance(module, DistributedDataParallel):  # compile refuses other plans; a hand-edited folder
@@ -105,8 +109,8 @@ class Job:
         self._next_batch = batch_source(program, options, args, kwargs)
         skip_batches(self._next_batch, self.step)
         self._loss: torch.Tensor | None = None
-        self.losses: list[float] = []
-        self.compute_s = 0.0  # seconds in this job's forward and backward (this rank)
+        self.completed = None  # a checkpoint folder completed since the caller last looked
+        self.losses: list[tuple[int, float]] = []  # (step, mean loss over the job's ranks)
 
     @property
     def done(self) -> bool:
@@ -114,17 +118,19 @@ class Job:
 
     def compute(self) -> None:
         """Forward and backward of the next step; its gradient all-reduces are left in flight."""
-        start = time.perf_counter()
         with self._named("step", self.step + 1):
             batch_args, batch_kwargs = self._next_batch()
             self._loss = self._forward_backward(batch_args, batch_kwargs)
-        self.compute_s += time.perf_counter() - start
 
     def finish(self) -> None:
         """Wait for the step's all-reduces, step the optimizer and schedule, check the loss
         and save a checkpoint when one is due."""
         with self._named("step", self.step + 1):
             self.reduction.wait()
+            if self.options.clip_grad_norm is not None:  # DDP's gradients are whole on every rank: no collective
+                norm = clip_gradients(self.module.parameters(), self.options.clip_grad_norm)
+            else:
+                norm = None
             lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -133,11 +139,11 @@ class Job:
             loss = self._loss.detach().reshape(()).to(torch.float64)
             dist.all_reduce(loss, group=self.group)  # the mean over this job's ranks, as launch.py logs it
             mean = float(loss) / self.group.size()
-            self.losses.append(mean)
-            stop_on_non_finite(StepRecord(self.step, mean, lr, 0.0, 0.0, 0.0, 0.0, 0), self.checkpointer)
+            self.losses.append((self.step, mean))
+            stop_on_non_finite(StepRecord(self.step, mean, lr, 0.0, 0.0, 0.0, 0.0, 0, norm), self.checkpointer)
             saving = self.step == self.options.steps or (self.options.save_every and self.step % self.options.save_every == 0)
             if self.checkpointer is not None and saving:
-                self.checkpointer.save(self.step)
+                self.completed = self.checkpointer.save(self.step)  # the previous save, now complete (or None)
 
     def close(self) -> list:
         """Let every all-reduce still in flight land and every checkpoint being written
@@ -188,6 +194,7 @@ def run_rounds(jobs: list[Job], crossover: bool, say) -> list[float]:
     job, between two barriers)."""
     rounds: list[float] = []
     pending: Job | None = None  # the job whose all-reduces are in flight
+    logged = {job.label: 0 for job in jobs}  # each job's losses already printed
     try:
         while not all(job.done for job in jobs):
             _synchronize()
@@ -206,8 +213,15 @@ def run_rounds(jobs: list[Job], crossover: bool, say) -> list[float]:
                 pending = None
             _synchronize()
             rounds.append(time.perf_counter() - start)
-            losses = "  ".join(f"{job.label} step {len(job.losses)} loss {job.losses[-1]:.6f}" for job in jobs if job.losses)
-            say(f"round {len(rounds)}: {rounds[-1] * 1e3:.2f} ms  {losses}")
+            # The steps each job finished in this round (in crossover order B's step k finishes in round k + 1).
+            finished = "  ".join(f"{job.label} step {step} loss {loss:.6f}" for job in jobs
+                                 for step, loss in job.losses[logged[job.label]:])
+            logged.update({job.label: len(job.losses) for job in jobs})
+            for job in jobs:
+                if job.completed is not None:
+                    say(f"job {job.label}: checkpoint complete: {job.completed}")
+                    job.completed = None
+            say(f"round {len(rounds)}: {rounds[-1] * 1e3:.2f} ms  {finished}")
     finally:
         for job in jobs:
             for folder in job.close():
