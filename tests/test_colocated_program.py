@@ -6,11 +6,12 @@ the other computes.
   launch.py that imports the co-located runtime; plans that cannot share a program are
   refused with one line naming the job and the fix.
 - In real gloo processes (examples/gpt.py under DDP as job A, examples/cnn.py under ZeRO-1
-  as job B): at world 2 and 4, ``--check`` trains both co-located, then each alone with the
-  single-job loop from the same seeds, and every updated parameter is equal. At world 2 the
-  run also checkpoints each job in its own folder; a second launch resumes both from step 2
-  (the same losses as the first run) with job B's learning rate raised until its loss is
-  not finite, and that one failure stops both jobs with one line naming job B.
+  as job B), one torchrun launch each at world 2 and 4: ``--check`` trains both co-located,
+  then each alone with the single-job loop from the same seeds, and every updated parameter
+  is equal; at world 2 each job also checkpoints into its own folder.
+- As the one rank of a world-1 group in the test process (no launch): both jobs resume from
+  step 2 (step 3's losses as in the first run) with job B's learning rate raised until its
+  loss is not finite, and that one failure stops both jobs with one line naming job B.
 """
 
 from __future__ import annotations
@@ -92,29 +93,60 @@ def test_plans_that_cannot_share_a_program_are_refused(world_two, tmp_path, caps
 
 
 @pytest.mark.distributed
-def test_co_located_jobs_train_as_alone_checkpoint_resume_and_fail_together_world_two(world_two, tmp_path):
+def test_co_located_jobs_train_as_alone_and_checkpoint_each_job_world_two(world_two, tmp_path):
     out = planner.compile_colocated(world_two, tmp_path / "out")
     checkpoints = tmp_path / "ck"
-    first = torchrun(2, str(out / "launch.py"), "--steps", "4", "--check", "--checkpoint-dir", str(checkpoints),
-                     "--save-every", "2")
-    assert all(line in first for line in equal_lines(4)), first
-    trained = losses(first)
-    assert set(trained) == {(job, step) for job in "AB" for step in range(1, 5)}
+    run = torchrun(2, str(out / "launch.py"), "--steps", "3", "--check", "--checkpoint-dir", str(checkpoints),
+                   "--save-every", "2")
+    assert all(line in run for line in equal_lines(3)), run
+    assert set(losses(run)) == {(job, step) for job in "AB" for step in range(1, 4)}
     for job in ("job_a", "job_b"):
-        assert sorted(path.name for path in (checkpoints / job).glob("step-*")) == ["step-00000002", "step-00000004"]
-        shutil.rmtree(checkpoints / job / "step-00000004")  # resume from step 2
+        assert sorted(path.name for path in (checkpoints / job).glob("step-*")) == ["step-00000002", "step-00000003"]
+
+
+def run_in_process(folder: Path, argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """The co-located launch.py of ``folder`` as the only rank of a gloo group in this
+    process (no torchrun: a world-1 program); its exit status and what it printed."""
+    import torch.distributed as dist
+
+    from codegen.runtime.colocate import main
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert not dist.is_initialized(), "a process group is already up in this test process"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    capsys.readouterr()
+    try:
+        status = main(folder, argv)  # destroys the group when it ends
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out, err = capsys.readouterr()
+    return status, out + err
+
+
+def test_resumed_jobs_continue_and_one_failing_job_stops_both(tmp_path, monkeypatch, capsys):
+    one_device = [planner.plan(spec, "cpu:1x1", dp_flavour="ddp", precision="fp32") for spec in (GPT, CNN)]
+    out = planner.compile_colocated(one_device, tmp_path / "out")
+    checkpoints = tmp_path / "ck"
+    status, first = run_in_process(out, ["--steps", "3", "--checkpoint-dir", str(checkpoints), "--save-every", "2"],
+                                   monkeypatch, capsys)
+    assert status == 0, first
+    trained = losses(first)
+    for job in ("job_a", "job_b"):
+        shutil.rmtree(checkpoints / job / "step-00000003")  # resume from step 2
     # Job B's learning rate is raised so that its weights blow up in step 3's update: its
     # step-4 loss is not finite, and that stops both jobs.
-    second = torchrun(2, str(out / "launch.py"), "--steps", "5", "--checkpoint-dir", str(checkpoints), "--resume",
-                      "--lr-b", "1e30", fails=True)
+    status, second = run_in_process(out, ["--steps", "5", "--checkpoint-dir", str(checkpoints), "--resume",
+                                          "--lr-b", "1e30"], monkeypatch, capsys)
+    assert status == 2, second
     for job in ("job_a", "job_b"):
         assert f"resumed from {checkpoints / job / 'step-00000002'} at step 2" in second
     resumed = losses(second)
-    # Both jobs continue where the checkpoint left them: the same losses as the first run.
-    assert {key: resumed[key] for key in (("A", 3), ("A", 4), ("B", 3))} == \
-        {key: trained[key] for key in (("A", 3), ("A", 4), ("B", 3))}
+    # Both jobs continue where the checkpoint left them: step 3 as in the first run.
+    assert (resumed[("A", 3)], resumed[("B", 3)]) == (trained[("A", 3)], trained[("B", 3)])
     failure = [line for line in second.splitlines() if "stops both jobs" in line]
-    assert failure and all("job B (zero1 (dp=2) of cnn.py) failed at step 4" in line for line in failure)
+    assert len(failure) == 1 and failure[0].startswith("error: job B (ddp (dp=1) of cnn.py) failed at step 4"), second
     assert re.search(r"the loss is (nan|inf) at step 4", failure[0])
     assert ("A", 5) not in resumed  # job A stopped with it
 
