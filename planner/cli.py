@@ -351,7 +351,8 @@ def _run(options: argparse.Namespace) -> int:
         from planner.plans import load_plan
 
         if (options.plan is None) == (options.colocate is None):
-            raise ArgumentError("compile takes one plan (PLAN_JSON) or two with --colocate A.json B.json, not both")
+            given = "both" if options.plan is not None else "neither"
+            raise ArgumentError(f"compile takes one plan (PLAN_JSON) or two with --colocate A.json B.json, got {given}")
         if options.colocate is not None:
             from planner.api import compile_colocated
 

@@ -89,7 +89,7 @@ def test_plans_that_cannot_share_a_program_are_refused(world_two, tmp_path, caps
     gpt.save(tmp_path / "gpt.json")
     cnn.save(tmp_path / "cnn.json")
     assert_user_error(capsys, ["compile", str(tmp_path / "gpt.json"), "--colocate", str(tmp_path / "gpt.json"),
-                               str(tmp_path / "cnn.json"), "-o", str(tmp_path / "d")], "not both")
+                               str(tmp_path / "cnn.json"), "-o", str(tmp_path / "d")], "or two with --colocate", "got both")
 
 
 @pytest.mark.distributed
