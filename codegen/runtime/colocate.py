@@ -25,20 +25,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from codegen.runtime.checkpoint_runs import RESUME_AUTO, prepare_checkpoints
 from codegen.runtime.colocate_jobs import Job, JobFailed, run_rounds
-from codegen.runtime.exit_status import (
-    DONE,
-    INTERNAL_ERROR,
-    INTERRUPTED,
-    PARITY_FAILED,
-    USER_ERROR,
-    internal_error_line,
-    report_failure,
-)
-from codegen.runtime.launcher import check_checkpoint_options
+from codegen.runtime.exit_status import DONE, INTERNAL_ERROR, PARITY_FAILED, USER_ERROR, report_failure
+from codegen.runtime.launcher import check_checkpoint_options, failure_status, tear_down
 from codegen.runtime.program import Program, check_world_size, load_program
 from codegen.runtime.training_loop import LoopOptions, train
 from planner.arguments import OneLineParser, flag_type, integer_at_least, positive_finite
-from planner.errors import LaunchError, PlannerError
+from planner.errors import LaunchError
 
 JOB_FOLDERS = ("job_a", "job_b")  # each job's own program folder (codegen.colocate), in crossover order
 JOB_LABELS = ("A", "B")  # A computes first
@@ -113,24 +105,13 @@ def main(folder: Path, argv: list[str]) -> int:
             status = DONE if _check_alone(jobs) else PARITY_FAILED
         dist.barrier()
         return status
-    except PlannerError as error:
-        report_failure(f"error: {error}", _rank())
-        return USER_ERROR
     except JobFailed as error:
-        report_failure(f"error: {error}", _rank(), debug=options.debug and not error.user_error)
+        report_failure(f"error: {error}", dist.get_rank(), debug=options.debug and not error.user_error)
         return USER_ERROR if error.user_error else INTERNAL_ERROR
-    except KeyboardInterrupt:
-        report_failure("interrupted", _rank())
-        return INTERRUPTED
-    except Exception as error:  # noqa: BLE001 - the last line of defence against a traceback on every rank
-        report_failure(internal_error_line(error), _rank(), debug="--debug" in argv)
-        return INTERNAL_ERROR
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the last line of defence against a traceback
+        return failure_status(error, argv)
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - the status already says what happened
-                pass
+        tear_down()
 
 
 def _loop_options(program: Program, options: argparse.Namespace, label: str, folder: str) -> LoopOptions:
@@ -190,15 +171,6 @@ def _check_alone(jobs: list[Job]) -> bool:
             _say(f"job {job.label}: all {len(together)} parameters equal after {job.options.steps} steps, co-located "
                  f"and alone")
     return equal
-
-
-def _rank() -> int:
-    import os
-
-    if dist.is_initialized():
-        return dist.get_rank()
-    text = os.environ.get("RANK", "0")
-    return int(text) if text.isdigit() else 0
 
 
 def _say(text: str) -> None:
