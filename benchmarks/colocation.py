@@ -9,8 +9,8 @@ both DDP, planned for ``cpu:1xW`` (``planner.plan``) and compiled co-located (``
 compile --colocate``). Four torchrun runs each: job A alone (its own ``job_a/launch.py``), job
 B alone, both one after the other (``launch.py --one-after-the-other``: each job's step whole)
 and both co-located (``launch.py``: crossover order, one job's all-reduces in flight under the
-other's compute). Measured: the mean step (a round: one step of each job) after the first,
-between barriers; predicted: ``planner.colocate`` (the simulator's step of each plan alone,
+other's compute). Measured: the median step (a round: one step of each job) after the first,
+between barriers, the median of ``--repeats`` runs of each kind, interleaved; predicted: ``planner.colocate`` (the simulator's step of each plan alone,
 their sum, and the co-located round).
 
 What a 2-core host can show, and what it cannot: the co-located program runs, each job
@@ -55,8 +55,10 @@ from planner.model_spec import ModelSpec  # noqa: E402
 
 GPT = ModelSpec(str(REPO / "examples" / "gpt.py"), {"batch_size": 8})
 CNN = ModelSpec(str(REPO / "examples" / "cnn.py"), {"batch_size": 8})
-ALONE_LINE = re.compile(r"mean step time: ([\d.]+) ms")
-ROUND_LINE = re.compile(r"mean round \(one step of each job\) ([\d.]+) ms")
+# The median step (round) after the first, as each launch.py prints it: steadier than the mean
+# on a host shared with other work.
+ALONE_LINE = re.compile(r"mean step time: .*?; median ([\d.]+) ms")
+ROUND_LINE = re.compile(r"mean round \(one step of each job\) .*?; median ([\d.]+) ms")
 
 # ResNet-50: transformers' ResNetConfig defaults are ResNet-50 (microsoft/resnet-50).
 RESNET50 = ("ResNet-50", "hf:resnet", {}, 32)
@@ -85,32 +87,38 @@ def torchrun(world: int, *arguments: str) -> str:
     return done.stdout
 
 
-def measured_row(world: int, steps: int, folder: Path) -> dict[str, tuple[float, float]]:
-    """(predicted, measured) seconds of: A alone, B alone, one after the other, co-located."""
+def measured_row(world: int, steps: int, repeats: int, folder: Path) -> dict[str, tuple[float, float]]:
+    """(predicted, measured) seconds of: A alone, B alone, one after the other, co-located;
+    measured: the median over ``repeats`` runs of each run's median step."""
     plans = [planner.plan(spec, f"cpu:1x{world}", dp_flavour="ddp", precision="fp32") for spec in (GPT, CNN)]
     out = planner.compile_colocated(plans, folder / f"world{world}")
     predicted = planner.colocate(plans, split=False)
     by_name = {arrangement.name: arrangement.round_s for arrangement in predicted.arrangements}
 
-    def mean(pattern: re.Pattern, text: str) -> float:
-        return float(pattern.search(text).group(1)) / 1e3
-
-    a_alone = mean(ALONE_LINE, torchrun(world, str(out / "job_a" / "launch.py"), "--steps", str(steps)))
-    b_alone = mean(ALONE_LINE, torchrun(world, str(out / "job_b" / "launch.py"), "--steps", str(steps)))
-    sequential = mean(ROUND_LINE, torchrun(world, str(out / "launch.py"), "--steps", str(steps), "--one-after-the-other"))
-    colocated = mean(ROUND_LINE, torchrun(world, str(out / "launch.py"), "--steps", str(steps)))
+    runs = {
+        "A alone": (ALONE_LINE, [str(out / "job_a" / "launch.py")]),
+        "B alone": (ALONE_LINE, [str(out / "job_b" / "launch.py")]),
+        SEQUENTIAL: (ROUND_LINE, [str(out / "launch.py"), "--one-after-the-other"]),
+        COLOCATED: (ROUND_LINE, [str(out / "launch.py")]),
+    }
+    measured: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):  # the four runs interleaved, so slow spells of the host touch each alike
+        for name, (pattern, arguments) in runs.items():
+            text = torchrun(world, *arguments, "--steps", str(steps))
+            measured[name].append(float(pattern.search(text).group(1)) / 1e3)
+    a_alone, b_alone, sequential, colocated = (sorted(values)[len(values) // 2] for values in measured.values())
     return {"A alone": (predicted.alone_s[0], a_alone), "B alone": (predicted.alone_s[1], b_alone),
             SEQUENTIAL: (by_name[SEQUENTIAL], sequential), COLOCATED: (by_name[COLOCATED], colocated)}
 
 
-def print_measured(worlds: list[int], steps: int) -> None:
-    print(f"(a) CPU gloo, job A = examples/gpt.py, job B = examples/cnn.py, both DDP; mean of {steps - 1} steps "
-          f"after the first; ms predicted / measured", flush=True)
+def print_measured(worlds: list[int], steps: int, repeats: int) -> None:
+    print(f"(a) CPU gloo, job A = examples/gpt.py, job B = examples/cnn.py, both DDP; median of {steps - 1} steps "
+          f"after the first, median of {repeats} runs; ms predicted / measured", flush=True)
     columns = ("A alone", "B alone", SEQUENTIAL, COLOCATED)
     print(f"{'world':>5}  " + "  ".join(f"{name:>24}" for name in columns) + "  co-located / one after the other")
     with tempfile.TemporaryDirectory() as folder:
         for world in worlds:
-            row = measured_row(world, steps, Path(folder))
+            row = measured_row(world, steps, repeats, Path(folder))
             cells = "  ".join(f"{row[name][0] * 1e3:>11.2f} / {row[name][1] * 1e3:>9.2f}" for name in columns)
             ratio = [row[COLOCATED][k] / row[SEQUENTIAL][k] for k in (0, 1)]
             print(f"{world:>5}  {cells}  predicted {ratio[0]:.2f}, measured {ratio[1]:.2f}", flush=True)
@@ -164,6 +172,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4], help="CPU gloo world sizes measured")
     parser.add_argument("--steps", type=int, default=12, help="steps per measured run (the first is left out)")
+    parser.add_argument("--repeats", type=int, default=3, help="measured runs of each kind (their median is shown)")
     parser.add_argument("--gpus", nargs="+", type=int, default=[8, 16, 32, 64])
     parser.add_argument("--bandwidths", nargs="+", type=float, default=[25, 100], help="Gb/s per machine")
     parts = parser.add_mutually_exclusive_group()
@@ -171,7 +180,7 @@ def main() -> None:
     parts.add_argument("--simulated-only", action="store_true")
     options = parser.parse_args()
     if not options.simulated_only:
-        print_measured(options.worlds, options.steps)
+        print_measured(options.worlds, options.steps, options.repeats)
     if not options.measured_only:
         print_simulated(options.gpus, options.bandwidths)
 

@@ -425,6 +425,8 @@ def compile_colocated(plans, out_dir: str | os.PathLike, *, force: bool = False)
     """
     from codegen.colocate import write_colocated_program
 
+    if isinstance(plans, (str, os.PathLike, Plan)):
+        raise ArgumentError("compile_colocated takes a list of two plans (or plan files), one per job")
     out_dir = check_program_folder(out_dir, force=arguments.boolean(force, "force"))
     loaded = [_plan_argument(plan, "compile_colocated") for plan in plans]
     return write_colocated_program(loaded, out_dir, compile, force=force)

@@ -9,9 +9,10 @@ the other computes.
   as job B), one torchrun launch each at world 2 and 4: ``--check`` trains both co-located,
   then each alone with the single-job loop from the same seeds, and every updated parameter
   is equal; at world 2 each job also checkpoints into its own folder.
-- As the one rank of a world-1 group in the test process (no launch): both jobs resume from
-  step 2 (step 3's losses as in the first run) with job B's learning rate raised until its
-  loss is not finite, and that one failure stops both jobs with one line naming job B.
+- As the one rank of a world-1 group in the test process (no launch): a run one after the
+  other passes ``--check``; both jobs resume from its step-2 checkpoints in crossover order
+  (step 3's losses as in the first run) with job B's learning rate raised until its loss is
+  not finite, and that one failure stops both jobs with one line naming job B.
 """
 
 from __future__ import annotations
@@ -129,9 +130,12 @@ def test_resumed_jobs_continue_and_one_failing_job_stops_both(tmp_path, monkeypa
     one_device = [planner.plan(spec, "cpu:1x1", dp_flavour="ddp", precision="fp32") for spec in (GPT, CNN)]
     out = planner.compile_colocated(one_device, tmp_path / "out")
     checkpoints = tmp_path / "ck"
-    status, first = run_in_process(out, ["--steps", "3", "--checkpoint-dir", str(checkpoints), "--save-every", "2"],
-                                   monkeypatch, capsys)
+    # The first run takes each job's step whole (the benchmark's baseline), and its --check
+    # compares both jobs with themselves alone.
+    status, first = run_in_process(out, ["--steps", "3", "--one-after-the-other", "--check", "--checkpoint-dir",
+                                         str(checkpoints), "--save-every", "2"], monkeypatch, capsys)
     assert status == 0, first
+    assert all(line in first for line in equal_lines(3)), first
     trained = losses(first)
     for job in ("job_a", "job_b"):
         shutil.rmtree(checkpoints / job / "step-00000003")  # resume from step 2
@@ -143,7 +147,8 @@ def test_resumed_jobs_continue_and_one_failing_job_stops_both(tmp_path, monkeypa
     for job in ("job_a", "job_b"):
         assert f"resumed from {checkpoints / job / 'step-00000002'} at step 2" in second
     resumed = losses(second)
-    # Both jobs continue where the checkpoint left them: step 3 as in the first run.
+    # Both jobs continue where the checkpoint left them: step 3 as in the first run (the
+    # crossover order changes nothing in either job's arithmetic).
     assert (resumed[("A", 3)], resumed[("B", 3)]) == (trained[("A", 3)], trained[("B", 3)])
     failure = [line for line in second.splitlines() if "stops both jobs" in line]
     assert len(failure) == 1 and failure[0].startswith("error: job B (ddp (dp=1) of cnn.py) failed at step 4"), second

@@ -4,7 +4,8 @@ one process per rank, interleaved in crossover order (``codegen.runtime.colocate
 Flags: ``--steps N`` trains both jobs N steps; ``--check`` then trains each job alone from
 the same seeds with the single-job training loop and compares every updated parameter
 exactly (exit 1 on any difference); ``--one-after-the-other`` runs each job's step whole
-(no overlap), the baseline the crossover order is measured against; ``--checkpoint-dir DIR``
+(no overlap), the baseline the crossover order is measured against; ``--lr-a``/``--lr-b``
+set one job's learning rate; ``--checkpoint-dir DIR``
 saves each job under ``DIR/job_a`` and ``DIR/job_b`` (``--save-every``, ``--keep``,
 ``--resume`` as for one job). A job that fails stops both, with one line naming it.
 
@@ -98,8 +99,9 @@ def main(folder: Path, argv: list[str]) -> int:
         order = "one after the other" if options.sequential else "crossover"
         rounds = run_rounds(jobs, crossover=not options.sequential, say=_say)
         steady = rounds[1:] or rounds
+        median = sorted(steady)[len(steady) // 2]
         _say(f"{order}: mean round (one step of each job) {sum(steady) / len(steady) * 1e3:.2f} ms over "
-             f"{len(steady)} rounds (first excluded)")
+             f"{len(steady)} rounds (first excluded); median {median * 1e3:.2f} ms")
         status = DONE
         if options.check:
             status = DONE if _check_alone(jobs) else PARITY_FAILED

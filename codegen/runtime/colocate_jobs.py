@@ -85,11 +85,11 @@ class Job:
 
     def __init__(self, label: str, program: Program, mesh, options: LoopOptions) -> None:
         self.label, self.program, self.mesh, self.options = label, program, mesh, options
+        # How failures name the job: its plan and model file ("zero1 (dp=2) of cnn.py").
         source = program.plan.model.source if program.plan.model is not None else ""
-        model_file = Path(source.split(":")[0] if not source.startswith("hf:") else source).name
+        model_file = source if source.startswith("hf:") else Path(source.split(":")[0]).name
         self.name = f"{program.plan.name} of {model_file}" if model_file else program.plan.name
-        self.model_parts = build_step(program, mesh)
-        module, self._forward_backward, _, args, kwargs, model = self.model_parts
+        module, self._forward_backward, _, args, kwargs, model = build_step(program, mesh)
         if not isinstance(module, DistributedDataParallel):  # compile refuses other plans; a hand-edited folder
             raise LaunchError(f"job {label} ({self.name}): its program does not wrap the model in DDP; "
                               f"compile the co-located program again with `planner compile --colocate`")
