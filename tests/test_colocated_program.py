@@ -5,8 +5,8 @@ the other computes.
 - The folder: each job's own program (exactly what compiling it alone writes) and a
   launch.py that imports the co-located runtime; plans that cannot share a program are
   refused with one line naming the job and the fix.
-- In real gloo processes (examples/gpt.py under DDP as job A, examples/cnn.py under ZeRO-1
-  as job B), one torchrun launch each at world 2 and 4: ``--check`` trains both co-located,
+- In real gloo processes (examples/gpt.py with dropout under DDP as job A, examples/cnn.py
+  under ZeRO-1 as job B), one torchrun launch each at world 2 and 4: ``--check`` trains both co-located,
   then each alone with the single-job loop from the same seeds, and every updated parameter
   is equal; at world 2 each job also checkpoints into its own folder.
 - As the one rank of a world-1 group in the test process (no launch): a run one after the
@@ -31,8 +31,13 @@ from tests.torchrun_run import torchrun
 from user_errors import assert_api_error, assert_user_error
 
 REPO = Path(__file__).resolve().parents[1]
-GPT = ModelSpec(str(REPO / "examples" / "gpt.py"), {"batch_size": 8})
+# With dropout: each job's random draws must be its own, whatever the other job does between them.
+GPT = ModelSpec(str(REPO / "examples" / "gpt.py"), {"batch_size": 8, "dropout": 0.1})
 CNN = str(REPO / "examples" / "cnn.py")
+# The in-process run's jobs: the same models, smaller (each step of the one rank costs little).
+SMALL_GPT = ModelSpec(str(REPO / "examples" / "gpt.py"),
+                      {"n_layer": 1, "n_embd": 32, "n_head": 4, "vocab_size": 64, "seq_len": 16, "batch_size": 4})
+SMALL_CNN = ModelSpec(CNN, {"batch_size": 4, "width": 8})
 # A round line's finished steps: "A step 3 loss 5.750250".
 STEP_LOSS = re.compile(r"\b([AB]) step (\d+) loss ([-\d.naif]+)")
 
@@ -55,10 +60,10 @@ def parameter_count(spec: ModelSpec | str) -> int:
     return len(list(spec.build(torch.device("meta"))[0].parameters()))
 
 
-def equal_lines(steps: int) -> list[str]:
-    """--check's verdict for both jobs, every parameter equal."""
+def equal_lines(steps: int, specs=(GPT, CNN)) -> list[str]:
+    """--check's verdict for both jobs (of ``specs``), every parameter equal."""
     return [f"job {label}: all {parameter_count(spec)} parameters equal after {steps} steps, co-located and alone"
-            for label, spec in (("A", GPT), ("B", CNN))]
+            for label, spec in zip("AB", specs)]
 
 
 def losses(output: str) -> dict[tuple[str, int], str]:
@@ -127,7 +132,7 @@ def run_in_process(folder: Path, argv: list[str], monkeypatch, capsys) -> tuple[
 
 
 def test_resumed_jobs_continue_and_one_failing_job_stops_both(tmp_path, monkeypatch, capsys):
-    one_device = [planner.plan(spec, "cpu:1x1", dp_flavour="ddp", precision="fp32") for spec in (GPT, CNN)]
+    one_device = [planner.plan(spec, "cpu:1x1", dp_flavour="ddp", precision="fp32") for spec in (SMALL_GPT, SMALL_CNN)]
     out = planner.compile_colocated(one_device, tmp_path / "out")
     checkpoints = tmp_path / "ck"
     # The first run takes each job's step whole (the benchmark's baseline), and its --check
@@ -135,7 +140,7 @@ def test_resumed_jobs_continue_and_one_failing_job_stops_both(tmp_path, monkeypa
     status, first = run_in_process(out, ["--steps", "3", "--one-after-the-other", "--check", "--checkpoint-dir",
                                          str(checkpoints), "--save-every", "2"], monkeypatch, capsys)
     assert status == 0, first
-    assert all(line in first for line in equal_lines(3)), first
+    assert all(line in first for line in equal_lines(3, (SMALL_GPT, SMALL_CNN))), first
     trained = losses(first)
     for job in ("job_a", "job_b"):
         shutil.rmtree(checkpoints / job / "step-00000003")  # resume from step 2
