@@ -176,5 +176,6 @@ def _check_alone(jobs: list[Job]) -> bool:
 
 
 def _say(text: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    """Print ``text`` once, on rank 0 (called once the process group is up)."""
+    if dist.get_rank() == 0:
         print(text, flush=True)
