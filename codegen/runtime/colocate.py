@@ -87,11 +87,11 @@ def main(folder: Path, argv: list[str]) -> int:
         programs = [load_program(folder / name) for name in JOB_FOLDERS]
         loops = [_loop_options(program, options, label, name)
                  for program, label, name in zip(programs, JOB_LABELS, JOB_FOLDERS)]
-        starts = {loop.resume_from.step if loop.resume_from is not None else 0 for loop in loops}
-        if len(starts) > 1:
-            raise LaunchError("--resume: the two jobs' latest checkpoints are of different steps "
-                              f"({', '.join(f'{label} {loop.resume_from.step if loop.resume_from else 0}' for label, loop in zip(JOB_LABELS, loops))}); "
-                              "delete the newer one's extra checkpoint folders, or resume each job alone from its own folder")
+        starts = [loop.resume_from.step if loop.resume_from is not None else 0 for loop in loops]
+        if len(set(starts)) > 1:  # a round is one step of each job: both continue from the same step
+            shown = ", ".join(f"{label} {step}" for label, step in zip(JOB_LABELS, starts))
+            raise LaunchError(f"--resume: the two jobs' latest checkpoints are of different steps ({shown}); delete "
+                              "the newer one's extra checkpoint folders, or resume each job alone from its own folder")
         meshes = _job_meshes(programs)
         jobs = [Job(label, program, mesh, loop) for label, program, mesh, loop in zip(JOB_LABELS, programs, meshes, loops)]
         for job in jobs:
