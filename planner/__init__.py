@@ -20,6 +20,7 @@ _LAZY = {
     "baselines": "planner.baselines",
     "plan": "planner.api",
     "compile": "planner.api",
+    "compile_colocated": "planner.api",
     "simulate": "planner.api",
     "colocate": "planner.colocation",
     "SimResult": "planner.strategy",

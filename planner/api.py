@@ -428,6 +428,24 @@ def compile(plan: Plan | str | os.PathLike, out_dir: str | os.PathLike, *, force
     return write_program(dataclasses.replace(plan, graph=graph), out_dir, force=force)
 
 
+def compile_colocated(plans, out_dir: str | os.PathLike, *, force: bool = False) -> Path:
+    """Write the co-located program of two data-parallel plans (``ddp`` or ``zero1``, the same
+    world size) to ``out_dir``: each job's own program in ``job_a/`` and ``job_b/`` (as
+    ``compile`` writes it) and a ``launch.py`` that trains both in each process, one job's
+    gradient all-reduces under the other's compute (``codegen.colocate``).
+
+    Raises:
+        PlannerError: a bad argument or output folder, or plans that cannot share a program.
+    """
+    from codegen.colocate import write_colocated_program
+
+    if isinstance(plans, (str, os.PathLike, Plan)):
+        raise ArgumentError("compile_colocated takes a list of two plans (or plan files), one per job")
+    out_dir = check_program_folder(out_dir, force=arguments.boolean(force, "force"))
+    loaded = [_plan_argument(plan, "compile_colocated") for plan in plans]
+    return write_colocated_program(loaded, out_dir, compile, force=force)
+
+
 def composed_flavour_blocker(plan: Plan) -> str | None:
     """Why a plan with ``dp`` beside other axes cannot compile its data-parallel flavour, or
     None. ZeRO-1 steps each rank's 1/dp of the weights (``codegen.runtime.sharded_states``).

@@ -142,7 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the per-rank program of a plan",
         description="Write model_spmd.py, plan.json and launch.py for torchrun.",
     )
-    compile_.add_argument("plan", metavar="PLAN_JSON", help="a plan saved by `planner plan -o`")
+    compile_.add_argument("plan", metavar="PLAN_JSON", nargs="?", help="a plan saved by `planner plan -o`")
+    compile_.add_argument(
+        "--colocate", nargs=2, metavar=("A_JSON", "B_JSON"), default=None,
+        help="instead of one plan: two data-parallel plans whose jobs share the devices, trained in one program "
+        "(each job's gradient all-reduces under the other's compute)",
+    )
     compile_.add_argument(
         "-o", "--output", required=True, metavar="DIR",
         help="output folder (created if missing); a folder compile wrote before is replaced, another non-empty "
@@ -359,6 +364,19 @@ def _run(options: argparse.Namespace) -> int:
         from planner.launch_command import first_run_command
         from planner.plans import load_plan
 
+        if (options.plan is None) == (options.colocate is None):
+            given = "both" if options.plan is not None else "neither"
+            raise ArgumentError(f"compile takes one plan (PLAN_JSON) or two with --colocate A.json B.json, got {given}")
+        if options.colocate is not None:
+            from planner.api import compile_colocated
+
+            out = compile_colocated(options.colocate, options.output, force=options.force)
+            say(f"wrote {out}/job_a/, {out}/job_b/ (each job's own program) and {out}/launch.py (both, co-located)")
+            from planner.launch_command import torchrun_parts
+
+            parts = torchrun_parts(load_plan(out / "job_a" / "plan.json"), f"{out}/launch.py") + ["--steps", "5", "--check"]
+            say_command("next: ", " ".join(parts))
+            return 0
         plan = load_plan(options.plan)
         out = compile_plan(plan, options.output, force=options.force)
         say(f"wrote {out}/model_spmd.py, {out}/plan.json, {out}/launch.py")

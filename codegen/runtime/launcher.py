@@ -214,21 +214,33 @@ def main(folder: Path, argv: list[str]) -> int:
         # that leaves first sometimes makes another abort at exit after a successful run.
         dist.barrier()
         return status
-    except PlannerError as error:
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the last line of defence against a traceback
+        return failure_status(error, argv)
+    finally:
+        tear_down()
+
+
+def failure_status(error: BaseException, argv: list[str]) -> int:
+    """Report ``error``, which ended a ``launch.py``, as one line (printed last by rank 0 and
+    written into torchrun's error file by every rank; the traceback only with ``--debug`` in
+    ``argv``) and return its exit status: a user error, an interruption, or an internal error."""
+    if isinstance(error, PlannerError):
         report_failure(f"error: {error}", _rank())
         return USER_ERROR
-    except KeyboardInterrupt:
+    if isinstance(error, KeyboardInterrupt):
         report_failure("interrupted", _rank())
         return INTERRUPTED
-    except Exception as error:  # noqa: BLE001 - the last line of defence against a traceback on every rank
-        report_failure(internal_error_line(error), _rank(), debug="--debug" in argv)
-        return INTERNAL_ERROR
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - e.g. NCCL after a rank died: the status already says what happened
-                pass
+    report_failure(internal_error_line(error), _rank(), debug="--debug" in argv)
+    return INTERNAL_ERROR
+
+
+def tear_down() -> None:
+    """Destroy the process group, if one was started, whatever state it is in."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - e.g. NCCL after a rank died: the status already says what happened
+            pass
 
 
 def exit_now(status: int) -> None:
