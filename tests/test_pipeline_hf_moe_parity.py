@@ -1,0 +1,118 @@
+"""HuggingFace MoE decoders compiled with their experts parallel inside pipeline stages train
+exactly like one device (``codegen.pipeline_moe_emit``, ``codegen.runtime.pipeline_stacked_experts``).
+
+Tiny ``hf:mixtral``, ``hf:deepseek_v3`` (MLA attention, every layer MoE) and ``hf:qwen3_moe``
+(2 layers, hidden 32, 4 experts, top-2) at world 8 on ``cpu:2x4``, 2 micro-batches under 1F1B:
+
+- Mixtral on pp2 x dp4, expert 0 copied on two dp ranks of each stage (0.6 / 0.4 of its
+  choices), whose gradient must be summed over its copies, the others one per rank;
+- DeepSeek-V3 on pp2 x dp4, each stage's experts round-robin over its 4 dp ranks;
+- Qwen3-MoE folded on pp2 x dp2 x tp2 (Megatron-Core's MoE parallel folding): attention
+  tensor parallel, the experts EP2 x EDP2 over each stage's 4 ranks (each expert on two).
+
+The blocks keep their own router, top-k and weighting as traced DTensor ops; only their
+stacked experts are replaced by the expert-parallel call. ``launch.py --check``'s step
+(outputs, loss, every gradient, every updated parameter, the experts gathered whole) must
+equal one device's on the same micro-batches. All programs are checked in ONE torchrun
+launch (``tests/dist_check_many.py``). A negative control, Mixtral's program with the copies'
+gradient sums switched off, must fail naming an expert weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import planner
+from planner.api import prepare_model
+from planner.model_spec import ModelSpec
+from planner.strategy import Mesh
+from search.moe_folding import folded_plan
+from moe_plans import HF_MOE, moe_pipeline_plan, skewed_placement
+from test_parity import check_many, result_of
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 8
+MIXTRAL = ModelSpec("hf:mixtral", HF_MOE["mixtral"])
+DEEPSEEK_V3 = ModelSpec("hf:deepseek_v3", {
+    **{key: value for key, value in HF_MOE["mixtral"].items() if key != "num_local_experts"},
+    "n_routed_experts": 4, "moe_intermediate_size": 40, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1,
+})
+QWEN3_MOE = ModelSpec("hf:qwen3_moe", {
+    **{key: value for key, value in HF_MOE["mixtral"].items() if key != "num_local_experts"},
+    "num_experts": 4, "moe_intermediate_size": 40,
+})
+PROGRAMS = ("mixtral_pp2_dp4_copied_expert", "deepseek_v3_pp2_dp4_ep4", "qwen3_moe_pp2_dp2_tp2_ep2_edp2")
+CONTROL = "control_copies_not_summed"
+
+
+def _with_copied_expert(plan: planner.Plan) -> planner.Plan:
+    """``plan`` with every MoE layer's expert 0 copied on stage ranks 0 and 1 (``skewed_placement``)."""
+    layouts = tuple(dataclasses.replace(layout, placement=skewed_placement(layout.experts, layout.placement.devices))
+                    for layout in plan.expert_layouts)
+    return dataclasses.replace(plan, expert_layouts=layouts)
+
+
+def _folded(spec: ModelSpec, ep: int) -> planner.Plan:
+    graph, spec, name, cluster = prepare_model(spec, f"cpu:2x{WORLD // 2}")
+    return folded_plan(graph, cluster, spec, name, Mesh((("pp", 2), ("dp", 2), ("tp", 2))), ep, micro_batches=2)
+
+
+def _copies_not_summed(folder: Path, control: Path) -> Path:
+    """A copy of the program whose stages leave each copied expert's gradient as its copy's share."""
+    shutil.copytree(folder, control)
+    program = control / "model_spmd.py"
+    program.write_text(program.read_text() + "\n\nimport codegen.runtime.pipeline_stacked_experts as _experts\n"
+                                             "_experts.sum_copies = lambda grad, *args: grad\n")
+    return control
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline_hf_moe")
+    plans = {
+        PROGRAMS[0]: _with_copied_expert(moe_pipeline_plan(MIXTRAL, WORLD)),
+        PROGRAMS[1]: moe_pipeline_plan(DEEPSEEK_V3, WORLD),
+        PROGRAMS[2]: _folded(QWEN3_MOE, 2),
+    }
+    folders = {name: planner.compile(plan, root / name) for name, plan in plans.items()}
+    control = _copies_not_summed(folders[PROGRAMS[0]], root / CONTROL)
+    return plans, folders, control, check_many(WORLD, [*folders.values(), control], root)
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_hf_experts_parallel_in_stages_train_like_one_device(launch, name):
+    plans, folders, _, run = launch
+    plan = plans[name]
+    assert plan.pipeline is not None and plan.pipeline.stages == 2 and plan.pipeline.micro_batches == 2
+    assert plan.expert_layouts and all(layout.mode == "expert_parallel" for layout in plan.expert_layouts)
+    source = (folders[name] / "model_spmd.py").read_text()
+    # the experts run by the layout (one block function serves every layer); the router stays a traced op
+    assert "= self.moe_experts(" in source, source
+    assert "transformers.grouped_mm" not in source
+    result = result_of(run, folders[name])
+    assert result.startswith("ok parity ok: "), f"{name} ({plan.name}): {result}"
+
+
+def test_copied_experts_gradients_unsummed_are_reported(launch):
+    _, _, control, run = launch
+    result = result_of(run, control)
+    assert result.startswith("FAILED parity FAILED: worst tensor "), result
+    assert re.search(r"experts\.(gate_up_proj|down_proj)", result), result
+
+
+def test_the_folded_plan_puts_each_expert_on_two_ranks_of_each_stage(launch):
+    """EP2 x EDP2 over a stage's dp2 x tp2 ranks: STAGE_EXPERTS gives every expert two holders."""
+    _, folders, _, _ = launch
+    source = (folders[PROGRAMS[2]] / "model_spmd.py").read_text()
+    table = source[source.index("STAGE_EXPERTS = {"):]
+    rows = [line for line in table.splitlines()[1:] if line.startswith("    'model.layers.")]
+    assert len(rows) == 2, table
+    for row in rows:
+        assert "'hf_stacked_experts'" in row and "'expert_parallel'" in row, row
+        assert row.count("0.5)") == 8, row  # 4 experts x 2 holders, each with half of its choices
