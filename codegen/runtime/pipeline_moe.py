@@ -154,16 +154,24 @@ def build_stage_experts(
     return built
 
 
-def attach_stage_experts(module: nn.Module, layers: Mapping[str, StageMoE | StageStackedExperts], stage_of: Mapping[str, int]) -> None:
+def attach_stage_experts(module: nn.Module, layers: Mapping[str, StageMoE | StageStackedExperts],
+                         stage_of: Mapping[str, int], model: nn.Module | None = None) -> None:
     """Give each stage module of this rank (``module.local_stages``) its MoE layers: they
     become its submodules (so its ``parameters()``, and the optimizer, cover their experts),
-    found by the router DTensor each call passes (``moe_layer``)."""
+    found by the router DTensor each call passes (``moe_layer``). With ``model`` (after
+    ``build_stage``, which frees the weights no stage op reads), each layer also becomes the
+    ``stage_experts`` submodule of its MoE block in the model, so the model names its expert
+    parts by the parameters they derive from (``materialize.name_derived_sources``), as
+    ``--clip-grad-norm`` and checkpoints read them."""
     for stage in module.local_stages:
         mine = {path: layer for path, layer in layers.items() if stage_of[path] == stage.index}
         stage.stage_experts = nn.ModuleDict({path.replace(".", "__"): layer for path, layer in mine.items()})
         stage.experts_by_router = {
             id(stage.params[f"{path}.{layer.router_name}"]): layer for path, layer in mine.items()
         }
+    if model is not None:
+        for path, layer in layers.items():
+            model.get_submodule(path).add_module("stage_experts", layer)
 
 
 def finish_expert_gradients(module: nn.Module, micro_batches: int) -> None:
