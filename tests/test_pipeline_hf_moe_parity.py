@@ -18,9 +18,12 @@ launch (``tests/dist_check_many.py``). (Switching the copies' gradient sums off 
 Mixtral program fail naming ``experts.gate_up_proj``: checked by hand, not in the suite, to
 keep its time.)
 
-``--clip-grad-norm`` of the same Mixtral program trains 3 steps with every step's gradient
-norm (expert 0 counted once over its copies, each stage's weights once over its dp ranks)
-and loss equal to one device's loop on the same micro-batches with torch's clipping.
+Training and checkpoints, in one world-8 and one world-2 launch: the same Mixtral program
+trains 2 steps with ``--clip-grad-norm`` and saves; a data-parallel HF MoE program (world 2,
+expert 0 copied on both ranks, no pipeline) resumes that checkpoint for 2 more; every step's
+gradient norm (expert 0 counted once over its copies, each stage's weights once over its dp
+ranks) and loss equal one device's loop with torch's clipping, and the last checkpoint,
+exported whole, loads into the model built from the spec with one device's weights.
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ from planner.api import prepare_model
 from planner.model_spec import ModelSpec
 from planner.strategy import Mesh
 from search.moe_folding import folded_plan
+from codegen.runtime.checkpoint import export_checkpoint
 from codegen.runtime.launcher import random_like
 from codegen.runtime.pipeline_parity import micro_batch_loss
 from codegen.runtime.program import load_program
-from moe_plans import HF_MOE, moe_pipeline_plan, skewed_placement
-from test_checkpoint import _ok, _torchrun
+from moe_plans import HF_MOE, hf_moe_plan, moe_pipeline_plan, skewed_placement
+from test_checkpoint import _losses, _ok, _torchrun
 from test_parity import check_many, result_of
 
 pytestmark = pytest.mark.distributed
@@ -56,7 +60,7 @@ QWEN3_MOE = ModelSpec("hf:qwen3_moe", {
     "num_experts": 4, "moe_intermediate_size": 40,
 })
 PROGRAMS = ("mixtral_pp2_dp4_copied_expert", "deepseek_v3_pp2_dp4_ep4", "qwen3_moe_pp2_dp2_tp2_ep2_edp2")
-STEPS = 3
+STEPS = 4  # 2 in the pipeline, 2 resumed without it
 CLIP = 0.05  # below every step's norm on one device (checked in the test), so clipping acts each step
 
 
@@ -110,10 +114,11 @@ def test_the_folded_plan_puts_each_expert_on_two_ranks_of_each_stage(launch):
         assert row.count("0.5)") == 8, row  # 4 experts x 2 holders, each with half of its choices
 
 
-def _single_device(folder) -> tuple[list[float], list[float]]:
-    """Losses and gradient norms (before clipping) of launch.py's loop on one device with
-    torch's clipping: same init, batches (seeded 1000 + step), the pipeline's micro-batches,
-    AdamW at lr 1e-3."""
+def _single_device(folder) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """Losses, gradient norms (before clipping) and the final weights of launch.py's loop on
+    one device with torch's clipping: same init, batches (seeded 1000 + step), the
+    pipeline's micro-batches (dropless routing: the same loss as the whole batch), AdamW at
+    lr 1e-3."""
     program = load_program(folder)
     model, args, kwargs = program.build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -127,16 +132,33 @@ def _single_device(folder) -> tuple[list[float], list[float]]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, norms
+    return losses, norms, {name: value.detach() for name, value in model.state_dict().items()}
 
 
-def test_clip_grad_norm_counts_each_expert_once_across_stages_and_copies(launch, tmp_path):
+def test_clipped_steps_checkpoint_and_resume_without_the_pipeline_as_one_device(launch, tmp_path):
     _, folders, _ = launch
-    folder = folders[PROGRAMS[0]]
-    losses, norms = _single_device(folder)
+    pipeline = folders[PROGRAMS[0]]
+    data_parallel = planner.compile(hf_moe_plan(2, "mixtral", "expert_parallel", "skewed"), tmp_path / "dp2")
+    losses, norms, weights = _single_device(pipeline)
     assert min(norms) > CLIP  # clipping acted on every step: a wrong norm changes the losses too
-    _ok(_torchrun(WORLD, str(folder / "launch.py"), "--steps", str(STEPS), "--clip-grad-norm", str(CLIP),
-                  "--metrics", "metrics.jsonl", cwd=tmp_path))
+    saved = tmp_path / "checkpoints"
+    flags = ("--clip-grad-norm", str(CLIP), "--metrics", "metrics.jsonl", "--checkpoint-dir", str(saved))
+    first = _losses(_ok(_torchrun(WORLD, str(pipeline / "launch.py"), "--steps", "2", *flags, cwd=tmp_path)))
+    resumed = _losses(_ok(_torchrun(2, str(data_parallel / "launch.py"), "--steps", str(STEPS), "--resume", *flags,
+                                    cwd=tmp_path)))
+    assert sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
+    assert [first[1], first[2], resumed[3], resumed[4]] == pytest.approx(losses, rel=1e-5, abs=1e-5)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1, 2, 3, 4]
     assert [record["grad_norm"] for record in records] == pytest.approx(norms, rel=1e-5)
     assert [record["loss"] for record in records] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+
+    exported = tmp_path / "whole.pt"
+    assert export_checkpoint(saved / "step-00000004", exported)[0] == STEPS
+    whole = torch.load(exported, weights_only=True)
+    model = load_program(pipeline).build_model()[0]
+    model.load_state_dict(whole)  # strict: every name of the model built from the spec
+    # AdamW moves a weight whose gradient is near eps by ~lr whatever its last bits (see
+    # codegen/runtime/parity.py): the weights agree to lr / 10.
+    for name, value in weights.items():
+        torch.testing.assert_close(whole[name], value, atol=1e-4, rtol=0, msg=name)
