@@ -1,7 +1,7 @@
 """HuggingFace MoE blocks inside pipeline stages: laid out over each stage's dp ranks by the
 pipeline search, priced per micro-batch over that group, and compiled (as their traced ops when
 replicated; their stacked experts replaced by the expert-parallel call when expert parallel,
-whose parity ``test_pipeline_hf_moe_parity.py`` checks at world 8).
+whose parity ``test_pipeline_parity.py`` checks at world 8).
 """
 
 from __future__ import annotations

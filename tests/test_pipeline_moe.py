@@ -168,7 +168,7 @@ def test_ops_between_blocks_stay_with_the_block_before_them() -> None:
 
 def test_programs_refuse_recording_routing_of_moe_stages_in_one_line(moe_pipeline: Plan, tmp_path) -> None:
     """Compiled: --record-routing (rank 0 would write only stage 0's layers) is refused before
-    any process starts (--clip-grad-norm and checkpoints run: test_pipeline_hf_moe_parity.py)."""
+    any process starts (--clip-grad-norm and checkpoints run: test_pipeline_hf_moe_training.py)."""
     import subprocess
     import sys
 
