@@ -13,8 +13,17 @@ two results: the output (rows split over dp) and the balance loss (the same on e
 The expert weights are read by no written op: the runtime builds the layer from them before
 the stage frees the weights it does not read, and holds the experts itself.
 
-A layer whose traced ops do not have this shape (one activation in, a router among its
-parameters, exactly one output and one scalar balance loss out) is refused with its name.
+A HuggingFace block (``planner.moe_blocks.HF_STACKED_EXPERTS``) keeps its own router, top-k
+and weighting as traced ops; only its stacked experts' ops are replaced, by::
+
+    sum_4 = self.moe_experts(p_model_layers_1_mlp_gate_weight, view_7, getitem_3, div_2)
+
+reading the block's router (only to find the layer, as above), the tokens, each token's chosen
+experts and their weights, and defining the experts' weighted sum per token (rows split over
+the stage's ranks). A layer whose traced ops do not have these shapes (one activation in, a
+router among its parameters, exactly one output and one scalar balance loss out; for a
+HuggingFace block, tokens, an integer top-k index and float weights in, one output out) is
+refused with its name.
 """
 
 from __future__ import annotations
@@ -30,8 +39,7 @@ from codegen.source_text import comment, identifier, literal
 from codegen.spmd_emit import GraphEmitter
 from codegen.spmd_placements import Value
 from planner.graph import OpGraph
-from planner.errors import PlanningError
-from planner.moe_blocks import ROUTED_GELU, MoEBlock
+from planner.moe_blocks import HF_STACKED_EXPERTS, MoEBlock
 from planner.plans import Plan
 
 
@@ -45,7 +53,9 @@ class MoECall:
     router: str  # the router's placeholder
     tokens: str  # the activation the layer reads
     output: str  # the layer's output node
-    balance: str  # its balance-loss node
+    balance: str | None  # its balance-loss node (None for a HuggingFace block's experts)
+    # A HuggingFace block's experts: the (top-k index, top-k weights) nodes its router made.
+    choices: tuple[str, str] | None = None
 
 
 def moe_calls(plan: Plan, graph: OpGraph) -> dict[str, MoECall]:
@@ -54,44 +64,81 @@ def moe_calls(plan: Plan, graph: OpGraph) -> dict[str, MoECall]:
     left out (its traced ops run it so on every dp rank).
 
     Raises:
-        PlanningError: a layer is a HuggingFace block (planned in stages, not compiled there).
         NotImplementedError: a layer's traced ops are not of the shape this writer replaces.
     """
     blocks = {block.module: block for block in graph.moe_blocks}
     gm = graph.graph_module
     by_name = {fx_node.name: fx_node for fx_node in gm.graph.nodes}
-    param_of = {}
+    placeholder_of = {}
     for node in graph.nodes:
-        param_of.update(zip(node.param_inputs, node.params))
+        placeholder_of.update(zip(node.params, node.param_inputs))
     calls = {}
     for layout in plan.expert_layouts:
         block: MoEBlock = blocks[layout.module]
-        if block.runtime != ROUTED_GELU and layout.mode == "data_parallel":
-            continue  # its traced ops are written as they are: every dp rank runs every expert on its tokens
-        if block.runtime != ROUTED_GELU:
-            # The search lays HuggingFace's blocks out in stages (search.stage_experts); their
-            # own router stays in the traced ops, which this writer does not split off yet.
-            raise PlanningError(
-                f"MoE layer {block.module!r} ({block.kind}) is planned expert parallel inside pipeline stages, but "
-                f"pipeline programs run only routed GELU MoE layers (examples/moe.py) expert parallel there; plan with "
-                f"--mesh pp=1 to compile this model, or use planner simulate to price the pipeline plan"
-            )
+        if block.runtime == HF_STACKED_EXPERTS:
+            if layout.mode != "data_parallel":  # data parallel: its traced ops run every expert on every dp rank
+                calls[block.module] = _stacked_experts_call(block, graph, by_name, placeholder_of)
+            continue
         nodes = frozenset(node.name for node in graph.moe_nodes(block.module))
-        outside_in = {arg.name for name in nodes for arg in by_name[name].all_input_nodes if arg.name not in nodes}
-        router = [name for name in outside_in if param_of.get(name) == f"{block.module}.{block.router}"]
+        outside_in = _read_from_outside(nodes, by_name)
+        router = placeholder_of.get(f"{block.module}.{block.router}")
         activations = [name for name in outside_in if by_name[name].op != "placeholder"]
-        results = [name for name in nodes if any(user.name not in nodes for user in by_name[name].users)]
+        results = _results(nodes, by_name)
         scalars = [name for name in results if _dims(by_name[name]) == 0]
         order = [fx_node.name for fx_node in gm.graph.nodes if fx_node.name in results]
-        if len(router) != 1 or len(activations) != 1 or len(results) != 2 or len(scalars) != 1:
+        if router not in outside_in or len(activations) != 1 or len(results) != 2 or len(scalars) != 1:
             raise NotImplementedError(
                 f"MoE layer {block.module!r}: pipeline programs replace an MoE layer that reads one activation and its "
                 f"router and returns its output and a scalar balance loss; its traced ops read {len(activations)} "
                 f"activation(s) and return {len(results)} value(s)"
             )
         output = next(name for name in results if name not in scalars)
-        calls[block.module] = MoECall(block.module, nodes, order[0], router[0], activations[0], output, scalars[0])
+        calls[block.module] = MoECall(block.module, nodes, order[0], router, activations[0], output, scalars[0])
     return calls
+
+
+def _stacked_experts_call(block: MoEBlock, graph: OpGraph, by_name: dict, placeholder_of: dict) -> MoECall:
+    """The call replacing a HuggingFace block's stacked experts (``experts(tokens, top-k
+    index, top-k weights)``), written where their output is made: every input is made before."""
+    nodes = frozenset(node.name for node in graph.moe_nodes(f"{block.module}.experts"))
+    activations = [name for name in _read_from_outside(nodes, by_name) if by_name[name].op != "placeholder"]
+    integers = [name for name in activations if _dtype(by_name[name]) in (torch.int32, torch.int64)]
+    floats = [name for name in activations if name not in integers]
+    tokens = [name for name in floats if _shape(by_name[name])[-1:] == (block.hidden,)]
+    weights = [name for name in floats if _shape(by_name[name])[-1:] == (block.top_k,) and name not in tokens]
+    results = _results(nodes, by_name)
+    router = placeholder_of.get(f"{block.module}.{block.router}")
+    if not (len(integers) == len(tokens) == len(weights) == len(results) == 1 and len(floats) == 2 and router):
+        raise NotImplementedError(
+            f"MoE layer {block.module!r}: pipeline programs replace HuggingFace stacked experts that read tokens, an "
+            f"integer top-k index and float top-k weights and return one output; its traced experts read "
+            f"{len(activations)} activation(s) and return {len(results)} value(s)"
+        )
+    return MoECall(block.module, nodes, results[0], router, tokens[0], results[0], None, (integers[0], weights[0]))
+
+
+def _read_from_outside(nodes: frozenset[str], by_name: dict) -> list[str]:
+    """The nodes outside ``nodes`` that some of them read, in graph order of first reading."""
+    found: dict[str, None] = {}
+    for name, fx_node in by_name.items():  # graph order
+        if name in nodes:
+            found.update((arg.name, None) for arg in fx_node.all_input_nodes if arg.name not in nodes)
+    return list(found)
+
+
+def _results(nodes: frozenset[str], by_name: dict) -> list[str]:
+    """The nodes of ``nodes`` read outside them, in graph order."""
+    return [name for name in by_name if name in nodes and any(user.name not in nodes for user in by_name[name].users)]
+
+
+def _shape(fx_node: torch.fx.Node) -> tuple[int, ...]:
+    value = fx_node.meta.get("val")
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+
+
+def _dtype(fx_node: torch.fx.Node):
+    value = fx_node.meta.get("val")
+    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
 def _dims(fx_node: torch.fx.Node) -> int:
@@ -130,20 +177,29 @@ class StageMoEEmitter(GraphEmitter):
     def _moe_call(self, call: MoECall, indent: int) -> list[str]:
         pad = " " * (4 * indent)
         output = identifier(self._renames.get(call.output, call.output), "a traced graph node")
-        balance = identifier(self._renames.get(call.balance, call.balance), "a traced graph node")
         router, tokens = self.values[call.router], self.values[call.tokens]
-        if tokens.kind != "dt" or router.kind != "dt":
-            raise NotImplementedError(f"MoE layer {call.path!r}: its input and router must be DTensors in a pipeline stage")
+        inputs = [router, tokens] + [self.values[name] for name in call.choices or ()]
+        if any(value.kind != "dt" for value in inputs):
+            raise NotImplementedError(f"MoE layer {call.path!r}: its inputs and router must be DTensors in a pipeline stage")
         self.module = None  # the next op writes its module header again
-        lines = [
+        rows = (Shard(0),) + (Replicate(),) * (len(self.axes) - 1)  # as the runtime returns them
+        self.values[call.output] = Value(output, "dt", rows)
+        if call.choices is not None:  # a HuggingFace block: its router's ops stay, its experts run by the layout
+            index, weights = (self.values[name].expr for name in call.choices)
+            return [
+                "",
+                pad + comment(f"---- {call.path}.experts (MoE): run by its layout over this stage's ranks "
+                              "(codegen.runtime.pipeline_stacked_experts; STAGE_EXPERTS)"),
+                pad + f"{output} = self.moe_experts({router.expr}, {tokens.expr}, {index}, {weights})",
+            ]
+        balance = identifier(self._renames.get(call.balance, call.balance), "a traced graph node")
+        self.values[call.balance] = Value(balance, "dt", (Replicate(),) * len(self.axes))
+        return [
             "",
             pad + comment(f"---- {call.path} (MoE): routed and run by its layout over this stage's dp ranks "
                           "(dp x tp when folded; codegen.runtime.pipeline_moe; STAGE_EXPERTS)"),
             pad + f"{output}, {balance} = self.moe_layer({router.expr}, {tokens.expr})",
         ]
-        self.values[call.output] = Value(output, "dt", (Shard(0),))
-        self.values[call.balance] = Value(balance, "dt", (Replicate(),))
-        return lines
 
 
 def stage_experts_table(plan: Plan, graph: OpGraph, stage_of: dict[str, int]) -> str:
@@ -153,7 +209,8 @@ def stage_experts_table(plan: Plan, graph: OpGraph, stage_of: dict[str, int]) ->
     blocks = {block.module: block for block in graph.moe_blocks}
     lines = [
         "# Each MoE layer: (stage, mode, placement (experts' (dp rank, share of tokens) copies) or None, top-k, capacity",
-        "# factor, (router, expert in, expert out) relative to the layer).",
+        "# factor, (router, expert in, expert out) relative to the layer, runtime: routed GELU layer or HuggingFace",
+        "# stacked experts).",
         "STAGE_EXPERTS = {",
     ]
     for layout in plan.expert_layouts:
@@ -164,7 +221,8 @@ def stage_experts_table(plan: Plan, graph: OpGraph, stage_of: dict[str, int]) ->
         if "moe-folding" in plan.sections:  # over the stage's dp x tp ranks, EDP copies included
             placement = folded_replicas(layout, plan.mesh.axis_size("dp") * plan.mesh.axis_size("tp"))
         names = (block.router, *block.expert_weights)
-        entry = (stage_of[layout.module], layout.mode, placement, layout.top_k, float(layout.capacity_factor), names)
+        entry = (stage_of[layout.module], layout.mode, placement, layout.top_k, float(layout.capacity_factor), names,
+                 block.runtime)
         lines.append(f"    {literal(layout.module)}: {literal(entry)},")
     lines.append("}")
     return "\n".join(lines)

@@ -161,7 +161,7 @@ def make_optimizer(module: torch.nn.Module, mesh: DeviceMesh, optimizer_class: t
     def _experts_after(self) -> str:
         if not self.expert_table:
             return ""
-        return "    attach_stage_experts(module, experts, {path: entry[0] for path, entry in STAGE_EXPERTS.items()})\n"
+        return "    attach_stage_experts(module, experts, {path: entry[0] for path, entry in STAGE_EXPERTS.items()}, model)\n"
 
     def _imports(self) -> str:
         pipeline = self.plan.pipeline

@@ -13,7 +13,8 @@ experts placed round-robin over EP. Each is simulated (``cost_model.moe_folding`
 tokens' trips between the layouts, the all-to-alls and ETP's gather and reduce-scatter), and
 all of them compete with the other families' plans on their simulated step. Models whose MoE
 layers are not ``examples/moe.py``'s routed GELU layers (HuggingFace's blocks keep their own
-router; compile refuses them folded) get folded plans only when ``--mesh`` fixes ``tp > 1``.
+router; compile refuses them folded without a pipeline) get folded plans only when ``--mesh``
+fixes ``tp > 1``.
 
 ``FOLDED_SEQUENCE_PARALLEL``: the residual stream's layouts tried. The sequence-parallel one is
 priced (``cost_model.moe_folding``) but not searched: compiled folded programs do not write it
@@ -146,8 +147,8 @@ def folded_candidates(context: SearchContext) -> list[Plan]:
         return []
     uncompiled = any(block.runtime != ROUTED_GELU for block in context.graph.moe_blocks)
     if uncompiled and context.constraints.mesh.get("tp", 1) < 2:
-        # HuggingFace's blocks keep their own router: their folded program is not written, so
-        # they are folded only when the user asks for tensor parallelism (--mesh tp=N).
+        # HuggingFace's blocks keep their own router: their folded program is written only in
+        # pipeline stages, so they are folded only when the user asks for tensor parallelism (--mesh tp=N).
         return []
     graph, plans = context.graph, []
     for mesh in folded_meshes(context):

@@ -75,6 +75,11 @@ HF_TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, 
            "vocab_size": 64, "batch_size": 8, "seq_len": 8}
 HF_MOE = {
     "mixtral": {**HF_TINY, "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {**HF_TINY, "intermediate_size": 48, "moe_intermediate_size": 40, "num_experts": 4,
+                  "num_experts_per_tok": 2},
+    # every layer MoE (first_k_dense_replace 0): the pipeline grid cuts repeated blocks
+    "deepseek_v3": {**HF_TINY, "intermediate_size": 48, "moe_intermediate_size": 40, "n_routed_experts": 4,
+                    "num_experts_per_tok": 2, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1},
     "qwen2_moe": {**HF_TINY, "intermediate_size": 48, "moe_intermediate_size": 40, "shared_expert_intermediate_size": 24,
                   "num_experts": 4, "num_experts_per_tok": 2},
 }
@@ -117,3 +122,22 @@ def moe_pipeline_plan(spec: ModelSpec, world: int, schedule: str = "1f1b", virtu
     plan = grid.plan(grid.estimate(config), spec, name)
     assert all(layout.mode == "expert_parallel" for layout in plan.expert_layouts), plan.name
     return plan
+
+
+def with_copied_expert(plan: Plan) -> Plan:
+    """``plan`` with every MoE layer's expert 0 copied on (stage) ranks 0 and 1 (``skewed_placement``)."""
+    layouts = tuple(dataclasses.replace(layout, placement=skewed_placement(layout.experts, layout.placement.devices))
+                    for layout in plan.expert_layouts)
+    return dataclasses.replace(plan, expert_layouts=layouts)
+
+
+def folded_pipeline_plan(spec: ModelSpec, world: int, ep: int) -> Plan:
+    """The folded plan (``search.moe_folding.folded_plan``) of ``spec`` on ``pp=2 x dp=2 x
+    tp=<world/4>`` (``cpu:2x<world/2>``), 1F1B over 2 micro-batches, every MoE layer EP ``ep``
+    (the rest of each stage's ranks expert copies)."""
+    from planner.strategy import Mesh
+    from search.moe_folding import folded_plan
+
+    graph, spec, name, cluster = prepare_model(spec, f"cpu:2x{world // 2}")
+    mesh = Mesh((("pp", 2), ("dp", 2), ("tp", world // 4)))
+    return folded_plan(graph, cluster, spec, name, mesh, ep, micro_batches=2)

@@ -1,10 +1,7 @@
 """HuggingFace MoE blocks inside pipeline stages: laid out over each stage's dp ranks by the
-pipeline search, priced per micro-batch over that group, and compiled as their traced ops
-when replicated (refused in one line when expert parallel: the stage writer runs only the
-routed GELU runtime expert parallel).
-
-The parity of a replicated tiny Mixtral in stages is checked by hand at world 8 (see the
-session report); the world-8 launch of ``test_pipeline_parity.py`` covers examples/moe.py.
+pipeline search, priced per micro-batch over that group, and compiled (as their traced ops when
+replicated; their stacked experts replaced by the expert-parallel call when expert parallel,
+whose parity ``test_pipeline_parity.py`` checks at world 8).
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ from cost_model.moe_layers import price_layout, routing_sync_time
 from cost_model.parameter_bytes import bytes_per_parameter
 from planner.api import prepare_model
 from planner.constraints import SearchConstraints
-from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
 from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
@@ -77,17 +73,6 @@ def test_replicated_hf_experts_in_a_stage_all_reduce_their_gradients_over_the_st
     per_micro = price_layout(block, layout, tokens, cluster, "fp32", 2, group)
     assert all_reduce > 0 and per_micro.total_s > 0
     assert replicated == pytest.approx(2 * (per_micro.total_s + routing_sync_time(block, cluster, group)) + all_reduce)
-
-
-def test_expert_parallel_hf_blocks_in_stages_are_refused_at_compile_in_one_line(mixtral_pipeline: Plan,
-                                                                                tmp_path) -> None:
-    first = mixtral_pipeline.expert_layouts[0]
-    parallel = dataclasses.replace(first, mode="expert_parallel", placement=ExpertPlacement.round_robin(4, 4))
-    plan = dataclasses.replace(mixtral_pipeline, expert_layouts=(parallel, *mixtral_pipeline.expert_layouts[1:]))
-    with pytest.raises(PlanningError) as error:
-        planner.compile(plan, tmp_path / "out")
-    message = str(error.value)
-    assert "\n" not in message and "model.layers.0.mlp" in message and "--mesh pp=1" in message
 
 
 def test_experts_a_stage_rank_holds_alone_are_never_sharded_by_the_dp_flavour() -> None:

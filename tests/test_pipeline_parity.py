@@ -27,7 +27,12 @@ gradient of every parameter each stage holds and every updated parameter
   layers expert parallel; and the 2-layer one with every block recomputed in backward (the
   MoE layers route again there, every rank of the stage at once); and a tiny 4-layer HF
   Mixtral as ``--mesh pp=2`` plans it there (its MoE blocks laid out replicated over each
-  stage's 4 ranks, run as their traced ops).
+  stage's 4 ranks, run as their traced ops); and tiny 2-layer HF MoE decoders with their
+  stacked experts expert parallel in the stages (``codegen.runtime.pipeline_stacked_experts``;
+  router, top-k and weighting stay traced ops): Mixtral on ``pp=2 x dp=4`` with expert 0
+  copied on two ranks of each stage (its gradient summed over the copies), DeepSeek-V3 (MLA,
+  every layer MoE) on ``pp=2 x dp=4`` round-robin, and Qwen3-MoE folded on ``pp=2 x dp=2 x
+  tp=2`` (attention tensor parallel, EP2 x EDP2 over each stage's 4 ranks).
 
 As in ``test_spmd_parity.py``, each world size compiles its programs first and checks them
 all in ONE torchrun launch of ``tests/dist_check_many.py``. Two negative controls must fail:
@@ -50,7 +55,7 @@ from planner.api import prepare_model
 from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from search.megatron import megatron_plan
-from moe_plans import HF_MOE, moe_pipeline_plan
+from moe_plans import HF_MOE, folded_pipeline_plan, moe_pipeline_plan, with_copied_expert
 from test_parity import HF_GPT2_TINY, REPO, Launch, check_many, result_of
 
 pytestmark = pytest.mark.distributed
@@ -62,6 +67,9 @@ MODELS = {
     "moe": ("examples/moe.py", {"batch_size": 16, "n_expert": 8, "ffn": 512, "capacity_factor": 1.0}),
     "moe4": ("examples/moe.py", {"batch_size": 16, "n_layer": 4, "n_expert": 8, "ffn": 256, "capacity_factor": 1.0}),
     "mixtral": ("hf:mixtral", {**HF_MOE["mixtral"], "num_hidden_layers": 4, "batch_size": 16}),
+    "mixtral2": ("hf:mixtral", HF_MOE["mixtral"]),
+    "deepseek_v3": ("hf:deepseek_v3", HF_MOE["deepseek_v3"]),
+    "qwen3_moe": ("hf:qwen3_moe", HF_MOE["qwen3_moe"]),
     "llama": ("hf:llama", {
         "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "batch_size": 8,
@@ -91,6 +99,9 @@ CASES = {
         ("moe4", "pp2xdp4-interleaved-expert-parallel"): dict(moe_interleaved=True),
         ("moe", "pp2xdp4-1f1b-recompute-full"): dict(moe_recompute="full"),
         ("mixtral", "searched-pp2xdp4-hf-experts-replicated"): dict(hf_stages=2),
+        ("mixtral2", "pp2xdp4-hf-experts-parallel-expert0-copied"): dict(hf_experts="copied"),
+        ("deepseek_v3", "pp2xdp4-hf-experts-parallel"): dict(hf_experts="round-robin"),
+        ("qwen3_moe", "folded-pp2xdp2xtp2-ep2-edp2"): dict(hf_folded=2),
     },
 }
 ALL_CASES = [(world, model, case) for world, cases in CASES.items() for model, case in cases]
@@ -114,6 +125,11 @@ def make_plan(model: str, world: int, precision: str = "fp32", **options) -> pla
         return moe_stages_plan(spec, world, options["mesh_pp"])
     if options.get("hf_stages"):
         return hf_moe_stages_plan(spec, world, options["hf_stages"])
+    if options.get("hf_experts"):
+        plan = moe_pipeline_plan(spec, world)
+        return with_copied_expert(plan) if options["hf_experts"] == "copied" else plan
+    if options.get("hf_folded"):
+        return folded_pipeline_plan(spec, world, options["hf_folded"])
     if options.get("moe_interleaved"):
         return moe_pipeline_plan(spec, world, "interleaved", virtual_stages=2)
     if options.get("moe_recompute"):

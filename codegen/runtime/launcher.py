@@ -172,14 +172,6 @@ def main(folder: Path, argv: list[str]) -> int:
             # A family whose ranks hold different parts of the model (layer separation) says
             # so before a checkpoint takes one rank's stale copy of another part.
             _refuse_by_section(program, "checkpoint_refusal")
-        if program.plan.pipeline is not None and program.plan.expert_layouts:
-            if options.clip_grad_norm is not None:
-                raise LaunchError("--clip-grad-norm is not written yet for pipelines whose stages run MoE layers (the "
-                                  "stages hold the experts outside the model); leave it out for this plan")
-            if options.checkpoint_dir or options.init_from:
-                raise LaunchError("checkpoints and --init-from are not written yet for pipelines whose stages run MoE "
-                                  "layers (the stages hold the experts outside the model); leave out --checkpoint-dir "
-                                  "and --init-from")
         check_checkpoint_options(options)
         if options.record_routing is not None:
             check_routing_output(program, options.steps, options.record_routing)

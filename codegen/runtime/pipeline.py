@@ -158,6 +158,12 @@ class PipelineStageModule(SpmdModule):
         and balance loss."""
         return self.experts_by_router[id(router)](router, x)
 
+    def moe_experts(self, router: DTensor, tokens: DTensor, index: DTensor, weights: DTensor) -> DTensor:
+        """A HuggingFace MoE block's stacked experts in this stage, found by the block's router,
+        run by its layout over the stage's ranks
+        (``codegen.runtime.pipeline_stacked_experts``): each token's weighted expert sum."""
+        return self.experts_by_router[id(router)](router, tokens, index, weights)
+
 
 def _distribute_owned(
     model: nn.Module, mesh: DeviceMesh, parameters: Mapping[str, Placements], owned: Sequence[str]

@@ -41,6 +41,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from codegen.runtime.moe import ExpertParallelMoE, RoutedMoE, scaled_gradient, sum_copied_expert_gradients
 from codegen.runtime.moe_folding import TokensOverTensorParallel
 from codegen.runtime.moe_modes import DataParallelMoE
+from codegen.runtime.pipeline_stacked_experts import StageStackedExperts
+from planner.moe_blocks import HF_STACKED_EXPERTS
 
 __all__ = ["StageMoE", "build_stage_experts", "attach_stage_experts", "finish_expert_gradients", "optimizer_with_experts",
            "stage_moe_layers"]
@@ -71,6 +73,7 @@ class StageMoE(nn.Module):
         del layer.router
         _set_router(layer, router.detach())
         self.layer, self.mesh, self.path = layer, mesh, path
+        self.router_name = layer.names[0]
 
     def forward(self, router: DTensor, x: DTensor) -> tuple[DTensor, DTensor]:
         """The layer's output (rows split over dp, as ``x``) and its balance loss (the whole
@@ -121,19 +124,25 @@ def _set_router(layer: RoutedMoE, value: torch.Tensor) -> None:
 
 def build_stage_experts(
     model: nn.Module, stage_mesh: DeviceMesh, layouts: Mapping[str, tuple], stages_here: tuple[int, ...],
-) -> dict[str, StageMoE]:
+) -> dict[str, StageMoE | StageStackedExperts]:
     """The MoE layers of the stages this rank runs (``stages_here``), by module path, from
     ``layouts``: path -> (stage, mode, placement or None, top_k, capacity_factor, parameter
-    names relative to the layer: router, expert in, expert out). Built before the stage
+    names relative to the layer: router, expert in, expert out, runtime:
+    ``planner.moe_blocks.ROUTED_GELU`` or ``HF_STACKED_EXPERTS``, a HuggingFace block whose
+    stacked experts alone are replaced: ``StageStackedExperts``). Built before the stage
     modules free the weights of other stages (``codegen.runtime.pipeline``); every rank of a
     stage builds the same layers in the same order."""
     # The stage's ranks, dp x tp in mesh order when it has tp (a folded plan's experts span them).
     group = stage_mesh.get_group() if stage_mesh.ndim == 1 else stage_mesh._flatten().get_group()
     built = {}
-    for path, (stage, mode, placement, top_k, capacity_factor, names) in sorted(layouts.items()):
+    for path, (stage, mode, placement, top_k, capacity_factor, names, runtime) in sorted(layouts.items()):
         if stage not in stages_here:
             continue
         module = model.get_submodule(path)
+        if runtime == HF_STACKED_EXPERTS and mode == "expert_parallel":
+            built[path] = StageStackedExperts(module.get_submodule("experts"), placement, top_k, group, stage_mesh, path,
+                                              names)
+            continue
         router, w_in, w_out = (module.get_parameter(name) for name in names)
         if mode == "expert_parallel":
             layer = ExpertParallelMoE(router, w_in, w_out, placement, top_k, capacity_factor, group, names=tuple(names))
@@ -145,16 +154,24 @@ def build_stage_experts(
     return built
 
 
-def attach_stage_experts(module: nn.Module, layers: Mapping[str, StageMoE], stage_of: Mapping[str, int]) -> None:
+def attach_stage_experts(module: nn.Module, layers: Mapping[str, StageMoE | StageStackedExperts],
+                         stage_of: Mapping[str, int], model: nn.Module | None = None) -> None:
     """Give each stage module of this rank (``module.local_stages``) its MoE layers: they
     become its submodules (so its ``parameters()``, and the optimizer, cover their experts),
-    found by the router DTensor each call passes (``moe_layer``)."""
+    found by the router DTensor each call passes (``moe_layer``). With ``model`` (after
+    ``build_stage``, which frees the weights no stage op reads), each layer also becomes the
+    ``stage_experts`` submodule of its MoE block in the model, so the model names its expert
+    parts by the parameters they derive from (``materialize.name_derived_sources``), as
+    ``--clip-grad-norm`` and checkpoints read them."""
     for stage in module.local_stages:
         mine = {path: layer for path, layer in layers.items() if stage_of[path] == stage.index}
         stage.stage_experts = nn.ModuleDict({path.replace(".", "__"): layer for path, layer in mine.items()})
         stage.experts_by_router = {
-            id(stage.params[f"{path}.{layer.layer.names[0]}"]): layer for path, layer in mine.items()
+            id(stage.params[f"{path}.{layer.router_name}"]): layer for path, layer in mine.items()
         }
+    if model is not None:
+        for path, layer in layers.items():
+            model.get_submodule(path).add_module("stage_experts", layer)
 
 
 def finish_expert_gradients(module: nn.Module, micro_batches: int) -> None:
@@ -164,7 +181,7 @@ def finish_expert_gradients(module: nn.Module, micro_batches: int) -> None:
             layer.finish_gradients(micro_batches)
 
 
-def stage_moe_layers(module: nn.Module) -> list[StageMoE]:
+def stage_moe_layers(module: nn.Module) -> list[StageMoE | StageStackedExperts]:
     """The MoE layers of this rank's stages, in path order (each rank of a stage alike)."""
     layers = [layer for stage in module.local_stages for layer in getattr(stage, "stage_experts", {}).values()]
     return sorted(layers, key=lambda layer: layer.path)
