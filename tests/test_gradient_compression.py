@@ -188,3 +188,27 @@ def test_planner_families_lists_them_and_family_searches_one_alone() -> None:
     plan = planner.plan(MLP, "cpu:1x2", precision="fp32", constraints={"families": ["top-k"]})
     assert set(plan.sections) == {"top-k"}, plan.name
     assert "gradient compression (asked by --family)" in plan.search_summary
+
+
+def test_the_report_says_the_whole_gain_and_warns_of_a_method_outside_the_tolerance(monkeypatch) -> None:
+    from planner.families.gradient_compression import convergence
+    from planner.families.gradient_compression.report import summary_parts
+
+    # The summary's notes split at "; " outside parentheses: a plan's name holds one.
+    assert summary_parts("a (dp=8; powersgd rank 1) b; c") == ["a (dp=8; powersgd rank 1) b", "c"]
+    wide = ModelSpec(str(REPO / "examples/mlp.py"), {"hidden": 4096, "layers": 8, "batch_size": 64})
+    plan = planner.plan(wide, "p3.2xlarge:8", precision="fp32")
+    section = plan.sections["powersgd"] if "powersgd" in plan.sections else plan.sections["top-k"]
+    method = convergence.benchmark_method(section)
+    assert method in convergence.MEASURED, plan.name
+    # Measured 2x the uncompressed loss on one model: the report warns, with the figures.
+    monkeypatch.setitem(convergence.MEASURED, method, {"gpt": 2.0, "cnn": 1.05})
+    words = " ".join(plan.report().split())
+    why = next(line for line in words.split("Why: ")[1:] if line.startswith("gradient compression pays"))
+    assert why.startswith(f"gradient compression pays: best compressed {plan.name} ")  # the name whole
+    assert "Convergence risk:" in words and "x2.00 (GPT), x1.05 (CNN)" in words
+    # Within the 10% on both: no warning.
+    monkeypatch.setitem(convergence.MEASURED, method, {"gpt": 1.08, "cnn": 0.9})
+    assert "Convergence risk" not in plan.report()
+    # A setting the benchmark does not run (top-k 0.5%) is said to be unmeasured.
+    assert "is not among the settings" in convergence.convergence_risk(TopKSection(0.005), "top-k 0.5%")

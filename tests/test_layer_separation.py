@@ -104,6 +104,8 @@ def test_the_search_chooses_it_on_10_gigabit_ethernet_and_says_why() -> None:
     every = planner.plan(ModelSpec(VGG, {}), TEN_GIGABIT)
     assert set(every.sections) & {"powersgd", "top-k"}, every.name
     assert "best uncompressed ddp (dp=8; layer separation: 4 trunk + 4 head)" in " ".join(every.search_summary.split())
+    every_report = " ".join(render_report(every).split())
+    assert f"Why: gradient compression pays: best compressed {every.name} " in every_report
     # Stanza's split, 7 trunk ranks for 1 head rank, needs a batch that 7 divides.
     exact = ["ddp", "zero1", "zero2", "fsdp", "layer-separation"]
     chosen = planner.plan(ModelSpec(VGG, {"batch_size": 168}), TEN_GIGABIT, constraints={"families": exact})
