@@ -4,6 +4,7 @@ uncompressed DDP, same seeds, same data, same number of steps, on CPU gloo proce
     torchrun --nproc_per_node 2 benchmarks/compression_convergence.py                 # gpt and cnn
     torchrun --nproc_per_node 4 benchmarks/compression_convergence.py --model cnn --steps 300
     torchrun --nproc_per_node 2 benchmarks/compression_convergence.py --model tiny --steps 80
+    torchrun --nproc_per_node 2 benchmarks/compression_convergence.py --model gpt --sgd-lr 0.3   # or --no-clip
 
 Compressed training is lossy, so a compressed plan cannot pass ``launch.py --check`` (parity
 with one device); this is what we check instead. Models:
@@ -145,12 +146,18 @@ def _held_out_loss(model: torch.nn.Module, held_out: list) -> float:
     return loss.item() / dist.get_world_size()
 
 
-def train(task: str, method: str, steps: int, seed: int = 0) -> list[tuple[int, float]]:
+def train(task: str, method: str, steps: int, seed: int = 0, sgd_lr: float | None = None,
+          clip: bool = True) -> list[tuple[int, float]]:
     """Train ``task`` for ``steps`` steps with ``method``; the trained model's mean loss on
     ``EVAL_BATCHES`` held-out global batches (drawn with another seed, the same for every
     method), averaged over ranks, after every ``steps // EVALUATIONS`` steps: (step, loss)
-    pairs, the last after step ``steps``."""
-    model, make_batches, make_optimizer, clip = TASKS[task](seed)
+    pairs, the last after step ``steps``. ``sgd_lr``: SGD with momentum 0.9 at this rate
+    instead of the task's optimizer (does a method's gap come from the optimizer?); ``clip``
+    False: no gradient clipping even where the task clips (does clipping cut error feedback's
+    catch-up?)."""
+    model, make_batches, make_optimizer, max_norm = TASKS[task](seed)
+    if sgd_lr is not None:
+        make_optimizer = lambda params: torch.optim.SGD(params, lr=sgd_lr, momentum=0.9)  # noqa: E731
     batches, held_out_batches = make_batches(seed), make_batches(seed + EVAL_SEED_OFFSET)
     held_out = [next(held_out_batches) for _ in range(EVAL_BATCHES)]
     module = DistributedDataParallel(model)
@@ -164,8 +171,8 @@ def train(task: str, method: str, steps: int, seed: int = 0) -> list[tuple[int, 
         local = (inputs.chunk(world)[rank].contiguous(), targets.chunk(world)[rank].contiguous())
         loss = module(*local)
         loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        if clip and max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step % every == 0 or step == steps:
@@ -204,6 +211,9 @@ def main() -> None:
     parser.add_argument("--model", choices=(*TASKS, "all"), default="all")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from " + ", ".join(METHODS))
+    parser.add_argument("--sgd-lr", type=float, default=None,
+                        help="train with SGD (momentum 0.9) at this rate instead of each task's optimizer")
+    parser.add_argument("--no-clip", action="store_true", help="no gradient clipping (the gpt task clips at 1.0)")
     options = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -217,7 +227,7 @@ def main() -> None:
     tasks = list(TASKS) if options.model == "all" else [options.model]
     tasks = [task for task in tasks if options.model != "all" or task != "tiny"]
     for task in tasks:
-        curves = {method: train(task, method, options.steps) for method in methods}
+        curves = {method: train(task, method, options.steps, sgd_lr=options.sgd_lr, clip=not options.no_clip) for method in methods}
         if dist.get_rank() == 0:
             _print_table(task, options.steps, curves)
     dist.barrier()  # PowerSGD's gloo work finishes on every rank before the group goes
