@@ -227,7 +227,8 @@ def main() -> None:
     tasks = list(TASKS) if options.model == "all" else [options.model]
     tasks = [task for task in tasks if options.model != "all" or task != "tiny"]
     for task in tasks:
-        curves = {method: train(task, method, options.steps, sgd_lr=options.sgd_lr, clip=not options.no_clip) for method in methods}
+        curves = {method: train(task, method, options.steps, sgd_lr=options.sgd_lr, clip=not options.no_clip)
+                  for method in methods}
         if dist.get_rank() == 0:
             _print_table(task, options.steps, curves)
     dist.barrier()  # PowerSGD's gloo work finishes on every rank before the group goes
