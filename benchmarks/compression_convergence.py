@@ -38,7 +38,6 @@ error feedback is for).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
