@@ -6,8 +6,10 @@ processes, and the convergence check that replaces parity for them.
   the convergence benchmark, before any process group starts.
 - One launch of 2 gloo ranks loads the compiled PowerSGD, top-k and fp16-reduction programs, checks that DDP
   reports the hook registered (``_get_ddp_logging_data()["comm_hook"]``), trains 4 steps of
-  each (PowerSGD compresses from its third) and checks that both ranks hold the same
-  updated weights (a compressed reduction must still give every replica the same gradient).
+  each (PowerSGD and top-k compress from their third) and checks that both ranks hold the same
+  updated weights (a compressed reduction must still give every replica the same gradient);
+  then trains a one-bucket model through our PowerSGD registration and through PyTorch's
+  ``powerSGD_hook`` itself, same seeds, and checks the weights are equal.
 - Error feedback on a tiny model (one launch of ``benchmarks/compression_convergence.py``):
   after 200 steps PowerSGD and top-k with error feedback end within the benchmark's stated
   tolerance of uncompressed training; without it both end worse than with it.
@@ -39,7 +41,10 @@ import gc
 import sys
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
 from codegen.runtime.program import load_program
+from planner.families.gradient_compression.runtime import register_compression
 
 dist.init_process_group("gloo")
 for folder, hook in zip(sys.argv[1::2], sys.argv[2::2]):
@@ -62,6 +67,43 @@ for folder, hook in zip(sys.argv[1::2], sys.argv[2::2]):
     # interpreter exit their order is arbitrary, and gloo aborts on a group freed under them.
     del model, module, optimizer
     gc.collect()
+
+
+def trained_with(hook_from) -> torch.Tensor:
+    """6 SGD steps of a one-bucket DDP MLP (seed 0, each rank its own data), PowerSGD rank 1
+    from step 2 through ``hook_from(module)``; the updated weights, flat."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    module = DistributedDataParallel(model, bucket_cap_mb=100)
+    state = hook_from(module)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(1 + dist.get_rank())
+    for _ in range(6):
+        module(torch.randn(4, 16, generator=data)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    del module, state, optimizer
+    gc.collect()
+    return flat
+
+
+def pytorch_hook(module):
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                        min_compression_rate=0)
+    module.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return state
+
+
+def ours(module):
+    state = register_compression(module, "powersgd", rank=1, start_iter=2)
+    state.min_compression_rate = 0  # compress the 16 x 32 and 32 x 8 matrices as PyTorch's above
+    return state
+
+
+# One bucket: PyTorch's own hook does not deadlock on gloo then, so ours can be held to it.
+same_as_pytorch = torch.equal(trained_with(pytorch_hook), trained_with(ours))
+print(f"rank {dist.get_rank()} powersgd equals PyTorch's powerSGD_hook: {same_as_pytorch}", flush=True)
 dist.barrier()
 dist.destroy_process_group()
 '''
@@ -104,7 +146,8 @@ def test_the_program_registers_the_hook_on_its_ddp_module(programs) -> None:
             "start_iter=START_COMPRESSION_STEP)") in source
     assert "return ddp_model" in source
     top_k = (programs["top-k"] / "model_spmd.py").read_text()
-    assert "register_compression(ddp_model, 'top-k', fraction=0.05, error_feedback=True)" in top_k
+    assert ("register_compression(ddp_model, 'top-k', fraction=0.05, error_feedback=True, "
+            "start_iter=START_COMPRESSION_STEP)") in top_k
     half = (programs["half-reduce"] / "model_spmd.py").read_text()
     assert "register_compression(ddp_model, 'half-reduce', dtype='fp16')" in half
 
@@ -130,6 +173,9 @@ def test_two_ranks_train_with_the_hooks_registered_and_equal_replicas(programs, 
         expected = "powersgd_one_bucket_at_a_time" if hook == "powersgd_hook" else hook
         assert registered == expected, (hook, registered)
         assert same == "True" and float(loss) == float(loss)
+    # Our registration (on gloo, one bucket waited for at a time) trains exactly as PyTorch's hook.
+    assert sorted(re.findall(r"rank (\d) powersgd equals PyTorch's powerSGD_hook: (True|False)", out)) == [
+        ("0", "True"), ("1", "True")], out
 
 
 @pytest.mark.distributed

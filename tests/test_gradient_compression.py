@@ -167,9 +167,15 @@ def test_a_simulated_step_sends_the_factors_and_prices_them_as_collectives(ddp_p
     assert plan.estimate.step_time_s < ddp_plan.estimate.step_time_s
 
 
-def test_the_search_chooses_compression_on_slow_ethernet_and_says_the_gain() -> None:
+@pytest.fixture(scope="module")
+def slow_ethernet_plan() -> Plan:
+    """A wide MLP planned on eight 10 Gb/s machines (p3.2xlarge), every family allowed."""
     wide = ModelSpec(str(REPO / "examples/mlp.py"), {"hidden": 4096, "layers": 8, "batch_size": 64})
-    plan = planner.plan(wide, "p3.2xlarge:8", precision="fp32")
+    return planner.plan(wide, "p3.2xlarge:8", precision="fp32")
+
+
+def test_the_search_chooses_compression_on_slow_ethernet_and_says_the_gain(slow_ethernet_plan) -> None:
+    plan = slow_ethernet_plan
     assert set(plan.sections) & {"powersgd", "top-k"}, plan.name
     assert "gradient compression pays: best compressed" in plan.search_summary
     assert "Gradient compression:" in plan.report() and "lossy" in plan.report()
@@ -188,3 +194,27 @@ def test_planner_families_lists_them_and_family_searches_one_alone() -> None:
     plan = planner.plan(MLP, "cpu:1x2", precision="fp32", constraints={"families": ["top-k"]})
     assert set(plan.sections) == {"top-k"}, plan.name
     assert "gradient compression (asked by --family)" in plan.search_summary
+
+
+def test_the_report_says_the_whole_gain_and_warns_of_a_method_outside_the_tolerance(slow_ethernet_plan,
+                                                                                   monkeypatch) -> None:
+    from planner.families.gradient_compression import convergence
+    from planner.families.gradient_compression.report import summary_parts
+
+    # The summary's notes split at "; " outside parentheses: a plan's name holds one.
+    assert summary_parts("a (dp=8; powersgd rank 1) b; c") == ["a (dp=8; powersgd rank 1) b", "c"]
+    plan = slow_ethernet_plan
+    section = plan.sections["powersgd"] if "powersgd" in plan.sections else plan.sections["top-k"]
+    method = convergence.benchmark_method(section)
+    assert method in convergence.MEASURED, plan.name
+    # Measured 2x the uncompressed loss on one model: the report warns, with the figures.
+    monkeypatch.setitem(convergence.MEASURED, method, {"gpt": 2.0, "cnn": 1.05})
+    words = " ".join(plan.report().split())
+    why = next(line for line in words.split("Why: ")[1:] if line.startswith("gradient compression pays"))
+    assert why.startswith(f"gradient compression pays: best compressed {plan.name} ")  # the name whole
+    assert "Convergence risk:" in words and "x2.00 (GPT), x1.05 (CNN)" in words
+    # Within the 10% on both: no warning.
+    monkeypatch.setitem(convergence.MEASURED, method, {"gpt": 1.08, "cnn": 0.9})
+    assert "Convergence risk" not in plan.report()
+    # A setting the benchmark does not run (top-k 0.5%) is said to be unmeasured.
+    assert "is not among the settings" in convergence.convergence_risk(TopKSection(0.005), "top-k 0.5%")

@@ -99,12 +99,16 @@ def test_the_sends_and_the_trunk_reduction_worked_by_hand(split_plan) -> None:
 
 def test_the_search_chooses_it_on_10_gigabit_ethernet_and_says_why() -> None:
     # Among the exact (uncompressed) families layer separation wins on 10 Gb/s; with every
-    # family, lossy compression wins, and says it beat the layer-separated plan.
+    # family, lossy compression wins, and says it beat the layer-separated plan (at the
+    # example's default batch, 8, whose only split of 8 ranks is 4 + 4).
     every = planner.plan(ModelSpec(VGG, {}), TEN_GIGABIT)
     assert set(every.sections) & {"powersgd", "top-k"}, every.name
-    assert "best uncompressed ddp (dp=8; layer separation" in " ".join(every.search_summary.split())
+    assert "best uncompressed ddp (dp=8; layer separation: 4 trunk + 4 head)" in " ".join(every.search_summary.split())
+    every_report = " ".join(render_report(every).split())
+    assert f"Why: gradient compression pays: best compressed {every.name} " in every_report
+    # Stanza's split, 7 trunk ranks for 1 head rank, needs a batch that 7 divides.
     exact = ["ddp", "zero1", "zero2", "fsdp", "layer-separation"]
-    chosen = planner.plan(ModelSpec(VGG, {}), TEN_GIGABIT, constraints={"families": exact})
+    chosen = planner.plan(ModelSpec(VGG, {"batch_size": 168}), TEN_GIGABIT, constraints={"families": exact})
     assert chosen.sections["layer-separation"] == LayerSeparationSection("features", 1)
     best_other = min(a.step_time_s for a in chosen.runners_up if "layer separation" not in a.name)
     assert chosen.estimate.step_time_s < best_other

@@ -94,7 +94,6 @@ def check_parity(
         args, kwargs = tree_map(_to_float64, (args, kwargs))
     randomness = switch_off_dropout_modules(model)
     reference = single_device_reference(program, model, mesh)
-    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     # Single device: the whole global batch on this rank alone, in the plan's micro-batches
     # when it accumulates (an MoE layer routes each micro-batch on its own, so its capacity,
@@ -107,7 +106,11 @@ def check_parity(
     # The float attributes functional dropout read its probability from, off at the source:
     # the sharded step reads 0 in forward and when backward recomputes a block alike.
     switch_off_dropout_attributes(model, no_dropout.attributes_in(reference), randomness)
-    ref_grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters() if p.grad is not None}
+    ref_grads = {name: p.grad.detach() for name, p in reference.named_parameters() if p.grad is not None}
+    # The initial weights: the reference's, which no optimizer has stepped (a clone of the
+    # model's would be one more copy of the weights on every rank: 0.5 GB for VGG-16).
+    initial = {name: p.detach() for name, p in reference.named_parameters()}
+    del reference
 
     # Sharded: this rank's module on this rank's slice of the batch.
     local_module = program.parallelize(model, mesh)
@@ -119,7 +122,6 @@ def check_parity(
         loss, output = program.forward_backward(local_module, args, kwargs, mesh)
     randomness.note_program_random_ops(program_run.report)
     grads = {name: grad for name, (_, grad) in full_parameters(model).items() if grad is not None}
-    local_optimizer.step()
 
     # The whole batch's loss: the mean over the ranks of theirs, each weighted by b_r * dp / B
     # under uneven shares (Program.loss_weight; 1 for even rows).
@@ -131,7 +133,12 @@ def check_parity(
     if missing:
         diffs.append(TensorDiff(f"gradient presence of {missing[0]}", float("inf"), float("inf")))
     diffs += [compare_tensor(f"grad of {n}", grads[n], ref_grads[n], atol, rtol) for n in sorted(set(grads) & set(ref_grads))]
+    del ref_grads
+    # The expected step before the program's own, so the reference's gradients and the
+    # initial weights are gone before the program's optimizer states come (memory).
     expected = optimizer_step_from(optimizer, lr, initial, grads)
+    del initial, grads
+    local_optimizer.step()
     diffs += [
         compare_tensor(f"updated {name}", value, expected[name], atol, rtol) if name in expected
         else TensorDiff(f"parameter {name} (not in the model built from the spec)", float("inf"), float("inf"))

@@ -11,6 +11,8 @@ all-reduced in fp16 or bf16 by PyTorch's hooks), each a ddp plan with a section 
   (cost-model layer).
 - ``emit.py``, ``runtime.py``: the DDP program with the hook registered (codegen layer).
 - ``report.py``: the report's lines (vocabulary).
+- ``convergence.py``: what the convergence benchmark measured of each setting, and the
+  report's convergence-risk line for one outside its tolerance (vocabulary).
 
 Lossy: a compressed program's ``--check`` refuses (no parity); convergence is measured by
 ``benchmarks/compression_convergence.py``.

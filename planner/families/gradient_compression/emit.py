@@ -38,7 +38,8 @@ def _hook_arguments(plan: Plan) -> str:
                 f"warm_start={literal(section.warm_start)}, start_iter=START_COMPRESSION_STEP")
     if HALF_REDUCE in plan.sections:
         return f"{literal(HALF_REDUCE)}, dtype={literal(section.dtype)}"
-    return f"{literal(TOP_K)}, fraction={literal(section.fraction)}, error_feedback={literal(section.error_feedback)}"
+    return (f"{literal(TOP_K)}, fraction={literal(section.fraction)}, error_feedback={literal(section.error_feedback)}, "
+            f"start_iter=START_COMPRESSION_STEP")
 
 
 def _parallelize_source(plan: Plan, dp: int) -> str:
@@ -55,8 +56,9 @@ def _parallelize_source(plan: Plan, dp: int) -> str:
         "",
         "# Why launch.py --check refuses this program (codegen.runtime.launcher reads it).",
         f"CHECK_REFUSAL = {literal(CHECK_REFUSAL)}",
-        "# PowerSGD all-reduces uncompressed for its first steps (PowerSGDState.start_powerSGD_iter; 2 is the",
-        "# least it allows with error feedback or warm start). PyTorch's docs suggest ~10% of training.",
+        "# PowerSGD and top-k all-reduce uncompressed for their first steps (start_powerSGD_iter; 2 is the least",
+        "# that keeps error feedback sound across DDP's bucket rebuild after step 1). PyTorch's docs suggest",
+        "# ~10% of training for PowerSGD.",
         "START_COMPRESSION_STEP = 2",
         "",
         "",

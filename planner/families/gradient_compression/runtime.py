@@ -34,6 +34,11 @@ class TopKState:
     process_group: dist.ProcessGroup | None
     fraction: float
     error_feedback: bool = True
+    # Steps all-reduced uncompressed first: DDP rebuilds its buckets after step 1, so an
+    # error kept by bucket index before then belongs to other parameters (PowerSGD's
+    # start_powerSGD_iter has the same floor of 2 for the same reason).
+    start_iter: int = 2
+    iteration: int = 0
     errors: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -42,6 +47,10 @@ def top_k_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Futur
     summed and averaged, with error feedback when ``state.error_feedback`` (module docstring)."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
+    if state.iteration < state.start_iter:  # counted as PowerSGDState counts: the last bucket ends a step
+        if bucket.is_last():
+            state.iteration += 1
+        return default_hooks.allreduce_hook(group, bucket)
     grad = bucket.buffer()
     flat = grad.view(-1)
     if flat.numel() >= 2**31:
@@ -92,9 +101,9 @@ def register_compression(module: torch.nn.parallel.DistributedDataParallel, kind
                          start_iter: int = 2, dtype: str = "fp16") -> object:
     """Register the ``kind`` hook (``"powersgd"``, ``"top-k"``, or ``"half-reduce"``: PyTorch's
     ``fp16_compress_hook``/``bf16_compress_hook`` by ``dtype``) on DDP ``module`` and return
-    its state. PowerSGD runs plain all-reduces for the first ``start_iter`` steps
-    (``PowerSGDState.start_powerSGD_iter``; 2 is the least it takes with error feedback or
-    warm start).
+    its state. PowerSGD and top-k run plain all-reduces for the first ``start_iter`` steps
+    (``PowerSGDState.start_powerSGD_iter``, ``TopKState.start_iter``; 2 is the least that
+    keeps error feedback sound across DDP's bucket rebuild after step 1).
 
     Raises:
         ValueError: ``kind`` is neither.
@@ -109,7 +118,7 @@ def register_compression(module: torch.nn.parallel.DistributedDataParallel, kind
         module.register_comm_hook(state, powersgd_one_bucket_at_a_time if on_gloo else powersgd.powerSGD_hook)
         return state
     if kind == TOP_K:
-        state = TopKState(group, fraction, error_feedback)
+        state = TopKState(group, fraction, error_feedback, start_iter)
         module.register_comm_hook(state, top_k_hook)
         return state
     if kind == HALF_REDUCE:
