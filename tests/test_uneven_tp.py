@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -30,9 +31,10 @@ from cost_model.collectives import collective_time
 from cost_model.compute import op_times
 from cost_model.simulator import simulated
 from planner.cluster import Cluster
+from planner.constraints import SearchConstraints
 from planner.errors import PlanFileError
 from planner.families import families_of
-from planner.families.uneven_tp.candidates import uneven_tp_plan
+from planner.families.uneven_tp.candidates import uneven_tp_candidates, uneven_tp_plan
 from planner.families.uneven_tp.ratios import KindTerms, best_layer_split, layer_objective
 from planner.families.uneven_tp.section import LayerSplit, UnevenTpSection
 from planner.model_spec import ModelSpec
@@ -221,15 +223,14 @@ def test_the_shares_follow_speed_and_beat_the_even_split(mixed_gpt, accpar) -> N
 
 
 def test_family_uneven_tp_alone_gives_the_accpar_plan_and_one_kind_gets_none() -> None:
-    from planner.constraints import SearchConstraints
-
     spec = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8})
     plan = planner.plan(spec, str(MIXED), progress=False, constraints=SearchConstraints(families=("uneven-tp",)))
     assert "uneven-tp" in plan.sections and plan.mesh.names == ("tp",), plan.name
     assert families_of(plan) == frozenset({"uneven-tp"})
-    homogeneous = planner.plan(spec, "cpu:1x4", progress=False)
-    assert "uneven-tp" not in homogeneous.sections
-    assert not any("uneven tp" in alt.name for alt in homogeneous.runners_up)
+    # The candidates part on one kind of device (the rest of the context is not read).
+    one_kind = SimpleNamespace(whole_batch_only=False, summa_only=False, constraints=SearchConstraints(),
+                               cluster=Cluster.parse("cpu:1x4"))
+    assert uneven_tp_candidates(one_kind) == []
 
 
 def test_the_report_gives_each_ranks_share_of_each_split_tensor(accpar) -> None:
