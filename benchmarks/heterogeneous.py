@@ -4,6 +4,7 @@ fast devices alone, simulated on two mixes and measured on CPU.
     python benchmarks/heterogeneous.py              # (a) and (b), about 3 minutes on 2 cores
     python benchmarks/heterogeneous.py --simulated  # (a) only
     python benchmarks/heterogeneous.py --steps 12   # (b) with more measured steps
+    python benchmarks/heterogeneous.py --tensor-parallel  # (c) and (d) only
 
 (a) Simulated step of each mix: the even data-parallel plan (every rank B/dp samples, the step
     waits for the slowest device), the same flavour on the fastest devices alone (the others
@@ -19,11 +20,21 @@ fast devices alone, simulated on two mixes and measured on CPU.
     median step time over the steps after the first two, beside the prediction. The CPU
     devices' figures are the ``cpu`` preset's placeholders (not a profile of this host), so
     the absolute predictions are not expected to match; the ratio uneven / even is the claim.
+(c) Uneven tensor parallelism (``planner.families.uneven_tp``, ACCPAR: each linear layer
+    split by batch, column or row with shares by speed), simulated where tensor parallelism
+    is needed: a GPT-2.7B-shaped model whose batch of 8 sequences is smaller than the 16
+    GPUs of one DGX A100 and one DGX H100 node (the first node of each kind of
+    ``a100-h100.toml``), so data parallelism alone cannot use them all. Rows: the same
+    layer kinds with even shares (what an even-split system runs), ours, and the even
+    split on the H100 node alone.
+(d) Measured on CPU gloo at world 4 on ``mixed.toml`` as (b): the uneven-tp program of the
+    CPU GPT against the same kinds with even shares, predicted and measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -129,14 +140,74 @@ def measured_rows(steps: int) -> None:
           f"measured {measured['even'] / measured['uneven']:.2f}x", flush=True)
 
 
+# GPT-2.7B's shape (32 x 2560, 32 heads: GPT-3 2.7B, Brown et al. 2020, table 2.1) at a
+# sequence of 1024 and a batch of 8 sequences: fewer samples than the 16 GPUs.
+GPT_2_7B = {"n_layer": 32, "n_embd": 2560, "n_head": 32, "vocab_size": 50368, "seq_len": 1024, "batch_size": 8}
+
+
+def tensor_parallel_plans(cluster: Cluster, overrides: dict, precision: str):
+    """(even shares, uneven shares, even shares on the fastest devices alone) uneven-tp plans."""
+    from planner.families.uneven_tp.candidates import uneven_tp_plan
+
+    spec = ModelSpec(str(REPO / "examples/gpt.py"), overrides)
+    graph, spec, name, cluster = prepare_model(spec, cluster)
+    fastest = max(device_groups(cluster), key=lambda group: group.peak_flops("bfloat16"))
+    alone = sub_cluster(cluster, fastest.device)
+    return (uneven_tp_plan(graph, cluster, spec, name, precision, even=True),
+            uneven_tp_plan(graph, cluster, spec, name, precision),
+            uneven_tp_plan(graph, alone, spec, name, precision, even=True))
+
+
+def tensor_parallel_rows() -> None:
+    """(c): the GPT-2.7B-shaped model on one A100 node beside one H100 node."""
+    whole = Cluster.load(A100_H100)
+    kinds = {}
+    for node in whole.nodes:
+        kinds.setdefault(node.device.name, node)
+    cluster = dataclasses.replace(whole, name="a100-h100-1+1", nodes=tuple(kinds.values()))
+    even, ours, alone = tensor_parallel_plans(cluster, GPT_2_7B, "bf16")
+    layer = ours.sections["uneven-tp"].layers[0]
+    print(f"uneven tensor parallelism, 1 DGX A100 + 1 DGX H100, GPT-2.7B shape, batch 8 (bf16):\n"
+          f"  even shares {even.name}: {even.estimate.step_time_s * 1e3:.1f} ms"
+          f"{'' if even.estimate.fits else ' (does not fit)'}\n"
+          f"  the H100 node alone, even shares: {alone.estimate.step_time_s * 1e3:.1f} ms"
+          f"{'' if alone.estimate.fits else ' (does not fit)'}\n"
+          f"  ours {ours.name}, e.g. {layer.module} {layer.kind} {layer.shares[0]} (A100) / {layer.shares[-1]} (H100): "
+          f"{ours.estimate.step_time_s * 1e3:.1f} ms{'' if ours.estimate.fits else ' (does not fit)'}: "
+          f"{even.estimate.step_time_s / ours.estimate.step_time_s:.2f}x the even shares, "
+          f"{alone.estimate.step_time_s / ours.estimate.step_time_s:.2f}x the H100 node alone", flush=True)
+
+
+def tensor_parallel_measured(steps: int) -> None:
+    """(d): the uneven-tp and even-share programs of the CPU GPT on mixed.toml."""
+    import planner
+
+    even, ours, _ = tensor_parallel_plans(Cluster.load(MIXED), CPU_GPT, "fp32")
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        measured = {label: measured_step_s(planner.compile(plan, scratch / f"tp-{label}"), steps, scratch)
+                    for label, plan in (("even", even), ("uneven", ours))}
+    predicted = {"even": even.estimate.step_time_s, "uneven": ours.estimate.step_time_s}
+    print(f"uneven tensor parallelism measured on CPU gloo, world 4, mixed.toml (median of {steps - 2} steps):")
+    for label in ("even", "uneven"):
+        print(f"  {label:6}: predicted {predicted[label] * 1e3:7.1f} ms, measured {measured[label] * 1e3:7.1f} ms")
+    print(f"  uneven speed-up: predicted {predicted['even'] / predicted['uneven']:.2f}x, "
+          f"measured {measured['even'] / measured['uneven']:.2f}x", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--simulated", action="store_true", help="(a) only: nothing launched")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per program (>= 3; default 8)")
+    parser.add_argument("--tensor-parallel", action="store_true", help="(c) and (d) only (d unless --simulated)")
     options = parser.parse_args()
-    simulated_rows()
+    if not options.tensor_parallel:
+        simulated_rows()
+        if not options.simulated:
+            measured_rows(max(3, options.steps))
+    tensor_parallel_rows()
     if not options.simulated:
-        measured_rows(max(3, options.steps))
+        tensor_parallel_measured(max(3, options.steps))
 
 
 if __name__ == "__main__":
