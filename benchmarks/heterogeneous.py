@@ -132,8 +132,13 @@ def measured_rows(steps: int) -> None:
         for label, plan in (("even", even), ("uneven", ours)):
             folder = planner.compile(plan, scratch / label)
             measured[label] = measured_step_s(folder, steps, scratch)
+    print_measured("measured on CPU gloo, world 4, mixed.toml, slow ranks 2x", steps, even, ours, measured)
+
+
+def print_measured(title: str, steps: int, even, ours, measured: dict) -> None:
+    """The even and uneven plans' predicted and measured steps, and the speed-ups."""
     predicted = {"even": even.estimate.step_time_s, "uneven": ours.estimate.step_time_s}
-    print(f"measured on CPU gloo, world 4, mixed.toml, slow ranks 2x (median of {steps - 2} steps):")
+    print(f"{title} (median of {steps - 2} steps):")
     for label in ("even", "uneven"):
         print(f"  {label:6}: predicted {predicted[label] * 1e3:7.1f} ms, measured {measured[label] * 1e3:7.1f} ms")
     print(f"  uneven speed-up: predicted {predicted['even'] / predicted['uneven']:.2f}x, "
@@ -187,12 +192,8 @@ def tensor_parallel_measured(steps: int) -> None:
         scratch = Path(scratch)
         measured = {label: measured_step_s(planner.compile(plan, scratch / f"tp-{label}"), steps, scratch)
                     for label, plan in (("even", even), ("uneven", ours))}
-    predicted = {"even": even.estimate.step_time_s, "uneven": ours.estimate.step_time_s}
-    print(f"uneven tensor parallelism measured on CPU gloo, world 4, mixed.toml (median of {steps - 2} steps):")
-    for label in ("even", "uneven"):
-        print(f"  {label:6}: predicted {predicted[label] * 1e3:7.1f} ms, measured {measured[label] * 1e3:7.1f} ms")
-    print(f"  uneven speed-up: predicted {predicted['even'] / predicted['uneven']:.2f}x, "
-          f"measured {measured['even'] / measured['uneven']:.2f}x", flush=True)
+    print_measured("uneven tensor parallelism measured on CPU gloo, world 4, mixed.toml, slow ranks 2x", steps, even,
+                   ours, measured)
 
 
 def main() -> None:

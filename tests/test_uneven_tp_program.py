@@ -33,14 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_hsdp_program import _losses, _one_device_losses  # noqa: E402
 from test_parity import check_many, result_of  # noqa: E402
 from torchrun_run import torchrun  # noqa: E402
+from test_uneven_program import CNN, GPT, LLAMA, MIXED  # noqa: E402  the models uneven data parallelism checks
 
-REPO = Path(__file__).resolve().parents[1]
-MIXED = str(REPO / "examples/clusters/mixed.toml")
-GPT = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8})
-CNN = ModelSpec(str(REPO / "examples/cnn.py"), {"batch_size": 8})
-LLAMA = ModelSpec("hf:llama", {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
-                               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
-                               "batch_size": 8, "seq_len": 16})
 
 
 def accpar_plan(spec: ModelSpec) -> planner.Plan:

@@ -10,8 +10,8 @@ outside the split layers (the program runs every other op whole on every rank), 
   this rank's slice of the (replicated) gradient.
 - ``scatter_uneven``: this rank's slice of a replicated tensor; backward gathers the slices'
   gradients (a gather-v), so the input's gradient is whole on every rank.
-- ``sum_gradient``: identity forward, all-reduce of the gradient (Megatron's ``f``).
-- ``sum_partials``: all-reduce forward, identity backward (Megatron's ``g``).
+- ``copy_to_group`` / ``reduce_from_group`` (``codegen.runtime.tensor_parallel_layers``):
+  Megatron's ``f`` (identity forward, gradient all-reduced) and ``g`` (all-reduce forward).
 
 ``UnevenLinear`` replaces an ``nn.Linear``: ``batch`` (its rows of the input, the weight
 whole, the weight's gradient summed), ``column`` (its output features) or ``row`` (its input
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from codegen.runtime.materialize import set_derived_parameter
+from codegen.runtime.tensor_parallel_layers import copy_to_group, reduce_from_group
 from planner.errors import LaunchError
 
 
@@ -77,31 +78,6 @@ class _ScatterUneven(torch.autograd.Function):
         return gather_slices(grad.contiguous(), ctx.dim, ctx.shares, ctx.group), None, None, None, None
 
 
-class _SumGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, value, group):
-        ctx.group = group
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumPartials(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, value, group):
-        value = value.contiguous().clone()
-        dist.all_reduce(value, group=group)
-        return value
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def gather_uneven(local, dim: int, shares: Sequence[int], rank: int, group) -> torch.Tensor:
     """The whole of ``dim`` from every rank's slice (backward: this rank's slice)."""
     return _GatherUneven.apply(local, dim, tuple(shares), rank, group)
@@ -110,16 +86,6 @@ def gather_uneven(local, dim: int, shares: Sequence[int], rank: int, group) -> t
 def scatter_uneven(whole, dim: int, shares: Sequence[int], rank: int, group) -> torch.Tensor:
     """This rank's slice of ``dim`` of a replicated tensor (backward: the slices gathered)."""
     return _ScatterUneven.apply(whole, dim, tuple(shares), rank, group)
-
-
-def sum_gradient(value, group) -> torch.Tensor:
-    """``value`` unchanged; its gradient all-reduced over ``group``."""
-    return _SumGradient.apply(value, group)
-
-
-def sum_partials(value, group) -> torch.Tensor:
-    """``value`` all-reduced over ``group``; its gradient unchanged."""
-    return _SumPartials.apply(value, group)
 
 
 class UnevenLinear(nn.Module):
@@ -159,18 +125,18 @@ class UnevenLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "column":
-            local = F.linear(sum_gradient(x, self.group), self.weight, self.bias)
+            local = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
             return gather_uneven(local, -1, self.shares, self.rank, self.group)
         if self.kind == "row":
             local = F.linear(scatter_uneven(x, -1, self.shares, self.rank, self.group), self.weight)
-            summed = sum_partials(local, self.group)
+            summed = reduce_from_group(local, self.group)
             return summed if self.bias is None else summed + self.bias
         if x.shape[0] != sum(self.shares):
             raise LaunchError(f"the plan splits a layer's {sum(self.shares)} input rows by batch, but it got "
                               f"{x.shape[0]}; run the plan's batch size")
         rows = scatter_uneven(x, 0, self.shares, self.rank, self.group)
-        bias = None if self.bias is None else sum_gradient(self.bias, self.group)
-        local = F.linear(rows, sum_gradient(self.weight, self.group), bias)
+        bias = None if self.bias is None else copy_to_group(self.bias, self.group)
+        local = F.linear(rows, copy_to_group(self.weight, self.group), bias)
         return gather_uneven(local, 0, self.shares, self.rank, self.group)
 
     def full_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
