@@ -231,6 +231,10 @@ def test_family_uneven_tp_alone_gives_the_accpar_plan_and_one_kind_gets_none() -
     one_kind = SimpleNamespace(whole_batch_only=False, summa_only=False, constraints=SearchConstraints(),
                                cluster=Cluster.parse("cpu:1x4"))
     assert uneven_tp_candidates(one_kind) == []
+    # Unasked (no --family), after a plan that fits on every device: no time spent splitting.
+    found_fitting = SimpleNamespace(whole_batch_only=False, summa_only=False, constraints=SearchConstraints(),
+                                    cluster=plan.cluster, found=[plan])
+    assert plan.estimate.fits and uneven_tp_candidates(found_fitting) == []
 
 
 def test_the_report_gives_each_ranks_share_of_each_split_tensor(accpar) -> None:
