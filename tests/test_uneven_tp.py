@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,7 +35,7 @@ from planner.cluster import Cluster
 from planner.constraints import SearchConstraints
 from planner.errors import PlanFileError
 from planner.families import families_of
-from planner.families.uneven_tp.candidates import uneven_tp_candidates, uneven_tp_plan
+from planner.families.uneven_tp.candidates import choose_splits, memory_fractions, uneven_tp_candidates, uneven_tp_plan
 from planner.families.uneven_tp.ratios import KindTerms, best_layer_split, layer_objective
 from planner.families.uneven_tp.section import LayerSplit, UnevenTpSection
 from planner.model_spec import ModelSpec
@@ -220,6 +221,22 @@ def test_the_shares_follow_speed_and_beat_the_even_split(mixed_gpt, accpar) -> N
     assert accpar.estimate.step_time_s < even.estimate.step_time_s
     # The fast ranks do about twice the slow ranks' share of the split layers: busier by less.
     assert section.busy_s[0] < section.busy_s[2]
+
+
+def test_shares_stop_at_each_ranks_memory(accpar) -> None:
+    graph = accpar.graph
+    # The split layers' weights, gradients and AdamW states: 4 + 4 + 8 bytes per fp32 element.
+    states = 16 * sum(math.prod(graph.parameters[p].shape) for p in graph.parameters
+                      if p.split(".")[-2] in ("c_attn", "c_proj", "c_fc", "lm_head"))
+    rest = accpar.estimate.memory.total - states
+    fast, slow = accpar.cluster.nodes
+    # The fast devices hold everything else and a quarter of those states.
+    small = dataclasses.replace(fast, device=dataclasses.replace(fast.device, memory_bytes=int(rest + states / 4)))
+    tight = dataclasses.replace(accpar, cluster=dataclasses.replace(accpar.cluster, nodes=(small, slow)), sections={})
+    assert memory_fractions(tight, graph) == pytest.approx((0.25, 0.25, 1.0, 1.0))
+    for layer in choose_splits(tight, graph):
+        dim = sum(layer.shares)
+        assert layer.kind != "batch" and max(layer.shares[:2]) <= dim // 4, layer  # was about dim / 3
 
 
 def test_family_uneven_tp_alone_gives_the_accpar_plan_and_one_kind_gets_none() -> None:
