@@ -30,10 +30,8 @@ from planner.model_spec import ModelSpec
 from search.data_parallel import data_parallel_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_hsdp_program import _losses, _one_device_losses  # noqa: E402
 from test_parity import check_many, result_of  # noqa: E402
-from torchrun_run import torchrun  # noqa: E402
-from test_uneven_program import CNN, GPT, LLAMA, MIXED  # noqa: E402  the models uneven data parallelism checks
+from test_uneven_program import CNN, GPT, LLAMA, MIXED, resume_there_and_back  # noqa: E402  the models uneven data parallelism checks
 
 
 
@@ -79,15 +77,4 @@ def test_uneven_tp_checkpoints_resume_on_the_even_plan_and_back(tmp_path) -> Non
     graph, spec, name, _ = prepare_model(GPT, Cluster.load(MIXED))
     even_plan = data_parallel_plan(graph, Cluster.parse("cpu:1x4"), spec, name, "ddp")  # no search: the DDP plan
     even = planner.compile(even_plan, tmp_path / "even")
-    saved = tmp_path / "ckpt"
-    first = torchrun(4, str(uneven / "launch.py"), "--steps", "1", "--checkpoint-dir", str(saved),
-                     "--save-every", "1", cwd=tmp_path)
-    second = torchrun(4, str(even / "launch.py"), "--steps", "2", "--checkpoint-dir", str(saved), "--resume",
-                      "--save-every", "1", cwd=tmp_path)
-    third = torchrun(4, str(uneven / "launch.py"), "--steps", "3", "--checkpoint-dir", str(saved), "--resume",
-                     cwd=tmp_path)
-    assert "at step 1" in second and "at step 2" in third, (second[-2000:], third[-2000:])
-    losses = {**_losses(first), **_losses(second), **_losses(third)}
-    assert sorted(losses) == [1, 2, 3]
-    for step, expected in _one_device_losses(even, 3).items():
-        assert losses[step] == pytest.approx(expected, abs=1e-5), step
+    resume_there_and_back(uneven, even, tmp_path, 1)
