@@ -22,7 +22,7 @@ from planner.families.uneven_tp.section import JSON_KEY, UnevenTpSection
 
 FAMILIES = (
     Family(
-        JSON_KEY, "tensor parallel, uneven splits per layer by device speed (ACCPAR)",
+        JSON_KEY, "tensor parallel, uneven per-layer splits by speed (ACCPAR)",
         lambda plan: JSON_KEY in plan.sections, refines=("tp",), also_on_axes=("tp",),
         section=UnevenTpSection,
         candidates="planner.families.uneven_tp.candidates:uneven_tp_candidates", search_order=27,
