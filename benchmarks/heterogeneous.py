@@ -30,7 +30,11 @@ fast devices alone, simulated on two mixes and measured on CPU.
 (d) Measured on CPU gloo at world 4 on ``mixed.toml`` as (b): the uneven-tp program of the
     CPU GPT against the same kinds with even shares, predicted and measured. On a 2-core
     host shared with other jobs (load average 5-20) it measured 0.94x twice (uneven shares
-    slower; even 3110.5 ms, uneven 3325.8 ms) against 1.13x predicted: not explained yet.
+    slower; even 3110.5 ms, uneven 3325.8 ms) against 1.13x predicted. A likely cause, not
+    verified: ``--slowdown-from-cluster`` stretches a rank's forward as a whole after it ran,
+    counting the CPU time of the collectives inside it (``codegen/runtime/slowdown.py``: meant
+    for DDP programs), so it does not emulate a program whose ranks wait for each other at
+    every split layer.
     In (c) the simulator keeps even shares: the padded gathers over InfiniBand cost more
     than the A100s' smaller slices save, and the H100 node alone is faster (187.0 ms
     against 348.3 ms): every op outside the split linears runs whole on the A100s too.
