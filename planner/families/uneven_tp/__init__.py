@@ -6,7 +6,7 @@ batch too small, for data parallelism alone.
 
 - ``section.py``: ``UnevenTpSection``, the plan's ``"uneven-tp"`` key: per layer, its kind
   and shares (vocabulary).
-- ``ratios.py``: each layer's kind and integer shares, exact by CP-SAT (vocabulary).
+- ``ratios.py``: each layer's kind and integer shares, exact (vocabulary).
 - ``costs.py``: each rank's compute on its own device, the uneven collectives, the layer
   waiting for the slowest rank (cost-model layer).
 - ``candidates.py``: the plan on a cluster of two or more kinds of device (search layer).
