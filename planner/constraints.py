@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from planner.errors import ArgumentError, PlanningError
-from planner.families import data_parallel_names, family_names, families_of, family_of_axis
+from planner.families import data_parallel_names, families_for_axis, family_names, families_of, family_of_axis
 
 if TYPE_CHECKING:
     from planner.cluster import Cluster
@@ -149,9 +149,9 @@ class SearchConstraints:
         if sizes.get("dp", 1) > 1 and not any(self.allows_family(name) for name in data_parallel_names()):
             return False
         return all(
-            self.allows_family(needed)
+            any(self.allows_family(name) for name in needed)
             for axis, size in sizes.items()
-            if size > 1 and (needed := family_of_axis(axis)) is not None
+            if size > 1 and (needed := families_for_axis(axis))
         )
 
     def allows_mesh(self, mesh: "Mesh") -> bool:

@@ -30,6 +30,7 @@ from planner.model_spec import ModelSpec
 from search.data_parallel import data_parallel_plan
 from planner.families.gradient_compression.section import HalfReduceSection, PowerSgdSection, TopKSection
 from planner.families.hsdp.section import HsdpSection
+from planner.families.uneven_tp.candidates import uneven_tp_plan
 from planner.strategy import Mesh
 from search.megatron import megatron_plan
 from search.moe_folding import folded_plan
@@ -41,7 +42,7 @@ FAMILIES = (
     "ddp", "zero1", "zero2", "fsdp", "megatron dp x tp, zero1", "megatron tp, sequence parallel", "pipeline pp x dp",
     "summa 2d", "moe expert parallel, ddp", "moe replicated experts, fsdp", "moe sliced experts, zero1",
     "moe copied experts, zero2", "hsdp 2 x 2", "moe folded dp x tp, EP2 x EDP2", "moe folded dp x tp, EP2 x ETP2",
-    "powersgd", "top-k", "half-reduce",
+    "powersgd", "top-k", "half-reduce", "uneven-tp",
 )
 GPT_SPEC = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer": 2})
 
@@ -72,14 +73,17 @@ _FOLDED_TP = ("HeadParallelSelfAttention", "RowParallelLinear", "VocabParallelEm
               "FoldedMoE")
 _GRAPH = ("_to", "SpmdModule")
 _SUMMA = ("summa_linear",)
+# Uneven tensor parallelism's linears (planner.families.uneven_tp.runtime.split_linears):
+# padded all-gathers of the uneven slices and all-reduces of partial sums and gradients.
+_UNEVEN_TP = ("split_linears",)
 BACKING: dict[str, tuple[str, ...]] = {
     r"\bDDP\b|DistributedDataParallel": (_DDP,),
     r"fully_shard|\bFSDP2?\b": _FSDP,
     r"\bZeRO-1\b": ("ShardedStatesOptimizer",),
     r"(?i:all-reduce|all_reduce|allreduce)": (_DDP, *_GRAPH, *_SUMMA, "synchronise_batch_norm", "hybrid_mesh",
-                                              *_FOLDED_TP),
+                                              *_FOLDED_TP, *_UNEVEN_TP),
     r"(?i:all-gather|all_gather)": (*_FSDP, *_GRAPH, *_MOE, *_SUMMA, "ShardedStatesOptimizer", *_FOLDED_TP,
-                                    "register_compression"),
+                                    "register_compression", *_UNEVEN_TP),
     r"(?i:reduce-scatter|reduce_scatter)": (*_FSDP, *_GRAPH, *_SUMMA, "ExpertSlicedMoE", "expert_tensor_groups"),
     r"(?i:all-to-all|all_to_all)": _MOE,
     r"(?i:broadcast)": (_DDP, *_SUMMA),
@@ -108,6 +112,8 @@ def _family_plans() -> dict[str, object]:
     for key, section in (("powersgd", PowerSgdSection(2)), ("top-k", TopKSection(0.01)),
                          ("half-reduce", HalfReduceSection("fp16"))):
         plans[key] = dataclasses.replace(plans["ddp"], sections={key: section})
+    graph, spec, name, cluster = prepare_model(GPT_SPEC, str(REPO / "examples/clusters/mixed.toml"))
+    plans["uneven-tp"] = uneven_tp_plan(graph, cluster, spec, name, "fp32")
     return plans
 
 

@@ -87,17 +87,23 @@ def test_uneven_checkpoints_resume_on_the_even_plan_and_back(tmp_path) -> None:
     uneven_plan = with_shares(GPT, "ddp")
     uneven = planner.compile(uneven_plan, tmp_path / "uneven")
     even = planner.compile(dataclasses.replace(uneven_plan, sections={}), tmp_path / "even")
+    resume_there_and_back(uneven, even, tmp_path, 2)
+
+
+def resume_there_and_back(uneven: Path, even: Path, tmp_path: Path, steps: int) -> None:
+    """Run ``steps`` steps of ``uneven`` saving a checkpoint, resume for ``steps`` more on
+    ``even``, then ``steps`` more on ``uneven`` again; every loss must be one device's."""
     saved = tmp_path / "ckpt"
-    first = torchrun(4, str(uneven / "launch.py"), "--steps", "2", "--checkpoint-dir", str(saved),
-                      "--save-every", "2", cwd=tmp_path)
-    second = torchrun(4, str(even / "launch.py"), "--steps", "4", "--checkpoint-dir", str(saved), "--resume",
-                       "--save-every", "2", cwd=tmp_path)
-    third = torchrun(4, str(uneven / "launch.py"), "--steps", "6", "--checkpoint-dir", str(saved), "--resume",
-                      cwd=tmp_path)
-    assert "at step 2" in second and "at step 4" in third, (second[-2000:], third[-2000:])
+    first = torchrun(4, str(uneven / "launch.py"), "--steps", str(steps), "--checkpoint-dir", str(saved),
+                     "--save-every", str(steps), cwd=tmp_path)
+    second = torchrun(4, str(even / "launch.py"), "--steps", str(2 * steps), "--checkpoint-dir", str(saved),
+                      "--resume", "--save-every", str(steps), cwd=tmp_path)
+    third = torchrun(4, str(uneven / "launch.py"), "--steps", str(3 * steps), "--checkpoint-dir", str(saved),
+                     "--resume", cwd=tmp_path)
+    assert f"at step {steps}" in second and f"at step {2 * steps}" in third, (second[-2000:], third[-2000:])
     losses = {**_losses(first), **_losses(second), **_losses(third)}
-    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
-    for step, expected in _one_device_losses(even, 6).items():
+    assert sorted(losses) == list(range(1, 3 * steps + 1))
+    for step, expected in _one_device_losses(even, 3 * steps).items():
         assert losses[step] == pytest.approx(expected, abs=1e-5), step
 
 

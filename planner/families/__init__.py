@@ -65,6 +65,9 @@ class Family:
         summary: one line for ``planner families``.
         uses: whether a plan uses the family (``families_of``).
         axes: the mesh axes only this family uses (a mesh with one larger than 1 needs it).
+        also_on_axes: mesh axes another family owns that this one's plans run on with a
+            program of their own (``uneven-tp`` on ``tp``): a mesh with such an axis is
+            allowed when either family is (``families_for_axis``).
         data_parallel: the family splits the batch over the ``dp`` axis (any ``dp`` larger
             than 1 needs one such family).
         refines: families a plan of this one would otherwise be counted in (a HSDP plan is
@@ -82,6 +85,7 @@ class Family:
     summary: str
     uses: Callable[["Plan"], bool]
     axes: tuple[str, ...] = ()
+    also_on_axes: tuple[str, ...] = ()
     data_parallel: bool = False
     refines: tuple[str, ...] = ()
     section: type | None = None
@@ -156,6 +160,13 @@ def family_of_axis(axis: str) -> str | None:
     """The family a mesh axis larger than 1 needs (``tp`` -> ``tp``, ``pp`` -> ``pipeline``),
     or None for ``dp``, which any data-parallel family uses."""
     return next((family.name for family in registered() if axis in family.axes), None)
+
+
+def families_for_axis(axis: str) -> tuple[str, ...]:
+    """Every family whose plans may have ``axis`` larger than 1: its owner
+    (``family_of_axis``) and the families that run on it too (``Family.also_on_axes``)."""
+    owner = family_of_axis(axis)
+    return ((owner,) if owner else ()) + tuple(family.name for family in registered() if axis in family.also_on_axes)
 
 
 def family_table() -> list[tuple[str, str]]:

@@ -1,0 +1,164 @@
+"""Uneven tensor parallelism's candidates (search layer): ACCPAR's per-layer partition type
+and per-rank ratios on a cluster of two or more kinds of device.
+
+The plan runs on a ``tp`` mesh over every rank with every op replicated, and splits each
+linear layer (``section.split_dimensions``) by ``ratios.best_layer_split``: the kind
+(batch, column, row) and integer shares of least modelled seconds, each rank's share capped
+by its memory. The caps: what the replicated plan holds apart from the linear layers'
+weights, gradients and optimizer states stays on every rank; the room left on rank r is a
+fraction ``f_r`` of those layers' states, so rank r may take at most ``floor(f_r * D)`` of
+each column or row split (a sufficient condition: every layer within that fraction keeps
+the rank within its memory); a batch split holds the whole weight, so it is allowed only
+where every rank holds all of them (``f_r >= 1``). Layers of the same shapes are solved once.
+
+``uneven_tp_plan(..., even=True)`` is the same space with even shares (the kind still
+chosen per layer): what an even-split system would run, for the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from cost_model.compute import op_times
+from cost_model.parameter_bytes import PARAM_BYTES
+from cost_model.simulator import simulated
+from planner.cluster import Cluster
+from planner.device_groups import device_groups, rank_devices
+from planner.families.uneven_tp.costs import layer_terms, rank_seconds, split_dimension
+from planner.families.uneven_tp.ratios import KindTerms, best_layer_split, layer_objective
+from planner.families.uneven_tp.section import JSON_KEY, KINDS, LayerSplit, UnevenTpSection, split_dimensions
+from planner.graph import OpGraph
+from planner.model_spec import ModelSpec
+from planner.plans import Plan
+from planner.strategy import Mesh
+from search.context import SearchContext
+from search.layouts import data_parallel_layout
+from search.plan_builder import unsimulated_plan
+
+FAMILY = JSON_KEY
+
+
+def replicated_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str, precision: str,
+                    warnings: tuple[str, ...] = ()) -> Plan:
+    """Every op whole on every rank of a ``tp`` mesh over the cluster: what the splits start from."""
+    mesh = Mesh((("tp", cluster.world_size),))
+    strategies, inputs = data_parallel_layout(graph, mesh)
+    return unsimulated_plan(graph, cluster, spec, model_name, mesh, strategies, inputs, precision=precision,
+                            warnings=warnings, label="accpar")
+
+
+def linear_nodes(graph: OpGraph) -> dict[str, object]:
+    """The linear op of each splittable layer, by module path."""
+    dims = split_dimensions(graph)
+    return {node.module: node for node in graph.nodes if node.op == "aten.linear.default" and node.module in dims}
+
+
+def memory_fractions(plan: Plan, graph: OpGraph) -> tuple[float, ...]:
+    """Per rank, the fraction (at most 1) of the splittable layers' weights, gradients and
+    optimizer states its memory holds beside everything else of the simulated ``plan``."""
+    per_element = sum(PARAM_BYTES[plan.precision])
+    layers = linear_nodes(graph)
+    states = sum(math.prod(graph.parameters[param].shape) for node in layers.values() for param in node.params)
+    states *= per_element
+    rest = plan.estimate.memory.total - states
+    return tuple(1.0 if states <= 0 else max(0.0, min(1.0, (device.memory_bytes - rest) / states))
+                 for device in rank_devices(plan.cluster))
+
+
+def _even_shares(dim: int, ranks: int) -> tuple[int, ...]:
+    return tuple(dim // ranks + (1 if r < dim % ranks else 0) for r in range(ranks))
+
+
+def choose_splits(plan: Plan, graph: OpGraph, even: bool = False) -> tuple[LayerSplit, ...]:
+    """Each splittable layer's kind and shares (module docstring); empty when none fits."""
+    fractions = memory_fractions(plan, graph)
+    ranks = plan.cluster.world_size
+    solved: dict[tuple, tuple[str, tuple[int, ...]] | None] = {}
+    splits = []
+    for module, node in linear_nodes(graph).items():
+        key = (tuple(meta.shape for meta in node.input_meta), len(node.params))
+        if key not in solved:
+            options = []
+            for kind in KINDS:
+                dim = split_dimension(node, kind)
+                if kind == "batch":
+                    caps = tuple(dim if f >= 1.0 else 0 for f in fractions)
+                else:
+                    caps = tuple(int(math.floor(f * dim)) for f in fractions)
+                options.append(layer_terms(node, kind, plan.cluster, plan.precision, caps))
+            solved[key] = _even_split(options, ranks) if even else _best_split(options)
+        if solved[key] is not None:
+            splits.append(LayerSplit(module, *solved[key]))
+    return tuple(splits)
+
+
+def _best_split(options: list[KindTerms]) -> tuple[str, tuple[int, ...]] | None:
+    choice = best_layer_split(options)
+    return None if choice is None else (choice.kind, choice.shares)
+
+
+def _even_split(options: list[KindTerms], ranks: int) -> tuple[str, tuple[int, ...]] | None:
+    """The kind of least modelled seconds with even shares (within the caps), or None."""
+    fitting = []
+    for terms in options:
+        shares = _even_shares(terms.dim, ranks)
+        if terms.dim >= ranks and all(share <= cap for share, cap in zip(shares, terms.caps)):
+            fitting.append((layer_objective(terms, shares), KINDS.index(terms.kind), terms.kind, shares))
+    return min(fitting)[2:] if fitting else None
+
+
+def busy_seconds(plan: Plan, graph: OpGraph, splits: tuple[LayerSplit, ...]) -> tuple[float, ...]:
+    """Each rank's forward and backward compute seconds: its share of each split layer on its
+    device, every other op whole."""
+    devices = rank_devices(plan.cluster)
+    by_module = {split.module: split for split in splits}
+    busy = [0.0] * len(devices)
+    whole: dict = {}
+    for node in graph.nodes:
+        split = by_module.get(node.module) if node.op == "aten.linear.default" else None
+        if split is not None:
+            for rank, (forward, backward) in enumerate(rank_seconds(node, split.kind, split.shares, devices,
+                                                                     plan.precision)):
+                busy[rank] += forward + backward
+            continue
+        for rank, device in enumerate(devices):
+            if (node.name, device) not in whole:
+                whole[(node.name, device)] = sum(op_times(node, 1.0, device, plan.precision))
+            busy[rank] += whole[(node.name, device)]
+    return tuple(busy)
+
+
+def uneven_tp_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str, precision: str,
+                   warnings: tuple[str, ...] = (), even: bool = False) -> Plan | None:
+    """The simulated uneven tensor-parallel plan of ``graph`` on ``cluster`` (module
+    docstring), or None when no layer can be split."""
+    base = simulated(replicated_plan(graph, cluster, spec, model_name, precision, warnings), graph)
+    splits = choose_splits(base, graph, even)
+    if not splits:
+        return None
+    section = UnevenTpSection(splits, busy_s=busy_seconds(base, graph, splits))
+    return simulated(dataclasses.replace(base, sections={FAMILY: section}), graph)
+
+
+def uneven_tp_candidates(context: SearchContext) -> list[Plan]:
+    """The candidates part of the ``uneven-tp`` family (``planner.families``): on a cluster of
+    two or more kinds of device, the uneven tensor-parallel plan, when ``--family`` names
+    the family or no plan found so far fits on every device; none on one kind of device,
+    with ``--tp-layouts summa``, for a model whose samples mix, or when the constraints
+    leave the family out or fix a mesh it does not have."""
+    if (context.whole_batch_only or context.summa_only or not context.constraints.allows_family(FAMILY)
+            or len(device_groups(context.cluster)) < 2
+            or not context.constraints.allows_sizes({"tp": context.cluster.world_size})):
+        return []
+    asked = context.constraints.families is not None
+    if not asked and any(plan.estimate.fits and plan.world_size == context.cluster.world_size
+                         for plan in context.found):
+        # Data parallelism already uses every device: splitting layers is the user's call
+        # (--family uneven-tp), not worth a search's time (a 16-GPU model's splits take
+        # tens of seconds to choose).
+        return []
+    plan = uneven_tp_plan(context.graph, context.cluster, context.spec, context.model_name, context.precision,
+                          context.warnings)
+    return [] if plan is None else [plan]
+

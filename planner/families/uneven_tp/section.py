@@ -1,0 +1,202 @@
+"""The uneven tensor-parallel section of a plan (ACCPAR): for each linear layer, how it is split
+over the ranks and how much of it each rank takes.
+
+A plan with this section runs every op on every rank of a ``tp`` mesh alike (activations
+replicated) except the linear layers it names. Each of those is split one of three ways
+(Song et al., "AccPar", HPCA 2020, section III: the complete partition space of a layer),
+each rank taking ``shares[r]`` of the split dimension, in proportion to its device's speed:
+
+- ``batch``: the input's rows (dim 0); the weight whole on every rank, its gradient summed.
+- ``column``: the output features (the weight's rows): each rank computes its columns of
+  the output, which are gathered.
+- ``row``: the input features (the weight's columns): each rank multiplies its slice of the
+  input and the partial outputs are summed.
+
+Stored under the plan JSON key ``"uneven-tp"`` as ``{"layers": [{"module": "blocks.0.mlp.c_fc",
+"kind": "column", "shares": [96, 96, 32, 32]}, ...], "busy_s": [...]}`` (``busy_s``: each
+rank's predicted compute seconds, for the report; empty when not simulated).
+
+Vocabulary layer: imports only the planner's vocabulary.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from planner.cluster import MAX_RANKS
+from planner.errors import PlanFileError, one_line
+
+if TYPE_CHECKING:
+    from planner.plans import Plan
+
+JSON_KEY = "uneven-tp"
+KINDS = ("batch", "column", "row")
+LAYER_KEYS = ("module", "kind", "shares")
+KEYS = ("layers", "busy_s")
+MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """One linear layer's split: the module path, the partition ``kind`` (``KINDS``) and each
+    rank's share of the split dimension (rank 0 the first slice).
+
+    Raises:
+        ValueError: a malformed field; one line naming it.
+    """
+
+    module: str
+    kind: str
+    shares: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.module, str) or len(self.module) > 200 or not MODULE_PATH.fullmatch(self.module):
+            raise ValueError(f"field '{JSON_KEY}.layers[].module' must be a module path such as 'blocks.0.mlp.c_fc', "
+                             f"got {_shown(self.module)}")
+        if self.kind not in KINDS:
+            raise ValueError(f"field '{JSON_KEY}.layers[].kind' must be one of {', '.join(KINDS)}, "
+                             f"got {_shown(self.kind)}")
+        shares = tuple(self.shares) if isinstance(self.shares, (list, tuple)) else self.shares
+        if not isinstance(shares, tuple) or not 2 <= len(shares) <= MAX_RANKS or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shares
+        ):
+            raise ValueError(f"field '{JSON_KEY}.layers[].shares' of {self.module} must be a list of 2 or more "
+                             f"positive integers (one per tp rank), got {_shown(self.shares)}")
+        object.__setattr__(self, "shares", shares)
+
+    def offsets(self) -> tuple[int, ...]:
+        """The first index of each rank's slice of the split dimension."""
+        return tuple(sum(self.shares[:rank]) for rank in range(len(self.shares)))
+
+
+@dataclass(frozen=True)
+class UnevenTpSection:
+    """The split of each named linear layer (``LayerSplit``), and each rank's predicted
+    compute seconds (empty: not simulated).
+
+    Raises:
+        ValueError: no layer, a layer named twice, or ``busy_s`` malformed; one line.
+    """
+
+    layers: tuple[LayerSplit, ...]
+    busy_s: tuple[float, ...] = ()
+    # Node costs read the splits (costs.py): the simulator's node-cost cache keys on the section.
+    changes_op_costs: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        layers = tuple(self.layers) if isinstance(self.layers, (list, tuple)) else self.layers
+        if not isinstance(layers, tuple) or not layers or not all(isinstance(layer, LayerSplit) for layer in layers):
+            raise ValueError(f"field '{JSON_KEY}.layers' must list one split per linear layer, got {_shown(layers)}")
+        modules = [layer.module for layer in layers]
+        twice = sorted({module for module in modules if modules.count(module) > 1})
+        if twice:
+            raise ValueError(f"field '{JSON_KEY}.layers' names {twice[0]!r} twice; give each layer one split")
+        ranks = {len(layer.shares) for layer in layers}
+        if len(ranks) != 1:
+            raise ValueError(f"field '{JSON_KEY}.layers' gives different numbers of shares ({sorted(ranks)}); "
+                             f"give one share per tp rank to every layer")
+        busy = tuple(self.busy_s)
+        if busy and (len(busy) != len(layers[0].shares) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf") for v in busy
+        )):
+            raise ValueError(f"field '{JSON_KEY}.busy_s' must be empty or one finite non-negative number per rank, "
+                             f"got {_shown(busy)}; drop it and simulate the plan again")
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "busy_s", tuple(float(v) for v in busy))
+
+    def check(self, plan: "Plan") -> None:
+        """Raise ``ValueError`` (one line naming the field and the fix) unless this section
+        fits ``plan``: a mesh of ``tp`` alone with one share per rank, every op replicated,
+        no pipeline, expert layouts, accumulation or other section; every layer a linear
+        module of the traced model whose split dimension the shares add up to."""
+        if (plan.mesh.names != ("tp",) or plan.pipeline is not None or plan.expert_layouts
+                or plan.accumulation_steps != 1 or set(plan.sections) - {JSON_KEY}):
+            raise ValueError(f"field '{JSON_KEY}' needs a plan on a mesh of tp alone, without pipeline, expert "
+                             f"layouts, gradient accumulation or other sections, but the plan is {plan.name}; "
+                             f"drop the uneven-tp section")
+        tp = plan.mesh.axis_size("tp")
+        if len(self.layers[0].shares) != tp:
+            raise ValueError(f"field '{JSON_KEY}.layers' has {len(self.layers[0].shares)} shares per layer for "
+                             f"tp={tp} ranks; give one per rank")
+        if plan.graph is None:
+            return
+        dims = split_dimensions(plan.graph)
+        for layer in self.layers:
+            if layer.module not in dims:
+                raise ValueError(f"field '{JSON_KEY}.layers' names {layer.module!r}, which is not a linear layer "
+                                 f"of the traced model; re-plan")
+            wanted = dims[layer.module][layer.kind]
+            if sum(layer.shares) != wanted:
+                raise ValueError(f"field '{JSON_KEY}.layers' gives {layer.module!r} ({layer.kind}) shares summing "
+                                 f"to {sum(layer.shares)}, not its {wanted}; make them add up to {wanted}")
+
+    def layer(self, module: str) -> LayerSplit | None:
+        """The split of ``module``, or None when it runs whole on every rank."""
+        return next((layer for layer in self.layers if layer.module == module), None)
+
+    def describe(self, plan: "Plan") -> str:
+        """The words this section adds to the plan's name: ``"uneven tp 3 column, 2 row"``."""
+        counts = [f"{sum(layer.kind == kind for layer in self.layers)} {kind}" for kind in KINDS
+                  if any(layer.kind == kind for layer in self.layers)]
+        return f"uneven tp {', '.join(counts)}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form stored under the plan's ``"uneven-tp"`` key."""
+        return {"layers": [{"module": layer.module, "kind": layer.kind, "shares": list(layer.shares)}
+                           for layer in self.layers], "busy_s": list(self.busy_s)}
+
+    @classmethod
+    def from_json(cls, data: Any, source: str) -> "UnevenTpSection":
+        """The section stored under a plan file's ``"uneven-tp"`` key, every field checked.
+
+        Raises:
+            PlanFileError: one line naming ``source`` and the malformed field.
+        """
+        if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
+            raise PlanFileError(f"{source}: field '{JSON_KEY}' must be a JSON object with a list 'layers', "
+                                f"got {_shown(data)}")
+        unknown = [key for key in data if key not in KEYS]
+        if unknown:
+            raise PlanFileError(f"{source}: field '{JSON_KEY}' has an unknown key {_shown(unknown[0])}; "
+                                f"its keys are {', '.join(KEYS)}")
+        if not isinstance(data.get("busy_s", []), list):
+            raise PlanFileError(f"{source}: field '{JSON_KEY}.busy_s' must be a list")
+        try:
+            layers = []
+            for entry in data["layers"]:
+                if not isinstance(entry, dict) or sorted(entry) != sorted(LAYER_KEYS):
+                    raise ValueError(f"field '{JSON_KEY}.layers[]' must be an object with keys "
+                                     f"{', '.join(LAYER_KEYS)}, got {_shown(entry)}")
+                if not isinstance(entry["shares"], list):
+                    raise ValueError(f"field '{JSON_KEY}.layers[].shares' must be a list, got {_shown(entry['shares'])}")
+                layers.append(LayerSplit(entry["module"], entry["kind"], tuple(entry["shares"])))
+            return cls(tuple(layers), tuple(data.get("busy_s", ())))
+        except ValueError as error:
+            raise PlanFileError(f"{source}: {error}") from None
+
+
+def split_dimensions(graph) -> dict[str, dict[str, int]]:
+    """For every ``nn.Linear`` of the traced graph (an ``aten.linear`` op reading its module's
+    weight, of a 2-D weight, the only op reading it): the size of the dimension each kind
+    splits: ``batch`` the input's dim 0, ``column`` the output features, ``row`` the input
+    features. Layers whose weight another op also reads (tied embeddings) are left out."""
+    readers: dict[str, int] = {}
+    for node in graph.nodes:
+        for param in node.params:
+            readers[param] = readers.get(param, 0) + 1
+    dims = {}
+    for node in graph.nodes:
+        weight = f"{node.module}.weight"
+        if (node.op == "aten.linear.default" and node.module_type == "Linear" and node.params[:1] == (weight,)
+                and readers.get(weight) == 1 and len(node.input_meta) >= 2 and len(node.input_meta[1].shape) == 2
+                and len(node.input_meta[0].shape) >= 2 and node.module not in dims):
+            out_features, in_features = node.input_meta[1].shape
+            dims[node.module] = {"batch": node.input_meta[0].shape[0], "column": out_features, "row": in_features}
+    return dims
+
+
+def _shown(value: Any) -> str:
+    """``value`` as a message quotes it: one line, at most 40 characters."""
+    return one_line(repr(value))[:40]
