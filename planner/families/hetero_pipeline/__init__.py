@@ -21,7 +21,7 @@ from planner.families.hetero_pipeline.section import JSON_KEY, HeteroStagesSecti
 
 FAMILIES = (
     Family(
-        JSON_KEY, "pipeline stages on device groups of different types, blocks by speed (mixed GPUs)",
+        JSON_KEY, "pipeline stages per device type, blocks by speed (mixed GPUs)",
         lambda plan: JSON_KEY in plan.sections, axes=(), refines=("pipeline",), section=HeteroStagesSection,
         candidates="planner.families.hetero_pipeline.candidates:hetero_pipeline_candidates", search_order=52,
         costs="planner.families.hetero_pipeline.costs:StageDeviceStep",
