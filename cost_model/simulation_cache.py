@@ -49,6 +49,9 @@ class GraphFacts:
     # keeps those objects alive, so an identity is not reused): a search asks for the same
     # layout objects in plan after plan, and hashing a layout of 256 experts by value is slow.
     moe_layers_by_identity: dict[tuple, tuple] = field(default_factory=dict)
+    # The module-independent part of a layer's pricing, by the layer's shape and layout
+    # without its module (``cost_model.moe_layers``): identical layers share it.
+    moe_layer_prices: dict[tuple, tuple] = field(default_factory=dict)
     segment_members: object = None  # cost_model.segments.segment_members of the graph, once asked
 
 
