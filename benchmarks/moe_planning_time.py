@@ -66,6 +66,9 @@ def plan_once(options, cluster: str) -> None:
     estimate = plan.estimate
     print(f"chosen: {plan.name}; predicted step {estimate.step_time_s:.3f} s, MFU {estimate.mfu:.1%}, "
           f"{estimate.memory.total / 2**30:.1f} GiB on the fullest GPU ({'fits' if estimate.fits else 'does not fit'})")
+    print(f"  step parts: compute {estimate.compute_s:.2f} s on the busiest GPU (recomputation included), "
+          f"exposed communication {estimate.communication_s:.2f} s, pipeline bubble {estimate.bubble_fraction:.1%}; "
+          + ", ".join(f"{kind} {size / 2**30:.1f} GiB" for kind, size in vars(estimate.memory).items() if size))
     print(f"  layout:    {layout_text(plan)}")
     print(f"  published: {PUBLISHED}")
     modes = {}

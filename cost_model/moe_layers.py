@@ -289,7 +289,6 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
     """One layer of ``laid_out_layers``."""
     blocks = {block.module: block for block in graph.moe_blocks}
     group = expert_group(plan.mesh, layout.axis)
-    world = len(group)
     block = blocks.get(layout.module)
     if block is None:
         raise ValueError(f"expert layout for {layout.module!r}, which is not an MoE layer of the traced model")
@@ -304,6 +303,46 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
     if not experts:
         raise ValueError(f"MoE layer {block.module!r}: no traced op of its experts ({owner!r})")
     tokens = layer_tokens(graph, block)
+    # Layers of one shape priced with equal layouts cost the same (nothing below reads the
+    # module): DeepSeek-V3's 58 MoE layers are priced once per layout, not 58 times.
+    shape = (dataclasses.replace(block, module=""), tokens, _layout_without_module(layout), plan.cluster,
+             plan.precision, plan.mesh, group, micro_batches, folding_of(plan))
+    priced = graph_facts(graph).moe_layer_prices
+    if shape not in priced:
+        priced[shape] = _priced(block, layout, tokens, plan, group, micro_batches)
+    cost, activations, replica_sync, buffers, fraction, synced, sharding, routing_sync = priced[shape]
+    return LaidOutLayer(
+        block=block,
+        layout=layout,
+        cost=cost,
+        nodes=frozenset(node.name for node in nodes),
+        expert_nodes=frozenset(experts),
+        anchor=experts[0],
+        expert_weights=tuple(f"{block.module}.{name}" for name in block.expert_weights),
+        param_fraction=fraction,
+        gradients_synced=synced,
+        replica_sync_s=replica_sync,
+        copy_gather_s=sharding.gather_s,
+        copy_reduce_s=sharding.reduce_s,
+        copy_sent_bytes=sharding.sent_bytes,
+        gathered_bytes=sharding.gathered_bytes,
+        routing_sync_s=routing_sync,
+        activation_bytes=activations,
+        buffer_bytes=buffers,
+    )
+
+
+def _layout_without_module(layout: ExpertLayout) -> tuple:
+    """What prices a layout, its module and cost annotation aside."""
+    return (layout.mode, layout.experts, layout.top_k, layout.capacity_factor, layout.axis, layout.all_to_all,
+            layout.placement, layout.routing, layout.expert_loads, layout.sharded_copies, layout.tensor_parallel)
+
+
+def _priced(block: MoEBlock, layout: ExpertLayout, tokens: int, plan, group: tuple, micro_batches: int) -> tuple:
+    """The module-independent figures of ``_laid_out``: (cost, activation bytes, copies'
+    gradient sum, dispatch buffer bytes, parameter share, whether gradients are synced over
+    dp, the sharded copies' costs, the routing all-gather)."""
+    world = len(group)
     element = element_bytes(plan.precision)
     folding = folding_of(plan)
     if folding is not None:  # EP x ETP folded over dp x tp (cost_model.moe_folding)
@@ -321,25 +360,8 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
         buffers = dispatch_buffer_bytes(block, layout, cost, tokens // micro_batches, world, plan.precision)
     fraction, synced = param_share(layout, world)
     sharding = copy_shard_costs(block, layout, plan.cluster, plan.precision)
-    return LaidOutLayer(
-        block=block,
-        layout=layout,
-        cost=cost,
-        nodes=frozenset(node.name for node in nodes),
-        expert_nodes=frozenset(experts),
-        anchor=experts[0],
-        expert_weights=tuple(f"{block.module}.{name}" for name in block.expert_weights),
-        param_fraction=fraction,
-        gradients_synced=synced,
-        replica_sync_s=replica_sync,
-        copy_gather_s=sharding.gather_s,
-        copy_reduce_s=sharding.reduce_s,
-        copy_sent_bytes=sharding.sent_bytes,
-        gathered_bytes=sharding.gathered_bytes,
-        routing_sync_s=routing_sync_time(block, plan.cluster, group),
-        activation_bytes=activations,
-        buffer_bytes=buffers,
-    )
+    return (cost, activations, replica_sync, buffers, fraction, synced, sharding,
+            routing_sync_time(block, plan.cluster, group))
 
 
 def annotated_layouts(layouts, layers: dict[str, LaidOutLayer], micro_batches: int) -> tuple[ExpertLayout, ...]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from planner.graph import OpGraph, OpNode
 from planner.program_shape import is_data_parallel
+from planner.strategy import ExpertLayout
 
 
 @dataclass
@@ -48,6 +49,9 @@ class GraphFacts:
     # keeps those objects alive, so an identity is not reused): a search asks for the same
     # layout objects in plan after plan, and hashing a layout of 256 experts by value is slow.
     moe_layers_by_identity: dict[tuple, tuple] = field(default_factory=dict)
+    # The module-independent part of a layer's pricing, by the layer's shape and layout
+    # without its module (``cost_model.moe_layers``): identical layers share it.
+    moe_layer_prices: dict[tuple, tuple] = field(default_factory=dict)
     segment_members: object = None  # cost_model.segments.segment_members of the graph, once asked
 
 
@@ -125,14 +129,17 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
     (``changes_op_costs``). Placements are compared by identity
     (a variant made with ``dataclasses.replace`` shares them; hashing thousands of placements
     by value costs more than costing the nodes); the entry keeps those objects alive, so an
-    identity cannot be reused by another object."""
+    identity cannot be reused by another object. The strategies' part and each layout's
+    part are made and hashed once per object (``HashedOnce``): a search of a 61-layer MoE
+    model asks for the key of plans sharing one strategies tuple hundreds of times, and
+    hashing its entry per op on every lookup took about a tenth of the search (cProfile)."""
     return (
         id(graph), id(graph_facts(graph)), id(plan.cluster), plan.mesh, plan.precision, micro_batches,
         is_data_parallel(plan),  # graph programs pay DTensor's per-op dispatch (planner.cluster)
         plan.fused_splits_local,  # splits of fused projections gather or not (cost_model.split_gather)
         plan.tp_comm_overlap,  # sequence-parallel collectives hidden behind GEMMs (cost_model.tp_comm_overlap)
         plan.moe_a2a_overlap,  # all-to-alls under another micro-batch's compute (cost_model.moe_overlap)
-        tuple((s.node, id(s.inputs), id(s.outputs), id(s.params), id(s.produced), s.stage) for s in plan.strategies),
+        _strategies_part(plan.strategies),
         # Family sections that change what each op costs (layer separation's per-group shares,
         # uneven data-parallel shares): ``changes_op_costs``.
         tuple(section for section in plan.sections.values() if getattr(section, "changes_op_costs", False)),
@@ -140,9 +147,59 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
         getattr(plan, "sections", {}).get("moe-folding"),
         # MoE layers are priced by their layouts (their cost annotation aside). Last: what
         # ``same_but_layouts`` leaves out.
-        tuple(
-            (layout.module, layout.mode, layout.capacity_factor, layout.axis, layout.all_to_all, layout.placement,
-             layout.expert_loads, layout.sharded_copies, layout.tensor_parallel)
-            for layout in getattr(plan, "expert_layouts", ())
-        ),
+        tuple(_layout_part(layout) for layout in getattr(plan, "expert_layouts", ())),
     )
+
+
+class HashedOnce:
+    """A tuple that computes its hash once, equal to another ``HashedOnce`` of an equal
+    tuple (compared only when the hashes agree). Indexing reads the tuple."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: tuple) -> None:
+        self.value = value
+        self._hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, HashedOnce):
+            return NotImplemented
+        return self.value is other.value or (self._hash == other._hash and self.value == other.value)
+
+    def __getitem__(self, index):
+        return self.value[index]
+
+
+# id(object) -> (the object, its key part): each entry keeps its object alive, so the id is
+# not reused while the entry stays. Bounded: the oldest entries leave first.
+_PARTS: dict[int, tuple[object, HashedOnce]] = {}
+_PARTS_SIZE = 4096
+
+
+def _part_of(value: object, make) -> HashedOnce:
+    if not isinstance(value, (tuple, ExpertLayout)):
+        return HashedOnce(make(value))  # a mutable container may change under the same identity
+    known = _PARTS.get(id(value))
+    if known is not None and known[0] is value:
+        return known[1]
+    part = HashedOnce(make(value))
+    _PARTS[id(value)] = (value, part)
+    while len(_PARTS) > _PARTS_SIZE:
+        del _PARTS[next(iter(_PARTS))]
+    return part
+
+
+def _strategies_part(strategies: tuple) -> HashedOnce:
+    """Each node's placements (by identity), parameters and stage."""
+    return _part_of(strategies, lambda all_: tuple(
+        (s.node, id(s.inputs), id(s.outputs), id(s.params), id(s.produced), s.stage) for s in all_))
+
+
+def _layout_part(layout) -> HashedOnce:
+    """What prices one MoE layer: ``(module, mode, capacity factor, axis, all-to-all,
+    placement, loads, sharded copies, tensor parallel)``."""
+    return _part_of(layout, lambda l: (l.module, l.mode, l.capacity_factor, l.axis, l.all_to_all, l.placement,
+                                      l.expert_loads, l.sharded_copies, l.tensor_parallel))

@@ -261,3 +261,25 @@ def test_accumulation_routes_and_prices_each_micro_batch(model):
     cost = simulated(plan, graph).expert_layouts[0].cost
     assert cost.compute_s == pytest.approx(2 * 3 * 80 * COPY_FLOPS / 1e12)
     assert cost.communication_s == pytest.approx(2 * (4 * one + counts))
+
+
+def test_identical_layers_share_one_pricing_and_other_loads_do_not(model):
+    """Both MoE layers have one shape: with equal layouts they are priced once (the same
+    cost object, each with its own ops); a layer with other loads is priced on its own."""
+    import dataclasses
+
+    from cost_model.simulation_cache import graph_facts
+
+    graph, base = model
+    prices = graph_facts(graph).moe_layer_prices
+    placement = ExpertPlacement.round_robin(4, 4)
+    before = len(prices)
+    layers = Simulator(plan_with(model, "expert_parallel", placement, (0.4, 0.3, 0.2, 0.1)), graph).context.moe_layers
+    assert len(prices) == before + 1
+    first, second = layers["blocks.0.moe"], layers["blocks.1.moe"]
+    assert first.cost is second.cost and first.anchor != second.anchor and not first.nodes & second.nodes
+    skewed = (layouts("expert_parallel", placement, (0.4, 0.3, 0.2, 0.1))[0],
+              layouts("expert_parallel", placement, (0.1, 0.2, 0.3, 0.4))[1])
+    layers = Simulator(dataclasses.replace(base, expert_layouts=skewed), graph).context.moe_layers
+    assert len(prices) == before + 2 and layers["blocks.0.moe"].cost is first.cost
+    assert layers["blocks.1.moe"].cost is not first.cost
