@@ -25,6 +25,14 @@ from planner.constraints import ConstraintError, SearchConstraints
 from planner.errors import ArgumentError, ClusterError, PlanningError, SpecError
 from planner.expert_layouts import COMPILED_ALL_TO_ALLS, MOE_DISPATCHES
 from planner.fingerprint import example_batch_size
+from planner.model_checks import (
+    check_no_empty_inputs,
+    check_trainable,
+    model_warnings,
+    split_inputs,
+    uncounted_op_warnings,
+    unknown_op_warnings,
+)
 from planner.model_spec import ModelSpec, announce_import
 from planner.opaque_backward import describe as describe_opaque_backward
 from planner.outputs import check_program_folder
@@ -350,7 +358,7 @@ def prepare_model(model, cluster, example_inputs=None, spec=None, on_progress=No
             )
         if example_inputs is None:
             raise SpecError("example_inputs (one global batch) are needed when planning an nn.Module")
-        args, kwargs = _split_inputs(example_inputs)
+        args, kwargs = split_inputs(example_inputs)
         if isinstance(spec, os.PathLike):
             spec = os.fspath(spec)
         if isinstance(spec, str):
@@ -360,7 +368,7 @@ def prepare_model(model, cluster, example_inputs=None, spec=None, on_progress=No
                 f"spec must be a model spec string ('file.py:build') or a ModelSpec, got {type(spec).__name__}"
             )
         spec = spec.resolved() if spec is not None else None
-    _check_trainable(model)
+    check_trainable(model)
     batch = example_batch_size(args, kwargs)
     if batch is None:
         shown = ", ".join(type(value).__name__ for value in (*args, *kwargs.values())) or "nothing"
@@ -373,9 +381,11 @@ def prepare_model(model, cluster, example_inputs=None, spec=None, on_progress=No
             "the example batch is empty (dim 0 of the first tensor input is 0); give one global batch of at least "
             "one sample per device, e.g. --set batch_size=8"
         )
-    _check_no_empty_inputs(args, kwargs)
+    check_no_empty_inputs(args, kwargs)
     graph = trace(model, args, kwargs, on_progress=on_progress)
-    graph.warnings = _model_warnings(model) + _unknown_op_warnings(graph) + _uncounted_op_warnings(graph)
+    from search.rules import unknown_ops  # imported where used, as plan() imports search
+
+    graph.warnings = model_warnings(model) + unknown_op_warnings(unknown_ops(graph)) + uncounted_op_warnings(graph)
     return graph, spec, type(model).__name__, cluster
 
 
@@ -546,82 +556,3 @@ def _cluster_argument(cluster: Any) -> Cluster:
         f"cluster must be a Cluster, a preset such as 'cpu:1x2' or 'dgx-a100-80g:2', or the path of a cluster "
         f"file, got {type(cluster).__name__}"
     )
-
-
-def _check_trainable(model: torch.nn.Module) -> None:
-    """A training planner needs something to train."""
-    parameters = list(model.parameters())
-    if not any(parameter.requires_grad and parameter.numel() > 0 for parameter in parameters):
-        has = (
-            "it has none" if not parameters
-            else f"its {len(parameters)} parameter(s) all have requires_grad=False or no elements"
-        )
-        raise PlanningError(
-            f"the model has no parameters to train ({type(model).__name__}: {has}); soap-planner plans training, "
-            f"so give the model at least one trainable parameter"
-        )
-
-
-def _check_no_empty_inputs(args: tuple, kwargs: dict) -> None:
-    """An example input with a dimension of size 0 (e.g. ``--set seq_len=0``) would plan a
-    step that computes nothing."""
-    from torch.utils._pytree import keystr, tree_flatten_with_path
-
-    for kind, tree in (("positional input", tuple(args)), ("keyword input", dict(kwargs))):
-        for path, value in tree_flatten_with_path(tree)[0]:
-            if isinstance(value, torch.Tensor) and value.numel() == 0:
-                raise PlanningError(
-                    f"example {kind} {keystr(path)} is empty (shape {tuple(value.shape)}); every input of the "
-                    f"example batch needs at least one element per dimension, e.g. a positive seq_len"
-                )
-
-
-def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
-
-
-def _unknown_op_warnings(graph) -> list[str]:
-    """One warning naming the ops that have no sharding rule (they run whole on every rank)."""
-    from search.rules import unknown_ops
-
-    unknown = unknown_ops(graph)
-    if not unknown:
-        return []
-    return [
-        f"{sum(unknown.values())} op(s) have no sharding rule, so plans other than data parallelism run them "
-        f"whole on every rank: {_listed(unknown)}; rules live in search/rules/"
-    ]
-
-
-def _listed(counts: dict[str, int]) -> str:
-    """Ops with their node counts, for a warning: ``topk.default (2 nodes), ...``."""
-    return ", ".join(f"{op.removeprefix('aten.')} ({count} node{'s' if count > 1 else ''})" for op, count in counts.items())
-
-
-def _uncounted_op_warnings(graph) -> list[str]:
-    """One warning naming the custom ops counted at 0 FLOPs (``planner.flop_formulas``)."""
-    from planner.flop_formulas import uncounted_custom_ops
-
-    uncounted = uncounted_custom_ops(graph)
-    if not uncounted:
-        return []
-    return [
-        f"custom op(s) with no FLOP formula are priced by the bytes they move only: {_listed(uncounted)}; if they multiply "
-        f"matrices, register a formula with torch.utils.flop_counter.register_flop_formula before planning"
-    ]
-
-
-def _model_warnings(model: torch.nn.Module) -> list[str]:
-    notes = []
-    batch_norms = [name for name, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    if batch_norms:
-        notes.append(
-            f"{len(batch_norms)} BatchNorm layer(s) (first: '{batch_norms[0]}'): compiled data-parallel programs "
-            f"all-reduce their batch statistics over dp to match one device (two small all-reduces per layer and "
-            f"pass, not in the simulated step time)"
-        )
-    return notes
