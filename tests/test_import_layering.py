@@ -18,7 +18,7 @@ codegen.*              planner vocabulary, codegen (never search, never cost_mod
 (and a family's
 ``emit.py``,
 ``runtime.py``)
-planner API            anything: ``planner.api``, ``planner.cli``, ``planner.__main__``,
+planner API            anything: ``planner.api``, ``planner.cli`` (its grammar: ``planner.cli_parser``), ``planner.__main__``,
                        ``planner.compare`` (``compare``/``calibrate``, over the cost
                        model's calibration) and ``planner.baselines`` (Megatron's and
                        the data-parallel layouts, built by search) and
@@ -45,7 +45,7 @@ import networkx as nx
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("planner", "cost_model", "search", "codegen")
 PLANNER_API = frozenset({
-    "planner.api", "planner.cli", "planner.__main__", "planner.compare", "planner.baselines", "planner.colocation",
+    "planner.api", "planner.cli", "planner.cli_parser", "planner.__main__", "planner.compare", "planner.baselines", "planner.colocation",
 })
 ALLOWED = {  # layer -> the layers it may import
     "vocabulary": {"vocabulary"},
