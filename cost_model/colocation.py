@@ -24,7 +24,7 @@ alternately) read as list scheduling. The model, stated so a reader can check it
   * That greedy rule can lose: a job's short task that gates its next step (its optimizer,
     ready just after its all-reduce) waits behind the other job's long compute that was
     ready a moment earlier, and the round grows past the compute both jobs need (two
-    ResNet-50 jobs on 16 V100s: 64.7 ms at 100 Gb/s against 55.3 ms at 25 Gb/s). So two
+    ResNet-50 jobs on 16 V100s gave 64.7 ms at 100 Gb/s, 55.3 ms at 25 Gb/s). So two
     more orders are scheduled and the shortest steady round kept, as a co-located program
     could pick its order: by phase (the order ``compile --colocate``'s program runs the
     jobs' halves in: A computes, B finishes, B computes, A finishes, ...) and one after the
