@@ -238,7 +238,7 @@ def test_a_job_on_one_simulated_device_fills_every_slot():
                 TimelineEvent("stage 1", "compute", "F stage 1", 1.0, 1.0))
     # (The crossover order on its own; its steady round is 4: P, ready first, runs all its
     # steps ahead of B's, which queue up behind. The order by phase runs each slot's P step
-    # then B step, 1 + 2 = 3 s of compute a round, the stream never idle: that is kept.)
+    # then B step, 1 + 2 = 3 s of compute a round, the stream never idle once started: that is kept.)
     shared = colocate_timelines([pipeline, JOB_B], ["P", "B"], overlap_slowdown=0.0, orders=(CROSSOVER,))
     placed = sorted((event.device, event.name, event.start_s) for event in shared.timeline)
     assert placed == [
