@@ -6,8 +6,8 @@ Given saved plans for the same cluster, three arrangements are simulated and com
   * split the cluster: each job re-planned on its share of the devices (half for two jobs),
     the jobs run side by side and the slower bounds a round;
   * co-located (crossover): both jobs' simulated timelines on shared streams, one job's
-    gradient communication under the other's compute (``cost_model.colocation``), with both
-    jobs' states resident on every device.
+    gradient communication under the other's compute, the shortest of a few stream orders
+    (``cost_model.colocation``), with both jobs' states resident on every device.
 
 A round is one step of every job; combined throughput is the steps of all jobs per second
 (jobs x rounds per second). The arrangement with the shortest round that fits in memory wins.

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import planner
-from cost_model.colocation import colocate_timelines
+from cost_model.colocation import CROSSOVER, ONE_AFTER_THE_OTHER, colocate_timelines
 from planner.cli import main
 from planner.cluster_edits import with_memory
 from planner.colocation import COLOCATED, SEQUENTIAL, SPLIT
@@ -77,6 +77,47 @@ def test_compute_beside_the_other_jobs_communication_is_slowed():
     assert shared.round_s == pytest.approx(7.5)
     alone = colocate_timelines([JOB_A], ["A"], overlap_slowdown=0.5)
     assert alone.round_s == pytest.approx(6.0)
+
+
+def _ddp_step(all_reduce_s: float) -> tuple[TimelineEvent, ...]:
+    """A data-parallel step alone: forward 0-1 s, backward 1-3, its gradient all-reduce from
+    3 for ``all_reduce_s``, then the optimizer, 0.5 s, once the all-reduce ends."""
+    return (TimelineEvent("stage 0", "compute", "forward", 0.0, 1.0),
+            TimelineEvent("stage 0", "compute", "backward", 1.0, 2.0),
+            TimelineEvent("stage 0", "collective", "all-reduce", 3.0, all_reduce_s),
+            TimelineEvent("stage 0", "compute", "optimizer", 3.0 + all_reduce_s, 0.5))
+
+
+def test_a_faster_network_never_gives_a_slower_round():
+    # Two copies of the step, A listed first. Each round needs 2 x (1 + 2 + 0.5) = 7 s of
+    # compute on the one compute stream: no order does better.
+    # The crossover order alone, all-reduce 1.5 s (three rounds): A 0-3, A's all-reduce 3-4.5,
+    # B's forward 3-4; at 4 B's backward (ready) goes before A's optimizer (ready at 4.5):
+    # 4-6, A's optimizer 6-6.5, B's all-reduce 6-7.5; A's forward 6.5-7.5, backward 7.5-9.5
+    # (B's optimizer, ready at 7.5, ties and yields to A), B's optimizer 9.5-10, forward 10-11,
+    # A's all-reduce 9.5-11. At 11 A's optimizer and B's backward tie, A goes; at 11.5 A's
+    # next forward and B's backward tie, A goes again: A laps B, whose backward waits for
+    # 14.5-16.5, its all-reduce 16.5-18, and B's third step runs alone, ending at 23.5. Two
+    # rounds end at 15.5: a round of 8 s. With a 2 s all-reduce (a slower network) the
+    # ready times fall so that A never laps B: 7 s, the compute bound. Faster network,
+    # slower round: issue 29's anomaly (two ResNet-50 jobs on 16 V100s).
+    fast, slow = _ddp_step(1.5), _ddp_step(2.0)
+    crossover = [colocate_timelines([job, job], ["A", "B"], 0.0, orders=(CROSSOVER,)).round_s for job in (fast, slow)]
+    assert crossover == pytest.approx([8.0, 7.0])
+    # In the order by phase (A computes, B finishes, B computes, A finishes, ...) B's
+    # backward goes before A's optimizer at 11 and each job's optimizer before the other's
+    # next compute: the compute stream is never idle after 0, 7 s a round on either network.
+    shared = [colocate_timelines([job, job], ["A", "B"], 0.0) for job in (fast, slow)]
+    assert [entry.round_s for entry in shared] == pytest.approx([7.0, 7.0])
+    # One after the other, each step whole in turn: 5 s + 5 s alone (1.5 s all-reduce), the
+    # bound no kept order exceeds.
+    turn = colocate_timelines([fast, fast], ["A", "B"], 0.0, orders=(ONE_AFTER_THE_OTHER,))
+    assert (turn.round_s, turn.first_round_s) == pytest.approx((10.0, 10.0))
+
+
+def test_colocate_timelines_rejects_an_unknown_order():
+    with pytest.raises(ValueError, match="orders must be some of"):
+        colocate_timelines([JOB_A, JOB_B], ["A", "B"], 0.0, orders=("fastest",))
 
 
 # ----------------------------------------------------------------- the command
@@ -195,7 +236,10 @@ def test_a_job_on_one_simulated_device_fills_every_slot():
     # The first round ends at 4 (slot 0).
     pipeline = (TimelineEvent("stage 0", "compute", "F stage 0", 0.0, 1.0),
                 TimelineEvent("stage 1", "compute", "F stage 1", 1.0, 1.0))
-    shared = colocate_timelines([pipeline, JOB_B], ["P", "B"], overlap_slowdown=0.0)
+    # (The crossover order on its own; its steady round is 4: P, ready first, runs all its
+    # steps ahead of B's, which queue up behind. The order by phase runs each slot's P step
+    # then B step, 1 + 2 = 3 s of compute a round, the stream never idle once started: that is kept.)
+    shared = colocate_timelines([pipeline, JOB_B], ["P", "B"], overlap_slowdown=0.0, orders=(CROSSOVER,))
     placed = sorted((event.device, event.name, event.start_s) for event in shared.timeline)
     assert placed == [
         ("device 0", "B: all-reduce", 3.0), ("device 0", "B: fwd+bwd", 1.0), ("device 0", "P: F stage 0", 0.0),
@@ -203,6 +247,10 @@ def test_a_job_on_one_simulated_device_fills_every_slot():
     ]
     assert shared.first_round_s == pytest.approx(4.0)
     assert shared.job_finish_s == pytest.approx((3.0, 4.0))
+    assert shared.round_s == pytest.approx(4.0)
+    best = colocate_timelines([pipeline, JOB_B], ["P", "B"], overlap_slowdown=0.0)
+    assert best.round_s == pytest.approx(3.0)
+    assert {event.device for event in best.timeline if event.name.startswith("B:")} == {"device 0", "device 1"}
 
 
 def test_a_pipeline_job_keeps_its_stages_order(plans):
