@@ -7,8 +7,10 @@ of Megatron-Core MoE configurations simulated on the same cluster.
 
 Each model is HuggingFace's implementation built from its configuration on the meta device
 (never downloaded): DeepSeek-V3 is ``AutoConfig.for_model("deepseek_v3")`` as it stands (671B);
-Qwen3-235B-A22B, Mixtral-8x22B and gpt-oss-120b set the published config.json's sizes over
-their type's defaults (``ROWS``). Per row it prints:
+Mixtral-8x22B sets the published config.json's sizes over its type's defaults (``ROWS``),
+gpt-oss-120b is ``AutoConfig.for_model("gpt_oss")`` as it stands (120b's sizes), and
+Qwen3-235B-A22B is built by ``benchmarks/qwen3_235b.py`` from its whole published config
+(its ``head_dim`` is no field an ``hf:`` spec may set). Per row it prints:
 
 - **search**: ``planner.plan`` in bf16 with ``--moe-dispatch overlapped`` (DeepEP's
   all-to-all and the EP overlap priced, as a team running Megatron-Core or DeepSeek's
@@ -34,11 +36,12 @@ import argparse
 import multiprocessing
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import planner
 from planner.api import prepare_model
 from planner.constraints import SearchConstraints
-from planner.errors import PlanningError
+from planner.errors import PlannerError
 from planner.model_spec import ModelSpec
 from search.megatron_moe import GridResult, MegatronMoEConfig, best_of, grid_configs, grid_plan
 
@@ -60,10 +63,9 @@ class Row:
     overrides: dict = field(default_factory=dict)
 
 
-# Qwen/Qwen3-235B-A22B config.json (Hugging Face hub).
-QWEN3_235B = {"hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
-              "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-              "num_experts_per_tok": 8, "vocab_size": 151936}
+# Qwen3-235B-A22B is built by a file factory: its published head_dim (128) is no field of
+# transformers' Qwen3MoeConfig, so an hf:qwen3_moe spec refuses it (benchmarks/qwen3_235b.py).
+QWEN3_235B_FACTORY = str(Path(__file__).with_name("qwen3_235b.py"))
 # mistralai/Mixtral-8x22B-v0.1 config.json.
 MIXTRAL_8X22B = {"hidden_size": 6144, "intermediate_size": 16384, "num_hidden_layers": 56, "num_attention_heads": 48,
                  "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32768}
@@ -76,7 +78,7 @@ ROWS = (
              "every GPU is a dp rank, and 15,360 does not split over 2,048"),
     Row("deepseek-256", "DeepSeek-V3", "hf:deepseek_v3", {}, "dgx-h100:32", 1024, 4096,
         "none published at 256 GPUs (DeepSeek's is " + DEEPSEEK_PUBLISHED.split(";")[0] + " on 2,048 H800s)"),
-    Row("qwen3-256", "Qwen3-235B-A22B", "hf:qwen3_moe", QWEN3_235B, "dgx-h100:32", 1024, 4096,
+    Row("qwen3-256", "Qwen3-235B-A22B", QWEN3_235B_FACTORY, {}, "dgx-h100:32", 1024, 4096,
         "no pre-training layout published by Qwen"),
     Row("mixtral-64", "Mixtral-8x22B", "hf:mixtral", MIXTRAL_8X22B, "dgx-h100:8", 256, 4096,
         "no pre-training layout published by Mistral", quick=True),
@@ -100,7 +102,7 @@ def _search_child(row: Row, queue) -> None:
         plan = planner.plan(row_spec(row), row.cluster, precision="bf16", progress=False, time_budget_s=None,
                             moe_dispatch="overlapped")
         queue.put(("plan", _plan_summary(plan)))
-    except PlanningError as error:
+    except PlannerError as error:  # refused: the search's one-line message
         queue.put(("refused", str(error)))
 
 
@@ -144,7 +146,7 @@ def constrained_search(row: Row):
         try:
             return planner.plan(row_spec(row), row.cluster, precision="bf16", progress=False, time_budget_s=None,
                                 constraints=SearchConstraints(mesh=mesh))
-        except PlanningError:
+        except PlannerError:
             return None
     return plan_for
 
@@ -220,7 +222,7 @@ def main() -> None:
         search = SearchRun.start(row)  # beside the grid: both are this row's
         try:
             results, grid_s = grid(row, options.constrained)
-        except PlanningError as error:
+        except PlannerError as error:  # the model cannot be built or traced: its one-line message
             print(f"\n== {row.model} on {row.cluster}: {error}")
             search.finish(0.0)
             continue
