@@ -28,6 +28,32 @@ Qwen3-235B-A22B is built by ``benchmarks/qwen3_235b.py`` from its whole publishe
 The searched plan should be no slower than the grid's best; the verdict says when it is and
 why it might be. Budgets count work, so the plans are the same on any machine; the planning
 times are this machine's.
+
+Measured 2026-11-29 at 6afa7ee plus this file's fixes, one row at a time with
+``python benchmarks/moe_frontier.py --rows KEY --search-timeout 900`` on 2 CPU cores shared
+with other jobs (load 4-6), 23 GiB of memory (seconds: the search's and the grid's, run
+side by side):
+
+=============  ===================================  ============================  ==================================
+row            search (plan s; step, MFU, memory)    grid's best (built/fit of all)  verdict
+=============  ===================================  ============================  ==================================
+mixtral-64     167 s; moe dp=64, fsdp, experts       TP1 EP8 PP1 DP64 mbs4 full     search 0.827x the grid's best
+               replicated: 9.69 s, 42.8%, 60.7 GiB   recompute: 11.72 s, 35.4%,
+                                                     73.0 GiB (24/1128 built, 10 fit)
+qwen3-256      166 s; moe dp=256, fsdp, experts      TP1 EP128 PP1 DP256 mbs4 full  search 0.422x the grid's best
+               replicated: 8.77 s, 31.6%, 50.5 GiB   recompute: 20.77 s, 13.3%,
+                                                     73.0 GiB (48/2214 built, 21 fit)
+deepseek-256   272 s; moe dp=256, 4 micro-batches,   none fits (54/2064 built,      nothing to compare with
+               fsdp, a2a overlapped, EP round-robin  0 fit)
+               deduplicated: 16.56 s, 28.1%, 72.9 GiB
+deepseek-2048  not run here: a process of the row reached 21 GiB and was killed for memory about 6 min in
+gpt-oss-128    refused in one line: GptOssMLP (router with bias, experts with biases, transposed
+               gate_up_proj) is no MoE block planner.moe_blocks recognises
+=============  ===================================  ============================  ==================================
+
+Grid configurations with TP or PP around HF MoE blocks are not built (branches moefold,
+moeplan), so "the grid's best" is the best of the EP x DP ones; rows not run are not
+evidence either way.
 """
 
 from __future__ import annotations
