@@ -31,8 +31,9 @@ times are this machine's.
 
 Measured 2026-11-29 at 6afa7ee plus this file's fixes, one row at a time with
 ``python benchmarks/moe_frontier.py --rows KEY --search-timeout 900`` on 2 CPU cores shared
-with other jobs (load 4-6), 23 GiB of memory (seconds: the search's and the grid's, run
-side by side):
+with other jobs (load 4-6), 23 GiB of memory. "plan s" is the search's time; the grid ran
+beside it (148 s for mixtral-64, 164 s for qwen3-256, 252 s for deepseek-256). The Qwen
+model built has 235.09B parameters, as published:
 
 =============  ===================================  ============================  ==================================
 row            search (plan s; step, MFU, memory)    grid's best (built/fit of all)  verdict
