@@ -7,8 +7,10 @@ of Megatron-Core MoE configurations simulated on the same cluster.
 
 Each model is HuggingFace's implementation built from its configuration on the meta device
 (never downloaded): DeepSeek-V3 is ``AutoConfig.for_model("deepseek_v3")`` as it stands (671B);
-Qwen3-235B-A22B, Mixtral-8x22B and gpt-oss-120b set the published config.json's sizes over
-their type's defaults (``ROWS``). Per row it prints:
+Mixtral-8x22B sets the published config.json's sizes over its type's defaults (``ROWS``),
+gpt-oss-120b is ``AutoConfig.for_model("gpt_oss")`` as it stands (120b's sizes), and
+Qwen3-235B-A22B is built by ``benchmarks/qwen3_235b.py`` from its whole published config
+(its ``head_dim`` is no field an ``hf:`` spec may set). Per row it prints:
 
 - **search**: ``planner.plan`` in bf16 with ``--moe-dispatch overlapped`` (DeepEP's
   all-to-all and the EP overlap priced, as a team running Megatron-Core or DeepSeek's
@@ -26,6 +28,33 @@ their type's defaults (``ROWS``). Per row it prints:
 The searched plan should be no slower than the grid's best; the verdict says when it is and
 why it might be. Budgets count work, so the plans are the same on any machine; the planning
 times are this machine's.
+
+Measured 2026-11-29 at 6afa7ee plus this file's fixes, one row at a time with
+``python benchmarks/moe_frontier.py --rows KEY --search-timeout 900`` on 2 CPU cores shared
+with other jobs (load 4-6), 23 GiB of memory. "plan s" is the search's time; the grid ran
+beside it (148 s for mixtral-64, 164 s for qwen3-256, 252 s for deepseek-256). The Qwen
+model built has 235.09B parameters, as published:
+
+=============  ===================================  ============================  ==================================
+row            search (plan s; step, MFU, memory)    grid's best (built/fit of all)  verdict
+=============  ===================================  ============================  ==================================
+mixtral-64     167 s; moe dp=64, fsdp, experts       TP1 EP8 PP1 DP64 mbs4 full     search 0.827x the grid's best
+               replicated: 9.69 s, 42.8%, 60.7 GiB   recompute: 11.72 s, 35.4%,
+                                                     73.0 GiB (24/1128 built, 10 fit)
+qwen3-256      166 s; moe dp=256, fsdp, experts      TP1 EP128 PP1 DP256 mbs4 full  search 0.422x the grid's best
+               replicated: 8.77 s, 31.6%, 50.5 GiB   recompute: 20.77 s, 13.3%,
+                                                     73.0 GiB (48/2214 built, 21 fit)
+deepseek-256   272 s; moe dp=256, 4 micro-batches,   none fits (54/2064 built,      nothing to compare with
+               fsdp, a2a overlapped, EP round-robin  0 fit)
+               deduplicated: 16.56 s, 28.1%, 72.9 GiB
+deepseek-2048  not run here: a process of the row reached 21 GiB and was killed for memory about 6 min in
+gpt-oss-128    refused in one line: GptOssMLP (router with bias, experts with biases, transposed
+               gate_up_proj) is no MoE block planner.moe_blocks recognises
+=============  ===================================  ============================  ==================================
+
+Grid configurations with TP or PP around HF MoE blocks are not built (branches moefold,
+moeplan), so "the grid's best" is the best of the EP x DP ones; rows not run are not
+evidence either way.
 """
 
 from __future__ import annotations
@@ -34,11 +63,12 @@ import argparse
 import multiprocessing
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import planner
 from planner.api import prepare_model
 from planner.constraints import SearchConstraints
-from planner.errors import PlanningError
+from planner.errors import PlannerError
 from planner.model_spec import ModelSpec
 from search.megatron_moe import GridResult, MegatronMoEConfig, best_of, grid_configs, grid_plan
 
@@ -60,10 +90,9 @@ class Row:
     overrides: dict = field(default_factory=dict)
 
 
-# Qwen/Qwen3-235B-A22B config.json (Hugging Face hub).
-QWEN3_235B = {"hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
-              "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-              "num_experts_per_tok": 8, "vocab_size": 151936}
+# Qwen3-235B-A22B is built by a file factory: its published head_dim (128) is no field of
+# transformers' Qwen3MoeConfig, so an hf:qwen3_moe spec refuses it (benchmarks/qwen3_235b.py).
+QWEN3_235B_FACTORY = str(Path(__file__).with_name("qwen3_235b.py"))
 # mistralai/Mixtral-8x22B-v0.1 config.json.
 MIXTRAL_8X22B = {"hidden_size": 6144, "intermediate_size": 16384, "num_hidden_layers": 56, "num_attention_heads": 48,
                  "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32768}
@@ -76,7 +105,7 @@ ROWS = (
              "every GPU is a dp rank, and 15,360 does not split over 2,048"),
     Row("deepseek-256", "DeepSeek-V3", "hf:deepseek_v3", {}, "dgx-h100:32", 1024, 4096,
         "none published at 256 GPUs (DeepSeek's is " + DEEPSEEK_PUBLISHED.split(";")[0] + " on 2,048 H800s)"),
-    Row("qwen3-256", "Qwen3-235B-A22B", "hf:qwen3_moe", QWEN3_235B, "dgx-h100:32", 1024, 4096,
+    Row("qwen3-256", "Qwen3-235B-A22B", QWEN3_235B_FACTORY, {}, "dgx-h100:32", 1024, 4096,
         "no pre-training layout published by Qwen"),
     Row("mixtral-64", "Mixtral-8x22B", "hf:mixtral", MIXTRAL_8X22B, "dgx-h100:8", 256, 4096,
         "no pre-training layout published by Mistral", quick=True),
@@ -100,7 +129,7 @@ def _search_child(row: Row, queue) -> None:
         plan = planner.plan(row_spec(row), row.cluster, precision="bf16", progress=False, time_budget_s=None,
                             moe_dispatch="overlapped")
         queue.put(("plan", _plan_summary(plan)))
-    except PlanningError as error:
+    except PlannerError as error:  # refused: the search's one-line message
         queue.put(("refused", str(error)))
 
 
@@ -144,7 +173,7 @@ def constrained_search(row: Row):
         try:
             return planner.plan(row_spec(row), row.cluster, precision="bf16", progress=False, time_budget_s=None,
                                 constraints=SearchConstraints(mesh=mesh))
-        except PlanningError:
+        except PlannerError:
             return None
     return plan_for
 
@@ -220,7 +249,7 @@ def main() -> None:
         search = SearchRun.start(row)  # beside the grid: both are this row's
         try:
             results, grid_s = grid(row, options.constrained)
-        except PlanningError as error:
+        except PlannerError as error:  # the model cannot be built or traced: its one-line message
             print(f"\n== {row.model} on {row.cluster}: {error}")
             search.finish(0.0)
             continue
