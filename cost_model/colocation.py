@@ -184,16 +184,16 @@ def colocate_timelines(
         raise ValueError("colocate_timelines needs a task in every timeline")
     if not orders or not set(orders) <= set(ORDER_RULES):
         raise ValueError(f"colocate_timelines' orders must be some of {ORDER_RULES}, got {tuple(orders)}")
-    best = None
+    best_rule, best_round = None, float("inf")
     for rule in orders:
-        first = _makespan(timelines, labels, overlap_slowdown, 1, rule)
-        before = _makespan(timelines, labels, overlap_slowdown, rounds - 1, rule)
-        last = _makespan(timelines, labels, overlap_slowdown, rounds, rule)
+        steady = (_makespan(timelines, labels, overlap_slowdown, rounds, rule)[0]
+                  - _makespan(timelines, labels, overlap_slowdown, rounds - 1, rule)[0])
         # The shortest steady round wins; a tie keeps the rule listed first (the crossover).
-        if best is None or last[0] - before[0] < best.round_s - 1e-12:
-            best = ColocatedRound(round_s=last[0] - before[0], first_round_s=first[0], job_finish_s=first[1],
-                                  timeline=first[2])
-    return best
+        if best_rule is None or steady < best_round - 1e-12:
+            best_rule, best_round = rule, steady
+    # The first round's figures only for the winning order: one schedule, not one per order.
+    first = _makespan(timelines, labels, overlap_slowdown, 1, best_rule)
+    return ColocatedRound(round_s=best_round, first_round_s=first[0], job_finish_s=first[1], timeline=first[2])
 
 
 def _makespan(timelines, labels, slowdown: float, rounds: int, rule: str):
