@@ -29,16 +29,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from codegen.runtime.optimizers import optimizer_class
 from codegen.runtime.program import Program
 from codegen.runtime.training_loop import (
     LoopOptions,
     batch_source,
     build_step,
     clip_gradients,
-    learning_rate_factor,
-    schedulable,
-    start_checkpoints,
+    start_optimizing,
     stop_on_non_finite,
     StepRecord,
 )
@@ -97,15 +94,8 @@ class Job:
         self.group = mesh.get_group()
         self.reduction = DeferredReduction(self.group)
         module.register_comm_hook(None, self.reduction.hook)
-        self.optimizer = program.make_optimizer(module, mesh, optimizer_class(options.optimizer), lr=options.lr)
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            schedulable(self.optimizer),
-            lambda step: learning_rate_factor(step, options.schedule, options.warmup_steps, options.steps,
-                                              options.min_lr_ratio),
-        )
-        self.checkpointer, self.step = start_checkpoints(program, options, model, module, self.optimizer)
-        for _ in range(self.step):
-            self.schedule.step()  # the learning rate where the checkpointed run left it
+        self.optimizer, self.schedule, self.checkpointer, self.step = start_optimizing(program, mesh, options, model,
+                                                                                        module)
         self._next_batch = batch_source(program, options, args, kwargs)
         skip_batches(self._next_batch, self.step)
         self._loss: torch.Tensor | None = None

@@ -321,22 +321,13 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     optimizer): the place for checkpointing. ``profiler``: a started ``torch.profiler``
     session whose ``step()`` is called after each step (``codegen.runtime.profiling``).
     """
-    from codegen.runtime.optimizers import optimizer_class
-
     module, forward_backward, sum_group, args, kwargs, model = build_step(program, mesh)
     if options.slowdown:  # a heterogeneous cluster made real on one host (launch.py --slowdown-from-cluster)
         from codegen.runtime.slowdown import slow_down, slowdown_factor
 
         slow_down(module, slowdown_factor(program.plan, dist.get_rank(), options.slowdown))
-    optimizer = program.make_optimizer(module, mesh, optimizer_class(options.optimizer), lr=options.lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        schedulable(optimizer),
-        lambda step: learning_rate_factor(step, options.schedule, options.warmup_steps, options.steps, options.min_lr_ratio),
-    )
-    checkpointer, first_step = start_checkpoints(program, options, model, module, optimizer)
+    optimizer, schedule, checkpointer, first_step = start_optimizing(program, mesh, options, model, module)
     clip = gradient_clipper(program, model, module, sum_group) if options.clip_grad_norm is not None else None
-    for _ in range(first_step):
-        schedule.step()  # the learning rate where the checkpointed run left it
     next_batch = batch_source(program, options, args, kwargs)
     skip_batches(next_batch, first_step)  # the data position: the batches the checkpointed run consumed
     meter = StepMeter(program)
@@ -420,6 +411,23 @@ def batch_source(program: Program, options: LoopOptions, args: tuple, kwargs: di
     ranges = getattr(program.module, "INDEX_INPUTS", {})  # programs compiled before it existed check no ranges
     feed = DataFeed(options.data, program.plan.batch_size, args, kwargs, program.device(), list(program.plan.inputs), ranges)
     return feed.next
+
+
+def start_optimizing(program: Program, mesh, options: LoopOptions, model, module):
+    """The optimizer of ``module``, its learning-rate schedule, the checkpointer (or None) and
+    the step to start from: 0, or the step of the checkpoint resumed, with the schedule
+    stepped to where that run left it. ``train`` and co-located jobs start alike."""
+    from codegen.runtime.optimizers import optimizer_class
+
+    optimizer = program.make_optimizer(module, mesh, optimizer_class(options.optimizer), lr=options.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        schedulable(optimizer),
+        lambda step: learning_rate_factor(step, options.schedule, options.warmup_steps, options.steps, options.min_lr_ratio),
+    )
+    checkpointer, first_step = start_checkpoints(program, options, model, module, optimizer)
+    for _ in range(first_step):
+        schedule.step()  # the learning rate where the checkpointed run left it
+    return optimizer, schedule, checkpointer, first_step
 
 
 def start_checkpoints(program: Program, options: LoopOptions, model, module, optimizer):
