@@ -11,7 +11,10 @@ pipelines of 2 stages over dp2 x tp2 (issue 26's first composed configuration): 
 search picks for ``--mesh pp=2,dp=2,tp=2`` (EP2 x EDP2) and EP4; each stage replays its graph
 on DTensors (attention tensor parallel) and runs its MoE layers folded over its 4 ranks.
 ``launch.py --check``'s step (outputs, loss, every gradient, every updated parameter) must
-equal one device's (in the plan's micro-batches). Each world size checks all its programs in
+equal one device's (in the plan's micro-batches). Tiny HuggingFace ``hf:mixtral`` and
+``hf:qwen3_moe`` at dp2 x tp2 with EP4 and no pipeline: attention heads split over tp (Qwen3's
+per-head q/k norms with their gradients summed over tp), each block's own router on 1/tp of
+the tokens, its stacked experts over all 4 ranks. Each world size checks all its programs in
 ONE torchrun launch (``tests/dist_check_many.py``).
 
 Negative controls must fail, naming what they break: expert gradients divided by dp x tp
@@ -32,6 +35,7 @@ from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from planner.strategy import Mesh
 from search.moe_folding import folded_plan
+from moe_plans import HF_MOE
 from test_parity import LAUNCH_TIMEOUT, _run, _torchrun, check_many, result_of
 
 pytestmark = pytest.mark.distributed
@@ -49,13 +53,15 @@ CASES = {
     "two_micro_batches_ep2": ({}, 2, 2, 2, 2, 1),
     "dp1tp4_ep4": ({}, 1, 4, 4, 1, 1),
 }
+# name: tiny HuggingFace MoE decoder (tests/moe_plans.py's HF_MOE), folded dp2 x tp2 with EP4
+HF_CASES = {"hf_mixtral_dp2tp2_ep4": "mixtral", "hf_qwen3_moe_dp2tp2_ep4": "qwen3_moe"}
 SEARCHED = "searched_dp2tp2"
 EXPERT_SCALE_CONTROL = "control_expert_gradients_over_dp_x_tp"
 ROUTER_CONTROL = "control_router_gradients_not_summed_over_tp"
 
 
-def plan_of(overrides: dict, dp: int, tp: int, ep: int, steps: int, etp: int = 1):
-    graph, spec, name, cluster = prepare_model(ModelSpec(str(EXAMPLE), overrides), f"cpu:1x{WORLD}")
+def plan_of(overrides: dict, dp: int, tp: int, ep: int, steps: int, etp: int = 1, source: str = str(EXAMPLE)):
+    graph, spec, name, cluster = prepare_model(ModelSpec(source, overrides), f"cpu:1x{WORLD}")
     plan = folded_plan(graph, cluster, spec, name, Mesh((("dp", dp), ("tp", tp))), ep, etp)
     return dataclasses.replace(plan, accumulation_steps=steps)
 
@@ -84,6 +90,8 @@ def _leave_router_gradients_unsummed(folder: Path) -> Path:
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-folding")
     folders = {name: planner.compile(plan_of(*case), root / name) for name, case in CASES.items()}
+    for name, model in HF_CASES.items():
+        folders[name] = planner.compile(plan_of(HF_MOE[model], 2, 2, 4, 1, source=f"hf:{model}"), root / name)
     searched = planner.plan(ModelSpec(str(EXAMPLE), {}), f"cpu:1x{WORLD}", constraints={"mesh": {"dp": 2, "tp": 2}})
     assert "moe-folding" in searched.sections, searched.name
     folders[SEARCHED] = planner.compile(searched, root / SEARCHED)
@@ -96,7 +104,7 @@ def run(tmp_path_factory):
     return folders, controls, check_many(WORLD, [*folders.values(), *controls.values()], root)
 
 
-@pytest.mark.parametrize("case", [*CASES, SEARCHED])
+@pytest.mark.parametrize("case", [*CASES, *HF_CASES, SEARCHED])
 def test_folded_step_equals_one_device(run, case):
     folders, _, launch = run
     result = result_of(launch, folders[case])
@@ -151,6 +159,20 @@ def test_the_program_names_its_layers_and_placement(run):
     assert "replace_layer(model, 'blocks.0.mlp.0', ColumnParallelLinear(model.get_submodule('blocks.0.mlp.0'), " \
            "tp_group))" in dense
     assert "replace_layer(model, 'blocks.0.mlp.2', RowParallelLinear(" in dense
+
+
+def test_huggingface_blocks_keep_their_router_and_names(run):
+    """The folded HuggingFace program replaces only the stacked experts (the block keeps its
+    path and router), splits attention heads, and sums Qwen3's per-head norms over tp."""
+    folders, _, _ = run
+    source = (folders["hf_qwen3_moe_dp2tp2_ep4"] / "model_spmd.py").read_text()
+    assert "replace_layer(model, 'model.layers.0.mlp.experts', FoldedStackedExperts(" in source
+    assert "fold_block_tokens(model.get_submodule('model.layers.0.mlp'), tp_group, " in source
+    assert "replace_layer(model, 'model.layers.1.self_attn.q_proj', ColumnParallelLinear(" \
+           "model.get_submodule('model.layers.1.self_attn.q_proj'), tp_group))" in source
+    assert "sum_gradients_over(model.get_submodule('model.layers.1.self_attn.k_norm'), tp_group)" in source
+    # EP4 over dp2 x tp2: expert e whole on folded rank e.
+    assert "EXPERT_PLACEMENT_0 = (((0, 1.0),), ((1, 1.0),), ((2, 1.0),), ((3, 1.0),))" in source
 
 
 def test_what_is_not_compiled_is_refused_in_one_line(tmp_path):
