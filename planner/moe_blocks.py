@@ -122,20 +122,19 @@ def _hf_stacked_experts(path: str, module: torch.nn.Module) -> MoEBlock | None:
     ffn = down.shape[2]
     if tuple(gate_up.shape) != (count, 2 * ffn, hidden) or tuple(down.shape) != (count, hidden, ffn):
         return None
-    return MoEBlock(
-        module=path,
-        experts=count,
-        top_k=min(top_k, count),
-        capacity_factor=0.0,
-        hidden=hidden,
-        ffn=ffn,
-        matmuls=3,
-        router="gate.weight",
-        expert_weights=("experts.gate_up_proj", "experts.down_proj"),
-        kind=f"HuggingFace stacked SwiGLU experts ({type(module).__name__}, dropless)",
-        runtime=HF_STACKED_EXPERTS,
-        routing_groups=_routing_groups(gate, count),
-    )
+    return _dropless_swiglu(path, count, top_k, hidden, ffn, "gate.weight", ("experts.gate_up_proj", "experts.down_proj"),
+                            f"HuggingFace stacked SwiGLU experts ({type(module).__name__}, dropless)",
+                            _routing_groups(gate, count))
+
+
+def _dropless_swiglu(path: str, count: int, top_k: int, hidden: int, ffn: int, router: str,
+                     expert_weights: tuple[str, ...], kind: str, routing_groups: tuple[int, ...] = ()) -> MoEBlock:
+    """A HuggingFace block whose own router picks ``top_k`` of ``count`` SwiGLU experts,
+    dropless; its experts are what compiled programs replace. A SwiGLU expert costs three
+    ``hidden x ffn`` matmuls (gate, up, down; gpt-oss's biases are adds)."""
+    return MoEBlock(module=path, experts=count, top_k=min(top_k, count), capacity_factor=0.0, hidden=hidden, ffn=ffn,
+                    matmuls=3, router=router, expert_weights=expert_weights, kind=kind, runtime=HF_STACKED_EXPERTS,
+                    routing_groups=routing_groups)
 
 
 # The storage HuggingFace's experts declare (``use_experts_implementation``) for gpt-oss:
@@ -159,24 +158,13 @@ def _gpt_oss_experts(path: str, module: torch.nn.Module) -> MoEBlock | None:
     if weight.dim() != 2:
         return None
     count, hidden = weight.shape
-    gate_up, gate_up_bias, down, down_bias = stacked
+    down = stacked[2]
     ffn = down.shape[1] if down.dim() == 3 else -1
     shapes = [tuple(p.shape) for p in (bias, *stacked)]
     if shapes != [(count,), (count, hidden, 2 * ffn), (count, 2 * ffn), (count, ffn, hidden), (count, hidden)]:
         return None
-    return MoEBlock(
-        module=path,
-        experts=count,
-        top_k=min(top_k, count),
-        capacity_factor=0.0,
-        hidden=hidden,
-        ffn=ffn,
-        matmuls=3,  # gate, up and down: a SwiGLU's three hidden x ffn matmuls (the biases are adds)
-        router="router.weight",
-        expert_weights=tuple(f"experts.{name}" for name in names),
-        kind=f"gpt-oss biased experts with a clamped SwiGLU ({type(module).__name__}, dropless)",
-        runtime=HF_STACKED_EXPERTS,
-    )
+    return _dropless_swiglu(path, count, top_k, hidden, ffn, "router.weight", tuple(f"experts.{name}" for name in names),
+                            f"gpt-oss biased experts with a clamped SwiGLU ({type(module).__name__}, dropless)")
 
 
 def _routing_groups(gate: torch.nn.Module, experts: int) -> tuple[int, ...]:
