@@ -186,6 +186,14 @@ def test_what_is_not_compiled_is_refused_in_one_line(tmp_path):
     zero2 = dataclasses.replace(folded_plan(graph, cluster, spec, name, mesh, 4), dp_flavour="zero2")
     with pytest.raises(PlanningError, match="plan with --dp ddp"):
         planner.compile(zero2, tmp_path / "zero2")
+    # HuggingFace blocks: whole experts only; attention heads whole on each tp rank.
+    sliced = plan_of(HF_MOE["mixtral"], 2, 2, 2, 1, etp=2, source="hf:mixtral")
+    with pytest.raises(PlanningError, match=r"HuggingFace MoE block 'model.layers.0.mlp' with whole experts.*ETP=2"):
+        planner.compile(sliced, tmp_path / "hf_etp")
+    two_kv_heads = plan_of({**HF_MOE["mixtral"], "num_key_value_heads": 2}, 1, 4, 4, 1, source="hf:mixtral")
+    with pytest.raises(PlanningError, match=r"4 query and 2 key/value heads, which do not split over tp=4") as error:
+        planner.compile(two_kv_heads, tmp_path / "hf_heads")
+    assert "\n" not in str(error.value)
 
 
 def _step_losses(stdout: str) -> dict[int, float]:
