@@ -9,11 +9,21 @@ MoE layer's experts over all ``dp x tp`` ranks (``planner.families.moe_folding``
 - each other linear split on ``tp`` with a column- or row-parallel one (a column-parallel
   linear followed by a row-parallel one in the same ``nn.Sequential`` hands it its slice of
   the features; any other gathers its output, as the head before the loss does);
+- each HuggingFace attention whose q/k/v projections are split by columns and ``o_proj`` by
+  rows with column- and row-parallel linears (the attention reshapes to -1 heads, so each tp
+  rank runs its heads; a per-head norm inside, Qwen3's ``q_norm``/``k_norm``, has its gradients
+  summed over tp), and likewise a HuggingFace SwiGLU MLP (``gate_proj``/``up_proj`` feeding
+  ``down_proj``);
 - each embedding split on ``tp`` with a vocabulary-parallel one;
 - each MoE layer with ``codegen.runtime.moe_folding.FoldedMoE``: each tp rank takes 1/tp of
   its dp rank's tokens, the experts run expert parallel over every rank of ``dp x tp`` by the
   plan's placement (with EDP > 1, the EP x EDP ranks hold each expert's EDP copies, each copy
   taking its share of the expert's slots), the outputs are all-gathered over tp;
+- each HuggingFace MoE block (``planner.moe_blocks.HF_STACKED_EXPERTS``) is kept, its own
+  router included: only its stacked experts become
+  ``codegen.runtime.moe_folding.FoldedStackedExperts`` (expert parallel over every rank of
+  ``dp x tp``), and ``fold_block_tokens`` makes the block run on 1/tp of the tokens and
+  all-gather its output over tp;
 
 and wraps the model in DDP over "dp" (each tp rank's own "dp" group), the experts kept out.
 
@@ -24,8 +34,11 @@ each MoE layer runs folded over its stage's ``dp x tp`` ranks (``codegen.runtime
 What this compiler does not write is refused in one line naming the combination and the fix
 (``check_foldable``): sequence parallelism, expert tensor parallelism (ETP > 1) in a pipeline
 or beside expert copies (EDP > 1), and without a pipeline data-parallel flavours other than
-DDP and recomputation. With ETP > 1 each expert's ETP consecutive ranks hold a slice of its
-width each (``codegen.runtime.moe_folding.SlicedExperts``).
+DDP and recomputation. Without a pipeline, also HuggingFace blocks with split experts (ETP >
+1, ``render_folded_program``) and, in ``tensor_parallel_replacements``, attention whose heads
+do not split over tp or that has parameters of its own (gpt-oss's sinks). With ETP > 1 each
+expert's ETP consecutive ranks hold a slice of its width each
+(``codegen.runtime.moe_folding.SlicedExperts``).
 
 Module paths reach the source only as ``repr()`` of paths checked against the model
 (``codegen.plan_checks``); other plan text only in comments.
@@ -167,6 +180,12 @@ def tensor_parallel_replacements(plan: Plan, model: nn.Module, moe_paths: set[st
         if not path or not _is_split_hf_attention(path, modules, split):
             continue
         tp = plan.mesh.axis_size("tp")
+        own = [name for name, _ in module.named_parameters(recurse=False)]
+        if own:
+            raise PlanningError(
+                f"attention {path!r} has parameters of its own ({', '.join(own[:3])}), which compiled folded programs "
+                f"do not split over its heads on tp; plan it without --mesh tp"
+            )
         config = getattr(module, "config", None)
         heads = [getattr(config, name, None) for name in ("num_attention_heads", "num_key_value_heads")]
         if any(not isinstance(count, int) or count % tp for count in heads):

@@ -13,8 +13,8 @@ on DTensors (attention tensor parallel) and runs its MoE layers folded over its 
 ``launch.py --check``'s step (outputs, loss, every gradient, every updated parameter) must
 equal one device's (in the plan's micro-batches). Tiny HuggingFace ``hf:mixtral`` and
 ``hf:qwen3_moe`` at dp2 x tp2 with EP4 and no pipeline: attention heads split over tp (Qwen3's
-per-head q/k norms with their gradients summed over tp), each block's own router on 1/tp of
-the tokens, its stacked experts over all 4 ranks. Each world size checks all its programs in
+per-head q/k norms with their gradients summed over tp, its first layer a dense SwiGLU MLP),
+each block's own router on 1/tp of the tokens, its stacked experts over all 4 ranks. Each world size checks all its programs in
 ONE torchrun launch (``tests/dist_check_many.py``).
 
 Negative controls must fail, naming what they break: expert gradients divided by dp x tp
@@ -53,8 +53,10 @@ CASES = {
     "two_micro_batches_ep2": ({}, 2, 2, 2, 2, 1),
     "dp1tp4_ep4": ({}, 1, 4, 4, 1, 1),
 }
-# name: tiny HuggingFace MoE decoder (tests/moe_plans.py's HF_MOE), folded dp2 x tp2 with EP4
-HF_CASES = {"hf_mixtral_dp2tp2_ep4": "mixtral", "hf_qwen3_moe_dp2tp2_ep4": "qwen3_moe"}
+# name: (tiny HuggingFace MoE decoder, its overrides), folded dp2 x tp2 with EP4; Qwen3-MoE's
+# first layer a dense SwiGLU MLP (gate/up column parallel, down row parallel).
+HF_CASES = {"hf_mixtral_dp2tp2_ep4": ("mixtral", HF_MOE["mixtral"]),
+            "hf_qwen3_moe_dense_first_dp2tp2_ep4": ("qwen3_moe", {**HF_MOE["qwen3_moe"], "mlp_only_layers": [0]})}
 SEARCHED = "searched_dp2tp2"
 EXPERT_SCALE_CONTROL = "control_expert_gradients_over_dp_x_tp"
 ROUTER_CONTROL = "control_router_gradients_not_summed_over_tp"
@@ -90,8 +92,8 @@ def _leave_router_gradients_unsummed(folder: Path) -> Path:
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-folding")
     folders = {name: planner.compile(plan_of(*case), root / name) for name, case in CASES.items()}
-    for name, model in HF_CASES.items():
-        folders[name] = planner.compile(plan_of(HF_MOE[model], 2, 2, 4, 1, source=f"hf:{model}"), root / name)
+    for name, (model, overrides) in HF_CASES.items():
+        folders[name] = planner.compile(plan_of(overrides, 2, 2, 4, 1, source=f"hf:{model}"), root / name)
     searched = planner.plan(ModelSpec(str(EXAMPLE), {}), f"cpu:1x{WORLD}", constraints={"mesh": {"dp": 2, "tp": 2}})
     assert "moe-folding" in searched.sections, searched.name
     folders[SEARCHED] = planner.compile(searched, root / SEARCHED)
@@ -165,9 +167,12 @@ def test_huggingface_blocks_keep_their_router_and_names(run):
     """The folded HuggingFace program replaces only the stacked experts (the block keeps its
     path and router), splits attention heads, and sums Qwen3's per-head norms over tp."""
     folders, _, _ = run
-    source = (folders["hf_qwen3_moe_dp2tp2_ep4"] / "model_spmd.py").read_text()
-    assert "replace_layer(model, 'model.layers.0.mlp.experts', FoldedStackedExperts(" in source
-    assert "fold_block_tokens(model.get_submodule('model.layers.0.mlp'), tp_group, " in source
+    source = (folders["hf_qwen3_moe_dense_first_dp2tp2_ep4"] / "model_spmd.py").read_text()
+    assert "replace_layer(model, 'model.layers.1.mlp.experts', FoldedStackedExperts(" in source
+    assert "fold_block_tokens(model.get_submodule('model.layers.1.mlp'), tp_group, " in source
+    assert "replace_layer(model, 'model.layers.0.mlp.up_proj', ColumnParallelLinear(" \
+           "model.get_submodule('model.layers.0.mlp.up_proj'), tp_group))" in source
+    assert "replace_layer(model, 'model.layers.0.mlp.down_proj', RowParallelLinear(" in source
     assert "replace_layer(model, 'model.layers.1.self_attn.q_proj', ColumnParallelLinear(" \
            "model.get_submodule('model.layers.1.self_attn.q_proj'), tp_group))" in source
     assert "sum_gradients_over(model.get_submodule('model.layers.1.self_attn.k_norm'), tp_group)" in source
@@ -194,6 +199,9 @@ def test_what_is_not_compiled_is_refused_in_one_line(tmp_path):
     with pytest.raises(PlanningError, match=r"4 query and 2 key/value heads, which do not split over tp=4") as error:
         planner.compile(two_kv_heads, tmp_path / "hf_heads")
     assert "\n" not in str(error.value)
+    sinks = plan_of(HF_MOE["gpt_oss"], 2, 2, 4, 1, source="hf:gpt_oss")
+    with pytest.raises(PlanningError, match=r"attention 'model.layers.0.self_attn' has parameters of its own \(sinks\)"):
+        planner.compile(sinks, tmp_path / "hf_sinks")
 
 
 def _step_losses(stdout: str) -> dict[int, float]:
