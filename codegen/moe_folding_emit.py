@@ -9,11 +9,21 @@ MoE layer's experts over all ``dp x tp`` ranks (``planner.families.moe_folding``
 - each other linear split on ``tp`` with a column- or row-parallel one (a column-parallel
   linear followed by a row-parallel one in the same ``nn.Sequential`` hands it its slice of
   the features; any other gathers its output, as the head before the loss does);
+- each HuggingFace attention whose q/k/v projections are split by columns and ``o_proj`` by
+  rows with column- and row-parallel linears (the attention reshapes to -1 heads, so each tp
+  rank runs its heads; a per-head norm inside, Qwen3's ``q_norm``/``k_norm``, has its gradients
+  summed over tp), and likewise a HuggingFace SwiGLU MLP (``gate_proj``/``up_proj`` feeding
+  ``down_proj``);
 - each embedding split on ``tp`` with a vocabulary-parallel one;
 - each MoE layer with ``codegen.runtime.moe_folding.FoldedMoE``: each tp rank takes 1/tp of
   its dp rank's tokens, the experts run expert parallel over every rank of ``dp x tp`` by the
   plan's placement (with EDP > 1, the EP x EDP ranks hold each expert's EDP copies, each copy
   taking its share of the expert's slots), the outputs are all-gathered over tp;
+- each HuggingFace MoE block (``planner.moe_blocks.HF_STACKED_EXPERTS``) is kept, its own
+  router included: only its stacked experts become
+  ``codegen.runtime.moe_folding.FoldedStackedExperts`` (expert parallel over every rank of
+  ``dp x tp``), and ``fold_block_tokens`` makes the block run on 1/tp of the tokens and
+  all-gather its output over tp;
 
 and wraps the model in DDP over "dp" (each tp rank's own "dp" group), the experts kept out.
 
@@ -24,8 +34,11 @@ each MoE layer runs folded over its stage's ``dp x tp`` ranks (``codegen.runtime
 What this compiler does not write is refused in one line naming the combination and the fix
 (``check_foldable``): sequence parallelism, expert tensor parallelism (ETP > 1) in a pipeline
 or beside expert copies (EDP > 1), and without a pipeline data-parallel flavours other than
-DDP and recomputation. With ETP > 1 each expert's ETP consecutive ranks hold a slice of its
-width each (``codegen.runtime.moe_folding.SlicedExperts``).
+DDP and recomputation. Without a pipeline, also HuggingFace blocks with split experts (ETP >
+1, ``render_folded_program``) and, in ``tensor_parallel_replacements``, attention whose heads
+do not split over tp or that has parameters of its own (gpt-oss's sinks). With ETP > 1 each
+expert's ETP consecutive ranks hold a slice of its width each
+(``codegen.runtime.moe_folding.SlicedExperts``).
 
 Module paths reach the source only as ``repr()`` of paths checked against the model
 (``codegen.plan_checks``); other plan text only in comments.
@@ -41,7 +54,7 @@ from codegen.program_parts import about_plan
 from codegen.source_text import comment, literal, number
 from planner import __version__
 from planner.errors import PlanningError
-from planner.moe_blocks import ROUTED_GELU, find_moe_blocks
+from planner.moe_blocks import HF_STACKED_EXPERTS, ROUTED_GELU, find_moe_blocks
 from planner.plans import Plan
 from planner.families.moe_folding.section import JSON_KEY as SECTION
 from planner.strategy import placement_to_str
@@ -93,11 +106,19 @@ def render_folded_program(plan: Plan) -> str:
     model = build_meta_model(plan)[0]
     blocks = {block.module: block for block in find_moe_blocks(model)}
     for layout in plan.expert_layouts:
-        if plan.pipeline is None and layout.module in blocks and blocks[layout.module].runtime != ROUTED_GELU:
+        block = blocks.get(layout.module)
+        if plan.pipeline is not None or block is None:
+            continue  # the pipeline writer's checks, or check_expert_layouts' below, name it
+        if block.runtime not in (ROUTED_GELU, HF_STACKED_EXPERTS):
             raise PlanningError(
-                f"compiled folded MoE programs without a pipeline run examples/moe.py's routed GELU layers; "
-                f"{layout.module!r} is {blocks[layout.module].kind}; plan it with pipeline stages (--mesh pp=2) or "
-                f"without --mesh tp"
+                f"compiled folded MoE programs without a pipeline run examples/moe.py's routed GELU layers and "
+                f"HuggingFace stacked experts; {layout.module!r} is {block.kind}; plan it with pipeline stages "
+                f"(--mesh pp=2) or without --mesh tp"
+            )
+        if block.runtime == HF_STACKED_EXPERTS and layout.tensor_parallel != 1:
+            raise PlanningError(
+                f"compiled folded programs run HuggingFace MoE block {layout.module!r} with whole experts; this plan "
+                f"splits them (ETP={layout.tensor_parallel}); re-plan with ETP 1"
             )
     if plan.pipeline is not None:
         # Stages replay the traced graph on DTensors over each stage's dp x tp (attention and
@@ -108,7 +129,12 @@ def render_folded_program(plan: Plan) -> str:
         return compile_pipeline_plan(plan)
     plan = checked_plan(plan, graph_program=False)
     replacements = tensor_parallel_replacements(plan, model, set(blocks))
-    return (_header(plan) + _constants(plan) + _parallelize(plan, replacements, blocks) + _shard_batch(plan))
+    return (_header(plan, blocks, replacements) + _constants(plan) + _parallelize(plan, replacements, blocks) + _shard_batch(plan))
+
+
+# Not a replacement: a module inside a head-split attention whose replicated parameters'
+# gradients are summed over tp (``codegen.runtime.moe_folding.sum_gradients_over``).
+HEAD_LOCAL = "sum_gradients_over"
 
 
 def tensor_parallel_replacements(plan: Plan, model: nn.Module, moe_paths: set[str]) -> list[tuple[str, str, str]]:
@@ -150,6 +176,27 @@ def tensor_parallel_replacements(plan: Plan, model: nn.Module, moe_paths: set[st
         elif isinstance(module, nn.Embedding) and where == "S(0)":
             found.append((path, "VocabParallelEmbedding", ""))
             handled.add(f"{prefix}weight")
+    for path, module in modules.items():
+        if not path or not _is_split_hf_attention(path, modules, split):
+            continue
+        tp = plan.mesh.axis_size("tp")
+        own = [name for name, _ in module.named_parameters(recurse=False)]
+        if own:
+            raise PlanningError(
+                f"attention {path!r} has parameters of its own ({', '.join(own[:3])}), which compiled folded programs "
+                f"do not split over its heads on tp; plan it without --mesh tp"
+            )
+        config = getattr(module, "config", None)
+        heads = [getattr(config, name, None) for name in ("num_attention_heads", "num_key_value_heads")]
+        if any(not isinstance(count, int) or count % tp for count in heads):
+            raise PlanningError(
+                f"attention {path!r} has {heads[0]} query and {heads[1]} key/value heads, which do not split over "
+                f"tp={tp}; re-plan with a tp that divides both"
+            )
+        for child, sub in module.named_children():
+            if child not in ("q_proj", "k_proj", "v_proj", "o_proj") and any(True for _ in sub.parameters()):
+                # A per-head norm (Qwen3's q_norm, k_norm) replicated on tp sees this rank's heads only.
+                found.append((f"{path}.{child}", HEAD_LOCAL, ""))
     left = [name for name in split if name not in handled]
     if left:
         raise PlanningError(
@@ -159,17 +206,35 @@ def tensor_parallel_replacements(plan: Plan, model: nn.Module, moe_paths: set[st
     return found
 
 
+def _is_split_hf_attention(path: str, modules: dict, split: dict) -> bool:
+    """Whether the module at ``path`` is a HuggingFace attention whose q/k/v projections are
+    column parallel and ``o_proj`` row parallel (each tp rank its heads)."""
+    module = modules[path]
+    return isinstance(getattr(module, "o_proj", None), nn.Linear) and split.get(f"{path}.o_proj.weight") == "S(1)" \
+        and all(split.get(f"{path}.{name}.weight") == "S(0)" for name in ("q_proj", "k_proj", "v_proj"))
+
+
 def _is_fused_attention(module: nn.Module) -> bool:
     """``examples/gpt.py``'s causal self-attention: a fused q|k|v ``c_attn``, ``c_proj``, ``n_head``."""
     return (type(module).__name__ == "CausalSelfAttention" and isinstance(getattr(module, "c_attn", None), nn.Linear)
             and isinstance(getattr(module, "c_proj", None), nn.Linear) and isinstance(getattr(module, "n_head", None), int))
 
 
+# HuggingFace projections (Llama, Mixtral, Qwen3-MoE, ...: attention reshapes with -1 heads of
+# ``head_dim``, so each rank runs its heads) and the row-parallel sibling each feeds.
+_FEEDS = {"q_proj": "o_proj", "k_proj": "o_proj", "v_proj": "o_proj", "gate_proj": "down_proj", "up_proj": "down_proj"}
+
+
 def _feeds_row_parallel(path: str, modules: dict, split: dict) -> bool:
     """Whether the column-parallel linear at ``path`` sits in an ``nn.Sequential`` whose next
-    linear is row parallel (an MLP: the features stay split between the two)."""
+    linear is row parallel (an MLP: the features stay split between the two), or is a
+    HuggingFace projection whose sibling (``_FEEDS``) is row parallel."""
     parent, _, name = path.rpartition(".")
     container = modules.get(parent)
+    if name in _FEEDS and isinstance(getattr(container, _FEEDS[name], None), nn.Linear):
+        # HuggingFace attention and SwiGLU MLPs: q/k/v (gate/up) column parallel feed o_proj
+        # (down_proj) through per-head (element-wise) ops, which run on this rank's slice.
+        return split.get(f"{parent}.{_FEEDS[name]}.weight") == "S(1)"
     if not isinstance(container, nn.Sequential) or not name.isdigit():
         return False
     for child in list(container._modules)[list(container._modules).index(name) + 1:]:
@@ -178,8 +243,13 @@ def _feeds_row_parallel(path: str, modules: dict, split: dict) -> bool:
     return False
 
 
-def _header(plan: Plan) -> str:
+def _header(plan: Plan, blocks: dict, replacements: list[tuple[str, str, str]]) -> str:
     dp, tp = plan.mesh.axis_size("dp"), plan.mesh.axis_size("tp")
+    used = {blocks[layout.module].runtime for layout in plan.expert_layouts}
+    imported = [*(("FoldedExpertParallelMoE", "FoldedMoE") if ROUTED_GELU in used else ()),
+               *(("FoldedStackedExperts",) if HF_STACKED_EXPERTS in used else ()), "expert_tensor_groups",
+               *(("fold_block_tokens",) if HF_STACKED_EXPERTS in used else ()),
+               *((HEAD_LOCAL,) if any(kind == HEAD_LOCAL for _, kind, _ in replacements) else ())]
     return f'''"""Per-rank program of a folded Mixture-of-Experts plan (which plan, model and cluster: the comments below).
 
 Generated by soap-planner {__version__} from plan.json; it is plain PyTorch, review it freely.
@@ -199,7 +269,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from codegen.runtime.moe_folding import FoldedExpertParallelMoE, FoldedMoE, expert_tensor_groups
+from codegen.runtime.moe_folding import {", ".join(imported)}
 from codegen.runtime.tensor_parallel_layers import (
     ColumnParallelLinear,
     HeadParallelSelfAttention,
@@ -249,11 +319,20 @@ def _parallelize(plan: Plan, replacements: list[tuple[str, str, str]], blocks: d
         "    # Tensor parallel over \"tp\", as the plan splits their weights.",
     ]
     for path, runtime, extra in replacements:  # paths checked against the model
+        if runtime == HEAD_LOCAL:
+            lines.append("    " + comment(f"{path} sees this rank's heads only: its gradients are summed over tp."))
+            lines.append(f"    sum_gradients_over(model.get_submodule({path!r}), tp_group)")
+            continue
         lines.append(f"    replace_layer(model, {path!r}, {runtime}(model.get_submodule({path!r}), tp_group{extra}))")
     ignored = []
     for index, layout in enumerate(plan.expert_layouts):
         block = blocks[layout.module]
         path = block.module  # checked against the model: a module path, written with repr()
+        if block.runtime == HF_STACKED_EXPERTS:
+            layer_lines, rank_local = _stacked_experts_lines(index, block, dp, tp)
+            lines += layer_lines
+            ignored += rank_local
+            continue
         lines += [
             "",
             "    " + comment(
@@ -292,6 +371,32 @@ def _parallelize(plan: Plan, replacements: list[tuple[str, str, str]], blocks: d
         "",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _stacked_experts_lines(index: int, block, dp: int, tp: int) -> tuple[list[str], list[str]]:
+    """Lines of ``parallelize`` folding a HuggingFace MoE block (its router and shared experts
+    kept as written, its stacked experts over every rank), and its rank-local parameters."""
+    path = block.module  # checked against the model: a module path, written with repr()
+    owner = block.expert_weights[0].rpartition(".")[0]  # "experts"
+    target = f"{path}.{owner}"
+    lines = [
+        "",
+        "    " + comment(
+            f"{path}: {block.experts} SwiGLU experts, top-{block.top_k}, dropless; the block's own router runs on "
+            f"this tp rank's 1/{tp} of its dp rank's tokens, each choice travels to its expert over all {dp * tp} "
+            f"ranks and back (two all-to-alls), and the block's output is all-gathered over tp. Its router's (and "
+            f"shared experts') gradients are summed over tp."
+        ),
+        f"    replace_layer(model, {target!r}, FoldedStackedExperts(",
+        f"        model.get_submodule({target!r}),",
+        f"        EXPERT_PLACEMENT_{index},",
+        f"        top_k={block.top_k!r},",
+        "        group=folded_group,",
+        f"        tensor_parallel={tp!r},",
+        "    ))",
+        f"    fold_block_tokens(model.get_submodule({path!r}), tp_group, model.get_submodule({target!r}))",
+    ]
+    return lines, [f"{path}.{name}" for name in block.expert_weights]
 
 
 def _etp_group_lines(plan: Plan) -> list[str]:

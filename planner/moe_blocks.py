@@ -14,7 +14,12 @@ Recognised today:
 - HuggingFace's sparse MoE blocks of transformers 5 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
   DeepSeek-V3, ...): a ``gate`` router (``weight`` (E, C), ``top_k``) and a stacked-experts
   module ``experts`` (``gate_up_proj`` (E, 2F, C), ``down_proj`` (E, C, F): SwiGLU, no
-  bias), dropless. Shared experts, where a block has them, are dense parts of the block.
+  bias), dropless. Shared experts, where a block has them, are dense parts of the block;
+- gpt-oss's ``GptOssMLP`` (transformers 5): a ``router`` with a bias (``weight`` (E, C),
+  ``bias`` (E), ``top_k``) and ``experts`` stored transposed with biases (``gate_up_proj``
+  (E, C, 2F) whose gate and up columns interleave, ``gate_up_proj_bias`` (E, 2F),
+  ``down_proj`` (E, F, C), ``down_proj_bias`` (E, C)), run as a clamped SwiGLU (``alpha``,
+  ``limit``), dropless. The block returns (output, router scores).
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ def find_moe_blocks(model: torch.nn.Module) -> tuple[MoEBlock, ...]:
     for path, module in model.named_modules():
         if any(path.startswith(block.module + ".") for block in found):
             continue
-        block = _gelu_moe(path, module) or _hf_stacked_experts(path, module)
+        block = _gelu_moe(path, module) or _hf_stacked_experts(path, module) or _gpt_oss_experts(path, module)
         if block is not None:
             found.append(block)
     return tuple(found)
@@ -117,20 +122,49 @@ def _hf_stacked_experts(path: str, module: torch.nn.Module) -> MoEBlock | None:
     ffn = down.shape[2]
     if tuple(gate_up.shape) != (count, 2 * ffn, hidden) or tuple(down.shape) != (count, hidden, ffn):
         return None
-    return MoEBlock(
-        module=path,
-        experts=count,
-        top_k=min(top_k, count),
-        capacity_factor=0.0,
-        hidden=hidden,
-        ffn=ffn,
-        matmuls=3,
-        router="gate.weight",
-        expert_weights=("experts.gate_up_proj", "experts.down_proj"),
-        kind=f"HuggingFace stacked SwiGLU experts ({type(module).__name__}, dropless)",
-        runtime=HF_STACKED_EXPERTS,
-        routing_groups=_routing_groups(gate, count),
-    )
+    return _dropless_swiglu(path, count, top_k, hidden, ffn, "gate.weight", ("experts.gate_up_proj", "experts.down_proj"),
+                            f"HuggingFace stacked SwiGLU experts ({type(module).__name__}, dropless)",
+                            _routing_groups(gate, count))
+
+
+def _dropless_swiglu(path: str, count: int, top_k: int, hidden: int, ffn: int, router: str,
+                     expert_weights: tuple[str, ...], kind: str, routing_groups: tuple[int, ...] = ()) -> MoEBlock:
+    """A HuggingFace block whose own router picks ``top_k`` of ``count`` SwiGLU experts,
+    dropless; its experts are what compiled programs replace. A SwiGLU expert costs three
+    ``hidden x ffn`` matmuls (gate, up, down; gpt-oss's biases are adds)."""
+    return MoEBlock(module=path, experts=count, top_k=min(top_k, count), capacity_factor=0.0, hidden=hidden, ffn=ffn,
+                    matmuls=3, router=router, expert_weights=expert_weights, kind=kind, runtime=HF_STACKED_EXPERTS,
+                    routing_groups=routing_groups)
+
+
+# The storage HuggingFace's experts declare (``use_experts_implementation``) for gpt-oss:
+# gate and up columns interleaved, weights (in, out), a bias per projection.
+_GPT_OSS_STORAGE = {"is_concatenated": False, "has_gate": True, "is_transposed": True, "has_bias": True}
+
+
+def _gpt_oss_experts(path: str, module: torch.nn.Module) -> MoEBlock | None:
+    """gpt-oss's MoE block: biased router, transposed biased experts with a clamped SwiGLU
+    (see the module docstring)."""
+    router, experts = getattr(module, "router", None), getattr(module, "experts", None)
+    weight, bias, top_k = (getattr(router, name, None) for name in ("weight", "bias", "top_k"))
+    names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    stacked = [getattr(experts, name, None) for name in names]
+    if not all(isinstance(p, torch.nn.Parameter) for p in (weight, bias, *stacked)) or not isinstance(top_k, int):
+        return None
+    if {name: getattr(experts, name, None) for name in _GPT_OSS_STORAGE} != _GPT_OSS_STORAGE:
+        return None
+    if not all(isinstance(getattr(experts, name, None), (int, float)) for name in ("alpha", "limit")):
+        return None  # the clamped SwiGLU's constants the runtime reads
+    if weight.dim() != 2:
+        return None
+    count, hidden = weight.shape
+    down = stacked[2]
+    ffn = down.shape[1] if down.dim() == 3 else -1
+    shapes = [tuple(p.shape) for p in (bias, *stacked)]
+    if shapes != [(count,), (count, hidden, 2 * ffn), (count, 2 * ffn), (count, ffn, hidden), (count, hidden)]:
+        return None
+    return _dropless_swiglu(path, count, top_k, hidden, ffn, "router.weight", tuple(f"experts.{name}" for name in names),
+                            f"gpt-oss biased experts with a clamped SwiGLU ({type(module).__name__}, dropless)")
 
 
 def _routing_groups(gate: torch.nn.Module, experts: int) -> tuple[int, ...]:

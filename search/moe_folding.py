@@ -147,8 +147,9 @@ def folded_candidates(context: SearchContext) -> list[Plan]:
         return []
     uncompiled = any(block.runtime != ROUTED_GELU for block in context.graph.moe_blocks)
     if uncompiled and context.constraints.mesh.get("tp", 1) < 2:
-        # HuggingFace's blocks keep their own router: their folded program is written only in
-        # pipeline stages, so they are folded only when the user asks for tensor parallelism (--mesh tp=N).
+        # HuggingFace's blocks are folded only when the user asks for tensor parallelism (--mesh tp=N):
+        # their folded programs compile (codegen.moe_folding_emit), but offering them by default
+        # would change the plans searched for these models without it (not yet compared at scale).
         return []
     graph, plans = context.graph, []
     for mesh in folded_meshes(context):

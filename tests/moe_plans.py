@@ -80,6 +80,8 @@ HF_MOE = {
     # every layer MoE (first_k_dense_replace 0): the pipeline grid cuts repeated blocks
     "deepseek_v3": {**HF_TINY, "intermediate_size": 48, "moe_intermediate_size": 40, "n_routed_experts": 4,
                     "num_experts_per_tok": 2, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1},
+    # biased router, transposed biased experts, clamped SwiGLU (planner.moe_blocks); head_dim set: its default is 64
+    "gpt_oss": {**HF_TINY, "intermediate_size": 40, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {**HF_TINY, "intermediate_size": 48, "moe_intermediate_size": 40, "shared_expert_intermediate_size": 24,
                   "num_experts": 4, "num_experts_per_tok": 2},
 }

@@ -67,3 +67,37 @@ def test_deepseek_v3s_group_limited_routing_is_read_from_its_router():
                                             "num_key_value_heads": 4, "vocab_size": 64, "intermediate_size": 48,
                                             "num_local_experts": 4, "num_experts_per_tok": 2}).build("meta")
     assert [b.routing_groups for b in find_moe_blocks(mixtral)] == [()]
+
+
+def test_gpt_oss_block_is_found_and_priced_as_a_swiglu_of_its_width():
+    """gpt-oss's ``GptOssMLP``: a router with a bias, experts stored transposed with biases.
+    Its routed token costs a SwiGLU's three hidden x ffn matmuls: 2 x 3 x 32 x 40 = 7680
+    forward FLOPs; round-robin over 4 devices, each holds one expert: 3 x 32 x 40 fp32 elements."""
+    from cost_model.moe_layers import moe_layer_of, price_layout
+    from planner.cluster import Cluster
+    from planner.strategy import ExpertLayout, ExpertPlacement
+
+    overrides = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                 "head_dim": 8, "vocab_size": 64, "intermediate_size": 40, "num_local_experts": 4,
+                 "num_experts_per_tok": 2}
+    model, _, _ = ModelSpec("hf:gpt_oss", overrides).build("meta")
+    blocks = find_moe_blocks(model)
+    assert [b.module for b in blocks] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    block = blocks[0]
+    assert (block.experts, block.top_k, block.hidden, block.ffn, block.matmuls, block.capacity_factor) == (4, 2, 32, 40, 3, 0.0)
+    assert (block.router, block.runtime) == ("router.weight", HF_STACKED_EXPERTS)
+    assert block.expert_weights == ("experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj",
+                                    "experts.down_proj_bias")
+    for name in (block.router, *block.expert_weights):
+        model.get_parameter(f"{block.module}.{name}")  # the names resolve
+    assert moe_layer_of(block, 64).flops_per_copy() == 2 * 3 * 32 * 40
+    layout = ExpertLayout(module=block.module, mode="expert_parallel", experts=4, top_k=2, capacity_factor=0.0,
+                          axis="dp", placement=ExpertPlacement.round_robin(4, 4))
+    cluster = Cluster.parse("cpu:1x4")
+    # Priced as Mixtral's block of the same shape (its biases are adds: 2F + C of 3CF elements).
+    mixtral, _, _ = ModelSpec("hf:mixtral", {**overrides, "num_hidden_layers": 1}).build("meta")
+    same_shape = find_moe_blocks(mixtral)[0]
+    assert (same_shape.hidden, same_shape.ffn, same_shape.experts, same_shape.top_k) == (32, 40, 4, 2)
+    cost = price_layout(block, layout, 64, cluster, "fp32")
+    assert cost == price_layout(same_shape, layout, 64, cluster, "fp32")
+    assert cost.forward_comm_s > 0 and cost.weight_bytes == pytest.approx(4 * 3 * 32 * 40 * 4 / 4)

@@ -11,7 +11,10 @@ pipelines of 2 stages over dp2 x tp2 (issue 26's first composed configuration): 
 search picks for ``--mesh pp=2,dp=2,tp=2`` (EP2 x EDP2) and EP4; each stage replays its graph
 on DTensors (attention tensor parallel) and runs its MoE layers folded over its 4 ranks.
 ``launch.py --check``'s step (outputs, loss, every gradient, every updated parameter) must
-equal one device's (in the plan's micro-batches). Each world size checks all its programs in
+equal one device's (in the plan's micro-batches). Tiny HuggingFace ``hf:mixtral`` and
+``hf:qwen3_moe`` at dp2 x tp2 with EP4 and no pipeline: attention heads split over tp (Qwen3's
+per-head q/k norms with their gradients summed over tp, its first layer a dense SwiGLU MLP),
+each block's own router on 1/tp of the tokens, its stacked experts over all 4 ranks. Each world size checks all its programs in
 ONE torchrun launch (``tests/dist_check_many.py``).
 
 Negative controls must fail, naming what they break: expert gradients divided by dp x tp
@@ -32,6 +35,7 @@ from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from planner.strategy import Mesh
 from search.moe_folding import folded_plan
+from moe_plans import HF_MOE
 from test_parity import LAUNCH_TIMEOUT, _run, _torchrun, check_many, result_of
 
 pytestmark = pytest.mark.distributed
@@ -49,13 +53,17 @@ CASES = {
     "two_micro_batches_ep2": ({}, 2, 2, 2, 2, 1),
     "dp1tp4_ep4": ({}, 1, 4, 4, 1, 1),
 }
+# name: (tiny HuggingFace MoE decoder, its overrides), folded dp2 x tp2 with EP4; Qwen3-MoE's
+# first layer a dense SwiGLU MLP (gate/up column parallel, down row parallel).
+HF_CASES = {"hf_mixtral_dp2tp2_ep4": ("mixtral", HF_MOE["mixtral"]),
+            "hf_qwen3_moe_dense_first_dp2tp2_ep4": ("qwen3_moe", {**HF_MOE["qwen3_moe"], "mlp_only_layers": [0]})}
 SEARCHED = "searched_dp2tp2"
 EXPERT_SCALE_CONTROL = "control_expert_gradients_over_dp_x_tp"
 ROUTER_CONTROL = "control_router_gradients_not_summed_over_tp"
 
 
-def plan_of(overrides: dict, dp: int, tp: int, ep: int, steps: int, etp: int = 1):
-    graph, spec, name, cluster = prepare_model(ModelSpec(str(EXAMPLE), overrides), f"cpu:1x{WORLD}")
+def plan_of(overrides: dict, dp: int, tp: int, ep: int, steps: int, etp: int = 1, source: str = str(EXAMPLE)):
+    graph, spec, name, cluster = prepare_model(ModelSpec(source, overrides), f"cpu:1x{WORLD}")
     plan = folded_plan(graph, cluster, spec, name, Mesh((("dp", dp), ("tp", tp))), ep, etp)
     return dataclasses.replace(plan, accumulation_steps=steps)
 
@@ -84,6 +92,8 @@ def _leave_router_gradients_unsummed(folder: Path) -> Path:
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-folding")
     folders = {name: planner.compile(plan_of(*case), root / name) for name, case in CASES.items()}
+    for name, (model, overrides) in HF_CASES.items():
+        folders[name] = planner.compile(plan_of(overrides, 2, 2, 4, 1, source=f"hf:{model}"), root / name)
     searched = planner.plan(ModelSpec(str(EXAMPLE), {}), f"cpu:1x{WORLD}", constraints={"mesh": {"dp": 2, "tp": 2}})
     assert "moe-folding" in searched.sections, searched.name
     folders[SEARCHED] = planner.compile(searched, root / SEARCHED)
@@ -96,7 +106,7 @@ def run(tmp_path_factory):
     return folders, controls, check_many(WORLD, [*folders.values(), *controls.values()], root)
 
 
-@pytest.mark.parametrize("case", [*CASES, SEARCHED])
+@pytest.mark.parametrize("case", [*CASES, *HF_CASES, SEARCHED])
 def test_folded_step_equals_one_device(run, case):
     folders, _, launch = run
     result = result_of(launch, folders[case])
@@ -153,6 +163,23 @@ def test_the_program_names_its_layers_and_placement(run):
     assert "replace_layer(model, 'blocks.0.mlp.2', RowParallelLinear(" in dense
 
 
+def test_huggingface_blocks_keep_their_router_and_names(run):
+    """The folded HuggingFace program replaces only the stacked experts (the block keeps its
+    path and router), splits attention heads, and sums Qwen3's per-head norms over tp."""
+    folders, _, _ = run
+    source = (folders["hf_qwen3_moe_dense_first_dp2tp2_ep4"] / "model_spmd.py").read_text()
+    assert "replace_layer(model, 'model.layers.1.mlp.experts', FoldedStackedExperts(" in source
+    assert "fold_block_tokens(model.get_submodule('model.layers.1.mlp'), tp_group, " in source
+    assert "replace_layer(model, 'model.layers.0.mlp.up_proj', ColumnParallelLinear(" \
+           "model.get_submodule('model.layers.0.mlp.up_proj'), tp_group))" in source
+    assert "replace_layer(model, 'model.layers.0.mlp.down_proj', RowParallelLinear(" in source
+    assert "replace_layer(model, 'model.layers.1.self_attn.q_proj', ColumnParallelLinear(" \
+           "model.get_submodule('model.layers.1.self_attn.q_proj'), tp_group))" in source
+    assert "sum_gradients_over(model.get_submodule('model.layers.1.self_attn.k_norm'), tp_group)" in source
+    # EP4 over dp2 x tp2: expert e whole on folded rank e.
+    assert "EXPERT_PLACEMENT_0 = (((0, 1.0),), ((1, 1.0),), ((2, 1.0),), ((3, 1.0),))" in source
+
+
 def test_what_is_not_compiled_is_refused_in_one_line(tmp_path):
     graph, spec, name, cluster = prepare_model(ModelSpec(str(EXAMPLE), {}), "cpu:2x4")
     pipelined = folded_plan(graph, cluster, spec, name, Mesh((("pp", 2), ("dp", 2), ("tp", 2))), 2, 2, micro_batches=2)
@@ -164,6 +191,17 @@ def test_what_is_not_compiled_is_refused_in_one_line(tmp_path):
     zero2 = dataclasses.replace(folded_plan(graph, cluster, spec, name, mesh, 4), dp_flavour="zero2")
     with pytest.raises(PlanningError, match="plan with --dp ddp"):
         planner.compile(zero2, tmp_path / "zero2")
+    # HuggingFace blocks: whole experts only; attention heads whole on each tp rank.
+    sliced = plan_of(HF_MOE["mixtral"], 2, 2, 2, 1, etp=2, source="hf:mixtral")
+    with pytest.raises(PlanningError, match=r"HuggingFace MoE block 'model.layers.0.mlp' with whole experts.*ETP=2"):
+        planner.compile(sliced, tmp_path / "hf_etp")
+    two_kv_heads = plan_of({**HF_MOE["mixtral"], "num_key_value_heads": 2}, 1, 4, 4, 1, source="hf:mixtral")
+    with pytest.raises(PlanningError, match=r"4 query and 2 key/value heads, which do not split over tp=4") as error:
+        planner.compile(two_kv_heads, tmp_path / "hf_heads")
+    assert "\n" not in str(error.value)
+    sinks = plan_of(HF_MOE["gpt_oss"], 2, 2, 4, 1, source="hf:gpt_oss")
+    with pytest.raises(PlanningError, match=r"attention 'model.layers.0.self_attn' has parameters of its own \(sinks\)"):
+        planner.compile(sinks, tmp_path / "hf_sinks")
 
 
 def _step_losses(stdout: str) -> dict[int, float]:

@@ -14,7 +14,9 @@ with gradient accumulation over 2 micro-batches (each routed on its own; expert 
 a copied expert under DDP, sharded copies under FSDP2, and HF Mixtral).
 Tiny HuggingFace Mixtral and Qwen2-MoE (their router and shared experts kept, only the
 stacked SwiGLU experts replaced, ``codegen.runtime.expert_dispatch``): expert parallel
-round-robin and with a copied expert (DDP, and FSDP2 around the rest), and replicated.
+round-robin and with a copied expert (DDP, and FSDP2 around the rest), and replicated; tiny
+gpt-oss (biased router and experts, transposed weights, clamped SwiGLU) expert parallel with a
+copied expert (its expert biases split, gathered and summed over copies like the weights).
 Experts on a grid of 2 copies each, sharded over their copies (expert data parallelism,
 ``codegen.runtime.expert_copies``): routed experts 2 per rank and 1 per rank (shards of
 their width), under DDP (also with the two-level all-to-all on two nodes), FSDP2 (also with
@@ -86,6 +88,8 @@ HF_CASES = [
     ("hf_mixtral_fsdp_ep_skewed_copied", "mixtral", "expert_parallel", "skewed", "fsdp"),
     ("hf_qwen2_moe_ep_skewed_copied", "qwen2_moe", "expert_parallel", "skewed", "ddp"),
     ("hf_qwen2_moe_data_parallel", "qwen2_moe", "data_parallel", None, "ddp"),
+    # gpt-oss: biased router, experts transposed with biases, clamped SwiGLU over interleaved gate/up
+    ("hf_gpt_oss_ep_skewed_copied", "gpt_oss", "expert_parallel", "skewed", "ddp"),
 ]
 # Expert data parallelism: every expert on 2 ranks (a grid), its weights, gradients and
 # optimizer states sharded over them by FSDP2 (codegen.runtime.expert_copies):

@@ -138,7 +138,7 @@ def test_single_device_reference_runs_the_pipeline_micro_batches() -> None:
 
 def test_report_lists_each_stage_moe_layers(moe_pipeline: Plan) -> None:
     """Eight experts with uniform routing, round-robin over a stage's 4 dp ranks: each rank
-    holds 2 experts, so the busiest takes 2 x 1/8 = 25.0% of the layer's routed choices."""
+    holds 2 experts, so the busiest takes 2 x 1/8 = 25.0% of the layer's expert work."""
     from rich.console import Console
 
     from planner.pipeline_moe_report import stage_moe_table
@@ -149,7 +149,7 @@ def test_report_lists_each_stage_moe_layers(moe_pipeline: Plan) -> None:
     assert [row.split("│")[1].strip() for row in rows] == ["0", "1"]
     assert [row.split("│")[2].strip() for row in rows] == ["blocks.0.moe", "blocks.1.moe"]
     assert all(layout.placement.method == "round-robin" for layout in moe_pipeline.expert_layouts)
-    assert all("25.0% of choices" in row for row in rows)
+    assert all("25.0% of expert work" in row for row in rows)
 
 
 def test_ops_between_blocks_stay_with_the_block_before_them() -> None:

@@ -44,7 +44,7 @@ def test_each_layer_leaves_its_all_to_alls_exposed_without_overlap(moe_pipeline:
     # Stage 0 holds blocks.0.moe, stage 1 blocks.1.moe; 8 experts round-robin over 4 ranks:
     # the busiest holds 2 of 8 uniform experts, 25% of the choices, 1.00x an even share.
     assert [row[0] for row in table] == ["0", "1"] and [row[1] for row in table] == ["1", "1"]
-    assert all(row[4] == "25.0% of choices (1.00x even)" for row in table)
+    assert all(row[4] == "25.0% of expert work (1.00x even)" for row in table)
     per_layer = rows(stage_moe_table(plan))
     assert [row[5] for row in per_layer] == [row[3] for row in table]  # one layer per stage
 
@@ -83,3 +83,31 @@ def test_the_figure_survives_the_plan_file_and_a_bad_one_is_named(moe_pipeline: 
         broken["expert_layouts"][0]["exposed_all_to_all_s"] = bad
         with pytest.raises(PlanFileError, match=r"expert_layouts\[0\]\.exposed_all_to_all_s' must be a number"):
             Plan.from_dict(broken)
+
+
+def test_a_folded_plan_reports_its_degrees_and_each_devices_share_of_the_stage_group() -> None:
+    """``examples/moe.py`` (8 experts) folded on pp2 x dp2 x tp2 (``cpu:2x4``): each stage's
+    layer runs over its 4 dp x tp ranks. EP4 round-robin: 2 experts a rank, 2/8 = 25.0% of
+    the expert work, 1.00x even. EP2 x EDP2: an EP rank holds 4 experts (50%), split over its
+    2 copies: 25.0% a device, 1.00x even. EP4 with expert 0 hot (loads 0.3 and 0.1 for the
+    seven others): rank 0 holds experts 0 and 4, 0.3 + 0.1 = 40.0%, 4 x 0.4 = 1.60x even."""
+    from planner.strategy import Mesh
+    from search.moe_folding import folded_plan
+    from test_pipeline_moe import SPEC as spec
+
+    graph, spec, name, cluster = prepare_model(spec, "cpu:2x4")
+    mesh = Mesh((("pp", 2), ("dp", 2), ("tp", 2)))
+    ep4 = folded_plan(graph, cluster, spec, name, mesh, 4, micro_batches=2)
+    summary = rows(stage_moe_summary(ep4))
+    assert [row[0] for row in summary] == ["0", "1"]
+    assert all(row[2] == "expert parallel EP4 over dp*tp (round-robin, flat)" for row in summary)
+    assert all(row[4] == "25.0% of expert work (1.00x even)" for row in summary)
+    assert "each over its stage's 4 dp*tp ranks" in stage_moe_table(ep4).title
+    copied = folded_plan(graph, cluster, spec, name, mesh, 2, micro_batches=2)
+    assert all(row[2].startswith("expert parallel EP2 x EDP2 over dp*tp") and row[4] == "25.0% of expert work (1.00x even)"
+               for row in rows(stage_moe_summary(copied)))
+    hot = (0.3,) + (0.1,) * 7
+    skewed = dataclasses.replace(ep4, expert_layouts=tuple(dataclasses.replace(layout, expert_loads=hot)
+                                                           for layout in ep4.expert_layouts))
+    assert all(row[4] == "40.0% of expert work (1.60x even)" for row in rows(stage_moe_summary(skewed)))
+    assert all(row[6] == "40.0% of expert work" for row in rows(stage_moe_table(skewed)))

@@ -17,6 +17,10 @@ sum with the experts split over a process group:
 3. The outputs go back with the reverse all-to-all, are weighted by the router's weights on
    the rank that owns the token (so the router's gradient stays there) and summed per token.
 
+gpt-oss's experts (``planner.moe_blocks``) store their weights transposed (in, out), add a
+bias after each projection and gate with a clamped SwiGLU whose gate and up columns
+interleave; this module runs them so (``_swiglu``), holding the rank's rows of the biases too.
+
 Gradients: an expert's weights get the gradient of every rank's tokens it processed: the sum
 over ranks of each rank's loss. A data-parallel program averages the other gradients over
 the ranks, so in backward the experts' are divided by the group size and a copied expert's
@@ -73,9 +77,15 @@ class ExpertParallelExperts(torch.nn.Module):
             raise ValueError(f"the placement covers {len(self.replicas)} experts, the model's layer {self.experts}")
         self.top_k, self.rank_losses_averaged, self.sharded_copies = top_k, rank_losses_averaged, sharded_copies
         self.local_experts = [e for e, copies in enumerate(self.replicas) if any(d == self.rank for d, _ in copies)]
-        set_derived_parameter(self, "gate_up_proj", experts.gate_up_proj, rows=self.local_experts)
-        set_derived_parameter(self, "down_proj", experts.down_proj, rows=self.local_experts)
-        self.act_fn = experts.act_fn
+        # gpt-oss: weights (in, out) with a bias each, gate and up interleaved, a clamped SwiGLU.
+        self.transposed = bool(getattr(experts, "is_transposed", False))
+        biased = bool(getattr(experts, "has_bias", False))
+        self.weight_names = ("gate_up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias") if biased else ())
+        for name in self.weight_names:
+            set_derived_parameter(self, name, getattr(experts, name), rows=self.local_experts)
+        self.interleaved = not getattr(experts, "is_concatenated", True)
+        self.act_fn = getattr(experts, "act_fn", None)
+        self.alpha, self.limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
         # Routing statistics, summed over forwards (plain tensors: DDP would overwrite buffers).
         self.routed_counts = torch.zeros(self.experts, dtype=torch.float64, device="cpu")  # moved by count_choices
         self.coselected = torch.zeros(self.experts, self.experts, dtype=torch.float64, device="cpu")
@@ -98,29 +108,51 @@ class ExpertParallelExperts(torch.nn.Module):
         dist.all_to_all_single(received_experts, chosen[order].contiguous(), receive_sizes, send_sizes, group=self.group)
 
         # 2. This rank's experts on the rows they received (SwiGLU, as the model's experts).
-        gate_up, down = self._weights()
+        weights = self._weights()
         output = torch.zeros_like(received)
         for position, expert in enumerate(self.local_experts):
             rows = (received_experts == expert).nonzero().squeeze(-1)
             if rows.numel() == 0:
                 continue
-            gate, up = torch.nn.functional.linear(received[rows], gate_up[position]).chunk(2, dim=-1)
-            result = torch.nn.functional.linear(self.act_fn(gate) * up, down[position])
+            result = self._expert(received[rows], [weight[position] for weight in weights])
             output = output.index_copy(0, rows, result.to(output.dtype))
 
         # Every rank's backward must reach its expert weights, also when no token came here: the
         # copies' gradient sum is a collective every rank joins.
-        output = output + 0 * (gate_up.flatten()[:1].sum() + down.flatten()[:1].sum())
+        output = output + 0 * sum(weight.flatten()[:1].sum() for weight in weights)
 
         # 3. Back to the tokens' ranks, weighted by the router there, summed per token.
         returned = all_to_all_rows(output, send_sizes, receive_sizes, self.group)
-        weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(hidden).index_add(0, token[order], (returned * weights).to(hidden.dtype))
+        scale = top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(hidden).index_add(0, token[order], (returned * scale).to(hidden.dtype))
 
-    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _weights(self) -> list[torch.Tensor]:
+        """This rank's expert weights in ``weight_names`` order, scaled in backward."""
+        weights = [getattr(self, name) for name in self.weight_names]
         if not self.rank_losses_averaged:
-            return self.gate_up_proj, self.down_proj
-        return with_expert_gradient(self.gate_up_proj, self), with_expert_gradient(self.down_proj, self)
+            return weights
+        return [with_expert_gradient(weight, self) for weight in weights]
+
+    def _expert(self, rows: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        """One expert on ``rows``: (gate_up, down) or (gate_up, down, gate_up bias, down bias)."""
+        gate_up, down, *biases = weights
+        projected = rows @ gate_up if self.transposed else torch.nn.functional.linear(rows, gate_up)
+        if biases:
+            projected = projected + biases[0]
+        hidden = self._swiglu(projected)
+        result = hidden @ down if self.transposed else torch.nn.functional.linear(hidden, down)
+        return result + biases[1] if biases else result
+
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The experts' gating: ``act_fn(gate) * up`` over the two halves, or gpt-oss's over
+        interleaved columns, clamped at ``limit``: ``(up + 1) * gate * sigmoid(alpha * gate)``
+        (transformers' ``GptOssExperts._apply_gate``)."""
+        if not self.interleaved:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act_fn(gate) * up
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def expert_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """The gradient of this rank's expert weights as the step's mean loss needs it:
@@ -149,7 +181,7 @@ class ExpertParallelExperts(torch.nn.Module):
     def rank_local_parameters(self) -> list[torch.nn.Parameter]:
         """This rank's own experts: no data-parallel wrapper or optimizer may average,
         shard or broadcast them."""
-        return [self.gate_up_proj, self.down_proj]
+        return [getattr(self, name) for name in self.weight_names]
 
     def _record(self, top_k_index: torch.Tensor) -> None:
         if is_recomputing():  # backward re-running a checkpointed block: counted in its forward
@@ -162,7 +194,7 @@ class ExpertParallelExperts(torch.nn.Module):
         """Every expert's weights (and gradients) as one device stacks them, by the names of
         the module this one replaced (``codegen.runtime.parity``). Collective over ``group``."""
         found = {}
-        for name in ("gate_up_proj", "down_proj"):
+        for name in self.weight_names:
             weight = getattr(self, name)
             value = gather_experts(whole(weight.detach()), self.replicas, self.local_experts, self.group)
             grad = None if weight.grad is None else gather_experts(whole(weight.grad.detach()), self.replicas,

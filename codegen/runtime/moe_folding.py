@@ -26,6 +26,15 @@ now reaches the experts and the router from one tp rank only:
 - the balance loss is one number every rank computes from the group's sums; its gradient
   reaches every rank's routing through the group's all-reduce, from all ``dp x tp`` ranks'
   losses, ``tp`` times per dp loss: divided by ``tp`` on the way in.
+
+A HuggingFace MoE block (Mixtral, Qwen3-MoE, ...: its own router, stacked SwiGLU experts,
+dropless, no balance loss in the block) folds the same way without being replaced: its
+experts become ``FoldedStackedExperts`` (``ExpertParallelExperts`` over the folded group,
+gradients divided by dp), and ``fold_block_tokens`` hooks the block so that it runs on this
+tp rank's ``1 / tp`` of the tokens and its output is all-gathered over tp; the gradients of
+its other parameters (router, shared experts) are summed over tp. Routing is per token, so
+which rank routes a token does not change it. The block keeps its module path and parameter
+names (checkpoints and ``--check`` see the model's own names).
 """
 
 from __future__ import annotations
@@ -34,11 +43,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from codegen.runtime.expert_dispatch import ExpertParallelExperts
 from codegen.runtime.materialize import set_derived_parameter
 from codegen.runtime.moe import ExpertParallelMoE, gelu_experts, scaled_gradient
 from codegen.runtime.summa import all_reduce_gradient
 
-__all__ = ["FoldedExpertParallelMoE", "FoldedMoE", "SlicedExperts", "TokensOverTensorParallel", "expert_tensor_groups"]
+__all__ = [
+    "FoldedExpertParallelMoE", "FoldedMoE", "FoldedStackedExperts", "SlicedExperts", "TokensOverTensorParallel",
+    "expert_tensor_groups", "fold_block_tokens", "sum_gradients_over",
+]
 
 
 class FoldedExpertParallelMoE(ExpertParallelMoE):
@@ -240,3 +253,60 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.narrow(0, ctx.rank * ctx.piece, ctx.piece).contiguous(), None, None
+
+
+class FoldedStackedExperts(ExpertParallelExperts):
+    """A HuggingFace block's stacked experts over the folded ``dp x tp`` group whose ranks'
+    losses repeat ``tensor_parallel`` times (module docstring): expert gradients divided by
+    dp, not dp x tp."""
+
+    def __init__(self, experts: nn.Module, placement, top_k: int, group=None, *, tensor_parallel: int) -> None:
+        super().__init__(experts, placement, top_k, group)
+        self.tensor_parallel = tensor_parallel
+
+    def expert_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        """See ``ExpertParallelExperts.expert_gradient``; times tp (module docstring)."""
+        return super().expert_gradient(grad) * self.tensor_parallel
+
+
+def fold_block_tokens(block: nn.Module, tp_group, experts: nn.Module) -> None:
+    """Make the HuggingFace MoE ``block`` run on this tp rank's ``1 / tp`` of its input's
+    tokens (consecutive rows of batch x sequence) and all-gather its output over ``tp_group``;
+    sum the gradients of its parameters outside ``experts`` over ``tp_group`` (each rank saw
+    only its slice's tokens). ``block.forward(hidden)`` takes and returns (batch, seq, width)."""
+    tp, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    shapes = []  # the input's shape, from the pre-hook to the hook of the same call
+
+    def take_slice(module, args):
+        hidden, *rest = args
+        batch, seq, width = hidden.shape
+        rows = batch * seq
+        if rows % tp:
+            raise ValueError(f"{rows} tokens per dp rank do not split over tp={tp}; plan a batch x sequence "
+                             f"divisible by tp")
+        shapes.append(hidden.shape)
+        piece = rows // tp
+        mine = _SliceRows.apply(hidden.reshape(rows, width), tp_group, rank, piece)
+        return (mine.view(1, piece, width), *rest)
+
+    def gather_output(module, args, output):
+        shape = shapes.pop()
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"a folded HuggingFace MoE block returns one tensor; {type(module).__name__} returned "
+                            f"{type(output).__name__}")
+        whole = _GatherRows.apply(output.reshape(-1, shape[-1]), tp_group, rank)
+        return whole.view(shape)
+
+    block.register_forward_pre_hook(take_slice)
+    block.register_forward_hook(gather_output)
+    sum_gradients_over(block, tp_group, skip=experts)
+
+
+def sum_gradients_over(module: nn.Module, group, skip: nn.Module | None = None) -> None:
+    """Sum the gradients of ``module``'s parameters (those of ``skip`` left out) over
+    ``group`` in backward, before a data-parallel wrapper averages them: each rank's copy saw
+    a disjoint part of the work (its tokens, or its attention heads for a per-head norm)."""
+    own = set() if skip is None else {id(weight) for weight in skip.parameters()}
+    for weight in module.parameters():
+        if id(weight) not in own and weight.requires_grad:
+            weight.register_hook(lambda grad: all_reduce_gradient(grad.clone(), (group,)))

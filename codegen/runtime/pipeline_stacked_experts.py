@@ -55,7 +55,7 @@ class StageStackedExperts(nn.Module):
         self.layer = ExpertParallelExperts(experts, placement, top_k, group, rank_losses_averaged=False)
         self.mesh, self.path = mesh, path
         self.router_name = names[0]
-        self.expert_names = tuple(names[1:])  # "experts.gate_up_proj", "experts.down_proj"
+        self.expert_names = tuple(names[1:])  # "experts.gate_up_proj", "experts.down_proj" (and gpt-oss's biases)
 
     def forward(self, router: DTensor, tokens: DTensor, index: DTensor, weights: DTensor) -> DTensor:
         """The experts' weighted sum per token, rows as ``tokens`` (``router`` only named the block)."""
@@ -70,7 +70,7 @@ class StageStackedExperts(nn.Module):
         the micro-batches."""
         layer = self.layer
         copied = any(len(copies) > 1 for copies in layer.replicas)
-        for weight in (layer.gate_up_proj, layer.down_proj):
+        for weight in layer.rank_local_parameters():
             if weight.grad is None:
                 continue
             if copied:
