@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.fidelity import (
-    Run, bloom_cluster, llama3_405b_layout, megatron_core_flops, megatron_deepspeed_flops, runs, simulate, summary,
-)
+from benchmarks.fidelity import simulate, summary
+from benchmarks.fidelity_flops import megatron_core_flops, megatron_deepspeed_flops
+from benchmarks.fidelity_runs import Run, bloom_cluster, llama3_405b_layout, runs
 from planner.families.hsdp.section import HsdpSection
 
 
