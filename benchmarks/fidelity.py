@@ -199,6 +199,8 @@ def simulate(run: Run, roofline: bool = False):
         changes["megatron_distributed_optimizer"] = True
     if run.fsdp_fp32_reduce:
         changes["fsdp_fp32_reduce"] = True
+    if run.optimizer_implementation:
+        changes["optimizer_implementation"] = run.optimizer_implementation
     if run.hsdp_shard:
         changes["sections"] = {**plan.sections, "hsdp": HsdpSection(run.hsdp_shard)}
     if changes:

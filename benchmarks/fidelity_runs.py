@@ -51,6 +51,8 @@ class Run:
         megatron_distributed_optimizer: the run's ZeRO-1 is Megatron-Core's distributed
             optimizer (``Plan.megatron_distributed_optimizer``).
         fsdp_fp32_reduce: the run's FSDP2 reduces gradients in fp32 (``Plan.fsdp_fp32_reduce``).
+        optimizer_implementation: how the run's AdamW steps where it is not one fused kernel
+            (``Plan.optimizer_implementation``); empty: fused.
     """
 
     name: str
@@ -65,6 +67,7 @@ class Run:
     hsdp_shard: int | None = None
     megatron_distributed_optimizer: bool = False
     fsdp_fp32_reduce: bool = False
+    optimizer_implementation: str = ""
 
     def describe(self, gpus: int) -> str:
         parts = [f"tp{self.layout.get('tp', 1)}", f"pp{self.layout.get('pp', 1)}",
@@ -216,6 +219,7 @@ def runs() -> list[Run]:
             {"dp_flavour": "fsdp", "recompute": "full" if ac else "none"}, acc,
             tokens_step(batch, 2048, tokens, gpus), f"{tokens} tok/s/GPU",
             f"{LLM_FOUNDRY} ({'H100' if 'h100' in preset else 'A100 80GB'} table)",
+            optimizer_implementation="per_parameter",  # the yamls' decoupled_adamw (Composer's loop)
         ))
     # torchtitan on 64 A100 80GB (docs/performance.md of mid-2024): FSDP2, local batch 1 or 2,
     # gradients reduce-scattered in fp32: torchtitan's FSDP2 policy was
