@@ -68,12 +68,37 @@ Found and left as it is, moving the MPT rows the wrong way: llm-foundry's FSDP o
 FSDP1 (PyTorch 2.1, flat parameters: the all-gather writes the unsharded flat parameter in
 place), which has no copy-out; the simulator charges FSDP2's (``DataParallelStep.copy_out``:
 1.3% of MPT-7B@8xA100's predicted step). Without it the MPT rows would be up to 1.3 points
-faster still. Not priced either, and too small to explain the MPT rows: Composer's
-``DecoupledAdamW`` (the yamls' ``decoupled_adamw``; composer/optim/decoupled_weight_decay.py,
-``DecoupledAdamW.adamw``) steps parameter by parameter, a ``.item()`` and nine memory-bound
-ops each (22 fp32 accesses per element against the fused kernel's 7): by hand, 0.6% of
-MPT-7B@8xA100's step (0.84e9 elements per GPU x 15 x 4 bytes more at 0.8 x 2.04 TB/s = 31 ms
-of 5.30 s), 1.6% of MPT-7B@8xH100's, 0.5% or less on 64 GPUs.
+faster still.
+
+Priced as the MPT rows' framework runs it: the optimizer. Their yamls step Composer's
+``DecoupledAdamW`` (``optimizer: name: decoupled_adamw``, ``weight_decay: 0.0``), a Python loop
+over the parameters (composer/optim/decoupled_weight_decay.py at 18f2d3c33, the Composer of
+the sweep): per tensor a ``state['step'] += 1`` on a CUDA scalar, its ``.item()`` (a host
+sync) and eight memory-bound ops, 20 fp32 accesses per element against the fused kernel's 7
+(``Plan.optimizer_implementation = "per_parameter"``, ``cost_model.compute``). FSDP1 with
+``use_orig_params`` (Composer's default) leaves a tensor without a gradient on the ranks whose
+flat-parameter shard it does not cross, so each rank steps only the tensors its shard crosses
+(``compute.tensors_in_flat_shards``: 5 or 6 of a block's 12 on the busiest rank). The MPT rows move
+0.7-2.3 points slower (MPT-7B@8xH100 -10.4% -> -8.1%, MPT-13B@64xH100 -19.0% -> -17.4%).
+Not priced, and smaller: Composer's ``gradient_clipping`` algorithm (FSDP1's
+``clip_grad_norm_``: a norm and a scaling per tensor, 3 fp32 accesses per element, about 0.4%
+of MPT-7B@8xH100's step by hand).
+
+Checked and not a cause of the MPT rows' gap: FSDP1's backward prefetch as Composer set it
+(``backward_prefetch: BACKWARD_POST``, ``forward_prefetch: False``: composer/trainer/
+dist_strategy.py ``set_fsdp_default`` at 18f2d3c33; llm-foundry's yamls and
+submit_benchmarks.py leave both). FSDP1 issues the next unit's all-gather in
+``_post_backward_reshard``, before the unit's reduce-scatter (torch/distributed/fsdp/
+_runtime_utils.py of PyTorch 2.1), from a host that runs ahead of the device, so on the
+process group's one NCCL stream each gather still runs under the next unit's backward: the
+same overlap as modelled. And the Triton attention kernel's ratios are the right kernel's:
+llm-foundry's ``flash_attn_triton.py`` is Tri Dao's pre-MLIR Triton FlashAttention, the one
+FlashAttention-2's paper benchmarks against.
+
+What is left on the MPT rows is not identified: about 4 ms per layer per micro-batch on H100
+(MPT-13B@64xH100, micro-batch 2, and MPT-7B@8xH100, micro-batch 6, alike) and 5-6 ms on A100,
+whatever the width; llm-foundry's table gives MPT-13B the same tokens/s on 8, 16, 32 and 64
+H100s, so it is not the network.
 
 Jean Zay's per-layer cost (BLOOM only): BigScience's published layout sweep on BLOOM's cluster
 and software (``benchmarks/fidelity_sweep.py``) is predicted 5-21% fast by a time that grows
