@@ -34,9 +34,12 @@ What the simulator leaves out, and which way each bends these rows (predicted fa
 said):
   * the kernel ceilings are matmul throughputs measured with CUDA 12.1 (ml-engineering's MAMF
     table); MT-NLG (2021) and BLOOM (2022) ran on CUDA 11 with DeepSpeed's pipeline engine -
-    older kernels are slower than the ceilings we use. Not the MPT rows: their tables came
-    with llm-foundry's October 2023 sweep (commit b2a43a147, scripts/train/benchmarking/
-    sweep.sh: ``IMAGE="mosaicml/pytorch:2.1.0_cu121..."``, CUDA 12.1 for A100 and H100 alike);
+    older kernels are slower than the ceilings we use. Not the MPT rows but one: their tables
+    came with llm-foundry's October 2023 sweep (commit b2a43a147, scripts/train/benchmarking/
+    sweep.sh: ``IMAGE="mosaicml/pytorch:2.1.0_cu121..."``, CUDA 12.1 for A100 and H100 alike),
+    except MPT-70B@64xA100, whose figure (410 tok/s/GPU, precision ``bf16``, ``PURE``) the table
+    kept from the sweep before it (the README at b2a43a147^ has the same row; that sweep.sh:
+    ``IMAGE="mosaicml/pytorch:1.13.1_cu117..."``, PyTorch 1.13.1 and CUDA 11.7);
   * Megatron-Core's rows: the ``--bf16`` fp32 gradient buffer (4 bytes per gradient where
     the model counts 2: memory only, not time). Their micro-batch size is not stated; taken as
     1 (Megatron's GPT-3 example), so the pp1 rows run 4 micro-batches, gradients reduced once
