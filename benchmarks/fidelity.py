@@ -82,7 +82,8 @@ sync) and eight memory-bound ops, 20 fp32 accesses per element against the fused
 ``use_orig_params`` (Composer's default) leaves a tensor without a gradient on the ranks whose
 flat-parameter shard it does not cross, so each rank steps only the tensors its shard crosses
 (``compute.tensors_in_flat_shards``: 5 or 6 of a block's 12 on the busiest rank). The MPT rows move
-0.7-2.3 points slower (MPT-7B@8xH100 -10.4% -> -8.1%, MPT-13B@64xH100 -19.0% -> -17.4%).
+0.1-2.3 points slower (MPT-7B@8xH100 -10.4% -> -8.1%, MPT-13B@64xH100 -19.0% -> -17.4%, the
+recomputing 30B and 70B rows 0.1; 26 runs: median 8.2% -> 8.1%, largest 23.7%, 19 fast / 7 slow).
 Not priced, and smaller: Composer's ``gradient_clipping`` algorithm (FSDP1's
 ``clip_grad_norm_``: a norm and a scaling per tensor, 3 fp32 accesses per element, about 0.4%
 of MPT-7B@8xH100's step by hand).
@@ -97,6 +98,16 @@ process group's one NCCL stream each gather still runs under the next unit's bac
 same overlap as modelled. And the Triton attention kernel's ratios are the right kernel's:
 llm-foundry's ``flash_attn_triton.py`` is Tri Dao's pre-MLIR Triton FlashAttention, the one
 FlashAttention-2's paper benchmarks against.
+
+Found and left, for changes of their own: ``gpt.py``'s ``nn.Dropout(0.0)`` ops are priced as
+memory-bound passes (1-2% of the MPT and MT-NLG kernel time, ``fidelity_ops.py``), though ATen
+runs none (aten/src/ATen/native/Dropout.cpp: ``p == 0`` returns the input); making them free
+moves the MPT and MT-NLG rows faster, the wrong way, and is right only with each Megatron row
+given the dropout its framework ran (Megatron-LM's default 0.1, which no row's source states).
+torchtitan's rows ran torch.optim's foreach AdamW (train.py at 1ea476e9f: ``foreach=True``;
+``--optimizer.fused`` off by default at 3faaa1a0d), not the fused one priced here; those rows
+are another change's, and the difference by bytes is 0.2% of their steps, though
+``benchmarks/components.py``'s optimizer row measures foreach at three times what its bytes say.
 
 What is left on the MPT rows is not identified: about 4 ms per layer per micro-batch on H100
 (MPT-13B@64xH100, micro-batch 2, and MPT-7B@8xH100, micro-batch 6, alike) and 5-6 ms on A100,
