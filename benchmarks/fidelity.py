@@ -106,7 +106,7 @@ moves the MPT and MT-NLG rows faster, the wrong way, and is right only with each
 given the dropout its framework ran (Megatron-LM's default 0.1, which no row's source states).
 torchtitan's rows ran torch.optim's foreach AdamW (train.py at 1ea476e9f: ``foreach=True``;
 ``--optimizer.fused`` off by default at 3faaa1a0d), not the fused one priced here; those rows
-are another change's, and the difference by bytes is 0.2% of their steps, though
+are another change's, and the difference by bytes is 0.1-0.5% of their steps, though
 ``benchmarks/components.py``'s optimizer row measures foreach at three times what its bytes say.
 
 What is left on the MPT rows is not identified: about 4 ms per layer per micro-batch on H100

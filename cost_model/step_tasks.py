@@ -184,10 +184,12 @@ class StepTasks:
                                    dispatch_s=dispatch)
 
     def _stepped_tensors(self, segments: list[Segment], sharding: ParameterSharding) -> int:
-        """Parameter tensors one device's optimizer steps: those it holds a piece of. Sharded
-        states (FSDP) are FSDP1's flat parameters, one per repeated block and one for the rest
-        (``compute.tensors_in_flat_shards``); otherwise every tensor it holds."""
-        if sharding.states <= 1:
+        """Parameter tensors one device's optimizer steps: those it holds a piece of. Under
+        FSDP these are FSDP1's flat parameters, one per repeated block and one for the rest
+        (``compute.tensors_in_flat_shards``): the per-tensor optimizers priced here are other
+        systems' (Composer's), whose FSDP is FSDP1. Otherwise every tensor it holds (ZeRO's
+        pieces cut every tensor)."""
+        if self.context.plan.dp_flavour != "fsdp" or sharding.states <= 1:
             return sum(len(segment.params) for segment in segments)
         units = [list(segment.params.values()) for segment in segments if segment.block]
         units.append([size for segment in segments if not segment.block for size in segment.params.values()])
