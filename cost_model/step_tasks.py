@@ -170,7 +170,9 @@ class StepTasks:
         """One device's AdamW step. On gloo (CPU tensors) torch.optim runs its single-tensor
         implementation, op by op over the parameter tensors the device holds (ZeRO-1: a piece
         of each), each op dispatched on DTensors where the parameters are ones (FSDP2's FSDP
-        and ZeRO-2, graph programs, but not ZeRO-1's plain pieces); elsewhere the fused kernel."""
+        and ZeRO-2, graph programs, but not ZeRO-1's plain pieces); elsewhere the fused kernel.
+        A plan simulating another system's run names that run's AdamW instead
+        (``Plan.optimizer_implementation``)."""
         chosen = getattr(self.context.plan, "optimizer_implementation", "")
         if chosen:  # another system's AdamW (Plan.optimizer_implementation)
             return optimizer_step_time(state_bytes, self.context.device, chosen,

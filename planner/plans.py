@@ -69,7 +69,8 @@ OPTIMIZER_IMPLEMENTATIONS = ("", "fused", "foreach", "per_parameter")
 # The fields of a plan's JSON; any other key is a family's section (Plan.sections).
 _PLAN_KEYS = frozenset((
     "format", "version", "model", "cluster", "mesh", "dp_flavour", "recompute", "pipeline", "accumulation_steps",
-    "precision", "optimizer", "optimizer_implementation", "batch_size", "inputs", "fsdp_units", "expert_layouts", "summary", "estimate",
+    "precision", "optimizer", "optimizer_implementation", "batch_size", "inputs", "fsdp_units", "expert_layouts",
+    "summary", "estimate",
     "runners_up", "warnings", "search_summary", "label", "timings", "fused_splits_local", "tp_comm_overlap",
     "megatron_distributed_optimizer", "moe_a2a_overlap", "model_fingerprint", "strategies", "fsdp_fp32_reduce",
 ))
@@ -158,8 +159,8 @@ class Plan:
             (torch.optim's multi-tensor kernels) or ``"per_parameter"`` (Composer's
             ``DecoupledAdamW``: ops and a host sync per parameter tensor); priced by
             ``cost_model.compute.optimizer_step_time``. Empty (the default): the compiled
-            program's own (fused on GPUs, single-tensor on gloo), which is what ``planner
-            compile`` runs, so it refuses nothing; the search never sets it.
+            program's own (fused on GPUs, single-tensor on gloo). The search never sets it,
+            and ``planner compile`` refuses a plan that does (its program steps its own).
         moe_a2a_overlap: each expert-parallel MoE layer's all-to-alls run under another
             micro-batch's compute of the same layer (Megatron-Core's
             ``--overlap-moe-expert-parallel-comm``, DualPipe's overlapped chunk;
