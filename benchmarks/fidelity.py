@@ -109,9 +109,9 @@ torchtitan's rows ran torch.optim's foreach AdamW (train.py at 1ea476e9f: ``fore
 are another change's, and the difference by bytes is 0.1-0.5% of their steps, though
 ``benchmarks/components.py``'s optimizer row measures foreach at three times what its bytes say.
 
-What is left on the MPT rows is not identified: about 4 ms per layer per micro-batch on H100
-(MPT-13B@64xH100, micro-batch 2, and MPT-7B@8xH100, micro-batch 6, alike) and 5-6 ms on A100,
-whatever the width; llm-foundry's table gives MPT-13B the same tokens/s on 8, 16, 32 and 64
+What is left on the MPT rows without recomputation is not identified: 3-4 ms per layer per
+micro-batch on H100 (MPT-13B@64xH100, micro-batch 2: 3.7 ms; MPT-7B@8xH100, micro-batch 6:
+2.9 ms) and 5-6 ms on A100 (MPT-13B: 4.8 ms, MPT-7B: 5.9 ms), whatever the width or micro-batch; llm-foundry's table gives MPT-13B the same tokens/s on 8, 16, 32 and 64
 H100s, so it is not the network.
 
 Jean Zay's per-layer cost (BLOOM only): BigScience's published layout sweep on BLOOM's cluster
