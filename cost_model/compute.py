@@ -187,8 +187,8 @@ def tensors_in_flat_shards(units: list[list[float]], ranks: int) -> int:
     (``units``: each unit's tensor sizes in elements, in order) are flattened into one flat
     parameter, padded to a multiple of ``ranks`` and split evenly (FSDP1's ``FlatParameter``,
     torch/distributed/fsdp/_flat_param.py ``FlatParamHandle._get_shard``; with
-    ``use_orig_params`` a tensor outside a rank's shard has no gradient there and the
-    optimizer skips it)."""
+    ``use_orig_params`` a tensor outside a rank's shard has no gradient there,
+    ``FlatParamHandle._use_sharded_grad_views``, and the optimizer skips it)."""
     held = [0] * ranks
     for sizes in units:
         shard = math.ceil(sum(sizes) / ranks)
