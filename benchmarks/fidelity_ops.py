@@ -23,9 +23,11 @@ from cost_model.gpu_kernels import MATMUL_OPS
 from cost_model.simulator import Simulator
 
 try:  # run as a script (python benchmarks/fidelity_ops.py) or imported as benchmarks.fidelity_ops
-    from benchmarks.fidelity import runs, simulate
+    from benchmarks.fidelity import simulate
+    from benchmarks.fidelity_runs import runs
 except ModuleNotFoundError:  # pragma: no cover - the script's own folder is on sys.path instead
-    from fidelity import runs, simulate
+    from fidelity import simulate
+    from fidelity_runs import runs
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fidelity import DEEPSPEED_PIPELINE, Run, bloom_cluster, simulate  # noqa: E402
+from fidelity import simulate  # noqa: E402
+from fidelity_runs import DEEPSPEED_PIPELINE, Run, bloom_cluster  # noqa: E402
 from measured_vs_predicted import spearman  # noqa: E402
 
 from planner.verdict import CLOSE_CALL_MARGIN  # noqa: E402

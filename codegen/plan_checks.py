@@ -109,6 +109,12 @@ def check_fields(plan: Plan) -> None:
             "as torchtitan's FSDP2 MixedPrecisionPolicy does, which compiled programs do not set (such plans simulate "
             "other systems' runs); re-plan with `planner plan` for a program"
         )
+    if plan.optimizer_implementation:
+        raise PlanFileError(
+            f"plan field 'optimizer_implementation' is {_shown(plan.optimizer_implementation)}: it prices another "
+            "system's AdamW, which compiled programs do not run (they step torch.optim's fused AdamW on GPUs; such "
+            "plans simulate other systems' runs); re-plan with `planner plan` for a program"
+        )
     if plan.moe_a2a_overlap:
         raise PlanFileError(
             "plan field 'moe_a2a_overlap' is true: it prices each MoE layer's all-to-alls as hidden under another "

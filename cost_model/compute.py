@@ -97,7 +97,14 @@ def backward_bytes_ratio_on(node: OpNode, device: DeviceSpec) -> float:
 # multi-tensor kernels, each streaming its operands: param *= 1 - lr*wd (2), lerp_ exp_avg
 # toward grad (3), exp_avg_sq *= beta2 (2), addcmul_ grad^2 into it (3), sqrt into a new
 # tensor (2), div_ and add_ eps on it (2 + 2), addcdiv_ into param (4) = 20.
-ADAMW_ACCESSES = {"fused": defaults.ADAM_BYTES_ACCESSED_PER_PARAM_BYTE, "foreach": 20, "single_tensor": 7}
+# Per parameter (Composer's ``DecoupledAdamW``, composer/optim/decoupled_weight_decay.py at
+# mosaicml/composer 18f2d3c33, the release llm-foundry's October 2023 benchmarks ran: a Python
+# loop over the parameters, ``DecoupledAdamW.adamw``), with no weight decay (llm-foundry's MPT
+# yamls: ``weight_decay: 0.0``, which skips its ``param.mul_``): exp_avg.mul_ (2), .add_(grad)
+# (3), exp_avg_sq.mul_ (2), .addcmul_(grad, grad) (3), sqrt into a new tensor (2), division
+# by sqrt(bias_correction2) into another (2), add_ eps (2), param.addcdiv_ (4) = 20.
+ADAMW_ACCESSES = {"fused": defaults.ADAM_BYTES_ACCESSED_PER_PARAM_BYTE, "foreach": 20, "single_tensor": 7,
+                  "per_parameter": 20}
 # Kernels per step: foreach launches each of its 8 ops once per chunk of at most
 # ``MULTI_TENSOR_ELEMENTS`` elements (multi_tensor_apply: 320 blocks x 65,536-element chunks,
 # ATen/native/cuda/MultiTensorApply.cuh); fused launches one kernel per chunk.
@@ -110,6 +117,11 @@ MULTI_TENSOR_ELEMENTS = 320 * 65536
 # Its traffic is priced as the fused kernel's 7 accesses, not the 20 its ops stream: each
 # op's operands are one parameter's tensors, which the next op finds in the CPU's caches.
 ADAMW_SINGLE_TENSOR_OPS = 10
+# Composer's loop launches, per parameter tensor: ``state['step'] += 1`` on the step count
+# (a 0-d CUDA tensor: ``torch.zeros((), device=p.device)`` in ``DecoupledAdamW.step``), the
+# device-to-host copy of ``state_steps[i].item()`` - a sync, so the host cannot run ahead
+# and every launch is paid in full - and the 8 ops above: 10.
+ADAMW_PER_PARAMETER_LAUNCHES = 10
 
 
 def optimizer_step_time(state_bytes: float, device: DeviceSpec, implementation: str = "fused", tensors: int = 1,
@@ -120,7 +132,8 @@ def optimizer_step_time(state_bytes: float, device: DeviceSpec, implementation: 
     (PyTorch's default on CUDA: 20 accesses over 8 kernels; see ``ADAMW_ACCESSES``) or
     ``"single_tensor"`` (PyTorch's choice on CPU: ``ADAMW_SINGLE_TENSOR_OPS`` ops on each of
     ``tensors`` parameter tensors, each paying ``dispatch_s`` more when the parameters are
-    DTensors).
+    DTensors) or ``"per_parameter"`` (Composer's ``DecoupledAdamW``: 20 accesses, and
+    ``ADAMW_PER_PARAMETER_LAUNCHES`` launches on each of ``tensors`` tensors).
     """
     if implementation not in ADAMW_ACCESSES:
         raise ValueError(f"implementation must be one of {', '.join(ADAMW_ACCESSES)}, got '{implementation}'")
@@ -129,6 +142,8 @@ def optimizer_step_time(state_bytes: float, device: DeviceSpec, implementation: 
     accessed = state_bytes * ADAMW_ACCESSES[implementation] / 4
     if implementation == "single_tensor":
         return accessed / (device.memory_bandwidth * memory) + ADAMW_SINGLE_TENSOR_OPS * tensors * (overhead + dispatch_s)
+    if implementation == "per_parameter":
+        return accessed / (device.memory_bandwidth * memory) + ADAMW_PER_PARAMETER_LAUNCHES * tensors * overhead
     launches = ADAMW_KERNELS_PER_CHUNK[implementation] * max(1, math.ceil(elements / MULTI_TENSOR_ELEMENTS))
     return accessed / (device.memory_bandwidth * memory) + launches * overhead
 
@@ -165,6 +180,27 @@ def gradient_accumulation_time(elements: float, tensors: int, mode: str, first: 
         return 0.0
     _, memory, overhead = efficiencies(device)
     return moved / (device.memory_bandwidth * memory) + launches * overhead
+
+
+def tensors_in_flat_shards(units: list[list[float]], ranks: int) -> int:
+    """Parameter tensors the busiest of ``ranks`` holds a piece of, when each unit's tensors
+    (``units``: each unit's tensor sizes in elements, in order) are flattened into one flat
+    parameter, padded to a multiple of ``ranks`` and split evenly (FSDP1's ``FlatParameter``,
+    torch/distributed/fsdp/_flat_param.py ``FlatParamHandle._get_shard``; with
+    ``use_orig_params`` a tensor outside a rank's shard has no gradient there,
+    ``FlatParamHandle._use_sharded_grad_views``, and the optimizer skips it)."""
+    held = [0] * ranks
+    for sizes in units:
+        shard = math.ceil(sum(sizes) / ranks)
+        start = 0.0
+        for size in sizes:
+            end = start + size
+            if size > 0:
+                first, last = int(start // shard), int(math.ceil(end / shard)) - 1
+                for rank in range(first, min(last, ranks - 1) + 1):
+                    held[rank] += 1
+            start = end
+    return max(held, default=0)
 
 
 def optimizer_implementation(backend: str) -> str:

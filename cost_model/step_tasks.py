@@ -15,7 +15,9 @@ rendezvous of the two stages (``cost_model.deepspeed_pipeline``).
 
 from __future__ import annotations
 
-from cost_model.compute import gradient_accumulation_time, optimizer_implementation, optimizer_step_time
+from cost_model.compute import (
+    gradient_accumulation_time, optimizer_implementation, optimizer_step_time, tensors_in_flat_shards,
+)
 from cost_model.deepspeed_pipeline import deepspeed_schedule
 from cost_model.recompute import backward_comm, backward_time
 from cost_model.scheduler import TaskGraph
@@ -168,7 +170,13 @@ class StepTasks:
         """One device's AdamW step. On gloo (CPU tensors) torch.optim runs its single-tensor
         implementation, op by op over the parameter tensors the device holds (ZeRO-1: a piece
         of each), each op dispatched on DTensors where the parameters are ones (FSDP2's FSDP
-        and ZeRO-2, graph programs, but not ZeRO-1's plain pieces); elsewhere the fused kernel."""
+        and ZeRO-2, graph programs, but not ZeRO-1's plain pieces); elsewhere the fused kernel.
+        A plan simulating another system's run names that run's AdamW instead
+        (``Plan.optimizer_implementation``)."""
+        chosen = getattr(self.context.plan, "optimizer_implementation", "")
+        if chosen:  # another system's AdamW (Plan.optimizer_implementation)
+            return optimizer_step_time(state_bytes, self.context.device, chosen,
+                                       tensors=self._stepped_tensors(segments, sharding))
         if optimizer_implementation(self.context.cluster.backend) != "single_tensor":
             return optimizer_step_time(state_bytes, self.context.device)
         tensors = sum(len(segment.params) for segment in segments)
@@ -176,6 +184,18 @@ class StepTasks:
         dispatch = (self.context.device.dtensor_op_overhead_s or 0.0) if on_dtensors else 0.0
         return optimizer_step_time(state_bytes, self.context.device, "single_tensor", tensors=tensors,
                                    dispatch_s=dispatch)
+
+    def _stepped_tensors(self, segments: list[Segment], sharding: ParameterSharding) -> int:
+        """Parameter tensors one device's optimizer steps: those it holds a piece of. Under
+        FSDP these are FSDP1's flat parameters, one per repeated block and one for the rest
+        (``compute.tensors_in_flat_shards``): the per-tensor optimizers priced here are other
+        systems' (Composer's), whose FSDP is FSDP1. Otherwise every tensor it holds (ZeRO's
+        pieces cut every tensor)."""
+        if self.context.plan.dp_flavour != "fsdp" or sharding.states <= 1:
+            return sum(len(segment.params) for segment in segments)
+        units = [list(segment.params.values()) for segment in segments if segment.block]
+        units.append([size for segment in segments if not segment.block for size in segment.params.values()])
+        return tensors_in_flat_shards(units, sharding.states)
 
     def _p2p(self, vs: int, after: int, size_bytes: float, name: str, blocking: bool = False) -> int:
         # A send from (virtual) stage ``vs``. Activations and gradients travel on separate

@@ -63,10 +63,14 @@ PLAN_VERSION = 9  # 4: accumulation_steps; 5: pipeline.stage_recompute; 6: exper
 READABLE_VERSIONS = (8, PLAN_VERSION)
 PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd")
+# How another system's program runs AdamW (``Plan.optimizer_implementation``; priced by
+# ``cost_model.compute.optimizer_step_time``); "" is the compiled program's own.
+OPTIMIZER_IMPLEMENTATIONS = ("", "fused", "foreach", "per_parameter")
 # The fields of a plan's JSON; any other key is a family's section (Plan.sections).
 _PLAN_KEYS = frozenset((
     "format", "version", "model", "cluster", "mesh", "dp_flavour", "recompute", "pipeline", "accumulation_steps",
-    "precision", "optimizer", "batch_size", "inputs", "fsdp_units", "expert_layouts", "summary", "estimate",
+    "precision", "optimizer", "optimizer_implementation", "batch_size", "inputs", "fsdp_units", "expert_layouts",
+    "summary", "estimate",
     "runners_up", "warnings", "search_summary", "label", "timings", "fused_splits_local", "tp_comm_overlap",
     "megatron_distributed_optimizer", "moe_a2a_overlap", "model_fingerprint", "strategies", "fsdp_fp32_reduce",
 ))
@@ -150,6 +154,13 @@ class Plan:
             the weights' 2 (``StepContext.reduced_gradient_bytes``). For simulating other
             systems' runs (``benchmarks/fidelity.py``); the search never sets it. Needs
             ``dp_flavour`` zero2 or fsdp and a 16-bit precision.
+        optimizer_implementation: how the run's AdamW steps, where it is another system's
+            (``benchmarks/fidelity.py``): ``"fused"`` (one kernel), ``"foreach"``
+            (torch.optim's multi-tensor kernels) or ``"per_parameter"`` (Composer's
+            ``DecoupledAdamW``: ops and a host sync per parameter tensor); priced by
+            ``cost_model.compute.optimizer_step_time``. Empty (the default): the compiled
+            program's own (fused on GPUs, single-tensor on gloo). The search never sets it,
+            and ``planner compile`` refuses a plan that does (its program steps its own).
         moe_a2a_overlap: each expert-parallel MoE layer's all-to-alls run under another
             micro-batch's compute of the same layer (Megatron-Core's
             ``--overlap-moe-expert-parallel-comm``, DualPipe's overlapped chunk;
@@ -183,6 +194,7 @@ class Plan:
     expert_layouts: tuple[ExpertLayout, ...] = ()
     precision: str = "fp32"
     optimizer: str = "adamw"
+    optimizer_implementation: str = ""
     runners_up: tuple[Alternative, ...] = ()
     warnings: tuple[str, ...] = ()
     search_summary: str = ""
@@ -230,6 +242,9 @@ class Plan:
                              "to false")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"field 'optimizer' must be one of {OPTIMIZERS}, got '{one_line(self.optimizer)}'")
+        if self.optimizer_implementation not in OPTIMIZER_IMPLEMENTATIONS:
+            raise ValueError(f"field 'optimizer_implementation' must be one of {OPTIMIZER_IMPLEMENTATIONS[1:]} or empty, "
+                             f"got {one_line(str(self.optimizer_implementation))!r}")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size (the global batch) must be a positive integer, got {self.batch_size!r}")
         steps = self.accumulation_steps
@@ -375,6 +390,8 @@ class Plan:
             "accumulation_steps": self.accumulation_steps,
             "precision": self.precision,
             "optimizer": self.optimizer,
+            # Written only when set, so plans that do not use it read as before.
+            **({"optimizer_implementation": self.optimizer_implementation} if self.optimizer_implementation else {}),
             "batch_size": self.batch_size,
             "inputs": {name: placements_to_json(p) if p is not None else None for name, p in self.inputs.items()},
             "fsdp_units": list(self.fsdp_units),
@@ -456,6 +473,8 @@ class Plan:
                 ),
                 precision=reader.get("precision", str),
                 optimizer=reader.get("optimizer", str),
+                optimizer_implementation=(reader.get("optimizer_implementation", str)
+                                          if "optimizer_implementation" in data else ""),
                 runners_up=tuple(_runners_up_from(reader)),
                 warnings=tuple(reader.strings("warnings")),
                 search_summary=reader.get("search_summary", str),

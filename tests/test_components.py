@@ -13,7 +13,8 @@ def test_fast_table_has_a_sourced_row_per_component(capsys):
     main(["--fast"])
     printed = capsys.readouterr().out
     rows = component_rows(fast=True)
-    assert {row.component for row in rows} == {"GEMM", "attention", "clock", "memory", "loss", "collective"}
+    assert {row.component for row in rows} == {"GEMM", "attention", "clock", "memory", "loss", "optimizer",
+                                                    "collective"}
     for row in rows:
         assert row.source and row.published > 0 and row.predicted > 0
         assert row.source in printed  # each printed line carries its source
@@ -93,3 +94,20 @@ def test_cudnn_attention_rows_are_the_models_time_ratio_against_transformer_engi
     # short of its 1.5877x; the row the ratio was read from is within its launch overhead.
     assert rows[1].error == pytest.approx(0.0, abs=0.01)
     assert rows[2].error == pytest.approx(1.3842 / 1.5877 - 1, abs=0.002)
+
+
+def test_optimizer_row_is_foreach_minus_fused_by_hand():
+    # Llama 3 8B over 8 A100s: 8.03e9 / 8 = 1.00375e9 elements per GPU, 16 bytes each of fp32
+    # weight, gradient and two states. Foreach streams 20 accesses of 4 bytes per element:
+    # 80.3e9 B / (2.039e12 x 0.8 B/s) = 49.23 ms, plus 8 kernels on each of 48 chunks of
+    # 320 x 65,536 elements, 384 x 5 us = 1.92 ms; fused 7 accesses, 17.23 ms + 48 x 5 us:
+    # 33.68 ms more. Published: 8192 / 2631 - 8192 / 2731 = 114.0 ms more.
+    (row,) = [row for row in component_rows() if row.component == "optimizer"]
+    elements, bandwidth = 8.03e9 / 8, 2.039e12 * 0.8
+    foreach = elements * 20 * 4 / bandwidth + 384 * 5e-6
+    fused = elements * 7 * 4 / bandwidth + 48 * 5e-6
+    assert foreach - fused == pytest.approx(33.68e-3, rel=1e-3)
+    assert row.predicted == pytest.approx(1 / (foreach - fused))
+    assert row.published == pytest.approx(1 / (8192 / 2631 - 8192 / 2731))
+    assert 1 / row.published == pytest.approx(0.1140, rel=1e-3)
+    assert row.error > 2  # the model prices foreach's extra time at under a third of the measured

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.fidelity import runs, simulate
+from benchmarks.fidelity import simulate
+from benchmarks.fidelity_runs import runs
 from benchmarks.fidelity_ops import kernel_time_by_kind, main, op_kind
 
 

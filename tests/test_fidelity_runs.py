@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.fidelity import (
-    Run, bloom_cluster, llama3_405b_layout, megatron_core_flops, megatron_deepspeed_flops, runs, simulate, summary,
-)
+from benchmarks.fidelity import simulate, summary
+from benchmarks.fidelity_flops import megatron_core_flops, megatron_deepspeed_flops
+from benchmarks.fidelity_runs import Run, bloom_cluster, llama3_405b_layout, runs
 from planner.families.hsdp.section import HsdpSection
 
 
@@ -74,6 +74,9 @@ def test_run_layouts_build_the_plans_they_state(name, layers):
     # torchtitan's FSDP2 reduces in fp32 (MixedPrecisionPolicy reduce_dtype); llm-foundry's
     # FSDP (Composer's DEFAULT mixed precision) in the weights' bf16; no other row runs FSDP2.
     assert plan.fsdp_fp32_reduce == name.startswith("Llama3.1-405B")
+    # llm-foundry's yamls step Composer's DecoupledAdamW, parameter by parameter; every other
+    # row's framework a fused AdamW (Megatron's, DeepSpeed's) or its own choice.
+    assert plan.optimizer_implementation == ("per_parameter" if name.startswith("MPT-") else "")
 
 
 def test_the_jean_zay_constant_applies_only_to_the_run_on_the_cluster_it_was_fitted_on():

@@ -292,6 +292,7 @@ FIELDS = [
     Field("recompute", _set("recompute"), _always, "recompute"),
     Field("precision", _set("precision"), _always, "'precision'"),
     Field("optimizer", _set("optimizer"), _always, "'optimizer'"),
+    Field("optimizer_implementation", _set("optimizer_implementation"), _always, "'optimizer_implementation'"),
     Field("fused_splits_local (a bool given text)", _set("fused_splits_local"), _always, "'fused_splits_local'"),
     Field("tp_comm_overlap (a bool given text)", _set("tp_comm_overlap"), _always, "'tp_comm_overlap'"),
     Field("megatron_distributed_optimizer (a bool given text)", _set("megatron_distributed_optimizer"), _always,
