@@ -67,6 +67,8 @@ class Pacer(TorchDispatchMode):
         owed_s: seconds still to sleep (negative: the ops already took longer, as when the
             host's cores were busy with other ranks).
         slept_s: the seconds slept so far (for tests and reports).
+        ops, op_cpu_s, collectives: the ops timed and their CPU seconds, and the collectives
+            met, so far (``summary``).
     """
 
     def __init__(self, factor: float, cpu_clock=time.thread_time, wall_clock=time.perf_counter,
@@ -75,6 +77,7 @@ class Pacer(TorchDispatchMode):
         self.factor = max(1.0, float(factor))
         self.owed_s = 0.0
         self.slept_s = 0.0
+        self.ops, self.op_cpu_s, self.collectives = 0, 0.0, 0
         # The clocks are parameters so a test can check the arithmetic with its own.
         self._cpu, self._wall, self._sleep = cpu_clock, wall_clock, sleep
 
@@ -82,10 +85,14 @@ class Pacer(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace in COLLECTIVE_NAMESPACES:
             self.settle()  # arrive as late as the slow device would; the wait itself is not compute
+            self.collectives += 1
             return func(*args, **kwargs)
         wall, cpu = self._wall(), self._cpu()
         out = func(*args, **kwargs)
-        self.owed_s += self.factor * (self._cpu() - cpu) - (self._wall() - wall)
+        cpu = self._cpu() - cpu
+        self.ops += 1
+        self.op_cpu_s += cpu
+        self.owed_s += self.factor * cpu - (self._wall() - wall)
         if self.owed_s > FLUSH_S:
             self._sleep_debt()
         return out
@@ -96,6 +103,13 @@ class Pacer(TorchDispatchMode):
         if self.owed_s > 0:
             self._sleep_debt()
         self.owed_s = 0.0
+
+    def summary(self, rank: int, steps: int) -> str:
+        """One line: per step, this rank's ops, their CPU seconds, the seconds slept to
+        stretch them and the collectives met (where a measured step's time went)."""
+        per = max(1, steps)
+        return (f"rank {rank} slowed {self.factor:g}x: per step {self.ops / per:.0f} ops, {self.op_cpu_s / per * 1e3:.1f} ms "
+                f"of op CPU, {self.slept_s / per * 1e3:.1f} ms slept, {self.collectives / per:.0f} collectives")
 
     def _sleep_debt(self) -> None:
         start = self._wall()

@@ -382,6 +382,7 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     finally:
         if pacer is not None:
             pacer.__exit__(None, None, None)
+            print(pacer.summary(dist.get_rank(), len(run.records)), flush=True)  # every rank: each its own
         stop_request.restore()
         if checkpointer is not None:
             _said_complete(checkpointer.wait())
