@@ -127,9 +127,10 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def measured_step_s(folder: Path, steps: int, cwd: Path) -> float:
+def measured_step_s(folder: Path, steps: int, cwd: Path, summaries: list[str] | None = None) -> float:
     """Median step seconds of ``launch.py --steps`` at world 4 with the cluster's slowdown,
-    the first two steps (warm-up) left out."""
+    the first two steps (warm-up) left out; each rank's line of where its step went
+    (``slowdown.Pacer.summary``) appended to ``summaries`` when given."""
     metrics = cwd / f"{folder.name}.jsonl"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", str(folder / "launch.py"),
                "--steps", str(steps), "--slowdown-from-cluster", str(SLOWDOWN_BASE), "--metrics", str(metrics)]
@@ -137,6 +138,8 @@ def measured_step_s(folder: Path, steps: int, cwd: Path) -> float:
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    if summaries is not None:
+        summaries.extend(sorted(line for line in done.stdout.splitlines() if line.startswith("rank ")))
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return statistics.median(record["step_time_s"] for record in records[2:])
 
@@ -199,6 +202,11 @@ def pipeline_rows(steps: int | None) -> None:
               f"{measured['even'] * 1e3:.1f} ms, ours {measured['ours'] * 1e3:.1f} ms: ours "
               f"{measured['even'] / measured['ours']:.2f}x (predicted "
               f"{even.estimate.step_time_s / best.estimate.step_time_s:.2f}x)", flush=True)
+# The CPU GPT 3x wider and 3x shorter in batch: its linear layers, not per-op dispatch, fill a
+# rank's CPU time (in the CPU GPT the 1165 ops a rank runs per step cost about 55 us each on
+# average, so the split layers are about a third of it, where the simulator, at 5 us per op,
+# prices them at about two thirds).
+WIDE_CPU_GPT = {"n_layer": 2, "n_embd": 384, "n_head": 6, "seq_len": 64, "vocab_size": 256, "batch_size": 8}
 # GPT-2.7B's shape (32 x 2560, 32 heads: GPT-3 2.7B, Brown et al. 2020, table 2.1) at a
 # sequence of 1024 and a batch of 8 sequences: fewer samples than the 16 GPUs.
 GPT_2_7B = {"n_layer": 32, "n_embd": 2560, "n_head": 32, "vocab_size": 50368, "seq_len": 1024, "batch_size": 8}
@@ -238,16 +246,23 @@ def tensor_parallel_rows() -> None:
 
 
 def tensor_parallel_measured(steps: int) -> None:
-    """(d): the uneven-tp and even-share programs of the CPU GPT on mixed.toml."""
+    """(d): the uneven-tp and even-share programs of the CPU GPT and the wide CPU GPT on
+    mixed.toml, with each rank's ops, op CPU and sleep per step."""
     import planner
 
-    even, ours, _ = tensor_parallel_plans(Cluster.load(MIXED), CPU_GPT, "fp32")
-    with tempfile.TemporaryDirectory() as scratch:
-        scratch = Path(scratch)
-        measured = {label: measured_step_s(planner.compile(plan, scratch / f"tp-{label}"), steps, scratch)
-                    for label, plan in (("even", even), ("uneven", ours))}
-    print_measured("uneven tensor parallelism measured on CPU gloo, world 4, mixed.toml, slow ranks 2x", steps, even,
-                   ours, measured)
+    for title, overrides in (("CPU GPT", CPU_GPT), ("wide CPU GPT", WIDE_CPU_GPT)):
+        even, ours, _ = tensor_parallel_plans(Cluster.load(MIXED), overrides, "fp32")
+        summaries: dict[str, list[str]] = {"even": [], "uneven": []}
+        with tempfile.TemporaryDirectory() as scratch:
+            scratch = Path(scratch)
+            measured = {label: measured_step_s(planner.compile(plan, scratch / f"tp-{label}"), steps, scratch,
+                                               summaries[label])
+                        for label, plan in (("even", even), ("uneven", ours))}
+        print_measured(f"uneven tensor parallelism, {title}, measured on CPU gloo, world 4, mixed.toml, slow ranks 2x",
+                       steps, even, ours, measured)
+        for label in ("even", "uneven"):
+            for line in summaries[label]:
+                print(f"    {label}: {line}", flush=True)
 
 
 def main() -> None:

@@ -262,10 +262,16 @@ def test_family_uneven_tp_alone_gives_the_accpar_plan_and_one_kind_gets_none() -
     one_kind = SimpleNamespace(whole_batch_only=False, summa_only=False, constraints=SearchConstraints(),
                                cluster=Cluster.parse("cpu:1x4"))
     assert uneven_tp_candidates(one_kind) == []
-    # Unasked (no --family), after a plan that fits on every device: no time spent splitting.
-    found_fitting = SimpleNamespace(whole_batch_only=False, summa_only=False, constraints=SearchConstraints(),
-                                    cluster=plan.cluster, found=[plan])
-    assert plan.estimate.fits and uneven_tp_candidates(found_fitting) == []
+    # Unasked (no --family), after an uneven data-parallel plan that fits on every device: no
+    # time spent splitting. After an even one only (a batch too small for uneven shares), the
+    # split plan is offered.
+    shared = SimpleNamespace(estimate=SimpleNamespace(fits=True), world_size=4, sections={"uneven": "3/3/1/1"})
+    found = SimpleNamespace(whole_batch_only=False, summa_only=False, constraints=SearchConstraints(),
+                            cluster=plan.cluster, found=[shared], graph=plan.graph, spec=plan.model,
+                            model_name="gpt", precision=plan.precision, warnings=())
+    assert uneven_tp_candidates(found) == []
+    found.found = [SimpleNamespace(estimate=SimpleNamespace(fits=True), world_size=4, sections={})]
+    assert [p.sections["uneven-tp"] for p in uneven_tp_candidates(found)] == [plan.sections["uneven-tp"]]
 
 
 def test_the_report_gives_each_ranks_share_of_each_split_tensor(accpar) -> None:

@@ -184,19 +184,20 @@ def uneven_tp_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mod
 def uneven_tp_candidates(context: SearchContext) -> list[Plan]:
     """The candidates part of the ``uneven-tp`` family (``planner.families``): on a cluster of
     two or more kinds of device, the uneven tensor-parallel plan, when ``--family`` names
-    the family or no plan found so far fits on every device; none on one kind of device,
-    with ``--tp-layouts summa``, for a model whose samples mix, or when the constraints
-    leave the family out or fix a mesh it does not have."""
+    the family or no plan found so far shares every device by its speed (uneven data
+    parallelism's, which a batch of fewer samples than twice the devices cannot give);
+    none on one kind of device, with ``--tp-layouts summa``, for a model whose samples mix,
+    or when the constraints leave the family out or fix a mesh it does not have."""
     if (context.whole_batch_only or context.summa_only or not context.constraints.allows_family(FAMILY)
             or len(device_groups(context.cluster)) < 2
             or not context.constraints.allows_sizes({"tp": context.cluster.world_size})):
         return []
     asked = context.constraints.families is not None
     if not asked and any(plan.estimate.fits and plan.world_size == context.cluster.world_size
-                         for plan in context.found):
-        # Data parallelism already uses every device: splitting layers is the user's call
-        # (--family uneven-tp), not worth a search's time (a 16-GPU model's splits take
-        # tens of seconds to choose).
+                         and "uneven" in plan.sections for plan in context.found):
+        # Uneven data parallelism already uses every device by its speed: splitting layers is
+        # the user's call (--family uneven-tp), not worth a search's time (a 16-GPU model's
+        # splits take tens of seconds to choose).
         return []
     plan = uneven_tp_plan(context.graph, context.cluster, context.spec, context.model_name, context.precision,
                           context.warnings)
