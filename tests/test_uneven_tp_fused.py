@@ -165,7 +165,8 @@ def test_fused_round_trips_and_is_checked(accpar) -> None:
         return str(error.value)
 
     half = (64, 64, 64, 64)
-    assert "unless all of them are fused" in problem(LayerSplit("blocks.0.mlp.c_fc", "column", half, fused=True))
+    assert "fuses part of the group blocks.0.mlp.c_fc -> blocks.0.mlp.c_proj: fuse all of them" in problem(
+        LayerSplit("blocks.0.mlp.c_fc", "column", half, fused=True))
     assert "at the same shares" in problem(LayerSplit("blocks.0.mlp.c_fc", "column", half, fused=True),
                                            LayerSplit("blocks.0.mlp.c_proj", "row", (96, 96, 32, 32), fused=True))
     assert "'blocks.0.attn.c_attn', whose activation cannot stay split" in problem(

@@ -108,8 +108,9 @@ class Pacer(TorchDispatchMode):
         """One line: per step, this rank's ops, their CPU seconds, the seconds slept to
         stretch them and the collectives met (where a measured step's time went)."""
         per = max(1, steps)
-        return (f"rank {rank} slowed {self.factor:g}x: per step {self.ops / per:.0f} ops, {self.op_cpu_s / per * 1e3:.1f} ms "
-                f"of op CPU, {self.slept_s / per * 1e3:.1f} ms slept, {self.collectives / per:.0f} collectives")
+        return (f"rank {rank} slowed {self.factor:g}x: per step {self.ops / per:.0f} ops, "
+                f"{self.op_cpu_s / per * 1e3:.1f} ms of op CPU, {self.slept_s / per * 1e3:.1f} ms slept, "
+                f"{self.collectives / per:.0f} collectives")
 
     def _sleep_debt(self) -> None:
         start = self._wall()

@@ -6,8 +6,8 @@ the line ``fixed[k][r] + unit[k][r] * s_r`` of its forward and backward seconds 
 ``s_r`` of the split dimension ``D_k``, and the layer's communication as ``comm[k] +
 per_max[k] * max_r s_r``: the program's gather-v (``runtime.gather_slices``) takes as long
 as the largest share's rank takes to send its slice to the ``p - 1`` others, whatever the
-others' shares (``costs.gather_v_seconds``). Every rank waits for the layer's collectives, so the layer costs the slowest rank's
-compute plus its communication (AccPar's per-layer cost, section IV-B: computation of the
+others' shares (``costs.gather_v_seconds``). Every rank waits for the layer's collectives,
+so the layer costs the slowest rank's compute plus its communication (AccPar's per-layer cost, section IV-B: computation of the
 slowest partition plus the communication of the partition type)::
 
     minimise    max_r (fixed[k][r] + unit[k][r] s_r) + comm[k] + per_max[k] max_r s_r
@@ -143,7 +143,8 @@ def best_chain(whole: Sequence[float | None], singles: Sequence[LayerChoice | No
         options = []
         if previous is not None:
             if singles[stop - 1] is not None:
-                options.append((previous[0] + singles[stop - 1].seconds, 0, ChainStep(stop - 1, stop, singles[stop - 1])))
+                single = singles[stop - 1]
+                options.append((previous[0] + single.seconds, 0, ChainStep(stop - 1, stop, single)))
             if whole[stop - 1] is not None:
                 options.append((previous[0] + whole[stop - 1], 1, ChainStep(stop - 1, stop, None)))
         for (start, end), choice in groups.items():

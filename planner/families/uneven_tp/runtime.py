@@ -19,9 +19,10 @@ outside the split layers (the program runs every other op whole on every rank), 
 whole, the weight's gradient summed), ``column`` (its output features) or ``row`` (its input
 features, partial outputs summed). ``fused`` (``planner.families.uneven_tp.regions``): a
 column returns its slice of the output as it is, and a row takes its slice of the input as
-it comes, so the elementwise ops between them run on the slice. Its weights are derived from the model's
-(``codegen.runtime.materialize.set_derived_parameter``), so a rank built on meta holds only
-its slice, and ``full_parameters`` gathers them whole for ``launch.py --check``.
+it comes, so the elementwise ops between them run on the slice. Its weights are derived
+from the model's (``codegen.runtime.materialize.set_derived_parameter``), so a rank built
+on meta holds only its slice, and ``full_parameters`` gathers them whole for ``launch.py
+--check``.
 """
 
 from __future__ import annotations

@@ -159,9 +159,9 @@ class UnevenTpSection:
             kinds = ["column"] * len(group.columns) + ["row"]
             if (not all(members) or [m.kind for m in members] != kinds
                     or len({m.shares for m in members}) != 1):
-                raise ValueError(f"field '{JSON_KEY}.layers' fuses {group.row!r} with {', '.join(group.columns)} "
-                                 f"unless all of them are fused, the first as column and {group.row!r} as row "
-                                 f"splits, at the same shares; fix them or drop 'fused'")
+                raise ValueError(f"field '{JSON_KEY}.layers' fuses part of the group {', '.join(group.columns)} -> "
+                                 f"{group.row}: fuse all of them, {group.row!r} as a row split and the others as "
+                                 f"column splits, at the same shares, or drop 'fused'")
         if fused:
             raise ValueError(f"field '{JSON_KEY}.layers' fuses {next(iter(fused))!r}, whose activation cannot stay "
                              f"split (ops between it and the next split layer are not elementwise); drop 'fused'")
