@@ -71,7 +71,7 @@ def chains(draw):
     return whole, singles, groups
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(chains())
 def test_the_chain_dp_equals_enumeration(chain) -> None:
     whole, singles, groups = chain
