@@ -223,10 +223,10 @@ def pipeline_rows(steps: int | None) -> None:
               f"{measured['even'] * 1e3:.1f} ms, ours {measured['ours'] * 1e3:.1f} ms: ours "
               f"{measured['even'] / measured['ours']:.2f}x (predicted "
               f"{even.estimate.step_time_s / best.estimate.step_time_s:.2f}x)", flush=True)
-# The CPU GPT 3x wider and 3x shorter in batch: its linear layers, not per-op dispatch, fill a
-# rank's CPU time (in the CPU GPT the 1165 ops a rank runs per step cost about 55 us each on
-# average, so the split layers are about a third of it, where the simulator, at 5 us per op,
-# prices them at about two thirds).
+# The CPU GPT 3x wider, with a third of its batch and half its blocks: its linear layers, not
+# per-op dispatch, fill a rank's CPU time (in the CPU GPT the 1166 ops a rank runs per step cost
+# about 56 us each on average, so the split layers are about a third of it, where the simulator,
+# at 5 us per op, prices them at about two thirds).
 WIDE_CPU_GPT = {"n_layer": 2, "n_embd": 384, "n_head": 6, "seq_len": 64, "vocab_size": 256, "batch_size": 8}
 # GPT-2.7B's shape (32 x 2560, 32 heads: GPT-3 2.7B, Brown et al. 2020, table 2.1) at a
 # sequence of 1024 and a batch of 8 sequences: fewer samples than the 16 GPUs.
