@@ -99,7 +99,10 @@ MIXED = REPO / "examples/clusters/mixed.toml"
 # --slowdown-from-cluster 16): sleeps, not the shared cores the ranks contend for, fill the step.
 # At 4, with a load average of 15 on 2 cores, contention alone stretched the ranks nearly as
 # much as the sleeps meant to (this GPT measured 1.19x, one 4x its width x sequence 1.08x; at
-# 16 this GPT measures 1.28x; predicted 1.43x).
+# 16 this GPT measured 1.28x with a whole forward stretched, 1.17x with each op stretched, the
+# optimizer's included; predicted 1.43x: each rank runs the same ops on 9 or 3 samples, and
+# this host's small and memory-bound ops cost more beside its matmuls than the cluster file's
+# placeholder figures say).
 SLOWDOWN_BASE = 16
 A100_H100 = REPO / "examples/clusters/a100-h100.toml"
 # The CPU GPT: large enough that compute, not dispatch, fills a step on one core.
