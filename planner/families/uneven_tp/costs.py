@@ -8,8 +8,8 @@ features, split with shares ``s_r`` over ``p`` ranks (``section.py``), costs one
 =========  ======================================  ==========================================
 kind       forward                                 backward
 =========  ======================================  ==========================================
-column     gather-v of the outputs' columns:       all-reduce of the inputs' gradient
-           all-gather of ``p * max s * N`` elems    (partial sums, ``N * i`` elements)
+column     gather-v of the outputs' columns        all-reduce of the inputs' gradient
+           (``p * max s * N`` elements sent)        (partial sums, ``N * i`` elements)
 row        all-reduce of the partial outputs       gather-v of the inputs' gradient
            (``N * o`` elements)                     columns (``p * max s * N`` elements)
 batch      gather-v of the output rows             gather-v of the inputs' gradient rows
@@ -58,7 +58,7 @@ def _features(node: OpNode) -> tuple[int, int, int, int]:
 
 
 def split_dimension(node: OpNode, kind: str) -> int:
-    """The size of the dimension ``kind`` splits (``section.split_dimensions``)."""
+    """The size of the dimension ``kind`` splits (``regions.split_dimensions``)."""
     rows, in_features, out_features, batch = _features(node)
     return {"batch": batch, "column": out_features, "row": in_features}[kind]
 

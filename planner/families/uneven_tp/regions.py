@@ -10,7 +10,7 @@ followed by an input-feature one at the same ratio; Megatron-LM's MLP). The rank
 its slice, runs the elementwise ops on it (on its share, not the whole), and the row layer's
 all-reduce is the only collective of the forward.
 
-``fusable_groups(graph)`` finds those places: for a linear layer R (``section.split_dimensions``),
+``fusable_groups(graph)`` finds those places: for a linear layer R (``split_dimensions``),
 the ops computing its input, walked back through elementwise ops of that input's shape, must
 end at linear layers (the columns) of as many output features as R has input features, and
 nothing outside the walk may read what the walk passed through. GPT's MLP gives
