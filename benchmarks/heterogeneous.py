@@ -30,23 +30,42 @@ pipelines per device group likewise.
     ``a100-h100.toml``), so data parallelism alone cannot use them all. Rows: the same
     layer kinds with even shares (what an even-split system runs), ours, and the even
     split on the H100 node alone.
-(d) Measured on CPU gloo at world 4 on ``mixed.toml`` as (b): the uneven-tp program of the
-    CPU GPT against the same kinds with even shares, predicted and measured. On a 2-core
-    host shared with other jobs (load average 5-20) it measured 0.94x twice (uneven shares
-    slower; even 3110.5 ms, uneven 3325.8 ms) against 1.13x predicted. A likely cause, not
-    verified: ``--slowdown-from-cluster`` stretches a rank's forward as a whole after it ran,
-    counting the CPU time of the collectives inside it (``codegen/runtime/slowdown.py``: meant
-    for DDP programs), so it does not emulate a program whose ranks wait for each other at
-    every split layer.
-    In (c) the simulator keeps even shares: the padded gathers over InfiniBand cost more
-    than the A100s' smaller slices save, and the H100 node alone is faster (187.0 ms
-    against 348.3 ms): every op outside the split linears runs whole on the A100s too.
+(d) Measured on CPU gloo at world 4 on ``mixed.toml`` as (b): the uneven-tp programs of the
+    CPU GPT and of a 3x wider one (``WIDE_CPU_GPT``) against the same space with even shares,
+    predicted and measured, with each rank's ops, op CPU and sleep per step. Before the
+    slowdown stretched each op (it stretched a rank's whole forward after it ran, collectives
+    included) the CPU GPT measured 0.94x against 1.13x predicted: ranks that meet at every
+    split layer computed at full speed between meetings. Stretched op by op, the split
+    layers' share of a rank's CPU is what decides: on a 2-core host shared with other jobs,
+    the CPU GPT measured 1.13x (even 2535.4 ms, uneven 2236.2 ms) against 1.19x predicted,
+    and 0.98x in another run (its split layers are about a third of a rank's op CPU: each of
+    its 1166 ops per step costs about 55 us on average, where the simulator prices an op's
+    dispatch at 5 us, so it puts two thirds in the split layers and the measured gain is
+    small and noisy); the wide GPT, whose linear layers dominate, measured 1.29x (even
+    2127.2 ms, uneven 1654.5 ms) against 1.29x predicted, and 1.25x in another run.
+    In (c) the simulator keeps nearly even shares: the gathers over InfiniBand cost more
+    than the A100s' smaller slices save, and the H100 node alone is faster: every op outside
+    the split linears runs whole on the A100s too. With the MLPs fused:
+    even 326.7 ms, ours 317.1 ms (1.03x), the H100 node alone 156.0 ms.
 (e) Pipelines with one stage per device group (``planner.families.hetero_pipeline``, Metis):
     on each mix, the family's best plan (blocks balanced by speed and memory, the stage order
     chosen), simulated, against the same configuration with Megatron-LM's even split of the
     blocks (``search.layouts.nearly_even_layers``), each stage priced on its own device; on
     ``mixed.toml`` both programs also measured as (b) measures them (the plan's cluster lists
     its nodes in stage order, so the slowdown follows each stage's device).
+(f) Where uneven tensor parallelism wins (``WINNING_GPT``, ``--tensor-parallel``): on
+    ``mixed.toml`` a GPT of width 768 at a batch of 4 sequences, as many samples as ranks,
+    so data parallelism cannot give the fast ranks more samples than the slow ones (uneven
+    shares need a batch of at least 6 here) and every rank runs the whole model's other ops
+    on its sample. The linear layers are most of the work, and the fused MLPs' all-reduces
+    move 4 x 64 x 768 values each against DDP's 14.6M gradients. Rows: ours, the same with even
+    shares, even DDP over the four, the search's best plan on the two fast devices alone,
+    and the search over all four (which picks ours); each measured as (b). Measured on the
+    shared 2-core host (median of 4 steps): ours 218.8 ms predicted, 2421.7 ms measured; the
+    even shares 1.30x slower predicted, 1.26x measured; even DDP 1.30x predicted, 1.71x
+    measured (its 58 MB gradient all-reduce over gloo is slower than the placeholder link);
+    the fast devices alone (``soap (tp=2)``, DTensor) 1.04x predicted, 1.28x measured
+    (DTensor's dispatch per op, not in the placeholder figures, is stretched with the op).
 """
 
 from __future__ import annotations
@@ -55,6 +74,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -79,7 +99,10 @@ MIXED = REPO / "examples/clusters/mixed.toml"
 # --slowdown-from-cluster 16): sleeps, not the shared cores the ranks contend for, fill the step.
 # At 4, with a load average of 15 on 2 cores, contention alone stretched the ranks nearly as
 # much as the sleeps meant to (this GPT measured 1.19x, one 4x its width x sequence 1.08x; at
-# 16 this GPT measures 1.28x; predicted 1.43x).
+# 16 this GPT measured 1.28x with a whole forward stretched, 1.17x with each op stretched, the
+# optimizer's included; predicted 1.43x: each rank runs the same ops on 9 or 3 samples, and
+# this host's small and memory-bound ops cost more beside its matmuls than the cluster file's
+# placeholder figures say).
 SLOWDOWN_BASE = 16
 A100_H100 = REPO / "examples/clusters/a100-h100.toml"
 # The CPU GPT: large enough that compute, not dispatch, fills a step on one core.
@@ -127,16 +150,20 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def measured_step_s(folder: Path, steps: int, cwd: Path) -> float:
-    """Median step seconds of ``launch.py --steps`` at world 4 with the cluster's slowdown,
-    the first two steps (warm-up) left out."""
+def measured_step_s(folder: Path, steps: int, cwd: Path, summaries: list[str] | None = None, world: int = 4) -> float:
+    """Median step seconds of ``launch.py --steps`` at world ``world`` with the cluster's slowdown,
+    the first two steps (warm-up) left out; each rank's line of where its step went
+    (``slowdown.Pacer.summary``) appended to ``summaries`` when given."""
     metrics = cwd / f"{folder.name}.jsonl"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", str(folder / "launch.py"),
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(folder / "launch.py"),
                "--steps", str(steps), "--slowdown-from-cluster", str(SLOWDOWN_BASE), "--metrics", str(metrics)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(_free_port())}
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    if summaries is not None:
+        # Four processes print to one pipe: a line may start inside another's.
+        summaries.extend(sorted(re.findall(r"rank \d+ slowed .*? collectives", done.stdout)))
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return statistics.median(record["step_time_s"] for record in records[2:])
 
@@ -199,6 +226,11 @@ def pipeline_rows(steps: int | None) -> None:
               f"{measured['even'] * 1e3:.1f} ms, ours {measured['ours'] * 1e3:.1f} ms: ours "
               f"{measured['even'] / measured['ours']:.2f}x (predicted "
               f"{even.estimate.step_time_s / best.estimate.step_time_s:.2f}x)", flush=True)
+# The CPU GPT 3x wider, with a third of its batch and half its blocks: its linear layers, not
+# per-op dispatch, fill a rank's CPU time (in the CPU GPT the 1166 ops a rank runs per step cost
+# about 56 us each on average, so the split layers are about a third of it, where the simulator,
+# at 5 us per op, prices them at about two thirds).
+WIDE_CPU_GPT = {"n_layer": 2, "n_embd": 384, "n_head": 6, "seq_len": 64, "vocab_size": 256, "batch_size": 8}
 # GPT-2.7B's shape (32 x 2560, 32 heads: GPT-3 2.7B, Brown et al. 2020, table 2.1) at a
 # sequence of 1024 and a batch of 8 sequences: fewer samples than the 16 GPUs.
 GPT_2_7B = {"n_layer": 32, "n_embd": 2560, "n_head": 32, "vocab_size": 50368, "seq_len": 1024, "batch_size": 8}
@@ -238,23 +270,75 @@ def tensor_parallel_rows() -> None:
 
 
 def tensor_parallel_measured(steps: int) -> None:
-    """(d): the uneven-tp and even-share programs of the CPU GPT on mixed.toml."""
+    """(d): the uneven-tp and even-share programs of the CPU GPT and the wide CPU GPT on
+    mixed.toml, with each rank's ops, op CPU and sleep per step."""
     import planner
 
-    even, ours, _ = tensor_parallel_plans(Cluster.load(MIXED), CPU_GPT, "fp32")
-    with tempfile.TemporaryDirectory() as scratch:
-        scratch = Path(scratch)
-        measured = {label: measured_step_s(planner.compile(plan, scratch / f"tp-{label}"), steps, scratch)
-                    for label, plan in (("even", even), ("uneven", ours))}
-    print_measured("uneven tensor parallelism measured on CPU gloo, world 4, mixed.toml, slow ranks 2x", steps, even,
-                   ours, measured)
+    for title, overrides in (("CPU GPT", CPU_GPT), ("wide CPU GPT", WIDE_CPU_GPT)):
+        even, ours, _ = tensor_parallel_plans(Cluster.load(MIXED), overrides, "fp32")
+        summaries: dict[str, list[str]] = {"even": [], "uneven": []}
+        with tempfile.TemporaryDirectory() as scratch:
+            scratch = Path(scratch)
+            measured = {label: measured_step_s(planner.compile(plan, scratch / f"tp-{label}"), steps, scratch,
+                                               summaries[label])
+                        for label, plan in (("even", even), ("uneven", ours))}
+        print_measured(f"uneven tensor parallelism, {title}, measured on CPU gloo, world 4, mixed.toml, slow ranks 2x",
+                       steps, even, ours, measured)
+        for label in ("even", "uneven"):
+            for line in summaries[label]:
+                print(f"    {label}: {line}", flush=True)
+
+
+# (f): a GPT of width 768 (GPT-2 small's) and 2 blocks at a batch of 4 sequences of 64: as many
+# samples as ranks, so data parallelism cannot give the fast ranks more samples than the slow.
+WINNING_GPT = {"n_layer": 2, "n_embd": 768, "n_head": 12, "seq_len": 64, "vocab_size": 256, "batch_size": 4}
+
+
+def winning_rows(steps: int | None) -> None:
+    """(f): where uneven tensor parallelism wins on mixed.toml: against the same kinds with
+    even shares, even DDP over the four, the search's best plan on the fast devices alone and
+    the search's plan on all four; simulated, and with ``steps`` measured as (b)."""
+    import planner
+
+    spec = ModelSpec(str(REPO / "examples/gpt.py"), WINNING_GPT)
+    graph, spec, name, cluster = prepare_model(spec, Cluster.load(MIXED))
+    even, ours, _ = tensor_parallel_plans(cluster, WINNING_GPT, "fp32")
+    fastest = max(device_groups(cluster), key=lambda group: group.peak_flops("float32"))
+    plans = {
+        "uneven-tp (ours)": ours,
+        "uneven-tp, even shares": even,
+        "ddp, even (1 sample per rank)": data_parallel_plan(graph, cluster, spec, name, "ddp", (), "fp32"),
+        "search, fast devices alone": planner.plan(spec, sub_cluster(cluster, fastest.device), progress=False,
+                                                   precision="fp32"),
+        "search, all four": planner.plan(spec, cluster, progress=False, precision="fp32"),
+    }
+    measured: dict[str, float] = {}
+    if steps:
+        with tempfile.TemporaryDirectory() as scratch:
+            scratch = Path(scratch)
+            for index, (label, plan) in enumerate(plans.items()):
+                if label != "search, all four":  # the search's pick is one of the others (printed below)
+                    measured[label] = measured_step_s(planner.compile(plan, scratch / f"win-{index}"), steps,
+                                                      scratch, world=plan.world_size)
+    print(f"where uneven tensor parallelism wins: mixed.toml, GPT {WINNING_GPT['n_layer']} x {WINNING_GPT['n_embd']}, "
+          f"batch {WINNING_GPT['batch_size']} x {WINNING_GPT['seq_len']} (fp32)"
+          + (f", measured as (b), median of {steps - 2} steps" if steps else "") + ":", flush=True)
+    for label, plan in plans.items():
+        ratio = plan.estimate.step_time_s / ours.estimate.step_time_s
+        line = (f"  {label:30} {plan.name}: predicted {plan.estimate.step_time_s * 1e3:6.1f} ms "
+                f"(ours {ratio:.2f}x faster)")
+        if label in measured:
+            line += (f", measured {measured[label] * 1e3:7.1f} ms "
+                     f"(ours {measured[label] / measured['uneven-tp (ours)']:.2f}x faster)")
+        print(line, flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--simulated", action="store_true", help="simulated rows only: nothing launched")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per program (>= 3; default 8)")
-    parser.add_argument("--tensor-parallel", action="store_true", help="(c) and (d) only (d unless --simulated)")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="(c), (d) and (f) only (measured unless --simulated)")
     parser.add_argument("--pipelines", action="store_true", help="(e) only: pipelines per device group")
     options = parser.parse_args()
     steps = None if options.simulated else max(3, options.steps)
@@ -268,6 +352,7 @@ def main() -> None:
     tensor_parallel_rows()
     if steps:
         tensor_parallel_measured(steps)
+    winning_rows(steps)
 
 
 if __name__ == "__main__":

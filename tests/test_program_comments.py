@@ -74,7 +74,8 @@ _FOLDED_TP = ("HeadParallelSelfAttention", "RowParallelLinear", "VocabParallelEm
 _GRAPH = ("_to", "SpmdModule")
 _SUMMA = ("summa_linear",)
 # Uneven tensor parallelism's linears (planner.families.uneven_tp.runtime.split_linears):
-# padded all-gathers of the uneven slices and all-reduces of partial sums and gradients.
+# all-gather-v of the uneven slices (one all_to_all_single with uneven split sizes) and
+# all-reduces of partial sums and gradients.
 _UNEVEN_TP = ("split_linears",)
 BACKING: dict[str, tuple[str, ...]] = {
     r"\bDDP\b|DistributedDataParallel": (_DDP,),
@@ -85,7 +86,7 @@ BACKING: dict[str, tuple[str, ...]] = {
     r"(?i:all-gather|all_gather)": (*_FSDP, *_GRAPH, *_MOE, *_SUMMA, "ShardedStatesOptimizer", *_FOLDED_TP,
                                     "register_compression", *_UNEVEN_TP),
     r"(?i:reduce-scatter|reduce_scatter)": (*_FSDP, *_GRAPH, *_SUMMA, "ExpertSlicedMoE", "expert_tensor_groups"),
-    r"(?i:all-to-all|all_to_all)": _MOE,
+    r"(?i:all-to-all|all_to_all)": (*_MOE, *_UNEVEN_TP),
     r"(?i:broadcast)": (_DDP, *_SUMMA),
 }
 

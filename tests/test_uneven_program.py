@@ -107,39 +107,73 @@ def resume_there_and_back(uneven: Path, even: Path, tmp_path: Path, steps: int) 
         assert losses[step] == pytest.approx(expected, abs=1e-5), step
 
 
-def test_the_slowdown_follows_the_cluster_and_stretches_only_the_ranks_compute() -> None:
+class _Op:
+    """A stand-in for an ATen op as a dispatch mode sees it: a namespace and a call."""
+
+    def __init__(self, namespace: str, run) -> None:
+        self.namespace, self._run = namespace, run
+
+    def __call__(self, *args, **kwargs):
+        return self._run(*args)
+
+
+def test_the_slowdown_follows_the_cluster_and_stretches_each_op_not_the_waits() -> None:
     import time
 
     import torch
 
-    from codegen.runtime.slowdown import slow_down, slowdown_factor
+    from codegen.runtime.slowdown import Pacer, paced, slowdown_factor
 
     plan = with_shares(GPT, "ddp")
     # mixed.toml: ranks 0-1 at 100 GFLOP/s, ranks 2-3 at 50: the slow ones 2x, times the base.
     assert [slowdown_factor(plan, rank) for rank in range(4)] == [1.0, 1.0, 2.0, 2.0]
     assert [slowdown_factor(plan, rank, 4.0) for rank in range(4)] == [4.0, 4.0, 8.0, 8.0]
 
-    class Busy(torch.nn.Module):
-        """A forward that computes for about 20 ms of CPU time."""
+    # The arithmetic, on clocks of our own: an op of 10 ms CPU that took 12 ms of wall at
+    # K = 3 owes 3 x 10 - 12 = 18 ms, slept at once (over FLUSH_S = 1 ms); sleeping 20 ms
+    # leaves a 2 ms credit, which a collective (c10d) drops after sleeping nothing.
+    clock = {"cpu": 0.0, "wall": 0.0}
+    slept = []
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.ones(()))
+    def op_of(cpu_s: float, wall_s: float):
+        def run(*_args):
+            clock["cpu"] += cpu_s
+            clock["wall"] += wall_s
+        return _Op("aten", run)
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            start = time.thread_time()
-            while time.thread_time() - start < 0.02:
-                pass
-            return (x * self.weight).sum()
+    def sleep(seconds: float) -> None:
+        slept.append(round(seconds, 9))
+        clock["wall"] += seconds + 0.002
 
-    module = Busy()
-    slow_down(module, 3.0)
-    start = time.perf_counter()
-    loss = module(torch.ones(4))
-    forward_s = time.perf_counter() - start
-    start = time.perf_counter()
-    loss.backward()
-    backward_s = time.perf_counter() - start
-    # Forward: 3 x its 20 ms of CPU; backward: (3 - 1) x 2 x 20 ms of sleep before the gradient.
-    assert 0.06 <= forward_s < 0.5 and 0.08 <= backward_s < 0.5, (forward_s, backward_s)
-    assert module.weight.grad.item() == 4.0
+    pacer = Pacer(3.0, lambda: clock["cpu"], lambda: clock["wall"], sleep)
+    pacer.__torch_dispatch__(op_of(0.010, 0.012), ())
+    assert slept == [0.018] and pacer.owed_s == pytest.approx(-0.002)
+    pacer.__torch_dispatch__(_Op("c10d", lambda *_: None), ())
+    assert slept == [0.018] and pacer.owed_s == 0.0
+
+    # Real ops on one thread: every op stretched to 3 x its CPU seconds (at least: a busy host
+    # may stretch it more, which the pacer counts), a 50 ms wait between ops not stretched.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thread_time counts this thread's CPU only
+    try:
+        weight = torch.randn(256, 256, requires_grad=True)
+        x = torch.randn(256, 256)
+
+        def work() -> torch.Tensor:
+            out = x
+            for _ in range(6):
+                out = torch.tanh(out @ weight)
+            return out.sum()
+
+        work().backward()  # warm-up
+        with paced(3.0) as pacer:
+            cpu, wall = time.thread_time(), time.perf_counter()
+            work().backward()
+            time.sleep(0.05)
+            pacer.settle()
+            cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    finally:
+        torch.set_num_threads(threads)
+    # cpu counts the Python between ops too (not stretched): the ops' share is most of it.
+    assert wall >= 3 * 0.8 * cpu + 0.05, (cpu, wall)
+    assert pacer.slept_s <= 2 * cpu + 0.01, (cpu, pacer.slept_s)  # never the 50 ms wait

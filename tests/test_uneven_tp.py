@@ -37,6 +37,8 @@ from planner.errors import PlanFileError
 from planner.families import families_of
 from planner.families.uneven_tp.candidates import choose_splits, memory_fractions, uneven_tp_candidates, uneven_tp_plan
 from planner.families.uneven_tp.ratios import KindTerms, best_layer_split, layer_objective
+from planner.families.uneven_tp.costs import layer_terms, whole_op_seconds
+from planner.families.uneven_tp.regions import split_dimensions
 from planner.families.uneven_tp.section import LayerSplit, UnevenTpSection
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
@@ -179,7 +181,9 @@ def test_costs_worked_by_hand_on_the_mixed_cluster(accpar) -> None:
     plan = simulated(dataclasses.replace(accpar, sections={"uneven-tp": UnevenTpSection(splits)}), graph)
     costs = {s.node: s.cost for s in plan.strategies}
     node_of = {n.module: n for n in graph.nodes if n.op == "aten.linear.default"}
-    gather = lambda elements: collective_time("all_gather", elements * 4, cluster, ranks)  # noqa: E731 fp32
+    # A gather-v is one all-to-all in which each rank sends its slice to all 4 ranks; the
+    # largest share's rank sends the most, so it is priced as every rank sending 4 x its slice.
+    gather = lambda elements: collective_time("all_to_all", elements * 4, cluster, ranks)  # noqa: E731 fp32
     reduce = lambda elements: collective_time("all_reduce", elements * 4, cluster, ranks)  # noqa: E731
     expected = {
         # fast ranks: 96/256 of the layer at twice the speed = 0.1875 of the slow device's layer
@@ -210,7 +214,17 @@ def test_costs_worked_by_hand_on_the_mixed_cluster(accpar) -> None:
 def test_the_shares_follow_speed_and_beat_the_even_split(mixed_gpt, accpar) -> None:
     graph, spec, name, cluster = mixed_gpt
     section = accpar.sections["uneven-tp"]
-    assert len(section.layers) == 9  # 4 linears in each of 2 blocks, and the head
+    # 4 linears in each of 2 blocks and the head; the attention's 64 x 64 output projections
+    # stay whole: their best split's gather-v costs more than the compute it spreads.
+    chosen = {layer.module: layer for layer in section.layers}
+    assert sorted(set(split_dimensions(graph)) - set(chosen)) == ["blocks.0.attn.c_proj", "blocks.1.attn.c_proj"]
+    node = next(n for n in graph.nodes if n.module == "blocks.0.attn.c_proj" and n.op == "aten.linear.default")
+    options = [layer_terms(node, kind, cluster, "fp32", (10**6,) * 4) for kind in ("batch", "column", "row")]
+    assert sum(whole_op_seconds(node, cluster, "fp32")) < best_layer_split(options).seconds
+    # The MLPs fused: c_fc's output stays split through the gelu into c_proj, same shares.
+    for block in (0, 1):
+        fc, proj = chosen[f"blocks.{block}.mlp.c_fc"], chosen[f"blocks.{block}.mlp.c_proj"]
+        assert (fc.kind, proj.kind, fc.fused, proj.fused, fc.shares) == ("column", "row", True, True, proj.shares)
     for layer in section.layers:
         fast, slow = layer.shares[0], layer.shares[2]
         # Two to one within a unit (the dimension need not divide by 6).
@@ -248,10 +262,16 @@ def test_family_uneven_tp_alone_gives_the_accpar_plan_and_one_kind_gets_none() -
     one_kind = SimpleNamespace(whole_batch_only=False, summa_only=False, constraints=SearchConstraints(),
                                cluster=Cluster.parse("cpu:1x4"))
     assert uneven_tp_candidates(one_kind) == []
-    # Unasked (no --family), after a plan that fits on every device: no time spent splitting.
-    found_fitting = SimpleNamespace(whole_batch_only=False, summa_only=False, constraints=SearchConstraints(),
-                                    cluster=plan.cluster, found=[plan])
-    assert plan.estimate.fits and uneven_tp_candidates(found_fitting) == []
+    # Unasked (no --family), after an uneven data-parallel plan that fits on every device: no
+    # time spent splitting. After an even one only (a batch too small for uneven shares), the
+    # split plan is offered.
+    shared = SimpleNamespace(estimate=SimpleNamespace(fits=True), world_size=4, sections={"uneven": "3/3/1/1"})
+    found = SimpleNamespace(whole_batch_only=False, summa_only=False, constraints=SearchConstraints(),
+                            cluster=plan.cluster, found=[shared], graph=plan.graph, spec=plan.model,
+                            model_name="gpt", precision=plan.precision, warnings=())
+    assert uneven_tp_candidates(found) == []
+    found.found = [SimpleNamespace(estimate=SimpleNamespace(fits=True), world_size=4, sections={})]
+    assert [p.sections["uneven-tp"] for p in uneven_tp_candidates(found)] == [plan.sections["uneven-tp"]]
 
 
 def test_the_report_gives_each_ranks_share_of_each_split_tensor(accpar) -> None:

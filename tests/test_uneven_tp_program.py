@@ -3,10 +3,12 @@ processes, world 4 on ``examples/clusters/mixed.toml`` (two fast, two slow devic
 
 - One launch of ``tests/dist_check_many.py`` checks, against one device (outputs, loss,
   gradients, updated parameters): the GPT example's uneven-tp plan (the candidate
-  ``--family uneven-tp`` chooses, ``tests/test_uneven_tp.py``), the same GPT with its layers forced through all three
-  kinds at odd shares (batch 3/2/2/1 of the 8 rows, column and row at shares that do not
-  divide evenly), the CNN (its classifier's linears split, the convolutions whole) and a
-  tiny HuggingFace Llama (bias-free projections).
+  ``--family uneven-tp`` chooses, ``tests/test_uneven_tp.py``: its MLPs fused), the same GPT
+  with its layers forced through all three kinds and a fused MLP at odd shares (batch
+  3/2/2/1 of the 8 rows, column and row at shares that do not divide evenly), the CNN (its
+  classifier's linears fused around the relu, the convolutions whole) and a tiny
+  HuggingFace Llama (bias-free projections; its MLPs fused: gate and up columns, silu and
+  mul on the slices, down a row). Every gather is the unpadded all-gather-v.
 - Checkpoints: a step of the uneven-tp program (every kind), resumed for one on the even
   DDP program of the same model, then one more on the uneven-tp one again: each rank saves
   its slices under the model's parameter names (``codegen.runtime.derived_checkpoint``).
@@ -35,10 +37,11 @@ from test_uneven_program import CNN, GPT, LLAMA, MIXED, resume_there_and_back  #
 
 
 
-def accpar_plan(spec: ModelSpec) -> planner.Plan:
-    """The uneven-tp plan of ``spec`` on the mixed cluster."""
+def accpar_plan(spec: ModelSpec, allow_whole: bool = True) -> planner.Plan:
+    """The uneven-tp plan of ``spec`` on the mixed cluster (``allow_whole=False``: every
+    linear layer split, where the search would leave the small ones whole)."""
     graph, spec, name, cluster = prepare_model(spec, Cluster.load(MIXED))
-    plan = uneven_tp_plan(graph, cluster, spec, name, "fp32")
+    plan = uneven_tp_plan(graph, cluster, spec, name, "fp32", allow_whole=allow_whole)
     assert plan is not None
     return plan
 
@@ -51,20 +54,41 @@ def every_kind(plan: planner.Plan) -> planner.Plan:
         LayerSplit("blocks.0.mlp.c_fc", "row", (30, 20, 10, 4)),          # 64 input features
         LayerSplit("blocks.0.mlp.c_proj", "row", (100, 90, 50, 16)),      # 256 input features
         LayerSplit("lm_head", "batch", (1, 1, 5, 1)),                     # no bias
+        # Fused: c_fc's 256 output features stay split through the gelu into c_proj.
+        LayerSplit("blocks.1.mlp.c_fc", "column", (100, 90, 50, 16), fused=True),
+        LayerSplit("blocks.1.mlp.c_proj", "row", (100, 90, 50, 16), fused=True),
     )
     return dataclasses.replace(plan, sections={"uneven-tp": UnevenTpSection(layers)})
+
+
+def llama_split() -> planner.Plan:
+    """The tiny Llama on the mixed cluster, its MLPs fused (gate and up columns, silu and mul
+    on the slices, down a row) at shares that divide its 128 features unevenly, and its
+    attention projections split each way (no projection has a bias)."""
+    graph, spec, name, cluster = prepare_model(LLAMA, Cluster.load(MIXED))
+    plan = uneven_tp_plan(graph, cluster, spec, name, "fp32", allow_whole=False)
+    layers = [LayerSplit(f"model.layers.{i}.mlp.{m}", "row" if m == "down_proj" else "column", (50, 40, 30, 8),
+                         fused=True) for i in (0, 1) for m in ("gate_proj", "up_proj", "down_proj")]
+    layers += [LayerSplit("model.layers.0.self_attn.q_proj", "column", (7, 29, 20, 8)),   # 64 output features
+               LayerSplit("model.layers.0.self_attn.o_proj", "row", (30, 20, 10, 4)),     # 64 input features
+               LayerSplit("model.layers.1.self_attn.v_proj", "batch", (3, 2, 2, 1))]      # 8 rows
+    return dataclasses.replace(plan, sections={"uneven-tp": UnevenTpSection(tuple(layers))})
 
 
 @pytest.mark.distributed
 def test_uneven_tp_programs_match_one_device(tmp_path) -> None:
     gpt = accpar_plan(GPT)
     folders = [planner.compile(plan, tmp_path / name) for name, plan in (
-        ("gpt", gpt), ("gpt-every-kind", every_kind(gpt)), ("cnn", accpar_plan(CNN)), ("llama", accpar_plan(LLAMA)),
+        ("gpt", gpt), ("gpt-every-kind", every_kind(gpt)), ("cnn", accpar_plan(CNN, allow_whole=False)),
+        ("llama", llama_split()),
     )]
     # The program lists each layer's kind and shares; plan strings enter it through repr() only.
     source = (folders[1] / "model_spmd.py").read_text()
     assert "#   blocks.0.attn.c_attn: column split, rank shares 70/61/40/21" in source
     assert "('blocks.0.attn.c_proj', 'batch', (3, 2, 2, 1))" in source
+    assert "('blocks.1.mlp.c_fc', 'column', (100, 90, 50, 16), True)" in source
+    # The plan the search chose fuses the MLPs (no gather between c_fc and c_proj).
+    assert any(layer.fused for layer in gpt.sections["uneven-tp"].layers)
     launch = check_many(4, folders, tmp_path)
     for folder in folders:
         assert result_of(launch, folder).startswith("ok parity ok"), (folder.name, result_of(launch, folder))

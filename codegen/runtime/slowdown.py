@@ -5,24 +5,29 @@ two devices twice as fast as the other two), but the processes torchrun starts o
 all run on the same cores. With this flag each rank computes as slowly as its device is
 declared to be, relative to the fastest: rank r's factor is ``k_r = peak_fastest / peak_r``
 (peak FLOP/s for the plan's precision, from the plan's cluster), times ``base`` (default 1)
-to emulate devices slower than one core of this host. ``slow_down`` measures each forward of
-the rank's module in CPU seconds of its thread (``time.thread_time``: what the forward
-computed, however many other processes shared the cores meanwhile) and sleeps until the
-forward has lasted ``K = base * k_r`` times that; the module's output carries a pass-through
-autograd step whose backward, the first of the backward pass, sleeps ``(K - 1)`` times twice
-the forward's CPU seconds (a backward does twice a forward's FLOPs, the cost model's
-``BACKWARD_TO_FORWARD``). So the rank's forward and backward last about ``K`` times its own
-compute, and its gradients reach the all-reduce as late as on a device ``K`` times slower
-than a core; only its own compute is stretched, never its waits for other ranks.
+to emulate devices slower than one core of this host.
+
+Where the time goes: op by op, as the simulator prices it. ``paced(K)`` is a
+``TorchDispatchMode`` that sees every ATen op the rank's thread runs (forward, backward, the
+optimizer: the autograd engine runs CPU backward on the calling thread, with its modes). It
+times each op in CPU seconds of the thread (``time.thread_time``: what the op computed,
+however many other processes shared the cores meanwhile) and owes the rank ``K`` times that,
+less the wall time the op already took; the debt is slept off once it passes ``FLUSH_S``,
+and in full before every collective (a ``c10d`` or functional-collective op), so a rank
+reaches each collective as late as a device ``K`` times slower would, and its waits for the
+other ranks (not ops of this thread) are never stretched. A program whose ranks meet at every
+split layer (uneven tensor parallelism) or every micro-batch (pipelines) is thus slowed where
+it computes, not as one block at the end of the forward.
 
 Why sleeping, not fewer threads or repeated work: a rank that repeats its work, or spins,
 holds a core the other ranks on the same host need (our CI hosts have 2 cores for 4 ranks),
 so the fast ranks would slow down too and the experiment would measure contention, not
 heterogeneity; a sleeping rank holds none, and a ``base`` of a few makes the sleeps, not the
-shared cores, fill the step. Thread counts do not give a chosen ratio (one
-thread is already the torchrun default). Limits: the forward is timed whole, so a program
-whose forward runs collectives (FSDP's all-gathers) stretches those too; the measurement is
-meant for DDP programs. The optimizer step is not stretched (it is the same on every rank).
+shared cores, fill the step. Thread counts do not give a chosen ratio (one thread is already
+the torchrun default). Limits: Python between ops (and DTensor's dispatch, which runs inside
+the op the mode sees) is not device time and is stretched only where it runs inside an op;
+an op's time waiting inside the op for another process (none on CPU but collectives) would
+be stretched, and collectives are excluded by name.
 """
 
 from __future__ import annotations
@@ -30,16 +35,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.device_groups import rank_devices
 
-__all__ = ["slow_down", "slowdown_factor"]
+__all__ = ["FLUSH_S", "Pacer", "paced", "slowdown_factor"]
 
-# A backward does about twice a forward's FLOPs (cost_model/defaults.py BACKWARD_TO_FORWARD,
-# from Kaplan et al. 2020 section 2.1: one matmul for the input gradient, one for the weight's).
-BACKWARD_TO_FORWARD = 2.0
+# The debt a rank carries before it sleeps: time.sleep overshoots by about 0.05-0.1 ms on
+# Linux, so sleeping once per millisecond of debt or more keeps that overshoot (returned as
+# credit below) a small part of each sleep.
+FLUSH_S = 1e-3
+# The namespaces of torch.distributed's collective ops (c10d: dist.all_reduce and friends,
+# DDP's reducer, pipelining's send/recv; _c10d_functional: functional collectives, DTensor).
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
 
 
 def slowdown_factor(plan, rank: int, base: float = 1.0) -> float:
@@ -51,40 +59,67 @@ def slowdown_factor(plan, rank: int, base: float = 1.0) -> float:
     return base * max(device.flops_for(dtype) for device in devices) / devices[rank].flops_for(dtype)
 
 
-class _SleepInBackward(torch.autograd.Function):
-    """The identity; its backward sleeps ``seconds`` first."""
+class Pacer(TorchDispatchMode):
+    """Every op of this thread lasts ``factor`` times its CPU seconds (module docstring).
 
-    @staticmethod
-    def forward(ctx, value: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.seconds = seconds
-        return value.view_as(value)
+    Attributes:
+        factor: the stretch, at least 1.
+        owed_s: seconds still to sleep (negative: the ops already took longer, as when the
+            host's cores were busy with other ranks).
+        slept_s: the seconds slept so far (for tests and reports).
+        ops, op_cpu_s, collectives: the ops timed and their CPU seconds, and the collectives
+            met, so far (``summary``).
+    """
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        time.sleep(ctx.seconds)
-        return grad, None
+    def __init__(self, factor: float, cpu_clock=time.thread_time, wall_clock=time.perf_counter,
+                 sleep=time.sleep) -> None:
+        super().__init__()
+        self.factor = max(1.0, float(factor))
+        self.owed_s = 0.0
+        self.slept_s = 0.0
+        self.ops, self.op_cpu_s, self.collectives = 0, 0.0, 0
+        # The clocks are parameters so a test can check the arithmetic with its own.
+        self._cpu, self._wall, self._sleep = cpu_clock, wall_clock, sleep
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:
+        kwargs = kwargs or {}
+        if func.namespace in COLLECTIVE_NAMESPACES:
+            self.settle()  # arrive as late as the slow device would; the wait itself is not compute
+            self.collectives += 1
+            return func(*args, **kwargs)
+        wall, cpu = self._wall(), self._cpu()
+        out = func(*args, **kwargs)
+        cpu = self._cpu() - cpu
+        self.ops += 1
+        self.op_cpu_s += cpu
+        self.owed_s += self.factor * cpu - (self._wall() - wall)
+        if self.owed_s > FLUSH_S:
+            self._sleep_debt()
+        return out
+
+    def settle(self) -> None:
+        """Sleep off the whole debt now; a credit does not carry past a meeting point (the
+        rank waited there anyway)."""
+        if self.owed_s > 0:
+            self._sleep_debt()
+        self.owed_s = 0.0
+
+    def summary(self, rank: int, steps: int) -> str:
+        """One line: per step, this rank's ops, their CPU seconds, the seconds slept to
+        stretch them and the collectives met (where a measured step's time went)."""
+        per = max(1, steps)
+        return (f"rank {rank} slowed {self.factor:g}x: per step {self.ops / per:.0f} ops, "
+                f"{self.op_cpu_s / per * 1e3:.1f} ms of op CPU, {self.slept_s / per * 1e3:.1f} ms slept, "
+                f"{self.collectives / per:.0f} collectives")
+
+    def _sleep_debt(self) -> None:
+        start = self._wall()
+        self._sleep(self.owed_s)
+        slept = self._wall() - start
+        self.slept_s += slept
+        self.owed_s -= slept  # an overshoot becomes credit
 
 
-def slow_down(module: torch.nn.Module, factor: float) -> None:
-    """Stretch ``module``'s forward and backward to ``factor`` times their CPU seconds (module
-    docstring); nothing when ``factor`` is 1 or less."""
-    if factor <= 1.0:
-        return
-    started: list[tuple[float, float]] = []
-
-    def before(_module, _args) -> None:
-        started.append((time.perf_counter(), time.thread_time()))
-
-    def after(_module, _args, output: Any) -> Any:
-        wall, cpu = started.pop()
-        forward_cpu_s = time.thread_time() - cpu
-        time.sleep(max(0.0, factor * forward_cpu_s - (time.perf_counter() - wall)))
-        leaves, spec = tree_flatten(output)
-        for index, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:  # the loss: backward starts there
-                leaves[index] = _SleepInBackward.apply(leaf, (factor - 1.0) * BACKWARD_TO_FORWARD * forward_cpu_s)
-                break
-        return tree_unflatten(leaves, spec)
-
-    module.register_forward_pre_hook(before)
-    module.register_forward_hook(after)
+def paced(factor: float) -> Pacer:
+    """A ``Pacer`` to enter (``with paced(k): ...``) around what the rank computes."""
+    return Pacer(factor)

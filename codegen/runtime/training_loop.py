@@ -75,9 +75,9 @@ class LoopOptions:
         resume: continue from the latest complete checkpoint in ``checkpoint_dir``: its
             weights, optimizer state, step, RNG state and data position.
         init_from: start from the weights of a plain state_dict file.
-        slowdown: 0 for none; else each rank's forward and backward last this many times
-            their CPU seconds, times how much slower its device is than the cluster's
-            fastest (``codegen.runtime.slowdown``).
+        slowdown: 0 for none; else each op a rank runs lasts this many times its CPU
+            seconds, times how much slower its device is than the cluster's fastest
+            (``codegen.runtime.slowdown``).
         run_identity, resume_from: what ``checkpoint_runs.prepare_checkpoints`` decided
             before the process group started (None: decided here, by the same rules).
     """
@@ -322,10 +322,6 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     session whose ``step()`` is called after each step (``codegen.runtime.profiling``).
     """
     module, forward_backward, sum_group, args, kwargs, model = build_step(program, mesh)
-    if options.slowdown:  # a heterogeneous cluster made real on one host (launch.py --slowdown-from-cluster)
-        from codegen.runtime.slowdown import slow_down, slowdown_factor
-
-        slow_down(module, slowdown_factor(program.plan, dist.get_rank(), options.slowdown))
     optimizer, schedule, checkpointer, first_step = start_optimizing(program, mesh, options, model, module)
     clip = gradient_clipper(program, model, module, sum_group) if options.clip_grad_norm is not None else None
     next_batch = batch_source(program, options, args, kwargs)
@@ -336,7 +332,10 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     progress = _progress_bar(options.steps)
     run = TrainingRun()
     stop_request = StopRequest().install()
+    pacer = _pacer(program, options)
     try:
+        if pacer is not None:
+            pacer.__enter__()
         step = first_step
         while options.steps == 0 or step < options.steps:
             batch = next_batch()
@@ -381,6 +380,9 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
         if checkpointer is not None and options.steps == 0 and run.records and not options.save_every:
             _said_complete(checkpointer.save(step))  # the data ended: keep where it ended
     finally:
+        if pacer is not None:
+            pacer.__exit__(None, None, None)
+            print(pacer.summary(dist.get_rank(), len(run.records)), flush=True)  # every rank: each its own
         stop_request.restore()
         if checkpointer is not None:
             _said_complete(checkpointer.wait())
@@ -399,6 +401,16 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
         stats = write_recorded_routing(model, len(run.records), options.record_routing)
         _say(f"routing of {len(stats.layers)} MoE layer(s) written to {options.record_routing} ({stats.source})")
     return run
+
+
+def _pacer(program: Program, options: LoopOptions):
+    """With ``--slowdown-from-cluster``: the mode that stretches every op of this rank to its
+    device's speed (``codegen.runtime.slowdown``); else None."""
+    if not options.slowdown:
+        return None
+    from codegen.runtime.slowdown import paced, slowdown_factor
+
+    return paced(slowdown_factor(program.plan, dist.get_rank(), options.slowdown))
 
 
 def batch_source(program: Program, options: LoopOptions, args: tuple, kwargs: dict) -> Callable[[], tuple[tuple, dict] | None]:

@@ -11,7 +11,10 @@ batch too small, for data parallelism alone.
   waiting for the slowest rank (cost-model layer).
 - ``candidates.py``: the plan on a cluster of two or more kinds of device (search layer).
 - ``emit.py``, ``runtime.py``: the model's modules with the split layers replaced by
-  ``UnevenLinear``s, uneven slices joined by padded all-gathers (codegen layer).
+  ``UnevenLinear``s, uneven slices joined by all-gather-v (all-to-all with uneven sizes) or
+  kept split between fused layers (codegen layer).
+- ``regions.py``: the splittable layers, and the groups whose activation may stay split
+  between them (vocabulary).
 - ``report.py``: per device, its type, its share of each split tensor and its busy time.
 """
 

@@ -2,7 +2,7 @@
 and per-rank ratios on a cluster of two or more kinds of device.
 
 The plan runs on a ``tp`` mesh over every rank with every op replicated, and splits each
-linear layer (``section.split_dimensions``) by ``ratios.best_layer_split``: the kind
+linear layer (``regions.split_dimensions``) by ``ratios.best_layer_split``: the kind
 (batch, column, row) and integer shares of least modelled seconds, each rank's share capped
 by its memory. The caps: what the replicated plan holds apart from the linear layers'
 weights, gradients and optimizer states stays on every rank; the room left on rank r is a
@@ -10,9 +10,13 @@ fraction ``f_r`` of those layers' states, so rank r may take at most ``floor(f_r
 each column or row split (a sufficient condition: every layer within that fraction keeps
 the rank within its memory); a batch split holds the whole weight, so it is allowed only
 where every rank holds all of them (``f_r >= 1``). Layers of the same shapes are solved once.
+Then, over the chain of linear layers (``ratios.best_chain``): each fusable group
+(``regions.py``: a column split kept split into a row split, no gather between) fused or
+not, and a layer left whole (no collective, the slowest device's time) where every rank
+holds it and that is cheaper than any split.
 
-``uneven_tp_plan(..., even=True)`` is the same space with even shares (the kind still
-chosen per layer): what an even-split system would run, for the comparison.
+``uneven_tp_plan(..., even=True)`` is the same space with even shares (the kind, fusion and
+whole layers still chosen): what an even-split system would run, for the comparison.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.simulator import simulated
 from planner.cluster import Cluster
 from planner.device_groups import device_groups, rank_devices
-from planner.families.uneven_tp.costs import layer_terms, rank_seconds, split_dimension
-from planner.families.uneven_tp.ratios import KindTerms, best_layer_split, layer_objective
-from planner.families.uneven_tp.section import JSON_KEY, KINDS, LayerSplit, UnevenTpSection, split_dimensions
+from planner.families.uneven_tp.costs import (fused_terms, layer_terms, rank_seconds, split_dimension,
+                                              split_ops, whole_op_seconds)
+from planner.families.uneven_tp.ratios import KindTerms, LayerChoice, best_chain, best_layer_split, layer_objective
+from planner.families.uneven_tp.regions import fusable_groups, split_dimensions
+from planner.families.uneven_tp.section import JSON_KEY, KINDS, LayerSplit, UnevenTpSection
 from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
@@ -70,56 +76,90 @@ def _even_shares(dim: int, ranks: int) -> tuple[int, ...]:
     return tuple(dim // ranks + (1 if r < dim % ranks else 0) for r in range(ranks))
 
 
-def choose_splits(plan: Plan, graph: OpGraph, even: bool = False) -> tuple[LayerSplit, ...]:
-    """Each splittable layer's kind and shares (module docstring); empty when none fits."""
+def choose_splits(plan: Plan, graph: OpGraph, even: bool = False, allow_whole: bool = True) -> tuple[LayerSplit, ...]:
+    """Each splittable layer's kind and shares, fused groups, or whole (module docstring),
+    chosen over the chain of linear layers by ``ratios.best_chain``; empty when none is split.
+    ``allow_whole=False``: a layer stays whole only where no split fits."""
     fractions = memory_fractions(plan, graph)
-    ranks = plan.cluster.world_size
-    solved: dict[tuple, tuple[str, tuple[int, ...]] | None] = {}
-    splits = []
-    for module, node in linear_nodes(graph).items():
+    nodes = linear_nodes(graph)
+    modules = list(nodes)
+    cluster, precision = plan.cluster, plan.precision
+    solved: dict[tuple, LayerChoice | None] = {}
+    singles, whole = [], []
+    for module, node in nodes.items():
         key = (tuple(meta.shape for meta in node.input_meta), len(node.params))
         if key not in solved:
-            options = []
-            for kind in KINDS:
-                dim = split_dimension(node, kind)
-                if kind == "batch":
-                    caps = tuple(dim if f >= 1.0 else 0 for f in fractions)
-                else:
-                    caps = tuple(int(math.floor(f * dim)) for f in fractions)
-                options.append(layer_terms(node, kind, plan.cluster, plan.precision, caps))
-            solved[key] = _even_split(options, ranks) if even else _best_split(options)
-        if solved[key] is not None:
-            splits.append(LayerSplit(module, *solved[key]))
+            options = [layer_terms(node, kind, cluster, precision, _caps(fractions, node, kind)) for kind in KINDS]
+            solved[key] = _even_split(options, len(fractions)) if even else best_layer_split(options)
+        singles.append(solved[key])
+        # Whole on every rank: where every rank holds the layer, or where no split fits.
+        whole.append(sum(whole_op_seconds(node, cluster, precision))
+                     if (allow_whole and min(fractions) >= 1.0) or solved[key] is None else None)
+    groups = {}
+    by_name = {node.name: node for node in graph.nodes}
+    for group in fusable_groups(graph):
+        start, stop = modules.index(group.columns[0]), modules.index(group.row) + 1
+        if tuple(modules[start:stop]) != group.modules:
+            continue  # not consecutive in the chain: each layer alone
+        terms = fused_terms([nodes[m] for m in group.columns], nodes[group.row],
+                            [by_name[name] for name in group.between], cluster, precision,
+                            _caps(fractions, nodes[group.row], "row"))
+        choice = _even_split([terms], len(fractions)) if even else best_layer_split([terms])
+        if choice is not None:
+            # The elementwise ops between would run whole if the group were not fused: the
+            # group saves them, so they count against the unfused layers' choice too.
+            between = sum(sum(whole_op_seconds(by_name[name], cluster, precision)) for name in group.between)
+            groups[(start, stop)] = dataclasses.replace(choice, seconds=choice.seconds - between)
+    chain = best_chain(whole, singles, groups)
+    splits = []
+    for step in chain[0] if chain is not None else ():
+        if step.choice is None:
+            continue
+        if step.choice.kind != "fused":
+            splits.append(LayerSplit(modules[step.start], step.choice.kind, step.choice.shares))
+            continue
+        for module in modules[step.start:step.stop]:
+            kind = "row" if module == modules[step.stop - 1] else "column"
+            splits.append(LayerSplit(module, kind, step.choice.shares, fused=True))
     return tuple(splits)
 
 
-def _best_split(options: list[KindTerms]) -> tuple[str, tuple[int, ...]] | None:
-    choice = best_layer_split(options)
-    return None if choice is None else (choice.kind, choice.shares)
+def _caps(fractions: tuple[float, ...], node, kind: str) -> tuple[int, ...]:
+    """Each rank's largest share of ``node`` split ``kind`` (module docstring)."""
+    dim = split_dimension(node, kind)
+    if kind == "batch":
+        return tuple(dim if f >= 1.0 else 0 for f in fractions)
+    return tuple(int(math.floor(f * dim)) for f in fractions)
 
 
-def _even_split(options: list[KindTerms], ranks: int) -> tuple[str, tuple[int, ...]] | None:
+def _even_split(options: list[KindTerms], ranks: int) -> LayerChoice | None:
     """The kind of least modelled seconds with even shares (within the caps), or None."""
     fitting = []
-    for terms in options:
+    for index, terms in enumerate(options):
         shares = _even_shares(terms.dim, ranks)
         if terms.dim >= ranks and all(share <= cap for share, cap in zip(shares, terms.caps)):
-            fitting.append((layer_objective(terms, shares), KINDS.index(terms.kind), terms.kind, shares))
-    return min(fitting)[2:] if fitting else None
+            fitting.append((layer_objective(terms, shares), index, LayerChoice(terms.kind, shares,
+                                                                              layer_objective(terms, shares))))
+    return min(fitting)[2] if fitting else None
 
 
 def busy_seconds(plan: Plan, graph: OpGraph, splits: tuple[LayerSplit, ...]) -> tuple[float, ...]:
-    """Each rank's forward and backward compute seconds: its share of each split layer on its
-    device, every other op whole."""
+    """Each rank's forward and backward compute seconds: its share of each split layer and of
+    the elementwise ops between fused layers on its device, every other op whole."""
     devices = rank_devices(plan.cluster)
     by_module = {split.module: split for split in splits}
+    between = split_ops(graph, UnevenTpSection(splits))
     busy = [0.0] * len(devices)
     whole: dict = {}
     for node in graph.nodes:
         split = by_module.get(node.module) if node.op == "aten.linear.default" else None
-        if split is not None:
-            for rank, (forward, backward) in enumerate(rank_seconds(node, split.kind, split.shares, devices,
-                                                                     plan.precision)):
+        if split is not None or node.name in between:
+            if split is not None:
+                times = rank_seconds(node, split.kind, split.shares, devices, plan.precision)
+            else:
+                shares, dim = between[node.name]
+                times = [op_times(node, share / dim, device, plan.precision) for share, device in zip(shares, devices)]
+            for rank, (forward, backward) in enumerate(times):
                 busy[rank] += forward + backward
             continue
         for rank, device in enumerate(devices):
@@ -130,11 +170,11 @@ def busy_seconds(plan: Plan, graph: OpGraph, splits: tuple[LayerSplit, ...]) -> 
 
 
 def uneven_tp_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str, precision: str,
-                   warnings: tuple[str, ...] = (), even: bool = False) -> Plan | None:
+                   warnings: tuple[str, ...] = (), even: bool = False, allow_whole: bool = True) -> Plan | None:
     """The simulated uneven tensor-parallel plan of ``graph`` on ``cluster`` (module
     docstring), or None when no layer can be split."""
     base = simulated(replicated_plan(graph, cluster, spec, model_name, precision, warnings), graph)
-    splits = choose_splits(base, graph, even)
+    splits = choose_splits(base, graph, even, allow_whole)
     if not splits:
         return None
     section = UnevenTpSection(splits, busy_s=busy_seconds(base, graph, splits))
@@ -144,19 +184,20 @@ def uneven_tp_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mod
 def uneven_tp_candidates(context: SearchContext) -> list[Plan]:
     """The candidates part of the ``uneven-tp`` family (``planner.families``): on a cluster of
     two or more kinds of device, the uneven tensor-parallel plan, when ``--family`` names
-    the family or no plan found so far fits on every device; none on one kind of device,
-    with ``--tp-layouts summa``, for a model whose samples mix, or when the constraints
-    leave the family out or fix a mesh it does not have."""
+    the family or no plan found so far shares every device by its speed (uneven data
+    parallelism's, which a batch of fewer samples than twice the devices cannot give);
+    none on one kind of device, with ``--tp-layouts summa``, for a model whose samples mix,
+    or when the constraints leave the family out or fix a mesh it does not have."""
     if (context.whole_batch_only or context.summa_only or not context.constraints.allows_family(FAMILY)
             or len(device_groups(context.cluster)) < 2
             or not context.constraints.allows_sizes({"tp": context.cluster.world_size})):
         return []
     asked = context.constraints.families is not None
     if not asked and any(plan.estimate.fits and plan.world_size == context.cluster.world_size
-                         for plan in context.found):
-        # Data parallelism already uses every device: splitting layers is the user's call
-        # (--family uneven-tp), not worth a search's time (a 16-GPU model's splits take
-        # tens of seconds to choose).
+                         and "uneven" in plan.sections for plan in context.found):
+        # Uneven data parallelism already uses every device by its speed: splitting layers is
+        # the user's call (--family uneven-tp), not worth a search's time (a 16-GPU model's
+        # splits take tens of seconds to choose).
         return []
     plan = uneven_tp_plan(context.graph, context.cluster, context.spec, context.model_name, context.precision,
                           context.warnings)

@@ -8,8 +8,8 @@ features, split with shares ``s_r`` over ``p`` ranks (``section.py``), costs one
 =========  ======================================  ==========================================
 kind       forward                                 backward
 =========  ======================================  ==========================================
-column     gather-v of the outputs' columns:       all-reduce of the inputs' gradient
-           all-gather of ``p * max s * N`` elems    (partial sums, ``N * i`` elements)
+column     gather-v of the outputs' columns        all-reduce of the inputs' gradient
+           (``p * max s * N`` elements sent)        (partial sums, ``N * i`` elements)
 row        all-reduce of the partial outputs       gather-v of the inputs' gradient
            (``N * o`` elements)                     columns (``p * max s * N`` elements)
 batch      gather-v of the output rows             gather-v of the inputs' gradient rows
@@ -17,8 +17,14 @@ batch      gather-v of the output rows             gather-v of the inputs' gradi
                                                     the weight's gradient (``i * o + o``)
 =========  ======================================  ==========================================
 
-A gather-v is an all-gather of slices padded to the largest (``runtime.gather_uneven``), so
-it is priced as ``collective_time("all_gather", p * max s * slice bytes)``. Every collective
+A gather-v (``runtime.gather_slices``) sends each rank's slice, unpadded, to every other rank
+in one ``all_to_all_single`` with uneven split sizes, priced as the bytes it moves
+(``gather_v_seconds``): rank r sends ``(p - 1) s_r`` slices and receives ``D - s_r``; the
+busiest rank, the largest share's, sends ``(p - 1) max s`` (at least anyone's ``D - s_r``), so
+it is ``collective_time("all_to_all", p * max s * slice bytes)`` (pairwise: each rank sends
+``S/p`` to each peer). A ``fused`` column keeps its output split and a fused row takes its
+input split (``regions.py``): no gather-v for them, and the elementwise ops between run on
+each rank's share (``fused_terms``, ``between_seconds``). Every collective
 blocks the rank (the program calls it inside the layer), so the layer's forward is the
 slowest rank's forward plus its forward collective, and alike for backward:
 ``forward_s = max_r forward(s_r / D on device r)``, ``forward_comm_s`` the collective
@@ -39,6 +45,7 @@ from cost_model.step_contributor import StepContributor
 from planner.cluster import Cluster
 from planner.device_groups import rank_devices
 from planner.families.uneven_tp.ratios import KindTerms
+from planner.families.uneven_tp.regions import fusable_groups
 from planner.families.uneven_tp.section import JSON_KEY, LayerSplit
 from planner.graph import OpNode
 
@@ -51,34 +58,43 @@ def _features(node: OpNode) -> tuple[int, int, int, int]:
 
 
 def split_dimension(node: OpNode, kind: str) -> int:
-    """The size of the dimension ``kind`` splits (``section.split_dimensions``)."""
+    """The size of the dimension ``kind`` splits (``regions.split_dimensions``)."""
     rows, in_features, out_features, batch = _features(node)
     return {"batch": batch, "column": out_features, "row": in_features}[kind]
 
 
-def collective_seconds(node: OpNode, kind: str, largest: int, cluster: Cluster, precision: str) -> tuple[float, float]:
+def gather_v_seconds(shares_largest: int, slice_bytes: float, cluster: Cluster) -> float:
+    """Seconds of a gather-v over all of ``cluster``'s ranks whose largest share is
+    ``shares_largest`` slices of ``slice_bytes`` (module docstring): the all-to-all in which
+    every rank sends as much as the largest share's rank does."""
+    p = cluster.world_size
+    return collective_time("all_to_all", p * shares_largest * slice_bytes, cluster, range(p))
+
+
+def collective_seconds(node: OpNode, kind: str, largest: int, cluster: Cluster, precision: str,
+                       fused: bool = False) -> tuple[float, float]:
     """(forward, backward) collective seconds of ``node`` split ``kind`` over all of
-    ``cluster``'s ranks, the largest share being ``largest`` (table in the module docstring)."""
+    ``cluster``'s ranks, the largest share being ``largest`` (table in the module docstring);
+    ``fused``: a column without its forward gather-v, a row without its backward one."""
     rows, in_features, out_features, batch = _features(node)
     ranks = range(cluster.world_size)
-    p = cluster.world_size
     activation = PRECISIONS[precision][1]
     gradient = PARAM_BYTES[precision][1]
 
-    def seconds(collective: str, elements: float, element_bytes: int) -> float:
-        return collective_time(collective, elements * element_bytes, cluster, ranks)
+    def reduce(elements: float, element_bytes: int) -> float:
+        return collective_time("all_reduce", elements * element_bytes, cluster, ranks)
 
     if kind == "column":
-        return (seconds("all_gather", p * largest * rows, activation),
-                seconds("all_reduce", rows * in_features, activation))
+        return (0.0 if fused else gather_v_seconds(largest, rows * activation, cluster),
+                reduce(rows * in_features, activation))
     if kind == "row":
-        return (seconds("all_reduce", rows * out_features, activation),
-                seconds("all_gather", p * largest * rows, activation))
+        return (reduce(rows * out_features, activation),
+                0.0 if fused else gather_v_seconds(largest, rows * activation, cluster))
     per_sample = rows // batch
     bias = out_features if len(node.params) > 1 else 0
-    return (seconds("all_gather", p * largest * per_sample * out_features, activation),
-            seconds("all_gather", p * largest * per_sample * in_features, activation)
-            + seconds("all_reduce", in_features * out_features + bias, gradient))
+    return (gather_v_seconds(largest, per_sample * out_features * activation, cluster),
+            gather_v_seconds(largest, per_sample * in_features * activation, cluster)
+            + reduce(in_features * out_features + bias, gradient))
 
 
 def rank_seconds(node: OpNode, kind: str, shares, devices, precision: str) -> list[tuple[float, float]]:
@@ -91,38 +107,91 @@ def layer_seconds(node: OpNode, split: LayerSplit, cluster: Cluster, precision: 
     """``(forward_s, backward_s, forward_comm_s, backward_comm_s)`` of one step of ``node``
     split as ``split``: the slowest rank's compute and the collectives (module docstring)."""
     times = rank_seconds(node, split.kind, split.shares, rank_devices(cluster), precision)
-    forward_comm, backward_comm = collective_seconds(node, split.kind, max(split.shares), cluster, precision)
+    forward_comm, backward_comm = collective_seconds(node, split.kind, max(split.shares), cluster, precision,
+                                                     split.fused)
     return max(t[0] for t in times), max(t[1] for t in times), forward_comm, backward_comm
 
 
-def layer_terms(node: OpNode, kind: str, cluster: Cluster, precision: str, caps: tuple[int, ...]) -> KindTerms:
-    """``node``'s cost split ``kind`` as lines in the shares (``ratios.KindTerms``): each rank's
-    forward plus backward seconds through the even share and twice it (roofline times are
-    piecewise linear in the work), the collectives through the even and the whole largest
-    share. Per-unit seconds are kept positive, so no share grows for free."""
-    devices = rank_devices(cluster)
-    dim = split_dimension(node, kind)
+def _rank_lines(seconds_at, devices, dim: int) -> tuple[tuple[float, ...], tuple[float, ...], int, int]:
+    """Per rank, the line ``fixed + unit * share`` through ``seconds_at(device, share)`` at the
+    even share and twice it (roofline times are piecewise linear in the work); also those
+    two shares. Per-unit seconds are kept positive, so no share grows for free."""
     p = len(devices)
     even = max(1, dim // p)
     high = min(dim, 2 * even) if dim > even else even + 1
     fixed, unit = [], []
     for device in devices:
-        low_s = sum(op_times(node, even / dim, device, precision))
-        high_s = sum(op_times(node, high / dim, device, precision))
+        low_s, high_s = seconds_at(device, even), seconds_at(device, high)
         # 1e-15 s per unit is no measured figure, a floor that keeps every share's cost rising.
         slope = max((high_s - low_s) / (high - even), 1e-15)
         fixed.append(max(0.0, low_s - even * slope))
         unit.append(slope)
+    return tuple(fixed), tuple(unit), even, high
+
+
+def layer_terms(node: OpNode, kind: str, cluster: Cluster, precision: str, caps: tuple[int, ...]) -> KindTerms:
+    """``node``'s cost split ``kind`` as lines in the shares (``ratios.KindTerms``): each rank's
+    forward plus backward seconds (``_rank_lines``), the collectives through the even and the
+    whole largest share."""
+    devices = rank_devices(cluster)
+    dim = split_dimension(node, kind)
+    fixed, unit, even, _ = _rank_lines(lambda device, share: sum(op_times(node, share / dim, device, precision)),
+                                       devices, dim)
     low_comm = sum(collective_seconds(node, kind, even, cluster, precision))
     whole_comm = sum(collective_seconds(node, kind, dim, cluster, precision))
     per_max = max((whole_comm - low_comm) / (dim - even), 0.0) if dim > even else 0.0
-    return KindTerms(kind, dim, tuple(fixed), tuple(unit), caps, max(0.0, low_comm - even * per_max), per_max)
+    return KindTerms(kind, dim, fixed, unit, caps, max(0.0, low_comm - even * per_max), per_max)
+
+
+def fused_terms(columns, row: OpNode, between, cluster: Cluster, precision: str, caps: tuple[int, ...]) -> KindTerms:
+    """A fused group's cost as lines in its one set of shares (``regions.FusableGroup``): the
+    ``columns``' and the ``row``'s compute at each share plus the elementwise ``between`` ops
+    on that share of their features; the columns' backward all-reduces and the row's forward
+    one, which do not depend on the shares."""
+    devices = rank_devices(cluster)
+    dim = split_dimension(row, "row")
+
+    def seconds_at(device, share: int) -> float:
+        return sum(sum(op_times(node, share / dim, device, precision)) for node in (*columns, row, *between))
+
+    fixed, unit, _, _ = _rank_lines(seconds_at, devices, dim)
+    comm = sum(sum(collective_seconds(node, "column", 1, cluster, precision, fused=True)) for node in columns)
+    comm += sum(collective_seconds(row, "row", 1, cluster, precision, fused=True))
+    return KindTerms("fused", dim, fixed, unit, caps, comm, 0.0)
 
 
 def whole_op_seconds(node: OpNode, cluster: Cluster, precision: str) -> tuple[float, float]:
     """(forward, backward) seconds of an op every rank runs whole: the slowest device's."""
     times = [op_times(node, 1.0, device, precision) for device in set(rank_devices(cluster))]
     return max(t[0] for t in times), max(t[1] for t in times)
+
+
+def between_seconds(node: OpNode, shares, dim: int, cluster: Cluster, precision: str) -> tuple[float, float]:
+    """(forward, backward) seconds of an elementwise op between fused layers: each rank runs
+    ``share / dim`` of it on its device; the slowest rank's."""
+    times = [op_times(node, share / dim, device, precision) for share, device in zip(shares, rank_devices(cluster))]
+    return max(t[0] for t in times), max(t[1] for t in times)
+
+
+_SPLIT_OPS: dict[int, tuple] = {}
+
+
+def split_ops(graph, section) -> dict[str, tuple[tuple[int, ...], int]]:
+    """The elementwise ops between ``section``'s fused layers, by node name: (the group's
+    shares, its feature dimension). Memoised for the last few (graph, section) pairs."""
+    key = id(graph)
+    found = _SPLIT_OPS.get(key)
+    if found is not None and found[0] is graph and found[1] == section:
+        return found[2]
+    fused = {layer.module: layer for layer in section.layers if layer.fused}
+    ops = {}
+    for group in fusable_groups(graph):
+        if group.row in fused:
+            ops.update({name: (fused[group.row].shares, group.dim) for name in group.between})
+    if len(_SPLIT_OPS) > 8:
+        _SPLIT_OPS.clear()
+    _SPLIT_OPS[key] = (graph, section, ops)
+    return ops
 
 
 class UnevenTensorStep(StepContributor):
@@ -137,8 +206,13 @@ class UnevenTensorStep(StepContributor):
         if node.is_view:
             return
         plan = context.plan
-        split = plan.sections[JSON_KEY].layer(node.module) if node.op == "aten.linear.default" else None
+        section = plan.sections[JSON_KEY]
+        split = section.layer(node.module) if node.op == "aten.linear.default" else None
         if split is None:
+            between = split_ops(context.graph, section).get(node.name)
+            if between is not None:
+                cost.forward_s, cost.backward_s = between_seconds(node, *between, plan.cluster, plan.precision)
+                return
             cost.forward_s, cost.backward_s = whole_op_seconds(node, plan.cluster, plan.precision)
             return
         cost.forward_s, cost.backward_s, cost.forward_comm_s, cost.backward_comm_s = layer_seconds(

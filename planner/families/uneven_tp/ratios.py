@@ -4,10 +4,10 @@ choice with uneven ratios; vocabulary layer: arithmetic only).
 For each partition kind ``k`` the cost model (``costs.layer_terms``) gives, per rank ``r``,
 the line ``fixed[k][r] + unit[k][r] * s_r`` of its forward and backward seconds at share
 ``s_r`` of the split dimension ``D_k``, and the layer's communication as ``comm[k] +
-per_max[k] * max_r s_r``: the program gathers uneven slices by padding each to the largest
-(``runtime.gather_slices``), so a gather moves ``p * max_r s_r`` slices whatever the others
-are. Every rank waits for the layer's collectives, so the layer costs the slowest rank's
-compute plus its communication (AccPar's per-layer cost, section IV-B: computation of the
+per_max[k] * max_r s_r``: the program's gather-v (``runtime.gather_slices``) takes as long
+as the largest share's rank takes to send its slice to the ``p - 1`` others, whatever the
+others' shares (``costs.gather_v_seconds``). Every rank waits for the layer's collectives,
+so the layer costs the slowest rank's compute plus its communication (AccPar's per-layer cost, section IV-B: computation of the
 slowest partition plus the communication of the partition type)::
 
     minimise    max_r (fixed[k][r] + unit[k][r] s_r) + comm[k] + per_max[k] max_r s_r
@@ -20,6 +20,16 @@ enumeration), and a split of largest share ``M`` costs at least that plus ``per_
 So the best over ``M`` from ``ceil(D / p)`` (no split has a smaller largest share) to the
 largest share of the uncapped greedy (beyond it the time no longer falls and the gather
 only grows) is the best split. ``tests/test_uneven_tp.py`` checks it against enumeration.
+
+Between layers (ACCPAR's inter-layer cost): a layer's activation is made whole after it (the
+gather-v or all-reduce above), except in a fused group (``regions.py``), whose column
+splits keep their output split into a row split of the same shares; the group is then one
+``KindTerms`` (kind ``fused``) over those shares. A layer may also stay whole (no split, the
+slowest device's time) where every rank holds it. ``best_chain`` chooses, over the chain of
+linear layers in graph order, which groups to fuse and each other layer's kind or whole, by
+dynamic programming over prefixes: ``best[i] = min(best[i-1] + single[i-1], best[j] +
+group(j..i))`` (layer costs are additive: every split layer meets at its collectives);
+``tests/test_uneven_tp.py`` checks it against enumerating every choice on small chains.
 
 A CP-SAT model of the same problem (one Boolean per kind, integer shares, seconds scaled to
 integers) was tried first and dropped: at the scales that keep a 20480-wide layer's
@@ -35,7 +45,8 @@ from dataclasses import dataclass
 
 from planner.families.uneven_dp.shares import balanced_shares
 
-__all__ = ["KindTerms", "LayerChoice", "best_layer_split", "best_shares", "feasible", "layer_objective"]
+__all__ = ["ChainStep", "KindTerms", "LayerChoice", "best_chain", "best_layer_split", "best_shares", "feasible",
+           "layer_objective"]
 
 
 @dataclass(frozen=True)
@@ -106,3 +117,46 @@ def best_layer_split(options: Sequence[KindTerms]) -> LayerChoice | None:
         if shares is not None and (best is None or layer_objective(terms, shares) < best.seconds):
             best = LayerChoice(terms.kind, shares, layer_objective(terms, shares))
     return best
+
+
+@dataclass(frozen=True)
+class ChainStep:
+    """One choice of ``best_chain``: layers ``start`` to ``stop - 1`` of the chain, left whole
+    (``choice`` None, one layer) or split as ``choice`` (one layer, or a fused group)."""
+
+    start: int
+    stop: int
+    choice: LayerChoice | None
+
+
+def best_chain(whole: Sequence[float | None], singles: Sequence[LayerChoice | None],
+               groups: dict[tuple[int, int], LayerChoice | None]) -> tuple[tuple[ChainStep, ...], float] | None:
+    """The least-seconds choice over a chain of ``len(singles)`` layers (module docstring):
+    layer ``i`` whole at ``whole[i]`` seconds (None: not allowed) or split as ``singles[i]``
+    (None: none fits); ``groups[(j, i)]``, layers ``j..i-1`` fused as one choice. Returns the
+    steps in chain order and their seconds, or None when some layer has no choice. Ties go
+    to the split over whole, and to the single layers over a group."""
+    count = len(singles)
+    best: list[tuple[float, ChainStep | None, int] | None] = [(0.0, None, 0)] + [None] * count
+    for stop in range(1, count + 1):
+        previous = best[stop - 1]
+        options = []
+        if previous is not None:
+            if singles[stop - 1] is not None:
+                single = singles[stop - 1]
+                options.append((previous[0] + single.seconds, 0, ChainStep(stop - 1, stop, single)))
+            if whole[stop - 1] is not None:
+                options.append((previous[0] + whole[stop - 1], 1, ChainStep(stop - 1, stop, None)))
+        for (start, end), choice in groups.items():
+            if end == stop and choice is not None and best[start] is not None:
+                options.append((best[start][0] + choice.seconds, 2, ChainStep(start, stop, choice)))
+        if options:
+            seconds, _, step = min(options, key=lambda option: option[:2])
+            best[stop] = (seconds, step, step.start)
+    if best[count] is None:
+        return None
+    steps, stop = [], count
+    while stop > 0:
+        steps.append(best[stop][1])
+        stop = best[stop][2]
+    return tuple(reversed(steps)), best[count][0]

@@ -30,11 +30,11 @@ def uneven_tp_section(plan: "Plan") -> list:
         table.add_column(f"rank {rank}\n{device.name}", justify="right")
     groups: dict[tuple, list[str]] = {}
     for layer in section.layers:
-        groups.setdefault((layer.kind, layer.shares), []).append(layer.module)
-    for (kind, shares), modules in list(groups.items())[:MAX_ROWS]:
+        groups.setdefault((layer.kind, layer.shares, layer.fused), []).append(layer.module)
+    for (kind, shares, fused), modules in list(groups.items())[:MAX_ROWS]:
         named = modules[0] if len(modules) == 1 else f"{modules[0]} and {len(modules) - 1} more"
         dim = {"batch": "rows", "column": "output features", "row": "input features"}[kind]
-        table.add_row(named, f"{kind} ({dim})", *(f"{share} ({share / sum(shares):.0%})" for share in shares))
+        table.add_row(named, f"{kind} ({dim}{', fused' if fused else ''})", *(f"{share} ({share / sum(shares):.0%})" for share in shares))
     parts: list = [table]
     if section.busy_s:
         slowest = max(range(len(devices)), key=lambda rank: section.busy_s[rank])
@@ -42,7 +42,7 @@ def uneven_tp_section(plan: "Plan") -> list:
                          for rank, seconds in enumerate(section.busy_s))
         parts.append(Paragraph(
             f"Predicted compute per rank: {busy}. Every other op runs whole on every rank; each split layer waits "
-            f"for its slowest rank and its collectives (padded all-gathers of the uneven slices, all-reduces of "
+            f"for its slowest rank and its collectives (all-gather-v of the uneven slices, all-reduces of "
             f"partial sums). The busiest rank is {slowest} ({devices[slowest].name})."
         ))
     return parts

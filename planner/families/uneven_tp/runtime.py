@@ -5,9 +5,11 @@ DTensor shards a dimension evenly (``Shard(d)`` gives every rank ``ceil(D / p)``
 shares use explicit collectives on plain tensors. Every rank holds the same activations
 outside the split layers (the program runs every other op whole on every rank), so:
 
-- ``gather_uneven``: each rank's slice of a dimension, padded to the largest share,
-  ``all_gather``-ed and narrowed back: the whole tensor on every rank. Its backward keeps
-  this rank's slice of the (replicated) gradient.
+- ``gather_uneven``: each rank's slice of a dimension gathered whole on every rank without
+  padding (``gather_slices``: an all-gather-v as one ``all_to_all_single`` with uneven
+  split sizes, which gloo and NCCL both run; ``all_gather_into_tensor`` needs equal sizes,
+  and gloo's ``all_gather`` too). Its backward keeps this rank's slice of the (replicated)
+  gradient.
 - ``scatter_uneven``: this rank's slice of a replicated tensor; backward gathers the slices'
   gradients (a gather-v), so the input's gradient is whole on every rank.
 - ``copy_to_group`` / ``reduce_from_group`` (``codegen.runtime.tensor_parallel_layers``):
@@ -15,9 +17,12 @@ outside the split layers (the program runs every other op whole on every rank), 
 
 ``UnevenLinear`` replaces an ``nn.Linear``: ``batch`` (its rows of the input, the weight
 whole, the weight's gradient summed), ``column`` (its output features) or ``row`` (its input
-features, partial outputs summed). Its weights are derived from the model's
-(``codegen.runtime.materialize.set_derived_parameter``), so a rank built on meta holds only
-its slice, and ``full_parameters`` gathers them whole for ``launch.py --check``.
+features, partial outputs summed). ``fused`` (``planner.families.uneven_tp.regions``): a
+column returns its slice of the output as it is, and a row takes its slice of the input as
+it comes, so the elementwise ops between them run on the slice. Its weights are derived
+from the model's (``codegen.runtime.materialize.set_derived_parameter``), so a rank built
+on meta holds only its slice, and ``full_parameters`` gathers them whole for ``launch.py
+--check``.
 """
 
 from __future__ import annotations
@@ -41,17 +46,15 @@ def _slice_of(shares: Sequence[int], rank: int) -> tuple[int, int]:
 
 def gather_slices(local: torch.Tensor, dim: int, shares: Sequence[int], group) -> torch.Tensor:
     """The whole tensor from each rank's slice ``local`` of ``dim`` (rank r holding
-    ``shares[r]``): padded to the largest share, all-gathered, narrowed and concatenated."""
+    ``shares[r]``): the slices, moved to dim 0, sent to every rank by one
+    ``all_to_all_single`` whose split sizes are the shares (no padding), then moved back."""
     dim = dim % local.dim()
-    largest = max(shares)
-    padded = local
-    if local.shape[dim] < largest:
-        pad = list(local.shape)
-        pad[dim] = largest - local.shape[dim]
-        padded = torch.cat([local, local.new_zeros(pad)], dim=dim)
-    pieces = [torch.empty_like(padded) for _ in shares]
-    dist.all_gather(pieces, padded.contiguous(), group=group)
-    return torch.cat([piece.narrow(dim, 0, share) for piece, share in zip(pieces, shares)], dim=dim)
+    rows = local.movedim(dim, 0).contiguous()
+    ranks = len(shares)
+    whole = rows.new_empty((sum(shares), *rows.shape[1:]))
+    dist.all_to_all_single(whole, rows.repeat(ranks, *([1] * (rows.dim() - 1))), output_split_sizes=list(shares),
+                           input_split_sizes=[rows.shape[0]] * ranks, group=group)
+    return whole.movedim(0, dim).contiguous()
 
 
 class _GatherUneven(torch.autograd.Function):
@@ -96,9 +99,11 @@ class UnevenLinear(nn.Module):
         LaunchError: the shares do not add up to the dimension ``kind`` splits; one line.
     """
 
-    def __init__(self, linear: nn.Linear, path: str, kind: str, shares: Sequence[int], rank: int, group) -> None:
+    def __init__(self, linear: nn.Linear, path: str, kind: str, shares: Sequence[int], rank: int, group,
+                 fused: bool = False) -> None:
         super().__init__()
-        self.kind, self.shares, self.rank, self.group = kind, tuple(shares), rank, group
+        self.kind, self.shares, self.rank, self.group, self.fused = kind, tuple(shares), rank, group, fused
+        self.path = path
         out_features, in_features = linear.weight.shape
         wanted = {"column": out_features, "row": in_features}.get(kind)
         if wanted is not None and sum(self.shares) != wanted:
@@ -126,9 +131,13 @@ class UnevenLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "column":
             local = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
-            return gather_uneven(local, -1, self.shares, self.rank, self.group)
+            return local if self.fused else gather_uneven(local, -1, self.shares, self.rank, self.group)
         if self.kind == "row":
-            local = F.linear(scatter_uneven(x, -1, self.shares, self.rank, self.group), self.weight)
+            if self.fused and x.shape[-1] != self.shares[self.rank]:
+                raise LaunchError(f"the plan fuses {self.path!r} with the split layers before it, but its input has "
+                                  f"{x.shape[-1]} features, not this rank's {self.shares[self.rank]}; re-plan")
+            part = x if self.fused else scatter_uneven(x, -1, self.shares, self.rank, self.group)
+            local = F.linear(part, self.weight)
             summed = reduce_from_group(local, self.group)
             return summed if self.bias is None else summed + self.bias
         if x.shape[0] != sum(self.shares):
@@ -158,14 +167,14 @@ class UnevenLinear(nn.Module):
         return found
 
 
-def split_linears(model: nn.Module, layers: Sequence[tuple[str, str, tuple[int, ...]]], rank: int, group) -> nn.Module:
-    """``model`` with each ``(module path, kind, shares)`` of ``layers`` replaced by an
-    ``UnevenLinear``; returns ``model``.
+def split_linears(model: nn.Module, layers: Sequence[tuple], rank: int, group) -> nn.Module:
+    """``model`` with each ``(module path, kind, shares)`` or ``(module path, kind, shares,
+    fused)`` of ``layers`` replaced by an ``UnevenLinear``; returns ``model``.
 
     Raises:
         LaunchError: a path that is not an ``nn.Linear`` of the model; one line.
     """
-    for path, kind, shares in layers:
+    for path, kind, shares, *fused in layers:
         try:
             linear = model.get_submodule(path)
         except AttributeError:
@@ -174,5 +183,5 @@ def split_linears(model: nn.Module, layers: Sequence[tuple[str, str, tuple[int, 
             raise LaunchError(f"the plan splits {path!r}, which is not an nn.Linear of this model; re-plan")
         parent_path, _, attribute = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        setattr(parent, attribute, UnevenLinear(linear, path, kind, shares, rank, group))
+        setattr(parent, attribute, UnevenLinear(linear, path, kind, shares, rank, group, bool(fused and fused[0])))
     return model

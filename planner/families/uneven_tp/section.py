@@ -12,9 +12,14 @@ each rank taking ``shares[r]`` of the split dimension, in proportion to its devi
 - ``row``: the input features (the weight's columns): each rank multiplies its slice of the
   input and the partial outputs are summed.
 
+A layer may be ``fused`` (``regions.py``): column splits whose output stays split, through
+elementwise ops, into a row split of the same shares (no gather between them; ACCPAR's
+inter-layer cost of zero for that switch).
+
 Stored under the plan JSON key ``"uneven-tp"`` as ``{"layers": [{"module": "blocks.0.mlp.c_fc",
-"kind": "column", "shares": [96, 96, 32, 32]}, ...], "busy_s": [...]}`` (``busy_s``: each
-rank's predicted compute seconds, for the report; empty when not simulated).
+"kind": "column", "shares": [96, 96, 32, 32], "fused": true}, ...], "busy_s": [...]}``
+(``fused`` only where true; ``busy_s``: each rank's predicted compute seconds, for the
+report; empty when not simulated).
 
 Vocabulary layer: imports only the planner's vocabulary.
 """
@@ -27,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from planner.cluster import MAX_RANKS
 from planner.errors import PlanFileError, one_line
+from planner.families.uneven_tp.regions import fusable_groups, split_dimensions
 
 if TYPE_CHECKING:
     from planner.plans import Plan
@@ -34,14 +40,17 @@ if TYPE_CHECKING:
 JSON_KEY = "uneven-tp"
 KINDS = ("batch", "column", "row")
 LAYER_KEYS = ("module", "kind", "shares")
+OPTIONAL_LAYER_KEYS = ("fused",)
 KEYS = ("layers", "busy_s")
 MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
 
 
 @dataclass(frozen=True)
 class LayerSplit:
-    """One linear layer's split: the module path, the partition ``kind`` (``KINDS``) and each
-    rank's share of the split dimension (rank 0 the first slice).
+    """One linear layer's split: the module path, the partition ``kind`` (``KINDS``), each
+    rank's share of the split dimension (rank 0 the first slice), and whether it is
+    ``fused`` with its neighbours (a column's output kept split, a row's input arriving
+    split; ``regions.py``).
 
     Raises:
         ValueError: a malformed field; one line naming it.
@@ -50,6 +59,7 @@ class LayerSplit:
     module: str
     kind: str
     shares: tuple[int, ...]
+    fused: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, str) or len(self.module) > 200 or not MODULE_PATH.fullmatch(self.module):
@@ -65,6 +75,9 @@ class LayerSplit:
             raise ValueError(f"field '{JSON_KEY}.layers[].shares' of {self.module} must be a list of 2 or more "
                              f"positive integers (one per tp rank), got {_shown(self.shares)}")
         object.__setattr__(self, "shares", shares)
+        if not isinstance(self.fused, bool) or (self.fused and self.kind == "batch"):
+            raise ValueError(f"field '{JSON_KEY}.layers[].fused' of {self.module} must be true or false, and only "
+                             f"for a column or row split, got {_shown(self.fused)} ({self.kind})")
 
     def offsets(self) -> tuple[int, ...]:
         """The first index of each rank's slice of the split dimension."""
@@ -131,6 +144,27 @@ class UnevenTpSection:
             if sum(layer.shares) != wanted:
                 raise ValueError(f"field '{JSON_KEY}.layers' gives {layer.module!r} ({layer.kind}) shares summing "
                                  f"to {sum(layer.shares)}, not its {wanted}; make them add up to {wanted}")
+        self._check_fused(plan.graph)
+
+    def _check_fused(self, graph) -> None:
+        """Every fused layer in a fusable group (``regions.py``) whose layers are all fused,
+        columns as column splits and the row as a row split, at the same shares."""
+        fused = {layer.module: layer for layer in self.layers if layer.fused}
+        if not fused:
+            return
+        for group in fusable_groups(graph):
+            members = [fused.pop(module, None) for module in group.modules]
+            if not any(members):
+                continue
+            kinds = ["column"] * len(group.columns) + ["row"]
+            if (not all(members) or [m.kind for m in members] != kinds
+                    or len({m.shares for m in members}) != 1):
+                raise ValueError(f"field '{JSON_KEY}.layers' fuses part of the group {', '.join(group.columns)} -> "
+                                 f"{group.row}: fuse all of them, {group.row!r} as a row split and the others as "
+                                 f"column splits, at the same shares, or drop 'fused'")
+        if fused:
+            raise ValueError(f"field '{JSON_KEY}.layers' fuses {next(iter(fused))!r}, whose activation cannot stay "
+                             f"split (ops between it and the next split layer are not elementwise); drop 'fused'")
 
     def layer(self, module: str) -> LayerSplit | None:
         """The split of ``module``, or None when it runs whole on every rank."""
@@ -144,7 +178,8 @@ class UnevenTpSection:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form stored under the plan's ``"uneven-tp"`` key."""
-        return {"layers": [{"module": layer.module, "kind": layer.kind, "shares": list(layer.shares)}
+        return {"layers": [{"module": layer.module, "kind": layer.kind, "shares": list(layer.shares),
+                            **({"fused": True} if layer.fused else {})}
                            for layer in self.layers], "busy_s": list(self.busy_s)}
 
     @classmethod
@@ -166,35 +201,17 @@ class UnevenTpSection:
         try:
             layers = []
             for entry in data["layers"]:
-                if not isinstance(entry, dict) or sorted(entry) != sorted(LAYER_KEYS):
+                if (not isinstance(entry, dict) or not set(LAYER_KEYS) <= set(entry)
+                        or not set(entry) <= set(LAYER_KEYS + OPTIONAL_LAYER_KEYS)):
                     raise ValueError(f"field '{JSON_KEY}.layers[]' must be an object with keys "
-                                     f"{', '.join(LAYER_KEYS)}, got {_shown(entry)}")
+                                     f"{', '.join(LAYER_KEYS)} (and optionally fused), got {_shown(entry)}")
                 if not isinstance(entry["shares"], list):
                     raise ValueError(f"field '{JSON_KEY}.layers[].shares' must be a list, got {_shown(entry['shares'])}")
-                layers.append(LayerSplit(entry["module"], entry["kind"], tuple(entry["shares"])))
+                layers.append(LayerSplit(entry["module"], entry["kind"], tuple(entry["shares"]),
+                                         entry.get("fused", False)))
             return cls(tuple(layers), tuple(data.get("busy_s", ())))
         except ValueError as error:
             raise PlanFileError(f"{source}: {error}") from None
-
-
-def split_dimensions(graph) -> dict[str, dict[str, int]]:
-    """For every ``nn.Linear`` of the traced graph (an ``aten.linear`` op reading its module's
-    weight, of a 2-D weight, the only op reading it): the size of the dimension each kind
-    splits: ``batch`` the input's dim 0, ``column`` the output features, ``row`` the input
-    features. Layers whose weight another op also reads (tied embeddings) are left out."""
-    readers: dict[str, int] = {}
-    for node in graph.nodes:
-        for param in node.params:
-            readers[param] = readers.get(param, 0) + 1
-    dims = {}
-    for node in graph.nodes:
-        weight = f"{node.module}.weight"
-        if (node.op == "aten.linear.default" and node.module_type == "Linear" and node.params[:1] == (weight,)
-                and readers.get(weight) == 1 and len(node.input_meta) >= 2 and len(node.input_meta[1].shape) == 2
-                and len(node.input_meta[0].shape) >= 2 and node.module not in dims):
-            out_features, in_features = node.input_meta[1].shape
-            dims[node.module] = {"batch": node.input_meta[0].shape[0], "column": out_features, "row": in_features}
-    return dims
 
 
 def _shown(value: Any) -> str:
