@@ -255,3 +255,17 @@ def test_family_uneven_alone_searches_uneven_shares_only() -> None:
                         constraints=SearchConstraints(families=("uneven",)))
     assert plan.sections["uneven"].shares == (3, 3, 1, 1)
     assert plan.world_size == 4 and all("uneven" in alt.name for alt in plan.runners_up), plan.runners_up
+
+
+def test_a_batch_smaller_than_the_ranks_leaves_uneven_out_instead_of_ending_the_search() -> None:
+    """2 samples on 4 ranks: no data-parallel plan spans every device, but the other
+    families (pipelines, tensor parallelism, the fast devices alone) still plan it; asked
+    for alone, the uneven family's reason is the answer."""
+    from planner.constraints import SearchConstraints
+    from planner.errors import PlanningError
+
+    spec = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 2})
+    plan = planner.plan(spec, str(MIXED), progress=False)
+    assert plan.estimate.fits and "uneven" not in plan.sections
+    with pytest.raises(PlanningError, match="global batch of 2 is not divisible by the data-parallel degree 4"):
+        planner.plan(spec, str(MIXED), progress=False, constraints=SearchConstraints(families=("uneven",)))

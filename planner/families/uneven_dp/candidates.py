@@ -99,8 +99,16 @@ def uneven_candidates(context: SearchContext) -> list[Plan]:
             if plan.mesh.names == ("dp",) and not plan.sections and not plan.label and plan.pipeline is None
             and plan.accumulation_steps == 1 and plan.cluster == context.cluster]
     if not even:  # --family uneven alone: the ddp plan to start from
-        even = [data_parallel_plan(context.graph, context.cluster, context.spec, context.model_name, "ddp",
-                                   context.warnings, context.precision)]
+        try:
+            even = [data_parallel_plan(context.graph, context.cluster, context.spec, context.model_name, "ddp",
+                                       context.warnings, context.precision)]
+        except PlanningError:
+            # The batch does not divide over every device: other families (tensor
+            # parallelism, the fast devices alone) may still plan it, so this family
+            # offers nothing, unless it is the only one asked for: then its reason is the answer.
+            if context.constraints.families == frozenset({FAMILY}):
+                raise
+            return []
     found = [plan for plan in (uneven_plan(base, context.graph) for base in even) if plan is not None]
     # The fast devices alone run the flavours' plain programs: only where --family allows them.
     flavours = {plan.dp_flavour for plan in even if context.constraints.allows_family(plan.dp_flavour)}
