@@ -105,11 +105,15 @@ def test_the_search_gives_the_fast_stage_more_blocks_and_prices_each_stage_on_it
     estimates, grids = staged_estimates(graph, cluster, "fp32", ("ddp",), SearchBudget())
     fast, slow = (group.device for group in device_groups(cluster))
     assert fast.name == "cpu-fast" and slow.name == "cpu-slow"
-    # Both orders were priced, and every estimate gives the fast stage more blocks than the slow.
-    assert {e.order for e in estimates} == {(0, 1), (1, 0)}
+    # Both orders were priced, as one stage per group (pp=2, dp=2) and as each group cut into
+    # two stages of one rank (pp=4); every two-stage estimate gives the fast stage more blocks
+    # than the slow (four stages over four blocks hold one each).
+    assert {e.order for e in estimates} == {(0, 1), (1, 0), (0, 0, 1, 1), (1, 1, 0, 0)}
     for estimate in estimates:
-        on_fast = estimate.blocks[estimate.order.index(0)]
-        assert on_fast > estimate.blocks[estimate.order.index(1)], estimate
+        if len(estimate.order) == 2:
+            assert estimate.blocks[estimate.order.index(0)] > estimate.blocks[estimate.order.index(1)], estimate
+        else:
+            assert estimate.blocks == (1, 1, 1, 1) and estimate.config.dp == 1
     best = estimates[0]
     plan = staged_plan(best, graph, cluster, grids, spec, name, ())
     section = plan.sections["hetero-pp"]
@@ -191,9 +195,10 @@ def test_the_fast_devices_alone_are_tried_and_say_what_they_leave_out(candidates
 
 
 @pytest.mark.distributed
-def test_stages_on_fast_and_slow_devices_match_one_device(candidates, tmp_path) -> None:
+def test_stages_on_fast_and_slow_devices_match_one_device(candidates, traced, tmp_path) -> None:
     """The family's fastest simulated plan (what the search keeps of it: the fast stage holds
-    more blocks), compiled and checked against one device in one launch at world 4. (Its
+    more blocks) and its fastest with each group cut into two stages, compiled and checked
+    against one device in one launch at world 4. (Its
     stages in the other order, the slow devices' nodes first, compile to the same program
     with ranks 0-1 on the slow stage; left out of the launch to keep the suite's time.)"""
     staged = [plan for plan in candidates if "hetero-pp" in plan.sections]
@@ -201,9 +206,16 @@ def test_stages_on_fast_and_slow_devices_match_one_device(candidates, tmp_path) 
     section = chosen.sections["hetero-pp"]
     fast_stage = section.stage_devices.index("cpu-fast")
     assert section.blocks[fast_stage] > section.blocks[1 - fast_stage]
-    folder = planner.compile(chosen, tmp_path / "chosen")
-    launch = check_many(4, [folder], tmp_path)
-    assert result_of(launch, folder).startswith("ok"), launch.describe()
+    # Each group cut into two stages of one rank (pp=4, dp=1): the runtime's even pp x dp mesh
+    # runs it as it is, stage s on rank s, the cluster's fast nodes first or last.
+    graph, spec, name, cluster = traced
+    estimates, grids = staged_estimates(graph, cluster, "fp32", ("ddp",), SearchBudget())
+    split = staged_plan(next(e for e in estimates if len(e.order) == 4), graph, cluster, grids, spec, name, ())
+    assert split.mesh.axis_size("pp") == 4 and len(set(split.sections["hetero-pp"].stage_devices[:2])) == 1
+    folders = [planner.compile(chosen, tmp_path / "chosen"), planner.compile(split, tmp_path / "split")]
+    launch = check_many(4, folders, tmp_path)
+    for folder in folders:
+        assert result_of(launch, folder).startswith("ok"), launch.describe()
 
 
 def test_the_example_mixes_load_with_their_cited_figures() -> None:
