@@ -8,6 +8,8 @@ pipelines per device group likewise.
     python benchmarks/heterogeneous.py --pipelines  # (e) only, simulated and measured
     python benchmarks/heterogeneous.py --pipelines --simulated  # (e) simulated only, about 2 minutes
     python benchmarks/heterogeneous.py --tensor-parallel  # (c) and (d) only
+    python benchmarks/heterogeneous.py --links      # (f) only: links per pair, collectives over sites
+    python benchmarks/heterogeneous.py --widths     # (g) only: pipeline stages of different widths
 
 (a) Simulated step of each mix: the even data-parallel plan (every rank B/dp samples, the step
     waits for the slowest device), the same flavour on the fastest devices alone (the others
@@ -47,6 +49,7 @@ pipelines per device group likewise.
     blocks (``search.layouts.nearly_even_layers``), each stage priced on its own device; on
     ``mixed.toml`` both programs also measured as (b) measures them (the plan's cluster lists
     its nodes in stage order, so the slowdown follows each stage's device).
+(f), (g): ``benchmarks/heterogeneous_links.py`` (its docstring says what each row compares).
 """
 
 from __future__ import annotations
@@ -256,8 +259,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="measured steps per program (>= 3; default 8)")
     parser.add_argument("--tensor-parallel", action="store_true", help="(c) and (d) only (d unless --simulated)")
     parser.add_argument("--pipelines", action="store_true", help="(e) only: pipelines per device group")
+    parser.add_argument("--links", action="store_true", help="(f) only: links per pair, collectives over sites")
+    parser.add_argument("--widths", action="store_true", help="(g) only: pipeline stages of different widths")
     options = parser.parse_args()
     steps = None if options.simulated else max(3, options.steps)
+    if options.links or options.widths:
+        from heterogeneous_links import site_rows, width_rows  # this folder: benchmarks/
+
+        for wanted, rows in ((options.links, site_rows), (options.widths, width_rows)):
+            if wanted:
+                rows()
+        return
     if options.pipelines:
         pipeline_rows(steps)
         return

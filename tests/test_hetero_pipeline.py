@@ -72,25 +72,32 @@ def test_a_stage_twice_as_fast_takes_three_blocks_of_four() -> None:
     assert balanced_stages([fast[:1], slow[:1]], 0.0, 0.0) is None  # fewer blocks than stages
 
 
+def random_split_case(generator: random.Random):
+    """A random split problem: (block_s, head_s, tail_s, fits) of 2-4 stages over up to 7
+    blocks, each stage holding at most a random number of blocks."""
+    stages = generator.randint(2, 4)
+    blocks = generator.randint(stages, 7)
+    block_s = [[generator.uniform(0.1, 3.0) for _ in range(blocks)] for _ in range(stages)]
+    head, tail = generator.uniform(0, 2), generator.uniform(0, 2)
+    limit = [generator.randint(1, blocks) for _ in range(stages)]
+
+    def fits(s, i, j):
+        return j - i <= limit[s]
+
+    return block_s, head, tail, fits
+
+
 def test_the_split_is_the_best_of_every_split() -> None:
     generator = random.Random(27)
     for _ in range(300):
-        stages = generator.randint(2, 4)
-        blocks = generator.randint(stages, 7)
-        block_s = [[generator.uniform(0.1, 3.0) for _ in range(blocks)] for _ in range(stages)]
-        head, tail = generator.uniform(0, 2), generator.uniform(0, 2)
-        limit = [generator.randint(1, blocks) for _ in range(stages)]
-
-        def fits(s, i, j, limit=limit):
-            return j - i <= limit[s]
-
+        block_s, head, tail, fits = random_split_case(generator)
         found = balanced_stages(block_s, head, tail, fits)
         best = every_split(block_s, head, tail, fits)
         if best is None:
             assert found is None
             continue
         counts, slowest = found
-        assert slowest == pytest.approx(best) and sum(counts) == blocks and min(counts) >= 1
+        assert slowest == pytest.approx(best) and sum(counts) == len(block_s[0]) and min(counts) >= 1
         assert max(stage_seconds(block_s, head, tail, counts)) == pytest.approx(best)
 
 

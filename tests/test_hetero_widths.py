@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,9 @@ from planner.families.hetero_pipeline.widths import (
 )
 from planner.model_spec import ModelSpec
 from search.budget import SearchBudget
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_hetero_pipeline import random_split_case  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,15 +102,8 @@ def test_the_search_is_the_best_of_every_layout_and_every_split() -> None:
 def test_the_split_is_the_least_step_of_every_split_within_memory() -> None:
     generator = random.Random(7)
     for _ in range(200):
-        stages = generator.randint(2, 4)
-        blocks = generator.randint(stages, 7)
-        block_s = [[generator.uniform(0.1, 3.0) for _ in range(blocks)] for _ in range(stages)]
-        head, tail, m = generator.uniform(0, 2), generator.uniform(0, 2), generator.randint(1, 6)
-        limit = [generator.randint(1, blocks) for _ in range(stages)]
-
-        def fits(s, i, j, limit=limit):
-            return j - i <= limit[s]
-
+        block_s, head, tail, fits = random_split_case(generator)
+        stages, blocks, m = len(block_s), len(block_s[0]), generator.randint(1, 6)
         best = None
         for cuts in itertools.combinations(range(1, blocks), stages - 1):
             bounds = (0, *cuts, blocks)
