@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from cost_model.collectives import site_algorithm_times  # noqa: E402
-from cost_model.site_collectives import crossed_link, site_members  # noqa: E402
+from planner.cluster_links import crossed_link, site_members  # noqa: E402
 from planner.api import prepare_model  # noqa: E402
 from planner.cluster import Cluster, format_si  # noqa: E402
 from planner.model_spec import ModelSpec  # noqa: E402

@@ -108,8 +108,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_model.nccl import nccl_algorithm_times, nccl_profile
-from cost_model.site_collectives import crossed_link, site_hierarchical_time, site_members
+from cost_model.site_collectives import site_hierarchical_time
 from planner.cluster import Cluster, LinkSpec
+from planner.cluster_links import crossed_link, site_members
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                "send_recv")
@@ -125,7 +126,7 @@ class GroupShape:
         per_node: group ranks per node, the maximum over its nodes (p).
         intra: the slowest intra-node link among its nodes (least bandwidth, largest latency).
         inter: the slowest link between nodes a flat ring over the group crosses (the cluster's
-            per-device inter-node link on one site; ``cost_model.site_collectives.crossed_link``
+            per-device inter-node link on one site; ``planner.cluster_links.crossed_link``
             with sites or links per pair); None when the group is on one node.
         node_devices: fewest devices on any of its nodes (D): sizes each node's network
             capacity, D × inter.bandwidth.

@@ -23,7 +23,8 @@ nodes of two different sites over the link declared for that pair (``[[links]]``
 A ``[[links]]`` table naming one site twice replaces ``inter_link`` inside that site (a rack
 behind a slower switch). Every pair of sites needs a link: one of its own or the default.
 ``Cluster.link_between(site_a, site_b)`` answers which; ``cost_model.collectives`` prices a
-collective by the links its ranks cross (``cost_model.site_collectives``).
+collective by the links its ranks cross (``cost_model.site_collectives``,
+``planner.cluster_links``).
 
 Vocabulary layer: imports only the standard library, ``planner.errors``, ``planner.cluster_specs``,
 ``planner.cluster_files``, ``planner.cluster_values`` (checks of values and their text),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cost_model.collectives import collective_time, group_shape, site_algorithm_times
-from cost_model.site_collectives import best_tour, crossed_link
+from planner.cluster_links import best_tour, crossed_link
 from planner.cluster import Cluster, DeviceSpec, LinkSpec, NodeSpec, PairLink
 from planner.errors import ClusterError
 

@@ -246,8 +246,14 @@ def test_the_report_lists_each_stage_its_device_and_blocks(candidates) -> None:
     console = Console(width=160, record=True)
     parts = hetero_pipeline_section(plan)
     console.print(parts[0])
-    rows = [[cell.strip() for cell in line.split("│")[1:5]] for line in console.export_text().splitlines() if "│" in line]
+    text = console.export_text()
+    rows = [[cell.strip() for cell in line.split("│")[1:5]] for line in text.splitlines() if "│" in line]
     for stage, (name, blocks) in enumerate(zip(section.stage_devices, section.blocks)):
         assert [str(stage), f"{2 * stage}-{2 * stage + 1}", name, str(blocks)] in rows, rows
+    # The links crossed: each stage's pair of ranks shares a node (one node per device kind in
+    # mixed.toml); the hop from stage 0 to stage 1 crosses [inter_node], 2e9 B/s.
+    links = [[cell.strip() for cell in line.split("│")[7:9]] for line in text.splitlines()
+             if "│" in line and line.split("│")[1].strip() in ("0", "1")]
+    assert links == [["within a node", "2 GB/s/device"], ["within a node", "-"]], links
     slowest = max(range(2), key=lambda stage: section.busy_s[stage])
     assert f"the step waits for stage {slowest} ({section.stage_devices[slowest]})" in parts[1].text
