@@ -102,6 +102,7 @@ The older per-link helpers (``group_link``, ``ring_all_reduce_time``, ``all_gath
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -262,15 +263,22 @@ def collective_time(kind: str, size_bytes: float, cluster: Cluster, ranks: Seque
             return 0.0
     _check_size(size_bytes)
     _check_concurrency(concurrent_groups)
+    if cluster.links or cluster.inter_site_link is not None:  # ranks checked by group_shape inside
+        return _cheapest_over_sites(kind, float(size_bytes), cluster, tuple(ranks), concurrent_groups)
     shape = group_shape(cluster, ranks)
     if kind == "send_recv" and shape.size > 2:
         raise ValueError(f"send_recv is between two ranks [src, dst]; got a group of {shape.size}")
-    if cluster.links or cluster.inter_site_link is not None:
-        return min(site_algorithm_times(kind, size_bytes, cluster, ranks, concurrent_groups).values())
     profile = nccl_profile(cluster)
     if profile is not None:
         return min(nccl_algorithm_times(kind, size_bytes, shape, profile, concurrent_groups).values())
     return min(algorithm_times(kind, size_bytes, shape, concurrent_groups).values())
+
+
+@functools.lru_cache(maxsize=4096)
+def _cheapest_over_sites(kind: str, size: float, cluster: Cluster, ranks: tuple[int, ...], concurrent: int) -> float:
+    """``site_algorithm_times``' least, remembered: a simulated step asks for the same
+    collectives over and over, and finding the links a group crosses walks its ranks and sites."""
+    return min(site_algorithm_times(kind, size, cluster, ranks, concurrent).values())
 
 
 def site_algorithm_times(kind: str, size_bytes: float, cluster: Cluster, ranks: Sequence[int],

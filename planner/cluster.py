@@ -133,6 +133,7 @@ class Cluster:
         for index, node in enumerate(self.nodes):
             check_instance(node, NodeSpec, f"Cluster.nodes[{index}]")
         check_instance(self.inter_link, LinkSpec, "Cluster.inter_link")
+        object.__setattr__(self, "_sites", tuple(dict.fromkeys(node.site for node in self.nodes)))
         if self.inter_site_link is not None:
             check_instance(self.inter_site_link, LinkSpec, "Cluster.inter_site_link")
         self._check_links()
@@ -145,6 +146,11 @@ class Cluster:
         # First rank of each node, for node_of's binary search.
         object.__setattr__(self, "_node_starts", tuple(itertools.accumulate(
             (node.devices for node in self.nodes[:-1]), initial=0)))
+        # Hashed once: the cost model's caches key on the cluster, and hashing 128 nodes a call adds up.
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, field.name) for field in dataclasses.fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
 
     def _check_links(self) -> None:
         """Every link names the cluster's sites, once per pair; every pair of sites has a link."""
@@ -160,6 +166,7 @@ class Cluster:
                 raise ClusterError(f"Cluster.links[{index}] repeats the pair {list(pair.sites)!r}; give each pair of "
                                    f"sites one link")
             seen.add(pair.sites)
+        object.__setattr__(self, "_pair_links", {pair.sites: pair.link for pair in self.links})
         if self.inter_site_link is None:
             for first, second in itertools.combinations(sorted(sites), 2):
                 if (first, second) not in seen:
@@ -176,10 +183,9 @@ class Cluster:
             if name not in self.sites:
                 raise ClusterError(f"cluster {self.name!r} has no site {str(name)[:60]!r}; its sites are "
                                    f"{', '.join(repr(s) for s in self.sites)[:120]}")
-        pair = tuple(sorted((site, other)))
-        for declared in self.links:
-            if declared.sites == pair:
-                return declared.link
+        declared = self._pair_links.get(tuple(sorted((site, other))))  # type: ignore[attr-defined]
+        if declared is not None:
+            return declared
         if site == other:
             return self.inter_link
         assert self.inter_site_link is not None  # _check_links: every pair has a link
@@ -217,7 +223,8 @@ class Cluster:
     @property
     def sites(self) -> tuple[str, ...]:
         """The sites the nodes name, in node order (``("",)``: one unnamed site)."""
-        return tuple(dict.fromkeys(node.site for node in self.nodes))
+        # Made at construction: pricing a collective asks it for every pair of sites it crosses.
+        return self._sites  # type: ignore[attr-defined]
 
     @property
     def min_device_memory(self) -> int:
