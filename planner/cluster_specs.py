@@ -1,6 +1,6 @@
 """The parts a cluster is built of: a device (``DeviceSpec``), a link class (``LinkSpec``), a node
 (``NodeSpec``) and a link declared between two sites or node groups (``PairLink``). ``planner.cluster``
-joins them into a ``Cluster`` and re-exports every name here.
+joins them into a ``Cluster`` and re-exports the names other modules use.
 
 Units everywhere: FLOP/s (dense), bytes, bytes/s per direction per device, seconds.
 

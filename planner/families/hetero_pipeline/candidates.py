@@ -45,7 +45,7 @@ from search.stage_slicing import SegmentCost, in_flight_per_stage, stage_memory
 
 FAMILY = JSON_KEY
 MAX_GROUPS = 4  # 4! = 24 stage orders; a rack rarely holds more device types
-MAX_STAGES = 8  # stages of one pipeline: more cuts a model's blocks thinner than pipelines pay for
+MAX_STAGES = 8  # a bound on the search, not a cost: the layouts multiply with the stages allowed
 RECOMPUTE = ("none", "full")  # the least and the most a stage keeps
 MICRO_BATCH_SIZES = PipelineSpace.micro_batch_sizes
 
@@ -273,8 +273,10 @@ class WidthEstimate:
 
 
 def width_estimates(graph: OpGraph, cluster: Cluster, precision: str, budget: SearchBudget) -> list[WidthEstimate]:
-    """The best layout of stages of any widths (``widths.best_layout``) for every micro-batch
-    size, fastest first; the layouts whose stages share one width among them. Each stage
+    """Every layout of stages of any widths (``widths.width_layouts``) at every micro-batch
+    size, each priced (``widths.layout_step``), fastest first (the first is what
+    ``widths.best_layout`` picks over them all); the layouts whose stages share one width are
+    among them, priced the same way. Each stage
     runs DDP over its own ranks without recomputation; its blocks are priced on its device at
     1/width of the micro-batch (``PipelineGrid.segment_costs``); after the pipeline drains the
     slowest stage's gradient all-reduce over its own ranks, on the links they cross
