@@ -27,8 +27,11 @@ def one_device_nodes(sites: tuple[str, ...], links: tuple[PairLink, ...] = (), b
     return Cluster("links", nodes, INSIDE, "gloo", inter_site_link=between, links=links)
 
 
-def test_the_racks_file_declares_a_link_per_pair_and_round_trips() -> None:
+def test_the_racks_file_declares_a_link_per_pair_and_round_trips(tmp_path) -> None:
     racks = Cluster.load(RACKS)
+    for suffix in (".toml", ".json"):  # Cluster.save writes between = [...] as an array, not tables
+        racks.save(tmp_path / f"saved{suffix}")
+        assert Cluster.load(tmp_path / f"saved{suffix}") == racks
     uplink = LinkSpec(bandwidth=400e9 / 8 / 16, latency=20e-6)  # rack c's 400 Gb/s port over 16 GPUs
     assert racks.sites == ("a", "b", "c") and racks.derived_from is None
     assert racks.link_between("a", "c") == racks.link_between("c", "b") == uplink
