@@ -8,6 +8,8 @@ pipelines per device group likewise.
     python benchmarks/heterogeneous.py --pipelines  # (e) only, simulated and measured
     python benchmarks/heterogeneous.py --pipelines --simulated  # (e) simulated only, about 2 minutes
     python benchmarks/heterogeneous.py --tensor-parallel  # (c) and (d) only
+    python benchmarks/heterogeneous.py --links      # (g) only: links per pair, collectives over sites
+    python benchmarks/heterogeneous.py --widths     # (h) only: pipeline stages of different widths
 
 (a) Simulated step of each mix: the even data-parallel plan (every rank B/dp samples, the step
     waits for the slowest device), the same flavour on the fastest devices alone (the others
@@ -66,6 +68,7 @@ pipelines per device group likewise.
     measured (its 58 MB gradient all-reduce over gloo is slower than the placeholder link);
     the fast devices alone (``soap (tp=2)``, DTensor) 1.04x predicted, 1.28x measured
     (DTensor's dispatch per op, not in the placeholder figures, is stretched with the op).
+(g), (h): ``benchmarks/heterogeneous_links.py`` (its docstring says what each row compares).
 """
 
 from __future__ import annotations
@@ -340,8 +343,17 @@ def main() -> None:
     parser.add_argument("--tensor-parallel", action="store_true",
                         help="(c), (d) and (f) only (measured unless --simulated)")
     parser.add_argument("--pipelines", action="store_true", help="(e) only: pipelines per device group")
+    parser.add_argument("--links", action="store_true", help="(g) only: links per pair, collectives over sites")
+    parser.add_argument("--widths", action="store_true", help="(h) only: pipeline stages of different widths")
     options = parser.parse_args()
     steps = None if options.simulated else max(3, options.steps)
+    if options.links or options.widths:
+        from heterogeneous_links import site_rows, width_rows  # this folder: benchmarks/
+
+        for wanted, rows in ((options.links, site_rows), (options.widths, width_rows)):
+            if wanted:
+                rows()
+        return
     if options.pipelines:
         pipeline_rows(steps)
         return

@@ -82,9 +82,16 @@ node holds p members (n = k·p); hierarchical algorithms need an even group with
                         loses on bandwidth to the overlapped flat exchange)
   send_recv       direct  S/β_m + α_e with p = 1 (one member per node)
 
+Sites and links per pair (``cost_model.site_collectives``): a group's ``inter`` is the slowest
+link a flat ring over it crosses (the site links it hops between nodes on, the links of its
+tour of the sites), and a group spanning sites that each hold m > 1 of its ranks also gets the
+``"hierarchical-sites"`` all-reduce / all-gather / reduce-scatter (``site_algorithm_times``):
+reduce inside each site, one slice of S/m per rank across the sites, gather inside again.
+
 GPU presets with published NCCL measurements (DGX A100, DGX H100) are priced by
 ``cost_model.nccl`` instead (measured bus bandwidths, NCCL's algorithms, protocols and
-latencies); ``collective_time`` picks the model, ``algorithm_times`` is always the α–β one.
+latencies), unless the cluster has sites or links per pair; ``collective_time`` picks the model,
+``algorithm_times`` is always the α–β one.
 
 Implemented in: ``group_shape`` (how ranks lie on the cluster), ``member_bandwidth`` (sharing),
 ``algorithm_times`` (every candidate above), ``collective_time`` (the cheapest).
@@ -95,13 +102,16 @@ The older per-link helpers (``group_link``, ``ring_all_reduce_time``, ``all_gath
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_model.nccl import nccl_algorithm_times, nccl_profile
+from cost_model.site_collectives import site_hierarchical_time
 from planner.cluster import Cluster, LinkSpec
+from planner.cluster_links import crossed_link, site_members
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                "send_recv")
@@ -116,8 +126,9 @@ class GroupShape:
         nodes: distinct nodes it touches (k).
         per_node: group ranks per node, the maximum over its nodes (p).
         intra: the slowest intra-node link among its nodes (least bandwidth, largest latency).
-        inter: the cluster's per-device inter-node link, or across sites the slower of it and
-            the link between sites; None when the group is on one node.
+        inter: the slowest link between nodes a flat ring over the group crosses (the cluster's
+            per-device inter-node link on one site; ``planner.cluster_links.crossed_link``
+            with sites or links per pair); None when the group is on one node.
         node_devices: fewest devices on any of its nodes (D): sizes each node's network
             capacity, D × inter.bandwidth.
     """
@@ -167,10 +178,9 @@ def group_shape(cluster: Cluster, ranks: Sequence[int]) -> GroupShape:
     intra = LinkSpec(bandwidth=min(node.intra_link.bandwidth for node in specs),
                      latency=max(node.intra_link.latency for node in specs))
     inter = cluster.inter_link
-    if len({node.site for node in specs}) > 1:
-        # A group across sites: its rings and trees wait for the slowest link they cross.
-        site = cluster.inter_site_link
-        inter = LinkSpec(bandwidth=min(inter.bandwidth, site.bandwidth), latency=max(inter.latency, site.latency))
+    if len(members) > 1 and (cluster.links or cluster.inter_site_link is not None):
+        # Sites, or links per pair: the rings and trees wait for the slowest link they cross.
+        inter = crossed_link(cluster, ranks)
     return GroupShape(size=len(ranks), nodes=len(members), per_node=max(members.values()),
                       intra=intra, inter=inter if len(members) > 1 else None,
                       node_devices=min(node.devices for node in specs))
@@ -253,6 +263,8 @@ def collective_time(kind: str, size_bytes: float, cluster: Cluster, ranks: Seque
             return 0.0
     _check_size(size_bytes)
     _check_concurrency(concurrent_groups)
+    if cluster.links or cluster.inter_site_link is not None:  # ranks checked by group_shape inside
+        return _cheapest_over_sites(kind, float(size_bytes), cluster, tuple(ranks), concurrent_groups)
     shape = group_shape(cluster, ranks)
     if kind == "send_recv" and shape.size > 2:
         raise ValueError(f"send_recv is between two ranks [src, dst]; got a group of {shape.size}")
@@ -260,6 +272,32 @@ def collective_time(kind: str, size_bytes: float, cluster: Cluster, ranks: Seque
     if profile is not None:
         return min(nccl_algorithm_times(kind, size_bytes, shape, profile, concurrent_groups).values())
     return min(algorithm_times(kind, size_bytes, shape, concurrent_groups).values())
+
+
+@functools.lru_cache(maxsize=4096)
+def _cheapest_over_sites(kind: str, size: float, cluster: Cluster, ranks: tuple[int, ...], concurrent: int) -> float:
+    """``site_algorithm_times``' least, remembered: a simulated step asks for the same
+    collectives over and over, and finding the links a group crosses walks its ranks and sites."""
+    return min(site_algorithm_times(kind, size, cluster, ranks, concurrent).values())
+
+
+def site_algorithm_times(kind: str, size_bytes: float, cluster: Cluster, ranks: Sequence[int],
+                         concurrent_groups: int = 1) -> dict[str, float]:
+    """``algorithm_times`` of the group, priced at the links it crosses
+    (``cost_model.site_collectives``), plus ``"hierarchical-sites"`` when the group spans
+    sites that each hold the same number (> 1) of its ranks: reduce inside each site, across
+    the sites one slice per rank, gather inside each site again."""
+    times = algorithm_times(kind, size_bytes, group_shape(cluster, ranks), concurrent_groups)
+    if len(site_members(cluster, ranks)) < 2:
+        return times
+
+    def on_one_site(phase: str, size: float, site_ranks: Sequence[int]) -> float:
+        return min(algorithm_times(phase, size, group_shape(cluster, site_ranks), concurrent_groups).values())
+
+    across = site_hierarchical_time(kind, float(size_bytes), cluster, ranks, concurrent_groups, on_one_site)
+    if across is not None:
+        times["hierarchical-sites"] = 0.0 if size_bytes == 0 else across
+    return times
 
 
 # ---- the formulas ----

@@ -1,8 +1,10 @@
-"""The cluster model: nodes of devices joined by two classes of links (three across sites).
+"""The cluster model: nodes of devices joined by links, with a per-pair link where two sites differ.
 
 A ``Cluster`` is a tuple of ``NodeSpec`` (one per node, so nodes may differ), a per-device
-share of the inter-node network, and a collective backend. Ranks are node-major: node 0
-holds ranks ``0 .. d0-1``, node 1 the next ``d1``, and so on.
+share of the inter-node network, the links between sites, and a collective backend. Ranks are
+node-major: node 0 holds ranks ``0 .. d0-1``, node 1 the next ``d1``, and so on. The parts
+(``DeviceSpec``, ``LinkSpec``, ``NodeSpec``, ``PairLink``) are in ``planner.cluster_specs``, the
+reading of a file's tables in ``planner.cluster_files``; this module re-exports their names.
 
 Units everywhere: FLOP/s (dense), bytes, bytes/s per direction per device, seconds.
 
@@ -11,53 +13,23 @@ Clusters come from three edges, all validated by the dataclasses' ``__post_init_
   * the CLI string ``PRESET``, ``PRESET:NODES``, ``PRESET:NODESxDEVICES`` or a file path;
   * TOML/JSON files with ``name``, ``backend``, ``[inter_node]`` and ``[[nodes]]`` groups
     (``count``, ``devices``, optional ``preset``, ``site``, ``[nodes.device]``,
-    ``[nodes.intra_node]``), and ``[inter_site]`` when the groups name two or more sites.
+    ``[nodes.intra_node]``), ``[inter_site]`` and ``[[links]]`` when the groups name two or
+    more sites (docs/cluster_files.md).
 
-Sites. Nodes at different sites (buildings, data centres) talk over a slower link than the
-network inside a site: ``Cluster.inter_site_link``, per device as ``inter_link``. A collective
-whose group spans sites is priced over the slowest link it crosses (``cost_model.collectives``).
+Sites and links per pair. A site is a named set of nodes (a building, a data centre, a rack,
+the nodes behind one switch): ``NodeSpec.site``. Nodes of one site talk over ``inter_link``;
+nodes of two different sites over the link declared for that pair (``[[links]]``, a
+``PairLink``), else over ``inter_site_link`` (``[inter_site]``, the default between sites).
+A ``[[links]]`` table naming one site twice replaces ``inter_link`` inside that site (a rack
+behind a slower switch). Every pair of sites needs a link: one of its own or the default.
+``Cluster.link_between(site_a, site_b)`` answers which; ``cost_model.collectives`` prices a
+collective by the links its ranks cross (``cost_model.site_collectives``,
+``planner.cluster_links``).
 
-Calibration. A device may carry measured efficiencies (``python -m planner profile`` writes
-them; ``cost_model/profile.py`` defines how each is measured), all optional, each falling back
-to the documented default in ``cost_model/defaults.py`` when absent:
-  * ``matmul_efficiency``: achieved fraction of ``peak_flops`` for large matmuls, in (0, 1];
-  * ``memory_efficiency``: achieved fraction of ``memory_bandwidth`` for streaming ops, in (0, 1];
-  * ``kernel_overhead_s``: fixed cost per op (dispatch and launch), seconds, >= 0;
-  * ``dtensor_op_overhead_s``: extra cost of each op dispatched on DTensors, seconds, >= 0:
-    DTensor's sharding propagation and Python dispatch, which a plain tensor does not pay.
-    A program that replays the traced graph (every plan that is not plain data parallel:
-    tensor parallel, pipelines, searched layouts) pays it on every traced op, forward and
-    backward; optimizer steps on DTensor parameters (FSDP, ZeRO-2, graph programs) on each of
-    their ops. Absent: 0. ``planner calibrate`` fits it (``cost_model/calibration.py``).
-  * ``redistribute_overhead_s``: extra cost of each collective a graph program issues from
-    inside its forward or backward (DTensor's redistribute of an operand, the gradient
-    all-reduce of a replicated activation), seconds, >= 0: planning the redistribute, the
-    functional collective's wrapper and its wait, which the step pays in line. The
-    collectives of data parallelism (DDP buckets, FSDP's gathers) run on their own threads
-    or streams and do not pay it. Absent: 0. ``planner calibrate`` fits it.
-They are flat fields of ``DeviceSpec``; in files they live in their own table, so measured
-numbers stand apart from datasheet ones::
-
-    [nodes.device.calibration]
-    matmul_efficiency = 0.93
-    memory_efficiency = 0.71
-    kernel_overhead_s = 2.2e-06
-
-(``"calibration": {...}`` inside ``"device"`` in JSON; keys left out mean "use the default").
-Measured collective α and β need no new field: they are a ``LinkSpec``'s latency and bandwidth.
-
-Attention kernel. ``DeviceSpec.attention_kernel`` names the fused attention kernel the training
-software runs on a GPU (``ATTENTION_KERNELS``): ``"flash-attention-2"`` (PyTorch's SDPA flash
-backend, the default), ``"flash-attention-triton"`` (the Triton FlashAttention kernel, e.g.
-llm-foundry's ``attn_impl: triton``) or ``"cudnn-fused-attention"`` (cuDNN's flash attention,
-which Transformer Engine's ``DotProductAttention`` picks on Hopper); ``cost_model.gpu_kernels``
-prices each. Files write it as
-``attention_kernel = "..."`` in ``[nodes.device]`` (left out: the default).
-
-Vocabulary layer: imports only the standard library, ``planner.errors``, ``planner.cluster_values``
-(checks of values and their text), ``planner.outputs``
-(atomic writes), ``planner.json_files`` (bounded reading of files) and the pure-data
-``planner.presets`` (pure data, with ``planner.gpu_presets``); never torch.
+Vocabulary layer: imports only the standard library, ``planner.errors``, ``planner.cluster_specs``,
+``planner.cluster_files``, ``planner.cluster_values`` (checks of values and their text),
+``planner.outputs`` (atomic writes), ``planner.json_files`` (bounded reading of files) and the
+pure-data ``planner.presets`` (pure data, with ``planner.gpu_presets``); never torch.
 """
 
 from __future__ import annotations
@@ -74,40 +46,48 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from planner.cluster_files import built, parse_device, parse_link, parse_pair_links
+from planner.cluster_specs import (
+    ATTENTION_KERNELS,
+    BACKENDS,
+    CALIBRATION_KEYS,
+    DTYPE_KEYS,
+    HEADLINE_DTYPES,
+    SHORT_DTYPE,
+    DeviceSpec,
+    LinkSpec,
+    NodeSpec,
+    PairLink,
+)
 from planner.cluster_values import (
     CLUSTER_FILE_HEADER,
     FILE_RANGES,
     MAX_RANKS,
-    FlopsTable,
-    check_file_range,
     check_instance,
     check_rank_count,
     checked_name,
     checked_table,
     cluster_file_suffix,
-    efficiency_value,
     format_si,
     is_cluster_file_we_wrote,
     merged_table,
-    overhead_value,
-    positive_float,
     positive_int,
     preset_data,
     preset_names,
     preset_table,
     required_value,
     toml_lines,
-    unknown_key,
 )
 from planner.errors import ClusterError, one_line
 from planner.json_files import MAX_NESTING, check_nesting, parse_json, read_text
 from planner.outputs import check_output_file, write_text_atomically
 from planner.presets import PRESETS
 
-# The cluster model's names, and those of planner.cluster_values other modules import from here.
+# The cluster model's names, and those of planner.cluster_specs and planner.cluster_values
+# other modules import from here.
 __all__ = [
     "ATTENTION_KERNELS", "BACKENDS", "CALIBRATION_KEYS", "CLUSTER_FILE_HEADER", "DTYPE_KEYS", "FILE_RANGES",
-    "MAX_RANKS", "Cluster", "ClusterError", "DeviceSpec", "LinkSpec", "NodeSpec", "format_si",
+    "MAX_RANKS", "Cluster", "ClusterError", "DeviceSpec", "LinkSpec", "NodeSpec", "PairLink", "format_si",
     "is_cluster_file_we_wrote", "preset_names", "preset_table",
 ]
 
@@ -116,121 +96,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
-DTYPE_KEYS = ("float32", "tf32", "bfloat16", "float16", "float8")
-BACKENDS = ("nccl", "gloo")
-_DTYPE_ALIASES = {
-    "float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
-    "fp16": "float16", "fp8": "float8", "float8_e4m3fn": "float8", "float8_e5m2": "float8",
-    "float8_e4m3fnuz": "float8", "float8_e5m2fnuz": "float8",
-}
-_SHORT_DTYPE = {"float32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "float16": "fp16",
-                "float8": "fp8"}
-_HEADLINE = ("bfloat16", "float16", "float32")  # in order of preference on ties
-CALIBRATION_KEYS = ("matmul_efficiency", "memory_efficiency", "kernel_overhead_s", "dtensor_op_overhead_s",
-                    "redistribute_overhead_s")
-# Fused attention kernels a device's software may run (see the module docstring); first: default.
-ATTENTION_KERNELS = ("flash-attention-2", "flash-attention-triton", "cudnn-fused-attention")
 _CLI_FORMS = "PRESET, PRESET:NODES, PRESET:NODESxDEVICES (e.g. cpu:1x4) or a .toml/.json file"
 _CLI_RE = re.compile(r"([A-Za-z0-9._-]+)(?::(\d+)(?:[xX](\d+))?)?")
-
-
-# ---- the model ----
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """One accelerator (or CPU worker process): peak dense FLOP/s per dtype, memory, bandwidth.
-
-    The calibration fields are None unless measured (see the module docstring); the cost
-    model then uses ``cost_model.defaults``.
-    """
-
-    name: str
-    peak_flops: Mapping[str, float]
-    memory_bytes: int
-    memory_bandwidth: float
-    matmul_efficiency: float | None = None  # fraction of peak_flops, large matmuls
-    memory_efficiency: float | None = None  # fraction of memory_bandwidth, streaming ops
-    kernel_overhead_s: float | None = None  # seconds per op, dispatch + launch
-    dtensor_op_overhead_s: float | None = None  # seconds more per op on DTensors (dispatch)
-    redistribute_overhead_s: float | None = None  # seconds more per in-step collective of a graph program
-    attention_kernel: str = ATTENTION_KERNELS[0]  # fused attention kernel (ATTENTION_KERNELS)
-
-    def __post_init__(self) -> None:
-        checked_name(self.name, "DeviceSpec.name")
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise ClusterError(f"DeviceSpec.attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
-                               f"got {self.attention_kernel!r}")
-        check_instance(self.peak_flops, Mapping, "DeviceSpec.peak_flops")
-        if not self.peak_flops:
-            raise ClusterError("DeviceSpec.peak_flops is empty; add at least float32 = <FLOP/s>")
-        for key in self.peak_flops:
-            if key not in DTYPE_KEYS:
-                raise unknown_key(key, DTYPE_KEYS, "DeviceSpec.peak_flops")
-        flops = {key: positive_float(self.peak_flops[key], f"DeviceSpec.peak_flops.{key}")
-                 for key in DTYPE_KEYS if key in self.peak_flops}  # canonical order
-        object.__setattr__(self, "peak_flops", FlopsTable(flops))
-        positive_int(self.memory_bytes, "DeviceSpec.memory_bytes")
-        object.__setattr__(self, "memory_bandwidth",
-                           positive_float(self.memory_bandwidth, "DeviceSpec.memory_bandwidth"))
-        for key in ("matmul_efficiency", "memory_efficiency"):
-            object.__setattr__(self, key, efficiency_value(getattr(self, key), f"DeviceSpec.{key}"))
-        for key in ("kernel_overhead_s", "dtensor_op_overhead_s", "redistribute_overhead_s"):
-            object.__setattr__(self, key, overhead_value(getattr(self, key), f"DeviceSpec.{key}"))
-
-    @property
-    def calibration(self) -> dict[str, float]:
-        """The measured calibration fields that are set, in file order (empty: none measured)."""
-        values = {key: getattr(self, key) for key in CALIBRATION_KEYS}
-        return {key: value for key, value in values.items() if value is not None}
-
-    def flops_for(self, dtype: Any) -> float:
-        """Peak dense FLOP/s for a dtype.
-
-        Args:
-            dtype: a torch-style name ("float32", "bfloat16", "torch.float16", "bf16", ...) or a
-                torch.dtype; names without an entry (e.g. bf16 on a V100, or int64) fall back to
-                float32.
-        Returns:
-            FLOP/s. Raises ClusterError when neither the dtype nor float32 has an entry.
-        """
-        key = str(dtype).removeprefix("torch.").lower()
-        key = _DTYPE_ALIASES.get(key, key)
-        for candidate in (key, "float32"):
-            if candidate in self.peak_flops:
-                return self.peak_flops[candidate]
-        raise ClusterError(f"device {self.name!r} has no peak_flops for {key!r} nor float32; "
-                           f"add float32 = <FLOP/s> to its peak_flops")
-
-
-@dataclass(frozen=True)
-class LinkSpec:
-    """A link class: bandwidth in bytes/s per direction per device, latency in seconds."""
-
-    bandwidth: float
-    latency: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "bandwidth", positive_float(self.bandwidth, "LinkSpec.bandwidth"))
-        object.__setattr__(self, "latency", positive_float(self.latency, "LinkSpec.latency"))
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """One node: ``devices`` identical devices joined by ``intra_link``, at ``site`` (a
-    building or data centre; empty: the cluster's one site)."""
-
-    device: DeviceSpec
-    devices: int
-    intra_link: LinkSpec
-    site: str = ""
-
-    def __post_init__(self) -> None:
-        check_instance(self.device, DeviceSpec, "NodeSpec.device")
-        positive_int(self.devices, "NodeSpec.devices")
-        check_instance(self.intra_link, LinkSpec, "NodeSpec.intra_link")
-        if not isinstance(self.site, str) or len(self.site) > 60 or not self.site.isprintable():
-            raise ClusterError(f"NodeSpec.site must be a printable name of at most 60 characters (or empty), "
-                               f"got {str(self.site)[:40]!r}")
 
 
 @dataclass(frozen=True)
@@ -252,9 +119,11 @@ class Cluster:
     inter_link: LinkSpec
     backend: str
     derived_from: str | None = None
-    # The link between nodes at different sites (per device, as inter_link); needed when the
-    # nodes name two or more sites, ignored otherwise.
+    # The link between nodes at different sites (per device, as inter_link): the default for
+    # every pair of sites that ``links`` does not name; ignored on one site.
     inter_site_link: LinkSpec | None = None
+    # Links per pair of sites where they differ from the defaults (module docstring).
+    links: tuple[PairLink, ...] = ()
 
     def __post_init__(self) -> None:
         checked_name(self.name, "Cluster.name")
@@ -264,12 +133,10 @@ class Cluster:
         for index, node in enumerate(self.nodes):
             check_instance(node, NodeSpec, f"Cluster.nodes[{index}]")
         check_instance(self.inter_link, LinkSpec, "Cluster.inter_link")
+        object.__setattr__(self, "_sites", tuple(dict.fromkeys(node.site for node in self.nodes)))
         if self.inter_site_link is not None:
             check_instance(self.inter_site_link, LinkSpec, "Cluster.inter_site_link")
-        elif len(self.sites) > 1:
-            raise ClusterError(f"Cluster.inter_site_link is missing: the nodes are at sites "
-                               f"{', '.join(repr(site) for site in self.sites)[:120]}; add an [inter_site] table "
-                               f"with the bandwidth and latency between them")
+        self._check_links()
         if self.backend not in BACKENDS:
             raise ClusterError(f"Cluster.backend must be \"nccl\" (GPUs) or \"gloo\" (CPU), "
                                f"got {self.backend!r}")
@@ -279,6 +146,50 @@ class Cluster:
         # First rank of each node, for node_of's binary search.
         object.__setattr__(self, "_node_starts", tuple(itertools.accumulate(
             (node.devices for node in self.nodes[:-1]), initial=0)))
+        # Hashed once: the cost model's caches key on the cluster, and hashing 128 nodes a call adds up.
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, field.name) for field in dataclasses.fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
+    def _check_links(self) -> None:
+        """Every link names the cluster's sites, once per pair; every pair of sites has a link."""
+        object.__setattr__(self, "links", tuple(self.links))
+        sites, seen = self.sites, set()
+        for index, pair in enumerate(self.links):
+            check_instance(pair, PairLink, f"Cluster.links[{index}]")
+            unknown = [site for site in pair.sites if site not in sites]
+            if unknown:
+                raise ClusterError(f"Cluster.links[{index}] names site {unknown[0][:60]!r}, which no node is at; the "
+                                   f"sites are {', '.join(repr(site) for site in sites)[:120]}")
+            if pair.sites in seen:
+                raise ClusterError(f"Cluster.links[{index}] repeats the pair {list(pair.sites)!r}; give each pair of "
+                                   f"sites one link")
+            seen.add(pair.sites)
+        object.__setattr__(self, "_pair_links", {pair.sites: pair.link for pair in self.links})
+        if self.inter_site_link is None:
+            for first, second in itertools.combinations(sorted(sites), 2):
+                if (first, second) not in seen:
+                    raise ClusterError(
+                        f"Cluster.inter_site_link is missing: sites {first[:60]!r} and {second[:60]!r} have no link "
+                        f"between them; add an [inter_site] table (the default between sites) or a [[links]] table "
+                        f"with between = [{first[:60]!r}, {second[:60]!r}], bandwidth and latency")
+
+    def link_between(self, site: str, other: str) -> LinkSpec:
+        """The link (per device) between a node at ``site`` and a node at ``other``: the pair's
+        own link when ``links`` names it, else ``inter_link`` inside one site and
+        ``inter_site_link`` between two. ClusterError for a site no node is at."""
+        for name in (site, other):
+            if name not in self.sites:
+                raise ClusterError(f"cluster {self.name!r} has no site {str(name)[:60]!r}; its sites are "
+                                   f"{', '.join(repr(s) for s in self.sites)[:120]}")
+        declared = self._pair_links.get(tuple(sorted((site, other))))  # type: ignore[attr-defined]
+        if declared is not None:
+            return declared
+        if site == other:
+            return self.inter_link
+        assert self.inter_site_link is not None  # _check_links: every pair has a link
+        return self.inter_site_link
 
     @property
     def world_size(self) -> int:
@@ -312,7 +223,8 @@ class Cluster:
     @property
     def sites(self) -> tuple[str, ...]:
         """The sites the nodes name, in node order (``("",)``: one unnamed site)."""
-        return tuple(dict.fromkeys(node.site for node in self.nodes))
+        # Made at construction: pricing a collective asks it for every pair of sites it crosses.
+        return self._sites  # type: ignore[attr-defined]
 
     @property
     def min_device_memory(self) -> int:
@@ -341,18 +253,22 @@ class Cluster:
         for node, count in _group_nodes(self.nodes):
             dev = node.device
             # Headline training dtype: the fastest of bf16/fp16/fp32, preferring bf16 on ties.
-            best = max((k for k in _HEADLINE if k in dev.peak_flops), key=dev.peak_flops.get,
+            best = max((k for k in HEADLINE_DTYPES if k in dev.peak_flops), key=dev.peak_flops.get,
                        default=next(iter(dev.peak_flops)))
             nodes = f"{count} node{'s' if count > 1 else ''}"
             groups.append(f"{nodes} x {node.devices} {dev.name} "
                           f"({format_si(dev.memory_bytes, 'B')}, "
-                          f"{format_si(dev.peak_flops[best], 'FLOP/s')} {_SHORT_DTYPE[best]}, "
+                          f"{format_si(dev.peak_flops[best], 'FLOP/s')} {SHORT_DTYPE[best]}, "
                           f"intra-node {format_si(node.intra_link.bandwidth, 'B/s')})")
         inter = (f"; inter-node {format_si(self.inter_link.bandwidth, 'B/s')} per device"
                  if self.num_nodes > 1 else "")
-        if len(self.sites) > 1:
+        if len(self.sites) > 1 and self.inter_site_link is not None:
             inter += (f"; {len(self.sites)} sites ({', '.join(self.sites)}), "
                       f"{format_si(self.inter_site_link.bandwidth, 'B/s')} per device between them")
+        elif len(self.sites) > 1:
+            inter += f"; {len(self.sites)} sites ({', '.join(self.sites)})"
+        for pair in self.links:
+            inter += f"; {' - '.join(pair.sites)} {format_si(pair.link.bandwidth, 'B/s')} per device"
         return f"{self.name}: {' + '.join(groups)}{inter}; {self.backend}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -374,9 +290,11 @@ class Cluster:
         groups = [{"count": count, "devices": node.devices, **named, **({"site": node.site} if node.site else {}),
                    "device": device(node.device), "intra_node": link(node.intra_link)}
                   for node, count in _group_nodes(self.nodes)]
-        sites = {"inter_site": link(self.inter_site_link)} if len(self.sites) > 1 else {}
+        sites = ({"inter_site": link(self.inter_site_link)}
+                 if len(self.sites) > 1 and self.inter_site_link is not None else {})
+        pairs = {"links": [{"between": list(pair.sites), **link(pair.link)} for pair in self.links]} if self.links else {}
         return {"name": self.name, "backend": self.backend,
-                "inter_node": link(self.inter_link), **sites, "nodes": groups}
+                "inter_node": link(self.inter_link), **sites, **pairs, "nodes": groups}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str | None = None) -> Cluster:
@@ -398,13 +316,13 @@ class Cluster:
         """A built-in cluster (see ``preset_names()``) with optional node/device counts."""
         data = preset_data(name)
         per_node = data["devices_per_node"] if devices_per_node is None else devices_per_node
-        node = NodeSpec(_parse_device(data["device"], "device"),
+        node = NodeSpec(parse_device(data["device"], "device"),
                         positive_int(per_node, f"preset {name!r} devices_per_node"),
-                        _parse_link(data["intra_node"], "intra_node"))
+                        parse_link(data["intra_node"], "intra_node"))
         count = positive_int(nodes, f"preset {name!r} nodes")
         check_rank_count(count * node.devices, f"cluster {name}:{count}x{node.devices}")
         return cls(name=name.lower(), nodes=(node,) * count,
-                   inter_link=_parse_link(data["inter_node"], "inter_node"),
+                   inter_link=parse_link(data["inter_node"], "inter_node"),
                    backend=data["backend"], derived_from=name.lower())
 
     @classmethod
@@ -485,52 +403,9 @@ class Cluster:
 
 # ---- file layout -> model: checks structure; the dataclasses check values ----
 
-def _build(kind: type, where: str, **fields: Any) -> Any:
-    """``kind(**fields)``, with ``Kind.field`` in its error message renamed to the file path."""
-    try:
-        return kind(**fields)
-    except ClusterError as err:
-        raise ClusterError(str(err).replace(f"{kind.__name__}.", where + "." if where else "", 1)
-                           ) from None
-
-
-def _parse_link(raw: Any, where: str) -> LinkSpec:
-    table = checked_table(raw, where, ("bandwidth", "latency"))
-    link = _build(LinkSpec, where, bandwidth=required_value(table, "bandwidth", where, "bytes/s"),
-                  latency=required_value(table, "latency", where, "seconds"))
-    for key in ("bandwidth", "latency"):
-        check_file_range(getattr(link, key), key, f"{where}.{key}")
-    return link
-
-
-def _parse_device(raw: Any, where: str) -> DeviceSpec:
-    table = checked_table(raw, where, ("name", "peak_flops", "memory_bytes", "memory_bandwidth",
-                                "calibration", "attention_kernel"))
-    memory = required_value(table, "memory_bytes", where, "bytes")
-    if isinstance(memory, float) and memory.is_integer():
-        memory = int(memory)  # files may write 80e9, a TOML float, for a byte count
-    flops = checked_table(required_value(table, "peak_flops", where, "a [nodes.device.peak_flops] table"),
-                   f"{where}.peak_flops", DTYPE_KEYS)
-    calibration = checked_table(table.get("calibration", {}), f"{where}.calibration", CALIBRATION_KEYS)
-    # Checked here too, so that an error names the file's path (….calibration.key).
-    for key, check in zip(CALIBRATION_KEYS, (efficiency_value, efficiency_value, overhead_value, overhead_value, overhead_value)):
-        check(calibration.get(key), f"{where}.calibration.{key}")
-    device = _build(DeviceSpec, where, name=required_value(table, "name", where, "the device name"),
-                    peak_flops=flops, memory_bytes=memory,
-                    memory_bandwidth=required_value(table, "memory_bandwidth", where, "bytes/s"),
-                    attention_kernel=table.get("attention_kernel", ATTENTION_KERNELS[0]),
-                    **{key: calibration.get(key) for key in CALIBRATION_KEYS})
-    for dtype, value in device.peak_flops.items():
-        check_file_range(value, "peak_flops", f"{where}.peak_flops.{dtype}")
-    for key in ("memory_bytes", "memory_bandwidth"):
-        check_file_range(getattr(device, key), key, f"{where}.{key}")
-    for key in ("kernel_overhead_s", "dtensor_op_overhead_s", "redistribute_overhead_s"):
-        check_file_range(getattr(device, key), key, f"{where}.calibration.{key}")
-    return device
-
 
 def _cluster_from_table(data: Any) -> Cluster:
-    top = checked_table(data, "", ("name", "backend", "inter_node", "inter_site", "nodes", "comment"))
+    top = checked_table(data, "", ("name", "backend", "inter_node", "inter_site", "links", "nodes", "comment"))
     if not isinstance(top.get("comment", ""), str):
         raise ClusterError(f"comment must be a string, got {top['comment']!r}")
     groups = top.get("nodes")
@@ -554,9 +429,9 @@ def _cluster_from_table(data: Any) -> Cluster:
         for key, what in (("device", "a [nodes.device] table"), ("devices", "devices = N"),
                           ("intra_node", "a [nodes.intra_node] table")):
             required_value(fields, key, where, f"{what} or a preset key ({', '.join(preset_names())})")
-        node = _build(NodeSpec, where, device=_parse_device(fields["device"], f"{where}.device"),
+        node = built(NodeSpec, where, device=parse_device(fields["device"], f"{where}.device"),
                       devices=fields["devices"],
-                      intra_link=_parse_link(fields["intra_node"], f"{where}.intra_node"),
+                      intra_link=parse_link(fields["intra_node"], f"{where}.intra_node"),
                       site=group.get("site", ""))
         groups_built.append((node, positive_int(group.get("count", 1), f"{where}.count")))
         ranks += groups_built[-1][1] * node.devices
@@ -576,15 +451,17 @@ def _cluster_from_table(data: Any) -> Cluster:
     if "inter_site" in top and len(sites) < 2:
         raise ClusterError("inter_site is given but every node is at one site; give the [[nodes]] groups a "
                            "site = \"...\" each, or drop [inter_site]")
-    cluster = _build(Cluster, "", name=fields["name"], nodes=tuple(nodes),
-                     inter_link=_parse_link(fields["inter_node"], "inter_node"),
+    cluster = built(Cluster, "", name=fields["name"], nodes=tuple(nodes),
+                     inter_link=parse_link(fields["inter_node"], "inter_node"),
                      backend=fields["backend"],
-                     inter_site_link=_parse_link(top["inter_site"], "inter_site") if "inter_site" in top else None)
+                     inter_site_link=parse_link(top["inter_site"], "inter_site") if "inter_site" in top else None,
+                     links=parse_pair_links(top["links"]) if "links" in top else ())
     named = {group["preset"].lower() for group in groups if "preset" in group}
-    # A preset's measured collectives are of one site's network: not of a cluster spanning sites.
-    if len(named) == 1 and len(presets) == len(groups) and len(sites) < 2:  # every group names the same preset
+    # A preset's measured collectives are of one site's network: not of a cluster spanning
+    # sites, nor of one whose links differ from the preset's.
+    if len(named) == 1 and len(presets) == len(groups) and len(sites) < 2 and not cluster.links:
         return dataclasses.replace(cluster, derived_from=named.pop())
-    if not named and _is_preset_as_built(cluster):  # a file written before derived_from was
+    if not named and not cluster.links and _is_preset_as_built(cluster):  # a file written before derived_from was
         return dataclasses.replace(cluster, derived_from=cluster.name.lower())
     return cluster
 

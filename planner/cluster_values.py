@@ -196,17 +196,24 @@ def toml_value(value: Any) -> str:
         if "e" not in text and abs(value) >= 1e6:  # 2.039e+12 reads better than 2039000000000.0
             text = next(t for p in range(17) if float(t := f"{value:.{p}e}") == value)
         return text
+    if isinstance(value, list):  # an array of scalars, e.g. a [[links]] table's between
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
     return str(value)
 
 
+def _is_table_array(value: Any) -> bool:
+    """Whether ``value`` is written as an array of tables (``[[nodes]]``), not an inline array."""
+    return isinstance(value, list) and bool(value) and all(isinstance(item, dict) for item in value)
+
+
 def toml_lines(table: Mapping[str, Any], prefix: str) -> list[str]:
-    """TOML for our layout: scalars, then sub-tables, then arrays of tables."""
+    """TOML for our layout: scalars (and arrays of scalars), then sub-tables, then arrays of tables."""
     lines = [f"{key} = {toml_value(value)}" for key, value in table.items()
-             if not isinstance(value, (dict, list))]
+             if not isinstance(value, dict) and not _is_table_array(value)]
     for key, value in table.items():
         if isinstance(value, dict):
             lines += ["", f"[{prefix}{key}]", *toml_lines(value, f"{prefix}{key}.")]
-        elif isinstance(value, list):
+        elif _is_table_array(value):
             for item in value:
                 lines += ["", f"[[{prefix}{key}]]", *toml_lines(item, f"{prefix}{key}.")]
     return lines

@@ -53,12 +53,15 @@ def device_groups(cluster: Cluster) -> tuple[DeviceGroup, ...]:
 
 def sub_cluster(cluster: Cluster, device: DeviceSpec) -> Cluster | None:
     """The cluster of ``cluster``'s nodes whose devices are ``device`` alone (the other nodes
-    left out, links unchanged), or None when no node has it. Named ``<name>-<device>``."""
+    left out; links unchanged, less those naming a site left out), or None when no node has
+    it. Named ``<name>-<device>``."""
     nodes: tuple[NodeSpec, ...] = tuple(node for node in cluster.nodes if node.device == device)
     if not nodes:
         return None
+    sites = {node.site for node in nodes}
     return Cluster(name=f"{cluster.name}-{device.name}"[:120], nodes=nodes, inter_link=cluster.inter_link,
-                   backend=cluster.backend, derived_from=None, inter_site_link=cluster.inter_site_link)
+                   backend=cluster.backend, derived_from=None, inter_site_link=cluster.inter_site_link,
+                   links=tuple(pair for pair in cluster.links if set(pair.sites) <= sites))
 
 
 def group_names(cluster: Cluster) -> tuple[str, ...]:

@@ -397,6 +397,10 @@ class PipelineGrid:
         """Whether each segment of ``config`` (as ``segment_costs`` lists them) is a block."""
         return tuple(profile.block for profile in self._profile(config) or ())
 
+    def boundary_bytes(self, config: Configuration) -> float:
+        """Bytes of the largest activation one rank sends between stages per micro-batch."""
+        return float(max((profile.input_bytes for profile in self._profile(config) or ()), default=0.0))
+
     def fixed_bytes(self, config: Configuration) -> float:
         """Bytes every device of ``config`` holds besides its segments' (buffers, bounded from above)."""
         return self._fixed_bytes(config)

@@ -72,25 +72,32 @@ def test_a_stage_twice_as_fast_takes_three_blocks_of_four() -> None:
     assert balanced_stages([fast[:1], slow[:1]], 0.0, 0.0) is None  # fewer blocks than stages
 
 
+def random_split_case(generator: random.Random):
+    """A random split problem: (block_s, head_s, tail_s, fits) of 2-4 stages over up to 7
+    blocks, each stage holding at most a random number of blocks."""
+    stages = generator.randint(2, 4)
+    blocks = generator.randint(stages, 7)
+    block_s = [[generator.uniform(0.1, 3.0) for _ in range(blocks)] for _ in range(stages)]
+    head, tail = generator.uniform(0, 2), generator.uniform(0, 2)
+    limit = [generator.randint(1, blocks) for _ in range(stages)]
+
+    def fits(s, i, j):
+        return j - i <= limit[s]
+
+    return block_s, head, tail, fits
+
+
 def test_the_split_is_the_best_of_every_split() -> None:
     generator = random.Random(27)
     for _ in range(300):
-        stages = generator.randint(2, 4)
-        blocks = generator.randint(stages, 7)
-        block_s = [[generator.uniform(0.1, 3.0) for _ in range(blocks)] for _ in range(stages)]
-        head, tail = generator.uniform(0, 2), generator.uniform(0, 2)
-        limit = [generator.randint(1, blocks) for _ in range(stages)]
-
-        def fits(s, i, j, limit=limit):
-            return j - i <= limit[s]
-
+        block_s, head, tail, fits = random_split_case(generator)
         found = balanced_stages(block_s, head, tail, fits)
         best = every_split(block_s, head, tail, fits)
         if best is None:
             assert found is None
             continue
         counts, slowest = found
-        assert slowest == pytest.approx(best) and sum(counts) == blocks and min(counts) >= 1
+        assert slowest == pytest.approx(best) and sum(counts) == len(block_s[0]) and min(counts) >= 1
         assert max(stage_seconds(block_s, head, tail, counts)) == pytest.approx(best)
 
 
@@ -105,11 +112,15 @@ def test_the_search_gives_the_fast_stage_more_blocks_and_prices_each_stage_on_it
     estimates, grids = staged_estimates(graph, cluster, "fp32", ("ddp",), SearchBudget())
     fast, slow = (group.device for group in device_groups(cluster))
     assert fast.name == "cpu-fast" and slow.name == "cpu-slow"
-    # Both orders were priced, and every estimate gives the fast stage more blocks than the slow.
-    assert {e.order for e in estimates} == {(0, 1), (1, 0)}
+    # Both orders were priced, as one stage per group (pp=2, dp=2) and as each group cut into
+    # two stages of one rank (pp=4); every two-stage estimate gives the fast stage more blocks
+    # than the slow (four stages over four blocks hold one each).
+    assert {e.order for e in estimates} == {(0, 1), (1, 0), (0, 0, 1, 1), (1, 1, 0, 0)}
     for estimate in estimates:
-        on_fast = estimate.blocks[estimate.order.index(0)]
-        assert on_fast > estimate.blocks[estimate.order.index(1)], estimate
+        if len(estimate.order) == 2:
+            assert estimate.blocks[estimate.order.index(0)] > estimate.blocks[estimate.order.index(1)], estimate
+        else:
+            assert estimate.blocks == (1, 1, 1, 1) and estimate.config.dp == 1
     best = estimates[0]
     plan = staged_plan(best, graph, cluster, grids, spec, name, ())
     section = plan.sections["hetero-pp"]
@@ -191,9 +202,10 @@ def test_the_fast_devices_alone_are_tried_and_say_what_they_leave_out(candidates
 
 
 @pytest.mark.distributed
-def test_stages_on_fast_and_slow_devices_match_one_device(candidates, tmp_path) -> None:
+def test_stages_on_fast_and_slow_devices_match_one_device(candidates, traced, tmp_path) -> None:
     """The family's fastest simulated plan (what the search keeps of it: the fast stage holds
-    more blocks), compiled and checked against one device in one launch at world 4. (Its
+    more blocks) and its fastest with each group cut into two stages, compiled and checked
+    against one device in one launch at world 4. (Its
     stages in the other order, the slow devices' nodes first, compile to the same program
     with ranks 0-1 on the slow stage; left out of the launch to keep the suite's time.)"""
     staged = [plan for plan in candidates if "hetero-pp" in plan.sections]
@@ -201,9 +213,16 @@ def test_stages_on_fast_and_slow_devices_match_one_device(candidates, tmp_path) 
     section = chosen.sections["hetero-pp"]
     fast_stage = section.stage_devices.index("cpu-fast")
     assert section.blocks[fast_stage] > section.blocks[1 - fast_stage]
-    folder = planner.compile(chosen, tmp_path / "chosen")
-    launch = check_many(4, [folder], tmp_path)
-    assert result_of(launch, folder).startswith("ok"), launch.describe()
+    # Each group cut into two stages of one rank (pp=4, dp=1): the runtime's even pp x dp mesh
+    # runs it as it is, stage s on rank s, the cluster's fast nodes first or last.
+    graph, spec, name, cluster = traced
+    estimates, grids = staged_estimates(graph, cluster, "fp32", ("ddp",), SearchBudget())
+    split = staged_plan(next(e for e in estimates if len(e.order) == 4), graph, cluster, grids, spec, name, ())
+    assert split.mesh.axis_size("pp") == 4 and len(set(split.sections["hetero-pp"].stage_devices[:2])) == 1
+    folders = [planner.compile(chosen, tmp_path / "chosen"), planner.compile(split, tmp_path / "split")]
+    launch = check_many(4, folders, tmp_path)
+    for folder in folders:
+        assert result_of(launch, folder).startswith("ok"), launch.describe()
 
 
 def test_the_example_mixes_load_with_their_cited_figures() -> None:
@@ -227,8 +246,14 @@ def test_the_report_lists_each_stage_its_device_and_blocks(candidates) -> None:
     console = Console(width=160, record=True)
     parts = hetero_pipeline_section(plan)
     console.print(parts[0])
-    rows = [[cell.strip() for cell in line.split("│")[1:5]] for line in console.export_text().splitlines() if "│" in line]
+    text = console.export_text()
+    rows = [[cell.strip() for cell in line.split("│")[1:5]] for line in text.splitlines() if "│" in line]
     for stage, (name, blocks) in enumerate(zip(section.stage_devices, section.blocks)):
         assert [str(stage), f"{2 * stage}-{2 * stage + 1}", name, str(blocks)] in rows, rows
+    # The links crossed: each stage's pair of ranks shares a node (one node per device kind in
+    # mixed.toml); the hop from stage 0 to stage 1 crosses [inter_node], 2e9 B/s.
+    links = [[cell.strip() for cell in line.split("│")[7:9]] for line in text.splitlines()
+             if "│" in line and line.split("│")[1].strip() in ("0", "1")]
+    assert links == [["within a node", "2 GB/s/device"], ["within a node", "-"]], links
     slowest = max(range(2), key=lambda stage: section.busy_s[stage])
     assert f"the step waits for stage {slowest} ({section.stage_devices[slowest]})" in parts[1].text

@@ -1,17 +1,21 @@
-"""Pipelines over device groups of different types (Metis, ATC'24): one stage per group of
-equal devices, the stage order chosen, the blocks balanced by each group's speed and memory
-(a stage on H100s holds more layers than one on A100s); and the pipelines on the fastest
-group alone, the slower devices left out (Sailor). Everything it adds lives in this folder:
+"""Pipelines over device groups of different types (Metis, ATC'24): each group of equal
+devices cut into one or more stages of a width common to all stages, the stage order chosen,
+the blocks balanced by each stage's speed and memory (a stage on H100s holds more layers than
+one on A100s); and the pipelines on the fastest group alone, the slower devices left out
+(Sailor). Everything it adds lives in this folder:
 
 - ``section.py``: ``HeteroStagesSection``, the plan's ``"hetero-pp"`` key (vocabulary).
 - ``balance.py``: the exact split of the blocks over stages on different devices (vocabulary).
+- ``widths.py``: stages of different widths (FlashFlex/HexiScale), their layouts and exact
+  split (vocabulary); priced by ``candidates.width_estimates``, not compiled yet.
 - ``costs.py``: every op priced on its own stage's device (cost-model layer).
 - ``candidates.py``: every order of the groups, balanced, estimated; the best simulated
   (search layer).
 - ``report.py``: per stage, its devices, blocks, busy time and memory (vocabulary).
 
-The program is the pipeline family's (``codegen.pipeline_emit``): stages of different sizes
-are what it already compiles, and the stage order is the plan's cluster's node order.
+The program is the pipeline family's (``codegen.pipeline_emit``): stages holding different
+numbers of blocks, on an even pp x dp mesh, are what it already compiles, and the stage order
+is the plan's cluster's node order. Stages of different widths it cannot run (``widths.py``).
 """
 
 from __future__ import annotations

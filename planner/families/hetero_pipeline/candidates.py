@@ -1,10 +1,13 @@
 """Pipelines over device groups of different types (search layer), as Metis (Um et al.,
-ATC'24) plans them: one stage per device group, the stage order chosen, and the blocks
-balanced by each group's speed and memory, so a stage on H100s holds more layers than one
-on A100s. Also the pipelines on the fastest devices alone (the slow ones left out, as
-Sailor may decide), each saying so in a warning.
+ATC'24) plans them: each device group cut into one or more stages of a common width (Metis's
+device-group shapes: 4 H100 + 8 A100 as an H100 stage and two A100 stages of 4 ranks), the
+stage order chosen, and the blocks balanced by each stage's speed and memory, so a stage on
+H100s holds more layers than one on A100s. Also the pipelines on the fastest devices alone
+(the slow ones left out, as Sailor may decide), each saying so in a warning.
 
-For every order of the groups (all of them: a cluster has few device types) and every
+For every width w dividing every group's size (``stage_layouts``: the group of n ranks as n/w
+stages of w ranks, at most ``MAX_STAGES`` stages in all), every order of the groups (all of
+them: a cluster has few device types; a group's stages stay together) and every
 micro-batch size and dp flavour (1F1B, no tensor parallelism, no or full recomputation),
 the segments' costs per micro-batch are priced on each group's device
 (``search.pipeline_search.PipelineGrid.segment_costs`` on the cluster with every node given
@@ -22,13 +25,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 
+from cost_model.collectives import collective_time
+from cost_model.parameter_bytes import bytes_per_parameter
 from cost_model.simulator import simulated
 from planner.cluster import Cluster, DeviceSpec
 from planner.device_groups import DeviceGroup, device_groups, sub_cluster
 from planner.families.hetero_pipeline.balance import balanced_stages, stage_seconds
 from planner.families.hetero_pipeline.section import JSON_KEY, HeteroStagesSection
+from planner.families.hetero_pipeline.widths import LayoutStep, WidthLayout, layout_step, width_layouts
 from planner.graph import OpGraph
 from planner.plans import Plan
 from search.budget import SearchBudget
@@ -38,6 +45,7 @@ from search.stage_slicing import SegmentCost, in_flight_per_stage, stage_memory
 
 FAMILY = JSON_KEY
 MAX_GROUPS = 4  # 4! = 24 stage orders; a rack rarely holds more device types
+MAX_STAGES = 8  # a bound on the search, not a cost: the layouts multiply with the stages allowed
 RECOMPUTE = ("none", "full")  # the least and the most a stage keeps
 MICRO_BATCH_SIZES = PipelineSpace.micro_batch_sizes
 
@@ -47,7 +55,7 @@ class StagedEstimate:
     """One order of the groups under one configuration, its blocks balanced."""
 
     step_s: float
-    order: tuple[int, ...]  # stage s runs on group order[s]
+    order: tuple[int, ...]  # stage s runs on group order[s] (a group cut into stages repeats)
     config: Configuration
     blocks: tuple[int, ...]  # blocks per stage
     stage_s: tuple[float, ...]  # seconds per micro-batch per stage
@@ -63,19 +71,32 @@ def with_device(cluster: Cluster, device: DeviceSpec) -> Cluster:
 
 def ordered_cluster(cluster: Cluster, groups: tuple[DeviceGroup, ...], order: tuple[int, ...]) -> Cluster:
     """``cluster`` with its nodes listed group by group in ``order`` (each group's nodes in
-    their own order): stage s's ranks are then group ``order[s]``'s."""
-    rank = {groups[group].device: position for position, group in enumerate(order)}
+    their own order; a group named several times, cut into several stages, placed at its first
+    mention): stage s's ranks are then group ``order[s]``'s."""
+    rank: dict[DeviceSpec, int] = {}
+    for position, group in enumerate(order):
+        rank.setdefault(groups[group].device, position)
     nodes = sorted(cluster.nodes, key=lambda node: rank[node.device])
     return dataclasses.replace(cluster, nodes=tuple(nodes), derived_from=None)
 
 
-def equal_groups(cluster: Cluster) -> tuple[DeviceGroup, ...] | None:
-    """The cluster's device groups when there are 2 to ``MAX_GROUPS`` of them, of equal
-    sizes (one stage each, every stage ``dp`` ranks wide); None otherwise."""
+def stage_groups(cluster: Cluster) -> tuple[DeviceGroup, ...] | None:
+    """The cluster's device groups when there are 2 to ``MAX_GROUPS`` of them; None otherwise."""
     groups = device_groups(cluster)
-    if not 2 <= len(groups) <= MAX_GROUPS or len({len(group.ranks) for group in groups}) != 1:
-        return None
-    return groups
+    return groups if 2 <= len(groups) <= MAX_GROUPS else None
+
+
+def stage_layouts(sizes: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
+    """Every ``(width, stages per group)`` cutting groups of ``sizes`` ranks into stages of one
+    common width: the widths that divide every size, widest first, with at most
+    ``MAX_STAGES`` stages in all (e.g. sizes (4, 8): (4, (1, 2)), (2, (2, 4)), (1, (4, 8)) would
+    be 12 stages: left out)."""
+    common = math.gcd(*sizes)
+    found = []
+    for width in range(common, 0, -1):
+        if common % width == 0 and sum(size // width for size in sizes) <= MAX_STAGES:
+            found.append((width, tuple(size // width for size in sizes)))
+    return found
 
 
 def _configurations(graph: OpGraph, pp: int, dp: int, flavours: tuple[str, ...]) -> list[Configuration]:
@@ -131,31 +152,33 @@ def balanced_estimate(costs: list[list[SegmentCost]], flags: tuple[bool, ...], c
 
 def staged_estimates(graph: OpGraph, cluster: Cluster, precision: str, flavours: tuple[str, ...],
                      budget: SearchBudget, allows_mesh=None) -> tuple[list[StagedEstimate], dict[DeviceSpec, PipelineGrid]]:
-    """Every (order, configuration) of the cluster's equal device groups, balanced, fastest
-    estimate first, and the grid of each group's device (empty when the groups do not fit
-    the family: see ``equal_groups``)."""
-    groups = equal_groups(cluster)
+    """Every (stage layout, order, configuration) of the cluster's device groups, balanced,
+    fastest estimate first, and the grid of each group's device (empty when the groups do not
+    fit the family: see ``stage_groups`` and ``stage_layouts``)."""
+    groups = stage_groups(cluster)
     if groups is None or not graph.blocks:
         return [], {}
-    pp, dp = len(groups), len(groups[0].ranks)
     space = PipelineSpace(searched_layout="off")
     grids = {group.device: PipelineGrid(graph, with_device(cluster, group.device), precision, space, budget)
              for group in groups}
     found = []
-    for config in _configurations(graph, pp, dp, flavours):
-        if allows_mesh is not None and not allows_mesh(config.mesh):
-            continue
-        costs = [grids[group.device].segment_costs(config, config.recompute) for group in groups]
-        if any(cost is None for cost in costs):
-            continue
-        flags = grids[groups[0].device].block_flags(config)
-        if sum(flags) < pp:
-            continue
-        capacity = [group.memory_bytes - grids[group.device].fixed_bytes(config) for group in groups]
-        for order in itertools.permutations(range(pp)):
-            estimate = balanced_estimate(costs, flags, capacity, order, config)
-            if estimate is not None:
-                found.append(estimate)
+    for width, cuts in stage_layouts(tuple(len(group.ranks) for group in groups)):
+        pp = sum(cuts)
+        for config in _configurations(graph, pp, width, flavours):
+            if allows_mesh is not None and not allows_mesh(config.mesh):
+                continue
+            costs = [grids[group.device].segment_costs(config, config.recompute) for group in groups]
+            if any(cost is None for cost in costs):
+                continue
+            flags = grids[groups[0].device].block_flags(config)
+            if sum(flags) < pp:
+                continue
+            capacity = [group.memory_bytes - grids[group.device].fixed_bytes(config) for group in groups]
+            for groups_order in itertools.permutations(range(len(groups))):
+                order = tuple(group for group in groups_order for _ in range(cuts[group]))
+                estimate = balanced_estimate(costs, flags, capacity, order, config)
+                if estimate is not None:
+                    found.append(estimate)
     found.sort(key=lambda e: (e.step_s, e.order, e.config))
     return found, grids
 
@@ -210,14 +233,14 @@ def fast_group_pipelines(context: SearchContext, flavours: tuple[str, ...], with
 
 def hetero_pipeline_candidates(context: SearchContext) -> list[Plan]:
     """The candidates part of the ``hetero-pp`` family (``planner.families``): on a cluster
-    of 2 to ``MAX_GROUPS`` device groups of equal size, the best pipelines with one stage per
-    group (module docstring), and the pipeline grid's plans on the fastest group alone when
+    of 2 to ``MAX_GROUPS`` device groups, the best pipelines with each group cut into stages
+    of a common width (module docstring), and the pipeline grid's plans on the fastest group alone when
     ``--family`` allows the ``pipeline`` family. None for a model without repeated blocks or
     with MoE layers, one whose samples mix, with ``--tp-layouts summa``, or when the
     constraints leave the family out."""
     graph = context.graph
     if (context.whole_batch_only or context.summa_only or graph.moe_blocks or not graph.blocks
-            or not context.constraints.allows_family(FAMILY) or equal_groups(context.cluster) is None):
+            or not context.constraints.allows_family(FAMILY) or stage_groups(context.cluster) is None):
         return []
     flavours = tuple(f for f in ("ddp", "zero1", "fsdp") if context.constraints.allows_family(f)) or ("ddp",)
     constraints = context.constraints
@@ -232,3 +255,127 @@ def hetero_pipeline_candidates(context: SearchContext) -> list[Plan]:
     if plans and context.constraints.allows_family("pipeline"):
         plans += fast_group_pipelines(context, flavours, min(plans, key=lambda plan: plan.estimate.step_time_s))
     return plans
+
+
+@dataclass(frozen=True)
+class WidthEstimate:
+    """A layout of stages of possibly different widths (``widths.py``) priced on the cluster."""
+
+    step: LayoutStep
+    micro_batch: int  # samples per micro-batch (all of a stage's ranks together)
+    micro_batches: int
+    sync_s: float  # the slowest stage's gradient all-reduce over its own ranks
+    hops_s: float  # the activations' and their gradients' hops between stages
+
+    @property
+    def step_s(self) -> float:
+        return self.step.step_s
+
+
+def width_estimates(graph: OpGraph, cluster: Cluster, precision: str, budget: SearchBudget) -> list[WidthEstimate]:
+    """Every layout of stages of any widths (``widths.width_layouts``) at every micro-batch
+    size, each priced (``widths.layout_step``), fastest first (the first is what
+    ``widths.best_layout`` picks over them all); the layouts whose stages share one width are
+    among them, priced the same way. Each stage
+    runs DDP over its own ranks without recomputation; its blocks are priced on its device at
+    1/width of the micro-batch (``PipelineGrid.segment_costs``); after the pipeline drains the
+    slowest stage's gradient all-reduce over its own ranks, on the links they cross
+    (``collective_time``: a stage spanning sites pays the link between them), and 2 hops per
+    stage boundary of the largest activation, split over the narrower stage's ranks. Every
+    stage within its device's memory. Not compiled when widths differ (``widths.py``)."""
+    groups = stage_groups(cluster)
+    if groups is None or not graph.blocks:
+        return []
+    sizes = tuple(len(group.ranks) for group in groups)
+    space = PipelineSpace(searched_layout="off")
+    grids: dict[tuple[int, int], PipelineGrid] = {}
+
+    def grid(group: int, ranks: int) -> PipelineGrid:
+        """The grid pricing group ``group``'s device on a pipeline mesh of ``ranks`` ranks: one
+        node of them, the group's own (segment costs of DDP do not cross nodes)."""
+        if (group, ranks) not in grids:
+            node = next(node for node in cluster.nodes if node.device == groups[group].device)
+            alone = Cluster(f"{cluster.name}-stage"[:120], (dataclasses.replace(node, devices=ranks, site=""),),
+                            cluster.inter_link, cluster.backend)
+            grids[group, ranks] = PipelineGrid(graph, alone, precision, space, budget)
+        return grids[group, ranks]
+
+    weights, grads, states = bytes_per_parameter(precision)
+    grad_share = grads / (weights + grads + states)
+    found = []
+    for micro_batch in [size for size in range(1, graph.batch_size + 1) if graph.batch_size % size == 0]:
+        micro_batches = graph.batch_size // micro_batch
+        layouts = width_layouts(sizes, MAX_STAGES, micro_batch)
+        table: dict[tuple[int, int, int], tuple[Configuration, list[SegmentCost]] | None] = {}
+
+        def priced(group: int, width: int, pp: int):
+            key = (group, width, pp)
+            if key not in table:
+                config = Configuration(1, pp, width, micro_batch // width, micro_batches, "1f1b", 1, "ddp", "none")
+                costs = grid(group, pp * width).segment_costs(config, "none")
+                table[key] = None if costs is None else (config, costs, grid(group, pp * width))
+            return table[key]
+
+        for layout in layouts:
+            pp = len(layout.groups)
+            stage_costs = [priced(g, w, pp) for g, w in zip(layout.groups, layout.widths)]
+            if any(entry is None for entry in stage_costs):
+                continue
+            flags = stage_costs[0][2].block_flags(stage_costs[0][0])
+            if sum(flags) < pp:
+                continue
+            estimate = _width_estimate(layout, stage_costs, flags, groups, cluster, grad_share, micro_batch)
+            if estimate is not None:
+                found.append(estimate)
+    found.sort(key=lambda e: (e.step_s, e.step.layout.groups, e.step.layout.widths))
+    return found
+
+
+def _width_estimate(layout: WidthLayout, stage_costs, flags, groups, cluster: Cluster, grad_share: float,
+                    micro_batch: int) -> WidthEstimate | None:
+    """One layout priced (``width_estimates``): ``stage_costs[s]`` is stage s's (configuration,
+    segment costs, grid)."""
+    first, last = flags.index(True), len(flags) - 1 - flags[::-1].index(True)
+    blocks = [i for i, flag in enumerate(flags) if flag]
+    pp, micro_batches = len(layout.groups), stage_costs[0][0].micro_batches
+    in_flight = in_flight_per_stage("1f1b", pp, micro_batches, 1)
+    ordered = ordered_cluster(cluster, groups, layout.groups)
+    starts = list(itertools.accumulate((0, *layout.widths)))
+
+    def members(stage: int, i: int, j: int) -> list[SegmentCost]:
+        costs = stage_costs[stage][1]
+        return ((costs[:first] if stage == 0 else []) + [costs[blocks[k]] for k in range(i, j)]
+                + (costs[last + 1:] if stage == pp - 1 else []))
+
+    def rows(group: int, width: int):  # layout_step asks per stage; answer from this layout's stages
+        stage = next(s for s in range(pp) if (layout.groups[s], layout.widths[s]) == (group, width))
+        costs = stage_costs[stage][1]
+        return ([costs[k].time_s for k in blocks], sum(c.time_s for c in costs[:first]),
+                sum(c.time_s for c in costs[last + 1:]))
+
+    def fits(_layout: WidthLayout, stage: int, i: int, j: int) -> bool:
+        config, _, grid = stage_costs[stage]
+        return stage_memory(members(stage, i, j), in_flight[stage]) <= (
+            groups[layout.groups[stage]].memory_bytes - grid.fixed_bytes(config))
+
+    sync_hops: dict[tuple[int, ...], tuple[float, float]] = {}
+
+    def after(_layout: WidthLayout, counts: tuple[int, ...]) -> float:
+        cuts = list(itertools.accumulate((0, *counts)))
+        sync = max(collective_time("all_reduce", sum(c.static_bytes for c in members(s, cuts[s], cuts[s + 1]))
+                                   * grad_share, ordered, list(range(starts[s], starts[s + 1])))
+                   for s in range(pp))
+        hops = 0.0
+        for s in range(pp - 1):
+            config, _, grid = stage_costs[s]
+            per_rank = grid.boundary_bytes(config) * layout.widths[s]
+            narrow = min(layout.widths[s], layout.widths[s + 1])
+            hops += 2 * collective_time("send_recv", per_rank / narrow, ordered, [starts[s], starts[s + 1]])
+        sync_hops[counts] = (sync, hops)
+        return sync + hops
+
+    step = layout_step(layout, rows, micro_batches, after, fits)
+    if step is None:
+        return None
+    sync, hops = sync_hops[step.blocks]
+    return WidthEstimate(step, micro_batch, micro_batches, sync, hops)

@@ -1,6 +1,7 @@
 """The report's part for pipelines over device groups of different types (vocabulary
-layer): per stage, its ranks, device, blocks, predicted busy time and memory, and the stage
-the step waits for. (A plan leaving devices out says so in its warnings.)"""
+layer): per stage, its ranks, device, blocks, predicted busy time and memory, the slowest link
+its gradient sync and its hop to the next stage cross (``planner.cluster_links``), and the
+stage the step waits for. (A plan leaving devices out says so in its warnings.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from planner.cluster import LinkSpec, format_si
+from planner.cluster_links import crossed_link
 from planner.report_parts import Paragraph
+
+def link_words(link: LinkSpec | None) -> str:
+    """A link as the report names it: ``"within a node"`` (None), else its bandwidth per device."""
+    return "within a node" if link is None else f"{format_si(link.bandwidth, 'B/s')}/device"
+
 
 if TYPE_CHECKING:
     from planner.plans import Plan
@@ -21,15 +29,21 @@ def hetero_pipeline_section(plan: "Plan") -> list:
     pp = plan.mesh.axis_size("pp")
     per_stage = plan.cluster.world_size // pp
     table = Table(title="Pipeline stages on device groups: each stage's device and share of the model")
-    for column in ("stage", "ranks", "device", "blocks", "busy (predicted)", "memory (predicted)"):
-        table.add_column(column, justify="left" if column in ("ranks", "device") else "right")
+    for column in ("stage", "ranks", "device", "blocks", "busy (predicted)", "memory (predicted)", "gradient sync over",
+                   "to the next stage"):
+        table.add_column(column, justify="right" if column in ("stage", "blocks") or "(" in column else "left")
+    cluster = plan.cluster
     for stage, name in enumerate(section.stage_devices):
         busy = section.busy_s[stage] if section.busy_s else None
         memory = section.memory_bytes[stage] if section.memory_bytes else None
-        table.add_row(str(stage), f"{stage * per_stage}-{(stage + 1) * per_stage - 1}", name,
+        first = stage * per_stage
+        onward = "-" if stage == pp - 1 else link_words(crossed_link(cluster, [first, first + per_stage]))
+        table.add_row(str(stage), f"{first}-{first + per_stage - 1}", name,
                       str(section.blocks[stage]) if section.blocks else "-",
                       "-" if busy is None else f"{busy * 1e3:.3f} ms",
-                      "-" if memory is None else f"{memory / 2**20:.2f} MiB")
+                      "-" if memory is None else f"{memory / 2**20:.2f} MiB",
+                      "-" if per_stage == 1 else link_words(crossed_link(cluster, range(first, first + per_stage))),
+                      onward)
     parts: list = [table]
     if section.busy_s:
         slowest = max(range(pp), key=lambda stage: section.busy_s[stage])
