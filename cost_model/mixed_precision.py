@@ -24,8 +24,8 @@ The simulator prices what the compiled program runs (``codegen.runtime.precision
 - **Other systems' runs** (``Plan.half_precision_weights``: Megatron-LM's ``Float16Module``,
   DeepSpeed's 16-bit engines, Composer's FSDP with ``mixed_precision: DEFAULT``; also a plan
   with ``megatron_distributed_optimizer``, which is Megatron's) hold 16-bit weights and
-  gradients: they move 2 bytes, cast nothing, and reduce in fp32 only where their own
-  fields say so (``StepContext.reduced_gradient_bytes``).
+  gradients (so does a plan with ``tp_comm_overlap``, Transformer Engine's): they move 2
+  bytes, cast nothing, and reduce in fp32 only where their own fields say so (``StepContext.reduced_gradient_bytes``).
 
 fp32 plans move 4 bytes and cast nothing; fp16 plans (never compiled) are priced as 16-bit
 weights and gradients.
@@ -59,9 +59,10 @@ CAST_BYTES_PER_ELEMENT = FP32_GRADIENT_BYTES + 2
 def holds_fp32_weights(plan) -> bool:
     """Whether ``plan``'s program keeps fp32 weights and gradients under bf16 autocast: a
     bf16 plan of the planner's own programs, not one simulating another system's 16-bit
-    weights (``Plan.half_precision_weights``, ``Plan.megatron_distributed_optimizer``)."""
+    weights (``Plan.half_precision_weights``, or Megatron-Core's own settings
+    ``Plan.megatron_distributed_optimizer`` and ``Plan.tp_comm_overlap``)."""
     return (plan.precision == "bf16" and not getattr(plan, "half_precision_weights", False)
-            and not getattr(plan, "megatron_distributed_optimizer", False))
+            and not getattr(plan, "megatron_distributed_optimizer", False) and not getattr(plan, "tp_comm_overlap", False))
 
 
 def gathered_weight_bytes(plan) -> int:
@@ -113,9 +114,9 @@ def add_autocast_weight_casts(context, node, strategy, cost) -> None:
         seconds = roofline_time(0.0, meta.numel / shards * CAST_BYTES_PER_ELEMENT, context.device, dtype)
         cost.forward_s += seconds
         cost.backward_s += seconds
-        if context.host is not None:  # two more ops for the host to issue (cost_model.host_dispatch)
+        if context.host is not None:  # one more op for the host to issue each way (cost_model.host_dispatch)
             cost.host_forward_s += context.host.forward_s
-            cost.host_backward_s += context.host.forward_s
+            cost.host_backward_s += context.host.backward_s
 
 
 def _aten_name(op: str) -> str:
