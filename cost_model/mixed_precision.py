@@ -9,7 +9,8 @@ The simulator prices what the compiled program runs (``codegen.runtime.precision
   81c12433). The shards stay fp32; FSDP2 casts a shard to bf16 before gathering it
   (``FSDPParam.all_gather_inputs``), so the all-gather and its copy-out move 2 bytes per
   element; the unsharded weights a unit computes with are bf16, so autocast casts none of
-  them (what it still casts, the norms' fp32 inputs, is activations, priced with the ops);
+  them for its matmuls (it still takes a layer norm's bf16 weight up to fp32 for its fp32
+  kernel: one hidden-size vector per norm, not priced);
   each unit's bf16 gradients are cast to fp32 and reduce-scattered in fp32
   (``foreach_reduce``: ``reduce_dtype``): 4 bytes per element.
 - **Every other weight** of a bf16 program stays fp32 (DDP, ZeRO-1, a graph program's
@@ -25,7 +26,8 @@ The simulator prices what the compiled program runs (``codegen.runtime.precision
   DeepSpeed's 16-bit engines, Composer's FSDP with ``mixed_precision: DEFAULT``; also a plan
   with ``megatron_distributed_optimizer``, which is Megatron's) hold 16-bit weights and
   gradients (so does a plan with ``tp_comm_overlap``, Transformer Engine's): they move 2
-  bytes, cast nothing, and reduce in fp32 only where their own fields say so (``StepContext.reduced_gradient_bytes``).
+  bytes, cast nothing, and reduce in fp32 only where their own fields say so
+  (``StepContext.reduced_gradient_bytes``).
 
 fp32 plans move 4 bytes and cast nothing; fp16 plans (never compiled) are priced as 16-bit
 weights and gradients.

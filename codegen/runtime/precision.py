@@ -17,7 +17,6 @@ scaling; it is not compiled.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Iterable
 
 import torch
