@@ -61,8 +61,9 @@ step; MPT's ``low_precision_layernorm`` runs its norms in bf16 under autocast.
 torchtitan's FSDP2 reduces gradients in fp32 (``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=float32)`` in torchtitan/parallelisms/parallelize_llama.py at 1ea476e9f, the
 commit of its A100 rows; ``--training.mixed_precision_reduce``, whose only choice is "float32",
-by the 405B row's): its rows set ``Plan.fsdp_fp32_reduce``, which doubles the bytes of their
-reduce-scatters. Compute-bound, the A100 rows move 0.6-0.8 points slower (Llama3-70B -9.3% ->
+by the 405B row's), which is what the planner's own bf16 FSDP2 programs run
+(``cost_model.mixed_precision``): its rows are the only ones without ``Run.half_precision_weights``,
+and their reduce-scatters move twice the bytes of bf16 ones. Compute-bound, the A100 rows move 0.6-0.8 points slower (Llama3-70B -9.3% ->
 -8.7%, Llama2-13B -13.2% -> -12.4%, Llama2-70B -8.7% -> -8.0%); Llama3.1-405B, whose 16 dp ranks
 reduce across hosts, 2.1 (-14.9% -> -12.8%: 0.4 s more exposed). 26 runs: median 8.5% -> 8.2%,
 largest 23.7%, 19 fast / 7 slow.
@@ -236,8 +237,8 @@ def simulate(run: Run, roofline: bool = False):
         changes["fsdp_units"] = fsdp_units(graph)
     if run.megatron_distributed_optimizer:
         changes["megatron_distributed_optimizer"] = True
-    if run.fsdp_fp32_reduce:
-        changes["fsdp_fp32_reduce"] = True
+    if run.half_precision_weights:
+        changes["half_precision_weights"] = True
     if run.optimizer_implementation:
         changes["optimizer_implementation"] = run.optimizer_implementation
     if run.hsdp_shard:

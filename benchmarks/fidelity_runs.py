@@ -50,7 +50,10 @@ class Run:
             replicates across them (HSDP), the group size; None for every other run.
         megatron_distributed_optimizer: the run's ZeRO-1 is Megatron-Core's distributed
             optimizer (``Plan.megatron_distributed_optimizer``).
-        fsdp_fp32_reduce: the run's FSDP2 reduces gradients in fp32 (``Plan.fsdp_fp32_reduce``).
+        half_precision_weights: the run's model holds 16-bit weights and gradients
+            (``Plan.half_precision_weights``: Megatron-LM, DeepSpeed, Composer's FSDP with
+            ``mixed_precision: DEFAULT``); False for torchtitan's FSDP2, which gathers bf16 and
+            reduces in fp32 as the planner's own bf16 programs do.
         optimizer_implementation: how the run's AdamW steps where it is not one fused kernel
             (``Plan.optimizer_implementation``); empty: fused.
     """
@@ -66,7 +69,7 @@ class Run:
     source: str
     hsdp_shard: int | None = None
     megatron_distributed_optimizer: bool = False
-    fsdp_fp32_reduce: bool = False
+    half_precision_weights: bool = True
     optimizer_implementation: str = ""
 
     def describe(self, gpus: int) -> str:
@@ -74,7 +77,7 @@ class Run:
                  f"dp{gpus // (self.layout.get('tp', 1) * self.layout.get('pp', 1))}"]
         flavour = "mcore-distopt" if self.megatron_distributed_optimizer else self.layout.get("dp_flavour", "ddp")
         parts.append(f"hsdp{self.hsdp_shard}" if self.hsdp_shard else flavour)
-        if self.fsdp_fp32_reduce:
+        if not self.half_precision_weights:
             parts.append("rs-fp32")
         if self.layout.get("sequence_parallel"):
             parts.append("sp")
@@ -226,7 +229,7 @@ def runs() -> list[Run]:
     # MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # (torchtitan/parallelisms/parallelize_llama.py at 1ea476e9f, 2024-04-24, the commit that
     # published these rows; from 5c69c02ea, 2024-05-20, ``--training.mixed_precision_reduce``
-    # whose only choice is "float32"): ``fsdp_fp32_reduce``.
+    # whose only choice is "float32"): the planner's own policy, not ``half_precision_weights``.
     for name, shape, batch, seq, recompute, tokens in (
         ("Llama3-70B@64xA100", LLAMA3_70B, 64, 8192, "full", 331),
         ("Llama2-13B@64xA100", LLAMA2_13B, 128, 4096, "none", 2162),
@@ -235,7 +238,7 @@ def runs() -> list[Run]:
         found.append(Run(
             name, "llama.py", _llama(**shape, batch=batch, seq=seq), "dgx-a100-80g:8",
             {"dp_flavour": "fsdp", "recompute": recompute}, 1, tokens_step(batch, seq, tokens, 64),
-            f"{tokens} tok/s/GPU", TORCHTITAN_A100, fsdp_fp32_reduce=True,
+            f"{tokens} tok/s/GPU", TORCHTITAN_A100, half_precision_weights=False,
         ))
     # MT-NLG and BLOOM ran Megatron-DeepSpeed with DeepSpeed's pipeline engine
     # (DEEPSPEED_PIPELINE). MT-NLG (2021) trained in 16-bit with DeepSpeed's ZeRO-1 fp16 path:
@@ -416,6 +419,6 @@ def torchtitan_h100_runs() -> list[Run]:
         grand_teton_h100(16, memory_bytes=94_000_000_000),
         {"tp": 8, "dp_flavour": "fsdp", "recompute": "full", "sequence_parallel": True}, 1,
         tokens_step(32, 8192, 109, 128), "109 tok/s/GPU", "torchtitan docs/performance.md (2024-08, 128 H100)",
-        fsdp_fp32_reduce=True,
+        half_precision_weights=False,
     ))
     return found

@@ -33,6 +33,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 
+from codegen.program_parts import fsdp_policy_option
 from codegen.source_text import comment, literal
 from planner.plans import Plan
 from planner.units import format_bytes
@@ -166,7 +167,13 @@ def _fsdp_lines(plan: Plan, dp: int, held: str, ignored: Sequence[str]) -> list[
         f"{gathered}; after its backward it reduce-scatters its gradients over \"dp\" (averaged) and frees the "
         "gathered weights."
     )
-    options = "mesh=dp_mesh" + (", reshard_after_forward=False" if keep else "")
+    options = "mesh=dp_mesh" + (", reshard_after_forward=False" if keep else "") + fsdp_policy_option(plan)
+    if fsdp_policy_option(plan):
+        lines += _comment_lines(
+            "Mixed precision as torchtitan shards it (BF16_FSDP_POLICY): each unit casts its fp32 shard to bf16 and "
+            "all-gathers bf16, computes with bf16 weights, and reduce-scatters its gradients in fp32 into the fp32 "
+            "shards the optimizer steps."
+        )
     if ignored:
         options += ", ignored_params=expert_weights"
         lines += _comment_lines(

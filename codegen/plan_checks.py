@@ -103,11 +103,11 @@ def check_fields(plan: Plan) -> None:
             "and weights gathered during the next forward, as Megatron-Core does, which compiled programs do not "
             "run (such plans simulate other systems' runs); re-plan with `planner plan` for a program"
         )
-    if plan.fsdp_fp32_reduce:
+    if plan.half_precision_weights:
         raise PlanFileError(
-            "plan field 'fsdp_fp32_reduce' is true: it prices bf16 weights gathered and gradients reduced in fp32, "
-            "as torchtitan's FSDP2 MixedPrecisionPolicy does, which compiled programs do not set (such plans simulate "
-            "other systems' runs); re-plan with `planner plan` for a program"
+            "plan field 'half_precision_weights' is true: it prices a model holding 16-bit weights and gradients, as "
+            "Megatron-LM and DeepSpeed run them, where compiled programs keep fp32 weights under autocast (such "
+            "plans simulate other systems' runs); re-plan with `planner plan` for a program"
         )
     if plan.optimizer_implementation:
         raise PlanFileError(

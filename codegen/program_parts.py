@@ -13,6 +13,7 @@ from __future__ import annotations
 from codegen.source_text import comment, one_line
 from planner.errors import PlanningError
 from planner.plans import Plan
+from planner.program_shape import wraps_bf16_fsdp_units
 from planner.strategy import placements_str
 
 
@@ -22,8 +23,19 @@ def has_batch_norm(plan: Plan) -> bool:
 
 
 def precision_imports(plan: Plan) -> list[str]:
-    """The import lines ``autocast_lines`` needs (none for an fp32 plan)."""
-    return ["from codegen.runtime.precision import run_in_autocast"] if plan.precision != "fp32" else []
+    """The import lines ``autocast_lines`` and ``fsdp_policy_option`` need (none for an fp32 plan)."""
+    if plan.precision == "fp32":
+        return []
+    if wraps_bf16_fsdp_units(plan):
+        return ["from codegen.runtime.precision import BF16_FSDP_POLICY, run_in_autocast"]
+    return ["from codegen.runtime.precision import run_in_autocast"]
+
+
+def fsdp_policy_option(plan: Plan) -> str:
+    """The ``mp_policy`` argument of ``fully_shard`` in ``plan``'s program: bf16 gathers and
+    fp32 reductions in a bf16 plan (``codegen.runtime.precision.BF16_FSDP_POLICY``, which the
+    simulator prices: ``cost_model.mixed_precision``), none otherwise."""
+    return ", mp_policy=BF16_FSDP_POLICY" if wraps_bf16_fsdp_units(plan) else ""
 
 
 def autocast_lines(plan: Plan, module: str, device_type: str) -> str:
@@ -33,9 +45,14 @@ def autocast_lines(plan: Plan, module: str, device_type: str) -> str:
         return ""
     if plan.precision != "bf16":
         raise PlanningError(f"compiled programs run fp32 or bf16, not {one_line(plan.precision)!r}; plan with --precision bf16")
+    units = (
+        "    # Inside FSDP2's units the gathered weights are bf16 already (BF16_FSDP_POLICY below);\n"
+        "    # their fp32 shards are what the optimizer steps, their gradients reduced in fp32.\n"
+    ) if wraps_bf16_fsdp_units(plan) else ""
     return (
         "    # Mixed precision (bf16): forward under torch.autocast, matmuls in bf16; weights,\n"
         "    # gradients and optimizer states stay fp32.\n"
+        f"{units}"
         f"    run_in_autocast({module}, {device_type}, torch.bfloat16)\n"
     )
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 from cost_model.data_parallel_step import DataParallelStep
 from cost_model.loss_parallel import add_vocabulary_parallel_loss
-from cost_model.parameter_bytes import PARAM_BYTES
+from cost_model.mixed_precision import add_autocast_weight_casts, reduced_gradient_bytes
 from cost_model.replica_gradients import add_replica_gradient_sync
 from cost_model.split_gather import add_split_gather
 from cost_model.step_contributor import StepContributor
@@ -35,19 +35,21 @@ class NodeCostTerm(StepContributor):
 
 
 def _replica_gradient_sync(context, node, strategy, cost) -> None:
-    add_replica_gradient_sync(context, node, strategy, cost, PARAM_BYTES[context.plan.precision][1])
+    add_replica_gradient_sync(context, node, strategy, cost, reduced_gradient_bytes(context.plan))
 
 
 # Meshes with SUMMA axes: SUMMA matmuls and block norms by their algorithms
 # (cost_model.summa_node); vocabulary-parallel cross entropies (cost_model.loss_parallel);
 # splits of a dim held split (cost_model.split_gather); any mesh: the gradient sync of weights
-# replicated on a non-dp axis whose ranks saw other rows (cost_model.replica_gradients); the
+# replicated on a non-dp axis whose ranks saw other rows (cost_model.replica_gradients);
+# autocast's casts of a bf16 program's fp32 weights (cost_model.mixed_precision); the
 # data-parallel flavours' gathers, gradient reductions and sharding (cost_model.data_parallel_step).
 _CONTRIBUTORS: tuple[StepContributor, ...] = (
     NodeCostTerm(add_summa_costs),
     NodeCostTerm(add_vocabulary_parallel_loss),
     NodeCostTerm(add_split_gather),
     NodeCostTerm(_replica_gradient_sync),
+    NodeCostTerm(add_autocast_weight_casts),
     DataParallelStep(),
 )
 

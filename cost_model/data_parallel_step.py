@@ -47,10 +47,11 @@ the model of it here and in ``cost_model.step_tasks``:
   and gathers them again in backward; ZeRO-2 (False) keeps them until its backward. The
   root is not resharded after forward (``fsdp_root_elements``).
 - Reduce-scatter (``foreach_reduce`` in _fsdp_collectives.py): after each unit's backward,
-  on the reduce-scatter stream, in the reduce dtype (``MixedPrecisionPolicy.reduce_dtype``,
-  by default the parameters' dtype, fp32 where the run sets it, as torchtitan does:
-  ``Plan.fsdp_fp32_reduce``, ``StepContext.reduced_gradient_bytes``); HSDP's
-  all-reduce waits for it on the all-reduce stream.
+  on the reduce-scatter stream, in the reduce dtype (``MixedPrecisionPolicy.reduce_dtype``:
+  fp32 in a bf16 program, as torchtitan sets it; ``StepContext.reduced_gradient_bytes``);
+  its all-gathers in the parameter dtype (bf16 under the policy:
+  ``cost_model.mixed_precision.gathered_weight_bytes``); HSDP's all-reduce waits for the
+  reduce-scatter on the all-reduce stream.
 - Copies: ``foreach_all_gather_copy_out`` (in ``wait_for_unshard``) copies each gathered
   unit into its parameters on the compute stream before the unit runs: modelled as a
   memory-bound copy (``DataParallelStep.copy_out``). Not modelled: the copy-in of the
@@ -83,6 +84,7 @@ from functools import partial
 from cost_model import defaults
 from cost_model.compute import PRECISIONS, roofline_time
 from cost_model.megatron_grad_sync import bucket_cap_bytes, runs_megatron_sync, weight_gather
+from cost_model.mixed_precision import gathered_weight_bytes
 from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
@@ -187,7 +189,7 @@ def _fsdp_gather(tasks, device: str, segment: Segment, deps: list[int], name: st
     """All-gather of ``elements`` of ``segment``'s weights (default: all it shards)."""
     context = tasks.context
     elements = segment.shardable_elements() if elements is None else elements
-    size = elements * PARAM_BYTES[context.plan.precision][0]
+    size = elements * gathered_weight_bytes(context.plan)
     return tasks.graph.add(name, (device, fsdp2_stream(context, GATHER_STREAM)),
                            context.collective("all_gather", size, "dp"), deps=deps, kind="comm")
 
@@ -294,7 +296,7 @@ class DataParallelStep(StepContributor):
         elements = fsdp_regathered_elements(context, segment) if backward else segment.shardable_elements()
         if backward and not _fsdp(context) or elements <= 0:
             return None
-        copied = 2 * elements * PARAM_BYTES[context.plan.precision][0]
+        copied = 2 * elements * gathered_weight_bytes(context.plan)
         seconds = roofline_time(0.0, copied, context.device, PRECISIONS[context.plan.precision][0])
         return tasks.graph.add(f"copy-out {segment.name}{' (bwd)' if backward else ''}", (device, "compute"),
                                seconds, deps=gathered)
@@ -314,8 +316,9 @@ class DataParallelStep(StepContributor):
             return
         if context.plan.dp_flavour == "zero1" and not runs_megatron_sync(context):
             # ShardedStatesOptimizer.step gathers each sliced weight in its own blocking
-            # all_gather_single once the inner step is done: one after another.
-            element_bytes = PARAM_BYTES[context.plan.precision][0]
+            # all_gather_single once the inner step is done: one after another (fp32 slices
+            # in a bf16 program: cost_model.mixed_precision).
+            element_bytes = gathered_weight_bytes(context.plan)
             pieces = [(context.collective("all_gather", count * element_bytes, "dp"), 1)
                       for s in segments for count in s.zero1_gathered_elements(context.dp)]
             tasks.graph.add_pieces(f"all-gather updated slices ({len(pieces)} parameters)", (device, "collective"),
@@ -350,31 +353,28 @@ class DataParallelStep(StepContributor):
         """The bytes the flavour's gathers and reductions of ``segment``'s weights send over ``dp``."""
         if context.plan.dp_flavour not in FLAVOURS or context.dp == 1 or not segment.dp_synced:
             return
-        element_bytes = PARAM_BYTES[context.plan.precision][1]
-        grads = sum(segment.params[n] for n in segment.dp_synced) * element_bytes
         # fsdp: all-gather twice + reduce-scatter; zero1: all-reduce, then its all-gathers
         # of the updated slices (below); ddp: all-reduce; zero2: reduce-scatter + all-gather
         # (in forward). Gradient accumulation (no pipeline) repeats FSDP2's gathers (its units
         # are resharded after every backward) and reduce-scatters for every micro-batch.
+        # Gradients move in their reduce dtype, weights in the dtype they are gathered in
+        # (cost_model.mixed_precision).
         flavour = context.plan.dp_flavour
+        elements = sum(segment.params[n] for n in segment.dp_synced)
+        share = (context.dp - 1) / context.dp
         if runs_megatron_sync(context):  # one fp32 reduce-scatter and one gather of every weight
-            grads = sum(segment.params[n] for n in segment.dp_synced) * context.reduced_gradient_bytes()
+            grads = elements * context.reduced_gradient_bytes()
             gathered = segment.shardable_elements() * PARAM_BYTES[context.plan.precision][0]
-            totals["dp"] = totals.get("dp", 0.0) + (grads + gathered) * (context.dp - 1) / context.dp
+            totals["dp"] = totals.get("dp", 0.0) + (grads + gathered) * share
             return
+        gradient_bytes, weight_bytes = context.reduced_gradient_bytes(), gathered_weight_bytes(context.plan)
         gathers = context.micro_batches if context.plan.pipeline is None else 1  # FSDP2's, per micro-batch
         reductions = context.micro_batches if self.reduces_every_micro_batch(context) else 1
-        units = {"fsdp": 2 * gathers + reductions, "zero1": 2 * reductions, "zero2": reductions + gathers,
-                 "ddp": 2 * reductions}[flavour]
-        factor = units * (context.dp - 1) / context.dp
-        totals["dp"] = totals.get("dp", 0.0) + grads * factor
-        if flavour in FSDP2_FLAVOURS:  # FSDP2's reductions in their reduce dtype (Plan.fsdp_fp32_reduce)
-            extra = context.reduced_gradient_bytes() / element_bytes - 1
-            totals["dp"] += grads * extra * reductions * (context.dp - 1) / context.dp
+        reduced = {"fsdp": reductions, "zero2": reductions, "zero1": 2 * reductions, "ddp": 2 * reductions}[flavour]
+        weights_gathered = {"fsdp": 2 * gathers, "zero2": gathers}.get(flavour, 0)
+        sent = elements * (gradient_bytes * reduced + weight_bytes * weights_gathered)
         if flavour == "zero1":
-            gathered = sum(segment.zero1_gathered_elements(context.dp)) * PARAM_BYTES[context.plan.precision][0]
-            totals["dp"] += gathered * (context.dp - 1) / context.dp
+            sent += sum(segment.zero1_gathered_elements(context.dp)) * weight_bytes
         if flavour == "fsdp":  # what is not gathered again for backward
-            kept = (segment.shardable_elements() - fsdp_regathered_elements(context, segment)) * element_bytes
-            totals["dp"] -= kept * gathers * (context.dp - 1) / context.dp
-
+            sent -= (segment.shardable_elements() - fsdp_regathered_elements(context, segment)) * weight_bytes * gathers
+        totals["dp"] = totals.get("dp", 0.0) + sent * share

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cost_model.mixed_precision import holds_fp32_weights
 from planner.graph import OpGraph, OpNode
-from planner.program_shape import is_data_parallel
+from planner.program_shape import is_data_parallel, wraps_bf16_fsdp_units
 from planner.strategy import ExpertLayout
 
 
@@ -139,6 +140,8 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
         plan.fused_splits_local,  # splits of fused projections gather or not (cost_model.split_gather)
         plan.tp_comm_overlap,  # sequence-parallel collectives hidden behind GEMMs (cost_model.tp_comm_overlap)
         plan.moe_a2a_overlap,  # all-to-alls under another micro-batch's compute (cost_model.moe_overlap)
+        # fp32 weights cast by autocast, fp32 gradients of replicated weights (cost_model.mixed_precision).
+        holds_fp32_weights(plan), wraps_bf16_fsdp_units(plan),
         _strategies_part(plan.strategies),
         # Family sections that change what each op costs (layer separation's per-group shares,
         # uneven data-parallel shares): ``changes_op_costs``.

@@ -54,9 +54,10 @@ from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS, check_precision
 from cost_model.host_dispatch import HostDispatch, host_dispatch
 from cost_model.megatron_grad_sync import gradient_bytes, runs_megatron_sync
+from cost_model.mixed_precision import reduced_gradient_bytes
 from cost_model.moe_layers import LaidOutLayer, laid_out_layers
 from cost_model.nccl import nccl_profile
-from cost_model.parameter_bytes import FP32_GRADIENT_BYTES, PARAM_BYTES
+from cost_model.parameter_bytes import FP32_GRADIENT_BYTES
 from planner.graph import OpGraph, OpNode
 from planner.program_shape import is_data_parallel
 from planner.strategy import NodeStrategy
@@ -159,17 +160,15 @@ class StepContext:
         micro-batches accumulated into, fp32 under ``"fp32-copy"`` (DeepSpeed's
         BF16_Optimizer all-reduces its fp32 gradients: ``_bf16_reduce_grads`` in
         deepspeed/runtime/pipe/engine.py) and under Megatron's distributed optimizer
-        (``Plan.megatron_distributed_optimizer``) and FSDP2's fp32 reduce dtype
-        (``Plan.fsdp_fp32_reduce``: torchtitan's ``MixedPrecisionPolicy``), else the
-        precision's gradient dtype."""
+        (``Plan.megatron_distributed_optimizer``), else what the program's gradients are
+        (``cost_model.mixed_precision.reduced_gradient_bytes``: fp32 in every bf16 program,
+        FSDP2's included, whose policy reduces in fp32)."""
         pipeline = self.plan.pipeline
         if pipeline is not None and pipeline.gradient_accumulation == "fp32-copy":
             return FP32_GRADIENT_BYTES
-        if getattr(self.plan, "fsdp_fp32_reduce", False):
-            return FP32_GRADIENT_BYTES
         if runs_megatron_sync(self):  # its fp32 gradient buffer
             return gradient_bytes()
-        return PARAM_BYTES[self.plan.precision][1]
+        return reduced_gradient_bytes(self.plan)
 
     def shard_factor(self, placements) -> int:
         """Ranks a tensor is split over: a Partial tensor is whole-size on every rank."""

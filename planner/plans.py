@@ -72,7 +72,8 @@ _PLAN_KEYS = frozenset((
     "precision", "optimizer", "optimizer_implementation", "batch_size", "inputs", "fsdp_units", "expert_layouts",
     "summary", "estimate",
     "runners_up", "warnings", "search_summary", "label", "timings", "fused_splits_local", "tp_comm_overlap",
-    "megatron_distributed_optimizer", "moe_a2a_overlap", "model_fingerprint", "strategies", "fsdp_fp32_reduce",
+    "megatron_distributed_optimizer", "moe_a2a_overlap", "model_fingerprint", "strategies", "half_precision_weights",
+    "fsdp_fp32_reduce",  # retired: read and ignored (every bf16 FSDP2 program reduces in fp32 now)
 ))
 
 @dataclass(frozen=True)
@@ -148,12 +149,6 @@ class Plan:
             runs (``benchmarks/fidelity.py``): compiled programs reduce after every
             micro-batch and gather after the optimizer step, so the search never sets it and
             ``planner compile`` refuses a plan that does. Needs ``dp_flavour`` zero1.
-        fsdp_fp32_reduce: FSDP2 units reduce their gradients in fp32 (``MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``, torchtitan's policy):
-            the reduce-scatters (and HSDP's all-reduces) move 4 bytes per gradient element, not
-            the weights' 2 (``StepContext.reduced_gradient_bytes``). For simulating other
-            systems' runs (``benchmarks/fidelity.py``); the search never sets it. Needs
-            ``dp_flavour`` zero2 or fsdp and a 16-bit precision.
         optimizer_implementation: how the run's AdamW steps, where it is another system's
             (``benchmarks/fidelity.py``): ``"fused"`` (one kernel), ``"foreach"``
             (torch.optim's multi-tensor kernels) or ``"per_parameter"`` (Composer's
@@ -161,6 +156,17 @@ class Plan:
             ``cost_model.compute.optimizer_step_time``. Empty (the default): the compiled
             program's own (fused on GPUs, single-tensor on gloo). The search never sets it,
             and ``planner compile`` refuses a plan that does (its program steps its own).
+        half_precision_weights: the run's model holds 16-bit weights and gradients, the fp32
+            master weights living in its optimizer (Megatron-LM's ``Float16Module``,
+            DeepSpeed's 16-bit engines, Composer's FSDP with ``mixed_precision: DEFAULT``):
+            its gathers and gradient reductions move 2 bytes per element unless another field
+            says fp32, and nothing is cast per op. Compiled bf16 programs keep fp32 weights
+            and gradients under autocast instead (FSDP2 units under a bf16 gather / fp32
+            reduce policy; ``cost_model.mixed_precision``). For simulating other systems'
+            runs (``benchmarks/fidelity.py``); the search never sets it and ``planner
+            compile`` refuses it. Needs a 16-bit precision. (It replaces
+            ``fsdp_fp32_reduce``, which is what every bf16 FSDP2 program now does: plan files
+            naming it load, and it is ignored.)
         moe_a2a_overlap: each expert-parallel MoE layer's all-to-alls run under another
             micro-batch's compute of the same layer (Megatron-Core's
             ``--overlap-moe-expert-parallel-comm``, DualPipe's overlapped chunk;
@@ -204,7 +210,7 @@ class Plan:
     tp_comm_overlap: bool = False
     megatron_distributed_optimizer: bool = False
     moe_a2a_overlap: bool = False
-    fsdp_fp32_reduce: bool = False
+    half_precision_weights: bool = False
     model_fingerprint: str = ""
     sections: Mapping[str, Any] = field(default_factory=dict)
     graph: OpGraph | None = field(default=None, compare=False, repr=False)
@@ -229,12 +235,12 @@ class Plan:
             raise ValueError(f"field 'megatron_distributed_optimizer' is true but dp_flavour is "
                              f"'{one_line(self.dp_flavour)}'; Megatron's distributed optimizer is ZeRO-1: set dp_flavour "
                              f"to zero1 or the field to false")
-        if not isinstance(self.fsdp_fp32_reduce, bool):
-            raise ValueError(f"field 'fsdp_fp32_reduce' must be true or false, got {one_line(str(self.fsdp_fp32_reduce))!r}")
-        if self.fsdp_fp32_reduce and (self.dp_flavour not in ("zero2", "fsdp") or self.precision == "fp32"):
-            raise ValueError(f"field 'fsdp_fp32_reduce' is true but the plan is {one_line(self.dp_flavour)} in "
-                             f"{one_line(self.precision)}; it describes FSDP2 units (zero2 or fsdp) with 16-bit weights: "
-                             f"set the field to false")
+        if not isinstance(self.half_precision_weights, bool):
+            raise ValueError(f"field 'half_precision_weights' must be true or false, "
+                             f"got {one_line(str(self.half_precision_weights))!r}")
+        if self.half_precision_weights and self.precision == "fp32":
+            raise ValueError("field 'half_precision_weights' is true but the plan is in fp32; it describes 16-bit "
+                             "weights: set the precision to bf16 or fp16, or the field to false")
         if not isinstance(self.moe_a2a_overlap, bool):
             raise ValueError(f"field 'moe_a2a_overlap' must be true or false, got {one_line(str(self.moe_a2a_overlap))!r}")
         if self.moe_a2a_overlap and not any(layout.mode == "expert_parallel" for layout in self.expert_layouts):
@@ -345,8 +351,8 @@ class Plan:
             details.append("tp collectives overlapped as Transformer Engine does")
         if self.megatron_distributed_optimizer:
             details.append("Megatron's distributed optimizer")
-        if self.fsdp_fp32_reduce:
-            details.append("gradients reduced in fp32")
+        if self.half_precision_weights:
+            details.append("16-bit weights and gradients")
         if self.moe_a2a_overlap:
             details.append("all-to-alls under another micro-batch's compute")
         if self.expert_layouts:
@@ -408,7 +414,7 @@ class Plan:
             "megatron_distributed_optimizer": self.megatron_distributed_optimizer,
             "moe_a2a_overlap": self.moe_a2a_overlap,
             # Written only when set, so plans that do not use it read as before.
-            **({"fsdp_fp32_reduce": True} if self.fsdp_fp32_reduce else {}),
+            **({"half_precision_weights": True} if self.half_precision_weights else {}),
             "model_fingerprint": self.model_fingerprint,
             **{name: section.to_json() for name, section in self.sections.items()},
             "strategies": [strategy_to_dict(s) for s in self.strategies],
@@ -488,8 +494,9 @@ class Plan:
                 megatron_distributed_optimizer=(reader.get("megatron_distributed_optimizer", bool)
                                                 if "megatron_distributed_optimizer" in data else False),
                 moe_a2a_overlap=reader.get("moe_a2a_overlap", bool) if "moe_a2a_overlap" in data else False,
-                # Absent from plans written before the field: reduced in the weights' dtype.
-                fsdp_fp32_reduce=reader.get("fsdp_fp32_reduce", bool) if "fsdp_fp32_reduce" in data else False,
+                # Absent from plans written before the field: the planner's own fp32 weights.
+                half_precision_weights=(reader.get("half_precision_weights", bool)
+                                        if "half_precision_weights" in data else False),
                 model_fingerprint=fingerprint,
                 sections=_sections_from(data, source),
             )

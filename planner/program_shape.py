@@ -28,3 +28,20 @@ def is_data_parallel(plan: "Plan") -> bool:
     return all(
         placements_str(placements) == "(R)" for strategy in plan.strategies for placements in strategy.params.values()
     )
+
+
+FSDP2_FLAVOURS = ("zero2", "fsdp")  # flavours whose weights FSDP2 units shard
+
+
+def wraps_bf16_fsdp_units(plan: "Plan") -> bool:
+    """Whether ``plan``'s program shards its weights in FSDP2 units under the bf16 mixed
+    precision policy (``codegen.runtime.precision.BF16_FSDP_POLICY``: bf16 gathers and
+    unsharded weights, fp32 reductions): a bf16 plan of flavour zero2 or fsdp whose program is
+    plain data parallel (``codegen.data_parallel_emit``, HSDP's), or a simulated plan of
+    another system's FSDP that names its units (``Plan.fsdp_units`` on a graph program, as
+    ``benchmarks/fidelity.py`` builds them). Not a plan with MoE layers: its rank-local
+    experts stay outside the units in fp32, and its units stay fp32 too. The compiler and the
+    cost model (``cost_model.mixed_precision``) both decide by this."""
+    if plan.precision != "bf16" or plan.dp_flavour not in FSDP2_FLAVOURS or getattr(plan, "expert_layouts", ()):
+        return False
+    return bool(plan.fsdp_units) or is_data_parallel(plan)

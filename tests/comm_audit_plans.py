@@ -78,6 +78,10 @@ def plans(world: int) -> dict[str, planner.Plan]:
         "gpt-odd-zero1": baselines.zero(_spec("examples/gpt.py", ODD_GPT), cluster, stage=1),
         "gpt-zero2": baselines.zero(gpt, cluster, stage=2),
         "gpt-fsdp": baselines.fsdp(gpt, cluster),
+        # bf16 programs: ZeRO-2's FSDP2 units gather bf16 and reduce-scatter fp32 gradients
+        # (codegen.runtime.precision.BF16_FSDP_POLICY); DDP all-reduces fp32 gradients.
+        "gpt-zero2-bf16": baselines.zero(gpt, cluster, stage=2, precision="bf16"),
+        "gpt-ddp-bf16": baselines.ddp(gpt, cluster, precision="bf16"),
         "gpt-megatron-tp2": baselines.megatron(gpt, cluster, tp=2, precision="fp32"),
         "mlp-random": random_layout(world),
         "gpt-pp2-1f1b": baselines.megatron(gpt, cluster, pp=2, micro_batch=2, schedule="1f1b", precision="fp32"),

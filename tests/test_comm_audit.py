@@ -2,6 +2,7 @@
 
 For each world size, every plan of ``tests/comm_audit_plans.py`` (DDP, ZeRO-1 (also on a GPT
 of odd width, whose odd-shaped weights ZeRO-1 steps whole and never gathers), ZeRO-2, FSDP2,
+ZeRO-2 and DDP in bf16 (bf16 gathers, fp32 gradient reductions),
 Megatron tp=2 (with dp=2 at world 4, there also with ZeRO-1), a graph program of random placements, the search's
 plans of the MLP (SOAP on tp, no collective) and, at world 4, of a small HuggingFace llama
 (Megatron's layout on tp=4), a 1F1B pipeline
@@ -135,13 +136,30 @@ def test_every_case_was_audited(audit: Audit) -> None:
     assert {case for case, _ in audit.figures} == set(audit.plans)
 
 
-def test_ddp_sends_its_gradients_ring_all_reduced(audit: Audit) -> None:
-    """Worked by hand: DDP all-reduces every fp32 gradient once per step, 2(n-1)/n of them per device."""
-    plan = audit.plans["gpt-ddp"]
+@pytest.mark.parametrize("case", ["gpt-ddp", "gpt-ddp-bf16"])
+def test_ddp_sends_its_gradients_ring_all_reduced(audit: Audit, case: str) -> None:
+    """Worked by hand: DDP all-reduces every fp32 gradient once per step, 2(n-1)/n of them per
+    device; a bf16 program's gradients are fp32 too (its weights are, under autocast)."""
+    plan = audit.plans[case]
     world = plan.world_size
     model = plan.model.build("meta")[0]
     gradient_bytes = 4 * sum(p.numel() for p in model.parameters())
-    assert audit.figures[("gpt-ddp", "dp")][1] == pytest.approx(2 * (world - 1) / world * gradient_bytes)
+    assert audit.figures[(case, "dp")][1] == pytest.approx(2 * (world - 1) / world * gradient_bytes)
+
+
+def test_bf16_zero2_gathers_bf16_weights_and_reduces_fp32_gradients(audit: Audit) -> None:
+    """Worked by hand, per dtype: ZeRO-2 in bf16 gathers each of its P weights once (one
+    micro-batch) in bf16, (n-1)/n x 2P bytes sent per device, and reduce-scatters each
+    gradient once in fp32, (n-1)/n x 4P; the simulator charged the same (the audit above)."""
+    plan, folder = audit.plans["gpt-zero2-bf16"], str(audit.folders["gpt-zero2-bf16"])
+    world = plan.world_size
+    parameters = sum(p.numel() for p in plan.model.build("meta")[0].parameters())
+    sent = {call[3]: float(call[6]) for call in (line.split() for line in audit.launch.stdout.splitlines())
+            if call[0] == "CALLS" and call[1] == folder}
+    assert sent == {
+        "_allgather_base_": pytest.approx((world - 1) / world * 2 * parameters),
+        "_reduce_scatter_base_": pytest.approx((world - 1) / world * 4 * parameters),
+    }, audit.launch.describe()
 
 
 def test_launch_prints_the_audit(audit: Audit) -> None:

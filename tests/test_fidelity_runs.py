@@ -71,9 +71,10 @@ def test_run_layouts_build_the_plans_they_state(name, layers):
     assert plan.megatron_distributed_optimizer == name.startswith("MCore-")
     if name.startswith("MCore-") and pp == 1:
         assert plan.accumulation_steps == 1
-    # torchtitan's FSDP2 reduces in fp32 (MixedPrecisionPolicy reduce_dtype); llm-foundry's
-    # FSDP (Composer's DEFAULT mixed precision) in the weights' bf16; no other row runs FSDP2.
-    assert plan.fsdp_fp32_reduce == name.startswith("Llama3.1-405B")
+    # torchtitan's FSDP2 gathers bf16 and reduces in fp32 (MixedPrecisionPolicy), as the
+    # planner's own bf16 programs do; every other row's model holds 16-bit weights and
+    # gradients (Megatron-LM, DeepSpeed, Composer's DEFAULT mixed precision).
+    assert plan.half_precision_weights == (not name.startswith("Llama3.1-405B"))
     # llm-foundry's yamls step Composer's DecoupledAdamW, parameter by parameter; every other
     # row's framework a fused AdamW (Megatron's, DeepSpeed's) or its own choice.
     assert plan.optimizer_implementation == ("per_parameter" if name.startswith("MPT-") else "")

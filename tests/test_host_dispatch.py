@@ -43,10 +43,15 @@ def test_a_tiny_graph_program_on_gpus_waits_for_the_host():
     for segment in simulator.segments():
         device_forward = sum(simulator.costs[name].forward_s for name in segment.nodes)
         graded = sum(1 for name in segment.nodes if _has_backward(simulator, name))
+        # bf16 autocast casts each Linear's fp32 weight and bias (DTensors) before the matmul,
+        # and its backward casts their gradients back: one more op each way per tensor.
+        casts = sum(len(simulator.context.nodes[name].params) for name in segment.nodes
+                    if simulator.context.nodes[name].op == "aten.linear.default")
         # Every op issues in 13.7 us; no kernel of 16 x 32 values takes that long.
-        assert device_forward + segment.forward_comm_s < len(segment.nodes) * forward_per_op
-        assert segment.forward_s + segment.forward_comm_s == pytest.approx(len(segment.nodes) * forward_per_op)
-        assert segment.backward_s + segment.backward_comm_s == pytest.approx(graded * backward_per_op)
+        ops = len(segment.nodes) + casts
+        assert device_forward + segment.forward_comm_s < ops * forward_per_op
+        assert segment.forward_s + segment.forward_comm_s == pytest.approx(ops * forward_per_op)
+        assert segment.backward_s + segment.backward_comm_s == pytest.approx((graded + casts) * backward_per_op)
 
 
 def test_a_wide_graph_program_on_gpus_is_bound_by_its_kernels():
@@ -72,7 +77,9 @@ def test_a_host_bound_plan_says_so_and_keeps_the_figure_in_its_file(tmp_path):
     from planner.plans import load_plan
 
     spec = ModelSpec(MLP_FILE, {"batch_size": 16, "in_features": 32, "hidden": 64, "out_features": 8, "layers": 2})
-    plan = planner.plan(spec, "dgx-h100:1x2", progress=False)
+    # fp32: in bf16 this tiny step is mostly the FSDP2 units' gathers and fp32 reductions
+    # (cost_model.mixed_precision), and the host's share falls just under the warning's 10%.
+    plan = planner.plan(spec, "dgx-h100:1x2", precision="fp32", progress=False)
     simulator = Simulator(plan, plan.graph)
     waits = sum(segment.host_wait_s for segment in simulator.segments()) * simulator.context.micro_batches
     assert plan.estimate.host_wait_s == pytest.approx(waits) and waits > 0.1 * plan.estimate.step_time_s

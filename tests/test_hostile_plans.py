@@ -298,7 +298,8 @@ FIELDS = [
     Field("megatron_distributed_optimizer (a bool given text)", _set("megatron_distributed_optimizer"), _always,
           "'megatron_distributed_optimizer'"),
     Field("moe_a2a_overlap (a bool given text)", _set("moe_a2a_overlap"), _always, "'moe_a2a_overlap'"),
-    Field("fsdp_fp32_reduce (a bool given text)", _set("fsdp_fp32_reduce"), _always, "'fsdp_fp32_reduce'"),
+    Field("half_precision_weights (a bool given text)", _set("half_precision_weights"), _always,
+          "'half_precision_weights'"),
     Field("pipeline.schedule", _set("pipeline", "schedule"), _always, "field 'pipeline'", kinds=("pp",)),
     Field(
         "pipeline.stage_recompute[0]", lambda plan, payload, _: plan["pipeline"].__setitem__("stage_recompute", [payload]),

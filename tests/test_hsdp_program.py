@@ -197,7 +197,12 @@ def test_parallelize_prepares_the_model_as_the_fsdp_program_does_before_sharding
     for call in ("recompute_in_backward(", "run_in_autocast("):
         assert call in fsdp and call in parallelize, call
         assert parallelize.index(call) < parallelize.index("hybrid_mesh(") < parallelize.index("fully_shard(")
-    assert "RECOMPUTED_BLOCKS = (" in program and "from codegen.runtime.precision import run_in_autocast" in program
+    assert "RECOMPUTED_BLOCKS = (" in program
+    assert "from codegen.runtime.precision import BF16_FSDP_POLICY, run_in_autocast" in program
+    # bf16: every unit and the root gather bf16 and reduce fp32, as the fsdp program's do.
+    for unit in (*(f"model.get_submodule({unit!r})" for unit in plan.fsdp_units), "model"):
+        assert f"fully_shard({unit}, mesh=hsdp_mesh, mp_policy=BF16_FSDP_POLICY)" in parallelize, unit
+        assert f"fully_shard({unit}, mesh=dp_mesh, mp_policy=BF16_FSDP_POLICY)" in fsdp, unit
     compile(program, "model_spmd.py", "exec")
 
 

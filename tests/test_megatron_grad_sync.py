@@ -107,13 +107,14 @@ def test_weights_are_gathered_during_the_first_forward_not_after_the_step() -> N
 def test_data_parallel_bytes_by_hand() -> None:
     """P parameters, dp = 8, 4 micro-batches. Megatron: one fp32 reduce-scatter (4P) and one
     bf16 all-gather (2P), each moving 7/8 of its bytes: 6P x 7/8. The planner's ZeRO-1 graph
-    program: a bf16 all-reduce (2 x 2P) after each of the 4 micro-batches and a bf16
-    all-gather (2P): (16P + 2P) x 7/8 = 18P x 7/8, three times as much."""
+    program, whose bf16 autocast keeps fp32 weights and gradients (cost_model.mixed_precision):
+    an fp32 all-reduce (2 x 4P) after each of the 4 micro-batches and an fp32 all-gather of
+    the updated slices (4P): (32P + 4P) x 7/8 = 36P x 7/8, six times as much."""
     graph, megatron = _accumulating(megatron=True)
     _, planner_zero1 = _accumulating(megatron=False)
     parameters = megatron.summary.parameters
     assert megatron.estimate.bytes_per_axis["dp"] == pytest.approx(6 * parameters * 7 / 8)
-    assert planner_zero1.estimate.bytes_per_axis["dp"] == pytest.approx(18 * parameters * 7 / 8)
+    assert planner_zero1.estimate.bytes_per_axis["dp"] == pytest.approx(36 * parameters * 7 / 8)
 
 
 def test_a_later_pipeline_stage_reduces_and_gathers_in_one_bucket() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cost_model.simulator import Simulator
+from cost_model.simulator import Simulator, simulated
 from cost_model.tp_comm_overlap import (
     bulk_exposed, gemm_share, pipelined_exposed, ring_exchange_exposed, TE_PIPELINE_SPLITS,
 )
@@ -54,11 +54,14 @@ def test_bulk_overlap_costs_the_sms_it_takes_or_what_outlasts_the_gemm() -> None
 
 def _layer_plans(overlap_too: bool = True):
     """examples/gpt.py (width 1024, 16 heads, 2 layers, 512 positions, batch 8) on one
-    DGX-H100 (8 GPUs), Megatron's layout on tp = 8 with sequence parallelism, bf16."""
+    DGX-H100 (8 GPUs), Megatron's layout on tp = 8 with sequence parallelism, bf16, with
+    Megatron-Core's 16-bit weights (``Plan.half_precision_weights``: no autocast casts) both
+    without and with Transformer Engine's overlap."""
     graph, spec, name, cluster = prepare_model(
         ModelSpec(GPT, {"batch_size": 8, "n_layer": 2, "n_embd": 1024, "n_head": 16, "seq_len": 512}), "dgx-h100:1")
-    plans = [megatron_plan(graph, cluster, spec, name, tp=8, sequence_parallel=True, precision="bf16",
-                           tp_comm_overlap=overlap)
+    plans = [simulated(dataclasses.replace(megatron_plan(graph, cluster, spec, name, tp=8, sequence_parallel=True,
+                                                         precision="bf16", tp_comm_overlap=overlap),
+                                           half_precision_weights=True), graph)
              for overlap in ((False, True) if overlap_too else (False,))]
     return graph, plans
 
@@ -83,6 +86,7 @@ def test_without_the_overlap_a_layer_pays_four_gathers_and_four_reduce_scatters_
     graph, (plan,) = _layer_plans(overlap_too=False)
     default = megatron_plan(graph, plan.cluster, plan.model, plan.summary.name, tp=8, sequence_parallel=True,
                             precision="bf16")
+    default = simulated(dataclasses.replace(default, half_precision_weights=True), graph)
     assert not default.tp_comm_overlap and default.estimate == plan.estimate
     simulator = Simulator(plan, graph)
     context = simulator.context

@@ -18,8 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from codegen.runtime.optimizers import make_optimizer
-from codegen.runtime.precision import AUTOCAST_DTYPES, run_in_autocast
+from codegen.runtime.precision import AUTOCAST_DTYPES, run_in_autocast, run_with_bf16_weights
 from codegen.runtime.program import Program
+from planner.program_shape import wraps_bf16_fsdp_units
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,14 @@ COMPARE_CHUNK = 1 << 22  # elements per float64 slice compare_tensor works on (3
 
 def single_device_reference(program: Program, model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     """A copy of ``model`` that runs the step on one device, in the plan's precision (a bf16
-    plan's forward under the same autocast as its program)."""
+    plan's forward under the same autocast as its program and, where the program's FSDP2
+    units compute with bf16 weights, with the same bf16 weights and input casts)."""
     reference = copy.deepcopy(model)
     dtype = AUTOCAST_DTYPES.get(program.plan.precision)
     if dtype is not None:
         run_in_autocast(reference, mesh.device_type, dtype)
+    if wraps_bf16_fsdp_units(program.plan):
+        run_with_bf16_weights(reference, program.plan.fsdp_units)
     return reference
 
 

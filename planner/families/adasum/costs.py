@@ -41,14 +41,16 @@ COMBINE_FLOPS_PER_ELEMENT = 9
 COMBINE_BUFFER_PASSES = 9
 
 
-def adasum_bucket_seconds(cluster, device, dp_ranks: list[int], local: int, size_bytes: float, precision: str) -> float:
+def adasum_bucket_seconds(cluster, device, dp_ranks: list[int], local: int, size_bytes: float, precision: str,
+                          gradient_bytes: int | None = None) -> float:
     """Seconds of the hook on one bucket of ``size_bytes`` over ``dp_ranks`` of ``cluster``
     (groups of ``local`` consecutive ranks share a node; ``device`` combines): the node all-reduce, then log2(copies) swaps
-    and combinations (module docstring)."""
+    and combinations (module docstring). ``gradient_bytes``: bytes of one gradient element
+    (``StepContext.reduced_gradient_bytes``: fp32 in a bf16 program), by default the precision's."""
     copies = len(dp_ranks) // local
     seconds = collective_time("all_reduce", size_bytes, cluster, dp_ranks[:local]) if local > 1 else 0.0
     dtype = PRECISIONS[precision][0]
-    elements = size_bytes / PARAM_BYTES[precision][1]
+    elements = size_bytes / (gradient_bytes or PARAM_BYTES[precision][1])
     combine = roofline_time(COMBINE_FLOPS_PER_ELEMENT * elements, COMBINE_BUFFER_PASSES * size_bytes, device, dtype)
     distance = 1
     while distance < copies:
@@ -74,7 +76,8 @@ class _AdasumReduction:
         if not ready:
             return
         ranks = list(range(context.dp))
-        pieces = [(adasum_bucket_seconds(context.cluster, context.device, ranks, self.local, size, context.plan.precision), count)
+        pieces = [(adasum_bucket_seconds(context.cluster, context.device, ranks, self.local, size, context.plan.precision,
+                                         context.reduced_gradient_bytes()), count)
                   for size, count in ready]
         count = sum(count for _, count in ready)
         sync_after.setdefault(self.device, []).append(self.tasks.graph.add_pieces(

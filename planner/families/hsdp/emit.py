@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from codegen.emit import preparation_lines, render_data_parallel_program
+from codegen.program_parts import fsdp_policy_option
 from codegen.source_text import number
 from planner.errors import PlanningError
 from planner.families.hsdp.section import HsdpSection
@@ -56,8 +57,9 @@ def _parallelize_source(plan: Plan, section: HsdpSection) -> str:
     dp = plan.mesh.axis_size("dp")
     shard = section.shard
     replicate = section.replicate(plan)
+    policy = fsdp_policy_option(plan)  # bf16 gathers, fp32 reductions in a bf16 plan
     units = "".join(  # module paths checked against the model by render_data_parallel_program (codegen.plan_checks)
-        f"    fully_shard(model.get_submodule({unit!r}), mesh=hsdp_mesh)\n" for unit in plan.fsdp_units
+        f"    fully_shard(model.get_submodule({unit!r}), mesh=hsdp_mesh{policy})\n" for unit in plan.fsdp_units
     )
     return f'''from torch.distributed.fsdp import fully_shard
 
@@ -80,6 +82,6 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     # gradients over "shard", all-reduces that shard over "replicate" (averaged over all {dp}
     # ranks) and frees the gathered weights. Only 1/{shard} of the gradients crosses "replicate".
 {units}    # The root unit: every parameter outside the units above (embeddings, head, norms).
-    fully_shard(model, mesh=hsdp_mesh)
+    fully_shard(model, mesh=hsdp_mesh{policy})
     return model
 '''
