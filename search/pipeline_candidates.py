@@ -52,6 +52,9 @@ def pipeline_candidates(context: SearchContext) -> list[Plan]:
         flavours = _MOE_SPACE["flavours"] if all(compiled_in_stages(b) for b in graph.moe_blocks) else _HF_MOE_FLAVOURS
         space = dataclasses.replace(
             space, **{**_MOE_SPACE, "flavours": flavours},
+            # DualPipe is simulated, not compiled: tried where plans are priced for GPUs, not on
+            # the gloo clusters whose plans this repository compiles and checks.
+            dualpipe=cluster.backend != "gloo",
             expert_layouts=lambda mesh, micro_batches: stage_expert_variants(graph, cluster, routing, precision, mesh,
                                                                              micro_batches),
         )
