@@ -108,6 +108,6 @@ def test_the_moe_grid_tries_dualpipe_on_even_pipelines_with_enough_micro_batches
     plan = grid.plan(priced, SPEC, "moe")
     assert plan.pipeline.schedule == "dualpipe" and plan.moe_a2a_overlap
     assert plan.estimate.method == "simulator (1F1B twin) + DualPipe schedule"
-    # The gloo grids (plans compiled and checked here) and dense grids never try it.
+    # Without --moe-dispatch overlapped (search.pipeline_candidates) the grid does not try it.
     assert not any(c.schedule == "dualpipe" for c in PipelineGrid(
         graph, cluster, "bf16", dataclasses.replace(space, dualpipe=False)).configurations())

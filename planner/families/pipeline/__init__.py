@@ -1,11 +1,11 @@
 """Pipeline parallelism: stages on a ``pp`` axis, 1F1B and interleaved schedules, and for MoE
-models on GPU clusters DeepSeek-V3's DualPipe (simulated only: ``cost_model.dualpipe_step``;
-compile refuses it in one line).
+models planned with ``--moe-dispatch overlapped`` DeepSeek-V3's DualPipe (simulated only,
+``cost_model.dualpipe_step``; compile refuses it in one line).
 
 Parts: candidates ``search.pipeline_candidates`` (the grid of ``search.pipeline_search``,
 asked after the families before it so it is searched on one node only when they fall
-short), costs ``cost_model.schedules`` and ``cost_model.dualpipe_step``, emitter ``codegen.pipeline_emit.compile_pipeline_plan``,
-report ``planner.pipeline_report.pipeline_section``.
+short), costs ``cost_model.schedules`` and ``cost_model.dualpipe_step``, emitter
+``codegen.pipeline_emit.compile_pipeline_plan``, report ``planner.pipeline_report.pipeline_section``.
 """
 
 from __future__ import annotations
