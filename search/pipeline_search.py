@@ -5,9 +5,9 @@ node (Megatron-LM's layout on tp, ``search.layouts.megatron_layout``, or the per
 placements CP-SAT finds on the stage mesh, ``search.stage_layouts``), ``pp`` any divisor of
 ``world / tp`` up to the number of blocks, ``dp`` the rest (dividing the batch); 1, 2, 4 or 8
 samples per micro-batch per dp rank; 1F1B, and interleaved 1F1B with 2 or 4 virtual stages
-per device when the micro-batches are a multiple of pp; for an MoE model planned with ``--moe-dispatch
-overlapped`` (``PipelineSpace.dualpipe``) DualPipe on even pipelines with at least twice as
-many micro-batches (simulated, not compiled); DDP, ZeRO-1 or FSDP on dp;
+per device when the micro-batches are a multiple of pp; for an MoE model planned with
+``--moe-dispatch overlapped`` (``PipelineSpace.dualpipe``) DualPipe on even pipelines with at
+least twice as many micro-batches (simulated, not compiled); DDP, ZeRO-1 or FSDP on dp;
 recomputation none, selective or full on every stage, or chosen per stage (``PER_STAGE``);
 with tp, sequence parallelism or not. For an MoE model (``PipelineSpace.expert_layouts``,
 ``search.stage_experts``) every configuration with a dp axis is also priced with each
@@ -51,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-
 from cost_model.parameter_bytes import bytes_per_parameter
 from cost_model.simulator import SegmentProfile, Simulator, simulated
 from planner.cluster import Cluster
@@ -79,7 +78,6 @@ from search.stage_slicing import (
 # Visiting order for dominance: once a mode fits, the modes after it only add time (per
 # stage chooses among all three, so it is never slower than a uniform mode that fits).
 _DOMINANCE = {"none": 0, PER_STAGE: 1, "selective": 2, "full": 3}
-
 
 
 def pipeline_plans(
