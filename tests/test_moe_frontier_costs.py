@@ -80,3 +80,13 @@ def test_fsdp_gathers_dense_weights_over_eight_nics_per_node():
     cluster = Cluster.preset("dgx-h100", 32)
     gather = collective_time("all_gather", 34e9, cluster, list(range(256)))
     assert gather == pytest.approx(34e9 * 255 / 256 / 370e9, rel=0.02)
+
+
+def test_a_pipeline_hop_of_one_sequence_costs_a_millisecond_and_a_quarter():
+    # Between stages on different nodes, one micro-batch of one sequence: 4096 x 7168 x 2 B =
+    # 58,720,256 B through one NIC at NCCL's measured 47e9 B/s (NVIDIA/nccl-tests#290, presets):
+    # 1.249 ms plus latency. The 1F1B grid charges 2 (pp - 1) hops on the critical path: 7.5 ms at
+    # pp = 4, nothing beside the 30 s steps of this model's plans.
+    cluster = Cluster.preset("dgx-h100", 32)
+    hop = collective_time("send_recv", 4096 * ROW, cluster, [0, 64])
+    assert hop == pytest.approx(4096 * ROW / 47e9, rel=0.02)
