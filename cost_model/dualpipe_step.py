@@ -96,18 +96,20 @@ def dualpipe_result(twin: SimResult, forward: float, backward: float, micro_batc
     stages = len(twin.stage_memory)
     times = schedule_times(stages, micro_batches, forward, backward)
     devices = dualpipe_device_memory(twin.stage_memory, stages, micro_batches)
-    tail = 0.0
+    tail = reduction = 0.0  # the busiest device's, and the reduction's part of it
     for device_index in range(stages):
         other = paired_stage(device_index, stages)
         memory = twin.stage_memory[other]
         state = memory.weights + memory.gradients + memory.optimizer_states
-        tail = max(tail, second_stage_tail(synced_gradient_bytes[other], state, device, reduce_gradients))
+        seconds = second_stage_tail(synced_gradient_bytes[other], state, device, reduce_gradients)
+        if seconds > tail:
+            tail, reduction = seconds, reduce_gradients(synced_gradient_bytes[other]) if synced_gradient_bytes[other] else 0.0
     step = twin.step_time_s - times.one_f_one_b_s + times.dualpipe_s + tail
     scale = twin.step_time_s / step if step else 0.0
     return replace(
         twin,
         step_time_s=step,
-        communication_s=twin.communication_s + tail,
+        communication_s=twin.communication_s + reduction,
         memory=max(devices, key=lambda memory: memory.total),
         stage_memory=devices,
         method="simulator (1F1B twin) + DualPipe schedule",
