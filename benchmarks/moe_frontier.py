@@ -101,8 +101,11 @@ DEEPSEEK_PUBLISHED = ("PP16 (DualPipe) x EP64 over 8 nodes x ZeRO-1 DP, no TP, n
                       "DeepSeek-V3 technical report, arXiv 2412.19437, sections 3.2 and 3.1")
 ROWS = (
     Row("deepseek-2048", "DeepSeek-V3", "hf:deepseek_v3", {}, "hgx-h800:256", 16384, 4096, DEEPSEEK_PUBLISHED,
-        note="batch 16,384 not the published 15,360: without pipeline stages for HF MoE blocks (branch moeplan) "
-             "every GPU is a dp rank, and 15,360 does not split over 2,048"),
+        note="batch 16,384 not the published 15,360, which does not split over 2,048 dp ranks; with pipelines it "
+             "would, but at pp=16 no 1F1B or DualPipe configuration fits though the average device needs 9.5 GiB: "
+             "the 3 dense layers before the 58 MoE ones are not repeated blocks (planner.trace), so no "
+             "recomputation covers them, and stage 0 keeps their 6.06 GiB per micro-batch for the 16 in "
+             "flight (17 under DualPipe): 97 GiB (measured with PipelineGrid.segment_costs)"),
     Row("deepseek-256", "DeepSeek-V3", "hf:deepseek_v3", {}, "dgx-h100:32", 1024, 4096,
         "none published at 256 GPUs (DeepSeek's is " + DEEPSEEK_PUBLISHED.split(";")[0] + " on 2,048 H800s)"),
     Row("qwen3-256", "Qwen3-235B-A22B", QWEN3_235B_FACTORY, {}, "dgx-h100:32", 1024, 4096,

@@ -44,7 +44,8 @@ def layout_text(plan) -> str:
               if layout.mode == "expert_parallel" and layout.placement is not None]
     expert_parallel = f"EP={max(spread)}" if spread else "no EP"
     micro = plan.pipeline.micro_batches if plan.pipeline is not None else plan.accumulation_steps
-    return (f"pp={mesh.get('pp', 1)} x {expert_parallel} x dp={mesh.get('dp', 1)} ({plan.dp_flavour}), "
+    schedule = f" ({plan.pipeline.schedule})" if plan.pipeline is not None else ""
+    return (f"pp={mesh.get('pp', 1)}{schedule} x {expert_parallel} x dp={mesh.get('dp', 1)} ({plan.dp_flavour}), "
             f"tp={mesh.get('tp', 1)}, {micro} micro-batches, recompute {plan.recompute}")
 
 
@@ -90,8 +91,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024, help="sequences per global batch (default 1024)")
     parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--routing", default="uniform", help="uniform, zipf:ALPHA or a routing statistics file")
-    parser.add_argument("--moe-dispatch", default="compiled", choices=("compiled", "deduplicated"),
-                        help="also price DeepEP's deduplicated all-to-all (planner plan --moe-dispatch)")
+    parser.add_argument("--moe-dispatch", default="compiled", choices=("compiled", "deduplicated", "overlapped"),
+                        help="also price DeepEP's deduplicated all-to-all, and with overlapped the all-to-alls "
+                             "under another micro-batch's compute and DualPipe (planner plan --moe-dispatch)")
     options = parser.parse_args()
     for cluster in options.clusters:
         plan_once(options, cluster)

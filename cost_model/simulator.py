@@ -58,8 +58,10 @@ from dataclasses import replace as dataclass_replace
 
 from cost_model.compute import PRECISIONS
 from cost_model.contributor_registry import step_contributors
+from cost_model.dualpipe_step import dualpipe_result
 from cost_model.moe_layers import annotated_layouts
 from cost_model.node_costs import NodeCost, NodeCosts
+from cost_model.parameter_bytes import bytes_per_parameter
 from cost_model.recompute import activation_bytes, backward_comm, backward_time
 from cost_model.segments import Segment, SegmentMembers, SegmentProfile, build_segments, refresh_segments, segment_members
 from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, graph_facts
@@ -67,7 +69,7 @@ from cost_model.step_context import StepContext
 from cost_model.step_memory import bytes_per_axis, stage_memory
 from cost_model.step_tasks import StepTasks
 from planner.graph import OpGraph
-from planner.strategy import RECOMPUTE_MODES, CostParts, ExpertLayout, NodeStrategy, SimResult, TimelineEvent
+from planner.strategy import DUALPIPE, RECOMPUTE_MODES, CostParts, ExpertLayout, NodeStrategy, SimResult, TimelineEvent
 
 __all__ = ["NodeCost", "Segment", "SegmentProfile", "Simulator", "estimated", "simulate_plan", "simulated"]
 
@@ -176,7 +178,7 @@ class Simulator:
         model_flops = 3.0 * context.graph.total_flops
         tflops = model_flops / step / context.cluster.world_size / 1e12 if step else 0.0
         peak_flops = context.device.flops_for(PRECISIONS[plan.precision][0])
-        return SimResult(
+        result = SimResult(
             step_time_s=step,
             compute_s=busy[critical],
             communication_s=max(0.0, step - no_comm),
@@ -194,6 +196,28 @@ class Simulator:
             host_wait_s=sum(segment.host_wait_s for segment in per_device[critical]) * context.micro_batches,
             timeline=timeline,
         )
+        if plan.pipeline is not None and plan.pipeline.schedule == DUALPIPE:
+            result = self._as_dualpipe(result, segments)
+        return result
+
+    def _as_dualpipe(self, twin: SimResult, segments: list[Segment]) -> SimResult:
+        """A DualPipe plan's result from its 1F1B twin's, simulated above (``cost_model.dualpipe_step``)."""
+        context, plan = self.context, self.context.plan
+        passes = {stage: [0.0, 0.0] for stage in range(context.pp)}
+        synced = [0.0] * context.pp
+        gradient_bytes = bytes_per_parameter(plan.precision)[1]
+        for segment in segments:
+            mode = plan.recompute_at(segment.stage)
+            passes[segment.stage][0] += segment.forward_s + segment.forward_comm_s
+            passes[segment.stage][1] += backward_time(segment, mode) + backward_comm(segment, mode)
+            synced[segment.stage] += sum(segment.params[name] for name in segment.dp_synced) * gradient_bytes
+        forward, backward = max(passes.values(), key=sum)
+        dp = "dp" in context.mesh.names and context.mesh.axis_size("dp") > 1
+
+        def reduce_gradients(size: float) -> float:
+            return context.collective("all_reduce", size, "dp") if dp else 0.0
+
+        return dualpipe_result(twin, forward, backward, context.micro_batches, synced, context.device, reduce_gradients)
 
     def step_lower_bound(self) -> float:
         """Seconds the step takes at least, before scheduling it: the busiest (virtual)

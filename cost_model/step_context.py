@@ -60,7 +60,7 @@ from cost_model.nccl import nccl_profile
 from cost_model.parameter_bytes import FP32_GRADIENT_BYTES
 from planner.graph import OpGraph, OpNode
 from planner.program_shape import is_data_parallel
-from planner.strategy import NodeStrategy
+from planner.strategy import DUALPIPE, NodeStrategy
 
 
 @dataclass(eq=False)  # compared by identity: it holds the whole graph
@@ -119,7 +119,9 @@ class StepContext:
             plan=plan, graph=graph, mesh=mesh, cluster=cluster, device=device,
             strategies={s.node: s for s in plan.strategies}, nodes=nodes, consumers=consumers,
             pp=pp, chunks=pipeline.virtual_stages if pipeline else 1, micro_batches=micro_batches,
-            schedule_name=pipeline.schedule if pipeline else "1f1b",
+            # A DualPipe plan is simulated as its 1F1B twin, its schedule then priced by
+            # cost_model.dualpipe_step (the Simulator does both).
+            schedule_name=pipeline.schedule if pipeline and pipeline.schedule != DUALPIPE else "1f1b",
             dp=mesh.axis_size("dp") if "dp" in mesh.names else 1,
             activation_scale=PRECISIONS[plan.precision][1] / 4,
             graph_program=graph_program,

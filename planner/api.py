@@ -40,7 +40,7 @@ from planner.plan_checks import check_model_matches, check_plan_against_graph, c
 from planner.plans import Plan, load_plan
 from planner.routing import read_routing_option, routing_for_layers
 from planner.shared_cluster import check_same_cluster, load_co_runner
-from planner.strategy import DP_FLAVOURS, SimResult
+from planner.strategy import DP_FLAVOURS, DUALPIPE, SimResult
 from planner.trace import trace
 
 __all__ = ["plan", "simulate", "compile", "load_plan"]
@@ -484,6 +484,9 @@ def compile_blocker(plan: Plan) -> str | None:
             "this plan has no model spec, so torchrun cannot rebuild the model; plan from a spec "
             "(planner.plan('file.py:build', ...)) or pass spec= to planner.plan"
         )
+    if plan.pipeline is not None and plan.pipeline.schedule == DUALPIPE:
+        return (f"{plan.name} cannot be compiled: its pipeline runs DeepSeek-V3's DualPipe schedule, which is "
+                f"simulated only (planner simulate prices it); plan with --max pp=1 to compile")
     if plan.pipeline is not None:
         from codegen.pipeline_emit import unsupported
 

@@ -37,6 +37,10 @@ Placements = tuple[Placement, ...]
 DP_FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")
 RECOMPUTE_MODES = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# The schedules a plan may name: the compiled ones above and DeepSeek-V3's DualPipe, which the
+# pipeline search and the simulator price (``cost_model.dualpipe_step``) and compile refuses.
+DUALPIPE = "dualpipe"
+PLAN_SCHEDULES = (*PIPELINE_SCHEDULES, DUALPIPE)
 # How each micro-batch's weight gradients join the step's gradients (``PipelineConfig``).
 GRADIENT_ACCUMULATION_MODES = ("in-gemm", "autograd", "fp32-copy")
 
@@ -217,10 +221,15 @@ class PipelineConfig:
     block_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(f"pipeline schedule must be one of {PIPELINE_SCHEDULES}, got '{self.schedule}'")
+        if self.schedule not in PLAN_SCHEDULES:
+            raise ValueError(f"pipeline schedule must be one of {PLAN_SCHEDULES}, got '{self.schedule}'")
         if self.stages < 1 or self.micro_batches < 1 or self.virtual_stages < 1:
             raise ValueError("pipeline stages, micro_batches and virtual_stages must be >= 1")
+        if self.schedule == DUALPIPE and (self.stages % 2 or self.micro_batches % 2 or self.virtual_stages != 1
+                                          or self.micro_batches < 2 * self.stages):
+            raise ValueError(f"a DualPipe pipeline needs an even number of stages, one virtual stage and an even number "
+                             f"of micro-batches, at least twice the stages; got {self.stages} stages, "
+                             f"{self.virtual_stages} virtual, {self.micro_batches} micro-batches")
         if not isinstance(self.blocking_p2p, bool):
             raise ValueError(f"pipeline blocking_p2p must be true or false, got {str(self.blocking_p2p)[:40]!r}")
         if not isinstance(self.partitioned_p2p, bool):

@@ -52,6 +52,10 @@ def pipeline_candidates(context: SearchContext) -> list[Plan]:
         flavours = _MOE_SPACE["flavours"] if all(compiled_in_stages(b) for b in graph.moe_blocks) else _HF_MOE_FLAVOURS
         space = dataclasses.replace(
             space, **{**_MOE_SPACE, "flavours": flavours},
+            # DualPipe hides each micro-batch's all-to-alls under another's compute, which is
+            # simulated, not compiled: tried when the user opts into that (--moe-dispatch
+            # overlapped, planner.expert_layouts.MOE_DISPATCHES).
+            dualpipe=context.moe_dispatch == "overlapped",
             expert_layouts=lambda mesh, micro_batches: stage_expert_variants(graph, cluster, routing, precision, mesh,
                                                                              micro_batches),
         )

@@ -5,7 +5,9 @@ node (Megatron-LM's layout on tp, ``search.layouts.megatron_layout``, or the per
 placements CP-SAT finds on the stage mesh, ``search.stage_layouts``), ``pp`` any divisor of
 ``world / tp`` up to the number of blocks, ``dp`` the rest (dividing the batch); 1, 2, 4 or 8
 samples per micro-batch per dp rank; 1F1B, and interleaved 1F1B with 2 or 4 virtual stages
-per device when the micro-batches are a multiple of pp; DDP, ZeRO-1 or FSDP on dp;
+per device when the micro-batches are a multiple of pp; for an MoE model planned with
+``--moe-dispatch overlapped`` (``PipelineSpace.dualpipe``) DualPipe on even pipelines with at
+least twice as many micro-batches (simulated, not compiled); DDP, ZeRO-1 or FSDP on dp;
 recomputation none, selective or full on every stage, or chosen per stage (``PER_STAGE``);
 with tp, sequence parallelism or not. For an MoE model (``PipelineSpace.expert_layouts``,
 ``search.stage_experts``) every configuration with a dp axis is also priced with each
@@ -29,12 +31,11 @@ split of every pipeline depth is priced from that one simulation:
   Under ``PER_STAGE`` every (i, j) also takes the fastest recomputation mode that fits it
   there: a 1F1B pipeline's first stage holds ``pp`` micro-batches in flight and its last
   one, so the first stages may recompute fully while the last recompute nothing.
-- Step time (``_estimate``): 1F1B runs ``sum(stage times) + (m - 1) x slowest``; interleaved
-  ``m x busiest device + (pp - 1) x slowest virtual stage``; plus the point-to-point
-  transfers of the fill and drain, the optimizer step, and the data-parallel communication
-  that backward does not hide (DDP's gradient all-reduce beyond the last backward, ZeRO-1's
-  weight all-gather, FSDP's gathers, counted in full inside a pipeline where the simulated
-  schedules hide little of them).
+- Step time and memory (``search.pipeline_step.StepPricing``): the schedule's compute (1F1B,
+  interleaved, or DeepSeek-V3's DualPipe for an MoE pipeline, whose devices hold two stages
+  each and hide the all-to-alls under the other micro-batch's compute), the fill and drain's
+  point-to-point transfers, the optimizer step and the data-parallel communication backward
+  does not hide.
 
 Search (``pipeline_plans``). Configurations are visited in increasing order of a lower bound
 on their step time (the schedule's compute with every stage as slow as the average one). One
@@ -49,13 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
-
-from cost_model import defaults
-from cost_model.collectives import collective_time
-from cost_model.compute import optimizer_step_time
 from cost_model.parameter_bytes import bytes_per_parameter
 from cost_model.simulator import SegmentProfile, Simulator, simulated
 from planner.cluster import Cluster
@@ -63,15 +58,16 @@ from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
-from planner.strategy import ExpertLayout, Mesh, PipelineConfig
+from planner.strategy import DUALPIPE, ExpertLayout, Mesh, PipelineConfig
 from search.budget import SearchBudget
 from search.layouts import megatron_layout, nearly_even_layers, restrict_axes, uneven_stages
 from search.plan_builder import unsimulated_plan
+from search.pipeline_configs import PER_STAGE, RECOMPUTE_ORDER, Configuration, Estimate, PipelineSpace, grid_mesh
+from search.pipeline_step import StepPricing
 from search.stage_layouts import SearchedLayouts
 from search.stage_slicing import (
     SegmentCost,
     Slicing,
-    held_at_peaks,
     in_flight_per_stage,
     slice_stages,
     stage_indices,
@@ -79,79 +75,9 @@ from search.stage_slicing import (
     stage_memory,
 )
 
-RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes more
-# A configuration whose stages each choose their own mode (``Slicing.modes``).
-PER_STAGE = "per-stage"
 # Visiting order for dominance: once a mode fits, the modes after it only add time (per
 # stage chooses among all three, so it is never slower than a uniform mode that fits).
 _DOMINANCE = {"none": 0, PER_STAGE: 1, "selective": 2, "full": 3}
-
-
-@dataclass(frozen=True)
-class PipelineSpace:
-    """The options the grid combines (see the module docstring). ``uneven`` lets stage
-    slicing give stages different block counts; without it the blocks split as Megatron-LM
-    splits them (``search.layouts.nearly_even_layers``). ``per_stage_recompute`` adds, for
-    every pipeline, the configuration whose stages each recompute as little as fits them.
-    ``searched_layout``: where the per-op placements CP-SAT finds on the stage mesh
-    (``search.stage_layouts``) compete with Megatron-LM's: ``"finalists"`` for the
-    configurations the walk keeps (each keeps the faster of its two layouts), ``"every"`` in
-    the walk itself (every configuration priced with both), ``"off"`` never. ``allows_mesh``:
-    a user's constraints (``planner.constraints``); a mesh it refuses is not in the grid."""
-
-    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    virtual_stages: tuple[int, ...] = (2, 4)
-    flavours: tuple[str, ...] = ("ddp", "zero1", "fsdp")
-    recompute: tuple[str, ...] = RECOMPUTE_ORDER
-    per_stage_recompute: bool = True
-    sequence_parallel: tuple[bool, ...] = (False, True)
-    uneven: bool = True
-    searched_layout: str = "finalists"
-    allows_mesh: Callable[[Mesh], bool] | None = None
-    # An MoE model's grid: (mesh, micro-batches) -> the MoE layers' layouts by variant name
-    # (``search.stage_experts.stage_expert_variants``); every configuration with a dp axis
-    # is priced with each variant. None for a dense model.
-    expert_layouts: Callable[[Mesh, int], dict[str, tuple[ExpertLayout, ...]]] | None = None
-    tensor_parallel: tuple[int, ...] | None = None  # the tp degrees allowed (None: every divisor of a node)
-
-
-@dataclass(frozen=True, order=True)
-class Configuration:
-    """One point of the grid: degrees, micro-batching, schedule, dp flavour, recomputation."""
-
-    tp: int
-    pp: int
-    dp: int
-    micro_batch: int  # samples per micro-batch per dp rank
-    micro_batches: int
-    schedule: str  # "1f1b" (also used for pp = 1) or "interleaved"
-    virtual_stages: int
-    flavour: str
-    recompute: str  # a mode of RECOMPUTE_ORDER, or PER_STAGE
-    sequence_parallel: bool = False  # tp > 1 only: the residual stream split on the sequence
-    layout: str = "megatron"  # or "soap": placements searched on the stage mesh (search.stage_layouts)
-    experts: str = ""  # an MoE model's variant of expert layouts (PipelineSpace.expert_layouts), or none
-
-    @property
-    def mesh(self) -> Mesh:
-        return grid_mesh(self.pp, self.dp, self.tp)
-
-
-def grid_mesh(pp: int, dp: int, tp: int) -> Mesh:
-    """The mesh of a grid point: ``pp x dp x tp``, axes of size 1 left out."""
-    axes = tuple((name, size) for name, size in (("pp", pp), ("dp", dp), ("tp", tp)) if size > 1)
-    return Mesh(axes or (("dp", 1),))
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """A configuration priced by the stage-slicing cost model."""
-
-    step_s: float
-    config: Configuration
-    layers_per_stage: tuple[int, ...] = field(compare=False)
-    memory_bytes: float = field(compare=False)
-    stage_recompute: tuple[str, ...] = field(default=(), compare=False)  # PER_STAGE: each stage's mode
 
 
 def pipeline_plans(
@@ -198,7 +124,7 @@ class PipelineGrid:
             graph, cluster, precision, self.budget, megatron=lambda tp, names: self._layout(tp, False, names)
         )
         self._profiles: dict[tuple, list[SegmentProfile]] = {}
-        self._collectives: dict[tuple, float] = {}
+        self.pricing = StepPricing(graph, cluster, precision, self._profile)
         self.priced = 0  # configurations priced by stage slicing (for reports and tests)
 
     # ------------------------------------------------------------------ grid
@@ -239,6 +165,8 @@ class PipelineGrid:
                             ("interleaved", v) for v in space.virtual_stages
                             if micro_batches % pp == 0 and pp * v <= self.blocks
                         ]
+                    if self._tries_dualpipe(pp, micro_batches):
+                        schedules.append((DUALPIPE, 1))
                     variants = self._expert_variants(grid_mesh(pp, dp, tp), micro_batches)
                     for schedule, chunks in schedules:
                         for flavour in space.flavours if dp > 1 else ("ddp",):
@@ -349,6 +277,7 @@ class PipelineGrid:
             self.graph, self.cluster, spec, model_name, mesh, strategies, inputs,
             dp_flavour=config.flavour, recompute=recompute, pipeline=pipeline, precision=self.precision,
             label=config.layout, expert_layouts=self._experts_of(config),
+            moe_a2a_overlap=self._overlaps_all_to_alls(config),
         )
 
     # ------------------------------------------------------------- estimates
@@ -363,8 +292,14 @@ class PipelineGrid:
         by_mode = {mode: self._segment_costs(config, mode) for mode in modes}
         to_slice = by_mode if config.recompute == PER_STAGE else by_mode[config.recompute]
         stages = config.pp * config.virtual_stages
-        in_flight = in_flight_per_stage(config.schedule, config.pp, config.micro_batches, config.virtual_stages)
-        capacity = self.capacity - self._fixed_bytes(config)
+        capacity = self.capacity - self.pricing.fixed_bytes(config)
+        if config.schedule == DUALPIPE:
+            # A device holds two stages and pp + 1 micro-batches in flight: slice each stage
+            # against half the device; StepPricing.device_memory checks the pair.
+            in_flight = ((config.pp + 2) // 2,) * config.pp
+            capacity /= 2
+        else:
+            in_flight = in_flight_per_stage(config.schedule, config.pp, config.micro_batches, config.virtual_stages)
         slicings = [self._even_slicing(config, by_mode, stages, capacity, in_flight)]
         if self.space.uneven:
             # Interleaved: a device holds several virtual stages; slice against the whole
@@ -378,10 +313,10 @@ class PipelineGrid:
             if slicing is None:
                 continue
             costs = _costs_as_sliced(by_mode, slicing)
-            memory = self._device_memory(costs, slicing, config)
+            memory = self.pricing.device_memory(costs, slicing, config)
             if memory > self.capacity:
                 continue
-            seconds = self._step_time(config, costs, slicing)
+            seconds = self.pricing.step_time(config, costs, slicing)
             estimate = Estimate(seconds, config, self._layers_per_stage(config, slicing), memory, slicing.modes)
             if best is None or estimate.step_s < best.step_s:
                 best = estimate
@@ -403,7 +338,7 @@ class PipelineGrid:
 
     def fixed_bytes(self, config: Configuration) -> float:
         """Bytes every device of ``config`` holds besides its segments' (buffers, bounded from above)."""
-        return self._fixed_bytes(config)
+        return self.pricing.fixed_bytes(config)
 
     def _segment_costs(self, config: Configuration, recompute: str) -> list[SegmentCost]:
         """Each segment's cost under ``config`` when it recomputes as ``recompute`` says."""
@@ -425,7 +360,7 @@ class PipelineGrid:
                 # schedules hide little of them (GPT 76B, tp=4, dp=256: 13.2 s simulated
                 # against 10.5 s with the gathers hidden), so they are counted in full: an
                 # upper bound, which simulation of the finalists corrects.
-                seconds += 2 * self._dp_collective("all_gather", profile.param_elements * weights, config)
+                seconds += 2 * self.pricing.dp_collective("all_gather", profile.param_elements * weights, config)
             costs.append(SegmentCost(
                 time_s=seconds,
                 static_bytes=(profile.param_elements - profile.per_rank_elements) * per_element
@@ -434,44 +369,6 @@ class PipelineGrid:
                 transient_bytes=profile.transient_bytes[recompute],
             ))
         return costs
-
-    def _fixed_bytes(self, config: Configuration) -> float:
-        """Communication buffers and buffers (as the simulator counts them), bounded from
-        above so that the slicing's capacity is safe for every stage."""
-        profiles = self._profile(config)
-        weights, grads, _ = bytes_per_parameter(self.precision)
-        fixed = float(sum(meta.nbytes for meta in self.graph.buffers.values()))
-        if config.dp > 1 and config.flavour == "fsdp":
-            fixed += 2 * max(p.param_elements for p in profiles) * weights
-        elif config.dp > 1:
-            fixed += min(defaults.DDP_BUCKET_BYTES, sum(p.param_elements for p in profiles) * grads)
-        if config.pp > 1:
-            fixed += 2 * max(p.input_bytes for p in profiles)
-        return fixed
-
-    def _device_memory(self, costs, slicing: Slicing, config: Configuration) -> float:
-        """Bytes on the fullest device: its virtual stages' weights, gradients and states,
-        the peak of the activations its schedule holds (walked as the simulator walks it),
-        what recomputation briefly holds, and the fixed buffers."""
-        pp, chunks = config.pp, config.virtual_stages
-        members = stage_members(costs, slicing)
-        fullest = 0.0
-        for device in range(pp):
-            mine = [members[chunk * pp + device] for chunk in range(chunks)]
-            static = sum(c.static_bytes for stage in mine for c in stage)
-            transient = max((c.transient_bytes for stage in mine for c in stage), default=0.0)
-            kept = [sum(c.activation_bytes for c in stage) for stage in mine]
-            if pp == 1:
-                peak = kept[0]
-            elif config.schedule == "1f1b":
-                peak = min(pp - device, config.micro_batches) * kept[0]  # the warm-up's forwards
-            else:
-                peak = max(
-                    sum(count * size for count, size in zip(counts, kept))
-                    for counts in held_at_peaks(config.schedule, pp, config.micro_batches, chunks)[device]
-                )
-            fullest = max(fullest, static + peak + transient)
-        return fullest + self._fixed_bytes(config)
 
     def _even_slicing(self, config: Configuration, by_mode: dict[str, list[SegmentCost]], stages: int,
                       capacity: float, in_flight: tuple[int, ...]) -> Slicing:
@@ -511,53 +408,6 @@ class PipelineGrid:
             position += count
         return tuple(layers)
 
-    def _step_time(self, config: Configuration, costs: list[SegmentCost], slicing: Slicing) -> float:
-        pp, m = config.pp, config.micro_batches
-        stage_times = [sum(c.time_s for c in members) for members in stage_members(costs, slicing)]
-        device_times = [sum(stage_times[d::pp]) for d in range(pp)]
-        if config.schedule == "interleaved":
-            compute = m * max(device_times) + (pp - 1) * max(stage_times)
-        else:
-            compute = sum(stage_times) + (m - 1) * max(stage_times)
-        if pp > 1:
-            boundary = max(p.input_bytes for p in self._profile(config))
-            hop = self._collective("send_recv", boundary, (0, self.cluster.world_size // pp), 1)
-            compute += 2 * (len(stage_times) - 1) * hop  # activations forward, gradients back
-        profiles = self._profile(config)
-        weights, grads, states = bytes_per_parameter(self.precision)
-        dp, flavour = config.dp, config.flavour
-        shard = dp if flavour in ("zero1", "zero2", "fsdp") else 1
-        tail = 0.0
-        for device in range(pp):
-            members = [
-                profiles[i]
-                for stage, indices in enumerate(stage_indices(slicing))
-                if stage % pp == device
-                for i in indices
-            ]
-            own = sum(p.per_rank_elements for p in members)  # never sharded (experts split by a layout)
-            elements = sum(p.param_elements for p in members) - own
-            after = self._optimizer_time(
-                elements * (weights + grads + states) / shard + own * (weights + grads + states), members, config)
-            if dp > 1 and flavour == "fsdp":
-                # Each segment's gradients are reduce-scattered after its last backward:
-                # the first segment's is left when the backward ends.
-                first = members[0].synced_elements * grads if members else 0.0
-                after += self._dp_collective("reduce_scatter", first, config)
-            elif dp > 1:
-                # A graph program reduces each parameter's gradient in its own collective
-                # during the last backward, which hides about its backward share (two thirds
-                # of a micro-batch's time).
-                reduce = sum(self._dp_collective("all_reduce", size * grads, config) for p in members for size in p.synced_tensors)
-                after += max(0.0, reduce - device_times[device] * 2 / 3)
-                if flavour == "zero1":
-                    # ShardedStatesOptimizer: one all-gather per sliced weight, one after
-                    # another (as the simulator's step tasks, cost_model.data_parallel_step).
-                    after += sum(self._dp_collective("all_gather", size * weights, config)
-                                 for p in members for size in p.zero1_gathered_tensors(dp))
-            tail = max(tail, after)
-        return compute + tail
-
     def _time_lower_bound(self, config: Configuration) -> float | None:
         """The schedule's compute with every stage as slow as the average one: below any
         estimate (the slowest stage is at least the average)."""
@@ -566,7 +416,8 @@ class PipelineGrid:
             return None
         least = "none" if config.recompute == PER_STAGE else config.recompute  # per stage may recompute nothing
         per_device = sum(p.time_s[least] for p in profiles) / config.pp
-        fill = (config.pp - 1) / config.virtual_stages
+        # DualPipe's fill is hidden in part, so only the micro-batches' own passes bound it.
+        fill = 0.0 if config.schedule == DUALPIPE else (config.pp - 1) / config.virtual_stages
         return per_device * (config.micro_batches + fill)
 
     def _memory_lower_bound(self, config: Configuration) -> float:
@@ -576,7 +427,8 @@ class PipelineGrid:
         by_mode = [self._segment_costs(config, mode) for mode in modes]
         static = sum(c.static_bytes for c in by_mode[0])
         kept = sum(min(costs[i].activation_bytes for costs in by_mode) for i in range(len(by_mode[0])))
-        return (static + kept) / config.pp
+        copies = 2 if config.schedule == DUALPIPE else 1  # DualPipe keeps every stage's weights twice
+        return (copies * static + kept) / config.pp
 
     # ------------------------------------------------------------------ caches
 
@@ -612,10 +464,11 @@ class PipelineGrid:
         layout."""
         mesh = config.mesh
         key = (config.tp, config.sequence_parallel, mesh.names, config.micro_batch, config.layout)
+        overlap = self._overlaps_all_to_alls(config)
         if config.experts:
             # Expert layouts run over the dp group and route each micro-batch: their costs
             # depend on the group's size and the micro-batches, not only on the axis names.
-            key += (mesh, config.micro_batches, config.experts)
+            key += (mesh, config.micro_batches, config.experts, overlap)
         if key not in self._profiles:
             layout = self._layout(config.tp, config.sequence_parallel, mesh.names, config.layout)
             if layout is None:
@@ -626,9 +479,23 @@ class PipelineGrid:
             probe = unsimulated_plan(
                 self.graph, self.cluster, None, "probe", mesh, strategies, inputs,
                 pipeline=pipeline, precision=self.precision, expert_layouts=self._experts_of(config),
+                moe_a2a_overlap=overlap,
             )
             self._profiles[key] = Simulator(probe, self.graph).segment_profiles()
         return self._profiles[key]
+
+    def _tries_dualpipe(self, pp: int, micro_batches: int) -> bool:
+        """Whether an MoE grid prices DualPipe on ``pp`` stages and ``micro_batches``: it needs an
+        even pipeline and an even number of micro-batches, at least twice the stages
+        (``cost_model.dualpipe.dualpipe_order``)."""
+        return (self.space.dualpipe and self.space.expert_layouts is not None and pp > 1 and pp % 2 == 0
+                and micro_batches % 2 == 0 and micro_batches >= 2 * pp)
+
+    def _overlaps_all_to_alls(self, config: Configuration) -> bool:
+        """A DualPipe configuration runs each expert-parallel layer's all-to-alls under the other
+        micro-batch's compute (its overlapped chunk, ``cost_model.moe_overlap``)."""
+        return config.schedule == DUALPIPE and any(
+            layout.mode == "expert_parallel" for layout in self._experts_of(config))
 
     def _expert_variants(self, mesh: Mesh, micro_batches: int) -> tuple[str, ...]:
         """The variants of expert layouts a configuration on ``mesh`` is priced with: ``("",)``
@@ -648,29 +515,6 @@ class PipelineGrid:
         if not config.experts:
             return ()
         return self._expert_table(config.mesh, config.micro_batches)[config.experts]
-
-    def _optimizer_time(self, state_bytes: float, members: list, config: Configuration) -> float:
-        """One device's AdamW step, as the simulator prices it (``cost_model.step_tasks``): on
-        gloo, torch.optim's single-tensor loop over the device's parameter tensors, on
-        DTensors (a graph program's parameters) except under ZeRO-1, which steps plain-tensor
-        pieces of every one; elsewhere the fused kernel."""
-        if self.cluster.backend != "gloo":
-            return optimizer_step_time(state_bytes, self.device)
-        tensors = sum(p.param_tensors for p in members)
-        pieces = config.dp > 1 and config.flavour == "zero1"
-        return optimizer_step_time(state_bytes, self.device, "single_tensor", tensors=tensors,
-                                   dispatch_s=0.0 if pieces else self.device.dtensor_op_overhead_s or 0.0)
-
-    def _dp_collective(self, kind: str, size: float, config: Configuration) -> float:
-        """A collective over one dp group of ``config``'s mesh (dp is outside tp: stride tp),
-        while the other tp groups of its stage run theirs."""
-        return self._collective(kind, size, tuple(k * config.tp for k in range(config.dp)), config.tp)
-
-    def _collective(self, kind: str, size: float, ranks: tuple[int, ...], concurrent: int) -> float:
-        key = (kind, size, ranks, concurrent)
-        if key not in self._collectives:
-            self._collectives[key] = collective_time(kind, size, self.cluster, list(ranks), concurrent) if size else 0.0
-        return self._collectives[key]
 
 
 def _divisors(number: int) -> list[int]:

@@ -1,0 +1,83 @@
+"""The points of the pipeline grid (``search.pipeline_search``): the options it combines
+(``PipelineSpace``), one configuration of them (``Configuration``) and its priced estimate
+(``Estimate``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from planner.strategy import ExpertLayout, Mesh
+
+RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes more
+# A configuration whose stages each choose their own mode (``Slicing.modes``).
+PER_STAGE = "per-stage"
+@dataclass(frozen=True)
+class PipelineSpace:
+    """The options the grid combines (see the module docstring). ``uneven`` lets stage
+    slicing give stages different block counts; without it the blocks split as Megatron-LM
+    splits them (``search.layouts.nearly_even_layers``). ``per_stage_recompute`` adds, for
+    every pipeline, the configuration whose stages each recompute as little as fits them.
+    ``searched_layout``: where the per-op placements CP-SAT finds on the stage mesh
+    (``search.stage_layouts``) compete with Megatron-LM's: ``"finalists"`` for the
+    configurations the walk keeps (each keeps the faster of its two layouts), ``"every"`` in
+    the walk itself (every configuration priced with both), ``"off"`` never. ``allows_mesh``:
+    a user's constraints (``planner.constraints``); a mesh it refuses is not in the grid."""
+
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    virtual_stages: tuple[int, ...] = (2, 4)
+    flavours: tuple[str, ...] = ("ddp", "zero1", "fsdp")
+    recompute: tuple[str, ...] = RECOMPUTE_ORDER
+    per_stage_recompute: bool = True
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    uneven: bool = True
+    searched_layout: str = "finalists"
+    allows_mesh: Callable[[Mesh], bool] | None = None
+    # An MoE model's grid: (mesh, micro-batches) -> the MoE layers' layouts by variant name
+    # (``search.stage_experts.stage_expert_variants``); every configuration with a dp axis
+    # is priced with each variant. None for a dense model.
+    expert_layouts: Callable[[Mesh, int], dict[str, tuple[ExpertLayout, ...]]] | None = None
+    tensor_parallel: tuple[int, ...] | None = None  # the tp degrees allowed (None: every divisor of a node)
+    # Whether an MoE grid also tries DeepSeek-V3's DualPipe on even pipelines
+    # (``search.pipeline_step``); a dense one never does: without all-to-alls to hide, it only
+    # doubles the weights per device.
+    dualpipe: bool = False
+
+
+@dataclass(frozen=True, order=True)
+class Configuration:
+    """One point of the grid: degrees, micro-batching, schedule, dp flavour, recomputation."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int  # samples per micro-batch per dp rank
+    micro_batches: int
+    schedule: str  # "1f1b" (also used for pp = 1), "interleaved" or "dualpipe"
+    virtual_stages: int
+    flavour: str
+    recompute: str  # a mode of RECOMPUTE_ORDER, or PER_STAGE
+    sequence_parallel: bool = False  # tp > 1 only: the residual stream split on the sequence
+    layout: str = "megatron"  # or "soap": placements searched on the stage mesh (search.stage_layouts)
+    experts: str = ""  # an MoE model's variant of expert layouts (PipelineSpace.expert_layouts), or none
+
+    @property
+    def mesh(self) -> Mesh:
+        return grid_mesh(self.pp, self.dp, self.tp)
+
+
+def grid_mesh(pp: int, dp: int, tp: int) -> Mesh:
+    """The mesh of a grid point: ``pp x dp x tp``, axes of size 1 left out."""
+    axes = tuple((name, size) for name, size in (("pp", pp), ("dp", dp), ("tp", tp)) if size > 1)
+    return Mesh(axes or (("dp", 1),))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A configuration priced by the stage-slicing cost model."""
+
+    step_s: float
+    config: Configuration
+    layers_per_stage: tuple[int, ...] = field(compare=False)
+    memory_bytes: float = field(compare=False)
+    stage_recompute: tuple[str, ...] = field(default=(), compare=False)  # PER_STAGE: each stage's mode
