@@ -115,6 +115,23 @@ def reference_losses(programs, tmp_path_factory) -> dict[int, float]:
     return losses
 
 
+@pytest.fixture(scope="module")
+def one_device_at_step_2(programs, tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """One device's first 2 steps, checkpointed at step 2 (the start of both ZeRO-1 resume
+    tests, launched once), and their losses. A test resumes from a copy (``_copy_of``)."""
+    saved = tmp_path_factory.mktemp("one_step2") / "ckpt"
+    run = _torchrun(1, str(programs["one"] / "launch.py"), "--steps", "2", "--checkpoint-dir", str(saved),
+                    "--save-every", "2", cwd=saved.parent)
+    losses = _losses(_ok(run))
+    assert sorted(losses) == [1, 2] and sorted(p.name for p in saved.iterdir()) == ["step-00000002"]
+    return saved, losses
+
+
+def _copy_of(checkpoints: Path, into: Path) -> Path:
+    shutil.copytree(checkpoints, into)
+    return into
+
+
 def _results(text: str) -> dict[tuple[str, int], dict[str, int]]:
     found = {}
     for folder, rank, fields in re.findall(r"^RESULT (\S+) rank=(\d+) (.*)$", text, re.MULTILINE):
@@ -248,15 +265,16 @@ def test_resume_on_other_plans_export_and_init_from(programs, reference_losses, 
     assert started[1] == pytest.approx(expected, abs=1e-5)
 
 
-def test_zero1_of_a_graph_program_trains_and_checkpoints_its_pieces(programs, reference_losses, tmp_path) -> None:
+def test_zero1_of_a_graph_program_trains_and_checkpoints_its_pieces(programs, reference_losses, one_device_at_step_2,
+                                                                      tmp_path) -> None:
     """ZeRO-1 beside tensor parallelism (dp 2 x tp 2) keeps each rank's piece of every
     weight's AdamW states. One device trains 2 steps and saves; the dp x tp program resumes
     from it (the states loaded into each rank's pieces), trains steps 3-4 and saves (each
     piece written as its box of the whole weight); one device resumes for 5-8. Every loss
     is the uninterrupted single device's: states lost or misplaced would change them."""
-    saved = tmp_path / "ckpt"
+    saved = _copy_of(one_device_at_step_2[0], tmp_path / "ckpt")
     common = ["--checkpoint-dir", str(saved), "--save-every", "2"]
-    first = _losses(_ok(_torchrun(1, str(programs["one"] / "launch.py"), "--steps", "2", *common, cwd=tmp_path)))
+    first = one_device_at_step_2[1]
     middle = _ok(_torchrun(4, str(programs["dp_tp_zero1"] / "launch.py"), "--steps", "4", *common, "--resume", cwd=tmp_path))
     last = _losses(_ok(_torchrun(1, str(programs["one"] / "launch.py"), "--steps", "8", *common, "--resume", cwd=tmp_path)))
     assert "at step 2" in middle and sorted(_losses(middle)) == [3, 4] and sorted(last) == [5, 6, 7, 8]
@@ -264,14 +282,15 @@ def test_zero1_of_a_graph_program_trains_and_checkpoints_its_pieces(programs, re
         assert loss == pytest.approx(reference_losses[step], abs=1e-5), step
 
 
-def test_zero1_of_the_data_parallel_program_resumes_onto_another_plan(programs, reference_losses, tmp_path) -> None:
+def test_zero1_of_the_data_parallel_program_resumes_onto_another_plan(programs, reference_losses, one_device_at_step_2,
+                                                                       tmp_path) -> None:
     """The data-parallel ZeRO-1 program (DDP and ShardedStatesOptimizer on dp=2) resumes one
     device's checkpoint of step 2 into each rank's pieces, trains steps 3-4 and saves (each
     piece's states as its box of the whole weight); the FSDP program resumes from that for
     steps 5-8. Every loss is the uninterrupted single device's."""
-    saved = tmp_path / "ckpt"
+    saved = _copy_of(one_device_at_step_2[0], tmp_path / "ckpt")
     common = ["--checkpoint-dir", str(saved), "--save-every", "2"]
-    first = _losses(_ok(_torchrun(1, str(programs["one"] / "launch.py"), "--steps", "2", *common, cwd=tmp_path)))
+    first = one_device_at_step_2[1]
     middle = _ok(_torchrun(2, str(programs["zero1"] / "launch.py"), "--steps", "4", *common, "--resume", cwd=tmp_path))
     last = _ok(_torchrun(2, str(programs["fsdp"] / "launch.py"), "--steps", "8", *common, "--resume", cwd=tmp_path))
     assert "at step 2" in middle and "at step 4" in last
