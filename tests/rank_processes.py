@@ -40,9 +40,10 @@ def rank_environment(world: int, rank: int, port: int) -> dict[str, str]:
     }
 
 
-def launch_ranks(world: int, script: Path, arguments: list[str], cwd: Path,
-                 timeout: float) -> tuple[int | None, str, str]:
-    """Run ``python script *arguments`` as ranks 0..world-1 and wait for them all. Returns
+def launch_ranks(world: int, script: Path, arguments: list[str], cwd: Path, timeout: float,
+                 environment: dict[str, str] | None = None) -> tuple[int | None, str, str]:
+    """Run ``python script *arguments`` as ranks 0..world-1 (with ``environment`` added to
+    this process's) and wait for them all. Returns
     (exit status, stdout, stderr): status 0 when every rank exited 0, the first failing
     rank's status otherwise, None when ``timeout`` seconds passed first (every rank is then
     killed, with the processes it started). Each output is the ranks' own, rank 0's first, as
@@ -55,7 +56,7 @@ def launch_ranks(world: int, script: Path, arguments: list[str], cwd: Path,
             with open(out, "w") as stdout, open(err, "w") as stderr:
                 processes.append(subprocess.Popen(
                     [sys.executable, str(script), *arguments], cwd=cwd, stdout=stdout, stderr=stderr,
-                    env={**os.environ, **rank_environment(world, rank, port)}, start_new_session=True,
+                    env={**os.environ, **(environment or {}), **rank_environment(world, rank, port)}, start_new_session=True,
                 ))
         status = _wait(processes, timeout)
         stdout = "".join(out.read_text(errors="replace") for out, _ in outputs)

@@ -41,6 +41,7 @@ from planner.api import prepare_model
 from planner.model_spec import ModelSpec, extract_loss
 from search.megatron import megatron_plan
 from moe_plans import hf_moe_plan, moe_plan
+from rank_processes import launch_ranks
 from summa_plans import summa_plan
 
 pytestmark = pytest.mark.distributed
@@ -69,6 +70,17 @@ def _torchrun(world: int, *arguments: str, cwd: Path) -> subprocess.CompletedPro
     # rank's peak resident memory measures what the build holds (not reused freed heap).
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+
+
+def _worker(world: int, *arguments: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``init_ckpt_worker.py`` on ``world`` ranks started as torchrun starts its workers, without
+    its agent (``tests/rank_processes.py``: a test harness needs none), in ``_torchrun``'s
+    environment."""
+    environment = {"PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "131072"}
+    status, stdout, stderr = launch_ranks(world, WORKER, list(arguments), cwd, TIMEOUT, environment)
+    if status is None:
+        pytest.fail(f"init_ckpt_worker.py at {world} ranks timed out after {TIMEOUT} s:\n{stdout[-3000:]}{stderr[-3000:]}")
+    return subprocess.CompletedProcess([str(WORKER), *arguments], status, stdout, stderr)
 
 
 def _losses(text: str) -> dict[int, float]:
@@ -141,8 +153,8 @@ def _results(text: str) -> dict[tuple[str, int], dict[str, int]]:
 
 def test_each_rank_builds_only_its_shards_with_the_single_device_values(programs, tmp_path) -> None:
     exact_at_two = ("fsdp", "tp", "pp", "moe_ep_fsdp", "moe_sliced_fsdp", "mixtral_ep_fsdp")
-    two = _results(_ok(_torchrun(2, str(WORKER), *(f"exact:{programs[n]}" for n in exact_at_two), cwd=tmp_path)))
-    four = _torchrun(4, str(WORKER), f"exact:{programs['dp_tp']}", f"exact:{programs['summa_2d']}",
+    two = _results(_ok(_worker(2, *(f"exact:{programs[n]}" for n in exact_at_two), cwd=tmp_path)))
+    four = _worker(4, f"exact:{programs['dp_tp']}", f"exact:{programs['summa_2d']}",
                      f"steps=3:{programs['wide_fsdp']}", cwd=tmp_path)
     four_results = _results(_ok(four))
     whole = sum(p.numel() * 4 for p in load_program(programs["one"]).build_model()[0].parameters())
@@ -196,7 +208,7 @@ def _single_device_losses(folder: Path, steps: int) -> list[float]:
 def test_a_model_over_the_cap_trains_under_it_on_8_fsdp_ranks(programs, tmp_path) -> None:
     plan = load_program(programs["deep_fsdp8"]).plan
     assert len(plan.fsdp_units) == 25  # a model without repeated blocks: one unit per layer
-    run = _torchrun(8, str(WORKER), f"steps=2:{programs['deep_fsdp8']}", cwd=tmp_path)
+    run = _worker(8, f"steps=2:{programs['deep_fsdp8']}", cwd=tmp_path)
     text = _ok(run)
     # Eight ranks print at once: another rank's line can run into this marker without a line
     # break between them, so the marker is found anywhere, not only at a line's start.
