@@ -147,12 +147,20 @@ def check_many(world: int, programs: list[Path], cwd: Path, in_float64: list[Pat
     a harness needs no agent, and it costs a second of a 2-core machine per launch); the
     launch itself must succeed."""
     float64 = [argument for folder in in_float64 for argument in ("--fp64", str(folder))]
-    arguments = [*map(str, programs), *float64]
-    status, stdout, stderr = launch_ranks(world, DIST_CHECK_MANY, arguments, cwd, LAUNCH_TIMEOUT)
-    launch = Launch([f"<{world} ranks>", sys.executable, str(DIST_CHECK_MANY), *arguments], status, stdout, stderr)
-    if status is None:
-        pytest.fail(f"timed out after {LAUNCH_TIMEOUT} s:\n{launch.describe()}")
+    launch = run_ranks(world, DIST_CHECK_MANY, [*map(str, programs), *float64], cwd, LAUNCH_TIMEOUT)
     assert launch.returncode == 0, f"dist_check_many.py failed at world size {world}:\n{launch.describe()}"
+    return launch
+
+
+def run_ranks(world: int, script: Path, arguments: list[str], cwd: Path, timeout: float,
+              environment: dict[str, str] | None = None) -> Launch:
+    """A test harness ``script`` (not launch.py, which tests run as a user does, under
+    torchrun) on ``world`` ranks started as torchrun's workers, without its agent
+    (``tests/rank_processes.py``); fails the test on timeout."""
+    status, stdout, stderr = launch_ranks(world, script, list(arguments), cwd, timeout, environment)
+    launch = Launch([f"<{world} ranks>", sys.executable, str(script), *arguments], status, stdout, stderr)
+    if status is None:
+        pytest.fail(f"timed out after {timeout} s:\n{launch.describe()}")
     return launch
 
 
