@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_parity import REPO, _free_port
+from test_parity import REPO, Launch, _free_port, run_ranks
 
 import planner
 from codegen.runtime.checkpoint import export_checkpoint
@@ -41,7 +41,6 @@ from planner.api import prepare_model
 from planner.model_spec import ModelSpec, extract_loss
 from search.megatron import megatron_plan
 from moe_plans import hf_moe_plan, moe_plan
-from rank_processes import launch_ranks
 from summa_plans import summa_plan
 
 pytestmark = pytest.mark.distributed
@@ -72,15 +71,11 @@ def _torchrun(world: int, *arguments: str, cwd: Path) -> subprocess.CompletedPro
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False)
 
 
-def _worker(world: int, *arguments: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``init_ckpt_worker.py`` on ``world`` ranks started as torchrun starts its workers, without
-    its agent (``tests/rank_processes.py``: a test harness needs none), in ``_torchrun``'s
-    environment."""
+def _worker(world: int, *arguments: str, cwd: Path) -> Launch:
+    """``init_ckpt_worker.py`` on ``world`` ranks, a test harness, started without torchrun's
+    agent (``test_parity.run_ranks``), in ``_torchrun``'s environment."""
     environment = {"PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "131072"}
-    status, stdout, stderr = launch_ranks(world, WORKER, list(arguments), cwd, TIMEOUT, environment)
-    if status is None:
-        pytest.fail(f"init_ckpt_worker.py at {world} ranks timed out after {TIMEOUT} s:\n{stdout[-3000:]}{stderr[-3000:]}")
-    return subprocess.CompletedProcess([str(WORKER), *arguments], status, stdout, stderr)
+    return run_ranks(world, WORKER, list(arguments), cwd, TIMEOUT, environment)
 
 
 def _losses(text: str) -> dict[int, float]:
@@ -210,8 +205,8 @@ def test_a_model_over_the_cap_trains_under_it_on_8_fsdp_ranks(programs, tmp_path
     assert len(plan.fsdp_units) == 25  # a model without repeated blocks: one unit per layer
     run = _worker(8, f"steps=2:{programs['deep_fsdp8']}", cwd=tmp_path)
     text = _ok(run)
-    # Eight ranks print at once: another rank's line can run into this marker without a line
-    # break between them, so the marker is found anywhere, not only at a line's start.
+    # The marker is found anywhere, not only at a line's start: a line of another rank's
+    # output may run into it without a line break.
     trained = {int(rank): int(peak) for rank, peak in re.findall(r"TRAINED \S+ rank=(\d+) peak_train_bytes=(\d+)", text)}
     built = _results(text)
     assert sorted(trained) == list(range(8)), text[-2000:]

@@ -34,8 +34,9 @@ def test_a_failed_rank_stops_the_others_and_gives_the_launch_its_status(tmp_path
 def test_a_launch_past_its_timeout_is_killed_and_says_so(tmp_path: Path) -> None:
     (tmp_path / "rank.py").write_text(SCRIPT)
     started = time.monotonic()
-    status, stdout, _ = launch_ranks(2, tmp_path / "rank.py", ["none"], tmp_path, timeout=2)
-    assert status is None and time.monotonic() - started < 30 and stdout.count("LOCAL_RANK=") == 2
+    status, _, _ = launch_ranks(2, tmp_path / "rank.py", ["none"], tmp_path, timeout=1)
+    # Both ranks would sleep 60 s: back well before, they were killed (launch_ranks waits for them).
+    assert status is None and time.monotonic() - started < 30
 
 
 def test_every_rank_exiting_zero_is_status_zero(tmp_path: Path) -> None:
