@@ -1,10 +1,11 @@
 """The same model, cluster, seed and effort give the same plan on a quiet and on a busy machine.
 
 The README's quick-start command plans Llama-3-8B on two DGX A100 nodes; this test plans the
-same example at its ``tiny`` size on the same cluster (the same outer search: meshes, CP-SAT,
-MCMC, the Megatron and pipeline grids; a quarter of the time), at an effort low enough that
-every CP-SAT solve is stopped by its work budget rather than proved optimal: the one path
-where a budget counted in seconds would make the answer depend on the machine. It is
+same example at its ``tiny`` size on the same cluster (the same outer search: several meshes,
+CP-SAT then MCMC on each, the Megatron grid; a quarter of the quick start's CPU time), at an
+effort low enough that every CP-SAT solve is stopped by its work budget rather than proved
+optimal: the path where a solver budget counted in seconds would make the answer depend on
+the machine (the quick start's solves all end optimal, so it never took that path). It is
 planned twice, as a user types it plus ``-o``: once as it is, once while two other processes
 keep both cores of this machine busy, with a different Python hash seed (set iteration order
 must not matter either). The two plan files must be identical but for ``timings``, the
