@@ -17,15 +17,19 @@ one and a busy one, so every budget counts work, never seconds:
   that, each tensor-parallel degree among them gets one CP-SAT solve of its stage mesh
   (``search.stage_layouts``) with the same work as a mesh (``ilp_work``).
 
-The wall clock is only a safety cap (``--time-budget``): when it ends a solve or a walk
-before its work budget is spent, ``cut_short`` records where, and the plan's report says
-the answer may differ on another machine. The meshes share it (``share``): each gets an equal
-part of what the meshes before it left, so a slow first mesh cannot leave a later one 0 s.
+Those budgets bound every solve and walk already, so the search's total work is fixed by the
+inputs. The wall clock is only a net against a runaway (``--time-budget``, 600 s by default,
+against about 40 s for the README's quick start on two quiet cores): every solve and walk
+may run until the whole ``plan()`` call has taken that long, and is stopped only then. The
+net is not split between the meshes: a split would stop the first mesh at a fraction of the
+cap, which a heavily loaded machine reaches on an ordinary model, and the same inputs would
+then plan differently there. When the net does end a solve or a walk before its work budget
+is spent, ``cut_short`` records where, and the plan's report says the answer may differ on
+another machine; the meshes after it get 0.01 s and keep the layouts they start from.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -47,8 +51,9 @@ class SearchBudget:
 
     Attributes:
         effort: multiplies every work budget (1 = the default; 0.25 quick; 4 thorough).
-        wall_clock_cap_s: seconds from ``started`` after which every solve stops (a safety
-            net: it makes the result depend on the machine, so it is reported when it acts).
+        wall_clock_cap_s: seconds from ``started`` after which every solve stops (a net
+            against a runaway, for the whole call: it makes the result depend on the machine,
+            so it is reported when it acts).
         started: ``time.perf_counter()`` when planning began (tracing counts too).
         cut_short: what the cap stopped early, for the report.
     """
@@ -81,18 +86,6 @@ class SearchBudget:
         if self.wall_clock_cap_s is None:
             return None
         return max(0.01, self.wall_clock_cap_s - (time.perf_counter() - self.started))
-
-    def share(self, parts: int) -> "SearchBudget":
-        """The budget of the next of ``parts`` searches still to run (the meshes left): the
-        same work budgets, and a wall-clock cap of an equal part of the seconds left, from
-        now. Cuts it notes are noted here too."""
-        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-            raise ValueError(f"parts must be a positive integer, got {parts!r}")
-        left = self.seconds_left()
-        return dataclasses.replace(
-            self, wall_clock_cap_s=None if left is None else left / parts, started=time.perf_counter(),
-            cut_short=self.cut_short,
-        )
 
     def note_cut(self, what: str) -> None:
         """Record that the cap stopped ``what`` before its work budget was spent."""

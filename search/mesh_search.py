@@ -3,8 +3,7 @@ and/or MCMC over the simulator (``search.mcmc``), starting from a layout built d
 
 ``searched_candidates`` is the candidates part of the ``tp`` and ``summa`` families
 (``planner.families``): it searches every mesh of ``SearchContext.meshes`` in turn (the
-``dp x tp`` meshes, then SUMMA's), each with an equal share of the wall clock the meshes
-before it left. A mesh whose plans cannot beat a fitting plan found already is not searched:
+``dp x tp`` meshes, then SUMMA's), each with the same work budgets (``search.budget``). A mesh whose plans cannot beat a fitting plan found already is not searched:
 once its candidates are costed, the sum over ops of each op's least compute is a lower bound
 on any of its plans' steps (``compute_lower_bound``), and when that is no faster than the
 best fitting plan of the families searched before (the MoE layouts, the data-parallel
@@ -49,13 +48,12 @@ def searched_candidates(context: SearchContext) -> list[Plan]:
     meshes, constraints = context.meshes, context.constraints
     for position, mesh in enumerate(meshes):
         context.progress(f"searching mesh {mesh} ({position + 1}/{len(meshes)})", position / len(meshes))
-        # Each mesh gets an equal part of the wall clock the meshes before it left (the work
-        # budgets are per mesh already): one slow mesh cannot leave the next with nothing.
-        share = context.budget.share(len(meshes) - position)
+        # Every mesh gets the same work budgets; the wall-clock net is the whole call's
+        # (search.budget): a share of it would make a loaded machine cut an ordinary search.
         if mesh.names == ("dp",) and not constraints.allows_family("ddp"):
             continue
         plans += searched_plans(
-            context.graph, context.cluster, context.spec, context.model_name, mesh, context.search, share,
+            context.graph, context.cluster, context.spec, context.model_name, mesh, context.search, context.budget,
             context.seed, context.warnings, context.precision, context.notes,
             tp_layouts="summa" if context.summa_only else "auto", beat=_best_fitting_step(context),
         )

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_parity import REPO, _free_port
+from test_parity import REPO, Launch, _free_port, run_ranks
 
 import planner
 from codegen.runtime.checkpoint import export_checkpoint
@@ -69,6 +69,13 @@ def _torchrun(world: int, *arguments: str, cwd: Path) -> subprocess.CompletedPro
     # rank's peak resident memory measures what the build holds (not reused freed heap).
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+
+
+def _worker(world: int, *arguments: str, cwd: Path) -> Launch:
+    """``init_ckpt_worker.py`` on ``world`` ranks, a test harness, started without torchrun's
+    agent (``test_parity.run_ranks``), in ``_torchrun``'s environment."""
+    environment = {"PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": "131072"}
+    return run_ranks(world, WORKER, list(arguments), cwd, TIMEOUT, environment)
 
 
 def _losses(text: str) -> dict[int, float]:
@@ -115,6 +122,23 @@ def reference_losses(programs, tmp_path_factory) -> dict[int, float]:
     return losses
 
 
+@pytest.fixture(scope="module")
+def one_device_at_step_2(programs, tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """One device's first 2 steps, checkpointed at step 2 (the start of both ZeRO-1 resume
+    tests, launched once), and their losses. A test resumes from a copy (``_copy_of``)."""
+    saved = tmp_path_factory.mktemp("one_step2") / "ckpt"
+    run = _torchrun(1, str(programs["one"] / "launch.py"), "--steps", "2", "--checkpoint-dir", str(saved),
+                    "--save-every", "2", cwd=saved.parent)
+    losses = _losses(_ok(run))
+    assert sorted(losses) == [1, 2] and sorted(p.name for p in saved.iterdir()) == ["step-00000002"]
+    return saved, losses
+
+
+def _copy_of(checkpoints: Path, into: Path) -> Path:
+    shutil.copytree(checkpoints, into)
+    return into
+
+
 def _results(text: str) -> dict[tuple[str, int], dict[str, int]]:
     found = {}
     for folder, rank, fields in re.findall(r"^RESULT (\S+) rank=(\d+) (.*)$", text, re.MULTILINE):
@@ -124,8 +148,8 @@ def _results(text: str) -> dict[tuple[str, int], dict[str, int]]:
 
 def test_each_rank_builds_only_its_shards_with_the_single_device_values(programs, tmp_path) -> None:
     exact_at_two = ("fsdp", "tp", "pp", "moe_ep_fsdp", "moe_sliced_fsdp", "mixtral_ep_fsdp")
-    two = _results(_ok(_torchrun(2, str(WORKER), *(f"exact:{programs[n]}" for n in exact_at_two), cwd=tmp_path)))
-    four = _torchrun(4, str(WORKER), f"exact:{programs['dp_tp']}", f"exact:{programs['summa_2d']}",
+    two = _results(_ok(_worker(2, *(f"exact:{programs[n]}" for n in exact_at_two), cwd=tmp_path)))
+    four = _worker(4, f"exact:{programs['dp_tp']}", f"exact:{programs['summa_2d']}",
                      f"steps=3:{programs['wide_fsdp']}", cwd=tmp_path)
     four_results = _results(_ok(four))
     whole = sum(p.numel() * 4 for p in load_program(programs["one"]).build_model()[0].parameters())
@@ -179,10 +203,10 @@ def _single_device_losses(folder: Path, steps: int) -> list[float]:
 def test_a_model_over_the_cap_trains_under_it_on_8_fsdp_ranks(programs, tmp_path) -> None:
     plan = load_program(programs["deep_fsdp8"]).plan
     assert len(plan.fsdp_units) == 25  # a model without repeated blocks: one unit per layer
-    run = _torchrun(8, str(WORKER), f"steps=2:{programs['deep_fsdp8']}", cwd=tmp_path)
+    run = _worker(8, f"steps=2:{programs['deep_fsdp8']}", cwd=tmp_path)
     text = _ok(run)
-    # Eight ranks print at once: another rank's line can run into this marker without a line
-    # break between them, so the marker is found anywhere, not only at a line's start.
+    # The marker is found anywhere, not only at a line's start: a line of another rank's
+    # output may run into it without a line break.
     trained = {int(rank): int(peak) for rank, peak in re.findall(r"TRAINED \S+ rank=(\d+) peak_train_bytes=(\d+)", text)}
     built = _results(text)
     assert sorted(trained) == list(range(8)), text[-2000:]
@@ -248,15 +272,16 @@ def test_resume_on_other_plans_export_and_init_from(programs, reference_losses, 
     assert started[1] == pytest.approx(expected, abs=1e-5)
 
 
-def test_zero1_of_a_graph_program_trains_and_checkpoints_its_pieces(programs, reference_losses, tmp_path) -> None:
+def test_zero1_of_a_graph_program_trains_and_checkpoints_its_pieces(programs, reference_losses, one_device_at_step_2,
+                                                                      tmp_path) -> None:
     """ZeRO-1 beside tensor parallelism (dp 2 x tp 2) keeps each rank's piece of every
     weight's AdamW states. One device trains 2 steps and saves; the dp x tp program resumes
     from it (the states loaded into each rank's pieces), trains steps 3-4 and saves (each
     piece written as its box of the whole weight); one device resumes for 5-8. Every loss
     is the uninterrupted single device's: states lost or misplaced would change them."""
-    saved = tmp_path / "ckpt"
+    saved = _copy_of(one_device_at_step_2[0], tmp_path / "ckpt")
     common = ["--checkpoint-dir", str(saved), "--save-every", "2"]
-    first = _losses(_ok(_torchrun(1, str(programs["one"] / "launch.py"), "--steps", "2", *common, cwd=tmp_path)))
+    first = one_device_at_step_2[1]
     middle = _ok(_torchrun(4, str(programs["dp_tp_zero1"] / "launch.py"), "--steps", "4", *common, "--resume", cwd=tmp_path))
     last = _losses(_ok(_torchrun(1, str(programs["one"] / "launch.py"), "--steps", "8", *common, "--resume", cwd=tmp_path)))
     assert "at step 2" in middle and sorted(_losses(middle)) == [3, 4] and sorted(last) == [5, 6, 7, 8]
@@ -264,14 +289,15 @@ def test_zero1_of_a_graph_program_trains_and_checkpoints_its_pieces(programs, re
         assert loss == pytest.approx(reference_losses[step], abs=1e-5), step
 
 
-def test_zero1_of_the_data_parallel_program_resumes_onto_another_plan(programs, reference_losses, tmp_path) -> None:
+def test_zero1_of_the_data_parallel_program_resumes_onto_another_plan(programs, reference_losses, one_device_at_step_2,
+                                                                       tmp_path) -> None:
     """The data-parallel ZeRO-1 program (DDP and ShardedStatesOptimizer on dp=2) resumes one
     device's checkpoint of step 2 into each rank's pieces, trains steps 3-4 and saves (each
     piece's states as its box of the whole weight); the FSDP program resumes from that for
     steps 5-8. Every loss is the uninterrupted single device's."""
-    saved = tmp_path / "ckpt"
+    saved = _copy_of(one_device_at_step_2[0], tmp_path / "ckpt")
     common = ["--checkpoint-dir", str(saved), "--save-every", "2"]
-    first = _losses(_ok(_torchrun(1, str(programs["one"] / "launch.py"), "--steps", "2", *common, cwd=tmp_path)))
+    first = one_device_at_step_2[1]
     middle = _ok(_torchrun(2, str(programs["zero1"] / "launch.py"), "--steps", "4", *common, "--resume", cwd=tmp_path))
     last = _ok(_torchrun(2, str(programs["fsdp"] / "launch.py"), "--steps", "8", *common, "--resume", cwd=tmp_path))
     assert "at step 2" in middle and "at step 4" in last

@@ -357,11 +357,14 @@ def _torchrun(folder: Path, *flags: str, cwd: Path) -> subprocess.CompletedProce
 
 
 @pytest.mark.distributed
-def test_two_models_into_one_checkpoint_dir_lose_nothing(programs, tmp_path) -> None:
+def test_two_models_into_one_checkpoint_dir_lose_nothing(programs, tmp_path, monkeypatch, capsys) -> None:
     """A GPT run saves into ckpt with --keep 1; an MLP run pointed at the same folder (no
     --resume) is refused before its first step, naming the GPT run; the GPT checkpoint is
     still there and exports. Restarted with --resume auto, the GPT run continues and its
-    --keep prunes only its own files: a user's notes and a foreign step folder stay."""
+    --keep prunes only its own files: a user's notes and a foreign step folder stay.
+
+    The MLP's two refusals run launch.py's main in this process (``_launch``): they come
+    before the process group starts, so a torchrun launch of each would only add its start."""
     from codegen.runtime.checkpoint import export_checkpoint
 
     saved = tmp_path / "ckpt"
@@ -375,15 +378,16 @@ def test_two_models_into_one_checkpoint_dir_lose_nothing(programs, tmp_path) -> 
     (saved / "step-00000000").mkdir()  # a folder soap-planner did not write
     (saved / "step-00000000" / "data.bin").write_bytes(b"1")
 
-    second = _torchrun(programs["mlp"], "--steps", "2", *common, cwd=tmp_path)
-    errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
-    assert second.returncode != 0 and len(errors) == 1, second.stderr[-2000:]
+    monkeypatch.chdir(tmp_path)
+    status, said = _launch(programs["mlp"], 1, ["--steps", "2", *common], monkeypatch, capsys)
+    errors = [line for line in said if line.startswith("error:")]
+    assert status == 2 and len(errors) == 1 == len(said), said
     assert f"holds 1 checkpoint(s) of run {run_id[:8]} (GPT, " in errors[0] and "another --checkpoint-dir" in errors[0]
-    assert "step 1/" not in second.stdout and "[rank0]: Traceback" not in second.stderr
+    assert sorted(path.name for path in saved.iterdir()) == ["step-00000000", "step-00000002"]  # the MLP wrote nothing
     step, count = export_checkpoint(saved, tmp_path / "gpt.pt")
     assert step == 2 and count > 0
-    refused = _torchrun(programs["mlp"], "--steps", "2", *common, "--resume", "auto", cwd=tmp_path)
-    assert refused.returncode != 0 and "is of another model" in refused.stderr, refused.stderr[-2000:]
+    status, said = _launch(programs["mlp"], 1, ["--steps", "2", *common, "--resume", "auto"], monkeypatch, capsys)
+    assert status == 2 and "is of another model" in said[-1], said
 
     # A scheduler's restart command: --resume auto --init-from resumes (the checkpoint supersedes the file) ...
     restart = ["--resume", "auto", "--init-from", str(tmp_path / "gpt.pt")]

@@ -17,7 +17,7 @@ from codegen.index_inputs import index_inputs, index_inputs_source
 from codegen.runtime.user_data import DataFeed, check_index_ranges, load_data_function, skip_batches, tensor_digest
 from planner.errors import LaunchError
 from planner.trace import trace
-from tests.test_parity import _run, _torchrun
+from tests.test_parity import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "data_feed_worker.py"
@@ -240,7 +240,7 @@ def test_ranks_agree_on_every_batch(tmp_path: Path) -> None:
     """Every case in one launch at 2 ranks: each ends on every rank alike (no rank left in
     a collective) with the verdict rank 0 prints."""
     (tmp_path / "data.py").write_text(WORLD_DATA)
-    launch = _run([*_torchrun(2), str(WORKER), str(tmp_path / "data.py"), *WORLD_CASES], cwd=REPO, timeout=180)
+    launch = run_ranks(2, WORKER, [str(tmp_path / "data.py"), *WORLD_CASES], REPO, 180)
     assert launch.returncode == 0, launch.describe()
     results = dict(line.removeprefix("RESULT ").split(" ", 1) for line in launch.stdout.splitlines() if line.startswith("RESULT "))
     assert set(results) == set(WORLD_CASES), launch.describe()

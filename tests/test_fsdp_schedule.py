@@ -12,12 +12,11 @@ two before), reduce-scatters on another stream after each unit's backward.
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_parity import _run
+from test_parity import run_ranks
 
 import planner
 from cost_model.data_parallel_step import DataParallelStep
@@ -201,8 +200,7 @@ def test_the_simulated_order_of_each_units_collectives_is_the_compiled_programs(
                         dp_flavour="fsdp", progress=False)
     assert plan.fsdp_units and all(unit.startswith("blocks.") for unit in plan.fsdp_units)
     folder = planner.compile(plan, tmp_path / "fsdp")
-    launch = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(WORKER), str(folder)],
-                  cwd=REPO, timeout=300)
+    launch = run_ranks(2, WORKER, [str(folder)], REPO, 300)
     assert launch.returncode == 0 and "DONE" in launch.stdout, launch.describe()
     block_bytes = {sum(meta.numel for name, meta in plan.graph.parameters.items() if name.startswith(unit + "."))
                    * 4 for unit in plan.fsdp_units}  # fp32 weights and gradients on the cpu preset

@@ -14,14 +14,11 @@ their copies (``codegen.runtime.expert_copies``) in separate groups."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from test_parity import REPO
+from test_parity import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
 CAPACITIES = (1.25, 0.5, 0.0)
@@ -36,11 +33,7 @@ CONTROL = "copied capacity 1.25, copies not summed (control)"
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def results(request):
     world = request.param
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(REPO / "tests/moe_parity_worker.py")],
-        capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
-    )
+    run = run_ranks(world, REPO / "tests/moe_parity_worker.py", [], REPO, 600, {"PYTHONPATH": str(REPO)})
     found = dict(re.findall(r"^RESULT (.+?): (.*)$", run.stdout, re.MULTILINE))
     assert run.returncode == 0 and len(found) == len(CASES) + 3, run.stdout[-2000:] + run.stderr[-3000:]
     return found

@@ -34,6 +34,7 @@ import pytest
 
 import planner
 from planner.model_spec import ModelSpec
+from rank_processes import launch_ranks  # this folder is on sys.path under pytest
 
 pytestmark = pytest.mark.distributed
 
@@ -141,12 +142,25 @@ def _run(command: list[str], cwd: Path, timeout: float) -> Launch:
 
 def check_many(world: int, programs: list[Path], cwd: Path, in_float64: list[Path] = ()) -> Launch:
     """Check every compiled program in ``programs`` (and those of ``in_float64`` in float64,
-    ``--check --fp64``) in ONE torchrun launch of ``dist_check_many.py`` at ``world``
-    processes; the launch itself must succeed."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(DIST_CHECK_MANY)]
+    ``--check --fp64``) in ONE launch of ``dist_check_many.py`` on ``world`` gloo processes,
+    started as torchrun starts its workers but without its agent (``tests/rank_processes.py``:
+    a harness needs no agent, and it costs a second of a 2-core machine per launch); the
+    launch itself must succeed."""
     float64 = [argument for folder in in_float64 for argument in ("--fp64", str(folder))]
-    launch = _run([*command, *map(str, programs), *float64], cwd=cwd, timeout=LAUNCH_TIMEOUT)
+    launch = run_ranks(world, DIST_CHECK_MANY, [*map(str, programs), *float64], cwd, LAUNCH_TIMEOUT)
     assert launch.returncode == 0, f"dist_check_many.py failed at world size {world}:\n{launch.describe()}"
+    return launch
+
+
+def run_ranks(world: int, script: Path, arguments: list[str], cwd: Path, timeout: float,
+              environment: dict[str, str] | None = None) -> Launch:
+    """A test harness ``script`` (not launch.py, which tests run as a user does, under
+    torchrun) on ``world`` ranks started as torchrun's workers, without its agent
+    (``tests/rank_processes.py``); fails the test on timeout."""
+    status, stdout, stderr = launch_ranks(world, script, list(arguments), cwd, timeout, environment)
+    launch = Launch([f"<{world} ranks>", sys.executable, str(script), *arguments], status, stdout, stderr)
+    if status is None:
+        pytest.fail(f"timed out after {timeout} s:\n{launch.describe()}")
     return launch
 
 

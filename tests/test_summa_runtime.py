@@ -9,13 +9,10 @@ depth) and must fail."""
 from __future__ import annotations
 
 import functools
-import os
 import re
-import subprocess
-import sys
 
 import pytest
-from test_parity import REPO
+from test_parity import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
 CASES = {4: ["2d matmul", "2d mlp"], 8: ["2.5d matmul", "2.5d mlp", "3d matmul", "3d mlp", "3d matmul, gathers kept"]}
@@ -25,13 +22,9 @@ CONTROLS = {4: ["2d mlp, replica gradients not summed (control)"],
 
 @functools.cache
 def launch(world: int) -> dict[str, str]:
-    """One torchrun launch of the worker at ``world``: {case: verdict}, every case present."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-         str(REPO / "tests/summa_parity_worker.py")],
-        check=False, capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
-    )
+    """One launch of the worker at ``world`` ranks (``test_parity.run_ranks``): {case: verdict},
+    every case present."""
+    run = run_ranks(world, REPO / "tests/summa_parity_worker.py", [], REPO, 600, {"PYTHONPATH": str(REPO)})
     found = dict(re.findall(r"^RESULT (.+?): (.*)$", run.stdout, re.MULTILINE))
     expected = CASES[world] + CONTROLS[world]
     assert run.returncode == 0 and sorted(found) == sorted(expected), run.stdout[-2000:] + run.stderr[-3000:]
