@@ -85,3 +85,4 @@ def test_a_loss_over_every_block_traces_whole():
     assert "after the stack reads block" in graph.trace_note
     assert any("model.layers.3." in node.module for node in graph.nodes)
     assert isinstance(graph.graph_module, torch.fx.GraphModule)
+
