@@ -229,16 +229,26 @@ def _per_layer_fields(model: nn.Module, stack: nn.ModuleList) -> list[list[Any]]
 
 @contextlib.contextmanager
 def cut_stacks(stacks: list[BlockStack]) -> Iterator[None]:
-    """While active, each stack holds only its traced blocks."""
-    saved = [(stack.modules, stack.modules._modules) for stack in stacks]
+    """While active, each stack holds only its traced blocks, yet its ``len()`` is still
+    the whole stack's: a forward that derives a value from the depth (a residual scale)
+    traces it as the full model does, and one that indexes every block (``self.layers[i]``
+    for ``i`` in ``range(len(self.layers))``) fails, so the whole model is exported."""
+    saved = [(stack.modules, stack.modules._modules, type(stack.modules)) for stack in stacks]
     try:
         for stack in stacks:
             kept = list(stack.modules._modules.items())[:stack.traced]
             stack.modules._modules = type(stack.modules._modules)(kept)
+            stack.modules.__class__ = _cut_class(type(stack.modules), stack.size)
         yield
     finally:
-        for modules, table in saved:
+        for modules, table, kind in saved:
             modules._modules = table
+            modules.__class__ = kind
+
+
+def _cut_class(kind: type, size: int) -> type:
+    """``kind`` whose ``len()`` is ``size`` (the stack's length before the cut)."""
+    return type(kind.__name__, (kind,), {"__len__": lambda self: size, "__module__": kind.__module__})
 
 
 # --------------------------------------------------------------------------- stamping
