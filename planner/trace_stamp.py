@@ -218,10 +218,11 @@ def _per_layer_fields(model: nn.Module, stack: nn.ModuleList) -> list[list[Any]]
     """Fields of the configs the model and its blocks hold that list one value per block
     (``config.layer_types``): each block's entry is part of its kind."""
     configs = {id(value): value for holder in (model, *stack.modules()) for value in vars(holder).values()
-               if not isinstance(value, (nn.Module, torch.Tensor, *_PLAIN, tuple, list, dict)) and hasattr(value, "__dict__")}
+               if not isinstance(value, (nn.Module, torch.Tensor, *_PLAIN, tuple, list, dict, type))
+               and isinstance(getattr(value, "__dict__", None), dict)}
     found = []
     for config in configs.values():
-        for value in vars(config).values():
+        for value in config.__dict__.values():
             if isinstance(value, (list, tuple)) and len(value) == len(stack):
                 found.append([_value_key(item) for item in value])
     return found
