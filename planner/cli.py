@@ -186,6 +186,8 @@ def _plan(options: argparse.Namespace) -> int:
         say_json({**report_data(plan), "saved": options.output, "next": steps})
         return 0
     say(plan.report(width=terminal_width()))
+    if options.verbose and plan.graph is not None and plan.graph.trace_note:
+        say(f"traced: {plan.graph.trace_note}")
     if options.output is not None:
         say(f"saved the plan to {options.output}")
     if len(steps) == 1 and steps[0].startswith("not compiled: "):

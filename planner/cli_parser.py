@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="save the plan as JSON (input of `planner compile`); an existing file is replaced only if it is a plan",
     )
     plan.add_argument("--force", action="store_true", help="let -o overwrite a file that is not a plan")
+    plan.add_argument("-v", "--verbose", action="store_true",
+                      help="also say how the model was traced (which repeated blocks were copied, or why none were)")
     plan.add_argument(
         "--co-runner", metavar="PLAN_JSON", dest="co_runner",
         help="a job that will share the devices (a plan saved by `planner plan -o` for the same cluster): choose "

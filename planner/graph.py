@@ -141,6 +141,8 @@ class OpGraph:
             inputs (set by the tracer; plans store it).
         constants: placeholder name -> value of each tensor the forward makes from Python
             data (export's lifted tensor constants, e.g. ``torch.tensor([...])``), on the CPU.
+        trace_note: how the tracer took the repeated blocks (``planner.trace_stamp``): "model.layers:
+            6 of 61 blocks traced, 55 copied", or why every block was traced; empty when nothing repeats.
         moe_blocks: the model's Mixture-of-Experts layers (``planner.moe_blocks.MoEBlock``),
             in module order; the ops of a layer are those whose ``module`` is the layer's
             path or lies under it (``moe_nodes``).
@@ -160,6 +162,7 @@ class OpGraph:
     model_fingerprint: str = ""
     constants: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     moe_blocks: tuple = ()
+    trace_note: str = ""
     _by_name: dict[str, OpNode] = field(default_factory=dict, init=False, repr=False)
     # moe_nodes' answers while the node list stays the one they were read from (searches ask
     # for every layer's ops many times; each answer scans the whole graph).

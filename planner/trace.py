@@ -36,6 +36,7 @@ from planner.moe_blocks import find_moe_blocks
 from planner.node_names import name_nodes_by_content
 from planner.opaque_backward import watch_backward
 from planner.trace_diagnostics import ModuleTracker, trace_error
+from planner.trace_stamp import BlockStack, ExportedParts, NotStampable, cut_stacks, plan_stamping, stamp_blocks
 
 __all__ = ["trace"]
 
@@ -60,7 +61,8 @@ _BLOCK_PATH = re.compile(r"^(?P<group>.+?)\.(?P<index>\d+)(?:\.|$)")
 
 
 def trace(
-    model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, on_progress: Callable[[str, float], None] | None = None
+    model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, on_progress: Callable[[str, float], None] | None = None,
+    *, copy_blocks: bool = True,
 ) -> OpGraph:
     """Trace ``model(*args, **kwargs)`` (one global batch) into an ``OpGraph``.
 
@@ -70,6 +72,8 @@ def trace(
         kwargs: keyword example inputs.
         on_progress: called with (the module being traced, fraction of the model's modules
             entered so far) as tracing goes, for progress bars on deep models.
+        copy_blocks: export a stack of alike blocks cut to its first few and copy the rest
+            (``planner.trace_stamp``: the same graph, faster); False exports every block.
 
     Returns:
         The forward program with shapes, dtypes, parameters, module paths, FLOPs, bytes
@@ -81,7 +85,7 @@ def trace(
     """
     kwargs = dict(kwargs or {})
     register_grouped_matmul_formulas()  # the model's imports may have defined such an op
-    graph = _trace(model, args, kwargs, on_progress)
+    graph = _trace(model, args, kwargs, on_progress, copy_blocks)
     # Stored in plans, so compile/simulate/launch can tell when the spec builds another model.
     graph.model_fingerprint = model_fingerprint(model, args, kwargs)
     # The cost model prices these layers by their layout, the search chooses it.
@@ -89,9 +93,10 @@ def trace(
     return graph
 
 
-def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, on_progress) -> OpGraph:
+def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, on_progress, copy_blocks: bool) -> OpGraph:
     was_training = model.training
     model.train()  # plan the training program: dropout and friends must appear
+    stacks, note = plan_stamping(model) if copy_blocks else ([], "")
     try:
         # Custom autograd Functions and backward hooks are recorded while tracing: the graph
         # keeps their forward's ops only (planner.opaque_backward).
@@ -99,17 +104,26 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict, on_progress) -> Op
         # no-op (planner.module_moves).
         with ModuleTracker(model, on_progress) as tracker, watch_backward(model, tracker.current_path) as opaque, \
                 module_moves_traced(model):
-            graph = _trace_either(model, args, kwargs, tracker)
+            graph = _trace_either(model, args, kwargs, tracker, stacks)
+        copied = stacks and graph.tracer == "export" and not graph.trace_note
+        if copied and any(path.startswith(f"{stack.path}.") for path, _ in opaque.found for stack in stacks):
+            # What defines its own backward is found per module as it runs, and copied blocks never ran.
+            graph = _trace(model, args, kwargs, on_progress, copy_blocks=False)
+            graph.trace_note = "every block traced: a block defines its own backward"
+            return graph
         graph.opaque_backward = list(opaque.found)
+        if copied or graph.tracer == "export" and not graph.trace_note:
+            graph.trace_note = note
         return graph
     finally:
         model.train(was_training)
 
 
-def _trace_either(model: torch.nn.Module, args: tuple, kwargs: dict, tracker: ModuleTracker) -> OpGraph:
+def _trace_either(model: torch.nn.Module, args: tuple, kwargs: dict, tracker: ModuleTracker,
+                  stacks: list[BlockStack]) -> OpGraph:
     """``torch.export``, else ``torch.fx.symbolic_trace``, else a ``TraceError``."""
     try:
-        return _trace_with_export(model, args, kwargs)
+        return _trace_with_export(model, args, kwargs, stacks)
     except TraceError:
         raise  # a construct of the model's own named by this package: the fallback cannot take it either
     except Exception as export_error:  # noqa: BLE001 - any failure triggers the fallback
@@ -123,28 +137,24 @@ def _trace_either(model: torch.nn.Module, args: tuple, kwargs: dict, tracker: Mo
 # --------------------------------------------------------------------------- export path
 
 
-def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpGraph:
-    # In-place writes into tensors the forward makes (a buffer filled by slices) become
-    # functional ops, so every later stage sees plain data flow (planner.functionalize).
-    program = functional_program(_export(model, args, kwargs))
-    signature = program.graph_signature
-    graph_module = program.graph_module
-    constants = _lifted_constants(program)
+def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict, stacks: list[BlockStack]) -> OpGraph:
+    parts, constants, note = _exported_parts(model, args, kwargs, stacks)
+    graph_module = parts.graph_module
     # Plans name ops by node name: names after what each op computes, not the trace order,
     # which can differ between processes (planner.node_names).
     name_nodes_by_content(graph_module, _module_path, constants)
     # Tied weights (an embedding shared with the head) appear once per alias in the
     # signature; name each by its first alias so it is counted and sharded once.
     canonical = _canonical_names(model)
-    to_parameter = {name: canonical.get(fqn, fqn) for name, fqn in signature.inputs_to_parameters.items()}
-    to_buffer = {name: canonical.get(fqn, fqn) for name, fqn in signature.inputs_to_buffers.items()}
+    to_parameter = {name: canonical.get(fqn, fqn) for name, fqn in parts.to_parameter.items()}
+    to_buffer = {name: canonical.get(fqn, fqn) for name, fqn in parts.to_buffer.items()}
     placeholder_to_state = {**to_parameter, **to_buffer}
-    placeholder_to_state.update(getattr(signature, "inputs_to_lifted_tensor_constants", {}))
+    placeholder_to_state.update(parts.to_constant)
     placeholders = {node.name: node for node in graph_module.graph.nodes if node.op == "placeholder"}
 
     parameters = {fqn: _meta_of(placeholders[name].meta.get("val")) for name, fqn in to_parameter.items()}
     buffers = {fqn: _meta_of(placeholders[name].meta.get("val")) for name, fqn in to_buffer.items()}
-    user_inputs = [(name, placeholders[name].meta.get("val")) for name in signature.user_inputs]
+    user_inputs = [(name, placeholders[name].meta.get("val")) for name in parts.user_inputs]
     graph_inputs, batch_size = _graph_inputs(user_inputs)
 
     flop_cache: dict[tuple, int] = {}
@@ -186,9 +196,36 @@ def _trace_with_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> OpG
         tracer="export",
         graph_module=graph_module,
         constants=constants,
+        trace_note=note,
     )
     _mark_repeated_blocks(graph)
     return graph
+
+
+def _exported_parts(model: torch.nn.Module, args: tuple, kwargs: dict,
+                    stacks: list[BlockStack]) -> tuple[ExportedParts, dict[str, torch.Tensor], str]:
+    """The exported program's parts, its lifted constants, and what was traced: the stacks
+    cut to their first blocks and the rest copied (``planner.trace_stamp``) where the graph
+    allows it, else the whole model."""
+    note = ""
+    if stacks:
+        try:
+            with cut_stacks(stacks):
+                program = _functional_export(model, args, kwargs)
+            parts = stamp_blocks(ExportedParts.of(program), stacks, _module_path)
+            return parts, _lifted_constants(program), ""
+        except NotStampable as why:
+            note = f"every block traced: {why}"
+        except Exception:  # noqa: BLE001 - the whole model's export decides, with its own error
+            note = "every block traced: the cut model did not export"
+    program = _functional_export(model, args, kwargs)
+    return ExportedParts.of(program), _lifted_constants(program), note
+
+
+def _functional_export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    # In-place writes into tensors the forward makes (a buffer filled by slices) become
+    # functional ops, so every later stage sees plain data flow (planner.functionalize).
+    return functional_program(_export(model, args, kwargs))
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
