@@ -31,7 +31,7 @@ def test_delta_matches_a_fresh_simulation_after_each_move():
         for strategy in (gathered, original, gathered):
             strategies[strategy.node] = strategy
             result = delta.replace(strategy.node, strategy)
-            simulation_cache.RECENTLY_COSTED.entries.clear()  # cost every node afresh
+            simulation_cache.RECENTLY_COSTED.clear()  # cost every node afresh
             fresh_plan = dataclasses.replace(plan, strategies=tuple(strategies[s.node] for s in plan.strategies))
             fresh = Simulator(fresh_plan, graph)
             expected = fresh.run(trace=False)
@@ -42,8 +42,7 @@ def test_delta_matches_a_fresh_simulation_after_each_move():
 
 
 def _forget_costed_plans() -> None:
-    simulation_cache.RECENTLY_COSTED.entries.clear()
-    simulation_cache.RECENTLY_COSTED.by_dense.clear()
+    simulation_cache.RECENTLY_COSTED.clear()
 
 
 def test_a_plan_with_other_moe_layouts_simulates_as_a_fresh_one(monkeypatch):
