@@ -107,6 +107,9 @@ class Simulator:
         self.node_costs = NodeCosts(self.context, facts.kept, facts.signature, self.contributors)
         self._layout: SegmentMembers | None = None  # which nodes form which segment, once asked
         self._segment_list: list[Segment] | None = None  # until a strategy changes
+        # Forward and backward FLOPs of the model: the graph's, whatever the strategies (summed
+        # once here, not on every delta re-simulation).
+        self.model_flops = 3.0 * graph.total_flops
         key = costing_key(plan, graph, self.context.micro_batches) if contributors is None else None
         costed = RECENTLY_COSTED.get(key) if key is not None else None
         if costed is not None:
@@ -168,12 +171,12 @@ class Simulator:
         no_comm = tasks.run(scale={"comm": 0.0, "tp_comm": 0.0, "p2p": 0.0})
         critical = max(busy, key=busy.get)
         stage_memories = tuple(
-            stage_memory(context, self.contributors, self.costs, stage, per_device[f"stage {stage}"])
+            stage_memory(context, self.contributors, stage, per_device[f"stage {stage}"])
             for stage in range(context.pp)
         )
         peak = max(stage_memories, key=lambda m: m.total)
         samples = plan.batch_size / step if step else 0.0
-        model_flops = 3.0 * context.graph.total_flops
+        model_flops = self.model_flops
         tflops = model_flops / step / context.cluster.world_size / 1e12 if step else 0.0
         peak_flops = context.device.flops_for(PRECISIONS[plan.precision][0])
         return SimResult(
