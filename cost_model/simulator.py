@@ -64,7 +64,7 @@ from cost_model.recompute import activation_bytes, backward_comm, backward_time
 from cost_model.segments import Segment, SegmentMembers, SegmentProfile, build_segments, refresh_segments, segment_members
 from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, graph_facts
 from cost_model.step_context import StepContext
-from cost_model.step_memory import bytes_per_axis, stage_memory
+from cost_model.step_memory import bytes_per_axis, pipeline_boundary_bytes, stage_memory
 from cost_model.step_tasks import StepTasks
 from planner.graph import OpGraph
 from planner.strategy import RECOMPUTE_MODES, CostParts, ExpertLayout, NodeStrategy, SimResult, TimelineEvent
@@ -110,6 +110,9 @@ class Simulator:
         # Forward and backward FLOPs of the model: the graph's, whatever the strategies (summed
         # once here, not on every delta re-simulation).
         self.model_flops = 3.0 * graph.total_flops
+        # What each pipeline boundary carries (step_memory.pipeline_boundary_bytes, which reads
+        # every node): kept until a node's stage or output placements change.
+        self._boundary_bytes: list[tuple[float, float]] | None = None
         key = costing_key(plan, graph, self.context.micro_batches) if contributors is None else None
         costed = RECENTLY_COSTED.get(key) if key is not None else None
         if costed is not None:
@@ -192,11 +195,19 @@ class Simulator:
             model_flops=model_flops,
             tflops_per_device=tflops,
             mfu=tflops * 1e12 / peak_flops if peak_flops else 0.0,
-            bytes_per_axis=bytes_per_axis(context, self.contributors, segments),
+            bytes_per_axis=bytes_per_axis(context, self.contributors, segments, self._pipeline_boundary_bytes()),
             bubble_fraction=max(0.0, 1 - busy[critical] / no_comm) if no_comm else 0.0,
             host_wait_s=sum(segment.host_wait_s for segment in per_device[critical]) * context.micro_batches,
             timeline=timeline,
         )
+
+    def _pipeline_boundary_bytes(self) -> list[tuple[float, float]] | None:
+        """``pipeline_boundary_bytes`` of the current strategies (None without a pipeline)."""
+        if self.context.pp == 1:
+            return None
+        if self._boundary_bytes is None:
+            self._boundary_bytes = pipeline_boundary_bytes(self.context)
+        return self._boundary_bytes
 
     def step_lower_bound(self) -> float:
         """Seconds the step takes at least, before scheduling it: the busiest (virtual)
@@ -294,6 +305,9 @@ class Simulator:
         schedule: a move of several nodes (or its undo) runs once, after its last change."""
         old = self.context.strategies[node_name]
         self.context.strategies[node_name] = strategy
+        if old.stage != strategy.stage or old.outputs != strategy.outputs:
+            # The boundaries carry this node's output, or its inputs now cross another one.
+            self._boundary_bytes = None
         recosted = self.node_costs.reassign(node_name, old)
         if self._segment_list is not None:
             # Only the segments holding a re-costed node, or reading the changed node's

@@ -143,8 +143,10 @@ def pipeline_boundary_bytes(context: StepContext) -> list[tuple[float, float]]:
 
 
 def bytes_per_axis(context: StepContext, contributors: tuple[StepContributor, ...],
-                   segments: list[Segment]) -> dict[str, float]:
-    """Bytes a device of the busiest stage sends per step, by mesh axis."""
+                   segments: list[Segment], boundaries: list[tuple[float, float]] | None = None) -> dict[str, float]:
+    """Bytes a device of the busiest stage sends per step, by mesh axis. ``boundaries``:
+    ``pipeline_boundary_bytes(context)`` where the caller has it already (it reads every
+    node: a delta re-simulation keeps it while no stage or output placement changes)."""
     totals: dict[str, float] = {}
     by_stage: dict[int, dict[str, float]] = {}
     for segment in segments:
@@ -154,7 +156,9 @@ def bytes_per_axis(context: StepContext, contributors: tuple[StepContributor, ..
         for contributor in contributors:  # the data-parallel flavour's gathers and reductions
             contributor.add_axis_bytes(context, segment, stage_totals)
     if context.pp > 1:
-        for boundary, (forward, backward) in enumerate(pipeline_boundary_bytes(context)):
+        if boundaries is None:
+            boundaries = pipeline_boundary_bytes(context)
+        for boundary, (forward, backward) in enumerate(boundaries):
             # The sender of the activations is stage k's device; stage k+1's device
             # sends their gradients back.
             for device, sent in ((boundary % context.pp, forward), ((boundary + 1) % context.pp, backward)):
