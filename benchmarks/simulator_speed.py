@@ -6,9 +6,11 @@
    nodes: the time of a full simulation (every node costed, segments built, schedule run)
    against a delta re-simulation after one node's strategy changes (``Simulator.replace``),
    as MCMC uses it: each MLP input projection in turn reads its input gathered, then as
-   before. Target (issue 25): delta at least 5x faster in CPU time. A full simulation starts
-   from an empty node-cost cache (``RECENTLY_COSTED.clear()``: both its indexes, or the
-   plan's costs are handed over); the figure with that cache warm is printed too.
+   before. The same for tp=4 x pp=2 x dp=2 (1F1B), whose delta also keeps what crosses the
+   stage boundary. Target (issue 25): delta at least 5x faster in CPU time. A full
+   simulation starts from an empty node-cost cache (``RECENTLY_COSTED.clear()``: both its
+   indexes, or the plan's costs are handed over); the figure with that cache warm is
+   printed too.
 2. GPT-3 175B (96 layers, hidden 12288, seq 2048) on 1024 A100s (128 DGX nodes), Megatron
    tp=8 x pp=8 x dp=16, 1F1B over 192 micro-batches of 1 (global batch 3072): the time of
    one full simulation from an empty node-cost cache, timeline included. Target (issue 25):
@@ -63,7 +65,15 @@ def gpt(layers: int, hidden: int, heads: int, batch: int) -> ModelSpec:
 
 def delta_versus_full() -> None:
     graph, spec, name, cluster = prepare_model(gpt(24, 2048, 16, 64), "dgx-a100-80g:2")
-    plan = megatron_plan(graph, cluster, spec, name, tp=8, micro_batch=4)
+    for layout, plan in (
+        ("tp=8 x dp=2", megatron_plan(graph, cluster, spec, name, tp=8, micro_batch=4)),
+        ("tp=4 x pp=2 x dp=2, 1F1B", megatron_plan(graph, cluster, spec, name, tp=4, pp=2, micro_batch=4)),
+    ):
+        delta_speed(graph, plan, f"24-layer GPT, {layout}, {len(graph)} ops")
+
+
+def delta_speed(graph, plan, label: str) -> None:
+    """Print the CPU time of a full simulation of ``plan`` and of a delta re-simulation."""
     projections = [s for s in plan.strategies if s.op.startswith("aten.linear") and s.module.endswith("mlp.c_fc")]
     # One node's change per delta re-simulation: each projection gathered, then restored.
     moves = [(s.node, changed) for s in projections
@@ -79,7 +89,7 @@ def delta_versus_full() -> None:
     simulator.run()
     counter = iter(range(10**9))
     delta, delta_cpu = median_times(lambda: simulator.replace(*moves[next(counter) % len(moves)]), repeats=4 * len(moves))
-    print(f"24-layer GPT, tp=8 x dp=2, {len(graph)} ops: full simulation {full_cpu * 1e3:.2f} ms CPU "
+    print(f"{label}: full simulation {full_cpu * 1e3:.2f} ms CPU "
           f"({full * 1e3:.1f} ms wall), delta re-simulation {delta_cpu * 1e3:.2f} ms CPU ({delta * 1e3:.1f} ms wall), "
           f"speed-up {full_cpu / delta_cpu:.1f}x CPU (target >= 5x; {full / delta:.1f}x wall); with the node-cost "
           f"cache warm a full simulation takes {warm_cpu * 1e3:.2f} ms CPU; {load_note()}")
