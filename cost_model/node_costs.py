@@ -140,8 +140,8 @@ class NodeCosts:
         readers of its consumers and of the views and dropouts made from either.
         ``_gathered_upstream`` looks past views at their producers' inputs (whether an input
         was gathered decides Megatron's 'f'), ``_tp_overlap_source`` past views and dropout
-        at the op that made an edge; a delta re-simulation that re-costed only the direct
-        consumers kept a linear's all-reduce after its input came to be gathered upstream."""
+        at the op that made an edge: a linear's all-reduce goes when its input comes to be
+        gathered two ops upstream."""
         consumers, nodes = self.context.consumers, self.context.nodes
         made = {node_name, *consumers.get(node_name, ())}
         frontier = list(made)

@@ -34,9 +34,11 @@ How a plan becomes a simulated step (FlexFlow's simulator, Daydream's task graph
    communication buffers.
 
 Delta simulation (for MCMC): ``Simulator.replace(node, strategy)`` re-costs only that node,
-its consumers and the readers whose shared resharding moves, rebuilds only the segments
-holding them, then re-runs the schedule (``Simulator.assign`` re-costs without re-running, for
-moves of several nodes).
+its consumers, the readers whose shared resharding moves and those that look past views at
+it (``NodeCosts.reassign``), rebuilds only the segments holding them, keeps what crosses the
+pipeline's stage boundaries unless a stage or output placement changed, then re-runs the
+schedule (``Simulator.assign`` re-costs without re-running, for moves of several nodes). It
+gives exactly what a fresh simulation gives (tests/test_delta_simulation.py).
 
 The parts live in their own modules and share no state: ``Simulator`` builds one
 ``StepContext`` (``cost_model.step_context``: the plan's facts, the current strategies) and
