@@ -278,8 +278,10 @@ class DataParallelStep(StepContributor):
         """FSDP gathers again for backward only what it freed after forward
         (``fsdp_regathered_elements``), prefetched as in forward (``forward_gather``)."""
         context = tasks.context
+        if not _fsdp(context):
+            return None
         regathered = fsdp_regathered_elements(context, segment)
-        if not _fsdp(context) or regathered <= 0:
+        if regathered <= 0:
             return None
         return _fsdp_gather(tasks, device, segment, issue_after, f"all-gather {segment.name} (bwd)", regathered)
 

@@ -130,9 +130,29 @@ class NodeCosts:
             if before != after:
                 moved |= {before, after}
         recosted = {node_name, *self.context.consumers.get(node_name, []), *(m for m in moved if m)}
+        recosted |= self._reading_through(node_name)
         for name in recosted:
             self.costs[name] = self.cost_of(self.context.nodes[name])
         return recosted
+
+    def _reading_through(self, node_name: str) -> set[str]:
+        """The nodes whose cost reads ``node_name``'s strategy beyond its own consumers: the
+        readers of its consumers and of the views and dropouts made from either.
+        ``_gathered_upstream`` looks past views at their producers' inputs (whether an input
+        was gathered decides Megatron's 'f'), ``_tp_overlap_source`` past views and dropout
+        at the op that made an edge: a linear's all-reduce goes when its input comes to be
+        gathered two ops upstream."""
+        consumers, nodes = self.context.consumers, self.context.nodes
+        made = {node_name, *consumers.get(node_name, ())}
+        frontier = list(made)
+        while frontier:
+            name = frontier.pop()
+            for reader in consumers.get(name, ()):
+                passes = nodes[reader].is_view or nodes[reader].op.startswith(_DROPOUT)
+                if passes and nodes[reader].inputs[0] == name and reader not in made:
+                    made.add(reader)
+                    frontier.append(reader)
+        return {reader for name in made for reader in consumers.get(name, ())}
 
     def _first_reader(self, key: tuple) -> str | None:
         """The first node, in graph order, that reads ``key``'s tensor in ``key``'s placement."""
@@ -171,9 +191,13 @@ class NodeCosts:
             if self.first_use.get((name, wanted)) != node.name:
                 continue
             edges.append((position, producer.outputs[0], wanted))
+        # Which inputs' gradients it all-reduces (Megatron's 'f') depends on its producers'
+        # producers too (``_gathered_upstream``): twins with the same strategies may differ.
+        reductions = self.input_gradient_reductions(node, strategy)
         key = (
             self.signature[node.name], self.kept_for_backward(node.name),
             strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges), strategy.layout,
+            reductions,
         )
         if self.by_stage:
             key += (strategy.stage,)
@@ -182,7 +206,7 @@ class NodeCosts:
             key += tuple((self.signature.get(source), id(strategies.get(source)))
                          for source in (self._tp_overlap_source(node, position) for position, _, _ in edges))
         if key not in self.cache:
-            self.cache[key] = self.compute(node, strategy, edges)
+            self.cache[key] = self.compute(node, strategy, edges, reductions)
         return self.cache[key]
 
     def _moe_node_cost(self, node: OpNode, layer: LaidOutLayer) -> NodeCost:
@@ -257,9 +281,11 @@ class NodeCosts:
             if axis != "pp" and any(isinstance(p[index], Shard) for p in tensors)
         )
 
-    def compute(self, node: OpNode, strategy: NodeStrategy, edges) -> NodeCost:
+    def compute(self, node: OpNode, strategy: NodeStrategy, edges, reductions: tuple | None = None) -> NodeCost:
         """``node``'s cost under ``strategy``, its inputs resharded along ``edges`` ((input
-        position, producer placements, placements read) of the edges it pays)."""
+        position, producer placements, placements read) of the edges it pays), the gradients
+        of its inputs ``reductions`` all-reduced (``input_gradient_reductions``, by default
+        those of the current strategies)."""
         cost = NodeCost()
         work = 1.0 / (self._work_split(strategy) * self.context.micro_batches)
         cost.forward_s, cost.backward_s = op_times(node, work, self.context.device, self.context.plan.precision)
@@ -286,7 +312,9 @@ class NodeCosts:
         for position, src, dst in edges:
             overlap = self._tp_overlap(node, strategy, position, src, dst, cost) if self.context.plan.tp_comm_overlap else None
             self.charge_edge(cost, node.input_meta[position], src, dst, overlap)
-        self._add_input_gradient_reduction(node, strategy, cost)
+        if reductions is None:
+            reductions = self.input_gradient_reductions(node, strategy)
+        self._add_input_gradient_reduction(node, strategy, cost, reductions)
         # What the step's contributors add to an op (cost_model.step_contributor): SUMMA
         # matmuls and block norms, vocabulary-parallel losses, split gathers, the gradient
         # sync of weights replicated on a non-dp axis whose ranks saw other rows.
@@ -363,10 +391,12 @@ class NodeCosts:
                 cost.backward_comm_s += regather_exposed(overlap, gather, self.context) + self.context.redistribute_overhead_s
                 cost.axis_bytes[axis] += full * SENT_FRACTION["all_gather"](size)
 
-    def _add_input_gradient_reduction(self, node: OpNode, strategy: NodeStrategy, cost: NodeCost) -> None:
-        """Megatron's 'f': a replicated activation read by weights split on an axis gets a
-        partial gradient there, summed by an all-reduce in backward."""
+    def input_gradient_reductions(self, node: OpNode, strategy: NodeStrategy) -> tuple[tuple[int, int], ...]:
+        """(input position, mesh axis index) of each input whose gradient ``node`` all-reduces
+        in backward (Megatron's 'f'): a replicated floating-point activation it reads first,
+        on an axis its weights are split on, not gathered on that axis (here or upstream)."""
         params = set(node.param_inputs)
+        found = []
         for index, (axis, size) in enumerate(self.context.mesh.axes):
             if axis in ("pp", "dp") or size == 1:
                 continue
@@ -383,12 +413,23 @@ class NodeCosts:
                 gathered_here = producer is not None and producer.outputs and isinstance(producer.outputs[0][index], Shard)
                 if gathered_here or self._gathered_upstream(name, index):
                     continue  # the gather's backward reduce-scatter already sums this gradient
-                others = math.prod(
-                    s for j, (a, s) in enumerate(self.context.mesh.axes) if j != index and a != "pp" and isinstance(wanted[j], Shard)
-                )
-                full = meta.nbytes * self.context.activation_scale / others / self.context.micro_batches
-                cost.backward_comm_s += self.context.collective("all_reduce", full, axis) + self.context.redistribute_overhead_s
-                cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + full * SENT_FRACTION["all_reduce"](size)
+                found.append((position, index))
+        return tuple(found)
+
+    def _add_input_gradient_reduction(self, node: OpNode, strategy: NodeStrategy, cost: NodeCost,
+                                      reductions: tuple[tuple[int, int], ...]) -> None:
+        """Megatron's 'f': a replicated activation read by weights split on an axis gets a
+        partial gradient there, summed by an all-reduce in backward (``reductions``:
+        ``input_gradient_reductions``)."""
+        for position, index in reductions:
+            axis, size = self.context.mesh.axes[index]
+            meta, wanted = node.input_meta[position], strategy.inputs[position]
+            others = math.prod(
+                s for j, (a, s) in enumerate(self.context.mesh.axes) if j != index and a != "pp" and isinstance(wanted[j], Shard)
+            )
+            full = meta.nbytes * self.context.activation_scale / others / self.context.micro_batches
+            cost.backward_comm_s += self.context.collective("all_reduce", full, axis) + self.context.redistribute_overhead_s
+            cost.axis_bytes[axis] = cost.axis_bytes.get(axis, 0.0) + full * SENT_FRACTION["all_reduce"](size)
 
     def _gathered_upstream(self, name: str, axis_index: int, hops: int = 8) -> bool:
         """Whether tensor ``name`` was all-gathered on this axis, directly or through views

@@ -56,8 +56,13 @@ class TaskGraph:
         """Append a task to ``stream``; returns its id for use in later ``deps``."""
         self._linked = None
         task_id = len(self.tasks)
-        self.tasks.append(Task(name, stream, max(0.0, duration), [d for d in deps if d is not None], kind))
-        self._streams.setdefault(stream, []).append(task_id)
+        self.tasks.append(Task(name, stream, duration if duration > 0.0 else 0.0,
+                               [d for d in deps if d is not None], kind))
+        order = self._streams.get(stream)
+        if order is None:
+            self._streams[stream] = [task_id]
+        else:
+            order.append(task_id)
         return task_id
 
     def add_dependency(self, task_id: int, dep: int) -> None:

@@ -40,6 +40,7 @@ class Segment:
     host_backward_s: float = 0.0
     host_wait_s: float = 0.0  # of which, forward and backward: the device waiting for the host
     saved_bytes: float = 0.0
+    buffer_bytes: float = 0.0  # the largest transient buffer of one of its ops (NodeCost.buffer_bytes)
     input_bytes: float = 0.0  # floating-point values it reads from other segments
     checkpoint_bytes: float = 0.0  # those of them made in other blocks: what recomputation keeps
     score_bytes: float = 0.0
@@ -190,6 +191,7 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
         segment.saved_bytes += cost.saved_bytes
         segment.axis_sync_s += cost.axis_sync_s
         segment.weight_gather_s += cost.weight_gather_s
+        segment.buffer_bytes = max(segment.buffer_bytes, cost.buffer_bytes)
         for axis, sent in cost.axis_bytes.items():
             segment.axis_bytes[axis] = segment.axis_bytes.get(axis, 0.0) + sent
         if sequence and node.output_meta and len(node.output_meta[0].shape) >= 2 and node.output_meta[0].shape[-2:] == (sequence, sequence):

@@ -102,6 +102,13 @@ class RecentlyCosted:
         """The latest entry whose plan differs from ``key``'s at most in its MoE layouts."""
         return self.by_dense.get(same_but_layouts(key))
 
+    def clear(self) -> None:
+        """Forget every plan costed so far (both indexes): the next ``Simulator`` of any plan
+        costs every node afresh. Clearing ``entries`` alone leaves ``by_dense``, which
+        hands a plan simulated before its node costs all the same."""
+        self.entries.clear()
+        self.by_dense.clear()
+
     def put(self, key: tuple, costed: Costed) -> None:
         self.entries[key] = costed
         self.by_dense[same_but_layouts(key)] = costed

@@ -34,9 +34,11 @@ How a plan becomes a simulated step (FlexFlow's simulator, Daydream's task graph
    communication buffers.
 
 Delta simulation (for MCMC): ``Simulator.replace(node, strategy)`` re-costs only that node,
-its consumers and the readers whose shared resharding moves, rebuilds only the segments
-holding them, then re-runs the schedule (``Simulator.assign`` re-costs without re-running, for
-moves of several nodes).
+its consumers, the readers whose shared resharding moves and those that look past views at
+it (``NodeCosts.reassign``), rebuilds only the segments holding them, keeps what crosses the
+pipeline's stage boundaries unless a stage or output placement changed, then re-runs the
+schedule (``Simulator.assign`` re-costs without re-running, for moves of several nodes). It
+gives exactly what a fresh simulation gives (tests/test_delta_simulation.py).
 
 The parts live in their own modules and share no state: ``Simulator`` builds one
 ``StepContext`` (``cost_model.step_context``: the plan's facts, the current strategies) and
@@ -66,7 +68,7 @@ from cost_model.recompute import activation_bytes, backward_comm, backward_time
 from cost_model.segments import Segment, SegmentMembers, SegmentProfile, build_segments, refresh_segments, segment_members
 from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, graph_facts
 from cost_model.step_context import StepContext
-from cost_model.step_memory import bytes_per_axis, stage_memory
+from cost_model.step_memory import bytes_per_axis, pipeline_boundary_bytes, stage_memory
 from cost_model.step_tasks import StepTasks
 from planner.graph import OpGraph
 from planner.strategy import DUALPIPE, RECOMPUTE_MODES, CostParts, ExpertLayout, NodeStrategy, SimResult, TimelineEvent
@@ -109,6 +111,12 @@ class Simulator:
         self.node_costs = NodeCosts(self.context, facts.kept, facts.signature, self.contributors)
         self._layout: SegmentMembers | None = None  # which nodes form which segment, once asked
         self._segment_list: list[Segment] | None = None  # until a strategy changes
+        # Forward and backward FLOPs of the model: the graph's, whatever the strategies (summed
+        # once here, not on every delta re-simulation).
+        self.model_flops = 3.0 * graph.total_flops
+        # What each pipeline boundary carries (step_memory.pipeline_boundary_bytes, which reads
+        # every node): kept until a node's stage or output placements change.
+        self._boundary_bytes: list[tuple[float, float]] | None = None
         key = costing_key(plan, graph, self.context.micro_batches) if contributors is None else None
         costed = RECENTLY_COSTED.get(key) if key is not None else None
         if costed is not None:
@@ -170,12 +178,12 @@ class Simulator:
         no_comm = tasks.run(scale={"comm": 0.0, "tp_comm": 0.0, "p2p": 0.0})
         critical = max(busy, key=busy.get)
         stage_memories = tuple(
-            stage_memory(context, self.contributors, self.costs, stage, per_device[f"stage {stage}"])
+            stage_memory(context, self.contributors, stage, per_device[f"stage {stage}"])
             for stage in range(context.pp)
         )
         peak = max(stage_memories, key=lambda m: m.total)
         samples = plan.batch_size / step if step else 0.0
-        model_flops = 3.0 * context.graph.total_flops
+        model_flops = self.model_flops
         tflops = model_flops / step / context.cluster.world_size / 1e12 if step else 0.0
         peak_flops = context.device.flops_for(PRECISIONS[plan.precision][0])
         result = SimResult(
@@ -191,7 +199,7 @@ class Simulator:
             model_flops=model_flops,
             tflops_per_device=tflops,
             mfu=tflops * 1e12 / peak_flops if peak_flops else 0.0,
-            bytes_per_axis=bytes_per_axis(context, self.contributors, segments),
+            bytes_per_axis=bytes_per_axis(context, self.contributors, segments, self._pipeline_boundary_bytes()),
             bubble_fraction=max(0.0, 1 - busy[critical] / no_comm) if no_comm else 0.0,
             host_wait_s=sum(segment.host_wait_s for segment in per_device[critical]) * context.micro_batches,
             timeline=timeline,
@@ -218,6 +226,14 @@ class Simulator:
             return context.collective("all_reduce", size, "dp") if dp else 0.0
 
         return dualpipe_result(twin, forward, backward, context.micro_batches, synced, context.device, reduce_gradients)
+
+    def _pipeline_boundary_bytes(self) -> list[tuple[float, float]] | None:
+        """``pipeline_boundary_bytes`` of the current strategies (None without a pipeline)."""
+        if self.context.pp == 1:
+            return None
+        if self._boundary_bytes is None:
+            self._boundary_bytes = pipeline_boundary_bytes(self.context)
+        return self._boundary_bytes
 
     def step_lower_bound(self) -> float:
         """Seconds the step takes at least, before scheduling it: the busiest (virtual)
@@ -315,6 +331,9 @@ class Simulator:
         schedule: a move of several nodes (or its undo) runs once, after its last change."""
         old = self.context.strategies[node_name]
         self.context.strategies[node_name] = strategy
+        if old.stage != strategy.stage or old.outputs != strategy.outputs:
+            # The boundaries carry this node's output, or its inputs now cross another one.
+            self._boundary_bytes = None
         recosted = self.node_costs.reassign(node_name, old)
         if self._segment_list is not None:
             # Only the segments holding a re-costed node, or reading the changed node's

@@ -6,7 +6,6 @@ buffers; and the bytes each mesh axis carries. Functions of the ``StepContext``.
 
 from __future__ import annotations
 
-from cost_model.node_costs import NodeCost
 from cost_model.parameter_bytes import FP32_GRADIENT_BYTES, PARAM_BYTES
 from cost_model.recompute import activation_bytes
 from cost_model.schedules import schedule as pipeline_schedule
@@ -35,8 +34,8 @@ def optimizer_state_bytes(context: StepContext, segments: list[Segment], shardin
     return (shardable / sharding.states + elements - shardable) * (weights + grads + states)
 
 
-def stage_memory(context: StepContext, contributors: tuple[StepContributor, ...], costs: dict[str, NodeCost],
-                 stage: int, segments: list[Segment]) -> MemoryBreakdown:
+def stage_memory(context: StepContext, contributors: tuple[StepContributor, ...], stage: int,
+                 segments: list[Segment]) -> MemoryBreakdown:
     """Peak memory of one device of pipeline stage ``stage``, which runs ``segments``."""
     plan = context.plan
     weight_b, grad_b, state_b = PARAM_BYTES[plan.precision]
@@ -71,7 +70,7 @@ def stage_memory(context: StepContext, contributors: tuple[StepContributor, ...]
     # copies) its experts' gathered weights and those of the layer prefetched.
     comm += max((layer.buffer_bytes + 2 * layer.gathered_bytes for layer in context.moe_layers.values()), default=0.0)
     # One op runs at a time: the largest transient buffer of one (a SUMMA matmul's blocks).
-    comm += max((costs[name].buffer_bytes for segment in segments for name in segment.nodes), default=0.0)
+    comm += max((segment.buffer_bytes for segment in segments), default=0.0)
     return MemoryBreakdown(
         weights=int(weights + buffers_state),
         gradients=int(grads),
@@ -144,8 +143,10 @@ def pipeline_boundary_bytes(context: StepContext) -> list[tuple[float, float]]:
 
 
 def bytes_per_axis(context: StepContext, contributors: tuple[StepContributor, ...],
-                   segments: list[Segment]) -> dict[str, float]:
-    """Bytes a device of the busiest stage sends per step, by mesh axis."""
+                   segments: list[Segment], boundaries: list[tuple[float, float]] | None = None) -> dict[str, float]:
+    """Bytes a device of the busiest stage sends per step, by mesh axis. ``boundaries``:
+    ``pipeline_boundary_bytes(context)`` where the caller has it already (it reads every
+    node: a delta re-simulation keeps it while no stage or output placement changes)."""
     totals: dict[str, float] = {}
     by_stage: dict[int, dict[str, float]] = {}
     for segment in segments:
@@ -155,7 +156,9 @@ def bytes_per_axis(context: StepContext, contributors: tuple[StepContributor, ..
         for contributor in contributors:  # the data-parallel flavour's gathers and reductions
             contributor.add_axis_bytes(context, segment, stage_totals)
     if context.pp > 1:
-        for boundary, (forward, backward) in enumerate(pipeline_boundary_bytes(context)):
+        if boundaries is None:
+            boundaries = pipeline_boundary_bytes(context)
+        for boundary, (forward, backward) in enumerate(boundaries):
             # The sender of the activations is stage k's device; stage k+1's device
             # sends their gradients back.
             for device, sent in ((boundary % context.pp, forward), ((boundary + 1) % context.pp, backward)):

@@ -579,7 +579,7 @@ def test_reused_node_costs_give_what_costing_afresh_gives(gpt8):
         variant = dataclasses.replace(plan, **changes)
         assert costing_key(variant, graph, plan.pipeline.micro_batches) in RECENTLY_COSTED.entries
         reused = simulated(variant, graph)
-        RECENTLY_COSTED.entries.clear()
+        RECENTLY_COSTED.clear()  # both indexes: cost every node afresh
         fresh = simulated(variant, graph)
         assert reused.estimate == fresh.estimate and reused.strategies == fresh.strategies
         assert reused.estimate != plan.estimate  # the variant does change the step or memory
