@@ -12,7 +12,7 @@ from cost_model.recompute import activation_bytes
 from cost_model.schedules import schedule as pipeline_schedule
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
-from cost_model.step_contributor import ParameterSharding, StepContributor
+from cost_model.step_contributor import ParameterSharding, StepContributor, overriding
 from planner.device_groups import rank_devices
 from planner.strategy import MemoryBreakdown
 
@@ -23,8 +23,8 @@ def fullest_rank_memory(context: StepContext, contributors: tuple[StepContributo
     the breakdown of the rank whose memory fills the largest fraction of its own device's
     capacity, and that capacity (a rank of a larger device may hold more and still fit);
     else None."""
-    for contributor in contributors:
-        by_rank = contributor.rank_memory(context, costs, memory)
+    for rank_memory in overriding(contributors, "rank_memory"):
+        by_rank = rank_memory(context, costs, memory)
         if by_rank:
             capacities = [device.memory_bytes for device in rank_devices(context.cluster)]
             rank = max(range(len(by_rank)), key=lambda r: (by_rank[r].total / max(capacities[r], 1), -r))
