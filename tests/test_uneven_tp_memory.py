@@ -45,11 +45,12 @@ SPLITS = (
 
 @pytest.fixture(scope="module")
 def gpt_on_mixed() -> tuple:
-    graph, spec, name, cluster = prepare_model(GPT, Cluster.load(REPO / "examples/clusters/mixed.toml"))
-    return graph, spec, name, cluster
+    """The GPT example traced on the mixed cluster: (graph, spec, model name, cluster)."""
+    return prepare_model(GPT, Cluster.load(REPO / "examples/clusters/mixed.toml"))
 
 
 def split_plan(gpt_on_mixed, precision: str = "fp32", cluster: Cluster | None = None, splits=SPLITS):
+    """(every op whole on every rank, ``splits`` applied), both simulated."""
     graph, spec, name, mixed = gpt_on_mixed
     base = replicated_plan(graph, cluster or mixed, spec, name, precision)
     return (simulated(base, graph),
@@ -62,6 +63,12 @@ def program_parameter_bytes(rank: int, splits=SPLITS) -> int:
     model, _, _ = GPT.build()
     layers = tuple((s.module, s.kind, s.shares) + ((True,) if s.fused else ()) for s in splits)
     split_linears(model, layers, rank, None)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def program_parameter_bytes_whole() -> int:
+    """Bytes of the parameters of the model whole (one device)."""
+    model, _, _ = GPT.build()
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
@@ -82,13 +89,8 @@ def test_each_rank_holds_its_share_worked_by_hand(gpt_on_mixed) -> None:
     assert program_parameter_bytes(0) == program_parameter_bytes_whole() - 20640 * 4
 
 
-def program_parameter_bytes_whole() -> int:
-    model, _, _ = GPT.build()
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def test_the_rank_nearest_its_own_capacity_is_reported(gpt_on_mixed) -> None:
-    graph, spec, name, mixed = gpt_on_mixed
+    mixed = gpt_on_mixed[3]
     fast, slow = mixed.nodes
     # Fast devices of 16 GiB: a slow rank (32 of each 256) is now the nearest its capacity.
     roomy = dataclasses.replace(fast, device=dataclasses.replace(fast.device, memory_bytes=16 * 2**30))
