@@ -48,7 +48,8 @@ pipelines per device group likewise.
     In (c) the simulator keeps nearly even shares: the gathers over InfiniBand cost more
     than the A100s' smaller slices save, and the H100 node alone is faster: every op outside
     the split linears runs whole on the A100s too. With the MLPs fused:
-    even 326.7 ms, ours 317.1 ms (1.03x), the H100 node alone 156.0 ms.
+    even 326.7 ms, ours 317.1 ms (1.03x), the H100 node alone 156.8 ms (156.0 ms before its batch
+    splits' weight-gradient all-reduces were priced in fp32, as the bf16 program moves them).
 (e) Pipelines with one stage per device group (``planner.families.hetero_pipeline``, Metis):
     on each mix, the family's best plan (blocks balanced by speed and memory, the stage order
     chosen), simulated, against the same configuration with Megatron-LM's even split of the

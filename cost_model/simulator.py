@@ -68,7 +68,7 @@ from cost_model.recompute import activation_bytes, backward_comm, backward_time
 from cost_model.segments import Segment, SegmentMembers, SegmentProfile, build_segments, refresh_segments, segment_members
 from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, graph_facts
 from cost_model.step_context import StepContext
-from cost_model.step_memory import bytes_per_axis, pipeline_boundary_bytes, stage_memory
+from cost_model.step_memory import bytes_per_axis, fullest_rank_memory, pipeline_boundary_bytes, stage_memory
 from cost_model.step_tasks import StepTasks
 from planner.graph import OpGraph
 from planner.strategy import DUALPIPE, RECOMPUTE_MODES, CostParts, ExpertLayout, NodeStrategy, SimResult, TimelineEvent
@@ -182,6 +182,11 @@ class Simulator:
             for stage in range(context.pp)
         )
         peak = max(stage_memories, key=lambda m: m.total)
+        capacity = context.cluster.min_device_memory
+        by_rank = fullest_rank_memory(context, self.contributors, self.costs, peak) if context.pp == 1 else None
+        if by_rank is not None:  # ranks holding uneven shares: the one nearest its own capacity
+            peak, capacity = by_rank
+            stage_memories = (peak,)
         samples = plan.batch_size / step if step else 0.0
         model_flops = self.model_flops
         tflops = model_flops / step / context.cluster.world_size / 1e12 if step else 0.0
@@ -191,7 +196,7 @@ class Simulator:
             compute_s=busy[critical],
             communication_s=max(0.0, step - no_comm),
             memory=peak,
-            device_memory_bytes=context.cluster.min_device_memory,
+            device_memory_bytes=capacity,
             method="simulator",
             stage_memory=stage_memories,
             samples_per_s=samples,

@@ -41,7 +41,10 @@ Hooks (each default adds nothing):
 - Memory and traffic: ``parameter_sharding(context)`` (the first contributor that returns a
   ``ParameterSharding`` owns the weights, gradients and optimizer states),
   ``communication_buffer_bytes(context, segments, elements, weight_bytes, gradient_bytes)``
-  (summed), ``add_axis_bytes(context, segment, totals)`` (adds to one stage's bytes per axis).
+  (summed), ``add_axis_bytes(context, segment, totals)`` (adds to one stage's bytes per axis),
+  ``rank_memory(context, costs, memory)`` (per rank, where the ranks of a plan without
+  pipeline stages hold different amounts: uneven tensor shares; the simulator reports the
+  rank closest to its own device's capacity).
 
 Example: a family that all-reduces every segment's gradients over a ``rep`` axis as soon as
 that segment's backward has produced them (in each backward whose gradients are reduced),
@@ -169,6 +172,13 @@ class StepContributor:
 
     def add_axis_bytes(self, context, segment, totals: dict[str, float]) -> None:
         """Add to ``totals`` (a stage's bytes sent per step, by mesh axis) for ``segment``."""
+
+    def rank_memory(self, context, costs: dict, memory) -> tuple | None:
+        """Per rank in rank order, the ``MemoryBreakdown`` of a plan without pipeline stages
+        whose ranks hold different amounts, from ``memory`` (the simulator's breakdown of one
+        device holding every parameter it reads whole) and ``costs`` (each node's
+        ``NodeCost``); None where every rank holds alike."""
+        return None
 
 
 def overriding(contributors, hook: str) -> tuple:

@@ -11,8 +11,25 @@ from cost_model.recompute import activation_bytes
 from cost_model.schedules import schedule as pipeline_schedule
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
-from cost_model.step_contributor import ParameterSharding, StepContributor
+from cost_model.step_contributor import ParameterSharding, StepContributor, overriding
+from planner.device_groups import rank_devices
 from planner.strategy import MemoryBreakdown
+
+
+def fullest_rank_memory(context: StepContext, contributors: tuple[StepContributor, ...], costs: dict[str, NodeCost],
+                        memory: MemoryBreakdown) -> tuple[MemoryBreakdown, int] | None:
+    """Where a contributor gives each rank its own memory (``StepContributor.rank_memory``):
+    the breakdown of the rank whose memory fills the largest fraction of its own device's
+    capacity, and that capacity (a rank of a larger device may hold more and still fit);
+    else None."""
+    for rank_memory in overriding(contributors, "rank_memory"):
+        by_rank = rank_memory(context, costs, memory)
+        if by_rank:
+            capacities = [device.memory_bytes for device in rank_devices(context.cluster)]
+            rank = max(range(len(by_rank)), key=lambda r: (by_rank[r].total / max(capacities[r], 1), -r))
+            return by_rank[rank], capacities[rank]
+    return None
+
 
 def parameter_sharding(context: StepContext, contributors: tuple[StepContributor, ...]) -> ParameterSharding:
     """How the parameters are sharded: the first contributor's that owns them, else not at all."""

@@ -286,8 +286,9 @@ class SimResult:
         compute_s: busy time of the busiest device's compute stream (collectives excluded).
         communication_s: exposed communication: how much longer the step is than the same
             schedule with every collective free.
-        memory: bytes by kind on the fullest device.
-        device_memory_bytes: capacity of the smallest device.
+        memory: bytes by kind on the fullest device (where ranks hold different amounts,
+            uneven tensor shares: the rank nearest its own device's capacity).
+        device_memory_bytes: capacity of the smallest device (or of that rank's device).
         method: ``"simulator"`` or ``"analytic"``.
         stage_memory: bytes by kind on a device of each pipeline stage.
         samples_per_s, tokens_per_s: throughput (tokens: samples x sequence length, 0 if

@@ -25,6 +25,7 @@ import dataclasses
 import math
 
 from cost_model.compute import op_times
+from cost_model.mixed_precision import reduced_gradient_bytes
 from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.simulator import simulated
 from planner.cluster import Cluster
@@ -84,12 +85,14 @@ def choose_splits(plan: Plan, graph: OpGraph, even: bool = False, allow_whole: b
     nodes = linear_nodes(graph)
     modules = list(nodes)
     cluster, precision = plan.cluster, plan.precision
+    gradient_bytes = reduced_gradient_bytes(plan)  # fp32 gradients in a bf16 program
     solved: dict[tuple, LayerChoice | None] = {}
     singles, whole = [], []
     for module, node in nodes.items():
         key = (tuple(meta.shape for meta in node.input_meta), len(node.params))
         if key not in solved:
-            options = [layer_terms(node, kind, cluster, precision, _caps(fractions, node, kind)) for kind in KINDS]
+            options = [layer_terms(node, kind, cluster, precision, _caps(fractions, node, kind), gradient_bytes)
+                       for kind in KINDS]
             solved[key] = _even_split(options, len(fractions)) if even else best_layer_split(options)
         singles.append(solved[key])
         # Whole on every rank: where every rank holds the layer, or where no split fits.

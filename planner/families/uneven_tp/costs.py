@@ -40,6 +40,7 @@ import math
 
 from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS, op_times
+from cost_model.mixed_precision import reduced_gradient_bytes
 from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.step_contributor import StepContributor
 from planner.cluster import Cluster
@@ -48,6 +49,7 @@ from planner.families.uneven_tp.ratios import KindTerms
 from planner.families.uneven_tp.regions import fusable_groups
 from planner.families.uneven_tp.section import JSON_KEY, LayerSplit
 from planner.graph import OpNode
+from planner.strategy import MemoryBreakdown
 
 
 def _features(node: OpNode) -> tuple[int, int, int, int]:
@@ -72,14 +74,17 @@ def gather_v_seconds(shares_largest: int, slice_bytes: float, cluster: Cluster) 
 
 
 def collective_seconds(node: OpNode, kind: str, largest: int, cluster: Cluster, precision: str,
-                       fused: bool = False) -> tuple[float, float]:
+                       fused: bool = False, gradient_bytes: int | None = None) -> tuple[float, float]:
     """(forward, backward) collective seconds of ``node`` split ``kind`` over all of
     ``cluster``'s ranks, the largest share being ``largest`` (table in the module docstring);
-    ``fused``: a column without its forward gather-v, a row without its backward one."""
+    ``fused``: a column without its forward gather-v, a row without its backward one.
+    ``gradient_bytes``: bytes per element of a batch split's weight-gradient all-reduce
+    (``cost_model.mixed_precision.reduced_gradient_bytes`` of the plan: 4 in a bf16 program,
+    whose weights and gradients stay fp32 under autocast); None: the precision's own."""
     rows, in_features, out_features, batch = _features(node)
     ranks = range(cluster.world_size)
     activation = PRECISIONS[precision][1]
-    gradient = PARAM_BYTES[precision][1]
+    gradient = PARAM_BYTES[precision][1] if gradient_bytes is None else gradient_bytes
 
     def reduce(elements: float, element_bytes: int) -> float:
         return collective_time("all_reduce", elements * element_bytes, cluster, ranks)
@@ -103,12 +108,14 @@ def rank_seconds(node: OpNode, kind: str, shares, devices, precision: str) -> li
     return [op_times(node, share / dim, device, precision) for share, device in zip(shares, devices)]
 
 
-def layer_seconds(node: OpNode, split: LayerSplit, cluster: Cluster, precision: str) -> tuple[float, float, float, float]:
+def layer_seconds(node: OpNode, split: LayerSplit, cluster: Cluster, precision: str,
+                  gradient_bytes: int | None = None) -> tuple[float, float, float, float]:
     """``(forward_s, backward_s, forward_comm_s, backward_comm_s)`` of one step of ``node``
-    split as ``split``: the slowest rank's compute and the collectives (module docstring)."""
+    split as ``split``: the slowest rank's compute and the collectives (module docstring;
+    ``gradient_bytes``: as ``collective_seconds``)."""
     times = rank_seconds(node, split.kind, split.shares, rank_devices(cluster), precision)
     forward_comm, backward_comm = collective_seconds(node, split.kind, max(split.shares), cluster, precision,
-                                                     split.fused)
+                                                     split.fused, gradient_bytes)
     return max(t[0] for t in times), max(t[1] for t in times), forward_comm, backward_comm
 
 
@@ -129,16 +136,17 @@ def _rank_lines(seconds_at, devices, dim: int) -> tuple[tuple[float, ...], tuple
     return tuple(fixed), tuple(unit), even, high
 
 
-def layer_terms(node: OpNode, kind: str, cluster: Cluster, precision: str, caps: tuple[int, ...]) -> KindTerms:
+def layer_terms(node: OpNode, kind: str, cluster: Cluster, precision: str, caps: tuple[int, ...],
+                gradient_bytes: int | None = None) -> KindTerms:
     """``node``'s cost split ``kind`` as lines in the shares (``ratios.KindTerms``): each rank's
     forward plus backward seconds (``_rank_lines``), the collectives through the even and the
-    whole largest share."""
+    whole largest share (``gradient_bytes``: as ``collective_seconds``)."""
     devices = rank_devices(cluster)
     dim = split_dimension(node, kind)
     fixed, unit, even, _ = _rank_lines(lambda device, share: sum(op_times(node, share / dim, device, precision)),
                                        devices, dim)
-    low_comm = sum(collective_seconds(node, kind, even, cluster, precision))
-    whole_comm = sum(collective_seconds(node, kind, dim, cluster, precision))
+    low_comm = sum(collective_seconds(node, kind, even, cluster, precision, gradient_bytes=gradient_bytes))
+    whole_comm = sum(collective_seconds(node, kind, dim, cluster, precision, gradient_bytes=gradient_bytes))
     per_max = max((whole_comm - low_comm) / (dim - even), 0.0) if dim > even else 0.0
     return KindTerms(kind, dim, fixed, unit, caps, max(0.0, low_comm - even * per_max), per_max)
 
@@ -198,9 +206,9 @@ class UnevenTensorStep(StepContributor):
     """The costs part of the ``uneven-tp`` family (``planner.families``): on a plan with an
     ``"uneven-tp"`` section every split linear is priced by ``layer_seconds`` and every other
     op whole on the slowest device, without DTensor's dispatch (the program runs plain
-    tensors). Weights, gradients and states are counted whole on every rank (the simulator's
-    memory is an upper bound for a column or row split; the section's report gives each
-    rank's share)."""
+    tensors). Each rank's memory holds its share of each column or row split's weights,
+    gradients and optimizer states, and of the activations split between fused layers
+    (``rank_memories``); the plan reports the rank nearest its own device's capacity."""
 
     def node_cost(self, context, node, strategy, cost) -> None:
         if node.is_view:
@@ -216,4 +224,75 @@ class UnevenTensorStep(StepContributor):
             cost.forward_s, cost.backward_s = whole_op_seconds(node, plan.cluster, plan.precision)
             return
         cost.forward_s, cost.backward_s, cost.forward_comm_s, cost.backward_comm_s = layer_seconds(
-            node, split, plan.cluster, plan.precision)
+            node, split, plan.cluster, plan.precision, reduced_gradient_bytes(plan))
+
+    def rank_memory(self, context, costs, memory) -> tuple[MemoryBreakdown, ...]:
+        """Each rank's memory (``rank_memories``)."""
+        return rank_memories(context, costs, memory)
+
+
+def rank_memories(context, costs, memory: MemoryBreakdown) -> tuple[MemoryBreakdown, ...]:
+    """Per rank, ``memory`` (the simulator's breakdown, every weight whole and every
+    activation whole-size) less what the compiled program (``runtime.UnevenLinear``) does not
+    hold on that rank:
+
+    - weights, gradients and optimizer states: a ``column`` split keeps the rank's ``s_r``
+      of the ``o`` output rows of the weight and bias, a ``row`` split its ``s_r`` of the
+      ``i`` input columns of the weight (the bias whole), a ``batch`` split everything;
+    - activations: a fused column's output and the elementwise ops' between it and the
+      fused row are the rank's ``s_r / D`` slice; a row or batch split that is not fused
+      saves its slice of the input (``scatter_uneven``'s copy) for backward, and the whole
+      input stays held only where another reader keeps it: where the layer is the only
+      reader of the input (through views), the slice replaces it, else it is added.
+    """
+    plan, graph = context.plan, context.graph
+    section = plan.sections[JSON_KEY]
+    weight_b, grad_b, state_b = PARAM_BYTES[plan.precision]
+    ranks = len(section.layers[0].shares)
+    dropped = [0.0] * ranks  # parameter elements rank r does not hold
+    freed = [0.0] * ranks  # activation bytes rank r does not hold (negative: holds more)
+    nodes = {node.module: node for node in graph.nodes if node.op == "aten.linear.default"}
+    for split in section.layers:
+        node = nodes[split.module]
+        dim = split_dimension(node, split.kind)
+        for index, param in enumerate(node.params):
+            numel = math.prod(graph.parameters[param].shape)
+            if split.kind == "column" or (split.kind == "row" and index == 0):
+                for rank, share in enumerate(split.shares):
+                    dropped[rank] += numel * (1 - share / dim)
+        if split.fused and split.kind == "column":
+            _add_saved_slice(freed, costs[node.name].saved_bytes, split.shares, dim)
+        elif split.kind in ("row", "batch") and not split.fused:
+            _add_input_slice(freed, context, costs, node, split.shares, dim)
+    for name, (shares, dim) in split_ops(graph, section).items():
+        _add_saved_slice(freed, costs[name].saved_bytes, shares, dim)
+    return tuple(MemoryBreakdown(
+        weights=int(memory.weights - dropped[rank] * weight_b),
+        gradients=int(memory.gradients - dropped[rank] * grad_b),
+        optimizer_states=int(memory.optimizer_states - dropped[rank] * state_b),
+        activations=int(max(0.0, memory.activations - freed[rank])),
+        communication_buffers=memory.communication_buffers,
+    ) for rank in range(ranks))
+
+
+def _add_saved_slice(freed: list[float], saved_bytes: float, shares, dim: int) -> None:
+    """A tensor of ``saved_bytes`` held whole in the simulation, of which rank r holds ``s_r / dim``."""
+    for rank, share in enumerate(shares):
+        freed[rank] += saved_bytes * (1 - share / dim)
+
+
+def _add_input_slice(freed: list[float], context, costs, node: OpNode, shares, dim: int) -> None:
+    """A row or batch split's saved input slice (``rank_memories``)."""
+    reader, source = node.name, node.inputs[0]
+    producer = context.nodes.get(source)
+    # Back through views read by nothing else (a reshape before the layer) to the op whose
+    # output the simulator counted: the layer its only reader, the program keeps only the slice.
+    while producer is not None and context.consumers.get(source, []) == [reader] and producer.is_view:
+        reader, source = source, producer.inputs[0]
+        producer = context.nodes.get(source)
+    if producer is not None and context.consumers.get(source, []) == [reader] and source in costs:
+        _add_saved_slice(freed, costs[source].saved_bytes, shares, dim)
+        return
+    whole = node.input_meta[0].nbytes * context.activation_scale / context.micro_batches
+    for rank, share in enumerate(shares):
+        freed[rank] -= whole * share / dim
