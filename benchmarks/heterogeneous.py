@@ -10,6 +10,7 @@ pipelines per device group likewise.
     python benchmarks/heterogeneous.py --tensor-parallel  # (c) and (d) only
     python benchmarks/heterogeneous.py --links      # (g) only: links per pair, collectives over sites
     python benchmarks/heterogeneous.py --widths     # (h) only: pipeline stages of different widths
+    python benchmarks/heterogeneous.py --accpar     # (i) only: ACCPAR's own setting, about 5 minutes
 
 (a) Simulated step of each mix: the even data-parallel plan (every rank B/dp samples, the step
     waits for the slowest device), the same flavour on the fastest devices alone (the others
@@ -70,6 +71,14 @@ pipelines per device group likewise.
     the fast devices alone (``soap (tp=2)``, DTensor) 1.04x predicted, 1.28x measured
     (DTensor's dispatch per op, not in the placeholder figures, is stretched with the op).
 (g), (h): ``benchmarks/heterogeneous_links.py`` (its docstring says what each row compares).
+(i) ACCPAR's own setting (``benchmarks/heterogeneous_accpar.py``, ``examples/clusters/accpar-tpu.toml``):
+    64 TPU-v2 + 64 TPU-v3 chips, batch 512, bf16, VGG-16 and a CNN; even data parallelism,
+    uneven data parallelism, uneven-tp with even and with speed shares, the search's pick and
+    the TPU-v3 half alone, beside the paper's reported average speed-ups (OWT 2.98x, HyPar
+    3.78x, ACCPAR 6.30x over data parallelism). On VGG-16 the search's pick (ZeRO-2 with 2 or 6
+    samples per chip) is predicted 1.83x faster than even data parallelism, uneven data
+    parallelism alone 1.26x; uneven-tp 0.02x: it splits only the classifier's linears and runs
+    every convolution on all 512 images on every chip, where ACCPAR splits convolutions too.
 """
 
 from __future__ import annotations
@@ -346,8 +355,14 @@ def main() -> None:
     parser.add_argument("--pipelines", action="store_true", help="(e) only: pipelines per device group")
     parser.add_argument("--links", action="store_true", help="(g) only: links per pair, collectives over sites")
     parser.add_argument("--widths", action="store_true", help="(h) only: pipeline stages of different widths")
+    parser.add_argument("--accpar", action="store_true", help="(i) only: ACCPAR's own setting (TPU-v2 + TPU-v3)")
     options = parser.parse_args()
     steps = None if options.simulated else max(3, options.steps)
+    if options.accpar:
+        from heterogeneous_accpar import accpar_rows  # this folder: benchmarks/
+
+        accpar_rows()
+        return
     if options.links or options.widths:
         from heterogeneous_links import site_rows, width_rows  # this folder: benchmarks/
 

@@ -8,7 +8,9 @@ processes, world 4 on ``examples/clusters/mixed.toml`` (two fast, two slow devic
   3/2/2/1 of the 8 rows, column and row at shares that do not divide evenly), the CNN (its
   classifier's linears fused around the relu, the convolutions whole) and a tiny
   HuggingFace Llama (bias-free projections; its MLPs fused: gate and up columns, silu and
-  mul on the slices, down a row). Every gather is the unpadded all-gather-v.
+  mul on the slices, down a row) and a tiny VGG whose classifier.3 is the column of one
+  fused group and the row of the group before it, left unfused (``vgg_second_group``).
+  Every gather is the unpadded all-gather-v.
 - Checkpoints: a step of the uneven-tp program (every kind), resumed for one on the even
   DDP program of the same model, then one more on the uneven-tp one again: each rank saves
   its slices under the model's parameter names (``codegen.runtime.derived_checkpoint``).
@@ -75,12 +77,26 @@ def llama_split() -> planner.Plan:
     return dataclasses.replace(plan, sections={"uneven-tp": UnevenTpSection(tuple(layers))})
 
 
+def vgg_second_group() -> planner.Plan:
+    """A tiny VGG on the mixed cluster: classifier.1 a row split (16 inputs), then its second
+    fusable group fused (classifier.3 column, the relu, classifier.5 row: 32 features) at
+    shares that divide unevenly; classifier.3 is also the row of the first group, not fused."""
+    spec = ModelSpec(str(Path(__file__).resolve().parents[1] / "examples/vgg.py"),
+                     {"width": 2, "hidden": 32, "image_size": 32, "batch_size": 4, "num_classes": 8})
+    graph, spec, name, cluster = prepare_model(spec, Cluster.load(MIXED))
+    plan = uneven_tp_plan(graph, cluster, spec, name, "fp32", allow_whole=False)
+    shares = (13, 11, 5, 3)
+    layers = (LayerSplit("classifier.1", "row", (7, 5, 3, 1)), LayerSplit("classifier.3", "column", shares, fused=True),
+              LayerSplit("classifier.5", "row", shares, fused=True))
+    return dataclasses.replace(plan, sections={"uneven-tp": UnevenTpSection(layers)})
+
+
 @pytest.mark.distributed
 def test_uneven_tp_programs_match_one_device(tmp_path) -> None:
     gpt = accpar_plan(GPT)
     folders = [planner.compile(plan, tmp_path / name) for name, plan in (
         ("gpt", gpt), ("gpt-every-kind", every_kind(gpt)), ("cnn", accpar_plan(CNN, allow_whole=False)),
-        ("llama", llama_split()),
+        ("llama", llama_split()), ("vgg", vgg_second_group()),
     )]
     # The program lists each layer's kind and shares; plan strings enter it through repr() only.
     source = (folders[1] / "model_spmd.py").read_text()

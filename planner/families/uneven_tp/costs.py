@@ -46,8 +46,7 @@ from cost_model.step_contributor import StepContributor
 from planner.cluster import Cluster
 from planner.device_groups import rank_devices
 from planner.families.uneven_tp.ratios import KindTerms
-from planner.families.uneven_tp.regions import fusable_groups
-from planner.families.uneven_tp.section import JSON_KEY, LayerSplit
+from planner.families.uneven_tp.section import JSON_KEY, LayerSplit, complete_fused_groups
 from planner.graph import OpNode
 from planner.strategy import MemoryBreakdown
 
@@ -191,11 +190,10 @@ def split_ops(graph, section) -> dict[str, tuple[tuple[int, ...], int]]:
     found = _SPLIT_OPS.get(key)
     if found is not None and found[0] is graph and found[1] == section:
         return found[2]
-    fused = {layer.module: layer for layer in section.layers if layer.fused}
+    rows = {layer.module: layer for layer in section.layers if layer.fused and layer.kind == "row"}
     ops = {}
-    for group in fusable_groups(graph):
-        if group.row in fused:
-            ops.update({name: (fused[group.row].shares, group.dim) for name in group.between})
+    for group in complete_fused_groups(graph, section.layers):  # not a group whose row is another's column
+        ops.update({name: (rows[group.row].shares, group.dim) for name in group.between})
     if len(_SPLIT_OPS) > 8:
         _SPLIT_OPS.clear()
     _SPLIT_OPS[key] = (graph, section, ops)

@@ -148,23 +148,23 @@ class UnevenTpSection:
 
     def _check_fused(self, graph) -> None:
         """Every fused layer in a fusable group (``regions.py``) whose layers are all fused,
-        columns as column splits and the row as a row split, at the same shares."""
-        fused = {layer.module: layer for layer in self.layers if layer.fused}
+        columns as column splits and the row as a row split, at the same shares. A layer may
+        sit in two groups (the row of one and the column of the next, as in a chain of
+        linears with ReLUs between): it must complete one of them."""
+        fused = [layer.module for layer in self.layers if layer.fused]
         if not fused:
             return
+        covered = {module for group in complete_fused_groups(graph, self.layers) for module in group.modules}
+        left = [module for module in fused if module not in covered]
+        if not left:
+            return
         for group in fusable_groups(graph):
-            members = [fused.pop(module, None) for module in group.modules]
-            if not any(members):
-                continue
-            kinds = ["column"] * len(group.columns) + ["row"]
-            if (not all(members) or [m.kind for m in members] != kinds
-                    or len({m.shares for m in members}) != 1):
+            if any(module in group.modules for module in left):
                 raise ValueError(f"field '{JSON_KEY}.layers' fuses part of the group {', '.join(group.columns)} -> "
                                  f"{group.row}: fuse all of them, {group.row!r} as a row split and the others as "
                                  f"column splits, at the same shares, or drop 'fused'")
-        if fused:
-            raise ValueError(f"field '{JSON_KEY}.layers' fuses {next(iter(fused))!r}, whose activation cannot stay "
-                             f"split (ops between it and the next split layer are not elementwise); drop 'fused'")
+        raise ValueError(f"field '{JSON_KEY}.layers' fuses {left[0]!r}, whose activation cannot stay "
+                         f"split (ops between it and the next split layer are not elementwise); drop 'fused'")
 
     def layer(self, module: str) -> LayerSplit | None:
         """The split of ``module``, or None when it runs whole on every rank."""
@@ -217,3 +217,16 @@ class UnevenTpSection:
 def _shown(value: Any) -> str:
     """``value`` as a message quotes it: one line, at most 40 characters."""
     return one_line(repr(value))[:40]
+
+
+def complete_fused_groups(graph, layers) -> tuple:
+    """The fusable groups (``regions.fusable_groups``) of ``graph`` that ``layers`` fuse whole:
+    every column a fused column split and the row a fused row split, all at the same shares."""
+    fused = {layer.module: layer for layer in layers if layer.fused}
+    complete = []
+    for group in fusable_groups(graph):
+        members = [fused.get(module) for module in group.modules]
+        kinds = ["column"] * len(group.columns) + ["row"]
+        if all(members) and [m.kind for m in members] == kinds and len({m.shares for m in members}) == 1:
+            complete.append(group)
+    return tuple(complete)
