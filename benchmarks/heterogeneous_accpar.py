@@ -109,7 +109,8 @@ def accpar_rows() -> None:
                   f"{'' if estimate.fits else ' (does not fit)'} (compute {estimate.compute_s * 1e3:.1f}, exposed "
                   f"communication {estimate.communication_s * 1e3:.1f}), {baseline / estimate.step_time_s:5.2f}x "
                   f"data parallelism{_shares(plan)}", flush=True)
-    print("  the paper's averages over its models (abstract), against its data parallelism: "
+    print("  the paper's averages over its models (its abstract as recalled; the copies reachable here cut off "
+          "before the figures: check them), against its data parallelism: "
           + ", ".join(f"{label} {value:.2f}x" for label, value in PAPER_SPEEDUPS))
     print("  where they differ: our uneven-tp splits only linear layers (every convolution runs on the whole\n"
           "  batch on every chip), ACCPAR splits convolutions too; its cost model is FLOPs over peak rate plus\n"
