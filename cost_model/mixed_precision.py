@@ -78,6 +78,17 @@ def gathered_weight_bytes(plan) -> int:
     return PARAM_BYTES[plan.precision][0]
 
 
+def unwrapped_collective_bytes(precision: str) -> tuple[int, int]:
+    """(weight-gather bytes, gradient-reduction bytes) per element for a program of the
+    planner's own whose weights sit in no FSDP2 unit (pipeline stages, graph programs), by
+    precision alone, for estimates made before a plan exists (``search.pipeline_step``):
+    fp32 both in bf16, as ``gathered_weight_bytes`` and ``reduced_gradient_bytes`` price
+    such a plan, else the precision's own."""
+    if precision == "bf16":
+        return PARAM_BYTES["fp32"][0], FP32_GRADIENT_BYTES
+    return PARAM_BYTES[precision][0], PARAM_BYTES[precision][1]
+
+
 def reduced_gradient_bytes(plan) -> int:
     """Bytes per element that a gradient reduction moves, before what a pipeline's or
     Megatron's own buffers decide (``StepContext.reduced_gradient_bytes``): fp32 for every

@@ -24,6 +24,7 @@ from cost_model import defaults
 from cost_model.collectives import collective_time
 from cost_model.compute import optimizer_step_time
 from cost_model.dualpipe_step import paired_stage, schedule_times, second_stage_tail
+from cost_model.mixed_precision import unwrapped_collective_bytes
 from cost_model.parameter_bytes import bytes_per_parameter
 from cost_model.segments import SegmentProfile
 from planner.cluster import Cluster
@@ -104,6 +105,9 @@ class StepPricing:
             compute += 2 * (len(stage_times) - 1) * hop  # activations forward, gradients back
         profiles = self.profile(config)
         weights, grads, states = bytes_per_parameter(self.precision)
+        # What the collectives move: a pipeline program's weights and gradients stay fp32 under
+        # bf16 autocast (cost_model.mixed_precision), whatever the memory split above says.
+        gathered, reduced = unwrapped_collective_bytes(self.precision)
         dp, flavour = config.dp, config.flavour
         shard = dp if flavour in ("zero1", "zero2", "fsdp") else 1
         tail = 0.0
@@ -121,18 +125,19 @@ class StepPricing:
             if dp > 1 and flavour == "fsdp":
                 # Each segment's gradients are reduce-scattered after its last backward:
                 # the first segment's is left when the backward ends.
-                first = members[0].synced_elements * grads if members else 0.0
+                first = members[0].synced_elements * reduced if members else 0.0
                 after += self.dp_collective("reduce_scatter", first, config)
             elif dp > 1:
                 # A graph program reduces each parameter's gradient in its own collective
                 # during the last backward, which hides about its backward share (two thirds
                 # of a micro-batch's time).
-                reduce = sum(self.dp_collective("all_reduce", size * grads, config) for p in members for size in p.synced_tensors)
+                reduce = sum(self.dp_collective("all_reduce", size * reduced, config)
+                             for p in members for size in p.synced_tensors)
                 after += max(0.0, reduce - device_times[device] * 2 / 3)
                 if flavour == "zero1":
                     # ShardedStatesOptimizer: one all-gather per sliced weight, one after
                     # another (as the simulator's step tasks, cost_model.data_parallel_step).
-                    after += sum(self.dp_collective("all_gather", size * weights, config)
+                    after += sum(self.dp_collective("all_gather", size * gathered, config)
                                  for p in members for size in p.zero1_gathered_tensors(dp))
             if config.schedule == DUALPIPE:
                 after += self._second_stage_tail(profiles, slicing, paired_stage(device, pp), config)
@@ -149,7 +154,7 @@ class StepPricing:
         own = sum(p.per_rank_elements for p in members)
         shared = sum(p.param_elements for p in members) - own
         state = (shared / shard + own) * (weights + grads + states)
-        synced = sum(p.synced_elements for p in members) * grads
+        synced = sum(p.synced_elements for p in members) * unwrapped_collective_bytes(self.precision)[1]
         return second_stage_tail(synced, state, self.device,
                                  lambda size: self.dp_collective("all_reduce", size, config) if config.dp > 1 else 0.0)
 

@@ -14,7 +14,7 @@ from planner.families import Family
 
 FAMILIES = (
     Family(
-        "pipeline", "pipeline stages on a pp axis (1F1B, interleaved; DualPipe simulated only)", lambda plan: plan.pipeline is not None,
+        "pipeline", "pp stages: 1F1B, interleaved; DualPipe (simulated only)", lambda plan: plan.pipeline is not None,
         axes=("pp",), candidates="search.pipeline_candidates:pipeline_candidates", search_order=50,
         emitter="codegen.pipeline_emit:compile_pipeline_plan", claims=lambda plan: plan.pipeline is not None,
         emit_order=20, report="planner.pipeline_report:pipeline_section",
