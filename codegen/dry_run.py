@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from planner.model_spec import extract_loss
+from planner.model_loss import extract_loss
 from planner.plans import Plan
 
 _FILENAME = "<model_spmd dry run>"

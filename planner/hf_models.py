@@ -13,7 +13,7 @@ downloaded) and the Auto class that fits the config's task, tried in this order:
   ``pixel_values`` (``num_channels`` x ``image_size`` x ``image_size``, from the config) and
   class ``labels`` below ``num_labels``;
 - anything else: ``AutoModel`` with ``input_ids`` (its loss is a surrogate, see
-  ``planner.model_spec.extract_loss``).
+  ``planner.model_loss.extract_loss``).
 
 Encoders such as BERT are in both LM mappings (their causal head is a decoder variant that
 warns without ``is_decoder``); for them the masked LM, their usual objective, comes first.

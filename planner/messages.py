@@ -31,3 +31,11 @@ def did_you_mean(key: str, names: Iterable[str]) -> str:
 def settings_text(overrides: Mapping[str, Any]) -> str:
     """``"a=1, b='x'"``, or ``"no overrides"``."""
     return ", ".join(f"{key}={value!r}" for key, value in overrides.items()) or "no overrides"
+
+
+def value_kind(value: Any) -> str:
+    """What a value is, for a message: ``a tuple (Tensor, dict)``, ``a NoneType``."""
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(type(item).__name__ for item in value[:4])
+        return f"a {type(value).__name__} ({inner}{', ...' if len(value) > 4 else ''})"
+    return f"a {type(value).__name__}"

@@ -30,7 +30,6 @@ the planner), and imports ``transformers`` only when an ``hf:`` spec is built.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import importlib.util
 import inspect
@@ -48,7 +47,7 @@ import torch
 from torch import nn
 
 from planner.errors import SpecError, one_line
-from planner.messages import did_you_mean, exception_line, settings_text
+from planner.messages import did_you_mean, exception_line, settings_text, value_kind
 
 OverrideScalar = Union[int, float, bool, str]
 # A value, or a list of values (a tuple once checked, e.g. a vision config's depths).
@@ -458,19 +457,19 @@ def _normalise_result(result: Any, where: str) -> tuple[nn.Module, tuple, dict]:
     expected = "(nn.Module, tuple | list | dict)"
     if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
         raise SpecError(
-            f"{where} returned {_kind(result)}; a factory must return {expected}, e.g. `return model, (x, y)`"
+            f"{where} returned {value_kind(result)}; a factory must return {expected}, e.g. `return model, (x, y)`"
         )
     model = result[0]
     if not isinstance(model, nn.Module):
         raise SpecError(
-            f"{where} returned {_kind(model)} as the model; "
+            f"{where} returned {value_kind(model)} as the model; "
             f"return an nn.Module first, as {expected}"
         )
     if len(result) == 3:
         args, kwargs = result[1], result[2]
         if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
             raise SpecError(
-                f"{where} returned ({_kind(model)}, {_kind(args)}, {_kind(kwargs)}); "
+                f"{where} returned ({value_kind(model)}, {value_kind(args)}, {value_kind(kwargs)}); "
                 f"a triple must be (nn.Module, tuple, dict)"
             )
     elif isinstance(result[1], dict):
@@ -479,7 +478,7 @@ def _normalise_result(result: Any, where: str) -> tuple[nn.Module, tuple, dict]:
         args, kwargs = result[1], {}
     else:
         raise SpecError(
-            f"{where} returned {_kind(result[1])} as the inputs; "
+            f"{where} returned {value_kind(result[1])} as the inputs; "
             f"return them as a tuple, e.g. `return model, (x,)`"
         )
     bad_keys = [key for key in kwargs if not isinstance(key, str)]
@@ -536,78 +535,3 @@ def _check_device(model: nn.Module, args: tuple, kwargs: dict, device: torch.dev
                 f"{where} created {name} on {value.device} while building on {device}; create tensors "
                 f"with factory functions and no explicit device= so they follow torch.device(...)"
             )
-
-
-# --------------------------------------------------------------------------- loss
-
-
-def extract_loss(output: Any) -> torch.Tensor:
-    """The training loss in a model's output.
-
-    Tried in order:
-
-    1. a 0-dim floating tensor is the loss itself;
-    2. a dict or object (e.g. a HuggingFace ``ModelOutput``) with a non-None ``loss``;
-    3. a tuple/list whose first element is a 0-dim floating tensor;
-    4. otherwise a *surrogate*: the mean of the first floating tensor found, depth first
-       (e.g. a base model's ``last_hidden_state``). It is not a real training objective but
-       it has the same forward and backward graph shape, which is all planning and parity
-       checks need.
-
-    Args:
-        output: whatever ``model(*args, **kwargs)`` returned.
-
-    Returns:
-        A 0-dim tensor to call ``backward()`` on.
-
-    Raises:
-        SpecError: the output holds no floating tensor at all.
-    """
-    if _is_scalar_float(output):
-        return output
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss if loss.dim() == 0 else loss.mean()
-    if isinstance(output, (tuple, list)) and output and _is_scalar_float(output[0]):
-        return output[0]
-    tensor = _first_floating_tensor(output, depth=0)
-    if tensor is None:
-        raise SpecError(
-            f"the model returned {_kind(output)} with no floating tensor to use as a loss; "
-            f"make forward return the loss (a 0-dim tensor) or an output with .loss"
-        )
-    return tensor.mean()
-
-
-def _is_scalar_float(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
-
-
-def _first_floating_tensor(value: Any, depth: int) -> torch.Tensor | None:
-    if depth > 8:  # outputs are shallow; this only guards against self-referencing objects
-        return None
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    if isinstance(value, Mapping):
-        children: Iterable[Any] = value.values()
-    elif isinstance(value, (tuple, list)):
-        children = value
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        children = (getattr(value, f.name) for f in dataclasses.fields(value))
-    else:
-        return None
-    for child in children:
-        found = _first_floating_tensor(child, depth + 1)
-        if found is not None:
-            return found
-    return None
-
-
-# --------------------------------------------------------------------------- messages
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, (tuple, list)):
-        inner = ", ".join(type(item).__name__ for item in value[:4])
-        return f"a {type(value).__name__} ({inner}{', ...' if len(value) > 4 else ''})"
-    return f"a {type(value).__name__}"

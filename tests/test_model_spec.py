@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from planner.errors import SpecError
-from planner.model_spec import ModelSpec, extract_loss, parse_overrides
+from planner.model_loss import extract_loss
+from planner.model_spec import ModelSpec, parse_overrides
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 EXAMPLE_NAMES = ["mlp", "gpt", "cnn"]

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from planner.errors import LaunchError
-from planner.model_spec import extract_loss
+from planner.model_loss import extract_loss
 
 __all__ = ["forward_backward", "micro_batches"]
 

@@ -40,7 +40,7 @@ from codegen.runtime.parity_compare import (
 from codegen.runtime.pipeline_moe import stage_moe_layers
 from codegen.runtime.program import Program
 from codegen.runtime.randomness import NoDropout, switch_off_dropout_attributes, switch_off_dropout_modules
-from planner.model_spec import extract_loss
+from planner.model_loss import extract_loss
 from planner.moe_blocks import find_moe_blocks
 
 
