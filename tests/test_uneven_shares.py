@@ -210,6 +210,22 @@ def test_the_fast_devices_alone_win_when_the_slow_ones_are_far_slower(tmp_path) 
     plan = planner.plan(ModelSpec(str(REPO / "examples/gpt.py")), str(slow), progress=False)
     assert plan.world_size == 2 and {n.device.name for n in plan.cluster.nodes} == {"cpu-fast"}, plan.name
     assert any("devices left out: 2 of the 4 ranks" in warning for warning in plan.warnings)
+    # The search records which devices stay idle and the best plan it found on all four, and
+    # the report says so from that record (not by searching again); the record survives the JSON.
+    record = plan.left_out
+    assert record.devices == (("cpu-slow", 2),) and record.cluster_ranks == 4
+    assert record.with_all and record.with_all_step_s > plan.estimate.step_time_s
+    assert any(alt.name == record.with_all and alt.step_time_s == record.with_all_step_s for alt in plan.runners_up)
+    ratio = record.with_all_step_s / plan.estimate.step_time_s
+    from planner.report import render_report
+
+    text = " ".join(render_report(plan, width=140).split())  # unwrapped
+    assert "left out 2 cpu-slow of the 4 devices are idle: this plan runs on the other 2" in text
+    assert f"{ratio:.2f}x this plan's" in text and record.with_all in text
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())), "p.json")
+    assert again.left_out == record
+    with pytest.raises(PlanFileError, match="field 'left_out.cluster_ranks' must be an integer above the 2 ranks"):
+        Plan.from_dict({**plan.to_dict(), "left_out": {**record.to_json(), "cluster_ranks": 2}}, "p.json")
 
 
 def test_one_kind_of_device_gets_no_uneven_plan() -> None:
