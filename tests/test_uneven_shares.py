@@ -262,6 +262,9 @@ def test_the_report_names_each_ranks_share_and_the_straggler(mixed_even) -> None
     assert "global 12, uneven over the data-parallel ranks: 4, 4, 2, 2" in text
     assert "cpu-fast" in text and "cpu-slow" in text and "4 of 12" in text and "2 of 12" in text
     assert "The step waits for rank 2 (cpu-slow" in text
+    # Each rank's predicted memory against its own device's 8 GiB.
+    fast_bytes = uneven_plan(mixed_even, mixed_even.graph).sections["uneven"].memory_bytes[0]
+    assert f"{fast_bytes / 2**20:.2f} MiB ({fast_bytes / 2**33:.2%} of 8.00 GiB)" in text
 
 
 def test_family_uneven_alone_searches_uneven_shares_only() -> None:
