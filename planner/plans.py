@@ -271,7 +271,10 @@ class Plan:
                 f"gradients already; set it to 1 and use pipeline.micro_batches"
             )
         dp = self.mesh.axis_size("dp") if "dp" in self.mesh.names else 1
-        if steps > 1 and self.batch_size % (dp * steps):
+        # A section that cuts each rank's own share into micro-batches (uneven data-parallel
+        # shares) checks its own split.
+        cuts_itself = any(getattr(section, "cuts_micro_batches", False) for section in self.sections.values())
+        if steps > 1 and self.batch_size % (dp * steps) and not cuts_itself:
             raise ValueError(
                 f"the global batch {self.batch_size} does not split into {steps} micro-batches on each of the dp={dp} "
                 f"ranks; choose accumulation_steps so that dp x accumulation_steps divides the batch"
