@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from planner.errors import PlanFileError, one_line
+from planner.json_files import section_lists
 
 if TYPE_CHECKING:
     from planner.plans import Plan
@@ -86,19 +87,10 @@ class LeftOutDevices:
             PlanFileError: not an object, an unknown or missing key, or a malformed field;
                 one line naming ``source`` and the field.
         """
-        if not isinstance(data, dict):
-            raise PlanFileError(f"{source}: field '{JSON_KEY}' must be a JSON object, got {type(data).__name__}")
-        unknown = [key for key in data if key not in KEYS]
-        if unknown:
-            raise PlanFileError(f"{source}: field '{JSON_KEY}' has an unknown key {one_line(str(unknown[0]))[:40]!r}; "
-                                f"its keys are {', '.join(KEYS)}")
-        missing = [key for key in ("devices", "cluster_ranks") if key not in data]
-        if missing:
-            raise PlanFileError(f"{source}: field '{JSON_KEY}.{missing[0]}' is missing")
-        if not isinstance(data["devices"], list):
-            raise PlanFileError(f"{source}: field '{JSON_KEY}.devices' must be a list, got {type(data['devices']).__name__}")
+        section_lists(data, source, JSON_KEY, KEYS, ("devices",), '{"devices": [["A100", 8]], "cluster_ranks": 16}',
+                      PlanFileError)
         try:
-            return cls(tuple(data["devices"]), data["cluster_ranks"], data.get("with_all", ""),
+            return cls(tuple(data["devices"]), data.get("cluster_ranks"), data.get("with_all", ""),
                        data.get("with_all_step_s", 0.0))
         except ValueError as error:
             raise PlanFileError(f"{source}: {error}") from None
