@@ -20,6 +20,7 @@ from planner.errors import ClusterError, PlanFileError, SpecError, one_line
 from planner.families import section_families
 from planner.fingerprint import FINGERPRINT_LENGTH
 from planner.json_files import peek_json, read_json
+from planner.left_out_devices import LeftOutDevices
 from planner.outputs import check_output_file, write_text_atomically
 from planner.plan_part_checks import check_expert_layouts, check_pipeline_size, check_summa_layouts
 from planner.plan_fields import (
@@ -72,6 +73,7 @@ _PLAN_KEYS = frozenset((
     "summary", "estimate",
     "runners_up", "warnings", "search_summary", "label", "timings", "fused_splits_local", "tp_comm_overlap",
     "megatron_distributed_optimizer", "moe_a2a_overlap", "model_fingerprint", "strategies", "half_precision_weights",
+    "left_out",
     "fsdp_fp32_reduce",  # retired: read and ignored (every bf16 FSDP2 program reduces in fp32 now)
 ))
 
@@ -123,6 +125,9 @@ class Plan:
         warnings: things the planner noticed that the user should know.
         search_summary: how the strategy was found (searches, meshes, optimality); the
             same for the same inputs on any machine.
+        left_out: the devices of the planned cluster this plan leaves idle and the best plan
+            the search found on every device (``planner.left_out_devices``); None when it
+            uses every device or was not searched.
         timings: wall-clock seconds the planning took (``trace_s``, ``search_s``,
             ``total_s``): the only fields that differ between two runs of the same plan.
         label: the strategy family for names and reports (``"soap"`` for searched plans,
@@ -203,6 +208,7 @@ class Plan:
     runners_up: tuple[Alternative, ...] = ()
     warnings: tuple[str, ...] = ()
     search_summary: str = ""
+    left_out: LeftOutDevices | None = None
     label: str = ""
     timings: Mapping[str, float] = field(default_factory=dict)
     fused_splits_local: bool = False
@@ -250,6 +256,10 @@ class Plan:
         if self.optimizer_implementation not in OPTIMIZER_IMPLEMENTATIONS:
             raise ValueError(f"field 'optimizer_implementation' must be one of {OPTIMIZER_IMPLEMENTATIONS[1:]} or empty, "
                              f"got {one_line(str(self.optimizer_implementation))!r}")
+        if self.left_out is not None and (not isinstance(self.left_out, LeftOutDevices) or self.left_out.cluster_ranks
+                                          - sum(count for _, count in self.left_out.devices) != self.cluster.world_size):
+            raise ValueError(f"field 'left_out' must say which ranks of a larger cluster this plan's {self.cluster.world_size} "
+                             f"leave idle; drop the field or plan again")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size (the global batch) must be a positive integer, got {self.batch_size!r}")
         steps = self.accumulation_steps
@@ -261,7 +271,10 @@ class Plan:
                 f"gradients already; set it to 1 and use pipeline.micro_batches"
             )
         dp = self.mesh.axis_size("dp") if "dp" in self.mesh.names else 1
-        if steps > 1 and self.batch_size % (dp * steps):
+        # A section that cuts each rank's own share into micro-batches (uneven data-parallel
+        # shares) checks its own split.
+        cuts_itself = any(getattr(section, "cuts_micro_batches", False) for section in self.sections.values())
+        if steps > 1 and self.batch_size % (dp * steps) and not cuts_itself:
             raise ValueError(
                 f"the global batch {self.batch_size} does not split into {steps} micro-batches on each of the dp={dp} "
                 f"ranks; choose accumulation_steps so that dp x accumulation_steps divides the batch"
@@ -406,6 +419,8 @@ class Plan:
             "runners_up": [vars(alt) for alt in self.runners_up],
             "warnings": list(self.warnings),
             "search_summary": self.search_summary,
+            # Written only when set, so plans that use every device read as before.
+            **({"left_out": self.left_out.to_json()} if self.left_out is not None else {}),
             "label": self.label,
             "timings": dict(self.timings),
             "fused_splits_local": self.fused_splits_local,
@@ -483,6 +498,7 @@ class Plan:
                 runners_up=tuple(_runners_up_from(reader)),
                 warnings=tuple(reader.strings("warnings")),
                 search_summary=reader.get("search_summary", str),
+                left_out=LeftOutDevices.from_json(data["left_out"], source) if "left_out" in data else None,
                 label=reader.get("label", str),
                 timings=timings_from(reader),
                 # Absent from plans written before the field: their programs gather at splits.

@@ -134,6 +134,8 @@ def report_details(plan: "Plan") -> list[tuple[str, str]]:
         details.append(("FSDP units", f"{_collapse_units(plan.fsdp_units)} + root"))
     if plan.search_summary:
         details.append(("search", plan.search_summary))
+    if plan.left_out is not None:  # the search's record of the devices this plan leaves idle
+        details.append(("left out", plan.left_out.text(plan)))
     details.append((
         "recompute",
         f"{_recompute_text(plan)}; pipeline {'none' if plan.pipeline is None else _pipeline_text(plan)}; "

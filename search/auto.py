@@ -29,6 +29,7 @@ from search.beside import choose_beside
 from search.budget import SearchBudget
 from search.context import SearchContext
 from search.data_parallel import DATA_PARALLEL_FLAVOURS, accumulating, data_parallel_plan, does_not_fit
+from search.left_out import left_out_record
 from search.megatron import megatron_baseline
 from search.moe_search import moe_family_allowed, runs_by_layout
 from search.plan_variants import composed_flavours, recomputing
@@ -167,6 +168,7 @@ def search_plan(
         # pipelines) carry only their own: keep both, once each.
         warnings=tuple(dict.fromkeys((*context.warnings, *best.warnings, *((cut,) if cut else ())))),
         search_summary=summary,
+        left_out=left_out_record(best, cluster, fitting),
     )
 
 

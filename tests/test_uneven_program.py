@@ -4,8 +4,9 @@
 - One launch of ``tests/dist_check_many.py`` checks, against one device: the GPT example's
   plan as ``python -m planner plan`` chooses it (uneven shares), the CNN (batch norm: its
   statistics are taken over the ranks, whose uneven counts it sums), a tiny HuggingFace
-  Llama, and the GPT's FSDP, ZeRO-1 and ZeRO-2 programs with uneven shares. Outputs, loss,
-  gradients and updated parameters must equal one device's.
+  Llama, the GPT's FSDP, ZeRO-1 and ZeRO-2 programs with uneven shares, and its DDP and FSDP
+  programs accumulating gradients over each rank's own micro-batches of uneven shares.
+  Outputs, loss, gradients and updated parameters must equal one device's.
 - Checkpoints: 2 steps of the uneven DDP program, resumed for 2 on the even DDP program of
   the same model, then for 2 more on the uneven one again (DDP weights are whole on every
   rank, so the checkpoint does not depend on the shares). All 6 losses are one device's.
@@ -39,13 +40,16 @@ CNN = ModelSpec(str(REPO / "examples/cnn.py"), {"batch_size": 8})
 LLAMA = ModelSpec("hf:llama", {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
                                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
                                "batch_size": 8, "seq_len": 16})
+GPT16 = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 16})
 SHARES = UnevenSection((3, 3, 1, 1))
+ACCUMULATING = UnevenSection((5, 5, 3, 3))
 
 
-def with_shares(spec: ModelSpec, flavour: str) -> planner.Plan:
-    """The ``flavour`` plan of ``spec`` on the mixed cluster with shares 3/3/1/1."""
+def with_shares(spec: ModelSpec, flavour: str, shares: UnevenSection = SHARES, steps: int = 1) -> planner.Plan:
+    """The ``flavour`` plan of ``spec`` on the mixed cluster with ``shares`` (3/3/1/1), each
+    rank's in ``steps`` micro-batches."""
     plan = planner.plan(spec, MIXED, dp_flavour=flavour, precision="fp32", progress=False)
-    return dataclasses.replace(plan, sections={"uneven": SHARES})
+    return dataclasses.replace(plan, accumulation_steps=steps, sections={"uneven": shares})
 
 
 def test_share_rows_and_the_slices_a_rank_takes() -> None:
@@ -63,6 +67,7 @@ def test_the_program_slices_by_shares(tmp_path) -> None:
     source = (folder / "model_spmd.py").read_text()
     assert "BATCH_SHARES = (3, 3, 1, 1)" in source and "#   rank 2: 1 of 8 rows" in source
     assert "DistributedDataParallel(" in source
+    assert "def forward_backward" not in source  # no accumulation: the runtime's equal cuts
 
 
 @pytest.mark.distributed
@@ -77,6 +82,13 @@ def test_uneven_programs_match_one_device(tmp_path) -> None:
         ("cnn-ddp", CNN, "ddp"), ("llama-ddp", LLAMA, "ddp"), ("gpt-fsdp", GPT, "fsdp"), ("gpt-zero1", GPT, "zero1"),
         ("gpt-zero2", GPT, "zero2"),
     )]
+    # Accumulating: shares 5/5/3/3 of 16 in 2 micro-batches (3+2 and 2+1 rows) under DDP, and
+    # in 3 (2+2+1 and 1+1+1) under FSDP, which reduce-scatters every micro-batch's gradients.
+    folders += [planner.compile(with_shares(GPT16, flavour, ACCUMULATING, steps), tmp_path / name)
+                for name, flavour, steps in (("gpt-ddp-accumulating", "ddp", 2), ("gpt-fsdp-accumulating", "fsdp", 3))]
+    source = (folders[-1] / "model_spmd.py").read_text()  # each rank's micro-batches, named
+    assert "ACCUMULATION_STEPS = 3" in source and "#   rank 0: [2, 2, 1]" in source and "#   rank 3: [1, 1, 1]" in source
+    assert "def forward_backward" in source
     launch = check_many(4, folders, tmp_path)
     for folder in folders:
         assert result_of(launch, folder).startswith("ok parity ok"), (folder.name, result_of(launch, folder))

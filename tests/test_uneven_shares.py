@@ -36,7 +36,7 @@ from planner.errors import ClusterError, PlanFileError
 from planner.families.uneven_dp.candidates import memory_caps, uneven_plan
 from planner.families.uneven_dp.costs import compute_seconds, critical_rank
 from planner.families.uneven_dp.section import UnevenSection
-from planner.families.uneven_dp.shares import balanced_shares, makespan
+from planner.families.uneven_dp.shares import balanced_shares, makespan, micro_batch_sizes
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
 
@@ -49,11 +49,11 @@ SOURCE = "plan file 'p.json'"
 # ------------------------------------------------------------------------------ the shares
 
 
-def best_by_enumeration(batch, fixed, per_sample, caps):
-    """The least makespan over every integer split of ``batch`` (each share 1..cap)."""
+def best_by_enumeration(batch, fixed, per_sample, caps, least=1):
+    """The least makespan over every integer split of ``batch`` (each share least..cap)."""
     ranks = len(caps)
     best = None
-    for shares in itertools.product(*(range(1, cap + 1) for cap in caps)):
+    for shares in itertools.product(*(range(least, cap + 1) for cap in caps)):
         if sum(shares) == batch and ranks:
             value = makespan(shares, fixed, per_sample)
             best = value if best is None else min(best, value)
@@ -64,18 +64,20 @@ def best_by_enumeration(batch, fixed, per_sample, caps):
 @given(
     st.lists(st.tuples(st.integers(0, 5), st.integers(1, 9), st.integers(1, 7)), min_size=2, max_size=4),
     st.integers(2, 14),
+    st.integers(1, 3),
 )
-def test_balanced_shares_are_the_best_split_by_enumeration(ranks, batch) -> None:
+def test_balanced_shares_are_the_best_split_by_enumeration(ranks, batch, least) -> None:
+    # least > 1: accumulating, every rank takes at least one sample per micro-batch.
     fixed = [f / 4 for f, _, _ in ranks]
     per_sample = [p / 3 for _, p, _ in ranks]
     caps = [cap for _, _, cap in ranks]
-    shares = balanced_shares(batch, fixed, per_sample, caps)
-    best = best_by_enumeration(batch, fixed, per_sample, caps)
+    shares = balanced_shares(batch, fixed, per_sample, caps, least)
+    best = best_by_enumeration(batch, fixed, per_sample, caps, least)
     if best is None:
         assert shares is None
         return
     assert shares is not None and sum(shares) == batch
-    assert all(1 <= share <= cap for share, cap in zip(shares, caps))
+    assert all(least <= share <= cap for share, cap in zip(shares, caps))
     assert makespan(shares, fixed, per_sample) == pytest.approx(best, rel=1e-12)
 
 
@@ -88,6 +90,10 @@ def test_shares_follow_speed_and_stop_at_memory() -> None:
     assert balanced_shares(8, [0, 0], [1, 1], [3, 4]) is None
     assert balanced_shares(8, [0, 0], [1, 1], [0, 8]) is None
     assert balanced_shares(1, [0, 0], [1, 1], [8, 8]) is None
+    # A share cut into micro-batches: the same count on every rank, the larger ones first.
+    assert [micro_batch_sizes(share, 3) for share in (5, 3)] == [(2, 2, 1), (1, 1, 1)]
+    with pytest.raises(ValueError, match="a share of 2 samples does not make 3 micro-batches"):
+        micro_batch_sizes(2, 3)
 
 
 # ----------------------------------------------------------------------------- the cluster
@@ -159,9 +165,14 @@ def test_a_section_that_does_not_fit_its_plan_is_refused(mixed_even) -> None:
 
     assert "3 shares for dp=4" in problem((4, 4, 4))
     assert "sums to 13, not the plan's batch of 12" in problem((4, 4, 3, 2))
+    # Accumulating over 3 micro-batches: every rank needs a sample in each; 4/4/2/2 gives the
+    # slow ranks 2.
     accumulating = dataclasses.replace(mixed_even, accumulation_steps=3)
-    with pytest.raises(ValueError, match="without pipeline, expert layouts, gradient accumulation"):
+    with pytest.raises(ValueError, match="gives a rank 2 samples, fewer than the plan's 3 micro-batches"):
         dataclasses.replace(accumulating, sections={"uneven": UnevenSection((4, 4, 2, 2))})
+    # 5/3/2/2 over 2 micro-batches: 12 does not divide by dp x 2 = 8, but each rank cuts its own share.
+    two = dataclasses.replace(mixed_even, accumulation_steps=2, sections={"uneven": UnevenSection((5, 3, 2, 2))})
+    assert two.sections["uneven"].shares == (5, 3, 2, 2)
 
 
 # ------------------------------------------------------------------------- costs by hand
@@ -210,6 +221,56 @@ def test_the_fast_devices_alone_win_when_the_slow_ones_are_far_slower(tmp_path) 
     plan = planner.plan(ModelSpec(str(REPO / "examples/gpt.py")), str(slow), progress=False)
     assert plan.world_size == 2 and {n.device.name for n in plan.cluster.nodes} == {"cpu-fast"}, plan.name
     assert any("devices left out: 2 of the 4 ranks" in warning for warning in plan.warnings)
+    # The search records which devices stay idle and the best plan it found on all four, and
+    # the report says so from that record (not by searching again); the record survives the JSON.
+    record = plan.left_out
+    assert record.devices == (("cpu-slow", 2),) and record.cluster_ranks == 4
+    assert record.with_all and record.with_all_step_s > plan.estimate.step_time_s
+    assert any(alt.name == record.with_all and alt.step_time_s == record.with_all_step_s for alt in plan.runners_up)
+    ratio = record.with_all_step_s / plan.estimate.step_time_s
+    from planner.report import render_report
+
+    text = " ".join(render_report(plan, width=140).split())  # unwrapped
+    assert "left out 2 cpu-slow of the 4 devices are idle: this plan runs on the other 2" in text
+    assert f"{ratio:.2f}x this plan's" in text and record.with_all in text
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())), "p.json")
+    assert again.left_out == record
+    with pytest.raises(PlanFileError, match="field 'left_out.cluster_ranks' must be an integer above the 2 ranks"):
+        Plan.from_dict({**plan.to_dict(), "left_out": {**record.to_json(), "cluster_ranks": 2}}, "p.json")
+
+
+def test_uneven_shares_accumulate_where_the_batch_does_not_fit_at_once(tmp_path) -> None:
+    """GPT, batch 16, DDP on the mixed cluster with each device's memory cut to the even
+    plan's states and buffers (F bytes) plus 3.5 samples' activations (a = 311297 bytes per
+    sample: the even share's 1245188 over 4): no rank holds more than 3 samples at once, so
+    no shares of 16 fit at once (4 x 3 = 12), nor does the even plan (4 each). In 2
+    micro-batches a rank holds up to 2 x 3 = 6: the shares 6/6/2/2 fit, the fast ranks
+    holding F + 3a (micro-batches of 3), the slow ones F + a (micro-batches of 1)."""
+    from cost_model.simulator import simulated
+    from planner.api import prepare_model
+    from planner.families.uneven_dp.candidates import fitting_uneven_plan
+    from search.data_parallel import data_parallel_plan
+
+    spec = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 16})
+    graph, spec, name, cluster = prepare_model(spec, Cluster.load(MIXED))
+    whole = data_parallel_plan(graph, cluster, spec, name, "ddp", (), "fp32").estimate.memory
+    states, per_sample = whole.total - whole.activations, whole.activations / 4
+    assert per_sample == 311297
+    small = tmp_path / "small.toml"
+    small.write_text(MIXED.read_text().replace("memory_bytes = 8589934592",
+                                               f"memory_bytes = {int(states + 3.5 * per_sample)}"))
+    even = data_parallel_plan(graph, Cluster.load(small), spec, name, "ddp", (), "fp32")
+    assert not even.estimate.fits
+    assert (memory_caps(even), memory_caps(even, 2)) == ((3,) * 4, (6,) * 4)
+    plan = fitting_uneven_plan(even, graph)
+    section = plan.sections["uneven"]
+    assert plan.accumulation_steps == 2 and section.shares == (6, 6, 2, 2) and plan.estimate.fits
+    assert section.memory_bytes == (states + 3 * per_sample,) * 2 + (states + per_sample,) * 2
+    assert plan.estimate.memory.total == max(section.memory_bytes)  # the simulator's fullest rank
+    # It beats the even plan in 2 micro-batches (each rank 4 samples, the slow ones the stragglers).
+    # (``planner plan`` on this cluster chooses it; a whole search is left out of the suite's time.)
+    even_accumulating = simulated(dataclasses.replace(even, accumulation_steps=2), graph)
+    assert even_accumulating.estimate.fits and even_accumulating.estimate.step_time_s > plan.estimate.step_time_s
 
 
 def test_one_kind_of_device_gets_no_uneven_plan() -> None:
@@ -246,6 +307,9 @@ def test_the_report_names_each_ranks_share_and_the_straggler(mixed_even) -> None
     assert "global 12, uneven over the data-parallel ranks: 4, 4, 2, 2" in text
     assert "cpu-fast" in text and "cpu-slow" in text and "4 of 12" in text and "2 of 12" in text
     assert "The step waits for rank 2 (cpu-slow" in text
+    # Each rank's predicted memory against its own device's 8 GiB.
+    fast_bytes = uneven_plan(mixed_even, mixed_even.graph).sections["uneven"].memory_bytes[0]
+    assert f"{fast_bytes / 2**20:.2f} MiB ({fast_bytes / 2**33:.2%} of 8.00 GiB)" in text
 
 
 def test_family_uneven_alone_searches_uneven_shares_only() -> None:

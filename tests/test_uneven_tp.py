@@ -282,3 +282,10 @@ def test_the_report_gives_each_ranks_share_of_each_split_tensor(accpar) -> None:
     layer = accpar.sections["uneven-tp"].layers[0]
     assert f"{layer.shares[0]} ({layer.shares[0] / sum(layer.shares):.0%})" in text
     assert "cpu-fast" in text and "cpu-slow" in text and "The busiest rank is 2 (cpu-slow)" in text
+    # Every rank's memory against its own device (8 GiB each), the fullest the estimate's.
+    held = accpar.sections["uneven-tp"].memory_bytes
+    assert len(held) == 4 and max(held) == accpar.estimate.memory.total and held[0] > held[2]
+    cells = " ".join(text.replace("│", " ").split())  # the table's rows, borders dropped
+    for rank, device in enumerate(("cpu-fast", "cpu-fast", "cpu-slow", "cpu-slow")):
+        assert f"{rank} {device} {accpar.sections['uneven-tp'].busy_s[rank] * 1e3:.3f} ms {held[rank] / 2**20:.2f} MiB " \
+               f"{held[rank] / 2**33:.2%} of 8.00 GiB" in cells

@@ -25,6 +25,7 @@ from cost_model.simulator import simulated
 from planner.api import prepare_model
 from planner.cluster import Cluster
 from planner.families.uneven_tp.candidates import replicated_plan
+from planner.families.uneven_tp.costs import plan_rank_memories
 from planner.families.uneven_tp.runtime import split_linears
 from planner.families.uneven_tp.section import LayerSplit, UnevenTpSection
 from planner.model_spec import ModelSpec
@@ -107,6 +108,18 @@ def test_the_rank_nearest_its_own_capacity_is_reported(gpt_on_mixed) -> None:
     tiny = dataclasses.replace(slow, device=dataclasses.replace(slow.device, memory_bytes=m.total - 1))
     _, crowded = split_plan(gpt_on_mixed, cluster=dataclasses.replace(mixed, nodes=(roomy, tiny)))
     assert not crowded.estimate.fits and crowded.estimate.device_memory_bytes == m.total - 1
+
+
+def test_every_ranks_memory_is_kept_for_the_report(gpt_on_mixed) -> None:
+    graph = gpt_on_mixed[0]
+    whole, plan = split_plan(gpt_on_mixed)
+    w = whole.estimate.memory.total
+    fast, _, slow, _ = plan_rank_memories(plan, graph)
+    # Fast ranks (96 of 256): the estimate's fullest rank, worked above: 20640 elements x
+    # (4 + 4 + 8) bytes and 163840 + 40960 activation bytes fewer than the whole model's.
+    assert fast.total == plan.estimate.memory.total == w - 20640 * 16 - (163840 + 40960)
+    # Slow ranks (32 of 256): 28896 elements and 229376 + 57344 activation bytes fewer.
+    assert slow.total == w - 28896 * 16 - (229376 + 57344)
 
 
 def test_a_fused_groups_slices_and_a_bf16_batch_splits_fp32_gradients(gpt_on_mixed) -> None:

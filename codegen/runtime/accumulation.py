@@ -64,7 +64,10 @@ def forward_backward(
         (loss * loss_weight if loss_weight != 1.0 else loss).backward()
         return loss, output
     if loss_weight != 1.0:
-        raise LaunchError("uneven batch shares and gradient accumulation do not combine; re-plan without one")
+        # Uneven shares accumulate through the program's own forward_backward (each rank's
+        # micro-batches of its share: planner.families.uneven_dp), never through equal cuts.
+        raise LaunchError("this uneven program has no forward_backward of its own for gradient accumulation "
+                          "(compiled before uneven shares could accumulate); compile the plan again")
     parts = micro_batches(args, kwargs, steps, batch)
     losses = []
     for index, (part_args, part_kwargs) in enumerate(parts):

@@ -101,8 +101,10 @@ def check_parity(
     # Backward too runs without dropout: recomputed blocks replay their forward there.
     no_dropout = NoDropout(randomness)
     with no_dropout:
-        ref_loss, ref_output = forward_backward(reference, args, kwargs, program.plan.accumulation_steps,
-                                                program.plan.batch_size, _whole_batch)
+        # Uneven shares cut micro-batches per rank (planner.families.uneven_dp): their
+        # reference is the whole batch in one piece, one device's step.
+        steps = 1 if program.batch_shares else program.plan.accumulation_steps
+        ref_loss, ref_output = forward_backward(reference, args, kwargs, steps, program.plan.batch_size, _whole_batch)
     # The float attributes functional dropout read its probability from, off at the source:
     # the sharded step reads 0 in forward and when backward recomputes a block alike.
     switch_off_dropout_attributes(model, no_dropout.attributes_in(reference), randomness)

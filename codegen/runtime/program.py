@@ -205,6 +205,10 @@ class Program:
         the step ran in one piece (``None`` when it accumulated)."""
         from codegen.runtime.accumulation import forward_backward
 
+        hook = getattr(self.module, "forward_backward", None)
+        if hook is not None:  # a program that cuts each rank's own rows (uneven shares accumulating)
+            return hook(module, args, kwargs, mesh)
+
         def shard(part_args: tuple, part_kwargs: dict) -> tuple[tuple, dict]:
             return self.shard_batch(part_args, part_kwargs, mesh)
 

@@ -4,8 +4,10 @@ heterogeneous cluster (an A100 node beside an H100 node; a fast and a slow CPU h
 
 Weights, gradients and optimizer states are held as the plan's data-parallel flavour holds
 them (ddp, zero1, zero2, fsdp); only the batch slices differ, and each rank's loss is
-weighted by its share, so the step equals one device's step on the whole batch. Everything
-it is lives in this folder:
+weighted by its share, so the step equals one device's step on the whole batch. Where no
+shares fit at once, every rank runs its share in the same number of micro-batches, smaller
+ones on a rank of fewer samples, each weighted by its rows. Everything it is lives in this
+folder:
 
 - ``section.py``: ``UnevenSection(shares)``, the plan's ``"uneven"`` key (vocabulary).
 - ``shares.py``: the exact integer shares that minimise the slowest rank's time (vocabulary).

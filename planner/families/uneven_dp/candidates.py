@@ -18,7 +18,7 @@ from planner.device_groups import device_groups, rank_devices, sub_cluster
 from planner.errors import PlanningError
 from planner.families.uneven_dp.costs import compute_seconds, share_time_model
 from planner.families.uneven_dp.section import UnevenSection
-from planner.families.uneven_dp.shares import balanced_shares
+from planner.families.uneven_dp.shares import balanced_shares, micro_batch_sizes
 from planner.graph import OpGraph
 from planner.plans import Plan
 from search.context import SearchContext
@@ -27,40 +27,67 @@ from search.data_parallel import data_parallel_plan
 FAMILY = "uneven"
 
 
-def memory_caps(plan: Plan) -> tuple[int, ...]:
-    """The most samples each rank of the even ``plan`` can take in its device's memory: what
-    does not grow with the share (weights, gradients, optimizer states, buffers) plus the
-    even share's activations per sample, times the share."""
+def memory_caps(plan: Plan, steps: int = 1) -> tuple[int, ...]:
+    """The most samples each rank of the even ``plan`` (no accumulation) can take in its
+    device's memory in ``steps`` micro-batches: what does not grow with the share (weights,
+    gradients, optimizer states, buffers) plus the even share's activations per sample,
+    times the largest micro-batch (``steps`` micro-batches of c samples hold a share of up to
+    ``steps * c``)."""
     memory = plan.estimate.memory
     fixed = memory.total - memory.activations
     per_sample = memory.activations / (plan.batch_size / plan.mesh.axis_size("dp"))
     caps = []
     for device in rank_devices(plan.cluster):
         room = device.memory_bytes - fixed
-        caps.append(plan.batch_size if per_sample <= 0 else max(0, min(plan.batch_size, int(room // per_sample))))
+        per_micro_batch = plan.batch_size if per_sample <= 0 else max(0, int(room // per_sample))
+        caps.append(min(plan.batch_size, steps * per_micro_batch))
     return tuple(caps)
 
 
-def uneven_plan(plan: Plan, graph: OpGraph) -> Plan | None:
-    """``plan`` (an even data-parallel plan on ``dp`` alone) with balanced shares
-    (``shares.balanced_shares`` on each rank's fitted time line, ``costs.share_time_model``,
-    capped by ``memory_caps``), simulated, with each rank's predicted busy seconds and bytes
-    in its section; None when the shares come out even or no shares fit."""
+def uneven_plan(plan: Plan, graph: OpGraph, steps: int = 1) -> Plan | None:
+    """``plan`` (an even data-parallel plan on ``dp`` alone, no accumulation) with balanced
+    shares (``shares.balanced_shares`` on each rank's fitted time line,
+    ``costs.share_time_model``, capped by ``memory_caps``) in ``steps`` micro-batches per
+    rank (each share cut by ``shares.micro_batch_sizes``), simulated, with each rank's
+    predicted busy seconds and bytes (its largest micro-batch's activations) in its section;
+    None when the shares come out even or no shares fit."""
     devices = rank_devices(plan.cluster)
-    lines = {device: share_time_model(plan, graph, device) for device in set(devices)}
+    lines = {device: share_time_model(plan, graph, device, steps) for device in set(devices)}
     shares = balanced_shares(plan.batch_size, [lines[d][0] for d in devices], [lines[d][1] for d in devices],
-                             memory_caps(plan))
+                             memory_caps(plan, steps), least=steps)
     if shares is None or len(set(shares)) == 1:
         return None
     memory = plan.estimate.memory
     per_sample = memory.activations / (plan.batch_size / len(devices))
-    busy = {pair: compute_seconds(plan, graph, *pair) for pair in set(zip(devices, shares))}  # few distinct pairs
+    busy = {pair: compute_seconds(plan, graph, *pair, steps) for pair in set(zip(devices, shares))}  # few pairs
     section = UnevenSection(
         shares,
         busy_s=tuple(busy[pair] for pair in zip(devices, shares)),
-        memory_bytes=tuple(int(memory.total - memory.activations + per_sample * share) for share in shares),
+        memory_bytes=tuple(int(memory.total - memory.activations + per_sample * micro_batch_sizes(share, steps)[0])
+                           for share in shares),
     )
-    return simulated(dataclasses.replace(plan, sections={**plan.sections, FAMILY: section}), graph)
+    return simulated(dataclasses.replace(plan, accumulation_steps=steps, sections={**plan.sections, FAMILY: section}),
+                     graph)
+
+
+def fitting_uneven_plan(plan: Plan, graph: OpGraph) -> Plan | None:
+    """The fitting plan of balanced shares for the even ``plan``: at once, or where the batch
+    does not fit at once, in the fewest micro-batches (2, 4, 8, ..., at least one sample
+    each) that fit, as the search accumulates even plans (``search.data_parallel``). Not
+    for a model with batch norm: its statistics are taken per micro-batch, and micro-batches
+    of uneven shares hold other samples than one device's would."""
+    found = uneven_plan(plan, graph)
+    if found is not None and found.estimate.fits:
+        return found
+    if any("batch_norm" in node.op for node in graph.nodes):
+        return None
+    steps = 2
+    while steps * plan.mesh.axis_size("dp") <= plan.batch_size:
+        found = uneven_plan(plan, graph, steps)
+        if found is not None and found.estimate.fits:
+            return found
+        steps *= 2
+    return None
 
 
 def fastest_devices_plans(context: SearchContext, flavours: set[str]) -> list[Plan]:
@@ -87,7 +114,8 @@ def fastest_devices_plans(context: SearchContext, flavours: set[str]) -> list[Pl
 def uneven_candidates(context: SearchContext) -> list[Plan]:
     """The candidates part of the ``uneven`` family (``planner.families``): on a cluster of
     two or more kinds of device, every even data-parallel plan found so far (``dp`` alone,
-    no accumulation, no section) with balanced shares (``uneven_plan``), and the plans of
+    no accumulation, no section) with balanced shares (``fitting_uneven_plan``: accumulating
+    where the batch does not fit at once), and the plans of
     the same flavours on the fastest devices alone (``fastest_devices_plans``) where the
     constraints allow those flavours. None on a
     cluster of one device kind, for a model whose samples mix, with ``--tp-layouts summa``,
@@ -109,7 +137,7 @@ def uneven_candidates(context: SearchContext) -> list[Plan]:
             if context.constraints.families == frozenset({FAMILY}):
                 raise
             return []
-    found = [plan for plan in (uneven_plan(base, context.graph) for base in even) if plan is not None]
+    found = [plan for plan in (fitting_uneven_plan(base, context.graph) for base in even) if plan is not None]
     # The fast devices alone run the flavours' plain programs: only where --family allows them.
     flavours = {plan.dp_flavour for plan in even if context.constraints.allows_family(plan.dp_flavour)}
     return found + (fastest_devices_plans(context, flavours) if flavours else [])

@@ -28,6 +28,7 @@ from cost_model.compute import op_times
 from cost_model.step_contributor import StepContributor
 from planner.cluster import DeviceSpec
 from planner.device_groups import rank_devices
+from planner.families.uneven_dp.shares import micro_batch_sizes
 from planner.graph import OpGraph
 from planner.strategy import NodeStrategy
 
@@ -41,27 +42,31 @@ def split_over_dp(mesh, strategy: NodeStrategy) -> bool:
     return any(isinstance(p[index], Shard) for p in (*strategy.inputs, *strategy.outputs))
 
 
-def compute_seconds(plan, graph: OpGraph, device: DeviceSpec, share: float) -> float:
+def compute_seconds(plan, graph: OpGraph, device: DeviceSpec, share: float, steps: int | None = None) -> float:
     """Forward and backward seconds of one rank of ``plan`` (a data-parallel plan on ``dp``
-    alone) on ``device`` taking ``share`` samples of the global batch: each op's roofline
-    time (``cost_model.compute.op_times``) at ``share / B`` of its traced work when ``dp``
-    splits it, all of it otherwise."""
+    alone) on ``device`` taking ``share`` samples of the global batch in ``steps``
+    micro-batches (the plan's ``accumulation_steps`` when None): ``steps`` times each op's
+    roofline time (``cost_model.compute.op_times``) at ``share / (steps B)`` of its traced
+    work when ``dp`` splits it, ``1 / steps`` otherwise (the simulator's rule for a
+    micro-batch, ``node_cost`` below)."""
+    steps = plan.accumulation_steps if steps is None else steps
     strategies = {s.node: s for s in plan.strategies}
     total = 0.0
     for node in graph.nodes:
         work = share / plan.batch_size if split_over_dp(plan.mesh, strategies[node.name]) else 1.0
-        forward, backward = op_times(node, work, device, plan.precision)
-        total += forward + backward
+        forward, backward = op_times(node, work / steps, device, plan.precision)
+        total += steps * (forward + backward)
     return total
 
 
-def share_time_model(plan, graph: OpGraph, device: DeviceSpec) -> tuple[float, float]:
+def share_time_model(plan, graph: OpGraph, device: DeviceSpec, steps: int = 1) -> tuple[float, float]:
     """``(fixed, per_sample)``: one rank's compute seconds on ``device`` as ``fixed + share *
     per_sample``, the line through the even share and twice it (roofline times are piecewise
-    linear in the work; between these shares, where balanced shares fall, the line is close).
-    ``per_sample`` is kept positive."""
+    linear in the work; between these shares, where balanced shares fall, the line is close),
+    in ``steps`` micro-batches (each repeats the fixed part). ``per_sample`` is kept positive."""
     even = max(1, plan.batch_size // plan.mesh.axis_size("dp"))
-    low, high = compute_seconds(plan, graph, device, even), compute_seconds(plan, graph, device, 2 * even)
+    low = compute_seconds(plan, graph, device, even, steps)
+    high = compute_seconds(plan, graph, device, 2 * even, steps)
     # Positive so every further sample costs something: the greedy then never piles samples
     # onto a rank whose (all overhead) line looks flat. 1e-12 s is no measured figure, a floor.
     per_sample = max((high - low) / even, 1e-12)
@@ -105,7 +110,9 @@ class UnevenShareStep(StepContributor):
         work = (share / context.plan.batch_size if split else 1.0) / context.micro_batches
         cost.forward_s, cost.backward_s = op_times(node, work, device, context.plan.precision)
         if split:
-            # Its saved activations: those of the rank with the most rows (the simulator reports
-            # memory on the fullest device; the candidates capped every share by its memory).
-            most = max(context.plan.sections[JSON_KEY].shares)
-            cost.saved_bytes *= most * context.dp / context.plan.batch_size
+            # Its saved activations: those of the largest micro-batch of the rank with the most
+            # rows (the simulator reports memory on the fullest device; the candidates capped
+            # every share by its memory), not the even micro-batch's B / (dp k) rows.
+            steps = context.micro_batches
+            most = micro_batch_sizes(max(context.plan.sections[JSON_KEY].shares), steps)[0]
+            cost.saved_bytes *= most * context.dp * steps / context.plan.batch_size

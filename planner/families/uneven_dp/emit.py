@@ -8,7 +8,9 @@ global batch (``planner.families.uneven_dp.runtime.uneven_shard_batch``). ``BATC
 also tells the runtime (``codegen.runtime.program.Program.loss_weight``) to scale rank r's
 loss by ``BATCH_SHARES[r] * dp / B`` before backward: the flavour's reduction averages the
 ranks' gradients, so the result is ``sum_r (b_r / B) grad_r``, one device's gradient of the
-whole batch for a loss that averages over samples.
+whole batch for a loss that averages over samples. A plan that accumulates gradients also
+gets ``forward_backward``: each rank over its own micro-batches of its share
+(``runtime.uneven_forward_backward``), each micro-batch's loss weighted by its rows.
 
 Codegen layer: imports the planner's vocabulary and ``codegen``, never search or cost_model.
 Plan values reach the source only as ``repr()`` literals (``codegen.source_text``).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from codegen.emit import render_data_parallel_program
 from codegen.source_text import comment
+from planner.families.uneven_dp.shares import micro_batch_sizes
 from planner.plans import Plan
 from planner.strategy import placements_str
 
@@ -50,4 +53,27 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
     rank's BATCH_SHARES rows, consecutive (rank 0 first); the others are passed whole."""
     return uneven_shard_batch(args, kwargs, mesh.get_local_rank("dp"), BATCH_SHARES, BATCH_SHARDED_INPUTS,
                               INPUT_NAMES)
+''' + (_accumulation_source(plan, shares) if plan.accumulation_steps > 1 else "")
+
+
+def _accumulation_source(plan: Plan, shares: tuple[int, ...]) -> str:
+    """``forward_backward`` of an uneven program that accumulates: each rank over its own
+    micro-batches (``Program.forward_backward`` calls it in place of equal cuts of the batch)."""
+    steps = int(plan.accumulation_steps)
+    listed = "\n".join(comment(f"  rank {rank}: {list(micro_batch_sizes(share, steps))}")
+                       for rank, share in enumerate(shares))
+    return f'''
+from planner.families.uneven_dp.runtime import uneven_forward_backward
+
+# Each rank cuts its own share into the ACCUMULATION_STEPS micro-batches, the same count on
+# every rank (the sharded flavours reduce every micro-batch's gradients), smaller ones on a
+# rank of fewer rows:
+{listed}
+
+
+def forward_backward(module, args: tuple, kwargs: dict, mesh: DeviceMesh):
+    """This rank's forward and backward of one global batch over its ACCUMULATION_STEPS
+    micro-batches, each loss weighted by its rows x dp / B: this rank's loss and no output."""
+    return uneven_forward_backward(module, args, kwargs, mesh.get_local_rank("dp"), BATCH_SHARES,
+                                   ACCUMULATION_STEPS, BATCH_SHARDED_INPUTS, INPUT_NAMES)
 '''

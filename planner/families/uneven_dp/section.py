@@ -46,6 +46,9 @@ class UnevenSection:
     # Node costs read the shares (costs.py prices the slowest rank's share): the simulator's
     # cache of node costs must not hand this plan the even plan's.
     changes_op_costs: ClassVar[bool] = True
+    # Each rank cuts its own share into the plan's micro-batches (shares.micro_batch_sizes):
+    # the global batch need not divide by dp x accumulation_steps (planner.plans).
+    cuts_micro_batches: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shares", tuple(self.shares) if isinstance(self.shares, (list, tuple)) else self.shares)
@@ -71,14 +74,13 @@ class UnevenSection:
     def check(self, plan: "Plan") -> None:
         """Raise ``ValueError`` (one line naming ``uneven.shares`` and the fix) unless this
         section fits ``plan``: a data-parallel plan on a mesh of ``dp`` alone, without
-        pipeline, expert layouts, gradient accumulation or other sections, one share per dp
-        rank, the shares summing to the plan's batch."""
+        pipeline, expert layouts or other sections, one share per dp rank, the shares summing
+        to the plan's batch, each at least one sample per micro-batch."""
         if (plan.mesh.names != ("dp",) or plan.pipeline is not None or plan.expert_layouts
-                or plan.accumulation_steps != 1 or set(plan.sections) - {JSON_KEY} or plan.label):
+                or set(plan.sections) - {JSON_KEY} or plan.label):
             raise ValueError(
                 f"field '{JSON_KEY}.shares' needs a data-parallel plan on a mesh of dp alone, without pipeline, "
-                f"expert layouts, gradient accumulation or other sections, but the plan is {plan.name}; "
-                f"drop the uneven section"
+                f"expert layouts or other sections, but the plan is {plan.name}; drop the uneven section"
             )
         dp = plan.mesh.axis_size("dp")
         if len(self.shares) != dp:
@@ -89,6 +91,12 @@ class UnevenSection:
             raise ValueError(
                 f"field '{JSON_KEY}.shares' sums to {sum(self.shares)}, not the plan's batch of {plan.batch_size}; "
                 f"make the shares add up to the batch"
+            )
+        if min(self.shares) < plan.accumulation_steps:
+            raise ValueError(
+                f"field '{JSON_KEY}.shares' gives a rank {min(self.shares)} samples, fewer than the plan's "
+                f"{plan.accumulation_steps} micro-batches (accumulation_steps); give every rank at least one sample "
+                f"per micro-batch"
             )
 
     def offsets(self) -> tuple[int, ...]:

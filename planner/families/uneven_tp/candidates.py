@@ -30,8 +30,8 @@ from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.simulator import simulated
 from planner.cluster import Cluster
 from planner.device_groups import device_groups, rank_devices
-from planner.families.uneven_tp.costs import (fused_terms, layer_terms, rank_seconds, split_dimension,
-                                              split_ops, whole_op_seconds)
+from planner.families.uneven_tp.costs import (fused_terms, layer_terms, plan_rank_memories, rank_seconds,
+                                              split_dimension, split_ops, whole_op_seconds)
 from planner.families.uneven_tp.ratios import KindTerms, LayerChoice, best_chain, best_layer_split, layer_objective
 from planner.families.uneven_tp.regions import fusable_groups, split_dimensions
 from planner.families.uneven_tp.section import JSON_KEY, KINDS, LayerSplit, UnevenTpSection
@@ -181,7 +181,11 @@ def uneven_tp_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mod
     if not splits:
         return None
     section = UnevenTpSection(splits, busy_s=busy_seconds(base, graph, splits))
-    return simulated(dataclasses.replace(base, sections={FAMILY: section}), graph)
+    plan = simulated(dataclasses.replace(base, sections={FAMILY: section}), graph)
+    # Every rank's bytes, for the report (the estimate holds the rank nearest its capacity);
+    # they change no op's cost, so the estimate stands.
+    memory = tuple(breakdown.total for breakdown in plan_rank_memories(plan, graph))
+    return dataclasses.replace(plan, sections={FAMILY: dataclasses.replace(section, memory_bytes=memory)})
 
 
 def uneven_tp_candidates(context: SearchContext) -> list[Plan]:

@@ -42,7 +42,9 @@ from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS, op_times
 from cost_model.mixed_precision import reduced_gradient_bytes
 from cost_model.parameter_bytes import PARAM_BYTES
+from cost_model.simulator import Simulator
 from cost_model.step_contributor import StepContributor
+from cost_model.step_memory import stage_memory
 from planner.cluster import Cluster
 from planner.device_groups import rank_devices
 from planner.families.uneven_tp.ratios import KindTerms
@@ -227,6 +229,16 @@ class UnevenTensorStep(StepContributor):
     def rank_memory(self, context, costs, memory) -> tuple[MemoryBreakdown, ...]:
         """Each rank's memory (``rank_memories``)."""
         return rank_memories(context, costs, memory)
+
+
+def plan_rank_memories(plan, graph) -> tuple[MemoryBreakdown, ...]:
+    """Each rank's memory of ``plan`` (a plan with an ``"uneven-tp"`` section), as its
+    simulation prices it: the step's memory with every weight and activation whole, less
+    what each rank does not hold (``rank_memories``). The simulation keeps only the rank
+    nearest its own capacity; the report shows them all."""
+    simulator = Simulator(plan, graph)
+    whole = stage_memory(simulator.context, simulator.contributors, 0, simulator.segments())
+    return rank_memories(simulator.context, simulator.costs, whole)
 
 
 def rank_memories(context, costs, memory: MemoryBreakdown) -> tuple[MemoryBreakdown, ...]:

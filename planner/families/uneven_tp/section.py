@@ -17,9 +17,9 @@ elementwise ops, into a row split of the same shares (no gather between them; AC
 inter-layer cost of zero for that switch).
 
 Stored under the plan JSON key ``"uneven-tp"`` as ``{"layers": [{"module": "blocks.0.mlp.c_fc",
-"kind": "column", "shares": [96, 96, 32, 32], "fused": true}, ...], "busy_s": [...]}``
-(``fused`` only where true; ``busy_s``: each rank's predicted compute seconds, for the
-report; empty when not simulated).
+"kind": "column", "shares": [96, 96, 32, 32], "fused": true}, ...], "busy_s": [...],
+"memory_bytes": [...]}`` (``fused`` only where true; ``busy_s`` and ``memory_bytes``: each
+rank's predicted compute seconds and bytes, for the report; empty when not simulated).
 
 Vocabulary layer: imports only the planner's vocabulary.
 """
@@ -41,7 +41,7 @@ JSON_KEY = "uneven-tp"
 KINDS = ("batch", "column", "row")
 LAYER_KEYS = ("module", "kind", "shares")
 OPTIONAL_LAYER_KEYS = ("fused",)
-KEYS = ("layers", "busy_s")
+KEYS = ("layers", "busy_s", "memory_bytes")
 MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
 
 
@@ -87,14 +87,16 @@ class LayerSplit:
 @dataclass(frozen=True)
 class UnevenTpSection:
     """The split of each named linear layer (``LayerSplit``), and each rank's predicted
-    compute seconds (empty: not simulated).
+    compute seconds and bytes (``costs.plan_rank_memories``; empty: not simulated).
 
     Raises:
-        ValueError: no layer, a layer named twice, or ``busy_s`` malformed; one line.
+        ValueError: no layer, a layer named twice, or ``busy_s`` or ``memory_bytes``
+            malformed; one line.
     """
 
     layers: tuple[LayerSplit, ...]
     busy_s: tuple[float, ...] = ()
+    memory_bytes: tuple[int, ...] = ()
     # Node costs read the splits (costs.py): the simulator's node-cost cache keys on the section.
     changes_op_costs: ClassVar[bool] = True
 
@@ -110,14 +112,15 @@ class UnevenTpSection:
         if len(ranks) != 1:
             raise ValueError(f"field '{JSON_KEY}.layers' gives different numbers of shares ({sorted(ranks)}); "
                              f"give one share per tp rank to every layer")
-        busy = tuple(self.busy_s)
-        if busy and (len(busy) != len(layers[0].shares) or any(
-            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf") for v in busy
-        )):
-            raise ValueError(f"field '{JSON_KEY}.busy_s' must be empty or one finite non-negative number per rank, "
-                             f"got {_shown(busy)}; drop it and simulate the plan again")
+        for key, kind in (("busy_s", float), ("memory_bytes", int)):
+            values = tuple(getattr(self, key))
+            if values and (len(values) != len(layers[0].shares) or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf") for v in values
+            )):
+                raise ValueError(f"field '{JSON_KEY}.{key}' must be empty or one finite non-negative number per rank, "
+                                 f"got {_shown(values)}; drop it and simulate the plan again")
+            object.__setattr__(self, key, tuple(kind(v) for v in values))
         object.__setattr__(self, "layers", layers)
-        object.__setattr__(self, "busy_s", tuple(float(v) for v in busy))
 
     def check(self, plan: "Plan") -> None:
         """Raise ``ValueError`` (one line naming the field and the fix) unless this section
@@ -180,7 +183,8 @@ class UnevenTpSection:
         """The JSON form stored under the plan's ``"uneven-tp"`` key."""
         return {"layers": [{"module": layer.module, "kind": layer.kind, "shares": list(layer.shares),
                             **({"fused": True} if layer.fused else {})}
-                           for layer in self.layers], "busy_s": list(self.busy_s)}
+                           for layer in self.layers], "busy_s": list(self.busy_s),
+                "memory_bytes": list(self.memory_bytes)}
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> "UnevenTpSection":
@@ -196,8 +200,9 @@ class UnevenTpSection:
         if unknown:
             raise PlanFileError(f"{source}: field '{JSON_KEY}' has an unknown key {_shown(unknown[0])}; "
                                 f"its keys are {', '.join(KEYS)}")
-        if not isinstance(data.get("busy_s", []), list):
-            raise PlanFileError(f"{source}: field '{JSON_KEY}.busy_s' must be a list")
+        for key in ("busy_s", "memory_bytes"):
+            if not isinstance(data.get(key, []), list):
+                raise PlanFileError(f"{source}: field '{JSON_KEY}.{key}' must be a list")
         try:
             layers = []
             for entry in data["layers"]:
@@ -209,7 +214,7 @@ class UnevenTpSection:
                     raise ValueError(f"field '{JSON_KEY}.layers[].shares' must be a list, got {_shown(entry['shares'])}")
                 layers.append(LayerSplit(entry["module"], entry["kind"], tuple(entry["shares"]),
                                          entry.get("fused", False)))
-            return cls(tuple(layers), tuple(data.get("busy_s", ())))
+            return cls(tuple(layers), tuple(data.get("busy_s", ())), tuple(data.get("memory_bytes", ())))
         except ValueError as error:
             raise PlanFileError(f"{source}: {error}") from None
 
