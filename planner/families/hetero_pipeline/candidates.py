@@ -338,7 +338,9 @@ def _width_estimate(layout: WidthLayout, stage_costs, flags, groups, cluster: Cl
     first, last = flags.index(True), len(flags) - 1 - flags[::-1].index(True)
     blocks = [i for i, flag in enumerate(flags) if flag]
     pp, micro_batches = len(layout.groups), stage_costs[0][0].micro_batches
-    in_flight = in_flight_per_stage("1f1b", pp, micro_batches, 1)
+    # GPipe, as the runtime of these layouts runs it (codegen.runtime.uneven_width_pipeline):
+    # every stage holds all its micro-batches' activations until the backwards start.
+    in_flight = in_flight_per_stage("gpipe", pp, micro_batches, 1)
     ordered = ordered_cluster(cluster, groups, layout.groups)
     starts = list(itertools.accumulate((0, *layout.widths)))
 
