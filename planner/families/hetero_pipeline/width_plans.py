@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from planner.cluster import Cluster
 from planner.device_groups import device_groups
 from planner.families.hetero_pipeline.candidates import (
     FAMILY,
@@ -31,7 +32,6 @@ from planner.graph import OpGraph
 from planner.plans import Plan
 from planner.strategy import MemoryBreakdown, Mesh, PipelineConfig
 from search.context import SearchContext
-from search.layouts import uneven_stages
 from search.pipeline_search import Configuration, Estimate, PipelineGrid, PipelineSpace
 
 METHOD = "hetero-pp widths: sum of stage times + (m - 1) x slowest, GPipe"
@@ -47,15 +47,13 @@ def width_plan(estimate: WidthEstimate, graph: OpGraph, cluster, spec, model_nam
     ordered = ordered_cluster(cluster, groups, layout.groups)
     world, stages = ordered.world_size, len(layout.widths)
     units = estimate.micro_batches * math.lcm(*layout.widths)
-    # The strategies of a pipeline on one rank per pp coordinate (no dp: each stage's ranks hold
-    # it whole); ops moved onto the layout's P stages below.
-    config = Configuration(1, world, 1, graph.batch_size // units, units, "1f1b", 1, "ddp", "none")
-    even = [len(graph.block_ids()) // world] * world
-    even[-1] += len(graph.block_ids()) - sum(even)
-    grid = PipelineGrid(graph, ordered, precision, PipelineSpace(searched_layout="off"), budget)
-    plan = grid.unsimulated(Estimate(step.step_s, config, tuple(even), 0.0), spec, model_name)
-    stage_of = uneven_stages(graph, step.blocks, stages=stages)
-    strategies = tuple(dataclasses.replace(s, stage=stage_of[s.node]) for s in plan.strategies)
+    # The strategies of a pipeline of P stages of one rank each (no dp: each stage's ranks hold
+    # it whole), on a cluster of P ranks; the plan then moves onto every rank.
+    config = Configuration(1, stages, 1, graph.batch_size // units, units, "1f1b", 1, "ddp", "none")
+    alone = Cluster(f"{cluster.name}-stages"[:120], (dataclasses.replace(ordered.nodes[0], devices=stages, site=""),),
+                    cluster.inter_link, cluster.backend)
+    grid = PipelineGrid(graph, alone, precision, PipelineSpace(searched_layout="off"), budget)
+    plan = grid.unsimulated(Estimate(step.step_s, config, step.blocks, 0.0), spec, model_name)
     devices = tuple(groups[g].device.name for g in layout.groups)
     section = HeteroStagesSection(devices, blocks=step.blocks,
                                   busy_s=tuple(seconds * estimate.micro_batches for seconds in step.stage_s),
@@ -66,7 +64,7 @@ def width_plan(estimate: WidthEstimate, graph: OpGraph, cluster, spec, model_nam
         samples_per_s=graph.batch_size / step.step_s,
     )
     return dataclasses.replace(
-        plan, cluster=ordered, mesh=Mesh((("pp", world),)), strategies=strategies, label="",
+        plan, cluster=ordered, mesh=Mesh((("pp", world),)), label="",
         pipeline=PipelineConfig(stages=world, schedule="gpipe", micro_batches=units), estimate=result,
         sections={FAMILY: section}, warnings=warnings,
     )
