@@ -38,6 +38,7 @@ from planner.families.hetero_pipeline.section import JSON_KEY, HeteroStagesSecti
 from planner.families.hetero_pipeline.widths import LayoutStep, WidthLayout, layout_step, width_layouts
 from planner.graph import OpGraph
 from planner.plans import Plan
+from planner.strategy import MemoryBreakdown
 from search.budget import SearchBudget
 from search.context import SearchContext
 from search.pipeline_search import Configuration, Estimate, PipelineGrid, PipelineSpace, pipeline_plans
@@ -266,6 +267,7 @@ class WidthEstimate:
     micro_batches: int
     sync_s: float  # the slowest stage's gradient all-reduce over its own ranks
     hops_s: float  # the activations' and their gradients' hops between stages
+    memory: tuple[MemoryBreakdown, ...] = ()  # per device of each stage, at the chosen split
 
     @property
     def step_s(self) -> float:
@@ -301,7 +303,6 @@ def width_estimates(graph: OpGraph, cluster: Cluster, precision: str, budget: Se
         return grids[group, ranks]
 
     weights, grads, states = bytes_per_parameter(precision)
-    grad_share = grads / (weights + grads + states)
     found = []
     for micro_batch in [size for size in range(1, graph.batch_size + 1) if graph.batch_size % size == 0]:
         micro_batches = graph.batch_size // micro_batch
@@ -324,17 +325,19 @@ def width_estimates(graph: OpGraph, cluster: Cluster, precision: str, budget: Se
             flags = stage_costs[0][2].block_flags(stage_costs[0][0])
             if sum(flags) < pp:
                 continue
-            estimate = _width_estimate(layout, stage_costs, flags, groups, cluster, grad_share, micro_batch)
+            estimate = _width_estimate(layout, stage_costs, flags, groups, cluster, (weights, grads, states), micro_batch)
             if estimate is not None:
                 found.append(estimate)
     found.sort(key=lambda e: (e.step_s, e.step.layout.groups, e.step.layout.widths))
     return found
 
 
-def _width_estimate(layout: WidthLayout, stage_costs, flags, groups, cluster: Cluster, grad_share: float,
-                    micro_batch: int) -> WidthEstimate | None:
+def _width_estimate(layout: WidthLayout, stage_costs, flags, groups, cluster: Cluster,
+                    parameter_bytes: tuple[float, float, float], micro_batch: int) -> WidthEstimate | None:
     """One layout priced (``width_estimates``): ``stage_costs[s]`` is stage s's (configuration,
-    segment costs, grid)."""
+    segment costs, grid); ``parameter_bytes`` the bytes of a weight, its gradient and its
+    optimizer states per parameter."""
+    grad_share = parameter_bytes[1] / sum(parameter_bytes)
     first, last = flags.index(True), len(flags) - 1 - flags[::-1].index(True)
     blocks = [i for i, flag in enumerate(flags) if flag]
     pp, micro_batches = len(layout.groups), stage_costs[0][0].micro_batches
@@ -380,4 +383,15 @@ def _width_estimate(layout: WidthLayout, stage_costs, flags, groups, cluster: Cl
     if step is None:
         return None
     sync, hops = sync_hops[step.blocks]
-    return WidthEstimate(step, micro_batch, micro_batches, sync, hops)
+    cuts = list(itertools.accumulate((0, *step.blocks)))
+    memory = []
+    for s in range(pp):  # as stage_memory counts it, split by kind
+        held = members(s, cuts[s], cuts[s + 1])
+        static = sum(c.static_bytes for c in held) / sum(parameter_bytes)
+        memory.append(MemoryBreakdown(
+            weights=int(static * parameter_bytes[0]), gradients=int(static * parameter_bytes[1]),
+            optimizer_states=int(static * parameter_bytes[2]),
+            activations=int(in_flight[s] * sum(c.activation_bytes for c in held)
+                            + max((c.transient_bytes for c in held), default=0.0)),
+            communication_buffers=int(stage_costs[s][2].fixed_bytes(stage_costs[s][0]))))
+    return WidthEstimate(step, micro_batch, micro_batches, sync, hops, tuple(memory))

@@ -138,6 +138,16 @@ class HeteroStagesSection:
                 f"0..{stages - 1}"
             )
 
+    def simulation_blocker(self, plan: "Plan") -> str | None:
+        """Why the simulator cannot price ``plan`` (one line), or None: its step model runs
+        every rank of a pp coordinate alike, which stages of different widths are not; their
+        estimate is the layout's price the search computed (``width_plans``)."""
+        if not self.widths:
+            return None
+        return (f"this plan's pipeline stages have different widths {'/'.join(map(str, self.widths[:8]))}; the "
+                f"simulator prices stages of one width only, so its estimate is the one `planner plan` computed for the "
+                f"layout (`planner report` prints it)")
+
     def describe(self, plan: "Plan") -> str:
         """The words this section adds to the plan's name, ``"stages on cpu-fast/cpu-slow"``."""
         words = "stages on " + "/".join(self.stage_devices[:8]) + ("/..." if len(self.stage_devices) > 8 else "")

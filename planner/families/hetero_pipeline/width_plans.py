@@ -30,7 +30,7 @@ from planner.families.hetero_pipeline.candidates import (
 from planner.families.hetero_pipeline.section import HeteroStagesSection
 from planner.graph import OpGraph
 from planner.plans import Plan
-from planner.strategy import MemoryBreakdown, Mesh, PipelineConfig
+from planner.strategy import Mesh, PipelineConfig
 from search.context import SearchContext
 from search.pipeline_search import Configuration, Estimate, PipelineGrid, PipelineSpace
 
@@ -57,10 +57,13 @@ def width_plan(estimate: WidthEstimate, graph: OpGraph, cluster, spec, model_nam
     devices = tuple(groups[g].device.name for g in layout.groups)
     section = HeteroStagesSection(devices, blocks=step.blocks,
                                   busy_s=tuple(seconds * estimate.micro_batches for seconds in step.stage_s),
-                                  widths=layout.widths)
+                                  memory_bytes=tuple(m.total for m in estimate.memory), widths=layout.widths)
+    # The stage nearest its device's memory: what the report's "fits" line is about.
+    fullest = max(range(stages), key=lambda s: estimate.memory[s].total / groups[layout.groups[s]].memory_bytes)
     result = dataclasses.replace(
         plan.estimate, step_time_s=step.step_s, compute_s=max(step.stage_s) * estimate.micro_batches,
-        communication_s=estimate.sync_s + estimate.hops_s, memory=MemoryBreakdown(), method=METHOD,
+        communication_s=estimate.sync_s + estimate.hops_s, memory=estimate.memory[fullest],
+        device_memory_bytes=int(groups[layout.groups[fullest]].memory_bytes), stage_memory=estimate.memory, method=METHOD,
         samples_per_s=graph.batch_size / step.step_s,
     )
     return dataclasses.replace(
