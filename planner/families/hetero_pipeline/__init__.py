@@ -27,7 +27,7 @@ FAMILIES = (
     Family(
         JSON_KEY, "pipeline stages per device type, blocks by speed (mixed GPUs)",
         lambda plan: JSON_KEY in plan.sections, axes=(), refines=("pipeline",), section=HeteroStagesSection,
-        candidates="planner.families.hetero_pipeline.width_plans:every_candidate", search_order=52,
+        candidates="planner.families.hetero_pipeline.candidates:hetero_pipeline_candidates", search_order=52,
         costs="planner.families.hetero_pipeline.costs:StageDeviceStep",
         report="planner.families.hetero_pipeline.report:hetero_pipeline_section",
         # Stages of different widths (the section's widths) compile here, before the
