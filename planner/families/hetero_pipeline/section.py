@@ -138,6 +138,17 @@ class HeteroStagesSection:
                 f"0..{stages - 1}"
             )
 
+    @property
+    def checkpoint_refusal(self) -> str:
+        """Why ``launch.py --checkpoint-dir``/``--init-from`` refuse this plan ("" when they
+        do not): a stage of several ranks holds its weights whole on each (one-rank meshes),
+        which the pipeline family's checkpoints (one DTensor shard per pp x dp coordinate) do
+        not describe."""
+        if not self.widths:
+            return ""
+        return ("checkpoints of pipeline stages of different widths are not written yet (each rank of a stage holds "
+                "its weights whole); train without --checkpoint-dir/--init-from, or plan stages of one width")
+
     def simulation_blocker(self, plan: "Plan") -> str | None:
         """Why the simulator cannot price ``plan`` (one line), or None: its step model runs
         every rank of a pp coordinate alike, which stages of different widths are not; their
