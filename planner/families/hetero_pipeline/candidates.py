@@ -255,7 +255,7 @@ def hetero_pipeline_candidates(context: SearchContext) -> list[Plan]:
     plans = [staged_plan(estimate, graph, context.cluster, grids, context.spec, context.model_name, context.warnings)
              for estimate in estimates[:context.budget.pipeline_candidates()]]
     if plans:  # stages of different widths (below), where the layouts of one width apply
-        plans += uneven_width_plans(context)
+        plans += uneven_width_plans(context, min(plan.estimate.step_time_s for plan in plans))
     if plans and context.constraints.allows_family("pipeline"):
         plans += fast_group_pipelines(context, flavours, min(plans, key=lambda plan: plan.estimate.step_time_s))
     return plans
@@ -401,9 +401,9 @@ def _width_estimate(layout: WidthLayout, stage_costs, flags, groups, cluster: Cl
 
 
 # ------------------------------------------------------------------ stages of different widths
-# Pipelines of stages of different widths as plans the search compares and ``compile`` writes
-# (search layer): the layouts ``candidates.width_estimates`` prices (``widths.py``), those whose
-# widths differ, turned into plans run by ``codegen.runtime.uneven_width_pipeline``.
+# Pipelines of stages of different widths as plans the search compares and ``compile`` writes:
+# the layouts ``width_estimates`` prices (``widths.py``) whose widths differ, turned into plans
+# run by ``codegen.runtime.uneven_width_pipeline``.
 #
 # A plan of stages of widths ``(w_0, ..., w_{P-1})`` over W ranks is stored as a pipeline plan on
 # the mesh ``pp`` = W alone (the plan format needs a mesh covering every rank once, and no
@@ -411,15 +411,16 @@ def _width_estimate(layout: WidthLayout, stage_costs, flags, groups, cluster: Cl
 # section's ``widths`` saying which ranks each stage holds (the first ``w_0`` ranks stage 0, and
 # so on). Its pipeline is GPipe (what the runtime runs) over ``micro_batches x lcm(widths)``
 # *units* (the runtime's granularity: rank j of stage s runs the units of its 1/w_s of each
-# micro-batch's rows). Its estimate is the layout's price (``method`` says so): the general
-# simulator prices rectangular meshes, every rank of a pp coordinate alike, which these plans
-# are not.
+# micro-batch's rows). Its estimate is the layout's price on the simulator's scale
+# (``uneven_width_plans``; ``method`` says so): the simulator prices rectangular meshes, every
+# rank of a pp coordinate alike, which these plans are not.
 
 METHOD = "hetero-pp widths: sum of stage times + (m - 1) x slowest, GPipe"
 
 def width_plan(estimate: WidthEstimate, graph: OpGraph, cluster, spec, model_name: str, precision: str,
-               budget, warnings: tuple[str, ...] = ()) -> Plan:
-    """``estimate`` (a layout of stages of different widths) as a plan (module docstring)."""
+               budget, warnings: tuple[str, ...] = (), scale: float = 1.0) -> Plan:
+    """``estimate`` (a layout of stages of different widths) as a plan (see above), its
+    predicted step the layout's price times ``scale`` (``uneven_width_plans``)."""
     layout, step = estimate.step.layout, estimate.step
     groups = device_groups(cluster)
     ordered = ordered_cluster(cluster, groups, layout.groups)
@@ -439,10 +440,11 @@ def width_plan(estimate: WidthEstimate, graph: OpGraph, cluster, spec, model_nam
     # The stage nearest its device's memory: what the report's "fits" line is about.
     fullest = max(range(stages), key=lambda s: estimate.memory[s].total / groups[layout.groups[s]].memory_bytes)
     result = dataclasses.replace(
-        plan.estimate, step_time_s=step.step_s, compute_s=max(step.stage_s) * estimate.micro_batches,
+        plan.estimate, step_time_s=step.step_s * scale, compute_s=max(step.stage_s) * estimate.micro_batches,
         communication_s=estimate.sync_s + estimate.hops_s, memory=estimate.memory[fullest],
-        device_memory_bytes=int(groups[layout.groups[fullest]].memory_bytes), stage_memory=estimate.memory, method=METHOD,
-        samples_per_s=graph.batch_size / step.step_s,
+        device_memory_bytes=int(groups[layout.groups[fullest]].memory_bytes), stage_memory=estimate.memory,
+        method=METHOD + ("" if scale == 1.0 else f", x {scale:.3g} (the simulator over this model on one width)"),
+        samples_per_s=graph.batch_size / (step.step_s * scale),
     )
     return dataclasses.replace(
         plan, cluster=ordered, mesh=Mesh((("pp", world),)), label="",
@@ -451,14 +453,23 @@ def width_plan(estimate: WidthEstimate, graph: OpGraph, cluster, spec, model_nam
     )
 
 
-def uneven_width_plans(context: SearchContext) -> list[Plan]:
-    """The best ``SearchBudget.pipeline_candidates()`` layouts whose stages differ in width, as
-    plans (fp32, DDP inside each stage: what the runtime compiles); none when the constraints
-    fix a mesh or the hetero-pp family's other candidates do not apply."""
+def uneven_width_plans(context: SearchContext, simulated_even_s: float) -> list[Plan]:
+    """The best ``SearchBudget.pipeline_candidates()`` layouts whose stages differ in width and
+    that beat every layout of one width as ``width_estimates`` prices them all, as plans (fp32,
+    DDP inside each stage: what the runtime compiles); none when the constraints fix a mesh.
+
+    Their step is put on the simulator's scale, so the search compares like with like: the
+    widths model leaves out what the simulator adds (per-op overheads, the schedule's exact
+    overlap), so each price is multiplied by ``simulated_even_s`` (the family's best simulated
+    plan of one width) over the widths model's price of its best layout of one width."""
     if context.precision != "fp32" or context.constraints.any or not context.constraints.allows_family("ddp"):
         return []
     graph = context.graph
-    found = [e for e in width_estimates(graph, context.cluster, context.precision, context.budget)
-             if e.step.layout.uneven]
+    found = width_estimates(graph, context.cluster, context.precision, context.budget)
+    even = [e.step_s for e in found if not e.step.layout.uneven]
+    if not even:
+        return []
+    wins = [e for e in found if e.step.layout.uneven and e.step_s < min(even)]
+    scale = simulated_even_s / min(even)
     return [width_plan(e, graph, context.cluster, context.spec, context.model_name, context.precision, context.budget,
-                       context.warnings) for e in found[:context.budget.pipeline_candidates()]]
+                       context.warnings, scale) for e in wins[:context.budget.pipeline_candidates()]]
