@@ -228,10 +228,10 @@ def test_stages_on_fast_and_slow_devices_match_one_device(candidates, traced, tm
     split = staged_plan(next(e for e in estimates if len(e.order) == 4), graph, cluster, grids, spec, name, ())
     assert split.mesh.axis_size("pp") == 4 and len(set(split.sections["hetero-pp"].stage_devices[:2])) == 1
     # The best layout of different widths here (the fast pair as two stages, the slow pair as one).
-    uneven = width_plan(next(e for e in width_estimates(graph, cluster, "fp32", SearchBudget()) if e.step.layout.uneven),
-                        graph, cluster, spec, name, "fp32", SearchBudget())
+    uneven = width_plan(next(e for e in width_estimates(graph, cluster, "fp32", SearchBudget(), (2,))
+                             if e.step.layout.uneven), graph, cluster, spec, name, "fp32", SearchBudget())
     llama_graph, llama_spec, llama_name, llama_cluster = prepare_model(TIED_LLAMA, MIXED)
-    slow_first = next(e for e in width_estimates(llama_graph, llama_cluster, "fp32", SearchBudget())
+    slow_first = next(e for e in width_estimates(llama_graph, llama_cluster, "fp32", SearchBudget(), (2,))
                       if e.step.layout == WidthLayout((1, 0, 0), (2, 1, 1)))
     llama = width_plan(slow_first, llama_graph, llama_cluster, llama_spec, llama_name, "fp32", SearchBudget())
     assert llama.sections["hetero-pp"].stage_devices == ("cpu-slow", "cpu-fast", "cpu-fast")

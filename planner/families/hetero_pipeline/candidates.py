@@ -277,7 +277,8 @@ class WidthEstimate:
         return self.step.step_s
 
 
-def width_estimates(graph: OpGraph, cluster: Cluster, precision: str, budget: SearchBudget) -> list[WidthEstimate]:
+def width_estimates(graph: OpGraph, cluster: Cluster, precision: str, budget: SearchBudget,
+                    micro_batch_sizes: tuple[int, ...] | None = None) -> list[WidthEstimate]:
     """Every layout of stages of any widths (``widths.width_layouts``) at every micro-batch
     size, each priced (``widths.layout_step``), fastest first (the first is what
     ``widths.best_layout`` picks over them all); the layouts whose stages share one width are
@@ -287,7 +288,8 @@ def width_estimates(graph: OpGraph, cluster: Cluster, precision: str, budget: Se
     slowest stage's gradient all-reduce over its own ranks, on the links they cross
     (``collective_time``: a stage spanning sites pays the link between them), and 2 hops per
     stage boundary of the largest activation, split over the narrower stage's ranks. Every
-    stage within its device's memory. Not compiled when widths differ (``widths.py``)."""
+    stage within its device's memory (GPipe: every micro-batch in flight). ``micro_batch_sizes``:
+    only those sizes (samples per micro-batch) are tried (None: every divisor of the batch)."""
     groups = stage_groups(cluster)
     if groups is None or not graph.blocks:
         return []
@@ -307,7 +309,8 @@ def width_estimates(graph: OpGraph, cluster: Cluster, precision: str, budget: Se
 
     weights, grads, states = bytes_per_parameter(precision)
     found = []
-    for micro_batch in [size for size in range(1, graph.batch_size + 1) if graph.batch_size % size == 0]:
+    for micro_batch in [size for size in range(1, graph.batch_size + 1) if graph.batch_size % size == 0
+                        and (micro_batch_sizes is None or size in micro_batch_sizes)]:
         micro_batches = graph.batch_size // micro_batch
         layouts = width_layouts(sizes, MAX_STAGES, micro_batch)
         table: dict[tuple[int, int, int], tuple[Configuration, list[SegmentCost]] | None] = {}

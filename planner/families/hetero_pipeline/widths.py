@@ -23,11 +23,13 @@ programme's sum is at most the split's. ``best_layout`` tries every layout and k
 step (``tests/test_hetero_widths.py`` checks both against every layout and every split).
 ``after`` is added at the chosen split, not minimised over splits.
 
-Not compiled: the pipeline runtime (``codegen.pipeline_emit``, ``torch.distributed.pipelining``)
-runs stages of one pp coordinate each on an even pp x dp mesh, every stage as wide as the
-others; a stage of 2 ranks after one of 1 would need the micro-batch split between its ranks at
-the boundary (and the gradients joined on the way back), which no runtime of ours does yet. The
-layouts whose stages share one width are the ones the family compiles (``candidates.py``).
+Compiled: ``candidates.uneven_width_plans`` turns a layout whose widths differ into a plan
+(GPipe; the section's ``widths``), ``codegen.uneven_width_emit`` writes it and
+``codegen.runtime.uneven_width_pipeline`` runs it: rank j of a stage of w ranks takes the j-th
+1/w of every micro-batch's rows, the rows travel point-to-point between the ranks of stages of
+different widths, and each stage's gradients are summed over its own ranks. The step formula
+above is GPipe's as much as 1F1B's (the same fill and drain); only the memory differs, and the
+layouts are priced with GPipe's (every micro-batch in flight on every stage).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class WidthLayout:
 
     @property
     def uneven(self) -> bool:
-        """Whether the stages have different widths (a layout the runtime cannot run yet)."""
+        """Whether the stages have different widths (compiled by ``codegen.uneven_width_emit``)."""
         return len(set(self.widths)) > 1
 
 
