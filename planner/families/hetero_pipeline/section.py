@@ -23,6 +23,7 @@ Vocabulary layer: imports only the planner's vocabulary.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -158,6 +159,16 @@ class HeteroStagesSection:
         return (f"this plan's pipeline stages have different widths {'/'.join(map(str, self.widths[:8]))}; the "
                 f"simulator prices stages of one width only, so its estimate is the one `planner plan` computed for the "
                 f"layout (`planner report` prints it)")
+
+    def pipeline_words(self, plan: "Plan") -> str:
+        """The verdict's words for the pipeline of stages of different widths ("" otherwise):
+        its stages, their widths, and micro-batches as the runtime's units make them."""
+        if not self.widths:
+            return ""
+        per = math.lcm(*self.widths)
+        return (f"{len(self.widths)} pipeline stages of widths {'/'.join(map(str, self.widths))}, each data parallel "
+                f"over its ranks ({plan.pipeline.schedule}, {plan.pipeline.micro_batches // per} micro-batches of "
+                f"{per} units)")
 
     def describe(self, plan: "Plan") -> str:
         """The words this section adds to the plan's name, ``"stages on cpu-fast/cpu-slow"``."""
