@@ -161,35 +161,16 @@ def test_each_rank_of_a_stage_runs_its_contiguous_rows_of_every_micro_batch() ->
     assert [unit_owner((2, 3), 1, unit) for unit in range(6)] == [2, 2, 3, 3, 4, 4]
 
 
-ONE_FAST_TWO_SLOW = """
-name = "one-fast-two-slow"
-backend = "gloo"
-[inter_node]
-bandwidth = 2e9
-latency = 50e-6
-[[nodes]]
-count = 1
-devices = 1
-[nodes.device]
-name = "cpu-fast"
-peak_flops = { float32 = 200e9, bfloat16 = 200e9 }
-memory_bytes = 8589934592
-memory_bandwidth = 40e9
-[nodes.intra_node]
-bandwidth = 2e9
-latency = 50e-6
-[[nodes]]
-count = 1
-devices = 2
-[nodes.device]
-name = "cpu-slow"
-peak_flops = { float32 = 50e9, bfloat16 = 50e9 }
-memory_bytes = 8589934592
-memory_bandwidth = 10e9
-[nodes.intra_node]
-bandwidth = 2e9
-latency = 50e-6
-"""
+def node_group(name: str, devices: int, flops: float, memory_bandwidth: float) -> str:
+    """One node group of a cluster file: ``devices`` CPU-class devices over gloo loopback."""
+    return (f'[[nodes]]\ncount = 1\ndevices = {devices}\n[nodes.device]\nname = "{name}"\n'
+            f"peak_flops = {{ float32 = {flops}, bfloat16 = {flops} }}\nmemory_bytes = 8589934592\n"
+            f"memory_bandwidth = {memory_bandwidth}\n[nodes.intra_node]\nbandwidth = 2e9\nlatency = 50e-6\n")
+
+
+# One rank 4x as fast as two slow ones (mixed.toml's figures, the fast one's doubled again).
+ONE_FAST_TWO_SLOW = ('name = "one-fast-two-slow"\nbackend = "gloo"\n[inter_node]\nbandwidth = 2e9\nlatency = 50e-6\n'
+                     + node_group("cpu-fast", 1, 200e9, 40e9) + node_group("cpu-slow", 2, 50e9, 10e9))
 
 
 def test_the_search_keeps_stages_of_different_widths_when_they_win(tmp_path) -> None:
