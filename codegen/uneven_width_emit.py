@@ -12,8 +12,9 @@ rank's place among the widths, ``shard_batch`` leaves the whole batch (the sched
 rank's units' rows) and ``make_pipeline`` returns the ``UnevenWidthRunner`` (GPipe, row slices
 sent between ranks of stages of different widths, gradients summed over each stage's ranks).
 
-Not compiled (``unsupported``): a plan whose pipeline is not GPipe of one virtual stage, whose
-data-parallel flavour is not DDP, or whose units do not divide the batch.
+Not compiled (``unsupported``): a plan whose pipeline is not GPipe of one virtual stage, not in
+fp32 (no bf16 parity checked yet), whose data-parallel flavour is not DDP, or whose units do
+not divide the batch.
 """
 
 from __future__ import annotations
@@ -31,13 +32,7 @@ from planner.strategy import Mesh
 JSON_KEY = "hetero-pp"  # the plan section (planner.families.hetero_pipeline.section)
 ENTRY_POINTS = "\n\ndef parallelize("  # where the even pipeline's entry points start in its program
 
-__all__ = ["claims", "compile_uneven_width_plan", "template_plan", "unsupported"]
-
-
-def claims(plan: Plan) -> bool:
-    """Whether ``plan`` is a pipeline of stages of different widths (its section has widths)."""
-    section = plan.sections.get(JSON_KEY)
-    return section is not None and bool(section.widths)
+__all__ = ["compile_uneven_width_plan", "template_plan", "unsupported"]
 
 
 def unsupported(plan: Plan) -> str | None:
@@ -108,8 +103,7 @@ WIDTHS = ({", ".join(number(width, "hetero-pp.widths") for width in widths)},)
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> PipelineStageModule:
     """This rank's stage (its place among WIDTHS), whole on this rank: the stage's parameters
     become DTensors over a one-rank mesh (no communication)."""
-    module = build_width_stage(STAGES, model, mesh, WIDTHS, PARAMETERS, STAGE_PARAMETERS, DROPOUT_MODULES)
-    return module
+    return build_width_stage(STAGES, model, mesh, WIDTHS, PARAMETERS, STAGE_PARAMETERS, DROPOUT_MODULES)
 
 
 def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dict]:
@@ -120,5 +114,5 @@ def shard_batch(args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple[tuple, dic
 def make_pipeline(module: PipelineStageModule, mesh: DeviceMesh) -> UnevenWidthRunner:
     """GPipe over MICRO_BATCHES units: pipeline.step(args, kwargs) runs one step's forward and
     backward, gradients summed over each stage's ranks, and returns the loss."""
-    return UnevenWidthRunner(module, WIDTHS, MICRO_BATCHES, STAGE_INPUTS, STAGE_OUTPUTS, INPUT_NAMES, SHARED_PARAMETERS)
+    return UnevenWidthRunner(module, WIDTHS, MICRO_BATCHES, STAGE_INPUTS, INPUT_NAMES, SHARED_PARAMETERS)
 '''

@@ -210,10 +210,11 @@ def test_the_fast_devices_alone_are_tried_and_say_what_they_leave_out(candidates
 @pytest.mark.distributed
 def test_stages_on_fast_and_slow_devices_match_one_device(candidates, traced, tmp_path) -> None:
     """The family's fastest simulated plan (what the search keeps of it: the fast stage holds
-    more blocks), its fastest with each group cut into two stages, the search's best of stages
-    of different widths (priced, not kept: on this cluster a layout of one width is faster), and a tiny Llama with tied embeddings on stages of widths 2, 1, 1 (the
-    slow pair first; the tied weight's gradient summed over stages 0 and 2 of different widths),
-    compiled and checked against one device in one launch at world 4. (Its
+    more blocks), its fastest with each group cut into two stages, the best layout of stages of
+    different widths at micro-batches of 2 samples (priced, not kept by the search: on this
+    cluster a layout of one width is faster), and a tiny Llama with tied embeddings on stages of
+    widths 2, 1, 1 (the slow pair first; the tied weight's gradient summed over stages 0 and 2 of
+    different widths), compiled and checked against one device in one launch at world 4. (Its
     stages in the other order, the slow devices' nodes first, compile to the same program
     with ranks 0-1 on the slow stage; left out of the launch to keep the suite's time.)"""
     staged = [plan for plan in candidates if "hetero-pp" in plan.sections]

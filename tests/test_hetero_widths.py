@@ -180,8 +180,8 @@ def test_the_search_keeps_stages_of_different_widths_when_they_win(tmp_path) -> 
     simulator's scale; the simulator itself refuses it in one line."""
     cluster_file = tmp_path / "one-fast-two-slow.toml"
     cluster_file.write_text(ONE_FAST_TWO_SLOW)
-    graph, spec, name, cluster = prepare_model(ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer": 4}),
-                                               str(cluster_file))
+    gpt = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer": 4})
+    graph, spec, name, cluster = prepare_model(gpt, str(cluster_file))
     context = SearchContext(graph=graph, cluster=cluster, spec=spec, model_name=name, search="auto",
                             budget=SearchBudget(), seed=0, warnings=(), precision="fp32",
                             constraints=SearchConstraints(), routing=None, tp_layouts="auto", meshes=[])

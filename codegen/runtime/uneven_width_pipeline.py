@@ -9,7 +9,7 @@ pipeline family's stage modules (``codegen.pipeline_emit`` writes them, each sta
 DTensors over a one-rank mesh) and replaces only the communication and the schedule.
 
 Units. The program is traced at one *unit* of ``rows = batch / units`` samples, with
-``units = micro_batches x lcm(widths)`` (``UNITS``); micro-batch k is units
+``units = micro_batches x lcm(widths)`` (the program's ``MICRO_BATCHES``); micro-batch k is units
 ``k * lcm .. (k + 1) * lcm - 1``. On stage s, rank j of its ``w`` ranks takes the units
 ``j * lcm / w .. (j + 1) * lcm / w - 1`` of every micro-batch: its contiguous 1/w of the
 micro-batch's rows, run as ``lcm / w`` forwards of one unit each (``unit_owner``). So every
@@ -33,6 +33,11 @@ all-reduce per parameter over the stage's own process group, ``dist.new_group``)
 schedule is done: the step equals one device's step on the whole batch. A parameter several
 stages hold (tied embeddings) is summed over every rank of those stages, each adding its
 stage's sum divided by the stage's width, so every copy takes the same step.
+
+Gradient clipping (``launch.py --clip-grad-norm``) sums squared norms over every rank
+(``pp_group`` is the world): a stage of w ranks, each holding the same summed gradients,
+counts w times, so the norm it clips by is larger than one device's (not checked by
+``--check``, which does not clip).
 """
 
 from __future__ import annotations
@@ -90,14 +95,15 @@ class UnevenWidthRunner:
         module: this rank's stage module (``build_width_stage``).
         widths: ranks per stage.
         units: units per step (``micro_batches x lcm(widths)``).
-        stage_inputs, stage_outputs: per stage, ``(name, traced shape of one unit, dtype,
-            placements)`` of each value it receives / sends (the program's tables).
+        stage_inputs: per stage, ``(name, traced shape of one unit, dtype, placements)`` of
+            each value it receives (the program's STAGE_INPUTS; what a stage sends is what
+            its forward returns).
         input_names: the model's inputs in the order of stage 0's ``forward``.
         shared: groups of stages that hold the same parameters, with those parameters' names.
     """
 
     def __init__(self, module, widths: Sequence[int], units: int, stage_inputs: Sequence[Sequence[tuple]],
-                 stage_outputs: Sequence[Sequence[tuple]], input_names: Sequence[str],
+                 input_names: Sequence[str],
                  shared: Mapping[tuple[int, ...], Sequence[str]] | None = None) -> None:
         self.module, self.widths, self.units = module, tuple(widths), units
         if units % math.lcm(*self.widths):
@@ -105,7 +111,7 @@ class UnevenWidthRunner:
         self.rank = dist.get_rank()
         self.stage, _ = stage_of_rank(self.widths, self.rank)
         self.first, self.last = self.stage == 0, self.stage == len(self.widths) - 1
-        self.inputs, self.outputs = stage_inputs[self.stage], stage_outputs[self.stage]
+        self.inputs = stage_inputs[self.stage]
         self.input_names = tuple(input_names)
         self.mine = [unit for unit in range(units) if unit_owner(self.widths, self.stage, unit) == self.rank]
         # Groups are made on every rank alike, in one order (dist.new_group is collective).
@@ -118,10 +124,8 @@ class UnevenWidthRunner:
             group = dist.new_group(ranks)
             if self.stage in holders:
                 self._shared.append((group, tuple(names)))
-        # What the training loop sums gradient norms over: every rank, each stage counted
-        # once (``norm_share``).
+        # What the training loop sums gradient norms over (module docstring: clipping).
         self.pp_group = dist.group.WORLD
-        self.norm_share = 1.0 / self.widths[self.stage]
 
     def step(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """Forward and backward of one step on the whole batch (every rank holds it; each

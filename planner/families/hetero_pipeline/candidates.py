@@ -255,7 +255,7 @@ def hetero_pipeline_candidates(context: SearchContext) -> list[Plan]:
     plans = [staged_plan(estimate, graph, context.cluster, grids, context.spec, context.model_name, context.warnings)
              for estimate in estimates[:context.budget.pipeline_candidates()]]
     if plans:  # stages of different widths (below), where the layouts of one width apply
-        plans += uneven_width_plans(context, min(plan.estimate.step_time_s for plan in plans))
+        plans += uneven_width_plans(context, min(plan.estimate.step_time_s for plan in plans), flavours)
     if plans and context.constraints.allows_family("pipeline"):
         plans += fast_group_pipelines(context, flavours, min(plans, key=lambda plan: plan.estimate.step_time_s))
     return plans
@@ -331,7 +331,8 @@ def width_estimates(graph: OpGraph, cluster: Cluster, precision: str, budget: Se
             flags = stage_costs[0][2].block_flags(stage_costs[0][0])
             if sum(flags) < pp:
                 continue
-            estimate = _width_estimate(layout, stage_costs, flags, groups, cluster, (weights, grads, states), micro_batch)
+            estimate = _width_estimate(layout, stage_costs, flags, groups, cluster, (weights, grads, states),
+                                       micro_batch)
             if estimate is not None:
                 found.append(estimate)
     found.sort(key=lambda e: (e.step_s, e.step.layout.groups, e.step.layout.widths))
@@ -423,7 +424,7 @@ METHOD = "hetero-pp widths: sum of stage times + (m - 1) x slowest, GPipe"
 def width_plan(estimate: WidthEstimate, graph: OpGraph, cluster, spec, model_name: str, precision: str,
                budget, warnings: tuple[str, ...] = (), scale: float = 1.0) -> Plan:
     """``estimate`` (a layout of stages of different widths) as a plan (see above), its
-    predicted step the layout's price times ``scale`` (``uneven_width_plans``)."""
+    predicted times the layout's times ``scale`` (``uneven_width_plans``)."""
     layout, step = estimate.step.layout, estimate.step
     groups = device_groups(cluster)
     ordered = ordered_cluster(cluster, groups, layout.groups)
@@ -443,8 +444,8 @@ def width_plan(estimate: WidthEstimate, graph: OpGraph, cluster, spec, model_nam
     # The stage nearest its device's memory: what the report's "fits" line is about.
     fullest = max(range(stages), key=lambda s: estimate.memory[s].total / groups[layout.groups[s]].memory_bytes)
     result = dataclasses.replace(
-        plan.estimate, step_time_s=step.step_s * scale, compute_s=max(step.stage_s) * estimate.micro_batches,
-        communication_s=estimate.sync_s + estimate.hops_s, memory=estimate.memory[fullest],
+        plan.estimate, step_time_s=step.step_s * scale, compute_s=max(step.stage_s) * estimate.micro_batches * scale,
+        communication_s=(estimate.sync_s + estimate.hops_s) * scale, memory=estimate.memory[fullest],
         device_memory_bytes=int(groups[layout.groups[fullest]].memory_bytes), stage_memory=estimate.memory,
         method=METHOD + ("" if scale == 1.0 else f", x {scale:.3g} (the simulator over this model on one width)"),
         samples_per_s=graph.batch_size / (step.step_s * scale),
@@ -456,16 +457,18 @@ def width_plan(estimate: WidthEstimate, graph: OpGraph, cluster, spec, model_nam
     )
 
 
-def uneven_width_plans(context: SearchContext, simulated_even_s: float) -> list[Plan]:
+def uneven_width_plans(context: SearchContext, simulated_even_s: float,
+                       flavours: tuple[str, ...] = ("ddp",)) -> list[Plan]:
     """The best ``SearchBudget.pipeline_candidates()`` layouts whose stages differ in width and
     that beat every layout of one width as ``width_estimates`` prices them all, as plans (fp32,
-    DDP inside each stage: what the runtime compiles); none when the constraints fix a mesh.
+    DDP inside each stage: what the runtime compiles); none when ``--mesh``/``--max`` fix sizes
+    or ``flavours`` (those ``--family`` allows) leave DDP out.
 
     Their step is put on the simulator's scale, so the search compares like with like: the
     widths model leaves out what the simulator adds (per-op overheads, the schedule's exact
     overlap), so each price is multiplied by ``simulated_even_s`` (the family's best simulated
     plan of one width) over the widths model's price of its best layout of one width."""
-    if context.precision != "fp32" or context.constraints.any or not context.constraints.allows_family("ddp"):
+    if context.precision != "fp32" or context.constraints.mesh or context.constraints.max or "ddp" not in flavours:
         return []
     graph = context.graph
     found = width_estimates(graph, context.cluster, context.precision, context.budget)

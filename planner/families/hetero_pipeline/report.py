@@ -46,11 +46,11 @@ def hetero_pipeline_section(plan: "Plan") -> list:
                       onward)
     parts: list = [table]
     if section.busy_s:
+        widths = ("" if not section.widths else
+                  f", each stage data parallel over its ranks (widths {'/'.join(map(str, section.widths))}, GPipe)")
         slowest = max(range(pp), key=lambda stage: section.busy_s[stage])
         parts.append(Paragraph(
-            f"Blocks are balanced by each device's speed and memory"
-            f"{'' if not section.widths else ', each stage data parallel over its ranks (widths ' + '/'.join(map(str, section.widths)) + ', GPipe)'}"
-            f"; the step waits for stage {slowest} "
+            f"Blocks are balanced by each device's speed and memory{widths}; the step waits for stage {slowest} "
             f"({section.stage_devices[slowest]}). Start the cluster's nodes in the plan's order: node rank 0 runs "
             f"stage 0 ({section.stage_devices[0]})."
         ))

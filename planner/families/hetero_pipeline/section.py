@@ -157,8 +157,8 @@ class HeteroStagesSection:
         if not self.widths:
             return None
         return (f"this plan's pipeline stages have different widths {'/'.join(map(str, self.widths[:8]))}; the "
-                f"simulator prices stages of one width only, so its estimate is the one `planner plan` computed for the "
-                f"layout (`planner report` prints it)")
+                f"simulator prices stages of one width only, so its estimate is the one `planner plan` computed "
+                f"for the layout (`planner report` prints it)")
 
     def pipeline_words(self, plan: "Plan") -> str:
         """The verdict's words for the pipeline of stages of different widths ("" otherwise):
