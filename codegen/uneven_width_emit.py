@@ -36,9 +36,13 @@ __all__ = ["compile_uneven_width_plan", "template_plan", "unsupported"]
 
 
 def unsupported(plan: Plan) -> str | None:
-    """Why ``plan`` cannot be compiled as stages of different widths (one line), or None."""
-    widths = plan.sections[JSON_KEY].widths
+    """Why ``plan``, a pipeline of stages of different widths, cannot be compiled (one line), or
+    None (also for any other plan: ``planner.api.compile_blocker`` asks every pipeline plan)."""
+    section = plan.sections.get(JSON_KEY)
+    widths = section.widths if section is not None else ()
     pipeline = plan.pipeline
+    if not widths or pipeline is None:
+        return None
     if pipeline.schedule != "gpipe" or pipeline.virtual_stages != 1:
         return (f"pipeline stages of different widths run GPipe with one virtual stage, not {pipeline.schedule} with "
                 f"{pipeline.virtual_stages}; plan it again")

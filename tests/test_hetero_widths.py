@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+import planner
 from codegen.runtime.uneven_width_pipeline import stage_of_rank, unit_owner
 from cost_model.simulator import simulated
 from planner.api import prepare_model
 from planner.constraints import SearchConstraints
-from planner.errors import PlanFileError, PlanningError
+from planner.errors import PlanFileError, PlannerError, PlanningError
 from planner.families.hetero_pipeline.balance import stage_seconds
 from planner.families.hetero_pipeline.candidates import hetero_pipeline_candidates, width_estimates
 from planner.families.hetero_pipeline.section import HeteroStagesSection
@@ -214,3 +215,7 @@ def test_the_search_keeps_stages_of_different_widths_when_they_win(tmp_path) -> 
         dataclasses.replace(plan, sections={"hetero-pp": dataclasses.replace(section, widths=(3, 1))})
     with pytest.raises(PlanningError, match="different widths 2/1; the simulator prices stages of one width only"):
         simulated(plan, graph)
+    # What the runtime does not run is refused before compiling, in one line naming the fix.
+    one_f_one_b = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, schedule="1f1b"))
+    with pytest.raises(PlannerError, match="run GPipe with one virtual stage, not 1f1b with 1; plan it again$"):
+        planner.compile(one_f_one_b, tmp_path / "out")
