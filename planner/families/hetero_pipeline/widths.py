@@ -5,9 +5,9 @@ tried (a group's stages stay together), and a stage of w ranks runs data paralle
 of its ranks takes 1/w of every micro-batch. 4 H100 + 8 A100 may be two stages of 4 and 8
 ranks, or an H100 stage and two A100 stages of 4.
 
-A layout's step, as 1F1B runs it (``layout_step``): stage s's seconds per micro-batch are its
-blocks' seconds on its device at 1/w_s of the micro-batch (``rows[s]``, plus the head on the
-first stage and the tail on the last), and
+A layout's step, as GPipe or 1F1B runs it (``layout_step``): stage s's seconds per micro-batch
+are its blocks' seconds on its device at 1/w_s of the micro-batch (``rows[s]``, plus the head
+on the first stage and the tail on the last), and
 
     step = sum_s stage_s + (m - 1) * max_s stage_s + after(layout, counts)
 
