@@ -10,9 +10,10 @@
 (h) Pipeline stages of different widths (``planner.families.hetero_pipeline.widths``): one DGX
     H100 node and two DGX A100 nodes (8 + 16 GPUs, one InfiniBand network), a GPT-2.7B-shaped
     model (32 x 2560) at a batch of 64 sequences of 1024, DDP in bf16: the best layout whose
-    stages share one width (what the family compiles) against the best of any widths, each
-    stage's device, width, blocks, samples per rank per micro-batch and the link its gradient
-    all-reduce crosses.
+    stages share one width against the best of any widths, each stage's device, width, blocks,
+    samples per rank per micro-batch and the link its gradient all-reduce crosses, and whether
+    the layout is compiled (stages of different widths: in fp32, ``codegen.uneven_width_emit``;
+    a bf16 plan of them is refused in one line).
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ def width_rows() -> None:
               f"{estimate.micro_batch}; gradient sync {estimate.sync_s * 1e3:.1f} ms, hops {estimate.hops_s * 1e3:.1f} ms)"
               f"\n    " + "\n    ".join(stages), flush=True)
     if even and uneven:
-        print(f"  any widths against one width: {even.step_s / uneven.step_s:.2f}x "
-              f"({'compiled' if not uneven.step.layout.uneven else 'not compiled: stages of different widths'})")
+        print(f"  any widths against one width: {even.step_s / uneven.step_s:.2f}x; compiled: yes "
+              f"({'one width: the pipeline family' if not uneven.step.layout.uneven else 'different widths: GPipe in fp32, codegen.uneven_width_emit; this bf16 plan is refused until their bf16 parity is checked'})")
 
 
 if __name__ == "__main__":

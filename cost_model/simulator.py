@@ -70,6 +70,7 @@ from cost_model.simulation_cache import RECENTLY_COSTED, Costed, costing_key, gr
 from cost_model.step_context import StepContext
 from cost_model.step_memory import bytes_per_axis, fullest_rank_memory, pipeline_boundary_bytes, stage_memory
 from cost_model.step_tasks import StepTasks
+from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.strategy import DUALPIPE, RECOMPUTE_MODES, CostParts, ExpertLayout, NodeStrategy, SimResult, TimelineEvent
 
@@ -105,6 +106,12 @@ class Simulator:
             self._set_up(plan, graph, contributors)
 
     def _set_up(self, plan, graph: OpGraph, contributors) -> None:
+        for section in plan.sections.values():
+            # A plan this step model cannot price (pipeline stages of different widths) says
+            # why in one line, rather than as a schedule that never ends.
+            blocker = getattr(section, "simulation_blocker", None)
+            if blocker is not None and blocker(plan):
+                raise PlanningError(blocker(plan))
         facts = graph_facts(graph)
         self.context = StepContext.build(plan, graph, facts.nodes, facts.consumers)
         self.contributors = step_contributors(plan) if contributors is None else tuple(contributors)

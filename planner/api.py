@@ -489,10 +489,14 @@ def compile_blocker(plan: Plan) -> str | None:
                 f"simulated only (planner simulate prices it); plan with --max pp=1 to compile")
     if plan.pipeline is not None:
         from codegen.pipeline_emit import unsupported
+        from codegen.uneven_width_emit import unsupported as uneven_width_unsupported  # stages of different widths
 
         reason = unsupported(plan)
         if reason:
             return f"{plan.name} cannot be compiled: {reason} (planner simulate still prices it)"
+        reason = uneven_width_unsupported(plan)
+        if reason:
+            return f"{plan.name} cannot be compiled: {reason}"
     from planner.program_shape import is_data_parallel
 
     dp = plan.mesh.axis_size("dp") if "dp" in plan.mesh.names else 1

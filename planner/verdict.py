@@ -104,7 +104,12 @@ def strategy_words(plan: "Plan") -> str:
     # A family section may add words (``verdict_words``; gradient compression: what replaces the all-reduce).
     text += "".join(f", {section.verdict_words(plan)}" for section in plan.sections.values()
                     if hasattr(section, "verdict_words"))
-    if plan.pipeline is not None:
+    # A section may name the pipeline itself (``pipeline_words``: stages of different widths).
+    pipeline_words = next((section.pipeline_words(plan) for section in plan.sections.values()
+                           if callable(getattr(section, "pipeline_words", None))), "")
+    if pipeline_words:
+        text += f", {pipeline_words}"
+    elif plan.pipeline is not None:
         text += f", {plan.pipeline.stages} pipeline stages ({plan.pipeline.schedule}, {plan.pipeline.micro_batches} micro-batches)"
     if plan.accumulation_steps > 1:
         text += f", gradients accumulated over {plan.accumulation_steps} micro-batches"

@@ -5,6 +5,7 @@ one width, the search against every layout and every split, and the layouts pric
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import sys
@@ -12,9 +13,15 @@ from pathlib import Path
 
 import pytest
 
+import planner
+from codegen.runtime.uneven_width_pipeline import stage_of_rank, unit_owner
+from cost_model.simulator import simulated
 from planner.api import prepare_model
+from planner.constraints import SearchConstraints
+from planner.errors import PlanFileError, PlannerError, PlanningError
 from planner.families.hetero_pipeline.balance import stage_seconds
-from planner.families.hetero_pipeline.candidates import width_estimates
+from planner.families.hetero_pipeline.candidates import hetero_pipeline_candidates, width_estimates
+from planner.families.hetero_pipeline.section import HeteroStagesSection
 from planner.families.hetero_pipeline.widths import (
     WidthLayout,
     best_layout,
@@ -23,7 +30,9 @@ from planner.families.hetero_pipeline.widths import (
     width_layouts,
 )
 from planner.model_spec import ModelSpec
+from planner.plans import load_plan
 from search.budget import SearchBudget
+from search.context import SearchContext
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_hetero_pipeline import random_split_case  # noqa: E402
@@ -138,3 +147,75 @@ def test_layouts_priced_on_the_mixed_cluster() -> None:
         if set(step.layout.widths) == {1}:
             assert estimate.sync_s == 0.0
     assert found == sorted(found, key=lambda e: e.step_s)
+
+
+def test_each_rank_of_a_stage_runs_its_contiguous_rows_of_every_micro_batch() -> None:
+    # Widths 2, 1, 1 on ranks 0-1, 2, 3; lcm 2: a micro-batch is 2 units, 2 micro-batches 4 units.
+    assert [stage_of_rank((2, 1, 1), rank) for rank in range(4)] == [(0, 0), (0, 1), (1, 0), (2, 0)]
+    # Stage 0: rank 0 the first half of each micro-batch (units 0, 2), rank 1 the second (1, 3).
+    assert [unit_owner((2, 1, 1), 0, unit) for unit in range(4)] == [0, 1, 0, 1]
+    assert [unit_owner((2, 1, 1), 2, unit) for unit in range(4)] == [3, 3, 3, 3]
+    # Widths 1, 3 (lcm 3): rank 0 runs all 3 units of a micro-batch, ranks 1-3 one each.
+    assert [unit_owner((1, 3), 1, unit) for unit in range(6)] == [1, 2, 3, 1, 2, 3]
+    # Widths 2, 3 (lcm 6): each of stage 0's ranks 3 units of 6, each of stage 1's 2.
+    assert [unit_owner((2, 3), 0, unit) for unit in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert [unit_owner((2, 3), 1, unit) for unit in range(6)] == [2, 2, 3, 3, 4, 4]
+
+
+def node_group(name: str, devices: int, flops: float, memory_bandwidth: float) -> str:
+    """One node group of a cluster file: ``devices`` CPU-class devices over gloo loopback."""
+    return (f'[[nodes]]\ncount = 1\ndevices = {devices}\n[nodes.device]\nname = "{name}"\n'
+            f"peak_flops = {{ float32 = {flops}, bfloat16 = {flops} }}\nmemory_bytes = 8589934592\n"
+            f"memory_bandwidth = {memory_bandwidth}\n[nodes.intra_node]\nbandwidth = 2e9\nlatency = 50e-6\n")
+
+
+# One rank 4x as fast as two slow ones (mixed.toml's figures, the fast one's doubled again).
+ONE_FAST_TWO_SLOW = ('name = "one-fast-two-slow"\nbackend = "gloo"\n[inter_node]\nbandwidth = 2e9\nlatency = 50e-6\n'
+                     + node_group("cpu-fast", 1, 200e9, 40e9) + node_group("cpu-slow", 2, 50e9, 10e9))
+
+
+def test_the_search_keeps_stages_of_different_widths_when_they_win(tmp_path) -> None:
+    """One rank 4x as fast as two slow ones: the slow pair as one stage of 2 beside the fast
+    rank beats every layout of one width, so the family keeps it as a compilable plan (GPipe
+    over units, the mesh pp over every rank, the widths in its section), its step put on the
+    simulator's scale; the simulator itself refuses it in one line."""
+    cluster_file = tmp_path / "one-fast-two-slow.toml"
+    cluster_file.write_text(ONE_FAST_TWO_SLOW)
+    gpt = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8, "n_layer": 4})
+    graph, spec, name, cluster = prepare_model(gpt, str(cluster_file))
+    context = SearchContext(graph=graph, cluster=cluster, spec=spec, model_name=name, search="auto",
+                            budget=SearchBudget(), seed=0, warnings=(), precision="fp32",
+                            constraints=SearchConstraints(), routing=None, tp_layouts="auto", meshes=[])
+    plans = [plan for plan in hetero_pipeline_candidates(context) if "hetero-pp" in plan.sections]
+    even = [plan for plan in plans if not plan.sections["hetero-pp"].widths]
+    uneven = [plan for plan in plans if plan.sections["hetero-pp"].widths]
+    priced = width_estimates(graph, cluster, "fp32", SearchBudget())
+    best_even = min(e.step_s for e in priced if not e.step.layout.uneven)
+    winner = priced[0]
+    assert winner.step.layout == WidthLayout((1, 0), (2, 1)) and winner.step_s < best_even
+    plan = uneven[0]
+    section = plan.sections["hetero-pp"]
+    assert section.widths == (2, 1) and section.stage_devices == ("cpu-slow", "cpu-fast")
+    assert section.blocks == winner.step.blocks and [list(r) for r in section.stage_ranks(plan)] == [[0, 1], [2]]
+    # The step on the simulator's scale: the widths price x (best simulated / best priced of one width).
+    scale = min(p.estimate.step_time_s for p in even) / best_even
+    assert plan.estimate.step_time_s == pytest.approx(winner.step_s * scale)
+    assert plan.estimate.step_time_s < min(p.estimate.step_time_s for p in even)
+    assert plan.mesh.axes == (("pp", 3),) and plan.pipeline.schedule == "gpipe"
+    assert plan.pipeline.micro_batches == winner.micro_batches * 2  # units: lcm(2, 1) per micro-batch
+    assert {s.stage for s in plan.strategies} == {0, 1}
+    # The plan file keeps the widths; bad widths are one line naming the field.
+    plan.save(tmp_path / "p.json")
+    assert load_plan(tmp_path / "p.json").sections["hetero-pp"] == section
+    for bad in ([2, 2], [0, 3], ["2", 1]):
+        with pytest.raises(PlanFileError) as error:
+            HeteroStagesSection.from_json({**section.to_json(), "widths": bad}, "p.json")
+        assert "\n" not in str(error.value) and "hetero-pp.widths" in str(error.value)
+    with pytest.raises(ValueError, match="give one width per stage"):
+        dataclasses.replace(plan, sections={"hetero-pp": dataclasses.replace(section, widths=(3, 1))})
+    with pytest.raises(PlanningError, match="different widths 2/1; the simulator prices stages of one width only"):
+        simulated(plan, graph)
+    # What the runtime does not run is refused before compiling, in one line naming the fix.
+    one_f_one_b = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, schedule="1f1b"))
+    with pytest.raises(PlannerError, match="run GPipe with one virtual stage, not 1f1b with 1; plan it again$"):
+        planner.compile(one_f_one_b, tmp_path / "out")

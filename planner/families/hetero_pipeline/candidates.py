@@ -38,6 +38,7 @@ from planner.families.hetero_pipeline.section import JSON_KEY, HeteroStagesSecti
 from planner.families.hetero_pipeline.widths import LayoutStep, WidthLayout, layout_step, width_layouts
 from planner.graph import OpGraph
 from planner.plans import Plan
+from planner.strategy import MemoryBreakdown, Mesh, PipelineConfig
 from search.budget import SearchBudget
 from search.context import SearchContext
 from search.pipeline_search import Configuration, Estimate, PipelineGrid, PipelineSpace, pipeline_plans
@@ -234,7 +235,8 @@ def fast_group_pipelines(context: SearchContext, flavours: tuple[str, ...], with
 def hetero_pipeline_candidates(context: SearchContext) -> list[Plan]:
     """The candidates part of the ``hetero-pp`` family (``planner.families``): on a cluster
     of 2 to ``MAX_GROUPS`` device groups, the best pipelines with each group cut into stages
-    of a common width (module docstring), and the pipeline grid's plans on the fastest group alone when
+    of a common width (module docstring), the best of stages of different widths
+    (``uneven_width_plans``), and the pipeline grid's plans on the fastest group alone when
     ``--family`` allows the ``pipeline`` family. None for a model without repeated blocks or
     with MoE layers, one whose samples mix, with ``--tp-layouts summa``, or when the
     constraints leave the family out."""
@@ -252,6 +254,8 @@ def hetero_pipeline_candidates(context: SearchContext) -> list[Plan]:
     estimates, grids = staged_estimates(graph, context.cluster, context.precision, flavours, context.budget, allows)
     plans = [staged_plan(estimate, graph, context.cluster, grids, context.spec, context.model_name, context.warnings)
              for estimate in estimates[:context.budget.pipeline_candidates()]]
+    if plans:  # stages of different widths (below), where the layouts of one width apply
+        plans += uneven_width_plans(context, min(plan.estimate.step_time_s for plan in plans), flavours)
     if plans and context.constraints.allows_family("pipeline"):
         plans += fast_group_pipelines(context, flavours, min(plans, key=lambda plan: plan.estimate.step_time_s))
     return plans
@@ -266,13 +270,15 @@ class WidthEstimate:
     micro_batches: int
     sync_s: float  # the slowest stage's gradient all-reduce over its own ranks
     hops_s: float  # the activations' and their gradients' hops between stages
+    memory: tuple[MemoryBreakdown, ...] = ()  # per device of each stage, at the chosen split
 
     @property
     def step_s(self) -> float:
         return self.step.step_s
 
 
-def width_estimates(graph: OpGraph, cluster: Cluster, precision: str, budget: SearchBudget) -> list[WidthEstimate]:
+def width_estimates(graph: OpGraph, cluster: Cluster, precision: str, budget: SearchBudget,
+                    micro_batch_sizes: tuple[int, ...] | None = None) -> list[WidthEstimate]:
     """Every layout of stages of any widths (``widths.width_layouts``) at every micro-batch
     size, each priced (``widths.layout_step``), fastest first (the first is what
     ``widths.best_layout`` picks over them all); the layouts whose stages share one width are
@@ -282,7 +288,8 @@ def width_estimates(graph: OpGraph, cluster: Cluster, precision: str, budget: Se
     slowest stage's gradient all-reduce over its own ranks, on the links they cross
     (``collective_time``: a stage spanning sites pays the link between them), and 2 hops per
     stage boundary of the largest activation, split over the narrower stage's ranks. Every
-    stage within its device's memory. Not compiled when widths differ (``widths.py``)."""
+    stage within its device's memory (GPipe: every micro-batch in flight). ``micro_batch_sizes``:
+    only those sizes (samples per micro-batch) are tried (None: every divisor of the batch)."""
     groups = stage_groups(cluster)
     if groups is None or not graph.blocks:
         return []
@@ -301,9 +308,9 @@ def width_estimates(graph: OpGraph, cluster: Cluster, precision: str, budget: Se
         return grids[group, ranks]
 
     weights, grads, states = bytes_per_parameter(precision)
-    grad_share = grads / (weights + grads + states)
     found = []
-    for micro_batch in [size for size in range(1, graph.batch_size + 1) if graph.batch_size % size == 0]:
+    for micro_batch in [size for size in range(1, graph.batch_size + 1) if graph.batch_size % size == 0
+                        and (micro_batch_sizes is None or size in micro_batch_sizes)]:
         micro_batches = graph.batch_size // micro_batch
         layouts = width_layouts(sizes, MAX_STAGES, micro_batch)
         table: dict[tuple[int, int, int], tuple[Configuration, list[SegmentCost]] | None] = {}
@@ -324,21 +331,26 @@ def width_estimates(graph: OpGraph, cluster: Cluster, precision: str, budget: Se
             flags = stage_costs[0][2].block_flags(stage_costs[0][0])
             if sum(flags) < pp:
                 continue
-            estimate = _width_estimate(layout, stage_costs, flags, groups, cluster, grad_share, micro_batch)
+            estimate = _width_estimate(layout, stage_costs, flags, groups, cluster, (weights, grads, states),
+                                       micro_batch)
             if estimate is not None:
                 found.append(estimate)
     found.sort(key=lambda e: (e.step_s, e.step.layout.groups, e.step.layout.widths))
     return found
 
 
-def _width_estimate(layout: WidthLayout, stage_costs, flags, groups, cluster: Cluster, grad_share: float,
-                    micro_batch: int) -> WidthEstimate | None:
+def _width_estimate(layout: WidthLayout, stage_costs, flags, groups, cluster: Cluster,
+                    parameter_bytes: tuple[float, float, float], micro_batch: int) -> WidthEstimate | None:
     """One layout priced (``width_estimates``): ``stage_costs[s]`` is stage s's (configuration,
-    segment costs, grid)."""
+    segment costs, grid); ``parameter_bytes`` the bytes of a weight, its gradient and its
+    optimizer states per parameter."""
+    grad_share = parameter_bytes[1] / sum(parameter_bytes)
     first, last = flags.index(True), len(flags) - 1 - flags[::-1].index(True)
     blocks = [i for i, flag in enumerate(flags) if flag]
     pp, micro_batches = len(layout.groups), stage_costs[0][0].micro_batches
-    in_flight = in_flight_per_stage("1f1b", pp, micro_batches, 1)
+    # GPipe, as the runtime of these layouts runs it (codegen.runtime.uneven_width_pipeline):
+    # every stage holds all its micro-batches' activations until the backwards start.
+    in_flight = in_flight_per_stage("gpipe", pp, micro_batches, 1)
     ordered = ordered_cluster(cluster, groups, layout.groups)
     starts = list(itertools.accumulate((0, *layout.widths)))
 
@@ -378,4 +390,92 @@ def _width_estimate(layout: WidthLayout, stage_costs, flags, groups, cluster: Cl
     if step is None:
         return None
     sync, hops = sync_hops[step.blocks]
-    return WidthEstimate(step, micro_batch, micro_batches, sync, hops)
+    cuts = list(itertools.accumulate((0, *step.blocks)))
+    memory = []
+    for s in range(pp):  # as stage_memory counts it, split by kind
+        held = members(s, cuts[s], cuts[s + 1])
+        static = sum(c.static_bytes for c in held) / sum(parameter_bytes)
+        memory.append(MemoryBreakdown(
+            weights=int(static * parameter_bytes[0]), gradients=int(static * parameter_bytes[1]),
+            optimizer_states=int(static * parameter_bytes[2]),
+            activations=int(in_flight[s] * sum(c.activation_bytes for c in held)
+                            + max((c.transient_bytes for c in held), default=0.0)),
+            communication_buffers=int(stage_costs[s][2].fixed_bytes(stage_costs[s][0]))))
+    return WidthEstimate(step, micro_batch, micro_batches, sync, hops, tuple(memory))
+
+
+# ------------------------------------------------------------------ stages of different widths
+# Pipelines of stages of different widths as plans the search compares and ``compile`` writes:
+# the layouts ``width_estimates`` prices (``widths.py``) whose widths differ, turned into plans
+# run by ``codegen.runtime.uneven_width_pipeline``.
+#
+# A plan of stages of widths ``(w_0, ..., w_{P-1})`` over W ranks is stored as a pipeline plan on
+# the mesh ``pp`` = W alone (the plan format needs a mesh covering every rank once, and no
+# rectangular pp x dp mesh holds stages of different widths), its ops on stages 0..P-1, with the
+# section's ``widths`` saying which ranks each stage holds (the first ``w_0`` ranks stage 0, and
+# so on). Its pipeline is GPipe (what the runtime runs) over ``micro_batches x lcm(widths)``
+# *units* (the runtime's granularity: rank j of stage s runs the units of its 1/w_s of each
+# micro-batch's rows). Its estimate is the layout's price on the simulator's scale
+# (``uneven_width_plans``; ``method`` says so): the simulator prices rectangular meshes, every
+# rank of a pp coordinate alike, which these plans are not.
+
+METHOD = "hetero-pp widths: sum of stage times + (m - 1) x slowest, GPipe"
+
+def width_plan(estimate: WidthEstimate, graph: OpGraph, cluster, spec, model_name: str, precision: str,
+               budget, warnings: tuple[str, ...] = (), scale: float = 1.0) -> Plan:
+    """``estimate`` (a layout of stages of different widths) as a plan (see above), its
+    predicted times the layout's times ``scale`` (``uneven_width_plans``)."""
+    layout, step = estimate.step.layout, estimate.step
+    groups = device_groups(cluster)
+    ordered = ordered_cluster(cluster, groups, layout.groups)
+    world, stages = ordered.world_size, len(layout.widths)
+    units = estimate.micro_batches * math.lcm(*layout.widths)
+    # The strategies of a pipeline of P stages of one rank each (no dp: each stage's ranks hold
+    # it whole), on a cluster of P ranks; the plan then moves onto every rank.
+    config = Configuration(1, stages, 1, graph.batch_size // units, units, "1f1b", 1, "ddp", "none")
+    alone = Cluster(f"{cluster.name}-stages"[:120], (dataclasses.replace(ordered.nodes[0], devices=stages, site=""),),
+                    cluster.inter_link, cluster.backend)
+    grid = PipelineGrid(graph, alone, precision, PipelineSpace(searched_layout="off"), budget)
+    plan = grid.unsimulated(Estimate(step.step_s, config, step.blocks, 0.0), spec, model_name)
+    devices = tuple(groups[g].device.name for g in layout.groups)
+    section = HeteroStagesSection(devices, blocks=step.blocks,
+                                  busy_s=tuple(seconds * estimate.micro_batches for seconds in step.stage_s),
+                                  memory_bytes=tuple(m.total for m in estimate.memory), widths=layout.widths)
+    # The stage nearest its device's memory: what the report's "fits" line is about.
+    fullest = max(range(stages), key=lambda s: estimate.memory[s].total / groups[layout.groups[s]].memory_bytes)
+    result = dataclasses.replace(
+        plan.estimate, step_time_s=step.step_s * scale, compute_s=max(step.stage_s) * estimate.micro_batches * scale,
+        communication_s=(estimate.sync_s + estimate.hops_s) * scale, memory=estimate.memory[fullest],
+        device_memory_bytes=int(groups[layout.groups[fullest]].memory_bytes), stage_memory=estimate.memory,
+        method=METHOD + ("" if scale == 1.0 else f", x {scale:.3g} (the simulator over this model on one width)"),
+        samples_per_s=graph.batch_size / (step.step_s * scale),
+    )
+    return dataclasses.replace(
+        plan, cluster=ordered, mesh=Mesh((("pp", world),)), label="",
+        pipeline=PipelineConfig(stages=world, schedule="gpipe", micro_batches=units), estimate=result,
+        sections={FAMILY: section}, warnings=warnings,
+    )
+
+
+def uneven_width_plans(context: SearchContext, simulated_even_s: float,
+                       flavours: tuple[str, ...] = ("ddp",)) -> list[Plan]:
+    """The best ``SearchBudget.pipeline_candidates()`` layouts whose stages differ in width and
+    that beat every layout of one width as ``width_estimates`` prices them all, as plans (fp32,
+    DDP inside each stage: what the runtime compiles); none when ``--mesh``/``--max`` fix sizes
+    or ``flavours`` (those ``--family`` allows) leave DDP out.
+
+    Their step is put on the simulator's scale, so the search compares like with like: the
+    widths model leaves out what the simulator adds (per-op overheads, the schedule's exact
+    overlap), so each price is multiplied by ``simulated_even_s`` (the family's best simulated
+    plan of one width) over the widths model's price of its best layout of one width."""
+    if context.precision != "fp32" or context.constraints.mesh or context.constraints.max or "ddp" not in flavours:
+        return []
+    graph = context.graph
+    found = width_estimates(graph, context.cluster, context.precision, context.budget)
+    even = [e.step_s for e in found if not e.step.layout.uneven]
+    if not even:
+        return []
+    wins = [e for e in found if e.step.layout.uneven and e.step_s < min(even)]
+    scale = simulated_even_s / min(even)
+    return [width_plan(e, graph, context.cluster, context.spec, context.model_name, context.precision, context.budget,
+                       context.warnings, scale) for e in wins[:context.budget.pipeline_candidates()]]

@@ -30,7 +30,11 @@ __all__ = ["StageDeviceStep", "stage_device", "work_share"]
 
 
 def stage_device(plan, stage: int) -> DeviceSpec:
-    """The device stage module ``stage`` of ``plan`` runs on (its pp coordinate's first rank)."""
+    """The device stage module ``stage`` of ``plan`` runs on (its pp coordinate's first rank;
+    under stages of different widths, the first rank of the stage, ``section.stage_ranks``)."""
+    section = plan.sections.get("hetero-pp")
+    if section is not None and section.widths:
+        return plan.cluster.device_of(section.stage_ranks(plan)[stage][0])
     pp = plan.mesh.axis_size("pp")
     return plan.cluster.device_of((stage % pp) * (plan.cluster.world_size // pp))
 

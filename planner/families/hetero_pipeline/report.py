@@ -26,8 +26,8 @@ def hetero_pipeline_section(plan: "Plan") -> list:
     """The report part of the ``hetero-pp`` family (``planner.families``): a table of the
     stages and a line naming the stage the step waits for."""
     section = plan.sections["hetero-pp"]
-    pp = plan.mesh.axis_size("pp")
-    per_stage = plan.cluster.world_size // pp
+    stage_ranks = section.stage_ranks(plan)  # each stage's ranks (of one width, or the section's widths)
+    pp = len(stage_ranks)
     table = Table(title="Pipeline stages on device groups: each stage's device and share of the model")
     for column in ("stage", "ranks", "device", "blocks", "busy (predicted)", "memory (predicted)", "gradient sync over",
                    "to the next stage"):
@@ -36,19 +36,21 @@ def hetero_pipeline_section(plan: "Plan") -> list:
     for stage, name in enumerate(section.stage_devices):
         busy = section.busy_s[stage] if section.busy_s else None
         memory = section.memory_bytes[stage] if section.memory_bytes else None
-        first = stage * per_stage
-        onward = "-" if stage == pp - 1 else link_words(crossed_link(cluster, [first, first + per_stage]))
-        table.add_row(str(stage), f"{first}-{first + per_stage - 1}", name,
+        ranks = stage_ranks[stage]
+        onward = "-" if stage == pp - 1 else link_words(crossed_link(cluster, [ranks[0], stage_ranks[stage + 1][0]]))
+        table.add_row(str(stage), f"{ranks[0]}-{ranks[-1]}", name,
                       str(section.blocks[stage]) if section.blocks else "-",
                       "-" if busy is None else f"{busy * 1e3:.3f} ms",
                       "-" if memory is None else f"{memory / 2**20:.2f} MiB",
-                      "-" if per_stage == 1 else link_words(crossed_link(cluster, range(first, first + per_stage))),
+                      "-" if len(ranks) == 1 else link_words(crossed_link(cluster, ranks)),
                       onward)
     parts: list = [table]
     if section.busy_s:
+        widths = ("" if not section.widths else
+                  f", each stage data parallel over its ranks (widths {'/'.join(map(str, section.widths))}, GPipe)")
         slowest = max(range(pp), key=lambda stage: section.busy_s[stage])
         parts.append(Paragraph(
-            f"Blocks are balanced by each device's speed and memory; the step waits for stage {slowest} "
+            f"Blocks are balanced by each device's speed and memory{widths}; the step waits for stage {slowest} "
             f"({section.stage_devices[slowest]}). Start the cluster's nodes in the plan's order: node rank 0 runs "
             f"stage 0 ({section.stage_devices[0]})."
         ))

@@ -9,7 +9,12 @@ speed and memory, and the order of the stages is the order of the plan's cluster
 first). The section names what a report and a reader need, and lets the simulator price
 each stage on its own device (``costs.py``). Stored under the plan JSON key ``"hetero-pp"``
 as ``{"stage_devices": [...], "blocks": [...], "busy_s": [...], "memory_bytes": [...]}``
-(blocks per stage, and the predictions per stage; each empty when not recorded). A plan
+(blocks per stage, and the predictions per stage; each empty when not recorded), and
+``"widths"``: the ranks of each stage when the stages differ in width (empty: every stage as
+wide as the mesh's ``dp``). A plan of stages of different widths (``widths.py``) has the mesh
+``pp`` alone, one coordinate per rank: stage s holds the ``widths[s]`` coordinates after the
+stages before it, runs data parallel over them and is compiled by
+``codegen.uneven_width_emit``. A plan
 that leaves devices out is not of this family: it runs on the fast group alone and says so
 in a warning (``candidates.fast_group_pipelines``).
 
@@ -18,6 +23,7 @@ Vocabulary layer: imports only the planner's vocabulary.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,7 +35,7 @@ if TYPE_CHECKING:
     from planner.plans import Plan
 
 JSON_KEY = "hetero-pp"
-KEYS = ("stage_devices", "blocks", "busy_s", "memory_bytes")
+KEYS = ("stage_devices", "blocks", "busy_s", "memory_bytes", "widths")
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class HeteroStagesSection:
     blocks: tuple[int, ...] = ()
     busy_s: tuple[float, ...] = ()
     memory_bytes: tuple[int, ...] = ()
+    widths: tuple[int, ...] = ()
     # Node costs read the stage's device (costs.py): the simulator's cache of node costs
     # must not hand this plan the costs of the same plan priced on its slowest device.
     changes_op_costs: ClassVar[bool] = True
@@ -63,7 +70,7 @@ class HeteroStagesSection:
                 f"field '{JSON_KEY}.stage_devices' must list 2 or more device names (one per stage), got "
                 f"{_shown(names)}; name each stage's device as the cluster does"
             )
-        for key, kind in (("blocks", int), ("busy_s", float), ("memory_bytes", int)):
+        for key, kind in (("blocks", int), ("busy_s", float), ("memory_bytes", int), ("widths", int)):
             values = tuple(getattr(self, key))
             if values and (len(values) != len(names) or any(
                 isinstance(v, bool) or not isinstance(v, kind if kind is int else (int, float))
@@ -75,6 +82,17 @@ class HeteroStagesSection:
                     f"({len(names)}), got {_shown(values)}; drop it and simulate the plan again"
                 )
             object.__setattr__(self, key, tuple(kind(v) for v in values))
+        if 0 in self.widths or len(set(self.widths)) == 1:
+            raise ValueError(
+                f"field '{JSON_KEY}.widths' must be empty or give stages of different widths, each 1 or more, got "
+                f"{_shown(self.widths)}; drop it for stages of one width"
+            )
+
+    def stage_ranks(self, plan: "Plan") -> list[range]:
+        """The ranks of each stage: ``widths`` consecutive ranks each, else ``world / pp``."""
+        widths = self.widths or (plan.cluster.world_size // plan.mesh.axis_size("pp"),) * len(self.stage_devices)
+        starts = [sum(widths[:stage]) for stage in range(len(widths) + 1)]
+        return [range(starts[stage], starts[stage + 1]) for stage in range(len(widths))]
 
     def check(self, plan: "Plan") -> None:
         """Raise ``ValueError`` (one line naming ``hetero-pp.stage_devices`` and the fix) unless
@@ -88,29 +106,79 @@ class HeteroStagesSection:
                 f"expert layouts or other sections, but the plan is {plan.name}; drop the {JSON_KEY} section"
             )
         pp = mesh.axis_size("pp")
-        if len(self.stage_devices) != pp:
+        if self.widths:
+            self._check_widths(plan)
+        elif len(self.stage_devices) != pp:
             raise ValueError(
                 f"field '{JSON_KEY}.stage_devices' names {len(self.stage_devices)} devices for pp={pp} stages; "
                 f"give one per stage"
             )
-        per_stage = plan.cluster.world_size // pp
-        for stage, name in enumerate(self.stage_devices):
-            found = {plan.cluster.device_of(rank).name for rank in range(stage * per_stage, (stage + 1) * per_stage)}
+        for stage, (name, ranks) in enumerate(zip(self.stage_devices, self.stage_ranks(plan))):
+            found = {plan.cluster.device_of(rank).name for rank in ranks}
             if found != {name}:
                 raise ValueError(
                     f"field '{JSON_KEY}.stage_devices' says stage {stage} runs on {_shown(name)}, but its ranks "
-                    f"{stage * per_stage}-{(stage + 1) * per_stage - 1} run on {', '.join(sorted(found))[:80]}; "
+                    f"{ranks[0]}-{ranks[-1]} run on {', '.join(sorted(found))[:80]}; "
                     f"order the cluster's nodes so each stage's ranks share one device"
                 )
 
+    def _check_widths(self, plan: "Plan") -> None:
+        """Stages of different widths: one width per stage, the mesh ``pp`` alone with one
+        coordinate per rank, every op on one of the stages, the micro-batches whole units."""
+        stages, world = len(self.stage_devices), plan.cluster.world_size
+        if len(self.widths) != stages or sum(self.widths) != world or plan.mesh.names != ("pp",):
+            raise ValueError(
+                f"field '{JSON_KEY}.widths' gives {len(self.widths)} stages of {sum(self.widths)} ranks in all for "
+                f"{stages} stage devices, {world} ranks and mesh {plan.mesh}; give one width per stage, summing to the "
+                f"world, on a mesh of pp={world} alone"
+            )
+        used = max(strategy.stage for strategy in plan.strategies)
+        if used >= stages:
+            raise ValueError(
+                f"field '{JSON_KEY}.widths' gives {stages} stages but op stages reach {used}; plan the ops on stages "
+                f"0..{stages - 1}"
+            )
+
+    @property
+    def checkpoint_refusal(self) -> str:
+        """Why ``launch.py --checkpoint-dir``/``--init-from`` refuse this plan ("" when they
+        do not): a stage of several ranks holds its weights whole on each (one-rank meshes),
+        which the pipeline family's checkpoints (one DTensor shard per pp x dp coordinate) do
+        not describe."""
+        if not self.widths:
+            return ""
+        return ("checkpoints of pipeline stages of different widths are not written yet (each rank of a stage holds "
+                "its weights whole); train without --checkpoint-dir/--init-from, or plan stages of one width")
+
+    def simulation_blocker(self, plan: "Plan") -> str | None:
+        """Why the simulator cannot price ``plan`` (one line), or None: its step model runs
+        every rank of a pp coordinate alike, which stages of different widths are not; their
+        estimate is the layout's price the search computed (``width_plans``)."""
+        if not self.widths:
+            return None
+        return (f"this plan's pipeline stages have different widths {'/'.join(map(str, self.widths[:8]))}; the "
+                f"simulator prices stages of one width only, so its estimate is the one `planner plan` computed "
+                f"for the layout (`planner report` prints it)")
+
+    def pipeline_words(self, plan: "Plan") -> str:
+        """The verdict's words for the pipeline of stages of different widths ("" otherwise):
+        its stages, their widths, and micro-batches as the runtime's units make them."""
+        if not self.widths:
+            return ""
+        per = math.lcm(*self.widths)
+        return (f"{len(self.widths)} pipeline stages of widths {'/'.join(map(str, self.widths))}, each data parallel "
+                f"over its ranks ({plan.pipeline.schedule}, {plan.pipeline.micro_batches // per} micro-batches of "
+                f"{per} units)")
+
     def describe(self, plan: "Plan") -> str:
         """The words this section adds to the plan's name, ``"stages on cpu-fast/cpu-slow"``."""
-        return "stages on " + "/".join(self.stage_devices[:8]) + ("/..." if len(self.stage_devices) > 8 else "")
+        words = "stages on " + "/".join(self.stage_devices[:8]) + ("/..." if len(self.stage_devices) > 8 else "")
+        return words + (" of widths " + "/".join(map(str, self.widths[:8])) if self.widths else "")
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form stored under the plan's ``"hetero-pp"`` key."""
         return {"stage_devices": list(self.stage_devices), "blocks": list(self.blocks), "busy_s": list(self.busy_s),
-                "memory_bytes": list(self.memory_bytes)}
+                "memory_bytes": list(self.memory_bytes), **({"widths": list(self.widths)} if self.widths else {})}
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> "HeteroStagesSection":
@@ -123,7 +191,7 @@ class HeteroStagesSection:
         section_lists(data, source, JSON_KEY, KEYS, KEYS, '{"stage_devices": ["h100", "a100"]}', PlanFileError)
         try:
             return cls(tuple(data["stage_devices"]), tuple(data.get("blocks", ())), tuple(data.get("busy_s", ())),
-                       tuple(data.get("memory_bytes", ())))
+                       tuple(data.get("memory_bytes", ())), tuple(data.get("widths", ())))
         except ValueError as error:
             raise PlanFileError(f"{source}: {error}") from None
 

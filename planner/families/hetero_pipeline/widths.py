@@ -5,9 +5,9 @@ tried (a group's stages stay together), and a stage of w ranks runs data paralle
 of its ranks takes 1/w of every micro-batch. 4 H100 + 8 A100 may be two stages of 4 and 8
 ranks, or an H100 stage and two A100 stages of 4.
 
-A layout's step, as 1F1B runs it (``layout_step``): stage s's seconds per micro-batch are its
-blocks' seconds on its device at 1/w_s of the micro-batch (``rows[s]``, plus the head on the
-first stage and the tail on the last), and
+A layout's step, as GPipe or 1F1B runs it (``layout_step``): stage s's seconds per micro-batch
+are its blocks' seconds on its device at 1/w_s of the micro-batch (``rows[s]``, plus the head
+on the first stage and the tail on the last), and
 
     step = sum_s stage_s + (m - 1) * max_s stage_s + after(layout, counts)
 
@@ -23,11 +23,13 @@ programme's sum is at most the split's. ``best_layout`` tries every layout and k
 step (``tests/test_hetero_widths.py`` checks both against every layout and every split).
 ``after`` is added at the chosen split, not minimised over splits.
 
-Not compiled: the pipeline runtime (``codegen.pipeline_emit``, ``torch.distributed.pipelining``)
-runs stages of one pp coordinate each on an even pp x dp mesh, every stage as wide as the
-others; a stage of 2 ranks after one of 1 would need the micro-batch split between its ranks at
-the boundary (and the gradients joined on the way back), which no runtime of ours does yet. The
-layouts whose stages share one width are the ones the family compiles (``candidates.py``).
+Compiled: ``candidates.uneven_width_plans`` turns a layout whose widths differ into a plan
+(GPipe; the section's ``widths``), ``codegen.uneven_width_emit`` writes it and
+``codegen.runtime.uneven_width_pipeline`` runs it: rank j of a stage of w ranks takes the j-th
+1/w of every micro-batch's rows, the rows travel point-to-point between the ranks of stages of
+different widths, and each stage's gradients are summed over its own ranks. The step formula
+above is GPipe's as much as 1F1B's (the same fill and drain); only the memory differs, and the
+layouts are priced with GPipe's (every micro-batch in flight on every stage).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class WidthLayout:
 
     @property
     def uneven(self) -> bool:
-        """Whether the stages have different widths (a layout the runtime cannot run yet)."""
+        """Whether the stages have different widths (compiled by ``codegen.uneven_width_emit``)."""
         return len(set(self.widths)) > 1
 
 
