@@ -38,7 +38,8 @@ from codegen.runtime.checkpoint import export_checkpoint
 from codegen.runtime.launcher import random_like
 from codegen.runtime.program import load_program
 from planner.api import prepare_model
-from planner.model_spec import ModelSpec, extract_loss
+from planner.model_loss import extract_loss
+from planner.model_spec import ModelSpec
 from search.megatron import megatron_plan
 from moe_plans import hf_moe_plan, moe_plan
 from summa_plans import summa_plan

@@ -30,7 +30,8 @@ import planner
 from planner.api import prepare_model
 from planner.functionalize import aliased_writes, functional_program
 from planner.graph import OpNode, TensorMeta
-from planner.model_spec import ModelSpec, extract_loss
+from planner.model_loss import extract_loss
+from planner.model_spec import ModelSpec
 from planner.trace import trace
 from search.megatron import megatron_plan
 from search.rules import axis_candidates

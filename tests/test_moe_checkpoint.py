@@ -38,7 +38,8 @@ from codegen.runtime.derived_checkpoint import DerivedPart
 from codegen.runtime.launcher import random_like
 from codegen.runtime.program import load_program
 from planner.api import prepare_model
-from planner.model_spec import ModelSpec, extract_loss
+from planner.model_loss import extract_loss
+from planner.model_spec import ModelSpec
 from search.data_parallel import data_parallel_plan
 
 EXPERT_WEIGHT = "blocks.0.moe.experts.w_in"  # (experts, width, ffn) in examples/moe.py

@@ -36,7 +36,7 @@ from codegen.runtime.launcher import random_like
 from codegen.runtime.materialize import Derivation
 from codegen.runtime.program import load_program
 from planner.errors import LaunchError
-from planner.model_spec import extract_loss
+from planner.model_loss import extract_loss
 
 STEPS = 3
 # Below every step's norm on one device (checked in the test), so clipping acts each step.

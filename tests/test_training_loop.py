@@ -15,7 +15,7 @@ import torch
 import planner
 from codegen.runtime.profiling import collective_kind, profile_split
 from codegen.runtime.program import load_program
-from codegen.runtime.training_loop import as_inputs, learning_rate_factor, load_data
+from codegen.runtime.training_loop import as_inputs, clip_gradients, learning_rate_factor, load_data
 from cost_model.calibration import load_measured
 from planner.cli import main as cli_main
 from planner.errors import LaunchError
@@ -46,6 +46,19 @@ def test_learning_rate_factor_by_hand() -> None:
     assert factors == pytest.approx([0.5, 1.0, *cosine])
     assert [learning_rate_factor(step, "linear", 0, 5, 0.0) for step in range(5)] == pytest.approx([1, 0.75, 0.5, 0.25, 0])
     assert learning_rate_factor(10, "cosine", 0, 0, 0.0) == 1.0  # until the data ends: no known total, no decay
+
+
+def test_a_gradient_several_ranks_hold_counts_once_in_the_clipped_norm() -> None:
+    """A pipeline stage w ranks wide (or a weight tied over stages) leaves the same whole
+    gradient on each of its ranks; clip_gradients adds its squared norm / holders, so the
+    sum over the ranks is one device's. By hand, on one rank with holders 4 for the first
+    parameter (grad (3, 4): squared norm 25 -> 6.25) and 1 for the second (grad (12,): 144):
+    norm sqrt(150.25); with max_norm 1 every gradient is scaled by 1 / (norm + 1e-6)."""
+    first, second = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
+    first.grad, second.grad = torch.tensor([3.0, 4.0]), torch.tensor([12.0])
+    norm = clip_gradients([first, second], 1.0, holders=lambda param: 4 if param is first else 1)
+    assert norm == pytest.approx(math.sqrt(6.25 + 144.0), rel=1e-12)
+    assert second.grad.item() == pytest.approx(12.0 / (norm + 1e-6), rel=1e-6)
 
 
 def test_profile_split_and_collective_names() -> None:

@@ -369,6 +369,14 @@ class PipelineRunner:
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_rank)
         return loss
 
+    def gradient_holders(self, param: torch.nn.Parameter) -> int:
+        """How many ranks of ``pp_group`` hold ``param``'s whole gradient (gradient clipping
+        counts it once): those of the stages it is tied over, else this rank alone."""
+        for group, names in self._shared:
+            if any(self.module.params[name] is param for name in names):
+                return dist.get_world_size(group)
+        return 1
+
     def _place_gradients(self) -> None:
         """Each gradient, summed over the micro-batches in the placements backward gave it,
         laid out as its parameter: one reduction per parameter and step (``_ScheduleRunning``)."""

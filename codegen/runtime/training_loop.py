@@ -158,7 +158,8 @@ def learning_rate_factor(step: int, schedule: str, warmup_steps: int, total_step
     return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
 
-def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float, sum_group=None) -> float:
+def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float, sum_group=None,
+                   holders: Callable[[torch.nn.Parameter], int] | None = None) -> float:
     """Scale the gradients so their global L2 norm is at most ``max_norm`` (as
     ``torch.nn.utils.clip_grad_norm_`` on one device); returns the norm before clipping.
 
@@ -167,24 +168,29 @@ def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float, su
     gradient (rather than one per parameter); any other DTensor's norm is taken by DTensor.
     ``sum_group``: the process group whose ranks hold DIFFERENT parameters (a pipeline's
     stages), over which the squared norms are summed; None when every rank holds them all.
+    ``holders(param)``: how many ranks of ``sum_group`` hold that parameter's whole gradient
+    (tied weights on several stages; a stage several ranks wide); each adds its squared norm
+    divided by that count, so every gradient counts once. None: one each.
     """
-    grads = [param.grad for param in parameters if param.grad is not None]
+    held = [param for param in parameters if param.grad is not None]
+    grads = [param.grad for param in held]
     whole = torch.zeros((), dtype=torch.float64, device="cpu")  # summed on the host
     per_axis: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # (mesh id, axis) -> (group, local sum)
-    for grad in grads:
+    for param, grad in zip(held, grads):
+        share = 1.0 / holders(param) if holders is not None else 1.0
         if isinstance(grad, DTensor):
             sharded = [axis for axis, placement in enumerate(grad.placements) if not placement.is_replicate()]
             if len(sharded) == 1 and grad.placements[sharded[0]].is_shard():
                 key = (id(grad.device_mesh), sharded[0])
                 group, total = per_axis.get(key, (grad.device_mesh.get_group(sharded[0]), 0.0))
                 local = torch.linalg.vector_norm(grad.to_local(), 2).detach().to(torch.float64).cpu() ** 2
-                per_axis[key] = (group, total + local)
+                per_axis[key] = (group, total + local * share)
                 continue
             norm = torch.linalg.vector_norm(grad, 2)
             norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         else:
             norm = torch.linalg.vector_norm(grad, 2)
-        whole = whole + norm.detach().to(torch.float64).cpu() ** 2
+        whole = whole + norm.detach().to(torch.float64).cpu() ** 2 * share
     device = grads[0].device if grads else torch.device("cpu")
     for group, local in per_axis.values():
         local = torch.as_tensor(local, dtype=torch.float64, device=device)
@@ -202,14 +208,26 @@ def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float, su
     return total
 
 
-def gradient_clipper(program: Program, model: torch.nn.Module, module: torch.nn.Module, sum_group) -> Callable[[float], float]:
+@dataclass(frozen=True)
+class NormSum:
+    """Where a pipeline's gradient norms are summed: ``group`` (its stages' ranks) and
+    ``holders(param)``, how many of them hold that parameter's gradient (``clip_gradients``)."""
+
+    group: Any
+    holders: Callable[[torch.nn.Parameter], int]
+
+
+def gradient_clipper(program: Program, model: torch.nn.Module, module: torch.nn.Module,
+                     norm_sum: NormSum | None) -> Callable[[float], float]:
     """What clips this program's gradients to a global norm (returning the norm before):
     ``clip_gradients`` by mesh axes, or for a program with MoE expert layouts, whose ranks
     hold experts and their copies in shapes no mesh describes, ``HeldPartsNorm`` (each
     expert counted once). A collective: every rank calls it before the first step."""
     if program.plan.expert_layouts:
         return HeldPartsNorm(model, module).clip
-    return lambda max_norm: clip_gradients(module.parameters(), max_norm, sum_group)
+    if norm_sum is None:
+        return lambda max_norm: clip_gradients(module.parameters(), max_norm)
+    return lambda max_norm: clip_gradients(module.parameters(), max_norm, norm_sum.group, norm_sum.holders)
 
 
 def random_like(tree):
@@ -286,9 +304,8 @@ def _format_bytes(count: float) -> str:
 
 
 def build_step(program: Program, mesh) -> tuple[torch.nn.Module, Callable, Any, tuple, dict, Any]:
-    """This rank's module, its forward-backward on a global batch, the group over which
-    gradient norms are summed (a pipeline's stages; None otherwise), the example batch, and
-    the full model."""
+    """This rank's module, its forward-backward on a global batch, where gradient norms are
+    summed (a pipeline's ``NormSum``; None otherwise), the example batch, and the full model."""
     model, module, args, kwargs = program.build_module(mesh)  # this rank's shards only
     if program.is_pipeline:
         pipeline = program.module.make_pipeline(module, mesh)
@@ -297,7 +314,7 @@ def build_step(program: Program, mesh) -> tuple[torch.nn.Module, Callable, Any, 
             local_args, local_kwargs = program.shard_batch(batch_args, batch_kwargs, mesh)
             return pipeline.step(local_args, local_kwargs)
 
-        sum_group = pipeline.pp_group
+        norm_sum = NormSum(pipeline.pp_group, pipeline.gradient_holders)
     else:
         # Under uneven batch shares a rank's loss counts b_r * dp / B in the mean over the ranks
         # that the loop logs (Program.loss_weight; 1 for even rows): the whole batch's loss.
@@ -306,8 +323,8 @@ def build_step(program: Program, mesh) -> tuple[torch.nn.Module, Callable, Any, 
         def forward_backward(batch_args, batch_kwargs):  # in the plan's micro-batches, if it accumulates
             return program.forward_backward(module, batch_args, batch_kwargs, mesh)[0] * weight
 
-        sum_group = None
-    return module, forward_backward, sum_group, args, kwargs, model
+        norm_sum = None
+    return module, forward_backward, norm_sum, args, kwargs, model
 
 
 StepHook = Callable[[int, torch.nn.Module, torch.optim.Optimizer], None]
@@ -321,9 +338,9 @@ def train(program: Program, mesh, options: LoopOptions, after_step: list[StepHoo
     optimizer): the place for checkpointing. ``profiler``: a started ``torch.profiler``
     session whose ``step()`` is called after each step (``codegen.runtime.profiling``).
     """
-    module, forward_backward, sum_group, args, kwargs, model = build_step(program, mesh)
+    module, forward_backward, norm_sum, args, kwargs, model = build_step(program, mesh)
     optimizer, schedule, checkpointer, first_step = start_optimizing(program, mesh, options, model, module)
-    clip = gradient_clipper(program, model, module, sum_group) if options.clip_grad_norm is not None else None
+    clip = gradient_clipper(program, model, module, norm_sum) if options.clip_grad_norm is not None else None
     next_batch = batch_source(program, options, args, kwargs)
     skip_batches(next_batch, first_step)  # the data position: the batches the checkpointed run consumed
     meter = StepMeter(program)

@@ -35,9 +35,9 @@ stages hold (tied embeddings) is summed over every rank of those stages, each ad
 stage's sum divided by the stage's width, so every copy takes the same step.
 
 Gradient clipping (``launch.py --clip-grad-norm``) sums squared norms over every rank
-(``pp_group`` is the world): a stage of w ranks, each holding the same summed gradients,
-counts w times, so the norm it clips by is larger than one device's (not checked by
-``--check``, which does not clip).
+(``pp_group`` is the world): a stage of w ranks each hold the same summed gradients, so each
+adds its squared norms divided by w (``gradient_holders``; a tied weight by the ranks of every
+stage that holds it), and the norm is one device's.
 """
 
 from __future__ import annotations
@@ -206,6 +206,14 @@ class UnevenWidthRunner:
         return works
 
     # ------------------------------------------------------------------ gradients
+
+    def gradient_holders(self, param: nn.Parameter) -> int:
+        """How many ranks hold ``param``'s whole gradient once the step is done: every rank
+        of the stages it is tied over, else every rank of this stage."""
+        for group, names in self._shared:
+            if any(self.module.params[name] is param for name in names):
+                return dist.get_world_size(group)
+        return self.widths[self.stage]
 
     def _sum_over_stage(self) -> None:
         """Each gradient summed over the stage's ranks (each holds its rows' part)."""
