@@ -61,7 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fidelity import simulate  # noqa: E402
-from fidelity_runs import DEEPSPEED_PIPELINE, MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S, Run, bloom_cluster, runs  # noqa: E402
+from fidelity_runs import DEEPSPEED_PIPELINE, MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S, Run, bloom_cluster  # noqa: E402
+from fidelity_runs import runs as published_runs  # noqa: E402
 from measured_vs_predicted import spearman  # noqa: E402
 
 from planner.verdict import CLOSE_CALL_MARGIN  # noqa: E402
@@ -207,7 +208,7 @@ def _sensitivities(runs: list[Run]) -> tuple[list[float], list[float]]:
 def engine_runs_elsewhere() -> list[Run]:
     """``fidelity.py``'s other runs of DeepSpeed's pipeline engine (blocking sends): the ones
     not on Jean Zay, so not the cluster and software the overhead was fitted on (MT-NLG's)."""
-    return [run for run in runs() if run.layout.get("blocking_p2p") and "block_overhead_s" not in run.layout]
+    return [run for run in published_runs() if run.layout.get("blocking_p2p") and "block_overhead_s" not in run.layout]
 
 
 def print_elsewhere() -> None:
