@@ -150,7 +150,7 @@ layer per micro-batch (``python benchmarks/fidelity_sweep.py --elsewhere``): the
 BLOOM's 10.75 ms on another cluster (Selene), with no ``CUDA_LAUNCH_BLOCKING`` stated, which
 points at the Megatron-DeepSpeed and DeepSpeed engine of 2021-22 rather than at Jean Zay; but
 a per-layer cost would not grow with dp as these do, and its mechanism is still not
-identified, so it is not applied (with it: -5.6%, -6.7%, -9.5%).
+identified, so it is not applied (with it: -5.6%, -6.7%, -9.6%).
 
 Megatron-Core's 70B row (+10.4%, pp 2) is slow by what the simulator exposes of the distributed
 optimizer: stage 0 reduce-scatters its 17.3 GB of fp32 gradients (4.3B parameters per GPU) at
