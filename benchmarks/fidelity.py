@@ -131,6 +131,39 @@ and clone (~0.3% of the step by hand); the attention mask is not sent between st
 (pretrain_gpt.py caches it in ``args.attn_mask``); the tied embedding's gradient all-reduce
 is priced (11 ms on MT-NLG).
 
+MT-NLG's rows (the three largest errors, -20% to -24%) are checked and not explained. The
+simulator's step is linear in the pipeline's micro-batch slots, m + pp - 1 = 274, 226 and 194
+at dp 8, 10 and 12: 0.175 s per slot and -0.01 s per step by least squares (47.90, 39.56, 33.90
+s), so its bubble is the schedule's pp - 1 slots (DeepSpeed's ``TrainSchedule`` with blocking
+sends costs no more than 1F1B: ``tests/test_deepspeed_pipeline.py`` checks it with an event loop
+of its own) and what runs after the schedule (the tied embedding's all-reduce, ZeRO-1's
+reduction and gather, the optimizer step) is small. The published steps fit 0.197 s per slot
+plus 6.0 s per step, or 0.194 s per slot over m + 2 (pp - 1) slots (within 0.7% either way;
+three figures rounded to 0.1 s do not tell them apart). Small by hand: each boundary send
+(10.5 MB tp slices at 25 GB/s per HDR NIC, 0.4 ms, plus the receiver's gather over NVLink),
+DeepSpeed's per-micro-batch clone of the received input and partition of the output
+(deepspeed/runtime/pipe/engine.py at microsoft/DeepSpeed 29bee73f0, 2021-10-21); not 6 s per
+step: DeepSpeed 0.5's ZeRO-1 (3.8 GB of fp16 gradients per GPU reduced over dp in buckets,
+the updated fp16 weights gathered: about 0.4 s at 25 GB/s), its overflow check and gradient
+norm. Priced as Jean Zay's per-layer cost is, the gaps would need 14.8, 15.7 and 18.0 ms per
+layer per micro-batch (``python benchmarks/fidelity_sweep.py --elsewhere``): the order of
+BLOOM's 10.75 ms on another cluster (Selene), with no ``CUDA_LAUNCH_BLOCKING`` stated, which
+points at the Megatron-DeepSpeed and DeepSpeed engine of 2021-22 rather than at Jean Zay; but
+a per-layer cost would not grow with dp as these do, and its mechanism is still not
+identified, so it is not applied (with it: -5.6%, -6.7%, -9.6%).
+
+Megatron-Core's 70B row (+10.4%, pp 2) is slow by what the simulator exposes of the distributed
+optimizer: stage 0 reduce-scatters its 17.3 GB of fp32 gradients (4.3B parameters per GPU) at
+about 47 GB/s over 48 nodes behind a last backward of 0.15 s (0.22 s exposed), and its first
+forward waits for each block's 201 MB weight gather (4.9 ms against 1.8 ms of compute: 0.13 s),
+both as Megatron-Core r0.8 orders them (``cost_model.megatron_grad_sync``). By hand, the
+step less the first is 2.18 s, the published one, less the second +4%; the source states
+nothing (SHARP on the fabric, NCCL version, bucket sizes) that would hide either, so it stays. The 1.7B and 7.1B rows (-14.5%, -11.9%) expose almost no
+communication (1.7B: 12 ms of a 0.39 s step; its fp32 reduce-scatters take 0.7 ms per block
+behind 8 ms of backward): their gap is compute, kernel time the simulator prices at 669
+TFLOP/s for 1.7B's GEMMs (h 2048, 16,384 tokens per pass; ``fidelity_ops.py``), which is
+issue 25's sustained-compute part, not the Megatron-specific model.
+
 Modelled from the runs' stated hardware: the Grand Teton H100s' 500 W power limit lowers their
 peak to the clock such a board holds (``grand_teton_h100``, ``planner.power_limit``). Every
 H100 row prices tensor-core work at the clock a 700 W GH100 holds under GEMMs overlapped with

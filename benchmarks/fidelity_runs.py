@@ -172,7 +172,10 @@ DEEPSPEED_PIPELINE = {"blocking_p2p": True, "partitioned_p2p": True, "overlap_gr
 #     eager dispatch).
 # The constant is therefore a property of that cluster's software, measured there and applied
 # only to BLOOM, which ran on it; MT-NLG (Selene, DeepSpeed of 2021, fp16, no stated
-# ``CUDA_LAUNCH_BLOCKING``) runs without it, and its rows show the engine as modelled.
+# ``CUDA_LAUNCH_BLOCKING``) runs without it, and its rows show the engine as modelled. Their
+# gaps would need 14.8-18.0 ms per layer per micro-batch (``fidelity_sweep.py --elsewhere``):
+# the same order on another cluster, so probably not Jean Zay's alone, but growing with dp,
+# which a per-layer cost does not; not applied (``fidelity.py``'s docstring has the checks).
 # ``--no-engine-overhead`` shows BLOOM without it too.
 MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S = 10.75e-3
 JEAN_ZAY_LAYER_OVERHEAD = {"block_overhead_s": MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S}

@@ -2,6 +2,7 @@
 
     python benchmarks/fidelity_sweep.py              # fit on 17 configurations, check on 16 more (5-10 minutes)
     python benchmarks/fidelity_sweep.py --no-check   # the fit only
+    python benchmarks/fidelity_sweep.py --elsewhere  # the engine's other runs, against the fitted value
 
 ``benchmarks/fidelity.py`` checks each published run's step time. A planner also needs the
 simulator to *order* layouts as the hardware does, and a sweep measured on one machine with
@@ -60,7 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fidelity import simulate  # noqa: E402
-from fidelity_runs import DEEPSPEED_PIPELINE, Run, bloom_cluster  # noqa: E402
+from fidelity_runs import DEEPSPEED_PIPELINE, MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S, Run, bloom_cluster  # noqa: E402
+from fidelity_runs import runs as published_runs  # noqa: E402
 from measured_vs_predicted import spearman  # noqa: E402
 
 from planner.verdict import CLOSE_CALL_MARGIN  # noqa: E402
@@ -203,6 +205,29 @@ def _sensitivities(runs: list[Run]) -> tuple[list[float], list[float]]:
     return base, slope
 
 
+def engine_runs_elsewhere() -> list[Run]:
+    """``fidelity.py``'s other runs of DeepSpeed's pipeline engine (blocking sends): the ones
+    not on Jean Zay, so not the cluster and software the overhead was fitted on (MT-NLG's)."""
+    return [run for run in published_runs() if run.layout.get("blocking_p2p") and "block_overhead_s" not in run.layout]
+
+
+def print_elsewhere() -> None:
+    """Each engine run elsewhere: its error without an engine overhead, with Jean Zay's
+    fitted one, and the per-layer overhead that alone would close its gap (``fitted_overhead``
+    on that row alone). A check of whether the constant transfers, not a fit: nothing here
+    changes ``fidelity.py``'s rows."""
+    chosen = engine_runs_elsewhere()
+    base, slope = _sensitivities(chosen)
+    fitted = MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S
+    print(f"{'run':<24} {'published':>9} {'no overhead':>11} {'error':>7} {f'{fitted * 1e3:.2f} ms':>9} {'error':>7} "
+          f"{'closing overhead':>16}")
+    for run, plain, k in zip(chosen, base, slope):
+        q = run.published_step_s
+        closing = fitted_overhead([plain], [k], [q])
+        print(f"{run.name:<24} {q:>8.2f}s {plain:>10.2f}s {plain / q - 1:>+7.1%} {plain + fitted * k:>8.2f}s "
+              f"{(plain + fitted * k) / q - 1:>+7.1%} {closing * 1e3:>13.2f} ms", flush=True)
+
+
 def _row(run: Run, plain: float, fit: float) -> str:
     """One configuration: published seconds, predicted without and with the overhead, errors."""
     q = run.published_step_s
@@ -213,7 +238,12 @@ def _row(run: Run, plain: float, fit: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-check", action="store_true", help="skip the held-out 2022-02-25 sweep (half the time)")
+    parser.add_argument("--elsewhere", action="store_true",
+                        help="only the engine's runs on other clusters (MT-NLG) against the fitted value")
     options = parser.parse_args()
+    if options.elsewhere:
+        print_elsewhere()
+        return
     runs = sweep_runs()
     header = (f"{'model':<16} {'layout':<40} {'published':>9} {'no overhead':>11} {'error':>7} "
               f"{'fitted':>8} {'error':>7}")

@@ -96,7 +96,9 @@ def deepspeed_train_steps(stage: int, stages: int, micro_batches: int) -> list[I
     that stage the gradients of the backward it ran the step before; a backward step first
     sends the next stage the activations of the forward it ran the step before, then receives
     its gradients from that stage. Each send or receive blocks until its partner posts the
-    matching one."""
+    matching one. (That is the order of the runs priced with it: MT-NLG of 2021, BLOOM of
+    2022. DeepSpeed reversed both pairs in March 2023, microsoft/DeepSpeed b528f50e3, PR
+    #2862: a forward step now sends the gradients first, a backward step receives first.)"""
     def valid(mb: int) -> bool:
         return 0 <= mb < micro_batches
 

@@ -145,6 +145,44 @@ def test_deepspeed_train_schedule_worked_by_hand():
             assert passes == [(kind, mb) for kind, mb, _ in one_f_one_b(stage, stages, micro_batches)]
 
 
+def _rendezvous_makespan(stages: int, micro_batches: int, forward_s: float, backward_s: float) -> float:
+    """When the last stage finishes, running ``deepspeed_train_steps`` with every send and
+    receive a rendezvous (both sides start it together; transfers take no time)."""
+    program = {stage: deepspeed_train_steps(stage, stages, micro_batches) for stage in range(stages)}
+    partner = {"send act": (1, "recv act"), "recv act": (-1, "send act"),
+               "send grad": (-1, "recv grad"), "recv grad": (1, "send grad")}
+    position = dict.fromkeys(program, 0)
+    clock = dict.fromkeys(program, 0.0)
+    moved = True
+    while moved:
+        moved = False
+        for stage, steps in program.items():
+            while position[stage] < len(steps):
+                what, mb = steps[position[stage]]
+                if what in ("F", "B"):
+                    clock[stage] += forward_s if what == "F" else backward_s
+                else:
+                    step, matching = partner[what]
+                    other = stage + step
+                    if program[other][position[other]:position[other] + 1] != [(matching, mb)]:
+                        break
+                    clock[stage] = clock[other] = max(clock[stage], clock[other])
+                    position[other] += 1
+                position[stage] += 1
+                moved = True
+    assert all(position[stage] == len(steps) for stage, steps in program.items()), "deadlock"
+    return max(clock.values())
+
+
+def test_rendezvous_sends_in_train_schedule_order_cost_no_more_than_1f1b():
+    # Neighbouring stages run opposite passes at each step (one forwards while the other runs
+    # backward), yet blocking sends in TrainSchedule's order do not hold each step to the longer
+    # pass: with forward 1 and backward 3 (full recomputation: recompute + 2x), the step is
+    # 1F1B's (m + pp - 1)(f + b), not (m + pp - 1) x 2b. MT-NLG's shape: pp 35, 240 micro-batches.
+    for stages, micro_batches in ((2, 8), (4, 16), (35, 240)):
+        assert _rendezvous_makespan(stages, micro_batches, 1.0, 3.0) == (micro_batches + stages - 1) * 4.0
+
+
 def test_a_blocking_send_waits_for_the_receiver_to_arrive():
     # pp=3 (3 layers): a transfer starts when both its stages are ready, so each one starts no earlier
     # than the end of whatever its receiver ran before the matching receive.

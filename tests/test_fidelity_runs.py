@@ -183,3 +183,21 @@ def test_runs_picks_a_subset_by_name_or_pattern_and_rows_only_simulates_nothing(
     unmatched = subprocess.run([sys.executable, str(script), "--rows-only", "--runs", "Nope*"],
                                capture_output=True, text=True)
     assert unmatched.returncode != 0 and "no run matches Nope*" in unmatched.stderr
+
+
+def test_the_transfer_check_takes_the_engine_runs_not_fitted_on_and_closes_each_gap_by_hand():
+    """``fidelity_sweep.py --elsewhere`` checks Jean Zay's per-layer constant on the engine's
+    other runs without applying it: those are MT-NLG's three (blocking sends, no fitted
+    overhead), and a row's closing overhead is its gap over its sensitivity."""
+    from benchmarks.fidelity_sweep import engine_runs_elsewhere, fitted_overhead
+
+    assert [run.name for run in engine_runs_elsewhere()] == [
+        "MT-NLG-530B@2240xA100", "MT-NLG-530B@2800xA100", "MT-NLG-530B@3360xA100"]
+    # 47.9 s predicted, 60.1 s published, 822 s of step per second of per-layer overhead
+    # (3 layers per stage x 274 micro-batch slots): (60.1 - 47.9) / 822 = 14.84 ms.
+    assert fitted_overhead([47.9], [822.0], [60.1]) == pytest.approx(12.2 / 822)
+    # Two rows, least squares on relative error: weights k/q = 10 and 10, gaps 0.1 and 0.3:
+    # c = (10 x 0.1 + 10 x 0.3) / (100 + 100) = 0.02.
+    assert fitted_overhead([9.0, 7.0], [100.0, 100.0], [10.0, 10.0]) == pytest.approx(0.02)
+    # Never negative: a row predicted slow gets none.
+    assert fitted_overhead([11.0], [100.0], [10.0]) == 0.0
