@@ -430,12 +430,12 @@ def test_multi_output_ops_have_one_meta_per_output():
 
 
 class _FirstLayersDense(nn.Module):
-    """Two wide layers, then four narrow ones of one structure: a stack whose blocks are
-    not all alike (as DeepSeek-V3's dense layers before its MoE ones)."""
+    """``wide`` wide layers, then ``narrow`` narrow ones of one structure: a stack whose
+    blocks are not all alike (as DeepSeek-V3's dense layers before its MoE ones)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wide: int = 2, narrow: int = 4) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)] + [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)])
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(wide)] + [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(narrow)])
 
     def forward(self, x):
         for layer in self.layers:
@@ -461,20 +461,8 @@ def test_every_run_of_alike_blocks_is_marked_with_its_kind_and_first_index():
     assert {representative[first_linear[block]] for block in range(6)} == {first_linear[0], first_linear[2]}
 
 
-class _OddFirstBlock(nn.Module):
-    """A wide first layer, then three alike narrow ones (T5's first block with its bias)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(8, 8)] + [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x.sum()
-
-
 def test_a_block_alike_to_neither_neighbour_stays_ordinary_ops():
-    graph = trace(_OddFirstBlock(), (torch.randn(4, 8),))
+    # One wide first layer, then three alike narrow ones (T5's first block, with its bias).
+    graph = trace(_FirstLayersDense(wide=1, narrow=3), (torch.randn(4, 8),))
     assert graph.block_runs == (BlockRun("layers", 1, 3),) and graph.block_start == {"layers": 1}
     assert all(node.block is None for node in graph.nodes if node.module.startswith("layers.0"))
