@@ -1,4 +1,4 @@
-"""Repeated blocks: which node of block 0 stands for each node of the other blocks.
+"""Repeated blocks: which node of its run's first block stands for each node of the other blocks.
 
 Blocks of one run have the same ops on the same shapes (``planner.trace`` marks them only
 then), so node k of every block can share the candidates, costs and decision of node k of
