@@ -119,6 +119,25 @@ class GraphInput:
     batch_dim: int | None
 
 
+@dataclass(frozen=True)
+class BlockRun:
+    """A run of consecutive, structurally identical blocks of one stack: blocks ``start`` ..
+    ``start + count - 1`` of ``group`` (DeepSeek-V3's ``model.layers`` holds two runs: its 3
+    dense layers from 0, its 58 MoE layers from 3). ``kind`` numbers the structures of a
+    stack in the order they first run (0, 1, ...): blocks of runs of one kind issue the same
+    ops on the same shapes, blocks of different kinds do not."""
+
+    group: str
+    start: int
+    count: int
+    kind: int = 0
+
+    @property
+    def indices(self) -> range:
+        """The block indices of the run, as ``OpNode.block`` numbers them."""
+        return range(self.start, self.start + self.count)
+
+
 @dataclass
 class OpGraph:
     """The traced forward program of a model on one global batch.
@@ -129,7 +148,8 @@ class OpGraph:
         parameters: qualified name -> metadata of every parameter (trainable weights).
         buffers: qualified name -> metadata of every buffer (non-trainable state).
         batch_size: the global batch (dim 0 of the first tensor input).
-        blocks: repeated block groups, ``group -> number of blocks``.
+        block_runs: the runs of repeated blocks (``BlockRun``), in graph order; one per
+            plain decoder stack, several where a stack's blocks change structure.
         tracer: ``"export"`` or ``"symbolic_trace"``, the front end that produced it.
         warnings: things noticed while tracing that a user should know (shown in reports).
         opaque_backward: ``(module path, what)`` for each part of the model whose backward is
@@ -153,8 +173,7 @@ class OpGraph:
     parameters: dict[str, TensorMeta]
     buffers: dict[str, TensorMeta]
     batch_size: int
-    blocks: dict[str, int] = field(default_factory=dict)
-    block_start: dict[str, int] = field(default_factory=dict)
+    block_runs: tuple[BlockRun, ...] = ()
     tracer: str = "export"
     warnings: list[str] = field(default_factory=list)
     opaque_backward: list[tuple[str, str]] = field(default_factory=list)
@@ -183,15 +202,33 @@ class OpGraph:
     def has_node(self, name: str) -> bool:
         return name in self._by_name
 
+    @property
+    def blocks(self) -> dict[str, int]:
+        """Repeated blocks per stack, ``group -> number of blocks`` (all its runs together)."""
+        counts: dict[str, int] = {}
+        for run in self.block_runs:
+            counts[run.group] = counts.get(run.group, 0) + run.count
+        return counts
+
+    @property
+    def block_start(self) -> dict[str, int]:
+        """``group -> index`` of the stack's first repeated block (a stack may begin with
+        blocks that repeat nowhere, as T5's first block with its relative position bias)."""
+        starts: dict[str, int] = {}
+        for run in self.block_runs:
+            starts.setdefault(run.group, run.start)
+        return starts
+
     def block_ids(self) -> tuple[tuple[str, int], ...]:
         """The repeated blocks as ``OpNode.block`` names them, in order: (group, index), the
-        index counted from the group's first module (a run of same-structured blocks may
-        start after a few others: DeepSeek-V3's MoE layers after its 3 dense ones)."""
-        return tuple(
-            (group, index)
-            for group, count in self.blocks.items()
-            for index in range(self.block_start.get(group, 0), self.block_start.get(group, 0) + count)
-        )
+        index counted from the stack's first module (DeepSeek-V3's dense layers 0..2, then its
+        MoE layers 3..60, two runs of one stack)."""
+        return tuple((run.group, index) for run in self.block_runs for index in run.indices)
+
+    def block_run_of(self, block: tuple[str, int]) -> BlockRun:
+        """The run holding ``block`` (``OpNode.block``'s ``(group, index)``)."""
+        group, index = block
+        return next(run for run in self.block_runs if run.group == group and index in run.indices)
 
     def block_paths(self) -> tuple[str, ...]:
         """Module paths of the repeated blocks, in order (``("blocks.0", "blocks.1", ...)``)."""

@@ -30,7 +30,7 @@ from planner.errors import TraceError
 from planner.fingerprint import model_fingerprint
 from planner.flop_formulas import register_grouped_matmul_formulas
 from planner.functionalize import functional_program
-from planner.graph import VIEW_OPS, GraphInput, OpGraph, OpNode, TensorMeta
+from planner.graph import VIEW_OPS, BlockRun, GraphInput, OpGraph, OpNode, TensorMeta
 from planner.module_moves import module_moves_traced
 from planner.moe_blocks import find_moe_blocks
 from planner.node_names import name_nodes_by_content
@@ -539,16 +539,18 @@ def _bytes_moved(op: str, inputs: tuple[TensorMeta, ...], outputs: tuple[TensorM
 def _mark_repeated_blocks(graph: OpGraph) -> None:
     """Mark nodes of stacks of same-structured blocks, e.g. ``layers.0`` .. ``layers.31``.
 
-    In each stack, the longest run of consecutive blocks that issue the same op sequence on
-    the same shapes is marked (at least two), so search may solve one block and reuse it.
-    The blocks outside the run (DeepSeek-V3's first 3 dense layers before 58 MoE ones) stay
-    ordinary ops, as the embedding is.
+    In each stack, every run of two or more consecutive blocks that issue the same op
+    sequence on the same shapes is a ``BlockRun`` (DeepSeek-V3: its 3 dense layers, then its
+    58 MoE layers), so search may solve one block of a kind and reuse it, and recomputation
+    and pipeline stages cover every run. A block alike to neither neighbour (T5's first,
+    with its position bias) stays ordinary ops, as the embedding is.
     """
     members: dict[str, dict[int, list[OpNode]]] = {}
     for node in graph.nodes:
         match = _BLOCK_PATH.match(node.module)
         if match:
             members.setdefault(match["group"], {}).setdefault(int(match["index"]), []).append(node)
+    runs = []
     for group, blocks in members.items():
         if len(blocks) < 2:
             continue
@@ -556,25 +558,25 @@ def _mark_repeated_blocks(graph: OpGraph) -> None:
             index: tuple((n.op, n.module.split(f"{group}.{index}", 1)[1], n.input_meta, n.output_meta) for n in nodes)
             for index, nodes in blocks.items()
         }
-        run = _longest_run(sorted(blocks), signature)
-        if len(run) < 2:
-            continue
-        for index in run:
-            for node in blocks[index]:
-                node.block = (group, index)
-        graph.blocks[group] = len(run)
-        graph.block_start[group] = run[0]
+        kinds: list[tuple] = []
+        for run in _alike_runs(sorted(blocks), signature):
+            if signature[run[0]] not in kinds:
+                kinds.append(signature[run[0]])
+            runs.append(BlockRun(group, run[0], len(run), kinds.index(signature[run[0]])))
+            for index in run:
+                for node in blocks[index]:
+                    node.block = (group, index)
+    graph.block_runs = tuple(runs)
 
 
-def _longest_run(indices: list[int], signature: dict[int, tuple]) -> list[int]:
-    """The longest run of consecutive indices with equal signatures (the first of equals)."""
-    best: list[int] = []
+def _alike_runs(indices: list[int], signature: dict[int, tuple]) -> list[list[int]]:
+    """The maximal runs of at least two consecutive indices with equal signatures, in order."""
+    runs: list[list[int]] = []
     run: list[int] = []
     for index in indices:
         if run and index == run[-1] + 1 and signature[index] == signature[run[-1]]:
             run.append(index)
         else:
             run = [index]
-        if len(run) > len(best):
-            best = list(run)
-    return best
+            runs.append(run)
+    return [run for run in runs if len(run) >= 2]

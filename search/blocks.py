@@ -1,8 +1,9 @@
-"""Repeated blocks: which node of block 0 stands for each node of the other blocks.
+"""Repeated blocks: which node of its run's first block stands for each node of the other blocks.
 
-Blocks of one stack have the same ops on the same shapes (``planner.trace`` marks them only
+Blocks of one run have the same ops on the same shapes (``planner.trace`` marks them only
 then), so node k of every block can share the candidates, costs and decision of node k of
-block 0: the search enumerates, prices and solves one block, whatever the depth.
+the run's first block: the search enumerates, prices and solves one block per run, whatever
+the depth (DeepSeek-V3: one dense layer and one MoE layer).
 """
 
 from __future__ import annotations
@@ -13,19 +14,22 @@ from planner.strategy import NodeStrategy
 
 def block_representatives(graph: OpGraph) -> dict[str, str]:
     """Every node -> the node that decides for it (itself, or its twin in the first block of
-    the first stack of repeated blocks)."""
+    its run, for the runs of the first stack of repeated blocks)."""
     representative = {node.name: node.name for node in graph.nodes}
     group = next(iter(graph.blocks), None)
-    if group is None or graph.blocks[group] < 2:
+    if group is None:
         return representative
     members: dict[int, list[str]] = {}
     for node in graph.nodes:
         if node.block is not None and node.block[0] == group:
             members.setdefault(node.block[1], []).append(node.name)
-    first = members[min(members)]
-    for names in members.values():
-        for position, name in enumerate(names):
-            representative[name] = first[position]
+    for run in graph.block_runs:
+        if run.group != group:
+            continue
+        first = members[run.start]
+        for index in run.indices:
+            for position, name in enumerate(members[index]):
+                representative[name] = first[position]
     return representative
 
 

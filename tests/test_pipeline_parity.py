@@ -31,7 +31,8 @@ gradient of every parameter each stage holds and every updated parameter
   stacked experts expert parallel in the stages (``codegen.runtime.pipeline_stacked_experts``;
   router, top-k and weighting stay traced ops): Mixtral on ``pp=2 x dp=4`` with expert 0
   copied on two ranks of each stage (its gradient summed over the copies), DeepSeek-V3 (MLA,
-  every layer MoE) on ``pp=2 x dp=4`` round-robin, and Qwen3-MoE folded on ``pp=2 x dp=2 x
+  2 dense layers then 3 MoE ones, the first stage holding both kinds, every block
+  recomputed) on ``pp=2 x dp=4`` round-robin, and Qwen3-MoE folded on ``pp=2 x dp=2 x
   tp=2`` (attention tensor parallel, EP2 x EDP2 over each stage's 4 ranks).
 
 As in ``test_spmd_parity.py``, each world size compiles its programs first and checks them
@@ -68,7 +69,8 @@ MODELS = {
     "moe4": ("examples/moe.py", {"batch_size": 16, "n_layer": 4, "n_expert": 8, "ffn": 256, "capacity_factor": 1.0}),
     "mixtral": ("hf:mixtral", {**HF_MOE["mixtral"], "num_hidden_layers": 4, "batch_size": 16}),
     "mixtral2": ("hf:mixtral", HF_MOE["mixtral"]),
-    "deepseek_v3": ("hf:deepseek_v3", HF_MOE["deepseek_v3"]),
+    # 2 dense layers, then 3 MoE ones: two runs of blocks of one stack (planner.graph.BlockRun)
+    "deepseek_v3": ("hf:deepseek_v3", {**HF_MOE["deepseek_v3"], "num_hidden_layers": 5, "first_k_dense_replace": 2}),
     "qwen3_moe": ("hf:qwen3_moe", HF_MOE["qwen3_moe"]),
     "llama": ("hf:llama", {
         "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -100,7 +102,7 @@ CASES = {
         ("moe", "pp2xdp4-1f1b-recompute-full"): dict(moe_recompute="full"),
         ("mixtral", "searched-pp2xdp4-hf-experts-replicated"): dict(hf_stages=2),
         ("mixtral2", "pp2xdp4-hf-experts-parallel-expert0-copied"): dict(hf_experts="copied"),
-        ("deepseek_v3", "pp2xdp4-hf-experts-parallel"): dict(hf_experts="round-robin"),
+        ("deepseek_v3", "pp2xdp4-hf-experts-parallel-dense-and-moe-stage-recompute-full"): dict(dense_and_moe=True),
         ("qwen3_moe", "folded-pp2xdp2xtp2-ep2-edp2"): dict(hf_folded=2),
     },
 }
@@ -128,6 +130,8 @@ def make_plan(model: str, world: int, precision: str = "fp32", **options) -> pla
     if options.get("hf_experts"):
         plan = moe_pipeline_plan(spec, world)
         return with_copied_expert(plan) if options["hf_experts"] == "copied" else plan
+    if options.get("dense_and_moe"):
+        return dense_and_moe_stage_plan(spec, world)
     if options.get("hf_folded"):
         return folded_pipeline_plan(spec, world, options["hf_folded"])
     if options.get("moe_interleaved"):
@@ -156,6 +160,22 @@ def searched_layout_plan(spec: ModelSpec, world: int, pp: int, dp: int, tp: int)
     plan = grid.plan(estimate, spec, name)
     megatron = grid.plan(dataclasses.replace(estimate, config=dataclasses.replace(config, layout="megatron")), spec, name)
     assert plan.label == "soap" and not same_placements(plan.strategies, megatron.strategies)
+    return plan
+
+
+def dense_and_moe_stage_plan(spec: ModelSpec, world: int) -> planner.Plan:
+    """The MoE pipeline grid's plan of a model with dense blocks before MoE ones, every block
+    recomputed in backward: a stage must hold blocks of both kinds (the dense ones folded into
+    one checkpointed function, the MoE ones into another)."""
+    plan = moe_pipeline_plan(spec, world, recompute="full")
+    graph = plan.graph
+    assert len({run.kind for run in graph.block_runs}) == 2, graph.block_runs
+    kinds_on: dict[int, set[int]] = {}
+    for strategy in plan.strategies:
+        block = graph.node(strategy.node).block
+        if block is not None:
+            kinds_on.setdefault(strategy.stage, set()).add(graph.block_run_of(block).kind)
+    assert {0, 1} in kinds_on.values(), kinds_on
     return plan
 
 

@@ -23,6 +23,7 @@ import torch.nn as nn
 from codegen.runtime.recompute import recompute_in_backward
 from cost_model.simulator import Simulator
 from planner.api import prepare_model
+from planner.graph import BlockRun
 from planner.model_spec import ModelSpec
 from search.megatron import megatron_plan
 from fake_group import graph_program_on_rank0
@@ -200,3 +201,24 @@ def test_selective_recompute_of_an_inline_core_is_refused_in_data_parallel_progr
     with pytest.raises(NotImplementedError) as error:
         selective_table(plan)
     assert "transformer.h.0" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_dense_blocks_before_moe_ones_are_recomputed_too():
+    """DeepSeek-V3's dense first layers are a run of blocks of their own (before its MoE
+    ones), so full recomputation keeps only their inputs as well: the same sum as above, over
+    a stack of 2 dense + 2 MoE blocks, with the dense ones among the recomputed."""
+    from moe_plans import HF_MOE
+    from search.data_parallel import data_parallel_plan
+
+    spec = ModelSpec("hf:deepseek_v3", {**HF_MOE["deepseek_v3"], "num_hidden_layers": 4, "first_k_dense_replace": 2})
+    graph, spec, name, cluster = prepare_model(spec, "cpu:1x2")
+    assert graph.block_runs == (BlockRun("model.layers", 0, 2, kind=0), BlockRun("model.layers", 2, 2, kind=1))
+    plan = data_parallel_plan(graph, cluster, spec, name, "ddp")
+    full = Simulator(dataclasses.replace(plan, recompute="full"), graph)
+    segments = full.segments()
+    blocks = [s for s in segments if s.block]
+    assert [s.name for s in blocks] == [f"model.layers.{index}" for index in range(4)]
+    assert all(s.checkpoint_bytes < s.saved_bytes for s in blocks[:2])  # the dense ones drop activations
+    around = [s for s in segments if not s.block]
+    expected = sum(s.saved_bytes for s in around) + sum(s.checkpoint_bytes for s in blocks) + max(s.saved_bytes for s in blocks)
+    assert full.run().memory.activations == pytest.approx(expected, rel=1e-9)

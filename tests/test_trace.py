@@ -15,9 +15,10 @@ from torch import nn
 
 import planner
 from planner.errors import PlannerError, TraceError
-from planner.graph import OpGraph
+from planner.graph import BlockRun, OpGraph
 from planner.model_spec import ModelSpec
 from planner.trace import trace
+from search.blocks import block_representatives
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_model_spec import TINY_HF  # noqa: E402 - the tiny HF configs live with the spec tests
@@ -429,12 +430,12 @@ def test_multi_output_ops_have_one_meta_per_output():
 
 
 class _FirstLayersDense(nn.Module):
-    """Two wide layers, then four narrow ones of one structure: a stack whose blocks are
-    not all alike (as DeepSeek-V3's dense layers before its MoE ones)."""
+    """``wide`` wide layers, then ``narrow`` narrow ones of one structure: a stack whose
+    blocks are not all alike (as DeepSeek-V3's dense layers before its MoE ones)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wide: int = 2, narrow: int = 4) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)] + [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)])
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(wide)] + [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(narrow)])
 
     def forward(self, x):
         for layer in self.layers:
@@ -442,12 +443,26 @@ class _FirstLayersDense(nn.Module):
         return x.sum()
 
 
-def test_the_longest_run_of_alike_blocks_is_marked_with_its_first_index():
-    # Layers 2..5 repeat; layers 0 and 1 repeat too but fewer: the run of 4 is the stack's
-    # repeated blocks, numbered from 2, and the first two layers stay ordinary ops.
+def test_every_run_of_alike_blocks_is_marked_with_its_kind_and_first_index():
+    # Layers 0-1 repeat, then layers 2-5 repeat in another structure: two runs of one stack
+    # (as DeepSeek-V3's dense layers before its MoE ones), each a kind of its own, so that
+    # recomputation and pipeline stages cover both.
     graph = trace(_FirstLayersDense(), (torch.randn(4, 8),))
-    assert graph.blocks == {"layers": 4} and graph.block_start == {"layers": 2}
-    assert graph.block_paths() == ("layers.2", "layers.3", "layers.4", "layers.5")
+    assert graph.block_runs == (BlockRun("layers", 0, 2, kind=0), BlockRun("layers", 2, 4, kind=1))
+    assert graph.blocks == {"layers": 6} and graph.block_start == {"layers": 0}
+    assert graph.block_paths() == tuple(f"layers.{index}" for index in range(6))
     marked = {node.block for node in graph.nodes if node.block is not None}
-    assert marked == {("layers", index) for index in range(2, 6)}
-    assert all(node.block is None for node in graph.nodes if node.module.startswith(("layers.0", "layers.1")))
+    assert marked == {("layers", index) for index in range(6)}
+    assert graph.block_run_of(("layers", 3)) == graph.block_runs[1]
+    # Each run is solved once: its blocks' ops stand for by its own first block's.
+    representative = block_representatives(graph)
+    first_linear = {block: next(n.name for n in graph.nodes if n.block == ("layers", block) and "linear" in n.op)
+                    for block in range(6)}
+    assert {representative[first_linear[block]] for block in range(6)} == {first_linear[0], first_linear[2]}
+
+
+def test_a_block_alike_to_neither_neighbour_stays_ordinary_ops():
+    # One wide first layer, then three alike narrow ones (T5's first block, with its bias).
+    graph = trace(_FirstLayersDense(wide=1, narrow=3), (torch.randn(4, 8),))
+    assert graph.block_runs == (BlockRun("layers", 1, 3),) and graph.block_start == {"layers": 1}
+    assert all(node.block is None for node in graph.nodes if node.module.startswith("layers.0"))

@@ -25,11 +25,12 @@ MODELS = {
                 "model.layers: 3 of 4 blocks traced, 1 copied"),
     "qwen3_moe": ({**BASE, "num_hidden_layers": 4, "moe_intermediate_size": 40, "num_experts": 4, "num_experts_per_tok": 2},
                   "model.layers: 3 of 4 blocks traced, 1 copied"),
-    # A dense layer, then MoE ones: the pair MoE-after-MoE is traced twice (layers 2 and 3),
-    # layer 4 is copied from layer 3 (its predecessor is MoE too; layer 1's is dense).
-    "deepseek_v3": ({**BASE, "num_hidden_layers": 5, "num_key_value_heads": 4, "n_routed_experts": 4,
-                     "num_experts_per_tok": 2, "moe_intermediate_size": 40, "first_k_dense_replace": 1, "n_group": 1,
-                     "topk_group": 1}, "model.layers: 4 of 5 blocks traced, 1 copied"),
+    # Two dense layers, then MoE ones: the pair MoE-after-MoE is traced twice (layers 3 and
+    # 4), layer 5 is copied from layer 4 (its predecessor is MoE too; layer 2's is dense); the
+    # stack holds two runs of blocks (planner.graph.BlockRun), dense 0-1 and MoE 2-5.
+    "deepseek_v3": ({**BASE, "num_hidden_layers": 6, "num_key_value_heads": 4, "n_routed_experts": 4,
+                     "num_experts_per_tok": 2, "moe_intermediate_size": 40, "first_k_dense_replace": 2, "n_group": 1,
+                     "topk_group": 1}, "model.layers: 5 of 6 blocks traced, 1 copied"),
 }
 
 
@@ -47,7 +48,9 @@ def test_copied_blocks_give_the_full_trace(model_type):
     assert copied.graph_module.code == full.graph_module.code
     assert _node_facts(copied) == _node_facts(full)
     assert list(copied.parameters.items()) == list(full.parameters.items())
-    assert copied.buffers == full.buffers and copied.blocks == full.blocks and copied.block_start == full.block_start
+    assert copied.buffers == full.buffers and copied.block_runs == full.block_runs
+    if model_type == "deepseek_v3":
+        assert [(run.start, run.count, run.kind) for run in copied.block_runs] == [(0, 2, 0), (2, 4, 1)]
     assert copied.moe_blocks == full.moe_blocks and copied.model_fingerprint == full.model_fingerprint
     stacks = [(node.name, node.meta.get("nn_module_stack")) for node in copied.graph_module.graph.nodes]
     assert stacks == [(node.name, node.meta.get("nn_module_stack")) for node in full.graph_module.graph.nodes]
