@@ -82,15 +82,17 @@ def coupled_modules(coupled: list[CoupledOp]) -> list[str]:
 def coupling_warning(coupled: list[CoupledOp], moe_layouts: bool = False) -> str:
     """The one-line warning a plan carries for a model whose samples mix, naming the
     modules where they do; with ``moe_layouts``, they all lie in MoE layers, which plans
-    that run each MoE layer by its layout may still split the batch around."""
+    that run each MoE layer by its layout may still split the batch around (and into
+    micro-batches, each routed on its own)."""
     modules = coupled_modules(coupled)
     shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
     if moe_layouts:
         return (
-            f"the model mixes the samples of its batch in {shown}, so a step on slices of the batch would differ "
-            f"from the step on the whole batch: no gradient accumulation or pipeline micro-batches were planned, "
-            f"and data parallelism only with the MoE layers run by their layouts, whose runtime routes the whole "
-            f"batch as one device does"
+            f"the model mixes the samples of its batch in {shown} (a router's expert capacity counts the tokens "
+            f"routed together): data parallelism runs only with the MoE layers run by their layouts, whose runtime "
+            f"routes each micro-batch over all ranks as one device does; plans with gradient accumulation or "
+            f"pipeline micro-batches route each micro-batch on its own, as MoE trainers do, and --check's "
+            f"single-device reference runs the same micro-batches"
         )
     return (
         f"the model mixes the samples of its batch in {shown}, so a step on slices of the batch would differ "
