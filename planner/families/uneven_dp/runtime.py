@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from planner.families.uneven_dp.shares import micro_batch_sizes
-from planner.model_spec import extract_loss
+from planner.model_loss import extract_loss
 
 
 def share_rows(shares: Sequence[int], rank: int) -> tuple[int, int]:

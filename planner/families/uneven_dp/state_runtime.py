@@ -1,0 +1,171 @@
+"""What a compiled program with optimizer-state shares by memory imports (codegen layer):
+gradients reduced with an uneven split, each rank stepping its own part, parameters gathered
+back with the same split (Cephalo's state placement; ``state_shares`` says why).
+
+The weights stay whole on every rank (plain tensors, no DDP), so forward and backward run as
+on one device over this rank's rows. ``StateShards`` views every trainable parameter as one
+flat vector of ``N`` elements, cut into the plan's parts (``state_shares.state_parts``); rank
+r owns elements ``offset_r .. offset_r + p_r``:
+
+- ``reduce_gradients``: reduce-scatter-v. The flat gradient goes out with
+  ``all_to_all_single`` (input split sizes: the parts), so rank r receives every rank's
+  gradient of its own part and sums them, divided by ``dp`` (each rank's loss was scaled by
+  ``b_r * dp / B``, ``Program.loss_weight``, so the result is one device's gradient). NCCL
+  and gloo have no reduce-scatter of uneven parts; padding every part to the largest would
+  send ``(n - 1) max p`` elements, this sends each its own.
+- ``UnevenStatesOptimizer.step``: the inner optimizer (AdamW) steps rank r's fp32 piece of
+  the flat parameters with that gradient part (its states are for ``p_r`` elements only),
+  then all-gather-v: ``all_to_all_single`` again, this rank's piece to every rank (output
+  split sizes: the parts), and the whole flat vector is copied back into the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from planner.families.uneven_dp.state_shares import state_parts
+
+__all__ = ["StateShards", "UnevenStatesOptimizer", "attach_state_shards"]
+
+
+class StateShards:
+    """The flat parameter vector of ``model`` over ``dp`` with uneven parts (module docstring).
+
+    Args:
+        model: the rank's whole model (its parameters equal on every rank: rank 0's are
+            broadcast once here, as DDP does when it wraps a model).
+        mesh: the program's mesh; the parts go over its ``"dp"`` axis.
+        weights: the plan's ``state_shares``, one integer weight per ``dp`` rank.
+    """
+
+    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, weights: Sequence[int]) -> None:
+        self.group = mesh.get_group("dp")
+        self.rank, self.ranks = mesh.get_local_rank("dp"), len(weights)
+        unique: dict[int, torch.Tensor] = {}
+        for param in model.parameters():
+            if param.requires_grad:
+                unique.setdefault(id(param), param)
+        self.params = list(unique.values())
+        self.names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
+        total = sum(param.numel() for param in self.params)
+        self.parts = state_parts(total, tuple(weights))
+        self.offset = sum(self.parts[:self.rank])
+        self._reduced: torch.Tensor | None = None
+        with torch.no_grad():
+            for param in self.params:
+                dist.broadcast(param.data, dist.get_global_rank(self.group, 0), group=self.group)
+
+    @property
+    def own(self) -> int:
+        """Elements of the flat vector this rank holds states for."""
+        return self.parts[self.rank]
+
+    def flat(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """``tensors`` (one per parameter, None: zeros) as one flat vector."""
+        return torch.cat([torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if t is None else t.reshape(-1)
+                          for p, t in zip(self.params, tensors)])
+
+    def reduce_gradients(self) -> torch.Tensor:
+        """This rank's part of one device's gradient: the reduce-scatter-v of every rank's
+        flat gradient (module docstring), computed once per step."""
+        if self._reduced is None:
+            grads = self.flat([param.grad for param in self.params]).float()
+            received = torch.empty(self.ranks * self.own, dtype=grads.dtype, device=grads.device)
+            dist.all_to_all_single(received, grads, output_split_sizes=[self.own] * self.ranks,
+                                   input_split_sizes=list(self.parts), group=self.group)
+            self._reduced = received.view(self.ranks, self.own).sum(0) / self.ranks
+        return self._reduced
+
+    def gather(self, piece: torch.Tensor) -> torch.Tensor:
+        """The whole flat vector from every rank's ``piece`` (all-gather-v)."""
+        whole = torch.empty(sum(self.parts), dtype=piece.dtype, device=piece.device)
+        dist.all_to_all_single(whole, piece.repeat(self.ranks), output_split_sizes=list(self.parts),
+                               input_split_sizes=[self.own] * self.ranks, group=self.group)
+        return whole
+
+    def write(self, flat: torch.Tensor) -> None:
+        """Copy ``flat`` back into the parameters (each rank holds them whole again)."""
+        start = 0
+        with torch.no_grad():
+            for param in self.params:
+                param.copy_(flat[start:start + param.numel()].view_as(param))
+                start += param.numel()
+
+    def forget_gradients(self) -> None:
+        """Drop the reduced part (a new step reduces again)."""
+        self._reduced = None
+
+    def full_parameters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Every parameter by name with one device's gradient, for the parity check
+        (``codegen.runtime.parity.full_parameters``): the reduced parts all-gathered.
+        Collective."""
+        grads = self.gather(self.reduce_gradients())
+        found, start = {}, 0
+        for param in self.params:
+            grad = grads[start:start + param.numel()].view(param.shape).to(param.dtype)
+            found[self.names[id(param)]] = (param.detach(), grad if param.grad is not None else None)
+            start += param.numel()
+        return found
+
+
+def attach_state_shards(model: torch.nn.Module, mesh: DeviceMesh, weights: Sequence[int]) -> torch.nn.Module:
+    """``model`` with its ``StateShards`` as ``model.state_shards`` and their
+    ``full_parameters`` hook (the parity check reads one device's gradients through it)."""
+    shards = StateShards(model, mesh, weights)
+    model.state_shards = shards
+    model.full_parameters = shards.full_parameters
+    return model
+
+
+class UnevenStatesOptimizer:
+    """``optimizer_class`` over this rank's part of the flat parameters (module docstring).
+
+    Args:
+        shards: the model's ``StateShards``.
+        optimizer_class, kwargs: the inner optimizer (e.g. ``torch.optim.AdamW, lr=1e-3``);
+            elementwise optimizers (SGD, Adam, AdamW) step a part as they step the whole.
+    """
+
+    def __init__(self, shards: StateShards, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> None:
+        self.shards = shards
+        whole = shards.flat([param.detach() for param in shards.params])
+        self.piece = whole[shards.offset:shards.offset + shards.own].float().clone()
+        self.inner = optimizer_class([self.piece], **kwargs)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's groups (learning-rate schedules set ``lr`` here)."""
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.shards.params:
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+        self.piece.grad = None
+        self.shards.forget_gradients()
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("UnevenStatesOptimizer.step takes no closure")
+        self.piece.grad = self.shards.reduce_gradients()
+        self.inner.step()
+        self.shards.write(self.shards.gather(self.piece))
+        self.shards.forget_gradients()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
