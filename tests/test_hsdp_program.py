@@ -35,7 +35,8 @@ from planner.cluster import MAX_RANKS, Cluster
 from planner.errors import PlanFileError, PlanningError
 from planner.families.hsdp.emit import render_hsdp_program
 from planner.families.hsdp.section import HsdpSection
-from planner.model_spec import ModelSpec, extract_loss
+from planner.model_loss import extract_loss
+from planner.model_spec import ModelSpec
 from tests.torchrun_run import torchrun
 
 REPO = Path(__file__).resolve().parents[1]

@@ -62,3 +62,55 @@ def test_the_setting_is_read_as_untrusted_json_with_one_line_errors() -> None:
         assert "\n" not in str(error.value) and "uneven.state_shares" in str(error.value)
     with pytest.raises(PlanFileError, match="must be a list"):
         UnevenSection.from_json({"shares": [3, 3, 1, 1], "state_shares": "1,1,3,3"}, "p.json")
+
+
+class _Context:
+    """What the state-share costs read of a simulated step: a plan of dp alone on one node of
+    4 CPU processes (2e9 B/s, 50 us: the ``cpu`` preset), 10,000 parameters."""
+
+    def __init__(self, shares=(3, 3, 1, 1), state_shares=(1, 1, 4, 4), micro_batches=1) -> None:
+        from types import SimpleNamespace
+
+        from planner.cluster import Cluster
+
+        self.cluster = Cluster.preset("cpu", 1, 4)
+        self.plan = SimpleNamespace(sections={"uneven": UnevenSection(shares, state_shares=state_shares)})
+        self.graph = SimpleNamespace(parameter_count=10_000)
+        self.dp, self.micro_batches = 4, micro_batches
+
+    def collective(self, kind: str, size_bytes: float, axis: str) -> float:
+        from cost_model.collectives import collective_time
+
+        assert axis == "dp"
+        return collective_time(kind, size_bytes, self.cluster, [0, 1, 2, 3])
+
+
+def test_the_uneven_exchange_is_priced_as_the_all_to_all_the_program_runs() -> None:
+    from planner.families.uneven_dp.state_costs import exchange_seconds, parts_of
+
+    context = _Context()
+    assert parts_of(context) == (1000, 1000, 4000, 4000)
+    # Rank 2 receives 3 x 4000 fp32 elements = 48,000 bytes, the busiest. The pairwise all-to-all
+    # of S bytes sent per rank takes 3/4 S / 2e9 + 3 x 50e-6 s; S = 48,000 x 4/3 = 64,000, so
+    # 24e-6 + 150e-6 = 174e-6 s.
+    assert exchange_seconds(context, parts_of(context)) == pytest.approx(174e-6)
+    # Even parts of 2,500: 7,500 x 4 = 30,000 bytes -> 15e-6 + 150e-6 s.
+    assert exchange_seconds(context, (2500,) * 4) == pytest.approx(165e-6)
+
+
+def test_each_rank_holds_its_own_part_of_the_states() -> None:
+    from planner.families.uneven_dp.state_costs import StateSharesStep
+    from planner.strategy import MemoryBreakdown
+
+    # The simulator's view of one device: states 8,000 (32,000 split evenly over 4 ranks),
+    # activations of the largest share (3 rows) 3,000, buffers 100 besides the largest part's
+    # flat fp32 gradient and receive buffer, 4 x (10,000 + 4 x 4,000) = 104,000 bytes.
+    context = _Context()
+    even = MemoryBreakdown(weights=40_000, gradients=40_000, optimizer_states=8_000, activations=3_000,
+                           communication_buffers=104_100)
+    ranks = StateSharesStep().rank_memory(context, {}, even)
+    # Rank 0: 1,000 of 10,000 elements -> 32,000 x 0.1 = 3,200 bytes of states; 3 rows; buffers
+    # 100 + 4 x (10,000 + 4 x 1,000) = 56,100. Rank 2: 12,800 bytes, 1 row (1,000), 104,100.
+    assert (ranks[0].optimizer_states, ranks[0].activations, ranks[0].communication_buffers) == (3_200, 3_000, 56_100)
+    assert (ranks[2].optimizer_states, ranks[2].activations, ranks[2].communication_buffers) == (12_800, 1_000, 104_100)
+    assert ranks[2].weights == ranks[2].gradients == 40_000  # whole on every rank

@@ -13,7 +13,8 @@ largest share (memory is reported on the fullest device). The
 gradient reduction is unchanged: gradients have the same size on every rank whatever its
 share, and the data-parallel contributor prices their all-reduce (or reduce-scatter) on the
 cluster's actual links, so the step is the slowest rank's compute plus the communication it
-leaves exposed, as a task graph.
+leaves exposed, as a task graph. A plan with ``state_shares`` runs other collectives
+(``state_costs``): ``UnevenShareStep`` hands those hooks to ``StateSharesStep``.
 
 ``share_time_model`` gives the search the line ``fixed + share * per_sample`` seconds of one
 rank's compute, fitted through two shares on its device, which ``shares.balanced_shares``
@@ -25,10 +26,12 @@ from __future__ import annotations
 from torch.distributed.tensor import Shard
 
 from cost_model.compute import op_times
+from cost_model.data_parallel_step import DataParallelStep
 from cost_model.step_contributor import StepContributor
 from planner.cluster import DeviceSpec
 from planner.device_groups import rank_devices
 from planner.families.uneven_dp.shares import micro_batch_sizes
+from planner.families.uneven_dp.state_costs import StateSharesStep
 from planner.graph import OpGraph
 from planner.strategy import NodeStrategy
 
@@ -88,11 +91,55 @@ def critical_rank(plan, graph: OpGraph) -> int:
 
 class UnevenShareStep(StepContributor):
     """The costs part of the ``uneven`` family (``planner.families``): on a plan with an
-    ``"uneven"`` section every op is priced for the slowest rank (module docstring). It adds
-    to op costs only; the data-parallel contributor keeps the collectives and sharding."""
+    ``"uneven"`` section every op is priced for the slowest rank (module docstring). The
+    collectives, sharding and memory are the flavour's (``DataParallelStep``), or, on a plan
+    with ``state_shares``, those of the uneven state parts (``state_costs.StateSharesStep``):
+    it takes the data-parallel contributor over and hands each hook to one of the two."""
+
+    takes_over = (DataParallelStep,)
 
     def __init__(self) -> None:
         self._last: tuple[object, int, DeviceSpec] | None = None
+        self._flavour = DataParallelStep()
+        self._state_shares = StateSharesStep()
+
+    def _sync(self, context) -> StepContributor:
+        """Who prices the collectives and memory of this plan."""
+        return self._state_shares if context.plan.sections[JSON_KEY].state_shares else self._flavour
+
+    def reduces_every_micro_batch(self, context) -> bool:
+        return self._sync(context).reduces_every_micro_batch(context)
+
+    def gathers_every_pass(self, context) -> bool:
+        return self._sync(context).gathers_every_pass(context)
+
+    def forward_gather(self, tasks, device, segment, issue_after):
+        return self._sync(tasks.context).forward_gather(tasks, device, segment, issue_after)
+
+    def backward_gather(self, tasks, device, segment, issue_after):
+        return self._sync(tasks.context).backward_gather(tasks, device, segment, issue_after)
+
+    def copy_out(self, tasks, device, segment, backward, gathered):
+        return self._sync(tasks.context).copy_out(tasks, device, segment, backward, gathered)
+
+    def gradient_reduction(self, tasks, device, sync):
+        return self._sync(tasks.context).gradient_reduction(tasks, device, sync)
+
+    def after_optimizer(self, tasks, device, segments, step) -> None:
+        self._sync(tasks.context).after_optimizer(tasks, device, segments, step)
+
+    def parameter_sharding(self, context):
+        return self._sync(context).parameter_sharding(context)
+
+    def communication_buffer_bytes(self, context, segments, elements, weight_bytes, gradient_bytes) -> float:
+        return self._sync(context).communication_buffer_bytes(context, segments, elements, weight_bytes,
+                                                               gradient_bytes)
+
+    def add_axis_bytes(self, context, segment, totals) -> None:
+        self._sync(context).add_axis_bytes(context, segment, totals)
+
+    def rank_memory(self, context, costs, memory):
+        return self._sync(context).rank_memory(context, costs, memory)
 
     def _critical(self, context) -> tuple[int, DeviceSpec]:
         # Found once per simulated plan, not kept beyond the next one (it would hold its graph).
