@@ -109,8 +109,9 @@ def test_each_rank_holds_its_own_part_of_the_states() -> None:
     even = MemoryBreakdown(weights=40_000, gradients=40_000, optimizer_states=8_000, activations=3_000,
                            communication_buffers=104_100)
     ranks = StateSharesStep().rank_memory(context, {}, even)
-    # Rank 0: 1,000 of 10,000 elements -> 32,000 x 0.1 = 3,200 bytes of states; 3 rows; buffers
-    # 100 + 4 x (10,000 + 4 x 1,000) = 56,100. Rank 2: 12,800 bytes, 1 row (1,000), 104,100.
-    assert (ranks[0].optimizer_states, ranks[0].activations, ranks[0].communication_buffers) == (3_200, 3_000, 56_100)
-    assert (ranks[2].optimizer_states, ranks[2].activations, ranks[2].communication_buffers) == (12_800, 1_000, 104_100)
+    # Rank 0: 1,000 of 10,000 elements -> 32,000 x 0.1 = 3,200 bytes of states; 3 rows; the
+    # step's buffers 4 x (10,000 + 4 x 1,000) = 56,000 less the 3,000 of activations freed before
+    # them: 100 + 53,000. Rank 2: 12,800 bytes, 1 row (1,000), 100 + 104,000 - 1,000.
+    assert (ranks[0].optimizer_states, ranks[0].activations, ranks[0].communication_buffers) == (3_200, 3_000, 53_100)
+    assert (ranks[2].optimizer_states, ranks[2].activations, ranks[2].communication_buffers) == (12_800, 1_000, 103_100)
     assert ranks[2].weights == ranks[2].gradients == 40_000  # whole on every rank

@@ -12,7 +12,10 @@
 - Memory, per rank (``rank_memory``): weights and gradients whole, as ZeRO-1's; optimizer
   states for its own part of the flat vector (the even breakdown's states times ``dp`` times
   ``p_r / N``); activations of its own largest micro-batch; and the step's buffers: the flat
-  fp32 gradient (``N``) and what it receives (``dp * p_r``), both 4 bytes an element.
+  fp32 gradient (``N``) and what it receives (``dp * p_r``), both 4 bytes an element. Those
+  exist only in the optimizer step, after backward has freed the activations, so a rank
+  needs them only where they exceed its activations (PyTorch's caching allocator hands the
+  freed blocks to the next allocations; a fragmented cache would need more).
 """
 
 from __future__ import annotations
@@ -87,15 +90,17 @@ class StateSharesStep(StepContributor):
         total = sum(parts) or 1
         steps = context.micro_batches
         largest = [micro_batch_sizes(share, steps)[0] for share in section.shares]
-        even_buffer = self.communication_buffer_bytes(context, [], 0, 0, 0)
+        fullest_buffer = self.communication_buffer_bytes(context, [], 0, 0, 0)
         by_rank = []
         for rank, part in enumerate(parts):
+            activations = int(memory.activations * largest[rank] / max(largest))
+            step_buffers = EXCHANGED_BYTES * (total + context.dp * part)
             by_rank.append(dataclasses.replace(
                 memory,
                 optimizer_states=int(memory.optimizer_states * context.dp * part / total),
-                activations=int(memory.activations * largest[rank] / max(largest)),
-                communication_buffers=int(memory.communication_buffers - even_buffer
-                                          + EXCHANGED_BYTES * (total + context.dp * part)),
+                activations=activations,
+                communication_buffers=int(memory.communication_buffers - fullest_buffer
+                                          + max(0, step_buffers - activations)),
             ))
         return tuple(by_rank)
 
