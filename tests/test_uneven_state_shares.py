@@ -115,3 +115,43 @@ def test_each_rank_holds_its_own_part_of_the_states() -> None:
     assert (ranks[0].optimizer_states, ranks[0].activations, ranks[0].communication_buffers) == (3_200, 3_000, 53_100)
     assert (ranks[2].optimizer_states, ranks[2].activations, ranks[2].communication_buffers) == (12_800, 1_000, 103_100)
     assert ranks[2].weights == ranks[2].gradients == 40_000  # whole on every rank
+
+
+def test_the_search_places_states_by_memory_where_memory_binds(tmp_path) -> None:
+    """Two fast devices with just the even ZeRO-1 plan's memory, two slow ones with twice it:
+    balanced shares give the fast ranks more samples, which do not fit beside a quarter of the
+    states; with the states on the slow ranks they do, and the step is faster than the even
+    plan's."""
+    from pathlib import Path
+
+    from planner.api import prepare_model
+    from planner.cluster import Cluster
+    from planner.device_groups import rank_devices
+    from planner.families.uneven_dp.candidates import fitting_uneven_plan, uneven_plan
+    from planner.model_spec import ModelSpec
+    from search.data_parallel import data_parallel_plan
+
+    repo = Path(__file__).resolve().parents[1]
+    mixed = (repo / "examples/clusters/mixed.toml").read_text()
+    spec = ModelSpec(str(repo / "examples/gpt.py"), {"n_layer": 2, "n_embd": 256, "n_head": 4, "seq_len": 16,
+                                                     "vocab_size": 256, "batch_size": 24})
+
+    def cluster(fast: int) -> Cluster:
+        before, fast_rest, slow_rest = mixed.split("memory_bytes = 8589934592")
+        path = tmp_path / f"memory-{fast}.toml"
+        path.write_text(f"{before}memory_bytes = {fast}{fast_rest}memory_bytes = {2 * fast}{slow_rest}")
+        return Cluster.load(path)
+
+    graph, spec, name, roomy = prepare_model(spec, cluster(8 << 30))
+    needed = data_parallel_plan(graph, roomy, spec, name, "zero1", (), "fp32").estimate.memory.total
+    tight = cluster(int(needed * 1.01))
+    even = data_parallel_plan(graph, tight, spec, name, "zero1", (), "fp32")
+    assert even.estimate.fits
+    plain = uneven_plan(even, graph)  # speed-balanced shares with even states
+    assert plain is None or not plain.estimate.fits
+    chosen = fitting_uneven_plan(even, graph)
+    section = chosen.sections["uneven"]
+    assert chosen.estimate.fits and chosen.accumulation_steps == 1
+    assert section.shares[0] > section.shares[2] and section.state_shares[0] < section.state_shares[2]
+    assert all(held <= device.memory_bytes for held, device in zip(section.memory_bytes, rank_devices(tight)))
+    assert chosen.estimate.step_time_s < even.estimate.step_time_s

@@ -19,6 +19,8 @@ from planner.errors import PlanningError
 from planner.families.uneven_dp.costs import compute_seconds, share_time_model
 from planner.families.uneven_dp.section import UnevenSection
 from planner.families.uneven_dp.shares import balanced_shares, micro_batch_sizes
+from planner.families.uneven_dp.state_costs import EXCHANGED_BYTES, plan_rank_bytes
+from planner.families.uneven_dp.state_shares import memory_state_weights
 from planner.graph import OpGraph
 from planner.plans import Plan
 from search.context import SearchContext
@@ -27,14 +29,16 @@ from search.data_parallel import data_parallel_plan
 FAMILY = "uneven"
 
 
-def memory_caps(plan: Plan, steps: int = 1) -> tuple[int, ...]:
+def memory_caps(plan: Plan, steps: int = 1, states_placed: bool = False) -> tuple[int, ...]:
     """The most samples each rank of the even ``plan`` (no accumulation) can take in its
     device's memory in ``steps`` micro-batches: what does not grow with the share (weights,
     gradients, optimizer states, buffers) plus the even share's activations per sample,
     times the largest micro-batch (``steps`` micro-batches of c samples hold a share of up to
-    ``steps * c``)."""
+    ``steps * c``). With ``states_placed`` the optimizer states are left out: they will be
+    split by the room each rank has left (``with_state_shares``), and the simulation of
+    that plan says whether they fit."""
     memory = plan.estimate.memory
-    fixed = memory.total - memory.activations
+    fixed = memory.total - memory.activations - (memory.optimizer_states if states_placed else 0)
     per_sample = memory.activations / (plan.batch_size / plan.mesh.axis_size("dp"))
     caps = []
     for device in rank_devices(plan.cluster):
@@ -44,17 +48,18 @@ def memory_caps(plan: Plan, steps: int = 1) -> tuple[int, ...]:
     return tuple(caps)
 
 
-def uneven_plan(plan: Plan, graph: OpGraph, steps: int = 1) -> Plan | None:
+def uneven_plan(plan: Plan, graph: OpGraph, steps: int = 1, states_placed: bool = False) -> Plan | None:
     """``plan`` (an even data-parallel plan on ``dp`` alone, no accumulation) with balanced
     shares (``shares.balanced_shares`` on each rank's fitted time line,
     ``costs.share_time_model``, capped by ``memory_caps``) in ``steps`` micro-batches per
     rank (each share cut by ``shares.micro_batch_sizes``), simulated, with each rank's
     predicted busy seconds and bytes (its largest micro-batch's activations) in its section;
-    None when the shares come out even or no shares fit."""
+    None when the shares come out even or no shares fit. ``states_placed``: the caps leave
+    the optimizer states out (``memory_caps``)."""
     devices = rank_devices(plan.cluster)
     lines = {device: share_time_model(plan, graph, device, steps) for device in set(devices)}
     shares = balanced_shares(plan.batch_size, [lines[d][0] for d in devices], [lines[d][1] for d in devices],
-                             memory_caps(plan, steps), least=steps)
+                             memory_caps(plan, steps, states_placed), least=steps)
     if shares is None or len(set(shares)) == 1:
         return None
     memory = plan.estimate.memory
@@ -70,24 +75,61 @@ def uneven_plan(plan: Plan, graph: OpGraph, steps: int = 1) -> Plan | None:
                      graph)
 
 
+def with_state_shares(plan: Plan, graph: OpGraph) -> Plan | None:
+    """The ZeRO-1 ``plan`` of uneven batch shares with its optimizer states split by memory
+    (Cephalo: ``state_shares``), simulated; None for another flavour. Rank r's room is its
+    device's bytes less what it holds besides the states (``section.memory_bytes[r]`` less
+    the even states, and the flat fp32 gradient of ``state_costs``); the sharded bytes are
+    the states of every parameter and, per element, the fp32 buffer each of the ``dp``
+    ranks sends it; ``state_shares.memory_state_weights`` splits them to leave the most
+    room on the fullest rank. The section's per-rank bytes are then the new plan's."""
+    if plan.dp_flavour != "zero1":
+        return None
+    section = plan.sections[FAMILY]
+    memory, dp = plan.estimate.memory, plan.mesh.axis_size("dp")
+    elements = graph.parameter_count
+    rooms = [device.memory_bytes - (held - memory.optimizer_states) - EXCHANGED_BYTES * elements
+             for device, held in zip(rank_devices(plan.cluster), section.memory_bytes)]
+    weights = memory_state_weights(rooms, memory.optimizer_states * dp + EXCHANGED_BYTES * dp * elements)
+    placed = dataclasses.replace(plan, sections={**plan.sections, FAMILY: dataclasses.replace(section, state_shares=weights)})
+    shared = dataclasses.replace(section, state_shares=weights, memory_bytes=plan_rank_bytes(placed, graph))
+    return simulated(dataclasses.replace(plan, sections={**plan.sections, FAMILY: shared}), graph)
+
+
 def fitting_uneven_plan(plan: Plan, graph: OpGraph) -> Plan | None:
     """The fitting plan of balanced shares for the even ``plan``: at once, or where the batch
     does not fit at once, in the fewest micro-batches (2, 4, 8, ..., at least one sample
-    each) that fit, as the search accumulates even plans (``search.data_parallel``). Not
-    for a model with batch norm: its statistics are taken per micro-batch, and micro-batches
-    of uneven shares hold other samples than one device's would."""
-    found = uneven_plan(plan, graph)
-    if found is not None and found.estimate.fits:
+    each) that fit, as the search accumulates even plans (``search.data_parallel``); at each
+    count, a ZeRO-1 plan that does not fit is tried again with its states split by memory
+    (``with_state_shares``). Not for a model with batch norm: its statistics are taken per
+    micro-batch, and micro-batches of uneven shares hold other samples than one device's
+    would."""
+    found = _fitting(plan, graph, 1)
+    if found is not None:
         return found
     if any("batch_norm" in node.op for node in graph.nodes):
         return None
     steps = 2
     while steps * plan.mesh.axis_size("dp") <= plan.batch_size:
-        found = uneven_plan(plan, graph, steps)
-        if found is not None and found.estimate.fits:
+        found = _fitting(plan, graph, steps)
+        if found is not None:
             return found
         steps *= 2
     return None
+
+
+def _fitting(plan: Plan, graph: OpGraph, steps: int) -> Plan | None:
+    """The uneven plan in ``steps`` micro-batches if it fits; else, for ZeRO-1, the one whose
+    shares are capped without the states and whose states are split by memory, if that fits;
+    else None."""
+    found = uneven_plan(plan, graph, steps)
+    if found is not None and found.estimate.fits:
+        return found
+    if plan.dp_flavour != "zero1":
+        return None
+    placed = uneven_plan(plan, graph, steps, states_placed=True)
+    shared = None if placed is None else with_state_shares(placed, graph)
+    return shared if shared is not None and shared.estimate.fits else None
 
 
 def fastest_devices_plans(context: SearchContext, flavours: set[str]) -> list[Plan]:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from cost_model.simulator import Simulator
 from cost_model.step_contributor import ParameterSharding, StepContributor
+from cost_model.step_memory import stage_memory
 from planner.families.uneven_dp.shares import micro_batch_sizes
 from planner.families.uneven_dp.state_shares import exchange_elements, state_parts
 
@@ -125,3 +127,11 @@ class _ReduceScatterV:
             deferred.append(launch)
         else:
             sync_after.setdefault(self.device, []).append(launch(last))
+
+
+def plan_rank_bytes(plan, graph) -> tuple[int, ...]:
+    """Each rank's predicted bytes of ``plan`` (with ``state_shares``), as its simulation
+    prices them (``StateSharesStep.rank_memory``); the simulation keeps only the fullest."""
+    simulator = Simulator(plan, graph)
+    whole = stage_memory(simulator.context, simulator.contributors, 0, simulator.segments())
+    return tuple(memory.total for memory in StateSharesStep().rank_memory(simulator.context, simulator.costs, whole))
