@@ -127,7 +127,7 @@ def test_the_search_places_states_by_memory_where_memory_binds(tmp_path) -> None
     from planner.api import prepare_model
     from planner.cluster import Cluster
     from planner.device_groups import rank_devices
-    from planner.families.uneven_dp.candidates import fitting_uneven_plan, uneven_plan
+    from planner.families.uneven_dp.candidates import states_by_memory_plan, uneven_plan
     from planner.model_spec import ModelSpec
     from search.data_parallel import data_parallel_plan
 
@@ -149,7 +149,7 @@ def test_the_search_places_states_by_memory_where_memory_binds(tmp_path) -> None
     assert even.estimate.fits
     plain = uneven_plan(even, graph)  # speed-balanced shares with even states
     assert plain is None or not plain.estimate.fits
-    chosen = fitting_uneven_plan(even, graph)
+    chosen = states_by_memory_plan(even, graph)
     section = chosen.sections["uneven"]
     assert chosen.estimate.fits and chosen.accumulation_steps == 1
     assert section.shares[0] > section.shares[2] and section.state_shares[0] < section.state_shares[2]

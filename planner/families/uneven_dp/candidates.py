@@ -99,35 +99,34 @@ def with_state_shares(plan: Plan, graph: OpGraph) -> Plan | None:
 def fitting_uneven_plan(plan: Plan, graph: OpGraph) -> Plan | None:
     """The fitting plan of balanced shares for the even ``plan``: at once, or where the batch
     does not fit at once, in the fewest micro-batches (2, 4, 8, ..., at least one sample
-    each) that fit, as the search accumulates even plans (``search.data_parallel``); at each
-    count, a ZeRO-1 plan that does not fit is tried again with its states split by memory
-    (``with_state_shares``). Not for a model with batch norm: its statistics are taken per
-    micro-batch, and micro-batches of uneven shares hold other samples than one device's
-    would."""
-    found = _fitting(plan, graph, 1)
-    if found is not None:
+    each) that fit, as the search accumulates even plans (``search.data_parallel``). Not
+    for a model with batch norm: its statistics are taken per micro-batch, and micro-batches
+    of uneven shares hold other samples than one device's would."""
+    found = uneven_plan(plan, graph)
+    if found is not None and found.estimate.fits:
         return found
     if any("batch_norm" in node.op for node in graph.nodes):
         return None
     steps = 2
     while steps * plan.mesh.axis_size("dp") <= plan.batch_size:
-        found = _fitting(plan, graph, steps)
-        if found is not None:
+        found = uneven_plan(plan, graph, steps)
+        if found is not None and found.estimate.fits:
             return found
         steps *= 2
     return None
 
 
-def _fitting(plan: Plan, graph: OpGraph, steps: int) -> Plan | None:
-    """The uneven plan in ``steps`` micro-batches if it fits; else, for ZeRO-1, the one whose
-    shares are capped without the states and whose states are split by memory, if that fits;
-    else None."""
-    found = uneven_plan(plan, graph, steps)
-    if found is not None and found.estimate.fits:
-        return found
+def states_by_memory_plan(plan: Plan, graph: OpGraph) -> Plan | None:
+    """For the even ZeRO-1 ``plan`` whose balanced shares do not fit at once: the plan of
+    balanced shares capped without the states, its states then split by memory
+    (``with_state_shares``), when it fits; else None. The search weighs it against
+    ``fitting_uneven_plan``'s, which may accumulate instead."""
     if plan.dp_flavour != "zero1":
         return None
-    placed = uneven_plan(plan, graph, steps, states_placed=True)
+    found = uneven_plan(plan, graph)
+    if found is not None and found.estimate.fits:
+        return None  # the states need no placing
+    placed = uneven_plan(plan, graph, states_placed=True)
     shared = None if placed is None else with_state_shares(placed, graph)
     return shared if shared is not None and shared.estimate.fits else None
 
@@ -157,7 +156,8 @@ def uneven_candidates(context: SearchContext) -> list[Plan]:
     """The candidates part of the ``uneven`` family (``planner.families``): on a cluster of
     two or more kinds of device, every even data-parallel plan found so far (``dp`` alone,
     no accumulation, no section) with balanced shares (``fitting_uneven_plan``: accumulating
-    where the batch does not fit at once), and the plans of
+    where the batch does not fit at once; ``states_by_memory_plan``: ZeRO-1's states split
+    by memory instead), and the plans of
     the same flavours on the fastest devices alone (``fastest_devices_plans``) where the
     constraints allow those flavours. None on a
     cluster of one device kind, for a model whose samples mix, with ``--tp-layouts summa``,
@@ -179,7 +179,8 @@ def uneven_candidates(context: SearchContext) -> list[Plan]:
             if context.constraints.families == frozenset({FAMILY}):
                 raise
             return []
-    found = [plan for plan in (fitting_uneven_plan(base, context.graph) for base in even) if plan is not None]
+    found = [plan for base in even for plan in (fitting_uneven_plan(base, context.graph),
+                                                 states_by_memory_plan(base, context.graph)) if plan is not None]
     # The fast devices alone run the flavours' plain programs: only where --family allows them.
     flavours = {plan.dp_flavour for plan in even if context.constraints.allows_family(plan.dp_flavour)}
     return found + (fastest_devices_plans(context, flavours) if flavours else [])
