@@ -51,6 +51,15 @@ def test_the_busiest_rank_of_an_uneven_exchange_by_hand() -> None:
     assert exchange_elements((0, 0, 0, 10)) == 30
 
 
+def test_the_exchange_goes_bucket_by_bucket() -> None:
+    from planner.families.uneven_dp.state_shares import bucket_parts, buckets
+
+    # 10 elements in buckets of 4: [0, 4), [4, 8), [8, 10). Parts 1/1/4/4 own [0, 1), [1, 2),
+    # [2, 6), [6, 10): the first bucket holds 1, 1, 2, 0 of them, the second 0, 0, 2, 2.
+    assert buckets(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert [bucket_parts((1, 1, 4, 4), *span) for span in buckets(10, 4)] == [(1, 1, 2, 0), (0, 0, 2, 2), (0, 0, 0, 2)]
+
+
 def test_the_setting_is_read_as_untrusted_json_with_one_line_errors() -> None:
     section = UnevenSection.from_json({"shares": [3, 3, 1, 1], "state_shares": [100, 100, 400, 400]}, "p.json")
     assert section.state_shares == (100, 100, 400, 400)

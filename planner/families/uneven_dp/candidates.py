@@ -19,7 +19,7 @@ from planner.errors import PlanningError
 from planner.families.uneven_dp.costs import compute_seconds, share_time_model
 from planner.families.uneven_dp.section import UnevenSection
 from planner.families.uneven_dp.shares import balanced_shares, micro_batch_sizes
-from planner.families.uneven_dp.state_costs import EXCHANGED_BYTES, plan_rank_bytes
+from planner.families.uneven_dp.state_costs import plan_rank_bytes
 from planner.families.uneven_dp.state_shares import memory_state_weights
 from planner.graph import OpGraph
 from planner.plans import Plan
@@ -79,18 +79,17 @@ def with_state_shares(plan: Plan, graph: OpGraph) -> Plan | None:
     """The ZeRO-1 ``plan`` of uneven batch shares with its optimizer states split by memory
     (Cephalo: ``state_shares``), simulated; None for another flavour. Rank r's room is its
     device's bytes less what it holds besides the states (``section.memory_bytes[r]`` less
-    the even states, and the flat fp32 gradient of ``state_costs``); the sharded bytes are
-    the states of every parameter and, per element, the fp32 buffer each of the ``dp``
-    ranks sends it; ``state_shares.memory_state_weights`` splits them to leave the most
-    room on the fullest rank. The section's per-rank bytes are then the new plan's."""
+    the even states; its DDP bucket stands for the exchange's bucket of the same size);
+    ``state_shares.memory_state_weights`` splits the states of every parameter to leave the
+    most room on the fullest rank, and the simulation says whether the plan fits. The
+    section's per-rank bytes are then the new plan's."""
     if plan.dp_flavour != "zero1":
         return None
     section = plan.sections[FAMILY]
     memory, dp = plan.estimate.memory, plan.mesh.axis_size("dp")
-    elements = graph.parameter_count
-    rooms = [device.memory_bytes - (held - memory.optimizer_states) - EXCHANGED_BYTES * elements
+    rooms = [device.memory_bytes - (held - memory.optimizer_states)
              for device, held in zip(rank_devices(plan.cluster), section.memory_bytes)]
-    weights = memory_state_weights(rooms, memory.optimizer_states * dp + EXCHANGED_BYTES * dp * elements)
+    weights = memory_state_weights(rooms, memory.optimizer_states * dp)
     placed = dataclasses.replace(plan, sections={**plan.sections, FAMILY: dataclasses.replace(section, state_shares=weights)})
     shared = dataclasses.replace(section, state_shares=weights, memory_bytes=plan_rank_bytes(placed, graph))
     return simulated(dataclasses.replace(plan, sections={**plan.sections, FAMILY: shared}), graph)

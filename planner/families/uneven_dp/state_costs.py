@@ -2,17 +2,19 @@
 (cost-model layer): what ``state_runtime`` runs, priced in place of ZeRO-1's collectives.
 
 - No gradient sync in backward (the weights are not wrapped): once the last backward of the
-  step is done, one reduce-scatter-v of the flat fp32 gradient (``StateShards.reduce_gradients``
-  casts it to fp32), then after the optimizer step one all-gather-v of the fp32 parts. Each
-  runs as ``all_to_all_single`` with split sizes, whose busiest rank moves
-  ``state_shares.exchange_elements(parts)`` elements; priced as the cluster's pairwise
+  step is done, a reduce-scatter-v of the flat fp32 gradient (``StateShards.reduce_gradients``
+  casts it to fp32), then after the optimizer step an all-gather-v of the fp32 parts, each
+  one exchange per bucket of the flat vector, one after another. An exchange runs as
+  ``all_to_all_single`` with split sizes, whose busiest rank moves
+  ``state_shares.exchange_elements`` of the bucket's parts; priced as the cluster's pairwise
   all-to-all (``cost_model.collectives``: ``(n - 1) / n * S / bandwidth + (n - 1) latency``,
   ``S`` the bytes each rank sends) with ``S`` set so that ``(n - 1) / n * S`` is those
   elements' bytes.
 - Memory, per rank (``rank_memory``): weights and gradients whole, as ZeRO-1's; optimizer
   states for its own part of the flat vector (the even breakdown's states times ``dp`` times
-  ``p_r / N``); activations of its own largest micro-batch; and the step's buffers: the flat
-  fp32 gradient (``N``) and what it receives (``dp * p_r``), both 4 bytes an element. Those
+  ``p_r / N``); activations of its own largest micro-batch; and the step's buffers: one
+  bucket of the flat fp32 gradient and what it receives of it (``dp`` times its elements of
+  the bucket), 4 bytes an element (``state_runtime`` exchanges bucket by bucket). Those
   exist only in the optimizer step, after backward has freed the activations, so a rank
   needs them only where they exceed its activations (PyTorch's caching allocator hands the
   freed blocks to the next allocations; a fragmented cache would need more).
@@ -26,7 +28,7 @@ from cost_model.simulator import Simulator
 from cost_model.step_contributor import ParameterSharding, StepContributor
 from cost_model.step_memory import stage_memory
 from planner.families.uneven_dp.shares import micro_batch_sizes
-from planner.families.uneven_dp.state_shares import exchange_elements, state_parts
+from planner.families.uneven_dp.state_shares import bucket_parts, buckets, exchange_elements, state_parts
 
 JSON_KEY = "uneven"
 # StateShards.reduce_gradients and UnevenStatesOptimizer exchange fp32 (torch.float32: 4 bytes).
@@ -46,12 +48,25 @@ def parts_of(context) -> tuple[int, ...]:
 
 def exchange_seconds(context, parts: tuple[int, ...]) -> float:
     """Seconds of one reduce-scatter-v or all-gather-v of ``parts`` fp32 elements over ``dp``
-    (module docstring)."""
+    (module docstring), in one exchange."""
     ranks = len(parts)
     moved = exchange_elements(parts) * EXCHANGED_BYTES
     if moved <= 0:
         return 0.0
     return context.collective("all_to_all", moved * ranks / (ranks - 1), "dp")
+
+
+def bucketed_exchange_seconds(context, parts: tuple[int, ...]) -> float:
+    """Seconds of the program's reduce-scatter-v or all-gather-v of ``parts``: one exchange
+    per bucket of the flat vector (``state_shares.buckets``), one after another."""
+    return sum(exchange_seconds(context, bucket_parts(parts, start, stop)) for start, stop in buckets(sum(parts)))
+
+
+def largest_bucket(parts: tuple[int, ...]) -> tuple[int, int]:
+    """(elements, the most any rank owns) of the largest bucket of the flat vector: what the
+    program's step buffers hold at once."""
+    spans = buckets(sum(parts)) or [(0, 0)]
+    return max(stop - start for start, stop in spans), max(max(bucket_parts(parts, *span)) for span in spans)
 
 
 class StateSharesStep(StepContributor):
@@ -64,7 +79,7 @@ class StateSharesStep(StepContributor):
     def after_optimizer(self, tasks, device: str, segments, step: int) -> None:
         parts = parts_of(tasks.context)
         tasks.graph.add("all-gather-v updated parts (state shares)", (device, "collective"),
-                        exchange_seconds(tasks.context, parts), deps=[step], kind="comm")
+                        bucketed_exchange_seconds(tasks.context, parts), deps=[step], kind="comm")
 
     def parameter_sharding(self, context) -> ParameterSharding:
         """Weights and gradients whole; states split over ``dp`` (evenly in this view of the
@@ -73,9 +88,9 @@ class StateSharesStep(StepContributor):
 
     def communication_buffer_bytes(self, context, segments, elements: float, weight_bytes: float,
                                    gradient_bytes: float) -> float:
-        """The step's flat fp32 gradient and the largest part received from every rank."""
-        parts = parts_of(context)
-        return EXCHANGED_BYTES * (sum(parts) + context.dp * max(parts))
+        """The step's buffers on the rank of the largest part: one bucket of fp32 gradients
+        and what it receives of it from every rank."""
+        return _step_buffer_bytes(context, max(parts_of(context)))
 
     def add_axis_bytes(self, context, segment, totals: dict[str, float]) -> None:
         """The busiest rank's bytes of both exchanges, this segment's fraction of them."""
@@ -96,7 +111,7 @@ class StateSharesStep(StepContributor):
         by_rank = []
         for rank, part in enumerate(parts):
             activations = int(memory.activations * largest[rank] / max(largest))
-            step_buffers = EXCHANGED_BYTES * (total + context.dp * part)
+            step_buffers = _step_buffer_bytes(context, part)
             by_rank.append(dataclasses.replace(
                 memory,
                 optimizer_states=int(memory.optimizer_states * context.dp * part / total),
@@ -105,6 +120,13 @@ class StateSharesStep(StepContributor):
                                           + max(0, step_buffers - activations)),
             ))
         return tuple(by_rank)
+
+
+def _step_buffer_bytes(context, part: int) -> int:
+    """Bytes of a rank's step buffers whose part is ``part``: the bucket of fp32 gradients it
+    sends and the ``dp`` copies of its own elements of that bucket it receives."""
+    bucket, owned = largest_bucket(parts_of(context))
+    return EXCHANGED_BYTES * (bucket + context.dp * min(part, owned))
 
 
 class _ReduceScatterV:
@@ -117,7 +139,7 @@ class _ReduceScatterV:
                      sync_after: dict[str, list[int]]) -> None:
         if not final:
             return
-        seconds = exchange_seconds(self.tasks.context, parts_of(self.tasks.context))
+        seconds = bucketed_exchange_seconds(self.tasks.context, parts_of(self.tasks.context))
 
         def launch(after: int) -> int:
             return self.tasks.graph.add("reduce-scatter-v grads (state shares)", (self.device, "collective"),

@@ -17,6 +17,10 @@ r owns elements ``offset_r .. offset_r + p_r``:
   the flat parameters with that gradient part (its states are for ``p_r`` elements only),
   then all-gather-v: ``all_to_all_single`` again, this rank's piece to every rank (output
   split sizes: the parts), and the whole flat vector is copied back into the parameters.
+
+Both exchanges go bucket by bucket (``state_shares.bucket_parts``: the parts clipped to each
+bucket of ``EXCHANGE_BUCKET_ELEMENTS``), so a rank copies one bucket of gradients at a time
+and receives at most ``dp`` times its part of it, never the whole flat vector.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from planner.families.uneven_dp.state_shares import state_parts
+from planner.families.uneven_dp.state_shares import EXCHANGE_BUCKET_ELEMENTS, bucket_parts, buckets, state_parts
 
 __all__ = ["StateShards", "UnevenStatesOptimizer", "attach_state_shards"]
 
@@ -41,9 +45,11 @@ class StateShards:
             broadcast once here, as DDP does when it wraps a model).
         mesh: the program's mesh; the parts go over its ``"dp"`` axis.
         weights: the plan's ``state_shares``, one integer weight per ``dp`` rank.
+        bucket: elements of the flat vector per exchange.
     """
 
-    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, weights: Sequence[int]) -> None:
+    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, weights: Sequence[int],
+                 bucket: int = EXCHANGE_BUCKET_ELEMENTS) -> None:
         self.group = mesh.get_group("dp")
         self.rank, self.ranks = mesh.get_local_rank("dp"), len(weights)
         unique: dict[int, torch.Tensor] = {}
@@ -55,6 +61,10 @@ class StateShards:
         total = sum(param.numel() for param in self.params)
         self.parts = state_parts(total, tuple(weights))
         self.offset = sum(self.parts[:self.rank])
+        self.buckets = buckets(total, bucket)
+        self.starts = [0]
+        for param in self.params:
+            self.starts.append(self.starts[-1] + param.numel())
         self._reduced: torch.Tensor | None = None
         with torch.no_grad():
             for param in self.params:
@@ -65,36 +75,64 @@ class StateShards:
         """Elements of the flat vector this rank holds states for."""
         return self.parts[self.rank]
 
-    def flat(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """``tensors`` (one per parameter, None: zeros) as one flat vector."""
-        return torch.cat([torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if t is None else t.reshape(-1)
-                          for p, t in zip(self.params, tensors)])
+    def flat(self, tensors: Sequence[torch.Tensor | None], start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Elements ``start .. stop`` of ``tensors`` (one per parameter, None: zeros) laid
+        end to end as the flat vector (all of them by default)."""
+        stop = self.starts[-1] if stop is None else stop
+        pieces = [torch.zeros(0, dtype=self.params[0].dtype, device=self.params[0].device)]
+        for index, (param, tensor) in enumerate(zip(self.params, tensors)):
+            low, high = max(start, self.starts[index]), min(stop, self.starts[index + 1])
+            if low >= high:
+                continue
+            if tensor is None:
+                pieces.append(torch.zeros(high - low, dtype=param.dtype, device=param.device))
+            else:
+                pieces.append(tensor.reshape(-1)[low - self.starts[index]:high - self.starts[index]])
+        return torch.cat(pieces)
+
+    def _own_range(self, start: int, sizes: Sequence[int]) -> int:
+        """Where this rank's elements of the bucket at ``start`` begin in its own part."""
+        return max(start, self.offset) - self.offset if sizes[self.rank] else 0
 
     def reduce_gradients(self) -> torch.Tensor:
         """This rank's part of one device's gradient: the reduce-scatter-v of every rank's
-        flat gradient (module docstring), computed once per step."""
+        flat gradient (module docstring), bucket by bucket, computed once per step."""
         if self._reduced is None:
-            grads = self.flat([param.grad for param in self.params]).float()
-            received = torch.empty(self.ranks * self.own, dtype=grads.dtype, device=grads.device)
-            dist.all_to_all_single(received, grads, output_split_sizes=[self.own] * self.ranks,
-                                   input_split_sizes=list(self.parts), group=self.group)
-            self._reduced = received.view(self.ranks, self.own).sum(0) / self.ranks
+            grads = [param.grad for param in self.params]
+            reduced = torch.zeros(self.own, dtype=torch.float32, device=self.params[0].device)
+            for start, stop in self.buckets:
+                sizes = bucket_parts(self.parts, start, stop)
+                mine = sizes[self.rank]
+                received = torch.empty(self.ranks * mine, dtype=torch.float32, device=reduced.device)
+                dist.all_to_all_single(received, self.flat(grads, start, stop).float(),
+                                       output_split_sizes=[mine] * self.ranks, input_split_sizes=list(sizes),
+                                       group=self.group)
+                low = self._own_range(start, sizes)
+                reduced[low:low + mine] += received.view(self.ranks, mine).sum(0)
+            self._reduced = reduced / self.ranks
         return self._reduced
 
-    def gather(self, piece: torch.Tensor) -> torch.Tensor:
-        """The whole flat vector from every rank's ``piece`` (all-gather-v)."""
-        whole = torch.empty(sum(self.parts), dtype=piece.dtype, device=piece.device)
-        dist.all_to_all_single(whole, piece.repeat(self.ranks), output_split_sizes=list(self.parts),
-                               input_split_sizes=[self.own] * self.ranks, group=self.group)
-        return whole
+    def gather(self, piece: torch.Tensor, write) -> None:
+        """Every rank's ``piece`` (all-gather-v), bucket by bucket: ``write(start, values)``
+        receives elements ``start ..`` of the whole flat vector."""
+        for start, stop in self.buckets:
+            sizes = bucket_parts(self.parts, start, stop)
+            mine = sizes[self.rank]
+            low = self._own_range(start, sizes)
+            whole = torch.empty(stop - start, dtype=piece.dtype, device=piece.device)
+            dist.all_to_all_single(whole, piece[low:low + mine].repeat(self.ranks), output_split_sizes=list(sizes),
+                                   input_split_sizes=[mine] * self.ranks, group=self.group)
+            write(start, whole)
 
-    def write(self, flat: torch.Tensor) -> None:
-        """Copy ``flat`` back into the parameters (each rank holds them whole again)."""
-        start = 0
+    def write(self, start: int, values: torch.Tensor) -> None:
+        """Copy ``values``, elements ``start ..`` of the flat vector, into the parameters."""
+        stop = start + values.numel()
         with torch.no_grad():
-            for param in self.params:
-                param.copy_(flat[start:start + param.numel()].view_as(param))
-                start += param.numel()
+            for index, param in enumerate(self.params):
+                low, high = max(start, self.starts[index]), min(stop, self.starts[index + 1])
+                if low < high:
+                    param.view(-1)[low - self.starts[index]:high - self.starts[index]].copy_(
+                        values[low - start:high - start])
 
     def forget_gradients(self) -> None:
         """Drop the reduced part (a new step reduces again)."""
@@ -104,7 +142,12 @@ class StateShards:
         """Every parameter by name with one device's gradient, for the parity check
         (``codegen.runtime.parity.full_parameters``): the reduced parts all-gathered.
         Collective."""
-        grads = self.gather(self.reduce_gradients())
+        grads = torch.empty(self.starts[-1], dtype=torch.float32, device=self.params[0].device)
+
+        def keep(start: int, values: torch.Tensor) -> None:
+            grads[start:start + values.numel()] = values
+
+        self.gather(self.reduce_gradients(), keep)
         found, start = {}, 0
         for param in self.params:
             grad = grads[start:start + param.numel()].view(param.shape).to(param.dtype)
@@ -113,10 +156,12 @@ class StateShards:
         return found
 
 
-def attach_state_shards(model: torch.nn.Module, mesh: DeviceMesh, weights: Sequence[int]) -> torch.nn.Module:
-    """``model`` with its ``StateShards`` as ``model.state_shards`` and their
-    ``full_parameters`` hook (the parity check reads one device's gradients through it)."""
-    shards = StateShards(model, mesh, weights)
+def attach_state_shards(model: torch.nn.Module, mesh: DeviceMesh, weights: Sequence[int],
+                        bucket: int = EXCHANGE_BUCKET_ELEMENTS) -> torch.nn.Module:
+    """``model`` with its ``StateShards`` (``bucket`` elements an exchange) as
+    ``model.state_shards`` and their ``full_parameters`` hook (the parity check reads one
+    device's gradients through it)."""
+    shards = StateShards(model, mesh, weights, bucket)
     model.state_shards = shards
     model.full_parameters = shards.full_parameters
     return model
@@ -133,8 +178,8 @@ class UnevenStatesOptimizer:
 
     def __init__(self, shards: StateShards, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> None:
         self.shards = shards
-        whole = shards.flat([param.detach() for param in shards.params])
-        self.piece = whole[shards.offset:shards.offset + shards.own].float().clone()
+        own = shards.flat([param.detach() for param in shards.params], shards.offset, shards.offset + shards.own)
+        self.piece = own.float().clone()
         self.inner = optimizer_class([self.piece], **kwargs)
 
     @property
@@ -161,7 +206,7 @@ class UnevenStatesOptimizer:
             raise ValueError("UnevenStatesOptimizer.step takes no closure")
         self.piece.grad = self.shards.reduce_gradients()
         self.inner.step()
-        self.shards.write(self.shards.gather(self.piece))
+        self.shards.gather(self.piece, self.shards.write)
         self.shards.forget_gradients()
 
     def state_dict(self) -> dict[str, Any]:

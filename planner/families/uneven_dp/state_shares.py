@@ -27,6 +27,9 @@ its room, independent of its batch share:
   waits for the rank that moves the most, ``max_r max(total - p_r, (n - 1) p_r)``; for even
   parts that is ``(n - 1) / n * total``, a ring's figure, and it never exceeds a ring-v's
   ``(n - 1) max_r p_r`` (NCCL's ring passes the largest part through every hop).
+- ``bucket_parts(parts, start, stop)``: the program exchanges the flat vector in buckets of
+  ``EXCHANGE_BUCKET_ELEMENTS`` (so its buffers stay a bucket, not the whole vector); each
+  bucket's parts are the ranks' parts clipped to it, and each bucket is one exchange.
 """
 
 from __future__ import annotations
@@ -34,11 +37,15 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-__all__ = ["state_parts", "memory_state_weights", "exchange_elements", "STATE_WEIGHT_SCALE"]
+__all__ = ["state_parts", "memory_state_weights", "exchange_elements", "bucket_parts", "buckets", "STATE_WEIGHT_SCALE",
+           "EXCHANGE_BUCKET_ELEMENTS"]
 
 # The weights the search writes sum to this: parts of any unit within 0.1% of their room-optimal
 # size (a resolution chosen here, not a measured figure).
 STATE_WEIGHT_SCALE = 1000
+# The flat vector is exchanged bucket by bucket so that no rank copies it whole: 25 MiB of
+# fp32 elements, DDP's default bucket (bucket_cap_mb=25, torch/nn/parallel/distributed.py).
+EXCHANGE_BUCKET_ELEMENTS = 25 * 2**20 // 4
 
 
 def state_parts(total: int, weights: Sequence[int]) -> tuple[int, ...]:
@@ -79,3 +86,17 @@ def exchange_elements(parts: Sequence[int]) -> int:
     reduce-scatter-v (or all-gather-v) of ``parts`` (module docstring)."""
     total, ranks = sum(parts), len(parts)
     return max(max(total - part, (ranks - 1) * part) for part in parts)
+
+
+def bucket_parts(parts: Sequence[int], start: int, stop: int) -> tuple[int, ...]:
+    """Each rank's elements of ``parts`` (consecutive, rank 0 first) within ``[start, stop)``."""
+    clipped, offset = [], 0
+    for part in parts:
+        clipped.append(max(0, min(stop, offset + part) - max(start, offset)))
+        offset += part
+    return tuple(clipped)
+
+
+def buckets(total: int, size: int = EXCHANGE_BUCKET_ELEMENTS) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each bucket of the flat vector of ``total`` elements."""
+    return [(start, min(total, start + size)) for start in range(0, total, size)]
