@@ -52,12 +52,16 @@ def test_the_busiest_rank_of_an_uneven_exchange_by_hand() -> None:
 
 
 def test_the_exchange_goes_bucket_by_bucket() -> None:
-    from planner.families.uneven_dp.state_shares import bucket_parts, buckets
+    from planner.families.uneven_dp.state_shares import bucket_ranges
 
-    # 10 elements in buckets of 4: [0, 4), [4, 8), [8, 10). Parts 1/1/4/4 own [0, 1), [1, 2),
-    # [2, 6), [6, 10): the first bucket holds 1, 1, 2, 0 of them, the second 0, 0, 2, 2.
-    assert buckets(10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert [bucket_parts((1, 1, 4, 4), *span) for span in buckets(10, 4)] == [(1, 1, 2, 0), (0, 0, 2, 2), (0, 0, 0, 2)]
+    # 10 elements fill 3 buckets of 4: three exchanges, each a third (rounded up) of every part.
+    # Parts 1/1/4/4 own [0, 1), [1, 2), [2, 6), [6, 10): slices of 1, 1, 2, 2 elements.
+    assert bucket_ranges((1, 1, 4, 4), 4) == [
+        ((0, 1), (1, 2), (2, 4), (6, 8)),
+        ((1, 1), (2, 2), (4, 6), (8, 10)),
+        ((1, 1), (2, 2), (6, 6), (10, 10)),
+    ]
+    assert bucket_ranges((3, 0), 8) == [((0, 3), (3, 3))]  # one bucket: the parts whole
 
 
 def test_the_setting_is_read_as_untrusted_json_with_one_line_errors() -> None:

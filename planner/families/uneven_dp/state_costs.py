@@ -4,7 +4,8 @@
 - No gradient sync in backward (the weights are not wrapped): once the last backward of the
   step is done, a reduce-scatter-v of the flat fp32 gradient (``StateShards.reduce_gradients``
   casts it to fp32), then after the optimizer step an all-gather-v of the fp32 parts, each
-  one exchange per bucket of the flat vector, one after another. An exchange runs as
+  one exchange per bucket of the flat vector (``state_shares.bucket_ranges``: a slice of
+  every rank's part in each), one after another. An exchange runs as
   ``all_to_all_single`` with split sizes, whose busiest rank moves
   ``state_shares.exchange_elements`` of the bucket's parts; priced as the cluster's pairwise
   all-to-all (``cost_model.collectives``: ``(n - 1) / n * S / bandwidth + (n - 1) latency``,
@@ -28,7 +29,7 @@ from cost_model.simulator import Simulator
 from cost_model.step_contributor import ParameterSharding, StepContributor
 from cost_model.step_memory import stage_memory
 from planner.families.uneven_dp.shares import micro_batch_sizes
-from planner.families.uneven_dp.state_shares import bucket_parts, buckets, exchange_elements, state_parts
+from planner.families.uneven_dp.state_shares import bucket_ranges, exchange_elements, state_parts
 
 JSON_KEY = "uneven"
 # StateShards.reduce_gradients and UnevenStatesOptimizer exchange fp32 (torch.float32: 4 bytes).
@@ -56,17 +57,22 @@ def exchange_seconds(context, parts: tuple[int, ...]) -> float:
     return context.collective("all_to_all", moved * ranks / (ranks - 1), "dp")
 
 
+def bucket_sizes(parts: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Each rank's elements in each of the program's exchanges (``state_shares.bucket_ranges``)."""
+    return [tuple(stop - start for start, stop in ranges) for ranges in bucket_ranges(parts)]
+
+
 def bucketed_exchange_seconds(context, parts: tuple[int, ...]) -> float:
-    """Seconds of the program's reduce-scatter-v or all-gather-v of ``parts``: one exchange
-    per bucket of the flat vector (``state_shares.buckets``), one after another."""
-    return sum(exchange_seconds(context, bucket_parts(parts, start, stop)) for start, stop in buckets(sum(parts)))
+    """Seconds of the program's reduce-scatter-v or all-gather-v of ``parts``: its exchanges
+    (``bucket_sizes``), one after another."""
+    return sum(exchange_seconds(context, sizes) for sizes in bucket_sizes(parts))
 
 
 def largest_bucket(parts: tuple[int, ...]) -> tuple[int, int]:
-    """(elements, the most any rank owns) of the largest bucket of the flat vector: what the
-    program's step buffers hold at once."""
-    spans = buckets(sum(parts)) or [(0, 0)]
-    return max(stop - start for start, stop in spans), max(max(bucket_parts(parts, *span)) for span in spans)
+    """(elements, the most any rank owns) of the largest exchange of the flat vector: what
+    the program's step buffers hold at once."""
+    sizes = bucket_sizes(parts)
+    return max(sum(bucket) for bucket in sizes), max(max(bucket) for bucket in sizes)
 
 
 class StateSharesStep(StepContributor):
@@ -124,9 +130,12 @@ class StateSharesStep(StepContributor):
 
 def _step_buffer_bytes(context, part: int) -> int:
     """Bytes of a rank's step buffers whose part is ``part``: the bucket of fp32 gradients it
-    sends and the ``dp`` copies of its own elements of that bucket it receives."""
-    bucket, owned = largest_bucket(parts_of(context))
-    return EXCHANGED_BYTES * (bucket + context.dp * min(part, owned))
+    sends and the ``dp`` copies of its own slice of that bucket it receives (the largest
+    exchange's, at most ``part``)."""
+    parts = parts_of(context)
+    bucket, _ = largest_bucket(parts)
+    slices = max(1, len(bucket_sizes(parts)))
+    return EXCHANGED_BYTES * (bucket + context.dp * -(-part // slices))
 
 
 class _ReduceScatterV:

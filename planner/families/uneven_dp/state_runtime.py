@@ -18,9 +18,9 @@ r owns elements ``offset_r .. offset_r + p_r``:
   then all-gather-v: ``all_to_all_single`` again, this rank's piece to every rank (output
   split sizes: the parts), and the whole flat vector is copied back into the parameters.
 
-Both exchanges go bucket by bucket (``state_shares.bucket_parts``: the parts clipped to each
-bucket of ``EXCHANGE_BUCKET_ELEMENTS``), so a rank copies one bucket of gradients at a time
-and receives at most ``dp`` times its part of it, never the whole flat vector.
+Both exchanges go bucket by bucket (``state_shares.bucket_ranges``: a slice of every rank's
+part in each, about ``EXCHANGE_BUCKET_ELEMENTS`` in all), so a rank copies one bucket of
+gradients at a time and receives ``dp`` times its slice of it, never the whole flat vector.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from planner.families.uneven_dp.state_shares import EXCHANGE_BUCKET_ELEMENTS, bucket_parts, buckets, state_parts
+from planner.families.uneven_dp.state_shares import EXCHANGE_BUCKET_ELEMENTS, bucket_ranges, state_parts
 
 __all__ = ["StateShards", "UnevenStatesOptimizer", "attach_state_shards"]
 
@@ -61,7 +61,7 @@ class StateShards:
         total = sum(param.numel() for param in self.params)
         self.parts = state_parts(total, tuple(weights))
         self.offset = sum(self.parts[:self.rank])
-        self.buckets = buckets(total, bucket)
+        self.exchanges = bucket_ranges(self.parts, bucket)
         self.starts = [0]
         for param in self.params:
             self.starts.append(self.starts[-1] + param.numel())
@@ -90,24 +90,20 @@ class StateShards:
                 pieces.append(tensor.reshape(-1)[low - self.starts[index]:high - self.starts[index]])
         return torch.cat(pieces)
 
-    def _own_range(self, start: int, sizes: Sequence[int]) -> int:
-        """Where this rank's elements of the bucket at ``start`` begin in its own part."""
-        return max(start, self.offset) - self.offset if sizes[self.rank] else 0
-
     def reduce_gradients(self) -> torch.Tensor:
         """This rank's part of one device's gradient: the reduce-scatter-v of every rank's
         flat gradient (module docstring), bucket by bucket, computed once per step."""
         if self._reduced is None:
             grads = [param.grad for param in self.params]
             reduced = torch.zeros(self.own, dtype=torch.float32, device=self.params[0].device)
-            for start, stop in self.buckets:
-                sizes = bucket_parts(self.parts, start, stop)
+            for ranges in self.exchanges:
+                sizes = [stop - start for start, stop in ranges]
                 mine = sizes[self.rank]
+                sent = torch.cat([self.flat(grads, start, stop).float() for start, stop in ranges])
                 received = torch.empty(self.ranks * mine, dtype=torch.float32, device=reduced.device)
-                dist.all_to_all_single(received, self.flat(grads, start, stop).float(),
-                                       output_split_sizes=[mine] * self.ranks, input_split_sizes=list(sizes),
-                                       group=self.group)
-                low = self._own_range(start, sizes)
+                dist.all_to_all_single(received, sent, output_split_sizes=[mine] * self.ranks,
+                                       input_split_sizes=sizes, group=self.group)
+                low = ranges[self.rank][0] - self.offset
                 reduced[low:low + mine] += received.view(self.ranks, mine).sum(0)
             self._reduced = reduced / self.ranks
         return self._reduced
@@ -115,14 +111,15 @@ class StateShards:
     def gather(self, piece: torch.Tensor, write) -> None:
         """Every rank's ``piece`` (all-gather-v), bucket by bucket: ``write(start, values)``
         receives elements ``start ..`` of the whole flat vector."""
-        for start, stop in self.buckets:
-            sizes = bucket_parts(self.parts, start, stop)
+        for ranges in self.exchanges:
+            sizes = [stop - start for start, stop in ranges]
             mine = sizes[self.rank]
-            low = self._own_range(start, sizes)
-            whole = torch.empty(stop - start, dtype=piece.dtype, device=piece.device)
-            dist.all_to_all_single(whole, piece[low:low + mine].repeat(self.ranks), output_split_sizes=list(sizes),
+            low = ranges[self.rank][0] - self.offset
+            received = torch.empty(sum(sizes), dtype=piece.dtype, device=piece.device)
+            dist.all_to_all_single(received, piece[low:low + mine].repeat(self.ranks), output_split_sizes=sizes,
                                    input_split_sizes=[mine] * self.ranks, group=self.group)
-            write(start, whole)
+            for (start, _), values in zip(ranges, received.split(sizes)):
+                write(start, values)
 
     def write(self, start: int, values: torch.Tensor) -> None:
         """Copy ``values``, elements ``start ..`` of the flat vector, into the parameters."""

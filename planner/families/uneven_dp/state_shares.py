@@ -27,9 +27,9 @@ its room, independent of its batch share:
   waits for the rank that moves the most, ``max_r max(total - p_r, (n - 1) p_r)``; for even
   parts that is ``(n - 1) / n * total``, a ring's figure, and it never exceeds a ring-v's
   ``(n - 1) max_r p_r`` (NCCL's ring passes the largest part through every hop).
-- ``bucket_parts(parts, start, stop)``: the program exchanges the flat vector in buckets of
-  ``EXCHANGE_BUCKET_ELEMENTS`` (so its buffers stay a bucket, not the whole vector); each
-  bucket's parts are the ranks' parts clipped to it, and each bucket is one exchange.
+- ``bucket_ranges(parts)``: the program exchanges the flat vector in as many exchanges as it
+  fills buckets of ``EXCHANGE_BUCKET_ELEMENTS`` (so its buffers stay about a bucket, not the
+  whole vector), each a slice of every rank's part in proportion to it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-__all__ = ["state_parts", "memory_state_weights", "exchange_elements", "bucket_parts", "buckets", "STATE_WEIGHT_SCALE",
+__all__ = ["state_parts", "memory_state_weights", "exchange_elements", "bucket_ranges", "STATE_WEIGHT_SCALE",
            "EXCHANGE_BUCKET_ELEMENTS"]
 
 # The weights the search writes sum to this: parts of any unit within 0.1% of their room-optimal
@@ -88,15 +88,17 @@ def exchange_elements(parts: Sequence[int]) -> int:
     return max(max(total - part, (ranks - 1) * part) for part in parts)
 
 
-def bucket_parts(parts: Sequence[int], start: int, stop: int) -> tuple[int, ...]:
-    """Each rank's elements of ``parts`` (consecutive, rank 0 first) within ``[start, stop)``."""
-    clipped, offset = [], 0
+def bucket_ranges(parts: Sequence[int], size: int = EXCHANGE_BUCKET_ELEMENTS) -> list[tuple[tuple[int, int], ...]]:
+    """The exchanges of the flat vector cut into ``parts`` (consecutive, rank 0 first): as
+    many as buckets of ``size`` elements it fills, exchange k holding the k-th of that many
+    equal slices of every rank's part (``[start, stop)`` of the flat vector per rank), so
+    every rank sends and receives in every exchange and no exchange waits on one rank alone."""
+    count = max(1, -(-sum(parts) // size))
+    exchanges, offset = [[] for _ in range(count)], 0
     for part in parts:
-        clipped.append(max(0, min(stop, offset + part) - max(start, offset)))
+        step = -(-part // count)
+        for index in range(count):
+            low, high = offset + min(part, index * step), offset + min(part, (index + 1) * step)
+            exchanges[index].append((low, high))
         offset += part
-    return tuple(clipped)
-
-
-def buckets(total: int, size: int = EXCHANGE_BUCKET_ELEMENTS) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each bucket of the flat vector of ``total`` elements."""
-    return [(start, min(total, start + size)) for start in range(0, total, size)]
+    return [tuple(ranges) for ranges in exchanges]
