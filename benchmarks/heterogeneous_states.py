@@ -5,7 +5,8 @@ fast device holds 1% more than the even ZeRO-1 plan of ``STATE_GPT`` needs, each
 twice that. Rows: the even ZeRO-1 plan (every rank B/4 samples), the uneven plan with even
 states (speed-balanced shares capped by memory; where they do not fit at once, in the fewest
 micro-batches that do, as the search would), and ours: shares by speed, optimizer states by
-memory (``planner.families.uneven_dp.state_shares``).
+memory (``planner.families.uneven_dp.state_shares``); and, for comparison, the even FSDP
+plan, which shards weights and gradients too.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def state_rows() -> None:
             cluster = _cluster(fast, Path(folder))
             even = data_parallel_plan(graph, cluster, spec, name, "zero1", (), "fp32")
             _print_row(fast, even, fitting_uneven_plan(even, graph), states_by_memory_plan(even, graph))
+            sharded = data_parallel_plan(graph, cluster, spec, name, "fsdp", (), "fp32")
+            print(f"    for comparison, even {sharded.name} (weights and gradients sharded too): "
+                  f"{sharded.estimate.step_time_s * 1e3:.1f} ms{'' if sharded.estimate.fits else ' (does not fit)'}")
 
 
 def _print_row(fast: int, even, plain, ours) -> None:

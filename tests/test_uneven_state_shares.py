@@ -99,7 +99,7 @@ class _Context:
 
 
 def test_the_uneven_exchange_is_priced_as_the_all_to_all_the_program_runs() -> None:
-    from planner.families.uneven_dp.state_costs import exchange_seconds, parts_of
+    from planner.families.uneven_dp.costs import exchange_seconds, parts_of
 
     context = _Context()
     assert parts_of(context) == (1000, 1000, 4000, 4000)
@@ -112,7 +112,7 @@ def test_the_uneven_exchange_is_priced_as_the_all_to_all_the_program_runs() -> N
 
 
 def test_each_rank_holds_its_own_part_of_the_states() -> None:
-    from planner.families.uneven_dp.state_costs import StateSharesStep
+    from planner.families.uneven_dp.costs import StateSharesStep
     from planner.strategy import MemoryBreakdown
 
     # The simulator's view of one device: states 8,000 (32,000 split evenly over 4 ranks),

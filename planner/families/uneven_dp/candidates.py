@@ -19,7 +19,7 @@ from planner.errors import PlanningError
 from planner.families.uneven_dp.costs import compute_seconds, share_time_model
 from planner.families.uneven_dp.section import UnevenSection
 from planner.families.uneven_dp.shares import balanced_shares, micro_batch_sizes
-from planner.families.uneven_dp.state_costs import plan_rank_bytes
+from planner.families.uneven_dp.costs import plan_rank_bytes
 from planner.families.uneven_dp.state_shares import memory_state_weights
 from planner.graph import OpGraph
 from planner.plans import Plan
@@ -34,11 +34,13 @@ def memory_caps(plan: Plan, steps: int = 1, states_placed: bool = False) -> tupl
     device's memory in ``steps`` micro-batches: what does not grow with the share (weights,
     gradients, optimizer states, buffers) plus the even share's activations per sample,
     times the largest micro-batch (``steps`` micro-batches of c samples hold a share of up to
-    ``steps * c``). With ``states_placed`` the optimizer states are left out: they will be
-    split by the room each rank has left (``with_state_shares``), and the simulation of
-    that plan says whether they fit."""
+    ``steps * c``). With ``states_placed`` the optimizer states and the flavour's buffers are
+    left out: the states will be split by the room each rank has left
+    (``with_state_shares``), that program's buffers exist in its optimizer step alone
+    (``costs.StateSharesStep``), and the simulation of that plan says whether it fits."""
     memory = plan.estimate.memory
-    fixed = memory.total - memory.activations - (memory.optimizer_states if states_placed else 0)
+    fixed = memory.total - memory.activations - (
+        memory.optimizer_states + memory.communication_buffers if states_placed else 0)
     per_sample = memory.activations / (plan.batch_size / plan.mesh.axis_size("dp"))
     caps = []
     for device in rank_devices(plan.cluster):
@@ -54,13 +56,14 @@ def uneven_plan(plan: Plan, graph: OpGraph, steps: int = 1, states_placed: bool 
     ``costs.share_time_model``, capped by ``memory_caps``) in ``steps`` micro-batches per
     rank (each share cut by ``shares.micro_batch_sizes``), simulated, with each rank's
     predicted busy seconds and bytes (its largest micro-batch's activations) in its section;
-    None when the shares come out even or no shares fit. ``states_placed``: the caps leave
-    the optimizer states out (``memory_caps``)."""
+    None when no shares fit, or when the shares come out even unless ``states_placed`` (the
+    caps leave the optimizer states out, ``memory_caps``: the states will be placed unevenly,
+    so even batch shares still make a plan of their own)."""
     devices = rank_devices(plan.cluster)
     lines = {device: share_time_model(plan, graph, device, steps) for device in set(devices)}
     shares = balanced_shares(plan.batch_size, [lines[d][0] for d in devices], [lines[d][1] for d in devices],
                              memory_caps(plan, steps, states_placed), least=steps)
-    if shares is None or len(set(shares)) == 1:
+    if shares is None or len(set(shares)) == 1 and not states_placed:  # even states need uneven shares
         return None
     memory = plan.estimate.memory
     per_sample = memory.activations / (plan.batch_size / len(devices))
