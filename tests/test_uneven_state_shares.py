@@ -168,3 +168,20 @@ def test_the_search_places_states_by_memory_where_memory_binds(tmp_path) -> None
     assert section.shares[0] > section.shares[2] and section.state_shares[0] < section.state_shares[2]
     assert all(held <= device.memory_bytes for held, device in zip(section.memory_bytes, rank_devices(tight)))
     assert chosen.estimate.step_time_s < even.estimate.step_time_s
+
+
+def test_the_report_gives_each_rank_its_part_of_the_states() -> None:
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from planner.cluster import Cluster
+    from planner.families.uneven_dp.report import uneven_section
+
+    plan = SimpleNamespace(sections={"uneven": UnevenSection((3, 3, 1, 1), state_shares=(100, 100, 400, 400))},
+                           cluster=Cluster.preset("cpu", 1, 4), batch_size=8, dp_flavour="zero1")
+    console = Console(width=160, record=True)
+    for part in uneven_section(plan):
+        console.print(part)
+    text = console.export_text()
+    assert "optimizer states" in text and "10.0%" in text and "40.0%" in text  # 100 and 400 of 1000
