@@ -75,6 +75,16 @@ def test_the_setting_is_read_as_untrusted_json_with_one_line_errors() -> None:
         assert "\n" not in str(error.value) and "uneven.state_shares" in str(error.value)
     with pytest.raises(PlanFileError, match="must be a list"):
         UnevenSection.from_json({"shares": [3, 3, 1, 1], "state_shares": "1,1,3,3"}, "p.json")
+    # Only ZeRO-1 programs keep whole weights beside split states: another flavour is refused.
+    from types import SimpleNamespace
+
+    mesh = SimpleNamespace(names=("dp",), axis_size=lambda axis: 4)
+    plan = SimpleNamespace(mesh=mesh, pipeline=None, expert_layouts=(), sections={"uneven": section}, label="",
+                           name="fsdp (dp=4)", batch_size=8, accumulation_steps=1, dp_flavour="fsdp")
+    with pytest.raises(ValueError, match="needs the zero1 flavour") as error:
+        section.check(plan)
+    assert "\n" not in str(error.value)
+    section.check(SimpleNamespace(**{**vars(plan), "dp_flavour": "zero1"}))
 
 
 class _Context:

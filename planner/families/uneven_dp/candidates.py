@@ -93,8 +93,9 @@ def with_state_shares(plan: Plan, graph: OpGraph) -> Plan | None:
     rooms = [device.memory_bytes - (held - memory.optimizer_states)
              for device, held in zip(rank_devices(plan.cluster), section.memory_bytes)]
     weights = memory_state_weights(rooms, memory.optimizer_states * dp)
-    placed = dataclasses.replace(plan, sections={**plan.sections, FAMILY: dataclasses.replace(section, state_shares=weights)})
-    shared = dataclasses.replace(section, state_shares=weights, memory_bytes=plan_rank_bytes(placed, graph))
+    placed = dataclasses.replace(section, state_shares=weights)
+    held = plan_rank_bytes(dataclasses.replace(plan, sections={**plan.sections, FAMILY: placed}), graph)
+    shared = dataclasses.replace(placed, memory_bytes=held)
     return simulated(dataclasses.replace(plan, sections={**plan.sections, FAMILY: shared}), graph)
 
 

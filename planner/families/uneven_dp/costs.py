@@ -227,11 +227,10 @@ def bucketed_exchange_seconds(context, parts: tuple[int, ...]) -> float:
     return sum(exchange_seconds(context, sizes) for sizes in bucket_sizes(parts))
 
 
-def largest_bucket(parts: tuple[int, ...]) -> tuple[int, int]:
-    """(elements, the most any rank owns) of the largest exchange of the flat vector: what
-    the program's step buffers hold at once."""
-    sizes = bucket_sizes(parts)
-    return max(sum(bucket) for bucket in sizes), max(max(bucket) for bucket in sizes)
+def largest_bucket(parts: tuple[int, ...]) -> int:
+    """Elements of the largest exchange of the flat vector: the gradients the program's step
+    copies out at once."""
+    return max(sum(bucket) for bucket in bucket_sizes(parts))
 
 
 class StateSharesStep(StepContributor):
@@ -292,9 +291,8 @@ def _step_buffer_bytes(context, part: int) -> int:
     sends and the ``dp`` copies of its own slice of that bucket it receives (the largest
     exchange's, at most ``part``)."""
     parts = parts_of(context)
-    bucket, _ = largest_bucket(parts)
-    slices = max(1, len(bucket_sizes(parts)))
-    return EXCHANGED_BYTES * (bucket + context.dp * -(-part // slices))
+    slices = len(bucket_sizes(parts))  # each exchange holds 1 / slices of every part, rounded up
+    return EXCHANGED_BYTES * (largest_bucket(parts) + context.dp * -(-part // slices))
 
 
 class _ReduceScatterV:
