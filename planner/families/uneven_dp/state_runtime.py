@@ -58,7 +58,8 @@ class StateShards:
             if param.requires_grad:
                 unique.setdefault(id(param), param)
         self.params = list(unique.values())
-        self.names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
+        # A tied weight under its first name, as one device's model names it (parity, reports).
+        self.names = {id(param): name for name, param in model.named_parameters()}
         total = sum(param.numel() for param in self.params)
         self.parts = state_parts(total, tuple(weights))
         self.offset = sum(self.parts[:self.rank])
