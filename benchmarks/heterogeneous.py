@@ -11,6 +11,7 @@ pipelines per device group likewise.
     python benchmarks/heterogeneous.py --links      # (g) only: links per pair, collectives over sites
     python benchmarks/heterogeneous.py --widths     # (h) only: pipeline stages of different widths
     python benchmarks/heterogeneous.py --accpar     # (i) only: ACCPAR's own setting, about 5 minutes
+    python benchmarks/heterogeneous.py --states     # (j) only: optimizer states by memory, predicted
 
 (a) Simulated step of each mix: the even data-parallel plan (every rank B/dp samples, the step
     waits for the slowest device), the same flavour on the fastest devices alone (the others
@@ -79,6 +80,13 @@ pipelines per device group likewise.
     samples per chip) is predicted 1.83x faster than even data parallelism, uneven data
     parallelism alone 1.26x; uneven-tp 0.02x: it splits only the classifier's linears and runs
     every convolution on all 512 images on every chip, where ACCPAR splits convolutions too.
+(j) Optimizer states by memory (``benchmarks/heterogeneous_states.py``, Cephalo), predicted:
+    ``mixed.toml``'s speeds, each fast device with 1.01x and 0.85x the memory the even ZeRO-1
+    plan of a 4 x 512 GPT (batch 24, fp32) needs, each slow one twice that. At 0.85x (142.9
+    MB fast, 285.8 MB slow) no ZeRO-1 plan with even states fits at any micro-batch count;
+    shares 8/8/4/4 with the states on the slow ranks (0/0/500/500) fit (128.8 MB on a fast
+    rank) at 249.6 ms, against 393.9 ms for the even FSDP plan. At 1.01x the even states fit
+    in 2 micro-batches (245.9 ms) and beat ours (249.6 ms): the search keeps that one.
 """
 
 from __future__ import annotations
@@ -356,12 +364,18 @@ def main() -> None:
     parser.add_argument("--links", action="store_true", help="(g) only: links per pair, collectives over sites")
     parser.add_argument("--widths", action="store_true", help="(h) only: pipeline stages of different widths")
     parser.add_argument("--accpar", action="store_true", help="(i) only: ACCPAR's own setting (TPU-v2 + TPU-v3)")
+    parser.add_argument("--states", action="store_true", help="(j) only: optimizer states by memory (Cephalo)")
     options = parser.parse_args()
     steps = None if options.simulated else max(3, options.steps)
     if options.accpar:
         from heterogeneous_accpar import accpar_rows  # this folder: benchmarks/
 
         accpar_rows()
+        return
+    if options.states:
+        from heterogeneous_states import state_rows  # this folder: benchmarks/
+
+        state_rows()
         return
     if options.links or options.widths:
         from heterogeneous_links import site_rows, width_rows  # this folder: benchmarks/
@@ -375,6 +389,9 @@ def main() -> None:
         return
     if not options.tensor_parallel:
         simulated_rows()
+        from heterogeneous_states import state_rows  # this folder: benchmarks/
+
+        state_rows()
         if steps:
             measured_rows(steps)
     tensor_parallel_rows()

@@ -5,7 +5,9 @@
   plan as ``python -m planner plan`` chooses it (uneven shares), the CNN (batch norm: its
   statistics are taken over the ranks, whose uneven counts it sums), a tiny HuggingFace
   Llama, the GPT's FSDP, ZeRO-1 and ZeRO-2 programs with uneven shares, and its DDP and FSDP
-  programs accumulating gradients over each rank's own micro-batches of uneven shares.
+  programs accumulating gradients over each rank's own micro-batches of uneven shares, and its
+  ZeRO-1 program with optimizer-state shares by memory (1/1/3/3 of the flat parameters:
+  reduce-scatter-v and all-gather-v, ``planner.families.uneven_dp.state_runtime``).
   Outputs, loss, gradients and updated parameters must equal one device's.
 - Checkpoints: 2 steps of the uneven DDP program, resumed for 2 on the even DDP program of
   the same model, then for 2 more on the uneven one again (DDP weights are whole on every
@@ -43,6 +45,7 @@ LLAMA = ModelSpec("hf:llama", {"num_hidden_layers": 2, "hidden_size": 64, "inter
 GPT16 = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 16})
 SHARES = UnevenSection((3, 3, 1, 1))
 ACCUMULATING = UnevenSection((5, 5, 3, 3))
+STATE_SHARES = UnevenSection((3, 3, 1, 1), state_shares=(1, 1, 3, 3))
 
 
 def with_shares(spec: ModelSpec, flavour: str, shares: UnevenSection = SHARES, steps: int = 1) -> planner.Plan:
@@ -89,6 +92,11 @@ def test_uneven_programs_match_one_device(tmp_path) -> None:
     source = (folders[-1] / "model_spmd.py").read_text()  # each rank's micro-batches, named
     assert "ACCUMULATION_STEPS = 3" in source and "#   rank 0: [2, 2, 1]" in source and "#   rank 3: [1, 1, 1]" in source
     assert "def forward_backward" in source
+    # States by memory: 1/1/3/3 of the flat parameters on ranks taking 3/3/1/1 of the batch.
+    zero1 = planner.load_plan(tmp_path / "gpt-zero1" / "plan.json")  # planned above: not again
+    states = dataclasses.replace(zero1, sections={"uneven": STATE_SHARES})
+    folders.append(planner.compile(states, tmp_path / "gpt-zero1-state-shares"))
+    assert "STATE_SHARES = (1, 1, 3, 3)" in (folders[-1] / "model_spmd.py").read_text()
     launch = check_many(4, folders, tmp_path)
     for folder in folders:
         assert result_of(launch, folder).startswith("ok parity ok"), (folder.name, result_of(launch, folder))

@@ -19,6 +19,8 @@ from planner.errors import PlanningError
 from planner.families.uneven_dp.costs import compute_seconds, share_time_model
 from planner.families.uneven_dp.section import UnevenSection
 from planner.families.uneven_dp.shares import balanced_shares, micro_batch_sizes
+from planner.families.uneven_dp.costs import plan_rank_bytes
+from planner.families.uneven_dp.state_shares import memory_state_weights
 from planner.graph import OpGraph
 from planner.plans import Plan
 from search.context import SearchContext
@@ -27,14 +29,18 @@ from search.data_parallel import data_parallel_plan
 FAMILY = "uneven"
 
 
-def memory_caps(plan: Plan, steps: int = 1) -> tuple[int, ...]:
+def memory_caps(plan: Plan, steps: int = 1, states_placed: bool = False) -> tuple[int, ...]:
     """The most samples each rank of the even ``plan`` (no accumulation) can take in its
     device's memory in ``steps`` micro-batches: what does not grow with the share (weights,
     gradients, optimizer states, buffers) plus the even share's activations per sample,
     times the largest micro-batch (``steps`` micro-batches of c samples hold a share of up to
-    ``steps * c``)."""
+    ``steps * c``). With ``states_placed`` the optimizer states and the flavour's buffers are
+    left out: the states will be split by the room each rank has left
+    (``with_state_shares``), that program's buffers exist in its optimizer step alone
+    (``costs.StateSharesStep``), and the simulation of that plan says whether it fits."""
     memory = plan.estimate.memory
-    fixed = memory.total - memory.activations
+    fixed = memory.total - memory.activations - (
+        memory.optimizer_states + memory.communication_buffers if states_placed else 0)
     per_sample = memory.activations / (plan.batch_size / plan.mesh.axis_size("dp"))
     caps = []
     for device in rank_devices(plan.cluster):
@@ -44,18 +50,20 @@ def memory_caps(plan: Plan, steps: int = 1) -> tuple[int, ...]:
     return tuple(caps)
 
 
-def uneven_plan(plan: Plan, graph: OpGraph, steps: int = 1) -> Plan | None:
+def uneven_plan(plan: Plan, graph: OpGraph, steps: int = 1, states_placed: bool = False) -> Plan | None:
     """``plan`` (an even data-parallel plan on ``dp`` alone, no accumulation) with balanced
     shares (``shares.balanced_shares`` on each rank's fitted time line,
     ``costs.share_time_model``, capped by ``memory_caps``) in ``steps`` micro-batches per
     rank (each share cut by ``shares.micro_batch_sizes``), simulated, with each rank's
     predicted busy seconds and bytes (its largest micro-batch's activations) in its section;
-    None when the shares come out even or no shares fit."""
+    None when no shares fit, or when the shares come out even unless ``states_placed`` (the
+    caps leave the optimizer states out, ``memory_caps``: the states will be placed unevenly,
+    so even batch shares still make a plan of their own)."""
     devices = rank_devices(plan.cluster)
     lines = {device: share_time_model(plan, graph, device, steps) for device in set(devices)}
     shares = balanced_shares(plan.batch_size, [lines[d][0] for d in devices], [lines[d][1] for d in devices],
-                             memory_caps(plan, steps), least=steps)
-    if shares is None or len(set(shares)) == 1:
+                             memory_caps(plan, steps, states_placed), least=steps)
+    if shares is None or len(set(shares)) == 1 and not states_placed:  # even states need uneven shares
         return None
     memory = plan.estimate.memory
     per_sample = memory.activations / (plan.batch_size / len(devices))
@@ -68,6 +76,27 @@ def uneven_plan(plan: Plan, graph: OpGraph, steps: int = 1) -> Plan | None:
     )
     return simulated(dataclasses.replace(plan, accumulation_steps=steps, sections={**plan.sections, FAMILY: section}),
                      graph)
+
+
+def with_state_shares(plan: Plan, graph: OpGraph) -> Plan | None:
+    """The ZeRO-1 ``plan`` of uneven batch shares with its optimizer states split by memory
+    (Cephalo: ``state_shares``), simulated; None for another flavour. Rank r's room is its
+    device's bytes less what it holds besides the states (``section.memory_bytes[r]`` less
+    the even states; its DDP bucket stands for the exchange's bucket of the same size);
+    ``state_shares.memory_state_weights`` splits the states of every parameter to leave the
+    most room on the fullest rank, and the simulation says whether the plan fits. The
+    section's per-rank bytes are then the new plan's."""
+    if plan.dp_flavour != "zero1":
+        return None
+    section = plan.sections[FAMILY]
+    memory, dp = plan.estimate.memory, plan.mesh.axis_size("dp")
+    rooms = [device.memory_bytes - (held - memory.optimizer_states)
+             for device, held in zip(rank_devices(plan.cluster), section.memory_bytes)]
+    weights = memory_state_weights(rooms, memory.optimizer_states * dp)
+    placed = dataclasses.replace(section, state_shares=weights)
+    held = plan_rank_bytes(dataclasses.replace(plan, sections={**plan.sections, FAMILY: placed}), graph)
+    shared = dataclasses.replace(placed, memory_bytes=held)
+    return simulated(dataclasses.replace(plan, sections={**plan.sections, FAMILY: shared}), graph)
 
 
 def fitting_uneven_plan(plan: Plan, graph: OpGraph) -> Plan | None:
@@ -88,6 +117,21 @@ def fitting_uneven_plan(plan: Plan, graph: OpGraph) -> Plan | None:
             return found
         steps *= 2
     return None
+
+
+def states_by_memory_plan(plan: Plan, graph: OpGraph) -> Plan | None:
+    """For the even ZeRO-1 ``plan`` whose balanced shares do not fit at once: the plan of
+    balanced shares capped without the states, its states then split by memory
+    (``with_state_shares``), when it fits; else None. The search weighs it against
+    ``fitting_uneven_plan``'s, which may accumulate instead."""
+    if plan.dp_flavour != "zero1":
+        return None
+    found = uneven_plan(plan, graph)
+    if found is not None and found.estimate.fits:
+        return None  # the states need no placing
+    placed = uneven_plan(plan, graph, states_placed=True)
+    shared = None if placed is None else with_state_shares(placed, graph)
+    return shared if shared is not None and shared.estimate.fits else None
 
 
 def fastest_devices_plans(context: SearchContext, flavours: set[str]) -> list[Plan]:
@@ -115,7 +159,8 @@ def uneven_candidates(context: SearchContext) -> list[Plan]:
     """The candidates part of the ``uneven`` family (``planner.families``): on a cluster of
     two or more kinds of device, every even data-parallel plan found so far (``dp`` alone,
     no accumulation, no section) with balanced shares (``fitting_uneven_plan``: accumulating
-    where the batch does not fit at once), and the plans of
+    where the batch does not fit at once; ``states_by_memory_plan``: ZeRO-1's states split
+    by memory instead), and the plans of
     the same flavours on the fastest devices alone (``fastest_devices_plans``) where the
     constraints allow those flavours. None on a
     cluster of one device kind, for a model whose samples mix, with ``--tp-layouts summa``,
@@ -137,7 +182,8 @@ def uneven_candidates(context: SearchContext) -> list[Plan]:
             if context.constraints.families == frozenset({FAMILY}):
                 raise
             return []
-    found = [plan for plan in (fitting_uneven_plan(base, context.graph) for base in even) if plan is not None]
+    found = [plan for base in even for plan in (fitting_uneven_plan(base, context.graph),
+                                                 states_by_memory_plan(base, context.graph)) if plan is not None]
     # The fast devices alone run the flavours' plain programs: only where --family allows them.
     flavours = {plan.dp_flavour for plan in even if context.constraints.allows_family(plan.dp_flavour)}
     return found + (fastest_devices_plans(context, flavours) if flavours else [])

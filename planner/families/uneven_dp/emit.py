@@ -8,7 +8,10 @@ global batch (``planner.families.uneven_dp.runtime.uneven_shard_batch``). ``BATC
 also tells the runtime (``codegen.runtime.program.Program.loss_weight``) to scale rank r's
 loss by ``BATCH_SHARES[r] * dp / B`` before backward: the flavour's reduction averages the
 ranks' gradients, so the result is ``sum_r (b_r / B) grad_r``, one device's gradient of the
-whole batch for a loss that averages over samples. A plan that accumulates gradients also
+whole batch for a loss that averages over samples. A ZeRO-1 plan with ``state_shares``
+gets its own ``parallelize`` and ``make_optimizer`` instead of DDP's: the weights stay whole
+and unwrapped, the gradients are reduced with the uneven split of the flat parameters and
+each rank steps its own part (``state_runtime``). A plan that accumulates gradients also
 gets ``forward_backward``: each rank over its own micro-batches of its share
 (``runtime.uneven_forward_backward``), each micro-batch's loss weighted by its rows.
 
@@ -18,7 +21,7 @@ Plan values reach the source only as ``repr()`` literals (``codegen.source_text`
 
 from __future__ import annotations
 
-from codegen.emit import render_data_parallel_program
+from codegen.emit import preparation_lines, render_data_parallel_program
 from codegen.source_text import comment
 from planner.families.uneven_dp.shares import micro_batch_sizes
 from planner.plans import Plan
@@ -28,7 +31,37 @@ from planner.strategy import placements_str
 def compile_uneven_plan(plan: Plan) -> str:
     """The emitter part of the ``uneven`` family (``planner.families``): the program of a plan
     with an ``"uneven"`` section (checked when the plan was made)."""
-    return render_data_parallel_program(plan, shard_batch=_shard_batch_source)
+    state_shares = plan.sections["uneven"].state_shares
+    return render_data_parallel_program(plan, parallelize=_state_shards_body if state_shares else None,
+                                        shard_batch=_shard_batch_source)
+
+
+def _state_shards_body(plan: Plan, dp: int) -> str:
+    """``parallelize`` and ``make_optimizer`` of a plan whose optimizer states are split by
+    ``state_shares`` (``state_runtime``)."""
+    weights = tuple(int(weight) for weight in plan.sections["uneven"].state_shares)
+    listed = "\n".join(comment(f"  rank {rank}: {weight} of {sum(weights)}") for rank, weight in enumerate(weights))
+    return f'''from planner.families.uneven_dp.state_runtime import UnevenStatesOptimizer, attach_state_shards
+
+# Each dp rank's part of the flat vector of trainable parameters: it reduces their gradients
+# (reduce-scatter-v), holds their optimizer states and steps them, by its device's memory:
+{listed}
+STATE_SHARES = {weights!r}
+
+
+def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """This rank's module: the whole model, its weights whole on the {dp} ranks of "dp" (no
+    wrapper: gradients are reduced by the optimizer's reduce-scatter-v of STATE_SHARES)."""
+    dp_mesh = mesh["dp"]
+{preparation_lines(plan)}    return attach_state_shards(model, mesh, STATE_SHARES)
+
+
+def make_optimizer(module: torch.nn.Module, mesh: DeviceMesh, optimizer_class, **kwargs):
+    """optimizer_class(**kwargs) over this rank's STATE_SHARES part of the flat parameters;
+    the updated parts are all-gathered (all-gather-v) into every rank's whole weights."""
+    return UnevenStatesOptimizer(module.state_shards, optimizer_class, **kwargs)
+
+'''
 
 
 def _shard_batch_source(plan: Plan, dp: int) -> str:

@@ -1,6 +1,6 @@
 """Uneven data parallelism's lines of the report (vocabulary layer): per device, its type,
-its share of the batch, its predicted busy time and memory (against its own device's
-capacity), and the straggler."""
+its share of the batch (and of the optimizer states, where they are split by memory), its
+predicted busy time and memory (against its own device's capacity), and the straggler."""
 
 from __future__ import annotations
 
@@ -21,21 +21,25 @@ def uneven_section(plan: "Plan") -> list:
     section = plan.sections["uneven"]
     devices = rank_devices(plan.cluster)
     table = Table(title="Uneven data parallelism: each rank's share of the batch")
-    for column in ("ranks", "device", "share", "busy (predicted)", "memory (predicted)"):
+    weights = section.state_shares
+    columns = ("ranks", "device", "share", *(("optimizer states",) if weights else ()), "busy (predicted)",
+               "memory (predicted)")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("ranks", "device") else "right")
     rows: list[list] = []
     for rank, share in enumerate(section.shares):
         busy = section.busy_s[rank] if section.busy_s else None
         memory = section.memory_bytes[rank] if section.memory_bytes else None
-        key = (devices[rank].name, share, busy, memory, devices[rank].memory_bytes)
+        states = (f"{weights[rank] / sum(weights):.1%}",) if weights else ()
+        key = (devices[rank].name, share, *states, busy, memory, devices[rank].memory_bytes)
         if rows and rows[-1][1:] == list(key):
             rows[-1][0] = (rows[-1][0][0], rank)
         else:
             rows.append([(rank, rank), *key])
-    for (first, last), name, share, busy, memory, capacity in rows:
+    for (first, last), name, share, *states, busy, memory, capacity in rows:
         table.add_row(
             str(first) if first == last else f"{first}-{last}", name,
-            f"{share} of {plan.batch_size}", "-" if busy is None else f"{busy * 1e3:.3f} ms",
+            f"{share} of {plan.batch_size}", *states, "-" if busy is None else f"{busy * 1e3:.3f} ms",
             "-" if memory is None else f"{memory / 2**20:.2f} MiB ({memory / max(capacity, 1):.2%} of "
                                        f"{capacity / 2**30:.2f} GiB)",
         )

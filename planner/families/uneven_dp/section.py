@@ -9,7 +9,10 @@ differ: rank r's loss is scaled by ``b_r * dp / B`` before the flavour's averagi
 so the reduced gradient is ``sum_r (b_r / B) * grad_r``, one device's gradient of the whole
 batch. Stored under the plan JSON key ``"uneven"`` as ``{"shares": [...], "busy_s": [...],
 "memory_bytes": [...]}`` (the last two: the prediction per rank, for the report; empty when
-not simulated).
+not simulated), and on a ZeRO-1 plan optionally ``"state_shares": [...]``: one integer weight
+per rank, each rank's part of the flat vector of trainable parameters whose gradients it
+reduces and whose optimizer states it holds (``state_shares.state_parts``), sized by its
+memory rather than its speed (Cephalo).
 
 Vocabulary layer: imports only the planner's vocabulary.
 """
@@ -26,14 +29,18 @@ if TYPE_CHECKING:
     from planner.plans import Plan
 
 JSON_KEY = "uneven"
-KEYS = ("shares", "busy_s", "memory_bytes")
+KEYS = ("shares", "busy_s", "memory_bytes", "state_shares")
+# The largest state weight a plan may give a rank (the search writes weights summing to 1000).
+MAX_STATE_WEIGHT = 10**6
 
 
 @dataclass(frozen=True)
 class UnevenSection:
     """Rank r of ``dp`` takes ``shares[r]`` consecutive samples of the global batch (rank 0
     the first); ``busy_s[r]`` and ``memory_bytes[r]`` are its predicted compute seconds and
-    bytes (empty: not simulated).
+    bytes (empty: not simulated); ``state_shares[r]``: rank r's weight in the split of the
+    flat parameter vector whose gradients and optimizer states it holds (empty: the
+    flavour's even split).
 
     Raises:
         ValueError: a share is not an integer from 1 to ``MAX_RANKS`` times the batch limit,
@@ -43,6 +50,7 @@ class UnevenSection:
     shares: tuple[int, ...]
     busy_s: tuple[float, ...] = ()
     memory_bytes: tuple[int, ...] = ()
+    state_shares: tuple[int, ...] = ()
     # Node costs read the shares (costs.py prices the slowest rank's share): the simulator's
     # cache of node costs must not hand this plan the even plan's.
     changes_op_costs: ClassVar[bool] = True
@@ -70,6 +78,15 @@ class UnevenSection:
                     f"({len(shares)}), got {_shown(values)}; drop it and simulate the plan again"
                 )
             object.__setattr__(self, key, tuple(kind(v) for v in values))
+        weights = tuple(self.state_shares) if isinstance(self.state_shares, (list, tuple)) else None
+        if weights is None or weights and (len(weights) != len(shares) or any(
+            isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= MAX_STATE_WEIGHT for w in weights
+        ) or sum(weights) == 0):
+            raise ValueError(
+                f"field '{JSON_KEY}.state_shares' must be empty or one integer from 0 to {MAX_STATE_WEIGHT} per share "
+                f"({len(shares)}), some positive, got {_shown(self.state_shares)}; give each rank its weight"
+            )
+        object.__setattr__(self, "state_shares", weights)
 
     def check(self, plan: "Plan") -> None:
         """Raise ``ValueError`` (one line naming ``uneven.shares`` and the fix) unless this
@@ -98,6 +115,11 @@ class UnevenSection:
                 f"{plan.accumulation_steps} micro-batches (accumulation_steps); give every rank at least one sample "
                 f"per micro-batch"
             )
+        if self.state_shares and plan.dp_flavour != "zero1":
+            raise ValueError(
+                f"field '{JSON_KEY}.state_shares' needs the zero1 flavour (weights whole, states split), but the plan's "
+                f"is {plan.dp_flavour}; drop state_shares or plan with --dp-flavour zero1"
+            )
 
     def offsets(self) -> tuple[int, ...]:
         """The first sample of each rank's slice of the global batch."""
@@ -110,7 +132,8 @@ class UnevenSection:
     def describe(self, plan: "Plan") -> str:
         """The words this section adds to the plan's name, ``"uneven 6/6/3/3"``."""
         shown = "/".join(str(s) for s in self.shares[:8]) + ("/..." if len(self.shares) > 8 else "")
-        return f"uneven {shown}"
+        states = "/".join(str(w) for w in self.state_shares[:8]) + ("/..." if len(self.state_shares) > 8 else "")
+        return f"uneven {shown}" + (f", states {states}" if self.state_shares else "")
 
     def batch_text(self, plan: "Plan") -> str:
         """The report's batch line: the global batch and each rank's share of it."""
@@ -119,7 +142,8 @@ class UnevenSection:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form stored under the plan's ``"uneven"`` key."""
-        return {"shares": list(self.shares), "busy_s": list(self.busy_s), "memory_bytes": list(self.memory_bytes)}
+        data = {"shares": list(self.shares), "busy_s": list(self.busy_s), "memory_bytes": list(self.memory_bytes)}
+        return {**data, "state_shares": list(self.state_shares)} if self.state_shares else data
 
     @classmethod
     def from_json(cls, data: Any, source: str) -> "UnevenSection":
@@ -146,7 +170,8 @@ class UnevenSection:
             if key in data and not isinstance(data[key], list):
                 raise PlanFileError(f"{source}: field '{JSON_KEY}.{key}' must be a list, got {type(data[key]).__name__}")
         try:
-            return cls(tuple(data["shares"]), tuple(data.get("busy_s", ())), tuple(data.get("memory_bytes", ())))
+            return cls(tuple(data["shares"]), tuple(data.get("busy_s", ())), tuple(data.get("memory_bytes", ())),
+                       tuple(data.get("state_shares", ())))
         except ValueError as error:
             raise PlanFileError(f"{source}: {error}") from None
 
