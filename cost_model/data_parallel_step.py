@@ -54,9 +54,11 @@ the model of it here and in ``cost_model.step_tasks``:
   reduce-scatter on the all-reduce stream.
 - Copies: ``foreach_all_gather_copy_out`` (in ``wait_for_unshard``) copies each gathered
   unit into its parameters on the compute stream before the unit runs: modelled as a
-  memory-bound copy (``DataParallelStep.copy_out``). Not modelled: the copy-in of the
-  all-gather (on the copy-in stream, beside compute) and of the reduce-scatter (on the
-  reduce-scatter stream, before it: a copy, small beside the collective), and
+  memory-bound copy (``DataParallelStep.copy_out``); ``foreach_reduce``'s ``_chunk_cat`` of a
+  unit's gradients into the reduce-scatter input, cast to the reduce dtype, on the
+  reduce-scatter stream before the reduce-scatter (``_reduce_scatter_copy_in``). Not
+  modelled: the copy-in of the all-gather (on the copy-in stream, beside compute: each
+  rank's shard, 1/dp of the unit), and
   ``post_backward``'s wait of the compute stream for the previous unit's reduce-scatter
   (one reduce-scatter in flight), which delays compute only when reductions are the
   bottleneck, where the reduce stream sets the step's end anyway.
@@ -209,7 +211,27 @@ def _gradient_sync(tasks, device: str, name: str, buckets: list[tuple[float, int
     label = f"{kind.replace('_', '-')} grads ({name}{f', {count} buckets' if count > 1 else ''})"
     fsdp2 = context.plan.dp_flavour in FSDP2_FLAVOURS and not context.graph_program
     stream = fsdp2_stream(context, REDUCE_STREAM) if fsdp2 else REDUCE_STREAM
-    return tasks.graph.add_pieces(label, (device, stream), pieces, deps=[after], kind="comm")
+    deps = [after]
+    if fsdp2 and kind == "reduce_scatter" and context.cluster.backend != "gloo":
+        deps = [_reduce_scatter_copy_in(tasks, device, name, buckets, (device, stream), after)]
+    return tasks.graph.add_pieces(label, (device, stream), pieces, deps=deps, kind="comm")
+
+
+def _reduce_scatter_copy_in(tasks, device: str, name: str, buckets: list[tuple[float, int]],
+                            stream: tuple[str, str], after: int) -> int:
+    """FSDP2's copy-in of a unit's gradients before its reduce-scatter (``foreach_reduce`` in
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: the reduce-scatter stream waits
+    for the compute stream, then ``torch._chunk_cat`` writes every unsharded gradient, in the
+    parameter dtype, into one reduce-scatter input in the reduce dtype, rank by rank): a
+    memory-bound kernel on the reduce-scatter stream, reading each gradient element in the
+    parameter dtype (``mixed_precision.gathered_weight_bytes``) and writing it in the reduce
+    dtype (``StepContext.reduced_gradient_bytes``). FSDP2 on gloo is not priced with it."""
+    context = tasks.context
+    reduce_bytes = context.reduced_gradient_bytes()
+    elements = sum(size * count for size, count in buckets) / reduce_bytes
+    moved = elements * (gathered_weight_bytes(context.plan) + reduce_bytes)
+    seconds = roofline_time(0.0, moved, context.device, PRECISIONS[context.plan.precision][0])
+    return tasks.graph.add(f"copy-in grads ({name})", stream, seconds, deps=[after])
 
 
 class _GradientReduction:

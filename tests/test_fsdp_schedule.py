@@ -80,7 +80,7 @@ def _timeline(flavour: str, forward_s: float, backward_s: float, gather_s: float
     # to the microsecond: "no time" is the 0.4 ns a copy takes at the largest bandwidth allowed
     timeline = {task.name: (round(task.start, 6), round(task.finish, 6)) for task in graph.tasks}
     if not copy_s:
-        timeline = {name: times for name, times in timeline.items() if not name.startswith("copy-out")}
+        timeline = {name: times for name, times in timeline.items() if not name.startswith(("copy-out", "copy-in"))}
     return timeline, graph
 
 
@@ -103,23 +103,28 @@ def test_compute_bound_gathers_are_hidden_but_the_first():
     }
 
 
-def test_copy_outs_run_on_the_compute_stream_before_each_pass_of_a_unit():
-    # As the compute-bound case, each gathered unit copied out (0.5 s) on the compute stream
-    # before its pass: u1's copy-out waits for u0's forward, its gather long done. The
-    # gathers keep their times but for those issued after a pass that the copies moved.
+def test_copy_outs_and_copy_ins_run_before_each_pass_and_each_reduce_scatter():
+    # As the compute-bound case, each gathered unit copied out (0.5 s: 2 MB of bf16 weights
+    # read and written) on the compute stream before its pass: u1's copy-out waits for u0's
+    # forward, its gather long done. The gathers keep their times but for those issued after
+    # a pass that the copies moved. Each unit's gradients are copied into the reduce-scatter
+    # input on the reduce-scatter stream after its backward (FSDP2's _chunk_cat): 1e6 bf16
+    # gradients read (2 MB) and written in fp32, the reduce dtype (4 MB): 6 MB = 1.5 x the
+    # copy-out's 4 MB = 0.75 s; the reduce-scatter follows it.
     timeline, graph = _timeline("fsdp", forward_s=2, backward_s=4, gather_s=1, reduce_s=1, copy_s=0.5)
     assert timeline == {
         "all-gather u0": (0, 1), "copy-out u0": (1, 1.5), "F0 u0": (1.5, 3.5),
         "all-gather u1": (1, 2), "copy-out u1": (3.5, 4), "F0 u1": (4, 6),
         "all-gather u2": (3.5, 4.5), "copy-out u2": (6, 6.5), "F0 u2": (6.5, 8.5),
         "all-gather u2 (bwd)": (4.5, 5.5), "copy-out u2 (bwd)": (8.5, 9), "B0 u2": (9, 13),
-        "reduce-scatter grads (u2)": (13, 14),
+        "copy-in grads (u2)": (13, 13.75), "reduce-scatter grads (u2)": (13.75, 14.75),
         "all-gather u1 (bwd)": (8.5, 9.5), "copy-out u1 (bwd)": (13, 13.5), "B0 u1": (13.5, 17.5),
-        "reduce-scatter grads (u1)": (17.5, 18.5),
+        "copy-in grads (u1)": (17.5, 18.25), "reduce-scatter grads (u1)": (18.25, 19.25),
         "all-gather u0 (bwd)": (13, 14), "copy-out u0 (bwd)": (17.5, 18), "B0 u0": (18, 22),
-        "reduce-scatter grads (u0)": (22, 23),
+        "copy-in grads (u0)": (22, 22.75), "reduce-scatter grads (u0)": (22.75, 23.75),
     }
     assert {task.stream[1] for task in graph.tasks if task.name.startswith("copy-out")} == {"compute"}
+    assert {task.stream[1] for task in graph.tasks if task.name.startswith("copy-in")} == {REDUCE_STREAM}
 
 
 def test_communication_bound_gathers_run_back_to_back_beside_the_reduce_scatters():
