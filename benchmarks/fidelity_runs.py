@@ -34,6 +34,12 @@ TORCHTITAN_A100 = "torchtitan docs/performance.md (2024, 64 A100)"
 # build_optimizer (train.py); ``fused`` became an option in PR #355 (2024-06) and the default
 # in PR #881 (2025-02), after every row here was published.
 TORCHTITAN_2024_ADAMW = "foreach"
+# Megatron-LM's --hidden-dropout and --attention-dropout default to 0.1 (megatron/training/
+# arguments.py; Megatron-DeepSpeed's arguments.py the same); MT-NLG's paper and the weak-scaling
+# table state none, so their runs dropped out at 0.1 (a dropout of p = 0 launches no kernel:
+# cost_model.compute.runs_no_kernel). BLOOM states 0 (its config's hidden_dropout and
+# attention_dropout), examples/gpt.py's default.
+MEGATRON_DEFAULT_DROPOUT = 0.1
 MEGATRON_WEAK_SCALING = "NVIDIA/Megatron-LM README, weak-scaling table (images/model_table.png, Megatron-Core r0.8.0, 2024-07)"
 
 
@@ -269,7 +275,7 @@ def runs() -> list[Run]:
         found.append(Run(
             f"MT-NLG-530B@{nodes * 8}xA100", "gpt.py",
             {"n_layer": 105, "n_embd": 20480, "n_head": 128, "vocab_size": 51200, "seq_len": 2048,
-             "batch_size": 1920, "attention": "eager", "tie_weights": True},
+             "batch_size": 1920, "attention": "eager", "tie_weights": True, "dropout": MEGATRON_DEFAULT_DROPOUT},
             f"dgx-a100-80g:{nodes}",
             {"tp": 8, "pp": 35, "micro_batch": 1, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
              **DEEPSPEED_PIPELINE, "gradient_accumulation": "autograd"}, 1,
@@ -376,7 +382,7 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
         found.append(Run(
             f"MCore-GPT-{size}@{gpus}xH100", "gpt.py",
             {"n_layer": layers, "n_embd": width, "n_head": heads, "vocab_size": vocab, "seq_len": seq,
-             "batch_size": batch},
+             "batch_size": batch, "dropout": MEGATRON_DEFAULT_DROPOUT},
             with_attention_kernel(Cluster.preset("dgx-h100", nodes=gpus // 8), "cudnn-fused-attention"),
             {"tp": tp, "pp": pp, "micro_batch": 1, "schedule": "1f1b", "recompute": "none",
              "sequence_parallel": tp > 1, "tp_comm_overlap": tp > 1, "dp_flavour": "zero1"},
