@@ -100,15 +100,22 @@ same overlap as modelled. And the Triton attention kernel's ratios are the right
 llm-foundry's ``flash_attn_triton.py`` is Tri Dao's pre-MLIR Triton FlashAttention, the one
 FlashAttention-2's paper benchmarks against.
 
-Found and left, for changes of their own: ``gpt.py``'s ``nn.Dropout(0.0)`` ops are priced as
-memory-bound passes (1-2% of the MPT and MT-NLG kernel time, ``fidelity_ops.py``), though ATen
-runs none (aten/src/ATen/native/Dropout.cpp: ``p == 0`` returns the input); making them free
-moves the MPT and MT-NLG rows faster, the wrong way, and is right only with each Megatron row
-given the dropout its framework ran (Megatron-LM's default 0.1, which no row's source states).
-torchtitan's rows ran torch.optim's foreach AdamW (train.py at 1ea476e9f: ``foreach=True``;
-``--optimizer.fused`` off by default at 3faaa1a0d), not the fused one priced here; those rows
-are another change's, and the difference by bytes is 0.1-0.5% of their steps, though
-``benchmarks/components.py``'s optimizer row measures foreach at three times what its bytes say.
+Priced since, as ATen and torch run them: ``nn.Dropout(0.0)`` launches nothing
+(aten/src/ATen/native/Dropout.cpp: ``p == 0`` returns the input; ``compute.runs_no_kernel``),
+so the rows now state the dropout their framework ran: Megatron-LM's and Megatron-DeepSpeed's
+default 0.1 for the MCore and MT-NLG rows (no source states one; ``MEGATRON_DEFAULT_DROPOUT``),
+0 for BLOOM (its config) and MPT (llm-foundry's yamls). Moves: the MPT rows 0.5-0.7 points
+faster (MPT-7B@8xA100 -7.0% -> -7.6%, MPT-13B@64xH100 -17.4% -> -18.0%), BLOOM +1.7% -> -0.4%,
+MT-NLG unchanged, the MCore rows 0.2-0.9 slower (SDPA's dropout priced). And torchtitan's
+rows run torch.optim's foreach AdamW (train.py at 1ea476e9f: ``foreach=True``;
+``--optimizer.fused`` off by default at 3faaa1a0d), priced at the throughput torchtitan PR
+#355 measured for it against the fused kernel (``compute.FOREACH_ADAMW_MEMORY_EFFICIENCY``,
+0.304 of HBM bandwidth, where its bytes alone at 0.8 gave a third of the measured gap):
+Llama3-70B -8.7% -> -8.2%, Llama2-13B -12.4% -> -11.8%, Llama2-70B -8.0% -> -7.5%,
+Llama3.1-405B@128xH100 -12.8% -> -11.1%. FSDP2's reduce-scatter copy-in (``_chunk_cat``) is
+priced for compiled FSDP2 programs only; these rows are simulated as graph programs, which
+reduce parameter by parameter. 26 runs, each group run apart on one tree: median 8.1% ->
+7.8%, largest 23.7%, 19 fast / 7 slow -> 20 / 6 (BLOOM crossed to fast).
 
 What is left on the MPT rows without recomputation is not identified: 3-4 ms per layer per
 micro-batch on H100 (MPT-13B@64xH100, micro-batch 2: 3.7 ms; MPT-7B@8xH100, micro-batch 6:

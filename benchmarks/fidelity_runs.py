@@ -30,6 +30,16 @@ except ModuleNotFoundError:  # pragma: no cover
 MPT_VOCAB = 50368  # llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml: vocab_size 50368
 LLM_FOUNDRY = "llm-foundry scripts/train/benchmarking/README.md"
 TORCHTITAN_A100 = "torchtitan docs/performance.md (2024, 64 A100)"
+# torchtitan's AdamW in 2024: ``torch.optim.AdamW(..., weight_decay=0.1, foreach=True)`` in its
+# build_optimizer (train.py); ``fused`` became an option in PR #355 (2024-06) and the default
+# in PR #881 (2025-02), after every row here was published.
+TORCHTITAN_2024_ADAMW = "foreach"
+# Megatron-LM's --hidden-dropout and --attention-dropout default to 0.1 (megatron/training/
+# arguments.py; Megatron-DeepSpeed's arguments.py the same); MT-NLG's paper and the weak-scaling
+# table state none, so their runs dropped out at 0.1 (a dropout of p = 0 launches no kernel:
+# cost_model.compute.runs_no_kernel). BLOOM states 0 (its config's hidden_dropout and
+# attention_dropout), examples/gpt.py's default.
+MEGATRON_DEFAULT_DROPOUT = 0.1
 MEGATRON_WEAK_SCALING = "NVIDIA/Megatron-LM README, weak-scaling table (images/model_table.png, Megatron-Core r0.8.0, 2024-07)"
 
 
@@ -54,8 +64,10 @@ class Run:
             (``Plan.half_precision_weights``: Megatron-LM, DeepSpeed, Composer's FSDP with
             ``mixed_precision: DEFAULT``); False for torchtitan's FSDP2, which gathers bf16 and
             reduces in fp32 as the planner's own bf16 programs do.
-        optimizer_implementation: how the run's AdamW steps where it is not one fused kernel
-            (``Plan.optimizer_implementation``); empty: fused.
+        optimizer_implementation: how the run's AdamW steps (``Plan.optimizer_implementation``):
+            "fused" (Megatron-LM's and DeepSpeed's FusedAdam: the default), "foreach" (torch.optim's
+            default on CUDA, torchtitan's until its PR #881 of 2025-02 made fused the default),
+            "per_parameter" (Composer's DecoupledAdamW).
     """
 
     name: str
@@ -70,7 +82,7 @@ class Run:
     hsdp_shard: int | None = None
     megatron_distributed_optimizer: bool = False
     half_precision_weights: bool = True
-    optimizer_implementation: str = ""
+    optimizer_implementation: str = "fused"
 
     def describe(self, gpus: int) -> str:
         parts = [f"tp{self.layout.get('tp', 1)}", f"pp{self.layout.get('pp', 1)}",
@@ -242,6 +254,7 @@ def runs() -> list[Run]:
             name, "llama.py", _llama(**shape, batch=batch, seq=seq), "dgx-a100-80g:8",
             {"dp_flavour": "fsdp", "recompute": recompute}, 1, tokens_step(batch, seq, tokens, 64),
             f"{tokens} tok/s/GPU", TORCHTITAN_A100, half_precision_weights=False,
+            optimizer_implementation=TORCHTITAN_2024_ADAMW,
         ))
     # MT-NLG and BLOOM ran Megatron-DeepSpeed with DeepSpeed's pipeline engine
     # (DEEPSPEED_PIPELINE). MT-NLG (2021) trained in 16-bit with DeepSpeed's ZeRO-1 fp16 path:
@@ -265,7 +278,7 @@ def runs() -> list[Run]:
         found.append(Run(
             f"MT-NLG-530B@{nodes * 8}xA100", "gpt.py",
             {"n_layer": 105, "n_embd": 20480, "n_head": 128, "vocab_size": 51200, "seq_len": 2048,
-             "batch_size": 1920, "attention": "eager", "tie_weights": True},
+             "batch_size": 1920, "attention": "eager", "tie_weights": True, "dropout": MEGATRON_DEFAULT_DROPOUT},
             f"dgx-a100-80g:{nodes}",
             {"tp": 8, "pp": 35, "micro_batch": 1, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
              **DEEPSPEED_PIPELINE, "gradient_accumulation": "autograd"}, 1,
@@ -372,7 +385,7 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
         found.append(Run(
             f"MCore-GPT-{size}@{gpus}xH100", "gpt.py",
             {"n_layer": layers, "n_embd": width, "n_head": heads, "vocab_size": vocab, "seq_len": seq,
-             "batch_size": batch},
+             "batch_size": batch, "dropout": MEGATRON_DEFAULT_DROPOUT},
             with_attention_kernel(Cluster.preset("dgx-h100", nodes=gpus // 8), "cudnn-fused-attention"),
             {"tp": tp, "pp": pp, "micro_batch": 1, "schedule": "1f1b", "recompute": "none",
              "sequence_parallel": tp > 1, "tp_comm_overlap": tp > 1, "dp_flavour": "zero1"},
@@ -422,6 +435,6 @@ def torchtitan_h100_runs() -> list[Run]:
         grand_teton_h100(16, memory_bytes=94_000_000_000),
         {"tp": 8, "dp_flavour": "fsdp", "recompute": "full", "sequence_parallel": True}, 1,
         tokens_step(32, 8192, 109, 128), "109 tok/s/GPU", "torchtitan docs/performance.md (2024-08, 128 H100)",
-        half_precision_weights=False,
+        half_precision_weights=False, optimizer_implementation=TORCHTITAN_2024_ADAMW,
     ))
     return found

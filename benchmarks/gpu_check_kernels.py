@@ -288,10 +288,11 @@ def adamw_results(implementation: str, dry_run: bool, device: torch.device, devi
     elements = sum(parameter.numel() for parameter in parameters)
     state_bytes = elements * 16  # fp32 weight, gradient and AdamW's two states
     predicted = optimizer_step_time(state_bytes, device_spec, implementation, tensors=len(parameters))
-    # Compiled programs build torch.optim.AdamW with its defaults, which on CUDA is foreach;
-    # a simulated GPU step prices the fused kernel (cost_model.compute.optimizer_implementation).
-    which = ("what compiled programs run on CUDA" if implementation == "foreach"
-             else "what the simulated step of a GPU plan assumes")
+    # Compiled programs build torch.optim.AdamW with its defaults, which on CUDA is foreach,
+    # and a simulated GPU step prices that (cost_model.compute.optimizer_implementation);
+    # fused is what other systems' rows of benchmarks/fidelity.py name.
+    which = ("what compiled programs run on CUDA, and their simulated step prices" if implementation == "foreach"
+             else "what Megatron-LM's and DeepSpeed's rows of benchmarks/fidelity.py price")
     return {"name": f"adamw {implementation} {elements:,} params", "predicted_s": predicted, "measured_s": measured,
             "note": f"{state_bytes / measured / 1e9:.3g} GB/s of state measured; {which}"}
 

@@ -112,7 +112,7 @@ def check_fields(plan: Plan) -> None:
     if plan.optimizer_implementation:
         raise PlanFileError(
             f"plan field 'optimizer_implementation' is {_shown(plan.optimizer_implementation)}: it prices another "
-            "system's AdamW, which compiled programs do not run (they step torch.optim's fused AdamW on GPUs; such "
+            "system's AdamW, which compiled programs do not run (they step torch.optim's default AdamW, foreach on GPUs; such "
             "plans simulate other systems' runs); re-plan with `planner plan` for a program"
         )
     if plan.moe_a2a_overlap:

@@ -55,13 +55,25 @@ def roofline_time(flops: float, num_bytes: float, device: DeviceSpec, dtype: str
     return max(flops / (device.flops_for(dtype) * matmul), num_bytes / (device.memory_bandwidth * memory)) + overhead
 
 
+def runs_no_kernel(node: OpNode) -> bool:
+    """Whether ``node`` launches nothing on the device: ``aten.dropout`` with p = 0, which
+    ATen returns as its input (``dropout`` in aten/src/ATen/native/Dropout.cpp takes the fused
+    ``native_dropout`` kernel only for 0 < p < 1, and ``_dropout_impl`` returns the input when
+    p == 0) and which, being CompositeImplicitAutograd, adds no backward node either. The
+    traced op's first float argument is p (its memory is counted the same way in
+    ``cost_model.node_costs``)."""
+    if not node.op.startswith("aten.dropout."):
+        return False
+    return next((a for a in node.attrs if isinstance(a, float)), 0.0) == 0.0
+
+
 def op_times(node: OpNode, work_fraction: float, device: DeviceSpec, precision: str) -> tuple[float, float]:
     """(forward, backward) seconds of ``node`` doing ``work_fraction`` of its traced work.
 
     ``work_fraction`` is 1 / (ranks sharing the op's work x micro-batches). Activations are
     stored in the precision's dtype, so bytes scale from the traced dtype.
     """
-    if node.is_view:
+    if node.is_view or runs_no_kernel(node):
         return 0.0, 0.0
     dtype, element_bytes = PRECISIONS[precision]
     traced_bytes = max((meta.dtype.itemsize for meta in node.output_meta if meta.dtype.is_floating_point), default=4)
@@ -110,6 +122,18 @@ ADAMW_ACCESSES = {"fused": defaults.ADAM_BYTES_ACCESSED_PER_PARAM_BYTE, "foreach
 # ATen/native/cuda/MultiTensorApply.cuh); fused launches one kernel per chunk.
 ADAMW_KERNELS_PER_CHUNK = {"fused": 1, "foreach": 8}
 MULTI_TENSOR_ELEMENTS = 320 * 65536
+# The share of HBM bandwidth foreach AdamW's 20 accesses sustain, from the one public
+# measurement of it against the fused kernel in the configuration compiled programs run
+# (FSDP2's DTensor parameters, torch.optim.AdamW): pytorch/torchtitan PR #355 (2024-06),
+# Llama-3-8B on 8 A100-80GB, 1.004e9 fp32 parameters per GPU, fused=True "wps + ~100" over
+# foreach's 2,632 tokens/s/GPU at 8,192 tokens per step: 8192/2632 - 8192/2732 = 114 ms more
+# per step. Fused at the streaming efficiency: 28 B x 1.004e9 / (2.039e12 x 0.8) = 17.2 ms
+# + 48 launches x 5 us = 17.5 ms; so foreach = 131.5 ms, less its 384 launches (1.9 ms):
+# 80 B x 1.004e9 / 129.6 ms = 620 GB/s = 0.304 of 2.039 TB/s. What holds the multi-tensor
+# kernels that far below a plain copy's 0.8 is not identified here (their 65,536-element
+# chunks per block, the 4 GB ``_foreach_sqrt`` temporary, DTensor's dispatch of each
+# foreach op are candidates); the figure is the measured step, not a roofline.
+FOREACH_ADAMW_MEMORY_EFFICIENCY = 0.304
 # The single-tensor AdamW (``_single_tensor_adam`` in torch/optim/adam.py; torch.optim's
 # choice for CPU tensors and DTensors on CPU) runs ops per parameter tensor: the step count's
 # add_, mul_ (weight decay), lerp_, mul_ and addcmul_ (second moment), its ``.item()``, sqrt,
@@ -129,7 +153,8 @@ def optimizer_step_time(state_bytes: float, device: DeviceSpec, implementation: 
     """AdamW step over ``state_bytes`` of (sharded) weights + gradients + states: memory-bound.
 
     ``implementation`` is ``"fused"`` (one pass, 7 accesses per element), ``"foreach"``
-    (PyTorch's default on CUDA: 20 accesses over 8 kernels; see ``ADAMW_ACCESSES``) or
+    (PyTorch's default on CUDA: 20 accesses over 8 kernels, at the measured
+    ``FOREACH_ADAMW_MEMORY_EFFICIENCY``; see ``ADAMW_ACCESSES``) or
     ``"single_tensor"`` (PyTorch's choice on CPU: ``ADAMW_SINGLE_TENSOR_OPS`` ops on each of
     ``tensors`` parameter tensors, each paying ``dispatch_s`` more when the parameters are
     DTensors) or ``"per_parameter"`` (Composer's ``DecoupledAdamW``: 20 accesses, and
@@ -145,6 +170,8 @@ def optimizer_step_time(state_bytes: float, device: DeviceSpec, implementation: 
     if implementation == "per_parameter":
         return accessed / (device.memory_bandwidth * memory) + ADAMW_PER_PARAMETER_LAUNCHES * tensors * overhead
     launches = ADAMW_KERNELS_PER_CHUNK[implementation] * max(1, math.ceil(elements / MULTI_TENSOR_ELEMENTS))
+    if implementation == "foreach":
+        memory = FOREACH_ADAMW_MEMORY_EFFICIENCY
     return accessed / (device.memory_bandwidth * memory) + launches * overhead
 
 
@@ -204,6 +231,10 @@ def tensors_in_flat_shards(units: list[list[float]], ranks: int) -> int:
 
 
 def optimizer_implementation(backend: str) -> str:
-    """The AdamW implementation a cluster's training runs: torch.optim's single-tensor loop on
-    CPU tensors (the gloo backend), the fused kernel elsewhere."""
-    return "single_tensor" if backend == "gloo" else "fused"
+    """The AdamW implementation a compiled program runs on a cluster: it builds
+    ``torch.optim.AdamW(params, lr=...)`` with neither ``foreach`` nor ``fused`` set, so torch
+    picks (``_default_to_fused_or_foreach`` in torch/optim/optimizer.py, called with
+    ``use_fused=False`` by torch/optim/adam.py: "we want to give the fused impl bake-in time
+    before making it the default"): the single-tensor loop on CPU tensors (the gloo backend),
+    foreach on CUDA tensors and DTensors (both in ``_foreach_supported_types``)."""
+    return "single_tensor" if backend == "gloo" else "foreach"

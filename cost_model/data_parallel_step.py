@@ -54,9 +54,11 @@ the model of it here and in ``cost_model.step_tasks``:
   reduce-scatter on the all-reduce stream.
 - Copies: ``foreach_all_gather_copy_out`` (in ``wait_for_unshard``) copies each gathered
   unit into its parameters on the compute stream before the unit runs: modelled as a
-  memory-bound copy (``DataParallelStep.copy_out``). Not modelled: the copy-in of the
-  all-gather (on the copy-in stream, beside compute) and of the reduce-scatter (on the
-  reduce-scatter stream, before it: a copy, small beside the collective), and
+  memory-bound copy (``DataParallelStep.copy_out``); ``foreach_reduce``'s ``_chunk_cat`` of a
+  unit's gradients into the reduce-scatter input, cast to the reduce dtype, on the
+  reduce-scatter stream before the reduce-scatter (``_reduce_scatter_copy_in``); the copy-in
+  of each all-gather's input (this rank's shard, 1/dp of the unit, cast to the gathered dtype)
+  on the copy-in stream before the gather (``_gather_copy_in``). Not modelled:
   ``post_backward``'s wait of the compute stream for the previous unit's reduce-scatter
   (one reduce-scatter in flight), which delays compute only when reductions are the
   bottleneck, where the reduce stream sets the step's end anyway.
@@ -84,7 +86,7 @@ from functools import partial
 from cost_model import defaults
 from cost_model.compute import PRECISIONS, roofline_time
 from cost_model.megatron_grad_sync import bucket_cap_bytes, runs_megatron_sync, weight_gather
-from cost_model.mixed_precision import gathered_weight_bytes
+from cost_model.mixed_precision import gathered_weight_bytes, holds_fp32_weights
 from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
@@ -94,6 +96,7 @@ FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")  # what this contributor runs; othe
 SHARDED_STATES = ("zero1", "zero2", "fsdp")  # flavours that shard the optimizer states over dp
 SHARDED_GRADIENTS = ("zero2", "fsdp")
 FSDP2_FLAVOURS = ("zero2", "fsdp")  # run by FSDP2: DTensor parameters, per-unit reduce-scatters
+GATHER_COPY_IN_STREAM = "all_gather copy-in"  # FSDP2's all-gather copy-in stream (FSDPCommContext)
 
 
 class GradientBuckets:
@@ -186,12 +189,38 @@ def largest_fsdp_unit(context: StepContext, segments: list[Segment]) -> float:
 
 
 def _fsdp_gather(tasks, device: str, segment: Segment, deps: list[int], name: str, elements: float | None = None) -> int:
-    """All-gather of ``elements`` of ``segment``'s weights (default: all it shards)."""
+    """All-gather of ``elements`` of ``segment``'s weights (default: all it shards), after
+    FSDP2's copy-in of this rank's shard where a compiled FSDP2 program runs one
+    (``_gather_copy_in``)."""
     context = tasks.context
     elements = segment.shardable_elements() if elements is None else elements
+    if _copies_in(context):
+        deps = [_gather_copy_in(tasks, device, name, elements, deps)]
     size = elements * gathered_weight_bytes(context.plan)
     return tasks.graph.add(name, (device, fsdp2_stream(context, GATHER_STREAM)),
                            context.collective("all_gather", size, "dp"), deps=deps, kind="comm")
+
+
+def _copies_in(context: StepContext) -> bool:
+    """Whether the plan's gathers and reduce-scatters go through FSDP2's copy-ins: a compiled
+    FSDP2 program (FSDP, ZeRO-2; not a graph program, which reduces parameter by parameter)
+    on NCCL (on gloo they are not priced)."""
+    return (context.plan.dp_flavour in FSDP2_FLAVOURS and not context.graph_program
+            and context.cluster.backend != "gloo")
+
+
+def _gather_copy_in(tasks, device: str, name: str, elements: float, deps: list[int]) -> int:
+    """FSDP2's copy-in before a unit's all-gather (``foreach_all_gather`` in
+    _fsdp_collectives.py: ``torch._foreach_copy_`` of each parameter's local shard into the
+    all-gather input, cast to the parameter dtype, on the all-gather copy-in stream, which
+    the all-gather stream then waits for): this rank's 1/dp of the ``elements`` read as held
+    (fp32 in a bf16 program: ``mixed_precision.holds_fp32_weights``) and written as gathered."""
+    context = tasks.context
+    held = PARAM_BYTES["fp32"][0] if holds_fp32_weights(context.plan) else PARAM_BYTES[context.plan.precision][0]
+    moved = elements / context.dp * (held + gathered_weight_bytes(context.plan))
+    seconds = roofline_time(0.0, moved, context.device, PRECISIONS[context.plan.precision][0])
+    return tasks.graph.add(f"copy-in {name.removeprefix('all-gather ')}", (device, GATHER_COPY_IN_STREAM),
+                           seconds, deps=deps)
 
 
 def _gradient_sync(tasks, device: str, name: str, buckets: list[tuple[float, int]], after: int) -> int:
@@ -209,7 +238,27 @@ def _gradient_sync(tasks, device: str, name: str, buckets: list[tuple[float, int
     label = f"{kind.replace('_', '-')} grads ({name}{f', {count} buckets' if count > 1 else ''})"
     fsdp2 = context.plan.dp_flavour in FSDP2_FLAVOURS and not context.graph_program
     stream = fsdp2_stream(context, REDUCE_STREAM) if fsdp2 else REDUCE_STREAM
-    return tasks.graph.add_pieces(label, (device, stream), pieces, deps=[after], kind="comm")
+    deps = [after]
+    if kind == "reduce_scatter" and _copies_in(context):
+        deps = [_reduce_scatter_copy_in(tasks, device, name, buckets, (device, stream), after)]
+    return tasks.graph.add_pieces(label, (device, stream), pieces, deps=deps, kind="comm")
+
+
+def _reduce_scatter_copy_in(tasks, device: str, name: str, buckets: list[tuple[float, int]],
+                            stream: tuple[str, str], after: int) -> int:
+    """FSDP2's copy-in of a unit's gradients before its reduce-scatter (``foreach_reduce`` in
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: the reduce-scatter stream waits
+    for the compute stream, then ``torch._chunk_cat`` writes every unsharded gradient, in the
+    parameter dtype, into one reduce-scatter input in the reduce dtype, rank by rank): a
+    memory-bound kernel on the reduce-scatter stream, reading each gradient element in the
+    parameter dtype (``mixed_precision.gathered_weight_bytes``) and writing it in the reduce
+    dtype (``StepContext.reduced_gradient_bytes``). FSDP2 on gloo is not priced with it."""
+    context = tasks.context
+    reduce_bytes = context.reduced_gradient_bytes()
+    elements = sum(size * count for size, count in buckets) / reduce_bytes
+    moved = elements * (gathered_weight_bytes(context.plan) + reduce_bytes)
+    seconds = roofline_time(0.0, moved, context.device, PRECISIONS[context.plan.precision][0])
+    return tasks.graph.add(f"copy-in grads ({name})", stream, seconds, deps=[after])
 
 
 class _GradientReduction:

@@ -170,15 +170,17 @@ class StepTasks:
         """One device's AdamW step. On gloo (CPU tensors) torch.optim runs its single-tensor
         implementation, op by op over the parameter tensors the device holds (ZeRO-1: a piece
         of each), each op dispatched on DTensors where the parameters are ones (FSDP2's FSDP
-        and ZeRO-2, graph programs, but not ZeRO-1's plain pieces); elsewhere the fused kernel.
+        and ZeRO-2, graph programs, but not ZeRO-1's plain pieces); elsewhere torch's default
+        for CUDA tensors, foreach (``compute.optimizer_implementation``).
         A plan simulating another system's run names that run's AdamW instead
         (``Plan.optimizer_implementation``)."""
         chosen = getattr(self.context.plan, "optimizer_implementation", "")
         if chosen:  # another system's AdamW (Plan.optimizer_implementation)
             return optimizer_step_time(state_bytes, self.context.device, chosen,
                                        tensors=self._stepped_tensors(segments, sharding))
-        if optimizer_implementation(self.context.cluster.backend) != "single_tensor":
-            return optimizer_step_time(state_bytes, self.context.device)
+        implementation = optimizer_implementation(self.context.cluster.backend)
+        if implementation != "single_tensor":
+            return optimizer_step_time(state_bytes, self.context.device, implementation)
         tensors = sum(len(segment.params) for segment in segments)
         on_dtensors = (self.context.graph_program or sharding.dtensor_parameters) and not sharding.steps_local_pieces
         dispatch = (self.context.device.dtensor_op_overhead_s or 0.0) if on_dtensors else 0.0

@@ -158,7 +158,7 @@ class Plan:
             (torch.optim's multi-tensor kernels) or ``"per_parameter"`` (Composer's
             ``DecoupledAdamW``: ops and a host sync per parameter tensor); priced by
             ``cost_model.compute.optimizer_step_time``. Empty (the default): the compiled
-            program's own (fused on GPUs, single-tensor on gloo). The search never sets it,
+            program's own (torch.optim's default: foreach on GPUs, single-tensor on gloo). The search never sets it,
             and ``planner compile`` refuses a plan that does (its program steps its own).
         half_precision_weights: the run's model holds 16-bit weights and gradients, the fp32
             master weights living in its optimizer (Megatron-LM's ``Float16Module``,

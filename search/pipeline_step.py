@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from cost_model import defaults
 from cost_model.collectives import collective_time
-from cost_model.compute import optimizer_step_time
+from cost_model.compute import optimizer_implementation, optimizer_step_time
 from cost_model.dualpipe_step import paired_stage, schedule_times, second_stage_tail
 from cost_model.mixed_precision import unwrapped_collective_bytes
 from cost_model.parameter_bytes import bytes_per_parameter
@@ -162,9 +162,10 @@ class StepPricing:
         """One device's AdamW step, as the simulator prices it (``cost_model.step_tasks``): on
         gloo, torch.optim's single-tensor loop over the device's parameter tensors, on
         DTensors (a graph program's parameters) except under ZeRO-1, which steps plain-tensor
-        pieces of every one; elsewhere the fused kernel."""
+        pieces of every one; elsewhere torch's default, foreach
+        (``cost_model.compute.optimizer_implementation``)."""
         if self.cluster.backend != "gloo":
-            return optimizer_step_time(state_bytes, self.device)
+            return optimizer_step_time(state_bytes, self.device, optimizer_implementation(self.cluster.backend))
         tensors = sum(p.param_tensors for p in members)
         pieces = config.dp > 1 and config.flavour == "zero1"
         return optimizer_step_time(state_bytes, self.device, "single_tensor", tensors=tensors,

@@ -127,8 +127,9 @@ def test_gpt_175b_megatron(gpt_175b):
     assert 0.1 < result.mfu < 0.7  # Megatron-LM: 138 of 312 TFLOP/s, recomputation counted
     assert result.fits and result.memory.total < 80 * GB
     # 1F1B bubble (p - 1) / (m + p - 1) = 7 / 103 = 0.068; a little lower in the simulator
-    # because the first and last stages also hold the embedding and the head.
-    assert result.bubble_fraction == pytest.approx(7 / (m + 7), rel=0.05)
+    # because the first and last stages also hold the embedding and the head, and the step's
+    # optimizer (torch's foreach AdamW, cost_model.compute) counts as busy compute.
+    assert result.bubble_fraction == pytest.approx(7 / (m + 7), rel=0.06)
     # Weights per GPU: 175 B / (tp 8 x pp 8) = 2.74 B params, ~5.5 GB in bf16 (the stage with
     # the embedding holds a little more).
     assert result.memory.weights == pytest.approx(2 * 175e9 / 64, rel=0.05)

@@ -55,3 +55,21 @@ def test_cpu_keeps_twice_the_forward():
     forward, backward = op_times(elementwise("aten.gelu.default", 1), 1.0, cpu, "bf16")
     overhead = defaults.KERNEL_OVERHEAD_S
     assert backward - overhead == pytest.approx(defaults.BACKWARD_TO_FORWARD * (forward - overhead))
+
+
+def _dropout(p: float) -> OpNode:
+    """``aten.dropout(x, p, train=True)`` as the tracer records it (``examples/gpt.py``'s
+    ``nn.Dropout``: attrs ``(None, p, True)``)."""
+    return OpNode(name="x", op="aten.dropout.default", inputs=("i0",), input_meta=(ACTIVATION,),
+                  output_meta=(ACTIVATION,), bytes_moved=2 * ACTIVATION.nbytes, attrs=(None, p, True))
+
+
+def test_dropout_with_p_zero_runs_no_kernel():
+    # ATen's dropout returns its input when p == 0 (no native_dropout kernel, no backward
+    # node): nothing in either pass. With p = 0.1 it is the fused kernel: read 2^27 B,
+    # write 2^27 B (the one-byte mask is the traced bytes' business) = 2^28 B / 2.68e12 + 5 us,
+    # and a backward of the same bytes.
+    assert op_times(_dropout(0.0), 1.0, H100_DEVICE, "bf16") == (0.0, 0.0)
+    forward, backward = op_times(_dropout(0.1), 1.0, H100_DEVICE, "bf16")
+    assert forward == pytest.approx(2**28 / STREAM + OVERHEAD)
+    assert backward == pytest.approx(forward)

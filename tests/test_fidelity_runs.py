@@ -75,9 +75,11 @@ def test_run_layouts_build_the_plans_they_state(name, layers):
     # planner's own bf16 programs do; every other row's model holds 16-bit weights and
     # gradients (Megatron-LM, DeepSpeed, Composer's DEFAULT mixed precision).
     assert plan.half_precision_weights == (not name.startswith("Llama3.1-405B"))
-    # llm-foundry's yamls step Composer's DecoupledAdamW, parameter by parameter; every other
-    # row's framework a fused AdamW (Megatron's, DeepSpeed's) or its own choice.
-    assert plan.optimizer_implementation == ("per_parameter" if name.startswith("MPT-") else "")
+    # llm-foundry's yamls step Composer's DecoupledAdamW, parameter by parameter; torchtitan
+    # of 2024 torch.optim.AdamW(foreach=True); every other row's framework a fused AdamW
+    # (Megatron's, DeepSpeed's).
+    expected = "per_parameter" if name.startswith("MPT-") else "foreach" if name.startswith("Llama3.1-405B") else "fused"
+    assert plan.optimizer_implementation == expected
 
 
 def test_the_jean_zay_constant_applies_only_to_the_run_on_the_cluster_it_was_fitted_on():

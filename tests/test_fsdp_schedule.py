@@ -80,7 +80,7 @@ def _timeline(flavour: str, forward_s: float, backward_s: float, gather_s: float
     # to the microsecond: "no time" is the 0.4 ns a copy takes at the largest bandwidth allowed
     timeline = {task.name: (round(task.start, 6), round(task.finish, 6)) for task in graph.tasks}
     if not copy_s:
-        timeline = {name: times for name, times in timeline.items() if not name.startswith("copy-out")}
+        timeline = {name: times for name, times in timeline.items() if not name.startswith(("copy-out", "copy-in"))}
     return timeline, graph
 
 
@@ -103,23 +103,42 @@ def test_compute_bound_gathers_are_hidden_but_the_first():
     }
 
 
-def test_copy_outs_run_on_the_compute_stream_before_each_pass_of_a_unit():
-    # As the compute-bound case, each gathered unit copied out (0.5 s) on the compute stream
-    # before its pass: u1's copy-out waits for u0's forward, its gather long done. The
-    # gathers keep their times but for those issued after a pass that the copies moved.
+def test_copy_outs_and_copy_ins_run_before_each_pass_and_each_collective():
+    # As the compute-bound case (forward 2 s, backward 4 s, all-gather 1 s, reduce-scatter
+    # 1 s), on a device streaming 8 MB/s:
+    # - each gathered unit is copied out (0.5 s: 2 MB of bf16 weights read and written) on
+    #   the compute stream before its pass: u1's copy-out waits for u0's forward;
+    # - each gather's input is copied in first (FSDP2's foreach_all_gather), on its own
+    #   stream: this rank's 1/8 of the unit, 1.25e5 fp32 weights read (0.5 MB) and written
+    #   in bf16 (0.25 MB) = 0.75 MB = 0.09375 s; the gather waits for it;
+    # - each unit's gradients are copied into the reduce-scatter input on the reduce-scatter
+    #   stream after its backward (FSDP2's _chunk_cat): 1e6 bf16 gradients read (2 MB) and
+    #   written in fp32, the reduce dtype (4 MB) = 6 MB = 0.75 s; the reduce-scatter follows.
+    # u0's gather ends at 0.09375 + 1, u1's copy-in runs right after u0's (0.09375-0.1875) and
+    # its gather waits for the gather stream (1.09375-2.09375); u2's copy-in waits for the end
+    # of u0's forward (3.59375). In backward, u2's second copy-in queues behind u2's first.
+    c = 0.09375
     timeline, graph = _timeline("fsdp", forward_s=2, backward_s=4, gather_s=1, reduce_s=1, copy_s=0.5)
     assert timeline == {
-        "all-gather u0": (0, 1), "copy-out u0": (1, 1.5), "F0 u0": (1.5, 3.5),
-        "all-gather u1": (1, 2), "copy-out u1": (3.5, 4), "F0 u1": (4, 6),
-        "all-gather u2": (3.5, 4.5), "copy-out u2": (6, 6.5), "F0 u2": (6.5, 8.5),
-        "all-gather u2 (bwd)": (4.5, 5.5), "copy-out u2 (bwd)": (8.5, 9), "B0 u2": (9, 13),
-        "reduce-scatter grads (u2)": (13, 14),
-        "all-gather u1 (bwd)": (8.5, 9.5), "copy-out u1 (bwd)": (13, 13.5), "B0 u1": (13.5, 17.5),
-        "reduce-scatter grads (u1)": (17.5, 18.5),
-        "all-gather u0 (bwd)": (13, 14), "copy-out u0 (bwd)": (17.5, 18), "B0 u0": (18, 22),
-        "reduce-scatter grads (u0)": (22, 23),
+        "copy-in u0": (0, c), "all-gather u0": (c, 1 + c), "copy-out u0": (1 + c, 1.5 + c), "F0 u0": (1.5 + c, 3.5 + c),
+        "copy-in u1": (c, 2 * c), "all-gather u1": (1 + c, 2 + c), "copy-out u1": (3.5 + c, 4 + c),
+        "F0 u1": (4 + c, 6 + c),
+        "copy-in u2": (3.5 + c, 3.5 + 2 * c), "all-gather u2": (3.5 + 2 * c, 4.5 + 2 * c),
+        "copy-out u2": (6 + c, 6.5 + c), "F0 u2": (6.5 + c, 8.5 + c),
+        "copy-in u2 (bwd)": (3.5 + 2 * c, 3.5 + 3 * c), "all-gather u2 (bwd)": (4.5 + 2 * c, 5.5 + 2 * c),
+        "copy-out u2 (bwd)": (8.5 + c, 9 + c), "B0 u2": (9 + c, 13 + c),
+        "copy-in grads (u2)": (13 + c, 13.75 + c), "reduce-scatter grads (u2)": (13.75 + c, 14.75 + c),
+        "copy-in u1 (bwd)": (8.5 + c, 8.5 + 2 * c), "all-gather u1 (bwd)": (8.5 + 2 * c, 9.5 + 2 * c),
+        "copy-out u1 (bwd)": (13 + c, 13.5 + c), "B0 u1": (13.5 + c, 17.5 + c),
+        "copy-in grads (u1)": (17.5 + c, 18.25 + c), "reduce-scatter grads (u1)": (18.25 + c, 19.25 + c),
+        "copy-in u0 (bwd)": (13 + c, 13 + 2 * c), "all-gather u0 (bwd)": (13 + 2 * c, 14 + 2 * c),
+        "copy-out u0 (bwd)": (17.5 + c, 18 + c), "B0 u0": (18 + c, 22 + c),
+        "copy-in grads (u0)": (22 + c, 22.75 + c), "reduce-scatter grads (u0)": (22.75 + c, 23.75 + c),
     }
-    assert {task.stream[1] for task in graph.tasks if task.name.startswith("copy-out")} == {"compute"}
+    streams = {task.name: task.stream[1] for task in graph.tasks}
+    assert {streams[name] for name in timeline if name.startswith("copy-out")} == {"compute"}
+    assert {streams[name] for name in timeline if name.startswith("copy-in grads")} == {REDUCE_STREAM}
+    assert {streams[name] for name in timeline if name.startswith("copy-in u")} == {"all_gather copy-in"}
 
 
 def test_communication_bound_gathers_run_back_to_back_beside_the_reduce_scatters():

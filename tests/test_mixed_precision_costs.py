@@ -57,10 +57,13 @@ def test_fsdp2_reduce_scatters_move_fp32_and_gathers_stay_bf16() -> None:
     difference = own.estimate.bytes_per_axis["dp"] - half.estimate.bytes_per_axis["dp"]
     assert difference == pytest.approx(2 * parameters * 7 / 8)
     assert own.estimate.step_time_s > half.estimate.step_time_s
-    assert _durations(own, "all-gather") == _durations(half, "all-gather")
+    # (equal up to rounding: a timeline's durations are finish - start, and the copy-in before
+    # each gather, which reads the fp32 shard of one and the 16-bit shard of the other, moves
+    # their starts)
+    assert _durations(own, "all-gather") == pytest.approx(_durations(half, "all-gather"), rel=1e-12)
     assert all(slow > fast for slow, fast in zip(_durations(own, "reduce-scatter"), _durations(half, "reduce-scatter")))
     # Inside the units the weights are bf16 already: nothing is cast, the forward is the same.
-    assert _durations(own, "F0 ") == _durations(half, "F0 ")
+    assert _durations(own, "F0 ") == pytest.approx(_durations(half, "F0 "), rel=1e-12)
 
 
 def test_ddp_all_reduces_fp32_gradients_and_autocast_casts_every_matmul_weight() -> None:
@@ -99,7 +102,7 @@ def test_zero2_units_take_the_policy_and_ddp_does_not() -> None:
     own, half = _plan("zero2", False), _plan("zero2", True)
     parameters = own.summary.parameters
     assert own.estimate.bytes_per_axis["dp"] == pytest.approx(7 / 8 * (2 + 4) * parameters)
-    assert _durations(own, "F0 ") == _durations(half, "F0 ")
+    assert _durations(own, "F0 ") == pytest.approx(_durations(half, "F0 "), rel=1e-12)
 
 
 def test_the_field_needs_a_16_bit_precision_and_is_refused_by_compile(tmp_path) -> None:

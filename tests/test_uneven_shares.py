@@ -205,8 +205,14 @@ def test_costs_worked_by_hand_on_the_mixed_cluster(mixed_even) -> None:
 # ------------------------------------------------------------------------------ the search
 
 
+# examples/gpt.py with dropout 0.1, as a run that trains it would: at its default p = 0 ATen
+# runs no dropout (cost_model.compute.runs_no_kernel), and on this toy a pp=2 pipeline then
+# comes within 0.4% of the uneven shares, a close call rather than the case tested here.
+DROPPING_GPT = ModelSpec(str(REPO / "examples/gpt.py"), {"dropout": 0.1})
+
+
 def test_the_search_takes_uneven_shares_on_the_mixed_cluster() -> None:
-    plan = planner.plan(ModelSpec(str(REPO / "examples/gpt.py")), str(MIXED), progress=False)
+    plan = planner.plan(DROPPING_GPT, str(MIXED), progress=False)
     assert "uneven" in plan.sections, plan.name
     assert plan.sections["uneven"].shares == (3, 3, 1, 1)
     even = [alt for alt in plan.runners_up if alt.name == "ddp (dp=4)"]
@@ -218,7 +224,7 @@ def test_the_fast_devices_alone_win_when_the_slow_ones_are_far_slower(tmp_path) 
     text = text.replace("memory_bandwidth = 10e9", "memory_bandwidth = 0.5e9")
     slow = tmp_path / "slow.toml"
     slow.write_text(text)
-    plan = planner.plan(ModelSpec(str(REPO / "examples/gpt.py")), str(slow), progress=False)
+    plan = planner.plan(DROPPING_GPT, str(slow), progress=False)
     assert plan.world_size == 2 and {n.device.name for n in plan.cluster.nodes} == {"cpu-fast"}, plan.name
     assert any("devices left out: 2 of the 4 ranks" in warning for warning in plan.warnings)
     # The search records which devices stay idle and the best plan it found on all four, and
