@@ -192,11 +192,18 @@ def test_the_search_keeps_stages_of_different_widths_when_they_win(tmp_path) -> 
     priced = width_estimates(graph, cluster, "fp32", SearchBudget())
     best_even = min(e.step_s for e in priced if not e.step.layout.uneven)
     winner = priced[0]
-    assert winner.step.layout == WidthLayout((1, 0), (2, 1)) and winner.step_s < best_even
+    # The slow pair before or after the fast rank: the two orders price within 0.01% of each
+    # other here (the pipeline's fill and drain are the same), so either may lead.
+    assert winner.step.layout in (WidthLayout((1, 0), (2, 1)), WidthLayout((0, 1), (1, 2)))
+    assert winner.step_s < best_even
     plan = uneven[0]
     section = plan.sections["hetero-pp"]
-    assert section.widths == (2, 1) and section.stage_devices == ("cpu-slow", "cpu-fast")
-    assert section.blocks == winner.step.blocks and [list(r) for r in section.stage_ranks(plan)] == [[0, 1], [2]]
+    widths = winner.step.layout.widths
+    assert section.widths == widths
+    assert section.stage_devices == tuple(("cpu-fast", "cpu-slow")[group] for group in winner.step.layout.groups)
+    first_ranks = list(range(widths[0]))
+    assert section.blocks == winner.step.blocks
+    assert [list(r) for r in section.stage_ranks(plan)] == [first_ranks, list(range(widths[0], 3))]
     # The step on the simulator's scale: the widths price x (best simulated / best priced of one width).
     scale = min(p.estimate.step_time_s for p in even) / best_even
     assert plan.estimate.step_time_s == pytest.approx(winner.step_s * scale)
@@ -213,7 +220,7 @@ def test_the_search_keeps_stages_of_different_widths_when_they_win(tmp_path) -> 
         assert "\n" not in str(error.value) and "hetero-pp.widths" in str(error.value)
     with pytest.raises(ValueError, match="give one width per stage"):
         dataclasses.replace(plan, sections={"hetero-pp": dataclasses.replace(section, widths=(3, 1))})
-    with pytest.raises(PlanningError, match="different widths 2/1; the simulator prices stages of one width only"):
+    with pytest.raises(PlanningError, match=f"different widths {widths[0]}/{widths[1]}; the simulator prices stages of one width only"):
         simulated(plan, graph)
     # What the runtime does not run is refused before compiling, in one line naming the fix.
     one_f_one_b = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, schedule="1f1b"))
