@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 from cost_model.all_to_all import RoutingGroups, dispatch_traffic, node_fanout
-from cost_model.collectives import group_shape
+from cost_model.collectives import group_shape, peers_in_flight
 from cost_model.moe import MoELayer, moe_layer_cost
 from planner.cluster import Cluster
 from planner.strategy import ExpertPlacement
@@ -55,7 +55,8 @@ def main() -> None:
                 if algorithm != "deduplicated" and groups:
                     continue  # copies are not merged: the node limit changes nothing
                 fanout = node_fanout(placement, cluster, ranks, TOP_K, RoutingGroups(*groups) if groups else None)
-                traffic = dispatch_traffic(algorithm, options.tokens * TOP_K, options.tokens, row, shape, fanout)
+                traffic = dispatch_traffic(algorithm, options.tokens * TOP_K, options.tokens, row, shape, fanout,
+                                           in_flight=peers_in_flight(cluster))
                 cost = moe_layer_cost(layer, "expert_parallel", cluster, ranks, placement=placement,
                                       algorithm=algorithm, routing_groups=groups)
                 routing = f"top-{GROUPS_PER_TOKEN} of {GROUPS} groups" if groups else "any expert"

@@ -62,6 +62,7 @@ from planner import __version__
 from planner.errors import PlannerError, PlanningError
 from planner.moe_blocks import HF_STACKED_EXPERTS, MoEBlock, find_moe_blocks
 from planner.plans import Plan
+from planner.program_shape import shards_expert_copies_in_bf16
 from planner.strategy import ExpertLayout, placements_str
 
 # How the rest of the model is data parallel, by the plan's dp flavour: DDP (replicated),
@@ -169,6 +170,8 @@ def _imports(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> s
         split = uses_ddp(plan) and plan.dp_flavour != "zero1"
         names = "copy_mesh, plain_and_sharded_groups, shard_over_copies" if split else "copy_mesh, shard_over_copies"
         lines.append(f"from codegen.runtime.expert_copies import {names}")
+        if shards_expert_copies_in_bf16(plan.precision):
+            lines.append("from codegen.runtime.precision import BF16_FSDP_POLICY")
     others = [_RUNTIME_CLASSES[mode] for mode in ("data_parallel", "expert_sliced") if mode in routed]
     if others:
         lines.append(f"from codegen.runtime.moe_modes import {', '.join(others)}")
@@ -268,7 +271,8 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
     ignored = []
     for index, layout, block in layouts:
         if block.runtime == HF_STACKED_EXPERTS:
-            layer_lines, rank_local = _stacked_experts_lines(index, layout, block, dp, copy_meshes.get(index))
+            layer_lines, rank_local = _stacked_experts_lines(index, layout, block, dp, copy_meshes.get(index),
+                                                             plan.precision)
             lines += layer_lines
             ignored += rank_local
             continue
@@ -297,7 +301,7 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
         lines += [f"        {argument}," for argument in arguments]
         lines.append("    ))")
         if layout.sharded_copies:
-            lines += _shard_copies_lines(owner, copy_meshes[index])
+            lines += _shard_copies_lines(owner, copy_meshes[index], plan.precision)
     lines.append("")
     if plan.recompute == "full":
         lines += [
@@ -334,7 +338,7 @@ def make_optimizer(module: torch.nn.Module, mesh: DeviceMesh, optimizer_class: t
 
 
 def _stacked_experts_lines(index: int, layout: ExpertLayout, block: MoEBlock, dp: int,
-                           copies_mesh: str | None) -> tuple[list[str], list[str]]:
+                           copies_mesh: str | None, precision: str) -> tuple[list[str], list[str]]:
     """Lines of ``parallelize`` for a HuggingFace MoE block (its own router kept, only its
     stacked experts run by the layout), and the parameters that become rank-local."""
     path = block.module  # checked against the model: a module path, written with repr()
@@ -372,17 +376,21 @@ def _stacked_experts_lines(index: int, layout: ExpertLayout, block: MoEBlock, dp
     ]
     lines += ["        sharded_copies=True,", "    ))"] if layout.sharded_copies else ["    ))"]
     if layout.sharded_copies:
-        lines += _shard_copies_lines(target, copies_mesh)
+        lines += _shard_copies_lines(target, copies_mesh, precision)
     return lines, [f"{path}.{name}" for name in block.expert_weights]
 
 
-def _shard_copies_lines(owner: str, copies_mesh: str) -> list[str]:
-    """Lines sharding the module at ``owner`` (this rank's experts) over its copy group."""
+def _shard_copies_lines(owner: str, copies_mesh: str, precision: str) -> list[str]:
+    """Lines sharding the module at ``owner`` (this rank's experts) over its copy group; in
+    bf16 plans under ``BF16_FSDP_POLICY`` (``planner.program_shape.shards_expert_copies_in_bf16``)."""
+    bf16 = shards_expert_copies_in_bf16(precision)
     return [
         "    # Each of this rank's experts sharded over the ranks holding its copies (FSDP2 on the copy mesh):",
         "    # all-gathered before the experts' forward and again before their backward, gradients",
-        "    # reduce-scattered there (summed over the copies), optimizer states for the shard only.",
-        f"    shard_over_copies(model.get_submodule({owner!r}), {copies_mesh})",
+        "    # reduce-scattered there (summed over the copies), optimizer states for the shard only."
+        + (" bf16 gathers, fp32 reductions." if bf16 else ""),
+        f"    shard_over_copies(model.get_submodule({owner!r}), {copies_mesh}"
+        + (", mp_policy=BF16_FSDP_POLICY)" if bf16 else ")"),
     ]
 
 

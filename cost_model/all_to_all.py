@@ -43,7 +43,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cost_model.collectives import GroupShape, algorithm_times, member_bandwidth
+from cost_model.collectives import GroupShape, algorithm_times, exchange_rounds, member_bandwidth
 from planner.cluster import Cluster
 from planner.strategy import ExpertPlacement
 
@@ -123,12 +123,16 @@ def node_fanout(placement: ExpertPlacement, cluster: Cluster, ranks: Sequence[in
 
 
 def dispatch_traffic(algorithm: str, copies: float, tokens: float, row_bytes: float, shape: GroupShape,
-                     fanout: NodeFanout | None = None, concurrent_groups: int = 1) -> DispatchTraffic:
+                     fanout: NodeFanout | None = None, concurrent_groups: int = 1,
+                     in_flight: int = 1) -> DispatchTraffic:
     """One dispatch in which the busiest device sends ``copies`` routed copies of its
     ``tokens`` tokens, ``row_bytes`` each, over a group of ``shape`` (see the module
     docstring). ``fanout`` is needed by ``deduplicated`` only. ``flat`` and ``hierarchical``
     are ``cost_model.collectives.algorithm_times``' all-to-all; a group on one node sends
-    nothing over the network whatever the algorithm (and ``deduplicated`` is ``flat``)."""
+    nothing over the network whatever the algorithm (and ``deduplicated`` is ``flat``).
+    ``in_flight``: peers the backend exchanges with at once
+    (``cost_model.collectives.peers_in_flight``): every leg pays one link latency per round of
+    that many peers (``exchange_rounds``), not one per peer."""
     if algorithm not in DISPATCH_ALGORITHMS:
         raise ValueError(f"dispatch algorithm must be one of {DISPATCH_ALGORITHMS}, got {algorithm!r}")
     n, k, p = shape.size, shape.nodes, shape.per_node
@@ -136,28 +140,32 @@ def dispatch_traffic(algorithm: str, copies: float, tokens: float, row_bytes: fl
     if n == 1 or size == 0:
         return DispatchTraffic(algorithm, 0.0, 0.0, 0.0, 0.0, 0.0)
     if k == 1:
-        time = algorithm_times("all_to_all", size, shape, concurrent_groups)["pairwise"]
+        time = algorithm_times("all_to_all", size, shape, concurrent_groups, in_flight)["pairwise"]
         return DispatchTraffic(algorithm, size * (n - 1) / n, 0.0, time, 0.0, time)
     beta_i, alpha_i = shape.intra.bandwidth, shape.intra.latency
     beta_m, alpha_e = member_bandwidth(shape, concurrent_groups), shape.inter.latency
+
+    def rounds(peers: int) -> int:
+        return exchange_rounds(peers, in_flight)
+
     if algorithm == "deduplicated":
         if fanout is None:
             raise ValueError("the deduplicated dispatch needs the tokens' node fan-out (node_fanout)")
         network = tokens * fanout.remote * row_bytes
         nvlink = size * (p - 1) / p
-        network_s = network / beta_m + (k - 1) * alpha_e if network else 0.0
-        nvlink_s = nvlink / beta_i + (p - 1) * alpha_i if nvlink else 0.0
+        network_s = network / beta_m + rounds(k - 1) * alpha_e if network else 0.0
+        nvlink_s = nvlink / beta_i + rounds(p - 1) * alpha_i if nvlink else 0.0
         return DispatchTraffic(algorithm, nvlink, network, nvlink_s, network_s, max(network_s, nvlink_s))
-    times = algorithm_times("all_to_all", size, shape, concurrent_groups)
+    times = algorithm_times("all_to_all", size, shape, concurrent_groups, in_flight)
     if algorithm == "hierarchical" and "hierarchical" in times:
         nvlink, network = size * (p - 1) / p, size * (k - 1) / k
-        nvlink_s = nvlink / beta_i + (p - 1) * alpha_i if p > 1 else 0.0
-        network_s = network / beta_m + (k - 1) * alpha_e
+        nvlink_s = nvlink / beta_i + rounds(p - 1) * alpha_i if p > 1 else 0.0
+        network_s = network / beta_m + rounds(k - 1) * alpha_e
         return DispatchTraffic(algorithm, nvlink, network, nvlink_s, network_s, times["hierarchical"])
     fewest = max(1, n - (k - 1) * p)  # members on the emptiest node
     nvlink, network = size * (p - 1) / n, size * (n - fewest) / n
-    nvlink_s = nvlink / beta_i + (p - 1) * alpha_i if p > 1 else 0.0
-    network_s = network / beta_m + (n - fewest) * alpha_e
+    nvlink_s = nvlink / beta_i + rounds(p - 1) * alpha_i if p > 1 else 0.0
+    network_s = network / beta_m + rounds(n - fewest) * alpha_e
     return DispatchTraffic("flat", nvlink, network, nvlink_s, network_s, times["pairwise"])
 
 

@@ -43,8 +43,9 @@ Group inside one node (k = 1), link (β_i, α_i):
   reduce_scatter
   broadcast       pipelined  S/β + L(n) · α             (pipelined tree/ring: the message streams
                                                          through in chunks; L(n) hops of latency)
-  all_to_all      pairwise  (n−1)/n · S/β + (n−1)α      (S = bytes each rank sends, S/n to each
-                                                         rank including itself)
+  all_to_all      pairwise  (n−1)/n · S/β + R(n−1)·α     (S = bytes each rank sends, S/n to each
+                                                         rank including itself; R(x) rounds of
+                                                         peers: ``exchange_rounds``)
   send_recv       direct  S/β + α
 
 Group spanning nodes (k > 1); the cheapest algorithm is taken. "Even" means every touched
@@ -70,17 +71,25 @@ node holds p members (n = k·p); hierarchical algorithms need an even group with
   all_to_all      pairwise  max(intra, inter)  (all sends posted at once; the node's NVLink and
                         network traffic overlap), with m = max(1, n − (k−1)p) the fewest
                         members on a node (m = p when even):
-                        intra = (p−1)/n · S/β_i + (p−1)α_i
-                        inter = (n−m)/n · S/β_m + (n−m)α_e   ((k−1)/k of S crosses when even)
-                  hierarchical  (p−1)/p · S/β_i + (p−1)α_i + (k−1)/k · S/β_m + (k−1)α_e
+                        intra = (p−1)/n · S/β_i + R(p−1)α_i
+                        inter = (n−m)/n · S/β_m + R(n−m)α_e   ((k−1)/k of S crosses when even)
+                  hierarchical  (p−1)/p · S/β_i + R(p−1)α_i + (k−1)/k · S/β_m + R(k−1)α_e
                         (phase 1, intra-node all-to-all: rank (a, i) gives rank (a, j) all its
                         data for local index j on every node — this both gathers the node's
                         traffic per destination and does the final scatter's work in advance;
                         phase 2, inter-node all-to-all among same-index ranks: (a, j) sends
                         p·S/n to each (b, j), which then holds exactly its own data. Fewer,
-                        larger inter-node messages (k−1 instead of n−m): wins on latency,
-                        loses on bandwidth to the overlapped flat exchange)
+                        larger inter-node messages (k−1 instead of n−m): wins on latency
+                        where peers go one at a time (gloo), not under NCCL, whose peers'
+                        latencies overlap (R below); loses on bandwidth to the overlapped
+                        flat exchange)
   send_recv       direct  S/β_m + α_e with p = 1 (one member per node)
+
+Rounds of an all-to-all (``exchange_rounds``): R(x) = ⌈x / f⌉ for x peers, f being how many
+peers the backend exchanges with at once (``peers_in_flight``). An all-to-all posts every send
+and receive together, so the peers' latencies overlap within a round: NCCL progresses 256 peers
+at once (see ``NCCL_PEERS_IN_FLIGHT``), so up to 257 ranks pay one α, not n−1. Gloo keeps f = 1
+(each peer's latency in turn), as this model always priced it.
 
 Sites and links per pair (``cost_model.site_collectives``): a group's ``inter`` is the slowest
 link a flat ring over it crosses (the site links it hops between nodes on, the links of its
@@ -201,7 +210,7 @@ def member_bandwidth(shape: GroupShape, concurrent_groups: int = 1) -> float:
 
 
 def algorithm_times(kind: str, size_bytes: float, shape: GroupShape,
-                    concurrent_groups: int = 1) -> dict[str, float]:
+                    concurrent_groups: int = 1, in_flight: int = 1) -> dict[str, float]:
     """Seconds of every algorithm the model considers for one collective (see module docstring).
 
     Args:
@@ -209,6 +218,8 @@ def algorithm_times(kind: str, size_bytes: float, shape: GroupShape,
         size_bytes: as in ``collective_time``.
         shape: the group, from ``group_shape``; for send_recv a group of [src, dst].
         concurrent_groups: groups of this shape running it at the same moment.
+        in_flight: all_to_all only: peers the backend exchanges with at once
+            (``peers_in_flight``); 1 prices each peer's latency in turn.
     Returns:
         {algorithm name: seconds}, e.g. {"ring": ..., "tree": ..., "hierarchical": ...};
         every value is 0.0 for an empty message or a group of one.
@@ -218,10 +229,12 @@ def algorithm_times(kind: str, size_bytes: float, shape: GroupShape,
     _check_concurrency(concurrent_groups)
     if kind == "send_recv" and shape.size > 2:
         raise ValueError(f"send_recv is between two ranks [src, dst]; got a group of {shape.size}")
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+        raise ValueError(f"in_flight must be an integer >= 1, got {in_flight!r}")
     if shape.nodes == 1:
-        times = _intra_node_times(kind, float(size_bytes), shape)
+        times = _intra_node_times(kind, float(size_bytes), shape, in_flight)
     else:
-        times = _spanning_times(kind, float(size_bytes), shape, concurrent_groups)
+        times = _spanning_times(kind, float(size_bytes), shape, concurrent_groups, in_flight)
     if size_bytes == 0 or shape.size == 1:
         return {name: 0.0 for name in times}
     return times
@@ -271,7 +284,7 @@ def collective_time(kind: str, size_bytes: float, cluster: Cluster, ranks: Seque
     profile = nccl_profile(cluster)
     if profile is not None:
         return min(nccl_algorithm_times(kind, size_bytes, shape, profile, concurrent_groups).values())
-    return min(algorithm_times(kind, size_bytes, shape, concurrent_groups).values())
+    return min(algorithm_times(kind, size_bytes, shape, concurrent_groups, peers_in_flight(cluster)).values())
 
 
 @functools.lru_cache(maxsize=4096)
@@ -287,7 +300,8 @@ def site_algorithm_times(kind: str, size_bytes: float, cluster: Cluster, ranks: 
     (``cost_model.site_collectives``), plus ``"hierarchical-sites"`` when the group spans
     sites that each hold the same number (> 1) of its ranks: reduce inside each site, across
     the sites one slice per rank, gather inside each site again."""
-    times = algorithm_times(kind, size_bytes, group_shape(cluster, ranks), concurrent_groups)
+    times = algorithm_times(kind, size_bytes, group_shape(cluster, ranks), concurrent_groups,
+                            peers_in_flight(cluster))
     if len(site_members(cluster, ranks)) < 2:
         return times
 
@@ -298,6 +312,39 @@ def site_algorithm_times(kind: str, size_bytes: float, cluster: Cluster, ranks: 
     if across is not None:
         times["hierarchical-sites"] = 0.0 if size_bytes == 0 else across
     return times
+
+
+# ---- how many peers an all-to-all exchanges with at once ----
+
+# NCCL runs an all-to-all as one group of ncclSend/ncclRecv to every peer (PyTorch's
+# all_to_all_single; NCCL's own ncclAlltoAll the same) and progresses the peers concurrently
+# (NVIDIA/nccl at commit 5067397c): each peer's transfer is striped over p2pnChannelsPerPeer of
+# the communicator's p2pnChannels channels, and each channel runs up to
+# NCCL_MAX_DEV_WORK_P2P_PER_BATCH = 8 peers in one batch (src/include/device.h;
+# src/enqueue.cc addP2pToPlan: "maxConcurrent = p2pnChannels / nChannelsMax *
+# NCCL_MAX_DEV_WORK_P2P_PER_BATCH"). On more than one node NCCL halves the channels per peer
+# until every peer fits in one round (src/graph/paths.cc ncclTopoComputeP2pChannels: "to fit all
+# the peers within a single round"). With 32 p2p channels (estimate: the channel count NCCL
+# builds on an 8-GPU node with 8 NICs; MAXCHANNELS is 64) that is 32 x 8 = 256 peers at once.
+# Measured: DeepEP's low-latency dispatch of 128 tokens takes 192 us at EP128 and 194 us at
+# EP256 (deepseek-ai/DeepEP README at commit 567632dd, H800 + CX7 400 Gb/s), so doubling the
+# peers adds no latency, where a per-peer sequential 8 us would add 1 ms.
+_NCCL_P2P_CHANNELS = 32
+_NCCL_P2P_PER_BATCH = 8  # NCCL_MAX_DEV_WORK_P2P_PER_BATCH, src/include/device.h
+NCCL_PEERS_IN_FLIGHT = _NCCL_P2P_CHANNELS * _NCCL_P2P_PER_BATCH
+
+
+def peers_in_flight(cluster: Cluster) -> int:
+    """Peers one rank's all-to-all exchanges with at once on ``cluster``'s backend: NCCL's
+    ``NCCL_PEERS_IN_FLIGHT``; gloo 1 (each peer's latency in turn, as this model always priced
+    it; gloo's own concurrency is not modelled)."""
+    return NCCL_PEERS_IN_FLIGHT if cluster.backend == "nccl" else 1
+
+
+def exchange_rounds(peers: int, in_flight: int) -> int:
+    """Latencies an all-to-all pays for ``peers`` peers, ``in_flight`` of them at once: ⌈peers /
+    in_flight⌉ (0 for no peer)."""
+    return -(-peers // in_flight) if peers > 0 else 0
 
 
 # ---- the formulas ----
@@ -314,6 +361,14 @@ def _ring_all_gather(size: float, count: int, bandwidth: float, latency: float) 
     return (count - 1) / count * size / bandwidth + (count - 1) * latency
 
 
+def _pairwise_all_to_all(size: float, count: int, bandwidth: float, latency: float, in_flight: int) -> float:
+    """(n−1)/n · S/β + R(n−1)·α: S/n to each of n−1 peers, their latencies overlapping
+    ``in_flight`` at a time (``exchange_rounds``)."""
+    if count <= 1:
+        return 0.0
+    return (count - 1) / count * size / bandwidth + exchange_rounds(count - 1, in_flight) * latency
+
+
 def _ring_all_reduce(size: float, count: int, bandwidth: float, latency: float) -> float:
     """2(n−1)/n · S/β + 2(n−1)α: a ring reduce-scatter then a ring all-gather."""
     return 2 * _ring_all_gather(size, count, bandwidth, latency)
@@ -324,7 +379,7 @@ def _tree_all_reduce(size: float, bandwidth: float, depth_latency: float) -> flo
     return 2 * size / bandwidth + 2 * depth_latency
 
 
-def _intra_node_times(kind: str, size: float, shape: GroupShape) -> dict[str, float]:
+def _intra_node_times(kind: str, size: float, shape: GroupShape, in_flight: int) -> dict[str, float]:
     n, beta, alpha = shape.size, shape.intra.bandwidth, shape.intra.latency
     if kind == "all_reduce":
         return {"ring": _ring_all_reduce(size, n, beta, alpha),
@@ -334,12 +389,12 @@ def _intra_node_times(kind: str, size: float, shape: GroupShape) -> dict[str, fl
     if kind == "broadcast":
         return {"pipelined": size / beta + _log2_ceil(n) * alpha}
     if kind == "all_to_all":
-        return {"pairwise": _ring_all_gather(size, n, beta, alpha)}
+        return {"pairwise": _pairwise_all_to_all(size, n, beta, alpha, in_flight)}
     return {"direct": size / beta + alpha}  # send_recv
 
 
 def _spanning_times(kind: str, size: float, shape: GroupShape,
-                    concurrent_groups: int) -> dict[str, float]:
+                    concurrent_groups: int, in_flight: int) -> dict[str, float]:
     assert shape.inter is not None  # nodes > 1
     n, k, p = shape.size, shape.nodes, shape.per_node
     beta_i, alpha_i = shape.intra.bandwidth, shape.intra.latency
@@ -371,12 +426,12 @@ def _spanning_times(kind: str, size: float, shape: GroupShape,
         return {"pipelined": size / beta_f + tree_depth}
     if kind == "all_to_all":
         fewest = max(1, n - (k - 1) * p)  # members on the emptiest node
-        intra = (p - 1) / n * size / beta_i + (p - 1) * alpha_i
-        inter = (n - fewest) / n * size / beta_m + (n - fewest) * alpha_e
+        intra = (p - 1) / n * size / beta_i + exchange_rounds(p - 1, in_flight) * alpha_i
+        inter = (n - fewest) / n * size / beta_m + exchange_rounds(n - fewest, in_flight) * alpha_e
         times = {"pairwise": max(intra, inter)}
         if two_level:
-            times["hierarchical"] = (_ring_all_gather(size, p, beta_i, alpha_i)
-                                     + _ring_all_gather(size, k, beta_m, alpha_e))
+            times["hierarchical"] = (_pairwise_all_to_all(size, p, beta_i, alpha_i, in_flight)
+                                     + _pairwise_all_to_all(size, k, beta_m, alpha_e, in_flight))
         return times
     return {"direct": size / beta_m + alpha_e}  # send_recv: p = 1 on each node
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from cost_model import defaults
 from cost_model.all_to_all import RoutingGroups, dispatch_traffic, node_fanout
-from cost_model.collectives import collective_time, group_shape
+from cost_model.collectives import collective_time, group_shape, peers_in_flight
 from cost_model.compute import roofline_time
 from cost_model.expert_load import busiest_load
 from planner.cluster import Cluster
@@ -194,7 +194,7 @@ def moe_layer_cost(
         groups = RoutingGroups(*routing_groups) if routing_groups else None
         fanout = node_fanout(placement, cluster, ranks, layer.top_k, groups)
     traffic = dispatch_traffic(algorithm, exchange / row, layer.tokens / devices, row, group_shape(cluster, list(ranks)),
-                               fanout)
+                               fanout, in_flight=peers_in_flight(cluster))
     one = traffic.time_s
     weights = placement.most_experts_per_device * layer.expert_parameters * element
     # Four all-to-alls a pass (dispatch and combine, forward and backward); the share a device

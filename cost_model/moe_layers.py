@@ -50,6 +50,7 @@ from cost_model.moe_folding import folded_layer_cost
 from planner.cluster import Cluster
 from planner.graph import OpGraph
 from planner.moe_blocks import MoEBlock
+from planner.program_shape import shards_expert_copies_in_bf16
 from planner.families.moe_folding.section import folding_of
 from planner.strategy import CostParts, ExpertLayout, expert_axes
 
@@ -171,19 +172,25 @@ class CopyShardCosts:
 def copy_shard_costs(block: MoEBlock, layout: ExpertLayout, cluster: Cluster, precision: str) -> CopyShardCosts:
     """``CopyShardCosts`` of ``layout`` (zeros unless ``sharded_copies``). Every copy group
     gathers at once, so the groups share the inter-node links (``concurrent_groups``); the
-    slowest group is charged. Weights and gradients move in the precision's element size."""
+    slowest group is charged. Weights and gradients move in the dtypes the compiled program
+    moves them in: a bf16 plan's experts gather bf16 and reduce-scatter fp32 gradients
+    (``planner.program_shape.shards_expert_copies_in_bf16``); otherwise both in the
+    precision's element size."""
     if not layout.sharded_copies:
         return CopyShardCosts()
     groups = layout.placement.copy_groups
     copies = len(groups[0])
     experts_held = layout.placement.most_experts_per_device
-    gathered = experts_held * block.matmuls * block.hidden * block.ffn * element_bytes(precision)
+    elements = experts_held * block.matmuls * block.hidden * block.ffn
+    gathered = elements * element_bytes(precision)
+    reduced = elements * 4 if shards_expert_copies_in_bf16(precision) else gathered  # fp32 reduce_dtype
     shapes = {tuple(group) for group in groups}
     gather = max(collective_time("all_gather", gathered, cluster, list(g), concurrent_groups=len(groups)) for g in shapes)
-    reduce = max(collective_time("reduce_scatter", gathered, cluster, list(g), concurrent_groups=len(groups))
+    reduce = max(collective_time("reduce_scatter", reduced, cluster, list(g), concurrent_groups=len(groups))
                  for g in shapes)
-    # A ring all-gather or reduce-scatter sends (r - 1) / r of the whole tensor from each device.
-    sent = 3 * gathered * (copies - 1) / copies
+    # A ring all-gather or reduce-scatter sends (r - 1) / r of the whole tensor from each device:
+    # two gathers (forward, backward) and one reduce-scatter.
+    sent = (2 * gathered + reduced) * (copies - 1) / copies
     return CopyShardCosts(gather, reduce, sent, gathered)
 
 

@@ -45,3 +45,13 @@ def wraps_bf16_fsdp_units(plan: "Plan") -> bool:
     if plan.precision != "bf16" or plan.dp_flavour not in FSDP2_FLAVOURS or getattr(plan, "expert_layouts", ()):
         return False
     return bool(plan.fsdp_units) or is_data_parallel(plan)
+
+
+def shards_expert_copies_in_bf16(precision: str) -> bool:
+    """Whether a plan of ``precision`` shards its experts over their copies
+    (``ExpertLayout.sharded_copies``, ``codegen.runtime.expert_copies``) under the bf16 mixed
+    precision policy (``codegen.runtime.precision.BF16_FSDP_POLICY``): bf16 all-gathers and
+    gathered weights, fp32 gradient reduce-scatters into fp32 shards, as torchtitan shards its
+    routed experts. True for bf16 plans. The compiler (``codegen.moe_emit``) and the cost model
+    (``cost_model.moe_layers.copy_shard_costs``) both decide by this."""
+    return precision == "bf16"

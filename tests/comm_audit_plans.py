@@ -53,12 +53,14 @@ def moe_expert_parallel(world: int) -> planner.Plan:
     return _resimulated(moe_plan(world, "expert_parallel", placement="round-robin"))
 
 
-def moe_sharded_copies(world: int) -> planner.Plan:
+def moe_sharded_copies(world: int, precision: str = "fp32") -> planner.Plan:
     """``examples/moe.py`` (4 experts) expert parallel over dp, every expert on 2 ranks and
-    sharded over them (FSDP2 on the copy groups), DDP."""
+    sharded over them (FSDP2 on the copy groups), DDP; in bf16 the copies gather bf16 weights
+    and reduce-scatter fp32 gradients (``planner.program_shape.shards_expert_copies_in_bf16``)."""
     from moe_plans import moe_plan
 
-    return _resimulated(moe_plan(world, "expert_parallel", placement="grid", sharded_copies=True))
+    return _resimulated(moe_plan(world, "expert_parallel", placement="grid", precision=precision,
+                                 sharded_copies=True))
 
 
 # The searched plan of test_search_parity's small HuggingFace llama on 4 devices: Megatron's
@@ -92,6 +94,7 @@ def plans(world: int) -> dict[str, planner.Plan]:
     if world == 4:
         # At world 2 the copy pair is the whole dp group (one process group): counted as dp.
         cases["moe-ep-sharded-copies"] = moe_sharded_copies(world)
+        cases["moe-ep-sharded-copies-bf16"] = moe_sharded_copies(world, "bf16")
         cases["llama-searched"] = planner.plan(_spec("hf:llama", HF_LLAMA), cluster, progress=False)
         # A graph program's ZeRO-1: DTensor weights on dp=2 x tp=2, each rank's tp shard sliced over dp.
         cases["gpt-megatron-tp2-zero1"] = baselines.megatron(gpt, cluster, tp=2, precision="fp32", dp_flavour="zero1")

@@ -124,8 +124,11 @@ def test_broadcast(dgx, dgx2):
 
 def test_all_to_all_intra_node(dgx):
     size = 2**26  # 64 MiB sent by each rank, 8 MiB to each of the 8 ranks
-    # 7/8 · 2^26 / 3e11 + 7 · 3e-6 = 1.9573419e-4 + 21e-6 = 2.1673419e-4 s
-    assert collective_time("all_to_all", size, dgx, range(8)) == pytest.approx(2.1673419e-4)
+    # One peer at a time: 7/8 · 2^26 / 3e11 + 7 · 3e-6 = 1.9573419e-4 + 21e-6 = 2.1673419e-4 s
+    assert algorithm_times("all_to_all", size, group_shape(dgx, range(8)))["pairwise"] == \
+        pytest.approx(2.1673419e-4)
+    # As NCCL runs it (the 7 peers in one round, peers_in_flight = 256): 1.9573419e-4 + 3e-6
+    assert collective_time("all_to_all", size, dgx, range(8)) == pytest.approx(1.9873419e-4)
 
 
 def test_send_recv_intra_vs_inter(dgx2):
@@ -183,14 +186,20 @@ def test_all_to_all_across_two_nodes(dgx2):
     assert large["pairwise"] == pytest.approx(0.02153883648)
     # hierarchical: 7/8 · 2^30 / 3e11 + 7 · 3e-6 + 1/2 · 2^30 / 25e9 + 1 · 8e-6 = 0.024635583 s
     assert large["hierarchical"] == pytest.approx(0.0246355835)
-    assert collective_time("all_to_all", GIB, dgx2, range(16)) == pytest.approx(0.02153883648)
-    # Small messages: the hierarchical exchange sends 1 inter-node message instead of 8.
+    # As NCCL runs it, every peer at once (peers_in_flight = 256): one 8 us latency, not 8:
+    # 1/2 · 2^30 / 25e9 + 8e-6 = 0.021482836 s
+    assert collective_time("all_to_all", GIB, dgx2, range(16)) == pytest.approx(0.02148283648)
+    # Small messages, one peer at a time: the hierarchical exchange sends 1 inter-node message
+    # instead of 8.
     small = algorithm_times("all_to_all", 16384, shape)
     # pairwise inter: 1/2 · 16384 / 25e9 + 64e-6 = 6.432768e-5 s
     # hierarchical:   7/8 · 16384 / 3e11 + 21e-6 + 1/2 · 16384 / 25e9 + 8e-6 = 2.9375467e-5 s
     assert small["pairwise"] == pytest.approx(6.432768e-5)
     assert small["hierarchical"] == pytest.approx(2.9375467e-5)
-    assert collective_time("all_to_all", 16384, dgx2, range(16)) == pytest.approx(2.9375467e-5)
+    # With NCCL's peers overlapping, the flat exchange pays one latency too and wins:
+    # pairwise 1/2 · 16384 / 25e9 + 8e-6 = 8.32768e-6 s; hierarchical 7/8 · 16384 / 3e11 + 3e-6
+    # + 3.2768e-7 + 8e-6 = 1.1375467e-5 s.
+    assert collective_time("all_to_all", 16384, dgx2, range(16)) == pytest.approx(8.32768e-6)
 
 
 def test_uneven_group_has_no_two_level_algorithm(dgx2):

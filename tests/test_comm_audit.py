@@ -8,7 +8,7 @@ plans of the MLP (SOAP on tp, no collective) and, at world 4, of a small Hugging
 (Megatron's layout on tp=4), a 1F1B pipeline
 of two stages (with dp=2 at world 4), an expert-parallel MoE, and at world 4 one whose
 experts are sharded over their 2 copies each (FSDP2 on the copy groups, counted as
-``expert-copies``); DDP, FSDP and Megatron again
+``expert-copies``; also in bf16: bf16 gathers, fp32 gradient reduce-scatters); DDP, FSDP and Megatron again
 with gradients accumulated over two micro-batches) is compiled and run for one
 training step in ONE torchrun launch of ``tests/comm_audit_many.py``, with every collective
 counted per mesh axis (``codegen.runtime.comm_audit``). Per axis, the bytes the busiest rank
@@ -27,7 +27,9 @@ sent must equal the plan's ``SimResult.bytes_per_axis``:
 - within ``COPIED_ALL_TO_ALL_TOLERANCE`` on dp of the MoE plan whose experts have 2 copies:
   besides the routing, a copy's slots are filled in the batch's order, so a rank's choices
   land mostly in its own copy and stay on it, which the simulator's all-to-all (every copy
-  leaves its rank with probability (n-1)/n) does not see: 1.062x at world 4.
+  leaves its rank with probability (n-1)/n) does not see: 1.062x at world 4 (1.040x in bf16,
+  whose all-to-alls move bf16 rows as priced; they moved the fp32 residual stream before,
+  1.152x).
 
 ``KNOWN_GAPS`` are axes where the program moves more than the plan says, for reasons the
 simulator cannot see today, each with the most it may move (a multiple of the prediction):
@@ -41,7 +43,9 @@ simulator cannot see today, each with the most it may move (a multiple of the pr
   the position embedding's gradient partial over tp: all-reduces (2560 + 8192 B a
   micro-batch) no plan prices. At world 2 the same plan is exact.
 
-Resolved gaps, now exact: the vocabulary-parallel ``cross_entropy`` gathered the whole logits
+Resolved gaps, now exact: the bf16 expert copies' FSDP2 gathered and reduced fp32 where the
+plan priced bf16 (it runs under ``BF16_FSDP_POLICY`` now: bf16 gathers, fp32 reduce-scatters);
+the vocabulary-parallel ``cross_entropy`` gathered the whole logits
 (6.1 of the searched llama's 7.4 MB; it runs under ``loss_parallel`` now), the fused q|k|v
 ``split`` gathers its input and its pieces' gradients (the simulator prices them:
 ``cost_model.split_gather``), and a gathered activation's partial gradient was all-reduced
@@ -115,7 +119,7 @@ def test_every_axis_moves_what_the_simulator_charged(audit: Audit) -> None:
         if (audit.plans[case].world_size, case, axis) in KNOWN_GAPS:
             continue  # test_known_gaps_move_at_least_the_predicted_bytes
         relative = MOE_TOLERANCE if case.startswith("moe") and axis == "dp" else 1e-9
-        if (case, axis) == ("moe-ep-sharded-copies", "dp"):
+        if case.startswith("moe-ep-sharded-copies") and axis == "dp":
             relative = COPIED_ALL_TO_ALL_TOLERANCE
         if abs(counted - predicted) > relative * predicted + SCALAR_SLACK_BYTES:
             wrong.append(f"{case} {axis}: predicted {predicted:.0f} B, counted {counted:.0f} B ({counted / max(predicted, 1):.4f}x)")

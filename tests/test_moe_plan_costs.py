@@ -229,6 +229,16 @@ def test_sharded_copies_hold_a_share_of_their_experts_and_gather_and_reduce_scat
     # The report's cost of a layer: the two gathers and the reduce-scatter are communication.
     cost, whole_cost = simulated(plan(True), graph).expert_layouts[0].cost, simulated(plan(False), graph).expert_layouts[0].cost
     assert cost.communication_s - whole_cost.communication_s == pytest.approx(3 * 65_536 / 1e9 - 2 * 0.75 * 262_144 / 1e9)
+    # In bf16 the program shards the copies under BF16_FSDP_POLICY (bf16 gathers, fp32
+    # reductions; planner.program_shape.shards_expert_copies_in_bf16), and so does the price:
+    # the gather moves half of 2 x 16,384 x 2 B = 65,536 B (32.768 us at 1 GB/s), the
+    # reduce-scatter half of the fp32 131,072 B (65.536 us); per layer a device sends
+    # (2 x 65,536 + 131,072) / 2 = 131,072 B over its copy pair.
+    bf16 = Simulator(dataclasses.replace(plan(True), precision="bf16"), graph)
+    bf16_layer = bf16.context.moe_layers["blocks.0.moe"]
+    assert bf16_layer.copy_gather_s == pytest.approx(32_768 / 1e9, rel=1e-6)
+    assert bf16_layer.copy_reduce_s == pytest.approx(65_536 / 1e9, rel=1e-6)
+    assert bf16_layer.copy_sent_bytes == pytest.approx(131_072)
 
 
 def test_accumulation_routes_and_prices_each_micro_batch(model):

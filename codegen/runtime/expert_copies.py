@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 __all__ = ["copy_group_names", "copy_mesh", "shard_over_copies", "shard_dim", "plain_and_sharded_groups"]
@@ -64,17 +64,22 @@ def shard_dim(shape: torch.Size, copies: int) -> int:
     return 0
 
 
-def shard_over_copies(experts: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+def shard_over_copies(experts: torch.nn.Module, mesh: DeviceMesh,
+                      mp_policy: MixedPrecisionPolicy | None = None) -> torch.nn.Module:
     """``fully_shard`` ``experts`` (a module holding only expert weights, whose forward runs
     them) over ``mesh`` (``copy_mesh``): gathered for forward and again for backward (it
     reshards after forward also when it is a root, as under DDP), gradients summed over the
-    copies (see the module docstring). Returns the module."""
+    copies (see the module docstring). ``mp_policy``: FSDP2's mixed precision (a bf16 plan's
+    ``BF16_FSDP_POLICY``: bf16 gathers, fp32 gradient reductions, as the cost model prices
+    them, ``planner.program_shape.shards_expert_copies_in_bf16``); None keeps the weights'
+    own dtype. Returns the module."""
     copies = mesh.size()
     fully_shard(
         experts,
         mesh=mesh,
         reshard_after_forward=True,
         shard_placement_fn=lambda param: Shard(shard_dim(param.shape, copies)),
+        mp_policy=mp_policy or MixedPrecisionPolicy(),
     )
     # A plain sum (SUM collectives, no division): NCCL would take a divide factor as a
     # pre-multiplied sum, which gloo does not have.

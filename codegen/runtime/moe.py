@@ -320,6 +320,11 @@ class ExpertParallelMoE(RoutedMoE):
         sending = order[: int(kept.sum())]
         send_sizes = torch.bincount(destination[sending], minlength=self.world).tolist()
         source_rows = tokens.repeat(k, 1)[sending]  # (sent, C)
+        if torch.is_autocast_enabled(tokens.device.type):
+            # Rows travel in the compute dtype, as the cost model prices them (2 bytes in bf16):
+            # the residual stream autocast leaves fp32 would double the exchange. The experts'
+            # matmuls cast their input to it anyway, so forward and gradients are unchanged.
+            source_rows = source_rows.to(torch.get_autocast_dtype(tokens.device.type))
         received, receive_sizes = self.exchange(source_rows, send_sizes)
         # Where each received row goes: its expert (local index) and slot, sent alongside.
         local_index = {expert: i for i, expert in enumerate(self.local_experts)}
