@@ -9,7 +9,8 @@ GPT with DDP and GPT-2 with FSDP also run with every block recomputed in backwar
 (``codegen.runtime.recompute``), and GPT-2 with ZeRO-2 in bf16 mixed precision.
 
 Starting gloo processes costs seconds on 2 cores, so each world size compiles its programs
-first and checks them all in ONE torchrun launch of ``tests/dist_check_many.py``; the
+first and checks them all in ONE launch of ``tests/dist_check_many.py``, shared with other
+modules' programs of that world size (``tests/launch_groups.py``); the
 parametrized tests then read that launch's ``RESULT`` line of their own program, so a failure
 names the model, flavour and world size. Negative controls (a DDP program whose gradients are
 never averaged; a ZeRO-1 program whose ranks step their own share of the parameters and never

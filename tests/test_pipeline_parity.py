@@ -35,7 +35,7 @@ gradient of every parameter each stage holds and every updated parameter
   tp=2`` (attention tensor parallel, EP2 x EDP2 over each stage's 4 ranks).
 
 As in ``test_spmd_parity.py``, each world size compiles its programs first and checks them
-all in ONE torchrun launch of ``tests/dist_check_many.py``. Two negative controls must fail:
+all in ONE launch of ``tests/dist_check_many.py`` (shared with other modules: ``tests/launch_groups.py``). Two negative controls must fail:
 a program whose last stage drops the gradient of the activation it receives (stage 0 then
 learns nothing), and a tied GPT-2 program whose stages do not sum the tied weight's gradients.
 """
