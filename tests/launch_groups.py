@@ -15,8 +15,8 @@ the programs it wants checked as a *group*:
 where ``_prepare_searched(root, world)`` plans and compiles into ``root`` and returns
 ``(value, programs)`` or ``(value, programs, programs_in_float64)``. The first time any
 group of a world size is asked for, ``parity_launches`` (a session fixture in conftest.py)
-prepares every registered group of that world size whose module has a test selected in this
-session, and checks all their programs in ONE launch. Each module's tests then read the
+prepares every registered group of that world size whose module has a selected test that
+reads a launch, and checks all their programs in ONE launch. Each module's tests then read the
 ``RESULT`` line of their own program from it, as they read their own launch before, so a
 failure still names the program and the test keeps its name.
 
@@ -59,6 +59,11 @@ def register_group(world: int, prepare: Callable[[Path, int], tuple]) -> Group:
     return group
 
 
+def registered_groups() -> list[Group]:
+    """Every group registered so far (at collection: every collected module's)."""
+    return list(_REGISTERED.values())
+
+
 @dataclass
 class _Prepared:
     value: Any = None
@@ -70,12 +75,14 @@ class _Prepared:
 class ParityLaunches:
     """The session's launches, one per world size, made on first use (see the module doc)."""
 
-    def __init__(self, tmp_path_factory: pytest.TempPathFactory, selected_modules: set[str],
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory, groups: list[Group],
                  check_many: Callable[..., Any], timeout_per_group: float) -> None:
-        """``check_many(world, programs, cwd, in_float64, timeout=...)`` makes one launch
-        (``test_parity.check_many``), given ``timeout_per_group`` seconds per group in it."""
+        """``groups``: those to prepare when their world size is first asked for (a group
+        asked for is prepared even if not listed). ``check_many(world, programs, cwd,
+        in_float64, timeout=...)`` makes one launch (``test_parity.check_many``), given
+        ``timeout_per_group`` seconds per group in it."""
         self._tmp = tmp_path_factory
-        self._selected = selected_modules
+        self._groups = groups
         self._check_many = check_many
         self._timeout_per_group = timeout_per_group
         self._prepared: dict[str, _Prepared] = {}
@@ -95,10 +102,8 @@ class ParityLaunches:
         return prepared.value, launch
 
     def _launch(self, asking: Group) -> None:
-        groups = [
-            group for group in _REGISTERED.values()
-            if group.world == asking.world and (group.module in self._selected or group is asking)
-        ]
+        groups = [group for group in self._groups if group.world == asking.world and group != asking]
+        groups.insert(0, asking)
         for group in groups:
             self._prepared[group.name] = self._prepare(group)
         ready = [self._prepared[group.name] for group in groups if self._prepared[group.name].error is None]
