@@ -293,12 +293,12 @@ def _programs(root, world):
     return (plans, folders), list(folders.values())
 
 
-PROGRAMS = register_group(WORLD, _programs)  # checked in the session's launch (launch_groups.py)
+PROGRAMS_GROUP = register_group(WORLD, _programs)  # checked in the session's launch (launch_groups.py)
 
 
 @pytest.fixture(scope="module")
 def launch(parity_launches):
-    (plans, folders), launch = parity_launches.result(PROGRAMS)
+    (plans, folders), launch = parity_launches.result(PROGRAMS_GROUP)
     return plans, folders, launch
 
 
