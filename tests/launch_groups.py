@@ -86,23 +86,25 @@ class ParityLaunches:
         self._check_many = check_many
         self._timeout_per_group = timeout_per_group
         self._prepared: dict[str, _Prepared] = {}
-        self._launches: dict[int, Any] = {}  # world -> Launch, or the exception that failed it
+        self._launches: dict[str, Any] = {}  # group name -> its Launch, or the exception that failed it
 
     def result(self, group: Group) -> tuple[Any, Any]:
         """``(value, launch)`` of ``group``: what its ``prepare`` returned first, and the
         finished launch whose RESULT lines include its programs'."""
-        if group.world not in self._launches:
+        if group.name not in self._prepared:
             self._launch(group)
         prepared = self._prepared[group.name]
         if prepared.error is not None:
             raise prepared.error
-        launch = self._launches[group.world]
+        launch = self._launches[group.name]
         if isinstance(launch, BaseException):
             raise launch
         return prepared.value, launch
 
     def _launch(self, asking: Group) -> None:
-        groups = [group for group in self._groups if group.world == asking.world and group != asking]
+        # A group asked for after its world size's launch (not listed) gets a launch of its own.
+        groups = [group for group in self._groups
+                  if group.world == asking.world and group != asking and group.name not in self._prepared]
         groups.insert(0, asking)
         for group in groups:
             self._prepared[group.name] = self._prepare(group)
@@ -110,15 +112,16 @@ class ParityLaunches:
         programs = [program for prepared in ready for program in prepared.programs]
         in_float64 = [program for prepared in ready for program in prepared.in_float64]
         if not programs + in_float64:
-            self._launches[asking.world] = None
+            self._launches.update({group.name: None for group in groups})
             return
         root = self._tmp.mktemp(f"launch_world{asking.world}")
         try:
             # The timeout only stops a hung collective: each group keeps the one its own launch had.
-            self._launches[asking.world] = self._check_many(
+            launch = self._check_many(
                 asking.world, programs, root, in_float64, timeout=self._timeout_per_group * len(ready))
         except (AssertionError, pytest.fail.Exception) as error:
-            self._launches[asking.world] = error
+            launch = error
+        self._launches.update({group.name: launch for group in groups})
 
     def _prepare(self, group: Group) -> _Prepared:
         try:

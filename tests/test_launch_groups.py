@@ -71,3 +71,12 @@ def test_a_group_not_listed_is_still_prepared_when_asked_for(tmp_path_factory) -
     launches = ParityLaunches(tmp_path_factory, [listed], recorder, timeout_per_group=300)
     assert launches.result(unlisted) == ("value of unlisted", "launch 1")
     assert recorder.calls == [(2, ["u1", "l1"], [], 600)]
+
+
+def test_a_group_asked_for_after_its_world_sizes_launch_gets_its_own(tmp_path_factory) -> None:
+    early, late = group("early", 2, ("e1",)), group("late", 2, ("l1",))
+    recorder = Recorder()
+    launches = ParityLaunches(tmp_path_factory, [early], recorder, timeout_per_group=300)
+    assert launches.result(early) == ("value of early", "launch 1")
+    assert launches.result(late) == ("value of late", "launch 2")
+    assert recorder.calls == [(2, ["e1"], [], 300), (2, ["l1"], [], 300)]
