@@ -15,8 +15,8 @@ the programs it wants checked as a *group*:
 where ``_prepare_searched(root, world)`` plans and compiles into ``root`` and returns
 ``(value, programs)`` or ``(value, programs, programs_in_float64)``. The first time any
 group of a world size is asked for, ``parity_launches`` (a session fixture in conftest.py)
-prepares every registered group of that world size whose module has a selected test that
-reads a launch, and checks all their programs in ONE launch. Each module's tests then read the
+prepares every registered group of that world size whose module has a test selected in
+this session, and checks all their programs in ONE launch (a group asked for later gets its own). Each module's tests then read the
 ``RESULT`` line of their own program from it, as they read their own launch before, so a
 failure still names the program and the test keeps its name.
 
