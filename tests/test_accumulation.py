@@ -12,6 +12,7 @@ torchrun launch (ZeRO-2 and ZeRO-1 beside tp accumulate in ``test_composed_dp.py
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -22,14 +23,20 @@ from planner.api import prepare_model
 from planner.model_spec import ModelSpec
 from search.data_parallel import data_parallel_plan
 from search.megatron import megatron_plan
-from test_parity import REPO, check_many, result_of
+from launch_groups import register_group
+from test_parity import REPO, result_of
 
 GPT = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8})
 
 
+@functools.cache
+def _gpt_world2():
+    return prepare_model(GPT, "cpu:1x2")  # traced once for this module's fixture and its programs
+
+
 @pytest.fixture(scope="module")
 def gpt_world2():
-    return prepare_model(GPT, "cpu:1x2")
+    return _gpt_world2()
 
 
 def test_micro_batches_cut_the_batch_dimension_only():
@@ -106,19 +113,26 @@ def test_bad_accumulation_is_refused_in_one_line(gpt_world2):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.distributed
-def test_accumulated_step_equals_single_device(gpt_world2, tmp_path):
-    graph, spec, name, cluster = gpt_world2
+def _accumulated_programs(root, world):
+    graph, spec, name, cluster = _gpt_world2()
     folders = {}
     for flavour in ("ddp", "zero1", "zero2", "fsdp"):
         plan = dataclasses.replace(data_parallel_plan(graph, cluster, spec, name, flavour), accumulation_steps=2)
-        folders[flavour] = planner.compile(plan, tmp_path / flavour)
+        folders[flavour] = planner.compile(plan, root / flavour)
     recomputed = dataclasses.replace(data_parallel_plan(graph, cluster, spec, name, "ddp"), accumulation_steps=4, recompute="full")
-    folders["ddp-4-recompute"] = planner.compile(recomputed, tmp_path / "ddp-4-recompute")
+    folders["ddp-4-recompute"] = planner.compile(recomputed, root / "ddp-4-recompute")
     # A graph program (Megatron's layout on tp=2), written from the graph traced at one micro-batch.
     megatron = dataclasses.replace(megatron_plan(graph, cluster, spec, name, tp=2, precision="fp32"), accumulation_steps=2)
-    folders["megatron-tp2"] = planner.compile(megatron, tmp_path / "megatron-tp2")
-    launch = check_many(2, list(folders.values()), tmp_path)
+    folders["megatron-tp2"] = planner.compile(megatron, root / "megatron-tp2")
+    return folders, list(folders.values())
+
+
+ACCUMULATED = register_group(2, _accumulated_programs)  # checked in the session's world-2 launch (launch_groups.py)
+
+
+@pytest.mark.distributed
+def test_accumulated_step_equals_single_device(parity_launches):
+    folders, launch = parity_launches.result(ACCUMULATED)
     for case, folder in folders.items():
         result = result_of(launch, folder)
         assert result.startswith("ok parity ok: "), f"{case}: {result}"

@@ -31,7 +31,8 @@ from planner.model_spec import ModelSpec
 from search.layouts import batch_input_placements, combine
 from search.megatron import megatron_plan
 from search.propagation import propagate
-from test_parity import REPO, check_many, result_of
+from launch_groups import register_group
+from test_parity import REPO, result_of
 from test_spmd_parity import RANDOM_SEED, random_placements
 
 pytestmark = pytest.mark.distributed
@@ -73,11 +74,17 @@ def plans() -> dict[str, planner.Plan]:
     }
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    root = tmp_path_factory.mktemp("block_once")
+def _programs(root, world):
     folders = {case: planner.compile(plan, root / case) for case, plan in plans().items()}
-    return folders, check_many(WORLD, list(folders.values()), root)
+    return folders, list(folders.values())
+
+
+PROGRAMS = register_group(WORLD, _programs)  # checked in the session's launch (launch_groups.py)
+
+
+@pytest.fixture(scope="module")
+def compiled(parity_launches):
+    return parity_launches.result(PROGRAMS)
 
 
 def _source(folder: Path) -> str:

@@ -47,7 +47,8 @@ from search.auto import search_plan
 from search.plan_variants import composed_flavours
 from search.megatron import megatron_plan
 from fake_group import graph_program_on_rank0
-from test_parity import REPO, check_many, result_of
+from launch_groups import register_group
+from test_parity import REPO, result_of
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 GPT = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 8})
@@ -256,7 +257,7 @@ def _never_share_updated_pieces(folder: Path) -> Path:
     return folder
 
 
-def _world(world: int, root: Path):
+def _world(root: Path, world: int):
     plans = {case: _plan(world, *how) for case, how in CASES[world].items()}
     folders = {case: planner.compile(plan, root / case) for case, plan in plans.items()}
     for case, plan in plans.items():
@@ -265,17 +266,23 @@ def _world(world: int, root: Path):
     if world == 4:
         plan = _plan(4, GPT, dict(tp=2, dp_flavour="zero1"))
         folders["unshared-zero1"] = _never_share_updated_pieces(planner.compile(plan, root / "unshared-zero1"))
-    return plans, folders, check_many(world, list(folders.values()), root)
+    return (plans, folders), list(folders.values())
+
+
+# Checked in the session's launch of each world size (tests/launch_groups.py).
+WORLD_GROUPS = {world: register_group(world, _world) for world in (4, 8)}
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return _world(4, tmp_path_factory.mktemp("composed_world4"))
+def world4(parity_launches):
+    (plans, folders), launch = parity_launches.result(WORLD_GROUPS[4])
+    return plans, folders, launch
 
 
 @pytest.fixture(scope="module")
-def world8(tmp_path_factory):
-    return _world(8, tmp_path_factory.mktemp("composed_world8"))
+def world8(parity_launches):
+    (plans, folders), launch = parity_launches.result(WORLD_GROUPS[8])
+    return plans, folders, launch
 
 
 @pytest.mark.distributed

@@ -36,7 +36,8 @@ from planner.trace import trace
 from search.megatron import megatron_plan
 from search.rules import axis_candidates
 from search.rules.check import check_rule, valid_candidates
-from test_parity import check_many, result_of
+from launch_groups import register_group
+from test_parity import result_of
 from test_zoo import batch_split_plan
 
 FILLED_BUFFER = str(Path(__file__).resolve().with_name("models") / "filled_buffer.py") + ":build"
@@ -278,9 +279,7 @@ def _megatron(spec: ModelSpec) -> planner.Plan:
     return megatron_plan(graph, cluster, resolved, name, tp=WORLD, precision="fp32")
 
 
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    root = tmp_path_factory.mktemp("inplace")
+def _programs(root, world):
     spec, deepseek = ModelSpec(FILLED_BUFFER, {}), ModelSpec("hf:deepseek_v3", DEEPSEEK_TINY)
     plans = {
         "filled_buffer_batch_split": batch_split_plan(spec, WORLD),
@@ -292,7 +291,16 @@ def launch(tmp_path_factory):
         "deepseek_v3_megatron": _megatron(deepseek),
     }
     folders = {key: planner.compile(plan, root / key) for key, plan in plans.items()}
-    return plans, folders, check_many(WORLD, list(folders.values()), root)
+    return (plans, folders), list(folders.values())
+
+
+PROGRAMS_GROUP = register_group(WORLD, _programs)  # checked in the session's launch (launch_groups.py)
+
+
+@pytest.fixture(scope="module")
+def launch(parity_launches):
+    (plans, folders), launch = parity_launches.result(PROGRAMS_GROUP)
+    return plans, folders, launch
 
 
 @pytest.mark.distributed

@@ -36,7 +36,8 @@ from planner.model_spec import ModelSpec
 from planner.strategy import Mesh
 from search.moe_folding import folded_plan
 from moe_plans import HF_MOE
-from test_parity import LAUNCH_TIMEOUT, _run, _torchrun, check_many, result_of
+from launch_groups import register_group
+from test_parity import LAUNCH_TIMEOUT, _run, _torchrun, result_of
 
 pytestmark = pytest.mark.distributed
 
@@ -88,9 +89,7 @@ def _leave_router_gradients_unsummed(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe-folding")
+def _programs(root, world):
     folders = {name: planner.compile(plan_of(*case), root / name) for name, case in CASES.items()}
     for name, (model, overrides) in HF_CASES.items():
         folders[name] = planner.compile(plan_of(overrides, 2, 2, 4, 1, source=f"hf:{model}"), root / name)
@@ -103,7 +102,16 @@ def run(tmp_path_factory):
         ROUTER_CONTROL: _leave_router_gradients_unsummed(
             planner.compile(plan_of({}, 2, 2, 4, 1), root / ROUTER_CONTROL)),
     }
-    return folders, controls, check_many(WORLD, [*folders.values(), *controls.values()], root)
+    return (folders, controls), [*folders.values(), *controls.values()]
+
+
+PROGRAMS = register_group(WORLD, _programs)  # checked in the session's launch (launch_groups.py)
+
+
+@pytest.fixture(scope="module")
+def run(parity_launches):
+    (folders, controls), launch = parity_launches.result(PROGRAMS)
+    return folders, controls, launch
 
 
 @pytest.mark.parametrize("case", [*CASES, *HF_CASES, SEARCHED])
@@ -126,16 +134,22 @@ PIPELINED = "searched_pp2dp2tp2"
 PIPELINED_EP4 = "pp2dp2tp2_ep4"
 
 
-@pytest.fixture(scope="module")
-def run8(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_folding_world8")
+def _programs8(root, world):
     spec = ModelSpec(str(EXAMPLE), {})
     searched = planner.plan(spec, "cpu:2x4", constraints={"mesh": {"pp": 2, "dp": 2, "tp": 2}})
     assert "moe-folding" in searched.sections and searched.pipeline is not None, searched.name
     graph, spec, name, cluster = prepare_model(spec, "cpu:2x4")
     ep4 = folded_plan(graph, cluster, spec, name, Mesh((("pp", 2), ("dp", 2), ("tp", 2))), 4, micro_batches=2)
     folders = {PIPELINED: planner.compile(searched, root / PIPELINED), PIPELINED_EP4: planner.compile(ep4, root / PIPELINED_EP4)}
-    return folders, check_many(8, list(folders.values()), root)
+    return folders, list(folders.values())
+
+
+PROGRAMS8 = register_group(8, _programs8)
+
+
+@pytest.fixture(scope="module")
+def run8(parity_launches):
+    return parity_launches.result(PROGRAMS8)
 
 
 @pytest.mark.parametrize("case", [PIPELINED, PIPELINED_EP4])

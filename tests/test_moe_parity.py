@@ -55,7 +55,8 @@ from codegen.runtime.program import BUILD_SEED
 from moe_plans import hf_moe_plan, moe_plan
 from planner.model_spec import ModelSpec
 from planner.routing import load_routing
-from test_parity import REPO, Launch, _run, _torchrun, check_many, result_of
+from launch_groups import register_group
+from test_parity import REPO, Launch, _run, _torchrun, result_of
 
 pytestmark = pytest.mark.distributed
 
@@ -222,10 +223,7 @@ def test_hf_expert_gradients_left_as_sums_fail(world_run, control: str) -> None:
     assert re.search(r"experts\.(gate_up_proj|down_proj)", result), result
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda world: f"world{world}")
-def world_run(request, tmp_path_factory) -> WorldRun:
-    world = request.param
-    root = tmp_path_factory.mktemp(f"moe_world{world}")
+def _world_programs(root: Path, world: int) -> tuple:
     folders = {}
     for name, mode, placement, capacity, precision, flavour in CASES:
         plan = moe_plan(world, mode, placement, capacity, precision, flavour=flavour)
@@ -262,7 +260,17 @@ def world_run(request, tmp_path_factory) -> WorldRun:
     controls[HF_CONTROL] = _unscale_hf_expert_gradients(hf_unscaled)
     averaged = moe_plan(world, "expert_parallel", "grid", sharded_copies=True)
     controls[SHARDED_CONTROL] = _average_sharded_copies(planner.compile(averaged, root / SHARDED_CONTROL))
-    launch = check_many(world, [*folders.values(), *controls.values()], root)
+    return (folders, controls), [*folders.values(), *controls.values()]
+
+
+# Checked in the session's launch of each world size (tests/launch_groups.py).
+WORLD_GROUPS = {world: register_group(world, _world_programs) for world in (2, 4)}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda world: f"world{world}")
+def world_run(request, parity_launches) -> WorldRun:
+    world = request.param
+    (folders, controls), launch = parity_launches.result(WORLD_GROUPS[world])
     return WorldRun(world, folders, controls, launch)
 
 

@@ -30,7 +30,8 @@ from planner.api import prepare_model
 from planner.cli import main
 from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
-from test_parity import REPO, check_many, result_of
+from launch_groups import register_group
+from test_parity import REPO, result_of
 
 STE = str(REPO / "tests" / "models" / "ste.py")
 WORLD = 2
@@ -81,11 +82,9 @@ def test_pipeline_plan_of_a_hooked_model_is_refused(tmp_path):
         planner.compile(plan, tmp_path / "pp")
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def _programs(root, world):
     """The data-parallel programs of every variant, and the tensor-parallel program of the STE
-    model compiled past the refusal, checked in ONE torchrun launch."""
-    root = tmp_path_factory.mktemp("opaque")
+    model compiled past the refusal, checked in the session's launch (launch_groups.py)."""
     folders = {}
     for hook in VARIANTS:
         plan = planner.plan(ModelSpec(STE, {"hook": hook}), f"cpu:1x{WORLD}", progress=False)
@@ -93,7 +92,15 @@ def launched(tmp_path_factory):
     tp = baselines.megatron(STE, f"cpu:1x{WORLD}", tp=WORLD, precision="fp32")
     tp.graph.opaque_backward = []  # the control: what compile would write if it did not refuse
     folders["tp-control"] = planner.compile(tp, root / "tp-control")
-    return folders, check_many(WORLD, list(folders.values()), root)
+    return folders, list(folders.values())
+
+
+PROGRAMS = register_group(WORLD, _programs)
+
+
+@pytest.fixture(scope="module")
+def launched(parity_launches):
+    return parity_launches.result(PROGRAMS)
 
 
 @pytest.mark.distributed

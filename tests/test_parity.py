@@ -9,7 +9,8 @@ GPT with DDP and GPT-2 with FSDP also run with every block recomputed in backwar
 (``codegen.runtime.recompute``), and GPT-2 with ZeRO-2 in bf16 mixed precision.
 
 Starting gloo processes costs seconds on 2 cores, so each world size compiles its programs
-first and checks them all in ONE torchrun launch of ``tests/dist_check_many.py``; the
+first and checks them all in ONE launch of ``tests/dist_check_many.py``, shared with other
+modules' programs of that world size (``tests/launch_groups.py``); the
 parametrized tests then read that launch's ``RESULT`` line of their own program, so a failure
 names the model, flavour and world size. Negative controls (a DDP program whose gradients are
 never averaged; a ZeRO-1 program whose ranks step their own share of the parameters and never
@@ -34,7 +35,8 @@ import pytest
 
 import planner
 from planner.model_spec import ModelSpec
-from rank_processes import launch_ranks  # this folder is on sys.path under pytest
+from launch_groups import register_group  # this folder is on sys.path under pytest
+from rank_processes import launch_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -140,14 +142,16 @@ def _run(command: list[str], cwd: Path, timeout: float) -> Launch:
     return Launch(command, process.returncode, stdout, stderr)
 
 
-def check_many(world: int, programs: list[Path], cwd: Path, in_float64: list[Path] = ()) -> Launch:
+def check_many(world: int, programs: list[Path], cwd: Path, in_float64: list[Path] = (),
+               timeout: float = LAUNCH_TIMEOUT) -> Launch:
     """Check every compiled program in ``programs`` (and those of ``in_float64`` in float64,
     ``--check --fp64``) in ONE launch of ``dist_check_many.py`` on ``world`` gloo processes,
     started as torchrun starts its workers but without its agent (``tests/rank_processes.py``:
     a harness needs no agent, and it costs a second of a 2-core machine per launch); the
-    launch itself must succeed."""
+    launch itself must succeed. (``tests/launch_groups.py`` shares one such launch between
+    test modules.)"""
     float64 = [argument for folder in in_float64 for argument in ("--fp64", str(folder))]
-    launch = run_ranks(world, DIST_CHECK_MANY, [*map(str, programs), *float64], cwd, LAUNCH_TIMEOUT)
+    launch = run_ranks(world, DIST_CHECK_MANY, [*map(str, programs), *float64], cwd, timeout)
     assert launch.returncode == 0, f"dist_check_many.py failed at world size {world}:\n{launch.describe()}"
     return launch
 
@@ -223,17 +227,25 @@ class WorldRun:
         return result_of(self.launch, folder)
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda world: f"world{world}")
-def world_run(request, tmp_path_factory) -> WorldRun:
-    world = request.param
-    root = tmp_path_factory.mktemp(f"world{world}")
+def _world_programs(root: Path, world: int) -> tuple:
     folders = {
         (model, flavour): _compile(*MODELS[model], world, flavour, root / f"{model}_{flavour}")
         for model, flavour in CASES
     }
     broken = _remove_gradient_averaging(_compile(*MODELS["mlp"], world, "ddp", root / "mlp_ddp_unaveraged"))
     ungathered = _remove_update_gather(_compile(*MODELS["mlp"], world, "zero1", root / "mlp_zero1_ungathered"))
-    launch = check_many(world, [*folders.values(), broken, ungathered], root)
+    return (folders, broken, ungathered), [*folders.values(), broken, ungathered]
+
+
+# Checked in the session's launch of each world size, with other modules' programs
+# (tests/launch_groups.py).
+WORLD_GROUPS = {world: register_group(world, _world_programs) for world in WORLD_SIZES}
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda world: f"world{world}")
+def world_run(request, parity_launches) -> WorldRun:
+    world = request.param
+    (folders, broken, ungathered), launch = parity_launches.result(WORLD_GROUPS[world])
     return WorldRun(world, folders, broken, ungathered, launch)
 
 
@@ -244,8 +256,9 @@ def test_sharded_step_equals_single_device(world_run: WorldRun, model: str, flav
 
 
 def test_every_program_reports_a_result(world_run: WorldRun) -> None:
-    results = [line for line in world_run.launch.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(results) == len(world_run.folders) + 2, world_run.launch.describe()
+    # The launch is shared with other modules' programs: each of ours has exactly one line.
+    for folder in [*world_run.folders.values(), world_run.broken, world_run.ungathered]:
+        assert world_run.result(folder).startswith(("ok ", "FAILED ")), world_run.result(folder)
 
 
 def test_unaveraged_gradients_are_reported(world_run: WorldRun) -> None:

@@ -36,7 +36,7 @@ gradient of every parameter each stage holds and every updated parameter
   tp=2`` (attention tensor parallel, EP2 x EDP2 over each stage's 4 ranks).
 
 As in ``test_spmd_parity.py``, each world size compiles its programs first and checks them
-all in ONE torchrun launch of ``tests/dist_check_many.py``. Two negative controls must fail:
+all in ONE launch of ``tests/dist_check_many.py`` (shared with other modules: ``tests/launch_groups.py``). Two negative controls must fail:
 a program whose last stage drops the gradient of the activation it receives (stage 0 then
 learns nothing), and a tied GPT-2 program whose stages do not sum the tied weight's gradients.
 """
@@ -57,7 +57,8 @@ from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from search.megatron import megatron_plan
 from moe_plans import HF_MOE, folded_pipeline_plan, moe_pipeline_plan, with_copied_expert
-from test_parity import HF_GPT2_TINY, REPO, Launch, check_many, result_of
+from launch_groups import register_group
+from test_parity import HF_GPT2_TINY, REPO, Launch, result_of
 
 pytestmark = pytest.mark.distributed
 
@@ -245,7 +246,7 @@ class WorldRun:
         return result_of(self.launch, folder)
 
 
-def _world_run(world: int, root: Path) -> WorldRun:
+def _world_programs(root: Path, world: int) -> tuple:
     folders = {
         (model, case): planner.compile(
             make_plan(model, world, **({"searched": True} if options == SEARCHED else options)), root / f"{model}_{case}"
@@ -259,23 +260,31 @@ def _world_run(world: int, root: Path) -> WorldRun:
         )
         broken["untied gradients"] = untie_gradients(planner.compile(make_plan("gpt2", 2, pp=2), root / "gpt2_untied"))
     programs = [*folders.values(), *broken.values()]
-    launch = check_many(world, programs, root)
+    return (folders, broken), programs
+
+
+# Checked in the session's launch of each world size (tests/launch_groups.py).
+WORLD_GROUPS = {world: register_group(world, _world_programs) for world in (2, 4, 8)}
+
+
+def _world_run(world: int, parity_launches) -> WorldRun:
+    (folders, broken), launch = parity_launches.result(WORLD_GROUPS[world])
     return WorldRun(world, folders, broken, launch)
 
 
 @pytest.fixture(scope="module")
-def world2_run(tmp_path_factory) -> WorldRun:
-    return _world_run(2, tmp_path_factory.mktemp("pipeline_world2"))
+def world2_run(parity_launches) -> WorldRun:
+    return _world_run(2, parity_launches)
 
 
 @pytest.fixture(scope="module")
-def world4_run(tmp_path_factory) -> WorldRun:
-    return _world_run(4, tmp_path_factory.mktemp("pipeline_world4"))
+def world4_run(parity_launches) -> WorldRun:
+    return _world_run(4, parity_launches)
 
 
 @pytest.fixture(scope="module")
-def world8_run(tmp_path_factory) -> WorldRun:
-    return _world_run(8, tmp_path_factory.mktemp("pipeline_world8"))
+def world8_run(parity_launches) -> WorldRun:
+    return _world_run(8, parity_launches)
 
 
 @pytest.mark.parametrize(("world", "model", "case"), ALL_CASES, ids=[f"world{w}-{m}-{c}" for w, m, c in ALL_CASES])

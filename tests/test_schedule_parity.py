@@ -39,7 +39,8 @@ import planner
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
 from search.megatron import megatron_plan
-from test_parity import REPO, check_many, result_of
+from launch_groups import register_group
+from test_parity import REPO, result_of
 
 pytestmark = pytest.mark.distributed
 
@@ -139,7 +140,7 @@ def stop_summing_shared_gradients(folder: Path) -> Path:
     return folder
 
 
-def _world_run(world: int, root: Path):
+def _world_programs(root: Path, world: int):
     folders = {
         case: planner.compile(make_plan(world, overrides, options, stages, case), root / case)
         for case, (overrides, options, stages) in CASES[world].items()
@@ -155,18 +156,23 @@ def _world_run(world: int, root: Path):
         broken["detached attention"] = detach_attention_output(
             planner.compile(make_plan(world, overrides, options), root / "broken_detached_attention")
         )
-    launch = check_many(world, [*folders.values(), *broken.values()], root)
+    return (folders, broken), [*folders.values(), *broken.values()]
+
+
+# Checked in the session's launch of each world size (tests/launch_groups.py).
+WORLD_GROUPS = {world: register_group(world, _world_programs) for world in (2, 4)}
+
+
+@pytest.fixture(scope="module")
+def world2_run(parity_launches):
+    (folders, broken), launch = parity_launches.result(WORLD_GROUPS[2])
     return folders, broken, launch
 
 
 @pytest.fixture(scope="module")
-def world2_run(tmp_path_factory):
-    return _world_run(2, tmp_path_factory.mktemp("schedules_world2"))
-
-
-@pytest.fixture(scope="module")
-def world4_run(tmp_path_factory):
-    return _world_run(4, tmp_path_factory.mktemp("schedules_world4"))
+def world4_run(parity_launches):
+    (folders, broken), launch = parity_launches.result(WORLD_GROUPS[4])
+    return folders, broken, launch
 
 
 @pytest.mark.parametrize(("world", "case"), ALL_CASES, ids=[f"world{w}-{c}" for w, c in ALL_CASES])

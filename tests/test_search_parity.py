@@ -16,7 +16,8 @@ from search.data_parallel import data_parallel_plan
 from search.megatron import megatron_plan
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
-from test_parity import REPO, check_many, result_of
+from launch_groups import register_group
+from test_parity import REPO, result_of
 
 pytestmark = pytest.mark.distributed
 
@@ -28,12 +29,19 @@ SEARCHED = {
 }
 
 
-@pytest.fixture(scope="module")
-def searched(tmp_path_factory):
-    root = tmp_path_factory.mktemp("searched")
-    plans = {name: planner.plan(spec, "cpu:1x2", progress=False) for name, spec in SEARCHED.items()}
+def _searched(root, world):
+    plans = {name: planner.plan(spec, f"cpu:1x{world}", progress=False) for name, spec in SEARCHED.items()}
     folders = {name: planner.compile(plan, root / name) for name, plan in plans.items()}
-    return plans, folders, check_many(2, list(folders.values()), root)
+    return (plans, folders), list(folders.values())
+
+
+SEARCHED_GROUP = register_group(2, _searched)  # checked in the session's world-2 launch (launch_groups.py)
+
+
+@pytest.fixture(scope="module")
+def searched(parity_launches):
+    (plans, folders), launch = parity_launches.result(SEARCHED_GROUP)
+    return plans, folders, launch
 
 
 @pytest.mark.parametrize("name", sorted(SEARCHED))
@@ -68,18 +76,25 @@ SEARCHED_WORLD4 = {
 }
 
 
-@pytest.fixture(scope="module")
-def searched_world4(tmp_path_factory):
-    root = tmp_path_factory.mktemp("searched4")
+def _searched_world4(root, world):
     # The default effort, as the done-when command plans.
-    plans = {name: planner.plan(spec, "cpu:1x4", progress=False) for name, spec in SEARCHED_WORLD4.items()}
+    plans = {name: planner.plan(spec, f"cpu:1x{world}", progress=False) for name, spec in SEARCHED_WORLD4.items()}
     folders = {name: planner.compile(plan, root / name) for name, plan in plans.items()}
     # Control: the MoE model under DDP (each rank routing its own slice, with its own capacity
     # and balance loss), which the planner refuses to plan: built directly, it must fail.
-    graph, spec, name, cluster = prepare_model(SEARCHED_WORLD4["moe"], "cpu:1x4")
+    graph, spec, name, cluster = prepare_model(SEARCHED_WORLD4["moe"], f"cpu:1x{world}")
     ddp = data_parallel_plan(graph, cluster, spec, name, "ddp")
     folders["moe-ddp-control"] = planner.compile(ddp, root / "moe-ddp-control")
-    return plans, folders, check_many(4, list(folders.values()), root)
+    return (plans, folders), list(folders.values())
+
+
+SEARCHED_WORLD4_GROUP = register_group(4, _searched_world4)
+
+
+@pytest.fixture(scope="module")
+def searched_world4(parity_launches):
+    (plans, folders), launch = parity_launches.result(SEARCHED_WORLD4_GROUP)
+    return plans, folders, launch
 
 
 @pytest.mark.parametrize("name", sorted(SEARCHED_WORLD4))
@@ -98,10 +113,17 @@ def test_a_model_whose_samples_mix_is_planned_over_the_whole_batch(searched_worl
     assert result_of(launch, folders["moe-ddp-control"]).startswith("FAILED parity FAILED")
 
 
-def test_megatron_on_a_two_by_four_mesh(tmp_path):
-    graph, spec, name, cluster = prepare_model(ModelSpec(str(EXAMPLES / "gpt.py"), {}), "cpu:1x8")
+def _megatron_2x4(root, world):
+    graph, spec, name, cluster = prepare_model(ModelSpec(str(EXAMPLES / "gpt.py"), {}), f"cpu:1x{world}")
     plan = megatron_plan(graph, cluster, spec, name, tp=4, dp=2, precision="fp32")
+    folder = planner.compile(plan, root / "gpt_2x4")
+    return (plan, folder), [folder]
+
+
+MEGATRON_2X4_GROUP = register_group(8, _megatron_2x4)
+
+
+def test_megatron_on_a_two_by_four_mesh(parity_launches):
+    (plan, folder), launch = parity_launches.result(MEGATRON_2X4_GROUP)
     assert plan.mesh.axes == (("dp", 2), ("tp", 4))
-    folder = planner.compile(plan, tmp_path / "gpt_2x4")
-    launch = check_many(8, [folder], tmp_path)
     assert result_of(launch, folder).startswith("ok"), launch.describe()

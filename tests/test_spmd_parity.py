@@ -47,7 +47,8 @@ from planner.model_spec import ModelSpec
 from search.layouts import batch_input_placements, combine
 from search.megatron import megatron_plan
 from search.propagation import propagate
-from test_parity import HF_GPT2_TINY, REPO, Launch, check_many, result_of
+from launch_groups import register_group
+from test_parity import HF_GPT2_TINY, REPO, Launch, result_of
 
 pytestmark = pytest.mark.distributed
 
@@ -183,8 +184,9 @@ class WorldRun:
         return result_of(self.launch, folder)
 
 
-def _world_run(world: int, root: Path) -> WorldRun:
-    """Compile every program of world size ``world`` and check them all in one launch."""
+def _world_programs(root: Path, world: int) -> tuple:
+    """Compile every program of world size ``world``, checked in the session's launch of that
+    size (``tests/launch_groups.py``)."""
     folders = {}
     for model, family in cases(world):
         folders[model, family] = planner.compile(make_plan(model, family, world), root / f"{model}_{family}")
@@ -192,20 +194,27 @@ def _world_run(world: int, root: Path) -> WorldRun:
     if world == 2:
         broken = skip_first_all_reduce(planner.compile(make_plan("mlp", "megatron", world), root / "mlp_skipped_all_reduce"))
     programs = [*folders.values(), *([broken] if broken else [])]
-    launch = check_many(world, programs, root)
+    return (folders, broken), programs
+
+
+WORLD_GROUPS = {world: register_group(world, _world_programs) for world in WORLD_SIZES}
+
+
+def _world_run(world: int, parity_launches) -> WorldRun:
+    (folders, broken), launch = parity_launches.result(WORLD_GROUPS[world])
     return WorldRun(world, folders, broken, launch)
 
 
-# One fixture per world size (not one parametrized fixture), so each launch runs exactly once
+# One fixture per world size (not one parametrized fixture), so each is built exactly once
 # however pytest orders the tests that read it.
 @pytest.fixture(scope="module")
-def world2_run(tmp_path_factory) -> WorldRun:
-    return _world_run(2, tmp_path_factory.mktemp("spmd_world2"))
+def world2_run(parity_launches) -> WorldRun:
+    return _world_run(2, parity_launches)
 
 
 @pytest.fixture(scope="module")
-def world4_run(tmp_path_factory) -> WorldRun:
-    return _world_run(4, tmp_path_factory.mktemp("spmd_world4"))
+def world4_run(parity_launches) -> WorldRun:
+    return _world_run(4, parity_launches)
 
 
 @pytest.fixture(params=WORLD_SIZES, ids=lambda world: f"world{world}")
@@ -221,8 +230,9 @@ def test_sharded_step_equals_single_device(request, world: int, model: str, fami
 
 
 def test_every_program_reports_a_result(world_run: WorldRun) -> None:
-    results = [line for line in world_run.launch.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(results) == len(world_run.folders) + (world_run.broken is not None), world_run.launch.describe()
+    # The launch is shared with other modules' programs: each of ours has exactly one line.
+    for folder in [*world_run.folders.values(), *([world_run.broken] if world_run.broken else [])]:
+        assert world_run.result(folder).startswith(("ok ", "FAILED ")), world_run.result(folder)
 
 
 def test_skipped_all_reduce_is_reported(world2_run: WorldRun) -> None:

@@ -35,7 +35,8 @@ from planner.errors import PlanningError
 from planner.model_spec import ModelSpec
 from planner.strategy import SummaLayout
 from summa_plans import GPT, GPT_BLOCK, GPT_SMALL, LLAMA_TINY, summa_plan
-from test_parity import check_many, result_of
+from launch_groups import register_group
+from test_parity import result_of
 
 GPT_SPEC, BLOCK_SPEC, LLAMA_SPEC = ModelSpec(GPT, GPT_SMALL), ModelSpec(GPT, GPT_BLOCK), ModelSpec("hf:llama", LLAMA_TINY)
 # name -> (spec, family, dp); every case of one world size runs in one launch.
@@ -72,11 +73,8 @@ def block_plan(family: str):
     return summa_plan(BLOCK_SPEC, family)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def world_run(request, tmp_path_factory):
-    """Compile every program of one world size, break the controls, check all in one launch."""
-    world = request.param
-    root = tmp_path_factory.mktemp(f"summa{world}")
+def _world_programs(root, world):
+    """Compile every program of one world size and break the controls."""
     folders = {}
     for name, (spec, family, dp) in CASES[world].items():
         folders[name] = root / name
@@ -96,7 +94,17 @@ def world_run(request, tmp_path_factory):
         text = program.read_text()
         assert "summa_layouts._local_with_partial_gradient" not in text
         program.write_text(text + _UNSUMMED)
-    launch = check_many(world, list(folders.values()), cwd=root)
+    return folders, list(folders.values())
+
+
+# Checked in the session's launch of each world size (tests/launch_groups.py).
+WORLD_GROUPS = {world: register_group(world, _world_programs) for world in sorted(CASES)}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def world_run(request, parity_launches):
+    world = request.param
+    folders, launch = parity_launches.result(WORLD_GROUPS[world])
     return world, {name: result_of(launch, folder) for name, folder in folders.items()}, folders
 
 

@@ -63,7 +63,8 @@ from search.megatron import megatron_plan
 from search.plan_builder import unsimulated_plan
 from search.propagation import propagate
 from test_dry_run import conv_weights_split_plan
-from test_parity import Launch, check_many, result_of
+from launch_groups import register_group
+from test_parity import Launch, result_of
 
 pytestmark = pytest.mark.distributed
 
@@ -178,8 +179,9 @@ class ZooRun:
         return result_of(self.launch, self.folders[name])
 
 
-def _run_zoo(world: int, root: Path) -> ZooRun:
-    """Plan and compile every member of ``world``, then check them all in one launch."""
+def _zoo_programs(root: Path, world: int) -> tuple:
+    """Plan and compile every member of ``world``, checked in the session's launch of that
+    size (``tests/launch_groups.py``)."""
     plans, refused, folders = {}, {}, {}
     for name in members(world):
         source, overrides, _ = MEMBERS[name]
@@ -219,7 +221,15 @@ def _run_zoo(world: int, root: Path) -> ZooRun:
             folders[name] = planner.compile(plans[name], root / name)
     in_float64 = [folder for name, folder in folders.items() if name in IN_FLOAT64]
     in_fp32 = [folder for name, folder in folders.items() if name not in IN_FLOAT64]
-    return ZooRun(world, plans, refused, folders, check_many(world, in_fp32, root, in_float64))
+    return (plans, refused, folders), in_fp32, in_float64
+
+
+ZOO_GROUPS = {world: register_group(world, _zoo_programs) for world in (2, 4)}
+
+
+def _run_zoo(world: int, parity_launches) -> ZooRun:
+    (plans, refused, folders), launch = parity_launches.result(ZOO_GROUPS[world])
+    return ZooRun(world, plans, refused, folders, launch)
 
 
 def in_float64_plan(spec: ModelSpec, layout: str) -> planner.Plan:
@@ -243,13 +253,13 @@ def members(world: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def zoo2(tmp_path_factory) -> ZooRun:
-    return _run_zoo(2, tmp_path_factory.mktemp("zoo2"))
+def zoo2(parity_launches) -> ZooRun:
+    return _run_zoo(2, parity_launches)
 
 
 @pytest.fixture(scope="module")
-def zoo4(tmp_path_factory) -> ZooRun:
-    return _run_zoo(4, tmp_path_factory.mktemp("zoo4"))
+def zoo4(parity_launches) -> ZooRun:
+    return _run_zoo(4, parity_launches)
 
 
 CASES = [(world, name) for world in (2, 4) for name in members(world)]
