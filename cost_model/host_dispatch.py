@@ -46,6 +46,17 @@ class HostDispatch:
     backward_s: float
 
 
+def dtensor_dispatch(device: DeviceSpec) -> HostDispatch:
+    """DTensor's own host seconds per op of a graph program (beyond a plain tensor's): the
+    device's calibrated ``dtensor_op_overhead_s``, else the measured defaults above. The same
+    host work whichever device runs the kernels: on GPUs it runs ahead of them
+    (``host_dispatch``), on CPUs it adds to each op (``cost_model.step_context``)."""
+    calibrated = device.dtensor_op_overhead_s
+    forward = DTENSOR_FORWARD_DISPATCH_S if calibrated is None else calibrated
+    backward = DTENSOR_BACKWARD_DISPATCH_S if calibrated is None else calibrated
+    return HostDispatch(forward, backward)
+
+
 def host_dispatch(cluster: Cluster, device: DeviceSpec, graph_program: bool) -> HostDispatch | None:
     """The host's time per op where it runs ahead of the device (GPU clusters), else None
     (on CPUs the host's time adds to each op instead)."""
@@ -54,10 +65,8 @@ def host_dispatch(cluster: Cluster, device: DeviceSpec, graph_program: bool) -> 
     overhead = efficiencies(device)[2]
     if not graph_program:
         return HostDispatch(overhead, overhead)
-    calibrated = device.dtensor_op_overhead_s
-    forward = DTENSOR_FORWARD_DISPATCH_S if calibrated is None else calibrated
-    backward = DTENSOR_BACKWARD_DISPATCH_S if calibrated is None else calibrated
-    return HostDispatch(overhead + forward, overhead + backward)
+    dtensor = dtensor_dispatch(device)
+    return HostDispatch(overhead + dtensor.forward_s, overhead + dtensor.backward_s)
 
 
 def host_wait(device_s: float, host_s: float) -> float:
