@@ -12,8 +12,9 @@ which the simulator applies per segment (``cost_model.segments``): within a bloc
 runs ahead during long kernels and the queue drains during short ones. (Across segments
 the host can run further ahead, so a segment that alone is host-bound may be less so in a
 step: per-segment is the pessimistic side of the bound.) On CPU devices the host *is* the
-device, so the host's time adds to the op's instead (``dtensor_op_overhead_s`` in
-``cost_model.simulator``).
+device, so the host's time adds to the op's instead (``StepContext.dtensor_dispatch`` in
+``cost_model.step_context``, from ``dtensor_dispatch`` below: the same defaults when the
+device is not calibrated).
 
 Host time per op: ``kernel_overhead_s`` (dispatch and launch, ``cost_model.defaults``; the
 device side charges it too, as the gap between kernels) plus, on the DTensors of a graph
