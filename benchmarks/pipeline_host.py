@@ -12,7 +12,7 @@ simulator charges the stage's ops (their per-op dispatch included) and each tran
 time, but none of that per-action host work.
 
 This script measures it at world 2 over gloo on stages of one tiny ``nn.Linear`` (8x8, 4
-rows: ops of about a microsecond) under 1F1B, with 1, 4, 8 and 16 micro-batches per step:
+rows: ops of about a microsecond) under 1F1B (GPipe at 1), with 1, 4, 8 and 16 micro-batches per step:
 the step time's slope over micro-batches is one micro-batch's cost on the busier stage (its
 forward and backward actions, their transfers, and the linear's own ops), and the same
 linear's forward and backward run eagerly without a schedule (measured in the same process)
