@@ -57,7 +57,8 @@ def _step_seconds(rank: int, micro_batches: int) -> float:
     torch.manual_seed(0)
     module = nn.Linear(WIDTH, WIDTH)
     example = torch.zeros(ROWS, WIDTH, requires_grad=rank == 1)
-    stage = PipelineStage(module, rank, 2, torch.device("cpu"), input_args=(example,), output_args=(torch.zeros(ROWS, WIDTH, requires_grad=True),))
+    output = torch.zeros(ROWS, WIDTH, requires_grad=True)
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"), input_args=(example,), output_args=(output,))
     kind = Schedule1F1B if micro_batches >= 2 else ScheduleGPipe
     schedule = kind(stage, micro_batches, loss_fn=lambda out, target: out.sum())
     batch = torch.randn(ROWS * micro_batches, WIDTH)

@@ -117,7 +117,8 @@ def test_the_search_gives_the_fast_stage_more_blocks_and_prices_each_stage_on_it
     # Batch 16: DTensor's dispatch is host time charged alike on both devices
     # (cost_model.host_dispatch), so at batch 8 the fixed per-op cost of each micro-batch
     # outweighs the FLOPs and two blocks each balance best; at 16 the FLOPs tell.
-    graph, spec, name, cluster = prepare_model(ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 16, "n_layer": 4}), MIXED)
+    wide_batch = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 16, "n_layer": 4})
+    graph, spec, name, cluster = prepare_model(wide_batch, MIXED)
     estimates, grids = staged_estimates(graph, cluster, "fp32", ("ddp",), SearchBudget())
     fast, slow = (group.device for group in device_groups(cluster))
     assert fast.name == "cpu-fast" and slow.name == "cpu-slow"
