@@ -20,10 +20,13 @@ is subtracted, leaving the schedule's host seconds per micro-batch, i.e. per pai
 (forward, backward) actions. Median of ``ROUNDS`` rounds of ``STEPS`` steps, one thread per
 rank.
 
-Measured (this project's shared 2-core x86_64 VM, torch 2.13.0, under load from other jobs):
+Measured (this project's shared 2-core x86_64 VM, torch 2.13.0, lightly loaded):
 step 0.71 / 2.01 / 2.83 / 6.87 ms at 1 / 4 / 8 / 16 micro-batches, slope 404 us per
 micro-batch, the linear's eager forward and backward 30 us: 374 us of schedule host work
-per micro-batch. Not priced by the simulator: on ``examples/clusters/mixed.toml`` the GPT
+per micro-batch. The figure follows the host's load: at a load average of 4.7 on the 2
+cores (other jobs) the same script gave 5.7 ms per micro-batch, each rank waiting for a core
+at every transfer, so it measures the host's contention as much as the schedule. Not priced
+by the simulator: on ``examples/clusters/mixed.toml`` the GPT
 example's pp=2 program (1F1B, 4 micro-batches) runs 5 micro-batch passes on its critical
 path, 1.9 ms of a measured 44 ms step (4%), and this work is not stretched by ``launch.py
 --slowdown-from-cluster`` while the measured pipeline/uneven-DDP ratio grows with it (1.36x
