@@ -12,8 +12,9 @@ which the simulator applies per segment (``cost_model.segments``): within a bloc
 runs ahead during long kernels and the queue drains during short ones. (Across segments
 the host can run further ahead, so a segment that alone is host-bound may be less so in a
 step: per-segment is the pessimistic side of the bound.) On CPU devices the host *is* the
-device, so the host's time adds to the op's instead (``dtensor_op_overhead_s`` in
-``cost_model.simulator``).
+device, so the host's time adds to the op's instead (``StepContext.dtensor_dispatch`` in
+``cost_model.step_context``, from ``dtensor_dispatch`` below: the same defaults when the
+device is not calibrated).
 
 Host time per op: ``kernel_overhead_s`` (dispatch and launch, ``cost_model.defaults``; the
 device side charges it too, as the gap between kernels) plus, on the DTensors of a graph
@@ -46,6 +47,17 @@ class HostDispatch:
     backward_s: float
 
 
+def dtensor_dispatch(device: DeviceSpec) -> HostDispatch:
+    """DTensor's own host seconds per op of a graph program (beyond a plain tensor's): the
+    device's calibrated ``dtensor_op_overhead_s``, else the measured defaults above. The same
+    host work whichever device runs the kernels: on GPUs it runs ahead of them
+    (``host_dispatch``), on CPUs it adds to each op (``cost_model.step_context``)."""
+    calibrated = device.dtensor_op_overhead_s
+    forward = DTENSOR_FORWARD_DISPATCH_S if calibrated is None else calibrated
+    backward = DTENSOR_BACKWARD_DISPATCH_S if calibrated is None else calibrated
+    return HostDispatch(forward, backward)
+
+
 def host_dispatch(cluster: Cluster, device: DeviceSpec, graph_program: bool) -> HostDispatch | None:
     """The host's time per op where it runs ahead of the device (GPU clusters), else None
     (on CPUs the host's time adds to each op instead)."""
@@ -54,10 +66,8 @@ def host_dispatch(cluster: Cluster, device: DeviceSpec, graph_program: bool) -> 
     overhead = efficiencies(device)[2]
     if not graph_program:
         return HostDispatch(overhead, overhead)
-    calibrated = device.dtensor_op_overhead_s
-    forward = DTENSOR_FORWARD_DISPATCH_S if calibrated is None else calibrated
-    backward = DTENSOR_BACKWARD_DISPATCH_S if calibrated is None else calibrated
-    return HostDispatch(overhead + forward, overhead + backward)
+    dtensor = dtensor_dispatch(device)
+    return HostDispatch(overhead + dtensor.forward_s, overhead + dtensor.backward_s)
 
 
 def host_wait(device_s: float, host_s: float) -> float:

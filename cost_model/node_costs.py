@@ -294,10 +294,10 @@ class NodeCosts:
         if self.context.host is not None:
             cost.host_forward_s = self.context.host.forward_s
             cost.host_backward_s = self.context.host.backward_s if has_backward else 0.0
-        elif self.context.dtensor_op_overhead_s:
-            cost.forward_s += self.context.dtensor_op_overhead_s
+        else:
+            cost.forward_s += self.context.dtensor_dispatch.forward_s
             if has_backward:
-                cost.backward_s += self.context.dtensor_op_overhead_s
+                cost.backward_s += self.context.dtensor_dispatch.backward_s
         if not node.is_view:
             # An op's output is what its readers keep for backward (most ops save their input).
             cost.saved_bytes = self.context.output_bytes(node, strategy) if self.kept_for_backward(node.name) else 0.0

@@ -26,7 +26,7 @@ micro_batches              x      x         x      x       x          x        x
 dp                                                                    x
 activation_scale           x      x                x                           x
 graph_program                               x                         x
-dtensor_op_overhead_s      x
+dtensor_dispatch           x
 redistribute_overhead_s    x                                                   x
 host                       x      x
 moe_layers, moe_layer_of   x      x                x
@@ -52,7 +52,7 @@ from torch.distributed.tensor import Shard
 
 from cost_model.collectives import collective_time
 from cost_model.compute import PRECISIONS, check_precision
-from cost_model.host_dispatch import HostDispatch, host_dispatch
+from cost_model.host_dispatch import HostDispatch, dtensor_dispatch, host_dispatch
 from cost_model.megatron_grad_sync import gradient_bytes, runs_megatron_sync
 from cost_model.mixed_precision import reduced_gradient_bytes
 from cost_model.moe_layers import LaidOutLayer, laid_out_layers
@@ -87,7 +87,8 @@ class StepContext:
     activation_scale: float  # bytes of an activation element / 4
     # A program that replays the traced graph on DTensors (not a plain data-parallel module).
     graph_program: bool
-    dtensor_op_overhead_s: float
+    # DTensor's own dispatch per op (forward, backward) on CPUs, where it adds to each op.
+    dtensor_dispatch: HostDispatch
     redistribute_overhead_s: float
     host: HostDispatch | None
     overlap_slowdown: float
@@ -125,7 +126,10 @@ class StepContext:
             dp=mesh.axis_size("dp") if "dp" in mesh.names else 1,
             activation_scale=PRECISIONS[plan.precision][1] / 4,
             graph_program=graph_program,
-            dtensor_op_overhead_s=(device.dtensor_op_overhead_s or 0.0) if graph_program else 0.0,
+            # Uncalibrated, the measured default (cost_model.host_dispatch), as on GPUs: a CPU
+            # device without a calibration still pays it, and a graph program (a pipeline's
+            # stages among them) runs every op on DTensors where a plain DDP module does not.
+            dtensor_dispatch=dtensor_dispatch(device) if graph_program else HostDispatch(0.0, 0.0),
             # ... and pays DTensor's redistribute machinery on every collective it issues in line.
             redistribute_overhead_s=(device.redistribute_overhead_s or 0.0) if graph_program else 0.0,
             # On GPUs the host issues ops ahead of the kernels (its time bounds a segment's from

@@ -208,7 +208,7 @@ def test_dtensor_overhead_is_charged_to_graph_programs_only(ddp_plan) -> None:
     assert step_time_with(case, values) == pytest.approx(step_time_with(case, calibration_values(ddp_plan.cluster)))
     tp = baselines.megatron(ModelSpec(str(REPO / "examples/mlp.py"), MLP), "cpu:1x2", tp=2, precision="fp32")
     graph = ddp_plan.graph
-    plain = Simulator(tp, graph)
+    plain = Simulator(dataclasses.replace(tp, cluster=with_calibration(tp.cluster, {**values, "dtensor_op_overhead_s": 0.0})), graph)
     charged = Simulator(dataclasses.replace(tp, cluster=with_calibration(tp.cluster, values)), graph)
     graded = sum(1 for node in graph.nodes if any(meta.dtype.is_floating_point for meta in node.output_meta))
     added = sum(c.forward_s + c.backward_s for c in charged.costs.values()) - sum(c.forward_s + c.backward_s for c in plain.costs.values())

@@ -113,20 +113,28 @@ def traced():
     return graph, spec, name, cluster
 
 
-def test_the_search_gives_the_fast_stage_more_blocks_and_prices_each_stage_on_its_device(traced) -> None:
-    graph, spec, name, cluster = traced
+def test_the_search_gives_the_fast_stage_more_blocks_and_prices_each_stage_on_its_device() -> None:
+    # Batch 16: DTensor's dispatch is host time charged alike on both devices
+    # (cost_model.host_dispatch), so at batch 8 the fixed per-op cost of each micro-batch
+    # outweighs the FLOPs and two blocks each balance best; at 16 the FLOPs tell.
+    wide_batch = ModelSpec(str(REPO / "examples/gpt.py"), {"batch_size": 16, "n_layer": 4})
+    graph, spec, name, cluster = prepare_model(wide_batch, MIXED)
     estimates, grids = staged_estimates(graph, cluster, "fp32", ("ddp",), SearchBudget())
     fast, slow = (group.device for group in device_groups(cluster))
     assert fast.name == "cpu-fast" and slow.name == "cpu-slow"
     # Both orders were priced, as one stage per group (pp=2, dp=2) and as each group cut into
-    # two stages of one rank (pp=4); every two-stage estimate gives the fast stage more blocks
-    # than the slow (four stages over four blocks hold one each).
+    # two stages of one rank (pp=4); every two-stage estimate gives the fast stage at least
+    # as many blocks as the slow, the best of each order more (four stages over four blocks
+    # hold one each).
     assert {e.order for e in estimates} == {(0, 1), (1, 0), (0, 0, 1, 1), (1, 1, 0, 0)}
     for estimate in estimates:
         if len(estimate.order) == 2:
-            assert estimate.blocks[estimate.order.index(0)] > estimate.blocks[estimate.order.index(1)], estimate
+            assert estimate.blocks[estimate.order.index(0)] >= estimate.blocks[estimate.order.index(1)], estimate
         else:
             assert estimate.blocks == (1, 1, 1, 1) and estimate.config.dp == 1
+    for order in ((0, 1), (1, 0)):
+        estimate = min((e for e in estimates if e.order == order), key=lambda e: e.step_s)
+        assert estimate.blocks[order.index(0)] > estimate.blocks[order.index(1)], estimate
     best = estimates[0]
     plan = staged_plan(best, graph, cluster, grids, spec, name, ())
     section = plan.sections["hetero-pp"]

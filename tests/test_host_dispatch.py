@@ -87,3 +87,53 @@ def test_a_host_bound_plan_says_so_and_keeps_the_figure_in_its_file(tmp_path):
     assert "waiting for the host to issue ops" in plan.report()
     plan.save(tmp_path / "plan.json")
     assert load_plan(tmp_path / "plan.json").estimate.host_wait_s == pytest.approx(plan.estimate.host_wait_s)
+
+
+def _pipeline_on_cpus(device_overrides: dict):
+    """A pp=2 pipeline (1F1B, 2 micro-batches) of the GPT example (2 blocks, batch 8) on two
+    CPU devices of the cpu preset, their fields replaced by ``device_overrides``."""
+    import dataclasses
+
+    from planner.cluster import Cluster
+
+    base = Cluster.preset("cpu", devices_per_node=2)
+    node = dataclasses.replace(base.nodes[0], device=dataclasses.replace(base.nodes[0].device, **device_overrides))
+    cluster = dataclasses.replace(base, nodes=(node,))
+    spec = ModelSpec(str(Path(MLP_FILE).with_name("gpt.py")), {})
+    plan = baselines.megatron(spec, cluster, pp=2, micro_batch=4, precision="fp32")  # 8 / 4: 2 micro-batches
+    return Simulator(plan, plan.graph)
+
+
+def test_a_pipeline_on_uncalibrated_cpus_pays_dtensor_dispatch_on_every_op_of_every_micro_batch():
+    # A pipeline's stages are graph programs: every op runs on DTensors, so on a CPU device
+    # without a calibrated dtensor_op_overhead_s each op costs the measured default on top of
+    # its kernel, 8.7 us forward and 12.5 us backward (benchmarks/host_dispatch.py), as on
+    # GPUs; a device calibrated at 0 pays none. Node costs are per micro-batch, so the two
+    # micro-batches each pay it again.
+    uncalibrated = _pipeline_on_cpus({"dtensor_op_overhead_s": None})
+    free = _pipeline_on_cpus({"dtensor_op_overhead_s": 0.0})
+    assert uncalibrated.context.host is None and uncalibrated.context.micro_batches == 2
+    for name, cost in uncalibrated.costs.items():
+        assert cost.forward_s == pytest.approx(free.costs[name].forward_s + 8.7e-6)
+        expected_backward = free.costs[name].backward_s + (12.5e-6 if _has_backward(uncalibrated, name) else 0.0)
+        assert cost.backward_s == pytest.approx(expected_backward)
+    # Per stage and micro-batch: 8.7 us per op forward, 12.5 us per op with a backward; each
+    # stage holds 29 ops, 28 with a backward: 29 x 8.7 + 28 x 12.5 = 602.3 us. 1F1B with
+    # pp = 2 and m = 2 runs m + pp - 1 = 3 stage passes (forward and backward) one after the
+    # other on its critical path: the step grows by 3 x 602.3 us = 1.807 ms.
+    per_stage = [0.0, 0.0]
+    for segment in uncalibrated.segments():
+        graded = sum(1 for name in segment.nodes if _has_backward(uncalibrated, name))
+        per_stage[segment.stage] += len(segment.nodes) * 8.7e-6 + graded * 12.5e-6
+    extra = uncalibrated.run().step_time_s - free.run().step_time_s
+    assert per_stage == pytest.approx([602.3e-6, 602.3e-6])
+    assert extra == pytest.approx(3 * 602.3e-6)
+
+
+def test_a_plain_data_parallel_module_on_cpus_pays_no_dtensor_dispatch():
+    from planner.cluster import Cluster
+
+    spec = ModelSpec(MLP_FILE, {"batch_size": 8, "in_features": 16, "hidden": 32, "out_features": 8, "layers": 2})
+    plan = baselines.ddp(spec, Cluster.preset("cpu", devices_per_node=2))
+    simulator = Simulator(plan, plan.graph)
+    assert simulator.context.dtensor_dispatch.forward_s == simulator.context.dtensor_dispatch.backward_s == 0.0

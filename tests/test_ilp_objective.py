@@ -56,6 +56,9 @@ def _cluster() -> Cluster:
         matmul_efficiency=MATMUL_EFF,
         memory_efficiency=MEMORY_EFF,
         kernel_overhead_s=OVERHEAD,
+        # No DTensor dispatch (calibrated at 0; uncalibrated a graph program pays the measured
+        # default, cost_model.host_dispatch): each op costs its roofline plus OVERHEAD.
+        dtensor_op_overhead_s=0.0,
     )
     # Two devices on one node; the inter-node link is never used.
     node = NodeSpec(device=device, devices=2, intra_link=LinkSpec(bandwidth=BETA, latency=ALPHA))
