@@ -70,7 +70,7 @@ from planner.api import prepare_model
 from planner.constraints import SearchConstraints
 from planner.errors import PlannerError
 from planner.model_spec import ModelSpec
-from search.megatron_moe import GridResult, MegatronMoEConfig, best_of, grid_configs, grid_plan
+from search.megatron_moe import GridResult, MegatronMoEConfig, best_of, grid_results
 
 GIB = 2**30
 
@@ -184,8 +184,8 @@ def constrained_search(row: Row):
 def grid(row: Row, constrained: bool) -> tuple[list[GridResult], float]:
     started = time.perf_counter()
     graph, spec, name, cluster = prepare_model(row_spec(row), row.cluster)
-    results = [grid_plan(config, graph, cluster, spec, name, "bf16", constrained_search(row) if constrained else None)
-               for config in grid_configs(graph, cluster)]
+    results = grid_results(graph, cluster, spec, name, "bf16", constrained_search(row) if constrained else None)
+    del graph  # the traced graph is the grid's largest object: freed before the next row
     return results, time.perf_counter() - started
 
 
@@ -246,10 +246,15 @@ def main() -> None:
     parser.add_argument("--search-timeout", type=float, default=1200.0, help="seconds per row's search (default 1200)")
     parser.add_argument("--constrained", action="store_true",
                         help="plan grid configurations with TP or PP through the search under their mesh (slow)")
+    parser.add_argument("--grid-after-search", action="store_true",
+                        help="build the grid once the search has finished, not beside it (half the peak memory; "
+                             "DeepSeek-V3 on 2,048 GPUs needs it on a 24 GiB machine)")
     options = parser.parse_args()
     rows = [row for row in ROWS if (not options.quick or row.quick) and (not options.rows or row.key in options.rows)]
     for row in rows:
         search = SearchRun.start(row)  # beside the grid: both are this row's
+        if options.grid_after_search:
+            searched = search.finish(options.search_timeout)
         try:
             results, grid_s = grid(row, options.constrained)
         except PlannerError as error:  # the model cannot be built or traced: its one-line message
@@ -257,7 +262,7 @@ def main() -> None:
             search.finish(0.0)
             continue
         best = report_grid(row, results, grid_s)
-        report_search(search.finish(options.search_timeout), best)
+        report_search(searched if options.grid_after_search else search.finish(options.search_timeout), best)
 
 
 if __name__ == "__main__":

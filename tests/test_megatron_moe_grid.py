@@ -10,6 +10,7 @@ import pytest
 
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
+from cost_model.simulator import simulated
 from search.megatron_moe import MegatronMoEConfig, best_of, grid_configs, grid_plan, grid_results
 from test_parity import REPO
 
@@ -57,22 +58,59 @@ def test_ep_over_dp_plans_fold_the_experts_as_megatron_core_does(tiny):
                for layout in whole.expert_layouts)
 
 
-def test_configurations_the_planner_cannot_build_yet_say_what_they_need(tiny):
+def test_a_pipeline_configuration_is_built_with_its_own_mesh_schedule_and_experts():
+    # Eight blocks, so that 2 stages x 2 virtual stages each keep 2 (grid_configs's VPP rule).
+    graph, spec, name, cluster = prepare_model(ModelSpec(SPEC.source, {**SPEC.overrides, "n_layer": 8}), "cpu:2x4")
+    assert any(c.pp == 2 and c.vpp == 2 and c.ep == 2 and c.dp == 4 for c in grid_configs(graph, cluster))
+    # PP2 x DP4, interleaved over 2 virtual stages, EP2 over each stage's 4 dp ranks, 1 sample
+    # per micro-batch: 16 / (4 x 1) = 4 micro-batches per step.
+    config = MegatronMoEConfig(tp=1, ep=2, etp=1, pp=2, vpp=2, dp=4, recompute="full", micro_batch_size=1)
+    plan = grid_plan(config, graph, cluster, spec, name, precision="fp32").plan
+    assert plan is not None
+    assert dict(plan.mesh.axes) == {"pp": 2, "dp": 4}
+    assert plan.pipeline.stages == 2 and plan.pipeline.schedule == "interleaved"
+    assert plan.pipeline.virtual_stages == 2 and plan.pipeline.micro_batches == 4
+    assert plan.dp_flavour == "zero1" and plan.recompute == "full"
+    assert {s.stage for s in plan.strategies} == {0, 1, 2, 3}
+    assert len(plan.expert_layouts) == len(graph.moe_blocks) > 0
+    for layout in plan.expert_layouts:
+        # EP2 over 4 ranks: 8 experts / 2 = 4 per rank, each expert on 4 / 2 = 2 ranks.
+        assert layout.mode == "expert_parallel" and layout.axis == "dp"
+        assert layout.placement.devices == 4 and layout.placement.most_experts_per_device == 4
+        assert all(len(copies) == 2 for copies in layout.placement.replicas)
+    # The step is the simulator's on that very plan, not the stage slicing's estimate.
+    again = simulated(dataclasses.replace(plan, estimate=None), graph)
+    assert again.estimate.step_time_s == plan.estimate.step_time_s
+    assert again.estimate.memory.total == plan.estimate.memory.total
+
+
+def test_configurations_the_planner_cannot_build_say_what_is_missing(tiny):
     graph, spec, name, cluster = tiny
     with_tp = MegatronMoEConfig(tp=2, ep=4, etp=1, pp=1, vpp=1, dp=4, recompute="none", micro_batch_size=1)
-    assert "tensor parallelism beside experts" in grid_plan(with_tp, graph, cluster, spec, name).missing
-    with_pp = MegatronMoEConfig(tp=1, ep=4, etp=1, pp=2, vpp=1, dp=4, recompute="none", micro_batch_size=1)
-    assert "pipeline stages" in grid_plan(with_pp, graph, cluster, spec, name).missing
+    missing = grid_plan(with_tp, graph, cluster, spec, name).missing
+    assert "TP/ETP beside experts with ZeRO-1" in missing and "branch" not in missing
     # A constrained search that gives a plan without MoE layouts does not count.
     dense = grid_plan(MegatronMoEConfig(1, 4, 1, 1, 1, 8, "none", 1), graph, cluster, spec, name, "fp32").plan
-    refused = grid_plan(with_pp, graph, cluster, spec, name, constrained=lambda config: dense)
+    refused = grid_plan(with_tp, graph, cluster, spec, name, constrained=lambda config: dense)
     assert refused.plan is None and "gave no such plan" in refused.missing
+    # Eight stages of a model of two blocks: refused in one line, not a traceback.
+    too_deep = MegatronMoEConfig(tp=1, ep=1, etp=1, pp=8, vpp=1, dp=1, recompute="none", micro_batch_size=2)
+    assert "does not split into 8 stages" in grid_plan(too_deep, graph, cluster, spec, name).missing
 
 
-def test_the_best_is_the_fastest_that_fits(tiny):
+def test_the_best_is_the_fastest_of_every_built_configuration(tiny):
     graph, spec, name, cluster = tiny
-    configs = [c for c in grid_configs(graph, cluster) if c.tp == c.pp == 1 and c.recompute == "none"]
-    results = list(grid_results(graph, cluster, spec, name, "fp32", configs=configs))
-    assert all(r.plan is not None for r in results)
-    best = best_of(results)
-    assert best.plan.estimate.step_time_s == min(r.plan.estimate.step_time_s for r in results)
+    configs = [c for c in grid_configs(graph, cluster) if c.tp == c.etp == 1]
+    pruned = grid_results(graph, cluster, spec, name, "fp32", configs=configs)
+    # Exhaustively: every configuration built on its own, none pruned.
+    every = [grid_plan(config, graph, cluster, spec, name, "fp32") for config in configs]
+    built = [r for r in every if r.plan is not None and r.plan.estimate.fits]
+    assert any(r.config.pp > 1 for r in built) and any(r.config.pp == 1 for r in built)
+    fastest = min(r.plan.estimate.step_time_s for r in built)
+    assert best_of(every).plan.estimate.step_time_s == fastest
+    # Pruning by the lower bounds loses nothing: the pruned grid finds the same best.
+    assert best_of(pruned).plan.estimate.step_time_s == fastest
+    assert [r.config for r in pruned] == configs
+    assert any(r.missing.startswith("pruned") for r in pruned)  # the bounds saved some work
+    for result in pruned:
+        assert result.plan is not None or result.missing
