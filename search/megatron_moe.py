@@ -34,18 +34,21 @@ of them with pruning (``MegatronGrid``). Three builders:
   expert parallel over its stage's dp ranks folded as above. Inside a pipeline the planner
   keeps every copy of an expert whole (its states are not sharded over the copies as the
   distributed optimizer shards them): more memory than Megatron-Core holds when EP < DP.
-- Tensor parallelism (``tp > 1`` or ``etp > 1``): not built. The planner's folded MoE family
-  (``search.moe_folding.folded_plan``) builds ``dp x tp`` meshes (and ``pp x dp x tp`` with
-  Megatron's even split, 1F1B, one micro-batch per stage) with DDP, EP round-robin over the
-  whole ``dp*tp`` group and no accumulation; a Megatron-Core configuration needs ZeRO-1,
-  ``micro_batch_size`` accumulated micro-batches, recomputation and EP groups with copies,
-  which it does not take. ``constrained`` (the planner's search under the configuration's
-  mesh) is the way to compare them, at hours per row.
+- Tensor parallelism (``tp > 1``, ETP 1 or ``tp``): the folded MoE family's builder
+  (``search.moe_folding.folded_plan``: Megatron's layout of the dense ops on ``tp``, every MoE
+  layer expert parallel over the folded ``dp*tp`` ranks with EP round-robin, ETP inside each
+  tensor-parallel group, ``dp*tp / (ep*etp)`` copies of each expert) with ZeRO-1,
+  recomputation and the configuration's micro-batches (accumulated without a pipeline; a
+  pipeline on Megatron's even split runs them 1F1B). It has no interleaved schedule: those
+  configurations (VPP > 1 with TP) are refused in one line.
 
 Pruning (as the pipeline search prunes, ``search.pipeline_search``): a pipeline whose memory
 lower bound exceeds the device is refused without slicing; the others are visited by their
 step-time lower bound, and once that bound reaches the best simulated step that fits, the
-rest cannot beat it and are not built (``PRUNED``).
+rest cannot beat it and are not built (``PRUNED``). Tensor-parallel configurations of the
+same degrees are pruned by dominance: when the one holding least (full recomputation, one
+sample per micro-batch) does not fit, none of them does; when one without recomputation
+fits, the same with full recomputation only adds time.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from planner.graph import OpGraph
 from planner.plans import Plan
 from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
 from search.moe_search import moe_base_plan
+from search.moe_folding import folded_plan
 from search.pipeline_configs import Configuration, PipelineSpace
 from search.pipeline_search import PipelineGrid
 
@@ -255,25 +259,75 @@ class MegatronGrid:
                 return GridResult(config, None, f"the model does not split into {config.pp * config.vpp} stages "
                                                 "(fewer repeated blocks than stages)")
             return self.pipeline_plan(config)
+        if config.vpp == 1:
+            return self.folded(config)
         if constrained is None:
-            return GridResult(config, None, TENSOR_PARALLEL_MISSING)
+            return GridResult(config, None, INTERLEAVED_TP_MISSING)
         plan = constrained(config)
         sizes = {"tp": config.tp, "pp": config.pp, "dp": config.dp}
         if plan is None or not plan.expert_layouts or any(
                 (plan.mesh.axis_size(axis) if axis in plan.mesh.names else 1) != size for axis, size in sizes.items()):
-            return GridResult(config, None, f"{TENSOR_PARALLEL_MISSING}; the constrained search gave no such plan")
+            return GridResult(config, None, f"{INTERLEAVED_TP_MISSING}; the constrained search gave no such plan")
         return GridResult(config, plan)
+
+    # ------------------------------------------------------ tensor parallel
+
+    def folded(self, config: MegatronMoEConfig) -> GridResult:
+        """A configuration with TP (1F1B or no pipeline) built by the folded MoE builder with
+        ZeRO-1, recomputation and accumulated micro-batches; simulated."""
+        micro_batches = self.graph.batch_size // (config.dp * config.micro_batch_size)
+        # The folded layouts run over the dp axis, kept even at size 1 (EP then folds over tp alone).
+        mesh = Mesh(tuple((name, size) for name, size in (("pp", config.pp), ("dp", config.dp), ("tp", config.tp))
+                          if size > 1 or name == "dp"))
+        try:
+            plan = folded_plan(self.graph, self.cluster, self.spec, self.model_name, mesh, config.ep, config.etp,
+                               precision=self.precision, micro_batches=micro_batches if config.pp > 1 else 1,
+                               dp_flavour="zero1" if config.dp > 1 else "ddp", recompute=config.recompute,
+                               accumulation_steps=1 if config.pp > 1 else micro_batches)
+        except (PlanningError, ValueError) as error:  # Megatron's layout or the folding refuses it
+            return GridResult(config, None, str(error))
+        return GridResult(config, dataclasses.replace(plan, label="megatron-moe"))
+
+    def folded_results(self, configs: list[MegatronMoEConfig]) -> dict[MegatronMoEConfig, GridResult]:
+        """``folded`` of every configuration, pruned by dominance (module docstring)."""
+        done: dict[MegatronMoEConfig, GridResult] = {}
+        groups: dict[tuple, list[MegatronMoEConfig]] = {}
+        for config in configs:
+            groups.setdefault(dataclasses.replace(config, recompute="", micro_batch_size=0), []).append(config)
+        for members in groups.values():
+            leanest = min(members, key=lambda c: (c.micro_batch_size, c.recompute != "full"))
+            done[leanest] = self.folded(leanest)
+            plan = done[leanest].plan
+            if plan is None or not plan.estimate.fits:
+                for config in members:
+                    done.setdefault(config, GridResult(config, None, f"{PRUNED}: the same degrees with full "
+                                                                     "recomputation and 1 sample per micro-batch "
+                                                                     "do not fit"))
+                continue
+            for config in sorted(members, key=lambda c: (c.micro_batch_size, c.recompute != "none")):
+                if config in done:
+                    continue
+                lighter = dataclasses.replace(config, recompute="none")
+                if config.recompute == "full" and lighter in done and done[lighter].plan is not None \
+                        and done[lighter].plan.estimate.fits:
+                    done[config] = GridResult(config, None, f"{PRUNED}: the same without recomputation fits")
+                    continue
+                done[config] = self.folded(config)
+        return done
 
     def results(self, configs: list[MegatronMoEConfig], constrained=None) -> list[GridResult]:
         """Every configuration of ``configs`` built, refused or pruned (module docstring), in
         the order given."""
         done: dict[MegatronMoEConfig, GridResult] = {}
-        pipelines = []
+        pipelines, folded = [], []
         for config in configs:
             if config.pp > 1 and config.tp == config.etp == 1:
                 pipelines.append(config)
-            else:
+            elif config.tp == config.etp == 1 or config.vpp > 1:
                 done[config] = self.build(config, constrained)
+            else:
+                folded.append(config)
+        done.update(self.folded_results(folded))
         best = best_of(list(done.values()))
         bounded = []
         for config in pipelines:
@@ -294,16 +348,15 @@ class MegatronGrid:
         return [done[config] for config in configs]
 
 
-TENSOR_PARALLEL_MISSING = ("needs a builder of TP/ETP beside experts with ZeRO-1, accumulated micro-batches and "
-                           "EP groups with copies (search.moe_folding builds DDP, EP over all dp*tp ranks, "
-                           "no accumulation)")
+INTERLEAVED_TP_MISSING = ("needs an interleaved pipeline with TP beside experts: the folded MoE builder "
+                          "(search.moe_folding.folded_plan) runs 1F1B only")
 
 
 def grid_plan(config: MegatronMoEConfig, graph: OpGraph, cluster: Cluster, spec, model_name: str,
               precision: str = "bf16", constrained: Callable[[MegatronMoEConfig], Plan | None] | None = None) -> GridResult:
     """``config`` as a simulated plan, or why there is none (module docstring). ``constrained``
-    plans a configuration with tensor parallelism through the planner's search under its
-    mesh (None: such configurations are reported as missing); its plan counts only when its
+    plans an interleaved configuration with tensor parallelism through the planner's search
+    under its mesh (None: such configurations are reported as missing); its plan counts only when its
     MoE layers have layouts and its mesh has the configuration's degrees."""
     return MegatronGrid(graph, cluster, spec, model_name, precision).build(config, constrained)
 

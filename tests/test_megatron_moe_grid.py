@@ -23,6 +23,12 @@ def tiny():
     return graph, spec, name, cluster
 
 
+@pytest.fixture(scope="module")
+def deep():
+    """Eight blocks, so that 2 stages x 2 virtual stages each keep 2 (grid_configs's VPP rule)."""
+    return prepare_model(ModelSpec(SPEC.source, {**SPEC.overrides, "n_layer": 8}), "cpu:2x4")
+
+
 def test_the_grid_lists_megatron_cores_degrees(tiny):
     graph, _, _, cluster = tiny
     configs = grid_configs(graph, cluster)
@@ -58,9 +64,8 @@ def test_ep_over_dp_plans_fold_the_experts_as_megatron_core_does(tiny):
                for layout in whole.expert_layouts)
 
 
-def test_a_pipeline_configuration_is_built_with_its_own_mesh_schedule_and_experts():
-    # Eight blocks, so that 2 stages x 2 virtual stages each keep 2 (grid_configs's VPP rule).
-    graph, spec, name, cluster = prepare_model(ModelSpec(SPEC.source, {**SPEC.overrides, "n_layer": 8}), "cpu:2x4")
+def test_a_pipeline_configuration_is_built_with_its_own_mesh_schedule_and_experts(deep):
+    graph, spec, name, cluster = deep
     assert any(c.pp == 2 and c.vpp == 2 and c.ep == 2 and c.dp == 4 for c in grid_configs(graph, cluster))
     # PP2 x DP4, interleaved over 2 virtual stages, EP2 over each stage's 4 dp ranks, 1 sample
     # per micro-batch: 16 / (4 x 1) = 4 micro-batches per step.
@@ -84,14 +89,30 @@ def test_a_pipeline_configuration_is_built_with_its_own_mesh_schedule_and_expert
     assert again.estimate.memory.total == plan.estimate.memory.total
 
 
-def test_configurations_the_planner_cannot_build_say_what_is_missing(tiny):
+def test_a_tensor_parallel_configuration_is_folded_with_zero1_and_accumulation(tiny):
     graph, spec, name, cluster = tiny
-    with_tp = MegatronMoEConfig(tp=2, ep=4, etp=1, pp=1, vpp=1, dp=4, recompute="none", micro_batch_size=1)
-    missing = grid_plan(with_tp, graph, cluster, spec, name).missing
-    assert "TP/ETP beside experts with ZeRO-1" in missing and "branch" not in missing
+    # TP2 x DP4, EP2 x ETP2 folded over the 8 dp*tp ranks: 8 / (2 x 2) = 2 copies of each
+    # expert group; 16 samples / (4 dp ranks x 2 per micro-batch) = 2 accumulated micro-batches.
+    config = MegatronMoEConfig(tp=2, ep=2, etp=2, pp=1, vpp=1, dp=4, recompute="full", micro_batch_size=2)
+    plan = grid_plan(config, graph, cluster, spec, name, precision="fp32").plan
+    assert dict(plan.mesh.axes) == {"dp": 4, "tp": 2} and plan.pipeline is None
+    assert plan.dp_flavour == "zero1" and plan.recompute == "full" and plan.accumulation_steps == 2
+    for layout in plan.expert_layouts:
+        assert layout.mode == "expert_parallel" and layout.tensor_parallel == 2
+        assert layout.placement.devices == 2 and layout.placement.most_experts_per_device == 4
+    again = simulated(dataclasses.replace(plan, estimate=None), graph)
+    assert again.estimate.step_time_s == plan.estimate.step_time_s
+
+
+def test_configurations_the_planner_cannot_build_say_what_is_missing(tiny, deep):
+    graph, spec, name, cluster = tiny
+    deep_graph, deep_spec, _, _ = deep
+    interleaved_tp = MegatronMoEConfig(tp=2, ep=2, etp=1, pp=2, vpp=2, dp=2, recompute="none", micro_batch_size=1)
+    missing = grid_plan(interleaved_tp, deep_graph, cluster, deep_spec, name).missing
+    assert "interleaved pipeline with TP beside experts" in missing and "branch" not in missing
     # A constrained search that gives a plan without MoE layouts does not count.
     dense = grid_plan(MegatronMoEConfig(1, 4, 1, 1, 1, 8, "none", 1), graph, cluster, spec, name, "fp32").plan
-    refused = grid_plan(with_tp, graph, cluster, spec, name, constrained=lambda config: dense)
+    refused = grid_plan(interleaved_tp, deep_graph, cluster, deep_spec, name, constrained=lambda config: dense)
     assert refused.plan is None and "gave no such plan" in refused.missing
     # Eight stages of a model of two blocks: refused in one line, not a traceback.
     too_deep = MegatronMoEConfig(tp=1, ep=1, etp=1, pp=8, vpp=1, dp=1, recompute="none", micro_batch_size=2)
@@ -100,12 +121,13 @@ def test_configurations_the_planner_cannot_build_say_what_is_missing(tiny):
 
 def test_the_best_is_the_fastest_of_every_built_configuration(tiny):
     graph, spec, name, cluster = tiny
-    configs = [c for c in grid_configs(graph, cluster) if c.tp == c.etp == 1]
+    configs = grid_configs(graph, cluster)
     pruned = grid_results(graph, cluster, spec, name, "fp32", configs=configs)
     # Exhaustively: every configuration built on its own, none pruned.
     every = [grid_plan(config, graph, cluster, spec, name, "fp32") for config in configs]
     built = [r for r in every if r.plan is not None and r.plan.estimate.fits]
-    assert any(r.config.pp > 1 for r in built) and any(r.config.pp == 1 for r in built)
+    assert {(r.config.pp > 1, r.config.tp > 1) for r in built} == {(False, False), (True, False), (False, True),
+                                                                  (True, True)}
     fastest = min(r.plan.estimate.step_time_s for r in built)
     assert best_of(every).plan.estimate.step_time_s == fastest
     # Pruning by the lower bounds loses nothing: the pruned grid finds the same best.
