@@ -298,11 +298,15 @@ class MegatronGrid:
             leanest = min(members, key=lambda c: (c.micro_batch_size, c.recompute != "full"))
             done[leanest] = self.folded(leanest)
             plan = done[leanest].plan
-            if plan is None or not plan.estimate.fits:
+            if plan is None:  # refused for its degrees, whatever the micro-batches and recomputation
                 for config in members:
-                    done.setdefault(config, GridResult(config, None, f"{PRUNED}: the same degrees with full "
-                                                                     "recomputation and 1 sample per micro-batch "
-                                                                     "do not fit"))
+                    done.setdefault(config, GridResult(config, None, done[leanest].missing))
+                continue
+            if not plan.estimate.fits:
+                for config in members:
+                    done.setdefault(config, GridResult(config, None, f"{PRUNED}: the same degrees holding least "
+                                                                     "(full recomputation, the fewest samples per "
+                                                                     "micro-batch) do not fit"))
                 continue
             for config in sorted(members, key=lambda c: (c.micro_batch_size, c.recompute != "none")):
                 if config in done:
