@@ -16,13 +16,16 @@ Qwen3-235B-A22B is built by ``benchmarks/qwen3_235b.py`` from its whole publishe
   all-to-all and the EP overlap priced, as a team running Megatron-Core or DeepSeek's
   trainer would run them: such plans are simulated, not compiled), its planning time,
   chosen layout, predicted step, MFU and memory on the fullest device. It runs in a child
-  process (beside the grid) stopped ``--search-timeout`` seconds after it started: a row not
-  planned by then says so.
+  process stopped ``--search-timeout`` seconds after it started (a row not planned by then
+  says so), beside the grid, or before it with ``--grid-after-search`` (half the peak
+  memory: the two processes each hold the traced model and their own simulations).
 - **grid**: every configuration of ``search.megatron_moe.grid_configs`` (TP, EP, ETP, PP,
-  VPP, DP, recomputation, micro-batch size) the planner can build, simulated on the same
-  cluster, and the fastest that fits. Configurations with tensor or pipeline parallelism
-  around HF MoE blocks need work on other branches (moefold, moeplan): they are counted as
-  missing, or tried through the planner's search under their mesh with ``--constrained``.
+  VPP, DP, recomputation, micro-batch size) built, refused in one line, or pruned by the
+  bounds (``search.megatron_moe.MegatronGrid``: EP x DP by the MoE family's dense part,
+  pipelines by the search's pipeline builder, TP by the folded MoE builder), simulated on the
+  same cluster, and the fastest that fits. Interleaved pipelines with TP have no builder
+  (counted as missing), or are tried through the planner's search under their mesh with
+  ``--constrained``.
 - **published**: the layout the model's authors report, where they do (cited).
 
 The searched plan should be no slower than the grid's best; the verdict says when it is and

@@ -45,10 +45,12 @@ of them with pruning (``MegatronGrid``). Three builders:
 Pruning (as the pipeline search prunes, ``search.pipeline_search``): a pipeline whose memory
 lower bound exceeds the device is refused without slicing; the others are visited by their
 step-time lower bound, and once that bound reaches the best simulated step that fits, the
-rest cannot beat it and are not built (``PRUNED``). Tensor-parallel configurations of the
-same degrees are pruned by dominance: when the one holding least (full recomputation, one
-sample per micro-batch) does not fit, none of them does; when one without recomputation
-fits, the same with full recomputation only adds time.
+rest cannot beat it and are not built (``PRUNED``). A tensor-parallel configuration is
+pruned when its weights, gradients and ZeRO-1 states alone overflow the average device
+(``MegatronGrid.folded_memory_lower_bound``), and those of the same degrees by dominance:
+when the one holding least (full recomputation, the fewest samples per micro-batch) does
+not fit, none of them does; when one without recomputation fits, the same with full
+recomputation only adds time.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cost_model.parameter_bytes import bytes_per_parameter
 from cost_model.simulator import simulated
 from planner.cluster import Cluster
 from planner.errors import PlanningError
@@ -288,6 +291,19 @@ class MegatronGrid:
             return GridResult(config, None, str(error))
         return GridResult(config, dataclasses.replace(plan, label="megatron-moe"))
 
+    def folded_memory_lower_bound(self, config: MegatronMoEConfig) -> float:
+        """Bytes on the average device of a folded configuration, weights, gradients and
+        ZeRO-1's states only: the dense parameters split over ``tp x pp`` at best (Megatron's
+        layout keeps norms and routers whole), the experts over ``ep x etp x pp``, the states
+        sharded over the dp ranks (the experts' over their copies). The fullest device holds
+        at least this."""
+        weights, grads, states = bytes_per_parameter(self.precision)
+        experts = sum(block.expert_parameters for block in self.graph.moe_blocks)
+        dense = max(0, self.graph.parameter_count - experts) / (config.tp * config.pp)
+        expert_share = experts / (config.ep * config.etp * config.pp)
+        copies = max(1, config.dp * config.tp // (config.ep * config.etp))
+        return (dense + expert_share) * (weights + grads) + states * (dense / config.dp + expert_share / copies)
+
     def folded_results(self, configs: list[MegatronMoEConfig]) -> dict[MegatronMoEConfig, GridResult]:
         """``folded`` of every configuration, pruned by dominance (module docstring)."""
         done: dict[MegatronMoEConfig, GridResult] = {}
@@ -295,6 +311,10 @@ class MegatronGrid:
         for config in configs:
             groups.setdefault(dataclasses.replace(config, recompute="", micro_batch_size=0), []).append(config)
         for members in groups.values():
+            if self.folded_memory_lower_bound(members[0]) > self.cluster.min_device_memory:
+                for config in members:
+                    done[config] = GridResult(config, None, f"{PRUNED}: its memory lower bound exceeds a device")
+                continue
             leanest = min(members, key=lambda c: (c.micro_batch_size, c.recompute != "full"))
             done[leanest] = self.folded(leanest)
             plan = done[leanest].plan

@@ -11,7 +11,7 @@ import pytest
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
 from cost_model.simulator import simulated
-from search.megatron_moe import MegatronMoEConfig, best_of, grid_configs, grid_plan, grid_results
+from search.megatron_moe import MegatronGrid, MegatronMoEConfig, best_of, grid_configs, grid_plan, grid_results
 from test_parity import REPO
 
 SPEC = ModelSpec(str(REPO / "examples" / "moe.py"), {"batch_size": 16, "n_expert": 8, "ffn": 512})
@@ -134,5 +134,9 @@ def test_the_best_is_the_fastest_of_every_built_configuration(tiny):
     assert best_of(pruned).plan.estimate.step_time_s == fastest
     assert [r.config for r in pruned] == configs
     assert any(r.missing.startswith("pruned") for r in pruned)  # the bounds saved some work
+    # The folded memory bound is below every simulated folded plan's fullest device.
+    grid = MegatronGrid(graph, cluster, spec, name, "fp32")
+    folded = [r for r in every if r.plan is not None and r.config.tp > 1]
+    assert folded and all(r.plan.estimate.memory.total >= grid.folded_memory_lower_bound(r.config) for r in folded)
     for result in pruned:
         assert result.plan is not None or result.missing
