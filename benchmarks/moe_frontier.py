@@ -188,7 +188,6 @@ def grid(row: Row, constrained: bool) -> tuple[list[GridResult], float]:
     started = time.perf_counter()
     graph, spec, name, cluster = prepare_model(row_spec(row), row.cluster)
     results = grid_results(graph, cluster, spec, name, "bf16", constrained_search(row) if constrained else None)
-    del graph  # the traced graph is the grid's largest object: freed before the next row
     return results, time.perf_counter() - started
 
 
@@ -248,7 +247,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="*", choices=[row.key for row in ROWS], help="rows to run (default all)")
     parser.add_argument("--search-timeout", type=float, default=1200.0, help="seconds per row's search (default 1200)")
     parser.add_argument("--constrained", action="store_true",
-                        help="plan grid configurations with TP or PP through the search under their mesh (slow)")
+                        help="plan interleaved grid configurations with TP through the search under their mesh (slow)")
     parser.add_argument("--grid-after-search", action="store_true",
                         help="build the grid once the search has finished, not beside it (half the peak memory; "
                              "DeepSeek-V3 on 2,048 GPUs needs it on a 24 GiB machine)")
