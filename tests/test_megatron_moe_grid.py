@@ -123,8 +123,9 @@ def test_the_best_is_the_fastest_of_every_built_configuration(tiny):
     graph, spec, name, cluster = tiny
     configs = grid_configs(graph, cluster)
     pruned = grid_results(graph, cluster, spec, name, "fp32", configs=configs)
-    # Exhaustively: every configuration built on its own, none pruned.
-    every = [grid_plan(config, graph, cluster, spec, name, "fp32") for config in configs]
+    # Exhaustively: every configuration built on its own, none pruned (one grid: its caches shared).
+    grid = MegatronGrid(graph, cluster, spec, name, "fp32")
+    every = [grid.build(config) for config in configs]
     built = [r for r in every if r.plan is not None and r.plan.estimate.fits]
     assert {(r.config.pp > 1, r.config.tp > 1) for r in built} == {(False, False), (True, False), (False, True),
                                                                   (True, True)}
@@ -135,7 +136,6 @@ def test_the_best_is_the_fastest_of_every_built_configuration(tiny):
     assert [r.config for r in pruned] == configs
     assert any(r.missing.startswith("pruned") for r in pruned)  # the bounds saved some work
     # The folded memory bound is below every simulated folded plan's fullest device.
-    grid = MegatronGrid(graph, cluster, spec, name, "fp32")
     folded = [r for r in every if r.plan is not None and r.config.tp > 1]
     assert folded and all(r.plan.estimate.memory.total >= grid.folded_memory_lower_bound(r.config) for r in folded)
     for result in pruned:
