@@ -32,32 +32,39 @@ The searched plan should be no slower than the grid's best; the verdict says whe
 why it might be. Budgets count work, so the plans are the same on any machine; the planning
 times are this machine's.
 
-Measured 2026-11-29 at 6afa7ee plus this file's fixes, one row at a time with
-``python benchmarks/moe_frontier.py --rows KEY --search-timeout 900`` on 2 CPU cores shared
-with other jobs (load 4-6), 23 GiB of memory. "plan s" is the search's time; the grid ran
-beside it (148 s for mixtral-64, 164 s for qwen3-256, 252 s for deepseek-256). The Qwen
-model built has 235.09B parameters, as published:
+Measured 2026-11-29 at 387c111 (the grid's code; later commits change no figure), one row
+at a time with ``flock /work/locks/heavy.lock python benchmarks/moe_frontier.py --rows KEY
+--search-timeout 600`` on 2 CPU cores shared with other jobs (load 4-6), 24 GiB of memory
+shared likewise. The search ran beside the grid; "s" is the row's wall time (the grid's,
+which outlasted the search). "built/fit" counts the grid's simulated configurations of all:
 
-=============  ===================================  ============================  ==================================
-row            search (plan s; step, MFU, memory)    grid's best (built/fit of all)  verdict
-=============  ===================================  ============================  ==================================
-mixtral-64     167 s; moe dp=64, fsdp, experts       TP1 EP8 PP1 DP64 mbs4 full     search 0.827x the grid's best
-               replicated: 9.69 s, 42.8%, 60.7 GiB   recompute: 11.72 s, 35.4%,
-                                                     73.0 GiB (24/1128 built, 10 fit)
-qwen3-256      166 s; moe dp=256, fsdp, experts      TP1 EP128 PP1 DP256 mbs4 full  search 0.422x the grid's best
-               replicated: 8.77 s, 31.6%, 50.5 GiB   recompute: 20.77 s, 13.3%,
-                                                     73.0 GiB (48/2214 built, 21 fit)
-deepseek-256   272 s; moe dp=256, 4 micro-batches,   none fits (54/2064 built,      nothing to compare with
-               fsdp, a2a overlapped, EP round-robin  0 fit)
-               deduplicated: 16.56 s, 28.1%, 72.9 GiB
-deepseek-2048  not run here: a process of the row reached 21 GiB and was killed for memory about 6 min in
-gpt-oss-128    refused in one line: GptOssMLP (router with bias, experts with biases, transposed
-               gate_up_proj) is no MoE block planner.moe_blocks recognises
-=============  ===================================  ============================  ==================================
+=============  ====================================  ===================================  =========================
+row            search (step, MFU, memory)            grid's best (built/fit of all)       verdict
+=============  ====================================  ===================================  =========================
+deepseek-256   megatron pp=32 x dp=8, 1F1B, 128      TP1 EP16 PP16 DP16 mbs1 full         search 0.721x the grid's
+               micro-batches, EP round-robin:        recompute, ZeRO-1: 25.06 s, 18.6%,   best
+               18.08 s, 25.7%, 74.5 GiB (244 s)      52.9 GiB (86/2064 built, 12 fit)
+mixtral-64     moe dp=64, fsdp, experts replicated:  TP4 EP8 ETP1 PP8 DP2 mbs1 no          search SLOWER: 1.066x the
+               10.70 s, 38.8%, 60.7 GiB (266 s)      recompute, ZeRO-1: 10.03 s, 41.4%,   grid's best (below)
+                                                     70.0 GiB (210/1128 built, 83 fit)
+qwen3-256      not re-measured at 387c111 in time (at 773dfbe, grid EP x DP only: search 0.502x its best)
+gpt-oss-128    not re-measured at 387c111 in time (at 773dfbe, grid EP x DP only: search 0.915x its best)
+deepseek-2048  not measured: at 773dfbe the row was killed for memory 3.5 min in, search and grid
+               side by side; ``--grid-after-search`` now runs them one after the other (not run yet)
+=============  ====================================  ===================================  =========================
 
-Grid configurations with TP or PP around HF MoE blocks are not built (branches moefold,
-moeplan), so "the grid's best" is the best of the EP x DP ones; rows not run are not
-evidence either way.
+Mixtral-8x22B: the grid's best is tensor parallelism beside experts inside a pipeline
+(``pp=8 x dp=2 x tp=4``, experts EP8 folded over dp x tp, 1F1B over 64 micro-batches), built
+by the folded MoE family's builder. The default search does not try it: the folded family
+offers HF MoE blocks only when ``--mesh`` fixes ``tp > 1``, and a pipeline under it only
+when ``--mesh`` fixes ``pp`` (``search.moe_folding.folded_candidates``), because compiled
+programs do not run HF blocks folded yet. So the verdict "no slower than the grid's best"
+does not hold on this row until the search weighs folded pipelines for HF blocks.
+
+Refusals per row are printed with their one-line reasons: pipelines whose layers do not
+divide over the stages for the folded builder (Megatron's even split), interleaved
+pipelines with TP (no builder), and the pruned (memory lower bounds, step-time lower bound
+against the best found, dominance among the same degrees).
 """
 
 from __future__ import annotations
