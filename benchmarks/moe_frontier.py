@@ -47,7 +47,9 @@ deepseek-256   megatron pp=32 x dp=8, 1F1B, 128      TP1 EP16 PP16 DP16 mbs1 ful
 mixtral-64     moe dp=64, fsdp, experts replicated:  TP4 EP8 ETP1 PP8 DP2 mbs1 no          search SLOWER: 1.066x the
                10.70 s, 38.8%, 60.7 GiB (266 s)      recompute, ZeRO-1: 10.03 s, 41.4%,   grid's best (below)
                                                      70.0 GiB (210/1128 built, 83 fit)
-qwen3-256      not re-measured at 387c111 in time (at 773dfbe, grid EP x DP only: search 0.502x its best)
+qwen3-256      moe dp=256, zero2, EP 128 per device  TP1 EP16 PP16 VPP2 DP16 mbs1 full    search 0.626x the grid's
+               x 256 copies (sharded): 9.99 s,       recompute, ZeRO-1: 15.97 s, 17.3%,   best
+               27.7%, 67.1 GiB (407 s)               24.7 GiB (272/2214 built, 116 fit)
 gpt-oss-128    not re-measured at 387c111 in time (at 773dfbe, grid EP x DP only: search 0.915x its best)
 deepseek-2048  not measured: at 773dfbe the row was killed for memory 3.5 min in, search and grid
                side by side; ``--grid-after-search`` now runs them one after the other (not run yet)
