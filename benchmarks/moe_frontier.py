@@ -50,7 +50,10 @@ mixtral-64     moe dp=64, fsdp, experts replicated:  TP4 EP8 ETP1 PP8 DP2 mbs1 n
 qwen3-256      moe dp=256, zero2, EP 128 per device  TP1 EP16 PP16 VPP2 DP16 mbs1 full    search 0.626x the grid's
                x 256 copies (sharded): 9.99 s,       recompute, ZeRO-1: 15.97 s, 17.3%,   best
                27.7%, 67.1 GiB (407 s)               24.7 GiB (272/2214 built, 116 fit)
-gpt-oss-128    not re-measured at 387c111 in time (at 773dfbe, grid EP x DP only: search 0.915x its best)
+gpt-oss-128    moe dp=128, 2 micro-batches, zero2,   TP1 EP128 PP1 DP128 mbs2 full        search 0.915x the grid's
+               a2a overlapped, EP 128 per device x   recompute, ZeRO-1: 9.63 s, 6.5%,     best
+               128 copies: 8.82 s, 7.1%, 71.3 GiB    55.4 GiB (405/1728 built, 163 fit)
+               (254 s)
 deepseek-2048  not measured: at 773dfbe the row was killed for memory 3.5 min in, search and grid
                side by side; ``--grid-after-search`` now runs them one after the other (not run yet)
 =============  ====================================  ===================================  =========================
