@@ -59,11 +59,12 @@ deepseek-2048  not measured: at 773dfbe the row was killed for memory 3.5 min in
 =============  ====================================  ===================================  =========================
 
 Mixtral-8x22B: the grid's best is tensor parallelism beside experts inside a pipeline
-(``pp=8 x dp=2 x tp=4``, experts EP8 folded over dp x tp, 1F1B over 64 micro-batches), built
-by the folded MoE family's builder. The default search does not try it: the folded family
-offers HF MoE blocks only when ``--mesh`` fixes ``tp > 1``, and a pipeline under it only
-when ``--mesh`` fixes ``pp`` (``search.moe_folding.folded_candidates``), because compiled
-programs do not run HF blocks folded yet. So the verdict "no slower than the grid's best"
+(``pp=8 x dp=2 x tp=4``, experts EP8 folded over dp x tp, 1F1B over 256 / 2 = 128
+micro-batches), built by the folded MoE family's builder. The default search does not try
+it: the folded family offers HF MoE blocks only when ``--mesh`` fixes ``tp > 1``, and a
+pipeline under it only when ``--mesh`` fixes ``pp``, with as many micro-batches as stages
+(``search.moe_folding.folded_candidates``: offering them by default "would change the plans
+searched for these models", not yet compared at scale). So the verdict "no slower than the grid's best"
 does not hold on this row until the search weighs folded pipelines for HF blocks.
 
 Refusals per row are printed with their one-line reasons: pipelines whose layers do not
