@@ -16,45 +16,61 @@ Qwen3-235B-A22B is built by ``benchmarks/qwen3_235b.py`` from its whole publishe
   all-to-all and the EP overlap priced, as a team running Megatron-Core or DeepSeek's
   trainer would run them: such plans are simulated, not compiled), its planning time,
   chosen layout, predicted step, MFU and memory on the fullest device. It runs in a child
-  process (beside the grid) stopped ``--search-timeout`` seconds after it started: a row not
-  planned by then says so.
+  process stopped ``--search-timeout`` seconds after it started (a row not planned by then
+  says so), beside the grid, or before it with ``--grid-after-search`` (half the peak
+  memory: the two processes each hold the traced model and their own simulations).
 - **grid**: every configuration of ``search.megatron_moe.grid_configs`` (TP, EP, ETP, PP,
-  VPP, DP, recomputation, micro-batch size) the planner can build, simulated on the same
-  cluster, and the fastest that fits. Configurations with tensor or pipeline parallelism
-  around HF MoE blocks need work on other branches (moefold, moeplan): they are counted as
-  missing, or tried through the planner's search under their mesh with ``--constrained``.
+  VPP, DP, recomputation, micro-batch size) built, refused in one line, or pruned by the
+  bounds (``search.megatron_moe.MegatronGrid``: EP x DP by the MoE family's dense part,
+  pipelines by the search's pipeline builder, TP by the folded MoE builder), simulated on the
+  same cluster, and the fastest that fits. Interleaved pipelines with TP have no builder
+  (counted as missing), or are tried through the planner's search under their mesh with
+  ``--constrained``.
 - **published**: the layout the model's authors report, where they do (cited).
 
 The searched plan should be no slower than the grid's best; the verdict says when it is and
 why it might be. Budgets count work, so the plans are the same on any machine; the planning
 times are this machine's.
 
-Measured 2026-11-29 at 6afa7ee plus this file's fixes, one row at a time with
-``python benchmarks/moe_frontier.py --rows KEY --search-timeout 900`` on 2 CPU cores shared
-with other jobs (load 4-6), 23 GiB of memory. "plan s" is the search's time; the grid ran
-beside it (148 s for mixtral-64, 164 s for qwen3-256, 252 s for deepseek-256). The Qwen
-model built has 235.09B parameters, as published:
+Measured 2026-11-29 at 387c111 (the grid's code; later commits change no figure), one row
+at a time with ``flock /work/locks/heavy.lock python benchmarks/moe_frontier.py --rows KEY
+--search-timeout 600`` on 2 CPU cores shared with other jobs (load 4-6), 24 GiB of memory
+shared likewise. The search ran beside the grid; "s" is the row's wall time (the grid's,
+which outlasted the search). "built/fit" counts the grid's simulated configurations of all:
 
-=============  ===================================  ============================  ==================================
-row            search (plan s; step, MFU, memory)    grid's best (built/fit of all)  verdict
-=============  ===================================  ============================  ==================================
-mixtral-64     167 s; moe dp=64, fsdp, experts       TP1 EP8 PP1 DP64 mbs4 full     search 0.827x the grid's best
-               replicated: 9.69 s, 42.8%, 60.7 GiB   recompute: 11.72 s, 35.4%,
-                                                     73.0 GiB (24/1128 built, 10 fit)
-qwen3-256      166 s; moe dp=256, fsdp, experts      TP1 EP128 PP1 DP256 mbs4 full  search 0.422x the grid's best
-               replicated: 8.77 s, 31.6%, 50.5 GiB   recompute: 20.77 s, 13.3%,
-                                                     73.0 GiB (48/2214 built, 21 fit)
-deepseek-256   272 s; moe dp=256, 4 micro-batches,   none fits (54/2064 built,      nothing to compare with
-               fsdp, a2a overlapped, EP round-robin  0 fit)
-               deduplicated: 16.56 s, 28.1%, 72.9 GiB
-deepseek-2048  not run here: a process of the row reached 21 GiB and was killed for memory about 6 min in
-gpt-oss-128    refused in one line: GptOssMLP (router with bias, experts with biases, transposed
-               gate_up_proj) is no MoE block planner.moe_blocks recognises
-=============  ===================================  ============================  ==================================
+=============  ====================================  ===================================  =========================
+row            search (step, MFU, memory)            grid's best (built/fit of all)       verdict
+=============  ====================================  ===================================  =========================
+deepseek-256   megatron pp=32 x dp=8, 1F1B, 128      TP1 EP16 PP16 DP16 mbs1 full         search 0.721x the grid's
+               micro-batches, EP round-robin:        recompute, ZeRO-1: 25.06 s, 18.6%,   best
+               18.08 s, 25.7%, 74.5 GiB (244 s)      52.9 GiB (86/2064 built, 12 fit)
+mixtral-64     moe dp=64, fsdp, experts replicated:  TP4 EP8 ETP1 PP8 DP2 mbs1 no          search SLOWER: 1.066x the
+               10.70 s, 38.8%, 60.7 GiB (266 s)      recompute, ZeRO-1: 10.03 s, 41.4%,   grid's best (below)
+                                                     70.0 GiB (210/1128 built, 83 fit)
+qwen3-256      moe dp=256, zero2, EP 128 per device  TP1 EP16 PP16 VPP2 DP16 mbs1 full    search 0.626x the grid's
+               x 256 copies (sharded): 9.99 s,       recompute, ZeRO-1: 15.97 s, 17.3%,   best
+               27.7%, 67.1 GiB (407 s)               24.7 GiB (272/2214 built, 116 fit)
+gpt-oss-128    moe dp=128, 2 micro-batches, zero2,   TP1 EP128 PP1 DP128 mbs2 full        search 0.915x the grid's
+               a2a overlapped, EP 128 per device x   recompute, ZeRO-1: 9.63 s, 6.5%,     best
+               128 copies: 8.82 s, 7.1%, 71.3 GiB    55.4 GiB (405/1728 built, 163 fit)
+               (254 s)
+deepseek-2048  not measured: at 773dfbe the row was killed for memory 3.5 min in, search and grid
+               side by side; ``--grid-after-search`` now runs them one after the other (not run yet)
+=============  ====================================  ===================================  =========================
 
-Grid configurations with TP or PP around HF MoE blocks are not built (branches moefold,
-moeplan), so "the grid's best" is the best of the EP x DP ones; rows not run are not
-evidence either way.
+Mixtral-8x22B: the grid's best is tensor parallelism beside experts inside a pipeline
+(``pp=8 x dp=2 x tp=4``, experts EP8 folded over dp x tp, 1F1B over 256 / 2 = 128
+micro-batches), built by the folded MoE family's builder. The default search does not try
+it: the folded family offers HF MoE blocks only when ``--mesh`` fixes ``tp > 1``, and a
+pipeline under it only when ``--mesh`` fixes ``pp``, with as many micro-batches as stages
+(``search.moe_folding.folded_candidates``: offering them by default "would change the plans
+searched for these models", not yet compared at scale). So the verdict "no slower than the grid's best"
+does not hold on this row until the search weighs folded pipelines for HF blocks.
+
+Refusals per row are printed with their one-line reasons: pipelines whose layers do not
+divide over the stages for the folded builder (Megatron's even split), interleaved
+pipelines with TP (no builder), and the pruned (memory lower bounds, step-time lower bound
+against the best found, dominance among the same degrees).
 """
 
 from __future__ import annotations
@@ -70,7 +86,7 @@ from planner.api import prepare_model
 from planner.constraints import SearchConstraints
 from planner.errors import PlannerError
 from planner.model_spec import ModelSpec
-from search.megatron_moe import GridResult, MegatronMoEConfig, best_of, grid_configs, grid_plan
+from search.megatron_moe import GridResult, MegatronMoEConfig, best_of, grid_results
 
 GIB = 2**30
 
@@ -184,8 +200,7 @@ def constrained_search(row: Row):
 def grid(row: Row, constrained: bool) -> tuple[list[GridResult], float]:
     started = time.perf_counter()
     graph, spec, name, cluster = prepare_model(row_spec(row), row.cluster)
-    results = [grid_plan(config, graph, cluster, spec, name, "bf16", constrained_search(row) if constrained else None)
-               for config in grid_configs(graph, cluster)]
+    results = grid_results(graph, cluster, spec, name, "bf16", constrained_search(row) if constrained else None)
     return results, time.perf_counter() - started
 
 
@@ -245,11 +260,16 @@ def main() -> None:
     parser.add_argument("--rows", nargs="*", choices=[row.key for row in ROWS], help="rows to run (default all)")
     parser.add_argument("--search-timeout", type=float, default=1200.0, help="seconds per row's search (default 1200)")
     parser.add_argument("--constrained", action="store_true",
-                        help="plan grid configurations with TP or PP through the search under their mesh (slow)")
+                        help="plan interleaved grid configurations with TP through the search under their mesh (slow)")
+    parser.add_argument("--grid-after-search", action="store_true",
+                        help="build the grid once the search has finished, not beside it (half the peak memory; "
+                             "DeepSeek-V3 on 2,048 GPUs needs it on a 24 GiB machine)")
     options = parser.parse_args()
     rows = [row for row in ROWS if (not options.quick or row.quick) and (not options.rows or row.key in options.rows)]
     for row in rows:
         search = SearchRun.start(row)  # beside the grid: both are this row's
+        if options.grid_after_search:
+            searched = search.finish(options.search_timeout)
         try:
             results, grid_s = grid(row, options.constrained)
         except PlannerError as error:  # the model cannot be built or traced: its one-line message
@@ -257,7 +277,7 @@ def main() -> None:
             search.finish(0.0)
             continue
         best = report_grid(row, results, grid_s)
-        report_search(search.finish(options.search_timeout), best)
+        report_search(searched if options.grid_after_search else search.finish(options.search_timeout), best)
 
 
 if __name__ == "__main__":

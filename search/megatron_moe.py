@@ -17,32 +17,59 @@ micro-batch's tokens with one all-to-all before the experts and one after (a fla
 Micro-batches of ``micro_batch_size`` samples per rank accumulate gradients, each routed on
 its own.
 
-``grid_configs`` lists the configurations; ``grid_plan`` builds one. The planner builds
-today the configurations without tensor or pipeline parallelism around HF MoE blocks (EP
-folded over DP, ``pp = tp = etp = 1``) directly: the MoE family's dense part with every
-layer expert parallel over copy groups (``ExpertPlacement.copied_grid``). One difference
-remains: Megatron-Core sends a token only inside its rank's EP group, whereas the planner's
-expert-parallel layer splits each expert's tokens among all its copies
-(``cost_model.moe``), so the same bytes leave each rank but their destinations (and so
-the share crossing nodes) differ. The others need
-the planner's search under a fixed mesh (``--mesh pp=.. tp=..``) to return a plan whose MoE
-layers have layouts; ``grid_plan`` tries that when asked (``constrained``) and otherwise
-says what is missing, so the grid picks them up once the planner makes such plans.
+``grid_configs`` lists the configurations; ``grid_plan`` builds one, ``grid_results`` all
+of them with pruning (``MegatronGrid``). Three builders:
+
+- EP folded over DP (``pp = tp = etp = 1``): the MoE family's dense part with every layer
+  expert parallel over copy groups (``ExpertPlacement.copied_grid``). One difference
+  remains: Megatron-Core sends a token only inside its rank's EP group, whereas the
+  planner's expert-parallel layer splits each expert's tokens among all its copies
+  (``cost_model.moe``), so the same bytes leave each rank but their destinations (and so the
+  share crossing nodes) differ.
+- Pipelines (``pp > 1``, ``tp = etp = 1``): the plan builder of the search's MoE pipeline grid
+  (``search.pipeline_search.PipelineGrid``: its stage slicing, Megatron's even split or the
+  uneven one Megatron-Core sets with ``--decoder-first/last-pipeline-num-layers``, whichever
+  is faster) with the configuration's mesh ``pp x dp``, schedule (1F1B, or interleaved with
+  ``vpp`` virtual stages), micro-batches, ZeRO-1 and recomputation, and every MoE layer
+  expert parallel over its stage's dp ranks folded as above. Inside a pipeline the planner
+  keeps every copy of an expert whole (its states are not sharded over the copies as the
+  distributed optimizer shards them): more memory than Megatron-Core holds when EP < DP.
+- Tensor parallelism (``tp > 1``, ETP 1 or ``tp``): the folded MoE family's builder
+  (``search.moe_folding.folded_plan``: Megatron's layout of the dense ops on ``tp``, every MoE
+  layer expert parallel over the folded ``dp*tp`` ranks with EP round-robin, ETP inside each
+  tensor-parallel group, ``dp*tp / (ep*etp)`` copies of each expert) with ZeRO-1,
+  recomputation and the configuration's micro-batches (accumulated without a pipeline; a
+  pipeline on Megatron's even split runs them 1F1B). It has no interleaved schedule: those
+  configurations (VPP > 1 with TP) are refused in one line.
+
+Pruning (as the pipeline search prunes, ``search.pipeline_search``): a pipeline whose memory
+lower bound exceeds the device is refused without slicing; the others are visited by their
+step-time lower bound, and once that bound reaches the best simulated step that fits, the
+rest cannot beat it and are not built (``PRUNED``). A tensor-parallel configuration is
+pruned when its weights, gradients and ZeRO-1 states alone overflow the average device
+(``MegatronGrid.folded_memory_lower_bound``), and those of the same degrees by dominance:
+when the one holding least (full recomputation, the fewest samples per micro-batch) does
+not fit, none of them does; when one without recomputation fits, the same with full
+recomputation only adds time.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from cost_model.parameter_bytes import bytes_per_parameter
 from cost_model.simulator import simulated
 from planner.cluster import Cluster
 from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.plans import Plan
-from planner.strategy import ExpertLayout, ExpertPlacement
+from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
 from search.moe_search import moe_base_plan
+from search.moe_folding import folded_plan
+from search.pipeline_configs import Configuration, PipelineSpace
+from search.pipeline_search import PipelineGrid
 
 
 @dataclass(frozen=True)
@@ -120,11 +147,11 @@ def grid_configs(graph: OpGraph, cluster: Cluster, *, max_tp: int | None = None,
     return configs
 
 
-def ep_over_dp_layouts(graph: OpGraph, ep: int, dp: int) -> tuple[ExpertLayout, ...]:
-    """Every MoE layer expert parallel as Megatron-Core folds it over ``dp`` ranks: groups of
-    ``ep`` ranks each holding ``experts / ep`` experts, each expert copied ``dp / ep`` times
-    and sharded over its copies (the distributed optimizer's expert-data-parallel states;
-    module docstring), or round-robin when ``ep == dp``; a flat all-to-all."""
+
+PRUNED = "pruned"  # GridResult.missing's first word for a configuration the bounds ruled out
+
+
+def _folded_expert_layouts(graph: OpGraph, ep: int, dp: int, shard_copies: bool) -> tuple[ExpertLayout, ...]:
     layouts = []
     for block in graph.moe_blocks:
         if ep == dp:
@@ -133,42 +160,237 @@ def ep_over_dp_layouts(graph: OpGraph, ep: int, dp: int) -> tuple[ExpertLayout, 
             placement = ExpertPlacement.copied_grid(block.experts, dp, block.experts // ep)
         layouts.append(ExpertLayout(module=block.module, mode="expert_parallel", experts=block.experts,
                                     top_k=block.top_k, capacity_factor=block.capacity_factor, axis="dp",
-                                    placement=placement, sharded_copies=ep < dp))
+                                    placement=placement, sharded_copies=shard_copies and ep < dp))
     return tuple(layouts)
+
+
+def ep_over_dp_layouts(graph: OpGraph, ep: int, dp: int) -> tuple[ExpertLayout, ...]:
+    """Every MoE layer expert parallel as Megatron-Core folds it over ``dp`` ranks: groups of
+    ``ep`` ranks each holding ``experts / ep`` experts, each expert copied ``dp / ep`` times
+    and sharded over its copies (the distributed optimizer's expert-data-parallel states;
+    module docstring), or round-robin when ``ep == dp``; a flat all-to-all."""
+    return _folded_expert_layouts(graph, ep, dp, shard_copies=True)
+
+
+def _ep_variant(ep: int) -> str:
+    return f"megatron-ep{ep}"
+
+
+class MegatronGrid:
+    """Builds the grid's configurations of one model on one cluster (module docstring),
+    sharing the pipeline builder's segment simulations between them."""
+
+    def __init__(self, graph: OpGraph, cluster: Cluster, spec, model_name: str, precision: str = "bf16"):
+        self.graph, self.cluster, self.spec, self.model_name, self.precision = graph, cluster, spec, model_name, precision
+        self._base: Plan | PlanningError | None = None
+        self._pipelines: PipelineGrid | None = None
+
+    # ----------------------------------------------------------- EP over DP
+
+    def flat_plan(self, config: MegatronMoEConfig) -> GridResult:
+        """A configuration without TP or PP: the MoE family's dense part, ZeRO-1, EP folded
+        over DP, ``micro_batch_size`` samples per accumulated micro-batch; simulated."""
+        if self._base is None:
+            try:
+                self._base = moe_base_plan(self.graph, self.cluster, self.spec, self.model_name,
+                                           precision=self.precision)
+            except PlanningError as error:
+                self._base = error
+        if isinstance(self._base, PlanningError):
+            return GridResult(config, None, str(self._base))
+        steps = self.graph.batch_size // (config.dp * config.micro_batch_size)
+        plan = dataclasses.replace(self._base, dp_flavour="zero1", recompute=config.recompute,
+                                   accumulation_steps=steps, label="megatron-moe",
+                                   expert_layouts=ep_over_dp_layouts(self.graph, config.ep, config.dp))
+        return GridResult(config, simulated(plan, self.graph))
+
+    # ------------------------------------------------------------ pipelines
+
+    @property
+    def pipelines(self) -> PipelineGrid:
+        """The search's pipeline builder, its MoE layers laid out as each configuration's EP
+        (``pipeline_configuration``'s variant) and nothing else searched."""
+        if self._pipelines is None:
+            def layouts(mesh: Mesh, micro_batches: int) -> dict[str, tuple[ExpertLayout, ...]]:
+                dp = mesh.axis_size("dp") if "dp" in mesh.names else 1
+                return {_ep_variant(ep): _folded_expert_layouts(self.graph, ep, dp, shard_copies=False)
+                        for ep in range(1, dp + 1) if dp % ep == 0 and self._divides_experts(ep)}
+            space = PipelineSpace(expert_layouts=layouts, searched_layout="off", dualpipe=False)
+            self._pipelines = PipelineGrid(self.graph, self.cluster, self.precision, space)
+        return self._pipelines
+
+    def _divides_experts(self, ep: int) -> bool:
+        return all(block.experts % ep == 0 for block in self.graph.moe_blocks)
+
+    def pipeline_configuration(self, config: MegatronMoEConfig) -> Configuration:
+        """``config`` as a point of the pipeline builder's grid: mesh ``pp x dp``, ZeRO-1,
+        1F1B or interleaved over ``vpp`` virtual stages, the configuration's EP."""
+        micro_batches = self.graph.batch_size // (config.dp * config.micro_batch_size)
+        schedule = "interleaved" if config.vpp > 1 else "1f1b"
+        return Configuration(tp=1, pp=config.pp, dp=config.dp, micro_batch=config.micro_batch_size,
+                             micro_batches=micro_batches, schedule=schedule, virtual_stages=config.vpp,
+                             flavour="zero1" if config.dp > 1 else "ddp", recompute=config.recompute,
+                             experts=_ep_variant(config.ep) if config.dp > 1 else "")
+
+    def pipeline_bounds(self, config: MegatronMoEConfig) -> tuple[float, float] | None:
+        """The pipeline's (step-time, memory) lower bounds; None when the model does not split
+        into its stages."""
+        return self.pipelines.lower_bounds(self.pipeline_configuration(config))
+
+    def pipeline_plan(self, config: MegatronMoEConfig) -> GridResult:
+        """A pipeline configuration sliced, built and simulated by the pipeline builder, or
+        why it is refused."""
+        estimate = self.pipelines.estimate(self.pipeline_configuration(config))
+        if estimate is None:
+            return GridResult(config, None, f"no split of the model into {config.pp * config.vpp} stages fits "
+                                            f"a device's {self.cluster.min_device_memory / 2**30:.0f} GiB")
+        try:
+            plan = self.pipelines.plan(estimate, self.spec, self.model_name)
+        except PlanningError as error:  # the slicing's stages cannot be laid out (its one line)
+            return GridResult(config, None, str(error))
+        return GridResult(config, dataclasses.replace(plan, label="megatron-moe"))
+
+    # ------------------------------------------------------------- one, all
+
+    def build(self, config: MegatronMoEConfig, constrained: Callable[[MegatronMoEConfig], Plan | None] | None = None
+              ) -> GridResult:
+        """``config`` as a simulated plan, or why it is not built (module docstring)."""
+        if config.tp == config.etp == 1:
+            if config.pp == 1:
+                return self.flat_plan(config)
+            if self.pipeline_bounds(config) is None:
+                return GridResult(config, None, f"the model does not split into {config.pp * config.vpp} stages "
+                                                "(fewer repeated blocks than stages)")
+            return self.pipeline_plan(config)
+        if config.vpp == 1:
+            return self.folded(config)
+        if constrained is None:
+            return GridResult(config, None, INTERLEAVED_TP_MISSING)
+        plan = constrained(config)
+        sizes = {"tp": config.tp, "pp": config.pp, "dp": config.dp}
+        if plan is None or not plan.expert_layouts or any(
+                (plan.mesh.axis_size(axis) if axis in plan.mesh.names else 1) != size for axis, size in sizes.items()):
+            return GridResult(config, None, f"{INTERLEAVED_TP_MISSING}; the constrained search gave no such plan")
+        return GridResult(config, plan)
+
+    # ------------------------------------------------------ tensor parallel
+
+    def folded(self, config: MegatronMoEConfig) -> GridResult:
+        """A configuration with TP (1F1B or no pipeline) built by the folded MoE builder with
+        ZeRO-1, recomputation and accumulated micro-batches; simulated."""
+        micro_batches = self.graph.batch_size // (config.dp * config.micro_batch_size)
+        # The folded layouts run over the dp axis, kept even at size 1 (EP then folds over tp alone).
+        mesh = Mesh(tuple((name, size) for name, size in (("pp", config.pp), ("dp", config.dp), ("tp", config.tp))
+                          if size > 1 or name == "dp"))
+        try:
+            plan = folded_plan(self.graph, self.cluster, self.spec, self.model_name, mesh, config.ep, config.etp,
+                               precision=self.precision, micro_batches=micro_batches if config.pp > 1 else 1,
+                               dp_flavour="zero1" if config.dp > 1 else "ddp", recompute=config.recompute,
+                               accumulation_steps=1 if config.pp > 1 else micro_batches)
+        except (PlanningError, ValueError) as error:  # Megatron's layout or the folding refuses it
+            return GridResult(config, None, str(error))
+        return GridResult(config, dataclasses.replace(plan, label="megatron-moe"))
+
+    def folded_memory_lower_bound(self, config: MegatronMoEConfig) -> float:
+        """Bytes on the average device of a folded configuration, weights, gradients and
+        ZeRO-1's states only: the dense parameters split over ``tp x pp`` at best (Megatron's
+        layout keeps norms and routers whole), the experts over ``ep x etp x pp``, the states
+        sharded over the dp ranks (the experts' over their copies). The fullest device holds
+        at least this."""
+        weights, grads, states = bytes_per_parameter(self.precision)
+        experts = sum(block.expert_parameters for block in self.graph.moe_blocks)
+        dense = max(0, self.graph.parameter_count - experts) / (config.tp * config.pp)
+        expert_share = experts / (config.ep * config.etp * config.pp)
+        copies = max(1, config.dp * config.tp // (config.ep * config.etp))
+        return (dense + expert_share) * (weights + grads) + states * (dense / config.dp + expert_share / copies)
+
+    def folded_results(self, configs: list[MegatronMoEConfig]) -> dict[MegatronMoEConfig, GridResult]:
+        """``folded`` of every configuration, pruned by dominance (module docstring)."""
+        done: dict[MegatronMoEConfig, GridResult] = {}
+        groups: dict[tuple, list[MegatronMoEConfig]] = {}
+        for config in configs:
+            groups.setdefault(dataclasses.replace(config, recompute="", micro_batch_size=0), []).append(config)
+        for members in groups.values():
+            if self.folded_memory_lower_bound(members[0]) > self.cluster.min_device_memory:
+                for config in members:
+                    done[config] = GridResult(config, None, f"{PRUNED}: its memory lower bound exceeds a device")
+                continue
+            leanest = min(members, key=lambda c: (c.micro_batch_size, c.recompute != "full"))
+            done[leanest] = self.folded(leanest)
+            plan = done[leanest].plan
+            if plan is None:  # refused for its degrees, whatever the micro-batches and recomputation
+                for config in members:
+                    done.setdefault(config, GridResult(config, None, done[leanest].missing))
+                continue
+            if not plan.estimate.fits:
+                for config in members:
+                    done.setdefault(config, GridResult(config, None, f"{PRUNED}: the same degrees holding least "
+                                                                     "(full recomputation, the fewest samples per "
+                                                                     "micro-batch) do not fit"))
+                continue
+            for config in sorted(members, key=lambda c: (c.micro_batch_size, c.recompute != "none")):
+                if config in done:
+                    continue
+                lighter = dataclasses.replace(config, recompute="none")
+                if config.recompute == "full" and lighter in done and done[lighter].plan is not None \
+                        and done[lighter].plan.estimate.fits:
+                    done[config] = GridResult(config, None, f"{PRUNED}: the same without recomputation fits")
+                    continue
+                done[config] = self.folded(config)
+        return done
+
+    def results(self, configs: list[MegatronMoEConfig], constrained=None) -> list[GridResult]:
+        """Every configuration of ``configs`` built, refused or pruned (module docstring), in
+        the order given."""
+        done: dict[MegatronMoEConfig, GridResult] = {}
+        pipelines, folded = [], []
+        for config in configs:
+            if config.pp > 1 and config.tp == config.etp == 1:
+                pipelines.append(config)
+            elif config.tp == config.etp == 1 or config.vpp > 1:
+                done[config] = self.build(config, constrained)
+            else:
+                folded.append(config)
+        done.update(self.folded_results(folded))
+        best = best_of(list(done.values()))
+        bounded = []
+        for config in pipelines:
+            bounds = self.pipeline_bounds(config)
+            if bounds is None:
+                done[config] = self.build(config)
+            elif bounds[1] > self.cluster.min_device_memory:
+                done[config] = GridResult(config, None, f"{PRUNED}: its memory lower bound exceeds a device")
+            else:
+                bounded.append((bounds[0], configs.index(config), config))
+        for bound, _, config in sorted(bounded):
+            if best is not None and bound >= best.plan.estimate.step_time_s:
+                done[config] = GridResult(config, None, f"{PRUNED}: its step-time lower bound cannot beat "
+                                                        "the best found")
+                continue
+            done[config] = self.pipeline_plan(config)
+            best = best_of([result for result in (best, done[config]) if result is not None])
+        return [done[config] for config in configs]
+
+
+INTERLEAVED_TP_MISSING = ("needs an interleaved pipeline with TP beside experts: the folded MoE builder "
+                          "(search.moe_folding.folded_plan) runs 1F1B only")
 
 
 def grid_plan(config: MegatronMoEConfig, graph: OpGraph, cluster: Cluster, spec, model_name: str,
               precision: str = "bf16", constrained: Callable[[MegatronMoEConfig], Plan | None] | None = None) -> GridResult:
-    """``config`` as a simulated plan (module docstring). ``constrained`` plans a
-    configuration with tensor or pipeline parallelism through the planner's search under
-    its mesh (None: such configurations are reported as missing); its plan counts only when
-    its MoE layers have layouts and its mesh has the configuration's degrees."""
-    if config.tp == config.pp == config.etp == 1:
-        try:
-            base = moe_base_plan(graph, cluster, spec, model_name, precision=precision)
-        except PlanningError as error:
-            return GridResult(config, None, str(error))
-        steps = graph.batch_size // (config.dp * config.micro_batch_size)
-        plan = dataclasses.replace(base, dp_flavour="zero1", recompute=config.recompute, accumulation_steps=steps,
-                                   expert_layouts=ep_over_dp_layouts(graph, config.ep, config.dp), label="megatron-moe")
-        return GridResult(config, simulated(plan, graph))
-    needs = "tensor parallelism beside experts (branch moefold)" if config.tp > 1 or config.etp > 1 else \
-        "HF MoE blocks inside pipeline stages (branch moeplan)"
-    if constrained is None:
-        return GridResult(config, None, f"needs {needs}")
-    plan = constrained(config)
-    sizes = {"tp": config.tp, "pp": config.pp, "dp": config.dp}
-    if plan is None or not plan.expert_layouts or any(
-            (plan.mesh.axis_size(axis) if axis in plan.mesh.names else 1) != size for axis, size in sizes.items()):
-        return GridResult(config, None, f"needs {needs}: the constrained search gave no such plan")
-    return GridResult(config, plan)
+    """``config`` as a simulated plan, or why there is none (module docstring). ``constrained``
+    plans an interleaved configuration with tensor parallelism through the planner's search
+    under its mesh (None: such configurations are reported as missing); its plan counts only when its
+    MoE layers have layouts and its mesh has the configuration's degrees."""
+    return MegatronGrid(graph, cluster, spec, model_name, precision).build(config, constrained)
 
 
 def grid_results(graph: OpGraph, cluster: Cluster, spec, model_name: str, precision: str = "bf16",
-                 constrained=None, configs: list[MegatronMoEConfig] | None = None) -> Iterator[GridResult]:
-    """``grid_plan`` of every configuration of ``grid_configs`` (or of ``configs``)."""
-    for config in configs if configs is not None else grid_configs(graph, cluster):
-        yield grid_plan(config, graph, cluster, spec, model_name, precision, constrained)
+                 constrained=None, configs: list[MegatronMoEConfig] | None = None) -> list[GridResult]:
+    """Every configuration of ``grid_configs`` (or of ``configs``) built, refused or pruned
+    (``MegatronGrid.results``)."""
+    grid = MegatronGrid(graph, cluster, spec, model_name, precision)
+    return grid.results(configs if configs is not None else grid_configs(graph, cluster), constrained)
 
 
 def best_of(results: list[GridResult]) -> GridResult | None:

@@ -119,10 +119,13 @@ def dense_strategies(graph: OpGraph, mesh: Mesh, sequence_parallel: bool) -> tup
 
 def folded_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str, mesh: Mesh, ep: int,
                 etp: int = 1, *, sequence_parallel: bool = False, routing: RoutingStats | None = None,
-                precision: str = "fp32", warnings: tuple[str, ...] = (), micro_batches: int = 1) -> Plan:
+                precision: str = "fp32", warnings: tuple[str, ...] = (), micro_batches: int = 1,
+                dp_flavour: str = "ddp", recompute: str = "none", accumulation_steps: int = 1) -> Plan:
     """The simulated folded plan on ``mesh`` (``dp x tp``, or ``pp x dp x tp``: pipeline
     stages of Megatron's even split, 1F1B over ``micro_batches``) with EP ``ep`` and ETP
-    ``etp`` for every MoE layer (module docstring).
+    ``etp`` for every MoE layer (module docstring). ``dp_flavour``, ``recompute`` and
+    (without a pipeline) ``accumulation_steps`` are the plan's (the Megatron-Core grid,
+    ``search.megatron_moe``, sets them; the search keeps the defaults).
 
     Raises:
         PlanningError: Megatron's layout does not split the model over ``tp`` or ``pp``.
@@ -132,8 +135,9 @@ def folded_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_
     pipeline = None
     if "pp" in mesh.names:
         pipeline = PipelineConfig(stages=mesh.axis_size("pp"), schedule="1f1b", micro_batches=micro_batches)
-    base = unsimulated_plan(graph, cluster, spec, model_name, mesh, strategies, inputs, dp_flavour="ddp",
-                            precision=precision, warnings=tuple(warnings), label=MOE_LABEL, pipeline=pipeline)
+    base = unsimulated_plan(graph, cluster, spec, model_name, mesh, strategies, inputs, dp_flavour=dp_flavour,
+                            precision=precision, warnings=tuple(warnings), label=MOE_LABEL, pipeline=pipeline,
+                            recompute=recompute, accumulation_steps=accumulation_steps)
     plan = dataclasses.replace(base, expert_layouts=folded_layouts(graph, routing or RoutingStats(), ep, etp),
                                sections={**base.sections, JSON_KEY: MoeFoldingSection(sequence_parallel)})
     return simulated(plan, graph)

@@ -322,6 +322,13 @@ class PipelineGrid:
                 best = estimate
         return best
 
+    def lower_bounds(self, config: Configuration) -> tuple[float, float] | None:
+        """``config``'s step-time and memory lower bounds (seconds, bytes), the ones ``best``
+        prunes by, for a caller pricing its own configurations (``search.megatron_moe``);
+        None when Megatron's layout does not split the model on its tp or pp."""
+        bound = self._time_lower_bound(config)
+        return None if bound is None else (bound, self._memory_lower_bound(config))
+
     def segment_costs(self, config: Configuration, recompute: str) -> list[SegmentCost] | None:
         """Each segment's cost per micro-batch under ``config`` recomputing as ``recompute``
         says (the ops before the first block, each block, the ops after the last), priced on

@@ -10,7 +10,8 @@ import pytest
 
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
-from search.megatron_moe import MegatronMoEConfig, best_of, grid_configs, grid_plan, grid_results
+from cost_model.simulator import simulated
+from search.megatron_moe import MegatronGrid, MegatronMoEConfig, best_of, grid_configs, grid_plan, grid_results
 from test_parity import REPO
 
 SPEC = ModelSpec(str(REPO / "examples" / "moe.py"), {"batch_size": 16, "n_expert": 8, "ffn": 512})
@@ -20,6 +21,12 @@ SPEC = ModelSpec(str(REPO / "examples" / "moe.py"), {"batch_size": 16, "n_expert
 def tiny():
     graph, spec, name, cluster = prepare_model(SPEC, "cpu:2x4")
     return graph, spec, name, cluster
+
+
+@pytest.fixture(scope="module")
+def deep():
+    """Eight blocks, so that 2 stages x 2 virtual stages each keep 2 (grid_configs's VPP rule)."""
+    return prepare_model(ModelSpec(SPEC.source, {**SPEC.overrides, "n_layer": 8}), "cpu:2x4")
 
 
 def test_the_grid_lists_megatron_cores_degrees(tiny):
@@ -57,22 +64,79 @@ def test_ep_over_dp_plans_fold_the_experts_as_megatron_core_does(tiny):
                for layout in whole.expert_layouts)
 
 
-def test_configurations_the_planner_cannot_build_yet_say_what_they_need(tiny):
+def test_a_pipeline_configuration_is_built_with_its_own_mesh_schedule_and_experts(deep):
+    graph, spec, name, cluster = deep
+    assert any(c.pp == 2 and c.vpp == 2 and c.ep == 2 and c.dp == 4 for c in grid_configs(graph, cluster))
+    # PP2 x DP4, interleaved over 2 virtual stages, EP2 over each stage's 4 dp ranks, 1 sample
+    # per micro-batch: 16 / (4 x 1) = 4 micro-batches per step.
+    config = MegatronMoEConfig(tp=1, ep=2, etp=1, pp=2, vpp=2, dp=4, recompute="full", micro_batch_size=1)
+    plan = grid_plan(config, graph, cluster, spec, name, precision="fp32").plan
+    assert plan is not None
+    assert dict(plan.mesh.axes) == {"pp": 2, "dp": 4}
+    assert plan.pipeline.stages == 2 and plan.pipeline.schedule == "interleaved"
+    assert plan.pipeline.virtual_stages == 2 and plan.pipeline.micro_batches == 4
+    assert plan.dp_flavour == "zero1" and plan.recompute == "full"
+    assert {s.stage for s in plan.strategies} == {0, 1, 2, 3}
+    assert len(plan.expert_layouts) == len(graph.moe_blocks) > 0
+    for layout in plan.expert_layouts:
+        # EP2 over 4 ranks: 8 experts / 2 = 4 per rank, each expert on 4 / 2 = 2 ranks.
+        assert layout.mode == "expert_parallel" and layout.axis == "dp"
+        assert layout.placement.devices == 4 and layout.placement.most_experts_per_device == 4
+        assert all(len(copies) == 2 for copies in layout.placement.replicas)
+    # The step is the simulator's on that very plan, not the stage slicing's estimate.
+    again = simulated(dataclasses.replace(plan, estimate=None), graph)
+    assert again.estimate.step_time_s == plan.estimate.step_time_s
+    assert again.estimate.memory.total == plan.estimate.memory.total
+
+
+def test_a_tensor_parallel_configuration_is_folded_with_zero1_and_accumulation(tiny):
     graph, spec, name, cluster = tiny
-    with_tp = MegatronMoEConfig(tp=2, ep=4, etp=1, pp=1, vpp=1, dp=4, recompute="none", micro_batch_size=1)
-    assert "tensor parallelism beside experts" in grid_plan(with_tp, graph, cluster, spec, name).missing
-    with_pp = MegatronMoEConfig(tp=1, ep=4, etp=1, pp=2, vpp=1, dp=4, recompute="none", micro_batch_size=1)
-    assert "pipeline stages" in grid_plan(with_pp, graph, cluster, spec, name).missing
+    # TP2 x DP4, EP2 x ETP2 folded over the 8 dp*tp ranks: 8 / (2 x 2) = 2 copies of each
+    # expert group; 16 samples / (4 dp ranks x 2 per micro-batch) = 2 accumulated micro-batches.
+    config = MegatronMoEConfig(tp=2, ep=2, etp=2, pp=1, vpp=1, dp=4, recompute="full", micro_batch_size=2)
+    plan = grid_plan(config, graph, cluster, spec, name, precision="fp32").plan
+    assert dict(plan.mesh.axes) == {"dp": 4, "tp": 2} and plan.pipeline is None
+    assert plan.dp_flavour == "zero1" and plan.recompute == "full" and plan.accumulation_steps == 2
+    for layout in plan.expert_layouts:
+        assert layout.mode == "expert_parallel" and layout.tensor_parallel == 2
+        assert layout.placement.devices == 2 and layout.placement.most_experts_per_device == 4
+    again = simulated(dataclasses.replace(plan, estimate=None), graph)
+    assert again.estimate.step_time_s == plan.estimate.step_time_s
+
+
+def test_configurations_the_planner_cannot_build_say_what_is_missing(tiny, deep):
+    graph, spec, name, cluster = tiny
+    deep_graph, deep_spec, _, _ = deep
+    interleaved_tp = MegatronMoEConfig(tp=2, ep=2, etp=1, pp=2, vpp=2, dp=2, recompute="none", micro_batch_size=1)
+    missing = grid_plan(interleaved_tp, deep_graph, cluster, deep_spec, name).missing
+    assert "interleaved pipeline with TP beside experts" in missing and "branch" not in missing
     # A constrained search that gives a plan without MoE layouts does not count.
     dense = grid_plan(MegatronMoEConfig(1, 4, 1, 1, 1, 8, "none", 1), graph, cluster, spec, name, "fp32").plan
-    refused = grid_plan(with_pp, graph, cluster, spec, name, constrained=lambda config: dense)
+    refused = grid_plan(interleaved_tp, deep_graph, cluster, deep_spec, name, constrained=lambda config: dense)
     assert refused.plan is None and "gave no such plan" in refused.missing
+    # Eight stages of a model of two blocks: refused in one line, not a traceback.
+    too_deep = MegatronMoEConfig(tp=1, ep=1, etp=1, pp=8, vpp=1, dp=1, recompute="none", micro_batch_size=2)
+    assert "does not split into 8 stages" in grid_plan(too_deep, graph, cluster, spec, name).missing
 
 
-def test_the_best_is_the_fastest_that_fits(tiny):
+def test_the_best_is_the_fastest_of_every_built_configuration(tiny):
     graph, spec, name, cluster = tiny
-    configs = [c for c in grid_configs(graph, cluster) if c.tp == c.pp == 1 and c.recompute == "none"]
-    results = list(grid_results(graph, cluster, spec, name, "fp32", configs=configs))
-    assert all(r.plan is not None for r in results)
-    best = best_of(results)
-    assert best.plan.estimate.step_time_s == min(r.plan.estimate.step_time_s for r in results)
+    configs = grid_configs(graph, cluster)
+    pruned = grid_results(graph, cluster, spec, name, "fp32", configs=configs)
+    # Exhaustively: every configuration built on its own, none pruned (one grid: its caches shared).
+    grid = MegatronGrid(graph, cluster, spec, name, "fp32")
+    every = [grid.build(config) for config in configs]
+    built = [r for r in every if r.plan is not None and r.plan.estimate.fits]
+    assert {(r.config.pp > 1, r.config.tp > 1) for r in built} == {(False, False), (True, False), (False, True),
+                                                                  (True, True)}
+    fastest = min(r.plan.estimate.step_time_s for r in built)
+    assert best_of(every).plan.estimate.step_time_s == fastest
+    # Pruning by the lower bounds loses nothing: the pruned grid finds the same best.
+    assert best_of(pruned).plan.estimate.step_time_s == fastest
+    assert [r.config for r in pruned] == configs
+    assert any(r.missing.startswith("pruned") for r in pruned)  # the bounds saved some work
+    # The folded memory bound is below every simulated folded plan's fullest device.
+    folded = [r for r in every if r.plan is not None and r.config.tp > 1]
+    assert folded and all(r.plan.estimate.memory.total >= grid.folded_memory_lower_bound(r.config) for r in folded)
+    for result in pruned:
+        assert result.plan is not None or result.missing
