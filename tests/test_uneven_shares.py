@@ -318,6 +318,7 @@ def test_the_report_names_each_ranks_share_and_the_straggler(mixed_even) -> None
 
     text = " ".join(render_report(uneven_plan(mixed_even, mixed_even.graph), width=140).split())  # unwrapped
     assert "global 12, uneven over the data-parallel ranks: 4, 4, 2, 2" in text
+    assert "on all 4 processes (dp=4), batch shares 4/4/2/2 by device speed" in text  # the Chosen line
     assert "cpu-fast" in text and "cpu-slow" in text and "4 of 12" in text and "2 of 12" in text
     assert "The step waits for rank 2 (cpu-slow" in text
     # Each rank's predicted memory against its own device's 8 GiB.

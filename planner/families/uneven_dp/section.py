@@ -121,6 +121,14 @@ class UnevenSection:
                 f"is {plan.dp_flavour}; drop state_shares or plan with --dp-flavour zero1"
             )
 
+    def verdict_words(self, plan: "Plan") -> str:
+        """The report's headline words for the shares (``planner.verdict``): the Chosen line
+        of an uneven plan must not read as an even one."""
+        words = f"batch shares {'/'.join(map(str, self.shares))} by device speed"
+        if self.state_shares:
+            words += f", optimizer states {'/'.join(map(str, self.state_shares))} by memory"
+        return words
+
     def offsets(self) -> tuple[int, ...]:
         """The first sample of each rank's slice of the global batch."""
         starts, total = [], 0
