@@ -69,11 +69,13 @@ def stable_run(tmp_path_factory) -> StableRun:
                                    ("moves_its_head", "moves_its_head", None)):
         plan = planner.plan(_spec(factory), f"cpu:1x{WORLD}", dp_flavour=flavour, effort=0.25, progress=False)
         folders[name] = planner.compile(plan, root / name)
-    # The set-order model: planned under two hash seeds (two trace orders), compiled under a third.
+    # The set-order model: planned under two hash seeds (two trace orders), compiled under a third,
+    # on a tensor-parallel mesh so that the plan is a graph program whose op names matter (left
+    # free, the search runs it as DDP: on CPUs DTensor's per-op dispatch costs more than its split saves).
     plans = {}
     for seed in (PLAN_SEED, COMPILE_SEED):
         planned = _cli(["plan", f"{OUTSIDE_MODELS}:set_order_masks", "--cluster", f"cpu:1x{WORLD}", "--effort", "0.25",
-                        "-o", f"set_order_{seed}.json"], root, seed)
+                        "--mesh", f"tp={WORLD}", "-o", f"set_order_{seed}.json"], root, seed)
         assert planned.returncode == 0, planned.describe()
         plans[seed] = json.loads((root / f"set_order_{seed}.json").read_text())
     compiled = _cli(["compile", f"set_order_{PLAN_SEED}.json", "-o", "set_order"], root, COMPILE_SEED)
