@@ -265,12 +265,17 @@ def test_family_uneven_tp_alone_gives_the_accpar_plan_and_one_kind_gets_none() -
     # Unasked (no --family), after an uneven data-parallel plan that fits on every device: no
     # time spent splitting. After an even one only (a batch too small for uneven shares), the
     # split plan is offered.
-    shared = SimpleNamespace(estimate=SimpleNamespace(fits=True), world_size=4, sections={"uneven": "3/3/1/1"})
+    shared = SimpleNamespace(estimate=SimpleNamespace(fits=True), world_size=4,
+                             sections={"uneven": SimpleNamespace(shares=(3, 3, 1, 1))})
     found = SimpleNamespace(whole_batch_only=False, summa_only=False, constraints=SearchConstraints(),
                             cluster=plan.cluster, found=[shared], graph=plan.graph, spec=plan.model,
                             model_name="gpt", precision=plan.precision, warnings=())
     assert uneven_tp_candidates(found) == []
     found.found = [SimpleNamespace(estimate=SimpleNamespace(fits=True), world_size=4, sections={})]
+    assert [p.sections["uneven-tp"] for p in uneven_tp_candidates(found)] == [plan.sections["uneven-tp"]]
+    # Even batch shares (optimizer states split by memory alone) do not use the devices by speed.
+    found.found = [SimpleNamespace(estimate=SimpleNamespace(fits=True), world_size=4,
+                                   sections={"uneven": SimpleNamespace(shares=(1, 1, 1, 1))})]
     assert [p.sections["uneven-tp"] for p in uneven_tp_candidates(found)] == [plan.sections["uneven-tp"]]
 
 

@@ -201,10 +201,12 @@ def uneven_tp_candidates(context: SearchContext) -> list[Plan]:
         return []
     asked = context.constraints.families is not None
     if not asked and any(plan.estimate.fits and plan.world_size == context.cluster.world_size
-                         and "uneven" in plan.sections for plan in context.found):
+                         and "uneven" in plan.sections and len(set(plan.sections["uneven"].shares)) > 1
+                         for plan in context.found):
         # Uneven data parallelism already uses every device by its speed: splitting layers is
         # the user's call (--family uneven-tp), not worth a search's time (a 16-GPU model's
-        # splits take tens of seconds to choose).
+        # splits take tens of seconds to choose). A plan whose batch shares are even (its
+        # optimizer states split by memory alone) does not.
         return []
     plan = uneven_tp_plan(context.graph, context.cluster, context.spec, context.model_name, context.precision,
                           context.warnings)
