@@ -110,8 +110,9 @@ class Simulator:
             # A plan this step model cannot price (pipeline stages of different widths) says
             # why in one line, rather than as a schedule that never ends.
             blocker = getattr(section, "simulation_blocker", None)
-            if blocker is not None and blocker(plan):
-                raise PlanningError(blocker(plan))
+            reason = blocker(plan) if blocker is not None else None
+            if reason:
+                raise PlanningError(reason)
         facts = graph_facts(graph)
         self.context = StepContext.build(plan, graph, facts.nodes, facts.consumers)
         self.contributors = step_contributors(plan) if contributors is None else tuple(contributors)

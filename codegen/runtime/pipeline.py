@@ -372,10 +372,7 @@ class PipelineRunner:
     def gradient_holders(self, param: torch.nn.Parameter) -> int:
         """How many ranks of ``pp_group`` hold ``param``'s whole gradient (gradient clipping
         counts it once): those of the stages it is tied over, else this rank alone."""
-        for group, names in self._shared:
-            if any(self.module.params[name] is param for name in names):
-                return dist.get_world_size(group)
-        return 1
+        return tied_holders(self._shared, self.module.params, param) or 1
 
     def _place_gradients(self) -> None:
         """Each gradient, summed over the micro-batches in the placements backward gave it,
@@ -405,6 +402,16 @@ class PipelineRunner:
                     param.grad = torch.zeros_like(param)
                 grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
                 dist.all_reduce(grad, group=group)
+
+
+def tied_holders(shared: Sequence[tuple[Any, Sequence[str]]], params: Mapping[str, torch.nn.Parameter],
+                 param: torch.nn.Parameter) -> int | None:
+    """How many ranks hold ``param``'s gradient when it is tied over stages: the size of the
+    group (of ``shared``'s ``(group, names)``) whose names include it; None when it is not tied."""
+    for group, names in shared:
+        if any(params[name] is param for name in names):
+            return dist.get_world_size(group)
+    return None
 
 
 def _the_loss(output: torch.Tensor, target: Any) -> torch.Tensor:  # noqa: ARG001 - the schedule's loss_fn signature

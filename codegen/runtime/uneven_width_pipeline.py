@@ -51,6 +51,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from codegen.runtime.pipeline import tied_holders
+
 __all__ = ["UnevenWidthRunner", "build_width_stage", "stage_of_rank", "unit_owner"]
 
 
@@ -210,10 +212,7 @@ class UnevenWidthRunner:
     def gradient_holders(self, param: nn.Parameter) -> int:
         """How many ranks hold ``param``'s whole gradient once the step is done: every rank
         of the stages it is tied over, else every rank of this stage."""
-        for group, names in self._shared:
-            if any(self.module.params[name] is param for name in names):
-                return dist.get_world_size(group)
-        return self.widths[self.stage]
+        return tied_holders(self._shared, self.module.params, param) or self.widths[self.stage]
 
     def _sum_over_stage(self) -> None:
         """Each gradient summed over the stage's ranks (each holds its rows' part)."""
