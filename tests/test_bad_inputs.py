@@ -1,40 +1,35 @@
 """Every bad input gets one clear line: a table of user mistakes, one row each.
 
 Each row is a mistake a user can make, by class: command-line flags, API arguments, plan
-files, cluster files, output paths, ``launch.py`` flags and program folders. Every row
-asserts exit status 2 (or, for API rows, the ``PlannerError`` subclass), exactly one stderr
-line starting ``error: ``, no traceback, no "internal error", and fragments that name the
-problem. Rows run in-process (``planner.cli.main``, ``codegen.runtime.launcher.main``): every
-check fails before a search, a measurement or a process group starts. One torchrun launch
-checks that a launch error is one line from rank 0 only.
+files, cluster files and output paths (``launch.py`` flags and program folders:
+``test_bad_launch_inputs.py``). Every row asserts exit status 2 (or, for API rows, the
+``PlannerError`` subclass), exactly one stderr line starting ``error: ``, no traceback, no
+"internal error", and fragments that name the problem. Rows run in-process
+(``planner.cli.main``): every check fails before a search or a measurement starts.
 
 Add a row whenever a new kind of mistake shows up.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
 from torch import nn
 
 import planner
-from codegen.runtime import launcher, load_program
+from codegen.runtime import load_program
 from planner import baselines
 from planner.cluster import Cluster
 from planner.errors import ArgumentError, ClusterError, LaunchError, OutputError, PlanFileError, SpecError
 from planner.model_spec import ModelSpec
 from planner.plans import load_plan
-from user_errors import assert_api_error, assert_one_error_line, assert_user_error
+from bad_inputs_context import MLP, ROOT, Context, make_context, set_fields  # on sys.path under pytest
+from user_errors import assert_api_error, assert_user_error
 
-ROOT = Path(__file__).resolve().parents[1]
-MLP = str(ROOT / "examples" / "mlp.py")
 
 NO_PARAMETERS = '''
 import torch
@@ -58,93 +53,10 @@ def build(batch_size: int = 4):
     return model, (torch.randn(batch_size, 8),)
 '''
 
-CLUSTER_TOML = '''name = "lab"
-backend = "gloo"
-
-[inter_node]
-bandwidth = 1e9
-latency = 1e-5
-
-[[nodes]]
-count = 1
-devices = 2
-
-[nodes.device]
-name = "cpu-worker"
-memory_bytes = 8000000000
-memory_bandwidth = 1e10
-
-[nodes.device.peak_flops]
-float32 = 1e11
-
-[nodes.intra_node]
-bandwidth = 1e10
-latency = 1e-6
-'''
-
-
-# ------------------------------------------------------------------------------ context
-
-
-@dataclass
-class Context:
-    """Files the rows are built from: a valid plan of examples/mlp.py on cpu:1x2 (a dict),
-    a program compiled from it, and a scratch folder."""
-
-    scratch: Path
-    plan_dict: dict
-    program_folder: Path
-    counter: list[int] = field(default_factory=lambda: [0])
-
-    def fresh(self, name: str) -> Path:
-        """A new path in the scratch folder (nothing there yet)."""
-        self.counter[0] += 1
-        return self.scratch / f"{self.counter[0]}-{name}"
-
-    def write(self, name: str, text: str) -> str:
-        path = self.fresh(name)
-        path.write_text(text)
-        return str(path)
-
-    def plan_file(self, mutate: Callable[[dict], Any] | None = None) -> str:
-        """The valid plan, changed by ``mutate`` (which edits the dict in place)."""
-        data = json.loads(json.dumps(self.plan_dict))
-        if mutate is not None:
-            mutate(data)
-        return self.write("plan.json", json.dumps(data))
-
-    def cluster_file(self, old: str = "", new: str = "", suffix: str = ".toml") -> str:
-        """The valid cluster file with ``old`` replaced by ``new``."""
-        assert old in CLUSTER_TOML, old
-        return self.write(f"cluster{suffix}", CLUSTER_TOML.replace(old, new, 1))
-
-    def out(self) -> str:
-        return str(self.fresh("out"))
-
-    def program(self) -> Path:
-        """A private copy of the compiled program."""
-        folder = self.fresh("program")
-        shutil.copytree(self.program_folder, folder)
-        return folder
-
-    def model_copy(self) -> Path:
-        """A private copy of examples/mlp.py (rows edit it after planning)."""
-        path = self.fresh("mlp_copy.py")
-        shutil.copy(MLP, path)
-        return path
-
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory) -> Context:
-    scratch = tmp_path_factory.mktemp("bad_inputs")
-    plan = planner.plan(MLP, "cpu:1x2", search="dp", dp_flavour="ddp", progress=False)
-    program = planner.compile(plan, scratch / "program")
-    return Context(scratch, json.loads(json.dumps(plan.to_dict())), program)
-
-
-def _set(**fields) -> Callable[[dict], None]:
-    return lambda data: data.update(fields)
-
+    return make_context(tmp_path_factory)
 
 def _strategy(index: int, key: str, value) -> Callable[[dict], None]:
     def mutate(data: dict) -> None:
@@ -300,20 +212,20 @@ def _changed_overrides(data: dict) -> None:
 
 
 PLAN_ROWS = [
-    ("batch zero", _compile(_set(batch_size=0)), ["batch_size (the global batch) must be a positive integer, got 0"]),
-    ("batch negative", _compile(_set(batch_size=-16)), ["batch_size", "got -16"]),
-    ("batch bool", _compile(_set(batch_size=True)), ["field 'batch_size' must be int, got bool"]),
-    ("batch not the model's", _compile(_set(batch_size=8)), ["batch_size is 8", "example batch is 16", "re-plan"]),
-    ("batch not the graph's", _simulate(_set(batch_size=8)), ["batch_size is 8", "global batch is 16", "re-plan"]),
-    ("accumulation not dividing", _compile(_set(accumulation_steps=3)), ["micro-batches", "divides the batch"]),
-    ("accumulation zero", _compile(_set(accumulation_steps=0)), ["accumulation_steps", "positive integer, got 0"]),
-    ("accumulation text", _compile(_set(accumulation_steps="4")), ["field 'accumulation_steps' must be int, got str"]),
-    ("mesh axis name", _compile(_set(mesh=[["data", 2]])), ["field 'mesh' is invalid", "'mesh[0]' names axis 'data', not one of dp, tp, pp"]),
-    ("mesh axis size zero", _compile(_set(mesh=[["dp", 0]])), ["field 'mesh'", "positive integer size, got 0"]),
-    ("mesh axis size bool", _compile(_set(mesh=[["dp", True]])), ["field 'mesh'", "got True"]),
-    ("mesh not a list", _compile(_set(mesh="dp=2")), ["field 'mesh'", "[name, size] pairs"]),
-    ("mesh bigger than cluster", _compile(_set(mesh=[["dp", 2], ["tp", 2]])), ["has 4 ranks but the cluster has 2 devices"]),
-    ("pipeline without pp", _compile(_set(pipeline={"stages": 2, "schedule": "1f1b", "micro_batches": 2, "virtual_stages": 1})),
+    ("batch zero", _compile(set_fields(batch_size=0)), ["batch_size (the global batch) must be a positive integer, got 0"]),
+    ("batch negative", _compile(set_fields(batch_size=-16)), ["batch_size", "got -16"]),
+    ("batch bool", _compile(set_fields(batch_size=True)), ["field 'batch_size' must be int, got bool"]),
+    ("batch not the model's", _compile(set_fields(batch_size=8)), ["batch_size is 8", "example batch is 16", "re-plan"]),
+    ("batch not the graph's", _simulate(set_fields(batch_size=8)), ["batch_size is 8", "global batch is 16", "re-plan"]),
+    ("accumulation not dividing", _compile(set_fields(accumulation_steps=3)), ["micro-batches", "divides the batch"]),
+    ("accumulation zero", _compile(set_fields(accumulation_steps=0)), ["accumulation_steps", "positive integer, got 0"]),
+    ("accumulation text", _compile(set_fields(accumulation_steps="4")), ["field 'accumulation_steps' must be int, got str"]),
+    ("mesh axis name", _compile(set_fields(mesh=[["data", 2]])), ["field 'mesh' is invalid", "'mesh[0]' names axis 'data', not one of dp, tp, pp"]),
+    ("mesh axis size zero", _compile(set_fields(mesh=[["dp", 0]])), ["field 'mesh'", "positive integer size, got 0"]),
+    ("mesh axis size bool", _compile(set_fields(mesh=[["dp", True]])), ["field 'mesh'", "got True"]),
+    ("mesh not a list", _compile(set_fields(mesh="dp=2")), ["field 'mesh'", "[name, size] pairs"]),
+    ("mesh bigger than cluster", _compile(set_fields(mesh=[["dp", 2], ["tp", 2]])), ["has 4 ranks but the cluster has 2 devices"]),
+    ("pipeline without pp", _compile(set_fields(pipeline={"stages": 2, "schedule": "1f1b", "micro_batches": 2, "virtual_stages": 1})),
      ["a pipeline needs a 'pp' mesh axis"]),
     ("placements per axis", _compile(_strategy(0, "outputs", [["S(0)", "R"]])),
      ["field 'strategies[0].outputs[0]' has 2 placement(s)", "one placement per mesh axis"]),
@@ -328,13 +240,13 @@ PLAN_ROWS = [
     ("strategy duplicated", _simulate(_duplicate_strategy), ["second strategy for op"]),
     ("strategy for no op", _simulate(_strategy(0, "node", "ghost")), ["'ghost', which the traced model does not have"]),
     ("strategy of another op", _simulate(_strategy(0, "op", "aten.mm.default")), ["field 'strategies[0].op' is 'aten.mm.default'"]),
-    ("precision", _compile(_set(precision="fp64")), ["field 'precision' must be one of", "'fp64'"]),
-    ("optimizer", _compile(_set(optimizer="adam")), ["field 'optimizer' must be one of", "'adam'"]),
-    ("fsdp units", _compile(_set(fsdp_units=[3])), ["field 'fsdp_units[0]' must be str, got int"]),
-    ("warnings", _compile(_set(warnings=[None])), ["field 'warnings[0]' must be str"]),
-    ("old version", _compile(_set(version=2)), ["field 'version' is 2", "re-run `planner plan`"]),
-    ("fingerprint malformed", _compile(_set(model_fingerprint="abc")), ["'model_fingerprint' must be 64 hex digits"]),
-    ("fingerprint empty", _compile(_set(model_fingerprint="")), ["records no model fingerprint"]),
+    ("precision", _compile(set_fields(precision="fp64")), ["field 'precision' must be one of", "'fp64'"]),
+    ("optimizer", _compile(set_fields(optimizer="adam")), ["field 'optimizer' must be one of", "'adam'"]),
+    ("fsdp units", _compile(set_fields(fsdp_units=[3])), ["field 'fsdp_units[0]' must be str, got int"]),
+    ("warnings", _compile(set_fields(warnings=[None])), ["field 'warnings[0]' must be str"]),
+    ("old version", _compile(set_fields(version=2)), ["field 'version' is 2", "re-run `planner plan`"]),
+    ("fingerprint malformed", _compile(set_fields(model_fingerprint="abc")), ["'model_fingerprint' must be 64 hex digits"]),
+    ("fingerprint empty", _compile(set_fields(model_fingerprint="")), ["records no model fingerprint"]),
     ("spec builds another model", _compile(_changed_overrides),
      ["now builds a different model than the one planned", "hidden=48", "re-plan"]),
     ("spec builds another model, simulate", _simulate(_changed_overrides), ["now builds a different model"]),
@@ -342,10 +254,10 @@ PLAN_ROWS = [
     ("cluster in plan", _compile(lambda d: d["cluster"].update(backend="mpi")), ["field 'cluster' is invalid"]),
     ("not an object", lambda c: ["simulate", c.write("list.json", "[1]")], ["top level must be a JSON object"]),
     ("a folder", lambda c: ["simulate", str(c.scratch)], ["is a folder", "pass the plan's JSON file"]),
-    ("strategies not a list", _compile(_set(strategies={})), ["field 'strategies' must be list, got dict"]),
+    ("strategies not a list", _compile(set_fields(strategies={})), ["field 'strategies' must be list, got dict"]),
     ("input the model does not take", _simulate(lambda d: d.update(inputs={"x": ["S(0)"], "targets": ["S(0)"]})),
      ["places input 'x'", "inputs are inputs, targets"]),
-    ("no model spec", _compile(_set(model=None)), ["no model spec", "torchrun cannot rebuild the model"]),
+    ("no model spec", _compile(set_fields(model=None)), ["no model spec", "torchrun cannot rebuild the model"]),
     ("model source empty", _compile(lambda d: d["model"].update(source="")), ["field 'model' is invalid", "model source must be"]),
     ("model file gone", _simulate(lambda d: d["model"].update(source="/nonexistent/model.py:build")),
      ["model file '/nonexistent/model.py' does not exist"]),
@@ -487,139 +399,3 @@ def test_user_files_survive_refusals(capsys, ctx, no_work):
     assert notes.read_text() == "my notes\n"
     assert [p.name for p in folder.iterdir()] == ["launch.py"]
     assert (folder / "launch.py").read_text() == "print('my own launcher')\n"
-
-
-# ----------------------------------------------------------------- launch.py and folders
-
-
-@pytest.fixture
-def rank0(monkeypatch):
-    """The environment torchrun gives rank 0 of 2 (nothing here starts a process group)."""
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
-        monkeypatch.setenv(key, value)
-
-
-def _without(name: str) -> Callable[[Context], Path]:
-    def folder(c: Context) -> Path:
-        program = c.program()
-        (program / name).unlink()
-        return program
-
-    return folder
-
-
-def _with(name: str, text: str) -> Callable[[Context], Path]:
-    def folder(c: Context) -> Path:
-        program = c.program()
-        (program / name).write_text(text)
-        return program
-
-    return folder
-
-
-def _edited_plan(mutate: Callable[[dict], None]) -> Callable[[Context], Path]:
-    def folder(c: Context) -> Path:
-        program = c.program()
-        data = json.loads((program / "plan.json").read_text())
-        mutate(data)
-        (program / "plan.json").write_text(json.dumps(data))
-        return program
-
-    return folder
-
-
-def _model_file_gone(c: Context) -> Path:
-    model_file = c.model_copy()
-    program = planner.compile(planner.plan(str(model_file), "cpu:1x2", search="dp", progress=False), c.out())
-    model_file.unlink()
-    return program
-
-
-def _model_file_edited(c: Context) -> Path:
-    model_file = c.model_copy()
-    program = planner.compile(planner.plan(str(model_file), "cpu:1x2", search="dp", progress=False), c.out())
-    model_file.write_text(model_file.read_text().replace("layers: int = 3", "layers: int = 4"))
-    return program
-
-
-LAUNCH_ROWS = [
-    ("atol negative", None, ["--check", "--atol", "-1"], ["argument --atol: must be a finite number >= 0, got '-1'"]),
-    ("atol nan", None, ["--check", "--atol", "nan"], ["--atol", "'nan'"]),
-    ("rtol negative", None, ["--check", "--rtol", "-0.5"], ["--rtol", "'-0.5'"]),
-    ("rtol infinite", None, ["--check", "--rtol", "inf"], ["--rtol", "'inf'"]),
-    ("steps negative", None, ["--steps", "-1"], ["--steps: must be an integer >= 0, got '-1'"]),
-    ("steps float", None, ["--steps", "1.5"], ["--steps", "'1.5'"]),
-    ("lr zero", None, ["--check", "--lr", "0"], ["--lr: must be a positive finite number, got '0'"]),
-    ("lr negative", None, ["--steps", "1", "--lr", "-0.001"], ["--lr", "'-0.001'"]),
-    ("lr nan", None, ["--check", "--lr", "nan"], ["--lr", "'nan'"]),
-    ("nothing to run", None, [], ["say what to run: --check, --steps N"]),
-    ("unknown optimizer", None, ["--check", "--optimizer", "adam"], ["--optimizer", "invalid choice: 'adam'"]),
-    ("fp64 without check", None, ["--steps", "1", "--fp64"], ["--fp64 says how --check runs its step; add --check"]),
-    ("fp64 of a bf16 plan", _edited_plan(_set(precision="bf16")), ["--check", "--fp64"],
-     ["--fp64 checks fp32 plans; this plan computes in bf16"]),
-    ("unknown flag", None, ["--chek"], ["unrecognized arguments: --chek", "launch.py --help"]),
-    ("plan.json missing", _without("plan.json"), ["--check"], ["has no plan.json", "planner compile"]),
-    ("plan.json corrupt", _with("plan.json", "{"), ["--check"], ["plan.json' is not valid JSON"]),
-    ("plan.json of another tool", _with("plan.json", '{"format": "x"}'), ["--check"], ["not a soap-planner plan"]),
-    ("model_spmd.py missing", _without("model_spmd.py"), ["--check"], ["has no model_spmd.py"]),
-    ("model_spmd.py broken", _with("model_spmd.py", "def parallelize(:\n"), ["--check"],
-     ["model_spmd.py fails to import (line 1): SyntaxError"]),
-    ("model_spmd.py incomplete", _with("model_spmd.py", "x = 1\n"), ["--check"], ["defines no parallelize()"]),
-    ("plan.json batch edited", _edited_plan(_set(batch_size=8)), ["--check"],
-     ["disagree (batch: plan.json 8, model_spmd.py 16)", "compile the plan again"]),
-    ("plan.json mesh edited", _edited_plan(_set(mesh=[["tp", 2]])), ["--check"],
-     ["disagree (mesh: plan.json (('tp', 2),), model_spmd.py (('dp', 2),))"]),
-    ("model file gone", _model_file_gone, ["--check"], ["model file", "mlp_copy.py", "does not exist"]),
-    ("model file edited", _model_file_edited, ["--check"], ["now builds a different model than the one planned", "re-plan"]),
-]
-
-
-@pytest.mark.parametrize(("name", "folder", "argv", "fragments"), LAUNCH_ROWS, ids=[row[0] for row in LAUNCH_ROWS])
-def test_launch_flags_and_folders(capsys, ctx, rank0, name, folder, argv, fragments):
-    program = folder(ctx) if folder is not None else ctx.program_folder
-    capsys.readouterr()
-    status = launcher.main(Path(program), argv)
-    out, err = capsys.readouterr()
-    assert_one_error_line(status, out, err, fragments)
-
-
-@pytest.mark.parametrize(
-    ("world", "fragments"),
-    [("4", ["compiled for 2 ranks", "torchrun started 4", "--nproc_per_node 2"]), (None, ["must be started by torchrun"])],
-    ids=["world size mismatch", "not under torchrun"],
-)
-def test_launch_world_size(capsys, ctx, monkeypatch, world, fragments):
-    monkeypatch.setenv("RANK", "0")
-    if world is None:
-        monkeypatch.delenv("WORLD_SIZE", raising=False)
-    else:
-        monkeypatch.setenv("WORLD_SIZE", world)
-    capsys.readouterr()
-    status = launcher.main(ctx.program_folder, ["--check"])
-    out, err = capsys.readouterr()
-    assert_one_error_line(status, out, err, fragments)
-
-
-def test_launch_errors_are_said_by_rank_0_only(capsys, ctx, monkeypatch):
-    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}.items():
-        monkeypatch.setenv(key, value)
-    capsys.readouterr()
-    assert launcher.main(ctx.program_folder, ["--check", "--atol", "-1"]) == 2
-    assert capsys.readouterr() == ("", "")
-
-
-@pytest.mark.distributed
-def test_torchrun_launch_error_is_one_line(ctx):
-    """Under torchrun, a bad flag is one ``error:`` line (rank 0's) and no traceback from
-    any rank. (torchrun itself then reports that its workers exited 2, with a traceback of
-    its own process: that part is torchrun's, not the program's.)"""
-    from test_parity import _run, _torchrun
-
-    program = ctx.program()
-    launch = _run([*_torchrun(2), str(program / "launch.py"), "--check", "--atol", "-1"], cwd=ctx.scratch, timeout=180)
-    assert launch.returncode != 0, launch.describe()
-    errors = [line for line in launch.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == ["error: argument --atol: must be a finite number >= 0, got '-1'; see launch.py --help"], launch.describe()
-    assert str(program) not in launch.stderr.replace(f"{program / 'launch.py'} FAILED", ""), launch.describe()
-    assert "codegen/runtime" not in launch.stderr, launch.describe()
-

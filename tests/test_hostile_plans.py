@@ -21,8 +21,9 @@ line separators, NUL), quoted strings (a quote, a backslash), and run
 ``__import__('pathlib').Path('PWNED_<tag>').touch()`` or an ``os.system('touch
 PWNED_SH_<tag>')``, where the tag names the row. Finally no marker file may exist anywhere
 the programs ran (the working folder, the output folders, the temporary folder, the repo).
-Two controls show the test can fail: the payloads pasted raw (as the compiler once did)
-are caught by the same checks, and one pasted as the old FSDP emitter did really runs.
+Two controls show the test can fail (``test_source_text_rules.py``): the payloads pasted raw
+(as the compiler once did) are caught by the same checks, and one pasted as the old FSDP
+emitter did really runs.
 
 Cost: compiling is fast for data-parallel plans; inert rows are grouped, one compile per
 (plan kind, payload) for two plan kinds per payload (each plan kind sees several payloads,
@@ -31,16 +32,11 @@ each payload every field), and every program of a group runs in ONE torchrun lau
 
 from __future__ import annotations
 
-import ast
 import copy
 import importlib.util
-import io
 import json
 import os
 import re
-import tempfile
-import tokenize
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -52,48 +48,12 @@ from planner import baselines
 from planner.cli import main
 from planner.errors import PlannerError
 from codegen.runtime import load_program
-from codegen.source_text import comment, derived_identifier, identifier, literal, number, with_comment
 from moe_plans import MOE_EXAMPLE, moe_pipeline_plan, moe_plan
 from planner.model_spec import ModelSpec
+from hostile_payloads import PAYLOADS, breakouts, marker_files, printable  # on sys.path under pytest
 from test_parity import REPO, check_many, result_of
 
 NOTED_GPT = REPO / "tests" / "models" / "noted_gpt.py"
-MARKER = "PWNED"
-
-# --------------------------------------------------------------------------------- payloads
-
-
-def _touch(tag: str) -> str:
-    return f"__import__('pathlib').Path('{MARKER}_{tag}').touch()"
-
-
-def _shell(tag: str) -> str:
-    return f"__import__('os').system('touch {MARKER}_SH_{tag}')"
-
-
-# Each payload takes the row's tag (so a marker file names the row that leaked) and holds
-# code that creates a marker file if it ever runs.
-PAYLOADS: dict[str, Callable[[str], str]] = {
-    "triple_double_quotes": lambda tag: f'x"""\n{_touch(tag)}\n"""',
-    "triple_single_quotes": lambda tag: f"x'''\n{_touch(tag)}\n'''",
-    "newline": lambda tag: f"x\n{_touch(tag)}\n#",
-    "carriage_return": lambda tag: f"x\r{_touch(tag)}\r#",
-    "form_feed_separators_nul": lambda tag: f"x\x0c\x0b\x1c\x85\u2028\u2029\x00{_touch(tag)}",
-    "quote_break": lambda tag: f'x"), {_touch(tag)}, ("',
-    "backslash": lambda tag: f"x\\\n{_touch(tag)}\n#\\",
-    "hash_and_shell": lambda tag: f'x # ")\n{_shell(tag)}\n#',
-}
-# The payloads that run when pasted raw into one of RAW_CONTEXTS (the others make the file
-# fail to parse there): the controls at the end prove it.
-LIVE_PAYLOADS = ("triple_double_quotes", "triple_single_quotes", "newline", "carriage_return", "quote_break", "hash_and_shell")
-# Characters that must never appear raw in a generated file: each ends a line for Python,
-# for str.splitlines or for an editor, or cannot be in source at all.
-RAW_FORBIDDEN = "\r\x0b\x0c\x00\x1c\x1d\x1e\x85\u2028\u2029"
-
-
-def printable(text: str) -> bool:
-    return text.isprintable()
-
 
 # ------------------------------------------------------------------------------ plan kinds
 
@@ -389,36 +349,6 @@ def _groups() -> list[tuple[str, str]]:
     return list(dict.fromkeys(chosen))
 
 
-# ---------------------------------------------------------------------------------- checks
-
-
-def breakouts(source: str) -> list[str]:
-    """Why ``source`` is not inert (empty when it is): it does not parse, holds a raw
-    forbidden character, or a token outside strings and comments holds a piece of a payload."""
-    problems = [f"raw {character!r}" for character in RAW_FORBIDDEN if character in source]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a raw backslash payload warns of invalid escapes
-            ast.parse(source)
-    except (SyntaxError, ValueError) as error:
-        return [*problems, f"does not parse: {error}"]
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if (MARKER in token.string or "__import__" in token.string) and token.type not in (tokenize.STRING, tokenize.COMMENT):
-            problems.append(f"line {token.start[0]}: {tokenize.tok_name[token.type]} token {token.string!r}")
-    return problems
-
-
-def marker_files(*places: Path) -> list[Path]:
-    """Marker files under ``places`` (recursively), in the temporary folder and the repo."""
-    found = []
-    for place in places:
-        if place.is_dir():
-            found += [p for p in place.rglob(f"{MARKER}*")]
-    for top in (Path(tempfile.gettempdir()), REPO, Path.cwd()):
-        found += list(top.glob(f"{MARKER}*"))
-    return sorted(set(found))
-
-
 def _import_file(path: Path, name: str) -> None:
     """Import ``path`` as a module (its top level runs; ``launch.py``'s main does not)."""
     spec = importlib.util.spec_from_file_location(name, path)
@@ -542,76 +472,3 @@ def test_no_payload_ran_anywhere(groups, workdir):
     assert len(groups) >= len(PAYLOADS) * KINDS_PER_PAYLOAD
     assert set(kind for kind, _ in groups) == set(ALL_KINDS)
     assert not marker_files(workdir), marker_files(workdir)
-
-
-# --------------------------------------------------------------------------------- controls
-
-RAW_CONTEXTS = (
-    '"""Docstring: {}."""\n',
-    "'''Docstring: {}.'''\n",
-    "# comment: {}\n",
-    'fully_shard(model.get_submodule("{}"), mesh=dp_mesh)\n',  # the FSDP emitter's line on main
-)
-# What RAW_CONTEXTS' code needs to run outside a program.
-STUBS = "def fully_shard(*args, **kwargs): pass\nclass model:\n    get_submodule = staticmethod(str)\ndp_mesh = None\n"
-
-
-@pytest.mark.parametrize("payload", list(PAYLOADS))
-def test_control_payloads_pasted_raw_are_caught(payload):
-    """The checks above can fail: pasted unescaped into some context of a generated file (as
-    the compiler once did), every payload breaks out."""
-    text = PAYLOADS[payload]("control")
-    assert any(breakouts(context.format(text)) for context in RAW_CONTEXTS)
-
-
-@pytest.mark.parametrize("payload", LIVE_PAYLOADS)
-def test_control_live_payloads_run_when_pasted_raw(payload, tmp_path, monkeypatch):
-    """The marker scan sees a payload that ran: pasted raw, each live payload runs in some
-    context and leaves its marker file."""
-    monkeypatch.chdir(tmp_path)
-    text = PAYLOADS[payload]("control")
-    for context in RAW_CONTEXTS:
-        try:
-            exec(compile(STUBS + context.format(text), "raw paste", "exec"), {})  # noqa: S102 - the control: it must run
-        except SyntaxError:
-            continue
-    assert marker_files(tmp_path), f"{payload} ran nowhere"
-    for marker in marker_files(tmp_path):
-        marker.unlink()
-
-
-# ------------------------------------------------------------------------------- the rules
-
-
-@pytest.mark.parametrize("payload", list(PAYLOADS))
-def test_a_comment_is_one_inert_line_whatever_it_holds(payload):
-    text = PAYLOADS[payload]("rule")
-    line = comment(text)
-    assert "\n" not in line and line.isprintable()
-    tokens = [t for t in tokenize.generate_tokens(io.StringIO(line + "\n").readline) if t.type == tokenize.COMMENT]
-    assert [t.string for t in tokens] == [line]
-    assert not breakouts(with_comment("x = 1", text) + "\n")
-    assert ast.literal_eval(literal(text)) == text  # a literal is the same text back
-
-
-@pytest.mark.parametrize("name", ["class", "None", "a b", "1x", "x-y", "", 3, "x\ny", "é\u2028"])
-def test_identifier_refuses_what_is_not_a_python_name(name):
-    with pytest.raises(PlannerError, match="not a Python identifier"):
-        identifier(name, "a test name")
-
-
-@pytest.mark.parametrize(
-    "text, expected", [("blocks.0", "_blocks_0"), ("model.layers", "_model_layers"), ('"""\n', "_value"), ("a-b.3", "_a_b_3")]
-)
-def test_derived_identifiers_are_always_names(text, expected):
-    assert derived_identifier(text) == expected
-    assert derived_identifier("3D", prefix="", fallback="Model") == "_3D"
-
-
-def test_numbers_and_literals_take_plain_values_only():
-    assert number(8, "batch_size") == "8"
-    for value in ("8", True, None):
-        with pytest.raises(PlannerError, match="plan field 'batch_size' must be a number"):
-            number(value, "batch_size")
-    with pytest.raises(TypeError):
-        literal(object())
