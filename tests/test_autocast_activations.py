@@ -111,3 +111,17 @@ def test_other_systems_16_bit_runs_and_cpus_are_untouched():
     cpu_graph, spec, name, cluster = prepare_model(ModelSpec(LLAMA, {"size": "tiny"}), "cpu:1x2")
     cpu = simulated(data_parallel_plan(cpu_graph, cluster, spec, name, "ddp", precision="bf16"), cpu_graph)
     assert _term(cpu, _first(cpu_graph, "aten.mul.Tensor", skip=1)).forward_s == 0.0
+
+
+def test_quick_start_plan_lands_in_the_published_mfu_range():
+    # The README's quick start: Llama-3-8B, ZeRO-2 over 16 A100-80GB (2 DGX nodes), two
+    # micro-batches of 2 x 4,096 tokens, bf16 (the plan `planner plan examples/llama.py
+    # --cluster dgx-a100-80g:2` chooses). Published 7-8B FSDP runs on A100 reach 57-64% MFU
+    # (llm-foundry's MPT-7B, torchtitan's Llama 3 8B at 56.8-58.2%). Priced with its norms and
+    # rotary products in bf16 the plan predicted 4.012 s, MFU 67.4%, above that range; with
+    # autocast's fp32 activations and the projections' casts 4.267 s, MFU 63.3% (the README).
+    graph, spec, name, cluster = prepare_model(ModelSpec(LLAMA, {}), "dgx-a100-80g:2")
+    plan = data_parallel_plan(graph, cluster, spec, name, "zero2", precision="bf16")
+    plan = simulated(dataclasses.replace(plan, accumulation_steps=2), graph)
+    assert plan.estimate.step_time_s == pytest.approx(4.267, abs=0.001)
+    assert 0.57 <= plan.estimate.mfu <= 0.64 and plan.estimate.mfu == pytest.approx(0.633, abs=0.001)
