@@ -38,7 +38,7 @@ import math
 from cost_model.compute import PRECISIONS, backward_bytes_ratio_on, efficiencies, roofline_time, runs_no_kernel
 from cost_model.gpu_kernels import ATTENTION_OPS, MATMUL_OPS, generation_of
 from cost_model.loss_parallel import CROSS_ENTROPY
-from cost_model.mixed_precision import AUTOCAST_BF16_OPS, holds_fp32_weights
+from cost_model.mixed_precision import AUTOCAST_BF16_OPS, aten_name, holds_fp32_weights
 from cost_model.op_share import work_split
 from planner.graph import OpGraph, OpNode
 from planner.program_shape import wraps_bf16_fsdp_units
@@ -58,12 +58,6 @@ AUTOCAST_FP32_OPS = frozenset((
 # One cast kernel of an fp32 activation to bf16: 4 bytes read, 2 written per element (and the
 # same for its gradient's cast back in backward).
 ACTIVATION_CAST_BYTES = 4 + 2
-
-
-def aten_name(op: str) -> str:
-    """``"aten.linear.default"`` -> ``"linear"``."""
-    parts = op.split(".")
-    return parts[1] if len(parts) > 2 else parts[-1]
 
 
 def runtime_element_bytes(graph: OpGraph, weight_bytes: int, low_bytes: int = 2) -> dict[str, int]:
