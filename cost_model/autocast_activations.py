@@ -128,37 +128,41 @@ def _runtime_bytes(node: OpNode, sizes: dict[str, int]) -> float:
     return moved
 
 
-def add_autocast_activation_bytes(context, node, strategy, cost) -> None:
-    """Charge ``cost`` (one micro-batch of ``node``) what autocast's fp32 activations add in a
-    program of the planner's own: a memory-bound kernel moving more bytes than the bf16 it is
-    priced at (its backward in proportion, by its gradient formula), and a bf16-list op's cast
-    of each fp32 activation it reads, forward and backward (module docstring)."""
+def autocast_activation_times(context, node: OpNode, share: float, device) -> tuple[float, float]:
+    """(forward, backward) seconds autocast's fp32 activations add to ``node`` doing ``share``
+    of its traced work on ``device`` in a program of the planner's own: a memory-bound kernel
+    moving more bytes than the bf16 it is priced at (its backward in proportion, by its
+    gradient formula), and a bf16-list op's cast of each fp32 activation it reads, forward and
+    backward (module docstring). (0, 0) for other systems' 16-bit runs and off CUDA GPUs."""
     plan = context.plan
     if (not holds_fp32_weights(plan) or node.is_view or runs_no_kernel(node)
-            or generation_of(context.device) is None):
-        return  # the lists above are CUDA's; CPUs and calibrated devices keep their pricing
+            or generation_of(device) is None):
+        return 0.0, 0.0  # the lists above are CUDA's; CPUs and calibrated devices keep their pricing
     low_bytes = PRECISIONS[plan.precision][1]
     weight_bytes = low_bytes if wraps_bf16_fsdp_units(plan) else 4
     sizes = _sizes_of(context.graph, weight_bytes)
-    share = 1.0 / (work_split(context.mesh, strategy) * context.micro_batches)
     dtype = PRECISIONS[plan.precision][0]
-    name = aten_name(node.op)
-    if name in AUTOCAST_BF16_OPS:
+    if aten_name(node.op) in AUTOCAST_BF16_OPS:
         parameters = set(_param_inputs(node))
         cast = sum(math.prod(meta.shape) for input_name, meta in zip(node.inputs, node.input_meta)
                    if input_name not in parameters and meta.dtype.is_floating_point
                    and sizes.get(input_name, low_bytes) > low_bytes)
-        if cast:
-            seconds = roofline_time(0.0, cast * share * ACTIVATION_CAST_BYTES, context.device, dtype)
-            cost.forward_s += seconds
-            cost.backward_s += seconds
-        return
+        seconds = roofline_time(0.0, cast * share * ACTIVATION_CAST_BYTES, device, dtype) if cast else 0.0
+        return seconds, seconds
     if node.op.startswith((*MATMUL_OPS, *ATTENTION_OPS)) or node.op == CROSS_ENTROPY:
-        return  # priced by their own models (cross entropy's already reads fp32 logits)
+        return 0.0, 0.0  # priced by their own models (cross entropy's already reads fp32 logits)
     extra = _runtime_bytes(node, sizes) - _priced_bytes(node, low_bytes)
     if extra <= 0:
-        return
-    forward = extra * share / (context.device.memory_bandwidth * efficiencies(context.device, dtype)[1])
+        return 0.0, 0.0
+    forward = extra * share / (device.memory_bandwidth * efficiencies(device, dtype)[1])
+    has_gradient = any(meta.dtype.is_floating_point for meta in node.output_meta)
+    return forward, forward * backward_bytes_ratio_on(node, device) if has_gradient else 0.0
+
+
+def add_autocast_activation_bytes(context, node, strategy, cost) -> None:
+    """Charge ``cost`` (one micro-batch of ``node`` on the context's device) what autocast's
+    fp32 activations add (``autocast_activation_times``)."""
+    share = 1.0 / (work_split(context.mesh, strategy) * context.micro_batches)
+    forward, backward = autocast_activation_times(context, node, share, context.device)
     cost.forward_s += forward
-    if any(meta.dtype.is_floating_point for meta in node.output_meta):
-        cost.backward_s += forward * backward_bytes_ratio_on(node, context.device)
+    cost.backward_s += backward

@@ -125,3 +125,32 @@ def test_quick_start_plan_lands_in_the_published_mfu_range():
     plan = simulated(dataclasses.replace(plan, accumulation_steps=2), graph)
     assert plan.estimate.step_time_s == pytest.approx(4.267, abs=0.001)
     assert 0.57 <= plan.estimate.mfu <= 0.64 and plan.estimate.mfu == pytest.approx(0.633, abs=0.001)
+
+
+def test_uneven_shares_pay_the_same_fp32_activations_on_their_critical_rank():
+    # The uneven data-parallel family prices each op on its critical rank's share and device
+    # itself; it adds the same term, so an uneven plan is not favoured over the even plans it is
+    # compared with (benchmarks/heterogeneous.py (b): 1.61x before, 1.60x with both priced).
+    from cost_model.autocast_activations import autocast_activation_times
+    from cost_model.compute import op_times
+    from planner.cluster import Cluster
+    from planner.families.uneven_dp.candidates import uneven_plan
+    from planner.families.uneven_dp.costs import critical_rank
+    from planner.device_groups import rank_devices
+    root = Path(__file__).resolve().parents[1]
+    spec = ModelSpec(str(root / "examples" / "gpt.py"), {"n_layer": 2, "n_embd": 256, "n_head": 4, "seq_len": 128,
+                                                         "vocab_size": 256, "batch_size": 128})
+    graph, spec, name, cluster = prepare_model(spec, Cluster.load(root / "examples/clusters/a100-h100.toml"))
+    even = data_parallel_plan(graph, cluster, spec, name, "fsdp", (), "bf16")
+    ours = uneven_plan(even, graph)
+    costs = Simulator(ours, graph).node_costs
+    norm = next(node for node in graph.nodes if node.op.startswith("aten.layer_norm"))
+    strategy = {s.node: s for s in ours.strategies}[norm.name]
+    rank = critical_rank(ours, graph)
+    device = rank_devices(ours.cluster)[rank]
+    work = ours.sections["uneven"].shares[rank] / ours.batch_size / costs.context.micro_batches
+    extra = autocast_activation_times(costs.context, norm, work, device)
+    assert extra[0] > 0  # layer_norm returns fp32 under autocast
+    cost = costs.compute(norm, strategy, edges=[])
+    base = op_times(norm, work, device, "bf16")
+    assert cost.forward_s == pytest.approx(base[0] + extra[0]) and cost.backward_s == pytest.approx(base[1] + extra[1])
