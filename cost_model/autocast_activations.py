@@ -99,11 +99,12 @@ _CACHE: dict[int, tuple[OpGraph, int, dict[str, int]]] = {}
 
 
 def _sizes_of(graph: OpGraph, weight_bytes: int) -> dict[str, int]:
-    """``runtime_element_bytes`` once per graph and weight width (the simulator asks per op)."""
+    """``runtime_element_bytes`` once per graph and weight width (the simulator asks per op);
+    a few graphs are held at most, since holding one keeps it alive."""
     key = id(graph) * 8 + weight_bytes
     held = _CACHE.get(key)
     if held is None or held[0] is not graph:
-        if len(_CACHE) > 16:
+        if len(_CACHE) >= 4:
             _CACHE.clear()
         held = _CACHE[key] = (graph, weight_bytes, runtime_element_bytes(graph, weight_bytes))
     return held[2]
