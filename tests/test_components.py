@@ -33,7 +33,7 @@ def test_memory_row_is_the_streaming_rate_the_model_prices_by_hand():
     # A 1 GiB copy moves 2 GiB; H100 3.35e12 B/s x 0.8 = 2.68e12 B/s, plus one 5 us launch:
     # 2^31 B / (2^31 / 2.68e12 + 5e-6 s) = 2^31 / 806.3e-6 = 2663.4 GB/s, against the 2,903
     # measured (which, below the 3,350 GB/s datasheet, counts read and written bytes): -8.3%.
-    (row,) = [row for row in component_rows() if row.component == "memory"]
+    (row,) = [row for row in component_rows() if row.component == "memory" and row.case.startswith("copy")]
     moved = 2 * 2**30
     assert row.predicted == pytest.approx(moved / (moved / 2.68e12 + 5e-6) / 1e9)
     assert row.error == pytest.approx(row.predicted / 2903.0 - 1)
@@ -148,3 +148,16 @@ def test_shape_model_lines_remove_only_the_sustained_clock():
     assert "765.4 TFLOP/s" in line and "-3.7%" in line
     (row,) = [row for row in component_rows() if row.case.startswith("2048x2048x13312")]
     assert row.predicted == pytest.approx(flops / (flops / (989.4e12 * 0.801 * 1575 / 1830) + 5e-6) / 1e12)
+
+
+def test_rmsnorm_rows_are_eight_memory_bound_kernels_by_hand():
+    # Hugging Face's LlamaRMSNorm forward on 2048 x 4096 bf16 (fp32 weight): 38 bytes per
+    # element and 24 per row, 2048 x (4096 x 38 + 24) = 318,816,256 B at 2.039e12 x 0.8 =
+    # 1.6312e12 B/s = 195.45 us, plus eight 5 us launches = 235.45 us: 8,388,608 elements in
+    # 235.45 us = 35.63 G elements/s, against 279.90 us published (29.97 G/s): +18.9%.
+    rows = [row for row in component_rows() if row.case.startswith("RMSNorm fwd, 2048 x 4096")]
+    (row,) = rows
+    seconds = 2048 * (4096 * 38 + 24) / (2.039e12 * 0.8) + 8 * 5e-6
+    assert row.predicted == pytest.approx(2048 * 4096 / 1e9 / seconds)
+    assert row.predicted == pytest.approx(35.63, abs=0.01)
+    assert row.error == pytest.approx(0.279904e-3 / seconds - 1, abs=1e-4) and row.error > 0.18
