@@ -122,6 +122,21 @@ micro-batch on H100 (MPT-13B@64xH100, micro-batch 2: 3.7 ms; MPT-7B@8xH100, micr
 2.9 ms) and 5-6 ms on A100 (MPT-13B: 4.8 ms, MPT-7B: 5.9 ms), whatever the width or micro-batch; llm-foundry's table gives MPT-13B the same tokens/s on 8, 16, 32 and 64
 H100s, so it is not the network.
 
+Priced since, as autocast runs them: a bf16 program of the planner's own keeps activations fp32
+where autocast does (``cost_model.autocast_activations``: pow, rsqrt and the rest of autocast's
+fp32 list return fp32, type promotion spreads it, and every matmul casts each fp32 activation it
+reads). torchtitan's rows run the same norms and rotary products in fp32 on purpose
+(torchtitan/models/norms.py at 1ea476e9f: ``self._norm(x.float()).type_as(x)``; its A100 configs
+``norm_type = "rmsnorm"``, ``compile = false``): Llama3-70B -8.2% -> -4.7%, Llama2-13B -11.8% ->
+-5.8%, Llama2-70B -7.5% -> -3.8% (26 runs: median 7.8% -> 6.6%, largest 23.7%, 20 fast / 6 slow).
+Of each move up to about 1.5 points (Llama2-13B by hand: 26 bytes per element per layer each
+way) is ``examples/llama.py``'s RMSNorm rather than torchtitan's: its fp32 output is cast by each
+projection that reads it (three, then two) where torchtitan casts it back once before the
+weight. Llama3.1-405B@128xH100 moves -11.1% -> -8.0% by the same pricing, but that run was
+compiled (``compile = true``), and Inductor fuses a norm or a rotary product into one kernel
+with bf16 in and out: its 3.1 points are likely not in the run, and no plan field says
+"compiled" to leave them out.
+
 Jean Zay's per-layer cost (BLOOM only): BigScience's published layout sweep on BLOOM's cluster
 and software (``benchmarks/fidelity_sweep.py``) is predicted 5-21% fast by a time that grows
 with the layer executions (layers per stage x micro-batches), not their size; the fixed
@@ -169,7 +184,10 @@ nothing (SHARP on the fabric, NCCL version, bucket sizes) that would hide either
 communication (1.7B: 12 ms of a 0.39 s step; its fp32 reduce-scatters take 0.7 ms per block
 behind 8 ms of backward): their gap is compute, kernel time the simulator prices at 669
 TFLOP/s for 1.7B's GEMMs (h 2048, 16,384 tokens per pass; ``fidelity_ops.py``), which is
-issue 25's sustained-compute part, not the Megatron-specific model.
+issue 25's sustained-compute part, not the Megatron-specific model. The public per-shape GEMM
+measurements of ``benchmarks/components.py`` do not show the shape model optimistic (A100
+layer shapes within 4.2% of a sizing benchmark's slowest iterations; H100 shapes the 2026 MAMF
+search found 3.7% below); none measures H100 GEMMs at width 2048, so that gap stays open.
 
 Modelled from the runs' stated hardware: the Grand Teton H100s' 500 W power limit lowers their
 peak to the clock such a board holds (``grand_teton_h100``, ``planner.power_limit``). Every

@@ -32,7 +32,10 @@ The searched plan should be no slower than the grid's best; the verdict says whe
 why it might be. Budgets count work, so the plans are the same on any machine; the planning
 times are this machine's.
 
-Measured 2026-11-29 at 387c111 (the grid's code; later commits change no figure), one row
+Measured 2026-11-29 at 387c111 (the grid's code; later commits change no figure but one: pricing
+autocast's fp32 activations, ``cost_model/autocast_activations.py``, makes the planner's own
+bf16 programs slower, the more where their weights, and so their residual streams, stay fp32
+as MoE plans' do; the table was not re-run after it), one row
 at a time with ``flock /work/locks/heavy.lock python benchmarks/moe_frontier.py --rows KEY
 --search-timeout 600`` on 2 CPU cores shared with other jobs (load 4-6), 24 GiB of memory
 shared likewise. The search ran beside the grid; "s" is the row's wall time (the grid's,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Callable
 
+from cost_model.autocast_activations import add_autocast_activation_bytes
 from cost_model.data_parallel_step import DataParallelStep
 from cost_model.loss_parallel import add_vocabulary_parallel_loss
 from cost_model.mixed_precision import add_autocast_weight_casts, reduced_gradient_bytes
@@ -42,7 +43,8 @@ def _replica_gradient_sync(context, node, strategy, cost) -> None:
 # (cost_model.summa_node); vocabulary-parallel cross entropies (cost_model.loss_parallel);
 # splits of a dim held split (cost_model.split_gather); any mesh: the gradient sync of weights
 # replicated on a non-dp axis whose ranks saw other rows (cost_model.replica_gradients);
-# autocast's casts of a bf16 program's fp32 weights (cost_model.mixed_precision); the
+# autocast's casts of a bf16 program's fp32 weights (cost_model.mixed_precision) and the fp32
+# activations it leaves (cost_model.autocast_activations); the
 # data-parallel flavours' gathers, gradient reductions and sharding (cost_model.data_parallel_step).
 _CONTRIBUTORS: tuple[StepContributor, ...] = (
     NodeCostTerm(add_summa_costs),
@@ -50,6 +52,7 @@ _CONTRIBUTORS: tuple[StepContributor, ...] = (
     NodeCostTerm(add_split_gather),
     NodeCostTerm(_replica_gradient_sync),
     NodeCostTerm(add_autocast_weight_casts),
+    NodeCostTerm(add_autocast_activation_bytes),
     DataParallelStep(),
 )
 

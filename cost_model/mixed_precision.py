@@ -114,7 +114,7 @@ def add_autocast_weight_casts(context, node, strategy, cost) -> None:
 
     A weight two such ops read in one forward is cast once (autocast caches the casts of
     leaf tensors) and charged twice here; none of the example models has one."""
-    if not autocast_casts_weights(context.plan) or _aten_name(node.op) not in AUTOCAST_BF16_OPS:
+    if not autocast_casts_weights(context.plan) or aten_name(node.op) not in AUTOCAST_BF16_OPS:
         return
     dtype = PRECISIONS[context.plan.precision][0]
     for name in node.params:
@@ -132,7 +132,7 @@ def add_autocast_weight_casts(context, node, strategy, cost) -> None:
             cost.host_backward_s += context.host.backward_s
 
 
-def _aten_name(op: str) -> str:
+def aten_name(op: str) -> str:
     """``"aten.linear.default"`` -> ``"linear"`` (the op's name without namespace and overload)."""
     parts = op.split(".")
     return parts[1] if len(parts) > 2 else parts[-1]

@@ -26,6 +26,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from cost_model.compute import op_times
 from cost_model.moe_layers import LaidOutLayer, routing_sync_bytes
 from cost_model.moe_overlap import block_compute_s, exposed_share, layer_passes
+from cost_model.op_share import work_split
 from cost_model.resharding import backward_collective, forward_collective
 from cost_model.step_context import StepContext
 from cost_model.step_contributor import overriding
@@ -270,24 +271,13 @@ class NodeCosts:
                 )
         return self.kept[name]
 
-    def _work_split(self, strategy: NodeStrategy) -> int:
-        """Ranks an op's work is divided over: the axes on which some operand is split. An
-        axis where the op only reads or makes partial sums (all operands whole-size) leaves
-        every rank the whole computation (the rule registry's ``shards_work``)."""
-        tensors = (*strategy.inputs, *strategy.outputs)
-        return math.prod(
-            size
-            for index, (axis, size) in enumerate(self.context.mesh.axes)
-            if axis != "pp" and any(isinstance(p[index], Shard) for p in tensors)
-        )
-
     def compute(self, node: OpNode, strategy: NodeStrategy, edges, reductions: tuple | None = None) -> NodeCost:
         """``node``'s cost under ``strategy``, its inputs resharded along ``edges`` ((input
         position, producer placements, placements read) of the edges it pays), the gradients
         of its inputs ``reductions`` all-reduced (``input_gradient_reductions``, by default
         those of the current strategies)."""
         cost = NodeCost()
-        work = 1.0 / (self._work_split(strategy) * self.context.micro_batches)
+        work = 1.0 / (work_split(self.context.mesh, strategy) * self.context.micro_batches)
         cost.forward_s, cost.backward_s = op_times(node, work, self.context.device, self.context.plan.precision)
         # Every line of a graph program is a DTensor op, views included; so is its backward.
         has_backward = any(meta.dtype.is_floating_point for meta in node.output_meta)
@@ -335,7 +325,7 @@ class NodeCosts:
         producer, producer_strategy = self.context.nodes.get(name), self.context.strategies.get(name)
         producer_times = (0.0, 0.0)
         if producer is not None and producer_strategy is not None:
-            work = 1.0 / (self._work_split(producer_strategy) * self.context.micro_batches)
+            work = 1.0 / (work_split(self.context.mesh, producer_strategy) * self.context.micro_batches)
             producer_times = op_times(producer, work, self.context.device, self.context.plan.precision)
         return edge_overlap(self.context, node, strategy, producer, producer_strategy, kind,
                             (cost.forward_s, cost.backward_s), producer_times)

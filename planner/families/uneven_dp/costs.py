@@ -49,6 +49,7 @@ import dataclasses
 
 from torch.distributed.tensor import Shard
 
+from cost_model.autocast_activations import autocast_activation_times
 from cost_model.compute import op_times
 from cost_model.data_parallel_step import DataParallelStep
 from cost_model.simulator import Simulator
@@ -182,6 +183,10 @@ class UnevenShareStep(StepContributor):
         split = split_over_dp(context.mesh, strategy)
         work = (share / context.plan.batch_size if split else 1.0) / context.micro_batches
         cost.forward_s, cost.backward_s = op_times(node, work, device, context.plan.precision)
+        # as the simulator's own term adds them for even plans, on the critical rank's share
+        forward, backward = autocast_activation_times(context, node, work, device)
+        cost.forward_s += forward
+        cost.backward_s += backward
         if split:
             # Its saved activations: those of the largest micro-batch of the rank with the most
             # rows (the simulator reports memory on the fullest device; the candidates capped
