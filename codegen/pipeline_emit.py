@@ -86,7 +86,8 @@ def unsupported(plan: Plan) -> str | None:
     if problem:
         return problem
     if plan.recompute not in ("none", "full", "selective"):
-        return f"pipeline programs recompute none, full blocks or selectively, not {plan.recompute!r}"
+        return (f"pipeline programs recompute none, full blocks or selectively, not {plan.recompute!r}; plan with "
+                f"recompute full to compile")
     dp = plan.mesh.axis_size("dp") if "dp" in names else 1
     folded = "moe-folding" in plan.sections  # experts over each stage's dp x tp (planner.families.moe_folding)
     if plan.expert_layouts and names != ((PP_AXIS, "dp", "tp") if folded else (PP_AXIS, "dp")):
