@@ -118,6 +118,9 @@ class SegmentProfile:
     # Of ``param_elements``, those each rank holds its own of (experts split by an MoE
     # layout, ``Segment.per_rank``): no dp flavour shards their states, gradients or weights.
     per_rank_elements: float = 0.0
+    # Its MoE layers' dispatch buffers for one micro-batch (``Segment.kept_exchange_bytes``):
+    # the simulator holds the largest layer's as a communication buffer while it exchanges.
+    exchange_bytes: float = 0.0
 
     def zero1_gathered_tensors(self, dp: int) -> list[float]:
         """Elements of each of ``synced_tensors`` that ZeRO-1 over ``dp`` ranks all-gathers

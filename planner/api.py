@@ -504,10 +504,10 @@ def compile_blocker(plan: Plan) -> str | None:
         reason = composed_flavour_blocker(plan)
         if reason:
             return f"{plan.name} cannot be compiled: {reason}"
-    if plan.recompute == KEEP_A2A and (not plan.expert_layouts or plan.pipeline is not None):
+    if plan.recompute == KEEP_A2A and not plan.expert_layouts:
         return (
-            f"this plan recomputes blocks keeping their MoE layers' exchanges ({KEEP_A2A}), which is compiled for MoE "
-            f"programs on a 'dp' mesh without a pipeline only; plan again, or use recompute='full'"
+            f"this plan recomputes blocks keeping their MoE layers' exchanges ({KEEP_A2A}) but has no MoE layer; "
+            f"plan again, or use recompute='full'"
         )
     if plan.recompute not in ("none", "full", "selective", KEEP_A2A):
         return (

@@ -16,7 +16,11 @@ runs in the recomputation and saves what it saved in forward, so the checkpoint 
 same saved tensors; its backward (the reverse exchange) is the original graph's, unchanged.
 
 A collective site calls ``kept_exchange(lambda: ...)`` around the call that communicates;
-outside a block recomputed this way it just runs the call.
+outside a block recomputed this way it just runs the call. ``keeping_exchanges`` is the
+``context_fn`` of ``torch.utils.checkpoint`` that does this for one checkpointed call
+(module programs pass it through ``recompute_in_backward_counting_once``, pipeline programs
+write it into their ``checkpoint(...)`` calls). Every recomputation also says so
+(``is_recomputing``): MoE layers count their routing in forward only.
 """
 
 from __future__ import annotations
@@ -27,12 +31,45 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["ExchangeTape", "kept_exchange"]
+__all__ = ["ExchangeTape", "is_recomputing", "kept_exchange", "keeping_exchanges", "recomputation"]
 
 Value = TypeVar("Value")
 
 # The tape of the block whose forward (recording) or recomputation (replaying) runs now.
 _active: tuple[ExchangeTape, bool] | None = None
+# How many checkpointed blocks backward is recomputing right now.
+_recomputing = 0
+
+
+def is_recomputing() -> bool:
+    """Whether backward is re-running a checkpointed block whose checkpoint says so
+    (``recomputation``): routing statistics are counted in forward only."""
+    return _recomputing > 0
+
+
+@contextlib.contextmanager
+def recomputation() -> Iterator[None]:
+    """The context a checkpoint's recomputation runs in (``is_recomputing`` is true there)."""
+    global _recomputing
+    _recomputing += 1
+    try:
+        yield
+    finally:
+        _recomputing -= 1
+
+
+def keeping_exchanges() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``:
+    a new tape for this call, recording in forward, replaying in the recomputation (which
+    also runs under ``recomputation``)."""
+    tape = ExchangeTape()
+    return tape.recording(), _replaying(tape)
+
+
+@contextlib.contextmanager
+def _replaying(tape: ExchangeTape) -> Iterator[None]:
+    with recomputation(), tape.replaying():
+        yield
 
 
 class ExchangeTape:

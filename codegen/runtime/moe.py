@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from codegen.runtime.kept_exchanges import ExchangeTape, kept_exchange
+from codegen.runtime.kept_exchanges import is_recomputing, kept_exchange, keeping_exchanges, recomputation
 from codegen.runtime.materialize import set_derived_parameter
 
 __all__ = [
@@ -184,7 +184,7 @@ class RoutedMoE(torch.nn.Module):
         return []
 
     def _record(self, routing: Routing, count: int) -> None:
-        if _recomputing:  # backward re-running a checkpointed block: counted in its forward already
+        if is_recomputing():  # backward re-running a checkpointed block: counted in its forward already
             return
         with torch.no_grad():
             count_choices(self, routing.one_hot.view(self.top_k, count, self.experts).sum(dim=0).double())
@@ -217,34 +217,6 @@ def rank_local_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     ]
 
 
-# How many checkpointed blocks backward is recomputing right now (see recompute_in_backward_counting_once).
-_recomputing = 0
-
-
-def is_recomputing() -> bool:
-    """Whether backward is re-running a block checkpointed by
-    ``recompute_in_backward_counting_once`` (routing is counted in forward only)."""
-    return _recomputing > 0
-
-
-@contextlib.contextmanager
-def _recomputation():
-    global _recomputing
-    _recomputing += 1
-    try:
-        yield
-    finally:
-        _recomputing -= 1
-
-
-@contextlib.contextmanager
-def _replaying(tape: ExchangeTape):
-    """Backward's recomputation of a block that kept its exchanges: counted once, and its
-    collectives hand back what forward kept."""
-    with _recomputation(), tape.replaying():
-        yield
-
-
 def recompute_in_backward_counting_once(module: torch.nn.Module, keep_exchanges: bool = False) -> torch.nn.Module:
     """Make ``module``'s forward run under non-reentrant activation checkpointing (backward
     recomputes its activations, as ``codegen.runtime.recompute.recompute_in_backward`` does),
@@ -256,15 +228,13 @@ def recompute_in_backward_counting_once(module: torch.nn.Module, keep_exchanges:
     (``codegen.runtime.kept_exchanges``)."""
     forward = module.forward
 
+    def counting_once():
+        return contextlib.nullcontext(), recomputation()
+
+    contexts = keeping_exchanges if keep_exchanges else counting_once  # one tape per forward call
+
     @functools.wraps(forward)
     def checkpointed_forward(*args, **kwargs):
-        tape = ExchangeTape() if keep_exchanges else None  # this forward's own: one per micro-batch
-
-        def contexts():
-            if tape is None:
-                return contextlib.nullcontext(), _recomputation()
-            return tape.recording(), _replaying(tape)
-
         return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     module.forward = checkpointed_forward
