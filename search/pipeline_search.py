@@ -264,6 +264,10 @@ class PipelineGrid:
         strategies, inputs = self._layout(config.tp, config.sequence_parallel, mesh.names, config.layout)
         pipeline = None
         recompute, per_stage = config.recompute, estimate.stage_recompute
+        stages = config.pp * config.virtual_stages
+        stage_of = uneven_stages(self.graph, estimate.layers_per_stage, stages=stages) if config.pp > 1 else None
+        if per_stage and stage_of is not None:
+            per_stage = self._keeping_only_with_moe(per_stage, stage_of)
         if per_stage:
             # The plan's mode is the heaviest any stage uses; stages that differ are listed.
             # A stage without blocks recomputes nothing whatever its mode (only blocks are
@@ -273,9 +277,7 @@ class PipelineGrid:
                 mode if blocks else recompute for mode, blocks in zip(per_stage, estimate.layers_per_stage)
             )
             per_stage = per_stage if len(set(per_stage)) > 1 else ()
-        if config.pp > 1:
-            stages = config.pp * config.virtual_stages
-            stage_of = uneven_stages(self.graph, estimate.layers_per_stage, stages=stages)
+        if stage_of is not None:
             strategies = tuple(dataclasses.replace(s, stage=stage_of[s.node]) for s in strategies)
             pipeline = PipelineConfig(
                 stages=config.pp, schedule=config.schedule, micro_batches=config.micro_batches,
@@ -287,6 +289,15 @@ class PipelineGrid:
             label=config.layout, expert_layouts=self._experts_of(config),
             moe_a2a_overlap=self._overlaps_all_to_alls(config),
         )
+
+    def _keeping_only_with_moe(self, per_stage: tuple[str, ...], stage_of: dict[str, int]) -> tuple[str, ...]:
+        """``per_stage`` with ``full_keep_a2a`` named ``full`` on stages that hold no MoE op:
+        with no exchange to keep the two are one (and priced alike), and the plan says what
+        such a stage does."""
+        if KEEP_A2A not in per_stage:
+            return per_stage
+        with_moe = {stage_of[node.name] for block in self.graph.moe_blocks for node in self.graph.moe_nodes(block.module)}
+        return tuple("full" if mode == KEEP_A2A and stage not in with_moe else mode for stage, mode in enumerate(per_stage))
 
     # ------------------------------------------------------------- estimates
 
