@@ -183,13 +183,13 @@ def test_a_stage_without_moe_layers_recomputes_full_not_keeping_exchanges() -> N
     """Each stage of an MoE pipeline chooses among ``MOE_RECOMPUTE_ORDER``; where a stage
     holds no MoE op, ``full_keep_a2a`` has nothing to keep and prices as ``full``, so the
     plan names it ``full`` (``PipelineGrid.unsimulated``): a tiny DeepSeek-V3 of 2 dense
-    layers then 3 MoE ones, the dense ones on stage 0."""
+    layers then 2 MoE ones, the dense ones on stage 0."""
     from moe_plans import HF_MOE
     from planner.strategy import KEEP_A2A
-    from search.pipeline_configs import MOE_RECOMPUTE_ORDER, PER_STAGE
+    from search.pipeline_configs import MOE_RECOMPUTE_ORDER, PER_STAGE, Configuration, Estimate
     from search.pipeline_search import PipelineGrid, PipelineSpace
 
-    spec = ModelSpec("hf:deepseek_v3", {**HF_MOE["deepseek_v3"], "num_hidden_layers": 5, "first_k_dense_replace": 2})
+    spec = ModelSpec("hf:deepseek_v3", {**HF_MOE["deepseek_v3"], "num_hidden_layers": 4, "first_k_dense_replace": 2})
     graph, spec, name, cluster = prepare_model(spec, "cpu:2x4")
     space = PipelineSpace(flavours=("ddp",), tensor_parallel=(1,), sequence_parallel=(False,), searched_layout="off",
                           recompute=MOE_RECOMPUTE_ORDER, virtual_stages=(),
@@ -197,8 +197,10 @@ def test_a_stage_without_moe_layers_recomputes_full_not_keeping_exchanges() -> N
                                                                                            mesh, micro_batches))
     grid = PipelineGrid(graph, cluster, "fp32", space)
     assert grid.stage_modes == MOE_RECOMPUTE_ORDER
-    config = next(c for c in grid.configurations() if (c.pp, c.recompute) == (2, PER_STAGE))
-    estimate = dataclasses.replace(grid.estimate(config), layers_per_stage=(2, 3), stage_recompute=(KEEP_A2A, KEEP_A2A))
+    # pp=2 x dp=4, one sample per micro-batch, every layer expert parallel; the stages' blocks
+    # and modes as the slicing would give them.
+    config = Configuration(1, 2, 4, 1, 2, "1f1b", 1, "ddp", PER_STAGE, experts=EXPERT_PARALLEL)
+    estimate = Estimate(0.0, config, layers_per_stage=(2, 2), memory_bytes=0.0, stage_recompute=(KEEP_A2A, KEEP_A2A))
     plan = grid.unsimulated(estimate, spec, name)
     # The plan's mode is the heaviest of its stages' (full recomputes more than keeping).
     assert plan.pipeline.stage_recompute == ("full", KEEP_A2A) and plan.recompute == "full"
