@@ -18,10 +18,11 @@ Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Mode
     layer's dispatch buffers of one micro-batch, ``cost_model.moe_layers.
     dispatch_buffer_bytes``); backward recomputes the whole forward but those exchanges
     (``Segment.kept_exchange_s``), which hand back what they kept. DeepSeek-V3 (technical
-    report, arXiv 2412.19437, section 3.2.3) recomputes only cheap ops and keeps the dispatch
-    and combine outputs; Megatron-Core's ``--recompute-granularity selective
-    --recompute-modules`` likewise leaves the token dispatcher out of what it recomputes. A
-    block without MoE layer prices as ``full``.
+    report, arXiv 2412.19437, section 3.2.3) recomputes only cheap ops (RMSNorm, MLA
+    up-projections), so nothing it recomputes communicates; Megatron-Core's selective
+    ``--recompute-modules`` such as ``moe_act``, ``layernorm`` and ``mla_up_proj`` recompute
+    ops around the token dispatcher, not the dispatcher. A block without MoE layer prices as
+    ``full``.
   * ``none``: nothing is recomputed.
 
 Ops around the blocks (embedding, final norm, head) are never checkpointed, as Megatron and

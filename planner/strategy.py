@@ -39,10 +39,8 @@ DP_FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")
 # order of how much a block recomputes. ``full_keep_a2a`` is full recomputation for MoE
 # blocks that keeps what crossed the network: the block runs its forward again in backward,
 # but each MoE layer's exchanges (the dispatch and combine all-to-alls, the routing counts'
-# all-gather) hand back the outputs kept from forward instead of communicating again, as
-# DeepSeek-V3 and Megatron-Core's selective ``--recompute-modules`` keep the dispatch and
-# combine outputs (``codegen.runtime.moe.recompute_keeping_exchanges``). In a block
-# without MoE layer it is ``full``.
+# all-gather) hand back the outputs kept from forward instead of communicating again
+# (``codegen.runtime.kept_exchanges``). In a block without MoE layer it is ``full``.
 KEEP_A2A = "full_keep_a2a"
 RECOMPUTE_MODES = ("none", "selective", KEEP_A2A, "full")
 # The modes that checkpoint whole blocks (keep the block's input, run its forward again).
