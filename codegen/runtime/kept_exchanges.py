@@ -93,6 +93,7 @@ class ExchangeTape:
             yield
 
     def next_kept(self):
+        """The output of the next collective forward ran (the recomputation's next site)."""
         if self.position >= len(self.kept):
             raise RuntimeError(
                 "a recomputed block reached more collectives than its forward ran; its forward must not "
