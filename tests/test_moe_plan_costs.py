@@ -330,3 +330,21 @@ def test_recomputation_keeping_exchanges_repeats_no_all_to_all_and_keeps_their_o
                      for mode in ("full", KEEP_A2A))
     assert keeping.memory.activations - full.memory.activations == 2 * kept
     assert keeping.step_time_s < full.step_time_s
+
+
+def test_the_report_says_what_keeping_the_exchanges_means(model):
+    """A plan recomputing with ``full_keep_a2a`` says so in its strategy words and its
+    recompute line, in words a reader who does not know the mode's name understands."""
+    import dataclasses
+
+    from planner.report import report_details
+    from planner.strategy import KEEP_A2A
+    from planner.verdict import strategy_words
+
+    graph, _ = model
+    plan = simulated(dataclasses.replace(plan_with(model, "expert_parallel", ExpertPlacement.round_robin(4, 4)),
+                                         recompute=KEEP_A2A), graph)
+    assert "every repeated block recomputed in backward but its MoE layers' all-to-alls (outputs kept)" in strategy_words(plan)
+    line = dict(report_details(plan))["recompute"]
+    assert line.startswith("full_keep_a2a (full_keep_a2a: blocks recomputed in backward except their MoE layers' "
+                           "all-to-alls, whose dispatch and combine outputs are kept from forward)")
