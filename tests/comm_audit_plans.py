@@ -106,7 +106,6 @@ def plans(world: int) -> dict[str, planner.Plan]:
         "gpt-pp2-1f1b": baselines.megatron(gpt, cluster, pp=2, micro_batch=2, schedule="1f1b", precision="fp32"),
         "moe-ep": moe_expert_parallel(world),
         "moe-ep-keep-a2a": moe_keeping_exchanges(world),
-        "moe-hf-mixtral-bf16": hf_moe_bf16(world),
         # What the search picks for the MLP: a SOAP layout on tp whose ops need no collective.
         "mlp-searched": planner.plan(_spec("examples/mlp.py", {}), cluster, progress=False),
     }
@@ -114,6 +113,7 @@ def plans(world: int) -> dict[str, planner.Plan]:
         # At world 2 the copy pair is the whole dp group (one process group): counted as dp.
         cases["moe-ep-sharded-copies"] = moe_sharded_copies(world)
         cases["moe-ep-sharded-copies-bf16"] = moe_sharded_copies(world, "bf16")
+        cases["moe-hf-mixtral-bf16"] = hf_moe_bf16(world)  # world 2 measured 0.980x, at the tolerance's edge
         cases["llama-searched"] = planner.plan(_spec("hf:llama", HF_LLAMA), cluster, progress=False)
         # A graph program's ZeRO-1: DTensor weights on dp=2 x tp=2, each rank's tp shard sliced over dp.
         cases["gpt-megatron-tp2-zero1"] = baselines.megatron(gpt, cluster, tp=2, precision="fp32", dp_flavour="zero1")

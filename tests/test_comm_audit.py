@@ -7,8 +7,8 @@ Megatron tp=2 (with dp=2 at world 4, there also with ZeRO-1), a graph program of
 plans of the MLP (SOAP on tp, no collective) and, at world 4, of a small HuggingFace llama
 (Megatron's layout on tp=4), a 1F1B pipeline
 of two stages (with dp=2 at world 4), an expert-parallel MoE (also with every block
-recomputed keeping its exchanges, ``full_keep_a2a``, and tiny ``hf:mixtral``'s stacked
-experts in bf16, whose rows travel in bf16 as priced), and at world 4 one whose
+recomputed keeping its exchanges, ``full_keep_a2a``, and at world 4 tiny ``hf:mixtral``'s
+stacked experts in bf16, whose rows travel in bf16 as priced: 0.986x), and at world 4 one whose
 experts are sharded over their 2 copies each (FSDP2 on the copy groups, counted as
 ``expert-copies``; also in bf16: bf16 gathers, fp32 gradient reduce-scatters); DDP, FSDP and Megatron again
 with gradients accumulated over two micro-batches) is compiled and run for one
