@@ -7,7 +7,9 @@ that (ops around the blocks keep their activations); the two codegen paths compi
 block in graph programs). Parity of recomputed programs is in ``test_parity.py`` and
 ``test_spmd_parity.py``; here, that the memory really goes away. ``recompute="selective"``
 checkpoints each block's attention core only (``codegen.attention_core``); its parity is in
-``test_schedule_parity.py``.
+``test_schedule_parity.py``. ``recompute="full_keep_a2a"`` recomputes the block but not its
+MoE layers' collectives, which hand back what forward kept (``codegen.runtime.kept_exchanges``);
+its compiled programs' parity is in ``test_moe_parity.py`` and ``test_pipeline_parity.py``.
 """
 
 from __future__ import annotations
