@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch.fx
 
 from codegen.source_text import comment, derived_identifier
-from codegen.spmd_recompute import block_runs, checkpoint_blocks, names_in, require_blocks
+from codegen.spmd_recompute import KEEPING_ARGUMENT, block_runs, checkpoint_blocks, names_in, require_blocks
+from planner.strategy import KEEP_A2A, WHOLE_BLOCK_RECOMPUTE
 
 if TYPE_CHECKING:
     from codegen.spmd_emit import GraphEmitter
@@ -143,9 +144,9 @@ class BlockFolder:
                 if function is None:
                     out.append((block, lines))
                 elif previous is not None and previous is function and not found.hoisted:
-                    out[-1][1].extend(self._call(function, found, recompute[s] == "full"))
+                    out[-1][1].extend(self._call(function, found, recompute[s]))
                 else:
-                    out.append((None, self._call(function, found, recompute[s] == "full", first=True)))
+                    out.append((None, self._call(function, found, recompute[s], first=True)))
                 previous = function if function is None or lines else None
             folded.append(out)
         return folded
@@ -249,7 +250,8 @@ class BlockFolder:
                     self.moved.add(placeholder)
         return _Function(name, members, parameters)
 
-    def _call(self, function: _Function, member: _Written, checkpointed: bool, first: bool = False) -> list[str]:
+    def _call(self, function: _Function, member: _Written, recompute: str, first: bool = False) -> list[str]:
+        checkpointed = recompute in WHOLE_BLOCK_RECOMPUTE
         outputs = sorted(set().union(*(m.outputs for m in function.members)))
         targets = ", ".join(member.stored[i] for i in outputs)
         arguments = ["self", repr(member.prefix), *member.free]
@@ -258,7 +260,8 @@ class BlockFolder:
         where = f"{member.block[0]}.{member.block[1]}"
         assign = f"{targets} = " if targets else ""
         if checkpointed:
-            call = f"{assign}checkpoint({function.name}, {', '.join(arguments)}, use_reentrant=False)"
+            keeping = KEEPING_ARGUMENT if recompute == KEEP_A2A else ""
+            call = f"{assign}checkpoint({function.name}, {', '.join(arguments)}, use_reentrant=False{keeping})"
         else:
             call = f"{assign}{function.name}({', '.join(arguments)})"
         head = []

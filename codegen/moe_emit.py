@@ -63,7 +63,7 @@ from planner.errors import PlannerError, PlanningError
 from planner.moe_blocks import HF_STACKED_EXPERTS, MoEBlock, find_moe_blocks
 from planner.plans import Plan
 from planner.program_shape import shards_expert_copies_in_bf16
-from planner.strategy import ExpertLayout, placements_str
+from planner.strategy import KEEP_A2A, WHOLE_BLOCK_RECOMPUTE, ExpertLayout, placements_str
 
 # How the rest of the model is data parallel, by the plan's dp flavour: DDP (replicated),
 # FSDP2 units (``fsdp``: sharded, gathered for forward and again for backward) or FSDP2 units
@@ -112,10 +112,10 @@ def _check_supported(plan: Plan) -> None:
             f"compiled MoE programs wrap the dense part in DDP or FSDP2; dp flavour {plan.dp_flavour!r} is not written "
             f"for MoE layers yet; plan with --dp ddp, zero1, zero2 or fsdp"
         )
-    if plan.recompute not in ("none", "full"):
+    if plan.recompute not in ("none", *WHOLE_BLOCK_RECOMPUTE):
         raise PlanningError(
             f"compiled MoE programs recompute whole blocks or nothing, not {plan.recompute!r}; re-plan with --recompute "
-            f"full or none"
+            f"full, {KEEP_A2A} or none"
         )
     for strategy in plan.strategies:
         for placements in strategy.params.values():
@@ -124,6 +124,19 @@ def _check_supported(plan: Plan) -> None:
                     "compiled MoE programs run every op outside the MoE layers data parallel over 'dp'; this plan "
                     "shards some parameters another way; re-plan"
                 )
+
+
+_FULL_NOTE = (
+    "# Activation recomputation: these blocks keep only their inputs for backward and run their\n"
+    "# forward again when backward reaches it (less memory, one more forward each; MoE layers route\n"
+    "# again, with the same result, and move their tokens again).\n"
+)
+_KEPT_EXCHANGES_NOTE = (
+    "# Activation recomputation keeping the exchanges: these blocks keep their inputs and their MoE\n"
+    "# layers' exchanged rows (dispatch and combine outputs, routing counts) for backward and run\n"
+    "# their forward again when backward reaches it, every collective of the MoE layers handing back\n"
+    "# what it received in forward instead of communicating again (codegen.runtime.kept_exchanges).\n"
+)
 
 
 def _header(plan: Plan, dp: int) -> str:
@@ -175,7 +188,7 @@ def _imports(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> s
     others = [_RUNTIME_CLASSES[mode] for mode in ("data_parallel", "expert_sliced") if mode in routed]
     if others:
         lines.append(f"from codegen.runtime.moe_modes import {', '.join(others)}")
-    if plan.recompute == "full":
+    if plan.recompute in WHOLE_BLOCK_RECOMPUTE:
         lines.append("from codegen.runtime.moe import recompute_in_backward_counting_once")
     if plan.dp_flavour == "zero1":
         lines.append("from codegen.runtime.moe import rank_local_parameters")
@@ -191,12 +204,9 @@ def _constants(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) ->
         f"MESH_AXES = {tuple(plan.mesh.axes)!r}\n"
         f"GLOBAL_BATCH = {number(plan.batch_size, 'batch_size')}\n"
     ) + _accumulation_lines(plan)
-    if plan.recompute == "full":
+    if plan.recompute in WHOLE_BLOCK_RECOMPUTE:
         rows = "".join(f"    {path!r},\n" for path in recomputed_blocks(plan))  # the traced model's block paths
-        text += (
-            "\n# Activation recomputation: these blocks keep only their inputs for backward and run their\n"
-            "# forward again when backward reaches it (less memory, one more forward each; MoE layers route\n"
-            "# again, with the same result, and move their tokens again).\n"
+        text += "\n" + (_KEPT_EXCHANGES_NOTE if plan.recompute == KEEP_A2A else _FULL_NOTE) + (
             f"RECOMPUTED_BLOCKS = (\n{rows})\n"
         )
     for index, layout, block in layouts:
@@ -303,11 +313,12 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
         if layout.sharded_copies:
             lines += _shard_copies_lines(owner, copy_meshes[index], plan.precision)
     lines.append("")
-    if plan.recompute == "full":
+    if plan.recompute in WHOLE_BLOCK_RECOMPUTE:
+        keep = ", keep_exchanges=True" if plan.recompute == KEEP_A2A else ""
         lines += [
             "    # After the MoE layers are in place, before wrapping: the wrapper's hooks stay outside.",
             "    for path in RECOMPUTED_BLOCKS:",
-            "        recompute_in_backward_counting_once(model.get_submodule(path))",
+            f"        recompute_in_backward_counting_once(model.get_submodule(path){keep})",
         ]
     if has_batch_norm(plan):
         lines += [

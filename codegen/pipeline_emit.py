@@ -67,6 +67,7 @@ from codegen.spmd_recompute import assigned_in_order, checkpoint_blocks, core_ru
 from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.plans import Plan
+from planner.strategy import KEEP_A2A, RECOMPUTE_MODES, WHOLE_BLOCK_RECOMPUTE
 
 PP_AXIS = "pp"
 _PAD = " " * 8
@@ -85,8 +86,10 @@ def unsupported(plan: Plan) -> str | None:
     problem = schedule_problem(pipeline)
     if problem:
         return problem
-    if plan.recompute not in ("none", "full", "selective"):
+    if plan.recompute not in RECOMPUTE_MODES:
         return f"pipeline programs recompute none, full blocks or selectively, not {plan.recompute!r}"
+    if not plan.expert_layouts and any(plan.recompute_at(s) == KEEP_A2A for s in range(stage_count(pipeline))):
+        return f"recompute {KEEP_A2A!r} keeps MoE layers' exchanges, and this pipeline has no MoE layer; plan with recompute full"
     dp = plan.mesh.axis_size("dp") if "dp" in names else 1
     folded = "moe-folding" in plan.sections  # experts over each stage's dp x tp (planner.families.moe_folding)
     if plan.expert_layouts and names != ((PP_AXIS, "dp", "tp") if folded else (PP_AXIS, "dp")):
@@ -170,7 +173,8 @@ class _PipelineWriter(PipelineSections):
             self.expert_table = stage_experts_table(plan, graph, {path: stage_of[call.at] for path, call in calls.items()})
         self.stages = stage_count(plan.pipeline)  # stage modules: pp x virtual stages (interleaved)
         self.axes, self.sizes = stage_plan.mesh.names, stage_plan.mesh.shape
-        # Per stage module: "none", "full" (whole blocks) or "selective" (attention cores).
+        # Per stage module: "none", "full" (whole blocks), "full_keep_a2a" (whole blocks, their MoE
+        # layers' exchanges kept) or "selective" (attention cores).
         self.recompute = [plan.recompute_at(stage) for stage in range(self.stages)]
         selective = "selective" in self.recompute
         self.cores = attention_cores(graph, plan.summary.tokens_per_sample) if selective else []
@@ -332,7 +336,7 @@ class _PipelineWriter(PipelineSections):
         if recompute == "selective" and not self.cores:
             return [(None, self.emitter._emit_nodes(nodes, gm, indent=2))]
         if recompute != "selective":
-            return emit_block_runs(self.emitter, nodes, gm, checkpointed=recompute == "full")
+            return emit_block_runs(self.emitter, nodes, gm, checkpointed=recompute in WHOLE_BLOCK_RECOMPUTE)
         runs = core_runs(self.cores, nodes)
         return [(block, self.emitter._emit_nodes(run, gm, indent=2 + (block is not None))) for block, run in runs]
 
@@ -350,7 +354,7 @@ class _PipelineWriter(PipelineSections):
             if self.recompute[stage] == "none":
                 bodies.append([line for _, lines in runs for line in lines])
             else:
-                bodies.append(checkpoint_blocks(runs, also_read=elsewhere))
+                bodies.append(checkpoint_blocks(runs, also_read=elsewhere, keep_exchanges=self.recompute[stage] == KEEP_A2A))
         return bodies
 
     def _recomputed(self, gm, names: list[str], value_of, stage: int) -> list[str]:

@@ -17,7 +17,9 @@ from codegen.graph_facts import clean_path
 from codegen.pipeline_schedules import schedule_lines, stages_comment
 from codegen.source_text import comment, identifier, number, torch_imports, with_comment
 from codegen.data_parallel_emit import SHARDED_STATES_IMPORT, sharded_states_optimizer, shards_optimizer_states
+from codegen.spmd_recompute import KEEPING_IMPORT
 from planner import __version__
+from planner.strategy import KEEP_A2A
 
 _PAD = " " * 8
 
@@ -118,6 +120,7 @@ class PipelineSections:
             # to recompute where later ones need not: the planner chose each stage's mode.
             words = {
                 "full": "every repeated block recomputed in backward (activation checkpointing)",
+                KEEP_A2A: "every repeated block recomputed in backward, its MoE layers' exchanges kept from forward",
                 "selective": "each block's attention core recomputed in backward (selective recomputation)",
                 "none": "no recomputation",
             }
@@ -129,6 +132,9 @@ class PipelineSections:
         mode = self.recompute[0]
         if mode == "full":
             return ["Every repeated block is recomputed in backward (activation checkpointing)."]
+        if mode == KEEP_A2A:
+            return ["Every repeated block is recomputed in backward (activation checkpointing), except its MoE layers'",
+                    "collectives, which hand back what they returned in forward (codegen.runtime.kept_exchanges)."]
         if mode == "selective" and self.cores:
             return ["Each block's attention core is recomputed in backward (selective recomputation)."]
         if mode == "selective":
@@ -168,6 +174,7 @@ def make_optimizer(module: torch.nn.Module, mesh: DeviceMesh, optimizer_class: t
         return "\n".join(
             [
                 *torch_imports(set(self.recompute) != {"none"}),
+                *([KEEPING_IMPORT] if KEEP_A2A in self.recompute else []),
                 "from codegen.runtime.pipeline import PipelineRunner, PipelineStageModule, VirtualStages, build_stage, stage_mesh",
                 *precision_imports(self.plan),
                 *([SHARDED_STATES_IMPORT] if shards_optimizer_states(self.plan) else []),

@@ -41,6 +41,12 @@ _INDENT = 2  # the forward's body
 _PAD = " " * (4 * _INDENT)
 
 
+# What a checkpoint call of a block recomputed keeping its exchanges adds (recompute
+# "full_keep_a2a"), and the import it needs.
+KEEPING_ARGUMENT = ", context_fn=keeping_exchanges"
+KEEPING_IMPORT = "from codegen.runtime.kept_exchanges import keeping_exchanges"
+
+
 def checkpointed_body(emitter: "GraphEmitter", gm: torch.fx.GraphModule) -> list[str]:
     """The forward's body lines with every repeated block checkpointed."""
     runs = block_runs(emitter.graph, gm.graph.nodes)
@@ -110,10 +116,12 @@ def block_runs(graph: OpGraph, nodes: Sequence[torch.fx.Node]) -> list[tuple[Blo
     return runs
 
 
-def checkpoint_blocks(written: list[tuple[Block | None, list[str]]], also_read: set[str] = frozenset()) -> list[str]:
+def checkpoint_blocks(written: list[tuple[Block | None, list[str]]], also_read: set[str] = frozenset(),
+                      keep_exchanges: bool = False) -> list[str]:
     """Written runs joined into one body, each block run (written one level deeper) wrapped
     in a checkpointed nested function that returns what the other runs (or ``also_read``
-    lines) read of it."""
+    lines) read of it; with ``keep_exchanges`` (``recompute="full_keep_a2a"``) its MoE
+    layers' collectives hand back in the recomputation what they returned in forward."""
     stored = [names_in(lines, ast.Store) for _, lines in written]
     loaded = [names_in(lines, ast.Load) for _, lines in written]
     body: list[str] = []
@@ -129,13 +137,14 @@ def checkpoint_blocks(written: list[tuple[Block | None, list[str]]], also_read: 
             )
         outside = set(also_read).union(*(loaded[i] for i in range(len(written)) if i != position))
         outputs = [name for name in assigned_in_order(lines) if name in outside]
-        body += checkpointed_block(block, lines, outputs)
+        body += checkpointed_block(block, lines, outputs, keep_exchanges)
     return body
 
 
-def checkpointed_block(block: Block, lines: list[str], outputs: list[str]) -> list[str]:
+def checkpointed_block(block: Block, lines: list[str], outputs: list[str], keep_exchanges: bool = False) -> list[str]:
     """``lines`` (one level deeper than the forward's body) as a nested function run under
-    ``checkpoint``, assigning ``outputs`` in the enclosing forward."""
+    ``checkpoint``, assigning ``outputs`` in the enclosing forward (``keep_exchanges``: as
+    ``checkpoint_blocks`` says)."""
     core = len(block) > 2
     function = derived_identifier(f"{block[0]}_{block[1]}" + ("_attention" if core else ""), prefix="_", fallback="block")
     returned = ", ".join(outputs) + ("," if len(outputs) == 1 else "")
@@ -144,6 +153,12 @@ def checkpointed_block(block: Block, lines: list[str], outputs: list[str]) -> li
             _PAD + comment(f"---- {_what(block)}: recomputed in backward (selective recomputation). Backward keeps"),
             _PAD + "# the block's other activations but not the (seq, seq) scores and probabilities made here;",
             _PAD + "# it runs this function again when it reaches them: less memory for a little more compute.",
+        ]
+    elif keep_exchanges:
+        why = [
+            _PAD + comment(f"==== {_what(block)}: recomputed in backward (activation checkpointing). Backward keeps"),
+            _PAD + "# what the block reads from outside it and what its MoE layers' collectives returned, and runs",
+            _PAD + "# this function again without communicating (codegen.runtime.kept_exchanges) when it reaches it.",
         ]
     else:
         why = [
@@ -158,7 +173,7 @@ def checkpointed_block(block: Block, lines: list[str], outputs: list[str]) -> li
         *lines,
         _PAD + f"    return ({returned})",
         "",
-        _PAD + f"({returned}) = checkpoint({function}, use_reentrant=False)",
+        _PAD + f"({returned}) = checkpoint({function}, use_reentrant=False{KEEPING_ARGUMENT if keep_exchanges else ''})",
     ]
 
 

@@ -91,6 +91,7 @@ from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
 from cost_model.step_contributor import GATHER_STREAM, REDUCE_STREAM, ParameterSharding, StepContributor, fsdp2_stream
+from planner.strategy import WHOLE_BLOCK_RECOMPUTE
 
 FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")  # what this contributor runs; others have their own
 SHARDED_STATES = ("zero1", "zero2", "fsdp")  # flavours that shard the optimizer states over dp
@@ -169,7 +170,7 @@ def fsdp_regathered_elements(context: StepContext, segment: Segment) -> float:
         return shardable
     if context.plan.fsdp_units:
         return shardable - fsdp_root_elements(context, segment)
-    return shardable if segment.block and context.plan.recompute_at(segment.stage) == "full" else 0.0
+    return shardable if segment.block and context.plan.recompute_at(segment.stage) in WHOLE_BLOCK_RECOMPUTE else 0.0
 
 
 def largest_fsdp_unit(context: StepContext, segments: list[Segment]) -> float:

@@ -11,6 +11,18 @@ Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Mode
     the square of the sequence (QKᵀ scores, softmax, its dropout mask, the attention over V:
     the ``5as/t`` of table 2) and recomputes only those ops' forward; no collective is
     recomputed (core attention runs on heads split over tensor parallelism).
+  * ``full_keep_a2a`` (``planner.strategy.KEEP_A2A``): ``full`` for blocks with MoE layers,
+    keeping what crossed the network. The block keeps its input and, per MoE layer, the
+    outputs of its exchanges (the dispatch all-to-all's rows at the experts, the combine's
+    rows back at their tokens, the routing counts: ``Segment.kept_exchange_bytes``, the
+    layer's dispatch buffers of one micro-batch, ``cost_model.moe_layers.
+    dispatch_buffer_bytes``); backward recomputes the whole forward but those exchanges
+    (``Segment.kept_exchange_s``), which hand back what they kept. DeepSeek-V3 (technical
+    report, arXiv 2412.19437, section 3.2.3) recomputes only cheap ops (RMSNorm, MLA
+    up-projections), so nothing it recomputes communicates; Megatron-Core's selective
+    ``--recompute-modules`` such as ``moe_act``, ``layernorm`` and ``mla_up_proj`` recompute
+    ops around the token dispatcher, not the dispatcher. A block without MoE layer prices as
+    ``full``.
   * ``none``: nothing is recomputed.
 
 Ops around the blocks (embedding, final norm, head) are never checkpointed, as Megatron and
@@ -21,13 +33,14 @@ output is ``(…, s, s)``: the core attention that selective recomputation drops
 from __future__ import annotations
 
 from cost_model.segments import Segment
+from planner.strategy import KEEP_A2A, WHOLE_BLOCK_RECOMPUTE
 
 
 def backward_time(segment: Segment, recompute: str) -> float:
     """Compute seconds of ``segment``'s backward for one micro-batch, recomputation included."""
     if not segment.block:
         return segment.backward_s
-    if recompute == "full":
+    if recompute in WHOLE_BLOCK_RECOMPUTE:
         return segment.backward_s + segment.forward_s
     if recompute == "selective":
         return segment.backward_s + segment.score_forward_s
@@ -35,10 +48,12 @@ def backward_time(segment: Segment, recompute: str) -> float:
 
 
 def backward_comm(segment: Segment, recompute: str) -> float:
-    """Tensor-parallel seconds of ``segment``'s backward; a fully recomputed block runs its
-    forward collectives again."""
+    """Communication seconds of ``segment``'s backward; a fully recomputed block runs its
+    forward collectives again, but under ``full_keep_a2a`` not its MoE layers' exchanges."""
     if segment.block and recompute == "full":
         return segment.backward_comm_s + segment.forward_comm_s
+    if segment.block and recompute == KEEP_A2A:
+        return segment.backward_comm_s + segment.forward_comm_s - segment.kept_exchange_s
     return segment.backward_comm_s
 
 
@@ -48,6 +63,8 @@ def activation_bytes(segment: Segment, recompute: str) -> tuple[float, float]:
         return segment.saved_bytes, 0.0
     if recompute == "full":
         return segment.checkpoint_bytes, segment.saved_bytes
+    if recompute == KEEP_A2A:
+        return segment.checkpoint_bytes + segment.kept_exchange_bytes, segment.saved_bytes
     if recompute == "selective":
         return segment.saved_bytes - segment.score_bytes, segment.score_bytes
     return segment.saved_bytes, 0.0

@@ -45,6 +45,11 @@ class Segment:
     checkpoint_bytes: float = 0.0  # those of them made in other blocks: what recomputation keeps
     score_bytes: float = 0.0
     score_forward_s: float = 0.0
+    # Its MoE layers' exchanges (dispatch and combine all-to-alls, routing all-gather): the
+    # forward seconds of them in ``forward_comm_s`` and the bytes of their outputs for one
+    # micro-batch, what recomputation ``full_keep_a2a`` keeps instead of repeating them.
+    kept_exchange_s: float = 0.0
+    kept_exchange_bytes: float = 0.0
     params: dict[str, float] = field(default_factory=dict)  # name -> local bytes per element-size 1
     # name -> the local tensor's shape where it is known (not for an MoE layout's parts of
     # expert weights): which dimension ZeRO-1 slices (planner.sharded_states_layout).
@@ -87,7 +92,7 @@ class SegmentProfile:
     """One segment's costs for one micro-batch on one device (``Simulator.segment_profiles``).
 
     ``time_s``, ``kept_bytes`` and ``transient_bytes`` are keyed by recomputation mode
-    (``"none"``, ``"selective"``, ``"full"``): forward + backward seconds with the
+    (``planner.strategy.RECOMPUTE_MODES``): forward + backward seconds with the
     tensor-parallel collectives on the critical path; bytes kept for backward per
     micro-batch in flight; bytes alive only while the segment recomputes.
     ``param_elements`` are the local parameter elements (``synced_elements`` those whose
@@ -113,6 +118,9 @@ class SegmentProfile:
     # Of ``param_elements``, those each rank holds its own of (experts split by an MoE
     # layout, ``Segment.per_rank``): no dp flavour shards their states, gradients or weights.
     per_rank_elements: float = 0.0
+    # Its MoE layers' dispatch buffers for one micro-batch (``Segment.kept_exchange_bytes``):
+    # the simulator holds the largest layer's as a communication buffer while it exchanges.
+    exchange_bytes: float = 0.0
 
     def zero1_gathered_tensors(self, dp: int) -> list[float]:
         """Elements of each of ``synced_tensors`` that ZeRO-1 over ``dp`` ranks all-gathers
@@ -198,6 +206,9 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
             segment.score_bytes += cost.saved_bytes  # attention scores: dropped by selective recompute
             segment.score_forward_s += cost.forward_s
         layer = context.moe_layer_of.get(name)
+        if layer is not None and name == layer.anchor:  # the layer's exchanges are priced on its anchor
+            segment.kept_exchange_s += cost.forward_comm_s
+            segment.kept_exchange_bytes += layer.buffer_bytes
         for param, placements in strategy.params.items():
             meta = context.graph.parameters.get(param)
             if meta is None:

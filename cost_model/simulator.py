@@ -300,6 +300,7 @@ class Simulator:
                 param_tensors=len(segment.params),
                 synced_shapes=tuple(segment.shapes.get(name) for name in synced),
                 per_rank_elements=sum(segment.params[name] for name in segment.per_rank),
+                exchange_bytes=segment.kept_exchange_bytes,
             ))
         return profiles
 

@@ -40,7 +40,7 @@ from planner.plan_checks import check_model_matches, check_plan_against_graph, c
 from planner.plans import Plan, load_plan
 from planner.routing import read_routing_option, routing_for_layers
 from planner.shared_cluster import check_same_cluster, load_co_runner
-from planner.strategy import DP_FLAVOURS, DUALPIPE, SimResult
+from planner.strategy import DP_FLAVOURS, DUALPIPE, KEEP_A2A, SimResult
 from planner.trace import trace
 
 __all__ = ["plan", "simulate", "compile", "load_plan"]
@@ -504,7 +504,12 @@ def compile_blocker(plan: Plan) -> str | None:
         reason = composed_flavour_blocker(plan)
         if reason:
             return f"{plan.name} cannot be compiled: {reason}"
-    if plan.recompute not in ("none", "full", "selective"):
+    if plan.recompute == KEEP_A2A and not plan.expert_layouts:
+        return (
+            f"this plan recomputes blocks keeping their MoE layers' exchanges ({KEEP_A2A}) but has no MoE layer; "
+            f"plan again, or use recompute='full'"
+        )
+    if plan.recompute not in ("none", "full", "selective", KEEP_A2A):
         return (
             f"this plan recomputes activations ({plan.recompute}), which is not compiled (compiled programs recompute "
             f"whole blocks or attention cores); plan again, or use recompute='full' or 'selective'"

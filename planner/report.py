@@ -19,7 +19,7 @@ from planner.cluster_edits import provenance
 from planner.families import with_part
 from planner.flavour_text import FLAVOUR_TEXT
 from planner.report_parts import Paragraph
-from planner.strategy import NodeStrategy
+from planner.strategy import KEEP_A2A, NodeStrategy
 from planner.terminal import InertConsole
 from planner.terminal_width import DEFAULT_WIDTH
 from planner.units import format_bytes, format_count, format_flops, format_seconds
@@ -155,11 +155,14 @@ def _paragraph(text: str, width: int, indent: str = "", hanging: str | None = No
 
 
 def _recompute_text(plan: "Plan") -> str:
-    """``full``, or ``per stage: full, full, selective, none`` when the stages differ."""
+    """``full``, or ``per stage: full, full, selective, none`` when the stages differ; what
+    ``full_keep_a2a`` means, where a stage uses it."""
     per_stage = plan.pipeline.stage_recompute if plan.pipeline is not None else ()
-    if per_stage and len(set(per_stage)) > 1:
-        return "per stage: " + ", ".join(per_stage)
-    return plan.recompute
+    text = "per stage: " + ", ".join(per_stage) if per_stage and len(set(per_stage)) > 1 else plan.recompute
+    if KEEP_A2A in (*per_stage, plan.recompute):
+        text += (f" ({KEEP_A2A}: blocks recomputed in backward except their MoE layers' all-to-alls, whose "
+                 "dispatch and combine outputs are kept from forward)")
+    return text
 
 
 def _pipeline_text(plan: "Plan") -> str:

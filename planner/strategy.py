@@ -35,7 +35,16 @@ from planner.summa_types import SUMMA_AXES, SUMMA_FAMILIES, SummaLayout  # re-ex
 Placements = tuple[Placement, ...]
 
 DP_FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")
-RECOMPUTE_MODES = ("none", "selective", "full")
+# Activation recomputation of the repeated blocks (``cost_model.recompute`` prices each), in
+# order of how much a block recomputes. ``full_keep_a2a`` is full recomputation for MoE
+# blocks that keeps what crossed the network: the block runs its forward again in backward,
+# but each MoE layer's exchanges (the dispatch and combine all-to-alls, the routing counts'
+# all-gather) hand back the outputs kept from forward instead of communicating again
+# (``codegen.runtime.kept_exchanges``). In a block without MoE layer it is ``full``.
+KEEP_A2A = "full_keep_a2a"
+RECOMPUTE_MODES = ("none", "selective", KEEP_A2A, "full")
+# The modes that checkpoint whole blocks (keep the block's input, run its forward again).
+WHOLE_BLOCK_RECOMPUTE = (KEEP_A2A, "full")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 # The schedules a plan may name: the compiled ones above and DeepSeek-V3's DualPipe, which the
 # pipeline search and the simulator price (``cost_model.dualpipe_step``) and compile refuses.

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.tensor import Replicate
 
-from planner.strategy import expert_modes_summary
+from planner.strategy import KEEP_A2A, expert_modes_summary
 from planner.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
@@ -115,6 +115,8 @@ def strategy_words(plan: "Plan") -> str:
         text += f", gradients accumulated over {plan.accumulation_steps} micro-batches"
     if plan.recompute == "full":
         text += ", every repeated block recomputed in backward"
+    elif plan.recompute == KEEP_A2A:
+        text += ", every repeated block recomputed in backward but its MoE layers' all-to-alls (outputs kept)"
     elif plan.recompute == "selective":
         text += ", attention recomputed in backward"
     return text + f", {plan.precision}" + (" mixed precision" if plan.precision != "fp32" else "")

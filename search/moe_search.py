@@ -73,7 +73,7 @@ from planner.model_spec import ModelSpec
 from planner.moe_blocks import HF_STACKED_EXPERTS, ROUTED_GELU, MoEBlock
 from planner.plans import Plan
 from planner.routing import RoutingStats
-from planner.strategy import EXPERT_MODES, ExpertLayout, ExpertPlacement, Mesh
+from planner.strategy import EXPERT_MODES, KEEP_A2A, ExpertLayout, ExpertPlacement, Mesh
 from search.context import SearchContext
 from search.expert_placement import SEARCH_EVALUATIONS_PER_EXPERT, balanced, eplb
 from search.data_parallel import FSDP_UNIT_FLAVOURS, fsdp_units
@@ -328,8 +328,9 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
     whole batch's activations, the search runs again with gradient accumulation over the
     fewest micro-batches that fit (``accumulation_counts``; each micro-batch routed on its
     own, as MoE trainers route them), and again with every repeated block recomputed in
-    backward (also accumulating when that alone does not fit); the fastest plan that fits
-    wins. When the best plan found does not fit, or with some dense flavour the layers'
+    backward, first keeping the MoE layers' exchanges (``full_keep_a2a``), then repeating
+    them (``full``), also accumulating when that alone does not fit; the fastest plan that
+    fits wins. When the best plan found does not fit, or with some dense flavour the layers'
     fastest layouts together did not fit (memory chose for them), all of this runs again with
     the layouts that shard each expert over its copies among the candidates, and the better of
     the two searches wins (so a model whose fastest layouts fit with every flavour is planned
@@ -351,8 +352,9 @@ def search_moe_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, mo
         if sharded_copies and not any(grid_placements(b.experts, cluster.world_size) for b in graph.moe_blocks):
             break  # no layer's experts form a grid over the devices
         found_best, memory_bound = None, False
-        # Blocks recomputed in backward, and micro-batches, only when nothing fits without.
-        for recompute in ("none", "full") if graph.blocks else ("none",):
+        # Blocks recomputed in backward, and micro-batches, only when nothing fits without;
+        # keeping the MoE layers' exchanges (KEEP_A2A) before repeating them too ("full").
+        for recompute in ("none", KEEP_A2A, "full") if graph.blocks else ("none",):
             counts, steps = accumulation_counts(graph, cluster), 1
             while steps:
                 scored = choose_layouts(graph, cluster, routing, precision, sharded_copies, moe_dispatch, steps,

@@ -8,6 +8,7 @@ from planner.plans import Plan
 from search.context import SearchContext
 from search.moe_folding import folded_stage_variants, with_stage_layouts
 from search.moe_search import mixing_only_in_moe_layers
+from search.pipeline_configs import MOE_RECOMPUTE_ORDER
 from search.pipeline_search import PipelineSpace, pipeline_plans
 from search.stage_experts import compiled_in_stages, runs_in_stages, stage_expert_variants
 
@@ -16,7 +17,9 @@ from search.stage_experts import compiled_in_stages, runs_in_stages, stage_exper
 # step as a pipeline program reduces every DTensor gradient (the "ddp" flavour), no tensor
 # parallelism beside the experts, Megatron-LM's placements for the dense ops. A recomputed
 # block routes again in backward, on every rank of its stage at once, so it recomputes alike.
-_MOE_SPACE = dict(flavours=("ddp",), tensor_parallel=(1,), sequence_parallel=(False,), searched_layout="off")
+# Its blocks may also recompute keeping their MoE layers' exchanges (planner.strategy.KEEP_A2A).
+_MOE_SPACE = dict(flavours=("ddp",), tensor_parallel=(1,), sequence_parallel=(False,), searched_layout="off",
+                  recompute=MOE_RECOMPUTE_ORDER)
 # HuggingFace MoE blocks in stages are planned and priced, not compiled (search.stage_experts):
 # their search also has ZeRO-1 on dp, the distributed optimizer DeepSeek-V3 trained with
 # (technical report, arXiv 2412.19437, section 3.2), which shards the states of the weights the stage's dp ranks share

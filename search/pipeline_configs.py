@@ -8,12 +8,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from planner.strategy import ExpertLayout, Mesh
+from planner.strategy import KEEP_A2A, ExpertLayout, Mesh
 
 if TYPE_CHECKING:
     from planner.plans import Plan
 
 RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes more
+# An MoE model's: full recomputation keeping the MoE layers' exchanges (planner.strategy.
+# KEEP_A2A) recomputes less than full and keeps more (the dispatch and combine outputs).
+MOE_RECOMPUTE_ORDER = ("none", "selective", KEEP_A2A, "full")
 # A configuration whose stages each choose their own mode (``Slicing.modes``).
 PER_STAGE = "per-stage"
 @dataclass(frozen=True)
@@ -53,6 +56,13 @@ class PipelineSpace:
     dualpipe: bool = False
 
 
+def stage_recompute_order(space: PipelineSpace) -> tuple[str, ...]:
+    """The modes each stage chooses among when a configuration recomputes per stage, least
+    recomputation first: ``MOE_RECOMPUTE_ORDER`` for an MoE model's grid (its blocks have
+    exchanges to keep), ``RECOMPUTE_ORDER`` otherwise (where ``full_keep_a2a`` is ``full``)."""
+    return MOE_RECOMPUTE_ORDER if space.expert_layouts is not None else RECOMPUTE_ORDER
+
+
 @dataclass(frozen=True, order=True)
 class Configuration:
     """One point of the grid: degrees, micro-batching, schedule, dp flavour, recomputation."""
@@ -65,7 +75,7 @@ class Configuration:
     schedule: str  # "1f1b" (also used for pp = 1), "interleaved" or "dualpipe"
     virtual_stages: int
     flavour: str
-    recompute: str  # a mode of RECOMPUTE_ORDER, or PER_STAGE
+    recompute: str  # a mode of RECOMPUTE_ORDER (MOE_RECOMPUTE_ORDER for MoE), or PER_STAGE
     sequence_parallel: bool = False  # tp > 1 only: the residual stream split on the sequence
     layout: str = "megatron"  # or "soap": placements searched on the stage mesh (search.stage_layouts)
     experts: str = ""  # an MoE model's variant of expert layouts (PipelineSpace.expert_layouts), or none

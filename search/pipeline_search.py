@@ -58,11 +58,18 @@ from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.model_spec import ModelSpec
 from planner.plans import Plan
-from planner.strategy import DUALPIPE, ExpertLayout, Mesh, PipelineConfig
+from planner.strategy import DUALPIPE, KEEP_A2A, ExpertLayout, Mesh, PipelineConfig
 from search.budget import SearchBudget
 from search.layouts import megatron_layout, nearly_even_layers, restrict_axes, uneven_stages
 from search.plan_builder import unsimulated_plan
-from search.pipeline_configs import PER_STAGE, RECOMPUTE_ORDER, Configuration, Estimate, PipelineSpace, grid_mesh
+from search.pipeline_configs import (
+    PER_STAGE,
+    Configuration,
+    Estimate,
+    PipelineSpace,
+    grid_mesh,
+    stage_recompute_order,
+)
 from search.pipeline_step import StepPricing
 from search.stage_layouts import SearchedLayouts
 from search.stage_slicing import (
@@ -76,8 +83,8 @@ from search.stage_slicing import (
 )
 
 # Visiting order for dominance: once a mode fits, the modes after it only add time (per
-# stage chooses among all three, so it is never slower than a uniform mode that fits).
-_DOMINANCE = {"none": 0, PER_STAGE: 1, "selective": 2, "full": 3}
+# stage chooses among all of them, so it is never slower than a uniform mode that fits).
+_DOMINANCE = {"none": 0, PER_STAGE: 1, "selective": 2, KEEP_A2A: 3, "full": 4}
 
 
 def pipeline_plans(
@@ -114,6 +121,7 @@ class PipelineGrid:
         self, graph: OpGraph, cluster: Cluster, precision: str, space: PipelineSpace, budget: SearchBudget | None = None
     ):
         self.graph, self.cluster, self.precision, self.space = graph, cluster, precision, space
+        self.stage_modes = stage_recompute_order(space)  # what each stage chooses among under PER_STAGE
         self.budget = budget or SearchBudget()
         self.blocks = sum(graph.blocks.values())
         self.device = cluster.device_of(0)
@@ -258,18 +266,20 @@ class PipelineGrid:
         strategies, inputs = self._layout(config.tp, config.sequence_parallel, mesh.names, config.layout)
         pipeline = None
         recompute, per_stage = config.recompute, estimate.stage_recompute
+        stages = config.pp * config.virtual_stages
+        stage_of = uneven_stages(self.graph, estimate.layers_per_stage, stages=stages) if config.pp > 1 else None
+        if per_stage and stage_of is not None:
+            per_stage = self._keeping_only_with_moe(per_stage, stage_of)
         if per_stage:
             # The plan's mode is the heaviest any stage uses; stages that differ are listed.
             # A stage without blocks recomputes nothing whatever its mode (only blocks are
             # checkpointed), so it takes the plan's mode rather than look different.
-            recompute = max(per_stage, key=RECOMPUTE_ORDER.index)
+            recompute = max(per_stage, key=self.stage_modes.index)
             per_stage = tuple(
                 mode if blocks else recompute for mode, blocks in zip(per_stage, estimate.layers_per_stage)
             )
             per_stage = per_stage if len(set(per_stage)) > 1 else ()
-        if config.pp > 1:
-            stages = config.pp * config.virtual_stages
-            stage_of = uneven_stages(self.graph, estimate.layers_per_stage, stages=stages)
+        if stage_of is not None:
             strategies = tuple(dataclasses.replace(s, stage=stage_of[s.node]) for s in strategies)
             pipeline = PipelineConfig(
                 stages=config.pp, schedule=config.schedule, micro_batches=config.micro_batches,
@@ -291,6 +301,15 @@ class PipelineGrid:
                                 precision=self.precision, **settings)
         return self.space.lay_out_experts(plan, layouts, overlap)
 
+    def _keeping_only_with_moe(self, per_stage: tuple[str, ...], stage_of: dict[str, int]) -> tuple[str, ...]:
+        """``per_stage`` with ``full_keep_a2a`` named ``full`` on stages that hold no MoE op:
+        with no exchange to keep the two are one (and priced alike), and the plan says what
+        such a stage does."""
+        if KEEP_A2A not in per_stage:
+            return per_stage
+        with_moe = {stage_of[node.name] for block in self.graph.moe_blocks for node in self.graph.moe_nodes(block.module)}
+        return tuple("full" if mode == KEEP_A2A and stage not in with_moe else mode for stage, mode in enumerate(per_stage))
+
     # ------------------------------------------------------------- estimates
 
     def estimate(self, config: Configuration) -> Estimate | None:
@@ -299,7 +318,7 @@ class PipelineGrid:
         ``space.uneven``), or None when no slicing fits in memory. Under ``PER_STAGE`` each
         stage also takes the least recomputation that fits it (``Estimate.stage_recompute``)."""
         self.priced += 1
-        modes = RECOMPUTE_ORDER if config.recompute == PER_STAGE else (config.recompute,)
+        modes = self.stage_modes if config.recompute == PER_STAGE else (config.recompute,)
         by_mode = {mode: self._segment_costs(config, mode) for mode in modes}
         to_slice = by_mode if config.recompute == PER_STAGE else by_mode[config.recompute]
         stages = config.pp * config.virtual_stages
@@ -412,7 +431,7 @@ class PipelineGrid:
                 if stage_memory(members[stage], in_flight[stage]) <= capacity
             ]
             seconds, _, mode = min(fitting) if fitting else (
-                sum(c.time_s for c in members_by_mode[RECOMPUTE_ORDER[-1]][stage]), 0, RECOMPUTE_ORDER[-1]
+                sum(c.time_s for c in members_by_mode[self.stage_modes[-1]][stage]), 0, self.stage_modes[-1]
             )
             modes.append(mode)
             slowest = max(slowest, seconds)
@@ -441,7 +460,7 @@ class PipelineGrid:
     def _memory_lower_bound(self, config: Configuration) -> float:
         """The average device's bytes (one micro-batch in flight, the least any mode it may
         use keeps): below the fullest's."""
-        modes = RECOMPUTE_ORDER if config.recompute == PER_STAGE else (config.recompute,)
+        modes = self.stage_modes if config.recompute == PER_STAGE else (config.recompute,)
         by_mode = [self._segment_costs(config, mode) for mode in modes]
         static = sum(c.static_bytes for c in by_mode[0])
         kept = sum(min(costs[i].activation_bytes for costs in by_mode) for i in range(len(by_mode[0])))

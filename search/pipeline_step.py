@@ -56,6 +56,9 @@ class StepPricing:
             fixed += min(defaults.DDP_BUCKET_BYTES, sum(p.param_elements for p in profiles) * grads)
         if config.pp > 1:
             fixed += 2 * max(p.input_bytes for p in profiles)
+        # One MoE layer exchanges at a time: the largest dispatch buffers of one
+        # (cost_model.step_memory counts them so).
+        fixed += max(p.exchange_bytes for p in profiles)
         return fixed
 
     def device_memory(self, costs, slicing: Slicing, config: Configuration) -> float:

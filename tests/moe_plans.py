@@ -88,11 +88,12 @@ HF_MOE = {
 
 
 def hf_moe_plan(world: int, model_type: str, mode: str, placement: str | None = None, flavour: str = "ddp",
-                sharded_copies: bool = False, accumulation_steps: int = 1) -> Plan:
+                sharded_copies: bool = False, accumulation_steps: int = 1, precision: str = "fp32",
+                recompute: str = "none") -> Plan:
     """As ``moe_plan``, for the tiny ``hf:<model_type>`` of ``HF_MOE`` (dropless, 4 experts)."""
     spec = ModelSpec(f"hf:{model_type}", HF_MOE[model_type])
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
-    base = data_parallel_plan(graph, cluster, spec, name, flavour)
+    base = data_parallel_plan(graph, cluster, spec, name, flavour, precision=precision)
     layouts = []
     for block in graph.moe_blocks:
         chosen = None
@@ -101,7 +102,8 @@ def hf_moe_plan(world: int, model_type: str, mode: str, placement: str | None = 
         layouts.append(ExpertLayout(module=block.module, mode=mode, experts=block.experts, top_k=block.top_k,
                                     capacity_factor=block.capacity_factor, axis="dp", placement=chosen,
                                     sharded_copies=sharded_copies))
-    return dataclasses.replace(base, label="moe", expert_layouts=tuple(layouts), accumulation_steps=accumulation_steps)
+    return dataclasses.replace(base, label="moe", expert_layouts=tuple(layouts), accumulation_steps=accumulation_steps,
+                               recompute=recompute)
 
 
 def moe_pipeline_plan(spec: ModelSpec, world: int, schedule: str = "1f1b", virtual_stages: int = 1,

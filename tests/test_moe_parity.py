@@ -9,8 +9,9 @@ parallel, expert-sliced; capacity factor 0.5 (choices dropped: fewer slots than 
 1.25 and dropless; in bf16 autocast (one case per mode); with the rest of the model in FSDP2
 units (``fsdp``, ``zero2``) rather than DDP, the per-rank expert weights left out of them, or
 in DDP with ZeRO-1 optimizer states (each rank's experts stepped whole on it); with the
-two-level all-to-all on a cluster of two nodes; with every block recomputed in backward; and
-with gradient accumulation over 2 micro-batches (each routed on its own; expert parallel with
+two-level all-to-all on a cluster of two nodes; with every block recomputed in backward (also
+keeping its MoE layers' exchanges, ``full_keep_a2a``: here and for tiny HF Mixtral in bf16,
+whose rows travel in bf16); and with gradient accumulation over 2 micro-batches (each routed on its own; expert parallel with
 a copied expert under DDP, sharded copies under FSDP2, and HF Mixtral).
 Tiny HuggingFace Mixtral and Qwen2-MoE (their router and shared experts kept, only the
 stacked SwiGLU experts replaced, ``codegen.runtime.expert_dispatch``): expert parallel
@@ -124,6 +125,10 @@ HF_ACCUMULATED = "hf_mixtral_ep_skewed_copied_accumulated"
 TWO_LEVEL = "ep_skewed_two_level_two_nodes"
 # Expert parallel with every block recomputed in backward (the MoE layers route and move again).
 RECOMPUTED = "ep_skewed_recompute_full"
+# The same, and tiny hf:mixtral in bf16 (its rows exchanged in bf16), recomputing every block
+# but its MoE layers' exchanges, whose outputs forward keeps (recompute "full_keep_a2a").
+KEPT_EXCHANGES = "ep_skewed_recompute_keep_a2a"
+HF_KEPT_EXCHANGES_BF16 = "hf_mixtral_bf16_recompute_keep_a2a"
 LAUNCH_TIMEOUT = 300
 
 
@@ -252,6 +257,10 @@ def _world_programs(root: Path, world: int) -> tuple:
     folders[TWO_LEVEL] = planner.compile(two_level, root / TWO_LEVEL)
     recomputing = moe_plan(world, "expert_parallel", "skewed", 0.5, recompute="full")
     folders[RECOMPUTED] = planner.compile(recomputing, root / RECOMPUTED)
+    keeping = moe_plan(world, "expert_parallel", "skewed", 0.5, recompute="full_keep_a2a")
+    folders[KEPT_EXCHANGES] = planner.compile(keeping, root / KEPT_EXCHANGES)
+    hf_keeping = hf_moe_plan(world, "mixtral", "expert_parallel", "skewed", precision="bf16", recompute="full_keep_a2a")
+    folders[HF_KEPT_EXCHANGES_BF16] = planner.compile(hf_keeping, root / HF_KEPT_EXCHANGES_BF16)
     controls = {
         name: breaking(planner.compile(moe_plan(world, mode, placement, flavour=flavour), root / name))
         for name, (mode, placement, flavour, breaking, _) in CONTROLS.items()
@@ -276,7 +285,8 @@ def world_run(request, parity_launches) -> WorldRun:
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES] + [c[0] for c in HF_CASES] + [c[0] for c in SHARDED_CASES]
                          + [c[0] for c in HF_SHARDED_CASES] + [c[0] for c in ACCUMULATED_CASES]
-                         + [HF_ACCUMULATED, SHARDED_RECOMPUTED, SHARDED_TWO_LEVEL, TWO_LEVEL, RECOMPUTED])
+                         + [HF_ACCUMULATED, SHARDED_RECOMPUTED, SHARDED_TWO_LEVEL, TWO_LEVEL, RECOMPUTED, KEPT_EXCHANGES,
+                            HF_KEPT_EXCHANGES_BF16])
 def test_compiled_moe_step_equals_one_device(world_run: WorldRun, case: str) -> None:
     result = result_of(world_run.launch, world_run.folders[case])
     assert result.startswith("ok parity ok: "), f"{case} at world {world_run.world}: {result}"
@@ -302,6 +312,8 @@ def test_programs_say_what_moves(world_run: WorldRun) -> None:
     assert "run_in_autocast(model, dp_mesh.device_type, torch.bfloat16)" in source["ep_skewed_copied_bf16"]
     assert "RECOMPUTED_BLOCKS = (\n    'blocks.0',\n    'blocks.1',\n)" in source[RECOMPUTED]
     assert "        recompute_in_backward_counting_once(model.get_submodule(path))" in source[RECOMPUTED]
+    for kept in (KEPT_EXCHANGES, HF_KEPT_EXCHANGES_BF16):
+        assert "        recompute_in_backward_counting_once(model.get_submodule(path), keep_exchanges=True)" in source[kept]
     two_level = source[TWO_LEVEL]
     assert f"two_level = TwoLevelExchange(group, ranks_per_node={world_run.world // 2})" in two_level
     assert two_level.count("exchange=two_level,") == 2  # both layers

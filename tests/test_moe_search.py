@@ -17,7 +17,7 @@ from planner.cluster import Cluster, DeviceSpec, LinkSpec, NodeSpec
 from planner.model_spec import ModelSpec
 from planner.plans import load_plan
 from planner.routing import LayerRouting, RoutingStats, synthetic, zipf_layer
-from planner.strategy import ExpertLayout, ExpertPlacement
+from planner.strategy import KEEP_A2A, ExpertLayout, ExpertPlacement
 from search import moe_search
 from search.moe_search import DENSE_FLAVOURS, choose_layouts, layer_score, moe_base_plan, search_moe_plan
 
@@ -295,6 +295,11 @@ def test_accumulation_skips_the_counts_whose_activations_cannot_fit(monkeypatch)
 
     monkeypatch.setattr(moe_search, "_search_with", recording)
     searched, _ = search_moe_plan(graph, two_nodes(memory), spec, name)
-    assert searched.estimate.fits and searched.accumulation_steps == 4 and searched.recompute == "none"
+    # At 4 micro-batches the blocks recomputed keeping their exchanges (full_keep_a2a) leave
+    # room for one layer's experts data parallel (no all-to-all): 5.24 ms, where without
+    # recomputation both layers must be expert parallel to fit (5.47 ms).
+    assert searched.estimate.fits and searched.accumulation_steps == 4 and searched.recompute == KEEP_A2A
+    assert [layout.mode for layout in searched.expert_layouts] == ["expert_parallel", "data_parallel"]
     assert [steps for recompute, steps in dict.fromkeys(tried) if recompute == "none"] == [1, 4]
+    assert [steps for recompute, steps in dict.fromkeys(tried) if recompute == KEEP_A2A] == [1, 4]
     assert not simulated(dataclasses.replace(searched, accumulation_steps=2), graph).estimate.fits

@@ -177,3 +177,30 @@ def test_programs_refuse_recording_routing_of_moe_stages_in_one_line(moe_pipelin
     done = subprocess.run([sys.executable, str(folder / "launch.py"), *flags], capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert done.returncode == 2 and len(lines) == 1 and "inside pipeline stages" in lines[0], done.stderr[-2000:]
+
+
+def test_a_stage_without_moe_layers_recomputes_full_not_keeping_exchanges() -> None:
+    """Each stage of an MoE pipeline chooses among ``MOE_RECOMPUTE_ORDER``; where a stage
+    holds no MoE op, ``full_keep_a2a`` has nothing to keep and prices as ``full``, so the
+    plan names it ``full`` (``PipelineGrid.unsimulated``): a tiny DeepSeek-V3 of 2 dense
+    layers then 2 MoE ones, the dense ones on stage 0."""
+    from moe_plans import HF_MOE
+    from planner.strategy import KEEP_A2A
+    from search.pipeline_configs import MOE_RECOMPUTE_ORDER, PER_STAGE, Configuration, Estimate
+    from search.pipeline_search import PipelineGrid, PipelineSpace
+
+    spec = ModelSpec("hf:deepseek_v3", {**HF_MOE["deepseek_v3"], "num_hidden_layers": 4, "first_k_dense_replace": 2})
+    graph, spec, name, cluster = prepare_model(spec, "cpu:2x4")
+    space = PipelineSpace(flavours=("ddp",), tensor_parallel=(1,), sequence_parallel=(False,), searched_layout="off",
+                          recompute=MOE_RECOMPUTE_ORDER, virtual_stages=(),
+                          expert_layouts=lambda mesh, micro_batches: stage_expert_variants(graph, cluster, None, "fp32",
+                                                                                           mesh, micro_batches))
+    grid = PipelineGrid(graph, cluster, "fp32", space)
+    assert grid.stage_modes == MOE_RECOMPUTE_ORDER
+    # pp=2 x dp=4, one sample per micro-batch, every layer expert parallel; the stages' blocks
+    # and modes as the slicing would give them.
+    config = Configuration(1, 2, 4, 1, 2, "1f1b", 1, "ddp", PER_STAGE, experts=EXPERT_PARALLEL)
+    estimate = Estimate(0.0, config, layers_per_stage=(2, 2), memory_bytes=0.0, stage_recompute=(KEEP_A2A, KEEP_A2A))
+    plan = grid.unsimulated(estimate, spec, name)
+    # The plan's mode is the heaviest of its stages' (full recomputes more than keeping).
+    assert plan.pipeline.stage_recompute == ("full", KEEP_A2A) and plan.recompute == "full"

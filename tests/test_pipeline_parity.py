@@ -25,7 +25,8 @@ gradient of every parameter each stage holds and every updated parameter
   single-device reference runs the same micro-batches); and a 4-layer one on the same mesh
   under the interleaved schedule (two virtual stages per rank, four micro-batches), its MoE
   layers expert parallel; and the 2-layer one with every block recomputed in backward (the
-  MoE layers route again there, every rank of the stage at once); and a tiny 4-layer HF
+  MoE layers route again there, every rank of the stage at once), and with stage 0's block
+  recomputed keeping its MoE layer's exchanges (``full_keep_a2a``), stage 1's not; and a tiny 4-layer HF
   Mixtral as ``--mesh pp=2`` plans it there (its MoE blocks laid out replicated over each
   stage's 4 ranks, run as their traced ops); and tiny 2-layer HF MoE decoders with their
   stacked experts expert parallel in the stages (``codegen.runtime.pipeline_stacked_experts``;
@@ -101,6 +102,7 @@ CASES = {
         ("moe", "searched-pp2xdp4-expert-parallel"): dict(mesh_pp=2),
         ("moe4", "pp2xdp4-interleaved-expert-parallel"): dict(moe_interleaved=True),
         ("moe", "pp2xdp4-1f1b-recompute-full"): dict(moe_recompute="full"),
+        ("moe", "pp2xdp4-1f1b-stage0-recompute-keep-a2a"): dict(moe_recompute="full_keep_a2a", stage_modes=("full_keep_a2a", "none")),
         ("mixtral", "searched-pp2xdp4-hf-experts-replicated"): dict(hf_stages=2),
         ("mixtral2", "pp2xdp4-hf-experts-parallel-expert0-copied"): dict(hf_experts="copied"),
         ("deepseek_v3", "pp2xdp4-hf-experts-parallel-dense-and-moe-stage-recompute-full"): dict(dense_and_moe=True),
@@ -138,7 +140,10 @@ def make_plan(model: str, world: int, precision: str = "fp32", **options) -> pla
     if options.get("moe_interleaved"):
         return moe_pipeline_plan(spec, world, "interleaved", virtual_stages=2)
     if options.get("moe_recompute"):
-        return moe_pipeline_plan(spec, world, recompute=options["moe_recompute"])
+        plan = moe_pipeline_plan(spec, world, recompute=options["moe_recompute"])
+        if options.get("stage_modes"):
+            plan = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, stage_recompute=options["stage_modes"]))
+        return plan
     graph, spec, name, cluster = prepare_model(spec, f"cpu:1x{world}")
     options.setdefault("micro_batch", 2)
     return megatron_plan(graph, cluster, spec, name, precision=precision, **options)

@@ -7,7 +7,9 @@ that (ops around the blocks keep their activations); the two codegen paths compi
 block in graph programs). Parity of recomputed programs is in ``test_parity.py`` and
 ``test_spmd_parity.py``; here, that the memory really goes away. ``recompute="selective"``
 checkpoints each block's attention core only (``codegen.attention_core``); its parity is in
-``test_schedule_parity.py``.
+``test_schedule_parity.py``. ``recompute="full_keep_a2a"`` recomputes the block but not its
+MoE layers' collectives, which hand back what forward kept (``codegen.runtime.kept_exchanges``);
+its compiled programs' parity is in ``test_moe_parity.py`` and ``test_pipeline_parity.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from codegen.runtime.kept_exchanges import kept_exchange
+from codegen.runtime.moe import recompute_in_backward_counting_once
 from codegen.runtime.recompute import recompute_in_backward
 from cost_model.simulator import Simulator
 from planner.api import prepare_model
@@ -222,3 +226,49 @@ def test_dense_blocks_before_moe_ones_are_recomputed_too():
     around = [s for s in segments if not s.block]
     expected = sum(s.saved_bytes for s in around) + sum(s.checkpoint_bytes for s in blocks) + max(s.saved_bytes for s in blocks)
     assert full.run().memory.activations == pytest.approx(expected, rel=1e-9)
+
+
+class _CountedExchange(torch.autograd.Function):
+    """A stand-in for an MoE layer's all-to-all (``codegen.runtime.moe.all_to_all_rows``):
+    forward "communicates" through ``kept_exchange`` (here: doubles its rows and counts the
+    call), backward sends the gradient back (doubled)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, rows):
+        def communicate():
+            _CountedExchange.calls += 1
+            return rows * 2
+
+        return kept_exchange(communicate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _ExchangingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.before, self.after = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.after(torch.tanh(_CountedExchange.apply(torch.tanh(self.before(x))))))
+
+
+@pytest.mark.parametrize("keep, calls", [(False, 2), (True, 1)])
+def test_recomputation_keeping_exchanges_runs_each_collective_once(keep, calls):
+    """``recompute_in_backward_counting_once(block, keep_exchanges=True)``
+    (``recompute="full_keep_a2a"``): backward recomputes the block, but its exchange hands
+    back what forward kept instead of communicating again; plain full recomputation
+    communicates twice. Gradients equal the block's without recomputation either way."""
+    torch.manual_seed(0)
+    reference, x = _ExchangingBlock(), torch.randn(4, 8)
+    block = recompute_in_backward_counting_once(copy.deepcopy(reference), keep_exchanges=keep)
+    reference(x).square().sum().backward()
+    _CountedExchange.calls = 0
+    block(x).square().sum().backward()
+    assert _CountedExchange.calls == calls
+    for (name, expected), got in zip(reference.named_parameters(), block.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=0, atol=0, msg=name)

@@ -35,7 +35,9 @@ import torch.distributed as dist
 from codegen.runtime.materialize import set_derived_parameter
 from codegen.runtime.moe import (
     all_to_all_rows,
+    all_to_all_values,
     count_choices,
+    exchange_counts,
     gather_experts,
     is_recomputing,
     sum_copies,
@@ -100,16 +102,24 @@ class ExpertParallelExperts(torch.nn.Module):
         destination = self._destinations(chosen)
         order = torch.argsort(destination, stable=True)
         send_counts = torch.bincount(destination, minlength=self.world)
-        receive_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(receive_counts, send_counts, group=self.group)
-        send_sizes, receive_sizes = send_counts.tolist(), receive_counts.tolist()
-        received = all_to_all_rows(hidden[token[order]], receive_sizes, send_sizes, self.group)
-        received_experts = chosen.new_empty(sum(receive_sizes))
-        dist.all_to_all_single(received_experts, chosen[order].contiguous(), receive_sizes, send_sizes, group=self.group)
+        send_sizes, receive_sizes = send_counts.tolist(), exchange_counts(send_counts, self.group).tolist()
+        rows = hidden[token[order]]
+        if torch.is_autocast_enabled(hidden.device.type):
+            # Rows travel in the compute dtype, as the cost model prices them (2 bytes in bf16),
+            # not as the fp32 residual stream autocast leaves: the experts' matmuls cast their
+            # input to it anyway, so forward and gradients are unchanged.
+            rows = rows.to(torch.get_autocast_dtype(hidden.device.type))
+        received = all_to_all_rows(rows, receive_sizes, send_sizes, self.group)
+        received_experts = all_to_all_values(chosen[order].contiguous(), receive_sizes, send_sizes, self.group)
 
         # 2. This rank's experts on the rows they received (SwiGLU, as the model's experts).
         weights = self._weights()
-        output = torch.zeros_like(received)
+        # The outputs go back in the rows' dtype, but with biases (gpt-oss) in the dtype the
+        # bias addition gives (fp32 under autocast, as on one device): rounding them to bf16
+        # would change the step. That combine sends more than the plan prices (the simulator
+        # prices bf16 rows either way).
+        dtype = torch.promote_types(received.dtype, weights[-1].dtype) if len(weights) > 2 else received.dtype
+        output = received.new_zeros(received.shape, dtype=dtype)
         for position, expert in enumerate(self.local_experts):
             rows = (received_experts == expert).nonzero().squeeze(-1)
             if rows.numel() == 0:

@@ -44,7 +44,8 @@ Each layer also counts its routed choices per expert (before drops) and how ofte
 experts are chosen for one token, forward after forward (``routed_counts``,
 ``coselected``): ``launch.py --record-routing`` writes them as routing statistics. A block
 checkpointed by ``recompute_in_backward_counting_once`` routes again in backward without
-counting again.
+counting again; with ``keep_exchanges`` its collectives hand back what they returned in
+forward instead of communicating again (``codegen.runtime.kept_exchanges``).
 """
 
 from __future__ import annotations
@@ -60,10 +61,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from codegen.runtime.kept_exchanges import is_recomputing, kept_exchange, keeping_exchanges, recomputation
 from codegen.runtime.materialize import set_derived_parameter
 
 __all__ = [
-    "ExpertParallelMoE", "FlatExchange", "count_choices", "RoutedMoE", "Routing", "all_to_all_rows", "exchange_counts", "gather_experts",
+    "ExpertParallelMoE", "FlatExchange", "count_choices", "RoutedMoE", "Routing", "all_to_all_rows", "all_to_all_values",
+    "exchange_counts", "gather_experts",
     "is_recomputing", "route", "rank_local_parameters", "recompute_in_backward_counting_once", "scaled_gradient", "sum_copied_expert_gradients",
     "sum_copies", "whole", "with_expert_gradient", "GeluExperts",
 ]
@@ -108,9 +111,7 @@ def route(tokens: torch.Tensor, router: torch.Tensor, top_k: int, capacity_facto
     one_hot = F.one_hot(expert, experts)  # (k*n, E)
     by_choice = one_hot.view(top_k, count, experts)
     per_choice = by_choice.sum(dim=1)  # (k, E) this rank's counts
-    table = [torch.zeros_like(per_choice) for _ in range(world)]
-    dist.all_gather(table, per_choice, group=group)
-    table = torch.stack(table)  # (ranks, k, E)
+    table = kept_exchange(lambda: _gathered(per_choice, world, group))  # (ranks, k, E)
     group_tokens = int(table[:, 0].sum())  # each token has exactly one first choice
     capacity = capacity_of(group_tokens, top_k, experts, capacity_factor)
     # Before choice j of this rank: all ranks' choices j' < j, and lower ranks' choice j.
@@ -118,6 +119,13 @@ def route(tokens: torch.Tensor, router: torch.Tensor, top_k: int, capacity_facto
     earlier = totals.cumsum(dim=0) - totals + table[:rank].sum(dim=0)  # (k, E)
     slot = ((by_choice.cumsum(dim=1) - 1 + earlier[:, None, :]) * by_choice).sum(dim=-1).reshape(-1)  # (k*n,)
     return Routing(probs, gate, expert, one_hot, slot, slot < capacity, capacity, group_tokens)
+
+
+def _gathered(tensor: torch.Tensor, world: int, group) -> torch.Tensor:
+    """Every rank's ``tensor``, stacked in rank order (one all-gather)."""
+    table = [torch.zeros_like(tensor) for _ in range(world)]
+    dist.all_gather(table, tensor, group=group)
+    return torch.stack(table)
 
 
 class RoutedMoE(torch.nn.Module):
@@ -176,7 +184,7 @@ class RoutedMoE(torch.nn.Module):
         return []
 
     def _record(self, routing: Routing, count: int) -> None:
-        if _recomputing:  # backward re-running a checkpointed block: counted in its forward already
+        if is_recomputing():  # backward re-running a checkpointed block: counted in its forward already
             return
         with torch.no_grad():
             count_choices(self, routing.one_hot.view(self.top_k, count, self.experts).sum(dim=0).double())
@@ -209,36 +217,21 @@ def rank_local_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     ]
 
 
-# How many checkpointed blocks backward is recomputing right now (see recompute_in_backward_counting_once).
-_recomputing = 0
-
-
-def is_recomputing() -> bool:
-    """Whether backward is re-running a block checkpointed by
-    ``recompute_in_backward_counting_once`` (routing is counted in forward only)."""
-    return _recomputing > 0
-
-
-@contextlib.contextmanager
-def _recomputation():
-    global _recomputing
-    _recomputing += 1
-    try:
-        yield
-    finally:
-        _recomputing -= 1
-
-
-def recompute_in_backward_counting_once(module: torch.nn.Module) -> torch.nn.Module:
+def recompute_in_backward_counting_once(module: torch.nn.Module, keep_exchanges: bool = False) -> torch.nn.Module:
     """Make ``module``'s forward run under non-reentrant activation checkpointing (backward
     recomputes its activations, as ``codegen.runtime.recompute.recompute_in_backward`` does),
     with the MoE layers inside it counting their routing only in forward, not again when
     backward recomputes them. Returns ``module``. Every rank recomputes at the same point of
-    backward, so the layers' collectives match up."""
+    backward, so the layers' collectives match up. With ``keep_exchanges``
+    (``recompute="full_keep_a2a"``) the MoE layers' collectives do not run again: each
+    forward keeps their outputs and its recomputation takes them back
+    (``codegen.runtime.kept_exchanges``)."""
     forward = module.forward
 
-    def contexts():
-        return contextlib.nullcontext(), _recomputation()
+    def counting_once():
+        return contextlib.nullcontext(), recomputation()
+
+    contexts = keeping_exchanges if keep_exchanges else counting_once  # one tape per forward call
 
     @functools.wraps(forward)
     def checkpointed_forward(*args, **kwargs):
@@ -461,14 +454,29 @@ class FlatExchange:
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     """Row ``d`` of ``counts`` (a number, or a row of numbers) to rank ``d`` of ``group``;
     returns what each rank sent this one, by source."""
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts.contiguous(), group=group)
-    return received
+    def exchange() -> torch.Tensor:
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts.contiguous(), group=group)
+        return received
+
+    return kept_exchange(exchange)
 
 
 def all_to_all_rows(rows: torch.Tensor, receive_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:
     """Rows to the ranks (uneven counts), with autograd: backward sends the gradients back."""
     return _AllToAll.apply(rows, receive_sizes, send_sizes, group)
+
+
+def all_to_all_values(rows: torch.Tensor, receive_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:
+    """Rows to the ranks (uneven counts) without autograd: the expert and slot numbers sent
+    alongside the token rows."""
+    return kept_exchange(lambda: _exchanged(rows, receive_sizes, send_sizes, group))
+
+
+def _exchanged(rows: torch.Tensor, receive_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:
+    received = rows.new_empty(sum(receive_sizes), *rows.shape[1:])
+    dist.all_to_all_single(received, rows.contiguous(), receive_sizes, send_sizes, group=group)
+    return received
 
 
 class _AllToAll(torch.autograd.Function):
@@ -477,15 +485,19 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, receive_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:
         ctx.receive_sizes, ctx.send_sizes, ctx.group = receive_sizes, send_sizes, group
-        received = rows.new_empty(sum(receive_sizes), *rows.shape[1:])
-        dist.all_to_all_single(received, rows.contiguous(), receive_sizes, send_sizes, group=group)
-        return received
+        return kept_exchange(lambda: _exchanged(rows, receive_sizes, send_sizes, group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         back = grad.new_empty(sum(ctx.send_sizes), *grad.shape[1:])
         dist.all_to_all_single(back, grad.contiguous(), ctx.send_sizes, ctx.receive_sizes, group=ctx.group)
         return back, None, None, None
+
+
+def _summed(tensor: torch.Tensor, group) -> torch.Tensor:
+    summed = tensor.clone()
+    dist.all_reduce(summed, group=group)
+    return summed
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -495,9 +507,7 @@ class _SumOverGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        summed = tensor.clone()
-        dist.all_reduce(summed, group=group)
-        return summed
+        return kept_exchange(lambda: _summed(tensor, group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -23,7 +23,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from codegen.runtime.materialize import set_derived_parameter
-from codegen.runtime.moe import DEFAULT_NAMES, RoutedMoE, Routing, all_to_all_rows, scaled_gradient
+from codegen.runtime.moe import (
+    DEFAULT_NAMES,
+    RoutedMoE,
+    Routing,
+    all_to_all_rows,
+    all_to_all_values,
+    exchange_counts,
+    scaled_gradient,
+)
 
 __all__ = ["DataParallelMoE", "ExpertSlicedMoE"]
 
@@ -92,17 +100,14 @@ class ExpertSlicedMoE(RoutedMoE):
         mine = int(kept.numel())
         # How many kept choices every rank has (each sends all of them to every rank).
         counts = torch.tensor([mine] * self.world, device=tokens.device)  # NCCL exchanges only GPU tensors
-        theirs = torch.empty_like(counts)
-        dist.all_to_all_single(theirs, counts, group=self.group)
-        send_sizes, receive_sizes = counts.tolist(), theirs.tolist()
+        send_sizes, receive_sizes = counts.tolist(), exchange_counts(counts, self.group).tolist()
 
         # Gather: every rank receives the whole group's kept choices, rank by rank, with
         # their rows in the single device's buffer (expert * capacity + slot).
         rows = tokens.repeat(k, 1)[kept].repeat(self.world, 1)  # backward sums the copies' gradients
         received = all_to_all_rows(rows, receive_sizes, send_sizes, self.group)
         address = (routing.expert[kept] * capacity + routing.slot[kept]).repeat(self.world)
-        received_address = address.new_empty(sum(receive_sizes))
-        dist.all_to_all_single(received_address, address, receive_sizes, send_sizes, group=self.group)
+        received_address = all_to_all_values(address, receive_sizes, send_sizes, self.group)
 
         # This rank's slice of every expert on the whole buffer: partial outputs.
         w_in, w_out = self.w_in, self.w_out
