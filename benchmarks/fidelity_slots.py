@@ -12,9 +12,9 @@ lie on a line ``seconds = per_slot x (m + pp - 1) + per_step``; a least-squares 
 published steps separates the two parts, and the same fit of the predicted steps shows which
 part the simulator misses (``slot_fit``).
 
-The fit needs the micro-batch, which sets ``m``. MT-NLG's paper (Smith et al. 2022, section
-2.4) states tp 8, pp 35, global batch 1920 and the three iteration times, not the micro-batch:
-``fidelity_runs.py`` takes 1 (Megatron-LM's and DeepSpeed's default). The script fits the
+The fit needs the micro-batch, which sets ``m``. What ``fidelity_runs.py`` takes from MT-NLG's
+paper (Smith et al. 2022, section 2.4: tp 8, pp 35, global batch 1920, the three iteration
+times) has no micro-batch; the rows assume 1, the least bubble. The script fits the
 published steps under each micro-batch asked for, and simulates the runs with it, so a reader
 sees how much of a gap is the schedule's bubble under one assumption or the other. It changes
 no row of ``fidelity.py``: choosing the micro-batch by which fits the published steps best
