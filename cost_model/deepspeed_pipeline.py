@@ -28,6 +28,12 @@ reduction: ``TrainSchedule`` issues ``ReduceTiedGrads`` then ``ReduceGrads`` at 
 ``dist.all_reduce`` per tied weight over the group of its stages (engine.py; module.py
 ``allreduce_tied_weight_gradients`` in DeepSpeed 0.5, the fp32 ``_hp_grad`` under bf16 from
 0.6). Each holder's compute stream runs it once both have arrived.
+
+The fp16 engine's ZeRO-1 step (``runs_fp16_zero_step``): before Adam, DeepSpeed's
+``FP16_DeepSpeedZeroOptimizer.step`` checks the partition's gradients for overflow, takes
+their norm in fp64, copies them to fp32 and unscales them, and after Adam copies the updated
+weights back to fp16: memory-bound passes over the partition (``fp16_zero_step_checks_time``,
+added by ``StepTasks`` before the optimizer step).
 """
 
 from __future__ import annotations
