@@ -38,9 +38,10 @@ added by ``StepTasks`` before the optimizer step).
 
 from __future__ import annotations
 
+import math
+
 from cost_model.collectives import collective_time
 from cost_model.compute import efficiencies, tensors_in_flat_shards
-from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.schedules import deepspeed_train_steps
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
@@ -164,15 +165,16 @@ def runs_fp16_zero_step(context: StepContext) -> bool:
             and context.plan.dp_flavour == "zero1" and context.dp > 1)
 
 
-def fp16_zero_step_checks_time(context: StepContext, state_bytes: float, tensor_sizes: list[float]) -> float:
+def fp16_zero_step_checks_time(context: StepContext, tensor_sizes: list[float]) -> float:
     """Seconds of DeepSpeed's fp16 ZeRO-1 step before Adam on one device (its overflow check,
     gradient norm, fp32 gradient, unscale and fp16 copy-back; the constants above), which
-    holds ``tensor_sizes`` (elements, in order: one flat group, split evenly over dp as
-    ``get_data_parallel_partitions`` does) and steps ``state_bytes`` of weights, gradients and
-    states (``step_memory.optimizer_state_bytes``): memory-bound passes over the partition's
-    elements, and launches of per-tensor kernels over the tensors the partition crosses. The
-    flag and norm all-reduces (a few bytes, over dp and the model-parallel group) are left out."""
-    elements = state_bytes / sum(PARAM_BYTES[context.plan.precision])
+    holds ``tensor_sizes`` (elements, in order). DeepSpeed flattens them into one group and
+    gives each dp rank an even contiguous partition (``get_data_parallel_partitions``), so
+    each rank's passes cover 1/dp of the elements, whatever the tensors' shapes (unlike the
+    planner's own ZeRO-1, which slices each tensor and steps some whole), and its per-tensor
+    kernels run on the tensors its partition crosses. The flag and norm all-reduces (a few
+    bytes, over dp and the model-parallel group) are left out."""
+    elements = math.ceil(sum(tensor_sizes) / context.dp)
     _, memory, overhead = efficiencies(context.device)
     tensors = tensors_in_flat_shards([tensor_sizes], context.dp)
     kernels = FP16_ZERO_STEP_KERNELS_PER_TENSOR * tensors + FP16_ZERO_STEP_KERNELS

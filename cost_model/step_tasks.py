@@ -164,7 +164,7 @@ class StepTasks:
             if runs_fp16_zero_step(context):  # DeepSpeed's overflow check and gradient norm first
                 sizes = [size for segment in per_device[device] for size in segment.params.values()]
                 deps = [graph.add("overflow check and gradient norm (fp16 ZeRO)", (device, "compute"),
-                                  fp16_zero_step_checks_time(context, state_bytes, sizes), deps=deps,
+                                  fp16_zero_step_checks_time(context, sizes), deps=deps,
                                   kind="optimizer")]
             step = graph.add("optimizer step", (device, "compute"), seconds, deps=deps, kind="optimizer")
             for contributor in self.contributors:
