@@ -175,10 +175,9 @@ which stage 1 runs unless ``legacy_stage1``), for a GPU of a middle stage at dp 
     simulated at 0.14-0.15 s.
 About 0.45 s, all priced but the few-byte all-reduces: not 6 s. (Left as it is: the simulator
 steps and gathers these weights as the planner's own ZeRO-1 slices them, each tensor along its
-first dimension and whole where dp does not divide it: at dp 12 (first dimensions 20,480 and 10,240) a rank
-steps about 1.4B of its 1.89B elements whole, some 25 ms of Adam more than DeepSpeed's even
-flat partitions of 157M.) The rows' micro-batch is
-assumed, not sourced. At two sequences (m = 120, 96, 80) the published steps fit 0.394 s per
+first dimension and whole where dp does not divide it: at dp 12 (first dimensions 20,480 and
+10,240) a rank steps about 1.4B of its 1.89B elements whole, some 25 ms of Adam more than
+DeepSpeed's even flat partitions of 157M.) The rows' micro-batch is assumed, not sourced. At two sequences (m = 120, 96, 80) the published steps fit 0.394 s per
 slot and -0.7 s per step, no fixed term left, and the simulated steps (51.84, 43.77, 38.29 s)
 are -13.7%, -12.8% and -13.8%: the error no longer grows with dp, and what is left is per slot
 (0.339 s predicted), 16.5-17.9 ms per layer per micro-batch, the order of BLOOM's 10.75 ms on
