@@ -153,7 +153,7 @@ MT-NLG's rows (the three largest errors, -20% to -24%) are explained only in par
 steps are linear in the pipeline's micro-batch slots, m + pp - 1 (``benchmarks/fidelity_slots.py``
 fits published and predicted steps by least squares). With micro-batches of one sequence, as
 the rows take it (m = 240, 192, 160: 274, 226 and 194 slots), the simulator gives 0.175 s per
-slot and -0.01 s per step (47.90, 39.56, 33.90 s), the published steps 0.197 s per slot plus
+slot and -0.02 s per step (47.91, 39.57, 33.90 s), the published steps 0.197 s per slot plus
 5.98 s per step. DeepSpeed's ``TrainSchedule`` with blocking sends costs no more than 1F1B
 (``tests/test_deepspeed_pipeline.py`` checks it with an event loop of its own), so a fixed 6 s
 would have to run once per step, after the schedule. What DeepSpeed of October 2021 runs there
@@ -178,8 +178,8 @@ steps and gathers these weights as the planner's own ZeRO-1 slices them, each te
 first dimension and whole where dp does not divide it: at dp 12 (first dimensions 20,480 and
 10,240) a rank steps about 1.4B of its 1.89B elements whole, some 25 ms of Adam more than
 DeepSpeed's even flat partitions of 157M.) The rows' micro-batch is assumed, not sourced. At two sequences (m = 120, 96, 80) the published steps fit 0.394 s per
-slot and -0.7 s per step, no fixed term left, and the simulated steps (51.84, 43.77, 38.29 s)
-are -13.7%, -12.8% and -13.8%: the error no longer grows with dp, and what is left is per slot
+slot and -0.7 s per step, no fixed term left, and the simulated steps (51.85, 43.78, 38.30 s)
+are -13.7%, -12.8% and -13.7%: the error no longer grows with dp, and what is left is per slot
 (0.339 s predicted), 16.5-17.9 ms per layer per micro-batch, the order of BLOOM's 10.75 ms on
 Jean Zay. So the published steps carry twice the bubble of micro-batch 1 (a micro-batch of 2,
 or something else that doubles the fill and drain) and a per-slot cost the simulator misses
