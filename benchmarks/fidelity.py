@@ -137,6 +137,17 @@ compiled (``compile = true``), and Inductor fuses a norm or a rotary product int
 with bf16 in and out: its 3.1 points are likely not in the run, and no plan field says
 "compiled" to leave them out.
 
+MPT-13B@64xH100 (-18.0%, against -11.2% for MPT-13B@8xA100), by the simulator's own figures:
+at 64 ranks on 8 nodes FSDP1 gathers a block's 629 MB of bf16 weights in 1.97 ms (the measured
+NCCL profile's 315 GB/s bus bandwidth; 1.52 ms within one node) and reduce-scatters its
+gradients in as long, beside about 17 ms of forward and backward per block at micro-batch 2:
+0.04 s of the 0.70 s step is exposed. Simulated as FSDP2 programs run (one reduce-scatter per
+unit after ``_chunk_cat``'s copy-in, the gathers' copy-ins) rather than as graph programs (one
+reduce-scatter per parameter, no copies), the FSDP rows without tensor parallelism move less
+than half a point (MPT-13B@64xH100 0.699 -> 0.696 s, Llama2-13B@64xA100 3.343 -> 3.341 s,
+Llama3-70B@64xA100 22.72 -> 22.75 s, Llama2-70B@64xA100 21.46 -> 21.49 s): their gaps are
+kernel time per block, not the data-parallel schedule, so they stay graph programs here.
+
 Jean Zay's per-layer cost (BLOOM only): BigScience's published layout sweep on BLOOM's cluster
 and software (``benchmarks/fidelity_sweep.py``) is predicted 5-21% fast by a time that grows
 with the layer executions (layers per stage x micro-batches), not their size; the fixed
@@ -153,26 +164,44 @@ and clone (~0.3% of the step by hand); the attention mask is not sent between st
 (pretrain_gpt.py caches it in ``args.attn_mask``); the tied embedding's gradient all-reduce
 is priced (11 ms on MT-NLG).
 
-MT-NLG's rows (the three largest errors, -20% to -24%) are checked and not explained. The
-simulator's step is linear in the pipeline's micro-batch slots, m + pp - 1 = 274, 226 and 194
-at dp 8, 10 and 12: 0.175 s per slot and -0.01 s per step by least squares (47.90, 39.56, 33.90
-s), so its bubble is the schedule's pp - 1 slots (DeepSpeed's ``TrainSchedule`` with blocking
-sends costs no more than 1F1B: ``tests/test_deepspeed_pipeline.py`` checks it with an event loop
-of its own) and what runs after the schedule (the tied embedding's all-reduce, ZeRO-1's
-reduction and gather, the optimizer step) is small. The published steps fit 0.197 s per slot
-plus 6.0 s per step, or 0.194 s per slot over m + 2 (pp - 1) slots (within 0.7% either way;
-three figures rounded to 0.1 s do not tell them apart). Small by hand: each boundary send
-(10.5 MB tp slices at 25 GB/s per HDR NIC, 0.4 ms, plus the receiver's gather over NVLink),
-DeepSpeed's per-micro-batch clone of the received input and partition of the output
-(deepspeed/runtime/pipe/engine.py at microsoft/DeepSpeed 29bee73f0, 2021-10-21); not 6 s per
-step: DeepSpeed 0.5's ZeRO-1 (3.8 GB of fp16 gradients per GPU reduced over dp in buckets,
-the updated fp16 weights gathered: about 0.4 s at 25 GB/s), its overflow check and gradient
-norm. Priced as Jean Zay's per-layer cost is, the gaps would need 14.8, 15.7 and 18.0 ms per
-layer per micro-batch (``python benchmarks/fidelity_sweep.py --elsewhere``): the order of
-BLOOM's 10.75 ms on another cluster (Selene), with no ``CUDA_LAUNCH_BLOCKING`` stated, which
-points at the Megatron-DeepSpeed and DeepSpeed engine of 2021-22 rather than at Jean Zay; but
-a per-layer cost would not grow with dp as these do, and its mechanism is still not
-identified, so it is not applied (with it: -5.6%, -6.7%, -9.6%).
+MT-NLG's rows (the three largest errors, -20% to -24%) are explained only in part. Their
+steps are linear in the pipeline's micro-batch slots, m + pp - 1 (``benchmarks/fidelity_slots.py``
+fits published and predicted steps by least squares). With micro-batches of one sequence, as
+the rows take it (m = 240, 192, 160: 274, 226 and 194 slots), the simulator gives 0.175 s per
+slot and -0.02 s per step (47.91, 39.57, 33.90 s), the published steps 0.197 s per slot plus
+5.98 s per step. DeepSpeed's ``TrainSchedule`` with blocking sends costs no more than 1F1B
+(``tests/test_deepspeed_pipeline.py`` checks it with an event loop of its own), so a fixed 6 s
+would have to run once per step, after the schedule. What DeepSpeed of October 2021 runs there
+(microsoft/DeepSpeed 2c5bba6dc, 2021-10-31: runtime/pipe/engine.py, runtime/zero/stage2.py,
+which stage 1 runs unless ``legacy_stage1``), for a GPU of a middle stage at dp 8 (three blocks,
+1.89B parameters; a ZeRO-1 partition of 236M), priced or worked by hand:
+  * ``_exec_reduce_tied_grads``: the tied embedding's all-reduce between stages 0 and 34, 11 ms;
+  * ``_exec_reduce_grads`` -> ``reduce_gradients``: stage 1 turns ``contiguous_gradients`` off,
+    so ``reduce_ipg_grads`` takes ``buffered_reduce_fallback``: flatten, ``dist.all_reduce``
+    over dp (``allreduce_bucket`` sets ``rank = None``), copy back; 3.8 GB of fp16 gradients
+    in 500M-element buckets, simulated at 0.28 s (23.6 GB/s bus bandwidth, one HDR NIC a GPU);
+  * ``step``: the overflow check (per partition tensor a ``.float().sum()`` and its host sync;
+    a 1-byte all-reduce over dp and over the 280 ranks of the model-parallel group), the
+    gradient norm (``.double().norm(2)`` per tensor, two 4-byte all-reduces), the fp32 flatten,
+    the unscale, the fp32-to-fp16 copy: 52 bytes moved per partition element besides Adam's,
+    12 GB, 8 ms at 80% of 2.0 TB/s, now priced (``deepspeed_pipeline.fp16_zero_step_checks_time``;
+    Adam itself, 4.5 ms, was), the few-byte all-reduces not;
+  * the all-gather of the updated fp16 weights (``dist.all_gather`` in 500M-element shards),
+    simulated at 0.14-0.15 s.
+About 0.45 s, all priced but the few-byte all-reduces: not 6 s. (Left as it is: the simulator
+steps and gathers these weights as the planner's own ZeRO-1 slices them, each tensor along its
+first dimension and whole where dp does not divide it: at dp 12 (first dimensions 20,480 and
+10,240) a rank steps about 1.4B of its 1.89B elements whole, some 25 ms of Adam more than
+DeepSpeed's even flat partitions of 157M.) The rows' micro-batch is assumed, not sourced. At two sequences (m = 120, 96, 80) the published steps fit 0.394 s per
+slot and -0.7 s per step, no fixed term left, and the simulated steps (51.85, 43.78, 38.30 s)
+are -13.7%, -12.8% and -13.7%: the error no longer grows with dp, and what is left is per slot
+(0.339 s predicted), 16.5-17.9 ms per layer per micro-batch, the order of BLOOM's 10.75 ms on
+Jean Zay. So the published steps carry twice the bubble of micro-batch 1 (a micro-batch of 2,
+or something else that doubles the fill and drain) and a per-slot cost the simulator misses
+(compute, or the engine's per-layer cost). Neither is applied: choosing the micro-batch by how
+well it fits the published steps would be fitting to them, and the per-layer cost has no
+identified mechanism (with Jean Zay's, at micro-batch 1: -5.6%, -6.7%, -9.6%;
+``python benchmarks/fidelity_sweep.py --elsewhere``).
 
 Megatron-Core's 70B row (+10.4%, pp 2) is slow by what the simulator exposes of the distributed
 optimizer: stage 0 reduce-scatters its 17.3 GB of fp32 gradients (4.3B parameters per GPU) at

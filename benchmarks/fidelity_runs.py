@@ -273,7 +273,9 @@ def runs() -> list[Run]:
     # MT-NLG 530B (Smith et al. 2022, arXiv:2201.11990, section 2.4): tp 8 x pp 35, batch 1920
     # of 2048 tokens on 280, 350 and 420 DGX A100 nodes (dp 8, 10, 12): 60.1, 50.2 and 44.4 s
     # per iteration (126, 121 and 113 TFLOP/s per GPU). 105 layers, width 20480, 128 heads;
-    # vocabulary 50,257 (GPT-2's BPE) padded to 51,200.
+    # vocabulary 50,257 (GPT-2's BPE) padded to 51,200. No source here states the micro-batch size:
+    # taken as 1 (the least bubble, m = 1920 / dp micro-batches); at 2 the bubble doubles
+    # (``benchmarks/fidelity_slots.py`` prints both; fidelity.py's docstring has the figures).
     for nodes, seconds in ((280, 60.1), (350, 50.2), (420, 44.4)):
         found.append(Run(
             f"MT-NLG-530B@{nodes * 8}xA100", "gpt.py",

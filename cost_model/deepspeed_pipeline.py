@@ -28,14 +28,41 @@ reduction: ``TrainSchedule`` issues ``ReduceTiedGrads`` then ``ReduceGrads`` at 
 ``dist.all_reduce`` per tied weight over the group of its stages (engine.py; module.py
 ``allreduce_tied_weight_gradients`` in DeepSpeed 0.5, the fp32 ``_hp_grad`` under bf16 from
 0.6). Each holder's compute stream runs it once both have arrived.
+
+The fp16 engine's ZeRO-1 step (``runs_fp16_zero_step``): before Adam, DeepSpeed's
+``FP16_DeepSpeedZeroOptimizer.step`` checks the partition's gradients for overflow, takes
+their norm in fp64, copies them to fp32 and unscales them, and after Adam copies the updated
+weights back to fp16: memory-bound passes over the partition (``fp16_zero_step_checks_time``,
+added by ``StepTasks`` before the optimizer step).
 """
 
 from __future__ import annotations
 
+import math
+
 from cost_model.collectives import collective_time
+from cost_model.compute import efficiencies, tensors_in_flat_shards
 from cost_model.schedules import deepspeed_train_steps
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
+
+# DeepSpeed's fp16 ZeRO stage 1 step before Adam (``FP16_DeepSpeedZeroOptimizer.step`` in
+# deepspeed/runtime/zero/stage2.py at microsoft/DeepSpeed 2c5bba6dc, 2021-10-31, which stage 1
+# runs unless ``legacy_stage1``): bytes moved per element of the rank's partition.
+#   * overflow check, ``_has_inf_or_nan``: ``float(x.float().sum())`` per partition gradient:
+#     the cast reads 2 and writes 4 bytes, the sum reads 4 = 10;
+#   * gradient norm, ``get_grad_norm_direct``: ``g.data.double().norm(2)`` per tensor, then
+#     ``.item()``: the cast reads 2 and writes 8, the norm reads 8 = 18;
+#   * the fp32 gradient, ``self.flatten(averaged_gradients).to(fp32)``: 2 + 2, then 2 + 4 = 10;
+#   * ``unscale_and_clip_grads``: ``grad.data.mul_(1 / combined_scale)`` in fp32: 4 + 4 = 8;
+#   * the updated fp16 weights, ``fp16_partitions[partition_id].data.copy_(fp32_partition)``:
+#     4 + 2 = 6.
+FP16_ZERO_STEP_BYTES_PER_ELEMENT = 10 + 18 + 10 + 8 + 6
+# Kernels (each followed by a host sync, ``float()`` or ``.item()``) per partition tensor: the
+# overflow check's cast and sum, the norm's cast and norm; and once per step the flatten, the
+# cast, the unscale and the copy.
+FP16_ZERO_STEP_KERNELS_PER_TENSOR = 4
+FP16_ZERO_STEP_KERNELS = 4
 
 # Which side of a stage boundary each instruction is on: the boundary below (between the
 # previous stage and this one) or above (this one and the next).
@@ -127,3 +154,28 @@ def _tied_gradient_groups(context: StepContext,
     return [(stages, collective_time("all_reduce", count * context.reduced_gradient_bytes(), context.cluster,
                                      [stage * stride for stage in stages]))
             for stages, count in sorted(elements.items())]
+
+
+def runs_fp16_zero_step(context: StepContext) -> bool:
+    """Whether DeepSpeed's fp16 ZeRO stage 1 optimizer steps the plan: its fp16 pipeline
+    engine (gradients accumulated in 16-bit ``param.grad`` by autograd,
+    ``PipelineConfig.gradient_accumulation == "autograd"``) with ZeRO-1 over dp > 1."""
+    pipeline = context.plan.pipeline
+    return (pipeline is not None and pipeline.gradient_accumulation == "autograd"
+            and context.plan.dp_flavour == "zero1" and context.dp > 1)
+
+
+def fp16_zero_step_checks_time(context: StepContext, tensor_sizes: list[float]) -> float:
+    """Seconds of DeepSpeed's fp16 ZeRO-1 step before Adam on one device (its overflow check,
+    gradient norm, fp32 gradient, unscale and fp16 copy-back; the constants above), which
+    holds ``tensor_sizes`` (elements, in order). DeepSpeed flattens them into one group and
+    gives each dp rank an even contiguous partition (``get_data_parallel_partitions``), so
+    each rank's passes cover 1/dp of the elements, whatever the tensors' shapes (unlike the
+    planner's own ZeRO-1, which slices each tensor and steps some whole), and its per-tensor
+    kernels run on the tensors its partition crosses. The flag and norm all-reduces (a few
+    bytes, over dp and the model-parallel group) are left out."""
+    elements = math.ceil(sum(tensor_sizes) / context.dp)
+    _, memory, overhead = efficiencies(context.device)
+    tensors = tensors_in_flat_shards([tensor_sizes], context.dp)
+    kernels = FP16_ZERO_STEP_KERNELS_PER_TENSOR * tensors + FP16_ZERO_STEP_KERNELS
+    return elements * FP16_ZERO_STEP_BYTES_PER_ELEMENT / (context.device.memory_bandwidth * memory) + kernels * overhead

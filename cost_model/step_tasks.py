@@ -18,7 +18,7 @@ from __future__ import annotations
 from cost_model.compute import (
     gradient_accumulation_time, optimizer_implementation, optimizer_step_time, tensors_in_flat_shards,
 )
-from cost_model.deepspeed_pipeline import deepspeed_schedule
+from cost_model.deepspeed_pipeline import deepspeed_schedule, fp16_zero_step_checks_time, runs_fp16_zero_step
 from cost_model.recompute import backward_comm, backward_time
 from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
@@ -160,8 +160,13 @@ class StepTasks:
             sharding = parameter_sharding(context, self.contributors)
             state_bytes = optimizer_state_bytes(context, per_device[device], sharding)
             seconds = self._optimizer_time(state_bytes, per_device[device], sharding)
-            step = graph.add("optimizer step", (device, "compute"), seconds, deps=sync_after.get(device, []),
-                             kind="optimizer")
+            deps = sync_after.get(device, [])
+            if runs_fp16_zero_step(context):  # DeepSpeed's overflow check and gradient norm first
+                sizes = [size for segment in per_device[device] for size in segment.params.values()]
+                deps = [graph.add("overflow check and gradient norm (fp16 ZeRO)", (device, "compute"),
+                                  fp16_zero_step_checks_time(context, sizes), deps=deps,
+                                  kind="optimizer")]
+            step = graph.add("optimizer step", (device, "compute"), seconds, deps=deps, kind="optimizer")
             for contributor in self.contributors:
                 contributor.after_optimizer(self, device, per_device[device], step)
         return graph, per_device

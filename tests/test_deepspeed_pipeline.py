@@ -273,3 +273,30 @@ def test_block_overhead_round_trips_through_the_plan_file_and_rejects_bad_values
     for bad in (-1e-3, float("nan"), float("inf"), "1e-3", True):
         with pytest.raises(ValueError, match="block_overhead_s must be a number of seconds >= 0"):
             PipelineConfig(stages=2, block_overhead_s=bad)
+
+
+def test_fp16_zero1_step_checks_overflow_and_norm_before_adam_worked_by_hand():
+    # pp=2 x dp=2, DeepSpeed's fp16 engine (gradients accumulated by autograd) with ZeRO-1.
+    # Stage 1 holds 102,144 elements in 27 tensors (test above), flattened in that order and
+    # split over dp 2 into partitions of 51,072: rank 0's holds block 2 (49,984 in 12
+    # tensors) and the first 1,088 elements of block 3, which cross ln_1's weight and bias
+    # (64 + 64) into c_attn's weight: 15 tensors, the busiest. Before Adam, DeepSpeed's step
+    # moves 52 bytes per partition element (overflow check 10, fp64 norm 18, fp32 gradient 10,
+    # unscale 8, fp16 copy-back 6) in 4 kernels per tensor + 4:
+    # 51,072 x 52 / 8e10 + (4 x 15 + 4) x 5 us = 33.2 us + 320 us.
+    cluster, graph, spec, name = _toy(4)
+    expected = 51_072 * 52 / STREAMING + (4 * 15 + 4) * LAUNCH
+    for accumulation, checked in (("autograd", True), ("in-gemm", False)):
+        plan = megatron_plan(graph, cluster, spec, name, pp=2, micro_batch=2, dp_flavour="zero1", blocking_p2p=True,
+                             gradient_accumulation=accumulation, overlap_grad_reduce=False)
+        timeline = Simulator(plan, graph).run().timeline
+        checks = [e for e in timeline if e.device == "stage 1" and e.name.startswith("overflow check")]
+        if not checked:  # Megatron-LM's own path (gradients accumulated in the GEMM) has none
+            assert checks == []
+            continue
+        (check,) = checks
+        assert check.duration_s == pytest.approx(expected)
+        step = next(e for e in timeline if e.device == "stage 1" and e.name == "optimizer step")
+        reductions = [e for e in timeline if e.device == "stage 1" and "grads" in e.name and e.stream == "collective"]
+        assert check.start_s >= max(e.start_s + e.duration_s for e in reductions) - 1e-12
+        assert step.start_s >= check.start_s + check.duration_s - 1e-12

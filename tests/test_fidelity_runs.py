@@ -203,3 +203,30 @@ def test_the_transfer_check_takes_the_engine_runs_not_fitted_on_and_closes_each_
     assert fitted_overhead([9.0, 7.0], [100.0, 100.0], [10.0, 10.0]) == pytest.approx(0.02)
     # Never negative: a row predicted slow gets none.
     assert fitted_overhead([11.0], [100.0], [10.0]) == 0.0
+
+
+def test_the_slot_fit_splits_mt_nlg_published_steps_by_hand():
+    """``fidelity_slots.py``: MT-NLG's runs at dp 8, 10 and 12 (batch 1920, pp 35) have
+    1920 / (dp x micro-batch) + 34 slots, and a least-squares line through the published
+    steps gives seconds per slot and per step."""
+    from benchmarks.fidelity_slots import mt_nlg_runs, pipeline_slots, slot_fit
+
+    chosen = mt_nlg_runs()
+    assert [pipeline_slots(run, 1) for run in chosen] == [240 + 34, 192 + 34, 160 + 34]
+    assert [pipeline_slots(run, 2) for run in chosen] == [120 + 34, 96 + 34, 80 + 34]
+    with pytest.raises(ValueError, match="does not split into micro-batches of 7"):
+        pipeline_slots(chosen[0], 7)
+    published = [60.1, 50.2, 44.4]
+    # Micro-batch 1: mean slots 231.333, mean step 51.567; deviations (42.667, -5.333, -37.333)
+    # and (8.533, -1.367, -7.167): Sxy = 364.09 + 7.29 + 267.56 = 638.93, Sxx = 1820.44 +
+    # 28.44 + 1393.78 = 3242.67; 0.19704 s per slot, 51.567 - 0.19704 x 231.333 = 5.98 s per step.
+    per_slot, per_step = slot_fit([274, 226, 194], published)
+    assert per_slot == pytest.approx(638.93 / 3242.67, rel=1e-4)
+    assert per_step == pytest.approx(5.98, abs=0.01)
+    # Micro-batch 2: mean 132.667; deviations (21.333, -2.667, -18.667): Sxy = 182.04 + 3.64 +
+    # 133.78 = 319.47, Sxx = 455.11 + 7.11 + 348.44 = 810.67; 0.39408 s per slot, -0.72 s per step.
+    per_slot, per_step = slot_fit([154, 130, 114], published)
+    assert per_slot == pytest.approx(319.47 / 810.67, rel=1e-4)
+    assert per_step == pytest.approx(-0.72, abs=0.01)
+    with pytest.raises(ValueError, match="at least two runs"):
+        slot_fit([274, 274], [60.1, 60.0])
