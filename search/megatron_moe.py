@@ -153,11 +153,12 @@ PRUNED = "pruned"  # GridResult.missing's first word for a configuration the bou
 
 def _folded_expert_layouts(graph: OpGraph, ep: int, dp: int, shard_copies: bool) -> tuple[ExpertLayout, ...]:
     layouts = []
+    placements: dict[int, ExpertPlacement] = {}  # by expert count: one placement for DeepSeek-V3's 58 layers
     for block in graph.moe_blocks:
-        if ep == dp:
-            placement = ExpertPlacement.round_robin(block.experts, dp)
-        else:
-            placement = ExpertPlacement.copied_grid(block.experts, dp, block.experts // ep)
+        if block.experts not in placements:
+            placements[block.experts] = (ExpertPlacement.round_robin(block.experts, dp) if ep == dp
+                                         else ExpertPlacement.copied_grid(block.experts, dp, block.experts // ep))
+        placement = placements[block.experts]
         layouts.append(ExpertLayout(module=block.module, mode="expert_parallel", experts=block.experts,
                                     top_k=block.top_k, capacity_factor=block.capacity_factor, axis="dp",
                                     placement=placement, sharded_copies=shard_copies and ep < dp))
