@@ -67,7 +67,7 @@ from planner.graph import OpGraph
 from planner.plans import Plan
 from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
 from search.moe_search import moe_base_plan
-from search.moe_folding import folded_plan
+from search.moe_folding import dense_strategies, folded_plan
 from search.pipeline_configs import Configuration, PipelineSpace
 from search.pipeline_search import PipelineGrid
 
@@ -185,6 +185,9 @@ class MegatronGrid:
         self.graph, self.cluster, self.spec, self.model_name, self.precision = graph, cluster, spec, model_name, precision
         self._base: Plan | PlanningError | None = None
         self._pipelines: PipelineGrid | None = None
+        # Megatron's layout of the dense ops per folded mesh: the same for every EP, ETP,
+        # recomputation and micro-batch size on it (it was half the grid's time, built per plan).
+        self._dense: dict[Mesh, tuple | PlanningError] = {}
 
     # ----------------------------------------------------------- EP over DP
 
@@ -283,11 +286,18 @@ class MegatronGrid:
         # The folded layouts run over the dp axis, kept even at size 1 (EP then folds over tp alone).
         mesh = Mesh(tuple((name, size) for name, size in (("pp", config.pp), ("dp", config.dp), ("tp", config.tp))
                           if size > 1 or name == "dp"))
+        if mesh not in self._dense:
+            try:
+                self._dense[mesh] = dense_strategies(self.graph, mesh, sequence_parallel=False)
+            except PlanningError as error:
+                self._dense[mesh] = error
         try:
+            if isinstance(self._dense[mesh], PlanningError):
+                raise self._dense[mesh]
             plan = folded_plan(self.graph, self.cluster, self.spec, self.model_name, mesh, config.ep, config.etp,
                                precision=self.precision, micro_batches=micro_batches if config.pp > 1 else 1,
                                dp_flavour="zero1" if config.dp > 1 else "ddp", recompute=config.recompute,
-                               accumulation_steps=1 if config.pp > 1 else micro_batches)
+                               accumulation_steps=1 if config.pp > 1 else micro_batches, dense=self._dense[mesh])
         except (PlanningError, ValueError) as error:  # Megatron's layout or the folding refuses it
             return GridResult(config, None, str(error))
         return GridResult(config, dataclasses.replace(plan, label="megatron-moe"))

@@ -140,3 +140,31 @@ def test_the_best_is_the_fastest_of_every_built_configuration(tiny):
     assert folded and all(r.plan.estimate.memory.total >= grid.folded_memory_lower_bound(r.config) for r in folded)
     for result in pruned:
         assert result.plan is not None or result.missing
+
+
+def test_folded_configurations_reuse_one_dense_layout_per_mesh_and_price_as_built_alone(tiny, monkeypatch):
+    # The grid keeps Megatron's dense layout per mesh (it was half a row's time, rebuilt for
+    # every EP, ETP, recomputation and micro-batch size): each folded plan's step and memory
+    # equal folded_plan's own, built from scratch.
+    import search.megatron_moe
+    from search.moe_folding import dense_strategies, folded_plan
+
+    layouts = []
+    monkeypatch.setattr(search.megatron_moe, "dense_strategies",
+                        lambda graph, mesh, **options: layouts.append(mesh) or dense_strategies(graph, mesh, **options))
+    graph, spec, name, cluster = tiny
+    configs = [c for c in grid_configs(graph, cluster) if c.tp > 1 and c.vpp == 1][:12]
+    grid = MegatronGrid(graph, cluster, spec, name, "fp32")
+    cached = [grid.folded(config) for config in configs]
+    assert len(layouts) == len(set(layouts)) < len(configs)  # one per mesh, not per configuration
+    for config, result in zip(configs, cached):
+        mesh = result.plan.mesh if result.plan is not None else None
+        if mesh is None:
+            continue
+        steps = graph.batch_size // (config.dp * config.micro_batch_size)
+        alone = folded_plan(graph, cluster, spec, name, mesh, config.ep, config.etp, precision="fp32",
+                            micro_batches=steps if config.pp > 1 else 1, dp_flavour=result.plan.dp_flavour,
+                            recompute=config.recompute, accumulation_steps=1 if config.pp > 1 else steps)
+        assert alone.estimate.step_time_s == result.plan.estimate.step_time_s
+        assert alone.estimate.memory.total == result.plan.estimate.memory.total
+    assert any(result.plan is not None for result in cached)
