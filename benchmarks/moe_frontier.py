@@ -26,7 +26,10 @@ Qwen3-235B-A22B is built by ``benchmarks/qwen3_235b.py`` from its whole publishe
   same cluster, and the fastest that fits. Interleaved pipelines with TP have no builder
   (counted as missing), or are tried through the planner's search under their mesh with
   ``--constrained``.
-- **published**: the layout the model's authors report, where they do (cited).
+- **published**: the layout the model's authors report, where they do, else NVIDIA's reference
+  layout for the model where there is one (cited, ``ROWS``), and, where its degrees can be put
+  on the row's cluster, that layout simulated as a grid configuration (the faster of
+  recomputation none and full that fits; ``published_results``).
 
 The searched plan should be no slower than the grid's best; the verdict says when it is and
 why it might be. Budgets count work, so the plans are the same on any machine; the planning
@@ -76,6 +79,7 @@ against the best found, dominance among the same degrees).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import time
 from dataclasses import dataclass, field
@@ -86,7 +90,7 @@ from planner.api import prepare_model
 from planner.constraints import SearchConstraints
 from planner.errors import PlannerError
 from planner.model_spec import ModelSpec
-from search.megatron_moe import GridResult, MegatronMoEConfig, best_of, grid_results
+from search.megatron_moe import GridResult, MegatronGrid, MegatronMoEConfig, best_of, grid_configs
 
 GIB = 2**30
 
@@ -104,6 +108,10 @@ class Row:
     note: str = ""
     quick: bool = False
     overrides: dict = field(default_factory=dict)
+    # The published (or reference) layout's degrees as a grid configuration, simulated beside
+    # the grid (``published_results``); None where none is published or it cannot be put on
+    # this cluster (``published`` says why).
+    published_config: MegatronMoEConfig | None = None
 
 
 # Qwen3-235B-A22B is built by a file factory: its published head_dim (128) is no field of
@@ -115,21 +123,40 @@ MIXTRAL_8X22B = {"hidden_size": 6144, "intermediate_size": 16384, "num_hidden_la
 
 DEEPSEEK_PUBLISHED = ("PP16 (DualPipe) x EP64 over 8 nodes x ZeRO-1 DP, no TP, node-limited routing (4 nodes); "
                       "DeepSeek-V3 technical report, arXiv 2412.19437, sections 3.2 and 3.1")
+# On 2,048 GPUs: 16 stages of 128 dp ranks, experts EP64 folded over them (2 copies of each),
+# ZeRO-1, one sequence per micro-batch (128 micro-batches); 1F1B in place of DualPipe (the
+# grid's pipeline builder has no DualPipe), recomputation none or full where DeepSeek
+# recomputes RMSNorm and the MLA up-projections only (section 3.2.3).
+DEEPSEEK_2048_PUBLISHED = MegatronMoEConfig(tp=1, ep=64, etp=1, pp=16, vpp=1, dp=128, recompute="none",
+                                            micro_batch_size=1)
+# NVIDIA's reference layouts, not the model authors' (none published a pre-training layout):
+# NeMo's Mixtral-8x22B pre-training recipe (NVIDIA/NeMo nemo/collections/llm/recipes/mixtral_8x22b.py,
+# trainer(): TP2, sequence parallel, PP4, VPP14, CP2, EP8, micro-batch 1, 16 nodes) and Megatron
+# Bridge's starting point for Qwen3-235B-A22B (NVIDIA/skills
+# skills/nemo-mbridge-perf-parallelism-strategies/SKILL.md, "MoE models": TP4 PP16 EP8, CP2 for
+# pre-training). The grid has no context parallelism and no interleaved builder with TP, so
+# Mixtral's is evaluated without CP and VPP (TP2 PP4 DP8 EP8 on 64 GPUs).
+MIXTRAL_REFERENCE = ("NeMo's recipe (not Mistral's, who published none): TP2 + SP, PP4 x VPP14, CP2, EP8 on 128 H100s "
+                     "(NVIDIA/NeMo recipes/mixtral_8x22b.py); evaluated here without CP and VPP: TP2 PP4 DP8 EP8")
+QWEN3_REFERENCE = ("Megatron Bridge's starting point (not Qwen's, who published none): TP4 PP16 EP8, CP2 for "
+                   "pre-training (NVIDIA/skills nemo-mbridge-perf-parallelism-strategies); evaluated here without "
+                   "CP: TP4 PP16 DP4 EP8")
 ROWS = (
     Row("deepseek-2048", "DeepSeek-V3", "hf:deepseek_v3", {}, "hgx-h800:256", 16384, 4096, DEEPSEEK_PUBLISHED,
-        note="batch 16,384 not the published 15,360, which does not split over 2,048 dp ranks; with pipelines it "
-             "would, but at pp=16 no 1F1B or DualPipe configuration fits though the average device needs 9.5 GiB: "
-             "the 3 dense layers before the 58 MoE ones are not repeated blocks (planner.trace), so no "
-             "recomputation covers them, and stage 0 keeps their 6.06 GiB per micro-batch for the 16 in "
-             "flight (17 under DualPipe): 97 GiB (measured with PipelineGrid.segment_costs)"),
+        published_config=DEEPSEEK_2048_PUBLISHED,
+        note="batch 16,384 not the published 15,360, which does not split over the 2,048 dp ranks of the layouts "
+             "without a pipeline that the search and the grid try (15,360 splits over PP16's 128)"),
     Row("deepseek-256", "DeepSeek-V3", "hf:deepseek_v3", {}, "dgx-h100:32", 1024, 4096,
-        "none published at 256 GPUs (DeepSeek's is " + DEEPSEEK_PUBLISHED.split(";")[0] + " on 2,048 H800s)"),
-    Row("qwen3-256", "Qwen3-235B-A22B", QWEN3_235B_FACTORY, {}, "dgx-h100:32", 1024, 4096,
-        "no pre-training layout published by Qwen"),
-    Row("mixtral-64", "Mixtral-8x22B", "hf:mixtral", MIXTRAL_8X22B, "dgx-h100:8", 256, 4096,
-        "no pre-training layout published by Mistral", quick=True),
+        "none published at 256 GPUs (DeepSeek's is " + DEEPSEEK_PUBLISHED.split(";")[0] + " on 2,048 H800s; "
+        "not evaluated here: PP16 leaves 16 dp ranks per stage, fewer than EP64 needs)"),
+    Row("qwen3-256", "Qwen3-235B-A22B", QWEN3_235B_FACTORY, {}, "dgx-h100:32", 1024, 4096, QWEN3_REFERENCE,
+        published_config=MegatronMoEConfig(tp=4, ep=8, etp=1, pp=16, vpp=1, dp=4, recompute="none",
+                                           micro_batch_size=1)),
+    Row("mixtral-64", "Mixtral-8x22B", "hf:mixtral", MIXTRAL_8X22B, "dgx-h100:8", 256, 4096, MIXTRAL_REFERENCE,
+        quick=True, published_config=MegatronMoEConfig(tp=2, ep=8, etp=1, pp=4, vpp=1, dp=8, recompute="none",
+                                                       micro_batch_size=1)),
     Row("gpt-oss-128", "gpt-oss-120b", "hf:gpt_oss", {}, "dgx-h100:16", 512, 4096,
-        "no pre-training layout published by OpenAI"),
+        "none published (OpenAI's gpt-oss model card names no training layout)"),
 )
 
 
@@ -197,23 +224,59 @@ def constrained_search(row: Row):
     return plan_for
 
 
-def grid(row: Row, constrained: bool) -> tuple[list[GridResult], float]:
+def grid(row: Row, constrained: bool) -> tuple[list[GridResult], list[GridResult], float]:
+    """The row's grid results, its published layout's (``published_results``) and the seconds
+    both took."""
     started = time.perf_counter()
     graph, spec, name, cluster = prepare_model(row_spec(row), row.cluster)
-    results = grid_results(graph, cluster, spec, name, "bf16", constrained_search(row) if constrained else None)
-    return results, time.perf_counter() - started
+    megatron = MegatronGrid(graph, cluster, spec, name, "bf16")
+    results = megatron.results(grid_configs(graph, cluster), constrained_search(row) if constrained else None)
+    published = published_results(megatron, row.published_config, results)
+    return results, published, time.perf_counter() - started
+
+
+def published_results(megatron: MegatronGrid, config: MegatronMoEConfig | None,
+                      results: list[GridResult]) -> list[GridResult]:
+    """The published layout's degrees without and with full recomputation, each taken from the
+    grid where it was simulated there, else built now (the grid may have pruned it)."""
+    if config is None:
+        return []
+    done = {result.config: result for result in results if result.plan is not None}
+    return [done.get(variant) or megatron.build(variant)
+            for variant in (dataclasses.replace(config, recompute=mode) for mode in ("none", "full"))]
 
 
 def _figures(step_s: float, mfu: float, memory: float, fits: bool) -> str:
     return f"{step_s:.2f} s/step, MFU {mfu:.1%}, {memory / GIB:.1f} GiB{'' if fits else ' (does not fit)'}"
 
 
-def report_grid(row: Row, results: list[GridResult], grid_s: float) -> GridResult | None:
-    """Print the row's heading and its grid; returns the grid's best."""
+def report_published(published: list[GridResult]) -> None:
+    """Print the published layout's simulated figures: the faster of its recomputation modes
+    that fits, else why none does."""
+    if not published:
+        return
+    best = best_of(published)
+    if best is not None:
+        estimate = best.plan.estimate
+        print(f"      simulated: {best.config.describe()}, ZeRO-1: "
+              f"{_figures(estimate.step_time_s, estimate.mfu, estimate.memory.total, True)}")
+        return
+    for result in published:
+        if result.plan is None:
+            print(f"      {result.config.describe()}: not built: {result.missing}")
+        else:
+            estimate = result.plan.estimate
+            print(f"      {result.config.describe()}: "
+                  f"{_figures(estimate.step_time_s, estimate.mfu, estimate.memory.total, False)}")
+
+
+def report_grid(row: Row, results: list[GridResult], published: list[GridResult], grid_s: float) -> GridResult | None:
+    """Print the row's heading, its published layout and its grid; returns the grid's best."""
     print(f"\n== {row.model} on {row.cluster}, batch {row.batch:,} x {row.seq:,} ==", flush=True)
     if row.note:
         print(f"   note: {row.note}")
     print(f"   published: {row.published}")
+    report_published(published)
     built = [r for r in results if r.plan is not None]
     missing: dict[str, int] = {}
     for r in results:
@@ -271,12 +334,12 @@ def main() -> None:
         if options.grid_after_search:
             searched = search.finish(options.search_timeout)
         try:
-            results, grid_s = grid(row, options.constrained)
+            results, published, grid_s = grid(row, options.constrained)
         except PlannerError as error:  # the model cannot be built or traced: its one-line message
             print(f"\n== {row.model} on {row.cluster}: {error}")
             search.finish(0.0)
             continue
-        best = report_grid(row, results, grid_s)
+        best = report_grid(row, results, published, grid_s)
         report_search(searched if options.grid_after_search else search.finish(options.search_timeout), best)
 
 

@@ -168,3 +168,22 @@ def test_folded_configurations_reuse_one_dense_layout_per_mesh_and_price_as_buil
         assert alone.estimate.step_time_s == result.plan.estimate.step_time_s
         assert alone.estimate.memory.total == result.plan.estimate.memory.total
     assert any(result.plan is not None for result in cached)
+
+
+def test_the_frontier_benchmark_simulates_the_published_layout_beside_the_grid(tiny, capsys):
+    # benchmarks/moe_frontier.py's published line: the layout's degrees without and with full
+    # recomputation, taken from the grid where it simulated them, else built (here the grid's
+    # results are empty, so both are built), and the faster that fits printed.
+    from benchmarks.moe_frontier import published_results, report_published
+
+    graph, spec, name, cluster = tiny
+    grid = MegatronGrid(graph, cluster, spec, name, "fp32")
+    layout = MegatronMoEConfig(tp=1, ep=4, etp=1, pp=1, vpp=1, dp=8, recompute="none", micro_batch_size=1)
+    none, full = published_results(grid, layout, [])
+    assert (none.config.recompute, full.config.recompute) == ("none", "full")
+    assert none.plan.estimate.step_time_s < full.plan.estimate.step_time_s  # recomputing only adds time
+    from_grid = published_results(grid, layout, [none])
+    assert from_grid[0] is none and from_grid[1].config == full.config
+    report_published([none, full])
+    assert capsys.readouterr().out.strip().startswith("simulated: TP1 EP4 ETP1 PP1 DP8 mbs1 recompute none, ZeRO-1:")
+    assert published_results(grid, None, []) == []
