@@ -35,31 +35,52 @@ The searched plan should be no slower than the grid's best; the verdict says whe
 why it might be. Budgets count work, so the plans are the same on any machine; the planning
 times are this machine's.
 
-Measured 2026-11-29 at 387c111 (the grid's code; later commits change no figure), one row
-at a time with ``flock /work/locks/heavy.lock python benchmarks/moe_frontier.py --rows KEY
---search-timeout 600`` on 2 CPU cores shared with other jobs (load 4-6), 24 GiB of memory
-shared likewise. The search ran beside the grid; "s" is the row's wall time (the grid's,
-which outlasted the search). "built/fit" counts the grid's simulated configurations of all:
+Measured 2026-11-29, one row at a time with ``flock /work/locks/heavy.lock /usr/bin/time -v
+python benchmarks/moe_frontier.py --rows KEY --grid-after-search`` on 2 CPU cores shared with
+other jobs (load 3-5), 24 GiB of memory shared likewise. The grid's figures (built/fit of all,
+its best) are those measured at 387c111: later commits, the sharing of expert placements and
+of Megatron's dense layout per mesh among them, change no configuration nor any predicted
+time. "s" is the search's wall time, then the grid's alone (published layout included);
+deepseek-256 is the earlier measurement, search and grid side by side (row wall time):
 
 =============  ====================================  ===================================  =========================
-row            search (step, MFU, memory)            grid's best (built/fit of all)       verdict
+row            search (step, MFU, memory, s)         grid's best (built/fit of all, s)    verdict
 =============  ====================================  ===================================  =========================
+deepseek-2048  moe dp=2048, fsdp, EP 16 per device   TP1 EP256 PP8 VPP2 DP256 mbs1 full   search 0.744x the grid's
+               x 128 copies (deduplicated, copies    recompute, ZeRO-1: 58.23 s, 16.0%,   best; peak RSS 2.0 GiB
+               sharded): 43.31 s, 21.5%, 73.1 GiB    23.9 GiB (136/2826 built, 35 fit;    (row 4 min 15 s)
+               (159 s)                               88 s)
 deepseek-256   megatron pp=32 x dp=8, 1F1B, 128      TP1 EP16 PP16 DP16 mbs1 full         search 0.721x the grid's
                micro-batches, EP round-robin:        recompute, ZeRO-1: 25.06 s, 18.6%,   best
                18.08 s, 25.7%, 74.5 GiB (244 s)      52.9 GiB (86/2064 built, 12 fit)
 mixtral-64     moe dp=64, fsdp, experts replicated:  TP4 EP8 ETP1 PP8 DP2 mbs1 no          search SLOWER: 1.066x the
-               10.70 s, 38.8%, 60.7 GiB (266 s)      recompute, ZeRO-1: 10.03 s, 41.4%,   grid's best (below)
-                                                     70.0 GiB (210/1128 built, 83 fit)
+               10.70 s, 38.8%, 60.7 GiB (43 s)       recompute, ZeRO-1: 10.03 s, 41.4%,   grid's best (below)
+                                                     70.0 GiB (210/1128 built, 83 fit;
+                                                     56 s)
 qwen3-256      moe dp=256, zero2, EP 128 per device  TP1 EP16 PP16 VPP2 DP16 mbs1 full    search 0.626x the grid's
                x 256 copies (sharded): 9.99 s,       recompute, ZeRO-1: 15.97 s, 17.3%,   best
-               27.7%, 67.1 GiB (407 s)               24.7 GiB (272/2214 built, 116 fit)
+               27.7%, 67.1 GiB (184 s)               24.7 GiB (272/2214 built, 116 fit;
+                                                     152 s)
 gpt-oss-128    moe dp=128, 2 micro-batches, zero2,   TP1 EP128 PP1 DP128 mbs2 full        search 0.915x the grid's
                a2a overlapped, EP 128 per device x   recompute, ZeRO-1: 9.63 s, 6.5%,     best
-               128 copies: 8.82 s, 7.1%, 71.3 GiB    55.4 GiB (405/1728 built, 163 fit)
-               (254 s)
-deepseek-2048  not measured: at 773dfbe the row was killed for memory 3.5 min in, search and grid
-               side by side; ``--grid-after-search`` now runs them one after the other (not run yet)
+               128 copies: 8.82 s, 7.1%, 71.3 GiB    55.4 GiB (405/1728 built, 163 fit;
+               (51 s)                                131 s)
 =============  ====================================  ===================================  =========================
+
+Published (or reference) layouts, simulated as grid configurations (faster recomputation that fits):
+
+- deepseek-2048, DeepSeek's own (PP16 x EP64 x ZeRO-1 DP128, no TP; 1F1B in place of
+  DualPipe): TP1 EP64 PP16 DP128 mbs1 full recompute, 62.37 s, MFU 14.9%, 20.8 GiB: 1.07x the
+  grid's best, 1.44x the searched plan. The row was killed for memory at 24 GiB before
+  (773dfbe): every ``ExpertPlacement.copied_grid`` held 256 x 2,048 / EP (device,
+  share) pairs (58 MiB and 1 s at EP1), one per MoE layer (58) and kept with every simulated
+  plan; a placement now holds one tuple per group of experts, shared by the layers.
+- mixtral-64, NeMo's recipe without CP and VPP (TP2 PP4 DP8 EP8): 12.11 s, MFU 34.3%, 70.5 GiB
+  with full recomputation: 1.21x the grid's best.
+- qwen3-256, Megatron Bridge's start without CP (TP4 PP16 DP4 EP8): not built, 94 layers do
+  not split evenly over 16 stages for the folded builder (Megatron's even split).
+- deepseek-256 (PP16 leaves 16 dp ranks per stage, fewer than EP64) and gpt-oss-128 (none
+  published): not evaluated.
 
 Mixtral-8x22B: the grid's best is tensor parallelism beside experts inside a pipeline
 (``pp=8 x dp=2 x tp=4``, experts EP8 folded over dp x tp, 1F1B over 256 / 2 = 128
