@@ -346,8 +346,8 @@ def main() -> None:
     parser.add_argument("--constrained", action="store_true",
                         help="plan interleaved grid configurations with TP through the search under their mesh (slow)")
     parser.add_argument("--grid-after-search", action="store_true",
-                        help="build the grid once the search has finished, not beside it (half the peak memory; "
-                             "DeepSeek-V3 on 2,048 GPUs needs it on a 24 GiB machine)")
+                        help="build the grid once the search has finished, not beside it (half the peak memory, "
+                             "and each part's time measured alone)")
     options = parser.parse_args()
     rows = [row for row in ROWS if (not options.quick or row.quick) and (not options.rows or row.key in options.rows)]
     for row in rows:
