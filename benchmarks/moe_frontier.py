@@ -144,12 +144,11 @@ MIXTRAL_8X22B = {"hidden_size": 6144, "intermediate_size": 16384, "num_hidden_la
 
 DEEPSEEK_PUBLISHED = ("PP16 (DualPipe) x EP64 over 8 nodes x ZeRO-1 DP, no TP, node-limited routing (4 nodes); "
                       "DeepSeek-V3 technical report, arXiv 2412.19437, sections 3.2 and 3.1")
-# On 2,048 GPUs: 16 stages of 128 dp ranks, experts EP64 folded over them (2 copies of each),
-# ZeRO-1, one sequence per micro-batch (128 micro-batches); 1F1B in place of DualPipe (the
-# grid's pipeline builder has no DualPipe), recomputation none or full where DeepSeek
-# recomputes RMSNorm and the MLA up-projections only (section 3.2.3).
+# On 2,048 GPUs: 16 stages of 128 dp ranks under DualPipe, experts EP64 folded over them (2
+# copies of each), ZeRO-1, one sequence per micro-batch (128 micro-batches), recomputation none
+# or full where DeepSeek recomputes RMSNorm and the MLA up-projections only (section 3.2.3).
 DEEPSEEK_2048_PUBLISHED = MegatronMoEConfig(tp=1, ep=64, etp=1, pp=16, vpp=1, dp=128, recompute="none",
-                                            micro_batch_size=1)
+                                            micro_batch_size=1, dualpipe=True)
 # NVIDIA's reference layouts, not the model authors' (none published a pre-training layout):
 # NeMo's Mixtral-8x22B pre-training recipe (NVIDIA/NeMo nemo/collections/llm/recipes/mixtral_8x22b.py,
 # trainer(): TP2, sequence parallel, PP4, VPP14, CP2, EP8, micro-batch 1, 16 nodes) and Megatron

@@ -65,7 +65,7 @@ from planner.cluster import Cluster
 from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.plans import Plan
-from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
+from planner.strategy import DUALPIPE, ExpertLayout, ExpertPlacement, Mesh
 from search.moe_search import moe_base_plan
 from search.moe_folding import dense_strategies, folded_plan
 from search.pipeline_configs import Configuration, PipelineSpace
@@ -77,7 +77,9 @@ class MegatronMoEConfig:
     """One Megatron-Core MoE configuration: degrees of tensor (``tp``), expert (``ep``),
     expert-tensor (``etp``), pipeline (``pp``, ``vpp`` virtual stages each) and data
     (``dp``) parallelism, recomputation (``"none"``/``"full"``) and samples per micro-batch
-    per data-parallel rank."""
+    per data-parallel rank. ``dualpipe``: the pipeline runs DeepSeek's DualPipe, not 1F1B (no
+    Megatron-Core schedule, so never in ``grid_configs``: the frontier benchmark prices
+    DeepSeek-V3's published layout with it)."""
 
     tp: int
     ep: int
@@ -87,11 +89,14 @@ class MegatronMoEConfig:
     dp: int
     recompute: str
     micro_batch_size: int
+    dualpipe: bool = False
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"EP{self.ep}", f"ETP{self.etp}", f"PP{self.pp}"]
         if self.vpp > 1:
             parts.append(f"VPP{self.vpp}")
+        if self.dualpipe:
+            parts.append("DualPipe")
         parts += [f"DP{self.dp}", f"mbs{self.micro_batch_size}", f"recompute {self.recompute}"]
         return " ".join(parts)
 
@@ -230,7 +235,7 @@ class MegatronGrid:
         """``config`` as a point of the pipeline builder's grid: mesh ``pp x dp``, ZeRO-1,
         1F1B or interleaved over ``vpp`` virtual stages, the configuration's EP."""
         micro_batches = self.graph.batch_size // (config.dp * config.micro_batch_size)
-        schedule = "interleaved" if config.vpp > 1 else "1f1b"
+        schedule = DUALPIPE if config.dualpipe else "interleaved" if config.vpp > 1 else "1f1b"
         return Configuration(tp=1, pp=config.pp, dp=config.dp, micro_batch=config.micro_batch_size,
                              micro_batches=micro_batches, schedule=schedule, virtual_stages=config.vpp,
                              flavour="zero1" if config.dp > 1 else "ddp", recompute=config.recompute,
@@ -259,6 +264,12 @@ class MegatronGrid:
     def build(self, config: MegatronMoEConfig, constrained: Callable[[MegatronMoEConfig], Plan | None] | None = None
               ) -> GridResult:
         """``config`` as a simulated plan, or why it is not built (module docstring)."""
+        if config.dualpipe:
+            micro_batches = self.graph.batch_size // (config.dp * config.micro_batch_size)
+            if config.tp > 1 or config.etp > 1 or config.vpp > 1 or config.pp % 2 or micro_batches % 2 \
+                    or micro_batches < 2 * config.pp:
+                return GridResult(config, None, "DualPipe is built on an even pipeline without TP, ETP or VPP, "
+                                                "over an even number of micro-batches, at least twice the stages")
         if config.tp == config.etp == 1:
             if config.pp == 1:
                 return self.flat_plan(config)

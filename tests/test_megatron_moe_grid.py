@@ -187,3 +187,22 @@ def test_the_frontier_benchmark_simulates_the_published_layout_beside_the_grid(t
     report_published([none, full])
     assert capsys.readouterr().out.strip().startswith("simulated: TP1 EP4 ETP1 PP1 DP8 mbs1 recompute none, ZeRO-1:")
     assert published_results(grid, None, []) == []
+
+
+def test_a_dualpipe_configuration_is_the_same_pipeline_under_deepseeks_schedule(deep):
+    # DeepSeek-V3's published layout runs DualPipe: PP2 x DP4, EP2, 16 / 4 = 4 micro-batches
+    # (even, twice the stages). Same mesh, experts and recomputation as its 1F1B twin, the
+    # schedule the plan's own; refused in one line where DualPipe does not apply.
+    graph, spec, name, cluster = deep
+    grid = MegatronGrid(graph, cluster, spec, name, "fp32")
+    one_f_one_b = MegatronMoEConfig(tp=1, ep=2, etp=1, pp=2, vpp=1, dp=4, recompute="full", micro_batch_size=1)
+    dualpipe = grid.build(dataclasses.replace(one_f_one_b, dualpipe=True)).plan
+    twin = grid.build(one_f_one_b).plan
+    assert dualpipe.pipeline.schedule == "dualpipe" and twin.pipeline.schedule == "1f1b"
+    assert dict(dualpipe.mesh.axes) == dict(twin.mesh.axes) == {"pp": 2, "dp": 4}
+    assert dualpipe.expert_layouts == twin.expert_layouts and dualpipe.recompute == "full"
+    assert dualpipe.estimate.step_time_s != twin.estimate.step_time_s
+    assert "DualPipe" in dataclasses.replace(one_f_one_b, dualpipe=True).describe()
+    two_per_rank = dataclasses.replace(one_f_one_b, micro_batch_size=2, dualpipe=True)  # 2 micro-batches < 2 x 2 stages
+    assert "at least twice the stages" in grid.build(two_per_rank).missing
+    assert not any(config.dualpipe for config in grid_configs(graph, cluster))
