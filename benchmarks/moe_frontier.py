@@ -28,8 +28,8 @@ Qwen3-235B-A22B is built by ``benchmarks/qwen3_235b.py`` from its whole publishe
   ``--constrained``.
 - **published**: the layout the model's authors report, where they do, else NVIDIA's reference
   layout for the model where there is one (cited, ``ROWS``), and, where its degrees can be put
-  on the row's cluster, that layout simulated as a grid configuration (the faster of
-  recomputation none and full that fits; ``published_results``).
+  on the row's cluster, that layout simulated as a grid configuration without and with full
+  recomputation (a DualPipe layout's 1F1B twin too; ``published_results``).
 
 The searched plan should be no slower than the grid's best; the verdict says when it is and
 why it might be. Budgets count work, so the plans are the same on any machine; the planning
@@ -67,14 +67,18 @@ gpt-oss-128    moe dp=128, 2 micro-batches, zero2,   TP1 EP128 PP1 DP128 mbs2 fu
                (51 s)                                131 s)
 =============  ====================================  ===================================  =========================
 
-Published (or reference) layouts, simulated as grid configurations (faster recomputation that fits):
+Published (or reference) layouts, simulated as grid configurations (measured for
+deepseek-2048 by ``published_results`` alone on the row's grid, 12 s):
 
-- deepseek-2048, DeepSeek's own (PP16 x EP64 x ZeRO-1 DP128, no TP; 1F1B in place of
-  DualPipe): TP1 EP64 PP16 DP128 mbs1 full recompute, 62.37 s, MFU 14.9%, 20.8 GiB: 1.07x the
-  grid's best, 1.44x the searched plan. The row was killed for memory at 24 GiB before
-  (773dfbe): every ``ExpertPlacement.copied_grid`` held 256 x 2,048 / EP (device,
-  share) pairs (58 MiB and 1 s at EP1), one per MoE layer (58) and kept with every simulated
-  plan; a placement now holds one tuple per group of experts, shared by the layers.
+- deepseek-2048, DeepSeek's own (PP16 under DualPipe x EP64 x ZeRO-1 DP128, no TP): with full
+  recomputation 34.54 s, MFU 27.0%, 0.80x the searched plan, but 102.7 GiB: it does not fit
+  (DualPipe holds every stage's weights twice, and inside a pipeline the planner keeps both
+  copies of each expert whole, ``search.megatron_moe``); without recomputation no split of the
+  61 layers over 16 stages fits. Its 1F1B twin with full recomputation fits: 62.37 s, MFU
+  14.9%, 20.8 GiB, 1.07x the grid's best, 1.44x the searched plan. The row was killed for
+  memory at 24 GiB before (773dfbe): every ``ExpertPlacement.copied_grid`` held 256 x 2,048 /
+  EP (device, share) pairs (58 MiB and 1 s at EP1), one per MoE layer (58), kept with every
+  simulated plan; a placement now holds one tuple per group of experts, shared by the layers.
 - mixtral-64, NeMo's recipe without CP and VPP (TP2 PP4 DP8 EP8): 12.11 s, MFU 34.3%, 70.5 GiB
   with full recomputation: 1.21x the grid's best.
 - qwen3-256, Megatron Bridge's start without CP (TP4 PP16 DP4 EP8): not built, 94 layers do
@@ -257,13 +261,16 @@ def grid(row: Row, constrained: bool) -> tuple[list[GridResult], list[GridResult
 
 def published_results(megatron: MegatronGrid, config: MegatronMoEConfig | None,
                       results: list[GridResult]) -> list[GridResult]:
-    """The published layout's degrees without and with full recomputation, each taken from the
-    grid where it was simulated there, else built now (the grid may have pruned it)."""
+    """The published layout's degrees without and with full recomputation (and, for a DualPipe
+    layout, its 1F1B twin likewise), each taken from the grid where it was simulated there,
+    else built now (the grid may have pruned it; DualPipe is never in it)."""
     if config is None:
         return []
     done = {result.config: result for result in results if result.plan is not None}
-    return [done.get(variant) or megatron.build(variant)
-            for variant in (dataclasses.replace(config, recompute=mode) for mode in ("none", "full"))]
+    schedules = (True, False) if config.dualpipe else (False,)
+    variants = [dataclasses.replace(config, recompute=mode, dualpipe=dualpipe)
+                for dualpipe in schedules for mode in ("none", "full")]
+    return [done.get(variant) or megatron.build(variant) for variant in variants]
 
 
 def _figures(step_s: float, mfu: float, memory: float, fits: bool) -> str:
@@ -271,23 +278,14 @@ def _figures(step_s: float, mfu: float, memory: float, fits: bool) -> str:
 
 
 def report_published(published: list[GridResult]) -> None:
-    """Print the published layout's simulated figures: the faster of its recomputation modes
-    that fits, else why none does."""
-    if not published:
-        return
-    best = best_of(published)
-    if best is not None:
-        estimate = best.plan.estimate
-        print(f"      simulated: {best.config.describe()}, ZeRO-1: "
-              f"{_figures(estimate.step_time_s, estimate.mfu, estimate.memory.total, True)}")
-        return
+    """Print each simulated variant of the published layout: its figures, or why it is not built."""
     for result in published:
         if result.plan is None:
             print(f"      {result.config.describe()}: not built: {result.missing}")
         else:
             estimate = result.plan.estimate
-            print(f"      {result.config.describe()}: "
-                  f"{_figures(estimate.step_time_s, estimate.mfu, estimate.memory.total, False)}")
+            print(f"      {result.config.describe()}, ZeRO-1: "
+                  f"{_figures(estimate.step_time_s, estimate.mfu, estimate.memory.total, estimate.fits)}")
 
 
 def report_grid(row: Row, results: list[GridResult], published: list[GridResult], grid_s: float) -> GridResult | None:

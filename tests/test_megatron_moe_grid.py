@@ -171,9 +171,9 @@ def test_folded_configurations_reuse_one_dense_layout_per_mesh_and_price_as_buil
 
 
 def test_the_frontier_benchmark_simulates_the_published_layout_beside_the_grid(tiny, capsys):
-    # benchmarks/moe_frontier.py's published line: the layout's degrees without and with full
-    # recomputation, taken from the grid where it simulated them, else built (here the grid's
-    # results are empty, so both are built), and the faster that fits printed.
+    # benchmarks/moe_frontier.py's published lines: the layout's degrees without and with full
+    # recomputation (a DualPipe layout's 1F1B twin too), taken from the grid where it simulated
+    # them, else built (here the grid's results are empty, so all are built), each printed.
     from benchmarks.moe_frontier import published_results, report_published
 
     graph, spec, name, cluster = tiny
@@ -185,8 +185,14 @@ def test_the_frontier_benchmark_simulates_the_published_layout_beside_the_grid(t
     from_grid = published_results(grid, layout, [none])
     assert from_grid[0] is none and from_grid[1].config == full.config
     report_published([none, full])
-    assert capsys.readouterr().out.strip().startswith("simulated: TP1 EP4 ETP1 PP1 DP8 mbs1 recompute none, ZeRO-1:")
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(",")[0].strip() for line in lines] == ["TP1 EP4 ETP1 PP1 DP8 mbs1 recompute none",
+                                                             "TP1 EP4 ETP1 PP1 DP8 mbs1 recompute full"]
     assert published_results(grid, None, []) == []
+    # DualPipe on a model without a pipeline: refused in one line, its 1F1B twins built.
+    dualpipe = published_results(grid, dataclasses.replace(layout, dualpipe=True), [none])
+    assert [r.config.dualpipe for r in dualpipe] == [True, True, False, False]
+    assert all(r.plan is None and "DualPipe" in r.missing for r in dualpipe[:2]) and dualpipe[2] is none
 
 
 def test_a_dualpipe_configuration_is_the_same_pipeline_under_deepseeks_schedule(deep):
