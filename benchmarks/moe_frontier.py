@@ -77,8 +77,11 @@ deepseek-2048 by ``published_results`` alone on the row's grid, 12 s):
   61 layers over 16 stages fits. Its 1F1B twin with full recomputation fits: 62.37 s, MFU
   14.9%, 20.8 GiB, 1.07x the grid's best, 1.44x the searched plan. The row was killed for
   memory at 24 GiB before (773dfbe): every ``ExpertPlacement.copied_grid`` held 256 x 2,048 /
-  EP (device, share) pairs (58 MiB and 1 s at EP1), one per MoE layer (58), kept with every
-  simulated plan; a placement now holds one tuple per group of experts, shared by the layers.
+  EP (device, share) pairs (58 MiB and 0.9 s at EP1), one per MoE layer (58), kept with every
+  simulated plan: 6.5 GiB and 2 min for the flat configurations EP1-128 at one recomputation
+  and micro-batch size, six such sets (measured at 49d6dd5 with tracemalloc, one layer's
+  placements times 58). A placement now holds one tuple per group of experts, shared by the
+  layers.
 - mixtral-64, NeMo's recipe without CP and VPP (TP2 PP4 DP8 EP8): 12.11 s, MFU 34.3%, 70.5 GiB
   with full recomputation: 1.21x the grid's best.
 - qwen3-256, Megatron Bridge's start without CP (TP4 PP16 DP4 EP8): not built, 94 layers do
