@@ -48,8 +48,8 @@ row            search (step, MFU, memory, s)         grid's best (built/fit of a
 =============  ====================================  ===================================  =========================
 deepseek-2048  moe dp=2048, fsdp, EP 16 per device   TP1 EP256 PP8 VPP2 DP256 mbs1 full   search 0.744x the grid's
                x 128 copies (deduplicated, copies    recompute, ZeRO-1: 58.23 s, 16.0%,   best; peak RSS 2.0 GiB
-               sharded): 43.31 s, 21.5%, 73.1 GiB    23.9 GiB (136/2826 built, 35 fit;    (row 4 min 15 s)
-               (159 s)                               88 s)
+               sharded): 43.31 s, 21.5%, 73.1 GiB    23.9 GiB (136/2826 built, 35 fit;    (row 3 min 36 s)
+               (121 s)                               87 s)
 deepseek-256   megatron pp=32 x dp=8, 1F1B, 128      TP1 EP16 PP16 DP16 mbs1 full         search 0.721x the grid's
                micro-batches, EP round-robin:        recompute, ZeRO-1: 25.06 s, 18.6%,   best
                18.08 s, 25.7%, 74.5 GiB (244 s)      52.9 GiB (86/2064 built, 12 fit)
@@ -67,8 +67,7 @@ gpt-oss-128    moe dp=128, 2 micro-batches, zero2,   TP1 EP128 PP1 DP128 mbs2 fu
                (51 s)                                131 s)
 =============  ====================================  ===================================  =========================
 
-Published (or reference) layouts, simulated as grid configurations (measured for
-deepseek-2048 by ``published_results`` alone on the row's grid, 12 s):
+Published (or reference) layouts, simulated as grid configurations:
 
 - deepseek-2048, DeepSeek's own (PP16 under DualPipe x EP64 x ZeRO-1 DP128, no TP): with full
   recomputation 34.54 s, MFU 27.0%, 0.80x the searched plan, but 102.7 GiB: it does not fit
