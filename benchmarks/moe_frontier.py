@@ -26,40 +26,67 @@ Qwen3-235B-A22B is built by ``benchmarks/qwen3_235b.py`` from its whole publishe
   same cluster, and the fastest that fits. Interleaved pipelines with TP have no builder
   (counted as missing), or are tried through the planner's search under their mesh with
   ``--constrained``.
-- **published**: the layout the model's authors report, where they do (cited).
+- **published**: the layout the model's authors report, where they do, else NVIDIA's reference
+  layout for the model where there is one (cited, ``ROWS``), and, where its degrees can be put
+  on the row's cluster, that layout simulated as a grid configuration without and with full
+  recomputation (a DualPipe layout's 1F1B twin too; ``published_results``).
 
 The searched plan should be no slower than the grid's best; the verdict says when it is and
 why it might be. Budgets count work, so the plans are the same on any machine; the planning
 times are this machine's.
 
-Measured 2026-11-29 at 387c111 (the grid's code; later commits change no figure but one: pricing
-autocast's fp32 activations, ``cost_model/autocast_activations.py``, makes the planner's own
-bf16 programs slower, the more where their weights, and so their residual streams, stay fp32
-as MoE plans' do; the table was not re-run after it), one row
-at a time with ``flock /work/locks/heavy.lock python benchmarks/moe_frontier.py --rows KEY
---search-timeout 600`` on 2 CPU cores shared with other jobs (load 4-6), 24 GiB of memory
-shared likewise. The search ran beside the grid; "s" is the row's wall time (the grid's,
-which outlasted the search). "built/fit" counts the grid's simulated configurations of all:
+Measured 2026-11-29, one row at a time with ``flock /work/locks/heavy.lock /usr/bin/time -v
+python benchmarks/moe_frontier.py --rows KEY --grid-after-search`` on 2 CPU cores shared with
+other jobs (load 3-5), 24 GiB of memory shared likewise. The grid's figures (built/fit of all,
+its best) are those measured at 387c111: later commits, the sharing of expert placements and
+of Megatron's dense layout per mesh among them, change no configuration nor any predicted
+time. "s" is the search's wall time, then the grid's alone (published layout included);
+deepseek-256 is the earlier measurement, search and grid side by side (row wall time):
 
 =============  ====================================  ===================================  =========================
-row            search (step, MFU, memory)            grid's best (built/fit of all)       verdict
+row            search (step, MFU, memory, s)         grid's best (built/fit of all, s)    verdict
 =============  ====================================  ===================================  =========================
+deepseek-2048  moe dp=2048, fsdp, EP 16 per device   TP1 EP256 PP8 VPP2 DP256 mbs1 full   search 0.744x the grid's
+               x 128 copies (deduplicated, copies    recompute, ZeRO-1: 58.23 s, 16.0%,   best; peak RSS 2.0 GiB
+               sharded): 43.31 s, 21.5%, 73.1 GiB    23.9 GiB (136/2826 built, 35 fit;    (row 3 min 36 s)
+               (121 s)                               87 s)
 deepseek-256   megatron pp=32 x dp=8, 1F1B, 128      TP1 EP16 PP16 DP16 mbs1 full         search 0.721x the grid's
                micro-batches, EP round-robin:        recompute, ZeRO-1: 25.06 s, 18.6%,   best
                18.08 s, 25.7%, 74.5 GiB (244 s)      52.9 GiB (86/2064 built, 12 fit)
 mixtral-64     moe dp=64, fsdp, experts replicated:  TP4 EP8 ETP1 PP8 DP2 mbs1 no          search SLOWER: 1.066x the
-               10.70 s, 38.8%, 60.7 GiB (266 s)      recompute, ZeRO-1: 10.03 s, 41.4%,   grid's best (below)
-                                                     70.0 GiB (210/1128 built, 83 fit)
+               10.70 s, 38.8%, 60.7 GiB (43 s)       recompute, ZeRO-1: 10.03 s, 41.4%,   grid's best (below)
+                                                     70.0 GiB (210/1128 built, 83 fit;
+                                                     56 s)
 qwen3-256      moe dp=256, zero2, EP 128 per device  TP1 EP16 PP16 VPP2 DP16 mbs1 full    search 0.626x the grid's
                x 256 copies (sharded): 9.99 s,       recompute, ZeRO-1: 15.97 s, 17.3%,   best
-               27.7%, 67.1 GiB (407 s)               24.7 GiB (272/2214 built, 116 fit)
+               27.7%, 67.1 GiB (184 s)               24.7 GiB (272/2214 built, 116 fit;
+                                                     152 s)
 gpt-oss-128    moe dp=128, 2 micro-batches, zero2,   TP1 EP128 PP1 DP128 mbs2 full        search 0.915x the grid's
                a2a overlapped, EP 128 per device x   recompute, ZeRO-1: 9.63 s, 6.5%,     best
-               128 copies: 8.82 s, 7.1%, 71.3 GiB    55.4 GiB (405/1728 built, 163 fit)
-               (254 s)
-deepseek-2048  not measured: at 773dfbe the row was killed for memory 3.5 min in, search and grid
-               side by side; ``--grid-after-search`` now runs them one after the other (not run yet)
+               128 copies: 8.82 s, 7.1%, 71.3 GiB    55.4 GiB (405/1728 built, 163 fit;
+               (51 s)                                131 s)
 =============  ====================================  ===================================  =========================
+
+Published (or reference) layouts, simulated as grid configurations:
+
+- deepseek-2048, DeepSeek's own (PP16 under DualPipe x EP64 x ZeRO-1 DP128, no TP): with full
+  recomputation 34.54 s, MFU 27.0%, 0.80x the searched plan, but 102.7 GiB: it does not fit
+  (DualPipe holds every stage's weights twice, and inside a pipeline the planner keeps both
+  copies of each expert whole, ``search.megatron_moe``); without recomputation no split of the
+  61 layers over 16 stages fits. Its 1F1B twin with full recomputation fits: 62.37 s, MFU
+  14.9%, 20.8 GiB, 1.07x the grid's best, 1.44x the searched plan. The row was killed for
+  memory at 24 GiB before (773dfbe): every ``ExpertPlacement.copied_grid`` held 256 x 2,048 /
+  EP (device, share) pairs (58 MiB and 0.9 s at EP1), one per MoE layer (58), kept with every
+  simulated plan: 6.5 GiB and 2 min for the flat configurations EP1-128 at one recomputation
+  and micro-batch size, six such sets (measured at 49d6dd5 with tracemalloc, one layer's
+  placements times 58). A placement now holds one tuple per group of experts, shared by the
+  layers.
+- mixtral-64, NeMo's recipe without CP and VPP (TP2 PP4 DP8 EP8): 12.11 s, MFU 34.3%, 70.5 GiB
+  with full recomputation: 1.21x the grid's best.
+- qwen3-256, Megatron Bridge's start without CP (TP4 PP16 DP4 EP8): not built, 94 layers do
+  not split evenly over 16 stages for the folded builder (Megatron's even split).
+- deepseek-256 (PP16 leaves 16 dp ranks per stage, fewer than EP64) and gpt-oss-128 (none
+  published): not evaluated.
 
 Mixtral-8x22B: the grid's best is tensor parallelism beside experts inside a pipeline
 (``pp=8 x dp=2 x tp=4``, experts EP8 folded over dp x tp, 1F1B over 256 / 2 = 128
@@ -79,6 +106,7 @@ against the best found, dominance among the same degrees).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import time
 from dataclasses import dataclass, field
@@ -89,7 +117,7 @@ from planner.api import prepare_model
 from planner.constraints import SearchConstraints
 from planner.errors import PlannerError
 from planner.model_spec import ModelSpec
-from search.megatron_moe import GridResult, MegatronMoEConfig, best_of, grid_results
+from search.megatron_moe import GridResult, MegatronGrid, MegatronMoEConfig, best_of, grid_configs
 
 GIB = 2**30
 
@@ -107,6 +135,10 @@ class Row:
     note: str = ""
     quick: bool = False
     overrides: dict = field(default_factory=dict)
+    # The published (or reference) layout's degrees as a grid configuration, simulated beside
+    # the grid (``published_results``); None where none is published or it cannot be put on
+    # this cluster (``published`` says why).
+    published_config: MegatronMoEConfig | None = None
 
 
 # Qwen3-235B-A22B is built by a file factory: its published head_dim (128) is no field of
@@ -118,21 +150,39 @@ MIXTRAL_8X22B = {"hidden_size": 6144, "intermediate_size": 16384, "num_hidden_la
 
 DEEPSEEK_PUBLISHED = ("PP16 (DualPipe) x EP64 over 8 nodes x ZeRO-1 DP, no TP, node-limited routing (4 nodes); "
                       "DeepSeek-V3 technical report, arXiv 2412.19437, sections 3.2 and 3.1")
+# On 2,048 GPUs: 16 stages of 128 dp ranks under DualPipe, experts EP64 folded over them (2
+# copies of each), ZeRO-1, one sequence per micro-batch (128 micro-batches), recomputation none
+# or full where DeepSeek recomputes RMSNorm and the MLA up-projections only (section 3.2.3).
+DEEPSEEK_2048_PUBLISHED = MegatronMoEConfig(tp=1, ep=64, etp=1, pp=16, vpp=1, dp=128, recompute="none",
+                                            micro_batch_size=1, dualpipe=True)
+# NVIDIA's reference layouts, not the model authors' (none published a pre-training layout):
+# NeMo's Mixtral-8x22B pre-training recipe (NVIDIA/NeMo nemo/collections/llm/recipes/mixtral_8x22b.py,
+# trainer(): TP2, sequence parallel, PP4, VPP14, CP2, EP8, micro-batch 1, 16 nodes) and Megatron
+# Bridge's starting point for Qwen3-235B-A22B (NVIDIA/skills
+# skills/nemo-mbridge-perf-parallelism-strategies/SKILL.md, "MoE models": TP4 PP16 EP8, CP2 for
+# pre-training). The grid has no context parallelism and no interleaved builder with TP, so
+# Mixtral's is evaluated without CP and VPP (TP2 PP4 DP8 EP8 on 64 GPUs).
+MIXTRAL_REFERENCE = ("NeMo's recipe (not Mistral's, who published none): TP2 + SP, PP4 x VPP14, CP2, EP8 on 128 H100s "
+                     "(NVIDIA/NeMo recipes/mixtral_8x22b.py); evaluated here without CP and VPP: TP2 PP4 DP8 EP8")
+QWEN3_REFERENCE = ("Megatron Bridge's starting point (not Qwen's, who published none): TP4 PP16 EP8, CP2 for "
+                   "pre-training (NVIDIA/skills nemo-mbridge-perf-parallelism-strategies); evaluated here without "
+                   "CP: TP4 PP16 DP4 EP8")
 ROWS = (
     Row("deepseek-2048", "DeepSeek-V3", "hf:deepseek_v3", {}, "hgx-h800:256", 16384, 4096, DEEPSEEK_PUBLISHED,
-        note="batch 16,384 not the published 15,360, which does not split over 2,048 dp ranks; with pipelines it "
-             "would, but at pp=16 no 1F1B or DualPipe configuration fits though the average device needs 9.5 GiB: "
-             "the 3 dense layers before the 58 MoE ones are not repeated blocks (planner.trace), so no "
-             "recomputation covers them, and stage 0 keeps their 6.06 GiB per micro-batch for the 16 in "
-             "flight (17 under DualPipe): 97 GiB (measured with PipelineGrid.segment_costs)"),
+        published_config=DEEPSEEK_2048_PUBLISHED,
+        note="batch 16,384 not the published 15,360, which does not split over the 2,048 dp ranks of the layouts "
+             "without a pipeline that the search and the grid try (15,360 splits over PP16's 128)"),
     Row("deepseek-256", "DeepSeek-V3", "hf:deepseek_v3", {}, "dgx-h100:32", 1024, 4096,
-        "none published at 256 GPUs (DeepSeek's is " + DEEPSEEK_PUBLISHED.split(";")[0] + " on 2,048 H800s)"),
-    Row("qwen3-256", "Qwen3-235B-A22B", QWEN3_235B_FACTORY, {}, "dgx-h100:32", 1024, 4096,
-        "no pre-training layout published by Qwen"),
-    Row("mixtral-64", "Mixtral-8x22B", "hf:mixtral", MIXTRAL_8X22B, "dgx-h100:8", 256, 4096,
-        "no pre-training layout published by Mistral", quick=True),
+        "none published at 256 GPUs (DeepSeek's is " + DEEPSEEK_PUBLISHED.split(";")[0] + " on 2,048 H800s; "
+        "not evaluated here: PP16 leaves 16 dp ranks per stage, fewer than EP64 needs)"),
+    Row("qwen3-256", "Qwen3-235B-A22B", QWEN3_235B_FACTORY, {}, "dgx-h100:32", 1024, 4096, QWEN3_REFERENCE,
+        published_config=MegatronMoEConfig(tp=4, ep=8, etp=1, pp=16, vpp=1, dp=4, recompute="none",
+                                           micro_batch_size=1)),
+    Row("mixtral-64", "Mixtral-8x22B", "hf:mixtral", MIXTRAL_8X22B, "dgx-h100:8", 256, 4096, MIXTRAL_REFERENCE,
+        quick=True, published_config=MegatronMoEConfig(tp=2, ep=8, etp=1, pp=4, vpp=1, dp=8, recompute="none",
+                                                       micro_batch_size=1)),
     Row("gpt-oss-128", "gpt-oss-120b", "hf:gpt_oss", {}, "dgx-h100:16", 512, 4096,
-        "no pre-training layout published by OpenAI"),
+        "none published (OpenAI's gpt-oss model card names no training layout)"),
 )
 
 
@@ -200,23 +250,53 @@ def constrained_search(row: Row):
     return plan_for
 
 
-def grid(row: Row, constrained: bool) -> tuple[list[GridResult], float]:
+def grid(row: Row, constrained: bool) -> tuple[list[GridResult], list[GridResult], float]:
+    """The row's grid results, its published layout's (``published_results``) and the seconds
+    both took."""
     started = time.perf_counter()
     graph, spec, name, cluster = prepare_model(row_spec(row), row.cluster)
-    results = grid_results(graph, cluster, spec, name, "bf16", constrained_search(row) if constrained else None)
-    return results, time.perf_counter() - started
+    megatron = MegatronGrid(graph, cluster, spec, name, "bf16")
+    results = megatron.results(grid_configs(graph, cluster), constrained_search(row) if constrained else None)
+    published = published_results(megatron, row.published_config, results)
+    return results, published, time.perf_counter() - started
+
+
+def published_results(megatron: MegatronGrid, config: MegatronMoEConfig | None,
+                      results: list[GridResult]) -> list[GridResult]:
+    """The published layout's degrees without and with full recomputation (and, for a DualPipe
+    layout, its 1F1B twin likewise), each taken from the grid where it was simulated there,
+    else built now (the grid may have pruned it; DualPipe is never in it)."""
+    if config is None:
+        return []
+    done = {result.config: result for result in results if result.plan is not None}
+    schedules = (True, False) if config.dualpipe else (False,)
+    variants = [dataclasses.replace(config, recompute=mode, dualpipe=dualpipe)
+                for dualpipe in schedules for mode in ("none", "full")]
+    return [done.get(variant) or megatron.build(variant) for variant in variants]
 
 
 def _figures(step_s: float, mfu: float, memory: float, fits: bool) -> str:
     return f"{step_s:.2f} s/step, MFU {mfu:.1%}, {memory / GIB:.1f} GiB{'' if fits else ' (does not fit)'}"
 
 
-def report_grid(row: Row, results: list[GridResult], grid_s: float) -> GridResult | None:
-    """Print the row's heading and its grid; returns the grid's best."""
+def report_published(published: list[GridResult]) -> None:
+    """Print each simulated variant of the published layout: its figures, or why it is not built."""
+    for result in published:
+        if result.plan is None:
+            print(f"      {result.config.describe()}: not built: {result.missing}")
+        else:
+            estimate = result.plan.estimate
+            print(f"      {result.config.describe()}, ZeRO-1: "
+                  f"{_figures(estimate.step_time_s, estimate.mfu, estimate.memory.total, estimate.fits)}")
+
+
+def report_grid(row: Row, results: list[GridResult], published: list[GridResult], grid_s: float) -> GridResult | None:
+    """Print the row's heading, its published layout and its grid; returns the grid's best."""
     print(f"\n== {row.model} on {row.cluster}, batch {row.batch:,} x {row.seq:,} ==", flush=True)
     if row.note:
         print(f"   note: {row.note}")
     print(f"   published: {row.published}")
+    report_published(published)
     built = [r for r in results if r.plan is not None]
     missing: dict[str, int] = {}
     for r in results:
@@ -265,8 +345,8 @@ def main() -> None:
     parser.add_argument("--constrained", action="store_true",
                         help="plan interleaved grid configurations with TP through the search under their mesh (slow)")
     parser.add_argument("--grid-after-search", action="store_true",
-                        help="build the grid once the search has finished, not beside it (half the peak memory; "
-                             "DeepSeek-V3 on 2,048 GPUs needs it on a 24 GiB machine)")
+                        help="build the grid once the search has finished, not beside it (half the peak memory, "
+                             "and each part's time measured alone)")
     options = parser.parse_args()
     rows = [row for row in ROWS if (not options.quick or row.quick) and (not options.rows or row.key in options.rows)]
     for row in rows:
@@ -274,12 +354,12 @@ def main() -> None:
         if options.grid_after_search:
             searched = search.finish(options.search_timeout)
         try:
-            results, grid_s = grid(row, options.constrained)
+            results, published, grid_s = grid(row, options.constrained)
         except PlannerError as error:  # the model cannot be built or traced: its one-line message
             print(f"\n== {row.model} on {row.cluster}: {error}")
             search.finish(0.0)
             continue
-        best = report_grid(row, results, grid_s)
+        best = report_grid(row, results, published, grid_s)
         report_search(searched if options.grid_after_search else search.finish(options.search_timeout), best)
 
 

@@ -19,6 +19,15 @@ machine does not inflate). Targets (issue 26): 60 s for 256 H100s, 120 s for 2,0
 The chosen layout is printed beside the one DeepSeek trained V3 with (technical report,
 arXiv 2412.19437, section 3.2: 16-way pipeline (DualPipe), 64-way expert parallelism over 8
 nodes, ZeRO-1 data parallelism, no tensor parallelism, on 2,048 H800s).
+
+Measured 2026-11-29 with ``flock /work/locks/heavy.lock /usr/bin/time -v python
+benchmarks/moe_planning_time.py`` on 2 CPU cores shared with other jobs (load about 3):
+dgx-h100:32 trace 6.1 s + search 25.8 s = 31.9 s wall (30.1 s CPU; target 60 s), megatron
+pp=32 x dp=8, 1F1B over 128 micro-batches, EP8 round-robin, full recomputation, 18.082 s per
+step, MFU 25.7%, 74.5 GiB; hgx-h800:256 trace 3.8 s + search 31.0 s = 34.8 s wall (31.3 s CPU;
+target 120 s), megatron pp=8 x dp=256, 1F1B over 4 micro-batches, ZeRO-1, EP256 round-robin,
+7.780 s, MFU 7.5%, 72.4 GiB. Peak RSS 1.04 GiB. Earlier measurements, 88.3 s and 90.0 s, predate
+the search's later speed-ups: 49d6dd5 already plans hgx-h800:256 in 35.5 s here, the same plan.
 """
 
 from __future__ import annotations

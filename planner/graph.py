@@ -230,6 +230,30 @@ class OpGraph:
         group, index = block
         return next(run for run in self.block_runs if run.group == group and index in run.indices)
 
+    def block_runs_text(self) -> str:
+        """The repeated blocks per stack in words: ``model.layers x61`` for one run, its runs
+        where a stack has several (``model.layers x61: 3 dense (0-2) + 58 MoE (3-60)``: a run
+        is MoE when its blocks hold one of ``moe_blocks``; in a model without MoE layers the
+        runs are told apart by their structure, ``kind 0``, ``kind 1``); ``none`` without any."""
+        moe_modules = [block.module for block in self.moe_blocks]
+
+        def label(run: BlockRun) -> str:
+            if not moe_modules:
+                return f"kind {run.kind}"
+            first = f"{run.group}.{run.start}"
+            return "MoE" if any(m == first or m.startswith(first + ".") for m in moe_modules) else "dense"
+
+        words = []
+        for group, count in self.blocks.items():
+            runs = [run for run in self.block_runs if run.group == group]
+            if len(runs) == 1:
+                words.append(f"{group} x{count}")
+                continue
+            parts = [f"{run.count} {label(run)} ({run.start}" + (f"-{run.start + run.count - 1})" if run.count > 1 else ")")
+                     for run in runs]
+            words.append(f"{group} x{count}: " + " + ".join(parts))
+        return ", ".join(words) or "none"
+
     def block_paths(self) -> tuple[str, ...]:
         """Module paths of the repeated blocks, in order (``("blocks.0", "blocks.1", ...)``)."""
         return tuple(f"{group}.{index}" for group, index in self.block_ids())

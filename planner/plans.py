@@ -89,6 +89,9 @@ class ModelSummary:
     tracer: str
     blocks: dict[str, int] = field(default_factory=dict)
     tokens_per_sample: int = 0
+    # The blocks' runs in words (``OpGraph.block_runs_text``: DeepSeek-V3's "model.layers x61:
+    # 3 dense (0-2) + 58 MoE (3-60)"); empty in plans written before it, whose report words ``blocks``.
+    block_runs: str = ""
 
 
 @dataclass(frozen=True)

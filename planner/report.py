@@ -116,7 +116,7 @@ def report_items(plan: "Plan") -> list[ReportItem]:
 def report_details(plan: "Plan") -> list[tuple[str, str]]:
     """The labelled lines under the verdict: model, cluster, mesh, strategy, batch..."""
     summary = plan.summary
-    blocks = ", ".join(f"{group} x{count}" for group, count in summary.blocks.items()) or "none"
+    blocks = summary.block_runs or ", ".join(f"{group} x{count}" for group, count in summary.blocks.items()) or "none"
     details = [
         ("model", f"{summary.name}: {format_count(summary.parameters)} parameters ({format_bytes(summary.parameter_bytes)}), "
          f"{format_flops(summary.forward_flops)} forward per step, {summary.ops} ops traced by {summary.tracer}; "

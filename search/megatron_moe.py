@@ -65,9 +65,9 @@ from planner.cluster import Cluster
 from planner.errors import PlanningError
 from planner.graph import OpGraph
 from planner.plans import Plan
-from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
+from planner.strategy import DUALPIPE, ExpertLayout, ExpertPlacement, Mesh
 from search.moe_search import moe_base_plan
-from search.moe_folding import folded_plan
+from search.moe_folding import dense_strategies, folded_plan
 from search.pipeline_configs import Configuration, PipelineSpace
 from search.pipeline_search import PipelineGrid
 
@@ -77,7 +77,9 @@ class MegatronMoEConfig:
     """One Megatron-Core MoE configuration: degrees of tensor (``tp``), expert (``ep``),
     expert-tensor (``etp``), pipeline (``pp``, ``vpp`` virtual stages each) and data
     (``dp``) parallelism, recomputation (``"none"``/``"full"``) and samples per micro-batch
-    per data-parallel rank."""
+    per data-parallel rank. ``dualpipe``: the pipeline runs DeepSeek's DualPipe, not 1F1B (no
+    Megatron-Core schedule, so never in ``grid_configs``: the frontier benchmark prices
+    DeepSeek-V3's published layout with it)."""
 
     tp: int
     ep: int
@@ -87,11 +89,14 @@ class MegatronMoEConfig:
     dp: int
     recompute: str
     micro_batch_size: int
+    dualpipe: bool = False
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"EP{self.ep}", f"ETP{self.etp}", f"PP{self.pp}"]
         if self.vpp > 1:
             parts.append(f"VPP{self.vpp}")
+        if self.dualpipe:
+            parts.append("DualPipe")
         parts += [f"DP{self.dp}", f"mbs{self.micro_batch_size}", f"recompute {self.recompute}"]
         return " ".join(parts)
 
@@ -153,11 +158,12 @@ PRUNED = "pruned"  # GridResult.missing's first word for a configuration the bou
 
 def _folded_expert_layouts(graph: OpGraph, ep: int, dp: int, shard_copies: bool) -> tuple[ExpertLayout, ...]:
     layouts = []
+    placements: dict[int, ExpertPlacement] = {}  # by expert count: one placement for DeepSeek-V3's 58 layers
     for block in graph.moe_blocks:
-        if ep == dp:
-            placement = ExpertPlacement.round_robin(block.experts, dp)
-        else:
-            placement = ExpertPlacement.copied_grid(block.experts, dp, block.experts // ep)
+        if block.experts not in placements:
+            placements[block.experts] = (ExpertPlacement.round_robin(block.experts, dp) if ep == dp
+                                         else ExpertPlacement.copied_grid(block.experts, dp, block.experts // ep))
+        placement = placements[block.experts]
         layouts.append(ExpertLayout(module=block.module, mode="expert_parallel", experts=block.experts,
                                     top_k=block.top_k, capacity_factor=block.capacity_factor, axis="dp",
                                     placement=placement, sharded_copies=shard_copies and ep < dp))
@@ -184,6 +190,9 @@ class MegatronGrid:
         self.graph, self.cluster, self.spec, self.model_name, self.precision = graph, cluster, spec, model_name, precision
         self._base: Plan | PlanningError | None = None
         self._pipelines: PipelineGrid | None = None
+        # Megatron's layout of the dense ops per folded mesh: the same for every EP, ETP,
+        # recomputation and micro-batch size on it (it was half the grid's time, built per plan).
+        self._dense: dict[Mesh, tuple | PlanningError] = {}
 
     # ----------------------------------------------------------- EP over DP
 
@@ -226,7 +235,7 @@ class MegatronGrid:
         """``config`` as a point of the pipeline builder's grid: mesh ``pp x dp``, ZeRO-1,
         1F1B or interleaved over ``vpp`` virtual stages, the configuration's EP."""
         micro_batches = self.graph.batch_size // (config.dp * config.micro_batch_size)
-        schedule = "interleaved" if config.vpp > 1 else "1f1b"
+        schedule = DUALPIPE if config.dualpipe else "interleaved" if config.vpp > 1 else "1f1b"
         return Configuration(tp=1, pp=config.pp, dp=config.dp, micro_batch=config.micro_batch_size,
                              micro_batches=micro_batches, schedule=schedule, virtual_stages=config.vpp,
                              flavour="zero1" if config.dp > 1 else "ddp", recompute=config.recompute,
@@ -255,6 +264,12 @@ class MegatronGrid:
     def build(self, config: MegatronMoEConfig, constrained: Callable[[MegatronMoEConfig], Plan | None] | None = None
               ) -> GridResult:
         """``config`` as a simulated plan, or why it is not built (module docstring)."""
+        if config.dualpipe:
+            micro_batches = self.graph.batch_size // (config.dp * config.micro_batch_size)
+            if config.tp > 1 or config.etp > 1 or config.vpp > 1 or config.pp % 2 or micro_batches % 2 \
+                    or micro_batches < 2 * config.pp:
+                return GridResult(config, None, "DualPipe is built on an even pipeline without TP, ETP or VPP, "
+                                                "over an even number of micro-batches, at least twice the stages")
         if config.tp == config.etp == 1:
             if config.pp == 1:
                 return self.flat_plan(config)
@@ -282,11 +297,18 @@ class MegatronGrid:
         # The folded layouts run over the dp axis, kept even at size 1 (EP then folds over tp alone).
         mesh = Mesh(tuple((name, size) for name, size in (("pp", config.pp), ("dp", config.dp), ("tp", config.tp))
                           if size > 1 or name == "dp"))
+        if mesh not in self._dense:
+            try:
+                self._dense[mesh] = dense_strategies(self.graph, mesh, sequence_parallel=False)
+            except PlanningError as error:
+                self._dense[mesh] = error
         try:
+            if isinstance(self._dense[mesh], PlanningError):
+                raise self._dense[mesh]
             plan = folded_plan(self.graph, self.cluster, self.spec, self.model_name, mesh, config.ep, config.etp,
                                precision=self.precision, micro_batches=micro_batches if config.pp > 1 else 1,
                                dp_flavour="zero1" if config.dp > 1 else "ddp", recompute=config.recompute,
-                               accumulation_steps=1 if config.pp > 1 else micro_batches)
+                               accumulation_steps=1 if config.pp > 1 else micro_batches, dense=self._dense[mesh])
         except (PlanningError, ValueError) as error:  # Megatron's layout or the folding refuses it
             return GridResult(config, None, str(error))
         return GridResult(config, dataclasses.replace(plan, label="megatron-moe"))

@@ -166,18 +166,20 @@ def folded_stage_variants(graph: OpGraph, routing: RoutingStats | None, mesh: Me
 def folded_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str, mesh: Mesh, ep: int,
                 etp: int = 1, *, sequence_parallel: bool = False, routing: RoutingStats | None = None,
                 precision: str = "fp32", warnings: tuple[str, ...] = (), micro_batches: int = 1,
-                dp_flavour: str = "ddp", recompute: str = "none", accumulation_steps: int = 1) -> Plan:
+                dp_flavour: str = "ddp", recompute: str = "none", accumulation_steps: int = 1,
+                dense: tuple[tuple[NodeStrategy, ...], dict] | None = None) -> Plan:
     """The simulated folded plan on ``mesh`` (``dp x tp``, or ``pp x dp x tp``: pipeline
     stages of Megatron's even split, 1F1B over ``micro_batches``) with EP ``ep`` and ETP
     ``etp`` for every MoE layer (module docstring). ``dp_flavour``, ``recompute`` and
     (without a pipeline) ``accumulation_steps`` are the plan's (the Megatron-Core grid,
-    ``search.megatron_moe``, sets them; the search keeps the defaults).
+    ``search.megatron_moe``, sets them; the search keeps the defaults). ``dense``: what
+    ``dense_strategies(graph, mesh, sequence_parallel)`` gave, when the caller keeps it.
 
     Raises:
         PlanningError: Megatron's layout does not split the model over ``tp`` or ``pp``.
         ValueError: the degrees do not fold over the mesh (``MoeFoldingSection.check``).
     """
-    strategies, inputs = dense_strategies(graph, mesh, sequence_parallel)
+    strategies, inputs = dense or dense_strategies(graph, mesh, sequence_parallel)
     pipeline = None
     if "pp" in mesh.names:
         pipeline = PipelineConfig(stages=mesh.axis_size("pp"), schedule="1f1b", micro_batches=micro_batches)

@@ -34,6 +34,7 @@ def model_summary(graph: OpGraph, model_name: str) -> ModelSummary:
         tracer=graph.tracer,
         blocks=dict(graph.blocks),
         tokens_per_sample=tokens,
+        block_runs=graph.block_runs_text(),
     )
 
 

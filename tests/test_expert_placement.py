@@ -137,3 +137,38 @@ def test_copy_groups_only_of_grids():
         ExpertPlacement.copied_grid(8, 32, 3)
     with pytest.raises(ValueError, match="8 groups of 1 expert"):
         ExpertPlacement.copied_grid(8, 12, 1)
+
+
+def _loads_one_by_one(placement: ExpertPlacement, expert_loads: list[float]) -> list[float]:
+    """``device_loads`` as its definition reads: every copy of every expert, in expert order."""
+    loads = [0.0] * placement.devices
+    for expert, copies in enumerate(placement.replicas):
+        for device, share in copies:
+            loads[device] += expert_loads[expert] * share
+    return loads
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0.0, 1e6, allow_nan=False), min_size=16, max_size=16))
+def test_device_loads_are_the_per_copy_sums_bit_for_bit(expert_loads):
+    # Grids and round-robin take the per-copy-set path, the hand-made ones (a hot expert's copy
+    # beside a single expert, uneven shares) the per-copy loop; every sum is the same float
+    # (the grid's predicted step times do not move by a bit).
+    placements = [ExpertPlacement.copied_grid(16, 64, 16), ExpertPlacement.copied_grid(16, 32, 4),
+                  ExpertPlacement.round_robin(16, 8),
+                  ExpertPlacement(4, (((0, 0.3), (1, 0.7)),) + tuple(((e % 4, 1.0),) for e in range(1, 16))),
+                  ExpertPlacement(4, (((0, 0.25), (1, 0.75)),) * 8 + (((2, 0.5), (3, 0.5)),) * 8)]
+    for placement in placements:
+        assert placement.device_loads(expert_loads) == _loads_one_by_one(placement, expert_loads)
+
+
+def test_a_copied_grid_holds_one_tuple_of_copies_per_group():
+    # 256 experts copied over 2,048 devices (DeepSeek-V3 at EP1 over 2,048 dp ranks): the same
+    # pairs as one tuple per expert, but 2,048 of them held once, not 256 x 2,048.
+    grid = ExpertPlacement.copied_grid(256, 2048, 256)
+    assert all(copies is grid.replicas[0] for copies in grid.replicas)
+    assert grid.replicas[255] == tuple((device, 1.0 / 2048) for device in range(2048))
+    eight = ExpertPlacement.copied_grid(256, 2048, 32)  # EP8: 8 groups of 32 experts, 256 copies each
+    assert eight.replicas[33] is eight.replicas[63] and eight.replicas[33] == tuple(
+        (256 + copy, 1.0 / 256) for copy in range(256))
+    assert eight.device_loads([1.0] * 256) == [32 / 256] * 2048

@@ -140,3 +140,75 @@ def test_the_best_is_the_fastest_of_every_built_configuration(tiny):
     assert folded and all(r.plan.estimate.memory.total >= grid.folded_memory_lower_bound(r.config) for r in folded)
     for result in pruned:
         assert result.plan is not None or result.missing
+
+
+def test_folded_configurations_reuse_one_dense_layout_per_mesh_and_price_as_built_alone(tiny, monkeypatch):
+    # The grid keeps Megatron's dense layout per mesh (it was half a row's time, rebuilt for
+    # every EP, ETP, recomputation and micro-batch size): each folded plan's step and memory
+    # equal folded_plan's own, built from scratch.
+    import search.megatron_moe
+    from search.moe_folding import dense_strategies, folded_plan
+
+    layouts = []
+    monkeypatch.setattr(search.megatron_moe, "dense_strategies",
+                        lambda graph, mesh, **options: layouts.append(mesh) or dense_strategies(graph, mesh, **options))
+    graph, spec, name, cluster = tiny
+    configs = [c for c in grid_configs(graph, cluster) if c.tp > 1 and c.vpp == 1][:12]
+    grid = MegatronGrid(graph, cluster, spec, name, "fp32")
+    cached = [grid.folded(config) for config in configs]
+    assert len(layouts) == len(set(layouts)) < len(configs)  # one per mesh, not per configuration
+    for config, result in zip(configs, cached):
+        mesh = result.plan.mesh if result.plan is not None else None
+        if mesh is None:
+            continue
+        steps = graph.batch_size // (config.dp * config.micro_batch_size)
+        alone = folded_plan(graph, cluster, spec, name, mesh, config.ep, config.etp, precision="fp32",
+                            micro_batches=steps if config.pp > 1 else 1, dp_flavour=result.plan.dp_flavour,
+                            recompute=config.recompute, accumulation_steps=1 if config.pp > 1 else steps)
+        assert alone.estimate.step_time_s == result.plan.estimate.step_time_s
+        assert alone.estimate.memory.total == result.plan.estimate.memory.total
+    assert any(result.plan is not None for result in cached)
+
+
+def test_the_frontier_benchmark_simulates_the_published_layout_beside_the_grid(tiny, capsys):
+    # benchmarks/moe_frontier.py's published lines: the layout's degrees without and with full
+    # recomputation (a DualPipe layout's 1F1B twin too), taken from the grid where it simulated
+    # them, else built (here the grid's results are empty, so all are built), each printed.
+    from benchmarks.moe_frontier import published_results, report_published
+
+    graph, spec, name, cluster = tiny
+    grid = MegatronGrid(graph, cluster, spec, name, "fp32")
+    layout = MegatronMoEConfig(tp=1, ep=4, etp=1, pp=1, vpp=1, dp=8, recompute="none", micro_batch_size=1)
+    none, full = published_results(grid, layout, [])
+    assert (none.config.recompute, full.config.recompute) == ("none", "full")
+    assert none.plan.estimate.step_time_s < full.plan.estimate.step_time_s  # recomputing only adds time
+    from_grid = published_results(grid, layout, [none])
+    assert from_grid[0] is none and from_grid[1].config == full.config
+    report_published([none, full])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(",")[0].strip() for line in lines] == ["TP1 EP4 ETP1 PP1 DP8 mbs1 recompute none",
+                                                             "TP1 EP4 ETP1 PP1 DP8 mbs1 recompute full"]
+    assert published_results(grid, None, []) == []
+    # DualPipe on a model without a pipeline: refused in one line, its 1F1B twins built.
+    dualpipe = published_results(grid, dataclasses.replace(layout, dualpipe=True), [none])
+    assert [r.config.dualpipe for r in dualpipe] == [True, True, False, False]
+    assert all(r.plan is None and "DualPipe" in r.missing for r in dualpipe[:2]) and dualpipe[2] is none
+
+
+def test_a_dualpipe_configuration_is_the_same_pipeline_under_deepseeks_schedule(deep):
+    # DeepSeek-V3's published layout runs DualPipe: PP2 x DP4, EP2, 16 / 4 = 4 micro-batches
+    # (even, twice the stages). Same mesh, experts and recomputation as its 1F1B twin, the
+    # schedule the plan's own; refused in one line where DualPipe does not apply.
+    graph, spec, name, cluster = deep
+    grid = MegatronGrid(graph, cluster, spec, name, "fp32")
+    one_f_one_b = MegatronMoEConfig(tp=1, ep=2, etp=1, pp=2, vpp=1, dp=4, recompute="full", micro_batch_size=1)
+    dualpipe = grid.build(dataclasses.replace(one_f_one_b, dualpipe=True)).plan
+    twin = grid.build(one_f_one_b).plan
+    assert dualpipe.pipeline.schedule == "dualpipe" and twin.pipeline.schedule == "1f1b"
+    assert dict(dualpipe.mesh.axes) == dict(twin.mesh.axes) == {"pp": 2, "dp": 4}
+    assert dualpipe.expert_layouts == twin.expert_layouts and dualpipe.recompute == "full"
+    assert dualpipe.estimate.step_time_s != twin.estimate.step_time_s
+    assert "DualPipe" in dataclasses.replace(one_f_one_b, dualpipe=True).describe()
+    two_per_rank = dataclasses.replace(one_f_one_b, micro_batch_size=2, dualpipe=True)  # 2 micro-batches < 2 x 2 stages
+    assert "at least twice the stages" in grid.build(two_per_rank).missing
+    assert not any(config.dualpipe for config in grid_configs(graph, cluster))

@@ -74,3 +74,26 @@ def test_the_verdict_names_the_dense_flavour_once_and_the_layer_modes():
 
     words = strategy_words(plan)
     assert words.count("ZeRO-2") == 1 and "the 2 MoE layer(s) by layout: experts sliced" in words
+
+
+def test_the_model_line_names_deepseeks_dense_and_moe_block_runs():
+    """DeepSeek-V3's stack is two runs of blocks (``first_k_dense_replace`` dense layers, then
+    MoE ones): the report's model line says so, and a plan file keeps it."""
+    from moe_plans import HF_MOE
+    from planner.plans import Plan
+    from search.data_parallel import data_parallel_plan
+
+    spec = ModelSpec("hf:deepseek_v3", {**HF_MOE["deepseek_v3"], "num_hidden_layers": 4, "first_k_dense_replace": 2})
+    graph, spec, name, cluster = prepare_model(spec, "cpu:1x2")
+    plan = data_parallel_plan(graph, cluster, spec, name, "ddp")
+    runs = "repeated blocks: model.layers x4: 2 dense (0-1) + 2 MoE (2-3)"
+    assert runs in " ".join(plan.report().split())
+    assert Plan.from_dict(plan.to_dict()).summary.block_runs == plan.summary.block_runs
+    # A plan written before the runs were recorded words its blocks per stack, as it did.
+    older = dataclasses.replace(plan, summary=dataclasses.replace(plan.summary, block_runs=""))
+    older_text = " ".join(older.report().split())
+    assert "repeated blocks: model.layers x4 " in older_text and "model.layers x4:" not in older_text
+    # One run, or runs of a model without MoE layers (told apart by structure only).
+    assert prepare_model(SPEC, "cpu:1x2")[0].block_runs_text() == "blocks x2"
+    dense = dataclasses.replace(graph, moe_blocks=())
+    assert dense.block_runs_text() == "model.layers x4: 2 kind 0 (0-1) + 2 kind 1 (2-3)"
