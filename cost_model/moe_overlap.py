@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_model.compute import op_times
+from planner.expert_layouts import expert_axis_size
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,8 @@ def block_compute_s(context, layer) -> tuple[float, float]:
     parent = layer.block.module.rpartition(".")[0]
     if not parent:
         return 0.0, 0.0
-    split = context.mesh.axis_size(layer.layout.axis) * context.micro_batches
+    # The layer's ranks: one axis, or dp x tp for a folded layer (the dense ops split over both).
+    split = expert_axis_size(context.mesh, layer.layout.axis) * context.micro_batches
     forward = backward = 0.0
     for node in context.graph.nodes:
         if node.name in layer.nodes or not (node.module == parent or node.module.startswith(parent + ".")):

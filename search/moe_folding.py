@@ -44,6 +44,9 @@ from search.plan_builder import unsimulated_plan
 
 FOLDED_SEQUENCE_PARALLEL = (False,)
 EP_OPTIONS = 4  # expert-parallel degrees searched per ETP and mesh, the largest first (folded_degrees)
+# Expert-parallel degrees (ETP 1) each pipeline mesh of the grid is priced with (folded_stage_variants):
+# every variant is one more segment simulation per micro-batch size, on every pipeline mesh.
+STAGE_EP_OPTIONS = 2
 
 
 def folded_meshes(context: SearchContext) -> list[Mesh]:
@@ -102,19 +105,62 @@ def dense_strategies(graph: OpGraph, mesh: Mesh, sequence_parallel: bool) -> tup
         PlanningError: Megatron's layout does not apply (``megatron_layout``).
     """
     strategies, inputs = megatron_layout(graph, mesh, sequence_parallel=sequence_parallel)
+    return moe_params_whole_on_tp(graph, mesh, strategies), inputs
+
+
+def moe_params_whole_on_tp(graph: OpGraph, mesh: Mesh, strategies: tuple[NodeStrategy, ...]) -> tuple[NodeStrategy, ...]:
+    """``strategies`` with the parameters of every MoE layer's own ops replicated on ``tp``
+    (each tp rank routes its share of the tokens with the whole router; the experts run by
+    the layer's layout, not by placements)."""
+    from torch.distributed.tensor import Replicate
+
     inside = {node.name for block in graph.moe_blocks for node in graph.moe_nodes(block.module)}
     tp_index = mesh.names.index("tp")
 
     def replicated_on_tp(placements):
-        from torch.distributed.tensor import Replicate
         return tuple(Replicate() if index == tp_index else p for index, p in enumerate(placements))
 
-    laid_out = tuple(
+    return tuple(
         dataclasses.replace(s, params={name: replicated_on_tp(p) for name, p in s.params.items()})
         if s.node in inside and s.params else s
         for s in strategies
     )
-    return laid_out, inputs
+
+
+def with_stage_layouts(plan: Plan, layouts: tuple[ExpertLayout, ...], overlap: bool = False) -> Plan:
+    """``plan`` (of the pipeline grid, without MoE layouts yet) with ``layouts`` and
+    ``overlap`` (its all-to-alls under another micro-batch's compute); when the layouts fold
+    over ``dp*tp`` (``folded_stage_variants``), also made a folded plan: the MoE layers' own
+    parameters whole on ``tp``, the family's section and label."""
+    if not layouts or any(layout.axis != FOLDED_DP_TP for layout in layouts):
+        return dataclasses.replace(plan, expert_layouts=layouts, moe_a2a_overlap=overlap)
+    strategies = moe_params_whole_on_tp(plan.graph, plan.mesh, plan.strategies)
+    return dataclasses.replace(plan, strategies=strategies, label=MOE_LABEL, expert_layouts=layouts,
+                               moe_a2a_overlap=overlap, sections={**plan.sections, JSON_KEY: MoeFoldingSection(False)})
+
+
+def folded_stage_variants(graph: OpGraph, routing: RoutingStats | None, mesh: Mesh,
+                          moe_dispatch: str = "compiled") -> dict[str, tuple[ExpertLayout, ...]]:
+    """The folded layouts the pipeline grid prices on a ``pp x dp x tp`` mesh (tp >= 2), by
+    variant name: every MoE layer expert parallel over its stage's ``dp*tp`` ranks with the
+    ``STAGE_EP_OPTIONS`` largest EPs of ETP 1 that every layer allows (the fewest expert
+    copies: the least memory), and, when the dispatch is not the compiled one, the largest
+    EP of each ETP > 1 (compiled pipelines run whole experts, ``codegen.pipeline_emit``).
+    Empty for any other mesh: a pipeline without dp or tp folds nothing here, and one
+    without stages is ``folded_candidates``' (whose compiled programs differ)."""
+    if mesh.names != ("pp", "dp", "tp") or not graph.moe_blocks:
+        return {}
+    ranks, tp = mesh.axis_size("dp") * mesh.axis_size("tp"), mesh.axis_size("tp")
+    shared = None
+    for block in graph.moe_blocks:
+        options = set(folded_degrees(block.experts, block.ffn, ranks, tp))
+        shared = options if shared is None else shared & options
+    chosen = [(ep, 1) for ep in sorted(ep for ep, etp in shared or () if etp == 1)[-STAGE_EP_OPTIONS:]]
+    if moe_dispatch != "compiled":
+        for etp in sorted({etp for _, etp in shared or ()} - {1}):
+            chosen.append((max(ep for ep, other in shared if other == etp), etp))
+    routing = routing or RoutingStats()
+    return {f"folded-ep{ep}-etp{etp}": folded_layouts(graph, routing, ep, etp) for ep, etp in chosen}
 
 
 def folded_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_name: str, mesh: Mesh, ep: int,

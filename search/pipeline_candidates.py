@@ -6,6 +6,7 @@ import dataclasses
 
 from planner.plans import Plan
 from search.context import SearchContext
+from search.moe_folding import folded_stage_variants, with_stage_layouts
 from search.moe_search import mixing_only_in_moe_layers
 from search.pipeline_search import PipelineSpace, pipeline_plans
 from search.stage_experts import compiled_in_stages, runs_in_stages, stage_expert_variants
@@ -21,6 +22,14 @@ _MOE_SPACE = dict(flavours=("ddp",), tensor_parallel=(1,), sequence_parallel=(Fa
 # (technical report, arXiv 2412.19437, section 3.2), which shards the states of the weights the stage's dp ranks share
 # and leaves each rank's own experts whole.
 _HF_MOE_FLAVOURS = ("ddp", "zero1")
+
+
+def folds_in_stages(context: SearchContext) -> bool:
+    """Whether the pipeline grid of an MoE model also prices tensor-parallel stages with the
+    experts folded over each stage's dp x tp ranks (Megatron-Core's MoE parallel folding,
+    ``planner.families.moe_folding``): when the MoE layers may be planned by layout and the
+    user's constraints allow the folding family."""
+    return context.moe_layouts and context.constraints.allows_family("moe-folding")
 
 
 def pipeline_candidates(context: SearchContext) -> list[Plan]:
@@ -50,14 +59,20 @@ def pipeline_candidates(context: SearchContext) -> list[Plan]:
     if moe:
         graph, cluster, routing, precision = context.graph, context.cluster, context.routing, context.precision
         flavours = _MOE_SPACE["flavours"] if all(compiled_in_stages(b) for b in graph.moe_blocks) else _HF_MOE_FLAVOURS
+        folding = folds_in_stages(context)
+
+        def expert_layouts(mesh, micro_batches):
+            if "tp" in mesh.names:  # tensor parallel stages: experts folded over dp x tp (search.moe_folding)
+                return folded_stage_variants(graph, routing, mesh, context.moe_dispatch) if folding else {}
+            return stage_expert_variants(graph, cluster, routing, precision, mesh, micro_batches)
+
         space = dataclasses.replace(
-            space, **{**_MOE_SPACE, "flavours": flavours},
+            space, **{**_MOE_SPACE, "flavours": flavours, **({"tensor_parallel": None} if folding else {})},
             # DualPipe hides each micro-batch's all-to-alls under another's compute, which is
             # simulated, not compiled: tried when the user opts into that (--moe-dispatch
             # overlapped, planner.expert_layouts.MOE_DISPATCHES).
             dualpipe=context.moe_dispatch == "overlapped",
-            expert_layouts=lambda mesh, micro_batches: stage_expert_variants(graph, cluster, routing, precision, mesh,
-                                                                             micro_batches),
+            expert_layouts=expert_layouts, lay_out_experts=with_stage_layouts if folding else None,
         )
     return pipeline_plans(context.graph, context.cluster, context.spec, context.model_name, context.precision,
                           context.budget, space)

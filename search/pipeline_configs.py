@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from planner.strategy import ExpertLayout, Mesh
+
+if TYPE_CHECKING:
+    from planner.plans import Plan
 
 RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes more
 # A configuration whose stages each choose their own mode (``Slicing.modes``).
@@ -35,8 +39,13 @@ class PipelineSpace:
     allows_mesh: Callable[[Mesh], bool] | None = None
     # An MoE model's grid: (mesh, micro-batches) -> the MoE layers' layouts by variant name
     # (``search.stage_experts.stage_expert_variants``); every configuration with a dp axis
-    # is priced with each variant. None for a dense model.
+    # is priced with each variant. None for a dense model. A mesh with tp > 1 is priced only
+    # with the variants it gives (MoE layers beside tensor parallelism run folded, by layout).
     expert_layouts: Callable[[Mesh, int], dict[str, tuple[ExpertLayout, ...]]] | None = None
+    # (plan, its MoE layers' layouts, whether their all-to-alls overlap) -> the plan with them,
+    # for every plan the grid builds with layouts, its segment probes included: the folded MoE
+    # family's (``search.moe_folding.with_stage_layouts``). None: the two fields set as they are.
+    lay_out_experts: Callable[["Plan", tuple[ExpertLayout, ...], bool], "Plan"] | None = None
     tensor_parallel: tuple[int, ...] | None = None  # the tp degrees allowed (None: every divisor of a node)
     # Whether an MoE grid also tries DeepSeek-V3's DualPipe on even pipelines
     # (``search.pipeline_step``); a dense one never does: without all-to-alls to hide, it only

@@ -168,6 +168,8 @@ class PipelineGrid:
                     if self._tries_dualpipe(pp, micro_batches):
                         schedules.append((DUALPIPE, 1))
                     variants = self._expert_variants(grid_mesh(pp, dp, tp), micro_batches)
+                    if tp > 1 and space.expert_layouts is not None and variants == ("",):
+                        continue  # MoE layers beside tensor parallelism run only by a folded layout
                     for schedule, chunks in schedules:
                         for flavour in space.flavours if dp > 1 else ("ddp",):
                             per_stage = (PER_STAGE,) if space.per_stage_recompute and pp > 1 else ()
@@ -273,12 +275,21 @@ class PipelineGrid:
                 stages=config.pp, schedule=config.schedule, micro_batches=config.micro_batches,
                 virtual_stages=config.virtual_stages, stage_recompute=per_stage,
             )
-        return unsimulated_plan(
-            self.graph, self.cluster, spec, model_name, mesh, strategies, inputs,
-            dp_flavour=config.flavour, recompute=recompute, pipeline=pipeline, precision=self.precision,
-            label=config.layout, expert_layouts=self._experts_of(config),
-            moe_a2a_overlap=self._overlaps_all_to_alls(config),
-        )
+        return self._built(config, spec, model_name, mesh, strategies, inputs, dp_flavour=config.flavour,
+                           recompute=recompute, pipeline=pipeline, label=config.layout)
+
+    def _built(self, config: Configuration, spec: ModelSpec | None, model_name: str, mesh: Mesh, strategies: tuple,
+               inputs: dict, **settings) -> Plan:
+        """The unsimulated plan of ``config`` with its MoE layers' layouts, put on it by the
+        space's ``lay_out_experts`` when it has one (the folded MoE family's)."""
+        layouts, overlap = self._experts_of(config), self._overlaps_all_to_alls(config)
+        if self.space.lay_out_experts is None or not layouts:
+            return unsimulated_plan(self.graph, self.cluster, spec, model_name, mesh, strategies, inputs,
+                                    precision=self.precision, expert_layouts=layouts, moe_a2a_overlap=overlap,
+                                    **settings)
+        plan = unsimulated_plan(self.graph, self.cluster, spec, model_name, mesh, strategies, inputs,
+                                precision=self.precision, **settings)
+        return self.space.lay_out_experts(plan, layouts, overlap)
 
     # ------------------------------------------------------------- estimates
 
@@ -471,11 +482,10 @@ class PipelineGrid:
         layout."""
         mesh = config.mesh
         key = (config.tp, config.sequence_parallel, mesh.names, config.micro_batch, config.layout)
-        overlap = self._overlaps_all_to_alls(config)
         if config.experts:
             # Expert layouts run over the dp group and route each micro-batch: their costs
             # depend on the group's size and the micro-batches, not only on the axis names.
-            key += (mesh, config.micro_batches, config.experts, overlap)
+            key += (mesh, config.micro_batches, config.experts, self._overlaps_all_to_alls(config))
         if key not in self._profiles:
             layout = self._layout(config.tp, config.sequence_parallel, mesh.names, config.layout)
             if layout is None:
@@ -483,11 +493,7 @@ class PipelineGrid:
                 return None
             strategies, inputs = layout
             pipeline = PipelineConfig(stages=config.pp, micro_batches=config.micro_batches) if config.pp > 1 else None
-            probe = unsimulated_plan(
-                self.graph, self.cluster, None, "probe", mesh, strategies, inputs,
-                pipeline=pipeline, precision=self.precision, expert_layouts=self._experts_of(config),
-                moe_a2a_overlap=overlap,
-            )
+            probe = self._built(config, None, "probe", mesh, strategies, inputs, pipeline=pipeline)
             self._profiles[key] = Simulator(probe, self.graph).segment_profiles()
         return self._profiles[key]
 
