@@ -25,9 +25,12 @@ import pytest
 
 import planner
 from planner.api import prepare_model
+from planner.constraints import SearchConstraints
 from planner.model_spec import ModelSpec
 from planner.strategy import Mesh
-from search.moe_folding import folded_plan
+from search.budget import SearchBudget
+from search.context import SearchContext
+from search.moe_folding import folded_candidates, folded_plan
 from moe_plans import HF_MOE
 
 SPEC = ModelSpec("hf:mixtral", {**HF_MOE["mixtral"], "num_hidden_layers": 4, "batch_size": 16})
@@ -63,3 +66,23 @@ def test_default_dispatch_keeps_folded_pipelines_to_whole_experts(searched):
     """Compiled pipelines run whole experts (ETP 1, ``codegen.pipeline_emit``): the search
     does not choose split experts in a pipeline under the default ``--moe-dispatch compiled``."""
     assert all(layout.tensor_parallel == 1 and layout.axis == "dp*tp" for layout in searched.expert_layouts)
+
+
+def test_huggingface_blocks_fold_with_whole_experts_under_the_compiled_dispatch():
+    """Without a pipeline, compiled folded programs split experts (ETP > 1) only for
+    ``examples/moe.py``'s routed GELU layers (``codegen.moe_folding_emit`` refuses HuggingFace
+    blocks so): under ``--mesh dp=2,tp=2`` the search's HuggingFace candidates keep whole
+    experts, and price EP2 x ETP2 only under another dispatch."""
+    graph, spec, name, cluster = prepare_model(ModelSpec("hf:mixtral", HF_MOE["mixtral"]), "cpu:1x4")
+
+    def candidates(dispatch: str):
+        context = SearchContext(
+            graph=graph, cluster=cluster, spec=spec, model_name=name, search="ilp", budget=SearchBudget(), seed=0,
+            warnings=(), precision="fp32", constraints=SearchConstraints(mesh={"dp": 2, "tp": 2}), routing=None,
+            tp_layouts="1d", meshes=[Mesh((("dp", 2), ("tp", 2)))], moe_layouts=True, moe_dispatch=dispatch)
+        return {(layout.placement.devices, layout.tensor_parallel)
+                for plan in folded_candidates(context) for layout in plan.expert_layouts}
+
+    # 4 experts of width 48 over 4 ranks: EP 2 or 4 whole, or EP2 x ETP2.
+    assert candidates("compiled") == {(2, 1), (4, 1)}
+    assert candidates("deduplicated") == {(2, 1), (4, 1), (2, 2)}
