@@ -30,7 +30,7 @@ from planner.model_spec import ModelSpec
 from planner.strategy import Mesh
 from search.budget import SearchBudget
 from search.context import SearchContext
-from search.moe_folding import folded_candidates, folded_plan
+from search.moe_folding import folded_candidates, folded_plan, folded_stage_variants
 from moe_plans import HF_MOE
 
 SPEC = ModelSpec("hf:mixtral", {**HF_MOE["mixtral"], "num_hidden_layers": 4, "batch_size": 16})
@@ -43,8 +43,13 @@ def searched():
     return planner.plan(SPEC, CLUSTER, progress=False, constraints={"mesh": {"pp": 2, "tp": 2}})
 
 
-def test_folded_pipeline_search_matches_exhaustive_enumeration(searched):
-    graph, spec, name, cluster = prepare_model(SPEC, CLUSTER)
+@pytest.fixture(scope="module")
+def traced():
+    return prepare_model(SPEC, CLUSTER)
+
+
+def test_folded_pipeline_search_matches_exhaustive_enumeration(searched, traced):
+    graph, spec, name, cluster = traced
     enumerated = {
         (ep, micro_batches, flavour, recompute): folded_plan(
             graph, cluster, spec, name, MESH, ep, micro_batches=micro_batches, dp_flavour=flavour, recompute=recompute)
@@ -62,27 +67,39 @@ def test_folded_pipeline_search_matches_exhaustive_enumeration(searched):
     assert searched.estimate.step_time_s <= best * (1 + 1e-9), (searched.name, searched.estimate.step_time_s, best)
 
 
-def test_default_dispatch_keeps_folded_pipelines_to_whole_experts(searched):
-    """Compiled pipelines run whole experts (ETP 1, ``codegen.pipeline_emit``): the search
-    does not choose split experts in a pipeline under the default ``--moe-dispatch compiled``."""
+def test_folded_stages_split_experts_only_under_a_priced_dispatch(searched, traced):
+    """Compiled pipelines run whole experts (ETP 1, ``codegen.pipeline_emit``): the grid's
+    folded stages split experts (ETP 2) only under a ``--moe-dispatch`` other than compiled,
+    and the plan chosen under the default keeps them whole."""
+    graph = traced[0]
+    # 4 experts of width 48 over a stage's 4 ranks: EP 2 and 4 whole (the two largest), EP2 x ETP2.
+    compiled = folded_stage_variants(graph, None, MESH, "compiled")
+    priced = folded_stage_variants(graph, None, MESH, "deduplicated")
+    assert sorted(compiled) == ["folded-ep2-etp1", "folded-ep4-etp1"]
+    assert sorted(priced) == ["folded-ep2-etp1", "folded-ep2-etp2", "folded-ep4-etp1"]
+    assert {layout.tensor_parallel for layout in priced["folded-ep2-etp2"]} == {2}
     assert all(layout.tensor_parallel == 1 and layout.axis == "dp*tp" for layout in searched.expert_layouts)
+    # A stage mesh without dp, or no stages at all, folds nothing here.
+    assert folded_stage_variants(graph, None, Mesh((("pp", 2), ("tp", 4)))) == {}
+    assert folded_stage_variants(graph, None, Mesh((("dp", 4), ("tp", 2)))) == {}
 
 
-def test_huggingface_blocks_fold_with_whole_experts_under_the_compiled_dispatch():
+def test_huggingface_blocks_fold_with_whole_experts_under_the_compiled_dispatch(traced):
     """Without a pipeline, compiled folded programs split experts (ETP > 1) only for
     ``examples/moe.py``'s routed GELU layers (``codegen.moe_folding_emit`` refuses HuggingFace
-    blocks so): under ``--mesh dp=2,tp=2`` the search's HuggingFace candidates keep whole
-    experts, and price EP2 x ETP2 only under another dispatch."""
-    graph, spec, name, cluster = prepare_model(ModelSpec("hf:mixtral", HF_MOE["mixtral"]), "cpu:1x4")
+    blocks so): under ``--mesh dp=4,tp=2`` the search's HuggingFace candidates keep whole
+    experts, and price split ones only under another dispatch."""
+    graph, spec, name, cluster = traced
 
     def candidates(dispatch: str):
         context = SearchContext(
             graph=graph, cluster=cluster, spec=spec, model_name=name, search="ilp", budget=SearchBudget(), seed=0,
-            warnings=(), precision="fp32", constraints=SearchConstraints(mesh={"dp": 2, "tp": 2}), routing=None,
-            tp_layouts="1d", meshes=[Mesh((("dp", 2), ("tp", 2)))], moe_layouts=True, moe_dispatch=dispatch)
+            warnings=(), precision="fp32", constraints=SearchConstraints(mesh={"dp": 4, "tp": 2}), routing=None,
+            tp_layouts="1d", meshes=[Mesh((("dp", 4), ("tp", 2)))], moe_layouts=True, moe_dispatch=dispatch)
         return {(layout.placement.devices, layout.tensor_parallel)
                 for plan in folded_candidates(context) for layout in plan.expert_layouts}
 
-    # 4 experts of width 48 over 4 ranks: EP 2 or 4 whole, or EP2 x ETP2.
+    # 4 experts of width 48 over 8 ranks: EP 2 or 4 whole, or split in two (ETP2): EP4 x ETP2
+    # covers the ranks (what routed GELU layers compile), EP2 x ETP2 has copies.
     assert candidates("compiled") == {(2, 1), (4, 1)}
-    assert candidates("deduplicated") == {(2, 1), (4, 1), (2, 2)}
+    assert candidates("deduplicated") == {(2, 1), (4, 1), (2, 2), (4, 2)}
