@@ -15,8 +15,8 @@ all of them compete with the other families' plans on their simulated step.
 
 Folded pipelines by default: the pipeline grid (``search.pipeline_candidates``,
 ``search.pipeline_search``) prices every ``pp x dp x tp`` mesh of an MoE model with the
-layouts of ``folded_stage_variants`` (the ``STAGE_EP_OPTIONS`` largest EPs of ETP 1 over each
-stage's ``dp*tp`` ranks), choosing stages, micro-batches, schedule, ZeRO-1 and recomputation
+layouts of ``folded_stage_variants`` (the largest EP of ETP 1 over each stage's ``dp*tp``
+ranks: the fewest expert copies), choosing stages, micro-batches, schedule, ZeRO-1 and recomputation
 as for any pipeline; ``with_stage_layouts`` makes its plans folded. That is how the search
 finds Megatron-Core's Mixtral-8x22B layout on 64 H100s (TP4 x EP8 x PP8 x DP2, 128
 micro-batches, ZeRO-1; ``benchmarks/moe_frontier.py``).
@@ -56,9 +56,12 @@ from search.plan_builder import unsimulated_plan
 
 FOLDED_SEQUENCE_PARALLEL = (False,)
 EP_OPTIONS = 4  # expert-parallel degrees searched per ETP and mesh, the largest first (folded_degrees)
-# Expert-parallel degrees (ETP 1) each pipeline mesh of the grid is priced with (folded_stage_variants):
-# every variant is one more segment simulation per micro-batch size, on every pipeline mesh.
-STAGE_EP_OPTIONS = 2
+# Expert-parallel degrees (ETP 1) each pipeline mesh of the grid is priced with, the largest first
+# (folded_stage_variants): every variant is one more segment simulation per micro-batch size on
+# every pipeline mesh. One keeps DeepSeek-V3 on 256 H100s within its planning time (two took it
+# from 36 s to 62 s here, 154 segment simulations against 40), and the largest EP is what won
+# at every frontier row measured (Mixtral-8x22B: EP8 over TP4 x DP2; DeepSeek-V3: EP8 over TP2 x DP4).
+STAGE_EP_OPTIONS = 1
 
 
 def folded_meshes(context: SearchContext) -> list[Mesh]:
