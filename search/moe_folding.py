@@ -58,9 +58,10 @@ FOLDED_SEQUENCE_PARALLEL = (False,)
 EP_OPTIONS = 4  # expert-parallel degrees searched per ETP and mesh, the largest first (folded_degrees)
 # Expert-parallel degrees (ETP 1) each pipeline mesh of the grid is priced with, the largest first
 # (folded_stage_variants): every variant is one more segment simulation per micro-batch size on
-# every pipeline mesh. One keeps DeepSeek-V3 on 256 H100s within its planning time (two took it
-# from 36 s to 62 s here, 154 segment simulations against 40), and the largest EP is what won
-# at every frontier row measured (Mixtral-8x22B: EP8 over TP4 x DP2; DeepSeek-V3: EP8 over TP2 x DP4).
+# every pipeline mesh. One keeps DeepSeek-V3 on 256 H100s within its planning time (with two it
+# took 62 s here against 36 s without folded stages, 154 segment simulations), and the largest EP
+# is what won at every frontier row measured (Mixtral-8x22B: EP8 over TP4 x DP2; DeepSeek-V3: EP8
+# over TP2 x DP4).
 STAGE_EP_OPTIONS = 1
 
 
