@@ -45,7 +45,7 @@ deepseek-256   megatron pp=32 x dp=8, 1F1B, 128      TP1 EP16 PP16 DP16 mbs1 ful
                micro-batches, EP round-robin:        recompute, ZeRO-1: 25.06 s, 18.6%,   best
                18.08 s, 25.7%, 74.5 GiB (244 s)      52.9 GiB (86/2064 built, 12 fit)
 mixtral-64     moe pp=8 x dp=2 x tp=4, 1F1B, 128     TP4 EP8 ETP1 PP8 DP2 mbs1 no          search 1.000x the grid's
-               micro-batches, ZeRO-1, EP8 folded     recompute, ZeRO-1: 10.03 s, 41.4%,   best (below; at 0549b99)
+               micro-batches, ZeRO-1, EP8 folded     recompute, ZeRO-1: 10.03 s, 41.4%,   best (below; at 54daf65)
                over dp x tp: 10.03 s, 41.4%, 70.0    70.0 GiB (210/1128 built, 83 fit)
                GiB (102 s)
 qwen3-256      moe dp=256, zero2, EP 128 per device  TP1 EP16 PP16 VPP2 DP16 mbs1 full    search 0.626x the grid's
@@ -61,7 +61,7 @@ deepseek-2048  not measured: at 773dfbe the row was killed for memory 3.5 min in
 
 Mixtral-8x22B: the grid's best is tensor parallelism beside experts inside a pipeline
 (``pp=8 x dp=2 x tp=4``, experts EP8 folded over dp x tp, 1F1B over 256 / 2 = 128
-micro-batches), built by the folded MoE family's builder. Until 0549b99 the default search
+micro-batches), built by the folded MoE family's builder. Until 54daf65 the default search
 did not try it (folded HF blocks only under ``--mesh tp=..``, 1F1B over as many micro-batches
 as stages) and picked dp=64 FSDP, 10.70 s (1.066x); the pipeline grid now prices folded
 tensor-parallel stages (``search.moe_folding.folded_stage_variants``) and finds the same plan.
