@@ -37,6 +37,7 @@ from planner.strategy import Mesh
 from search.moe_folding import folded_plan
 from moe_plans import HF_MOE
 from launch_groups import register_group
+from test_moe_folding_pipelines import searched_folded_pipeline
 from test_parity import LAUNCH_TIMEOUT, _run, _torchrun, result_of
 
 pytestmark = pytest.mark.distributed
@@ -135,14 +136,13 @@ PIPELINED_EP4 = "pp2dp2tp2_ep4"
 # The folded pipeline the search picks for tiny hf:mixtral under --mesh pp=2,tp=2 (the pipeline
 # grid's micro-batches and dp flavour; tests/test_moe_folding_pipelines.py checks its speed).
 PIPELINED_HF = "searched_hf_mixtral_pp2dp2tp2"
-HF_PIPELINED_SPEC = ModelSpec("hf:mixtral", {**HF_MOE["mixtral"], "num_hidden_layers": 4, "batch_size": 16})
 
 
 def _programs8(root, world):
     spec = ModelSpec(str(EXAMPLE), {})
     searched = planner.plan(spec, "cpu:2x4", constraints={"mesh": {"pp": 2, "dp": 2, "tp": 2}})
     assert "moe-folding" in searched.sections and searched.pipeline is not None, searched.name
-    hf = planner.plan(HF_PIPELINED_SPEC, "cpu:2x4", constraints={"mesh": {"pp": 2, "tp": 2}})
+    hf = searched_folded_pipeline()
     assert "moe-folding" in hf.sections and hf.pipeline is not None, hf.name
     graph, spec, name, cluster = prepare_model(spec, "cpu:2x4")
     ep4 = folded_plan(graph, cluster, spec, name, Mesh((("pp", 2), ("dp", 2), ("tp", 2))), 4, micro_batches=2)

@@ -22,6 +22,7 @@ over 2 micro-batches.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -41,9 +42,16 @@ CLUSTER = "cpu:2x4"
 MESH = Mesh((("pp", 2), ("dp", 2), ("tp", 2)))
 
 
+@functools.lru_cache(maxsize=1)
+def searched_folded_pipeline() -> planner.Plan:
+    """The plan of ``planner plan`` (tiny ``SPEC``) ``--cluster cpu:2x4 --mesh pp=2,tp=2``, planned
+    once per session (``tests/test_moe_folding_parity.py`` checks its parity at world 8)."""
+    return planner.plan(SPEC, CLUSTER, progress=False, constraints={"mesh": {"pp": 2, "tp": 2}})
+
+
 @pytest.fixture(scope="module")
 def searched():
-    return planner.plan(SPEC, CLUSTER, progress=False, constraints={"mesh": {"pp": 2, "tp": 2}})
+    return searched_folded_pipeline()
 
 
 @pytest.fixture(scope="module")
