@@ -53,10 +53,10 @@ deepseek-2048  moe dp=2048, fsdp, EP 16 per device   TP1 EP256 PP8 VPP2 DP256 mb
 deepseek-256   megatron pp=32 x dp=8, 1F1B, 128      TP1 EP16 PP16 DP16 mbs1 full         search 0.721x the grid's
                micro-batches, EP round-robin:        recompute, ZeRO-1: 25.06 s, 18.6%,   best
                18.08 s, 25.7%, 74.5 GiB (244 s)      52.9 GiB (86/2064 built, 12 fit)
-mixtral-64     moe dp=64, fsdp, experts replicated:  TP4 EP8 ETP1 PP8 DP2 mbs1 no          search SLOWER: 1.066x the
-               10.70 s, 38.8%, 60.7 GiB (43 s)       recompute, ZeRO-1: 10.03 s, 41.4%,   grid's best (below)
-                                                     70.0 GiB (210/1128 built, 83 fit;
-                                                     56 s)
+mixtral-64     moe pp=8 x dp=2 x tp=4, 1F1B, 128     TP4 EP8 ETP1 PP8 DP2 mbs1 no          search 1.000x the grid's
+               micro-batches, ZeRO-1, EP8 folded     recompute, ZeRO-1: 10.03 s, 41.4%,   best (below; at 54daf65)
+               over dp x tp: 10.03 s, 41.4%, 70.0    70.0 GiB (210/1128 built, 83 fit)
+               GiB (102 s)
 qwen3-256      moe dp=256, zero2, EP 128 per device  TP1 EP16 PP16 VPP2 DP16 mbs1 full    search 0.626x the grid's
                x 256 copies (sharded): 9.99 s,       recompute, ZeRO-1: 15.97 s, 17.3%,   best
                27.7%, 67.1 GiB (184 s)               24.7 GiB (272/2214 built, 116 fit;
@@ -90,12 +90,10 @@ Published (or reference) layouts, simulated as grid configurations:
 
 Mixtral-8x22B: the grid's best is tensor parallelism beside experts inside a pipeline
 (``pp=8 x dp=2 x tp=4``, experts EP8 folded over dp x tp, 1F1B over 256 / 2 = 128
-micro-batches), built by the folded MoE family's builder. The default search does not try
-it: the folded family offers HF MoE blocks only when ``--mesh`` fixes ``tp > 1``, and a
-pipeline under it only when ``--mesh`` fixes ``pp``, with as many micro-batches as stages
-(``search.moe_folding.folded_candidates``: offering them by default "would change the plans
-searched for these models", not yet compared at scale). So the verdict "no slower than the grid's best"
-does not hold on this row until the search weighs folded pipelines for HF blocks.
+micro-batches), built by the folded MoE family's builder. Until 54daf65 the default search
+did not try it (folded HF blocks only under ``--mesh tp=..``, 1F1B over as many micro-batches
+as stages) and picked dp=64 FSDP, 10.70 s (1.066x); the pipeline grid now prices folded
+tensor-parallel stages (``search.moe_folding.folded_stage_variants``) and finds the same plan.
 
 Refusals per row are printed with their one-line reasons: pipelines whose layers do not
 divide over the stages for the folded builder (Megatron's even split), interleaved

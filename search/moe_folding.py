@@ -11,16 +11,28 @@ for every expert-parallel degree EP that divides the experts and every expert-te
 degree ETP that divides the experts' hidden width, with EP x ETP dividing the ranks, the
 experts placed round-robin over EP. Each is simulated (``cost_model.moe_folding`` prices the
 tokens' trips between the layouts, the all-to-alls and ETP's gather and reduce-scatter), and
-all of them compete with the other families' plans on their simulated step. Models whose MoE
-layers are not ``examples/moe.py``'s routed GELU layers (HuggingFace's blocks keep their own
-router; compile refuses them folded without a pipeline) get folded plans only when ``--mesh``
-fixes ``tp > 1``.
+all of them compete with the other families' plans on their simulated step.
+
+Folded pipelines by default: the pipeline grid (``search.pipeline_candidates``,
+``search.pipeline_search``) prices every ``pp x dp x tp`` mesh of an MoE model with the
+layouts of ``folded_stage_variants`` (the largest EP of ETP 1 over each stage's ``dp*tp``
+ranks: the fewest expert copies), choosing stages, micro-batches, schedule, ZeRO-1 and recomputation
+as for any pipeline; ``with_stage_layouts`` makes its plans folded. That is how the search
+finds Megatron-Core's Mixtral-8x22B layout on 64 H100s (TP4 x EP8 x PP8 x DP2, 128
+micro-batches, ZeRO-1; ``benchmarks/moe_frontier.py``).
+
+Models whose MoE layers are not ``examples/moe.py``'s routed GELU layers (HuggingFace's blocks
+keep their own router) get the folded plans of this module's ``folded_candidates`` (no
+pipeline, or ``--mesh pp=P``'s) only when ``--mesh`` fixes ``tp > 1``: compiled without a
+pipeline they run DDP without recomputation, and these plans have not been measured for speed
+or planning time at scale (each is a full simulation per EP on every ``dp x tp`` mesh).
 
 ``FOLDED_SEQUENCE_PARALLEL``: the residual stream's layouts tried. The sequence-parallel one is
 priced (``cost_model.moe_folding``) but not searched: compiled folded programs do not write it
 yet (``codegen.moe_folding_emit`` refuses it in one line). Compiled programs split experts
-(ETP > 1) only without a pipeline and without expert copies (EP x ETP = dp x tp); the other
-ETP layouts are searched and priced, and refused by compile in one line.
+(ETP > 1) only without a pipeline, without expert copies (EP x ETP = dp x tp) and for routed
+GELU layers; the other ETP layouts are searched and priced only under a ``--moe-dispatch``
+other than ``compiled``, and refused by compile in one line.
 """
 
 from __future__ import annotations
@@ -44,9 +56,13 @@ from search.plan_builder import unsimulated_plan
 
 FOLDED_SEQUENCE_PARALLEL = (False,)
 EP_OPTIONS = 4  # expert-parallel degrees searched per ETP and mesh, the largest first (folded_degrees)
-# Expert-parallel degrees (ETP 1) each pipeline mesh of the grid is priced with (folded_stage_variants):
-# every variant is one more segment simulation per micro-batch size, on every pipeline mesh.
-STAGE_EP_OPTIONS = 2
+# Expert-parallel degrees (ETP 1) each pipeline mesh of the grid is priced with, the largest first
+# (folded_stage_variants): every variant is one more segment simulation per micro-batch size on
+# every pipeline mesh. One keeps DeepSeek-V3 on 256 H100s within its planning time (with two it
+# took 62 s here against 36 s without folded stages, 154 segment simulations), and the largest EP
+# is what won at every frontier row measured (Mixtral-8x22B: EP8 over TP4 x DP2; DeepSeek-V3: EP8
+# over TP2 x DP4).
+STAGE_EP_OPTIONS = 1
 
 
 def folded_meshes(context: SearchContext) -> list[Mesh]:
@@ -197,11 +213,10 @@ def folded_candidates(context: SearchContext) -> list[Plan]:
     by layout and the constraints allow the family."""
     if not context.moe_layouts or context.summa_only or not context.constraints.allows_family("moe-folding"):
         return []
-    uncompiled = any(block.runtime != ROUTED_GELU for block in context.graph.moe_blocks)
-    if uncompiled and context.constraints.mesh.get("tp", 1) < 2:
-        # HuggingFace's blocks are folded only when the user asks for tensor parallelism (--mesh tp=N):
-        # their folded programs compile (codegen.moe_folding_emit), but offering them by default
-        # would change the plans searched for these models without it (not yet compared at scale).
+    hf_blocks = any(block.runtime != ROUTED_GELU for block in context.graph.moe_blocks)
+    if hf_blocks and context.constraints.mesh.get("tp", 1) < 2:
+        # HuggingFace's blocks are folded here only when the user asks for tensor parallelism
+        # (--mesh tp=N); by default the pipeline grid folds them in stages (module docstring).
         return []
     graph, plans = context.graph, []
     for mesh in folded_meshes(context):
@@ -218,10 +233,12 @@ def folded_candidates(context: SearchContext) -> list[Plan]:
             options = set(folded_degrees(block.experts, block.ffn, ranks, mesh.axis_size("tp")))
             shared = options if shared is None else shared & options
         for ep, etp in sorted(shared or ()):
-            # Experts split over tp (ETP > 1) compile only without a pipeline and with EP x ETP
-            # covering every rank (codegen.moe_folding_emit); other splits are priced for a team
-            # whose trainer runs them (--moe-dispatch other than compiled), never chosen by default.
-            if etp != 1 and context.moe_dispatch == "compiled" and ("pp" in mesh.names or ep * etp != ranks):
+            # Experts split over tp (ETP > 1) compile only without a pipeline, with EP x ETP
+            # covering every rank and for routed GELU layers (codegen.moe_folding_emit); other
+            # splits are priced for a team whose trainer runs them (--moe-dispatch other than
+            # compiled), never chosen by default.
+            if etp != 1 and context.moe_dispatch == "compiled" and (
+                    hf_blocks or "pp" in mesh.names or ep * etp != ranks):
                 continue
             for sequence_parallel in FOLDED_SEQUENCE_PARALLEL:
                 try:
@@ -233,6 +250,5 @@ def folded_candidates(context: SearchContext) -> list[Plan]:
                     break  # Megatron's layout does not split this model over tp
     if plans:
         best = min(plans, key=lambda plan: (not plan.estimate.fits, plan.estimate.step_time_s))
-        context.notes.append(f"MoE folded over dp x tp: {len(plans)} plan(s), best {best.name}"
-                             + (" (priced; compiled programs do not run these MoE blocks folded)" if uncompiled else ""))
+        context.notes.append(f"MoE folded over dp x tp: {len(plans)} plan(s), best {best.name}")
     return plans

@@ -14,10 +14,11 @@ from search.stage_experts import compiled_in_stages, runs_in_stages, stage_exper
 
 # What a pipeline of an MoE model searches (codegen.runtime.pipeline_moe runs it): stages on
 # pp x dp, each MoE layer by its layout over the stage's dp ranks; gradients reduced once per
-# step as a pipeline program reduces every DTensor gradient (the "ddp" flavour), no tensor
-# parallelism beside the experts, Megatron-LM's placements for the dense ops. A recomputed
-# block routes again in backward, on every rank of its stage at once, so it recomputes alike.
-# Its blocks may also recompute keeping their MoE layers' exchanges (planner.strategy.KEEP_A2A).
+# step as a pipeline program reduces every DTensor gradient (the "ddp" flavour), Megatron-LM's
+# placements for the dense ops, and no tensor parallelism beside the experts unless they fold
+# over the stage's dp x tp ranks (folds_in_stages). A recomputed block routes again in
+# backward, on every rank of its stage at once, so it recomputes alike. Its blocks may also
+# recompute keeping their MoE layers' exchanges (planner.strategy.KEEP_A2A).
 _MOE_SPACE = dict(flavours=("ddp",), tensor_parallel=(1,), sequence_parallel=(False,), searched_layout="off",
                   recompute=MOE_RECOMPUTE_ORDER)
 # HuggingFace MoE blocks in stages are planned and priced, not compiled (search.stage_experts):
@@ -46,7 +47,8 @@ def pipeline_candidates(context: SearchContext) -> list[Plan]:
     compute another step) unless the mixing is all inside MoE layers the MoE runtime runs
     (``search.moe_search.mixing_only_in_moe_layers``, whatever the batch per device): then
     each stage runs its MoE layers by the layouts of ``search.stage_experts`` over its dp
-    ranks, routing every micro-batch on its own."""
+    ranks, routing every micro-batch on its own, or, on a tensor-parallel stage, folded over
+    its dp x tp ranks (``search.moe_folding.folded_stage_variants``, when ``folds_in_stages``)."""
     # The batch need not split over every device (the MoE family's condition), only over dp.
     moe = not context.summa_only and runs_in_stages(context.graph) and mixing_only_in_moe_layers(context.graph,
                                                                                                 context.coupled)

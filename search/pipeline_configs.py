@@ -13,6 +13,9 @@ from planner.strategy import KEEP_A2A, ExpertLayout, Mesh
 if TYPE_CHECKING:
     from planner.plans import Plan
 
+if TYPE_CHECKING:
+    from planner.plans import Plan
+
 RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes more
 # An MoE model's: full recomputation keeping the MoE layers' exchanges (planner.strategy.
 # KEEP_A2A) recomputes less than full and keeps more (the dispatch and combine outputs).

@@ -37,6 +37,7 @@ from planner.strategy import Mesh
 from search.moe_folding import folded_plan
 from moe_plans import HF_MOE
 from launch_groups import register_group
+from test_moe_folding_pipelines import searched_folded_pipeline
 from test_parity import LAUNCH_TIMEOUT, _run, _torchrun, result_of
 
 pytestmark = pytest.mark.distributed
@@ -132,15 +133,21 @@ def test_broken_folding_gradients_are_reported(run, control, broken):
 
 PIPELINED = "searched_pp2dp2tp2"
 PIPELINED_EP4 = "pp2dp2tp2_ep4"
+# The folded pipeline the search picks for tiny hf:mixtral under --mesh pp=2,tp=2 (the pipeline
+# grid's micro-batches and dp flavour; tests/test_moe_folding_pipelines.py checks its speed).
+PIPELINED_HF = "searched_hf_mixtral_pp2dp2tp2"
 
 
 def _programs8(root, world):
     spec = ModelSpec(str(EXAMPLE), {})
     searched = planner.plan(spec, "cpu:2x4", constraints={"mesh": {"pp": 2, "dp": 2, "tp": 2}})
     assert "moe-folding" in searched.sections and searched.pipeline is not None, searched.name
+    hf = searched_folded_pipeline()
+    assert "moe-folding" in hf.sections and hf.pipeline is not None, hf.name
     graph, spec, name, cluster = prepare_model(spec, "cpu:2x4")
     ep4 = folded_plan(graph, cluster, spec, name, Mesh((("pp", 2), ("dp", 2), ("tp", 2))), 4, micro_batches=2)
-    folders = {PIPELINED: planner.compile(searched, root / PIPELINED), PIPELINED_EP4: planner.compile(ep4, root / PIPELINED_EP4)}
+    folders = {PIPELINED: planner.compile(searched, root / PIPELINED), PIPELINED_EP4: planner.compile(ep4, root / PIPELINED_EP4),
+               PIPELINED_HF: planner.compile(hf, root / PIPELINED_HF)}
     return folders, list(folders.values())
 
 
@@ -152,7 +159,7 @@ def run8(parity_launches):
     return parity_launches.result(PROGRAMS8)
 
 
-@pytest.mark.parametrize("case", [PIPELINED, PIPELINED_EP4])
+@pytest.mark.parametrize("case", [PIPELINED, PIPELINED_EP4, PIPELINED_HF])
 def test_folded_pipeline_step_equals_one_device(run8, case):
     folders, launch = run8
     result = result_of(launch, folders[case])
