@@ -128,8 +128,13 @@ class ExpertParallelExperts(torch.nn.Module):
             output = output.index_copy(0, rows, result.to(output.dtype))
 
         # Every rank's backward must reach its expert weights, also when no token came here: the
-        # copies' gradient sum is a collective every rank joins.
+        # copies' gradient sum is a collective every rank joins. And it must reach the rows it
+        # received, also when there were none: otherwise the dispatch's backward all-to-all (which
+        # returns the gradients of the rows this rank sent) is never run here while every other
+        # rank of the group waits in it, a hang (tiny DeepSeek-V3, 1 sample per micro-batch).
         output = output + 0 * sum(weight.flatten()[:1].sum() for weight in weights)
+        if received.size(0) == 0:
+            output = output + 0 * received.sum()
 
         # 3. Back to the tokens' ranks, weighted by the router there, summed per token.
         returned = all_to_all_rows(output, send_sizes, receive_sizes, self.group)
