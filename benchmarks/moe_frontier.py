@@ -35,37 +35,45 @@ The searched plan should be no slower than the grid's best; the verdict says whe
 why it might be. Budgets count work, so the plans are the same on any machine; the planning
 times are this machine's.
 
-Measured 2026-11-29, one row at a time with ``flock /work/locks/heavy.lock /usr/bin/time -v
-python benchmarks/moe_frontier.py --rows KEY --grid-after-search`` on 2 CPU cores shared with
-other jobs (load 3-5), 24 GiB of memory shared likewise. The grid's figures (built/fit of all,
-its best) are those measured at 387c111: later commits, the sharing of expert placements and
-of Megatron's dense layout per mesh among them, change no configuration nor any predicted
-time. "s" is the search's wall time, then the grid's alone (published layout included);
-deepseek-256 is the earlier measurement, search and grid side by side (row wall time):
+Measured 2026-11-29 at 489acaf (after the folded pipeline stages, ``full_keep_a2a`` and the
+pricing of autocast's fp32 activations, which raised every MoE prediction, grid and search
+alike: MoE programs keep fp32 weights and so fp32 residual streams), one row at a time with
+``flock /work/locks/heavy.lock /usr/bin/time python benchmarks/moe_frontier.py --rows KEY
+--grid-after-search --search-timeout 600`` on 2 CPU cores, nothing else running. "s" is the
+search's wall time, then the grid's alone:
 
 =============  ====================================  ===================================  =========================
 row            search (step, MFU, memory, s)         grid's best (built/fit of all, s)    verdict
 =============  ====================================  ===================================  =========================
 deepseek-2048  moe dp=2048, fsdp, EP 16 per device   TP1 EP256 PP8 VPP2 DP256 mbs1 full   search 0.744x the grid's
-               x 128 copies (deduplicated, copies    recompute, ZeRO-1: 58.23 s, 16.0%,   best; peak RSS 2.0 GiB
-               sharded): 43.31 s, 21.5%, 73.1 GiB    23.9 GiB (136/2826 built, 35 fit;    (row 3 min 36 s)
-               (121 s)                               87 s)
-deepseek-256   megatron pp=32 x dp=8, 1F1B, 128      TP1 EP16 PP16 DP16 mbs1 full         search 0.721x the grid's
-               micro-batches, EP round-robin:        recompute, ZeRO-1: 25.06 s, 18.6%,   best
-               18.08 s, 25.7%, 74.5 GiB (244 s)      52.9 GiB (86/2064 built, 12 fit)
-mixtral-64     moe pp=8 x dp=2 x tp=4, 1F1B, 128     TP4 EP8 ETP1 PP8 DP2 mbs1 no          search 1.000x the grid's
-               micro-batches, ZeRO-1, EP8 folded     recompute, ZeRO-1: 10.03 s, 41.4%,   best (below; at 54daf65)
-               over dp x tp: 10.03 s, 41.4%, 70.0    70.0 GiB (210/1128 built, 83 fit)
-               GiB (102 s)
-qwen3-256      moe dp=256, zero2, EP 128 per device  TP1 EP16 PP16 VPP2 DP16 mbs1 full    search 0.626x the grid's
-               x 256 copies (sharded): 9.99 s,       recompute, ZeRO-1: 15.97 s, 17.3%,   best
-               27.7%, 67.1 GiB (184 s)               24.7 GiB (272/2214 built, 116 fit;
-                                                     152 s)
-gpt-oss-128    moe dp=128, 2 micro-batches, zero2,   TP1 EP128 PP1 DP128 mbs2 full        search 0.915x the grid's
-               a2a overlapped, EP 128 per device x   recompute, ZeRO-1: 9.63 s, 6.5%,     best
-               128 copies: 8.82 s, 7.1%, 71.3 GiB    55.4 GiB (405/1728 built, 163 fit;
-               (51 s)                                131 s)
+               x 128 copies (deduplicated, copies    recompute, ZeRO-1: 58.23 s, 16.0%,   best (row 345 s, peak
+               sharded): 43.31 s, 21.5%, 73.1 GiB    23.9 GiB (136/2826 built, 35 fit;    2.0 GiB)
+               (246 s)                               91 s)
+deepseek-256   moe pp=32 x dp=4 x tp=2, 1F1B, 256    TP1 EP16 PP16 DP16 mbs1 full         search 0.691x the grid's
+               micro-batches, ZeRO-1, EP8 folded     recompute, ZeRO-1: 26.61 s, 17.5%,   best (row 168 s, peak
+               over dp x tp: 18.39 s, 25.3%, 74.4    52.9 GiB (86/2064 built, 12 fit;     1.6 GiB)
+               GiB (129 s)                           33 s)
+mixtral-64     moe pp=8 x dp=4 x tp=2, 1F1B, 64      TP4 EP8 ETP1 PP8 DP2 mbs1 no         search 0.980x the grid's
+               micro-batches, ZeRO-1, EP8 folded     recompute, ZeRO-1: 11.30 s, 36.8%,   best (row 85 s, peak
+               over dp x tp: 11.07 s, 37.5%, 71.0    70.0 GiB (210/1128 built, 83 fit;    1.4 GiB)
+               GiB (44 s)                            33 s)
+qwen3-256      moe dp=256, fsdp, experts             TP1 EP16 PP16 VPP2 DP16 mbs1 full    search 0.661x the grid's
+               replicated: 11.60 s, 23.9%, 50.5      recompute, ZeRO-1: 17.56 s, 15.8%,   best (row 249 s, peak
+               GiB (160 s)                           21.7 GiB (272/2214 built, 116 fit;   2.5 GiB)
+                                                     77 s)
+gpt-oss-128    moe pp=4 x dp=8 x tp=4, 1F1B, 64      TP1 EP128 PP1 DP128 mbs2 full        search 0.931x the grid's
+               micro-batches, ZeRO-1, EP32 folded    recompute, ZeRO-1: 15.25 s, 4.1%,    best (row 108 s, peak
+               over dp x tp: 14.20 s, 4.4%, 66.4     55.4 GiB (404/1728 built, 162 fit;   1.7 GiB)
+               GiB (56 s)                            44 s)
 =============  ====================================  ===================================  =========================
+
+Before the autocast pricing (at 387c111 and 54daf65) the same rows read: deepseek-256 17.33 s
+against 25.06 s, mixtral-64 10.03 s (the grid's own best plan, TP4 EP8 PP8 DP2) against 10.03
+s, qwen3-256 9.99 s against 15.97 s, gpt-oss-128 8.82 s against 9.63 s. gpt-oss moved most
+(+61%, grid and search alike): not yet examined whether its fp32 residual-stream casts are
+priced as its program runs them. deepseek-2048 did not move: the H800 is not among the GPU
+generations ``cost_model.gpu_kernels`` knows (V100, A100, H100, H200), so its kernels keep the
+roofline and no autocast term (a gap: it is the H100's die).
 
 Published (or reference) layouts, simulated as grid configurations:
 
@@ -93,7 +101,8 @@ Mixtral-8x22B: the grid's best is tensor parallelism beside experts inside a pip
 micro-batches), built by the folded MoE family's builder. Until 54daf65 the default search
 did not try it (folded HF blocks only under ``--mesh tp=..``, 1F1B over as many micro-batches
 as stages) and picked dp=64 FSDP, 10.70 s (1.066x); the pipeline grid now prices folded
-tensor-parallel stages (``search.moe_folding.folded_stage_variants``) and finds the same plan.
+tensor-parallel stages (``search.moe_folding.folded_stage_variants``) and finds the grid's
+plan or, at 489acaf, a faster one (pp=8 x dp=4 x tp=2, 64 micro-batches).
 
 Refusals per row are printed with their one-line reasons: pipelines whose layers do not
 divide over the stages for the folded builder (Megatron's even split), interleaved
