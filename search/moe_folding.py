@@ -98,6 +98,16 @@ def folded_degrees(experts: int, ffn: int, ranks: int, tp: int) -> list[tuple[in
     return sorted(found)
 
 
+def degrees_every_layer_allows(graph: OpGraph, ranks: int, tp: int) -> set[tuple[int, int]]:
+    """The (EP, ETP) of ``folded_degrees`` that every MoE layer of ``graph`` allows over
+    ``ranks`` = dp x tp ranks (one layout degree for the whole model)."""
+    shared: set[tuple[int, int]] | None = None
+    for block in graph.moe_blocks:
+        options = set(folded_degrees(block.experts, block.ffn, ranks, tp))
+        shared = options if shared is None else shared & options
+    return shared or set()
+
+
 def folded_layouts(graph: OpGraph, routing: RoutingStats, ep: int, etp: int) -> tuple[ExpertLayout, ...]:
     """One layout per MoE layer of ``graph``: expert parallel on ``dp*tp`` with EP ``ep``
     (round-robin) and ETP ``etp``."""
@@ -167,13 +177,10 @@ def folded_stage_variants(graph: OpGraph, routing: RoutingStats | None, mesh: Me
     if mesh.names != ("pp", "dp", "tp") or not graph.moe_blocks:
         return {}
     ranks, tp = mesh.axis_size("dp") * mesh.axis_size("tp"), mesh.axis_size("tp")
-    shared = None
-    for block in graph.moe_blocks:
-        options = set(folded_degrees(block.experts, block.ffn, ranks, tp))
-        shared = options if shared is None else shared & options
-    chosen = [(ep, 1) for ep in sorted(ep for ep, etp in shared or () if etp == 1)[-STAGE_EP_OPTIONS:]]
+    shared = degrees_every_layer_allows(graph, ranks, tp)
+    chosen = [(ep, 1) for ep in sorted(ep for ep, etp in shared if etp == 1)[-STAGE_EP_OPTIONS:]]
     if moe_dispatch != "compiled":
-        for etp in sorted({etp for _, etp in shared or ()} - {1}):
+        for etp in sorted({etp for _, etp in shared} - {1}):
             chosen.append((max(ep for ep, other in shared if other == etp), etp))
     routing = routing or RoutingStats()
     return {f"folded-ep{ep}-etp{etp}": folded_layouts(graph, routing, ep, etp) for ep, etp in chosen}
@@ -228,11 +235,7 @@ def folded_candidates(context: SearchContext) -> list[Plan]:
         micro_batches = mesh.axis_size("pp") if "pp" in mesh.names else 1
         if (graph.batch_size // dp) % micro_batches:
             continue
-        shared = None
-        for block in graph.moe_blocks:
-            options = set(folded_degrees(block.experts, block.ffn, ranks, mesh.axis_size("tp")))
-            shared = options if shared is None else shared & options
-        for ep, etp in sorted(shared or ()):
+        for ep, etp in sorted(degrees_every_layer_allows(graph, ranks, mesh.axis_size("tp"))):
             # Experts split over tp (ETP > 1) compile only without a pipeline, with EP x ETP
             # covering every rank and for routed GELU layers (codegen.moe_folding_emit); other
             # splits are priced for a team whose trainer runs them (--moe-dispatch other than
