@@ -13,15 +13,14 @@ from planner.strategy import KEEP_A2A, ExpertLayout, Mesh
 if TYPE_CHECKING:
     from planner.plans import Plan
 
-if TYPE_CHECKING:
-    from planner.plans import Plan
-
 RECOMPUTE_ORDER = ("none", "selective", "full")  # each keeps less and computes more
 # An MoE model's: full recomputation keeping the MoE layers' exchanges (planner.strategy.
 # KEEP_A2A) recomputes less than full and keeps more (the dispatch and combine outputs).
 MOE_RECOMPUTE_ORDER = ("none", "selective", KEEP_A2A, "full")
 # A configuration whose stages each choose their own mode (``Slicing.modes``).
 PER_STAGE = "per-stage"
+
+
 @dataclass(frozen=True)
 class PipelineSpace:
     """The options the grid combines (see the module docstring). ``uneven`` lets stage
