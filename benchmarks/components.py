@@ -60,8 +60,12 @@ import dataclasses
 import statistics
 from dataclasses import dataclass
 
-from benchmarks.nccl_fidelity import GIB, PUBLISHED as NCCL_PUBLISHED, predicted as nccl_predicted
 import torch
+
+try:  # imported as benchmarks.components, or run as a script (its folder on sys.path instead)
+    from benchmarks.nccl_fidelity import GIB, PUBLISHED as NCCL_PUBLISHED, predicted as nccl_predicted
+except ModuleNotFoundError:  # pragma: no cover
+    from nccl_fidelity import GIB, PUBLISHED as NCCL_PUBLISHED, predicted as nccl_predicted
 
 from cost_model.compute import op_times, optimizer_step_time, roofline_time
 from cost_model.gpu_kernels import GENERATIONS, attention_times, generation_of, matmul_time
