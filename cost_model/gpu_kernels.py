@@ -37,7 +37,8 @@ Elementwise and normalisation ops are memory-bound kernels (eager PyTorch: one k
 ATen op, nothing fused), and every kernel pays the launch overhead of ``cost_model.defaults``.
 
 The model applies to bf16/fp16 work on GPUs of a known generation (``generation_of``: V100,
-A100, H100, H200 by device name) without a measured calibration; fp32, CPUs, unknown devices
+A100, H100, H200 by device name, and the export variants H800 and A800 as the die they
+share) without a measured calibration; fp32, CPUs, unknown devices
 and devices with a calibration profile keep the roofline.
 """
 
@@ -242,6 +243,15 @@ GENERATIONS = {
 }
 
 
+# Export variants of a generation: the same die, SMs and tensor cores, with the chip-to-chip
+# links cut (which the cluster's links price, not the kernels). The H800 SXM5 is a GH100 with
+# 132 SMs and the H100 SXM5's dense tensor-core figures (NVIDIA H800 datasheet; DeepSeek-V3
+# technical report, arXiv 2412.19437, section 3.1), its NVLink 400 GB/s instead of 900; the
+# A800 an A100 with NVLink 400 GB/s instead of 600 (NVIDIA A800 datasheet). Its sustained clock
+# under load is the reading ``SUSTAINED_CLOCK["H100"]`` was taken from (DeepGEMM#120 is an H800).
+EXPORT_VARIANTS = {"H800": "H100", "A800": "A100"}
+
+
 def generation_of(device: DeviceSpec) -> GpuGeneration | None:
     """The GPU generation named in ``device.name`` (e.g. "A100-SXM4-80GB" -> A100), or None
     for CPUs, unknown devices and devices with a measured calibration (which keep the
@@ -252,6 +262,9 @@ def generation_of(device: DeviceSpec) -> GpuGeneration | None:
     for key in ("H200", "H100", "A100", "V100"):
         if key in name:
             return GENERATIONS[key]
+    for export_variant, die in EXPORT_VARIANTS.items():
+        if export_variant in name:
+            return GENERATIONS[die]
     return None
 
 

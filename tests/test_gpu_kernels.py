@@ -38,6 +38,19 @@ def test_generation_from_device_name():
     assert generation_of(dataclasses.replace(A100_DEVICE, matmul_efficiency=0.7)) is None
 
 
+def test_export_variants_are_priced_as_their_die():
+    """DeepSeek-V3's H800s are GH100s: before, the name matched no generation and their
+    GEMMs kept the roofline's one efficiency, so the hgx-h800 preset priced a layer's GEMM
+    differently from the same GEMM on dgx-h100, whose peak and HBM are the same."""
+    h800 = Cluster.preset("hgx-h800").device_of(0)
+    h100 = Cluster.preset("dgx-h100").device_of(0)
+    assert generation_of(h800) is GENERATIONS["H100"]
+    assert generation_of(dataclasses.replace(A100_DEVICE, name="A800-SXM4-80GB")) is GENERATIONS["A100"]
+    shape = (1, 8192, 7168, 2048)
+    assert matmul_time(*shape, h800, "bfloat16", 2, generation_of(h800)) == matmul_time(
+        *shape, h100, "bfloat16", 2, generation_of(h100))
+
+
 def test_tile_efficiency_follows_data_reuse():
     # reuse = tm*tn/(tm+tn); efficiency = reuse/(reuse+32), relative to 256x128 (reuse 85.33).
     largest = (256 * 128 / 384) / (256 * 128 / 384 + 32)  # 0.72727
