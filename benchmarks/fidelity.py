@@ -270,6 +270,22 @@ its GPUs named only as Ampere); torchtitan's rows with layer- or op-level select
 checkpointing (policies the simulator's ``selective`` does not express: the Llama 3 8B and
 Llama 2 13B/70B A100 rows, and the Llama 3.1 8B H100 rows, ``torchtitan_h100_runs``).
 
+No HSDP row (``Run.hsdp_shard`` stays unused): no public source found here states a hybrid-sharded
+run's GPU count, shard group, batch, sequence and throughput together. Checked: the IBM/PyTorch
+blog and fms-fsdp README (HSDP, but kept aside, above); OLMo-core's README throughput table
+(allenai/OLMo-core at e27ba7455, 1B-13B on H100: its scripts build a replicas x 8 hybrid mesh
+only when run on more than one node, ``init_hybrid_shard_mesh``, one node by default, and the
+table states no node count, so it is HSDP or plain FSDP unknown; compiled, too); TinyLlama's 24k
+tokens/s/GPU (pretrain/tinyllama.py's ``FSDPStrategy`` keeps Lightning's FULL_SHARD);
+torchtitan's docs/performance.md and benchmarks/*.md (no HSDP row; the June 2025 async-TP
+results are an image; the paper's abstract reports 1D-3D results, its tables not read here);
+ZeRO++'s hpZ (V100, quantized collectives, plots: DeepSpeed blogs/zeropp); Databricks'
+MoE-at-scale post (MoE, a scaling plot); pith-train PR #40 (MoE with pp and ep) and a Qwen3-14B
+FSDP-vs-HSDP ablation (LoRA); NeMo AutoModel's table (FSDP over every dp rank). The
+hybrid-sharding results of the FSDP paper (Zhao et al. 2023, section 7) and of MiCS (Zhang et
+al. 2022) have no stored text here to read. The simulator's HSDP step is checked against
+hand-worked timelines and alpha-beta collective times instead (``tests/test_hsdp_costs.py``).
+
 """
 
 from __future__ import annotations
