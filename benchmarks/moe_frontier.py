@@ -45,10 +45,10 @@ search's wall time, then the grid's alone:
 =============  ====================================  ===================================  =========================
 row            search (step, MFU, memory, s)         grid's best (built/fit of all, s)    verdict
 =============  ====================================  ===================================  =========================
-deepseek-2048  moe dp=2048, fsdp, EP 16 per device   TP1 EP256 PP8 VPP2 DP256 mbs1 full   search 0.744x the grid's
-               x 128 copies (deduplicated, copies    recompute, ZeRO-1: 58.23 s, 16.0%,   best (row 345 s, peak
-               sharded): 43.31 s, 21.5%, 73.1 GiB    23.9 GiB (136/2826 built, 35 fit;    2.0 GiB)
-               (246 s)                               91 s)
+deepseek-2048  moe dp=2048, fsdp, EP 16 per device   TP1 EP256 PP8 VPP2 DP256 mbs1 full   search 0.765x the grid's
+               x 128 copies (deduplicated, copies    recompute, ZeRO-1: 67.34 s, 13.8%,   best (row 470 s beside
+               sharded): 51.49 s, 18.1%, 73.1 GiB    23.9 GiB (135/2826 built, 34 fit;    helpers, peak 2.0 GiB;
+               (337 s)                               126 s)                               H800 priced, below)
 deepseek-256   moe pp=32 x dp=4 x tp=2, 1F1B, 256    TP1 EP16 PP16 DP16 mbs1 full         search 0.691x the grid's
                micro-batches, ZeRO-1, EP8 folded     recompute, ZeRO-1: 26.61 s, 17.5%,   best (row 168 s, peak
                over dp x tp: 18.39 s, 25.3%, 74.4    52.9 GiB (86/2064 built, 12 fit;     1.6 GiB)
@@ -71,18 +71,22 @@ Before the autocast pricing (at 387c111 and 54daf65) the same rows read: deepsee
 against 25.06 s, mixtral-64 10.03 s (the grid's own best plan, TP4 EP8 PP8 DP2) against 10.03
 s, qwen3-256 9.99 s against 15.97 s, gpt-oss-128 8.82 s against 9.63 s. gpt-oss moved most
 (+61%, grid and search alike): not yet examined whether its fp32 residual-stream casts are
-priced as its program runs them. deepseek-2048 did not move: the H800 is not among the GPU
-generations ``cost_model.gpu_kernels`` knows (V100, A100, H100, H200), so its kernels keep the
-roofline and no autocast term (a gap: it is the H100's die).
+priced as its program runs them. deepseek-2048 did not move then: the H800 was not among the
+GPU generations ``cost_model.gpu_kernels`` knew, so its kernels kept the roofline and no
+autocast term. Since 2026-11-30 the H800 is priced as the GH100 it is
+(``gpu_kernels.EXPORT_VARIANTS``): re-measured with the same command beside four helpers' work
+(so its times are not this machine's quiet ones), the row went 43.31 -> 51.49 s searched (the
+same plan), 58.23 -> 67.34 s for the grid's best, 0.744x -> 0.765x.
 
 Published (or reference) layouts, simulated as grid configurations:
 
 - deepseek-2048, DeepSeek's own (PP16 under DualPipe x EP64 x ZeRO-1 DP128, no TP): with full
-  recomputation 34.54 s, MFU 27.0%, 0.80x the searched plan, but 102.7 GiB: it does not fit
+  recomputation 42.79 s, MFU 21.8%, 0.83x the searched plan, but 110.0 GiB: it does not fit
   (DualPipe holds every stage's weights twice, and inside a pipeline the planner keeps both
   copies of each expert whole, ``search.megatron_moe``); without recomputation no split of the
-  61 layers over 16 stages fits. Its 1F1B twin with full recomputation fits: 62.37 s, MFU
-  14.9%, 20.8 GiB, 1.07x the grid's best, 1.44x the searched plan. The row was killed for
+  61 layers over 16 stages fits. Its 1F1B twin with full recomputation fits: 72.04 s, MFU
+  12.9%, 20.8 GiB, 1.07x the grid's best, 1.40x the searched plan (H800 priced as a GH100;
+  before, 34.54 s and 102.7 GiB with DualPipe, 62.37 s for the twin). The row was killed for
   memory at 24 GiB before (773dfbe): every ``ExpertPlacement.copied_grid`` held 256 x 2,048 /
   EP (device, share) pairs (58 MiB and 0.9 s at EP1), one per MoE layer (58), kept with every
   simulated plan: 6.5 GiB and 2 min for the flat configurations EP1-128 at one recomputation
