@@ -70,8 +70,17 @@ gpt-oss-128    moe pp=4 x dp=8 x tp=4, 1F1B, 64      TP1 EP128 PP1 DP128 mbs2 fu
 Before the autocast pricing (at 387c111 and 54daf65) the same rows read: deepseek-256 17.33 s
 against 25.06 s, mixtral-64 10.03 s (the grid's own best plan, TP4 EP8 PP8 DP2) against 10.03
 s, qwen3-256 9.99 s against 15.97 s, gpt-oss-128 8.82 s against 9.63 s. gpt-oss moved most
-(+61%, grid and search alike): not yet examined whether its fp32 residual-stream casts are
-priced as its program runs them. deepseek-2048 did not move then: the H800 was not among the
+(+61%, grid and search alike), and by its attention, not its residual stream: the searched
+plan's report (``python -m planner plan hf:gpt_oss --cluster dgx-h100:16 --set batch_size=512
+--set seq_len=4096``, 2026-11-30) gives ``self_attn`` 84.4% of the compute. gpt-oss has
+attention sinks, so Hugging Face runs it eagerly (transformers 5.24
+``modeling_gpt_oss.eager_attention_forward``): the (s x s) logits plus the additive mask, the
+fp32 ``sinks`` parameter concatenated to them, a max and a softmax, at 4,096 tokens and 64
+heads; with the model's fp32 weights the mask and the sinks are fp32, so type promotion and
+autocast's fp32 softmax make every one of those (s x s) tensors fp32, twice the bf16 bytes
+priced before. That is what the compiled program runs, so the +61% stands; a sink-aware flash
+kernel (FlashAttention-3's or FlexAttention's) would remove most of it, and no plan field
+expresses one yet. deepseek-2048 did not move then: the H800 was not among the
 GPU generations ``cost_model.gpu_kernels`` knew, so its kernels kept the roofline and no
 autocast term. Since 2026-11-30 the H800 is priced as the GH100 it is
 (``gpu_kernels.EXPORT_VARIANTS``): re-measured with the same command beside four helpers' work
