@@ -119,12 +119,16 @@ def test_quick_start_plan_lands_in_the_published_mfu_range():
     # --cluster dgx-a100-80g:2` chooses). Published 7-8B FSDP runs on A100 reach 57-64% MFU
     # (llm-foundry's MPT-7B, torchtitan's Llama 3 8B at 56.8-58.2%). Priced with its norms and
     # rotary products in bf16 the plan predicted 4.012 s, MFU 67.4%, above that range; with
-    # autocast's fp32 activations and the projections' casts 4.267 s, MFU 63.3% (the README).
+    # autocast's fp32 activations and the projections' casts 4.267 s, MFU 63.3%; with each
+    # memory-bound kernel at its kind's measured efficiency (cost_model.memory_kernels: the
+    # norms' and rotary products' broadcasting multiplies at 0.539 of HBM bandwidth, the
+    # contiguous SwiGLU, residual adds and pow at 0.913, rather than 0.8 for all) 4.291 s,
+    # MFU 63.0% (the README).
     graph, spec, name, cluster = prepare_model(ModelSpec(LLAMA, {}), "dgx-a100-80g:2")
     plan = data_parallel_plan(graph, cluster, spec, name, "zero2", precision="bf16")
     plan = simulated(dataclasses.replace(plan, accumulation_steps=2), graph)
-    assert plan.estimate.step_time_s == pytest.approx(4.267, abs=0.001)
-    assert 0.57 <= plan.estimate.mfu <= 0.64 and plan.estimate.mfu == pytest.approx(0.633, abs=0.001)
+    assert plan.estimate.step_time_s == pytest.approx(4.291, abs=0.001)
+    assert 0.57 <= plan.estimate.mfu <= 0.64 and plan.estimate.mfu == pytest.approx(0.630, abs=0.001)
 
 
 def test_uneven_shares_pay_the_same_fp32_activations_on_their_critical_rank():
