@@ -142,19 +142,21 @@ from one of Liger-Kernel's eager PyTorch baselines and checked on others in
 ``benchmarks/components.py``): a pointwise op over contiguous tensors at 0.913 of HBM
 bandwidth, one with a broadcast input (ATen's non-vectorized path) at 0.539, ATen's fused
 ``layer_norm`` and ``rms_norm`` at 0.525, the rest (reductions, casts, softmax, the loss) at
-0.8 as before. Every row moves slower, by 0.1-1.0 points; the five largest: BLOOM -0.4% ->
+0.8 as before; the fp32 bytes autocast adds to a kernel (``cost_model.autocast_activations``)
+stream at that kernel's rate. Every row moves slower, by 0.1-1.4 points; the five largest:
+Llama2-13B@64xA100 -5.8% -> -4.4% (its RMSNorms' and rotary products' broadcasting multiplies,
+in fp32 as torchtitan runs them: 217 -> 289 ms a step, less 14 ms saved on contiguous adds, pow
+and silu; Llama3-70B and Llama2-70B move 0.7, Llama3.1-405B 0.6 the same way); BLOOM -0.4% ->
 +0.6% (its eager attention's ``masked_fill`` of the scores by a broadcast mask, 15.6 -> 23.1 s
 of kernel time over every stage and micro-batch as ``fidelity_ops.py`` sums it, and its
 LayerNorms, 8.0 -> 12.1 s; both partly a pricing of kernels that Megatron-DeepSpeed fuses:
 its ``scaled_masked_softmax`` takes the mask inside the softmax, and Apex's
-``FusedLayerNorm`` is not ATen's, so these rows may now sit a little slow of the truth),
+``FusedLayerNorm`` is not ATen's, so these rows may now sit a little slow of the truth);
 MT-NLG -20.3% -> -19.5%, -21.2% -> -20.4%, -23.6% -> -22.9% (the same two causes in the same
-GPT layers), Llama2-13B@64xA100 -5.8% -> -5.1% (the RMSNorms' and rotary products'
-broadcasting multiplies in fp32, 217 -> 259 ms a step, less 11 ms saved on contiguous adds,
-pow and silu). The other rows move 0.1-0.3 points (Megatron-Core's: Transformer Engine's
-LayerNorm, like Apex's, is priced at ATen's rate for want of a measurement of its own). 26
-runs: median 6.6% -> 6.4%, largest 23.6% -> 22.9%, 20 fast / 6 slow -> 19 / 7 (BLOOM
-crossed to slow).
+GPT layers). The MPT, Llama 3 405B and Megatron-Core rows move 0.1-0.3 points (Transformer
+Engine's LayerNorm, like Apex's, is priced at ATen's rate for want of a measurement of its
+own). 26 runs: median 6.6% -> 6.4%, largest 23.6% -> 22.9%, 20 fast / 6 slow -> 19 / 7
+(BLOOM crossed to slow).
 
 MPT-13B@64xH100 (-17.9%, against -11.0% for MPT-13B@8xA100), by the simulator's own figures:
 at 64 ranks on 8 nodes FSDP1 gathers a block's 629 MB of bf16 weights in 1.97 ms (the measured
