@@ -54,6 +54,22 @@ class ReluSquared(nn.Module):
         return torch.square(F.relu(x))
 
 
+class EagerRotary(nn.Module):
+    """The op sequence of Hugging Face's ``apply_rotary_pos_emb`` (transformers, models/llama/
+    modeling_llama.py) as Liger-Kernel benchmarks it: q and k laid out (batch, sequence, heads,
+    head dim) and transposed to (batch, heads, sequence, head dim), cos and sin broadcast over
+    the heads; each rotated as ``x * cos + cat(-x2, x1) * sin`` for x's two halves x1, x2."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+        def rotated(x: torch.Tensor) -> torch.Tensor:
+            half = x.shape[-1] // 2
+            return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+        return rotated(q.transpose(1, 2)), rotated(k.transpose(1, 2))
+
+
 @dataclass(frozen=True)
 class TracedCase:
     """One eager module on one input shape, and Liger-Kernel's measured time for it."""
@@ -62,12 +78,13 @@ class TracedCase:
     preset: str
     build: type
     module_args: tuple
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # of the input; with ``inputs``, the shapes of several
     dtype: torch.dtype
     direction: str  # "forward" or "backward"
     published_ms: float
     source: str
     sets_constant: bool
+    inputs: tuple[tuple[int, ...], ...] = ()
 
 
 A100, H100 = "A100-SXM4-80GB", "H100 80GB HBM3"
@@ -97,6 +114,19 @@ TRACED_CASES = [
     TracedCase("nn.RMSNorm fwd, 4096 x 16384 bf16, 1 kernel", "dgx-h100", nn.RMSNorm, (16384, 1e-6),
                (4096, 1, 16384), torch.bfloat16, "forward", 0.1492,
                f"{LIGER} ({H100}, liger 0.8.0): megatron_rms_norm 'torch' (nn.RMSNorm)", False),
+    # Rotary embeddings (Liger-Kernel benchmark_rope.py at b5672a15, provider "huggingface"):
+    # 16384 tokens, 32 query and 8 key heads of 256 (hidden 8192). Every kernel of its forward
+    # takes ATen's non-vectorized path (q and k transposed views, cos and sin broadcast, the
+    # halves' slices, an add of two layouts), but the trace sees only the four broadcasting
+    # multiplies: the model is fast here by what strides it cannot see.
+    TracedCase("RoPE fwd, 16384 tokens, 32 + 8 heads x 256 bf16", "dgx-a100-80g", EagerRotary, (),
+               (1, 16384, 40, 256), torch.bfloat16, "forward", 3.8169920444488525,
+               f"{LIGER} ({A100}, liger 0.2.1): Hugging Face apply_rotary_pos_emb", False,
+               ((1, 16384, 32, 256), (1, 16384, 8, 256), (1, 16384, 256), (1, 16384, 256))),
+    TracedCase("RoPE bwd, 16384 tokens, 32 + 8 heads x 256 bf16", "dgx-a100-80g", EagerRotary, (),
+               (1, 16384, 40, 256), torch.bfloat16, "backward", 4.557248115539551,
+               f"{LIGER} ({A100}, liger 0.2.1): Hugging Face apply_rotary_pos_emb", False,
+               ((1, 16384, 32, 256), (1, 16384, 8, 256), (1, 16384, 256), (1, 16384, 256))),
 ]
 
 # SwiGLU on a fused gate-up output, Megatron's layout (Liger-Kernel benchmark_megatron_swiglu.py,
@@ -128,7 +158,8 @@ def traced_seconds(case: TracedCase) -> float:
         module = case.build(*case.module_args)
         if case.build is nn.RMSNorm:
             module = module.to(case.dtype)
-        graph = trace(module, (torch.randn(case.shape, dtype=case.dtype),))
+        shapes = case.inputs or (case.shape,)
+        graph = trace(module, tuple(torch.randn(shape, dtype=case.dtype) for shape in shapes))
     device = Cluster.preset(case.preset).device_of(0)
     index = 0 if case.direction == "forward" else 1
     return sum(op_times(node, 1.0, device, "fp32")[index] for node in graph.nodes)

@@ -24,7 +24,11 @@ forward (eight kernels) on A100, which one 0.8 for all priced 19-20% fast at 8-3
 now comes out 4.8-5.6% fast (and 19% slow at 2M elements: eight 5 us launches where the GPU
 runs them back to back); LayerNorm on H100, forward -1.1% and backward +4.3%; ``nn.RMSNorm`` on
 H100 -5.4%; a smaller ReLU² -1.3%; an H100 device-to-device copy +4.6% (it was -8.3% at 0.8);
-and Hugging Face's cross entropy on A100, at the default, -1.6%.
+and Hugging Face's cross entropy on A100, at the default, -1.6%. One check fails: Hugging Face's
+rotary embedding on A100 is predicted +56.8% fast in forward (+79% at one 0.8) and +6.5% in
+backward (+27%). Every one of its forward kernels runs on ATen's non-vectorized path (q and k
+are transposed views, the halves slices, the final add joins two layouts), but the trace
+records shapes, not strides, so only its four broadcasting multiplies are priced so.
 
 The loss rows time a language model's classifier GEMM, Gemma 2's logit soft-cap and the
 cross entropy, op by op as the simulator prices them (the soft-cap's backward by its gradient
