@@ -95,12 +95,21 @@ TRACED_CASES = [
                "forward", 0.1855, f"{LIGER} ({H100}, liger 0.7.0): torch.square(F.relu(x))", True),
     TracedCase("ReLU² fwd, 4096 x 4096 bf16, 2 kernels", "dgx-h100", ReluSquared, (), (4096, 4096), torch.bfloat16,
                "forward", 0.0532, f"{LIGER} ({H100}, liger 0.7.0): torch.square(F.relu(x))", False),
+    # Its backward: relu's (1.5x its forward's bytes) and square's pow_backward (3.5x,
+    # cost_model.elementwise_backward), contiguous.
+    TracedCase("ReLU² bwd, 4096 x 16384 bf16", "dgx-h100", ReluSquared, (), (4096, 16384), torch.bfloat16,
+               "backward", 0.4527, f"{LIGER} ({H100}, liger 0.7.0): torch.square(F.relu(x))", False),
     # Hugging Face's RMSNorm: casts and a row mean at the default, pow contiguous, the two
     # multiplies broadcasting (by the per-row rsqrt, by the weight).
     *[TracedCase(f"RMSNorm fwd, 2048 x {hidden} bf16, 8 kernels", "dgx-a100-80g", EagerRMSNorm, (hidden,),
                  (2048, hidden), torch.bfloat16, "forward", ms,
                  f"{LIGER} ({A100}, liger 0.2.1): Hugging Face LlamaRMSNorm", False)
       for hidden, ms in ((1024, 0.07820799946784973), (4096, 0.27990400791168213), (16384, 0.9856320023536682))],
+    # Its backward (autograd through the eight ops; every op but pow at the default of twice its
+    # forward's bytes).
+    TracedCase("RMSNorm bwd, 2048 x 16384 bf16", "dgx-a100-80g", EagerRMSNorm, (16384,), (2048, 16384),
+               torch.bfloat16, "backward", 2.5696,
+               f"{LIGER} ({A100}, liger 0.2.1): Hugging Face LlamaRMSNorm", False),
     # Fused norms: the row FUSED_NORM_EFFICIENCY was read from, then the same kernel on H100,
     # its backward (the model's default of twice the forward's bytes), and nn.RMSNorm.
     TracedCase("LayerNorm fwd, 4096 x 16384 fp32, 1 kernel", "dgx-a100-80g", nn.LayerNorm, (16384, 1e-6),

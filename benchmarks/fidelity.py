@@ -143,17 +143,20 @@ from one of Liger-Kernel's eager PyTorch baselines and checked on others in
 bandwidth, one with a broadcast input (ATen's non-vectorized path) at 0.539, ATen's fused
 ``layer_norm`` and ``rms_norm`` at 0.525, the rest (reductions, casts, softmax, the loss) at
 0.8 as before; the fp32 bytes autocast adds to a kernel (``cost_model.autocast_activations``)
-stream at that kernel's rate. Every row moves slower, by 0.1-1.4 points; the five largest:
-Llama2-13B@64xA100 -5.8% -> -4.4% (its RMSNorms' and rotary products' broadcasting multiplies,
-in fp32 as torchtitan runs them: 217 -> 289 ms a step, less 14 ms saved on contiguous adds, pow
-and silu; Llama3-70B and Llama2-70B move 0.7, Llama3.1-405B 0.6 the same way); BLOOM -0.4% ->
-+0.6% (its eager attention's ``masked_fill`` of the scores by a broadcast mask, 15.6 -> 23.1 s
-of kernel time over every stage and micro-batch as ``fidelity_ops.py`` sums it, and its
-LayerNorms, 8.0 -> 12.1 s; both partly a pricing of kernels that Megatron-DeepSpeed fuses:
-its ``scaled_masked_softmax`` takes the mask inside the softmax, and Apex's
-``FusedLayerNorm`` is not ATen's, so these rows may now sit a little slow of the truth);
-MT-NLG -20.3% -> -19.5%, -21.2% -> -20.4%, -23.6% -> -22.9% (the same two causes in the same
-GPT layers). The MPT, Llama 3 405B and Megatron-Core rows move 0.1-0.3 points (Transformer
+stream at that kernel's rate; and a power's backward (``pow(x, 2)`` in every RMSNorm) moves
+the 3.5 times its forward's bytes that ``pow_backward`` reads and writes
+(``cost_model.elementwise_backward``), not twice. Every row moves slower, by 0.1-1.9 points;
+the five largest: Llama2-13B@64xA100 -5.8% -> -3.9% (its RMSNorms' and rotary products'
+broadcasting multiplies, in fp32 as torchtitan runs them: 217 -> 289 ms a step; pow's backward
+25 -> 39 ms; less 11 ms saved on contiguous adds, pow's forward and silu), Llama2-70B -3.8% ->
+-2.8% and Llama3-70B -4.7% -> -3.8% (the same); BLOOM -0.4% -> +0.6% (its eager attention's
+``masked_fill`` of the scores by a broadcast mask, 15.6 -> 23.1 s of kernel time over every
+stage and micro-batch as ``fidelity_ops.py`` sums it, and its LayerNorms, 8.0 -> 12.1 s; both
+partly a pricing of kernels that Megatron-DeepSpeed fuses: its ``scaled_masked_softmax`` takes
+the mask inside the softmax, and Apex's ``FusedLayerNorm`` is not ATen's, so these rows may now
+sit a little slow of the truth); MT-NLG -20.3% -> -19.5%, -21.2% -> -20.4%, -23.6% -> -22.9%
+(the same two causes in the same GPT layers). Llama3.1-405B@128xH100 moves 0.7 (-8.0% ->
+-7.3%), Llama 3 405B's rows 0.4, the MPT and Megatron-Core rows 0.1-0.3 (Transformer
 Engine's LayerNorm, like Apex's, is priced at ATen's rate for want of a measurement of its
 own). 26 runs: median 6.6% -> 6.4%, largest 23.6% -> 22.9%, 20 fast / 6 slow -> 19 / 7
 (BLOOM crossed to slow).

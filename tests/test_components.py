@@ -64,6 +64,21 @@ def test_rmsnorm_rows_price_hugging_faces_eight_kernels_by_kind_by_hand():
     assert row.error == pytest.approx(35.66 / (n / 0.9856320023536682e-3 / 1e9) - 1, abs=1e-3)
 
 
+def test_relu_squared_backward_row_by_its_gradient_formulas_by_hand():
+    # Liger-Kernel's eager ReLU² backward on H100, 4096 x 16384 bf16 (N = 67.11M elements,
+    # 2N = 134.2 MB a tensor), contiguous kernels at 3.35e12 x 0.913 = 3.0586e12 B/s: relu's
+    # backward 1.5 x its forward's 4N = 6N B, square's pow_backward 3.5 x 4N = 14N B (copy,
+    # multiply by 2, multiply by the gradient): 20N = 1342.2 MB / 3.0586e12 = 438.8 us, plus one
+    # launch each, 448.8 us, against 452.7 us measured: +0.9%. With square's backward at twice
+    # its forward's bytes (the default before) it was 317.2 us, +42.7%.
+    n = 4096 * 16384
+    seconds = 20 * n / (3.35e12 * 0.913) + 2 * 5e-6
+    (row,) = [row for row in component_rows() if row.case.startswith("ReLU² bwd")]
+    assert row.predicted == pytest.approx(n / seconds / 1e9)
+    assert seconds == pytest.approx(448.8e-6, rel=1e-3)
+    assert row.error == pytest.approx(0.4527e-3 / seconds - 1) and not row.sets_constant
+
+
 def test_each_memory_kernel_constant_is_its_rows_measured_rate():
     # The rows the constants were read from come out at their published figure (within the
     # rounding of the constant), and every other memory row is a check.

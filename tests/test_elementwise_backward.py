@@ -35,6 +35,11 @@ def test_ratios_from_the_gradient_formulas():
     assert backward_bytes_ratio(elementwise("aten.mul.Tensor", 1)) == 1.0  # by a constant: grad * c
     assert backward_bytes_ratio(elementwise("aten.mul.Tensor", 2)) is None  # two tensors: the default
     assert backward_bytes_ratio(elementwise("aten.native_layer_norm.default", 1)) is None
+    # pow_backward: pow(self, exponent - 1), times the exponent, times grad: 2 + 2 + 3 tensors
+    # against the forward's 2; square is differentiated as pow(self, 2).
+    assert backward_bytes_ratio(elementwise("aten.pow.Tensor_Scalar", 1)) == 3.5
+    assert backward_bytes_ratio(elementwise("aten.square.default", 1)) == 3.5
+    assert backward_bytes_ratio(elementwise("aten.pow.Tensor_Tensor", 2)) is None  # a tensor exponent
 
 
 def test_gelu_backward_on_h100_by_hand():
