@@ -137,7 +137,31 @@ compiled (``compile = true``), and Inductor fuses a norm or a rotary product int
 with bf16 in and out: its 3.1 points are likely not in the run, and no plan field says
 "compiled" to leave them out.
 
-MPT-13B@64xH100 (-18.0%, against -11.2% for MPT-13B@8xA100), by the simulator's own figures:
+Priced since, by the kind of eager kernel (``cost_model.memory_kernels``; each constant read
+from one of Liger-Kernel's eager PyTorch baselines and checked on others in
+``benchmarks/components.py``): a pointwise op over contiguous tensors at 0.913 of HBM
+bandwidth, one with a broadcast input (ATen's non-vectorized path) at 0.539, ATen's fused
+``layer_norm`` and ``rms_norm`` at 0.525, the rest (reductions, casts, softmax, the loss) at
+0.8 as before; the fp32 bytes autocast adds to a kernel (``cost_model.autocast_activations``)
+stream at that kernel's rate; and a power's backward (``pow(x, 2)`` in every RMSNorm) moves
+the 3.5 times its forward's bytes that ``pow_backward`` reads and writes
+(``cost_model.elementwise_backward``), not twice. Every row moves slower, by 0.1-1.9 points;
+the five largest: Llama2-13B@64xA100 -5.8% -> -3.9% (its RMSNorms' and rotary products'
+broadcasting multiplies, in fp32 as torchtitan runs them: 217 -> 289 ms a step; pow's backward
+25 -> 39 ms; less 11 ms saved on contiguous adds, pow's forward and silu), Llama2-70B -3.8% ->
+-2.8% and Llama3-70B -4.7% -> -3.8% (the same); BLOOM -0.4% -> +0.6% (its eager attention's
+``masked_fill`` of the scores by a broadcast mask, 15.6 -> 23.1 s of kernel time over every
+stage and micro-batch as ``fidelity_ops.py`` sums it, and its LayerNorms, 8.0 -> 12.1 s; both
+partly a pricing of kernels that Megatron-DeepSpeed fuses: its ``scaled_masked_softmax`` takes
+the mask inside the softmax, and Apex's ``FusedLayerNorm`` is not ATen's, so these rows may now
+sit a little slow of the truth); MT-NLG -20.3% -> -19.5%, -21.2% -> -20.4%, -23.6% -> -22.9%
+(the same two causes in the same GPT layers). Llama3.1-405B@128xH100 moves 0.7 (-8.0% ->
+-7.3%), Llama 3 405B's rows 0.4, the MPT and Megatron-Core rows 0.1-0.3 (Transformer
+Engine's LayerNorm, like Apex's, is priced at ATen's rate for want of a measurement of its
+own). 26 runs: median 6.6% -> 6.4%, largest 23.6% -> 22.9%, 20 fast / 6 slow -> 19 / 7
+(BLOOM crossed to slow).
+
+MPT-13B@64xH100 (-17.9%, against -11.0% for MPT-13B@8xA100), by the simulator's own figures:
 at 64 ranks on 8 nodes FSDP1 gathers a block's 629 MB of bf16 weights in 1.97 ms (the measured
 NCCL profile's 315 GB/s bus bandwidth; 1.52 ms within one node) and reduce-scatters its
 gradients in as long, beside about 17 ms of forward and backward per block at micro-batch 2:

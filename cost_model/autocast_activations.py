@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 
 from cost_model.compute import PRECISIONS, backward_bytes_ratio_on, efficiencies, roofline_time, runs_no_kernel
+from cost_model.memory_kernels import kernel_memory_efficiency
 from cost_model.gpu_kernels import ATTENTION_OPS, MATMUL_OPS, generation_of
 from cost_model.loss_parallel import CROSS_ENTROPY
 from cost_model.mixed_precision import AUTOCAST_BF16_OPS, aten_name, holds_fp32_weights
@@ -155,7 +156,9 @@ def autocast_activation_times(context, node: OpNode, share: float, device) -> tu
     extra = _runtime_bytes(node, sizes) - _priced_bytes(node, low_bytes)
     if extra <= 0:
         return 0.0, 0.0
-    forward = extra * share / (device.memory_bandwidth * efficiencies(device, dtype)[1])
+    # The extra bytes are the same kernel's: they stream at its kind's efficiency.
+    memory = kernel_memory_efficiency(node, device) or efficiencies(device, dtype)[1]
+    forward = extra * share / (device.memory_bandwidth * memory)
     has_gradient = any(meta.dtype.is_floating_point for meta in node.output_meta)
     return forward, forward * backward_bytes_ratio_on(node, device) if has_gradient else 0.0
 

@@ -16,7 +16,9 @@ instead of the default efficiency. fp32 keeps the roofline. There, a language mo
 cross entropy is priced as the memory-bound kernels eager PyTorch runs over fp32 logits
 (``cost_model.loss_kernels``), not as one pass over its input, and a memory-bound op's
 backward moves the bytes its gradient formula reads and writes
-(``cost_model.elementwise_backward``), not twice its forward's.
+(``cost_model.elementwise_backward``), not twice its forward's; and a memory-bound op streams
+at the share of the bandwidth its kind of eager kernel sustains (``cost_model.memory_kernels``:
+contiguous pointwise, broadcasting pointwise, fused norm), not at one share for all.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from cost_model import defaults, gpu_kernels
 from cost_model.elementwise_backward import backward_bytes_ratio
 from cost_model.loss_kernels import cross_entropy_times
 from cost_model.loss_parallel import CROSS_ENTROPY
+from cost_model.memory_kernels import kernel_memory_efficiency
 from planner.cluster import DeviceSpec
 from planner.graph import OpNode
 
@@ -49,9 +52,13 @@ def efficiencies(device: DeviceSpec, dtype: str | None = None) -> tuple[float, f
     return matmul, memory, defaults.KERNEL_OVERHEAD_S if overhead is None else overhead
 
 
-def roofline_time(flops: float, num_bytes: float, device: DeviceSpec, dtype: str) -> float:
-    """Seconds for one kernel doing ``flops`` and moving ``num_bytes`` on ``device``."""
+def roofline_time(flops: float, num_bytes: float, device: DeviceSpec, dtype: str,
+                  memory_efficiency: float | None = None) -> float:
+    """Seconds for one kernel doing ``flops`` and moving ``num_bytes`` on ``device``; its bytes
+    stream at ``memory_efficiency`` of the bandwidth when given (the kernel's kind,
+    ``cost_model.memory_kernels``), else at the device's memory efficiency."""
     matmul, memory, overhead = efficiencies(device, dtype)
+    memory = memory_efficiency or memory
     return max(flops / (device.flops_for(dtype) * matmul), num_bytes / (device.memory_bandwidth * memory)) + overhead
 
 
@@ -85,10 +92,12 @@ def op_times(node: OpNode, work_fraction: float, device: DeviceSpec, precision: 
         return cross_entropy_times(node, work_fraction, device, element_bytes, memory, overhead)
     flops = node.flops * work_fraction
     num_bytes = node.bytes_moved * work_fraction * min(1.0, element_bytes / traced_bytes)
-    forward = roofline_time(flops, num_bytes, device, dtype)
+    kind_efficiency = kernel_memory_efficiency(node, device)
+    forward = roofline_time(flops, num_bytes, device, dtype, kind_efficiency)
     has_gradient = any(meta.dtype.is_floating_point for meta in node.output_meta)
     backward = roofline_time(
-        defaults.BACKWARD_TO_FORWARD * flops, backward_bytes_ratio_on(node, device) * num_bytes, device, dtype
+        defaults.BACKWARD_TO_FORWARD * flops, backward_bytes_ratio_on(node, device) * num_bytes, device, dtype,
+        kind_efficiency,
     ) if has_gradient else 0.0
     return forward, backward
 

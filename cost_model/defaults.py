@@ -13,8 +13,11 @@ MATMUL_EFFICIENCY = 0.55
 # Fraction of peak memory bandwidth reached by elementwise and normalisation kernels
 # (streaming kernels reach 80-90% of HBM bandwidth on A100/H100 in the STREAM-like
 # benchmarks of NVIDIA's best-practices guide; 0.8 is a round, slightly pessimistic value).
-# Checked by ``benchmarks/components.py`` against a public H100 SXM5 device-to-device copy,
-# 2,903 GB/s = 86.7% of 3.35 TB/s (aigatech/vpbenchmarking, nvbench): 0.8 is 8% below it.
+# On GPUs of a known generation the kinds of eager kernel with a public measurement have their
+# own (``cost_model.memory_kernels``: contiguous pointwise 0.913, broadcasting pointwise 0.539,
+# fused norms 0.525); this value stands for the rest (reductions, casts, softmax: Hugging Face's
+# cross entropy on A100 streams at 0.81 of the bandwidth, ``benchmarks/components.py``), for
+# CPUs and unknown devices, and for the fused and per-parameter optimizer steps.
 MEMORY_EFFICIENCY = 0.8
 
 # Fixed cost of one kernel launch plus framework dispatch, seconds (typical PyTorch eager

@@ -17,7 +17,14 @@ for these kernels, whose forward reads its inputs and writes its output (in + ou
 * a multiply or divide of one tensor by a constant (the trace records no other tensor input)
   writes ``grad * c``: 2 tensors against 2, 1x;
 * dropout's backward (``native_dropout_backward(grad, mask, scale)``) reads the gradient
-  and the one-byte mask its forward wrote and writes the gradient: about the forward's bytes, 1x.
+  and the one-byte mask its forward wrote and writes the gradient: about the forward's bytes, 1x;
+* a power of one tensor by a number (``pow.Tensor_Scalar``, and ``square``, which autograd
+  differentiates as ``pow(self, 2)``) runs ``pow_backward``: ``grad * (exponent *
+  self.pow(exponent - 1))`` (torch/csrc/autograd/FunctionsManual.cpp), three kernels: the
+  inner power (for an exponent of 2, ``pow(self, 1)``, which ATen runs as a copy: Pow.cpp
+  ``pow_Tensor_Scalar_out``), the multiply by the exponent, the multiply by the gradient:
+  2 + 2 + 3 tensors against the forward's 2, 3.5x. Checked in ``benchmarks/components.py``
+  (Liger-Kernel's eager ReLU² backward on H100).
 
 Every other op keeps the default (a norm's backward reads the gradient and its input twice,
 once for the input gradient and once more for the weight's, which is about twice its forward).
@@ -34,8 +41,10 @@ SAVED_TENSOR_ACTIVATIONS = ("aten.gelu", "aten.silu", "aten.tanh", "aten.sigmoid
 RESIDUAL_ADDS = ("aten.add", "aten.sub")
 BY_A_CONSTANT = ("aten.mul", "aten.div")
 DROPOUTS = ("aten.dropout", "aten.native_dropout")
+POWERS = ("aten.pow", "aten.square")
 ACTIVATION_RATIO = 1.5
 PASS_THROUGH_RATIO = 1.0
+POWER_RATIO = 3.5
 
 
 def _base(op: str) -> str:
@@ -53,4 +62,6 @@ def backward_bytes_ratio(node: OpNode) -> float | None:
         return PASS_THROUGH_RATIO
     if base in BY_A_CONSTANT and len(node.input_meta) == 1:
         return PASS_THROUGH_RATIO
+    if base in POWERS and len(node.input_meta) == 1:
+        return POWER_RATIO
     return None

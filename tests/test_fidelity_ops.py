@@ -31,4 +31,8 @@ def test_mpt_7b_on_h100_matmul_time_is_its_flops_at_the_sustained_ceiling(capsys
     assert "aten.scaled_dot_product_attention" in kinds and kinds["aten.layer_norm"].count == 65
     main(["--runs", "MPT-7B@8xH100", "--top", "3"])
     printed = capsys.readouterr().out
-    assert "matmul" in printed and "all kernels" in printed and "aten.gelu" in printed
+    # Third: the fused LayerNorm (at memory_kernels.FUSED_NORM_EFFICIENCY, 0.525 of HBM
+    # bandwidth: 7.8 + 15.2 ms) ahead of the contiguous gelu (0.913: 8.6 + 12.8 ms), which the
+    # top 3 leave out.
+    assert "matmul" in printed and "all kernels" in printed and "aten.layer_norm" in printed
+    assert "aten.gelu" not in printed
