@@ -33,6 +33,7 @@ VIEW_OPS = frozenset(
         "aten.detach.default",
         "aten.split.Tensor",
         "aten.split_with_sizes.default",
+        "aten.chunk.default",  # torch.export keeps torch.chunk as itself: views of its input, as split's
         "aten.unbind.int",
         "aten.flatten.using_ints",
         "aten.unflatten.int",

@@ -152,6 +152,26 @@ def test_view_ops_move_no_bytes(traced, name):
     assert all(n.bytes_moved > 0 for n in non_views)
 
 
+def test_chunk_is_a_view_of_its_input():
+    """torch.export keeps ``torch.chunk`` as ``aten.chunk.default`` (a fused gate|up
+    projection split in two, as Hugging Face's gated MLPs do); its pieces are views, so it
+    moves no bytes. Before, it was priced as a copy of its whole input."""
+    from planner.trace import trace
+
+    class GatedHalves(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up = torch.nn.Linear(8, 32)
+
+        def forward(self, x):
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return gate * up
+
+    graph = trace(GatedHalves(), (torch.randn(4, 8),))
+    chunks = [n for n in graph.nodes if n.op == "aten.chunk.default"]
+    assert len(chunks) == 1 and chunks[0].is_view and chunks[0].bytes_moved == 0
+
+
 def test_meta_model_stays_meta(traced):
     model, args, _, graph = traced("gpt")
     assert all(p.is_meta for p in model.parameters())
