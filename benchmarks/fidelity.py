@@ -279,9 +279,13 @@ simulator gets wrong here is not identified; what its figures show:
     communication off its step; the table gains 2.1 s (19.7 -> 17.6 s), the report's later
     software 4.3 s (15.37 s). DeepEP's kernels run on SMs taken from the GEMMs they overlap,
     which the simulator does not price;
-  * the one row slow, Megatron-FSDP, exposes 5.7 s of FSDP gathers and reduce-scatters (28%);
-    Megatron-FSDP's flat per-module buffers are not the per-block units modelled, and whether
-    they hide more is not checked;
+  * the one row slow, Megatron-FSDP (+14.6%, 5.7 s of exposed communication), is expressed only
+    in part: the folded MoE cost (``cost_model.moe_folding``) holds every copy of an expert whole
+    and all-reduces its gradients over the 32 copies, where Megatron-FSDP shards the experts
+    over their expert-data-parallel group (EDP 32) and gathers them; the simulator's memory says
+    so (439 GiB on a device, 318 of them optimizer states). Its error checks the dense part's
+    FSDP and the folding, not Megatron-FSDP's expert sharding (without the row: 31 runs, median
+    7.6%, 25 fast / 6 slow; the other five MoE rows' median 22.3%);
   * the assumptions, faster all but the dispatcher's: "norm, act" recomputation run as none,
     uniform routing for the model zoo's dropless rows, the report's ``--tp-comm-overlap`` not
     priced (a folded plan does not declare sequence parallelism, ``Plan.sequence_parallel``).

@@ -44,8 +44,11 @@ the rows (predicted faster unless said):
   * DeepEP is priced as its exchange moves bytes (``all_to_all="deduplicated"``), not as its
     kernels run them (its SMs taken from the GEMMs: either way);
   * Megatron-FSDP (the one row without a pipeline) is priced as the simulator's FSDP with one
-    unit per transformer block (``fidelity.simulate``), not Megatron-FSDP's flat per-module
-    buffers;
+    unit per transformer block (``fidelity.simulate``) for the dense part, not Megatron-FSDP's
+    flat per-module buffers; its experts are not sharded at all: the folded MoE cost
+    (``cost_model.moe_folding``) keeps every copy whole with its optimizer states and
+    all-reduces its gradients over the copies (EDP 32), where Megatron-FSDP shards and gathers
+    them (memory far over the device; time either way: no expert gathers, a larger reduction);
   * the report's row also captures the router and the dispatch preprocessing in CUDA graphs,
     which the simulator does not price (their host time is not modelled either way).
 """
