@@ -5,25 +5,26 @@ them, and how each is built (``moe_plan``).
 Sources (both BF16, both stating the model, GPUs, sequence, global batch and every degree):
 
   * yanring/Megatron-MoE-ModelZoo, best_practice/qwen3/readme.md, "Performance Results, H100"
-    (first published 2025-05-27 in examples/qwen3/readme.md at 8017e1120; unchanged at
-    8e0e909): "256 H100 GPUS, NVLink 4th Generation, InfiniBand 8x50 GB/s", Qwen3-235B-A22B,
-    BF16, sequence 4,096, global batch 2,048, and per row the dispatcher, TP, EP, PP, VPP, DP,
-    FSDP, micro-batch, recomputation and the step time in seconds. Every Qwen3-235B row is
+    (first published 2025-05-27 in examples/qwen3/readme.md at 8017e1120; its Qwen3-235B rows
+    unchanged at e8650517, 2026-05-16): "256 H100 GPUS, NVLink 4th Generation, InfiniBand
+    8x50 GB/s", Qwen3-235B-A22B, BF16, sequence 4,096, global batch 2,048, and per row the
+    dispatcher, TP, EP, PP, VPP, DP, FSDP, micro-batch, recomputation and the step time in
+    seconds. Every Qwen3-235B row is
     here; the table's Qwen3-Next-80B-A3B row is not (its Gated DeltaNet layers trace as
     transformers' PyTorch fallback, a Python loop of chunk ops, not the fused kernels the run
     used, and the trace alone takes five minutes on this machine).
   * Yan et al. 2026, "Scalable Training of Mixture-of-Experts Models with Megatron Core"
     (arXiv 2603.07685), table 11: Qwen3-235B, H100, 256 GPUs, sequence 4,096, BF16, 320
     TFLOP/s and 2,132 tokens/s per GPU, with force-balanced routing; its layout is the model
-    zoo's script for that figure (best_practice/qwen3/run_h100_235b.sh at 1ed4179f, "H100
-    config, 320 TFLOPS": TP2 PP8 VPP4 EP32, global batch 2,048, DeepEP, ``A2A_OVERLAP=1``,
-    ``--recompute-modules moe_act layernorm``). The table's other H100 row (DeepSeek-V3) is
+    zoo's script for that figure (best_practice/qwen3/run_h100_235b.sh at 1ed4179f, the same at
+    e8650517, "H100 config, 320 TFLOPS": TP2 PP8 VPP4 EP32, global batch 2,048, DeepEP,
+    ``A2A_OVERLAP=1``, ``--recompute-modules moe_act layernorm``). The table's other H100 row (DeepSeek-V3) is
     FP8, which the simulator does not price.
 
 What the model zoo's configuration adds (model_configs/benchmarking/Qwen3-235B-A22B.yaml and
 sbatch_benchmarking.sh at 8017e1120): ``--sequence-parallel``, ``--use-distributed-optimizer``
-with ``--overlap-grad-reduce`` and ``--overlap-param-gather`` (``Plan.megatron_distributed_optimizer``),
-ETP 1, dropout 0, ``--account-for-embedding-in-pipeline-split`` and
+with ``--overlap-grad-reduce`` and ``--overlap-param-gather``
+(``Plan.megatron_distributed_optimizer``), ETP 1, dropout 0, ``--account-for-embedding-in-pipeline-split`` and
 ``--account-for-loss-in-pipeline-split`` (the split ``search.megatron_moe.account_split``
 builds), ``--untie-embeddings-and-output-weights`` (Qwen3-235B's own config unties them), no
 ``--tp-comm-overlap`` (its sbatch adds it for BF16 only from b09773a8, 2025-12-16: the
