@@ -14,8 +14,9 @@ rows are predicted fast and how many slow).
 
 Each run is simulated with the layout its source states - the mesh (tp x pp x dp), the
 pipeline schedule and micro-batches, recomputation, the data-parallel flavour (FSDP, ZeRO-1,
-DDP), gradient accumulation, bf16 - built by ``search.megatron.megatron_plan`` on the model
-traced once on meta tensors, on the cluster preset of its GPUs (or the network its source
+DDP), gradient accumulation, bf16 - built by ``search.megatron.megatron_plan`` (the MoE rows'
+expert layouts too, by ``benchmarks.fidelity_runs_moe.moe_plan``: "Megatron-Core MoE" below)
+on the model traced once on meta tensors, on the cluster preset of its GPUs (or the network its source
 describes). Nothing is searched and nothing is fitted to these runs: they check the
 simulator's constants, which come from kernel- and link-level measurements
 (``cost_model/gpu_kernels.py``, ``planner/presets.py``), and, for BLOOM's row, one constant
@@ -282,6 +283,37 @@ both tie the embedding to the LM head, whose gradient the first and last stage a
 between them before that reduction (``ReduceTiedGrads``: 0.58 s of BLOOM's step, in fp32 over
 Jean Zay's 6.25 GB/s per GPU).
 
+Megatron-Core MoE (``benchmarks/fidelity_runs_moe.py``, whose docstring has the sources, what
+each row states and what is assumed): Qwen3-235B-A22B in BF16 on 256 H100s, every Qwen3-235B
+row of NVIDIA's Megatron MoE model zoo table (best_practice/qwen3/readme.md, H100: the step
+seconds as published) and the H100 BF16 row of the Megatron-Core MoE technical report's table
+11 (Yan et al. 2026, arXiv 2603.07685: 2,132 tokens/s/GPU, on the model zoo's script for it).
+Each is built as its source states it, through ``search.megatron_moe.tensor_parallel_pipeline_plan``
+(TP beside EP folded over each stage's dp x tp ranks, interleaved on Megatron-Core's split with
+the embedding and the loss counted as layers) or, for the one row without a pipeline, the folded
+builder with FSDP; DeepEP's exchange or NCCL's all-to-all as the row's dispatcher; the EP
+overlap where stated. Chosen before simulating, none fitted; they land far off: EP32 -5.4%,
+EP32 with the EP overlap -23.8%, FSDP +14.6%, PP32 -22.3%, TP4 -42.5%, the report's row -12.8%,
+and every one "OOM in the simulator" (the runs fitted 80 GB). Moved by the rows, 26 runs ->
+32: median 6.6% -> 7.8%, largest 23.6% -> 42.5%, 20 fast / 6 slow -> 25 / 7. What the
+simulator gets wrong here is not identified; what its figures show:
+  * it ranks the layouts otherwise than the table: TP4 EP8 (16.7 s) ahead of TP2 EP32 (18.6 s),
+    where the table has TP4 slowest (29.0 s against 19.7 s);
+  * the EP overlap (``Plan.moe_a2a_overlap``) takes 5.2 of TP2 EP32's 5.7 s of exposed
+    communication off its step; the table gains 2.1 s (19.7 -> 17.6 s), the report's later
+    software 4.3 s (15.37 s). DeepEP's kernels run on SMs taken from the GEMMs they overlap,
+    which the simulator does not price;
+  * the one row slow, Megatron-FSDP (+14.6%, 5.7 s of exposed communication), is expressed only
+    in part: the folded MoE cost (``cost_model.moe_folding``) holds every copy of an expert whole
+    and all-reduces its gradients over the 32 copies, where Megatron-FSDP shards the experts
+    over their expert-data-parallel group (EDP 32) and gathers them; the simulator's memory says
+    so (439 GiB on a device, 318 of them optimizer states). Its error checks the dense part's
+    FSDP and the folding, not Megatron-FSDP's expert sharding (without the row: 31 runs, median
+    7.6%, 25 fast / 6 slow; the other five MoE rows' median 22.3%);
+  * the assumptions, faster all but the dispatcher's: "norm, act" recomputation run as none,
+    uniform routing for the model zoo's dropless rows, the report's ``--tp-comm-overlap`` not
+    priced (a folded plan does not declare sequence parallelism, ``Plan.sequence_parallel``).
+
 Not used, kept aside as an independent check of the simulator: table 1 of Narayanan et al.
 (SC'21), table 5 of Korthikanti et al. (2022), the IBM/PyTorch "Maximizing training throughput
 using PyTorch FSDP" blog and its fms-fsdp README, and llm-foundry's rows beyond those here.
@@ -289,7 +321,12 @@ Considered and left out: NeMo's and Megatron-Bridge's performance tables (their 
 FP8, which ``megatron_plan`` does not price, but for GPT-OSS 120B, whose attention sinks and
 sliding windows no example expresses); Megatron-LM's strong-scaling figure (a log-scale plot,
 no figures to quote); Megatron-Core MoE's "438 TFLOPS" for Mixtral 8x7B (no GPUs or layout
-stated); DeepSeek-V3's GPU hours (FP8, H800); MegaScale's table (modified model blocks, and
+stated); the MoE Parallel Folding paper's MFU tables (Liu et al. 2025, arXiv 2504.14960: only
+its abstract is in the stored sources); the model zoo's Mixtral-8x22B script's "around 445
+TFLOPS for H100" (an approximate figure in a comment, and Megatron's MoE FLOP count at an
+unpinned version to turn it into a step) and its Qwen3-Next-80B-A3B row (its Gated DeltaNet
+layers trace as transformers' PyTorch fallback, not the fused kernels the run used); DeepSeek-V3's
+GPU hours and the report's DeepSeek-V3 H100 row (FP8; H800 for the hours); MegaScale's table (modified model blocks, and
 its GPUs named only as Ampere); torchtitan's rows with layer- or op-level selective
 checkpointing (policies the simulator's ``selective`` does not express: the Llama 3 8B and
 Llama 2 13B/70B A100 rows, and the Llama 3.1 8B H100 rows, ``torchtitan_h100_runs``).
@@ -331,8 +368,10 @@ from cost_model.simulator import simulated
 
 try:  # run as a script (python benchmarks/fidelity.py) or imported as benchmarks.fidelity
     from benchmarks.fidelity_runs import Run, runs
+    from benchmarks.fidelity_runs_moe import moe_plan
 except ModuleNotFoundError:  # pragma: no cover - the script's own folder is on sys.path instead
     from fidelity_runs import Run, runs
+    from fidelity_runs_moe import moe_plan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -350,9 +389,12 @@ def simulate(run: Run, roofline: bool = False):
     spec = ModelSpec(str(EXAMPLES / run.example), run.overrides).resolved()
     cluster = Cluster.parse(run.cluster) if isinstance(run.cluster, str) else run.cluster
     graph, spec, name, cluster = prepare_model(spec, roofline_cluster(cluster) if roofline else cluster)
-    # Every run here is another system's program: where it splits over tp, it lays the fused
-    # q|k|v (gate|up) weights out per rank as Megatron-LM does, so those splits are local.
-    plan = megatron_plan(graph, cluster, spec, name, precision="bf16", fused_splits_local=True, **run.layout)
+    if run.moe is not None:  # a Megatron-Core MoE run (benchmarks/fidelity_runs_moe.py)
+        plan = moe_plan(graph, cluster, spec, name, run.moe)
+    else:
+        # Every run here is another system's program: where it splits over tp, it lays the fused
+        # q|k|v (gate|up) weights out per rank as Megatron-LM does, so those splits are local.
+        plan = megatron_plan(graph, cluster, spec, name, precision="bf16", fused_splits_local=True, **run.layout)
     changes = {}
     if run.accumulation > 1:
         changes["accumulation_steps"] = run.accumulation

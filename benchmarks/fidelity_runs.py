@@ -5,8 +5,9 @@ Sources, each row naming its own: MosaicML llm-foundry's benchmarking README (th
 only); torchtitan's docs/performance.md (A100 of mid-2024; H100 of August 2024); Smith et
 al. 2022 (MT-NLG, section 2.4, its three scales); BigScience's BLOOM-176B pages; Dubey et
 al. 2024 (Llama 3), table 4; NVIDIA/Megatron-LM's README (weak-scaling table of
-Megatron-Core r0.8.0 on H100). Published figures become step times with the source's own
-definitions (``benchmarks/fidelity_flops.py``).
+Megatron-Core r0.8.0 on H100); the Megatron-Core MoE rows (Qwen3-235B-A22B on 256 H100s) are
+``benchmarks/fidelity_runs_moe.py``'s. Published figures become step times with the source's own
+definitions (``benchmarks/fidelity_flops.py``). ``Run`` is ``benchmarks/fidelity_row.py``'s.
 
 Models: MPT (MosaicML) is GPT-like (LayerNorm, GELU MLP of 4x width, vocabulary 50,368,
 ALiBi in place of learned positions): ``examples/gpt.py`` with its widths. Runs from before
@@ -16,16 +17,18 @@ FlashAttention (MT-NLG 2021, BLOOM 2022) use ``gpt.py``'s explicit attention (``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from planner.cluster import Cluster
 from planner.cluster_edits import with_attention_kernel, with_inter_node, with_memory, with_power_limit
 from search.layouts import nearly_even_layers
 
 try:  # imported as benchmarks.fidelity_runs, or from a script in benchmarks/ (its folder on sys.path)
     from benchmarks.fidelity_flops import megatron_core_flops, megatron_deepspeed_flops, palm_model_flops, tokens_step
+    from benchmarks.fidelity_row import Run
+    from benchmarks.fidelity_runs_moe import megatron_core_moe_runs
 except ModuleNotFoundError:  # pragma: no cover
     from fidelity_flops import megatron_core_flops, megatron_deepspeed_flops, palm_model_flops, tokens_step
+    from fidelity_row import Run
+    from fidelity_runs_moe import megatron_core_moe_runs
 
 MPT_VOCAB = 50368  # llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml: vocab_size 50368
 LLM_FOUNDRY = "llm-foundry scripts/train/benchmarking/README.md"
@@ -41,71 +44,6 @@ TORCHTITAN_2024_ADAMW = "foreach"
 # attention_dropout), examples/gpt.py's default.
 MEGATRON_DEFAULT_DROPOUT = 0.1
 MEGATRON_WEAK_SCALING = "NVIDIA/Megatron-LM README, weak-scaling table (images/model_table.png, Megatron-Core r0.8.0, 2024-07)"
-
-
-@dataclass(frozen=True)
-class Run:
-    """One published run: the model, its GPUs and layout, and the figure it publishes.
-
-    Attributes:
-        name: short label.
-        example: model file under ``examples/``; ``overrides``: its keyword arguments
-            (widths, layers, batch = the global batch of one step, sequence).
-        cluster: a preset string ``PRESET:NODES`` or a ``Cluster``.
-        layout: ``megatron_plan`` keyword arguments (tp, pp, schedule, micro-batch, ...).
-        accumulation: gradient-accumulation steps (micro-batches without a pipeline).
-        published_step_s: the published figure as seconds per step (see the module docstring).
-        figure: the published figure as the source states it; ``source``: where.
-        hsdp_shard: for an FSDP run that shards within groups of this many ranks and
-            replicates across them (HSDP), the group size; None for every other run.
-        megatron_distributed_optimizer: the run's ZeRO-1 is Megatron-Core's distributed
-            optimizer (``Plan.megatron_distributed_optimizer``).
-        half_precision_weights: the run's model holds 16-bit weights and gradients
-            (``Plan.half_precision_weights``: Megatron-LM, DeepSpeed, Composer's FSDP with
-            ``mixed_precision: DEFAULT``); False for torchtitan's FSDP2, which gathers bf16 and
-            reduces in fp32 as the planner's own bf16 programs do.
-        optimizer_implementation: how the run's AdamW steps (``Plan.optimizer_implementation``):
-            "fused" (Megatron-LM's and DeepSpeed's FusedAdam: the default), "foreach" (torch.optim's
-            default on CUDA, torchtitan's until its PR #881 of 2025-02 made fused the default),
-            "per_parameter" (Composer's DecoupledAdamW).
-    """
-
-    name: str
-    example: str
-    overrides: dict
-    cluster: object
-    layout: dict
-    accumulation: int
-    published_step_s: float
-    figure: str
-    source: str
-    hsdp_shard: int | None = None
-    megatron_distributed_optimizer: bool = False
-    half_precision_weights: bool = True
-    optimizer_implementation: str = "fused"
-
-    def describe(self, gpus: int) -> str:
-        parts = [f"tp{self.layout.get('tp', 1)}", f"pp{self.layout.get('pp', 1)}",
-                 f"dp{gpus // (self.layout.get('tp', 1) * self.layout.get('pp', 1))}"]
-        flavour = "mcore-distopt" if self.megatron_distributed_optimizer else self.layout.get("dp_flavour", "ddp")
-        parts.append(f"hsdp{self.hsdp_shard}" if self.hsdp_shard else flavour)
-        if not self.half_precision_weights:
-            parts.append("rs-fp32")
-        if self.layout.get("sequence_parallel"):
-            parts.append("sp")
-        if self.layout.get("tp_comm_overlap"):
-            parts.append("tpov")
-        if self.layout.get("pp", 1) > 1:
-            schedule = self.layout.get("schedule", "1f1b")
-            parts.append(f"{schedule}{self.layout.get('virtual_stages', '') if schedule == 'interleaved' else ''}"
-                         f" mb{self.layout.get('micro_batch', 1)}")
-            if self.layout.get("blocking_p2p"):
-                parts.append("sync-p2p")
-        if self.accumulation > 1:
-            parts.append(f"acc{self.accumulation}")
-        parts.append(f"rc-{self.layout.get('recompute', 'none')}")
-        return " ".join(parts)
-
 
 
 def _mpt(size: str, layers: int, width: int, heads: int, batch: int, seq: int) -> dict:
@@ -331,6 +269,7 @@ def runs() -> list[Run]:
         ))
     found += megatron_core_weak_scaling_runs()
     found += torchtitan_h100_runs()
+    found += megatron_core_moe_runs()
     return found
 
 

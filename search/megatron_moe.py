@@ -40,7 +40,11 @@ of them with pruning (``MegatronGrid``). Three builders:
   tensor-parallel group, ``dp*tp / (ep*etp)`` copies of each expert) with ZeRO-1,
   recomputation and the configuration's micro-batches (accumulated without a pipeline; a
   pipeline on Megatron's even split runs them 1F1B). It has no interleaved schedule: those
-  configurations (VPP > 1 with TP) are refused in one line.
+  configurations (VPP > 1 with TP) are refused in one line. Outside the grid,
+  ``tensor_parallel_pipeline_plan`` builds any of them on a split the caller gives (Megatron-
+  Core's with the embedding and the loss counted as layers: ``account_split``) through the
+  pipeline builder, its stages' experts folded over ``dp x tp``; ``benchmarks/fidelity.py``'s
+  MoE rows use it (the grid would need a slicing of its own to try them).
 
 Pruning (as the pipeline search prunes, ``search.pipeline_search``): a pipeline whose memory
 lower bound exceeds the device is refused without slicing; the others are visited by their
@@ -63,12 +67,14 @@ from cost_model.parameter_bytes import bytes_per_parameter
 from cost_model.simulator import simulated
 from planner.cluster import Cluster
 from planner.errors import PlanningError
+from planner.families.moe_folding.section import JSON_KEY as FOLDING_KEY, MoeFoldingSection
 from planner.graph import OpGraph
 from planner.plans import Plan
+from planner.routing import RoutingStats
 from planner.strategy import DUALPIPE, ExpertLayout, ExpertPlacement, Mesh
 from search.moe_search import moe_base_plan
-from search.moe_folding import dense_strategies, folded_plan
-from search.pipeline_configs import Configuration, PipelineSpace
+from search.moe_folding import dense_strategies, folded_layouts, folded_plan, with_stage_layouts
+from search.pipeline_configs import Configuration, Estimate, PipelineSpace
 from search.pipeline_search import PipelineGrid
 
 
@@ -419,3 +425,65 @@ def best_of(results: list[GridResult]) -> GridResult | None:
     """The fastest configuration whose plan fits, or None."""
     fitting = [r for r in results if r.plan is not None and r.plan.estimate.fits]
     return min(fitting, key=lambda r: r.plan.estimate.step_time_s, default=None)
+
+
+def account_split(blocks: int, stages: int) -> tuple[int, ...]:
+    """Blocks per (virtual) stage, in model order, as Megatron-Core splits them with
+    ``--account-for-embedding-in-pipeline-split`` and ``--account-for-loss-in-pipeline-split``
+    (megatron/core/transformer/transformer_block.py ``get_num_layers_to_build``): the embedding
+    and the loss each take one layer's slot, so ``blocks + 2`` slots split evenly, the first
+    stage's one slot being the embedding and the last's the loss.
+
+    Raises:
+        PlanningError: ``blocks + 2`` does not split evenly over ``stages`` (Megatron-Core
+            refuses such a layout too).
+    """
+    if stages < 2 or (blocks + 2) % stages:
+        raise PlanningError(f"{blocks} layers plus the embedding and the loss do not split evenly over {stages} "
+                            "pipeline stages; choose a stage count that divides the layers + 2")
+    per_stage = [(blocks + 2) // stages] * stages
+    per_stage[0] -= 1
+    per_stage[-1] -= 1
+    return tuple(per_stage)
+
+
+def tensor_parallel_pipeline_plan(graph: OpGraph, cluster: Cluster, spec, model_name: str, config: MegatronMoEConfig,
+                                  layers_per_stage: tuple[int, ...], *, all_to_all: str = "flat",
+                                  precision: str = "bf16") -> Plan:
+    """``config`` with tensor parallelism inside a pipeline, 1F1B or interleaved over
+    ``config.vpp`` virtual stages (which ``MegatronGrid.build`` refuses), its (virtual) stages
+    holding ``layers_per_stage`` blocks each in model order (``account_split`` for
+    Megatron-Core's split): built by the search's pipeline builder (``PipelineGrid``) with
+    Megatron's layout of the dense ops, sequence parallelism, ZeRO-1, and every MoE layer
+    folded over its stage's ``dp x tp`` ranks with EP ``config.ep`` and ETP ``config.etp``
+    (``search.moe_folding.folded_layouts``, their all-to-alls ``all_to_all``); simulated.
+    The stage slicing is the caller's, not searched, and memory does not refuse it: the
+    plan's estimate says whether it fits.
+
+    Raises:
+        PlanningError: Megatron's layout does not split the model over ``config.tp``, or the
+            counts do not fit the stages (``search.layouts.uneven_stages``).
+    """
+    if config.tp < 2 or config.pp < 2:
+        raise PlanningError("this builder lays out tensor parallelism inside a pipeline (TP and PP of at least 2); "
+                            "use MegatronGrid.build for the others")
+    micro_batches = graph.batch_size // (config.dp * config.micro_batch_size)
+    layouts = tuple(dataclasses.replace(layout, all_to_all=all_to_all)
+                    for layout in folded_layouts(graph, RoutingStats(), config.ep, config.etp))
+    variant = f"{_ep_variant(config.ep)}-etp{config.etp}"
+    space = PipelineSpace(micro_batch_sizes=(config.micro_batch_size,), virtual_stages=(config.vpp,),
+                          flavours=("zero1",), per_stage_recompute=False, sequence_parallel=(True,),
+                          searched_layout="off", tensor_parallel=(config.tp,), lay_out_experts=with_stage_layouts,
+                          expert_layouts=lambda mesh, count: {variant: layouts})
+    grid = PipelineGrid(graph, cluster, precision, space)
+    schedule = "interleaved" if config.vpp > 1 else "1f1b"
+    configuration = Configuration(tp=config.tp, pp=config.pp, dp=config.dp, micro_batch=config.micro_batch_size,
+                                  micro_batches=micro_batches, schedule=schedule, virtual_stages=config.vpp,
+                                  flavour="zero1" if config.dp > 1 else "ddp", recompute=config.recompute,
+                                  sequence_parallel=True, experts=variant)
+    # Only the slicing and the configuration of an estimate build the plan; it is simulated next.
+    plan = grid.unsimulated(Estimate(0.0, configuration, tuple(layers_per_stage), 0.0), spec, model_name)
+    # The stages' folding is sequence parallel as their dense ops are (Megatron-Core requires
+    # --sequence-parallel for MoE layers beside TP): each tp rank routes its own tokens.
+    sections = {**plan.sections, FOLDING_KEY: MoeFoldingSection(True)}
+    return simulated(dataclasses.replace(plan, label="megatron-moe", sections=sections), graph)

@@ -1,0 +1,146 @@
+"""The Megatron-Core MoE runs of ``benchmarks/fidelity.py``: Qwen3-235B-A22B in BF16 on 256
+H100s, as NVIDIA's Megatron MoE model zoo and the Megatron-Core MoE technical report publish
+them, and how each is built (``moe_plan``).
+
+Sources (both BF16, both stating the model, GPUs, sequence, global batch and every degree):
+
+  * yanring/Megatron-MoE-ModelZoo, best_practice/qwen3/readme.md, "Performance Results, H100"
+    (first published 2025-05-27 in examples/qwen3/readme.md at 8017e1120; its Qwen3-235B rows
+    unchanged at e8650517, 2026-05-16): "256 H100 GPUS, NVLink 4th Generation, InfiniBand
+    8x50 GB/s", Qwen3-235B-A22B, BF16, sequence 4,096, global batch 2,048, and per row the
+    dispatcher, TP, EP, PP, VPP, DP, FSDP, micro-batch, recomputation and the step time in
+    seconds. Every Qwen3-235B row is
+    here; the table's Qwen3-Next-80B-A3B row is not (its Gated DeltaNet layers trace as
+    transformers' PyTorch fallback, a Python loop of chunk ops, not the fused kernels the run
+    used, and the trace alone takes five minutes on this machine).
+  * Yan et al. 2026, "Scalable Training of Mixture-of-Experts Models with Megatron Core"
+    (arXiv 2603.07685), table 11: Qwen3-235B, H100, 256 GPUs, sequence 4,096, BF16, 320
+    TFLOP/s and 2,132 tokens/s per GPU, with force-balanced routing; its layout is the model
+    zoo's script for that figure (best_practice/qwen3/run_h100_235b.sh at 1ed4179f, the same at
+    e8650517, "H100 config, 320 TFLOPS": TP2 PP8 VPP4 EP32, global batch 2,048, DeepEP,
+    ``A2A_OVERLAP=1``, ``--recompute-modules moe_act layernorm``). The table's other H100 row (DeepSeek-V3) is
+    FP8, which the simulator does not price.
+
+What the model zoo's configuration adds (model_configs/benchmarking/Qwen3-235B-A22B.yaml and
+sbatch_benchmarking.sh at 8017e1120): ``--sequence-parallel``, ``--use-distributed-optimizer``
+with ``--overlap-grad-reduce`` and ``--overlap-param-gather``
+(``Plan.megatron_distributed_optimizer``), ETP 1, dropout 0, ``--account-for-embedding-in-pipeline-split`` and
+``--account-for-loss-in-pipeline-split`` (the split ``search.megatron_moe.account_split``
+builds), ``--untie-embeddings-and-output-weights`` (Qwen3-235B's own config unties them), no
+``--tp-comm-overlap`` (its sbatch adds it for BF16 only from b09773a8, 2025-12-16: the
+technical report's row has it). Attention runs as Transformer Engine picks it on Hopper,
+cuDNN's fused flash attention, as for Megatron-Core's dense rows.
+
+Assumed where the sources are silent or the simulator cannot say it, and which way each bends
+the rows (predicted faster unless said):
+  * recomputation "norm, act" (``--recompute-modules layernorm moe_act``: the norms and the
+    experts' SwiGLU recomputed in backward, their outputs discarded) is not a mode the
+    simulator has (its ``selective`` recomputes the attention core); run as none: the few
+    memory-bound recomputed ops are left out (faster), and the memory they save is not (the
+    rows read "OOM in the simulator");
+  * routing: the simulator routes every token uniformly (each expert its share); the model
+    zoo's rows do not say they forced balance, so they ran dropless with the auxiliary loss,
+    whose imbalance slows the busiest expert (faster); the report's row forced balance, as
+    simulated;
+  * DeepEP is priced as its exchange moves bytes (``all_to_all="deduplicated"``), not as its
+    kernels run them (its SMs taken from the GEMMs: either way);
+  * Megatron-FSDP (the one row without a pipeline) is priced as the simulator's FSDP with one
+    unit per transformer block (``fidelity.simulate``) for the dense part, not Megatron-FSDP's
+    flat per-module buffers; its experts are not sharded at all: the folded MoE cost
+    (``cost_model.moe_folding``) keeps every copy whole with its optimizer states and
+    all-reduces its gradients over the copies (EDP 32), where Megatron-FSDP shards and gathers
+    them (memory far over the device; time either way: no expert gathers, a larger reduction);
+  * the report's row also captures the router and the dispatch preprocessing in CUDA graphs,
+    which the simulator does not price (their host time is not modelled either way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from cost_model.simulator import simulated
+from planner.cluster import Cluster
+from planner.cluster_edits import with_attention_kernel
+from planner.graph import OpGraph
+from planner.plans import Plan
+from planner.strategy import Mesh
+from search.megatron_moe import MegatronMoEConfig, account_split, tensor_parallel_pipeline_plan
+from search.moe_folding import folded_plan
+
+try:  # imported as benchmarks.fidelity_runs_moe, or from a script in benchmarks/ (its folder on sys.path)
+    from benchmarks.fidelity_flops import tokens_step
+    from benchmarks.fidelity_row import DISPATCHER_ALL_TO_ALL, MoeLayout, Run
+except ModuleNotFoundError:  # pragma: no cover
+    from fidelity_flops import tokens_step
+    from fidelity_row import DISPATCHER_ALL_TO_ALL, MoeLayout, Run
+
+QWEN3_235B_MODEL = str(Path(__file__).with_name("qwen3_235b.py"))
+MOE_MODEL_ZOO = "Megatron-MoE-ModelZoo best_practice/qwen3/readme.md (H100)"
+MOE_REPORT = "Yan et al. 2026 (Megatron-Core MoE, arXiv 2603.07685), table 11"
+QWEN3_GPUS, QWEN3_BATCH, QWEN3_SEQ = 256, 2048, 4096
+
+
+def qwen3_h100_cluster() -> Cluster:
+    """The model zoo's 256 H100s ("NVLink 4th Generation, InfiniBand 8x50 GB/s": the
+    dgx-h100 preset's 50 GB/s per GPU) running cuDNN's fused attention (module docstring)."""
+    return with_attention_kernel(Cluster.preset("dgx-h100", nodes=QWEN3_GPUS // 8), "cudnn-fused-attention")
+
+
+def megatron_core_moe_runs() -> list[Run]:
+    """Qwen3-235B-A22B on 256 H100s in BF16 (module docstring): the model zoo's five
+    Qwen3-235B rows, then the technical report's."""
+    found = []
+    overrides = {"batch_size": QWEN3_BATCH, "seq_len": QWEN3_SEQ}
+    # (name, dispatcher, tp, ep, pp, vpp, micro-batch, recomputation, EP overlap, flavour, step s):
+    # the table's rows in its order. "norm, act" runs as "none" (module docstring); EDP and
+    # ETP follow (ETP 1 throughout; EDP = dp*tp / ep).
+    for tag, dispatcher, tp, ep, pp, vpp, micro, recompute, overlap, flavour, step in (
+        ("EP32", "DeepEP", 2, 32, 8, 4, 1, "none", False, "zero1", 19.7),
+        ("EP32-ov", "DeepEP", 2, 32, 8, 4, 1, "none", True, "zero1", 17.6),
+        ("FSDP", "DeepEP", 2, 8, 1, 1, 4, "full", False, "fsdp", 17.6),
+        ("PP32", "A2A", 2, 8, 32, 3, 1, "none", False, "zero1", 24.2),
+        ("TP4", "DeepEP", 4, 8, 8, 4, 1, "none", False, "zero1", 29.0),
+    ):
+        dp = QWEN3_GPUS // (tp * pp)
+        config = MegatronMoEConfig(tp=tp, ep=ep, etp=1, pp=pp, vpp=vpp, dp=dp, recompute=recompute,
+                                   micro_batch_size=micro)
+        found.append(Run(
+            f"Qwen3-235B-{tag}@256xH100", QWEN3_235B_MODEL, overrides, qwen3_h100_cluster(), {},
+            QWEN3_BATCH // (dp * micro) if pp == 1 else 1, step, f"{step} s/step", MOE_MODEL_ZOO,
+            megatron_distributed_optimizer=flavour == "zero1",
+            moe=MoeLayout(config, dispatcher, a2a_overlap=overlap, flavour=flavour),
+        ))
+    # The report's row: 2,132 tokens/s per GPU -> 2048 x 4096 / (2132 x 256) = 15.37 s per step.
+    config = MegatronMoEConfig(tp=2, ep=32, etp=1, pp=8, vpp=4, dp=16, recompute="none", micro_batch_size=1)
+    found.append(Run(
+        "Qwen3-235B-report@256xH100", QWEN3_235B_MODEL, overrides, qwen3_h100_cluster(), {}, 1,
+        tokens_step(QWEN3_BATCH, QWEN3_SEQ, 2132, QWEN3_GPUS), "2132 tok/s/GPU", MOE_REPORT,
+        megatron_distributed_optimizer=True,
+        moe=MoeLayout(config, "DeepEP", a2a_overlap=True),
+    ))
+    return found
+
+
+def moe_plan(graph: OpGraph, cluster: Cluster, spec, model_name: str, layout: MoeLayout,
+             precision: str = "bf16") -> Plan:
+    """``layout`` on ``graph`` as a simulated plan: a pipeline by
+    ``search.megatron_moe.tensor_parallel_pipeline_plan`` on Megatron-Core's split with the
+    embedding and the loss each counted as a layer (``account_split``), one without by the
+    folded MoE builder (``search.moe_folding.folded_plan``) accumulating the rank's
+    micro-batches; sequence parallel, every MoE layer folded over ``dp x tp`` with the
+    layout's EP, its all-to-alls as the dispatcher moves them, its EP overlap as stated."""
+    config = layout.config
+    all_to_all = DISPATCHER_ALL_TO_ALL[layout.dispatcher]
+    if config.pp > 1:
+        blocks = sum(graph.blocks.values())
+        plan = tensor_parallel_pipeline_plan(graph, cluster, spec, model_name, config,
+                                             account_split(blocks, config.pp * config.vpp),
+                                             all_to_all=all_to_all, precision=precision)
+    else:
+        mesh = Mesh((("dp", config.dp), ("tp", config.tp)))
+        plan = folded_plan(graph, cluster, spec, model_name, mesh, config.ep, config.etp, sequence_parallel=True,
+                           precision=precision, dp_flavour=layout.flavour, recompute=config.recompute,
+                           accumulation_steps=graph.batch_size // (config.dp * config.micro_batch_size))
+    layouts = tuple(dataclasses.replace(expert, all_to_all=all_to_all) for expert in plan.expert_layouts)
+    return simulated(dataclasses.replace(plan, expert_layouts=layouts, moe_a2a_overlap=layout.a2a_overlap), graph)
