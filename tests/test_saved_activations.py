@@ -99,3 +99,32 @@ def test_projections_of_the_same_shape_keep_their_own_autocast_casts() -> None:
 
     assert cast_s(output) == 0.0 and cast_s(query) > 0.0
     assert costs[query.name].forward_s - costs[output.name].forward_s == pytest.approx(cast_s(query))
+
+
+def _torchtitan_13b_row(batch: int):
+    """torchtitan's Llama2-13B row on 64 A100s (benchmarks/fidelity_runs.py: FSDP2, no
+    recomputation, local batch 2 of 4,096 tokens) with ``batch`` sequences per step."""
+    import dataclasses
+
+    from benchmarks.fidelity import simulate
+    from benchmarks.fidelity_runs import runs
+
+    run = next(run for run in runs() if run.name == "Llama2-13B@64xA100")
+    plan, _ = simulate(dataclasses.replace(run, overrides={**run.overrides, "batch_size": batch}))
+    return plan.estimate
+
+
+def test_torchtitan_13b_row_fits_and_twice_its_local_batch_does_not() -> None:
+    """Local batch 2 x 4,096 tokens, width 5,120: a (2, 4096, 5120) bf16 activation is
+    41,943,040 x 2 = 83.89 MB. One layer keeps: each norm's input, x * rsqrt and its product by
+    the weight (3 x 83.89, twice: 503.3 MB), v, rotated q and k, attention's output (4 x 83.89 =
+    335.5 MB), SwiGLU's four (2, 4096, 13824) tensors (4 x 226.49 = 906.0 MB): 1,744.8 MB; 40
+    layers 69.8 GB = 65.0 GiB, with the head's logits and the rest under 74.5 GiB. At local
+    batch 4 the layers alone hold 139.6 GB: over any 80 GB device."""
+    layer_bytes = 6 * 83.886e6 + 4 * 83.886e6 + 4 * 226.492e6
+    fits = _torchtitan_13b_row(128)
+    assert 40 * layer_bytes <= fits.memory.activations <= 40 * layer_bytes + 2 * 2**30
+    assert fits.fits
+    doubled = _torchtitan_13b_row(256)
+    assert doubled.memory.activations >= 2 * 40 * layer_bytes
+    assert not doubled.fits
