@@ -247,7 +247,13 @@ points faster (1.7B -13.6% -> -17.0%, 7.1B -11.3% -> -15.0%, 32B +2.9% -> -0.6%,
 product by a tensor that needs no gradient keeps only that tensor (the rotary products keep cos
 and sin, not q and k as projected), stack and cat keep none of their inputs, ops no gradient
 flows through record nothing. torchtitan's Llama2-13B (local batch 2, no recomputation) then
-holds 2.08 -> 1.74 GB per layer and fits (82.4 -> 69.9 GiB); no step time moves. Still over:
+holds 2.08 -> 1.74 GB per layer and fits (82.4 -> 69.9 GiB); no step time moves. Not yet
+modelled, and against it: torchtitan's own code (model.py at 1ea476e9f) keeps about 2.00 GB per
+layer by hand, since its RMSNorm saves ``x.float()`` in fp32, which the simulator's saved bytes
+price at bf16 (2 x 83.9 MB per layer), and it copies attention's output (``.contiguous()``)
+before ``wo`` where examples/llama.py reshapes a view (83.9 MB): about 80 GiB in all, which fits
+only because an A100 80GB holds 81,920 MiB (nvidia-smi), not the preset's 80e9 bytes (74.5
+GiB). Still over:
 Llama 3 405B at 8,192 and 16,384 GPUs (105.6 and 96.7 GiB), whose activations decide it: 141
 one-layer chunk passes in flight on the second pipeline rank (Megatron's interleaved warm-up,
 2 x 14 + 7 x 16 forwards, then one more) of 0.71 GB each at micro-batches of one sequence
