@@ -41,8 +41,7 @@ said):
     except MPT-70B@64xA100, whose figure (410 tok/s/GPU, precision ``bf16``, ``PURE``) the table
     kept from the sweep before it (the README at b2a43a147^ has the same row; that sweep.sh:
     ``IMAGE="mosaicml/pytorch:1.13.1_cu117..."``, PyTorch 1.13.1 and CUDA 11.7);
-  * Megatron-Core's rows: the ``--bf16`` fp32 gradient buffer (4 bytes per gradient where
-    the model counts 2: memory only, not time). Their micro-batch size is not stated; taken as
+  * Megatron-Core's rows: their micro-batch size is not stated; taken as
     1 (Megatron's GPT-3 example), so the pp1 rows run 4 micro-batches, gradients reduced once
     after the last. There MCore-GPT-32B (tp8: one GPU per node in each dp ring) comes out
     slow (+37%): its 15.8 GB of fp32 gradients per GPU take 0.39 s to reduce-scatter over
@@ -234,7 +233,7 @@ about 47 GB/s over 48 nodes behind a last backward of 0.15 s (0.22 s exposed), a
 forward waits for each block's 201 MB weight gather (4.9 ms against 1.8 ms of compute: 0.13 s),
 both as Megatron-Core r0.8 orders them (``cost_model.megatron_grad_sync``). By hand, the
 step less the first is 2.18 s, the published one, less the second +4%; the source states
-nothing (SHARP on the fabric, NCCL version, bucket sizes) that would hide either, so it stays. The 1.7B and 7.1B rows (-14.5%, -11.9%) expose almost no
+nothing (SHARP on the fabric, NCCL version, bucket sizes) that would hide either, so it stays. The 1.7B and 7.1B rows (-17.0%, -15.0%) expose almost no
 communication (1.7B: 12 ms of a 0.39 s step; its fp32 reduce-scatters take 0.7 ms per block
 behind 8 ms of backward): their gap is compute, kernel time the simulator prices at 669
 TFLOP/s for 1.7B's GEMMs (h 2048, 16,384 tokens per pass; ``fidelity_ops.py``), which is
@@ -258,6 +257,35 @@ optimizer as r0.8 runs it (fp32 reduce-scatter once per step, the weights' gathe
 the next forward: ``Plan.megatron_distributed_optimizer``) moves the pp1 rows 1-9 points
 faster (1.7B -13.6% -> -14.5%, 16B +4.9% -> -8.4%) and 70B to +10.4% (26 runs: median 8.5%,
 largest 23.7%, 19 fast / 7 slow).
+
+Memory (session 10): six rows that ran were "OOM in the simulator". Megatron-Core's distributed
+optimizer now holds what Megatron-LM's docs/source/api-guide/dist_optimizer.md tabulates for
+bf16 weights and fp32 gradients, 6 + 12/dp bytes per parameter: the fp32 gradient buffer
+counted at 4 bytes (it was 2) and the master weights and Adam moments divided by dp for every
+weight, since Megatron cuts its flat buffer into dp ranges (the planner's own ZeRO-1 steps whole
+every weight dp divides no dimension of: at dp 48 most of them, 31.7 of 7.1B's 80.9 GiB). So
+MCore-GPT-7.1B, -32B and -314B fit (80.9 -> 56.7, 81.1 -> 55.2, 100.0 -> 66.3 GiB of 74.5), and
+their optimizer steps 1/48 of the states, not most of them: the pp1 rows and 70B-119B 0.8-3.7
+points faster (1.7B -13.6% -> -17.0%, 7.1B -11.3% -> -15.0%, 32B +2.9% -> -0.6%, 70B +10.9% ->
++9.3%, 119B +3.7% -> +2.9%, 314B +3.9% -> +3.4%; 26 runs: median 6.6%, largest 23.6%, 20 fast /
+6 slow -> 21 / 5). Activations are kept as autograd keeps them (``cost_model.node_costs``): a
+product by a tensor that needs no gradient keeps only that tensor (the rotary products keep cos
+and sin, not q and k as projected), stack and cat keep none of their inputs, ops no gradient
+flows through record nothing. torchtitan's Llama2-13B (local batch 2, no recomputation) then
+holds 2.08 -> 1.74 GB per layer and fits (82.4 -> 69.9 GiB); no step time moves. Not yet
+modelled, and against it: torchtitan's own code (model.py at 1ea476e9f) keeps about 2.00 GB per
+layer by hand, since its RMSNorm saves ``x.float()`` in fp32, which the simulator's saved bytes
+price at bf16 (2 x 83.9 MB per layer), and it copies attention's output (``.contiguous()``)
+before ``wo`` where examples/llama.py reshapes a view (83.9 MB): about 80 GiB in all, which fits
+only because an A100 80GB holds 81,920 MiB (nvidia-smi), not the preset's 80e9 bytes (74.5
+GiB). Still over:
+Llama 3 405B at 8,192 and 16,384 GPUs (105.6 and 96.7 GiB), whose activations decide it: 141
+one-layer chunk passes in flight on the second pipeline rank (Megatron's interleaved warm-up,
+2 x 14 + 7 x 16 forwards, then one more) of 0.71 GB each at micro-batches of one sequence
+(tp 8 with sequence-parallel norms, no recomputation) is 93 GiB before any weight. The paper
+states neither its micro-batch nor how many micro-batches its schedule runs per round (its N,
+"tunable") nor its per-layer bytes (Meta's training code is not public), so the assumption of
+Megatron's schedule with N = 16 decides the verdict.
 
 Modelled from the runs' stated software: collectives overlapping compute slow it
 (``cost_model.nccl``'s contention); the host's time to issue ops bounds each block from below

@@ -130,6 +130,19 @@ def _runtime_bytes(node: OpNode, sizes: dict[str, int]) -> float:
     return moved
 
 
+def runtime_widths(context, node: OpNode) -> tuple[int, ...]:
+    """The run-time bytes per element of ``node``'s inputs and output that
+    ``autocast_activation_times`` prices it by, () where it prices nothing: two ops of the same
+    shapes whose inputs differ in width (a projection of an fp32 norm's output, one of bf16
+    attention's) cost differently, which a cache of node costs must tell apart."""
+    plan = context.plan
+    if not holds_fp32_weights(plan) or node.is_view or generation_of(context.device) is None:
+        return ()
+    low_bytes = PRECISIONS[plan.precision][1]
+    sizes = _sizes_of(context.graph, low_bytes if wraps_bf16_fsdp_units(plan) else 4)
+    return tuple(sizes.get(name, 0) for name in (*node.inputs, node.name))
+
+
 def autocast_activation_times(context, node: OpNode, share: float, device) -> tuple[float, float]:
     """(forward, backward) seconds autocast's fp32 activations add to ``node`` doing ``share``
     of its traced work on ``device`` in a program of the planner's own: a memory-bound kernel

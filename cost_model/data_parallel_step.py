@@ -383,12 +383,17 @@ class DataParallelStep(StepContributor):
         if flavour not in FLAVOURS:
             return None
         sharded = dp > 1 and flavour in SHARDED_STATES
+        # Megatron-Core's distributed optimizer cuts its flat, padded gradient buffer into dp
+        # equal contiguous ranges whatever the tensor boundaries (``_build_model_gbuf_range``
+        # in megatron/core/optimizer/distrib_optimizer.py, core_v0.8.0), so every weight's
+        # states are divided by dp; the planner's ZeRO-1 cuts whole pieces of each tensor.
+        pieces = sharded and flavour == "zero1" and not runs_megatron_sync(context)
         return ParameterSharding(
             weights=dp if flavour == "fsdp" else 1,
             gradients=dp if flavour in SHARDED_GRADIENTS else 1,
             states=dp if flavour in SHARDED_STATES else 1,
             dtensor_parameters=sharded and flavour != "zero1",
-            steps_local_pieces=sharded and flavour == "zero1",
+            steps_local_pieces=pieces,
         )
 
     def communication_buffer_bytes(self, context: StepContext, segments: list[Segment], elements: float,
@@ -399,6 +404,11 @@ class DataParallelStep(StepContributor):
         if context.plan.dp_flavour == "fsdp":
             # The unit being used and the next one, prefetched, are gathered at once.
             return 2 * largest_fsdp_unit(context, segments) * weight_bytes
+        if runs_megatron_sync(context):
+            # Megatron-Core's buckets are views of its gradient and weight buffers, reduced and
+            # gathered in place (``_ParamAndGradBuffer._new_bucket`` slices ``grad_data`` and
+            # ``param_data``: megatron/core/distributed/param_and_grad_buffer.py, core_v0.8.0).
+            return 0.0
         return min(defaults.DDP_BUCKET_BYTES, elements * gradient_bytes)
 
     def add_axis_bytes(self, context: StepContext, segment: Segment, totals: dict[str, float]) -> None:

@@ -31,9 +31,14 @@
   (``step_tasks.prefetch_after``, the same depth), all of a later stage's weights before its
   first forward (one bucket). Nothing is gathered after the optimizer step.
 
-Not modelled: the fp32 buffer's extra memory (4 bytes per gradient element where the
-planner's bf16 ZeRO-1 holds 2; ``step_memory`` counts 2), bucket boundaries inside a
-segment (a segment's gradients are ready when its backward ends), and, under the interleaved
+Memory (``step_memory``): the fp32 buffer, 4 bytes per local gradient element, not sharded;
+the fp32 master weights and Adam's moments (12 bytes) divided by dp for every weight, since the
+flat buffer is cut into dp equal ranges whatever the tensor boundaries
+(``_build_model_gbuf_range``, megatron/core/optimizer/distrib_optimizer.py): 6 + 12/dp bytes
+per parameter with the bf16 weights, as Megatron-LM's docs/source/api-guide/dist_optimizer.md
+tabulates it ("bf16 param, fp32 grads").
+
+Not modelled: bucket boundaries inside a segment (a segment's gradients are ready when its backward ends), and, under the interleaved
 schedule, the single bucket Megatron gives the first stage's later model chunks
 (``disable_bucketing``).
 """

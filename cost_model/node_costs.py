@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from cost_model.autocast_activations import runtime_widths
 from cost_model.compute import op_times
 from cost_model.moe_layers import LaidOutLayer, routing_sync_bytes
 from cost_model.moe_overlap import block_compute_s, exposed_share, layer_passes
@@ -74,9 +75,18 @@ class NodeCost:
 _BACKWARD_READS_NO_INPUT = (
     "aten.add.Tensor", "aten.sub.Tensor", "aten.dropout.", "aten.native_dropout.", "aten.clone.", "aten.contiguous.",
     "aten.alias.", "aten._to_copy.", "aten.neg.", "aten.sum.", "aten.mean.",
+    # stack and cat hand each input its slice of the gradient: StackBackward0 and CatBackward0
+    # save only ``dim`` (torch 2.13's autograd, ``grad_fn._saved_*``).
+    "aten.stack.", "aten.cat.",
 )
 _BACKWARD_READS_OUTPUT = ("aten.relu.", "aten._softmax.", "aten.softmax.", "aten.tanh.", "aten.sigmoid.", "aten.exp.")
 _DROPOUT = ("aten.dropout.", "aten.native_dropout.")
+# Products and quotients: the gradient of one operand reads the other (derivatives.yaml,
+# mul.Tensor: ``self: mul_tensor_backward(grad, other, ...)``; div.Tensor likewise), and
+# autograd saves an operand only when the other operand's gradient is wanted (MulBackward0 /
+# DivBackward0 leave ``_saved_self`` None when ``other`` requires no grad): x * cos with cos a
+# constant table keeps cos, not x (a rotary embedding's products).
+_BACKWARD_READS_OTHER_OPERAND = ("aten.mul.Tensor", "aten.div.Tensor")
 
 
 class NodeCosts:
@@ -92,6 +102,7 @@ class NodeCosts:
     def __init__(self, context: StepContext, kept: dict[str, bool], signature: dict[str, int], contributors) -> None:
         self.context = context
         self.kept = kept
+        self._requires_grad: set[str] | None = None  # requires_grad's answer, built on first use
         self.signature = signature
         self._node_cost_hooks = overriding(contributors, "node_cost")
         self.cache: dict[tuple, NodeCost] = {}
@@ -198,7 +209,7 @@ class NodeCosts:
         key = (
             self.signature[node.name], self.kept_for_backward(node.name),
             strategy.inputs, strategy.outputs, tuple(strategy.params.values()), tuple(edges), strategy.layout,
-            reductions,
+            reductions, runtime_widths(self.context, node),
         )
         if self.by_stage:
             key += (strategy.stage,)
@@ -263,13 +274,39 @@ class NodeCosts:
             if node is not None and (not readers or node.op.startswith(_BACKWARD_READS_OUTPUT)):
                 self.kept[name] = True
             else:
-                self.kept[name] = any(
-                    self.kept_for_backward(r)
-                    if self.context.nodes[r].is_view
-                    else not self.context.nodes[r].op.startswith(_BACKWARD_READS_NO_INPUT + _BACKWARD_READS_OUTPUT)
-                    for r in readers
-                )
+                self.kept[name] = any(self._reader_keeps(r, name) for r in readers)
         return self.kept[name]
+
+    def _reader_keeps(self, reader: str, name: str) -> bool:
+        """Whether ``reader``'s backward keeps its input ``name`` (through a view: whatever
+        keeps the view)."""
+        node = self.context.nodes[reader]
+        if node.is_view:
+            return self.kept_for_backward(reader)
+        if not self.requires_grad(reader):
+            return False  # autograd records nothing for an op no gradient flows through
+        if node.op.startswith(_BACKWARD_READS_NO_INPUT + _BACKWARD_READS_OUTPUT):
+            return False
+        if node.op in _BACKWARD_READS_OTHER_OPERAND:
+            # Kept when an operand beside this one (the same tensor twice: x * x) needs a gradient.
+            others = list(node.inputs)
+            others.remove(name)
+            return any(self.requires_grad(other) for other in others)
+        return True
+
+    def requires_grad(self, name: str) -> bool:
+        """Whether the value ``name`` (a parameter, a graph input or an op's output) takes part
+        in the gradient: a parameter, or a floating-point output of an op that reads one that
+        does. Graph inputs (tokens, targets) and tables built from constants (arange, cos) do not."""
+        if self._requires_grad is None:
+            graph = self.context.graph
+            needs = {param for node in graph.nodes for param in node.param_inputs}
+            for node in graph.nodes:  # topological order
+                if any(source in needs for source in node.inputs) and any(
+                        meta.dtype.is_floating_point for meta in node.output_meta):
+                    needs.add(node.name)
+            self._requires_grad = needs
+        return name in self._requires_grad
 
     def compute(self, node: OpNode, strategy: NodeStrategy, edges, reductions: tuple | None = None) -> NodeCost:
         """``node``'s cost under ``strategy``, its inputs resharded along ``edges`` ((input

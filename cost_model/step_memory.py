@@ -6,6 +6,7 @@ buffers; and the bytes each mesh axis carries. Functions of the ``StepContext``.
 
 from __future__ import annotations
 
+from cost_model.megatron_grad_sync import runs_megatron_sync
 from cost_model.parameter_bytes import FP32_GRADIENT_BYTES, PARAM_BYTES
 from cost_model.recompute import activation_bytes
 from cost_model.schedules import schedule as pipeline_schedule
@@ -61,6 +62,12 @@ def stage_memory(context: StepContext, contributors: tuple[StepContributor, ...]
         # group (deepspeed/runtime/bf16_optimizer.py: fp32_groups_gradients_flat, zeros_like
         # the bf16 flat group, in fp32) beside the 16-bit gradients each backward writes.
         grad_b = FP32_GRADIENT_BYTES + grad_b
+    elif runs_megatron_sync(context):
+        # Megatron-Core under --bf16 accumulates into an fp32 gradient buffer the size of every
+        # local weight, not sharded over dp (cost_model.megatron_grad_sync; Megatron-LM's
+        # docs/source/api-guide/dist_optimizer.md: "bf16 param, fp32 grads": 6 + 12/d bytes
+        # per parameter with the distributed optimizer, 2 of weights and 4 of gradients).
+        grad_b = FP32_GRADIENT_BYTES
     params: dict[str, float] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     per_rank: set[str] = set()
