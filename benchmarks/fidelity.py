@@ -138,7 +138,11 @@ b2a43a147; Composer 18f2d3c33), against what the simulator prices for ``examples
     MPT-7B@8xH100 -9.1% -> -7.5%, MPT-13B@64xH100 -18.1% -> -16.8%, the recomputing rows 0.5-0.8
     slower (MPT-30B +1.7%); every row with biases moves (MCore-GPT 0.7-2.1 points slower, 70B
     +10.9% -> +12.3%; MT-NLG, BLOOM 0.2), the Llama rows not (26 runs: median 6.6% -> 6.2%,
-    largest 23.6% -> 23.4%, 20 fast / 6 slow -> 19 / 7).
+    largest 23.6% -> 23.4%, 20 fast / 6 slow -> 19 / 7). Megatron-Core's rows run Transformer
+    Engine, whose q|k|v linear computes its bias gradient in the weight-gradient GEMM's
+    epilogue: there a third of the bias bytes (3h of 9h) is over-counted (its other linears hand
+    their biases to fused bias-GELU and bias-dropout-add functions, whose bias gradients are the
+    same reduction).
   * checked and not a cause: the Triton kernel gets no bias and the model no padding check,
     since the batches carry no ``attention_mask`` (pre-tokenized ``tokens`` samples, which
     transformers' ``DataCollatorForLanguageModeling`` stacks without one; llmfoundry/data/
