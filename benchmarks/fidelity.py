@@ -117,10 +117,74 @@ priced for compiled FSDP2 programs only; these rows are simulated as graph progr
 reduce parameter by parameter. 26 runs, each group run apart on one tree: median 8.1% ->
 7.8%, largest 23.7%, 19 fast / 7 slow -> 20 / 6 (BLOOM crossed to fast).
 
-What is left on the MPT rows without recomputation is not identified: 3-4 ms per layer per
-micro-batch on H100 (MPT-13B@64xH100, micro-batch 2: 3.7 ms; MPT-7B@8xH100, micro-batch 6:
-2.9 ms) and 5-6 ms on A100 (MPT-13B: 4.8 ms, MPT-7B: 5.9 ms), whatever the width or micro-batch; llm-foundry's table gives MPT-13B the same tokens/s on 8, 16, 32 and 64
-H100s, so it is not the network.
+The MPT rows' block as the sweep ran it, read at its source (llm-foundry v0.3.0, the sweep's
+``git_branch``: llmfoundry/models/mpt/, layers/attention.py, flash_attn_triton.py, blocks.py,
+ffn.py, norm.py, custom_embedding.py; the yamls scripts/train/yamls/pretrain/mpt-*.yaml at
+b2a43a147; Composer 18f2d3c33), against what the simulator prices for ``examples/gpt.py``:
+  * the model: the yamls set only ``attn_impl`` in ``attn_config``, so MPTConfig's defaults
+    hold: learned positions, no ALiBi (no bias tensor is built or read), biases in every linear
+    and norm, LayerNorm in bf16 (``low_precision_layernorm``), GELU; and the output layer is the
+    token embedding (``MPTForCausalLM`` refuses untied embeddings; ``SharedEmbedding`` computes
+    the logits as ``F.linear(x, wte.weight)``). Priced since: the rows are built tied
+    (``fidelity_runs._mpt``), and a tied weight is stepped once
+    (``cost_model.step_memory.device_parameters``; before, once per segment that read it, so
+    tying changed nothing): 0.1 point faster (MPT-7B@8xA100 -7.6% -> -7.7%).
+  * two backward kernels of eager PyTorch the simulator did not price, in every block: the
+    bias gradients, a reduction over the rows of each linear's output gradient (``at::linear``
+    runs ``addmm``, whose bias gradient autograd's engine sums to the bias's shape), and the
+    concatenation of dq, dk and dv into the q|k|v gradient (the backward of ``qkv.split``)
+    (``cost_model.gradient_copies``): 0.58 and 0.38 ms per block per micro-batch on
+    MPT-7B@8xA100. Priced since: MPT-7B@8xA100 -7.7% -> -6.5%, MPT-13B@8xA100 -11.2% -> -10.3%,
+    MPT-7B@8xH100 -9.1% -> -7.5%, MPT-13B@64xH100 -18.1% -> -16.8%, the recomputing rows 0.5-0.8
+    slower (MPT-30B +1.7%); every row with biases moves (MCore-GPT 0.7-2.1 points slower, 70B
+    +10.9% -> +12.3%; MT-NLG, BLOOM 0.2), the Llama rows not (26 runs: median 6.6% -> 6.2%,
+    largest 23.6% -> 23.4%, 20 fast / 6 slow -> 19 / 7). Megatron-Core's rows run Transformer
+    Engine, whose q|k|v linear computes its bias gradient in the weight-gradient GEMM's
+    epilogue: there a third of the bias bytes (3h of 9h) is over-counted (its other linears hand
+    their biases to fused bias-GELU and bias-dropout-add functions, whose bias gradients are the
+    same reduction).
+  * checked and not a cause: the Triton kernel gets no bias and the model no padding check,
+    since the batches carry no ``attention_mask`` (pre-tokenized ``tokens`` samples, which
+    transformers' ``DataCollatorForLanguageModeling`` stacks without one; llmfoundry/data/
+    text_data.py), so ``attn_bias`` stays None and ``attention_mask[:, 0].sum()`` (a host sync)
+    never runs; q, k and v are strided views of the projection with a unit last stride, which
+    ``FlashAttnFunc`` takes without a copy, and its output is viewed back without one. Its
+    backward's fp32 ``dq_accum`` (zero-filled by the autotuner's ``pre_hook``), the
+    ``dq.copy_`` and the ``_bwd_preprocess_do_o_dot`` kernel are all inside the function
+    FlashAttention-2's paper timed, so in the 1.4 and 2.0 ratios.
+  * the loss: ``loss_fn`` defaults to ``fused_crossentropy`` (flash-attn 1.0.9's xentropy, in
+    the ``gpu`` extras) over the bf16 logits, cheaper than autocast's fp32 cross entropy the
+    simulator prices (36.5 ms of MPT-7B@8xA100's step); but Composer updates the train metrics
+    after every micro-batch's backward (``Trainer._train_microbatch`` -> ``_eval_train_metrics``:
+    ``LanguageCrossEntropy`` and ``LanguagePerplexity``, each a ``CrossEntropyLoss`` over the
+    logits under autocast), two fp32 cross entropies without backward. By the simulator's own
+    loss price the one saves about 30 ms per step there and the other costs about 33 (0.6%):
+    they cancel, neither priced.
+  * FSDP1's gradient side: a block's gradients reach its flat parameter through the backward of
+    the ``torch.split`` that made the parameter views (``FlatParamHandle._get_unflat_views``),
+    one ``cat`` of them all (4 bytes per parameter), and ``_reduce_grad`` divides the whole
+    unsharded gradient before the reduce-scatter (``_div_if_needed`` by 4 at 8 ranks, 8 at 64;
+    4 more bytes) and the shard after it. That is the 8 bytes per parameter per micro-batch of
+    FSDP2's copy-out the simulator charges (two gathers of 2 x 2 bytes), within the 1/dp
+    terms, so it stays as it is. ``wte``, ``wpe`` and ``norm_f`` are each a unit
+    (``MPTForCausalLM`` sets ``_fsdp_wrap`` on them, which Composer's wrap policy honours), so
+    FSDP1 gathers the embedding again for the output layer (412 MB of bf16 on MPT-7B, 1-2 ms
+    per micro-batch inside a node): not priced.
+  * host syncs: ``limit_all_gathers: true`` makes ``_unshard`` wait for the free event of the
+    unit two before (``event.synchronize()``), which keeps the host at most two blocks ahead
+    but idles the GPU only if the host issues a block slower than it runs (here 17-75 ms of
+    kernels per block); the other syncs are per step (the loss's ``.cpu().item()``,
+    ``_accumulate_time_across_ranks``, DecoupledAdamW's per-tensor ``.item()``, priced).
+  * suspected, not priced: the Triton backward without ``SEQUENCE_PARALLEL`` runs one program
+    per (sample, head) (it is autotuned against the sequence-parallel variant, which adds
+    atomic dq updates): MPT-13B at micro-batch 2 has 80, 61% of an H100's 132 SMs and 74% of an
+    A100's 108, where the paper's benchmark at 2048 tokens and head dim 128 (8 x 16) had 128,
+    two waves on an A100 (59%) but one full wave on an H100 (97%). The ratios were measured on
+    A100 only; no public figure for this kernel on H100 was found.
+What is left on the MPT rows without recomputation is still not identified: 5.4 ms per layer
+per micro-batch on MPT-7B@8xA100 (micro-batch 6), 4.7 on MPT-13B@8xA100 (2), 2.7 on
+MPT-7B@8xH100 (6) and 3.6 on MPT-13B@64xH100 (2); llm-foundry's table gives MPT-13B the same
+tokens/s on 8, 16, 32 and 64 H100s, so it is not the network.
 
 Priced since, as autocast runs them: a bf16 program of the planner's own keeps activations fp32
 where autocast does (``cost_model.autocast_activations``: pow, rsqrt and the rest of autocast's
@@ -227,7 +291,8 @@ well it fits the published steps would be fitting to them, and the per-layer cos
 identified mechanism (with Jean Zay's, at micro-batch 1: -5.6%, -6.7%, -9.6%;
 ``python benchmarks/fidelity_sweep.py --elsewhere``).
 
-Megatron-Core's 70B row (+10.4%, pp 2) is slow by what the simulator exposes of the distributed
+Megatron-Core's 70B row (+12.3% since the bias gradients and split copies above; +10.4% when
+this was written; pp 2) is slow by what the simulator exposes of the distributed
 optimizer: stage 0 reduce-scatters its 17.3 GB of fp32 gradients (4.3B parameters per GPU) at
 about 47 GB/s over 48 nodes behind a last backward of 0.15 s (0.22 s exposed), and its first
 forward waits for each block's 201 MB weight gather (4.9 ms against 1.8 ms of compute: 0.13 s),

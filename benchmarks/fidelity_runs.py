@@ -9,8 +9,8 @@ Megatron-Core r0.8.0 on H100); the Megatron-Core MoE rows (Qwen3-235B-A22B on 25
 ``benchmarks/fidelity_runs_moe.py``'s. Published figures become step times with the source's own
 definitions (``benchmarks/fidelity_flops.py``). ``Run`` is ``benchmarks/fidelity_row.py``'s.
 
-Models: MPT (MosaicML) is GPT-like (LayerNorm, GELU MLP of 4x width, vocabulary 50,368,
-ALiBi in place of learned positions): ``examples/gpt.py`` with its widths. Runs from before
+Models: MPT (MosaicML) as llm-foundry's benchmark sweep built it is GPT-like: ``examples/gpt.py``
+with its widths and its output layer tied to the token embedding (below, ``_mpt``). Runs from before
 FlashAttention (MT-NLG 2021, BLOOM 2022) use ``gpt.py``'s explicit attention (``eager``): the
 (s x s) scores exist as tensors, as in Megatron-LM's core attention.
 """
@@ -47,8 +47,17 @@ MEGATRON_WEAK_SCALING = "NVIDIA/Megatron-LM README, weak-scaling table (images/m
 
 
 def _mpt(size: str, layers: int, width: int, heads: int, batch: int, seq: int) -> dict:
+    """``examples/gpt.py``'s overrides for MPT as llm-foundry v0.3.0 (the sweep's ``git_branch``,
+    scripts/train/benchmarking/submit_benchmarks.py at b2a43a147) built it from the benchmark
+    yamls (scripts/train/yamls/pretrain/mpt-*.yaml, which set only ``attn_impl`` in
+    ``attn_config``), with MPTConfig's defaults (llmfoundry/models/mpt/configuration_mpt.py):
+    learned positions (``learned_pos_emb: True``, ``alibi: False``), biases in every linear and
+    norm (``no_bias: False``), LayerNorm, an MLP of 4x width with GELU, vocabulary 50,368, and the
+    output layer the token embedding's weight: ``MPTForCausalLM`` refuses untied embeddings and
+    computes its logits as ``F.linear(x, wte.weight)`` (``SharedEmbedding(..., unembed=True)``,
+    llmfoundry/models/layers/custom_embedding.py)."""
     return {"n_layer": layers, "n_embd": width, "n_head": heads, "vocab_size": MPT_VOCAB, "seq_len": seq,
-            "batch_size": batch}
+            "batch_size": batch, "tie_weights": True}
 
 
 def _llama(layers: int, dim: int, heads: int, kv_heads: int, ffn: int, vocab: int, batch: int, seq: int) -> dict:

@@ -27,6 +27,7 @@ import math
 
 from cost_model import defaults, gpu_kernels
 from cost_model.elementwise_backward import backward_bytes_ratio
+from cost_model.gradient_copies import view_backward_time
 from cost_model.loss_kernels import cross_entropy_times
 from cost_model.loss_parallel import CROSS_ENTROPY
 from cost_model.memory_kernels import kernel_memory_efficiency
@@ -80,9 +81,12 @@ def op_times(node: OpNode, work_fraction: float, device: DeviceSpec, precision: 
     ``work_fraction`` is 1 / (ranks sharing the op's work x micro-batches). Activations are
     stored in the precision's dtype, so bytes scale from the traced dtype.
     """
-    if node.is_view or runs_no_kernel(node):
+    if runs_no_kernel(node):
         return 0.0, 0.0
     dtype, element_bytes = PRECISIONS[precision]
+    if node.is_view:  # no kernel forward; a split's backward concatenates (cost_model.gradient_copies)
+        measured = gpu_kernels.generation_of(device) is not None
+        return 0.0, view_backward_time(node, work_fraction, device, element_bytes) if measured else 0.0
     traced_bytes = max((meta.dtype.itemsize for meta in node.output_meta if meta.dtype.is_floating_point), default=4)
     shaped = gpu_kernels.kernel_op_times(node, work_fraction, device, dtype, element_bytes)
     if shaped is not None:

@@ -48,6 +48,7 @@ import math
 from dataclasses import dataclass
 
 from cost_model import defaults
+from cost_model.gradient_copies import bias_gradient_time, bias_length
 from planner.attention_masks import ATTENTION_OPS, CAUSAL_ARGUMENT, is_causal_kind
 from planner.cluster import DeviceSpec
 from planner.graph import OpNode
@@ -380,7 +381,8 @@ def matmul_op_times(node: OpNode, fraction: float, device: DeviceSpec, dtype: st
     The traced shape is the global one; the rank's share shrinks the batch dims first, then
     the first row dim (samples: data parallelism and micro-batches split them), then the
     weight's larger dim (tensor parallelism), then the other row dims. Backward is two GEMMs: the
-    input gradient (rows x n) @ (n x k) and the weight gradient (k x rows) @ (rows x n)."""
+    input gradient (rows x n) @ (n x k) and the weight gradient (k x rows) @ (rows x n), and
+    with a bias the reduction of its gradient (``cost_model.gradient_copies``)."""
     shape = _matmul_shape(node)
     if shape is None:
         return None
@@ -396,6 +398,8 @@ def matmul_op_times(node: OpNode, fraction: float, device: DeviceSpec, dtype: st
     forward = matmul_time(batch, rows, n, k, device, dtype, element_bytes, generation)
     backward = (matmul_time(batch, rows, k, n, device, dtype, element_bytes, generation)
                 + matmul_time(batch, k, n, rows, device, dtype, element_bytes, generation))
+    if bias_length(node):  # and the bias's gradient, a reduction over the rows
+        backward += bias_gradient_time(batch * rows, n, element_bytes, device)
     return forward, backward
 
 

@@ -41,14 +41,28 @@ def parameter_sharding(context: StepContext, contributors: tuple[StepContributor
     return ParameterSharding()
 
 
+def device_parameters(segments: list[Segment]) -> Segment:
+    """The parameters a device holding ``segments`` keeps, each once however many of its
+    segments read it (a weight tied between the token embedding and the output layer is read
+    by the first and the last segment, and stepped once): one ``Segment`` holding their
+    ``params``, ``shapes`` and ``per_rank``, nothing else."""
+    held = Segment(name="parameters", stage=segments[0].stage if segments else 0)
+    for segment in segments:
+        held.params.update(segment.params)
+        held.shapes.update(segment.shapes)
+        held.per_rank |= segment.per_rank
+    return held
+
+
 def optimizer_state_bytes(context: StepContext, segments: list[Segment], sharding: ParameterSharding) -> float:
     """Bytes the optimizer step reads and writes on a device holding ``segments``: weights,
-    gradients and states of its parameters, the shardable ones divided by the states' shards
-    (but for those ZeRO-1 steps whole: ``ParameterSharding.whole_state_elements``)."""
+    gradients and states of its parameters (each once: ``device_parameters``), the shardable
+    ones divided by the states' shards (but for those ZeRO-1 steps whole:
+    ``ParameterSharding.whole_state_elements``)."""
     weights, grads, states = PARAM_BYTES[context.plan.precision]
-    elements = sum(sum(s.params.values()) for s in segments)
-    shardable = sum(s.shardable_elements() for s in segments)
-    shardable -= sum(sharding.whole_state_elements(s.params, s.shapes, s.per_rank) for s in segments)
+    held = device_parameters(segments)
+    elements = sum(held.params.values())
+    shardable = held.shardable_elements() - sharding.whole_state_elements(held.params, held.shapes, held.per_rank)
     return (shardable / sharding.states + elements - shardable) * (weights + grads + states)
 
 

@@ -25,7 +25,7 @@ from cost_model.schedules import schedule as pipeline_schedule
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
 from cost_model.step_contributor import GATHER_STREAM, ParameterSharding, StepContributor, fsdp2_stream, overriding
-from cost_model.step_memory import optimizer_state_bytes, parameter_sharding
+from cost_model.step_memory import device_parameters, optimizer_state_bytes, parameter_sharding
 
 
 def prefetch_after(ends: list[int], start: list[int]) -> list[int]:
@@ -201,7 +201,9 @@ class StepTasks:
         if self.context.plan.dp_flavour != "fsdp" or sharding.states <= 1:
             return sum(len(segment.params) for segment in segments)
         units = [list(segment.params.values()) for segment in segments if segment.block]
-        units.append([size for segment in segments if not segment.block for size in segment.params.values()])
+        # The rest is one flat parameter holding each tensor once (a tied weight read by the
+        # first and the last segment is one tensor).
+        units.append(list(device_parameters([segment for segment in segments if not segment.block]).params.values()))
         return tensors_in_flat_shards(units, sharding.states)
 
     def _p2p(self, vs: int, after: int, size_bytes: float, name: str, blocking: bool = False) -> int:

@@ -23,11 +23,17 @@ def test_mpt_7b_on_h100_matmul_time_is_its_flops_at_the_sustained_ceiling(capsys
     # GEMM FLOPs: 32 blocks x 2 x 12,288 x 12 x 4096^2 = 158.33e12 (q|k|v, out, 4x MLP), plus the
     # head 2 x 12,288 x 4096 x 50,368 = 5.07e12: 163.40e12. Every shape reaches the MAMF ceiling
     # at the H100's sustained clock, 989.4e12 x 0.801 x 1575/1830 = 682.08e12 FLOP/s: 239.56 ms,
-    # plus 129 launches of 5 us = 0.65 ms; backward two GEMMs of the same size each: twice that.
+    # plus 129 launches of 5 us = 0.65 ms; backward two GEMMs of the same size each: twice that,
+    # and each block's four bias gradients (cost_model.gradient_copies), reductions reading the
+    # output gradients: 2 bytes x 12,288 x (12,288 + 4096 + 16,384 + 4096) + 2 x 36,864 written
+    # = 906.04e6 bytes / (3.35e12 x 0.8) = 0.33808 ms + 4 x 5 us, x 32 blocks = 11.459 ms (the
+    # output layer, MPT's tied embedding, has no bias).
     matmul = kinds["matmul"]
     assert matmul.count == 129
     assert matmul.forward_s == pytest.approx(0.2402, rel=2e-3)
-    assert matmul.backward_s == pytest.approx(2 * matmul.forward_s, rel=1e-3)
+    bias_gradients = 32 * (2 * (12288 * 36864 + 36864) / (3.35e12 * 0.8) + 4 * 5e-6)
+    assert bias_gradients == pytest.approx(11.459e-3, rel=1e-3)
+    assert matmul.backward_s == pytest.approx(2 * matmul.forward_s + bias_gradients, rel=1e-3)
     assert "aten.scaled_dot_product_attention" in kinds and kinds["aten.layer_norm"].count == 65
     main(["--runs", "MPT-7B@8xH100", "--top", "3"])
     printed = capsys.readouterr().out
