@@ -389,7 +389,8 @@ overlap where stated. Chosen before simulating, none fitted; they land far off: 
 EP32 with the EP overlap -23.8%, FSDP +14.6%, PP32 -22.3%, TP4 -42.5%, the report's row -12.8%,
 and every one "OOM in the simulator" (the runs fitted 80 GB). Moved by the rows, 26 runs ->
 32: median 6.6% -> 7.8%, largest 23.6% -> 42.5%, 20 fast / 6 slow -> 25 / 7. What the
-simulator gets wrong here is not identified; what its figures show:
+simulator gets wrong here is not settled (``benchmarks/fidelity_runs_moe.py``'s docstring has
+what was ruled out and the likeliest cause, per-layer host synchronisation); what its figures show:
   * it ranks the layouts otherwise than the table: TP4 EP8 (16.7 s) ahead of TP2 EP32 (18.6 s),
     where the table has TP4 slowest (29.0 s against 19.7 s);
   * the EP overlap (``Plan.moe_a2a_overlap``) takes 5.2 of TP2 EP32's 5.7 s of exposed

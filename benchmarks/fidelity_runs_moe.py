@@ -52,6 +52,39 @@ the rows (predicted faster unless said):
     them (memory far over the device; time either way: no expert gathers, a larger reduction);
   * the report's row also captures the router and the dispatch preprocessing in CUDA graphs,
     which the simulator does not price (their host time is not modelled either way).
+
+Why TP4 EP8 is ranked ahead of TP2 EP32 (session 10's search; ``benchmarks/fidelity_ops.py
+--runs 'Qwen3-235B-TP4*' 'Qwen3-235B-EP32@*'``, the folded layer costs of the simulated plans):
+  * what the simulator prices alike, and Megatron-Core runs alike: per device and step, the
+    experts' FLOPs (TP4: 256 micro-batches of 1,024 tokens a rank, 8,192 routed copies over 16
+    local experts, 512 rows each; EP32: 128 of 2,048, 16,384 copies over 4 experts, 4,096 rows
+    each), 0.355 s of expert compute per MoE layer in both. Their all-to-alls are what differ:
+    0.166 s per layer (EP8 inside one node, NVLink) against 0.476 s (EP32 over four nodes);
+    step: TP4 14.03 s compute + 2.91 s exposed communication, EP32 13.15 s + 5.70 s;
+  * ruled out: the row's ETP (the table states ETP 1, EDP 4 for TP4, as the row has it and
+    ``tests/test_fidelity_runs_moe.py`` checks); an all-gather of the tokens over TP before the
+    dispatch (Megatron-Core's dispatchers use the expert-tensor-parallel group,
+    ``self.tp_group = pg_collection.expt_tp`` in megatron/core/transformer/moe/token_dispatcher.py:
+    with ETP 1 nothing is gathered, and ``cost_model.moe_folding`` prices nothing); the expert
+    GEMMs' shapes: by ``cost_model.gpu_kernels.shape_efficiency`` the grouped forward GEMMs run
+    at the same fraction in both layouts (0.913 gate|up, 0.831 down), and only the weight
+    gradients, whose reduction is TP4's 512 rows, drop (0.660 and 0.646 against 0.913): a
+    third of the expert FLOPs 1.4x slower, ~13% more expert time for TP4 than for EP32 (12
+    layers x 0.355 s = 4.26 s a step: ~0.55 s). The experts are priced at the large-GEMM
+    fraction whatever their shape (``cost_model.moe``'s roofline): true, but small here;
+  * not modelled, and the likeliest cause: costs paid per layer and micro-batch, not per
+    token. TP4 runs 3,072 layer passes per device (12 layers x 256 micro-batches) with 5.5 ms
+    of the predicted step each, EP32 1,536 with 12.4 ms. Both dispatchers synchronise the
+    host with the GPU in every MoE layer: DeepEP's normal dispatch unless ``num_worst_tokens``
+    is given (deep_ep/buffer.py, ``Buffer.dispatch``: "if specified, there will be no CPU
+    sync"), NCCL's all-to-all dispatcher to read its split sizes (``cuda_sync_point =
+    "before_ep_alltoall"`` when dropless with EP, ``MoEAlltoAllTokenDispatcher``). After a
+    sync the GPU waits for the host to issue what follows (permutation, Transformer Engine's
+    grouped GEMM over the local experts: 16 in TP4, 4 in EP32), which
+    ``cost_model.host_dispatch`` (the longer of host and device per segment) never exposes.
+    Closing TP4's 12 s alone would take ~3.9 ms per pass: no public measurement of it was
+    found, so nothing is priced; PP32 (512 micro-batches, one layer per virtual stage, -21%)
+    points the same way.
 """
 
 from __future__ import annotations

@@ -221,8 +221,9 @@ def element_bytes(precision: str) -> int:
 def _cost(layer, mode, device, dtype, element, busiest, forward_comm, backward_comm, dropped, imbalance,
           weight_bytes, buffer_bytes, sent_bytes=0.0) -> MoECost:
     flops = busiest * layer.flops_per_copy()
-    # Weights read once, activations in and out of each matmul.
-    moved = layer.expert_parameters * element + busiest * (layer.hidden + layer.ffn) * element * layer.matmuls
+    # The weights of every expert (or slice) the device holds read once (a grouped GEMM reads
+    # each of its experts' matrices), activations in and out of each matmul.
+    moved = weight_bytes + busiest * (layer.hidden + layer.ffn) * element * layer.matmuls
     forward = roofline_time(flops, moved, device, dtype) if busiest else 0.0
     backward = (
         roofline_time(defaults.BACKWARD_TO_FORWARD * flops, defaults.BACKWARD_TO_FORWARD * moved, device, dtype)

@@ -124,7 +124,7 @@ def folded_layer_cost(layer: MoELayer, layout: ExpertLayout, cluster: Cluster, f
     etp_pass = sent_etp = 0.0
     if etp > 1:
         flops = rows * layer.flops_per_copy() / etp
-        moved = layer.expert_parameters * element / etp + rows * (layer.hidden + layer.ffn / etp) * element * layer.matmuls
+        moved = base.weight_bytes / etp + rows * (layer.hidden + layer.ffn / etp) * element * layer.matmuls
         device = cluster.device_of(groups.etp[0])
         forward_compute = roofline_time(flops, moved, device, _DTYPE[precision]) if rows else 0.0
         backward_compute = (roofline_time(defaults.BACKWARD_TO_FORWARD * flops, defaults.BACKWARD_TO_FORWARD * moved,

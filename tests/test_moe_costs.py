@@ -144,3 +144,24 @@ def test_dispatch_buffers_hold_the_sent_and_the_received_copies():
     assert dispatch_buffer_bytes(block, sliced_layout, sliced, 1024, 4, "fp32") == sliced.buffer_bytes
     replicated = ExpertLayout("moe", "data_parallel", 4, 2, 1.0)
     assert dispatch_buffer_bytes(block, replicated, cost("data_parallel"), 1024, 4, "fp32") == 0.0
+
+
+def test_a_memory_bound_layer_reads_the_weights_of_every_expert_the_device_holds():
+    # The arithmetic device with memory at 1 GB/s: data parallel, each device holds all 4
+    # experts (4 x 2 x 256 x 512 x 4 B = 4,194,304 B, read once by the grouped GEMM) and
+    # computes its 512 copies, whose activations move 512 x (256 + 512) x 4 B x 2 matmuls =
+    # 3,145,728 B: 7,340,032 B / 1e9 = 7.34 ms forward, against 512 x 524,288 FLOPs / 1e12 =
+    # 0.27 ms of compute; backward twice both. Reading one expert's weights (1,048,576 B)
+    # would price 4.19 ms.
+    slow_memory = DeviceSpec(
+        name="arith", peak_flops={"float32": 1e12}, memory_bytes=10**12, memory_bandwidth=1e9,
+        matmul_efficiency=1.0, memory_efficiency=1.0, kernel_overhead_s=0.0,
+    )
+    slow = Cluster(name="arith", nodes=(NodeSpec(slow_memory, 4, LINK),), inter_link=LINK, backend="gloo")
+    result = moe_layer_cost(LAYER, "data_parallel", slow, range(4), precision="fp32")
+    assert result.forward_compute_s == pytest.approx((4_194_304 + 3_145_728) / 1e9)
+    assert result.backward_compute_s == pytest.approx(2 * (4_194_304 + 3_145_728) / 1e9)
+    # Expert parallel, one expert per device: 1,048,576 B of weights, its 512 copies' 3,145,728.
+    result = moe_layer_cost(LAYER, "expert_parallel", slow, range(4), precision="fp32",
+                            token_share=[0.25] * 4, capacity_factor=1.0)
+    assert result.forward_compute_s == pytest.approx((1_048_576 + 3_145_728) / 1e9)
