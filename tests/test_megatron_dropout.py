@@ -10,6 +10,7 @@ residual add: every tp rank then ran the dropout on the whole tensor and kept it
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,24 @@ def test_dropout_takes_no_partial_sums(gpt_with_dropout):
         candidates = axis_candidates(dropout, 2)
         assert candidates  # the sequence and feature splits stay
         assert not any(isinstance(p, Partial) for c in candidates for p in (*c.inputs, *c.outputs))
+
+
+def test_the_compiled_program_reduce_scatters_before_each_dropout_as_planned(gpt_with_dropout, tmp_path):
+    # The program runs on DTensors, which never draw a mask for partial sums; it used to
+    # rewrite the plan's partial dropout on its own (codegen.spmd_placements
+    # .dropout_without_partials, with a comment saying so). Now the plan already reads the
+    # reduce-scattered tensor, and the program does what the plan priced.
+    from planner.api import compile as compile_plan
+
+    graph, spec, name, cluster = gpt_with_dropout
+    plan = megatron_plan(graph, cluster, spec, name, tp=2, sequence_parallel=True, precision="fp32")
+    program = (compile_plan(plan, tmp_path / "out") / "model_spmd.py").read_text()
+    assert "DTensor cannot draw one for partial sums" not in program
+    # The repeated blocks share one emitted function: block 0's two dropouts are written out.
+    first_block = _block_dropouts(graph)[0].block
+    for dropout in [d for d in _block_dropouts(graph) if d.block == first_block]:
+        call = next(line for line in program.splitlines() if line.strip().startswith(f"{dropout.name} = "))
+        # its input: the projection's output reduce-scattered to the sequence split (a
+        # ``_tp_s1`` value), 1/2 of (8, 32, 64) on each rank
+        assert re.search(r"aten\.dropout\.default\(\w+_tp_s1, ", call), call
+        assert "(8, 32, 64) -> (8, 16, 64) per rank: S(1) on tp" in call
