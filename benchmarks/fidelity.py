@@ -352,6 +352,20 @@ states neither its micro-batch nor how many micro-batches its schedule runs per 
 "tunable") nor its per-layer bytes (Meta's training code is not public), so the assumption of
 Megatron's schedule with N = 16 decides the verdict.
 
+Reduced before the dropout (session 10): Megatron-LM's layout carried a row-parallel
+projection's partial sums through the dropout after it and reduced them at the residual add,
+so every tp rank ran that dropout, and kept its mask, on the whole (s, b, h) tensor.
+Megatron-Core reduces first (``RowParallelLinear`` all-reduces, or reduce-scatters under
+sequence parallelism) and runs bias-dropout-add on the result (megatron/core/transformer/
+transformer_layer.py, core_v0.8.0), and dropout of partial sums with per-rank masks is not
+the dropout of the sum (``search.rules.pointwise``). With sequence parallelism each rank now
+runs 1/tp of both residual dropouts per layer: MCore-GPT-32B keeps 32.07 -> 22.88 GiB of
+activations (55.2 -> 46.0 GiB in all), 314B 36.19 -> 25.69 (66.3 -> 55.8 GiB), and the tp > 1
+rows are 0.8-3.5 points faster (7.1B -14.7% -> -15.5%, 16B -7.8% -> -9.5%, 32B -0.5% -> -4.0%,
+70B +9.4% -> +6.7%, 119B +3.0% -> +0.5%, 177B -0.1% -> -2.4%, 314B +3.5% -> +1.6%, 462B +0.7%
+-> -1.0%). MT-NLG (no sequence parallelism: the dropout was and is whole on every rank) and
+Llama 3 405B (no dropout) do not move.
+
 Modelled from the runs' stated software: collectives overlapping compute slow it
 (``cost_model.nccl``'s contention); the host's time to issue ops bounds each block from below
 (``cost_model.host_dispatch``; it binds on none of these runs: their kernels outlast it);

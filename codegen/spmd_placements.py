@@ -31,8 +31,9 @@ class Value:
 
 
 def dropout_without_partials(strategy: NodeStrategy, read_as: Placements | None, comments: list[str]) -> NodeStrategy:
-    """Dropout of partial sums: the plan keeps them partial (one mask shared by every rank's
-    summand would be right), but DTensor cannot draw random numbers for partial values. On
+    """Dropout of partial sums, in plan files written before the rules stopped offering it
+    (``search.rules.pointwise``: each rank would draw its own mask); DTensor cannot draw
+    random numbers for partial values either. On
     those axes the sums are resharded first into the layout the dropout's consumer reads
     (a reduce-scatter under sequence parallelism), or summed whole (an all-reduce)."""
     wanted = strategy.inputs[0]

@@ -131,6 +131,13 @@ def megatron_layout(
     (``examples/gpt.py``, ``hf:gpt2``, ``hf:llama``, ``hf:bert``). With
     ``sequence_parallel`` the residual stream between blocks is split on the sequence: the
     all-reduces become reduce-scatters plus all-gathers (Korthikanti et al. 2022).
+    A row-parallel matmul's partial sums are reduced as soon as they are made, before the
+    dropout and residual add that read them, as Megatron-Core's ``RowParallelLinear``
+    all-reduces (or reduce-scatters, under sequence parallelism) its output before
+    ``TransformerLayer`` runs ``self_attn_bda``/``mlp_bda`` on it
+    (``megatron/core/tensor_parallel/layers.py``, ``megatron/core/transformer/
+    transformer_layer.py``, core_v0.8.0): the dropout runs on the whole residual-stream
+    tensor, or on 1/tp of it under sequence parallelism (``_partial_sums_reducer``).
     On ``pp``: the repeated blocks are split evenly over ``pp * virtual_stages`` stages, or
     as ``layers_per_stage`` says (one count per virtual stage, ``uneven_stages``).
     On ``dp``: the batch, as data parallelism.
@@ -147,6 +154,7 @@ def megatron_layout(
         per_axis["tp"] = propagate(
             graph, tp, {i.name: R for i in graph.inputs if i.meta}, choose_params=_megatron_params(graph, tp),
             overrides=overrides, conventions=True,
+            reduce_partial_sums=_partial_sums_reducer(graph, sequence_parallel),
         )
         _check_divisible(graph, per_axis["tp"], tp)
     pp = mesh.axis_size("pp") if "pp" in mesh.names else 1
@@ -198,6 +206,23 @@ def _sequence_parallel_overrides(graph: OpGraph) -> dict[str, Placement]:
     stream = first_block.input_meta[0]
     start = next((n for n in graph.nodes if n.output_meta and n.output_meta[0] == stream), None)
     return {start.name: Shard(1)} if start is not None else {}
+
+
+def _partial_sums_reducer(graph: OpGraph, sequence_parallel: bool):
+    """Where Megatron-LM reduces partial sums of the residual stream's shape (a row-parallel
+    projection's output): all-reduced to ``Replicate``, or reduce-scattered to the sequence
+    split (dim 1, as ``_sequence_parallel_overrides``) under sequence parallelism, on the edge
+    into their first reader. Other partial sums are left to their readers."""
+    first_block = next((n for n in graph.nodes if n.block is not None), None)
+    if first_block is None or not first_block.input_meta:
+        return None
+    stream_shape = first_block.input_meta[0].shape
+    reduced = Shard(1) if sequence_parallel else R
+
+    def reduce(meta: TensorMeta) -> Placement | None:
+        return reduced if meta.shape == stream_shape else None
+
+    return reduce
 
 
 def _check_divisible(graph: OpGraph, placements: dict[str, AxisPlacements], size: int) -> None:

@@ -15,16 +15,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from planner.graph import OpGraph, OpNode
+from planner.graph import OpGraph, OpNode, TensorMeta
 from search.rules.choice import follow
 
 R = Replicate()
 
 
 ParamChooser = Callable[[OpNode, tuple[Placement, ...]], dict[str, Placement]]
+# A partial-sum tensor's metadata -> the placement its reader takes it in, or None.
+PartialReducer = Callable[[TensorMeta], Placement | None]
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ def propagate(
     overrides: dict[str, Placement] | None = None,
     batch_local: bool = False,
     conventions: bool = False,
+    reduce_partial_sums: PartialReducer | None = None,
 ) -> dict[str, AxisPlacements]:
     """Placements on one mesh axis of every node of ``graph``.
 
@@ -65,6 +68,11 @@ def propagate(
         conventions: the layout's program implements Megatron-LM's conventions
             (``search.rules.conventions``: vocabulary-parallel embedding and cross entropy,
             fused projection splits, the row-parallel bias added once).
+        reduce_partial_sums: where the layout's program reduces partial sums as soon as they
+            are made: given a tensor arriving as ``Partial(sum)``, the placement its reader
+            takes it in (its edge pays the all-reduce or reduce-scatter), or None to let the
+            reader choose. Megatron-LM reduces a row-parallel matmul's output before the
+            dropout and residual add that read it (``search.layouts.megatron_layout``).
 
     Returns:
         node name -> its input, output and parameter placements on this axis.
@@ -77,6 +85,10 @@ def propagate(
     for node in graph.nodes:
         param_of_input.update(zip(node.param_inputs, node.params))
         activations = tuple(placement_of.get(name, R) for name in node.inputs)
+        if reduce_partial_sums is not None:
+            activations = tuple(
+                _reduced(placement, meta, reduce_partial_sums) for placement, meta in zip(activations, node.input_meta)
+            )
         if choose_params is not None:
             for param, placement in choose_params(node, activations).items():
                 params_fixed.setdefault(param, placement)
@@ -102,6 +114,14 @@ def propagate(
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _reduced(placement: Placement, meta: TensorMeta, reducer: PartialReducer) -> Placement:
+    # Only sums: an average (a mean loss over split columns) is no pending reduction of a
+    # matmul's output, and stays for its reader to decide.
+    if isinstance(placement, Partial) and placement.reduce_op == "sum":
+        return reducer(meta) or placement
+    return placement
 
 
 def _batch_local(node: OpNode, incoming, wanted, outputs):

@@ -106,7 +106,8 @@ def test_random_single_op_changes_simulate_as_a_fresh_plan(pipeline):
     communication, memory per stage, bytes per axis, bubble) equals, to the bit, a
     simulation of the moved plan from an empty node-cost cache; on a GPU preset, so the
     schedule is re-run with the measured overlap contention. Every third move is of a node
-    another segment reads."""
+    another segment reads (on the pipeline, one another stage reads), moved to another output
+    placement where it has one."""
     import random
 
     from cost_model.segments import segment_members
@@ -136,11 +137,17 @@ def test_random_single_op_changes_simulate_as_a_fresh_plan(pipeline):
     boundary = sorted(node for node in options
                       if any(layout.segment_of[reader] != layout.segment_of[node] for reader in delta.context.consumers.get(node, ())))
     assert boundary
+    if pipeline:  # there, the nodes whose outputs cross from stage 0 to stage 1
+        stage = {s.node: s.stage for s in plan.strategies}
+        boundary = [node for node in boundary
+                    if any(stage[reader] != stage[node] for reader in delta.context.consumers.get(node, ()))] or boundary
     rng = random.Random(25)
     seen = set()
     for move in range(12):
         node = rng.choice(boundary if move % 3 == 2 else sorted(options))
-        current[node] = rng.choice(options[node])
+        # A boundary node's move changes what it hands on (its output placement) where it can.
+        moved = [s for s in options[node] if s.outputs != current[node].outputs] if move % 3 == 2 else []
+        current[node] = rng.choice(moved or options[node])
         result = delta.replace(node, current[node])
         _forget_costed_plans()
         fresh = Simulator(dataclasses.replace(plan, strategies=tuple(current[s.node] for s in plan.strategies)), graph)

@@ -67,13 +67,15 @@ def _layer_plans(overlap_too: bool = True):
 
 
 def _first_block(graph, simulator):
-    """The first block's linears and residual adds, in order, with their costs."""
+    """The first block's linears and the readers of its row-parallel projections (the
+    dropouts, on whose input edges Megatron's reduce-scatters sit), in order, with their
+    costs."""
     block = next(node.block for node in graph.nodes if node.block is not None)
     nodes = [node for node in graph.nodes if node.block == block]
     linears = [node for node in nodes if node.op.startswith("aten.linear.")]
-    adds = [node for node in nodes if node.op.startswith("aten.add.Tensor")
-            and simulator.costs[node.name].forward_comm_s]
-    return linears, adds
+    readers = [node for node in nodes if node.op.startswith("aten.dropout.")
+               and simulator.costs[node.name].forward_comm_s]
+    return linears, readers
 
 
 def test_without_the_overlap_a_layer_pays_four_gathers_and_four_reduce_scatters_alone() -> None:
@@ -81,7 +83,8 @@ def test_without_the_overlap_a_layer_pays_four_gathers_and_four_reduce_scatters_
     all-gathers and 4 reduce-scatters of s b h elements. Here s b h = 512 x 8 x 1024 bf16 =
     8 MiB each: the all-gathers before c_attn and c_fc (their gradients' reduce-scatters in
     backward), the reduce-scatters of c_proj's and the MLP projection's partial sums at the
-    residual adds (their gradients' all-gathers in backward). Nothing is overlapped: each
+    dropouts that read them, before the residual adds (their gradients' all-gathers in
+    backward). Nothing is overlapped: each
     costs the collective alone, as before the setting existed, and off is the default."""
     graph, (plan,) = _layer_plans(overlap_too=False)
     default = megatron_plan(graph, plan.cluster, plan.model, plan.summary.name, tp=8, sequence_parallel=True,
@@ -92,15 +95,15 @@ def test_without_the_overlap_a_layer_pays_four_gathers_and_four_reduce_scatters_
     context = simulator.context
     size = 512 * 8 * 1024 * 2
     gather, scatter = context.collective("all_gather", size, "tp"), context.collective("reduce_scatter", size, "tp")
-    linears, adds = _first_block(graph, simulator)
+    linears, readers = _first_block(graph, simulator)
     qkv, fc = linears[0], linears[2]
     for column in (qkv, fc):
         cost = simulator.costs[column.name]
         assert (cost.forward_comm_s, cost.backward_comm_s) == pytest.approx((gather, scatter))
         assert cost.axis_bytes["tp"] == pytest.approx(2 * size * 7 / 8)
-    assert len(adds) == 2
-    for add in adds:
-        cost = simulator.costs[add.name]
+    assert len(readers) == 2
+    for reader in readers:
+        cost = simulator.costs[reader.name]
         assert (cost.forward_comm_s, cost.backward_comm_s) == pytest.approx((scatter, gather))
 
 
@@ -112,7 +115,7 @@ def test_one_overlapped_layer_exposes_what_transformer_engine_leaves() -> None:
       ``7 max(0, C/7 - G/8)``; backward, the gradient's reduce-scatter beside the weight
       gradient and the input gathered again beside the data gradient, each
       ``max(C - G, 16/132 C)``; the re-gather's bytes are counted.
-    * the adds after c_proj and the MLP projection (row parallel): the reduce-scatter in 4
+    * the dropouts after c_proj and the MLP projection (row parallel): the reduce-scatter in 4
       chunks after the GEMM, ``c + 3 max(c - G/4, 16/132 c)``; the gradient's all-gather by
       ring exchange with the projection's data gradient.
     Every other op costs what it costs without the overlap. (GEMMs this small hide little:
@@ -124,7 +127,7 @@ def test_one_overlapped_layer_exposes_what_transformer_engine_leaves() -> None:
     gather, scatter = context.collective("all_gather", size, "tp"), context.collective("reduce_scatter", size, "tp")
     chunk = context.collective("reduce_scatter", size / 4, "tp")
     assert gemm_share(context.device) == pytest.approx(H100_SHARE)
-    linears, adds = _first_block(graph, after)
+    linears, readers = _first_block(graph, after)
     qkv, proj, fc, fc_proj = linears
     for column in (qkv, fc):
         cost = after.costs[column.name]
@@ -133,12 +136,12 @@ def test_one_overlapped_layer_exposes_what_transformer_engine_leaves() -> None:
         assert cost.backward_comm_s == pytest.approx(
             max(scatter - half, 16 / 132 * scatter) + max(gather - half, 16 / 132 * gather))
         assert cost.axis_bytes["tp"] == pytest.approx(3 * size * 7 / 8)
-    for add, row in zip(adds, (proj, fc_proj)):
-        cost, gemm = after.costs[add.name], before.costs[row.name]
+    for reader, row in zip(readers, (proj, fc_proj)):
+        cost, gemm = after.costs[reader.name], before.costs[row.name]
         assert cost.forward_comm_s == pytest.approx(
             chunk + 3 * max(chunk - gemm.forward_s / 4, 16 / 132 * chunk))
         assert cost.backward_comm_s == pytest.approx(7 * max(0.0, gather / 7 - gemm.backward_s / 2 / 8), abs=1e-12)
-    overlapped = {qkv.name, fc.name, *(add.name for add in adds)}
+    overlapped = {qkv.name, fc.name, *(reader.name for reader in readers)}
     for node in graph.nodes:
         if node.block == qkv.block and node.name not in overlapped:
             assert after.costs[node.name] == before.costs[node.name], node.name

@@ -6,13 +6,19 @@ dim the same way.
 
 ``Partial`` passes only through ops that are linear in the partial operand:
 
-* sign, copies, dtype casts between floating types, dropout: ``P -> P``;
+* sign, copies, dtype casts between floating types: ``P -> P``;
 * ``mul``/``div`` by a replicated tensor or a number (the partial operand being a factor,
   or the dividend): ``P -> P``;
 * ``add``/``sub`` of partials of the same kind: ``(P, P) -> P``;
 * ``add``/``sub`` of a replicated tensor or a number to an *average*: ``(P(avg), R) ->
   P(avg)`` (the mean of ``x_r + c`` is ``mean(x_r) + c``). Adding a number to a *sum* is
   wrong (it is added on every rank).
+
+Dropout is not among them: each rank would draw its own mask, and the sum of differently
+masked partials is not the dropout of the sum. DTensor refuses it too ("random sampling on
+partial tensors is undefined": ``torch/distributed/tensor/_ops/_random_ops.py``, PyTorch
+2.13), so a compiled program would reduce first anyway; Megatron-LM reduces the row-parallel
+output before its bias-dropout-add (``search.layouts.megatron_layout``).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ ELEMENTWISE = (
 )
 # Linear in their one tensor input (and float in, float out where casting).
 _LINEAR_UNARY = (
-    "aten.neg.", "aten.clone.", "aten.contiguous.", "aten.alias.", "aten.detach.", "aten.dropout.",
+    "aten.neg.", "aten.clone.", "aten.contiguous.", "aten.alias.", "aten.detach.",
     "aten.to.", "aten._to_copy.", "aten.type_as.", "aten.positive.", "aten.lift",
 )
 _ADDITIVE = frozenset(
