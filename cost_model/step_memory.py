@@ -82,13 +82,8 @@ def stage_memory(context: StepContext, contributors: tuple[StepContributor, ...]
         # docs/source/api-guide/dist_optimizer.md: "bf16 param, fp32 grads": 6 + 12/d bytes
         # per parameter with the distributed optimizer, 2 of weights and 4 of gradients).
         grad_b = FP32_GRADIENT_BYTES
-    params: dict[str, float] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    per_rank: set[str] = set()
-    for segment in segments:
-        params.update(segment.params)
-        shapes.update(segment.shapes)
-        per_rank |= segment.per_rank
+    held = device_parameters(segments)
+    params, shapes, per_rank = held.params, held.shapes, held.per_rank
     elements = sum(params.values())
     own = sum(count for name, count in params.items() if name in per_rank)  # never sharded over dp
     shared = elements - own
