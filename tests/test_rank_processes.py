@@ -8,13 +8,20 @@ from pathlib import Path
 from rank_processes import launch_ranks  # this folder is on sys.path under pytest
 
 # A rank that prints its environment as torchrun's worker sees it, then fails with status 3 as
-# rank 1, or waits a minute (a rank blocked in a collective the failed rank never joins).
+# rank 1, or waits a minute (a rank blocked in a collective the failed rank never joins). The
+# failing rank first waits (up to 20 s) until every rank has printed: otherwise, on a loaded
+# machine, a rank still starting Python is killed before it prints (seen in a full-suite run).
 SCRIPT = """
 import os, sys, time
+from pathlib import Path
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 print(" ".join(f"{name}={os.environ[name]}" for name in names), flush=True)
 print("said on stderr", file=sys.stderr, flush=True)
+Path(f"printed.{os.environ['RANK']}").touch()
 if os.environ["RANK"] == sys.argv[1]:
+    deadline = time.monotonic() + 20
+    while len(list(Path().glob("printed.*"))) < int(os.environ["WORLD_SIZE"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
     sys.exit(3)
 time.sleep(60)
 """
