@@ -134,7 +134,7 @@ DEEPSPEED_PIPELINE = {"blocking_p2p": True, "partitioned_p2p": True, "overlap_gr
 # ``CUDA_LAUNCH_BLOCKING``) runs without it, and its rows show the engine as modelled. Their
 # gaps would need 14.8-18.0 ms per layer per micro-batch (``fidelity_sweep.py --elsewhere``):
 # the same order on another cluster, so probably not Jean Zay's alone, but growing with dp,
-# which a per-layer cost does not; not applied (``fidelity.py``'s docstring has the checks).
+# which a per-layer cost does not; not applied (``docs/fidelity_log.md`` has the checks).
 # ``--no-engine-overhead`` shows BLOOM without it too.
 MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S = 10.75e-3
 JEAN_ZAY_LAYER_OVERHEAD = {"block_overhead_s": MEGATRON_DEEPSPEED_LAYER_OVERHEAD_S}
@@ -222,7 +222,7 @@ def runs() -> list[Run]:
     # per iteration (126, 121 and 113 TFLOP/s per GPU). 105 layers, width 20480, 128 heads;
     # vocabulary 50,257 (GPT-2's BPE) padded to 51,200. No source here states the micro-batch size:
     # taken as 1 (the least bubble, m = 1920 / dp micro-batches); at 2 the bubble doubles
-    # (``benchmarks/fidelity_slots.py`` prints both; fidelity.py's docstring has the figures).
+    # (``benchmarks/fidelity_slots.py`` prints both; docs/fidelity_log.md has the figures).
     for nodes, seconds in ((280, 60.1), (350, 50.2), (420, 44.4)):
         found.append(Run(
             f"MT-NLG-530B@{nodes * 8}xA100", "gpt.py",

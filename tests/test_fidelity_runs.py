@@ -70,7 +70,7 @@ def test_run_layouts_build_the_plans_they_state(name, layers):
     assert plan.tp_comm_overlap == (name.startswith("MCore-") and tp > 1)
     # Megatron-Core's rows ran its distributed optimizer (--use-distributed-optimizer with
     # --overlap-grad-reduce --overlap-param-gather); without a pipeline each rank's samples pass
-    # at once (the table states no micro-batch size: benchmarks/fidelity.py's docstring).
+    # at once (the table states no micro-batch size: docs/fidelity_log.md).
     assert plan.megatron_distributed_optimizer == name.startswith("MCore-")
     if name.startswith("MCore-") and pp == 1:
         assert plan.accumulation_steps == 1
