@@ -11,16 +11,20 @@ the host falls behind: a run of ops takes the longer of the two timelines,
 which the simulator applies per segment (``cost_model.segments``): within a block the host
 runs ahead during long kernels and the queue drains during short ones. (Across segments
 the host can run further ahead, so a segment that alone is host-bound may be less so in a
-step: per-segment is the pessimistic side of the bound.) On CPU devices the host *is* the
-device, so the host's time adds to the op's instead (``StepContext.dtensor_dispatch`` in
-``cost_model.step_context``, from ``dtensor_dispatch`` below: the same defaults when the
-device is not calibrated).
+step: per-segment is the pessimistic side of the bound.) A host synchronisation inside a
+segment (an MoE layer's token dispatch reading its split sizes) drains that lead: the segment
+is split there and the ops after it replayed from no lead (``cost_model.host_syncs``). On
+CPU devices the host *is* the device, so the host's time adds to the op's instead
+(``StepContext.dtensor_dispatch`` in ``cost_model.step_context``, from ``dtensor_dispatch``
+below: the same defaults when the device is not calibrated).
 
 Host time per op: ``kernel_overhead_s`` (dispatch and launch, ``cost_model.defaults``; the
 device side charges it too, as the gap between kernels) plus, on the DTensors of a graph
 program, DTensor's dispatch: the device's calibrated ``dtensor_op_overhead_s`` or, without
 one, ``DTENSOR_FORWARD_DISPATCH_S`` / ``DTENSOR_BACKWARD_DISPATCH_S``, measured by
 ``benchmarks/host_dispatch.py`` (host work, the same whatever device runs the kernels).
+A plan that prices Megatron-Core's distributed optimizer is Megatron-Core's own program, on
+plain tensors: its host pays the launch alone (``cost_model.step_context``).
 """
 
 from __future__ import annotations

@@ -226,9 +226,14 @@ class NodeCosts:
         expert cost on its anchor op, nothing on the other expert ops, and the routing ops'
         traced work split over the ranks (each routes its own tokens)."""
         cost = NodeCost()
+        host = self.context.host
         if node.name in layer.expert_nodes:
             if node.name == layer.anchor:
                 moe = layer.cost
+                if host is not None:
+                    # The host launches the layer's exchange here: after the dispatch's host
+                    # sync (cost_model.host_syncs) the device waits for at least this.
+                    cost.host_forward_s, cost.host_backward_s = host.forward_s, host.backward_s
                 cost.forward_s, cost.backward_s = moe.forward_compute_s, moe.backward_compute_s
                 exposed = self.a2a_exposed_share(layer) if self.context.plan.moe_a2a_overlap else 1.0
                 cost.forward_comm_s = moe.forward_comm_s * exposed + layer.routing_sync_s
@@ -245,6 +250,9 @@ class NodeCosts:
             return cost
         split = expert_axis_size(self.context.mesh, layer.layout.axis) * self.context.micro_batches
         cost.forward_s, cost.backward_s = op_times(node, 1.0 / split, self.context.device, self.context.plan.precision)
+        if host is not None:  # the routing ops are issued one by one as any other op
+            cost.host_forward_s = host.forward_s
+            cost.host_backward_s = host.backward_s if any(m.dtype.is_floating_point for m in node.output_meta) else 0.0
         if not node.is_view and self.kept_for_backward(node.name):
             cost.saved_bytes = sum(
                 meta.nbytes * self.context.activation_scale / split for meta in node.output_meta if meta.dtype.is_floating_point

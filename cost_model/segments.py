@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor import Replicate, Shard
 
 from cost_model.host_dispatch import host_wait
+from cost_model.host_syncs import layer_syncs_in_forward, synced_host_wait
 from cost_model.node_costs import NodeCost
 from cost_model.step_context import StepContext
 from planner.graph import OpGraph
@@ -39,6 +40,9 @@ class Segment:
     host_forward_s: float = 0.0
     host_backward_s: float = 0.0
     host_wait_s: float = 0.0  # of which, forward and backward: the device waiting for the host
+    # Host syncs in its forward per micro-batch (MoE dispatches, cost_model.host_syncs): each
+    # splits the forward's host-vs-device bound into parts.
+    host_syncs: int = 0
     saved_bytes: float = 0.0
     buffer_bytes: float = 0.0  # the largest transient buffer of one of its ops (NodeCost.buffer_bytes)
     input_bytes: float = 0.0  # floating-point values it reads from other segments
@@ -185,6 +189,9 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
     dp_index = context.mesh.names.index("dp") if "dp" in context.mesh.names else None
     names = layout.members[key]
     segment = Segment(name=layout.labels[key], stage=context.strategies[names[0]].stage, block=key[0] == "block")
+    # Forward (device, host) seconds: summed before the first host sync, op by op after each
+    # (cost_model.host_syncs).
+    before_sync, after_syncs = [0.0, 0.0], []
     for name in names:
         node = context.nodes[name]
         strategy = context.strategies[name]
@@ -196,6 +203,16 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
         segment.backward_comm_s += cost.backward_comm_s
         segment.host_forward_s += cost.host_forward_s
         segment.host_backward_s += cost.host_backward_s
+        layer = context.moe_layer_of.get(name)
+        if context.host is not None and layer is not None and name == layer.anchor:
+            for _ in range(layer_syncs_in_forward(layer.layout.mode, layer.cost.sent_bytes > 0)):
+                after_syncs.append([])  # the dispatch syncs before the exchange (its anchor) is issued
+                segment.host_syncs += 1
+        if after_syncs:
+            after_syncs[-1].append((cost.forward_s + cost.forward_comm_s, cost.host_forward_s))
+        else:
+            before_sync[0] += cost.forward_s + cost.forward_comm_s
+            before_sync[1] += cost.host_forward_s
         segment.saved_bytes += cost.saved_bytes
         segment.axis_sync_s += cost.axis_sync_s
         segment.weight_gather_s += cost.weight_gather_s
@@ -205,7 +222,6 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
         if sequence and node.output_meta and len(node.output_meta[0].shape) >= 2 and node.output_meta[0].shape[-2:] == (sequence, sequence):
             segment.score_bytes += cost.saved_bytes  # attention scores: dropped by selective recompute
             segment.score_forward_s += cost.forward_s
-        layer = context.moe_layer_of.get(name)
         if layer is not None and name == layer.anchor:  # the layer's exchanges are priced on its anchor
             segment.kept_exchange_s += cost.forward_comm_s
             segment.kept_exchange_bytes += layer.buffer_bytes
@@ -232,7 +248,7 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
             if dp_index is not None and isinstance(placements[dp_index], Replicate):
                 segment.dp_synced.add(param)
     if context.host is not None:
-        forward_wait = host_wait(segment.forward_s + segment.forward_comm_s, segment.host_forward_s)
+        forward_wait = synced_host_wait(tuple(before_sync), after_syncs)
         backward_wait = host_wait(segment.backward_s + segment.backward_comm_s, segment.host_backward_s)
         segment.forward_s += forward_wait
         segment.backward_s += backward_wait

@@ -133,8 +133,11 @@ class StepContext:
             # ... and pays DTensor's redistribute machinery on every collective it issues in line.
             redistribute_overhead_s=(device.redistribute_overhead_s or 0.0) if graph_program else 0.0,
             # On GPUs the host issues ops ahead of the kernels (its time bounds a segment's from
-            # below); on CPUs it runs them, and DTensor's dispatch adds to each op.
-            host=host_dispatch(cluster, device, graph_program),
+            # below); on CPUs it runs them, and DTensor's dispatch adds to each op. A plan that
+            # prices Megatron-Core's distributed optimizer describes Megatron-Core's own program
+            # (compile refuses it, codegen/plan_checks.py), whose ops run on plain tensors: its
+            # host pays each op's launch, not DTensor's dispatch.
+            host=host_dispatch(cluster, device, graph_program and not plan.megatron_distributed_optimizer),
             overlap_slowdown=profile.overlap_slowdown if profile is not None else 0.0,
             # MoE layers with a layout are priced by it (cost_model.moe_layers), not by placements.
             moe_layers=moe_layers,
