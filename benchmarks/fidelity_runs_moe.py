@@ -72,19 +72,30 @@ Why TP4 EP8 is ranked ahead of TP2 EP32 (session 10's search; ``benchmarks/fidel
     third of the expert FLOPs 1.4x slower, ~13% more expert time for TP4 than for EP32 (12
     layers x 0.355 s = 4.26 s a step: ~0.55 s). The experts are priced at the large-GEMM
     fraction whatever their shape (``cost_model.moe``'s roofline): true, but small here;
-  * not modelled, and the likeliest cause: costs paid per layer and micro-batch, not per
-    token. TP4 runs 3,072 layer passes per device (12 layers x 256 micro-batches) with 5.5 ms
-    of the predicted step each, EP32 1,536 with 12.4 ms. Both dispatchers synchronise the
-    host with the GPU in every MoE layer: DeepEP's normal dispatch unless ``num_worst_tokens``
-    is given (deep_ep/buffer.py, ``Buffer.dispatch``: "if specified, there will be no CPU
-    sync"), NCCL's all-to-all dispatcher to read its split sizes (``cuda_sync_point =
-    "before_ep_alltoall"`` when dropless with EP, ``MoEAlltoAllTokenDispatcher``). After a
-    sync the GPU waits for the host to issue what follows (permutation, Transformer Engine's
-    grouped GEMM over the local experts: 16 in TP4, 4 in EP32), which
-    ``cost_model.host_dispatch`` (the longer of host and device per segment) never exposes.
-    Closing TP4's 12 s alone would take ~3.9 ms per pass: no public measurement of it was
-    found, so nothing is priced; PP32 (512 micro-batches, one layer per virtual stage, -21%)
-    points the same way.
+  * priced since session 11, and not the cause: the per-layer host syncs of the token
+    dispatchers (``cost_model.host_syncs``, from Megatron-LM's source at 0d77a93b7b). Both
+    dispatchers sync once per MoE layer in forward and never in backward: DeepEP's normal
+    dispatch waits on the CPU for the received counts before it launches the dispatch kernel
+    (fused_a2a.py ``FusedDispatch.forward``; no CPU sync only with ``num_worst_tokens``,
+    deep_ep/buffer.py), NCCL's all-to-all dispatcher at ``cuda_sync_point =
+    "before_ep_alltoall"`` (``MoEAlltoAllTokenDispatcher``); with ETP 1, TP adds none (the
+    dispatchers' ``tp_size`` is ETP), nor does the interleaved pipeline's P2P
+    (``overlap_p2p_comm`` by default, so no ``batch_p2p_sync``). But what the host issues
+    right after the sync is the exchange itself, which keeps the device busy for milliseconds
+    while the host issues the permutation and the grouped GEMMs: priced with the simulator's
+    launch cost (``cost_model.defaults.KERNEL_OVERHEAD_S``, 5 us an op), a sync costs the
+    device about one launch, 0.01 s a step in every row (TP4's 3,072 layer passes). Closing
+    TP4's 12 s would take ~3.9 ms per pass: after the sync, Megatron-Core's host issues ~45
+    ops in TP4 (the dispatch, the permutation, 16 + 16 expert GEMMs, Transformer Engine's
+    grouped GEMM being one cuBLAS launch per local expert, the activation, the unpermutation,
+    the combine) against 0.78 ms of device work (the exchange and the experts); to fall 3.9 ms
+    behind, each would have to take ~100 us, and a host that slow would stall the attention
+    half of every layer, and the dense Megatron-Core rows, as much (``docs/fidelity_log.md``,
+    session 11). So the per-pass cost that TP4 and PP32 (512 micro-batches, one layer per
+    virtual stage, -21%) point to is still not identified; candidates not priced: the MoE
+    layer's host time as Megatron-Core and Transformer Engine spend it (the traced graph's
+    ATen ops stand in for their Python modules), the routing imbalance of the dropless rows
+    on the busiest EP8 rank, DeepEP's SMs taken from the GEMMs.
 """
 
 from __future__ import annotations
