@@ -59,10 +59,11 @@ at 8017e1120):
 
 Activation recomputation that repeats a layer's forward in backward repeats its sync
 (``cost_model.recompute`` adds the segment's forward, waits included). The compiled
-programs' own expert-parallel layers sync too (``codegen/runtime/moe.py``: the kept count,
-the per-destination counts and the exchanged counts each ``.tolist()``/``int()``, three
-back to back in forward); they are priced as the one sync above, whose parts between them
-hold only a few small ops.
+programs' own expert-parallel layers sync too, three times in forward a few small ops apart
+(codegen/runtime/moe.py, ``ExpertParallelMoE.run_experts``: ``int(kept.sum())``, the
+per-destination counts' ``.tolist()``, and ``FlatExchange``'s exchanged counts'
+``.tolist()``); they are priced as the one sync above (optimistic by the other two's
+launch each).
 """
 
 from __future__ import annotations
