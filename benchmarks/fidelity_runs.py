@@ -113,6 +113,11 @@ DEEPSPEED_PIPELINE = {"blocking_p2p": True, "partitioned_p2p": True, "overlap_gr
 #     ``_set_cuda_rng_state`` through ``_lazy_call``: no device sync);
 #     ``PipelineModule.forward`` (pipe/module.py) reseeds per layer only with ``seed_layers``,
 #     which Megatron-DeepSpeed's ``GPTModelPipe`` leaves off.
+#     What those options would cost is priced now (``PipelineConfig.deepspeed_checkpointing``,
+#     ``cost_model.deepspeed_checkpointing``): on BLOOM's layer at micro-batch 2 all of
+#     partitioning, contiguous buffers and synchronization together would add 0.62 ms per
+#     micro-batch (0.40 ms of it the all-gather over tp), a seventeenth of 10.75 ms, had the
+#     run set them; it set none, so its row sets ``deepspeed_checkpointing`` empty.
 #   * Part of it is synchronous launching. Both the sweep and BLOOM's training ran with
 #     ``CUDA_LAUNCH_BLOCKING=1`` (tr11-176B-ml.slurm: ``export CUDA_LAUNCH_BLOCKING=1``;
 #     chronicles-prequel.md, "dealing with JZ hanging on the large model" and "Hanging

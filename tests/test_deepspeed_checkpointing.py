@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
+import planner
 from cost_model.simulator import Simulator
 from planner.api import prepare_model
 from planner.cluster import Cluster, DeviceSpec, LinkSpec, NodeSpec
+from planner.errors import PlanFileError
 from planner.model_spec import ModelSpec
 from planner.plans import load_plan
 from planner.strategy import PipelineConfig
@@ -121,3 +123,12 @@ def test_partitioned_checkpoints_keep_a_tp_share_of_each_block_input():
     assert plain.estimate.memory.activations - partitioned.estimate.memory.activations == 2 * PART
     synchronized, _ = _toy_plan(deepspeed_checkpointing=("synchronize_checkpoint_boundary",))
     assert synchronized.estimate.memory.activations == plain.estimate.memory.activations
+
+
+def test_compile_refuses_a_plan_with_deepspeed_checkpointing_in_one_line(tmp_path):
+    # The options describe DeepSpeed's engine, which compiled programs do not run.
+    plan, _ = _toy_plan(deepspeed_checkpointing=("synchronize_checkpoint_boundary",))
+    with pytest.raises(PlanFileError, match="plan field 'pipeline.deepspeed_checkpointing' lists "
+                                            "synchronize_checkpoint_boundary") as refused:
+        planner.compile(plan, tmp_path / "out")
+    assert "\n" not in str(refused.value)
