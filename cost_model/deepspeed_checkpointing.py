@@ -23,7 +23,11 @@ of 2021 has no sequence parallelism) and ``P = B / tp``:
   stream (the recomputation needs it): three kernels and one collective;
 * ``contiguous_memory_optimization`` (needs the first): forward, the kept part is copied
   again into a preallocated per-layer buffer (``2 P``), after an indexed write of zeros that
-  touches one element per page (``P / 4096`` bytes: left out): two kernels;
+  touches one element per page (``P / 4096`` bytes: left out) through a Python ``range``,
+  whose index tensor is made on the host and copied to the device by a blocking copy
+  (PyTorch's ``copy_kernel_cuda``, aten/src/ATen/native/cuda/Copy.cu of that time:
+  ``cudaMemcpyAsync`` then ``cudaStreamSynchronize`` unless ``non_blocking``): two kernels
+  and one sync;
 * ``synchronize_checkpoint_boundary``: ``torch.cuda.synchronize()`` at the start and end of
   the forward and of the backward, four per block per micro-batch;
 * ``profile``: ``SynchronizedWallClockTimer`` (deepspeed/utils/timer.py: ``start`` and
@@ -107,5 +111,6 @@ def checkpointing_cost(context: StepContext, segment: Segment) -> CheckpointingC
         backward += (whole + 2 * part) / streaming + 2 * launch_s  # torch.zeros, copy_ of the part
         gather = context.collective("all_gather", whole, "tp") if tp > 1 else 0.0
     if CONTIGUOUS_CHECKPOINTING in options:
-        forward += 2 * part / streaming + 2 * launch_s  # the page-touching write, the copy into the buffer
+        # the page-touching write, its index's blocking copy (a sync), the copy into the buffer
+        forward += 2 * part / streaming + 3 * launch_s
     return CheckpointingCost(forward, backward, gather)
