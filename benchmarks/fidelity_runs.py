@@ -115,7 +115,7 @@ DEEPSPEED_PIPELINE = {"blocking_p2p": True, "partitioned_p2p": True, "overlap_gr
 #     which Megatron-DeepSpeed's ``GPTModelPipe`` leaves off.
 #     What those options would cost is priced now (``PipelineConfig.deepspeed_checkpointing``,
 #     ``cost_model.deepspeed_checkpointing``): on BLOOM's layer at micro-batch 2 all of
-#     partitioning, contiguous buffers and synchronization together would add 0.62 ms per
+#     partitioning, contiguous buffers and synchronization together would add 0.63 ms per
 #     micro-batch (0.40 ms of it the all-gather over tp), a seventeenth of 10.75 ms, had the
 #     run set them; it set none, so its row sets ``deepspeed_checkpointing`` empty.
 #   * Part of it is synchronous launching. Both the sweep and BLOOM's training ran with
