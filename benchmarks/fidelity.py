@@ -6,6 +6,8 @@
     python benchmarks/fidelity.py --roofline      # the same runs with the roofline model
     python benchmarks/fidelity.py --breakdown     # and where each predicted step goes
     python benchmarks/fidelity.py --no-engine-overhead   # without the fitted engine constant
+    python benchmarks/fidelity.py --deepspeed-checkpointing partition_activations synchronize_checkpoint_boundary
+                                  # DeepSpeed rows whose sources do not state these options, with them on
     python benchmarks/fidelity.py --rows-only    # the runs and their sources, nothing simulated
 
 Where it stands (session 10's end, 2026-11-30, ``python benchmarks/fidelity.py``): 32 runs,
@@ -55,6 +57,7 @@ from planner.api import prepare_model
 from planner.cluster import Cluster
 from planner.families.hsdp.section import HsdpSection
 from planner.model_spec import ModelSpec
+from planner.strategy import DEEPSPEED_CHECKPOINTING_OPTIONS
 from search.data_parallel import fsdp_units
 from search.megatron import megatron_plan
 from cost_model.simulator import simulated
@@ -154,6 +157,9 @@ def main() -> None:
                         help="also print where each predicted step goes (compute, exposed communication, bubble)")
     parser.add_argument("--no-engine-overhead", action="store_true",
                         help="leave out the per-layer overhead fitted to BigScience's sweep on Jean Zay (BLOOM's row)")
+    parser.add_argument("--deepspeed-checkpointing", nargs="+", metavar="OPTION", choices=DEEPSPEED_CHECKPOINTING_OPTIONS,
+                        help="turn these DeepSpeed activation-checkpointing options on in the DeepSpeed rows whose "
+                             "sources do not state them (MT-NLG's), as a what-if (cost_model.deepspeed_checkpointing)")
     options = parser.parse_args()
     names = [run.name for run in runs()]
     unmatched = [pattern for pattern in options.runs or () if not fnmatch.filter(names, pattern)]
@@ -167,6 +173,11 @@ def main() -> None:
     if options.no_engine_overhead:
         chosen = [dataclasses.replace(run, layout={**run.layout, "block_overhead_s": 0.0})
                   if "block_overhead_s" in run.layout else run for run in chosen]
+    if options.deepspeed_checkpointing:
+        turned_on = tuple(options.deepspeed_checkpointing)
+        chosen = [dataclasses.replace(run, layout={**run.layout, "deepspeed_checkpointing": turned_on})
+                  if run.layout.get("blocking_p2p") and "deepspeed_checkpointing" not in run.layout else run
+                  for run in chosen]
     print(f"{'run':<24} {'GPUs':>5}  {'layout':<40} {'batch':>5} {'seq':>5}  {'published':>18} "
           f"{'step':>8} {'predicted':>9} {'error':>7}  source")
     errors = []

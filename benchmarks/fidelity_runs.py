@@ -113,6 +113,11 @@ DEEPSPEED_PIPELINE = {"blocking_p2p": True, "partitioned_p2p": True, "overlap_gr
 #     ``_set_cuda_rng_state`` through ``_lazy_call``: no device sync);
 #     ``PipelineModule.forward`` (pipe/module.py) reseeds per layer only with ``seed_layers``,
 #     which Megatron-DeepSpeed's ``GPTModelPipe`` leaves off.
+#     What those options would cost is priced now (``PipelineConfig.deepspeed_checkpointing``,
+#     ``cost_model.deepspeed_checkpointing``): on BLOOM's layer at micro-batch 2 all of
+#     partitioning, contiguous buffers and synchronization together would add 0.63 ms per
+#     micro-batch (0.40 ms of it the all-gather over tp), a seventeenth of 10.75 ms, had the
+#     run set them; it set none, so its row sets ``deepspeed_checkpointing`` empty.
 #   * Part of it is synchronous launching. Both the sweep and BLOOM's training ran with
 #     ``CUDA_LAUNCH_BLOCKING=1`` (tr11-176B-ml.slurm: ``export CUDA_LAUNCH_BLOCKING=1``;
 #     chronicles-prequel.md, "dealing with JZ hanging on the large model" and "Hanging
@@ -223,6 +228,14 @@ def runs() -> list[Run]:
     # vocabulary 50,257 (GPT-2's BPE) padded to 51,200. No source here states the micro-batch size:
     # taken as 1 (the least bubble, m = 1920 / dp micro-batches); at 2 the bubble doubles
     # (``benchmarks/fidelity_slots.py`` prints both; docs/fidelity_log.md has the figures).
+    # Nor does a source here state its DeepSpeed activation-checkpointing options: the examples
+    # of its time differ (microsoft/Megatron-DeepSpeed at 54884b5f, 2021-10-29, passes none in
+    # examples/; its curriculum-learning script of db97cd2a passed ``--partition-activations``;
+    # DeepSpeed's own 3D-parallelism example, microsoft/DeepSpeedExamples
+    # Megatron-LM-v1.1.5-3D_parallelism/examples/ds_pretrain_gpt2_pipe.sh at ce00e423, turns on
+    # partitioning, contiguous buffers and synchronization). The layout leaves
+    # ``deepspeed_checkpointing`` out (DeepSpeed's defaults, all off);
+    # ``fidelity.py --deepspeed-checkpointing ...`` shows the rows with options on.
     for nodes, seconds in ((280, 60.1), (350, 50.2), (420, 44.4)):
         found.append(Run(
             f"MT-NLG-530B@{nodes * 8}xA100", "gpt.py",
@@ -236,7 +249,11 @@ def runs() -> list[Run]:
     # BLOOM-176B (Le Scao et al. 2022, section 3.4; bigscience-workshop's training README):
     # 384 A100 80GB, tp 4 x pp 12 x dp 8, ZeRO-1, micro-batch 2, global batch 2048 of 2048
     # tokens, full recomputation, "about 150 TFLOPs" per GPU as Megatron-DeepSpeed prints it.
-    # 70 layers, width 14336, 112 heads, vocabulary 250,880.
+    # 70 layers, width 14336, 112 heads, vocabulary 250,880. DeepSpeed's activation
+    # checkpointing with none of its options (``deepspeed_checkpointing`` empty, stated: the
+    # script passes ``--checkpoint-activations`` and ``--deepspeed-activation-checkpointing``
+    # and none of ``--partition-activations``, ``--contigious-checkpointing``,
+    # ``--synchronize-each-layer``, ``--profile-backward``; see JEAN_ZAY_LAYER_OVERHEAD).
     found.append(Run(
         "BLOOM-176B@384xA100", "gpt.py",
         {"n_layer": 70, "n_embd": 14336, "n_head": 112, "vocab_size": 250880, "seq_len": 2048, "batch_size": 2048,
@@ -244,7 +261,7 @@ def runs() -> list[Run]:
         bloom_cluster(),
         {"tp": 4, "pp": 12, "micro_batch": 2, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
          "layers_per_stage": tuple(nearly_even_layers(70, 12)), **DEEPSPEED_PIPELINE, **JEAN_ZAY_LAYER_OVERHEAD,
-         "gradient_accumulation": "fp32-copy"}, 1,
+         "gradient_accumulation": "fp32-copy", "deepspeed_checkpointing": ()}, 1,
         megatron_deepspeed_flops(2048, 2048, 70, 14336, 250880, recompute=True) / (150e12 * 384),
         "150 TFLOP/s/GPU", "BigScience BLOOM-176B model page (bigscience.notion.site); BLOOM paper 3.4",
     ))

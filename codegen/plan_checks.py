@@ -103,6 +103,12 @@ def check_fields(plan: Plan) -> None:
             "and weights gathered during the next forward, as Megatron-Core does, which compiled programs do not "
             "run (such plans simulate other systems' runs); re-plan with `planner plan` for a program"
         )
+    if plan.pipeline is not None and plan.pipeline.deepspeed_checkpointing:
+        raise PlanFileError(
+            f"plan field 'pipeline.deepspeed_checkpointing' lists {', '.join(plan.pipeline.deepspeed_checkpointing)}: "
+            "it prices DeepSpeed's activation-checkpointing options, which compiled programs do not run (such plans "
+            "simulate other systems' runs); re-plan with `planner plan` for a program"
+        )
     if plan.half_precision_weights:
         raise PlanFileError(
             "plan field 'half_precision_weights' is true: it prices a model holding 16-bit weights and gradients, as "

@@ -6,6 +6,7 @@ buffers; and the bytes each mesh axis carries. Functions of the ``StepContext``.
 
 from __future__ import annotations
 
+from cost_model.deepspeed_checkpointing import kept_checkpoint_bytes
 from cost_model.megatron_grad_sync import runs_megatron_sync
 from cost_model.parameter_bytes import FP32_GRADIENT_BYTES, PARAM_BYTES
 from cost_model.recompute import activation_bytes
@@ -120,6 +121,7 @@ def _peak_activations(context: StepContext, stage: int, segments: list[Segment])
     for segment in segments:
         chunk = segment.stage // context.pp
         kept, recomputed = activation_bytes(segment, context.plan.recompute_at(segment.stage))
+        kept -= segment.checkpoint_bytes - kept_checkpoint_bytes(context, segment)  # DeepSpeed's partitioned checkpoint
         transient = max(transient, recomputed)
         chunk_bytes[chunk] = chunk_bytes.get(chunk, 0.0) + kept
     held = peak = 0.0

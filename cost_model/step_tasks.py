@@ -18,6 +18,7 @@ from __future__ import annotations
 from cost_model.compute import (
     gradient_accumulation_time, optimizer_implementation, optimizer_step_time, tensors_in_flat_shards,
 )
+from cost_model.deepspeed_checkpointing import NO_COST, CheckpointingCost, checkpointing_cost
 from cost_model.deepspeed_pipeline import deepspeed_schedule, fp16_zero_step_checks_time, runs_fp16_zero_step
 from cost_model.recompute import backward_comm, backward_time
 from cost_model.scheduler import TaskGraph
@@ -60,6 +61,8 @@ class StepTasks:
         # (``cost_model.megatron_grad_sync``: the weight gathers of the first forward).
         self.micro_batch = 0
         self._per_device: dict[str, list[Segment]] = {}
+        # DeepSpeed's activation-checkpointing options, priced per block when the plan sets any.
+        self._deepspeed_checkpointing = bool(context.plan.pipeline and context.plan.pipeline.deepspeed_checkpointing)
 
     def build(self, segments: list[Segment]) -> tuple[TaskGraph, dict[str, list[Segment]]]:
         """The step's task graph, and each device's segments (by ``"stage k"``)."""
@@ -241,6 +244,11 @@ class StepTasks:
         share = forward / (forward + backward) if forward + backward > 0 else 0.5
         return overhead * share, overhead * (1 - share)
 
+    def _checkpointing(self, segment: Segment) -> CheckpointingCost:
+        """What DeepSpeed's activation checkpointing adds to ``segment`` per micro-batch
+        (``cost_model.deepspeed_checkpointing``)."""
+        return checkpointing_cost(self.context, segment) if self._deepspeed_checkpointing else NO_COST
+
     def accumulate_gradients(self, device: str, segments: list[Segment], mb: int, mode: str, after: int) -> int:
         """The task adding micro-batch ``mb``'s weight gradients into the step's gradients
         (``PipelineConfig.gradient_accumulation``) after its backward, or ``after`` itself
@@ -271,7 +279,8 @@ class StepTasks:
             segment_deps += self._copied_out(device, segment, False, [g for g in gathers if g is not None])
             if segment.weight_gather_s:
                 segment_deps.append(self._expert_gather(device, segment, prefetch_after(ends, deps), f"F{mb}"))
-            forward_s = segment.forward_s + self._block_overhead(segment)[0]
+            forward_s = (segment.forward_s + self._block_overhead(segment)[0]
+                         + self._checkpointing(segment).forward_s)
             compute = self.graph.add(f"F{mb} {segment.name}", (device, "compute"), forward_s, deps=segment_deps)
             last = self.graph.add(f"F{mb} {segment.name} tp-comm", (device, "compute"), segment.forward_comm_s, deps=[compute], kind="tp_comm") if segment.forward_comm_s else compute
             ends.append(last)
@@ -287,8 +296,10 @@ class StepTasks:
         backward (``PipelineConfig.overlap_grad_reduce`` False)."""
         last = None
         if not split:  # one task for the whole chunk: nothing needs per-segment timing
-            duration = sum(backward_time(s, recompute) + self._block_overhead(s)[1] for s in segments)
-            comm = sum(backward_comm(s, recompute) for s in segments)
+            duration = sum(backward_time(s, recompute) + self._block_overhead(s)[1]
+                           + self._checkpointing(s).backward_s for s in segments)
+            comm = sum(backward_comm(s, recompute) + self._checkpointing(s).backward_gather_s
+                       for s in segments)
             comm += sum(s.weight_gather_s for s in segments)  # sharded expert copies' gathers, not overlapped here
             compute = self.graph.add(f"B{mb}", (device, "compute"), duration, deps=deps)
             return self.graph.add(f"B{mb} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
@@ -307,9 +318,12 @@ class StepTasks:
                 # the unit before this one, or when the pass may start).
                 ahead = [ends[-1]] if ends else list(deps)
                 gathered = self._backward_gathers_of(device, order[position + 1], mb, ahead, ahead)
-            duration = backward_time(segment, recompute) + self._block_overhead(segment)[1]
+            checkpointing = self._checkpointing(segment)
+            duration = backward_time(segment, recompute) + self._block_overhead(segment)[1] + checkpointing.backward_s
             compute = self.graph.add(f"B{mb} {segment.name}", (device, "compute"), duration, deps=segment_deps)
-            comm = backward_comm(segment, recompute)
+            # The all-gather of DeepSpeed's partitioned checkpoint runs before the recomputation,
+            # on the same in-order stream: put after it here, the segment ends at the same time.
+            comm = backward_comm(segment, recompute) + checkpointing.backward_gather_s
             last = self.graph.add(f"B{mb} {segment.name} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
             ends.append(last)
             if segment.axis_sync_s and sync and mb == self.context.micro_batches - 1:

@@ -285,7 +285,8 @@ def expert_layout_from_dict(reader: "FieldReader") -> ExpertLayout:
 def pipeline_to_dict(pipeline: PipelineConfig | None) -> dict | None:
     if pipeline is None:
         return None
-    return {**vars(pipeline), "stage_recompute": list(pipeline.stage_recompute)}
+    return {**vars(pipeline), "stage_recompute": list(pipeline.stage_recompute),
+            "deepspeed_checkpointing": list(pipeline.deepspeed_checkpointing)}
 
 
 def pipeline_from_dict(data: Any) -> PipelineConfig | None:
@@ -296,7 +297,10 @@ def pipeline_from_dict(data: Any) -> PipelineConfig | None:
     modes = data.get("stage_recompute", [])
     if not isinstance(modes, list):
         raise TypeError(f"stage_recompute must be a list of modes, got {type(modes).__name__}")
-    return PipelineConfig(**{**data, "stage_recompute": tuple(modes)})
+    options = data.get("deepspeed_checkpointing", [])
+    if not isinstance(options, list):
+        raise TypeError(f"deepspeed_checkpointing must be a list of options, got {type(options).__name__}")
+    return PipelineConfig(**{**data, "stage_recompute": tuple(modes), "deepspeed_checkpointing": tuple(options)})
 
 
 def strategy_to_dict(strategy: NodeStrategy) -> dict[str, Any]:

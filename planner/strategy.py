@@ -52,6 +52,14 @@ DUALPIPE = "dualpipe"
 PLAN_SCHEDULES = (*PIPELINE_SCHEDULES, DUALPIPE)
 # How each micro-batch's weight gradients join the step's gradients (``PipelineConfig``).
 GRADIENT_ACCUMULATION_MODES = ("in-gemm", "autograd", "fp32-copy")
+# DeepSpeed's activation-checkpointing options, by the keys of its config's
+# ``activation_checkpointing`` section (deepspeed/runtime/activation_checkpointing/config.py;
+# Megatron-DeepSpeed's ``--partition-activations``, ``--contigious-checkpointing``,
+# ``--synchronize-each-layer``, ``--profile-backward``): ``PipelineConfig.deepspeed_checkpointing``.
+PARTITION_ACTIVATIONS = "partition_activations"
+CONTIGUOUS_CHECKPOINTING = "contiguous_memory_optimization"
+DEEPSPEED_CHECKPOINTING_OPTIONS = (PARTITION_ACTIVATIONS, CONTIGUOUS_CHECKPOINTING, "synchronize_checkpoint_boundary",
+                                   "profile")
 
 _SHARD = re.compile(r"^S\((\d+)\)$")
 _PARTIAL = re.compile(r"^P(?:\((sum|avg|max|min)\))?$")
@@ -216,6 +224,14 @@ class PipelineConfig:
     work. The step graph charges it on the compute stream, split between the block's forward
     and backward in proportion to their kernel time. 0 for the programs this planner
     compiles; ``benchmarks/fidelity_sweep.py`` measures it for Megatron-DeepSpeed of 2021-22.
+
+    ``deepspeed_checkpointing``: the options of DeepSpeed's own activation checkpointing
+    (``deepspeed.checkpointing``, which DeepSpeed's ``PipelineModule`` wraps each recomputed
+    layer in) that the run turned on, among ``DEEPSPEED_CHECKPOINTING_OPTIONS``: what each
+    recomputed block then does per micro-batch beyond its kernels (partitioning its input over
+    tp and all-gathering it before the recomputation, copies, ``torch.cuda.synchronize()``) is
+    priced in ``cost_model.deepspeed_checkpointing``. Empty: none (DeepSpeed's defaults, and
+    every program this planner compiles).
     """
 
     stages: int
@@ -228,6 +244,7 @@ class PipelineConfig:
     gradient_accumulation: str = "in-gemm"
     overlap_grad_reduce: bool = True
     block_overhead_s: float = 0.0
+    deepspeed_checkpointing: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.schedule not in PLAN_SCHEDULES:
@@ -248,6 +265,16 @@ class PipelineConfig:
         overhead = self.block_overhead_s
         if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 <= overhead < math.inf:
             raise ValueError(f"pipeline block_overhead_s must be a number of seconds >= 0, got {str(overhead)[:40]!r}")
+        options = self.deepspeed_checkpointing
+        if (not isinstance(options, tuple) or any(option not in DEEPSPEED_CHECKPOINTING_OPTIONS for option in options)
+                or len(set(options)) != len(options)):
+            raise ValueError(f"pipeline deepspeed_checkpointing must list distinct options among "
+                             f"{', '.join(DEEPSPEED_CHECKPOINTING_OPTIONS)}, got {str(options)[:80]!r}")
+        if CONTIGUOUS_CHECKPOINTING in options and PARTITION_ACTIVATIONS not in options:
+            # deepspeed.checkpointing.configure asserts the same ("Contiguous Checkpointing is
+            # only available with partitioned activations").
+            raise ValueError(f"pipeline deepspeed_checkpointing: {CONTIGUOUS_CHECKPOINTING} needs "
+                             f"{PARTITION_ACTIVATIONS} (DeepSpeed refuses it alone); add it or drop the first")
         if self.gradient_accumulation not in GRADIENT_ACCUMULATION_MODES:
             raise ValueError(f"pipeline gradient_accumulation must be one of {', '.join(GRADIENT_ACCUMULATION_MODES)}, "
                              f"got {str(self.gradient_accumulation)[:40]!r}")

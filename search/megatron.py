@@ -43,6 +43,7 @@ def megatron_plan(
     gradient_accumulation: str = "in-gemm",
     overlap_grad_reduce: bool = True,
     block_overhead_s: float = 0.0,
+    deepspeed_checkpointing: Sequence[str] = (),
     fused_splits_local: bool = False,
     tp_comm_overlap: bool = False,
 ) -> Plan:
@@ -68,6 +69,8 @@ def megatron_plan(
             backward (``PipelineConfig.overlap_grad_reduce``).
         block_overhead_s: the engine's fixed seconds per layer per micro-batch beyond its
             kernels (``PipelineConfig.block_overhead_s``); pipelines only.
+        deepspeed_checkpointing: the options of DeepSpeed's activation checkpointing the run
+            turned on (``PipelineConfig.deepspeed_checkpointing``); pipelines only.
         fused_splits_local: the fused q|k|v and gate|up weights laid out per rank, as
             Megatron-LM lays them out (``Plan.fused_splits_local``): for simulating Megatron-LM's
             own runs; compiled programs gather at those splits instead.
@@ -118,7 +121,8 @@ def megatron_plan(
                               blocking_p2p=blocking_p2p, partitioned_p2p=partitioned_p2p,
                               gradient_accumulation=gradient_accumulation,
                               overlap_grad_reduce=overlap_grad_reduce,
-                              block_overhead_s=block_overhead_s) if pp > 1 else None
+                              block_overhead_s=block_overhead_s,
+                              deepspeed_checkpointing=tuple(deepspeed_checkpointing)) if pp > 1 else None
     plan = unsimulated_plan(
         graph, cluster, spec, model_name, mesh, strategies, inputs,
         dp_flavour=dp_flavour, recompute=recompute, pipeline=pipeline, precision=precision,

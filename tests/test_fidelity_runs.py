@@ -95,6 +95,17 @@ def test_the_jean_zay_constant_applies_only_to_the_run_on_the_cluster_it_was_fit
     assert [run.name for run in runs() if run.layout.get("block_overhead_s")] == ["BLOOM-176B@384xA100"]
 
 
+def test_deepspeed_checkpointing_options_are_set_only_where_a_source_states_them():
+    # BLOOM's script passes none of DeepSpeed's activation-checkpointing options (stated: an
+    # empty tuple); MT-NLG's are stated nowhere, so its rows leave the setting out (DeepSpeed's
+    # defaults, off) and ``fidelity.py --deepspeed-checkpointing`` turns them on as a what-if.
+    # No other row runs DeepSpeed.
+    stated = {run.name: run.layout["deepspeed_checkpointing"] for run in runs() if "deepspeed_checkpointing" in run.layout}
+    assert stated == {"BLOOM-176B@384xA100": ()}
+    unstated = [run.name for run in runs() if run.layout.get("blocking_p2p") and "deepspeed_checkpointing" not in run.layout]
+    assert unstated == [f"MT-NLG-530B@{gpus}xA100" for gpus in (2240, 2800, 3360)]
+
+
 def test_llama3_405b_rows_take_the_pipeline_section_3_3_2_states():
     layout = llama3_405b_layout()
     # 126 layers plus an embedding-only and a head-only chunk fill 16 ranks x 8 chunks of one.

@@ -273,6 +273,11 @@ FIELDS = [
           kinds=("pp",)),
     Field("pipeline.block_overhead_s (a number given text)", _set("pipeline", "block_overhead_s"), _always,
           "field 'pipeline'", kinds=("pp",)),
+    Field(
+        "pipeline.deepspeed_checkpointing[0]",
+        lambda plan, payload, _: plan["pipeline"].__setitem__("deepspeed_checkpointing", [payload]),
+        _always, "field 'pipeline'", kinds=("pp",),
+    ),
     Field("summary.parameter_bytes (a number given text)", _set("summary", "parameter_bytes"), _always, "'summary.parameter_bytes'"),
     # Expert layouts of MoE layers: module paths are checked against the model's MoE layers
     # (codegen.plan_checks), the rest against fixed sets; a routing source is one line of
