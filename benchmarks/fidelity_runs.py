@@ -317,7 +317,8 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
     size. Run as 4 micro-batches of 1 with one reduction after the last (Megatron's ``no_sync``;
     ``accumulation_steps=4`` with the distributed optimizer), the 32B row's 15.8 GB of fp32
     gradients per GPU no longer hide behind one last backward (+38.9%, against +2.5%), while
-    1.7B and 7.1B move 2.5 points closer (-12.0% / -9.5%): which the run used is not known.
+    1.7B and 7.1B move 2.5 points closer (-12.0% / -9.5%; figures from before session 11 priced
+    the buckets' NaN checks, 1/dp scaling and the buffer's fill): which the run used is not known.
     """
     found = []
     for size, heads, width, layers, tp, pp, gpus, batch, tflops in (
