@@ -61,6 +61,16 @@ board the file does not name. One H100 row (ml-engineering's SwiGLU sizing run o
 not stated) measured half of what every other H100 source does: printed as published, and
 left unexplained.
 
+A K sweep on the GH100 die (TileLang's autotuned GEMM at M = N = 8192 on an H800, not cuBLAS)
+checks how throughput falls with the reduction length, the short K = 2048 of a width-2048
+layer among them: at the loop's clock the model is 6.5% above it at K = 2048 and 3.3% above at
+K = 16384 (750.8 / 791.1 = 0.949 of the long reduction's throughput at K = 2048, the sweep
+705 / 766 = 0.920), so relative to long reductions the model prices K = 2048 3.1% faster than
+this kernel runs it (the model's 256-iteration tile prologue alone would give 0.903, but
+MAMF's cap at its K = 2816 shape flattens every longer K). On a width-2048 layer, about half
+of whose GEMM time reduces over 2048, that is 1-2% of the GEMMs: not the 12% Megatron-Core's
+1.7B row is predicted fast by.
+
 The layer shapes of 7B, 13B and 70B models (Llama-2/3 widths, one 8192-token micro-batch) are
 printed with the model's efficiency and no error: beyond the A100 rows above we found no
 public per-shape measurement of them to compare with.
@@ -147,6 +157,21 @@ GEMM_MEASUREMENTS = [
      "EleutherAI/cookbook sizing sample (Anthony et al. 2024): MLP 4h->h, slowest of 10", False),
     ("dgx-a100-80g", (1, 8192, 51200, 4096), 255.380,
      "EleutherAI/cookbook sizing sample (Anthony et al. 2024): logits, vocab 51200, slowest of 10", False),
+    # A K sweep on the GH100 die: TileLang's autotuned fp16 GEMM at M = N = 8192 on an "NVIDIA
+    # H800 SXM" (the H100 SXM5's 132 SMs and tensor cores: ``gpu_kernels.EXPORT_VARIANTS``),
+    # driver 560.35.05, tile-ai/tilelang at 17bd0a6c (benchmark/matmul/README.md, read in the
+    # xwhzz/tilelang fork at b2acfc37): 705, 736, 758, 766 TFLOP/s at K = 2048, 4096, 8192,
+    # 16384, the reductions of layers of width 2048-8192 and of weight gradients over 16k
+    # tokens. Not cuBLAS (its best, 766, is 3.6% under the MAMF table's 794.5), so it checks how
+    # throughput falls with K, not the ceiling; no constant was read from it.
+    ("dgx-h100", (1, 8192, 8192, 2048), 705.0,
+     "TileLang benchmark/matmul (H800 SXM, fp16, autotuned, not cuBLAS): M=N=8192, K sweep", False),
+    ("dgx-h100", (1, 8192, 8192, 4096), 736.0,
+     "TileLang benchmark/matmul (H800 SXM, fp16, autotuned, not cuBLAS): M=N=8192, K sweep", False),
+    ("dgx-h100", (1, 8192, 8192, 8192), 758.0,
+     "TileLang benchmark/matmul (H800 SXM, fp16, autotuned, not cuBLAS): M=N=8192, K sweep", False),
+    ("dgx-h100", (1, 8192, 8192, 16384), 766.0,
+     "TileLang benchmark/matmul (H800 SXM, fp16, autotuned, not cuBLAS): M=N=8192, K sweep", False),
     # ml-engineering's SwiGLU sizing run "on H100" (training/performance/README.md, "SwiGLU-based
     # MLP", 2024-02; benchmarks/matrix-shape/swiglu-maf-bench.py: fp16 ``torch.bmm`` of
     # 4 x (4096 x 11008) @ (11008 x 4096), mean of 100 iterations after 50): 395.0 TFLOP/s at

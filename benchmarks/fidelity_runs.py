@@ -329,12 +329,16 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
     (``Plan.megatron_distributed_optimizer``, ``cost_model.megatron_grad_sync``): fp32
     gradients (``--bf16`` sets ``accumulate_allreduce_grads_in_fp32``) reduce-scattered once per
     step in Megatron's buckets during the last backward (one bucket on a stage after the
-    first), the updated weights gathered during the next forward. Without a pipeline (the pp1
+    first), each bucket's NaN-check norm and 1/dp scaling on the compute stream before its
+    reduce-scatter and the whole fp32 buffer zeroed every step (Megatron-LM's defaults:
+    ``check_for_nan_in_loss_and_grad`` on, ``--ddp-average-in-collective`` off), the updated
+    weights gathered during the next forward. Without a pipeline (the pp1
     rows) each dp rank passes its 4 samples through at once: the table states no micro-batch
     size. Run as 4 micro-batches of 1 with one reduction after the last (Megatron's ``no_sync``;
     ``accumulation_steps=4`` with the distributed optimizer), the 32B row's 15.8 GB of fp32
     gradients per GPU no longer hide behind one last backward (+38.9%, against +2.5%), while
-    1.7B and 7.1B move 2.5 points closer (-12.0% / -9.5%): which the run used is not known.
+    1.7B and 7.1B move 2.5 points closer (-12.0% / -9.5%; figures from before session 11 priced
+    the buckets' NaN checks, 1/dp scaling and the buffer's fill): which the run used is not known.
     """
     found = []
     for size, heads, width, layers, tp, pp, gpus, batch, tflops in (

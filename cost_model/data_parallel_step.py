@@ -85,7 +85,9 @@ from functools import partial
 
 from cost_model import defaults
 from cost_model.compute import PRECISIONS, roofline_time
-from cost_model.megatron_grad_sync import bucket_cap_bytes, runs_megatron_sync, weight_gather
+from cost_model.megatron_grad_sync import (
+    bucket_cap_bytes, bucket_checks_time, runs_megatron_sync, weight_gather, zero_buffer_time,
+)
 from cost_model.mixed_precision import gathered_weight_bytes, holds_fp32_weights
 from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.segments import Segment
@@ -242,6 +244,12 @@ def _gradient_sync(tasks, device: str, name: str, buckets: list[tuple[float, int
     deps = [after]
     if kind == "reduce_scatter" and _copies_in(context):
         deps = [_reduce_scatter_copy_in(tasks, device, name, buckets, (device, stream), after)]
+    if runs_megatron_sync(context):
+        # Megatron's NaN check and 1/dp scaling of each bucket, on the compute stream, before
+        # the collective is issued (cost_model.megatron_grad_sync.bucket_checks_time).
+        checks = sum(bucket_checks_time(context, size, count) for size, count in buckets)
+        deps = [tasks.graph.add(f"check and scale grads ({name}{f', {count} buckets' if count > 1 else ''})",
+                                (device, "compute"), checks, deps=[after])]
     return tasks.graph.add_pieces(label, (device, stream), pieces, deps=deps, kind="comm")
 
 
@@ -361,11 +369,18 @@ class DataParallelStep(StepContributor):
         return _GradientReduction(tasks, device)
 
     def after_optimizer(self, tasks, device: str, segments: list[Segment], step: int) -> None:
-        """ZeRO-1's all-gathers of the updated slices, weight by weight. (ZeRO-2 gathers its
-        updated weights unit by unit in the next forward: ``forward_gather``.)"""
+        """ZeRO-1's all-gathers of the updated slices, weight by weight (ZeRO-2 gathers its
+        updated weights unit by unit in the next forward: ``forward_gather``); under Megatron's
+        distributed optimizer, the fill of its fp32 gradient buffer."""
         context = tasks.context
         if context.dp == 1:
             return
+        if runs_megatron_sync(context):
+            # The next step's ``zero_grad_buffer`` fill of the whole fp32 gradient buffer
+            # (cost_model.megatron_grad_sync.zero_buffer_time), after this step's update.
+            elements = sum(sum(segment.params.values()) for segment in segments)
+            tasks.graph.add("zero fp32 gradient buffer", (device, "compute"), zero_buffer_time(context, elements),
+                            deps=[step], kind="optimizer")
         if context.plan.dp_flavour == "zero1" and not runs_megatron_sync(context):
             # ShardedStatesOptimizer.step gathers each sliced weight in its own blocking
             # all_gather_single once the inner step is done: one after another (fp32 slices

@@ -31,6 +31,31 @@
   (``step_tasks.prefetch_after``, the same depth), all of a later stage's weights before its
   first forward (one bucket). Nothing is gathered after the optimizer step.
 
+- **Each bucket checked and scaled before its reduce-scatter.** ``Bucket.start_grad_sync``
+  (megatron/core/distributed/param_and_grad_buffer.py) first takes the bucket's norm,
+  ``self.grad_data.norm(p=2)``, and asserts it is not NaN when ``check_for_nan_in_grad`` is
+  set, which megatron/training/training.py sets from ``args.check_for_nan_in_loss_and_grad``,
+  on unless ``--no-check-for-nan-in-loss-and-grad`` is given (arguments.py); then, unless
+  ``--ddp-average-in-collective``, it multiplies the bucket by its ``gradient_scaling_factor``,
+  1/dp (``DistributedDataParallel.__init__``: "gradient_scaling_factor = 1.0 /
+  data_parallel_world_size"), so the collective sums averages. Both are kernels on the compute
+  stream, in the backward hook that issues the collective: the bucket's fp32 gradients read
+  once by a reduction (``defaults.MEMORY_EFFICIENCY``), then read and written by a contiguous
+  multiply (``memory_kernels.STREAMING_EFFICIENCY``) - 12 bytes per gradient element -
+  before the reduce-scatter may start and before the backward goes on (``bucket_checks_time``).
+- **The gradient buffer zeroed every step.** ``train_step`` (megatron/training/training.py)
+  begins with ``model_chunk.zero_grad_buffer()`` for every model chunk, and
+  ``ParamAndGradBuffer.reset`` runs ``self.grad_data.zero_()`` over the whole fp32 buffer, not
+  1/dp of it: 4 bytes written per local parameter, a contiguous fill, on the compute stream
+  before the step's first forward; in a simulated step it follows the optimizer step
+  (``zero_buffer_time``).
+
+All as Megatron-LM core_v0.8.0 (commit baf94af3c667248865f23df73b9fb8e2395e6fd0) runs them with
+its defaults. Not priced: the host's wait at each bucket's NaN assertion (``assert not
+norm.isnan()`` copies the norm to the host), and at the loss's (pretrain_gpt.py's
+``loss_func``), after which the device idles until the host issues the next kernels; no
+public profile gives that gap's length.
+
 Memory (``step_memory``): the fp32 buffer, 4 bytes per local gradient element, not sharded;
 the fp32 master weights and Adam's moments (12 bytes) divided by dp for every weight, since the
 flat buffer is cut into dp equal ranges whatever the tensor boundaries
@@ -45,12 +70,20 @@ schedule, the single bucket Megatron gives the first stage's later model chunks
 
 from __future__ import annotations
 
+from cost_model.compute import roofline_time
+from cost_model.memory_kernels import kind_memory_efficiency
 from cost_model.parameter_bytes import FP32_GRADIENT_BYTES, PARAM_BYTES
 
 # megatron/core/distributed/distributed_data_parallel.py, core_v0.8.0, ``__init__``:
 # ``bucket_size = max(40000000, 1000000 * get_data_parallel_world_size())`` (parameters).
 BUCKET_MIN_PARAMETERS = 40_000_000
 BUCKET_PARAMETERS_PER_DP_RANK = 1_000_000
+
+
+# Bytes per fp32 gradient element of each bucket's checks before its reduce-scatter (module
+# docstring): the NaN check's norm reads it (4), the 1/dp scaling reads and writes it (4 + 4).
+NAN_CHECK_BYTES = FP32_GRADIENT_BYTES
+SCALING_BYTES = 2 * FP32_GRADIENT_BYTES
 
 
 def runs_megatron_sync(context) -> bool:
@@ -95,3 +128,27 @@ def weight_gather(tasks, device: str, segment, issue_after: list[int]) -> int | 
         return None
     return tasks.graph.add(f"all-gather updated weights {segment.name}", (device, "param gather"),
                            context.collective("all_gather", size, "dp"), deps=issue_after, kind="comm")
+
+
+def bucket_checks_time(context, bucket_bytes: float, buckets: int = 1) -> float:
+    """Seconds of the compute-stream kernels Megatron runs on ``buckets`` buckets of
+    ``bucket_bytes`` fp32 gradient bytes each before reduce-scattering them: the NaN check's
+    norm (a reduction reading each element once) and the scaling by 1/dp (a contiguous
+    multiply reading and writing it), each one kernel per bucket (module docstring)."""
+    if bucket_bytes <= 0 or buckets <= 0:
+        return 0.0
+    elements = bucket_bytes / gradient_bytes()
+    norm = roofline_time(0.0, elements * NAN_CHECK_BYTES, context.device, "float32")
+    streaming = kind_memory_efficiency("streaming", context.device)
+    scale = roofline_time(0.0, elements * SCALING_BYTES, context.device, "float32", memory_efficiency=streaming)
+    return buckets * (norm + scale)
+
+
+def zero_buffer_time(context, elements: float) -> float:
+    """Seconds of ``zero_grad_buffer``'s fill of the fp32 gradient buffer holding ``elements``
+    local gradient elements at the start of every step (module docstring): one contiguous
+    write of 4 bytes each."""
+    if elements <= 0:
+        return 0.0
+    streaming = kind_memory_efficiency("streaming", context.device)
+    return roofline_time(0.0, elements * gradient_bytes(), context.device, "float32", memory_efficiency=streaming)

@@ -94,10 +94,16 @@ KIND_EFFICIENCY = {"streaming": STREAMING_EFFICIENCY, "broadcast": BROADCAST_EFF
                    "fused norm": FUSED_NORM_EFFICIENCY}
 
 
-def kernel_memory_efficiency(node: OpNode, device: DeviceSpec) -> float | None:
-    """The share of ``device``'s HBM bandwidth ``node``'s eager kernel sustains, by its kind; None
-    where the caller's efficiency stands: a device with a calibrated ``memory_efficiency``, a
-    device of no known GPU generation, or an op of no measured kind."""
+def kind_memory_efficiency(kind: str, device: DeviceSpec) -> float | None:
+    """The share of ``device``'s HBM bandwidth an eager kernel of ``kind`` (``memory_kind``'s
+    names) sustains; None where the caller's efficiency stands: a device with a calibrated
+    ``memory_efficiency``, a device of no known GPU generation, or a kind not measured."""
     if getattr(device, "memory_efficiency", None) or generation_of(device) is None:
         return None
-    return KIND_EFFICIENCY.get(memory_kind(node))
+    return KIND_EFFICIENCY.get(kind)
+
+
+def kernel_memory_efficiency(node: OpNode, device: DeviceSpec) -> float | None:
+    """The share of ``device``'s HBM bandwidth ``node``'s eager kernel sustains, by its kind
+    (``kind_memory_efficiency``)."""
+    return kind_memory_efficiency(memory_kind(node), device)

@@ -203,3 +203,20 @@ def test_shape_model_lines_remove_only_the_sustained_clock():
     assert "765.4 TFLOP/s" in line and "-3.7%" in line
     (row,) = [row for row in component_rows() if row.case.startswith("2048x2048x13312")]
     assert row.predicted == pytest.approx(flops / (flops / (989.4e12 * 0.801 * 1575 / 1830) + 5e-6) / 1e12)
+
+
+def test_tilelang_k_sweep_row_by_hand():
+    # TileLang's 8192x8192x2048 on the dgx-h100 preset. Tiles of 256 x 128: 32 x 64 = 2048
+    # tiles in ceil(2048 / 132) = 16 waves, each tile 2048 + 256 K iterations: shape efficiency
+    # 8192^2 x 2048 / (16 x 256 x 128 x 2304 x 132) = 0.86197; at MAMF's shape 6144x17920x2816,
+    # 24 x 140 = 3360 tiles in 26 waves of 2816 + 256: 6144 x 17920 x 2816 / (26 x 32768 x 3072
+    # x 132) = 0.89735. So 0.801 x (1575 / 1830) x 0.86197 / 0.89735 of 989.4 TFLOP/s =
+    # 655.2 TFLOP/s; the GEMM's 274.88 GFLOP take 419.5 us, plus a 5 us launch: 647.4 TFLOP/s.
+    row = next(row for row in component_rows() if row.case == "8192x8192x2048 bf16")
+    efficiency = 0.801 * (1575 / 1830) * (8192**2 * 2048 / (16 * 256 * 128 * 2304 * 132)) / (
+        6144 * 17920 * 2816 / (26 * 32768 * 3072 * 132))
+    flops = 2 * 8192**2 * 2048
+    seconds = flops / (989.4e12 * efficiency) + 5e-6
+    assert row.published == 705.0 and not row.sets_constant
+    assert row.predicted == pytest.approx(flops / seconds / 1e12, rel=1e-3)
+    assert row.predicted == pytest.approx(647.4, abs=0.1)

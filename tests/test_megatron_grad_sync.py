@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cost_model.megatron_grad_sync import bucket_cap_bytes
+from cost_model.megatron_grad_sync import bucket_cap_bytes, bucket_checks_time, zero_buffer_time
 from cost_model.simulator import Simulator, simulated
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
@@ -53,8 +53,8 @@ def test_bucket_sizes_are_megatrons() -> None:
 def test_gradients_are_reduce_scattered_once_after_the_last_backward() -> None:
     """Four micro-batches: the planner's ZeRO-1 graph program all-reduces each segment's
     gradients after every micro-batch's backward; Megatron's gradients (P of them, fp32: 4P
-    bytes, under one 160 MB bucket) fill one bucket, reduce-scattered once, when the last
-    micro-batch's backward (B3) ends."""
+    bytes, under one 160 MB bucket) fill one bucket, checked and scaled on the compute stream
+    when the last micro-batch's backward (B3) ends, then reduce-scattered once."""
     _, planner_zero1 = _accumulating(megatron=False)
     graph, megatron = _accumulating(megatron=True)
     segments = [segment for segment in Simulator(megatron, graph).segments() if segment.dp_synced]
@@ -62,7 +62,9 @@ def test_gradients_are_reduce_scattered_once_after_the_last_backward() -> None:
     reductions = _tasks(megatron, "stage 0", "reduce-scatter grads")
     assert len(reductions) == 1 and not _tasks(megatron, "stage 0", "all-reduce grads (")
     last_backward_end = max(event.start_s + event.duration_s for event in _tasks(megatron, "stage 0", "B3 "))
-    assert reductions[0].start_s == pytest.approx(last_backward_end)
+    checks = _tasks(megatron, "stage 0", "check and scale grads")
+    assert len(checks) == 1 and checks[0].start_s == pytest.approx(last_backward_end)
+    assert reductions[0].start_s == pytest.approx(checks[0].start_s + checks[0].duration_s)
     context = Simulator(megatron, graph).context
     fp32_bytes = 4 * megatron.summary.parameters
     assert reductions[0].duration_s == pytest.approx(context.collective("reduce_scatter", fp32_bytes, "dp"))
@@ -71,8 +73,9 @@ def test_gradients_are_reduce_scattered_once_after_the_last_backward() -> None:
 def test_full_buckets_are_reduced_during_the_last_backward(monkeypatch) -> None:
     """With buckets smaller than a segment (Megatron's minimum lowered to one parameter: 8 x
     4 = 32-byte buckets), each segment's buckets are reduced once its backward of the last
-    micro-batch ends (queued behind the ones before on the collective stream), the first
-    while the segments after it still run backward; none in an earlier micro-batch."""
+    micro-batch ends and they are checked and scaled (queued behind the ones before on the
+    collective stream), the first while the segments after it still run backward; none in an
+    earlier micro-batch."""
     monkeypatch.setattr("cost_model.megatron_grad_sync.BUCKET_MIN_PARAMETERS", 1)
     monkeypatch.setattr("cost_model.megatron_grad_sync.BUCKET_PARAMETERS_PER_DP_RANK", 1)
     graph, megatron = _accumulating(megatron=True)
@@ -84,8 +87,11 @@ def test_full_buckets_are_reduced_during_the_last_backward(monkeypatch) -> None:
         backward = last_backward[reduction.name.split("(")[1].split(",")[0].rstrip(")")]
         assert reduction.start_s >= backward.start_s + backward.duration_s - 1e-12
     first = min(reductions, key=lambda reduction: reduction.start_s)
-    backward = last_backward[first.name.split("(")[1].split(",")[0].rstrip(")")]
-    assert first.start_s == pytest.approx(backward.start_s + backward.duration_s)
+    segment = first.name.split("(")[1].split(",")[0].rstrip(")")
+    backward = last_backward[segment]
+    check = next(event for event in _tasks(megatron, "stage 0", f"check and scale grads ({segment}"))
+    assert check.start_s == pytest.approx(backward.start_s + backward.duration_s)
+    assert first.start_s == pytest.approx(check.start_s + check.duration_s)
     assert first.start_s < max(event.start_s + event.duration_s for event in last_backward.values())
 
 
@@ -118,15 +124,18 @@ def test_data_parallel_bytes_by_hand() -> None:
 
 
 def test_a_later_pipeline_stage_reduces_and_gathers_in_one_bucket() -> None:
-    """pp = 2 x dp = 4, 1F1B over 8 micro-batches: stage 1's gradients are one bucket, reduced
-    once after its last backward ends; its weights one gather, before its first forward."""
+    """pp = 2 x dp = 4, 1F1B over 8 micro-batches: stage 1's gradients are one bucket, checked
+    and scaled once after its last backward ends, then reduced; its weights one gather, before
+    its first forward."""
     graph, spec, name, cluster = _model()
     plan = megatron_plan(graph, cluster, spec, name, pp=2, precision="bf16", dp_flavour="zero1")
     plan = simulated(dataclasses.replace(plan, megatron_distributed_optimizer=True), graph)
     reductions = _tasks(plan, "stage 1", "reduce-scatter grads")
-    assert len(reductions) == 1
+    checks = _tasks(plan, "stage 1", "check and scale grads")
+    assert len(reductions) == 1 and len(checks) == 1
     backward_end = max(event.start_s + event.duration_s for event in _tasks(plan, "stage 1", "B"))
-    assert reductions[0].start_s == pytest.approx(backward_end)
+    assert checks[0].start_s == pytest.approx(backward_end)
+    assert reductions[0].start_s == pytest.approx(checks[0].start_s + checks[0].duration_s)
     gathers = _tasks(plan, "stage 1", "all-gather updated weights")
     first_forward = min(event.start_s for event in _tasks(plan, "stage 1", "F0 "))
     assert len(gathers) == 1 and gathers[0].start_s + gathers[0].duration_s <= first_forward + 1e-12
@@ -139,3 +148,42 @@ def test_the_field_needs_zero1_and_is_refused_by_compile(tmp_path) -> None:
     check_field_is_validated(megatron, "megatron_distributed_optimizer", {"dp_flavour": "ddp"},
                              "'megatron_distributed_optimizer' is true but dp_flavour is 'ddp'")
     check_simulation_only_field(megatron, "megatron_distributed_optimizer", tmp_path)
+
+
+H100_BANDWIDTH = 3.35e12  # the dgx-h100 preset's HBM3, bytes/s
+LAUNCH = 5e-6  # cost_model.defaults.KERNEL_OVERHEAD_S
+
+
+def test_bucket_checks_and_buffer_fill_by_hand() -> None:
+    """A 192 MB bucket (48M fp32 gradients: dp 48's size) on an H100: the NaN check's norm reads
+    it at 0.8 of 3.35 TB/s, 192e6 / 2.68e12 = 71.64 us, plus a 5 us launch; the 1/dp scaling
+    reads and writes it, 384e6 / (0.913 x 3.35e12) = 125.55 us, plus 5 us: 207.19 us. Two such
+    buckets, 414.38 us. Zeroing 1.75B fp32 gradients (MCore-GPT-1.7B's buffer) writes 7.0 GB:
+    7.0e9 / (0.913 x 3.35e12) = 2.2887 ms, plus 5 us."""
+    context = SimpleNamespace(device=_model()[3].device_of(0))
+    one = 192e6 / (0.8 * H100_BANDWIDTH) + LAUNCH + 384e6 / (0.913 * H100_BANDWIDTH) + LAUNCH
+    assert one == pytest.approx(207.19e-6, rel=1e-4)
+    assert bucket_checks_time(context, 192e6) == pytest.approx(one)
+    assert bucket_checks_time(context, 192e6, buckets=2) == pytest.approx(2 * one)
+    assert bucket_checks_time(context, 0.0) == 0.0
+    assert zero_buffer_time(context, 1.75e9) == pytest.approx(7.0e9 / (0.913 * H100_BANDWIDTH) + LAUNCH)
+    assert zero_buffer_time(context, 1.75e9) == pytest.approx(2.2937e-3, rel=1e-4)
+
+
+def test_the_gradient_buffer_is_zeroed_after_the_optimizer_step() -> None:
+    """Megatron's ``zero_grad_buffer`` fills the whole fp32 buffer, 4 bytes for each of the P
+    local parameters (dp does not divide it), on the compute stream after the update, and the
+    step ends with it; the planner's own ZeRO-1 (torch's zero_grad sets gradients to None) has
+    neither it nor the buckets' checks."""
+    graph, megatron = _accumulating(megatron=True)
+    _, planner_zero1 = _accumulating(megatron=False)
+    context = Simulator(megatron, graph).context
+    step = _tasks(megatron, "stage 0", "optimizer step")
+    fills = _tasks(megatron, "stage 0", "zero fp32 gradient buffer")
+    assert len(step) == 1 and len(fills) == 1
+    assert fills[0].start_s == pytest.approx(step[0].start_s + step[0].duration_s)
+    assert fills[0].duration_s == pytest.approx(zero_buffer_time(context, megatron.summary.parameters))
+    assert fills[0].duration_s == pytest.approx(4 * megatron.summary.parameters / (0.913 * H100_BANDWIDTH) + LAUNCH)
+    assert megatron.estimate.step_time_s == pytest.approx(fills[0].start_s + fills[0].duration_s)
+    assert not _tasks(planner_zero1, "stage 0", "zero fp32 gradient buffer")
+    assert not _tasks(planner_zero1, "stage 0", "check and scale grads")
