@@ -38,7 +38,8 @@ split of every pipeline depth is priced from that one simulation:
   does not hide.
 
 Search (``pipeline_plans``). Configurations are visited in increasing order of a lower bound
-on their step time (the schedule's compute with every stage as slow as the average one). One
+on their step time (the average device's passes of every micro-batch, plus under 1F1B the
+fill and drain with every stage as slow as the average one). One
 is skipped when its memory lower bound overflows the device, or when the same configuration
 with less recomputation already fits (dominated: recomputing only adds time). The walk stops
 when the bound passes the k-th best estimate. The k best (``SearchBudget.pipeline_candidates``)
@@ -390,16 +391,18 @@ class PipelineGrid:
         whole = weights + grads + states  # a weight no rank shares (an expert split by its layout) is never sharded
         costs = []
         for profile in self._profile(config):
-            seconds = profile.time_s[recompute]
+            seconds, forward = profile.time_s[recompute], profile.forward_s
             if gathered:
                 # FSDP gathers a segment's weights before its forward and again before its
                 # backward (for every micro-batch), one segment ahead. The simulated
                 # schedules hide little of them (GPT 76B, tp=4, dp=256: 13.2 s simulated
                 # against 10.5 s with the gathers hidden), so they are counted in full: an
                 # upper bound, which simulation of the finalists corrects.
-                seconds += 2 * self.pricing.dp_collective("all_gather", profile.param_elements * weights, config)
+                gather = self.pricing.dp_collective("all_gather", profile.param_elements * weights, config)
+                seconds, forward = seconds + 2 * gather, forward + gather
             costs.append(SegmentCost(
                 time_s=seconds,
+                forward_s=forward,
                 static_bytes=(profile.param_elements - profile.per_rank_elements) * per_element
                 + profile.per_rank_elements * whole,
                 activation_bytes=profile.kept_bytes[recompute],
@@ -446,15 +449,22 @@ class PipelineGrid:
         return tuple(layers)
 
     def _time_lower_bound(self, config: Configuration) -> float | None:
-        """The schedule's compute with every stage as slow as the average one: below any
-        estimate (the slowest stage is at least the average)."""
+        """The average device's passes of every micro-batch (the busiest device runs at least
+        as many), plus under 1F1B its fill and drain with every stage as slow as the average
+        one (the slowest is at least the average): below any estimate."""
         profiles = self._profile(config)
         if profiles is None or len(profiles) < config.pp * config.virtual_stages:
             return None
         least = "none" if config.recompute == PER_STAGE else config.recompute  # per stage may recompute nothing
         per_device = sum(p.time_s[least] for p in profiles) / config.pp
-        # DualPipe's fill is hidden in part, so only the micro-batches' own passes bound it.
-        fill = 0.0 if config.schedule == DUALPIPE else (config.pp - 1) / config.virtual_stages
+        # 1F1B's fill and drain take pp - 1 stages' passes on top of the m micro-batches'.
+        # DualPipe hides its fill in part, and an interleaved schedule over uneven virtual
+        # stages may fill in less than (pp - 1) / chunks of a device's micro-batch
+        # (cost_model.schedules.schedule_makespan walks it: virtual stages of 3, 3, 3 and
+        # 1.5 s, forwards a third of each, on pp 2 x 2 chunks with 2 micro-batches take
+        # 12.5 s, below 5.25 s x (2 + 1/2)), so only the micro-batches' own passes bound
+        # those two: the busiest device runs at least the average device's m passes.
+        fill = (config.pp - 1) if config.schedule == "1f1b" else 0.0
         return per_device * (config.micro_batches + fill)
 
     def _memory_lower_bound(self, config: Configuration) -> float:
