@@ -39,12 +39,14 @@ split of every pipeline depth is priced from that one simulation:
 
 Search (``pipeline_plans``). Configurations are visited in increasing order of a lower bound
 on their step time (the average device's passes of every micro-batch, plus under 1F1B the
-fill and drain with every stage as slow as the average one). One
-is skipped when its memory lower bound overflows the device, or when the same configuration
-with less recomputation already fits (dominated: recomputing only adds time). The walk stops
-when the bound passes the k-th best estimate. The k best (``SearchBudget.pipeline_candidates``)
-are simulated in full and compete with every other plan. Every count depends only on the
-inputs, never on the clock.
+fill and drain with every stage as slow as the average one). One is skipped when its memory
+lower bound overflows the device, or when the same configuration with less recomputation
+already fits (dominated: recomputing only adds time). Past the k-th best estimate a
+configuration is priced only while its bound is below the best estimate of its schedule
+kind (no pipeline, 1F1B, interleaved, DualPipe) or its kind has none yet. The k finalists
+(``SearchBudget.pipeline_candidates``) are the best estimate of each kind, then the best of
+the rest; they are simulated in full and compete with every other plan. Every count depends
+only on the inputs, never on the clock.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from search.pipeline_configs import (
     Estimate,
     PipelineSpace,
     grid_mesh,
+    schedule_kind,
     stage_recompute_order,
 )
 from search.pipeline_step import StepPricing
@@ -194,8 +197,12 @@ class PipelineGrid:
         return found
 
     def best(self, count: int) -> list[Estimate]:
-        """The ``count`` configurations with the fastest estimates that fit, fastest first
-        (branch and bound over the lower bounds; see the module docstring)."""
+        """``count`` configurations that fit, fastest first: the fastest estimate of each
+        schedule kind (no pipeline, 1F1B, interleaved, DualPipe; ``schedule_kind``), then
+        the fastest of the rest (branch and bound over the lower bounds; see the module
+        docstring). An estimate errs differently by schedule (FSDP's gathers are counted in
+        full, the point-to-point streams as never busy), so a kind is not left out of the
+        simulations because another's estimates run a few percent lower."""
         bounded = []
         for config in self.configurations():
             bound = self._time_lower_bound(config)
@@ -205,11 +212,15 @@ class PipelineGrid:
         # A max-heap of the kept estimates by (time, visiting order): on a tie the one
         # visited later leaves first, and the visiting order is fixed by the inputs.
         kept: list[tuple[float, int, Estimate]] = []
+        leaders: dict[str, tuple[float, int, Estimate]] = {}  # schedule kind -> its fastest (time, order, estimate)
         fitting: dict[tuple, list[int]] = {}
         twins: dict[Configuration, Estimate] = {}  # configuration without its layout -> kept estimate
         for order, (bound, config) in enumerate(bounded):
-            if len(kept) >= count and bound > -kept[0][0]:
-                break
+            kind = schedule_kind(config)
+            leader = leaders.get(kind)
+            # Past the k-th best estimate, a configuration can only still lead its kind.
+            if len(kept) >= count and bound > -kept[0][0] and leader is not None and bound > leader[0]:
+                continue
             # Recomputation only adds time: once a configuration fits, the same one
             # recomputing more is dominated. (Flavours are not ordered so: ZeRO-1's sharded
             # optimizer step can beat DDP's despite its extra all-gather.)
@@ -223,6 +234,8 @@ class PipelineGrid:
             if estimate is None:
                 continue
             fitting.setdefault(group, []).append(rank)
+            if leader is None or estimate.step_s < leader[0]:
+                leaders[kind] = (estimate.step_s, order, estimate)
             # A configuration priced with both layouts keeps the faster one only, so the
             # two do not take two of the ``count`` simulations.
             twin = dataclasses.replace(config, layout="")
@@ -236,7 +249,13 @@ class PipelineGrid:
             heapq.heappush(kept, (-estimate.step_s, -order, estimate))
             if len(kept) > count:
                 heapq.heappop(kept)
-        return sorted((item[2] for item in kept), key=lambda e: (e.step_s, e.config))
+        chosen = [estimate for _, _, estimate in sorted(leaders.values(), key=lambda item: item[:2])][:count]
+        for _, _, estimate in sorted(kept, key=lambda item: (-item[0], -item[1])):
+            if len(chosen) >= count:
+                break
+            if not any(estimate is other for other in chosen):
+                chosen.append(estimate)
+        return sorted(chosen, key=lambda e: (e.step_s, e.config))
 
     # ----------------------------------------------------------------- plans
 

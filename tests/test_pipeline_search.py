@@ -22,6 +22,7 @@ from planner.errors import ArgumentError, PlanningError
 from planner.model_spec import ModelSpec
 from search.budget import SearchBudget
 from search.megatron import megatron_plan
+from search.pipeline_configs import schedule_kind
 from search.pipeline_search import PER_STAGE, Configuration, PipelineGrid, PipelineSpace, pipeline_plans
 from search.stage_slicing import SegmentCost, slice_stages, stage_memory
 
@@ -256,6 +257,33 @@ def test_grid_plans_fit_when_the_fastest_configuration_does_not(heavy_head):
     # were then 1F1B or no pipeline, best 43.7 ms, while the tight cluster, with fewer
     # configurations fitting, simulated that interleaved plan and returned it.)
     assert min(plan.estimate.step_time_s for plan in plans) >= fastest.estimate.step_time_s
+
+
+def test_finalists_hold_the_fastest_estimate_of_each_schedule(heavy_head):
+    # Every configuration priced (brute force), the fastest estimate that fits of each
+    # schedule kind: best(4) holds each of them, and fills the fourth place with the
+    # fastest of the rest. On this grid the four fastest estimates overall are three
+    # interleaved ones and no pipeline, so without a finalist per schedule 1F1B (43.6 ms,
+    # 43.7 simulated) would not be simulated at all.
+    graph, _, _, cluster = heavy_head
+    grid = PipelineGrid(graph, cluster, "bf16", PipelineSpace())
+    fastest: dict[str, float] = {}
+    every = []
+    for config in grid.configurations():
+        estimate = grid.estimate(config)
+        if estimate is not None:
+            every.append(estimate.step_s)
+            kind = schedule_kind(config)
+            fastest[kind] = min(fastest.get(kind, estimate.step_s), estimate.step_s)
+    assert set(fastest) == {"none", "1f1b", "interleaved"}
+    assert fastest["1f1b"] > sorted(every)[3]  # not among the four fastest estimates
+    finalists = PipelineGrid(graph, cluster, "bf16", PipelineSpace()).best(4)
+    times = [estimate.step_s for estimate in finalists]
+    assert all(any(t == pytest.approx(seconds, rel=1e-12) for t in times) for seconds in fastest.values())
+    assert times == sorted(times) and len(times) == 4
+    # One finalist: the fastest estimate of all; two: the two fastest schedule kinds' leaders.
+    assert [e.step_s for e in grid.best(1)] == pytest.approx([min(every)])
+    assert [e.step_s for e in grid.best(2)] == pytest.approx(sorted(fastest.values())[:2])
 
 
 def test_grid_is_deterministic_and_bounded(heavy_head):
