@@ -105,7 +105,10 @@ def _passes_in_dependency_order(name: str, stages: int, micro_batches: int, chun
             while positions[device] < len(order):
                 kind, mb, chunk = order[positions[device]]
                 vs = chunk * stages + device
-                upstream = ("F", mb, vs - 1) if kind == "F" and vs > 0 else ("B", mb, vs + 1) if kind == "B" and vs < last else None
+                if kind == "F":
+                    upstream = ("F", mb, vs - 1) if vs > 0 else None
+                else:
+                    upstream = ("B", mb, vs + 1) if vs < last else None
                 if upstream is not None and upstream not in index:
                     break
                 index[(kind, mb, vs)] = len(passes)

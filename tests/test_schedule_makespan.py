@@ -74,7 +74,8 @@ def test_grid_estimate_and_simulation_both_take_the_hand_worked_step():
     # forward + backward per micro-batch (f = T / 3), the walk above gives 39 f = 13 T;
     # the closed form 51 f = 17 T. The embedding and the head (vocabulary 32) add about 1%
     # of a block to the first and last virtual stages, hence rel=0.01 against 13 T.
-    spec = ModelSpec(GPT, {"n_layer": 8, "n_embd": 256, "n_head": 4, "seq_len": 128, "vocab_size": 32, "batch_size": 16})
+    spec = ModelSpec(GPT, {"n_layer": 8, "n_embd": 256, "n_head": 4, "seq_len": 128, "vocab_size": 32,
+                           "batch_size": 16})
     graph, spec, name, _ = prepare_model(spec, "cpu:1x1")
     cluster = compute_only_cluster(2)
     plan = megatron_plan(graph, cluster, spec, name, tp=1, pp=2, micro_batch=8, schedule="interleaved",
