@@ -9,9 +9,8 @@ time and its fullest device's bytes, from the segment costs the grid sliced into
   the optimizer step and the data-parallel communication that backward does not hide
   (DDP's gradient all-reduce beyond the last backward, ZeRO-1's weight all-gather, FSDP's
   gathers, counted in full inside a pipeline where the simulated schedules hide little of
-  them). A DualPipe device also reduces and
-  steps its second stage (``cost_model.dualpipe_step.second_stage_tail``), as the simulator
-  prices a DualPipe plan.
+  them). A DualPipe device also reduces and steps its second stage
+  (``cost_model.dualpipe_step.second_stage_tail``), as the simulator prices a DualPipe plan.
 - Memory (``StepPricing.device_memory``): the device's stages' weights, gradients and states,
   the peak of the activations its schedule holds, what recomputation briefly holds, and the
   fixed buffers; a DualPipe device holds two stages and ``pp + 1`` micro-batches of the
