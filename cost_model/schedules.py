@@ -15,6 +15,9 @@ stage index on this device (0 unless interleaved). The simulator supplies the ti
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import lru_cache
+
 Step = tuple[str, int, int]
 
 
@@ -77,6 +80,68 @@ def schedule(name: str, stage: int, stages: int, micro_batches: int, chunks: int
     if name == "interleaved":
         return interleaved(stage, stages, micro_batches, chunks)
     raise ValueError(f"unknown pipeline schedule '{name}' (gpipe, 1f1b, interleaved)")
+
+
+# A pass in dependency order: (device, is forward, virtual stage, index of the pass it waits
+# for in the same list, or -1).
+_Pass = tuple[int, bool, int, int]
+
+
+@lru_cache(maxsize=256)
+def _passes_in_dependency_order(name: str, stages: int, micro_batches: int, chunks: int) -> tuple[_Pass, ...]:
+    """Every device's passes, each after the one it waits for: a forward of virtual stage
+    ``vs`` waits for the forward of ``vs - 1`` (same micro-batch), a backward of ``vs`` for
+    the backward of ``vs + 1`` (its own forward, on the same device, is earlier in the
+    device's order). The devices are walked round-robin as ``cost_model.step_tasks`` walks
+    them."""
+    orders = [schedule(name, device, stages, micro_batches, chunks) for device in range(stages)]
+    last = stages * chunks - 1
+    index: dict[tuple[str, int, int], int] = {}
+    passes: list[_Pass] = []
+    positions = [0] * stages
+    while any(positions[d] < len(orders[d]) for d in range(stages)):
+        progressed = False
+        for device, order in enumerate(orders):
+            while positions[device] < len(order):
+                kind, mb, chunk = order[positions[device]]
+                vs = chunk * stages + device
+                if kind == "F":
+                    upstream = ("F", mb, vs - 1) if vs > 0 else None
+                else:
+                    upstream = ("B", mb, vs + 1) if vs < last else None
+                if upstream is not None and upstream not in index:
+                    break
+                index[(kind, mb, vs)] = len(passes)
+                passes.append((device, kind == "F", vs, index[upstream] if upstream is not None else -1))
+                positions[device] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError(f"the {name} schedule deadlocks on {stages} stages and {micro_batches} micro-batches")
+    return tuple(passes)
+
+
+def schedule_makespan(name: str, stages: int, micro_batches: int, chunks: int, forward_s: Sequence[float],
+                      backward_s: Sequence[float], hop_s: float = 0.0) -> float:
+    """Seconds from the first forward to the last backward of ``name``'s schedule on
+    ``stages`` devices, given each virtual stage's forward and backward seconds per
+    micro-batch (virtual stage ``chunk * stages + device``, as ``schedule`` numbers them) and
+    ``hop_s`` for each activation or gradient sent to another virtual stage.
+
+    Each device runs its passes in the schedule's order; a pass starts when the device is
+    free and the pass it depends on has ended, plus the hop. This is the critical path the
+    simulator's task graph has (``cost_model.step_tasks``) with the point-to-point streams
+    never busy: no closed form such as ``m x busiest device + (pp - 1) x slowest stage``,
+    which is exact only when the stages are even and overestimates a schedule whose
+    stages are not (its fill and drain wait on the slowest stage only where it lies on
+    the path)."""
+    finished = []
+    free = [0.0] * stages
+    for device, forward, vs, upstream in _passes_in_dependency_order(name, stages, micro_batches, chunks):
+        ready = finished[upstream] + hop_s if upstream >= 0 else 0.0
+        end = max(free[device], ready) + (forward_s[vs] if forward else backward_s[vs])
+        free[device] = end
+        finished.append(end)
+    return max(free)
 
 
 # One instruction of DeepSpeed's pipeline engine: (what, micro-batch), ``what`` in

@@ -125,6 +125,9 @@ class SegmentProfile:
     # Its MoE layers' dispatch buffers for one micro-batch (``Segment.kept_exchange_bytes``):
     # the simulator holds the largest layer's as a communication buffer while it exchanges.
     exchange_bytes: float = 0.0
+    # Of every mode's ``time_s``, the forward pass's seconds (its forward collectives
+    # included): the same in every mode, since recomputation repeats the forward in backward.
+    forward_s: float = 0.0
 
     def zero1_gathered_tensors(self, dp: int) -> list[float]:
         """Elements of each of ``synced_tensors`` that ZeRO-1 over ``dp`` ranks all-gathers

@@ -301,6 +301,7 @@ class Simulator:
                 synced_shapes=tuple(segment.shapes.get(name) for name in synced),
                 per_rank_elements=sum(segment.params[name] for name in segment.per_rank),
                 exchange_bytes=segment.kept_exchange_bytes,
+                forward_s=segment.forward_s + segment.forward_comm_s,
             ))
         return profiles
 

@@ -87,6 +87,12 @@ class Configuration:
         return grid_mesh(self.pp, self.dp, self.tp)
 
 
+def schedule_kind(config: Configuration) -> str:
+    """What ``PipelineGrid.best`` keeps a finalist of: ``"none"`` without a pipeline, else
+    the configuration's schedule."""
+    return "none" if config.pp == 1 else config.schedule
+
+
 def grid_mesh(pp: int, dp: int, tp: int) -> Mesh:
     """The mesh of a grid point: ``pp x dp x tp``, axes of size 1 left out."""
     axes = tuple((name, size) for name, size in (("pp", pp), ("dp", dp), ("tp", tp)) if size > 1)

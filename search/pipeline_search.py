@@ -38,12 +38,15 @@ split of every pipeline depth is priced from that one simulation:
   does not hide.
 
 Search (``pipeline_plans``). Configurations are visited in increasing order of a lower bound
-on their step time (the schedule's compute with every stage as slow as the average one). One
-is skipped when its memory lower bound overflows the device, or when the same configuration
-with less recomputation already fits (dominated: recomputing only adds time). The walk stops
-when the bound passes the k-th best estimate. The k best (``SearchBudget.pipeline_candidates``)
-are simulated in full and compete with every other plan. Every count depends only on the
-inputs, never on the clock.
+on their step time (the average device's passes of every micro-batch, plus under 1F1B the
+fill and drain with every stage as slow as the average one). One is skipped when its memory
+lower bound overflows the device, or when the same configuration with less recomputation
+already fits (dominated: recomputing only adds time). Past the k-th best estimate a
+configuration is priced only while its bound is below the best estimate of its schedule
+kind (no pipeline, 1F1B, interleaved, DualPipe) or its kind has none yet. The k finalists
+(``SearchBudget.pipeline_candidates``) are the best estimate of each kind, then the best of
+the rest; they are simulated in full and compete with every other plan. Every count depends
+only on the inputs, never on the clock.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from search.pipeline_configs import (
     Estimate,
     PipelineSpace,
     grid_mesh,
+    schedule_kind,
     stage_recompute_order,
 )
 from search.pipeline_step import StepPricing
@@ -193,8 +197,12 @@ class PipelineGrid:
         return found
 
     def best(self, count: int) -> list[Estimate]:
-        """The ``count`` configurations with the fastest estimates that fit, fastest first
-        (branch and bound over the lower bounds; see the module docstring)."""
+        """``count`` configurations that fit, fastest first: the fastest estimate of each
+        schedule kind (no pipeline, 1F1B, interleaved, DualPipe; ``schedule_kind``), then
+        the fastest of the rest (branch and bound over the lower bounds; see the module
+        docstring). An estimate errs differently by schedule (FSDP's gathers are counted in
+        full, the point-to-point streams as never busy), so a kind is not left out of the
+        simulations because another's estimates run a few percent lower."""
         bounded = []
         for config in self.configurations():
             bound = self._time_lower_bound(config)
@@ -204,11 +212,15 @@ class PipelineGrid:
         # A max-heap of the kept estimates by (time, visiting order): on a tie the one
         # visited later leaves first, and the visiting order is fixed by the inputs.
         kept: list[tuple[float, int, Estimate]] = []
+        leaders: dict[str, tuple[float, int, Estimate]] = {}  # schedule kind -> its fastest (time, order, estimate)
         fitting: dict[tuple, list[int]] = {}
         twins: dict[Configuration, Estimate] = {}  # configuration without its layout -> kept estimate
         for order, (bound, config) in enumerate(bounded):
-            if len(kept) >= count and bound > -kept[0][0]:
-                break
+            kind = schedule_kind(config)
+            leader = leaders.get(kind)
+            # Past the k-th best estimate, a configuration can only still lead its kind.
+            if len(kept) >= count and bound > -kept[0][0] and leader is not None and bound > leader[0]:
+                continue
             # Recomputation only adds time: once a configuration fits, the same one
             # recomputing more is dominated. (Flavours are not ordered so: ZeRO-1's sharded
             # optimizer step can beat DDP's despite its extra all-gather.)
@@ -222,6 +234,8 @@ class PipelineGrid:
             if estimate is None:
                 continue
             fitting.setdefault(group, []).append(rank)
+            if leader is None or estimate.step_s < leader[0]:
+                leaders[kind] = (estimate.step_s, order, estimate)
             # A configuration priced with both layouts keeps the faster one only, so the
             # two do not take two of the ``count`` simulations.
             twin = dataclasses.replace(config, layout="")
@@ -235,7 +249,13 @@ class PipelineGrid:
             heapq.heappush(kept, (-estimate.step_s, -order, estimate))
             if len(kept) > count:
                 heapq.heappop(kept)
-        return sorted((item[2] for item in kept), key=lambda e: (e.step_s, e.config))
+        chosen = [estimate for _, _, estimate in sorted(leaders.values(), key=lambda item: item[:2])][:count]
+        for _, _, estimate in sorted(kept, key=lambda item: (-item[0], -item[1])):
+            if len(chosen) >= count:
+                break
+            if not any(estimate is other for other in chosen):
+                chosen.append(estimate)
+        return sorted(chosen, key=lambda e: (e.step_s, e.config))
 
     # ----------------------------------------------------------------- plans
 
@@ -390,16 +410,18 @@ class PipelineGrid:
         whole = weights + grads + states  # a weight no rank shares (an expert split by its layout) is never sharded
         costs = []
         for profile in self._profile(config):
-            seconds = profile.time_s[recompute]
+            seconds, forward = profile.time_s[recompute], profile.forward_s
             if gathered:
                 # FSDP gathers a segment's weights before its forward and again before its
                 # backward (for every micro-batch), one segment ahead. The simulated
                 # schedules hide little of them (GPT 76B, tp=4, dp=256: 13.2 s simulated
                 # against 10.5 s with the gathers hidden), so they are counted in full: an
                 # upper bound, which simulation of the finalists corrects.
-                seconds += 2 * self.pricing.dp_collective("all_gather", profile.param_elements * weights, config)
+                gather = self.pricing.dp_collective("all_gather", profile.param_elements * weights, config)
+                seconds, forward = seconds + 2 * gather, forward + gather
             costs.append(SegmentCost(
                 time_s=seconds,
+                forward_s=forward,
                 static_bytes=(profile.param_elements - profile.per_rank_elements) * per_element
                 + profile.per_rank_elements * whole,
                 activation_bytes=profile.kept_bytes[recompute],
@@ -446,15 +468,22 @@ class PipelineGrid:
         return tuple(layers)
 
     def _time_lower_bound(self, config: Configuration) -> float | None:
-        """The schedule's compute with every stage as slow as the average one: below any
-        estimate (the slowest stage is at least the average)."""
+        """The average device's passes of every micro-batch (the busiest device runs at least
+        as many), plus under 1F1B its fill and drain with every stage as slow as the average
+        one (the slowest is at least the average): below any estimate."""
         profiles = self._profile(config)
         if profiles is None or len(profiles) < config.pp * config.virtual_stages:
             return None
         least = "none" if config.recompute == PER_STAGE else config.recompute  # per stage may recompute nothing
         per_device = sum(p.time_s[least] for p in profiles) / config.pp
-        # DualPipe's fill is hidden in part, so only the micro-batches' own passes bound it.
-        fill = 0.0 if config.schedule == DUALPIPE else (config.pp - 1) / config.virtual_stages
+        # 1F1B's fill and drain take pp - 1 stages' passes on top of the m micro-batches'.
+        # DualPipe hides its fill in part, and an interleaved schedule over uneven virtual
+        # stages may fill in less than (pp - 1) / chunks of a device's micro-batch
+        # (cost_model.schedules.schedule_makespan walks it: virtual stages of 3, 3, 3 and
+        # 1.5 s, forwards a third of each, on pp 2 x 2 chunks with 2 micro-batches take
+        # 12.5 s, below 5.25 s x (2 + 1/2)), so only the micro-batches' own passes bound
+        # those two: the busiest device runs at least the average device's m passes.
+        fill = (config.pp - 1) if config.schedule == "1f1b" else 0.0
         return per_device * (config.micro_batches + fill)
 
     def _memory_lower_bound(self, config: Configuration) -> float:

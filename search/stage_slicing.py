@@ -22,14 +22,16 @@ from cost_model.schedules import schedule as pipeline_schedule
 
 @dataclass(frozen=True)
 class SegmentCost:
-    """A segment's cost for stage slicing: seconds per micro-batch; bytes it holds whatever
-    the schedule (weights, gradients, optimizer states); bytes it keeps per micro-batch in
-    flight; bytes alive only while it runs (recomputation)."""
+    """A segment's cost for stage slicing: seconds per micro-batch (forward and backward);
+    bytes it holds whatever the schedule (weights, gradients, optimizer states); bytes it
+    keeps per micro-batch in flight; bytes alive only while it runs (recomputation); and of
+    ``time_s``, the forward's seconds (what a schedule's walk needs, ``search.pipeline_step``)."""
 
     time_s: float
     static_bytes: float = 0.0
     activation_bytes: float = 0.0
     transient_bytes: float = 0.0
+    forward_s: float = 0.0
 
 
 @dataclass(frozen=True)
