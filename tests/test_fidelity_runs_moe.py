@@ -17,6 +17,7 @@ from planner.api import prepare_model
 from planner.errors import PlanningError
 from planner.families.moe_folding.section import JSON_KEY as FOLDING_KEY
 from planner.model_spec import ModelSpec
+from planner.strategy import NORMS_MOE_ACT
 from search.megatron_moe import (
     INTERLEAVED_TP_MISSING, MegatronGrid, MegatronMoEConfig, account_split, tensor_parallel_pipeline_plan,
 )
@@ -52,6 +53,12 @@ def test_the_moe_rows_take_the_model_zoos_table_as_it_states_them():
         assert run.accumulation == (accumulated if pp == 1 else 1)
     assert rows["Qwen3-235B-EP32-ov@256xH100"].moe.a2a_overlap
     assert rows["Qwen3-235B-FSDP@256xH100"].moe.config.recompute == "full"
+    # The table's recompute column: "norm, act" (--recompute-modules layernorm moe_act) for
+    # EP32, EP32-ov and PP32, blank for TP4; the report's script (run_h100_235b.sh) the same.
+    for name in ("Qwen3-235B-EP32@256xH100", "Qwen3-235B-EP32-ov@256xH100", "Qwen3-235B-PP32@256xH100",
+                 "Qwen3-235B-report@256xH100"):
+        assert rows[name].moe.config.recompute == NORMS_MOE_ACT, name
+    assert rows["Qwen3-235B-TP4@256xH100"].moe.config.recompute == "none"
     assert not any(rows[name].moe.a2a_overlap for name in table if name != "Qwen3-235B-EP32-ov@256xH100")
 
 
