@@ -88,6 +88,10 @@ class LaidOutLayer:
     # (planner.strategy.NORMS_MOE_ACT, cost_model.recompute).
     activation_function_bytes: float = 0.0
     activation_function_s: float = 0.0
+    # Folded layouts: the ranks holding the same experts (EDP = folded ranks / (EP x ETP)),
+    # over which Megatron-Core's distributed optimizer shards the experts' states
+    # (``cost_model.step_memory.expert_state_shards``); 1 otherwise.
+    expert_data_parallel: int = 1
 
 
 def moe_layer_of(block: MoEBlock, tokens: int) -> MoELayer:
@@ -346,6 +350,8 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
         buffer_bytes=buffers,
         activation_function_bytes=function_bytes,
         activation_function_s=function_s,
+        expert_data_parallel=(len(group) // (layout.placement.devices * (layout.tensor_parallel or 1))
+                              if folding_of(plan) is not None and layout.placement is not None else 1),
     )
 
 

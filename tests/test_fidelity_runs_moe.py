@@ -125,3 +125,23 @@ def test_fidelity_simulates_an_moe_row_as_its_layout_says(config, flavour, overl
         assert plan.pipeline.virtual_stages == 2
     assert plan.estimate.step_time_s > 0
     assert run.describe(8).startswith(f"tp2 ep4 pp{config.pp}")
+
+
+def test_megatrons_distributed_optimizer_shards_expert_states_over_their_copies():
+    """Megatron-Core steps expert weights in their own distributed optimizer over the expert
+    data-parallel group (``cost_model.step_memory.expert_state_shards``). The tiny MoE's 8
+    experts on tp2 x dp2 = 4 folded ranks: EP 2 gives each rank 4 experts held by EDP = 4 / 2 =
+    2 ranks, so it steps the states of 4 / 2 = 2 experts; EP 4 gives it 2 experts, EDP 1: the
+    same 2 experts' states. The dense weights are laid out alike in both, so the optimizer
+    states on a device are equal (before: EP 2 held 4 experts' states, twice EP 4's), while
+    EP 2 holds twice EP 4's expert weights."""
+    states, weights = {}, {}
+    for ep in (2, 4):
+        config = MegatronMoEConfig(tp=2, ep=ep, etp=1, pp=2, vpp=2, dp=2, recompute="none", micro_batch_size=1)
+        run = Run(f"tiny-ep{ep}", "moe.py", TINY, "cpu:2x4", {}, 1, 1.0, "1 s", "test",
+                  megatron_distributed_optimizer=True, moe=MoeLayout(config, "A2A"))
+        plan, _ = simulate(run)
+        memory = plan.estimate.memory
+        states[ep], weights[ep] = memory.optimizer_states, memory.weights
+    assert states[2] == pytest.approx(states[4], rel=1e-9)
+    assert weights[2] > weights[4]
