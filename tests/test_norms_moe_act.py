@@ -103,3 +103,7 @@ def test_a_plan_with_norms_moe_act_is_priced_and_refused_by_compile(simulated) -
     assert recomputed.step_time_s > none.step_time_s
     reason = compile_blocker(dataclasses.replace(plan, recompute=NORMS_MOE_ACT))
     assert reason is not None and NORMS_MOE_ACT in reason and "\n" not in reason
+    from planner.verdict import strategy_words
+
+    assert "norms and the experts' activation function recomputed" in strategy_words(
+        dataclasses.replace(plan, recompute=NORMS_MOE_ACT))
