@@ -34,10 +34,15 @@ cuDNN's fused flash attention, as for Megatron-Core's dense rows.
 Assumed where the sources are silent or the simulator cannot say it, and which way each bends
 the rows (predicted faster unless said):
   * recomputation "norm, act" (``--recompute-modules layernorm moe_act``: the norms and the
-    experts' SwiGLU recomputed in backward, their outputs discarded) is not a mode the
-    simulator has (its ``selective`` recomputes the attention core); run as none: the few
-    memory-bound recomputed ops are left out (faster), and the memory they save is not (the
-    rows read "OOM in the simulator");
+    experts' SwiGLU recomputed in backward, their outputs discarded) runs as the plan mode
+    ``norms_moe_act`` (``planner.strategy.NORMS_MOE_ACT``, priced by ``cost_model.recompute``:
+    each block's two norms and the experts' activation function keep only their inputs and
+    run again in backward); the TP4 row's blank recomputation column runs as none. The
+    traced program is transformers' eager Qwen3-MoE, not Transformer Engine's fused kernels:
+    its q/k norms keep their fp32 input and normalised values (TE's fused RMSNorm: the input)
+    and its unfused SwiGLU keeps silu(gate) beside gate and up, about 0.12 GB a layer and
+    micro-batch more than Megatron-Core holds (``docs/fidelity_log.md``, session 11), so the
+    memory is if anything high;
   * routing: the simulator routes every token uniformly (each expert its share); the model
     zoo's rows do not say they forced balance, so they ran dropless with the auxiliary loss,
     whose imbalance slows the busiest expert (faster); the report's row forced balance, as
@@ -108,7 +113,7 @@ from planner.cluster import Cluster
 from planner.cluster_edits import with_attention_kernel
 from planner.graph import OpGraph
 from planner.plans import Plan
-from planner.strategy import Mesh
+from planner.strategy import NORMS_MOE_ACT, Mesh
 from search.megatron_moe import MegatronMoEConfig, account_split, tensor_parallel_pipeline_plan
 from search.moe_folding import folded_plan
 
@@ -137,13 +142,13 @@ def megatron_core_moe_runs() -> list[Run]:
     found = []
     overrides = {"batch_size": QWEN3_BATCH, "seq_len": QWEN3_SEQ}
     # (name, dispatcher, tp, ep, pp, vpp, micro-batch, recomputation, EP overlap, flavour, step s):
-    # the table's rows in its order. "norm, act" runs as "none" (module docstring); EDP and
-    # ETP follow (ETP 1 throughout; EDP = dp*tp / ep).
+    # the table's rows in its order. "norm, act" runs as NORMS_MOE_ACT, the TP4 row's blank
+    # as "none" (module docstring); EDP and ETP follow (ETP 1 throughout; EDP = dp*tp / ep).
     for tag, dispatcher, tp, ep, pp, vpp, micro, recompute, overlap, flavour, step in (
-        ("EP32", "DeepEP", 2, 32, 8, 4, 1, "none", False, "zero1", 19.7),
-        ("EP32-ov", "DeepEP", 2, 32, 8, 4, 1, "none", True, "zero1", 17.6),
+        ("EP32", "DeepEP", 2, 32, 8, 4, 1, NORMS_MOE_ACT, False, "zero1", 19.7),
+        ("EP32-ov", "DeepEP", 2, 32, 8, 4, 1, NORMS_MOE_ACT, True, "zero1", 17.6),
         ("FSDP", "DeepEP", 2, 8, 1, 1, 4, "full", False, "fsdp", 17.6),
-        ("PP32", "A2A", 2, 8, 32, 3, 1, "none", False, "zero1", 24.2),
+        ("PP32", "A2A", 2, 8, 32, 3, 1, NORMS_MOE_ACT, False, "zero1", 24.2),
         ("TP4", "DeepEP", 4, 8, 8, 4, 1, "none", False, "zero1", 29.0),
     ):
         dp = QWEN3_GPUS // (tp * pp)
@@ -156,7 +161,8 @@ def megatron_core_moe_runs() -> list[Run]:
             moe=MoeLayout(config, dispatcher, a2a_overlap=overlap, flavour=flavour),
         ))
     # The report's row: 2,132 tokens/s per GPU -> 2048 x 4096 / (2132 x 256) = 15.37 s per step.
-    config = MegatronMoEConfig(tp=2, ep=32, etp=1, pp=8, vpp=4, dp=16, recompute="none", micro_batch_size=1)
+    # run_h100_235b.sh: ``--recompute-modules moe_act layernorm``.
+    config = MegatronMoEConfig(tp=2, ep=32, etp=1, pp=8, vpp=4, dp=16, recompute=NORMS_MOE_ACT, micro_batch_size=1)
     found.append(Run(
         "Qwen3-235B-report@256xH100", QWEN3_235B_MODEL, overrides, qwen3_h100_cluster(), {}, 1,
         tokens_step(QWEN3_BATCH, QWEN3_SEQ, 2132, QWEN3_GPUS), "2132 tok/s/GPU", MOE_REPORT,

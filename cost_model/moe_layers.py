@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_model.collectives import collective_time
+from cost_model.memory_kernels import STREAMING_EFFICIENCY
 from cost_model.simulation_cache import graph_facts
 from cost_model.moe import MoECost, MoELayer, element_bytes, expert_activation_bytes, moe_layer_cost
 from cost_model.moe_folding import folded_layer_cost
@@ -81,6 +82,16 @@ class LaidOutLayer:
     routing_sync_s: float  # the routing's all-gather of counts, per micro-batch, in forward
     activation_bytes: float
     buffer_bytes: float
+    # Of ``activation_bytes``, what the experts' activation function keeps beyond its input
+    # (for SwiGLU: silu(gate) and its product with up, the second matmul's input), and the
+    # seconds to run it again: what Megatron-Core's ``moe_act`` recomputation drops and adds
+    # (planner.strategy.NORMS_MOE_ACT, cost_model.recompute).
+    activation_function_bytes: float = 0.0
+    activation_function_s: float = 0.0
+    # Folded layouts: the ranks holding the same experts (EDP = folded ranks / (EP x ETP)),
+    # over which Megatron-Core's distributed optimizer shards the experts' states
+    # (``cost_model.step_memory.expert_state_shards``); 1 otherwise.
+    expert_data_parallel: int = 1
 
 
 def moe_layer_of(block: MoEBlock, tokens: int) -> MoELayer:
@@ -317,7 +328,8 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
     priced = graph_facts(graph).moe_layer_prices
     if shape not in priced:
         priced[shape] = _priced(block, layout, tokens, plan, group, micro_batches)
-    cost, activations, replica_sync, buffers, fraction, synced, sharding, routing_sync = priced[shape]
+    (cost, activations, replica_sync, buffers, fraction, synced, sharding, routing_sync,
+     function_bytes, function_s) = priced[shape]
     return LaidOutLayer(
         block=block,
         layout=layout,
@@ -336,6 +348,10 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
         routing_sync_s=routing_sync,
         activation_bytes=activations,
         buffer_bytes=buffers,
+        activation_function_bytes=function_bytes,
+        activation_function_s=function_s,
+        expert_data_parallel=(len(group) // (layout.placement.devices * (layout.tensor_parallel or 1))
+                              if folding_of(plan) is not None and layout.placement is not None else 1),
     )
 
 
@@ -367,8 +383,27 @@ def _priced(block: MoEBlock, layout: ExpertLayout, tokens: int, plan, group: tup
         buffers = dispatch_buffer_bytes(block, layout, cost, tokens // micro_batches, world, plan.precision)
     fraction, synced = param_share(layout, world)
     sharding = copy_shard_costs(block, layout, plan.cluster, plan.precision)
+    function_bytes, function_s = activation_function_costs(block, cost.busiest_copies,
+                                                           (layout.tensor_parallel or 1) if folding is not None else 1,
+                                                           element, plan.cluster.device_of(group[0]))
     return (cost, activations, replica_sync, buffers, fraction, synced, sharding,
-            routing_sync_time(block, plan.cluster, group))
+            routing_sync_time(block, plan.cluster, group), function_bytes, function_s)
+
+
+def activation_function_costs(block: MoEBlock, rows: float, etp: int, element: int, device) -> tuple[float, float]:
+    """(bytes, seconds) of the experts' activation function for ``rows`` token copies on a
+    device holding 1/``etp`` of each expert's hidden width. Bytes: what it keeps beyond its
+    input, (matmuls - 1) hidden-wide tensors a row (SwiGLU: silu(gate) and silu(gate) * up;
+    a GELU MLP: gelu's output), which ``cost_model.moe.expert_activation_bytes`` counts and
+    Megatron-Core's ``moe_act`` recomputation discards (its output-discarding checkpoint keeps
+    the function's input, the first matmul's output). Seconds: the function run again, one
+    fused elementwise kernel reading its input ((matmuls - 1) widths) and writing its output
+    (one), memory-bound at ``cost_model.memory_kernels.STREAMING_EFFICIENCY`` of the device's
+    bandwidth (a contiguous kernel, as Megatron's fused ``bias_swiglu`` is)."""
+    width = block.ffn / etp
+    kept = rows * element * (block.matmuls - 1) * width
+    moved = rows * element * block.matmuls * width
+    return kept, moved / (device.memory_bandwidth * STREAMING_EFFICIENCY)
 
 
 def annotated_layouts(layouts, layers: dict[str, LaidOutLayer], micro_batches: int) -> tuple[ExpertLayout, ...]:

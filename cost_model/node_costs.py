@@ -78,6 +78,10 @@ _BACKWARD_READS_NO_INPUT = (
     # stack and cat hand each input its slice of the gradient: StackBackward0 and CatBackward0
     # save only ``dim`` (torch 2.13's autograd, ``grad_fn._saved_*``).
     "aten.stack.", "aten.cat.",
+    # A dtype or device conversion (``x.to(torch.float32)`` in an RMSNorm) runs as _to_copy,
+    # whose ToCopyBackward0 saves only the input's options, not the input (derivatives.yaml,
+    # _to_copy: ``self: _to_copy_backward(grad, self.options())``).
+    "aten.to.", "aten.type_as.",
 )
 _BACKWARD_READS_OUTPUT = ("aten.relu.", "aten._softmax.", "aten.softmax.", "aten.tanh.", "aten.sigmoid.", "aten.exp.")
 _DROPOUT = ("aten.dropout.", "aten.native_dropout.")
@@ -289,6 +293,8 @@ class NodeCosts:
         """Whether ``reader``'s backward keeps its input ``name`` (through a view: whatever
         keeps the view)."""
         node = self.context.nodes[reader]
+        if not any(meta.dtype.is_floating_point for meta in node.output_meta):
+            return False  # no differentiable output (export's _assert_tensor_metadata checks): no backward
         if node.is_view:
             return self.kept_for_backward(reader)
         if not self.requires_grad(reader):
@@ -308,7 +314,10 @@ class NodeCosts:
         does. Graph inputs (tokens, targets) and tables built from constants (arange, cos) do not."""
         if self._requires_grad is None:
             graph = self.context.graph
-            needs = {param for node in graph.nodes for param in node.param_inputs}
+            # Parameters only: a buffer (a rotary table's ``inv_freq``) takes no gradient, so
+            # what is built from it (cos, sin) does not make the products by it keep q and k.
+            needs = {placeholder for node in graph.nodes
+                     for qualified, placeholder in zip(node.params, node.param_inputs) if qualified in graph.parameters}
             for node in graph.nodes:  # topological order
                 if any(source in needs for source in node.inputs) and any(
                         meta.dtype.is_floating_point for meta in node.output_meta):

@@ -23,6 +23,17 @@ Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Mode
     ``--recompute-modules`` such as ``moe_act``, ``layernorm`` and ``mla_up_proj`` recompute
     ops around the token dispatcher, not the dispatcher. A block without MoE layer prices as
     ``full``.
+  * ``norms_moe_act`` (``planner.strategy.NORMS_MOE_ACT``): Megatron-Core's
+    ``--recompute-granularity selective --recompute-modules layernorm moe_act``
+    (NVIDIA/Megatron-LM megatron/core/transformer/transformer_config.py, ``recompute_modules``:
+    "layernorm": recompute the input_layernorm and pre_mlp_layernorm; "moe_act": the MoE MLP
+    activation function; both by output-discarding checkpointing, which keeps a module's input
+    and frees its output once the next op has used it). The block's own norms keep only their
+    inputs (``Segment.norm_bytes`` dropped, ``norm_input_bytes`` kept where nothing else kept
+    them) and the experts' activation function keeps only its input (``moe_act_bytes``
+    dropped); backward runs both forwards again (``norm_forward_s``, ``moe_act_forward_s``).
+    Nothing recomputed communicates. What is alive while recomputing is counted as the sum
+    of both (an upper bound: Megatron frees each after its own backward).
   * ``none``: nothing is recomputed.
 
 Ops around the blocks (embedding, final norm, head) are never checkpointed, as Megatron and
@@ -33,7 +44,7 @@ output is ``(…, s, s)``: the core attention that selective recomputation drops
 from __future__ import annotations
 
 from cost_model.segments import Segment
-from planner.strategy import KEEP_A2A, WHOLE_BLOCK_RECOMPUTE
+from planner.strategy import KEEP_A2A, NORMS_MOE_ACT, WHOLE_BLOCK_RECOMPUTE
 
 
 def backward_time(segment: Segment, recompute: str) -> float:
@@ -44,6 +55,8 @@ def backward_time(segment: Segment, recompute: str) -> float:
         return segment.backward_s + segment.forward_s
     if recompute == "selective":
         return segment.backward_s + segment.score_forward_s
+    if recompute == NORMS_MOE_ACT:
+        return segment.backward_s + segment.norm_forward_s + segment.moe_act_forward_s
     return segment.backward_s
 
 
@@ -67,4 +80,7 @@ def activation_bytes(segment: Segment, recompute: str) -> tuple[float, float]:
         return segment.checkpoint_bytes + segment.kept_exchange_bytes, segment.saved_bytes
     if recompute == "selective":
         return segment.saved_bytes - segment.score_bytes, segment.score_bytes
+    if recompute == NORMS_MOE_ACT:
+        dropped = segment.norm_bytes + segment.moe_act_bytes
+        return segment.saved_bytes - dropped + segment.norm_input_bytes, dropped
     return segment.saved_bytes, 0.0

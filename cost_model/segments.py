@@ -54,6 +54,16 @@ class Segment:
     # micro-batch, what recomputation ``full_keep_a2a`` keeps instead of repeating them.
     kept_exchange_s: float = 0.0
     kept_exchange_bytes: float = 0.0
+    # What recomputation ``norms_moe_act`` (planner.strategy.NORMS_MOE_ACT) drops and adds:
+    # the bytes the block's own norms keep (``norm_bytes``), the bytes of their inputs that
+    # nothing else keeps, which their checkpoints then hold (``norm_input_bytes``), their
+    # forward seconds; the bytes and seconds of its MoE layers' expert activation functions
+    # (``LaidOutLayer.activation_function_bytes`` / ``_s``).
+    norm_bytes: float = 0.0
+    norm_input_bytes: float = 0.0
+    norm_forward_s: float = 0.0
+    moe_act_bytes: float = 0.0
+    moe_act_forward_s: float = 0.0
     params: dict[str, float] = field(default_factory=dict)  # name -> local bytes per element-size 1
     # name -> the local tensor's shape where it is known (not for an MoE layout's parts of
     # expert weights): which dimension ZeRO-1 slices (planner.sharded_states_layout).
@@ -228,6 +238,11 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
         if layer is not None and name == layer.anchor:  # the layer's exchanges are priced on its anchor
             segment.kept_exchange_s += cost.forward_comm_s
             segment.kept_exchange_bytes += layer.buffer_bytes
+            segment.moe_act_bytes += layer.activation_function_bytes
+            segment.moe_act_forward_s += layer.activation_function_s
+        if segment.block and is_block_norm(node, segment.name):
+            segment.norm_bytes += cost.saved_bytes
+            segment.norm_forward_s += cost.forward_s
         for param, placements in strategy.params.items():
             meta = context.graph.parameters.get(param)
             if meta is None:
@@ -256,6 +271,8 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
         segment.forward_s += forward_wait
         segment.backward_s += backward_wait
         segment.host_wait_s = forward_wait + backward_wait
+    if segment.block:
+        segment.norm_input_bytes = norm_input_bytes(context, costs, names, segment.name)
     members = set(names)
     sources = {
         source
@@ -272,3 +289,28 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
             # by their own segment already.)
             segment.checkpoint_bytes += size
     return segment
+
+
+def is_block_norm(node, block: str) -> bool:
+    """Whether ``node`` belongs to one of ``block``'s own normalisation layers (a direct child
+    module whose class is a norm: Llama's and Qwen's ``input_layernorm`` and
+    ``post_attention_layernorm``, Megatron-Core's input_layernorm and pre_mlp_layernorm), not
+    one nested deeper (Qwen3's q_norm and k_norm inside its attention)."""
+    module = node.module or ""
+    return module.rpartition(".")[0] == block and (node.module_type or "").endswith("Norm")
+
+
+def norm_input_bytes(context: StepContext, costs: dict[str, NodeCost], names, block: str) -> float:
+    """Bytes of one micro-batch of the inputs of ``block``'s own norms that no op keeps for
+    backward: what their checkpoints hold when recomputation drops the norms' own tensors."""
+    norms = {name for name in names if is_block_norm(context.nodes[name], block)}
+    sources = {
+        source
+        for name in norms
+        for position, source in enumerate(context.nodes[name].inputs)
+        if source in context.nodes and source not in norms
+        and context.nodes[name].input_meta[position].dtype.is_floating_point
+        and context.graph.parameters.get(source) is None
+    }
+    return sum(context.output_bytes(context.nodes[source], context.strategies[source])
+               for source in sorted(sources) if not costs[source].saved_bytes)

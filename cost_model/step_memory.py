@@ -55,6 +55,26 @@ def device_parameters(segments: list[Segment]) -> Segment:
     return held
 
 
+def expert_state_shards(context: StepContext) -> dict[str, int]:
+    """Expert weights whose optimizer states Megatron-Core's distributed optimizer shards over
+    their expert-data-parallel group, by qualified name -> that group's size: its expert
+    parameters get their own optimizer over ``intra_expt_dp_group`` (NVIDIA/Megatron-LM
+    megatron/core/optimizer/__init__.py, ``get_megatron_optimizer``: the ``is_expert_parallel``
+    param groups, ``data_parallel_group=intra_expt_dp_group``), as the dense ones over dp.
+    Empty unless the plan runs that optimizer; a weight not listed is stepped whole."""
+    if not runs_megatron_sync(context):
+        return {}
+    return {weight: layer.expert_data_parallel for layer in context.moe_layers.values()
+            for weight in layer.expert_weights if layer.expert_data_parallel > 1}
+
+
+def _own_state_elements(context: StepContext, params: dict[str, float], per_rank: set[str]) -> float:
+    """Elements of the device's own (``per_rank``) weights whose optimizer states it steps:
+    each divided by its expert-data-parallel shards (``expert_state_shards``)."""
+    shards = expert_state_shards(context)
+    return sum(count / shards.get(name, 1) for name, count in params.items() if name in per_rank)
+
+
 def optimizer_state_bytes(context: StepContext, segments: list[Segment], sharding: ParameterSharding) -> float:
     """Bytes the optimizer step reads and writes on a device holding ``segments``: weights,
     gradients and states of its parameters (each once: ``device_parameters``), the shardable
@@ -64,7 +84,9 @@ def optimizer_state_bytes(context: StepContext, segments: list[Segment], shardin
     held = device_parameters(segments)
     elements = sum(held.params.values())
     shardable = held.shardable_elements() - sharding.whole_state_elements(held.params, held.shapes, held.per_rank)
-    return (shardable / sharding.states + elements - shardable) * (weights + grads + states)
+    own = sum(count for name, count in held.params.items() if name in held.per_rank)
+    stepped_own = _own_state_elements(context, held.params, held.per_rank)
+    return (shardable / sharding.states + elements - shardable - own + stepped_own) * (weights + grads + states)
 
 
 def stage_memory(context: StepContext, contributors: tuple[StepContributor, ...], stage: int,
@@ -92,7 +114,8 @@ def stage_memory(context: StepContext, contributors: tuple[StepContributor, ...]
     weights = shared * weight_b / sharding.weights + own * weight_b
     grads = shared * grad_b / sharding.gradients + own * grad_b
     whole = sharding.whole_state_elements(params, shapes, per_rank)  # ZeRO-1 steps these whole
-    states = (shared - whole) * state_b / sharding.states + (own + whole) * state_b
+    own_states = _own_state_elements(context, params, per_rank)  # experts: 1/EDP under Megatron's optimizer
+    states = (shared - whole) * state_b / sharding.states + (own_states + whole) * state_b
     buffers_state = sum(meta.nbytes for meta in context.graph.buffers.values()) if stage == 0 else 0
     activations = _peak_activations(context, stage, segments)
     comm = 0.0

@@ -42,7 +42,14 @@ DP_FLAVOURS = ("ddp", "zero1", "zero2", "fsdp")
 # all-gather) hand back the outputs kept from forward instead of communicating again
 # (``codegen.runtime.kept_exchanges``). In a block without MoE layer it is ``full``.
 KEEP_A2A = "full_keep_a2a"
-RECOMPUTE_MODES = ("none", "selective", KEEP_A2A, "full")
+# Megatron-Core's ``--recompute-granularity selective --recompute-modules layernorm moe_act``
+# (NVIDIA/Megatron-LM megatron/core/transformer/transformer_config.py, ``recompute_modules``:
+# "layernorm": the input_layernorm and pre_mlp_layernorm; "moe_act": the MoE MLP activation
+# function; both "use output-discarding checkpointing"): each block's own norms keep only
+# their input and the experts' activation function only its input, both run again in
+# backward (``cost_model.recompute``). Priced, not compiled (``planner.api``).
+NORMS_MOE_ACT = "norms_moe_act"
+RECOMPUTE_MODES = ("none", NORMS_MOE_ACT, "selective", KEEP_A2A, "full")
 # The modes that checkpoint whole blocks (keep the block's input, run its forward again).
 WHOLE_BLOCK_RECOMPUTE = (KEEP_A2A, "full")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.tensor import Replicate
 
-from planner.strategy import KEEP_A2A, expert_modes_summary
+from planner.strategy import KEEP_A2A, NORMS_MOE_ACT, expert_modes_summary
 from planner.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
@@ -119,6 +119,8 @@ def strategy_words(plan: "Plan") -> str:
         text += ", every repeated block recomputed in backward but its MoE layers' all-to-alls (outputs kept)"
     elif plan.recompute == "selective":
         text += ", attention recomputed in backward"
+    elif plan.recompute == NORMS_MOE_ACT:
+        text += ", each block's norms and the experts' activation function recomputed in backward"
     return text + f", {plan.precision}" + (" mixed precision" if plan.precision != "fp32" else "")
 
 

@@ -17,6 +17,7 @@ from planner.api import prepare_model
 from planner.errors import PlanningError
 from planner.families.moe_folding.section import JSON_KEY as FOLDING_KEY
 from planner.model_spec import ModelSpec
+from planner.strategy import NORMS_MOE_ACT
 from search.megatron_moe import (
     INTERLEAVED_TP_MISSING, MegatronGrid, MegatronMoEConfig, account_split, tensor_parallel_pipeline_plan,
 )
@@ -52,6 +53,12 @@ def test_the_moe_rows_take_the_model_zoos_table_as_it_states_them():
         assert run.accumulation == (accumulated if pp == 1 else 1)
     assert rows["Qwen3-235B-EP32-ov@256xH100"].moe.a2a_overlap
     assert rows["Qwen3-235B-FSDP@256xH100"].moe.config.recompute == "full"
+    # The table's recompute column: "norm, act" (--recompute-modules layernorm moe_act) for
+    # EP32, EP32-ov and PP32, blank for TP4; the report's script (run_h100_235b.sh) the same.
+    for name in ("Qwen3-235B-EP32@256xH100", "Qwen3-235B-EP32-ov@256xH100", "Qwen3-235B-PP32@256xH100",
+                 "Qwen3-235B-report@256xH100"):
+        assert rows[name].moe.config.recompute == NORMS_MOE_ACT, name
+    assert rows["Qwen3-235B-TP4@256xH100"].moe.config.recompute == "none"
     assert not any(rows[name].moe.a2a_overlap for name in table if name != "Qwen3-235B-EP32-ov@256xH100")
 
 
@@ -118,3 +125,23 @@ def test_fidelity_simulates_an_moe_row_as_its_layout_says(config, flavour, overl
         assert plan.pipeline.virtual_stages == 2
     assert plan.estimate.step_time_s > 0
     assert run.describe(8).startswith(f"tp2 ep4 pp{config.pp}")
+
+
+def test_megatrons_distributed_optimizer_shards_expert_states_over_their_copies():
+    """Megatron-Core steps expert weights in their own distributed optimizer over the expert
+    data-parallel group (``cost_model.step_memory.expert_state_shards``). The tiny MoE's 8
+    experts on tp2 x dp2 = 4 folded ranks: EP 2 gives each rank 4 experts held by EDP = 4 / 2 =
+    2 ranks, so it steps the states of 4 / 2 = 2 experts; EP 4 gives it 2 experts, EDP 1: the
+    same 2 experts' states. The dense weights are laid out alike in both, so the optimizer
+    states on a device are equal (before: EP 2 held 4 experts' states, twice EP 4's), while
+    EP 2 holds twice EP 4's expert weights."""
+    states, weights = {}, {}
+    for ep in (2, 4):
+        config = MegatronMoEConfig(tp=2, ep=ep, etp=1, pp=2, vpp=2, dp=2, recompute="none", micro_batch_size=1)
+        run = Run(f"tiny-ep{ep}", "moe.py", TINY, "cpu:2x4", {}, 1, 1.0, "1 s", "test",
+                  megatron_distributed_optimizer=True, moe=MoeLayout(config, "A2A"))
+        plan, _ = simulate(run)
+        memory = plan.estimate.memory
+        states[ep], weights[ep] = memory.optimizer_states, memory.weights
+    assert states[2] == pytest.approx(states[4], rel=1e-9)
+    assert weights[2] > weights[4]
