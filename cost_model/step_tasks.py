@@ -244,10 +244,15 @@ class StepTasks:
         share = forward / (forward + backward) if forward + backward > 0 else 0.5
         return overhead * share, overhead * (1 - share)
 
-    def _checkpointing(self, segment: Segment) -> CheckpointingCost:
-        """What DeepSpeed's activation checkpointing adds to ``segment`` per micro-batch
-        (``cost_model.deepspeed_checkpointing``)."""
-        return checkpointing_cost(self.context, segment) if self._deepspeed_checkpointing else NO_COST
+    def _engine_extras(self, segment: Segment) -> CheckpointingCost:
+        """What a DeepSpeed-style engine adds to ``segment`` per micro-batch beyond its
+        kernels: the pipeline's ``block_overhead_s`` (``_block_overhead``) and the options of
+        DeepSpeed's activation checkpointing (``cost_model.deepspeed_checkpointing``), as
+        (forward, backward, backward all-gather over tp) seconds."""
+        forward, backward = self._block_overhead(segment)
+        checkpointing = checkpointing_cost(self.context, segment) if self._deepspeed_checkpointing else NO_COST
+        return CheckpointingCost(forward + checkpointing.forward_s, backward + checkpointing.backward_s,
+                                 checkpointing.backward_gather_s)
 
     def accumulate_gradients(self, device: str, segments: list[Segment], mb: int, mode: str, after: int) -> int:
         """The task adding micro-batch ``mb``'s weight gradients into the step's gradients
@@ -279,8 +284,7 @@ class StepTasks:
             segment_deps += self._copied_out(device, segment, False, [g for g in gathers if g is not None])
             if segment.weight_gather_s:
                 segment_deps.append(self._expert_gather(device, segment, prefetch_after(ends, deps), f"F{mb}"))
-            forward_s = (segment.forward_s + self._block_overhead(segment)[0]
-                         + self._checkpointing(segment).forward_s)
+            forward_s = segment.forward_s + self._engine_extras(segment).forward_s
             compute = self.graph.add(f"F{mb} {segment.name}", (device, "compute"), forward_s, deps=segment_deps)
             last = self.graph.add(f"F{mb} {segment.name} tp-comm", (device, "compute"), segment.forward_comm_s, deps=[compute], kind="tp_comm") if segment.forward_comm_s else compute
             ends.append(last)
@@ -296,10 +300,9 @@ class StepTasks:
         backward (``PipelineConfig.overlap_grad_reduce`` False)."""
         last = None
         if not split:  # one task for the whole chunk: nothing needs per-segment timing
-            duration = sum(backward_time(s, recompute) + self._block_overhead(s)[1]
-                           + self._checkpointing(s).backward_s for s in segments)
-            comm = sum(backward_comm(s, recompute) + self._checkpointing(s).backward_gather_s
-                       for s in segments)
+            extras = [self._engine_extras(s) for s in segments]
+            duration = sum(backward_time(s, recompute) + extra.backward_s for s, extra in zip(segments, extras))
+            comm = sum(backward_comm(s, recompute) + extra.backward_gather_s for s, extra in zip(segments, extras))
             comm += sum(s.weight_gather_s for s in segments)  # sharded expert copies' gathers, not overlapped here
             compute = self.graph.add(f"B{mb}", (device, "compute"), duration, deps=deps)
             return self.graph.add(f"B{mb} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
@@ -318,12 +321,12 @@ class StepTasks:
                 # the unit before this one, or when the pass may start).
                 ahead = [ends[-1]] if ends else list(deps)
                 gathered = self._backward_gathers_of(device, order[position + 1], mb, ahead, ahead)
-            checkpointing = self._checkpointing(segment)
-            duration = backward_time(segment, recompute) + self._block_overhead(segment)[1] + checkpointing.backward_s
+            extras = self._engine_extras(segment)
+            duration = backward_time(segment, recompute) + extras.backward_s
             compute = self.graph.add(f"B{mb} {segment.name}", (device, "compute"), duration, deps=segment_deps)
             # The all-gather of DeepSpeed's partitioned checkpoint runs before the recomputation,
             # on the same in-order stream: put after it here, the segment ends at the same time.
-            comm = backward_comm(segment, recompute) + checkpointing.backward_gather_s
+            comm = backward_comm(segment, recompute) + extras.backward_gather_s
             last = self.graph.add(f"B{mb} {segment.name} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
             ends.append(last)
             if segment.axis_sync_s and sync and mb == self.context.micro_batches - 1:
