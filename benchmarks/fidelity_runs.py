@@ -323,7 +323,8 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
 
     Attention runs as Transformer Engine's ``DotProductAttention`` picks it on Hopper: cuDNN's
     fused flash attention (``"cudnn-fused-attention"``, ``cost_model.gpu_kernels``'
-    ``attention_kernel_slowdown``), not flash-attention 2.
+    ``attention_kernel_slowdown``), not flash-attention 2, dropping attention weights at
+    Megatron's default 0.1 inside the kernel (``attention_dropout_slowdown``).
 
     The data-parallel side is Megatron-Core's distributed optimizer as r0.8 runs it
     (``Plan.megatron_distributed_optimizer``, ``cost_model.megatron_grad_sync``): fp32

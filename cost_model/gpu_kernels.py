@@ -27,7 +27,8 @@ MAMF at that clock, and attention's likewise.
 
 Attention runs as FlashAttention-2 (PyTorch's ``scaled_dot_product_attention`` flash
 backend; a device whose ``attention_kernel`` is the Triton FlashAttention kernel runs slower,
-cuDNN's fused attention on Hopper faster, ``attention_kernel_slowdown``): forward 4·B·H·Sq·Sk·D FLOPs (halved when causal), backward 2.5x the forward
+cuDNN's fused attention on Hopper faster, ``attention_kernel_slowdown``, and cuDNN's on Hopper
+slower with attention dropout, ``attention_dropout_slowdown``): forward 4·B·H·Sq·Sk·D FLOPs (halved when causal), backward 2.5x the forward
 (it recomputes Q·Kᵀ: five matmuls against two; Tri Dao,
 https://github.com/Dao-AILab/flash-attention/issues/1525), each at the fraction of peak the
 FlashAttention papers measure at long sequences, lowered for short sequences (the causal
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 
 from cost_model import defaults
 from cost_model.gradient_copies import bias_gradient_time, bias_length
-from planner.attention_masks import ATTENTION_OPS, CAUSAL_ARGUMENT, is_causal_kind
+from planner.attention_masks import ATTENTION_OPS, CAUSAL_ARGUMENT, DROPOUT_ARGUMENT, is_causal_kind
 from planner.cluster import DeviceSpec
 from planner.graph import OpNode
 
@@ -114,9 +115,39 @@ ATTENTION_KERNEL_SLOWDOWN_BY_GENERATION = {
 }
 
 
+# Attention dropout inside the fused kernel (``dropout_p`` > 0: the kernel draws Philox random
+# numbers for every attention weight in the forward and draws them again in the backward), as
+# the time with dropout over the time without, forward and backward together, for the (kernel,
+# generation) pairs where it was measured. cuDNN's fused attention on Hopper: Transformer
+# Engine's ``DotProductAttention`` with the fused (cuDNN) backend forced, bf16, ``sbhd``
+# layout, 16 heads of head dim 128, 4096 tokens in 4 sequences, forward + backward, median of
+# 50 iterations after 20 warm-up ones, on an H200 (sm90, the GH100 die) with TE 2.15.0:
+# 0.594 ms at p = 0.0 and 0.614 ms at p = 0.1, 1.034x (NVIDIA/TransformerEngine issue #3312,
+# 2026-08-04, its table's last row). Two caveats, both stated, neither corrected: the
+# measurement is a 2026 TE and cuDNN, not the mid-2024 ones of Megatron-Core r0.8's runs; and
+# its sequences are short (fwd + bwd at ~100-200 TFLOP/s, far from the kernel's peak), so if the
+# random numbers cost a fixed time per attention weight, the share dropout adds at 4,096-token
+# sequences, where the kernel runs two to three times as fast, is larger (up to ~3x the 3.4%). Everywhere else (FlashAttention-2, Triton, other
+# generations) no measurement on that generation was found and dropout is not priced (the only
+# others are Blackwell's: issue #3312's B300 sbhd 1.09x, flash-attention 2 on a GB200 1.05x in
+# TE pull request #3313).
+ATTENTION_DROPOUT_SLOWDOWN_BY_GENERATION = {
+    ("cudnn-fused-attention", "H100"): 0.614 / 0.594,
+    ("cudnn-fused-attention", "H200"): 0.614 / 0.594,
+}
+
+
 def attention_kernel_slowdown(kernel: str, generation_name: str) -> tuple[float, float]:
     """(forward, backward) time of ``kernel`` over FlashAttention-2's on a GPU generation."""
     return ATTENTION_KERNEL_SLOWDOWN_BY_GENERATION.get((kernel, generation_name), ATTENTION_KERNEL_SLOWDOWN[kernel])
+
+
+def attention_dropout_slowdown(kernel: str, generation_name: str, dropout_p: float) -> float:
+    """Time of ``kernel`` with attention dropout ``dropout_p`` over its time without, forward and
+    backward alike (``ATTENTION_DROPOUT_SLOWDOWN_BY_GENERATION``; 1.0 where unmeasured or p = 0)."""
+    if dropout_p <= 0.0:
+        return 1.0
+    return ATTENTION_DROPOUT_SLOWDOWN_BY_GENERATION.get((kernel, generation_name), 1.0)
 
 
 @dataclass(frozen=True)
@@ -321,14 +352,18 @@ def attention_efficiency(batch_heads: float, q_len: float, kv_len: float, head_d
 
 
 def attention_times(batch_heads: float, q_len: float, kv_len: float, head_dim: int, causal: bool,
-                    device: DeviceSpec, dtype: str, generation: GpuGeneration) -> tuple[float, float]:
+                    device: DeviceSpec, dtype: str, generation: GpuGeneration,
+                    dropout_p: float = 0.0) -> tuple[float, float]:
     """(forward, backward) seconds of fused attention over ``batch_heads`` (batch x heads):
     FlashAttention-2 at the sustained clock, scaled by ``attention_kernel_slowdown`` for the
-    device's ``attention_kernel``."""
+    device's ``attention_kernel`` and by ``attention_dropout_slowdown`` when the kernel drops
+    attention weights with probability ``dropout_p``."""
     forward_flops = 4.0 * batch_heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
     shape = attention_efficiency(batch_heads, q_len, kv_len, head_dim, causal, generation)
     peak = device.flops_for(dtype)
     slow_forward, slow_backward = attention_kernel_slowdown(device.attention_kernel, generation.name)
+    dropout = attention_dropout_slowdown(device.attention_kernel, generation.name, dropout_p)
+    slow_forward, slow_backward = slow_forward * dropout, slow_backward * dropout
     peak *= generation.sustained_clock  # the papers' loops are short too (SUSTAINED_CLOCK)
     forward = slow_forward * forward_flops / (peak * generation.attention_forward * shape)
     backward = slow_backward * ATTENTION_BACKWARD_TO_FORWARD * forward_flops / (
@@ -420,7 +455,15 @@ def attention_op_times(node: OpNode, fraction: float, device: DeviceSpec, dtype:
     flagged = index is not None and len(node.attrs) > index and node.attrs[index] is True
     causal = flagged or is_causal_kind(node.attention_mask_kind)
     batch, heads = _split([batch, heads], fraction, [0, 1])
-    return attention_times(batch * heads, q_len, kv_len, head_dim, causal, device, dtype, generation)
+    return attention_times(batch * heads, q_len, kv_len, head_dim, causal, device, dtype, generation,
+                           dropout_p=attention_dropout_p(node))
+
+
+def attention_dropout_p(node: OpNode) -> float:
+    """The ``dropout_p`` a traced fused attention op was called with (0.0 when not given)."""
+    index = DROPOUT_ARGUMENT.get(node.op.rsplit(".", 1)[0])
+    value = node.attrs[index] if index is not None and len(node.attrs) > index else 0.0
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def kernel_op_times(node: OpNode, fraction: float, device: DeviceSpec, dtype: str,

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["ATTENTION_OPS", "MASK_KINDS", "attention_mask_kinds", "is_causal_kind", "sliding_window"]
+__all__ = ["ATTENTION_OPS", "DROPOUT_ARGUMENT", "MASK_KINDS", "attention_mask_kinds", "is_causal_kind", "sliding_window"]
 
 # The fused attention ops (their ATen names without overload).
 ATTENTION_OPS = (
@@ -50,6 +50,12 @@ ATTENTION_OPS = (
 CAUSAL_ARGUMENT = {
     "aten.scaled_dot_product_attention": 5, "aten._scaled_dot_product_flash_attention": 4,
     "aten._scaled_dot_product_efficient_attention": 6, "aten._scaled_dot_product_cudnn_attention": 6,
+}
+# Index of each attention op's ``dropout_p`` in its positional arguments (ATen schemas): the
+# probability the fused kernel drops attention weights with, drawing its own random numbers.
+DROPOUT_ARGUMENT = {
+    "aten.scaled_dot_product_attention": 4, "aten._scaled_dot_product_flash_attention": 3,
+    "aten._scaled_dot_product_efficient_attention": 5, "aten._scaled_dot_product_cudnn_attention": 5,
 }
 MASK_ARGUMENT = {
     "aten.scaled_dot_product_attention": 3, "aten._scaled_dot_product_efficient_attention": 3,

@@ -173,6 +173,33 @@ def test_cudnn_attention_is_faster_on_hopper_only_by_transformer_engines_measure
                     "bf16") == op_times(a100_node, 1.0, A100_DEVICE, "bf16")
 
 
+def test_attention_dropout_slows_cudnn_attention_on_hopper_by_transformer_engines_measurement():
+    # NVIDIA/TransformerEngine#3312 (H200, sm90, fused backend, sbhd, 16 heads x d128): forward
+    # + backward 0.594 ms at dropout 0.0 and 0.614 ms at 0.1, so the kernels take 0.614 / 0.594
+    # = 1.03367x as long with dropout, forward and backward; the launch overhead stays.
+    h100 = Cluster.preset("dgx-h100").device_of(0)
+    cudnn = dataclasses.replace(h100, attention_kernel="cudnn-fused-attention")
+    plain = attention_node(2, 16, 2048, 128, True)
+    dropped = dataclasses.replace(plain, attrs=(None, None, None, None, 0.1, True))
+    assert gpu_kernels.attention_dropout_p(dropped) == 0.1 and gpu_kernels.attention_dropout_p(plain) == 0.0
+    plain_forward, plain_backward = op_times(plain, 1.0, cudnn, "bf16")
+    forward, backward = op_times(dropped, 1.0, cudnn, "bf16")
+    assert 0.614 / 0.594 == pytest.approx(1.03367, abs=1e-5)
+    assert forward - OVERHEAD == pytest.approx(1.03367 * (plain_forward - OVERHEAD), rel=1e-5)
+    assert backward - OVERHEAD == pytest.approx(1.03367 * (plain_backward - OVERHEAD), rel=1e-5)
+    # By hand (the cuDNN test above): the causal forward's kernel time 99.34 us x 1.03367 =
+    # 102.68 us, + 5 us launch = 107.68 us.
+    assert forward == pytest.approx(107.68e-6, rel=1e-3)
+    # No measurement of dropout in FlashAttention-2 on Hopper, nor of cuDNN's on Ampere: unpriced.
+    assert op_times(dropped, 1.0, h100, "bf16") == op_times(plain, 1.0, h100, "bf16")
+    a100_cudnn = dataclasses.replace(A100_DEVICE, attention_kernel="cudnn-fused-attention")
+    assert op_times(dropped, 1.0, a100_cudnn, "bf16") == op_times(plain, 1.0, a100_cudnn, "bf16")
+    # The private ATen ops carry dropout_p at their own positions (flash: 3, cuDNN: 5).
+    flash_op = dataclasses.replace(plain, op="aten._scaled_dot_product_flash_attention.default",
+                                   attrs=(None, None, None, 0.1, True))
+    assert gpu_kernels.attention_dropout_p(flash_op) == 0.1
+
+
 def test_attention_kernel_is_checked_and_round_trips_through_cluster_files():
     from planner.cluster import ATTENTION_KERNELS, ClusterError
     assert set(gpu_kernels.ATTENTION_KERNEL_SLOWDOWN) == set(ATTENTION_KERNELS)
