@@ -71,6 +71,14 @@ MAMF's cap at its K = 2816 shape flattens every longer K). On a width-2048 layer
 of whose GEMM time reduces over 2048, that is 1-2% of the GEMMs: not the 12% Megatron-Core's
 1.7B row is predicted fast by.
 
+At the layer shapes of widths 2048 and 4096 over 16,384 tokens (Megatron-Core's 1.7B and 7.1B
+weak-scaling rows), XLA's measured sm_90 GEMM table (OpenXLA, 2025) is the only public per-shape
+H100 figure found: the shape model at the loop's clock is 0.8-3.4% below each of its five rows
+(K = 2048 at 0.939-0.964 of K = 4096 measured, 0.948-0.954 modelled), so it does not price
+width-2048 GEMMs optimistically against that table; in a step (the sustained clock) it prices
+them 14.5-16.7% below it by design. The one attention-dropout row (Transformer Engine#3312 on
+an H200) is the ratio ``gpu_kernels``' cuDNN dropout slowdown was read from.
+
 The layer shapes of 7B, 13B and 70B models (Llama-2/3 widths, one 8192-token micro-batch) are
 printed with the model's efficiency and no error: beyond the A100 rows above we found no
 public per-shape measurement of them to compare with.
@@ -172,6 +180,25 @@ GEMM_MEASUREMENTS = [
      "TileLang benchmark/matmul (H800 SXM, fp16, autotuned, not cuBLAS): M=N=8192, K sweep", False),
     ("dgx-h100", (1, 8192, 8192, 16384), 766.0,
      "TileLang benchmark/matmul (H800 SXM, fp16, autotuned, not cuBLAS): M=N=8192, K sweep", False),
+    # H100 GEMMs at the layer shapes of widths 2048 and 4096 (16,384 tokens: 4 x 4096 rows),
+    # the layers of Megatron-Core's 1.7B and 7.1B weak-scaling rows: XLA's measured GEMM
+    # throughput table for sm_90 (tensorflow/tensorflow at 372d578b, third_party/xla/xla/service/
+    # gpu/model/matmul_interpolator_data.h, "Copyright 2025 The OpenXLA Authors", the
+    # ``kDefaultMatmulPTable`` entries under key "sm_90", "bf16xbf16->bf16", as FLOP/s). The file
+    # states neither the board (SXM or PCIe), the GEMM library (XLA's cuBLAS or Triton GEMMs) nor
+    # how it timed them: loops of one GEMM, compared at the loop's clock like MAMF. Batched
+    # (b x m x n x k): the same tiles and waves as one GEMM of b x m rows. No constant was read
+    # from them.
+    ("dgx-h100", (4, 4096, 2048, 2048), 759.3,
+     "XLA matmul_interpolator_data.h (OpenXLA 2025), sm_90 bf16: width 2048, K 2048", False),
+    ("dgx-h100", (4, 4096, 4096, 2048), 764.6,
+     "XLA matmul_interpolator_data.h (OpenXLA 2025), sm_90 bf16: width 2048, N 4096", False),
+    ("dgx-h100", (4, 4096, 2048, 4096), 808.7,
+     "XLA matmul_interpolator_data.h (OpenXLA 2025), sm_90 bf16: K 4096, N 2048", False),
+    ("dgx-h100", (4, 4096, 4096, 4096), 793.1,
+     "XLA matmul_interpolator_data.h (OpenXLA 2025), sm_90 bf16: width 4096", False),
+    ("dgx-h100", (1, 4096, 4096, 2048), 738.7,
+     "XLA matmul_interpolator_data.h (OpenXLA 2025), sm_90 bf16: 4096 rows, K 2048", False),
     # ml-engineering's SwiGLU sizing run "on H100" (training/performance/README.md, "SwiGLU-based
     # MLP", 2024-02; benchmarks/matrix-shape/swiglu-maf-bench.py: fp16 ``torch.bmm`` of
     # 4 x (4096 x 11008) @ (11008 x 4096), mean of 100 iterations after 50): 395.0 TFLOP/s at
@@ -202,6 +229,15 @@ CUDNN_ATTENTION_MEASUREMENTS = [
     (2 * 32, 8192, 128, True, 19.0716 / 12.0122, False),
 ]
 CUDNN_ATTENTION_SOURCE = "Transformer Engine v1.8 attention.ipynb (H100 PCIe): cuDNN over flash-attn 2, fwd+bwd"
+
+# (batch x heads, sequence, head dim, causal, published time with dropout 0.1 over without,
+# forward + backward, sets): NVIDIA/TransformerEngine#3312 (2026-08), ``DotProductAttention``
+# with the fused (cuDNN) backend forced on an H200 (sm90), TE 2.15.0, bf16, ``sbhd``, 4,096
+# tokens in 4 sequences (4 x 1,024), 16 heads of 128; causality not stated (TE's default
+# ``attn_mask_type`` is "causal"): 0.614 / 0.594 ms. The row ``gpu_kernels``' dropout ratio
+# was read from; the model applies it to kernel time, not to the launches.
+CUDNN_DROPOUT_MEASUREMENTS = [(4 * 16, 1024, 128, True, 0.614 / 0.594, True)]
+CUDNN_DROPOUT_SOURCE = "NVIDIA/TransformerEngine#3312 (H200, TE 2.15, sbhd): cuDNN fwd+bwd, dropout 0.1 over 0.0"
 
 # (GPU generation, MHz its datasheet's dense 16-bit peak is counted at, published sustained
 # MHz, source, sets): the clock the model's sustained ratio stands for is the ratio times the
@@ -297,6 +333,21 @@ def cudnn_attention_rows() -> list[Row]:
     return rows
 
 
+def cudnn_dropout_rows() -> list[Row]:
+    """cuDNN's fused attention with attention dropout over without it on an H200 (forward +
+    backward time ratio), predicted against Transformer Engine's published figures."""
+    device = dataclasses.replace(Cluster.preset("h200").device_of(0), attention_kernel="cudnn-fused-attention")
+    rows = []
+    for batch_heads, seq, head_dim, causal, published, sets in CUDNN_DROPOUT_MEASUREMENTS:
+        times = [sum(attention_times(batch_heads, seq, seq, head_dim, causal, device, "bfloat16",
+                                     generation_of(device), dropout_p=dropout_p))
+                 for dropout_p in (0.1, 0.0)]
+        case = f"cuDNN dropout 0.1, {batch_heads} heads x {seq} x d{head_dim}{' causal' if causal else ''}"
+        rows.append(Row("attention", "h200", case, published, times[0] / times[1], "x", CUDNN_DROPOUT_SOURCE,
+                        sets))
+    return rows
+
+
 def clock_rows() -> list[Row]:
     """The tensor-core clock a training step sustains, as the model's ratio implies it, against
     the published readings of a sustained clock."""
@@ -368,7 +419,7 @@ def collective_rows() -> list[Row]:
 
 def component_rows(fast: bool = False) -> list[Row]:
     """Every component's rows; ``fast``: the first of each component only."""
-    groups = [gemm_rows(), attention_rows() + cudnn_attention_rows(), clock_rows(), memory_rows(Row), loss_rows(),
+    groups = [gemm_rows(), attention_rows() + cudnn_attention_rows() + cudnn_dropout_rows(), clock_rows(), memory_rows(Row), loss_rows(),
               optimizer_rows(), collective_rows()]
     return [row for group in groups for row in (group[:1] if fast else group)]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from benchmarks.components import component_rows, main
@@ -220,3 +222,29 @@ def test_tilelang_k_sweep_row_by_hand():
     assert row.published == 705.0 and not row.sets_constant
     assert row.predicted == pytest.approx(flops / seconds / 1e12, rel=1e-3)
     assert row.predicted == pytest.approx(647.4, abs=0.1)
+
+
+def test_xla_width_2048_gemm_row_by_hand():
+    # XLA's sm_90 table, 4 x (4096 x 2048) @ (2048 x 2048): 4 x 16 x 16 = 1024 tiles of 256 x 128
+    # in ceil(1024 / 132) = 8 waves, each 2048 + 256 K iterations: shape efficiency 4 x 4096 x
+    # 2048^2 / (8 x 256 x 128 x 2304 x 132) = 0.86197, the TileLang 8192x8192x2048 row's (same
+    # tiles and waves), so 655.2 TFLOP/s in a step; 2 x 4 x 4096 x 2048^2 = 137.44 GFLOP take
+    # 209.77 us, + 5 us launch = 214.77 us: 639.9 TFLOP/s against the 759.3 measured.
+    row = next(row for row in component_rows() if row.case == "4 x 4096x2048x2048 bf16")
+    efficiency = 0.801 * (1575 / 1830) * (4 * 4096 * 2048**2 / (8 * 256 * 128 * 2304 * 132)) / (
+        6144 * 17920 * 2816 / (26 * 32768 * 3072 * 132))
+    flops = 2 * 4 * 4096 * 2048**2
+    assert row.published == 759.3 and not row.sets_constant
+    assert row.predicted == pytest.approx(flops / (flops / (989.4e12 * efficiency) + 5e-6) / 1e12, rel=1e-6)
+    assert row.predicted == pytest.approx(639.9, abs=0.1)
+
+
+def test_cudnn_dropout_row_is_the_kernel_time_ratio_by_hand():
+    # Dropout multiplies cuDNN's kernel times by 0.614 / 0.594 = 1.03367 and leaves the two 5 us
+    # launches: (1.03367 K + 10 us) / (K + 10 us) for the kernel time K without dropout.
+    from cost_model.gpu_kernels import attention_times
+    device = dataclasses.replace(Cluster.preset("h200").device_of(0), attention_kernel="cudnn-fused-attention")
+    (row,) = [row for row in component_rows() if row.case.startswith("cuDNN dropout")]
+    kernels = sum(attention_times(64, 1024, 1024, 128, True, device, "bfloat16", generation_of(device))) - 10e-6
+    assert row.sets_constant and row.published == pytest.approx(0.614 / 0.594)
+    assert row.predicted == pytest.approx((0.614 / 0.594 * kernels + 10e-6) / (kernels + 10e-6))
