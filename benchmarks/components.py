@@ -77,7 +77,12 @@ H100 figure found: the shape model at the loop's clock is 0.8-3.4% below each of
 (K = 2048 at 0.939-0.964 of K = 4096 measured, 0.948-0.954 modelled), so it does not price
 width-2048 GEMMs optimistically against that table; in a step (the sustained clock) it prices
 them 14.5-16.7% below it by design. The one attention-dropout row (Transformer Engine#3312 on
-an H200) is the ratio ``gpu_kernels``' cuDNN dropout slowdown was read from.
+an H200) is the ratio ``gpu_kernels``' cuDNN dropout slowdown was read from. cuDNN's absolute
+forward speed on H100 (the FlashAttention-3 paper's figure 5, head dim 128, no causal mask: 609
+TFLOP/s at 4k) is predicted 37% below (26% at the loop's clock): the model's cuDNN attention,
+FlashAttention-2's fractions scaled by Transformer Engine's forward + backward ratio, is
+pessimistic in forward by that much, and Megatron-Core's attention is not where its small
+rows' optimism comes from.
 
 The layer shapes of 7B, 13B and 70B models (Llama-2/3 widths, one 8192-token micro-batch) are
 printed with the model's efficiency and no error: beyond the A100 rows above we found no
@@ -230,6 +235,16 @@ CUDNN_ATTENTION_MEASUREMENTS = [
 ]
 CUDNN_ATTENTION_SOURCE = "Transformer Engine v1.8 attention.ipynb (H100 PCIe): cuDNN over flash-attn 2, fwd+bwd"
 
+# (batch x heads, sequence, head dim, causal, published forward TFLOP/s, sets): cuDNN's fused
+# attention forward on an H100 80GB SXM5, bf16, head dim 128 without a causal mask, 16k tokens
+# per batch (batch x sequence = 16,384, 16 heads of 128), the bar labels of the FlashAttention-3
+# paper's forward-speed figure (Shah et al. 2024, arXiv:2407.08608, figure 5): 609 TFLOP/s at
+# 4k, 595 at 16k (FlashAttention-2 368 and 370 in the same figure). An independent check of the
+# cuDNN kernel's absolute forward speed; the model's cuDNN factor was read from Transformer
+# Engine's forward + backward ratio (above), and no constant from these rows.
+CUDNN_FORWARD_MEASUREMENTS = [(4 * 16, 4096, 128, False, 609.0, False), (1 * 16, 16384, 128, False, 595.0, False)]
+CUDNN_FORWARD_SOURCE = "FlashAttention-3 paper fig. 5 (H100 SXM5): cuDNN forward, head dim 128, no causal mask"
+
 # (batch x heads, sequence, head dim, causal, published time with dropout 0.1 over without,
 # forward + backward, sets): NVIDIA/TransformerEngine#3312 (2026-08), ``DotProductAttention``
 # with the fused (cuDNN) backend forced on an H200 (sm90), TE 2.15.0, bf16, ``sbhd``, 4,096
@@ -333,6 +348,20 @@ def cudnn_attention_rows() -> list[Row]:
     return rows
 
 
+def cudnn_forward_rows() -> list[Row]:
+    """cuDNN's fused attention forward throughput on H100, predicted against the FlashAttention-3
+    paper's figure."""
+    device = dataclasses.replace(Cluster.preset("dgx-h100").device_of(0), attention_kernel="cudnn-fused-attention")
+    rows = []
+    for batch_heads, seq, head_dim, causal, published, sets in CUDNN_FORWARD_MEASUREMENTS:
+        forward, _ = attention_times(batch_heads, seq, seq, head_dim, causal, device, "bfloat16", generation_of(device))
+        flops = 4 * batch_heads * seq * seq * head_dim * (0.5 if causal else 1.0)
+        case = f"cuDNN {batch_heads} heads x {seq} x d{head_dim}{' causal' if causal else ''} fwd"
+        rows.append(Row("attention", "dgx-h100", case, published, flops / forward / 1e12, "TFLOP/s",
+                        CUDNN_FORWARD_SOURCE, sets))
+    return rows
+
+
 def cudnn_dropout_rows() -> list[Row]:
     """cuDNN's fused attention with attention dropout over without it on an H200 (forward +
     backward time ratio), predicted against Transformer Engine's published figures."""
@@ -419,7 +448,7 @@ def collective_rows() -> list[Row]:
 
 def component_rows(fast: bool = False) -> list[Row]:
     """Every component's rows; ``fast``: the first of each component only."""
-    groups = [gemm_rows(), attention_rows() + cudnn_attention_rows() + cudnn_dropout_rows(), clock_rows(), memory_rows(Row), loss_rows(),
+    groups = [gemm_rows(), attention_rows() + cudnn_attention_rows() + cudnn_forward_rows() + cudnn_dropout_rows(), clock_rows(), memory_rows(Row), loss_rows(),
               optimizer_rows(), collective_rows()]
     return [row for group in groups for row in (group[:1] if fast else group)]
 

@@ -248,3 +248,19 @@ def test_cudnn_dropout_row_is_the_kernel_time_ratio_by_hand():
     kernels = sum(attention_times(64, 1024, 1024, 128, True, device, "bfloat16", generation_of(device))) - 10e-6
     assert row.sets_constant and row.published == pytest.approx(0.614 / 0.594)
     assert row.predicted == pytest.approx((0.614 / 0.594 * kernels + 10e-6) / (kernels + 10e-6))
+
+
+def test_cudnn_forward_row_by_hand():
+    # cuDNN forward on the dgx-h100 preset, 4 x 16 heads x 4096 x d128, no causal mask: 4 x 64 x
+    # 4096^2 x 128 = 549.76 GFLOP. FlashAttention-2's fraction 0.35 of 989.4 TFLOP/s at the
+    # sustained clock 0.86066, times the shape: sequence 4096 / 4306 x 16594 / 16384 = 0.963425,
+    # 64 x 32 = 2048 thread blocks on 16 waves of 132 = 0.969697: 278.44 TFLOP/s, 1.97443 ms;
+    # cuDNN's 0.72239 of that is 1.42630 ms, + 5 us launch = 1.43130 ms: 384.1 TFLOP/s against
+    # the paper's 609.
+    (row,) = [row for row in component_rows() if row.case == "cuDNN 64 heads x 4096 x d128 fwd"]
+    flops = 4 * 64 * 4096**2 * 128
+    shape = (4096 / 4306) * (16594 / 16384) * (2048 / 2112)
+    seconds = 0.5415 / 0.7496 * flops / (989.4e12 * (1575 / 1830) * 0.35 * shape) + 5e-6
+    assert row.published == 609.0 and not row.sets_constant
+    assert row.predicted == pytest.approx(flops / seconds / 1e12, rel=1e-4)
+    assert row.predicted == pytest.approx(384.1, abs=0.1)
