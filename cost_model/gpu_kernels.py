@@ -127,10 +127,11 @@ ATTENTION_KERNEL_SLOWDOWN_BY_GENERATION = {
 # measurement is a 2026 TE and cuDNN, not the mid-2024 ones of Megatron-Core r0.8's runs; and
 # its sequences are short (fwd + bwd at ~100-200 TFLOP/s, far from the kernel's peak), so if the
 # random numbers cost a fixed time per attention weight, the share dropout adds at 4,096-token
-# sequences, where the kernel runs two to three times as fast, is larger (up to ~3x the 3.4%). Everywhere else (FlashAttention-2, Triton, other
-# generations) no measurement on that generation was found and dropout is not priced (the only
-# others are Blackwell's: issue #3312's B300 sbhd 1.09x, flash-attention 2 on a GB200 1.05x in
-# TE pull request #3313).
+# sequences, where the kernel runs two to three times as fast, is larger (up to ~3x the 3.4%).
+# Applied at any p > 0 (the measurement is Megatron's default p = 0.1). Everywhere else
+# (FlashAttention-2, Triton, other generations) no measurement on that generation was found and
+# dropout is not priced (the only others are Blackwell's: issue #3312's B300 sbhd 1.09x,
+# flash-attention 2 on a GB200 1.05x in TE pull request #3313).
 ATTENTION_DROPOUT_SLOWDOWN_BY_GENERATION = {
     ("cudnn-fused-attention", "H100"): 0.614 / 0.594,
     ("cudnn-fused-attention", "H200"): 0.614 / 0.594,
