@@ -12,7 +12,7 @@ import pytest
 
 from codegen.plan_checks import check_fields
 from cost_model.moe_overlap import (
-    LayerPasses, block_compute_s, exchange_compute_slowdown, exposed_communication, exposed_share,
+    LayerPasses, block_compute_s, exchange_compute_slowdown, exposed_communication, exposed_share, layer_passes,
     overlapped_layer_time, overlapped_pairs, overlapped_timeline,
 )
 from cost_model.simulator import Simulator, simulated
@@ -184,3 +184,27 @@ def test_a_saved_plan_keeps_it_compile_refuses_it_and_old_files_read_it_as_off(t
     plan = dataclasses.replace(moe_base_plan(graph, cluster, spec, name), accumulation_steps=2, moe_a2a_overlap=True,
                                expert_layouts=layouts("expert_parallel", ExpertPlacement.round_robin(4, 4)))
     check_simulation_only_field(simulated(plan, graph), "moe_a2a_overlap", tmp_path)
+
+
+def test_on_h100s_deepeps_exchange_slows_the_compute_it_hides_under():
+    # examples/moe.py on 4 H100s, its layers expert parallel with DeepEP's exchange, 2
+    # micro-batches: the simulator's share is the pair's with the compute beside the exchange
+    # on 112 of 132 SMs (exchange_compute_slowdown), worse than the same pair for free.
+    from planner.api import prepare_model
+    from planner.cluster import Cluster
+    from planner.model_spec import ModelSpec
+    from search.moe_search import moe_base_plan
+    from tests.test_moe_plan_costs import EXAMPLES
+
+    cluster = Cluster.preset("dgx-h100", 1, 4)
+    graph, spec, name, _ = prepare_model(ModelSpec(str(EXAMPLES / "moe.py"), {}), cluster)
+    deepep = tuple(dataclasses.replace(layout, all_to_all="deduplicated")
+                   for layout in layouts("expert_parallel", ExpertPlacement.round_robin(4, 4)))
+    plan = dataclasses.replace(moe_base_plan(graph, cluster, spec, name), accumulation_steps=2,
+                               moe_a2a_overlap=True, expert_layouts=deepep)
+    simulator = Simulator(plan, graph)
+    layer = simulator.context.moe_layers["blocks.0.moe"]
+    forward, backward = layer_passes(layer, block_compute_s(simulator.context, layer))
+    share = simulator.node_costs.a2a_exposed_share(layer)
+    assert share == pytest.approx(exposed_share(forward, backward, 2, 1, slowdown=20 / 112))
+    assert share > exposed_share(forward, backward, 2, 1)

@@ -50,7 +50,7 @@ def test_each_layer_leaves_its_all_to_alls_exposed_without_overlap(moe_pipeline:
     assert [row[5] for row in per_layer] == [row[3] for row in table]  # one layer per stage
 
 
-def test_the_overlap_shrinks_the_exposed_all_to_all_of_the_stages_it_reaches(moe_pipeline: Plan, graph) -> None:  # noqa: F811
+def test_the_overlap_shrinks_the_stages_it_reaches(moe_pipeline: Plan, graph) -> None:  # noqa: F811
     overlapped = simulated(dataclasses.replace(moe_pipeline, moe_a2a_overlap=True), graph)
     simulator = Simulator(overlapped, graph)
     micro_batches = overlapped.pipeline.micro_batches
