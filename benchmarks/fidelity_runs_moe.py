@@ -47,8 +47,19 @@ the rows (predicted faster unless said):
     zoo's rows do not say they forced balance, so they ran dropless with the auxiliary loss,
     whose imbalance slows the busiest expert (faster); the report's row forced balance, as
     simulated;
-  * DeepEP is priced as its exchange moves bytes (``all_to_all="deduplicated"``), not as its
-    kernels run them (its SMs taken from the GEMMs: either way);
+  * DeepEP is priced as its exchange moves bytes (``all_to_all="deduplicated"``); its normal
+    kernels' 20 SMs slow the compute beside them (``cost_model.moe_overlap``), which only the
+    EP overlap's rows run: without it the experts wait for the dispatch and the next layer for
+    the combine, so nothing computes during the exchange (slower where it applies);
+  * the EP overlap as Megatron-Core's main branch runs it from d7bf5aaaa8 (2025-08-26: the
+    interleaved pipeline's steady state only, with the experts' weight gradients delayed,
+    ``cost_model.moe_overlap``), as the model zoo's ``A2A_OVERLAP=1`` asks for it from
+    7f7b732 (2025-07-30: ``--delay-wgrad-compute --overlap-moe-expert-parallel-comm`` in
+    sbatch_benchmarking.sh). The EP32-ov row ran an earlier development branch
+    (``moe_dev(f3e6c5)`` in its table), not public; its configuration then listed, "Used for
+    1F1B overlap", ``NVTE_FWD/BWD_LAYERNORM_SM_MARGIN: 20`` (norm kernels leave 20 SMs free)
+    and ``CUDA_DEVICE_MAX_CONNECTIONS: 32`` (model_configs/benchmarking/Qwen3-235B-A22B.yaml
+    at 8017e1120), neither priced (faster);
   * Megatron-FSDP (the one row without a pipeline) is priced as the simulator's FSDP with one
     unit per transformer block (``fidelity.simulate``) for the dense part, not Megatron-FSDP's
     flat per-module buffers; its experts are not sharded at all: the folded MoE cost
@@ -100,7 +111,8 @@ Why TP4 EP8 is ranked ahead of TP2 EP32 (session 10's search; ``benchmarks/fidel
     virtual stage, -21%) point to is still not identified; candidates not priced: the MoE
     layer's host time as Megatron-Core and Transformer Engine spend it (the traced graph's
     ATen ops stand in for their Python modules), the routing imbalance of the dropless rows
-    on the busiest EP8 rank, DeepEP's SMs taken from the GEMMs.
+    on the busiest EP8 rank. (DeepEP's SMs taken from the GEMMs are priced
+    since session 12 where compute runs beside the exchange, under the EP overlap: not in TP4.)
 """
 
 from __future__ import annotations

@@ -25,15 +25,18 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from cost_model.autocast_activations import runtime_widths
 from cost_model.compute import op_times
+from cost_model.gpu_kernels import generation_of
 from cost_model.moe_layers import LaidOutLayer, routing_sync_bytes
-from cost_model.moe_overlap import block_compute_s, exposed_share, layer_passes
+from cost_model.moe_overlap import (
+    block_compute_s, exchange_compute_slowdown, exposed_share, layer_passes, overlapped_pairs,
+)
 from cost_model.op_share import work_split
 from cost_model.resharding import backward_collective, forward_collective
 from cost_model.step_context import StepContext
 from cost_model.step_contributor import overriding
 from cost_model.tp_comm_overlap import EdgeOverlap, edge_overlap, regather_exposed
 from planner.graph import OpNode
-from planner.strategy import EXPERT_COPIES_AXIS, NodeStrategy, expert_axis_size
+from planner.strategy import DUALPIPE, EXPERT_COPIES_AXIS, NodeStrategy, expert_axis_size
 
 SENT_FRACTION = {  # bytes a rank sends per byte of collective size, ring algorithms, n ranks
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -270,8 +273,19 @@ class NodeCosts:
             return 1.0
         key = ("moe_a2a_exposed", id(layer))  # the layer's block does not change within a simulation
         if key not in self.cache:
-            forward, backward = layer_passes(layer, block_compute_s(self.context, layer))
-            self.cache[key] = exposed_share(forward, backward, self.context.micro_batches)
+            context = self.context
+            forward, backward = layer_passes(layer, block_compute_s(context, layer))
+            # The pipeline rank running the layer: its stage module's index modulo the stages.
+            rank = context.strategies[layer.anchor].stage % context.pp if layer.anchor in context.strategies else 0
+            # A DualPipe plan's schedule (cost_model.dualpipe_step) decides which of its twin's
+            # passes overlap; the twin pairs every micro-batch but one, as before.
+            pipeline = context.plan.pipeline
+            stages = 1 if pipeline is not None and pipeline.schedule == DUALPIPE else context.pp
+            passes, pairs = overlapped_pairs(context.micro_batches, stages, context.chunks, rank)
+            generation = generation_of(context.device)
+            slowdown = exchange_compute_slowdown(layer.layout.all_to_all, generation.sms if generation else None,
+                                                 context.overlap_slowdown)
+            self.cache[key] = exposed_share(forward, backward, passes, pairs, slowdown)
         return self.cache[key]
 
     def kept_for_backward(self, name: str) -> bool:

@@ -220,7 +220,8 @@ class ExpertLayout:
     ``cost`` is the simulated forward + backward of the layer per step;
     ``exposed_all_to_all_s`` the part of its all-to-alls (dispatch and combine, both
     directions, all micro-batches) left on the critical path, less what runs under another
-    micro-batch's compute (``Plan.moe_a2a_overlap``); None where not simulated (a plan file
+    micro-batch's compute (``Plan.moe_a2a_overlap``), plus what that compute loses to the
+    exchange's SMs meanwhile (``cost_model.moe_overlap``); None where not simulated (a plan file
     written before it). Both are annotations: layouts compare without them.
     """
 

@@ -177,7 +177,9 @@ class Plan:
         moe_a2a_overlap: each expert-parallel MoE layer's all-to-alls run under another
             micro-batch's compute of the same layer (Megatron-Core's
             ``--overlap-moe-expert-parallel-comm``, DualPipe's overlapped chunk;
-            ``cost_model.moe_overlap``), one more micro-batch's activations held for it.
+            ``cost_model.moe_overlap``: in a pipeline, its steady state only; the compute
+            beside an exchange slowed by the SMs the exchange takes), one more
+            micro-batch's activations held for it.
             Searched only with ``--moe-dispatch overlapped``; compiled programs run each
             micro-batch's passes one after the other, so ``planner compile`` refuses it.
         model_fingerprint: the structural fingerprint of the planned model and its example

@@ -12,7 +12,8 @@ import pytest
 
 from codegen.plan_checks import check_fields
 from cost_model.moe_overlap import (
-    LayerPasses, block_compute_s, exposed_communication, exposed_share, overlapped_layer_time, overlapped_timeline,
+    LayerPasses, block_compute_s, exchange_compute_slowdown, exposed_communication, exposed_share, layer_passes,
+    overlapped_layer_time, overlapped_pairs, overlapped_timeline,
 )
 from cost_model.simulator import Simulator, simulated
 from planner.api import compile_blocker
@@ -26,14 +27,17 @@ BACKWARD = LayerPasses(attention=4, dispatch=1, experts=6, combine=1)
 
 
 def test_a_compute_heavy_layer_hides_every_all_to_all():
-    # Issue order, (stream) start-end, each part after its stream's last and its chain's last:
-    #   B combine (comm) 0-1; F attention (compute) 0-2; F dispatch (comm) 2-3 (after F attention);
-    #   B experts (compute) 2-8; B dispatch (comm) 8-9 (after B experts); F experts (compute)
-    #   8-11; F combine (comm) 11-12; B attention (compute) 11-15 (after B dispatch at 9).
+    # Issue order, (stream) start-end, each part after its stream's last and its chain's last;
+    # the backward experts split in data (3) and weight (3) gradients, the weight gradients
+    # outside the chain:
+    #   B combine (comm) 0-1; F attention (compute) 0-2; B dgrad (compute) 2-5 (after B combine
+    #   at 1 and F attention); F dispatch (comm) 2-3 (after F attention); B wgrad (compute) 5-8;
+    #   B dispatch (comm) 5-6 (after B dgrad, not B wgrad); F experts (compute) 8-11; F combine
+    #   (comm) 11-12; B attention (compute) 11-15 (after B dispatch at 6).
     assert overlapped_timeline(FORWARD, BACKWARD) == [
-        ("backward", "combine", 0, 1), ("forward", "attention", 0, 2), ("forward", "dispatch", 2, 3),
-        ("backward", "experts", 2, 8), ("backward", "dispatch", 8, 9), ("forward", "experts", 8, 11),
-        ("forward", "combine", 11, 12), ("backward", "attention", 11, 15),
+        ("backward", "combine", 0, 1), ("forward", "attention", 0, 2), ("backward", "expert_dgrad", 2, 5),
+        ("forward", "dispatch", 2, 3), ("backward", "expert_wgrad", 5, 8), ("backward", "dispatch", 5, 6),
+        ("forward", "experts", 8, 11), ("forward", "combine", 11, 12), ("backward", "attention", 11, 15),
     ]
     # 15 = the compute alone (2 + 3 + 4 + 6): the four all-to-alls (4 s) are hidden; run one
     # after the other the pair would take 19.
@@ -41,19 +45,62 @@ def test_a_compute_heavy_layer_hides_every_all_to_all():
     assert exposed_communication(FORWARD, BACKWARD) == 0
 
 
+def test_compute_beside_an_all_to_all_runs_slower():
+    # Slowdown 0.25: compute beside a running all-to-all progresses at 1 / 1.25 = 0.8.
+    #   0-1: B combine and F attention (0.8 of its 2 done, 1.2 left); 1-2.2: F attention alone.
+    #   2.2-3.2: F dispatch and B dgrad (0.8 of 3 done); 3.2-5.4: B dgrad's 2.2 alone.
+    #   5.4-6.4: B dispatch and B wgrad (0.8 of 3); 6.4-8.6: B wgrad's 2.2; 8.6-11.6: F experts
+    #   alone (F dispatch done at 3.2); 11.6-12.6: F combine and B attention (0.8 of 4);
+    #   12.6-15.8: B attention's 3.2. Each second of hidden all-to-all costs the compute 0.2 s:
+    #   15.8 = 15 + 4 x 0.2.
+    timeline = overlapped_timeline(FORWARD, BACKWARD, slowdown=0.25)
+    expected = [(0, 1), (0, 2.2), (2.2, 5.4), (2.2, 3.2), (5.4, 8.6), (5.4, 6.4), (8.6, 11.6), (11.6, 12.6),
+                (11.6, 15.8)]
+    assert [(start, end) for _, _, start, end in timeline] == [pytest.approx(pair) for pair in expected]
+    assert exposed_communication(FORWARD, BACKWARD, slowdown=0.25) == pytest.approx(0.8)
+
+
+def test_deepep_takes_its_sms_from_the_compute_and_nccl_its_measured_share():
+    # DeepEP's normal kernels on 20 of an H100's 132 SMs: the compute keeps 112, 132 / 112 - 1.
+    assert exchange_compute_slowdown("deduplicated", 132, 0.189) == pytest.approx(20 / 112)
+    # NCCL's all-to-all: the measured slowdown beside any collective (cost_model.nccl).
+    assert exchange_compute_slowdown("flat", 132, 0.189) == 0.189
+    assert exchange_compute_slowdown("hierarchical", None, 0.0) == 0.0
+    assert exchange_compute_slowdown("deduplicated", None, 0.189) == 0.0  # no SMs to take (a CPU)
+
+
 def test_a_communication_heavy_layer_exposes_what_compute_cannot_cover():
     forward = dataclasses.replace(FORWARD, dispatch=5, combine=5)
     backward = dataclasses.replace(BACKWARD, dispatch=5, combine=5)
-    # B combine 0-5; F attention 0-2; F dispatch 5-10; B experts 5-11; B dispatch 11-16;
-    # F experts 11-14; F combine 16-21; B attention 16-20: the pair ends at 21, compute is 15,
-    # so 6 of the 20 s of all-to-alls stay exposed.
-    assert overlapped_layer_time(forward, backward) == 21
-    assert exposed_communication(forward, backward) == 6
-    # 4 micro-batches: 3 overlapped pairs expose 6 each, the first forward and the last
-    # backward run alone and expose their 10 + 10: (3 x 6 + 20) / (4 x 20) = 0.475.
-    assert exposed_share(forward, backward, 4) == pytest.approx(0.475)
+    # B combine 0-5; F attention 0-2; B dgrad 5-8; F dispatch 5-10; B wgrad 8-11; B dispatch
+    # 10-15 (comm free at 10, B dgrad done at 8); F experts 11-14; F combine 15-20; B attention
+    # 15-19: the pair ends at 20, compute is 15, so 5 of the 20 s of all-to-alls stay exposed
+    # (6 with the experts' backward unsplit: B dispatch would wait for all 6 s of it).
+    assert overlapped_layer_time(forward, backward) == 20
+    assert exposed_communication(forward, backward) == 5
+    # 4 micro-batches, no pipeline: 3 overlapped pairs expose 5 each, the first forward and
+    # the last backward run alone and expose their 10 + 10: (3 x 5 + 20) / (4 x 20) = 0.4375.
+    assert overlapped_pairs(4) == (4, 3)
+    assert exposed_share(forward, backward, 4, 3) == pytest.approx(0.4375)
     # One micro-batch has no other to overlap with.
-    assert exposed_share(forward, backward, 1) == 1.0
+    assert exposed_share(forward, backward, *overlapped_pairs(1)) == 1.0
+
+
+def test_a_pipeline_overlaps_only_its_steady_state():
+    # Interleaved, 2 stages x 2 chunks, 4 micro-batches: 8 chunk forwards a rank. Warm-up
+    # (2 - rank - 1) x 2 + (2 - 1) x 2 + 1 (the overlap's extra forward): 5 on rank 0, 3 on
+    # rank 1; their backwards run alone in the cool-down, the rest pair.
+    assert overlapped_pairs(4, stages=2, chunks=2, rank=0) == (8, 3)
+    assert overlapped_pairs(4, stages=2, chunks=2, rank=1) == (8, 5)
+    # The model zoo's TP2 EP32 PP8 VPP4: 128 micro-batches, 512 chunk forwards; the first
+    # rank warms up with 7 x 2 + 3 x 8 + 1 = 39, the last with 25.
+    assert overlapped_pairs(128, stages=8, chunks=4, rank=0) == (512, 473)
+    assert overlapped_pairs(128, stages=8, chunks=4, rank=7) == (512, 487)
+    assert overlapped_pairs(2, stages=4, chunks=1, rank=0) == (2, 0)  # all warm-up
+    forward = dataclasses.replace(FORWARD, dispatch=5, combine=5)
+    backward = dataclasses.replace(BACKWARD, dispatch=5, combine=5)
+    # Rank 0 above: (3 x 5 + 5 x 20) / (8 x 20) = 0.71875.
+    assert exposed_share(forward, backward, 8, 3) == pytest.approx(0.71875)
 
 
 def expert_parallel_plan(model, steps: int, overlap: bool):  # noqa: F811
@@ -137,3 +184,27 @@ def test_a_saved_plan_keeps_it_compile_refuses_it_and_old_files_read_it_as_off(t
     plan = dataclasses.replace(moe_base_plan(graph, cluster, spec, name), accumulation_steps=2, moe_a2a_overlap=True,
                                expert_layouts=layouts("expert_parallel", ExpertPlacement.round_robin(4, 4)))
     check_simulation_only_field(simulated(plan, graph), "moe_a2a_overlap", tmp_path)
+
+
+def test_on_h100s_deepeps_exchange_slows_the_compute_it_hides_under():
+    # examples/moe.py on 4 H100s, its layers expert parallel with DeepEP's exchange, 2
+    # micro-batches: the simulator's share is the pair's with the compute beside the exchange
+    # on 112 of 132 SMs (exchange_compute_slowdown), worse than the same pair for free.
+    from planner.api import prepare_model
+    from planner.cluster import Cluster
+    from planner.model_spec import ModelSpec
+    from search.moe_search import moe_base_plan
+    from tests.test_moe_plan_costs import EXAMPLES
+
+    cluster = Cluster.preset("dgx-h100", 1, 4)
+    graph, spec, name, _ = prepare_model(ModelSpec(str(EXAMPLES / "moe.py"), {}), cluster)
+    deepep = tuple(dataclasses.replace(layout, all_to_all="deduplicated")
+                   for layout in layouts("expert_parallel", ExpertPlacement.round_robin(4, 4)))
+    plan = dataclasses.replace(moe_base_plan(graph, cluster, spec, name), accumulation_steps=2,
+                               moe_a2a_overlap=True, expert_layouts=deepep)
+    simulator = Simulator(plan, graph)
+    layer = simulator.context.moe_layers["blocks.0.moe"]
+    forward, backward = layer_passes(layer, block_compute_s(simulator.context, layer))
+    share = simulator.node_costs.a2a_exposed_share(layer)
+    assert share == pytest.approx(exposed_share(forward, backward, 2, 1, slowdown=20 / 112))
+    assert share > exposed_share(forward, backward, 2, 1)
