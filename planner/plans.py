@@ -72,7 +72,8 @@ LOSS_IMPLEMENTATIONS = ("", "fused_xentropy")
 # The fields of a plan's JSON; any other key is a family's section (Plan.sections).
 _PLAN_KEYS = frozenset((
     "format", "version", "model", "cluster", "mesh", "dp_flavour", "recompute", "pipeline", "accumulation_steps",
-    "precision", "optimizer", "optimizer_implementation", "loss_implementation", "metric_cross_entropies", "batch_size", "inputs", "fsdp_units", "expert_layouts",
+    "precision", "optimizer", "optimizer_implementation", "loss_implementation", "metric_cross_entropies",
+    "batch_size", "inputs", "fsdp_units", "expert_layouts",
     "summary", "estimate",
     "runners_up", "warnings", "search_summary", "label", "timings", "fused_splits_local", "tp_comm_overlap",
     "megatron_distributed_optimizer", "moe_a2a_overlap", "model_fingerprint", "strategies", "half_precision_weights",
