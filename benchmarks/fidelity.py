@@ -107,6 +107,10 @@ def simulate(run: Run, roofline: bool = False):
         changes["half_precision_weights"] = True
     if run.optimizer_implementation:
         changes["optimizer_implementation"] = run.optimizer_implementation
+    if run.loss_implementation:
+        changes["loss_implementation"] = run.loss_implementation
+    if run.metric_cross_entropies:
+        changes["metric_cross_entropies"] = run.metric_cross_entropies
     if run.hsdp_shard:
         changes["sections"] = {**plan.sections, "hsdp": HsdpSection(run.hsdp_shard)}
     if changes:

@@ -74,6 +74,12 @@ class Run:
             "fused" (Megatron-LM's and DeepSpeed's FusedAdam: the default), "foreach" (torch.optim's
             default on CUDA, torchtitan's until its PR #881 of 2025-02 made fused the default),
             "per_parameter" (Composer's DecoupledAdamW).
+        loss_implementation: how the run computes its cross entropy (``Plan.loss_implementation``):
+            "" (eager ``F.cross_entropy``, the default) or "fused_xentropy" (FlashAttention's
+            fused kernel, llm-foundry's default loss).
+        metric_cross_entropies: forward-only cross entropies the run's trainer computes per
+            micro-batch for its training metrics (``Plan.metric_cross_entropies``: Composer's
+            two for llm-foundry's MPT).
     """
 
     name: str
@@ -89,6 +95,8 @@ class Run:
     megatron_distributed_optimizer: bool = False
     half_precision_weights: bool = True
     optimizer_implementation: str = "fused"
+    loss_implementation: str = ""
+    metric_cross_entropies: int = 0
     moe: MoeLayout | None = None
 
     def describe(self, gpus: int) -> str:

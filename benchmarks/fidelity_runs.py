@@ -31,6 +31,10 @@ except ModuleNotFoundError:  # pragma: no cover
     from fidelity_runs_moe import megatron_core_moe_runs
 
 MPT_VOCAB = 50368  # llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml: vocab_size 50368
+# ComposerMPTCausalLM's train metrics (llmfoundry/models/mpt/modeling_mpt.py at v0.3.0:
+# ``train_metrics = [LanguageCrossEntropy(), LanguagePerplexity()]``), each updated by Composer
+# with a cross entropy over the logits after every micro-batch.
+COMPOSER_MPT_TRAIN_METRICS = 2
 LLM_FOUNDRY = "llm-foundry scripts/train/benchmarking/README.md"
 TORCHTITAN_A100 = "torchtitan docs/performance.md (2024, 64 A100)"
 # torchtitan's AdamW in 2024: ``torch.optim.AdamW(..., weight_decay=0.1, foreach=True)`` in its
@@ -190,6 +194,12 @@ def runs() -> list[Run]:
             tokens_step(batch, 2048, tokens, gpus), f"{tokens} tok/s/GPU",
             f"{LLM_FOUNDRY} ({'H100' if 'h100' in preset else 'A100 80GB'} table)",
             optimizer_implementation="per_parameter",  # the yamls' decoupled_adamw (Composer's loop)
+            # llm-foundry v0.3.0's default loss (ComposerMPTCausalLM: ``loss_fn`` defaults to
+            # ``fused_crossentropy``, FlashAttention's xentropy, installed by the sweep's
+            # ``pip install -e .[gpu]``), and Composer's two train metrics over every
+            # micro-batch's logits (LanguageCrossEntropy, LanguagePerplexity;
+            # Trainer._train_microbatch -> _eval_train_metrics at 18f2d3c33): cost_model.loss_kernels.
+            loss_implementation="fused_xentropy", metric_cross_entropies=COMPOSER_MPT_TRAIN_METRICS,
         ))
     # torchtitan on 64 A100 80GB (docs/performance.md of mid-2024): FSDP2, local batch 1 or 2,
     # gradients reduce-scattered in fp32: torchtitan's FSDP2 policy was

@@ -121,6 +121,13 @@ def check_fields(plan: Plan) -> None:
             "system's AdamW, which compiled programs do not run (they step torch.optim's default AdamW, foreach on GPUs; such "
             "plans simulate other systems' runs); re-plan with `planner plan` for a program"
         )
+    if plan.loss_implementation or plan.metric_cross_entropies:
+        raise PlanFileError(
+            f"plan field 'loss_implementation' is {_shown(plan.loss_implementation)} and 'metric_cross_entropies' "
+            f"{plan.metric_cross_entropies}: they price another system's loss and training metrics, which compiled "
+            "programs do not run (they compute one eager cross entropy; such plans simulate other systems' runs); "
+            "re-plan with `planner plan` for a program"
+        )
     if plan.moe_a2a_overlap:
         raise PlanFileError(
             "plan field 'moe_a2a_overlap' is true: it prices each MoE layer's all-to-alls as hidden under another "

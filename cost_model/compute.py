@@ -75,11 +75,15 @@ def runs_no_kernel(node: OpNode) -> bool:
     return next((a for a in node.attrs if isinstance(a, float)), 0.0) == 0.0
 
 
-def op_times(node: OpNode, work_fraction: float, device: DeviceSpec, precision: str) -> tuple[float, float]:
+def op_times(node: OpNode, work_fraction: float, device: DeviceSpec, precision: str,
+             loss_implementation: str = "", metric_cross_entropies: int = 0) -> tuple[float, float]:
     """(forward, backward) seconds of ``node`` doing ``work_fraction`` of its traced work.
 
     ``work_fraction`` is 1 / (ranks sharing the op's work x micro-batches). Activations are
-    stored in the precision's dtype, so bytes scale from the traced dtype.
+    stored in the precision's dtype, so bytes scale from the traced dtype. A cross entropy
+    is priced as ``loss_implementation`` computes it, with ``metric_cross_entropies`` more
+    forward passes (``Plan.loss_implementation``, ``Plan.metric_cross_entropies``;
+    ``cost_model.loss_kernels``).
     """
     if runs_no_kernel(node):
         return 0.0, 0.0
@@ -93,7 +97,8 @@ def op_times(node: OpNode, work_fraction: float, device: DeviceSpec, precision: 
         return shaped
     if node.op == CROSS_ENTROPY and gpu_kernels.generation_of(device) is not None and node.input_meta:
         _, memory, overhead = efficiencies(device, dtype)
-        return cross_entropy_times(node, work_fraction, device, element_bytes, memory, overhead)
+        return cross_entropy_times(node, work_fraction, device, element_bytes, memory, overhead,
+                                   loss_implementation, metric_cross_entropies)
     flops = node.flops * work_fraction
     num_bytes = node.bytes_moved * work_fraction * min(1.0, element_bytes / traced_bytes)
     kind_efficiency = kernel_memory_efficiency(node, device)

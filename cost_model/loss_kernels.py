@@ -28,6 +28,31 @@ in forward; one in-place multiply in backward) moves about as much (52 bytes aga
 Each kernel streams at the device's memory efficiency (``cost_model.defaults``) and pays
 the launch overhead. Priced on GPUs of a known generation (``gpu_kernels.generation_of``),
 where these kernels are the ones that run; CPUs keep the roofline.
+
+Another system's run may compute its loss otherwise (``Plan.loss_implementation``,
+``Plan.metric_cross_entropies``; ``benchmarks/fidelity.py`` sets them, the search never does):
+
+* ``"fused_xentropy"``: FlashAttention's fused softmax cross entropy (flash_attn/losses/
+  cross_entropy.py over the ``xentropy_cuda_lib`` extension, csrc/xentropy/xentropy_kernel.cu,
+  Dao-AILab/flash-attention at tag v1.0.9, 6d48e14a6, which llm-foundry v0.3.0's ``gpu``
+  extras install and its MPT models take by default: ``loss_fn: fused_crossentropy``). It reads
+  the 16-bit logits as they are, no fp32 copy: its forward kernel (``cunn_SoftMaxXEntropyForward``,
+  one thread block per row) reads the row once for the maximum and the plain sum together
+  (the two-reduction ``ilpReduce``) and once more for the sum of exponentials, and writes one
+  loss and one log-sum-exp per row; its backward kernel (``cunn_SoftMaxXEntropyBackward``)
+  reads the row once and writes its gradient once (``inplace_backward`` False: a new tensor).
+  Per 16-bit logit: forward 2 x 2 bytes, backward 2 + 2, one kernel each.
+* metric cross entropies: a trainer that computes training metrics from each micro-batch's
+  logits runs more cross entropies, forward only and without storing anything. Composer of
+  2023 (mosaicml/composer 18f2d3c33, the release llm-foundry v0.3.0 pinned) updates the train
+  metrics after every micro-batch's backward (``Trainer._train_microbatch`` ->
+  ``_eval_train_metrics``, under ``torch.no_grad`` and the autocast precision context), and
+  llm-foundry's MPT has two (``ComposerMPTCausalLM``: ``LanguageCrossEntropy`` and
+  ``LanguagePerplexity``, whose ``update`` each call ``torch.nn.CrossEntropyLoss(reduction=
+  'sum')`` on the logits: composer/metrics/nlp.py). Each is an eager cross entropy's forward
+  (the fp32 cast under autocast, ``log_softmax``, ``nll_loss``): 22 bytes per 16-bit logit
+  over a long vocabulary, three kernels. They are charged to the loss op's forward: a
+  micro-batch's total is the same wherever in it they run.
 """
 
 from __future__ import annotations
@@ -37,6 +62,7 @@ import math
 from cost_model.loss_parallel import CROSS_ENTROPY
 from planner.cluster import DeviceSpec
 from planner.graph import OpNode
+from planner.plans import LOSS_IMPLEMENTATIONS
 
 FP32_BYTES = 4
 # SoftMax.cu: the register-cached forward kernel takes rows of fewer than 10 x ILP x 1024
@@ -78,18 +104,48 @@ def cross_entropy_kernels(logits_bytes: int) -> tuple[int, int]:
     return 2 + cast, 3 + cast
 
 
+# FlashAttention v1.0.9 xentropy: passes over the logits (forward: max and sum, then the sum of
+# exponentials; backward: read the logits, write their gradient) and kernels, each way.
+FUSED_XENTROPY_PASSES = (2, 2)
+FUSED_XENTROPY_KERNELS = (1, 1)
+
+
+def loss_bytes_per_logit(classes: int, logits_bytes: int, implementation: str = "",
+                         metric_cross_entropies: int = 0) -> tuple[int, int]:
+    """(forward, backward) bytes moved per logit by the loss as ``implementation`` computes
+    it (``LOSS_IMPLEMENTATIONS``), the forward with ``metric_cross_entropies`` eager cross
+    entropies more (a trainer's metrics: no backward)."""
+    if implementation not in LOSS_IMPLEMENTATIONS:
+        raise ValueError(f"loss implementation must be one of {LOSS_IMPLEMENTATIONS[1:]} or empty, got {implementation!r}")
+    eager_forward, eager_backward = cross_entropy_bytes_per_logit(classes, logits_bytes)
+    if implementation == "fused_xentropy":
+        forward, backward = (passes * logits_bytes for passes in FUSED_XENTROPY_PASSES)
+    else:
+        forward, backward = eager_forward, eager_backward
+    return forward + metric_cross_entropies * eager_forward, backward
+
+
+def loss_kernels(logits_bytes: int, implementation: str = "", metric_cross_entropies: int = 0) -> tuple[int, int]:
+    """(forward, backward) kernel launches of the loss as ``loss_bytes_per_logit`` prices it."""
+    eager_forward, eager_backward = cross_entropy_kernels(logits_bytes)
+    forward, backward = FUSED_XENTROPY_KERNELS if implementation == "fused_xentropy" else (eager_forward, eager_backward)
+    return forward + metric_cross_entropies * eager_forward, backward
+
+
 def cross_entropy_times(node: OpNode, fraction: float, device: DeviceSpec, logits_bytes: int,
-                        memory_efficiency: float, overhead_s: float) -> tuple[float, float]:
-    """(forward, backward) seconds of eager ``F.cross_entropy`` doing ``fraction`` of the
-    traced op's work, its logits stored in ``logits_bytes``-byte elements (module docstring),
-    streaming at ``memory_efficiency`` of the device's bandwidth, each kernel paying
-    ``overhead_s``. The rows' gather of one logit and target each is left out (a row is
-    thousands of logits)."""
+                        memory_efficiency: float, overhead_s: float, implementation: str = "",
+                        metric_cross_entropies: int = 0) -> tuple[float, float]:
+    """(forward, backward) seconds of the language-model loss doing ``fraction`` of the
+    traced op's work, its logits stored in ``logits_bytes``-byte elements (module docstring):
+    eager ``F.cross_entropy`` or another ``implementation``, plus ``metric_cross_entropies``
+    forward-only cross entropies, streaming at ``memory_efficiency`` of the device's
+    bandwidth, each kernel paying ``overhead_s``. The rows' gather of one logit and target
+    each is left out (a row is thousands of logits)."""
     logits = node.input_meta[0]
     classes = logits.shape[1] if len(logits.shape) >= 2 else logits.shape[0]
     elements = math.prod(logits.shape) * fraction
-    forward_bytes, backward_bytes = cross_entropy_bytes_per_logit(classes, logits_bytes)
-    forward_kernels, backward_kernels = cross_entropy_kernels(logits_bytes)
+    forward_bytes, backward_bytes = loss_bytes_per_logit(classes, logits_bytes, implementation, metric_cross_entropies)
+    forward_kernels, backward_kernels = loss_kernels(logits_bytes, implementation, metric_cross_entropies)
     bandwidth = device.memory_bandwidth * memory_efficiency
     return (forward_bytes * elements / bandwidth + forward_kernels * overhead_s,
             backward_bytes * elements / bandwidth + backward_kernels * overhead_s)

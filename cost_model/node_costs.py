@@ -346,7 +346,10 @@ class NodeCosts:
         those of the current strategies)."""
         cost = NodeCost()
         work = 1.0 / (work_split(self.context.mesh, strategy) * self.context.micro_batches)
-        cost.forward_s, cost.backward_s = op_times(node, work, self.context.device, self.context.plan.precision)
+        plan = self.context.plan  # another system's loss, where the plan names one (Plan.loss_implementation)
+        cost.forward_s, cost.backward_s = op_times(node, work, self.context.device, plan.precision,
+                                                   getattr(plan, "loss_implementation", ""),
+                                                   getattr(plan, "metric_cross_entropies", 0))
         # Every line of a graph program is a DTensor op, views included; so is its backward.
         has_backward = any(meta.dtype.is_floating_point for meta in node.output_meta)
         if self.context.host is not None:

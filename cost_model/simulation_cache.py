@@ -147,6 +147,8 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
         plan.fused_splits_local,  # splits of fused projections gather or not (cost_model.split_gather)
         plan.tp_comm_overlap,  # sequence-parallel collectives hidden behind GEMMs (cost_model.tp_comm_overlap)
         plan.moe_a2a_overlap,  # all-to-alls under another micro-batch's compute (cost_model.moe_overlap)
+        # Another system's loss and training metrics (Plan.loss_implementation; cost_model.loss_kernels).
+        getattr(plan, "loss_implementation", ""), getattr(plan, "metric_cross_entropies", 0),
         # fp32 weights cast by autocast, fp32 gradients of replicated weights (cost_model.mixed_precision).
         holds_fp32_weights(plan), wraps_bf16_fsdp_units(plan),
         _strategies_part(plan.strategies),

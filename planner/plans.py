@@ -66,10 +66,14 @@ OPTIMIZERS = ("adamw", "sgd")
 # How another system's program runs AdamW (``Plan.optimizer_implementation``; priced by
 # ``cost_model.compute.optimizer_step_time``); "" is the compiled program's own.
 OPTIMIZER_IMPLEMENTATIONS = ("", "fused", "foreach", "per_parameter")
+# How another system's program computes its loss (``Plan.loss_implementation``; priced by
+# ``cost_model.loss_kernels``); "" is the compiled program's own eager cross entropy.
+LOSS_IMPLEMENTATIONS = ("", "fused_xentropy")
 # The fields of a plan's JSON; any other key is a family's section (Plan.sections).
 _PLAN_KEYS = frozenset((
     "format", "version", "model", "cluster", "mesh", "dp_flavour", "recompute", "pipeline", "accumulation_steps",
-    "precision", "optimizer", "optimizer_implementation", "batch_size", "inputs", "fsdp_units", "expert_layouts",
+    "precision", "optimizer", "optimizer_implementation", "loss_implementation", "metric_cross_entropies",
+    "batch_size", "inputs", "fsdp_units", "expert_layouts",
     "summary", "estimate",
     "runners_up", "warnings", "search_summary", "label", "timings", "fused_splits_local", "tp_comm_overlap",
     "megatron_distributed_optimizer", "moe_a2a_overlap", "model_fingerprint", "strategies", "half_precision_weights",
@@ -163,6 +167,16 @@ class Plan:
             ``cost_model.compute.optimizer_step_time``. Empty (the default): the compiled
             program's own (torch.optim's default: foreach on GPUs, single-tensor on gloo). The search never sets it,
             and ``planner compile`` refuses a plan that does (its program steps its own).
+        loss_implementation: how the run computes its cross entropy, where it is another
+            system's (``benchmarks/fidelity.py``): ``"fused_xentropy"`` (FlashAttention's fused
+            kernel over the 16-bit logits, llm-foundry's default loss). Empty (the default):
+            the compiled program's own eager ``F.cross_entropy``. Priced by
+            ``cost_model.loss_kernels``; the search never sets it and ``planner compile``
+            refuses a plan that does.
+        metric_cross_entropies: forward-only cross entropies the run's trainer computes over
+            each micro-batch's logits for its training metrics (Composer's, two for
+            llm-foundry's MPT; ``cost_model.loss_kernels``). 0 (the default) for compiled
+            programs, which compute none; ``planner compile`` refuses a plan that sets it.
         half_precision_weights: the run's model holds 16-bit weights and gradients, the fp32
             master weights living in its optimizer (Megatron-LM's ``Float16Module``,
             DeepSpeed's 16-bit engines, Composer's FSDP with ``mixed_precision: DEFAULT``):
@@ -210,6 +224,8 @@ class Plan:
     precision: str = "fp32"
     optimizer: str = "adamw"
     optimizer_implementation: str = ""
+    loss_implementation: str = ""
+    metric_cross_entropies: int = 0
     runners_up: tuple[Alternative, ...] = ()
     warnings: tuple[str, ...] = ()
     search_summary: str = ""
@@ -261,6 +277,13 @@ class Plan:
         if self.optimizer_implementation not in OPTIMIZER_IMPLEMENTATIONS:
             raise ValueError(f"field 'optimizer_implementation' must be one of {OPTIMIZER_IMPLEMENTATIONS[1:]} or empty, "
                              f"got {one_line(str(self.optimizer_implementation))!r}")
+        if self.loss_implementation not in LOSS_IMPLEMENTATIONS:
+            raise ValueError(f"field 'loss_implementation' must be one of {LOSS_IMPLEMENTATIONS[1:]} or empty, "
+                             f"got {one_line(str(self.loss_implementation))!r}")
+        count = self.metric_cross_entropies
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"field 'metric_cross_entropies' must be a whole number of 0 or more, "
+                             f"got {one_line(str(count))!r}")
         if self.left_out is not None and (not isinstance(self.left_out, LeftOutDevices) or self.left_out.cluster_ranks
                                           - sum(count for _, count in self.left_out.devices) != self.cluster.world_size):
             raise ValueError(f"field 'left_out' must say which ranks of a larger cluster this plan's {self.cluster.world_size} "
@@ -415,6 +438,8 @@ class Plan:
             "optimizer": self.optimizer,
             # Written only when set, so plans that do not use it read as before.
             **({"optimizer_implementation": self.optimizer_implementation} if self.optimizer_implementation else {}),
+            **({"loss_implementation": self.loss_implementation} if self.loss_implementation else {}),
+            **({"metric_cross_entropies": self.metric_cross_entropies} if self.metric_cross_entropies else {}),
             "batch_size": self.batch_size,
             "inputs": {name: placements_to_json(p) if p is not None else None for name, p in self.inputs.items()},
             "fsdp_units": list(self.fsdp_units),
@@ -500,6 +525,9 @@ class Plan:
                 optimizer=reader.get("optimizer", str),
                 optimizer_implementation=(reader.get("optimizer_implementation", str)
                                           if "optimizer_implementation" in data else ""),
+                loss_implementation=reader.get("loss_implementation", str) if "loss_implementation" in data else "",
+                metric_cross_entropies=(reader.get("metric_cross_entropies", int)
+                                        if "metric_cross_entropies" in data else 0),
                 runners_up=tuple(_runners_up_from(reader)),
                 warnings=tuple(reader.strings("warnings")),
                 search_summary=reader.get("search_summary", str),

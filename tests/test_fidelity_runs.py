@@ -83,6 +83,11 @@ def test_run_layouts_build_the_plans_they_state(name, layers):
     # (Megatron's, DeepSpeed's).
     expected = "per_parameter" if name.startswith("MPT-") else "foreach" if name.startswith("Llama3.1-405B") else "fused"
     assert plan.optimizer_implementation == expected
+    # llm-foundry's MPT computes its loss with FlashAttention's fused cross entropy and Composer
+    # updates two train metrics (cross entropies over the logits) after every micro-batch; every
+    # other row's framework runs one cross entropy of its own (priced as eager PyTorch's).
+    mpt = name.startswith("MPT-")
+    assert (plan.loss_implementation, plan.metric_cross_entropies) == (("fused_xentropy", 2) if mpt else ("", 0))
 
 
 def test_the_jean_zay_constant_applies_only_to_the_run_on_the_cluster_it_was_fitted_on():
