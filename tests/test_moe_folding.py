@@ -216,6 +216,23 @@ def test_a_folded_fsdp_plan_shards_its_experts_over_their_copies(traced):
     assert sum(event.endswith("reduce-scatter expert grads") for event in timeline) == 2 * 2
     assert plan.estimate.bytes_per_axis["expert-copies"] == pytest.approx(2 * 2 * 3 * 65_536)
     assert "expert-copies" not in whole.estimate.bytes_per_axis
+    # On NCCL (the arithmetic node, backend nccl) they run beside the compute as FSDP2's do:
+    # gathers on the all-gather stream, reduce-scatters on the reduce stream as soon as the
+    # block's backward is done, each 1/2 x 131,072 / 1e10 + 1 us = 7.5536e-6 s (fp32).
+    on_nccl = folded_plan(graph, dataclasses.replace(ONE_NODE, backend="nccl"), spec, name, mesh, ep=2,
+                          dp_flavour="fsdp", accumulation_steps=2).estimate.timeline
+    events = {event.name: event for event in on_nccl}
+    gathers = [event for event in on_nccl if "all-gather experts" in event.name]
+    reductions = [event for event in on_nccl if event.name.endswith("reduce-scatter expert grads")]
+    assert len(gathers) == 8 and {event.stream for event in gathers} == {"all_gather"}
+    assert len(reductions) == 4 and {event.stream for event in reductions} == {"collective"}
+    assert all(event.duration_s == pytest.approx(7.5536e-6) for event in gathers + reductions)
+    backward = events["B1 blocks.0 tp-comm"]
+    assert events["B1 blocks.0 reduce-scatter expert grads"].start_s == pytest.approx(
+        backward.start_s + backward.duration_s)
+    last = max(event.start_s + event.duration_s for event in reductions)
+    assert events["optimizer step"].start_s >= last - 1e-12  # the step waits for the last reduce-scatter
+
     from planner.moe_report import moe_table
     from rich.console import Console
 
