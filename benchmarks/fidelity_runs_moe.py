@@ -60,12 +60,17 @@ the rows (predicted faster unless said):
     1F1B overlap", ``NVTE_FWD/BWD_LAYERNORM_SM_MARGIN: 20`` (norm kernels leave 20 SMs free)
     and ``CUDA_DEVICE_MAX_CONNECTIONS: 32`` (model_configs/benchmarking/Qwen3-235B-A22B.yaml
     at 8017e1120), neither priced (faster);
-  * Megatron-FSDP (the one row without a pipeline) is priced as the simulator's FSDP with one
-    unit per transformer block (``fidelity.simulate``) for the dense part, not Megatron-FSDP's
-    flat per-module buffers; its experts are not sharded at all: the folded MoE cost
-    (``cost_model.moe_folding``) keeps every copy whole with its optimizer states and
-    all-reduces its gradients over the copies (EDP 32), where Megatron-FSDP shards and gathers
-    them (memory far over the device; time either way: no expert gathers, a larger reduction);
+  * Megatron-FSDP (the one row without a pipeline; ``--use-custom-fsdp
+    --data-parallel-sharding-strategy optim_grads_params``, the model zoo's
+    examples/qwen3/run_235b.sh at 31c5686) is priced as the simulator's FSDP with one unit per
+    transformer block (``fidelity.simulate``) for the dense part, not Megatron-FSDP's flat
+    per-module buffers, and its experts sharded over their EDP 32 copies
+    (``ExpertLayout.sharded_copies``, set by ``search.moe_folding.folded_plan`` under FSDP),
+    gathered in bf16 before each block's forward and backward and reduce-scattered in fp32
+    after every micro-batch's backward, as Megatron-FSDP runs them (``docs/fidelity_log.md``,
+    session 12); its fp32 main gradients are held as bf16 (about 1.7 GiB low) and the gathers
+    and reduce-scatters, on their own streams, do not share the NIC (the step is compute-bound
+    here; at NCCL's measured rates the NIC would be busy about as long: faster);
   * the report's row also captures the router and the dispatch preprocessing in CUDA graphs,
     which the simulator does not price (their host time is not modelled either way).
 

@@ -33,7 +33,8 @@ each MoE layer runs folded over its stage's ``dp x tp`` ranks (``codegen.runtime
 
 What this compiler does not write is refused in one line naming the combination and the fix
 (``check_foldable``): sequence parallelism, expert tensor parallelism (ETP > 1) in a pipeline
-or beside expert copies (EDP > 1), and without a pipeline data-parallel flavours other than
+or beside expert copies (EDP > 1), experts sharded over their copies (``sharded_copies``,
+priced as Megatron-FSDP runs them), and without a pipeline data-parallel flavours other than
 DDP and recomputation. Without a pipeline, also HuggingFace blocks with split experts (ETP >
 1, ``render_folded_program``) and, in ``tensor_parallel_replacements``, attention whose heads
 do not split over tp or that has parameters of its own (gpt-oss's sinks). With ETP > 1 each
@@ -78,6 +79,12 @@ def check_foldable(plan: Plan) -> None:
                 f"= dp x tp = {ranks} (no expert copies); layer {layout.module!r} has EP={ep}"
                 f"{' in a pipeline' if plan.pipeline is not None else ''}; re-plan with ETP 1"
             )
+    sharded = [layout.module for layout in plan.expert_layouts if layout.sharded_copies]
+    if sharded:
+        raise PlanningError(
+            f"compiled folded MoE programs keep every expert copy whole; layer {sharded[0]!r} shards its experts over "
+            f"their expert-data-parallel copies (Megatron-FSDP's way, priced only); re-plan with sharded_copies false"
+        )
     if plan.pipeline is not None:
         return  # the pipeline writer's own checks follow (codegen.pipeline_emit.unsupported)
     if plan.dp_flavour != "ddp":

@@ -12,7 +12,10 @@ parallel, then expert data parallel) the ``R`` ranks, listed as the mesh orders 
 - EP groups of ``EP`` ranks ``ETP`` apart (``folded[0], folded[ETP], ...``), over which the
   experts are placed (``layout.placement``) and the tokens exchanged by all-to-all;
 - ``EDP = R / (EP x ETP)`` copies of each EP x ETP block, whose expert gradients are
-  all-reduced (expert data parallelism).
+  all-reduced (expert data parallelism); or, with ``ExpertLayout.sharded_copies``, each
+  expert's weights, gradients and optimizer states sharded over its EDP group, gathered
+  before each pass and reduce-scattered after each backward, as Megatron-FSDP runs experts
+  (``cost_model.moe_layers.copy_shard_costs``, ``expert_data_parallel_groups``).
 
 Per micro-batch of ``T`` tokens (one forward's, over the ``R`` ranks), one pass:
 
@@ -143,7 +146,10 @@ def folded_layer_cost(layer: MoELayer, layout: ExpertLayout, cluster: Cluster, f
 
     weight_bytes = base.weight_bytes / etp
     edp = ranks // (ep * etp)
-    edp_sync = collective_time("all_reduce", weight_bytes, cluster, list(groups.edp)) if edp > 1 else 0.0
+    # Sharded over the EDP copies (``ExpertLayout.sharded_copies``) the gradients are
+    # reduce-scattered there instead (``cost_model.moe_layers.copy_shard_costs``).
+    whole_copies = edp > 1 and not layout.sharded_copies
+    edp_sync = collective_time("all_reduce", weight_bytes, cluster, list(groups.edp)) if whole_copies else 0.0
     # Kept for backward: each matmul's input, ETP x the rows, the hidden ones 1/ETP as wide.
     activations = rows * element * (layer.hidden + 2 * (layer.matmuls - 1) * layer.ffn / etp)
     per_pass = dispatch + etp_pass + redistribution

@@ -26,10 +26,12 @@ are not priced by their placements as other ops are. Instead:
   and, as FSDP2 runs a unit (``codegen.runtime.expert_copies``), all-gathers its experts'
   weights over its copy group before the layer's forward and again before its backward
   (on the collective stream, overlapped with the compute before it as FSDP's prefetch is:
-  ``NodeCost.weight_gather_s``) and reduce-scatters their gradients there after backward
-  (overlapped with the rest of backward, as the data-parallel reduction is:
-  ``NodeCost.axis_sync_s``), in place of the copies' all-reduce. The gathered weights of the
-  layer running and of the one prefetched are alive at once (communication buffers).
+  ``NodeCost.weight_gather_s``) and reduce-scatters their gradients there after every
+  micro-batch's backward (FSDP2 has no ``no_sync``; overlapped with the rest of backward on
+  the reduce-scatter stream: ``NodeCost.copy_reduce_s``), in place of the copies'
+  all-reduce. The gathered weights of the layer running and of the one prefetched are alive
+  at once (communication buffers). A folded layout (``cost_model.moe_folding``) shards over
+  its expert-data-parallel groups (``expert_data_parallel_groups``), as Megatron-FSDP does.
 
 The collectives are the compiled program's (``codegen/runtime/moe.py``, ``moe_modes.py``).
 
@@ -53,6 +55,7 @@ from planner.graph import OpGraph
 from planner.moe_blocks import MoEBlock
 from planner.program_shape import shards_expert_copies_in_bf16
 from planner.families.moe_folding.section import folding_of
+from planner.expert_layouts import FOLDED_AXIS_JOIN
 from planner.strategy import CostParts, ExpertLayout, expert_axes
 
 
@@ -76,8 +79,8 @@ class LaidOutLayer:
     gradients_synced: bool
     replica_sync_s: float  # summing the gradients of copied experts, per step
     copy_gather_s: float  # sharded copies: one all-gather of the device's experts, per pass
-    copy_reduce_s: float  # sharded copies: the reduce-scatter of their gradients, per step
-    copy_sent_bytes: float  # bytes a device sends for those, per step (two gathers, one reduce-scatter)
+    copy_reduce_s: float  # sharded copies: the reduce-scatter of their gradients, per micro-batch
+    copy_sent_bytes: float  # bytes a device sends for those, per micro-batch (two gathers, one reduce-scatter)
     gathered_bytes: float  # sharded copies: the device's experts' weights gathered whole
     routing_sync_s: float  # the routing's all-gather of counts, per micro-batch, in forward
     activation_bytes: float
@@ -92,6 +95,8 @@ class LaidOutLayer:
     # over which Megatron-Core's distributed optimizer shards the experts' states
     # (``cost_model.step_memory.expert_state_shards``); 1 otherwise.
     expert_data_parallel: int = 1
+    # The copies each expert's weights are sharded over (``copies_sharded_over``), else 1.
+    copy_shards: int = 1
 
 
 def moe_layer_of(block: MoEBlock, tokens: int) -> MoELayer:
@@ -180,16 +185,32 @@ class CopyShardCosts:
     gathered_bytes: float = 0.0
 
 
-def copy_shard_costs(block: MoEBlock, layout: ExpertLayout, cluster: Cluster, precision: str) -> CopyShardCosts:
-    """``CopyShardCosts`` of ``layout`` (zeros unless ``sharded_copies``). Every copy group
+def expert_data_parallel_groups(layout: ExpertLayout, folded: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """The expert-data-parallel groups of a folded ``layout`` over the ``folded`` ranks (mesh
+    order): the ranks holding the same experts, ``EP x ETP`` apart
+    (``cost_model.moe_folding``: Megatron's order, ETP innermost, then EP, then EDP), one
+    group per position in the EP x ETP block."""
+    block = layout.placement.devices * layout.tensor_parallel
+    return tuple(tuple(folded[start::block]) for start in range(block))
+
+
+def copy_shard_costs(block: MoEBlock, layout: ExpertLayout, cluster: Cluster, precision: str,
+                     folded: Sequence[int] | None = None) -> CopyShardCosts:
+    """``CopyShardCosts`` of ``layout`` (zeros unless ``sharded_copies``): over the
+    placement's copy groups, or, for a folded layout over ``folded`` ranks, its
+    expert-data-parallel groups (``expert_data_parallel_groups``). Every copy group
     gathers at once, so the groups share the inter-node links (``concurrent_groups``); the
     slowest group is charged. Weights and gradients move in the dtypes the compiled program
     moves them in: a bf16 plan's experts gather bf16 and reduce-scatter fp32 gradients
     (``planner.program_shape.shards_expert_copies_in_bf16``); otherwise both in the
-    precision's element size."""
+    precision's element size. Megatron-FSDP moves the same: bf16 weights gathered, gradients
+    reduced in fp32 (NVIDIA/Megatron-LM 1e057005, megatron/training/arguments.py: under
+    ``--bf16`` ``accumulate_allreduce_grads_in_fp32`` unless ``--grad-reduce-in-bf16``, which
+    becomes the custom FSDP's ``grad_reduce_in_fp32``, megatron/training/training.py)."""
     if not layout.sharded_copies:
         return CopyShardCosts()
-    groups = layout.placement.copy_groups
+    groups = (expert_data_parallel_groups(layout, folded) if folded is not None
+              else layout.placement.copy_groups)
     copies = len(groups[0])
     experts_held = layout.placement.most_experts_per_device
     elements = experts_held * block.matmuls * block.hidden * block.ffn
@@ -221,9 +242,15 @@ def dispatch_buffer_bytes(block: MoEBlock, layout: ExpertLayout, cost: MoECost, 
     return sent + cost.buffer_bytes
 
 
-def copies_sharded_over(layout: ExpertLayout) -> int:
-    """r, the copies each expert's weights are sharded over (``sharded_copies``), else 1."""
-    return len(layout.placement.copy_groups[0]) if layout.sharded_copies else 1
+def copies_sharded_over(layout: ExpertLayout, ranks: int = 0) -> int:
+    """r, the copies each expert's weights are sharded over (``sharded_copies``), else 1: a
+    folded layout's over ``ranks`` (dp x tp), its EDP = ranks / (EP x ETP); otherwise the
+    placement's copies."""
+    if not layout.sharded_copies:
+        return 1
+    if FOLDED_AXIS_JOIN in layout.axis:
+        return ranks // (layout.placement.devices * layout.tensor_parallel)
+    return len(layout.placement.copy_groups[0])
 
 
 def routing_sync_time(block: MoEBlock, cluster: Cluster, ranks: Sequence[int] | None = None) -> float:
@@ -271,7 +298,7 @@ def param_share(layout: ExpertLayout, world: int) -> tuple[float, bool]:
     if layout.mode == "expert_sliced":
         return 1.0 / world, False
     placement = layout.placement
-    return (placement.most_experts_per_device / layout.experts / copies_sharded_over(layout)
+    return (placement.most_experts_per_device / layout.experts / copies_sharded_over(layout, world)
             / layout.tensor_parallel), False
 
 
@@ -352,6 +379,7 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
         activation_function_s=function_s,
         expert_data_parallel=(len(group) // (layout.placement.devices * (layout.tensor_parallel or 1))
                               if folding_of(plan) is not None and layout.placement is not None else 1),
+        copy_shards=copies_sharded_over(layout, len(group)),
     )
 
 
@@ -382,7 +410,7 @@ def _priced(block: MoEBlock, layout: ExpertLayout, tokens: int, plan, group: tup
         replica_sync = replica_sync_time(block, layout, plan.cluster, plan.precision, group)
         buffers = dispatch_buffer_bytes(block, layout, cost, tokens // micro_batches, world, plan.precision)
     fraction, synced = param_share(layout, world)
-    sharding = copy_shard_costs(block, layout, plan.cluster, plan.precision)
+    sharding = copy_shard_costs(block, layout, plan.cluster, plan.precision, group if folding is not None else None)
     function_bytes, function_s = activation_function_costs(block, cost.busiest_copies,
                                                            (layout.tensor_parallel or 1) if folding is not None else 1,
                                                            element, plan.cluster.device_of(group[0]))
@@ -417,9 +445,9 @@ def annotated_layouts(layouts, layers: dict[str, LaidOutLayer], micro_batches: i
         cost = layer.cost
         annotated.append(dataclasses.replace(layout, cost=CostParts(
             compute_s=(cost.forward_compute_s + cost.backward_compute_s) * micro_batches,
-            communication_s=((cost.communication_s + layer.routing_sync_s + 2 * layer.copy_gather_s) * micro_batches
-                             + layer.replica_sync_s + layer.copy_reduce_s),
-            memory_bytes=int(cost.weight_bytes / copies_sharded_over(layout) + layer.buffer_bytes
+            communication_s=((cost.communication_s + layer.routing_sync_s + 2 * layer.copy_gather_s
+                              + layer.copy_reduce_s) * micro_batches + layer.replica_sync_s),
+            memory_bytes=int(cost.weight_bytes / layer.copy_shards + layer.buffer_bytes
                              + 2 * layer.gathered_bytes),
         )))
     return tuple(annotated)

@@ -64,6 +64,11 @@ class NodeCost:
     # segment runs, prefetched as FSDP's gathers are: an MoE layer's experts all-gathered
     # over their copies (``ExpertLayout.sharded_copies``).
     weight_gather_s: float = 0.0
+    # Per micro-batch, on the reduce-scatter stream after the op's segment's backward: the
+    # gradients of an MoE layer's sharded expert copies reduce-scattered over their copies
+    # (FSDP2 reduce-scatters a unit after every backward, having no ``no_sync``; Megatron-FSDP
+    # under ``optim_grads_params`` likewise, ``grad_reduce_every_bprop``).
+    copy_reduce_s: float = 0.0
     # Transient bytes the op holds while it runs beyond its inputs and outputs (a SUMMA
     # matmul's received or gathered blocks and partial sums).
     buffer_bytes: float = 0.0
@@ -246,14 +251,14 @@ class NodeCosts:
                 cost.forward_comm_s = moe.forward_comm_s * exposed + layer.routing_sync_s
                 cost.backward_comm_s = moe.backward_comm_s * exposed + layer.replica_sync_s / self.context.micro_batches
                 cost.weight_gather_s = layer.copy_gather_s
-                cost.axis_sync_s = layer.copy_reduce_s  # sharded copies' reduce-scatter, overlapped
+                cost.copy_reduce_s = layer.copy_reduce_s  # sharded copies' reduce-scatter, every micro-batch
                 cost.saved_bytes = layer.activation_bytes
                 # The routing all-gather, over the layout's ranks (all of dp x tp when folded).
                 routing = routing_sync_bytes(layer.block, expert_axis_size(self.context.mesh, layer.layout.axis))
                 if moe.sent_bytes or routing:
                     cost.axis_bytes[layer.layout.axis] = moe.sent_bytes + routing
                 if layer.copy_sent_bytes:  # over the copy groups, sub-groups of the layout's axis
-                    cost.axis_bytes[EXPERT_COPIES_AXIS] = layer.copy_sent_bytes / self.context.micro_batches
+                    cost.axis_bytes[EXPERT_COPIES_AXIS] = layer.copy_sent_bytes  # per micro-batch
             return cost
         split = expert_axis_size(self.context.mesh, layer.layout.axis) * self.context.micro_batches
         cost.forward_s, cost.backward_s = op_times(node, 1.0 / split, self.context.device, self.context.plan.precision)

@@ -72,6 +72,7 @@ class Segment:
     axis_bytes: dict[str, float] = field(default_factory=dict)
     axis_sync_s: float = 0.0  # NodeCost.axis_sync_s of its nodes
     weight_gather_s: float = 0.0  # NodeCost.weight_gather_s of its nodes, per pass
+    copy_reduce_s: float = 0.0  # NodeCost.copy_reduce_s of its nodes, per micro-batch
     # Weights each rank holds its own of (experts split by an MoE layout): kept out of the
     # dp flavour's sharding, gathering and gradient reduction.
     per_rank: set[str] = field(default_factory=set)
@@ -229,6 +230,7 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
         segment.saved_bytes += cost.saved_bytes
         segment.axis_sync_s += cost.axis_sync_s
         segment.weight_gather_s += cost.weight_gather_s
+        segment.copy_reduce_s += cost.copy_reduce_s
         segment.buffer_bytes = max(segment.buffer_bytes, cost.buffer_bytes)
         for axis, sent in cost.axis_bytes.items():
             segment.axis_bytes[axis] = segment.axis_bytes.get(axis, 0.0) + sent

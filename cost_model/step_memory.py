@@ -64,8 +64,9 @@ def expert_state_shards(context: StepContext) -> dict[str, int]:
     Empty unless the plan runs that optimizer; a weight not listed is stepped whole."""
     if not runs_megatron_sync(context):
         return {}
+    # Sharded copies hold 1/EDP of their weights already (``LaidOutLayer.param_fraction``).
     return {weight: layer.expert_data_parallel for layer in context.moe_layers.values()
-            for weight in layer.expert_weights if layer.expert_data_parallel > 1}
+            for weight in layer.expert_weights if layer.expert_data_parallel > 1 and layer.copy_shards == 1}
 
 
 def _own_state_elements(context: StepContext, params: dict[str, float], per_rank: set[str]) -> float:

@@ -25,7 +25,7 @@ from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
 from cost_model.segments import Segment
 from cost_model.step_context import StepContext
-from cost_model.step_contributor import GATHER_STREAM, ParameterSharding, StepContributor, fsdp2_stream, overriding
+from cost_model.step_contributor import GATHER_STREAM, REDUCE_STREAM, ParameterSharding, StepContributor, fsdp2_stream, overriding
 from cost_model.step_memory import device_parameters, optimizer_state_bytes, parameter_sharding
 
 
@@ -305,7 +305,11 @@ class StepTasks:
             comm = sum(backward_comm(s, recompute) + extra.backward_gather_s for s, extra in zip(segments, extras))
             comm += sum(s.weight_gather_s for s in segments)  # sharded expert copies' gathers, not overlapped here
             compute = self.graph.add(f"B{mb}", (device, "compute"), duration, deps=deps)
-            return self.graph.add(f"B{mb} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
+            last = self.graph.add(f"B{mb} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
+            copies = sum(s.copy_reduce_s for s in segments)
+            if copies:  # the sharded expert copies' reduce-scatters, after this micro-batch's backward
+                sync_after.setdefault(device, []).append(self._copy_reduce(device, copies, [last], f"B{mb}"))
+            return last
         reductions = [gradient_reduction(self, device, sync) for gradient_reduction in self._gradient_reductions]
         reductions = [reduction for reduction in reductions if reduction is not None]
         ends: list[int] = []  # each segment's last task, in backward order
@@ -329,6 +333,9 @@ class StepTasks:
             comm = backward_comm(segment, recompute) + extras.backward_gather_s
             last = self.graph.add(f"B{mb} {segment.name} tp-comm", (device, "compute"), comm, deps=[compute], kind="tp_comm") if comm else compute
             ends.append(last)
+            if segment.copy_reduce_s:  # every micro-batch (NodeCost.copy_reduce_s)
+                sync_after.setdefault(device, []).append(
+                    self._copy_reduce(device, segment.copy_reduce_s, [last], f"B{mb} {segment.name}"))
             if segment.axis_sync_s and sync and mb == self.context.micro_batches - 1:
                 sync_after.setdefault(device, []).append(self.graph.add(
                     f"all-reduce grads off dp ({segment.name})", (device, "collective"), segment.axis_sync_s, deps=[last], kind="comm"))
@@ -364,6 +371,13 @@ class StepTasks:
         after ``issue_after`` (``prefetch_after``); on gloo it blocks the compute stream."""
         return self.graph.add(f"{label} all-gather experts {segment.name}", (device, fsdp2_stream(self.context, GATHER_STREAM)),
                               segment.weight_gather_s, deps=issue_after, kind="comm")
+
+    def _copy_reduce(self, device: str, seconds: float, deps: list[int], label: str) -> int:
+        """The reduce-scatter of sharded expert copies' gradients (``Segment.copy_reduce_s``)
+        after ``deps``, on the reduce-scatter stream FSDP2 runs its own on (Megatron-FSDP: its
+        side stream, ``GradReducePipeline``); on gloo it blocks the compute stream."""
+        return self.graph.add(f"{label} reduce-scatter expert grads", (device, fsdp2_stream(self.context, REDUCE_STREAM)),
+                              seconds, deps=deps, kind="comm")
 
     def _boundary_bytes(self, chunk_segments: dict[int, list[Segment]], vs: int) -> float:
         """Activation bytes a micro-batch carries from virtual stage ``vs`` to ``vs + 1``."""

@@ -205,7 +205,12 @@ class ExpertLayout:
     expert-data-parallel group and torchtitan's FSDP2 over the expert-replica mesh dim): the
     weights are all-gathered over the copy group before forward and again before backward,
     and the gradients reduce-scattered there, instead of whole copies whose gradients are
-    all-reduced. False: every copy holds whole weights and states.
+    all-reduced. False: every copy holds whole weights and states. On a folded axis
+    (``"dp*tp"``) the copies are the ``EDP = ranks / (EP x ETP)`` expert-data-parallel ranks
+    holding the same experts, not the placement's (which places over EP only): each expert
+    sharded over its EDP group, as Megatron-FSDP shards expert parameters over
+    ``expert_data_parallel_group`` (``cost_model.moe_folding``); EDP >= 2 and ETP 1 are
+    checked with the mesh (``planner.families.moe_folding.section``).
 
     ``tensor_parallel`` (expert tensor parallelism, ETP; expert parallel only): each expert's
     hidden width split over this many ranks, as Megatron-Core's ``expert_tensor_parallel_size``
@@ -264,7 +269,8 @@ class ExpertLayout:
             raise ValueError(f"sharded_copies must be true or false, got {str(self.sharded_copies)[:40]!r}")
         if self.sharded_copies:
             groups = self.placement.copy_groups if self.placement is not None else None
-            if groups is None or len(groups[0]) < 2:
+            folded = FOLDED_AXIS_JOIN in self.axis and self.placement is not None  # copies: the EDP ranks
+            if not folded and (groups is None or len(groups[0]) < 2):
                 raise ValueError(
                     "sharded_copies needs an expert_parallel layout whose placement gives every expert the same "
                     "number (>= 2) of copies, on devices that hold the same experts (a grid: groups x copies); "

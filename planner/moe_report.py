@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from planner.errors import one_line
+from planner.expert_layouts import FOLDED_AXIS_JOIN
 from planner.strategy import EXPERT_MODE_WORDS, ExpertLayout, ExpertPlacement, expert_axis_size
 from planner.units import format_bytes, format_seconds
 from planner.report_parts import Paragraph
@@ -77,7 +78,10 @@ def _placement_text(layout: ExpertLayout, devices: int) -> str:
     copies = (
         f", {extra} extra copies of experts {_list(copied)}" if copied else ", no copies"
     )
-    if layout.sharded_copies:  # the copies of each expert hold a shard of it each
+    if layout.sharded_copies and FOLDED_AXIS_JOIN in layout.axis:  # over the EDP ranks holding the same experts
+        edp = devices // (placement.devices * layout.tensor_parallel)
+        copies = f", each expert sharded over its {edp} expert-data-parallel copies"
+    elif layout.sharded_copies:  # the copies of each expert hold a shard of it each
         copies += f", each expert sharded over its {len(placement.copy_groups[0])} copies"
     return f"{one_line(placement.method)[:40] or 'given'}: {per_device} experts per device{copies}"
 

@@ -11,8 +11,9 @@ whose gradients are reduced over the expert-data-parallel group; the distributed
 (ZeRO-1, ``dp_flavour="zero1"``), the experts' over their expert-data-parallel group. The
 nearest the planner has for the latter is each expert sharded over its copies
 (``ExpertLayout.sharded_copies``), which shards its weights and gradients too and gathers
-the weights before forward and backward: less memory than Megatron-Core holds and one more
-gather; without copies (``ep == dp``) nothing changes. Its token dispatcher ``alltoall`` exchanges each
+the weights before forward and backward: less memory than Megatron-Core holds, one more
+gather, and a reduce-scatter after every micro-batch (FSDP2's, where the distributed
+optimizer reduces once a step); without copies (``ep == dp``) nothing changes. Its token dispatcher ``alltoall`` exchanges each
 micro-batch's tokens with one all-to-all before the experts and one after (a flat exchange).
 Micro-batches of ``micro_batch_size`` samples per rank accumulate gradients, each routed on
 its own.

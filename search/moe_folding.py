@@ -108,9 +108,11 @@ def degrees_every_layer_allows(graph: OpGraph, ranks: int, tp: int) -> set[tuple
     return shared or set()
 
 
-def folded_layouts(graph: OpGraph, routing: RoutingStats, ep: int, etp: int) -> tuple[ExpertLayout, ...]:
+def folded_layouts(graph: OpGraph, routing: RoutingStats, ep: int, etp: int,
+                   sharded_copies: bool = False) -> tuple[ExpertLayout, ...]:
     """One layout per MoE layer of ``graph``: expert parallel on ``dp*tp`` with EP ``ep``
-    (round-robin) and ETP ``etp``."""
+    (round-robin) and ETP ``etp``; ``sharded_copies``: each expert sharded over its
+    expert-data-parallel copies (``ExpertLayout.sharded_copies``)."""
     layouts = []
     for block in graph.moe_blocks:
         statistics = routing.layer(block.module, block.experts, block.top_k)
@@ -118,7 +120,7 @@ def folded_layouts(graph: OpGraph, routing: RoutingStats, ep: int, etp: int) -> 
             module=block.module, mode="expert_parallel", experts=block.experts, top_k=block.top_k,
             capacity_factor=block.capacity_factor, axis=FOLDED_DP_TP,
             placement=ExpertPlacement.round_robin(block.experts, ep), routing=routing_label(routing, block.module),
-            expert_loads=tuple(statistics.token_share), tensor_parallel=etp,
+            expert_loads=tuple(statistics.token_share), tensor_parallel=etp, sharded_copies=sharded_copies,
         ))
     return tuple(layouts)
 
@@ -197,6 +199,13 @@ def folded_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_
     (without a pipeline) ``accumulation_steps`` are the plan's (the Megatron-Core grid,
     ``search.megatron_moe``, sets them; the search keeps the defaults). ``dense``: what
     ``dense_strategies(graph, mesh, sequence_parallel)`` gave, when the caller keeps it.
+    Under ``dp_flavour="fsdp"`` the experts are sharded too, each over its EDP = dp x tp /
+    (EP x ETP) copies where there are two or more and ETP is 1 (``ExpertLayout.sharded_copies``,
+    written in the plan's layouts), as Megatron-FSDP shards expert parameters over the
+    expert-data-parallel group (NVIDIA/Megatron-LM 1e057005,
+    megatron/core/distributed/custom_fsdp/param_and_grad_buffer.py: each FSDP unit's expert
+    parameters a parameter group of their own, ``expert_data_parallel_group``). Compiled
+    folded programs run DDP only (``codegen.moe_folding_emit.check_foldable`` refuses the rest).
 
     Raises:
         PlanningError: Megatron's layout does not split the model over ``tp`` or ``pp``.
@@ -209,7 +218,9 @@ def folded_plan(graph: OpGraph, cluster: Cluster, spec: ModelSpec | None, model_
     base = unsimulated_plan(graph, cluster, spec, model_name, mesh, strategies, inputs, dp_flavour=dp_flavour,
                             precision=precision, warnings=tuple(warnings), label=MOE_LABEL, pipeline=pipeline,
                             recompute=recompute, accumulation_steps=accumulation_steps)
-    plan = dataclasses.replace(base, expert_layouts=folded_layouts(graph, routing or RoutingStats(), ep, etp),
+    edp = mesh.axis_size("dp") * mesh.axis_size("tp") // (ep * etp)
+    sharded = dp_flavour == "fsdp" and edp > 1 and etp == 1
+    plan = dataclasses.replace(base, expert_layouts=folded_layouts(graph, routing or RoutingStats(), ep, etp, sharded),
                                sections={**base.sections, JSON_KEY: MoeFoldingSection(sequence_parallel)})
     return simulated(plan, graph)
 

@@ -227,8 +227,8 @@ def layer_score(block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Clu
     the gathered weights of the layer running and of the one prefetched). With
     ``micro_batches`` (gradient accumulation) the layer routes, moves and computes each
     micro-batch's tokens in turn (``price_layout`` of one, times their count; the weights
-    gathered for each) and keeps one micro-batch's activations and buffers; gradients are
-    reduced once per step."""
+    gathered and, with sharded copies, their gradients reduce-scattered for each) and keeps
+    one micro-batch's activations and buffers; other gradients are reduced once per step."""
     cost = price_layout(block, layout, tokens, cluster, precision, micro_batches)
     world = cluster.world_size
     fraction, synced = param_share(layout, world)
@@ -237,9 +237,9 @@ def layer_score(block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Clu
         "all_reduce", held * bytes_per_parameter(precision)[1], cluster, list(range(world))
     ) if synced and world > 1 else 0.0
     sharding = copy_shard_costs(block, layout, cluster, precision)
-    per_micro_batch = cost.total_s + routing_sync_time(block, cluster) + 2 * sharding.gather_s
-    time_s = (micro_batches * per_micro_batch + replica_sync_time(block, layout, cluster, precision)
-              + gradient_sync + sharding.reduce_s)
+    # Sharded copies are reduce-scattered after every micro-batch's backward (FSDP2 has no no_sync).
+    per_micro_batch = cost.total_s + routing_sync_time(block, cluster) + 2 * sharding.gather_s + sharding.reduce_s
+    time_s = micro_batches * per_micro_batch + replica_sync_time(block, layout, cluster, precision) + gradient_sync
     element = element_bytes(precision)
     activations = cost.busiest_copies * element * (block.hidden + 2 * (block.matmuls - 1) * block.ffn)
     buffers = dispatch_buffer_bytes(block, layout, cost, tokens // micro_batches, world, precision)

@@ -121,6 +121,8 @@ def test_fidelity_simulates_an_moe_row_as_its_layout_says(config, flavour, overl
     assert all(layout.all_to_all == "flat" for layout in plan.expert_layouts)
     if config.pp == 1:
         assert plan.accumulation_steps == 2 and plan.recompute == "full"  # 16 / (4 ranks x 2 samples)
+        # Megatron-FSDP shards the experts over their EDP = 8 / 4 = 2 copies (search.moe_folding.folded_plan).
+        assert all(layout.sharded_copies for layout in plan.expert_layouts)
     else:
         assert plan.pipeline.virtual_stages == 2
     assert plan.estimate.step_time_s > 0

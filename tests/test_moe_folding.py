@@ -17,11 +17,15 @@ import pytest
 
 from cost_model.moe import MoELayer, moe_layer_cost
 from cost_model.moe_folding import folded_groups, folded_layer_cost
+from cost_model.moe_layers import copies_sharded_over, copy_shard_costs, expert_data_parallel_groups, param_share
 from planner.api import prepare_model
 from planner.cluster import Cluster, DeviceSpec, LinkSpec, NodeSpec
-from planner.errors import PlanFileError
+from codegen.moe_folding_emit import check_foldable
+from cost_model.simulator import simulated
+from planner.errors import PlanFileError, PlanningError
 from planner.families.moe_folding.section import MoeFoldingSection
 from planner.model_spec import ModelSpec
+from planner.moe_blocks import MoEBlock
 from planner.plans import Plan
 from planner.strategy import ExpertLayout, ExpertPlacement, Mesh
 from search.moe_folding import folded_degrees, folded_plan
@@ -95,6 +99,32 @@ def test_expert_data_parallel_copies_all_reduce_their_gradients():
     assert cost.moe.forward_compute_s == pytest.approx(ep_only.forward_compute_s)
 
 
+BLOCK = MoEBlock(module="blocks.0.moe", experts=4, top_k=2, capacity_factor=1.0, hidden=64, ffn=128, matmuls=2,
+                 router="router.weight", expert_weights=("experts.w_in", "experts.w_out"), kind="test")
+
+
+def test_experts_sharded_over_their_expert_data_parallel_copies_priced_by_hand():
+    """Megatron-FSDP's experts (``ExpertLayout.sharded_copies`` on a folded layout): EP=2,
+    ETP=1 over dp2 x tp2 = 4 ranks leaves EDP = 4 / 2 = 2 copies of each expert (ranks 0 and
+    2 hold experts 0 and 2, ranks 1 and 3 experts 1 and 3), and each copy holds half of it."""
+    sharded = dataclasses.replace(layout(ep=2), sharded_copies=True)
+    assert expert_data_parallel_groups(sharded, (0, 1, 2, 3)) == ((0, 2), (1, 3))  # EP x ETP = 2 apart
+    assert copies_sharded_over(sharded, 4) == 2 and copies_sharded_over(layout(ep=2), 4) == 1
+    # A rank holds 2 of the 4 experts, half of each: a quarter of every stacked expert weight.
+    assert param_share(sharded, 4) == (0.25, False)
+    # Gathered whole per pass: 2 experts x 2 matmuls x 64 x 128 x 4 bytes = 131,072 bytes over
+    # the EDP pair (one node): a ring of 2 moves half, 1/2 x 131,072 / 1e10 + 1 us = 7.5536e-6 s.
+    # The fp32 plan reduce-scatters fp32 gradients of the same size, as long.
+    shards = copy_shard_costs(BLOCK, sharded, ONE_NODE, "fp32", folded=(0, 1, 2, 3))
+    assert shards.gathered_bytes == 131_072
+    assert shards.gather_s == pytest.approx(7.5536e-6) and shards.reduce_s == pytest.approx(7.5536e-6)
+    # Sent per micro-batch: half of 131,072 bytes for each of two gathers and one reduce-scatter.
+    assert shards.sent_bytes == 3 * 65_536
+    # No all-reduce of whole copies any more (unsharded: 1.51072e-5 s, the test above).
+    cost = folded_layer_cost(LAYER, sharded, ONE_NODE, (0, 1, 2, 3), tp=2, sequence_parallel=False, precision="fp32")
+    assert cost.edp_sync_s == 0.0
+
+
 def test_sequence_parallel_tokens_need_no_redistribution():
     cost = folded_layer_cost(LAYER, layout(ep=4), ONE_NODE, (0, 1, 2, 3), tp=2, sequence_parallel=True,
                              precision="fp32")
@@ -142,6 +172,8 @@ def test_a_folded_plan_round_trips_and_an_old_layout_loads(traced, tmp_path):
     (dict(tensor_parallel=3), "EP=2 x ETP=3 = 6 does not divide the 4 ranks of dp x tp"),
     (dict(placement=ExpertPlacement.round_robin(4, 3)), "4 experts do not split evenly over EP=3"),
     (dict(axis="dp"), "expert parallel on 'dp\\*tp'"),
+    # One copy per expert (EP 4 over 4 ranks) leaves nothing to shard the experts over.
+    (dict(placement=ExpertPlacement.round_robin(4, 4), sharded_copies=True), "leaves one copy of each"),
 ])
 def test_inconsistent_folding_is_one_line(traced, change, message):
     graph, spec, name, cluster = traced
@@ -149,6 +181,66 @@ def test_inconsistent_folding_is_one_line(traced, change, message):
     layouts = tuple(dataclasses.replace(layout, **change) for layout in plan.expert_layouts)
     with pytest.raises(ValueError, match=message) as error:
         dataclasses.replace(plan, expert_layouts=layouts)
+    assert "\n" not in str(error.value)
+
+
+def test_a_folded_fsdp_plan_shards_its_experts_over_their_copies(traced):
+    """Planned with FSDP, a folded plan shards each expert over its EDP copies as Megatron-FSDP
+    does (``search.moe_folding.folded_plan``), says so in its layouts, and prices it; compile
+    refuses it in one line (its programs keep whole copies). examples/moe.py at ffn 128: 2
+    blocks of 4 GELU experts, w_in and w_out of 64 x 128 each (65,536 expert weights a block),
+    fp32, 8 samples over dp2 x tp2, EP2: each rank holds 2 experts (32,768 weights a block),
+    EDP = 4 / 2 = 2 copies of each."""
+    graph, spec, name, cluster = traced
+    mesh = Mesh((("dp", 2), ("tp", 2)))
+    plan = folded_plan(graph, cluster, spec, name, mesh, ep=2, dp_flavour="fsdp", accumulation_steps=2)
+    assert all(layout.sharded_copies for layout in plan.expert_layouts)
+    assert "copies sharded" in plan.name
+    assert not any(layout.sharded_copies for layout in
+                   folded_plan(graph, cluster, spec, name, mesh, ep=2, accumulation_steps=2).expert_layouts)
+    whole = simulated(dataclasses.replace(plan, expert_layouts=tuple(
+        dataclasses.replace(layout, sharded_copies=False) for layout in plan.expert_layouts)), graph)
+    memory, whole_memory = plan.estimate.memory, whole.estimate.memory
+    # Half of each rank's 32,768 expert weights a block fewer: 2 blocks x 16,384 = 32,768
+    # weights, at 4 bytes of weight, 4 of gradient and 8 of optimizer states (fp32 AdamW).
+    assert whole_memory.weights - memory.weights == 32_768 * 4
+    assert whole_memory.gradients - memory.gradients == 32_768 * 4
+    assert whole_memory.optimizer_states - memory.optimizer_states == 32_768 * 8
+    # The gathered experts of the block running and of the one prefetched: 2 x 32,768 x 4 bytes.
+    assert memory.communication_buffers - whole_memory.communication_buffers == 2 * 131_072
+    # Per block and micro-batch: a gather before forward, one before backward, and a
+    # reduce-scatter after backward (every micro-batch, as FSDP2 and Megatron-FSDP reduce:
+    # 2 micro-batches here), each sending half of 131,072 bytes over the EDP pair.
+    timeline = [event.name for event in plan.estimate.timeline]
+    assert sum("all-gather experts" in event for event in timeline) == 2 * 2 * 2
+    assert sum(event.endswith("reduce-scatter expert grads") for event in timeline) == 2 * 2
+    assert plan.estimate.bytes_per_axis["expert-copies"] == pytest.approx(2 * 2 * 3 * 65_536)
+    assert "expert-copies" not in whole.estimate.bytes_per_axis
+    # On NCCL (the arithmetic node, backend nccl) they run beside the compute as FSDP2's do:
+    # gathers on the all-gather stream, reduce-scatters on the reduce stream as soon as the
+    # block's backward is done, each 1/2 x 131,072 / 1e10 + 1 us = 7.5536e-6 s (fp32).
+    on_nccl = folded_plan(graph, dataclasses.replace(ONE_NODE, backend="nccl"), spec, name, mesh, ep=2,
+                          dp_flavour="fsdp", accumulation_steps=2).estimate.timeline
+    events = {event.name: event for event in on_nccl}
+    gathers = [event for event in on_nccl if "all-gather experts" in event.name]
+    reductions = [event for event in on_nccl if event.name.endswith("reduce-scatter expert grads")]
+    assert len(gathers) == 8 and {event.stream for event in gathers} == {"all_gather"}
+    assert len(reductions) == 4 and {event.stream for event in reductions} == {"collective"}
+    assert all(event.duration_s == pytest.approx(7.5536e-6) for event in gathers + reductions)
+    backward = events["B1 blocks.0 tp-comm"]
+    assert events["B1 blocks.0 reduce-scatter expert grads"].start_s == pytest.approx(
+        backward.start_s + backward.duration_s)
+    last = max(event.start_s + event.duration_s for event in reductions)
+    assert events["optimizer step"].start_s >= last - 1e-12  # the step waits for the last reduce-scatter
+
+    from planner.moe_report import moe_table
+    from rich.console import Console
+
+    console = Console(width=400, record=True)
+    console.print(moe_table(plan))
+    assert "each expert sharded over its 2 expert-data-parallel copies" in console.export_text()
+    with pytest.raises(PlanningError, match="keep every expert copy whole") as error:
+        check_foldable(plan)
     assert "\n" not in str(error.value)
 
 

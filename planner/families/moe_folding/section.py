@@ -50,7 +50,8 @@ class MoeFoldingSection:
     def check(self, plan: "Plan") -> None:
         """Raise ``ValueError`` (one line naming the layer or field and the fix) unless the
         plan is folded: a mesh ``(pp,) dp x tp`` with tp > 1, and every MoE layer expert
-        parallel on ``dp*tp`` with EP x ETP dividing its ranks and EP dividing its experts."""
+        parallel on ``dp*tp`` with EP x ETP dividing its ranks and EP dividing its experts, and
+        (``sharded_copies``) at least two expert-data-parallel copies to shard over."""
         names = tuple(name for name in plan.mesh.names if name != "pp")
         if names != ("dp", "tp") or plan.mesh.axis_size("tp") < 2:
             raise ValueError(
@@ -77,6 +78,11 @@ class MoeFoldingSection:
                 raise ValueError(
                     f"{where}: EP={ep} x ETP={etp} = {ep * etp} does not divide the {ranks} ranks of dp x tp; "
                     f"choose EP and ETP whose product divides {ranks}"
+                )
+            if layout.sharded_copies and ranks // (ep * etp) < 2:
+                raise ValueError(
+                    f"{where} shards its experts over their expert-data-parallel copies, but EP={ep} x ETP={etp} "
+                    f"leaves one copy of each on the {ranks} ranks of dp x tp; set sharded_copies to false"
                 )
 
     def describe(self, plan: "Plan") -> str:
