@@ -3,7 +3,8 @@
 ``a2-highgpu-*``).
 
 Each is one 8-GPU server (``NAME:NODES`` or ``NAME:NODESxGPUS``) with the datasheet figures of
-its GPU and the links its vendor states, each cited where it is written. ``gpu_presets``
+its GPU (but the 80 GB GPUs' memory: what nvidia-smi reports less a cited reserve,
+``usable_memory_bytes``) and the links its vendor states, each cited where it is written. ``gpu_presets``
 returns them in the cluster-file layout of ``planner.presets``, which adds them to
 ``PRESETS``; the GPU names reuse the DGX/HGX presets' measured NCCL figures where the links
 are the same hardware (``h100``, ``h200``: NVLink 4 + NDR; ``a100``, ``a100-40g``: NVLink 3
@@ -35,9 +36,9 @@ _A100_FLOPS = {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12, "float16"
 _H100_FLOPS = {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12}  # H100 SXM datasheet
 
 
-# Device memory a training process can allocate: what the board reports (nvidia-smi's
-# "Memory-Usage" total, which cudaMemGetInfo also reports) less what every process holds
-# before its first tensor. The datasheets' "80GB" is a round decimal figure, not the size.
+# Device memory a training process can allocate: the total the board reports (nvidia-smi's
+# "Memory-Usage" column) less what every process holds before its first tensor. The
+# datasheets' "80GB" is a round decimal figure, not the size.
 NVIDIA_SMI_TOTAL_MIB = {
     # "0MiB / 81559MiB" for "NVIDIA H100 80GB HBM3" (nvidia-smi in NVIDIA/nccl#1264, 8 x H100
     # SXM; the same total in wilicc/gpu-burn#114); modal-labs/modal-client#2797 lists H100
@@ -51,7 +52,8 @@ CUDA_CONTEXT_MIB = 300
 # MiB one NCCL communicator over more than two NVLink-connected GPUs holds once it has run a
 # collective: 688 MB measured through PyTorch on 4 x A100 with NVLink (NVIDIA/nccl#964; 544 MB
 # for a group of two). A plan has at least one; NCCL's maintainers say each further
-# communicator holds more (NVIDIA/nccl#986), which this reserve does not count.
+# communicator holds more (NVIDIA/nccl#986), which this reserve does not count. Both sources'
+# "MB" are read as MiB, the unit nvidia-smi and torch's memory counters print.
 NCCL_COMMUNICATOR_MIB = 688
 
 
