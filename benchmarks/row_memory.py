@@ -48,6 +48,10 @@ def block_lines(run: Run, block: int) -> list[str]:
     plan, cluster = simulate(run)
     spec = ModelSpec(str(EXAMPLES / run.example), run.overrides).resolved()
     graph = prepare_model(spec, cluster)[0]
+    blocks = sorted({node.block[1] for node in graph.nodes if node.block is not None})
+    if block not in blocks:
+        raise ValueError(f"{run.name} has no repeated block {block}; its blocks are "
+                         f"{blocks[0]}..{blocks[-1]}" if blocks else f"{run.name} has no repeated blocks")
     costs = Simulator(plan, graph).costs
     lines, total = [], 0.0
     for node in graph.nodes:
@@ -72,7 +76,10 @@ def main() -> None:
     for run in chosen:
         print("\n".join(memory_lines(run)))
         if options.block is not None:
-            print("\n".join(block_lines(run, options.block)))
+            try:
+                print("\n".join(block_lines(run, options.block)))
+            except ValueError as error:
+                parser.error(f"{error}: pass --block with one of them")
 
 
 if __name__ == "__main__":

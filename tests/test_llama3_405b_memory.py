@@ -42,7 +42,7 @@ H100_USABLE = (81_559 - 300 - 688) * 2**20  # nvidia-smi's total less the cited 
 ])
 def test_busiest_rank_holds_what_the_schedule_keeps(gpus: int, dp: int, passes: int) -> None:
     """8,192 GPUs: 141 x 708.84 MB = 99.95 GB (93.08 GiB) of activations, 5.94 GiB of weights,
-    5.94 of gradients, 0.56 of states: 105.5 GiB with the point-to-point buffers. 16,384: 128
+    5.94 of gradients, 0.56 of states: 105.6 GiB with the point-to-point buffers. 16,384: 128
     passes = 84.50 GiB, states 0.28: 96.7 GiB. Both over an H100's 78.68 GiB: the eager
     program the planner would emit for this layout does not fit."""
     run = next(run for run in runs() if run.name == f"Llama3-405B@{gpus}xH100")
