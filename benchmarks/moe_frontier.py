@@ -67,6 +67,12 @@ gpt-oss-128    moe pp=4 x dp=8 x tp=4, 1F1B, 64      TP1 EP128 PP1 DP128 mbs2 fu
                GiB (56 s)                            44 s)
 =============  ====================================  ===================================  =========================
 
+These were planned when the H100 and H800 presets held 80e9 bytes (74.5 GiB); they now hold
+78.68 GiB (``planner.gpu_presets.usable_memory_bytes``, session 12), so every row (all on H100
+or H800 presets) may choose otherwise now, those whose plans sat near the old cap first
+(deepseek-256 74.4 GiB, deepseek-2048 73.1, mixtral-64 71.0), as ``moe_planning_time.py``'s
+did; not re-measured.
+
 Before the autocast pricing (at 387c111 and 54daf65) the same rows read: deepseek-256 17.33 s
 against 25.06 s, mixtral-64 10.03 s (the grid's own best plan, TP4 EP8 PP8 DP2) against 10.03
 s, qwen3-256 9.99 s against 15.97 s, gpt-oss-128 8.82 s against 9.63 s. gpt-oss moved most

@@ -28,6 +28,17 @@ step, MFU 25.7%, 74.5 GiB; hgx-h800:256 trace 3.8 s + search 31.0 s = 34.8 s wal
 target 120 s), megatron pp=8 x dp=256, 1F1B over 4 micro-batches, ZeRO-1, EP256 round-robin,
 7.780 s, MFU 7.5%, 72.4 GiB. Peak RSS 1.04 GiB. Earlier measurements, 88.3 s and 90.0 s, predate
 the search's later speed-ups: 49d6dd5 already plans hgx-h800:256 in 35.5 s here, the same plan.
+
+Measured again 2026-11-30 (session 12, s12mem), the same command, after the H100 and H800
+presets' memory became 78.68 GiB (nvidia-smi's total less a cited reserve,
+``planner.gpu_presets.usable_memory_bytes``; it was 74.5): dgx-h100:32 trace 7.0 s + search
+53.6 s = 60.6 s wall (61.4 s CPU; over the 60 s target, as e999556 already was before the change:
+62.5 s CPU, choosing moe pp=32 x dp=4 x tp=2, 256 micro-batches, recompute full_keep_a2a,
+18.776 s, 72.8 GiB), moe pp=32 x dp=2 x tp=4, 1F1B over 512 micro-batches, ZeRO-1, EP8 folded
+over dp x tp, no recomputation, 17.365 s per step, MFU 26.8%, 78.3 GiB (over the old cap);
+hgx-h800:256 trace 4.1 s + search 36.2 s = 40.4 s wall (40.5 s CPU), megatron pp=32 x dp=64,
+1F1B over 16 micro-batches, ZeRO-1, EP64, no recomputation, 7.066 s, MFU 8.2%, 76.7 GiB (over
+the old cap too). Peak RSS 1.27 GiB.
 """
 
 from __future__ import annotations

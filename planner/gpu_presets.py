@@ -3,7 +3,8 @@
 ``a2-highgpu-*``).
 
 Each is one 8-GPU server (``NAME:NODES`` or ``NAME:NODESxGPUS``) with the datasheet figures of
-its GPU and the links its vendor states, each cited where it is written. ``gpu_presets``
+its GPU (but the 80 GB GPUs' memory: what nvidia-smi reports less a cited reserve,
+``usable_memory_bytes``) and the links its vendor states, each cited where it is written. ``gpu_presets``
 returns them in the cluster-file layout of ``planner.presets``, which adds them to
 ``PRESETS``; the GPU names reuse the DGX/HGX presets' measured NCCL figures where the links
 are the same hardware (``h100``, ``h200``: NVLink 4 + NDR; ``a100``, ``a100-40g``: NVLink 3
@@ -35,6 +36,35 @@ _A100_FLOPS = {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12, "float16"
 _H100_FLOPS = {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12}  # H100 SXM datasheet
 
 
+# Device memory a training process can allocate: the total the board reports (nvidia-smi's
+# "Memory-Usage" column) less what every process holds before its first tensor. The
+# datasheets' "80GB" is a round decimal figure, not the size.
+NVIDIA_SMI_TOTAL_MIB = {
+    # "0MiB / 81559MiB" for "NVIDIA H100 80GB HBM3" (nvidia-smi in NVIDIA/nccl#1264, 8 x H100
+    # SXM; the same total in wilicc/gpu-burn#114); modal-labs/modal-client#2797 lists H100
+    # 81559MiB and A100 80GB 81920MiB from nvidia-smi on its fleet.
+    "H100-SXM5-80GB": 81_559,
+    "A100-SXM4-80GB": 81_920,
+}
+# MiB held by the CUDA context of a PyTorch process with lazy module loading (CUDA >= 11.7):
+# "the currently used ~300MB" (NVIDIA's ptrblck, pytorch/pytorch#107667, 2023-08).
+CUDA_CONTEXT_MIB = 300
+# MiB one NCCL communicator over more than two NVLink-connected GPUs holds once it has run a
+# collective: 688 MB measured through PyTorch on 4 x A100 with NVLink (NVIDIA/nccl#964; 544 MB
+# for a group of two). A plan has at least one; NCCL's maintainers say each further
+# communicator holds more (NVIDIA/nccl#986), which this reserve does not count. Both sources'
+# "MB" are read as MiB, the unit nvidia-smi and torch's memory counters print.
+NCCL_COMMUNICATOR_MIB = 688
+
+
+def usable_memory_bytes(total_mib: int) -> int:
+    """Bytes of a GPU reporting ``total_mib`` MiB (nvidia-smi) that a training process can
+    allocate: the total less the CUDA context and one NCCL communicator
+    (``CUDA_CONTEXT_MIB``, ``NCCL_COMMUNICATOR_MIB``). The caching allocator's fragmentation is
+    not subtracted: no public figure bounds it for a training step."""
+    return (total_mib - CUDA_CONTEXT_MIB - NCCL_COMMUNICATOR_MIB) * 2**20
+
+
 def _gb_per_s(gigabits: float, gpus: int = 8) -> float:
     """A node's stated network rate in Gb/s as bytes/s per direction per GPU."""
     return gigabits * 1e9 / 8 / gpus
@@ -56,13 +86,15 @@ def _server(description: str, device: dict, intra: tuple[float, float], inter: t
 
 
 _A100_80 = {"name": "A100-SXM4-80GB", "peak_flops": _A100_FLOPS,
-            "memory_bytes": 80_000_000_000,  # 80 GB HBM2e (A100 datasheet)
+            # 80 GB HBM2e (A100 datasheet): 81,920 MiB less the reserve (usable_memory_bytes)
+            "memory_bytes": usable_memory_bytes(NVIDIA_SMI_TOTAL_MIB["A100-SXM4-80GB"]),
             "memory_bandwidth": 2.039e12}  # 2,039 GB/s (A100 datasheet, SXM 80GB)
 _A100_40 = {"name": "A100-SXM4-40GB", "peak_flops": _A100_FLOPS,
             "memory_bytes": 40_000_000_000,  # 40 GB HBM2 (A100 datasheet)
             "memory_bandwidth": 1.555e12}  # 1,555 GB/s (A100 datasheet, SXM 40GB)
 _H100 = {"name": "H100-SXM5-80GB", "peak_flops": _H100_FLOPS,
-         "memory_bytes": 80_000_000_000,  # 80 GB HBM3 (H100 datasheet)
+         # 80 GB HBM3 (H100 datasheet): 81,559 MiB less the reserve (usable_memory_bytes)
+         "memory_bytes": usable_memory_bytes(NVIDIA_SMI_TOTAL_MIB["H100-SXM5-80GB"]),
          "memory_bandwidth": 3.35e12}  # 3.35 TB/s (H100 datasheet, SXM)
 _H200 = {"name": "H200-SXM-141GB", "peak_flops": _H100_FLOPS,  # same GH100 compute (H200 datasheet)
          "memory_bytes": 141_000_000_000,  # 141 GB HBM3e (H200 datasheet)

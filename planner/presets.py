@@ -3,12 +3,15 @@
 Pure data in the cluster-file layout (see ``planner.cluster``), so presets and user files go
 through one parser. Units: FLOP/s (dense, no structured sparsity), bytes, bytes/s per
 direction per device, seconds. This module imports only ``planner.gpu_presets`` (the presets
-named by GPU and cloud instance type) and ``planner.ethernet_presets`` (cloud instances on
-Ethernet), both added at its end, both data that import nothing.
+named by GPU and cloud instance type, added at its end, and the usable memory of a GPU) and
+``planner.ethernet_presets`` (cloud instances on Ethernet, added at its end), both data that
+import nothing.
 
-Memory sizes use the datasheet's decimal gigabytes (80 GB = 80e9 bytes). The physical HBM is
-a little larger (an A100-80GB reports 81920 MiB = 85.9e9 bytes in nvidia-smi); the difference
-is a deliberate margin for the CUDA context and allocator fragmentation.
+Memory sizes: the A100-80GB and H100-80GB presets (and the H800, the same 80 GB board) hold
+what a training process can allocate, the total nvidia-smi reports (81,920 and 81,559 MiB)
+less the CUDA context and one NCCL communicator, each figure cited (``planner.gpu_presets.usable_memory_bytes``: 80,932 MiB =
+84.86e9 bytes and 80,571 MiB = 84.49e9 bytes, where the datasheets' round "80 GB" was 80e9).
+The other devices still use the datasheet's decimal gigabytes, a margin of uncited size.
 
 Latencies are not on any datasheet: they are typical NCCL small-message latencies per hop,
 estimates to be replaced by measured ones (``python -m planner profile -o cluster.toml``).
@@ -22,6 +25,8 @@ the links a derived cluster changed.
 from __future__ import annotations
 
 from typing import Any
+
+from planner.gpu_presets import NVIDIA_SMI_TOTAL_MIB, usable_memory_bytes
 
 # Shared link estimates (seconds): typical NCCL small-message latency per hop, estimates.
 _NVLINK_LATENCY = 3e-6  # s, NVLink/NVSwitch hop, estimate
@@ -41,7 +46,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "bfloat16": 312e12,
                 "float16": 312e12,
             },
-            "memory_bytes": 80_000_000_000,  # bytes, "80GB HBM2e" (A100 datasheet), decimal GB
+            # bytes: "80GB HBM2e" (A100 datasheet) is 81,920 MiB in nvidia-smi, less the CUDA
+            # context and an NCCL communicator (planner.gpu_presets.usable_memory_bytes)
+            "memory_bytes": usable_memory_bytes(NVIDIA_SMI_TOTAL_MIB["A100-SXM4-80GB"]),
             "memory_bandwidth": 2.039e12,  # bytes/s, 2,039 GB/s HBM2e, SXM 80GB (A100 datasheet)
         },
         "intra_node": {
@@ -84,7 +91,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "float16": 989.4e12,
                 "float8": 1978.9e12,
             },
-            "memory_bytes": 80_000_000_000,  # bytes, "80GB HBM3" (H100 SXM datasheet), decimal GB
+            # bytes: "80GB HBM3" (H100 SXM datasheet) is 81,559 MiB in nvidia-smi, less the CUDA
+            # context and an NCCL communicator (planner.gpu_presets.usable_memory_bytes)
+            "memory_bytes": usable_memory_bytes(NVIDIA_SMI_TOTAL_MIB["H100-SXM5-80GB"]),
             "memory_bandwidth": 3.35e12,  # bytes/s, 3.35 TB/s HBM3 (H100 SXM datasheet)
         },
         "intra_node": {
@@ -129,7 +138,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "float16": 989.4e12,
                 "float8": 1978.9e12,
             },
-            "memory_bytes": 80_000_000_000,  # bytes, 80 GB HBM3 (as H100 SXM5), decimal GB
+            # bytes: 80 GB HBM3 as the H100 SXM5's, so the H100's usable memory (no nvidia-smi
+            # total of an H800 found; planner.gpu_presets.usable_memory_bytes)
+            "memory_bytes": usable_memory_bytes(NVIDIA_SMI_TOTAL_MIB["H100-SXM5-80GB"]),
             "memory_bandwidth": 3.35e12,  # bytes/s, 3.35 TB/s HBM3 (as H100 SXM5)
         },
         "intra_node": {

@@ -55,9 +55,12 @@ def _raises(match: str):
 
 # ---- presets ----
 
+# The 80 GB GPUs hold what nvidia-smi reports less 300 MiB of CUDA context and 688 MiB of one
+# NCCL communicator (planner.gpu_presets.usable_memory_bytes): A100 (81,920 - 988) x 2**20 =
+# 80,932 x 1,048,576 = 84,863,352,832 B; H100 (81,559 - 988) x 2**20 = 84,484,816,896 B.
 @pytest.mark.parametrize("name, world, device, bf16, memory, intra, inter", [
-    ("dgx-a100-80g", 8, "A100-SXM4-80GB", 312e12, 80e9, 300e9, 25e9),
-    ("dgx-h100", 8, "H100-SXM5-80GB", 989.4e12, 80e9, 450e9, 50e9),
+    ("dgx-a100-80g", 8, "A100-SXM4-80GB", 312e12, 84_863_352_832, 300e9, 25e9),
+    ("dgx-h100", 8, "H100-SXM5-80GB", 989.4e12, 84_484_816_896, 450e9, 50e9),
     ("p3.16xlarge", 8, "V100-SXM2-16GB", 15.7e12, 16e9, 150e9, 25e9 / 8 / 8),
     ("cpu", 2, "cpu-process", 50e9, 8 * 2**30, 2e9, 1e9),
 ])
@@ -121,7 +124,7 @@ def test_preset_overrides_and_listing():
 
 def test_describe():
     text = Cluster.preset("dgx-a100-80g", nodes=2).describe()
-    assert text == ("dgx-a100-80g: 2 nodes x 8 A100-SXM4-80GB (80 GB, 312 TFLOP/s bf16, "
+    assert text == ("dgx-a100-80g: 2 nodes x 8 A100-SXM4-80GB (84.9 GB, 312 TFLOP/s bf16, "
                     "intra-node 300 GB/s); inter-node 25 GB/s per device; nccl")
     assert "1 node x 2 cpu-process" in Cluster.preset("cpu").describe()
     assert "125 TFLOP/s fp16" in Cluster.preset("p3.16xlarge").describe()
@@ -295,5 +298,5 @@ def test_saved_toml_is_readable(tmp_path):
     path = tmp_path / "c.toml"
     Cluster.preset("dgx-h100", nodes=2).save(path)
     text = path.read_text()
-    assert "bandwidth = 4.5e+11" in text and "memory_bytes = 80000000000" in text
+    assert "bandwidth = 4.5e+11" in text and "memory_bytes = 84484816896" in text
     assert tomllib.loads(text)["nodes"][0]["count"] == 2

@@ -53,7 +53,7 @@ def test_memory_and_attention_kernel_keep_every_collective_bit_for_bit(dgx2):
     assert all_times(edited) == all_times(dgx2)  # ==, not approx: the same figures, the same arithmetic
     assert nccl_profile(edited) == nccl_profile(dgx2)
     assert nccl_profile(edited).overlap_slowdown == OVERLAP_COMPUTE_SLOWDOWN == 0.189  # contention kept
-    assert preset_changes(edited) == ["memory 80 GB -> 40 GB", "memory bandwidth 2.04 TB/s -> 1.55 TB/s",
+    assert preset_changes(edited) == ["memory 84.9 GB -> 40 GB", "memory bandwidth 2.04 TB/s -> 1.55 TB/s",
                                       "attention kernel flash-attention-2 -> flash-attention-triton"]
 
 

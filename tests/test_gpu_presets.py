@@ -50,6 +50,21 @@ def test_device_figures():
     assert "bfloat16" not in device["v100"].peak_flops  # Volta has no bf16 tensor cores
 
 
+def test_80gb_gpus_hold_what_nvidia_smi_reports_less_the_cited_reserve():
+    """An H100 80GB reports 81,559 MiB and an A100 80GB 81,920 MiB (nvidia-smi); a training
+    process has those less 300 MiB of CUDA context and 688 MiB of one NCCL communicator:
+    H100 (81,559 - 300 - 688) x 1,048,576 = 80,571 x 1,048,576 = 84,484,816,896 B (78.68 GiB),
+    A100 80,932 x 1,048,576 = 84,863,352,832 B (79.04 GiB); not the datasheets' 80e9 (74.5 GiB).
+    Every preset of the same board holds the same (the H800 is the H100's 80 GB HBM3 board)."""
+    def memory(name: str) -> int:
+        return Cluster.parse(f"{name}:1").nodes[0].device.memory_bytes
+
+    h100 = {name: memory(name) for name in ("h100", "dgx-h100", "p5", "a3", "hgx-h800")}
+    a100 = {name: memory(name) for name in ("a100", "dgx-a100-80g")}
+    assert set(h100.values()) == {84_484_816_896}
+    assert set(a100.values()) == {84_863_352_832}
+
+
 def test_h100_by_name_is_priced_as_the_dgx_preset():
     """Same hardware, same measured NCCL curves: the same plan predicts the same step."""
     assert nccl_profile(Cluster.parse("h100:2")) is not None

@@ -29,3 +29,32 @@ def _torch_order(pp: int, chunks: int, micro_batches: int, rank: int) -> list[tu
 def test_simulated_interleaved_order_is_torchs(pp: int, chunks: int, micro_batches: int) -> None:
     for rank in range(pp):
         assert interleaved(rank, pp, micro_batches, chunks) == _torch_order(pp, chunks, micro_batches, rank), f"rank {rank}"
+
+
+def _most_in_flight(order: list[tuple[str, int, int]]) -> int:
+    """The most forward passes whose backward has not yet run, over a rank's order."""
+    held = most = 0
+    for kind, _, _ in order:
+        held += 1 if kind == "F" else -1
+        most = max(most, held)
+    return most
+
+
+@pytest.mark.parametrize(("micro_batches", "rank", "in_flight"), [
+    # Llama 3 405B's layout (benchmarks/fidelity_runs.py: pp 16, 8 one-layer chunks per rank).
+    # 8,192 GPUs, 32 micro-batches: warm-up 2 (pp - rank - 1) + (chunks - 1) pp (Megatron-LM's
+    # forward_backward_pipelining_with_interleaving; torch's _get_warmup_ops), then one more
+    # forward before the first backward: rank 0 30 + 112 + 1 = 143, rank 1 28 + 112 + 1 = 141,
+    # the last rank 0 + 112 + 1 = 113.
+    (32, 0, 143), (32, 1, 141), (32, 15, 113),
+    # 16,384 GPUs, 16 micro-batches, 16 x 8 = 128 passes: ranks 0-7, whose warm-up is at least
+    # 2 x 8 + 112 = 128, run every forward before their first backward (128); rank 8 holds
+    # 14 + 112 + 1 = 127, rank 15 113 as at 32 micro-batches.
+    (16, 0, 128), (16, 1, 128), (16, 7, 128), (16, 8, 127), (16, 15, 113),
+])
+def test_llama3_405b_passes_in_flight_are_torchs(micro_batches: int, rank: int, in_flight: int) -> None:
+    """The passes a rank holds activations for at once: the simulator's order (what
+    ``cost_model.step_memory`` walks) and torch's agree, at the counts worked out by hand."""
+    ours = interleaved(rank, 16, micro_batches, 8)
+    assert _most_in_flight(ours) == in_flight
+    assert ours == _torch_order(16, 8, micro_batches, rank)

@@ -119,7 +119,8 @@ def test_torchtitan_13b_row_fits_and_twice_its_local_batch_does_not() -> None:
     41,943,040 x 2 = 83.89 MB. One layer keeps: each norm's input, x * rsqrt and its product by
     the weight (3 x 83.89, twice: 503.3 MB), v, rotated q and k, attention's output (4 x 83.89 =
     335.5 MB), SwiGLU's four (2, 4096, 13824) tensors (4 x 226.49 = 906.0 MB): 1,744.8 MB; 40
-    layers 69.8 GB = 65.0 GiB, with the head's logits and the rest under 74.5 GiB. At local
+    layers 69.8 GB = 65.0 GiB, with the head's logits and the rest under 79.0 GiB (an A100
+    80GB's 84.86e9 usable bytes, planner.gpu_presets). At local
     batch 4 the layers alone hold 139.6 GB: over any 80 GB device."""
     layer_bytes = 6 * 83.886e6 + 4 * 83.886e6 + 4 * 226.492e6
     fits = _torchtitan_13b_row(128)
