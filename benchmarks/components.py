@@ -225,8 +225,8 @@ CUDNN_ATTENTION_SOURCE = "Transformer Engine v1.8 attention.ipynb (H100 PCIe): c
 # times cudnn-frontend's causal / non-causal 443.6 / 517.3 (the rows so marked).
 # FlashAttention-3 paper (Shah et al. 2024, arXiv:2407.08608), H100 80GB SXM5 at 700 W: figure 5
 # (forward; panels b and d with the causal mask; the image is Dao-AILab/flash-attention
-# assets/flash3_fp16_fwd.png, 7ef24848) and figure 6 (backward, no causal mask; bar labels as
-# transcribed from the figure: head dim 128 305/408/465/499/518/516, head dim 64
+# assets/flash3_fp16_fwd.png, 7ef24848) and figure 6 (backward, no causal mask; the bar labels,
+# as in the PDF's text layer: head dim 128 305/408/465/499/518/516, head dim 64
 # 266/348/395/417/432/433 TFLOP/s at 512 to 16k). The forward rows without the mask are
 # ``CUDNN_FORWARD_MEASUREMENTS`` (session 12, s12mcore), not repeated here.
 FA3_FORWARD_SOURCE = "FlashAttention-3 paper fig. 5 (H100 SXM5): cuDNN forward, causal mask"

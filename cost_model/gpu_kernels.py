@@ -102,7 +102,7 @@ ATTENTION_BACKWARD_TO_FORWARD = 2.5
 # arXiv:2407.08608, figure 5d, "with causal mask, head dim 128", cuDNN's bar at 4k; the same
 # image is Dao-AILab/flash-attention assets/flash3_fp16_fwd.png, added in 7ef24848). Backward:
 # the paper plots it without the causal mask only (figure 6, head dim 128: cuDNN 499 TFLOP/s at
-# 4k, 516 at 16k; bar labels as transcribed from the figure), so the mask's effect is cuDNN's
+# 4k, 516 at 16k; the bar labels, as in the PDF's text layer), so the mask's effect is cuDNN's
 # own, from NVIDIA's benchmark of the same kernel at the same shape (NVIDIA/cudnn-frontend
 # 505fcfe, benchmark/benchmark_results.csv, cuDNN 9.1 on an H200 locked at 1980 MHz and 700 W
 # per benchmark/README.md: backward 443.6 TFLOP/s causal against 517.3 without):
@@ -114,12 +114,13 @@ ATTENTION_BACKWARD_TO_FORWARD = 2.5
 # This replaces one ratio for forward and backward together read from Transformer Engine's
 # notebook (docs/examples/attention/attention.ipynb, TE v1.8, H100 PCIe, cuDNN 9.0 against
 # flash-attn 2.4.2, 2 x 16 heads x 2048 tokens, causal: 0.5415 / 0.7496 = 0.722), which priced
-# cuDNN's forward 37% and backward 23% below the FlashAttention-3 paper's figures on the SXM5
-# board the presets are (``benchmarks/components.py``). Caveats: the reading is one shape; the
-# model's causal factor (diagonal blocks only) is milder than cuDNN's measured one (forward
-# 518 / 609 = 0.85 at 4k against the model's 32/33), so at the reading shape without the mask
-# the model is about 12% below the published figures, and longer sequences come out a few
-# percent above. The same notebook: flash-attention is faster than cuDNN on Ampere, by an
+# cuDNN at the loop's clock 17% below the FlashAttention-3 paper's causal forward and 23% below
+# its backward (4k, head dim 128) on the SXM5 board the presets are (``benchmarks/
+# components.py``). Caveats: the reading is one shape; the model's causal factor (diagonal
+# blocks only) is milder than cuDNN's measured one (forward 518 / 609 = 0.85 at 4k against the
+# model's 32/33), so without the mask the model is 9-13% below the published figures (causal at
+# 16k: 2% above); at head dim 64 cuDNN loses more than the model's head-dim factor (read from
+# FlashAttention-2) says: its causal forward is priced 22% fast there. The same notebook: flash-attention is faster than cuDNN on Ampere, by an
 # amount it does not state; generations without a measurement (A100, V100) are ASSUMED to run
 # it as fast as FlashAttention-2 (optimistic there).
 ATTENTION_KERNEL_SLOWDOWN = {"flash-attention-2": (1.0, 1.0), "flash-attention-triton": (1.4, 2.0),
