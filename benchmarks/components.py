@@ -77,12 +77,17 @@ H100 figure found: the shape model at the loop's clock is 0.8-3.4% below each of
 (K = 2048 at 0.939-0.964 of K = 4096 measured, 0.948-0.954 modelled), so it does not price
 width-2048 GEMMs optimistically against that table; in a step (the sustained clock) it prices
 them 14.5-16.7% below it by design. The one attention-dropout row (Transformer Engine#3312 on
-an H200) is the ratio ``gpu_kernels``' cuDNN dropout slowdown was read from. cuDNN's absolute
-forward speed on H100 (the FlashAttention-3 paper's figure 5, head dim 128, no causal mask: 609
-TFLOP/s at 4k) is predicted 37% below (26% at the loop's clock): the model's cuDNN attention,
-FlashAttention-2's fractions scaled by Transformer Engine's forward + backward ratio, is
-pessimistic in forward by that much, and Megatron-Core's attention is not where its small
-rows' optimism comes from.
+an H200) is the ratio ``gpu_kernels``' cuDNN dropout slowdown was read from.
+cuDNN's fused attention on Hopper (the kernel Transformer Engine runs for Megatron-Core on
+H100) is priced from its own published speed at 4 x 16 heads x 4096 x d128 with the causal mask:
+forward 518 TFLOP/s (the FlashAttention-3 paper's figure 5d), backward 427.9 (its figure 6's 499
+without the mask times cudnn-frontend's causal / non-causal 443.6 / 517.3 on an H200). At the
+loop's clock the model is within 1-2% of the paper's causal forward (4k, 16k) and 8.7-11.7% below
+its backward without the mask (the model's causal factor, the diagonal blocks only, is milder
+than the kernel's); head dim 64 forward is 22% above the paper (cuDNN loses more at head dim 64
+than FlashAttention-2, whose head-dim factor the model shares). cudnn-frontend's H200 table, at
+a clock locked at 1980 MHz, comes out 3.8-18.7% above the model at the loop's clock. In the
+table (the sustained clock) every cuDNN row but head dim 64 is 12-30% below its figure.
 
 The layer shapes of 7B, 13B and 70B models (Llama-2/3 widths, one 8192-token micro-batch) are
 printed with the model's efficiency and no error: beyond the A100 rows above we found no
@@ -106,7 +111,8 @@ except ModuleNotFoundError:  # pragma: no cover
     from nccl_fidelity import GIB, PUBLISHED as NCCL_PUBLISHED, predicted as nccl_predicted
 
 from cost_model.compute import op_times, optimizer_step_time, roofline_time
-from cost_model.gpu_kernels import GENERATIONS, attention_times, generation_of, matmul_time
+from cost_model.gpu_kernels import (ATTENTION_BACKWARD_TO_FORWARD, GENERATIONS, attention_times, generation_of,
+                                    matmul_time)
 from planner.cluster import Cluster
 from planner.cluster_edits import with_power_limit
 from planner.graph import OpNode, TensorMeta
@@ -227,10 +233,12 @@ ATTENTION_MEASUREMENTS = [
 # forward + backward, sets): Transformer Engine's attention benchmark (docs/examples/attention/
 # attention.ipynb, TE v1.8: benchmarks/attention/benchmark_attention.py's test_0, test_1 and
 # test_3 on an H100 PCIe, cuDNN 9.0 against flash-attn 2.4.2), against the model's ratio on
-# the dgx-h100 preset (an SXM board: the ratio, not the times, is compared).
+# the dgx-h100 preset (an SXM board: the ratio, not the times, is compared). The model's cuDNN
+# constant was read from the 2048-token row until session 12; it is now read from cuDNN's own
+# speed on the SXM5 board (``CUDNN_SPEED_MEASUREMENTS``), and these rows are checks.
 CUDNN_ATTENTION_MEASUREMENTS = [
     (2 * 16, 512, 64, False, 0.0858 / 0.0638, False),
-    (2 * 16, 2048, 128, True, 0.7496 / 0.5415, True),
+    (2 * 16, 2048, 128, True, 0.7496 / 0.5415, False),
     (2 * 32, 8192, 128, True, 19.0716 / 12.0122, False),
 ]
 CUDNN_ATTENTION_SOURCE = "Transformer Engine v1.8 attention.ipynb (H100 PCIe): cuDNN over flash-attn 2, fwd+bwd"
@@ -240,8 +248,7 @@ CUDNN_ATTENTION_SOURCE = "Transformer Engine v1.8 attention.ipynb (H100 PCIe): c
 # per batch (batch x sequence = 16,384, 16 heads of 128), the bar labels of the FlashAttention-3
 # paper's forward-speed figure (Shah et al. 2024, arXiv:2407.08608, figure 5): 609 TFLOP/s at
 # 4k, 595 at 16k (FlashAttention-2 368 and 370 in the same figure). An independent check of the
-# cuDNN kernel's absolute forward speed; the model's cuDNN factor was read from Transformer
-# Engine's forward + backward ratio (above), and no constant from these rows.
+# cuDNN kernel's absolute forward speed without the mask; no constant is read from these rows.
 CUDNN_FORWARD_MEASUREMENTS = [(4 * 16, 4096, 128, False, 609.0, False), (1 * 16, 16384, 128, False, 595.0, False)]
 CUDNN_FORWARD_SOURCE = "FlashAttention-3 paper fig. 5 (H100 SXM5): cuDNN forward, head dim 128, no causal mask"
 
@@ -253,6 +260,45 @@ CUDNN_FORWARD_SOURCE = "FlashAttention-3 paper fig. 5 (H100 SXM5): cuDNN forward
 # was read from; the model applies it to kernel time, not to the launches.
 CUDNN_DROPOUT_MEASUREMENTS = [(4 * 16, 1024, 128, True, 0.614 / 0.594, True)]
 CUDNN_DROPOUT_SOURCE = "NVIDIA/TransformerEngine#3312 (H200, TE 2.15, sbhd): cuDNN fwd+bwd, dropout 0.1 over 0.0"
+
+# (preset, batch x heads, sequence, head dim, causal, "fwd" or "bwd", published TFLOP/s, source,
+# sets): cuDNN's fused attention speed on the GH100 die, bf16, 16k tokens per call, FLOPs
+# counted 4·B·H·S²·D (halved when causal; backward 2.5x). The model's cuDNN-on-Hopper constants
+# (``gpu_kernels.CUDNN_OVER_FLASH_ATTENTION_2_HOPPER``) were read at 4 x 16 heads x 4096 x d128,
+# causal: forward from the FlashAttention-3 paper's 518, backward from its 499 without the mask
+# times cudnn-frontend's causal / non-causal 443.6 / 517.3 (the rows so marked).
+# FlashAttention-3 paper (Shah et al. 2024, arXiv:2407.08608), H100 80GB SXM5 at 700 W: figure 5
+# (forward; panels b and d with the causal mask; the image is Dao-AILab/flash-attention
+# assets/flash3_fp16_fwd.png, 7ef24848) and figure 6 (backward, no causal mask; the bar labels,
+# as in the PDF's text layer: head dim 128 305/408/465/499/518/516, head dim 64
+# 266/348/395/417/432/433 TFLOP/s at 512 to 16k). The forward rows without the mask are
+# ``CUDNN_FORWARD_MEASUREMENTS`` (session 12, s12mcore), not repeated here.
+FA3_FORWARD_SOURCE = "FlashAttention-3 paper fig. 5 (H100 SXM5): cuDNN forward, causal mask"
+FA3_BACKWARD_SOURCE = "FlashAttention-3 paper fig. 6 (H100 SXM5): cuDNN backward, no causal mask"
+# NVIDIA/cudnn-frontend 505fcfe, benchmark/benchmark_results.csv (benchmark/sdpa_benchmark/
+# benchmark_flash_attention.py's output; benchmark/README.md: an H200 with its clocks locked at
+# 1980 MHz SM / 3201 MHz memory and 700 W, cuDNN 9.1): an independent board and build, above the
+# 1830 MHz the datasheet peak is counted at.
+CUDNN_FRONTEND_SOURCE = "NVIDIA/cudnn-frontend 505fcfe benchmark/benchmark_results.csv (H200, 1980 MHz, cuDNN 9.1)"
+CUDNN_SPEED_MEASUREMENTS = [
+    ("dgx-h100", 4 * 16, 4096, 128, True, "fwd", 518.0, FA3_FORWARD_SOURCE, True),
+    ("dgx-h100", 1 * 16, 16384, 128, True, "fwd", 539.0, FA3_FORWARD_SOURCE, False),
+    ("dgx-h100", 8 * 32, 2048, 64, True, "fwd", 334.0, FA3_FORWARD_SOURCE, False),
+    ("dgx-h100", 4 * 32, 4096, 64, True, "fwd", 363.0, FA3_FORWARD_SOURCE, False),
+    ("dgx-h100", 4 * 16, 4096, 128, False, "bwd", 499.0, FA3_BACKWARD_SOURCE, True),
+    ("dgx-h100", 8 * 16, 2048, 128, False, "bwd", 465.0, FA3_BACKWARD_SOURCE, False),
+    ("dgx-h100", 1 * 16, 16384, 128, False, "bwd", 516.0, FA3_BACKWARD_SOURCE, False),
+    ("dgx-h100", 4 * 32, 4096, 64, False, "bwd", 417.0, FA3_BACKWARD_SOURCE, False),
+    ("dgx-h100", 1 * 32, 16384, 64, False, "bwd", 433.0, FA3_BACKWARD_SOURCE, False),
+    ("h200", 4 * 16, 4096, 128, False, "fwd", 654.2, CUDNN_FRONTEND_SOURCE, False),
+    ("h200", 1 * 16, 16384, 128, False, "fwd", 641.9, CUDNN_FRONTEND_SOURCE, False),
+    ("h200", 4 * 16, 4096, 128, True, "fwd", 542.3, CUDNN_FRONTEND_SOURCE, False),
+    ("h200", 1 * 16, 16384, 128, True, "fwd", 586.8, CUDNN_FRONTEND_SOURCE, False),
+    ("h200", 4 * 16, 4096, 128, False, "bwd", 517.3, CUDNN_FRONTEND_SOURCE, True),
+    ("h200", 1 * 16, 16384, 128, False, "bwd", 538.5, CUDNN_FRONTEND_SOURCE, False),
+    ("h200", 4 * 16, 4096, 128, True, "bwd", 443.6, CUDNN_FRONTEND_SOURCE, True),
+    ("h200", 1 * 16, 16384, 128, True, "bwd", 497.7, CUDNN_FRONTEND_SOURCE, False),
+]
 
 # (GPU generation, MHz its datasheet's dense 16-bit peak is counted at, published sustained
 # MHz, source, sets): the clock the model's sustained ratio stands for is the ratio times the
@@ -377,6 +423,44 @@ def cudnn_dropout_rows() -> list[Row]:
     return rows
 
 
+def cudnn_speed(preset: str, batch_heads: int, seq: int, head_dim: int, causal: bool, direction: str,
+                sustained: bool = True) -> float:
+    """The model's cuDNN fused attention TFLOP/s for one call on the preset's GPU (forward or
+    backward; ``sustained=False``: at the benchmark loop's clock, ``SUSTAINED_CLOCK`` removed)."""
+    device = dataclasses.replace(Cluster.preset(preset).device_of(0), attention_kernel="cudnn-fused-attention")
+    generation = generation_of(device)
+    if not sustained:
+        generation = dataclasses.replace(generation, sustained_clock=1.0)
+    times = attention_times(batch_heads, seq, seq, head_dim, causal, device, "bfloat16", generation)
+    forward_flops = 4 * batch_heads * seq * seq * head_dim * (0.5 if causal else 1.0)
+    if direction == "fwd":
+        return forward_flops / times[0] / 1e12
+    return ATTENTION_BACKWARD_TO_FORWARD * forward_flops / times[1] / 1e12
+
+
+def cudnn_speed_rows() -> list[Row]:
+    """cuDNN's fused attention throughput on Hopper, forward with the causal mask and backward,
+    predicted against the FlashAttention-3 paper's and cudnn-frontend's published figures."""
+    rows = []
+    for preset, batch_heads, seq, head_dim, causal, direction, published, source, sets in CUDNN_SPEED_MEASUREMENTS:
+        case = f"cuDNN {batch_heads} heads x {seq} x d{head_dim}{' causal' if causal else ''} {direction}"
+        rows.append(Row("attention", preset, case, published,
+                        cudnn_speed(preset, batch_heads, seq, head_dim, causal, direction), "TFLOP/s", source, sets))
+    return rows
+
+
+def cudnn_loop_clock_lines() -> list[str]:
+    """The cuDNN speed rows with the model at the benchmark loop's clock (``SUSTAINED_CLOCK``
+    removed), the clock the published figures were measured at."""
+    lines = []
+    for preset, batch_heads, seq, head_dim, causal, direction, published, _source, _sets in CUDNN_SPEED_MEASUREMENTS:
+        tflops = cudnn_speed(preset, batch_heads, seq, head_dim, causal, direction, sustained=False)
+        case = f"{batch_heads} x {seq} x d{head_dim}{' causal' if causal else ''} {direction}"
+        lines.append(f"{preset:<13} {case:<30} published {published:>6.1f}  model at the loop's clock "
+                     f"{tflops:>6.1f} TFLOP/s  {tflops / published - 1:+.1%}")
+    return lines
+
+
 def clock_rows() -> list[Row]:
     """The tensor-core clock a training step sustains, as the model's ratio implies it, against
     the published readings of a sustained clock."""
@@ -448,7 +532,9 @@ def collective_rows() -> list[Row]:
 
 def component_rows(fast: bool = False) -> list[Row]:
     """Every component's rows; ``fast``: the first of each component only."""
-    groups = [gemm_rows(), attention_rows() + cudnn_attention_rows() + cudnn_forward_rows() + cudnn_dropout_rows(), clock_rows(), memory_rows(Row), loss_rows(),
+    groups = [gemm_rows(), attention_rows() + cudnn_attention_rows() + cudnn_forward_rows() + cudnn_dropout_rows()
+              + cudnn_speed_rows(), clock_rows(),
+              memory_rows(Row), loss_rows(),
               optimizer_rows(), collective_rows()]
     return [row for group in groups for row in (group[:1] if fast else group)]
 
@@ -510,6 +596,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.fast:
         print("\nThe GEMM shape model alone (SUSTAINED_CLOCK removed), against the same measurements")
         print("\n".join(shape_model_lines()))
+        print("\ncuDNN attention on Hopper at the benchmark loop's clock (SUSTAINED_CLOCK removed)")
+        print("\n".join(cudnn_loop_clock_lines()))
         print("\nModel only (no public per-shape measurement found): layer GEMMs of one 8192-token micro-batch")
         print("\n".join(layer_shape_lines()))
         print("\nModel only (datasheet bounds, no measurement at the limit): a board power limit")

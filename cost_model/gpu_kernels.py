@@ -96,51 +96,45 @@ ATTENTION_BACKWARD_TO_FORWARD = 2.5
 # Transformer Engine prefers it to flash-attention on Hopper ("Select FusedAttention on sm90
 # and FlashAttention on others for performance", transformer_engine/pytorch/attention.py since
 # TE v1.2, NVIDIA/TransformerEngine commit 32db392, 2023-12), so Megatron-Core's runs on H100
-# take it. Its time: TE's own benchmark (docs/examples/attention/attention.ipynb, TE v1.8,
-# benchmarks/attention/benchmark_attention.py on an H100 PCIe, cuDNN 9.0 against flash-attn
-# 2.4.2, forward + backward together): "cuDNN attention has 20-50% advantages on Hopper";
-# test_1 (2 x 16 heads, 2048 tokens, head dim 128, causal) 0.5415 against 0.7496 ms, 1.3842x,
-# the shape nearest a transformer layer's: the same time ratio, 1 / 1.3842, for forward and
-# backward (the source times them together). The same notebook: flash-attention is faster
-# than cuDNN on Ampere, by an amount it does not state; generations without a measurement
-# (A100, V100) are ASSUMED to run it as fast as FlashAttention-2 (optimistic there).
+# take it. On Hopper (the GH100 die: H100, H200) its speed is read from its own published
+# figures, forward and backward, at the shape nearest a Megatron-Core layer's: 16 heads of 128,
+# 4,096 tokens, causal, 16k tokens per call (``CUDNN_HOPPER_READING``). Forward: 518 TFLOP/s,
+# the FlashAttention-3 paper's forward-speed figure on an H100 80GB SXM5 (Shah et al. 2024,
+# arXiv:2407.08608, figure 5d, "with causal mask, head dim 128", cuDNN's bar at 4k; the same
+# image is Dao-AILab/flash-attention assets/flash3_fp16_fwd.png, added in 7ef24848). Backward:
+# the paper plots it without the causal mask only (figure 6, head dim 128: cuDNN 499 TFLOP/s at
+# 4k, 516 at 16k; the bar labels, as in the PDF's text layer), so the mask's effect is cuDNN's
+# own, from NVIDIA's benchmark of the same kernel at the same shape (NVIDIA/cudnn-frontend
+# 505fcfe, benchmark/benchmark_results.csv, cuDNN 9.1 on an H200 locked at 1980 MHz and 700 W
+# per benchmark/README.md: backward 443.6 TFLOP/s causal against 517.3 without):
+# 499 x 443.6 / 517.3 = 427.9. Both sources count FLOPs as the model does (4·B·H·S²·D, halved
+# when causal; backward 2.5x). The figures are kernel loops at the loop's clock; the model
+# keeps its sustained clock on top, as for FlashAttention-2 (``SUSTAINED_CLOCK``). Each is
+# expressed as a time ratio to the model's FlashAttention-2 at the reading shape
+# (``published_attention_slowdown``), so the model reproduces it there at the loop's clock.
+# This replaces one ratio for forward and backward together read from Transformer Engine's
+# notebook (docs/examples/attention/attention.ipynb, TE v1.8, H100 PCIe, cuDNN 9.0 against
+# flash-attn 2.4.2, 2 x 16 heads x 2048 tokens, causal: 0.5415 / 0.7496 = 0.722), which priced
+# cuDNN at the loop's clock 17% below the FlashAttention-3 paper's causal forward and 23% below
+# its backward (4k, head dim 128) on the SXM5 board the presets are (``benchmarks/
+# components.py``). Caveats: the reading is one shape; the model's causal factor (diagonal
+# blocks only) is milder than cuDNN's measured one (forward 518 / 609 = 0.85 at 4k against the
+# model's 32/33), so without the mask the model is 9-13% below the published figures (causal at
+# 16k: 2% above); at head dim 64 cuDNN loses more than the model's head-dim factor (read from
+# FlashAttention-2) says: its causal forward is priced 22% fast there. The same notebook: flash-attention is faster than cuDNN on Ampere, by an
+# amount it does not state; generations without a measurement (A100, V100) are ASSUMED to run
+# it as fast as FlashAttention-2 (optimistic there).
 ATTENTION_KERNEL_SLOWDOWN = {"flash-attention-2": (1.0, 1.0), "flash-attention-triton": (1.4, 2.0),
                              "cudnn-fused-attention": (1.0, 1.0)}
-CUDNN_OVER_FLASH_ATTENTION_2_HOPPER = 0.5415 / 0.7496
-# (kernel, generation) pairs measured against FlashAttention-2 on that generation; the
-# kernel's ``ATTENTION_KERNEL_SLOWDOWN`` entry holds elsewhere. The H200 is the same die.
-ATTENTION_KERNEL_SLOWDOWN_BY_GENERATION = {
-    ("cudnn-fused-attention", "H100"): (CUDNN_OVER_FLASH_ATTENTION_2_HOPPER, CUDNN_OVER_FLASH_ATTENTION_2_HOPPER),
-    ("cudnn-fused-attention", "H200"): (CUDNN_OVER_FLASH_ATTENTION_2_HOPPER, CUDNN_OVER_FLASH_ATTENTION_2_HOPPER),
-}
-
-
-# Attention dropout inside the fused kernel (``dropout_p`` > 0: the kernel draws Philox random
-# numbers for every attention weight in the forward and draws them again in the backward), as
-# the time with dropout over the time without, forward and backward together, for the (kernel,
-# generation) pairs where it was measured. cuDNN's fused attention on Hopper: Transformer
-# Engine's ``DotProductAttention`` with the fused (cuDNN) backend forced, bf16, ``sbhd``
-# layout, 16 heads of head dim 128, 4096 tokens in 4 sequences, forward + backward, median of
-# 50 iterations after 20 warm-up ones, on an H200 (sm90, the GH100 die) with TE 2.15.0:
-# 0.594 ms at p = 0.0 and 0.614 ms at p = 0.1, 1.034x (NVIDIA/TransformerEngine issue #3312,
-# 2026-08-04, its table's last row). Two caveats, both stated, neither corrected: the
-# measurement is a 2026 TE and cuDNN, not the mid-2024 ones of Megatron-Core r0.8's runs; and
-# its sequences are short (fwd + bwd at ~100-200 TFLOP/s, far from the kernel's peak), so if the
-# random numbers cost a fixed time per attention weight, the share dropout adds at 4,096-token
-# sequences, where the kernel runs two to three times as fast, is larger (up to ~3x the 3.4%).
-# Applied at any p > 0 (the measurement is Megatron's default p = 0.1). Everywhere else
-# (FlashAttention-2, Triton, other generations) no measurement on that generation was found and
-# dropout is not priced (the only others are Blackwell's: issue #3312's B300 sbhd 1.09x,
-# flash-attention 2 on a GB200 1.05x in TE pull request #3313).
-ATTENTION_DROPOUT_SLOWDOWN_BY_GENERATION = {
-    ("cudnn-fused-attention", "H100"): 0.614 / 0.594,
-    ("cudnn-fused-attention", "H200"): 0.614 / 0.594,
-}
-
-
-def attention_kernel_slowdown(kernel: str, generation_name: str) -> tuple[float, float]:
-    """(forward, backward) time of ``kernel`` over FlashAttention-2's on a GPU generation."""
-    return ATTENTION_KERNEL_SLOWDOWN_BY_GENERATION.get((kernel, generation_name), ATTENTION_KERNEL_SLOWDOWN[kernel])
+# (batch x heads, sequence, head dim, causal) of the Hopper cuDNN readings: the paper's 16k
+# tokens per call as 4 sequences of 4,096 with 16 heads (hidden 2048), cudnn-frontend's 4 x 16.
+CUDNN_HOPPER_READING = (4 * 16, 4096, 128, True)
+CUDNN_HOPPER_FORWARD_TFLOPS = 518.0
+CUDNN_HOPPER_BACKWARD_TFLOPS = 499.0 * 443.6 / 517.3
+# The dense 16-bit peak the FlashAttention fractions below are fractions of on the GH100 die:
+# the H100 SXM5 datasheet's 989.4e12 (528 tensor cores x 1024 FLOPs x 1830 MHz; ``SUSTAINED_CLOCK``),
+# the figure the H100 and H200 presets carry.
+GH100_DENSE_16BIT_PEAK = 989.4e12
 
 
 def attention_dropout_slowdown(kernel: str, generation_name: str, dropout_p: float) -> float:
@@ -350,6 +344,59 @@ def attention_efficiency(batch_heads: float, q_len: float, kv_len: float, head_d
     thread_blocks = math.ceil(batch_heads) * math.ceil(q_len / ATTENTION_BLOCK)
     waves = thread_blocks / (math.ceil(thread_blocks / generation.sms) * generation.sms)
     return min(1.0, sequence) * min(1.0, head) * diagonal * waves
+
+
+def published_attention_slowdown(forward_tflops: float, backward_tflops: float,
+                                 reading: tuple[int, int, int, bool], generation: GpuGeneration,
+                                 peak: float) -> tuple[float, float]:
+    """(forward, backward) time of a kernel published at ``forward_tflops`` / ``backward_tflops``
+    at the ``reading`` shape (batch x heads, sequence, head dim, causal) over the model's
+    FlashAttention-2 there, both at the loop's clock on a GPU of ``peak`` FLOP/s."""
+    batch_heads, seq, head_dim, causal = reading
+    shape = attention_efficiency(batch_heads, seq, seq, head_dim, causal, generation)
+    flash2_forward = peak * generation.attention_forward * shape / 1e12
+    flash2_backward = peak * generation.attention_backward * shape / 1e12
+    return flash2_forward / forward_tflops, flash2_backward / backward_tflops
+
+
+CUDNN_OVER_FLASH_ATTENTION_2_HOPPER = published_attention_slowdown(
+    CUDNN_HOPPER_FORWARD_TFLOPS, CUDNN_HOPPER_BACKWARD_TFLOPS, CUDNN_HOPPER_READING, GENERATIONS["H100"],
+    GH100_DENSE_16BIT_PEAK)
+# (kernel, generation) pairs measured against FlashAttention-2 on that generation; the
+# kernel's ``ATTENTION_KERNEL_SLOWDOWN`` entry holds elsewhere. The H200 is the same die, with
+# the H100's attention fractions.
+ATTENTION_KERNEL_SLOWDOWN_BY_GENERATION = {
+    ("cudnn-fused-attention", "H100"): CUDNN_OVER_FLASH_ATTENTION_2_HOPPER,
+    ("cudnn-fused-attention", "H200"): CUDNN_OVER_FLASH_ATTENTION_2_HOPPER,
+}
+
+
+def attention_kernel_slowdown(kernel: str, generation_name: str) -> tuple[float, float]:
+    """(forward, backward) time of ``kernel`` over FlashAttention-2's on a GPU generation."""
+    return ATTENTION_KERNEL_SLOWDOWN_BY_GENERATION.get((kernel, generation_name), ATTENTION_KERNEL_SLOWDOWN[kernel])
+
+
+# Attention dropout inside the fused kernel (``dropout_p`` > 0: the kernel draws Philox random
+# numbers for every attention weight in the forward and draws them again in the backward), as
+# the time with dropout over the time without, forward and backward together, for the (kernel,
+# generation) pairs where it was measured. cuDNN's fused attention on Hopper: Transformer
+# Engine's ``DotProductAttention`` with the fused (cuDNN) backend forced, bf16, ``sbhd``
+# layout, 16 heads of head dim 128, 4096 tokens in 4 sequences, forward + backward, median of
+# 50 iterations after 20 warm-up ones, on an H200 (sm90, the GH100 die) with TE 2.15.0:
+# 0.594 ms at p = 0.0 and 0.614 ms at p = 0.1, 1.034x (NVIDIA/TransformerEngine issue #3312,
+# 2026-08-04, its table's last row). Two caveats, both stated, neither corrected: the
+# measurement is a 2026 TE and cuDNN, not the mid-2024 ones of Megatron-Core r0.8's runs; and
+# its sequences are short (fwd + bwd at ~100-200 TFLOP/s, far from the kernel's peak), so if the
+# random numbers cost a fixed time per attention weight, the share dropout adds at 4,096-token
+# sequences, where the kernel runs two to three times as fast, is larger (up to ~3x the 3.4%).
+# Applied at any p > 0 (the measurement is Megatron's default p = 0.1). Everywhere else
+# (FlashAttention-2, Triton, other generations) no measurement on that generation was found and
+# dropout is not priced (the only others are Blackwell's: issue #3312's B300 sbhd 1.09x,
+# flash-attention 2 on a GB200 1.05x in TE pull request #3313).
+ATTENTION_DROPOUT_SLOWDOWN_BY_GENERATION = {
+    ("cudnn-fused-attention", "H100"): 0.614 / 0.594,
+    ("cudnn-fused-attention", "H200"): 0.614 / 0.594,
+}
 
 
 def attention_times(batch_heads: float, q_len: float, kv_len: float, head_dim: int, causal: bool,

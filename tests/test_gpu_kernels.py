@@ -145,29 +145,44 @@ def test_triton_flash_attention_is_slower_by_the_published_ratios():
     assert forward == pytest.approx(1.4 * 0.7360e-3 + OVERHEAD, rel=1e-3)  # 0.7410 ms above less 5 µs
 
 
-def test_cudnn_attention_is_faster_on_hopper_only_by_transformer_engines_measurement():
-    # Transformer Engine's benchmark on H100 (2 x 16 heads, 2048 tokens, d128, causal, forward
-    # and backward): cuDNN 0.5415 ms against flash-attention 2's 0.7496 ms, so cuDNN's kernel
-    # time is 0.7224 of FlashAttention-2's, forward and backward; the launch overhead stays.
+def test_cudnn_attention_on_hopper_is_priced_from_its_published_speed():
+    # cuDNN on H100 is read at 4 x 16 heads x 4096 x d128, causal: forward 518 TFLOP/s
+    # (FlashAttention-3 paper, fig. 5d), backward 499 x 443.6 / 517.3 = 427.907 TFLOP/s (fig. 6
+    # without the mask, times cudnn-frontend's causal / non-causal backward on H200). The
+    # model's FlashAttention-2 there at the loop's clock: 989.4e12 x 0.35 (forward) or 0.30
+    # (backward) x shape (sequence 4096/4306 x 16594/16384 = 0.963423; causal diagonal 32/33;
+    # 64 x 32 = 2048 thread blocks on 16 waves of 132 = 2048/2112; together 0.905918):
+    # 313.71 and 268.89 TFLOP/s, so cuDNN's time is 313.71/518 = 0.60562 and 268.89/427.907 =
+    # 0.62839 of FlashAttention-2's (it was 0.72239 both ways, from Transformer Engine's notebook).
+    shape = (4096 / 4306) * (16594 / 16384) * (32 / 33) * (2048 / 2112)
+    assert shape == pytest.approx(0.905918, abs=1e-6)
+    forward_ratio = 989.4e12 * 0.35 * shape / 518e12
+    backward_ratio = 989.4e12 * 0.30 * shape / (499 * 443.6 / 517.3 * 1e12)
+    assert (forward_ratio, backward_ratio) == pytest.approx((0.60562, 0.62839), abs=1e-5)
+    assert gpu_kernels.CUDNN_OVER_FLASH_ATTENTION_2_HOPPER == pytest.approx((forward_ratio, backward_ratio))
     h100 = Cluster.preset("dgx-h100").device_of(0)
     cudnn = dataclasses.replace(h100, attention_kernel="cudnn-fused-attention")
-    node = attention_node(2, 16, 2048, 128, True)
+    node = attention_node(4, 16, 4096, 128, True)
     flash2_forward, flash2_backward = op_times(node, 1.0, h100, "bf16")
     forward, backward = op_times(node, 1.0, cudnn, "bf16")
-    assert 0.5415 / 0.7496 == pytest.approx(0.72239, abs=1e-5)
-    assert forward - OVERHEAD == pytest.approx(0.72239 * (flash2_forward - OVERHEAD), rel=1e-5)
-    assert backward - OVERHEAD == pytest.approx(0.72239 * (flash2_backward - OVERHEAD), rel=1e-5)
-    # By hand on H100 SXM: causal forward FLOPs 4 x 32 x 2048^2 x 128 / 2 = 34.36e9 at 989.4e12
-    # x 0.86066 (sustained clock) x 0.35 x shape (sequence 2048/2258 x 16594/16384 = 0.91860;
-    # causal diagonal 16/17; 32 x 16 = 512 thread blocks on 4 waves of 132 = 512/528; together
-    # 0.83839): 989.4e12 x 0.86066 x 0.35 x 0.83839 = 249.87 TFLOP/s -> 137.51 us as
-    # FlashAttention-2; x 0.72239 = 99.34 us, + 5 us launch = 104.34 us.
-    shape = (2048 / 2258) * (16594 / 16384) * (16 / 17) * (512 / 528)
-    flash2 = 4 * 32 * 2048**2 * 128 / 2 / (989.4e12 * 0.86066 * 0.35 * shape)
-    assert forward == pytest.approx(0.72239 * flash2 + OVERHEAD, rel=1e-4)
-    assert forward == pytest.approx(104.34e-6, rel=1e-3)
-    # On Ampere, where Transformer Engine measured flash-attention faster and gave no figure,
-    # it is priced as FlashAttention-2 (assumed).
+    assert forward - OVERHEAD == pytest.approx(forward_ratio * (flash2_forward - OVERHEAD), rel=1e-6)
+    assert backward - OVERHEAD == pytest.approx(backward_ratio * (flash2_backward - OVERHEAD), rel=1e-6)
+    # So at the reading shape the kernel runs at the published speed times the sustained clock
+    # 1575/1830 = 0.860656: causal forward FLOPs 4 x 64 x 4096^2 x 128 / 2 = 274.878e9 at
+    # 518e12 x 0.860656 = 445.82e12 FLOP/s -> 616.57 us, + 5 us launch = 621.57 us; backward
+    # 2.5 x 274.878e9 at 427.907e12 x 0.860656 = 368.28e12 -> 1865.95 us, + 5 us = 1870.95 us.
+    assert forward == pytest.approx(621.57e-6, rel=1e-4)
+    assert backward == pytest.approx(1870.95e-6, rel=1e-4)
+    # Transformer Engine's shape (2 x 16 heads x 2048, causal): FlashAttention-2's forward
+    # 137.51 us at the sustained clock (989.4e12 x 0.860656 x 0.35 x 0.83839), x 0.60562 =
+    # 83.28 us, + 5 us = 88.28 us (104.34 us with the old 0.72239).
+    forward_2k, _ = op_times(attention_node(2, 16, 2048, 128, True), 1.0, cudnn, "bf16")
+    assert forward_2k == pytest.approx(88.28e-6, rel=1e-3)
+    # The H200 is the same die and takes the same ratios; on Ampere, where Transformer Engine
+    # measured flash-attention faster and gave no figure, cuDNN is priced as FlashAttention-2
+    # (assumed).
+    assert gpu_kernels.attention_kernel_slowdown("cudnn-fused-attention", "H200") == pytest.approx(
+        (forward_ratio, backward_ratio))
     a100_node = attention_node(2, 16, 2048, 128, True)
     assert op_times(a100_node, 1.0, dataclasses.replace(A100_DEVICE, attention_kernel="cudnn-fused-attention"),
                     "bf16") == op_times(a100_node, 1.0, A100_DEVICE, "bf16")
@@ -187,9 +202,9 @@ def test_attention_dropout_slows_cudnn_attention_on_hopper_by_transformer_engine
     assert 0.614 / 0.594 == pytest.approx(1.03367, abs=1e-5)
     assert forward - OVERHEAD == pytest.approx(1.03367 * (plain_forward - OVERHEAD), rel=1e-5)
     assert backward - OVERHEAD == pytest.approx(1.03367 * (plain_backward - OVERHEAD), rel=1e-5)
-    # By hand (the cuDNN test above): the causal forward's kernel time 99.34 us x 1.03367 =
-    # 102.68 us, + 5 us launch = 107.68 us.
-    assert forward == pytest.approx(107.68e-6, rel=1e-3)
+    # By hand (the cuDNN test above): the causal forward's kernel time 83.28 us x 1.03367 =
+    # 86.08 us, + 5 us launch = 91.08 us.
+    assert forward == pytest.approx(91.08e-6, rel=1e-3)
     # No measurement of dropout in FlashAttention-2 on Hopper, nor of cuDNN's on Ampere: unpriced.
     assert op_times(dropped, 1.0, h100, "bf16") == op_times(plain, 1.0, h100, "bf16")
     a100_cudnn = dataclasses.replace(A100_DEVICE, attention_kernel="cudnn-fused-attention")
