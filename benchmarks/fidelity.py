@@ -107,6 +107,8 @@ def simulate(run: Run, roofline: bool = False):
         changes["half_precision_weights"] = True
     if run.optimizer_implementation:
         changes["optimizer_implementation"] = run.optimizer_implementation
+    if run.gradient_clipping:
+        changes["gradient_clipping"] = run.gradient_clipping
     if run.loss_implementation:
         changes["loss_implementation"] = run.loss_implementation
     if run.metric_cross_entropies:
