@@ -151,3 +151,18 @@ def test_each_fidelity_row_clips_as_its_framework_does():
     assert by_name["MCore-GPT-1.7B@48xH100"] == "multi_tensor"  # Megatron-Core's clip_grad_norm_fp32
     assert by_name["Qwen3-235B-EP32@256xH100"] == "multi_tensor"
     assert by_name["MT-NLG-530B@2240xA100"] == ""  # priced in DeepSpeed's fp16 ZeRO-1 step
+
+
+def test_a_fidelity_row_carries_its_clipping_into_the_step():
+    from benchmarks.fidelity import simulate
+    run = next(run for run in runs() if run.name == "MPT-7B@8xH100")
+    clipped, _ = simulate(run)
+    without, _ = simulate(dataclasses.replace(run, gradient_clipping=""))  # fidelity.py --no-clipping
+    assert clipped.gradient_clipping == "per_tensor" and without.gradient_clipping == ""
+    assert not _events(without, "gradient norm (clipping)")
+    [norm] = _events(clipped, "gradient norm (clipping)")
+    [reduce] = _events(clipped, "all-reduce gradient norm")
+    [scale] = _events(clipped, "scale gradients (clipping)")
+    # One pipeline stage, nothing overlapping the step's end: longer by exactly the three parts.
+    added = norm.duration_s + reduce.duration_s + scale.duration_s
+    assert clipped.estimate.step_time_s == pytest.approx(without.estimate.step_time_s + added, rel=1e-9)
