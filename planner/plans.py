@@ -69,8 +69,8 @@ OPTIMIZER_IMPLEMENTATIONS = ("", "fused", "foreach", "per_parameter")
 # How another system's program computes its loss (``Plan.loss_implementation``; priced by
 # ``cost_model.loss_kernels``); "" is the compiled program's own eager cross entropy.
 LOSS_IMPLEMENTATIONS = ("", "fused_xentropy")
-# How another system's loop clips its gradients to a global norm (``Plan.gradient_clipping``;
-# priced by ``cost_model.gradient_clipping``); "" clips nothing (the compiled program's default).
+# How another system's loop clips its gradients to a global norm (``Plan.gradient_clipping``):
+# torch's foreach ``clip_grad_norm_``, FSDP1's per tensor, Megatron's multi-tensor kernels; "" none.
 GRADIENT_CLIPPINGS = ("", "foreach", "per_tensor", "multi_tensor")
 # The fields of a plan's JSON; any other key is a family's section (Plan.sections).
 _PLAN_KEYS = frozenset((
@@ -177,13 +177,10 @@ class Plan:
             the compiled program's own eager ``F.cross_entropy``. Priced by
             ``cost_model.loss_kernels``; the search never sets it and ``planner compile``
             refuses a plan that does.
-        gradient_clipping: how the run clips its gradients to a global L2 norm once per step,
-            where it is another system's (``benchmarks/fidelity.py``): ``"foreach"``
-            (``torch.nn.utils.clip_grad_norm_``), ``"per_tensor"`` (FSDP1's
-            ``clip_grad_norm_``) or ``"multi_tensor"`` (Megatron's apex/TE kernels); priced by
-            ``cost_model.gradient_clipping``. Empty (the default): no clipping priced; the
-            search never sets it and ``planner compile`` refuses a plan that does (a compiled
-            program clips only when launched with ``--clip-grad-norm``).
+        gradient_clipping: how another system's run clips its gradients to a global norm
+            (``GRADIENT_CLIPPINGS``, priced by ``cost_model.gradient_clipping``). Empty (the
+            default): none priced; the search never sets it and ``planner compile`` refuses a
+            plan that does (compiled programs clip only when launched with ``--clip-grad-norm``).
         metric_cross_entropies: forward-only cross entropies the run's trainer computes over
             each micro-batch's logits for its training metrics (Composer's, two for
             llm-foundry's MPT; ``cost_model.loss_kernels``). 0 (the default) for compiled
