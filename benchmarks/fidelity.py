@@ -107,6 +107,8 @@ def simulate(run: Run, roofline: bool = False):
         changes["half_precision_weights"] = True
     if run.optimizer_implementation:
         changes["optimizer_implementation"] = run.optimizer_implementation
+    if run.gradient_clipping:
+        changes["gradient_clipping"] = run.gradient_clipping
     if run.loss_implementation:
         changes["loss_implementation"] = run.loss_implementation
     if run.metric_cross_entropies:
@@ -162,6 +164,8 @@ def main() -> None:
                         help="also print where each predicted step goes (compute, exposed communication, bubble)")
     parser.add_argument("--no-engine-overhead", action="store_true",
                         help="leave out the per-layer overhead fitted to BigScience's sweep on Jean Zay (BLOOM's row)")
+    parser.add_argument("--no-clipping", action="store_true",
+                        help="leave out every run's gradient clipping (Plan.gradient_clipping), to see what it adds")
     parser.add_argument("--deepspeed-checkpointing", nargs="+", metavar="OPTION", choices=DEEPSPEED_CHECKPOINTING_OPTIONS,
                         help="turn these DeepSpeed activation-checkpointing options on in the DeepSpeed rows whose "
                              "sources do not state them (MT-NLG's), as a what-if (cost_model.deepspeed_checkpointing)")
@@ -178,6 +182,8 @@ def main() -> None:
     if options.no_engine_overhead:
         chosen = [dataclasses.replace(run, layout={**run.layout, "block_overhead_s": 0.0})
                   if "block_overhead_s" in run.layout else run for run in chosen]
+    if options.no_clipping:
+        chosen = [dataclasses.replace(run, gradient_clipping="") for run in chosen]
     if options.deepspeed_checkpointing:
         turned_on = tuple(options.deepspeed_checkpointing)
         chosen = [dataclasses.replace(run, layout={**run.layout, "deepspeed_checkpointing": turned_on})

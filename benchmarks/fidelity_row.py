@@ -77,6 +77,13 @@ class Run:
         loss_implementation: how the run computes its cross entropy (``Plan.loss_implementation``):
             "" (eager ``F.cross_entropy``, the default) or "fused_xentropy" (FlashAttention's
             fused kernel, llm-foundry's default loss).
+        gradient_clipping: how the run clips its gradients to a global norm once per step
+            (``Plan.gradient_clipping``; ``cost_model.gradient_clipping``): "multi_tensor"
+            (Megatron-LM's and Megatron-Core's ``clip_grad_norm_fp32``, ``--clip-grad`` 1.0 by
+            default: the default here), "foreach" (``torch.nn.utils.clip_grad_norm_``,
+            torchtitan's ``max_norm``), "per_tensor" (FSDP1's ``clip_grad_norm_``, Composer's
+            ``gradient_clipping``), or "" where the run's clipping is priced elsewhere
+            (DeepSpeed's fp16 ZeRO-1 step) or its software is not public.
         metric_cross_entropies: forward-only cross entropies the run's trainer computes per
             micro-batch for its training metrics (``Plan.metric_cross_entropies``: Composer's
             two for llm-foundry's MPT).
@@ -97,6 +104,7 @@ class Run:
     optimizer_implementation: str = "fused"
     loss_implementation: str = ""
     metric_cross_entropies: int = 0
+    gradient_clipping: str = "multi_tensor"
     moe: MoeLayout | None = None
 
     def describe(self, gpus: int) -> str:

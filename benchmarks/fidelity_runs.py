@@ -41,6 +41,10 @@ TORCHTITAN_A100 = "torchtitan docs/performance.md (2024, 64 A100)"
 # build_optimizer (train.py); ``fused`` became an option in PR #355 (2024-06) and the default
 # in PR #881 (2025-02), after every row here was published.
 TORCHTITAN_2024_ADAMW = "foreach"
+# torchtitan's train.py of 2024 clips with ``torch.nn.utils.clip_grad_norm_(model.parameters(),
+# job_config.training.max_norm, foreach=True)`` before the optimizer step (``max_norm`` 1.0 by
+# default): cost_model.gradient_clipping's "foreach".
+TORCHTITAN_CLIPPING = "foreach"
 # Megatron-LM's --hidden-dropout and --attention-dropout default to 0.1 (megatron/training/
 # arguments.py; Megatron-DeepSpeed's arguments.py the same); MT-NLG's paper and the weak-scaling
 # table state none, so their runs dropped out at 0.1 (a dropout of p = 0 launches no kernel:
@@ -200,6 +204,9 @@ def runs() -> list[Run]:
             # micro-batch's logits (LanguageCrossEntropy, LanguagePerplexity;
             # Trainer._train_microbatch -> _eval_train_metrics at 18f2d3c33): cost_model.loss_kernels.
             loss_implementation="fused_xentropy", metric_cross_entropies=COMPOSER_MPT_TRAIN_METRICS,
+            # The yamls' ``algorithms: gradient_clipping`` (norm, threshold 1.0; docs/fidelity_log.md,
+            # session 12 s12mpt): Composer calls FSDP1's clip_grad_norm_ on the root module.
+            gradient_clipping="per_tensor",
         ))
     # torchtitan on 64 A100 80GB (docs/performance.md of mid-2024): FSDP2, local batch 1 or 2,
     # gradients reduce-scattered in fp32: torchtitan's FSDP2 policy was
@@ -216,7 +223,7 @@ def runs() -> list[Run]:
             name, "llama.py", _llama(**shape, batch=batch, seq=seq), "dgx-a100-80g:8",
             {"dp_flavour": "fsdp", "recompute": recompute}, 1, tokens_step(batch, seq, tokens, 64),
             f"{tokens} tok/s/GPU", TORCHTITAN_A100, half_precision_weights=False,
-            optimizer_implementation=TORCHTITAN_2024_ADAMW,
+            optimizer_implementation=TORCHTITAN_2024_ADAMW, gradient_clipping=TORCHTITAN_CLIPPING,
         ))
     # MT-NLG and BLOOM ran Megatron-DeepSpeed with DeepSpeed's pipeline engine
     # (DEEPSPEED_PIPELINE). MT-NLG (2021) trained in 16-bit with DeepSpeed's ZeRO-1 fp16 path:
@@ -255,6 +262,7 @@ def runs() -> list[Run]:
             {"tp": 8, "pp": 35, "micro_batch": 1, "schedule": "1f1b", "recompute": "full", "dp_flavour": "zero1",
              **DEEPSPEED_PIPELINE, "gradient_accumulation": "autograd"}, 1,
             seconds, f"{seconds} s/iteration", "Smith et al. 2022 (MT-NLG), section 2.4",
+            gradient_clipping="",  # clipped inside the fp16 ZeRO-1 step's unscale (fp16_zero_step_checks_time)
         ))
     # BLOOM-176B (Le Scao et al. 2022, section 3.4; bigscience-workshop's training README):
     # 384 A100 80GB, tp 4 x pp 12 x dp 8, ZeRO-1, micro-batch 2, global batch 2048 of 2048
@@ -274,6 +282,9 @@ def runs() -> list[Run]:
          "gradient_accumulation": "fp32-copy", "deepspeed_checkpointing": ()}, 1,
         megatron_deepspeed_flops(2048, 2048, 70, 14336, 250880, recompute=True) / (150e12 * 384),
         "150 TFLOP/s/GPU", "BigScience BLOOM-176B model page (bigscience.notion.site); BLOOM paper 3.4",
+        # BF16_Optimizer clips too (its ``clip_grad``), per tensor with a host sync each in
+        # DeepSpeed of 2022, over fp32 gradients not yet checked here: not priced.
+        gradient_clipping="",
     ))
     # Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models"), its rows of table 4
     # without context parallelism: 8,192 H100s, tp 8 x cp 1 x pp 16 x dp 64, 430 TFLOP/s per
@@ -302,6 +313,7 @@ def runs() -> list[Run]:
             f"dgx-h100:{gpus // 8}", llama3_405b_layout(), 1,
             palm_model_flops(405e9, 126, 16384, 8192, 2048 * 8192) / (tflops * 1e12 * gpus),
             f"{tflops} TFLOP/s/GPU", "Dubey et al. 2024 (Llama 3), section 3.3.2 and table 4",
+            gradient_clipping="",  # Meta's training software is not public: how it clips is not known
         ))
     found += megatron_core_weak_scaling_runs()
     found += torchtitan_h100_runs()
@@ -418,5 +430,6 @@ def torchtitan_h100_runs() -> list[Run]:
         {"tp": 8, "dp_flavour": "fsdp", "recompute": "full", "sequence_parallel": True}, 1,
         tokens_step(32, 8192, 109, 128), "109 tok/s/GPU", "torchtitan docs/performance.md (2024-08, 128 H100)",
         half_precision_weights=False, optimizer_implementation=TORCHTITAN_2024_ADAMW,
+        gradient_clipping=TORCHTITAN_CLIPPING,
     ))
     return found

@@ -121,6 +121,12 @@ def check_fields(plan: Plan) -> None:
             "system's AdamW, which compiled programs do not run (they step torch.optim's default AdamW, foreach on GPUs; such "
             "plans simulate other systems' runs); re-plan with `planner plan` for a program"
         )
+    if plan.gradient_clipping:
+        raise PlanFileError(
+            f"plan field 'gradient_clipping' is {_shown(plan.gradient_clipping)}: it prices another system's gradient "
+            "clipping, which compiled programs do not run as priced (they clip only when launched with "
+            "--clip-grad-norm; such plans simulate other systems' runs); re-plan with `planner plan` for a program"
+        )
     if plan.loss_implementation or plan.metric_cross_entropies:
         raise PlanFileError(
             f"plan field 'loss_implementation' is {_shown(plan.loss_implementation)} and 'metric_cross_entropies' "

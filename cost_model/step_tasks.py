@@ -15,11 +15,14 @@ rendezvous of the two stages (``cost_model.deepspeed_pipeline``).
 
 from __future__ import annotations
 
+from cost_model.collectives import collective_time
 from cost_model.compute import (
     gradient_accumulation_time, optimizer_implementation, optimizer_step_time, tensors_in_flat_shards,
 )
 from cost_model.deepspeed_checkpointing import NO_COST, CheckpointingCost, checkpointing_cost
 from cost_model.deepspeed_pipeline import deepspeed_schedule, fp16_zero_step_checks_time, runs_fp16_zero_step
+from cost_model.gradient_clipping import NORM_ALL_REDUCE_BYTES, clip_kernel_times
+from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.recompute import backward_comm, backward_time
 from cost_model.scheduler import TaskGraph
 from cost_model.schedules import schedule as pipeline_schedule
@@ -158,6 +161,9 @@ class StepTasks:
                     progressed = True
             if not progressed:
                 raise RuntimeError("pipeline schedule deadlocked: a stage waits for work no stage can do")
+        # (device, optimizer step s, what it waits for, its gradient-norm task, its scale s)
+        steps: list[tuple[str, float, list[int], int | None, float]] = []
+        clipping = context.plan.gradient_clipping
         for stage in range(context.pp):
             device = f"stage {stage}"
             sharding = parameter_sharding(context, self.contributors)
@@ -168,6 +174,25 @@ class StepTasks:
                 sizes = [size for segment in per_device[device] for size in segment.params.values()]
                 deps = [graph.add("overflow check and gradient norm (fp16 ZeRO)", (device, "compute"),
                                   fp16_zero_step_checks_time(context, sizes), deps=deps,
+                                  kind="optimizer")]
+            norm, scale_s = None, 0.0
+            if clipping:  # the gradients the optimizer steps are the ones clipped
+                elements = state_bytes / sum(PARAM_BYTES[context.plan.precision])
+                norm_s, scale_s = clip_kernel_times(clipping, elements, self._stepped_tensors(per_device[device], sharding),
+                                                    context.device)
+                norm = graph.add("gradient norm (clipping)", (device, "compute"), norm_s, deps=deps, kind="optimizer")
+            steps.append((device, seconds, deps, norm, scale_s))
+        norms = [norm for _, _, _, norm, _ in steps if norm is not None]
+        if norms:  # one small all-reduce of the norm over every rank: a rendezvous of the stages
+            ranks = list(range(min(context.mesh.size, context.cluster.world_size)))
+            reduce_s = collective_time("all_reduce", NORM_ALL_REDUCE_BYTES, context.cluster, ranks)
+        for device, seconds, deps, norm, scale_s in steps:
+            if norm is not None:
+                reduced = graph.add("all-reduce gradient norm", (device, "compute"), reduce_s, deps=[norm], kind="comm")
+                for other in norms:
+                    if other != norm:
+                        graph.add_dependency(reduced, other)
+                deps = [graph.add("scale gradients (clipping)", (device, "compute"), scale_s, deps=[reduced],
                                   kind="optimizer")]
             step = graph.add("optimizer step", (device, "compute"), seconds, deps=deps, kind="optimizer")
             for contributor in self.contributors:

@@ -69,10 +69,14 @@ OPTIMIZER_IMPLEMENTATIONS = ("", "fused", "foreach", "per_parameter")
 # How another system's program computes its loss (``Plan.loss_implementation``; priced by
 # ``cost_model.loss_kernels``); "" is the compiled program's own eager cross entropy.
 LOSS_IMPLEMENTATIONS = ("", "fused_xentropy")
+# How another system's loop clips its gradients to a global norm (``Plan.gradient_clipping``):
+# torch's foreach ``clip_grad_norm_``, FSDP1's per tensor, Megatron's multi-tensor kernels; "" none.
+GRADIENT_CLIPPINGS = ("", "foreach", "per_tensor", "multi_tensor")
 # The fields of a plan's JSON; any other key is a family's section (Plan.sections).
 _PLAN_KEYS = frozenset((
     "format", "version", "model", "cluster", "mesh", "dp_flavour", "recompute", "pipeline", "accumulation_steps",
     "precision", "optimizer", "optimizer_implementation", "loss_implementation", "metric_cross_entropies",
+    "gradient_clipping",
     "batch_size", "inputs", "fsdp_units", "expert_layouts",
     "summary", "estimate",
     "runners_up", "warnings", "search_summary", "label", "timings", "fused_splits_local", "tp_comm_overlap",
@@ -173,6 +177,10 @@ class Plan:
             the compiled program's own eager ``F.cross_entropy``. Priced by
             ``cost_model.loss_kernels``; the search never sets it and ``planner compile``
             refuses a plan that does.
+        gradient_clipping: how another system's run clips its gradients to a global norm
+            (``GRADIENT_CLIPPINGS``, priced by ``cost_model.gradient_clipping``). Empty (the
+            default): none priced; the search never sets it and ``planner compile`` refuses a
+            plan that does (compiled programs clip only when launched with ``--clip-grad-norm``).
         metric_cross_entropies: forward-only cross entropies the run's trainer computes over
             each micro-batch's logits for its training metrics (Composer's, two for
             llm-foundry's MPT; ``cost_model.loss_kernels``). 0 (the default) for compiled
@@ -225,6 +233,7 @@ class Plan:
     optimizer: str = "adamw"
     optimizer_implementation: str = ""
     loss_implementation: str = ""
+    gradient_clipping: str = ""
     metric_cross_entropies: int = 0
     runners_up: tuple[Alternative, ...] = ()
     warnings: tuple[str, ...] = ()
@@ -280,6 +289,9 @@ class Plan:
         if self.loss_implementation not in LOSS_IMPLEMENTATIONS:
             raise ValueError(f"field 'loss_implementation' must be one of {LOSS_IMPLEMENTATIONS[1:]} or empty, "
                              f"got {one_line(str(self.loss_implementation))!r}")
+        if self.gradient_clipping not in GRADIENT_CLIPPINGS:
+            raise ValueError(f"field 'gradient_clipping' must be one of {GRADIENT_CLIPPINGS[1:]} or empty, "
+                             f"got {one_line(str(self.gradient_clipping))!r}")
         count = self.metric_cross_entropies
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"field 'metric_cross_entropies' must be a whole number of 0 or more, "
@@ -439,6 +451,7 @@ class Plan:
             # Written only when set, so plans that do not use it read as before.
             **({"optimizer_implementation": self.optimizer_implementation} if self.optimizer_implementation else {}),
             **({"loss_implementation": self.loss_implementation} if self.loss_implementation else {}),
+            **({"gradient_clipping": self.gradient_clipping} if self.gradient_clipping else {}),
             **({"metric_cross_entropies": self.metric_cross_entropies} if self.metric_cross_entropies else {}),
             "batch_size": self.batch_size,
             "inputs": {name: placements_to_json(p) if p is not None else None for name, p in self.inputs.items()},
@@ -526,6 +539,7 @@ class Plan:
                 optimizer_implementation=(reader.get("optimizer_implementation", str)
                                           if "optimizer_implementation" in data else ""),
                 loss_implementation=reader.get("loss_implementation", str) if "loss_implementation" in data else "",
+                gradient_clipping=reader.get("gradient_clipping", str) if "gradient_clipping" in data else "",
                 metric_cross_entropies=(reader.get("metric_cross_entropies", int)
                                         if "metric_cross_entropies" in data else 0),
                 runners_up=tuple(_runners_up_from(reader)),
