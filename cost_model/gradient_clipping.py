@@ -47,7 +47,7 @@ import math
 
 from cost_model.compute import MULTI_TENSOR_ELEMENTS, efficiencies
 from planner.cluster import DeviceSpec
-from planner.plans import GRADIENT_CLIPPINGS
+from planner.run_settings import GRADIENT_CLIPPINGS
 # Bytes moved per fp32 gradient element: the norm reads it (4), the scale reads and writes
 # it (4 + 4). Every style above clips the fp32 gradients the optimizer steps (FSDP's
 # sharded fp32 gradients, Megatron's fp32 main gradients).

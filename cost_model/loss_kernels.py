@@ -62,7 +62,7 @@ import math
 from cost_model.loss_parallel import CROSS_ENTROPY
 from planner.cluster import DeviceSpec
 from planner.graph import OpNode
-from planner.plans import LOSS_IMPLEMENTATIONS
+from planner.run_settings import LOSS_IMPLEMENTATIONS
 
 FP32_BYTES = 4
 # SoftMax.cu: the register-cached forward kernel takes rows of fewer than 10 x ILP x 1024

@@ -23,6 +23,7 @@ from planner.json_files import peek_json, read_json
 from planner.left_out_devices import LeftOutDevices
 from planner.outputs import check_output_file, write_text_atomically
 from planner.plan_part_checks import check_expert_layouts, check_pipeline_size, check_summa_layouts
+from planner.run_settings import check_run_settings
 from planner.plan_fields import (
     FieldReader,
     check_placement_counts,
@@ -62,16 +63,6 @@ PLAN_VERSION = 9  # 4: accumulation_steps; 5: pipeline.stage_recompute; 6: exper
 # Precisions a plan is made in (the API also takes "auto", resolved before planning).
 READABLE_VERSIONS = (8, PLAN_VERSION)
 PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "sgd")
-# How another system's program runs AdamW (``Plan.optimizer_implementation``; priced by
-# ``cost_model.compute.optimizer_step_time``); "" is the compiled program's own.
-OPTIMIZER_IMPLEMENTATIONS = ("", "fused", "foreach", "per_parameter")
-# How another system's program computes its loss (``Plan.loss_implementation``; priced by
-# ``cost_model.loss_kernels``); "" is the compiled program's own eager cross entropy.
-LOSS_IMPLEMENTATIONS = ("", "fused_xentropy")
-# How another system's loop clips its gradients to a global norm (``Plan.gradient_clipping``):
-# torch's foreach ``clip_grad_norm_``, FSDP1's per tensor, Megatron's multi-tensor kernels; "" none.
-GRADIENT_CLIPPINGS = ("", "foreach", "per_tensor", "multi_tensor")
 # The fields of a plan's JSON; any other key is a family's section (Plan.sections).
 _PLAN_KEYS = frozenset((
     "format", "version", "model", "cluster", "mesh", "dp_flavour", "recompute", "pipeline", "accumulation_steps",
@@ -178,7 +169,7 @@ class Plan:
             ``cost_model.loss_kernels``; the search never sets it and ``planner compile``
             refuses a plan that does.
         gradient_clipping: how another system's run clips its gradients to a global norm
-            (``GRADIENT_CLIPPINGS``, priced by ``cost_model.gradient_clipping``). Empty (the
+            (``planner.run_settings.GRADIENT_CLIPPINGS``, priced by ``cost_model.gradient_clipping``). Empty (the
             default): none priced; the search never sets it and ``planner compile`` refuses a
             plan that does (compiled programs clip only when launched with ``--clip-grad-norm``).
         metric_cross_entropies: forward-only cross entropies the run's trainer computes over
@@ -259,43 +250,7 @@ class Plan:
             raise ValueError(f"field 'recompute' must be one of {RECOMPUTE_MODES}, got '{one_line(self.recompute)}'")
         if self.precision not in PLAN_PRECISIONS:
             raise ValueError(f"field 'precision' must be one of {PLAN_PRECISIONS}, got '{one_line(self.precision)}'")
-        if not isinstance(self.fused_splits_local, bool):
-            raise ValueError(f"field 'fused_splits_local' must be true or false, got {one_line(str(self.fused_splits_local))!r}")
-        if not isinstance(self.tp_comm_overlap, bool):
-            raise ValueError(f"field 'tp_comm_overlap' must be true or false, got {one_line(str(self.tp_comm_overlap))!r}")
-        if not isinstance(self.megatron_distributed_optimizer, bool):
-            raise ValueError(f"field 'megatron_distributed_optimizer' must be true or false, "
-                             f"got {one_line(str(self.megatron_distributed_optimizer))!r}")
-        if self.megatron_distributed_optimizer and self.dp_flavour != "zero1":
-            raise ValueError(f"field 'megatron_distributed_optimizer' is true but dp_flavour is "
-                             f"'{one_line(self.dp_flavour)}'; Megatron's distributed optimizer is ZeRO-1: set dp_flavour "
-                             f"to zero1 or the field to false")
-        if not isinstance(self.half_precision_weights, bool):
-            raise ValueError(f"field 'half_precision_weights' must be true or false, "
-                             f"got {one_line(str(self.half_precision_weights))!r}")
-        if self.half_precision_weights and self.precision == "fp32":
-            raise ValueError("field 'half_precision_weights' is true but the plan is in fp32; it describes 16-bit "
-                             "weights: set the precision to bf16 or fp16, or the field to false")
-        if not isinstance(self.moe_a2a_overlap, bool):
-            raise ValueError(f"field 'moe_a2a_overlap' must be true or false, got {one_line(str(self.moe_a2a_overlap))!r}")
-        if self.moe_a2a_overlap and not any(layout.mode == "expert_parallel" for layout in self.expert_layouts):
-            raise ValueError("field 'moe_a2a_overlap' is true but no MoE layer of the plan is expert parallel; set it "
-                             "to false")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"field 'optimizer' must be one of {OPTIMIZERS}, got '{one_line(self.optimizer)}'")
-        if self.optimizer_implementation not in OPTIMIZER_IMPLEMENTATIONS:
-            raise ValueError(f"field 'optimizer_implementation' must be one of {OPTIMIZER_IMPLEMENTATIONS[1:]} or empty, "
-                             f"got {one_line(str(self.optimizer_implementation))!r}")
-        if self.loss_implementation not in LOSS_IMPLEMENTATIONS:
-            raise ValueError(f"field 'loss_implementation' must be one of {LOSS_IMPLEMENTATIONS[1:]} or empty, "
-                             f"got {one_line(str(self.loss_implementation))!r}")
-        if self.gradient_clipping not in GRADIENT_CLIPPINGS:
-            raise ValueError(f"field 'gradient_clipping' must be one of {GRADIENT_CLIPPINGS[1:]} or empty, "
-                             f"got {one_line(str(self.gradient_clipping))!r}")
-        count = self.metric_cross_entropies
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"field 'metric_cross_entropies' must be a whole number of 0 or more, "
-                             f"got {one_line(str(count))!r}")
+        check_run_settings(self)
         if self.left_out is not None and (not isinstance(self.left_out, LeftOutDevices) or self.left_out.cluster_ranks
                                           - sum(count for _, count in self.left_out.devices) != self.cluster.world_size):
             raise ValueError(f"field 'left_out' must say which ranks of a larger cluster this plan's {self.cluster.world_size} "
