@@ -35,43 +35,46 @@ The searched plan should be no slower than the grid's best; the verdict says whe
 why it might be. Budgets count work, so the plans are the same on any machine; the planning
 times are this machine's.
 
-Measured 2026-11-29 at 489acaf (after the folded pipeline stages, ``full_keep_a2a`` and the
-pricing of autocast's fp32 activations, which raised every MoE prediction, grid and search
-alike: MoE programs keep fp32 weights and so fp32 residual streams), one row at a time with
+Measured 2026-11-30 at 0b5d41f (the last two rows at 5883f1c, whose cuDNN pricing these plans do
+not run; session 12: after the 80 GB presets' capacity became
+nvidia-smi's total less a cited reserve, 74.5 -> 78.68 GiB, Megatron-FSDP's experts sharded over
+their EDP copies, and the EP overlap priced as Megatron-Core runs it), one row at a time with
 ``flock /work/locks/heavy.lock /usr/bin/time python benchmarks/moe_frontier.py --rows KEY
---grid-after-search --search-timeout 600`` on 2 CPU cores, nothing else running. "s" is the
-search's wall time, then the grid's alone:
+--grid-after-search --search-timeout 600`` on 2 CPU cores beside two helpers' lighter work.
+"s" is the search's wall time, then the grid's alone:
 
 =============  ====================================  ===================================  =========================
 row            search (step, MFU, memory, s)         grid's best (built/fit of all, s)    verdict
 =============  ====================================  ===================================  =========================
-deepseek-2048  moe dp=2048, fsdp, EP 16 per device   TP1 EP256 PP8 VPP2 DP256 mbs1 full   search 0.765x the grid's
-               x 128 copies (deduplicated, copies    recompute, ZeRO-1: 67.34 s, 13.8%,   best (row 470 s beside
-               sharded): 51.49 s, 18.1%, 73.1 GiB    23.9 GiB (135/2826 built, 34 fit;    helpers, peak 2.0 GiB;
-               (337 s)                               126 s)                               H800 priced, below)
-deepseek-256   moe pp=32 x dp=4 x tp=2, 1F1B, 256    TP1 EP16 PP16 DP16 mbs1 full         search 0.691x the grid's
-               micro-batches, ZeRO-1, EP8 folded     recompute, ZeRO-1: 26.61 s, 17.5%,   best (row 168 s, peak
-               over dp x tp: 18.39 s, 25.3%, 74.4    52.9 GiB (86/2064 built, 12 fit;     1.6 GiB)
-               GiB (129 s)                           33 s)
-mixtral-64     moe pp=8 x dp=4 x tp=2, 1F1B, 64      TP4 EP8 ETP1 PP8 DP2 mbs1 no         search 0.980x the grid's
-               micro-batches, ZeRO-1, EP8 folded     recompute, ZeRO-1: 11.30 s, 36.8%,   best (row 85 s, peak
-               over dp x tp: 11.07 s, 37.5%, 71.0    70.0 GiB (210/1128 built, 83 fit;    1.4 GiB)
-               GiB (44 s)                            33 s)
-qwen3-256      moe dp=256, fsdp, experts             TP1 EP16 PP16 VPP2 DP16 mbs1 full    search 0.661x the grid's
-               replicated: 11.60 s, 23.9%, 50.5      recompute, ZeRO-1: 17.56 s, 15.8%,   best (row 249 s, peak
-               GiB (160 s)                           21.7 GiB (272/2214 built, 116 fit;   2.5 GiB)
-                                                     77 s)
-gpt-oss-128    moe pp=4 x dp=8 x tp=4, 1F1B, 64      TP1 EP128 PP1 DP128 mbs2 full        search 0.931x the grid's
-               micro-batches, ZeRO-1, EP32 folded    recompute, ZeRO-1: 15.25 s, 4.1%,    best (row 108 s, peak
-               over dp x tp: 14.20 s, 4.4%, 66.4     55.4 GiB (404/1728 built, 162 fit;   1.7 GiB)
-               GiB (56 s)                            44 s)
+deepseek-2048  moe dp=2048, fsdp, EP 64 per device   TP1 EP256 PP8 VPP2 DP256 mbs1 full   search 0.651x the grid's
+               x 512 copies (deduplicated, copies    recompute, ZeRO-1: 68.11 s, 13.7%,   best (row 500 s, peak
+               sharded): 44.32 s, 21.0%, 78.4 GiB    23.6 GiB (152/2826 built, 54 fit;    2.2 GiB)
+               (342 s)                               147 s)
+deepseek-256   moe pp=32 x dp=2 x tp=4, 1F1B, 512    TP1 EP16 PP16 DP16 mbs1 full         search 0.642x the grid's
+               micro-batches, ZeRO-1, EP8 folded     recompute, ZeRO-1: 27.05 s, 17.2%,   best (row 215 s, peak
+               over dp x tp: 17.37 s, 26.8%, 78.3    52.6 GiB (93/2064 built, 20 fit;     1.6 GiB)
+               GiB (167 s)                           43 s)
+mixtral-64     moe pp=16 x dp=2 x tp=2, 1F1B, 128    TP4 EP8 ETP1 PP8 DP2 mbs1 no         search 0.940x the grid's
+               micro-batches, ZeRO-1, EP4 folded     recompute, ZeRO-1: 11.85 s, 35.0%,   best (row 119 s, peak
+               over dp x tp: 11.14 s, 37.3%, 75.0    68.1 GiB (215/1128 built, 98 fit;    1.5 GiB)
+               GiB (66 s)                            46 s)
+qwen3-256      moe pp=32 x dp=4 x tp=2, 1F1B, 256    TP1 EP16 PP16 VPP2 DP16 mbs1 full    search 0.626x the grid's
+               micro-batches, ZeRO-1, EP8 folded     recompute, ZeRO-1: 18.12 s, 15.3%,   best (row 304 s, peak
+               over dp x tp: 11.34 s, 24.4%, 77.7    21.3 GiB (282/2214 built, 143 fit;   2.8 GiB)
+               GiB (200 s)                           93 s)
+gpt-oss-128    moe pp=4 x dp=8 x tp=4, 1F1B, 64      TP4 EP32 ETP1 PP4 DP8 mbs1 no        search 1.000x the grid's
+               micro-batches, ZeRO-1, EP32 folded    recompute, ZeRO-1: 14.08 s, 4.5%,    best: the same plan
+               over dp x tp: 14.08 s, 4.5%, 78.5     78.5 GiB (404/1728 built, 197 fit;   (row 118 s, peak
+               GiB (62 s)                            49 s)                                1.8 GiB)
 =============  ====================================  ===================================  =========================
 
-These were planned when the H100 and H800 presets held 80e9 bytes (74.5 GiB); they now hold
-78.68 GiB (``planner.gpu_presets.usable_memory_bytes``, session 12), so every row (all on H100
-or H800 presets) may choose otherwise now, those whose plans sat near the old cap first
-(deepseek-256 74.4 GiB, deepseek-2048 73.1, mixtral-64 71.0), as ``moe_planning_time.py``'s
-did; not re-measured.
+Against the previous measurement (489acaf, 74.5 GiB devices): every searched plan but gpt-oss's
+changed, four of five now holding 75-78.5 GiB of the 78.68 that the old cap forbade; searched
+steps deepseek-2048 51.49 -> 44.32 s (dp=2048 FSDP, EP16 -> EP64 per device), deepseek-256
+18.39 -> 17.37 s, mixtral-64 11.07 -> 11.14 s (pp8 x dp4 x tp2 -> pp16 x dp2 x tp2: the
+expert layers' EP overlap and the grid's best both priced anew), qwen3-256 11.60 s (dp=256
+FSDP, experts replicated) -> 11.34 s (a folded pipeline), gpt-oss-128 14.20 -> 14.08 s. The
+searched plans' ratio to the grid's best stays below 1 on every row.
 
 Before the autocast pricing (at 387c111 and 54daf65) the same rows read: deepseek-256 17.33 s
 against 25.06 s, mixtral-64 10.03 s (the grid's own best plan, TP4 EP8 PP8 DP2) against 10.03
@@ -96,20 +99,20 @@ same plan), 58.23 -> 67.34 s for the grid's best, 0.744x -> 0.765x.
 Published (or reference) layouts, simulated as grid configurations:
 
 - deepseek-2048, DeepSeek's own (PP16 under DualPipe x EP64 x ZeRO-1 DP128, no TP): with full
-  recomputation 42.79 s, MFU 21.8%, 0.83x the searched plan, but 110.0 GiB: it does not fit
+  recomputation 43.53 s, MFU 21.4%, 0.98x the searched plan, but 104.6 GiB: it does not fit
   (DualPipe holds every stage's weights twice, and inside a pipeline the planner keeps both
   copies of each expert whole, ``search.megatron_moe``); without recomputation no split of the
-  61 layers over 16 stages fits. Its 1F1B twin with full recomputation fits: 72.04 s, MFU
-  12.9%, 20.8 GiB, 1.07x the grid's best, 1.40x the searched plan (H800 priced as a GH100;
-  before, 34.54 s and 102.7 GiB with DualPipe, 62.37 s for the twin). The row was killed for
+  61 layers over 16 stages fits. Its 1F1B twin with full recomputation fits: 72.85 s, MFU
+  12.8%, 20.5 GiB, 1.07x the grid's best, 1.64x the searched plan (before session 12's
+  capacity: 42.79 s and 110.0 GiB with DualPipe, 72.04 s for the twin). The row was killed for
   memory at 24 GiB before (773dfbe): every ``ExpertPlacement.copied_grid`` held 256 x 2,048 /
   EP (device, share) pairs (58 MiB and 0.9 s at EP1), one per MoE layer (58), kept with every
   simulated plan: 6.5 GiB and 2 min for the flat configurations EP1-128 at one recomputation
   and micro-batch size, six such sets (measured at 49d6dd5 with tracemalloc, one layer's
   placements times 58). A placement now holds one tuple per group of experts, shared by the
   layers.
-- mixtral-64, NeMo's recipe without CP and VPP (TP2 PP4 DP8 EP8): 12.11 s, MFU 34.3%, 70.5 GiB
-  with full recomputation: 1.21x the grid's best.
+- mixtral-64, NeMo's recipe without CP and VPP (TP2 PP4 DP8 EP8): 13.52 s, MFU 30.7%, 70.4 GiB
+  with full recomputation: 1.14x the grid's best (10.27 s without, 119.4 GiB: does not fit).
 - qwen3-256, Megatron Bridge's start without CP (TP4 PP16 DP4 EP8): not built, 94 layers do
   not split evenly over 16 stages for the folded builder (Megatron's even split).
 - deepseek-256 (PP16 leaves 16 dp ranks per stage, fewer than EP64) and gpt-oss-128 (none
