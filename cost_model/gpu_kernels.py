@@ -31,8 +31,10 @@ cuDNN's fused attention on Hopper faster, ``attention_kernel_slowdown``, and cuD
 slower with attention dropout, ``attention_dropout_slowdown``): forward 4·B·H·Sq·Sk·D FLOPs (halved when causal), backward 2.5x the forward
 (it recomputes Q·Kᵀ: five matmuls against two; Tri Dao,
 https://github.com/Dao-AILab/flash-attention/issues/1525), each at the fraction of peak the
-FlashAttention papers measure at long sequences, lowered for short sequences (the causal
-kernel computes whole diagonal blocks) and for thread blocks that do not fill the SMs.
+FlashAttention papers measure at long sequences, lowered for short sequences, for thread blocks
+that do not fill the SMs, and when causal by the kernel's own published causal / non-causal
+speed ratio (``causal_factor``, ``cost_model.causal_attention``: the diagonal tiles' masking and
+the load imbalance, beyond the skipped blocks).
 
 Elementwise and normalisation ops are memory-bound kernels (eager PyTorch: one kernel per
 ATen op, nothing fused), and every kernel pays the launch overhead of ``cost_model.defaults``.
@@ -49,6 +51,7 @@ import math
 from dataclasses import dataclass
 
 from cost_model import defaults
+from cost_model.causal_attention import causal_rate_factor
 from cost_model.gradient_copies import bias_gradient_time, bias_length
 from planner.attention_masks import ATTENTION_OPS, CAUSAL_ARGUMENT, DROPOUT_ARGUMENT, is_causal_kind
 from planner.cluster import DeviceSpec
@@ -110,18 +113,20 @@ ATTENTION_BACKWARD_TO_FORWARD = 2.5
 # 499 x 443.6 / 517.3 = 427.9. Both sources count FLOPs as the model does (4·B·H·S²·D, halved
 # when causal; backward 2.5x). The figures are kernel loops at the loop's clock; the model
 # keeps its sustained clock on top, as for FlashAttention-2 (``SUSTAINED_CLOCK``). Each is
-# expressed as a time ratio to the model's FlashAttention-2 at the reading shape
-# (``published_attention_slowdown``), so the model reproduces it there at the loop's clock.
+# expressed as a time ratio to the model's FlashAttention-2 fractions at the reading shape with
+# cuDNN's own causal factor (518 / 609 forward, FA3 paper fig. 5; 443.6 / 517.3 backward,
+# cudnn-frontend; ``cost_model.causal_attention``) (``published_attention_slowdown``), so the
+# model reproduces it there at the loop's clock and its figures without the mask follow from
+# the causal factor (forward 609 at 4k exactly; backward 499 at 4k within 0.2%).
 # This replaces one ratio for forward and backward together read from Transformer Engine's
 # notebook (docs/examples/attention/attention.ipynb, TE v1.8, H100 PCIe, cuDNN 9.0 against
 # flash-attn 2.4.2, 2 x 16 heads x 2048 tokens, causal: 0.5415 / 0.7496 = 0.722), which priced
 # cuDNN at the loop's clock 17% below the FlashAttention-3 paper's causal forward and 23% below
 # its backward (4k, head dim 128) on the SXM5 board the presets are (``benchmarks/
-# components.py``). Caveats: the reading is one shape; the model's causal factor (diagonal
-# blocks only) is milder than cuDNN's measured one (forward 518 / 609 = 0.85 at 4k against the
-# model's 32/33), so without the mask the model is 9-13% below the published figures (causal at
-# 16k: 2% above); at head dim 64 cuDNN loses more than the model's head-dim factor (read from
-# FlashAttention-2) says: its causal forward is priced 22% fast there. The same notebook: flash-attention is faster than cuDNN on Ampere, by an
+# components.py``). Caveats: the reading is one shape (causal forward at 16k: 6% above the
+# paper at the loop's clock, backward without the mask 0.3-3.3% above); at head dim 64 cuDNN
+# loses more than the model's head-dim factor (read from FlashAttention-2) says: its causal
+# forward is priced 23-28% fast there. The same notebook: flash-attention is faster than cuDNN on Ampere, by an
 # amount it does not state; generations without a measurement (A100, V100) are ASSUMED to run
 # it as fast as FlashAttention-2 (optimistic there).
 ATTENTION_KERNEL_SLOWDOWN = {"flash-attention-2": (1.0, 1.0), "flash-attention-triton": (1.4, 2.0),
@@ -333,35 +338,53 @@ def matmul_time(batch: float, m: float, n: float, k: float, device: DeviceSpec, 
 
 
 def attention_efficiency(batch_heads: float, q_len: float, kv_len: float, head_dim: int, causal: bool,
-                         generation: GpuGeneration) -> float:
-    """Fraction of the long-sequence FlashAttention throughput that this call reaches."""
+                         generation: GpuGeneration, kernel: str = "flash-attention-2",
+                         direction: str = "forward") -> float:
+    """Fraction of the long-sequence FlashAttention throughput that this call reaches, for
+    ``kernel``'s ``direction`` ("forward" or "backward"; they differ only when causal)."""
     sequence = kv_len / (kv_len + ATTENTION_SEQUENCE_HALF) * (16384 + ATTENTION_SEQUENCE_HALF) / 16384
     head = head_dim / (head_dim + ATTENTION_HEAD_DIM_HALF) / (128 / (128 + ATTENTION_HEAD_DIM_HALF))
-    # Causal: of n x n key/query blocks the kernel computes the n(n+1)/2 on or below the
-    # diagonal, where n(n)/2 are useful.
-    blocks_per_row = max(1.0, q_len / ATTENTION_BLOCK)
-    diagonal = blocks_per_row / (blocks_per_row + 1) if causal else 1.0
     thread_blocks = math.ceil(batch_heads) * math.ceil(q_len / ATTENTION_BLOCK)
     waves = thread_blocks / (math.ceil(thread_blocks / generation.sms) * generation.sms)
-    return min(1.0, sequence) * min(1.0, head) * diagonal * waves
+    return min(1.0, sequence) * min(1.0, head) * causal_factor(q_len, kv_len, head_dim, causal, generation,
+                                                               kernel, direction) * waves
+
+
+def causal_factor(q_len: float, kv_len: float, head_dim: int, causal: bool, generation: GpuGeneration,
+                  kernel: str, direction: str) -> float:
+    """Causal over non-causal throughput of ``kernel`` (1.0 when not causal): the published
+    ratio where one was read (``cost_model.causal_attention``), else the diagonal-block count:
+    of n x n key/query blocks the kernel computes the n(n+1)/2 on or below the diagonal, where
+    n(n)/2 are useful."""
+    if not causal:
+        return 1.0
+    measured = causal_rate_factor(kernel, generation.name, kv_len, head_dim, direction)
+    if measured is not None:
+        return measured
+    blocks_per_row = max(1.0, q_len / ATTENTION_BLOCK)
+    return blocks_per_row / (blocks_per_row + 1)
 
 
 def published_attention_slowdown(forward_tflops: float, backward_tflops: float,
                                  reading: tuple[int, int, int, bool], generation: GpuGeneration,
-                                 peak: float) -> tuple[float, float]:
-    """(forward, backward) time of a kernel published at ``forward_tflops`` / ``backward_tflops``
+                                 peak: float, kernel: str) -> tuple[float, float]:
+    """(forward, backward) time of ``kernel`` published at ``forward_tflops`` / ``backward_tflops``
     at the ``reading`` shape (batch x heads, sequence, head dim, causal) over the model's
-    FlashAttention-2 there, both at the loop's clock on a GPU of ``peak`` FLOP/s."""
+    FlashAttention-2 fractions there with ``kernel``'s own causal factor (``causal_factor``),
+    both at the loop's clock on a GPU of ``peak`` FLOP/s: so the model reproduces the published
+    figures at the reading shape, and ``kernel``'s causal factor sets it elsewhere."""
     batch_heads, seq, head_dim, causal = reading
-    shape = attention_efficiency(batch_heads, seq, seq, head_dim, causal, generation)
-    flash2_forward = peak * generation.attention_forward * shape / 1e12
-    flash2_backward = peak * generation.attention_backward * shape / 1e12
-    return flash2_forward / forward_tflops, flash2_backward / backward_tflops
+    ratios = []
+    for direction, fraction, published in (("forward", generation.attention_forward, forward_tflops),
+                                           ("backward", generation.attention_backward, backward_tflops)):
+        shape = attention_efficiency(batch_heads, seq, seq, head_dim, causal, generation, kernel, direction)
+        ratios.append(peak * fraction * shape / 1e12 / published)
+    return ratios[0], ratios[1]
 
 
 CUDNN_OVER_FLASH_ATTENTION_2_HOPPER = published_attention_slowdown(
     CUDNN_HOPPER_FORWARD_TFLOPS, CUDNN_HOPPER_BACKWARD_TFLOPS, CUDNN_HOPPER_READING, GENERATIONS["H100"],
-    GH100_DENSE_16BIT_PEAK)
+    GH100_DENSE_16BIT_PEAK, "cudnn-fused-attention")
 # (kernel, generation) pairs measured against FlashAttention-2 on that generation; the
 # kernel's ``ATTENTION_KERNEL_SLOWDOWN`` entry holds elsewhere. The H200 is the same die, with
 # the H100's attention fractions.
@@ -407,15 +430,18 @@ def attention_times(batch_heads: float, q_len: float, kv_len: float, head_dim: i
     device's ``attention_kernel`` and by ``attention_dropout_slowdown`` when the kernel drops
     attention weights with probability ``dropout_p``."""
     forward_flops = 4.0 * batch_heads * q_len * kv_len * head_dim * (0.5 if causal else 1.0)
-    shape = attention_efficiency(batch_heads, q_len, kv_len, head_dim, causal, generation)
+    kernel = device.attention_kernel
+    shape_forward, shape_backward = (
+        attention_efficiency(batch_heads, q_len, kv_len, head_dim, causal, generation, kernel, direction)
+        for direction in ("forward", "backward"))
     peak = device.flops_for(dtype)
     slow_forward, slow_backward = attention_kernel_slowdown(device.attention_kernel, generation.name)
     dropout = attention_dropout_slowdown(device.attention_kernel, generation.name, dropout_p)
     slow_forward, slow_backward = slow_forward * dropout, slow_backward * dropout
     peak *= generation.sustained_clock  # the papers' loops are short too (SUSTAINED_CLOCK)
-    forward = slow_forward * forward_flops / (peak * generation.attention_forward * shape)
+    forward = slow_forward * forward_flops / (peak * generation.attention_forward * shape_forward)
     backward = slow_backward * ATTENTION_BACKWARD_TO_FORWARD * forward_flops / (
-        peak * generation.attention_backward * shape)
+        peak * generation.attention_backward * shape_backward)
     return forward + defaults.KERNEL_OVERHEAD_S, backward + defaults.KERNEL_OVERHEAD_S
 
 

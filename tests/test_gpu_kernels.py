@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cost_model import defaults, gpu_kernels
+from cost_model.causal_attention import causal_rate_factor
 from cost_model.compute import op_times
 from cost_model.gpu_kernels import GENERATIONS, generation_of, matmul_time, shape_efficiency, tile_efficiency
 from planner.cluster import Cluster
@@ -119,17 +120,45 @@ def test_causal_flash_attention():
     # B=1, H=32, S=4096, D=128, causal, on A100. Forward FLOPs 4 x 32 x 4096^2 x 128 / 2.
     forward_flops = 4 * 32 * 4096**2 * 128 / 2  # 1.374e11
     sequence = 4096 / (4096 + 210) * (16384 + 210) / 16384  # 0.96343
-    diagonal = 32 / 33  # 32 query blocks of 128: 32 x 33 / 2 blocks computed for 32 x 32 / 2
+    # FlashAttention-2 on A100 runs causal at 173 TFLOP/s against 196 without the mask at 4k,
+    # head dim 128 (FlashAttention-2 paper, fig. 4, fwd+bwd): 0.88265, forward and backward
+    # alike - below the 32/33 = 0.9697 of the diagonal blocks alone.
+    causal = 173 / 196
     waves = 1024 / (10 * 108)  # 32 heads x 32 blocks = 1024 thread blocks over 10 waves
-    shape = sequence * diagonal * waves  # 0.88577
+    shape = sequence * causal * waves  # 0.80628
+    assert shape == pytest.approx(0.80628, abs=1e-5)
     forward, backward = op_times(attention_node(1, 32, 4096, 128, True), 1.0, A100_DEVICE, "bf16")
     peak = 312e12 * SUSTAINED
     assert forward == pytest.approx(forward_flops / (peak * 0.73 * shape) + OVERHEAD)
     assert backward == pytest.approx(2.5 * forward_flops / (peak * 0.60 * shape) + OVERHEAD)
-    assert forward == pytest.approx(0.7410e-3, rel=1e-3)  # 0.6812 ms / 0.9255 + 5 µs
-    # Without the mask the kernel does twice the FLOPs with no wasted diagonal blocks.
+    # 1.374e11 / (312e12 x 0.92553 x 0.73 x 0.80628) = 0.80864 ms, + 5 us (0.7410 ms with 32/33)
+    assert forward == pytest.approx(0.81364e-3, rel=1e-4)
+    # Without the mask the kernel does twice the FLOPs at the full rate.
     full, _ = op_times(attention_node(1, 32, 4096, 128, False), 1.0, A100_DEVICE, "bf16")
     assert full == pytest.approx(2 * forward_flops / (peak * 0.73 * sequence * waves) + OVERHEAD)
+
+
+def test_causal_factor_is_read_from_each_kernels_published_bars():
+    # Causal over non-causal TFLOP/s, per kernel, generation and direction:
+    # FlashAttention-2 on H100 (FlashAttention-3 paper, fig. 5): 319 / 368 at 4k, head dim 128;
+    # between readings linear in log2(seq): 3k lies 0.58496 of the way from 2k (298 / 362 =
+    # 0.82320) to 4k (0.86685): 0.84874.
+    assert causal_rate_factor("flash-attention-2", "H100", 4096, 128, "forward") == pytest.approx(319 / 368)
+    assert causal_rate_factor("flash-attention-2", "H100", 3072, 128, "forward") == pytest.approx(0.84874, abs=1e-5)
+    # cuDNN on Hopper: forward 518 / 609 (fig. 5), backward 443.6 / 517.3 (cudnn-frontend, H200).
+    assert causal_rate_factor("cudnn-fused-attention", "H100", 4096, 128, "forward") == pytest.approx(518 / 609)
+    assert causal_rate_factor("cudnn-fused-attention", "H200", 4096, 128, "backward") == pytest.approx(443.6 / 517.3)
+    # Head dim 96 is halfway between 64 (284 / 321 = 0.88474) and 128 (0.86685): 0.87579.
+    assert causal_rate_factor("flash-attention-2", "H100", 4096, 96, "forward") == pytest.approx(0.87579, abs=1e-5)
+    # Outside the readings the nearest holds: A100 head dim 128 is read from 2k (155 / 187).
+    assert causal_rate_factor("flash-attention-2", "A100", 512, 128, "backward") == pytest.approx(155 / 187)
+    # The Triton kernel takes FlashAttention-2's; V100 has no reading, and the model keeps the
+    # diagonal blocks there: 32 blocks per row -> 32/33.
+    assert causal_rate_factor("flash-attention-triton", "A100", 4096, 128, "forward") == pytest.approx(173 / 196)
+    assert causal_rate_factor("flash-attention-2", "V100", 4096, 128, "forward") is None
+    v100 = GENERATIONS["V100"]
+    assert gpu_kernels.attention_efficiency(1, 4096, 4096, 128, True, v100) == pytest.approx(
+        gpu_kernels.attention_efficiency(1, 4096, 4096, 128, False, v100) * 32 / 33)
 
 
 def test_triton_flash_attention_is_slower_by_the_published_ratios():
@@ -142,42 +171,51 @@ def test_triton_flash_attention_is_slower_by_the_published_ratios():
     forward, backward = op_times(node, 1.0, triton, "bf16")
     assert forward - OVERHEAD == pytest.approx(1.4 * (flash2_forward - OVERHEAD))
     assert backward - OVERHEAD == pytest.approx(2.0 * (flash2_backward - OVERHEAD))
-    assert forward == pytest.approx(1.4 * 0.7360e-3 + OVERHEAD, rel=1e-3)  # 0.7410 ms above less 5 µs
+    assert forward == pytest.approx(1.4 * 0.80864e-3 + OVERHEAD, rel=1e-4)  # 0.81364 ms above less 5 µs
 
 
 def test_cudnn_attention_on_hopper_is_priced_from_its_published_speed():
     # cuDNN on H100 is read at 4 x 16 heads x 4096 x d128, causal: forward 518 TFLOP/s
     # (FlashAttention-3 paper, fig. 5d), backward 499 x 443.6 / 517.3 = 427.907 TFLOP/s (fig. 6
     # without the mask, times cudnn-frontend's causal / non-causal backward on H200). The
-    # model's FlashAttention-2 there at the loop's clock: 989.4e12 x 0.35 (forward) or 0.30
-    # (backward) x shape (sequence 4096/4306 x 16594/16384 = 0.963423; causal diagonal 32/33;
-    # 64 x 32 = 2048 thread blocks on 16 waves of 132 = 2048/2112; together 0.905918):
-    # 313.71 and 268.89 TFLOP/s, so cuDNN's time is 313.71/518 = 0.60562 and 268.89/427.907 =
-    # 0.62839 of FlashAttention-2's (it was 0.72239 both ways, from Transformer Engine's notebook).
-    shape = (4096 / 4306) * (16594 / 16384) * (32 / 33) * (2048 / 2112)
-    assert shape == pytest.approx(0.905918, abs=1e-6)
-    forward_ratio = 989.4e12 * 0.35 * shape / 518e12
-    backward_ratio = 989.4e12 * 0.30 * shape / (499 * 443.6 / 517.3 * 1e12)
-    assert (forward_ratio, backward_ratio) == pytest.approx((0.60562, 0.62839), abs=1e-5)
+    # model's cuDNN there at the loop's clock before the ratio: 989.4e12 x 0.35 (forward) or 0.30
+    # (backward) x shape (sequence 4096/4306 x 16594/16384 = 0.963423; 64 x 32 = 2048 thread
+    # blocks on 16 waves of 132 = 2048/2112; together 0.934228) x cuDNN's own causal factor
+    # (518 / 609 forward, 443.6 / 517.3 backward), so cuDNN's time is
+    # 989.4 x 0.35 x 0.934228 x 0.850575 / 518 = 0.53122 and
+    # 989.4 x 0.30 x 0.934228 / 499 = 0.55571 of FlashAttention-2's without the mask
+    # (0.60562 and 0.62839 over its causal time with the diagonal-block factor 32/33 before).
+    shape = (4096 / 4306) * (16594 / 16384) * (2048 / 2112)
+    assert shape == pytest.approx(0.934228, abs=1e-6)
+    forward_ratio = 989.4e12 * 0.35 * shape * (518 / 609) / 518e12
+    backward_ratio = 989.4e12 * 0.30 * shape * (443.6 / 517.3) / (499 * 443.6 / 517.3 * 1e12)
+    assert (forward_ratio, backward_ratio) == pytest.approx((0.53122, 0.55571), abs=1e-5)
     assert gpu_kernels.CUDNN_OVER_FLASH_ATTENTION_2_HOPPER == pytest.approx((forward_ratio, backward_ratio))
     h100 = Cluster.preset("dgx-h100").device_of(0)
     cudnn = dataclasses.replace(h100, attention_kernel="cudnn-fused-attention")
     node = attention_node(4, 16, 4096, 128, True)
     flash2_forward, flash2_backward = op_times(node, 1.0, h100, "bf16")
     forward, backward = op_times(node, 1.0, cudnn, "bf16")
-    assert forward - OVERHEAD == pytest.approx(forward_ratio * (flash2_forward - OVERHEAD), rel=1e-6)
-    assert backward - OVERHEAD == pytest.approx(backward_ratio * (flash2_backward - OVERHEAD), rel=1e-6)
+    # Over FlashAttention-2's causal time the kernels differ in their causal factor too:
+    # FlashAttention-2's is 319 / 368 forward (fig. 5), and its backward takes the same.
+    flash2_causal = 319 / 368
+    assert forward - OVERHEAD == pytest.approx(
+        forward_ratio * flash2_causal / (518 / 609) * (flash2_forward - OVERHEAD), rel=1e-6)
+    assert backward - OVERHEAD == pytest.approx(
+        backward_ratio * flash2_causal / (443.6 / 517.3) * (flash2_backward - OVERHEAD), rel=1e-6)
     # So at the reading shape the kernel runs at the published speed times the sustained clock
     # 1575/1830 = 0.860656: causal forward FLOPs 4 x 64 x 4096^2 x 128 / 2 = 274.878e9 at
     # 518e12 x 0.860656 = 445.82e12 FLOP/s -> 616.57 us, + 5 us launch = 621.57 us; backward
     # 2.5 x 274.878e9 at 427.907e12 x 0.860656 = 368.28e12 -> 1865.95 us, + 5 us = 1870.95 us.
     assert forward == pytest.approx(621.57e-6, rel=1e-4)
     assert backward == pytest.approx(1870.95e-6, rel=1e-4)
-    # Transformer Engine's shape (2 x 16 heads x 2048, causal): FlashAttention-2's forward
-    # 137.51 us at the sustained clock (989.4e12 x 0.860656 x 0.35 x 0.83839), x 0.60562 =
-    # 83.28 us, + 5 us = 88.28 us (104.34 us with the old 0.72239).
+    # Transformer Engine's shape (2 x 16 heads x 2048, causal): cuDNN's forward is 0.53122 x
+    # 4 x 32 x 2048^2 x 128 / 2 FLOPs over 989.4e12 x 0.860656 x 0.35 x shape (sequence
+    # 2048/2258 x 16594/16384 = 0.918623; 512 thread blocks on 4 waves of 132 = 0.969697;
+    # cuDNN's causal factor at 2k 484 / 617 = 0.784441): 87.64 us, + 5 us = 92.64 us
+    # (88.28 us before, with the 32/33 diagonal-block factor).
     forward_2k, _ = op_times(attention_node(2, 16, 2048, 128, True), 1.0, cudnn, "bf16")
-    assert forward_2k == pytest.approx(88.28e-6, rel=1e-3)
+    assert forward_2k == pytest.approx(92.64e-6, rel=1e-4)
     # The H200 is the same die and takes the same ratios; on Ampere, where Transformer Engine
     # measured flash-attention faster and gave no figure, cuDNN is priced as FlashAttention-2
     # (assumed).
@@ -202,9 +240,9 @@ def test_attention_dropout_slows_cudnn_attention_on_hopper_by_transformer_engine
     assert 0.614 / 0.594 == pytest.approx(1.03367, abs=1e-5)
     assert forward - OVERHEAD == pytest.approx(1.03367 * (plain_forward - OVERHEAD), rel=1e-5)
     assert backward - OVERHEAD == pytest.approx(1.03367 * (plain_backward - OVERHEAD), rel=1e-5)
-    # By hand (the cuDNN test above): the causal forward's kernel time 83.28 us x 1.03367 =
-    # 86.08 us, + 5 us launch = 91.08 us.
-    assert forward == pytest.approx(91.08e-6, rel=1e-3)
+    # By hand (the cuDNN test above): the causal forward's kernel time 87.64 us x 1.03367 =
+    # 90.60 us, + 5 us launch = 95.60 us.
+    assert forward == pytest.approx(95.60e-6, rel=1e-4)
     # No measurement of dropout in FlashAttention-2 on Hopper, nor of cuDNN's on Ampere: unpriced.
     assert op_times(dropped, 1.0, h100, "bf16") == op_times(plain, 1.0, h100, "bf16")
     a100_cudnn = dataclasses.replace(A100_DEVICE, attention_kernel="cudnn-fused-attention")
