@@ -128,12 +128,14 @@ def test_quick_start_plan_lands_in_the_published_mfu_range():
     # contiguous SwiGLU, residual adds and pow at 0.913, rather than 0.8 for all, and the
     # fp32 bytes autocast adds to a kernel at that kernel's rate) 4.319 s, MFU 62.6%; with pow's
     # backward by its gradient formula (3.5x its forward's bytes, elementwise_backward) 4.340 s,
-    # MFU 62.3% (the README).
+    # MFU 62.3%; with causal FlashAttention-2 at its published causal / non-causal speed on
+    # A100 (cost_model.causal_attention, FA2 paper fig. 4: 173/196 at 4k, head dim 128)
+    # rather than the diagonal blocks alone 4.376 s, MFU 61.8% (the README).
     graph, spec, name, cluster = prepare_model(ModelSpec(LLAMA, {}), "dgx-a100-80g:2")
     plan = data_parallel_plan(graph, cluster, spec, name, "zero2", precision="bf16")
     plan = simulated(dataclasses.replace(plan, accumulation_steps=2), graph)
-    assert plan.estimate.step_time_s == pytest.approx(4.340, abs=0.001)
-    assert 0.57 <= plan.estimate.mfu <= 0.64 and plan.estimate.mfu == pytest.approx(0.623, abs=0.001)
+    assert plan.estimate.step_time_s == pytest.approx(4.376, abs=0.001)
+    assert 0.57 <= plan.estimate.mfu <= 0.64 and plan.estimate.mfu == pytest.approx(0.618, abs=0.001)
 
 
 def test_uneven_shares_pay_the_same_fp32_activations_on_their_critical_rank():
