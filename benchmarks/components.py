@@ -311,26 +311,39 @@ def attention_rows() -> list[Row]:
     return rows
 
 
-def flash2_speed(preset: str, batch_heads: int, seq: int, head_dim: int, causal: bool, direction: str) -> float:
-    """The model's FlashAttention-2 TFLOP/s on the preset's GPU in a step (sustained clock),
-    forward ("fwd") or forward + backward ("fwd+bwd", 3.5x the forward FLOPs over both times)."""
-    device = Cluster.preset(preset).device_of(0)
-    forward, backward = attention_times(batch_heads, seq, seq, head_dim, causal, device, "bfloat16",
-                                        generation_of(device))
+def attention_speed(kernel: str, preset: str, batch_heads: int, seq: int, head_dim: int, causal: bool,
+                    direction: str, sustained: bool = True) -> float:
+    """The model's TFLOP/s for one call of attention ``kernel`` on the preset's GPU: forward
+    ("fwd"), backward ("bwd", 2.5x the forward FLOPs) or both ("fwd+bwd", 3.5x over both times);
+    ``sustained=False``: at the benchmark loop's clock, ``SUSTAINED_CLOCK`` removed."""
+    device = dataclasses.replace(Cluster.preset(preset).device_of(0), attention_kernel=kernel)
+    generation = generation_of(device)
+    if not sustained:
+        generation = dataclasses.replace(generation, sustained_clock=1.0)
+    forward, backward = attention_times(batch_heads, seq, seq, head_dim, causal, device, "bfloat16", generation)
     forward_flops = 4 * batch_heads * seq * seq * head_dim * (0.5 if causal else 1.0)
     if direction == "fwd":
         return forward_flops / forward / 1e12
+    if direction == "bwd":
+        return ATTENTION_BACKWARD_TO_FORWARD * forward_flops / backward / 1e12
     return (1 + ATTENTION_BACKWARD_TO_FORWARD) * forward_flops / (forward + backward) / 1e12
+
+
+def attention_speed_rows(label: str, kernel: str, measurements) -> list[Row]:
+    """One row per (preset, batch x heads, sequence, head dim, causal, direction, published
+    TFLOP/s, source, sets) measurement of ``kernel``, predicted by ``attention_speed``."""
+    rows = []
+    for preset, batch_heads, seq, head_dim, causal, direction, published, source, sets in measurements:
+        case = f"{label} {batch_heads} heads x {seq} x d{head_dim}{' causal' if causal else ''} {direction}"
+        rows.append(Row("attention", preset, case, published,
+                        attention_speed(kernel, preset, batch_heads, seq, head_dim, causal, direction), "TFLOP/s",
+                        source, sets))
+    return rows
 
 
 def flash2_causal_rows() -> list[Row]:
     """FlashAttention-2 with and without the causal mask, predicted against its published speeds."""
-    rows = []
-    for preset, batch_heads, seq, head_dim, causal, direction, published, source, sets in FLASH2_CAUSAL_MEASUREMENTS:
-        case = f"FA2 {batch_heads} heads x {seq} x d{head_dim}{' causal' if causal else ''} {direction}"
-        rows.append(Row("attention", preset, case, published,
-                        flash2_speed(preset, batch_heads, seq, head_dim, causal, direction), "TFLOP/s", source, sets))
-    return rows
+    return attention_speed_rows("FA2", "flash-attention-2", FLASH2_CAUSAL_MEASUREMENTS)
 
 
 def cudnn_attention_rows() -> list[Row]:
@@ -380,28 +393,14 @@ def cudnn_dropout_rows() -> list[Row]:
 
 def cudnn_speed(preset: str, batch_heads: int, seq: int, head_dim: int, causal: bool, direction: str,
                 sustained: bool = True) -> float:
-    """The model's cuDNN fused attention TFLOP/s for one call on the preset's GPU (forward or
-    backward; ``sustained=False``: at the benchmark loop's clock, ``SUSTAINED_CLOCK`` removed)."""
-    device = dataclasses.replace(Cluster.preset(preset).device_of(0), attention_kernel="cudnn-fused-attention")
-    generation = generation_of(device)
-    if not sustained:
-        generation = dataclasses.replace(generation, sustained_clock=1.0)
-    times = attention_times(batch_heads, seq, seq, head_dim, causal, device, "bfloat16", generation)
-    forward_flops = 4 * batch_heads * seq * seq * head_dim * (0.5 if causal else 1.0)
-    if direction == "fwd":
-        return forward_flops / times[0] / 1e12
-    return ATTENTION_BACKWARD_TO_FORWARD * forward_flops / times[1] / 1e12
+    """The model's cuDNN fused attention TFLOP/s for one call on the preset's GPU (``attention_speed``)."""
+    return attention_speed("cudnn-fused-attention", preset, batch_heads, seq, head_dim, causal, direction, sustained)
 
 
 def cudnn_speed_rows() -> list[Row]:
     """cuDNN's fused attention throughput on Hopper, forward with the causal mask and backward,
     predicted against the FlashAttention-3 paper's and cudnn-frontend's published figures."""
-    rows = []
-    for preset, batch_heads, seq, head_dim, causal, direction, published, source, sets in CUDNN_SPEED_MEASUREMENTS:
-        case = f"cuDNN {batch_heads} heads x {seq} x d{head_dim}{' causal' if causal else ''} {direction}"
-        rows.append(Row("attention", preset, case, published,
-                        cudnn_speed(preset, batch_heads, seq, head_dim, causal, direction), "TFLOP/s", source, sets))
-    return rows
+    return attention_speed_rows("cuDNN", "cudnn-fused-attention", CUDNN_SPEED_MEASUREMENTS)
 
 
 def cudnn_loop_clock_lines() -> list[str]:

@@ -7,13 +7,10 @@ rendezvous at the norm's all-reduce, and the plan field validated, saved and ref
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 from pathlib import Path
 
 import pytest
 
-import planner
 from benchmarks.fidelity_runs import runs
 from cost_model import defaults
 from cost_model.collectives import collective_time
@@ -22,11 +19,10 @@ from cost_model.gradient_clipping import clip_kernel_times
 from cost_model.simulator import simulated
 from planner.api import prepare_model
 from planner.cluster import Cluster
-from planner.errors import PlanFileError
 from planner.model_spec import ModelSpec
-from planner.plans import load_plan
-from search.data_parallel import fsdp_units
 from search.megatron import megatron_plan
+from tests.simulation_only_fields import check_choice_field
+from tests.test_optimizer_implementations import _fsdp_plan
 
 GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
 A100 = Cluster.preset("dgx-a100-80g").device_of(0)
@@ -55,16 +51,6 @@ def test_clipping_kernels_by_hand():
     assert clip_kernel_times("", 100e6, 300, A100) == (0.0, 0.0)
     with pytest.raises(ValueError, match="gradient clipping must be one of"):
         clip_kernel_times("apex", 100e6, 300, A100)
-
-
-@functools.cache
-def _fsdp_plan():
-    """examples/gpt.py (width 256, 2 layers) as FSDP units over the 8 GPUs of one DGX-A100."""
-    graph, spec, name, cluster = prepare_model(ModelSpec(GPT, {"batch_size": 8, "n_layer": 2, "n_embd": 256,
-                                                               "n_head": 4, "seq_len": 128, "vocab_size": 512}),
-                                               "dgx-a100-80g:1")
-    plan = megatron_plan(graph, cluster, spec, name, precision="bf16", dp_flavour="fsdp")
-    return simulated(dataclasses.replace(plan, fsdp_units=fsdp_units(graph)), graph), graph
 
 
 def _events(plan, name: str) -> list:
@@ -129,18 +115,7 @@ def test_pipeline_stages_meet_at_the_norms_all_reduce():
 
 def test_the_field_is_validated_saved_and_refused_by_compile(tmp_path):
     own, _ = _fsdp_plan()
-    with pytest.raises(ValueError, match="field 'gradient_clipping' must be one of") as error:
-        dataclasses.replace(own, gradient_clipping="apex")
-    assert "\n" not in str(error.value)
-    plan = dataclasses.replace(own, gradient_clipping="foreach")
-    plan.save(tmp_path / "plan.json")
-    assert load_plan(tmp_path / "plan.json").gradient_clipping == "foreach"
-    with pytest.raises(PlanFileError, match="plan field 'gradient_clipping' is 'foreach'") as refused:
-        planner.compile(plan, tmp_path / "out")
-    assert "\n" not in str(refused.value)
-    own.save(tmp_path / "own.json")
-    assert "gradient_clipping" not in json.loads((tmp_path / "own.json").read_text())
-    assert load_plan(tmp_path / "own.json").gradient_clipping == ""
+    check_choice_field(own, "gradient_clipping", "foreach", tmp_path)
 
 
 def test_each_fidelity_row_clips_as_its_framework_does():

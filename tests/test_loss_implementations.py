@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 import planner
 from cost_model import defaults
@@ -25,25 +24,18 @@ from cost_model.simulator import simulated
 from planner.api import prepare_model
 from planner.cluster import Cluster
 from planner.errors import PlanFileError
-from planner.graph import OpNode, TensorMeta
 from planner.model_spec import ModelSpec
 from planner.plans import load_plan
 from search.data_parallel import fsdp_units
 from search.megatron import megatron_plan
+from tests.simulation_only_fields import check_choice_field
+from tests.test_loss_kernels import cross_entropy_node
 
 GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
 H100_DEVICE = Cluster.preset("dgx-h100").device_of(0)
 H100_STREAM = 3.35e12 * defaults.MEMORY_EFFICIENCY  # 2.68e12 B/s
 A100_STREAM = 2.039e12 * defaults.MEMORY_EFFICIENCY  # 1.6312e12 B/s
 OVERHEAD = defaults.KERNEL_OVERHEAD_S
-
-
-def cross_entropy_node(rows: int, classes: int) -> OpNode:
-    """``F.cross_entropy`` as the trace records it: fp32 logits (rows, classes), int64 targets."""
-    logits, targets = TensorMeta((rows, classes), torch.float32), TensorMeta((rows,), torch.int64)
-    return OpNode(name="loss", op="aten.cross_entropy_loss.default", inputs=("logits", "targets"),
-                  input_meta=(logits, targets), output_meta=(TensorMeta((), torch.float32),),
-                  attrs=(None, None), bytes_moved=logits.nbytes + targets.nbytes + 4)
 
 
 def test_fused_xentropy_reads_16_bit_logits_twice_and_once_more_for_the_gradient():
@@ -128,24 +120,15 @@ def test_the_simulated_step_prices_the_plans_loss():
 
 def test_the_fields_are_validated_saved_and_refused_by_compile(tmp_path):
     own, _ = _fsdp_plan()
-    with pytest.raises(ValueError, match="field 'loss_implementation' must be one of") as error:
-        dataclasses.replace(own, loss_implementation="apex")
-    assert "\n" not in str(error.value)
+    check_choice_field(own, "loss_implementation", "fused_xentropy", tmp_path)
     for wrong in (-1, 1.5, True):
         with pytest.raises(ValueError, match="field 'metric_cross_entropies' must be a whole number"):
             dataclasses.replace(own, metric_cross_entropies=wrong)
-    plan = dataclasses.replace(own, loss_implementation="fused_xentropy", metric_cross_entropies=2)
-    plan.save(tmp_path / "plan.json")
-    loaded = load_plan(tmp_path / "plan.json")
-    assert (loaded.loss_implementation, loaded.metric_cross_entropies) == ("fused_xentropy", 2)
-    with pytest.raises(PlanFileError, match="plan field 'loss_implementation' is 'fused_xentropy'") as refused:
-        planner.compile(plan, tmp_path / "out")
-    assert "\n" not in str(refused.value)
+    plan = dataclasses.replace(own, metric_cross_entropies=2)
+    plan.save(tmp_path / "metrics.json")
+    assert load_plan(tmp_path / "metrics.json").metric_cross_entropies == 2
     with pytest.raises(PlanFileError, match="'metric_cross_entropies' 2"):
-        planner.compile(dataclasses.replace(own, metric_cross_entropies=2), tmp_path / "out2")
-    # A plan without them is the compiled program's own loss, and neither field is written.
-    own.save(tmp_path / "own.json")
-    written = json.loads((tmp_path / "own.json").read_text())
-    assert "loss_implementation" not in written and "metric_cross_entropies" not in written
-    reloaded = load_plan(tmp_path / "own.json")
-    assert (reloaded.loss_implementation, reloaded.metric_cross_entropies) == ("", 0)
+        planner.compile(plan, tmp_path / "out2")
+    # A plan without it computes no train metrics, and the field is not written.
+    assert "metric_cross_entropies" not in json.loads((tmp_path / "own.json").read_text())
+    assert load_plan(tmp_path / "own.json").metric_cross_entropies == 0

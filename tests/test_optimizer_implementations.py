@@ -7,22 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from pathlib import Path
 
 import pytest
 
-import planner
 from cost_model import defaults
 from cost_model.compute import optimizer_step_time, tensors_in_flat_shards
 from cost_model.simulator import simulated
 from planner.api import prepare_model
 from planner.cluster import Cluster
-from planner.errors import PlanFileError
 from planner.model_spec import ModelSpec
-from planner.plans import load_plan
 from search.data_parallel import fsdp_units
 from search.megatron import megatron_plan
+from tests.simulation_only_fields import check_choice_field
 
 GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
 A100 = Cluster.preset("dgx-a100-80g").device_of(0)
@@ -128,18 +125,7 @@ def test_the_simulated_step_prices_the_plans_optimizer():
 
 
 def test_the_field_is_validated_saved_and_refused_by_compile(tmp_path):
-    fused, _ = _fsdp_plan()
-    with pytest.raises(ValueError, match="field 'optimizer_implementation' must be one of") as error:
-        dataclasses.replace(fused, optimizer_implementation="apex")
-    assert "\n" not in str(error.value)
-    plan = dataclasses.replace(fused, optimizer_implementation="per_parameter")
-    plan.save(tmp_path / "plan.json")
-    assert load_plan(tmp_path / "plan.json").optimizer_implementation == "per_parameter"
-    with pytest.raises(PlanFileError, match="plan field 'optimizer_implementation' is 'per_parameter'") as refused:
-        planner.compile(plan, tmp_path / "out")
-    assert "\n" not in str(refused.value)
     # A plan written without the field is the compiled program's own optimizer, and the field
     # is not written where it is unset.
-    fused.save(tmp_path / "fused.json")
-    assert "optimizer_implementation" not in json.loads((tmp_path / "fused.json").read_text())
-    assert load_plan(tmp_path / "fused.json").optimizer_implementation == ""
+    fused, _ = _fsdp_plan()
+    check_choice_field(fused, "optimizer_implementation", "per_parameter", tmp_path)
