@@ -19,12 +19,22 @@ published steps under each micro-batch asked for, and simulates the runs with it
 sees how much of a gap is the schedule's bubble under one assumption or the other. It changes
 no row of ``fidelity.py``: choosing the micro-batch by which fits the published steps best
 would be fitting to them.
+
+Nor can the three runs choose it. Their slot counts at micro-batch 2 are an affine function of
+those at micro-batch 1 (``m/2 + pp - 1 = (m + pp - 1 + pp - 1) / 2``), so the two lines are one
+line in other units, with the same residuals: "a larger per-step cost" and "a larger bubble"
+fit the published steps equally well. What the runs do determine, whatever the micro-batch, is
+the line in sequences per pipeline, ``batch / dp``: seconds per sequence in the steady state,
+and the seconds that do not shrink with dp (bubble and per-step work together):
+``sequence_fit``. ``slot_fit_errors`` gives the fits' standard errors from their residuals
+(three runs leave one degree of freedom).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -61,6 +71,34 @@ def slot_fit(slots: list[int], seconds: list[float]) -> tuple[float, float]:
     return per_slot, mean_y - per_slot * mean_x
 
 
+def slot_fit_errors(slots: list[int], seconds: list[float]) -> tuple[float, float]:
+    """Standard errors of ``slot_fit``'s (seconds per slot, seconds per step), from the
+    residuals of the fitted line with ``len(slots) - 2`` degrees of freedom (the ordinary
+    least-squares formulas: s^2 = RSS / (n - 2), se(slope) = s / sqrt(Sxx), se(intercept) =
+    s x sqrt(1/n + mean^2 / Sxx))."""
+    if len(slots) != len(seconds) or len(slots) < 3:
+        raise ValueError("standard errors need at least three runs (one degree of freedom)")
+    per_slot, per_step = slot_fit(slots, seconds)
+    mean_x = sum(slots) / len(slots)
+    sxx = sum((x - mean_x) ** 2 for x in slots)
+    variance = sum((y - per_step - per_slot * x) ** 2 for x, y in zip(slots, seconds)) / (len(slots) - 2)
+    return math.sqrt(variance / sxx), math.sqrt(variance * (1 / len(slots) + mean_x ** 2 / sxx))
+
+
+def sequences_per_pipeline(run: Run) -> int:
+    """Sequences each pipeline (data-parallel replica) runs per step: global batch / dp."""
+    cluster = Cluster.parse(run.cluster) if isinstance(run.cluster, str) else run.cluster
+    dp = cluster.world_size // (run.layout.get("tp", 1) * run.layout.get("pp", 1))
+    return run.overrides["batch_size"] // dp
+
+
+def sequence_fit(runs: list[Run], seconds: list[float]) -> tuple[float, float]:
+    """(seconds per sequence, seconds that do not shrink with dp) of the line through the
+    runs' steps against their sequences per pipeline: the split the runs determine whatever
+    their micro-batch (the bubble is inside the second term)."""
+    return slot_fit([sequences_per_pipeline(run) for run in runs], seconds)
+
+
 def mt_nlg_runs() -> list[Run]:
     """MT-NLG's three published runs (dp 8, 10, 12), as ``fidelity.py`` states them."""
     return [run for run in published_runs() if run.name.startswith("MT-NLG")]
@@ -86,7 +124,15 @@ def main() -> None:
                   f"{step / run.published_step_s - 1:>+7.1%}", flush=True)
         for label, values in (("published", published), ("predicted", predicted)):
             per_slot, per_step = slot_fit(slots, values)
-            print(f"  {label} fit: {per_slot:.4f} s per slot + {per_step:+.2f} s per step")
+            slot_error, step_error = slot_fit_errors(slots, values)
+            print(f"  {label} fit: {per_slot:.4f} +- {slot_error:.4f} s per slot + {per_step:+.2f} +- "
+                  f"{step_error:.2f} s per step (one standard error)")
+        per_sequence, fixed = sequence_fit(chosen, predicted)
+        print(f"  predicted: {per_sequence:.4f} s per sequence of a pipeline + {fixed:.2f} s that do not "
+              f"shrink with dp (bubble and per-step work)")
+    per_sequence, fixed = sequence_fit(chosen, published)
+    print(f"published, whatever the micro-batch: {per_sequence:.4f} s per sequence of a pipeline + {fixed:.2f} s "
+          f"that do not shrink with dp (bubble and per-step work)")
 
 
 if __name__ == "__main__":

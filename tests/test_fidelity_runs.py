@@ -249,3 +249,38 @@ def test_the_slot_fit_splits_mt_nlg_published_steps_by_hand():
     assert per_step == pytest.approx(-0.72, abs=0.01)
     with pytest.raises(ValueError, match="at least two runs"):
         slot_fit([274, 274], [60.1, 60.0])
+
+
+def test_the_slot_fits_errors_and_the_micro_batch_free_split_by_hand():
+    """``fidelity_slots.py``: the three runs cannot tell a per-step cost from a larger bubble
+    (the micro-batch-2 line is the micro-batch-1 line in other units, with the same
+    residuals), and the fits' standard errors come from those residuals; the split into
+    seconds per sequence and seconds that do not shrink with dp is the same either way."""
+    from benchmarks.fidelity_slots import mt_nlg_runs, sequence_fit, sequences_per_pipeline, slot_fit_errors
+
+    published = [60.1, 50.2, 44.4]
+    # Micro-batch 1 (above: 0.19704 s per slot, 5.985 s per step): fitted 53.988 + 5.985 =
+    # 59.974, 44.531 + 5.985 = 50.516, 38.226 + 5.985 = 44.211; residuals +0.126, -0.316,
+    # +0.189; RSS = 0.01596 + 0.09972 + 0.03590 = 0.15158 over 3 - 2 = 1 degree of freedom;
+    # se(per slot) = sqrt(0.15158 / 3242.67) = 0.006837; se(per step) = sqrt(0.15158 x
+    # (1/3 + 231.333^2 / 3242.67)) = sqrt(0.15158 x 16.8367) = 1.5975 s.
+    slot_error, step_error = slot_fit_errors([274, 226, 194], published)
+    assert slot_error == pytest.approx(0.006837, rel=1e-3)
+    assert step_error == pytest.approx(1.5975, rel=1e-3)
+    # Micro-batch 2: the same residuals (slots2 = (slots1 + 34) / 2); Sxx = 810.67, mean
+    # 132.667: se(per slot) = sqrt(0.15158 / 810.67) = 0.013674 (twice, as the slope is);
+    # se(per step) = sqrt(0.15158 x (1/3 + 17600.4 / 810.67)) = sqrt(0.15158 x 22.044) = 1.8280 s.
+    slot_error, step_error = slot_fit_errors([154, 130, 114], published)
+    assert slot_error == pytest.approx(0.013674, rel=1e-3)
+    assert step_error == pytest.approx(1.8280, rel=1e-3)
+    with pytest.raises(ValueError, match="at least three runs"):
+        slot_fit_errors([274, 226], [60.1, 50.2])
+    # Sequences per pipeline 1920 / dp = 240, 192, 160: deviations from 197.333 are the
+    # micro-batch-1 slots' (Sxy 638.93, Sxx 3242.67): 0.19704 s per sequence, and 51.567 -
+    # 0.19704 x 197.333 = 12.684 s that do not shrink with dp. The same from either slot fit:
+    # 5.985 + 34 x 0.19704 = 12.684 (micro-batch 1), -0.714 + 34 x 0.39408 = 12.684 (2).
+    chosen = mt_nlg_runs()
+    assert [sequences_per_pipeline(run) for run in chosen] == [240, 192, 160]
+    per_sequence, fixed = sequence_fit(chosen, published)
+    assert per_sequence == pytest.approx(638.93 / 3242.67, rel=1e-4)
+    assert fixed == pytest.approx(12.684, abs=0.002)
