@@ -226,7 +226,12 @@ def runs() -> list[Run]:
             optimizer_implementation=TORCHTITAN_2024_ADAMW, gradient_clipping=TORCHTITAN_CLIPPING,
         ))
     # MT-NLG and BLOOM ran Megatron-DeepSpeed with DeepSpeed's pipeline engine
-    # (DEEPSPEED_PIPELINE). MT-NLG (2021) trained in 16-bit with DeepSpeed's ZeRO-1 fp16 path:
+    # (DEEPSPEED_PIPELINE). MT-NLG (2021) trained in 16-bit, taken as DeepSpeed's ZeRO-1 fp16 path
+    # (BigScience's notes, bigscience-workshop/bigscience train/tr8-104B-wide/chronicles.md at
+    # 82fe642f, "Megatron-Turing NLG 530B", report from Microsoft's blog that it was bf16; the
+    # public DeepSpeed of the run had no bf16 ZeRO path; the one 648f7bfa5 added on 2021-11-01
+    # is the same stage2.py step, overflow check and norm included, so the rows would not move:
+    # docs/fidelity_log.md, session 13 s13mtnlg):
     # gradients accumulate in param.grad by autograd (the pipeline engine turns DeepSpeed's
     # own backward all-reduce off; for ZeRO stage 1 engine.py's _configure_zero_optimizer
     # forces overlap_comm off, and zero/stage2.py registers gradient hooks only for stage 2 or
