@@ -2,8 +2,8 @@
 
     python benchmarks/fidelity_dp.py --runs 'MCore*'
 
-For each run of ``benchmarks/fidelity.py``, on the device whose compute stream is busiest (the
-one ``SimResult.compute_s`` reports): the seconds its weight gathers ("param gather" stream)
+For each run of ``benchmarks/fidelity.py``, on the device whose compute stream is busy longest
+(its tasks of every kind, the sequence-parallel collectives it waits for included): the seconds its weight gathers ("param gather" stream)
 and its gradient collectives ("collective" stream: the reduce-scatters or all-reduces over dp,
 and the small all-reduces off dp beside them) keep their links busy, how much of that time
 runs beside compute, the step's exposed communication (``SimResult.communication_s``), and what
@@ -89,7 +89,8 @@ def overlap_s(first: list[tuple[float, float]], second: list[tuple[float, float]
 
 
 def busiest_device(timeline: Iterable[TimelineEvent]) -> str:
-    """The device whose compute stream is busy longest (ties: the first by name)."""
+    """The device whose compute stream is busy longest, counting every task on it (ties: the
+    first by name)."""
     events = list(timeline)
     devices = sorted({event.device for event in events})
     return max(devices, key=lambda device: busy_s(events, device, (COMPUTE_STREAM,)))
