@@ -359,8 +359,10 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
     step in Megatron's buckets during the last backward (one bucket on a stage after the
     first), each bucket's NaN-check norm and 1/dp scaling on the compute stream before its
     reduce-scatter and the whole fp32 buffer zeroed every step (Megatron-LM's defaults:
-    ``check_for_nan_in_loss_and_grad`` on, ``--ddp-average-in-collective`` off), the updated
-    weights gathered during the next forward. Without a pipeline (the pp1
+    ``check_for_nan_in_loss_and_grad`` on, ``--ddp-average-in-collective`` off), every
+    gradient the GEMMs do not accumulate themselves (embeddings, norms, biases) added into that
+    buffer by the DDP hook on each micro-batch, the updated weights gathered during the next
+    forward. Without a pipeline (the pp1
     rows) each dp rank passes its 4 samples through at once: the table states no micro-batch
     size. Run as 4 micro-batches of 1 with one reduction after the last (Megatron's ``no_sync``;
     ``accumulation_steps=4`` with the distributed optimizer), the 32B row's 15.8 GB of fp32

@@ -50,6 +50,22 @@
   before the step's first forward; in a simulated step it follows the optimizer step
   (``zero_buffer_time``).
 
+- **Gradients autograd produces added into the fp32 buffer, every micro-batch.** The DDP hook
+  on each parameter's gradient accumulator (``DistributedDataParallel._make_param_hook``)
+  runs ``param.main_grad.add_(param.grad.data)`` unless ``param.grad_added_to_main_grad``,
+  which only the weight-gradient GEMMs set, accumulating into ``main_grad`` themselves
+  (``--gradient-accumulation-fusion``, Megatron-LM's default: Transformer Engine's
+  ``fuse_wgrad_accumulation`` and ``LinearWithGradAccumulationAndAsyncCommunication``'s
+  ``wgrad_gemm_accum_fp32`` for the output layer). So the embeddings (``F.embedding``'s dense
+  gradient), the norms' weights and biases and the linear layers' biases are added by the
+  hook on every micro-batch, one kernel per tensor reading the fp32 ``main_grad`` and the
+  16-bit gradient and writing ``main_grad`` (4 + 2 + 4 bytes per element with bf16 weights),
+  on the compute stream as the backward produces them (``main_grad_add_time``: a parameter
+  read by ``aten.embedding`` or of at most one dimension; a 2-D weight read by a matmul, and
+  an MoE layer's expert weights, are the GEMMs' own. A router's 2-D weight, which Megatron
+  multiplies with ``torch.nn.functional.linear`` and so adds by the hook, is left out: it is
+  hidden x experts elements, a few microseconds).
+
 All as Megatron-LM core_v0.8.0 (commit baf94af3c667248865f23df73b9fb8e2395e6fd0) runs them with
 its defaults. Not priced: the host's wait at each bucket's NaN assertion (``assert not
 norm.isnan()`` copies the norm to the host), and at the loss's (pretrain_gpt.py's
@@ -152,3 +168,27 @@ def zero_buffer_time(context, elements: float) -> float:
         return 0.0
     streaming = kind_memory_efficiency("streaming", context.device)
     return roofline_time(0.0, elements * gradient_bytes(), context.device, "float32", memory_efficiency=streaming)
+
+
+def hook_added_parameters(context, segment) -> list[str]:
+    """The parameters of ``segment`` whose gradients Megatron's DDP hook adds into the fp32
+    ``main_grad`` (module docstring): those read by ``aten.embedding`` and those of at most
+    one dimension (norm weights and biases, linear biases), in name order."""
+    parameters = context.graph.parameters
+    embedded = {name for node_name in segment.nodes for node in (context.nodes[node_name],)
+                if node.op.startswith("aten.embedding.") for name in node.params}
+    return sorted(name for name in segment.params
+                  if name in parameters and (name in embedded or len(parameters[name].shape) <= 1))
+
+
+def main_grad_add_time(context, segment) -> float:
+    """Seconds of one micro-batch's hook adds of ``segment``'s autograd gradients into the
+    fp32 ``main_grad`` (module docstring): per tensor one contiguous add reading the fp32
+    buffer and the gradient in the weights' precision and writing the buffer, at
+    ``memory_kernels.STREAMING_EFFICIENCY``, each its own kernel launch."""
+    gradient_element = PARAM_BYTES[context.plan.precision][0]
+    per_element = 2 * gradient_bytes() + gradient_element
+    streaming = kind_memory_efficiency("streaming", context.device)
+    return sum(roofline_time(0.0, segment.params[name] * per_element, context.device, "float32",
+                             memory_efficiency=streaming)
+               for name in hook_added_parameters(context, segment) if segment.params[name] > 0)

@@ -22,6 +22,7 @@ from cost_model.compute import (
 from cost_model.deepspeed_checkpointing import NO_COST, CheckpointingCost, checkpointing_cost
 from cost_model.deepspeed_pipeline import deepspeed_schedule, fp16_zero_step_checks_time, runs_fp16_zero_step
 from cost_model.gradient_clipping import NORM_ALL_REDUCE_BYTES, clip_kernel_times
+from cost_model.megatron_grad_sync import main_grad_add_time, runs_megatron_sync
 from cost_model.parameter_bytes import PARAM_BYTES
 from cost_model.recompute import backward_comm, backward_time
 from cost_model.scheduler import TaskGraph
@@ -64,6 +65,7 @@ class StepTasks:
         # (``cost_model.megatron_grad_sync``: the weight gathers of the first forward).
         self.micro_batch = 0
         self._per_device: dict[str, list[Segment]] = {}
+        self._main_grad_add_s: dict[int, float] = {}  # by id(segment): ``_main_grad_adds``
         # DeepSpeed's activation-checkpointing options, priced per block when the plan sets any.
         self._deepspeed_checkpointing = bool(context.plan.pipeline and context.plan.pipeline.deepspeed_checkpointing)
 
@@ -270,14 +272,27 @@ class StepTasks:
         return overhead * share, overhead * (1 - share)
 
     def _engine_extras(self, segment: Segment) -> CheckpointingCost:
-        """What a DeepSpeed-style engine adds to ``segment`` per micro-batch beyond its
-        kernels: the pipeline's ``block_overhead_s`` (``_block_overhead``) and the options of
-        DeepSpeed's activation checkpointing (``cost_model.deepspeed_checkpointing``), as
-        (forward, backward, backward all-gather over tp) seconds."""
+        """What the training engine adds to ``segment`` per micro-batch beyond its kernels:
+        the pipeline's ``block_overhead_s`` (``_block_overhead``), the options of DeepSpeed's
+        activation checkpointing (``cost_model.deepspeed_checkpointing``) and Megatron-Core's
+        DDP-hook adds into its fp32 gradient buffer (``_main_grad_adds``), as (forward,
+        backward, backward all-gather over tp) seconds."""
         forward, backward = self._block_overhead(segment)
         checkpointing = checkpointing_cost(self.context, segment) if self._deepspeed_checkpointing else NO_COST
-        return CheckpointingCost(forward + checkpointing.forward_s, backward + checkpointing.backward_s,
+        return CheckpointingCost(forward + checkpointing.forward_s,
+                                 backward + checkpointing.backward_s + self._main_grad_adds(segment),
                                  checkpointing.backward_gather_s)
+
+    def _main_grad_adds(self, segment: Segment) -> float:
+        """Seconds per micro-batch of Megatron's DDP hook adding ``segment``'s autograd
+        gradients into the fp32 buffer (``cost_model.megatron_grad_sync.main_grad_add_time``),
+        where the step runs Megatron-Core's distributed optimizer; remembered per segment."""
+        if not runs_megatron_sync(self.context):
+            return 0.0
+        key = id(segment)
+        if key not in self._main_grad_add_s:
+            self._main_grad_add_s[key] = main_grad_add_time(self.context, segment)
+        return self._main_grad_add_s[key]
 
     def accumulate_gradients(self, device: str, segments: list[Segment], mb: int, mode: str, after: int) -> int:
         """The task adding micro-batch ``mb``'s weight gradients into the step's gradients

@@ -12,7 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from cost_model.megatron_grad_sync import bucket_cap_bytes, bucket_checks_time, zero_buffer_time
+from cost_model.megatron_grad_sync import (
+    bucket_cap_bytes, bucket_checks_time, hook_added_parameters, main_grad_add_time, zero_buffer_time,
+)
 from cost_model.simulator import Simulator, simulated
 from planner.api import prepare_model
 from planner.model_spec import ModelSpec
@@ -187,3 +189,40 @@ def test_the_gradient_buffer_is_zeroed_after_the_optimizer_step() -> None:
     assert megatron.estimate.step_time_s == pytest.approx(fills[0].start_s + fills[0].duration_s)
     assert not _tasks(planner_zero1, "stage 0", "zero fp32 gradient buffer")
     assert not _tasks(planner_zero1, "stage 0", "check and scale grads")
+
+
+def test_the_ddp_hook_adds_autograds_gradients_into_main_grad_every_micro_batch(monkeypatch) -> None:
+    """Megatron's DDP hook adds every gradient the weight-gradient GEMMs did not accumulate
+    themselves into the fp32 main_grad, on each micro-batch: the embeddings (wte 512 x 256 =
+    131,072 and wpe 128 x 256 = 32,768 elements), each block's norm weights and biases and
+    linear biases (768 + 256 + 4 x 256 + 1024 + 256 = 3,328 elements in 8 tensors), ln_f's two;
+    no 2-D matmul weight. Each add reads 4 + 2 bytes and writes 4 per element at 0.913 of
+    3.35 TB/s, plus a 5 us launch: before the blocks 1,310,720 B / 3.0586e12 = 0.4286 us and
+    327,680 B -> 0.1071 us, + 10 us = 10.536 us; a block 33,280 B -> 0.0109 us + 40 us =
+    40.011 us. Each of the 4 micro-batches' backward is longer by exactly its segments' adds
+    than the same step with the adds priced at zero: the first three (one task each, no
+    reduction after them) by 10.536 + 2 x 40.011 + ln_f's, the last segment by segment."""
+    graph, megatron = _accumulating(megatron=True)
+    simulator = Simulator(megatron, graph)
+    segments = {segment.name: segment for segment in simulator.segments()}
+    context = simulator.context
+    assert hook_added_parameters(context, segments["before blocks"]) == ["wpe.weight", "wte.weight"]
+    assert hook_added_parameters(context, segments["blocks.0"]) == sorted(
+        f"blocks.0.{name}" for name in ("attn.c_attn.bias", "attn.c_proj.bias", "ln_1.bias", "ln_1.weight",
+                                        "ln_2.bias", "ln_2.weight", "mlp.c_fc.bias", "mlp.c_proj.bias"))
+    assert hook_added_parameters(context, segments["after blocks"]) == ["ln_f.bias", "ln_f.weight"]
+    streaming = 0.913 * H100_BANDWIDTH
+    embeddings = 131072 * 10 / streaming + 32768 * 10 / streaming + 2 * LAUNCH
+    block = 3328 * 10 / streaming + 8 * LAUNCH
+    assert embeddings == pytest.approx(10.536e-6, rel=1e-4) and block == pytest.approx(40.011e-6, rel=1e-4)
+    assert main_grad_add_time(context, segments["before blocks"]) == pytest.approx(embeddings)
+    assert main_grad_add_time(context, segments["blocks.0"]) == pytest.approx(block)
+    monkeypatch.setattr("cost_model.step_tasks.main_grad_add_time", lambda context, segment: 0.0)
+    without = simulated(dataclasses.replace(megatron, estimate=None), graph)
+    final_norm = 2 * 256 * 10 / streaming + 2 * LAUNCH
+    for name, added in (("B0", embeddings + 2 * block + final_norm), ("B1", embeddings + 2 * block + final_norm),
+                        ("B2", embeddings + 2 * block + final_norm), ("B3 before blocks", embeddings),
+                        ("B3 blocks.1", block), ("B3 after blocks", final_norm)):
+        (priced,) = [event for event in _tasks(megatron, "stage 0", name) if event.name == name]
+        (free,) = [event for event in _tasks(without, "stage 0", name) if event.name == name]
+        assert priced.duration_s - free.duration_s == pytest.approx(added, rel=1e-6)
