@@ -8,7 +8,9 @@ from cost_model import defaults
 from cost_model.gpu_kernels import GENERATIONS
 from cost_model.grouped_gemm import GROUPED_GEMM_STREAMS, ExpertShape, grouped_expert_times, grouped_gemm_time
 from cost_model.moe import MoELayer, moe_layer_cost
+from cost_model.moe_folding import folded_layer_cost
 from planner.cluster import Cluster
+from planner.strategy import ExpertLayout, ExpertPlacement
 
 H100 = Cluster.preset("dgx-h100", nodes=1).device_of(0)
 PEAK = 989.4e12
@@ -76,3 +78,21 @@ def test_expert_parallel_layer_on_h100_prices_its_local_experts_as_a_grouped_gem
     launches = 96 * LAUNCH
     flops = cost.busiest_copies * 2 * 3 * 4096 * 1536
     assert forward + backward > 3 * flops / (PEAK * SUSTAINED) + launches
+
+
+def test_expert_tensor_parallel_ranks_run_their_slices_as_a_grouped_gemm():
+    # One DGX H100 folded as dp 4 x tp 2, EP 4 x ETP 2: each ETP pair holds 32 of the 128 experts
+    # and splits their hidden width 1536 in two. The rows the EP rank receives are gathered over
+    # its ETP pair (2 x the busiest EP rank's copies), and each rank runs 32 GEMMs per projection
+    # of those rows by a 768-wide slice.
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    layer = MoELayer(tokens=8 * 1024, hidden=4096, ffn=1536, experts=128, top_k=8)
+    layout = ExpertLayout(module="model.layers.0.mlp", mode="expert_parallel", experts=128, top_k=8,
+                          capacity_factor=0.0, axis="dp*tp", placement=ExpertPlacement.round_robin(128, 4),
+                          tensor_parallel=2)
+    cost = folded_layer_cost(layer, layout, cluster, tuple(range(8)), tp=2, sequence_parallel=True,
+                             precision="bf16")
+    rows = cost.moe.busiest_copies  # already the ETP pair's gathered rows
+    forward, backward = grouped_expert_times(ExpertShape(32, rows / 32, 4096, 768, 3), cluster.device_of(0),
+                                             "bfloat16", 2)
+    assert (cost.moe.forward_compute_s, cost.moe.backward_compute_s) == pytest.approx((forward, backward))
