@@ -34,6 +34,13 @@ queries ``cublasLtMatmulAlgoGetHeuristic`` (cublaslt_gemm.cu, ``cublas_gemm``) b
 launches, host time no public measurement here prices; only the simulator's launch cost is
 charged.
 
+The planner's own compiled programs run experts otherwise: ``codegen/runtime/moe.py`` as one
+``torch.bmm`` over capacity-padded buffers (one launch per projection for all local experts;
+priced here as per-expert launches, high by E - 1 launches), ``codegen/runtime/expert_dispatch.py``
+(HuggingFace decoders, dropless) as a Python loop of one GEMM per expert on one stream (no
+four-way concurrency: priced here a little fast for small experts). Megatron-Core's program is
+the one the fidelity rows measure.
+
 Applies on a GPU of known generation in 16-bit precision (the shape model's measurements are
 bf16); elsewhere ``grouped_expert_times`` returns None and the caller keeps its roofline.
 """
