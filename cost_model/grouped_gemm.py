@@ -20,8 +20,9 @@ projection (SwiGLU's gate and up fused, or a GELU MLP's up) and ffn x hidden for
 
 Priced here with ``cost_model.gpu_kernels``' shape model: up to four GEMMs (one per stream) run
 at once and share the SMs, so each projection's GEMMs are timed as a batch of
-``min(E, 4)`` for tile and wave quantisation; each GEMM is a launch and pays
-``defaults.KERNEL_OVERHEAD_S``, as every kernel of the simulator does. A rank with 16 local
+``min(E, 4)`` for tile and wave quantisation; each GEMM is a launch and pays the device's
+launch overhead (``cost_model.compute.efficiencies``: ``defaults.KERNEL_OVERHEAD_S`` unless the
+device states its own), as every kernel of the simulator does. A rank with 16 local
 experts and 512 rows each (TP4 EP8 with 1,024 tokens a rank, top-8) thus runs 96 GEMMs a pass
 whose weight gradients reduce over 512 rows; one with 4 experts of 4,096 rows (EP32), 24 GEMMs
 at the large-GEMM fraction. Before, the experts were one roofline kernel at the best-shape
@@ -50,6 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_model import defaults
+from cost_model.compute import efficiencies
 from cost_model.gpu_kernels import SIXTEEN_BIT, GpuGeneration, generation_of
 from planner.cluster import DeviceSpec
 
@@ -87,7 +89,7 @@ def grouped_gemm_time(gemms: int, m: float, n: float, k: float, device: DeviceSp
     compute = 2.0 * gemms * m * n * k / (device.flops_for(dtype) * efficiency)
     moved = element_bytes * gemms * (m * k + k * n + m * n)
     memory = moved / (device.memory_bandwidth * defaults.MEMORY_EFFICIENCY)
-    return max(compute, memory) + gemms * defaults.KERNEL_OVERHEAD_S
+    return max(compute, memory) + gemms * efficiencies(device, dtype)[2]
 
 
 def grouped_expert_times(shape: ExpertShape, device: DeviceSpec, dtype: str,

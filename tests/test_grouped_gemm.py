@@ -1,5 +1,6 @@
-"""Transformer Engine's grouped GEMM as ``cost_model.grouped_gemm`` prices it, against figures
-worked out by hand (H100: 989.4e12 bf16 FLOP/s, 132 SMs, K overhead 256, MAMF 80.1% at
+"""The experts' kernels: Transformer Engine's grouped GEMM as ``cost_model.grouped_gemm`` prices
+it, and the memory-bound kernels around it (``cost_model.moe_layers.expert_memory_op_times``),
+against figures worked out by hand (H100: 989.4e12 bf16 FLOP/s, 132 SMs, K overhead 256, MAMF 80.1% at
 6144 x 17920 x 2816, sustained clock 1575 / 1830; ``cost_model.gpu_kernels``)."""
 
 import pytest
@@ -9,7 +10,9 @@ from cost_model.gpu_kernels import GENERATIONS
 from cost_model.grouped_gemm import GROUPED_GEMM_STREAMS, ExpertShape, grouped_expert_times, grouped_gemm_time
 from cost_model.moe import MoELayer, moe_layer_cost
 from cost_model.moe_folding import folded_layer_cost
+from cost_model.moe_layers import expert_memory_op_times
 from planner.cluster import Cluster
+from planner.moe_blocks import MoEBlock
 from planner.strategy import ExpertLayout, ExpertPlacement
 
 H100 = Cluster.preset("dgx-h100", nodes=1).device_of(0)
@@ -96,3 +99,23 @@ def test_expert_tensor_parallel_ranks_run_their_slices_as_a_grouped_gemm():
     forward, backward = grouped_expert_times(ExpertShape(32, rows / 32, 4096, 768, 3), cluster.device_of(0),
                                              "bfloat16", 2)
     assert (cost.moe.forward_compute_s, cost.moe.backward_compute_s) == pytest.approx((forward, backward))
+
+
+def test_activation_function_and_permutations_stream_their_bytes():
+    # 8,192 bf16 copies through SwiGLU experts of 1,536 (model width 4,096), at 0.913 x 3.35e12 B/s:
+    # forward: SwiGLU reads gate|up (2 x 1536) and writes 1536: 8192 x 2 x 3 x 1536 = 75.50 MB;
+    #   the permutation and the unpermutation each read and write 8192 x 4096 x 2 B:
+    #   2 x 2 x 67.11 MB = 268.44 MB; 343.93 MB / 3.0586e12 = 112.45 us, + 3 launches of 5 us.
+    # backward: SwiGLU reads the output's gradient (1536) and gate|up (2 x 1536), writes their
+    #   gradient (2 x 1536): 8192 x 2 x 5 x 1536 = 125.83 MB, + 268.44 MB = 394.26 MB -> 128.90 us + 15 us.
+    block = MoEBlock(module="m", experts=128, top_k=8, capacity_factor=0.0, hidden=4096, ffn=1536, matmuls=3,
+                     router="m.gate.weight", expert_weights=("w1", "w2"), kind="test")
+    forward, backward = expert_memory_op_times(block, 8192, 1, 2, H100)
+    bandwidth = 0.913 * 3.35e12
+    assert forward == pytest.approx((8192 * 2 * 3 * 1536 + 4 * 8192 * 4096 * 2) / bandwidth + 3 * LAUNCH)
+    assert backward == pytest.approx((8192 * 2 * 5 * 1536 + 4 * 8192 * 4096 * 2) / bandwidth + 3 * LAUNCH)
+    assert forward == pytest.approx(112.45e-6 + 15e-6, rel=1e-3)
+    assert backward == pytest.approx(128.90e-6 + 15e-6, rel=1e-3)
+    # Expert tensor parallelism halves the activation function's width, not the permuted rows.
+    half_forward, _ = expert_memory_op_times(block, 8192, 2, 2, H100)
+    assert forward - half_forward == pytest.approx(8192 * 2 * 3 * 768 / bandwidth)
