@@ -93,7 +93,10 @@ Why TP4 EP8 is ranked ahead of TP2 EP32 (session 10's search; ``benchmarks/fidel
     ``self.tp_group = pg_collection.expt_tp`` in megatron/core/transformer/moe/token_dispatcher.py:
     with ETP 1 nothing is gathered, and ``cost_model.moe_folding`` prices nothing); the expert
     GEMMs' shapes and launches as the whole cause: priced since session 13 (above), they move
-    TP4 -42.3% -> -32.9% and PP32 -20.7% -> -16.0% (``docs/fidelity_log.md``, session 13);
+    TP4 -42.3% -> -32.9% and PP32 -20.7% -> -16.0%, and the memory-bound kernels around them
+    (the activation function and the permutations, ``cost_model.moe_layers.
+    expert_memory_op_times``, a per-copy cost alike in every layout) to -30.2% and -13.7%
+    (``docs/fidelity_log.md``, session 13);
   * priced since session 11, and not the cause: the per-layer host syncs of the token
     dispatchers (``cost_model.host_syncs``, from Megatron-LM's source at 0d77a93b7b). Both
     dispatchers sync once per MoE layer in forward and never in backward: DeepEP's normal
@@ -124,7 +127,7 @@ Why TP4 EP8 is ranked ahead of TP2 EP32 (session 10's search; ``benchmarks/fidel
     GPUs) forced-balanced and dropless at 16k-128k tokens; by Megatron's FLOP count the
     dropless runs take 169-176 GPU-microseconds more per token at every length, a per-token
     (MoE) cost: 5.7 s at the TP4 row's 8.4M tokens a step. The EP32 rows (dropless too, on
-    another branch) and the FSDP row (EP8, +15%) leave no room for such an excess, so no
+    another branch) and the FSDP row (EP8, +21.6%) leave no room for such an excess, so no
     routing statistic is set.
 """
 

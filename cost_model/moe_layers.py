@@ -8,6 +8,9 @@ are not priced by their placements as other ops are. Instead:
   ``cost_model.moe.moe_layer_cost`` in the layout's mode, on the busiest device: forward and
   backward compute, and the dispatch and combine all-to-alls (or the expert-sliced gather
   and reduce-scatter), which sit on the critical path (the experts wait for their tokens);
+  with them, on the layer's anchor op, the memory-bound kernels around the expert GEMMs (the
+  activation function, the permutation of the received rows into expert order and back:
+  ``expert_memory_op_times``);
 - the **routing** ops around them run on each rank's own tokens: their traced work split
   over the ``dp`` ranks, no resharding (tokens move only by the layout's collectives), and
   the layer hands its output back split as the batch is; one small all-gather of each

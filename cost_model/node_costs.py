@@ -235,7 +235,8 @@ class NodeCosts:
 
     def _moe_node_cost(self, node: OpNode, layer: LaidOutLayer) -> NodeCost:
         """An op of an MoE layer run by its layout (``cost_model.moe_layers``): the layer's
-        expert cost on its anchor op, nothing on the other expert ops, and the routing ops'
+        expert cost (its GEMMs and the memory-bound kernels around them) on its anchor op,
+        nothing on the other expert ops, and the routing ops'
         traced work split over the ranks (each routes its own tokens)."""
         cost = NodeCost()
         host = self.context.host
