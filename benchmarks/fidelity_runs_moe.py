@@ -76,23 +76,27 @@ the rows (predicted faster unless said):
 
 Why TP4 EP8 is ranked ahead of TP2 EP32 (session 10's search; ``benchmarks/fidelity_ops.py
 --runs 'Qwen3-235B-TP4*' 'Qwen3-235B-EP32@*'``, the folded layer costs of the simulated plans):
-  * what the simulator prices alike, and Megatron-Core runs alike: per device and step, the
-    experts' FLOPs (TP4: 256 micro-batches of 1,024 tokens a rank, 8,192 routed copies over 16
-    local experts, 512 rows each; EP32: 128 of 2,048, 16,384 copies over 4 experts, 4,096 rows
-    each), 0.355 s of expert compute per MoE layer in both. Their all-to-alls are what differ:
-    0.166 s per layer (EP8 inside one node, NVLink) against 0.476 s (EP32 over four nodes);
-    step: TP4 14.03 s compute + 2.91 s exposed communication, EP32 13.15 s + 5.70 s;
+  * the experts' FLOPs are alike per device and step (TP4: 256 micro-batches of 1,024 tokens a
+    rank, 8,192 routed copies over 16 local experts, 512 rows each; EP32: 128 of 2,048, 16,384
+    copies over 4 experts, 4,096 rows each), their time is not: since session 13 the experts
+    run as Transformer Engine's grouped GEMM runs them (``cost_model.grouped_gemm``: one cuBLAS
+    GEMM per local expert and projection, four streams, each GEMM's shape priced), 0.601 s of
+    expert compute per MoE layer and step for TP4 (96 GEMMs a pass, the weight gradients
+    reducing over 512 rows) against 0.372 s for EP32 (24 GEMMs a pass at large shapes); both
+    0.355 s before, one roofline kernel at the best-shape fraction. Their all-to-alls differ
+    too: 0.166 s per layer (EP8 inside one node, NVLink) against 0.476 s (EP32 over four
+    nodes); step (session 10): TP4 14.03 s compute + 2.91 s exposed communication, EP32 13.15 s
+    + 5.70 s;
   * ruled out: the row's ETP (the table states ETP 1, EDP 4 for TP4, as the row has it and
     ``tests/test_fidelity_runs_moe.py`` checks); an all-gather of the tokens over TP before the
     dispatch (Megatron-Core's dispatchers use the expert-tensor-parallel group,
     ``self.tp_group = pg_collection.expt_tp`` in megatron/core/transformer/moe/token_dispatcher.py:
     with ETP 1 nothing is gathered, and ``cost_model.moe_folding`` prices nothing); the expert
-    GEMMs' shapes: by ``cost_model.gpu_kernels.shape_efficiency`` the grouped forward GEMMs run
-    at the same fraction in both layouts (0.913 gate|up, 0.831 down), and only the weight
-    gradients, whose reduction is TP4's 512 rows, drop (0.660 and 0.646 against 0.913): a
-    third of the expert FLOPs 1.4x slower, ~13% more expert time for TP4 than for EP32 (12
-    layers x 0.355 s = 4.26 s a step: ~0.55 s). The experts are priced at the large-GEMM
-    fraction whatever their shape (``cost_model.moe``'s roofline): true, but small here;
+    GEMMs' shapes and launches as the whole cause: priced since session 13 (above), they move
+    TP4 -42.3% -> -32.9% and PP32 -20.7% -> -16.0%, and the memory-bound kernels around them
+    (the activation function and the permutations, ``cost_model.moe_layers.
+    expert_memory_op_times``, a per-copy cost alike in every layout) to -30.2% and -13.7%
+    (``docs/fidelity_log.md``, session 13);
   * priced since session 11, and not the cause: the per-layer host syncs of the token
     dispatchers (``cost_model.host_syncs``, from Megatron-LM's source at 0d77a93b7b). Both
     dispatchers sync once per MoE layer in forward and never in backward: DeepEP's normal
@@ -118,6 +122,13 @@ Why TP4 EP8 is ranked ahead of TP2 EP32 (session 10's search; ``benchmarks/fidel
     ATen ops stand in for their Python modules), the routing imbalance of the dropless rows
     on the busiest EP8 rank. (DeepEP's SMs taken from the GEMMs are priced
     since session 12 where compute runs beside the exchange, under the EP overlap: not in TP4.)
+    Evidence for the imbalance, not priced (``docs/fidelity_log.md``, session 13): the same
+    readme's "Long Context" H100 table runs this very layout (TP4 EP8 PP8 VPP4, DeepEP, 256
+    GPUs) forced-balanced and dropless at 16k-128k tokens; by Megatron's FLOP count the
+    dropless runs take 169-176 GPU-microseconds more per token at every length, a per-token
+    (MoE) cost: 5.7 s at the TP4 row's 8.4M tokens a step. The EP32 rows (dropless too, on
+    another branch) and the FSDP row (EP8, +21.6%) leave no room for such an excess, so no
+    routing statistic is set.
 """
 
 from __future__ import annotations

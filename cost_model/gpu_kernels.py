@@ -558,6 +558,7 @@ def kernel_op_times(node: OpNode, fraction: float, device: DeviceSpec, dtype: st
 def large_matmul_efficiency(device: DeviceSpec, dtype: str | None) -> float | None:
     """The fraction of peak the best-shaped 16-bit matmul sustains in training (MAMF at the
     sustained clock), for matmul work whose shape is unknown (roofline callers such as SUMMA and
-    MoE experts) on a known GPU generation; None elsewhere."""
+    MoE experts outside expert parallelism, which ``cost_model.grouped_gemm`` prices by shape) on
+    a known GPU generation; None elsewhere."""
     generation = generation_of(device)
     return None if generation is None or dtype not in SIXTEEN_BIT else generation.sustained_matmul_fraction

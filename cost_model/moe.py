@@ -28,6 +28,12 @@ padded to that capacity, so compute and dispatch bytes follow the capacity, not 
 Dropless (``capacity_factor=None``) computes exactly the routed copies and sizes buffers by
 the busiest device.
 
+Expert compute: expert parallel on a GPU whose shape model applies (``cost_model.gpu_kernels``),
+the busiest device's local experts run as Transformer Engine's grouped GEMM runs them, one
+cuBLAS GEMM per expert and projection on four streams, each GEMM's shape priced
+(``cost_model.grouped_gemm``); the other modes and devices: one roofline kernel for the
+device's copies at the matmul efficiency.
+
 All-to-all algorithms: ``flat`` (every device to every device at once), ``hierarchical``
 (Tutel's two-level: gather inside the node, exchange across nodes, scatter inside the node:
 fewer, larger inter-node messages) or ``deduplicated`` (DeepEP's: each token crosses the
@@ -46,6 +52,7 @@ from cost_model.all_to_all import RoutingGroups, dispatch_traffic, node_fanout
 from cost_model.collectives import collective_time, group_shape, peers_in_flight
 from cost_model.compute import roofline_time
 from cost_model.expert_load import busiest_load
+from cost_model.grouped_gemm import ExpertShape, grouped_expert_times
 from planner.cluster import Cluster
 from planner.strategy import ALL_TO_ALL_ALGORITHMS, EXPERT_MODES, ExpertPlacement
 
@@ -203,7 +210,8 @@ def moe_layer_cost(
     moved = 4 * (exchange * (devices - 1) / devices if algorithm != "deduplicated"
                  else traffic.network_bytes + traffic.nvlink_bytes)
     return _cost(layer, mode, device, dtype, element, busiest, 2 * one, 2 * one, dropped,
-                 busiest / mean if mean else 1.0, weights, busiest * layer.hidden * element, moved)
+                 busiest / mean if mean else 1.0, weights, busiest * layer.hidden * element, moved,
+                 local_experts=placement.most_experts_per_device)
 
 
 def expert_activation_bytes(layer: MoELayer, copies: float, element: int) -> float:
@@ -219,7 +227,16 @@ def element_bytes(precision: str) -> int:
 
 
 def _cost(layer, mode, device, dtype, element, busiest, forward_comm, backward_comm, dropped, imbalance,
-          weight_bytes, buffer_bytes, sent_bytes=0.0) -> MoECost:
+          weight_bytes, buffer_bytes, sent_bytes=0.0, local_experts=0) -> MoECost:
+    # Expert parallel: the rank's ``local_experts`` run as Transformer Engine's grouped GEMM
+    # (one cuBLAS GEMM per expert and projection, ``cost_model.grouped_gemm``) on a GPU whose
+    # shape model applies; the other modes, and other devices, keep the roofline below.
+    grouped = (grouped_expert_times(ExpertShape(local_experts, busiest / local_experts, layer.hidden, layer.ffn,
+                                                layer.matmuls), device, dtype, element)
+               if local_experts else None)
+    if grouped is not None:
+        return MoECost(mode, *grouped, forward_comm, backward_comm, busiest, dropped, imbalance,
+                       weight_bytes, buffer_bytes, sent_bytes)
     flops = busiest * layer.flops_per_copy()
     # The weights of every expert (or slice) the device holds read once (a grouped GEMM reads
     # each of its experts' matrices), activations in and out of each matmul.

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from cost_model import defaults
 from cost_model.collectives import collective_time
 from cost_model.compute import roofline_time
+from cost_model.grouped_gemm import ExpertShape, grouped_expert_times
 from cost_model.moe import MoECost, MoELayer, element_bytes, moe_layer_cost
 from planner.cluster import Cluster
 from planner.strategy import ExpertLayout
@@ -129,9 +130,18 @@ def folded_layer_cost(layer: MoELayer, layout: ExpertLayout, cluster: Cluster, f
         flops = rows * layer.flops_per_copy() / etp
         moved = base.weight_bytes / etp + rows * (layer.hidden + layer.ffn / etp) * element * layer.matmuls
         device = cluster.device_of(groups.etp[0])
-        forward_compute = roofline_time(flops, moved, device, _DTYPE[precision]) if rows else 0.0
-        backward_compute = (roofline_time(defaults.BACKWARD_TO_FORWARD * flops, defaults.BACKWARD_TO_FORWARD * moved,
-                                          device, _DTYPE[precision]) if rows else 0.0)
+        local = layout.placement.most_experts_per_device
+        # Each rank's 1/ETP slice of its local experts as Transformer Engine's grouped GEMM
+        # runs it (``cost_model.grouped_gemm``) where the shape model applies, else a roofline.
+        grouped = grouped_expert_times(ExpertShape(local, rows / local, layer.hidden, layer.ffn / etp, layer.matmuls),
+                                       device, _DTYPE[precision], element)
+        if grouped is not None:
+            forward_compute, backward_compute = grouped
+        else:
+            forward_compute = roofline_time(flops, moved, device, _DTYPE[precision]) if rows else 0.0
+            backward_compute = (roofline_time(defaults.BACKWARD_TO_FORWARD * flops,
+                                              defaults.BACKWARD_TO_FORWARD * moved, device, _DTYPE[precision])
+                                if rows else 0.0)
         etp_pass = (collective_time("all_gather", gathered_bytes, cluster, list(groups.etp))
                     + collective_time("reduce_scatter", gathered_bytes, cluster, list(groups.etp)))
         # A ring all-gather and reduce-scatter each send (n - 1) / n of the whole; both, each pass.

@@ -8,6 +8,9 @@ are not priced by their placements as other ops are. Instead:
   ``cost_model.moe.moe_layer_cost`` in the layout's mode, on the busiest device: forward and
   backward compute, and the dispatch and combine all-to-alls (or the expert-sliced gather
   and reduce-scatter), which sit on the critical path (the experts wait for their tokens);
+  with them, on the layer's anchor op, the memory-bound kernels around the expert GEMMs (the
+  activation function, the permutation of the received rows into expert order and back:
+  ``expert_memory_op_times``);
 - the **routing** ops around them run on each rank's own tokens: their traced work split
   over the ``dp`` ranks, no resharding (tokens move only by the layout's collectives), and
   the layer hands its output back split as the batch is; one small all-gather of each
@@ -46,6 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_model.collectives import collective_time
+from cost_model.compute import efficiencies
 from cost_model.memory_kernels import STREAMING_EFFICIENCY
 from cost_model.simulation_cache import graph_facts
 from cost_model.moe import MoECost, MoELayer, element_bytes, expert_activation_bytes, moe_layer_cost
@@ -91,6 +95,10 @@ class LaidOutLayer:
     # (planner.strategy.NORMS_MOE_ACT, cost_model.recompute).
     activation_function_bytes: float = 0.0
     activation_function_s: float = 0.0
+    # The memory-bound kernels around the experts' GEMMs, forward and backward seconds a
+    # micro-batch (``expert_memory_op_times``): carried by the anchor op with the GEMMs.
+    memory_ops_forward_s: float = 0.0
+    memory_ops_backward_s: float = 0.0
     # Folded layouts: the ranks holding the same experts (EDP = folded ranks / (EP x ETP)),
     # over which Megatron-Core's distributed optimizer shards the experts' states
     # (``cost_model.step_memory.expert_state_shards``); 1 otherwise.
@@ -356,7 +364,7 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
     if shape not in priced:
         priced[shape] = _priced(block, layout, tokens, plan, group, micro_batches)
     (cost, activations, replica_sync, buffers, fraction, synced, sharding, routing_sync,
-     function_bytes, function_s) = priced[shape]
+     function_bytes, function_s, memory_ops) = priced[shape]
     return LaidOutLayer(
         block=block,
         layout=layout,
@@ -377,6 +385,8 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
         buffer_bytes=buffers,
         activation_function_bytes=function_bytes,
         activation_function_s=function_s,
+        memory_ops_forward_s=memory_ops[0],
+        memory_ops_backward_s=memory_ops[1],
         expert_data_parallel=(len(group) // (layout.placement.devices * (layout.tensor_parallel or 1))
                               if folding_of(plan) is not None and layout.placement is not None else 1),
         copy_shards=copies_sharded_over(layout, len(group)),
@@ -414,8 +424,41 @@ def _priced(block: MoEBlock, layout: ExpertLayout, tokens: int, plan, group: tup
     function_bytes, function_s = activation_function_costs(block, cost.busiest_copies,
                                                            (layout.tensor_parallel or 1) if folding is not None else 1,
                                                            element, plan.cluster.device_of(group[0]))
+    memory_ops = expert_memory_op_times(block, cost.busiest_copies,
+                                        (layout.tensor_parallel or 1) if folding is not None else 1,
+                                        element, plan.cluster.device_of(group[0]))
     return (cost, activations, replica_sync, buffers, fraction, synced, sharding,
-            routing_sync_time(block, plan.cluster, group), function_bytes, function_s)
+            routing_sync_time(block, plan.cluster, group), function_bytes, function_s, memory_ops)
+
+
+def expert_memory_op_times(block: MoEBlock, rows: float, etp: int, element: int, device) -> tuple[float, float]:
+    """(forward, backward) seconds of the memory-bound kernels around the experts' GEMMs for
+    ``rows`` token copies on a device holding 1/``etp`` of each expert's hidden width, each a
+    contiguous kernel at ``STREAMING_EFFICIENCY`` of the bandwidth plus the device's launch
+    overhead (``cost_model.compute.efficiencies``):
+
+    - the activation function (Megatron-Core's fused ``bias_swiglu``, one kernel): forward
+      reads its input, (matmuls - 1) hidden widths a row, and writes one; backward reads the
+      output's gradient (one) and the input, and writes the input's gradient (matmuls - 1);
+    - the permutation of the received rows into expert order before the first GEMM and back
+      after the second (Megatron-Core's ``permute`` / ``unpermute``, token_dispatcher.py; one
+      fused kernel each with ``--moe-permute-fusion``), each reading and writing ``rows`` rows
+      of the model width; backward the same two on the gradients. Counted at the copies on
+      both sides: DeepEP's dispatch delivers a token bound for several local experts once, so
+      its permutation reads fewer rows (high by up to that share); the all-to-all dispatcher
+      also permutes on the sending side (low by that).
+
+    Before session 13 none of these was priced: the layer's other expert ops cost nothing
+    (``cost_model.node_costs``). Activation-function recomputation adds its forward again
+    (``activation_function_costs``)."""
+    width = block.ffn / etp
+    bandwidth = device.memory_bandwidth * STREAMING_EFFICIENCY
+    function_forward = rows * element * block.matmuls * width
+    function_backward = rows * element * (2 * (block.matmuls - 1) + 1) * width
+    permutations = 2 * (2 * rows * element * block.hidden)  # two kernels, each reading and writing the rows
+    launches = 3 * efficiencies(device)[2]  # the activation function and the two permutations
+    return ((function_forward + permutations) / bandwidth + launches,
+            (function_backward + permutations) / bandwidth + launches)
 
 
 def activation_function_costs(block: MoEBlock, rows: float, etp: int, element: int, device) -> tuple[float, float]:

@@ -235,7 +235,8 @@ class NodeCosts:
 
     def _moe_node_cost(self, node: OpNode, layer: LaidOutLayer) -> NodeCost:
         """An op of an MoE layer run by its layout (``cost_model.moe_layers``): the layer's
-        expert cost on its anchor op, nothing on the other expert ops, and the routing ops'
+        expert cost (its GEMMs and the memory-bound kernels around them) on its anchor op,
+        nothing on the other expert ops, and the routing ops'
         traced work split over the ranks (each routes its own tokens)."""
         cost = NodeCost()
         host = self.context.host
@@ -246,7 +247,9 @@ class NodeCosts:
                     # The host launches the layer's exchange here: after the dispatch's host
                     # sync (cost_model.host_syncs) the device waits for at least this.
                     cost.host_forward_s, cost.host_backward_s = host.forward_s, host.backward_s
-                cost.forward_s, cost.backward_s = moe.forward_compute_s, moe.backward_compute_s
+                # The GEMMs, and the activation function and permutations around them.
+                cost.forward_s = moe.forward_compute_s + layer.memory_ops_forward_s
+                cost.backward_s = moe.backward_compute_s + layer.memory_ops_backward_s
                 exposed = self.a2a_exposed_share(layer) if self.context.plan.moe_a2a_overlap else 1.0
                 cost.forward_comm_s = moe.forward_comm_s * exposed + layer.routing_sync_s
                 cost.backward_comm_s = moe.backward_comm_s * exposed + layer.replica_sync_s / self.context.micro_batches

@@ -208,3 +208,15 @@ def test_on_h100s_deepeps_exchange_slows_the_compute_it_hides_under():
     share = simulator.node_costs.a2a_exposed_share(layer)
     assert share == pytest.approx(exposed_share(forward, backward, 2, 1, slowdown=20 / 112))
     assert share > exposed_share(forward, backward, 2, 1)
+    # The layer's anchor op carries the expert GEMMs and the memory-bound kernels around them
+    # (cost_model.moe_layers.expert_memory_op_times on the busiest device's copies; not priced
+    # before session 13), with the exposed share of the exchange beside them.
+    from cost_model.moe import element_bytes
+    from cost_model.moe_layers import expert_memory_op_times
+
+    memory_ops = expert_memory_op_times(layer.block, layer.cost.busiest_copies, 1, element_bytes(plan.precision),
+                                        cluster.device_of(0))
+    assert memory_ops[0] > 0 and (layer.memory_ops_forward_s, layer.memory_ops_backward_s) == pytest.approx(memory_ops)
+    anchor = simulator.costs[layer.anchor]
+    assert anchor.forward_s == pytest.approx(layer.cost.forward_compute_s + memory_ops[0])
+    assert anchor.backward_s == pytest.approx(layer.cost.backward_compute_s + memory_ops[1])

@@ -1,0 +1,112 @@
+"""The experts' GEMMs of one MoE layer as Transformer Engine's grouped GEMM runs them.
+
+Megatron-Core runs an expert-parallel rank's local experts with Transformer Engine's
+``GroupedLinear`` (``TEGroupedMLP``; ``--moe-grouped-gemm``): the tokens a rank received are
+split by local expert (``torch.split(inp, m_splits)``) and every projection is one
+``general_grouped_gemm`` call (NVIDIA/TransformerEngine at cd37379d24f5, 2025-05-27, the main
+branch the day the Megatron MoE model zoo published its first Qwen3 rows:
+transformer_engine/pytorch/module/grouped_linear.py, forward and backward). That call is not
+one kernel: ``nvte_multi_stream_cublas_gemm`` (transformer_engine/common/gemm/cublaslt_gemm.cu,
+same commit) loops over the experts and launches one cuBLAS GEMM per expert, round-robin on
+``num_streams`` compute streams (transformer_engine/common/include/transformer_engine/gemm.h:
+``constexpr int num_streams = 4``), then joins them. Per projection and pass, so:
+
+  * forward: ``E`` GEMMs of (rows x K) @ (K x N), rows being one expert's routed copies;
+  * backward: ``E`` input-gradient GEMMs (rows x N) @ (N x K) and ``E`` weight-gradient GEMMs
+    (K x rows) @ (rows x N), whose reduction is the expert's rows;
+
+with ``E`` the rank's local experts, K x N = hidden x (matmuls - 1) ffn for the first
+projection (SwiGLU's gate and up fused, or a GELU MLP's up) and ffn x hidden for the second.
+
+Priced here with ``cost_model.gpu_kernels``' shape model: up to four GEMMs (one per stream) run
+at once and share the SMs, so each projection's GEMMs are timed as a batch of
+``min(E, 4)`` for tile and wave quantisation; each GEMM is a launch and pays the device's
+launch overhead (``cost_model.compute.efficiencies``: ``defaults.KERNEL_OVERHEAD_S`` unless the
+device states its own), as every kernel of the simulator does. A rank with 16 local
+experts and 512 rows each (TP4 EP8 with 1,024 tokens a rank, top-8) thus runs 96 GEMMs a pass
+whose weight gradients reduce over 512 rows; one with 4 experts of 4,096 rows (EP32), 24 GEMMs
+at the large-GEMM fraction. Before, the experts were one roofline kernel at the best-shape
+fraction whatever their shape (``cost_model.moe``).
+
+Not modelled: the rows of each expert are the busiest device's mean (its copies over its
+experts); a micro-batch's per-expert counts scatter around it, so their tile counts do too.
+And the host: at that commit each per-expert GEMM also builds its cuBLASLt descriptors and
+queries ``cublasLtMatmulAlgoGetHeuristic`` (cublaslt_gemm.cu, ``cublas_gemm``) before it
+launches, host time no public measurement here prices; only the simulator's launch cost is
+charged.
+
+The planner's own compiled programs run experts otherwise: ``codegen/runtime/moe.py`` as one
+``torch.bmm`` over capacity-padded buffers (one launch per projection for all local experts;
+priced here as per-expert launches, high by E - 1 launches), ``codegen/runtime/expert_dispatch.py``
+(HuggingFace decoders, dropless) as a Python loop of one GEMM per expert on one stream (no
+four-way concurrency: priced here a little fast for small experts). Megatron-Core's program is
+the one the fidelity rows measure.
+
+Applies on a GPU of known generation in 16-bit precision (the shape model's measurements are
+bf16); elsewhere ``grouped_expert_times`` returns None and the caller keeps its roofline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_model import defaults
+from cost_model.compute import efficiencies
+from cost_model.gpu_kernels import SIXTEEN_BIT, GpuGeneration, generation_of
+from planner.cluster import DeviceSpec
+
+# Compute streams Transformer Engine's grouped GEMM launches its per-expert GEMMs on
+# (transformer_engine/common/include/transformer_engine/gemm.h at cd37379d24f5:
+# ``constexpr int num_streams = 4``; cublaslt_gemm.cu's loop uses stream ``i % num_streams``).
+GROUPED_GEMM_STREAMS = 4
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """One rank's experts for one pass: ``local_experts`` experts of ``rows`` routed copies each
+    (fractional: an average), ``hidden`` wide, ``ffn`` the hidden width of the expert (already
+    divided by ETP where the experts are sliced), ``matmuls`` per expert (3 SwiGLU, 2 GELU)."""
+
+    local_experts: int
+    rows: float
+    hidden: int
+    ffn: float
+    matmuls: int
+
+    def projections(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(K, N) of the first and second projection of one expert."""
+        return (self.hidden, (self.matmuls - 1) * self.ffn), (self.ffn, self.hidden)
+
+
+def grouped_gemm_time(gemms: int, m: float, n: float, k: float, device: DeviceSpec, dtype: str,
+                      element_bytes: int, generation: GpuGeneration) -> float:
+    """Seconds for one grouped-GEMM call of ``gemms`` GEMMs (m x k) @ (k x n): launched one by
+    one on ``GROUPED_GEMM_STREAMS`` streams (module docstring), each paying a launch."""
+    if gemms <= 0 or min(m, n, k) <= 0:
+        return 0.0
+    concurrent = min(gemms, GROUPED_GEMM_STREAMS)
+    efficiency = generation.matmul_efficiency(concurrent, m, n, k)
+    compute = 2.0 * gemms * m * n * k / (device.flops_for(dtype) * efficiency)
+    moved = element_bytes * gemms * (m * k + k * n + m * n)
+    memory = moved / (device.memory_bandwidth * defaults.MEMORY_EFFICIENCY)
+    return max(compute, memory) + gemms * efficiencies(device, dtype)[2]
+
+
+def grouped_expert_times(shape: ExpertShape, device: DeviceSpec, dtype: str,
+                         element_bytes: int) -> tuple[float, float] | None:
+    """(forward, backward) seconds of ``shape``'s expert GEMMs as Transformer Engine's grouped
+    GEMM runs them (module docstring), or None where the shape model does not apply (not a GPU
+    of known generation, or not 16-bit): the caller keeps its roofline there."""
+    generation = generation_of(device)
+    if generation is None or dtype not in SIXTEEN_BIT:
+        return None
+    if shape.local_experts <= 0 or shape.rows <= 0:
+        return 0.0, 0.0
+    forward = backward = 0.0
+    for k, n in shape.projections():
+        def call(m: float, n_: float, k_: float) -> float:
+            return grouped_gemm_time(shape.local_experts, m, n_, k_, device, dtype, element_bytes, generation)
+        forward += call(shape.rows, n, k)
+        # Input gradient (rows x N) @ (N x K), weight gradient (K x rows) @ (rows x N).
+        backward += call(shape.rows, k, n) + call(k, n, shape.rows)
+    return forward, backward
