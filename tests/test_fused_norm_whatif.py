@@ -1,0 +1,50 @@
+"""``benchmarks/fused_norm_whatif.py``: a row's RMSNorms as the eager trace prices them against
+one fused kernel each, by hand (no row is simulated here: each check is arithmetic)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.fused_norm_whatif import forwards_per_pass, fused_norm_node, step_seconds
+from cost_model.compute import op_times
+from planner.cluster import Cluster
+from planner.graph import OpNode, TensorMeta
+from planner.strategy import KEEP_A2A, NORMS_MOE_ACT
+
+H100 = Cluster.preset("dgx-h100").device_of(0)
+
+
+def test_forwards_per_pass_follow_the_recomputation_mode():
+    # A block recomputed whole runs every norm in it twice; norms_moe_act (Megatron-Core's
+    # --recompute-modules layernorm) only the block's own two; the rest once.
+    assert forwards_per_pass("full", block_norm=False) == forwards_per_pass(KEEP_A2A, block_norm=True) == 2
+    assert forwards_per_pass(NORMS_MOE_ACT, block_norm=True) == 2
+    assert forwards_per_pass(NORMS_MOE_ACT, block_norm=False) == 1  # Qwen3's q_norm / k_norm
+    assert forwards_per_pass("selective", block_norm=True) == forwards_per_pass("none", block_norm=True) == 1
+
+
+def test_step_seconds_by_hand():
+    # The FSDP row's input_layernorm as traced: 0.358 ms forward, 0.741 ms backward a micro-batch,
+    # recomputed (two forwards), 94 blocks x 4 micro-batches: (2 x 0.358 + 0.741) x 376 = 547.8 ms.
+    assert step_seconds(0.358e-3, 0.741e-3, 2, 94, 4) == pytest.approx(0.5478, rel=1e-4)
+    # Without recomputation one forward: (0.358 + 0.741) x 376 = 413.2 ms.
+    assert step_seconds(0.358e-3, 0.741e-3, 1, 94, 4) == pytest.approx(0.4132, rel=1e-3)
+
+
+def test_fused_norm_is_one_kernel_moving_input_output_and_weight():
+    # The eager chain's first op (x.to(float32)) reads x: (4, 2048, 4096) bf16 = 2^25 elements.
+    x = TensorMeta((4, 2048, 4096), torch.bfloat16)
+    upcast = OpNode(name="to", op="aten._to_copy.default", inputs=("x",), input_meta=(x,),
+                    output_meta=(TensorMeta(x.shape, torch.float32),), module="model.layers.3.input_layernorm")
+    fused = fused_norm_node(upcast, TensorMeta((4096,), torch.bfloat16))
+    assert fused.op == "aten.rms_norm.default" and fused.output_meta == (x,)
+    # Bytes: x read and y written, 2 x 2^25 x 2 B, and the weight 4096 x 2 B = 134,225,920.
+    assert fused.bytes_moved == 2 * 2**25 * 2 + 4096 * 2 == 134_225_920
+    # Priced as the simulator prices a fused norm on an H100 (3.35e12 B/s x 0.525 = 1.75875e12
+    # B/s, cost_model.memory_kernels.FUSED_NORM_EFFICIENCY; 5 us a launch): forward 76.32 us +
+    # 5 us = 81.32 us; backward twice the bytes (defaults.BACKWARD_TO_FORWARD): 157.64 us.
+    forward, backward = op_times(fused, 1.0, H100, "bf16")
+    assert forward == pytest.approx(134_225_920 / 1.75875e12 + 5e-6)
+    assert forward == pytest.approx(81.32e-6, rel=1e-3)
+    assert backward == pytest.approx(2 * 134_225_920 / 1.75875e12 + 5e-6)
