@@ -1,5 +1,5 @@
 """What a fidelity row's RMSNorms cost as the traced eager program runs them, and what they
-would cost as one fused kernel each: a what-if, not a change to any row.
+would cost as one fused kernel each: a what-if, not a change to any row's prediction.
 
     python benchmarks/fused_norm_whatif.py --runs 'Qwen3-235B-*'
 
@@ -19,22 +19,28 @@ For each run: the simulator's own costs (one micro-batch on one device) of every
 block's ``*norm`` module, against one ``aten.rms_norm`` op of the same input as the simulator
 prices a fused norm (``cost_model.memory_kernels.FUSED_NORM_EFFICIENCY``); both times the
 forwards a pass runs (two where the plan recomputes the block, or the block's own norms under
-``norms_moe_act``), the backward, the
-blocks of the busiest pipeline rank and the micro-batches. The difference is compute-stream
-time only: the step is not re-simulated (overlap contention and exposed communication beside
-the norms are not in it), so read it as an estimate of how far the row would move.
+``norms_moe_act``), the backward, the blocks of the busiest pipeline rank and the
+micro-batches. That difference is compute-stream
+time only; the row is then simulated again with each norm (the blocks' and the final one)
+priced as the fused kernel on one op and nothing on its others (``norms_fused``), which also
+moves what the shorter compute slows beside collectives and hides of the EP overlap's
+exchanges. Only the time is re-priced: the norms' saved activations stay as traced.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
+import cost_model.moe_overlap
+import cost_model.node_costs
 from cost_model.compute import op_times
 from cost_model.op_share import work_split
 from cost_model.segments import is_block_norm
+from cost_model.simulation_cache import RECENTLY_COSTED, graph_facts
 from cost_model.simulator import Simulator
 from planner.graph import OpNode, TensorMeta
 from planner.strategy import NORMS_MOE_ACT, WHOLE_BLOCK_RECOMPUTE
@@ -88,6 +94,68 @@ def fused_norm_node(first: OpNode, weight: TensorMeta | None) -> OpNode:
                   output_meta=(x,), module=first.module, bytes_moved=moved)
 
 
+def norm_modules(graph) -> dict[str, list[OpNode]]:
+    """The ops of each ``*norm`` module (the blocks' and the final one), in graph order."""
+    members: dict[str, list[OpNode]] = defaultdict(list)
+    for node in graph.nodes:
+        if node.module.rsplit(".", 1)[-1].endswith("norm"):
+            members[node.module].append(node)
+    return members
+
+
+def fused_replacements(graph) -> dict[str, OpNode | None]:
+    """Op name -> what prices it when each norm is one fused kernel: the op reading the weight
+    (the chain's last) -> the fused ``aten.rms_norm`` of the chain's input (``fused_norm_node``),
+    every other op of the module -> None (no kernel of its own). The weight's op carries it
+    because the simulator shares one cost among ops of equal signature (op, shapes, bytes,
+    parameters: ``cost_model.simulation_cache.graph_facts``), and only that op has a parameter:
+    a module's two ``_assert_tensor_metadata`` ops, say, are alike."""
+    replacements: dict[str, OpNode | None] = {}
+    for ops in norm_modules(graph).values():
+        weights = [graph.parameters[p] for op in ops for p in op.params if p in graph.parameters]
+        weight = TensorMeta(tuple(weights[0].shape), weights[0].dtype) if weights else None
+        carrier = next((op for op in ops if op.params), ops[-1])
+        replacements.update({op.name: None for op in ops})
+        replacements[carrier.name] = fused_norm_node(ops[0], weight)
+    return replacements
+
+
+def signature_collisions(graph, replacements: dict[str, OpNode | None]) -> list[str]:
+    """Ops outside ``replacements`` whose signature a replaced op shares: the simulator would
+    price them as the replacement too (or the replaced op as them), so a what-if with any is
+    not exact."""
+    signature = graph_facts(graph).signature
+    replaced = {signature[name] for name in replacements}
+    return [node.name for node in graph.nodes if node.name not in replacements and signature[node.name] in replaced]
+
+
+def priced_with(replacements: dict[str, OpNode | None], priced=op_times):
+    """``priced`` (``cost_model.compute.op_times``'s signature) with the ops of
+    ``replacements`` priced as their replacement, or as nothing where it is None."""
+    def times(node: OpNode, work_fraction: float, *args, **kwargs) -> tuple[float, float]:
+        if node.name not in replacements:
+            return priced(node, work_fraction, *args, **kwargs)
+        replacement = replacements[node.name]
+        return (0.0, 0.0) if replacement is None else priced(replacement, work_fraction, *args, **kwargs)
+    return times
+
+
+@contextlib.contextmanager
+def norms_fused(graph):
+    """Within it, the simulator prices ``graph``'s block norms as one fused kernel each (the
+    op-time function its node costs and the EP overlap's beside-compute read, swapped for
+    ``priced_with``); the cache of costed plans is emptied on entry and exit, so no plan
+    costed one way is reused the other."""
+    times = priced_with(fused_replacements(graph))
+    RECENTLY_COSTED.clear()
+    cost_model.node_costs.op_times = cost_model.moe_overlap.op_times = times
+    try:
+        yield
+    finally:
+        cost_model.node_costs.op_times = cost_model.moe_overlap.op_times = op_times
+        RECENTLY_COSTED.clear()
+
+
 def norm_costs(simulator: Simulator, block: str, block_nodes: list[str]) -> list[NormCost]:
     """The eager and fused cost of each ``*norm`` module among ``block_nodes`` (the block
     segment named ``block``)."""
@@ -138,9 +206,16 @@ def report(run) -> list[str]:
     fused = sum(step_seconds(c.fused_forward_s, c.fused_backward_s, forwards[c.module], blocks, micro_batches)
                 for c in costs)
     step = plan.estimate.step_time_s
+    collisions = signature_collisions(plan.graph, fused_replacements(plan.graph))
+    with norms_fused(plan.graph):
+        fused_plan, _ = simulate(run)
+    resimulated = fused_plan.estimate.step_time_s
+    published = run.published_step_s
     lines = [f"{run.name}: {blocks} blocks x {micro_batches} micro-batches, recompute {recompute}; norms eager "
-             f"{eager:.2f} s, fused {fused:.2f} s a step; predicted {step:.2f} s -> ~{step - eager + fused:.2f} s "
-             f"against {run.published_step_s:.2f} s"]
+             f"{eager:.2f} s, fused {fused:.2f} s a step; predicted {step:.2f} s ({step / published - 1:+.1%}), "
+             f"less the difference {step - eager + fused:.2f} s, re-simulated with fused norms {resimulated:.2f} s "
+             f"({resimulated / published - 1:+.1%}); published {published:.2f} s"
+             + (f"; not exact: {len(collisions)} other ops share a norm op's signature" if collisions else "")]
     for c in costs:
         lines.append(f"  {c.module.rsplit('.', 1)[-1]:<26} x{forwards[c.module]} forward; eager forward "
                      f"{c.eager_forward_s * 1e3:7.3f} ms backward {c.eager_backward_s * 1e3:7.3f} ms; fused forward "
@@ -150,7 +225,8 @@ def report(run) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", nargs="+", required=True, help="run names or shell patterns (fidelity.py --rows-only)")
+    parser.add_argument("--runs", nargs="+", required=True,
+                        help="run names or shell patterns (fidelity.py --rows-only)")
     options = parser.parse_args(argv)
     chosen = [run for run in runs() if any(fnmatch.fnmatchcase(run.name, pattern) for pattern in options.runs)]
     if not chosen:

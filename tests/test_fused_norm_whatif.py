@@ -6,10 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.fused_norm_whatif import forwards_per_pass, fused_norm_node, step_seconds
+import cost_model.moe_overlap
+import cost_model.node_costs
+from benchmarks.fused_norm_whatif import (
+    forwards_per_pass,
+    fused_norm_node,
+    fused_replacements,
+    norms_fused,
+    priced_with,
+    signature_collisions,
+    step_seconds,
+)
 from cost_model.compute import op_times
 from planner.cluster import Cluster
-from planner.graph import OpNode, TensorMeta
+from planner.graph import OpGraph, OpNode, TensorMeta
 from planner.strategy import KEEP_A2A, NORMS_MOE_ACT
 
 H100 = Cluster.preset("dgx-h100").device_of(0)
@@ -48,3 +58,58 @@ def test_fused_norm_is_one_kernel_moving_input_output_and_weight():
     assert forward == pytest.approx(134_225_920 / 1.75875e12 + 5e-6)
     assert forward == pytest.approx(81.32e-6, rel=1e-3)
     assert backward == pytest.approx(2 * 134_225_920 / 1.75875e12 + 5e-6)
+
+
+def norm_graph() -> OpGraph:
+    """Block 0's input_layernorm as transformers traces it (shortened to three ops: the upcast,
+    the row mean and the weight product), then a q projection outside it."""
+    x = TensorMeta((4, 2048, 4096), torch.bfloat16)
+    x32 = TensorMeta(x.shape, torch.float32)
+    weight = TensorMeta((4096,), torch.bfloat16)
+    norm = "model.layers.0.input_layernorm"
+    block = ("model.layers", 0)
+    nodes = [
+        OpNode(name="to", op="aten._to_copy.default", inputs=("x",), input_meta=(x,), output_meta=(x32,),
+               module=norm, block=block, bytes_moved=x.nbytes + x32.nbytes),
+        OpNode(name="mean", op="aten.mean.dim", inputs=("to",), input_meta=(x32,),
+               output_meta=(TensorMeta((4, 2048, 1), torch.float32),), module=norm, block=block,
+               bytes_moved=x32.nbytes),
+        OpNode(name="mul_weight", op="aten.mul.Tensor", inputs=("w", "to"), input_meta=(weight, x),
+               output_meta=(x,), params=(f"{norm}.weight",), param_inputs=("w",), module=norm, block=block,
+               bytes_moved=weight.nbytes + 2 * x.nbytes),
+        OpNode(name="q_proj", op="aten.linear.default", inputs=("mul_weight",), input_meta=(x,), output_meta=(x,),
+               module="model.layers.0.self_attn.q_proj", block=block, bytes_moved=2 * x.nbytes),
+    ]
+    return OpGraph(nodes=nodes, inputs=[], parameters={f"{norm}.weight": weight}, buffers={}, batch_size=4)
+
+
+def test_fused_replacements_give_the_module_one_kernel():
+    graph = norm_graph()
+    replacements = fused_replacements(graph)
+    # The op reading the weight carries the fused kernel of the chain's input (x and y of 2^25
+    # bf16 elements, the weight of 4096: 134,225,920 bytes), the others nothing; the projection
+    # is no norm's, and shares no norm op's signature.
+    assert replacements["mul_weight"].op == "aten.rms_norm.default"
+    assert replacements["mul_weight"].input_meta[0] == TensorMeta((4, 2048, 4096), torch.bfloat16)
+    assert replacements["mul_weight"].bytes_moved == 134_225_920
+    assert replacements["to"] is None and replacements["mean"] is None
+    assert "q_proj" not in replacements
+    assert signature_collisions(graph, replacements) == []
+
+
+def test_priced_with_prices_the_replacements_and_leaves_the_rest():
+    graph = norm_graph()
+    times = priced_with(fused_replacements(graph))
+    by_name = {node.name: node for node in graph.nodes}
+    # The weight's op: the fused kernel's 81.32 us forward (test above); the rest of the norm
+    # free; the projection as before.
+    assert times(by_name["mul_weight"], 1.0, H100, "bf16")[0] == pytest.approx(134_225_920 / 1.75875e12 + 5e-6)
+    assert times(by_name["to"], 1.0, H100, "bf16") == times(by_name["mean"], 1.0, H100, "bf16") == (0.0, 0.0)
+    assert times(by_name["q_proj"], 1.0, H100, "bf16") == op_times(by_name["q_proj"], 1.0, H100, "bf16")
+
+
+def test_norms_fused_restores_the_simulators_pricing():
+    with norms_fused(norm_graph()):
+        assert cost_model.node_costs.op_times is not op_times
+        assert cost_model.moe_overlap.op_times is cost_model.node_costs.op_times
+    assert cost_model.node_costs.op_times is op_times and cost_model.moe_overlap.op_times is op_times
