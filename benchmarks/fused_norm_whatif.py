@@ -103,6 +103,12 @@ def norm_modules(graph) -> dict[str, list[OpNode]]:
     return members
 
 
+def norm_weight(graph, ops: list[OpNode]) -> TensorMeta | None:
+    """The weight a norm module's ``ops`` read (its first parameter), or None without one."""
+    weights = [graph.parameters[p] for op in ops for p in op.params if p in graph.parameters]
+    return TensorMeta(tuple(weights[0].shape), weights[0].dtype) if weights else None
+
+
 def fused_replacements(graph) -> dict[str, OpNode | None]:
     """Op name -> what prices it when each norm is one fused kernel: the op reading the weight
     (the chain's last) -> the fused ``aten.rms_norm`` of the chain's input (``fused_norm_node``),
@@ -112,11 +118,9 @@ def fused_replacements(graph) -> dict[str, OpNode | None]:
     a module's two ``_assert_tensor_metadata`` ops, say, are alike."""
     replacements: dict[str, OpNode | None] = {}
     for ops in norm_modules(graph).values():
-        weights = [graph.parameters[p] for op in ops for p in op.params if p in graph.parameters]
-        weight = TensorMeta(tuple(weights[0].shape), weights[0].dtype) if weights else None
         carrier = next((op for op in ops if op.params), ops[-1])
         replacements.update({op.name: None for op in ops})
-        replacements[carrier.name] = fused_norm_node(ops[0], weight)
+        replacements[carrier.name] = fused_norm_node(ops[0], norm_weight(graph, ops))
     return replacements
 
 
@@ -170,10 +174,9 @@ def norm_costs(simulator: Simulator, block: str, block_nodes: list[str]) -> list
     for module, ops in members.items():
         eager_forward = sum(simulator.costs[op.name].forward_s for op in ops)
         eager_backward = sum(simulator.costs[op.name].backward_s for op in ops)
-        weights = [graph.parameters[p] for op in ops for p in op.params if p in graph.parameters]
         first = ops[0]
         work = 1.0 / (work_split(context.mesh, context.strategies[first.name]) * context.micro_batches)
-        fused = fused_norm_node(first, TensorMeta(tuple(weights[0].shape), weights[0].dtype) if weights else None)
+        fused = fused_norm_node(first, norm_weight(graph, ops))
         fused_forward, fused_backward = op_times(fused, work, context.device, context.plan.precision)
         found.append(NormCost(module, is_block_norm(first, block), eager_forward, eager_backward,
                               fused_forward, fused_backward))
