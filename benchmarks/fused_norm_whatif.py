@@ -1,5 +1,6 @@
-"""What a fidelity row's RMSNorms cost as the traced eager program runs them, and what they
-would cost as one fused kernel each: a what-if, not a change to any row's prediction.
+"""What a fidelity row's RMSNorms (and rotary embeddings) cost as the traced eager program runs
+them, and what they would cost as one fused kernel each: a what-if, not a change to any row's
+prediction.
 
     python benchmarks/fused_norm_whatif.py --runs 'Qwen3-235B-*'
 
@@ -24,7 +25,10 @@ micro-batches. That difference is compute-stream
 time only; the row is then simulated again with each norm (the blocks' and the final one)
 priced as the fused kernel on one op and nothing on its others (``norms_fused``), which also
 moves what the shorter compute slows beside collectives and hides of the EP overlap's
-exchanges. Only the time is re-priced: the norms' saved activations stay as traced.
+exchanges; and once more with each rotary embedding also one kernel (``rope_chains``:
+transformers' eager ``apply_rotary_pos_emb``, five kernels for q and five for k, where
+Megatron-Core runs Transformer Engine's fused RoPE by default). Only the time is re-priced: the
+saved activations stay as traced.
 """
 
 from __future__ import annotations
@@ -124,6 +128,64 @@ def fused_replacements(graph) -> dict[str, OpNode | None]:
     return replacements
 
 
+# The ops of transformers' eager ``apply_rotary_pos_emb`` (q * cos + rotate_half(q) * sin, with
+# rotate_half a slice, a negation and a concatenation), by ATen op up to its overload.
+ROPE_OPS = ("aten.mul", "aten.neg", "aten.cat", "aten.add")
+
+
+def rope_chains(graph) -> list[list[OpNode]]:
+    """Each rotary embedding a block applies in its attention module (one for q, one for k):
+    an ``add`` of the attention module's own ops (not a submodule's) on a 4-D tensor, with the
+    ``ROPE_OPS`` of that module it is computed from, walked back through their inputs (views
+    between them followed)."""
+    nodes = {node.name: node for node in graph.nodes}
+
+    def rope_op(node: OpNode, module: str) -> bool:
+        return (node.module == module and node.op.rsplit(".", 1)[0] in ROPE_OPS
+                and bool(node.input_meta) and len(node.input_meta[0].shape) == 4)
+
+    chains = []
+    for end in graph.nodes:
+        if end.block is None or not end.module.endswith("attn") or not end.op.startswith("aten.add") \
+                or not rope_op(end, end.module):
+            continue
+        chain, frontier = {end.name: end}, [end]
+        while frontier:
+            for source in frontier.pop().inputs:
+                node = nodes.get(source)
+                if node is None or node.name in chain or node.module != end.module:
+                    continue
+                if node.is_view or rope_op(node, end.module):
+                    chain[node.name] = node
+                    frontier.append(node)
+        ops = [node for node in graph.nodes if node.name in chain and not node.is_view]
+        if len(ops) > 1:
+            chains.append(ops)
+    return chains
+
+
+def fused_rope_node(end: OpNode) -> OpNode:
+    """One kernel that reads the rotated tensor (``end``'s output's shape and dtype) and writes
+    the result, as Transformer Engine's fused RoPE does (Megatron-LM ``apply_rope_fusion``, on
+    by default: ``--no-rope-fusion`` turns it off, megatron/training/arguments.py at 1e057005;
+    the cos/sin table it also reads is small). Priced as the simulator prices one contiguous
+    pointwise kernel (``cost_model.memory_kernels`` "streaming"): no public measurement of the
+    fused kernel is used."""
+    x = end.output_meta[0]
+    return OpNode(name=f"{end.name}_fused_rope", op="aten.mul.Tensor", inputs=(), input_meta=(x,),
+                  output_meta=(x,), module=end.module, bytes_moved=2 * x.nbytes)
+
+
+def rope_replacements(graph) -> dict[str, OpNode | None]:
+    """Op name -> what prices it when each rotary embedding is one fused kernel: the chain's
+    ``add`` (its end) -> ``fused_rope_node``, its other ops -> None."""
+    replacements: dict[str, OpNode | None] = {}
+    for ops in rope_chains(graph):
+        replacements.update({op.name: None for op in ops})
+        replacements[ops[-1].name] = fused_rope_node(ops[-1])
+    return replacements
+
+
 def signature_collisions(graph, replacements: dict[str, OpNode | None]) -> list[str]:
     """Ops outside ``replacements`` whose signature a replaced op shares: the simulator would
     price them as the replacement too (or the replaced op as them), so a what-if with any is
@@ -145,12 +207,12 @@ def priced_with(replacements: dict[str, OpNode | None], priced=op_times):
 
 
 @contextlib.contextmanager
-def norms_fused(graph):
-    """Within it, the simulator prices ``graph``'s block norms as one fused kernel each (the
-    op-time function its node costs and the EP overlap's beside-compute read, swapped for
-    ``priced_with``); the cache of costed plans is emptied on entry and exit, so no plan
-    costed one way is reused the other."""
-    times = priced_with(fused_replacements(graph))
+def norms_fused(graph, replacements: dict[str, OpNode | None] | None = None):
+    """Within it, the simulator prices ``graph``'s norms as one fused kernel each, or the ops
+    of ``replacements`` as it says (the op-time function its node costs and the EP overlap's
+    beside-compute read, swapped for ``priced_with``); the cache of costed plans is emptied on
+    entry and exit, so no plan costed one way is reused the other."""
+    times = priced_with(fused_replacements(graph) if replacements is None else replacements)
     RECENTLY_COSTED.clear()
     cost_model.node_costs.op_times = cost_model.moe_overlap.op_times = times
     try:
@@ -209,16 +271,21 @@ def report(run) -> list[str]:
     fused = sum(step_seconds(c.fused_forward_s, c.fused_backward_s, forwards[c.module], blocks, micro_batches)
                 for c in costs)
     step = plan.estimate.step_time_s
-    collisions = signature_collisions(plan.graph, fused_replacements(plan.graph))
-    with norms_fused(plan.graph):
-        fused_plan, _ = simulate(run)
-    resimulated = fused_plan.estimate.step_time_s
+    norms = fused_replacements(plan.graph)
+    both = {**norms, **rope_replacements(plan.graph)}
+    collisions = signature_collisions(plan.graph, both)
+    resimulated = []
+    for replacements in (norms, both):
+        with norms_fused(plan.graph, replacements):
+            fused_plan, _ = simulate(run)
+        resimulated.append(fused_plan.estimate.step_time_s)
     published = run.published_step_s
     lines = [f"{run.name}: {blocks} blocks x {micro_batches} micro-batches, recompute {recompute}; norms eager "
              f"{eager:.2f} s, fused {fused:.2f} s a step; predicted {step:.2f} s ({step / published - 1:+.1%}), "
-             f"less the difference {step - eager + fused:.2f} s, re-simulated with fused norms {resimulated:.2f} s "
-             f"({resimulated / published - 1:+.1%}); published {published:.2f} s"
-             + (f"; not exact: {len(collisions)} other ops share a norm op's signature" if collisions else "")]
+             f"less the difference {step - eager + fused:.2f} s, re-simulated with fused norms {resimulated[0]:.2f} s "
+             f"({resimulated[0] / published - 1:+.1%}), norms and RoPE {resimulated[1]:.2f} s "
+             f"({resimulated[1] / published - 1:+.1%}); published {published:.2f} s"
+             + (f"; not exact: {len(collisions)} other ops share a replaced op's signature" if collisions else "")]
     for c in costs:
         lines.append(f"  {c.module.rsplit('.', 1)[-1]:<26} x{forwards[c.module]} forward; eager forward "
                      f"{c.eager_forward_s * 1e3:7.3f} ms backward {c.eager_backward_s * 1e3:7.3f} ms; fused forward "
