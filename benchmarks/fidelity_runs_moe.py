@@ -43,9 +43,11 @@ the rows (predicted faster unless said):
     and its unfused SwiGLU keeps silu(gate) beside gate and up, about 0.12 GB a layer and
     micro-batch more than Megatron-Core holds (``docs/fidelity_log.md``, session 11), so the
     memory is if anything high. Its time is high too: each RMSNorm is priced as transformers'
-    ten eager kernels where Transformer Engine runs one (``benchmarks/fused_norm_whatif.py``:
-    2.3-2.6 s a step in every row, 0.5 s as fused kernels; ``docs/fidelity_log.md``,
-    session 13), which the pipeline rows' missing costs hide (slower);
+    ten eager kernels and each rotary embedding as five, where Transformer Engine runs one
+    (``benchmarks/fused_norm_whatif.py``: the norms 2.3-2.6 s a step in every row, 0.5 s as
+    fused kernels; with the RoPE fused too, FSDP +0.7%, the pipeline rows 3-10 points further
+    off: ``docs/fidelity_log.md``, session 13), so the pipeline rows miss more than their
+    errors show (slower);
   * routing: the simulator routes every token uniformly (each expert its share); the model
     zoo's rows do not say they forced balance, so they ran dropless with the auxiliary loss,
     whose imbalance slows the busiest expert (faster); the report's row forced balance, as
