@@ -45,7 +45,7 @@ the rows (predicted faster unless said):
     memory is if anything high. Its time is high too: each RMSNorm is priced as transformers'
     ten eager kernels and each rotary embedding as five, where Transformer Engine runs one
     (``benchmarks/fused_norm_whatif.py``: the norms 2.3-2.6 s a step in every row, 0.5 s as
-    fused kernels; with the RoPE fused too, FSDP +0.7%, the pipeline rows 3-10 points further
+    fused kernels; with the RoPE fused too, FSDP +0.7%, the pipeline rows 8-16 points further
     off: ``docs/fidelity_log.md``, session 13), so the pipeline rows miss more than their
     errors show (slower);
   * routing: the simulator routes every token uniformly (each expert its share); the model
