@@ -42,7 +42,12 @@ the rows (predicted faster unless said):
     its q/k norms keep their fp32 input and normalised values (TE's fused RMSNorm: the input)
     and its unfused SwiGLU keeps silu(gate) beside gate and up, about 0.12 GB a layer and
     micro-batch more than Megatron-Core holds (``docs/fidelity_log.md``, session 11), so the
-    memory is if anything high;
+    memory is if anything high. Its time is high too: each RMSNorm is priced as transformers'
+    ten eager kernels and each rotary embedding as five, where Transformer Engine runs one
+    (``benchmarks/fused_norm_whatif.py``: the norms 2.3-2.6 s a step in every row, 0.5 s as
+    fused kernels; with the RoPE fused too, FSDP +0.7%, the pipeline rows 8-16 points further
+    off: ``docs/fidelity_log.md``, session 13), so the pipeline rows miss more than their
+    errors show (slower);
   * routing: the simulator routes every token uniformly (each expert its share); the model
     zoo's rows do not say they forced balance, so they ran dropless with the auxiliary loss,
     whose imbalance slows the busiest expert (faster); the report's row forced balance, as
@@ -59,7 +64,15 @@ the rows (predicted faster unless said):
     (``moe_dev(f3e6c5)`` in its table), not public; its configuration then listed, "Used for
     1F1B overlap", ``NVTE_FWD/BWD_LAYERNORM_SM_MARGIN: 20`` (norm kernels leave 20 SMs free)
     and ``CUDA_DEVICE_MAX_CONNECTIONS: 32`` (model_configs/benchmarking/Qwen3-235B-A22B.yaml
-    at 8017e1120), neither priced (faster);
+    at 8017e1120), neither priced. The margin sizes Transformer Engine's norm kernels' grid to
+    the SMs less 20 (``multiprocessorCount`` in NVIDIA/TransformerEngine transformer_engine/
+    common/normalization/rmsnorm/rmsnorm_fwd_cuda_kernel.cu at d0067d0d), so a norm runs on
+    112 SMs beside DeepEP's 20, as the simulator already runs all compute beside an exchange;
+    alone it is at most 132 / 112 - 1 = 18% slower, under 0.1 s a step on the norms as one fused kernel each (0.50 s,
+    ``benchmarks/fused_norm_whatif.py``). More than one connection is what the overlap needs
+    (Megatron-LM megatron/core/transformer/moe/README.md at d98e8a64: "Requirements for EP A2A
+    Overlap: ... CUDA_DEVICE_MAX_CONNECTIONS > 1"), so that the two streams run at once, as
+    simulated: no cost of its own;
   * Megatron-FSDP (the one row without a pipeline; ``--use-custom-fsdp
     --data-parallel-sharding-strategy optim_grads_params``, the model zoo's
     examples/qwen3/run_235b.sh at 31c5686) is priced as the simulator's FSDP with one unit per
