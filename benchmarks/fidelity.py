@@ -9,6 +9,8 @@
     python benchmarks/fidelity.py --deepspeed-checkpointing partition_activations synchronize_checkpoint_boundary
                                   # DeepSpeed rows whose sources do not state these options, with them on
     python benchmarks/fidelity.py --rows-only    # the runs and their sources, nothing simulated
+    python benchmarks/fidelity.py --hsdp-shard 8 # the multi-node FSDP rows run as HSDP, groups of 8
+                                  # (a what-if: no source here states a hybrid-sharded run)
 
 Where it stands (session 12, 2026-11-30, ``python benchmarks/fidelity.py``): 32 runs,
 median absolute error 4.5%, largest 42.3%, 26 fast / 6 slow; the 26 dense rows alone 4.1%,
@@ -120,6 +122,33 @@ def simulate(run: Run, roofline: bool = False):
     return plan, cluster
 
 
+def as_hsdp(chosen: list[Run], shard: int) -> list[Run]:
+    """``chosen`` with each FSDP run that HSDP with groups of ``shard`` ranks fits (dense, on a
+    mesh of dp alone, ``shard`` dividing its dp ranks into two or more groups, each inside a
+    node: ``HsdpSection.check``'s conditions) run as HSDP instead (``Run.hsdp_shard``); every
+    other run as it is. A what-if (``--hsdp-shard``): no public source found here states a
+    hybrid-sharded run with its figure (docs/fidelity_log.md, session 13 s13hsdp), so the
+    published figures these rows print are their FSDP runs'.
+
+    Raises:
+        ValueError: ``shard`` is below 2, or fits none of ``chosen``; one line naming the fix.
+    """
+    if shard < 2:
+        raise ValueError(f"--hsdp-shard is {shard}; give the ranks of one shard group, 2 or more (e.g. 8, a node)")
+    hybrid = []
+    for run in chosen:
+        cluster = Cluster.parse(run.cluster) if isinstance(run.cluster, str) else run.cluster
+        dp = cluster.world_size  # the run's every rank, where it has no tp and no pp
+        fits = (run.moe is None and run.layout.get("dp_flavour") == "fsdp" and run.layout.get("tp", 1) == 1
+                and run.layout.get("pp", 1) == 1 and dp % shard == 0 and dp > shard
+                and cluster.min_devices_per_node % shard == 0)
+        hybrid.append(dataclasses.replace(run, hsdp_shard=shard) if fits else run)
+    if all(run.hsdp_shard is None for run in hybrid):
+        raise ValueError(f"--hsdp-shard {shard} fits none of the chosen runs: it needs an FSDP run on dp alone whose "
+                         f"dp ranks it divides into two or more groups inside a node (e.g. 8 for the 64-GPU rows)")
+    return hybrid
+
+
 def breakdown(estimate) -> str:
     """Where a predicted step goes on its busiest device, in seconds and shares of the step."""
     step = estimate.step_time_s or 1.0
@@ -169,6 +198,9 @@ def main() -> None:
     parser.add_argument("--deepspeed-checkpointing", nargs="+", metavar="OPTION", choices=DEEPSPEED_CHECKPOINTING_OPTIONS,
                         help="turn these DeepSpeed activation-checkpointing options on in the DeepSpeed rows whose "
                              "sources do not state them (MT-NLG's), as a what-if (cost_model.deepspeed_checkpointing)")
+    parser.add_argument("--hsdp-shard", type=int, metavar="N",
+                        help="run each multi-node FSDP row as HSDP with shard groups of N ranks inside a node, as a "
+                             "what-if (no source here states a hybrid-sharded run); the other rows as they are")
     options = parser.parse_args()
     names = [run.name for run in runs()]
     unmatched = [pattern for pattern in options.runs or () if not fnmatch.filter(names, pattern)]
@@ -176,6 +208,11 @@ def main() -> None:
         parser.error(f"no run matches {', '.join(unmatched)}; --rows-only lists them")
     chosen = [run for run in runs()
               if not options.runs or any(fnmatch.fnmatchcase(run.name, pattern) for pattern in options.runs)]
+    if options.hsdp_shard is not None:
+        try:
+            chosen = as_hsdp(chosen, options.hsdp_shard)
+        except ValueError as error:
+            parser.error(str(error))
     if options.rows_only:
         print_rows(chosen)
         return

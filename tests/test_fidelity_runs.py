@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.fidelity import simulate, summary
+from benchmarks.fidelity import as_hsdp, simulate, summary
 from benchmarks.fidelity_flops import megatron_core_flops, megatron_deepspeed_flops
 from benchmarks.fidelity_runs import Run, bloom_cluster, llama3_405b_layout, runs
 from planner.families.hsdp.section import HsdpSection
@@ -149,6 +149,24 @@ def test_a_run_with_a_hsdp_shard_simulates_as_hsdp():
     assert "hsdp8" in dataclasses.replace(fsdp_run, hsdp_shard=8).describe(64)
     # Gradients cross nodes as 1/8 shards: a different step from FSDP over all 64 ranks.
     assert hsdp.estimate.step_time_s != fsdp.estimate.step_time_s
+
+
+def test_the_hsdp_what_if_takes_the_fsdp_rows_on_dp_alone_that_whole_node_groups_divide():
+    """``fidelity.py --hsdp-shard``: groups of 8 (one 8-GPU node) fit the six 64-GPU FSDP rows
+    without tp (64 / 8 = 8 groups); not the 8-GPU FSDP rows (one group of all 8 ranks is plain
+    FSDP), the 405B row (FSDP x tp 8: HSDP is on a mesh of dp alone), nor the ZeRO-1 or MoE
+    rows. Groups of 4 take the 8-GPU rows too (8 / 4 = 2 groups); groups of 16 fit none (a
+    group would span two 8-GPU nodes), nor does 1."""
+    sixty_four = {"MPT-70B@64xA100", "MPT-13B@64xH100", "MPT-70B@64xH100", "Llama3-70B@64xA100",
+                  "Llama2-13B@64xA100", "Llama2-70B@64xA100"}
+    eight = {"MPT-7B@8xA100", "MPT-13B@8xA100", "MPT-30B@8xA100", "MPT-7B@8xH100"}
+    by_eight = {run.name: run.hsdp_shard for run in as_hsdp(runs(), 8)}
+    assert {name for name, shard in by_eight.items() if shard} == sixty_four
+    assert set(by_eight.values()) == {None, 8}
+    assert {run.name for run in as_hsdp(runs(), 4) if run.hsdp_shard == 4} == sixty_four | eight
+    for shard, message in ((16, "fits none of the chosen runs"), (1, "2 or more")):
+        with pytest.raises(ValueError, match=message):
+            as_hsdp(runs(), shard)
 
 
 def test_megatron_core_flops_counts_the_logit_gemm_as_6_b_s_h_v():
