@@ -17,7 +17,6 @@ kernels by kind of op.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,10 +25,10 @@ from planner.strategy import TimelineEvent
 
 try:  # run as a script (python benchmarks/fidelity_dp.py) or imported as benchmarks.fidelity_dp
     from benchmarks.fidelity import simulate
-    from benchmarks.fidelity_runs import runs
+    from benchmarks.fidelity_runs import chosen_runs
 except ModuleNotFoundError:  # pragma: no cover - the script's own folder is on sys.path instead
     from fidelity import simulate
-    from fidelity_runs import runs
+    from fidelity_runs import chosen_runs
 
 # The simulator's stream names for the data-parallel collectives (cost_model.step_tasks and
 # cost_model.megatron_grad_sync): the weights' all-gathers and the gradients' reductions.
@@ -127,9 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", required=True, help="run names or shell patterns (fidelity.py --rows-only)")
     options = parser.parse_args(argv)
-    chosen = [run for run in runs() if any(fnmatch.fnmatchcase(run.name, pattern) for pattern in options.runs)]
-    if not chosen:
-        parser.error(f"no run matches {', '.join(options.runs)}; python benchmarks/fidelity.py --rows-only lists them")
+    chosen = chosen_runs(parser, options.runs)
     for run in chosen:
         plan, _ = simulate(run)
         print(row(run.name, run.published_step_s, data_parallel_time(plan)), flush=True)

@@ -15,7 +15,6 @@ With a pipeline the sum runs over every stage's ops, not one device's.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -24,10 +23,10 @@ from cost_model.simulator import Simulator
 
 try:  # run as a script (python benchmarks/fidelity_ops.py) or imported as benchmarks.fidelity_ops
     from benchmarks.fidelity import simulate
-    from benchmarks.fidelity_runs import runs
+    from benchmarks.fidelity_runs import chosen_runs
 except ModuleNotFoundError:  # pragma: no cover - the script's own folder is on sys.path instead
     from fidelity import simulate
-    from fidelity_runs import runs
+    from fidelity_runs import chosen_runs
 
 
 @dataclass(frozen=True)
@@ -81,9 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", nargs="+", required=True, help="run names or shell patterns (fidelity.py --rows-only)")
     parser.add_argument("--top", type=int, default=12, help="kinds of op to print per run (default 12)")
     options = parser.parse_args(argv)
-    chosen = [run for run in runs() if any(fnmatch.fnmatchcase(run.name, pattern) for pattern in options.runs)]
-    if not chosen:
-        parser.error(f"no run matches {', '.join(options.runs)}; python benchmarks/fidelity.py --rows-only lists them")
+    chosen = chosen_runs(parser, options.runs)
     for run in chosen:
         plan, _ = simulate(run)
         print(f"{run.name}: kernel time of one step on one device, by kind of op")

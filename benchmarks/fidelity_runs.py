@@ -17,6 +17,9 @@ FlashAttention (MT-NLG 2021, BLOOM 2022) use ``gpt.py``'s explicit attention (``
 
 from __future__ import annotations
 
+import argparse
+import fnmatch
+
 from planner.cluster import Cluster
 from planner.cluster_edits import with_attention_kernel, with_inter_node, with_memory, with_power_limit
 from search.layouts import nearly_even_layers
@@ -324,6 +327,15 @@ def runs() -> list[Run]:
     found += torchtitan_h100_runs()
     found += megatron_core_moe_runs()
     return found
+
+
+def chosen_runs(parser: argparse.ArgumentParser, patterns: list[str]) -> list[Run]:
+    """The runs whose names match any of ``patterns`` (shell patterns), in the table's order;
+    none matching ends the script through ``parser.error`` (one line, exit status 2)."""
+    chosen = [run for run in runs() if any(fnmatch.fnmatchcase(run.name, pattern) for pattern in patterns)]
+    if not chosen:
+        parser.error(f"no run matches {', '.join(patterns)}; python benchmarks/fidelity.py --rows-only lists them")
+    return chosen
 
 
 def megatron_core_weak_scaling_runs() -> list[Run]:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fnmatch
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -51,10 +50,10 @@ from planner.strategy import NORMS_MOE_ACT, WHOLE_BLOCK_RECOMPUTE
 
 try:  # run as a script (python benchmarks/fused_norm_whatif.py) or imported as benchmarks.fused_norm_whatif
     from benchmarks.fidelity import simulate
-    from benchmarks.fidelity_runs import runs
+    from benchmarks.fidelity_runs import chosen_runs
 except ModuleNotFoundError:  # pragma: no cover - the script's own folder is on sys.path instead
     from fidelity import simulate
-    from fidelity_runs import runs
+    from fidelity_runs import chosen_runs
 
 
 @dataclass(frozen=True)
@@ -298,10 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", nargs="+", required=True,
                         help="run names or shell patterns (fidelity.py --rows-only)")
     options = parser.parse_args(argv)
-    chosen = [run for run in runs() if any(fnmatch.fnmatchcase(run.name, pattern) for pattern in options.runs)]
-    if not chosen:
-        parser.error(f"no run matches {', '.join(options.runs)}; "
-                     "python benchmarks/fidelity.py --rows-only lists them")
+    chosen = chosen_runs(parser, options.runs)
     for run in chosen:
         print("\n".join(report(run)), flush=True)
 

@@ -13,7 +13,6 @@ this script's figures.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 
 from cost_model.simulator import Simulator
 from planner.api import prepare_model
@@ -21,10 +20,10 @@ from planner.model_spec import ModelSpec
 
 try:  # run as a script or imported as benchmarks.row_memory
     from benchmarks.fidelity import EXAMPLES, simulate
-    from benchmarks.fidelity_runs import Run, runs
+    from benchmarks.fidelity_runs import Run, chosen_runs
 except ModuleNotFoundError:  # pragma: no cover - the script's own folder is on sys.path instead
     from fidelity import EXAMPLES, simulate
-    from fidelity_runs import Run, runs
+    from fidelity_runs import Run, chosen_runs
 
 GIB = 2**30
 
@@ -70,9 +69,7 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", required=True, help="run names or shell patterns, e.g. 'Llama3-405B*'")
     parser.add_argument("--block", type=int, help="also list what this repeated block keeps, node by node")
     options = parser.parse_args()
-    chosen = [run for run in runs() if any(fnmatch.fnmatchcase(run.name, pattern) for pattern in options.runs)]
-    if not chosen:
-        parser.error(f"no run matches {', '.join(options.runs)}; python benchmarks/fidelity.py --rows-only lists them")
+    chosen = chosen_runs(parser, options.runs)
     for run in chosen:
         print("\n".join(memory_lines(run)))
         if options.block is not None:
