@@ -16,3 +16,18 @@ def parity_launches(request, tmp_path_factory) -> ParityLaunches:
     selected = {item.module.__name__ for item in request.session.items if getattr(item, "module", None)}
     groups = [group for group in registered_groups() if group.module in selected]
     return ParityLaunches(tmp_path_factory, groups, check_many, LAUNCH_TIMEOUT)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist's ``--dist loadgroup`` (pyproject's addopts), keep each test module
+    on one worker (its module-scoped fixtures, often a torchrun launch, then run once), and
+    every module that registers a parity launch group on the same worker: the session's
+    grouped launches (``parity_launches``) are made once, by that worker, for all of them."""
+    if getattr(config.option, "dist", "no") != "loadgroup":  # one process (-n 0), or no xdist
+        return
+    launching = {group.module for group in registered_groups()}
+    for item in items:
+        module = getattr(item, "module", None)
+        name = module.__name__ if module is not None else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("parity_launches" if name in launching else name))
