@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from codegen.runtime.user_data import DataFeed
 from planner.errors import LaunchError
+from codegen.runtime.launcher import exit_now
 
 # The example batch the feed checks each batch against: features and token ids.
 EXAMPLE = (torch.zeros(4, 3), torch.zeros(4, 5, dtype=torch.long))
@@ -52,4 +53,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))  # not sys.exit: see codegen.runtime.exit_status.exit_now

@@ -16,6 +16,7 @@ import sys
 from codegen.runtime import load_program
 from codegen.runtime.comm_audit import CollectiveCounter, mesh_group_axes
 from dist_check_many import tear_down_process_group  # this folder is sys.path[0] under torchrun
+from codegen.runtime.launcher import exit_now
 
 
 def main(folder: str) -> int:
@@ -35,4 +36,4 @@ def main(folder: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    exit_now(main(sys.argv[1]))  # not sys.exit: see codegen.runtime.exit_status.exit_now

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from codegen.runtime.moe import ExpertParallelMoE, FlatExchange, sum_copied_expert_gradients
 from codegen.runtime.moe_exchange import TwoLevelExchange
 from codegen.runtime.moe_modes import DataParallelMoE, ExpertSlicedMoE
+from codegen.runtime.launcher import exit_now
 
 REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("moe_example", REPO / "examples" / "moe.py")
@@ -184,4 +185,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # not sys.exit: see codegen.runtime.exit_status.exit_now

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from codegen.runtime import summa
+from codegen.runtime.launcher import exit_now
 from codegen.runtime.summa import (
     BlockMLP,
     SummaGroups,
@@ -167,4 +168,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # not sys.exit: see codegen.runtime.exit_status.exit_now
