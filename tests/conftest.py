@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from launch_groups import ParityLaunches, registered_groups  # this folder is on sys.path under pytest
 from test_parity import LAUNCH_TIMEOUT, check_many
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on the two cores of the CI machine: one intra-op thread each, so their
+    # OpenMP threads (which spin while waiting) do not compete for the cores, as the ranks
+    # the tests launch already run with OMP_NUM_THREADS=1.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
