@@ -35,6 +35,12 @@ The searched plan should be no slower than the grid's best; the verdict says whe
 why it might be. Budgets count work, so the plans are the same on any machine; the planning
 times are this machine's.
 
+Not re-measured since session 13 priced every expert-parallel layer's experts as Transformer
+Engine's grouped GEMM with the memory-bound kernels around them (``cost_model.grouped_gemm``,
+``cost_model.moe_layers``; the Qwen3 fidelity rows moved +5 to +12 points, slower): the
+figures below are session 12's; searched and grid steps would now read otherwise (every
+Qwen3 fidelity row read longer), and the search may choose other layouts.
+
 Measured 2026-11-30 at 0b5d41f (the last two rows at 5883f1c, whose cuDNN pricing these plans do
 not run; session 12: after the 80 GB presets' capacity became
 nvidia-smi's total less a cited reserve, 74.5 -> 78.68 GiB, Megatron-FSDP's experts sharded over
