@@ -33,7 +33,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     on one worker (its module-scoped fixtures, often a torchrun launch, then run once), and
     every module that registers a parity launch group on the same worker: the session's
     grouped launches (``parity_launches``) are made once, by that worker, for all of them."""
-    if getattr(config.option, "dist", "no") != "loadgroup":  # one process (-n 0), or no xdist
+    # Read where xdist's own hook reads it: a worker's ``dist`` is "no", its ``loadgroup`` set.
+    if not getattr(config.option, "loadgroup", False):  # one process (-n 0), or no xdist
         return
     launching = {group.module for group in registered_groups()}
     for item in items:
