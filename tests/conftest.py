@@ -27,17 +27,18 @@ def parity_launches(request, tmp_path_factory) -> ParityLaunches:
     return ParityLaunches(tmp_path_factory, groups, check_many, LAUNCH_TIMEOUT)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items) -> None:
+def pytest_itemcollected(item) -> None:
     """Under pytest-xdist's ``--dist loadgroup`` (pyproject's addopts), keep each test module
     on one worker (its module-scoped fixtures, often a torchrun launch, then run once), and
     every module that registers a parity launch group on the same worker: the session's
-    grouped launches (``parity_launches``) are made once, by that worker, for all of them."""
-    # Read where xdist's own hook reads it: a worker's ``dist`` is "no", its ``loadgroup`` set.
-    if not getattr(config.option, "loadgroup", False):  # one process (-n 0), or no xdist
+    grouped launches (``parity_launches``) are made once, by that worker, for all of them.
+    Marked as each item is collected, before any ``pytest_collection_modifyitems`` (xdist's
+    reads the marks there, and the order of those hooks differs between pytest versions); a
+    module registers its groups when imported, before its items are collected."""
+    # Read where xdist reads it: a worker's ``dist`` is "no", its ``loadgroup`` set.
+    if not getattr(item.config.option, "loadgroup", False):  # one process (-n 0), or no xdist
         return
-    launching = {group.module for group in registered_groups()}
-    for item in items:
-        module = getattr(item, "module", None)
-        name = module.__name__ if module is not None else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("parity_launches" if name in launching else name))
+    module = getattr(item, "module", None)
+    name = module.__name__ if module is not None else item.nodeid.split("::")[0]
+    launching = any(group.module == name for group in registered_groups())
+    item.add_marker(pytest.mark.xdist_group("parity_launches" if launching else name))
