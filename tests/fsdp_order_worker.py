@@ -36,4 +36,4 @@ def main(folder: str) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main(sys.argv[1]))  # not sys.exit: see codegen.runtime.exit_status.exit_now
+    exit_now(main(sys.argv[1]) or 0)  # not sys.exit: see codegen.runtime.exit_status.exit_now

@@ -185,4 +185,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    exit_now(main())  # not sys.exit: see codegen.runtime.exit_status.exit_now
+    exit_now(main() or 0)  # not sys.exit: see codegen.runtime.exit_status.exit_now
