@@ -264,11 +264,19 @@ class NodeCosts:
                     cost.axis_bytes[EXPERT_COPIES_AXIS] = layer.copy_sent_bytes  # per micro-batch
             return cost
         split = expert_axis_size(self.context.mesh, layer.layout.axis) * self.context.micro_batches
+        kept = not node.is_view and self.kept_for_backward(node.name)
+        # A routing op costs what its signature, its share and whether it is kept say: a
+        # DeepSeek-V3 search costs ~650k of them, nearly all twins of another layer's.
+        key = ("moe_routing_op", self.signature[node.name], split, kept)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        self.cache[key] = cost
         cost.forward_s, cost.backward_s = op_times(node, 1.0 / split, self.context.device, self.context.plan.precision)
         if host is not None:  # the routing ops are issued one by one as any other op
             cost.host_forward_s = host.forward_s
             cost.host_backward_s = host.backward_s if any(m.dtype.is_floating_point for m in node.output_meta) else 0.0
-        if not node.is_view and self.kept_for_backward(node.name):
+        if kept:
             cost.saved_bytes = sum(
                 meta.nbytes * self.context.activation_scale / split for meta in node.output_meta if meta.dtype.is_floating_point
             )
