@@ -131,8 +131,11 @@ Why TP4 EP8 is ranked ahead of TP2 EP32 (session 10's search; ``benchmarks/fidel
     half of every layer, and the dense Megatron-Core rows, as much (``docs/fidelity_log.md``,
     session 11). So the per-pass cost that TP4 and PP32 (512 micro-batches, one layer per
     virtual stage, -21%) point to is still not identified; candidates not priced: the MoE
-    layer's host time as Megatron-Core and Transformer Engine spend it (the traced graph's
-    ATen ops stand in for their Python modules), the routing imbalance of the dropless rows
+    layer's host time as Megatron-Core and Transformer Engine spend it beyond the launches
+    (the traced graph's ATen ops stand in for their Python modules; the launch of each expert
+    kernel is charged to the host since session 14, 35 forward and 67 backward a TP4 pass,
+    0.00 s a step; no public x86 H100 measurement of the rest was found,
+    ``docs/fidelity_log.md``, session 14), the routing imbalance of the dropless rows
     on the busiest EP8 rank. (DeepEP's SMs taken from the GEMMs are priced
     since session 12 where compute runs beside the exchange, under the EP overlap: not in TP4.)
     Evidence for the imbalance, not priced (``docs/fidelity_log.md``, session 13): the same

@@ -28,12 +28,18 @@ whose weight gradients reduce over 512 rows; one with 4 experts of 4,096 rows (E
 at the large-GEMM fraction. Before, the experts were one roofline kernel at the best-shape
 fraction whatever their shape (``cost_model.moe``).
 
+The host issues those GEMMs one by one (the loop above runs on the CPU), so it spends a
+launch on each as the device does: ``grouped_expert_launches`` counts them, and the MoE layer's
+anchor op charges the host that many launches beside its own op (``cost_model.node_costs``,
+``cost_model.moe_layers.LaidOutLayer.expert_launches``), which binds where the GEMMs are
+shorter than their issue, and after the dispatch's host sync (``cost_model.host_syncs``).
+
 Not modelled: the rows of each expert are the busiest device's mean (its copies over its
 experts); a micro-batch's per-expert counts scatter around it, so their tile counts do too.
-And the host: at that commit each per-expert GEMM also builds its cuBLASLt descriptors and
-queries ``cublasLtMatmulAlgoGetHeuristic`` (cublaslt_gemm.cu, ``cublas_gemm``) before it
-launches, host time no public measurement here prices; only the simulator's launch cost is
-charged.
+And the host's work beyond the launch: at that commit each per-expert GEMM also builds its
+cuBLASLt descriptors and queries ``cublasLtMatmulAlgoGetHeuristic`` (cublaslt_gemm.cu,
+``cublas_gemm``) before it launches, host time no public measurement found for H100 hosts
+prices (``docs/fidelity_log.md``, session 14); only the simulator's launch cost is charged.
 
 The planner's own compiled programs run experts otherwise: ``codegen/runtime/moe.py`` as one
 ``torch.bmm`` over capacity-padded buffers (one launch per projection for all local experts;
@@ -90,6 +96,14 @@ def grouped_gemm_time(gemms: int, m: float, n: float, k: float, device: DeviceSp
     moved = element_bytes * gemms * (m * k + k * n + m * n)
     memory = moved / (device.memory_bandwidth * defaults.MEMORY_EFFICIENCY)
     return max(compute, memory) + gemms * efficiencies(device, dtype)[2]
+
+
+def grouped_expert_launches(local_experts: int, projections: int = 2) -> tuple[int, int]:
+    """(forward, backward) GEMMs Transformer Engine's grouped GEMM launches a pass for a rank
+    with ``local_experts`` experts of ``projections`` grouped projections each (module
+    docstring): one GEMM per expert and call; a call per projection forward, two backward
+    (input and weight gradient)."""
+    return projections * local_experts, 2 * projections * local_experts
 
 
 def grouped_expert_times(shape: ExpertShape, device: DeviceSpec, dtype: str,

@@ -24,7 +24,10 @@ program, DTensor's dispatch: the device's calibrated ``dtensor_op_overhead_s`` o
 one, ``DTENSOR_FORWARD_DISPATCH_S`` / ``DTENSOR_BACKWARD_DISPATCH_S``, measured by
 ``benchmarks/host_dispatch.py`` (host work, the same whatever device runs the kernels).
 A plan that prices Megatron-Core's distributed optimizer is Megatron-Core's own program, on
-plain tensors: its host pays the launch alone (``cost_model.step_context``).
+plain tensors: its host pays the launch alone (``cost_model.step_context``). An op that stands
+for several kernels the host launches one by one pays a launch for each beside its own
+dispatch: a laid-out MoE layer's anchor op, for the experts' per-expert GEMMs and the
+memory-bound kernels around them (``cost_model.grouped_gemm``, ``cost_model.node_costs``).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ from cost_model.all_to_all import RoutingGroups, dispatch_traffic, node_fanout
 from cost_model.collectives import collective_time, group_shape, peers_in_flight
 from cost_model.compute import roofline_time
 from cost_model.expert_load import busiest_load
-from cost_model.grouped_gemm import ExpertShape, grouped_expert_times
+from cost_model.grouped_gemm import ExpertShape, grouped_expert_launches, grouped_expert_times
 from planner.cluster import Cluster
 from planner.strategy import ALL_TO_ALL_ALGORITHMS, EXPERT_MODES, ExpertPlacement
 
@@ -100,6 +100,10 @@ class MoECost:
     weight_bytes: float
     buffer_bytes: float
     sent_bytes: float = 0.0
+    # (forward, backward) expert GEMMs the host launches one by one a pass where they run as
+    # Transformer Engine's grouped GEMM (``cost_model.grouped_gemm.grouped_expert_launches``);
+    # (0, 0) on the roofline path, where the experts are priced as one kernel.
+    gemm_launches: tuple[int, int] = (0, 0)
 
     @property
     def communication_s(self) -> float:
@@ -236,7 +240,7 @@ def _cost(layer, mode, device, dtype, element, busiest, forward_comm, backward_c
                if local_experts else None)
     if grouped is not None:
         return MoECost(mode, *grouped, forward_comm, backward_comm, busiest, dropped, imbalance,
-                       weight_bytes, buffer_bytes, sent_bytes)
+                       weight_bytes, buffer_bytes, sent_bytes, grouped_expert_launches(local_experts))
     flops = busiest * layer.flops_per_copy()
     # The weights of every expert (or slice) the device holds read once (a grouped GEMM reads
     # each of its experts' matrices), activations in and out of each matmul.

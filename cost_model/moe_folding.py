@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from cost_model import defaults
 from cost_model.collectives import collective_time
 from cost_model.compute import roofline_time
-from cost_model.grouped_gemm import ExpertShape, grouped_expert_times
+from cost_model.grouped_gemm import ExpertShape, grouped_expert_launches, grouped_expert_times
 from cost_model.moe import MoECost, MoELayer, element_bytes, moe_layer_cost
 from planner.cluster import Cluster
 from planner.strategy import ExpertLayout
@@ -125,6 +125,7 @@ def folded_layer_cost(layer: MoELayer, layout: ExpertLayout, cluster: Cluster, f
     rows = base.busiest_copies * etp
     gathered_bytes = rows * layer.hidden * element
     forward_compute, backward_compute = base.forward_compute_s, base.backward_compute_s
+    launches = base.gemm_launches
     etp_pass = sent_etp = 0.0
     if etp > 1:
         flops = rows * layer.flops_per_copy() / etp
@@ -137,7 +138,9 @@ def folded_layer_cost(layer: MoELayer, layout: ExpertLayout, cluster: Cluster, f
                                        device, _DTYPE[precision], element)
         if grouped is not None:
             forward_compute, backward_compute = grouped
+            launches = grouped_expert_launches(local)
         else:
+            launches = (0, 0)
             forward_compute = roofline_time(flops, moved, device, _DTYPE[precision]) if rows else 0.0
             backward_compute = (roofline_time(defaults.BACKWARD_TO_FORWARD * flops,
                                               defaults.BACKWARD_TO_FORWARD * moved, device, _DTYPE[precision])
@@ -165,6 +168,6 @@ def folded_layer_cost(layer: MoELayer, layout: ExpertLayout, cluster: Cluster, f
     per_pass = dispatch + etp_pass + redistribution
     moe = MoECost(
         "expert_parallel", forward_compute, backward_compute, per_pass, per_pass, rows, base.dropped_fraction,
-        base.max_over_mean, weight_bytes, base.buffer_bytes * etp, base.sent_bytes + sent_etp + sent_tp,
+        base.max_over_mean, weight_bytes, base.buffer_bytes * etp, base.sent_bytes + sent_etp + sent_tp, launches,
     )
     return FoldedLayerCost(moe, dispatch, etp_pass, redistribution, activations, edp_sync)

@@ -62,6 +62,12 @@ from planner.families.moe_folding.section import folding_of
 from planner.expert_layouts import FOLDED_AXIS_JOIN
 from planner.strategy import CostParts, ExpertLayout, expert_axes
 
+# Memory-bound kernels around an expert-parallel rank's expert GEMMs a pass, forward and
+# backward alike (``expert_memory_op_times``): the activation function and the permutation of
+# the received rows into expert order and back (Megatron-Core's fused ``bias_swiglu``,
+# ``permute`` and ``unpermute``, one kernel each with ``--moe-permute-fusion``).
+EXPERT_MEMORY_KERNELS = 3
+
 
 @dataclass(frozen=True)
 class LaidOutLayer:
@@ -99,6 +105,11 @@ class LaidOutLayer:
     # micro-batch (``expert_memory_op_times``): carried by the anchor op with the GEMMs.
     memory_ops_forward_s: float = 0.0
     memory_ops_backward_s: float = 0.0
+    # (forward, backward) kernels the host launches for the experts a micro-batch beyond the
+    # layer's one op: the grouped GEMM's per-expert GEMMs (``MoECost.gemm_launches``) and the
+    # memory-bound kernels around them (``EXPERT_MEMORY_KERNELS``). The anchor op charges the
+    # host a launch for each (``cost_model.node_costs``), as the device already pays one.
+    expert_launches: tuple[int, int] = (0, 0)
     # Folded layouts: the ranks holding the same experts (EDP = folded ranks / (EP x ETP)),
     # over which Megatron-Core's distributed optimizer shards the experts' states
     # (``cost_model.step_memory.expert_state_shards``); 1 otherwise.
@@ -387,6 +398,7 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
         activation_function_s=function_s,
         memory_ops_forward_s=memory_ops[0],
         memory_ops_backward_s=memory_ops[1],
+        expert_launches=(cost.gemm_launches[0] + EXPERT_MEMORY_KERNELS, cost.gemm_launches[1] + EXPERT_MEMORY_KERNELS),
         expert_data_parallel=(len(group) // (layout.placement.devices * (layout.tensor_parallel or 1))
                               if folding_of(plan) is not None and layout.placement is not None else 1),
         copy_shards=copies_sharded_over(layout, len(group)),
@@ -456,7 +468,7 @@ def expert_memory_op_times(block: MoEBlock, rows: float, etp: int, element: int,
     function_forward = rows * element * block.matmuls * width
     function_backward = rows * element * (2 * (block.matmuls - 1) + 1) * width
     permutations = 2 * (2 * rows * element * block.hidden)  # two kernels, each reading and writing the rows
-    launches = 3 * efficiencies(device)[2]  # the activation function and the two permutations
+    launches = EXPERT_MEMORY_KERNELS * efficiencies(device)[2]
     return ((function_forward + permutations) / bandwidth + launches,
             (function_backward + permutations) / bandwidth + launches)
 

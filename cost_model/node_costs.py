@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from cost_model.autocast_activations import runtime_widths
-from cost_model.compute import op_times
+from cost_model.compute import efficiencies, op_times
 from cost_model.gpu_kernels import generation_of
 from cost_model.moe_layers import LaidOutLayer, routing_sync_bytes
 from cost_model.moe_overlap import (
@@ -245,8 +245,12 @@ class NodeCosts:
                 moe = layer.cost
                 if host is not None:
                     # The host launches the layer's exchange here: after the dispatch's host
-                    # sync (cost_model.host_syncs) the device waits for at least this.
-                    cost.host_forward_s, cost.host_backward_s = host.forward_s, host.backward_s
+                    # sync (cost_model.host_syncs) the device waits for at least this. Then it
+                    # launches the experts' kernels one by one, each a launch as on the device
+                    # (cost_model.grouped_gemm: one cuBLAS GEMM per local expert and call).
+                    launch = efficiencies(self.context.device)[2]
+                    cost.host_forward_s = host.forward_s + layer.expert_launches[0] * launch
+                    cost.host_backward_s = host.backward_s + layer.expert_launches[1] * launch
                 # The GEMMs, and the activation function and permutations around them.
                 cost.forward_s = moe.forward_compute_s + layer.memory_ops_forward_s
                 cost.backward_s = moe.backward_compute_s + layer.memory_ops_backward_s

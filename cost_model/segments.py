@@ -222,7 +222,14 @@ def build_segment(context: StepContext, costs: dict[str, NodeCost], key: tuple, 
             for _ in range(layer_syncs_in_forward(layer.layout.mode, layer.cost.sent_bytes > 0)):
                 after_syncs.append([])  # the dispatch syncs before the exchange (its anchor) is issued
                 segment.host_syncs += 1
-        if after_syncs:
+        if after_syncs and layer is not None and name == layer.anchor:
+            # Right after the sync the host issues the exchange (one op), which the device runs
+            # while the host launches the experts' kernels (cost_model.node_costs); the
+            # combine, priced with the dispatch, is put before the experts too: optimistic.
+            exchange_host = min(context.host.forward_s, cost.host_forward_s)
+            after_syncs[-1].append((cost.forward_comm_s, exchange_host))
+            after_syncs[-1].append((cost.forward_s, cost.host_forward_s - exchange_host))
+        elif after_syncs:
             after_syncs[-1].append((cost.forward_s + cost.forward_comm_s, cost.host_forward_s))
         else:
             before_sync[0] += cost.forward_s + cost.forward_comm_s

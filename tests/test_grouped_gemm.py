@@ -7,7 +7,8 @@ import pytest
 
 from cost_model import defaults
 from cost_model.gpu_kernels import GENERATIONS
-from cost_model.grouped_gemm import GROUPED_GEMM_STREAMS, ExpertShape, grouped_expert_times, grouped_gemm_time
+from cost_model.grouped_gemm import (GROUPED_GEMM_STREAMS, ExpertShape, grouped_expert_launches, grouped_expert_times,
+                                     grouped_gemm_time)
 from cost_model.moe import MoELayer, moe_layer_cost
 from cost_model.moe_folding import folded_layer_cost
 from cost_model.moe_layers import expert_memory_op_times
@@ -119,3 +120,22 @@ def test_activation_function_and_permutations_stream_their_bytes():
     # Expert tensor parallelism halves the activation function's width, not the permuted rows.
     half_forward, _ = expert_memory_op_times(block, 8192, 2, 2, H100)
     assert forward - half_forward == pytest.approx(8192 * 2 * 3 * 768 / bandwidth)
+
+
+def test_the_host_launches_each_expert_gemm_the_device_runs():
+    # 16 local experts, two grouped projections (SwiGLU's gate|up, then down): forward one call
+    # per projection, 16 GEMMs each = 32; backward two calls per projection (input and weight
+    # gradient) = 64. 96 a pass, the launches the device already pays (test above).
+    assert grouped_expert_launches(16) == (32, 64)
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    layer = MoELayer(tokens=8 * 1024, hidden=4096, ffn=1536, experts=128, top_k=8)
+    assert moe_layer_cost(layer, "expert_parallel", cluster, list(range(8))).gemm_launches == (32, 64)
+    # EP 4 x ETP 2 folded over one DGX: 32 experts a rank, sliced: 64 and 128.
+    layout = ExpertLayout(module="model.layers.0.mlp", mode="expert_parallel", experts=128, top_k=8,
+                          capacity_factor=0.0, axis="dp*tp", placement=ExpertPlacement.round_robin(128, 4),
+                          tensor_parallel=2)
+    folded = folded_layer_cost(layer, layout, cluster, tuple(range(8)), tp=2, sequence_parallel=True,
+                               precision="bf16")
+    assert folded.moe.gemm_launches == (64, 128)
+    # In fp32 the experts stay one roofline kernel: no per-expert launch to issue.
+    assert moe_layer_cost(layer, "expert_parallel", cluster, list(range(8)), precision="fp32").gemm_launches == (0, 0)

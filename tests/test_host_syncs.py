@@ -12,9 +12,10 @@ import dataclasses
 
 import pytest
 
-from cost_model import host_syncs
+from cost_model import host_syncs, node_costs
 from cost_model.host_dispatch import host_wait
 from cost_model.host_syncs import layer_syncs_in_forward, run_ahead_wait, synced_host_wait
+from cost_model.simulation_cache import RECENTLY_COSTED
 from cost_model.simulator import Simulator
 from planner.cluster import Cluster
 from tests.moe_plans import moe_plan
@@ -88,8 +89,13 @@ def test_each_expert_parallel_layer_syncs_once_in_its_blocks_forward():
         assert segment.host_syncs == 1
         anchor = next(name for name in segment.nodes if name in layers)
         # The exchange is issued by the host (one op's dispatch and launch, 5 us on H100s),
-        # and so are the routing ops around it.
-        assert simulator.costs[anchor].host_forward_s == pytest.approx(5 * US)
+        # then the kernels of its one local expert (4 experts on 4 devices), a launch each:
+        # forward 2 GEMMs (one per projection) and 3 memory-bound kernels (the activation
+        # function and the two permutations), 5 + 5 x 5 = 30 us; backward 4 GEMMs (input and
+        # weight gradient of each projection) and the 3, 5 + 7 x 5 = 40 us.
+        assert simulator.costs[anchor].host_forward_s == pytest.approx(30 * US)
+        assert simulator.costs[anchor].host_backward_s == pytest.approx(40 * US)
+        # And so are the routing ops around it, one op each.
         routing = [name for name in segment.nodes if name in simulator.context.moe_layer_of
                    and name not in layers[anchor].expert_nodes]
         assert routing and all(simulator.costs[name].host_forward_s == pytest.approx(5 * US) for name in routing)
@@ -114,3 +120,24 @@ def test_the_sync_lengthens_a_host_bound_forward_and_leaves_backward_alone(monke
         else:
             assert with_sync.forward_s == pytest.approx(without.forward_s)
     assert synced.run().step_time_s > unsynced.run().step_time_s
+
+
+def test_the_experts_launches_cost_the_host_after_the_exchange(monkeypatch):
+    # The same plan with the host's launches of the experts' kernels costing nothing (the
+    # device's launches unchanged): each MoE block's backward is host bound, so it is longer by
+    # exactly the 7 launches x 5 us = 35 us the host spends on them; its forward by at most
+    # 5 x 5 = 25 us, less what the device's exchange, issued first after the sync, hides
+    # (cost_model.segments). The segments around the blocks hold no MoE layer: unchanged.
+    launched = _on_h100(moe_plan(4, "expert_parallel", "round-robin", precision="bf16"))
+    real = node_costs.efficiencies
+    monkeypatch.setattr(node_costs, "efficiencies", lambda device, dtype=None: (*real(device, dtype)[:2], 0.0))
+    RECENTLY_COSTED.clear()
+    free = _on_h100(moe_plan(4, "expert_parallel", "round-robin", precision="bf16"))
+    for with_launches, without in zip(launched.segments(), free.segments()):
+        if with_launches.block:
+            assert with_launches.backward_s - without.backward_s == pytest.approx(35 * US)
+            assert 0 < with_launches.forward_s - without.forward_s <= 25 * US + 1e-12
+        else:
+            assert with_launches.forward_s == pytest.approx(without.forward_s)
+            assert with_launches.backward_s == pytest.approx(without.backward_s)
+    RECENTLY_COSTED.clear()
