@@ -36,6 +36,7 @@ from planner.expert_kernels import (
 )
 from planner.model_spec import ModelSpec
 from planner.moe_blocks import HF_STACKED_EXPERTS, ROUTED_GELU, MoEBlock
+from planner.moe_report import moe_notes
 from planner.plans import load_plan
 from planner.strategy import ExpertLayout, ExpertPlacement
 from search.data_parallel import data_parallel_plan
@@ -178,6 +179,10 @@ def test_the_compiler_runs_the_loop_the_field_names_for_huggingface_experts(tmp_
 def test_the_field_is_validated_saved_and_grouped_gemm_is_simulation_only(tmp_path):
     routed = moe_plan(2, "expert_parallel", "round-robin")
     check_choice_field(routed, "expert_implementation", TE_GROUPED_GEMM, tmp_path)
+    # The report's MoE notes say which kernels priced the experts.
+    assert moe_notes(routed)[-1].startswith("expert kernels: the compiled program's (one batched matmul")
+    named = dataclasses.replace(routed, expert_implementation=TE_GROUPED_GEMM)
+    assert moe_notes(named)[-1] == "expert kernels: te_grouped_gemm, as the plan names them"
     for kernel in (BATCHED_MATMUL, PER_EXPERT_LOOP, MODEL_EXPERTS):
         dataclasses.replace(routed, expert_implementation=kernel).save(tmp_path / f"{kernel}.json")
         assert load_plan(tmp_path / f"{kernel}.json").expert_implementation == kernel
