@@ -249,3 +249,27 @@ def test_the_bmm_path_runs_only_its_gelu_over_the_padded_buffer():
     forward, backward = batched_gelu_times(2 * 160, 128, 2, H100)
     assert forward == pytest.approx(163_840 / STREAM + LAUNCH)
     assert backward == pytest.approx(245_760 / STREAM + LAUNCH)
+
+
+def test_folded_bmm_runs_the_whole_groups_capacity_gathered_over_etp():
+    # 4 H100s folded as dp 2 x tp 2, EP 2 x ETP 2, 4 GELU experts 8192 -> 8192 -> 8192, top-2,
+    # capacity 1.0, 16,384 tokens: the program routes over all 4 ranks, so an expert's buffer
+    # holds ceil(1.0 x 16384 x 2 / 4) = 8,192 slots; its ETP pair gathers both ranks' buffers on
+    # the slot dim (codegen.runtime.moe_folding.SlicedExperts): 16,384 rows through a 4,096-wide
+    # slice, for each of the rank's 2 experts. Forward: one bmm of 2 x (16384 x 8192) @ (8192 x
+    # 4096) and one of 2 x (16384 x 4096) @ (4096 x 8192): 2 x 2 x 2 x 16384 x 8192 x 4096 =
+    # 4.3980e12 FLOPs, both past the MAMF shape's efficiency (4,096 tiles of 256 x 128 in 32
+    # waves: 0.9697 x 8192 / 8448 = 0.9403; 8,192 in 63: 0.9851 x 4096 / 4352 = 0.9272), so at
+    # 0.689385 of peak: 6.448 ms, and 2 launches.
+    from cost_model.moe_folding import folded_layer_cost
+
+    layer = MoELayer(tokens=16384, hidden=8192, ffn=8192, experts=4, top_k=2, matmuls=2)
+    layout = ExpertLayout(module="blocks.0.moe", mode="expert_parallel", experts=4, top_k=2, capacity_factor=1.0,
+                          axis="dp*tp", placement=ExpertPlacement.round_robin(4, 2), tensor_parallel=2)
+    cost = folded_layer_cost(layer, layout, Cluster.parse("dgx-h100:1x4"), (0, 1, 2, 3), tp=2,
+                             sequence_parallel=True, precision="bf16", implementation=BATCHED_MATMUL)
+    assert (cost.moe.kernels.local_experts, cost.moe.kernels.rows, cost.moe.kernels.ffn) == (2, 16384, 4096)
+    flops = 2 * 2 * 2 * 16384 * 8192 * 4096
+    assert flops / (PEAK * SUSTAINED) == pytest.approx(6.448e-3, rel=1e-4)
+    assert cost.moe.forward_compute_s == pytest.approx(flops / (PEAK * SUSTAINED) + 2 * LAUNCH)
+    assert cost.moe.backward_compute_s == pytest.approx(2 * flops / (PEAK * SUSTAINED) + 4 * LAUNCH)
