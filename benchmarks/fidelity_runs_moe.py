@@ -155,6 +155,7 @@ from pathlib import Path
 from cost_model.simulator import simulated
 from planner.cluster import Cluster
 from planner.cluster_edits import with_attention_kernel
+from planner.expert_kernels import TE_GROUPED_GEMM
 from planner.graph import OpGraph
 from planner.plans import Plan
 from planner.strategy import NORMS_MOE_ACT, Mesh
@@ -237,4 +238,7 @@ def moe_plan(graph: OpGraph, cluster: Cluster, spec, model_name: str, layout: Mo
                            precision=precision, dp_flavour=layout.flavour, recompute=config.recompute,
                            accumulation_steps=graph.batch_size // (config.dp * config.micro_batch_size))
     layouts = tuple(dataclasses.replace(expert, all_to_all=all_to_all) for expert in plan.expert_layouts)
-    return simulated(dataclasses.replace(plan, expert_layouts=layouts, moe_a2a_overlap=layout.a2a_overlap), graph)
+    # Megatron-Core runs the experts with Transformer Engine's grouped GEMM (``cost_model.grouped_gemm``'s
+    # docstring): priced so, not as the planner's own program would run them (planner.expert_kernels).
+    return simulated(dataclasses.replace(plan, expert_layouts=layouts, moe_a2a_overlap=layout.a2a_overlap,
+                                         expert_implementation=TE_GROUPED_GEMM), graph)

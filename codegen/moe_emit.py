@@ -60,7 +60,8 @@ from codegen.plan_checks import checked_plan
 from codegen.source_text import comment, literal, number
 from planner import __version__
 from planner.errors import PlannerError, PlanningError
-from planner.moe_blocks import HF_STACKED_EXPERTS, MoEBlock, find_moe_blocks
+from planner.expert_kernels import BATCHED_MATMUL, MODEL_EXPERTS, PER_EXPERT_LOOP, emitted_expert_kernel
+from planner.moe_blocks import MoEBlock, find_moe_blocks
 from planner.plans import Plan
 from planner.program_shape import shards_expert_copies_in_bf16
 from planner.strategy import KEEP_A2A, WHOLE_BLOCK_RECOMPUTE, ExpertLayout, placements_str
@@ -171,8 +172,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 def _imports(plan: Plan, layouts: list[tuple[int, ExpertLayout, MoEBlock]]) -> str:
     lines = []
-    routed = {layout.mode for _, layout, block in layouts if block.runtime != HF_STACKED_EXPERTS}
-    if any(layout.mode == "expert_parallel" and block.runtime == HF_STACKED_EXPERTS for _, layout, block in layouts):
+    # Which layers run which kernels: one decision (planner.expert_kernels), which the
+    # simulator prices too.
+    kernels = [emitted_expert_kernel(block.runtime, layout.mode) for _, layout, block in layouts]
+    routed = {layout.mode for (_, layout, _), kernel in zip(layouts, kernels) if kernel == BATCHED_MATMUL}
+    if PER_EXPERT_LOOP in kernels:
         lines.append("from codegen.runtime.expert_dispatch import ExpertParallelExperts")
     if "expert_parallel" in routed:
         lines.append("from codegen.runtime.moe import ExpertParallelMoE")
@@ -280,7 +284,7 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
         copy_meshes.update({index: f"copies_mesh_{position}" for index in indices})
     ignored = []
     for index, layout, block in layouts:
-        if block.runtime == HF_STACKED_EXPERTS:
+        if emitted_expert_kernel(block.runtime, layout.mode) != BATCHED_MATMUL:  # its experts kept or looped
             layer_lines, rank_local = _stacked_experts_lines(index, layout, block, dp, copy_meshes.get(index),
                                                              plan.precision)
             lines += layer_lines
@@ -358,7 +362,7 @@ def _stacked_experts_lines(index: int, layout: ExpertLayout, block: MoEBlock, dp
         f"{block.module}: {block.experts} SwiGLU experts, top-{block.top_k}, dropless; "
         f"{layout.mode.replace('_', ' ')} over \"dp\". The block's router and shared experts run as the model wrote them."
     )
-    if layout.mode == "data_parallel":
+    if emitted_expert_kernel(block.runtime, layout.mode) == MODEL_EXPERTS:
         body = [
             "Every rank holds every expert and runs its own tokens' choices: no token moves, nothing is replaced.",
             "The experts are replicated weights like the rest: the wrapper averages their gradients.",

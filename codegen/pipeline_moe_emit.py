@@ -39,7 +39,8 @@ from codegen.source_text import comment, identifier, literal
 from codegen.spmd_emit import GraphEmitter
 from codegen.spmd_placements import Value
 from planner.graph import OpGraph
-from planner.moe_blocks import HF_STACKED_EXPERTS, MoEBlock
+from planner.expert_kernels import BATCHED_MATMUL, PER_EXPERT_LOOP, emitted_expert_kernel
+from planner.moe_blocks import MoEBlock
 from planner.plans import Plan
 
 
@@ -75,9 +76,11 @@ def moe_calls(plan: Plan, graph: OpGraph) -> dict[str, MoECall]:
     calls = {}
     for layout in plan.expert_layouts:
         block: MoEBlock = blocks[layout.module]
-        if block.runtime == HF_STACKED_EXPERTS:
-            if layout.mode != "data_parallel":  # data parallel: its traced ops run every expert on every dp rank
-                calls[block.module] = _stacked_experts_call(block, graph, by_name, placeholder_of)
+        # The kernels the layer's experts run on (planner.expert_kernels: the simulator prices the same).
+        kernel = emitted_expert_kernel(block.runtime, layout.mode)
+        if kernel == PER_EXPERT_LOOP:
+            calls[block.module] = _stacked_experts_call(block, graph, by_name, placeholder_of)
+        if kernel != BATCHED_MATMUL:  # model_experts: its traced ops run every expert on every dp rank
             continue
         nodes = frozenset(node.name for node in graph.moe_nodes(block.module))
         outside_in = _read_from_outside(nodes, by_name)

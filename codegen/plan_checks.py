@@ -14,7 +14,9 @@ plan field (``codegen.source_text`` then decides how the name is written):
 - each of ``expert_layouts`` names an MoE layer of the model (``planner.moe_blocks``) with
   its experts, top-k and capacity factor, every MoE layer has one, and the layer holds no
   parameter besides its router and experts (the program replaces the whole module), and
-  its all-to-all is one a program runs (not ``deduplicated``, which plans only price).
+  its all-to-all is one a program runs (not ``deduplicated``, which plans only price), and
+  where the plan names the experts' kernels (``expert_implementation``) it is the one the
+  program runs for that layer (``planner.expert_kernels.emitted_expert_kernel``).
 
 And one check of meaning: a graph or pipeline program replays the traced ATen graph, so it
 cannot run a backward the model defines itself (a custom ``torch.autograd.Function``, a
@@ -31,6 +33,7 @@ import torch
 
 from codegen.source_text import one_line
 from planner.errors import PlanFileError, PlanningError
+from planner.expert_kernels import COMPILED_EXPERT_KERNELS, TE_GROUPED_GEMM, emitted_expert_kernel
 from planner.expert_layouts import COMPILED_ALL_TO_ALLS, FOLDED_DP_TP
 from planner.families.moe_folding.section import folding_of
 from planner.graph import OpGraph
@@ -134,6 +137,13 @@ def check_fields(plan: Plan) -> None:
             "programs do not run (they compute one eager cross entropy; such plans simulate other systems' runs); "
             "re-plan with `planner plan` for a program"
         )
+    if plan.expert_implementation == TE_GROUPED_GEMM:
+        raise PlanFileError(
+            f"plan field 'expert_implementation' is {_shown(plan.expert_implementation)}: it prices the experts' GEMMs as "
+            "Transformer Engine's grouped GEMM runs them for Megatron-Core, which compiled programs do not run (such "
+            "plans simulate other systems' runs); leave the field empty (the program's own kernels) or re-plan with "
+            "`planner plan` for a program"
+        )
     if plan.moe_a2a_overlap:
         raise PlanFileError(
             "plan field 'moe_a2a_overlap' is true: it prices each MoE layer's all-to-alls as hidden under another "
@@ -211,6 +221,13 @@ def check_expert_layouts(plan: Plan, model: torch.nn.Module) -> None:
                 f"plan field '{field}.all_to_all' is {_shown(layout.all_to_all)} (DeepEP's deduplicated dispatch), which "
                 f"plans price but compiled programs do not run; set it to 'flat' or 'hierarchical', or re-plan without "
                 f"--moe-dispatch deduplicated"
+            )
+        emitted = emitted_expert_kernel(block.runtime, layout.mode)
+        if plan.expert_implementation in COMPILED_EXPERT_KERNELS and plan.expert_implementation != emitted:
+            raise PlanFileError(
+                f"plan field 'expert_implementation' is {_shown(plan.expert_implementation)} but the compiled program "
+                f"runs the experts of layer {block.module!r} ({layout.mode.replace('_', ' ')}) as {emitted!r}; leave "
+                f"the field empty (each layer's own kernels) and simulate the plan again"
             )
         if block.runtime == HF_STACKED_EXPERTS:
             continue  # only its experts are replaced: its router and shared experts run as written

@@ -41,15 +41,23 @@ cuBLASLt descriptors and queries ``cublasLtMatmulAlgoGetHeuristic`` (cublaslt_ge
 ``cublas_gemm``) before it launches, host time no public measurement found for H100 hosts
 prices (``docs/fidelity_log.md``, session 14); only the simulator's launch cost is charged.
 
-The planner's own compiled programs run experts otherwise: ``codegen/runtime/moe.py`` as one
-``torch.bmm`` over capacity-padded buffers (one launch per projection for all local experts;
-priced here as per-expert launches, high by E - 1 launches), ``codegen/runtime/expert_dispatch.py``
-(HuggingFace decoders, dropless) as a Python loop of one GEMM per expert on one stream (no
-four-way concurrency: priced here a little fast for small experts). Megatron-Core's program is
-the one the fidelity rows measure.
+The planner's own compiled programs run experts otherwise (``planner.expert_kernels``, the
+plan's ``expert_implementation``), and each is priced as it runs:
+
+  * ``torch_bmm`` (``codegen/runtime/moe.py``'s ``gelu_experts``, ``moe_modes.py``): per
+    projection and pass one batched GEMM over the ``E`` local experts' buffers, each padded to
+    the capacity (the caller gives those padded rows): the shape model's batch of ``E``
+    (all of them share one kernel's waves) and one launch. Its backward, as autograd runs
+    ``bmm``'s: one batched input-gradient GEMM and one batched weight-gradient GEMM.
+  * ``per_expert_loop`` (``codegen/runtime/expert_dispatch.py``, HuggingFace experts): ``E``
+    GEMMs one after another on one stream, each alone on the GPU (a batch of one), a launch each.
+
+``model_experts`` (a HuggingFace block left as the model wrote it) has no price here: the
+caller keeps its roofline (transformers runs it with ``torch._grouped_mm`` where that
+dispatches, an eager loop elsewhere; neither is modelled).
 
 Applies on a GPU of known generation in 16-bit precision (the shape model's measurements are
-bf16); elsewhere ``grouped_expert_times`` returns None and the caller keeps its roofline.
+bf16); elsewhere ``expert_gemm_times`` returns None and the caller keeps its roofline.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from cost_model import defaults
 from cost_model.compute import efficiencies
 from cost_model.gpu_kernels import SIXTEEN_BIT, GpuGeneration, generation_of
 from planner.cluster import DeviceSpec
+from planner.expert_kernels import BATCHED_MATMUL, PER_EXPERT_LOOP, TE_GROUPED_GEMM
 
 # Compute streams Transformer Engine's grouped GEMM launches its per-expert GEMMs on
 # (transformer_engine/common/include/transformer_engine/gemm.h at cd37379d24f5:
@@ -84,18 +93,31 @@ class ExpertShape:
         return (self.hidden, (self.matmuls - 1) * self.ffn), (self.ffn, self.hidden)
 
 
-def grouped_gemm_time(gemms: int, m: float, n: float, k: float, device: DeviceSpec, dtype: str,
-                      element_bytes: int, generation: GpuGeneration) -> float:
-    """Seconds for one grouped-GEMM call of ``gemms`` GEMMs (m x k) @ (k x n): launched one by
-    one on ``GROUPED_GEMM_STREAMS`` streams (module docstring), each paying a launch."""
+def call_concurrency(implementation: str, gemms: int) -> int:
+    """GEMMs of one projection's call that share the SMs at once: ``GROUPED_GEMM_STREAMS`` for
+    Transformer Engine, all of them for one ``bmm``, one for a loop."""
+    return {TE_GROUPED_GEMM: min(gemms, GROUPED_GEMM_STREAMS), BATCHED_MATMUL: gemms, PER_EXPERT_LOOP: 1}[implementation]
+
+
+def call_launches(implementation: str, gemms: int) -> int:
+    """Kernels one projection's call of ``gemms`` expert GEMMs launches: one ``bmm``, else one per GEMM."""
+    return 1 if implementation == BATCHED_MATMUL else gemms
+
+
+def expert_gemm_call_time(implementation: str, gemms: int, m: float, n: float, k: float, device: DeviceSpec,
+                          dtype: str, element_bytes: int, generation: GpuGeneration) -> float:
+    """Seconds for one projection's ``gemms`` GEMMs (m x k) @ (k x n), one per local expert,
+    as ``implementation`` runs them (module docstring): the GEMMs sharing the SMs at once
+    (``GROUPED_GEMM_STREAMS`` of them for Transformer Engine, all for one ``bmm``, one for a
+    loop) set the shape model's batch; every kernel pays a launch (one ``bmm``, else one per GEMM)."""
     if gemms <= 0 or min(m, n, k) <= 0:
         return 0.0
-    concurrent = min(gemms, GROUPED_GEMM_STREAMS)
+    concurrent, launches = call_concurrency(implementation, gemms), call_launches(implementation, gemms)
     efficiency = generation.matmul_efficiency(concurrent, m, n, k)
     compute = 2.0 * gemms * m * n * k / (device.flops_for(dtype) * efficiency)
     moved = element_bytes * gemms * (m * k + k * n + m * n)
     memory = moved / (device.memory_bandwidth * defaults.MEMORY_EFFICIENCY)
-    return max(compute, memory) + gemms * efficiencies(device, dtype)[2]
+    return max(compute, memory) + launches * efficiencies(device, dtype)[2]
 
 
 def grouped_expert_launches(local_experts: int, projections: int = 2) -> tuple[int, int]:
@@ -106,12 +128,33 @@ def grouped_expert_launches(local_experts: int, projections: int = 2) -> tuple[i
     return projections * local_experts, 2 * projections * local_experts
 
 
-def grouped_expert_times(shape: ExpertShape, device: DeviceSpec, dtype: str,
-                         element_bytes: int) -> tuple[float, float] | None:
-    """(forward, backward) seconds of ``shape``'s expert GEMMs as Transformer Engine's grouped
-    GEMM runs them (module docstring), or None where the shape model does not apply (not a GPU
-    of known generation, or not 16-bit): the caller keeps its roofline there."""
+def expert_gemm_launches(shape: ExpertShape | None, implementation: str) -> tuple[int, int]:
+    """(forward, backward) kernels the host launches for ``shape``'s expert GEMMs a pass as
+    ``implementation`` runs them (as ``expert_gemm_times`` counts them: a call per projection
+    forward, two backward); (0, 0) where the experts are not priced here."""
+    if shape is None or shape.local_experts <= 0 or implementation not in (TE_GROUPED_GEMM, BATCHED_MATMUL,
+                                                                           PER_EXPERT_LOOP):
+        return 0, 0
+    per_call = call_launches(implementation, shape.local_experts)
+    return 2 * per_call, 4 * per_call
+
+
+def grouped_gemm_time(gemms: int, m: float, n: float, k: float, device: DeviceSpec, dtype: str,
+                      element_bytes: int, generation: GpuGeneration) -> float:
+    """Seconds for one grouped-GEMM call of ``gemms`` GEMMs (m x k) @ (k x n): launched one by
+    one on ``GROUPED_GEMM_STREAMS`` streams (module docstring), each paying a launch."""
+    return expert_gemm_call_time(TE_GROUPED_GEMM, gemms, m, n, k, device, dtype, element_bytes, generation)
+
+
+def expert_gemm_times(shape: ExpertShape, implementation: str, device: DeviceSpec, dtype: str,
+                      element_bytes: int) -> tuple[float, float] | None:
+    """(forward, backward) seconds of ``shape``'s expert GEMMs as ``implementation``
+    (``planner.expert_kernels``) runs them (module docstring), or None where none of these
+    prices applies (``model_experts``, not a GPU of known generation, or not 16-bit): the
+    caller keeps its roofline there."""
     generation = generation_of(device)
+    if implementation not in (TE_GROUPED_GEMM, BATCHED_MATMUL, PER_EXPERT_LOOP):
+        return None
     if generation is None or dtype not in SIXTEEN_BIT:
         return None
     if shape.local_experts <= 0 or shape.rows <= 0:
@@ -119,8 +162,16 @@ def grouped_expert_times(shape: ExpertShape, device: DeviceSpec, dtype: str,
     forward = backward = 0.0
     for k, n in shape.projections():
         def call(m: float, n_: float, k_: float) -> float:
-            return grouped_gemm_time(shape.local_experts, m, n_, k_, device, dtype, element_bytes, generation)
+            return expert_gemm_call_time(implementation, shape.local_experts, m, n_, k_, device, dtype,
+                                         element_bytes, generation)
         forward += call(shape.rows, n, k)
         # Input gradient (rows x N) @ (N x K), weight gradient (K x rows) @ (rows x N).
         backward += call(shape.rows, k, n) + call(k, n, shape.rows)
     return forward, backward
+
+
+def grouped_expert_times(shape: ExpertShape, device: DeviceSpec, dtype: str,
+                         element_bytes: int) -> tuple[float, float] | None:
+    """(forward, backward) seconds of ``shape``'s expert GEMMs as Transformer Engine's grouped
+    GEMM runs them (``expert_gemm_times`` of ``te_grouped_gemm``)."""
+    return expert_gemm_times(shape, TE_GROUPED_GEMM, device, dtype, element_bytes)

@@ -28,11 +28,13 @@ padded to that capacity, so compute and dispatch bytes follow the capacity, not 
 Dropless (``capacity_factor=None``) computes exactly the routed copies and sizes buffers by
 the busiest device.
 
-Expert compute: expert parallel on a GPU whose shape model applies (``cost_model.gpu_kernels``),
-the busiest device's local experts run as Transformer Engine's grouped GEMM runs them, one
-cuBLAS GEMM per expert and projection on four streams, each GEMM's shape priced
-(``cost_model.grouped_gemm``); the other modes and devices: one roofline kernel for the
-device's copies at the matmul efficiency.
+Expert compute: on a GPU whose shape model applies (``cost_model.gpu_kernels``), the busiest
+device's experts run as the ``implementation`` runs them (``planner.expert_kernels``,
+``cost_model.grouped_gemm``): Transformer Engine's grouped GEMM (one cuBLAS GEMM per expert
+and projection on four streams), one ``torch.bmm`` over buffers padded as the compiled
+program pads them (``bmm_rows``), or a loop of one GEMM per expert, each GEMM's shape
+priced; elsewhere (and for ``model_experts``) one roofline kernel for the device's copies at
+the matmul efficiency.
 
 All-to-all algorithms: ``flat`` (every device to every device at once), ``hierarchical``
 (Tutel's two-level: gather inside the node, exchange across nodes, scatter inside the node:
@@ -44,6 +46,7 @@ group-limited routing (``routing_groups``) bounds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,8 +55,9 @@ from cost_model.all_to_all import RoutingGroups, dispatch_traffic, node_fanout
 from cost_model.collectives import collective_time, group_shape, peers_in_flight
 from cost_model.compute import roofline_time
 from cost_model.expert_load import busiest_load
-from cost_model.grouped_gemm import ExpertShape, grouped_expert_launches, grouped_expert_times
+from cost_model.grouped_gemm import ExpertShape, expert_gemm_launches, expert_gemm_times
 from planner.cluster import Cluster
+from planner.expert_kernels import BATCHED_MATMUL, TE_GROUPED_GEMM
 from planner.strategy import ALL_TO_ALL_ALGORITHMS, EXPERT_MODES, ExpertPlacement
 
 # (dtype key of DeviceSpec.peak_flops, bytes per element) of the activations and weights.
@@ -86,8 +90,11 @@ class MoECost:
     """One layer's predicted cost on the busiest device (seconds, bytes): forward and
     backward compute, the all-to-all (or gather/scatter) time of forward and of backward,
     the copies the busiest device computes, the share of copies dropped by the capacity, the
-    busiest device's load over the mean, its bytes of expert weights and dispatch buffers, and
-    the bytes it sends over the group in forward and backward together (``sent_bytes``)."""
+    busiest device's load over the mean, its bytes of expert weights and dispatch buffers, the
+    bytes it sends over the group in forward and backward together (``sent_bytes``), and the
+    expert GEMMs' shape as the kernels run it (``kernels``: the device's experts, rows each,
+    padded where the kernel pads, hidden widths; whether the shape model or the roofline priced
+    them)."""
 
     mode: str
     forward_compute_s: float
@@ -100,9 +107,10 @@ class MoECost:
     weight_bytes: float
     buffer_bytes: float
     sent_bytes: float = 0.0
-    # (forward, backward) expert GEMMs the host launches one by one a pass where they run as
-    # Transformer Engine's grouped GEMM (``cost_model.grouped_gemm.grouped_expert_launches``);
-    # (0, 0) on the roofline path, where the experts are priced as one kernel.
+    kernels: ExpertShape | None = None
+    # (forward, backward) expert GEMMs the host launches one by one a pass where they are priced
+    # as their kernels run (``cost_model.grouped_gemm.expert_gemm_launches``); (0, 0) on the
+    # roofline path, where the experts are priced as one kernel.
     gemm_launches: tuple[int, int] = (0, 0)
 
     @property
@@ -127,6 +135,7 @@ def moe_layer_cost(
     algorithm: str = "flat",
     precision: str = "bf16",
     routing_groups: tuple[int, ...] = (),
+    implementation: str = TE_GROUPED_GEMM,
 ) -> MoECost:
     """The cost of ``layer`` run in ``mode`` on the devices ``ranks`` (see the module docstring).
 
@@ -139,6 +148,7 @@ def moe_layer_cost(
         precision: the activations' and weights' precision.
         routing_groups: (groups, groups per token) of group-limited routing, or () (see
             ``cost_model.all_to_all``); only the deduplicated all-to-all depends on it.
+        implementation: the kernels of the expert GEMMs (``planner.expert_kernels``; module docstring).
     """
     if mode not in EXPERT_MODES:
         raise ValueError(f"MoE mode must be one of {EXPERT_MODES}, got {mode!r}")
@@ -165,8 +175,12 @@ def moe_layer_cost(
         # Each device routes its own tokens to its own copies of the experts.
         local = [c / devices for c in computed]
         busiest = sum(local)
+        # One bmm pads every expert to this rank's fullest expert (codegen.runtime.moe_modes.DataParallelMoE).
+        rows = max(kept) / devices if implementation == BATCHED_MATMUL else busiest / layer.experts
         return _cost(layer, mode, device, dtype, element, busiest, 0.0, 0.0, dropped, 1.0,
-                     layer.experts * layer.expert_parameters * element, busiest * layer.hidden * element)
+                     layer.experts * layer.expert_parameters * element, busiest * layer.hidden * element,
+                     kernels=ExpertShape(layer.experts, rows, layer.hidden, layer.ffn, layer.matmuls),
+                     implementation=implementation)
     if mode == "expert_sliced":
         # Every device computes 1/devices of every expert on every token copy.
         busiest = sum(computed) / devices
@@ -178,9 +192,15 @@ def moe_layer_cost(
         # Backward: gradients of the outputs all-gathered, of the inputs reduce-scattered.
         # A ring all-gather and reduce-scatter each send (n - 1) / n of the copies, twice a pass.
         sent = 4 * tokens_bytes * (devices - 1) / devices
+        # Every device runs its slice of every expert on all the copies (one bmm: every expert's
+        # buffer padded to the capacity, codegen.runtime.moe_modes.ExpertSlicedMoE).
+        rows = (bmm_rows(layer, capacity_factor) if implementation == BATCHED_MATMUL
+                else sum(computed) / layer.experts)
         return _cost(layer, mode, device, dtype, element, busiest, gather + scatter, gather + scatter, dropped, 1.0,
                      layer.experts * layer.expert_parameters * element / devices,
-                     sum(computed) * layer.hidden * element, sent)
+                     sum(computed) * layer.hidden * element, sent,
+                     kernels=ExpertShape(layer.experts, rows, layer.hidden, layer.ffn / devices, layer.matmuls),
+                     implementation=implementation)
 
     placement = placement or ExpertPlacement.round_robin(layer.experts, devices)
     if placement.devices != devices or placement.experts != layer.experts:
@@ -213,9 +233,24 @@ def moe_layer_cost(
     # forwarded over NVLink.
     moved = 4 * (exchange * (devices - 1) / devices if algorithm != "deduplicated"
                  else traffic.network_bytes + traffic.nvlink_bytes)
+    local = placement.most_experts_per_device
+    # One bmm runs each held expert on a buffer of the whole capacity, whatever share of its
+    # slots this copy takes (codegen.runtime.moe.ExpertParallelMoE); the other kernels run the rows received.
+    rows = bmm_rows(layer, capacity_factor) if implementation == BATCHED_MATMUL else busiest / local
     return _cost(layer, mode, device, dtype, element, busiest, 2 * one, 2 * one, dropped,
                  busiest / mean if mean else 1.0, weights, busiest * layer.hidden * element, moved,
-                 local_experts=placement.most_experts_per_device)
+                 kernels=ExpertShape(local, rows, layer.hidden, layer.ffn, layer.matmuls),
+                 implementation=implementation)
+
+
+def bmm_rows(layer: MoELayer, capacity_factor: float | None) -> int:
+    """Rows of each expert's buffer in the compiled program's batched matmul: the capacity
+    (``codegen.runtime.moe.capacity_of``: the factor times an even share of the routed copies,
+    rounded up), or, dropless (None), every token of the group, the only bound a token's
+    choices of one expert have."""
+    if capacity_factor is None:
+        return layer.tokens
+    return max(1, math.ceil(capacity_factor * layer.tokens * layer.top_k / layer.experts))
 
 
 def expert_activation_bytes(layer: MoELayer, copies: float, element: int) -> float:
@@ -231,16 +266,16 @@ def element_bytes(precision: str) -> int:
 
 
 def _cost(layer, mode, device, dtype, element, busiest, forward_comm, backward_comm, dropped, imbalance,
-          weight_bytes, buffer_bytes, sent_bytes=0.0, local_experts=0) -> MoECost:
-    # Expert parallel: the rank's ``local_experts`` run as Transformer Engine's grouped GEMM
-    # (one cuBLAS GEMM per expert and projection, ``cost_model.grouped_gemm``) on a GPU whose
-    # shape model applies; the other modes, and other devices, keep the roofline below.
-    grouped = (grouped_expert_times(ExpertShape(local_experts, busiest / local_experts, layer.hidden, layer.ffn,
-                                                layer.matmuls), device, dtype, element)
-               if local_experts else None)
+          weight_bytes, buffer_bytes, sent_bytes=0.0, kernels: ExpertShape | None = None,
+          implementation: str = TE_GROUPED_GEMM) -> MoECost:
+    # The device's experts (``kernels``: their count, rows each, widths) run as
+    # ``implementation`` runs them (``cost_model.grouped_gemm``) on a GPU whose shape model
+    # applies; other devices, and kernels it does not price, keep the roofline below.
+    grouped = (expert_gemm_times(kernels, implementation, device, dtype, element)
+               if kernels is not None and busiest else None)
     if grouped is not None:
         return MoECost(mode, *grouped, forward_comm, backward_comm, busiest, dropped, imbalance,
-                       weight_bytes, buffer_bytes, sent_bytes, grouped_expert_launches(local_experts))
+                       weight_bytes, buffer_bytes, sent_bytes, kernels, expert_gemm_launches(kernels, implementation))
     flops = busiest * layer.flops_per_copy()
     # The weights of every expert (or slice) the device holds read once (a grouped GEMM reads
     # each of its experts' matrices), activations in and out of each matmul.
@@ -251,5 +286,5 @@ def _cost(layer, mode, device, dtype, element, busiest, forward_comm, backward_c
         if busiest else 0.0
     )
     return MoECost(mode, forward, backward, forward_comm, backward_comm, busiest, dropped, imbalance,
-                   weight_bytes, buffer_bytes, sent_bytes)
+                   weight_bytes, buffer_bytes, sent_bytes, kernels)
 

@@ -47,9 +47,10 @@ from dataclasses import dataclass
 from cost_model import defaults
 from cost_model.collectives import collective_time
 from cost_model.compute import roofline_time
-from cost_model.grouped_gemm import ExpertShape, grouped_expert_launches, grouped_expert_times
-from cost_model.moe import MoECost, MoELayer, element_bytes, moe_layer_cost
+from cost_model.grouped_gemm import ExpertShape, expert_gemm_launches, expert_gemm_times
+from cost_model.moe import MoECost, MoELayer, bmm_rows, element_bytes, moe_layer_cost
 from planner.cluster import Cluster
+from planner.expert_kernels import BATCHED_MATMUL, TE_GROUPED_GEMM
 from planner.strategy import ExpertLayout
 
 # (dtype key of DeviceSpec.peak_flops) of the activations by precision, as cost_model.moe prices them.
@@ -104,10 +105,12 @@ class FoldedLayerCost:
 
 
 def folded_layer_cost(layer: MoELayer, layout: ExpertLayout, cluster: Cluster, folded: Sequence[int], tp: int,
-                      sequence_parallel: bool, precision: str, routing_groups: tuple[int, ...] = ()) -> FoldedLayerCost:
+                      sequence_parallel: bool, precision: str, routing_groups: tuple[int, ...] = (),
+                      implementation: str = TE_GROUPED_GEMM) -> FoldedLayerCost:
     """The cost of ``layer`` (``layer.tokens``: the micro-batch's tokens over all the folded
     ranks) run as ``layout`` (expert parallel, ``placement.devices`` = EP,
-    ``tensor_parallel`` = ETP) over ``folded`` (module docstring)."""
+    ``tensor_parallel`` = ETP) over ``folded`` (module docstring), its expert GEMMs as
+    ``implementation`` runs them (``planner.expert_kernels``)."""
     ep, etp = layout.placement.devices, layout.tensor_parallel
     groups = folded_groups(folded, tp, ep, etp)
     ranks = len(folded)
@@ -117,7 +120,7 @@ def folded_layer_cost(layer: MoELayer, layout: ExpertLayout, cluster: Cluster, f
     base = moe_layer_cost(
         ep_layer, "expert_parallel", cluster, list(groups.ep), token_share=layout.expert_loads or None,
         placement=layout.placement, capacity_factor=layout.capacity_factor or None, algorithm=layout.all_to_all,
-        precision=precision, routing_groups=routing_groups,
+        precision=precision, routing_groups=routing_groups, implementation=implementation,
     )
     dispatch = base.forward_comm_s  # dispatch + combine of one pass (forward and backward alike)
 
@@ -127,20 +130,30 @@ def folded_layer_cost(layer: MoELayer, layout: ExpertLayout, cluster: Cluster, f
     forward_compute, backward_compute = base.forward_compute_s, base.backward_compute_s
     launches = base.gemm_launches
     etp_pass = sent_etp = 0.0
+    device = cluster.device_of(groups.etp[0])
+    local = layout.placement.most_experts_per_device
+    priced = None
+    kernels = ExpertShape(local, rows / local, layer.hidden, layer.ffn / etp, layer.matmuls)
+    if implementation == BATCHED_MATMUL:
+        # The compiled program routes over the whole folded group, so each held expert's buffer
+        # is the capacity of all its tokens (not the EP group's share ``base`` saw), gathered
+        # on the slot dim over ETP (codegen.runtime.moe_folding.SlicedExperts).
+        kernels = ExpertShape(local, bmm_rows(layer, layout.capacity_factor or None) * etp, layer.hidden,
+                              layer.ffn / etp, layer.matmuls)
+        priced = expert_gemm_times(kernels, implementation, device, _DTYPE[precision], element)
+    elif etp > 1:
+        # Each rank's 1/ETP slice of its local experts as ``implementation`` runs it
+        # (``cost_model.grouped_gemm``) where the shape model applies, else a roofline.
+        priced = expert_gemm_times(kernels, implementation, device, _DTYPE[precision], element)
+    if priced is not None:
+        forward_compute, backward_compute = priced
+        launches = expert_gemm_launches(kernels, implementation)
+    elif etp > 1:
+        launches = (0, 0)  # the roofline below: the experts priced as one kernel
     if etp > 1:
-        flops = rows * layer.flops_per_copy() / etp
-        moved = base.weight_bytes / etp + rows * (layer.hidden + layer.ffn / etp) * element * layer.matmuls
-        device = cluster.device_of(groups.etp[0])
-        local = layout.placement.most_experts_per_device
-        # Each rank's 1/ETP slice of its local experts as Transformer Engine's grouped GEMM
-        # runs it (``cost_model.grouped_gemm``) where the shape model applies, else a roofline.
-        grouped = grouped_expert_times(ExpertShape(local, rows / local, layer.hidden, layer.ffn / etp, layer.matmuls),
-                                       device, _DTYPE[precision], element)
-        if grouped is not None:
-            forward_compute, backward_compute = grouped
-            launches = grouped_expert_launches(local)
-        else:
-            launches = (0, 0)
+        if priced is None:
+            flops = rows * layer.flops_per_copy() / etp
+            moved = base.weight_bytes / etp + rows * (layer.hidden + layer.ffn / etp) * element * layer.matmuls
             forward_compute = roofline_time(flops, moved, device, _DTYPE[precision]) if rows else 0.0
             backward_compute = (roofline_time(defaults.BACKWARD_TO_FORWARD * flops,
                                               defaults.BACKWARD_TO_FORWARD * moved, device, _DTYPE[precision])
@@ -168,6 +181,7 @@ def folded_layer_cost(layer: MoELayer, layout: ExpertLayout, cluster: Cluster, f
     per_pass = dispatch + etp_pass + redistribution
     moe = MoECost(
         "expert_parallel", forward_compute, backward_compute, per_pass, per_pass, rows, base.dropped_fraction,
-        base.max_over_mean, weight_bytes, base.buffer_bytes * etp, base.sent_bytes + sent_etp + sent_tp, launches,
+        base.max_over_mean, weight_bytes, base.buffer_bytes * etp, base.sent_bytes + sent_etp + sent_tp,
+        kernels, launches,
     )
     return FoldedLayerCost(moe, dispatch, etp_pass, redistribution, activations, edp_sync)

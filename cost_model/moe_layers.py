@@ -5,12 +5,15 @@ ExpertLayout``); the traced ops of the layer (router, routing, dispatch, experts
 are not priced by their placements as other ops are. Instead:
 
 - the **experts** (the ops of the module that owns the stacked expert weights) are priced by
-  ``cost_model.moe.moe_layer_cost`` in the layout's mode, on the busiest device: forward and
+  ``cost_model.moe.moe_layer_cost`` in the layout's mode, on the busiest device, their GEMMs
+  on the kernels the plan's ``expert_implementation`` names (empty: the compiled program's,
+  ``planner.expert_kernels.expert_kernel``): forward and
   backward compute, and the dispatch and combine all-to-alls (or the expert-sliced gather
   and reduce-scatter), which sit on the critical path (the experts wait for their tokens);
-  with them, on the layer's anchor op, the memory-bound kernels around the expert GEMMs (the
-  activation function, the permutation of the received rows into expert order and back:
-  ``expert_memory_op_times``);
+  with them, on the layer's anchor op, the memory-bound kernels around the expert GEMMs as
+  those kernels' program runs them (``memory_op_times``: Megatron-Core's activation function
+  and permutations of the received rows, ``expert_memory_op_times``; the compiled programs'
+  own, ``cost_model.expert_memory_ops``);
 - the **routing** ops around them run on each rank's own tokens: their traced work split
   over the ``dp`` ranks, no resharding (tokens move only by the layout's collectives), and
   the layer hands its output back split as the batch is; one small all-gather of each
@@ -50,6 +53,7 @@ from dataclasses import dataclass
 
 from cost_model.collectives import collective_time
 from cost_model.compute import efficiencies
+from cost_model.expert_memory_ops import BATCHED_GELU_KERNELS, batched_gelu_times, expert_loop_kernels, expert_loop_times
 from cost_model.memory_kernels import STREAMING_EFFICIENCY
 from cost_model.simulation_cache import graph_facts
 from cost_model.moe import MoECost, MoELayer, element_bytes, expert_activation_bytes, moe_layer_cost
@@ -59,6 +63,7 @@ from planner.graph import OpGraph
 from planner.moe_blocks import MoEBlock
 from planner.program_shape import shards_expert_copies_in_bf16
 from planner.families.moe_folding.section import folding_of
+from planner.expert_kernels import BATCHED_MATMUL, PER_EXPERT_LOOP, expert_kernel
 from planner.expert_layouts import FOLDED_AXIS_JOIN
 from planner.strategy import CostParts, ExpertLayout, expert_axes
 
@@ -155,12 +160,13 @@ def expert_module(block: MoEBlock) -> str:
 
 def price_layout(
     block: MoEBlock, layout: ExpertLayout, tokens: int, cluster: Cluster, precision: str, micro_batches: int = 1,
-    ranks: Sequence[int] | None = None,
+    ranks: Sequence[int] | None = None, implementation: str = "",
 ) -> MoECost:
     """``moe_layer_cost`` of ``block`` run as ``layout`` says, over ``ranks`` (all of
     ``cluster``'s devices when None), for one micro-batch of a step whose ``tokens`` tokens
     enter the layer (``tokens`` are the group's: a pipeline stage's dp ranks see the batch
-    once, whatever the other axes)."""
+    once, whatever the other axes), the expert GEMMs on ``implementation``'s kernels (a
+    ``Plan.expert_implementation``; empty: the compiled program's for this block and mode)."""
     return moe_layer_cost(
         moe_layer_of(block, tokens // micro_batches),
         layout.mode,
@@ -172,6 +178,7 @@ def price_layout(
         algorithm=layout.all_to_all,
         precision=precision,
         routing_groups=block.routing_groups,
+        implementation=expert_kernel(implementation, block.runtime, layout.mode),
     )
 
 
@@ -335,13 +342,14 @@ def laid_out_layers(plan, graph: OpGraph, micro_batches: int) -> dict[str, LaidO
     layers = {}
     folding = folding_of(plan)  # a folded plan prices its layers over dp x tp (cost_model.moe_folding)
     for layout in plan.expert_layouts:
-        known = (id(layout), id(plan.cluster), id(plan.mesh), plan.precision, micro_batches)
+        implementation = getattr(plan, "expert_implementation", "")
+        known = (id(layout), id(plan.cluster), id(plan.mesh), plan.precision, micro_batches, implementation)
         if known in by_identity:
             layers[layout.module] = by_identity[known][-1]
             continue
         # The layout without its cost annotation (a simulated plan's layouts carry one).
         key = (dataclasses.replace(layout, cost=CostParts()), plan.cluster, plan.precision,
-               expert_group(plan.mesh, layout.axis), micro_batches, folding)
+               expert_group(plan.mesh, layout.axis), micro_batches, folding, implementation)
         if key not in cache:
             cache[key] = _laid_out(layout, plan, graph, micro_batches)
         by_identity[known] = (layout, plan.cluster, plan.mesh, cache[key])
@@ -370,7 +378,8 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
     # Layers of one shape priced with equal layouts cost the same (nothing below reads the
     # module): DeepSeek-V3's 58 MoE layers are priced once per layout, not 58 times.
     shape = (dataclasses.replace(block, module=""), tokens, _layout_without_module(layout), plan.cluster,
-             plan.precision, plan.mesh, group, micro_batches, folding_of(plan))
+             plan.precision, plan.mesh, group, micro_batches, folding_of(plan),
+             getattr(plan, "expert_implementation", ""))
     priced = graph_facts(graph).moe_layer_prices
     if shape not in priced:
         priced[shape] = _priced(block, layout, tokens, plan, group, micro_batches)
@@ -398,7 +407,8 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
         activation_function_s=function_s,
         memory_ops_forward_s=memory_ops[0],
         memory_ops_backward_s=memory_ops[1],
-        expert_launches=(cost.gemm_launches[0] + EXPERT_MEMORY_KERNELS, cost.gemm_launches[1] + EXPERT_MEMORY_KERNELS),
+        expert_launches=expert_launches(cost, memory_kernels(expert_kernel(getattr(plan, "expert_implementation", ""),
+                                                                            block.runtime, layout.mode), cost)),
         expert_data_parallel=(len(group) // (layout.placement.devices * (layout.tensor_parallel or 1))
                               if folding_of(plan) is not None and layout.placement is not None else 1),
         copy_shards=copies_sharded_over(layout, len(group)),
@@ -418,16 +428,17 @@ def _priced(block: MoEBlock, layout: ExpertLayout, tokens: int, plan, group: tup
     world = len(group)
     element = element_bytes(plan.precision)
     folding = folding_of(plan)
+    implementation = getattr(plan, "expert_implementation", "")
     if folding is not None:  # EP x ETP folded over dp x tp (cost_model.moe_folding)
         folded = folded_layer_cost(moe_layer_of(block, tokens // micro_batches), layout, plan.cluster, group,
                                    plan.mesh.axis_size("tp"), folding.sequence_parallel, plan.precision,
-                                   block.routing_groups)
+                                   block.routing_groups, expert_kernel(implementation, block.runtime, layout.mode))
         cost, activations, replica_sync = folded.moe, folded.activation_bytes, folded.edp_sync_s
         ep_ranks = layout.placement.devices
         buffers = dispatch_buffer_bytes(block, layout, cost, tokens // micro_batches * ep_ranks // world, ep_ranks,
                                         plan.precision)
     else:
-        cost = price_layout(block, layout, tokens, plan.cluster, plan.precision, micro_batches, group)
+        cost = price_layout(block, layout, tokens, plan.cluster, plan.precision, micro_batches, group, implementation)
         activations = expert_activation_bytes(moe_layer_of(block, 0), cost.busiest_copies, element)
         replica_sync = replica_sync_time(block, layout, plan.cluster, plan.precision, group)
         buffers = dispatch_buffer_bytes(block, layout, cost, tokens // micro_batches, world, plan.precision)
@@ -436,11 +447,47 @@ def _priced(block: MoEBlock, layout: ExpertLayout, tokens: int, plan, group: tup
     function_bytes, function_s = activation_function_costs(block, cost.busiest_copies,
                                                            (layout.tensor_parallel or 1) if folding is not None else 1,
                                                            element, plan.cluster.device_of(group[0]))
-    memory_ops = expert_memory_op_times(block, cost.busiest_copies,
-                                        (layout.tensor_parallel or 1) if folding is not None else 1,
-                                        element, plan.cluster.device_of(group[0]))
+    memory_ops = memory_op_times(expert_kernel(implementation, block.runtime, layout.mode), block, cost,
+                                 tokens / micro_batches / world,
+                                 (layout.tensor_parallel or 1) if folding is not None else 1,
+                                 element, plan.cluster.device_of(group[0]))
     return (cost, activations, replica_sync, buffers, fraction, synced, sharding,
             routing_sync_time(block, plan.cluster, group), function_bytes, function_s, memory_ops)
+
+
+def memory_kernels(kernel: str, cost: MoECost) -> tuple[int, int]:
+    """(forward, backward) memory-bound kernels ``memory_op_times`` prices for a layer whose
+    experts run on ``kernel``: what the host launches for them beside the GEMMs."""
+    shape = cost.kernels
+    if kernel == BATCHED_MATMUL and shape is not None:
+        return BATCHED_GELU_KERNELS
+    if kernel == PER_EXPERT_LOOP and shape is not None:
+        return expert_loop_kernels(shape.local_experts)
+    return EXPERT_MEMORY_KERNELS, EXPERT_MEMORY_KERNELS
+
+
+def expert_launches(cost: MoECost, memory: tuple[int, int]) -> tuple[int, int]:
+    """(forward, backward) kernels the host launches for a layer's experts a micro-batch beyond
+    the layer's one op: the expert GEMMs (``MoECost.gemm_launches``) and ``memory`` kernels."""
+    return cost.gemm_launches[0] + memory[0], cost.gemm_launches[1] + memory[1]
+
+
+def memory_op_times(kernel: str, block: MoEBlock, cost: MoECost, held_tokens: float, etp: int, element: int,
+                    device) -> tuple[float, float]:
+    """(forward, backward) seconds of the memory-bound kernels around the experts' GEMMs of a
+    layer priced ``cost`` whose experts run on ``kernel`` (``planner.expert_kernels``), on the
+    busiest device, which holds ``held_tokens`` tokens: the compiled program's own
+    (``cost_model.expert_memory_ops``: the GELU over the padded buffers of ``torch_bmm``, the
+    gathers, copies and SwiGLU of ``per_expert_loop``), or Megatron-Core's fused ones
+    (``expert_memory_op_times``) for ``te_grouped_gemm`` and for ``model_experts``, whose
+    kernels are not modelled (the price every layer had before)."""
+    shape = cost.kernels
+    if kernel == BATCHED_MATMUL and shape is not None:
+        return batched_gelu_times(shape.local_experts * shape.rows, shape.ffn, element, device)
+    if kernel == PER_EXPERT_LOOP and shape is not None:
+        return expert_loop_times(block, cost.busiest_copies, shape.local_experts, held_tokens, shape.ffn, element,
+                                 device)
+    return expert_memory_op_times(block, cost.busiest_copies, etp, element, device)
 
 
 def expert_memory_op_times(block: MoEBlock, rows: float, etp: int, element: int, device) -> tuple[float, float]:

@@ -149,6 +149,8 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
         plan.moe_a2a_overlap,  # all-to-alls under another micro-batch's compute (cost_model.moe_overlap)
         # Another system's loss and training metrics (Plan.loss_implementation; cost_model.loss_kernels).
         getattr(plan, "loss_implementation", ""), getattr(plan, "metric_cross_entropies", 0),
+        # The kernels the experts' GEMMs run on (Plan.expert_implementation; cost_model.grouped_gemm).
+        getattr(plan, "expert_implementation", ""),
         # fp32 weights cast by autocast, fp32 gradients of replicated weights (cost_model.mixed_precision).
         holds_fp32_weights(plan), wraps_bf16_fsdp_units(plan),
         _strategies_part(plan.strategies),

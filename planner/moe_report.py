@@ -50,7 +50,18 @@ def moe_notes(plan: "Plan") -> list[str]:
         "max/mean load: routed tokens of the busiest device over the mean device (1.00 is even; the step waits "
         "for the busiest); replicated and sliced experts are even by construction",
         f"expert weights and dispatch buffers of the fullest layer: {format_bytes(memory)} per device",
+        _kernels_note(plan),
     ]
+
+
+def _kernels_note(plan: "Plan") -> str:
+    """Which kernels the experts' GEMMs were priced on (``Plan.expert_implementation``)."""
+    named = one_line(str(plan.expert_implementation))[:40]
+    if named:
+        return f"expert kernels: {named}, as the plan names them"
+    return ("expert kernels: the compiled program's (one batched matmul over capacity-padded buffers for routed "
+            "GELU layers, one GEMM per expert for expert-parallel HuggingFace experts, the model's own module for "
+            "replicated ones)")
 
 
 def _row(layout: ExpertLayout, devices: int) -> tuple[str, ...]:

@@ -67,6 +67,7 @@ PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
 _PLAN_KEYS = frozenset((
     "format", "version", "model", "cluster", "mesh", "dp_flavour", "recompute", "pipeline", "accumulation_steps",
     "precision", "optimizer", "optimizer_implementation", "loss_implementation", "metric_cross_entropies",
+    "expert_implementation",
     "gradient_clipping",
     "batch_size", "inputs", "fsdp_units", "expert_layouts",
     "summary", "estimate",
@@ -168,6 +169,13 @@ class Plan:
             the compiled program's own eager ``F.cross_entropy``. Priced by
             ``cost_model.loss_kernels``; the search never sets it and ``planner compile``
             refuses a plan that does.
+        expert_implementation: the kernels that run the MoE layers' expert GEMMs
+            (``planner.expert_kernels``): ``"te_grouped_gemm"`` (Transformer Engine's grouped
+            GEMM, as Megatron-Core runs them: for simulating its runs, ``planner compile``
+            refuses it), ``"torch_bmm"``, ``"per_expert_loop"`` or ``"model_experts"`` (the
+            compiled programs' kernels; ``planner compile`` refuses one a layer's program
+            does not run). Empty (the default): each layer's compiled kernel. Priced by
+            ``cost_model.grouped_gemm``.
         gradient_clipping: how another system's run clips its gradients to a global norm
             (``planner.run_settings.GRADIENT_CLIPPINGS``, priced by ``cost_model.gradient_clipping``). Empty (the
             default): none priced; the search never sets it and ``planner compile`` refuses a
@@ -224,6 +232,7 @@ class Plan:
     optimizer: str = "adamw"
     optimizer_implementation: str = ""
     loss_implementation: str = ""
+    expert_implementation: str = ""
     gradient_clipping: str = ""
     metric_cross_entropies: int = 0
     runners_up: tuple[Alternative, ...] = ()
@@ -406,6 +415,7 @@ class Plan:
             # Written only when set, so plans that do not use it read as before.
             **({"optimizer_implementation": self.optimizer_implementation} if self.optimizer_implementation else {}),
             **({"loss_implementation": self.loss_implementation} if self.loss_implementation else {}),
+            **({"expert_implementation": self.expert_implementation} if self.expert_implementation else {}),
             **({"gradient_clipping": self.gradient_clipping} if self.gradient_clipping else {}),
             **({"metric_cross_entropies": self.metric_cross_entropies} if self.metric_cross_entropies else {}),
             "batch_size": self.batch_size,
@@ -494,6 +504,8 @@ class Plan:
                 optimizer_implementation=(reader.get("optimizer_implementation", str)
                                           if "optimizer_implementation" in data else ""),
                 loss_implementation=reader.get("loss_implementation", str) if "loss_implementation" in data else "",
+                expert_implementation=(reader.get("expert_implementation", str)
+                                       if "expert_implementation" in data else ""),
                 gradient_clipping=reader.get("gradient_clipping", str) if "gradient_clipping" in data else "",
                 metric_cross_entropies=(reader.get("metric_cross_entropies", int)
                                         if "metric_cross_entropies" in data else 0),

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from planner.errors import one_line
+from planner.expert_kernels import EXPERT_IMPLEMENTATIONS
 
 if TYPE_CHECKING:
     from planner.plans import Plan
@@ -62,6 +63,9 @@ def check_run_settings(plan: "Plan") -> None:
     if plan.loss_implementation not in LOSS_IMPLEMENTATIONS:
         raise ValueError(f"field 'loss_implementation' must be one of {LOSS_IMPLEMENTATIONS[1:]} or empty, "
                          f"got {one_line(str(plan.loss_implementation))!r}")
+    if plan.expert_implementation not in EXPERT_IMPLEMENTATIONS:
+        raise ValueError(f"field 'expert_implementation' must be one of {EXPERT_IMPLEMENTATIONS[1:]} or empty, "
+                         f"got {one_line(str(plan.expert_implementation))!r}")
     if plan.gradient_clipping not in GRADIENT_CLIPPINGS:
         raise ValueError(f"field 'gradient_clipping' must be one of {GRADIENT_CLIPPINGS[1:]} or empty, "
                          f"got {one_line(str(plan.gradient_clipping))!r}")

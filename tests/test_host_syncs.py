@@ -18,6 +18,7 @@ from cost_model.host_syncs import layer_syncs_in_forward, run_ahead_wait, synced
 from cost_model.simulation_cache import RECENTLY_COSTED
 from cost_model.simulator import Simulator
 from planner.cluster import Cluster
+from planner.expert_kernels import BATCHED_MATMUL, TE_GROUPED_GEMM
 from tests.moe_plans import moe_plan
 
 US = 1e-6
@@ -75,8 +76,10 @@ def test_only_an_expert_parallel_layer_that_moves_tokens_syncs():
     assert layer_syncs_in_forward("data_parallel", exchanges_tokens=True) == 0
 
 
-def _on_h100(plan):
-    plan = dataclasses.replace(plan, cluster=Cluster.parse("dgx-h100:1x4"))
+def _on_h100(plan, expert_implementation: str = TE_GROUPED_GEMM):
+    """``plan`` on four H100s, its experts run as ``expert_implementation``
+    (``planner.expert_kernels``; by default Transformer Engine's grouped GEMM, as Megatron-Core)."""
+    plan = dataclasses.replace(plan, cluster=Cluster.parse("dgx-h100:1x4"), expert_implementation=expert_implementation)
     return Simulator(plan, plan.graph)
 
 
@@ -102,6 +105,19 @@ def test_each_expert_parallel_layer_syncs_once_in_its_blocks_forward():
     for segment in simulator.segments():
         if not segment.block:
             assert segment.host_syncs == 0
+
+
+def test_the_host_launches_the_kernels_the_compiled_program_runs():
+    # examples/moe.py's layers compiled by the planner run one torch.bmm per projection and a
+    # GELU between them (planner.expert_kernels): after the exchange's own op (5 us), forward
+    # 2 bmm + 1 GELU = 3 launches, 5 + 3 x 5 = 20 us; backward 4 bmm (input and weight
+    # gradient of each projection) + 1 GELU, 5 + 5 x 5 = 30 us.
+    simulator = _on_h100(moe_plan(4, "expert_parallel", "round-robin", precision="bf16"), BATCHED_MATMUL)
+    anchors = {layer.anchor for layer in simulator.context.moe_layer_of.values()}
+    assert len(anchors) == 2
+    for anchor in anchors:
+        assert simulator.costs[anchor].host_forward_s == pytest.approx(20 * US)
+        assert simulator.costs[anchor].host_backward_s == pytest.approx(30 * US)
 
 
 def test_the_sync_lengthens_a_host_bound_forward_and_leaves_backward_alone(monkeypatch):

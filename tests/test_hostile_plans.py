@@ -254,6 +254,7 @@ FIELDS = [
     Field("optimizer", _set("optimizer"), _always, "'optimizer'"),
     Field("optimizer_implementation", _set("optimizer_implementation"), _always, "'optimizer_implementation'"),
     Field("loss_implementation", _set("loss_implementation"), _always, "'loss_implementation'"),
+    Field("expert_implementation", _set("expert_implementation"), _always, "'expert_implementation'"),
     Field("gradient_clipping", _set("gradient_clipping"), _always, "'gradient_clipping'"),
     Field("metric_cross_entropies (a count given text)", _set("metric_cross_entropies"), _always,
           "'metric_cross_entropies'"),

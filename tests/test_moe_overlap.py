@@ -209,13 +209,19 @@ def test_on_h100s_deepeps_exchange_slows_the_compute_it_hides_under():
     assert share == pytest.approx(exposed_share(forward, backward, 2, 1, slowdown=20 / 112))
     assert share > exposed_share(forward, backward, 2, 1)
     # The layer's anchor op carries the expert GEMMs and the memory-bound kernels around them
-    # (cost_model.moe_layers.expert_memory_op_times on the busiest device's copies; not priced
-    # before session 13), with the exposed share of the exchange beside them.
+    # (not priced before session 13), with the exposed share of the exchange beside them:
+    # examples/moe.py's experts run as its compiled program runs them (planner.expert_kernels:
+    # one bmm over the local experts' buffers padded to the capacity), whose memory-bound
+    # kernel is the GELU over those buffers (cost_model.expert_memory_ops).
+    from cost_model.expert_memory_ops import batched_gelu_times
     from cost_model.moe import element_bytes
-    from cost_model.moe_layers import expert_memory_op_times
 
-    memory_ops = expert_memory_op_times(layer.block, layer.cost.busiest_copies, 1, element_bytes(plan.precision),
-                                        cluster.device_of(0))
+    # 4 experts on 4 ranks: one each; 8 x 32 tokens a step in 2 micro-batches, capacity 1.25:
+    # ceil(1.25 x 128 x 2 / 4) = 80 slots.
+    kernels = layer.cost.kernels
+    assert (kernels.local_experts, kernels.rows) == (1, 80)
+    memory_ops = batched_gelu_times(kernels.local_experts * kernels.rows, kernels.ffn, element_bytes(plan.precision),
+                                    cluster.device_of(0))
     assert memory_ops[0] > 0 and (layer.memory_ops_forward_s, layer.memory_ops_backward_s) == pytest.approx(memory_ops)
     anchor = simulator.costs[layer.anchor]
     assert anchor.forward_s == pytest.approx(layer.cost.forward_compute_s + memory_ops[0])
