@@ -29,10 +29,11 @@ at the large-GEMM fraction. Before, the experts were one roofline kernel at the 
 fraction whatever their shape (``cost_model.moe``).
 
 The host issues those GEMMs one by one (the loop above runs on the CPU), so it spends a
-launch on each as the device does: ``grouped_expert_launches`` counts them, and the MoE layer's
-anchor op charges the host that many launches beside its own op (``cost_model.node_costs``,
-``cost_model.moe_layers.LaidOutLayer.expert_launches``), which binds where the GEMMs are
-shorter than their issue, and after the dispatch's host sync (``cost_model.host_syncs``).
+launch on each as the device does: ``expert_gemm_launches`` counts them (for any of the kernels
+below), and the MoE layer's anchor op charges the host that many launches beside its own op
+(``cost_model.node_costs``, ``cost_model.moe_layers.LaidOutLayer.expert_launches``), which binds
+where the GEMMs are shorter than their issue, and after the dispatch's host sync
+(``cost_model.host_syncs``).
 
 Not modelled: the rows of each expert are the busiest device's mean (its copies over its
 experts); a micro-batch's per-expert counts scatter around it, so their tile counts do too.
