@@ -54,6 +54,8 @@ class GraphFacts:
     # without its module (``cost_model.moe_layers``): identical layers share it.
     moe_layer_prices: dict[tuple, tuple] = field(default_factory=dict)
     segment_members: object = None  # cost_model.segments.segment_members of the graph, once asked
+    # Plan.fused_chains value -> cost_model.fused_chains.chain_kernels of the graph, once asked.
+    fused_chains: dict[str, dict] = field(default_factory=dict)
 
 
 _FACTS: dict[int, GraphFacts] = {}
@@ -149,6 +151,8 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
         plan.moe_a2a_overlap,  # all-to-alls under another micro-batch's compute (cost_model.moe_overlap)
         # Another system's loss and training metrics (Plan.loss_implementation; cost_model.loss_kernels).
         getattr(plan, "loss_implementation", ""), getattr(plan, "metric_cross_entropies", 0),
+        # Norms and rotary embeddings as one fused kernel each (Plan.fused_chains; cost_model.fused_chains).
+        getattr(plan, "fused_chains", ""),
         # fp32 weights cast by autocast, fp32 gradients of replicated weights (cost_model.mixed_precision).
         holds_fp32_weights(plan), wraps_bf16_fsdp_units(plan),
         _strategies_part(plan.strategies),
