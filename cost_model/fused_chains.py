@@ -102,7 +102,8 @@ def rope_chains(graph: OpGraph) -> list[list[OpNode]]:
     """Each rotary embedding a block applies in its attention module (one for q, one for k):
     an ``add`` of the attention module's own ops (not a submodule's) on a 4-D tensor, and the
     ``ROPE_OPS`` of that module it is computed from, walked back through their inputs (views
-    between them followed, views not listed)."""
+    between them followed, views not listed), among them ``rotate_half``'s ``neg`` and ``cat``
+    (so an eager attention's ``scores * scale + mask`` is not taken for one)."""
     facts = graph_facts(graph)
 
     def rope_op(node: OpNode, module: str) -> bool:
@@ -124,7 +125,8 @@ def rope_chains(graph: OpGraph) -> list[list[OpNode]]:
                     chain.add(node.name)
                     frontier.append(node)
         ops = [node for node in graph.nodes if node.name in chain and not node.is_view]
-        if len(ops) > 1:
+        kinds = {node.op.rsplit(".", 1)[0] for node in ops}
+        if {"aten.neg", "aten.cat"} <= kinds:  # rotate_half's: not an eager attention's scaled, masked scores
             chains.append(ops)
     return chains
 

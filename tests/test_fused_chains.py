@@ -133,6 +133,24 @@ def test_the_rotary_embeddings_of_q_and_k_are_one_kernel_each():
     assert chain_kernels(graph, "norms") == {}
 
 
+def test_an_eager_attentions_masked_scores_are_no_rotary_embedding():
+    # eager_attention_forward: scores = q @ k^T * scale, then + mask, in the attention module
+    # on 4-D tensors: mul and add, but no rotate_half (neg, cat), so nothing is fused.
+    scores = TensorMeta((4, 32, 2048, 2048), torch.bfloat16)
+    mask = TensorMeta((4, 1, 2048, 2048), torch.bfloat16)
+    attn, block = "model.layers.0.self_attn", ("model.layers", 0)
+    nodes = [
+        OpNode(name="qk", op="aten.matmul.default", inputs=(), input_meta=(scores,), output_meta=(scores,),
+               module=attn, block=block),
+        OpNode(name="scale", op="aten.mul.Tensor", inputs=("qk",), input_meta=(scores,), output_meta=(scores,),
+               module=attn, block=block),
+        OpNode(name="masked", op="aten.add.Tensor", inputs=("scale", "mask"), input_meta=(scores, mask),
+               output_meta=(scores,), module=attn, block=block),
+    ]
+    graph = OpGraph(nodes=nodes, inputs=[], parameters={}, buffers={}, batch_size=4)
+    assert chain_kernels(graph, "norms_rope") == {}
+
+
 @functools.cache
 def _llama_plan():
     """examples/llama.py, 2 blocks of width 2,048 (sequence 2,048, 8 sequences) on one H100,
