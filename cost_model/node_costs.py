@@ -234,7 +234,7 @@ class NodeCosts:
             key += ("fused chain", self.fused[node.name])
         if self.context.plan.tp_comm_overlap:
             # What an edge's collectives hide behind depends on the op that made it too.
-            key += tuple((self.signature.get(source), id(strategies.get(source)))
+            key += tuple((self.signature.get(source), id(strategies.get(source)), self.fused.get(source, "as traced"))
                          for source in (self._tp_overlap_source(node, position) for position, _, _ in edges))
         if key not in self.cache:
             self.cache[key] = self.compute(node, strategy, edges, reductions)
