@@ -60,6 +60,7 @@ from planner.api import prepare_model
 from planner.cluster import Cluster
 from planner.families.hsdp.section import HsdpSection
 from planner.model_spec import ModelSpec
+from planner.run_settings import FUSED_CHAINS
 from planner.strategy import DEEPSPEED_CHECKPOINTING_OPTIONS
 from search.data_parallel import fsdp_units
 from search.megatron import megatron_plan
@@ -115,6 +116,8 @@ def simulate(run: Run, roofline: bool = False):
         changes["loss_implementation"] = run.loss_implementation
     if run.metric_cross_entropies:
         changes["metric_cross_entropies"] = run.metric_cross_entropies
+    if run.fused_chains:
+        changes["fused_chains"] = run.fused_chains
     if run.hsdp_shard:
         changes["sections"] = {**plan.sections, "hsdp": HsdpSection(run.hsdp_shard)}
     if changes:
@@ -201,6 +204,10 @@ def main() -> None:
     parser.add_argument("--hsdp-shard", type=int, metavar="N",
                         help="run each multi-node FSDP row as HSDP with shard groups of N ranks inside a node, as a "
                              "what-if (no source here states a hybrid-sharded run); the other rows as they are")
+    parser.add_argument("--fused-chains", choices=FUSED_CHAINS[1:],
+                        help="price each chosen run's norms ('norms'), or its norms and rotary embeddings "
+                             "('norms_rope'), as one fused kernel each, as Transformer Engine runs them "
+                             "(Plan.fused_chains; a what-if for rows whose default prices the traced eager ops)")
     options = parser.parse_args()
     names = [run.name for run in runs()]
     unmatched = [pattern for pattern in options.runs or () if not fnmatch.filter(names, pattern)]
@@ -221,6 +228,8 @@ def main() -> None:
                   if "block_overhead_s" in run.layout else run for run in chosen]
     if options.no_clipping:
         chosen = [dataclasses.replace(run, gradient_clipping="") for run in chosen]
+    if options.fused_chains:
+        chosen = [dataclasses.replace(run, fused_chains=options.fused_chains) for run in chosen]
     if options.deepspeed_checkpointing:
         turned_on = tuple(options.deepspeed_checkpointing)
         chosen = [dataclasses.replace(run, layout={**run.layout, "deepspeed_checkpointing": turned_on})

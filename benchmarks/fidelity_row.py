@@ -84,6 +84,9 @@ class Run:
             torchtitan's ``max_norm``), "per_tensor" (FSDP1's ``clip_grad_norm_``, Composer's
             ``gradient_clipping``), or "" where the run's clipping is priced elsewhere
             (DeepSpeed's fp16 ZeRO-1 step) or its software is not public.
+        fused_chains: which chains of eager kernels in the traced model the run computes as
+            one fused kernel each (``Plan.fused_chains``: "norms", "norms_rope"); "" (the
+            default) prices every traced op, as the row has always been priced.
         metric_cross_entropies: forward-only cross entropies the run's trainer computes per
             micro-batch for its training metrics (``Plan.metric_cross_entropies``: Composer's
             two for llm-foundry's MPT).
@@ -105,6 +108,7 @@ class Run:
     loss_implementation: str = ""
     metric_cross_entropies: int = 0
     gradient_clipping: str = "multi_tensor"
+    fused_chains: str = ""
     moe: MoeLayout | None = None
 
     def describe(self, gpus: int) -> str:

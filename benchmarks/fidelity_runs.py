@@ -360,6 +360,14 @@ def megatron_core_weak_scaling_runs() -> list[Run]:
     methods; the head's and the embedding's collectives stay exposed). The published TFLOP/s
     become a step time with Megatron-Core's own count (``megatron_core_flops``).
 
+    Norms: the GPT example's blocks normalise with ``nn.LayerNorm``, which traces as one
+    ``aten.layer_norm`` each, priced as one fused norm kernel (``cost_model.memory_kernels``
+    "fused norm"), as Megatron-Core runs them with Transformer Engine (its LayerNorm fused
+    into ``TELayerNormColumnParallelLinear`` / ``TELayerNormMLP``'s modules); with learned
+    positions there is no rotary embedding, so ``Plan.fused_chains`` has nothing to fuse here
+    (``cost_model.fused_chains`` leaves a norm traced as one op as it is; the rows print the
+    same with ``fidelity.py --fused-chains norms_rope``: docs/fidelity_log.md, session 14 s14norms).
+
     Attention runs as Transformer Engine's ``DotProductAttention`` picks it on Hopper: cuDNN's
     fused flash attention (``"cudnn-fused-attention"``, ``cost_model.gpu_kernels``'
     ``attention_kernel_slowdown``), not flash-attention 2, dropping attention weights at

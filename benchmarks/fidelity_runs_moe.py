@@ -46,8 +46,9 @@ the rows (predicted faster unless said):
     ten eager kernels and each rotary embedding as five, where Transformer Engine runs one
     (``benchmarks/fused_norm_whatif.py``: the norms 2.3-2.6 s a step in every row, 0.5 s as
     fused kernels; with the RoPE fused too, FSDP +0.7%, the pipeline rows 8-16 points further
-    off: ``docs/fidelity_log.md``, session 13), so the pipeline rows miss more than their
-    errors show (slower);
+    off: ``docs/fidelity_log.md``, sessions 13 and 14), so the pipeline rows miss more than their
+    errors show (slower). ``QWEN3_FUSED_CHAINS`` below switches every row to pricing them as
+    the runs ran them (``Plan.fused_chains``);
   * routing: the simulator routes every token uniformly (each expert its share); the model
     zoo's rows do not say they forced balance, so they ran dropless with the auxiliary loss,
     whose imbalance slows the busiest expert (faster); the report's row forced balance, as
@@ -173,6 +174,18 @@ QWEN3_235B_MODEL = str(Path(__file__).with_name("qwen3_235b.py"))
 MOE_MODEL_ZOO = "Megatron-MoE-ModelZoo best_practice/qwen3/readme.md (H100)"
 MOE_REPORT = "Yan et al. 2026 (Megatron-Core MoE, arXiv 2603.07685), table 11"
 QWEN3_GPUS, QWEN3_BATCH, QWEN3_SEQ = 256, 2048, 4096
+# The kernels the runs used for the norms and rotary embeddings (``Plan.fused_chains``): the
+# model zoo's configuration (yanring/Megatron-MoE-ModelZoo model_configs/benchmarking/
+# Qwen3-235B-A22B.yaml at 1ed4179f) sets ``--transformer-impl transformer_engine``,
+# ``--normalization RMSNorm``, ``--qk-layernorm``, ``--position-embedding-type rope`` and not
+# ``--no-rope-fusion``, so Megatron-Core (NVIDIA/Megatron-LM 1e057005,
+# megatron/core/models/gpt/gpt_layer_specs.py, ``get_gpt_layer_with_transformer_engine_spec``)
+# runs the input norm inside ``TELayerNormColumnParallelLinear``, the q/k norms and the pre-MLP
+# norm as ``TENorm``, and RoPE as TE's fused kernel (``apply_rope_fusion``, on by default:
+# megatron/training/arguments.py at 1e057005): "norms_rope". Left at "" (the traced eager
+# ops, as the rows were priced through session 13) until the rows' missing per-pass cost is
+# settled (docs/fidelity_log.md, session 14 s14norms, gives the rows both ways).
+QWEN3_FUSED_CHAINS = ""
 
 
 def qwen3_h100_cluster() -> Cluster:
@@ -202,7 +215,7 @@ def megatron_core_moe_runs() -> list[Run]:
         found.append(Run(
             f"Qwen3-235B-{tag}@256xH100", QWEN3_235B_MODEL, overrides, qwen3_h100_cluster(), {},
             QWEN3_BATCH // (dp * micro) if pp == 1 else 1, step, f"{step} s/step", MOE_MODEL_ZOO,
-            megatron_distributed_optimizer=flavour == "zero1",
+            megatron_distributed_optimizer=flavour == "zero1", fused_chains=QWEN3_FUSED_CHAINS,
             moe=MoeLayout(config, dispatcher, a2a_overlap=overlap, flavour=flavour),
         ))
     # The report's row: 2,132 tokens/s per GPU -> 2048 x 4096 / (2132 x 256) = 15.37 s per step.
@@ -211,7 +224,7 @@ def megatron_core_moe_runs() -> list[Run]:
     found.append(Run(
         "Qwen3-235B-report@256xH100", QWEN3_235B_MODEL, overrides, qwen3_h100_cluster(), {}, 1,
         tokens_step(QWEN3_BATCH, QWEN3_SEQ, 2132, QWEN3_GPUS), "2132 tok/s/GPU", MOE_REPORT,
-        megatron_distributed_optimizer=True,
+        megatron_distributed_optimizer=True, fused_chains=QWEN3_FUSED_CHAINS,
         moe=MoeLayout(config, "DeepEP", a2a_overlap=True),
     ))
     return found

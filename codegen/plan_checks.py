@@ -144,6 +144,12 @@ def check_fields(plan: Plan) -> None:
             "plans simulate other systems' runs); leave the field empty (the program's own kernels) or re-plan with "
             "`planner plan` for a program"
         )
+    if plan.fused_chains:
+        raise PlanFileError(
+            f"plan field 'fused_chains' is {_shown(plan.fused_chains)}: it prices another system's fused norm "
+            "and rotary kernels, which compiled programs do not run (they run the traced eager ops; such plans "
+            "simulate other systems' runs); re-plan with `planner plan` for a program"
+        )
     if plan.moe_a2a_overlap:
         raise PlanFileError(
             "plan field 'moe_a2a_overlap' is true: it prices each MoE layer's all-to-alls as hidden under another "

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 
 from cost_model.compute import PRECISIONS, backward_bytes_ratio_on, efficiencies, roofline_time, runs_no_kernel
+from cost_model.fused_chains import chain_kernels
 from cost_model.memory_kernels import kernel_memory_efficiency
 from cost_model.gpu_kernels import ATTENTION_OPS, MATMUL_OPS, generation_of
 from cost_model.loss_parallel import CROSS_ENTROPY
@@ -153,6 +154,10 @@ def autocast_activation_times(context, node: OpNode, share: float, device) -> tu
     if (not holds_fp32_weights(plan) or node.is_view or runs_no_kernel(node)
             or generation_of(device) is None):
         return 0.0, 0.0  # the lists above are CUDA's; CPUs and calibrated devices keep their pricing
+    if node.name in chain_kernels(context.graph, getattr(plan, "fused_chains", "")):
+        # A fused norm or rotary kernel (Plan.fused_chains) reads and writes the 16-bit tensor;
+        # its readers still pay autocast's casts of the fp32 value the trace hands them.
+        return 0.0, 0.0
     low_bytes = PRECISIONS[plan.precision][1]
     weight_bytes = low_bytes if wraps_bf16_fsdp_units(plan) else 4
     sizes = _sizes_of(context.graph, weight_bytes)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_model.compute import op_times
+from cost_model.fused_chains import chain_kernels, chain_op_times
 from planner.expert_layouts import expert_axis_size
 
 
@@ -209,10 +209,11 @@ def block_compute_s(context, layer) -> tuple[float, float]:
     # The layer's ranks: one axis, or dp x tp for a folded layer (the dense ops split over both).
     split = expert_axis_size(context.mesh, layer.layout.axis) * context.micro_batches
     forward = backward = 0.0
+    fused = chain_kernels(context.graph, getattr(context.plan, "fused_chains", ""))  # as the node costs price them
     for node in context.graph.nodes:
         if node.name in layer.nodes or not (node.module == parent or node.module.startswith(parent + ".")):
             continue
-        f, b = op_times(node, 1.0 / split, context.device, context.plan.precision)
+        f, b = chain_op_times(node, fused, 1.0 / split, context.device, context.plan.precision)
         forward, backward = forward + f, backward + b
     return forward, backward
 

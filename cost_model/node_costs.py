@@ -25,6 +25,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from cost_model.autocast_activations import runtime_widths
 from cost_model.compute import efficiencies, op_times
+from cost_model.fused_chains import chain_kernels, chain_op_times
 from cost_model.gpu_kernels import generation_of
 from cost_model.moe_layers import LaidOutLayer, routing_sync_bytes
 from cost_model.moe_overlap import (
@@ -123,6 +124,9 @@ class NodeCosts:
         self.by_stage = not context.cluster.is_homogeneous
         self.first_use: dict[tuple, str] = {}
         self.costs: dict[str, NodeCost] = {}
+        # Ops of norm and rotary chains another system's run fuses (Plan.fused_chains):
+        # op name -> the fused kernel its chain's last op carries, None for the others.
+        self.fused = chain_kernels(context.graph, getattr(context.plan, "fused_chains", ""))
 
     def cost_all(self) -> None:
         """Cost every node of the graph afresh."""
@@ -225,9 +229,12 @@ class NodeCosts:
         )
         if self.by_stage:
             key += (strategy.stage,)
+        if node.name in self.fused:
+            # Priced as its chain's fused kernel or as nothing, not as its twins outside a chain.
+            key += ("fused chain", self.fused[node.name])
         if self.context.plan.tp_comm_overlap:
             # What an edge's collectives hide behind depends on the op that made it too.
-            key += tuple((self.signature.get(source), id(strategies.get(source)))
+            key += tuple((self.signature.get(source), id(strategies.get(source)), self.fused.get(source, "as traced"))
                          for source in (self._tp_overlap_source(node, position) for position, _, _ in edges))
         if key not in self.cache:
             self.cache[key] = self.compute(node, strategy, edges, reductions)
@@ -367,15 +374,18 @@ class NodeCosts:
         cost = NodeCost()
         work = 1.0 / (work_split(self.context.mesh, strategy) * self.context.micro_batches)
         plan = self.context.plan  # another system's loss, where the plan names one (Plan.loss_implementation)
-        cost.forward_s, cost.backward_s = op_times(node, work, self.context.device, plan.precision,
-                                                   getattr(plan, "loss_implementation", ""),
-                                                   getattr(plan, "metric_cross_entropies", 0))
+        cost.forward_s, cost.backward_s = chain_op_times(
+            node, self.fused, work, self.context.device, plan.precision,
+            loss_implementation=getattr(plan, "loss_implementation", ""),
+            metric_cross_entropies=getattr(plan, "metric_cross_entropies", 0))
         # Every line of a graph program is a DTensor op, views included; so is its backward.
         has_backward = any(meta.dtype.is_floating_point for meta in node.output_meta)
-        if self.context.host is not None:
+        # A fused chain's ops other than its last: the run issues nothing for them.
+        issued = node.name not in self.fused or self.fused[node.name] is not None
+        if issued and self.context.host is not None:
             cost.host_forward_s = self.context.host.forward_s
             cost.host_backward_s = self.context.host.backward_s if has_backward else 0.0
-        else:
+        elif issued:
             cost.forward_s += self.context.dtensor_dispatch.forward_s
             if has_backward:
                 cost.backward_s += self.context.dtensor_dispatch.backward_s
@@ -417,7 +427,8 @@ class NodeCosts:
         producer_times = (0.0, 0.0)
         if producer is not None and producer_strategy is not None:
             work = 1.0 / (work_split(self.context.mesh, producer_strategy) * self.context.micro_batches)
-            producer_times = op_times(producer, work, self.context.device, self.context.plan.precision)
+            producer_times = chain_op_times(producer, self.fused, work, self.context.device,
+                                            self.context.plan.precision)
         return edge_overlap(self.context, node, strategy, producer, producer_strategy, kind,
                             (cost.forward_s, cost.backward_s), producer_times)
 

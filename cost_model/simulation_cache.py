@@ -54,6 +54,8 @@ class GraphFacts:
     # without its module (``cost_model.moe_layers``): identical layers share it.
     moe_layer_prices: dict[tuple, tuple] = field(default_factory=dict)
     segment_members: object = None  # cost_model.segments.segment_members of the graph, once asked
+    # Plan.fused_chains value -> cost_model.fused_chains.chain_kernels of the graph, once asked.
+    fused_chains: dict[str, dict] = field(default_factory=dict)
 
 
 _FACTS: dict[int, GraphFacts] = {}
@@ -151,6 +153,8 @@ def costing_key(plan, graph: OpGraph, micro_batches: int) -> tuple:
         getattr(plan, "loss_implementation", ""), getattr(plan, "metric_cross_entropies", 0),
         # The kernels the experts' GEMMs run on (Plan.expert_implementation; cost_model.grouped_gemm).
         getattr(plan, "expert_implementation", ""),
+        # Norms and rotary embeddings as one fused kernel each (Plan.fused_chains; cost_model.fused_chains).
+        getattr(plan, "fused_chains", ""),
         # fp32 weights cast by autocast, fp32 gradients of replicated weights (cost_model.mixed_precision).
         holds_fp32_weights(plan), wraps_bf16_fsdp_units(plan),
         _strategies_part(plan.strategies),

@@ -68,7 +68,7 @@ _PLAN_KEYS = frozenset((
     "format", "version", "model", "cluster", "mesh", "dp_flavour", "recompute", "pipeline", "accumulation_steps",
     "precision", "optimizer", "optimizer_implementation", "loss_implementation", "metric_cross_entropies",
     "expert_implementation",
-    "gradient_clipping",
+    "gradient_clipping", "fused_chains",
     "batch_size", "inputs", "fsdp_units", "expert_layouts",
     "summary", "estimate",
     "runners_up", "warnings", "search_summary", "label", "timings", "fused_splits_local", "tp_comm_overlap",
@@ -180,6 +180,15 @@ class Plan:
             (``planner.run_settings.GRADIENT_CLIPPINGS``, priced by ``cost_model.gradient_clipping``). Empty (the
             default): none priced; the search never sets it and ``planner compile`` refuses a
             plan that does (compiled programs clip only when launched with ``--clip-grad-norm``).
+        fused_chains: which chains of eager kernels in the traced program another system's run
+            computes as one fused kernel each (``planner.run_settings.FUSED_CHAINS``):
+            ``"norms"`` (each normalisation module, as Transformer Engine's ``TENorm`` and
+            ``TELayerNormColumnParallelLinear`` run it in Megatron-Core) or ``"norms_rope"``
+            (also each rotary embedding of q and of k, TE's fused RoPE). Priced by
+            ``cost_model.fused_chains`` (recomputation recomputes the fused kernels; saved
+            activations stay as traced). Empty (the default): every traced op priced as it
+            runs in the compiled program. The search never sets it and ``planner compile``
+            refuses a plan that does.
         metric_cross_entropies: forward-only cross entropies the run's trainer computes over
             each micro-batch's logits for its training metrics (Composer's, two for
             llm-foundry's MPT; ``cost_model.loss_kernels``). 0 (the default) for compiled
@@ -234,6 +243,7 @@ class Plan:
     loss_implementation: str = ""
     expert_implementation: str = ""
     gradient_clipping: str = ""
+    fused_chains: str = ""
     metric_cross_entropies: int = 0
     runners_up: tuple[Alternative, ...] = ()
     warnings: tuple[str, ...] = ()
@@ -417,6 +427,7 @@ class Plan:
             **({"loss_implementation": self.loss_implementation} if self.loss_implementation else {}),
             **({"expert_implementation": self.expert_implementation} if self.expert_implementation else {}),
             **({"gradient_clipping": self.gradient_clipping} if self.gradient_clipping else {}),
+            **({"fused_chains": self.fused_chains} if self.fused_chains else {}),
             **({"metric_cross_entropies": self.metric_cross_entropies} if self.metric_cross_entropies else {}),
             "batch_size": self.batch_size,
             "inputs": {name: placements_to_json(p) if p is not None else None for name, p in self.inputs.items()},
@@ -507,6 +518,7 @@ class Plan:
                 expert_implementation=(reader.get("expert_implementation", str)
                                        if "expert_implementation" in data else ""),
                 gradient_clipping=reader.get("gradient_clipping", str) if "gradient_clipping" in data else "",
+                fused_chains=reader.get("fused_chains", str) if "fused_chains" in data else "",
                 metric_cross_entropies=(reader.get("metric_cross_entropies", int)
                                         if "metric_cross_entropies" in data else 0),
                 runners_up=tuple(_runners_up_from(reader)),

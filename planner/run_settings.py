@@ -1,5 +1,5 @@
 """The settings of a plan that say how a program runs beside its sharding: the optimizer and
-its implementation, the loss kernel, gradient clipping, the train metrics, and the switches
+its implementation, the loss kernel, gradient clipping, the fused norm and rotary kernels, the train metrics, and the switches
 that describe other systems' programs (Megatron-LM's distributed optimizer and
 communication overlap, 16-bit weights, the MoE exchange overlap), with the checks that keep
 them consistent with the rest of the plan (``check_run_settings``, run by ``Plan``).
@@ -28,6 +28,10 @@ LOSS_IMPLEMENTATIONS = ("", "fused_xentropy")
 # How another system's loop clips its gradients to a global norm (``Plan.gradient_clipping``):
 # torch's foreach ``clip_grad_norm_``, FSDP1's per tensor, Megatron's multi-tensor kernels; "" none.
 GRADIENT_CLIPPINGS = ("", "foreach", "per_tensor", "multi_tensor")
+# Which chains of eager kernels another system's run computes as one fused kernel each
+# (``Plan.fused_chains``; priced by ``cost_model.fused_chains``): the norms, or the norms and
+# the rotary embeddings (Transformer Engine's in Megatron-Core); "" each traced op as it runs.
+FUSED_CHAINS = ("", "norms", "norms_rope")
 
 
 def check_run_settings(plan: "Plan") -> None:
@@ -69,6 +73,9 @@ def check_run_settings(plan: "Plan") -> None:
     if plan.gradient_clipping not in GRADIENT_CLIPPINGS:
         raise ValueError(f"field 'gradient_clipping' must be one of {GRADIENT_CLIPPINGS[1:]} or empty, "
                          f"got {one_line(str(plan.gradient_clipping))!r}")
+    if plan.fused_chains not in FUSED_CHAINS:
+        raise ValueError(f"field 'fused_chains' must be one of {FUSED_CHAINS[1:]} or empty, "
+                         f"got {one_line(str(plan.fused_chains))!r}")
     count = plan.metric_cross_entropies
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"field 'metric_cross_entropies' must be a whole number of 0 or more, "

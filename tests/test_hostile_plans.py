@@ -256,6 +256,7 @@ FIELDS = [
     Field("loss_implementation", _set("loss_implementation"), _always, "'loss_implementation'"),
     Field("expert_implementation", _set("expert_implementation"), _always, "'expert_implementation'"),
     Field("gradient_clipping", _set("gradient_clipping"), _always, "'gradient_clipping'"),
+    Field("fused_chains", _set("fused_chains"), _always, "'fused_chains'"),
     Field("metric_cross_entropies (a count given text)", _set("metric_cross_entropies"), _always,
           "'metric_cross_entropies'"),
     Field("fused_splits_local (a bool given text)", _set("fused_splits_local"), _always, "'fused_splits_local'"),
