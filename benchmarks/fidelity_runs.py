@@ -217,16 +217,21 @@ def runs() -> list[Run]:
     # (torchtitan/parallelisms/parallelize_llama.py at 1ea476e9f, 2024-04-24, the commit that
     # published these rows; from 5c69c02ea, 2024-05-20, ``--training.mixed_precision_reduce``
     # whose only choice is "float32"): the planner's own policy, not ``half_precision_weights``.
-    for name, shape, batch, seq, recompute, tokens in (
-        ("Llama3-70B@64xA100", LLAMA3_70B, 64, 8192, "full", 331),
-        ("Llama2-13B@64xA100", LLAMA2_13B, 128, 4096, "none", 2162),
-        ("Llama2-70B@64xA100", LLAMA2_70B, 128, 4096, "full", 353),
+    # The norms as that commit's train_configs ran them (``Plan.fused_chains``): llama2_13b.toml
+    # sets ``norm_type = "fused_rmsnorm"`` (torchtitan/models/norms.py: one Triton kernel each
+    # way), llama2_70b.toml and llama3_70b.toml ``"rmsnorm"`` (eager, as traced); all three
+    # ``compile = false``, so the rotary embeddings run eager, as traced.
+    for name, shape, batch, seq, recompute, tokens, norms in (
+        ("Llama3-70B@64xA100", LLAMA3_70B, 64, 8192, "full", 331, ""),
+        ("Llama2-13B@64xA100", LLAMA2_13B, 128, 4096, "none", 2162, "norms"),
+        ("Llama2-70B@64xA100", LLAMA2_70B, 128, 4096, "full", 353, ""),
     ):
         found.append(Run(
             name, "llama.py", _llama(**shape, batch=batch, seq=seq), "dgx-a100-80g:8",
             {"dp_flavour": "fsdp", "recompute": recompute}, 1, tokens_step(batch, seq, tokens, 64),
             f"{tokens} tok/s/GPU", TORCHTITAN_A100, half_precision_weights=False,
             optimizer_implementation=TORCHTITAN_2024_ADAMW, gradient_clipping=TORCHTITAN_CLIPPING,
+            fused_chains=norms,
         ))
     # MT-NLG and BLOOM ran Megatron-DeepSpeed with DeepSpeed's pipeline engine
     # (DEEPSPEED_PIPELINE). MT-NLG (2021) trained in 16-bit, taken as DeepSpeed's ZeRO-1 fp16 path
@@ -449,14 +454,18 @@ def torchtitan_h100_runs() -> list[Run]:
     # 8 with sequence-parallel norms (torchtitan's TP plan), full activation checkpointing,
     # local batch 2 (global 32) of 8,192 tokens, bf16: 109 tok/s/GPU, the row without Float8 or
     # async TP (docs/performance.md at torchtitan 3faaa1a0d, 2024-08-23; its
-    # train_configs/llama3_405b.toml sets compile = true, which the simulator does not model;
-    # its config_manager.py: ``--training.mixed_precision_reduce`` "float32", the only choice).
+    # train_configs/llama3_405b.toml sets compile = true: each TransformerBlock compiled
+    # (parallelize_llama.py ``apply_compile``), so Inductor runs each RMSNorm as one fused
+    # kernel (priced so: ``Plan.fused_chains`` "norms"); the rest of what Inductor fuses is not
+    # modelled, nor is the rotary embedding, whose traced form ``cost_model.fused_chains`` does
+    # not recognise; its config_manager.py: ``--training.mixed_precision_reduce`` "float32",
+    # the only choice).
     found.append(Run(
         "Llama3.1-405B@128xH100", "llama.py", _llama(**LLAMA3_405B, batch=32, seq=8192),
         grand_teton_h100(16, memory_bytes=94_000_000_000),
         {"tp": 8, "dp_flavour": "fsdp", "recompute": "full", "sequence_parallel": True}, 1,
         tokens_step(32, 8192, 109, 128), "109 tok/s/GPU", "torchtitan docs/performance.md (2024-08, 128 H100)",
         half_precision_weights=False, optimizer_implementation=TORCHTITAN_2024_ADAMW,
-        gradient_clipping=TORCHTITAN_CLIPPING,
+        gradient_clipping=TORCHTITAN_CLIPPING, fused_chains="norms",
     ))
     return found

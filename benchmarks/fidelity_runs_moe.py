@@ -45,10 +45,9 @@ the rows (predicted faster unless said):
     memory is if anything high. Its time is high too: each RMSNorm is priced as transformers'
     ten eager kernels and each rotary embedding as five, where Transformer Engine runs one
     (``benchmarks/fused_norm_whatif.py``: the norms 2.3-2.6 s a step in every row, 0.5 s as
-    fused kernels; with the RoPE fused too, FSDP +0.7%, the pipeline rows 8-16 points further
-    off: ``docs/fidelity_log.md``, sessions 13 and 14), so the pipeline rows miss more than their
-    errors show (slower). ``QWEN3_FUSED_CHAINS`` below switches every row to pricing them as
-    the runs ran them (``Plan.fused_chains``);
+    fused kernels: ``docs/fidelity_log.md``, sessions 13 and 14). The rows price them as the
+    runs ran them (``QWEN3_FUSED_CHAINS`` below, ``Plan.fused_chains``), which takes 2.0-2.8 s
+    off every row's step: the pipelined rows' errors now show all that they miss;
   * routing: the simulator routes every token uniformly (each expert its share); the model
     zoo's rows do not say they forced balance, so they ran dropless with the auxiliary loss,
     whose imbalance slows the busiest expert (faster); the report's row forced balance, as
@@ -182,10 +181,11 @@ QWEN3_GPUS, QWEN3_BATCH, QWEN3_SEQ = 256, 2048, 4096
 # megatron/core/models/gpt/gpt_layer_specs.py, ``get_gpt_layer_with_transformer_engine_spec``)
 # runs the input norm inside ``TELayerNormColumnParallelLinear``, the q/k norms and the pre-MLP
 # norm as ``TENorm``, and RoPE as TE's fused kernel (``apply_rope_fusion``, on by default:
-# megatron/training/arguments.py at 1e057005): "norms_rope". Left at "" (the traced eager
-# ops, as the rows were priced through session 13) until the rows' missing per-pass cost is
-# settled (docs/fidelity_log.md, session 14 s14norms, gives the rows both ways).
-QWEN3_FUSED_CHAINS = ""
+# megatron/training/arguments.py at 1e057005): "norms_rope". Priced so from session 14: the
+# traced eager ops (10 kernels a norm, 5 a rotary embedding) cost 2.0-2.8 s a step more than
+# the runs spent on them and hid part of what the pipelined rows lack (docs/fidelity_log.md,
+# session 14: s14norms gives every row both ways). "" prices the traced eager ops again.
+QWEN3_FUSED_CHAINS = "norms_rope"
 
 
 def qwen3_h100_cluster() -> Cluster:
