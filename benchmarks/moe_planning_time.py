@@ -39,6 +39,18 @@ over dp x tp, no recomputation, 17.365 s per step, MFU 26.8%, 78.3 GiB (over the
 hgx-h800:256 trace 4.1 s + search 36.2 s = 40.4 s wall (40.5 s CPU), megatron pp=32 x dp=64,
 1F1B over 16 micro-batches, ZeRO-1, EP64, no recomputation, 7.066 s, MFU 8.2%, 76.7 GiB (over
 the old cap too). Peak RSS 1.27 GiB.
+
+Measured again 2026-11-30 (session 14), the same command, after the experts of a plan are
+priced as its compiled program runs them (``Plan.expert_implementation``: DeepSeek-V3's
+HuggingFace experts laid out expert parallel run ``codegen/runtime/expert_dispatch.py``'s loop of
+one GEMM per local expert, with per-expert copies of the output, where they were priced as
+Transformer Engine's grouped GEMM) and an MoE layer's routing ops are costed once per kind:
+dgx-h100:32 trace 7.6 s + search 54.0 s = 61.6 s wall (62.6 s CPU; just over the 60 s target),
+moe pp=4 x dp=16 x tp=4, 1F1B over 64 micro-batches, ZeRO-1, EP64 folded over dp x tp, no
+recomputation, 27.275 s per step, MFU 17.1%, 76.4 GiB (the loop's cost grows with the local
+experts, so fewer a rank win; 19.677 s for the earlier choice under the earlier pricing);
+hgx-h800:256 trace 5.1 s + search 38.8 s = 43.9 s wall (44.1 s CPU), megatron pp=16 x dp=128,
+1F1B over 8 micro-batches, ZeRO-1, EP128, 7.902 s, MFU 7.4%, 78.5 GiB.
 """
 
 from __future__ import annotations
