@@ -20,13 +20,13 @@ Prints one row per model type: the searched plan, whether it compiled, the parit
 layout; a refusal (a ``PlannerError``) is printed as its one line.
 
 Measured on transformers 5.24.0 with ``--world 2``, one group at a time: 160 types (66 of them
-added for 5.24, marked in ``SWEEP``); 141 pass every check they get. Refused in one line:
+added for 5.24, marked in ``SWEEP``); 142 pass every check they get. Refused in one line:
 JetMoE, LongCat-Flash, LED, Nystromformer, M2M-100, FSMT, LongT5, Switch Transformers
 (``torch.export`` cannot trace them), PhiMoE (its router's own backward, which only data
 parallelism keeps, mixes the samples of the batch), DBRX (does not build in 5.24), and
 RecurrentGemma's forced tp layout (a custom autograd Function). Failing, open: the forced tp
-programs of Dory, RWKV, Kimi-Linear, Bailing-Hybrid, DeepSeek-V3.2, GLM-MoE-DSA and AXK2, and
-DeepSeek-V4's searched plan (the README's "Known not to run" says how each fails).
+programs of Dory, RWKV, Kimi-Linear, Bailing-Hybrid, DeepSeek-V3.2, GLM-MoE-DSA and AXK2 (the
+README's "Known not to run" says how each fails).
 """
 
 from __future__ import annotations
