@@ -51,6 +51,7 @@ from codegen.program_parts import (
 from codegen.data_parallel_emit import (
     SHARDED_STATES_IMPORT,
     sharded_states_optimizer,
+    unused_parameters,
     uses_ddp,
     wrap_lines,
     wrapper_import,
@@ -331,7 +332,11 @@ def _parallelize(plan: Plan, dp: int, layouts: list[tuple[int, ExpertLayout, MoE
         ]
     lines += autocast_lines(plan, "model", "dp_mesh.device_type").splitlines()
     held = "Everything else (embeddings, attention, norms, head, every router, the experts of data-parallel layers)"
-    lines += wrap_lines(plan, dp, held=held, ignored=ignored) + [""]
+    # Parameters no op leads to the output from (DeepSeek-V4's compressors, unused at a short
+    # sequence) get no gradient: DDP must be told, or it never all-reduces their bucket and
+    # every gradient in it stays this rank's own (found by benchmarks/hf_sweep.py).
+    unused = [name for name in unused_parameters(plan) if name not in ignored]
+    lines += wrap_lines(plan, dp, held=held, ignored=ignored, unused=unused) + [""]
     text = "\n".join(lines) + "\n"
     if plan.dp_flavour == "zero1":
         text += sharded_states_optimizer(plan, rank_local=True)

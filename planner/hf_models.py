@@ -194,9 +194,23 @@ def _split_dotted(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
 
 
 def _check_field(config: Any, key: str, where: str, full_key: str) -> None:
-    if not hasattr(config, key):
+    if not _has_field(config, key):
         fields = sorted(set(config.to_dict()) | set(getattr(config, "attribute_map", {})))
         raise SpecError(f"{where} has no config field {full_key!r}{did_you_mean(key, fields)}; check the name")
+
+
+def _has_field(config: Any, key: str) -> bool:
+    """Whether ``config`` has the field ``key``, per-layer fields of heterogeneous configs included.
+
+    transformers 5.24's heterogeneous configs (Gemma 4's ``head_dim``, which its full-attention
+    layers override) raise ``AmbiguousGlobalPerLayerAttributeError``, a ``RuntimeError``, when
+    such a field is read globally, so ``hasattr`` raises instead of answering; the field is
+    there all the same, and setting it globally is what an override means.
+    """
+    try:
+        return hasattr(config, key)
+    except RuntimeError:
+        return key in (getattr(config, "per_layer_attributes", None) or ())
 
 
 def _sub_config(default: Any, fields: dict[str, Any], where: str, prefix: str) -> Any:

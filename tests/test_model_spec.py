@@ -425,6 +425,20 @@ def test_hf_errors():
         ModelSpec("hf:gpt2", {**TINY_HF["gpt2"], "seq_len": 65}).build("meta")
 
 
+def test_hf_per_layer_field_of_a_heterogeneous_config_is_a_field():
+    transformers = pytest.importorskip("transformers")
+    if "gemma4_text" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip("gemma4_text (a heterogeneous config) needs transformers >= 5.24")
+    # Gemma 4's head_dim is a per-layer field (its full-attention layers override it): reading
+    # it globally raises a RuntimeError, which once escaped the override check as a traceback.
+    overrides = {**TINY_HF["llama"], "head_dim": 16, "vocab_size_per_layer_input": 128,
+                 "hidden_size_per_layer_input": 16}
+    model, _, _ = ModelSpec("hf:gemma4_text", overrides).build("meta")
+    assert model.model.layers[0].self_attn.q_proj.out_features == 4 * 16  # the sliding layer took head_dim=16
+    with pytest.raises(SpecError, match=r"no config field 'head_dimm'.*'head_dim'"):
+        ModelSpec("hf:gemma4_text", {"head_dimm": 16}).build("meta")
+
+
 TINY_SEQ2SEQ = {
     "t5": {"num_layers": 1, "num_decoder_layers": 1, "d_model": 32, "d_ff": 64, "num_heads": 2, "d_kv": 16,
            "vocab_size": 64},

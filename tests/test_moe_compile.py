@@ -6,6 +6,7 @@ means for an MoE program: each micro-batch routed on its own."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +140,28 @@ def test_micro_batches_route_another_step_than_the_whole_batch():
     whole, micro = gradients(1), gradients(2)
     assert (whole["blocks.0.moe.router.weight"] - micro["blocks.0.moe.router.weight"]).abs().max() > 1e-4
     assert (whole["blocks.0.moe.experts.w_in"] - micro["blocks.0.moe.experts.w_in"]).abs().max() > 1e-4
+
+
+def test_expert_parallel_ddp_is_told_of_parameters_that_get_no_gradient(tmp_path):
+    # Found on hf:deepseek_v4 (benchmarks/hf_sweep.py): its compressors get no gradient at a
+    # short sequence, DDP (told nothing) never all-reduced their bucket, and every non-expert
+    # gradient stayed one rank's own (up to 5,604x the parity tolerance; loss and logits exact).
+    from planner.api import prepare_model
+    from planner.model_spec import ModelSpec
+    from planner.moe_blocks import find_moe_blocks
+    from planner.strategy import ExpertLayout, ExpertPlacement
+    from search.data_parallel import data_parallel_plan
+
+    spec = ModelSpec(str(Path(__file__).parent / "moe_unused_model.py"), {"ffn": 128})
+    graph, spec, name, cluster = prepare_model(spec, "cpu:1x2")
+    base = data_parallel_plan(graph, cluster, spec, name, "ddp", precision="fp32")
+    layouts = tuple(
+        ExpertLayout(module=block.module, mode="expert_parallel", experts=block.experts, top_k=block.top_k,
+                     capacity_factor=block.capacity_factor, axis="dp",
+                     placement=ExpertPlacement.round_robin(block.experts, 2))
+        for block in find_moe_blocks(spec.build("meta")[0])
+    )
+    plan = dataclasses.replace(base, label="moe", expert_layouts=layouts)
+    source = (planner.compile(plan, tmp_path / "out") / "model_spmd.py").read_text()
+    assert "ExpertParallelMoE(" in source, source  # the expert-parallel path of the emitter
+    assert "find_unused_parameters=True," in source and "unused_scale" in source, source
