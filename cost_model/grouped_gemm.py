@@ -97,7 +97,8 @@ class ExpertShape:
 def call_concurrency(implementation: str, gemms: int) -> int:
     """GEMMs of one projection's call that share the SMs at once: ``GROUPED_GEMM_STREAMS`` for
     Transformer Engine, all of them for one ``bmm``, one for a loop."""
-    return {TE_GROUPED_GEMM: min(gemms, GROUPED_GEMM_STREAMS), BATCHED_MATMUL: gemms, PER_EXPERT_LOOP: 1}[implementation]
+    return {TE_GROUPED_GEMM: min(gemms, GROUPED_GEMM_STREAMS), BATCHED_MATMUL: gemms,
+            PER_EXPERT_LOOP: 1}[implementation]
 
 
 def call_launches(implementation: str, gemms: int) -> int:
@@ -121,14 +122,6 @@ def expert_gemm_call_time(implementation: str, gemms: int, m: float, n: float, k
     return max(compute, memory) + launches * efficiencies(device, dtype)[2]
 
 
-def grouped_expert_launches(local_experts: int, projections: int = 2) -> tuple[int, int]:
-    """(forward, backward) GEMMs Transformer Engine's grouped GEMM launches a pass for a rank
-    with ``local_experts`` experts of ``projections`` grouped projections each (module
-    docstring): one GEMM per expert and call; a call per projection forward, two backward
-    (input and weight gradient)."""
-    return projections * local_experts, 2 * projections * local_experts
-
-
 def expert_gemm_launches(shape: ExpertShape | None, implementation: str) -> tuple[int, int]:
     """(forward, backward) kernels the host launches for ``shape``'s expert GEMMs a pass as
     ``implementation`` runs them (as ``expert_gemm_times`` counts them: a call per projection
@@ -138,13 +131,6 @@ def expert_gemm_launches(shape: ExpertShape | None, implementation: str) -> tupl
         return 0, 0
     per_call = call_launches(implementation, shape.local_experts)
     return 2 * per_call, 4 * per_call
-
-
-def grouped_gemm_time(gemms: int, m: float, n: float, k: float, device: DeviceSpec, dtype: str,
-                      element_bytes: int, generation: GpuGeneration) -> float:
-    """Seconds for one grouped-GEMM call of ``gemms`` GEMMs (m x k) @ (k x n): launched one by
-    one on ``GROUPED_GEMM_STREAMS`` streams (module docstring), each paying a launch."""
-    return expert_gemm_call_time(TE_GROUPED_GEMM, gemms, m, n, k, device, dtype, element_bytes, generation)
 
 
 def expert_gemm_times(shape: ExpertShape, implementation: str, device: DeviceSpec, dtype: str,
@@ -170,9 +156,3 @@ def expert_gemm_times(shape: ExpertShape, implementation: str, device: DeviceSpe
         backward += call(shape.rows, k, n) + call(k, n, shape.rows)
     return forward, backward
 
-
-def grouped_expert_times(shape: ExpertShape, device: DeviceSpec, dtype: str,
-                         element_bytes: int) -> tuple[float, float] | None:
-    """(forward, backward) seconds of ``shape``'s expert GEMMs as Transformer Engine's grouped
-    GEMM runs them (``expert_gemm_times`` of ``te_grouped_gemm``)."""
-    return expert_gemm_times(shape, TE_GROUPED_GEMM, device, dtype, element_bytes)

@@ -128,7 +128,6 @@ def folded_layer_cost(layer: MoELayer, layout: ExpertLayout, cluster: Cluster, f
     rows = base.busiest_copies * etp
     gathered_bytes = rows * layer.hidden * element
     forward_compute, backward_compute = base.forward_compute_s, base.backward_compute_s
-    launches = base.gemm_launches
     etp_pass = sent_etp = 0.0
     device = cluster.device_of(groups.etp[0])
     local = layout.placement.most_experts_per_device
@@ -150,6 +149,8 @@ def folded_layer_cost(layer: MoELayer, layout: ExpertLayout, cluster: Cluster, f
         launches = expert_gemm_launches(kernels, implementation)
     elif etp > 1:
         launches = (0, 0)  # the roofline below: the experts priced as one kernel
+    else:
+        launches = base.gemm_launches
     if etp > 1:
         if priced is None:
             flops = rows * layer.flops_per_copy() / etp

@@ -53,7 +53,8 @@ from dataclasses import dataclass
 
 from cost_model.collectives import collective_time
 from cost_model.compute import efficiencies
-from cost_model.expert_memory_ops import BATCHED_GELU_KERNELS, batched_gelu_times, expert_loop_kernels, expert_loop_times
+from cost_model.expert_memory_ops import (BATCHED_GELU_KERNELS, batched_gelu_times, expert_loop_kernels,
+                                          expert_loop_times)
 from cost_model.memory_kernels import STREAMING_EFFICIENCY
 from cost_model.simulation_cache import graph_facts
 from cost_model.moe import MoECost, MoELayer, element_bytes, expert_activation_bytes, moe_layer_cost
@@ -384,7 +385,7 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
     if shape not in priced:
         priced[shape] = _priced(block, layout, tokens, plan, group, micro_batches)
     (cost, activations, replica_sync, buffers, fraction, synced, sharding, routing_sync,
-     function_bytes, function_s, memory_ops) = priced[shape]
+     function_bytes, function_s, memory_ops, launches) = priced[shape]
     return LaidOutLayer(
         block=block,
         layout=layout,
@@ -407,8 +408,7 @@ def _laid_out(layout: ExpertLayout, plan, graph: OpGraph, micro_batches: int) ->
         activation_function_s=function_s,
         memory_ops_forward_s=memory_ops[0],
         memory_ops_backward_s=memory_ops[1],
-        expert_launches=expert_launches(cost, memory_kernels(expert_kernel(getattr(plan, "expert_implementation", ""),
-                                                                            block.runtime, layout.mode), cost)),
+        expert_launches=launches,
         expert_data_parallel=(len(group) // (layout.placement.devices * (layout.tensor_parallel or 1))
                               if folding_of(plan) is not None and layout.placement is not None else 1),
         copy_shards=copies_sharded_over(layout, len(group)),
@@ -424,7 +424,8 @@ def _layout_without_module(layout: ExpertLayout) -> tuple:
 def _priced(block: MoEBlock, layout: ExpertLayout, tokens: int, plan, group: tuple, micro_batches: int) -> tuple:
     """The module-independent figures of ``_laid_out``: (cost, activation bytes, copies'
     gradient sum, dispatch buffer bytes, parameter share, whether gradients are synced over
-    dp, the sharded copies' costs, the routing all-gather)."""
+    dp, the sharded copies' costs, the routing all-gather, the activation function's bytes and
+    seconds, the memory-bound kernels' seconds, the experts' kernel launches)."""
     world = len(group)
     element = element_bytes(plan.precision)
     folding = folding_of(plan)
@@ -447,47 +448,36 @@ def _priced(block: MoEBlock, layout: ExpertLayout, tokens: int, plan, group: tup
     function_bytes, function_s = activation_function_costs(block, cost.busiest_copies,
                                                            (layout.tensor_parallel or 1) if folding is not None else 1,
                                                            element, plan.cluster.device_of(group[0]))
-    memory_ops = memory_op_times(expert_kernel(implementation, block.runtime, layout.mode), block, cost,
-                                 tokens / micro_batches / world,
-                                 (layout.tensor_parallel or 1) if folding is not None else 1,
-                                 element, plan.cluster.device_of(group[0]))
+    memory_ops, memory_kernels = memory_op_times(expert_kernel(implementation, block.runtime, layout.mode), block,
+                                                 cost, tokens / micro_batches / world,
+                                                 (layout.tensor_parallel or 1) if folding is not None else 1,
+                                                 element, plan.cluster.device_of(group[0]))
+    # What the host launches for the experts beyond the layer's one op: their GEMMs and the
+    # memory-bound kernels around them.
+    launches = (cost.gemm_launches[0] + memory_kernels[0], cost.gemm_launches[1] + memory_kernels[1])
     return (cost, activations, replica_sync, buffers, fraction, synced, sharding,
-            routing_sync_time(block, plan.cluster, group), function_bytes, function_s, memory_ops)
-
-
-def memory_kernels(kernel: str, cost: MoECost) -> tuple[int, int]:
-    """(forward, backward) memory-bound kernels ``memory_op_times`` prices for a layer whose
-    experts run on ``kernel``: what the host launches for them beside the GEMMs."""
-    shape = cost.kernels
-    if kernel == BATCHED_MATMUL and shape is not None:
-        return BATCHED_GELU_KERNELS
-    if kernel == PER_EXPERT_LOOP and shape is not None:
-        return expert_loop_kernels(shape.local_experts)
-    return EXPERT_MEMORY_KERNELS, EXPERT_MEMORY_KERNELS
-
-
-def expert_launches(cost: MoECost, memory: tuple[int, int]) -> tuple[int, int]:
-    """(forward, backward) kernels the host launches for a layer's experts a micro-batch beyond
-    the layer's one op: the expert GEMMs (``MoECost.gemm_launches``) and ``memory`` kernels."""
-    return cost.gemm_launches[0] + memory[0], cost.gemm_launches[1] + memory[1]
+            routing_sync_time(block, plan.cluster, group), function_bytes, function_s, memory_ops, launches)
 
 
 def memory_op_times(kernel: str, block: MoEBlock, cost: MoECost, held_tokens: float, etp: int, element: int,
-                    device) -> tuple[float, float]:
-    """(forward, backward) seconds of the memory-bound kernels around the experts' GEMMs of a
-    layer priced ``cost`` whose experts run on ``kernel`` (``planner.expert_kernels``), on the
-    busiest device, which holds ``held_tokens`` tokens: the compiled program's own
-    (``cost_model.expert_memory_ops``: the GELU over the padded buffers of ``torch_bmm``, the
-    gathers, copies and SwiGLU of ``per_expert_loop``), or Megatron-Core's fused ones
-    (``expert_memory_op_times``) for ``te_grouped_gemm`` and for ``model_experts``, whose
-    kernels are not modelled (the price every layer had before)."""
+                    device) -> tuple[tuple[float, float], tuple[int, int]]:
+    """((forward, backward) seconds, (forward, backward) kernels) of the memory-bound kernels
+    around the experts' GEMMs of a layer priced ``cost`` whose experts run on ``kernel``
+    (``planner.expert_kernels``), on the busiest device, which holds ``held_tokens`` tokens: the
+    compiled program's own (``cost_model.expert_memory_ops``: the GELU over the padded buffers
+    of ``torch_bmm``, the gathers, copies and SwiGLU of ``per_expert_loop``), or Megatron-Core's
+    fused ones (``expert_memory_op_times``) for ``te_grouped_gemm`` and for ``model_experts``,
+    whose kernels are not modelled (the price every layer had before). The kernels are what
+    the host launches for them beside the GEMMs."""
     shape = cost.kernels
     if kernel == BATCHED_MATMUL and shape is not None:
-        return batched_gelu_times(shape.local_experts * shape.rows, shape.ffn, element, device)
+        return (batched_gelu_times(shape.local_experts * shape.rows, shape.ffn, element, device),
+                BATCHED_GELU_KERNELS)
     if kernel == PER_EXPERT_LOOP and shape is not None:
-        return expert_loop_times(block, cost.busiest_copies, shape.local_experts, held_tokens, shape.ffn, element,
-                                 device)
-    return expert_memory_op_times(block, cost.busiest_copies, etp, element, device)
+        return (expert_loop_times(block, cost.busiest_copies, shape.local_experts, held_tokens, shape.ffn, element,
+                                  device), expert_loop_kernels(shape.local_experts))
+    return (expert_memory_op_times(block, cost.busiest_copies, etp, element, device),
+            (EXPERT_MEMORY_KERNELS, EXPERT_MEMORY_KERNELS))
 
 
 def expert_memory_op_times(block: MoEBlock, rows: float, etp: int, element: int, device) -> tuple[float, float]:

@@ -7,12 +7,13 @@ import pytest
 
 from cost_model import defaults
 from cost_model.gpu_kernels import GENERATIONS
-from cost_model.grouped_gemm import (GROUPED_GEMM_STREAMS, ExpertShape, grouped_expert_launches, grouped_expert_times,
-                                     grouped_gemm_time)
+from cost_model.grouped_gemm import GROUPED_GEMM_STREAMS, ExpertShape, expert_gemm_call_time, expert_gemm_launches
+from cost_model.grouped_gemm import expert_gemm_times
 from cost_model.moe import MoELayer, moe_layer_cost
 from cost_model.moe_folding import folded_layer_cost
 from cost_model.moe_layers import expert_memory_op_times
 from planner.cluster import Cluster
+from planner.expert_kernels import TE_GROUPED_GEMM
 from planner.moe_blocks import MoEBlock
 from planner.strategy import ExpertLayout, ExpertPlacement
 
@@ -34,15 +35,15 @@ def test_weight_gradient_of_512_rows_pays_wave_quantisation():
     # at 989.4e12 x 0.49659 = 104.9 us (its 130 MB at 0.8 x 3.35 TB/s take 48.5 us), + 4 launches.
     efficiency = SUSTAINED * 0.6464646 / 0.8974359
     expected = 2 * 4 * 4096 * 3072 * 512 / (PEAK * efficiency) + 4 * LAUNCH
-    time = grouped_gemm_time(4, 4096, 3072, 512, H100, "bfloat16", 2, GENERATIONS["H100"])
+    time = expert_gemm_call_time(TE_GROUPED_GEMM, 4, 4096, 3072, 512, H100, "bfloat16", 2, GENERATIONS["H100"])
     assert time == pytest.approx(expected, rel=1e-4)
     assert time == pytest.approx(104.9e-6 + 20e-6, rel=2e-3)
 
 
 def test_more_experts_than_streams_run_four_at_a_time():
     # 16 GEMMs on 4 streams: four rounds of the 4-GEMM batch above, and 16 launches.
-    four = grouped_gemm_time(4, 4096, 3072, 512, H100, "bfloat16", 2, GENERATIONS["H100"])
-    sixteen = grouped_gemm_time(16, 4096, 3072, 512, H100, "bfloat16", 2, GENERATIONS["H100"])
+    four = expert_gemm_call_time(TE_GROUPED_GEMM, 4, 4096, 3072, 512, H100, "bfloat16", 2, GENERATIONS["H100"])
+    sixteen = expert_gemm_call_time(TE_GROUPED_GEMM, 16, 4096, 3072, 512, H100, "bfloat16", 2, GENERATIONS["H100"])
     assert GROUPED_GEMM_STREAMS == 4
     assert sixteen == pytest.approx(4 * (four - 4 * LAUNCH) + 16 * LAUNCH)
 
@@ -53,7 +54,7 @@ def test_large_experts_run_at_the_sustained_fraction_plus_one_launch_per_expert_
     # Forward FLOPs 2 x 4 x 8192 x 3 x 8192 x 4096 = 6.5970e12 -> 9.672 ms; backward twice that.
     # Launches: forward 2 projections x 4 experts, backward 2 x (input + weight gradient) x 4.
     shape = ExpertShape(local_experts=4, rows=8192, hidden=8192, ffn=4096, matmuls=3)
-    forward, backward = grouped_expert_times(shape, H100, "bfloat16", 2)
+    forward, backward = expert_gemm_times(shape, TE_GROUPED_GEMM, H100, "bfloat16", 2)
     flops = 2 * 4 * 8192 * 3 * 8192 * 4096
     assert forward == pytest.approx(flops / (PEAK * SUSTAINED) + 8 * LAUNCH)
     assert backward == pytest.approx(2 * flops / (PEAK * SUSTAINED) + 16 * LAUNCH)
@@ -62,9 +63,9 @@ def test_large_experts_run_at_the_sustained_fraction_plus_one_launch_per_expert_
 
 def test_shape_model_applies_only_where_measured():
     shape = ExpertShape(local_experts=4, rows=512, hidden=1024, ffn=512, matmuls=3)
-    assert grouped_expert_times(shape, H100, "float32", 4) is None
+    assert expert_gemm_times(shape, TE_GROUPED_GEMM, H100, "float32", 4) is None
     cpu = Cluster.preset("cpu", 1, 8).device_of(0)
-    assert grouped_expert_times(shape, cpu, "bfloat16", 2) is None
+    assert expert_gemm_times(shape, TE_GROUPED_GEMM, cpu, "bfloat16", 2) is None
 
 
 def test_expert_parallel_layer_on_h100_prices_its_local_experts_as_a_grouped_gemm():
@@ -76,7 +77,7 @@ def test_expert_parallel_layer_on_h100_prices_its_local_experts_as_a_grouped_gem
     cost = moe_layer_cost(layer, "expert_parallel", cluster, list(range(8)))
     assert cost.busiest_copies > 8192
     shape = ExpertShape(16, cost.busiest_copies / 16, 4096, 1536, 3)
-    forward, backward = grouped_expert_times(shape, cluster.device_of(0), "bfloat16", 2)
+    forward, backward = expert_gemm_times(shape, TE_GROUPED_GEMM, cluster.device_of(0), "bfloat16", 2)
     assert (cost.forward_compute_s, cost.backward_compute_s) == pytest.approx((forward, backward))
     # 96 launches a pass (16 experts x 2 projections x forward, input and weight gradient).
     launches = 96 * LAUNCH
@@ -97,8 +98,8 @@ def test_expert_tensor_parallel_ranks_run_their_slices_as_a_grouped_gemm():
     cost = folded_layer_cost(layer, layout, cluster, tuple(range(8)), tp=2, sequence_parallel=True,
                              precision="bf16")
     rows = cost.moe.busiest_copies  # already the ETP pair's gathered rows
-    forward, backward = grouped_expert_times(ExpertShape(32, rows / 32, 4096, 768, 3), cluster.device_of(0),
-                                             "bfloat16", 2)
+    forward, backward = expert_gemm_times(ExpertShape(32, rows / 32, 4096, 768, 3), TE_GROUPED_GEMM,
+                                          cluster.device_of(0), "bfloat16", 2)
     assert (cost.moe.forward_compute_s, cost.moe.backward_compute_s) == pytest.approx((forward, backward))
 
 
@@ -126,7 +127,7 @@ def test_the_host_launches_each_expert_gemm_the_device_runs():
     # 16 local experts, two grouped projections (SwiGLU's gate|up, then down): forward one call
     # per projection, 16 GEMMs each = 32; backward two calls per projection (input and weight
     # gradient) = 64. 96 a pass, the launches the device already pays (test above).
-    assert grouped_expert_launches(16) == (32, 64)
+    assert expert_gemm_launches(ExpertShape(16, 512, 4096, 1536, 3), TE_GROUPED_GEMM) == (32, 64)
     cluster = Cluster.preset("dgx-h100", nodes=1)
     layer = MoELayer(tokens=8 * 1024, hidden=4096, ffn=1536, experts=128, top_k=8)
     assert moe_layer_cost(layer, "expert_parallel", cluster, list(range(8))).gemm_launches == (32, 64)
